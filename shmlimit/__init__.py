@@ -1,0 +1,26 @@
+"""shmlimit: one rate limit shared by many processes, through a token bucket in POSIX shared memory.
+
+    import shmlimit
+    lim = shmlimit.Limiter("api", rate=1000)   # 1000 ops per second, shared by every process
+    lim.acquire()                              # blocks until granted
+"""
+from .config import Config
+from .errors import ConfigMismatchError, LimiterNotFoundError, SegmentError, ShmlimitError
+from .limiter import Limiter, ProcessStats, Stats, attach, unlink
+from .segment import list_names
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "Config",
+    "ConfigMismatchError",
+    "Limiter",
+    "LimiterNotFoundError",
+    "ProcessStats",
+    "SegmentError",
+    "ShmlimitError",
+    "Stats",
+    "attach",
+    "list_names",
+    "unlink",
+]

@@ -1,0 +1,167 @@
+"""The atomic layer: every shared-memory word is read and written here, and only here.
+
+A *cell* is an aligned, unsigned 64-bit word of the segment, named by its byte
+offset.  All arithmetic wraps modulo 2**64 (the rovers rely on it, as Seastar's
+do).  Every operation is sequentially consistent.
+
+Two backends implement the same four operations:
+
+* ``native``  -- the optional C extension ``shmlimit._native`` (built with the
+  package when a compiler is present): one C call per operation.
+* ``atomics`` -- the portable ``atomics`` package: the reference, and the
+  fallback when the extension is missing.
+
+``SHMLIMIT_BACKEND=atomics`` or ``=native`` forces one; by default the native
+backend is used when it imports.  Bounds are checked by every backend: an offset
+that is not 8-aligned or not inside the mapping raises ``IndexError`` before any
+memory is touched.
+"""
+from __future__ import annotations
+
+import mmap
+import os
+from typing import Dict, List, Tuple
+
+MASK64 = (1 << 64) - 1
+WORD = 8
+
+BACKENDS = ("native", "atomics")
+
+
+class Cells:
+    """Interface of an atomic backend over one mapping (documentation and type only)."""
+
+    backend: str = "abstract"
+    size: int = 0
+
+    def load(self, off: int) -> int:  # pragma: no cover - interface
+        raise NotImplementedError
+
+    def store(self, off: int, value: int) -> None:  # pragma: no cover - interface
+        raise NotImplementedError
+
+    def fetch_add(self, off: int, delta: int) -> int:  # pragma: no cover - interface
+        """Add ``delta`` (0 <= delta < 2**64) modulo 2**64; return the previous value."""
+        raise NotImplementedError
+
+    def cas(self, off: int, expected: int, desired: int) -> bool:  # pragma: no cover - interface
+        """Store ``desired`` if the word equals ``expected``; say whether it did."""
+        raise NotImplementedError
+
+    def close(self) -> None:  # pragma: no cover - interface
+        raise NotImplementedError
+
+    # -- composites: the hot path in one call.  A backend may do these natively;
+    # -- these reference versions are built from the four primitives above.
+
+    def grab(self, tail: int, head: int, amount: int, grants: int, ops: int):
+        """Advance the tail rover by ``amount`` (fetch-add, never refused).
+
+        Returns ``None`` when the head already covers the new tail (granted at
+        once; ``ops`` is then added to the counter cell ``grants``), else the
+        ticket (the new tail) that the caller must wait for.
+        """
+        ticket = (self.fetch_add(tail, amount) + amount) & MASK64
+        if ((self.load(head) - ticket) & MASK64) >> 63:
+            return ticket
+        self.fetch_add(grants, ops)
+        return None
+
+    def try_grab(self, tail: int, head: int, amount: int, grants: int, ops: int) -> bool:
+        """Advance the tail by ``amount`` only if the head covers it (CAS); never queue.
+
+        On success ``ops`` is added to the counter cell ``grants``.  On failure
+        nothing in the segment has changed.
+        """
+        while True:
+            t = self.load(tail)
+            new = (t + amount) & MASK64
+            if ((self.load(head) - new) & MASK64) >> 63:
+                return False
+            if self.cas(tail, t, new):
+                self.fetch_add(grants, ops)
+                return True
+
+
+def check_offset(off: int, size: int) -> None:
+    """Refuse any offset that would touch memory outside the mapping."""
+    if off % WORD or off < 0 or off + WORD > size:
+        raise IndexError(f"cell offset {off} outside the mapping of {size} bytes (must be 8-aligned, < {size - WORD + 1})")
+
+
+class AtomicsCells(Cells):
+    """Backend on the ``atomics`` package: one atomic view per word, opened on first use."""
+
+    backend = "atomics"
+
+    def __init__(self, mm: mmap.mmap, size: int) -> None:
+        import atomics  # imported here so the native path never pays for it
+
+        self._atomics = atomics
+        self.size = size
+        self._buf = memoryview(mm)[:size]
+        self._views: Dict[int, object] = {}
+        self._contexts: List[Tuple[object, memoryview]] = []
+
+    def _view(self, off: int):
+        view = self._views.get(off)
+        if view is None:
+            check_offset(off, self.size)
+            sub = self._buf[off:off + WORD]
+            ctx = self._atomics.atomicview(buffer=sub, atype=self._atomics.UINT)
+            view = ctx.__enter__()
+            self._contexts.append((ctx, sub))
+            self._views[off] = view
+        return view
+
+    def load(self, off: int) -> int:
+        return self._view(off).load()
+
+    def store(self, off: int, value: int) -> None:
+        self._view(off).store(value & MASK64)
+
+    def fetch_add(self, off: int, delta: int) -> int:
+        return self._view(off).fetch_add(delta & MASK64)
+
+    def cas(self, off: int, expected: int, desired: int) -> bool:
+        return self._view(off).cmpxchg_strong(expected & MASK64, desired & MASK64).success
+
+    def close(self) -> None:
+        for ctx, sub in self._contexts:
+            ctx.__exit__(None, None, None)
+            sub.release()
+        self._contexts.clear()
+        self._views.clear()
+        self._buf.release()
+
+
+def native_available() -> bool:
+    try:
+        from . import _native  # noqa: F401
+    except ImportError:
+        return False
+    return True
+
+
+def selected_backend() -> str:
+    """The backend new attachments use: ``SHMLIMIT_BACKEND`` if set, else native when built."""
+    forced = os.environ.get("SHMLIMIT_BACKEND", "").strip().lower()
+    if forced:
+        if forced not in BACKENDS:
+            raise ValueError(f"SHMLIMIT_BACKEND must be one of {', '.join(BACKENDS)}, not {forced!r}")
+        if forced == "native" and not native_available():
+            raise ImportError("SHMLIMIT_BACKEND=native but the extension shmlimit._native is not built")
+        return forced
+    return "native" if native_available() else "atomics"
+
+
+def open_cells(mm: mmap.mmap, size: int, backend: str | None = None) -> Cells:
+    """Wrap ``size`` bytes of ``mm`` in the selected (or the named) backend."""
+    backend = backend or selected_backend()
+    if backend == "native":
+        from ._native import NativeCells
+
+        return NativeCells(mm, size)
+    if backend == "atomics":
+        return AtomicsCells(mm, size)
+    raise ValueError(f"backend must be one of {', '.join(BACKENDS)}, not {backend!r}")

@@ -1,0 +1,146 @@
+"""Filler election and the filler thread.
+
+Every registered process runs one small daemon thread per limiter.  At most one
+of them -- the holder of the lease -- replenishes the bucket about every
+millisecond; the others only watch the lease.
+
+The lease is one word, ``(expiry_us << 12) | (slot + 1)``, so taking, renewing
+and dropping it are each a single CAS: a holder that was stopped (SIGSTOP, a
+long GC pause) and resumes finds its renewal CAS failing, learns it lost the
+lease, and stops filling.  Even if it filled once more before noticing, nothing
+would be double-counted: every replenish claims its interval by CAS (see
+``bucket``).  A holder that dies leaves a lease that expires within
+``LEASE_TIMEOUT`` and is taken by the next watcher that looks.  Meanwhile no
+grant waits for the filler: waiters replenish for themselves when they find
+the head short (the lazy backstop).
+"""
+from __future__ import annotations
+
+import threading
+import time
+from typing import TYPE_CHECKING, Callable, Optional
+
+from . import layout as L
+
+if TYPE_CHECKING:  # pragma: no cover
+    from .bucket import Bucket
+    from .cells import Cells
+
+#: A lease not renewed for this long may be taken by another process (seconds).
+LEASE_TIMEOUT = 0.050
+#: The holder renews this often (seconds).
+RENEW_EVERY = 0.010
+#: The holder replenishes this often (seconds): about 1 kHz.
+FILL_PERIOD = 0.001
+#: Watchers look at the lease this often (seconds).
+WATCH_PERIOD = 0.020
+
+_SLOT_MASK = (1 << L.LEASE_SLOT_BITS) - 1
+
+
+def lease_word(expiry_us: int, slot: int) -> int:
+    return (expiry_us << L.LEASE_SLOT_BITS) | (slot + 1)
+
+
+def lease_slot(word: int) -> Optional[int]:
+    """The slot index holding the lease, or None when it is free."""
+    s = word & _SLOT_MASK
+    return s - 1 if s else None
+
+
+def lease_expiry_us(word: int) -> int:
+    return word >> L.LEASE_SLOT_BITS
+
+
+def now_us() -> int:
+    return time.monotonic_ns() // 1000
+
+
+class Lease:
+    """This process's view of one limiter's filler lease."""
+
+    def __init__(self, cells: "Cells", slot: int, clock_us: Callable[[], int] = now_us) -> None:
+        self.cells = cells
+        self.slot = slot
+        self.clock_us = clock_us
+        self.word = 0  # the lease word we last wrote; 0 = we do not hold it
+
+    @property
+    def held(self) -> bool:
+        return self.word != 0
+
+    def try_take(self) -> bool:
+        """Take the lease if it is free or expired.  One CAS; True if we hold it now."""
+        c = self.cells
+        cur = c.load(L.LEASE)
+        now = self.clock_us()
+        if cur and lease_expiry_us(cur) > now:
+            return lease_slot(cur) == self.slot and self.word == cur
+        new = lease_word(now + int(LEASE_TIMEOUT * 1e6), self.slot)
+        if c.cas(L.LEASE, cur, new):
+            self.word = new
+            return True
+        return False
+
+    def renew(self) -> bool:
+        """Extend our lease.  False (and we no longer hold it) if another process took it."""
+        if not self.word:
+            return False
+        new = lease_word(self.clock_us() + int(LEASE_TIMEOUT * 1e6), self.slot)
+        if self.cells.cas(L.LEASE, self.word, new):
+            self.word = new
+            return True
+        self.word = 0
+        return False
+
+    def drop(self) -> None:
+        """Give the lease up at once so another process takes over without waiting for expiry."""
+        if self.word:
+            self.cells.cas(L.LEASE, self.word, 0)
+            self.word = 0
+
+    def forget(self) -> None:
+        """After fork: the child never holds its parent's lease."""
+        self.word = 0
+
+
+class FillerThread(threading.Thread):
+    """Watches the lease; while holding it, replenishes at about 1 kHz and renews the lease."""
+
+    def __init__(self, bucket: "Bucket", lease: Lease, name: str) -> None:
+        super().__init__(name=f"shmlimit-filler-{name}", daemon=True)
+        self.bucket = bucket
+        self.lease = lease
+        self._stop_event = threading.Event()
+        self.fills = 0
+
+    def stop(self) -> None:
+        self._stop_event.set()
+
+    def run(self) -> None:
+        stop = self._stop_event
+        lease = self.lease
+        bucket = self.bucket
+        last_renew = 0.0
+        try:
+            while not stop.is_set():
+                if not lease.held:
+                    if not lease.try_take():
+                        stop.wait(WATCH_PERIOD)
+                        continue
+                    last_renew = time.monotonic()
+                now = time.monotonic()
+                if now - last_renew >= RENEW_EVERY:
+                    if not lease.renew():
+                        continue
+                    last_renew = now
+                bucket.replenish()
+                self.fills += 1
+                time.sleep(FILL_PERIOD)
+        except Exception:  # pragma: no cover - a closed mapping at interpreter exit
+            pass
+        finally:
+            try:
+                lease.drop()
+            except Exception:  # pragma: no cover
+                pass

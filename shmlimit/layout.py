@@ -1,0 +1,94 @@
+"""The segment's fixed, versioned layout: byte offsets of every word.
+
+Every word is an unsigned 64-bit cell (see ``cells``).  Words written on every
+grant or fill sit alone on their own 64-byte cache line so that grabbers, the
+filler and the process table never false-share.
+
+    line  0  header    MAGIC VERSION SIZE STATE SLOTS CREATOR_PID CREATED_NS -
+    line  1  config    CFG_SEQ RATE PER BURST TPN COST CAP FLAGS
+    line  2  (reserved for catch-up/reservation settings)
+    line  3  TAIL      tail rover: advanced by grabbers (fetch-add or CAS)
+    line  4  HEAD      head rover: advanced by replenish (CAS), capped by CEIL
+    line  5  CEIL      ceil rover: capped-release mode only
+    line  6  REPL_TS SNAP_HEAD SNAP_TAIL: last replenish time and the rovers read just before it
+    line  7  LEASE     filler lease: (expiry_us << 12) | (slot + 1), 0 = free
+    line  8  RETIRED_GRANTS UNREG_GRANTS: grants of departed / unregistered processes
+    lines 9..15 reserved
+    then SLOTS process slots of one line each: PID START GRANTS WAITING - - - -
+
+Values that are not integers (rate, per, burst) are stored as IEEE-754 bits.
+"""
+from __future__ import annotations
+
+import struct
+
+MAGIC = int.from_bytes(b"SHMLIMIT", "little")
+VERSION = 1
+LINE = 64
+
+# line 0: header, written once by the creator before STATE becomes READY
+MAGIC_OFF = 0
+VERSION_OFF = 8
+SIZE_OFF = 16
+STATE_OFF = 24
+SLOTS_OFF = 32
+CREATOR_PID_OFF = 40
+CREATED_NS_OFF = 48
+
+STATE_INIT = 0
+STATE_READY = 1
+
+# line 1: configuration
+CFG_SEQ = 64
+CFG_RATE = 72
+CFG_PER = 80
+CFG_BURST = 88
+CFG_TPN = 96
+CFG_COST = 104
+CFG_CAP = 112
+CFG_FLAGS = 120
+FLAG_CAPPED = 1
+
+# rovers and the replenish record
+TAIL = 3 * LINE
+HEAD = 4 * LINE
+CEIL = 5 * LINE
+REPL_TS = 6 * LINE
+SNAP_HEAD = 6 * LINE + 8
+SNAP_TAIL = 6 * LINE + 16
+
+# filler lease
+LEASE = 7 * LINE
+LEASE_SLOT_BITS = 12
+
+# counters
+RETIRED_GRANTS = 8 * LINE
+UNREG_GRANTS = 8 * LINE + 8
+
+HEADER_BYTES = 16 * LINE
+
+# process table
+SLOT_BYTES = LINE
+SLOT_PID = 0
+SLOT_START = 8
+SLOT_GRANTS = 16
+SLOT_WAITING = 24
+DEFAULT_SLOTS = 128
+#: The table can be no larger than the lease word can name.
+MAX_SLOTS = (1 << LEASE_SLOT_BITS) - 1
+
+
+def slot_offset(index: int) -> int:
+    return HEADER_BYTES + index * SLOT_BYTES
+
+
+def segment_size(slots: int) -> int:
+    return HEADER_BYTES + slots * SLOT_BYTES
+
+
+def f2u(x: float) -> int:
+    return struct.unpack("<Q", struct.pack("<d", x))[0]
+
+
+def u2f(u: int) -> float:
+    return struct.unpack("<d", struct.pack("<Q", u))[0]

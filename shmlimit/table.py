@@ -1,0 +1,134 @@
+"""The table of attached processes: who is attached, alive or dead, and how many grants each had.
+
+A slot is claimed by CAS on its PID word (0 = free).  A process is identified
+by pid *and* start time (clock ticks since boot, from /proc), so a recycled pid
+is never mistaken for the process that held the slot.  A slot whose process is
+dead (gone, a zombie, or a different process under the same pid) is reclaimed
+by the next process that registers; its grants move to RETIRED_GRANTS so the
+limiter's total never goes backwards.
+
+The table has ``SLOTS`` entries (128 by default).  A process arriving when every
+slot is held by a live process still shares the limit exactly -- the rovers are
+global -- but it is not listed, cannot be elected filler, and its grants are
+counted in UNREG_GRANTS.
+"""
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from typing import List, Optional
+
+from . import layout as L
+from .cells import Cells
+
+
+def proc_start(pid: int) -> Optional[int]:
+    """Start time of a live (non-zombie) process in clock ticks since boot, or None if there is none."""
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as f:
+            data = f.read()
+    except (FileNotFoundError, ProcessLookupError):
+        return None
+    except OSError:
+        return None
+    # the command name may contain spaces and parentheses: fields resume after the last ')'
+    fields = data[data.rindex(b")") + 2:].split()
+    if fields[0] in (b"Z", b"X"):  # zombie or dead: it will never grab again
+        return None
+    return int(fields[19])
+
+
+def is_alive(pid: int, start: int) -> bool:
+    """True if ``pid`` is running and is the process that started at ``start`` (0: not yet known)."""
+    if pid <= 0:
+        return False
+    now_start = proc_start(pid)
+    if now_start is None:
+        return False
+    return start == 0 or now_start == start
+
+
+@dataclass(frozen=True)
+class SlotInfo:
+    index: int
+    pid: int
+    start: int
+    grants: int
+    waiting: bool
+
+
+class ProcessTable:
+    def __init__(self, cells: Cells, slots: int) -> None:
+        self.cells = cells
+        self.slots = slots
+
+    def register(self, pid: int, start: int) -> Optional[int]:
+        """Claim a free slot, else reclaim a dead process's slot; None when all are live."""
+        c = self.cells
+        for i in range(self.slots):
+            base = L.slot_offset(i)
+            if c.load(base + L.SLOT_PID) == 0 and c.cas(base + L.SLOT_PID, 0, pid):
+                self._fill(base, start)
+                return i
+        for i in range(self.slots):
+            base = L.slot_offset(i)
+            old = c.load(base + L.SLOT_PID)
+            old_start = c.load(base + L.SLOT_START)
+            if not old or is_alive(old, old_start):
+                continue
+            # Zero START first: while (PID, START) reads (new pid, 0) the slot counts as
+            # "registering, alive", so nobody can mistake the new owner for the dead one.
+            if not c.cas(base + L.SLOT_START, old_start, 0):
+                continue
+            if c.cas(base + L.SLOT_PID, old, pid):
+                grants = c.load(base + L.SLOT_GRANTS)
+                c.fetch_add(L.RETIRED_GRANTS, grants)
+                self._fill(base, start)
+                return i
+        return None
+
+    def _fill(self, base: int, start: int) -> None:
+        c = self.cells
+        c.store(base + L.SLOT_GRANTS, 0)
+        c.store(base + L.SLOT_WAITING, 0)
+        c.store(base + L.SLOT_START, start)
+
+    def unregister(self, index: int, pid: int) -> None:
+        """Give the slot back, moving its grants to the retired total."""
+        c = self.cells
+        base = L.slot_offset(index)
+        if c.load(base + L.SLOT_PID) != pid:
+            return  # reclaimed already (we were taken for dead)
+        grants = c.load(base + L.SLOT_GRANTS)
+        c.store(base + L.SLOT_GRANTS, 0)
+        c.fetch_add(L.RETIRED_GRANTS, grants)
+        c.store(base + L.SLOT_START, 0)
+        c.cas(base + L.SLOT_PID, pid, 0)
+
+    def entries(self) -> List[SlotInfo]:
+        c = self.cells
+        out = []
+        for i in range(self.slots):
+            base = L.slot_offset(i)
+            pid = c.load(base + L.SLOT_PID)
+            if pid:
+                out.append(
+                    SlotInfo(
+                        i,
+                        pid,
+                        c.load(base + L.SLOT_START),
+                        c.load(base + L.SLOT_GRANTS),
+                        bool(c.load(base + L.SLOT_WAITING)),
+                    )
+                )
+        return out
+
+    def pid_of(self, index: int) -> int:
+        if not 0 <= index < self.slots:
+            return 0
+        return self.cells.load(L.slot_offset(index) + L.SLOT_PID)
+
+    def start_of(self, index: int) -> int:
+        if not 0 <= index < self.slots:
+            return 0
+        return self.cells.load(L.slot_offset(index) + L.SLOT_START)
