@@ -6,7 +6,7 @@
 """
 from .config import Config
 from .errors import ConfigMismatchError, LimiterNotFoundError, SegmentError, ShmlimitError
-from .limiter import Limiter, ProcessStats, Stats, attach, unlink
+from .limiter import Limiter, ProcessStats, Stats, attach, inspect, unlink
 from .segment import list_names
 
 __version__ = "0.1.0"
@@ -21,6 +21,7 @@ __all__ = [
     "ShmlimitError",
     "Stats",
     "attach",
+    "inspect",
     "list_names",
     "unlink",
 ]

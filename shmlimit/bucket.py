@@ -36,7 +36,7 @@ tested with a fake clock over simulated hours.
 from __future__ import annotations
 
 import time
-from typing import Callable, Optional
+from typing import Callable, Optional, Tuple
 
 from . import layout as L
 from .cells import MASK64, Cells
@@ -116,9 +116,18 @@ class Bucket:
     def replenish(self) -> int:
         """Convert the time since the last replenish into tokens; return how many were added.
 
-        Safe from any process at any moment (invariant 2).  The rovers are read
-        before the clock, so the snapshot this call leaves is never newer than
-        the instant its interval ends (invariant 3).
+        Safe from any process at any moment (invariant 2).
+        """
+        claim = self.claim()
+        return self.apply(claim) if claim is not None else 0
+
+    def claim(self) -> Optional[Tuple[int, int, int]]:
+        """First half of ``replenish``: claim ``[REPL_TS, now]`` and leave the next snapshot.
+
+        Returns ``(head, limit, tokens)`` for ``apply``, or None when nothing
+        elapsed or another process claimed the interval first.  The rovers are
+        read before the clock, so the snapshot left here is never newer than
+        the instant the interval ends (invariant 3).
         """
         c = self.cells
         ts = c.load(L.REPL_TS)
@@ -129,16 +138,20 @@ class Bucket:
         now = self.clock()
         elapsed = now - ts
         if elapsed <= 0 or not c.cas(L.REPL_TS, ts, now):
-            return 0  # nothing elapsed, or another process claimed this interval
+            return None
         c.store(L.SNAP_HEAD, head)
         c.store(L.SNAP_TAIL, tail)
         limit = behind(snap_head, snap_tail) + self.cap
         if self.capped:
             limit = behind(limit, c.load(L.CEIL))
-        extra = elapsed * self.tpn
+        return head, limit & MASK64, elapsed * self.tpn
+
+    def apply(self, claim: Tuple[int, int, int]) -> int:
+        """Second half of ``replenish``: add a claimed interval's tokens, clamped (invariant 1)."""
+        c = self.cells
+        head, limit, extra = claim
         while True:
-            room = diff(limit, head)
-            add = min(extra, room)
+            add = min(extra, diff(limit, head))
             if add <= 0:
                 return 0  # full: the interval's time is not kept
             if c.cas(L.HEAD, head, (head + add) & MASK64):

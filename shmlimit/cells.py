@@ -134,6 +134,13 @@ class AtomicsCells(Cells):
         self._views.clear()
         self._buf.release()
 
+    def __del__(self) -> None:
+        # the atomics package complains when a view is collected while still entered
+        try:
+            self.close()
+        except Exception:
+            pass
+
 
 def native_available() -> bool:
     try:

@@ -74,7 +74,7 @@ class Stats:
 class _Attachment:
     """One process's mapping of one limiter segment (shared by all its Limiter handles)."""
 
-    def __init__(self, name: str, seg: Segment, cells: Cells) -> None:
+    def __init__(self, name: str, seg: Segment, cells: Cells, join: bool = True) -> None:
         self.name = name
         self.seg = seg
         self.cells = cells
@@ -83,7 +83,15 @@ class _Attachment:
         self.table = ProcessTable(cells, self.slots)
         self.refs = 0
         self.closed = False
-        self._join_process()
+        self.created = seg.created
+        self.slot: Optional[int] = None
+        self.filler: Optional[FillerThread] = None
+        self.lease: Optional[Lease] = None
+        self.grants_off = L.UNREG_GRANTS
+        self.waiting_off: Optional[int] = None
+        self.pid = os.getpid()
+        if join:
+            self._join_process()
 
     def _join_process(self) -> None:
         """Register this process and start its filler thread (also after fork, in the child)."""
@@ -192,7 +200,9 @@ def _open_attachment(name: str, cfg: Optional[Config], mode: int, initial: Optio
         return att
 
 
-def _map(name: str, cfg: Optional[Config], mode: int, initial: Optional[float], slots: int) -> _Attachment:
+def _map(
+    name: str, cfg: Optional[Config], mode: int, initial: Optional[float], slots: int, join: bool = True
+) -> _Attachment:
     seg = None
     if cfg is not None:
         seg = Segment.create(name, L.segment_size(slots), mode)
@@ -212,7 +222,7 @@ def _map(name: str, cfg: Optional[Config], mode: int, initial: Optional[float], 
     cells = open_cells(seg.mm, cells_size(seg))
     att = None
     try:
-        att = _Attachment(name, seg, cells)
+        att = _Attachment(name, seg, cells, join)
         if cfg is not None and att.bucket.config != cfg:
             raise ConfigMismatchError(name, att.bucket.config.describe(), cfg.describe())
     except BaseException:
@@ -338,6 +348,11 @@ class Limiter:
     @property
     def backend(self) -> str:
         return self._live().cells.backend
+
+    @property
+    def created(self) -> bool:
+        """True if this process created (and initialised) the segment."""
+        return self._live().created
 
     @property
     def closed(self) -> bool:
@@ -509,6 +524,20 @@ def snapshot(name: str, att: _Attachment) -> Stats:
         capped=cfg.capped,
         backend=c.backend,
     )
+
+
+def inspect(name: str) -> Stats:
+    """A snapshot of a limiter's live state, read without joining it.
+
+    The caller is not registered in the process table, never takes part in
+    the filler election and writes nothing to the segment.
+    """
+    validate_name(name)
+    att = _map(name, None, 0, None, 0, join=False)
+    try:
+        return snapshot(name, att)
+    finally:
+        att.detach()
 
 
 def attach(name: str) -> Limiter:

@@ -1,0 +1,234 @@
+"""The ``shmlimit`` command line.
+
+User mistakes (an unknown name, a bad rate) print one clear line on stderr and
+exit with status 2; they never print a traceback.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import multiprocessing as mp
+import os
+import sys
+import time
+from dataclasses import asdict
+from typing import List, Optional, Sequence
+
+from . import limiter as _limiter
+from .errors import ShmlimitError
+from .limiter import Limiter, Stats, inspect
+from .segment import list_names
+
+
+class UserError(Exception):
+    """A mistake in the command line, reported as one line."""
+
+
+# ---- demo --------------------------------------------------------------------------
+
+
+_demo_limiter: Optional[Limiter] = None
+
+
+def _demo_ready(barrier, lim: Limiter) -> None:
+    global _demo_limiter
+    _demo_limiter = lim  # attached here, before the clock starts
+    barrier.wait(timeout=120)  # the clock starts when every worker is up
+
+
+def _demo_worker(end: float) -> tuple:
+    lim = _demo_limiter
+    assert lim is not None
+    n = 0
+    while True:
+        lim.acquire()
+        if time.monotonic() > end:  # granted after the run: not counted
+            return os.getpid(), n
+        n += 1
+
+
+def cmd_demo(args: argparse.Namespace) -> int:
+    """W pool workers share one rate for S seconds; print progress, then achieved vs target."""
+    name = f"demo-{os.getpid()}"
+    lim = Limiter(name, rate=args.rate, burst=args.burst)
+    cfg = lim.config
+    ctx = mp.get_context(args.start_method)
+    out = sys.stdout
+    out.write(
+        f"shmlimit demo: {args.workers} {args.start_method} workers share {lim.rate:g} ops/s "
+        f"(capacity {lim.capacity:g}) for {args.seconds:g} s, backend {lim.backend}\n"
+    )
+    try:
+        barrier = ctx.Barrier(args.workers + 1)
+        with ctx.Pool(args.workers, initializer=_demo_ready, initargs=(barrier, lim)) as pool:
+            barrier.wait(timeout=120)
+            start = time.monotonic()
+            end = start + args.seconds
+            jobs = [pool.apply_async(_demo_worker, (end,)) for _ in range(args.workers)]
+            first = inspect(name).grants
+            last_t, last_g = start, first
+            while time.monotonic() < end:
+                time.sleep(min(0.5, max(0.0, end - time.monotonic())))
+                s = inspect(name)
+                now = time.monotonic()
+                rate = (s.grants - last_g) / (now - last_t) if now > last_t else 0.0
+                out.write(
+                    f"  t={now - start:5.1f}s  grants={s.grants:8d}  rate={rate:10.1f}/s  "
+                    f"waiting={sum(p.waiting for p in s.processes):2d}  filler={s.filler_pid}\n"
+                )
+                out.flush()
+                last_t, last_g = now, s.grants
+            results = [j.get(timeout=args.seconds + 60) for j in jobs]
+        elapsed = end - start
+    finally:
+        lim.close()
+        lim.unlink()
+    total = sum(n for _, n in results)
+    out.write(f"\n  {'worker pid':>10}  {'grants':>8}  {'share':>6}\n")
+    for pid, n in sorted(results):
+        out.write(f"  {pid:>10}  {n:>8}  {100.0 * n / max(total, 1):5.1f}%\n")
+    target = cfg.ops_per_second
+    bound = target * elapsed + cfg.burst
+    out.write(
+        f"\n  total {total} grants in {elapsed:.2f} s: {total / elapsed:.1f} ops/s, target {target:g} ops/s "
+        f"({100.0 * total / elapsed / target:.1f}%); never more than rate*T + capacity = {bound:.0f}: "
+        f"{'yes' if total <= bound else 'NO'}\n"
+    )
+    return 0 if total <= bound else 1
+
+
+# ---- list / inspect / create / unlink --------------------------------------------------
+
+
+def _stats_dict(s: Stats) -> dict:
+    d = asdict(s)
+    d["processes"] = [asdict(p) for p in s.processes]
+    return d
+
+
+def _inspect(name: str) -> Stats:
+    try:
+        return inspect(name)
+    except FileNotFoundError:
+        raise UserError(f"no limiter named {name!r} (see 'shmlimit list')") from None
+
+
+def cmd_list(args: argparse.Namespace) -> int:
+    names = list_names()
+    if args.json:
+        print(json.dumps([_stats_dict(_inspect(n)) for n in names]))
+        return 0
+    if not names:
+        print("no shmlimit limiters on this machine")
+        return 0
+    print(f"{'name':24} {'rate':>12} {'capacity':>9} {'available':>10} {'grants':>10} {'procs':>5}")
+    for n in names:
+        try:
+            s = inspect(n)
+        except (ShmlimitError, OSError) as e:
+            print(f"{n:24} unreadable: {e}")
+            continue
+        alive = sum(p.alive for p in s.processes)
+        print(f"{n:24} {s.rate:>8g}/{s.per:g}s {s.capacity:>9g} {s.available:>10.1f} {s.grants:>10} {alive:>5}")
+    return 0
+
+
+def cmd_inspect(args: argparse.Namespace) -> int:
+    s = _inspect(args.name)
+    if args.json:
+        print(json.dumps(_stats_dict(s)))
+        return 0
+    for k, v in _stats_dict(s).items():
+        if k != "processes":
+            print(f"{k:20} {v}")
+    print(f"{'processes':20} {len(s.processes)}")
+    for p in s.processes:
+        flags = ("alive" if p.alive else "dead") + (" filler" if p.filler else "") + (" waiting" if p.waiting else "")
+        print(f"  pid {p.pid:>8}  grants {p.grants:>10}  {flags}")
+    return 0
+
+
+def cmd_create(args: argparse.Namespace) -> int:
+    lim = Limiter(args.name, rate=args.rate, per=args.per, burst=args.burst, mode=int(args.mode, 8))
+    print(f"{'created' if lim.created else 'exists'}: {args.name} {lim.config.describe()}")
+    lim.close()
+    return 0
+
+
+def cmd_unlink(args: argparse.Namespace) -> int:
+    try:
+        _limiter.unlink(args.name)
+    except FileNotFoundError:
+        raise UserError(f"no limiter named {args.name!r} (see 'shmlimit list')") from None
+    print(f"unlinked {args.name}")
+    return 0
+
+
+# ---- argument parsing ------------------------------------------------------------------
+
+
+def _positive(kind):
+    def parse(text: str):
+        try:
+            v = kind(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"must be a positive number, got {text!r}") from None
+        if not v > 0:
+            raise argparse.ArgumentTypeError(f"must be a positive number, got {text!r}")
+        return v
+
+    return parse
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="shmlimit", description="Rate limits shared by processes through shared memory.")
+    sub = p.add_subparsers(dest="command", metavar="COMMAND")
+    sub.required = True
+
+    d = sub.add_parser("demo", help="pool workers sharing one rate: live progress, then achieved vs target")
+    d.add_argument("--workers", type=_positive(int), default=4, help="worker processes (default 4)")
+    d.add_argument("--rate", type=_positive(float), default=200.0, help="shared ops per second (default 200)")
+    d.add_argument("--burst", type=_positive(float), default=None, help="capacity in ops (default: 10 ms of rate)")
+    d.add_argument("--seconds", type=_positive(float), default=5.0, help="how long to run (default 5)")
+    d.add_argument("--start-method", choices=["fork", "spawn", "forkserver"], default="fork")
+    d.set_defaults(func=cmd_demo)
+
+    ls = sub.add_parser("list", help="every limiter on this machine")
+    ls.add_argument("--json", action="store_true", help="one JSON array of snapshots")
+    ls.set_defaults(func=cmd_list)
+
+    i = sub.add_parser("inspect", help="one limiter's live state")
+    i.add_argument("name")
+    i.add_argument("--json", action="store_true", help="one JSON object (the fields of shmlimit.Stats)")
+    i.set_defaults(func=cmd_inspect)
+
+    c = sub.add_parser("create", help="create a limiter (or check that it exists with this config)")
+    c.add_argument("name")
+    c.add_argument("--rate", type=_positive(float), required=True, help="ops per --per seconds")
+    c.add_argument("--per", type=_positive(float), default=1.0, help="seconds (default 1)")
+    c.add_argument("--burst", type=_positive(float), default=None, help="capacity in ops")
+    c.add_argument("--mode", default="600", help="permission bits in octal (default 600)")
+    c.set_defaults(func=cmd_create)
+
+    u = sub.add_parser("unlink", help="remove a limiter's segment")
+    u.add_argument("name")
+    u.set_defaults(func=cmd_unlink)
+    return p
+
+
+def main(argv: Optional[Sequence[str]] = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    try:
+        return args.func(args)
+    except UserError as e:
+        print(f"shmlimit: {e}", file=sys.stderr)
+    except (ShmlimitError, ValueError, TypeError, PermissionError) as e:
+        print(f"shmlimit: {e}", file=sys.stderr)
+    except KeyboardInterrupt:
+        return 130
+    return 2
+
+
+if __name__ == "__main__":  # pragma: no cover
+    sys.exit(main())

@@ -1,0 +1,23 @@
+import os
+import uuid
+
+import pytest
+
+import shmlimit
+
+
+@pytest.fixture
+def name():
+    """A fresh limiter name, unlinked after the test whatever happened."""
+    n = f"test-{os.getpid()}-{uuid.uuid4().hex[:10]}"
+    yield n
+    try:
+        shmlimit.unlink(n)
+    except FileNotFoundError:
+        pass
+
+
+def shm_bytes(name: str) -> bytes:
+    """The segment's raw bytes, read through the filesystem (not the atomic layer)."""
+    with open(f"/dev/shm/shmlimit.{name}", "rb") as f:
+        return f.read()

@@ -1,0 +1,230 @@
+"""The public surface in one process: creation, attach, errors, stats, pickling, lifecycle."""
+import math
+import os
+import pickle
+import struct
+
+import pytest
+
+import shmlimit
+from shmlimit import layout as L
+from conftest import shm_bytes
+
+
+def test_create_attach_and_unlink(name):
+    lim = shmlimit.Limiter(name, rate=1000)
+    assert lim.created
+    assert (lim.rate, lim.per, lim.capacity) == (1000.0, 1.0, 10.0)
+    other = shmlimit.attach(name)
+    assert other.config == lim.config
+    assert shmlimit.Limiter(name, rate=1000).config == lim.config  # same config: attaches
+    assert name in shmlimit.list_names()
+    lim.unlink()
+    assert name not in shmlimit.list_names()
+    assert lim.try_acquire()  # mappings outlive the name
+    lim.close()
+    other.close()
+    with pytest.raises(FileNotFoundError, match=name):
+        shmlimit.attach(name)
+    with pytest.raises(FileNotFoundError, match=name):
+        shmlimit.unlink(name)
+
+
+def test_slow_limit_is_strict(name):
+    slow = shmlimit.Limiter(name, rate=1, per=6)
+    assert slow.capacity == 1
+    assert slow.try_acquire()
+    assert not slow.try_acquire()
+    assert slow.acquire(timeout=5.5) is False  # the next slot is ~6 s away: refused at once
+    s = slow.stats()
+    assert s.grants == 1 and s.deficiency == 0
+    slow.close()
+
+
+def test_config_mismatch_names_both_configs(name):
+    shmlimit.Limiter(name, rate=1000).close()
+    with pytest.raises(shmlimit.ConfigMismatchError) as e:
+        shmlimit.Limiter(name, rate=500, burst=3)
+    msg = str(e.value)
+    assert "rate=1000" in msg and "rate=500" in msg and "burst=3" in msg
+
+
+def test_acquire_try_acquire_context_manager_and_stats(name):
+    lim = shmlimit.Limiter(name, rate=100, burst=5)
+    assert lim.acquire() is True
+    with lim:
+        pass
+    assert lim.try_acquire(3)
+    assert not lim.try_acquire(6)  # more than the capacity: can never succeed
+    s = lim.stats()
+    assert isinstance(s, shmlimit.Stats)
+    assert s.name == name and s.rate == 100 and s.capacity == 5
+    assert s.grants == 5
+    assert 0 <= s.available <= 5
+    mine = [p for p in s.processes if p.pid == os.getpid()]
+    assert len(mine) == 1 and mine[0].alive and mine[0].grants == 5
+    assert s.backend == lim.backend
+    r = repr(lim)
+    assert name in r and "grants=5" in r and "rate=100" in r
+    with pytest.raises(Exception):
+        s.grants = 0  # frozen
+    lim.close()
+    assert "closed" in repr(lim)
+    with pytest.raises(ValueError, match="closed"):
+        lim.acquire()
+
+
+def test_timed_acquire_takes_nothing_when_it_cannot_fit(name):
+    lim = shmlimit.Limiter(name, rate=10, burst=1, initial=0)
+    before = lim.stats()
+    assert lim.acquire(5, timeout=0.25) is False
+    after = lim.stats()
+    assert after.grants == before.grants and after.deficiency == 0
+    assert lim.acquire(1, timeout=0.5) is True  # one op is ~0.1 s away
+    lim.close()
+
+
+def test_pickles_as_its_name(name):
+    lim = shmlimit.Limiter(name, rate=50)
+    data = pickle.dumps(lim)
+    assert name.encode() in data and len(data) < 200
+    clone = pickle.loads(data)
+    assert clone.name == name and clone.config == lim.config
+    lim.close()
+
+
+def test_inspect_reads_without_joining(name):
+    lim = shmlimit.Limiter(name, rate=50)
+    lim.acquire()
+    s = shmlimit.inspect(name)
+    assert s.grants == 1 and [p.pid for p in s.processes] == [os.getpid()]
+    lim.close()
+    with pytest.raises(FileNotFoundError):
+        shmlimit.inspect(name + "-missing")
+
+
+# ---- bad input: a clear error naming the parameter, and nothing changed -----------
+
+BAD_CONFIGS = [
+    (dict(rate=0), "rate"),
+    (dict(rate=-1), "rate"),
+    (dict(rate=math.inf), "rate"),
+    (dict(rate=math.nan), "rate"),
+    (dict(rate="10"), "rate"),
+    (dict(rate=True), "rate"),
+    (dict(rate=1e18), "rate/per"),
+    (dict(rate=1, per=1e-12), "rate/per"),
+    (dict(rate=10, per=0), "per"),
+    (dict(rate=10, per=-2), "per"),
+    (dict(rate=10, burst=0), "burst"),
+    (dict(rate=10, burst=0.5), "burst"),
+    (dict(rate=10, burst=math.inf), "burst"),
+    (dict(rate=1e-9, burst=1e12), "burst"),
+    (dict(rate=10, mode=0o1777), "mode"),
+    (dict(rate=10, initial=-1), "initial"),
+    (dict(rate=10, slots=0), "slots"),
+]
+
+
+@pytest.mark.parametrize("kwargs,param", BAD_CONFIGS)
+def test_bad_config_is_refused_and_creates_nothing(name, kwargs, param):
+    with pytest.raises((ValueError, TypeError), match=param.replace("/", ".")):
+        shmlimit.Limiter(name, **kwargs)
+    assert name not in shmlimit.list_names()
+
+
+@pytest.mark.parametrize("bad", ["", "a/b", "../x", ".hidden", "-x", "x" * 65, "naïve", "sp ace", None, 3])
+def test_bad_names_are_refused(bad):
+    with pytest.raises((ValueError, TypeError), match="name"):
+        shmlimit.Limiter(bad, rate=1)
+
+
+# What a bad call could touch: the config line, the tail, and the counters.
+GUARDED = [(L.CFG_SEQ, L.CFG_FLAGS + 8), (L.TAIL, L.TAIL + 8), (L.RETIRED_GRANTS, L.UNREG_GRANTS + 8)]
+
+
+def guarded(name):
+    raw = shm_bytes(name)
+    return [raw[a:b] for a, b in GUARDED] + [raw[L.HEADER_BYTES:]]
+
+
+@pytest.mark.parametrize(
+    "call,param",
+    [
+        (lambda l: l.acquire(0), "n"),
+        (lambda l: l.acquire(-3), "n"),
+        (lambda l: l.acquire(1.5), "n"),
+        (lambda l: l.acquire(True), "n"),
+        (lambda l: l.acquire(2**62), "n"),
+        (lambda l: l.try_acquire(0), "n"),
+        (lambda l: l.try_acquire(2**62), "n"),
+        (lambda l: l.acquire(1, timeout=-1), "timeout"),
+        (lambda l: l.acquire(1, timeout=math.nan), "timeout"),
+        (lambda l: l.acquire(1, timeout="1"), "timeout"),
+    ],
+)
+def test_bad_calls_raise_and_leave_the_segment_untouched(name, call, param):
+    lim = shmlimit.Limiter(name, rate=10, burst=2)
+    lim.acquire()
+    before = guarded(name)
+    with pytest.raises((ValueError, TypeError), match=param):
+        call(lim)
+    assert guarded(name) == before
+    lim.close()
+
+
+def test_infinite_timeout_means_no_timeout(name):
+    lim = shmlimit.Limiter(name, rate=1000)
+    assert lim.acquire(1, timeout=math.inf)
+    lim.close()
+
+
+# ---- corrupt or foreign segments are refused -------------------------------------
+
+
+def _write(name, offset, data):
+    with open(f"/dev/shm/shmlimit.{name}", "r+b") as f:
+        f.seek(offset)
+        f.write(data)
+
+
+def _make_segment(name):
+    lim = shmlimit.Limiter(name, rate=10)
+    lim.close()
+
+
+@pytest.mark.parametrize(
+    "offset,value,message",
+    [
+        (L.MAGIC_OFF, b"NOTSHMLM", "not a shmlimit limiter"),
+        (L.VERSION_OFF, struct.pack("<Q", 99), "layout version 99"),
+        (L.SIZE_OFF, struct.pack("<Q", 123), "corrupt"),
+        (L.SLOTS_OFF, struct.pack("<Q", 10**6), "corrupt"),
+    ],
+)
+def test_corrupt_header_is_refused(name, offset, value, message):
+    _make_segment(name)
+    _write(name, offset, value)
+    with pytest.raises(shmlimit.SegmentError, match=message):
+        shmlimit.attach(name)
+
+
+def test_truncated_segment_is_refused(name):
+    _make_segment(name)
+    os.truncate(f"/dev/shm/shmlimit.{name}", 100)
+    with pytest.raises(shmlimit.SegmentError, match="truncated"):
+        shmlimit.attach(name)
+
+
+def test_default_mode_is_owner_only(name):
+    shmlimit.Limiter(name, rate=10).close()
+    assert os.stat(f"/dev/shm/shmlimit.{name}").st_mode & 0o777 == 0o600
+
+
+def test_explicit_mode_is_applied_despite_umask(name):
+    old = os.umask(0o077)
+    try:
+        shmlimit.Limiter(name, rate=10, mode=0o660).close()
+    finally:
+        os.umask(old)
+    assert os.stat(f"/dev/shm/shmlimit.{name}").st_mode & 0o777 == 0o660

@@ -1,0 +1,197 @@
+"""Rover arithmetic with an injected clock: exact, capped, FIFO, and never over-granting."""
+import mmap
+import random
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from shmlimit import layout as L
+from shmlimit.bucket import Bucket, diff
+from shmlimit.cells import native_available, open_cells
+from shmlimit.config import NS_PER_S, Config
+
+BACKENDS = ["atomics"] + (["native"] if native_available() else [])
+
+
+class FakeClock:
+    def __init__(self, start: int = 10**12) -> None:
+        self.now = start
+
+    def __call__(self) -> int:
+        return self.now
+
+    def advance(self, ns: int) -> None:
+        self.now += ns
+
+
+def make_bucket(cfg: Config, backend: str = "atomics", initial=None, base: int = 0):
+    size = L.segment_size(1)
+    mm = mmap.mmap(-1, size)
+    cells = open_cells(mm, size, backend)
+    clock = FakeClock()
+    Bucket.initialise(cells, cfg, clock(), initial, base)
+    b = Bucket(cells, clock)
+    return b, clock
+
+
+@pytest.fixture(params=BACKENDS)
+def backend(request):
+    return request.param
+
+
+def test_token_unit_makes_every_op_whole():
+    assert (Config.make(1000).tpn, Config.make(1000).cost) == (1, 1_000_000)
+    assert (Config.make(7_000_000).tpn, Config.make(7_000_000).cost) == (7, 1000)
+    assert (Config.make(1, per=6).tpn, Config.make(1, per=6).cost) == (1, 6 * NS_PER_S)
+    third = Config.make(3)
+    assert third.cost * NS_PER_S == third.tpn * NS_PER_S * NS_PER_S // 3  # exactly 1/3 s per op
+    # an awkward float rate is rounded so the limiter is slower, never faster
+    odd = Config.make(1234.567)
+    assert odd.cost / odd.tpn >= NS_PER_S / 1234.567
+
+
+def test_default_burst_is_strict_for_slow_and_roomy_for_fast():
+    assert Config.make(1, per=6).burst == 1
+    assert Config.make(100).burst == 1
+    assert Config.make(1000).burst == 10
+    assert Config.make(1_000_000).burst == 10_000
+
+
+def test_replenish_adds_exactly_elapsed_and_caps_at_capacity(backend):
+    b, clock = make_bucket(Config.make(1000, burst=5), backend, initial=0)
+    assert b.balance() == 0
+    clock.advance(2_500_000)  # 2.5 ms -> 2.5 ops of tokens
+    assert b.replenish() == 2_500_000
+    assert b.balance() == 2_500_000
+    clock.advance(10 * NS_PER_S)  # far more than the capacity
+    b.replenish()
+    assert b.balance() == 5 * b.cost
+    assert diff(b.cells.load(L.HEAD), b.cells.load(L.TAIL)) <= b.cap
+
+
+def test_deficiency_and_fifo_tickets(backend):
+    b, clock = make_bucket(Config.make(1000, burst=3), backend, initial=0)
+    tickets = [b.grab(b.cost) for _ in range(3)]
+    assert [b.deficiency(t) for t in tickets] == [b.cost, 2 * b.cost, 3 * b.cost]
+    clock.advance(1_000_000)
+    b.replenish()
+    assert [b.deficiency(t) for t in tickets] == [0, b.cost, 2 * b.cost]
+    clock.advance(1_500_000)
+    b.replenish()
+    assert b.deficiency(tickets[1]) == 0 and b.deficiency(tickets[2]) == b.cost // 2
+
+
+def test_try_grab_respects_queue_and_changes_nothing_on_refusal(backend):
+    b, clock = make_bucket(Config.make(1000, burst=2), backend, initial=2)
+    assert b.try_grab(b.cost) is not None
+    tail = b.cells.load(L.TAIL)
+    assert b.try_grab(2 * b.cost) is None
+    assert b.cells.load(L.TAIL) == tail
+    queued = b.grab(2 * b.cost)  # puts the bucket in debt
+    clock.advance(1_000_000)
+    b.replenish()
+    assert b.deficiency(queued) == b.cost
+    assert b.try_grab(b.cost) is None  # a try never jumps the queue
+
+
+def test_try_grab_within_takes_only_when_the_wait_fits(backend):
+    b, clock = make_bucket(Config.make(1000, burst=1), backend, initial=0)
+    tail = b.cells.load(L.TAIL)
+    assert b.try_grab_within(5 * b.cost, 4.9e6) is None  # 5 ms of wait > 4.9 ms
+    assert b.cells.load(L.TAIL) == tail
+    ticket = b.try_grab_within(5 * b.cost, 5e6)
+    assert ticket is not None and b.deficiency(ticket) == 5 * b.cost
+
+
+@pytest.mark.parametrize("base", [0, (1 << 64) - 3 * 7_000_000_000, (1 << 63) - 5])
+def test_exact_accounting_over_simulated_hours(backend, base):
+    """A hungry consumer of an empty bucket gets exactly floor(elapsed * rate) ops: no fraction lost, no drift.
+
+    ``base`` starts the rovers near the 2**63 and 2**64 boundaries: wrap-around changes nothing.
+    """
+    cfg = Config.make(7, per=3, burst=20)  # 2.333... ops/s: tpn 7, not a whole number of ns per op
+    b, clock = make_bucket(cfg, backend, initial=0, base=base)
+    rng = random.Random(42)
+    hours = 3
+    end = clock.now + hours * 3600 * NS_PER_S
+    start = clock.now
+    granted = 0
+    while clock.now < end:
+        clock.advance(min(rng.randint(1_000, 4 * NS_PER_S), end - clock.now))
+        b.replenish()
+        avail = b.balance() // b.cost
+        if avail and b.try_grab(avail * b.cost) is not None:
+            granted += avail
+    assert granted == (end - start) * b.tpn // b.cost
+    assert granted == hours * 3600 * 7 // 3
+
+
+# ---- the over-grant property under adversarial interleavings --------------------
+
+OPS = st.lists(
+    st.one_of(
+        st.tuples(st.just("advance"), st.integers(1, 40_000_000)),
+        st.tuples(st.just("claim"), st.integers(0, 2)),
+        st.tuples(st.just("apply"), st.integers(0, 2)),
+        st.tuples(st.just("replenish"), st.just(0)),
+        st.tuples(st.just("take"), st.integers(1, 5)),
+        st.tuples(st.just("queue"), st.integers(1, 3)),
+    ),
+    min_size=1,
+    max_size=120,
+)
+
+
+def check_windows(grants, rate_tokens_per_ns, cost, cap):
+    """grants: sorted (time_ns, ops).  In every window, ops*cost <= T*tpn + cap."""
+    times = [t for t, _ in grants]
+    cum = [0]
+    for _, n in grants:
+        cum.append(cum[-1] + n)
+    for i in range(len(grants)):
+        for j in range(i, len(grants)):
+            ops = cum[j + 1] - cum[i]
+            allowed = (times[j] - times[i]) * rate_tokens_per_ns + cap
+            assert ops * cost <= allowed, f"{ops} ops in {(times[j] - times[i]) / 1e6:.3f} ms"
+
+
+@settings(max_examples=300, deadline=None)
+@given(ops=OPS, burst=st.sampled_from([1, 2, 5]))
+def test_no_interleaving_of_replenishers_and_grabbers_over_grants(ops, burst):
+    """Stalled replenishers (claimed, not yet added), lazy replenishers, takers and queued grabs,
+    in any order: no window ever sees more than rate*T + capacity."""
+    cfg = Config.make(100, burst=burst)  # 10 ms per op
+    b, clock = make_bucket(cfg)
+    pending = {}
+    queued = []
+    grants = []
+
+    def settle():
+        head = b.cells.load(L.HEAD)
+        while queued and diff(head, queued[0][0]) >= 0:
+            grants.append((clock.now, queued.pop(0)[1]))
+
+    for op, arg in ops:
+        if op == "advance":
+            clock.advance(arg)
+        elif op == "claim" and arg not in pending:
+            claim = b.claim()
+            if claim is not None:
+                pending[arg] = claim
+        elif op == "apply" and arg in pending:
+            b.apply(pending.pop(arg))
+        elif op == "replenish":
+            b.replenish()
+        elif op == "take":
+            if b.try_grab(arg * b.cost) is not None:
+                grants.append((clock.now, arg))
+        elif op == "queue":
+            for _ in range(arg):
+                queued.append((b.grab(b.cost), 1))
+        settle()
+        assert diff(b.cells.load(L.HEAD), b.cells.load(L.TAIL)) <= b.cap
+    for claim in pending.values():
+        b.apply(claim)
+        settle()
+    check_windows(grants, b.tpn, b.cost, b.cap)
