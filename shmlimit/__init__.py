@@ -4,10 +4,11 @@
     lim = shmlimit.Limiter("api", rate=1000)   # 1000 ops per second, shared by every process
     lim.acquire()                              # blocks until granted
 """
-from .config import Config
-from .errors import ConfigMismatchError, LimiterNotFoundError, SegmentError, ShmlimitError
+from .config import Config, RateSpec, parse_spec
+from .errors import ConfigMismatchError, LimiterNotFoundError, RateLimited, SegmentError, ShmlimitError
 from .limiter import Limiter, ProcessStats, Stats, attach, inspect, unlink
 from .segment import list_names
+from .throttle import throttle
 
 __version__ = "0.1.0"
 
@@ -17,11 +18,15 @@ __all__ = [
     "Limiter",
     "LimiterNotFoundError",
     "ProcessStats",
+    "RateLimited",
+    "RateSpec",
     "SegmentError",
     "ShmlimitError",
     "Stats",
     "attach",
     "inspect",
     "list_names",
+    "parse_spec",
+    "throttle",
     "unlink",
 ]

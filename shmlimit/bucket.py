@@ -40,10 +40,25 @@ from typing import Callable, Optional, Tuple
 
 from . import layout as L
 from .cells import MASK64, Cells
-from .config import Config
+from .config import MAX_SPAN_TOKENS as MAX_SPAN
+from .config import NS_PER_S, Config
 
 SIGN = 1 << 63
 WRAP = 1 << 64
+
+
+_CONFIG_WORDS = (
+    L.CFG_RATE,
+    L.CFG_PER,
+    L.CFG_BURST,
+    L.CFG_TPN,
+    L.CFG_COST,
+    L.CFG_CAP,
+    L.CFG_FLAGS,
+    L.CFG_RATIO,
+    L.CFG_MAX_RESERVED,
+    L.CFG_MAX_BEHIND,
+)
 
 
 def diff(a: int, b: int) -> int:
@@ -57,25 +72,117 @@ def behind(a: int, b: int) -> int:
     return a if diff(a, b) <= 0 else b
 
 
+INF_BITS = L.f2u(float("inf"))
+#: A config writer that holds the sequence lock longer than this is presumed dead (ns).
+CONFIG_LOCK_TIMEOUT_NS = 200_000_000
+
+
+def _opt(x: Optional[float]) -> int:
+    return INF_BITS if x is None else L.f2u(x)
+
+
+def _unopt(u: int) -> Optional[float]:
+    v = L.u2f(u)
+    return None if v == float("inf") else v
+
+
 class Bucket:
     """Rover arithmetic on one segment.  ``clock`` returns CLOCK_MONOTONIC nanoseconds."""
 
     def __init__(self, cells: Cells, clock: Callable[[], int] = time.monotonic_ns) -> None:
         self.cells = cells
         self.clock = clock
+        self.seq = -1
         self.load_config()
 
     # -- configuration ----------------------------------------------------------
+    #
+    # The config lines are published under a sequence lock: CFG_SEQ is odd while a
+    # writer is at work.  Readers retry until they see the same even value before
+    # and after; a writer that died mid-write (odd for too long) is presumed dead,
+    # and its fields are read as they are.  Any mix of two valid configs is still a
+    # valid config for every field read on the hot path (tokens per op, capacity),
+    # so a torn read can never do worse than the larger of the two.
 
     def load_config(self) -> None:
         c = self.cells
-        self.tpn = c.load(L.CFG_TPN)
-        self.cost = c.load(L.CFG_COST)
-        self.cap = c.load(L.CFG_CAP)
-        self.capped = bool(c.load(L.CFG_FLAGS) & L.FLAG_CAPPED)
+        deadline = None
+        while True:
+            seq = c.load(L.CFG_SEQ)
+            if seq & 1:
+                now = time.monotonic_ns()
+                deadline = deadline or now + CONFIG_LOCK_TIMEOUT_NS
+                if now < deadline:
+                    time.sleep(0.0005)
+                    continue
+            vals = [c.load(off) for off in _CONFIG_WORDS]
+            if c.load(L.CFG_SEQ) == seq or deadline is not None:
+                break
+        rate, per, burst, tpn, cost, cap, flags, ratio, max_reserved, max_behind = vals
+        self.seq = seq
+        self.tpn = tpn
+        self.cost = cost
+        self.cap = cap
+        self.capped = bool(flags & L.FLAG_CAPPED)
+        self.stopped = bool(flags & L.FLAG_STOPPED)
         self.config = Config(
-            L.u2f(c.load(L.CFG_RATE)), L.u2f(c.load(L.CFG_PER)), L.u2f(c.load(L.CFG_BURST)), self.capped
+            L.u2f(rate), L.u2f(per), L.u2f(burst), self.capped, L.u2f(ratio), _unopt(max_reserved), _unopt(max_behind)
         )
+        self.burst_pool = self.config.burst_pool_at(tpn)
+        self.catch_up = self.config.ratio > 1.0
+        mb = self.config.max_behind
+        self.wait_cap = MAX_SPAN if mb is None else int(mb * NS_PER_S * tpn)
+        mr = self.config.max_reserved
+        self.max_reserved_ns = float("inf") if mr is None else mr * NS_PER_S
+
+    def refresh(self) -> bool:
+        """Reload the config if another process changed it; True if it did."""
+        if self.cells.load(L.CFG_SEQ) != self.seq:
+            self.load_config()
+            return True
+        return False
+
+    @staticmethod
+    def _write_config_words(cells: Cells, cfg: Config, tpn: int, stopped: bool) -> None:
+        c = cells
+        c.store(L.CFG_RATE, L.f2u(cfg.rate))
+        c.store(L.CFG_PER, L.f2u(cfg.per))
+        c.store(L.CFG_BURST, L.f2u(cfg.burst))
+        c.store(L.CFG_TPN, tpn)
+        c.store(L.CFG_COST, cfg.cost_at(tpn))
+        c.store(L.CFG_CAP, cfg.cap_at(tpn))
+        c.store(L.CFG_FLAGS, (L.FLAG_CAPPED if cfg.capped else 0) | (L.FLAG_STOPPED if stopped else 0))
+        c.store(L.CFG_RATIO, L.f2u(cfg.ratio))
+        c.store(L.CFG_MAX_RESERVED, _opt(cfg.max_reserved))
+        c.store(L.CFG_MAX_BEHIND, _opt(cfg.max_behind))
+
+    def publish(self, cfg: Config, stopped: Optional[bool] = None) -> None:
+        """Replace the live config (seen by every attached process at its next operation).
+
+        The token unit (tpn) stays the one chosen at creation: rovers and the
+        clock keep their meaning, queued tickets keep their place and their
+        schedule time, and only new grabs pay the new price per op.
+        """
+        c = self.cells
+        if cfg.capped != self.capped:
+            raise ValueError("capped cannot be changed on a live limiter (unlink and re-create it)")
+        since = time.monotonic_ns()
+        while True:
+            seq = c.load(L.CFG_SEQ)
+            if seq & 1 and time.monotonic_ns() - since < CONFIG_LOCK_TIMEOUT_NS:
+                time.sleep(0.0005)
+                continue
+            # even: take the lock; odd for too long: its writer is presumed dead, take it over
+            if c.cas(L.CFG_SEQ, seq, seq + 1 if not seq & 1 else seq + 2):
+                break
+        try:
+            if stopped is None:
+                stopped = bool(c.load(L.CFG_FLAGS) & L.FLAG_STOPPED)
+            self._write_config_words(c, cfg, self.tpn, stopped)
+        finally:
+            c.store(L.CFG_SEQ, (c.load(L.CFG_SEQ) | 1) + 1)
+        self.load_config()
+        self.burn(keep=self.cap)
 
     @staticmethod
     def initialise(cells: Cells, cfg: Config, now_ns: int, initial_ops: Optional[float] = None, base: int = 0) -> None:
@@ -85,23 +192,19 @@ class Bucket:
         is where the rovers start; tests set it near 2**64 to exercise wrap-around.
         """
         c = cells
-        cap = cfg.cap_tokens
-        initial = cap if initial_ops is None else min(cap, int(initial_ops * cfg.cost))
-        c.store(L.CFG_RATE, L.f2u(cfg.rate))
-        c.store(L.CFG_PER, L.f2u(cfg.per))
-        c.store(L.CFG_BURST, L.f2u(cfg.burst))
-        c.store(L.CFG_TPN, cfg.tpn)
-        c.store(L.CFG_COST, cfg.cost)
-        c.store(L.CFG_CAP, cap)
-        c.store(L.CFG_FLAGS, L.FLAG_CAPPED if cfg.capped else 0)
+        tpn = cfg.tpn
+        cap = cfg.cap_at(tpn)
+        Bucket._write_config_words(c, cfg, tpn, False)
+        initial = cap if initial_ops is None else min(cap, int(initial_ops * cfg.cost_at(tpn)))
         head = (base + initial) & MASK64
         c.store(L.TAIL, base & MASK64)
         c.store(L.HEAD, head)
-        # capped mode starts with one bucket's worth of released budget
+        # capped mode: a capacity's worth of budget may be replenished before the first release
         c.store(L.CEIL, (base + cap) & MASK64)
         c.store(L.SNAP_HEAD, head)
         c.store(L.SNAP_TAIL, base & MASK64)
         c.store(L.REPL_TS, now_ns)
+        c.store(L.WAIT, 0)
 
     # -- the four Seastar operations -----------------------------------------------
 
@@ -147,16 +250,86 @@ class Bucket:
         return head, limit & MASK64, elapsed * self.tpn
 
     def apply(self, claim: Tuple[int, int, int]) -> int:
-        """Second half of ``replenish``: add a claimed interval's tokens, clamped (invariant 1)."""
+        """Second half of ``replenish``: add a claimed interval's tokens, clamped (invariant 1).
+
+        With catch-up (ratio > 1), tokens that do not fit go to the waiting
+        pool instead of being dropped, and each replenish moves up to
+        ``(ratio - 1)`` times its own tokens back from the waiting pool, into
+        a burst room of ``capacity * (ratio - 1)`` above the usual limit: the
+        catch-up rate is normalised to the time each fill covers, so ten fills
+        of 0.1 ms catch up exactly as much as one of 1 ms.  While stopped, the
+        interval's time is dropped (a pause is not "behind schedule").
+        """
+        if self.stopped:
+            return 0
         c = self.cells
         head, limit, extra = claim
+        taken = self._take_wait(int(extra * (self.config.ratio - 1.0))) if self.catch_up else 0
         while True:
-            add = min(extra, diff(limit, head))
-            if add <= 0:
-                return 0  # full: the interval's time is not kept
-            if c.cas(L.HEAD, head, (head + add) & MASK64):
-                return add
+            add = max(0, min(extra, diff(limit, head)))
+            catch = max(0, min(taken, diff((limit + self.burst_pool) & MASK64, (head + add) & MASK64)))
+            total = add + catch
+            if total <= 0 or c.cas(L.HEAD, head, (head + total) & MASK64):
+                break
             head = c.load(L.HEAD)  # another interval landed first: add ours on top, same clamp
+        if self.catch_up:
+            self._put_wait(extra - add + taken - catch)  # unusable time now: behind schedule
+        return total
+
+    def _take_wait(self, want: int) -> int:
+        c = self.cells
+        while want > 0:
+            w = c.load(L.WAIT)
+            take = min(w, want)
+            if take <= 0 or c.cas(L.WAIT, w, w - take):
+                return max(0, take)
+        return 0
+
+    def _put_wait(self, amount: int) -> None:
+        c = self.cells
+        while amount > 0:
+            w = c.load(L.WAIT)
+            new = min(w + amount, self.wait_cap)
+            if new <= w or c.cas(L.WAIT, w, new):
+                return
+
+    def behind_ns(self) -> float:
+        """How far behind schedule the limiter is (the waiting pool), in ns."""
+        return self.cells.load(L.WAIT) / self.tpn
+
+    def burn(self, keep: int = 0) -> int:
+        """Take every available token beyond ``keep`` (CAS on the tail); return how many were taken.
+
+        Never touches queued tickets: when the tail is ahead of the head there is
+        nothing available and nothing is done.
+        """
+        c = self.cells
+        while True:
+            tail = c.load(L.TAIL)
+            excess = diff(c.load(L.HEAD), tail) - keep
+            if excess <= 0:
+                return 0
+            if c.cas(L.TAIL, tail, (tail + excess) & MASK64):
+                return excess
+
+    def set_stopped(self, stopped: bool, reset: bool = False) -> None:
+        """``stop``: no time accrues and no token is granted until ``start``.
+
+        Both restart the clock at now, so the paused time is neither granted at
+        once nor counted as behind schedule; ``reset`` also empties the bucket
+        and the waiting pool (``restart``).
+        """
+        self.publish(self.config, stopped=stopped)
+        c = self.cells
+        if stopped or reset:
+            self.burn()
+        if reset:
+            c.store(L.WAIT, 0)
+        now = self.clock()
+        while True:
+            ts = c.load(L.REPL_TS)
+            if ts >= now or c.cas(L.REPL_TS, ts, now):
+                break
 
     def release(self, tokens: int) -> None:
         """Capped mode: let ``tokens`` more be replenished (advances the ceil rover)."""
@@ -187,10 +360,11 @@ class Bucket:
             tail = c.load(L.TAIL)
             new = (tail + tokens) & MASK64
             short = diff(new, c.load(L.HEAD))
-            if short > 0:
-                if short / self.tpn > max_wait_ns:
+            if short > 0 and max_wait_ns != float("inf"):
+                # no computable wait while stopped, or beyond the released budget (capped)
+                if short / self.tpn > max_wait_ns or self.stopped:
                     return None
-                if self.capped and diff(new, c.load(L.CEIL)) > 0 and max_wait_ns != float("inf"):
+                if self.capped and diff(new, c.load(L.CEIL)) > 0:
                     return None
             if c.cas(L.TAIL, tail, new):
                 return new

@@ -47,18 +47,55 @@ def default_burst(rate: float, per: float) -> float:
     return max(1.0, float(math.ceil(rate / per * DEFAULT_BURST_SECONDS)))
 
 
+def _optional_seconds(param: str, value: object) -> Optional[float]:
+    if value is None:
+        return None
+    v = _positive_finite(param, value) if value != 0 else 0.0
+    return v
+
+
 @dataclass(frozen=True)
 class Config:
-    """What a limiter promises: ``rate`` ops per ``per`` seconds, at most ``burst`` ops at once."""
+    """What a limiter promises: ``rate`` ops per ``per`` seconds, at most ``burst`` ops at once.
+
+    ``ratio`` > 1 enables nosqlbench's catch-up: time the limiter could not
+    use while its bucket was full is kept in a waiting pool (at most
+    ``max_behind`` seconds of it; None = unbounded) and granted back at up to
+    ``ratio * rate``.  ``max_reserved`` bounds, in seconds of schedule, how
+    far ahead callers may queue (None = unbounded).  ``capped`` turns on
+    capped release.
+    """
 
     rate: float
     per: float = 1.0
-    burst: float = 0.0  # 0.0 means "the default for this rate"; resolved by make()
+    burst: float = 0.0  # resolved by make(): 0.0 is never stored
     capped: bool = False
+    ratio: float = 1.0
+    max_reserved: Optional[float] = None
+    max_behind: Optional[float] = None
 
     @staticmethod
-    def make(rate: object, per: object = 1.0, burst: object = None, capped: bool = False) -> "Config":
-        """Validate user input and resolve the default burst.  Raises TypeError/ValueError naming the parameter."""
+    def make(
+        rate: object,
+        per: object = 1.0,
+        burst: object = None,
+        capped: bool = False,
+        ratio: object = None,
+        max_reserved: object = None,
+        max_behind: object = None,
+    ) -> "Config":
+        """Validate user input and resolve defaults.  Raises TypeError/ValueError naming the parameter.
+
+        ``rate`` may also be a rate spec string, ``"12000"`` or ``"12K,1.1"``
+        (see ``parse_spec``); a ratio given in both places must agree.
+        """
+        if isinstance(rate, str):
+            spec = parse_spec(rate)
+            if spec.verb not in (None, "configure", "start"):
+                raise ValueError(f"rate spec verb {spec.verb!r} is not allowed when creating a limiter")
+            if ratio is not None and spec.ratio is not None and float(ratio) != spec.ratio:  # type: ignore[arg-type]
+                raise ValueError(f"ratio given twice: {ratio!r} and {spec.ratio!r} in the rate spec")
+            rate, ratio = spec.rate, (spec.ratio if spec.ratio is not None else ratio)
         r = _positive_finite("rate", rate)
         p = _positive_finite("per", per)
         ops = r / p
@@ -72,15 +109,37 @@ class Config:
                 raise ValueError(f"burst must be >= 1 op (the capacity must hold one op), got {burst!r}")
         if not isinstance(capped, bool):
             raise TypeError(f"capped must be True or False, not {capped!r}")
-        cfg = Config(r, p, b, capped)
-        span = cfg.cap_tokens
+        q = 1.0 if ratio is None else _positive_finite("ratio", ratio)
+        if not 1.0 <= q <= MAX_RATIO:
+            raise ValueError(f"ratio must be between 1.0 and {MAX_RATIO:g}, got {ratio!r}")
+        mr = _optional_seconds("max_reserved", max_reserved)
+        mb = _optional_seconds("max_behind", max_behind)
+        cfg = Config(r, p, b, capped, q, mr, mb)
+        span = cfg.cap_tokens + cfg.burst_tokens
         if span > MAX_SPAN_TOKENS:
             most = MAX_SPAN_TOKENS / cfg.tpn / NS_PER_S
             raise ValueError(
                 f"burst*per/rate must be at most {most:.6g} s of schedule, got {b * p / r:.6g} s "
                 f"(burst={b:g}, per={p:g}, rate={r:g})"
             )
+        for param, v in (("max_reserved", mr), ("max_behind", mb)):
+            if v is not None and v * NS_PER_S * cfg.tpn > MAX_SPAN_TOKENS:
+                raise ValueError(f"{param} must be at most {MAX_SPAN_TOKENS / cfg.tpn / NS_PER_S:.6g} s, got {v:g}")
         return cfg
+
+    def replace(self, **changes: object) -> "Config":
+        """A validated copy with some fields changed (None for burst means the rate's default)."""
+        fields = dict(
+            rate=self.rate,
+            per=self.per,
+            burst=self.burst,
+            capped=self.capped,
+            ratio=self.ratio,
+            max_reserved=self.max_reserved,
+            max_behind=self.max_behind,
+        )
+        fields.update(changes)
+        return Config.make(**fields)  # type: ignore[arg-type]
 
     # -- derived token arithmetic -------------------------------------------------
 
@@ -93,15 +152,31 @@ class Config:
         """Tokens per nanosecond: the smallest denominator (<= 65536) making an op whole."""
         return self.ns_per_op.limit_denominator(MAX_TPN).denominator
 
+    def cost_at(self, tpn: int) -> int:
+        """Tokens per op in a segment whose token is 1/tpn ns (rounded up: never faster)."""
+        return max(1, math.ceil(self.ns_per_op * tpn))
+
     @property
     def cost(self) -> int:
         """Tokens per op (rounded up, so the limit is never exceeded)."""
-        return max(1, math.ceil(self.ns_per_op * self.tpn))
+        return self.cost_at(self.tpn)
+
+    def cap_at(self, tpn: int) -> int:
+        """The bucket's capacity in tokens: the head never runs further than this ahead of the tail."""
+        cost = self.cost_at(tpn)
+        return max(cost, math.floor(Fraction(self.burst) * cost))
 
     @property
     def cap_tokens(self) -> int:
-        """The bucket's capacity in tokens: the head never runs further than this ahead of the tail."""
-        return max(self.cost, math.floor(Fraction(self.burst) * self.cost))
+        return self.cap_at(self.tpn)
+
+    def burst_pool_at(self, tpn: int) -> int:
+        """Catch-up room on top of the capacity: ``capacity * (ratio - 1)`` tokens."""
+        return math.floor(Fraction(self.ratio - 1) * self.cap_at(tpn))
+
+    @property
+    def burst_tokens(self) -> int:
+        return self.burst_pool_at(self.tpn)
 
     @property
     def ops_per_second(self) -> float:
@@ -109,7 +184,66 @@ class Config:
 
     def describe(self) -> str:
         s = f"rate={self.rate:g} per={self.per:g}s burst={self.burst:g}"
+        if self.ratio != 1.0:
+            s += f" ratio={self.ratio:g}"
+        if self.max_reserved is not None:
+            s += f" max_reserved={self.max_reserved:g}s"
+        if self.max_behind is not None:
+            s += f" max_behind={self.max_behind:g}s"
         return s + (" capped" if self.capped else "")
+
+
+# ---- rate specs: "12000", "12K,1.1", "12000,1.1,configure" ------------------------
+
+MAX_RATIO = 100.0
+VERBS = ("configure", "start", "restart", "stop")
+_SUFFIX = {"K": 1e3, "M": 1e6, "G": 1e9}
+
+
+@dataclass(frozen=True)
+class RateSpec:
+    """A parsed rate spec: ``rate[,ratio][,verb]``; ratio and verb are None when absent."""
+
+    rate: float
+    ratio: Optional[float] = None
+    verb: Optional[str] = None
+
+
+def _spec_number(text: str, what: str, spec: str) -> float:
+    t = text.strip()
+    mult = 1.0
+    if t and t[-1].upper() in _SUFFIX:
+        mult = _SUFFIX[t[-1].upper()]
+        t = t[:-1]
+    try:
+        v = float(t) * mult
+    except ValueError:
+        raise ValueError(f"rate spec {spec!r}: {what} must be a number (K/M/G suffixes allowed), got {text!r}") from None
+    if not math.isfinite(v) or v <= 0:
+        raise ValueError(f"rate spec {spec!r}: {what} must be finite and > 0, got {text!r}")
+    return v
+
+
+def parse_spec(spec: str) -> RateSpec:
+    """Parse nosqlbench's ``rate[,ratio][,verb]``: ``"12000"``, ``"12K,1.1"``, ``"5M,1.05,configure"``, ``"1000,stop"``.
+
+    ``rate`` is in ops per second (per the limiter's ``per``), with K, M or G
+    meaning 1e3, 1e6, 1e9; ``ratio`` >= 1 is the catch-up ratio; ``verb`` is
+    one of configure, start, restart, stop.
+    """
+    if not isinstance(spec, str):
+        raise TypeError(f"rate spec must be a str, not {type(spec).__name__}")
+    parts = [p.strip() for p in spec.split(",")]
+    verb = None
+    if parts and parts[-1].lower() in VERBS:
+        verb = parts.pop().lower()
+    if not 1 <= len(parts) <= 2 or not parts[0]:
+        raise ValueError(f"rate spec must look like 'rate[,ratio][,verb]' with verb one of {', '.join(VERBS)}; got {spec!r}")
+    rate = _spec_number(parts[0], "rate", spec)
+    ratio = _spec_number(parts[1], "ratio", spec) if len(parts) == 2 else None
+    if ratio is not None and not 1.0 <= ratio <= MAX_RATIO:
+        raise ValueError(f"rate spec {spec!r}: ratio must be between 1.0 and {MAX_RATIO:g}, got {ratio:g}")
+    return RateSpec(rate, ratio, verb)
 
 
 def validate_n(n: object, cost: int) -> int:

@@ -29,3 +29,17 @@ class ConfigMismatchError(ShmlimitError, ValueError):
 
 class SegmentError(ShmlimitError):
     """A segment under that name is corrupt, foreign, truncated or of another layout version."""
+
+
+class RateLimited(ShmlimitError):
+    """Raised by ``throttle(..., on_limit="raise")`` (and by ``"wait"`` past its ``max_wait``).
+
+    ``retry_after`` is the number of seconds after which the call could be
+    granted at the current rate (None when the limiter cannot tell).
+    """
+
+    def __init__(self, name: str, retry_after: "float | None") -> None:
+        when = "unknown" if retry_after is None else f"{retry_after:.6g} s"
+        super().__init__(f"rate limit {name!r} reached; retry after {when}")
+        self.name = name
+        self.retry_after = retry_after

@@ -30,8 +30,11 @@ if TYPE_CHECKING:  # pragma: no cover
 LEASE_TIMEOUT = 0.050
 #: The holder renews this often (seconds).
 RENEW_EVERY = 0.010
-#: The holder replenishes this often (seconds): about 1 kHz.
+#: The holder replenishes this often (seconds): about 1 kHz for limits of 500 ops/s and more ...
 FILL_PERIOD = 0.001
+#: ... about twice per op for slower limits, and no less often than this (seconds).  A fill
+#: that finds nothing to do (bucket full, nobody grabbing) doubles the pause up to this too.
+MAX_FILL_PERIOD = 0.020
 #: Watchers look at the lease this often (seconds).
 WATCH_PERIOD = 0.020
 
@@ -122,6 +125,7 @@ class FillerThread(threading.Thread):
         lease = self.lease
         bucket = self.bucket
         last_renew = 0.0
+        idle = FILL_PERIOD
         try:
             while not stop.is_set():
                 if not lease.held:
@@ -134,9 +138,14 @@ class FillerThread(threading.Thread):
                     if not lease.renew():
                         continue
                     last_renew = now
-                bucket.replenish()
+                bucket.refresh()
+                period = min(MAX_FILL_PERIOD, max(FILL_PERIOD, bucket.cost / bucket.tpn / 2e9))
+                if bucket.replenish() > 0 or bucket.balance() < bucket.cap:
+                    idle = period
+                else:
+                    idle = min(MAX_FILL_PERIOD, idle * 2)
                 self.fills += 1
-                time.sleep(FILL_PERIOD)
+                time.sleep(idle)
         except Exception:  # pragma: no cover - a closed mapping at interpreter exit
             pass
         finally:

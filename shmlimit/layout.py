@@ -6,14 +6,15 @@ filler and the process table never false-share.
 
     line  0  header    MAGIC VERSION SIZE STATE SLOTS CREATOR_PID CREATED_NS -
     line  1  config    CFG_SEQ RATE PER BURST TPN COST CAP FLAGS
-    line  2  (reserved for catch-up/reservation settings)
+    line  2  config    RATIO MAX_RESERVED MAX_BEHIND (IEEE-754 bits; +inf = unbounded)
     line  3  TAIL      tail rover: advanced by grabbers (fetch-add or CAS)
     line  4  HEAD      head rover: advanced by replenish (CAS), capped by CEIL
     line  5  CEIL      ceil rover: capped-release mode only
     line  6  REPL_TS SNAP_HEAD SNAP_TAIL: last replenish time and the rovers read just before it
     line  7  LEASE     filler lease: (expiry_us << 12) | (slot + 1), 0 = free
     line  8  RETIRED_GRANTS UNREG_GRANTS: grants of departed / unregistered processes
-    lines 9..15 reserved
+    line  9  WAIT      the waiting pool: schedule time not used while the bucket was full (catch-up)
+    lines 10..15 reserved
     then SLOTS process slots of one line each: PID START GRANTS WAITING - - - -
 
 Values that are not integers (rate, per, burst) are stored as IEEE-754 bits.
@@ -48,6 +49,11 @@ CFG_COST = 104
 CFG_CAP = 112
 CFG_FLAGS = 120
 FLAG_CAPPED = 1
+FLAG_STOPPED = 2
+# line 2: configuration of catch-up and reservations
+CFG_RATIO = 128
+CFG_MAX_RESERVED = 136
+CFG_MAX_BEHIND = 144
 
 # rovers and the replenish record
 TAIL = 3 * LINE
@@ -64,6 +70,9 @@ LEASE_SLOT_BITS = 12
 # counters
 RETIRED_GRANTS = 8 * LINE
 UNREG_GRANTS = 8 * LINE + 8
+
+# catch-up
+WAIT = 9 * LINE
 
 HEADER_BYTES = 16 * LINE
 

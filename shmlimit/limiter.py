@@ -8,17 +8,19 @@ filler thread that may be elected.
 """
 from __future__ import annotations
 
+import asyncio
 import atexit
 import os
+import random
 import threading
 import time
 from dataclasses import dataclass
-from typing import Any, Dict, Optional, Tuple
+from typing import Any, Dict, Optional, Tuple, Union
 
 from . import layout as L
 from .bucket import Bucket, diff
-from .cells import Cells, open_cells
-from .config import NS_PER_S, Config, validate_n, validate_timeout
+from .cells import MASK64, Cells, open_cells
+from .config import NS_PER_S, Config, parse_spec, validate_n, validate_timeout
 from .errors import ConfigMismatchError, LimiterNotFoundError, SegmentError
 from .filler import LEASE_TIMEOUT, FillerThread, Lease, lease_expiry_us, lease_slot, now_us
 from .segment import Segment, current_inode, validate_name
@@ -31,6 +33,7 @@ INIT_WAIT = 2.0
 SPIN_NS = 200_000
 #: A sleeping waiter wakes at least this often to notice rate changes and stops (seconds).
 MAX_NAP = 0.050
+_INF = float("inf")
 
 
 @dataclass(frozen=True)
@@ -61,6 +64,9 @@ class Stats:
     processes: Tuple[ProcessStats, ...]
     capped: bool
     backend: str  #: atomic backend of the process that took the snapshot
+    ratio: float = 1.0  #: catch-up ratio (1.0 = off)
+    behind_seconds: float = 0.0  #: the waiting pool: schedule time owed back through catch-up
+    stopped: bool = False  #: paused by stop() until start()
 
     @property
     def ops_per_second(self) -> float:
@@ -284,11 +290,17 @@ class Limiter:
 
     ``Limiter(name, rate=..., per=1.0, burst=None)`` creates the limiter, or
     attaches to it if it exists with the same configuration (a different one
-    raises ``ConfigMismatchError``).  ``burst`` is the bucket capacity in ops
-    (default: 10 ms of schedule, at least one op).  ``capped=True`` turns on
-    capped release (see ``release``).  ``mode`` is the segment's permission
-    bits (default 0o600: this user only).  ``initial`` is how many ops the
-    bucket holds at creation (default: full).
+    raises ``ConfigMismatchError``).  ``rate`` may be a rate spec string such
+    as ``"12K,1.1"`` (rate 12000, catch-up ratio 1.1).  ``burst`` is the
+    bucket capacity in ops (default: 10 ms of schedule, at least one op).
+
+    Keyword-only options: ``ratio`` (catch-up, >= 1.0; default 1.0 = off),
+    ``max_behind`` (seconds of schedule the waiting pool may hold; default
+    unbounded), ``max_reserved`` (seconds of schedule callers may queue
+    ahead; default unbounded), ``capped`` (capped release, see ``release``),
+    ``mode`` (the segment's permission bits, default 0o600), ``initial``
+    (ops in the bucket at creation; default full), ``slots`` (process table
+    size, default 128).
 
     A Limiter pickles as its name: a child process that unpickles it attaches
     to the same segment.  One inherited through ``fork`` works as well: the
@@ -298,17 +310,20 @@ class Limiter:
     def __init__(
         self,
         name: str,
-        rate: Optional[float] = None,
+        rate: Union[float, str, None] = None,
         per: float = 1.0,
         burst: Optional[float] = None,
         *,
+        ratio: Optional[float] = None,
+        max_reserved: Optional[float] = None,
+        max_behind: Optional[float] = None,
         capped: bool = False,
         mode: int = 0o600,
         initial: Optional[float] = None,
         slots: int = L.DEFAULT_SLOTS,
     ) -> None:
         validate_name(name)
-        cfg = None if rate is None else Config.make(rate, per, burst, capped)
+        cfg = None if rate is None else Config.make(rate, per, burst, capped, ratio, max_reserved, max_behind)
         if isinstance(mode, bool) or not isinstance(mode, int) or not 0 <= mode <= 0o777:
             raise ValueError(f"mode must be permission bits between 0 and 0o777, got {mode!r}")
         if initial is not None:
@@ -328,7 +343,10 @@ class Limiter:
 
     @property
     def config(self) -> Config:
-        return self._live().bucket.config
+        """The live configuration (changes made by any process show here)."""
+        b = self._live().bucket
+        b.refresh()
+        return b.config
 
     @property
     def rate(self) -> float:
@@ -383,6 +401,13 @@ class Limiter:
     def __exit__(self, *exc: Any) -> None:
         return None
 
+    async def __aenter__(self) -> "Limiter":
+        await self.acquire_async()
+        return self
+
+    async def __aexit__(self, *exc: Any) -> None:
+        return None
+
     def __reduce__(self):
         return (attach, (self._name,))
 
@@ -403,22 +428,40 @@ class Limiter:
         the wait the current schedule implies exceeds it.  Untimed, a request
         larger than the capacity queues and is granted once that much schedule
         time has accrued; timed, it is granted only if that fits the timeout.
+        With ``max_reserved`` set, an untimed acquire waits (taking nothing)
+        until the queue is short enough to join.
         """
         att = self._att
         if att is None:
             att = self._live()
         b = att.bucket
-        if n == 1 and timeout is None and n.__class__ is int:
-            tokens = b.cost
+        c = att.cells
+        if c.load(L.CFG_SEQ) != b.seq:
+            b.load_config()
+        if n == 1 and timeout is None and n.__class__ is int and b.max_reserved_ns == _INF:
+            ticket = c.grab(L.TAIL, L.HEAD, b.cost, att.grants_off, 1)
+            if ticket is not None:
+                self._wait(att, ticket)
+                c.fetch_add(att.grants_off, 1)
+            return True
+        tokens = validate_n(n, b.cost) * b.cost
+        timeout = validate_timeout(timeout)
+        if timeout is None:
+            if b.max_reserved_ns == _INF:
+                ticket = c.grab(L.TAIL, L.HEAD, tokens, att.grants_off, n)
+                if ticket is None:
+                    return True
+            else:
+                ticket = self._take(att, tokens, b.max_reserved_ns)
+                while ticket is None:  # backpressure: the queue is full, wait for room
+                    time.sleep(self._nap(att, tokens))
+                    ticket = self._take(att, tokens, b.max_reserved_ns)
         else:
-            tokens = validate_n(n, b.cost) * b.cost
-            timeout = validate_timeout(timeout)
-            if timeout is not None:
-                return self._acquire_timed(att, n, tokens, timeout)
-        ticket = att.cells.grab(L.TAIL, L.HEAD, tokens, att.grants_off, n)
-        if ticket is not None:
-            self._wait(att, ticket)
-            att.cells.fetch_add(att.grants_off, n)
+            ticket = self._take(att, tokens, min(timeout * NS_PER_S, b.max_reserved_ns))
+            if ticket is None:
+                return False
+        self._wait(att, ticket)
+        c.fetch_add(att.grants_off, n)
         return True
 
     def try_acquire(self, n: int = 1) -> bool:
@@ -428,6 +471,7 @@ class Limiter:
         """
         att = self._live()
         b = att.bucket
+        b.refresh()
         tokens = validate_n(n, b.cost) * b.cost
         c = att.cells
         if c.try_grab(L.TAIL, L.HEAD, tokens, att.grants_off, n):
@@ -436,18 +480,228 @@ class Limiter:
             return c.try_grab(L.TAIL, L.HEAD, tokens, att.grants_off, n)
         return False
 
-    def _acquire_timed(self, att: _Attachment, n: int, tokens: int, timeout: float) -> bool:
+    def reserve(self, n: int = 1, max_wait: Optional[float] = None) -> Optional[float]:
+        """Claim the next slot for ``n`` ops; return the seconds to wait before using it.
+
+        0.0 means now.  Returns None, taking nothing, when the wait would
+        exceed ``max_wait`` (seconds) or the limiter-wide ``max_reserved``.
+        The caller owns the slot once this returns a number: it is granted
+        (and counted) whether or not the caller uses it.  While the limiter is
+        stopped, or beyond a capped limiter's released budget, the wait is not
+        computable: a bounded reservation returns None, an unbounded one
+        returns ``math.inf``.
+        """
+        att = self._live()
         b = att.bucket
-        c = att.cells
-        if c.try_grab(L.TAIL, L.HEAD, tokens, att.grants_off, n):
-            return True
-        b.replenish()
-        ticket = b.try_grab_within(tokens, timeout * NS_PER_S)
+        b.refresh()
+        tokens = validate_n(n, b.cost) * b.cost
+        limit = validate_timeout(max_wait, "max_wait")
+        ticket = self._take(att, tokens, min(_INF if limit is None else limit * NS_PER_S, b.max_reserved_ns))
         if ticket is None:
-            return False
-        self._wait(att, ticket)
+            return None
+        att.cells.fetch_add(att.grants_off, n)
+        short = b.deficiency(ticket)
+        if short and (b.stopped or (b.capped and diff(ticket, att.cells.load(L.CEIL)) > 0)):
+            return _INF
+        return short / b.tpn / NS_PER_S
+
+    def retry_after(self, n: int = 1) -> float:
+        """Seconds until ``n`` ops could be granted to a new caller at the current rate (0.0: now)."""
+        att = self._live()
+        b = att.bucket
+        b.refresh()
+        tokens = validate_n(n, b.cost) * b.cost
+        if b.stopped:
+            return _INF
+        short = -b.balance() + tokens - min(b.pending(), b.cap)
+        return max(0, short) / b.tpn / NS_PER_S
+
+    def acquire_with_backoff(self, n: int = 1, timeout: Optional[float] = None) -> bool:
+        """The pessimistic mode: ``try_acquire``, and on refusal sleep a random share of the wait, then retry.
+
+        Takes no place in the queue while backing off.  Each sleep is uniform in
+        [0.5, 1.5] times the current ``retry_after`` (at least 0.1 ms), so
+        processes that were refused together do not retry together.  Returns
+        False, having taken nothing, once ``timeout`` seconds have passed.
+        """
+        timeout = validate_timeout(timeout)
+        deadline = None if timeout is None else time.monotonic() + timeout
+        while True:
+            if self.try_acquire(n):
+                return True
+            nap = max(1e-4, self.retry_after(n) if not self._live().bucket.stopped else MAX_NAP)
+            nap = min(MAX_NAP, nap) * random.uniform(0.5, 1.5)
+            if deadline is not None:
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    return False
+                nap = min(nap, left)
+            time.sleep(nap)
+
+    def drain(self) -> int:
+        """Take every whole op available now (counted as granted to this process); return how many.
+
+        Queued callers are untouched: a drain never cancels or jumps reservations.
+        """
+        att = self._live()
+        b = att.bucket
+        b.refresh()
+        b.replenish()
+        c = att.cells
+        while True:
+            tail = c.load(L.TAIL)
+            ops = diff(c.load(L.HEAD), tail) // b.cost
+            if ops <= 0:
+                return 0
+            if c.cas(L.TAIL, tail, (tail + ops * b.cost) & MASK64):
+                c.fetch_add(att.grants_off, ops)
+                return ops
+
+    def release(self, n: int = 1) -> None:
+        """Capped mode: report ``n`` completed ops, letting ``n`` more be replenished.
+
+        With ``capped=True`` the head may not pass the ceil rover, which starts
+        one capacity ahead and advances only here: at most ``capacity`` ops are
+        ever granted and not yet released, and grants still never exceed the
+        rate.  A downstream that stops completing stops the grants.
+        """
+        att = self._live()
+        b = att.bucket
+        b.refresh()
+        if not b.capped:
+            raise ValueError(f"release() needs a limiter created with capped=True; {self._name!r} is not capped")
+        b.release(validate_n(n, b.cost) * b.cost)
+
+    # -- live changes ------------------------------------------------------------------
+
+    def set_rate(
+        self,
+        rate: float,
+        per: Optional[float] = None,
+        burst: Optional[float] = None,
+        *,
+        ratio: Optional[float] = None,
+    ) -> None:
+        """Change the limit for every attached process, at once, without re-attaching.
+
+        ``per`` and ``ratio`` default to their current values; ``burst`` to the
+        default for the new rate, as in the constructor.  Ops already granted
+        stay granted and queued callers keep their place; new grabs pay the new
+        price, and a capacity that shrinks takes effect at once (tokens beyond
+        it are dropped).  Re-applying the current config changes nothing.
+        """
+        att = self._live()
+        b = att.bucket
+        b.refresh()
+        cur = b.config
+        new = cur.replace(
+            rate=rate,
+            per=cur.per if per is None else per,
+            burst=burst,
+            ratio=cur.ratio if ratio is None else ratio,
+        )
+        if new != cur:
+            b.publish(new)
+
+    def stop(self) -> None:
+        """Pause the whole fleet: every acquirer in every process waits until ``start``."""
+        b = self._live().bucket
+        b.refresh()
+        if not b.stopped:
+            b.set_stopped(True)
+
+    def start(self) -> None:
+        """Resume after ``stop``, from an empty bucket; the paused time is not owed to anyone."""
+        b = self._live().bucket
+        b.refresh()
+        if b.stopped:
+            b.set_stopped(False)
+
+    def restart(self) -> None:
+        """Start (if stopped) with the pools zeroed: an empty bucket and nothing behind schedule."""
+        b = self._live().bucket
+        b.refresh()
+        b.set_stopped(False, reset=True)
+
+    @property
+    def stopped(self) -> bool:
+        b = self._live().bucket
+        b.refresh()
+        return b.stopped
+
+    def apply(self, spec: str) -> None:
+        """Apply a rate spec ``rate[,ratio][,verb]`` (nosqlbench's syntax, K/M/G allowed).
+
+        ``configure`` (the default) changes rate and ratio in place, ``start``
+        does so and resumes a stopped limiter, ``restart`` does so and zeroes
+        the pools, ``stop`` pauses every process.  Applying the spec that is
+        already in force changes nothing.
+        """
+        parsed = parse_spec(spec)
+        if parsed.verb == "stop":
+            self.stop()
+            return
+        self.set_rate(parsed.rate, burst=None if parsed.rate != self.rate else self.capacity, ratio=parsed.ratio)
+        if parsed.verb == "start":
+            self.start()
+        elif parsed.verb == "restart":
+            self.restart()
+
+    # -- asyncio -----------------------------------------------------------------------
+
+    async def acquire_async(self, n: int = 1, timeout: Optional[float] = None) -> bool:
+        """``acquire`` for asyncio: waits with ``asyncio.sleep``, never blocking the event loop.
+
+        Cancelled before it has its ticket, it takes nothing.  Cancelled while
+        waiting for a ticket it already holds, the ticket's ``n`` ops of
+        schedule are spent unused: they cannot be handed back without letting
+        later callers jump the queue.
+        """
+        att = self._live()
+        b = att.bucket
+        b.refresh()
+        tokens = validate_n(n, b.cost) * b.cost
+        timeout = validate_timeout(timeout)
+        c = att.cells
+        if timeout is None and b.max_reserved_ns == _INF:
+            ticket = c.grab(L.TAIL, L.HEAD, tokens, att.grants_off, n)
+            if ticket is None:
+                return True
+        elif timeout is None:
+            ticket = self._take(att, tokens, b.max_reserved_ns)
+            while ticket is None:
+                await asyncio.sleep(self._nap(att, tokens))
+                ticket = self._take(att, tokens, b.max_reserved_ns)
+        else:
+            ticket = self._take(att, tokens, min(timeout * NS_PER_S, b.max_reserved_ns))
+            if ticket is None:
+                return False
+        while True:
+            # replenishing adds whatever time has passed, however little: re-check, then sleep
+            if b.deficiency(ticket) <= 0 or (b.replenish() > 0 and b.deficiency(ticket) <= 0):
+                break
+            b.refresh()
+            short = b.deficiency(ticket)
+            await asyncio.sleep(min(max(short / b.tpn / NS_PER_S, 1e-4), MAX_NAP))
         c.fetch_add(att.grants_off, n)
         return True
+
+    # -- internals -----------------------------------------------------------------------
+
+    def _take(self, att: _Attachment, tokens: int, max_wait_ns: float) -> Optional[int]:
+        """A ticket for ``tokens`` whose wait fits ``max_wait_ns``, or None having taken nothing."""
+        b = att.bucket
+        ticket = b.try_grab_within(tokens, max_wait_ns)
+        if ticket is None and b.replenish() > 0:
+            ticket = b.try_grab_within(tokens, max_wait_ns)
+        return ticket
+
+    def _nap(self, att: _Attachment, tokens: int) -> float:
+        """How long a caller refused by ``max_reserved`` sleeps before trying to join again (s)."""
+        b = att.bucket
+        b.refresh()
+        over = -b.balance() + tokens - b.max_reserved_ns * b.tpn
+        return min(MAX_NAP, max(1e-4, over / b.tpn / NS_PER_S))
 
     def _wait(self, att: _Attachment, ticket: int) -> None:
         """Wait until the head covers ``ticket``: sleep most of the way, then yield in a loop."""
@@ -458,11 +712,11 @@ class Limiter:
             c.store(waiting, 1)
         try:
             while True:
-                short = diff(ticket, c.load(L.HEAD))
-                if short <= 0:
+                # replenishing adds whatever time has passed, however little: re-check, then sleep
+                if diff(ticket, c.load(L.HEAD)) <= 0 or (b.replenish() > 0 and diff(ticket, c.load(L.HEAD)) <= 0):
                     return
-                if b.replenish() > 0:
-                    continue
+                b.refresh()
+                short = diff(ticket, c.load(L.HEAD))
                 wait_ns = short / b.tpn - SPIN_NS
                 if wait_ns > 0:
                     time.sleep(min(wait_ns / NS_PER_S, MAX_NAP))
@@ -482,16 +736,19 @@ class Limiter:
         if self._att is None:
             return f"<shmlimit.Limiter {self._name!r} closed>"
         s = self.stats()
+        extra = f" ratio={s.ratio:g} behind={s.behind_seconds:.3f}s" if s.ratio != 1.0 else ""
         return (
-            f"<shmlimit.Limiter {s.name!r} rate={s.rate:g}/{s.per:g}s capacity={s.capacity:g} "
+            f"<shmlimit.Limiter {s.name!r} rate={s.rate:g}/{s.per:g}s capacity={s.capacity:g}{extra} "
             f"available={s.available:.1f} deficiency={s.deficiency:.1f} grants={s.grants} "
-            f"filler_pid={s.filler_pid} processes={len(s.processes)} backend={s.backend}>"
+            f"filler_pid={s.filler_pid} processes={len(s.processes)}{' stopped' if s.stopped else ''} "
+            f"backend={s.backend}>"
         )
 
 
 def snapshot(name: str, att: _Attachment) -> Stats:
     c = att.cells
     b = att.bucket
+    b.refresh()
     cfg = b.config
     balance = b.balance()
     available = max(0, min(b.cap, balance + b.pending())) if balance >= 0 else 0
@@ -523,6 +780,9 @@ def snapshot(name: str, att: _Attachment) -> Stats:
         processes=tuple(procs),
         capped=cfg.capped,
         backend=c.backend,
+        ratio=cfg.ratio,
+        behind_seconds=b.behind_ns() / NS_PER_S,
+        stopped=b.stopped,
     )
 
 

@@ -1,0 +1,108 @@
+"""``@throttle``: the distributed-throttle seed's decorator, on a shared limiter.
+
+    @shmlimit.throttle("partner", rate=1, per=6)                  # wait for a slot
+    def call_partner(): ...
+
+    @shmlimit.throttle("partner", rate=1, per=6, on_limit="skip")  # return None instead
+    async def poll(): ...
+
+The limiter is created (or attached) on the first call, not at import, so
+decorating a function at module level has no side effect until it runs, and
+``fork``/``spawn`` children attach on their own first call.
+"""
+from __future__ import annotations
+
+import functools
+import inspect
+import threading
+from typing import Any, Callable, Optional, TypeVar, Union
+
+from .config import validate_n, validate_timeout
+from .errors import RateLimited
+from .limiter import Limiter
+from .segment import validate_name
+
+F = TypeVar("F", bound=Callable[..., Any])
+ON_LIMIT = ("wait", "skip", "raise")
+
+
+def throttle(
+    limiter: Union[str, Any],
+    rate: Union[float, str, None] = None,
+    per: float = 1.0,
+    burst: Optional[float] = None,
+    *,
+    on_limit: str = "wait",
+    max_wait: Optional[float] = None,
+    n: int = 1,
+    **limiter_options: Any,
+) -> Callable[[F], F]:
+    """Rate-limit every call of the decorated function (plain or ``async def``) by ``n`` ops.
+
+    ``limiter`` is a limiter name (created with ``rate``/``per``/``burst``
+    and ``limiter_options`` on first use, or attached when ``rate`` is None),
+    or an existing ``Limiter`` or ``shmlimit.redis.RedisLimiter``.
+
+    ``on_limit`` says what a call does when its ops are not available:
+
+    * ``"wait"``: wait for them; with ``max_wait`` (seconds), raise
+      ``RateLimited`` at once when the wait would be longer.
+    * ``"skip"``: return None without calling the function (when the ops
+      cannot be had within ``max_wait``, default 0: right now).
+    * ``"raise"``: raise ``RateLimited`` carrying ``retry_after`` (seconds)
+      instead of calling (same ``max_wait`` rule as skip).
+    """
+    if on_limit not in ON_LIMIT:
+        raise ValueError(f"on_limit must be one of {', '.join(ON_LIMIT)}, got {on_limit!r}")
+    max_wait = validate_timeout(max_wait, "max_wait")
+    validate_n(n, 1)
+    if isinstance(limiter, str):
+        validate_name(limiter)
+        name = limiter
+    elif all(hasattr(limiter, a) for a in ("acquire", "acquire_async", "name")):
+        name = limiter.name
+    else:
+        raise TypeError(f"limiter must be a name or a Limiter/RedisLimiter, not {type(limiter).__name__}")
+    timeout = max_wait if (on_limit == "wait" or max_wait is not None) else 0.0
+    lock = threading.Lock()
+    holder: list = [None if isinstance(limiter, str) else limiter]
+
+    def get() -> Any:
+        lim = holder[0]
+        if lim is None:
+            with lock:
+                if holder[0] is None:
+                    holder[0] = Limiter(name, rate, per, burst, **limiter_options)
+                lim = holder[0]
+        return lim
+
+    def refused(lim: Any) -> Any:
+        if on_limit == "skip":
+            return None
+        retry = getattr(lim, "retry_after", None)
+        raise RateLimited(name, retry(n) if callable(retry) else None)
+
+    def decorate(fn: F) -> F:
+        if inspect.iscoroutinefunction(fn):
+
+            @functools.wraps(fn)
+            async def async_wrapper(*args: Any, **kwargs: Any) -> Any:
+                lim = get()
+                if not await lim.acquire_async(n, timeout=timeout):
+                    return refused(lim)
+                return await fn(*args, **kwargs)
+
+            async_wrapper.limiter = get  # type: ignore[attr-defined]
+            return async_wrapper  # type: ignore[return-value]
+
+        @functools.wraps(fn)
+        def wrapper(*args: Any, **kwargs: Any) -> Any:
+            lim = get()
+            if not lim.acquire(n, timeout=timeout):
+                return refused(lim)
+            return fn(*args, **kwargs)
+
+        wrapper.limiter = get  # type: ignore[attr-defined]
+        return wrapper  # type: ignore[return-value]
+
+    return decorate

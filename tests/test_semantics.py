@@ -1,0 +1,446 @@
+"""Every seed's semantics: rate specs, catch-up, capped release, reservations, back-off,
+the throttle decorator, live changes (set_rate, stop/start), drain, asyncio."""
+import asyncio
+import functools
+import math
+import multiprocessing as mp
+import time
+
+import pytest
+
+import shmlimit
+from shmlimit import layout as L
+from test_processes import max_in_window, wait_for
+
+# ---- rate specs ----------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    "spec,expected",
+    [
+        ("12000", (12000.0, None, None)),
+        ("12K,1.1", (12000.0, 1.1, None)),
+        ("5M,1.05,configure", (5e6, 1.05, "configure")),
+        ("1000,stop", (1000.0, None, "stop")),
+        (" 2.5k , 2 , Restart ", (2500.0, 2.0, "restart")),
+        ("1G", (1e9, None, None)),
+    ],
+)
+def test_parse_spec(spec, expected):
+    s = shmlimit.parse_spec(spec)
+    assert (s.rate, s.ratio, s.verb) == expected
+
+
+@pytest.mark.parametrize("bad", ["", ",1.1", "fast", "10,0.9", "10,1.1,jump", "10,1.1,2", "-5", "inf", "10,nan"])
+def test_bad_specs_name_the_problem(bad):
+    with pytest.raises(ValueError, match="rate spec"):
+        shmlimit.parse_spec(bad)
+
+
+def test_limiter_accepts_a_spec(name):
+    lim = shmlimit.Limiter(name, rate="2K,1.5")
+    assert (lim.rate, lim.config.ratio) == (2000.0, 1.5)
+    lim.close()
+
+
+# ---- worker processes that record their grants ------------------------------------------
+
+
+def _consume(lim, go, stop, q):
+    """Acquire in a loop while ``go`` is set, until ``stop``; report grant timestamps."""
+    stamps = []
+    while not stop.is_set():
+        if not go.wait(0.01):
+            continue
+        lim.acquire()
+        stamps.append(time.monotonic())
+    q.put(stamps)
+
+
+class Consumers:
+    def __init__(self, lim, count=2, method="fork"):
+        ctx = mp.get_context(method)
+        self.go, self.stop, self.q = ctx.Event(), ctx.Event(), ctx.Queue()
+        self.procs = [ctx.Process(target=_consume, args=(lim, self.go, self.stop, self.q)) for _ in range(count)]
+        for p in self.procs:
+            p.start()
+
+    def finish(self):
+        self.stop.set()
+        self.go.set()
+        stamps = sorted(t for _ in self.procs for t in self.q.get(timeout=60))
+        for p in self.procs:
+            p.join(30)
+        return stamps
+
+
+def count_between(stamps, a, b):
+    return sum(1 for t in stamps if a <= t < b)
+
+
+# ---- nosqlbench catch-up ----------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("ratio", [1.0, 1.1])
+def test_catch_up_after_a_pause(name, ratio):
+    """Consumers pause 0.5 s at 1000/s: with ratio 1.1 the time not used comes back at 1100/s
+    (never faster); with ratio 1.0 it is gone."""
+    rate, pause = 1000, 0.5
+    lim = shmlimit.Limiter(name, rate=rate, ratio=ratio)
+    cons = Consumers(lim)
+    cons.go.set()
+    wait_for(lambda: lim.stats().grants >= 300)
+    cons.go.clear()
+    paused_at = time.monotonic()
+    time.sleep(pause)  # the pause being measured
+    behind = lim.stats().behind_seconds
+    resumed = time.monotonic()  # before go: the capacity's burst is granted at once
+    cons.go.set()
+    wait_for(lambda: time.monotonic() > resumed + 2.2, timeout=5)
+    stamps = cons.finish()
+    assert count_between(stamps, paused_at + 0.05, resumed) == 0
+    got = count_between(stamps, resumed + 0.1, resumed + 2.1)  # after the capacity's burst
+    bound_window = max_in_window([t for t in stamps if t > resumed], 1.0)
+    cap = lim.capacity
+    if ratio == 1.0:
+        assert behind == 0
+        assert got == pytest.approx(2 * rate, rel=0.03)
+        assert bound_window <= rate + cap
+    else:
+        assert behind == pytest.approx(pause, abs=0.05)
+        assert got == pytest.approx(2 * rate * ratio, rel=0.03)
+        assert bound_window <= ratio * (rate + cap) + 1
+        assert lim.stats().behind_seconds < behind  # being paid back
+    lim.close()
+
+
+def test_waiting_pool_is_capped_by_max_behind(name):
+    lim = shmlimit.Limiter(name, rate=1000, ratio=2.0, max_behind=0.1)
+    wait_for(lambda: lim.stats().behind_seconds >= 0.1, timeout=5)
+    lim.try_acquire()
+    assert lim.stats().behind_seconds == pytest.approx(0.1, abs=1e-3)
+    lim.close()
+
+
+# ---- Seastar capped release ---------------------------------------------------------------------
+
+
+def test_capped_release_throttles_by_completions(name):
+    lim = shmlimit.Limiter(name, rate=2000, burst=5, capped=True)
+    cons = Consumers(lim, count=1)
+    cons.go.set()
+    wait_for(lambda: lim.stats().grants == 5)
+    deadline = time.monotonic() + 0.3
+    while time.monotonic() < deadline:  # a downstream that completes nothing: grants stay at 5
+        assert lim.stats().grants == 5
+        time.sleep(0.01)
+    lim.release(3)
+    wait_for(lambda: lim.stats().grants == 8)
+    deadline = time.monotonic() + 0.2
+    while time.monotonic() < deadline:
+        assert lim.stats().grants == 8
+        time.sleep(0.01)
+    lim.release(100)  # plenty of budget: the rate limits again, not the releases
+    t0 = time.monotonic()
+    wait_for(lambda: lim.stats().grants >= 60)
+    assert time.monotonic() - t0 >= 40 / 2000  # never faster than the rate
+    cons.finish()
+    with pytest.raises(ValueError, match="capped"):
+        shmlimit.Limiter(name + "x", rate=10).release()
+    shmlimit.unlink(name + "x")
+    lim.close()
+
+
+# ---- reservations and back-off -------------------------------------------------------------------
+
+
+def test_reservations_queue_in_order_and_respect_max_wait(name):
+    lim = shmlimit.Limiter(name, rate=100, burst=1, max_reserved=0.05)
+    assert lim.reserve() == 0.0
+    waits = [lim.reserve() for _ in range(4)]
+    assert waits == pytest.approx([0.01, 0.02, 0.03, 0.04], abs=0.003)
+    tail = lim._att.cells.load(L.TAIL)
+    assert lim.reserve(max_wait=0.001) is None  # refused: takes nothing
+    assert lim.reserve(3) is None  # 0.07 s ahead: beyond max_reserved
+    assert lim.acquire(3, timeout=1.0) is False  # the same bound for a timed acquire
+    assert lim._att.cells.load(L.TAIL) == tail
+    assert lim.stats().grants == 5
+    lim.close()
+
+
+def _reserve_one(lim, barrier, q):
+    barrier.wait(timeout=60)
+    wait = lim.reserve()
+    q.put(time.monotonic() + wait)  # the slot's moment, on the machine-wide monotonic clock
+
+
+def test_reservations_from_many_processes_get_distinct_slots(name):
+    lim = shmlimit.Limiter(name, rate=50, burst=1, initial=0)
+    ctx = mp.get_context("spawn")
+    n = 6
+    barrier, q = ctx.Barrier(n), ctx.Queue()
+    procs = [ctx.Process(target=_reserve_one, args=(lim, barrier, q)) for _ in range(n)]
+    for p in procs:
+        p.start()
+    slots = sorted(q.get(timeout=60) for _ in range(n))
+    for p in procs:
+        p.join(30)
+    gaps = [b - a for a, b in zip(slots, slots[1:])]
+    assert all(g == pytest.approx(0.02, abs=0.002) for g in gaps), slots  # one slot each, 1/rate apart
+    lim.close()
+
+
+def _backoff(lim, seconds, q):
+    end = time.monotonic() + seconds
+    stamps = []
+    while time.monotonic() < end:
+        if lim.acquire_with_backoff(timeout=end - time.monotonic()):
+            stamps.append(time.monotonic())
+    q.put(stamps)
+
+
+def test_pessimistic_backoff_shares_the_rate_without_starving_anyone(name):
+    rate = 200
+    lim = shmlimit.Limiter(name, rate=rate, burst=2)
+    ctx = mp.get_context("fork")
+    q = ctx.Queue()
+    procs = [ctx.Process(target=_backoff, args=(lim, 2.0, q)) for _ in range(4)]
+    for p in procs:
+        p.start()
+    results = [q.get(timeout=60) for _ in procs]
+    for p in procs:
+        p.join(30)
+    stamps = [t for r in results for t in r]
+    assert max_in_window(stamps, 1.0) <= rate + 2
+    assert len(stamps) >= 0.85 * rate * 2  # back-off wastes a little of the rate, not much
+    assert min(len(r) for r in results) >= 0.5 * len(stamps) / 4  # nobody starved
+
+
+# ---- Resilience4j's and refill-rate-limiter's bugs, absent here ---------------------------------------
+
+
+def test_drain_takes_what_is_available_and_never_cancels_reservations(name):
+    lim = shmlimit.Limiter(name, rate=100, burst=5)
+    assert lim.drain() == 5
+    assert lim.drain() == 0
+    wait = lim.reserve(2)
+    assert wait == pytest.approx(0.02, abs=0.005)
+    assert lim.drain() == 0  # the reservation is queued: nothing to drain, nothing cancelled
+    assert not lim.try_acquire()  # a later caller gets no extra bucket
+    assert lim.stats().grants == 7
+    lim.close()
+
+
+def test_capacity_five_never_grants_eight_after_idling(name):
+    lim = shmlimit.Limiter(name, rate=1000, burst=5)
+    wait_for(lambda: lim.stats().available >= 5)
+    time.sleep(0.05)  # idle for ten times the capacity
+    granted = 0
+    while lim.try_acquire():
+        granted += 1
+        if granted > 8:
+            break
+    assert granted in (5, 6)  # 5, plus at most the one op accrued while taking them
+    lim.close()
+
+
+def test_timed_acquire_fails_at_once_when_the_wait_is_longer(name):
+    lim = shmlimit.Limiter(name, rate=1, per=5, initial=0)
+    t0 = time.monotonic()
+    assert lim.acquire(timeout=3.0) is False
+    assert time.monotonic() - t0 < 1.0  # did not sleep out the 3 s it knew it would miss
+    assert lim.stats().grants == 0
+    lim.close()
+
+
+# ---- live changes -----------------------------------------------------------------------------
+
+
+def test_set_rate_reaches_running_processes_without_over_grant(name):
+    lim = shmlimit.Limiter(name, rate=200)
+    cons = Consumers(lim, count=2, method="spawn")
+    cons.go.set()
+    wait_for(lambda: lim.stats().grants >= 100)
+    t1 = time.monotonic()
+    wait_for(lambda: time.monotonic() > t1 + 1.0)
+    lim.set_rate(500)
+    t2 = time.monotonic()
+    wait_for(lambda: time.monotonic() > t2 + 1.0)
+    lim.set_rate(100, burst=1)
+    t3 = time.monotonic()
+    wait_for(lambda: time.monotonic() > t3 + 1.0)
+    stamps = cons.finish()
+    assert count_between(stamps, t1, t2) == pytest.approx(200 * (t2 - t1), rel=0.05)
+    assert count_between(stamps, t2 + 0.05, t3) == pytest.approx(500 * (t3 - t2 - 0.05), rel=0.05)
+    assert count_between(stamps, t3 + 0.05, t3 + 1.0) == pytest.approx(100 * 0.95, rel=0.06)
+    assert max_in_window([t for t in stamps if t > t3], 0.5) <= 100 * 0.5 + 5 + 1  # old capacity once at most
+    assert lim.stats().rate == 100 and shmlimit.attach(name).capacity == 1
+    lim.close()
+
+
+def test_stop_pauses_every_process_until_start(name):
+    lim = shmlimit.Limiter(name, rate=500)
+    cons = Consumers(lim, count=2)
+    cons.go.set()
+    wait_for(lambda: lim.stats().grants >= 100)
+    lim.apply("500,stop")
+    stopped_at = time.monotonic()
+    g = lim.stats().grants
+    time.sleep(0.4)  # the pause being measured
+    assert lim.stats().grants <= g + 2  # at most the in-flight ones
+    assert lim.stats().stopped and lim.stopped
+    assert not lim.try_acquire() and lim.reserve(max_wait=1) is None and lim.reserve() == math.inf
+    lim.apply("500,start")
+    started = time.monotonic()
+    wait_for(lambda: lim.stats().grants >= g + 200)
+    stamps = cons.finish()
+    assert count_between(stamps, stopped_at + 0.01, started) <= 2
+    assert max_in_window([t for t in stamps if t > started], 1.0) <= 500 + lim.capacity
+
+
+def test_reapplying_the_same_spec_changes_nothing(name):
+    lim = shmlimit.Limiter(name, rate="1000,1.2")
+    seq = lim._att.cells.load(64)
+    lim.apply("1000,1.2")
+    lim.apply("1K,1.2,configure")
+    lim.apply("1000,1.2,start")
+    assert lim._att.cells.load(64) == seq
+    lim.apply("2000")
+    assert lim.rate == 2000 and lim.config.ratio == 1.2 and lim._att.cells.load(64) != seq
+    lim.close()
+
+
+def test_initial_tokens(name):
+    lim = shmlimit.Limiter(name, rate=1, per=10, burst=5, initial=2)
+    assert lim.try_acquire() and lim.try_acquire() and not lim.try_acquire()
+    lim.close()
+
+
+# ---- the throttle decorator -------------------------------------------------------------------------
+
+
+def test_throttle_wait_skip_raise_on_plain_functions(name):
+    calls = []
+
+    @shmlimit.throttle(name, rate=1, per=60)
+    def waited(x):
+        """Doc."""
+        calls.append(x)
+        return x * 2
+
+    assert waited.__name__ == "waited" and waited.__doc__ == "Doc."
+    assert waited(2) == 4  # the bucket starts with one op
+
+    skipper = shmlimit.throttle(name, rate=1, per=60, on_limit="skip")(lambda: calls.append("s"))
+    assert skipper() is None and "s" not in calls
+
+    @shmlimit.throttle(waited.limiter(), on_limit="raise")
+    def raiser():
+        calls.append("r")
+
+    with pytest.raises(shmlimit.RateLimited) as e:
+        raiser()
+    assert 50 < e.value.retry_after <= 60 and "r" not in calls
+
+    @shmlimit.throttle(name, rate=1, per=60, max_wait=0.1)
+    def impatient():
+        calls.append("i")
+
+    with pytest.raises(shmlimit.RateLimited):
+        impatient()
+    assert calls == [2]
+    with pytest.raises(ValueError, match="on_limit"):
+        shmlimit.throttle(name, rate=1, on_limit="drop")
+
+
+def test_throttle_on_async_functions(name):
+    @shmlimit.throttle(name, rate=20, burst=1)
+    async def tick(i):
+        return i
+
+    @shmlimit.throttle(name, rate=20, burst=1, on_limit="skip")
+    async def maybe():
+        return "ran"
+
+    async def main():
+        t0 = time.monotonic()
+        out = [await tick(i) for i in range(5)]
+        return out, time.monotonic() - t0, await maybe()
+
+    out, took, skipped = asyncio.run(main())
+    assert out == [0, 1, 2, 3, 4] and took >= 4 / 20 * 0.9 and skipped is None
+
+
+@shmlimit.throttle("test-throttle-pool", rate=100, burst=1)
+def _throttled(i):
+    return time.monotonic()
+
+
+def test_throttle_across_spawned_pool_workers():
+    try:
+        shmlimit.unlink("test-throttle-pool")
+    except FileNotFoundError:
+        pass
+    try:
+        with mp.get_context("spawn").Pool(3) as pool:
+            stamps = pool.map(_throttled, range(150), chunksize=5)
+        assert max_in_window(stamps, 1.0) <= 101
+        assert max(stamps) - min(stamps) >= 149 / 100 * 0.95
+    finally:
+        shmlimit.unlink("test-throttle-pool")
+
+
+# ---- asyncio ----------------------------------------------------------------------------------------
+
+
+def test_acquire_async_never_blocks_the_loop(name):
+    t0 = time.monotonic()
+    lim = shmlimit.Limiter(name, rate=50, burst=1, initial=0)
+
+    async def main():
+        ticks = 0
+        done = False
+
+        async def ticker():
+            nonlocal ticks
+            while not done:
+                ticks += 1
+                await asyncio.sleep(0.005)
+
+        t = asyncio.create_task(ticker())
+        for _ in range(5):
+            assert await lim.acquire_async()
+        async with lim:
+            pass
+        assert await lim.acquire_async(1, timeout=0.001) is False
+        done = True
+        await t
+        return ticks
+
+    ticks = asyncio.run(main())
+    took = time.monotonic() - t0
+    assert took >= 6 / 50 * 0.9
+    assert ticks >= took / 0.005 * 0.5  # the loop kept running while we waited
+    assert lim.stats().grants == 6
+    lim.close()
+
+
+def test_cancelled_before_its_ticket_takes_nothing(name):
+    lim = shmlimit.Limiter(name, rate=10, burst=1, max_reserved=0.15, initial=0)
+
+    async def main():
+        first = await lim.acquire_async(1, timeout=0.2)  # the queue is empty: waits ~0.1 s
+        assert lim.reserve() == pytest.approx(0.1, abs=0.02)  # the queue is now 0.1 s deep
+        tail = lim._att.cells.load(L.TAIL)
+        task = asyncio.create_task(lim.acquire_async())  # 0.2 s > max_reserved: waits for room, holding nothing
+        await asyncio.sleep(0.02)
+        task.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await task
+        return first, tail
+
+    first, tail = asyncio.run(main())
+    assert first is True
+    assert lim._att.cells.load(L.TAIL) == tail
+    assert lim.stats().grants == 2
+    lim.close()
