@@ -444,3 +444,29 @@ def test_cancelled_before_its_ticket_takes_nothing(name):
     assert lim._att.cells.load(L.TAIL) == tail
     assert lim.stats().grants == 2
     lim.close()
+
+
+def test_catch_up_ends_when_the_backlog_is_paid(name):
+    """Ratio 2: a 0.5 s backlog is paid back at 2000/s in ~0.5 s, then the rate is 1000/s again."""
+    rate, pause = 1000, 0.5
+    lim = shmlimit.Limiter(name, rate=rate, ratio=2.0)
+    cons = Consumers(lim)
+    cons.go.set()
+    wait_for(lambda: lim.stats().grants >= 300)
+    cons.go.clear()
+    time.sleep(pause)  # the pause being measured
+    behind = lim.stats().behind_seconds
+    resumed = time.monotonic()
+    cons.go.set()
+    wait_for(lambda: lim.stats().behind_seconds == 0, timeout=5)
+    paid = time.monotonic()
+    wait_for(lambda: time.monotonic() > paid + 1.1, timeout=5)
+    stamps = cons.finish()
+    assert behind == pytest.approx(pause, abs=0.05)
+    # ratio-1 = 1: the backlog takes as long to pay back as it took to build
+    assert paid - resumed == pytest.approx(behind, rel=0.25)
+    during = count_between(stamps, resumed + 0.05, paid)
+    assert during / (paid - resumed - 0.05) == pytest.approx(2 * rate, rel=0.1)
+    assert count_between(stamps, paid + 0.05, paid + 1.05) == pytest.approx(rate, rel=0.03)
+    assert max_in_window([t for t in stamps if t > resumed], 1.0) <= 2 * (rate + lim.capacity) + 1
+    lim.close()
