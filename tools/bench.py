@@ -1,0 +1,385 @@
+#!/usr/bin/env python3
+"""shmlimit benchmark: every figure measured side by side in one run, as ratios to baselines from the same run.
+
+    python tools/bench.py            # the table (about two minutes on 2 cores)
+    python tools/bench.py --json     # the same figures as one JSON object
+    python tools/bench.py --quick    # shorter runs, for a smoke test
+
+1. cost of acquire() in one process at an effectively unlimited rate, per backend,
+   against a bare native atomic fetch-add called from Python (the floor) and a
+   multiprocessing.Value + Lock token bucket (what users write themselves);
+2. aggregate acquires/s with 1, 2, 4, 8 processes on one unlimited limiter, against the same baseline;
+3. rate fidelity: 4 processes sharing 500, 5000, 100 000 and 1 000 000 ops/s for 5 s;
+4. lateness of each grant after its scheduled moment at 1000/s with 4 processes;
+5. CPU burned by 8 processes waiting on a 50/s limit;
+6. the rate achieved while the filler's own process runs a CPU-bound Python loop.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import mmap
+import multiprocessing as mp
+import os
+import platform
+import resource
+import statistics
+import sys
+import threading
+import time
+import uuid
+from typing import Callable, Dict, List, Optional
+
+import shmlimit
+from shmlimit.cells import native_available, open_cells
+
+UNLIMITED = dict(rate=1e9, burst=1e9)  # 1e9 ops/s with a second of burst: never waits in a benchmark
+
+
+# ---- baselines ---------------------------------------------------------------------------------
+
+
+class ValueLockBucket:
+    """The token bucket users write themselves: a multiprocessing.Value guarded by a Lock."""
+
+    def __init__(self, rate: float, burst: float, ctx=mp) -> None:
+        self.rate = rate
+        self.burst = burst
+        self.tokens = ctx.Value("d", burst, lock=False)
+        self.stamp = ctx.Value("d", time.monotonic(), lock=False)
+        self.lock = ctx.Lock()
+
+    def acquire(self) -> bool:
+        while True:
+            with self.lock:
+                now = time.monotonic()
+                t = min(self.burst, self.tokens.value + (now - self.stamp.value) * self.rate)
+                self.stamp.value = now
+                if t >= 1:
+                    self.tokens.value = t - 1
+                    return True
+                self.tokens.value = t
+                wait = (1 - t) / self.rate
+            time.sleep(wait)
+
+
+def best_ns_per_call(fn: Callable[[], object], n: int, repeat: int = 3) -> float:
+    best = float("inf")
+    for _ in range(repeat):
+        t0 = time.perf_counter_ns()
+        for _ in range(n):
+            fn()
+        best = min(best, (time.perf_counter_ns() - t0) / n)
+    return best
+
+
+def _single_cost(backend: str, n: int, q) -> None:
+    os.environ["SHMLIMIT_BACKEND"] = backend
+    name = f"bench-{uuid.uuid4().hex[:8]}"
+    lim = shmlimit.Limiter(name, **UNLIMITED)
+    try:
+        q.put(best_ns_per_call(lim.acquire, n))
+    finally:
+        lim.close()
+        lim.unlink()
+
+
+def bench_single(n: int) -> Dict[str, float]:
+    out: Dict[str, float] = {}
+    if native_available():
+        from shmlimit._native import NativeCells
+
+        mm = mmap.mmap(-1, 4096)
+        cells = NativeCells(mm, 4096)
+        add = cells.fetch_add
+        out["floor: native fetch_add"] = best_ns_per_call(lambda: add(0, 1), n)
+        cells.close()
+    bucket = ValueLockBucket(1e9, 1e9)
+    out["baseline: Value+Lock bucket"] = best_ns_per_call(bucket.acquire, n)
+    ctx = mp.get_context("spawn")
+    for backend in ["native", "atomics"] if native_available() else ["atomics"]:
+        q = ctx.Queue()
+        p = ctx.Process(target=_single_cost, args=(backend, n if backend == "native" else max(2000, n // 50), q))
+        p.start()
+        out[f"shmlimit acquire ({backend})"] = q.get(timeout=300)
+        p.join()
+    return out
+
+
+# ---- aggregate throughput -------------------------------------------------------------------------
+
+
+def _hammer(lim, barrier, seconds: float, q) -> None:
+    barrier.wait(timeout=120)
+    end = time.monotonic() + seconds
+    n = 0
+    acquire = lim.acquire
+    while True:
+        for _ in range(200):
+            acquire()
+        n += 200
+        if time.monotonic() >= end:
+            break
+    q.put(n / seconds)
+
+
+def bench_aggregate(procs: List[int], seconds: float) -> Dict[str, Dict[int, float]]:
+    ctx = mp.get_context("fork")
+    out: Dict[str, Dict[int, float]] = {"shmlimit": {}, "Value+Lock": {}}
+    for kind in out:
+        for k in procs:
+            barrier, q = ctx.Barrier(k), ctx.Queue()
+            if kind == "shmlimit":
+                name = f"bench-{uuid.uuid4().hex[:8]}"
+                lim = shmlimit.Limiter(name, **UNLIMITED)
+                target = lim
+            else:
+                target = ValueLockBucket(1e9, 1e9, ctx)
+            ps = [ctx.Process(target=_hammer, args=(target, barrier, seconds, q)) for _ in range(k)]
+            for p in ps:
+                p.start()
+            out[kind][k] = sum(q.get(timeout=120) for _ in ps)
+            for p in ps:
+                p.join()
+            if kind == "shmlimit":
+                lim.close()
+                lim.unlink()
+    return out
+
+
+# ---- rate fidelity, lateness ------------------------------------------------------------------------
+
+
+def _stamp(lim, barrier, seconds: float, q) -> None:
+    """Acquire until the end; record grant times into a list (compactly, as offsets in ns)."""
+    barrier.wait(timeout=120)
+    start = time.monotonic_ns()
+    end = start + int(seconds * 1e9)
+    stamps = []
+    acquire = lim.acquire
+    clock = time.monotonic_ns
+    while True:
+        acquire()
+        t = clock()
+        if t > end:
+            break
+        stamps.append(t)
+    q.put((start, stamps))
+
+
+def max_in_window_ns(stamps: List[int], width: int) -> int:
+    best = lo = 0
+    for hi, t in enumerate(stamps):
+        while stamps[lo] <= t - width:
+            lo += 1
+        if hi - lo + 1 > best:
+            best = hi - lo + 1
+    return best
+
+
+def run_stamped(rate: float, procs: int, seconds: float, burst: Optional[float] = None, method: str = "fork"):
+    ctx = mp.get_context(method)
+    name = f"bench-{uuid.uuid4().hex[:8]}"
+    lim = shmlimit.Limiter(name, rate=rate, burst=burst)
+    cap = lim.capacity
+    barrier, q = ctx.Barrier(procs), ctx.Queue()
+    ps = [ctx.Process(target=_stamp, args=(lim, barrier, seconds, q)) for _ in range(procs)]
+    for p in ps:
+        p.start()
+    results = [q.get(timeout=600) for _ in ps]
+    for p in ps:
+        p.join()
+    lim.close()
+    lim.unlink()
+    # the window in which every process was running: from the last start to the first end
+    start = max(r[0] for r in results)
+    end = min(r[0] for r in results) + int(seconds * 1e9)
+    stamps = sorted(t for r in results for t in r[1])
+    return start, end, stamps, cap
+
+
+def bench_fidelity(rates: List[float], seconds: float) -> List[dict]:
+    rows = []
+    for rate in rates:
+        start, end, stamps, cap = run_stamped(rate, 4, seconds)
+        lo = start + 1_000_000_000
+        achieved = sum(1 for t in stamps if lo <= t < end) / ((end - lo) / 1e9)
+        worst = max_in_window_ns(stamps, 1_000_000_000)
+        rows.append(
+            dict(
+                target=rate,
+                achieved=achieved,
+                error_pct=100.0 * (achieved - rate) / rate,
+                max_1s_window=worst,
+                bound=rate + cap,
+                within_bound=worst <= rate + cap,
+            )
+        )
+    return rows
+
+
+def bench_lateness(seconds: float) -> dict:
+    rate = 1000.0
+    start, end, stamps, cap = run_stamped(rate, 4, seconds)
+    # Saturated FIFO consumers of an exact limiter: once the initial capacity is spent, grants fall
+    # on a grid 1/rate apart.  The limiter never grants early, so the grid is anchored on the
+    # earliest grant relative to it; lateness is how long after its grid moment each grant came.
+    c = int(cap)
+    offsets = [(t - start) / 1e9 - k / rate for k, t in enumerate(stamps) if k >= c]
+    anchor = min(offsets)
+    late = sorted(o - anchor for o in offsets)
+    pick = lambda p: late[min(len(late) - 1, int(p * len(late)))] * 1e3  # noqa: E731
+    return dict(grants=len(stamps), p50_ms=pick(0.50), p99_ms=pick(0.99), max_ms=late[-1] * 1e3)
+
+
+# ---- CPU while waiting, the filler under load --------------------------------------------------------
+
+
+def _wait_cpu(lim, barrier, seconds: float, q) -> None:
+    barrier.wait(timeout=120)
+    r0 = resource.getrusage(resource.RUSAGE_SELF)
+    end = time.monotonic() + seconds
+    n = 0
+    while time.monotonic() < end:
+        lim.acquire()
+        n += 1
+    r1 = resource.getrusage(resource.RUSAGE_SELF)
+    q.put((r1.ru_utime - r0.ru_utime + r1.ru_stime - r0.ru_stime, n))
+
+
+def bench_cpu(seconds: float) -> dict:
+    ctx = mp.get_context("fork")
+    name = f"bench-{uuid.uuid4().hex[:8]}"
+    lim = shmlimit.Limiter(name, rate=50)
+    lim.close()  # the measuring process takes no part
+    barrier, q = ctx.Barrier(8), ctx.Queue()
+    ps = [ctx.Process(target=_wait_cpu, args=(shmlimit.attach(name), barrier, seconds, q)) for _ in range(8)]
+    for p in ps:
+        p.start()
+    res = [q.get(timeout=300) for _ in ps]
+    for p in ps:
+        p.join()
+    shmlimit.unlink(name)
+    cpu = sum(r[0] for r in res)
+    return dict(processes=8, rate=50, cpu_s_per_wall_s=cpu / seconds, grants=sum(r[1] for r in res))
+
+
+def _busy_filler(name: str, ready, stop) -> None:
+    lim = shmlimit.attach(name)
+    while shmlimit.inspect(name).filler_pid != os.getpid():  # become the filler first
+        time.sleep(0.005)
+
+    def spin() -> None:
+        x = 0
+        while not stop.is_set():
+            for i in range(10000):
+                x += i * i
+
+    t = threading.Thread(target=spin, daemon=True)
+    t.start()
+    ready.set()
+    stop.wait()
+    t.join()
+    lim.close()
+
+
+def bench_filler_under_load(seconds: float) -> dict:
+    ctx = mp.get_context("fork")
+    name = f"bench-{uuid.uuid4().hex[:8]}"
+    rate = 1000.0
+    lim = shmlimit.Limiter(name, rate=rate)
+    lim.close()
+    ready, stop = ctx.Event(), ctx.Event()
+    busy = ctx.Process(target=_busy_filler, args=(name, ready, stop))
+    busy.start()
+    ready.wait(60)
+    barrier, q = ctx.Barrier(3), ctx.Queue()
+    ps = [ctx.Process(target=_stamp, args=(shmlimit.attach(name), barrier, seconds, q)) for _ in range(3)]
+    for p in ps:
+        p.start()
+    results = [q.get(timeout=300) for _ in ps]
+    filler = shmlimit.inspect(name).filler_pid
+    for p in ps:
+        p.join()
+    stop.set()
+    busy.join()
+    shmlimit.unlink(name)
+    lo = max(r[0] for r in results) + 1_000_000_000
+    end = min(r[0] for r in results) + int(seconds * 1e9)
+    stamps = sorted(t for r in results for t in r[1])
+    achieved = sum(1 for t in stamps if lo <= t < end) / ((end - lo) / 1e9)
+    return dict(
+        target=rate,
+        achieved=achieved,
+        error_pct=100.0 * (achieved - rate) / rate,
+        filler_was_busy_process=filler == busy.pid,
+    )
+
+
+# ---- report --------------------------------------------------------------------------------------------
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--json", action="store_true", help="print one JSON object instead of the table")
+    ap.add_argument("--quick", action="store_true", help="shorter runs (a smoke test, not a measurement)")
+    args = ap.parse_args(argv)
+    quick = args.quick
+    res: dict = dict(
+        machine=dict(
+            python=platform.python_version(),
+            cpus=os.cpu_count(),
+            platform=platform.platform(),
+            native=native_available(),
+        )
+    )
+    res["single_ns"] = bench_single(20_000 if quick else 300_000)
+    res["aggregate_per_s"] = bench_aggregate([1, 2, 4, 8], 0.5 if quick else 1.5)
+    res["fidelity"] = bench_fidelity([500, 5000, 100_000, 1_000_000], 2.0 if quick else 5.0)
+    res["lateness"] = bench_lateness(2.0 if quick else 4.0)
+    res["cpu_waiting"] = bench_cpu(2.0 if quick else 4.0)
+    res["filler_under_load"] = bench_filler_under_load(3.0 if quick else 5.0)
+    if args.json:
+        print(json.dumps(res, indent=None))
+        return 0
+    print_table(res)
+    return 0
+
+
+def print_table(res: dict) -> None:
+    m = res["machine"]
+    print(f"shmlimit benchmark — Python {m['python']}, {m['cpus']} CPUs, {m['platform']}, native={m['native']}\n")
+    single = res["single_ns"]
+    floor = single.get("floor: native fetch_add")
+    base = single["baseline: Value+Lock bucket"]
+    print("1. one process, unlimited rate: cost per call")
+    print(f"   {'':34} {'ns/op':>10} {'x floor':>8} {'x Value+Lock':>13}")
+    for k, v in single.items():
+        xf = f"{v / floor:8.2f}" if floor else f"{'-':>8}"
+        print(f"   {k:34} {v:10.0f} {xf} {v / base:13.3f}")
+    agg = res["aggregate_per_s"]
+    print("\n2. aggregate acquires/s, one unlimited limiter")
+    print(f"   {'processes':>9} {'shmlimit':>14} {'Value+Lock':>14} {'ratio':>8}")
+    for k in agg["shmlimit"]:
+        a, b = agg["shmlimit"][k], agg["Value+Lock"][k]
+        print(f"   {k:>9} {a:14,.0f} {b:14,.0f} {a / b:8.1f}x")
+    print("\n3. rate fidelity, 4 processes (achieved after the first second; worst 1 s window vs rate + capacity)")
+    print(f"   {'target/s':>10} {'achieved/s':>12} {'error':>8} {'max 1s':>10} {'bound':>10}")
+    for r in res["fidelity"]:
+        print(
+            f"   {r['target']:>10,.0f} {r['achieved']:>12,.1f} {r['error_pct']:>7.2f}% {r['max_1s_window']:>10,} "
+            f"{r['bound']:>10,.0f} {'ok' if r['within_bound'] else 'OVER'}"
+        )
+    la = res["lateness"]
+    print(f"\n4. lateness at 1000/s, 4 processes: p50 {la['p50_ms']:.3f} ms, p99 {la['p99_ms']:.3f} ms, max {la['max_ms']:.3f} ms")
+    cw = res["cpu_waiting"]
+    print(f"\n5. CPU while waiting: 8 processes on 50/s use {cw['cpu_s_per_wall_s']:.4f} CPU-s per wall-s together")
+    fl = res["filler_under_load"]
+    print(
+        f"\n6. filler's process CPU-bound: {fl['achieved']:.1f}/s of {fl['target']:.0f}/s ({fl['error_pct']:+.2f}%), "
+        f"filler stayed in the busy process: {fl['filler_was_busy_process']}"
+    )
+
+
+if __name__ == "__main__":
+    sys.exit(main())
