@@ -151,18 +151,40 @@ def _after_fork_in_child() -> None:
 os.register_at_fork(after_in_child=_after_fork_in_child)
 
 
+class _Abandoned(SegmentError):
+    """A segment whose creator died (or vanished) before finishing its initialisation."""
+
+    def __init__(self, name: str, inode: int, creator: int) -> None:
+        who = f"its creator (pid {creator}) died" if creator else "no creator ever wrote its header"
+        super().__init__(
+            f"segment {name!r} was never initialised: {who}; creating the limiter again replaces it, "
+            f"or remove it with shmlimit.unlink({name!r})"
+        )
+        self.inode = inode
+
+
+#: A creator writes its pid first, within microseconds of creating the segment; a header still
+#: without one after this long was not written by a creator (seconds).
+CREATOR_PID_WAIT = 0.1
+
+
 def _wait_ready(name: str, seg: Segment) -> Segment:
-    """Return a mapping of a fully initialised segment, re-opening while its creator works."""
-    deadline = time.monotonic() + INIT_WAIT
+    """Return a mapping of a fully initialised segment, re-opening while its creator works.
+
+    A live creator gets ``INIT_WAIT`` seconds; a dead one, or none, raises ``_Abandoned`` at once.
+    """
+    start = time.monotonic()
     while True:
-        if seg.size >= L.HEADER_BYTES:
+        waited = time.monotonic() - start
+        if 0 < seg.size < L.HEADER_BYTES:
+            raise SegmentError(f"segment {name!r} is truncated: {seg.size} bytes, a limiter needs {L.HEADER_BYTES}")
+        if seg.size:
             cells = open_cells(seg.mm, L.HEADER_BYTES)
             try:
-                magic = cells.load(L.MAGIC_OFF)
-                state = cells.load(L.STATE_OFF)
-                version = cells.load(L.VERSION_OFF)
-                size = cells.load(L.SIZE_OFF)
-                slots = cells.load(L.SLOTS_OFF)
+                magic, state, version, size, slots, creator = (
+                    cells.load(off)
+                    for off in (L.MAGIC_OFF, L.STATE_OFF, L.VERSION_OFF, L.SIZE_OFF, L.SLOTS_OFF, L.CREATOR_PID_OFF)
+                )
             finally:
                 cells.close()
             if magic not in (0, L.MAGIC):
@@ -178,13 +200,11 @@ def _wait_ready(name: str, seg: Segment) -> Segment:
                         f"the mapping has {seg.size} bytes"
                     )
                 return seg
-        elif seg.size and time.monotonic() >= deadline:
-            raise SegmentError(f"segment {name!r} is truncated: {seg.size} bytes, a limiter needs {L.HEADER_BYTES}")
-        if time.monotonic() >= deadline:
-            raise SegmentError(
-                f"segment {name!r} was never initialised (its creator died or is stuck); "
-                f"remove it with shmlimit.unlink({name!r})"
-            )
+            creator_gone = creator > 0xFFFFFFFF or (creator and not is_alive(creator, 0))
+            if creator_gone or (not creator and waited > CREATOR_PID_WAIT) or waited > INIT_WAIT:
+                raise _Abandoned(name, seg.inode, creator)
+        elif waited > INIT_WAIT:
+            raise _Abandoned(name, seg.inode, 0)
         time.sleep(0.001)
         seg.close()
         seg = Segment.open(name)
@@ -209,36 +229,61 @@ def _open_attachment(name: str, cfg: Optional[Config], mode: int, initial: Optio
 def _map(
     name: str, cfg: Optional[Config], mode: int, initial: Optional[float], slots: int, join: bool = True
 ) -> _Attachment:
-    seg = None
-    if cfg is not None:
-        seg = Segment.create(name, L.segment_size(slots), mode)
-        if seg is not None:
-            cells = open_cells(seg.mm, seg.size)
-            c = cells
-            c.store(L.VERSION_OFF, L.VERSION)
-            c.store(L.SIZE_OFF, seg.size)
-            c.store(L.SLOTS_OFF, slots)
-            c.store(L.CREATOR_PID_OFF, os.getpid())
-            c.store(L.CREATED_NS_OFF, time.time_ns())
-            Bucket.initialise(cells, cfg, time.monotonic_ns(), initial, int(os.environ.get("SHMLIMIT_TEST_ROVER_BASE", "0")))
-            c.store(L.MAGIC_OFF, L.MAGIC)
-            c.store(L.STATE_OFF, L.STATE_READY)  # last: openers wait for this
-            return _Attachment(name, seg, cells)
-    seg = _wait_ready(name, Segment.open(name))
-    cells = open_cells(seg.mm, cells_size(seg))
-    att = None
-    try:
-        att = _Attachment(name, seg, cells, join)
-        if cfg is not None and att.bucket.config != cfg:
-            raise ConfigMismatchError(name, att.bucket.config.describe(), cfg.describe())
-    except BaseException:
-        if att is not None:
-            att.detach()
-        else:
-            cells.close()
-            seg.close()
-        raise
-    return att
+    """Create and initialise the segment, or map the existing one; never a half-initialised header.
+
+    With a config (create intent), a segment abandoned mid-initialisation is
+    replaced, and a name unlinked between our failed create and our open is
+    created again.  Without one, both raise.
+    """
+    for _ in range(16):
+        if cfg is not None:
+            seg = Segment.create(name, L.segment_size(slots), mode)
+            if seg is not None:
+                return _initialise(name, seg, cfg, initial, slots)
+        try:
+            seg = _wait_ready(name, Segment.open(name))
+        except LimiterNotFoundError:
+            if cfg is None:
+                raise
+            continue
+        except _Abandoned as e:
+            if cfg is None:
+                raise
+            if current_inode(name) == e.inode:  # still the abandoned one, not a newer segment
+                try:
+                    _unlink_name(name)
+                except LimiterNotFoundError:
+                    pass
+            continue
+        cells = open_cells(seg.mm, cells_size(seg))
+        att = None
+        try:
+            att = _Attachment(name, seg, cells, join)
+            if cfg is not None and att.bucket.config != cfg:
+                raise ConfigMismatchError(name, att.bucket.config.describe(), cfg.describe())
+        except BaseException:
+            if att is not None:
+                att.detach()
+            else:
+                cells.close()
+                seg.close()
+            raise
+        return att
+    raise SegmentError(f"could not create or open limiter {name!r}: it kept being unlinked and re-created")
+
+
+def _initialise(name: str, seg: Segment, cfg: Config, initial: Optional[float], slots: int) -> _Attachment:
+    c = open_cells(seg.mm, seg.size)
+    c.store(L.CREATOR_PID_OFF, os.getpid())  # first: openers tell a working creator from a dead one
+    c.store(L.VERSION_OFF, L.VERSION)
+    c.store(L.SIZE_OFF, seg.size)
+    c.store(L.SLOTS_OFF, slots)
+    c.store(L.CREATED_NS_OFF, time.time_ns())
+    base = int(os.environ.get("SHMLIMIT_TEST_ROVER_BASE", "0"))  # tests: start the rovers anywhere
+    Bucket.initialise(c, cfg, time.monotonic_ns(), initial, base)
+    c.store(L.MAGIC_OFF, L.MAGIC)
+    c.store(L.STATE_OFF, L.STATE_READY)  # last: openers wait for this
+    return _Attachment(name, seg, c)
 
 
 def cells_size(seg: Segment) -> int:

@@ -234,3 +234,50 @@ def test_explicit_mode_is_applied_despite_umask(name):
     finally:
         os.umask(old)
     assert os.stat(f"/dev/shm/shmlimit.{name}").st_mode & 0o777 == 0o660
+
+
+def _abandoned_segment(name, creator_pid):
+    """What a creator killed mid-initialisation leaves: a sized segment, no magic, no READY."""
+    size = L.segment_size(L.DEFAULT_SLOTS)
+    with open(f"/dev/shm/shmlimit.{name}", "wb") as f:
+        f.write(struct.pack("<Q", 0) * 5 + struct.pack("<Q", creator_pid) + bytes(size - 48))
+    os.chmod(f"/dev/shm/shmlimit.{name}", 0o600)
+
+
+def _dead_pid():
+    pid = os.fork()
+    if pid == 0:
+        os._exit(0)
+    os.waitpid(pid, 0)
+    return pid
+
+
+@pytest.mark.parametrize("creator", ["none", "dead"])
+def test_abandoned_segment_is_refused_on_attach_and_replaced_on_create(name, creator):
+    _abandoned_segment(name, 0 if creator == "none" else _dead_pid())
+    with pytest.raises(shmlimit.SegmentError, match="never initialised"):
+        shmlimit.attach(name)
+    lim = shmlimit.Limiter(name, rate=10)  # create intent: the abandoned segment is replaced
+    assert lim.created and lim.try_acquire()
+    lim.close()
+
+
+def test_create_retries_when_the_name_vanishes_between_create_and_open(name, monkeypatch):
+    from shmlimit import limiter as limmod
+    from shmlimit.segment import Segment
+
+    real_create = Segment.create
+    calls = []
+
+    def racing_create(n, size, mode):
+        calls.append(n)
+        if len(calls) == 1:  # someone else holds the name ... and unlinks it before we open it
+            real_create(n, size, mode).close()
+            shmlimit.unlink(n)
+            return None
+        return real_create(n, size, mode)
+
+    monkeypatch.setattr(limmod.Segment, "create", staticmethod(racing_create))
+    lim = shmlimit.Limiter(name, rate=10)
+    assert lim.created and len(calls) == 2
+    lim.close()
