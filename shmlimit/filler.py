@@ -35,8 +35,9 @@ FILL_PERIOD = 0.001
 #: ... about twice per op for slower limits, and no less often than this (seconds).  A fill
 #: that finds nothing to do (bucket full, nobody grabbing) doubles the pause up to this too.
 MAX_FILL_PERIOD = 0.020
-#: Watchers look at the lease this often (seconds).
-WATCH_PERIOD = 0.020
+#: Watchers look at the lease this often (seconds).  They need not hurry: a waiter that finds
+#: the filler late replenishes for itself and nudges its own process's watcher (``nudge``).
+WATCH_PERIOD = 0.5
 
 _SLOT_MASK = (1 << L.LEASE_SLOT_BITS) - 1
 
@@ -114,23 +115,35 @@ class FillerThread(threading.Thread):
         super().__init__(name=f"shmlimit-filler-{name}", daemon=True)
         self.bucket = bucket
         self.lease = lease
-        self._stop_event = threading.Event()
+        self._stopping = False
+        self._wake = threading.Event()
         self.fills = 0
 
     def stop(self) -> None:
-        self._stop_event.set()
+        self._stopping = True
+        self._wake.set()
+
+    def nudge(self) -> None:
+        """Called by this process's waiters when they had to replenish: the filler is late.
+
+        Takes the lease at once if it has expired, so the next filler is one
+        that is known to be running, without any watcher polling quickly.
+        """
+        if not self.lease.held and self.lease.try_take():
+            self._wake.set()
 
     def run(self) -> None:
-        stop = self._stop_event
+        wake = self._wake
         lease = self.lease
         bucket = self.bucket
         last_renew = 0.0
         idle = FILL_PERIOD
         try:
-            while not stop.is_set():
+            while not self._stopping:
                 if not lease.held:
                     if not lease.try_take():
-                        stop.wait(WATCH_PERIOD)
+                        wake.wait(WATCH_PERIOD)
+                        wake.clear()
                         continue
                     last_renew = time.monotonic()
                 now = time.monotonic()

@@ -32,7 +32,7 @@ INIT_WAIT = 2.0
 #: Waiters sleep until this close to their turn, then yield the CPU in a loop (ns).
 SPIN_NS = 200_000
 #: A sleeping waiter wakes at least this often to notice rate changes and stops (seconds).
-MAX_NAP = 0.050
+MAX_NAP = 0.25
 _INF = float("inf")
 
 
@@ -137,12 +137,14 @@ class _Attachment:
 
 
 _registry: Dict[str, _Attachment] = {}
-_registry_lock = threading.Lock()
+# Re-entrant: a Limiter.__del__ run by the garbage collector in the middle of an attach (which
+# holds the lock) must be able to take it again to drop its reference.
+_registry_lock = threading.RLock()
 
 
 def _after_fork_in_child() -> None:
     global _registry_lock
-    _registry_lock = threading.Lock()
+    _registry_lock = threading.RLock()
     for att in list(_registry.values()):
         if not att.closed:
             att.after_fork_in_child()
@@ -753,13 +755,19 @@ class Limiter:
         b = att.bucket
         c = att.cells
         waiting = att.waiting_off
+        filler = att.filler
         if waiting is not None:
             c.store(waiting, 1)
         try:
             while True:
                 # replenishing adds whatever time has passed, however little: re-check, then sleep
-                if diff(ticket, c.load(L.HEAD)) <= 0 or (b.replenish() > 0 and diff(ticket, c.load(L.HEAD)) <= 0):
+                if diff(ticket, c.load(L.HEAD)) <= 0:
                     return
+                if b.replenish() > 0:
+                    if filler is not None:
+                        filler.nudge()  # we did the filler's work: make sure a filler runs
+                    if diff(ticket, c.load(L.HEAD)) <= 0:
+                        return
                 b.refresh()
                 short = diff(ticket, c.load(L.HEAD))
                 wait_ns = short / b.tpn - SPIN_NS

@@ -3,6 +3,7 @@ import math
 import os
 import pickle
 import struct
+import threading
 
 import pytest
 
@@ -281,3 +282,34 @@ def test_create_retries_when_the_name_vanishes_between_create_and_open(name, mon
     lim = shmlimit.Limiter(name, rate=10)
     assert lim.created and len(calls) == 2
     lim.close()
+
+
+def test_a_handle_collected_during_an_attach_does_not_deadlock(name, monkeypatch):
+    """The garbage collector may run a dropped Limiter's __del__ inside another attach."""
+    import gc
+
+    from shmlimit import limiter as limmod
+
+    dropped = shmlimit.Limiter(name, rate=10)
+    cycle = [dropped]
+    cycle.append(cycle)  # only the cycle collector can free it
+    del dropped, cycle
+    real_create = limmod.Segment.create
+
+    def create_then_collect(n, size, mode):
+        gc.collect()  # runs the dropped handle's __del__ while the registry lock is held
+        return real_create(n, size, mode)
+
+    monkeypatch.setattr(limmod.Segment, "create", staticmethod(create_then_collect))
+    done = []
+
+    def attach_other():
+        other = shmlimit.Limiter(name + "-b", rate=10)
+        other.close()
+        other.unlink()
+        done.append(True)
+
+    t = threading.Thread(target=attach_other, daemon=True)
+    t.start()
+    t.join(20)
+    assert done, "the attach deadlocked on the registry lock"

@@ -1,0 +1,18 @@
+"""Declares the optional C extension; all other metadata is in pyproject.toml.
+
+The extension (the native atomic backend) is built when a C compiler is
+present.  Without one the build still succeeds and shmlimit uses the
+portable ``atomics`` backend.
+"""
+from setuptools import Extension, setup
+
+setup(
+    ext_modules=[
+        Extension(
+            "shmlimit._native",
+            ["shmlimit/_native.c"],
+            optional=True,
+            extra_compile_args=["-O2", "-std=gnu11"],
+        )
+    ]
+)
