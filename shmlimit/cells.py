@@ -61,6 +61,7 @@ class Cells:
         once; ``ops`` is then added to the counter cell ``grants``), else the
         ticket (the new tail) that the caller must wait for.
         """
+        self._check(tail, head, grants)
         ticket = (self.fetch_add(tail, amount) + amount) & MASK64
         if ((self.load(head) - ticket) & MASK64) >> 63:
             return ticket
@@ -73,6 +74,7 @@ class Cells:
         On success ``ops`` is added to the counter cell ``grants``.  On failure
         nothing in the segment has changed.
         """
+        self._check(tail, head, grants)
         while True:
             t = self.load(tail)
             new = (t + amount) & MASK64
@@ -81,6 +83,18 @@ class Cells:
             if self.cas(tail, t, new):
                 self.fetch_add(grants, ops)
                 return True
+
+
+    def _check(self, *offsets: int) -> None:
+        """Validate every offset of a composite before its first access."""
+        for off in offsets:
+            check_offset(off, self.size)
+
+
+def check_value(value: int) -> int:
+    if not 0 <= value <= MASK64:
+        raise OverflowError(f"cell values are unsigned 64-bit: {value} is out of range")
+    return value
 
 
 def check_offset(off: int, size: int) -> None:
@@ -118,13 +132,13 @@ class AtomicsCells(Cells):
         return self._view(off).load()
 
     def store(self, off: int, value: int) -> None:
-        self._view(off).store(value & MASK64)
+        self._view(off).store(check_value(value))
 
     def fetch_add(self, off: int, delta: int) -> int:
-        return self._view(off).fetch_add(delta & MASK64)
+        return self._view(off).fetch_add(check_value(delta))
 
     def cas(self, off: int, expected: int, desired: int) -> bool:
-        return self._view(off).cmpxchg_strong(expected & MASK64, desired & MASK64).success
+        return self._view(off).cmpxchg_strong(check_value(expected), check_value(desired)).success
 
     def close(self) -> None:
         for ctx, sub in self._contexts:

@@ -165,15 +165,14 @@ class _Abandoned(SegmentError):
         self.inode = inode
 
 
-#: A creator writes its pid first, within microseconds of creating the segment; a header still
-#: without one after this long was not written by a creator (seconds).
-CREATOR_PID_WAIT = 0.1
 
 
 def _wait_ready(name: str, seg: Segment) -> Segment:
     """Return a mapping of a fully initialised segment, re-opening while its creator works.
 
-    A live creator gets ``INIT_WAIT`` seconds; a dead one, or none, raises ``_Abandoned`` at once.
+    A creator gets ``INIT_WAIT`` seconds from the segment's creation (its
+    ctime).  One known to be dead, or a segment that old with no creator pid
+    yet, raises ``_Abandoned`` at once.
     """
     start = time.monotonic()
     while True:
@@ -203,7 +202,8 @@ def _wait_ready(name: str, seg: Segment) -> Segment:
                     )
                 return seg
             creator_gone = creator > 0xFFFFFFFF or (creator and not is_alive(creator, 0))
-            if creator_gone or (not creator and waited > CREATOR_PID_WAIT) or waited > INIT_WAIT:
+            age = (time.time_ns() - seg.ctime_ns) / 1e9
+            if creator_gone or (not creator and age > INIT_WAIT) or waited > INIT_WAIT:
                 raise _Abandoned(name, seg.inode, creator)
         elif waited > INIT_WAIT:
             raise _Abandoned(name, seg.inode, 0)

@@ -42,12 +42,13 @@ def posix_name(name: str) -> str:
 class Segment:
     """One mapping of a named segment.  ``created`` says whether this call made it."""
 
-    def __init__(self, name: str, mm: mmap.mmap, size: int, created: bool, inode: int) -> None:
+    def __init__(self, name: str, mm: mmap.mmap, size: int, created: bool, inode: int, ctime_ns: int = 0) -> None:
         self.name = name
         self.mm = mm
         self.size = size
         self.created = created
         self.inode = inode
+        self.ctime_ns = ctime_ns  #: when the segment was created and sized (CLOCK_REALTIME ns)
 
     @classmethod
     def create(cls, name: str, size: int, mode: int) -> Optional["Segment"]:
@@ -79,7 +80,7 @@ class Segment:
             mm = mmap.mmap(shm.fd, size) if size else None
         finally:
             shm.close_fd()
-        return cls(name, mm, size, False, st.st_ino)  # type: ignore[arg-type]
+        return cls(name, mm, size, False, st.st_ino, st.st_ctime_ns)  # type: ignore[arg-type]
 
     def close(self) -> None:
         if self.mm is not None:

@@ -1,0 +1,178 @@
+"""The atomic layer: both backends behave identically, stay in bounds, and are atomic across processes."""
+import mmap
+import multiprocessing as mp
+import os
+import uuid
+
+import posix_ipc
+import pytest
+
+from shmlimit.cells import MASK64, native_available, open_cells, selected_backend
+
+REQUIRE_NATIVE = os.environ.get("SHMLIMIT_REQUIRE_NATIVE") == "1"
+BACKENDS = ["atomics", "native"]
+SIZE = 4096
+
+
+def test_native_backend_is_built_when_required():
+    if REQUIRE_NATIVE:
+        assert native_available(), "SHMLIMIT_REQUIRE_NATIVE=1 but shmlimit._native did not build"
+        assert selected_backend() == os.environ.get("SHMLIMIT_BACKEND", "native")
+    elif not native_available():
+        pytest.skip("the native extension is not built here")
+
+
+@pytest.fixture(params=BACKENDS)
+def backend(request):
+    if request.param == "native" and not native_available():
+        if REQUIRE_NATIVE:
+            pytest.fail("SHMLIMIT_REQUIRE_NATIVE=1 but shmlimit._native did not build")
+        pytest.skip("the native extension is not built here")
+    return request.param
+
+
+@pytest.fixture
+def segment():
+    name = f"/shmlimit-test-cells-{uuid.uuid4().hex[:10]}"
+    shm = posix_ipc.SharedMemory(name, posix_ipc.O_CREX, size=SIZE)
+    mm = mmap.mmap(shm.fd, SIZE)
+    shm.close_fd()
+    yield name, mm
+    mm.close()
+    posix_ipc.unlink_shared_memory(name)
+
+
+@pytest.fixture
+def cells(backend, segment):
+    c = open_cells(segment[1], SIZE, backend)
+    yield c
+    try:
+        c.close()
+    except ValueError:
+        pass
+
+
+def test_load_store_fetch_add_wrap(cells):
+    assert cells.backend in BACKENDS and cells.size == SIZE
+    cells.store(8, MASK64)
+    assert cells.load(8) == MASK64
+    assert cells.fetch_add(8, 2) == MASK64
+    assert cells.load(8) == 1  # wrapped modulo 2**64
+    assert cells.fetch_add(8, MASK64) == 1 and cells.load(8) == 0  # adding 2**64-1 subtracts one
+
+
+def test_cas(cells):
+    cells.store(16, 5)
+    assert cells.cas(16, 5, 7) and cells.load(16) == 7
+    assert not cells.cas(16, 5, 9) and cells.load(16) == 7
+
+
+def test_grab_granted_queued_and_counted(cells):
+    tail, head, grants = 0, 64, 128
+    cells.store(head, 10)
+    assert cells.grab(tail, head, 4, grants, 1) is None  # 4 <= 10
+    assert cells.load(grants) == 1
+    assert cells.grab(tail, head, 8, grants, 2) == 12  # a ticket past the head: wait for it
+    assert cells.load(tail) == 12 and cells.load(grants) == 1
+
+
+def test_try_grab_refusal_changes_nothing(cells):
+    tail, head, grants = 0, 64, 128
+    cells.store(tail, MASK64 - 1)  # across the wrap point
+    cells.store(head, 3)
+    assert cells.try_grab(tail, head, 5, grants, 1)  # tail -> 3 (mod 2**64)
+    assert cells.load(tail) == 3 and cells.load(grants) == 1
+    before = [cells.load(o) for o in (tail, head, grants)]
+    assert not cells.try_grab(tail, head, 1, grants, 1)
+    assert [cells.load(o) for o in (tail, head, grants)] == before
+
+
+@pytest.mark.parametrize("off", [-8, 3, SIZE - 4, SIZE, 1 << 40])
+def test_out_of_bounds_and_misaligned_offsets_touch_nothing(cells, off):
+    for i in range(0, SIZE, 8):
+        cells.store(i, i + 1)
+    for call in (
+        lambda: cells.load(off),
+        lambda: cells.store(off, 1),
+        lambda: cells.fetch_add(off, 1),
+        lambda: cells.cas(off, 0, 1),
+        lambda: cells.grab(0, off, 1, 16, 1),
+        lambda: cells.try_grab(off, 8, 1, 16, 1),
+    ):
+        with pytest.raises(IndexError):
+            call()
+    assert all(cells.load(i) == i + 1 for i in range(0, SIZE, 8))
+
+
+@pytest.mark.parametrize("value", [-1, 1 << 64])
+def test_values_outside_64_bits_are_refused(cells, value):
+    cells.store(0, 7)
+    for call in (lambda: cells.store(0, value), lambda: cells.fetch_add(0, value), lambda: cells.cas(0, 7, value)):
+        with pytest.raises(OverflowError):
+            call()
+    assert cells.load(0) == 7
+
+
+def test_closed_cells_refuse_every_call(backend, segment):
+    c = open_cells(segment[1], SIZE, backend)
+    c.close()
+    with pytest.raises(ValueError):
+        c.load(0)
+
+
+def _adder(name, backend, n):
+    shm = posix_ipc.SharedMemory(name)
+    mm = mmap.mmap(shm.fd, SIZE)
+    shm.close_fd()
+    c = open_cells(mm, SIZE, backend)
+    for _ in range(n):
+        c.fetch_add(0, 1)
+    c.close()
+    mm.close()
+
+
+def _taker(name, backend, q):
+    shm = posix_ipc.SharedMemory(name)
+    mm = mmap.mmap(shm.fd, SIZE)
+    shm.close_fd()
+    c = open_cells(mm, SIZE, backend)
+    got = 0
+    while c.try_grab(64, 128, 3, 192, 1):
+        got += 1
+    c.close()
+    mm.close()
+    q.put(got)
+
+
+@pytest.mark.parametrize("method", ["fork", "spawn"])
+def test_fetch_add_is_atomic_across_processes(backend, segment, method):
+    name, mm = segment
+    c = open_cells(mm, SIZE, backend)
+    c.store(0, 0)
+    n = 20_000 if backend == "native" else 1_000
+    ctx = mp.get_context(method)
+    procs = [ctx.Process(target=_adder, args=(name, backend, n)) for _ in range(4)]
+    for p in procs:
+        p.start()
+    for p in procs:
+        p.join(120)
+    assert c.load(0) == 4 * n
+    c.close()
+
+
+@pytest.mark.parametrize("method", ["fork", "spawn"])
+def test_racing_try_grabs_never_over_grant(backend, segment, method):
+    name, mm = segment
+    c = open_cells(mm, SIZE, backend)
+    c.store(64, 0)  # tail
+    c.store(128, 3 * 500 + 2)  # head: 500 grabs of 3 fit, the remainder 2 does not
+    ctx = mp.get_context(method)
+    q = ctx.Queue()
+    procs = [ctx.Process(target=_taker, args=(name, backend, q)) for _ in range(4)]
+    for p in procs:
+        p.start()
+    got = [q.get(timeout=120) for _ in procs]
+    for p in procs:
+        p.join(60)
+    assert sum(got) == 500 and c.load(192) == 500 and c.load(64) == 1500
+    c.close()
