@@ -130,11 +130,36 @@ cells_grab(NativeCells *self, PyObject *const *args, Py_ssize_t n)
         return NULL;
     uint64_t *tail = word(self, args[0]);
     uint64_t *head = tail ? word(self, args[1]) : NULL;
-    if (!head || !u64(args[2], &amount))
+    uint64_t *grants = head ? word(self, args[3]) : NULL;
+    if (!grants || !u64(args[2], &amount) || !u64(args[4], &ops))
         return NULL;
-    uint64_t *grants = word(self, args[3]);
-    if (!grants || !u64(args[4], &ops))
+    uint64_t ticket = __atomic_fetch_add(tail, amount, __ATOMIC_SEQ_CST) + amount;
+    if ((int64_t)(__atomic_load_n(head, __ATOMIC_SEQ_CST) - ticket) < 0)
+        return PyLong_FromUnsignedLongLong(ticket);
+    __atomic_fetch_add(grants, ops, __ATOMIC_SEQ_CST);
+    Py_RETURN_NONE;
+}
+
+/* grab_if(seq, expected, tail, head, amount, grants, ops): grab, unless the word `seq` no
+ * longer holds `expected` (the config changed): then False, with nothing touched. */
+static PyObject *
+cells_grab_if(NativeCells *self, PyObject *const *args, Py_ssize_t n)
+{
+    uint64_t expected;
+    if (!nargs(n, 7, "grab_if") || !check_open(self))
         return NULL;
+    uint64_t *seq = word(self, args[0]);
+    if (!seq || !u64(args[1], &expected))
+        return NULL;
+    /* check every offset before the first access */
+    uint64_t *tail = word(self, args[2]);
+    uint64_t *head = tail ? word(self, args[3]) : NULL;
+    uint64_t *grants = head ? word(self, args[5]) : NULL;
+    uint64_t amount, ops;
+    if (!grants || !u64(args[4], &amount) || !u64(args[6], &ops))
+        return NULL;
+    if (__atomic_load_n(seq, __ATOMIC_SEQ_CST) != expected)
+        Py_RETURN_FALSE;
     uint64_t ticket = __atomic_fetch_add(tail, amount, __ATOMIC_SEQ_CST) + amount;
     if ((int64_t)(__atomic_load_n(head, __ATOMIC_SEQ_CST) - ticket) < 0)
         return PyLong_FromUnsignedLongLong(ticket);
@@ -167,6 +192,73 @@ cells_try_grab(NativeCells *self, PyObject *const *args, Py_ssize_t n)
     }
     __atomic_fetch_add(grants, ops, __ATOMIC_SEQ_CST);
     Py_RETURN_TRUE;
+}
+
+/* Grabber: grab_if with its arguments bound and validated once, called with none.  It holds a
+ * reference to its cells (so the mapping outlives it) and refuses to run once they are closed. */
+typedef struct {
+    PyObject_HEAD
+    NativeCells *cells;
+    uint64_t *seq, *tail, *head, *grants;
+    uint64_t expected, amount, ops;
+} Grabber;
+
+static PyObject *
+grabber_call(Grabber *self, PyObject *args, PyObject *kwds)
+{
+    if (!check_open(self->cells))
+        return NULL;
+    if (__atomic_load_n(self->seq, __ATOMIC_SEQ_CST) != self->expected)
+        Py_RETURN_FALSE;
+    uint64_t ticket = __atomic_fetch_add(self->tail, self->amount, __ATOMIC_SEQ_CST) + self->amount;
+    if ((int64_t)(__atomic_load_n(self->head, __ATOMIC_SEQ_CST) - ticket) < 0)
+        return PyLong_FromUnsignedLongLong(ticket);
+    __atomic_fetch_add(self->grants, self->ops, __ATOMIC_SEQ_CST);
+    Py_RETURN_NONE;
+}
+
+static void
+grabber_dealloc(Grabber *self)
+{
+    Py_XDECREF(self->cells);
+    Py_TYPE(self)->tp_free((PyObject *)self);
+}
+
+static PyTypeObject GrabberType = {
+    PyVarObject_HEAD_INIT(NULL, 0)
+    .tp_name = "shmlimit._native.Grabber",
+    .tp_basicsize = sizeof(Grabber),
+    .tp_flags = Py_TPFLAGS_DEFAULT,
+    .tp_doc = "grab_if with bound arguments: call it with none.",
+    .tp_call = (ternaryfunc)grabber_call,
+    .tp_dealloc = (destructor)grabber_dealloc,
+};
+
+static PyObject *
+cells_grabber(NativeCells *self, PyObject *const *args, Py_ssize_t n)
+{
+    if (!nargs(n, 7, "grabber") || !check_open(self))
+        return NULL;
+    uint64_t *seq = word(self, args[0]);
+    uint64_t *tail = seq ? word(self, args[2]) : NULL;
+    uint64_t *head = tail ? word(self, args[3]) : NULL;
+    uint64_t *grants = head ? word(self, args[5]) : NULL;
+    uint64_t expected, amount, ops;
+    if (!grants || !u64(args[1], &expected) || !u64(args[4], &amount) || !u64(args[6], &ops))
+        return NULL;
+    Grabber *g = PyObject_New(Grabber, &GrabberType);
+    if (!g)
+        return NULL;
+    Py_INCREF(self);
+    g->cells = self;
+    g->seq = seq;
+    g->tail = tail;
+    g->head = head;
+    g->grants = grants;
+    g->expected = expected;
+    g->amount = amount;
+    g->ops = ops;
+    return (PyObject *)g;
 }
 
 static void
@@ -236,6 +328,10 @@ static PyMethodDef cells_methods[] = {
      "cas(off, expected, desired) -> True if the word was expected and is now desired"},
     {"grab", (PyCFunction)(void (*)(void))cells_grab, METH_FASTCALL,
      "grab(tail, head, amount, grants, ops) -> None if granted at once, else the ticket"},
+    {"grab_if", (PyCFunction)(void (*)(void))cells_grab_if, METH_FASTCALL,
+     "grab_if(seq, expected, tail, head, amount, grants, ops) -> False if the seq word changed, else as grab"},
+    {"grabber", (PyCFunction)(void (*)(void))cells_grabber, METH_FASTCALL,
+     "grabber(seq, expected, tail, head, amount, grants, ops) -> a callable doing grab_if with these"},
     {"try_grab", (PyCFunction)(void (*)(void))cells_try_grab, METH_FASTCALL,
      "try_grab(tail, head, amount, grants, ops) -> True if taken; False changes nothing"},
     {"close", (PyCFunction)cells_close, METH_NOARGS, "release the buffer; later calls raise ValueError"},
@@ -268,7 +364,7 @@ static struct PyModuleDef native_module = {
 PyMODINIT_FUNC
 PyInit__native(void)
 {
-    if (PyType_Ready(&NativeCellsType) < 0)
+    if (PyType_Ready(&NativeCellsType) < 0 || PyType_Ready(&GrabberType) < 0)
         return NULL;
     PyObject *m = PyModule_Create(&native_module);
     if (!m)

@@ -18,6 +18,7 @@ memory is touched.
 """
 from __future__ import annotations
 
+import functools
 import mmap
 import os
 from typing import Dict, List, Tuple
@@ -67,6 +68,22 @@ class Cells:
             return ticket
         self.fetch_add(grants, ops)
         return None
+
+    def grab_if(self, seq: int, expected: int, tail: int, head: int, amount: int, grants: int, ops: int):
+        """``grab``, unless the word ``seq`` no longer holds ``expected``: then False, nothing touched.
+
+        The acquire fast path in one call: ``seq`` is the config's sequence
+        word, so a grab is never priced with a config another process replaced.
+        """
+        self._check(seq, tail, head, grants)
+        if self.load(seq) != expected:
+            return False
+        return self.grab(tail, head, amount, grants, ops)
+
+    def grabber(self, seq: int, expected: int, tail: int, head: int, amount: int, grants: int, ops: int):
+        """``grab_if`` with its arguments bound (and checked) once: a callable taking none."""
+        self._check(seq, tail, head, grants)
+        return functools.partial(self.grab_if, seq, expected, tail, head, amount, grants, ops)
 
     def try_grab(self, tail: int, head: int, amount: int, grants: int, ops: int) -> bool:
         """Advance the tail by ``amount`` only if the head covers it (CAS); never queue.

@@ -34,6 +34,7 @@ SPIN_NS = 200_000
 #: A sleeping waiter wakes at least this often to notice rate changes and stops (seconds).
 MAX_NAP = 0.25
 _INF = float("inf")
+_ONE = 1  # `n is _ONE`: the cheapest test that n is the int 1 (True is not)
 
 
 @dataclass(frozen=True)
@@ -77,6 +78,10 @@ class Stats:
 # per-process attachments
 
 
+def _no_fast() -> bool:
+    return False
+
+
 class _Attachment:
     """One process's mapping of one limiter segment (shared by all its Limiter handles)."""
 
@@ -96,8 +101,21 @@ class _Attachment:
         self.grants_off = L.UNREG_GRANTS
         self.waiting_off: Optional[int] = None
         self.pid = os.getpid()
+        # The acquire fast path: [grabber], shared by reference with every handle and updated in
+        # place.  A grabber does one grab_if priced under the config it was made for; it answers
+        # False (nothing touched) once the config changed, and _no_fast always answers False.
+        self.fast: list = [_no_fast]
         if join:
             self._join_process()
+        self.update_fast()
+
+    def update_fast(self) -> None:
+        b = self.bucket
+        self.fast_seq = b.seq
+        if self.closed or b.max_reserved_ns != _INF:  # every acquire checks max_reserved
+            self.fast[0] = _no_fast
+        else:
+            self.fast[0] = self.cells.grabber(L.CFG_SEQ, b.seq, L.TAIL, L.HEAD, b.cost, self.grants_off, 1)
 
     def _join_process(self) -> None:
         """Register this process and start its filler thread (also after fork, in the child)."""
@@ -115,6 +133,7 @@ class _Attachment:
             self.lease = Lease(self.cells, self.slot)
             self.filler = FillerThread(self.bucket, self.lease, self.name)
             self.filler.start()
+        self.update_fast()
 
     def after_fork_in_child(self) -> None:
         # The parent's filler thread does not exist here, and its lease is the parent's.
@@ -126,6 +145,7 @@ class _Attachment:
         if self.closed:
             return
         self.closed = True
+        self.fast[0] = _no_fast
         if self.filler is not None:
             self.filler.stop()
             if self.filler.is_alive():
@@ -380,7 +400,9 @@ class Limiter:
             raise ValueError(f"slots must be an int from 1 to {L.MAX_SLOTS}, got {slots!r}")
         self._name = name
         self._att: Optional[_Attachment] = None
+        self._fast: list = [_no_fast]
         self._att = _open_attachment(name, cfg, mode, initial, slots)
+        self._fast = self._att.fast
 
     # -- identity and lifecycle ----------------------------------------------------
 
@@ -434,6 +456,7 @@ class Limiter:
     def close(self) -> None:
         """Detach this handle.  The segment stays (use ``unlink``); other processes are unaffected."""
         att, self._att = self._att, None
+        self._fast = [_no_fast]
         if att is not None:
             _release(att, detach=True)
 
@@ -478,19 +501,24 @@ class Limiter:
         With ``max_reserved`` set, an untimed acquire waits (taking nothing)
         until the queue is short enough to join.
         """
-        att = self._att
-        if att is None:
-            att = self._live()
+        # The fast path: one op, no timeout, the config unchanged -- a single native call.
+        if n is _ONE and timeout is None:
+            ticket = self._fast[0]()
+            if ticket is None:
+                return True
+            if ticket is not False:
+                att = self._live()
+                self._wait(att, ticket)
+                att.cells.fetch_add(att.grants_off, 1)
+                return True
+        return self._acquire(n, timeout)
+
+    def _acquire(self, n: int, timeout: Optional[float]) -> bool:
+        att = self._live()
         b = att.bucket
         c = att.cells
-        if c.load(L.CFG_SEQ) != b.seq:
-            b.load_config()
-        if n == 1 and timeout is None and n.__class__ is int and b.max_reserved_ns == _INF:
-            ticket = c.grab(L.TAIL, L.HEAD, b.cost, att.grants_off, 1)
-            if ticket is not None:
-                self._wait(att, ticket)
-                c.fetch_add(att.grants_off, 1)
-            return True
+        if b.refresh() or att.fast_seq != b.seq:
+            att.update_fast()
         tokens = validate_n(n, b.cost) * b.cost
         timeout = validate_timeout(timeout)
         if timeout is None:

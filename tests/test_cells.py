@@ -76,6 +76,24 @@ def test_grab_granted_queued_and_counted(cells):
     assert cells.load(tail) == 12 and cells.load(grants) == 1
 
 
+def test_grab_if_and_bound_grabber(cells):
+    seq, tail, head, grants = 8, 0, 64, 128
+    cells.store(seq, 4)
+    cells.store(head, 10)
+    assert cells.grab_if(seq, 3, tail, head, 4, grants, 1) is False  # config changed: nothing touched
+    assert cells.load(tail) == 0 and cells.load(grants) == 0
+    g = cells.grabber(seq, 4, tail, head, 4, grants, 1)
+    assert g() is None and g() is None and g() == 12  # 4, 8 granted; 12 > 10 queues
+    assert cells.load(tail) == 12 and cells.load(grants) == 2
+    cells.store(seq, 6)
+    assert g() is False and cells.load(tail) == 12
+    with pytest.raises(IndexError):
+        cells.grabber(seq, 4, tail, SIZE, 4, grants, 1)
+    cells.close()
+    with pytest.raises(ValueError):
+        g()
+
+
 def test_try_grab_refusal_changes_nothing(cells):
     tail, head, grants = 0, 64, 128
     cells.store(tail, MASK64 - 1)  # across the wrap point
