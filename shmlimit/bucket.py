@@ -382,6 +382,19 @@ class Bucket:
         now = self.clock() if now is None else now
         return max(0, now - self.cells.load(L.REPL_TS)) * self.tpn
 
+    def due_ns(self, ticket: int) -> float:
+        """When (CLOCK_MONOTONIC ns) the head reaches ``ticket`` at the current rate.
+
+        The head holds every token up to the last replenish time, so the
+        ticket is due that long after it.  A replenish claims its time
+        before it adds its tokens, so the head is read first: a pair read
+        across a replenish then has the newer time and the older head, and
+        can only make the answer later, never earlier.
+        """
+        c = self.cells
+        head = c.load(L.HEAD)
+        return c.load(L.REPL_TS) + max(0, diff(ticket, head)) / self.tpn
+
     def wait_ns(self, tokens_short: int) -> float:
         """Nanoseconds of schedule until ``tokens_short`` more tokens accrue."""
         return tokens_short / self.tpn

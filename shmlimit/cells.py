@@ -193,6 +193,12 @@ def selected_backend() -> str:
     return "native" if native_available() else "atomics"
 
 
+def warm_backend(backend: str | None = None) -> None:
+    """Import the backend's module now, so that a first store into a new segment is not delayed."""
+    if (backend or selected_backend()) == "atomics":
+        import atomics  # noqa: F401
+
+
 def open_cells(mm: mmap.mmap, size: int, backend: str | None = None) -> Cells:
     """Wrap ``size`` bytes of ``mm`` in the selected (or the named) backend."""
     backend = backend or selected_backend()

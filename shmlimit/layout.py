@@ -12,10 +12,10 @@ filler and the process table never false-share.
     line  5  CEIL      ceil rover: capped-release mode only
     line  6  REPL_TS SNAP_HEAD SNAP_TAIL: last replenish time and the rovers read just before it
     line  7  LEASE     filler lease: (expiry_us << 12) | (slot + 1), 0 = free
-    line  8  RETIRED_GRANTS UNREG_GRANTS: grants of departed / unregistered processes
+    line  8  UNREG_GRANTS: grants of processes beyond the table
     line  9  WAIT      the waiting pool: schedule time not used while the bucket was full (catch-up)
     lines 10..15 reserved
-    then SLOTS process slots of one line each: PID START GRANTS WAITING - - - -
+    then SLOTS process slots of one line each: PID START GRANTS WAITING BASE - - -
 
 Values that are not integers (rate, per, burst) are stored as IEEE-754 bits.
 """
@@ -68,8 +68,7 @@ LEASE = 7 * LINE
 LEASE_SLOT_BITS = 12
 
 # counters
-RETIRED_GRANTS = 8 * LINE
-UNREG_GRANTS = 8 * LINE + 8
+UNREG_GRANTS = 8 * LINE
 
 # catch-up
 WAIT = 9 * LINE
@@ -82,6 +81,10 @@ SLOT_PID = 0
 SLOT_START = 8
 SLOT_GRANTS = 16
 SLOT_WAITING = 24
+#: GRANTS counts every grant ever made through the slot, by all its owners in turn; BASE is
+#: GRANTS when the current owner registered.  Nothing is ever moved between words, so a
+#: process killed at any instant loses no grant from the total.
+SLOT_BASE = 32
 DEFAULT_SLOTS = 128
 #: The table can be no larger than the lease word can name.
 MAX_SLOTS = (1 << LEASE_SLOT_BITS) - 1

@@ -19,7 +19,7 @@ from typing import Any, Dict, Optional, Tuple, Union
 
 from . import layout as L
 from .bucket import Bucket, diff
-from .cells import MASK64, Cells, open_cells
+from .cells import MASK64, Cells, open_cells, warm_backend
 from .config import NS_PER_S, Config, parse_spec, validate_n, validate_timeout
 from .errors import ConfigMismatchError, LimiterNotFoundError, SegmentError
 from .filler import LEASE_TIMEOUT, FillerThread, Lease, lease_expiry_us, lease_slot, now_us
@@ -27,8 +27,11 @@ from .segment import Segment, current_inode, validate_name
 from .segment import unlink as _unlink_name
 from .table import ProcessTable, is_alive, proc_start
 
-#: How long an opener waits for a segment's creator to finish initialising it (seconds).
+#: A segment this old (seconds) with no creator pid in its header was abandoned by its creator.
 INIT_WAIT = 2.0
+#: How long an opener waits for a live creator to finish initialising (seconds); a creator is
+#: never replaced while it lives, however slow, but an opener gives up with an error after this.
+LIVE_CREATOR_WAIT = 30.0
 #: Waiters sleep until this close to their turn, then yield the CPU in a loop (ns).
 SPIN_NS = 200_000
 #: A sleeping waiter wakes at least this often to notice rate changes and stops (seconds).
@@ -120,7 +123,8 @@ class _Attachment:
     def _join_process(self) -> None:
         """Register this process and start its filler thread (also after fork, in the child)."""
         self.pid = os.getpid()
-        self.slot = self.table.register(self.pid, proc_start(self.pid) or 0)
+        start = proc_start(self.pid)
+        self.slot = self.table.register(self.pid, start if start and start > 0 else 0)
         if self.slot is None:
             self.grants_off = L.UNREG_GRANTS
             self.waiting_off = None
@@ -191,8 +195,9 @@ def _wait_ready(name: str, seg: Segment) -> Segment:
     """Return a mapping of a fully initialised segment, re-opening while its creator works.
 
     A creator gets ``INIT_WAIT`` seconds from the segment's creation (its
-    ctime).  One known to be dead, or a segment that old with no creator pid
-    yet, raises ``_Abandoned`` at once.
+    ctime) to write its pid; a segment that old without one, or whose
+    creator is dead, raises ``_Abandoned``.  A live creator is waited for
+    (up to ``LIVE_CREATOR_WAIT``), never replaced.
     """
     start = time.monotonic()
     while True:
@@ -221,11 +226,14 @@ def _wait_ready(name: str, seg: Segment) -> Segment:
                         f"the mapping has {seg.size} bytes"
                     )
                 return seg
-            creator_gone = creator > 0xFFFFFFFF or (creator and not is_alive(creator, 0))
             age = (time.time_ns() - seg.ctime_ns) / 1e9
-            if creator_gone or (not creator and age > INIT_WAIT) or waited > INIT_WAIT:
+            if creator > 0xFFFFFFFF or (creator and not is_alive(creator, 0)) or (not creator and age > INIT_WAIT):
                 raise _Abandoned(name, seg.inode, creator)
-        elif waited > INIT_WAIT:
+            if waited > LIVE_CREATOR_WAIT:
+                raise SegmentError(
+                    f"segment {name!r} is still being initialised by pid {creator} after {waited:.0f} s"
+                )
+        elif (time.time_ns() - seg.ctime_ns) / 1e9 > INIT_WAIT:
             raise _Abandoned(name, seg.inode, 0)
         time.sleep(0.001)
         seg.close()
@@ -257,6 +265,7 @@ def _map(
     replaced, and a name unlinked between our failed create and our open is
     created again.  Without one, both raise.
     """
+    warm_backend()  # a creator's first store must not wait for an import
     for _ in range(16):
         if cfg is not None:
             seg = Segment.create(name, L.segment_size(slots), mode)
@@ -271,6 +280,15 @@ def _map(
         except _Abandoned as e:
             if cfg is None:
                 raise
+            time.sleep(0.05)  # replacing destroys a segment: confirm the verdict once more first
+            try:
+                _wait_ready(name, Segment.open(name)).close()
+                continue  # it became ready (or another took its place): attach normally
+            except _Abandoned as again:
+                if again.inode != e.inode:
+                    continue
+            except (LimiterNotFoundError, SegmentError):
+                continue
             if current_inode(name) == e.inode:  # still the abandoned one, not a newer segment
                 try:
                     _unlink_name(name)
@@ -575,10 +593,13 @@ class Limiter:
         if ticket is None:
             return None
         att.cells.fetch_add(att.grants_off, n)
-        short = b.deficiency(ticket)
-        if short and (b.stopped or (b.capped and diff(ticket, att.cells.load(L.CEIL)) > 0)):
+        if b.deficiency(ticket) and (b.stopped or (b.capped and diff(ticket, att.cells.load(L.CEIL)) > 0)):
             return _INF
-        return short / b.tpn / NS_PER_S
+        # Replenish just before reading the head and its time: a replenish by another process
+        # landing between the two reads makes the answer late by its interval, which is now
+        # only as long as the time since ours.
+        b.replenish()
+        return max(0.0, b.due_ns(ticket) - time.monotonic_ns()) / NS_PER_S
 
     def retry_after(self, n: int = 1) -> float:
         """Seconds until ``n`` ops could be granted to a new caller at the current rate (0.0: now)."""
@@ -842,9 +863,8 @@ def snapshot(name: str, att: _Attachment) -> Stats:
         filler_pid = att.table.pid_of(slot) or None
         heartbeat_age = max(0.0, (now - (lease_expiry_us(word) - int(LEASE_TIMEOUT * 1e6))) / 1e6)
     procs = []
-    total = c.load(L.RETIRED_GRANTS) + c.load(L.UNREG_GRANTS)
+    total = c.load(L.UNREG_GRANTS) + att.table.total_grants()
     for e in att.table.entries():
-        total += e.grants
         procs.append(ProcessStats(e.pid, is_alive(e.pid, e.start), e.grants, e.waiting, e.index == slot and filler_pid is not None))
     short = max(0, -balance)
     return Stats(

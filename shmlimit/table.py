@@ -4,8 +4,10 @@ A slot is claimed by CAS on its PID word (0 = free).  A process is identified
 by pid *and* start time (clock ticks since boot, from /proc), so a recycled pid
 is never mistaken for the process that held the slot.  A slot whose process is
 dead (gone, a zombie, or a different process under the same pid) is reclaimed
-by the next process that registers; its grants move to RETIRED_GRANTS so the
-limiter's total never goes backwards.
+by the next process that registers.  A slot's GRANTS only ever grows, across
+its owners; each owner's own count is GRANTS - BASE.  The limiter's total is
+the sum of every slot's GRANTS, so it never goes backwards and nothing is lost
+when a process dies at any instant.
 
 The table has ``SLOTS`` entries (128 by default).  A process arriving when every
 slot is held by a live process still shares the limit exactly -- the rovers are
@@ -22,20 +24,33 @@ from . import layout as L
 from .cells import Cells
 
 
+#: proc_start's answer when /proc cannot tell (a read error other than "no such process").
+UNKNOWN = -1
+
+
 def proc_start(pid: int) -> Optional[int]:
-    """Start time of a live (non-zombie) process in clock ticks since boot, or None if there is none."""
+    """Start time of a live (non-zombie) process in clock ticks since boot; None if there is none.
+
+    UNKNOWN when /proc could not be read for another reason (too many open
+    files, a torn read): callers must then treat the process as alive, since
+    taking a live process for dead would let its slot, lease or segment be
+    taken from under it.
+    """
     try:
         with open(f"/proc/{pid}/stat", "rb") as f:
             data = f.read()
     except (FileNotFoundError, ProcessLookupError):
         return None
     except OSError:
-        return None
+        return UNKNOWN
     # the command name may contain spaces and parentheses: fields resume after the last ')'
-    fields = data[data.rindex(b")") + 2:].split()
-    if fields[0] in (b"Z", b"X"):  # zombie or dead: it will never grab again
-        return None
-    return int(fields[19])
+    try:
+        fields = data[data.rindex(b")") + 2:].split()
+        if fields[0] in (b"Z", b"X"):  # zombie or dead: it will never grab again
+            return None
+        return int(fields[19])
+    except (ValueError, IndexError):
+        return UNKNOWN
 
 
 def is_alive(pid: int, start: int) -> bool:
@@ -45,7 +60,7 @@ def is_alive(pid: int, start: int) -> bool:
     now_start = proc_start(pid)
     if now_start is None:
         return False
-    return start == 0 or now_start == start
+    return start == 0 or now_start in (start, UNKNOWN)
 
 
 @dataclass(frozen=True)
@@ -81,47 +96,42 @@ class ProcessTable:
             if not c.cas(base + L.SLOT_START, old_start, 0):
                 continue
             if c.cas(base + L.SLOT_PID, old, pid):
-                grants = c.load(base + L.SLOT_GRANTS)
-                c.fetch_add(L.RETIRED_GRANTS, grants)
                 self._fill(base, start)
                 return i
         return None
 
     def _fill(self, base: int, start: int) -> None:
         c = self.cells
-        c.store(base + L.SLOT_GRANTS, 0)
+        c.store(base + L.SLOT_BASE, c.load(base + L.SLOT_GRANTS))
         c.store(base + L.SLOT_WAITING, 0)
         c.store(base + L.SLOT_START, start)
 
     def unregister(self, index: int, pid: int) -> None:
-        """Give the slot back, moving its grants to the retired total."""
+        """Give the slot back (its grants stay in the total)."""
         c = self.cells
         base = L.slot_offset(index)
         if c.load(base + L.SLOT_PID) != pid:
             return  # reclaimed already (we were taken for dead)
-        grants = c.load(base + L.SLOT_GRANTS)
-        c.store(base + L.SLOT_GRANTS, 0)
-        c.fetch_add(L.RETIRED_GRANTS, grants)
+        c.store(base + L.SLOT_WAITING, 0)
         c.store(base + L.SLOT_START, 0)
         c.cas(base + L.SLOT_PID, pid, 0)
 
     def entries(self) -> List[SlotInfo]:
+        """The occupied slots; ``grants`` is each current owner's own count."""
         c = self.cells
         out = []
         for i in range(self.slots):
             base = L.slot_offset(i)
             pid = c.load(base + L.SLOT_PID)
             if pid:
-                out.append(
-                    SlotInfo(
-                        i,
-                        pid,
-                        c.load(base + L.SLOT_START),
-                        c.load(base + L.SLOT_GRANTS),
-                        bool(c.load(base + L.SLOT_WAITING)),
-                    )
-                )
+                own = c.load(base + L.SLOT_GRANTS) - c.load(base + L.SLOT_BASE)
+                out.append(SlotInfo(i, pid, c.load(base + L.SLOT_START), max(0, own), bool(c.load(base + L.SLOT_WAITING))))
         return out
+
+    def total_grants(self) -> int:
+        """Every grant ever made through any slot, by current and departed owners alike."""
+        c = self.cells
+        return sum(c.load(L.slot_offset(i) + L.SLOT_GRANTS) for i in range(self.slots))
 
     def pid_of(self, index: int) -> int:
         if not 0 <= index < self.slots:

@@ -147,7 +147,7 @@ def test_bad_names_are_refused(bad):
 
 
 # What a bad call could touch: the config line, the tail, and the counters.
-GUARDED = [(L.CFG_SEQ, L.CFG_FLAGS + 8), (L.TAIL, L.TAIL + 8), (L.RETIRED_GRANTS, L.UNREG_GRANTS + 8)]
+GUARDED = [(L.CFG_SEQ, L.CFG_FLAGS + 8), (L.TAIL, L.TAIL + 8), (L.UNREG_GRANTS, L.UNREG_GRANTS + 8)]
 
 
 def guarded(name):
