@@ -15,6 +15,7 @@ from dataclasses import asdict
 from typing import List, Optional, Sequence
 
 from . import limiter as _limiter
+from .config import parse_spec
 from .errors import ShmlimitError
 from .limiter import Limiter, Stats, inspect
 from .segment import list_names
@@ -116,7 +117,13 @@ def _inspect(name: str) -> Stats:
 def cmd_list(args: argparse.Namespace) -> int:
     names = list_names()
     if args.json:
-        print(json.dumps([_stats_dict(_inspect(n)) for n in names]))
+        out = []
+        for n in names:
+            try:
+                out.append(_stats_dict(inspect(n)))
+            except (ShmlimitError, OSError) as e:  # listed with the reason, never fatal
+                out.append({"name": n, "error": str(e)})
+        print(json.dumps(out))
         return 0
     if not names:
         print("no shmlimit limiters on this machine")
@@ -155,6 +162,29 @@ def cmd_create(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_set_rate(args: argparse.Namespace) -> int:
+    """Change a live limiter for every attached process: a spec rate[,ratio][,verb]."""
+    spec = parse_spec(args.spec)
+    try:
+        lim = Limiter(args.name)
+    except FileNotFoundError:
+        raise UserError(f"no limiter named {args.name!r} (see 'shmlimit list')") from None
+    try:
+        if spec.verb == "stop":
+            lim.stop()
+        else:
+            lim.set_rate(spec.rate, per=args.per, burst=args.burst, ratio=spec.ratio)
+            if spec.verb == "start":
+                lim.start()
+            elif spec.verb == "restart":
+                lim.restart()
+        state = "stopped" if lim.stopped else "running"
+        print(f"{args.name}: {lim.config.describe()} ({state})")
+    finally:
+        lim.close()
+    return 0
+
+
 def cmd_unlink(args: argparse.Namespace) -> int:
     try:
         _limiter.unlink(args.name)
@@ -178,6 +208,17 @@ def _positive(kind):
         return v
 
     return parse
+
+
+def _spec(text: str) -> str:
+    """A rate spec, checked at parse time so a bad one is a usage error."""
+    if text.strip().lower() in ("stop", "0,stop"):
+        return "1,stop"  # the rate of a stop is not used
+    try:
+        parse_spec(text)
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
+    return text
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -204,11 +245,21 @@ def build_parser() -> argparse.ArgumentParser:
 
     c = sub.add_parser("create", help="create a limiter (or check that it exists with this config)")
     c.add_argument("name")
-    c.add_argument("--rate", type=_positive(float), required=True, help="ops per --per seconds")
+    c.add_argument("--rate", type=_spec, required=True, help="ops per --per seconds, or a spec like 12K,1.1")
     c.add_argument("--per", type=_positive(float), default=1.0, help="seconds (default 1)")
     c.add_argument("--burst", type=_positive(float), default=None, help="capacity in ops")
     c.add_argument("--mode", default="600", help="permission bits in octal (default 600)")
     c.set_defaults(func=cmd_create)
+
+    r = sub.add_parser(
+        "set-rate",
+        help="change a live limiter in every process: rate[,ratio][,verb] with verb configure|start|restart|stop",
+    )
+    r.add_argument("name")
+    r.add_argument("spec", type=_spec, help="e.g. 12000, 12K,1.1 or 12K,1.1,restart or 0,stop")
+    r.add_argument("--per", type=_positive(float), default=None, help="seconds (default: unchanged)")
+    r.add_argument("--burst", type=_positive(float), default=None, help="capacity in ops (default: 10 ms of the rate)")
+    r.set_defaults(func=cmd_set_rate)
 
     u = sub.add_parser("unlink", help="remove a limiter's segment")
     u.add_argument("name")
@@ -227,6 +278,9 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         print(f"shmlimit: {e}", file=sys.stderr)
     except KeyboardInterrupt:
         return 130
+    except BrokenPipeError:  # the reader (head, less) went away: not an error of ours
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return 0
     return 2
 
 

@@ -1,0 +1,85 @@
+"""The shmlimit command, run as a real subprocess against live limiters."""
+import json
+import os
+import subprocess
+import sys
+import tempfile
+
+import pytest
+
+import shmlimit
+
+CLI = [sys.executable, "-m", "shmlimit.cli"]
+
+
+def run(*args, timeout=120):
+    return subprocess.run([*CLI, *args], capture_output=True, text=True, timeout=timeout, cwd=tempfile.gettempdir())
+
+
+def test_create_inspect_set_rate_unlink(name):
+    r = run("create", name, "--rate", "12K,1.1")
+    assert r.returncode == 0 and "created" in r.stdout and "ratio=1.1" in r.stdout
+    lim = shmlimit.attach(name)
+    lim.acquire(3)
+    snap = json.loads(run("inspect", name, "--json").stdout)
+    live = shmlimit.inspect(name)
+    for field in ("name", "rate", "per", "capacity", "ratio", "grants", "capped", "stopped"):
+        assert snap[field] == getattr(live, field), field
+    assert [p["pid"] for p in snap["processes"]] == [os.getpid()]
+    assert run("set-rate", name, "20K").returncode == 0
+    assert lim.rate == 20000 and lim.config.ratio == 1.1  # the running process sees it at once
+    assert run("set-rate", name, "20K,1.1,stop").returncode == 0 and lim.stopped
+    assert not lim.try_acquire()
+    assert run("set-rate", name, "20K,1.1,start").returncode == 0 and not lim.stopped
+    listing = json.loads(run("list", "--json").stdout)
+    assert name in [s["name"] for s in listing]
+    lim.close()
+    r = run("unlink", name)
+    assert r.returncode == 0 and name not in shmlimit.list_names()
+
+
+@pytest.mark.parametrize(
+    "args",
+    [
+        ["inspect", "no-such-limiter-here"],
+        ["unlink", "no-such-limiter-here"],
+        ["set-rate", "no-such-limiter-here", "10"],
+        ["create", "x", "--rate", "0"],
+        ["create", "x", "--rate", "fast"],
+        ["create", "bad/name", "--rate", "10"],
+        ["set-rate", "x", "10,0.5"],
+        ["demo", "--workers", "0"],
+        ["create"],
+    ],
+)
+def test_user_mistakes_are_one_line_and_exit_2(args):
+    r = run(*args)
+    assert r.returncode == 2
+    assert "Traceback" not in r.stderr and r.stderr.strip()
+    assert len([line for line in r.stderr.splitlines() if line.startswith("shmlimit")]) >= 1
+
+
+def test_demo_reports_achieved_rate_within_the_bound():
+    r = run("demo", "--workers", "3", "--rate", "300", "--seconds", "1.5")
+    assert r.returncode == 0, r.stderr
+    assert "never more than rate*T + capacity" in r.stdout and ": yes" in r.stdout
+    total = [line for line in r.stdout.splitlines() if line.strip().startswith("total")][0]
+    achieved = float(total.split("s: ")[1].split(" ops/s")[0])
+    assert achieved == pytest.approx(300, rel=0.05)
+
+
+def test_help_on_every_command():
+    for cmd in ("demo", "list", "inspect", "create", "set-rate", "unlink"):
+        r = run(cmd, "--help")
+        assert r.returncode == 0 and "usage" in r.stdout
+
+
+def test_list_reports_an_unreadable_segment_instead_of_failing(name):
+    with open(f"/dev/shm/shmlimit.{name}", "wb") as f:
+        f.write(b"NOTSHMLM" + bytes(2000))
+    r = run("list", "--json")
+    assert r.returncode == 0
+    entry = [e for e in json.loads(r.stdout) if e["name"] == name][0]
+    assert "not a shmlimit limiter" in entry["error"]
+    r = run("list")
+    assert r.returncode == 0 and name in r.stdout and "unreadable" in r.stdout
