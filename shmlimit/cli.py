@@ -185,6 +185,41 @@ def cmd_set_rate(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_top(args: argparse.Namespace) -> int:
+    """The live view (see shmlimit.top)."""
+    from .top import run
+
+    for n in args.names:
+        _inspect(n)  # an unknown name is a user error, reported before the first refresh
+    return run(args.names or None, args.interval, args.once, args.json)
+
+
+def cmd_gc(args: argparse.Namespace) -> int:
+    """Remove segments no live process is attached to (--dry-run: only list them)."""
+    removed = kept = 0
+    for n in list_names():
+        try:
+            s = inspect(n)
+        except (ShmlimitError, OSError) as e:
+            print(f"left alone (unreadable): {n}: {e}")
+            continue
+        if any(p.alive for p in s.processes):
+            kept += 1
+            continue
+        if args.dry_run:
+            print(f"stale: {n}")
+        else:
+            try:
+                _limiter.unlink(n)
+                print(f"removed: {n}")
+            except FileNotFoundError:
+                continue
+        removed += 1
+    verb = "stale" if args.dry_run else "removed"
+    print(f"{removed} {verb}, {kept} in use")
+    return 0
+
+
 def cmd_unlink(args: argparse.Namespace) -> int:
     try:
         _limiter.unlink(args.name)
@@ -260,6 +295,17 @@ def build_parser() -> argparse.ArgumentParser:
     r.add_argument("--per", type=_positive(float), default=None, help="seconds (default: unchanged)")
     r.add_argument("--burst", type=_positive(float), default=None, help="capacity in ops (default: 10 ms of the rate)")
     r.set_defaults(func=cmd_set_rate)
+
+    t = sub.add_parser("top", help="the live view of every limiter (or the ones named), refreshing in place")
+    t.add_argument("names", nargs="*", metavar="NAME")
+    t.add_argument("--interval", type=_positive(float), default=1.0, help="seconds between refreshes (default 1)")
+    t.add_argument("--once", action="store_true", help="print one snapshot (rates over one interval) and exit")
+    t.add_argument("--json", action="store_true", help="one JSON object per refresh, one per line")
+    t.set_defaults(func=cmd_top)
+
+    g = sub.add_parser("gc", help="remove segments that no live process is attached to")
+    g.add_argument("--dry-run", action="store_true", help="only list them")
+    g.set_defaults(func=cmd_gc)
 
     u = sub.add_parser("unlink", help="remove a limiter's segment")
     u.add_argument("name")

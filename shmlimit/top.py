@@ -1,0 +1,166 @@
+"""The live inspector behind ``shmlimit top`` and ``tools/shmtop``.
+
+It only reads: every snapshot comes from ``shmlimit.inspect``, which maps a
+segment without registering, never joins the filler election and writes
+nothing.  Grants per second are measured between two snapshots, so the first
+figures appear after one interval.
+
+``--json`` prints one JSON object per refresh, on one line:
+
+    {"time": <unix seconds>, "interval": <seconds>, "limiters": [<limiter>, ...]}
+
+where each <limiter> has every field of ``shmlimit.Stats`` (``processes`` as a
+list of objects with ``pid``, ``alive``, ``grants``, ``waiting``, ``filler``
+and ``command``), plus ``grants_per_second`` (over the last interval),
+``history`` (the recent grants per second, oldest first) and ``stale`` (no
+live process attached); or, for a segment that cannot be read, just
+``name`` and ``error``.
+"""
+from __future__ import annotations
+
+import json
+import sys
+import time
+from collections import deque
+from dataclasses import asdict
+from typing import Deque, Dict, List, Optional, Sequence, Tuple
+
+from .errors import ShmlimitError
+from .limiter import Stats, inspect
+from .segment import list_names
+
+SPARKS = "▁▂▃▄▅▆▇█"
+HISTORY = 30
+CLEAR = "\x1b[H\x1b[2J"
+
+
+def sparkline(values: Sequence[float]) -> str:
+    """Unicode blocks scaled from 0 to the largest value."""
+    if not values:
+        return ""
+    top = max(values)
+    if top <= 0:
+        return SPARKS[0] * len(values)
+    return "".join(SPARKS[min(len(SPARKS) - 1, int(v / top * (len(SPARKS) - 1) + 0.5))] for v in values)
+
+
+_commands: Dict[Tuple[int, bool], str] = {}
+
+
+def command_of(pid: int, alive: bool) -> str:
+    """The process's command name (psutil), cached; '?' when it cannot be read (or it is gone)."""
+    key = (pid, alive)
+    if key not in _commands:
+        name = "?"
+        if alive:
+            try:
+                import psutil
+
+                name = psutil.Process(pid).name()
+            except Exception:  # gone or not ours to read
+                name = "?"
+        _commands[key] = name
+    return _commands[key]
+
+
+class Inspector:
+    """Successive snapshots of some (or all) limiters, with rates and history."""
+
+    def __init__(self, names: Optional[List[str]] = None) -> None:
+        self.names = names
+        self.prev: Dict[str, Tuple[float, int]] = {}
+        self.history: Dict[str, Deque[float]] = {}
+
+    def sample(self) -> List[dict]:
+        names = self.names if self.names is not None else list_names()
+        now = time.monotonic()
+        out = []
+        for name in names:
+            try:
+                s = inspect(name)
+            except (ShmlimitError, OSError) as e:
+                out.append({"name": name, "error": str(e)})
+                continue
+            out.append(self._record(name, s, now))
+        return out
+
+    def _record(self, name: str, s: Stats, now: float) -> dict:
+        d = asdict(s)
+        d["processes"] = [dict(asdict(p), command=command_of(p.pid, p.alive)) for p in s.processes]
+        last = self.prev.get(name)
+        gps = None
+        if last is not None and now > last[0]:
+            gps = max(0.0, (s.grants - last[1]) / (now - last[0]))
+            self.history.setdefault(name, deque(maxlen=HISTORY)).append(gps)
+        self.prev[name] = (now, s.grants)
+        d["grants_per_second"] = gps
+        d["history"] = list(self.history.get(name, ()))
+        d["stale"] = not any(p.alive for p in s.processes)
+        return d
+
+
+def render(records: List[dict], interval: float) -> str:
+    """The live view as text."""
+    lines = [f"shmlimit top — {time.strftime('%H:%M:%S')}, every {interval:g} s, {len(records)} limiter(s)", ""]
+    if not records:
+        lines.append("no shmlimit limiters on this machine")
+    for r in records:
+        if "error" in r:
+            lines.append(f"{r['name']}: unreadable: {r['error']}")
+            lines.append("")
+            continue
+        rate = f"{r['rate']:g}/{r['per']:g}s" + (f" ratio {r['ratio']:g}" if r["ratio"] != 1.0 else "")
+        flags = " STOPPED" if r["stopped"] else ""
+        flags += " STALE (no live process)" if r["stale"] else ""
+        gps = r["grants_per_second"]
+        lines.append(f"{r['name']}  rate {rate}  capacity {r['capacity']:g}{flags}")
+        lines.append(
+            f"  available {r['available']:.1f}  deficiency {r['deficiency']:.1f} ops / {r['deficiency_seconds']:.4f} s"
+            f"  behind {r['behind_seconds']:.3f} s  grants {r['grants']}"
+        )
+        hb = "-" if r["heartbeat_age"] is None else f"{r['heartbeat_age'] * 1000:.0f} ms"
+        lines.append(
+            f"  grants/s {'-' if gps is None else f'{gps:,.1f}'}  {sparkline(r['history'])}"
+            f"  filler {r['filler_pid'] or '-'} (heartbeat {hb})"
+        )
+        lines.append(f"  {'pid':>8} {'command':16} {'state':6} {'grants':>10}  waiting")
+        for p in r["processes"]:
+            state = "alive" if p["alive"] else "DEAD"
+            role = " filler" if p["filler"] else ""
+            lines.append(
+                f"  {p['pid']:>8} {p['command'][:16]:16} {state:6} {p['grants']:>10}  {'yes' if p['waiting'] else 'no'}{role}"
+            )
+        lines.append("")
+    return "\n".join(lines) + "\n"
+
+
+def run(names: Optional[List[str]], interval: float, once: bool, as_json: bool, out=None) -> int:
+    """Refresh until interrupted (or once).  Returns the exit status."""
+    out = out or sys.stdout
+    tty = out.isatty() and not as_json
+    insp = Inspector(names)
+    insp.sample()  # the baseline the first rates are measured from
+    try:
+        while True:
+            time.sleep(interval)
+            records = insp.sample()
+            if as_json:
+                out.write(json.dumps({"time": time.time(), "interval": interval, "limiters": records}) + "\n")
+            else:
+                out.write((CLEAR if tty else "") + render(records, interval))
+            out.flush()
+            if once:
+                return 0
+    except KeyboardInterrupt:
+        return 0
+
+
+def main(argv: Optional[Sequence[str]] = None) -> int:
+    """``shmtop``: the same as ``shmlimit top``."""
+    from .cli import main as cli_main
+
+    return cli_main(["top", *(sys.argv[1:] if argv is None else argv)])
+
+
+if __name__ == "__main__":  # pragma: no cover
+    sys.exit(main())

@@ -1,0 +1,135 @@
+"""The live inspector and gc, run as real subprocesses against limiters used by other processes."""
+import json
+import os
+import pty
+import select
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+
+import pytest
+
+import shmlimit
+from test_processes import wait_for
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+CLI = [sys.executable, "-m", "shmlimit.cli"]
+WORKER = """
+import sys, shmlimit
+lim = shmlimit.attach(sys.argv[1])
+print("ready", flush=True)
+while True:
+    lim.acquire()
+"""
+
+
+def start_worker(name):
+    p = subprocess.Popen(
+        [sys.executable, "-c", WORKER, name], stdout=subprocess.PIPE, text=True, cwd=tempfile.gettempdir()
+    )
+    assert p.stdout.readline().strip() == "ready"
+    return p
+
+
+def cli(*args):
+    return subprocess.run([*CLI, *args], capture_output=True, text=True, timeout=60, cwd=tempfile.gettempdir())
+
+
+def test_once_json_matches_inspect_and_measures_the_rate(name):
+    shmlimit.Limiter(name, rate=200).close()
+    workers = [start_worker(name) for _ in range(2)]
+    try:
+        r = cli("top", name, "--once", "--json", "--interval", "1.0")
+        assert r.returncode == 0, r.stderr
+        snap = json.loads(r.stdout.strip())
+        [rec] = snap["limiters"]
+        live = shmlimit.inspect(name)
+        for field in ("name", "rate", "per", "capacity", "capped", "ratio"):
+            assert rec[field] == getattr(live, field)
+        assert rec["grants_per_second"] == pytest.approx(200, rel=0.1)
+        assert rec["stale"] is False and rec["filler_pid"] in {w.pid for w in workers}
+        procs = {p["pid"]: p for p in rec["processes"]}
+        assert set(procs) == {w.pid for w in workers}
+        assert all(p["alive"] and p["command"].startswith("python") for p in procs.values())
+    finally:
+        for w in workers:
+            w.kill()
+            w.wait()
+
+
+def test_live_view_refreshes_in_place_under_a_terminal(name):
+    shmlimit.Limiter(name, rate=100).close()
+    worker = start_worker(name)
+    pid, fd = pty.fork()
+    if pid == 0:  # the child: the real tool on a pseudo-terminal
+        os.chdir(tempfile.gettempdir())
+        os.execv(sys.executable, [sys.executable, os.path.join(ROOT, "tools", "shmtop"), name, "--interval", "0.2"])
+    out = b""
+    end = time.monotonic() + 10
+    while out.count(b"\x1b[H\x1b[2J") < 3 and time.monotonic() < end:
+        ready, _, _ = select.select([fd], [], [], 0.5)
+        if ready:
+            try:
+                out += os.read(fd, 65536)
+            except OSError:
+                break
+    os.kill(pid, signal.SIGINT)
+    _, status = os.waitpid(pid, 0)
+    worker.kill()
+    worker.wait()
+    text = out.decode(errors="replace")
+    assert out.count(b"\x1b[H\x1b[2J") >= 3, text[-500:]
+    assert name in text and "grants/s" in text and "alive" in text
+    assert os.WIFEXITED(status) and os.WEXITSTATUS(status) == 0  # Ctrl-C is a clean exit
+    assert "Traceback" not in text
+
+
+def test_a_killed_worker_shows_dead_and_the_segment_stale(name):
+    shmlimit.Limiter(name, rate=100).close()
+    worker = start_worker(name)
+    worker.send_signal(signal.SIGKILL)
+    worker.wait()
+    r = cli("top", name, "--once", "--json", "--interval", "0.1")
+    [rec] = json.loads(r.stdout)["limiters"]
+    [proc] = [p for p in rec["processes"] if p["pid"] == worker.pid]
+    assert proc["alive"] is False and rec["stale"] is True
+    text = cli("top", name, "--once", "--interval", "0.1").stdout
+    assert "DEAD" in text and "STALE" in text
+
+
+def test_gc_removes_only_stale_segments(name):
+    stale, used = name + "-stale", name + "-used"
+    shmlimit.Limiter(stale, rate=10).close()
+    shmlimit.Limiter(used, rate=10).close()
+    worker = start_worker(used)
+    try:
+        r = cli("gc", "--dry-run")
+        assert r.returncode == 0 and f"stale: {stale}" in r.stdout and used not in r.stdout
+        assert stale in shmlimit.list_names()  # dry run removes nothing
+        r = cli("gc")
+        assert f"removed: {stale}" in r.stdout
+        names = shmlimit.list_names()
+        assert stale not in names and used in names
+    finally:
+        worker.kill()
+        worker.wait()
+        shmlimit.unlink(used)
+
+
+def test_inspecting_never_registers_or_changes_anything(name):
+    lim = shmlimit.Limiter(name, rate=10)
+    lim.acquire()
+    before = shmlimit.inspect(name)
+    for args in (("top", name, "--once", "--interval", "0.05"), ("inspect", name), ("list",)):
+        assert cli(*args).returncode == 0
+    after = shmlimit.inspect(name)
+    assert [p.pid for p in after.processes] == [os.getpid()] and after.grants == before.grants
+    lim.close()
+
+
+@pytest.mark.parametrize("args", [["top", "no-such-limiter"], ["top", "--interval", "0"], ["top", "--interval", "x"]])
+def test_top_mistakes_exit_2_without_traceback(args):
+    r = cli(*args)
+    assert r.returncode == 2 and "Traceback" not in r.stderr and r.stderr.strip()
