@@ -120,6 +120,18 @@ cells_cas(NativeCells *self, PyObject *const *args, Py_ssize_t n)
     Py_RETURN_FALSE;
 }
 
+/* The grab itself, on validated words: fetch-add the tail; if the head covers the new tail,
+ * count `ops` in the grants cell and return None, else return the ticket to wait for. */
+static PyObject *
+do_grab(uint64_t *tail, uint64_t *head, uint64_t *grants, uint64_t amount, uint64_t ops)
+{
+    uint64_t ticket = __atomic_fetch_add(tail, amount, __ATOMIC_SEQ_CST) + amount;
+    if ((int64_t)(__atomic_load_n(head, __ATOMIC_SEQ_CST) - ticket) < 0)
+        return PyLong_FromUnsignedLongLong(ticket);
+    __atomic_fetch_add(grants, ops, __ATOMIC_SEQ_CST);
+    Py_RETURN_NONE;
+}
+
 /* grab(tail, head, amount, grants, ops): fetch-add the tail; None if the head covers the
  * new tail (and `ops` is added to the grants cell), else the ticket to wait for. */
 static PyObject *
@@ -133,11 +145,7 @@ cells_grab(NativeCells *self, PyObject *const *args, Py_ssize_t n)
     uint64_t *grants = head ? word(self, args[3]) : NULL;
     if (!grants || !u64(args[2], &amount) || !u64(args[4], &ops))
         return NULL;
-    uint64_t ticket = __atomic_fetch_add(tail, amount, __ATOMIC_SEQ_CST) + amount;
-    if ((int64_t)(__atomic_load_n(head, __ATOMIC_SEQ_CST) - ticket) < 0)
-        return PyLong_FromUnsignedLongLong(ticket);
-    __atomic_fetch_add(grants, ops, __ATOMIC_SEQ_CST);
-    Py_RETURN_NONE;
+    return do_grab(tail, head, grants, amount, ops);
 }
 
 /* grab_if(seq, expected, tail, head, amount, grants, ops): grab, unless the word `seq` no
@@ -160,11 +168,7 @@ cells_grab_if(NativeCells *self, PyObject *const *args, Py_ssize_t n)
         return NULL;
     if (__atomic_load_n(seq, __ATOMIC_SEQ_CST) != expected)
         Py_RETURN_FALSE;
-    uint64_t ticket = __atomic_fetch_add(tail, amount, __ATOMIC_SEQ_CST) + amount;
-    if ((int64_t)(__atomic_load_n(head, __ATOMIC_SEQ_CST) - ticket) < 0)
-        return PyLong_FromUnsignedLongLong(ticket);
-    __atomic_fetch_add(grants, ops, __ATOMIC_SEQ_CST);
-    Py_RETURN_NONE;
+    return do_grab(tail, head, grants, amount, ops);
 }
 
 /* try_grab(tail, head, amount, grants, ops): advance the tail by CAS only if the head covers
@@ -210,11 +214,7 @@ grabber_call(Grabber *self, PyObject *args, PyObject *kwds)
         return NULL;
     if (__atomic_load_n(self->seq, __ATOMIC_SEQ_CST) != self->expected)
         Py_RETURN_FALSE;
-    uint64_t ticket = __atomic_fetch_add(self->tail, self->amount, __ATOMIC_SEQ_CST) + self->amount;
-    if ((int64_t)(__atomic_load_n(self->head, __ATOMIC_SEQ_CST) - ticket) < 0)
-        return PyLong_FromUnsignedLongLong(ticket);
-    __atomic_fetch_add(self->grants, self->ops, __ATOMIC_SEQ_CST);
-    Py_RETURN_NONE;
+    return do_grab(self->tail, self->head, self->grants, self->amount, self->ops);
 }
 
 static void
