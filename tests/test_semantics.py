@@ -61,16 +61,22 @@ class Consumers:
     def __init__(self, lim, count=2, method="fork"):
         ctx = mp.get_context(method)
         self.go, self.stop, self.q = ctx.Event(), ctx.Event(), ctx.Queue()
-        self.procs = [ctx.Process(target=_consume, args=(lim, self.go, self.stop, self.q)) for _ in range(count)]
+        self.procs = [
+            ctx.Process(target=_consume, args=(lim, self.go, self.stop, self.q), daemon=True) for _ in range(count)
+        ]
         for p in self.procs:
             p.start()
 
     def finish(self):
         self.stop.set()
         self.go.set()
-        stamps = sorted(t for _ in self.procs for t in self.q.get(timeout=60))
-        for p in self.procs:
-            p.join(30)
+        try:
+            stamps = sorted(t for _ in self.procs for t in self.q.get(timeout=60))
+        finally:
+            for p in self.procs:
+                p.join(30)
+                if p.is_alive():  # stuck: never leave a process behind to hang the suite
+                    p.kill()
         return stamps
 
 
@@ -145,6 +151,7 @@ def test_capped_release_throttles_by_completions(name):
     t0 = time.monotonic()
     wait_for(lambda: lim.stats().grants >= 60)
     assert time.monotonic() - t0 >= 40 / 2000  # never faster than the rate
+    lim.release(10**6)  # budget for the consumer's last acquire, whenever it sees the stop
     cons.finish()
     with pytest.raises(ValueError, match="capped"):
         shmlimit.Limiter(name + "x", rate=10).release()
