@@ -12,7 +12,7 @@ import os
 import sys
 import time
 from dataclasses import asdict
-from typing import List, Optional, Sequence
+from typing import Optional, Sequence
 
 from . import limiter as _limiter
 from .config import parse_spec

@@ -16,7 +16,6 @@ counted in UNREG_GRANTS.
 """
 from __future__ import annotations
 
-import os
 from dataclasses import dataclass
 from typing import List, Optional
 

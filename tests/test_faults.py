@@ -1,5 +1,4 @@
 """Faults with real processes: stopped fillers, killed waiters, rovers wrapping, and a short soak."""
-import json
 import os
 import signal
 import subprocess
@@ -10,7 +9,7 @@ import time
 import pytest
 
 import shmlimit
-from test_processes import collect, go, max_excess, max_gap, start_workers, tag, wait_for
+from test_processes import collect, go, max_excess, max_gap, start_acquirer, start_workers, tag, wait_for
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 IDLE = """
@@ -63,31 +62,16 @@ def test_stopped_filler_loses_the_lease_and_nothing_is_double_filled(name):
     assert (len(after) - 1) / (after[-1] - after[0]) == pytest.approx(rate, rel=0.03)
 
 
-WAITER = """
-import sys, shmlimit
-lim = shmlimit.attach(sys.argv[1])
-print("ready", flush=True)
-while True:
-    lim.acquire()
-"""
-
-
 def test_killed_waiters_leave_no_stuck_queue_and_their_slots_are_reclaimed(name):
     lim = shmlimit.Limiter(name, rate=20, slots=4)
     lim.close()
 
-    def spawn():
-        p = subprocess.Popen([sys.executable, "-c", WAITER, name], stdout=subprocess.PIPE, text=True,
-                             cwd=tempfile.gettempdir())
-        assert p.stdout.readline().strip() == "ready"
-        return p
-
-    first = [spawn() for _ in range(4)]  # the table is full, and they queue at 20/s
+    first = [start_acquirer(name) for _ in range(4)]  # the table is full, and they queue at 20/s
     wait_for(lambda: sum(p.waiting for p in shmlimit.inspect(name).processes) >= 3)
     for p in first:  # killed while holding tickets and waiting
         p.send_signal(signal.SIGKILL)
         p.wait()
-    second = [spawn() for _ in range(4)]
+    second = [start_acquirer(name) for _ in range(4)]
     try:
         s = shmlimit.inspect(name)
         assert {p.pid for p in s.processes} == {p.pid for p in second}  # every dead slot reclaimed

@@ -184,6 +184,22 @@ def collect(procs):
     return out
 
 
+ACQUIRER = """
+import sys, shmlimit
+lim = shmlimit.attach(sys.argv[1])
+print("ready", flush=True)
+while True:
+    lim.acquire()
+"""
+
+
+def start_acquirer(name):
+    """An independent interpreter attached to ``name``, acquiring forever (kill it when done)."""
+    p = subprocess.Popen([sys.executable, "-c", ACQUIRER, name], stdout=subprocess.PIPE, text=True, cwd=WORKDIR)
+    assert p.stdout.readline().strip() == "ready"
+    return p
+
+
 def test_independent_interpreters_share_the_rate(name):
     rate, seconds = 150, 2.5
     lim = shmlimit.Limiter(name, rate=rate)

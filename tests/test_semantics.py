@@ -1,7 +1,6 @@
 """Every seed's semantics: rate specs, catch-up, capped release, reservations, back-off,
 the throttle decorator, live changes (set_rate, stop/start), drain, asyncio."""
 import asyncio
-import functools
 import math
 import multiprocessing as mp
 import os

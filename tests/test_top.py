@@ -12,27 +12,10 @@ import time
 import pytest
 
 import shmlimit
-from test_processes import wait_for
+from test_processes import start_acquirer as start_worker
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 CLI = [sys.executable, "-m", "shmlimit.cli"]
-WORKER = """
-import sys, shmlimit
-lim = shmlimit.attach(sys.argv[1])
-print("ready", flush=True)
-while True:
-    lim.acquire()
-"""
-
-
-def start_worker(name):
-    p = subprocess.Popen(
-        [sys.executable, "-c", WORKER, name], stdout=subprocess.PIPE, text=True, cwd=tempfile.gettempdir()
-    )
-    assert p.stdout.readline().strip() == "ready"
-    return p
-
-
 def cli(*args):
     return subprocess.run([*CLI, *args], capture_output=True, text=True, timeout=60, cwd=tempfile.gettempdir())
 

@@ -23,7 +23,6 @@ import multiprocessing as mp
 import os
 import platform
 import resource
-import statistics
 import sys
 import threading
 import time
@@ -31,7 +30,7 @@ import uuid
 from typing import Callable, Dict, List, Optional
 
 import shmlimit
-from shmlimit.cells import native_available, open_cells
+from shmlimit.cells import native_available
 
 UNLIMITED = dict(rate=1e9, burst=1e9)  # 1e9 ops/s with a second of burst: never waits in a benchmark
 
