@@ -21,3 +21,27 @@ def shm_bytes(name: str) -> bytes:
     """The segment's raw bytes, read through the filesystem (not the atomic layer)."""
     with open(f"/dev/shm/shmlimit.{name}", "rb") as f:
         return f.read()
+
+
+@pytest.fixture(scope="session")
+def redis_server():
+    """One real redis-server for the session (skipped, or failed under SHMLIMIT_REQUIRE_REDIS=1, without one)."""
+    from redis_server import RedisServer, require
+
+    require()
+    server = RedisServer()
+    server.start()
+    yield server
+    server.stop()
+
+
+@pytest.fixture
+def own_redis():
+    """A redis-server of the test's own, which the test may kill and restart."""
+    from redis_server import RedisServer, require
+
+    require()
+    server = RedisServer()
+    server.start()
+    yield server
+    server.stop()

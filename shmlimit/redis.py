@@ -1,0 +1,504 @@
+"""``RedisLimiter``: the same limit shared across hosts, decided by one Lua script in Redis.
+
+    from shmlimit.redis import RedisLimiter
+    lim = RedisLimiter("partner-api", rate=100, url="redis://redis.internal:6379/0")
+    lim.acquire()
+
+Each decision is one round trip: an ``EVALSHA`` of the script below, which runs
+GCRA (the theoretical arrival time, TAT) atomically inside Redis:
+
+* The state is one hash, ``shmlimit:{name}:gcra`` -- the hash tag puts every
+  key of a limiter in one Redis Cluster slot -- holding an epoch ``e`` (whole
+  seconds of the clock) and ``t``, the TAT in integer nanoseconds after the
+  epoch.  Times stay integers far below 2**53 (the script moves the epoch
+  forward every ~11 days of continuous use), so nothing is lost to doubles.
+* One clock: Redis ``TIME`` by default.  ``clock="client"`` sends the caller's
+  wall clock instead, for managed services that refuse ``TIME`` in scripts;
+  the hosts' clocks must then agree (their skew adds to the burst).
+* An op costs ``interval = ceil(per/rate)`` ns and the burst is a tolerance of
+  ``burst * interval``: a request for ``n`` ops is due at
+  ``max(TAT, now) + n*interval - tolerance``.  Due now: granted.  Due later:
+  granted as a reservation (the caller sleeps until it is due) unless the wait
+  exceeds the caller's ``max_wait``/``timeout`` or the limiter's
+  ``max_reserved``; then it is refused, the script writes nothing and answers
+  how long to back off.
+* The key expires once the bucket would be full again (``TAT`` passed, plus a
+  second), which is the same as no key at all: idle limiters leave nothing.
+
+Permit expiry (the distributed-throttle seed's point): ``acquire`` sleeps until
+its reservation is due; if the process wakes more than ``grace`` seconds late
+(an overloaded scheduler), the permit is void -- it stays counted, unused -- and
+``acquire`` asks again.  So calls actually start within ``grace`` of their slot,
+and in any window T at most ``rate*(T + grace) + burst`` calls start.
+"""
+from __future__ import annotations
+
+import asyncio
+import math
+import random
+import threading
+import time
+from dataclasses import dataclass
+from typing import Any, Dict, Optional, Tuple, Union
+from urllib.parse import urlsplit, urlunsplit
+
+from .config import NS_PER_S, Config, validate_n, validate_timeout
+from .errors import ShmlimitError
+from .segment import validate_name
+
+try:  # the redis extra: pip install 'shmlimit[redis]'
+    import redis as _redis
+    import redis.asyncio as _aredis
+    from redis.backoff import NoBackoff
+    from redis.exceptions import NoScriptError
+    from redis.retry import Retry
+except ImportError:  # pragma: no cover - exercised only without the extra
+    _redis = None  # type: ignore[assignment]
+
+#: Default connect and socket timeouts (seconds).  redis-py waits forever by default and retries
+#: with back-off for seconds; a rate limiter must fail fast so callers can fall back.
+DEFAULT_TIMEOUT = 0.25
+#: A reservation used more than this late is void (seconds).
+DEFAULT_GRACE = 0.05
+#: Longest single sleep while backing off from a full queue (seconds).
+MAX_NAP = 0.25
+#: Schedule an op or a reservation may span at most (ns): keeps every time in the script exact.
+MAX_SCHEDULE_NS = 10**15
+
+MODE_RESERVE, MODE_UPTO, MODE_PEEK = 0, 1, 2
+
+LUA = r"""
+-- KEYS[1]: hash {e = epoch (whole seconds), t = theoretical arrival time (ns after e)}
+-- ARGV: mode (0 reserve n, 1 take up to n available now but at least m, 2 peek), n, interval_ns,
+--       tolerance_ns, max_wait_ns (-1 = none), clock seconds and microseconds ('' = Redis TIME), m
+-- Returns {ops granted, wait_ns, backlog_ns}: a refusal grants 0 ops, writes nothing, and its
+-- wait is how long until the request could be granted.
+local mode = tonumber(ARGV[1])
+local n = tonumber(ARGV[2])
+local iv = tonumber(ARGV[3])
+local tau = tonumber(ARGV[4])
+local max_wait = tonumber(ARGV[5])
+local sec, usec
+if ARGV[6] == '' then
+  local t = redis.call('TIME')
+  sec = tonumber(t[1]); usec = tonumber(t[2])
+else
+  sec = tonumber(ARGV[6]); usec = tonumber(ARGV[7])
+end
+local st = redis.call('HMGET', KEYS[1], 'e', 't')
+local e = tonumber(st[1]) or sec
+local now = (sec - e) * 1000000000 + usec * 1000
+local tat = tonumber(st[2]) or now
+if tat < now then tat = now end
+local backlog = tat - now
+if mode == 2 then
+  local avail = math.floor((tau - backlog) / iv)
+  if avail < 0 then avail = 0 end
+  return {avail, math.max(0, backlog + n * iv - tau), backlog}
+end
+local grant = n
+if mode == 1 then
+  local m = tonumber(ARGV[8])
+  grant = math.min(n, math.floor((tau - backlog) / iv))
+  if grant < m then return {0, backlog + m * iv - tau, backlog} end
+else
+  local wait = backlog + n * iv - tau
+  if wait > 0 and max_wait >= 0 and wait > max_wait then return {0, wait, backlog} end
+end
+tat = tat + grant * iv
+if now > 1000000000000000 then
+  -- move the epoch forward so every time stays an exact integer in a double
+  local s = math.floor(now / 1000000000) - 1
+  e = e + s; now = now - s * 1000000000; tat = tat - s * 1000000000
+end
+redis.call('HSET', KEYS[1], 'e', string.format('%.0f', e), 't', string.format('%.0f', tat))
+redis.call('PEXPIRE', KEYS[1], math.ceil((tat - now) / 1000000) + 1000)
+return {grant, math.max(0, tat - tau - now), tat - now}
+"""
+
+
+class RedisUnavailableError(ShmlimitError, ConnectionError):
+    """Redis could not be reached or answered with an error (the cause is chained)."""
+
+
+@dataclass(frozen=True)
+class RedisStats:
+    """A snapshot of a Redis limiter: the shared state read from Redis, and this client's counters."""
+
+    name: str
+    key: str
+    rate: float  #: ops per ``per`` seconds
+    per: float  #: seconds
+    capacity: float  #: ops at most at once (the burst)
+    available: float  #: ops that could be granted now (whole ops)
+    backlog_seconds: float  #: schedule already reserved beyond now, by every client
+    round_trips: int  #: script calls by this client (a NOSCRIPT recovery counts its extra two)
+    grants: int  #: ops granted to this client (reservations included, voided ones too)
+    refusals: int  #: requests refused (timeout, ``max_reserved``, ``try_acquire``)
+    expired: int  #: reservations voided because they were used more than ``grace`` late
+    script_loads: int  #: times the script had to be loaded again (NOSCRIPT)
+    errors: int  #: calls that failed to reach Redis
+
+    @property
+    def ops_per_second(self) -> float:
+        return self.rate / self.per
+
+
+def redact(url: str) -> str:
+    """``url`` without its password, for messages and stats."""
+    parts = urlsplit(url)
+    if parts.password is None:
+        return url
+    host = parts.hostname or ""
+    if parts.port:
+        host = f"{host}:{parts.port}"
+    user = f"{parts.username}:***@" if parts.username else ":***@"
+    return urlunsplit((parts.scheme, user + host, parts.path, parts.query, parts.fragment))
+
+
+class RedisLimiter:
+    """A rate limit of ``rate`` ops per ``per`` seconds shared through Redis by every client of ``name``.
+
+    The same interface and semantics as ``shmlimit.Limiter``: ``acquire``,
+    ``try_acquire``, ``reserve``, ``retry_after``, ``acquire_async``,
+    ``stats``, usable by ``shmlimit.throttle``.  Every client of one name must
+    pass the same ``rate``, ``per`` and ``burst`` (the script trusts them).
+
+    ``burst`` (ops, default 10 ms of rate and at least one); ``max_reserved``
+    (seconds of schedule callers may reserve ahead; default unbounded);
+    ``grace`` (seconds a reservation may be used late before it is void;
+    None = never void); ``clock`` (``"server"``: Redis ``TIME``, or
+    ``"client"``: this host's wall clock); ``timeout`` (connect and socket
+    timeout, seconds).  ``client`` may be an existing ``redis.Redis`` to use
+    instead of ``url`` (the limiter then cannot be pickled).
+    """
+
+    def __init__(
+        self,
+        name: str,
+        rate: float,
+        per: float = 1.0,
+        burst: Optional[float] = None,
+        *,
+        url: str = "redis://localhost:6379/0",
+        max_reserved: Optional[float] = None,
+        grace: Optional[float] = DEFAULT_GRACE,
+        clock: str = "server",
+        timeout: float = DEFAULT_TIMEOUT,
+        client: Any = None,
+    ) -> None:
+        if _redis is None:  # pragma: no cover
+            raise ImportError("shmlimit.redis needs redis-py: pip install 'shmlimit[redis]'")
+        validate_name(name)
+        cfg = Config.make(rate, per, burst, False, None, max_reserved, None)
+        interval = math.ceil(cfg.per * NS_PER_S / cfg.rate)
+        if interval * max(1.0, cfg.burst) > MAX_SCHEDULE_NS:
+            raise ValueError(
+                f"burst*per/rate must be at most {MAX_SCHEDULE_NS / NS_PER_S:g} s on Redis, "
+                f"got {cfg.burst * cfg.per / cfg.rate:g} s"
+            )
+        if clock not in ("server", "client"):
+            raise ValueError(f"clock must be 'server' or 'client', got {clock!r}")
+        self._grace = validate_timeout(grace, "grace")
+        t = validate_timeout(timeout, "timeout")
+        if t is None or t == 0:
+            raise ValueError(f"timeout must be a finite number of seconds > 0, got {timeout!r}")
+        if not isinstance(url, str) or not url.startswith(("redis://", "rediss://", "unix://")):
+            raise ValueError(f"url must be a redis://, rediss:// or unix:// URL, got {url!r}")
+        self._name = name
+        self._config = cfg
+        self._url = url
+        self._clock = clock
+        self._timeout = t
+        self.key = f"shmlimit:{{{name}}}:gcra"
+        self._interval = interval  # ns per op, rounded up: never faster than asked
+        self._tolerance = int(cfg.burst * interval)  # rounded down: never more burst than asked
+        self._max_reserved_ns = None if cfg.max_reserved is None else int(cfg.max_reserved * NS_PER_S)
+        self._own_client = client is None
+        self._client = client if client is not None else self._connect(_redis.Redis)
+        self._script = self._client.register_script(LUA)
+        self._aclients: Dict[int, Any] = {}
+        self._lock = threading.Lock()
+        self._counts = {"round_trips": 0, "grants": 0, "refusals": 0, "expired": 0, "script_loads": 0, "errors": 0}
+
+    def _connect(self, cls: Any) -> Any:
+        return cls.from_url(
+            self._url,
+            socket_timeout=self._timeout,
+            socket_connect_timeout=self._timeout,
+            retry=Retry(NoBackoff(), 1),  # one reconnect (a restarted server), never a back-off
+        )
+
+    # -- identity --------------------------------------------------------------------
+
+    @property
+    def name(self) -> str:
+        return self._name
+
+    @property
+    def config(self) -> Config:
+        return self._config
+
+    @property
+    def rate(self) -> float:
+        """Ops per ``per`` seconds."""
+        return self._config.rate
+
+    @property
+    def per(self) -> float:
+        """Seconds."""
+        return self._config.per
+
+    @property
+    def capacity(self) -> float:
+        """Ops granted at most at once (the burst)."""
+        return self._config.burst
+
+    @property
+    def url(self) -> str:
+        """The server's URL, without its password."""
+        return redact(self._url)
+
+    def describe(self) -> Dict[str, Any]:
+        """What another process needs to build an equal limiter (``from_description``)."""
+        c = self._config
+        return {
+            "name": self._name, "url": self._url, "rate": c.rate, "per": c.per, "burst": c.burst,
+            "max_reserved": c.max_reserved, "grace": self._grace, "clock": self._clock, "timeout": self._timeout,
+        }
+
+    @classmethod
+    def from_description(cls, d: Dict[str, Any]) -> "RedisLimiter":
+        d = dict(d)
+        return cls(d.pop("name"), d.pop("rate"), d.pop("per"), d.pop("burst"), **d)
+
+    def __reduce__(self):
+        if not self._own_client:
+            raise TypeError("a RedisLimiter built on a caller's client cannot be pickled; pass url= instead")
+        return (RedisLimiter.from_description, (self.describe(),))
+
+    def close(self) -> None:
+        """Close this limiter's connections (the shared state in Redis stays)."""
+        if self._own_client:
+            self._client.close()
+
+    # -- the script --------------------------------------------------------------------
+
+    def _args(self, mode: int, n: int, max_wait_ns: Optional[int], least: int = 1) -> Tuple[Any, ...]:
+        if self._clock == "server":
+            sec, usec = "", ""
+        else:
+            ns = time.time_ns()
+            sec, usec = str(ns // NS_PER_S), str(ns % NS_PER_S // 1000)
+        mw = -1 if max_wait_ns is None else max_wait_ns
+        return (mode, n, self._interval, self._tolerance, mw, sec, usec, least)
+
+    def _count(self, **deltas: int) -> None:
+        with self._lock:
+            for k, v in deltas.items():
+                self._counts[k] += v
+
+    def _failed(self, e: Exception) -> RedisUnavailableError:
+        self._count(errors=1)
+        err = RedisUnavailableError(f"redis at {self.url} failed for limiter {self._name!r}: {e}")
+        err.__cause__ = e
+        return err
+
+    def call(self, mode: int, n: int, max_wait_ns: Optional[int] = None, least: int = 1) -> Tuple[int, int, int]:
+        """One script call: ``(ops granted, wait_ns, backlog_ns)``.  Raises ``RedisUnavailableError``."""
+        args = self._args(mode, n, max_wait_ns, least)
+        trips = 1
+        try:
+            try:
+                r = self._client.evalsha(self._script.sha, 1, self.key, *args)
+            except NoScriptError:  # flushed or a restarted/failed-over server: load it again
+                trips += 2
+                self._count(script_loads=1)
+                self._script.sha = self._client.script_load(LUA)
+                r = self._client.evalsha(self._script.sha, 1, self.key, *args)
+        except _redis.RedisError as e:
+            self._count(round_trips=trips)
+            raise self._failed(e) from e
+        self._count(round_trips=trips)
+        return int(r[0]), int(r[1]), int(r[2])
+
+    async def call_async(self, mode: int, n: int, max_wait_ns: Optional[int] = None) -> Tuple[int, int, int]:
+        """``call`` on this event loop's own connection."""
+        loop = asyncio.get_running_loop()
+        client = self._aclients.get(id(loop))
+        if client is None:
+            if not self._own_client:
+                raise TypeError("acquire_async needs a RedisLimiter built with url=, not client=")
+            self._aclients = {id(loop): self._connect(_aredis.Redis)}  # connections of a dead loop are useless
+            client = self._aclients[id(loop)]
+        args = self._args(mode, n, max_wait_ns)
+        trips = 1
+        try:
+            try:
+                r = await client.evalsha(self._script.sha, 1, self.key, *args)
+            except NoScriptError:
+                trips += 2
+                self._count(script_loads=1)
+                self._script.sha = await client.script_load(LUA)
+                r = await client.evalsha(self._script.sha, 1, self.key, *args)
+        except _redis.RedisError as e:
+            self._count(round_trips=trips)
+            raise self._failed(e) from e
+        self._count(round_trips=trips)
+        return int(r[0]), int(r[1]), int(r[2])
+
+    # -- acquiring ---------------------------------------------------------------------
+
+    def _bound(self, n: int, limit_s: Optional[float]) -> Optional[int]:
+        """The script's max_wait for ``n`` ops: the caller's limit and ``max_reserved``, in ns."""
+        if n * self._interval > MAX_SCHEDULE_NS:
+            raise ValueError(f"n must be at most {MAX_SCHEDULE_NS // self._interval} ops for this limiter, got {n}")
+        bounds = [b for b in (None if limit_s is None else int(limit_s * NS_PER_S), self._max_reserved_ns) if b is not None]
+        return min(bounds) if bounds else None
+
+    def reserve(self, n: int = 1, max_wait: Optional[float] = None) -> Optional[float]:
+        """Reserve the next slot for ``n`` ops; return the seconds until it is due (0.0: now).
+
+        None, having reserved nothing, when the wait would exceed ``max_wait``
+        (seconds) or ``max_reserved``.  A reservation is counted whether or
+        not the caller uses it.
+        """
+        validate_n(n, 1)
+        granted, wait, _ = self.call(MODE_RESERVE, n, self._bound(n, validate_timeout(max_wait, "max_wait")))
+        if not granted:
+            self._count(refusals=1)
+            return None
+        self._count(grants=n)
+        return wait / NS_PER_S
+
+    def try_acquire(self, n: int = 1) -> bool:
+        """Take ``n`` ops only if they are available now (one round trip).  False takes nothing."""
+        return self.reserve(n, 0.0) == 0.0
+
+    def retry_after(self, n: int = 1) -> float:
+        """Seconds until ``n`` ops could be granted to a new caller (0.0: now).  One round trip."""
+        validate_n(n, 1)
+        return self.call(MODE_PEEK, n)[1] / NS_PER_S
+
+    def take_up_to(self, n: int, least: int = 1) -> Tuple[int, float]:
+        """Take as many of ``n`` ops as are available now, if at least ``least`` are (one round trip).
+
+        Returns ``(ops taken, 0.0)``, or ``(0, seconds until least would be
+        available)``.  The hierarchical mode's filler leases its batches so.
+        """
+        validate_n(n, 1)
+        if isinstance(least, bool) or not isinstance(least, int) or not 1 <= least <= n:
+            raise ValueError(f"least must be an int from 1 to n={n}, got {least!r}")
+        granted, wait, _ = self.call(MODE_UPTO, n, 0, least)
+        if granted:
+            self._count(grants=granted)
+        return granted, (0.0 if granted else wait / NS_PER_S)
+
+    def acquire(self, n: int = 1, timeout: Optional[float] = None) -> bool:
+        """Take ``n`` ops, sleeping until their reservation is due; True once granted.
+
+        With ``timeout`` (seconds), return False, having taken nothing, when the
+        wait would exceed it.  With ``max_reserved``, an acquire that finds the
+        queue full backs off (with jitter) and asks again until ``timeout``.
+        Raises ``RedisUnavailableError`` when Redis cannot be reached.
+        """
+        validate_n(n, 1)
+        timeout = validate_timeout(timeout)
+        deadline = None if timeout is None else time.monotonic() + timeout
+        while True:
+            left = None if deadline is None else max(0.0, deadline - time.monotonic())
+            granted, wait, _ = self.call(MODE_RESERVE, n, self._bound(n, left))
+            received = time.monotonic()
+            if granted:
+                self._count(grants=n)
+                due = received + wait / NS_PER_S
+                if wait:
+                    time.sleep(wait / NS_PER_S)
+                if self._grace is None or time.monotonic() - due <= self._grace:
+                    return True
+                self._count(expired=1)  # woke too late: the slot is void, ask for a new one
+                continue
+            self._count(refusals=1)
+            nap = self._backoff(wait, left)
+            if nap is None:
+                return False
+            time.sleep(nap)
+
+    async def acquire_async(self, n: int = 1, timeout: Optional[float] = None) -> bool:
+        """``acquire`` for asyncio (its own connection per event loop; never blocks the loop)."""
+        validate_n(n, 1)
+        timeout = validate_timeout(timeout)
+        deadline = None if timeout is None else time.monotonic() + timeout
+        while True:
+            left = None if deadline is None else max(0.0, deadline - time.monotonic())
+            granted, wait, _ = await self.call_async(MODE_RESERVE, n, self._bound(n, left))
+            received = time.monotonic()
+            if granted:
+                self._count(grants=n)
+                due = received + wait / NS_PER_S
+                if wait:
+                    await asyncio.sleep(wait / NS_PER_S)
+                if self._grace is None or time.monotonic() - due <= self._grace:
+                    return True
+                self._count(expired=1)
+                continue
+            self._count(refusals=1)
+            nap = self._backoff(wait, left)
+            if nap is None:
+                return False
+            await asyncio.sleep(nap)
+
+    def _backoff(self, wait_ns: int, left: Optional[float]) -> Optional[float]:
+        """After a refusal: None when the caller's own limit refused it, else how long to back off.
+
+        Refused by ``max_reserved`` only, the caller sleeps until the queue
+        should have room, jittered in [0.5, 1.5] so refused callers spread out.
+        """
+        wait = wait_ns / NS_PER_S
+        if left is not None and wait > left:
+            return None
+        over = wait - (self._max_reserved_ns or 0) / NS_PER_S
+        nap = min(MAX_NAP, max(1e-4, over)) * random.uniform(0.5, 1.5)
+        return nap if left is None else min(nap, left)
+
+    async def __aenter__(self) -> "RedisLimiter":
+        await self.acquire_async()
+        return self
+
+    async def __aexit__(self, *exc: Any) -> None:
+        return None
+
+    def __enter__(self) -> "RedisLimiter":
+        self.acquire()
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        return None
+
+    # -- observation -------------------------------------------------------------------
+
+    def stats(self) -> RedisStats:
+        """The shared state (one round trip, writes nothing) and this client's counters."""
+        avail, _, backlog = self.call(MODE_PEEK, 1)
+        with self._lock:
+            counts = dict(self._counts)
+        c = self._config
+        return RedisStats(
+            name=self._name, key=self.key, rate=c.rate, per=c.per, capacity=c.burst, available=float(avail),
+            backlog_seconds=backlog / NS_PER_S, **counts,
+        )
+
+    def __repr__(self) -> str:
+        c = self._config
+        head = f"<shmlimit.redis.RedisLimiter {self._name!r} rate={c.rate:g}/{c.per:g}s capacity={c.burst:g} url={self.url}"
+        try:
+            s = self.stats()
+        except RedisUnavailableError as e:
+            return f"{head} unreachable: {e.__cause__}>"
+        return (
+            f"{head} available={s.available:g} backlog={s.backlog_seconds:.3f}s round_trips={s.round_trips} "
+            f"grants={s.grants} refusals={s.refusals} expired={s.expired}>"
+        )
+
+
+Upstream = Union[str, RedisLimiter]
