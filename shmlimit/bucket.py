@@ -125,6 +125,12 @@ class Bucket:
         self.cap = cap
         self.capped = bool(flags & L.FLAG_CAPPED)
         self.stopped = bool(flags & L.FLAG_STOPPED)
+        self.upstream_flags = flags & L.UPSTREAM_FLAGS
+        self.upstream = bool(flags & L.FLAG_UPSTREAM)
+        #: tokens come from the clock: always, but in hierarchical mode only in the "local" fallback
+        self.time_fed = not self.upstream or bool(flags & L.FLAG_FALLBACK_LOCAL)
+        #: hierarchical mode, "open" fallback: every acquire is granted without tokens
+        self.open = self.upstream and bool(flags & L.FLAG_FALLBACK_OPEN)
         self.config = Config(
             L.u2f(rate), L.u2f(per), L.u2f(burst), self.capped, L.u2f(ratio), _unopt(max_reserved), _unopt(max_behind)
         )
@@ -143,7 +149,7 @@ class Bucket:
         return False
 
     @staticmethod
-    def _write_config_words(cells: Cells, cfg: Config, tpn: int, stopped: bool) -> None:
+    def _write_config_words(cells: Cells, cfg: Config, tpn: int, stopped: bool, upstream_flags: int) -> None:
         c = cells
         c.store(L.CFG_RATE, L.f2u(cfg.rate))
         c.store(L.CFG_PER, L.f2u(cfg.per))
@@ -151,12 +157,13 @@ class Bucket:
         c.store(L.CFG_TPN, tpn)
         c.store(L.CFG_COST, cfg.cost_at(tpn))
         c.store(L.CFG_CAP, cfg.cap_at(tpn))
-        c.store(L.CFG_FLAGS, (L.FLAG_CAPPED if cfg.capped else 0) | (L.FLAG_STOPPED if stopped else 0))
+        flags = (L.FLAG_CAPPED if cfg.capped else 0) | (L.FLAG_STOPPED if stopped else 0) | upstream_flags
+        c.store(L.CFG_FLAGS, flags)
         c.store(L.CFG_RATIO, L.f2u(cfg.ratio))
         c.store(L.CFG_MAX_RESERVED, _opt(cfg.max_reserved))
         c.store(L.CFG_MAX_BEHIND, _opt(cfg.max_behind))
 
-    def publish(self, cfg: Config, stopped: Optional[bool] = None) -> None:
+    def publish(self, cfg: Config, stopped: Optional[bool] = None, upstream_flags: Optional[int] = None) -> None:
         """Replace the live config (seen by every attached process at its next operation).
 
         The token unit (tpn) stays the one chosen at creation: rovers and the
@@ -176,26 +183,35 @@ class Bucket:
             if c.cas(L.CFG_SEQ, seq, seq + 1 if not seq & 1 else seq + 2):
                 break
         try:
+            flags = c.load(L.CFG_FLAGS)
             if stopped is None:
-                stopped = bool(c.load(L.CFG_FLAGS) & L.FLAG_STOPPED)
-            self._write_config_words(c, cfg, self.tpn, stopped)
+                stopped = bool(flags & L.FLAG_STOPPED)
+            if upstream_flags is None:
+                upstream_flags = flags & L.UPSTREAM_FLAGS
+            self._write_config_words(c, cfg, self.tpn, stopped, upstream_flags)
         finally:
             c.store(L.CFG_SEQ, (c.load(L.CFG_SEQ) | 1) + 1)
         self.load_config()
         self.burn(keep=self.cap)
 
     @staticmethod
-    def initialise(cells: Cells, cfg: Config, now_ns: int, initial_ops: Optional[float] = None, base: int = 0) -> None:
+    def initialise(
+        cells: Cells, cfg: Config, now_ns: int, initial_ops: Optional[float] = None, base: int = 0, upstream: bool = False
+    ) -> None:
         """Write the config and the starting rovers of a new segment (called by its creator only).
 
         The bucket starts with ``initial_ops`` tokens (default: full).  ``base``
         is where the rovers start; tests set it near 2**64 to exercise wrap-around.
+        With ``upstream`` (hierarchical mode) the bucket starts empty: its
+        tokens come only from leases.
         """
         c = cells
         tpn = cfg.tpn
         cap = cfg.cap_at(tpn)
-        Bucket._write_config_words(c, cfg, tpn, False)
+        Bucket._write_config_words(c, cfg, tpn, False, L.FLAG_UPSTREAM if upstream else 0)
         initial = cap if initial_ops is None else min(cap, int(initial_ops * cfg.cost_at(tpn)))
+        if upstream:
+            initial = 0
         head = (base + initial) & MASK64
         c.store(L.TAIL, base & MASK64)
         c.store(L.HEAD, head)
@@ -258,9 +274,10 @@ class Bucket:
         a burst room of ``capacity * (ratio - 1)`` above the usual limit: the
         catch-up rate is normalised to the time each fill covers, so ten fills
         of 0.1 ms catch up exactly as much as one of 1 ms.  While stopped, the
-        interval's time is dropped (a pause is not "behind schedule").
+        interval's time is dropped (a pause is not "behind schedule"); so it is
+        in hierarchical mode, where tokens come from leases (``add``).
         """
-        if self.stopped:
+        if self.stopped or not self.time_fed:
             return 0
         c = self.cells
         head, limit, extra = claim
@@ -330,6 +347,37 @@ class Bucket:
             ts = c.load(L.REPL_TS)
             if ts >= now or c.cas(L.REPL_TS, ts, now):
                 break
+
+    def add(self, tokens: int) -> int:
+        """Hierarchical mode: add leased tokens to the head, never beyond ``tail + capacity``.
+
+        Returns how many were added (the rest do not fit and are dropped).
+        The tail only grows, so a clamp against a tail read before the CAS is
+        never looser than the true one.
+        """
+        c = self.cells
+        while True:
+            head = c.load(L.HEAD)
+            tail = c.load(L.TAIL)
+            add = max(0, min(tokens, diff((tail + self.cap) & MASK64, head)))
+            if add <= 0 or c.cas(L.HEAD, head, (head + add) & MASK64):
+                return add
+
+    def forgive(self) -> int:
+        """After the "open" fallback: drop the tickets left by callers it let through untaxed.
+
+        While open, queued callers stop waiting and proceed; their tickets stay
+        ahead of the head, and would make later callers wait for ops already
+        granted.  Moving the tail back to the head forgets them.  Returns the
+        tokens forgiven.
+        """
+        c = self.cells
+        while True:
+            tail = c.load(L.TAIL)
+            head = c.load(L.HEAD)
+            owed = diff(tail, head)
+            if owed <= 0 or c.cas(L.TAIL, tail, head):
+                return max(0, owed)
 
     def release(self, tokens: int) -> None:
         """Capped mode: let ``tokens`` more be replenished (advances the ceil rover)."""

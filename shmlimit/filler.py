@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import threading
 import time
-from typing import TYPE_CHECKING, Callable, Optional
+from typing import TYPE_CHECKING, Any, Callable, Dict, Optional
 
 from . import layout as L
 
@@ -86,11 +86,11 @@ class Lease:
             return True
         return False
 
-    def renew(self) -> bool:
-        """Extend our lease.  False (and we no longer hold it) if another process took it."""
+    def renew(self, extra: float = 0.0) -> bool:
+        """Extend our lease (by ``extra`` more seconds before a slow call).  False if another process took it."""
         if not self.word:
             return False
-        new = lease_word(self.clock_us() + int(LEASE_TIMEOUT * 1e6), self.slot)
+        new = lease_word(self.clock_us() + int((LEASE_TIMEOUT + extra) * 1e6), self.slot)
         if self.cells.cas(L.LEASE, self.word, new):
             self.word = new
             return True
@@ -111,10 +111,12 @@ class Lease:
 class FillerThread(threading.Thread):
     """Watches the lease; while holding it, replenishes at about 1 kHz and renews the lease."""
 
-    def __init__(self, bucket: "Bucket", lease: Lease, name: str) -> None:
+    def __init__(self, bucket: "Bucket", lease: Lease, name: str, upstream: Optional[Dict[str, Any]] = None) -> None:
         super().__init__(name=f"shmlimit-filler-{name}", daemon=True)
         self.bucket = bucket
         self.lease = lease
+        self.upstream = upstream  # hierarchical mode: the upstream's description (see ``upstream``)
+        self.feeder: Any = None
         self._stopping = False
         self._wake = threading.Event()
         self.fills = 0
@@ -152,6 +154,11 @@ class FillerThread(threading.Thread):
                         continue
                     last_renew = now
                 bucket.refresh()
+                if bucket.upstream and self.upstream is not None:
+                    self._feed()
+                    self.fills += 1
+                    time.sleep(_upstream_tick())
+                    continue
                 period = min(MAX_FILL_PERIOD, max(FILL_PERIOD, bucket.cost / bucket.tpn / 2e9))
                 if bucket.replenish() > 0 or bucket.balance() < bucket.cap:
                     idle = period
@@ -164,5 +171,20 @@ class FillerThread(threading.Thread):
         finally:
             try:
                 lease.drop()
+                if self.feeder is not None:
+                    self.feeder.close()
             except Exception:  # pragma: no cover
                 pass
+
+    def _feed(self) -> None:
+        if self.feeder is None:
+            from .upstream import Feeder  # needs redis-py: imported only by hierarchical fillers
+
+            self.feeder = Feeder(self.bucket, self.lease, self.upstream)  # type: ignore[arg-type]
+        self.feeder.tick()
+
+
+def _upstream_tick() -> float:
+    from .upstream import TICK
+
+    return TICK

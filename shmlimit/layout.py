@@ -14,7 +14,9 @@ filler and the process table never false-share.
     line  7  LEASE     filler lease: (expiry_us << 12) | (slot + 1), 0 = free
     line  8  UNREG_GRANTS: grants of processes beyond the table
     line  9  WAIT      the waiting pool: schedule time not used while the bucket was full (catch-up)
-    lines 10..15 reserved
+    line 10  UP_*      upstream (hierarchical mode) state and counters, written by the filler
+    line 11  UP_LEASE* the last two batches leased from upstream: (time, tokens) each
+    lines 12..15 UP_DESC   the upstream's description (JSON), written once by the creator
     then SLOTS process slots of one line each: PID START GRANTS WAITING BASE - - -
 
 Values that are not integers (rate, per, burst) are stored as IEEE-754 bits.
@@ -50,6 +52,13 @@ CFG_CAP = 112
 CFG_FLAGS = 120
 FLAG_CAPPED = 1
 FLAG_STOPPED = 2
+#: Fed by an upstream (hierarchical mode): tokens come from leases, not from the clock ...
+FLAG_UPSTREAM = 4
+#: ... except while the upstream is unreachable and the fallback is "local" (the clock again) ...
+FLAG_FALLBACK_LOCAL = 8
+#: ... or "open" (no limit at all until the upstream answers again).
+FLAG_FALLBACK_OPEN = 16
+UPSTREAM_FLAGS = FLAG_UPSTREAM | FLAG_FALLBACK_LOCAL | FLAG_FALLBACK_OPEN
 # line 2: configuration of catch-up and reservations
 CFG_RATIO = 128
 CFG_MAX_RESERVED = 136
@@ -72,6 +81,23 @@ UNREG_GRANTS = 8 * LINE
 
 # catch-up
 WAIT = 9 * LINE
+
+# upstream (hierarchical mode); all zero otherwise
+UP_STATE = 10 * LINE  # 0 ok, else the fallback in force: 1 local, 2 open, 3 closed
+UP_ROUND_TRIPS = 10 * LINE + 8
+UP_LEASED = 10 * LINE + 16  # ops leased from upstream
+UP_EXPIRED = 10 * LINE + 24  # ops leased but void: unused within the lease's time to live
+UP_ERRORS = 10 * LINE + 32  # upstream calls that failed
+UP_FALLBACKS = 10 * LINE + 40  # times a fallback was entered
+UP_REFUSED = 10 * LINE + 48  # lease requests that found nothing available upstream
+UP_HUNGRY = 10 * LINE + 56  # CLOCK_MONOTONIC ns when a caller last found no token without queueing
+UP_LEASE0_TS = 11 * LINE  # CLOCK_MONOTONIC ns of the newest lease (taken before it was asked for)
+UP_LEASE0_AMT = 11 * LINE + 8  # its tokens
+UP_LEASE1_TS = 11 * LINE + 16  # the one before
+UP_LEASE1_AMT = 11 * LINE + 24
+UP_DESC_LEN = 12 * LINE  # bytes of JSON that follow
+UP_DESC = 12 * LINE + 8
+UP_DESC_MAX = 4 * LINE - 8
 
 HEADER_BYTES = 16 * LINE
 

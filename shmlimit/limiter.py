@@ -10,12 +10,13 @@ from __future__ import annotations
 
 import asyncio
 import atexit
+import json
 import os
 import random
 import threading
 import time
 from dataclasses import dataclass
-from typing import Any, Dict, Optional, Tuple, Union
+from typing import TYPE_CHECKING, Any, Dict, Optional, Tuple, Union
 
 from . import layout as L
 from .bucket import Bucket, diff
@@ -27,6 +28,9 @@ from .segment import Segment, current_inode, validate_name
 from .segment import unlink as _unlink_name
 from .table import ProcessTable, is_alive, proc_start
 
+if TYPE_CHECKING:  # pragma: no cover
+    from .redis import RedisLimiter
+
 #: A segment this old (seconds) with no creator pid in its header was abandoned by its creator.
 INIT_WAIT = 2.0
 #: How long an opener waits for a live creator to finish initialising (seconds); a creator is
@@ -34,6 +38,8 @@ INIT_WAIT = 2.0
 LIVE_CREATOR_WAIT = 30.0
 #: Waiters sleep until this close to their turn, then yield the CPU in a loop (ns).
 SPIN_NS = 200_000
+#: Hierarchical mode: a timed acquire looks for leased tokens this often (seconds).
+POLL = 0.001
 #: A sleeping waiter wakes at least this often to notice rate changes and stops (seconds).
 MAX_NAP = 0.25
 _INF = float("inf")
@@ -49,6 +55,23 @@ class ProcessStats:
     grants: int  #: ops granted to this process since it attached
     waiting: bool  #: queued for tokens right now
     filler: bool  #: holds the filler lease
+
+
+@dataclass(frozen=True)
+class UpstreamStats:
+    """Hierarchical mode: how this host's bucket is fed from the global Redis limiter."""
+
+    url: str  #: the Redis server, without its password
+    key: str  #: the global limiter's Redis key
+    state: str  #: "ok", or the fallback in force while Redis is unreachable: "local", "open", "closed"
+    on_redis_error: str  #: the configured fallback
+    lease_ttl: float  #: seconds a leased token stays usable
+    round_trips: int  #: Redis round trips by this host's fillers
+    leased: int  #: ops leased from Redis
+    expired: int  #: leased ops never used (void after ``lease_ttl``, or not fitting the bucket)
+    refused: int  #: lease requests that found nothing available globally
+    errors: int  #: Redis calls that failed
+    fallbacks: int  #: times a fallback was entered
 
 
 @dataclass(frozen=True)
@@ -71,6 +94,7 @@ class Stats:
     ratio: float = 1.0  #: catch-up ratio (1.0 = off)
     behind_seconds: float = 0.0  #: the waiting pool: schedule time owed back through catch-up
     stopped: bool = False  #: paused by stop() until start()
+    upstream: Optional[UpstreamStats] = None  #: hierarchical mode only
 
     @property
     def ops_per_second(self) -> float:
@@ -95,6 +119,7 @@ class _Attachment:
         self.bucket = Bucket(cells)
         self.slots = cells.load(L.SLOTS_OFF)
         self.table = ProcessTable(cells, self.slots)
+        self.upstream = read_upstream(cells) if self.bucket.upstream else None
         self.refs = 0
         self.closed = False
         self.created = seg.created
@@ -115,7 +140,7 @@ class _Attachment:
     def update_fast(self) -> None:
         b = self.bucket
         self.fast_seq = b.seq
-        if self.closed or b.max_reserved_ns != _INF:  # every acquire checks max_reserved
+        if self.closed or b.max_reserved_ns != _INF or b.open:  # these acquires take the slow path
             self.fast[0] = _no_fast
         else:
             self.fast[0] = self.cells.grabber(L.CFG_SEQ, b.seq, L.TAIL, L.HEAD, b.cost, self.grants_off, 1)
@@ -135,7 +160,7 @@ class _Attachment:
             self.grants_off = base + L.SLOT_GRANTS
             self.waiting_off = base + L.SLOT_WAITING
             self.lease = Lease(self.cells, self.slot)
-            self.filler = FillerThread(self.bucket, self.lease, self.name)
+            self.filler = FillerThread(self.bucket, self.lease, self.name, self.upstream)
             self.filler.start()
         self.update_fast()
 
@@ -240,7 +265,59 @@ def _wait_ready(name: str, seg: Segment) -> Segment:
         seg = Segment.open(name)
 
 
-def _open_attachment(name: str, cfg: Optional[Config], mode: int, initial: Optional[float], slots: int) -> _Attachment:
+def _check_upstream(name: str, att: _Attachment, cfg: Optional[Config], upstream: Optional[dict]) -> None:
+    """A creating call (one with a config) must agree with the segment on its upstream too."""
+    if cfg is not None and att.upstream != upstream:
+        raise ConfigMismatchError(name, f"upstream {_show(att.upstream)}", f"upstream {_show(upstream)}")
+
+
+def _show(desc: Optional[dict]) -> str:
+    if desc is None:
+        return "none"
+    from .redis import redact
+
+    r = desc["redis"]
+    return (
+        f"{redact(r['url'])} key {r['name']!r} rate {r['rate']:g}/{r['per']:g}s burst {r['burst']:g} "
+        f"on_redis_error={desc['on_error']} lease_ttl={desc['lease_ttl']:g}s batch_seconds={desc['batch_seconds']:g}s"
+    )
+
+
+def write_upstream(cells: Cells, desc: dict) -> None:
+    """Store the upstream's description (JSON) in the header: any process may become the filler."""
+    data = encode_upstream(desc)
+    cells.store(L.UP_DESC_LEN, len(data))
+    padded = data + b"\0" * (-len(data) % 8)
+    for i in range(0, len(padded), 8):
+        cells.store(L.UP_DESC + i, int.from_bytes(padded[i : i + 8], "little"))
+
+
+def encode_upstream(desc: dict) -> bytes:
+    data = json.dumps(desc, sort_keys=True, separators=(",", ":")).encode()
+    if len(data) > L.UP_DESC_MAX:
+        raise ValueError(
+            f"upstream description is {len(data)} bytes, at most {L.UP_DESC_MAX} fit the segment header "
+            f"(shorten the Redis URL or the limiter name)"
+        )
+    return data
+
+
+def read_upstream(cells: Cells) -> dict:
+    size = cells.load(L.UP_DESC_LEN)
+    if size > L.UP_DESC_MAX:
+        raise SegmentError(f"segment is corrupt: its upstream description claims {size} bytes")
+    raw = b"".join(cells.load(L.UP_DESC + i).to_bytes(8, "little") for i in range(0, size, 8))[:size]
+    try:
+        desc = json.loads(raw.decode())
+        desc["redis"]["url"]  # the fields a filler needs
+        return desc
+    except (ValueError, KeyError, TypeError) as e:
+        raise SegmentError(f"segment is corrupt: its upstream description does not parse ({e})") from None
+
+
+def _open_attachment(
+    name: str, cfg: Optional[Config], mode: int, initial: Optional[float], slots: int, upstream: Optional[dict] = None
+) -> _Attachment:
     with _registry_lock:
         att = _registry.get(name)
         # a name unlinked and re-created since we mapped it is a different limiter
@@ -248,16 +325,24 @@ def _open_attachment(name: str, cfg: Optional[Config], mode: int, initial: Optio
             _registry.pop(name, None)
             att = None
         if att is None:
-            att = _map(name, cfg, mode, initial, slots)
+            att = _map(name, cfg, mode, initial, slots, upstream=upstream)
             _registry[name] = att
         elif cfg is not None and att.bucket.config != cfg:
             raise ConfigMismatchError(name, att.bucket.config.describe(), cfg.describe())
+        else:
+            _check_upstream(name, att, cfg, upstream)
         att.refs += 1
         return att
 
 
 def _map(
-    name: str, cfg: Optional[Config], mode: int, initial: Optional[float], slots: int, join: bool = True
+    name: str,
+    cfg: Optional[Config],
+    mode: int,
+    initial: Optional[float],
+    slots: int,
+    join: bool = True,
+    upstream: Optional[dict] = None,
 ) -> _Attachment:
     """Create and initialise the segment, or map the existing one; never a half-initialised header.
 
@@ -270,7 +355,7 @@ def _map(
         if cfg is not None:
             seg = Segment.create(name, L.segment_size(slots), mode)
             if seg is not None:
-                return _initialise(name, seg, cfg, initial, slots)
+                return _initialise(name, seg, cfg, initial, slots, upstream)
         try:
             seg = _wait_ready(name, Segment.open(name))
         except LimiterNotFoundError:
@@ -301,6 +386,7 @@ def _map(
             att = _Attachment(name, seg, cells, join)
             if cfg is not None and att.bucket.config != cfg:
                 raise ConfigMismatchError(name, att.bucket.config.describe(), cfg.describe())
+            _check_upstream(name, att, cfg, upstream)
         except BaseException:
             if att is not None:
                 att.detach()
@@ -312,7 +398,9 @@ def _map(
     raise SegmentError(f"could not create or open limiter {name!r}: it kept being unlinked and re-created")
 
 
-def _initialise(name: str, seg: Segment, cfg: Config, initial: Optional[float], slots: int) -> _Attachment:
+def _initialise(
+    name: str, seg: Segment, cfg: Config, initial: Optional[float], slots: int, upstream: Optional[dict]
+) -> _Attachment:
     c = open_cells(seg.mm, seg.size)
     c.store(L.CREATOR_PID_OFF, os.getpid())  # first: openers tell a working creator from a dead one
     c.store(L.VERSION_OFF, L.VERSION)
@@ -320,7 +408,9 @@ def _initialise(name: str, seg: Segment, cfg: Config, initial: Optional[float], 
     c.store(L.SLOTS_OFF, slots)
     c.store(L.CREATED_NS_OFF, time.time_ns())
     base = int(os.environ.get("SHMLIMIT_TEST_ROVER_BASE", "0"))  # tests: start the rovers anywhere
-    Bucket.initialise(c, cfg, time.monotonic_ns(), initial, base)
+    if upstream is not None:
+        write_upstream(c, upstream)
+    Bucket.initialise(c, cfg, time.monotonic_ns(), initial, base, upstream is not None)
     c.store(L.MAGIC_OFF, L.MAGIC)
     c.store(L.STATE_OFF, L.STATE_READY)  # last: openers wait for this
     return _Attachment(name, seg, c)
@@ -370,6 +460,36 @@ atexit.register(_detach_all_at_exit)
 # the public handle
 
 
+def _upstream(
+    name: str, rate: Any, per: float, burst: Optional[float], upstream: Any, on_error: str, ttl: Any, batch: Any
+) -> Tuple[Any, float, Optional[float], dict]:
+    """Resolve ``upstream=``: the local config to use and the description stored in the segment."""
+    from . import upstream as U
+    from .redis import RedisLimiter
+
+    if on_error not in U.ON_ERROR:
+        raise ValueError(f"on_redis_error must be one of {', '.join(U.ON_ERROR)}, got {on_error!r}")
+    for param, v in (("lease_ttl", ttl), ("batch_seconds", batch)):
+        t = validate_timeout(v, param)
+        if t is None or not 0.001 <= t <= 60:
+            raise ValueError(f"{param} must be between 0.001 and 60 seconds, got {v!r}")
+    if isinstance(upstream, str):
+        if rate is None:
+            raise ValueError("upstream= as a URL needs rate= (the global limit); or pass a RedisLimiter")
+        cfg = Config.make(rate, per, burst)
+        redis = RedisLimiter(name, cfg.rate, cfg.per, cfg.burst, url=upstream)
+        redis.close()
+    elif isinstance(upstream, RedisLimiter):
+        redis = upstream
+        if rate is None:
+            rate, per, burst = redis.rate, redis.per, redis.capacity
+    else:
+        raise TypeError(f"upstream must be a redis:// URL or a RedisLimiter, not {type(upstream).__name__}")
+    desc = U.describe(redis, on_error, float(ttl), float(batch))
+    encode_upstream(desc)  # too long for the header: refused before anything is created
+    return rate, per, burst, desc
+
+
 class Limiter:
     """A rate limit of ``rate`` ops per ``per`` seconds shared by every process using ``name``.
 
@@ -386,6 +506,15 @@ class Limiter:
     ``mode`` (the segment's permission bits, default 0o600), ``initial``
     (ops in the bucket at creation; default full), ``slots`` (process table
     size, default 128).
+
+    Hierarchical mode (one limit across hosts): ``upstream`` is a Redis URL
+    (the global limit then has this limiter's name, rate, per and burst) or
+    a ``shmlimit.redis.RedisLimiter`` (whose config is the default for this
+    one's).  The elected filler leases batches from it; ``lease_ttl``
+    (seconds a leased token stays usable, default 0.1), ``batch_seconds``
+    (the demand a batch covers, default 0.02) and ``on_redis_error``
+    (``"closed"``, the default, ``"local"`` or ``"open"``) are described in
+    ``shmlimit.upstream`` and the README.
 
     A Limiter pickles as its name: a child process that unpickles it attaches
     to the same segment.  One inherited through ``fork`` works as well: the
@@ -406,8 +535,17 @@ class Limiter:
         mode: int = 0o600,
         initial: Optional[float] = None,
         slots: int = L.DEFAULT_SLOTS,
+        upstream: Union[str, "RedisLimiter", None] = None,
+        on_redis_error: str = "closed",
+        lease_ttl: float = 0.1,
+        batch_seconds: float = 0.02,
     ) -> None:
         validate_name(name)
+        desc = None
+        if upstream is not None:
+            rate, per, burst, desc = _upstream(name, rate, per, burst, upstream, on_redis_error, lease_ttl, batch_seconds)
+            if capped or (ratio is not None and ratio != 1.0):
+                raise ValueError("capped and ratio are not supported with upstream= (hierarchical mode)")
         cfg = None if rate is None else Config.make(rate, per, burst, capped, ratio, max_reserved, max_behind)
         if isinstance(mode, bool) or not isinstance(mode, int) or not 0 <= mode <= 0o777:
             raise ValueError(f"mode must be permission bits between 0 and 0o777, got {mode!r}")
@@ -419,7 +557,7 @@ class Limiter:
         self._name = name
         self._att: Optional[_Attachment] = None
         self._fast: list = [_no_fast]
-        self._att = _open_attachment(name, cfg, mode, initial, slots)
+        self._att = _open_attachment(name, cfg, mode, initial, slots, desc)
         self._fast = self._att.fast
 
     # -- identity and lifecycle ----------------------------------------------------
@@ -539,6 +677,9 @@ class Limiter:
             att.update_fast()
         tokens = validate_n(n, b.cost) * b.cost
         timeout = validate_timeout(timeout)
+        if b.open:  # hierarchical mode, Redis unreachable, on_redis_error="open": no limit
+            c.fetch_add(att.grants_off, n)
+            return True
         if timeout is None:
             if b.max_reserved_ns == _INF:
                 ticket = c.grab(L.TAIL, L.HEAD, tokens, att.grants_off, n)
@@ -549,6 +690,13 @@ class Limiter:
                 while ticket is None:  # backpressure: the queue is full, wait for room
                     time.sleep(self._nap(att, tokens))
                     ticket = self._take(att, tokens, b.max_reserved_ns)
+        elif b.upstream:
+            deadline = time.monotonic() + timeout
+            while True:
+                nap = self._poll(att, tokens, n, deadline)
+                if nap is None or nap is True:
+                    return nap is True
+                time.sleep(nap)
         else:
             ticket = self._take(att, tokens, min(timeout * NS_PER_S, b.max_reserved_ns))
             if ticket is None:
@@ -569,8 +717,13 @@ class Limiter:
         c = att.cells
         if c.try_grab(L.TAIL, L.HEAD, tokens, att.grants_off, n):
             return True
+        if b.open:
+            c.fetch_add(att.grants_off, n)
+            return True
         if b.replenish() > 0:
             return c.try_grab(L.TAIL, L.HEAD, tokens, att.grants_off, n)
+        if b.upstream:
+            c.store(L.UP_HUNGRY, time.monotonic_ns())  # a refused try is demand the filler should see
         return False
 
     def reserve(self, n: int = 1, max_wait: Optional[float] = None) -> Optional[float]:
@@ -589,6 +742,9 @@ class Limiter:
         b.refresh()
         tokens = validate_n(n, b.cost) * b.cost
         limit = validate_timeout(max_wait, "max_wait")
+        if b.open:
+            att.cells.fetch_add(att.grants_off, n)
+            return 0.0
         ticket = self._take(att, tokens, min(_INF if limit is None else limit * NS_PER_S, b.max_reserved_ns))
         if ticket is None:
             return None
@@ -759,6 +915,9 @@ class Limiter:
         tokens = validate_n(n, b.cost) * b.cost
         timeout = validate_timeout(timeout)
         c = att.cells
+        if b.open:
+            c.fetch_add(att.grants_off, n)
+            return True
         if timeout is None and b.max_reserved_ns == _INF:
             ticket = c.grab(L.TAIL, L.HEAD, tokens, att.grants_off, n)
             if ticket is None:
@@ -768,6 +927,13 @@ class Limiter:
             while ticket is None:
                 await asyncio.sleep(self._nap(att, tokens))
                 ticket = self._take(att, tokens, b.max_reserved_ns)
+        elif b.upstream:
+            deadline = time.monotonic() + timeout
+            while True:
+                nap = self._poll(att, tokens, n, deadline)
+                if nap is None or nap is True:
+                    return nap is True
+                await asyncio.sleep(nap)
         else:
             ticket = self._take(att, tokens, min(timeout * NS_PER_S, b.max_reserved_ns))
             if ticket is None:
@@ -777,6 +943,10 @@ class Limiter:
             if b.deficiency(ticket) <= 0 or (b.replenish() > 0 and b.deficiency(ticket) <= 0):
                 break
             b.refresh()
+            if b.open:
+                break
+            if b.upstream and att.filler is not None:
+                att.filler.nudge()
             short = b.deficiency(ticket)
             await asyncio.sleep(min(max(short / b.tpn / NS_PER_S, 1e-4), MAX_NAP))
         c.fetch_add(att.grants_off, n)
@@ -791,6 +961,31 @@ class Limiter:
         if ticket is None and b.replenish() > 0:
             ticket = b.try_grab_within(tokens, max_wait_ns)
         return ticket
+
+    def _poll(self, att: _Attachment, tokens: int, n: int, deadline: float) -> Union[bool, float, None]:
+        """Hierarchical mode, a timed acquire: True if granted now, None past the deadline, else a nap.
+
+        Tokens arrive when leases do, not on a clock, so a ticket's wait has
+        no bound: a timed acquire takes no ticket and polls instead, taking
+        nothing unless it succeeds.
+        """
+        b = att.bucket
+        c = att.cells
+        if c.try_grab(L.TAIL, L.HEAD, tokens, att.grants_off, n):
+            return True
+        b.refresh()
+        if b.open:
+            c.fetch_add(att.grants_off, n)
+            return True
+        if b.time_fed and b.replenish() > 0 and c.try_grab(L.TAIL, L.HEAD, tokens, att.grants_off, n):
+            return True
+        left = deadline - time.monotonic()
+        if left <= 0:
+            return None
+        c.store(L.UP_HUNGRY, time.monotonic_ns())  # no ticket shows our demand: tell the filler
+        if att.filler is not None:
+            att.filler.nudge()
+        return min(left, POLL)
 
     def _nap(self, att: _Attachment, tokens: int) -> float:
         """How long a caller refused by ``max_reserved`` sleeps before trying to join again (s)."""
@@ -818,6 +1013,10 @@ class Limiter:
                     if diff(ticket, c.load(L.HEAD)) <= 0:
                         return
                 b.refresh()
+                if b.open:  # the "open" fallback lets queued callers through too
+                    return
+                if b.upstream and filler is not None:
+                    filler.nudge()  # only a filler leases: make sure one runs
                 short = diff(ticket, c.load(L.HEAD))
                 wait_ns = short / b.tpn - SPIN_NS
                 if wait_ns > 0:
@@ -853,7 +1052,8 @@ def snapshot(name: str, att: _Attachment) -> Stats:
     b.refresh()
     cfg = b.config
     balance = b.balance()
-    available = max(0, min(b.cap, balance + b.pending())) if balance >= 0 else 0
+    pending = b.pending() if b.time_fed else 0  # hierarchical mode: only leases add tokens
+    available = max(0, min(b.cap, balance + pending)) if balance >= 0 else 0
     word = c.load(L.LEASE)
     slot = lease_slot(word)
     filler_pid = None
@@ -884,6 +1084,31 @@ def snapshot(name: str, att: _Attachment) -> Stats:
         ratio=cfg.ratio,
         behind_seconds=b.behind_ns() / NS_PER_S,
         stopped=b.stopped,
+        upstream=_upstream_stats(att),
+    )
+
+
+def _upstream_stats(att: _Attachment) -> Optional[UpstreamStats]:
+    desc = att.upstream
+    if desc is None:
+        return None
+    from .redis import redact
+    from .upstream import STATE_NAMES
+
+    c = att.cells
+    r = desc["redis"]
+    return UpstreamStats(
+        url=redact(r["url"]),
+        key=f"shmlimit:{{{r['name']}}}:gcra",
+        state=STATE_NAMES.get(c.load(L.UP_STATE), "unknown"),
+        on_redis_error=desc["on_error"],
+        lease_ttl=desc["lease_ttl"],
+        round_trips=c.load(L.UP_ROUND_TRIPS),
+        leased=c.load(L.UP_LEASED),
+        expired=c.load(L.UP_EXPIRED),
+        refused=c.load(L.UP_REFUSED),
+        errors=c.load(L.UP_ERRORS),
+        fallbacks=c.load(L.UP_FALLBACKS),
     )
 
 

@@ -1,0 +1,363 @@
+"""The Redis tier against a real redis-server: the direct RedisLimiter and the hierarchical mode."""
+import asyncio
+import json
+import os
+import pickle
+import subprocess
+import sys
+import textwrap
+import threading
+import time
+
+import pytest
+
+import shmlimit
+from test_processes import WORKDIR, max_excess, tag, wait_for
+
+
+@pytest.fixture
+def R():
+    from redis_server import require
+
+    require()
+    import shmlimit.redis as R
+
+    return R
+
+
+class FakeClock:
+    """A wall clock for ``clock="client"``: the script's time is exactly what the test says."""
+
+    def __init__(self, ns=1_800_000_000_000_000_000):
+        self.ns = ns
+
+    def __call__(self):
+        return self.ns
+
+    def advance(self, seconds):
+        self.ns += int(round(seconds * 1e9))
+
+
+@pytest.fixture
+def fake_time(R, monkeypatch):
+    clock = FakeClock()
+    monkeypatch.setattr(R.time, "time_ns", clock)
+    return clock
+
+
+def test_deterministic_sequence_rate_10_burst_3(R, redis_server, name, fake_time):
+    lim = R.RedisLimiter(name, rate=10, burst=3, url=redis_server.url, clock="client")
+    # three at once (the burst), then one every 100 ms, reserved in order
+    assert [lim.reserve() for _ in range(6)] == [0.0, 0.0, 0.0, 0.1, 0.2, 0.3]
+    assert lim.try_acquire() is False
+    assert lim.retry_after() == pytest.approx(0.4)
+    state = redis_server.client().hgetall(lim.key)
+    assert lim.reserve(max_wait=0.39) is None  # refused: nothing written
+    assert lim.try_acquire() is False
+    assert redis_server.client().hgetall(lim.key) == state
+    assert lim.reserve(max_wait=0.4) == pytest.approx(0.4)
+    fake_time.advance(0.5)  # the schedule is now 0.0 s ahead: one op per 100 ms again
+    assert lim.reserve() == pytest.approx(0.0)
+    assert lim.reserve() == pytest.approx(0.1)
+    fake_time.advance(10)  # idle: the bucket refills to the burst, never beyond
+    assert [lim.try_acquire() for _ in range(4)] == [True, True, True, False]
+    s = lim.stats()
+    assert (s.grants, s.refusals, s.available) == (12, 4, 0.0)
+    # one per reserve or try, the retry_after, the stats read; and a first load of the script
+    # (NOSCRIPT, SCRIPT LOAD, EVALSHA again) if this server had not seen it yet
+    assert s.script_loads <= 1 and s.round_trips == 16 + 1 + 1 + 2 * s.script_loads
+    assert lim.key == f"shmlimit:{{{name}}}:gcra"  # one hash-tagged key: Redis Cluster safe
+    # the key outlives its schedule by one second (it is full again then, as if absent)
+    assert 1000 < redis_server.client().pttl(lim.key) <= 1300
+    lim.close()
+
+
+def test_times_are_integers_and_the_epoch_moves_forward(R, redis_server, name, fake_time):
+    lim = R.RedisLimiter(name, rate=1000, burst=1, url=redis_server.url, clock="client")
+    assert lim.reserve() == 0.0
+    fake_time.advance(20 * 86400)  # 20 days of continuous use, in one step
+    assert lim.reserve() == 0.0
+    assert lim.reserve() == pytest.approx(0.001)
+    h = redis_server.client().hgetall(lim.key)
+    e, t = int(h[b"e"]), int(h[b"t"])  # both stored as plain integers, no exponent
+    assert t < 2**50 and e == fake_time.ns // 10**9 - 1
+    lim.close()
+
+
+def test_max_reserved_backpressure_and_timeouts(R, redis_server, name, fake_time):
+    lim = R.RedisLimiter(name, rate=10, burst=1, url=redis_server.url, clock="client", max_reserved=0.25)
+    assert [lim.reserve() for _ in range(4)] == [0.0, 0.1, 0.2, None]  # 0.3 s ahead > 0.25 s
+    assert lim.acquire(timeout=0.0) is False  # a timed acquire that cannot fit takes nothing
+    assert lim.stats().grants == 3
+
+
+def test_acquire_waits_and_a_late_permit_is_void(R, redis_server, name, monkeypatch):
+    lim = R.RedisLimiter(name, rate=20, burst=1, url=redis_server.url, grace=0.01)
+    t0 = time.monotonic()
+    for _ in range(5):
+        assert lim.acquire()
+    assert time.monotonic() - t0 >= 4 / 20 - 0.005  # never faster than the rate (a lower bound)
+    real_sleep = R.time.sleep
+    overslept = []
+
+    def oversleep(s):  # the scheduler wakes us 50 ms late, once
+        real_sleep(s + (0.05 if not overslept else 0))
+        overslept.append(s)
+
+    monkeypatch.setattr(R.time, "sleep", oversleep)
+    assert lim.acquire()
+    s = lim.stats()
+    assert s.expired == 1  # the late permit was voided and a fresh one taken
+    assert s.grants == 7
+
+
+def test_acquire_async_and_throttle(R, redis_server, name):
+    lim = R.RedisLimiter(name, rate=20, burst=1, url=redis_server.url)
+
+    async def main():
+        t0 = time.monotonic()
+        for _ in range(5):
+            assert await lim.acquire_async()
+        async with lim:
+            pass
+        return time.monotonic() - t0
+
+    assert asyncio.run(main()) >= 5 / 20 - 0.005
+    assert asyncio.run(main()) >= 6 / 20 - 0.005  # a second event loop gets its own connection
+
+    calls = []
+
+    @shmlimit.throttle(lim, on_limit="skip")
+    def f(x):
+        calls.append(x)
+        return x
+
+    results = [f(i) for i in range(5)]
+    assert results.count(None) >= 3 and len(calls) == 5 - results.count(None)  # 20/s: most are skipped
+    with pytest.raises(shmlimit.RateLimited) as e:
+        shmlimit.throttle(lim, on_limit="raise")(lambda: None)()
+        shmlimit.throttle(lim, on_limit="raise")(lambda: None)()
+    assert 0 < e.value.retry_after <= 0.05 + 0.01
+
+
+def test_script_flush_mid_run_is_survived(R, redis_server, name):
+    lim = R.RedisLimiter(name, rate=1000, burst=10, url=redis_server.url)
+    for _ in range(5):
+        assert lim.acquire()
+    redis_server.client().script_flush()
+    for _ in range(5):
+        assert lim.acquire()
+    s = lim.stats()
+    assert s.script_loads == 1 and s.grants == 10 and s.errors == 0
+
+
+def test_restart_mid_run_fails_fast_then_recovers(R, own_redis, name):
+    lim = R.RedisLimiter(name, rate=1000, url=own_redis.url, timeout=0.25)
+    assert lim.acquire()
+    own_redis.stop()
+    t0 = time.monotonic()
+    with pytest.raises(R.RedisUnavailableError, match="failed for limiter") as e:
+        lim.acquire()
+    assert isinstance(e.value, ConnectionError)
+    assert time.monotonic() - t0 < 2.0  # short timeouts: redis-py's defaults would retry for seconds
+    own_redis.start()  # same port, empty: the script must be loaded again too
+    assert lim.acquire()
+    s = lim.stats()
+    assert s.errors == 1 and s.script_loads == 2  # loaded on the fresh server, and again after the restart
+
+
+def test_bad_input_is_refused(R, redis_server, name):
+    url = redis_server.url
+    with pytest.raises(ValueError, match="rate"):
+        R.RedisLimiter(name, rate=-1, url=url)
+    with pytest.raises(ValueError, match="clock"):
+        R.RedisLimiter(name, rate=1, url=url, clock="ntp")
+    with pytest.raises(ValueError, match="url"):
+        R.RedisLimiter(name, rate=1, url="http://localhost")
+    with pytest.raises(ValueError, match="timeout"):
+        R.RedisLimiter(name, rate=1, url=url, timeout=0)
+    with pytest.raises(ValueError, match="burst"):
+        R.RedisLimiter(name, rate=1, per=1e9, burst=10**9, url=url)
+    lim = R.RedisLimiter(name, rate=1, url=url)
+    for bad in (0, -1, 1.5, True):
+        with pytest.raises((TypeError, ValueError), match="n must"):
+            lim.acquire(bad)
+    with pytest.raises(ValueError, match="timeout"):
+        lim.acquire(timeout=float("nan"))
+    assert redis_server.client().exists(lim.key) == 0  # nothing was written
+    assert pickle.loads(pickle.dumps(lim)).describe() == lim.describe()
+    with pytest.raises(ValueError, match="on_redis_error"):
+        shmlimit.Limiter(name, rate=10, upstream=url, on_redis_error="maybe")
+    with pytest.raises(ValueError, match="capped"):
+        shmlimit.Limiter(name, rate=10, upstream=url, capped=True)
+    with pytest.raises(ValueError, match="lease_ttl"):
+        shmlimit.Limiter(name, rate=10, upstream=url, lease_ttl=0)
+    with pytest.raises(ValueError, match="at most"):
+        shmlimit.Limiter(name, rate=10, upstream="redis://" + "h" * 300 + ":6379/0")
+    assert name not in shmlimit.list_names()
+
+
+def test_password_is_never_shown(R):
+    assert R.redact("redis://user:secret@host:6379/0") == "redis://user:***@host:6379/0"
+    assert R.redact("redis://:secret@host/1") == "redis://:***@host/1"
+    assert R.redact("redis://host:6379/0") == "redis://host:6379/0"
+
+
+# ---- several processes ------------------------------------------------------------------
+
+DIRECT_WORKER = textwrap.dedent(
+    """
+    import json, sys, time
+    from shmlimit.redis import RedisLimiter
+    lim = RedisLimiter(sys.argv[1], rate=float(sys.argv[2]), burst=float(sys.argv[3]), url=sys.argv[4])
+    seconds = float(sys.argv[5])
+    lim.retry_after()  # connected
+    print("ready", flush=True)
+    sys.stdin.readline()
+    end = time.monotonic() + seconds
+    stamps = []
+    while True:
+        lim.acquire()
+        t = time.monotonic()
+        if t > end:
+            break
+        stamps.append(t)
+    print(json.dumps(stamps), flush=True)
+    """
+)
+
+
+def run_workers(script, argv_list):
+    procs = [
+        subprocess.Popen([sys.executable, "-c", script, *map(str, argv)], stdin=subprocess.PIPE,
+                         stdout=subprocess.PIPE, text=True, cwd=WORKDIR)
+        for argv in argv_list
+    ]
+    for p in procs:
+        assert p.stdout.readline().strip() == "ready"
+    for p in procs:
+        p.stdin.write("\n")
+        p.stdin.flush()
+    out = []
+    for p in procs:
+        out.append(json.loads(p.stdout.readline()))
+        assert p.wait(60) == 0
+    return out
+
+
+def test_four_processes_on_the_direct_limiter_keep_the_rate(R, redis_server, name):
+    rate, burst, seconds = 100, 5, 3.0
+    results = run_workers(DIRECT_WORKER, [(name, rate, burst, redis_server.url, seconds)] * 4)
+    assert all(results)
+    stamps = sorted(t for r in results for t in r)
+    assert max_excess(tag(results), 1.0) <= rate + burst
+    assert len(stamps) >= 0.95 * rate * seconds  # and the rate is used, not starved
+
+
+HOST_WORKER = textwrap.dedent(
+    """
+    import json, sys, time
+    import shmlimit
+    lim = shmlimit.attach(sys.argv[1])  # no upstream argument: the segment says where to lease
+    seconds = float(sys.argv[2])
+    print("ready", flush=True)
+    sys.stdin.readline()
+    end = time.monotonic() + seconds
+    stamps = []
+    while True:
+        lim.acquire()
+        t = time.monotonic()
+        if t > end:
+            break
+        stamps.append(t)
+    print(json.dumps(stamps), flush=True)
+    """
+)
+
+
+def test_two_hosts_share_one_global_rate(R, redis_server, name):
+    """Two shared-memory limiters (two "hosts"), two workers each, one Redis key."""
+    rate, burst, seconds, ttl = 400, 40, 3.0, 0.1
+    hosts = [f"{name}-a", f"{name}-b"]
+    glob = R.RedisLimiter(name, rate=rate, burst=burst, url=redis_server.url)
+    for h in hosts:
+        shmlimit.Limiter(h, upstream=glob, lease_ttl=ttl).close()  # created, then left to the workers
+    try:
+        results = run_workers(HOST_WORKER, [(h, seconds) for h in hosts for _ in range(2)])
+        stats = [shmlimit.inspect(h) for h in hosts]
+    finally:
+        for h in hosts:
+            shmlimit.unlink(h)
+    stamps = sorted(t for r in results for t in r)
+    # the documented bound: rate*(T + lease_ttl + d) + burst, d = one tick plus one round trip (50 ms here)
+    assert max_excess(tag(results), 1.0) <= rate * (1.0 + ttl + 0.05) + burst
+    assert len(stamps) >= 0.9 * rate * seconds
+    per_host = [len(results[0]) + len(results[1]), len(results[2]) + len(results[3])]
+    assert min(per_host) >= 0.25 * sum(per_host)  # both hosts are fed
+    for s in stats:
+        up = s.upstream
+        assert up.state == "ok" and up.errors == 0 and up.round_trips >= 1
+        assert up.leased >= s.grants  # every grant came from a lease (some leased ops expire unused)
+        assert up.leased - up.expired <= s.grants + burst
+    total_leased = sum(s.upstream.leased for s in stats)
+    assert total_leased <= rate * (seconds + 2) + burst  # Redis never handed out more than the rate
+
+
+def test_hierarchical_mode_validates_and_matches_its_upstream(R, redis_server, name):
+    url = redis_server.url
+    lim = shmlimit.Limiter(name, rate=50, upstream=url)
+    try:
+        assert lim.stats().upstream.url == url
+        assert shmlimit.Limiter(name, rate=50, upstream=url)._att is lim._att  # same upstream: attaches
+        with pytest.raises(shmlimit.ConfigMismatchError, match="upstream"):
+            shmlimit.Limiter(name, rate=50)  # asked for a plain limiter, found a hierarchical one
+        with pytest.raises(shmlimit.ConfigMismatchError, match="on_redis_error=local"):
+            shmlimit.Limiter(name, rate=50, upstream=url, on_redis_error="local")
+        assert lim.acquire(timeout=1.0)
+    finally:
+        lim.close()
+
+
+# ---- Redis unreachable ------------------------------------------------------------------
+
+
+def _grants_in(lim, seconds):
+    n = 0
+    end = time.monotonic() + seconds
+    while time.monotonic() < end:
+        if lim.acquire(timeout=0.05):
+            n += 1
+    return n
+
+
+@pytest.mark.parametrize("mode", ["closed", "local", "open"])
+def test_on_redis_error_modes(R, own_redis, name, mode):
+    rate = 100
+    lim = shmlimit.Limiter(name, rate=rate, burst=10, upstream=own_redis.url, on_redis_error=mode, lease_ttl=0.1)
+    try:
+        assert lim.acquire(timeout=2.0)  # fed from Redis
+        wait_for(lambda: lim.stats().upstream.round_trips >= 1)
+        own_redis.stop()
+        wait_for(lambda: lim.stats().upstream.state == mode)
+        up = lim.stats().upstream
+        assert up.errors >= 1 and up.fallbacks == 1
+        if mode == "closed":
+            # leased tokens expire within lease_ttl; then nothing is granted until Redis returns
+            wait_for(lambda: not lim.try_acquire())
+            assert _grants_in(lim, 0.5) <= 1
+        elif mode == "local":
+            n = _grants_in(lim, 2.0)
+            assert 0.85 * rate * 2 <= n <= rate * 2 + 10 + 1  # the host keeps its own clock's rate
+        else:
+            t0 = time.monotonic()
+            for _ in range(5000):  # 50 s of this rate, if it were still limited
+                assert lim.acquire(timeout=0.0)
+            assert time.monotonic() - t0 < 10
+        own_redis.start()
+        wait_for(lambda: lim.stats().upstream.state == "ok", timeout=10)
+        assert lim.acquire(timeout=2.0)  # recovered: leasing again
+        n = _grants_in(lim, 1.5)
+        assert n <= rate * 1.5 + 10 + 1  # limited again, whatever the fallback let through
+        assert lim.stats().upstream.fallbacks == 1
+    finally:
+        lim.close()
