@@ -12,7 +12,10 @@
 3. rate fidelity: 4 processes sharing 500, 5000, 100 000 and 1 000 000 ops/s for 5 s;
 4. lateness of each grant after its scheduled moment at 1000/s with 4 processes;
 5. CPU burned by 8 processes waiting on a 50/s limit;
-6. the rate achieved while the filler's own process runs a CPU-bound Python loop.
+6. the rate achieved while the filler's own process runs a CPU-bound Python loop;
+7. Redis, 4 processes: ops/s and Redis round trips per op for the direct RedisLimiter and the
+   hierarchical mode side by side (with --redis URL, or a redis-server started for the run when
+   one is on the PATH; skipped otherwise).
 """
 from __future__ import annotations
 
@@ -318,10 +321,95 @@ def bench_filler_under_load(seconds: float) -> dict:
 # ---- report --------------------------------------------------------------------------------------------
 
 
+# ---- 7. Redis: direct and hierarchical ---------------------------------------------------------
+
+
+def _redis_worker(kind: str, name: str, url: str, rate: float, burst: float, barrier, seconds: float, q) -> None:
+    if kind == "direct":
+        from shmlimit.redis import RedisLimiter
+
+        lim = RedisLimiter(name, rate=rate, burst=burst, url=url)
+        lim.retry_after()  # connected and the script loaded before the clock starts
+    else:
+        lim = shmlimit.attach(name)
+    barrier.wait()
+    n = 0
+    end = time.monotonic() + seconds
+    while time.monotonic() < end:
+        lim.acquire()
+        n += 1
+    q.put((n, lim.stats().round_trips if kind == "direct" else 0))
+
+
+def bench_redis(url: str, seconds: float, procs: int = 4) -> List[dict]:
+    from shmlimit.redis import RedisLimiter
+
+    rows = []
+    ctx = mp.get_context("fork")
+    for rate, burst in ((1e6, 1e5), (2000.0, 200.0)):
+        for kind in ("direct", "hierarchical"):
+            gname = f"bench-{uuid.uuid4().hex[:8]}"
+            host = None
+            if kind == "hierarchical":
+                host = shmlimit.Limiter(gname + "-host", upstream=RedisLimiter(gname, rate=rate, burst=burst, url=url))
+            barrier = ctx.Barrier(procs + 1)
+            q = ctx.Queue()
+            name = gname if kind == "direct" else gname + "-host"
+            ps = [ctx.Process(target=_redis_worker, args=(kind, name, url, rate, burst, barrier, seconds, q))
+                  for _ in range(procs)]
+            for p in ps:
+                p.start()
+            trips0 = host.stats().upstream.round_trips if host else 0
+            barrier.wait()
+            t0 = time.monotonic()
+            out = [q.get(timeout=seconds + 60) for _ in ps]
+            wall = time.monotonic() - t0
+            for p in ps:
+                p.join()
+            ops = sum(n for n, _ in out)
+            trips = sum(t for _, t in out) if host is None else host.stats().upstream.round_trips - trips0
+            if host is not None:
+                host.close()
+                shmlimit.unlink(name)
+            rows.append(dict(kind=kind, target=rate, ops_per_s=ops / wall, round_trips=trips,
+                             round_trips_per_op=trips / max(1, ops)))
+    return rows
+
+
+def start_redis():
+    """A throwaway redis-server on a free port (no persistence), or None when there is no binary."""
+    import shutil
+    import socket
+    import subprocess
+
+    binary = shutil.which("redis-server")
+    try:
+        import redis
+    except ImportError:
+        return None, None
+    if binary is None:
+        return None, None
+    with socket.socket() as sk:
+        sk.bind(("127.0.0.1", 0))
+        port = sk.getsockname()[1]
+    proc = subprocess.Popen([binary, "--port", str(port), "--bind", "127.0.0.1", "--save", "", "--appendonly", "no"],
+                            stdout=subprocess.DEVNULL)
+    client = redis.Redis(port=port)
+    for _ in range(1000):
+        try:
+            client.ping()
+            break
+        except redis.ConnectionError:
+            time.sleep(0.01)
+    return proc, f"redis://127.0.0.1:{port}/0"
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--json", action="store_true", help="print one JSON object instead of the table")
     ap.add_argument("--quick", action="store_true", help="shorter runs (a smoke test, not a measurement)")
+    ap.add_argument("--redis", metavar="URL", help="Redis server for section 7 (default: start one if possible)")
+    ap.add_argument("--only-redis", action="store_true", help="run section 7 only")
     args = ap.parse_args(argv)
     quick = args.quick
     res: dict = dict(
@@ -332,12 +420,20 @@ def main(argv=None) -> int:
             native=native_available(),
         )
     )
-    res["single_ns"] = bench_single(20_000 if quick else 300_000)
-    res["aggregate_per_s"] = bench_aggregate([1, 2, 4, 8], 0.5 if quick else 1.5)
-    res["fidelity"] = bench_fidelity([500, 5000, 100_000, 1_000_000], 2.0 if quick else 5.0)
-    res["lateness"] = bench_lateness(2.0 if quick else 4.0)
-    res["cpu_waiting"] = bench_cpu(2.0 if quick else 4.0)
-    res["filler_under_load"] = bench_filler_under_load(3.0 if quick else 5.0)
+    if not args.only_redis:
+        res["single_ns"] = bench_single(20_000 if quick else 300_000)
+        res["aggregate_per_s"] = bench_aggregate([1, 2, 4, 8], 0.5 if quick else 1.5)
+        res["fidelity"] = bench_fidelity([500, 5000, 100_000, 1_000_000], 2.0 if quick else 5.0)
+        res["lateness"] = bench_lateness(2.0 if quick else 4.0)
+        res["cpu_waiting"] = bench_cpu(2.0 if quick else 4.0)
+        res["filler_under_load"] = bench_filler_under_load(3.0 if quick else 5.0)
+    server, url = (None, args.redis) if args.redis else start_redis()
+    try:
+        res["redis"] = bench_redis(url, 1.0 if quick else 3.0) if url else None
+    finally:
+        if server is not None:
+            server.kill()
+            server.wait()
     if args.json:
         print(json.dumps(res, indent=None))
         return 0
@@ -348,6 +444,19 @@ def main(argv=None) -> int:
 def print_table(res: dict) -> None:
     m = res["machine"]
     print(f"shmlimit benchmark — Python {m['python']}, {m['cpus']} CPUs, {m['platform']}, native={m['native']}\n")
+    if "single_ns" in res:
+        print_local(res)
+    print("\n7. Redis, 4 processes: direct RedisLimiter vs hierarchical (shared memory fed from Redis)")
+    if not res.get("redis"):
+        print("   skipped: no redis-server on the PATH and no --redis URL")
+        return
+    print(f"   {'target/s':>10} {'mode':>13} {'ops/s':>12} {'round trips':>12} {'trips/op':>9}")
+    for r in res["redis"]:
+        print(f"   {r['target']:>10,.0f} {r['kind']:>13} {r['ops_per_s']:>12,.0f} {r['round_trips']:>12,} "
+              f"{r['round_trips_per_op']:>9.4f}")
+
+
+def print_local(res: dict) -> None:
     single = res["single_ns"]
     floor = single.get("floor: native fetch_add")
     base = single["baseline: Value+Lock bucket"]
