@@ -123,6 +123,13 @@ def render(records: List[dict], interval: float) -> str:
             f"  grants/s {'-' if gps is None else f'{gps:,.1f}'}  {sparkline(r['history'])}"
             f"  filler {r['filler_pid'] or '-'} (heartbeat {hb})"
         )
+        up = r.get("upstream")
+        if up:
+            lines.append(
+                f"  upstream {up['url']} {up['key']}  state {up['state'].upper() if up['state'] != 'ok' else 'ok'}"
+                f"  round trips {up['round_trips']}  leased {up['leased']}  expired {up['expired']}"
+                f"  errors {up['errors']}  fallbacks {up['fallbacks']}"
+            )
         lines.append(f"  {'pid':>8} {'command':16} {'state':6} {'grants':>10}  waiting")
         for p in r["processes"]:
             state = "alive" if p["alive"] else "DEAD"

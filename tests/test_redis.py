@@ -314,6 +314,11 @@ def test_hierarchical_mode_validates_and_matches_its_upstream(R, redis_server, n
         with pytest.raises(shmlimit.ConfigMismatchError, match="on_redis_error=local"):
             shmlimit.Limiter(name, rate=50, upstream=url, on_redis_error="local")
         assert lim.acquire(timeout=1.0)
+        from test_cli import run
+
+        out = run("top", "--once", name).stdout  # the live view shows how the host is fed
+        assert f"upstream {url} shmlimit:{{{name}}}:gcra  state ok" in out
+        assert json.loads(run("inspect", "--json", name).stdout)["upstream"]["leased"] >= 1
     finally:
         lim.close()
 
