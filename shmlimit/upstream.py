@@ -105,7 +105,7 @@ class Feeder:
         now = time.monotonic_ns()
         self._measure(now)
         state = c.load(L.UP_STATE)
-        if state == STATE_OK:
+        if state in (STATE_OK, STATE_CLOSED):  # leased tokens expire, Redis or not
             self.expire(now)
         if not b.stopped and now >= self.next_try:
             self._lease(now, state)
