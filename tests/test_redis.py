@@ -366,3 +366,26 @@ def test_on_redis_error_modes(R, own_redis, name, mode):
         assert lim.stats().upstream.fallbacks == 1
     finally:
         lim.close()
+
+
+def test_leased_tokens_expire_and_every_leased_op_is_accounted_for(R, redis_server, name):
+    rate, ttl = 1000, 0.1
+    glob = R.RedisLimiter(name, rate=rate, burst=100, url=redis_server.url)
+    lim = shmlimit.Limiter(name, upstream=glob, lease_ttl=ttl)
+    try:
+        end = time.monotonic() + 0.5
+        while time.monotonic() < end:  # busy: the filler leases ahead of demand
+            lim.acquire()
+        s = lim.stats()
+        stopped = time.monotonic()
+        # idle now: whatever was leased ahead is void after lease_ttl (plus a tick and some noise)
+        wait_for(lambda: lim.stats().available == 0)
+        assert time.monotonic() - stopped < ttl + 1.0
+        def settled():  # one snapshot: empty, and every leased op was either granted or expired
+            t = lim.stats()
+            return t.available == 0 and t.upstream.leased == t.grants + t.upstream.expired and t
+
+        t = wait_for(settled)
+        assert s.available > 0 or t.upstream.expired > 0  # something was leased ahead of use
+    finally:
+        lim.close()
