@@ -1038,6 +1038,8 @@ class Limiter:
             return f"<shmlimit.Limiter {self._name!r} closed>"
         s = self.stats()
         extra = f" ratio={s.ratio:g} behind={s.behind_seconds:.3f}s" if s.ratio != 1.0 else ""
+        if s.upstream is not None:
+            extra += f" upstream={s.upstream.url} ({s.upstream.state})"
         return (
             f"<shmlimit.Limiter {s.name!r} rate={s.rate:g}/{s.per:g}s capacity={s.capacity:g}{extra} "
             f"available={s.available:.1f} deficiency={s.deficiency:.1f} grants={s.grants} "

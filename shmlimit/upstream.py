@@ -92,6 +92,7 @@ class Feeder:
         self.max_batch = max(1, int(self.redis.capacity // 2))
         self.demand = 0.0  # ops per second
         self._last: Optional[tuple] = None  # (ns, tail) at the previous tick
+        self._burned = 0  # tokens burned since then: they moved the tail but are not demand
         self.next_try = 0
 
     def close(self) -> None:
@@ -117,10 +118,11 @@ class Feeder:
         if self._last is not None:
             dt = now - self._last[0]
             if dt > 0:
-                ops = ((tail - self._last[1]) & ((1 << 64) - 1)) / self.bucket.cost
+                ops = (((tail - self._last[1]) & ((1 << 64) - 1)) - self._burned) / self.bucket.cost
                 alpha = min(1.0, dt / (DEMAND_WINDOW * 1e9))
                 self.demand += alpha * (ops * 1e9 / dt - self.demand)
         self._last = (now, tail)
+        self._burned = 0
 
     def expire(self, now: int) -> int:
         """Burn the tokens beyond those of leases younger than the time to live; return ops burned."""
@@ -130,6 +132,7 @@ class Feeder:
             if now - c.load(ts) < self.ttl_ns:
                 keep += c.load(amt)
         burned = self.bucket.burn(keep)
+        self._burned += burned
         if burned:
             c.fetch_add(L.UP_EXPIRED, burned // self.bucket.cost)
         return burned

@@ -314,6 +314,7 @@ def test_hierarchical_mode_validates_and_matches_its_upstream(R, redis_server, n
         with pytest.raises(shmlimit.ConfigMismatchError, match="on_redis_error=local"):
             shmlimit.Limiter(name, rate=50, upstream=url, on_redis_error="local")
         assert lim.acquire(timeout=1.0)
+        assert f"upstream={url} (ok)" in repr(lim)
         from test_cli import run
 
         out = run("top", "--once", name).stdout  # the live view shows how the host is fed
@@ -343,7 +344,8 @@ def test_on_redis_error_modes(R, own_redis, name, mode):
         assert lim.acquire(timeout=2.0)  # fed from Redis
         wait_for(lambda: lim.stats().upstream.round_trips >= 1)
         own_redis.stop()
-        wait_for(lambda: lim.stats().upstream.state == mode)
+        # the filler asks Redis only when tokens are wanted: keep wanting them, as callers would
+        wait_for(lambda: [lim.try_acquire(), lim.stats().upstream.state == mode][1])
         up = lim.stats().upstream
         assert up.errors >= 1 and up.fallbacks == 1
         if mode == "closed":
