@@ -41,7 +41,8 @@ from typing import Callable, Optional, Tuple
 from . import layout as L
 from .cells import MASK64, Cells
 from .config import MAX_SPAN_TOKENS as MAX_SPAN
-from .config import NS_PER_S, Config
+from .config import MAX_TPN, NS_PER_S, Config
+from .errors import SegmentError
 
 SIGN = 1 << 63
 WRAP = 1 << 64
@@ -73,6 +74,7 @@ def behind(a: int, b: int) -> int:
 
 
 INF_BITS = L.f2u(float("inf"))
+_KNOWN_FLAGS = L.FLAG_CAPPED | L.FLAG_STOPPED | L.UPSTREAM_FLAGS
 #: A config writer that holds the sequence lock longer than this is presumed dead (ns).
 CONFIG_LOCK_TIMEOUT_NS = 200_000_000
 
@@ -119,6 +121,17 @@ class Bucket:
             if c.load(L.CFG_SEQ) == seq or deadline is not None:
                 break
         rate, per, burst, tpn, cost, cap, flags, ratio, max_reserved, max_behind = vals
+        try:  # words from a corrupt or foreign segment must not reach the arithmetic
+            cfg = Config.make(
+                L.u2f(rate), L.u2f(per), L.u2f(burst), bool(flags & L.FLAG_CAPPED), L.u2f(ratio),
+                _unopt(max_reserved), _unopt(max_behind),
+            )
+        except (TypeError, ValueError) as e:
+            raise SegmentError(f"segment is corrupt: its configuration is invalid ({e})") from None
+        if not 1 <= tpn <= MAX_TPN or not 1 <= cost <= MAX_SPAN or not 1 <= cap <= MAX_SPAN or flags & ~_KNOWN_FLAGS:
+            raise SegmentError(
+                f"segment is corrupt: token unit {tpn}, op cost {cost}, capacity {cap} or flags {flags:#x} out of range"
+            )
         self.seq = seq
         self.tpn = tpn
         self.cost = cost
@@ -131,9 +144,7 @@ class Bucket:
         self.time_fed = not self.upstream or bool(flags & L.FLAG_FALLBACK_LOCAL)
         #: hierarchical mode, "open" fallback: every acquire is granted without tokens
         self.open = self.upstream and bool(flags & L.FLAG_FALLBACK_OPEN)
-        self.config = Config(
-            L.u2f(rate), L.u2f(per), L.u2f(burst), self.capped, L.u2f(ratio), _unopt(max_reserved), _unopt(max_behind)
-        )
+        self.config = cfg
         self.burst_pool = self.config.burst_pool_at(tpn)
         self.catch_up = self.config.ratio > 1.0
         mb = self.config.max_behind
