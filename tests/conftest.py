@@ -23,14 +23,19 @@ def shm_bytes(name: str) -> bytes:
         return f.read()
 
 
-@pytest.fixture(scope="session")
-def redis_server():
-    """One real redis-server for the session (skipped, or failed under SHMLIMIT_REQUIRE_REDIS=1, without one)."""
+def _redis():
     from redis_server import RedisServer, require
 
     require()
     server = RedisServer()
     server.start()
+    return server
+
+
+@pytest.fixture(scope="session")
+def redis_server():
+    """One real redis-server for the session (skipped, or failed under SHMLIMIT_REQUIRE_REDIS=1, without one)."""
+    server = _redis()
     yield server
     server.stop()
 
@@ -38,10 +43,6 @@ def redis_server():
 @pytest.fixture
 def own_redis():
     """A redis-server of the test's own, which the test may kill and restart."""
-    from redis_server import RedisServer, require
-
-    require()
-    server = RedisServer()
-    server.start()
+    server = _redis()
     yield server
     server.stop()

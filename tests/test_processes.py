@@ -153,10 +153,11 @@ WORKER = textwrap.dedent(
 )
 
 
-def start_workers(name, count, seconds):
+def start_workers(name, count, seconds, script=WORKER):
+    """``count`` interpreters running ``script`` (argv: name, seconds), each once it printed "ready"."""
     procs = [
         subprocess.Popen(
-            [sys.executable, "-c", WORKER, name, str(seconds)],
+            [sys.executable, "-c", script, name, str(seconds)],
             stdin=subprocess.PIPE,
             stdout=subprocess.PIPE,
             text=True,

@@ -1,18 +1,13 @@
 """The Redis tier against a real redis-server: the direct RedisLimiter and the hierarchical mode."""
 import asyncio
 import json
-import os
 import pickle
-import subprocess
-import sys
-import textwrap
-import threading
 import time
 
 import pytest
 
 import shmlimit
-from test_processes import WORKDIR, max_excess, tag, wait_for
+from test_processes import WORKER, collect, go, max_excess, start_workers, tag, wait_for
 
 
 @pytest.fixture
@@ -205,74 +200,29 @@ def test_password_is_never_shown(R):
 
 # ---- several processes ------------------------------------------------------------------
 
-DIRECT_WORKER = textwrap.dedent(
-    """
-    import json, sys, time
-    from shmlimit.redis import RedisLimiter
-    lim = RedisLimiter(sys.argv[1], rate=float(sys.argv[2]), burst=float(sys.argv[3]), url=sys.argv[4])
-    seconds = float(sys.argv[5])
-    lim.retry_after()  # connected
-    print("ready", flush=True)
-    sys.stdin.readline()
-    end = time.monotonic() + seconds
-    stamps = []
-    while True:
-        lim.acquire()
-        t = time.monotonic()
-        if t > end:
-            break
-        stamps.append(t)
-    print(json.dumps(stamps), flush=True)
-    """
-)
+def direct_worker(rate, burst, url):
+    """The pool worker of test_processes, on a RedisLimiter instead of a shared-memory limiter."""
+    make = f"lim = RedisLimiter(sys.argv[1], rate={rate}, burst={burst}, url={url!r}); lim.retry_after()"
+    assert ATTACH in WORKER
+    return WORKER.replace(ATTACH, "from shmlimit.redis import RedisLimiter\n" + make)
 
 
-def run_workers(script, argv_list):
-    procs = [
-        subprocess.Popen([sys.executable, "-c", script, *map(str, argv)], stdin=subprocess.PIPE,
-                         stdout=subprocess.PIPE, text=True, cwd=WORKDIR)
-        for argv in argv_list
-    ]
-    for p in procs:
-        assert p.stdout.readline().strip() == "ready"
-    for p in procs:
-        p.stdin.write("\n")
-        p.stdin.flush()
-    out = []
-    for p in procs:
-        out.append(json.loads(p.stdout.readline()))
-        assert p.wait(60) == 0
-    return out
+ATTACH = "lim = shmlimit.attach(sys.argv[1])"
+
+
+def run_workers(name, count, seconds, script=WORKER):
+    procs = start_workers(name, count, seconds, script)
+    go(procs)
+    return collect(procs)
 
 
 def test_four_processes_on_the_direct_limiter_keep_the_rate(R, redis_server, name):
     rate, burst, seconds = 100, 5, 3.0
-    results = run_workers(DIRECT_WORKER, [(name, rate, burst, redis_server.url, seconds)] * 4)
+    results = run_workers(name, 4, seconds, direct_worker(rate, burst, redis_server.url))
     assert all(results)
     stamps = sorted(t for r in results for t in r)
     assert max_excess(tag(results), 1.0) <= rate + burst
     assert len(stamps) >= 0.95 * rate * seconds  # and the rate is used, not starved
-
-
-HOST_WORKER = textwrap.dedent(
-    """
-    import json, sys, time
-    import shmlimit
-    lim = shmlimit.attach(sys.argv[1])  # no upstream argument: the segment says where to lease
-    seconds = float(sys.argv[2])
-    print("ready", flush=True)
-    sys.stdin.readline()
-    end = time.monotonic() + seconds
-    stamps = []
-    while True:
-        lim.acquire()
-        t = time.monotonic()
-        if t > end:
-            break
-        stamps.append(t)
-    print(json.dumps(stamps), flush=True)
-    """
-)
 
 
 def test_two_hosts_share_one_global_rate(R, redis_server, name):
@@ -283,7 +233,10 @@ def test_two_hosts_share_one_global_rate(R, redis_server, name):
     for h in hosts:
         shmlimit.Limiter(h, upstream=glob, lease_ttl=ttl).close()  # created, then left to the workers
     try:
-        results = run_workers(HOST_WORKER, [(h, seconds) for h in hosts for _ in range(2)])
+        # workers attach by name only: the segment tells whichever becomes filler where to lease
+        procs = [p for h in hosts for p in start_workers(h, 2, seconds)]
+        go(procs)
+        results = collect(procs)
         stats = [shmlimit.inspect(h) for h in hosts]
     finally:
         for h in hosts:
