@@ -95,6 +95,7 @@ UP_LEASE0_TS = 11 * LINE  # CLOCK_MONOTONIC ns of the newest lease (taken before
 UP_LEASE0_AMT = 11 * LINE + 8  # its tokens
 UP_LEASE1_TS = 11 * LINE + 16  # the one before
 UP_LEASE1_AMT = 11 * LINE + 24
+UP_LEASES = 11 * LINE + 32  # successful lease requests (UP_LEASED / UP_LEASES = the average batch)
 UP_DESC_LEN = 12 * LINE  # bytes of JSON that follow
 UP_DESC = 12 * LINE + 8
 UP_DESC_MAX = 4 * LINE - 8

@@ -68,6 +68,7 @@ class UpstreamStats:
     lease_ttl: float  #: seconds a leased token stays usable
     round_trips: int  #: Redis round trips by this host's fillers
     leased: int  #: ops leased from Redis
+    leases: int  #: successful lease requests (``leased / leases`` is the average batch)
     expired: int  #: leased ops never used (void after ``lease_ttl``, or not fitting the bucket)
     refused: int  #: lease requests that found nothing available globally
     errors: int  #: Redis calls that failed
@@ -1107,6 +1108,7 @@ def _upstream_stats(att: _Attachment) -> Optional[UpstreamStats]:
         lease_ttl=desc["lease_ttl"],
         round_trips=c.load(L.UP_ROUND_TRIPS),
         leased=c.load(L.UP_LEASED),
+        leases=c.load(L.UP_LEASES),
         expired=c.load(L.UP_EXPIRED),
         refused=c.load(L.UP_REFUSED),
         errors=c.load(L.UP_ERRORS),

@@ -185,6 +185,7 @@ class Feeder:
             c.store(L.UP_LEASE0_TS, sent)
             c.store(L.UP_LEASE0_AMT, added)
             c.fetch_add(L.UP_LEASED, granted)
+            c.fetch_add(L.UP_LEASES, 1)
             if added < granted * b.cost:  # did not fit: leased and lost
                 c.fetch_add(L.UP_EXPIRED, granted - added // b.cost)
             self.next_try = 0

@@ -344,3 +344,26 @@ def test_leased_tokens_expire_and_every_leased_op_is_accounted_for(R, redis_serv
         assert s.available > 0 or t.upstream.expired > 0  # something was leased ahead of use
     finally:
         lim.close()
+
+
+SLOW = WORKER.replace("    lim.acquire()\n", "    lim.acquire()\n    time.sleep(0.02)  # a quiet host: about 50 ops/s\n")
+
+
+def test_busy_hosts_lease_bigger_batches(R, redis_server, name):
+    rate, burst, seconds = 1000, 200, 2.0
+    glob = R.RedisLimiter(name, rate=rate, burst=burst, url=redis_server.url)
+    busy, quiet = f"{name}-busy", f"{name}-quiet"
+    for h in (busy, quiet):
+        shmlimit.Limiter(h, upstream=glob).close()
+    try:
+        assert SLOW != WORKER
+        procs = start_workers(busy, 3, seconds) + start_workers(quiet, 1, seconds, SLOW)
+        go(procs)
+        collect(procs)
+        b, q = shmlimit.inspect(busy).upstream, shmlimit.inspect(quiet).upstream
+    finally:
+        shmlimit.unlink(busy)
+        shmlimit.unlink(quiet)
+    # batches follow demand: ~0.02 s of it, capped at half the burst; a quiet host leases one op at a time
+    assert b.leased / b.leases >= 3 * (q.leased / q.leases)
+    assert b.leased / b.leases <= burst / 2
