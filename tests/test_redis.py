@@ -236,6 +236,9 @@ def test_two_hosts_share_one_global_rate(R, redis_server, name):
         # workers attach by name only: the segment tells whichever becomes filler where to lease
         procs = [p for h in hosts for p in start_workers(h, 2, seconds)]
         go(procs)
+        # mid-run, Redis forgets the script: the fillers load it again and carry on
+        wait_for(lambda: sum(shmlimit.inspect(h).upstream.leased for h in hosts) >= rate)
+        redis_server.client().script_flush()
         results = collect(procs)
         stats = [shmlimit.inspect(h) for h in hosts]
     finally:
@@ -252,6 +255,7 @@ def test_two_hosts_share_one_global_rate(R, redis_server, name):
         assert up.state == "ok" and up.errors == 0 and up.round_trips >= 1
         assert up.leased >= s.grants  # every grant came from a lease (some leased ops expire unused)
         assert up.leased - up.expired <= s.grants + burst
+    assert sum(s.upstream.round_trips for s in stats) > sum(s.upstream.leases + s.upstream.refused for s in stats)
     total_leased = sum(s.upstream.leased for s in stats)
     assert total_leased <= rate * (seconds + 2) + burst  # Redis never handed out more than the rate
 
