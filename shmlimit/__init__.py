@@ -6,7 +6,7 @@
 """
 from .config import Config, RateSpec, parse_spec
 from .errors import ConfigMismatchError, LimiterNotFoundError, RateLimited, SegmentError, ShmlimitError
-from .limiter import Limiter, ProcessStats, Stats, attach, inspect, unlink
+from .limiter import Limiter, ProcessStats, Stats, UpstreamStats, attach, inspect, unlink
 from .segment import list_names
 from .throttle import throttle
 
@@ -29,4 +29,5 @@ __all__ = [
     "parse_spec",
     "throttle",
     "unlink",
+    "UpstreamStats",
 ]

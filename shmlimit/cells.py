@@ -21,7 +21,7 @@ from __future__ import annotations
 import functools
 import mmap
 import os
-from typing import Dict, List, Tuple
+from typing import Any, Dict, List, Tuple
 
 MASK64 = (1 << 64) - 1
 WORD = 8
@@ -132,7 +132,7 @@ class AtomicsCells(Cells):
         self.size = size
         self._buf = memoryview(mm)[:size]
         self._views: Dict[int, object] = {}
-        self._contexts: List[Tuple[object, memoryview]] = []
+        self._contexts: List[Tuple[Any, memoryview]] = []
 
     def _view(self, off: int):
         view = self._views.get(off)

@@ -14,7 +14,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 from fractions import Fraction
-from typing import Optional
+from typing import Dict, Optional
 
 NS_PER_S = 1_000_000_000
 MAX_TPN = 1 << 16
@@ -129,7 +129,7 @@ class Config:
 
     def replace(self, **changes: object) -> "Config":
         """A validated copy with some fields changed (None for burst means the rate's default)."""
-        fields = dict(
+        fields: Dict[str, object] = dict(
             rate=self.rate,
             per=self.per,
             burst=self.burst,
