@@ -39,6 +39,9 @@ MAX_FILL_PERIOD = 0.020
 #: the filler late replenishes for itself and nudges its own process's watcher (``nudge``).
 WATCH_PERIOD = 0.5
 
+#: Watchers of a hierarchical limiter look this often (seconds): only a filler can bring tokens.
+UPSTREAM_WATCH_PERIOD = 0.02
+
 _SLOT_MASK = (1 << L.LEASE_SLOT_BITS) - 1
 
 
@@ -144,7 +147,8 @@ class FillerThread(threading.Thread):
             while not self._stopping:
                 if not lease.held:
                     if not lease.try_take():
-                        wake.wait(WATCH_PERIOD)
+                        # hierarchical mode: waiters cannot refill for themselves, so watch closely
+                        wake.wait(UPSTREAM_WATCH_PERIOD if bucket.upstream else WATCH_PERIOD)
                         wake.clear()
                         continue
                     last_renew = time.monotonic()

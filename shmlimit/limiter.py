@@ -121,6 +121,10 @@ class _Attachment:
         self.slots = cells.load(L.SLOTS_OFF)
         self.table = ProcessTable(cells, self.slots)
         self.upstream = read_upstream(cells) if self.bucket.upstream else None
+        if self.upstream is not None:
+            # Imported now (redis-py takes ~0.1 s), not when this process is first elected filler:
+            # a filler that takes over from a dead one must lease at once.
+            from . import upstream  # noqa: F401
         self.refs = 0
         self.closed = False
         self.created = seg.created

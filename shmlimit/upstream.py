@@ -161,9 +161,12 @@ class Feeder:
         want = self.want(now)
         if state == STATE_OK and want == 0:
             return
-        # Redis may take up to its timeout: extend our filler lease over the call, so that no
-        # watcher takes it over meanwhile (and we learn if one already did).
-        if not self.lease.renew(extra=2 * self.redis._timeout):
+        # Renewed just before the call: we still hold it (or learn we do not).  Not extended over
+        # the call: the lease word is nearly always fresh from the last call, and a filler killed
+        # or stopped then must be replaced within the usual lease timeout, not the Redis timeout.
+        # A call slower than that may let a second filler lease meanwhile, which costs only
+        # tokens: Redis counts every lease.
+        if not self.lease.renew():
             return
         trips = self.redis._counts["round_trips"]
         sent = time.monotonic_ns()  # the lease's time: before asking, so its expiry is conservative

@@ -1,13 +1,17 @@
 """The Redis tier against a real redis-server: the direct RedisLimiter and the hierarchical mode."""
 import asyncio
 import json
+import os
 import pickle
+import random
+import signal
 import time
 
 import pytest
 
 import shmlimit
-from test_processes import WORKER, collect, go, max_excess, start_workers, tag, wait_for
+from test_faults_extra import Stampers
+from test_processes import WORKER, collect, go, max_excess, max_gap, start_workers, tag, wait_for
 
 
 @pytest.fixture
@@ -371,3 +375,33 @@ def test_busy_hosts_lease_bigger_batches(R, redis_server, name):
     # batches follow demand: ~0.02 s of it, capped at half the burst; a quiet host leases one op at a time
     assert b.leased / b.leases >= 3 * (q.leased / q.leases)
     assert b.leased / b.leases <= burst / 2
+
+
+def test_hierarchical_filler_killed_repeatedly(R, redis_server, name):
+    """The filler of a hierarchical limiter SIGKILLed 8 times: another leases within ~the lease timeout."""
+    rate, ttl = 2000, 0.1
+    lim = shmlimit.Limiter(name, upstream=R.RedisLimiter(name, rate=rate, url=redis_server.url), lease_ttl=ttl)
+    cap = lim.capacity
+    lim.close()
+    rng = random.Random(7)
+    w = Stampers(name)
+    try:
+        for _ in range(4):
+            w.start()
+        t_start = time.monotonic()
+        for _ in range(8):
+            time.sleep(rng.uniform(0.1, 0.3))  # a random moment, not a synchronisation
+            pid = wait_for(lambda: shmlimit.inspect(name).filler_pid)
+            os.kill(pid, signal.SIGKILL)
+            w.procs[pid][0].wait()
+            w.start()
+        t_end = time.monotonic()
+    finally:
+        w.stop_all()
+    results = [r for r in w.results() if r]
+    stamps = sorted(t for r in results for t in r if t_start < t < t_end)
+    # the lease times out in 50 ms and watchers of a hierarchical limiter look every 20 ms
+    assert max_gap(stamps) < 0.15
+    for width in (1.0, 0.1):
+        assert max_excess(tag(results), width) <= rate * (width + ttl + 0.05) + cap
+    assert len(stamps) >= 0.7 * rate * (t_end - t_start)
