@@ -89,11 +89,11 @@ class Lease:
             return True
         return False
 
-    def renew(self, extra: float = 0.0) -> bool:
-        """Extend our lease (by ``extra`` more seconds before a slow call).  False if another process took it."""
+    def renew(self) -> bool:
+        """Extend our lease.  False (and we no longer hold it) if another process took it."""
         if not self.word:
             return False
-        new = lease_word(self.clock_us() + int((LEASE_TIMEOUT + extra) * 1e6), self.slot)
+        new = lease_word(self.clock_us() + int(LEASE_TIMEOUT * 1e6), self.slot)
         if self.cells.cas(L.LEASE, self.word, new):
             self.word = new
             return True
