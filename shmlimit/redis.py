@@ -39,7 +39,7 @@ import random
 import threading
 import time
 from dataclasses import dataclass
-from typing import Any, Dict, Optional, Tuple, Union
+from typing import Any, Dict, Optional, Tuple
 from urllib.parse import urlsplit, urlunsplit
 
 from .config import NS_PER_S, Config, validate_n, validate_timeout
@@ -500,5 +500,3 @@ class RedisLimiter:
             f"grants={s.grants} refusals={s.refusals} expired={s.expired}>"
         )
 
-
-Upstream = Union[str, RedisLimiter]
