@@ -194,6 +194,67 @@ def cmd_top(args: argparse.Namespace) -> int:
     return run(args.names or None, args.interval, args.once, args.json)
 
 
+def cmd_metrics(args: argparse.Namespace) -> int:
+    """The Prometheus text exposition of the limiters (read without joining): printed, or served on /metrics."""
+    from .segment import validate_name
+
+    for n in args.names:
+        validate_name(n)
+    names = args.names or None
+    if args.port is None:
+        for n in args.names:
+            _inspect(n)  # an unknown name is a user error when printing once
+        sys.stdout.write(_exposition(names))
+        return 0
+    return _serve_metrics(names, args.bind, args.port)
+
+
+def _exposition(names) -> str:
+    from .metrics import exposition, families
+
+    return exposition(families(names))
+
+
+def _serve_metrics(names, host: str, port: int) -> int:
+    """Serve /metrics until interrupted; a missing limiter has no samples (it may be created later)."""
+    from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+    from .metrics import CONTENT_TYPE
+
+    class Handler(BaseHTTPRequestHandler):
+        def do_GET(self) -> None:  # noqa: N802 (the http.server interface)
+            path = self.path.split("?", 1)[0]
+            if path == "/metrics":
+                body, ctype, code = _exposition(names).encode(), CONTENT_TYPE, 200
+            elif path == "/":
+                body, ctype, code = b"shmlimit metrics: see /metrics\n", "text/plain; charset=utf-8", 200
+            else:
+                body, ctype, code = b"not found\n", "text/plain; charset=utf-8", 404
+            self.send_response(code)
+            self.send_header("Content-Type", ctype)
+            self.send_header("Content-Length", str(len(body)))
+            self.end_headers()
+            self.wfile.write(body)
+
+        def log_message(self, format: str, *args) -> None:  # noqa: A002 -- a scrape per interval is not news
+            pass
+
+    try:
+        server = ThreadingHTTPServer((host, port), Handler)
+    except OSError as e:
+        raise UserError(f"cannot listen on {host}:{port}: {e.strerror or e}") from None
+    server.daemon_threads = True
+    bound_host, bound_port = server.server_address[:2]
+    print(f"serving http://{bound_host}:{bound_port}/metrics", file=sys.stderr, flush=True)
+    try:
+        server.serve_forever()
+    except KeyboardInterrupt:
+        pass
+    finally:
+        server.server_close()
+    return 0
+
+
 def cmd_gc(args: argparse.Namespace) -> int:
     """Remove segments no live process is attached to (--dry-run: only list them)."""
     removed = kept = 0
@@ -302,6 +363,12 @@ def build_parser() -> argparse.ArgumentParser:
     t.add_argument("--once", action="store_true", help="print one snapshot (rates over one interval) and exit")
     t.add_argument("--json", action="store_true", help="one JSON object per refresh, one per line")
     t.set_defaults(func=cmd_top)
+
+    m = sub.add_parser("metrics", help="Prometheus text exposition of every limiter (or the ones named)")
+    m.add_argument("names", nargs="*", metavar="NAME")
+    m.add_argument("--port", type=int, default=None, help="serve /metrics on this port instead of printing (0: any free port)")
+    m.add_argument("--bind", default="127.0.0.1", help="address to serve on (default 127.0.0.1; 0.0.0.0 for every interface)")
+    m.set_defaults(func=cmd_metrics)
 
     g = sub.add_parser("gc", help="remove segments that no live process is attached to")
     g.add_argument("--dry-run", action="store_true", help="only list them")

@@ -1,0 +1,164 @@
+"""Prometheus metrics: ``shmlimit metrics`` (printed and served) and the prometheus_client collector.
+
+Every exposition is parsed with prometheus_client's own parser, and reading must never join a
+limiter: the reading process is never listed in the process table and never runs the filler.
+"""
+import multiprocessing as mp
+import os
+import re
+import subprocess
+import sys
+import tempfile
+import time
+import urllib.error
+import urllib.request
+
+import pytest
+
+import shmlimit
+
+parser = pytest.importorskip("prometheus_client.parser")
+CLI = [sys.executable, "-m", "shmlimit.cli"]
+
+
+def parse(text):
+    """{(sample name, limiter label or None): value}, and the family types, via prometheus_client."""
+    values, types = {}, {}
+    for fam in parser.text_string_to_metric_families(text):
+        types[fam.name] = fam.type
+        for s in fam.samples:
+            values[(s.name, s.labels.get("limiter"))] = s.value
+    return values, types
+
+
+def _queue_forever(name, ready):
+    lim = shmlimit.attach(name)
+    ready.set()
+    lim.acquire()  # rate 1 per 60 s with the bucket drained: queues for a minute
+
+
+def _wait_for(pred, timeout=20.0):
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if pred():
+            return True
+        time.sleep(0.01)
+    return False
+
+
+@pytest.fixture
+def busy(name):
+    """A limiter with 3 grants, a drained bucket and one other process queued on it."""
+    lim = shmlimit.Limiter(name, rate=1, per=60, burst=3)
+    assert lim.try_acquire(3)
+    ctx = mp.get_context("fork")
+    ready = ctx.Event()
+    p = ctx.Process(target=_queue_forever, args=(name, ready), daemon=True)
+    p.start()
+    assert ready.wait(30)
+    assert _wait_for(lambda: any(x.waiting for x in shmlimit.inspect(name).processes))
+    yield lim, p
+    p.kill()
+    p.join(10)
+    lim.close()
+
+
+def check(values, types, name, child_pid):
+    live = shmlimit.inspect(name)
+    assert values[("shmlimit_grants_total", name)] == live.grants == 3
+    assert types["shmlimit_grants"] == "counter"
+    assert values[("shmlimit_rate_ops_per_second", name)] == pytest.approx(1 / 60)
+    assert values[("shmlimit_capacity_ops", name)] == 3
+    assert values[("shmlimit_available_ops", name)] == 0
+    assert values[("shmlimit_waiting_processes", name)] == 1
+    assert values[("shmlimit_processes", name)] == 2
+    assert 0 < values[("shmlimit_deficiency_seconds", name)] <= 60
+    assert 0.9 < values[("shmlimit_deficiency_ops", name)] <= 1  # one op owed, shrinking as time passes
+    assert 0 <= values[("shmlimit_filler_heartbeat_age_seconds", name)] < 5
+    assert values[("shmlimit_stopped", name)] == 0
+    # reading never joined: only this process and the queued child are listed
+    assert sorted(p.pid for p in live.processes) == sorted([os.getpid(), child_pid])
+    assert live.filler_pid in (os.getpid(), child_pid)
+
+
+def test_cli_prints_exposition_and_never_joins(busy, name):
+    lim, child = busy
+    r = subprocess.run([*CLI, "metrics", name], capture_output=True, text=True, timeout=60, cwd=tempfile.gettempdir())
+    assert r.returncode == 0, r.stderr
+    values, types = parse(r.stdout)
+    check(values, types, name, child.pid)
+    assert {k[1] for k in values if k[1] is not None} == {name}  # only the one named
+    assert values[("shmlimit_unreadable_segments", None)] == 0
+
+
+def test_cli_serves_metrics_on_a_port(busy, name, tmp_path):
+    lim, child = busy
+    junk = f"{name}-junk"
+    with open(f"/dev/shm/shmlimit.{junk}", "wb") as f:  # a foreign segment: counted, never fatal
+        f.write(b"\x01" * 4096)
+    proc = subprocess.Popen(
+        [*CLI, "metrics", "--port", "0"], stderr=subprocess.PIPE, stdout=subprocess.DEVNULL, text=True,
+        cwd=tempfile.gettempdir(),
+    )
+    try:
+        line = proc.stderr.readline()
+        m = re.search(r"http://([\d.]+):(\d+)/metrics", line)
+        assert m, line
+        url = f"http://{m.group(1)}:{m.group(2)}"
+        with urllib.request.urlopen(url + "/metrics", timeout=30) as resp:
+            assert resp.status == 200
+            assert resp.headers["Content-Type"].startswith("text/plain; version=0.0.4")
+            text = resp.read().decode()
+        values, types = parse(text)
+        check(values, types, name, child.pid)
+        assert values[("shmlimit_unreadable_segments", None)] >= 1
+        assert all(p.pid != proc.pid for p in shmlimit.inspect(name).processes)
+        with pytest.raises(urllib.error.HTTPError) as e:
+            urllib.request.urlopen(url + "/other", timeout=30)
+        assert e.value.code == 404
+    finally:
+        proc.kill()
+        proc.wait(10)
+        os.unlink(f"/dev/shm/shmlimit.{junk}")
+
+
+def test_cli_unknown_name_is_a_user_error():
+    r = subprocess.run([*CLI, "metrics", "no-such-limiter-here"], capture_output=True, text=True, timeout=60)
+    assert r.returncode == 2 and "no limiter named" in r.stderr
+
+
+def test_collector_in_a_registry(busy, name):
+    from prometheus_client import CollectorRegistry, generate_latest
+
+    from shmlimit.integrations.prometheus import ShmlimitCollector
+
+    lim, child = busy
+    reg = CollectorRegistry()
+    reg.register(ShmlimitCollector([name]))
+    values, types = parse(generate_latest(reg).decode())
+    check(values, types, name, child.pid)
+
+
+def test_collector_upstream_counters(name, redis_server):
+    from prometheus_client import CollectorRegistry, generate_latest
+
+    from shmlimit.integrations.prometheus import ShmlimitCollector
+    from shmlimit.redis import RedisLimiter
+
+    up = RedisLimiter(name, rate=1000, burst=100, url=redis_server.url)
+    lim = shmlimit.Limiter(name, upstream=up)
+    try:
+        for _ in range(50):
+            assert lim.acquire(timeout=5)
+        reg = CollectorRegistry()
+        reg.register(ShmlimitCollector([name]))
+        values, _ = parse(generate_latest(reg).decode())
+        live = lim.stats().upstream
+        assert values[("shmlimit_upstream_leased_ops_total", name)] >= 50
+        assert values[("shmlimit_upstream_round_trips_total", name)] >= 1
+        assert values[("shmlimit_upstream_leases_total", name)] <= live.leases
+        assert values[("shmlimit_upstream_fallback", name)] == 0
+        assert values[("shmlimit_upstream_errors_total", name)] == live.errors
+    finally:
+        lim.close()
+        up.close()
