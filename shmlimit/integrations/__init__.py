@@ -1,8 +1,6 @@
-"""Glue for the tools users already run; each module needs an optional extra.
+"""Glue for the tools users already run; each module needs only its own optional extra.
 
 * ``shmlimit.integrations.prometheus``: a ``prometheus_client`` collector (extra ``prometheus``).
-* ``shmlimit.integrations.asgi`` and ``.wsgi``: rate-limiting middleware (no extra needed).
-* ``shmlimit.integrations.celery``: retry a task later instead of blocking a worker (extra ``celery``).
 
 Importing this package imports none of them.
 """
