@@ -1,6 +1,7 @@
 """Glue for the tools users already run; each module needs only its own optional extra.
 
 * ``shmlimit.integrations.prometheus``: a ``prometheus_client`` collector (extra ``prometheus``).
+* ``shmlimit.integrations.asgi`` and ``.wsgi``: rate-limiting middleware (no extra needed).
 
 Importing this package imports none of them.
 """

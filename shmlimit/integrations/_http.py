@@ -1,0 +1,110 @@
+"""What the ASGI and WSGI middleware share: the limiter adapter and the rate-limit response headers.
+
+The headers follow the IETF httpapi draft "RateLimit header fields for HTTP"
+(structured fields):
+
+* ``RateLimit-Policy: "default";q=<quota>;w=<window seconds>`` -- the fixed policy;
+* ``RateLimit: "default";r=<remaining>;t=<seconds>`` -- the live state: ops left
+  now, and seconds until the bucket is full again (on a refusal: until the
+  request could be granted, the same as ``Retry-After``).
+
+A token bucket of ``rate`` ops per ``per`` seconds is advertised as the whole
+number of ops it grants per whole number of seconds: ``q`` ops per ``w``
+seconds with ``w`` the smallest whole window at least ``per`` in which at least
+one op fits, and ``q`` rounded down, so the policy never promises more than
+the limiter grants.
+"""
+from __future__ import annotations
+
+import math
+import re
+from typing import Any, Callable, List, Optional, Tuple, Union
+
+#: What a refusal answers: the status, and a short plain-text body.
+STATUS = 429
+BODY = b"Too Many Requests\n"
+_POLICY_RE = re.compile(r"[A-Za-z0-9_.:/+-]{1,64}")
+
+KeyFunc = Callable[[Any], Optional[str]]
+CostArg = Union[int, Callable[[Any], int]]
+
+
+def ascii_headers(headers: List[Tuple[str, str]]) -> List[Tuple[bytes, bytes]]:
+    """ASGI's form: lower-case names, bytes."""
+    return [(k.lower().encode("latin-1"), v.encode("latin-1")) for k, v in headers]
+
+
+def _is_keyed(limiter: Any) -> bool:
+    import shmlimit
+
+    keyed = getattr(shmlimit, "KeyedLimiter", None)
+    return keyed is not None and isinstance(limiter, keyed)
+
+
+class Policy:
+    """One limiter seen through HTTP: grant, refuse, and the header values of either."""
+
+    def __init__(self, limiter: Any, key: Optional[KeyFunc], cost: CostArg, max_wait: float, name: str) -> None:
+        if not _POLICY_RE.fullmatch(name):
+            raise ValueError(f"policy must be 1-64 letters, digits or _.:/+- (a header token), got {name!r}")
+        if isinstance(max_wait, bool) or not isinstance(max_wait, (int, float)) or not 0 <= max_wait < math.inf:
+            raise ValueError(f"max_wait must be a finite number of seconds >= 0, got {max_wait!r}")
+        if not callable(cost) and (isinstance(cost, bool) or not isinstance(cost, int) or cost < 1):
+            raise ValueError(f"cost must be an int >= 1 or a callable returning one, got {cost!r}")
+        if key is not None and not callable(key):
+            raise TypeError(f"key must be a callable (scope or environ) -> str or None, got {key!r}")
+        for attr in ("try_acquire", "retry_after", "capacity", "rate", "per"):
+            if not hasattr(limiter, attr):
+                raise TypeError(f"limiter must be a shmlimit Limiter or KeyedLimiter, got {limiter!r}")
+        self.limiter = limiter
+        self.keyed = _is_keyed(limiter)
+        self.key = key
+        self.cost = cost
+        self.max_wait = float(max_wait)
+        self.name = name
+
+    def request(self, request: Any, default_key: Callable[[Any], str]) -> Optional[Tuple[Tuple[Any, ...], int]]:
+        """The limiter arguments (``(key,)`` or ``()``) and ops for a request, or None if it is exempt."""
+        key = self.key(request) if self.key is not None else (default_key(request) if self.keyed else "")
+        if key is None:
+            return None
+        n = self.cost(request) if callable(self.cost) else self.cost
+        if isinstance(n, bool) or not isinstance(n, int) or n < 1:
+            raise ValueError(f"cost must be an int >= 1, the cost callable returned {n!r}")
+        return ((key,) if self.keyed else ()), n
+
+    # -- headers ---------------------------------------------------------------------
+
+    def policy_header(self) -> str:
+        rate, per = float(self.limiter.rate), float(self.limiter.per)
+        window = max(math.ceil(per - 1e-9), math.ceil(per / rate - 1e-9), 1)
+        quota = max(1, math.floor(rate * window / per + 1e-9))
+        return f'"{self.name}";q={quota};w={window}'
+
+    def state(self, args: Tuple[Any, ...]) -> Tuple[int, int]:
+        """(remaining ops now, whole seconds until the bucket is full again), from the public API only."""
+        lim = self.limiter
+        full = max(1, math.floor(float(lim.capacity)))
+        short = lim.retry_after(*args, full)  # seconds until a full bucket's worth could be granted
+        if not math.isfinite(short):  # stopped: nothing until someone starts it again
+            return 0, 0
+        missing = short * float(lim.rate) / float(lim.per)  # ops the bucket lacks for `full`
+        remaining = max(0, math.floor(full - missing + 1e-9))
+        return remaining, math.ceil(short - 1e-9) if short > 0 else 0
+
+    def granted_headers(self, args: Tuple[Any, ...]) -> List[Tuple[str, str]]:
+        remaining, reset = self.state(args)
+        return [("RateLimit-Policy", self.policy_header()), ("RateLimit", f'"{self.name}";r={remaining};t={reset}')]
+
+    def refused_headers(self, args: Tuple[Any, ...], n: int) -> List[Tuple[str, str]]:
+        wait = self.limiter.retry_after(*args, n)
+        # an integer, at least 1: the request was refused, so "now" would invite a retry storm
+        retry = max(1, math.ceil(wait - 1e-9)) if math.isfinite(wait) else 60
+        remaining, _ = self.state(args)
+        return [
+            ("Content-Type", "text/plain; charset=utf-8"),
+            ("Content-Length", str(len(BODY))),
+            ("Retry-After", str(retry)),
+            ("RateLimit-Policy", self.policy_header()),
+            ("RateLimit", f'"{self.name}";r={remaining};t={retry}'),
+        ]

@@ -1,0 +1,78 @@
+"""WSGI middleware: one shared rate limit (or one per key) in front of any WSGI app.
+
+    import shmlimit
+    from shmlimit.integrations.wsgi import RateLimitMiddleware
+
+    app = RateLimitMiddleware(app, limiter=shmlimit.Limiter("api", rate=100))
+
+Every worker of the server (``gunicorn -w N``, uWSGI processes) shares the
+one limit through shared memory.  A refused request gets ``429 Too Many
+Requests`` with an integer ``Retry-After`` and the IETF
+``RateLimit``/``RateLimit-Policy`` headers; a granted response carries the
+same two headers with the quota remaining.  With ``max_wait`` a request waits
+(blocking its worker thread, as WSGI does) up to that many seconds for its ops.
+"""
+from __future__ import annotations
+
+from typing import Any, Callable, Dict, Iterable, Optional
+
+from ._http import BODY, CostArg, KeyFunc, Policy
+
+__all__ = ["RateLimitMiddleware", "remote_addr"]
+
+Environ = Dict[str, Any]
+WSGIApp = Callable[[Environ, Callable[..., Any]], Iterable[bytes]]
+
+
+def remote_addr(environ: Environ) -> str:
+    """The default key of a keyed limiter: the client's address as the server saw it."""
+    return str(environ.get("REMOTE_ADDR", ""))
+
+
+class RateLimitMiddleware:
+    """Limit the requests of ``app`` by ``limiter`` (a ``Limiter`` or a ``KeyedLimiter``).
+
+    The parameters are those of ``shmlimit.integrations.asgi.RateLimitMiddleware``,
+    with ``key(environ)`` and ``cost(environ)`` taking the WSGI environ.
+    """
+
+    def __init__(
+        self,
+        app: WSGIApp,
+        limiter: Any,
+        key: Optional[KeyFunc] = None,
+        cost: CostArg = 1,
+        *,
+        max_wait: float = 0.0,
+        policy: str = "default",
+        headers: bool = True,
+    ) -> None:
+        self.app = app
+        self.policy = Policy(limiter, key, cost, max_wait, policy)
+        self.headers = headers
+
+    def __call__(self, environ: Environ, start_response: Callable[..., Any]) -> Iterable[bytes]:
+        req = self.policy.request(environ, remote_addr)
+        if req is None:
+            return self.app(environ, start_response)
+        args, n = req
+        lim = self.policy.limiter
+        if self.policy.max_wait > 0:
+            granted = lim.acquire(*args, n, timeout=self.policy.max_wait)
+        else:
+            granted = lim.try_acquire(*args, n)
+        if not granted:
+            start_response("429 Too Many Requests", self.policy.refused_headers(args, n))
+            return [BODY]
+        if not self.headers:
+            return self.app(environ, start_response)
+        policy = self.policy
+
+        def start_with_quota(status: str, headers: list, exc_info: Any = None) -> Any:
+            headers = [*headers, *policy.granted_headers(args)]
+            return start_response(status, headers) if exc_info is None else start_response(status, headers, exc_info)
+
+        return self.app(environ, start_with_quota)
+
+    def __repr__(self) -> str:
+        return f"<shmlimit.integrations.wsgi.RateLimitMiddleware limiter={self.policy.limiter!r} max_wait={self.policy.max_wait:g}>"

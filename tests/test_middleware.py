@@ -1,0 +1,243 @@
+"""ASGI and WSGI middleware: headers and modes in process, then real servers with several workers
+(Starlette under ``uvicorn --workers 2``, a WSGI app under ``gunicorn -w 2``) sharing one limit."""
+import asyncio
+import re
+import sys
+import textwrap
+import time
+from concurrent.futures import ThreadPoolExecutor
+
+import pytest
+
+import shmlimit
+from shmlimit.integrations.asgi import RateLimitMiddleware as ASGILimit
+from shmlimit.integrations.wsgi import RateLimitMiddleware as WSGILimit
+from servers import BIN, Server, get
+
+RATELIMIT = re.compile(r'^"default";r=(\d+);t=(\d+)$')
+
+
+async def _hello(scope, receive, send):
+    await send({"type": "http.response.start", "status": 200, "headers": [(b"content-type", b"text/plain")]})
+    await send({"type": "http.response.body", "body": b"hello"})
+
+
+async def call(app, path="/"):
+    """(status, {header: value}) of one request through an ASGI app, run in this event loop."""
+    sent = []
+
+    async def receive():
+        return {"type": "http.request", "body": b"", "more_body": False}
+
+    async def send(message):
+        sent.append(message)
+
+    scope = {"type": "http", "method": "GET", "path": path, "headers": [], "client": ("127.0.0.1", 1234)}
+    await app(scope, receive, send)
+    start = sent[0]
+    return start["status"], {k.decode(): v.decode() for k, v in start["headers"]}
+
+
+def test_asgi_headers_remaining_and_refusal(name):
+    lim = shmlimit.Limiter(name, rate=1, per=60, burst=5)
+    app = ASGILimit(_hello, limiter=lim, key=lambda scope: None if scope["path"] == "/health" else "")
+
+    async def main():
+        seen = []
+        for _ in range(5):
+            status, h = await call(app)
+            assert status == 200 and h["ratelimit-policy"] == '"default";q=1;w=60'
+            r, t = map(int, RATELIMIT.match(h["ratelimit"]).groups())
+            seen.append(r)
+            assert 0 < t <= 60 * (5 - r)  # seconds until the bucket is full again
+        assert seen == [4, 3, 2, 1, 0]
+        status, h = await call(app)
+        assert status == 429 and "content-type" in h
+        retry = int(h["retry-after"])  # an integer, or int() raises
+        assert 1 <= retry <= 60
+        assert h["ratelimit"] == f'"default";r=0;t={retry}'
+        assert (await call(app, "/health"))[0] == 200  # exempt: key returned None
+
+    asyncio.run(main())
+    assert lim.stats().grants == 5
+    lim.close()
+
+
+def test_asgi_wait_mode_queues_without_blocking_the_loop(name):
+    lim = shmlimit.Limiter(name, rate=20, burst=1)
+    app = ASGILimit(_hello, limiter=lim, max_wait=2.0)
+
+    async def main():
+        ticks = 0
+        stop = False
+
+        async def ticker():
+            nonlocal ticks
+            while not stop:
+                ticks += 1
+                await asyncio.sleep(0.005)
+
+        t = asyncio.ensure_future(ticker())
+        start = time.monotonic()
+        statuses = [s for s, _ in await asyncio.gather(*(call(app) for _ in range(16)))]
+        elapsed = time.monotonic() - start
+        stop = True
+        await t
+        return statuses, elapsed, ticks
+
+    statuses, elapsed, ticks = asyncio.run(main())
+    assert statuses == [200] * 16  # queued, none refused: 16 ops at 20/s fit max_wait
+    assert elapsed >= 15 / 20 - 0.05  # the rate held: 15 ops after the first need 0.75 s
+    # a blocked loop would not tick at all while the requests wait; a free one ticks ~every 5 ms
+    assert ticks >= elapsed / 0.005 / 4, (ticks, elapsed)
+    lim.close()
+
+
+def test_asgi_wait_mode_refuses_at_once_past_max_wait(name):
+    lim = shmlimit.Limiter(name, rate=1, per=60, burst=1)
+    app = ASGILimit(_hello, limiter=lim, max_wait=5.0)
+
+    async def main():
+        assert (await call(app))[0] == 200
+        start = time.monotonic()
+        status, h = await call(app)  # the next op is ~60 s away: refused now, not after 5 s
+        return status, h, time.monotonic() - start
+
+    status, h, took = asyncio.run(main())
+    assert status == 429 and int(h["retry-after"]) >= 50 and took < 5.0
+    lim.close()
+
+
+@pytest.mark.parametrize(
+    "kwargs, err",
+    [
+        (dict(cost=0), ValueError),
+        (dict(max_wait=-1), ValueError),
+        (dict(max_wait=float("inf")), ValueError),
+        (dict(policy='a"b'), ValueError),
+        (dict(key="not callable"), TypeError),
+        (dict(limiter=object()), TypeError),
+    ],
+)
+def test_bad_parameters_are_refused(name, kwargs, err):
+    lim = shmlimit.Limiter(name, rate=10)
+    args = {"limiter": lim, **kwargs}
+    with pytest.raises(err):
+        ASGILimit(_hello, **args)
+    with pytest.raises(err):
+        WSGILimit(lambda e, s: [], **args)
+    lim.close()
+
+
+def test_wsgi_in_process(name):
+    lim = shmlimit.Limiter(name, rate=1, per=60, burst=2)
+
+    def hello(environ, start_response):
+        start_response("200 OK", [("Content-Type", "text/plain")])
+        return [b"hello"]
+
+    app = WSGILimit(hello, limiter=lim, cost=lambda environ: 2 if environ["PATH_INFO"] == "/big" else 1)
+    got = []
+
+    def start_response(status, headers, exc_info=None):
+        got.append((status, dict(headers)))
+
+    assert b"".join(app({"PATH_INFO": "/big", "REMOTE_ADDR": "x"}, start_response)) == b"hello"
+    assert got[-1][0] == "200 OK" and got[-1][1]["RateLimit"].startswith('"default";r=0;')
+    assert b"".join(app({"PATH_INFO": "/", "REMOTE_ADDR": "x"}, start_response)) == b"Too Many Requests\n"
+    assert got[-1][0].startswith("429") and 1 <= int(got[-1][1]["Retry-After"]) <= 60
+    assert lim.stats().grants == 2
+    lim.close()
+
+
+# ---- real servers ------------------------------------------------------------------------
+
+ASGI_APP = """
+import os
+import shmlimit
+from starlette.applications import Starlette
+from starlette.responses import PlainTextResponse
+from starlette.routing import Route
+from shmlimit.integrations.asgi import RateLimitMiddleware
+
+# two clients, each with a limit of its own: 5 requests, then 1 per minute
+A = shmlimit.Limiter(os.environ["LIM_A"], rate=1, per=60, burst=5)
+B = shmlimit.Limiter(os.environ["LIM_B"], rate=1, per=60, burst=5)
+
+async def hello(request):
+    return PlainTextResponse(str(os.getpid()))
+
+inner = Starlette(routes=[Route("/a", hello), Route("/b", hello), Route("/health", hello)])
+app = RateLimitMiddleware(inner, limiter=A, key=lambda scope: "" if scope["path"] == "/a" else None)
+app = RateLimitMiddleware(app, limiter=B, key=lambda scope: "" if scope["path"] == "/b" else None)
+"""
+
+
+def test_starlette_under_uvicorn_two_workers(name, tmp_path):
+    pytest.importorskip("starlette")
+    pytest.importorskip("uvicorn")
+    (tmp_path / "asgi_app.py").write_text(textwrap.dedent(ASGI_APP))
+    a, b = f"{name}-a", f"{name}-b"
+    argv = [sys.executable, "-m", "uvicorn", "asgi_app:app", "--host", "127.0.0.1", "--port", "{port}",
+            "--workers", "2", "--log-level", "warning"]
+    try:
+        with Server(argv, str(tmp_path), env={"LIM_A": a, "LIM_B": b}) as srv:
+            # client A, one request at a time: 5 granted with the quota counting down, then refused
+            seen = []
+            for _ in range(5):
+                status, h, _ = get(srv.url + "/a")
+                assert status == 200, (status, h)
+                seen.append(int(RATELIMIT.match(h["ratelimit"]).group(1)))
+                assert h["ratelimit-policy"] == '"default";q=1;w=60'
+            assert seen == [4, 3, 2, 1, 0]
+            # then client A hammers, concurrently, on fresh connections spread over both workers
+            with ThreadPoolExecutor(8) as pool:
+                burst = list(pool.map(lambda _: get(srv.url + "/a"), range(40)))
+            assert all(s == 429 for s, _, _ in burst)
+            for _, h, _ in burst:
+                retry = int(h["retry-after"])
+                assert 1 <= retry <= 60 and h["ratelimit"] == f'"default";r=0;t={retry}'
+            # client B is limited separately: its 5 requests are granted while A is saturated
+            with ThreadPoolExecutor(8) as pool:
+                results = list(pool.map(lambda _: get(srv.url + "/b"), range(20)))
+            assert sorted(s for s, _, _ in results) == [200] * 5 + [429] * 15
+            # health answers while both are saturated
+            assert all(get(srv.url + "/health")[0] == 200 for _ in range(10))
+            # exactly the burst, across every worker process of the server
+            assert shmlimit.inspect(a).grants == 5 and shmlimit.inspect(b).grants == 5
+            workers = {p.pid for p in shmlimit.inspect(a).processes if p.alive}
+            assert srv.proc.pid not in workers and len(workers) >= 1
+    finally:
+        for n in (a, b):
+            try:
+                shmlimit.unlink(n)
+            except FileNotFoundError:
+                pass
+
+
+WSGI_APP = """
+import os
+import shmlimit
+from shmlimit.integrations.wsgi import RateLimitMiddleware
+
+LIM = shmlimit.Limiter(os.environ["LIM"], rate=1, per=60, burst=3)
+
+def hello(environ, start_response):
+    start_response("200 OK", [("Content-Type", "text/plain")])
+    return [str(os.getpid()).encode()]
+
+app = RateLimitMiddleware(hello, limiter=LIM, key=lambda environ: None if environ["PATH_INFO"] == "/health" else "")
+"""
+
+
+def test_wsgi_under_gunicorn_two_workers(name, tmp_path):
+    pytest.importorskip("gunicorn")
+    (tmp_path / "wsgi_app.py").write_text(textwrap.dedent(WSGI_APP))
+    argv = [f"{BIN}/gunicorn", "-w", "2", "-b", "127.0.0.1:{port}", "--log-level", "warning", "wsgi_app:app"]
+    with Server(argv, str(tmp_path), env={"LIM": name}) as srv:
+        with ThreadPoolExecutor(8) as pool:
+            results = list(pool.map(lambda _: get(srv.url + "/"), range(30)))
+        assert sorted(s for s, _, _ in results) == [200] * 3 + [429] * 27
+        assert all(1 <= int(h["retry-after"]) <= 60 for s, h, _ in results if s == 429)
+        assert all(get(srv.url + "/health")[0] == 200 for _ in range(5))
+        assert shmlimit.inspect(name).grants == 3
