@@ -17,14 +17,8 @@ def name():
         pass
 
 
-def shm_bytes(name: str) -> bytes:
-    """The segment's raw bytes, read through the filesystem (not the atomic layer)."""
-    with open(f"/dev/shm/shmlimit.{name}", "rb") as f:
-        return f.read()
-
-
 def _redis():
-    from redis_server import RedisServer, require
+    from support.redis_server import RedisServer, require
 
     require()
     server = RedisServer()

@@ -9,7 +9,7 @@ import pytest
 
 import shmlimit
 from shmlimit import layout as L
-from conftest import shm_bytes
+from support.segments import shm_bytes
 
 
 def test_create_attach_and_unlink(name):

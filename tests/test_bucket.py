@@ -10,19 +10,10 @@ from shmlimit import layout as L
 from shmlimit.bucket import Bucket, diff
 from shmlimit.cells import native_available, open_cells
 from shmlimit.config import NS_PER_S, Config
+from support.clock import FakeClock
+from support.windows import check_windows
 
 BACKENDS = ["atomics"] + (["native"] if native_available() else [])
-
-
-class FakeClock:
-    def __init__(self, start: int = 10**12) -> None:
-        self.now = start
-
-    def __call__(self) -> int:
-        return self.now
-
-    def advance(self, ns: int) -> None:
-        self.now += ns
 
 
 def make_bucket(cfg: Config, backend: str = "atomics", initial=None, base: int = 0):
@@ -141,19 +132,6 @@ OPS = st.lists(
     min_size=1,
     max_size=120,
 )
-
-
-def check_windows(grants, rate_tokens_per_ns, cost, cap):
-    """grants: sorted (time_ns, ops).  In every window, ops*cost <= T*tpn + cap."""
-    times = [t for t, _ in grants]
-    cum = [0]
-    for _, n in grants:
-        cum.append(cum[-1] + n)
-    for i in range(len(grants)):
-        for j in range(i, len(grants)):
-            ops = cum[j + 1] - cum[i]
-            allowed = (times[j] - times[i]) * rate_tokens_per_ns + cap
-            assert ops * cost <= allowed, f"{ops} ops in {(times[j] - times[i]) / 1e6:.3f} ms"
 
 
 @settings(max_examples=300, deadline=None)

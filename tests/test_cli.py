@@ -1,19 +1,11 @@
 """The shmlimit command, run as a real subprocess against live limiters."""
 import json
 import os
-import subprocess
-import sys
-import tempfile
 
 import pytest
 
 import shmlimit
-
-CLI = [sys.executable, "-m", "shmlimit.cli"]
-
-
-def run(*args, timeout=120):
-    return subprocess.run([*CLI, *args], capture_output=True, text=True, timeout=timeout, cwd=tempfile.gettempdir())
+from support.procs import run_cli as run
 
 
 def test_create_inspect_set_rate_unlink(name):

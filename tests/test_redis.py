@@ -10,13 +10,14 @@ import time
 import pytest
 
 import shmlimit
-from test_faults_extra import Stampers
-from test_processes import WORKER, collect, go, max_excess, max_gap, start_workers, tag, wait_for
+from support.clock import FakeClock
+from support.procs import WORKER, Stampers, collect, go, run_cli, start_workers, wait_for
+from support.windows import max_excess, max_gap, tag
 
 
 @pytest.fixture
 def R():
-    from redis_server import require
+    from support.redis_server import require
 
     require()
     import shmlimit.redis as R
@@ -24,22 +25,10 @@ def R():
     return R
 
 
-class FakeClock:
-    """A wall clock for ``clock="client"``: the script's time is exactly what the test says."""
-
-    def __init__(self, ns=1_800_000_000_000_000_000):
-        self.ns = ns
-
-    def __call__(self):
-        return self.ns
-
-    def advance(self, seconds):
-        self.ns += int(round(seconds * 1e9))
-
-
 @pytest.fixture
 def fake_time(R, monkeypatch):
-    clock = FakeClock()
+    """The wall clock of ``clock="client"``: the script's time is exactly what the test says."""
+    clock = FakeClock(1_800_000_000_000_000_000)
     monkeypatch.setattr(R.time, "time_ns", clock)
     return clock
 
@@ -55,10 +44,10 @@ def test_deterministic_sequence_rate_10_burst_3(R, redis_server, name, fake_time
     assert lim.try_acquire() is False
     assert redis_server.client().hgetall(lim.key) == state
     assert lim.reserve(max_wait=0.4) == pytest.approx(0.4)
-    fake_time.advance(0.5)  # the schedule is now 0.0 s ahead: one op per 100 ms again
+    fake_time.advance_seconds(0.5)  # the schedule is now 0.0 s ahead: one op per 100 ms again
     assert lim.reserve() == pytest.approx(0.0)
     assert lim.reserve() == pytest.approx(0.1)
-    fake_time.advance(10)  # idle: the bucket refills to the burst, never beyond
+    fake_time.advance_seconds(10)  # idle: the bucket refills to the burst, never beyond
     assert [lim.try_acquire() for _ in range(4)] == [True, True, True, False]
     s = lim.stats()
     assert (s.grants, s.refusals, s.available) == (12, 4, 0.0)
@@ -74,12 +63,12 @@ def test_deterministic_sequence_rate_10_burst_3(R, redis_server, name, fake_time
 def test_times_are_integers_and_the_epoch_moves_forward(R, redis_server, name, fake_time):
     lim = R.RedisLimiter(name, rate=1000, burst=1, url=redis_server.url, clock="client")
     assert lim.reserve() == 0.0
-    fake_time.advance(20 * 86400)  # 20 days of continuous use, in one step
+    fake_time.advance_seconds(20 * 86400)  # 20 days of continuous use, in one step
     assert lim.reserve() == 0.0
     assert lim.reserve() == pytest.approx(0.001)
     h = redis_server.client().hgetall(lim.key)
     e, t = int(h[b"e"]), int(h[b"t"])  # both stored as plain integers, no exponent
-    assert t < 2**50 and e == fake_time.ns // 10**9 - 1
+    assert t < 2**50 and e == fake_time.now // 10**9 - 1
     lim.close()
 
 
@@ -205,7 +194,7 @@ def test_password_is_never_shown(R):
 # ---- several processes ------------------------------------------------------------------
 
 def direct_worker(rate, burst, url):
-    """The pool worker of test_processes, on a RedisLimiter instead of a shared-memory limiter."""
+    """The WORKER of support.procs, on a RedisLimiter instead of a shared-memory limiter."""
     make = f"lim = RedisLimiter(sys.argv[1], rate={rate}, burst={burst}, url={url!r}); lim.retry_after()"
     assert ATTACH in WORKER
     return WORKER.replace(ATTACH, "from shmlimit.redis import RedisLimiter\n" + make)
@@ -276,11 +265,9 @@ def test_hierarchical_mode_validates_and_matches_its_upstream(R, redis_server, n
             shmlimit.Limiter(name, rate=50, upstream=url, on_redis_error="local")
         assert lim.acquire(timeout=1.0)
         assert f"upstream={url} (ok)" in repr(lim)
-        from test_cli import run
-
-        out = run("top", "--once", name).stdout  # the live view shows how the host is fed
+        out = run_cli("top", "--once", name).stdout  # the live view shows how the host is fed
         assert f"upstream {url} shmlimit:{{{name}}}:gcra  state ok" in out
-        assert json.loads(run("inspect", "--json", name).stdout)["upstream"]["leased"] >= 1
+        assert json.loads(run_cli("inspect", "--json", name).stdout)["upstream"]["leased"] >= 1
     finally:
         lim.close()
 

@@ -10,7 +10,8 @@ import pytest
 
 import shmlimit
 from shmlimit import layout as L
-from test_processes import max_excess, tag, wait_for
+from support.procs import wait_for
+from support.windows import max_excess, tag
 
 # ---- rate specs ----------------------------------------------------------------------
 

@@ -4,7 +4,6 @@ import os
 import pty
 import select
 import signal
-import subprocess
 import sys
 import tempfile
 import time
@@ -12,12 +11,7 @@ import time
 import pytest
 
 import shmlimit
-from test_processes import start_acquirer as start_worker
-
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-CLI = [sys.executable, "-m", "shmlimit.cli"]
-def cli(*args):
-    return subprocess.run([*CLI, *args], capture_output=True, text=True, timeout=60, cwd=tempfile.gettempdir())
+from support.procs import ROOT, run_cli as cli, start_acquirer as start_worker
 
 
 def test_once_json_matches_inspect_and_measures_the_rate(name):

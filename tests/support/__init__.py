@@ -1,0 +1,11 @@
+"""Helpers shared by the test modules (and, for the window checks, by tools/soak.py and tools/bench.py).
+
+* ``clock``         -- ``FakeClock``, the one injected clock of the tests;
+* ``windows``       -- the over-grant checks: every window of a run against its bound;
+* ``procs``         -- real processes: interpreters that acquire, stamp or idle, the command line,
+                       a program on a pseudo-terminal, and ``wait_for``;
+* ``segments``      -- a segment's raw bytes, read around the atomic layer;
+* ``redis_server``  -- a real redis-server on a free port.
+
+Test modules import from here, never from one another.
+"""

@@ -1,0 +1,182 @@
+"""Real processes for the tests: independent interpreters, the command line, a terminal.
+
+Every interpreter runs outside the source tree (``WORKDIR``), so it imports
+the installed package, as a user's program would.
+"""
+from __future__ import annotations
+
+import json
+import os
+import struct
+import subprocess
+import sys
+import tempfile
+import textwrap
+import time
+import uuid
+from typing import Any, Callable, Dict, List, Sequence, Tuple
+
+WORKDIR = tempfile.gettempdir()
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+CLI = [sys.executable, "-m", "shmlimit.cli"]
+
+
+def wait_for(predicate: Callable[[], Any], timeout: float = 10.0, every: float = 0.005) -> Any:
+    """Poll a condition until it holds (returning its value); fail after ``timeout`` seconds."""
+    end = time.monotonic() + timeout
+    while time.monotonic() < end:
+        v = predicate()
+        if v:
+            return v
+        time.sleep(every)
+    raise AssertionError("condition not reached in time")
+
+
+def run_cli(*args: str, timeout: float = 120) -> subprocess.CompletedProcess:
+    """The ``shmlimit`` command, run to completion in a fresh interpreter."""
+    return subprocess.run([*CLI, *args], capture_output=True, text=True, timeout=timeout, cwd=WORKDIR)
+
+
+# ---- workers that acquire for a while and report their grant times ---------------------------
+
+WORKER = textwrap.dedent(
+    """
+    import json, sys, time
+    import shmlimit
+    lim = shmlimit.attach(sys.argv[1])
+    seconds = float(sys.argv[2])
+    print("ready", flush=True)
+    sys.stdin.readline()  # go
+    end = time.monotonic() + seconds
+    stamps = []
+    while True:
+        lim.acquire()
+        t = time.monotonic()
+        if t > end:
+            break
+        stamps.append(t)
+    print(json.dumps(stamps), flush=True)
+    """
+)
+
+
+def start_workers(name: str, count: int, seconds: float, script: str = WORKER) -> List[subprocess.Popen]:
+    """``count`` interpreters running ``script`` (argv: name, seconds), each once it printed "ready"."""
+    procs = [
+        subprocess.Popen(
+            [sys.executable, "-c", script, name, str(seconds)],
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            text=True,
+            cwd=WORKDIR,
+        )
+        for _ in range(count)
+    ]
+    for p in procs:
+        assert p.stdout.readline().strip() == "ready"
+    return procs
+
+
+def go(procs: Sequence[subprocess.Popen]) -> None:
+    """Start the workers' clocks."""
+    for p in procs:
+        p.stdin.write("\n")
+        p.stdin.flush()
+
+
+def collect(procs: Sequence[subprocess.Popen]) -> List[List[float]]:
+    """Each worker's grant times (monotonic seconds), once it finished."""
+    out = []
+    for p in procs:
+        line = p.stdout.readline()
+        p.wait(30)
+        out.append(json.loads(line))
+    return out
+
+
+# ---- processes that acquire forever, or only stay attached -------------------------------------
+
+ACQUIRER = """
+import sys, shmlimit
+lim = shmlimit.attach(sys.argv[1])
+print("ready", flush=True)
+while True:
+    lim.acquire()
+"""
+
+IDLE = """
+import sys, shmlimit
+lim = shmlimit.attach(sys.argv[1])
+print("ready", flush=True)
+sys.stdin.readline()
+"""
+
+
+def start_acquirer(name: str) -> subprocess.Popen:
+    """An interpreter attached to ``name``, acquiring forever (kill it when done)."""
+    p = subprocess.Popen([sys.executable, "-c", ACQUIRER, name], stdout=subprocess.PIPE, text=True, cwd=WORKDIR)
+    assert p.stdout.readline().strip() == "ready"
+    return p
+
+
+def start_idle(name: str) -> subprocess.Popen:
+    """An interpreter attached to ``name`` doing nothing (its filler thread runs) until a line on its stdin."""
+    p = subprocess.Popen(
+        [sys.executable, "-c", IDLE, name], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, cwd=WORKDIR
+    )
+    assert p.stdout.readline().strip() == "ready"
+    return p
+
+
+# ---- workers that survive being killed with what they recorded ----------------------------------
+
+# Each grant's stamp goes to the kernel with one unbuffered write, just after acquire() returns,
+# so a worker killed at any instant has recorded every grant but (at most) the one in flight.
+STAMPER = r"""
+import os, struct, sys, time
+import shmlimit
+lim = shmlimit.attach(sys.argv[1])
+fd = os.open(sys.argv[2], os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o600)
+sys.stdout.write("ready\n"); sys.stdout.flush()
+while True:
+    lim.acquire()
+    os.write(fd, struct.pack("<q", time.monotonic_ns()))
+"""
+
+
+class Stampers:
+    """A changing set of STAMPER workers on one limiter; their stamps survive their deaths."""
+
+    def __init__(self, name: str) -> None:
+        self.name = name
+        self.dir = tempfile.mkdtemp(prefix="shmlimit-test-")
+        self.procs: Dict[int, Tuple[subprocess.Popen, str]] = {}  # pid -> (process, its file)
+
+    def start(self) -> subprocess.Popen:
+        path = os.path.join(self.dir, f"{uuid.uuid4().hex}.bin")
+        p = subprocess.Popen(
+            [sys.executable, "-c", STAMPER, self.name, path], stdout=subprocess.PIPE, text=True, cwd=WORKDIR
+        )
+        assert p.stdout.readline().strip() == "ready"
+        self.procs[p.pid] = (p, path)
+        return p
+
+    def kill(self, pid: int) -> None:
+        p, _ = self.procs[pid]
+        p.kill()
+        p.wait()
+
+    def stop_all(self) -> None:
+        for p, _ in self.procs.values():
+            if p.poll() is None:
+                p.kill()
+                p.wait()
+
+    def results(self) -> List[List[float]]:
+        """Per-worker lists of stamps (monotonic seconds), in order."""
+        out = []
+        for _, path in self.procs.values():
+            with open(path, "rb") as f:
+                data = f.read()
+            out.append([v / 1e9 for (v,) in struct.iter_unpack("<q", data[: len(data) // 8 * 8])])
+        return out

@@ -1,0 +1,91 @@
+"""Random bytes where a segment should be: refused with a clear error, never a crash or a hang."""
+import os
+import struct
+import uuid
+
+from hypothesis import HealthCheck, event, given, settings
+from hypothesis import strategies as st
+
+import shmlimit
+import shmlimit.layout as L
+import shmlimit.limiter as limiter_mod
+
+
+VALID_HEADER = struct.pack("<QQQQQQ", L.MAGIC, L.VERSION, L.segment_size(1), L.STATE_READY, 1, 1)
+
+
+SIZE = L.segment_size(1)
+
+
+def _header_with(word, value):
+    h = bytearray(VALID_HEADER + bytes(SIZE - len(VALID_HEADER)))
+    h[word * 8 : word * 8 + 8] = value.to_bytes(8, "little")
+    return bytes(h)
+
+
+def _real_segment():
+    """The bytes of a real, live-looking segment (created once, then unlinked)."""
+    if not _TEMPLATE:
+        name = f"test-template-{os.getpid()}-{uuid.uuid4().hex[:8]}"
+        lim = shmlimit.Limiter(name, rate=1000, slots=1)
+        lim.acquire()
+        with open(f"/dev/shm/shmlimit.{name}", "rb") as f:
+            _TEMPLATE.append(f.read())
+        lim.close()
+        shmlimit.unlink(name)
+    return _TEMPLATE[0]
+
+
+_TEMPLATE = []
+
+
+def _mutated(changes):
+    """A real segment with some words (rovers, lease, slots, anything past the header line) set at random."""
+    data = bytearray(_real_segment())
+    for word, value in changes:
+        data[word * 8 : word * 8 + 8] = value.to_bytes(8, "little")
+    return bytes(data)
+
+
+segment_bytes = st.one_of(
+    st.builds(_mutated, st.lists(st.tuples(st.integers(8, SIZE // 8 - 1), st.integers(0, 2**64 - 1)), max_size=6)),
+    st.binary(max_size=4096),  # mostly too short
+    st.binary(min_size=SIZE, max_size=SIZE),  # the right size, garbage throughout
+    # a valid header over garbage: config, rovers, lease and process table all random
+    st.builds(lambda tail: VALID_HEADER + tail, st.binary(min_size=SIZE - len(VALID_HEADER), max_size=SIZE)),
+    # a valid header with one header word replaced by any 64-bit value, the rest zero
+    st.builds(_header_with, st.integers(0, 5), st.integers(0, 2**64 - 1)),
+)
+
+
+@settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(data=segment_bytes)
+def test_random_bytes_are_refused_cleanly(data, monkeypatch):
+    # A zero magic looks like a segment still being initialised: an opener waits for its creator.
+    # Here no creator exists, so the waits are cut to nothing (the judgement is the same).
+    monkeypatch.setattr(limiter_mod, "INIT_WAIT", 0.0)
+    monkeypatch.setattr(limiter_mod, "LIVE_CREATOR_WAIT", 0.0)
+    name = f"test-hostile-{os.getpid()}-{uuid.uuid4().hex[:8]}"
+    path = f"/dev/shm/shmlimit.{name}"
+    fd = os.open(path, os.O_CREAT | os.O_EXCL | os.O_RDWR, 0o600)
+    try:
+        os.write(fd, data)
+        for call in (shmlimit.inspect, shmlimit.attach):
+            try:
+                r = call(name)
+            except shmlimit.ShmlimitError as e:
+                event(f"refused: {type(e).__name__}")
+                continue  # refused with one of our clear errors (LimiterNotFoundError included)
+            event("accepted")
+            if isinstance(r, shmlimit.Limiter):  # a valid header over garbage: calls that cannot wait must work
+                try:
+                    r.try_acquire()
+                    r.acquire(timeout=0)
+                    repr(r)
+                except shmlimit.ShmlimitError as e:
+                    event(f"refused later: {type(e).__name__}")
+                finally:
+                    r.close()
+    finally:
+        os.close(fd)
+        os.unlink(path)

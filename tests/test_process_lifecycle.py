@@ -1,0 +1,147 @@
+"""Processes coming and going with real interpreters: killed while waiting, killed while
+registering, a whole fleet that died, and creators, attachers and unlinkers racing."""
+import multiprocessing as mp
+import os
+import random
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+
+import shmlimit
+from support.procs import WORKDIR, start_acquirer, wait_for
+
+
+def test_killed_waiters_leave_no_stuck_queue_and_their_slots_are_reclaimed(name):
+    lim = shmlimit.Limiter(name, rate=20, slots=4)
+    lim.close()
+
+    first = [start_acquirer(name) for _ in range(4)]  # the table is full, and they queue at 20/s
+    wait_for(lambda: sum(p.waiting for p in shmlimit.inspect(name).processes) >= 3)
+    for p in first:  # killed while holding tickets and waiting
+        p.send_signal(signal.SIGKILL)
+        p.wait()
+    second = [start_acquirer(name) for _ in range(4)]
+    try:
+        s = shmlimit.inspect(name)
+        assert {p.pid for p in s.processes} == {p.pid for p in second}  # every dead slot reclaimed
+        g0 = s.grants
+        t0 = time.monotonic()
+        wait_for(lambda: shmlimit.inspect(name).grants >= g0 + 20)  # the dead tickets held nobody up
+        assert time.monotonic() - t0 < 2.0
+    finally:
+        for p in second:
+            p.kill()
+            p.wait()
+
+
+ATTACHER = """
+import sys, shmlimit
+shmlimit.attach(sys.argv[1]).acquire()
+"""
+
+
+def test_processes_killed_while_registering_leak_no_slot(name):
+    slots = 8
+    lim = shmlimit.Limiter(name, rate=200, slots=slots)
+    lim.close()
+    rng = random.Random(8)
+    for _ in range(24):  # killed anywhere from interpreter start-up to mid-registration
+        p = subprocess.Popen([sys.executable, "-c", ATTACHER, name], cwd=WORKDIR)
+        time.sleep(rng.uniform(0.0, 0.12))  # a random moment of its start-up, not a synchronisation
+        p.kill()
+        p.wait()
+    fresh = [start_acquirer(name) for _ in range(slots)]
+    try:
+        s = shmlimit.inspect(name)
+        # every slot a killed process held was reclaimed: all eight newcomers are registered
+        assert {p.pid for p in s.processes} == {p.pid for p in fresh}
+        assert all(p.alive for p in s.processes)
+        g0 = s.grants
+        wait_for(lambda: shmlimit.inspect(name).grants >= g0 + 100)  # and the grants flow
+    finally:
+        for p in fresh:
+            p.kill()
+            p.wait()
+
+
+FLEET = """
+import sys, shmlimit
+lim = shmlimit.Limiter(sys.argv[1], rate=100)
+for _ in range(5):
+    lim.acquire()
+print("ready", flush=True)
+while True:
+    lim.acquire()
+"""
+
+
+def test_every_process_dies_and_a_new_limiter_reattaches(name):
+    procs = []
+    for _ in range(4):  # the first creates the segment, the others attach with the same config
+        p = subprocess.Popen([sys.executable, "-c", FLEET, name], stdout=subprocess.PIPE, text=True, cwd=WORKDIR)
+        assert p.stdout.readline().strip() == "ready"
+        procs.append(p)
+    wait_for(lambda: shmlimit.inspect(name).filler_pid in {p.pid for p in procs})
+    for p in procs:
+        p.kill()
+        p.wait()
+    before = shmlimit.inspect(name)
+    assert before.grants >= 20 and not any(p.alive for p in before.processes)
+
+    # Nothing in the segment is ever half-written (every word is one atomic store, the header
+    # was READY long ago), so the documented behaviour is to reattach, keeping the counts.
+    lim = shmlimit.Limiter(name, rate=100)
+    try:
+        assert not lim.created
+        wait_for(lambda: lim.stats().filler_pid == os.getpid())  # the dead filler's lease expired
+        t0 = time.monotonic()
+        for _ in range(20):
+            assert lim.acquire()
+        assert time.monotonic() - t0 >= (20 - lim.capacity - 1) / 100  # still limited, never faster
+        s = lim.stats()
+        assert s.grants == before.grants + 20
+        assert [p.pid for p in s.processes if p.alive] == [os.getpid()]
+        with pytest.raises(shmlimit.ConfigMismatchError):
+            shmlimit.Limiter(name, rate=101)
+    finally:
+        lim.close()
+
+
+def _churn(name, iterations, seed, q):
+    rng = random.Random(seed)
+    seen = {}
+    for _ in range(iterations):
+        try:
+            lim = shmlimit.Limiter(name, rate=1000)
+            lim.try_acquire()
+            lim.close()
+            if rng.random() < 0.3:
+                shmlimit.unlink(name)
+        except shmlimit.LimiterNotFoundError:  # documented: unlink of a name already unlinked
+            seen["LimiterNotFoundError"] = seen.get("LimiterNotFoundError", 0) + 1
+        except BaseException as e:  # anything else is a failure, reported by type and message
+            seen[f"{type(e).__name__}: {e}"] = seen.get(f"{type(e).__name__}: {e}", 0) + 1
+    q.put(seen)
+
+
+@pytest.mark.parametrize("method", ["fork", "spawn"])
+def test_sixteen_processes_create_attach_close_unlink_concurrently(name, method):
+    ctx = mp.get_context(method)
+    q = ctx.Queue()
+    procs = [ctx.Process(target=_churn, args=(name, 25, i, q)) for i in range(16)]
+    for p in procs:
+        p.start()
+    seen = [q.get(timeout=120) for _ in procs]
+    for p in procs:
+        p.join(60)
+        assert p.exitcode == 0
+    unexpected = {k: v for s in seen for k, v in s.items() if k != "LimiterNotFoundError"}
+    assert unexpected == {}
+    try:
+        shmlimit.unlink(name)
+    except shmlimit.LimiterNotFoundError:
+        pass
+    assert not [f for f in os.listdir("/dev/shm") if f.startswith(f"shmlimit.{name}")]
