@@ -1,17 +1,15 @@
 """The live inspector and gc, run as real subprocesses against limiters used by other processes."""
 import json
 import os
-import pty
 import select
 import signal
 import sys
-import tempfile
 import time
 
 import pytest
 
 import shmlimit
-from support.procs import ROOT, run_cli as cli, start_acquirer as start_worker
+from support.procs import ROOT, run_cli as cli, start_acquirer as start_worker, start_on_terminal, wait_exit
 
 
 def test_once_json_matches_inspect_and_measures_the_rate(name):
@@ -36,26 +34,36 @@ def test_once_json_matches_inspect_and_measures_the_rate(name):
             w.wait()
 
 
-def test_live_view_refreshes_in_place_under_a_terminal(name):
+@pytest.mark.parametrize("sigint", ["default", "ignored"])
+def test_live_view_refreshes_in_place_under_a_terminal(name, sigint):
+    """Ctrl-C ends the live view cleanly, also when the test run itself ignores SIGINT.
+
+    A run started with ``nohup`` (or as a background job of a non-interactive
+    shell) ignores SIGINT; the terminal the tool runs on must not inherit that.
+    """
     shmlimit.Limiter(name, rate=100).close()
     worker = start_worker(name)
-    pid, fd = pty.fork()
-    if pid == 0:  # the child: the real tool on a pseudo-terminal
-        os.chdir(tempfile.gettempdir())
-        os.execv(sys.executable, [sys.executable, os.path.join(ROOT, "tools", "shmtop"), name, "--interval", "0.2"])
+    previous = signal.signal(signal.SIGINT, signal.SIG_IGN if sigint == "ignored" else signal.SIG_DFL)
+    try:
+        pid, fd = start_on_terminal([sys.executable, os.path.join(ROOT, "tools", "shmtop"), name, "--interval", "0.2"])
+    finally:
+        signal.signal(signal.SIGINT, previous)
     out = b""
-    end = time.monotonic() + 10
-    while out.count(b"\x1b[H\x1b[2J") < 3 and time.monotonic() < end:
-        ready, _, _ = select.select([fd], [], [], 0.5)
-        if ready:
-            try:
-                out += os.read(fd, 65536)
-            except OSError:
-                break
-    os.kill(pid, signal.SIGINT)
-    _, status = os.waitpid(pid, 0)
-    worker.kill()
-    worker.wait()
+    try:
+        end = time.monotonic() + 10
+        while out.count(b"\x1b[H\x1b[2J") < 3 and time.monotonic() < end:
+            ready, _, _ = select.select([fd], [], [], 0.5)
+            if ready:
+                try:
+                    out += os.read(fd, 65536)
+                except OSError:
+                    break
+        os.kill(pid, signal.SIGINT)
+        status = wait_exit(pid, 10)
+    finally:
+        os.close(fd)
+        worker.kill()
+        worker.wait()
     text = out.decode(errors="replace")
     assert out.count(b"\x1b[H\x1b[2J") >= 3, text[-500:]
     assert name in text and "grants/s" in text and "alive" in text

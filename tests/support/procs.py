@@ -7,6 +7,8 @@ from __future__ import annotations
 
 import json
 import os
+import pty
+import signal
 import struct
 import subprocess
 import sys
@@ -180,3 +182,40 @@ class Stampers:
                 data = f.read()
             out.append([v / 1e9 for (v,) in struct.iter_unpack("<q", data[: len(data) // 8 * 8])])
         return out
+
+
+# ---- a program on a pseudo-terminal -------------------------------------------------------------
+
+
+def start_on_terminal(argv: Sequence[str]) -> Tuple[int, int]:
+    """Run ``argv`` on a new pseudo-terminal; return (pid, the terminal's master fd).
+
+    The child gets SIGINT's default disposition back before it runs the
+    program.  A test run started with SIGINT ignored (``nohup``, or a
+    background job of a non-interactive shell) would otherwise hand that on
+    through fork and exec, Python would keep it ignored, and the program
+    could never be interrupted the way a user at a terminal interrupts it.
+    """
+    pid, fd = pty.fork()
+    if pid == 0:  # pragma: no cover - the child
+        try:
+            signal.signal(signal.SIGINT, signal.SIG_DFL)
+            os.chdir(WORKDIR)
+            os.execv(argv[0], list(argv))
+        finally:
+            os._exit(127)
+    return pid, fd
+
+
+def wait_exit(pid: int, timeout: float) -> int:
+    """The wait status of child ``pid``; killed (and the test failed) if it is still running after ``timeout``."""
+    end = time.monotonic() + timeout
+    while True:
+        done, status = os.waitpid(pid, os.WNOHANG)
+        if done:
+            return status
+        if time.monotonic() > end:
+            os.kill(pid, signal.SIGKILL)
+            os.waitpid(pid, 0)
+            raise AssertionError(f"process {pid} did not exit within {timeout} s")
+        time.sleep(0.01)  # polling a child's exit: nothing else to block on with a deadline
