@@ -19,6 +19,7 @@ from .config import parse_spec
 from .errors import ShmlimitError
 from .limiter import Limiter, Stats, inspect
 from .segment import list_names
+from .top import run as run_top
 
 
 class UserError(Exception):
@@ -187,11 +188,9 @@ def cmd_set_rate(args: argparse.Namespace) -> int:
 
 def cmd_top(args: argparse.Namespace) -> int:
     """The live view (see shmlimit.top)."""
-    from .top import run
-
     for n in args.names:
         _inspect(n)  # an unknown name is a user error, reported before the first refresh
-    return run(args.names or None, args.interval, args.once, args.json)
+    return run_top(args.names or None, args.interval, args.once, args.json)
 
 
 def cmd_metrics(args: argparse.Namespace) -> int:

@@ -161,13 +161,3 @@ def run(names: Optional[List[str]], interval: float, once: bool, as_json: bool, 
     except KeyboardInterrupt:
         return 0
 
-
-def main(argv: Optional[Sequence[str]] = None) -> int:
-    """``shmtop``: the same as ``shmlimit top``."""
-    from .cli import main as cli_main
-
-    return cli_main(["top", *(sys.argv[1:] if argv is None else argv)])
-
-
-if __name__ == "__main__":  # pragma: no cover
-    sys.exit(main())
