@@ -4,7 +4,8 @@ A *cell* is an aligned, unsigned 64-bit word of the segment, named by its byte
 offset.  All arithmetic wraps modulo 2**64 (the rovers rely on it, as Seastar's
 do).  Every operation is sequentially consistent.
 
-Two backends implement the same four operations:
+Two backends implement the same four operations (and the composites built on
+them), and both satisfy the ``Cells`` protocol:
 
 * ``native``  -- the optional C extension ``shmlimit._native`` (built with the
   package when a compiler is present): one C call per operation.
@@ -21,7 +22,7 @@ from __future__ import annotations
 import functools
 import mmap
 import os
-from typing import Any, Dict, List, Tuple
+from typing import Any, Callable, Dict, List, Optional, Protocol, Tuple, Union, runtime_checkable
 
 MASK64 = (1 << 64) - 1
 WORD = 8
@@ -29,33 +30,76 @@ WORD = 8
 BACKENDS = ("native", "atomics")
 
 
-class Cells:
-    """Interface of an atomic backend over one mapping (documentation and type only)."""
+#: What a grab of the fast path answers: None (granted), a ticket to wait for, or False (not tried).
+GrabResult = Union[None, int, bool]
 
-    backend: str = "abstract"
+
+@runtime_checkable
+class Cells(Protocol):
+    """An atomic backend over one mapping: what every module above this one may call.
+
+    Offsets are byte offsets of 8-aligned words inside the mapping; values are
+    unsigned 64-bit.  Every operation is sequentially consistent.  The
+    composites (``grab`` ... ``try_grab``) are specified by the reference
+    versions in ``CompositesFromPrimitives``.
+    """
+
+    @property
+    def backend(self) -> str:
+        """The backend's name: "native" or "atomics"."""
+        ...
+
+    @property
+    def size(self) -> int:
+        """Bytes of the mapping the cells may touch."""
+        ...
+
+    def load(self, off: int) -> int: ...
+
+    def store(self, off: int, value: int) -> None: ...
+
+    def fetch_add(self, off: int, delta: int) -> int:
+        """Add ``delta`` (0 <= delta < 2**64) modulo 2**64; return the previous value."""
+        ...
+
+    def cas(self, off: int, expected: int, desired: int) -> bool:
+        """Store ``desired`` if the word equals ``expected``; say whether it did."""
+        ...
+
+    def close(self) -> None: ...
+
+    def grab(self, tail: int, head: int, amount: int, grants: int, ops: int) -> Optional[int]: ...
+
+    def grab_if(
+        self, seq: int, expected: int, tail: int, head: int, amount: int, grants: int, ops: int
+    ) -> GrabResult: ...
+
+    def grabber(
+        self, seq: int, expected: int, tail: int, head: int, amount: int, grants: int, ops: int
+    ) -> Callable[[], GrabResult]: ...
+
+    def try_grab(self, tail: int, head: int, amount: int, grants: int, ops: int) -> bool: ...
+
+
+class CompositesFromPrimitives:
+    """The composites (the hot path in one call), built from the four primitives.
+
+    The reference every backend must match: the ``atomics`` backend uses
+    these; the native one does the same in C.
+    """
+
     size: int = 0
 
-    def load(self, off: int) -> int:  # pragma: no cover - interface
+    def load(self, off: int) -> int:  # pragma: no cover - provided by the backend
         raise NotImplementedError
 
-    def store(self, off: int, value: int) -> None:  # pragma: no cover - interface
+    def fetch_add(self, off: int, delta: int) -> int:  # pragma: no cover - provided by the backend
         raise NotImplementedError
 
-    def fetch_add(self, off: int, delta: int) -> int:  # pragma: no cover - interface
-        """Add ``delta`` (0 <= delta < 2**64) modulo 2**64; return the previous value."""
+    def cas(self, off: int, expected: int, desired: int) -> bool:  # pragma: no cover - provided by the backend
         raise NotImplementedError
 
-    def cas(self, off: int, expected: int, desired: int) -> bool:  # pragma: no cover - interface
-        """Store ``desired`` if the word equals ``expected``; say whether it did."""
-        raise NotImplementedError
-
-    def close(self) -> None:  # pragma: no cover - interface
-        raise NotImplementedError
-
-    # -- composites: the hot path in one call.  A backend may do these natively;
-    # -- these reference versions are built from the four primitives above.
-
-    def grab(self, tail: int, head: int, amount: int, grants: int, ops: int):
+    def grab(self, tail: int, head: int, amount: int, grants: int, ops: int) -> Optional[int]:
         """Advance the tail rover by ``amount`` (fetch-add, never refused).
 
         Returns ``None`` when the head already covers the new tail (granted at
@@ -69,7 +113,7 @@ class Cells:
         self.fetch_add(grants, ops)
         return None
 
-    def grab_if(self, seq: int, expected: int, tail: int, head: int, amount: int, grants: int, ops: int):
+    def grab_if(self, seq: int, expected: int, tail: int, head: int, amount: int, grants: int, ops: int) -> GrabResult:
         """``grab``, unless the word ``seq`` no longer holds ``expected``: then False, nothing touched.
 
         The acquire fast path in one call: ``seq`` is the config's sequence
@@ -80,7 +124,9 @@ class Cells:
             return False
         return self.grab(tail, head, amount, grants, ops)
 
-    def grabber(self, seq: int, expected: int, tail: int, head: int, amount: int, grants: int, ops: int):
+    def grabber(
+        self, seq: int, expected: int, tail: int, head: int, amount: int, grants: int, ops: int
+    ) -> Callable[[], GrabResult]:
         """``grab_if`` with its arguments bound (and checked) once: a callable taking none."""
         self._check(seq, tail, head, grants)
         return functools.partial(self.grab_if, seq, expected, tail, head, amount, grants, ops)
@@ -120,7 +166,7 @@ def check_offset(off: int, size: int) -> None:
         raise IndexError(f"cell offset {off} outside the mapping of {size} bytes (must be 8-aligned, < {size - WORD + 1})")
 
 
-class AtomicsCells(Cells):
+class AtomicsCells(CompositesFromPrimitives):
     """Backend on the ``atomics`` package: one atomic view per word, opened on first use."""
 
     backend = "atomics"

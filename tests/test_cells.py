@@ -7,7 +7,7 @@ import uuid
 import posix_ipc
 import pytest
 
-from shmlimit.cells import MASK64, native_available, open_cells, selected_backend
+from shmlimit.cells import MASK64, Cells, native_available, open_cells, selected_backend
 
 REQUIRE_NATIVE = os.environ.get("SHMLIMIT_REQUIRE_NATIVE") == "1"
 BACKENDS = ["atomics", "native"]
@@ -59,6 +59,17 @@ def test_load_store_fetch_add_wrap(cells):
     assert cells.fetch_add(8, 2) == MASK64
     assert cells.load(8) == 1  # wrapped modulo 2**64
     assert cells.fetch_add(8, MASK64) == 1 and cells.load(8) == 0  # adding 2**64-1 subtracts one
+
+
+def test_both_backends_satisfy_the_cells_protocol(cells):
+    """Every module above the atomic layer is typed against ``Cells``: each backend offers all of it."""
+    members = {k for k in vars(Cells) if not k.startswith("_")}
+    assert {"load", "store", "fetch_add", "cas", "grab", "grab_if", "grabber", "try_grab", "close"} <= members
+    assert isinstance(cells, Cells)
+    for m in members - {"backend", "size"}:
+        assert callable(getattr(cells, m)), m
+    public = {k for k in dir(cells) if not k.startswith("_")}
+    assert public <= members, f"{cells.backend} offers more than the protocol: {public - members}"
 
 
 def test_cas(cells):
