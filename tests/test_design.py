@@ -1,0 +1,38 @@
+"""docs/design.md stays true: every constant it quotes as `NAME = <number>` has that value in the code."""
+import ast
+import os
+import re
+
+import pytest
+
+import shmlimit
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+DESIGN = open(os.path.join(ROOT, "docs", "design.md")).read()
+QUOTED = re.findall(r"`([A-Z][A-Z0-9_]+) = ([0-9][0-9_.eE+-]*)`", DESIGN)
+PACKAGE = os.path.dirname(shmlimit.__file__)
+
+
+def module_constants():
+    """NAME -> value for every module-level ``NAME = <literal>`` in the package."""
+    found = {}
+    for f in sorted(os.listdir(PACKAGE)):
+        if f.endswith(".py"):
+            for node in ast.parse(open(os.path.join(PACKAGE, f)).read()).body:
+                if isinstance(node, ast.Assign) and len(node.targets) == 1 and isinstance(node.targets[0], ast.Name):
+                    try:
+                        found.setdefault(node.targets[0].id, []).append(ast.literal_eval(node.value))
+                    except ValueError:
+                        pass
+    return found
+
+
+def test_the_design_quotes_constants():
+    assert len(QUOTED) >= 4
+
+
+@pytest.mark.parametrize("const, value", QUOTED)
+def test_every_quoted_constant_matches_the_code(const, value):
+    values = module_constants().get(const)
+    assert values, f"design.md quotes {const}, which no module defines"
+    assert ast.literal_eval(value) in values, f"design.md says {const} = {value}; the code says {values}"
