@@ -43,3 +43,21 @@ class RateLimited(ShmlimitError):
         super().__init__(f"rate limit {name!r} reached; retry after {when}")
         self.name = name
         self.retry_after = retry_after
+
+
+class RedisUnavailableError(ShmlimitError, ConnectionError):
+    """Redis could not be reached in time: a connection error or a timeout (the cause is chained).
+
+    Only this is "unavailable": the hierarchical mode's ``on_redis_error``
+    fallback applies to it and to nothing else.
+    """
+
+
+class RedisDataError(ShmlimitError, RuntimeError):
+    """Redis answered, with an error: the limiter's key holds something else (``WRONGTYPE``), the
+    script failed, or the server refused the credentials or the command (the cause is chained).
+
+    Never a reason to let calls through: a direct ``RedisLimiter`` raises it
+    and a hierarchical limiter fails closed (state ``"error"``) until Redis
+    answers correctly again, whatever its ``on_redis_error``.
+    """
