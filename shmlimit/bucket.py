@@ -181,9 +181,36 @@ class Bucket:
         clock keep their meaning, queued tickets keep their place and their
         schedule time, and only new grabs pay the new price per op.
         """
-        c = self.cells
         if cfg.capped != self.capped:
             raise ValueError("capped cannot be changed on a live limiter (unlink and re-create it)")
+
+        def write(c: Cells) -> None:
+            flags = c.load(L.CFG_FLAGS)
+            st = bool(flags & L.FLAG_STOPPED) if stopped is None else stopped
+            up = flags & L.UPSTREAM_FLAGS if upstream_flags is None else upstream_flags
+            self._write_config_words(c, cfg, self.tpn, st, up)
+
+        self._under_config_lock(write)
+        self.load_config()
+        self.burn(keep=self.cap)
+
+    def set_upstream_flags(self, upstream_flags: int) -> None:
+        """Hierarchical mode: switch the fallback flags, and nothing else.
+
+        Every other word stays as the segment holds it under the lock, so a
+        ``set_rate`` by any process while the filler was talking to Redis is
+        never undone by a config the filler read before.
+        """
+
+        def write(c: Cells) -> None:
+            c.store(L.CFG_FLAGS, (c.load(L.CFG_FLAGS) & ~L.UPSTREAM_FLAGS) | upstream_flags)
+
+        self._under_config_lock(write)
+        self.load_config()
+
+    def _under_config_lock(self, write: Callable[[Cells], None]) -> None:
+        """Run ``write`` holding the config seqlock (CFG_SEQ odd), then publish (CFG_SEQ even)."""
+        c = self.cells
         since = time.monotonic_ns()
         while True:
             seq = c.load(L.CFG_SEQ)
@@ -194,16 +221,9 @@ class Bucket:
             if c.cas(L.CFG_SEQ, seq, seq + 1 if not seq & 1 else seq + 2):
                 break
         try:
-            flags = c.load(L.CFG_FLAGS)
-            if stopped is None:
-                stopped = bool(flags & L.FLAG_STOPPED)
-            if upstream_flags is None:
-                upstream_flags = flags & L.UPSTREAM_FLAGS
-            self._write_config_words(c, cfg, self.tpn, stopped, upstream_flags)
+            write(c)
         finally:
             c.store(L.CFG_SEQ, (c.load(L.CFG_SEQ) | 1) + 1)
-        self.load_config()
-        self.burn(keep=self.cap)
 
     @staticmethod
     def initialise(

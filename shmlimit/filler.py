@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import threading
 import time
-from typing import TYPE_CHECKING, Any, Callable, Dict, Optional
+from typing import TYPE_CHECKING, Callable, Optional, Protocol
 
 from . import layout as L
 
@@ -111,18 +111,65 @@ class Lease:
         self.word = 0
 
 
-class FillerThread(threading.Thread):
-    """Watches the lease; while holding it, replenishes at about 1 kHz and renews the lease."""
+class Feed(Protocol):
+    """How the elected filler feeds the bucket: the clock (``ClockFeed``) or an upstream's leases."""
 
-    def __init__(self, bucket: "Bucket", lease: Lease, name: str, upstream: Optional[Dict[str, Any]] = None) -> None:
+    def tick(self) -> float:
+        """Feed the bucket once; return the seconds until the next tick."""
+
+    def close(self) -> None:
+        """Release what the feed holds (connections); called when the filler stops."""
+
+
+#: Makes the feed when this process is first elected: ``factory(bucket, lease)``.
+FeedFactory = Callable[["Bucket", Lease], Feed]
+
+
+class ClockFeed:
+    """Replenish from the clock: about 1 kHz, about twice per op for slow limits, slower when idle."""
+
+    def __init__(self, bucket: "Bucket", lease: Lease) -> None:
+        self.bucket = bucket
+        self.idle = FILL_PERIOD
+
+    def tick(self) -> float:
+        b = self.bucket
+        period = min(MAX_FILL_PERIOD, max(FILL_PERIOD, b.cost / b.tpn / 2e9))
+        if b.replenish() > 0 or b.balance() < b.cap:
+            self.idle = period
+        else:
+            self.idle = min(MAX_FILL_PERIOD, self.idle * 2)
+        return self.idle
+
+    def close(self) -> None:
+        pass
+
+
+class FillerThread(threading.Thread):
+    """Watches the lease; while holding it, runs its feed and renews the lease.
+
+    ``feed`` makes the feed.  By default a limiter fed by the clock gets a
+    ``ClockFeed``; a limiter fed by an upstream (``bucket.upstream``) has no
+    default: a process takes part in its election only once it was given the
+    upstream's feed (``set_feed``) by its own configuration, never from what
+    the segment says.
+    """
+
+    def __init__(self, bucket: "Bucket", lease: Lease, name: str, feed: Optional[FeedFactory] = None) -> None:
         super().__init__(name=f"shmlimit-filler-{name}", daemon=True)
         self.bucket = bucket
         self.lease = lease
-        self.upstream = upstream  # hierarchical mode: the upstream's description (see ``upstream``)
-        self.feeder: Any = None
+        self.make_feed: Optional[FeedFactory] = feed if feed is not None or bucket.upstream else ClockFeed
+        self.feed: Optional[Feed] = None
         self._stopping = False
         self._wake = threading.Event()
         self.fills = 0
+
+    def set_feed(self, feed: FeedFactory) -> None:
+        """Give a watcher the feed it may run once elected (the first one given stays)."""
+        if self.make_feed is None:
+            self.make_feed = feed
+            self._wake.set()
 
     def stop(self) -> None:
         self._stopping = True
@@ -134,7 +181,7 @@ class FillerThread(threading.Thread):
         Takes the lease at once if it has expired, so the next filler is one
         that is known to be running, without any watcher polling quickly.
         """
-        if not self.lease.held and self.lease.try_take():
+        if self.make_feed is not None and not self.lease.held and self.lease.try_take():
             self._wake.set()
 
     def run(self) -> None:
@@ -142,13 +189,12 @@ class FillerThread(threading.Thread):
         lease = self.lease
         bucket = self.bucket
         last_renew = 0.0
-        idle = FILL_PERIOD
         try:
             while not self._stopping:
                 if not lease.held:
-                    if not lease.try_take():
+                    if self.make_feed is None or not lease.try_take():
                         # hierarchical mode: waiters cannot refill for themselves, so watch closely
-                        wake.wait(UPSTREAM_WATCH_PERIOD if bucket.upstream else WATCH_PERIOD)
+                        wake.wait(UPSTREAM_WATCH_PERIOD if bucket.upstream and self.make_feed else WATCH_PERIOD)
                         wake.clear()
                         continue
                     last_renew = time.monotonic()
@@ -158,37 +204,17 @@ class FillerThread(threading.Thread):
                         continue
                     last_renew = now
                 bucket.refresh()
-                if bucket.upstream and self.upstream is not None:
-                    self._feed()
-                    self.fills += 1
-                    time.sleep(_upstream_tick())
-                    continue
-                period = min(MAX_FILL_PERIOD, max(FILL_PERIOD, bucket.cost / bucket.tpn / 2e9))
-                if bucket.replenish() > 0 or bucket.balance() < bucket.cap:
-                    idle = period
-                else:
-                    idle = min(MAX_FILL_PERIOD, idle * 2)
+                if self.feed is None:
+                    self.feed = self.make_feed(bucket, lease)  # type: ignore[misc]
+                nap = self.feed.tick()
                 self.fills += 1
-                time.sleep(idle)
+                time.sleep(nap)
         except Exception:  # pragma: no cover - a closed mapping at interpreter exit
             pass
         finally:
             try:
                 lease.drop()
-                if self.feeder is not None:
-                    self.feeder.close()
+                if self.feed is not None:
+                    self.feed.close()
             except Exception:  # pragma: no cover
                 pass
-
-    def _feed(self) -> None:
-        if self.feeder is None:
-            from .upstream import Feeder  # needs redis-py: imported only by hierarchical fillers
-
-            self.feeder = Feeder(self.bucket, self.lease, self.upstream)  # type: ignore[arg-type]
-        self.feeder.tick()
-
-
-def _upstream_tick() -> float:
-    from .upstream import TICK
-
-    return TICK
