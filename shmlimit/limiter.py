@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import asyncio
 import atexit
-import json
 import os
 import random
 import threading
@@ -27,6 +26,7 @@ from .filler import LEASE_TIMEOUT, FillerThread, Lease, lease_expiry_us, lease_s
 from .segment import Segment, current_inode, validate_name
 from .segment import unlink as _unlink_name
 from .table import ProcessTable, is_alive, proc_start
+from .upstream_spec import DEFAULT_BATCH_SECONDS, DEFAULT_LEASE_TTL, ON_ERROR, STATE_NAMES, UpstreamSpec
 
 if TYPE_CHECKING:  # pragma: no cover
     from .redis import RedisLimiter
@@ -63,7 +63,7 @@ class UpstreamStats:
 
     url: str  #: the Redis server, without its password
     key: str  #: the global limiter's Redis key
-    state: str  #: "ok", or the fallback in force while Redis is unreachable: "local", "open", "closed"
+    state: str  #: "ok"; the fallback while Redis is unreachable ("local", "open", "closed"); "error": it answered with an error (closed)
     on_redis_error: str  #: the configured fallback
     lease_ttl: float  #: seconds a leased token stays usable
     round_trips: int  #: Redis round trips by this host's fillers
@@ -120,11 +120,10 @@ class _Attachment:
         self.bucket = Bucket(cells)
         self.slots = cells.load(L.SLOTS_OFF)
         self.table = ProcessTable(cells, self.slots)
-        self.upstream = read_upstream(cells) if self.bucket.upstream else None
-        if self.upstream is not None:
-            # Imported now (redis-py takes ~0.1 s), not when this process is first elected filler:
-            # a filler that takes over from a dead one must lease at once.
-            from . import upstream  # noqa: F401
+        #: hierarchical mode: the upstream as the segment describes it (no secrets; shown, compared)
+        self.upstream = UpstreamSpec.read(cells) if self.bucket.upstream else None
+        #: ... and as this process configured it itself (with its secrets): only then does it feed
+        self.feed_spec: Optional[UpstreamSpec] = None
         self.refs = 0
         self.closed = False
         self.created = seg.created
@@ -165,9 +164,36 @@ class _Attachment:
             self.grants_off = base + L.SLOT_GRANTS
             self.waiting_off = base + L.SLOT_WAITING
             self.lease = Lease(self.cells, self.slot)
-            self.filler = FillerThread(self.bucket, self.lease, self.name, self.upstream)
+            self.filler = FillerThread(self.bucket, self.lease, self.name, self._feed())
             self.filler.start()
         self.update_fast()
+
+    def _feed(self) -> Any:
+        if self.feed_spec is None:
+            return None
+        from .upstream import feed_for  # the Redis tier: only processes that configured it get here
+
+        return feed_for(self.feed_spec)
+
+    def opened(self) -> bool:
+        """The "open" fallback is in force *and* this process asked for it.
+
+        A process that did not configure the upstream (it attached by name)
+        never lets calls through on the segment's word: for it, the open
+        fallback is closed.  Call after ``bucket.refresh()``.
+        """
+        return self.bucket.open and self.feed_spec is not None and self.feed_spec.on_error == "open"
+
+    def configure_upstream(self, spec: UpstreamSpec) -> None:
+        """This process configured the upstream (equal to the stored one): it may feed from now on.
+
+        The endpoint and the secrets used are ``spec``'s, never the
+        segment's; the first configuration given in this process stays.
+        """
+        if self.feed_spec is None:
+            self.feed_spec = spec
+            if self.filler is not None:
+                self.filler.set_feed(self._feed())
 
     def after_fork_in_child(self) -> None:
         # The parent's filler thread does not exist here, and its lease is the parent's.
@@ -270,58 +296,24 @@ def _wait_ready(name: str, seg: Segment) -> Segment:
         seg = Segment.open(name)
 
 
-def _check_upstream(name: str, att: _Attachment, cfg: Optional[Config], upstream: Optional[dict]) -> None:
-    """A creating call (one with a config) must agree with the segment on its upstream too."""
+def _check_upstream(name: str, att: _Attachment, cfg: Optional[Config], upstream: Optional[UpstreamSpec]) -> None:
+    """A creating call (one with a config) must agree with the segment on its upstream too.
+
+    A call that configured the upstream then feeds with its own (``configure_upstream``).
+    """
     if cfg is not None and att.upstream != upstream:
         raise ConfigMismatchError(name, f"upstream {_show(att.upstream)}", f"upstream {_show(upstream)}")
+    if upstream is not None:
+        att.configure_upstream(upstream)
 
 
-def _show(desc: Optional[dict]) -> str:
-    if desc is None:
-        return "none"
-    from .redis import redact
-
-    r = desc["redis"]
-    return (
-        f"{redact(r['url'])} key {r['name']!r} rate {r['rate']:g}/{r['per']:g}s burst {r['burst']:g} "
-        f"on_redis_error={desc['on_error']} lease_ttl={desc['lease_ttl']:g}s batch_seconds={desc['batch_seconds']:g}s"
-    )
-
-
-def write_upstream(cells: Cells, desc: dict) -> None:
-    """Store the upstream's description (JSON) in the header: any process may become the filler."""
-    data = encode_upstream(desc)
-    cells.store(L.UP_DESC_LEN, len(data))
-    padded = data + b"\0" * (-len(data) % 8)
-    for i in range(0, len(padded), 8):
-        cells.store(L.UP_DESC + i, int.from_bytes(padded[i : i + 8], "little"))
-
-
-def encode_upstream(desc: dict) -> bytes:
-    data = json.dumps(desc, sort_keys=True, separators=(",", ":")).encode()
-    if len(data) > L.UP_DESC_MAX:
-        raise ValueError(
-            f"upstream description is {len(data)} bytes, at most {L.UP_DESC_MAX} fit the segment header "
-            f"(shorten the Redis URL or the limiter name)"
-        )
-    return data
-
-
-def read_upstream(cells: Cells) -> dict:
-    size = cells.load(L.UP_DESC_LEN)
-    if size > L.UP_DESC_MAX:
-        raise SegmentError(f"segment is corrupt: its upstream description claims {size} bytes")
-    raw = b"".join(cells.load(L.UP_DESC + i).to_bytes(8, "little") for i in range(0, size, 8))[:size]
-    try:
-        desc = json.loads(raw.decode())
-        desc["redis"]["url"]  # the fields a filler needs
-        return desc
-    except (ValueError, KeyError, TypeError) as e:
-        raise SegmentError(f"segment is corrupt: its upstream description does not parse ({e})") from None
+def _show(spec: Optional[UpstreamSpec]) -> str:
+    return "none" if spec is None else spec.describe()
 
 
 def _open_attachment(
-    name: str, cfg: Optional[Config], mode: int, initial: Optional[float], slots: int, upstream: Optional[dict] = None
+    name: str, cfg: Optional[Config], mode: int, initial: Optional[float], slots: int,
+    upstream: Optional[UpstreamSpec] = None,
 ) -> _Attachment:
     with _registry_lock:
         att = _registry.get(name)
@@ -347,7 +339,7 @@ def _map(
     initial: Optional[float],
     slots: int,
     join: bool = True,
-    upstream: Optional[dict] = None,
+    upstream: Optional[UpstreamSpec] = None,
 ) -> _Attachment:
     """Create and initialise the segment, or map the existing one; never a half-initialised header.
 
@@ -404,7 +396,7 @@ def _map(
 
 
 def _initialise(
-    name: str, seg: Segment, cfg: Config, initial: Optional[float], slots: int, upstream: Optional[dict]
+    name: str, seg: Segment, cfg: Config, initial: Optional[float], slots: int, upstream: Optional[UpstreamSpec]
 ) -> _Attachment:
     c = open_cells(seg.mm, seg.size)
     c.store(L.CREATOR_PID_OFF, os.getpid())  # first: openers tell a working creator from a dead one
@@ -414,11 +406,14 @@ def _initialise(
     c.store(L.CREATED_NS_OFF, time.time_ns())
     base = int(os.environ.get("SHMLIMIT_TEST_ROVER_BASE", "0"))  # tests: start the rovers anywhere
     if upstream is not None:
-        write_upstream(c, upstream)
+        upstream.write(c)
     Bucket.initialise(c, cfg, time.monotonic_ns(), initial, base, upstream is not None)
     c.store(L.MAGIC_OFF, L.MAGIC)
     c.store(L.STATE_OFF, L.STATE_READY)  # last: openers wait for this
-    return _Attachment(name, seg, c)
+    att = _Attachment(name, seg, c)
+    if upstream is not None:
+        att.configure_upstream(upstream)
+    return att
 
 
 def cells_size(seg: Segment) -> int:
@@ -467,17 +462,17 @@ atexit.register(_detach_all_at_exit)
 
 def _upstream(
     name: str, rate: Any, per: float, burst: Optional[float], upstream: Any, on_error: str, ttl: Any, batch: Any
-) -> Tuple[Any, float, Optional[float], dict]:
-    """Resolve ``upstream=``: the local config to use and the description stored in the segment."""
-    from . import upstream as U
-    from .redis import RedisLimiter
-
-    if on_error not in U.ON_ERROR:
-        raise ValueError(f"on_redis_error must be one of {', '.join(U.ON_ERROR)}, got {on_error!r}")
+) -> Tuple[Any, float, Optional[float], UpstreamSpec]:
+    """Resolve ``upstream=``: the local config to use and the upstream this process leases from."""
+    if on_error not in ON_ERROR:
+        raise ValueError(f"on_redis_error must be one of {', '.join(ON_ERROR)}, got {on_error!r}")
     for param, v in (("lease_ttl", ttl), ("batch_seconds", batch)):
         t = validate_timeout(v, param)
         if t is None or not 0.001 <= t <= 60:
             raise ValueError(f"{param} must be between 0.001 and 60 seconds, got {v!r}")
+    from .redis import RedisLimiter  # the Redis tier: only a process that configures it imports it
+
+    options = dict(on_error=on_error, lease_ttl=float(ttl), batch_seconds=float(batch))
     if isinstance(upstream, str):
         if rate is None:
             raise ValueError("upstream= as a URL needs rate= (the global limit); or pass a RedisLimiter")
@@ -489,10 +484,10 @@ def _upstream(
         if rate is None:
             rate, per, burst = redis.rate, redis.per, redis.capacity
     else:
-        raise TypeError(f"upstream must be a redis:// URL or a RedisLimiter, not {type(upstream).__name__}")
-    desc = U.describe(redis, on_error, float(ttl), float(batch))
-    encode_upstream(desc)  # too long for the header: refused before anything is created
-    return rate, per, burst, desc
+        raise TypeError(f"upstream must be a Redis URL or a RedisLimiter, not {type(upstream).__name__}")
+    spec = redis.upstream_spec(**options)
+    spec.encode()  # too long for the header: refused before anything is created
+    return rate, per, burst, spec
 
 
 class Limiter:
@@ -542,8 +537,8 @@ class Limiter:
         slots: int = L.DEFAULT_SLOTS,
         upstream: Union[str, "RedisLimiter", None] = None,
         on_redis_error: str = "closed",
-        lease_ttl: float = 0.1,
-        batch_seconds: float = 0.02,
+        lease_ttl: float = DEFAULT_LEASE_TTL,
+        batch_seconds: float = DEFAULT_BATCH_SECONDS,
     ) -> None:
         validate_name(name)
         desc = None
@@ -640,6 +635,11 @@ class Limiter:
         return None
 
     def __reduce__(self):
+        # A hierarchical handle carries the upstream its process configured (secrets included), so
+        # a pool worker that unpickles it may feed as its parent would; a plain one is its name.
+        att = self._att
+        if att is not None and att.feed_spec is not None:
+            return (_attach_configured, (self._name, att.feed_spec))
         return (attach, (self._name,))
 
     def __del__(self) -> None:
@@ -682,7 +682,7 @@ class Limiter:
             att.update_fast()
         tokens = validate_n(n, b.cost) * b.cost
         timeout = validate_timeout(timeout)
-        if b.open:  # hierarchical mode, Redis unreachable, on_redis_error="open": no limit
+        if att.opened():  # hierarchical mode, Redis unreachable, on_redis_error="open": no limit
             c.fetch_add(att.grants_off, n)
             return True
         if timeout is None:
@@ -722,7 +722,7 @@ class Limiter:
         c = att.cells
         if c.try_grab(L.TAIL, L.HEAD, tokens, att.grants_off, n):
             return True
-        if b.open:
+        if att.opened():
             c.fetch_add(att.grants_off, n)
             return True
         if b.replenish() > 0:
@@ -747,7 +747,7 @@ class Limiter:
         b.refresh()
         tokens = validate_n(n, b.cost) * b.cost
         limit = validate_timeout(max_wait, "max_wait")
-        if b.open:
+        if att.opened():
             att.cells.fetch_add(att.grants_off, n)
             return 0.0
         ticket = self._take(att, tokens, min(_INF if limit is None else limit * NS_PER_S, b.max_reserved_ns))
@@ -920,7 +920,7 @@ class Limiter:
         tokens = validate_n(n, b.cost) * b.cost
         timeout = validate_timeout(timeout)
         c = att.cells
-        if b.open:
+        if att.opened():
             c.fetch_add(att.grants_off, n)
             return True
         if timeout is None and b.max_reserved_ns == _INF:
@@ -948,7 +948,7 @@ class Limiter:
             if b.deficiency(ticket) <= 0 or (b.replenish() > 0 and b.deficiency(ticket) <= 0):
                 break
             b.refresh()
-            if b.open:
+            if att.opened():
                 break
             if b.upstream and att.filler is not None:
                 att.filler.nudge()
@@ -979,7 +979,7 @@ class Limiter:
         if c.try_grab(L.TAIL, L.HEAD, tokens, att.grants_off, n):
             return True
         b.refresh()
-        if b.open:
+        if att.opened():
             c.fetch_add(att.grants_off, n)
             return True
         if b.time_fed and b.replenish() > 0 and c.try_grab(L.TAIL, L.HEAD, tokens, att.grants_off, n):
@@ -1018,7 +1018,7 @@ class Limiter:
                     if diff(ticket, c.load(L.HEAD)) <= 0:
                         return
                 b.refresh()
-                if b.open:  # the "open" fallback lets queued callers through too
+                if att.opened():  # the "open" fallback lets queued callers through too
                     return
                 if b.upstream and filler is not None:
                     filler.nudge()  # only a filler leases: make sure one runs
@@ -1096,20 +1096,16 @@ def snapshot(name: str, att: _Attachment) -> Stats:
 
 
 def _upstream_stats(att: _Attachment) -> Optional[UpstreamStats]:
-    desc = att.upstream
-    if desc is None:
+    spec = att.upstream
+    if spec is None:
         return None
-    from .redis import redact
-    from .upstream import STATE_NAMES
-
     c = att.cells
-    r = desc["redis"]
     return UpstreamStats(
-        url=redact(r["url"]),
-        key=f"shmlimit:{{{r['name']}}}:gcra",
+        url=spec.url,  # stored without secrets
+        key=spec.key,
         state=STATE_NAMES.get(c.load(L.UP_STATE), "unknown"),
-        on_redis_error=desc["on_error"],
-        lease_ttl=desc["lease_ttl"],
+        on_redis_error=spec.on_error,
+        lease_ttl=spec.lease_ttl,
         round_trips=c.load(L.UP_ROUND_TRIPS),
         leased=c.load(L.UP_LEASED),
         leases=c.load(L.UP_LEASES),
@@ -1145,3 +1141,13 @@ def attach(name: str) -> Limiter:
 def unlink(name: str) -> None:
     """Remove the limiter's segment by name.  Raises ``LimiterNotFoundError`` when there is none."""
     _unlink_name(name)
+
+
+def _attach_configured(name: str, spec: UpstreamSpec) -> Limiter:
+    """Unpickling a hierarchical handle: attach, and feed with the upstream its sender configured."""
+    lim = Limiter(name)
+    att = lim._live()
+    if att.upstream != spec:
+        raise ConfigMismatchError(name, f"upstream {_show(att.upstream)}", f"upstream {_show(spec)}")
+    att.configure_upstream(spec)
+    return lim

@@ -34,30 +34,34 @@ and in any window T at most ``rate*(T + grace) + burst`` calls start.
 from __future__ import annotations
 
 import asyncio
+import hashlib
 import math
 import random
 import threading
 import time
 from dataclasses import dataclass
-from typing import Any, Dict, Optional, Tuple
-from urllib.parse import urlsplit, urlunsplit
+from typing import Any, Dict, Generator, Optional, Tuple, Type
+from urllib.parse import parse_qsl, unquote
 
+from . import urls
 from .config import NS_PER_S, Config, validate_n, validate_timeout
-from .errors import ShmlimitError
+from .errors import RedisDataError, RedisUnavailableError
 from .segment import validate_name
+from .upstream_spec import DEFAULT_TIMEOUT, DEFAULT_URL, UpstreamSpec, redis_key
+from .urls import redact
 
 try:  # the redis extra: pip install 'shmlimit[redis]'
     import redis as _redis
     import redis.asyncio as _aredis
+    from redis import exceptions as _rx
+    from redis.asyncio.retry import Retry as _ARetry
     from redis.backoff import NoBackoff
-    from redis.exceptions import NoScriptError
     from redis.retry import Retry
 except ImportError:  # pragma: no cover - exercised only without the extra
     _redis = None  # type: ignore[assignment]
 
-#: Default connect and socket timeouts (seconds).  redis-py waits forever by default and retries
-#: with back-off for seconds; a rate limiter must fail fast so callers can fall back.
-DEFAULT_TIMEOUT = 0.25
+__all__ = ["RedisLimiter", "RedisStats", "RedisUnavailableError", "RedisDataError", "redact"]
+
 #: A reservation used more than this late is void (seconds).
 DEFAULT_GRACE = 0.05
 #: Longest single sleep while backing off from a full queue (seconds).
@@ -115,10 +119,8 @@ redis.call('HSET', KEYS[1], 'e', string.format('%.0f', e), 't', string.format('%
 redis.call('PEXPIRE', KEYS[1], math.ceil((tat - now) / 1000000) + 1000)
 return {grant, math.max(0, tat - tau - now), tat - now}
 """
-
-
-class RedisUnavailableError(ShmlimitError, ConnectionError):
-    """Redis could not be reached or answered with an error (the cause is chained)."""
+#: What EVALSHA names the script by (redis-py computes the same).
+LUA_SHA = hashlib.sha1(LUA.encode()).hexdigest()
 
 
 @dataclass(frozen=True)
@@ -144,16 +146,133 @@ class RedisStats:
         return self.rate / self.per
 
 
-def redact(url: str) -> str:
-    """``url`` without its password, for messages and stats."""
-    parts = urlsplit(url)
-    if parts.password is None:
-        return url
-    host = parts.hostname or ""
-    if parts.port:
-        host = f"{host}:{parts.port}"
-    user = f"{parts.username}:***@" if parts.username else ":***@"
-    return urlunsplit((parts.scheme, user + host, parts.path, parts.query, parts.fragment))
+
+# ---------------------------------------------------------------------------------
+# errors: only a connection error or a timeout is "unavailable"
+
+
+def _unavailable_types() -> Tuple[type, ...]:
+    """redis-py's errors that mean "no answer in time": the server is down, unreachable, loading,
+    failing over (``READONLY`` from a demoted master, ``CLUSTERDOWN``, ``TRYAGAIN`` while a slot
+    migrates) -- never an answer about the data.  Credentials refused are not among them: a
+    wrong password is a configuration error, and fails closed like a data error."""
+    found = [_rx.ConnectionError, _rx.TimeoutError, _rx.ReadOnlyError, _rx.TryAgainError, _rx.ClusterDownError]
+    for n in ("MasterNotFoundError", "SlaveNotFoundError"):  # in redis.sentinel, ConnectionErrors already
+        t = getattr(_rx, n, None)
+        if t is not None:
+            found.append(t)
+    return tuple(found)
+
+
+def _refused_types() -> Tuple[type, ...]:
+    return tuple(t for t in (_rx.AuthenticationError, getattr(_rx, "AuthorizationError", None)) if t is not None)
+
+
+def classify(e: BaseException, where: str) -> Exception:
+    """The shmlimit error for a redis-py error ``e``: ``RedisUnavailableError`` or ``RedisDataError``.
+
+    ``where`` (already redacted) names the server and the limiter.  redis-py's
+    own message is kept, with any URL in it redacted.
+    """
+    text = redact(str(e)) if "://" in str(e) else str(e)
+    if isinstance(e, _UNAVAILABLE) and not isinstance(e, _REFUSED):
+        err: Exception = RedisUnavailableError(f"{where} unavailable: {type(e).__name__}: {text}")
+    else:
+        err = RedisDataError(f"{where} answered with an error: {type(e).__name__}: {text}")
+    err.__cause__ = e
+    return err
+
+
+if _redis is not None:
+    _UNAVAILABLE = _unavailable_types()
+    _REFUSED = _refused_types()
+    #: Errors that could come from the server or the connection, as opposed to our own bugs.
+    _REDIS_ERRORS: Tuple[Type[BaseException], ...] = (_rx.RedisError, _rx.RedisClusterException, OSError)
+
+
+# ---------------------------------------------------------------------------------
+# connecting: one URL syntax for a server, a cluster and a sentinel-managed master
+
+
+def connect(url: str, secrets: Dict[str, str], timeout: float, is_async: bool = False) -> Any:
+    """A redis-py client for ``url`` (without secrets; they come in ``secrets``).
+
+    ``redis://``, ``rediss://``, ``unix://`` (and ``redis+unix://``): one
+    server, as redis-py reads them.  ``redis+cluster://host:port[,host:port]``:
+    a Redis Cluster found from any of those nodes.
+    ``redis+sentinel://host:port[,host:port]/service[/db]``: the master the
+    sentinels name for ``service``.  The URL's password is used for the
+    servers and for the sentinels (the ``limits`` library's convention);
+    ``?sentinel_password=`` gives the sentinels their own.  ``valkey``
+    schemes are the same.  TLS (``rediss``) always verifies the server's
+    certificate and host name (``?ssl_ca_certs=/path/ca.pem`` names the CA).
+    """
+    scheme = urls.scheme_of(url)
+    tls = scheme in urls.TLS_SCHEMES
+    opts: Dict[str, Any] = dict(socket_timeout=timeout, socket_connect_timeout=timeout)
+    # one immediate reconnect (a restarted server), never a back-off: callers must learn fast
+    opts["retry"] = (_ARetry if is_async else Retry)(NoBackoff(), 1)
+    opts.update(secrets)
+    if tls:
+        opts.update(ssl_cert_reqs="required", ssl_check_hostname=True)
+    lib = _aredis if is_async else _redis
+    rest = url[len(scheme) + 3 :]
+    if scheme in urls.SINGLE_SCHEMES:
+        base = {"redis": "redis", "valkey": "redis", "rediss": "rediss", "valkeys": "rediss"}.get(scheme, "unix")
+        return lib.Redis.from_url(f"{base}://{rest}", **opts)
+    netloc, _, tail = rest.partition("/")
+    tail, _, query = tail.partition("?")
+    if "?" in netloc:
+        netloc, _, query = netloc.partition("?")
+    if "@" in netloc:
+        info, _, netloc = netloc.rpartition("@")
+        if info.partition(":")[0]:
+            opts["username"] = unquote(info.partition(":")[0])
+    for k, v in parse_qsl(query):
+        if k in ("db",):
+            opts[k] = int(v)
+        elif k in ("socket_timeout", "socket_connect_timeout"):
+            opts[k] = float(v)
+        elif k not in ("ssl_cert_reqs", "ssl_check_hostname"):  # TLS is always verified (urls.check)
+            opts[k] = v
+    if tls:
+        opts["ssl"] = True
+    if scheme in urls.CLUSTER_SCHEMES:
+        if tail.strip("/"):
+            raise ValueError(f"url: a cluster has one database, so no path: {redact(url)}")
+        if is_async:
+            from redis.asyncio.cluster import ClusterNode as ANode
+            from redis.asyncio.cluster import RedisCluster as ACluster
+
+            return ACluster(startup_nodes=[ANode(h, p) for h, p in urls.hosts(netloc, 6379)], **opts)
+        from redis.cluster import ClusterNode, RedisCluster
+
+        return RedisCluster(startup_nodes=[ClusterNode(h, p) for h, p in urls.hosts(netloc, 6379)], **opts)
+    # sentinel
+    service, _, db = tail.partition("/")
+    if not service:
+        raise ValueError(f"url: a sentinel URL names the service: redis+sentinel://host:port/service; "
+                         f"got {redact(url)}")
+    if db:
+        opts["db"] = int(db)
+    sentinel_opts = {k: v for k, v in opts.items() if k not in ("db", "sentinel_password")}
+    if "sentinel_password" in opts:
+        sentinel_opts["password"] = opts.pop("sentinel_password")
+    if is_async:
+        from redis.asyncio.sentinel import Sentinel as ASentinel
+
+        return ASentinel(urls.hosts(netloc, 26379), sentinel_kwargs=sentinel_opts, **opts).master_for(service)
+    from redis.sentinel import Sentinel
+
+    return Sentinel(urls.hosts(netloc, 26379), sentinel_kwargs=sentinel_opts, **opts).master_for(service)
+
+
+# ---------------------------------------------------------------------------------
+# the limiter: steps that never block, driven by a sync and an async loop
+
+#: What a step asks its driver to do: run the script, load the script, or sleep.
+_EVAL, _LOAD, _SLEEP = "eval", "load", "sleep"
+Step = Generator[Tuple[Any, ...], Any, Any]
 
 
 class RedisLimiter:
@@ -164,13 +283,21 @@ class RedisLimiter:
     ``stats``, usable by ``shmlimit.throttle``.  Every client of one name must
     pass the same ``rate``, ``per`` and ``burst`` (the script trusts them).
 
-    ``burst`` (ops, default 10 ms of rate and at least one); ``max_reserved``
-    (seconds of schedule callers may reserve ahead; default unbounded);
-    ``grace`` (seconds a reservation may be used late before it is void;
-    None = never void); ``clock`` (``"server"``: Redis ``TIME``, or
-    ``"client"``: this host's wall clock); ``timeout`` (connect and socket
-    timeout, seconds).  ``client`` may be an existing ``redis.Redis`` to use
-    instead of ``url`` (the limiter then cannot be pickled).
+    ``url``: a Redis server, cluster or sentinel-managed master (see
+    ``connect``); its password never leaves this object (``url`` shows it
+    redacted, and a segment stores the URL without it).  ``burst`` (ops,
+    default 10 ms of rate and at least one); ``max_reserved`` (seconds of
+    schedule callers may reserve ahead; default unbounded); ``grace``
+    (seconds a reservation may be used late before it is void; None = never
+    void); ``clock`` (``"server"``: Redis ``TIME``, or ``"client"``: this
+    host's wall clock); ``timeout`` (connect and socket timeout, seconds).
+    ``client`` may be an existing redis-py client to use instead of ``url``
+    (the limiter then cannot be pickled nor be an ``upstream=``).
+
+    Errors: ``RedisUnavailableError`` when Redis cannot be reached in time
+    (a connection error or timeout: callers may fall back), and
+    ``RedisDataError`` when it answers with an error (the key holds another
+    type, the credentials are refused): never a reason to let calls through.
     """
 
     def __init__(
@@ -180,7 +307,7 @@ class RedisLimiter:
         per: float = 1.0,
         burst: Optional[float] = None,
         *,
-        url: str = "redis://localhost:6379/0",
+        url: str = DEFAULT_URL,
         max_reserved: Optional[float] = None,
         grace: Optional[float] = DEFAULT_GRACE,
         clock: str = "server",
@@ -203,31 +330,22 @@ class RedisLimiter:
         t = validate_timeout(timeout, "timeout")
         if t is None or t == 0:
             raise ValueError(f"timeout must be a finite number of seconds > 0, got {timeout!r}")
-        if not isinstance(url, str) or not url.startswith(("redis://", "rediss://", "unix://")):
-            raise ValueError(f"url must be a redis://, rediss:// or unix:// URL, got {url!r}")
+        urls.check(url)
+        self._url, self._secrets = urls.split_secrets(url)
         self._name = name
         self._config = cfg
-        self._url = url
         self._clock = clock
         self._timeout = t
-        self.key = f"shmlimit:{{{name}}}:gcra"
+        self.key = redis_key(name)
         self._interval = interval  # ns per op, rounded up: never faster than asked
         self._tolerance = int(cfg.burst * interval)  # rounded down: never more burst than asked
         self._max_reserved_ns = None if cfg.max_reserved is None else int(cfg.max_reserved * NS_PER_S)
         self._own_client = client is None
-        self._client = client if client is not None else self._connect(_redis.Redis)
-        self._script = self._client.register_script(LUA)
+        self._client = client if client is not None else connect(self._url, self._secrets, t)
+        self._sha = LUA_SHA
         self._aclients: Dict[int, Any] = {}
         self._lock = threading.Lock()
         self._counts = {"round_trips": 0, "grants": 0, "refusals": 0, "expired": 0, "script_loads": 0, "errors": 0}
-
-    def _connect(self, cls: Any) -> Any:
-        return cls.from_url(
-            self._url,
-            socket_timeout=self._timeout,
-            socket_connect_timeout=self._timeout,
-            retry=Retry(NoBackoff(), 1),  # one reconnect (a restarted server), never a back-off
-        )
 
     # -- identity --------------------------------------------------------------------
 
@@ -257,32 +375,50 @@ class RedisLimiter:
     @property
     def url(self) -> str:
         """The server's URL, without its password."""
-        return redact(self._url)
+        return self._url
 
-    def describe(self) -> Dict[str, Any]:
-        """What another process needs to build an equal limiter (``from_description``)."""
+    @property
+    def round_trips(self) -> int:
+        """Script calls made by this client so far (a NOSCRIPT recovery counts its extra two)."""
+        with self._lock:
+            return self._counts["round_trips"]
+
+    def upstream_spec(self, **options: Any) -> UpstreamSpec:
+        """This limiter as the upstream of a hierarchical ``Limiter`` (``options``: ``on_error``,
+        ``lease_ttl``, ``batch_seconds``).  Refused for a limiter built on a caller's ``client``:
+        its endpoint is unknown, and the default URL would silently lease from another server."""
+        if not self._own_client:
+            raise ValueError(
+                "a RedisLimiter built on a caller's client= cannot be an upstream (its endpoint is unknown "
+                "to the filler); build it with url="
+            )
         c = self._config
-        return {
-            "name": self._name, "url": self._url, "rate": c.rate, "per": c.per, "burst": c.burst,
-            "max_reserved": c.max_reserved, "grace": self._grace, "clock": self._clock, "timeout": self._timeout,
-        }
+        return UpstreamSpec(self._name, self._url, c.rate, c.per, c.burst, clock=self._clock, timeout=self._timeout,
+                            secrets=tuple(sorted(self._secrets.items())), **options)
 
     @classmethod
-    def from_description(cls, d: Dict[str, Any]) -> "RedisLimiter":
-        d = dict(d)
-        return cls(d.pop("name"), d.pop("rate"), d.pop("per"), d.pop("burst"), **d)
+    def from_spec(cls, spec: UpstreamSpec) -> "RedisLimiter":
+        """The global limiter of a hierarchical limiter, with the secrets its configuring process gave."""
+        self = cls(spec.name, spec.rate, spec.per, spec.burst, url=spec.url, clock=spec.clock, timeout=spec.timeout,
+                   client=_Deferred)
+        self._secrets = dict(spec.secrets)
+        self._own_client = True
+        self._client = connect(self._url, self._secrets, self._timeout)
+        return self
 
     def __reduce__(self):
         if not self._own_client:
             raise TypeError("a RedisLimiter built on a caller's client cannot be pickled; pass url= instead")
-        return (RedisLimiter.from_description, (self.describe(),))
+        c = self._config
+        kw = dict(max_reserved=c.max_reserved, grace=self._grace, clock=self._clock, timeout=self._timeout)
+        return (_unpickle, (self._name, c.rate, c.per, c.burst, self._url, tuple(self._secrets.items()), kw))
 
     def close(self) -> None:
         """Close this limiter's connections (the shared state in Redis stays)."""
         if self._own_client:
             self._client.close()
 
-    # -- the script --------------------------------------------------------------------
+    # -- the script: one step core, two drivers ------------------------------------------
 
     def _args(self, mode: int, n: int, max_wait_ns: Optional[int], least: int = 1) -> Tuple[Any, ...]:
         if self._clock == "server":
@@ -298,54 +434,95 @@ class RedisLimiter:
             for k, v in deltas.items():
                 self._counts[k] += v
 
-    def _failed(self, e: Exception) -> RedisUnavailableError:
-        self._count(errors=1)
-        err = RedisUnavailableError(f"redis at {self.url} failed for limiter {self._name!r}: {e}")
-        err.__cause__ = e
-        return err
+    def _script(self, mode: int, n: int, max_wait_ns: Optional[int] = None, least: int = 1) -> Step:
+        """Steps of one script call; returns ``(ops granted, wait_ns, backlog_ns)``.
 
-    def call(self, mode: int, n: int, max_wait_ns: Optional[int] = None, least: int = 1) -> Tuple[int, int, int]:
-        """One script call: ``(ops granted, wait_ns, backlog_ns)``.  Raises ``RedisUnavailableError``."""
+        A NOSCRIPT answer (the scripts were flushed, or a failover or slot
+        migration reached a server that never saw ours) loads it and asks
+        again.  redis-py's errors are classified (``classify``).
+        """
         args = self._args(mode, n, max_wait_ns, least)
         trips = 1
         try:
             try:
-                r = self._client.evalsha(self._script.sha, 1, self.key, *args)
-            except NoScriptError:  # flushed or a restarted/failed-over server: load it again
+                r = yield (_EVAL, args)
+            except _rx.NoScriptError:
                 trips += 2
                 self._count(script_loads=1)
-                self._script.sha = self._client.script_load(LUA)
-                r = self._client.evalsha(self._script.sha, 1, self.key, *args)
-        except _redis.RedisError as e:
-            self._count(round_trips=trips)
-            raise self._failed(e) from e
+                yield (_LOAD,)
+                r = yield (_EVAL, args)
+            granted, wait, backlog = int(r[0]), int(r[1]), int(r[2])
+        except _REDIS_ERRORS as e:
+            self._count(round_trips=trips, errors=1)
+            raise classify(e, f"redis at {self.url} for limiter {self._name!r}") from e
+        except (TypeError, ValueError, IndexError) as e:  # an answer that is not the script's
+            self._count(round_trips=trips, errors=1)
+            raise RedisDataError(f"redis at {self.url} for limiter {self._name!r} answered {r!r}") from e
         self._count(round_trips=trips)
-        return int(r[0]), int(r[1]), int(r[2])
+        return granted, wait, backlog
 
-    async def call_async(self, mode: int, n: int, max_wait_ns: Optional[int] = None) -> Tuple[int, int, int]:
-        """``call`` on this event loop's own connection."""
+    def _run(self, steps: Step) -> Any:
+        """The sync driver: run ``steps`` to completion on this thread's connection."""
+        value: Any = None
+        error: Optional[BaseException] = None
+        while True:
+            try:
+                op = steps.throw(error) if error is not None else steps.send(value)
+            except StopIteration as done:
+                return done.value
+            value, error = None, None
+            try:
+                if op[0] == _EVAL:
+                    value = self._client.evalsha(self._sha, 1, self.key, *op[1])
+                elif op[0] == _LOAD:
+                    self._client.script_load(LUA)
+                else:
+                    time.sleep(op[1])
+            except Exception as e:  # handed to the steps, which classify it or let it through
+                error = e
+
+    async def _run_async(self, steps: Step) -> Any:
+        """The async driver: the same steps on this event loop's own connection."""
+        client = self._aclient()
+        value: Any = None
+        error: Optional[BaseException] = None
+        while True:
+            try:
+                op = steps.throw(error) if error is not None else steps.send(value)
+            except StopIteration as done:
+                return done.value
+            value, error = None, None
+            try:
+                if op[0] == _EVAL:
+                    value = await client.evalsha(self._sha, 1, self.key, *op[1])
+                elif op[0] == _LOAD:
+                    await client.script_load(LUA)
+                else:
+                    await asyncio.sleep(op[1])
+            except Exception as e:
+                error = e
+
+    def _aclient(self) -> Any:
         loop = asyncio.get_running_loop()
         client = self._aclients.get(id(loop))
         if client is None:
             if not self._own_client:
                 raise TypeError("acquire_async needs a RedisLimiter built with url=, not client=")
-            self._aclients = {id(loop): self._connect(_aredis.Redis)}  # connections of a dead loop are useless
+            # connections of a dead loop are useless: keep only this loop's
+            self._aclients = {id(loop): connect(self._url, self._secrets, self._timeout, is_async=True)}
             client = self._aclients[id(loop)]
-        args = self._args(mode, n, max_wait_ns)
-        trips = 1
-        try:
-            try:
-                r = await client.evalsha(self._script.sha, 1, self.key, *args)
-            except NoScriptError:
-                trips += 2
-                self._count(script_loads=1)
-                self._script.sha = await client.script_load(LUA)
-                r = await client.evalsha(self._script.sha, 1, self.key, *args)
-        except _redis.RedisError as e:
-            self._count(round_trips=trips)
-            raise self._failed(e) from e
-        self._count(round_trips=trips)
-        return int(r[0]), int(r[1]), int(r[2])
+        return client
+
+    def call(self, mode: int, n: int, max_wait_ns: Optional[int] = None, least: int = 1) -> Tuple[int, int, int]:
+        """One script call: ``(ops granted, wait_ns, backlog_ns)``.
+
+        Raises ``RedisUnavailableError`` or ``RedisDataError``.
+        """
+        return self._run(self._script(mode, n, max_wait_ns, least))
+
+    async def call_async(self, mode: int, n: int, max_wait_ns: Optional[int] = None, least: int = 1) -> Tuple[int, int, int]:
+        """``call`` on this event loop's own connection."""
+        return await self._run_async(self._script(mode, n, max_wait_ns, least))
 
     # -- acquiring ---------------------------------------------------------------------
 
@@ -356,6 +533,15 @@ class RedisLimiter:
         bounds = [b for b in (None if limit_s is None else int(limit_s * NS_PER_S), self._max_reserved_ns) if b is not None]
         return min(bounds) if bounds else None
 
+    def _reserve_steps(self, n: int, max_wait: Optional[float]) -> Step:
+        validate_n(n, 1)
+        granted, wait, _ = yield from self._script(MODE_RESERVE, n, self._bound(n, validate_timeout(max_wait, "max_wait")))
+        if not granted:
+            self._count(refusals=1)
+            return None
+        self._count(grants=n)
+        return wait / NS_PER_S
+
     def reserve(self, n: int = 1, max_wait: Optional[float] = None) -> Optional[float]:
         """Reserve the next slot for ``n`` ops; return the seconds until it is due (0.0: now).
 
@@ -363,13 +549,7 @@ class RedisLimiter:
         (seconds) or ``max_reserved``.  A reservation is counted whether or
         not the caller uses it.
         """
-        validate_n(n, 1)
-        granted, wait, _ = self.call(MODE_RESERVE, n, self._bound(n, validate_timeout(max_wait, "max_wait")))
-        if not granted:
-            self._count(refusals=1)
-            return None
-        self._count(grants=n)
-        return wait / NS_PER_S
+        return self._run(self._reserve_steps(n, max_wait))
 
     def try_acquire(self, n: int = 1) -> bool:
         """Take ``n`` ops only if they are available now (one round trip).  False takes nothing."""
@@ -394,26 +574,20 @@ class RedisLimiter:
             self._count(grants=granted)
         return granted, (0.0 if granted else wait / NS_PER_S)
 
-    def acquire(self, n: int = 1, timeout: Optional[float] = None) -> bool:
-        """Take ``n`` ops, sleeping until their reservation is due; True once granted.
-
-        With ``timeout`` (seconds), return False, having taken nothing, when the
-        wait would exceed it.  With ``max_reserved``, an acquire that finds the
-        queue full backs off (with jitter) and asks again until ``timeout``.
-        Raises ``RedisUnavailableError`` when Redis cannot be reached.
-        """
+    def _acquire_steps(self, n: int, timeout: Optional[float]) -> Step:
+        """Steps of ``acquire``: reserve, sleep until due, void a slot woken too late, back off."""
         validate_n(n, 1)
         timeout = validate_timeout(timeout)
         deadline = None if timeout is None else time.monotonic() + timeout
         while True:
             left = None if deadline is None else max(0.0, deadline - time.monotonic())
-            granted, wait, _ = self.call(MODE_RESERVE, n, self._bound(n, left))
+            granted, wait, _ = yield from self._script(MODE_RESERVE, n, self._bound(n, left))
             received = time.monotonic()
             if granted:
                 self._count(grants=n)
                 due = received + wait / NS_PER_S
                 if wait:
-                    time.sleep(wait / NS_PER_S)
+                    yield (_SLEEP, wait / NS_PER_S)
                 if self._grace is None or time.monotonic() - due <= self._grace:
                     return True
                 self._count(expired=1)  # woke too late: the slot is void, ask for a new one
@@ -422,31 +596,22 @@ class RedisLimiter:
             nap = self._backoff(wait, left)
             if nap is None:
                 return False
-            time.sleep(nap)
+            yield (_SLEEP, nap)
+
+    def acquire(self, n: int = 1, timeout: Optional[float] = None) -> bool:
+        """Take ``n`` ops, sleeping until their reservation is due; True once granted.
+
+        With ``timeout`` (seconds), return False, having taken nothing, when the
+        wait would exceed it.  With ``max_reserved``, an acquire that finds the
+        queue full backs off (with jitter) and asks again until ``timeout``.
+        Raises ``RedisUnavailableError`` when Redis cannot be reached in time,
+        ``RedisDataError`` when it answers with an error.
+        """
+        return self._run(self._acquire_steps(n, timeout))
 
     async def acquire_async(self, n: int = 1, timeout: Optional[float] = None) -> bool:
         """``acquire`` for asyncio (its own connection per event loop; never blocks the loop)."""
-        validate_n(n, 1)
-        timeout = validate_timeout(timeout)
-        deadline = None if timeout is None else time.monotonic() + timeout
-        while True:
-            left = None if deadline is None else max(0.0, deadline - time.monotonic())
-            granted, wait, _ = await self.call_async(MODE_RESERVE, n, self._bound(n, left))
-            received = time.monotonic()
-            if granted:
-                self._count(grants=n)
-                due = received + wait / NS_PER_S
-                if wait:
-                    await asyncio.sleep(wait / NS_PER_S)
-                if self._grace is None or time.monotonic() - due <= self._grace:
-                    return True
-                self._count(expired=1)
-                continue
-            self._count(refusals=1)
-            nap = self._backoff(wait, left)
-            if nap is None:
-                return False
-            await asyncio.sleep(nap)
+        return await self._run_async(self._acquire_steps(n, timeout))
 
     def _backoff(self, wait_ns: int, left: Optional[float]) -> Optional[float]:
         """After a refusal: None when the caller's own limit refused it, else how long to back off.
@@ -493,10 +658,22 @@ class RedisLimiter:
         head = f"<shmlimit.redis.RedisLimiter {self._name!r} rate={c.rate:g}/{c.per:g}s capacity={c.burst:g} url={self.url}"
         try:
             s = self.stats()
-        except RedisUnavailableError as e:
-            return f"{head} unreachable: {e.__cause__}>"
+        except (RedisUnavailableError, RedisDataError) as e:
+            return f"{head} {e}>"
         return (
             f"{head} available={s.available:g} backlog={s.backlog_seconds:.3f}s round_trips={s.round_trips} "
             f"grants={s.grants} refusals={s.refusals} expired={s.expired}>"
         )
 
+
+#: ``client=`` while ``from_spec``/unpickling build a limiter that then connects with its secrets.
+_Deferred = object()
+
+
+def _unpickle(name: str, rate: float, per: float, burst: float, url: str, secrets: Tuple[Tuple[str, str], ...],
+              kw: Dict[str, Any]) -> RedisLimiter:
+    lim = RedisLimiter(name, rate, per, burst, url=url, client=_Deferred, **kw)
+    lim._secrets = dict(secrets)
+    lim._own_client = True
+    lim._client = connect(lim._url, lim._secrets, lim._timeout)
+    return lim

@@ -31,28 +31,46 @@ Redis unreachable (``on_redis_error``):
   the local rate meanwhile.
 * ``"open"``: no limit at all until Redis answers again.
 
+Only a connection error or a timeout is "unreachable".  Redis answering with
+an error (``WRONGTYPE`` because someone wrote the key, a failing script,
+refused credentials: ``RedisDataError``) is state ``"error"``: closed,
+whatever ``on_redis_error`` says, and logged -- whoever can write the key
+must not be able to open the gates.
+
 The filler retries every ``RETRY_EVERY`` seconds; the first answer ends the
 fallback (local tokens are burned, tickets let through by "open" are
 forgotten).  Every error and fallback is counted in the segment, so
-``stats()`` of any process shows them.
+``stats()`` of any process shows them.  Fallbacks switch only the flag bits
+of the config (``Bucket.set_upstream_flags``): a ``set_rate`` made while the
+filler was talking to Redis stays.
+
+The feeder runs only in processes that configured the upstream themselves
+(see ``upstream_spec``): its endpoint and credentials are theirs, never read
+from the segment.
 """
 from __future__ import annotations
 
+import logging
 import math
 import random
 import time
-from typing import TYPE_CHECKING, Any, Dict, Optional
+from typing import TYPE_CHECKING, Optional
 
 from . import layout as L
-from .redis import RedisLimiter, RedisUnavailableError
+from .errors import RedisDataError, RedisUnavailableError
+from .redis import RedisLimiter
+from .upstream_spec import (
+    ON_ERROR, STATE_CLOSED, STATE_ERROR, STATE_LOCAL, STATE_NAMES, STATE_OK, STATE_OPEN, UpstreamSpec,
+)
 
 if TYPE_CHECKING:  # pragma: no cover
     from .bucket import Bucket
-    from .filler import Lease
+    from .filler import FeedFactory, Lease
 
-ON_ERROR = ("closed", "local", "open")
-STATE_OK, STATE_LOCAL, STATE_OPEN, STATE_CLOSED = 0, 1, 2, 3
-STATE_NAMES = {STATE_OK: "ok", STATE_LOCAL: "local", STATE_OPEN: "open", STATE_CLOSED: "closed"}
+__all__ = ["Feeder", "feed_for", "ON_ERROR", "STATE_NAMES"]
+
+log = logging.getLogger("shmlimit.upstream")
+
 _FALLBACK = {"local": (STATE_LOCAL, L.FLAG_UPSTREAM | L.FLAG_FALLBACK_LOCAL),
              "open": (STATE_OPEN, L.FLAG_UPSTREAM | L.FLAG_FALLBACK_OPEN),
              "closed": (STATE_CLOSED, L.FLAG_UPSTREAM)}
@@ -69,49 +87,54 @@ MAX_RETRY = 0.1
 HUNGRY_NS = 20_000_000
 #: Demand is averaged over about this long (seconds).
 DEMAND_WINDOW = 0.2
-#: Defaults: leased tokens live this long (seconds); a batch covers this much demand (seconds).
-DEFAULT_LEASE_TTL = 0.1
-DEFAULT_BATCH_SECONDS = 0.02
 
 
-def describe(redis: RedisLimiter, on_error: str, lease_ttl: float, batch_seconds: float) -> Dict[str, Any]:
-    return {"redis": redis.describe(), "on_error": on_error, "lease_ttl": lease_ttl, "batch_seconds": batch_seconds}
+def feed_for(spec: UpstreamSpec) -> "FeedFactory":
+    """The filler's feed for a process that configured ``spec`` itself."""
+
+    def make(bucket: "Bucket", lease: "Lease") -> "Feeder":
+        return Feeder(bucket, lease, spec)
+
+    return make
 
 
 class Feeder:
     """The filler's half of hierarchical mode: lease, expire, fall back, recover.  Filler thread only."""
 
-    def __init__(self, bucket: "Bucket", lease: "Lease", desc: Dict[str, Any]) -> None:
+    def __init__(self, bucket: "Bucket", lease: "Lease", spec: UpstreamSpec) -> None:
         self.bucket = bucket
         self.cells = bucket.cells
         self.lease = lease
-        self.redis = RedisLimiter.from_description(desc["redis"])
-        self.on_error = desc["on_error"]
-        self.ttl_ns = int(desc["lease_ttl"] * 1e9)
-        self.batch_seconds = float(desc["batch_seconds"])
-        self.max_batch = max(1, int(self.redis.capacity // 2))
+        self.spec = spec
+        self.redis: Optional[RedisLimiter] = None  # connected at the first lease: a cluster client connects at once
+        self.on_error = spec.on_error
+        self.ttl_ns = int(spec.lease_ttl * 1e9)
+        self.batch_seconds = spec.batch_seconds
+        self.max_batch = max(1, int(spec.burst // 2))
         self.demand = 0.0  # ops per second
         self._last: Optional[tuple] = None  # (ns, tail) at the previous tick
         self._burned = 0  # tokens burned since then: they moved the tail but are not demand
         self.next_try = 0
 
     def close(self) -> None:
-        self.redis.close()
+        if self.redis is not None:
+            self.redis.close()
 
     # -- one tick -----------------------------------------------------------------------
 
-    def tick(self) -> None:
+    def tick(self) -> float:
         b = self.bucket
         c = self.cells
         now = time.monotonic_ns()
         self._measure(now)
         state = c.load(L.UP_STATE)
-        if state in (STATE_OK, STATE_CLOSED):  # leased tokens expire, Redis or not
+        if state in (STATE_OK, STATE_CLOSED, STATE_ERROR):  # leased tokens expire, Redis or not
             self.expire(now)
         if not b.stopped and now >= self.next_try:
             self._lease(now, state)
         if b.time_fed:  # the "local" fallback: the clock feeds the bucket meanwhile
             b.replenish()
+        return TICK
 
     def _measure(self, now: int) -> None:
         tail = self.cells.load(L.TAIL)
@@ -168,17 +191,24 @@ class Feeder:
         # tokens: Redis counts every lease.
         if not self.lease.renew():
             return
-        trips = self.redis._counts["round_trips"]
         sent = time.monotonic_ns()  # the lease's time: before asking, so its expiry is conservative
+        trips = 0
         try:
+            if self.redis is None:
+                self.redis = RedisLimiter.from_spec(self.spec)
+            trips = self.redis.round_trips
             # at least half the batch per round trip: under contention, wait for it to accrue
             want = max(1, want)
             granted, wait = self.redis.take_up_to(want, max(1, want // 2))
-        except RedisUnavailableError:
-            c.fetch_add(L.UP_ROUND_TRIPS, self.redis._counts["round_trips"] - trips)
-            self._fail(state)
+        except RedisUnavailableError as e:
+            self._count_trips(trips)
+            self._fail(state, e)
             return
-        c.fetch_add(L.UP_ROUND_TRIPS, self.redis._counts["round_trips"] - trips)
+        except RedisDataError as e:
+            self._count_trips(trips)
+            self._error(state, e)
+            return
+        self._count_trips(trips)
         if state != STATE_OK:
             self._recover(state)
         if granted:
@@ -199,21 +229,48 @@ class Feeder:
             self.next_try = time.monotonic_ns() + int(nap * 1e9)
         self.expire(time.monotonic_ns())  # the call may have taken a while
 
-    def _fail(self, state: int) -> None:
+    def _count_trips(self, before: int) -> None:
+        if self.redis is not None:
+            self.cells.fetch_add(L.UP_ROUND_TRIPS, self.redis.round_trips - before)
+
+    def _fail(self, state: int, e: RedisUnavailableError) -> None:
+        """Redis unavailable: enter the configured fallback (from "ok" only; "error" stays closed)."""
         c = self.cells
         c.fetch_add(L.UP_ERRORS, 1)
         if state == STATE_OK:
+            log.warning("%s; fallback %r until it answers", e, self.on_error)
             code, flags = _FALLBACK[self.on_error]
             c.fetch_add(L.UP_FALLBACKS, 1)
             c.store(L.UP_STATE, code)
             if flags != L.FLAG_UPSTREAM:
-                self.bucket.publish(self.bucket.config, upstream_flags=flags)
+                self.bucket.set_upstream_flags(flags)
         self.next_try = time.monotonic_ns() + int(RETRY_EVERY * 1e9)
+
+    def _error(self, state: int, e: RedisDataError) -> None:
+        """Redis answered with an error: closed, whatever the fallback, until it answers correctly."""
+        c = self.cells
+        c.fetch_add(L.UP_ERRORS, 1)
+        if state != STATE_ERROR:
+            log.error("%s; no tokens until it answers correctly", e)
+            if state == STATE_OK:
+                c.fetch_add(L.UP_FALLBACKS, 1)
+            c.store(L.UP_STATE, STATE_ERROR)
+            if state in (STATE_LOCAL, STATE_OPEN):
+                self._end_fallback(state)
+        self.next_try = time.monotonic_ns() + int(RETRY_EVERY * 1e9)
+
+    def _end_fallback(self, state: int) -> None:
+        b = self.bucket
+        b.set_upstream_flags(L.FLAG_UPSTREAM)
+        if state == STATE_LOCAL:
+            b.burn()  # tokens of the local clock are not the global limit's
+        elif state == STATE_OPEN:
+            b.forgive()
 
     def _recover(self, state: int) -> None:
         b = self.bucket
-        if state != STATE_CLOSED:
-            b.publish(b.config, upstream_flags=L.FLAG_UPSTREAM)
+        if state in (STATE_LOCAL, STATE_OPEN):
+            b.set_upstream_flags(L.FLAG_UPSTREAM)
         if state == STATE_LOCAL:
             b.burn()  # tokens of the local clock are not the global limit's
         elif state == STATE_OPEN:
