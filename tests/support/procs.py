@@ -149,15 +149,16 @@ while True:
 class Stampers:
     """A changing set of STAMPER workers on one limiter; their stamps survive their deaths."""
 
-    def __init__(self, name: str) -> None:
+    def __init__(self, name: str, script: str = STAMPER) -> None:
         self.name = name
+        self.script = script  # STAMPER, or a variant that attaches another way
         self.dir = tempfile.mkdtemp(prefix="shmlimit-test-")
         self.procs: Dict[int, Tuple[subprocess.Popen, str]] = {}  # pid -> (process, its file)
 
     def start(self) -> subprocess.Popen:
         path = os.path.join(self.dir, f"{uuid.uuid4().hex}.bin")
         p = subprocess.Popen(
-            [sys.executable, "-c", STAMPER, self.name, path], stdout=subprocess.PIPE, text=True, cwd=WORKDIR
+            [sys.executable, "-c", self.script, self.name, path], stdout=subprocess.PIPE, text=True, cwd=WORKDIR
         )
         assert p.stdout.readline().strip() == "ready"
         self.procs[p.pid] = (p, path)
