@@ -5,10 +5,7 @@
     lim.acquire()                              # blocks until granted
 """
 from .config import Config, RateSpec, parse_spec
-from .errors import (
-    ConfigMismatchError, LimiterNotFoundError, RateLimited, RedisDataError, RedisUnavailableError, SegmentError,
-    ShmlimitError,
-)
+from .errors import ConfigMismatchError, LimiterNotFoundError, RateLimited, SegmentError, ShmlimitError
 from .limiter import Limiter, ProcessStats, Stats, UpstreamStats, attach, inspect, unlink
 from .segment import list_names
 from .throttle import throttle
@@ -23,8 +20,6 @@ __all__ = [
     "ProcessStats",
     "RateLimited",
     "RateSpec",
-    "RedisDataError",
-    "RedisUnavailableError",
     "SegmentError",
     "ShmlimitError",
     "Stats",
