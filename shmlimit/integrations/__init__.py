@@ -2,6 +2,7 @@
 
 * ``shmlimit.integrations.prometheus``: a ``prometheus_client`` collector (extra ``prometheus``).
 * ``shmlimit.integrations.asgi`` and ``.wsgi``: rate-limiting middleware (no extra needed).
+* ``shmlimit.integrations.celery``: retry a task later instead of blocking its worker slot (extra ``celery``).
 
 Importing this package imports none of them.
 """
