@@ -7,7 +7,8 @@ import textwrap
 import pytest
 
 import shmlimit
-from servers import Server
+from support.servers import Server
+from support.windows import max_excess
 
 celery = pytest.importorskip("celery")
 
@@ -63,13 +64,9 @@ def test_prefork_pool_shares_one_rate(name, own_redis, tmp_path, monkeypatch):
     assert shmlimit.inspect(name).grants == TASKS_N  # one op per run, none lost, none twice
     assert len({pid for _, pid, _ in runs}) >= 2  # the pool's processes shared the work
     assert sum(r for _, _, r in runs[0::2]) > 0  # refused tasks left their slot and came back
-    # Stamps are taken after the grant: a window may also hold one earlier grant per worker process.
-    worst = max(
-        (j - i + 1) - (RATE * (stamps[j] - stamps[i]) + CAPACITY + CONCURRENCY)
-        for i in range(len(stamps))
-        for j in range(i, len(stamps))
-    )
-    assert worst <= 0, f"{worst:.2f} runs above rate*T + capacity in some window"
+    # the shared window check: a window may also hold one earlier grant per worker process
+    for width in (0.1, 1.0, 5.0):
+        assert max_excess([(t, pid) for t, pid, _ in runs], width) <= RATE * width + CAPACITY, width
     # Liveness, not speed: every refused run costs a broker round trip, and on a loaded 2-core machine
     # the pool handles only ~50-130 runs/s in all; retried tasks still come back and finish.
     assert elapsed < 5 * TASKS_N / RATE

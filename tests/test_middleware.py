@@ -12,7 +12,7 @@ import pytest
 import shmlimit
 from shmlimit.integrations.asgi import RateLimitMiddleware as ASGILimit
 from shmlimit.integrations.wsgi import RateLimitMiddleware as WSGILimit
-from servers import BIN, Server, get
+from support.servers import BIN, Server, get
 
 RATELIMIT = re.compile(r'^"default";r=(\d+);t=(\d+)$')
 
