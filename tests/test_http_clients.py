@@ -1,0 +1,143 @@
+"""HTTP clients: the httpx transports (sync, async) and the requests adapter throttle through one
+limiter, and a 429 with Retry-After seen by one process pauses that host for every process."""
+import asyncio
+import email.utils
+import multiprocessing as mp
+import threading
+import time
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+import pytest
+
+import shmlimit
+from support.windows import max_excess
+
+httpx = pytest.importorskip("httpx")
+requests = pytest.importorskip("requests")
+from shmlimit.integrations._hosts import HostThrottle, host_key, parse_retry_after  # noqa: E402
+from shmlimit.integrations.httpx import AsyncThrottledTransport, ThrottledTransport  # noqa: E402
+from shmlimit.integrations.requests import ThrottledAdapter  # noqa: E402
+
+RATE, CAPACITY, RETRY_AFTER = 20, 1, 1
+
+
+class Recorder(BaseHTTPRequestHandler):
+    log = []  # (path, pid header, server monotonic time when answered)
+
+    def do_GET(self):  # noqa: N802
+        busy = self.path == "/busy"
+        self.send_response(429 if busy else 200)
+        if busy:
+            self.send_header("Retry-After", str(RETRY_AFTER))
+        self.send_header("Content-Length", "2")
+        self.end_headers()
+        # the 429 is stamped before it is sent; the others when they arrive (after their grant)
+        Recorder.log.append((self.path, self.headers.get("X-Pid"), time.monotonic()))
+        self.wfile.write(b"ok")
+
+    def log_message(self, *args):
+        pass
+
+
+def _requests_busy(name, url, go):
+    go.wait(30)
+    s = requests.Session()
+    s.mount("http://", ThrottledAdapter(shmlimit.attach(name)))
+    assert s.get(url + "/busy", timeout=30).status_code == 429
+
+
+def _httpx_sync(name, url, go, n):
+    go.wait(30)
+    with httpx.Client(transport=ThrottledTransport(shmlimit.attach(name))) as c:
+        for _ in range(n):
+            assert c.get(url + "/ok", headers={"X-Pid": "sync"}).status_code == 200
+
+
+def _httpx_async(name, url, go, n):
+    go.wait(30)
+
+    async def main():
+        async with httpx.AsyncClient(transport=AsyncThrottledTransport(shmlimit.attach(name))) as c:
+            for _ in range(n):
+                assert (await c.get(url + "/ok", headers={"X-Pid": "async"})).status_code == 200
+
+    asyncio.run(main())
+
+
+def test_retry_after_pauses_every_process(name):
+    lim = shmlimit.Limiter(name, rate=RATE)
+    assert lim.capacity == CAPACITY
+    Recorder.log = []
+    server = ThreadingHTTPServer(("127.0.0.1", 0), Recorder)
+    url = f"http://127.0.0.1:{server.server_address[1]}"
+    ctx = mp.get_context("fork")
+    go_a, go_bc = ctx.Event(), ctx.Event()
+    a = ctx.Process(target=_requests_busy, args=(name, url, go_a))
+    b = ctx.Process(target=_httpx_sync, args=(name, url, go_bc, 5))
+    c = ctx.Process(target=_httpx_async, args=(name, url, go_bc, 5))
+    for p in (a, b, c):
+        p.start()
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    try:
+        go_a.set()
+        a.join(30)
+        assert a.exitcode == 0
+        go_bc.set()  # B and C start only once A has been told to back off
+        for p in (b, c):
+            p.join(60)
+            assert p.exitcode == 0
+    finally:
+        for p in (a, b, c):
+            p.kill()
+        server.shutdown()
+        server.server_close()
+        lim.close()
+    (busy,) = [t for path, _, t in Recorder.log if path == "/busy"]
+    oks = [(t, pid) for path, pid, t in Recorder.log if path == "/ok"]
+    assert len(oks) == 10
+    # nobody reached the host again before Retry-After had passed since the 429 was sent
+    assert min(t for t, _ in oks) - busy >= RETRY_AFTER
+    # and then the two processes shared the rate (arrivals are stamped after their grants)
+    for width in (0.1, 0.5):
+        assert max_excess(oks, width) <= RATE * width + CAPACITY
+
+
+def test_parse_retry_after_and_host_keys():
+    assert parse_retry_after("120") == 120.0
+    assert parse_retry_after(None) is None and parse_retry_after("soon") is None and parse_retry_after("-3") is None
+    date = email.utils.formatdate(1_000_030, usegmt=True)
+    assert parse_retry_after(date, now=1_000_000) == pytest.approx(30)
+    assert parse_retry_after(date, now=1_000_100) == 0.0  # already past
+    assert host_key("https://Example.COM/a?b") == "example.com"
+    assert host_key("https://example.com:443/") == "example.com"
+    assert host_key("http://example.com:8080/") == "example.com:8080"
+
+
+def test_pause_pushes_the_schedule_once_and_is_capped(name):
+    lim = shmlimit.Limiter(name, rate=100, burst=5)
+    t = HostThrottle(lim, max_pause=2.0)
+    assert t.after((), 200, "5") is None and t.after((), 429, None) is None  # nothing to react to
+    assert t.after((), 503, "30") == 2.0  # capped at max_pause
+    ra = lim.retry_after()
+    assert 1.99 <= ra <= 2.0 + 0.01 + 1e-3  # the next op is max_pause away, overshooting by under one op
+    t.after((), 429, "1")  # a shorter pause, told by another process meanwhile: pushes nothing further
+    assert lim.retry_after() <= ra
+    with pytest.raises(shmlimit.RateLimited) as e:
+        HostThrottle(lim, max_wait=0.1).before(())
+    assert e.value.retry_after > 1.5
+    lim.close()
+
+
+@pytest.mark.parametrize(
+    "kwargs, err",
+    [(dict(max_wait=-1), ValueError), (dict(max_pause=float("inf")), ValueError), (dict(key=5), TypeError)],
+)
+def test_bad_parameters(name, kwargs, err):
+    lim = shmlimit.Limiter(name, rate=10)
+    with pytest.raises(err):
+        ThrottledTransport(lim, **kwargs)
+    with pytest.raises(err):
+        ThrottledAdapter(lim, **kwargs)
+    with pytest.raises(TypeError):
+        AsyncThrottledTransport(object())
+    lim.close()
