@@ -5,8 +5,18 @@
     lim.acquire()                              # blocks until granted
 """
 from .config import Config, RateSpec, parse_spec
-from .errors import ConfigMismatchError, LimiterNotFoundError, RateLimited, SegmentError, ShmlimitError
-from .limiter import Limiter, ProcessStats, Stats, UpstreamStats, attach, inspect, unlink
+from .errors import (
+    ConfigMismatchError,
+    KeyTableFullError,
+    LimiterNotFoundError,
+    RateLimited,
+    SegmentError,
+    SharedMemoryFullError,
+    ShmlimitError,
+)
+from .keyed import KeyedLimiter, KeyedStats
+from .kinds import attach, inspect
+from .limiter import Limiter, ProcessStats, Stats, UpstreamStats, unlink
 from .segment import list_names
 from .throttle import throttle
 
@@ -15,12 +25,16 @@ __version__ = "0.1.0"
 __all__ = [
     "Config",
     "ConfigMismatchError",
+    "KeyTableFullError",
+    "KeyedLimiter",
+    "KeyedStats",
     "Limiter",
     "LimiterNotFoundError",
     "ProcessStats",
     "RateLimited",
     "RateSpec",
     "SegmentError",
+    "SharedMemoryFullError",
     "ShmlimitError",
     "Stats",
     "attach",

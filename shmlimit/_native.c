@@ -14,6 +14,8 @@
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
 #include <stdint.h>
+#include <string.h>
+#include <limits.h>
 
 typedef struct {
     PyObject_HEAD
@@ -261,6 +263,503 @@ cells_grabber(NativeCells *self, PyObject *const *args, Py_ssize_t n)
     return (PyObject *)g;
 }
 
+/* ======================================================================================
+ * KEYED TABLE: lookup + insert + exact eviction of per-key slots, and the GCRA step.
+ *
+ * The reference version of every step below is shmlimit/keyed_cells.py (built from the four
+ * primitives); the two must stay step-for-step equivalent, and tests/test_keyed_table.py runs
+ * the same property test against both.  Layout and protocol: shmlimit/keyed_layout.py and
+ * docs/design.md ("Keyed limits").
+ *
+ * A slot is one 64-byte line: CTRL, D0, D1 (the key's 128-bit keyed digest), V0..V4 (the value
+ * kind's words).  CTRL = state | owner pid << 8 | generation << 40.  The slot protocol knows
+ * one thing about values: V0 is the expiry word -- a slot whose V0 <= now holds no information
+ * and may be evicted (V0's top bit, DEAD, marks it evicted and keeps the value below it), and
+ * the values V0 takes over a slot's whole life only ever increase, so a stale CAS on V0 can
+ * never land on a later tenant.
+ * ====================================================================================== */
+#include <signal.h>
+#include <errno.h>
+#include <sched.h>
+#include <time.h>
+
+#define KS_EMPTY 0u
+#define KS_BUSY 1u  /* claimed by owner; digest not yet valid */
+#define KS_PEND 2u  /* digest valid; owner checking for a concurrent insert of the same key */
+#define KS_LIVE 3u
+#define KS_TOMB 4u
+#define KT_DEAD (UINT64_C(1) << 63) /* V0's eviction flag; the value below it is kept */
+#define KT_NEVER (-(INT64_C(1) << 62))
+#define KT_FULL (KT_NEVER - 1)
+#define KT_BUSYCFG (KT_NEVER - 2)
+#define KT_MAX_WAIT (UINT64_C(1) << 60)
+#define KT_KEY_MAX 4096
+#define KT_TICK_SHIFT 4
+
+/* word offsets inside a slot line */
+#define KW_CTRL 0
+#define KW_D0 1
+#define KW_D1 2
+#define KW_V0 3
+#define KW_V1 4
+#define KW_DISP 5 /* V2..V4: the key's first bytes, for display only */
+/* override entry: CTRL(0 empty, 1 live, 2 tomb) D0 D1 T TAU RATE PER BURST */
+#define KO_T 3
+#define KO_TAU 4
+
+static inline uint64_t kt_state(uint64_t c) { return c & 0xff; }
+static inline uint64_t kt_pid(uint64_t c) { return (c >> 8) & 0xffffffffu; }
+static inline uint64_t kt_gen(uint64_t c) { return c >> 40; }
+static inline uint64_t kt_ctrl(uint64_t state, uint64_t pid, uint64_t gen)
+{
+    return state | (pid & 0xffffffffu) << 8 | (gen & 0xffffffu) << 40;
+}
+
+/* SipHash-2-4 with a 128-bit output (Aumasson & Bernstein), little-endian throughout. */
+#define ROTL(x, b) (uint64_t)(((x) << (b)) | ((x) >> (64 - (b))))
+#define SIPROUND                                                                                   \
+    do {                                                                                           \
+        v0 += v1; v1 = ROTL(v1, 13); v1 ^= v0; v0 = ROTL(v0, 32);                                  \
+        v2 += v3; v3 = ROTL(v3, 16); v3 ^= v2;                                                     \
+        v0 += v3; v3 = ROTL(v3, 21); v3 ^= v0;                                                     \
+        v2 += v1; v1 = ROTL(v1, 17); v1 ^= v2; v2 = ROTL(v2, 32);                                  \
+    } while (0)
+
+static void
+siphash128(const unsigned char *in, size_t len, uint64_t k0, uint64_t k1, uint64_t out[2])
+{
+    uint64_t v0 = UINT64_C(0x736f6d6570736575) ^ k0, v1 = UINT64_C(0x646f72616e646f6d) ^ k1;
+    uint64_t v2 = UINT64_C(0x6c7967656e657261) ^ k0, v3 = UINT64_C(0x7465646279746573) ^ k1;
+    v1 ^= 0xee;
+    const unsigned char *end = in + len - (len % 8);
+    for (; in != end; in += 8) {
+        uint64_t m;
+        memcpy(&m, in, 8); /* x86-64 and aarch64 Linux are little-endian */
+        v3 ^= m; SIPROUND; SIPROUND; v0 ^= m;
+    }
+    uint64_t b = ((uint64_t)len) << 56;
+    switch (len & 7) {
+    case 7: b |= ((uint64_t)in[6]) << 48; /* fall through */
+    case 6: b |= ((uint64_t)in[5]) << 40; /* fall through */
+    case 5: b |= ((uint64_t)in[4]) << 32; /* fall through */
+    case 4: b |= ((uint64_t)in[3]) << 24; /* fall through */
+    case 3: b |= ((uint64_t)in[2]) << 16; /* fall through */
+    case 2: b |= ((uint64_t)in[1]) << 8; /* fall through */
+    case 1: b |= ((uint64_t)in[0]); break;
+    case 0: break;
+    }
+    v3 ^= b; SIPROUND; SIPROUND; v0 ^= b;
+    v2 ^= 0xee;
+    SIPROUND; SIPROUND; SIPROUND; SIPROUND;
+    out[0] = v0 ^ v1 ^ v2 ^ v3;
+    v1 ^= 0xdd;
+    SIPROUND; SIPROUND; SIPROUND; SIPROUND;
+    out[1] = v0 ^ v1 ^ v2 ^ v3;
+}
+
+typedef struct {
+    PyObject_HEAD
+    NativeCells *cells;
+    uint64_t *cfg;        /* CFG_SEQ, then (at +4, +5 words) the default T and TAU */
+    uint64_t *ovr_live;   /* live overrides: the override table is probed only when nonzero */
+    uint64_t *ovr;        /* override table: novr lines */
+    uint64_t *slots;      /* key slots: nslots lines */
+    uint64_t *keys_live, *evicted, *refused, *grants;
+    uint64_t novr, nslots, probe, k0, k1, pid;
+} KeyedTable;
+
+#define LINEW 8 /* words per line */
+
+static inline uint64_t ld(uint64_t *w) { return __atomic_load_n(w, __ATOMIC_SEQ_CST); }
+static inline void st(uint64_t *w, uint64_t v) { __atomic_store_n(w, v, __ATOMIC_SEQ_CST); }
+static inline int cas(uint64_t *w, uint64_t e, uint64_t d)
+{
+    return __atomic_compare_exchange_n(w, &e, d, 0, __ATOMIC_SEQ_CST, __ATOMIC_SEQ_CST);
+}
+static inline void add(uint64_t *w, uint64_t d) { __atomic_fetch_add(w, d, __ATOMIC_SEQ_CST); }
+
+static inline uint64_t
+kt_now(void)
+{
+    struct timespec ts;
+    clock_gettime(CLOCK_MONOTONIC, &ts);
+    return ((uint64_t)ts.tv_sec * 1000000000u + (uint64_t)ts.tv_nsec) << KT_TICK_SHIFT;
+}
+
+static int
+kt_alive(uint64_t pid)
+{
+    if (pid == 0 || pid > 0x7fffffff)
+        return 0;
+    return !(kill((pid_t)pid, 0) == -1 && errno == ESRCH);
+}
+
+static inline uint64_t *kt_slot(KeyedTable *t, uint64_t home, uint64_t i)
+{
+    uint64_t idx = home + i;
+    if (idx >= t->nslots)
+        idx -= t->nslots;
+    return t->slots + idx * LINEW;
+}
+
+/* The GCRA parameters for digest d under a consistent config: 1, or 0 if the config stayed
+ * locked (odd) for the whole spin. */
+static int
+kt_params(KeyedTable *t, const uint64_t d[2], uint64_t *T, uint64_t *tau)
+{
+    for (int spins = 0; spins < 1000; spins++) {
+        uint64_t s1 = ld(t->cfg);
+        if (s1 & 1) {
+            Py_BEGIN_ALLOW_THREADS
+            sched_yield();
+            Py_END_ALLOW_THREADS
+            continue;
+        }
+        uint64_t tt = ld(t->cfg + 4), ta = ld(t->cfg + 5);
+        if (t->novr && ld(t->ovr_live)) {
+            uint64_t home = (uint64_t)(((unsigned __int128)d[1] * t->novr) >> 64);
+            uint64_t lim = t->probe < t->novr ? t->probe : t->novr;
+            for (uint64_t i = 0; i < lim; i++) {
+                uint64_t idx = home + i;
+                if (idx >= t->novr)
+                    idx -= t->novr;
+                uint64_t *e = t->ovr + idx * LINEW;
+                uint64_t c = ld(e);
+                if (c == 0)
+                    break;
+                if (c == 1 && ld(e + 1) == d[0] && ld(e + 2) == d[1]) {
+                    tt = ld(e + KO_T);
+                    ta = ld(e + KO_TAU);
+                    break;
+                }
+            }
+        }
+        if (ld(t->cfg) == s1) {
+            *T = tt ? tt : 1;
+            *tau = ta;
+            return 1;
+        }
+    }
+    return 0;
+}
+
+/* Find the LIVE slot of digest d (V0 not DEAD); its CTRL in *ctrl.  NULL if absent. */
+static uint64_t *
+kt_find(KeyedTable *t, const uint64_t d[2], uint64_t home, uint64_t *ctrl)
+{
+    for (uint64_t i = 0; i < t->probe; i++) {
+        uint64_t *s = kt_slot(t, home, i);
+        uint64_t c = ld(s + KW_CTRL);
+        uint64_t state = kt_state(c);
+        if (state == KS_EMPTY)
+            return NULL; /* the end of the chain: no key is ever placed beyond an empty slot */
+        if (state == KS_LIVE && ld(s + KW_D0) == d[0] && ld(s + KW_D1) == d[1] && !(ld(s + KW_V0) & KT_DEAD)) {
+            *ctrl = c;
+            return s;
+        }
+    }
+    return NULL;
+}
+
+/* Insert digest d (absent when we looked).  Returns the LIVE slot holding d (ours or a
+ * concurrent inserter's; retry the lookup when *ctrl is 0), or NULL when every slot of the
+ * window holds a limited key or a live insert (the table is full there). */
+static uint64_t *
+kt_insert(KeyedTable *t, const uint64_t d[2], uint64_t home, uint64_t now, const uint64_t disp[3], uint64_t *ctrl)
+{
+    *ctrl = 0;
+    uint64_t *cand = NULL, cc = 0, pos = 0;
+    for (uint64_t i = 0; i < t->probe; i++) {
+        uint64_t *s = kt_slot(t, home, i);
+        uint64_t c = ld(s + KW_CTRL);
+        uint64_t state = kt_state(c);
+        if (state == KS_LIVE && ld(s + KW_D0) == d[0] && ld(s + KW_D1) == d[1] && !(ld(s + KW_V0) & KT_DEAD))
+            return s; /* inserted meanwhile: *ctrl 0 makes the caller look it up again */
+        if (state == KS_EMPTY) {
+            if (!cand) {
+                cand = s; cc = c; pos = i;
+            }
+            break;
+        }
+        if (cand)
+            continue; /* keep scanning for the key itself */
+        if (state == KS_TOMB) {
+            cand = s; cc = c; pos = i;
+        } else if (state == KS_LIVE) {
+            uint64_t v = ld(s + KW_V0);
+            if (v & KT_DEAD || v <= now) {
+                cand = s; cc = c; pos = i;
+            }
+        } else if (!kt_alive(kt_pid(c))) { /* BUSY or PEND of a dead inserter */
+            cand = s; cc = c; pos = i;
+        }
+    }
+    if (!cand)
+        return NULL;
+    uint64_t state = kt_state(cc), gen = kt_gen(cc) + 1;
+    if (state == KS_LIVE) {
+        /* exact eviction: only a key whose bucket is full again (V0 <= now) is given up */
+        uint64_t v = ld(cand + KW_V0);
+        if (!(v & KT_DEAD) && (v > now || !cas(cand + KW_V0, v, v | KT_DEAD)))
+            return cand; /* it was used meanwhile: retry */
+    }
+    uint64_t mine = kt_ctrl(KS_BUSY, t->pid, gen);
+    if (!cas(cand + KW_CTRL, cc, mine))
+        return cand; /* another inserter took it: retry */
+    if (state == KS_LIVE) {
+        __atomic_fetch_sub(t->keys_live, 1, __ATOMIC_SEQ_CST);
+        add(t->evicted, 1);
+    }
+    st(cand + KW_D0, d[0]);
+    st(cand + KW_D1, d[1]);
+    st(cand + KW_V1, 0);
+    for (int k = 0; k < 3; k++)
+        st(cand + KW_DISP + k, disp[k]);
+    /* fresh: a full bucket (now), yet above every value this slot ever held -- they were all
+     * <= now when evicted, so only one equal to now costs a tick */
+    uint64_t prior = ld(cand + KW_V0) & ~KT_DEAD, fresh = prior < now ? now : prior + 1;
+    st(cand + KW_V0, fresh);
+    uint64_t pend = kt_ctrl(KS_PEND, t->pid, gen);
+    if (!cas(cand + KW_CTRL, mine, pend))
+        return cand; /* taken for dead */
+    /* a concurrent insert of the same key: the later PEND always sees the earlier one */
+    for (uint64_t i = 0; i < t->probe; i++) {
+        if (i == pos)
+            continue;
+        uint64_t *s = kt_slot(t, home, i);
+        for (;;) {
+            uint64_t c = ld(s + KW_CTRL), st8 = kt_state(c);
+            if (st8 == KS_EMPTY)
+                goto publish;
+            if ((st8 != KS_LIVE && st8 != KS_PEND) || ld(s + KW_D0) != d[0] || ld(s + KW_D1) != d[1])
+                break;
+            if (st8 == KS_LIVE) {
+                if (ld(s + KW_V0) & KT_DEAD)
+                    break;
+                goto abort;
+            }
+            if (i < pos)
+                goto abort; /* PEND nearer the home slot wins */
+            if (!kt_alive(kt_pid(c))) {
+                cas(s + KW_CTRL, c, kt_ctrl(KS_TOMB, 0, kt_gen(c)));
+                continue;
+            }
+            Py_BEGIN_ALLOW_THREADS /* the farther PEND will see ours and give way */
+            sched_yield();
+            Py_END_ALLOW_THREADS
+        }
+    }
+publish:
+    if (!cas(cand + KW_CTRL, pend, kt_ctrl(KS_LIVE, 0, gen)))
+        return cand;
+    add(t->keys_live, 1);
+    *ctrl = kt_ctrl(KS_LIVE, 0, gen);
+    return cand;
+abort:
+    st(cand + KW_V0, fresh | KT_DEAD);
+    cas(cand + KW_CTRL, pend, kt_ctrl(KS_TOMB, 0, gen));
+    return cand;
+}
+
+static int
+kt_key(PyObject *key, const char **buf, Py_ssize_t *len)
+{
+    if (PyUnicode_Check(key)) {
+        *buf = PyUnicode_AsUTF8AndSize(key, len);
+        if (!*buf)
+            return 0;
+    } else if (PyBytes_Check(key)) {
+        *buf = PyBytes_AS_STRING(key);
+        *len = PyBytes_GET_SIZE(key);
+    } else {
+        PyErr_Format(PyExc_TypeError, "key must be a str or bytes, not %.100s", Py_TYPE(key)->tp_name);
+        return 0;
+    }
+    if (*len > KT_KEY_MAX) {
+        PyErr_Format(PyExc_ValueError, "key must be at most %d bytes (UTF-8), got %zd", KT_KEY_MAX, *len);
+        return 0;
+    }
+    return 1;
+}
+
+static void
+kt_display(const char *buf, Py_ssize_t len, uint64_t disp[3])
+{
+    unsigned char b[24] = {0};
+    size_t k = len > 23 ? 23 : (size_t)len;
+    b[0] = (unsigned char)(len > 255 ? 255 : len);
+    memcpy(b + 1, buf, k);
+    memcpy(disp, b, 24);
+}
+
+/* acquire(key, n, max_wait, now=None) -> int.  See keyed_cells.KeyedTable.acquire. */
+static PyObject *
+kt_acquire(KeyedTable *t, PyObject *const *args, Py_ssize_t nargs_)
+{
+    if (nargs_ < 3 || nargs_ > 4) {
+        PyErr_SetString(PyExc_TypeError, "acquire(key, n, max_wait, now=None)");
+        return NULL;
+    }
+    if (!check_open(t->cells))
+        return NULL;
+    const char *buf;
+    Py_ssize_t len;
+    if (!kt_key(args[0], &buf, &len))
+        return NULL;
+    if (PyBool_Check(args[1]) || !PyLong_Check(args[1])) {
+        PyErr_Format(PyExc_TypeError, "n must be a positive int (ops), not %.100s", Py_TYPE(args[1])->tp_name);
+        return NULL;
+    }
+    long long n = PyLong_AsLongLong(args[1]);
+    if (n == -1 && PyErr_Occurred()) {
+        PyErr_Clear();
+        n = LLONG_MAX;
+    }
+    if (n < 1) {
+        PyErr_Format(PyExc_ValueError, "n must be a positive int (ops), got %lld", n);
+        return NULL;
+    }
+    long long mw = PyLong_AsLongLong(args[2]); /* ticks; < 0: peek (take nothing, insert nothing) */
+    if (mw == -1 && PyErr_Occurred())
+        return NULL;
+    uint64_t now;
+    if (nargs_ == 4 && args[3] != Py_None) {
+        if (!u64(args[3], &now))
+            return NULL;
+    } else {
+        now = kt_now();
+    }
+    uint64_t d[2], T, tau;
+    siphash128((const unsigned char *)buf, (size_t)len, t->k0, t->k1, d);
+    if (!kt_params(t, d, &T, &tau))
+        return PyLong_FromLongLong(KT_BUSYCFG);
+    if ((uint64_t)n > tau / T) /* more than the burst: never grantable */
+        return PyLong_FromLongLong(KT_NEVER);
+    uint64_t cost = (uint64_t)n * T;
+    uint64_t maxw = mw < 0 ? 0 : ((uint64_t)mw > KT_MAX_WAIT ? KT_MAX_WAIT : (uint64_t)mw);
+    uint64_t home = (uint64_t)(((unsigned __int128)d[0] * t->nslots) >> 64);
+    uint64_t disp[3];
+    int displayed = 0;
+    for (;;) {
+        uint64_t c, *s = kt_find(t, d, home, &c);
+        if (!s) {
+            if (mw < 0)
+                return PyLong_FromLong(0); /* absent: a full bucket */
+            if (!displayed) {
+                kt_display(buf, len, disp);
+                displayed = 1;
+            }
+            s = kt_insert(t, d, home, now, disp, &c);
+            if (!s) {
+                add(t->refused, 1);
+                return PyLong_FromLongLong(KT_FULL);
+            }
+            if (!c)
+                continue;
+        }
+        for (;;) {
+            uint64_t tat = ld(s + KW_V0);
+            if (tat & KT_DEAD || ld(s + KW_CTRL) != c)
+                break; /* evicted or reused: look again */
+            uint64_t base = tat > now ? tat : now;
+            uint64_t wait = base + cost - now; /* > 0 */
+            wait = wait > tau ? wait - tau : 0;
+            if (mw < 0)
+                return PyLong_FromLongLong((int64_t)wait);
+            if (wait > maxw)
+                return PyLong_FromLongLong(-(int64_t)wait - 1);
+            if (cas(s + KW_V0, tat, base + cost)) {
+                add(s + KW_V1, (uint64_t)n);
+                add(t->grants, (uint64_t)n);
+                return PyLong_FromLongLong((int64_t)wait);
+            }
+        }
+    }
+}
+
+static PyObject *
+kt_digest(KeyedTable *t, PyObject *key)
+{
+    const char *buf;
+    Py_ssize_t len;
+    if (!kt_key(key, &buf, &len))
+        return NULL;
+    uint64_t d[2];
+    siphash128((const unsigned char *)buf, (size_t)len, t->k0, t->k1, d);
+    return Py_BuildValue("(KK)", (unsigned long long)d[0], (unsigned long long)d[1]);
+}
+
+static void
+kt_dealloc(KeyedTable *self)
+{
+    Py_XDECREF(self->cells);
+    Py_TYPE(self)->tp_free((PyObject *)self);
+}
+
+static PyMethodDef kt_methods[] = {
+    {"acquire", (PyCFunction)(void (*)(void))kt_acquire, METH_FASTCALL,
+     "acquire(key, n, max_wait_ticks, now_ticks=None) -> wait ticks (>= 0, taken), or a refusal code (< 0)"},
+    {"digest", (PyCFunction)kt_digest, METH_O, "digest(key) -> (d0, d1), the key's keyed 128-bit digest"},
+    {NULL, NULL, 0, NULL},
+};
+
+static PyTypeObject KeyedTableType = {
+    PyVarObject_HEAD_INIT(NULL, 0)
+    .tp_name = "shmlimit._native.KeyedTable",
+    .tp_basicsize = sizeof(KeyedTable),
+    .tp_flags = Py_TPFLAGS_DEFAULT,
+    .tp_doc = "The keyed slot table's lookup, insert, eviction and GCRA step (see keyed_cells.py).",
+    .tp_methods = kt_methods,
+    .tp_dealloc = (destructor)kt_dealloc,
+};
+
+/* keyed_table(cfg, ovr_live, ovr, novr, slots, nslots, probe, k0, k1, keys_live, evicted,
+ *             refused, grants, pid): every region checked against the mapping once, here. */
+static PyObject *
+cells_keyed_table(NativeCells *self, PyObject *const *args, Py_ssize_t n)
+{
+    if (!nargs(n, 14, "keyed_table") || !check_open(self))
+        return NULL;
+    uint64_t v[14];
+    for (int i = 0; i < 14; i++)
+        if (!u64(args[i], &v[i]))
+            return NULL;
+    uint64_t size = (uint64_t)self->size;
+    /* a region of `lines` 64-byte lines at offset off must lie inside the mapping */
+#define REGION_OK(off, lines) ((off) % 8 == 0 && (lines) <= size / 64 && (off) <= size - (lines) * 64)
+    if (!REGION_OK(v[0], 1) || !REGION_OK(v[1], 0) || v[1] > size - 8 || !REGION_OK(v[2], v[3]) ||
+        !REGION_OK(v[4], v[5]) || v[5] == 0 || v[6] == 0 || v[6] > v[5] || v[9] > size - 8 ||
+        v[10] > size - 8 || v[11] > size - 8 || v[12] > size - 8 || (v[9] | v[10] | v[11] | v[12]) % 8) {
+        PyErr_SetString(PyExc_IndexError, "keyed_table: a region lies outside the mapping");
+        return NULL;
+    }
+#undef REGION_OK
+    KeyedTable *t = PyObject_New(KeyedTable, &KeyedTableType);
+    if (!t)
+        return NULL;
+    Py_INCREF(self);
+    t->cells = self;
+    char *b = self->base;
+    t->cfg = (uint64_t *)(b + v[0]);
+    t->ovr_live = (uint64_t *)(b + v[1]);
+    t->ovr = (uint64_t *)(b + v[2]);
+    t->novr = v[3];
+    t->slots = (uint64_t *)(b + v[4]);
+    t->nslots = v[5];
+    t->probe = v[6];
+    t->k0 = v[7];
+    t->k1 = v[8];
+    t->keys_live = (uint64_t *)(b + v[9]);
+    t->evicted = (uint64_t *)(b + v[10]);
+    t->refused = (uint64_t *)(b + v[11]);
+    t->grants = (uint64_t *)(b + v[12]);
+    t->pid = v[13];
+    return (PyObject *)t;
+}
+/* ======================================================================================
+ * END KEYED TABLE
+ * ====================================================================================== */
+
 static void
 release_view(NativeCells *self)
 {
@@ -334,6 +833,8 @@ static PyMethodDef cells_methods[] = {
      "grabber(seq, expected, tail, head, amount, grants, ops) -> a callable doing grab_if with these"},
     {"try_grab", (PyCFunction)(void (*)(void))cells_try_grab, METH_FASTCALL,
      "try_grab(tail, head, amount, grants, ops) -> True if taken; False changes nothing"},
+    {"keyed_table", (PyCFunction)(void (*)(void))cells_keyed_table, METH_FASTCALL,
+     "keyed_table(cfg, ovr_live, ovr, novr, slots, nslots, probe, k0, k1, keys_live, evicted, refused, grants, pid)"},
     {"close", (PyCFunction)cells_close, METH_NOARGS, "release the buffer; later calls raise ValueError"},
     {NULL, NULL, 0, NULL},
 };
@@ -364,7 +865,7 @@ static struct PyModuleDef native_module = {
 PyMODINIT_FUNC
 PyInit__native(void)
 {
-    if (PyType_Ready(&NativeCellsType) < 0 || PyType_Ready(&GrabberType) < 0)
+    if (PyType_Ready(&NativeCellsType) < 0 || PyType_Ready(&GrabberType) < 0 || PyType_Ready(&KeyedTableType) < 0)
         return NULL;
     PyObject *m = PyModule_Create(&native_module);
     if (!m)

@@ -148,6 +148,12 @@ class CompositesFromPrimitives:
                 return True
 
 
+    def keyed_table(self, *args: int):
+        """The keyed slot table's composite (find/insert/evict + a GCRA step): see ``keyed_cells``."""
+        from .keyed_cells import KeyedTable
+
+        return KeyedTable(self, *args)
+
     def _check(self, *offsets: int) -> None:
         """Validate every offset of a composite before its first access."""
         for off in offsets:

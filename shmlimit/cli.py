@@ -17,7 +17,9 @@ from typing import Optional, Sequence
 from . import limiter as _limiter
 from .config import parse_spec
 from .errors import ShmlimitError
-from .limiter import Limiter, Stats, inspect
+from .keyed import KeyedStats
+from .kinds import inspect
+from .limiter import Limiter, Stats
 from .segment import list_names
 from .top import run as run_top
 
@@ -102,13 +104,13 @@ def cmd_demo(args: argparse.Namespace) -> int:
 # ---- list / inspect / create / unlink --------------------------------------------------
 
 
-def _stats_dict(s: Stats) -> dict:
+def _stats_dict(s: "Stats | KeyedStats") -> dict:
     d = asdict(s)
     d["processes"] = [asdict(p) for p in s.processes]
     return d
 
 
-def _inspect(name: str) -> Stats:
+def _inspect(name: str) -> "Stats | KeyedStats":
     try:
         return inspect(name)
     except FileNotFoundError:
@@ -137,6 +139,10 @@ def cmd_list(args: argparse.Namespace) -> int:
             print(f"{n:24} unreadable: {e}")
             continue
         alive = sum(p.alive for p in s.processes)
+        if isinstance(s, KeyedStats):  # per key: the table's fill instead of one bucket's level
+            keys = f"{s.keys}/{s.slots} keys"
+            print(f"{n:24} {s.rate:>8g}/{s.per:g}s {s.capacity:>9g} {keys:>10} {s.grants:>10} {alive:>5}  keyed")
+            continue
         print(f"{n:24} {s.rate:>8g}/{s.per:g}s {s.capacity:>9g} {s.available:>10.1f} {s.grants:>10} {alive:>5}")
     return 0
 
@@ -151,6 +157,9 @@ def cmd_inspect(args: argparse.Namespace) -> int:
             print(f"{k:20} {v}")
     print(f"{'processes':20} {len(s.processes)}")
     for p in s.processes:
+        if isinstance(s, KeyedStats):
+            print(f"  pid {p.pid:>8}  grants {p.grants:>10}  {'alive' if p.alive else 'dead'}")
+            continue
         flags = ("alive" if p.alive else "dead") + (" filler" if p.filler else "") + (" waiting" if p.waiting else "")
         print(f"  pid {p.pid:>8}  grants {p.grants:>10}  {flags}")
     return 0

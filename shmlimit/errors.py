@@ -61,3 +61,24 @@ class RedisDataError(ShmlimitError, RuntimeError):
     and a hierarchical limiter fails closed (state ``"error"``) until Redis
     answers correctly again, whatever its ``on_redis_error``.
     """
+
+
+class KeyTableFullError(ShmlimitError):
+    """A new key found no slot: every slot it may use holds a key that is still limited.
+
+    Raised by an untimed ``KeyedLimiter.acquire``; ``try_acquire`` and timed
+    calls return False instead.  Limited keys are never evicted, so the cure
+    is a larger table (``keys=``) or a faster rate (keys free up sooner).
+    """
+
+    def __init__(self, name: str, slots: int) -> None:
+        super().__init__(
+            f"keyed limiter {name!r}: no free slot for a new key (the table of {slots} slots is full of keys "
+            f"that are still limited near this key's home slot); create it with more keys= or wait"
+        )
+        self.name = name
+        self.slots = slots
+
+
+class SharedMemoryFullError(ShmlimitError, OSError):
+    """The segment does not fit in the free space of /dev/shm."""

@@ -19,6 +19,7 @@ from typing import Any, Callable, Optional, TypeVar, Union
 
 from .config import validate_n, validate_timeout
 from .errors import RateLimited
+from .keyed import KeyedLimiter
 from .limiter import Limiter
 from .segment import validate_name
 
@@ -35,6 +36,7 @@ def throttle(
     on_limit: str = "wait",
     max_wait: Optional[float] = None,
     n: int = 1,
+    key: Optional[Callable[..., Any]] = None,
     **limiter_options: Any,
 ) -> Callable[[F], F]:
     """Rate-limit every call of the decorated function (plain or ``async def``) by ``n`` ops.
@@ -51,14 +53,24 @@ def throttle(
       cannot be had within ``max_wait``, default 0: right now).
     * ``"raise"``: raise ``RateLimited`` carrying ``retry_after`` (seconds)
       instead of calling (same ``max_wait`` rule as skip).
+
+    With ``key`` (a callable taking the decorated function's arguments and
+    returning a str or bytes), each call is limited per key: ``limiter`` is
+    then a ``KeyedLimiter`` or the name of one (created on first use, with
+    ``limiter_options`` such as ``keys=``).
     """
     if on_limit not in ON_LIMIT:
         raise ValueError(f"on_limit must be one of {', '.join(ON_LIMIT)}, got {on_limit!r}")
     max_wait = validate_timeout(max_wait, "max_wait")
     validate_n(n, 1)
+    if key is not None and not callable(key):
+        raise TypeError(f"key must be a callable taking the function's arguments, not {type(key).__name__}")
+    keyed = key is not None
     if isinstance(limiter, str):
         validate_name(limiter)
         name = limiter
+    elif keyed != isinstance(limiter, KeyedLimiter):
+        raise TypeError("a KeyedLimiter needs key=, and key= needs a KeyedLimiter (or a name)")
     elif all(hasattr(limiter, a) for a in ("acquire", "acquire_async", "name")):
         name = limiter.name
     else:
@@ -72,14 +84,17 @@ def throttle(
         if lim is None:
             with lock:
                 if holder[0] is None:
-                    holder[0] = Limiter(name, rate, per, burst, **limiter_options)
+                    make = KeyedLimiter if keyed else Limiter
+                    holder[0] = make(name, rate, per, burst, **limiter_options)
                 lim = holder[0]
         return lim
 
-    def refused(lim: Any) -> Any:
+    def refused(lim: Any, k: Any = None) -> Any:
         if on_limit == "skip":
             return None
         retry = getattr(lim, "retry_after", None)
+        if keyed:
+            raise RateLimited(name, retry(k, n))  # type: ignore[misc]
         raise RateLimited(name, retry(n) if callable(retry) else None)
 
     def decorate(fn: F) -> F:
@@ -88,7 +103,11 @@ def throttle(
             @functools.wraps(fn)
             async def async_wrapper(*args: Any, **kwargs: Any) -> Any:
                 lim = get()
-                if not await lim.acquire_async(n, timeout=timeout):
+                if keyed:
+                    k = key(*args, **kwargs)  # type: ignore[misc]
+                    if not await lim.acquire_async(k, n, timeout=timeout):
+                        return refused(lim, k)
+                elif not await lim.acquire_async(n, timeout=timeout):
                     return refused(lim)
                 return await fn(*args, **kwargs)
 
@@ -98,7 +117,11 @@ def throttle(
         @functools.wraps(fn)
         def wrapper(*args: Any, **kwargs: Any) -> Any:
             lim = get()
-            if not lim.acquire(n, timeout=timeout):
+            if keyed:
+                k = key(*args, **kwargs)  # type: ignore[misc]
+                if not lim.acquire(k, n, timeout=timeout):
+                    return refused(lim, k)
+            elif not lim.acquire(n, timeout=timeout):
                 return refused(lim)
             return fn(*args, **kwargs)
 

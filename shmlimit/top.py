@@ -26,10 +26,16 @@ from dataclasses import asdict
 from typing import Deque, Dict, List, Optional, Sequence, Tuple
 
 from .errors import ShmlimitError
-from .limiter import Stats, inspect
+from .keyed import KeyedStats, sample_keys
+from .kinds import inspect
+from .limiter import Stats
 from .segment import list_names
 
 SPARKS = "▁▂▃▄▅▆▇█"
+#: Key slots a refresh reads from each keyed limiter: the busiest keys are found over several
+#: refreshes by a rotating cursor, never by a scan of the whole table at once.
+KEY_SAMPLE = 4096
+BUSIEST = 5
 HISTORY = 30
 CLEAR = "\x1b[H\x1b[2J"
 
@@ -70,6 +76,8 @@ class Inspector:
         self.names = names
         self.prev: Dict[str, Tuple[float, int]] = {}
         self.history: Dict[str, Deque[float]] = {}
+        self.cursor: Dict[str, int] = {}
+        self.seen_keys: Dict[str, Dict[str, Tuple[int, float]]] = {}
 
     def sample(self) -> List[dict]:
         names = self.names if self.names is not None else list_names()
@@ -84,9 +92,26 @@ class Inspector:
             out.append(self._record(name, s, now))
         return out
 
-    def _record(self, name: str, s: Stats, now: float) -> dict:
+    def _busiest(self, name: str, s: KeyedStats) -> List[dict]:
+        """The busiest keys seen so far, refreshed KEY_SAMPLE slots at a time."""
+        found, self.cursor[name] = sample_keys(name, self.cursor.get(name, 0), KEY_SAMPLE)
+        seen = self.seen_keys.setdefault(name, {})
+        for k in found:
+            seen[k.key] = (k.grants, k.wait)
+        if len(seen) > 4 * KEY_SAMPLE:  # bounded memory: keep the busiest
+            for k in sorted(seen, key=lambda k: seen[k][0])[: len(seen) - 2 * KEY_SAMPLE]:
+                del seen[k]
+        top = sorted(seen.items(), key=lambda kv: -kv[1][0])[:BUSIEST]
+        return [{"key": k, "grants": g, "wait": w} for k, (g, w) in top]
+
+    def _record(self, name: str, s: "Stats | KeyedStats", now: float) -> dict:
         d = asdict(s)
         d["processes"] = [dict(asdict(p), command=command_of(p.pid, p.alive)) for p in s.processes]
+        if isinstance(s, KeyedStats):
+            try:
+                d["busiest"] = self._busiest(name, s)
+            except (ShmlimitError, OSError):
+                d["busiest"] = []
         last = self.prev.get(name)
         gps = None
         if last is not None and now > last[0]:
@@ -108,6 +133,9 @@ def render(records: List[dict], interval: float) -> str:
         if "error" in r:
             lines.append(f"{r['name']}: unreadable: {r['error']}")
             lines.append("")
+            continue
+        if r.get("kind") == "keyed":
+            lines.extend(_render_keyed(r))
             continue
         rate = f"{r['rate']:g}/{r['per']:g}s" + (f" ratio {r['ratio']:g}" if r["ratio"] != 1.0 else "")
         flags = " STOPPED" if r["stopped"] else ""
@@ -139,6 +167,31 @@ def render(records: List[dict], interval: float) -> str:
             )
         lines.append("")
     return "\n".join(lines) + "\n"
+
+
+def _printable(text: str) -> str:
+    """Keys come from the segment: never let one put control sequences on the operator's terminal."""
+    return "".join(ch if ch.isprintable() else f"\\x{ord(ch):02x}" for ch in text)
+
+
+def _render_keyed(r: dict) -> List[str]:
+    gps = r["grants_per_second"]
+    stale = " STALE (no live process)" if r["stale"] else ""
+    out = [
+        f"{r['name']}  keyed: rate {r['rate']:g}/{r['per']:g}s capacity {r['capacity']:g} per key{stale}",
+        f"  keys {r['keys']}/{r['slots']}  evicted {r['evicted']}  refused (table full) {r['refused_full']}"
+        f"  overrides {r['overrides']}/{r['override_slots']}  grants {r['grants']}",
+        f"  grants/s {'-' if gps is None else f'{gps:,.1f}'}  {sparkline(r['history'])}",
+    ]
+    if r.get("busiest"):
+        out.append(f"  {'busiest keys':28} {'grants':>10}  limited for")
+        for k in r["busiest"]:
+            out.append(f"  {_printable(k['key'])[:28]:28} {k['grants']:>10}  {k['wait']:.3f} s")
+    out.append(f"  {'pid':>8} {'command':16} {'state':6} {'grants':>10}")
+    for p in r["processes"]:
+        out.append(f"  {p['pid']:>8} {p['command'][:16]:16} {'alive' if p['alive'] else 'DEAD':6} {p['grants']:>10}")
+    out.append("")
+    return out
 
 
 def run(names: Optional[List[str]], interval: float, once: bool, as_json: bool, out=None) -> int:

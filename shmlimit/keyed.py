@@ -1,0 +1,534 @@
+"""``KeyedLimiter``: thousands of independent limits, one per key, in one shared-memory segment.
+
+Each key (a str or bytes: a client IP, an API key, a domain) has its own GCRA
+state -- one theoretical-arrival-time word in a 64-byte slot -- so there is no
+filler thread per key.  Slots are found by a keyed 128-bit digest of the key
+under a per-segment random secret, within a bounded window of slots; a key
+whose bucket is full again holds no information and its slot may be reused,
+while a key that is still limited is never evicted (see ``keyed_cells``).
+
+Data flows one way: KeyedLimiter -> keyed_gcra (config, overrides) and the
+atomic layer's keyed composite (``keyed_cells`` / the native ``KeyedTable``)
+-> cells -> segment.
+"""
+from __future__ import annotations
+
+import asyncio
+import atexit
+import math
+import os
+import threading
+import time
+from dataclasses import dataclass
+from typing import Any, Dict, List, Optional, Tuple
+
+from . import keyed_cells as KC
+from . import keyed_layout as K
+from .cells import Cells
+from .config import validate_timeout
+from .errors import ConfigMismatchError, KeyTableFullError
+from .keyed_gcra import TICKS_PER_S, Overrides, Rate, make_rate, publish_default, read_default
+from .keyed_segment import Geometry, check_geometry, open_segment
+from .segment import Segment, current_inode, validate_name
+from .segment import unlink as _unlink_name
+from .table import ProcessTable, is_alive, proc_start
+
+_MAX_NAP = 0.25
+
+
+@dataclass(frozen=True)
+class KeyedProcess:
+    pid: int
+    alive: bool
+    grants: int
+
+
+@dataclass(frozen=True)
+class KeyedStats:
+    """A snapshot of a keyed limiter.  Rates are ops per ``per`` seconds; counts are ops or keys."""
+
+    name: str
+    rate: float
+    per: float
+    capacity: float
+    slots: int  #: key slots in the table
+    keys: int  #: keys live now (a key whose bucket refilled may still hold its slot until reused)
+    evicted: int  #: keys whose slot was reused after their bucket was full again
+    refused_full: int  #: new keys refused because every slot of their window held a limited key
+    grants: int  #: ops granted for all keys by every process that ever attached
+    overrides: int  #: keys with a rate of their own
+    override_slots: int
+    segment_bytes: int
+    processes: Tuple[KeyedProcess, ...]
+    backend: str
+    kind: str = "keyed"
+
+    @property
+    def bytes_per_key(self) -> float:
+        return self.segment_bytes / self.slots
+
+
+class _Closed:
+    def acquire(self, *a: Any) -> int:
+        raise ValueError("keyed limiter is closed in this process")
+
+    def digest(self, key: object) -> Tuple[int, int]:
+        raise ValueError("keyed limiter is closed in this process")
+
+
+_CLOSED = _Closed()
+
+
+class _Attachment:
+    """One process's mapping of one keyed segment, shared by all its handles."""
+
+    def __init__(self, name: str, seg: Segment, cells: Cells, geo: Geometry, join: bool = True) -> None:
+        self.name, self.seg, self.cells, self.geo = name, seg, cells, geo
+        self.created = seg.created
+        self.table = ProcessTable(cells, K.PSLOTS)
+        self.overrides = Overrides(cells, geo.overrides)
+        self.secret = (cells.load(K.SECRET0_OFF), cells.load(K.SECRET1_OFF))
+        self.refs = 0
+        self.closed = False
+        self.slot: Optional[int] = None
+        self.kt: Any = _CLOSED
+        self.pid = os.getpid()
+        if join:
+            self.join()
+
+    def join(self) -> None:
+        """Register this process (also after fork, in the child) and bind the keyed composite."""
+        self.pid = os.getpid()
+        start = proc_start(self.pid)
+        self.slot = self.table.register(self.pid, start if start and start > 0 else 0)
+        grants = K.UNREG_GRANTS if self.slot is None else K.HEADER_BYTES + self.slot * K.LINE + 16
+        self.kt = self.cells.keyed_table(
+            K.CFG_SEQ, K.OVR_LIVE, K.overrides_offset(), self.geo.overrides, K.slots_offset(self.geo.overrides),
+            self.geo.keys, self.geo.probe, self.secret[0], self.secret[1],
+            K.KEYS_LIVE, K.EVICTED, K.REFUSED, grants, self.pid,
+        )
+
+    def detach(self) -> None:
+        if self.closed:
+            return
+        self.closed = True
+        self.kt = _CLOSED
+        if self.slot is not None and self.pid == os.getpid():
+            self.table.unregister(self.slot, self.pid)
+        self.cells.close()
+        self.seg.close()
+
+
+_registry: Dict[str, _Attachment] = {}
+_lock = threading.RLock()
+
+
+def _after_fork_in_child() -> None:
+    global _lock
+    _lock = threading.RLock()
+    for att in list(_registry.values()):
+        if not att.closed:
+            att.join()
+
+
+os.register_at_fork(after_in_child=_after_fork_in_child)
+
+
+def _detach_all() -> None:
+    for att in list(_registry.values()):
+        try:
+            att.detach()
+        except Exception:  # pragma: no cover - best effort at exit
+            pass
+    _registry.clear()
+
+
+atexit.register(_detach_all)
+
+
+def _open(name: str, rate: Optional[Rate], geo: Optional[Geometry], mode: int) -> _Attachment:
+    with _lock:
+        att = _registry.get(name)
+        if att is not None and (att.closed or current_inode(name) != att.seg.inode):
+            _registry.pop(name, None)
+            att = None
+        if att is None:
+            seg, cells, real = open_segment(name, geo, rate, mode)
+            att = _Attachment(name, seg, cells, real)
+            try:
+                _check(name, att, rate, geo)
+            except BaseException:
+                att.detach()
+                raise
+            _registry[name] = att
+        else:
+            _check(name, att, rate, geo)
+        att.refs += 1
+        return att
+
+
+def _check(name: str, att: _Attachment, rate: Optional[Rate], geo: Optional[Geometry]) -> None:
+    if rate is None:
+        return
+    cur = read_default(att.cells)
+    if cur != rate or (geo is not None and geo != att.geo):
+        raise ConfigMismatchError(
+            name,
+            f"{cur.describe()} keys={att.geo.keys} overrides={att.geo.overrides}",
+            f"{rate.describe()} keys={geo.keys if geo else att.geo.keys} overrides={geo.overrides if geo else att.geo.overrides}",
+        )
+
+
+def _release(att: _Attachment, detach: bool) -> None:
+    with _lock:
+        att.refs -= 1
+        if att.refs > 0 or not detach:
+            return
+        if _registry.get(att.name) is att:
+            del _registry[att.name]
+    att.detach()
+
+
+def _ticks(seconds: float) -> int:
+    return min(KC.MAX_WAIT, int(seconds * TICKS_PER_S))
+
+
+def _sleep_until(deadline_ns: int) -> None:
+    while True:
+        left = deadline_ns - time.monotonic_ns()
+        if left <= 0:
+            return
+        time.sleep(left / 1e9)
+
+
+class KeyedLimiter:
+    """One rate limit per key -- ``rate`` ops per ``per`` seconds for each -- shared by every process.
+
+    ``KeyedLimiter(name, rate=10, per=1.0, burst=None, keys=100_000)``
+    creates the segment, or attaches if it exists with the same configuration
+    (a different one raises ``ConfigMismatchError``; without ``rate`` it
+    attaches to whatever is there).  ``burst`` is each key's capacity in ops
+    (default: 10 ms of schedule, at least one op).  ``keys`` is the number of
+    64-byte key slots: size it for the keys that may be *limited at the same
+    time*; a key whose bucket is full again gives its slot up.  ``overrides``
+    bounds the per-key rates set with ``set_rate(..., key=)``; ``mode`` is the
+    segment's permission bits.
+
+    A key is a ``str`` (its UTF-8 bytes) or ``bytes``, at most 4096 bytes.
+    Per key, grants in any window of T seconds never exceed
+    ``rate*T/per + capacity``, across every attached process.
+    """
+
+    def __init__(
+        self,
+        name: str,
+        rate: Any = None,
+        per: float = 1.0,
+        burst: Optional[float] = None,
+        keys: int = 100_000,
+        *,
+        overrides: int = K.DEFAULT_OVERRIDES,
+        mode: int = 0o600,
+    ) -> None:
+        validate_name(name)
+        geo = check_geometry(keys, overrides)
+        r = None if rate is None else make_rate(rate, per, burst)
+        if isinstance(mode, bool) or not isinstance(mode, int) or not 0 <= mode <= 0o777:
+            raise ValueError(f"mode must be permission bits between 0 and 0o777, got {mode!r}")
+        self._name = name
+        self._att: Optional[_Attachment] = None
+        self._att = _open(name, r, geo if r is not None else None, mode)
+
+    # -- identity and lifecycle ----------------------------------------------------
+
+    @property
+    def name(self) -> str:
+        return self._name
+
+    @property
+    def closed(self) -> bool:
+        return self._att is None
+
+    @property
+    def created(self) -> bool:
+        """True if this process created (and initialised) the segment."""
+        return self._live().created
+
+    @property
+    def backend(self) -> str:
+        return self._live().cells.backend
+
+    @property
+    def slots(self) -> int:
+        """Key slots in the table."""
+        return self._live().geo.keys
+
+    def _live(self) -> _Attachment:
+        att = self._att
+        if att is None:
+            raise ValueError(f"keyed limiter {self._name!r} is closed in this process")
+        return att
+
+    def _rate(self) -> Rate:
+        return read_default(self._live().cells)
+
+    @property
+    def rate(self) -> float:
+        """The default rate: ops per ``per`` seconds, for every key without an override."""
+        return self._rate().rate
+
+    @property
+    def per(self) -> float:
+        """Seconds."""
+        return self._rate().per
+
+    @property
+    def capacity(self) -> float:
+        """Each key's default burst (ops)."""
+        return self._rate().burst
+
+    def close(self) -> None:
+        """Detach this handle.  The segment stays (use ``unlink``); other processes are unaffected."""
+        att, self._att = self._att, None
+        if att is not None:
+            _release(att, detach=True)
+
+    def unlink(self) -> None:
+        """Remove the segment's name.  Processes still attached keep working on their mapping."""
+        _unlink_name(self._name)
+
+    def __reduce__(self):
+        return (attach_keyed, (self._name,))
+
+    def __del__(self) -> None:
+        att, self._att = getattr(self, "_att", None), None
+        if att is not None:
+            try:
+                _release(att, detach=False)
+            except Exception:  # pragma: no cover - interpreter shutdown
+                pass
+
+    # -- acquiring ---------------------------------------------------------------------
+
+    def _call(self, key: object, n: int, max_wait: int) -> int:
+        """The keyed composite, retried while a config writer holds the lock."""
+        att = self._live()
+        while True:
+            r = att.kt.acquire(key, n, max_wait)
+            if r != KC.BUSYCFG:
+                return r
+            time.sleep(0.001)
+
+    def try_acquire(self, key: object, n: int = 1) -> bool:
+        """Take ``n`` ops for ``key`` only if they are available now; never waits.
+
+        False (taking nothing) when the key is limited, when ``n`` exceeds the
+        key's capacity, or when the key is new and the table has no slot for it
+        (counted in ``stats().refused_full``).
+        """
+        att = self._att
+        if att is None:
+            self._live()
+        r = att.kt.acquire(key, n, 0)  # type: ignore[union-attr]
+        if r >= 0:
+            return True
+        if r == KC.BUSYCFG:
+            return self._call(key, n, 0) >= 0
+        return False
+
+    def reserve(self, key: object, n: int = 1, max_wait: Optional[float] = None) -> Optional[float]:
+        """Claim ``n`` ops for ``key`` and return the seconds to wait before using them (0.0: now).
+
+        None, taking nothing, when the wait would exceed ``max_wait`` (seconds)
+        or the table has no slot for a new key; untimed, a full table raises
+        ``KeyTableFullError`` and an ``n`` above the capacity ``ValueError``.
+        """
+        mw = validate_timeout(max_wait, "max_wait")
+        r = self._call(key, n, KC.MAX_WAIT if mw is None else _ticks(mw))
+        if r >= 0:
+            return r / TICKS_PER_S
+        if mw is None:
+            self._untimed_failure(r, n)
+        return None
+
+    def _untimed_failure(self, r: int, n: int) -> None:
+        if r == KC.FULL:
+            raise KeyTableFullError(self._name, self.slots)
+        if r == KC.NEVER:
+            raise ValueError(f"n must be at most this key's capacity ({self._cap_for_error()} ops), got {n}")
+        raise ValueError(f"the wait for n={n} exceeds {KC.MAX_WAIT / TICKS_PER_S:.0f} s")
+
+    def _cap_for_error(self) -> str:
+        return f"{self.capacity:g} by default"
+
+    def acquire(self, key: object, n: int = 1, timeout: Optional[float] = None) -> bool:
+        """Take ``n`` ops for ``key``, waiting as needed; True once granted.
+
+        With ``timeout`` (seconds) it returns False at once, taking nothing,
+        when the wait the key's schedule implies exceeds it, or when the key is
+        new and the table is full.  Untimed, a full table raises
+        ``KeyTableFullError`` and ``n`` above the key's capacity ``ValueError``.
+        """
+        t = validate_timeout(timeout)
+        r = self._call(key, n, KC.MAX_WAIT if t is None else _ticks(t))
+        if r >= 0:
+            if r:
+                _sleep_until(time.monotonic_ns() + (r >> K.TICK_SHIFT) + 1)
+            return True
+        if t is None:
+            self._untimed_failure(r, n)
+        return False
+
+    async def acquire_async(self, key: object, n: int = 1, timeout: Optional[float] = None) -> bool:
+        """``acquire`` for asyncio: waits with ``asyncio.sleep``, never blocking the event loop.
+
+        A waiter cancelled after its ops were taken spends them unused (giving
+        them back could let a later caller exceed the key's rate).
+        """
+        t = validate_timeout(timeout)
+        att = self._live()
+        while True:
+            r = att.kt.acquire(key, n, KC.MAX_WAIT if t is None else _ticks(t))
+            if r != KC.BUSYCFG:
+                break
+            await asyncio.sleep(0.001)
+        if r >= 0:
+            deadline = time.monotonic_ns() + (r >> K.TICK_SHIFT) + 1
+            while (left := deadline - time.monotonic_ns()) > 0:
+                await asyncio.sleep(left / 1e9)
+            return True
+        if t is None:
+            self._untimed_failure(r, n)
+        return False
+
+    def retry_after(self, key: object, n: int = 1) -> float:
+        """Seconds until ``n`` ops could be granted for ``key`` (0.0 if now; inf if never).  Takes nothing."""
+        r = self._call(key, n, -1)
+        return math.inf if r == KC.NEVER else r / TICKS_PER_S
+
+    # -- configuration -------------------------------------------------------------------
+
+    def set_rate(self, rate: Any, per: Optional[float] = None, burst: Optional[float] = None, key: object = None) -> None:
+        """Change the default rate of every key, or (with ``key``) give one key a rate of its own.
+
+        Applies from the next call in every attached process.  ``per``
+        defaults to the current value, ``burst`` to the default for the new
+        rate.  A key's override lives in a table of its own (``overrides=``
+        entries), so it survives the key's eviction; ``remove_override``
+        drops it.  A key's schedule so far is kept: only new grants are priced
+        by the new rate.
+        """
+        att = self._live()
+        cur = read_default(att.cells)
+        if key is None:
+            publish_default(att.cells, make_rate(rate, cur.per if per is None else per, burst))
+            return
+        d = att.kt.digest(key)
+        old = att.overrides.get(d)
+        new = make_rate(rate, (old or cur).per if per is None else per, burst)
+        att.overrides.set(d, new)
+
+    def override(self, key: object) -> Optional[Tuple[float, float, float]]:
+        """``(rate, per, burst)`` of ``key``'s own rate, or None when it follows the default."""
+        att = self._live()
+        r = att.overrides.get(att.kt.digest(key))
+        return None if r is None else (r.rate, r.per, r.burst)
+
+    def remove_override(self, key: object) -> bool:
+        """Make ``key`` follow the default rate again; False if it had no override."""
+        att = self._live()
+        return att.overrides.remove(att.kt.digest(key))
+
+    # -- observation ---------------------------------------------------------------------
+
+    def stats(self) -> KeyedStats:
+        """A snapshot of the table and its counters (reads only; never a scan of the key slots)."""
+        return snapshot(self._name, self._live())
+
+    def __repr__(self) -> str:
+        if self._att is None:
+            return f"<shmlimit.KeyedLimiter {self._name!r} closed>"
+        s = self.stats()
+        return (
+            f"<shmlimit.KeyedLimiter {s.name!r} rate={s.rate:g}/{s.per:g}s capacity={s.capacity:g} per key "
+            f"keys={s.keys}/{s.slots} evicted={s.evicted} refused_full={s.refused_full} grants={s.grants} "
+            f"overrides={s.overrides} processes={len(s.processes)} backend={s.backend}>"
+        )
+
+
+def snapshot(name: str, att: _Attachment) -> KeyedStats:
+    c = att.cells
+    r = read_default(c)
+    procs = tuple(KeyedProcess(e.pid, is_alive(e.pid, e.start), e.grants) for e in att.table.entries())
+    keys = c.load(K.KEYS_LIVE)
+    return KeyedStats(
+        name=name,
+        rate=r.rate,
+        per=r.per,
+        capacity=r.burst,
+        slots=att.geo.keys,
+        keys=keys if keys < 1 << 63 else 0,
+        evicted=c.load(K.EVICTED),
+        refused_full=c.load(K.REFUSED),
+        grants=c.load(K.UNREG_GRANTS) + att.table.total_grants(),
+        overrides=att.overrides.count(),
+        override_slots=att.geo.overrides,
+        segment_bytes=att.seg.size,
+        processes=procs,
+        backend=c.backend,
+    )
+
+
+@dataclass(frozen=True)
+class KeySample:
+    key: str  #: the key's first bytes, as stored for display
+    grants: int  #: ops granted to this key since it took its slot
+    wait: float  #: seconds until the key's bucket is full again (0.0: idle)
+
+
+def sample_keys(name: str, start: int, count: int) -> Tuple[List[KeySample], int]:
+    """Read ``count`` key slots from ``start`` (wrapping) without joining: the live keys found there.
+
+    Returns them with the next start, so a caller (``shmlimit top``) covers the
+    whole table over several refreshes at a bounded cost per refresh.
+    """
+    att = _map_readonly(name)
+    try:
+        c, geo = att.cells, att.geo
+        base = K.slots_offset(geo.overrides)
+        now = time.monotonic_ns() << K.TICK_SHIFT
+        out = []
+        count = min(count, geo.keys)
+        for i in range(count):
+            s = base + ((start + i) % geo.keys) * K.LINE
+            ctl = c.load(s)
+            if ctl & 0xFF != K.LIVE:
+                continue
+            tat = c.load(s + K.S_V0)
+            if tat & K.DEAD:
+                continue
+            disp = (c.load(s + K.S_V2), c.load(s + K.S_V3), c.load(s + K.S_V4))
+            out.append(KeySample(KC.display_key(disp), c.load(s + K.S_V1), max(0, tat - now) / TICKS_PER_S))
+        return out, (start + count) % geo.keys
+    finally:
+        att.detach()
+
+
+def _map_readonly(name: str) -> _Attachment:
+    validate_name(name)
+    seg, cells, geo = open_segment(name, None, None, 0)
+    return _Attachment(name, seg, cells, geo, join=False)
+
+
+def inspect_keyed(name: str) -> KeyedStats:
+    """A snapshot of a keyed limiter, read without joining it (nothing is written)."""
+    att = _map_readonly(name)
+    try:
+        return snapshot(name, att)
+    finally:
+        att.detach()
+
+
+def attach_keyed(name: str) -> KeyedLimiter:
+    """Attach to an existing keyed limiter by name, whatever its configuration."""
+    return KeyedLimiter(name)

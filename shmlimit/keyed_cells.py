@@ -1,0 +1,333 @@
+"""The atomic layer's keyed composite: find, insert or evict a key's slot, then one GCRA step.
+
+This is the reference version, built from the four primitives of ``cells``;
+the native backend does the same steps in one C call (the "KEYED TABLE" block
+of ``_native.c``).  The two must stay step-for-step equivalent: the property
+tests run against both.
+
+**The slot protocol** (insert, lookup, evict, reuse) is independent of what
+the value words mean, with one contract: ``V0`` is the value's *expiry word*.
+
+1. A slot whose ``V0 <= now`` holds no information (for GCRA: the key's bucket
+   is full again) and may be evicted; ``V0``'s top bit (``DEAD``) marks it
+   evicted and keeps the value below it.  The values ``V0`` takes over a
+   slot's whole life only ever increase: an inserter stores
+   ``max(now, previous + 1)`` (the previous values were all ``<= now`` when
+   evicted, so only one equal to ``now`` costs a tick), and a value kind only
+   moves it forward.  So a CAS on ``V0`` from a value read under one tenant can
+   never succeed under a later one: no ABA.
+2. **Lookup**: probe at most ``probe`` slots from the key's home slot
+   (``D0 * nslots >> 64``); an EMPTY slot ends the chain (a slot never becomes
+   EMPTY again, and an inserter takes the first free slot it sees).
+3. **Insert**: take the first EMPTY, TOMB, expired LIVE (CAS ``V0 -> V0|DEAD``
+   first, then CAS ``CTRL``) or dead inserter's slot; ``CTRL -> BUSY(me)``,
+   write the digest and the fresh values, ``-> PEND(me)``, then re-scan the
+   window: another PEND or LIVE slot with the same digest means a concurrent
+   insert of the same key.  Of two PENDs, the one nearer the home slot wins and
+   the farther one gives way (TOMB); a later PEND always sees an earlier one,
+   so exactly one survives.  Then ``-> LIVE``.  An inserter that dies leaves a
+   BUSY/PEND slot with its pid, which any later inserter reclaims.
+4. **Eviction is exact**: only a slot whose ``V0 <= now`` is ever taken, so a
+   key that is still limited is never lost; when every slot of a key's window
+   holds a limited key (or a live insert), the new key is refused (``FULL``).
+
+**The value kind GCRA**: ``V0`` = TAT (theoretical arrival time, ticks),
+``V1`` = grants for that key, ``V2..V4`` = the key's first bytes for display.
+A request of ``n`` ops at ``now`` is granted iff
+``max(TAT, now) + n*T - now <= TAU + max_wait``; the TAT then moves there by
+CAS.  Grants in any window of length W are at most ``W/T + TAU/T``.
+"""
+from __future__ import annotations
+
+import os
+import time
+from typing import Tuple
+
+from . import keyed_layout as K
+
+MASK64 = (1 << 64) - 1
+NEVER = -(1 << 62)  #: n exceeds the burst: never grantable
+FULL = NEVER - 1  #: no slot for a new key (every slot of its window holds a limited key)
+BUSYCFG = NEVER - 2  #: the config stayed locked for the whole spin: retry
+MAX_WAIT = 1 << 60
+KEY_MAX = 4096
+
+
+def _rotl(x: int, b: int) -> int:
+    return ((x << b) | (x >> (64 - b))) & MASK64
+
+
+def siphash128(data: bytes, k0: int, k1: int) -> Tuple[int, int]:
+    """SipHash-2-4 with a 128-bit output: the same function as the native backend's."""
+    v0 = 0x736F6D6570736575 ^ k0
+    v1 = 0x646F72616E646F6D ^ k1
+    v2 = 0x6C7967656E657261 ^ k0
+    v3 = 0x7465646279746573 ^ k1
+    v1 ^= 0xEE
+
+    def rounds(v0: int, v1: int, v2: int, v3: int, r: int):
+        for _ in range(r):
+            v0 = (v0 + v1) & MASK64; v1 = _rotl(v1, 13); v1 ^= v0; v0 = _rotl(v0, 32)
+            v2 = (v2 + v3) & MASK64; v3 = _rotl(v3, 16); v3 ^= v2
+            v0 = (v0 + v3) & MASK64; v3 = _rotl(v3, 21); v3 ^= v0
+            v2 = (v2 + v1) & MASK64; v1 = _rotl(v1, 17); v1 ^= v2; v2 = _rotl(v2, 32)
+        return v0, v1, v2, v3
+
+    n = len(data)
+    end = n - n % 8
+    for i in range(0, end, 8):
+        m = int.from_bytes(data[i:i + 8], "little")
+        v3 ^= m
+        v0, v1, v2, v3 = rounds(v0, v1, v2, v3, 2)
+        v0 ^= m
+    b = ((n & 0xFF) << 56) | int.from_bytes(data[end:], "little")
+    v3 ^= b
+    v0, v1, v2, v3 = rounds(v0, v1, v2, v3, 2)
+    v0 ^= b
+    v2 ^= 0xEE
+    v0, v1, v2, v3 = rounds(v0, v1, v2, v3, 4)
+    d0 = v0 ^ v1 ^ v2 ^ v3
+    v1 ^= 0xDD
+    v0, v1, v2, v3 = rounds(v0, v1, v2, v3, 4)
+    return d0, v0 ^ v1 ^ v2 ^ v3
+
+
+def key_bytes(key: object) -> bytes:
+    """A key's bytes: a str is its UTF-8, bytes are themselves; anything else is a TypeError."""
+    if isinstance(key, str):
+        data = key.encode("utf-8")
+    elif isinstance(key, bytes):
+        data = key
+    else:
+        raise TypeError(f"key must be a str or bytes, not {type(key).__name__}")
+    if len(data) > KEY_MAX:
+        raise ValueError(f"key must be at most {KEY_MAX} bytes (UTF-8), got {len(data)}")
+    return data
+
+
+def display_words(data: bytes) -> Tuple[int, int, int]:
+    b = bytes([min(len(data), 255)]) + data[:K.DISPLAY_BYTES]
+    b = b.ljust(24, b"\0")
+    return tuple(int.from_bytes(b[i:i + 8], "little") for i in (0, 8, 16))  # type: ignore[return-value]
+
+
+def display_key(words: Tuple[int, int, int]) -> str:
+    """The key as stored for display (its first bytes; '...' when it was longer)."""
+    b = b"".join(w.to_bytes(8, "little") for w in words)
+    n = b[0]
+    text = b[1:1 + min(n, K.DISPLAY_BYTES)].decode("utf-8", "replace")
+    return text + ("..." if n > K.DISPLAY_BYTES else "")
+
+
+def alive(pid: int) -> bool:
+    """Whether an inserter's pid is still running (the native backend asks kill(pid, 0) too)."""
+    if pid <= 0 or pid > 0x7FFFFFFF:
+        return False
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+class KeyedTable:
+    """Reference version of the native ``KeyedTable``: the same arguments, the same answers."""
+
+    def __init__(self, cells, cfg: int, ovr_live: int, ovr: int, novr: int, slots: int, nslots: int, probe: int,
+                 k0: int, k1: int, keys_live: int, evicted: int, refused: int, grants: int, pid: int) -> None:
+        size = cells.size
+        for off, lines in ((cfg, 1), (ovr, novr), (slots, nslots)):
+            if off % 8 or off + lines * K.LINE > size:
+                raise IndexError("keyed_table: a region lies outside the mapping")
+        if not nslots or not probe or probe > nslots:
+            raise IndexError("keyed_table: a region lies outside the mapping")
+        for off in (ovr_live, keys_live, evicted, refused, grants):
+            cells._check(off)
+        self.c = cells
+        self.cfg, self.ovr_live, self.ovr, self.novr = cfg, ovr_live, ovr, novr
+        self.slots, self.nslots, self.probe = slots, nslots, probe
+        self.k0, self.k1 = k0, k1
+        self.keys_live, self.evicted, self.refused, self.grants, self.pid = keys_live, evicted, refused, grants, pid
+
+    def digest(self, key: object) -> Tuple[int, int]:
+        return siphash128(key_bytes(key), self.k0, self.k1)
+
+    def _slot(self, home: int, i: int) -> int:
+        return self.slots + ((home + i) % self.nslots) * K.LINE
+
+    def params(self, d: Tuple[int, int]):
+        """(T, TAU) for digest d under a consistent config, or None if it stayed locked."""
+        c = self.c
+        for _ in range(1000):
+            s1 = c.load(self.cfg)
+            if s1 & 1:
+                os.sched_yield()
+                continue
+            t, tau = c.load(self.cfg + 32), c.load(self.cfg + 40)
+            if self.novr and c.load(self.ovr_live):
+                home = (d[1] * self.novr) >> 64
+                for i in range(min(self.probe, self.novr)):
+                    e = self.ovr + ((home + i) % self.novr) * K.LINE
+                    ctl = c.load(e)
+                    if ctl == K.O_EMPTY:
+                        break
+                    if ctl == K.O_LIVE and c.load(e + K.O_D0) == d[0] and c.load(e + K.O_D1) == d[1]:
+                        t, tau = c.load(e + K.O_T), c.load(e + K.O_TAU)
+                        break
+            if c.load(self.cfg) == s1:
+                return (t or 1), tau
+        return None
+
+    def find(self, d: Tuple[int, int], home: int):
+        c = self.c
+        for i in range(self.probe):
+            s = self._slot(home, i)
+            ctl = c.load(s)
+            state = ctl & 0xFF
+            if state == K.EMPTY:
+                return None, 0
+            if (state == K.LIVE and c.load(s + K.S_D0) == d[0] and c.load(s + K.S_D1) == d[1]
+                    and not c.load(s + K.S_V0) & K.DEAD):
+                return s, ctl
+        return None, 0
+
+    def insert(self, d: Tuple[int, int], home: int, now: int, disp: Tuple[int, int, int]):
+        """Returns (slot, ctrl): ctrl 0 means "look again"; slot None means the window is full."""
+        c = self.c
+        cand, cc, pos = None, 0, 0
+        for i in range(self.probe):
+            s = self._slot(home, i)
+            ctl = c.load(s)
+            state = ctl & 0xFF
+            if (state == K.LIVE and c.load(s + K.S_D0) == d[0] and c.load(s + K.S_D1) == d[1]
+                    and not c.load(s + K.S_V0) & K.DEAD):
+                return s, 0
+            if state == K.EMPTY:
+                if cand is None:
+                    cand, cc, pos = s, ctl, i
+                break
+            if cand is not None:
+                continue
+            if state == K.TOMB:
+                cand, cc, pos = s, ctl, i
+            elif state == K.LIVE:
+                v = c.load(s + K.S_V0)
+                if v & K.DEAD or v <= now:
+                    cand, cc, pos = s, ctl, i
+            elif not alive((ctl >> 8) & 0xFFFFFFFF):
+                cand, cc, pos = s, ctl, i
+        if cand is None:
+            return None, 0
+        state, gen = cc & 0xFF, (cc >> 40) + 1
+        if state == K.LIVE:
+            v = c.load(cand + K.S_V0)
+            if not v & K.DEAD and (v > now or not c.cas(cand + K.S_V0, v, v | K.DEAD)):
+                return cand, 0
+        mine = K.ctrl(K.BUSY, self.pid, gen)
+        if not c.cas(cand, cc, mine):
+            return cand, 0
+        if state == K.LIVE:
+            c.fetch_add(self.keys_live, MASK64)  # -1
+            c.fetch_add(self.evicted, 1)
+        c.store(cand + K.S_D0, d[0])
+        c.store(cand + K.S_D1, d[1])
+        c.store(cand + K.S_V1, 0)
+        for k in range(3):
+            c.store(cand + K.S_V2 + 8 * k, disp[k])
+        prior = c.load(cand + K.S_V0) & ~K.DEAD
+        fresh = now if prior < now else prior + 1
+        c.store(cand + K.S_V0, fresh)
+        pend = K.ctrl(K.PEND, self.pid, gen)
+        if not c.cas(cand, mine, pend):
+            return cand, 0
+        for i in range(self.probe):
+            if i == pos:
+                continue
+            s = self._slot(home, i)
+            while True:
+                ctl = c.load(s)
+                st = ctl & 0xFF
+                if st == K.EMPTY:
+                    return self._publish(cand, pend, gen)
+                if st not in (K.LIVE, K.PEND) or c.load(s + K.S_D0) != d[0] or c.load(s + K.S_D1) != d[1]:
+                    break
+                if st == K.LIVE:
+                    if c.load(s + K.S_V0) & K.DEAD:
+                        break
+                    return self._abort(cand, pend, gen, fresh)
+                if i < pos:
+                    return self._abort(cand, pend, gen, fresh)
+                if not alive((ctl >> 8) & 0xFFFFFFFF):
+                    c.cas(s, ctl, K.ctrl(K.TOMB, 0, ctl >> 40))
+                    continue
+                os.sched_yield()
+        return self._publish(cand, pend, gen)
+
+    def _publish(self, cand: int, pend: int, gen: int):
+        live = K.ctrl(K.LIVE, 0, gen)
+        if not self.c.cas(cand, pend, live):
+            return cand, 0
+        self.c.fetch_add(self.keys_live, 1)
+        return cand, live
+
+    def _abort(self, cand: int, pend: int, gen: int, fresh: int):
+        self.c.store(cand + K.S_V0, fresh | K.DEAD)
+        self.c.cas(cand, pend, K.ctrl(K.TOMB, 0, gen))
+        return cand, 0
+
+    def acquire(self, key: object, n: int, max_wait: int, now: "int | None" = None) -> int:
+        """Find or insert ``key``'s slot and take ``n`` ops if they fit ``max_wait`` ticks.
+
+        Returns the wait in ticks (>= 0) after taking, ``-(wait) - 1`` when the
+        wait would exceed ``max_wait`` (nothing written), or ``NEVER``, ``FULL``,
+        ``BUSYCFG``.  ``max_wait < 0`` peeks: the wait, taking and inserting nothing.
+        """
+        data = key_bytes(key)
+        if isinstance(n, bool) or not isinstance(n, int):
+            raise TypeError(f"n must be a positive int (ops), not {type(n).__name__}")
+        if n < 1:
+            raise ValueError(f"n must be a positive int (ops), got {n}")
+        if now is None:
+            now = time.monotonic_ns() << K.TICK_SHIFT
+        d = siphash128(data, self.k0, self.k1)
+        p = self.params(d)
+        if p is None:
+            return BUSYCFG
+        t, tau = p
+        if n > tau // t:
+            return NEVER
+        cost = n * t
+        maxw = 0 if max_wait < 0 else min(max_wait, MAX_WAIT)
+        home = (d[0] * self.nslots) >> 64
+        c = self.c
+        disp = None
+        while True:
+            s, ctl = self.find(d, home)
+            if s is None:
+                if max_wait < 0:
+                    return 0
+                if disp is None:
+                    disp = display_words(data)
+                s, ctl = self.insert(d, home, now, disp)
+                if s is None:
+                    c.fetch_add(self.refused, 1)
+                    return FULL
+                if not ctl:
+                    continue
+            while True:
+                tat = c.load(s + K.S_V0)
+                if tat & K.DEAD or c.load(s) != ctl:
+                    break
+                base = max(tat, now)
+                wait = base + cost - now
+                wait = wait - tau if wait > tau else 0
+                if max_wait < 0:
+                    return wait
+                if wait > maxw:
+                    return -wait - 1
+                if c.cas(s + K.S_V0, tat, base + cost):
+                    c.fetch_add(s + K.S_V1, n)
+                    c.fetch_add(self.grants, n)
+                    return wait

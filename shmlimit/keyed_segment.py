@@ -1,0 +1,242 @@
+"""A keyed segment's header protocol: create and initialise, or open and validate, never half-made.
+
+The same protocol as a ``Limiter`` segment (see docs/design.md, "Creation"):
+exclusive creation, the creator's pid first, the header, then ``MAGIC`` and
+``STATE = READY`` last; openers wait for a live creator and refuse an
+abandoned, truncated, foreign or corrupt segment with ``SegmentError``.  A
+keyed segment is also allocated in full at creation (``posix_fallocate``), so
+a full ``/dev/shm`` is a clear error at once rather than a bus error later.
+"""
+from __future__ import annotations
+
+import math
+import os
+import time
+from dataclasses import dataclass
+from typing import Optional, Tuple
+
+from . import keyed_layout as K
+from . import layout as L
+from .cells import Cells, open_cells, warm_backend
+from .keyed_gcra import MAX_TICKS, Rate, read_rate
+from .errors import LimiterNotFoundError, SegmentError, SharedMemoryFullError
+from .segment import SHM_DIR, PREFIX, Segment, current_inode
+from .segment import unlink as _unlink_name
+from .table import is_alive
+
+#: Seconds a creator may take to write its pid before its segment counts as abandoned.
+INIT_WAIT = 2.0
+#: Seconds an opener waits for a live creator to finish.
+LIVE_CREATOR_WAIT = 30.0
+assert K.HEADER_BYTES == L.HEADER_BYTES and K.LINE == L.SLOT_BYTES  # ProcessTable reads the same offsets
+
+
+@dataclass(frozen=True)
+class Geometry:
+    keys: int
+    overrides: int
+
+    @property
+    def size(self) -> int:
+        return K.segment_size(self.keys, self.overrides)
+
+    @property
+    def probe(self) -> int:
+        return min(K.PROBE, self.keys)
+
+
+def check_geometry(keys: object, overrides: object) -> Geometry:
+    for param, v, hi in (("keys", keys, K.MAX_KEYS), ("overrides", overrides, K.MAX_OVERRIDES)):
+        if isinstance(v, bool) or not isinstance(v, int) or not (1 if param == "keys" else 0) <= v <= hi:
+            lo = 1 if param == "keys" else 0
+            raise ValueError(f"{param} must be an int from {lo} to {hi}, got {v!r}")
+    return Geometry(keys, overrides)  # type: ignore[arg-type]
+
+
+class _Abandoned(SegmentError):
+    def __init__(self, name: str, inode: int, creator: int) -> None:
+        who = f"its creator (pid {creator}) died" if creator else "no creator ever wrote its header"
+        super().__init__(
+            f"segment {name!r} was never initialised: {who}; creating the keyed limiter again replaces it, "
+            f"or remove it with shmlimit.unlink({name!r})"
+        )
+        self.inode = inode
+
+
+def _check_space(name: str, size: int) -> None:
+    try:
+        st = os.statvfs(SHM_DIR)
+    except OSError:  # pragma: no cover - no /dev/shm to ask
+        return
+    free = st.f_bavail * st.f_frsize
+    if size > free:
+        raise SharedMemoryFullError(
+            f"keyed limiter {name!r} needs {size / 2**20:.1f} MiB of shared memory, but {SHM_DIR} has "
+            f"{free / 2**20:.1f} MiB free (of {st.f_blocks * st.f_frsize / 2**20:.0f} MiB): use fewer keys=, "
+            f"or enlarge {SHM_DIR} (Docker: --shm-size=256m; Kubernetes: an emptyDir with medium Memory)"
+        )
+
+
+def _allocate(name: str, size: int) -> None:
+    """Back every page now: a full /dev/shm fails here, not with SIGBUS on first touch."""
+    path = os.path.join(SHM_DIR, PREFIX + name)
+    fd = os.open(path, os.O_RDWR)
+    try:
+        os.posix_fallocate(fd, 0, size)
+    except OSError as e:
+        raise SharedMemoryFullError(
+            f"keyed limiter {name!r} needs {size / 2**20:.1f} MiB of shared memory and {SHM_DIR} could not "
+            f"provide it ({e.strerror}); use fewer keys= or enlarge {SHM_DIR} (Docker: --shm-size)"
+        ) from None
+    finally:
+        os.close(fd)
+
+
+def _initialise(seg: Segment, geo: Geometry, rate: Rate) -> Cells:
+    c = open_cells(seg.mm, seg.size)
+    c.store(K.CREATOR_PID_OFF, os.getpid())  # first: openers tell a working creator from a dead one
+    c.store(K.VERSION_OFF, K.VERSION)
+    c.store(K.SIZE_OFF, seg.size)
+    c.store(K.PSLOTS_OFF, K.PSLOTS)
+    c.store(K.CREATED_NS_OFF, time.time_ns())
+    c.store(K.KIND_OFF, K.KIND_GCRA)
+    c.store(K.CFG_RATE, L.f2u(rate.rate))
+    c.store(K.CFG_PER, L.f2u(rate.per))
+    c.store(K.CFG_BURST, L.f2u(rate.burst))
+    c.store(K.CFG_T, rate.t)
+    c.store(K.CFG_TAU, rate.tau)
+    c.store(K.NKEYS_OFF, geo.keys)
+    c.store(K.NOVR_OFF, geo.overrides)
+    c.store(K.PROBE_OFF, geo.probe)
+    secret = os.urandom(16)  # the keyed hash's secret: chosen keys cannot pile onto one window
+    c.store(K.SECRET0_OFF, int.from_bytes(secret[:8], "little"))
+    c.store(K.SECRET1_OFF, int.from_bytes(secret[8:], "little"))
+    c.store(K.MAGIC_OFF, K.MAGIC)
+    c.store(K.STATE_OFF, K.STATE_READY)  # last: openers wait for this
+    return c
+
+
+def validate_header(name: str, c: Cells, mapped: int) -> Geometry:
+    """Refuse a corrupt or hostile header before any region is used (SegmentError)."""
+    version, size, pslots = c.load(K.VERSION_OFF), c.load(K.SIZE_OFF), c.load(K.PSLOTS_OFF)
+    if version != K.VERSION:
+        raise SegmentError(f"segment {name!r} has keyed layout version {version}; this shmlimit reads {K.VERSION}")
+    keys, novr, probe, kind = c.load(K.NKEYS_OFF), c.load(K.NOVR_OFF), c.load(K.PROBE_OFF), c.load(K.KIND_OFF)
+    if (
+        pslots != K.PSLOTS
+        or not 1 <= keys <= K.MAX_KEYS
+        or novr > K.MAX_OVERRIDES
+        or probe != min(K.PROBE, keys)
+        or size != K.segment_size(keys, novr)
+        or mapped < size
+        or kind != K.KIND_GCRA
+    ):
+        raise SegmentError(
+            f"segment {name!r} is corrupt: header says {size} bytes, {keys} keys, {novr} overrides, "
+            f"probe {probe}, kind {kind}; the mapping has {mapped} bytes"
+        )
+    r = read_rate(c)
+    t, tau = c.load(K.CFG_T), c.load(K.CFG_TAU)
+    if not all(math.isfinite(x) and x > 0 for x in (r.rate, r.per, r.burst)) or not 1 <= t <= tau < MAX_TICKS:
+        raise SegmentError(f"segment {name!r} is corrupt: its configuration is out of range")
+    return Geometry(keys, novr)
+
+
+def _wait_ready(name: str, seg: Segment) -> Segment:
+    start = time.monotonic()
+    while True:
+        if 0 < seg.size < K.HEADER_BYTES:
+            raise SegmentError(f"segment {name!r} is truncated: {seg.size} bytes")
+        age = (time.time_ns() - seg.ctime_ns) / 1e9
+        if seg.size:
+            c = open_cells(seg.mm, K.HEADER_BYTES)
+            try:
+                magic, state, creator = c.load(K.MAGIC_OFF), c.load(K.STATE_OFF), c.load(K.CREATOR_PID_OFF)
+            finally:
+                c.close()
+            if magic == L.MAGIC:
+                raise SegmentError(f"segment {name!r} is a Limiter, not a KeyedLimiter: use shmlimit.Limiter or attach")
+            if magic not in (0, K.MAGIC):
+                raise SegmentError(f"segment {name!r} is not a shmlimit limiter (bad magic {magic:#018x})")
+            if magic == K.MAGIC and state == K.STATE_READY:
+                return seg
+            if creator > 0xFFFFFFFF or (creator and not is_alive(creator, 0)) or (not creator and age > INIT_WAIT):
+                raise _Abandoned(name, seg.inode, creator)
+        elif age > INIT_WAIT:
+            raise _Abandoned(name, seg.inode, 0)
+        if time.monotonic() - start > LIVE_CREATOR_WAIT:
+            raise SegmentError(f"segment {name!r} is still being initialised after {LIVE_CREATOR_WAIT:.0f} s")
+        time.sleep(0.001)
+        seg.close()
+        seg = Segment.open(name)
+
+
+def open_segment(
+    name: str, geo: Optional[Geometry], rate: Optional[Rate], mode: int
+) -> Tuple[Segment, Cells, Geometry]:
+    """Create (when ``rate`` is given and the name is free) or open a keyed segment.
+
+    Returns the mapping, cells over the whole segment, and its geometry.  With
+    create intent an abandoned segment is replaced (only if the name still
+    points at the same inode); without, every problem raises.
+    """
+    warm_backend()
+    for _ in range(16):
+        if rate is not None and geo is not None:
+            _check_space(name, geo.size)
+            seg = Segment.create(name, geo.size, mode)
+            if seg is not None:
+                try:
+                    _allocate(name, geo.size)
+                except BaseException:
+                    seg.close()
+                    try:
+                        _unlink_name(name)
+                    except LimiterNotFoundError:
+                        pass
+                    raise
+                return seg, _initialise(seg, geo, rate), geo
+        try:
+            seg = _wait_ready(name, Segment.open(name))
+        except LimiterNotFoundError:
+            if rate is None:
+                raise
+            continue
+        except _Abandoned as e:
+            if rate is None:
+                raise
+            time.sleep(0.05)
+            if current_inode(name) == e.inode:
+                try:
+                    _unlink_name(name)
+                except LimiterNotFoundError:
+                    pass
+            continue
+        c = open_cells(seg.mm, seg.size)
+        try:
+            return seg, c, validate_header(name, c, seg.size)
+        except BaseException:
+            c.close()
+            seg.close()
+            raise
+    raise SegmentError(f"could not create or open keyed limiter {name!r}: it kept being unlinked and re-created")
+
+
+def peek_magic(name: str) -> int:
+    """The first word of a segment, read with os.pread (no mapping): which kind of limiter it is."""
+    try:
+        fd = os.open(os.path.join(SHM_DIR, PREFIX + name), os.O_RDONLY)
+    except FileNotFoundError:
+        raise LimiterNotFoundError(name) from None
+    try:
+        data = os.pread(fd, 8, 0)
+    finally:
+        os.close(fd)
+    return int.from_bytes(data.ljust(8, b"\0"), "little")
+
+
+def is_keyed(name: str) -> bool:
+    try:
+        return peek_magic(name) == K.MAGIC
+    except OSError:
+        return False

@@ -1,0 +1,32 @@
+"""Entry points that work for every kind of limiter a name may hold: attach and inspect.
+
+A segment's first word says its kind (``layout.MAGIC`` for a ``Limiter``,
+``keyed_layout.MAGIC`` for a ``KeyedLimiter``); it is read with ``pread``,
+without mapping, and each kind's own module then opens and validates it.
+"""
+from __future__ import annotations
+
+from typing import Union
+
+from .keyed import KeyedLimiter, KeyedStats, attach_keyed, inspect_keyed
+from .keyed_segment import is_keyed
+from .limiter import Limiter, Stats
+from .limiter import attach as attach_limiter
+from .limiter import inspect as inspect_limiter
+from .segment import validate_name
+
+
+def attach(name: str) -> Union[Limiter, KeyedLimiter]:
+    """Attach to an existing limiter by name, whatever its kind and configuration.
+
+    Returns a ``KeyedLimiter`` for a keyed segment, else a ``Limiter``.  Raises
+    ``LimiterNotFoundError`` (a ``FileNotFoundError``) naming it when none exists.
+    """
+    validate_name(name)
+    return attach_keyed(name) if is_keyed(name) else attach_limiter(name)
+
+
+def inspect(name: str) -> Union[Stats, KeyedStats]:
+    """A snapshot of a limiter of either kind, read without joining it (nothing is written)."""
+    validate_name(name)
+    return inspect_keyed(name) if is_keyed(name) else inspect_limiter(name)
