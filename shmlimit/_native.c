@@ -461,11 +461,14 @@ kt_find(KeyedTable *t, const uint64_t d[2], uint64_t home, uint64_t *ctrl)
     return NULL;
 }
 
-/* Insert digest d (absent when we looked).  Returns the LIVE slot holding d (ours or a
- * concurrent inserter's; retry the lookup when *ctrl is 0), or NULL when every slot of the
- * window holds a limited key or a live insert (the table is full there). */
+/* Insert digest d (absent when we looked) with its first grant already in its values: V0 =
+ * v0 (the TAT after the grant; raised above every value the slot held before if need be),
+ * V1 = v1.  Returns the slot with *ctrl its LIVE word when we published it (the grant is made),
+ * *ctrl 0 when the caller must look again (another inserter or evictor won a race), or NULL
+ * when every slot of the window holds a limited key or a live insert (the table is full there). */
 static uint64_t *
-kt_insert(KeyedTable *t, const uint64_t d[2], uint64_t home, uint64_t now, const uint64_t disp[3], uint64_t *ctrl)
+kt_insert(KeyedTable *t, const uint64_t d[2], uint64_t home, uint64_t now, uint64_t v0, uint64_t v1,
+          const uint64_t disp[3], uint64_t *ctrl)
 {
     *ctrl = 0;
     uint64_t *cand = NULL, cc = 0, pos = 0;
@@ -512,12 +515,12 @@ kt_insert(KeyedTable *t, const uint64_t d[2], uint64_t home, uint64_t now, const
     }
     st(cand + KW_D0, d[0]);
     st(cand + KW_D1, d[1]);
-    st(cand + KW_V1, 0);
+    st(cand + KW_V1, v1);
     for (int k = 0; k < 3; k++)
         st(cand + KW_DISP + k, disp[k]);
-    /* fresh: a full bucket (now), yet above every value this slot ever held -- they were all
-     * <= now when evicted, so only one equal to now costs a tick */
-    uint64_t prior = ld(cand + KW_V0) & ~KT_DEAD, fresh = prior < now ? now : prior + 1;
+    /* above every value this slot ever held: they were <= now when evicted (v0 > now), unless
+     * a dead inserter left more -- then later still, which only delays this key */
+    uint64_t prior = ld(cand + KW_V0) & ~KT_DEAD, fresh = prior < v0 ? v0 : prior + 1;
     st(cand + KW_V0, fresh);
     uint64_t pend = kt_ctrl(KS_PEND, t->pid, gen);
     if (!cas(cand + KW_CTRL, mine, pend))
@@ -649,13 +652,17 @@ kt_acquire(KeyedTable *t, PyObject *const *args, Py_ssize_t nargs_)
                 kt_display(buf, len, disp);
                 displayed = 1;
             }
-            s = kt_insert(t, d, home, now, disp, &c);
+            /* a new key's bucket is full: n <= burst is granted at once, by the insert itself */
+            s = kt_insert(t, d, home, now, now + cost, (uint64_t)n, disp, &c);
             if (!s) {
                 add(t->refused, 1);
                 return PyLong_FromLongLong(KT_FULL);
             }
-            if (!c)
-                continue;
+            if (c) {
+                add(t->grants, (uint64_t)n);
+                return PyLong_FromLong(0);
+            }
+            continue;
         }
         for (;;) {
             uint64_t tat = ld(s + KW_V0);

@@ -11,10 +11,10 @@ the value words mean, with one contract: ``V0`` is the value's *expiry word*.
 1. A slot whose ``V0 <= now`` holds no information (for GCRA: the key's bucket
    is full again) and may be evicted; ``V0``'s top bit (``DEAD``) marks it
    evicted and keeps the value below it.  The values ``V0`` takes over a
-   slot's whole life only ever increase: an inserter stores
-   ``max(now, previous + 1)`` (the previous values were all ``<= now`` when
-   evicted, so only one equal to ``now`` costs a tick), and a value kind only
-   moves it forward.  So a CAS on ``V0`` from a value read under one tenant can
+   slot's whole life only ever increase: an inserter stores its first grant's
+   value, which is above ``now`` (the previous values were all ``<= now`` when
+   evicted; only a dead inserter may have left more, and then the new value
+   goes above that), and a value kind only moves it forward.  So a CAS on ``V0`` from a value read under one tenant can
    never succeed under a later one: no ABA.
 2. **Lookup**: probe at most ``probe`` slots from the key's home slot
    (``D0 * nslots >> 64``); an EMPTY slot ends the chain (a slot never becomes
@@ -193,8 +193,12 @@ class KeyedTable:
                 return s, ctl
         return None, 0
 
-    def insert(self, d: Tuple[int, int], home: int, now: int, disp: Tuple[int, int, int]):
-        """Returns (slot, ctrl): ctrl 0 means "look again"; slot None means the window is full."""
+    def insert(self, d: Tuple[int, int], home: int, now: int, v0: int, v1: int, disp: Tuple[int, int, int]):
+        """Insert with the first grant in the values (V0 = v0, raised above the slot's past; V1 = v1).
+
+        Returns (slot, ctrl): ctrl is the LIVE word when we published (the
+        grant is made), 0 means "look again"; slot None means the window is full.
+        """
         c = self.c
         cand, cc, pos = None, 0, 0
         for i in range(self.probe):
@@ -233,11 +237,11 @@ class KeyedTable:
             c.fetch_add(self.evicted, 1)
         c.store(cand + K.S_D0, d[0])
         c.store(cand + K.S_D1, d[1])
-        c.store(cand + K.S_V1, 0)
+        c.store(cand + K.S_V1, v1)
         for k in range(3):
             c.store(cand + K.S_V2 + 8 * k, disp[k])
         prior = c.load(cand + K.S_V0) & ~K.DEAD
-        fresh = now if prior < now else prior + 1
+        fresh = v0 if prior < v0 else prior + 1
         c.store(cand + K.S_V0, fresh)
         pend = K.ctrl(K.PEND, self.pid, gen)
         if not c.cas(cand, mine, pend):
@@ -310,12 +314,15 @@ class KeyedTable:
                     return 0
                 if disp is None:
                     disp = display_words(data)
-                s, ctl = self.insert(d, home, now, disp)
+                # a new key's bucket is full: n <= burst is granted at once, by the insert itself
+                s, ctl = self.insert(d, home, now, now + cost, n, disp)
                 if s is None:
                     c.fetch_add(self.refused, 1)
                     return FULL
-                if not ctl:
-                    continue
+                if ctl:
+                    c.fetch_add(self.grants, n)
+                    return 0
+                continue
             while True:
                 tat = c.load(s + K.S_V0)
                 if tat & K.DEAD or c.load(s) != ctl:

@@ -1,0 +1,229 @@
+"""The keyed slot table and its GCRA step, driven directly with an injected clock, on both backends.
+
+A stateful hypothesis test runs random sequences of acquires (new keys, old keys,
+reservations, peeks), clock steps, and inserts killed midway (a slot left BUSY or
+PEND by a dead pid), against an exact model of per-key GCRA.  Because eviction is
+exact -- only a key whose bucket is full again is ever forgotten, and such a key is
+the same as an absent one -- the table must answer exactly as the model does,
+except that a key refused for want of a slot must be one the model holds nothing
+for, and a fresh slot may start one tick late.
+"""
+import mmap
+import os
+
+import pytest
+from hypothesis import event, settings
+from hypothesis import strategies as st
+from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, rule
+
+from shmlimit import keyed_cells as KC
+from shmlimit import keyed_layout as K
+from shmlimit.cells import native_available, open_cells
+
+BACKENDS = ["atomics"] + (["native"] if native_available() else [])
+T = 100  # ticks per op
+DEAD_PID = 0x7FFFFFF0  # above any pid_max: never a live process
+
+
+def dead_pid():
+    return DEAD_PID
+
+
+class Table:
+    """A keyed table in an anonymous mapping, laid out as in a segment."""
+
+    def __init__(self, backend, nkeys, burst, novr=4, probe=None):
+        self.nkeys, self.novr = nkeys, novr
+        self.size = K.segment_size(nkeys, novr)
+        self.mm = mmap.mmap(-1, self.size)
+        self.c = open_cells(self.mm, self.size, backend)
+        self.c.store(K.CFG_T, T)
+        self.c.store(K.CFG_TAU, burst * T)
+        self.probe = probe or min(K.PROBE, nkeys)
+        self.kt = self.c.keyed_table(
+            K.CFG_SEQ, K.OVR_LIVE, K.overrides_offset(), novr, K.slots_offset(novr), nkeys, self.probe,
+            0x0123456789ABCDEF, 0x0FEDCBA987654321, K.KEYS_LIVE, K.EVICTED, K.REFUSED, K.UNREG_GRANTS, os.getpid(),
+        )
+
+    def slot(self, i):
+        return K.slots_offset(self.novr) + i * K.LINE
+
+    def states(self):
+        return [self.c.load(self.slot(i)) & 0xFF for i in range(self.nkeys)]
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_both_backends_hash_alike(backend):
+    t = Table(backend, 64, 2)
+    for key in ["", "a", "client-1", "é" * 40, b"\x00\xff" * 9]:
+        data = key.encode() if isinstance(key, str) else key
+        assert t.kt.digest(key) == KC.siphash128(data, 0x0123456789ABCDEF, 0x0FEDCBA987654321)
+
+
+def test_siphash_reference_vector():
+    k = bytes(range(16))
+    d = KC.siphash128(b"", int.from_bytes(k[:8], "little"), int.from_bytes(k[8:], "little"))
+    assert (d[0].to_bytes(8, "little") + d[1].to_bytes(8, "little")).hex() == "a3817f04ba25a8e66df67214c7550293"
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_full_table_refuses_new_keys_and_counts(backend):
+    t = Table(backend, 16, 1)
+    now = 1_000_000
+    granted = [k for k in range(40) if t.kt.acquire(f"k{k}", 1, 0, now) >= 0]
+    assert len(granted) == 16  # every slot holds a limited key: the rest are refused
+    assert t.c.load(K.REFUSED) == 24 and t.c.load(K.KEYS_LIVE) == 16
+    assert all(t.kt.acquire(f"k{k}", 1, 0, now) < 0 for k in granted)  # still limited, none reset
+    assert t.kt.acquire("new", 1, 0, now) == KC.FULL
+    now += T  # every bucket is full again: each slot may be reused
+    assert all(t.kt.acquire(f"x{k}", 1, 0, now) >= 0 for k in range(16))
+    assert t.c.load(K.EVICTED) == 16
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_dead_inserters_slots_are_reclaimed(backend):
+    t = Table(backend, 16, 1)
+    for i in range(16):  # every slot claimed by an inserter that died
+        t.c.store(t.slot(i), K.ctrl(K.BUSY if i % 2 else K.PEND, dead_pid(), 7))
+    assert all(t.kt.acquire(f"k{k}", 1, 0, 10_000) >= 0 for k in range(16))
+    assert set(t.states()) == {K.LIVE}
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_peek_and_reserve(backend):
+    t = Table(backend, 16, 2)
+    now = 5_000
+    assert t.kt.acquire("a", 1, -1, now) == 0  # a peek inserts nothing
+    assert t.c.load(K.KEYS_LIVE) == 0
+    assert t.kt.acquire("a", 2, 0, now) == 0
+    assert t.kt.acquire("a", 1, -1, now) == T  # one op is T ticks away
+    assert t.kt.acquire("a", 1, 0, now) == -T - 1  # refused, nothing written
+    assert t.kt.acquire("a", 1, T, now) == T  # reserved: use it in T ticks
+    assert t.kt.acquire("a", 3, 10**9, now) == KC.NEVER  # more than the burst
+    with pytest.raises(TypeError):
+        t.kt.acquire(1234, 1, 0, now)
+    with pytest.raises(TypeError):
+        t.kt.acquire("a", True, 0, now)
+    with pytest.raises(ValueError):
+        t.kt.acquire("a", 0, 0, now)
+
+
+class TableMachine(RuleBasedStateMachine):
+    backend = "atomics"
+
+    @initialize(nkeys=st.sampled_from([4, 8, 24]), burst=st.integers(1, 3))
+    def setup(self, nkeys, burst):
+        self.t = Table(self.backend, nkeys, burst)
+        self.burst = burst
+        self.now = 1 << 20
+        self.tat = {}  # the model: key -> TAT (absent = a full bucket)
+        self.grants = {}  # key -> [use time of each op]
+
+    @rule(dt=st.sampled_from([0, 1, T // 2, T, 3 * T, 20 * T]))
+    def tick(self, dt):
+        self.now += dt
+
+    @rule(key=st.integers(0, 30), n=st.integers(1, 4), mode=st.sampled_from(["try", "reserve", "peek"]))
+    def acquire(self, key, n, mode):
+        k = f"key-{key}"
+        max_wait = {"try": 0, "reserve": 2 * T, "peek": -1}[mode]
+        r = self.t.kt.acquire(k, n, max_wait, self.now)
+        tau = self.burst * T
+        old = self.tat.get(k, 0)
+        idle = old <= self.now
+        event(f"answer {'full' if r == KC.FULL else 'never' if r == KC.NEVER else 'granted' if r >= 0 else 'refused'}")
+        if self.t.c.load(K.EVICTED):
+            event("some key was evicted")
+        if r == KC.FULL:
+            assert idle, "a limited key was refused as new: it was lost"
+            assert mode != "peek"
+            return
+        if n > self.burst:
+            assert r == KC.NEVER
+            return
+        base = max(old, self.now)
+        wait = max(0, base + n * T - self.now - tau)
+        if mode == "peek":
+            assert r == wait
+            return
+        if wait > max_wait:
+            assert r == -wait - 1, (r, wait)
+            return
+        assert r == wait, (r, wait)
+        new_tat = base + n * T
+        if idle:  # maybe a new slot: later than the model only if a dead inserter left a later value
+            real = self.real_tat(k)
+            assert real >= new_tat
+            new_tat = real
+        self.tat[k] = new_tat
+        self.grants.setdefault(k, []).extend([self.now + r] * n)
+
+    def real_tat(self, k):
+        t = self.t
+        d = t.kt.digest(k)
+        for i in range(t.nkeys):
+            s = t.slot(i)
+            if (t.c.load(s) & 0xFF == K.LIVE and (t.c.load(s + K.S_D0), t.c.load(s + K.S_D1)) == d
+                    and not t.c.load(s + K.S_V0) & K.DEAD):
+                return t.c.load(s + K.S_V0)
+        raise AssertionError(f"{k} was granted but holds no slot")
+
+    @rule(i=st.integers(0, 23), state=st.sampled_from([K.BUSY, K.PEND]), left=st.sampled_from([1, T, 3 * T]))
+    def insert_killed_midway(self, i, state, left):
+        """What a dead inserter leaves: a slot claimed (an idle key's slot evicted first) and never published."""
+        t = self.t
+        s = t.slot(i % t.nkeys)
+        ctl = t.c.load(s)
+        if ctl & 0xFF == K.LIVE:
+            v = t.c.load(s + K.S_V0)
+            if v & K.DEAD or v > self.now:
+                return  # a limited key's slot is never taken
+            if not t.c.cas(s + K.S_V0, v, v | K.DEAD):
+                return
+        elif ctl & 0xFF not in (K.EMPTY, K.TOMB):
+            return
+        t.c.store(s, K.ctrl(state, dead_pid(), (ctl >> 40) + 1))
+        t.c.store(s + K.S_V0, self.now + left)  # the first grant it was about to publish
+        if state == K.PEND:  # the digest was written: the key of some model key
+            d = t.kt.digest(f"key-{i}")
+            t.c.store(s + K.S_D0, d[0])
+            t.c.store(s + K.S_D1, d[1])
+
+    @invariant()
+    def window_bound(self):
+        if not hasattr(self, "grants"):
+            return
+        for times in self.grants.values():
+            times = sorted(times)
+            for a in range(len(times)):
+                for b in range(a, len(times)):
+                    assert b - a + 1 <= (times[b] - times[a]) / T + self.burst
+
+    @invariant()
+    def live_keys_are_distinct(self):
+        if not hasattr(self, "t"):
+            return
+        t = self.t
+        seen = set()
+        for i in range(t.nkeys):
+            s = t.slot(i)
+            if t.c.load(s) & 0xFF == K.LIVE and not t.c.load(s + K.S_V0) & K.DEAD:
+                d = (t.c.load(s + K.S_D0), t.c.load(s + K.S_D1))
+                assert d not in seen, "one key in two slots"
+                seen.add(d)
+
+
+class AtomicsTable(TableMachine):
+    backend = "atomics"
+
+
+AtomicsTable.TestCase.settings = settings(max_examples=60, stateful_step_count=60, deadline=None)
+TestAtomicsTable = AtomicsTable.TestCase
+
+if native_available():
+
+    class NativeTable(TableMachine):
+        backend = "native"
+
+    NativeTable.TestCase.settings = settings(max_examples=150, stateful_step_count=80, deadline=None)
+    TestNativeTable = NativeTable.TestCase
