@@ -227,11 +227,11 @@ class KeyedLimiter:
         burst: Optional[float] = None,
         keys: int = 100_000,
         *,
-        overrides: int = K.DEFAULT_OVERRIDES,
+        overrides: Optional[int] = None,
         mode: int = 0o600,
     ) -> None:
         validate_name(name)
-        geo = check_geometry(keys, overrides)
+        geo = check_geometry(keys, K.default_overrides(keys) if overrides is None and isinstance(keys, int) else overrides)
         r = None if rate is None else make_rate(rate, per, burst)
         if isinstance(mode, bool) or not isinstance(mode, int) or not 0 <= mode <= 0o777:
             raise ValueError(f"mode must be permission bits between 0 and 0o777, got {mode!r}")

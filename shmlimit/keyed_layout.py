@@ -97,6 +97,12 @@ O_BURST = 56
 O_EMPTY, O_LIVE, O_TOMB = 0, 1, 2
 
 DEFAULT_OVERRIDES = 1024
+
+
+def default_overrides(keys: int) -> int:
+    """Override entries when none are asked for: one per 16 key slots, from 16 up to 1024."""
+    return max(16, min(DEFAULT_OVERRIDES, keys // 16))
+
 MAX_KEYS = 1 << 26
 MAX_OVERRIDES = 1 << 16
 #: Slots a key may sit from its home slot (and the most a lookup ever reads).

@@ -1,0 +1,283 @@
+"""KeyedLimiter's interface: per-key limits, bad input, overrides, a full table, attach and pickle."""
+import asyncio
+import os
+import pickle
+import subprocess
+import sys
+import tempfile
+import textwrap
+
+import pytest
+
+import shmlimit
+from shmlimit import keyed_layout as K
+from shmlimit.keyed import KeyedStats
+
+WORKDIR = tempfile.gettempdir()
+
+
+@pytest.fixture
+def lim(name):
+    lim = shmlimit.KeyedLimiter(name, rate=1, per=60, burst=2, keys=1000)
+    yield lim
+    lim.close()
+
+
+def test_each_key_has_its_own_bucket(lim):
+    assert [lim.try_acquire("a") for _ in range(3)] == [True, True, False]
+    assert lim.try_acquire("b") and lim.try_acquire(b"b")  # str keys are their UTF-8 bytes
+    assert not lim.try_acquire("b")
+    assert lim.try_acquire("c", 2) and not lim.try_acquire("c")
+    s = lim.stats()
+    assert isinstance(s, KeyedStats)
+    assert (s.keys, s.grants, s.slots, s.refused_full) == (3, 6, 1000, 0)
+    assert K.SLOT_BYTES == 64 and s.segment_bytes == K.segment_size(1000, K.default_overrides(1000))
+    assert K.segment_size(10**6, K.default_overrides(10**6)) <= 64 * 2**20  # a million keys in Docker's /dev/shm
+    assert "keys=3/1000" in repr(lim)
+
+
+def test_exhausting_one_key_never_refuses_another(lim):
+    for _ in range(5):
+        lim.try_acquire("hot")
+    assert all(lim.try_acquire(f"cold-{i}") for i in range(500))
+
+
+def test_retry_after_reserve_and_timed_acquire(name):
+    lim = shmlimit.KeyedLimiter(name, rate=10, burst=1, keys=100)
+    assert lim.retry_after("k") == 0.0
+    assert lim.reserve("k") == 0.0
+    assert lim.retry_after("k") == pytest.approx(0.1, abs=0.01)
+    assert lim.reserve("k", max_wait=0.01) is None  # taking nothing
+    assert lim.acquire("k", timeout=0.01) is False
+    w = lim.reserve("k", max_wait=0.5)
+    assert 0.05 < w <= 0.1
+    assert lim.acquire("k", timeout=0.5)  # waits until its turn (~0.2 s after the first)
+    assert lim.retry_after("k", 2) == float("inf")
+    lim.close()
+
+
+def test_acquire_async(name):
+    lim = shmlimit.KeyedLimiter(name, rate=50, burst=1, keys=100)
+
+    async def main():
+        assert await lim.acquire_async("x")
+        assert not await lim.acquire_async("x", timeout=0.001)
+        assert await lim.acquire_async("x", timeout=0.5)
+
+    asyncio.run(main())
+    lim.close()
+
+
+@pytest.mark.parametrize("key", [1, None, 3.5, ["a"], bytearray(b"a"), object()])
+def test_bad_keys_raise_type_error_and_change_nothing(lim, key):
+    for call in (lim.try_acquire, lim.acquire, lim.retry_after, lim.reserve):
+        with pytest.raises(TypeError, match="key must be a str or bytes"):
+            call(key)
+    assert lim.stats().keys == 0 and lim.stats().grants == 0
+
+
+def test_bad_n_and_oversized_keys(lim):
+    for n, exc in ((0, ValueError), (-1, ValueError), (1.0, TypeError), (True, TypeError), ("1", TypeError)):
+        with pytest.raises(exc, match="n must be a positive int"):
+            lim.try_acquire("k", n)
+    with pytest.raises(ValueError, match="at most 4096 bytes"):
+        lim.try_acquire("k" * 5000)
+    with pytest.raises(UnicodeEncodeError):
+        lim.try_acquire("\udc80")
+    assert not lim.try_acquire("k", 3)  # above the capacity: never
+    with pytest.raises(ValueError, match="capacity"):
+        lim.acquire("k", 3)
+    assert lim.stats().grants == 0
+
+
+def test_bad_config(name):
+    with pytest.raises(ValueError, match="rate"):
+        shmlimit.KeyedLimiter(name, rate=0)
+    with pytest.raises(ValueError, match="keys"):
+        shmlimit.KeyedLimiter(name, rate=1, keys=0)
+    with pytest.raises(ValueError, match="keys"):
+        shmlimit.KeyedLimiter(name, rate=1, keys=True)
+    with pytest.raises(ValueError, match="overrides"):
+        shmlimit.KeyedLimiter(name, rate=1, overrides=-1)
+    with pytest.raises(ValueError, match="name"):
+        shmlimit.KeyedLimiter("a/b", rate=1)
+    assert name not in shmlimit.list_names()
+
+
+def test_full_table_try_timed_untimed(name):
+    lim = shmlimit.KeyedLimiter(name, rate=1, per=3600, burst=1, keys=16)
+    admitted = [k for k in range(64) if lim.try_acquire(f"k{k}")]
+    assert len(admitted) == 16  # 16 slots, each with a key limited for an hour
+    refused = 64 - 16
+    assert lim.acquire("new", timeout=1.0) is False
+    assert lim.reserve("new", max_wait=1.0) is None
+    with pytest.raises(shmlimit.KeyTableFullError, match="no free slot"):
+        lim.acquire("new")
+    assert isinstance(shmlimit.KeyTableFullError("x", 1), shmlimit.ShmlimitError)
+    assert lim.stats().refused_full == refused + 3
+    assert not any(lim.try_acquire(f"k{k}") for k in admitted)  # none was reset
+    lim.close()
+
+
+def test_overrides_are_per_key_removable_and_bounded(name):
+    lim = shmlimit.KeyedLimiter(name, rate=1000, keys=100, overrides=2)
+    lim.set_rate(1, per=60, burst=1, key="slow")
+    assert lim.override("slow") == (1.0, 60.0, 1.0)
+    assert lim.override("other") is None
+    assert lim.try_acquire("slow") and not lim.try_acquire("slow")
+    assert all(lim.try_acquire("other") for _ in range(5))
+    lim.set_rate(5, per=60, burst=3, key="slow2")
+    with pytest.raises(ValueError, match="override table is full"):
+        lim.set_rate(1, key="third")
+    assert lim.remove_override("slow2") and not lim.remove_override("slow2")
+    lim.set_rate(1, key="third")  # the freed entry is reused
+    assert lim.stats().overrides == 2
+    lim.set_rate(2000)  # the default changes for every other key
+    assert lim.rate == 2000 and lim.override("slow") == (1.0, 60.0, 1.0)
+    lim.close()
+
+
+def test_config_mismatch_and_attach(name):
+    lim = shmlimit.KeyedLimiter(name, rate=5, keys=100)
+    with pytest.raises(shmlimit.ConfigMismatchError):
+        shmlimit.KeyedLimiter(name, rate=6, keys=100)
+    with pytest.raises(shmlimit.ConfigMismatchError):
+        shmlimit.KeyedLimiter(name, rate=5, keys=101)
+    other = shmlimit.attach(name)
+    assert isinstance(other, shmlimit.KeyedLimiter) and other.rate == 5
+    with pytest.raises(shmlimit.SegmentError):
+        shmlimit.Limiter(name, rate=5)
+    plain = shmlimit.Limiter(name + "-plain", rate=5)
+    with pytest.raises(shmlimit.SegmentError, match="is a Limiter"):
+        shmlimit.KeyedLimiter(name + "-plain", rate=5)
+    assert isinstance(shmlimit.attach(name + "-plain"), shmlimit.Limiter)
+    plain.close()
+    plain.unlink()
+    assert isinstance(shmlimit.inspect(name), KeyedStats)
+    with pytest.raises(shmlimit.LimiterNotFoundError):
+        shmlimit.attach(name + "-none")
+    lim.close()
+
+
+def test_pickles_by_name(name):
+    lim = shmlimit.KeyedLimiter(name, rate=1, per=60, burst=1, keys=100)
+    assert lim.try_acquire("k")
+    clone = pickle.loads(pickle.dumps(lim))
+    assert isinstance(clone, shmlimit.KeyedLimiter) and not clone.try_acquire("k")
+    lim.close()
+
+
+def test_attach_by_name_from_an_unrelated_interpreter(name):
+    lim = shmlimit.KeyedLimiter(name, rate=1, per=60, burst=1, keys=100)
+    lim.set_rate(1, per=60, burst=2, key="vip")
+    assert lim.try_acquire("client")
+    code = textwrap.dedent(
+        f"""
+        import shmlimit
+        lim = shmlimit.attach({name!r})
+        print(type(lim).__name__, lim.try_acquire("client"), lim.try_acquire("fresh"),
+              lim.try_acquire("vip", 2), lim.stats().grants)
+        """
+    )
+    out = subprocess.run([sys.executable, "-c", code], cwd=WORKDIR, capture_output=True, text=True, timeout=60)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.split() == ["KeyedLimiter", "False", "True", "True", "4"]
+    lim.close()
+
+
+def test_hostile_headers_are_refused(name):
+    lim = shmlimit.KeyedLimiter(name, rate=1, keys=64)
+    lim.close()
+    path = f"/dev/shm/shmlimit.{name}"
+    good = open(path, "rb").read()
+    for off, value in ((K.NKEYS_OFF, 10**9), (K.PROBE_OFF, 99), (K.CFG_T, 0), (K.VERSION_OFF, 9), (K.KIND_OFF, 7),
+                       (K.SIZE_OFF, 1 << 40), (K.NOVR_OFF, 1 << 20)):
+        bad = bytearray(good)
+        bad[off:off + 8] = value.to_bytes(8, "little")
+        with open(path, "r+b") as f:
+            f.write(bad)
+        with pytest.raises(shmlimit.SegmentError):
+            shmlimit.attach(name)
+    with open(path, "r+b") as f:
+        f.write(good)
+        f.truncate(1000)
+    with pytest.raises(shmlimit.SegmentError):
+        shmlimit.attach(name)
+
+
+def test_a_table_larger_than_dev_shm_is_a_clear_error(name):
+    """In a private mount namespace with a 4 MiB /dev/shm (Docker's is 64 MiB): a clear error, no segment."""
+    code = textwrap.dedent(
+        f"""
+        import os, shmlimit
+        try:
+            shmlimit.KeyedLimiter({name!r}, rate=1, keys=100_000)
+        except shmlimit.SharedMemoryFullError as e:
+            print("refused:", e)
+        lim = shmlimit.KeyedLimiter({name!r}, rate=1, keys=10_000)  # 0.7 MiB fits
+        print("fits", lim.try_acquire("k"), os.listdir("/dev/shm"))
+        """
+    )
+    script = 'mount -t tmpfs -o size=4m tmpfs /dev/shm && exec "$0" -c "$1"'
+    try:
+        out = subprocess.run(
+            ["unshare", "-m", "sh", "-c", script, sys.executable, code], cwd=WORKDIR, capture_output=True, text=True, timeout=60
+        )
+    except FileNotFoundError:
+        pytest.skip("no unshare(1)")
+    if out.returncode != 0 and ("mount" in out.stderr or "unshare" in out.stderr):
+        pytest.skip(f"cannot make a private /dev/shm here: {out.stderr.strip()}")
+    assert out.returncode == 0, out.stderr
+    lines = out.stdout.splitlines()
+    assert lines[0].startswith("refused:") and "6.2 MiB" in lines[0] and "--shm-size" in lines[0]
+    assert lines[1] == f"fits True ['shmlimit.{name}']"
+    assert name not in shmlimit.list_names()  # the real /dev/shm was never touched
+
+
+def test_throttle_with_a_key(name):
+    @shmlimit.throttle(name, rate=1, per=60, burst=1, on_limit="raise", key=lambda user, **kw: user, keys=100)
+    def fetch(user, page=1):
+        return (user, page)
+
+    assert fetch("alice") == ("alice", 1)
+    assert fetch("bob", page=2) == ("bob", 2)
+    with pytest.raises(shmlimit.RateLimited) as e:
+        fetch("alice")
+    assert 50 < e.value.retry_after <= 60
+    assert isinstance(fetch.limiter(), shmlimit.KeyedLimiter)
+    with pytest.raises(TypeError, match="key="):
+        shmlimit.throttle(fetch.limiter())
+    with pytest.raises(TypeError, match="key="):
+        shmlimit.throttle(shmlimit.Limiter(name + "-p", rate=1), key=str)
+    shmlimit.unlink(name + "-p")
+    fetch.limiter().close()
+
+
+def test_throttle_async_with_a_key(name):
+    @shmlimit.throttle(name, rate=1, per=60, burst=1, on_limit="skip", key=lambda host: host, keys=100)
+    async def get(host):
+        return host
+
+    async def main():
+        return [await get("a"), await get("a"), await get("b")]
+
+    assert asyncio.run(main()) == ["a", None, "b"]
+
+
+def test_cli_and_top_show_keyed_limiters(name, capsys):
+    from shmlimit import cli, top
+
+    lim = shmlimit.KeyedLimiter(name, rate=1, per=60, keys=100)
+    for i in range(30):
+        lim.try_acquire(f"client-{i % 3}")
+    lim.try_acquire("evil\x1b[2J")
+    assert cli.main(["inspect", name]) == 0
+    out = capsys.readouterr().out
+    assert "keys" in out and "refused_full" in out
+    assert cli.main(["list"]) == 0
+    assert "4/100 keys" in capsys.readouterr().out
+    ins = top.Inspector([name])
+    ins.sample()
+    text = top.render(ins.sample(), 1.0)
+    assert "keys 4/100" in text and "client-0" in text and "\x1b[2J" not in text and "evil\\x1b[2J" in text
+    lim.close()
