@@ -106,7 +106,7 @@ def default_overrides(keys: int) -> int:
 MAX_KEYS = 1 << 26
 MAX_OVERRIDES = 1 << 16
 #: Slots a key may sit from its home slot (and the most a lookup ever reads).
-PROBE = 16
+PROBE = 32
 
 TICK_SHIFT = 4  #: ticks per ns = 1 << TICK_SHIFT
 DEAD = 1 << 63  #: V0's eviction flag (the value below it is kept)

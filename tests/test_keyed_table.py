@@ -111,9 +111,9 @@ def test_peek_and_reserve(backend):
 class TableMachine(RuleBasedStateMachine):
     backend = "atomics"
 
-    @initialize(nkeys=st.sampled_from([4, 8, 24]), burst=st.integers(1, 3))
-    def setup(self, nkeys, burst):
-        self.t = Table(self.backend, nkeys, burst)
+    @initialize(nkeys=st.sampled_from([4, 8, 24]), burst=st.integers(1, 3), probe=st.sampled_from([None, 3, 6]))
+    def setup(self, nkeys, burst, probe):
+        self.t = Table(self.backend, nkeys, burst, probe=probe and min(probe, nkeys))
         self.burst = burst
         self.now = 1 << 20
         self.tat = {}  # the model: key -> TAT (absent = a full bucket)
