@@ -291,7 +291,6 @@ cells_grabber(NativeCells *self, PyObject *const *args, Py_ssize_t n)
 #define KT_DEAD (UINT64_C(1) << 63) /* V0's eviction flag; the value below it is kept */
 #define KT_NEVER (-(INT64_C(1) << 62))
 #define KT_FULL (KT_NEVER - 1)
-#define KT_BUSYCFG (KT_NEVER - 2)
 #define KT_MAX_WAIT (UINT64_C(1) << 60)
 #define KT_KEY_MAX 4096
 #define KT_TICK_SHIFT 4
@@ -402,14 +401,24 @@ static inline uint64_t *kt_slot(KeyedTable *t, uint64_t home, uint64_t i)
     return t->slots + idx * LINEW;
 }
 
-/* The GCRA parameters for digest d under a consistent config: 1, or 0 if the config stayed
- * locked (odd) for the whole spin. */
-static int
+/* The GCRA parameters for digest d under a consistent config.  A writer holds CFG_SEQ odd for
+ * microseconds; one that stays odd for KT_LOCK_NS (its writer died) is closed by CAS to the next
+ * even value, as keyed_gcra.ConfigLock would take it over. */
+#define KT_LOCK_NS 200000000u
+static void
 kt_params(KeyedTable *t, const uint64_t d[2], uint64_t *T, uint64_t *tau)
 {
-    for (int spins = 0; spins < 1000; spins++) {
+    uint64_t seen = 0, since = 0;
+    for (;;) {
         uint64_t s1 = ld(t->cfg);
         if (s1 & 1) {
+            uint64_t now = kt_now() >> KT_TICK_SHIFT;
+            if (s1 != seen) {
+                seen = s1;
+                since = now;
+            } else if (now - since > KT_LOCK_NS) {
+                cas(t->cfg, s1, s1 + 1);
+            }
             Py_BEGIN_ALLOW_THREADS
             sched_yield();
             Py_END_ALLOW_THREADS
@@ -437,10 +446,9 @@ kt_params(KeyedTable *t, const uint64_t d[2], uint64_t *T, uint64_t *tau)
         if (ld(t->cfg) == s1) {
             *T = tt ? tt : 1;
             *tau = ta;
-            return 1;
+            return;
         }
     }
-    return 0;
 }
 
 /* Find the LIVE slot of digest d (V0 not DEAD); its CTRL in *ctrl.  NULL if absent. */
@@ -595,49 +603,41 @@ kt_display(const char *buf, Py_ssize_t len, uint64_t disp[3])
     memcpy(disp, b, 24);
 }
 
-/* acquire(key, n, max_wait, now=None) -> int.  See keyed_cells.KeyedTable.acquire. */
-static PyObject *
-kt_acquire(KeyedTable *t, PyObject *const *args, Py_ssize_t nargs_)
+/* The keyed composite: find or insert key's slot, then one GCRA step.  Returns the wait in ticks
+ * (>= 0: taken -- or, peeking (mw < 0), what a take would wait), KT_REFUSED (the wait exceeds mw;
+ * nothing written), KT_NEVER (n above the burst), KT_FULL (no slot for a new key); KT_ERROR with
+ * an exception set. */
+#define KT_REFUSED (-1)
+#define KT_ERROR (KT_NEVER - 3)
+static int64_t
+kt_step(KeyedTable *t, PyObject *key, PyObject *nobj, long long mw, uint64_t now)
 {
-    if (nargs_ < 3 || nargs_ > 4) {
-        PyErr_SetString(PyExc_TypeError, "acquire(key, n, max_wait, now=None)");
-        return NULL;
-    }
     if (!check_open(t->cells))
-        return NULL;
+        return KT_ERROR;
     const char *buf;
     Py_ssize_t len;
-    if (!kt_key(args[0], &buf, &len))
-        return NULL;
-    if (PyBool_Check(args[1]) || !PyLong_Check(args[1])) {
-        PyErr_Format(PyExc_TypeError, "n must be a positive int (ops), not %.100s", Py_TYPE(args[1])->tp_name);
-        return NULL;
+    if (!kt_key(key, &buf, &len))
+        return KT_ERROR;
+    if (PyBool_Check(nobj) || !PyLong_Check(nobj)) {
+        PyErr_Format(PyExc_TypeError, "n must be a positive int (ops), not %.100s", Py_TYPE(nobj)->tp_name);
+        return KT_ERROR;
     }
-    long long n = PyLong_AsLongLong(args[1]);
+    long long n = PyLong_AsLongLong(nobj);
     if (n == -1 && PyErr_Occurred()) {
         PyErr_Clear();
         n = LLONG_MAX;
     }
     if (n < 1) {
         PyErr_Format(PyExc_ValueError, "n must be a positive int (ops), got %lld", n);
-        return NULL;
+        return KT_ERROR;
     }
-    long long mw = PyLong_AsLongLong(args[2]); /* ticks; < 0: peek (take nothing, insert nothing) */
-    if (mw == -1 && PyErr_Occurred())
-        return NULL;
-    uint64_t now;
-    if (nargs_ == 4 && args[3] != Py_None) {
-        if (!u64(args[3], &now))
-            return NULL;
-    } else {
+    if (!now)
         now = kt_now();
-    }
     uint64_t d[2], T, tau;
     siphash128((const unsigned char *)buf, (size_t)len, t->k0, t->k1, d);
-    if (!kt_params(t, d, &T, &tau))
-        return PyLong_FromLongLong(KT_BUSYCFG);
+    kt_params(t, d, &T, &tau);
     if ((uint64_t)n > tau / T) /* more than the burst: never grantable */
-        return PyLong_FromLongLong(KT_NEVER);
+        return KT_NEVER;
     uint64_t cost = (uint64_t)n * T;
     uint64_t maxw = mw < 0 ? 0 : ((uint64_t)mw > KT_MAX_WAIT ? KT_MAX_WAIT : (uint64_t)mw);
     uint64_t home = (uint64_t)(((unsigned __int128)d[0] * t->nslots) >> 64);
@@ -647,7 +647,7 @@ kt_acquire(KeyedTable *t, PyObject *const *args, Py_ssize_t nargs_)
         uint64_t c, *s = kt_find(t, d, home, &c);
         if (!s) {
             if (mw < 0)
-                return PyLong_FromLong(0); /* absent: a full bucket */
+                return 0; /* absent: a full bucket */
             if (!displayed) {
                 kt_display(buf, len, disp);
                 displayed = 1;
@@ -656,11 +656,11 @@ kt_acquire(KeyedTable *t, PyObject *const *args, Py_ssize_t nargs_)
             s = kt_insert(t, d, home, now, now + cost, (uint64_t)n, disp, &c);
             if (!s) {
                 add(t->refused, 1);
-                return PyLong_FromLongLong(KT_FULL);
+                return KT_FULL;
             }
             if (c) {
                 add(t->grants, (uint64_t)n);
-                return PyLong_FromLong(0);
+                return 0;
             }
             continue;
         }
@@ -672,16 +672,74 @@ kt_acquire(KeyedTable *t, PyObject *const *args, Py_ssize_t nargs_)
             uint64_t wait = base + cost - now; /* > 0 */
             wait = wait > tau ? wait - tau : 0;
             if (mw < 0)
-                return PyLong_FromLongLong((int64_t)wait);
+                return (int64_t)wait;
             if (wait > maxw)
-                return PyLong_FromLongLong(-(int64_t)wait - 1);
+                return KT_REFUSED;
             if (cas(s + KW_V0, tat, base + cost)) {
                 add(s + KW_V1, (uint64_t)n);
                 add(t->grants, (uint64_t)n);
-                return PyLong_FromLongLong((int64_t)wait);
+                return (int64_t)wait;
             }
         }
     }
+}
+
+/* acquire(key, n, max_wait, now=None) -> int: see keyed_cells.KeyedTable.acquire. */
+static PyObject *
+kt_acquire(KeyedTable *t, PyObject *const *args, Py_ssize_t nargs_)
+{
+    if (nargs_ < 3 || nargs_ > 4) {
+        PyErr_SetString(PyExc_TypeError, "acquire(key, n, max_wait, now=None)");
+        return NULL;
+    }
+    long long mw = PyLong_AsLongLong(args[2]); /* ticks; < 0: peek (take nothing, insert nothing) */
+    if (mw == -1 && PyErr_Occurred())
+        return NULL;
+    uint64_t now = 0;
+    if (nargs_ == 4 && args[3] != Py_None && (!u64(args[3], &now) || !now)) {
+        if (!PyErr_Occurred())
+            PyErr_SetString(PyExc_ValueError, "now must be a positive tick count");
+        return NULL;
+    }
+    int64_t r = kt_step(t, args[0], args[1], mw, now);
+    if (r == KT_ERROR)
+        return NULL;
+    return PyLong_FromLongLong(r);
+}
+
+/* try_acquire(key, n=1) -> bool: the hot path, one call from Python to the answer. */
+static PyObject *
+kt_try_acquire(KeyedTable *t, PyObject *const *args, Py_ssize_t nargs_)
+{
+    static PyObject *one = NULL;
+    if (!one && !(one = PyLong_FromLong(1)))
+        return NULL;
+    if (nargs_ < 1 || nargs_ > 2) {
+        PyErr_SetString(PyExc_TypeError, "try_acquire(key, n=1)");
+        return NULL;
+    }
+    int64_t r = kt_step(t, args[0], nargs_ == 2 ? args[1] : one, 0, 0);
+    if (r == KT_ERROR)
+        return NULL;
+    if (r >= 0)
+        Py_RETURN_TRUE;
+    Py_RETURN_FALSE;
+}
+
+/* rebind(grants, pid): after fork, count this process's grants in its own word, insert as itself. */
+static PyObject *
+kt_rebind(KeyedTable *t, PyObject *const *args, Py_ssize_t n)
+{
+    uint64_t g, pid;
+    if (!nargs(n, 2, "rebind") || !check_open(t->cells) || !u64(args[0], &g) || !u64(args[1], &pid))
+        return NULL;
+    if (g % 8 || g > (uint64_t)t->cells->size - 8) {
+        PyErr_SetString(PyExc_IndexError, "rebind: the grants word lies outside the mapping");
+        return NULL;
+    }
+    t->grants = (uint64_t *)(t->cells->base + g);
+    t->pid = pid;
+    Py_RETURN_NONE;
 }
 
 static PyObject *
@@ -706,6 +764,9 @@ kt_dealloc(KeyedTable *self)
 static PyMethodDef kt_methods[] = {
     {"acquire", (PyCFunction)(void (*)(void))kt_acquire, METH_FASTCALL,
      "acquire(key, n, max_wait_ticks, now_ticks=None) -> wait ticks (>= 0, taken), or a refusal code (< 0)"},
+    {"try_acquire", (PyCFunction)(void (*)(void))kt_try_acquire, METH_FASTCALL,
+     "try_acquire(key, n=1) -> True if n ops were taken now for key; False changes nothing"},
+    {"rebind", (PyCFunction)(void (*)(void))kt_rebind, METH_FASTCALL, "rebind(grants_offset, pid)"},
     {"digest", (PyCFunction)kt_digest, METH_O, "digest(key) -> (d0, d1), the key's keyed 128-bit digest"},
     {NULL, NULL, 0, NULL},
 };

@@ -72,6 +72,9 @@ class _Closed:
     def acquire(self, *a: Any) -> int:
         raise ValueError("keyed limiter is closed in this process")
 
+    def try_acquire(self, *a: Any) -> bool:
+        raise ValueError("keyed limiter is closed in this process")
+
     def digest(self, key: object) -> Tuple[int, int]:
         raise ValueError("keyed limiter is closed in this process")
 
@@ -102,6 +105,9 @@ class _Attachment:
         start = proc_start(self.pid)
         self.slot = self.table.register(self.pid, start if start and start > 0 else 0)
         grants = K.UNREG_GRANTS if self.slot is None else K.HEADER_BYTES + self.slot * K.LINE + 16
+        if self.kt is not _CLOSED:  # after fork: the same object, so every handle's bound calls follow
+            self.kt.rebind(grants, self.pid)
+            return
         self.kt = self.cells.keyed_table(
             K.CFG_SEQ, K.OVR_LIVE, K.overrides_offset(), self.geo.overrides, K.slots_offset(self.geo.overrides),
             self.geo.keys, self.geo.probe, self.secret[0], self.secret[1],
@@ -238,6 +244,9 @@ class KeyedLimiter:
         self._name = name
         self._att: Optional[_Attachment] = None
         self._att = _open(name, r, geo if r is not None else None, mode)
+        # The hot path without a Python frame: the native composite's own try_acquire, bound to
+        # this attachment (rebound in place after fork; it refuses to run once the cells are closed).
+        self.try_acquire = self._att.kt.try_acquire  # type: ignore[method-assign]
 
     # -- identity and lifecycle ----------------------------------------------------
 
@@ -290,6 +299,7 @@ class KeyedLimiter:
     def close(self) -> None:
         """Detach this handle.  The segment stays (use ``unlink``); other processes are unaffected."""
         att, self._att = self._att, None
+        self.__dict__.pop("try_acquire", None)
         if att is not None:
             _release(att, detach=True)
 
@@ -311,13 +321,7 @@ class KeyedLimiter:
     # -- acquiring ---------------------------------------------------------------------
 
     def _call(self, key: object, n: int, max_wait: int) -> int:
-        """The keyed composite, retried while a config writer holds the lock."""
-        att = self._live()
-        while True:
-            r = att.kt.acquire(key, n, max_wait)
-            if r != KC.BUSYCFG:
-                return r
-            time.sleep(0.001)
+        return self._live().kt.acquire(key, n, max_wait)
 
     def try_acquire(self, key: object, n: int = 1) -> bool:
         """Take ``n`` ops for ``key`` only if they are available now; never waits.
@@ -326,15 +330,7 @@ class KeyedLimiter:
         key's capacity, or when the key is new and the table has no slot for it
         (counted in ``stats().refused_full``).
         """
-        att = self._att
-        if att is None:
-            self._live()
-        r = att.kt.acquire(key, n, 0)  # type: ignore[union-attr]
-        if r >= 0:
-            return True
-        if r == KC.BUSYCFG:
-            return self._call(key, n, 0) >= 0
-        return False
+        return self._live().kt.try_acquire(key, n)  # (an open handle calls the native one directly)
 
     def reserve(self, key: object, n: int = 1, max_wait: Optional[float] = None) -> Optional[float]:
         """Claim ``n`` ops for ``key`` and return the seconds to wait before using them (0.0: now).
@@ -386,12 +382,7 @@ class KeyedLimiter:
         them back could let a later caller exceed the key's rate).
         """
         t = validate_timeout(timeout)
-        att = self._live()
-        while True:
-            r = att.kt.acquire(key, n, KC.MAX_WAIT if t is None else _ticks(t))
-            if r != KC.BUSYCFG:
-                break
-            await asyncio.sleep(0.001)
+        r = self._call(key, n, KC.MAX_WAIT if t is None else _ticks(t))
         if r >= 0:
             deadline = time.monotonic_ns() + (r >> K.TICK_SHIFT) + 1
             while (left := deadline - time.monotonic_ns()) > 0:

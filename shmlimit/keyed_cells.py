@@ -46,9 +46,11 @@ from typing import Tuple
 from . import keyed_layout as K
 
 MASK64 = (1 << 64) - 1
+REFUSED = -1  #: the wait exceeds max_wait: nothing written
 NEVER = -(1 << 62)  #: n exceeds the burst: never grantable
 FULL = NEVER - 1  #: no slot for a new key (every slot of its window holds a limited key)
-BUSYCFG = NEVER - 2  #: the config stayed locked for the whole spin: retry
+#: A config lock held this long (ns) was left by a dead writer: readers close it.
+LOCK_NS = 200_000_000
 MAX_WAIT = 1 << 60
 KEY_MAX = 4096
 
@@ -157,12 +159,22 @@ class KeyedTable:
     def _slot(self, home: int, i: int) -> int:
         return self.slots + ((home + i) % self.nslots) * K.LINE
 
-    def params(self, d: Tuple[int, int]):
-        """(T, TAU) for digest d under a consistent config, or None if it stayed locked."""
+    def params(self, d: Tuple[int, int]) -> Tuple[int, int]:
+        """(T, TAU) for digest d under a consistent config.
+
+        A writer holds ``CFG_SEQ`` odd for microseconds; one that stays odd for
+        ``LOCK_NS`` (its writer died) is closed by CAS to the next even value.
+        """
         c = self.c
-        for _ in range(1000):
+        seen, since = 0, 0
+        while True:
             s1 = c.load(self.cfg)
             if s1 & 1:
+                now = time.monotonic_ns()
+                if s1 != seen:
+                    seen, since = s1, now
+                elif now - since > LOCK_NS:
+                    c.cas(self.cfg, s1, s1 + 1)
                 os.sched_yield()
                 continue
             t, tau = c.load(self.cfg + 32), c.load(self.cfg + 40)
@@ -178,7 +190,6 @@ class KeyedTable:
                         break
             if c.load(self.cfg) == s1:
                 return (t or 1), tau
-        return None
 
     def find(self, d: Tuple[int, int], home: int):
         c = self.c
@@ -284,9 +295,9 @@ class KeyedTable:
     def acquire(self, key: object, n: int, max_wait: int, now: "int | None" = None) -> int:
         """Find or insert ``key``'s slot and take ``n`` ops if they fit ``max_wait`` ticks.
 
-        Returns the wait in ticks (>= 0) after taking, ``-(wait) - 1`` when the
-        wait would exceed ``max_wait`` (nothing written), or ``NEVER``, ``FULL``,
-        ``BUSYCFG``.  ``max_wait < 0`` peeks: the wait, taking and inserting nothing.
+        Returns the wait in ticks (>= 0) after taking, ``REFUSED`` when the
+        wait would exceed ``max_wait`` (nothing written), ``NEVER`` or ``FULL``.
+        ``max_wait < 0`` peeks: the wait, taking and inserting nothing.
         """
         data = key_bytes(key)
         if isinstance(n, bool) or not isinstance(n, int):
@@ -296,10 +307,7 @@ class KeyedTable:
         if now is None:
             now = time.monotonic_ns() << K.TICK_SHIFT
         d = siphash128(data, self.k0, self.k1)
-        p = self.params(d)
-        if p is None:
-            return BUSYCFG
-        t, tau = p
+        t, tau = self.params(d)
         if n > tau // t:
             return NEVER
         cost = n * t
@@ -333,8 +341,17 @@ class KeyedTable:
                 if max_wait < 0:
                     return wait
                 if wait > maxw:
-                    return -wait - 1
+                    return REFUSED
                 if c.cas(s + K.S_V0, tat, base + cost):
                     c.fetch_add(s + K.S_V1, n)
                     c.fetch_add(self.grants, n)
                     return wait
+
+    def try_acquire(self, key: object, n: int = 1) -> bool:
+        """True if ``n`` ops were taken now for ``key``; False changes nothing."""
+        return self.acquire(key, n, 0) >= 0
+
+    def rebind(self, grants: int, pid: int) -> None:
+        """After fork: count this process's grants in its own word, and insert as itself."""
+        self.c._check(grants)
+        self.grants, self.pid = grants, pid

@@ -15,7 +15,11 @@
 6. the rate achieved while the filler's own process runs a CPU-bound Python loop;
 7. Redis, 4 processes: ops/s and Redis round trips per op for the direct RedisLimiter and the
    hierarchical mode side by side (with --redis URL, or a redis-server started for the run when
-   one is on the PATH; skipped otherwise).
+   one is on the PATH; skipped otherwise);
+8. keyed limits: KeyedLimiter.try_acquire on a live key (granted and refused), the first use of
+   a new key and churn through a full table, as ratios to the single Limiter.try_acquire of the
+   same run; 4 processes over 100 000 keys against a Manager().dict() + Lock keyed bucket and
+   against `limits` with RedisStorage (when `limits` is installed: pip install '.[bench]').
 """
 from __future__ import annotations
 
@@ -398,12 +402,167 @@ def start_redis():
     return proc, f"redis://127.0.0.1:{port}/0"
 
 
+# ---- 8. keyed limits -------------------------------------------------------------------------------
+
+
+def _keyed_costs(backend: str, n: int, q) -> None:
+    """Per-call costs in one process: the single Limiter's try_acquire next to the keyed ones."""
+    os.environ["SHMLIMIT_BACKEND"] = backend
+    tag = uuid.uuid4().hex[:8]
+    out: Dict[str, float] = {}
+    single = shmlimit.Limiter(f"bench-{tag}-s", **UNLIMITED)
+    fast = shmlimit.KeyedLimiter(f"bench-{tag}-f", rate=1e9, burst=1e9, keys=1024)
+    slow = shmlimit.KeyedLimiter(f"bench-{tag}-w", rate=1, per=3600, burst=1, keys=4 * n)
+    churn = shmlimit.KeyedLimiter(f"bench-{tag}-c", rate=1e9, burst=1, keys=max(1024, n // 10))
+    try:
+        out["Limiter.try_acquire (granted)"] = best_ns_per_call(single.try_acquire, n)
+        t = fast.try_acquire
+        t("client-42")
+        out["keyed try_acquire, live key (granted)"] = best_ns_per_call(lambda: t("client-42"), n)
+        s = slow.try_acquire
+        s("client-42")
+        out["keyed try_acquire, live key (refused)"] = best_ns_per_call(lambda: s("client-42"), n)
+        keys = [f"203.0.{i >> 8 & 255}.{i & 255}:{i}" for i in range(n)]  # new keys, a quarter of the slots
+        t0 = time.perf_counter_ns()
+        for k in keys:
+            s(k)
+        out["keyed try_acquire, first use of a new key"] = (time.perf_counter_ns() - t0) / n
+        c = churn.try_acquire
+        for k in keys[: churn.slots]:
+            c(k)  # fill the table: from here on, every new key evicts an idle one
+        more = [f"x{k}" for k in keys]
+        t0 = time.perf_counter_ns()
+        for k in more:
+            c(k)
+        out["keyed churn: new key through a full table"] = (time.perf_counter_ns() - t0) / n
+        out["evictions during churn"] = churn.stats().evicted
+        out["bytes of segment per key slot"] = slow.stats().segment_bytes / slow.slots
+        q.put(out)
+    finally:
+        for lim in (single, fast, slow, churn):
+            lim.close()
+            lim.unlink()
+
+
+def _keyed_worker(kind: str, name: str, nkeys: int, barrier, seconds: float, q, shared=None) -> None:
+    import random
+
+    rnd = random.Random(os.getpid())
+    keys = [f"client-{rnd.randrange(nkeys)}" for _ in range(4096)]
+    if kind == "shmlimit":
+        lim = shmlimit.attach(name)
+        call = lim.try_acquire
+    elif kind == "limits+redis":
+        import limits
+        from limits.storage import RedisStorage
+        from limits.strategies import FixedWindowRateLimiter
+
+        item = limits.parse("1000000/second")
+        hit = FixedWindowRateLimiter(RedisStorage(name)).hit
+
+        def call(k):
+            return hit(item, k)
+    else:
+        d, lock = shared
+
+        def call(k, rate=1e9, burst=1e9):  # the toy: a dict of (tokens, stamp) behind one Lock
+            with lock:
+                now = time.monotonic()
+                tokens, stamp = d.get(k, (burst, now))
+                tokens = min(burst, tokens + (now - stamp) * rate)
+                ok = tokens >= 1
+                d[k] = (tokens - 1 if ok else tokens, now)
+                return ok
+
+    barrier.wait(timeout=120)
+    end = time.monotonic() + seconds
+    n = 0
+    while time.monotonic() < end:
+        for k in keys[n % 4096 : n % 4096 + 64]:
+            call(k)
+        n += 64
+    q.put(n / seconds)
+
+
+def bench_keyed_aggregate(seconds: float, redis_url: Optional[str], procs: int = 4, nkeys: int = 100_000) -> dict:
+    ctx = mp.get_context("fork")
+    out: dict = {}
+    kinds = ["shmlimit", "Manager dict+Lock"] + (["limits+redis"] if redis_url else [])
+    for kind in kinds:
+        barrier, q = ctx.Barrier(procs), ctx.Queue()
+        name, shared, lim, manager = f"bench-{uuid.uuid4().hex[:8]}", None, None, None
+        if kind == "shmlimit":
+            lim = shmlimit.KeyedLimiter(name, rate=1e9, burst=1e9, keys=2 * nkeys)
+        elif kind == "limits+redis":
+            try:
+                import limits  # noqa: F401
+            except ImportError:
+                out[kind] = None
+                continue
+            name = redis_url
+        else:
+            manager = ctx.Manager()
+            shared = (manager.dict(), manager.Lock())
+        ps = [ctx.Process(target=_keyed_worker, args=(kind, name, nkeys, barrier, seconds, q, shared)) for _ in range(procs)]
+        for p in ps:
+            p.start()
+        out[kind] = sum(q.get(timeout=300) for _ in ps)
+        for p in ps:
+            p.join()
+        if lim is not None:
+            lim.close()
+            lim.unlink()
+        if manager is not None:
+            manager.shutdown()
+    return out
+
+
+def bench_keyed(n: int, seconds: float, redis_url: Optional[str]) -> dict:
+    res: dict = {}
+    ctx = mp.get_context("spawn")
+    for backend in ["native", "atomics"] if native_available() else ["atomics"]:
+        q = ctx.Queue()
+        p = ctx.Process(target=_keyed_costs, args=(backend, n if backend == "native" else max(1000, n // 100), q))
+        p.start()
+        res[backend] = q.get(timeout=600)
+        p.join()
+    res["aggregate_per_s"] = bench_keyed_aggregate(seconds, redis_url)
+    return res
+
+
+def print_keyed(k: dict) -> None:
+    print("\n8. keyed limits: one process, per call (ratios to the single Limiter.try_acquire of the same run)")
+    for backend in ("native", "atomics"):
+        if backend not in k:
+            continue
+        r = k[backend]
+        base = r["Limiter.try_acquire (granted)"]
+        print(f"   {backend:34} {'ns/op':>10} {'x Limiter.try_acquire':>22}")
+        for name, v in r.items():
+            if name in ("evictions during churn", "bytes of segment per key slot"):
+                continue
+            print(f"   {name:42} {v:10.0f} {v / base:14.2f}")
+        grant = r["keyed try_acquire, live key (granted)"]
+        print(f"   refusal / grant: {r['keyed try_acquire, live key (refused)'] / grant:.2f}x;"
+              f" churn: {1e9 / r['keyed churn: new key through a full table']:,.0f} new keys/s"
+              f" ({r['evictions during churn']:,} evictions); {r['bytes of segment per key slot']:.1f} bytes per key slot")
+    agg = k["aggregate_per_s"]
+    print("\n   4 processes over 100 000 keys, try_acquire at an unlimited per-key rate: aggregate calls/s")
+    ours = agg["shmlimit"]
+    for name, v in agg.items():
+        if v is None:
+            print(f"   {name:24} skipped (pip install limits)")
+            continue
+        print(f"   {name:24} {v:14,.0f}   shmlimit is {ours / v:,.1f}x")
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--json", action="store_true", help="print one JSON object instead of the table")
     ap.add_argument("--quick", action="store_true", help="shorter runs (a smoke test, not a measurement)")
     ap.add_argument("--redis", metavar="URL", help="Redis server for section 7 (default: start one if possible)")
     ap.add_argument("--only-redis", action="store_true", help="run section 7 only")
+    ap.add_argument("--only-keyed", action="store_true", help="run section 8 only")
     args = ap.parse_args(argv)
     quick = args.quick
     res: dict = dict(
@@ -414,7 +573,7 @@ def main(argv=None) -> int:
             native=native_available(),
         )
     )
-    if not args.only_redis:
+    if not (args.only_redis or args.only_keyed):
         res["single_ns"] = bench_single(20_000 if quick else 300_000)
         res["aggregate_per_s"] = bench_aggregate([1, 2, 4, 8], 0.5 if quick else 1.5)
         res["fidelity"] = bench_fidelity([500, 5000, 100_000, 1_000_000], 2.0 if quick else 5.0)
@@ -423,7 +582,10 @@ def main(argv=None) -> int:
         res["filler_under_load"] = bench_filler_under_load(3.0 if quick else 5.0)
     server, url = (None, args.redis) if args.redis else start_redis()
     try:
-        res["redis"] = bench_redis(url, 1.0 if quick else 3.0) if url else None
+        if not args.only_keyed:
+            res["redis"] = bench_redis(url, 1.0 if quick else 3.0) if url else None
+        if not args.only_redis:
+            res["keyed"] = bench_keyed(20_000 if quick else 200_000, 0.5 if quick else 1.5, url)
     finally:
         if server is not None:
             server.kill()
@@ -440,6 +602,13 @@ def print_table(res: dict) -> None:
     print(f"shmlimit benchmark — Python {m['python']}, {m['cpus']} CPUs, {m['platform']}, native={m['native']}\n")
     if "single_ns" in res:
         print_local(res)
+    if "redis" in res:
+        print_redis(res)
+    if "keyed" in res:
+        print_keyed(res["keyed"])
+
+
+def print_redis(res: dict) -> None:
     print("\n7. Redis, 4 processes: direct RedisLimiter vs hierarchical (shared memory fed from Redis)")
     if not res.get("redis"):
         print("   skipped: no redis-server on the PATH and no --redis URL")
