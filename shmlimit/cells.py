@@ -80,6 +80,10 @@ class Cells(Protocol):
 
     def try_grab(self, tail: int, head: int, amount: int, grants: int, ops: int) -> bool: ...
 
+    def keyed_table(self, *offsets_and_params: int) -> Any:
+        """The keyed slot table's composite (find/insert/evict + a GCRA step): see ``keyed_cells``."""
+        ...
+
 
 class CompositesFromPrimitives:
     """The composites (the hot path in one call), built from the four primitives.
