@@ -15,12 +15,15 @@ from shmlimit import keyed_layout as K
 RATE, BURST, KEYS, WORKERS, SECONDS = 20.0, 2, 200, 4, 1.0
 
 
-def hammer(lim, seed, seconds):
-    """try_acquire / timed acquire on random keys; (key, before, after) for each grant."""
+def hammer(lim, seed, seconds, calls=400):
+    """try_acquire / timed acquire on random keys for ``seconds`` and at least ``calls`` calls
+    (a loaded machine or the slow backend still covers the keys); (key, before, after) per grant."""
     rnd = random.Random(seed)
     out = []
     end = time.monotonic() + seconds
-    while time.monotonic() < end:
+    done = 0
+    while time.monotonic() < end or done < calls:
+        done += 1
         key = f"client-{rnd.randrange(KEYS)}"
         before = time.monotonic()
         ok = lim.try_acquire(key) if rnd.random() < 0.8 else lim.acquire(key, timeout=0.02)
@@ -60,7 +63,7 @@ def test_per_key_window_bound_across_processes(name, method):
         results = pool.starmap(hammer, [(lim, seed, SECONDS) for seed in range(WORKERS)])
     grants = [g for r in results for g in r]
     by_key = check_window_bound(grants, RATE, BURST)
-    assert len(by_key) >= KEYS // 2  # keys were served (all of them on the native backend) ...
+    assert len(by_key) >= KEYS // 2  # keys were served ...
     per_key = [len(v) for v in by_key.values()]
     assert max(per_key) >= BURST + 2  # ... some beyond their burst (the limit is a rate, not a cap)
     assert sum(per_key) <= KEYS * (RATE * (SECONDS + 5) + BURST)  # pool start-up included, loosely
