@@ -134,62 +134,27 @@ def alive(pid: int) -> bool:
     return True
 
 
-class KeyedTable:
-    """Reference version of the native ``KeyedTable``: the same arguments, the same answers."""
+class SlotTable:
+    """The slot protocol alone (lookup, insert, exact eviction, reuse), for any value kind.
 
-    def __init__(self, cells, cfg: int, ovr_live: int, ovr: int, novr: int, slots: int, nslots: int, probe: int,
-                 k0: int, k1: int, keys_live: int, evicted: int, refused: int, grants: int, pid: int) -> None:
-        size = cells.size
-        for off, lines in ((cfg, 1), (ovr, novr), (slots, nslots)):
-            if off % 8 or off + lines * K.LINE > size:
-                raise IndexError("keyed_table: a region lies outside the mapping")
-        if not nslots or not probe or probe > nslots:
+    A value kind (GCRA here; fixed-window or sliding-window counters for a
+    ``limits`` storage) uses ``find`` and ``insert`` and defines what
+    ``V0..V4`` mean, under the one contract above: ``V0`` is the expiry word,
+    its values only ever increase, and a slot whose ``V0 <= now`` may be
+    evicted.  Updates of the values go through CAS on ``V0`` after checking
+    that ``CTRL`` still holds the LIVE word ``find`` returned.
+    """
+
+    def __init__(self, cells, slots: int, nslots: int, probe: int, keys_live: int, evicted: int, pid: int) -> None:
+        if slots % 8 or slots + nslots * K.LINE > cells.size or not nslots or not probe or probe > nslots:
             raise IndexError("keyed_table: a region lies outside the mapping")
-        for off in (ovr_live, keys_live, evicted, refused, grants):
-            cells._check(off)
+        cells._check(keys_live, evicted)
         self.c = cells
-        self.cfg, self.ovr_live, self.ovr, self.novr = cfg, ovr_live, ovr, novr
         self.slots, self.nslots, self.probe = slots, nslots, probe
-        self.k0, self.k1 = k0, k1
-        self.keys_live, self.evicted, self.refused, self.grants, self.pid = keys_live, evicted, refused, grants, pid
-
-    def digest(self, key: object) -> Tuple[int, int]:
-        return siphash128(key_bytes(key), self.k0, self.k1)
+        self.keys_live, self.evicted, self.pid = keys_live, evicted, pid
 
     def _slot(self, home: int, i: int) -> int:
         return self.slots + ((home + i) % self.nslots) * K.LINE
-
-    def params(self, d: Tuple[int, int]) -> Tuple[int, int]:
-        """(T, TAU) for digest d under a consistent config.
-
-        A writer holds ``CFG_SEQ`` odd for microseconds; one that stays odd for
-        ``LOCK_NS`` (its writer died) is closed by CAS to the next even value.
-        """
-        c = self.c
-        seen, since = 0, 0
-        while True:
-            s1 = c.load(self.cfg)
-            if s1 & 1:
-                now = time.monotonic_ns()
-                if s1 != seen:
-                    seen, since = s1, now
-                elif now - since > LOCK_NS:
-                    c.cas(self.cfg, s1, s1 + 1)
-                os.sched_yield()
-                continue
-            t, tau = c.load(self.cfg + 32), c.load(self.cfg + 40)
-            if self.novr and c.load(self.ovr_live):
-                home = (d[1] * self.novr) >> 64
-                for i in range(min(self.probe, self.novr)):
-                    e = self.ovr + ((home + i) % self.novr) * K.LINE
-                    ctl = c.load(e)
-                    if ctl == K.O_EMPTY:
-                        break
-                    if ctl == K.O_LIVE and c.load(e + K.O_D0) == d[0] and c.load(e + K.O_D1) == d[1]:
-                        t, tau = c.load(e + K.O_T), c.load(e + K.O_TAU)
-                        break
-            if c.load(self.cfg) == s1:
-                return (t or 1), tau
 
     def find(self, d: Tuple[int, int], home: int):
         c = self.c
@@ -204,8 +169,8 @@ class KeyedTable:
                 return s, ctl
         return None, 0
 
-    def insert(self, d: Tuple[int, int], home: int, now: int, v0: int, v1: int, disp: Tuple[int, int, int]):
-        """Insert with the first grant in the values (V0 = v0, raised above the slot's past; V1 = v1).
+    def insert(self, d: Tuple[int, int], home: int, now: int, v0: int, rest: Tuple[int, int, int, int]):
+        """Insert digest d with its first values (V0 = v0, raised above the slot's past; V1..V4 = rest).
 
         Returns (slot, ctrl): ctrl is the LIVE word when we published (the
         grant is made), 0 means "look again"; slot None means the window is full.
@@ -248,9 +213,8 @@ class KeyedTable:
             c.fetch_add(self.evicted, 1)
         c.store(cand + K.S_D0, d[0])
         c.store(cand + K.S_D1, d[1])
-        c.store(cand + K.S_V1, v1)
-        for k in range(3):
-            c.store(cand + K.S_V2 + 8 * k, disp[k])
+        for k in range(4):
+            c.store(cand + K.S_V1 + 8 * k, rest[k])
         prior = c.load(cand + K.S_V0) & ~K.DEAD
         fresh = v0 if prior < v0 else prior + 1
         c.store(cand + K.S_V0, fresh)
@@ -292,6 +256,60 @@ class KeyedTable:
         self.c.cas(cand, pend, K.ctrl(K.TOMB, 0, gen))
         return cand, 0
 
+class KeyedTable(SlotTable):
+    """The value kind GCRA on the slot protocol: the reference version of the native ``KeyedTable``.
+
+    ``V0`` = the key's TAT, ``V1`` = its grants, ``V2..V4`` = its first bytes for display.
+    The same arguments and the same answers as the native one.
+    """
+
+    def __init__(self, cells, cfg: int, ovr_live: int, ovr: int, novr: int, slots: int, nslots: int, probe: int,
+                 k0: int, k1: int, keys_live: int, evicted: int, refused: int, grants: int, pid: int) -> None:
+        super().__init__(cells, slots, nslots, probe, keys_live, evicted, pid)
+        for off, lines in ((cfg, 1), (ovr, novr)):
+            if off % 8 or off + lines * K.LINE > cells.size:
+                raise IndexError("keyed_table: a region lies outside the mapping")
+        cells._check(ovr_live, refused, grants)
+        self.cfg, self.ovr_live, self.ovr, self.novr = cfg, ovr_live, ovr, novr
+        self.k0, self.k1 = k0, k1
+        self.refused, self.grants = refused, grants
+
+
+    def digest(self, key: object) -> Tuple[int, int]:
+        return siphash128(key_bytes(key), self.k0, self.k1)
+
+    def params(self, d: Tuple[int, int]) -> Tuple[int, int]:
+        """(T, TAU) for digest d under a consistent config.
+
+        A writer holds ``CFG_SEQ`` odd for microseconds; one that stays odd for
+        ``LOCK_NS`` (its writer died) is closed by CAS to the next even value.
+        """
+        c = self.c
+        seen, since = 0, 0
+        while True:
+            s1 = c.load(self.cfg)
+            if s1 & 1:
+                now = time.monotonic_ns()
+                if s1 != seen:
+                    seen, since = s1, now
+                elif now - since > LOCK_NS:
+                    c.cas(self.cfg, s1, s1 + 1)
+                os.sched_yield()
+                continue
+            t, tau = c.load(self.cfg + 32), c.load(self.cfg + 40)
+            if self.novr and c.load(self.ovr_live):
+                home = (d[1] * self.novr) >> 64
+                for i in range(min(self.probe, self.novr)):
+                    e = self.ovr + ((home + i) % self.novr) * K.LINE
+                    ctl = c.load(e)
+                    if ctl == K.O_EMPTY:
+                        break
+                    if ctl == K.O_LIVE and c.load(e + K.O_D0) == d[0] and c.load(e + K.O_D1) == d[1]:
+                        t, tau = c.load(e + K.O_T), c.load(e + K.O_TAU)
+                        break
+            if c.load(self.cfg) == s1:
+                return (t or 1), tau
+
     def acquire(self, key: object, n: int, max_wait: int, now: "int | None" = None) -> int:
         """Find or insert ``key``'s slot and take ``n`` ops if they fit ``max_wait`` ticks.
 
@@ -323,7 +341,7 @@ class KeyedTable:
                 if disp is None:
                     disp = display_words(data)
                 # a new key's bucket is full: n <= burst is granted at once, by the insert itself
-                s, ctl = self.insert(d, home, now, now + cost, n, disp)
+                s, ctl = self.insert(d, home, now, now + cost, (n, *disp))
                 if s is None:
                     c.fetch_add(self.refused, 1)
                     return FULL

@@ -94,13 +94,26 @@ class ConfigLock:
         self.c.store(K.CFG_SEQ, self.seq + 1)
 
 
+def _write_pair(c: Cells, t_off: int, tau_off: int, t: int, tau: int) -> None:
+    """Move (T, TAU) to (t, tau) so that every intermediate pair is no more permissive than the old
+    or the new one: first the slower T and the smaller TAU of the two, then the new values.
+
+    Readers never use a pair read while the lock is held, but a writer killed here leaves the
+    lock to be closed by readers after LOCK_TIMEOUT, and then its last pair is the one in force.
+    """
+    old_t, old_tau = c.load(t_off), c.load(tau_off)
+    c.store(t_off, max(old_t, t))
+    c.store(tau_off, min(old_tau, tau))
+    c.store(t_off, t)
+    c.store(tau_off, tau)
+
+
 def publish_default(c: Cells, rate: Rate) -> None:
     with ConfigLock(c):
+        _write_pair(c, K.CFG_T, K.CFG_TAU, rate.t, rate.tau)
         c.store(K.CFG_RATE, L.f2u(rate.rate))
         c.store(K.CFG_PER, L.f2u(rate.per))
         c.store(K.CFG_BURST, L.f2u(rate.burst))
-        c.store(K.CFG_T, rate.t)
-        c.store(K.CFG_TAU, rate.tau)
 
 
 def read_default(c: Cells) -> Rate:
@@ -160,12 +173,15 @@ class Overrides:
                         f"the override table is full near this key ({self.novr} entries): remove overrides, "
                         f"or create the keyed limiter with a larger overrides="
                     )
+                # a new entry is complete before it is LIVE: a writer killed here leaves no half override
+                c.store(e + K.O_T, rate.t)
+                c.store(e + K.O_TAU, rate.tau)
                 c.store(e + K.O_D0, d[0])
                 c.store(e + K.O_D1, d[1])
                 c.store(e + K.O_CTRL, K.O_LIVE)
                 c.fetch_add(K.OVR_LIVE, 1)
-            c.store(e + K.O_T, rate.t)
-            c.store(e + K.O_TAU, rate.tau)
+            else:
+                _write_pair(c, e + K.O_T, e + K.O_TAU, rate.t, rate.tau)
             c.store(e + K.O_RATE, L.f2u(rate.rate))
             c.store(e + K.O_PER, L.f2u(rate.per))
             c.store(e + K.O_BURST, L.f2u(rate.burst))

@@ -289,3 +289,78 @@ def test_cli_and_top_show_keyed_limiters(name, capsys):
     text = top.render(ins.sample(), 1.0)
     assert "keys 4/100" in text and "client-0" in text and "\x1b[2J" not in text and "evil\\x1b[2J" in text
     lim.close()
+
+
+def test_each_segment_has_its_own_secret(name):
+    a = shmlimit.KeyedLimiter(name, rate=1, keys=64)
+    b = shmlimit.KeyedLimiter(name + "-b", rate=1, keys=64)
+    digest = lambda lim, key: lim._live().kt.digest(key)  # noqa: E731
+    assert digest(a, "203.0.113.7") != digest(b, "203.0.113.7")  # placement cannot be precomputed
+    assert digest(a, "203.0.113.7") == digest(shmlimit.attach(name), "203.0.113.7")  # but is shared
+    for lim in (a, b):
+        lim.close()
+    shmlimit.unlink(name + "-b")
+
+
+def _inherited(q):
+    q.put((os.getpid(), _INHERITED.try_acquire("child-key"), _INHERITED.try_acquire("child-key")))
+
+
+_INHERITED = None
+
+
+def test_a_handle_inherited_through_fork_counts_as_the_child(name):
+    global _INHERITED
+    import multiprocessing as mp
+
+    _INHERITED = lim = shmlimit.KeyedLimiter(name, rate=1, per=60, burst=1, keys=100)
+    try:
+        ctx = mp.get_context("fork")
+        q = ctx.Queue()
+        p = ctx.Process(target=_inherited, args=(q,))
+        p.start()
+        pid, first, second = q.get(timeout=60)
+        p.join()
+        assert (first, second) == (True, False)
+        assert not lim.try_acquire("child-key")  # the child's grant is the parent's limit too
+        assert lim.stats().grants == 1  # counted once: in the child's own process slot
+    finally:
+        _INHERITED = None
+        lim.close()
+
+
+@pytest.mark.parametrize("old, new", [((1, 5), (3, 2)), ((3, 2), (1, 5)), ((2, 8), (1, 1)), ((1, 1), (4, 40))])
+def test_a_writer_killed_midway_leaves_a_pair_no_more_permissive_than_old_or_new(name, old, new):
+    """(T, TAU) after any prefix of a config write: T at least one side's, TAU at most that side's."""
+    from shmlimit.keyed_gcra import Rate, _write_pair
+
+    lim = shmlimit.KeyedLimiter(name, rate=1, keys=64)
+    cells = lim._live().cells
+
+    class Killed(Exception):
+        pass
+
+    class DiesAfter:
+        def __init__(self, stores):
+            self.left = stores
+
+        def load(self, off):
+            return cells.load(off)
+
+        def store(self, off, value):
+            if not self.left:
+                raise Killed
+            self.left -= 1
+            cells.store(off, value)
+
+    for stores in range(5):
+        cells.store(K.CFG_T, old[0])
+        cells.store(K.CFG_TAU, old[1])
+        try:
+            _write_pair(DiesAfter(stores), K.CFG_T, K.CFG_TAU, *new)
+        except Killed:
+            pass
+        t, tau = cells.load(K.CFG_T), cells.load(K.CFG_TAU)
+        assert (t >= old[0] and tau <= old[1]) or (t >= new[0] and tau <= new[1]), (stores, t, tau)
+    assert Rate(10, 1, 2).t == 160_000_000  # ticks of 1/16 ns
+    lim.close()
