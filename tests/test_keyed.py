@@ -362,5 +362,5 @@ def test_a_writer_killed_midway_leaves_a_pair_no_more_permissive_than_old_or_new
             pass
         t, tau = cells.load(K.CFG_T), cells.load(K.CFG_TAU)
         assert (t >= old[0] and tau <= old[1]) or (t >= new[0] and tau <= new[1]), (stores, t, tau)
-    assert Rate(10, 1, 2).t == 160_000_000  # ticks of 1/16 ns
+    assert Rate(10, 1, 2).t == 1_600_000_000 and Rate(10, 1, 2).tau == 3_200_000_000  # ticks of 1/16 ns
     lim.close()
