@@ -24,11 +24,11 @@ from typing import Any, Dict, List, Optional, Tuple
 
 from . import keyed_cells as KC
 from . import keyed_layout as K
-from .cells import Cells
+from .cells import Cells, open_cells
 from .config import validate_timeout
-from .errors import ConfigMismatchError, KeyTableFullError
-from .keyed_gcra import TICKS_PER_S, Overrides, Rate, make_rate, publish_default, read_default
-from .keyed_segment import Geometry, check_geometry, open_segment
+from .errors import ConfigMismatchError, KeyTableFullError, SegmentError
+from .keyed_gcra import TICKS_PER_S, Overrides, Rate, make_rate, publish_default, read_default, read_rate
+from .keyed_segment import Geometry, check_geometry, open_segment, read_copy, validate_header
 from .segment import Segment, current_inode, validate_name
 from .segment import unlink as _unlink_name
 from .table import ProcessTable, is_alive, proc_start
@@ -152,14 +152,14 @@ def _detach_all() -> None:
 atexit.register(_detach_all)
 
 
-def _open(name: str, rate: Optional[Rate], geo: Optional[Geometry], mode: int) -> _Attachment:
+def _open(name: str, rate: Optional[Rate], geo: Optional[Geometry], mode: int, trusted: frozenset) -> _Attachment:
     with _lock:
         att = _registry.get(name)
         if att is not None and (att.closed or current_inode(name) != att.seg.inode):
             _registry.pop(name, None)
             att = None
         if att is None:
-            seg, cells, real = open_segment(name, geo, rate, mode)
+            seg, cells, real = open_segment(name, geo, rate, mode, trusted)
             att = _Attachment(name, seg, cells, real)
             try:
                 _check(name, att, rate, geo)
@@ -235,6 +235,7 @@ class KeyedLimiter:
         *,
         overrides: Optional[int] = None,
         mode: int = 0o600,
+        trusted_uids: Any = (),
     ) -> None:
         validate_name(name)
         geo = check_geometry(keys, K.default_overrides(keys) if overrides is None and isinstance(keys, int) else overrides)
@@ -243,7 +244,10 @@ class KeyedLimiter:
             raise ValueError(f"mode must be permission bits between 0 and 0o777, got {mode!r}")
         self._name = name
         self._att: Optional[_Attachment] = None
-        self._att = _open(name, r, geo if r is not None else None, mode)
+        trusted = frozenset(trusted_uids)
+        if not all(isinstance(u, int) and not isinstance(u, bool) and u >= 0 for u in trusted):
+            raise ValueError(f"trusted_uids must be user ids (ints >= 0), got {trusted_uids!r}")
+        self._att = _open(name, r, geo if r is not None else None, mode, trusted)
         # The hot path without a Python frame: the native composite's own try_acquire, bound to
         # this attachment (rebound in place after fork; it refuses to run once the cells are closed).
         self.try_acquire = self._att.kt.try_acquire  # type: ignore[method-assign]
@@ -448,23 +452,27 @@ class KeyedLimiter:
 
 
 def snapshot(name: str, att: _Attachment) -> KeyedStats:
-    c = att.cells
-    r = read_default(c)
-    procs = tuple(KeyedProcess(e.pid, is_alive(e.pid, e.start), e.grants) for e in att.table.entries())
+    return _snapshot(name, att.cells, att.geo, att.seg.size)
+
+
+def _snapshot(name: str, c: Cells, geo: Geometry, size: int) -> KeyedStats:
+    r = read_rate(c)  # no wait: a copy taken while a writer worked would never change (display only)
+    table = ProcessTable(c, K.PSLOTS)
+    procs = tuple(KeyedProcess(e.pid, is_alive(e.pid, e.start), e.grants) for e in table.entries())
     keys = c.load(K.KEYS_LIVE)
     return KeyedStats(
         name=name,
         rate=r.rate,
         per=r.per,
         capacity=r.burst,
-        slots=att.geo.keys,
+        slots=geo.keys,
         keys=keys if keys < 1 << 63 else 0,
         evicted=c.load(K.EVICTED),
         refused_full=c.load(K.REFUSED),
-        grants=c.load(K.UNREG_GRANTS) + att.table.total_grants(),
-        overrides=att.overrides.count(),
-        override_slots=att.geo.overrides,
-        segment_bytes=att.seg.size,
+        grants=c.load(K.UNREG_GRANTS) + table.total_grants(),
+        overrides=c.load(K.OVR_LIVE),
+        override_slots=geo.overrides,
+        segment_bytes=size,
         processes=procs,
         backend=c.backend,
     )
@@ -481,43 +489,58 @@ def sample_keys(name: str, start: int, count: int) -> Tuple[List[KeySample], int
     """Read ``count`` key slots from ``start`` (wrapping) without joining: the live keys found there.
 
     Returns them with the next start, so a caller (``shmlimit top``) covers the
-    whole table over several refreshes at a bounded cost per refresh.
+    whole table over several refreshes at a bounded cost per refresh.  The
+    slots are read with ``pread`` into a private copy: nothing is mapped.
     """
-    att = _map_readonly(name)
-    try:
-        c, geo = att.cells, att.geo
-        base = K.slots_offset(geo.overrides)
-        now = time.monotonic_ns() << K.TICK_SHIFT
-        out = []
-        count = min(count, geo.keys)
-        for i in range(count):
-            s = base + ((start + i) % geo.keys) * K.LINE
-            ctl = c.load(s)
-            if ctl & 0xFF != K.LIVE:
-                continue
-            tat = c.load(s + K.S_V0)
-            if tat & K.DEAD:
-                continue
-            disp = (c.load(s + K.S_V2), c.load(s + K.S_V3), c.load(s + K.S_V4))
-            out.append(KeySample(KC.display_key(disp), c.load(s + K.S_V1), max(0, tat - now) / TICKS_PER_S))
-        return out, (start + count) % geo.keys
-    finally:
-        att.detach()
+    cells, geo, _ = _header_copy(name)
+    cells.close()
+    base = K.slots_offset(geo.overrides)
+    count = min(count, geo.keys)
+    start %= geo.keys
+    first = min(count, geo.keys - start)
+    now = time.monotonic_ns() << K.TICK_SHIFT
+    out = []
+    for off, n in ((base + start * K.LINE, first), (base, count - first)):
+        if not n:
+            continue
+        data, _ = read_copy(name, off, n * K.LINE)
+        c = open_cells(data, len(data))
+        try:
+            for i in range(min(n, len(data) // K.LINE)):
+                s = i * K.LINE
+                if c.load(s) & 0xFF != K.LIVE:
+                    continue
+                tat = c.load(s + K.S_V0)
+                if tat & K.DEAD:
+                    continue
+                disp = (c.load(s + K.S_V2), c.load(s + K.S_V3), c.load(s + K.S_V4))
+                out.append(KeySample(KC.display_key(disp), c.load(s + K.S_V1), max(0, tat - now) / TICKS_PER_S))
+        finally:
+            c.close()
+    return out, (start + count) % geo.keys
 
 
-def _map_readonly(name: str) -> _Attachment:
+def _header_copy(name: str) -> Tuple[Cells, Geometry, int]:
+    """A private, validated copy of the header and the process table: (cells over it, geometry, file size)."""
     validate_name(name)
-    seg, cells, geo = open_segment(name, None, None, 0)
-    return _Attachment(name, seg, cells, geo, join=False)
+    data, size = read_copy(name, 0, K.overrides_offset())
+    c = open_cells(data, len(data))
+    try:
+        if len(data) < K.overrides_offset() or c.load(K.MAGIC_OFF) != K.MAGIC or c.load(K.STATE_OFF) != K.STATE_READY:
+            raise SegmentError(f"segment {name!r} is not a ready keyed limiter")
+        return c, validate_header(name, c, size), size
+    except BaseException:
+        c.close()
+        raise
 
 
 def inspect_keyed(name: str) -> KeyedStats:
-    """A snapshot of a keyed limiter, read without joining it (nothing is written)."""
-    att = _map_readonly(name)
+    """A snapshot of a keyed limiter, read without joining it: a private copy of its header, nothing mapped."""
+    c, geo, size = _header_copy(name)
     try:
-        return snapshot(name, att)
+        return _snapshot(name, c, geo, size)
     finally:
-        att.detach()
+        c.close()
 
 
 def attach_keyed(name: str) -> KeyedLimiter:

@@ -10,17 +10,21 @@ a full ``/dev/shm`` is a clear error at once rather than a bus error later.
 from __future__ import annotations
 
 import math
+import mmap
 import os
+import stat
 import time
 from dataclasses import dataclass
-from typing import Optional, Tuple
+from typing import AbstractSet, Optional, Tuple
+
+import posix_ipc
 
 from . import keyed_layout as K
 from . import layout as L
 from .cells import Cells, open_cells, warm_backend
 from .keyed_gcra import MAX_TICKS, Rate, read_rate
 from .errors import LimiterNotFoundError, SegmentError, SharedMemoryFullError
-from .segment import SHM_DIR, PREFIX, Segment, current_inode
+from .segment import PREFIX, SHM_DIR, Segment, current_inode, posix_name
 from .segment import unlink as _unlink_name
 from .table import is_alive
 
@@ -142,7 +146,98 @@ def validate_header(name: str, c: Cells, mapped: int) -> Geometry:
     return Geometry(keys, novr)
 
 
-def _wait_ready(name: str, seg: Segment) -> Segment:
+#: No keyed segment is larger than this (bytes): a bigger file is neither read nor mapped.
+MAX_BYTES = K.segment_size(K.MAX_KEYS, K.MAX_OVERRIDES)
+#: Write bits another user could hold.
+_WRITE_BITS = 0o022
+
+
+def check_owner(name: str, st: os.stat_result, mode: int, trusted_uids: AbstractSet[int]) -> None:
+    """Refuse a segment that a user this process does not trust could have written.
+
+    Trusted owners: this process's effective uid, root and ``trusted_uids``;
+    and the segment may not be writable by group or others beyond ``mode``.
+    Checked on the descriptor that is then mapped.
+    """
+    owner, bits = st.st_uid, st.st_mode & 0o7777
+    if owner not in (os.geteuid(), 0) and owner not in trusted_uids:
+        raise SegmentError(
+            f"refusing keyed limiter {name!r}: owned by uid {owner}, mode {bits:#o}: another user owns it; "
+            f"pass trusted_uids=[{owner}] only if you trust that user"
+        )
+    extra = bits & _WRITE_BITS & ~mode
+    if extra:
+        raise SegmentError(
+            f"refusing keyed limiter {name!r}: owned by uid {owner}, mode {bits:#o}: writable by "
+            f"{'group' if extra & 0o020 else 'others'} beyond the mode asked for ({mode:#o}); "
+            f"pass mode={bits & 0o777:#o} only if that is intended"
+        )
+
+
+def _open_checked(name: str, mode: int, trusted_uids: AbstractSet[int]) -> Segment:
+    """Map an existing segment only after checking who may write it and that its header fits the file.
+
+    A mapping longer than its file raises SIGBUS on the first access past its
+    end, so the header's SIZE is read with ``pread`` and checked first.
+    """
+    try:
+        shm = posix_ipc.SharedMemory(posix_name(name))
+    except posix_ipc.ExistentialError:
+        raise LimiterNotFoundError(name) from None
+    except posix_ipc.PermissionsError as e:
+        raise PermissionError(f"not allowed to open limiter {name!r}: {e}") from None
+    except OSError as e:
+        raise SegmentError(f"segment {name!r} cannot be opened: {e}") from None
+    try:
+        st = os.fstat(shm.fd)
+        if not stat.S_ISREG(st.st_mode):
+            raise SegmentError(f"segment {name!r} is not a regular file")
+        check_owner(name, st, mode, trusted_uids)
+        size = st.st_size
+        if size > MAX_BYTES:
+            raise SegmentError(f"segment {name!r} is {size} bytes; no keyed limiter is larger than {MAX_BYTES}")
+        head = os.pread(shm.fd, K.LINE, 0) if size >= K.LINE else b""
+        if len(head) == K.LINE:
+            magic, state, declared = (int.from_bytes(head[o:o + 8], "little") for o in (K.MAGIC_OFF, K.STATE_OFF, K.SIZE_OFF))
+            if magic == K.MAGIC and state == K.STATE_READY and declared > size:
+                raise SegmentError(f"segment {name!r} is truncated: its header says {declared} bytes, the file has {size}")
+        mm = mmap.mmap(shm.fd, size) if size else None
+    finally:
+        shm.close_fd()
+    return Segment(name, mm, size, False, st.st_ino, st.st_ctime_ns)  # type: ignore[arg-type]
+
+
+def read_copy(name: str, offset: int, length: int) -> Tuple[bytearray, int]:
+    """``length`` bytes from ``offset`` (fewer at the end of the file) with ``pread``, and the file's size.
+
+    For the tools that only look (inspect, top): nothing is mapped, so a
+    segment truncated under them cannot raise SIGBUS, and a FIFO or directory
+    under a limiter's name is refused, never waited on.
+    """
+    try:
+        fd = os.open(os.path.join(SHM_DIR, PREFIX + name), os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC)
+    except FileNotFoundError:
+        raise LimiterNotFoundError(name) from None
+    except OSError as e:
+        raise SegmentError(f"segment {name!r} cannot be opened: {e}") from None
+    try:
+        st = os.fstat(fd)
+        if not stat.S_ISREG(st.st_mode):
+            raise SegmentError(f"segment {name!r} is not a regular file")
+        data = bytearray()
+        while len(data) < length:
+            chunk = os.pread(fd, length - len(data), offset + len(data))
+            if not chunk:
+                break
+            data += chunk
+    finally:
+        os.close(fd)
+    buf = bytearray(max(8, len(data) + 7 & ~7))  # whole, 8-aligned words for the atomic layer
+    buf[: len(data)] = data
+    return buf, st.st_size
+
+
+def _wait_ready(name: str, seg: Segment, mode: int, trusted_uids: AbstractSet[int]) -> Segment:
     start = time.monotonic()
     while True:
         if 0 < seg.size < K.HEADER_BYTES:
@@ -168,11 +263,11 @@ def _wait_ready(name: str, seg: Segment) -> Segment:
             raise SegmentError(f"segment {name!r} is still being initialised after {LIVE_CREATOR_WAIT:.0f} s")
         time.sleep(0.001)
         seg.close()
-        seg = Segment.open(name)
+        seg = _open_checked(name, mode, trusted_uids)
 
 
 def open_segment(
-    name: str, geo: Optional[Geometry], rate: Optional[Rate], mode: int
+    name: str, geo: Optional[Geometry], rate: Optional[Rate], mode: int, trusted_uids: AbstractSet[int] = frozenset()
 ) -> Tuple[Segment, Cells, Geometry]:
     """Create (when ``rate`` is given and the name is free) or open a keyed segment.
 
@@ -197,7 +292,7 @@ def open_segment(
                     raise
                 return seg, _initialise(seg, geo, rate), geo
         try:
-            seg = _wait_ready(name, Segment.open(name))
+            seg = _wait_ready(name, _open_checked(name, mode, trusted_uids), mode, trusted_uids)
         except LimiterNotFoundError:
             if rate is None:
                 raise

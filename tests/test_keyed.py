@@ -364,3 +364,24 @@ def test_a_writer_killed_midway_leaves_a_pair_no_more_permissive_than_old_or_new
         assert (t >= old[0] and tau <= old[1]) or (t >= new[0] and tau <= new[1]), (stores, t, tau)
     assert Rate(10, 1, 2).t == 1_600_000_000 and Rate(10, 1, 2).tau == 3_200_000_000  # ticks of 1/16 ns
     lim.close()
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="needs root to give a segment to another user")
+def test_a_segment_another_user_owns_or_can_write_is_refused(name):
+    lim = shmlimit.KeyedLimiter(name, rate=1, keys=64)
+    lim.close()
+    path = f"/dev/shm/shmlimit.{name}"
+    os.chown(path, 65534, 65534)  # now "nobody" owns it: a squatter could have set its rate
+    with pytest.raises(shmlimit.SegmentError, match="another user owns it"):
+        shmlimit.KeyedLimiter(name, rate=1, keys=64)
+    with pytest.raises(shmlimit.SegmentError, match="trusted_uids"):
+        shmlimit.attach(name)
+    trusted = shmlimit.KeyedLimiter(name, trusted_uids=[65534])
+    assert trusted.try_acquire("k")
+    trusted.close()
+    os.chown(path, os.geteuid(), os.getegid())
+    os.chmod(path, 0o666)  # writable by every local user
+    with pytest.raises(shmlimit.SegmentError, match="beyond the mode"):
+        shmlimit.KeyedLimiter(name)
+    assert shmlimit.KeyedLimiter(name, mode=0o666).rate == 1  # asked for: accepted
+    assert shmlimit.inspect(name).slots == 64  # the read-only tools only look, and report
