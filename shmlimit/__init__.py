@@ -7,8 +7,10 @@
 from .config import Config, RateSpec, parse_spec
 from .errors import (
     ConfigMismatchError,
+    ConfigWriterTakenOver,
     KeyTableFullError,
     LimiterNotFoundError,
+    QueueFullError,
     RateLimited,
     SegmentError,
     SharedMemoryFullError,
@@ -25,12 +27,14 @@ __version__ = "0.1.0"
 __all__ = [
     "Config",
     "ConfigMismatchError",
+    "ConfigWriterTakenOver",
     "KeyTableFullError",
     "KeyedLimiter",
     "KeyedStats",
     "Limiter",
     "LimiterNotFoundError",
     "ProcessStats",
+    "QueueFullError",
     "RateLimited",
     "RateSpec",
     "SegmentError",

@@ -122,20 +122,35 @@ cells_cas(NativeCells *self, PyObject *const *args, Py_ssize_t n)
     Py_RETURN_FALSE;
 }
 
-/* The grab itself, on validated words: fetch-add the tail; if the head covers the new tail,
- * count `ops` in the grants cell and return None, else return the ticket to wait for. */
+/* Tokens the queue may hold at most (TAIL - HEAD): far below 2**63, so that every signed
+ * comparison of rovers holds whatever is queued (see MAX_QUEUE_TOKENS in config.py). */
+#define MAX_QUEUE ((uint64_t)1 << 62)
+
+/* The grab itself, on validated words: advance the tail by CAS unless that would queue more than
+ * MAX_QUEUE tokens (then False, nothing touched); if the head covers the new tail, count `ops` in
+ * the grants cell and return None, else return the ticket to wait for.  The head only grows, so a
+ * depth measured against a head read before the CAS is never smaller than the true one. */
 static PyObject *
 do_grab(uint64_t *tail, uint64_t *head, uint64_t *grants, uint64_t amount, uint64_t ops)
 {
-    uint64_t ticket = __atomic_fetch_add(tail, amount, __ATOMIC_SEQ_CST) + amount;
+    uint64_t t = __atomic_load_n(tail, __ATOMIC_SEQ_CST), ticket;
+    for (;;) {
+        ticket = t + amount;
+        int64_t depth = (int64_t)(ticket - __atomic_load_n(head, __ATOMIC_SEQ_CST));
+        if (depth > (int64_t)MAX_QUEUE)
+            Py_RETURN_FALSE;
+        if (__atomic_compare_exchange_n(tail, &t, ticket, 0, __ATOMIC_SEQ_CST, __ATOMIC_SEQ_CST))
+            break; /* on failure `t` holds the current tail: try again from there */
+    }
     if ((int64_t)(__atomic_load_n(head, __ATOMIC_SEQ_CST) - ticket) < 0)
         return PyLong_FromUnsignedLongLong(ticket);
     __atomic_fetch_add(grants, ops, __ATOMIC_SEQ_CST);
     Py_RETURN_NONE;
 }
 
-/* grab(tail, head, amount, grants, ops): fetch-add the tail; None if the head covers the
- * new tail (and `ops` is added to the grants cell), else the ticket to wait for. */
+/* grab(tail, head, amount, grants, ops): advance the tail; None if the head covers the new tail
+ * (and `ops` is added to the grants cell), False if the queue is full (nothing touched), else
+ * the ticket to wait for. */
 static PyObject *
 cells_grab(NativeCells *self, PyObject *const *args, Py_ssize_t n)
 {
@@ -894,7 +909,7 @@ static PyMethodDef cells_methods[] = {
     {"cas", (PyCFunction)(void (*)(void))cells_cas, METH_FASTCALL,
      "cas(off, expected, desired) -> True if the word was expected and is now desired"},
     {"grab", (PyCFunction)(void (*)(void))cells_grab, METH_FASTCALL,
-     "grab(tail, head, amount, grants, ops) -> None if granted at once, else the ticket"},
+     "grab(tail, head, amount, grants, ops) -> None if granted at once, False if the queue is full, else the ticket"},
     {"grab_if", (PyCFunction)(void (*)(void))cells_grab_if, METH_FASTCALL,
      "grab_if(seq, expected, tail, head, amount, grants, ops) -> False if the seq word changed, else as grab"},
     {"grabber", (PyCFunction)(void (*)(void))cells_grabber, METH_FASTCALL,

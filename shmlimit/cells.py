@@ -22,9 +22,13 @@ from __future__ import annotations
 import functools
 import mmap
 import os
+import threading
 from typing import Any, Callable, Dict, List, Optional, Protocol, Tuple, Union, runtime_checkable
 
 MASK64 = (1 << 64) - 1
+#: Tokens the queue (TAIL - HEAD) may hold at most: far below 2**63, so every signed comparison
+#: of rovers holds whatever is queued.  The native backend has the same constant.
+MAX_QUEUE = 1 << 62
 WORD = 8
 
 BACKENDS = ("native", "atomics")
@@ -68,7 +72,7 @@ class Cells(Protocol):
 
     def close(self) -> None: ...
 
-    def grab(self, tail: int, head: int, amount: int, grants: int, ops: int) -> Optional[int]: ...
+    def grab(self, tail: int, head: int, amount: int, grants: int, ops: int) -> GrabResult: ...
 
     def grab_if(
         self, seq: int, expected: int, tail: int, head: int, amount: int, grants: int, ops: int
@@ -103,22 +107,33 @@ class CompositesFromPrimitives:
     def cas(self, off: int, expected: int, desired: int) -> bool:  # pragma: no cover - provided by the backend
         raise NotImplementedError
 
-    def grab(self, tail: int, head: int, amount: int, grants: int, ops: int) -> Optional[int]:
-        """Advance the tail rover by ``amount`` (fetch-add, never refused).
+    def grab(self, tail: int, head: int, amount: int, grants: int, ops: int) -> GrabResult:
+        """Advance the tail rover by ``amount`` (CAS), unless the queue would exceed ``MAX_QUEUE``.
 
         Returns ``None`` when the head already covers the new tail (granted at
-        once; ``ops`` is then added to the counter cell ``grants``), else the
-        ticket (the new tail) that the caller must wait for.
+        once; ``ops`` is then added to the counter cell ``grants``), ``False``
+        when ``TAIL - HEAD`` would exceed ``MAX_QUEUE`` tokens (nothing
+        touched), else the ticket (the new tail) that the caller must wait for.
+        The head only grows, so a depth measured against a head read before
+        the CAS is never smaller than the true one.
         """
         self._check(tail, head, grants)
-        ticket = (self.fetch_add(tail, amount) + amount) & MASK64
+        while True:
+            t = self.load(tail)
+            ticket = (t + amount) & MASK64
+            depth = (ticket - self.load(head)) & MASK64
+            if depth < 1 << 63 and depth > MAX_QUEUE:
+                return False
+            if self.cas(tail, t, ticket):
+                break
         if ((self.load(head) - ticket) & MASK64) >> 63:
             return ticket
         self.fetch_add(grants, ops)
         return None
 
     def grab_if(self, seq: int, expected: int, tail: int, head: int, amount: int, grants: int, ops: int) -> GrabResult:
-        """``grab``, unless the word ``seq`` no longer holds ``expected``: then False, nothing touched.
+        """``grab``, unless the word ``seq`` no longer holds ``expected``: then False, nothing touched
+        (as when the queue is full: either way the caller takes the slow path).
 
         The acquire fast path in one call: ``seq`` is the config's sequence
         word, so a grab is never priced with a config another process replaced.
@@ -177,7 +192,14 @@ def check_offset(off: int, size: int) -> None:
 
 
 class AtomicsCells(CompositesFromPrimitives):
-    """Backend on the ``atomics`` package: one atomic view per word, opened on first use."""
+    """Backend on the ``atomics`` package: one atomic view per word, opened on first use.
+
+    The package releases the GIL inside each operation and works on a raw
+    pointer, so a ``close`` (which unmaps) racing another thread's operation
+    would touch freed memory.  Every operation and ``close`` therefore hold
+    ``_lock``: a close waits for the operation in progress, and every later
+    operation raises ValueError, as on the native backend.
+    """
 
     backend = "atomics"
 
@@ -189,8 +211,12 @@ class AtomicsCells(CompositesFromPrimitives):
         self._buf = memoryview(mm)[:size]
         self._views: Dict[int, object] = {}
         self._contexts: List[Tuple[Any, memoryview]] = []
+        self._lock = threading.Lock()
+        self._closed = False
 
     def _view(self, off: int):
+        if self._closed:
+            raise ValueError("cells are closed")
         view = self._views.get(off)
         if view is None:
             check_offset(off, self.size)
@@ -202,24 +228,36 @@ class AtomicsCells(CompositesFromPrimitives):
         return view
 
     def load(self, off: int) -> int:
-        return self._view(off).load()
+        with self._lock:
+            return self._view(off).load()
 
     def store(self, off: int, value: int) -> None:
-        self._view(off).store(check_value(value))
+        check_value(value)
+        with self._lock:
+            self._view(off).store(value)
 
     def fetch_add(self, off: int, delta: int) -> int:
-        return self._view(off).fetch_add(check_value(delta))
+        check_value(delta)
+        with self._lock:
+            return self._view(off).fetch_add(delta)
 
     def cas(self, off: int, expected: int, desired: int) -> bool:
-        return self._view(off).cmpxchg_strong(check_value(expected), check_value(desired)).success
+        check_value(expected)
+        check_value(desired)
+        with self._lock:
+            return self._view(off).cmpxchg_strong(expected, desired).success
 
     def close(self) -> None:
-        for ctx, sub in self._contexts:
-            ctx.__exit__(None, None, None)
-            sub.release()
-        self._contexts.clear()
-        self._views.clear()
-        self._buf.release()
+        with self._lock:
+            if self._closed:
+                return
+            self._closed = True
+            for ctx, sub in self._contexts:
+                ctx.__exit__(None, None, None)
+                sub.release()
+            self._contexts.clear()
+            self._views.clear()
+            self._buf.release()
 
     def __del__(self) -> None:
         # the atomics package complains when a view is collected while still entered

@@ -279,9 +279,12 @@ def cmd_gc(args: argparse.Namespace) -> int:
             print(f"stale: {n}")
         else:
             try:
-                _limiter.unlink(n)
+                # claims the segment, checks again, then unlinks: a process attaching meanwhile is kept
+                if not _limiter.collect(n):
+                    kept += 1
+                    continue
                 print(f"removed: {n}")
-            except FileNotFoundError:
+            except (ShmlimitError, OSError):
                 continue
         removed += 1
     verb = "stale" if args.dry_run else "removed"

@@ -2,12 +2,18 @@
 
 Tokens are schedule time.  One token is ``1/tpn`` of a nanosecond, where the
 integer ``tpn`` (tokens per nanosecond) is chosen once, when the segment is
-created, so that one op costs a whole number of tokens: for 1000 ops/s one op
-is 1 000 000 tokens of 1 ns; for 7 000 000 ops/s ``tpn`` is 7 and an op costs
-1000 tokens.  Replenishing adds exactly ``elapsed_ns * tpn`` tokens, so no
-fraction of time is ever dropped and nothing drifts over hours.  When the exact
-fraction would need ``tpn`` above 65536, the op cost is rounded *up*: the
-limiter is then slower than asked by less than one part in 2**32, never faster.
+created, and never changes (queued tickets and the clock keep their meaning).
+It is as fine as the capacity allows, at most 65536, and a multiple of the
+smallest denominator that makes the creation rate's op a whole number of tokens
+when there is one: 1000 ops/s gets ``tpn`` 65536 and an op of 65 536 000 000
+tokens, exactly; 7 000 000 ops/s gets ``tpn`` 57344 (7 * 8192), exactly.  Any
+other rate (set later, or with no small denominator) costs ``ceil(ns_per_op *
+tpn)`` tokens: rounded *up*, so the limiter is slower than asked by less than
+``1 / (ns_per_op * tpn) <= 1 / tpn`` (below 2**-15 whenever ``tpn >= 2**15``,
+which holds unless the capacity spans more than ~9.7 hours of schedule), and
+never faster.
+Replenishing adds exactly ``elapsed_ns * tpn`` tokens, so no fraction of time is
+ever dropped and nothing drifts over hours.
 """
 from __future__ import annotations
 
@@ -21,6 +27,11 @@ MAX_TPN = 1 << 16
 #: Rover differences (capacity, queued work) must stay far below 2**63 for the
 #: wrapping comparisons to hold; 2**60 tokens leaves room for a queue 7x as deep.
 MAX_SPAN_TOKENS = 1 << 60
+#: The queue (tail ahead of head) may hold at most this many tokens: with the capacity below
+#: 2**60, every rover difference stays within (-2**62, 2**62], far from the sign flip at 2**63.
+MAX_QUEUE_TOKENS = 1 << 62
+#: The finest token unit: 65536 tokens per nanosecond.
+MIN_FINE_TPN = 1 << 15
 #: The fastest limit accepted: one op per nanosecond.
 MAX_OPS_PER_S = 1e9
 #: Default capacity: this much schedule time, and never less than one op.
@@ -115,17 +126,28 @@ class Config:
         mr = _optional_seconds("max_reserved", max_reserved)
         mb = _optional_seconds("max_behind", max_behind)
         cfg = Config(r, p, b, capped, q, mr, mb)
-        span = cfg.cap_tokens + cfg.burst_tokens
-        if span > MAX_SPAN_TOKENS:
-            most = MAX_SPAN_TOKENS / cfg.tpn / NS_PER_S
-            raise ValueError(
-                f"burst*per/rate must be at most {most:.6g} s of schedule, got {b * p / r:.6g} s "
-                f"(burst={b:g}, per={p:g}, rate={r:g})"
-            )
-        for param, v in (("max_reserved", mr), ("max_behind", mb)):
-            if v is not None and v * NS_PER_S * cfg.tpn > MAX_SPAN_TOKENS:
-                raise ValueError(f"{param} must be at most {MAX_SPAN_TOKENS / cfg.tpn / NS_PER_S:.6g} s, got {v:g}")
+        cfg.check_at(cfg.tpn)
         return cfg
+
+    def span_error(self, tpn: int) -> Optional[str]:
+        """Why this config does not fit the rover arithmetic at ``tpn`` tokens per ns (None: it fits)."""
+        if self.cap_at(tpn) + self.burst_pool_at(tpn) > MAX_SPAN_TOKENS:
+            most = MAX_SPAN_TOKENS / tpn / NS_PER_S
+            return (
+                f"burst*per/rate must be at most {most:.6g} s of schedule at this limiter's token unit "
+                f"(1/{tpn} ns), got {self.burst * self.per / self.rate:.6g} s "
+                f"(burst={self.burst:g}, per={self.per:g}, rate={self.rate:g})"
+            )
+        for param, v in (("max_reserved", self.max_reserved), ("max_behind", self.max_behind)):
+            if v is not None and v * NS_PER_S * tpn > MAX_SPAN_TOKENS:
+                return f"{param} must be at most {MAX_SPAN_TOKENS / tpn / NS_PER_S:.6g} s, got {v:g}"
+        return None
+
+    def check_at(self, tpn: int) -> None:
+        """Raise ValueError unless every token quantity of this config fits at ``tpn`` (the segment's unit)."""
+        err = self.span_error(tpn)
+        if err is not None:
+            raise ValueError(err)
 
     def replace(self, **changes: object) -> "Config":
         """A validated copy with some fields changed (None for burst means the rate's default)."""
@@ -149,8 +171,24 @@ class Config:
 
     @property
     def tpn(self) -> int:
-        """Tokens per nanosecond: the smallest denominator (<= 65536) making an op whole."""
-        return self.ns_per_op.limit_denominator(MAX_TPN).denominator
+        """Tokens per nanosecond for a segment created with this config (see the module docstring).
+
+        A multiple of the smallest denominator (<= 65536) making an op whole,
+        scaled up by a power of two as far as 65536; halved (losing exactness
+        only then) while the capacity would not fit the rover arithmetic.
+        """
+        cached = self.__dict__.get("_tpn")
+        if cached is None:
+            approx = self.ns_per_op.limit_denominator(MAX_TPN)
+            d = approx.denominator if approx == self.ns_per_op else 1
+            t = d
+            while t * 2 <= MAX_TPN:
+                t *= 2
+            while t > 1 and self.span_error(t) is not None:
+                t //= 2
+            cached = t
+            object.__setattr__(self, "_tpn", cached)
+        return cached
 
     def cost_at(self, tpn: int) -> int:
         """Tokens per op in a segment whose token is 1/tpn ns (rounded up: never faster)."""
@@ -252,7 +290,7 @@ def validate_n(n: object, cost: int) -> int:
         raise TypeError(f"n must be a positive int (ops), not {type(n).__name__}")
     if n < 1:
         raise ValueError(f"n must be a positive int (ops), got {n}")
-    if n * cost > MAX_SPAN_TOKENS:
+    if n * cost > MAX_SPAN_TOKENS:  # one request; the queue as a whole is bounded by MAX_QUEUE_TOKENS
         raise ValueError(f"n must be at most {MAX_SPAN_TOKENS // cost} ops for this limiter, got {n}")
     return n
 

@@ -82,3 +82,25 @@ class KeyTableFullError(ShmlimitError):
 
 class SharedMemoryFullError(ShmlimitError, OSError):
     """The segment does not fit in the free space of /dev/shm."""
+
+
+class QueueFullError(ShmlimitError):
+    """Joining the queue would put more than ``MAX_QUEUE_TOKENS`` of schedule ahead of the head.
+
+    The bound keeps every signed comparison of the rovers valid: a queue
+    deeper than 2**63 tokens would flip them and grant everything.  Nothing
+    was taken; retry once the queue has drained.
+    """
+
+    def __init__(self, tokens: int, tpn: int) -> None:
+        from .config import MAX_QUEUE_TOKENS, NS_PER_S
+
+        super().__init__(
+            f"the queue is full: this request ({tokens / tpn / NS_PER_S:.6g} s of schedule) would put more than "
+            f"{MAX_QUEUE_TOKENS / tpn / NS_PER_S:.6g} s of schedule (2**62 tokens) ahead of the limiter; nothing was taken"
+        )
+        self.tokens = tokens
+
+
+class ConfigWriterTakenOver(ShmlimitError, RuntimeError):
+    """A config change stalled past the lock's timeout and was taken over: it was not published."""

@@ -8,8 +8,9 @@ filler and the process table never false-share.
     line  1  config    CFG_SEQ RATE PER BURST TPN COST CAP FLAGS
     line  2  config    RATIO MAX_RESERVED MAX_BEHIND (IEEE-754 bits; +inf = unbounded)
     line  3  TAIL      tail rover: advanced by grabbers (fetch-add or CAS)
-    line  4  HEAD      head rover: advanced by replenish (CAS), capped by CEIL
-    line  5  CEIL      ceil rover: capped-release mode only
+    line  4  HEAD      head rover: advanced by replenish (CAS)
+    line  5  INFLIGHT  capped-release mode only: ops admitted and not yet released; then the
+                       backup config bank (continued in line 7; line 2 ends with the live GEN, SUM)
     line  6  REPL_TS SNAP_HEAD SNAP_TAIL: last replenish time and the rovers read just before it
     line  7  LEASE     filler lease: (expiry_us << 12) | (slot + 1), 0 = free
     line  8  UNREG_GRANTS: grants of processes beyond the table
@@ -26,7 +27,9 @@ from __future__ import annotations
 import struct
 
 MAGIC = int.from_bytes(b"SHMLIMIT", "little")
-VERSION = 1
+#: 2: capped mode counts ops in flight (INFLIGHT) instead of a ceil rover in tokens; the config
+#: is published in two checksummed banks (a stalled writer that resumes cannot corrupt it).
+VERSION = 2
 LINE = 64
 
 # line 0: header, written once by the creator before STATE becomes READY
@@ -40,6 +43,10 @@ CREATED_NS_OFF = 48
 
 STATE_INIT = 0
 STATE_READY = 1
+#: Claimed by a garbage collector (CAS from READY) that is about to unlink the segment once it has
+#: checked again that no process is attached; a process that registers and then finds this state
+#: gives its slot back and opens the name again.
+STATE_DOOMED = 2
 
 # line 1: configuration
 CFG_SEQ = 64
@@ -63,11 +70,16 @@ UPSTREAM_FLAGS = FLAG_UPSTREAM | FLAG_FALLBACK_LOCAL | FLAG_FALLBACK_OPEN
 CFG_RATIO = 128
 CFG_MAX_RESERVED = 136
 CFG_MAX_BEHIND = 144
+#: The generation (the even CFG_SEQ it was published as) and checksum of the live config bank.
+CFG_GEN = 152
+CFG_SUM = 160
+#: The live bank's ten words, in checksum order.
+CFG_BANK = (CFG_RATE, CFG_PER, CFG_BURST, CFG_TPN, CFG_COST, CFG_CAP, CFG_FLAGS, CFG_RATIO, CFG_MAX_RESERVED, CFG_MAX_BEHIND)
 
 # rovers and the replenish record
 TAIL = 3 * LINE
 HEAD = 4 * LINE
-CEIL = 5 * LINE
+INFLIGHT = 5 * LINE
 REPL_TS = 6 * LINE
 SNAP_HEAD = 6 * LINE + 8
 SNAP_TAIL = 6 * LINE + 16
@@ -100,6 +112,16 @@ UP_DESC_LEN = 12 * LINE  # bytes of JSON that follow
 UP_DESC = 12 * LINE + 8
 UP_DESC_MAX = 4 * LINE - 8
 
+# The backup config bank: the same ten words, then its generation and checksum, in the spare
+# words of lines 5 and 7 (read and written only when the config changes, so sharing those lines
+# with INFLIGHT and LEASE costs nothing on the hot path).  A writer writes the backup, then (if it
+# still holds the lock) the live bank; readers take the first bank whose checksum holds for the
+# generation in force (see Bucket.load_config).
+_SPARE = tuple(5 * LINE + 8 * i for i in range(1, 8)) + tuple(7 * LINE + 8 * i for i in range(1, 6))
+CFG_BACKUP_BANK = _SPARE[:10]
+CFG_BACKUP_GEN = _SPARE[10]
+CFG_BACKUP_SUM = _SPARE[11]
+
 HEADER_BYTES = 16 * LINE
 
 # process table
@@ -131,3 +153,13 @@ def f2u(x: float) -> int:
 
 def u2f(u: int) -> float:
     return struct.unpack("<d", struct.pack("<Q", u))[0]
+
+
+def config_sum(gen: int, values) -> int:
+    """Checksum of one config bank for generation ``gen``: any torn or foreign write breaks it."""
+    h = (gen * 0x9E3779B97F4A7C15 + 0x632BE59BD9B4E019) & 0xFFFFFFFFFFFFFFFF
+    for v in values:
+        h ^= v
+        h = (h * 0xFF51AFD7ED558CCD) & 0xFFFFFFFFFFFFFFFF
+        h ^= h >> 33
+    return h

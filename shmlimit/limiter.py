@@ -21,7 +21,7 @@ from . import layout as L
 from .bucket import Bucket, diff
 from .cells import MASK64, Cells, open_cells, warm_backend
 from .config import NS_PER_S, Config, parse_spec, validate_n, validate_timeout
-from .errors import ConfigMismatchError, LimiterNotFoundError, SegmentError
+from .errors import ConfigMismatchError, LimiterNotFoundError, QueueFullError, SegmentError
 from .filler import LEASE_TIMEOUT, FillerThread, Lease, lease_expiry_us, lease_slot, now_us
 from .segment import Segment, current_inode, validate_name
 from .segment import unlink as _unlink_name
@@ -36,12 +36,16 @@ INIT_WAIT = 2.0
 #: How long an opener waits for a live creator to finish initialising (seconds); a creator is
 #: never replaced while it lives, however slow, but an opener gives up with an error after this.
 LIVE_CREATOR_WAIT = 30.0
+#: A segment left claimed by a garbage collector this long (seconds) lost its collector.
+DOOMED_WAIT = 2.0
 #: Waiters sleep until this close to their turn, then yield the CPU in a loop (ns).
 SPIN_NS = 200_000
 #: Hierarchical mode: a timed acquire looks for leased tokens this often (seconds).
 POLL = 0.001
 #: A sleeping waiter wakes at least this often to notice rate changes and stops (seconds).
 MAX_NAP = 0.25
+#: Capped mode: a caller waiting for a release looks again this often (seconds).
+CAPPED_NAP = 0.001
 _INF = float("inf")
 _ONE = 1  # `n is _ONE`: the cheapest test that n is the int 1 (True is not)
 
@@ -142,12 +146,12 @@ class _Attachment:
         self.update_fast()
 
     def update_fast(self) -> None:
-        b = self.bucket
-        self.fast_seq = b.seq
-        if self.closed or b.max_reserved_ns != _INF or b.open:  # these acquires take the slow path
+        s = self.bucket.snap  # one snapshot: the grabber's seq and price always belong together
+        self.fast_seq = s.seq
+        if self.closed or s.max_reserved_ns != _INF or s.open or s.capped:  # these take the slow path
             self.fast[0] = _no_fast
         else:
-            self.fast[0] = self.cells.grabber(L.CFG_SEQ, b.seq, L.TAIL, L.HEAD, b.cost, self.grants_off, 1)
+            self.fast[0] = self.cells.grabber(L.CFG_SEQ, s.seq, L.TAIL, L.HEAD, s.cost, self.grants_off, 1)
 
     def _join_process(self) -> None:
         """Register this process and start its filler thread (also after fork, in the child)."""
@@ -271,6 +275,19 @@ def _wait_ready(name: str, seg: Segment) -> Segment:
                 cells.close()
             if magic not in (0, L.MAGIC):
                 raise SegmentError(f"segment {name!r} is not a shmlimit limiter (bad magic {magic:#018x})")
+            if magic == L.MAGIC and state == L.STATE_DOOMED:
+                # a collector is unlinking it (or it restores READY): wait, then open the name again
+                if waited > DOOMED_WAIT:
+                    # the collector died between its claim and its unlink: the segment is whole
+                    c = open_cells(seg.mm, L.HEADER_BYTES)
+                    try:
+                        c.cas(L.STATE_OFF, L.STATE_DOOMED, L.STATE_READY)
+                    finally:
+                        c.close()
+                time.sleep(0.001)
+                seg.close()
+                seg = Segment.open(name)
+                continue
             if magic == L.MAGIC and state == L.STATE_READY:
                 if version != L.VERSION:
                     raise SegmentError(
@@ -324,12 +341,61 @@ def _open_attachment(
         if att is None:
             att = _map(name, cfg, mode, initial, slots, upstream=upstream)
             _registry[name] = att
-        elif cfg is not None and att.bucket.config != cfg:
+        elif cfg is not None and _live_config(att) != cfg:
             raise ConfigMismatchError(name, att.bucket.config.describe(), cfg.describe())
         else:
             _check_upstream(name, att, cfg, upstream)
         att.refs += 1
         return att
+
+
+def _still_ready(att: _Attachment) -> bool:
+    """After registering: False (the attachment undone) if a collector claimed the segment meanwhile.
+
+    The collector claims (STATE READY -> DOOMED by CAS) and then looks for
+    live processes; we register and then look at STATE.  With sequentially
+    consistent words one of the two sees the other: either the collector
+    sees us and gives the segment back, or we see its claim and leave.
+    """
+    if att.cells.load(L.STATE_OFF) == L.STATE_READY:
+        return True
+    att.detach()
+    return False
+
+
+def collect(name: str) -> bool:
+    """Unlink the segment if no live process is attached to it; True if it did.
+
+    Never orphans a process that attaches meanwhile (see ``_still_ready``).
+    """
+    validate_name(name)
+    att = _map(name, None, 0, None, 0, join=False)
+    try:
+        c = att.cells
+
+        def in_use() -> bool:
+            return any(is_alive(e.pid, e.start) for e in att.table.entries())
+
+        if in_use() or not c.cas(L.STATE_OFF, L.STATE_READY, L.STATE_DOOMED):
+            return False
+        if in_use():
+            c.cas(L.STATE_OFF, L.STATE_DOOMED, L.STATE_READY)
+            return False
+        if current_inode(name) == att.seg.inode:
+            try:
+                _unlink_name(name)
+            except LimiterNotFoundError:
+                return False
+            return True
+        return False
+    finally:
+        att.detach()
+
+
+def _live_config(att: _Attachment) -> Optional[Config]:
+    """The config in force now: another process may have changed it since this one last looked."""
+    att.bucket.refresh()
+    return att.bucket.config
 
 
 def _map(
@@ -352,7 +418,10 @@ def _map(
         if cfg is not None:
             seg = Segment.create(name, L.segment_size(slots), mode)
             if seg is not None:
-                return _initialise(name, seg, cfg, initial, slots, upstream)
+                att = _initialise(name, seg, cfg, initial, slots, upstream)
+                if _still_ready(att):
+                    return att
+                continue
         try:
             seg = _wait_ready(name, Segment.open(name))
         except LimiterNotFoundError:
@@ -381,6 +450,9 @@ def _map(
         att = None
         try:
             att = _Attachment(name, seg, cells, join)
+            if not _still_ready(att):
+                att = None
+                continue
             if cfg is not None and att.bucket.config != cfg:
                 raise ConfigMismatchError(name, att.bucket.config.describe(), cfg.describe())
             _check_upstream(name, att, cfg, upstream)
@@ -677,11 +749,34 @@ class Limiter:
     def _acquire(self, n: int, timeout: Optional[float]) -> bool:
         att = self._live()
         b = att.bucket
-        c = att.cells
         if b.refresh() or att.fast_seq != b.seq:
             att.update_fast()
-        tokens = validate_n(n, b.cost) * b.cost
+        validate_n(n, b.cost)
         timeout = validate_timeout(timeout)
+        if not b.capped:
+            return self._acquire_tokens(att, n, timeout)
+        # Capped mode: first a place among the ops in flight (taking no ticket while waiting for
+        # one, so nobody queues behind a caller that waits for a release), then the tokens.
+        deadline = None if timeout is None else time.monotonic() + timeout
+        while not b.admit(n):
+            if n > b.cap_ops:
+                raise ValueError(f"n must be at most the capacity of {b.cap_ops} ops in capped mode, got {n}")
+            if deadline is not None and time.monotonic() >= deadline:
+                return False
+            time.sleep(CAPPED_NAP if deadline is None else min(CAPPED_NAP, max(0.0, deadline - time.monotonic())))
+            b.refresh()
+        granted = False
+        try:
+            granted = self._acquire_tokens(att, n, None if deadline is None else max(0.0, deadline - time.monotonic()))
+        finally:
+            if not granted:
+                b.unadmit(n)
+        return granted
+
+    def _acquire_tokens(self, att: _Attachment, n: int, timeout: Optional[float]) -> bool:
+        b = att.bucket
+        c = att.cells
+        tokens = validate_n(n, b.cost) * b.cost
         if att.opened():  # hierarchical mode, Redis unreachable, on_redis_error="open": no limit
             c.fetch_add(att.grants_off, n)
             return True
@@ -690,6 +785,8 @@ class Limiter:
                 ticket = c.grab(L.TAIL, L.HEAD, tokens, att.grants_off, n)
                 if ticket is None:
                     return True
+                if ticket is False:
+                    raise QueueFullError(tokens, b.tpn)
             else:
                 ticket = self._take(att, tokens, b.max_reserved_ns)
                 while ticket is None:  # backpressure: the queue is full, wait for room
@@ -718,7 +815,22 @@ class Limiter:
         att = self._live()
         b = att.bucket
         b.refresh()
-        tokens = validate_n(n, b.cost) * b.cost
+        validate_n(n, b.cost)
+        if not b.capped:
+            return self._try_tokens(att, n)
+        if not b.admit(n):
+            return False
+        granted = False
+        try:
+            granted = self._try_tokens(att, n)
+        finally:
+            if not granted:
+                b.unadmit(n)
+        return granted
+
+    def _try_tokens(self, att: _Attachment, n: int) -> bool:
+        b = att.bucket
+        tokens = n * b.cost
         c = att.cells
         if c.try_grab(L.TAIL, L.HEAD, tokens, att.grants_off, n):
             return True
@@ -738,9 +850,9 @@ class Limiter:
         exceed ``max_wait`` (seconds) or the limiter-wide ``max_reserved``.
         The caller owns the slot once this returns a number: it is granted
         (and counted) whether or not the caller uses it.  While the limiter is
-        stopped, or beyond a capped limiter's released budget, the wait is not
-        computable: a bounded reservation returns None, an unbounded one
-        returns ``math.inf``.
+        stopped the wait is not computable: a bounded reservation returns None,
+        an unbounded one returns ``math.inf``.  A capped limiter with no room
+        among its ops in flight returns None.
         """
         att = self._live()
         b = att.bucket
@@ -750,11 +862,20 @@ class Limiter:
         if att.opened():
             att.cells.fetch_add(att.grants_off, n)
             return 0.0
-        ticket = self._take(att, tokens, min(_INF if limit is None else limit * NS_PER_S, b.max_reserved_ns))
+        if b.capped and not b.admit(n):
+            return None  # no room among the ops in flight: nothing taken
+        try:
+            ticket = self._take(att, tokens, min(_INF if limit is None else limit * NS_PER_S, b.max_reserved_ns))
+        except BaseException:
+            if b.capped:
+                b.unadmit(n)
+            raise
         if ticket is None:
+            if b.capped:
+                b.unadmit(n)
             return None
         att.cells.fetch_add(att.grants_off, n)
-        if b.deficiency(ticket) and (b.stopped or (b.capped and diff(ticket, att.cells.load(L.CEIL)) > 0)):
+        if b.deficiency(ticket) and b.stopped:
             return _INF
         # Replenish just before reading the head and its time: a replenish by another process
         # landing between the two reads makes the answer late by its interval, which is now
@@ -805,29 +926,39 @@ class Limiter:
         b.refresh()
         b.replenish()
         c = att.cells
+        snap = b.snap
         while True:
             tail = c.load(L.TAIL)
-            ops = diff(c.load(L.HEAD), tail) // b.cost
+            ops = diff(c.load(L.HEAD), tail) // snap.cost
+            if snap.capped:  # no more than the room among the ops in flight
+                ops = min(ops, snap.cap_ops - b.in_flight())
             if ops <= 0:
                 return 0
-            if c.cas(L.TAIL, tail, (tail + ops * b.cost) & MASK64):
+            if snap.capped and not b.admit(ops):
+                continue
+            if c.cas(L.TAIL, tail, (tail + ops * snap.cost) & MASK64):
                 c.fetch_add(att.grants_off, ops)
                 return ops
+            if snap.capped:
+                b.unadmit(ops)
 
     def release(self, n: int = 1) -> None:
         """Capped mode: report ``n`` completed ops, letting ``n`` more be replenished.
 
-        With ``capped=True`` the head may not pass the ceil rover, which starts
-        one capacity ahead and advances only here: at most ``capacity`` ops are
-        ever granted and not yet released, and grants still never exceed the
-        rate.  A downstream that stops completing stops the grants.
+        With ``capped=True`` every acquire first takes a place among the ops
+        in flight, counted in ops: at most ``capacity`` (whole) ops are ever
+        granted and not yet released, whatever ``set_rate``, ``stop``,
+        ``restart`` or catch-up do to the tokens, and grants still never exceed
+        the rate.  A downstream that stops completing stops the grants.
+        Releasing more ops than are in flight raises ValueError and changes
+        nothing.
         """
         att = self._live()
         b = att.bucket
         b.refresh()
         if not b.capped:
             raise ValueError(f"release() needs a limiter created with capped=True; {self._name!r} is not capped")
-        b.release(validate_n(n, b.cost) * b.cost)
+        b.release(validate_n(n, b.cost))
 
     # -- live changes ------------------------------------------------------------------
 
@@ -851,6 +982,13 @@ class Limiter:
         b = att.bucket
         b.refresh()
         cur = b.config
+        if isinstance(rate, str):  # a rate spec: its ratio, if it has one, is the one to use
+            spec = parse_spec(rate)
+            if spec.verb not in (None, "configure"):
+                raise ValueError(f"rate spec verb {spec.verb!r} is not allowed in set_rate (use apply)")
+            if spec.ratio is not None and ratio is not None and float(ratio) != spec.ratio:
+                raise ValueError(f"ratio given twice: {ratio!r} and {spec.ratio!r} in the rate spec")
+            rate, ratio = spec.rate, (spec.ratio if spec.ratio is not None else ratio)
         new = cur.replace(
             rate=rate,
             per=cur.per if per is None else per,
@@ -917,8 +1055,30 @@ class Limiter:
         att = self._live()
         b = att.bucket
         b.refresh()
-        tokens = validate_n(n, b.cost) * b.cost
+        validate_n(n, b.cost)
         timeout = validate_timeout(timeout)
+        if not b.capped:
+            return await self._acquire_tokens_async(att, n, timeout)
+        deadline = None if timeout is None else time.monotonic() + timeout
+        while not b.admit(n):
+            if n > b.cap_ops:
+                raise ValueError(f"n must be at most the capacity of {b.cap_ops} ops in capped mode, got {n}")
+            if deadline is not None and time.monotonic() >= deadline:
+                return False
+            await asyncio.sleep(CAPPED_NAP)
+            b.refresh()
+        granted = False
+        try:
+            left = None if deadline is None else max(0.0, deadline - time.monotonic())
+            granted = await self._acquire_tokens_async(att, n, left)
+        finally:
+            if not granted:
+                b.unadmit(n)
+        return granted
+
+    async def _acquire_tokens_async(self, att: _Attachment, n: int, timeout: Optional[float]) -> bool:
+        b = att.bucket
+        tokens = n * b.cost
         c = att.cells
         if att.opened():
             c.fetch_add(att.grants_off, n)
@@ -927,6 +1087,8 @@ class Limiter:
             ticket = c.grab(L.TAIL, L.HEAD, tokens, att.grants_off, n)
             if ticket is None:
                 return True
+            if ticket is False:
+                raise QueueFullError(tokens, b.tpn)
         elif timeout is None:
             ticket = self._take(att, tokens, b.max_reserved_ns)
             while ticket is None:

@@ -32,9 +32,12 @@ def backend(request):
 
 
 def test_token_unit_makes_every_op_whole():
-    assert (Config.make(1000).tpn, Config.make(1000).cost) == (1, 1_000_000)
-    assert (Config.make(7_000_000).tpn, Config.make(7_000_000).cost) == (7, 1000)
-    assert (Config.make(1, per=6).tpn, Config.make(1, per=6).cost) == (1, 6 * NS_PER_S)
+    # the finest unit, a multiple of the smallest denominator that makes the op exact
+    assert (Config.make(1000).tpn, Config.make(1000).cost) == (65536, 65536 * 1_000_000)
+    assert (Config.make(7_000_000).tpn, Config.make(7_000_000).cost) == (7 * 8192, 8192 * 1000)
+    assert (Config.make(1, per=6).tpn, Config.make(1, per=6).cost) == (65536, 65536 * 6 * NS_PER_S)
+    # coarser only when the capacity would not fit the rover arithmetic at the finest
+    assert Config.make(1, per=86400, burst=14).tpn == 512
     third = Config.make(3)
     assert third.cost * NS_PER_S == third.tpn * NS_PER_S * NS_PER_S // 3  # exactly 1/3 s per op
     # an awkward float rate is rounded so the limiter is slower, never faster
@@ -53,8 +56,8 @@ def test_replenish_adds_exactly_elapsed_and_caps_at_capacity(backend):
     b, clock = make_bucket(Config.make(1000, burst=5), backend, initial=0)
     assert b.balance() == 0
     clock.advance(2_500_000)  # 2.5 ms -> 2.5 ops of tokens
-    assert b.replenish() == 2_500_000
-    assert b.balance() == 2_500_000
+    assert b.replenish() == 2_500_000 * b.tpn
+    assert b.balance() == 2_500_000 * b.tpn == 2.5 * b.cost
     clock.advance(10 * NS_PER_S)  # far more than the capacity
     b.replenish()
     assert b.balance() == 5 * b.cost
@@ -87,7 +90,7 @@ def test_try_grab_respects_queue_and_changes_nothing_on_refusal(backend):
 
 
 def test_try_grab_within_takes_only_when_the_wait_fits(backend):
-    b, clock = make_bucket(Config.make(1000, burst=1), backend, initial=0)
+    b, clock = make_bucket(Config.make(1000, burst=2), backend, initial=0)  # covers two fill intervals
     tail = b.cells.load(L.TAIL)
     assert b.try_grab_within(5 * b.cost, 4.9e6) is None  # 5 ms of wait > 4.9 ms
     assert b.cells.load(L.TAIL) == tail

@@ -4,6 +4,7 @@ import asyncio
 import math
 import multiprocessing as mp
 import os
+import threading
 import time
 
 import pytest
@@ -149,12 +150,27 @@ def test_capped_release_throttles_by_completions(name):
     while time.monotonic() < deadline:
         assert lim.stats().grants == 8
         time.sleep(0.01)
-    lim.release(100)  # plenty of budget: the rate limits again, not the releases
+    with pytest.raises(ValueError, match="in flight"):
+        lim.release(100)  # more than was ever granted: refused, nothing changes
+    assert lim.stats().grants == 8
+    # a downstream that completes everything at once: the rate limits again, not the releases
+    done = threading.Event()
+
+    def complete_all():
+        while not done.is_set():
+            k = lim._att.bucket.in_flight()
+            if k:
+                lim.release(k)
+            time.sleep(0.0005)
+
+    releaser = threading.Thread(target=complete_all, daemon=True)
+    releaser.start()
     t0 = time.monotonic()
     wait_for(lambda: lim.stats().grants >= 60)
     assert time.monotonic() - t0 >= 40 / 2000  # never faster than the rate
-    lim.release(10**6)  # budget for the consumer's last acquire, whenever it sees the stop
-    cons.finish()
+    cons.finish()  # the releaser lets the consumer's last acquire through, whenever it sees the stop
+    done.set()
+    releaser.join()
     with pytest.raises(ValueError, match="capped"):
         shmlimit.Limiter(name + "x", rate=10).release()
     shmlimit.unlink(name + "x")

@@ -1,0 +1,379 @@
+"""A model-based (stateful) test: random sequences of every operation, several simulated processes, one clock.
+
+Each simulated process is a real ``Limiter`` handle on its own attachment (its own cells,
+its own cached config, the native or the ``atomics`` backend) over one shared mapping, with an
+injected clock and no filler thread: time moves only when the test says so, and tokens arrive
+only through replenishes the test performs (a filler's, a waiter's, a stalled one's).  Waiting is
+not simulated by sleeping: an acquire that would wait leaves its ticket pending, and the model
+sees it granted when the head passes it.  After every step the invariants are checked:
+
+* the window bound: in every window of length T, the tokens granted are at most
+  ``ratio * (T * tpn + capacity)`` (the largest ratio and capacity ever in force);
+* capped mode: ops granted (or queued) and not released never exceed the capacity in ops;
+* no deadlock: once the clock has run long enough for the queue ahead (and the limiter is not
+  stopped), every pending ticket is granted and a new op can be had;
+* the config words are mutually consistent, and bad input changes no word.
+"""
+import mmap
+import os
+
+import hypothesis.strategies as st
+import pytest
+from hypothesis import HealthCheck, settings
+from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
+
+import shmlimit
+from shmlimit import layout as L
+from shmlimit import limiter as limiter_module
+from shmlimit.bucket import Bucket, diff
+from shmlimit.cells import native_available, open_cells
+from shmlimit.config import MAX_SPAN_TOKENS, NS_PER_S, Config
+from shmlimit.limiter import Limiter, _Attachment
+from shmlimit.segment import Segment
+
+BACKENDS = ["atomics"] + (["native"] if native_available() else [])
+SLOTS = 4
+WORDS = [L.CFG_SEQ, L.CFG_RATE, L.CFG_PER, L.CFG_BURST, L.CFG_TPN, L.CFG_COST, L.CFG_CAP, L.CFG_FLAGS, L.CFG_RATIO,
+         L.CFG_MAX_RESERVED, L.CFG_MAX_BEHIND, L.TAIL, L.HEAD, L.REPL_TS, L.SNAP_HEAD, L.SNAP_TAIL, L.WAIT,
+         5 * L.LINE]  # line 5: capped mode's word
+
+
+class WouldBlock(Exception):
+    """A simulated caller would sleep (waiting for room or a release): it gives up, taking nothing."""
+
+
+class Clock:
+    def __init__(self) -> None:
+        self.now = 10**15
+
+    def __call__(self) -> int:
+        return self.now
+
+
+RATES = st.sampled_from([1000.0, 10.0, 333.0, 1e9 / 3, 9.9e8, 1e6, 100_000.0, 2.5, 7e6])
+BURSTS = st.one_of(st.none(), st.sampled_from([1.0, 2.0, 3.0, 14.0, 250.0]))
+
+
+class LimiterModel(RuleBasedStateMachine):
+    """One limiter, several processes, one injected clock."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.clock = Clock()
+        self.procs = []
+        self.pending = []  # (ticket, tokens, ops, owner) not yet covered by the head
+        self.grants = []  # (time_ns, tokens) of every grant observed
+        self.released = 0
+        self.granted_ops = 0  # capped mode: ops granted or queued (counted once taken)
+        self.stalled = []  # claims of replenishers stopped between their claim and their add
+        self.saved_sleep = limiter_module.time.sleep
+
+    @initialize(rate=RATES, burst=BURSTS, capped=st.booleans(), ratio=st.sampled_from([1.0, 1.0, 3.0]))
+    def create(self, rate, burst, capped, ratio):
+        self.cfg0 = Config.make(rate, 1.0, burst, capped, ratio)
+        size = L.segment_size(SLOTS)
+        self.mm = mmap.mmap(-1, size)
+        c = open_cells(self.mm, size, "atomics")
+        c.store(L.VERSION_OFF, L.VERSION)
+        c.store(L.SIZE_OFF, size)
+        c.store(L.SLOTS_OFF, SLOTS)
+        Bucket.initialise(c, self.cfg0, self.clock())
+        c.store(L.MAGIC_OFF, L.MAGIC)
+        c.store(L.STATE_OFF, L.STATE_READY)
+        self.cells = c
+        self.tpn = c.load(L.CFG_TPN)
+        self.max_cap = c.load(L.CFG_CAP)
+        self.max_ratio = ratio
+        self.cap_ops = max(1, c.load(L.CFG_CAP) // c.load(L.CFG_COST))
+        self.capped = capped
+        limiter_module.time.sleep = self._no_sleep
+        for i in range(3):
+            self._spawn(BACKENDS[i % len(BACKENDS)])
+
+    def teardown(self):
+        limiter_module.time.sleep = self.saved_sleep
+        self.procs.clear()
+
+    # -- simulated processes ---------------------------------------------------------
+
+    def _no_sleep(self, seconds):
+        raise WouldBlock()
+
+    def _spawn(self, backend):
+        size = L.segment_size(SLOTS)
+        seg = Segment("model", self.mm, size, False, 0)
+        att = _Attachment("model", seg, open_cells(self.mm, size, backend), join=False)
+        att.bucket.clock = self.clock
+        lim = Limiter.__new__(Limiter)
+        lim._name = "model"
+        lim._att = att
+        lim._fast = att.fast
+        att.refs += 1
+        model = self
+
+        def record(att_, ticket):  # instead of waiting: the ticket stays pending
+            model._pending_ticket = ticket
+
+        lim._wait = record
+        self.procs.append(lim)
+
+    def _words(self):
+        return [self.cells.load(off) for off in WORDS]
+
+    def _call(self, fn, *args, **kwargs):
+        """Run one API call; note a ticket it left pending, and the tokens it was priced at."""
+        self._pending_ticket = None
+        tail = self.cells.load(L.TAIL)
+        try:
+            result = fn(*args, **kwargs)
+        except WouldBlock:
+            result = WouldBlock
+        return result, tail, self._pending_ticket
+
+    def _note_taken(self, tail_before, ops, ticket=None, now=False):
+        """The tail moved: its tokens are granted now, or when the head passes ``ticket``."""
+        tail = self.cells.load(L.TAIL)
+        tokens = diff(tail, tail_before)
+        if tokens <= 0:
+            return
+        ticket = tail if ticket is None else ticket
+        if now or diff(self.cells.load(L.HEAD), ticket) >= 0:
+            self.grants.append((self.clock(), tokens))
+        else:
+            self.pending.append((ticket, tokens))
+        if self.capped:
+            self.granted_ops += ops
+
+    def _observe(self):
+        """Grant every pending ticket the head has passed, at the current time."""
+        head = self.cells.load(L.HEAD)
+        still = []
+        for ticket, tokens in self.pending:
+            if diff(head, ticket) >= 0:
+                self.grants.append((self.clock(), tokens))
+            else:
+                still.append((ticket, tokens))
+        self.pending = still
+
+    def _cost(self):
+        return self.cells.load(L.CFG_COST)
+
+    def _track_config(self):
+        self.max_cap = max(self.max_cap, self.cells.load(L.CFG_CAP))
+        self.max_ratio = max(self.max_ratio, L.u2f(self.cells.load(L.CFG_RATIO)))
+        self.cap_ops = max(self.cap_ops, self.cells.load(L.CFG_CAP) // self._cost())
+
+    def _n(self, data, proc):
+        """Any valid n, the largest included."""
+        most = MAX_SPAN_TOKENS // self._cost()
+        return data.draw(st.one_of(st.integers(1, 3), st.just(most), st.integers(1, most)), label="n")
+
+    procs_idx = st.integers(0, 2)
+
+    def _proc(self, i):
+        return self.procs[i % len(self.procs)]
+
+    # -- rules -----------------------------------------------------------------------
+
+    @rule(i=procs_idx, data=st.data())
+    def try_acquire(self, i, data):
+        lim = self._proc(i)
+        n = self._n(data, lim)
+        result, tail, _ = self._call(lim.try_acquire, n)
+        self._note_taken(tail, n, now=True)
+
+    @rule(i=procs_idx, data=st.data(), timeout=st.one_of(st.none(), st.sampled_from([0.0, 0.001, 0.05, 2.0])))
+    def acquire(self, i, data, timeout):
+        lim = self._proc(i)
+        n = data.draw(st.one_of(st.just(1), st.integers(1, 3), st.just(MAX_SPAN_TOKENS // self._cost())), label="n")
+        try:
+            result, tail, ticket = self._call(lim.acquire, n, timeout)
+        except shmlimit.QueueFullError if hasattr(shmlimit, "QueueFullError") else ():
+            return
+        except ValueError as e:  # capped mode: more than the capacity can ever admit
+            assert "capacity" in str(e)
+            return
+        self._note_taken(tail, n, ticket)
+
+    @rule(i=procs_idx, data=st.data(), max_wait=st.one_of(st.none(), st.sampled_from([0.0, 0.01, 1.0, 3600.0])))
+    def reserve(self, i, data, max_wait):
+        lim = self._proc(i)
+        n = self._n(data, lim)
+        try:
+            result, tail, _ = self._call(lim.reserve, n, max_wait)
+        except shmlimit.QueueFullError if hasattr(shmlimit, "QueueFullError") else ():
+            return
+        self._note_taken(tail, n)
+
+    @rule(i=procs_idx, k=st.integers(1, 10), how=st.sampled_from(["reserve", "reserve_bounded", "acquire"]))
+    def flood(self, i, k, how):
+        """Queue the largest valid request ``k`` times in a row (any path that queues)."""
+        lim = self._proc(i)
+        for _ in range(k):
+            n = MAX_SPAN_TOKENS // self._cost()
+            call = {
+                "reserve": lambda: lim.reserve(n),
+                "reserve_bounded": lambda: lim.reserve(n, max_wait=10**9),
+                "acquire": lambda: lim.acquire(n),
+            }[how]
+            try:
+                result, tail, ticket = self._call(call)
+            except shmlimit.QueueFullError if hasattr(shmlimit, "QueueFullError") else ():
+                return
+            except ValueError as e:  # capped mode: more than the capacity can ever admit
+                assert "capacity" in str(e)
+                return
+            self._note_taken(tail, n, ticket)
+
+    @rule(i=procs_idx)
+    def drain(self, i):
+        lim = self._proc(i)
+        result, tail, _ = self._call(lim.drain)
+        if result is not WouldBlock:
+            self._note_taken(tail, result, now=True)
+
+    @precondition(lambda self: self.capped)
+    @rule(data=st.data())
+    def release(self, data):
+        in_flight = self.granted_ops - self.released
+        if in_flight <= 0:
+            return
+        k = data.draw(st.integers(1, in_flight), label="k")
+        self._proc(0).release(k)
+        self.released += k
+
+    @rule(i=procs_idx, rate=RATES, burst=BURSTS, ratio=st.sampled_from([None, 1.0, 3.0]))
+    def set_rate(self, i, rate, burst, ratio):
+        lim = self._proc(i)
+        before = self._words()
+        try:
+            lim.set_rate(rate, burst=burst, ratio=ratio)
+        except ValueError:
+            assert self._words() == before  # refused: not one word written
+        self._track_config()
+
+    @rule(i=procs_idx, verb=st.sampled_from(["stop", "start", "restart"]))
+    def lifecycle(self, i, verb):
+        getattr(self._proc(i), verb)()
+
+    @rule(ns=st.sampled_from([1, 1000, 10**5, 10**6, 10**7, 10**9, 60 * 10**9]), i=procs_idx)
+    def advance_and_fill(self, ns, i):
+        self.clock.now += ns
+        self._proc(i)._att.bucket.replenish()
+
+    @rule(i=procs_idx)
+    def stall_replenisher(self, i):
+        self.clock.now += 10**6
+        bucket = self._proc(i)._att.bucket
+        claim = bucket.claim()
+        if claim is not None:
+            self.stalled.append((bucket, claim))
+
+    @precondition(lambda self: self.stalled)
+    @rule()
+    def resume_replenisher(self):
+        bucket, claim = self.stalled.pop(0)
+        bucket.apply(claim)
+
+    @precondition(lambda self: len(self.procs) > 1)
+    @rule(i=procs_idx)
+    def process_dies(self, i):
+        # its queued tickets stay in the queue (and count, when the head passes them)
+        dead = self.procs.pop(i % len(self.procs))
+        self.stalled = [(b, c) for b, c in self.stalled if b is not dead._att.bucket]  # it never resumes
+
+    @precondition(lambda self: len(self.procs) < 3)
+    @rule(backend=st.sampled_from(BACKENDS))
+    def process_starts(self, backend):
+        self._spawn(backend)
+
+    @rule(i=procs_idx, bad=st.sampled_from(["n0", "nbig", "timeout", "burst", "rate", "ratio", "release"]))
+    def bad_input(self, i, bad):
+        lim = self._proc(i)
+        before = self._words()
+        calls = {
+            "n0": lambda: lim.try_acquire(0),
+            "nbig": lambda: lim.reserve(MAX_SPAN_TOKENS // self._cost() + 1),
+            "timeout": lambda: lim.acquire(1, timeout=-1.0),
+            "burst": lambda: lim.set_rate(1000, burst=0.5),
+            "rate": lambda: lim.set_rate(-1),
+            "ratio": lambda: lim.set_rate(1000, ratio=0.5),
+            "release": lambda: lim.release(0),
+        }
+        with pytest.raises((ValueError, TypeError)):
+            calls[bad]()
+        assert self._words() == before
+
+    # -- invariants ------------------------------------------------------------------
+
+    @invariant()
+    def window_bound(self):
+        if not self.procs:
+            return
+        self._observe()
+        grants = sorted(self.grants)
+        bound_cap = self.max_ratio * self.max_cap
+        for a in range(len(grants)):
+            total = 0
+            for b in range(a, len(grants)):
+                total += grants[b][1]
+                window = grants[b][0] - grants[a][0]
+                assert total <= self.max_ratio * window * self.tpn + bound_cap, (
+                    f"{total} tokens granted in {window} ns: more than ratio*(T*tpn + cap)"
+                )
+
+    @invariant()
+    def capped_in_flight(self):
+        if self.capped and self.procs:
+            assert self.granted_ops - self.released <= self.cap_ops
+
+    @invariant()
+    def config_consistent(self):
+        if not self.procs:
+            return
+        b = Bucket(open_cells(self.mm, L.segment_size(SLOTS), BACKENDS[-1]), self.clock)  # raises if corrupt
+        cfg = b.config
+        assert b.cost == cfg.cost_at(b.tpn) and b.cap == cfg.cap_at(b.tpn) and b.tpn == self.tpn
+
+    @invariant()
+    def no_deadlock(self):
+        """Let the clock run as long as the queue ahead needs: every ticket is served, and a new op can be had."""
+        if not self.procs or self.cells.load(L.CFG_FLAGS) & L.FLAG_STOPPED:
+            return
+        c = self.cells
+        depth = diff(c.load(L.TAIL), c.load(L.HEAD))
+        cap = c.load(L.CFG_CAP)
+        if depth > 50 * cap:
+            return  # too deep to simulate fill by fill; the window bound still holds for it
+        if self.capped and self.granted_ops - self.released >= max(1, cap // self._cost()):
+            return  # full of ops in flight: waiting for a release is the promise
+        # a scratch copy: running the clock must not change the machine's state
+        scratch = mmap.mmap(-1, len(self.mm))
+        scratch[:] = self.mm[:]
+        clock = Clock()
+        clock.now = self.clock.now
+        cells = open_cells(scratch, len(scratch), BACKENDS[-1])
+        b = Bucket(cells, clock)
+        step = max(1, cap // 2 // b.tpn)
+        for _ in range(120):
+            clock.now += step
+            b.replenish()
+        head = cells.load(L.HEAD)
+        for ticket, _ in self.pending:
+            assert diff(head, ticket) >= 0, "a queued ticket was not served after its schedule"
+        att = _Attachment("scratch", Segment("scratch", scratch, len(scratch), False, 0), cells, join=False)
+        att.bucket.clock = clock
+        probe = Limiter.__new__(Limiter)
+        probe._name, probe._att, probe._fast = "scratch", att, att.fast
+        ok = probe.try_acquire(1)
+        probe._att = None
+        assert ok, "nothing in flight, nothing queued beyond the schedule, and still no op can be had"
+
+
+LimiterModel.TestCase.settings = settings(
+    max_examples=int(os.environ.get("SHMLIMIT_MODEL_EXAMPLES", "60")),
+    stateful_step_count=25,
+    deadline=None,
+    suppress_health_check=[HealthCheck.too_slow, HealthCheck.filter_too_much],
+)
+TestLimiterModel = LimiterModel.TestCase

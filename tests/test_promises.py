@@ -1,0 +1,421 @@
+"""Regression tests: every promise holds off the well-trodden paths too (unusual but valid sequences)."""
+import mmap
+import multiprocessing as mp
+import random
+import sys
+import threading
+import time
+from fractions import Fraction
+
+import pytest
+
+import shmlimit
+from shmlimit import layout as L
+from shmlimit.bucket import Bucket, diff
+from shmlimit.cells import native_available, open_cells
+from shmlimit.config import MAX_QUEUE_TOKENS, MAX_SPAN_TOKENS, NS_PER_S, Config
+from shmlimit.errors import QueueFullError
+
+BACKENDS = ["atomics"] + (["native"] if native_available() else [])
+CONFIG_WORDS = [L.CFG_SEQ, L.CFG_RATE, L.CFG_PER, L.CFG_BURST, L.CFG_TPN, L.CFG_COST, L.CFG_CAP, L.CFG_FLAGS,
+                L.CFG_RATIO, L.CFG_MAX_RESERVED, L.CFG_MAX_BEHIND]
+
+
+class FakeClock:
+    def __init__(self, start: int = 10**12) -> None:
+        self.now = start
+
+    def __call__(self) -> int:
+        return self.now
+
+
+def make_cells(backend, slots=1):
+    size = L.segment_size(slots)
+    mm = mmap.mmap(-1, size)
+    return open_cells(mm, size, backend)
+
+
+@pytest.fixture(params=BACKENDS)
+def backend(request):
+    return request.param
+
+
+def words(lim):
+    c = lim._att.cells
+    return [c.load(off) for off in CONFIG_WORDS + [L.TAIL, L.HEAD, L.INFLIGHT, L.WAIT]]
+
+
+# ---- 1. the queue depth is bounded on every path that queues ------------------------------------
+
+
+def test_queue_never_wraps_past_2_63(name):
+    lim = shmlimit.Limiter(name, rate=1000)
+    b = lim._att.bucket
+    biggest = MAX_SPAN_TOKENS // b.cost
+    taken = 0
+    with pytest.raises(QueueFullError, match="queue is full"):
+        for _ in range(9):  # 9 * 2**60 tokens would pass 2**63
+            assert lim.reserve(biggest) is not None
+            taken += 1
+    assert taken == 4  # 4 * 2**60 = 2**62: the fifth would pass the bound
+    c = lim._att.cells
+    tail = c.load(L.TAIL)
+    assert 0 < diff(tail, c.load(L.HEAD)) <= MAX_QUEUE_TOKENS
+    # the untimed acquire (the native grab) and the fast path refuse too, taking nothing
+    with pytest.raises(QueueFullError):
+        lim.acquire(biggest)
+    assert c.load(L.TAIL) == tail
+    assert c.grab(L.TAIL, L.HEAD, biggest * b.cost, L.UNREG_GRANTS, 1) is False
+    assert c.load(L.TAIL) == tail
+    # the limit still holds: nothing is available to anyone
+    assert lim.try_acquire() is False
+    assert lim.acquire(1, timeout=0.01) is False
+    lim.close()
+
+
+# ---- 2-4. capped mode counts ops in flight, whatever happens to the tokens ----------------------
+
+
+def _acquire_in_thread(lim, n=1):
+    done = threading.Event()
+
+    def run():
+        lim.acquire(n)
+        done.set()
+
+    threading.Thread(target=run, daemon=True).start()
+    return done
+
+
+@pytest.mark.parametrize("verb", ["stop-start", "restart"])
+def test_capped_no_deadlock_after_stop_start_restart(name, verb):
+    lim = shmlimit.Limiter(name, rate=1000, burst=2, capped=True)
+    if verb == "restart":
+        lim.restart()
+    else:
+        lim.stop()
+        lim.start()
+    assert lim.acquire(timeout=2.0)  # nothing in flight: a grant comes within the rate's time
+    lim.release()
+    assert _acquire_in_thread(lim).wait(5.0)
+    lim.release()
+    lim.close()
+
+
+def test_capped_rate_down_does_not_deadlock(name):
+    lim = shmlimit.Limiter(name, rate=1000, burst=2, capped=True)
+    lim.set_rate(10, burst=2)
+    assert _acquire_in_thread(lim).wait(5.0)
+    lim.close()
+
+
+def _in_flight_after_burst(lim, seconds):
+    """Ops granted (never released) while trying as fast as possible for ``seconds``."""
+    granted = 0
+    end = time.monotonic() + seconds
+    while time.monotonic() < end:
+        granted += lim.try_acquire()
+    return granted
+
+
+def test_capped_rate_up_keeps_capacity_in_ops(name):
+    lim = shmlimit.Limiter(name, rate=10, burst=2, capped=True, initial=0)  # 0.2 s of tokens to come
+    lim.set_rate(1000, burst=2)  # ... are 200 ops now
+    assert _in_flight_after_burst(lim, 0.3) == 2
+
+
+def test_capped_with_catch_up_keeps_capacity_in_ops(name):
+    lim = shmlimit.Limiter(name, rate=1000, burst=2, capped=True, ratio=3.0)
+    deadline = time.monotonic() + 5
+    while lim.stats().behind_seconds < 0.05 and time.monotonic() < deadline:
+        time.sleep(0.01)  # time passes with a full bucket: the waiting pool fills
+    assert lim.stats().behind_seconds >= 0.05
+    assert _in_flight_after_burst(lim, 0.2) == 2
+
+
+def test_capped_release_beyond_in_flight_changes_nothing(name):
+    lim = shmlimit.Limiter(name, rate=1000, burst=3, capped=True)
+    assert lim.try_acquire(2)
+    before = words(lim)
+    with pytest.raises(ValueError, match="in flight"):
+        lim.release(3)
+    assert words(lim) == before
+    lim.release(2)
+    assert lim._att.bucket.in_flight() == 0
+    lim.close()
+
+
+# ---- 5. set_rate is validated at the segment's token unit, before anything is written ----------
+
+
+@pytest.mark.parametrize("burst", [14, 250])
+def test_set_rate_validated_at_the_segments_unit(name, burst):
+    lim = shmlimit.Limiter(name, rate=999)
+    before = words(lim)
+    with pytest.raises(ValueError, match="burst"):
+        lim.set_rate(1, per=86400, burst=burst)
+    assert words(lim) == before  # not one word written
+    other = shmlimit.attach(name)  # nobody is bricked
+    assert other.rate == 999 and lim.try_acquire()
+    lim.close()
+
+
+# ---- 9. op-cost rounding is within the documented bound, at creation and after set_rate --------
+
+
+def test_op_cost_error_bound_over_random_rates():
+    rng = random.Random(11)
+    rates = [1e9 / 3, 9.9e8, 1e9, 7e6, 1234.567, 1 / 3] + [10 ** rng.uniform(-3, 9) for _ in range(300)]
+    for first in rates:
+        cfg = Config.make(first)
+        for r in [first] + [10 ** rng.uniform(-3, 9) for _ in range(3)]:
+            new = Config.make(r)
+            if new.span_error(cfg.tpn):
+                continue  # refused by set_rate (tested above)
+            cost = new.cost_at(cfg.tpn)
+            asked = new.ns_per_op * cfg.tpn  # tokens per op, exactly
+            assert cost >= asked  # never faster
+            assert (cost - asked) / asked < 1 / asked <= Fraction(1, cfg.tpn)  # slower by < 1/tpn
+            if cfg.tpn >= 2**15:
+                assert (cost - asked) / asked < Fraction(1, 2**15)
+
+
+def test_set_rate_to_near_1e9_is_enforced_within_bound(backend):
+    cells = make_cells(backend)
+    clock = FakeClock()
+    Bucket.initialise(cells, Config.make(1000), clock())
+    b = Bucket(cells, clock)
+    b.publish(Config.make(9.9e8))
+    enforced = b.tpn * NS_PER_S / b.cost
+    assert 9.9e8 * (1 - 2**-15) < enforced <= 9.9e8
+
+
+# ---- 10. replenish clamps with the capacity in force, not a cached one ------------------------
+
+
+def test_replenish_clamps_with_the_live_capacity(backend):
+    cells = make_cells(backend)
+    clock = FakeClock()
+    Bucket.initialise(cells, Config.make(1000, burst=100), clock(), initial_ops=0)
+    stale = Bucket(cells, clock)  # another process's view, cached before the change
+    writer = Bucket(cells, clock)
+    writer.publish(Config.make(1000, burst=5))
+    clock.now += 10 * NS_PER_S
+    stale.replenish()
+    assert diff(cells.load(L.HEAD), cells.load(L.TAIL)) <= writer.cap
+
+
+# ---- REPL_TS ahead of the clock is corrupt, not a reason to stop ------------------------------
+
+
+def test_repl_ts_in_the_future_does_not_stop_replenishment(backend):
+    cells = make_cells(backend)
+    clock = FakeClock()
+    Bucket.initialise(cells, Config.make(1000, burst=5), clock(), initial_ops=0)
+    b = Bucket(cells, clock)
+    cells.store(L.REPL_TS, clock() + 10**15)  # corrupt: ~11 days ahead
+    assert b.replenish() == 0  # nothing granted for an unknown past
+    clock.now += 2_000_000
+    assert b.replenish() == 2_000_000 * b.tpn  # and time counts again from now
+
+
+# ---- 11. Limiter(name, rate=...) compares against the live config ------------------------------
+
+
+def _set_rate_child(name, rate):
+    shmlimit.attach(name).set_rate(rate)
+
+
+def test_create_compares_against_the_live_config(name):
+    lim = shmlimit.Limiter(name, rate=100)
+    p = mp.get_context("fork").Process(target=_set_rate_child, args=(name, 200))
+    p.start()
+    p.join(30)
+    assert p.exitcode == 0
+    shmlimit.Limiter(name, rate=200).close()  # what is in force: accepted
+    with pytest.raises(shmlimit.ConfigMismatchError):
+        shmlimit.Limiter(name, rate=100)  # what was in force: refused
+    lim.close()
+
+
+# ---- 13. rate specs in set_rate; close() while another thread is mid-call --------------------
+
+
+def test_set_rate_takes_a_spec_with_a_ratio(name):
+    lim = shmlimit.Limiter(name, rate=1000)
+    lim.set_rate("2K,1.1")
+    assert (lim.rate, lim.config.ratio) == (2000, 1.1)
+    lim.set_rate("3K")  # no ratio in the spec: the current one stays
+    assert (lim.rate, lim.config.ratio) == (3000, 1.1)
+    with pytest.raises(ValueError, match="ratio given twice"):
+        lim.set_rate("2K,1.1", ratio=1.2)
+    lim.close()
+
+
+# ---- 7. a config change is published to the process as one snapshot --------------------------
+
+
+def test_config_snapshot_is_never_torn_by_a_thread_switch(name):
+    """Switch threads at every line of the config reload: the fast path is never priced by another config."""
+    lim = shmlimit.Limiter(name, rate=1000, burst=10**6, initial=10**6)
+    att = lim._att
+    b = att.bucket
+    c = att.cells
+    other = Bucket(c)
+    other.publish(other.config.replace(rate=10, burst=1000))
+    new_seq, new_cost = c.load(L.CFG_SEQ), c.load(L.CFG_COST)
+    torn = []
+
+    def switch(frame, event, arg):
+        if frame.f_code.co_name == "load_config" and event == "line":
+            att.update_fast()  # what another thread (an acquire) would do right now
+            tail = c.load(L.TAIL)
+            if att.fast[0]() is not False and att.fast_seq == new_seq:
+                if diff(c.load(L.TAIL), tail) != new_cost:
+                    torn.append(diff(c.load(L.TAIL), tail))
+        return switch
+
+    sys.settrace(switch)
+    try:
+        b.refresh()
+    finally:
+        sys.settrace(None)
+    assert torn == []
+    lim.close()
+
+
+# ---- 8. a timed acquire never overshoots its timeout by more than scheduling noise --------------
+
+
+def test_timed_acquire_counts_the_real_refill_speed(name):
+    lim = shmlimit.Limiter(name, rate=100_000, burst=1)  # capacity 10 us: far below two fill intervals
+    for _ in range(5):
+        t0 = time.monotonic()
+        lim.acquire(400, timeout=0.01)  # 4 ms of schedule at the rate, ~0.8 s at the real refill speed
+        assert time.monotonic() - t0 < 0.01 + 0.1  # the timeout plus an honest margin for a loaded machine
+    lim.close()
+
+
+_CLOSE_MID_CALL = """
+import sys, threading, shmlimit
+name = sys.argv[1]
+for _ in range(30):
+    lim = shmlimit.Limiter(name, rate=1e6)
+    go = threading.Event()
+    def hammer():
+        go.set()
+        try:
+            while True:
+                lim.acquire(); lim.try_acquire()
+        except ValueError as e:  # closed in this process: the only acceptable outcome
+            assert "closed" in str(e), e
+    threads = [threading.Thread(target=hammer) for _ in range(3)]
+    for t in threads:
+        t.start()
+    go.wait()
+    att = lim._att
+    lim.close()  # another thread is mid-call: must neither raise nor crash
+    for t in threads:
+        t.join()
+    assert att.closed
+print("ok")
+"""
+
+
+@pytest.mark.parametrize("backend_name", BACKENDS)
+def test_close_while_another_thread_is_mid_call(name, backend_name):
+    import os
+    import subprocess
+
+    env = dict(os.environ, SHMLIMIT_BACKEND=backend_name)
+    r = subprocess.run([sys.executable, "-c", _CLOSE_MID_CALL, name], env=env, capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0 and r.stdout.strip() == "ok", (r.returncode, r.stderr[-2000:])
+
+
+# ---- 12. gc never orphans a process that attaches while it looks -------------------------------
+
+
+def _attach_and_hold(name, attached, done):
+    lim = shmlimit.attach(name)
+    attached.set()
+    done.wait(60)
+    lim.close()
+
+
+def test_gc_keeps_a_segment_a_process_attached_to_meanwhile(name, monkeypatch, capsys):
+    from shmlimit import cli
+    from shmlimit.segment import current_inode
+
+    shmlimit.Limiter(name, rate=100).close()  # a stale segment: nobody attached
+    inode = current_inode(name)
+    ctx = mp.get_context("fork")
+    attached, done = ctx.Event(), ctx.Event()
+    child = ctx.Process(target=_attach_and_hold, args=(name, attached, done))
+    real_inspect = cli.inspect
+
+    def inspect_then_attach(n):
+        stats = real_inspect(n)  # gc has looked: no live process ...
+        if n == name:
+            child.start()  # ... and now one attaches, before gc acts on what it saw
+            assert attached.wait(30)
+        return stats
+
+    monkeypatch.setattr(cli, "inspect", inspect_then_attach)
+    monkeypatch.setattr(cli, "list_names", lambda: [name])  # leave every other segment on the machine alone
+    try:
+        cli.main(["gc"])
+        assert current_inode(name) == inode  # still the segment the child uses: nothing orphaned
+    finally:
+        done.set()
+        child.join(30)
+    assert child.exitcode == 0
+    capsys.readouterr()
+
+
+def test_gc_removes_a_stale_segment(name, capsys, monkeypatch):
+    from shmlimit import cli
+    from shmlimit.segment import current_inode
+
+    monkeypatch.setattr(cli, "list_names", lambda: [name])
+    shmlimit.Limiter(name, rate=100).close()
+    cli.main(["gc"])
+    assert current_inode(name) is None
+    assert f"removed: {name}" in capsys.readouterr().out
+
+
+# ---- 6. a stalled config writer that resumes after being taken over publishes nothing -----------
+
+
+@pytest.mark.parametrize("stall_at", range(0, 40, 3))
+def test_stalled_config_writer_cannot_corrupt_the_config(backend, monkeypatch, stall_at):
+    import shmlimit.bucket as bucket_module
+
+    monkeypatch.setattr(bucket_module, "CONFIG_LOCK_TIMEOUT_NS", 1_000_000)  # take over after 1 ms
+    cells = make_cells(backend)
+    clock = FakeClock()
+    Bucket.initialise(cells, Config.make(1000), clock())
+    stalled, other = Bucket(cells, clock), Bucket(cells, clock)
+    winner = Config.make(10)
+    lines = [0]
+
+    def stall(frame, event, arg):
+        if frame.f_code.co_name in ("_write_config_words", "_write_banks") and event == "line":
+            lines[0] += 1
+            if lines[0] == stall_at + 1:  # the writer stops here for longer than the lock's timeout ...
+                sys.settrace(None)
+                other.publish(winner)  # ... and another writer takes over and publishes
+        return stall
+
+    sys.settrace(stall)
+    try:
+        stalled.publish(Config.make(1000, burst=50))  # ... then the stalled one resumes
+    except shmlimit.ShmlimitError:
+        pass  # refused: the right outcome for a writer that was taken over
+    finally:
+        sys.settrace(None)
+    if lines[0] <= stall_at:
+        return  # the writer finished before the stall point: nothing to test
+    fresh = Bucket(cells, clock)
+    assert fresh.config == winner
+    assert (fresh.cost, fresh.cap) == (winner.cost_at(fresh.tpn), winner.cap_at(fresh.tpn))
+    assert cells.load(L.CFG_SEQ) % 2 == 0
