@@ -196,9 +196,11 @@ class AtomicsCells(CompositesFromPrimitives):
 
     The package releases the GIL inside each operation and works on a raw
     pointer, so a ``close`` (which unmaps) racing another thread's operation
-    would touch freed memory.  Every operation and ``close`` therefore hold
-    ``_lock``: a close waits for the operation in progress, and every later
-    operation raises ValueError, as on the native backend.
+    would touch freed memory.  Every operation therefore counts itself in
+    ``_active`` while it runs, and ``close`` waits until none is running:
+    every later operation raises ValueError, as on the native backend.  The
+    lock guards only the count (no allocation that could run the garbage
+    collector, and with it a ``__del__`` taking other locks, happens under it).
     """
 
     backend = "atomics"
@@ -212,11 +214,25 @@ class AtomicsCells(CompositesFromPrimitives):
         self._views: Dict[int, object] = {}
         self._contexts: List[Tuple[Any, memoryview]] = []
         self._lock = threading.Lock()
+        self._idle = threading.Condition(self._lock)
+        self._active = 0
         self._closed = False
 
-    def _view(self, off: int):
-        if self._closed:
+    def _enter(self) -> None:
+        with self._lock:
+            closed = self._closed
+            if not closed:
+                self._active += 1
+        if closed:
             raise ValueError("cells are closed")
+
+    def _exit(self) -> None:
+        with self._lock:
+            self._active -= 1
+            if self._closed and not self._active:
+                self._idle.notify_all()
+
+    def _view(self, off: int):
         view = self._views.get(off)
         if view is None:
             check_offset(off, self.size)
@@ -228,36 +244,51 @@ class AtomicsCells(CompositesFromPrimitives):
         return view
 
     def load(self, off: int) -> int:
-        with self._lock:
+        self._enter()
+        try:
             return self._view(off).load()
+        finally:
+            self._exit()
 
     def store(self, off: int, value: int) -> None:
         check_value(value)
-        with self._lock:
+        self._enter()
+        try:
             self._view(off).store(value)
+        finally:
+            self._exit()
 
     def fetch_add(self, off: int, delta: int) -> int:
         check_value(delta)
-        with self._lock:
+        self._enter()
+        try:
             return self._view(off).fetch_add(delta)
+        finally:
+            self._exit()
 
     def cas(self, off: int, expected: int, desired: int) -> bool:
         check_value(expected)
         check_value(desired)
-        with self._lock:
+        self._enter()
+        try:
             return self._view(off).cmpxchg_strong(expected, desired).success
+        finally:
+            self._exit()
 
     def close(self) -> None:
         with self._lock:
             if self._closed:
                 return
             self._closed = True
-            for ctx, sub in self._contexts:
-                ctx.__exit__(None, None, None)
-                sub.release()
-            self._contexts.clear()
-            self._views.clear()
-            self._buf.release()
+            while self._active:  # an operation in progress in another thread: let it finish
+                self._idle.wait()
+        # closed, and no operation runs: nobody touches the views any more
+        for ctx, sub in self._contexts:
+            ctx.__exit__(None, None, None)
+            sub.release()
+        self._contexts.clear()
+        self._views.clear()
+        self._buf.release()
 
     def __del__(self) -> None:
         # the atomics package complains when a view is collected while still entered
