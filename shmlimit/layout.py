@@ -16,7 +16,7 @@ filler and the process table never false-share.
     line  8  UNREG_GRANTS: grants of processes beyond the table
     line  9  WAIT      the waiting pool: schedule time not used while the bucket was full (catch-up)
     line 10  UP_*      upstream (hierarchical mode) state and counters, written by the filler
-    line 11  UP_LEASE* the last two batches leased from upstream: (time, tokens) each
+    line 11  UP_RECORD the ring of lease records, UP_LEASES, UP_NEXT_NS, UP_LINE_TAIL/HEAD
     lines 12..15 UP_DESC   the upstream's description (JSON), written once by the creator
     then SLOTS process slots of one line each: PID START GRANTS WAITING BASE - - -
 
@@ -103,11 +103,14 @@ UP_ERRORS = 10 * LINE + 32  # upstream calls that failed
 UP_FALLBACKS = 10 * LINE + 40  # times a fallback was entered
 UP_REFUSED = 10 * LINE + 48  # lease requests that found nothing available upstream
 UP_HUNGRY = 10 * LINE + 56  # CLOCK_MONOTONIC ns when a caller last found no token without queueing
-UP_LEASE0_TS = 11 * LINE  # CLOCK_MONOTONIC ns of the newest lease (taken before it was asked for)
-UP_LEASE0_AMT = 11 * LINE + 8  # its tokens
-UP_LEASE1_TS = 11 * LINE + 16  # the one before
-UP_LEASE1_AMT = 11 * LINE + 24
-UP_LEASES = 11 * LINE + 32  # successful lease requests (UP_LEASED / UP_LEASES = the average batch)
+#: A ring of lease records, one word each: (CLOCK_MONOTONIC ms when the batch was due, at the
+#: earliest) << 24 | its ops; written with one store into slot UP_LEASES % UP_RECORDS.
+UP_RECORD = 11 * LINE
+UP_RECORDS = 4
+UP_LEASES = 11 * LINE + 32  # leases delivered (UP_LEASED / UP_LEASES = the average batch); the ring's index
+UP_NEXT_NS = 11 * LINE + 40  # CLOCK_MONOTONIC ns when the filler next expects tokens (0: unknown)
+UP_LINE_TAIL = 11 * LINE + 48  # ops of timed waiters that joined the line (hierarchical mode) ...
+UP_LINE_HEAD = 11 * LINE + 56  # ... and of those that left it: the difference is the line ahead of a joiner
 UP_DESC_LEN = 12 * LINE  # bytes of JSON that follow
 UP_DESC = 12 * LINE + 8
 UP_DESC_MAX = 4 * LINE - 8

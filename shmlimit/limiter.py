@@ -40,8 +40,10 @@ LIVE_CREATOR_WAIT = 30.0
 DOOMED_WAIT = 2.0
 #: Waiters sleep until this close to their turn, then yield the CPU in a loop (ns).
 SPIN_NS = 200_000
-#: Hierarchical mode: a timed acquire looks for leased tokens this often (seconds).
-POLL = 0.001
+#: Hierarchical mode: a timed acquire that does not know when tokens come looks this often (seconds) ...
+POLL = 0.002
+#: ... and one that knows wakes this long after they are due, once the filler has added them (seconds).
+ARRIVAL_SLACK = 0.0003
 #: A sleeping waiter wakes at least this often to notice rate changes and stops (seconds).
 MAX_NAP = 0.25
 #: Capped mode: a caller waiting for a release looks again this often (seconds).
@@ -794,11 +796,16 @@ class Limiter:
                     ticket = self._take(att, tokens, b.max_reserved_ns)
         elif b.upstream:
             deadline = time.monotonic() + timeout
-            while True:
-                nap = self._poll(att, tokens, n, deadline)
-                if nap is None or nap is True:
-                    return nap is True
-                time.sleep(nap)
+            place = None
+            try:
+                while True:
+                    nap, place = self._poll(att, tokens, n, deadline, place)
+                    if nap is None or nap is True:
+                        return nap is True
+                    time.sleep(nap)
+            finally:
+                if place is not None:
+                    c.fetch_add(L.UP_LINE_HEAD, n)
         else:
             ticket = self._take(att, tokens, min(timeout * NS_PER_S, b.max_reserved_ns))
             if ticket is None:
@@ -852,11 +859,19 @@ class Limiter:
         (and counted) whether or not the caller uses it.  While the limiter is
         stopped the wait is not computable: a bounded reservation returns None,
         an unbounded one returns ``math.inf``.  A capped limiter with no room
-        among its ops in flight returns None.
+        among its ops in flight returns None.  Not available in hierarchical
+        mode (ValueError).
         """
         att = self._live()
         b = att.bucket
         b.refresh()
+        if b.upstream:
+            # Paced by the local rate, each host would promise slots of the global rate: two hosts
+            # of a global 100/s handed out 200 usable slots in 1 s.  Leases have no known time.
+            raise ValueError(
+                f"reserve() is not available on the hierarchical limiter {self._name!r}: its tokens come "
+                f"from leases, whose time is not known in advance; use acquire(timeout=...) or try_acquire()"
+            )
         tokens = validate_n(n, b.cost) * b.cost
         limit = validate_timeout(max_wait, "max_wait")
         if att.opened():
@@ -1096,11 +1111,16 @@ class Limiter:
                 ticket = self._take(att, tokens, b.max_reserved_ns)
         elif b.upstream:
             deadline = time.monotonic() + timeout
-            while True:
-                nap = self._poll(att, tokens, n, deadline)
-                if nap is None or nap is True:
-                    return nap is True
-                await asyncio.sleep(nap)
+            place = None
+            try:
+                while True:
+                    nap, place = self._poll(att, tokens, n, deadline, place)
+                    if nap is None or nap is True:
+                        return nap is True
+                    await asyncio.sleep(nap)
+            finally:
+                if place is not None:
+                    c.fetch_add(L.UP_LINE_HEAD, n)
         else:
             ticket = self._take(att, tokens, min(timeout * NS_PER_S, b.max_reserved_ns))
             if ticket is None:
@@ -1129,30 +1149,45 @@ class Limiter:
             ticket = b.try_grab_within(tokens, max_wait_ns)
         return ticket
 
-    def _poll(self, att: _Attachment, tokens: int, n: int, deadline: float) -> Union[bool, float, None]:
-        """Hierarchical mode, a timed acquire: True if granted now, None past the deadline, else a nap.
+    def _poll(
+        self, att: _Attachment, tokens: int, n: int, deadline: float, place: Optional[int]
+    ) -> Tuple[Union[bool, float, None], Optional[int]]:
+        """Hierarchical mode, a timed acquire: (True if granted now, None past the deadline, else a nap; place).
 
         Tokens arrive when leases do, not on a clock, so a ticket's wait has
-        no bound: a timed acquire takes no ticket and polls instead, taking
-        nothing unless it succeeds.
+        no bound: a timed acquire takes no ticket, and takes nothing unless it
+        succeeds.  Refused once, it joins the line of timed waiters
+        (``UP_LINE_TAIL``; it leaves through ``UP_LINE_HEAD`` whatever the
+        outcome) only to know how many ops wait ahead of it: it sleeps until
+        the filler next expects tokens (``UP_NEXT_NS``), plus the time the
+        local rate takes to serve those ahead, plus a little so the filler has
+        added them.  So the waiters do not all wake for every
+        batch.  Not knowing when tokens come, it looks again after ``POLL``.
         """
         b = att.bucket
         c = att.cells
         if c.try_grab(L.TAIL, L.HEAD, tokens, att.grants_off, n):
-            return True
+            return True, place
         b.refresh()
         if att.opened():
             c.fetch_add(att.grants_off, n)
-            return True
+            return True, place
         if b.time_fed and b.replenish() > 0 and c.try_grab(L.TAIL, L.HEAD, tokens, att.grants_off, n):
-            return True
-        left = deadline - time.monotonic()
+            return True, place
+        now = time.monotonic_ns()
+        left = deadline - now / NS_PER_S
         if left <= 0:
-            return None
-        c.store(L.UP_HUNGRY, time.monotonic_ns())  # no ticket shows our demand: tell the filler
+            return None, place
+        c.store(L.UP_HUNGRY, now)  # no ticket shows our demand: tell the filler
         if att.filler is not None:
             att.filler.nudge()
-        return min(left, POLL)
+        if place is None:
+            place = c.fetch_add(L.UP_LINE_TAIL, n)
+        ahead = max(0, diff(place, c.load(L.UP_LINE_HEAD)))  # ops of waiters that came before us
+        turn = ahead * b.config.per / b.config.rate
+        nxt = c.load(L.UP_NEXT_NS)
+        nap = ((nxt - now) / NS_PER_S + turn if nxt > now else max(POLL, turn)) + ARRIVAL_SLACK
+        return min(left, nap, MAX_NAP), place
 
     def _nap(self, att: _Attachment, tokens: int) -> float:
         """How long a caller refused by ``max_reserved`` sleeps before trying to join again (s)."""

@@ -5,21 +5,46 @@ Redis, one round trip per batch.  The segment is created with
 ``FLAG_UPSTREAM``: replenishing from the clock is off, and the head advances
 only by ``Bucket.add`` of leased tokens.
 
-Batches.  The filler measures the host's demand (the tail's advance, queued
-grabs included) as an average over ~0.2 s, and when fewer than half a batch
-of ops is left it leases ``demand * batch_seconds`` ops (at least one, plus
-what queued callers are owed) with ``RedisLimiter.take_up_to``, which grants
-what is available now, up to that.  A batch is capped at half the global
-burst, so one host cannot empty the global bucket in one request, and at the
-room left in the local bucket.
+Batches are reservations.  The filler measures the host's demand (the tail's
+advance, queued grabs included) as an average over ~0.2 s.  While callers
+wait (a negative balance, or ``UP_HUNGRY`` set by a refused caller in the
+last 20 ms), or while the host is busy and what it holds would run out
+soon, it *reserves* ``demand * batch_seconds`` ops (at least one, at most
+what the local bucket holds) in the global GCRA (``MODE_RESERVE``), due
+when their slots are.  It asks for the next batch when the last reserved one
+falls due within ``lead`` (two round trips plus ``MIN_LEAD``), so under
+saturation the global schedule never runs dry between two requests: no slot
+is lost to the latency of asking, at any rate.  (Leasing only what was
+available *now* and retrying blindly after a refusal lost a fifth of the
+rate at 50/s.)  A reservation due beyond the horizon (the lead plus the
+batch) is refused, writing nothing; Redis then names when it would fit, and
+the filler asks again then.  A batch falls due at ``reply + wait`` (never
+early: Redis ran the script before the reply) and goes into the bucket as
+far as it fits; the rest waits for room, not longer than its ttl.
 
-Leased tokens expire.  The filler records the two newest leases (their time,
-taken *before* asking, and their tokens) in the segment; at every tick it burns
-whatever the bucket holds beyond the tokens of leases younger than
-``lease_ttl``.  An op used at time u was therefore leased after
-``u - lease_ttl - d``, where d is the longest gap between two expiry checks
-(a 2 ms tick, or one Redis call of at most ``timeout``), and since Redis grants
-at most ``rate*T + burst`` in any window T, all hosts together grant at most
+Batch size, round trips and the bound.  Redis grants at most
+``rate*T + burst`` of schedule in any window T, however it is cut into
+batches, and a reserved batch is due only when all its slots are.  So the
+batch size does not enter the window bound below; it sets the round trips
+(one per batch: ``1 / (demand * batch_seconds)`` per op, bounded below by
+one per local capacity) against how lumpy a host's supply is (its tokens come
+``batch`` at a time) and how much reserved schedule a host whose demand stops
+leaves unused (at most the lead plus one batch).  The default,
+``batch_seconds=0.02`` capped by the local capacity (default 10 ms of rate),
+gives one round trip per 10 ms of schedule per busy host at high rates.
+
+Leased tokens expire.  Each delivered batch leaves a record in the segment:
+one word, (the earliest moment it could be due, in ms) << 24 | its ops, in a
+ring of four slots chosen by a fetch-add, so racing fillers never mix one
+batch's time with another's size.  At every tick the filler burns whatever
+the bucket holds beyond the ops of records younger than ``lease_ttl``.  An
+op used at time u was therefore due after ``u - lease_ttl - d``, where d is
+the longest gap between two expiry checks (a tick of at most 2 ms, or one
+Redis call of at most ``timeout``).  A filler stopped in the middle of a
+delivery (SIGSTOP) and resumed much later never adds a batch older than its
+ttl, and one it adds late carries its old record, so the next check by the
+running filler burns it: both are within d.  Since Redis grants at most
+``rate*T + burst`` in any window T, all hosts together grant at most
 ``rate*(T + lease_ttl + d) + burst`` in any window T.
 
 Redis unreachable (``on_redis_error``):
@@ -54,11 +79,13 @@ import logging
 import math
 import random
 import time
-from typing import TYPE_CHECKING, Optional
+from collections import deque
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Deque, Optional
 
 from . import layout as L
 from .errors import RedisDataError, RedisUnavailableError
-from .redis import RedisLimiter
+from .redis import MODE_RESERVE, RedisLimiter
 from .upstream_spec import (
     ON_ERROR, STATE_CLOSED, STATE_ERROR, STATE_LOCAL, STATE_NAMES, STATE_OK, STATE_OPEN, UpstreamSpec,
 )
@@ -75,14 +102,19 @@ _FALLBACK = {"local": (STATE_LOCAL, L.FLAG_UPSTREAM | L.FLAG_FALLBACK_LOCAL),
              "open": (STATE_OPEN, L.FLAG_UPSTREAM | L.FLAG_FALLBACK_OPEN),
              "closed": (STATE_CLOSED, L.FLAG_UPSTREAM)}
 
-#: The filler's tick in hierarchical mode (seconds): how often expiry is enforced and demand read.
+#: The filler's tick in hierarchical mode (seconds): how often expiry is enforced and demand read ...
 TICK = 0.002
+#: ... or sooner, when a reserved batch falls due, but not sooner than this (seconds).
+MIN_TICK = 0.0002
+#: Batches are reserved at least this far ahead of need (seconds; see ``Feeder.lead_ns``).
+MIN_LEAD = 0.015
+#: A lease record: (stamp in ms << RECORD_OPS_BITS) | ops; a batch holds at most RECORD_MAX_OPS.
+RECORD_OPS_BITS = 24
+RECORD_MAX_OPS = (1 << RECORD_OPS_BITS) - 1
 #: While Redis is unreachable, it is tried again this often (seconds).
 RETRY_EVERY = 0.25
 #: After a lease request found nothing available upstream, wait at least this long (seconds) ...
 MIN_RETRY = 0.002
-#: ... and at most this long, whatever Redis said (seconds).
-MAX_RETRY = 0.1
 #: A caller refused this recently (ns) still wants a token.
 HUNGRY_NS = 20_000_000
 #: Demand is averaged over about this long (seconds).
@@ -98,8 +130,33 @@ def feed_for(spec: UpstreamSpec) -> "FeedFactory":
     return make
 
 
+@dataclass
+class _Batch:
+    """Ops reserved in Redis, due at ``due`` (monotonic ns, never early) and void after ``stamp + ttl``."""
+
+    due: int  #: when the reply came, plus the wait Redis named: not before the slots are due
+    stamp: int  #: when we asked, plus that wait: not after they are due (expiry counts from here)
+    ops: int  #: ops reserved
+    left: int  #: ops not yet in the bucket (a batch waits for room rather than be lost)
+    recorded: bool = False
+
+
+def _record(stamp_ns: int, ops: int) -> int:
+    """One lease record word: the stamp in whole ms (rounded down: expiry only earlier) and the ops."""
+    return ((stamp_ns // 1_000_000) << RECORD_OPS_BITS) | ops
+
+
 class Feeder:
-    """The filler's half of hierarchical mode: lease, expire, fall back, recover.  Filler thread only."""
+    """The filler's half of hierarchical mode: reserve, deliver, expire, fall back, recover.  Filler thread only.
+
+    Leases are *reservations* in the global GCRA (``MODE_RESERVE``): a batch
+    reserved before the global schedule reaches it is due exactly when its
+    slots are, so the schedule stays continuous while this host has demand
+    and no slot is lost to the latency of asking.  Blind retries after a
+    refusal lost up to half of every interval at low rates.  The feeder
+    keeps the chain ``lead`` ahead (two round trips and two ticks): it asks
+    for the next batch when the last reserved one is due sooner than that.
+    """
 
     def __init__(self, bucket: "Bucket", lease: "Lease", spec: UpstreamSpec) -> None:
         self.bucket = bucket
@@ -110,11 +167,31 @@ class Feeder:
         self.on_error = spec.on_error
         self.ttl_ns = int(spec.lease_ttl * 1e9)
         self.batch_seconds = spec.batch_seconds
-        self.max_batch = max(1, int(spec.burst // 2))
+        self.interval_ns = math.ceil(spec.per * 1e9 / spec.rate)  # one op of the global schedule
         self.demand = 0.0  # ops per second
         self._last: Optional[tuple] = None  # (ns, tail) at the previous tick
         self._burned = 0  # tokens burned since then: they moved the tail but are not demand
         self.next_try = 0
+        self.rtt_ns = 1_000_000  # round trip time, an average; starts at 1 ms
+        self.pending: Deque[_Batch] = deque()
+
+    @property
+    def max_batch(self) -> int:
+        """Ops per lease at most: what the local bucket holds (and a record can count)."""
+        b = self.bucket
+        return max(1, min(b.cap // b.cost, RECORD_MAX_OPS))
+
+    @property
+    def lead_ns(self) -> int:
+        """How far ahead of need the next batch is asked for: two round trips and ``MIN_LEAD``.
+
+        A request that reaches Redis after the global schedule ran dry loses
+        the gap for good (GCRA does not bank it), so the lead covers the
+        filler being descheduled for a while on a busy host, not only the
+        round trip.  Its cost: a host whose demand stops holds at most this
+        much reserved schedule it will not use.
+        """
+        return 2 * self.rtt_ns + int(MIN_LEAD * 1e9)
 
     def close(self) -> None:
         if self.redis is not None:
@@ -130,10 +207,20 @@ class Feeder:
         state = c.load(L.UP_STATE)
         if state in (STATE_OK, STATE_CLOSED, STATE_ERROR):  # leased tokens expire, Redis or not
             self.expire(now)
+        self._deliver(now)
         if not b.stopped and now >= self.next_try:
             self._lease(now, state)
+            self._deliver(time.monotonic_ns())  # a batch due at once goes in without waiting a tick
         if b.time_fed:  # the "local" fallback: the clock feeds the bucket meanwhile
             b.replenish()
+        return self._publish_next(time.monotonic_ns())
+
+    def _publish_next(self, now: int) -> float:
+        """Tell timed waiters when tokens are next expected (``UP_NEXT_NS``); return the nap until the next tick."""
+        nxt = self.pending[0].due if self.pending else (self.next_try if self.next_try > now else 0)
+        self.cells.store(L.UP_NEXT_NS, nxt)
+        if self.pending and self.pending[0].due > now:
+            return min(TICK, max(MIN_TICK, (self.pending[0].due - now) / 1e9))
         return TICK
 
     def _measure(self, now: int) -> None:
@@ -148,39 +235,80 @@ class Feeder:
         self._burned = 0
 
     def expire(self, now: int) -> int:
-        """Burn the tokens beyond those of leases younger than the time to live; return ops burned."""
+        """Burn the tokens beyond those of leases younger than the time to live; return ops burned.
+
+        Each record is one word written with one store, into a slot of a ring
+        chosen by a fetch-add: fillers racing (a Redis call slower than the
+        filler lease) never mix one lease's time with another's amount.
+        """
         c = self.cells
         keep = 0
-        for ts, amt in ((L.UP_LEASE0_TS, L.UP_LEASE0_AMT), (L.UP_LEASE1_TS, L.UP_LEASE1_AMT)):
-            if now - c.load(ts) < self.ttl_ns:
-                keep += c.load(amt)
-        burned = self.bucket.burn(keep)
+        for i in range(L.UP_RECORDS):
+            word = c.load(L.UP_RECORD + 8 * i)
+            if word and now - (word >> RECORD_OPS_BITS) * 1_000_000 < self.ttl_ns:
+                keep += word & RECORD_MAX_OPS
+        burned = self.bucket.burn(keep * self.bucket.cost)
         self._burned += burned
         if burned:
             c.fetch_add(L.UP_EXPIRED, burned // self.bucket.cost)
         return burned
 
-    def want(self, now: int) -> int:
-        """Ops to lease now (0: none needed).
+    def _deliver(self, now: int) -> None:
+        """Put the batches that are due into the bucket, as far as they fit; drop those past their ttl.
 
-        Queued callers (a negative balance) or callers refused without
-        queueing (``UP_HUNGRY``, recent) always get a lease.  Otherwise the
-        filler leases ahead only for a host busy enough to use a token within
-        its time to live, and only when less than half a batch is left.
+        Ordered so that a filler stopped anywhere in here and resumed much
+        later can do no harm: a batch older than its ttl is never added, and
+        one added late carries its old record, so the next expiry check (by
+        whichever filler runs) burns it.
         """
         b = self.bucket
-        batch = min(self.max_batch, max(1, math.ceil(self.demand * self.batch_seconds)))
-        balance = b.balance()
-        avail = balance / b.cost  # negative: owed to queued callers
+        c = self.cells
+        while self.pending and self.pending[0].due <= now:
+            bt = self.pending[0]
+            if now - bt.stamp >= self.ttl_ns:
+                c.fetch_add(L.UP_EXPIRED, bt.left)
+                self.pending.popleft()
+                continue
+            if not bt.recorded:
+                slot = c.fetch_add(L.UP_LEASES, 1) % L.UP_RECORDS
+                c.store(L.UP_RECORD + 8 * slot, _record(bt.stamp, bt.ops))
+                bt.recorded = True
+            bt.left -= b.add(bt.left * b.cost) // b.cost
+            if bt.left > 0:
+                return  # no room: the rest waits for the next tick (or its ttl)
+            self.pending.popleft()
+
+    def want(self, now: int) -> int:
+        """Ops to reserve now (0: none needed).
+
+        Only for a host with demand: callers queued (a negative balance) or
+        refused without queueing (``UP_HUNGRY``, recent), or busy enough to
+        use a token within its time to live.  And only when the reserved
+        schedule ends within ``lead`` and, unless callers wait, what the host
+        holds and has reserved runs out at its demand within the lead plus
+        one batch of the global schedule.  A batch is ``batch_seconds`` of demand or
+        what queued callers are owed, at least one op, at most ``max_batch``.
+        """
+        b = self.bucket
+        avail = b.balance() / b.cost  # negative: owed to queued callers
+        # what queued callers are owed counts too: a filler that just took over knows no demand yet
+        batch = min(self.max_batch, max(1, math.ceil(self.demand * self.batch_seconds), math.ceil(-avail)))
         hungry = avail < 0 or now - self.cells.load(L.UP_HUNGRY) < HUNGRY_NS
-        if not hungry and (avail >= batch / 2 or self.demand * self.ttl_ns / 1e9 < 1):
+        if not hungry and self.demand * self.ttl_ns / 1e9 < 1:
             return 0
-        room = (b.cap - max(0, balance)) // b.cost
-        return max(0, min(self.max_batch, room, math.ceil(batch - avail)))
+        if self.pending and self.pending[-1].due - now >= self.lead_ns:
+            return 0  # the reserved schedule reaches far enough
+        if avail < 0 or hungry:
+            return batch  # callers wait: keep the schedule continuous
+        # busy, nobody waiting: lease when what we hold and have reserved runs out within the lead
+        # and one batch's worth of the global schedule
+        have = avail + sum(bt.left for bt in self.pending)
+        if have * 1e9 >= self.demand * (self.lead_ns + batch * self.interval_ns):
+            return 0
+        return batch
 
     def _lease(self, now: int, state: int) -> None:
         c = self.cells
-        b = self.bucket
         want = self.want(now)
         if state == STATE_OK and want == 0:
             return
@@ -188,18 +316,20 @@ class Feeder:
         # the call: the lease word is nearly always fresh from the last call, and a filler killed
         # or stopped then must be replaced within the usual lease timeout, not the Redis timeout.
         # A call slower than that may let a second filler lease meanwhile, which costs only
-        # tokens: Redis counts every lease.
+        # slots of the global schedule: Redis counts every reservation.
         if not self.lease.renew():
             return
-        sent = time.monotonic_ns()  # the lease's time: before asking, so its expiry is conservative
+        want = max(1, want)
+        # Reserve only what is due within the horizon: further ahead would hold slots other hosts
+        # could use now.  Refused, Redis names when it would fit, and we ask again then.
+        horizon = self.lead_ns + want * self.interval_ns + int(2 * TICK * 1e9)
+        sent = time.monotonic_ns()
         trips = 0
         try:
             if self.redis is None:
                 self.redis = RedisLimiter.from_spec(self.spec)
             trips = self.redis.round_trips
-            # at least half the batch per round trip: under contention, wait for it to accrue
-            want = max(1, want)
-            granted, wait = self.redis.take_up_to(want, max(1, want // 2))
+            granted, wait, _ = self.redis.call(MODE_RESERVE, want, horizon)
         except RedisUnavailableError as e:
             self._count_trips(trips)
             self._fail(state, e)
@@ -208,26 +338,20 @@ class Feeder:
             self._count_trips(trips)
             self._error(state, e)
             return
+        received = time.monotonic_ns()
         self._count_trips(trips)
+        self.rtt_ns += (received - sent - self.rtt_ns) // 4
         if state != STATE_OK:
             self._recover(state)
         if granted:
-            added = b.add(granted * b.cost)
-            c.store(L.UP_LEASE1_TS, c.load(L.UP_LEASE0_TS))
-            c.store(L.UP_LEASE1_AMT, c.load(L.UP_LEASE0_AMT))
-            c.store(L.UP_LEASE0_TS, sent)
-            c.store(L.UP_LEASE0_AMT, added)
+            self.pending.append(_Batch(due=received + wait, stamp=sent + wait, ops=granted, left=granted))
             c.fetch_add(L.UP_LEASED, granted)
-            c.fetch_add(L.UP_LEASES, 1)
-            if added < granted * b.cost:  # did not fit: leased and lost
-                c.fetch_add(L.UP_EXPIRED, granted - added // b.cost)
             self.next_try = 0
         else:
             c.fetch_add(L.UP_REFUSED, 1)
-            # jittered, so hosts refused together do not race for the same ops again
-            nap = min(MAX_RETRY, max(MIN_RETRY, wait)) * random.uniform(1.0, 1.5)
-            self.next_try = time.monotonic_ns() + int(nap * 1e9)
-        self.expire(time.monotonic_ns())  # the call may have taken a while
+            # other hosts hold the schedule that far ahead: ask again when ours would fit, a little
+            # jittered so hosts refused together do not ask together again
+            self.next_try = received + max(int(MIN_RETRY * 1e9), wait - horizon) + random.randrange(min(self.interval_ns, 1_000_000) + 1)
 
     def _count_trips(self, before: int) -> None:
         if self.redis is not None:

@@ -20,6 +20,11 @@
    a new key and churn through a full table, as ratios to the single Limiter.try_acquire of the
    same run; 4 processes over 100 000 keys against a Manager().dict() + Lock keyed bucket and
    against `limits` with RedisStorage (when `limits` is installed: pip install '.[bench]').
+9. the hierarchical mode against the local one, 8 processes (50/s untimed and timed with their CPU,
+   1000/s), and its fidelity and round trips per op from 1/s to 1 000 000/s;
+10. three hosts reaching Redis through delaying TCP proxies (1, 3, 5 ms each way): the global rate
+    against the window bound, round trips per op, acquire() latency at 70 % load, and one host
+    cut off for 2 s (needs a redis-server on 127.0.0.1: the one started for the run, or --redis).
 """
 from __future__ import annotations
 
@@ -374,6 +379,201 @@ def bench_redis(url: str, seconds: float, procs: int = 4) -> List[dict]:
     return rows
 
 
+# ---- 8. the hierarchical mode at every rate ----------------------------------------------------------
+
+
+def _fed_worker(lim, timed: bool, barrier, seconds: float, skip: float, stamp: bool, q) -> None:
+    """Acquire (timed: acquire(timeout=0.5)) until the end; count and maybe stamp grants after ``skip``."""
+    barrier.wait(timeout=120)
+    r0 = resource.getrusage(resource.RUSAGE_SELF)
+    start = time.monotonic_ns()
+    lo, end = start + int(skip * 1e9), start + int(seconds * 1e9)
+    clock = time.monotonic_ns
+    acquire = lim.acquire
+    stamps: List[int] = []
+    n = total = 0
+    while True:
+        ok = acquire(timeout=0.5) if timed else acquire()
+        t = clock()
+        if ok:
+            total += 1
+        if t > end:
+            break
+        if ok and t >= lo:
+            n += 1
+            if stamp:
+                stamps.append(t)
+    r1 = resource.getrusage(resource.RUSAGE_SELF)
+    q.put((start, n, stamps, r1.ru_utime - r0.ru_utime + r1.ru_stime - r0.ru_stime, total))
+
+
+def run_fed(url: Optional[str], rate: float, procs: int, seconds: float, timed: bool = False) -> dict:
+    """``procs`` forked processes on one limiter -- local, or hierarchical through Redis at ``url``.
+
+    The limiter's creator (this process) stays attached, so the filler usually
+    runs here: the workers' CPU is the cost of waiting alone.  The achieved
+    rate is measured after the first second (the initial burst): from grant
+    stamps, (grants - 1) / (last - first), below 20 000/s; from counts above.
+    """
+    from shmlimit.redis import RedisLimiter
+
+    ctx = mp.get_context("fork")
+    name = f"bench-{uuid.uuid4().hex[:8]}"
+    if url:
+        lim = shmlimit.Limiter(name, upstream=RedisLimiter(name, rate=rate, url=url))
+    else:
+        lim = shmlimit.Limiter(name, rate=rate)
+    skip = 1.0
+    stamp = rate < 20_000
+    barrier, q = ctx.Barrier(procs + 1), ctx.Queue()
+    ps = [ctx.Process(target=_fed_worker, args=(lim, timed, barrier, seconds, skip, stamp, q)) for _ in range(procs)]
+    for p in ps:
+        p.start()
+    trips0 = lim.stats().upstream.round_trips if url else 0
+    r0 = resource.getrusage(resource.RUSAGE_SELF)
+    barrier.wait(timeout=120)
+    res = [q.get(timeout=seconds + 120) for _ in ps]
+    r1 = resource.getrusage(resource.RUSAGE_SELF)
+    for p in ps:
+        p.join()
+    s = lim.stats()
+    trips = s.upstream.round_trips - trips0 if url else 0
+    lim.close()
+    lim.unlink()
+    stamps = sorted(t for r in res for t in r[2])
+    grants = sum(r[1] for r in res)
+    if stamp and len(stamps) >= 2:
+        achieved = (len(stamps) - 1) / ((stamps[-1] - stamps[0]) / 1e9)
+    else:
+        start = max(r[0] for r in res)
+        achieved = grants / (seconds - skip - (start - min(r[0] for r in res)) / 1e9)
+    return dict(
+        mode="hierarchical" if url else "local", rate=rate, timed=timed, achieved=achieved,
+        error_pct=100.0 * (achieved - rate) / rate, waiters_cpu=sum(r[3] for r in res) / seconds,
+        host_cpu=(r1.ru_utime - r0.ru_utime + r1.ru_stime - r0.ru_stime) / seconds,
+        round_trips_per_op=trips / max(1, sum(r[4] for r in res)) if url else None,
+        leases=s.upstream.leases if url else None, leased=s.upstream.leased if url else None,
+    )
+
+
+def bench_hierarchy(url: str, seconds: float) -> dict:
+    """The issue's table (8 processes: 50/s untimed and timed, 1000/s), local vs hierarchical, and a sweep."""
+    table = []
+    for u in (None, url):
+        table.append(run_fed(u, 50, 8, seconds))
+        table.append(run_fed(u, 50, 8, seconds, timed=True))
+        table.append(run_fed(u, 1000, 8, seconds))
+    sweep = [run_fed(url, rate, 4, max(seconds, 4.0)) for rate in (1, 10, 100, 1000, 10_000, 100_000, 1_000_000)]
+    return dict(table=table, sweep=sweep)
+
+
+def print_hierarchy(h: dict) -> None:
+    print("\n9. hierarchical vs local, 8 processes: achieved rate (after 1 s) and CPU of the waiting processes")
+    print(f"   {'mode':>13} {'target/s':>9} {'waiters':>8} {'achieved/s':>11} {'error':>8} {'waiters CPU-s/s':>16} "
+          f"{'host CPU-s/s':>13}")
+    for r in h["table"]:
+        print(f"   {r['mode']:>13} {r['rate']:>9,.0f} {'timed' if r['timed'] else 'untimed':>8} {r['achieved']:>11,.1f} "
+              f"{r['error_pct']:>7.2f}% {r['waiters_cpu']:>16.3f} {r['host_cpu']:>13.3f}")
+    print("\n   hierarchical, 4 processes, untimed: fidelity and Redis round trips per op across rates")
+    print(f"   {'target/s':>10} {'achieved/s':>12} {'error':>8} {'trips/op':>9} {'ops/lease':>10}")
+    for r in h["sweep"]:
+        per = r["leased"] / r["leases"] if r["leases"] else 0
+        print(f"   {r['rate']:>10,.0f} {r['achieved']:>12,.2f} {r['error_pct']:>7.2f}% {r['round_trips_per_op']:>9.4f} "
+              f"{per:>10.1f}")
+
+
+# ---- 9. hosts behind latency ----------------------------------------------------------------------
+
+
+def _latency_worker(lim, paced_rate: float, barrier, seconds: float, q) -> None:
+    """Acquire for ``seconds``: saturated (paced_rate 0), or at about ``paced_rate``/s (Poisson).
+
+    Records grant stamps and each acquire's latency (ns).
+    """
+    import random as _random
+
+    barrier.wait(timeout=120)
+    end = time.monotonic_ns() + int(seconds * 1e9)
+    stamps: List[int] = []
+    lat: List[int] = []
+    rng = _random.Random(os.getpid())
+    while True:
+        t0 = time.monotonic_ns()
+        if t0 > end:
+            break
+        lim.acquire()
+        t1 = time.monotonic_ns()
+        stamps.append(t1)
+        lat.append(t1 - t0)
+        if paced_rate:
+            time.sleep(rng.expovariate(paced_rate))
+    q.put((stamps, lat))
+
+
+def bench_latency(redis_port: int, seconds: float, rate: float = 1000.0, per_host: int = 2) -> dict:
+    """Three hosts (a segment and ``per_host`` processes each) reach Redis through delaying proxies
+    (1, 3 and 5 ms each way): saturated, paced at 70 % of the rate, and saturated with host 0 cut
+    off for 2 s.  Global rate, the worst 1 s window against the bound, round trips per op, and the
+    latency of acquire() at 70 % load."""
+    sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "tests"))
+    from support.proxy import DelayProxy
+    from shmlimit.redis import RedisLimiter
+
+    ctx = mp.get_context("fork")
+    out: Dict[str, dict] = {}
+    for label, paced, cut in (("saturated", 0.0, False), ("70% load", 0.7 * rate / (3 * per_host), False),
+                              ("saturated, host 0 cut 2 s", 0.0, True)):
+        gname = f"bench-{uuid.uuid4().hex[:8]}"
+        proxies = [DelayProxy(redis_port, d) for d in (0.001, 0.003, 0.005)]
+        hosts = [shmlimit.Limiter(f"{gname}-{i}", upstream=RedisLimiter(gname, rate=rate, url=p.url()))
+                 for i, p in enumerate(proxies)]
+        ttl = hosts[0].stats().upstream.lease_ttl
+        cap = hosts[0].capacity
+        barrier, q = ctx.Barrier(3 * per_host + 1), ctx.Queue()
+        ps = [ctx.Process(target=_latency_worker, args=(h, paced, barrier, seconds, q))
+              for h in hosts for _ in range(per_host)]
+        for p in ps:
+            p.start()
+        trips0 = [h.stats().upstream.round_trips for h in hosts]
+        barrier.wait(timeout=120)
+        if cut:
+            time.sleep(1.0)
+            proxies[0].drop(2.0)
+        res = [q.get(timeout=seconds + 120) for _ in ps]
+        for p in ps:
+            p.join()
+        ups = [h.stats().upstream for h in hosts]
+        for h in hosts:
+            h.close()
+            h.unlink()
+        for p in proxies:
+            p.close()
+        stamps = sorted(t for r in res for t in r[0])
+        lat = sorted(x for r in res for x in r[1])
+        grants = len(stamps)
+        span = (stamps[-1] - stamps[0]) / 1e9 if grants > 1 else seconds
+        trips = sum(u.round_trips for u in ups) - sum(trips0)
+        pick = lambda f: lat[min(len(lat) - 1, int(f * len(lat)))] / 1e6  # noqa: E731
+        host0 = sorted(t for r in res[:per_host] for t in r[0])
+        out[label] = dict(
+            achieved=grants / span, max_1s=max_in_window(stamps, 1_000_000_000),
+            bound=rate * (1 + ttl + 0.05) + cap, round_trips_per_op=trips / max(1, grants),
+            p50_ms=pick(0.5), p99_ms=pick(0.99),
+            host0_share=len(host0) / max(1, grants), host0_errors=ups[0].errors, host0_state=ups[0].state,
+        )
+    return dict(rate=rate, hosts=3, per_host=per_host, delays_ms=[1, 3, 5], runs=out)
+
+
+def print_latency(lt: dict) -> None:
+    print(f"\n10. three hosts x {lt['per_host']} processes through proxies adding 1/3/5 ms each way, "
+          f"global {lt['rate']:,.0f}/s")
+    print(f"   {'run':>27} {'achieved/s':>11} {'max 1s':>7} {'bound':>7} {'trips/op':>9} {'p50 ms':>7} "
+          f"{'p99 ms':>7} {'host 0':>7}")
+    for label, r in lt["runs"].items():
+        print(f"   {label:>27} {r['achieved']:>11,.1f} {r['max_1s']:>7,} {r['bound']:>7,.0f} "
+              f"{r['round_trips_per_op']:>9.4f} {r['p50_ms']:>7.2f} {r['p99_ms']:>7.2f} {r['host0_share']:>6.0%}")
+
+
 def start_redis():
     """A throwaway redis-server on a free port (no persistence), or None when there is no binary."""
     import shutil
@@ -562,7 +762,7 @@ def main(argv=None) -> int:
     ap.add_argument("--json", action="store_true", help="print one JSON object instead of the table")
     ap.add_argument("--quick", action="store_true", help="shorter runs (a smoke test, not a measurement)")
     ap.add_argument("--redis", metavar="URL", help="Redis server for section 7 (default: start one if possible)")
-    ap.add_argument("--only-redis", action="store_true", help="run section 7 only")
+    ap.add_argument("--only-redis", action="store_true", help="run sections 7, 9 and 10 only")
     ap.add_argument("--only-keyed", action="store_true", help="run section 8 only")
     args = ap.parse_args(argv)
     quick = args.quick
@@ -585,6 +785,10 @@ def main(argv=None) -> int:
     try:
         if not args.only_keyed:
             res["redis"] = bench_redis(url, 1.0 if quick else 3.0) if url else None
+            res["hierarchy"] = bench_hierarchy(url, 2.0 if quick else 5.0) if url else None
+            local = url and url.startswith("redis://127.0.0.1:")
+            port = int(url.rsplit(":", 1)[1].split("/")[0]) if local else None
+            res["latency"] = bench_latency(port, 3.0 if quick else 5.0) if port else None
         if not args.only_redis:
             res["keyed"] = bench_keyed(20_000 if quick else 200_000, 0.5 if quick else 1.5, url)
     finally:
@@ -607,6 +811,10 @@ def print_table(res: dict) -> None:
         print_redis(res)
     if "keyed" in res:
         print_keyed(res["keyed"])
+    if res.get("hierarchy"):
+        print_hierarchy(res["hierarchy"])
+    if res.get("latency"):
+        print_latency(res["latency"])
 
 
 def print_redis(res: dict) -> None:

@@ -110,3 +110,130 @@ class CertAuthority:
             f.write("subjectAltName=DNS:localhost\n")
         run("x509", "-req", "-in", p("server.csr"), "-CA", self.ca, "-CAkey", p("ca.key"), "-CAcreateserial",
             "-out", self.cert, "-days", "2", "-extfile", p("ext"))
+
+
+class RedisClusterServers:
+    """A real Redis Cluster of ``masters`` nodes on free ports, made by ``redis-cli --cluster create``."""
+
+    def __init__(self, masters: int = 3) -> None:
+        # the cluster bus port defaults to port + 10000, which may be taken or beyond 65535: pick one
+        self.nodes = [RedisServer(args=("--cluster-enabled", "yes", "--cluster-config-file", "nodes.conf",
+                                        "--cluster-node-timeout", "2000", "--cluster-port", str(free_port())))
+                      for _ in range(masters)]
+
+    @property
+    def url(self) -> str:
+        return "redis+cluster://" + ",".join(f"127.0.0.1:{n.port}" for n in self.nodes)
+
+    def start(self) -> None:
+        cli = shutil.which("redis-cli")
+        if cli is None:
+            if REQUIRED:
+                pytest.fail("SHMLIMIT_REQUIRE_REDIS=1 but redis-cli is missing (apt-get install redis-tools)")
+            pytest.skip("redis-cli is missing")
+        for n in self.nodes:
+            n.start()
+        subprocess.run([cli, "--cluster", "create", *(f"127.0.0.1:{n.port}" for n in self.nodes),
+                        "--cluster-replicas", "0", "--cluster-yes"], check=True, capture_output=True, timeout=60)
+        deadline = time.monotonic() + 30
+        while not all(self._state(n) == "ok" for n in self.nodes):
+            if time.monotonic() > deadline:
+                raise RuntimeError("the cluster did not reach cluster_state:ok")
+            time.sleep(0.05)  # polling the cluster's own state: nothing else to wait on
+
+    @staticmethod
+    def _state(node: RedisServer) -> str:
+        info = node.client().execute_command("CLUSTER INFO")  # parsed by redis-py into a dict
+        state = info.get("cluster_state") if isinstance(info, dict) else None
+        return state.decode() if isinstance(state, bytes) else str(state)
+
+    def stop(self) -> None:
+        for n in self.nodes:
+            n.stop()
+
+    def node_id(self, node: RedisServer) -> str:
+        myid = node.client().execute_command("CLUSTER MYID")
+        return myid.decode() if isinstance(myid, bytes) else str(myid)
+
+    def owner(self, key: str) -> RedisServer:
+        """The master that serves ``key`` now, as the first node sees the slots."""
+        client = self.nodes[0].client()
+        slot = client.execute_command("CLUSTER KEYSLOT", key)
+        for lo, hi, master, *_ in client.execute_command("CLUSTER SLOTS"):
+            if lo <= slot <= hi:
+                return next(n for n in self.nodes if n.port == master[1])
+        raise RuntimeError(f"no node serves slot {slot}")
+
+    def migrate(self, key: str, dst: RedisServer) -> None:
+        """Move ``key``'s slot to ``dst`` the way ``redis-cli --cluster reshard`` does, key by key."""
+        src = self.owner(key)
+        slot = src.client().execute_command("CLUSTER KEYSLOT", key)
+        src_id, dst_id = self.node_id(src), self.node_id(dst)
+        dst.client().execute_command("CLUSTER SETSLOT", slot, "IMPORTING", src_id)
+        src.client().execute_command("CLUSTER SETSLOT", slot, "MIGRATING", dst_id)
+        while True:
+            keys = src.client().execute_command("CLUSTER GETKEYSINSLOT", slot, 100)
+            if not keys:
+                break
+            src.client().execute_command("MIGRATE", "127.0.0.1", dst.port, "", 0, 5000, "KEYS", *keys)
+        for n in self.nodes:
+            n.client().execute_command("CLUSTER SETSLOT", slot, "NODE", dst_id)
+
+
+class SentinelServers:
+    """A master, a replica and one sentinel watching them as ``service`` (quorum 1, fast failover)."""
+
+    def __init__(self, service: str = "shmlimit-test") -> None:
+        self.service = service
+        self.master = RedisServer()
+        self.replica = RedisServer()
+        self.port = free_port()
+        self.dir = tempfile.mkdtemp(prefix="shmlimit-sentinel-")
+        self.proc: "subprocess.Popen | None" = None
+
+    @property
+    def url(self) -> str:
+        return f"redis+sentinel://127.0.0.1:{self.port}/{self.service}"
+
+    def start(self) -> None:
+        self.master.start()
+        self.replica.args = ("--replicaof", "127.0.0.1", str(self.master.port))
+        self.replica.start()
+        conf = os.path.join(self.dir, "sentinel.conf")
+        with open(conf, "w") as f:
+            f.write(f"port {self.port}\nbind 127.0.0.1\ndir {self.dir}\n"
+                    f"sentinel monitor {self.service} 127.0.0.1 {self.master.port} 1\n"
+                    f"sentinel down-after-milliseconds {self.service} 300\n"
+                    f"sentinel failover-timeout {self.service} 3000\n")
+        self.proc = subprocess.Popen([BINARY, conf, "--sentinel"], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        import redis
+
+        s = redis.Redis(port=self.port, socket_timeout=0.5, socket_connect_timeout=0.5)
+        deadline = time.monotonic() + 15
+        while True:  # polling until the sentinel knows the master and its replica
+            try:
+                if int(s.sentinel_master(self.service).get("num-slaves", 0)) >= 1:
+                    break
+            except redis.RedisError:
+                pass
+            if time.monotonic() > deadline:
+                raise RuntimeError("the sentinel did not see the master and its replica")
+            time.sleep(0.05)
+        s.close()
+
+    def current_master_port(self) -> int:
+        import redis
+
+        s = redis.Redis(port=self.port, socket_timeout=0.5)
+        try:
+            return int(s.sentinel_get_master_addr_by_name(self.service)[1])
+        finally:
+            s.close()
+
+    def stop(self) -> None:
+        if self.proc is not None:
+            self.proc.kill()
+            self.proc.wait()
+            self.proc = None
+        self.master.stop()
+        self.replica.stop()

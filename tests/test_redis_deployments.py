@@ -1,0 +1,116 @@
+"""The Redis tier on real distributed deployments: a 3-master Redis Cluster and a sentinel-managed
+master, each started by the test, with a slot migration and a failover in the middle of a run."""
+
+import pytest
+
+import shmlimit
+from support.procs import WORKER, collect, go, start_workers, wait_for
+from support.redis_server import RedisClusterServers, SentinelServers, require
+from support.windows import max_excess, tag
+
+ATTACH = "lim = shmlimit.attach(sys.argv[1])"
+
+
+def configured(gname, url, rate, burst, **options):
+    make = (f"from shmlimit.redis import RedisLimiter\n"
+            f"lim = shmlimit.Limiter(sys.argv[1], upstream=RedisLimiter({gname!r}, rate={rate}, burst={burst}, "
+            f"url={url!r}), **{options!r})")
+    return WORKER.replace(ATTACH, make)
+
+
+@pytest.fixture(scope="module")
+def cluster():
+    require()
+    c = RedisClusterServers(3)
+    try:
+        c.start()
+        yield c
+    finally:
+        c.stop()
+
+
+@pytest.fixture
+def sentinel():
+    require()
+    s = SentinelServers()
+    try:
+        s.start()
+        yield s
+    finally:
+        s.stop()
+
+
+def test_cluster_url_direct_and_async(cluster, name):
+    import asyncio
+
+    from shmlimit.redis import RedisLimiter
+
+    lim = RedisLimiter(name, rate=10, burst=3, url=cluster.url)
+    assert [lim.reserve() for _ in range(4)] == pytest.approx([0.0, 0.0, 0.0, 0.1], abs=0.01)
+    assert cluster.owner(lim.key).client().exists(lim.key) == 1  # the key lives on its slot's master
+
+    async def main():
+        return await lim.acquire_async(timeout=1.0)
+
+    assert asyncio.run(main())
+    assert "127.0.0.1" in lim.url and lim.url.startswith("redis+cluster://")
+
+
+def test_cluster_hierarchical_survives_a_slot_migration_within_the_bound(cluster, name):
+    """Two hosts on a 3-master cluster; mid-run the key's slot moves to another master."""
+    rate, burst, seconds, ttl = 200, 20, 3.0, 0.1
+    hosts = [f"{name}-a", f"{name}-b"]
+    script = configured(name, cluster.url, rate, burst, lease_ttl=ttl)
+    key = f"shmlimit:{{{name}}}:gcra"
+    procs = [p for h in hosts for p in start_workers(h, 2, seconds, script)]
+    try:
+        go(procs)
+        wait_for(lambda: sum(shmlimit.inspect(h).upstream.leased for h in hosts) >= rate // 2)
+        src = cluster.owner(key)
+        dst = next(n for n in cluster.nodes if n is not src)
+        cluster.migrate(key, dst)
+        assert cluster.owner(key) is dst
+        results = collect(procs)
+        stats = [shmlimit.inspect(h).upstream for h in hosts]
+    finally:
+        for p in procs:
+            p.kill()
+            p.wait()
+        for h in hosts:
+            try:
+                shmlimit.unlink(h)
+            except FileNotFoundError:
+                pass
+    stamps = sorted(t for r in results for t in r)
+    # the documented bound, d = a tick plus one (redirected) round trip, 50 ms here
+    assert max_excess(tag(results), 1.0) <= rate * (1.0 + ttl + 0.05) + burst
+    assert len(stamps) >= 0.85 * rate * seconds  # the migration cost at most a few round trips
+    assert all(s.state == "ok" for s in stats)
+
+
+def test_sentinel_url_and_a_failover_mid_run(sentinel, name):
+    """A hierarchical host on redis+sentinel://; the master is killed mid-run and the sentinel
+    promotes the replica.  The host stays within the bound (plus what replication had not copied:
+    at most the reserved lead and the burst) and is fed again by the new master."""
+    rate, burst, seconds, ttl = 100, 10, 4.0, 0.1
+    script = configured(name, sentinel.url, rate, burst, lease_ttl=ttl)
+    procs = start_workers(f"{name}-h", 2, seconds, script)
+    old = sentinel.current_master_port()
+    try:
+        go(procs)
+        wait_for(lambda: shmlimit.inspect(f"{name}-h").upstream.leased >= rate // 2)
+        sentinel.master.stop()  # the master dies
+        wait_for(lambda: sentinel.current_master_port() != old, timeout=20)
+        results = collect(procs)
+        up = shmlimit.inspect(f"{name}-h").upstream
+    finally:
+        for p in procs:
+            p.kill()
+            p.wait()
+        shmlimit.unlink(f"{name}-h")
+    assert sentinel.current_master_port() == sentinel.replica.port
+    lead = 0.05  # the feeder's reserve-ahead (MIN_LEAD plus round trips), lost at most once by a failover
+    assert max_excess(tag(results), 1.0) <= rate * (1.0 + ttl + 0.05 + lead) + 2 * burst
+    assert up.errors >= 1 and up.state == "ok"  # it noticed, and recovered
+    stamps = sorted(t for r in results for t in r)
+    assert stamps[-1] - stamps[0] > seconds - 1.0  # grants went on after the failover

@@ -1,0 +1,55 @@
+"""Hosts that reach Redis through a network with latency: three process groups, each with a segment
+of its own, each through a delaying TCP proxy (1, 3 and 5 ms each way), one of them cut off for 2 s."""
+import time
+
+import shmlimit
+from support.procs import WORKER, collect, go, start_workers, wait_for
+from support.proxy import DelayProxy
+from support.windows import max_excess, tag
+
+ATTACH = "lim = shmlimit.attach(sys.argv[1])"
+
+
+def configured(gname, url, rate, burst, **options):
+    make = (f"from shmlimit.redis import RedisLimiter\n"
+            f"lim = shmlimit.Limiter(sys.argv[1], upstream=RedisLimiter({gname!r}, rate={rate}, burst={burst}, "
+            f"url={url!r}), **{options!r})")
+    return WORKER.replace(ATTACH, make)
+
+
+def test_three_hosts_behind_latency_hold_the_global_rate_and_survive_a_cut(redis_server, name):
+    rate, burst, seconds, ttl = 300, 30, 4.0, 0.1
+    proxies = [DelayProxy(redis_server.port, d) for d in (0.001, 0.003, 0.005)]
+    hosts = [f"{name}-{i}" for i in range(3)]
+    procs = []
+    try:
+        for h, p in zip(hosts, proxies):
+            procs.append(start_workers(h, 2, seconds, configured(name, p.url(), rate, burst, lease_ttl=ttl)))
+        go([w for ws in procs for w in ws])
+        t0 = time.monotonic()
+        wait_for(lambda: all(shmlimit.inspect(h).upstream.leased > 0 for h in hosts))
+        time.sleep(max(0.0, t0 + 1.0 - time.monotonic()))  # a moment of the run, not a synchronisation
+        cut = time.monotonic()
+        proxies[0].drop(2.0)
+        results = [collect(ws) for ws in procs]
+        stats = [shmlimit.inspect(h).upstream for h in hosts]
+    finally:
+        for ws in procs:
+            for w in ws:
+                w.kill()
+                w.wait()
+        for p in proxies:
+            p.close()
+        for h in hosts:
+            try:
+                shmlimit.unlink(h)
+            except FileNotFoundError:
+                pass
+    every = [r for rs in results for r in rs]
+    # the documented bound: d = a tick plus one round trip through the slowest proxy (10 ms), 50 ms here
+    assert max_excess(tag(every), 1.0) <= rate * (1.0 + ttl + 0.05) + burst
+    assert len([t for r in every for t in r]) >= 0.85 * rate * seconds  # the others took the cut host's share
+    cut_off = sorted(t for r in results[0] for t in r if cut + 0.3 < t < cut + 1.9)
+    assert len(cut_off) <= 1  # closed while cut off: its leased tokens expired, no new ones came
+    assert stats[0].errors >= 1 and stats[0].fallbacks >= 1 and stats[0].state == "ok"
+    assert all(s.state == "ok" and s.errors == 0 for s in stats[1:])
