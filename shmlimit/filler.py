@@ -120,6 +120,10 @@ class Feed(Protocol):
     def close(self) -> None:
         """Release what the feed holds (connections); called when the filler stops."""
 
+    def orphan_tick(self) -> Optional[float]:
+        """Run while this process is not (or no longer) elected: finish what the feed still owes
+        the bucket; return the seconds until it must run again, None when it owes nothing."""
+
 
 #: Makes the feed when this process is first elected: ``factory(bucket, lease)``.
 FeedFactory = Callable[["Bucket", Lease], Feed]
@@ -143,6 +147,9 @@ class ClockFeed:
 
     def close(self) -> None:
         pass
+
+    def orphan_tick(self) -> Optional[float]:
+        return None  # the clock owes nothing: whoever fills next converts the time
 
 
 class FillerThread(threading.Thread):
@@ -194,7 +201,10 @@ class FillerThread(threading.Thread):
                 if not lease.held:
                     if self.make_feed is None or not lease.try_take():
                         # hierarchical mode: waiters cannot refill for themselves, so watch closely
-                        wake.wait(UPSTREAM_WATCH_PERIOD if bucket.upstream and self.make_feed else WATCH_PERIOD)
+                        period = UPSTREAM_WATCH_PERIOD if bucket.upstream and self.make_feed else WATCH_PERIOD
+                        # a feed that lost the election still delivers what it had leased, when due
+                        owed = self.feed.orphan_tick() if self.feed is not None else None
+                        wake.wait(period if owed is None else min(period, owed))
                         wake.clear()
                         continue
                     last_renew = time.monotonic()

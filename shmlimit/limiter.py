@@ -1135,6 +1135,9 @@ class Limiter:
             if b.upstream and att.filler is not None:
                 att.filler.nudge()
             short = b.deficiency(ticket)
+            if b.upstream and not b.time_fed:
+                await asyncio.sleep(_fed_nap(c, short / b.tpn / NS_PER_S))
+                continue
             await asyncio.sleep(min(max(short / b.tpn / NS_PER_S, 1e-4), MAX_NAP))
         c.fetch_add(att.grants_off, n)
         return True
@@ -1220,6 +1223,9 @@ class Limiter:
                 if b.upstream and filler is not None:
                     filler.nudge()  # only a filler leases: make sure one runs
                 short = diff(ticket, c.load(L.HEAD))
+                if b.upstream and not b.time_fed:
+                    time.sleep(_fed_nap(c, short / b.tpn / NS_PER_S))
+                    continue
                 wait_ns = short / b.tpn - SPIN_NS
                 if wait_ns > 0:
                     time.sleep(min(wait_ns / NS_PER_S, MAX_NAP))
@@ -1248,6 +1254,20 @@ class Limiter:
             f"filler_pid={s.filler_pid} processes={len(s.processes)}{' stopped' if s.stopped else ''} "
             f"backend={s.backend}>"
         )
+
+
+def _fed_nap(c: Cells, estimate: float) -> float:
+    """Hierarchical mode: how long a queued waiter sleeps, ``estimate`` being the local rate's guess.
+
+    Tokens come only when a reserved batch falls due (``UP_NEXT_NS``): never
+    sooner than that, and for a ticket far back not before the local rate
+    would reach it.  Unknown, look again after ``POLL``.
+    """
+    now = time.monotonic_ns()
+    nxt = c.load(L.UP_NEXT_NS)
+    if nxt <= now:  # not known: a batch may come at any moment (a burst available upstream)
+        return POLL
+    return min(max((nxt - now) / NS_PER_S, estimate) + ARRIVAL_SLACK, MAX_NAP)
 
 
 def snapshot(name: str, att: _Attachment) -> Stats:

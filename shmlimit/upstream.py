@@ -215,6 +215,22 @@ class Feeder:
             b.replenish()
         return self._publish_next(time.monotonic_ns())
 
+    def orphan_tick(self) -> Optional[float]:
+        """No longer the filler: deliver the batches this process reserved, when due (they are slots
+        of the global schedule that nobody else will deliver); tell waiters when, unless another
+        filler expects tokens sooner."""
+        if not self.pending:
+            return None
+        now = time.monotonic_ns()
+        self._deliver(now)
+        if not self.pending:
+            return None
+        due = self.pending[0].due
+        cur = self.cells.load(L.UP_NEXT_NS)
+        if cur <= now or cur > due:
+            self.cells.cas(L.UP_NEXT_NS, cur, due)
+        return max(MIN_TICK, (due - now) / 1e9)
+
     def _publish_next(self, now: int) -> float:
         """Tell timed waiters when tokens are next expected (``UP_NEXT_NS``); return the nap until the next tick."""
         nxt = self.pending[0].due if self.pending else (self.next_try if self.next_try > now else 0)
