@@ -400,10 +400,16 @@ kt_now(void)
     return ((uint64_t)ts.tv_sec * 1000000000u + (uint64_t)ts.tv_nsec) << KT_TICK_SHIFT;
 }
 
+/* Whether an inserter may still be running.  An owner field is pid | namespace tag << 22 (pids
+ * are below 2**22): an inserter of another PID namespace cannot be asked about, so it counts as
+ * alive -- taking a live inserter's slot would let its late stores land on the next tenant. */
 static int
-kt_alive(uint64_t pid)
+kt_alive(KeyedTable *t, uint64_t owner)
 {
-    if (pid == 0 || pid > 0x7fffffff)
+    if ((owner >> 22) != (t->pid >> 22))
+        return 1;
+    uint64_t pid = owner & 0x3fffff;
+    if (pid == 0)
         return 0;
     return !(kill((pid_t)pid, 0) == -1 && errno == ESRCH);
 }
@@ -516,7 +522,7 @@ kt_insert(KeyedTable *t, const uint64_t d[2], uint64_t home, uint64_t now, uint6
             if (v & KT_DEAD || v <= now) {
                 cand = s; cc = c; pos = i;
             }
-        } else if (!kt_alive(kt_pid(c))) { /* BUSY or PEND of a dead inserter */
+        } else if (!kt_alive(t, kt_pid(c))) { /* BUSY or PEND of a dead inserter */
             cand = s; cc = c; pos = i;
         }
     }
@@ -566,7 +572,7 @@ kt_insert(KeyedTable *t, const uint64_t d[2], uint64_t home, uint64_t now, uint6
             }
             if (i < pos)
                 goto abort; /* PEND nearer the home slot wins */
-            if (!kt_alive(kt_pid(c))) {
+            if (!kt_alive(t, kt_pid(c))) {
                 cas(s + KW_CTRL, c, kt_ctrl(KS_TOMB, 0, kt_gen(c)));
                 continue;
             }

@@ -106,12 +106,12 @@ class _Attachment:
         self.slot = self.table.register(self.pid, start if start and start > 0 else 0)
         grants = K.UNREG_GRANTS if self.slot is None else K.HEADER_BYTES + self.slot * K.LINE + 16
         if self.kt is not _CLOSED:  # after fork: the same object, so every handle's bound calls follow
-            self.kt.rebind(grants, self.pid)
+            self.kt.rebind(grants, K.owner(self.pid))
             return
         self.kt = self.cells.keyed_table(
             K.CFG_SEQ, K.OVR_LIVE, K.overrides_offset(), self.geo.overrides, K.slots_offset(self.geo.overrides),
             self.geo.keys, self.geo.probe, self.secret[0], self.secret[1],
-            K.KEYS_LIVE, K.EVICTED, K.REFUSED, grants, self.pid,
+            K.KEYS_LIVE, K.EVICTED, K.REFUSED, grants, K.owner(self.pid),
         )
 
     def detach(self) -> None:

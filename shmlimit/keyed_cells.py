@@ -121,9 +121,18 @@ def display_key(words: Tuple[int, int, int]) -> str:
     return text + ("..." if n > K.DISPLAY_BYTES else "")
 
 
-def alive(pid: int) -> bool:
-    """Whether an inserter's pid is still running (the native backend asks kill(pid, 0) too)."""
-    if pid <= 0 or pid > 0x7FFFFFFF:
+def alive(owner: int, mine: int) -> bool:
+    """Whether an inserter may still be running (the native backend decides alike).
+
+    An owner field is ``pid | namespace tag << 22`` (see ``keyed_layout.owner``):
+    an inserter of another PID namespace cannot be asked about, so it counts as
+    alive -- taking a live inserter's slot would let its late stores land on
+    the next tenant.
+    """
+    if owner >> K.PID_BITS != mine >> K.PID_BITS:
+        return True
+    pid = owner & ((1 << K.PID_BITS) - 1)
+    if not pid:
         return False
     try:
         os.kill(pid, 0)
@@ -196,7 +205,7 @@ class SlotTable:
                 v = c.load(s + K.S_V0)
                 if v & K.DEAD or v <= now:
                     cand, cc, pos = s, ctl, i
-            elif not alive((ctl >> 8) & 0xFFFFFFFF):
+            elif not alive((ctl >> 8) & 0xFFFFFFFF, self.pid):
                 cand, cc, pos = s, ctl, i
         if cand is None:
             return None, 0
@@ -238,7 +247,7 @@ class SlotTable:
                     return self._abort(cand, pend, gen, fresh)
                 if i < pos:
                     return self._abort(cand, pend, gen, fresh)
-                if not alive((ctl >> 8) & 0xFFFFFFFF):
+                if not alive((ctl >> 8) & 0xFFFFFFFF, self.pid):
                     c.cas(s, ctl, K.ctrl(K.TOMB, 0, ctl >> 40))
                     continue
                 os.sched_yield()

@@ -26,6 +26,8 @@ values: ``V0`` is the expiry word (see there).
 """
 from __future__ import annotations
 
+import os
+
 MAGIC = int.from_bytes(b"SHMLKEYS", "little")
 VERSION = 1
 LINE = 64
@@ -129,3 +131,18 @@ def segment_size(nkeys: int, novr: int, pslots: int = PSLOTS) -> int:
 
 def ctrl(state: int, pid: int, gen: int) -> int:
     return state | (pid & 0xFFFFFFFF) << 8 | (gen & 0xFFFFFF) << 40
+
+
+#: An inserter's owner field in CTRL: its pid (below 2**22, Linux's PID_MAX_LIMIT) and above it a
+#: 10-bit tag of its PID namespace, so that processes of another namespace sharing /dev/shm are
+#: never judged by a pid that means nothing here.
+PID_BITS = 22
+
+
+def owner(pid: int) -> int:
+    """This process's owner field: ``pid | namespace tag << PID_BITS``."""
+    try:
+        tag = os.stat("/proc/self/ns/pid").st_ino & 0x3FF
+    except OSError:  # pragma: no cover - no /proc
+        tag = 0
+    return (pid & ((1 << PID_BITS) - 1)) | tag << PID_BITS

@@ -23,11 +23,13 @@ from shmlimit.cells import native_available, open_cells
 
 BACKENDS = ["atomics"] + (["native"] if native_available() else [])
 T = 100  # ticks per op
-DEAD_PID = 0x7FFFFFF0  # above any pid_max: never a live process
+DEAD_PID = (1 << K.PID_BITS) - 7  # above this machine's pid_max (checked below): never a live process
 
 
 def dead_pid():
-    return DEAD_PID
+    with open("/proc/sys/kernel/pid_max") as f:
+        assert int(f.read()) <= DEAD_PID
+    return K.owner(DEAD_PID)
 
 
 class Table:
@@ -43,7 +45,7 @@ class Table:
         self.probe = probe or min(K.PROBE, nkeys)
         self.kt = self.c.keyed_table(
             K.CFG_SEQ, K.OVR_LIVE, K.overrides_offset(), novr, K.slots_offset(novr), nkeys, self.probe,
-            0x0123456789ABCDEF, 0x0FEDCBA987654321, K.KEYS_LIVE, K.EVICTED, K.REFUSED, K.UNREG_GRANTS, os.getpid(),
+            0x0123456789ABCDEF, 0x0FEDCBA987654321, K.KEYS_LIVE, K.EVICTED, K.REFUSED, K.UNREG_GRANTS, K.owner(os.getpid()),
         )
 
     def slot(self, i):
@@ -88,6 +90,16 @@ def test_dead_inserters_slots_are_reclaimed(backend):
         t.c.store(t.slot(i), K.ctrl(K.BUSY if i % 2 else K.PEND, dead_pid(), 7))
     assert all(t.kt.acquire(f"k{k}", 1, 0, 10_000) >= 0 for k in range(16))
     assert set(t.states()) == {K.LIVE}
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_an_inserter_of_another_pid_namespace_is_never_taken_for_dead(backend):
+    t = Table(backend, 16, 1)
+    other_ns = dead_pid() ^ (1 << K.PID_BITS)  # the same (absent) pid, another namespace's tag
+    for i in range(16):
+        t.c.store(t.slot(i), K.ctrl(K.BUSY, other_ns, 3))
+    assert t.kt.acquire("k", 1, 0, 10_000) == KC.FULL  # none of its slots is taken from under it
+    assert set(t.states()) == {K.BUSY}
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
