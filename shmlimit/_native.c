@@ -422,11 +422,23 @@ static inline uint64_t *kt_slot(KeyedTable *t, uint64_t home, uint64_t i)
     return t->slots + idx * LINEW;
 }
 
+/* Yield the CPU with the GIL released (a thread of ours may be the inserter we wait for), then
+ * check the cells are still open: another thread may have closed them, and with them the
+ * mapping our pointers point into.  0 with ValueError set if so. */
+static int
+kt_yield(KeyedTable *t)
+{
+    Py_BEGIN_ALLOW_THREADS
+    sched_yield();
+    Py_END_ALLOW_THREADS
+    return check_open(t->cells);
+}
+
 /* The GCRA parameters for digest d under a consistent config.  A writer holds CFG_SEQ odd for
  * microseconds; one that stays odd for KT_LOCK_NS (its writer died) is closed by CAS to the next
  * even value, as keyed_gcra.ConfigLock would take it over. */
 #define KT_LOCK_NS 200000000u
-static void
+static int
 kt_params(KeyedTable *t, const uint64_t d[2], uint64_t *T, uint64_t *tau)
 {
     uint64_t seen = 0, since = 0;
@@ -440,9 +452,8 @@ kt_params(KeyedTable *t, const uint64_t d[2], uint64_t *T, uint64_t *tau)
             } else if (now - since > KT_LOCK_NS) {
                 cas(t->cfg, s1, s1 + 1);
             }
-            Py_BEGIN_ALLOW_THREADS
-            sched_yield();
-            Py_END_ALLOW_THREADS
+            if (!kt_yield(t))
+                return 0;
             continue;
         }
         uint64_t tt = ld(t->cfg + 4), ta = ld(t->cfg + 5);
@@ -467,7 +478,7 @@ kt_params(KeyedTable *t, const uint64_t d[2], uint64_t *T, uint64_t *tau)
         if (ld(t->cfg) == s1) {
             *T = tt ? tt : 1;
             *tau = ta;
-            return;
+            return 1;
         }
     }
 }
@@ -497,9 +508,10 @@ kt_find(KeyedTable *t, const uint64_t d[2], uint64_t home, uint64_t *ctrl)
  * when every slot of the window holds a limited key or a live insert (the table is full there). */
 static uint64_t *
 kt_insert(KeyedTable *t, const uint64_t d[2], uint64_t home, uint64_t now, uint64_t v0, uint64_t v1,
-          const uint64_t disp[3], uint64_t *ctrl)
+          const uint64_t disp[3], uint64_t *ctrl, int *err)
 {
     *ctrl = 0;
+    *err = 0;
     uint64_t *cand = NULL, cc = 0, pos = 0;
     for (uint64_t i = 0; i < t->probe; i++) {
         uint64_t *s = kt_slot(t, home, i);
@@ -576,9 +588,10 @@ kt_insert(KeyedTable *t, const uint64_t d[2], uint64_t home, uint64_t now, uint6
                 cas(s + KW_CTRL, c, kt_ctrl(KS_TOMB, 0, kt_gen(c)));
                 continue;
             }
-            Py_BEGIN_ALLOW_THREADS /* the farther PEND will see ours and give way */
-            sched_yield();
-            Py_END_ALLOW_THREADS
+            if (!kt_yield(t)) { /* the farther PEND will see ours and give way */
+                *err = 1;
+                return NULL;
+            }
         }
     }
 publish:
@@ -656,7 +669,8 @@ kt_step(KeyedTable *t, PyObject *key, PyObject *nobj, long long mw, uint64_t now
         now = kt_now();
     uint64_t d[2], T, tau;
     siphash128((const unsigned char *)buf, (size_t)len, t->k0, t->k1, d);
-    kt_params(t, d, &T, &tau);
+    if (!kt_params(t, d, &T, &tau))
+        return KT_ERROR;
     if ((uint64_t)n > tau / T) /* more than the burst: never grantable */
         return KT_NEVER;
     uint64_t cost = (uint64_t)n * T;
@@ -674,7 +688,10 @@ kt_step(KeyedTable *t, PyObject *key, PyObject *nobj, long long mw, uint64_t now
                 displayed = 1;
             }
             /* a new key's bucket is full: n <= burst is granted at once, by the insert itself */
-            s = kt_insert(t, d, home, now, now + cost, (uint64_t)n, disp, &c);
+            int err;
+            s = kt_insert(t, d, home, now, now + cost, (uint64_t)n, disp, &c, &err);
+            if (err)
+                return KT_ERROR;
             if (!s) {
                 add(t->refused, 1);
                 return KT_FULL;
@@ -683,6 +700,8 @@ kt_step(KeyedTable *t, PyObject *key, PyObject *nobj, long long mw, uint64_t now
                 add(t->grants, (uint64_t)n);
                 return 0;
             }
+            if (!kt_yield(t)) /* lost a race (often to an insert of the same key): let it finish */
+                return KT_ERROR;
             continue;
         }
         for (;;) {

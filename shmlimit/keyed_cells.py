@@ -357,6 +357,7 @@ class KeyedTable(SlotTable):
                 if ctl:
                     c.fetch_add(self.grants, n)
                     return 0
+                os.sched_yield()  # lost a race (often to an insert of the same key): let it finish
                 continue
             while True:
                 tat = c.load(s + K.S_V0)

@@ -177,3 +177,28 @@ def _slot_states(name, slots):
         data = f.read()
     base = K.slots_offset(K.default_overrides(slots))
     return [data[base + i * K.LINE] for i in range(slots)]
+
+
+def _race(name, keys, barrier, q):
+    lim = shmlimit.attach(name)
+    barrier.wait(timeout=60)
+    q.put([lim.try_acquire(k) for k in keys])
+
+
+def test_concurrent_first_uses_of_the_same_keys_insert_each_once(name):
+    """4 processes insert the same 300 new keys at once: each key is granted once and holds one slot."""
+    lim = shmlimit.KeyedLimiter(name, rate=1, per=3600, burst=1, keys=1024)
+    keys = [f"same-{i}" for i in range(300)]
+    ctx = mp.get_context("fork")
+    barrier, q = ctx.Barrier(WORKERS), ctx.Queue()
+    procs = [ctx.Process(target=_race, args=(name, keys, barrier, q)) for _ in range(WORKERS)]
+    for p in procs:
+        p.start()
+    results = [q.get(timeout=120) for _ in procs]
+    for p in procs:
+        p.join()
+    per_key = [sum(r[i] for r in results) for i in range(len(keys))]
+    assert per_key == [1] * len(keys)  # one grant per key: never two slots, never two full buckets
+    states = _slot_states(name, 1024)
+    assert states.count(K.LIVE) == len(keys) == lim.stats().keys
+    lim.close()
