@@ -504,7 +504,7 @@ def sample_keys(name: str, start: int, count: int) -> Tuple[List[KeySample], int
         if not n:
             continue
         data, _ = read_copy(name, off, n * K.LINE)
-        c = open_cells(data, len(data))
+        c = open_cells(data, len(data))  # type: ignore[arg-type]  # a private copy, not a mapping
         try:
             for i in range(min(n, len(data) // K.LINE)):
                 s = i * K.LINE
@@ -524,7 +524,7 @@ def _header_copy(name: str) -> Tuple[Cells, Geometry, int]:
     """A private, validated copy of the header and the process table: (cells over it, geometry, file size)."""
     validate_name(name)
     data, size = read_copy(name, 0, K.overrides_offset())
-    c = open_cells(data, len(data))
+    c = open_cells(data, len(data))  # type: ignore[arg-type]  # a private copy, not a mapping
     try:
         if len(data) < K.overrides_offset() or c.load(K.MAGIC_OFF) != K.MAGIC or c.load(K.STATE_OFF) != K.STATE_READY:
             raise SegmentError(f"segment {name!r} is not a ready keyed limiter")
