@@ -892,7 +892,12 @@ cells_init(NativeCells *self, PyObject *args, PyObject *kwds)
     Py_ssize_t size;
     if (!PyArg_ParseTupleAndKeywords(args, kwds, "On", kwlist, &buffer, &size))
         return -1;
-    release_view(self);
+    /* Initialised once, for life: grabbers hold raw pointers into the first buffer, so
+     * re-pointing the object (releasing that buffer) would leave them on freed memory. */
+    if (self->base != NULL) {
+        PyErr_SetString(PyExc_TypeError, "NativeCells cannot be re-initialised");
+        return -1;
+    }
     if (PyObject_GetBuffer(buffer, &self->view, PyBUF_WRITABLE) < 0)
         return -1;
     if (size < 8 || size > self->view.len || ((uintptr_t)self->view.buf & 7)) {

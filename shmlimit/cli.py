@@ -21,6 +21,7 @@ from .keyed import KeyedStats
 from .kinds import inspect
 from .limiter import Limiter, Stats
 from .segment import list_names
+from .top import printable
 from .top import run as run_top
 
 
@@ -136,7 +137,7 @@ def cmd_list(args: argparse.Namespace) -> int:
         try:
             s = inspect(n)
         except (ShmlimitError, OSError) as e:
-            print(f"{n:24} unreadable: {e}")
+            print(printable(f"{n:24} unreadable: {e}"))
             continue
         alive = sum(p.alive for p in s.processes)
         if isinstance(s, KeyedStats):  # per key: the table's fill instead of one bucket's level
@@ -154,7 +155,7 @@ def cmd_inspect(args: argparse.Namespace) -> int:
         return 0
     for k, v in _stats_dict(s).items():
         if k != "processes":
-            print(f"{k:20} {v}")
+            print(printable(f"{k:20} {v}"))
     print(f"{'processes':20} {len(s.processes)}")
     for p in s.processes:
         if isinstance(s, KeyedStats):
@@ -270,7 +271,7 @@ def cmd_gc(args: argparse.Namespace) -> int:
         try:
             s = inspect(n)
         except (ShmlimitError, OSError) as e:
-            print(f"left alone (unreadable): {n}: {e}")
+            print(printable(f"left alone (unreadable): {n}: {e}"))
             continue
         if any(p.alive for p in s.processes):
             kept += 1
@@ -397,9 +398,9 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     try:
         return args.func(args)
     except UserError as e:
-        print(f"shmlimit: {e}", file=sys.stderr)
+        print(printable(f"shmlimit: {e}"), file=sys.stderr)
     except (ShmlimitError, ValueError, TypeError, PermissionError) as e:
-        print(f"shmlimit: {e}", file=sys.stderr)
+        print(printable(f"shmlimit: {e}"), file=sys.stderr)
     except KeyboardInterrupt:
         return 130
     except BrokenPipeError:  # the reader (head, less) went away: not an error of ours

@@ -40,6 +40,18 @@ HISTORY = 30
 CLEAR = "\x1b[H\x1b[2J"
 
 
+def printable(text: str) -> str:
+    """``text`` with every control character escaped (``\\x1b``), so no stored string can drive a terminal.
+
+    URLs, keys, error messages and process names come from segments and from
+    other users' processes: printed raw, an escape sequence in one could
+    rewrite the operator's screen or title, or hide a line.
+    """
+    if text.isprintable():
+        return text
+    return "".join(ch if ch.isprintable() else ch.encode("unicode_escape").decode("ascii") for ch in text)
+
+
 def sparkline(values: Sequence[float]) -> str:
     """Unicode blocks scaled from 0 to the largest value."""
     if not values:
@@ -166,7 +178,7 @@ def render(records: List[dict], interval: float) -> str:
                 f"  {p['pid']:>8} {p['command'][:16]:16} {state:6} {p['grants']:>10}  {'yes' if p['waiting'] else 'no'}{role}"
             )
         lines.append("")
-    return "\n".join(lines) + "\n"
+    return "\n".join(printable(line) for line in lines) + "\n"
 
 
 def _printable(text: str) -> str:
