@@ -15,6 +15,7 @@ from .errors import (
     SegmentError,
     SharedMemoryFullError,
     ShmlimitError,
+    UntrustedSegmentError,
 )
 from .keyed import KeyedLimiter, KeyedStats
 from .kinds import attach, inspect
@@ -48,4 +49,5 @@ __all__ = [
     "throttle",
     "unlink",
     "UpstreamStats",
+    "UntrustedSegmentError",
 ]

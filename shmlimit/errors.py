@@ -31,6 +31,21 @@ class SegmentError(ShmlimitError):
     """A segment under that name is corrupt, foreign, truncated or of another layout version."""
 
 
+class UntrustedSegmentError(SegmentError, PermissionError):
+    """The segment is owned by a user this process does not trust, or writable beyond the mode asked for.
+
+    Attaching would hand its rate, its stop switch and (hierarchical mode) its
+    upstream to whoever can write it.  Trust another owner with
+    ``trusted_uids=``; accept wider write bits by asking for that ``mode``.
+    """
+
+    def __init__(self, name: str, owner: int, mode: int, reason: str) -> None:
+        super().__init__(f"refusing limiter {name!r}: owned by uid {owner}, mode {mode:#o}: {reason}")
+        self.name = name
+        self.owner = owner
+        self.mode = mode
+
+
 class RateLimited(ShmlimitError):
     """Raised by ``throttle(..., on_limit="raise")`` (and by ``"wait"`` past its ``max_wait``).
 

@@ -18,7 +18,7 @@ filler and the process table never false-share.
     line 10  UP_*      upstream (hierarchical mode) state and counters, written by the filler
     line 11  UP_RECORD the ring of lease records, UP_LEASES, UP_NEXT_NS, UP_LINE_TAIL/HEAD
     lines 12..15 UP_DESC   the upstream's description (JSON), written once by the creator
-    then SLOTS process slots of one line each: PID START GRANTS WAITING BASE - - -
+    then SLOTS process slots of one line each: PID START GRANTS WAITING BASE PIDNS - -
 
 Values that are not integers (rate, per, burst) are stored as IEEE-754 bits.
 """
@@ -137,6 +137,9 @@ SLOT_WAITING = 24
 #: GRANTS when the current owner registered.  Nothing is ever moved between words, so a
 #: process killed at any instant loses no grant from the total.
 SLOT_BASE = 32
+#: The inode of the owner's PID namespace (0: not recorded).  PID and START mean something only
+#: in that namespace: a process in another one (a container sharing /dev/shm) cannot judge them.
+SLOT_PIDNS = 40
 DEFAULT_SLOTS = 128
 #: The table can be no larger than the lease word can name.
 MAX_SLOTS = (1 << LEASE_SLOT_BITS) - 1

@@ -15,7 +15,7 @@ import random
 import threading
 import time
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Dict, Optional, Tuple, Union
+from typing import TYPE_CHECKING, Any, Dict, Iterable, Optional, Tuple, Union
 
 from . import layout as L
 from .bucket import Bucket, diff
@@ -23,9 +23,9 @@ from .cells import MASK64, Cells, open_cells, warm_backend
 from .config import NS_PER_S, Config, parse_spec, validate_n, validate_timeout
 from .errors import ConfigMismatchError, LimiterNotFoundError, QueueFullError, SegmentError
 from .filler import LEASE_TIMEOUT, FillerThread, Lease, lease_expiry_us, lease_slot, now_us
-from .segment import Segment, current_inode, validate_name
+from .segment import Segment, check_trust, current_inode, validate_name
 from .segment import unlink as _unlink_name
-from .table import ProcessTable, is_alive, proc_start
+from .table import ProcessTable, is_alive, pid_namespace, proc_start, slot_alive
 from .upstream_spec import DEFAULT_BATCH_SECONDS, DEFAULT_LEASE_TTL, ON_ERROR, STATE_NAMES, UpstreamSpec
 
 if TYPE_CHECKING:  # pragma: no cover
@@ -159,7 +159,7 @@ class _Attachment:
         """Register this process and start its filler thread (also after fork, in the child)."""
         self.pid = os.getpid()
         start = proc_start(self.pid)
-        self.slot = self.table.register(self.pid, start if start and start > 0 else 0)
+        self.slot = self.table.register(self.pid, start if start and start > 0 else 0, pid_namespace())
         if self.slot is None:
             self.grants_off = L.UNREG_GRANTS
             self.waiting_off = None
@@ -253,66 +253,94 @@ class _Abandoned(SegmentError):
 
 
 
-def _wait_ready(name: str, seg: Segment) -> Segment:
+#: _ready_creator's answer for a segment a collector has claimed (STATE_DOOMED).
+_DOOMED = -2
+
+
+def _ready_creator(name: str, seg: Segment, waited: float) -> int:
+    """0 if the segment is fully initialised (and its header sound), ``_DOOMED`` if a collector
+    claimed it, else the pid of its live creator (-1: not yet known).
+
+    Raises ``SegmentError`` for a foreign or corrupt header and ``_Abandoned``
+    for an initialisation nobody will finish.  A creator gets ``INIT_WAIT``
+    seconds to write its pid, counted from the segment's creation (its ctime)
+    *or* from when this caller first looked (``waited``, monotonic), whichever
+    ends first: a ctime anyone with write access can keep refreshing must not
+    keep an opener waiting.
+    """
+    if seg.size == 0:
+        if (time.time_ns() - seg.ctime_ns) / 1e9 > INIT_WAIT or waited > INIT_WAIT:
+            raise _Abandoned(name, seg.inode, 0)
+        return -1
+    if seg.size < L.HEADER_BYTES:
+        raise SegmentError(f"segment {name!r} is truncated: {seg.size} bytes, a limiter needs {L.HEADER_BYTES}")
+    cells = open_cells(seg.mm, L.HEADER_BYTES)
+    try:
+        magic, state, version, size, slots, creator = (
+            cells.load(off)
+            for off in (L.MAGIC_OFF, L.STATE_OFF, L.VERSION_OFF, L.SIZE_OFF, L.SLOTS_OFF, L.CREATOR_PID_OFF)
+        )
+    finally:
+        cells.close()
+    if magic not in (0, L.MAGIC):
+        raise SegmentError(f"segment {name!r} is not a shmlimit limiter (bad magic {magic:#018x})")
+    if magic == L.MAGIC and state == L.STATE_READY:
+        if version != L.VERSION:
+            raise SegmentError(
+                f"segment {name!r} has layout version {version}; this shmlimit reads version {L.VERSION}"
+            )
+        if 1 <= slots <= L.MAX_SLOTS and size == L.segment_size(slots) and seg.size < size:
+            raise SegmentError(f"segment {name!r} is truncated: its header says {size} bytes, the file has {seg.size}")
+        if not 1 <= slots <= L.MAX_SLOTS or size != L.segment_size(slots) or seg.size < size:
+            raise SegmentError(
+                f"segment {name!r} is corrupt: header says {size} bytes and {slots} slots, "
+                f"the mapping has {seg.size} bytes"
+            )
+        return 0
+    if magic == L.MAGIC and state == L.STATE_DOOMED:
+        return _DOOMED  # a collector is unlinking it (or it restores READY)
+    if magic == L.MAGIC and state != L.STATE_INIT:
+        raise SegmentError(f"segment {name!r} is corrupt: unknown state {state}")
+    age = (time.time_ns() - seg.ctime_ns) / 1e9
+    if creator > 0xFFFFFFFF or (creator and not is_alive(creator, 0)) or (
+        not creator and (age > INIT_WAIT or waited > INIT_WAIT)
+    ):
+        raise _Abandoned(name, seg.inode, creator)
+    return creator or -1
+
+
+def _wait_ready(name: str, seg: Segment, mode: Optional[int] = None, trusted: frozenset = frozenset()) -> Segment:
     """Return a mapping of a fully initialised segment, re-opening while its creator works.
 
-    A creator gets ``INIT_WAIT`` seconds from the segment's creation (its
-    ctime) to write its pid; a segment that old without one, or whose
-    creator is dead, raises ``_Abandoned``.  A live creator is waited for
-    (up to ``LIVE_CREATOR_WAIT``), never replaced.
+    A live creator is waited for (up to ``LIVE_CREATOR_WAIT``, by the
+    monotonic clock), never replaced; see ``_ready_creator`` for the rest.
+    Re-opening repeats the trust check of the first open.
     """
     start = time.monotonic()
     while True:
         waited = time.monotonic() - start
-        if 0 < seg.size < L.HEADER_BYTES:
-            raise SegmentError(f"segment {name!r} is truncated: {seg.size} bytes, a limiter needs {L.HEADER_BYTES}")
-        if seg.size:
-            cells = open_cells(seg.mm, L.HEADER_BYTES)
-            try:
-                magic, state, version, size, slots, creator = (
-                    cells.load(off)
-                    for off in (L.MAGIC_OFF, L.STATE_OFF, L.VERSION_OFF, L.SIZE_OFF, L.SLOTS_OFF, L.CREATOR_PID_OFF)
-                )
-            finally:
-                cells.close()
-            if magic not in (0, L.MAGIC):
-                raise SegmentError(f"segment {name!r} is not a shmlimit limiter (bad magic {magic:#018x})")
-            if magic == L.MAGIC and state == L.STATE_DOOMED:
-                # a collector is unlinking it (or it restores READY): wait, then open the name again
-                if waited > DOOMED_WAIT:
-                    # the collector died between its claim and its unlink: the segment is whole
-                    c = open_cells(seg.mm, L.HEADER_BYTES)
-                    try:
-                        c.cas(L.STATE_OFF, L.STATE_DOOMED, L.STATE_READY)
-                    finally:
-                        c.close()
-                time.sleep(0.001)
-                seg.close()
-                seg = Segment.open(name)
-                continue
-            if magic == L.MAGIC and state == L.STATE_READY:
-                if version != L.VERSION:
-                    raise SegmentError(
-                        f"segment {name!r} has layout version {version}; this shmlimit reads version {L.VERSION}"
-                    )
-                if not 1 <= slots <= L.MAX_SLOTS or size != L.segment_size(slots) or seg.size < size:
-                    raise SegmentError(
-                        f"segment {name!r} is corrupt: header says {size} bytes and {slots} slots, "
-                        f"the mapping has {seg.size} bytes"
-                    )
-                return seg
-            age = (time.time_ns() - seg.ctime_ns) / 1e9
-            if creator > 0xFFFFFFFF or (creator and not is_alive(creator, 0)) or (not creator and age > INIT_WAIT):
-                raise _Abandoned(name, seg.inode, creator)
-            if waited > LIVE_CREATOR_WAIT:
-                raise SegmentError(
-                    f"segment {name!r} is still being initialised by pid {creator} after {waited:.0f} s"
-                )
-        elif (time.time_ns() - seg.ctime_ns) / 1e9 > INIT_WAIT:
-            raise _Abandoned(name, seg.inode, 0)
+        try:
+            creator = _ready_creator(name, seg, waited)
+        except BaseException:
+            seg.close()
+            raise
+        if creator == 0:
+            return seg
+        if creator == _DOOMED:
+            # a collector is unlinking it (or it restores READY): wait, then open the name again
+            if waited > DOOMED_WAIT:
+                # the collector died between its claim and its unlink: the segment is whole
+                c = open_cells(seg.mm, L.HEADER_BYTES)
+                try:
+                    c.cas(L.STATE_OFF, L.STATE_DOOMED, L.STATE_READY)
+                finally:
+                    c.close()
+        elif waited > LIVE_CREATOR_WAIT:
+            seg.close()
+            raise SegmentError(f"segment {name!r} is still being initialised by pid {creator} after {waited:.0f} s")
         time.sleep(0.001)
         seg.close()
-        seg = Segment.open(name)
+        seg = Segment.open(name, mode, trusted)
 
 
 def _check_upstream(name: str, att: _Attachment, cfg: Optional[Config], upstream: Optional[UpstreamSpec]) -> None:
@@ -331,8 +359,13 @@ def _show(spec: Optional[UpstreamSpec]) -> str:
 
 
 def _open_attachment(
-    name: str, cfg: Optional[Config], mode: int, initial: Optional[float], slots: int,
+    name: str,
+    cfg: Optional[Config],
+    mode: int,
+    initial: Optional[float],
+    slots: int,
     upstream: Optional[UpstreamSpec] = None,
+    trusted: frozenset = frozenset(),
 ) -> _Attachment:
     with _registry_lock:
         att = _registry.get(name)
@@ -341,11 +374,13 @@ def _open_attachment(
             _registry.pop(name, None)
             att = None
         if att is None:
-            att = _map(name, cfg, mode, initial, slots, upstream=upstream)
+            att = _map(name, cfg, mode, initial, slots, upstream=upstream, trusted=trusted)
             _registry[name] = att
-        elif cfg is not None and _live_config(att) != cfg:
-            raise ConfigMismatchError(name, att.bucket.config.describe(), cfg.describe())
         else:
+            # vetted when this process first opened it, but perhaps under a wider trust than this call's
+            check_trust(name, _owner_stat(att.seg), mode, trusted)
+            if cfg is not None and _live_config(att) != cfg:
+                raise ConfigMismatchError(name, att.bucket.config.describe(), cfg.describe())
             _check_upstream(name, att, cfg, upstream)
         att.refs += 1
         return att
@@ -371,12 +406,12 @@ def collect(name: str) -> bool:
     Never orphans a process that attaches meanwhile (see ``_still_ready``).
     """
     validate_name(name)
-    att = _map(name, None, 0, None, 0, join=False)
+    att = _map(name, None, None, None, 0, join=False)  # no trust check: it only unlinks, as the filesystem allows
     try:
         c = att.cells
 
         def in_use() -> bool:
-            return any(is_alive(e.pid, e.start) for e in att.table.entries())
+            return any(slot_alive(e.pid, e.start, e.pidns) for e in att.table.entries())
 
         if in_use() or not c.cas(L.STATE_OFF, L.STATE_READY, L.STATE_DOOMED):
             return False
@@ -400,14 +435,20 @@ def _live_config(att: _Attachment) -> Optional[Config]:
     return att.bucket.config
 
 
+def _owner_stat(seg: Segment) -> os.stat_result:
+    """The owner and mode a segment had when this process opened it, in ``os.stat_result`` form."""
+    return os.stat_result((seg.mode, 0, 0, 0, seg.owner, 0, seg.size, 0, 0, 0))
+
+
 def _map(
     name: str,
     cfg: Optional[Config],
-    mode: int,
+    mode: Optional[int],
     initial: Optional[float],
     slots: int,
     join: bool = True,
     upstream: Optional[UpstreamSpec] = None,
+    trusted: frozenset = frozenset(),
 ) -> _Attachment:
     """Create and initialise the segment, or map the existing one; never a half-initialised header.
 
@@ -425,7 +466,7 @@ def _map(
                     return att
                 continue
         try:
-            seg = _wait_ready(name, Segment.open(name))
+            seg = _wait_ready(name, Segment.open(name, mode, trusted), mode, trusted)
         except LimiterNotFoundError:
             if cfg is None:
                 raise
@@ -435,7 +476,7 @@ def _map(
                 raise
             time.sleep(0.05)  # replacing destroys a segment: confirm the verdict once more first
             try:
-                _wait_ready(name, Segment.open(name)).close()
+                _wait_ready(name, Segment.open(name, mode, trusted), mode, trusted).close()
                 continue  # it became ready (or another took its place): attach normally
             except _Abandoned as again:
                 if again.inode != e.inode:
@@ -581,6 +622,15 @@ class Limiter:
     (ops in the bucket at creation; default full), ``slots`` (process table
     size, default 128).
 
+    Trust: a segment that already exists is used only if it is owned by this
+    process's user, by root, or by a uid in ``trusted_uids``, and is not
+    writable by group or others beyond ``mode``; otherwise
+    ``UntrustedSegmentError`` (a ``PermissionError``) names its owner and mode.
+    So ``Limiter(name, rate=5)`` never silently joins a segment another user
+    created first under that name.  To share a limiter with a group, create
+    and attach it with ``mode=0o660`` (and ``trusted_uids=`` naming the
+    creator's uid in the other users' processes).  See SECURITY.md.
+
     Hierarchical mode (one limit across hosts): ``upstream`` is a Redis URL
     (the global limit then has this limiter's name, rate, per and burst) or
     a ``shmlimit.redis.RedisLimiter`` (whose config is the default for this
@@ -613,8 +663,10 @@ class Limiter:
         on_redis_error: str = "closed",
         lease_ttl: float = DEFAULT_LEASE_TTL,
         batch_seconds: float = DEFAULT_BATCH_SECONDS,
+        trusted_uids: Iterable[int] = (),
     ) -> None:
         validate_name(name)
+        trusted = _trusted_uids(trusted_uids)
         desc = None
         if upstream is not None:
             rate, per, burst, desc = _upstream(name, rate, per, burst, upstream, on_redis_error, lease_ttl, batch_seconds)
@@ -629,9 +681,11 @@ class Limiter:
         if isinstance(slots, bool) or not isinstance(slots, int) or not 1 <= slots <= L.MAX_SLOTS:
             raise ValueError(f"slots must be an int from 1 to {L.MAX_SLOTS}, got {slots!r}")
         self._name = name
+        self._mode = mode
+        self._trusted = trusted
         self._att: Optional[_Attachment] = None
         self._fast: list = [_no_fast]
-        self._att = _open_attachment(name, cfg, mode, initial, slots, desc)
+        self._att = _open_attachment(name, cfg, mode, initial, slots, desc, trusted)
         self._fast = self._att.fast
 
     # -- identity and lifecycle ----------------------------------------------------
@@ -709,12 +763,14 @@ class Limiter:
         return None
 
     def __reduce__(self):
-        # A hierarchical handle carries the upstream its process configured (secrets included), so
-        # a pool worker that unpickles it may feed as its parent would; a plain one is its name.
+        # The trust travels with the handle: the unpickling process vets the segment the same way.
+        # A hierarchical handle also carries the upstream its process configured (secrets
+        # included), so a pool worker that unpickles it may feed as its parent would.
         att = self._att
+        trusted = tuple(sorted(self._trusted))
         if att is not None and att.feed_spec is not None:
-            return (_attach_configured, (self._name, att.feed_spec))
-        return (attach, (self._name,))
+            return (_attach_configured, (self._name, att.feed_spec, self._mode, trusted))
+        return (_unpickle, (self._name, self._mode, trusted))
 
     def __del__(self) -> None:
         att, self._att = getattr(self, "_att", None), None
@@ -1289,7 +1345,7 @@ def snapshot(name: str, att: _Attachment) -> Stats:
     procs = []
     total = c.load(L.UNREG_GRANTS) + att.table.total_grants()
     for e in att.table.entries():
-        procs.append(ProcessStats(e.pid, is_alive(e.pid, e.start), e.grants, e.waiting, e.index == slot and filler_pid is not None))
+        procs.append(ProcessStats(e.pid, slot_alive(e.pid, e.start, e.pidns), e.grants, e.waiting, e.index == slot and filler_pid is not None))
     short = max(0, -balance)
     return Stats(
         name=name,
@@ -1340,19 +1396,44 @@ def inspect(name: str) -> Stats:
     the filler election and writes nothing to the segment.
     """
     validate_name(name)
-    att = _map(name, None, 0, None, 0, join=False)
+    seg = Segment.copy(name)  # read with pread, never mapped: no SIGBUS, no wait, nothing written
+    verdict = _ready_creator(name, seg, 0.0)
+    if verdict != 0:
+        seg.close()
+        what = "being removed" if verdict == _DOOMED else "still being initialised"
+        raise SegmentError(f"segment {name!r} is {what}")
+    cells = open_cells(seg.mm, cells_size(seg))
+    att = _Attachment(name, seg, cells, join=False)
     try:
         return snapshot(name, att)
     finally:
         att.detach()
 
 
-def attach(name: str) -> Limiter:
+def attach(name: str, *, mode: int = 0o600, trusted_uids: Iterable[int] = ()) -> Limiter:
     """Attach to an existing limiter by name, whatever its configuration.
 
-    Raises ``LimiterNotFoundError`` (a ``FileNotFoundError``) naming it when none exists.
+    Raises ``LimiterNotFoundError`` (a ``FileNotFoundError``) naming it when
+    none exists, and ``UntrustedSegmentError`` when it is owned by a user
+    other than this one, root and ``trusted_uids``, or writable by group or
+    others beyond ``mode`` (see ``Limiter``).
     """
-    return Limiter(name)
+    return Limiter(name, mode=mode, trusted_uids=trusted_uids)
+
+
+def _unpickle(name: str, mode: int, trusted: Tuple[int, ...]) -> Limiter:
+    return Limiter(name, mode=mode, trusted_uids=trusted)
+
+
+def _trusted_uids(uids: Iterable[int]) -> frozenset:
+    if isinstance(uids, (str, bytes, int)):
+        raise TypeError(f"trusted_uids must be an iterable of uids (ints), not {type(uids).__name__}")
+    out = []
+    for u in uids:
+        if isinstance(u, bool) or not isinstance(u, int) or not 0 <= u <= 0xFFFFFFFF:
+            raise ValueError(f"trusted_uids must hold uids from 0 to 4294967295, got {u!r}")
+        out.append(u)
+    return frozenset(out)
 
 
 def unlink(name: str) -> None:
@@ -1360,9 +1441,9 @@ def unlink(name: str) -> None:
     _unlink_name(name)
 
 
-def _attach_configured(name: str, spec: UpstreamSpec) -> Limiter:
+def _attach_configured(name: str, spec: UpstreamSpec, mode: int = 0o600, trusted: Tuple[int, ...] = ()) -> Limiter:
     """Unpickling a hierarchical handle: attach, and feed with the upstream its sender configured."""
-    lim = Limiter(name)
+    lim = Limiter(name, mode=mode, trusted_uids=trusted)
     att = lim._live()
     if att.upstream != spec:
         raise ConfigMismatchError(name, f"upstream {_show(att.upstream)}", f"upstream {_show(spec)}")

@@ -16,8 +16,9 @@ counted in UNREG_GRANTS.
 """
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
-from typing import List, Optional
+from typing import List, Optional, Tuple
 
 from . import layout as L
 from .cells import Cells
@@ -52,6 +53,34 @@ def proc_start(pid: int) -> Optional[int]:
         return UNKNOWN
 
 
+_own_pidns: Tuple[int, int] = (0, 0)  # (pid it was read in, namespace inode)
+
+
+def pid_namespace() -> int:
+    """The inode of this process's PID namespace (0 if /proc cannot tell)."""
+    global _own_pidns
+    me = os.getpid()
+    if _own_pidns[0] != me:  # read again after fork: a child may live in a new namespace
+        try:
+            ino = os.stat("/proc/self/ns/pid").st_ino
+        except OSError:
+            ino = 0
+        _own_pidns = (me, ino)
+    return _own_pidns[1]
+
+
+def slot_alive(pid: int, start: int, pidns: int) -> bool:
+    """``is_alive`` for a slot's owner: one recorded in another PID namespace counts as alive.
+
+    Its pid means another process (or none) here, so this process cannot tell
+    it is dead; taking it for dead would reclaim a live slot, or let ``gc``
+    remove a segment a container still uses, and the limit would double.
+    """
+    if pidns and pidns != pid_namespace():
+        return pid > 0
+    return is_alive(pid, start)
+
+
 def is_alive(pid: int, start: int) -> bool:
     """True if ``pid`` is running and is the process that started at ``start`` (0: not yet known)."""
     if pid <= 0:
@@ -69,6 +98,7 @@ class SlotInfo:
     start: int
     grants: int
     waiting: bool
+    pidns: int = 0
 
 
 class ProcessTable:
@@ -76,33 +106,36 @@ class ProcessTable:
         self.cells = cells
         self.slots = slots
 
-    def register(self, pid: int, start: int) -> Optional[int]:
+    def register(self, pid: int, start: int, pidns: int = 0) -> Optional[int]:
         """Claim a free slot, else reclaim a dead process's slot; None when all are live."""
         c = self.cells
         for i in range(self.slots):
             base = L.slot_offset(i)
             if c.load(base + L.SLOT_PID) == 0 and c.cas(base + L.SLOT_PID, 0, pid):
-                self._fill(base, start)
+                self._fill(base, start, pidns)
                 return i
         for i in range(self.slots):
             base = L.slot_offset(i)
             old = c.load(base + L.SLOT_PID)
             old_start = c.load(base + L.SLOT_START)
-            if not old or is_alive(old, old_start):
+            if not old or slot_alive(old, old_start, c.load(base + L.SLOT_PIDNS)):
                 continue
             # Zero START first: while (PID, START) reads (new pid, 0) the slot counts as
             # "registering, alive", so nobody can mistake the new owner for the dead one.
             if not c.cas(base + L.SLOT_START, old_start, 0):
                 continue
             if c.cas(base + L.SLOT_PID, old, pid):
-                self._fill(base, start)
+                self._fill(base, start, pidns)
                 return i
         return None
 
-    def _fill(self, base: int, start: int) -> None:
+    def _fill(self, base: int, start: int, pidns: int) -> None:
         c = self.cells
         c.store(base + L.SLOT_BASE, c.load(base + L.SLOT_GRANTS))
         c.store(base + L.SLOT_WAITING, 0)
+        # before START: while START is 0 the slot reads "registering, alive", so the namespace a
+        # reader sees next to a non-zero START is always the current owner's
+        c.store(base + L.SLOT_PIDNS, pidns)
         c.store(base + L.SLOT_START, start)
 
     def unregister(self, index: int, pid: int) -> None:
@@ -124,7 +157,12 @@ class ProcessTable:
             pid = c.load(base + L.SLOT_PID)
             if pid:
                 own = c.load(base + L.SLOT_GRANTS) - c.load(base + L.SLOT_BASE)
-                out.append(SlotInfo(i, pid, c.load(base + L.SLOT_START), max(0, own), bool(c.load(base + L.SLOT_WAITING))))
+                out.append(
+                    SlotInfo(
+                        i, pid, c.load(base + L.SLOT_START), max(0, own), bool(c.load(base + L.SLOT_WAITING)),
+                        c.load(base + L.SLOT_PIDNS),
+                    )
+                )
         return out
 
     def total_grants(self) -> int:
