@@ -20,7 +20,7 @@ from .errors import ShmlimitError
 from .keyed import KeyedStats
 from .kinds import inspect
 from .limiter import Limiter, Stats
-from .segment import list_names
+from .segment import scan
 from .top import printable
 from .top import run as run_top
 
@@ -118,8 +118,11 @@ def _inspect(name: str) -> "Stats | KeyedStats":
         raise UserError(f"no limiter named {name!r} (see 'shmlimit list')") from None
 
 
+BAD_NAME = "not a valid limiter name: skipped"
+
+
 def cmd_list(args: argparse.Namespace) -> int:
-    names = list_names()
+    names, bad = scan()
     if args.json:
         out = []
         for n in names:
@@ -127,8 +130,11 @@ def cmd_list(args: argparse.Namespace) -> int:
                 out.append(_stats_dict(inspect(n)))
             except (ShmlimitError, OSError) as e:  # listed with the reason, never fatal
                 out.append({"name": n, "error": str(e)})
+        out.extend({"name": n, "error": BAD_NAME} for n in bad)
         print(json.dumps(out))
         return 0
+    for n in bad:
+        print(printable(f"{n!r}: {BAD_NAME}"))
     if not names:
         print("no shmlimit limiters on this machine")
         return 0
@@ -167,7 +173,9 @@ def cmd_inspect(args: argparse.Namespace) -> int:
 
 
 def cmd_create(args: argparse.Namespace) -> int:
-    lim = Limiter(args.name, rate=args.rate, per=args.per, burst=args.burst, mode=int(args.mode, 8))
+    lim = Limiter(
+        args.name, rate=args.rate, per=args.per, burst=args.burst, mode=int(args.mode, 8), trusted_uids=args.trust_uid
+    )
     print(f"{'created' if lim.created else 'exists'}: {args.name} {lim.config.describe()}")
     lim.close()
     return 0
@@ -177,7 +185,7 @@ def cmd_set_rate(args: argparse.Namespace) -> int:
     """Change a live limiter for every attached process: a spec rate[,ratio][,verb]."""
     spec = parse_spec(args.spec)
     try:
-        lim = Limiter(args.name)
+        lim = Limiter(args.name, mode=int(args.mode, 8), trusted_uids=args.trust_uid)
     except FileNotFoundError:
         raise UserError(f"no limiter named {args.name!r} (see 'shmlimit list')") from None
     try:
@@ -267,7 +275,10 @@ def _serve_metrics(names, host: str, port: int) -> int:
 def cmd_gc(args: argparse.Namespace) -> int:
     """Remove segments no live process is attached to (--dry-run: only list them)."""
     removed = kept = 0
-    for n in list_names():
+    names, bad = scan()
+    for n in bad:
+        print(printable(f"left alone ({BAD_NAME}): {n!r}"))
+    for n in names:
         try:
             s = inspect(n)
         except (ShmlimitError, OSError) as e:
@@ -357,6 +368,8 @@ def build_parser() -> argparse.ArgumentParser:
     c.add_argument("--per", type=_positive(float), default=1.0, help="seconds (default 1)")
     c.add_argument("--burst", type=_positive(float), default=None, help="capacity in ops")
     c.add_argument("--mode", default="600", help="permission bits in octal (default 600)")
+    c.add_argument("--trust-uid", type=int, action="append", default=[], metavar="UID",
+                   help="accept an existing segment owned by this uid (repeatable)")
     c.set_defaults(func=cmd_create)
 
     r = sub.add_parser(
@@ -367,6 +380,9 @@ def build_parser() -> argparse.ArgumentParser:
     r.add_argument("spec", type=_spec, help="e.g. 12000, 12K,1.1 or 12K,1.1,restart or 0,stop")
     r.add_argument("--per", type=_positive(float), default=None, help="seconds (default: unchanged)")
     r.add_argument("--burst", type=_positive(float), default=None, help="capacity in ops (default: 10 ms of the rate)")
+    r.add_argument("--mode", default="600", help="the group/other write bits the segment may have, octal (default 600)")
+    r.add_argument("--trust-uid", type=int, action="append", default=[], metavar="UID",
+                   help="accept a segment owned by this uid (repeatable)")
     r.set_defaults(func=cmd_set_rate)
 
     t = sub.add_parser("top", help="the live view of every limiter (or the ones named), refreshing in place")

@@ -29,7 +29,7 @@ from .errors import ShmlimitError
 from .keyed import KeyedStats, sample_keys
 from .kinds import inspect
 from .limiter import Stats
-from .segment import list_names
+from .segment import scan
 
 SPARKS = "▁▂▃▄▅▆▇█"
 #: Key slots a refresh reads from each keyed limiter: the busiest keys are found over several
@@ -92,9 +92,9 @@ class Inspector:
         self.seen_keys: Dict[str, Dict[str, Tuple[int, float]]] = {}
 
     def sample(self) -> List[dict]:
-        names = self.names if self.names is not None else list_names()
+        names, bad = (self.names, []) if self.names is not None else scan()
         now = time.monotonic()
-        out = []
+        out: List[dict] = [{"name": n, "error": "not a valid limiter name: skipped"} for n in bad]
         for name in names:
             try:
                 s = inspect(name)
