@@ -14,7 +14,9 @@ def _as_nobody(name, gid, q):
         os.setgroups([gid] if gid is not None else [])
         os.setgid(gid if gid is not None else nobody.pw_gid)
         os.setuid(nobody.pw_uid)
-        lim = shmlimit.attach(name)
+        # root owns the segment (trusted: root can write any segment anyway); the group's write
+        # bit is accepted because this attach asks for it
+        lim = shmlimit.attach(name, mode=0o660)
         lim.acquire()
         q.put("attached")
         lim.close()

@@ -1,0 +1,496 @@
+"""Another local user against a limiter that is not theirs, and hostile files against the tools.
+
+Tests run as root; "the other user" is ``nobody`` (a forked child that drops to it, or a file
+chowned to it).  Tests that put odd files in /dev/shm, or fill it, do so in a private mount
+namespace with a tmpfs of its own, so no real segment (and no other test) ever sees them.
+"""
+import json
+import os
+import pwd
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+import uuid
+
+import pytest
+from hypothesis import HealthCheck, event, given, settings
+from hypothesis import strategies as st
+
+import shmlimit
+from shmlimit import layout as L
+from shmlimit import limiter as limiter_mod
+from shmlimit.top import printable
+
+ROOT = os.geteuid() == 0
+needs_root = pytest.mark.skipif(not ROOT, reason="playing another user needs root")
+
+
+def _nobody():
+    try:
+        return pwd.getpwnam("nobody")
+    except KeyError:  # pragma: no cover
+        pytest.skip("no user 'nobody' on this machine")
+
+
+def _path(name):
+    return f"/dev/shm/shmlimit.{name}"
+
+
+def _as_nobody(fn, *args):
+    """Run fn(*args) in a forked child that became nobody; return its exit status."""
+    nobody = _nobody()
+    pid = os.fork()
+    if pid == 0:  # pragma: no cover - the child
+        code = 1
+        try:
+            # imported while still root: the interpreter's own files may not be readable by nobody
+            from shmlimit.cells import warm_backend
+
+            warm_backend()
+            os.setgroups([])
+            os.setgid(nobody.pw_gid)
+            os.setuid(nobody.pw_uid)
+            fn(*args)
+            code = 0
+        except BaseException:
+            import traceback
+
+            traceback.print_exc()
+        finally:
+            os._exit(code)
+    _, status = os.waitpid(pid, 0)
+    return os.waitstatus_to_exitcode(status)
+
+
+def _private_shm(script, size="4m", timeout=60):
+    """Run a Python script in a private mount namespace whose /dev/shm is a fresh tmpfs."""
+    if not ROOT:
+        pytest.skip("a private mount namespace needs root")
+    body = textwrap.dedent(script)
+    cmd = [
+        "unshare", "-m", "--propagation", "private", "sh", "-c",
+        f'mount -t tmpfs -o size={size} tmpfs /dev/shm && exec "$0" -c "$1"', sys.executable, body,
+    ]
+    env = dict(os.environ, PYTHONPATH=os.path.dirname(os.path.dirname(os.path.abspath(shmlimit.__file__))))
+    return subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=env)
+
+
+# ---- finding 1: name squatting --------------------------------------------------------------
+
+
+def _squat(name):
+    shmlimit.Limiter(name, rate=5, mode=0o666).close()  # the victim's config, writable by all
+
+
+@needs_root
+def test_a_segment_squatted_by_another_user_is_refused_naming_owner_and_mode(name):
+    nobody = _nobody()
+    assert _as_nobody(_squat, name) == 0
+    assert os.stat(_path(name)).st_uid == nobody.pw_uid
+    with pytest.raises(shmlimit.UntrustedSegmentError) as e:
+        shmlimit.Limiter(name, rate=5)  # create-or-attach: must not silently join it
+    msg = str(e.value)
+    assert f"uid {nobody.pw_uid}" in msg and "0o666" in msg and name in msg
+    assert isinstance(e.value, PermissionError) and e.value.owner == nobody.pw_uid
+    with pytest.raises(shmlimit.UntrustedSegmentError):
+        shmlimit.attach(name)
+    # trusting the owner is not enough while the segment is writable by everyone ...
+    with pytest.raises(shmlimit.UntrustedSegmentError, match="writable by group and others"):
+        shmlimit.attach(name, trusted_uids=[nobody.pw_uid])
+    # ... asking for that mode as well is an explicit decision
+    lim = shmlimit.attach(name, mode=0o666, trusted_uids=[nobody.pw_uid])
+    assert lim.rate == 5
+    # a second handle in this process is vetted with its own call's trust
+    with pytest.raises(shmlimit.UntrustedSegmentError):
+        shmlimit.attach(name)
+    lim.close()
+
+
+def test_own_segment_writable_beyond_the_mode_asked_for_is_refused(name):
+    shmlimit.Limiter(name, rate=5, mode=0o602).close()
+    with pytest.raises(shmlimit.UntrustedSegmentError, match="writable by others"):
+        shmlimit.Limiter(name, rate=5)
+    shmlimit.Limiter(name, rate=5, mode=0o602).close()  # asked for: accepted
+
+
+def test_trusted_uids_is_checked():
+    with pytest.raises(ValueError, match="trusted_uids"):
+        shmlimit.attach("x", trusted_uids=[-1])
+    with pytest.raises(TypeError, match="trusted_uids"):
+        shmlimit.attach("x", trusted_uids=0)
+
+
+def _pickled_handle_works(payload, q_path):
+    import pickle
+
+    lim = pickle.loads(payload)
+    with open(q_path, "w") as f:
+        f.write(str(lim.rate))
+
+
+def test_a_pickled_handle_carries_its_trust(name, tmp_path):
+    import pickle
+
+    lim = shmlimit.Limiter(name, rate=7, mode=0o660)
+    payload = pickle.dumps(lim)
+    lim.close()
+    # a fresh interpreter unpickles it with the same mode: the group bit is accepted
+    out = tmp_path / "rate"
+    code = subprocess.run(
+        [sys.executable, "-c", "import pickle,sys; l=pickle.loads(sys.stdin.buffer.read()); open(sys.argv[1],'w').write(str(l.rate)); l.close()", str(out)],
+        input=payload, timeout=60,
+    ).returncode
+    assert code == 0 and out.read_text() == "7.0"
+
+
+# ---- finding 2: SIGBUS ---------------------------------------------------------------------
+
+
+def test_creating_on_a_full_dev_shm_raises_instead_of_crashing():
+    r = _private_shm(
+        """
+        import errno, shmlimit
+        with open("/dev/shm/filler", "wb") as f:
+            f.write(b"x" * 12288)
+        try:
+            shmlimit.Limiter("full", rate=5)  # 9216 bytes; 4096 left
+        except shmlimit.NoSpaceError as e:
+            assert e.errno == errno.ENOSPC and "full" in str(e), e
+            import os
+            assert not os.path.exists("/dev/shm/shmlimit.full"), "the name must be given back"
+            print("refused:", e)
+        else:
+            print("created")
+        """,
+        size="16k",
+    )
+    assert r.returncode == 0, (r.returncode, r.stderr)  # today: -7 (SIGBUS)
+    assert r.stdout.startswith("refused:") and "no room" in r.stdout
+
+
+def test_inspect_and_list_survive_a_segment_truncated_under_them():
+    # A writer keeps truncating and regrowing the segment while `list --json` and inspect run:
+    # a mapping would fault (SIGBUS) on the pages that vanished.
+    r = _private_shm(
+        """
+        import os, subprocess, sys, time, shmlimit
+        from shmlimit import cli
+        shmlimit.Limiter("victim", rate=1000).close()
+        path = "/dev/shm/shmlimit.victim"
+        size = os.path.getsize(path)
+        pid = os.fork()
+        if pid == 0:
+            fd = os.open(path, os.O_RDWR)
+            end = time.monotonic() + 1.5
+            while time.monotonic() < end:
+                os.ftruncate(fd, 64)
+                os.ftruncate(fd, size)
+            os._exit(0)
+        end = time.monotonic() + 1.0
+        n = 0
+        while time.monotonic() < end:
+            try:
+                shmlimit.inspect("victim")
+            except shmlimit.ShmlimitError:
+                pass
+            cli.main(["list", "--json"])
+            n += 1
+        os.waitpid(pid, 0)
+        print("survived", n, file=sys.stderr)
+        """
+    )
+    assert r.returncode == 0, (r.returncode, r.stderr[-2000:])  # today: -7 (SIGBUS)
+    assert "survived" in r.stderr
+
+
+def test_a_header_claiming_more_than_the_file_is_refused_before_mapping(name):
+    shmlimit.Limiter(name, rate=10).close()
+    size = os.path.getsize(_path(name))
+    os.truncate(_path(name), size - L.LINE)
+    for call in (shmlimit.inspect, shmlimit.attach):
+        with pytest.raises(shmlimit.SegmentError, match="truncated"):
+            call(name)
+
+
+# ---- finding 3: hostile files stop the tools ---------------------------------------------------
+
+
+def test_a_badly_named_entry_is_skipped_and_reported_and_gc_goes_on():
+    r = _private_shm(
+        """
+        import json, os, subprocess, sys
+        open("/dev/shm/shmlimit.-x", "w").close()
+        open("/dev/shm/shmlimit.\\x1b[2Jbad", "w").close()
+        # a stale limiter, listed after the bad entries: its creator has exited
+        subprocess.run([sys.executable, "-c", "import shmlimit; shmlimit.Limiter('stale', rate=5)"], check=True)
+        def cli(*args):
+            return subprocess.run([sys.executable, "-m", "shmlimit.cli", *args], capture_output=True, text=True)
+        ls = cli("list")
+        js = cli("list", "--json")
+        top = cli("top", "--once", "--interval", "0.01")
+        gc = cli("gc")
+        print(json.dumps({k: [v.returncode, v.stdout, v.stderr] for k, v in
+                          dict(ls=ls, js=js, top=top, gc=gc).items()}))
+        print(json.dumps(sorted(os.listdir("/dev/shm"))))
+        """
+    )
+    assert r.returncode == 0, r.stderr
+    out, left = (json.loads(line) for line in r.stdout.splitlines()[-2:])
+    for k, (code, stdout, stderr) in out.items():
+        assert code == 0, (k, stdout, stderr)  # today: 2, "name must be ..."
+        assert "\x1b" not in stdout
+    assert "'-x': not a valid limiter name" in out["ls"][1] and "stale" in out["ls"][1]
+    assert {"name": "-x", "error": "not a valid limiter name: skipped"} in json.loads(out["js"][1])
+    assert "-x: unreadable: not a valid limiter name" in out["top"][1]
+    assert "removed: stale" in out["gc"][1] and "left alone" in out["gc"][1]
+    assert "shmlimit.stale" not in left and "shmlimit.-x" in left
+
+
+def _upstream_segment(name, desc_bytes):
+    """A real segment with FLAG_UPSTREAM set and ``desc_bytes`` stored as its upstream description."""
+    shmlimit.Limiter(name, rate=100).close()
+    with open(_path(name), "r+b") as f:
+        f.seek(L.CFG_FLAGS)
+        flags = int.from_bytes(f.read(8), "little")
+        f.seek(L.CFG_FLAGS)
+        f.write((flags | L.FLAG_UPSTREAM).to_bytes(8, "little"))
+        _write_desc(f, desc_bytes)
+
+
+def _write_desc(f, desc_bytes):
+    f.seek(L.UP_DESC_LEN)
+    f.write(len(desc_bytes).to_bytes(8, "little"))
+    f.write(desc_bytes[: L.UP_DESC_MAX].ljust(L.UP_DESC_MAX, b"\0"))
+    f.flush()
+
+
+GOOD_DESC = {
+    "redis": {"name": "x", "url": "redis://127.0.0.1:1/0", "rate": 10.0, "per": 1.0, "burst": 1.0,
+              "max_reserved": None, "grace": None, "clock": "server", "timeout": 0.5},
+    "on_error": "closed", "lease_ttl": 0.1, "batch_seconds": 0.02,
+}
+
+
+@pytest.mark.parametrize("desc", [
+    {"redis": {"url": 1}},
+    {k: v for k, v in GOOD_DESC.items() if k != "on_error"},
+    dict(GOOD_DESC, lease_ttl="0.1"),
+    dict(GOOD_DESC, redis=dict(GOOD_DESC["redis"], rate=float("nan"))),
+    dict(GOOD_DESC, redis=dict(GOOD_DESC["redis"], evil=1)),
+    [1, 2],
+])
+def test_an_invalid_stored_upstream_description_is_a_segment_error(name, desc):
+    _upstream_segment(name, json.dumps(desc).encode())
+    for call in (shmlimit.inspect, shmlimit.attach):
+        with pytest.raises(shmlimit.SegmentError, match="upstream description"):
+            call(name)
+
+
+def test_a_valid_stored_upstream_description_is_accepted(name):
+    _upstream_segment(name, json.dumps(GOOD_DESC).encode())
+    s = shmlimit.inspect(name)
+    assert s.upstream is not None and s.upstream.on_redis_error == "closed"
+
+
+def _refresh_ctime(path, stop_at):
+    end = time.monotonic() + stop_at
+    while time.monotonic() < end:
+        os.chmod(path, 0o600)  # a chmod moves the ctime forward
+        time.sleep(0.2)
+
+
+def test_an_empty_file_with_a_refreshed_ctime_does_not_stall_an_opener(name):
+    path = _path(name)
+    os.close(os.open(path, os.O_CREAT | os.O_EXCL | os.O_RDWR, 0o600))
+    pid = os.fork()
+    if pid == 0:  # pragma: no cover - the child keeps the ctime young
+        try:
+            _refresh_ctime(path, 20)
+        finally:
+            os._exit(0)
+    try:
+        t0 = time.monotonic()
+        with pytest.raises(shmlimit.SegmentError, match="never initialised"):
+            shmlimit.attach(name)
+        waited = time.monotonic() - t0
+        # INIT_WAIT by the monotonic clock (today: forever); the margin is for a loaded machine
+        assert waited < limiter_mod.INIT_WAIT + 5
+        t0 = time.monotonic()
+        with pytest.raises(shmlimit.SegmentError):
+            shmlimit.inspect(name)  # the tools never wait
+        assert time.monotonic() - t0 < 1
+    finally:
+        os.kill(pid, signal.SIGKILL)
+        os.waitpid(pid, 0)
+
+
+@needs_root
+def test_a_forged_header_with_a_live_creator_costs_no_wait(name):
+    nobody = _nobody()
+    path = _path(name)
+    size = L.segment_size(L.DEFAULT_SLOTS)
+    fd = os.open(path, os.O_CREAT | os.O_EXCL | os.O_RDWR, 0o644)
+    try:
+        # STATE=0 (initialising), CREATOR_PID=1: a creator that is always alive
+        os.write(fd, (0).to_bytes(8, "little") * 5 + (1).to_bytes(8, "little") + bytes(size - 48))
+        os.fchown(fd, nobody.pw_uid, nobody.pw_gid)
+    finally:
+        os.close(fd)
+    t0 = time.monotonic()
+    with pytest.raises(shmlimit.UntrustedSegmentError):
+        shmlimit.Limiter(name, rate=5)
+    with pytest.raises(shmlimit.SegmentError, match="still being initialised"):
+        shmlimit.inspect(name)
+    assert time.monotonic() - t0 < 2  # today: 30 s for each open
+    from shmlimit import cli
+
+    assert cli.main(["gc", "--dry-run"]) == 0
+    assert time.monotonic() - t0 < 5
+
+
+# ---- finding 7: PID namespaces ----------------------------------------------------------------
+
+
+@needs_root
+def test_a_process_in_another_pid_namespace_counts_as_alive(name):
+    shmlimit.Limiter(name, rate=100).close()
+    code = f"import shmlimit,sys,time; l=shmlimit.attach({name!r}); print('ready', flush=True); time.sleep(60)"
+    # its own /proc as well, as in a container: there it is pid 1, with its own start time
+    p = subprocess.Popen(
+        ["unshare", "--pid", "--fork", "--kill-child", "--mount-proc", sys.executable, "-c", code], stdout=subprocess.PIPE, text=True
+    )
+    try:
+        assert p.stdout.readline().strip() == "ready"
+        procs = shmlimit.inspect(name).processes
+        assert len(procs) == 1 and procs[0].pid == 1  # its pid in its own namespace
+        assert procs[0].alive  # today: pid 1 here is another process, so "dead"
+        from shmlimit import cli
+
+        assert cli.main(["gc"]) == 0
+        assert name in shmlimit.list_names()  # today: removed, and the limit doubles
+        # and its slot is not reclaimed by a process of this namespace
+        lim = shmlimit.attach(name)
+        assert len(shmlimit.inspect(name).processes) == 2
+        lim.close()
+    finally:
+        p.kill()  # unshare; the namespace's pid 1 dies with it
+        p.wait(30)
+
+
+# ---- finding 8: terminal escapes ------------------------------------------------------------
+
+
+ESC = "\x1b]0;owned\x07\x1b[2J"
+
+
+def test_top_escapes_control_characters_from_segments_and_process_names(name):
+    desc = dict(GOOD_DESC, redis=dict(GOOD_DESC["redis"], url="redis://h:1/0" + ESC))
+    _upstream_segment(name, json.dumps(desc, separators=(",", ":")).encode())
+    # a process whose command name carries escapes, attached to it
+    code = (
+        "import shmlimit,time; open('/proc/self/comm','w').write('x\\x1b[2Jy');"
+        f"l=shmlimit.attach({name!r}); print('ready', flush=True); time.sleep(60)"
+    )
+    p = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, text=True)
+    try:
+        assert p.stdout.readline().strip() == "ready"
+        r = subprocess.run(
+            [sys.executable, "-m", "shmlimit.cli", "top", "--once", "--interval", "0.01", name],
+            capture_output=True, text=True, timeout=60,
+        )
+    finally:
+        p.kill()
+        p.wait(30)
+    assert r.returncode == 0, r.stderr
+    assert "\x1b" not in r.stdout and "\x07" not in r.stdout  # today: printed raw
+    assert "\\x1b]0;owned\\x07" in r.stdout and "x\\x1b[2Jy" in r.stdout
+
+
+def test_printable():
+    assert printable("plain ▁▂ é") == "plain ▁▂ é"
+    assert printable("a\x1b[31mb\x9bc\n") == "a\\x1b[31mb\\x9bc\\n"
+
+
+# ---- finding 9: native re-initialisation --------------------------------------------------------
+
+
+def test_native_cells_cannot_be_reinitialised():
+    native = pytest.importorskip("shmlimit._native")
+    buf = bytearray(64)
+    c = native.NativeCells(buf, 64)
+    g = c.grabber(0, 0, 8, 16, 1, 24, 1)
+    c.store(16, 100)
+    with pytest.raises(TypeError, match="re-initialised"):
+        c.__init__(bytearray(64), 64)  # today: accepted, and g points at released memory
+    assert g() is None and c.load(8) == 1 and c.load(24) == 1
+    assert int.from_bytes(buf[8:16], "little") == 1  # still the first buffer
+
+
+# ---- the parser, fuzzed ----------------------------------------------------------------------------
+
+
+json_values = st.recursive(
+    st.none() | st.booleans() | st.integers() | st.floats() | st.text(max_size=20),
+    lambda kids: st.lists(kids, max_size=4) | st.dictionaries(st.text(max_size=10), kids, max_size=4),
+    max_leaves=12,
+)
+
+
+def _mutate(d, path, value):
+    d = json.loads(json.dumps(d))
+    target = d
+    for k in path[:-1]:
+        target = target[k]
+    if value is _DROP:
+        target.pop(path[-1], None)
+    else:
+        target[path[-1]] = value
+    return d
+
+
+_DROP = object()
+_PATHS = [(k,) for k in GOOD_DESC] + [("redis", k) for k in GOOD_DESC["redis"]] + [("extra",), ("redis", "extra")]
+
+descriptions = st.one_of(
+    st.builds(lambda v: json.dumps(v).encode(), json_values),  # anything JSON
+    st.builds(  # the valid description with one field replaced or dropped
+        lambda p, v: json.dumps(_mutate(GOOD_DESC, p, v)).encode(),
+        st.sampled_from(_PATHS), st.one_of(st.just(_DROP), json_values),
+    ),
+    st.binary(max_size=L.UP_DESC_MAX),  # not even JSON
+)
+
+
+@settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(data=descriptions, claimed=st.one_of(st.none(), st.integers(0, 2**64 - 1)))
+def test_fuzzed_upstream_descriptions_raise_only_segment_errors(data, claimed, monkeypatch):
+    monkeypatch.setattr(limiter_mod, "LIVE_CREATOR_WAIT", 0.0)
+    name = f"test-fuzz-{os.getpid()}-{uuid.uuid4().hex[:8]}"
+    try:
+        _upstream_segment(name, data)
+        if claimed is not None:
+            with open(_path(name), "r+b") as f:
+                f.seek(L.UP_DESC_LEN)
+                f.write(claimed.to_bytes(8, "little"))
+        t0 = time.monotonic()
+        for call in (shmlimit.inspect, shmlimit.attach):
+            try:
+                r = call(name)
+            except shmlimit.ShmlimitError as e:
+                event(f"refused: {type(e).__name__}")
+                continue
+            event("accepted")
+            if isinstance(r, shmlimit.Limiter):
+                try:
+                    repr(r)
+                    r.stats()
+                finally:
+                    r.close()
+        assert time.monotonic() - t0 < 10  # nothing hangs
+    finally:
+        try:
+            shmlimit.unlink(name)
+        except FileNotFoundError:
+            pass
