@@ -1,6 +1,6 @@
 """Prometheus metrics for the limiters of this machine, read without joining any of them.
 
-Every figure comes from ``shmlimit.inspect``, which maps a segment without
+Every figure comes from ``shmlimit.inspect``, which reads a copy of a segment (pread, never a mapping) without
 registering in its process table, never takes part in the filler election and
 writes nothing: scraping a limiter cannot change it, start a thread in it or
 hold one of its 128 process slots.

@@ -1,6 +1,6 @@
 """The live inspector behind ``shmlimit top`` and ``tools/shmtop``.
 
-It only reads: every snapshot comes from ``shmlimit.inspect``, which maps a
+It only reads: every snapshot comes from ``shmlimit.inspect``, which reads a copy of a
 segment without registering, never joins the filler election and writes
 nothing.  Grants per second are measured between two snapshots, so the first
 figures appear after one interval.
