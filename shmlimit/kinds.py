@@ -6,9 +6,9 @@ without mapping, and each kind's own module then opens and validates it.
 """
 from __future__ import annotations
 
-from typing import Union
+from typing import Iterable, Union
 
-from .keyed import KeyedLimiter, KeyedStats, attach_keyed, inspect_keyed
+from .keyed import KeyedLimiter, KeyedStats, inspect_keyed
 from .keyed_segment import is_keyed
 from .limiter import Limiter, Stats
 from .limiter import attach as attach_limiter
@@ -16,14 +16,19 @@ from .limiter import inspect as inspect_limiter
 from .segment import validate_name
 
 
-def attach(name: str) -> Union[Limiter, KeyedLimiter]:
+def attach(name: str, *, mode: int = 0o600, trusted_uids: Iterable[int] = ()) -> Union[Limiter, KeyedLimiter]:
     """Attach to an existing limiter by name, whatever its kind and configuration.
 
     Returns a ``KeyedLimiter`` for a keyed segment, else a ``Limiter``.  Raises
-    ``LimiterNotFoundError`` (a ``FileNotFoundError``) naming it when none exists.
+    ``LimiterNotFoundError`` (a ``FileNotFoundError``) naming it when none exists,
+    and a ``SegmentError`` (``UntrustedSegmentError`` for a ``Limiter``) for a
+    segment owned by another user (other than root and ``trusted_uids``) or
+    writable by group or others beyond ``mode``.
     """
     validate_name(name)
-    return attach_keyed(name) if is_keyed(name) else attach_limiter(name)
+    if is_keyed(name):
+        return KeyedLimiter(name, mode=mode, trusted_uids=trusted_uids)
+    return attach_limiter(name, mode=mode, trusted_uids=trusted_uids)
 
 
 def inspect(name: str) -> Union[Stats, KeyedStats]:

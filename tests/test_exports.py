@@ -12,7 +12,6 @@ PUBLIC = [
     "KeyedStats",
     "Limiter",
     "LimiterNotFoundError",
-    "NoSpaceError",
     "ProcessStats",
     "QueueFullError",
     "RateLimited",

@@ -156,7 +156,7 @@ def test_creating_on_a_full_dev_shm_raises_instead_of_crashing():
             f.write(b"x" * 12288)
         try:
             shmlimit.Limiter("full", rate=5)  # 9216 bytes; 4096 left
-        except shmlimit.NoSpaceError as e:
+        except shmlimit.SharedMemoryFullError as e:
             assert e.errno == errno.ENOSPC and "full" in str(e), e
             import os
             assert not os.path.exists("/dev/shm/shmlimit.full"), "the name must be given back"
