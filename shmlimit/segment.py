@@ -80,14 +80,14 @@ def _check_header_size(name: str, fd: int, size: int) -> None:
     end; reading the header with ``pread`` first keeps that from ever happening
     to a segment that was truncated (or forged) before we opened it.
     """
-    if size > MAX_BYTES:
-        raise SegmentError(f"segment {name!r} is {size} bytes; no limiter is larger than {MAX_BYTES}")
     if size < L.LINE:
         return
     head = os.pread(fd, L.LINE, 0)
     if len(head) < L.LINE:
         raise SegmentError(f"segment {name!r} shrank while it was being opened")
     magic, state, declared = (int.from_bytes(head[o : o + 8], "little") for o in (L.MAGIC_OFF, L.STATE_OFF, L.SIZE_OFF))
+    if magic == L.MAGIC and size > MAX_BYTES:  # (other kinds of segment check their own sizes)
+        raise SegmentError(f"segment {name!r} is {size} bytes; no limiter is larger than {MAX_BYTES}")
     if magic == L.MAGIC and state == L.STATE_READY and declared > size:
         raise SegmentError(f"segment {name!r} is truncated: its header says {declared} bytes, the file has {size}")
 
