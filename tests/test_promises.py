@@ -361,7 +361,7 @@ def test_gc_keeps_a_segment_a_process_attached_to_meanwhile(name, monkeypatch, c
         return stats
 
     monkeypatch.setattr(cli, "inspect", inspect_then_attach)
-    monkeypatch.setattr(cli, "list_names", lambda: [name])  # leave every other segment on the machine alone
+    monkeypatch.setattr(cli, "scan", lambda: ([name], []))  # leave every other segment on the machine alone
     try:
         cli.main(["gc"])
         assert current_inode(name) == inode  # still the segment the child uses: nothing orphaned
@@ -376,7 +376,7 @@ def test_gc_removes_a_stale_segment(name, capsys, monkeypatch):
     from shmlimit import cli
     from shmlimit.segment import current_inode
 
-    monkeypatch.setattr(cli, "list_names", lambda: [name])
+    monkeypatch.setattr(cli, "scan", lambda: ([name], []))
     shmlimit.Limiter(name, rate=100).close()
     cli.main(["gc"])
     assert current_inode(name) is None
