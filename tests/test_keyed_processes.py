@@ -15,7 +15,7 @@ from shmlimit import keyed_layout as K
 RATE, BURST, KEYS, WORKERS, SECONDS = 20.0, 2, 200, 4, 1.0
 
 
-def hammer(lim, seed, seconds, calls=400):
+def hammer(lim, seed, seconds, calls=400, nkeys=KEYS):
     """try_acquire / timed acquire on random keys for ``seconds`` and at least ``calls`` calls
     (a loaded machine or the slow backend still covers the keys); (key, before, after) per grant."""
     rnd = random.Random(seed)
@@ -24,7 +24,7 @@ def hammer(lim, seed, seconds, calls=400):
     done = 0
     while time.monotonic() < end or done < calls:
         done += 1
-        key = f"client-{rnd.randrange(KEYS)}"
+        key = f"client-{rnd.randrange(nkeys)}"
         before = time.monotonic()
         ok = lim.try_acquire(key) if rnd.random() < 0.8 else lim.acquire(key, timeout=0.02)
         if ok:
@@ -68,6 +68,18 @@ def test_per_key_window_bound_across_processes(name, method):
     assert max(per_key) >= BURST + 2  # ... some beyond their burst (the limit is a rate, not a cap)
     assert sum(per_key) <= KEYS * (RATE * (SECONDS + 5) + BURST)  # pool start-up included, loosely
     assert lim.stats().grants >= len(grants)
+    lim.close()
+
+
+def test_per_key_window_bound_while_keys_are_evicted_and_reused(name):
+    """50 000 keys through 64 slots: each key is used less often than its rate, so slots change
+    tenant all the time -- and no key, evicted or not, ever gets more than its rate."""
+    lim = shmlimit.KeyedLimiter(name, rate=50, burst=1, keys=64)
+    ctx = mp.get_context("fork")
+    with ctx.Pool(WORKERS) as pool:
+        results = pool.starmap(hammer, [(lim, seed, SECONDS, 400, 50_000) for seed in range(WORKERS)])
+    check_window_bound([g for r in results for g in r], 50, 1)
+    assert lim.stats().evicted > 64  # tenants did change
     lim.close()
 
 
