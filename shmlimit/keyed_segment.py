@@ -5,7 +5,10 @@ exclusive creation, the creator's pid first, the header, then ``MAGIC`` and
 ``STATE = READY`` last; openers wait for a live creator and refuse an
 abandoned, truncated, foreign or corrupt segment with ``SegmentError``.  A
 keyed segment is also allocated in full at creation (``posix_fallocate``), so
-a full ``/dev/shm`` is a clear error at once rather than a bus error later.
+a full ``/dev/shm`` is a clear error at once rather than a bus error later
+(``Segment.create``, after ``_check_space`` says how large the table is and
+how to enlarge ``/dev/shm``).  An existing one is mapped only if
+``segment.check_trust`` accepts its owner and mode, as a ``Limiter``'s.
 """
 from __future__ import annotations
 
@@ -24,7 +27,7 @@ from . import layout as L
 from .cells import Cells, open_cells, warm_backend
 from .keyed_gcra import MAX_TICKS, Rate, read_rate
 from .errors import LimiterNotFoundError, SegmentError, SharedMemoryFullError
-from .segment import PREFIX, SHM_DIR, Segment, current_inode, posix_name
+from .segment import PREFIX, SHM_DIR, Segment, check_trust, current_inode, posix_name
 from .segment import unlink as _unlink_name
 from .table import is_alive
 
@@ -81,21 +84,6 @@ def _check_space(name: str, size: int) -> None:
         )
 
 
-def _allocate(name: str, size: int) -> None:
-    """Back every page now: a full /dev/shm fails here, not with SIGBUS on first touch."""
-    path = os.path.join(SHM_DIR, PREFIX + name)
-    fd = os.open(path, os.O_RDWR)
-    try:
-        os.posix_fallocate(fd, 0, size)
-    except OSError as e:
-        raise SharedMemoryFullError(
-            f"keyed limiter {name!r} needs {size / 2**20:.1f} MiB of shared memory and {SHM_DIR} could not "
-            f"provide it ({e.strerror}); use fewer keys= or enlarge {SHM_DIR} (Docker: --shm-size)"
-        ) from None
-    finally:
-        os.close(fd)
-
-
 def _initialise(seg: Segment, geo: Geometry, rate: Rate) -> Cells:
     c = open_cells(seg.mm, seg.size)
     c.store(K.CREATOR_PID_OFF, os.getpid())  # first: openers tell a working creator from a dead one
@@ -148,32 +136,6 @@ def validate_header(name: str, c: Cells, mapped: int) -> Geometry:
 
 #: No keyed segment is larger than this (bytes): a bigger file is neither read nor mapped.
 MAX_BYTES = K.segment_size(K.MAX_KEYS, K.MAX_OVERRIDES)
-#: Write bits another user could hold.
-_WRITE_BITS = 0o022
-
-
-def check_owner(name: str, st: os.stat_result, mode: int, trusted_uids: AbstractSet[int]) -> None:
-    """Refuse a segment that a user this process does not trust could have written.
-
-    Trusted owners: this process's effective uid, root and ``trusted_uids``;
-    and the segment may not be writable by group or others beyond ``mode``.
-    Checked on the descriptor that is then mapped.
-    """
-    owner, bits = st.st_uid, st.st_mode & 0o7777
-    if owner not in (os.geteuid(), 0) and owner not in trusted_uids:
-        raise SegmentError(
-            f"refusing keyed limiter {name!r}: owned by uid {owner}, mode {bits:#o}: another user owns it; "
-            f"pass trusted_uids=[{owner}] only if you trust that user"
-        )
-    extra = bits & _WRITE_BITS & ~mode
-    if extra:
-        raise SegmentError(
-            f"refusing keyed limiter {name!r}: owned by uid {owner}, mode {bits:#o}: writable by "
-            f"{'group' if extra & 0o020 else 'others'} beyond the mode asked for ({mode:#o}); "
-            f"pass mode={bits & 0o777:#o} only if that is intended"
-        )
-
-
 def _open_checked(name: str, mode: int, trusted_uids: AbstractSet[int]) -> Segment:
     """Map an existing segment only after checking who may write it and that its header fits the file.
 
@@ -192,7 +154,7 @@ def _open_checked(name: str, mode: int, trusted_uids: AbstractSet[int]) -> Segme
         st = os.fstat(shm.fd)
         if not stat.S_ISREG(st.st_mode):
             raise SegmentError(f"segment {name!r} is not a regular file")
-        check_owner(name, st, mode, trusted_uids)
+        check_trust(name, st, mode, trusted_uids)  # the same rule as a Limiter's segment
         size = st.st_size
         if size > MAX_BYTES:
             raise SegmentError(f"segment {name!r} is {size} bytes; no keyed limiter is larger than {MAX_BYTES}")
@@ -279,17 +241,8 @@ def open_segment(
     for _ in range(16):
         if rate is not None and geo is not None:
             _check_space(name, geo.size)
-            seg = Segment.create(name, geo.size, mode)
+            seg = Segment.create(name, geo.size, mode)  # allocates every page: ENOSPC is an error now
             if seg is not None:
-                try:
-                    _allocate(name, geo.size)
-                except BaseException:
-                    seg.close()
-                    try:
-                        _unlink_name(name)
-                    except LimiterNotFoundError:
-                        pass
-                    raise
                 return seg, _initialise(seg, geo, rate), geo
         try:
             seg = _wait_ready(name, _open_checked(name, mode, trusted_uids), mode, trusted_uids)
