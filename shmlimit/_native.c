@@ -14,6 +14,7 @@
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
 #include <stdint.h>
+#include <time.h>
 #include <string.h>
 #include <limits.h>
 
@@ -868,6 +869,222 @@ cells_keyed_table(NativeCells *self, PyObject *const *args, Py_ssize_t n)
  * END KEYED TABLE
  * ====================================================================================== */
 
+/* ---- Gate: try_acquire and a timed acquire in one call ------------------------------------
+ *
+ * A Gate holds the words and the config of one limiter's fast path, validated once.  Its two
+ * methods answer True (granted now, `ops` counted), False (refused for certain, nothing
+ * touched), or None (undecided: the config changed, or a replenish might grant; the caller
+ * takes the slow path, which replenishes and tries again).  grab_within may also answer a
+ * ticket: queued, and the caller waits for it as for any ticket.
+ *
+ * A refusal is certain when even every token the next replenish could add -- the time since
+ * REPL_TS, times TPN, times the catch-up ratio rounded up -- would not change the answer: the
+ * slow path would then refuse too, having only done more work.  That bound only over-estimates
+ * (the replenish also clamps to the capacity), so a certain refusal is never a wrong one; an
+ * over-estimate merely sends a caller down the slow path.
+ */
+typedef struct {
+    PyObject_HEAD
+    NativeCells *cells;
+    uint64_t *seq, *tail, *head, *ceil, *repl_ts, *grants;
+    uint64_t expected, amount, ops, tpn, pend_mul;
+    double max_reserved_ns; /* +inf when the limiter has no max_reserved */
+    int capped;
+} Gate;
+
+static uint64_t
+monotonic_ns(void)
+{
+    struct timespec ts;
+#ifdef __APPLE__
+    clock_gettime(CLOCK_UPTIME_RAW, &ts); /* the clock of Python's time.monotonic_ns there */
+#else
+    clock_gettime(CLOCK_MONOTONIC, &ts);
+#endif
+    return (uint64_t)ts.tv_sec * 1000000000u + (uint64_t)ts.tv_nsec;
+}
+
+/* At most how many tokens a replenish starting now could add (saturating). */
+static uint64_t
+gate_pending(Gate *g)
+{
+    uint64_t ts = __atomic_load_n(g->repl_ts, __ATOMIC_SEQ_CST);
+    uint64_t now = monotonic_ns();
+    uint64_t p;
+    if ((int64_t)(now - ts) <= 0)
+        return 0;
+    if (__builtin_mul_overflow(now - ts, g->tpn, &p) || __builtin_mul_overflow(p, g->pend_mul, &p))
+        return UINT64_MAX;
+    return p;
+}
+
+/* Advance the tail from `t` to `want` by CAS; on failure `t` holds the current tail. */
+static int
+gate_take(Gate *g, uint64_t *t, uint64_t want)
+{
+    return __atomic_compare_exchange_n(g->tail, t, want, 0, __ATOMIC_SEQ_CST, __ATOMIC_SEQ_CST);
+}
+
+static PyObject *
+gate_try_grab(Gate *self, PyObject *Py_UNUSED(ignored))
+{
+    if (!check_open(self->cells))
+        return NULL;
+    if (__atomic_load_n(self->seq, __ATOMIC_SEQ_CST) != self->expected)
+        Py_RETURN_NONE;
+    uint64_t t = __atomic_load_n(self->tail, __ATOMIC_SEQ_CST);
+    for (;;) {
+        uint64_t want = t + self->amount;
+        int64_t short_ = (int64_t)(want - __atomic_load_n(self->head, __ATOMIC_SEQ_CST));
+        if (short_ > 0) {
+            if ((uint64_t)short_ > gate_pending(self))
+                Py_RETURN_FALSE;
+            Py_RETURN_NONE;
+        }
+        if (gate_take(self, &t, want))
+            break; /* on failure `t` holds the current tail: try again from there */
+    }
+    __atomic_fetch_add(self->grants, self->ops, __ATOMIC_SEQ_CST);
+    Py_RETURN_TRUE;
+}
+
+/* The timeout argument as seconds, or -1 when it is not a plain finite number >= 0 (the slow
+ * path then validates it and raises, or treats +inf as no timeout). */
+static double
+gate_timeout(PyObject *arg)
+{
+    double t;
+    if (PyFloat_CheckExact(arg)) {
+        t = PyFloat_AS_DOUBLE(arg);
+    } else if (PyLong_CheckExact(arg)) {
+        t = PyLong_AsDouble(arg);
+        if (t == -1.0 && PyErr_Occurred()) {
+            PyErr_Clear();
+            return -1;
+        }
+    } else {
+        return -1;
+    }
+    if (!(t >= 0) || t == HUGE_VAL)
+        return -1;
+    return t;
+}
+
+/* Would `short_` tokens (> 0) take longer than `max_wait_ns`?  The slow path's own comparison
+ * (bucket.try_grab_within), with the common timeout of 0 spared its division. */
+static inline int
+wait_exceeds(uint64_t short_, double tpn, double max_wait_ns)
+{
+    return max_wait_ns == 0 ? 1 : (double)short_ / tpn > max_wait_ns;
+}
+
+static PyObject *
+gate_grab_within(Gate *self, PyObject *arg)
+{
+    if (!check_open(self->cells))
+        return NULL;
+    double timeout = gate_timeout(arg);
+    if (timeout < 0 || __atomic_load_n(self->seq, __ATOMIC_SEQ_CST) != self->expected)
+        Py_RETURN_NONE;
+    double max_wait_ns = timeout * 1e9;
+    if (self->max_reserved_ns < max_wait_ns)
+        max_wait_ns = self->max_reserved_ns;
+    double tpn = (double)self->tpn;
+    uint64_t t = __atomic_load_n(self->tail, __ATOMIC_SEQ_CST);
+    for (;;) {
+        uint64_t want = t + self->amount;
+        int64_t short_ = (int64_t)(want - __atomic_load_n(self->head, __ATOMIC_SEQ_CST));
+        if (short_ > 0) {
+            if (wait_exceeds((uint64_t)short_, tpn, max_wait_ns)) {
+                uint64_t pend = gate_pending(self);
+                if ((uint64_t)short_ > pend && wait_exceeds((uint64_t)short_ - pend, tpn, max_wait_ns))
+                    Py_RETURN_FALSE;
+                Py_RETURN_NONE;
+            }
+            /* beyond the released budget a wait is not computable, and no replenish moves CEIL */
+            if (self->capped && (int64_t)(want - __atomic_load_n(self->ceil, __ATOMIC_SEQ_CST)) > 0)
+                Py_RETURN_FALSE;
+            if (gate_take(self, &t, want))
+                return PyLong_FromUnsignedLongLong(want);
+        } else if (gate_take(self, &t, want)) {
+            __atomic_fetch_add(self->grants, self->ops, __ATOMIC_SEQ_CST);
+            Py_RETURN_TRUE;
+        }
+    }
+}
+
+static void
+gate_dealloc(Gate *self)
+{
+    Py_XDECREF(self->cells);
+    Py_TYPE(self)->tp_free((PyObject *)self);
+}
+
+static PyMethodDef gate_methods[] = {
+    {"try_grab", (PyCFunction)gate_try_grab, METH_NOARGS,
+     "try_grab() -> True if granted now, False if refused for certain (nothing touched), None if undecided"},
+    {"grab_within", (PyCFunction)gate_grab_within, METH_O,
+     "grab_within(timeout) -> True if granted now, a ticket if queued within timeout seconds, "
+     "False if refused for certain (nothing touched), None if undecided"},
+    {NULL, NULL, 0, NULL},
+};
+
+static PyTypeObject GateType = {
+    PyVarObject_HEAD_INIT(NULL, 0)
+    .tp_name = "shmlimit._native.Gate",
+    .tp_basicsize = sizeof(Gate),
+    .tp_flags = Py_TPFLAGS_DEFAULT,
+    .tp_doc = "try_acquire and timed acquire of one config, in one call each.",
+    .tp_dealloc = (destructor)gate_dealloc,
+    .tp_methods = gate_methods,
+};
+
+/* gate(seq, expected, tail, head, ceil, repl_ts, grants, amount, ops, tpn, pend_mul, capped,
+ * max_reserved_ns) -> a Gate (see above). */
+static PyObject *
+cells_gate(NativeCells *self, PyObject *const *args, Py_ssize_t n)
+{
+    if (!nargs(n, 13, "gate") || !check_open(self))
+        return NULL;
+    uint64_t *w[6];
+    const int at[6] = {0, 2, 3, 4, 5, 6};
+    for (int i = 0; i < 6; i++)
+        if (!(w[i] = word(self, args[at[i]])))
+            return NULL;
+    uint64_t expected, amount, ops, tpn, pend_mul;
+    if (!u64(args[1], &expected) || !u64(args[7], &amount) || !u64(args[8], &ops) || !u64(args[9], &tpn)
+        || !u64(args[10], &pend_mul))
+        return NULL;
+    int capped = PyObject_IsTrue(args[11]);
+    double max_reserved_ns = PyFloat_AsDouble(args[12]);
+    if (capped < 0 || (max_reserved_ns == -1.0 && PyErr_Occurred()))
+        return NULL;
+    if (tpn < 1 || pend_mul < 1 || amount < 1 || amount > ((uint64_t)1 << 62) || !(max_reserved_ns >= 0)) {
+        PyErr_SetString(PyExc_ValueError, "gate: tpn, pend_mul and amount must be >= 1 (amount < 2**62), "
+                                          "max_reserved_ns >= 0");
+        return NULL;
+    }
+    Gate *g = PyObject_New(Gate, &GateType);
+    if (!g)
+        return NULL;
+    Py_INCREF(self);
+    g->cells = self;
+    g->seq = w[0];
+    g->tail = w[1];
+    g->head = w[2];
+    g->ceil = w[3];
+    g->repl_ts = w[4];
+    g->grants = w[5];
+    g->expected = expected;
+    g->amount = amount;
+    g->ops = ops;
+    g->tpn = tpn;
+    g->pend_mul = pend_mul;
+    g->capped = capped;
+    g->max_reserved_ns = max_reserved_ns;
+    return (PyObject *)g;
+}
+
 static void
 release_view(NativeCells *self)
 {
@@ -944,6 +1161,9 @@ static PyMethodDef cells_methods[] = {
      "grab_if(seq, expected, tail, head, amount, grants, ops) -> False if the seq word changed, else as grab"},
     {"grabber", (PyCFunction)(void (*)(void))cells_grabber, METH_FASTCALL,
      "grabber(seq, expected, tail, head, amount, grants, ops) -> a callable doing grab_if with these"},
+    {"gate", (PyCFunction)(void (*)(void))cells_gate, METH_FASTCALL,
+     "gate(seq, expected, tail, head, ceil, repl_ts, grants, amount, ops, tpn, pend_mul, capped, max_reserved_ns)"
+     " -> try_grab() and grab_within(timeout) bound to these"},
     {"try_grab", (PyCFunction)(void (*)(void))cells_try_grab, METH_FASTCALL,
      "try_grab(tail, head, amount, grants, ops) -> True if taken; False changes nothing"},
     {"keyed_table", (PyCFunction)(void (*)(void))cells_keyed_table, METH_FASTCALL,
@@ -978,7 +1198,8 @@ static struct PyModuleDef native_module = {
 PyMODINIT_FUNC
 PyInit__native(void)
 {
-    if (PyType_Ready(&NativeCellsType) < 0 || PyType_Ready(&GrabberType) < 0 || PyType_Ready(&KeyedTableType) < 0)
+    if (PyType_Ready(&NativeCellsType) < 0 || PyType_Ready(&GrabberType) < 0 || PyType_Ready(&KeyedTableType) < 0
+        || PyType_Ready(&GateType) < 0)
         return NULL;
     PyObject *m = PyModule_Create(&native_module);
     if (!m)

@@ -23,6 +23,7 @@ import functools
 import mmap
 import os
 import threading
+import time
 from typing import Any, Callable, Dict, List, Optional, Protocol, Tuple, Union, runtime_checkable
 
 MASK64 = (1 << 64) - 1
@@ -86,6 +87,13 @@ class Cells(Protocol):
 
     def keyed_table(self, *offsets_and_params: int) -> Any:
         """The keyed slot table's composite (find/insert/evict + a GCRA step): see ``keyed_cells``."""
+        ...
+
+    def gate(
+        self, seq: int, expected: int, tail: int, head: int, ceil: int, repl_ts: int, grants: int, amount: int,
+        ops: int, tpn: int, pend_mul: int, capped: bool, max_reserved_ns: float,
+    ) -> Any:
+        """``try_grab()`` and ``grab_within(timeout)`` of one config, bound once (see ``Gate``)."""
         ...
 
 
@@ -166,6 +174,26 @@ class CompositesFromPrimitives:
                 self.fetch_add(grants, ops)
                 return True
 
+    def gate(
+        self,
+        seq: int,
+        expected: int,
+        tail: int,
+        head: int,
+        ceil: int,
+        repl_ts: int,
+        grants: int,
+        amount: int,
+        ops: int,
+        tpn: int,
+        pend_mul: int,
+        capped: bool,
+        max_reserved_ns: float,
+    ) -> "Gate":
+        """``try_acquire`` and a timed ``acquire`` of one config, each in one call (see ``Gate``)."""
+        self._check(seq, tail, head, ceil, repl_ts, grants)
+        return Gate(self, seq, expected, tail, head, ceil, repl_ts, grants, amount, ops, tpn, pend_mul, capped,
+                    max_reserved_ns)
 
     def keyed_table(self, *args: int):
         """The keyed slot table's composite (find/insert/evict + a GCRA step): see ``keyed_cells``."""
@@ -177,6 +205,95 @@ class CompositesFromPrimitives:
         """Validate every offset of a composite before its first access."""
         for off in offsets:
             check_offset(off, self.size)
+
+
+class Gate:
+    """The fast path of ``try_acquire`` and of a timed ``acquire``, bound to one config.
+
+    Both methods answer True (granted now, ``ops`` added to ``grants``),
+    False (refused for certain, nothing touched) or None (undecided: the
+    config changed, or a replenish might grant -- the caller takes the slow
+    path, which replenishes and tries again); ``grab_within`` may also answer
+    a ticket (queued within the timeout: the caller waits for it).
+
+    A refusal is certain when even every token the next replenish could add
+    (the time since ``REPL_TS`` times ``tpn`` times ``pend_mul``, the
+    catch-up ratio rounded up) would not change the answer.  That only
+    over-estimates, so a certain refusal is never a wrong one.  This is the
+    reference version, built from the four primitives; the native backend
+    does the same in one C call.
+    """
+
+    def __init__(
+        self, cells: Cells, seq: int, expected: int, tail: int, head: int, ceil: int, repl_ts: int, grants: int,
+        amount: int, ops: int, tpn: int, pend_mul: int, capped: bool, max_reserved_ns: float,
+        clock: Callable[[], int] = time.monotonic_ns,
+    ) -> None:
+        if tpn < 1 or pend_mul < 1 or not 1 <= amount <= 1 << 62 or not max_reserved_ns >= 0:
+            raise ValueError("gate: tpn, pend_mul and amount must be >= 1 (amount < 2**62), max_reserved_ns >= 0")
+        self.cells = cells
+        self.seq, self.expected, self.tail, self.head, self.ceil = seq, expected, tail, head, ceil
+        self.repl_ts, self.grants, self.amount, self.ops = repl_ts, grants, amount, ops
+        self.tpn, self.pend_mul, self.capped, self.max_reserved_ns = tpn, pend_mul, bool(capped), max_reserved_ns
+        self.clock = clock
+
+    def pending(self) -> int:
+        """At most how many tokens a replenish starting now could add."""
+        elapsed = self.clock() - self.cells.load(self.repl_ts)
+        return max(0, elapsed) * self.tpn * self.pend_mul
+
+    def try_grab(self) -> Optional[bool]:
+        c = self.cells
+        if c.load(self.seq) != self.expected:
+            return None
+        while True:
+            t = c.load(self.tail)
+            want = (t + self.amount) & MASK64
+            short = signed(want - c.load(self.head))
+            if short > 0:
+                return False if short > self.pending() else None
+            if c.cas(self.tail, t, want):
+                c.fetch_add(self.grants, self.ops)
+                return True
+
+    def grab_within(self, timeout: object) -> Union[bool, int, None]:
+        c = self.cells
+        t = plain_seconds(timeout)
+        if t is None or c.load(self.seq) != self.expected:
+            return None
+        max_wait_ns = min(t * 1e9, self.max_reserved_ns)
+        while True:
+            tail = c.load(self.tail)
+            want = (tail + self.amount) & MASK64
+            short = signed(want - c.load(self.head))
+            if short > 0:
+                if short / self.tpn > max_wait_ns:
+                    pend = self.pending()
+                    return False if short > pend and (short - pend) / self.tpn > max_wait_ns else None
+                if self.capped and signed(want - c.load(self.ceil)) > 0:
+                    return False  # beyond the released budget: no computable wait, no replenish helps
+                if c.cas(self.tail, tail, want):
+                    return want
+            elif c.cas(self.tail, tail, want):
+                c.fetch_add(self.grants, self.ops)
+                return True
+
+
+def signed(d: int) -> int:
+    """A difference of two rovers as a signed 64-bit number."""
+    d &= MASK64
+    return d - (1 << 64) if d >> 63 else d
+
+
+def plain_seconds(timeout: object) -> Optional[float]:
+    """A timeout the fast path can use (an int or float, finite, >= 0), else None (the slow path decides)."""
+    if type(timeout) is not float and type(timeout) is not int:
+        return None
+    try:
+        t = float(timeout)  # type: ignore[arg-type]
+    except OverflowError:
+        return None
+    return t if 0 <= t < float("inf") else None
 
 
 def check_value(value: int) -> int:

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import atexit
+import math
 import os
 import random
 import threading
@@ -116,6 +117,18 @@ def _no_fast() -> bool:
     return False
 
 
+def _undecided() -> None:
+    return None
+
+
+def _undecided_within(timeout: object) -> None:
+    return None
+
+
+#: The fast path when there is none: [grab for acquire, try for try_acquire, grab within a timeout].
+_NO_FAST = (_no_fast, _undecided, _undecided_within)
+
+
 class _Attachment:
     """One process's mapping of one limiter segment (shared by all its Limiter handles)."""
 
@@ -139,10 +152,12 @@ class _Attachment:
         self.grants_off = L.UNREG_GRANTS
         self.waiting_off: Optional[int] = None
         self.pid = os.getpid()
-        # The acquire fast path: [grabber], shared by reference with every handle and updated in
-        # place.  A grabber does one grab_if priced under the config it was made for; it answers
-        # False (nothing touched) once the config changed, and _no_fast always answers False.
-        self.fast: list = [_no_fast]
+        # The fast paths: [grabber, try, grab within a timeout], shared by reference with every
+        # handle and updated in place.  A grabber does one grab_if priced under the config it was
+        # made for; it answers False (nothing touched) once the config changed, and _no_fast always
+        # answers False.  The other two are a Gate's methods (see cells.Gate): they answer None
+        # when the config changed or they cannot decide, and so do their stand-ins in _NO_FAST.
+        self.fast: list = list(_NO_FAST)
         if join:
             self._join_process()
         self.update_fast()
@@ -154,6 +169,17 @@ class _Attachment:
             self.fast[0] = _no_fast
         else:
             self.fast[0] = self.cells.grabber(L.CFG_SEQ, s.seq, L.TAIL, L.HEAD, s.cost, self.grants_off, 1)
+        # tries and timed acquires: not in hierarchical mode (a refusal there is demand the filler
+        # must see, and a timed acquire polls), nor while stopped (no wait is computable), nor
+        # capped (every grant must be admitted against the in-flight bound first)
+        if self.closed or s.upstream or s.stopped or s.capped or s.config is None:
+            self.fast[1:] = _NO_FAST[1:]
+        else:
+            gate = self.cells.gate(
+                L.CFG_SEQ, s.seq, L.TAIL, L.HEAD, L.CEIL, L.REPL_TS, self.grants_off, s.cost, 1, s.tpn,
+                math.ceil(s.config.ratio), False, s.max_reserved_ns,
+            )
+            self.fast[1:] = (gate.try_grab, gate.grab_within)
 
     def _join_process(self) -> None:
         """Register this process and start its filler thread (also after fork, in the child)."""
@@ -211,7 +237,7 @@ class _Attachment:
         if self.closed:
             return
         self.closed = True
-        self.fast[0] = _no_fast
+        self.fast[:] = _NO_FAST
         if self.filler is not None:
             self.filler.stop()
             if self.filler.is_alive():
@@ -684,7 +710,7 @@ class Limiter:
         self._mode = mode
         self._trusted = trusted
         self._att: Optional[_Attachment] = None
-        self._fast: list = [_no_fast]
+        self._fast: list = list(_NO_FAST)
         self._att = _open_attachment(name, cfg, mode, initial, slots, desc, trusted)
         self._fast = self._att.fast
 
@@ -740,7 +766,7 @@ class Limiter:
     def close(self) -> None:
         """Detach this handle.  The segment stays (use ``unlink``); other processes are unaffected."""
         att, self._att = self._att, None
-        self._fast = [_no_fast]
+        self._fast = list(_NO_FAST)
         if att is not None:
             _release(att, detach=True)
 
@@ -792,12 +818,17 @@ class Limiter:
         With ``max_reserved`` set, an untimed acquire waits (taking nothing)
         until the queue is short enough to join.
         """
-        # The fast path: one op, no timeout, the config unchanged -- a single native call.
-        if n is _ONE and timeout is None:
-            ticket = self._fast[0]()
-            if ticket is None:
-                return True
-            if ticket is not False:
+        # The fast paths: one op, the config unchanged -- a single native call.
+        if n is _ONE:
+            if timeout is None:
+                ticket = self._fast[0]()
+                if ticket is None:
+                    return True
+            else:
+                ticket = self._fast[2](timeout)
+                if ticket is False or ticket is True:  # refused first: a flood is mostly refusals
+                    return ticket
+            if ticket is not False and ticket is not None:
                 att = self._live()
                 self._wait(att, ticket)
                 att.cells.fetch_add(att.grants_off, 1)
@@ -875,9 +906,17 @@ class Limiter:
 
         ``n`` larger than the capacity can never succeed.
         """
+        if n is _ONE:  # the fast path: one native call, granted or refused
+            granted = self._fast[1]()
+            if granted is not None:
+                return granted
+        return self._try_acquire(n)
+
+    def _try_acquire(self, n: int) -> bool:
         att = self._live()
         b = att.bucket
-        b.refresh()
+        if b.refresh() or att.fast_seq != b.seq:
+            att.update_fast()
         validate_n(n, b.cost)
         if not b.capped:
             return self._try_tokens(att, n)

@@ -8,6 +8,8 @@
 1. cost of acquire() in one process at an effectively unlimited rate, per backend,
    against a bare native atomic fetch-add called from Python (the floor) and a
    multiprocessing.Value + Lock token bucket (what users write themselves);
+   1b. try_acquire granted and refused, and acquire(timeout=0) refused, as ns/op and as a
+   ratio to a granted acquire, per backend;
 2. aggregate acquires/s with 1, 2, 4, 8 processes on one unlimited limiter, against the same baseline;
 3. rate fidelity: 4 processes sharing 500, 5000, 100 000 and 1 000 000 ops/s for 5 s;
 4. lateness of each grant after its scheduled moment at 1000/s with 4 processes;
@@ -97,6 +99,54 @@ def _single_cost(backend: str, n: int, q) -> None:
     finally:
         lim.close()
         lim.unlink()
+
+
+def _timed_ns(acquire: Callable[..., bool], n: int) -> float:
+    """ns per ``acquire(timeout=0)``, called inline (no wrapper frame, as a caller would write it)."""
+    t0 = time.perf_counter_ns()
+    for _ in range(n):
+        acquire(timeout=0)
+    return (time.perf_counter_ns() - t0) / n
+
+
+def _try_costs(backend: str, n: int, q) -> None:
+    """try_acquire granted and refused, a timed acquire refused: ns/op, next to a granted acquire."""
+    os.environ["SHMLIMIT_BACKEND"] = backend
+    free = shmlimit.Limiter(f"bench-{uuid.uuid4().hex[:8]}", **UNLIMITED)
+    # one op per hour and its one token taken: every call below is refused (no replenish can help)
+    dry = shmlimit.Limiter(f"bench-{uuid.uuid4().hex[:8]}", rate=1, per=3600, burst=1)
+    assert dry.try_acquire()
+    try:
+        runs = {
+            "acquire granted": lambda: best_ns_per_call(free.acquire, n, 1),
+            "try_acquire granted": lambda: best_ns_per_call(free.try_acquire, n, 1),
+            "try_acquire refused": lambda: best_ns_per_call(dry.try_acquire, n, 1),
+            "acquire(timeout=0) refused": lambda: _timed_ns(dry.acquire, n),
+        }
+        # rounds of all four, the best of each: the machine's noise hits them alike
+        out = {k: float("inf") for k in runs}
+        for _ in range(7):
+            for k, run in runs.items():
+                out[k] = min(out[k], run())
+        assert not dry.try_acquire() and not dry.acquire(timeout=0)
+        q.put(out)
+    finally:
+        for lim in (free, dry):
+            lim.close()
+            lim.unlink()
+
+
+def bench_tries(n: int) -> Dict[str, Dict[str, float]]:
+    """Section 1b: the refusal path against a granted acquire, per backend (each in a fresh process)."""
+    out: Dict[str, Dict[str, float]] = {}
+    ctx = mp.get_context("spawn")
+    for backend in ["native", "atomics"] if native_available() else ["atomics"]:
+        q = ctx.Queue()
+        p = ctx.Process(target=_try_costs, args=(backend, n if backend == "native" else max(2000, n // 50), q))
+        p.start()
+        out[backend] = q.get(timeout=300)
+        p.join()
+    return out
 
 
 def bench_single(n: int) -> Dict[str, float]:
@@ -776,6 +826,7 @@ def main(argv=None) -> int:
     )
     if not (args.only_redis or args.only_keyed):
         res["single_ns"] = bench_single(20_000 if quick else 300_000)
+        res["tries_ns"] = bench_tries(20_000 if quick else 100_000)
         res["aggregate_per_s"] = bench_aggregate([1, 2, 4, 8], 0.5 if quick else 1.5)
         res["fidelity"] = bench_fidelity([500, 5000, 100_000, 1_000_000], 2.0 if quick else 5.0)
         res["lateness"] = bench_lateness(2.0 if quick else 4.0)
@@ -837,6 +888,13 @@ def print_local(res: dict) -> None:
     for k, v in single.items():
         xf = f"{v / floor:8.2f}" if floor else f"{'-':>8}"
         print(f"   {k:34} {v:10.0f} {xf} {v / base:13.3f}")
+    if "tries_ns" in res:
+        print("\n1b. refusals and tries, one process: ns per call and ratio to a granted acquire")
+        print(f"   {'':12} {'':28} {'ns/op':>10} {'x acquire':>10}")
+        for backend, rows in res["tries_ns"].items():
+            base_ns = rows["acquire granted"]
+            for k, v in rows.items():
+                print(f"   {backend:12} {k:28} {v:10.0f} {v / base_ns:10.2f}")
     agg = res["aggregate_per_s"]
     print("\n2. aggregate acquires/s, one unlimited limiter")
     print(f"   {'processes':>9} {'shmlimit':>14} {'Value+Lock':>14} {'ratio':>8}")
