@@ -63,14 +63,17 @@ def test_try_grab_undecided_when_a_replenish_could_grant(cells):
 
 
 def test_pending_counts_tpn_and_the_catch_up_ratio(cells):
-    # 1000 ns pending is 1000 tokens at tpn 1, 3000 at tpn 3, 6000 with a ratio of up to 2
+    # TS 1 ms ago: at least 10**6 ns * tpn * mul tokens are pending, and (allowing this test up to
+    # 0.1 s between the two reads of the clock) at most 1.01e8 * tpn * mul
     cells.store(HEAD, 0)
-    for tpn, mul, refused_at in ((1, 1, 2_000_000), (3, 1, 6_000_000), (3, 2, 12_000_000)):
-        g = make_gate(cells, amount=refused_at, tpn=tpn, pend_mul=mul)
-        cells.store(TS, now_ns() - 1_000_000)  # 1 ms ago: at least 10**6 * tpn * mul tokens pending
-        assert g.try_grab() is False  # twice what can be pending within this test's time
-        g = make_gate(cells, amount=10**6 * tpn * mul // 2, tpn=tpn, pend_mul=mul)
-        assert g.try_grab() is None  # half of it: a replenish could grant
+    for tpn, mul in ((1, 1), (3, 1), (3, 2), (7, 4)):
+        most = (10**6 + 10**8) * tpn * mul
+        g = make_gate(cells, amount=most, tpn=tpn, pend_mul=mul)
+        cells.store(TS, now_ns() - 10**6)
+        assert g.try_grab() is False
+        # 90 % of the least pending: undecided -- and refused, were tpn or mul left out
+        g = make_gate(cells, amount=9 * 10**5 * tpn * mul, tpn=tpn, pend_mul=mul)
+        assert g.try_grab() is None
 
 
 def test_config_change_makes_every_answer_undecided(cells):
@@ -215,10 +218,13 @@ def test_try_acquire_and_timed_acquire_take_the_gate(name):
         assert lim.acquire(timeout=1.0) is True  # queued for ~0.1 s
         assert time.monotonic() - t0 >= 0.05
         assert lim.stats().grants == 3
-        # a config change sends both to the slow path once, which re-binds them
+        # a config change sends both to the slow path once, which re-binds them to the new config
+        old_gate = lim._fast[1].__self__
         lim.set_rate(1000, burst=5)
-        assert lim.try_acquire() is True
-        assert lim.acquire(timeout=0.5) is True
+        assert lim._fast[1]() is None and lim._fast[2](0.5) is None  # the old config: undecided
+        lim.try_acquire()  # granted or not (the bucket may still be empty), it re-binds
+        assert lim._fast[1].__self__ is not old_gate
+        assert lim.acquire(timeout=0.5) is True  # a wait of at most 1 ms at the new rate
     finally:
         lim.close()
 
