@@ -175,8 +175,9 @@ class _Attachment:
         if self.closed or s.upstream or s.stopped or s.capped or s.config is None:
             self.fast[1:] = _NO_FAST[1:]
         else:
+            # (no ceiling word to bound: a capped limiter has no gate, so HEAD stands in for it)
             gate = self.cells.gate(
-                L.CFG_SEQ, s.seq, L.TAIL, L.HEAD, L.CEIL, L.REPL_TS, self.grants_off, s.cost, 1, s.tpn,
+                L.CFG_SEQ, s.seq, L.TAIL, L.HEAD, L.HEAD, L.REPL_TS, self.grants_off, s.cost, 1, s.tpn,
                 math.ceil(s.config.ratio), False, s.max_reserved_ns,
             )
             self.fast[1:] = (gate.try_grab, gate.grab_within)

@@ -7,10 +7,11 @@ import uuid
 import posix_ipc
 import pytest
 
-from shmlimit.cells import MASK64, Cells, native_available, open_cells, selected_backend
+from shmlimit.cells import MASK64, AtomicsCells, Cells, native_available, open_cells, selected_backend
 
 REQUIRE_NATIVE = os.environ.get("SHMLIMIT_REQUIRE_NATIVE") == "1"
-BACKENDS = ["atomics", "native"]
+#: "atomics-api": the atomics backend on the package's public API (where its internals are not found)
+BACKENDS = ["atomics", "atomics-api", "native"]
 SIZE = 4096
 
 
@@ -20,6 +21,16 @@ def test_native_backend_is_built_when_required():
         assert selected_backend() == os.environ.get("SHMLIMIT_BACKEND", "native")
     elif not native_available():
         pytest.skip("the native extension is not built here")
+
+
+def cells_for(mm, size, backend):
+    if backend == "atomics-api":
+        c = AtomicsCells(mm, size, direct=False)
+        assert not c._direct
+        return c
+    c = open_cells(mm, size, backend)
+    assert backend != "atomics" or c._direct  # the fast way is found in the package we test with
+    return c
 
 
 @pytest.fixture(params=BACKENDS)
@@ -44,7 +55,7 @@ def segment():
 
 @pytest.fixture
 def cells(backend, segment):
-    c = open_cells(segment[1], SIZE, backend)
+    c = cells_for(segment[1], SIZE, backend)
     yield c
     try:
         c.close()
@@ -143,7 +154,7 @@ def test_values_outside_64_bits_are_refused(cells, value):
 
 
 def test_closed_cells_refuse_every_call(backend, segment):
-    c = open_cells(segment[1], SIZE, backend)
+    c = cells_for(segment[1], SIZE, backend)
     c.close()
     with pytest.raises(ValueError):
         c.load(0)
@@ -153,7 +164,7 @@ def _adder(name, backend, n):
     shm = posix_ipc.SharedMemory(name)
     mm = mmap.mmap(shm.fd, SIZE)
     shm.close_fd()
-    c = open_cells(mm, SIZE, backend)
+    c = cells_for(mm, SIZE, backend)
     for _ in range(n):
         c.fetch_add(0, 1)
     c.close()
@@ -164,7 +175,7 @@ def _taker(name, backend, q):
     shm = posix_ipc.SharedMemory(name)
     mm = mmap.mmap(shm.fd, SIZE)
     shm.close_fd()
-    c = open_cells(mm, SIZE, backend)
+    c = cells_for(mm, SIZE, backend)
     got = 0
     while c.try_grab(64, 128, 3, 192, 1):
         got += 1
@@ -176,7 +187,7 @@ def _taker(name, backend, q):
 @pytest.mark.parametrize("method", ["fork", "spawn"])
 def test_fetch_add_is_atomic_across_processes(backend, segment, method):
     name, mm = segment
-    c = open_cells(mm, SIZE, backend)
+    c = cells_for(mm, SIZE, backend)
     c.store(0, 0)
     n = 20_000 if backend == "native" else 1_000
     ctx = mp.get_context(method)
@@ -192,7 +203,7 @@ def test_fetch_add_is_atomic_across_processes(backend, segment, method):
 @pytest.mark.parametrize("method", ["fork", "spawn"])
 def test_racing_try_grabs_never_over_grant(backend, segment, method):
     name, mm = segment
-    c = open_cells(mm, SIZE, backend)
+    c = cells_for(mm, SIZE, backend)
     c.store(64, 0)  # tail
     c.store(128, 3 * 500 + 2)  # head: 500 grabs of 3 fit, the remainder 2 does not
     ctx = mp.get_context(method)
