@@ -313,6 +313,18 @@ def cmd_unlink(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_doctor(args: argparse.Namespace) -> int:
+    """What on this machine would make shmlimit slow or fail: exit 1 when anything fails."""
+    from . import doctor
+
+    findings = doctor.run_all()
+    if args.json:
+        print(json.dumps(doctor.as_json(findings)))
+    else:
+        print(doctor.report(findings))
+    return 1 if any(f.level == doctor.FAIL for f in findings) else 0
+
+
 # ---- argument parsing ------------------------------------------------------------------
 
 
@@ -401,6 +413,12 @@ def build_parser() -> argparse.ArgumentParser:
     g = sub.add_parser("gc", help="remove segments that no live process is attached to")
     g.add_argument("--dry-run", action="store_true", help="only list them")
     g.set_defaults(func=cmd_gc)
+
+    dr = sub.add_parser(
+        "doctor", help="which backend is in use and why, /dev/shm's space, and what else would make shmlimit slow or fail"
+    )
+    dr.add_argument("--json", action="store_true", help="one JSON array of findings")
+    dr.set_defaults(func=cmd_doctor)
 
     u = sub.add_parser("unlink", help="remove a limiter's segment")
     u.add_argument("name")
