@@ -2,8 +2,12 @@
 
 The extension (the native atomic backend) is built when a C compiler is
 present.  Without one the build still succeeds and shmlimit uses the
-portable ``atomics`` backend.
+portable ``atomics`` backend.  Wheel builds set ``SHMLIMIT_REQUIRE_NATIVE_BUILD=1``
+(see ``[tool.cibuildwheel]``): a wheel without the extension must fail to
+build, never ship.
 """
+import os
+
 from setuptools import Extension, setup
 
 setup(
@@ -11,7 +15,7 @@ setup(
         Extension(
             "shmlimit._native",
             ["shmlimit/_native.c"],
-            optional=True,
+            optional=os.environ.get("SHMLIMIT_REQUIRE_NATIVE_BUILD") != "1",
             extra_compile_args=["-O2", "-std=gnu11"],
         )
     ]
