@@ -77,7 +77,7 @@ def _check_atomics_speed() -> List[Finding]:
     mm = mmap.mmap(-1, mmap.PAGESIZE)
     try:
         c = AtomicsCells(mm, mmap.PAGESIZE)
-        direct = c.direct
+        direct = c._direct
         c.close()
     except Exception as e:  # the package itself is broken
         return [Finding(FAIL, "backend", f"the atomics package does not work here: {e}")]
