@@ -1191,8 +1191,62 @@ static PyTypeObject NativeCellsType = {
     .tp_getset = cells_getset,
 };
 
+/* ---- precise sleeping for waiters ------------------------------------------------------------
+ *
+ * sleep_until(deadline_ns, slack_ns): sleep, without the GIL, until CLOCK_MONOTONIC (Python's
+ * time.monotonic_ns) reaches deadline_ns, with the calling thread's timer slack lowered to
+ * slack_ns for this sleep only (Linux; restored after).  The default slack of 50 us would let
+ * the kernel end the sleep that much late, to batch wake-ups; an absolute deadline also keeps
+ * the time spent getting here from adding to the sleep.  Returns None; an interrupted sleep
+ * returns early (the caller re-checks its condition anyway).
+ */
+#ifdef __linux__
+#include <sys/prctl.h>
+#endif
+#include <errno.h>
+
+static PyObject *
+native_sleep_until(PyObject *mod, PyObject *const *args, Py_ssize_t n)
+{
+    if (!nargs(n, 2, "sleep_until"))
+        return NULL;
+    long long deadline = PyLong_AsLongLong(args[0]);
+    long long slack = PyLong_AsLongLong(args[1]);
+    if ((deadline == -1 || slack == -1) && PyErr_Occurred())
+        return NULL;
+    if (deadline < 0 || slack < 1) {
+        PyErr_SetString(PyExc_ValueError, "sleep_until: deadline_ns must be >= 0 and slack_ns >= 1");
+        return NULL;
+    }
+    Py_BEGIN_ALLOW_THREADS
+#ifdef __linux__
+    int old = prctl(PR_GET_TIMERSLACK, 0, 0, 0, 0);
+    if (old > 0 && old != slack)
+        prctl(PR_SET_TIMERSLACK, (unsigned long)slack, 0, 0, 0);
+    struct timespec ts = {(time_t)(deadline / 1000000000), (long)(deadline % 1000000000)};
+    clock_nanosleep(CLOCK_MONOTONIC, TIMER_ABSTIME, &ts, NULL);
+    if (old > 0 && old != slack)
+        prctl(PR_SET_TIMERSLACK, (unsigned long)old, 0, 0, 0);
+#else
+    uint64_t now = monotonic_ns();
+    if ((uint64_t)deadline > now) {
+        uint64_t d = (uint64_t)deadline - now;
+        struct timespec ts = {(time_t)(d / 1000000000u), (long)(d % 1000000000u)};
+        nanosleep(&ts, NULL);
+    }
+#endif
+    Py_END_ALLOW_THREADS
+    Py_RETURN_NONE;
+}
+
+static PyMethodDef native_functions[] = {
+    {"sleep_until", (PyCFunction)(void (*)(void))native_sleep_until, METH_FASTCALL,
+     "sleep_until(deadline_ns, slack_ns): sleep to a CLOCK_MONOTONIC deadline with a low timer slack"},
+    {NULL, NULL, 0, NULL},
+};
+
 static struct PyModuleDef native_module = {
-    PyModuleDef_HEAD_INIT, "shmlimit._native", "Native atomic backend of shmlimit.", -1, NULL,
+    PyModuleDef_HEAD_INIT, "shmlimit._native", "Native atomic backend of shmlimit.", -1, native_functions,
 };
 
 PyMODINIT_FUNC
