@@ -39,18 +39,29 @@ INIT_WAIT = 2.0
 LIVE_CREATOR_WAIT = 30.0
 #: A segment left claimed by a garbage collector this long (seconds) lost its collector.
 DOOMED_WAIT = 2.0
-#: Waiters sleep until this close to their turn, then yield the CPU in a loop (ns).
-SPIN_NS = 200_000
+#: A waiter whose ticket is due but not yet covered looks again after this long at least (ns).
+RETRY_NS = 20_000
 #: Hierarchical mode: a timed acquire that does not know when tokens come looks this often (seconds) ...
 POLL = 0.002
 #: ... and one that knows wakes this long after they are due, once the filler has added them (seconds).
 ARRIVAL_SLACK = 0.0003
 #: A sleeping waiter wakes at least this often to notice rate changes and stops (seconds).
 MAX_NAP = 0.25
+MAX_NAP_NS = int(MAX_NAP * NS_PER_S)
 #: Capped mode: a caller waiting for a release looks again this often (seconds).
 CAPPED_NAP = 0.001
 _INF = float("inf")
 _ONE = 1  # `n is _ONE`: the cheapest test that n is the int 1 (True is not)
+_sleeper: list = []
+
+
+def _sleep_until():
+    """This process's precise sleeper (chosen once: the backend does not change in a process)."""
+    if not _sleeper:
+        from .sleep import sleeper
+
+        _sleeper.append(sleeper())
+    return _sleeper[0]
 
 
 @dataclass(frozen=True)
@@ -1296,37 +1307,54 @@ class Limiter:
         return min(MAX_NAP, max(1e-4, over / b.tpn / NS_PER_S))
 
     def _wait(self, att: _Attachment, ticket: int) -> None:
-        """Wait until the head covers ``ticket``: sleep most of the way, then yield in a loop."""
+        """Wait until the head covers ``ticket``: sleep to the moment it is due, precisely, then look.
+
+        The ticket's due time (``Bucket.due_ns``) is exact at the current
+        rate, so a waiter sleeps once, to that absolute deadline with a low
+        timer slack (``sleep.sleep_until``), replenishes and is granted; only
+        when the head still falls short (another process's replenish in
+        flight, or tokens that come from leases, releases or a start) does it
+        look again after a short sleep.  Each waiter wakes for its own turn
+        only: the queue's head near its turn, the others when theirs comes
+        (or every ``MAX_NAP``, to notice changes).
+        """
         b = att.bucket
         c = att.cells
         waiting = att.waiting_off
         filler = att.filler
+        sleep_until = _sleep_until()
         if waiting is not None:
             c.store(waiting, 1)
         try:
             while True:
-                # replenishing adds whatever time has passed, however little: re-check, then sleep
                 if diff(ticket, c.load(L.HEAD)) <= 0:
                     return
+                b.refresh()
+                if att.opened():  # the "open" fallback lets queued callers through too
+                    return
+                now = time.monotonic_ns()
+                due = b.due_ns(ticket) if b.time_fed and not b.stopped else now
+                if due > now:  # not our turn yet: no replenish can help, sleep to it
+                    if due - now > MAX_NAP_NS:
+                        sleep_until(now + MAX_NAP_NS)  # wake now and then to notice changes
+                        continue
+                    sleep_until(int(due) + 1)
+                    if diff(ticket, c.load(L.HEAD)) <= 0:  # the filler was there first
+                        return
+                # our turn (or no clock to tell): replenishing adds whatever time has passed
                 if b.replenish() > 0:
                     if filler is not None:
                         filler.nudge()  # we did the filler's work: make sure a filler runs
                     if diff(ticket, c.load(L.HEAD)) <= 0:
                         return
-                b.refresh()
-                if att.opened():  # the "open" fallback lets queued callers through too
-                    return
                 if b.upstream and filler is not None:
                     filler.nudge()  # only a filler leases: make sure one runs
-                short = diff(ticket, c.load(L.HEAD))
-                if b.upstream and not b.time_fed:
-                    time.sleep(_fed_nap(c, short / b.tpn / NS_PER_S))
+                short = diff(ticket, c.load(L.HEAD)) / b.tpn
+                if b.upstream and not b.time_fed:  # tokens come with leases: sleep until a batch is due
+                    time.sleep(_fed_nap(c, short / NS_PER_S))
                     continue
-                wait_ns = short / b.tpn - SPIN_NS
-                if wait_ns > 0:
-                    time.sleep(min(wait_ns / NS_PER_S, MAX_NAP))
-                else:
-                    os.sched_yield()
+                # due, yet short: look again soon, or when the shortfall could have arrived
+                sleep_until(time.monotonic_ns() + int(min(max(short, RETRY_NS), MAX_NAP_NS)))
         finally:
             if waiting is not None:
                 c.store(waiting, 0)
