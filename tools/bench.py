@@ -14,7 +14,8 @@
 2. aggregate acquires/s with 1, 2, 4, 8 processes on one unlimited limiter, against the same baseline;
 3. rate fidelity: 4 processes sharing 500, 5000, 100 000 and 1 000 000 ops/s for 5 s;
 4. lateness of each grant after its scheduled moment at 1000/s with 4 processes;
-5. CPU burned by 8 processes waiting on a 50/s limit;
+5. CPU burned by 8 processes waiting on a 50/s limit; and for 8 processes saturating 50, 1000
+   and 10 000/s: CPU per wall second together, and lateness p50/p99/max;
 6. the rate achieved while the filler's own process runs a CPU-bound Python loop;
 7. Redis, 4 processes: ops/s and Redis round trips per op for the direct RedisLimiter and the
    hierarchical mode side by side (with --redis URL, or a redis-server started for the run when
@@ -347,6 +348,51 @@ def bench_cpu(seconds: float) -> dict:
     shmlimit.unlink(name)
     cpu = sum(r[0] for r in res)
     return dict(processes=8, rate=50, cpu_s_per_wall_s=cpu / seconds, grants=sum(r[1] for r in res))
+
+
+def _wait_stamped(lim, barrier, seconds: float, q) -> None:
+    """Acquire until the end, recording grant times and this process's CPU (every thread)."""
+    barrier.wait(timeout=120)
+    r0 = resource.getrusage(resource.RUSAGE_SELF)
+    start = time.monotonic_ns()
+    end = start + int(seconds * 1e9)
+    stamps = []
+    acquire = lim.acquire
+    clock = time.monotonic_ns
+    while True:
+        acquire()
+        t = clock()
+        if t > end:
+            break
+        stamps.append(t)
+    r1 = resource.getrusage(resource.RUSAGE_SELF)
+    q.put((start, stamps, r1.ru_utime - r0.ru_utime + r1.ru_stime - r0.ru_stime))
+
+
+def bench_waiting(rate: float, seconds: float, procs: int = 8) -> dict:
+    """Section 5: procs processes saturating ``rate``: CPU per wall second together, and lateness."""
+    ctx = mp.get_context("fork")
+    name = f"bench-{uuid.uuid4().hex[:8]}"
+    lim = shmlimit.Limiter(name, rate=rate)
+    cap = int(lim.capacity)
+    lim.close()  # the measuring process takes no part
+    barrier, q = ctx.Barrier(procs), ctx.Queue()
+    ps = [ctx.Process(target=_wait_stamped, args=(shmlimit.attach(name), barrier, seconds, q)) for _ in range(procs)]
+    for p in ps:
+        p.start()
+    res = [q.get(timeout=300) for _ in ps]
+    for p in ps:
+        p.join()
+    shmlimit.unlink(name)
+    start = max(r[0] for r in res)
+    stamps = sorted(t for r in res for t in r[1])
+    # as in section 4: after the capacity, grants fall on a grid 1/rate apart, anchored on the earliest
+    offsets = [(t - start) / 1e9 - k / rate for k, t in enumerate(stamps) if k >= cap]
+    anchor = min(offsets) if offsets else 0.0
+    late = sorted(o - anchor for o in offsets) or [0.0]
+    pick = lambda p: late[min(len(late) - 1, int(p * len(late)))] * 1e3  # noqa: E731
+    return dict(processes=procs, rate=rate, cpu_s_per_wall_s=sum(r[2] for r in res) / seconds, grants=len(stamps),
+                p50_ms=pick(0.50), p99_ms=pick(0.99), max_ms=late[-1] * 1e3)
 
 
 def _busy_filler(name: str, ready, stop) -> None:
@@ -861,6 +907,7 @@ def main(argv=None) -> int:
         res["fidelity"] = bench_fidelity([500, 5000, 100_000, 1_000_000], 2.0 if quick else 5.0)
         res["lateness"] = bench_lateness(2.0 if quick else 4.0)
         res["cpu_waiting"] = bench_cpu(2.0 if quick else 4.0)
+        res["waiting"] = [bench_waiting(r, 2.0 if quick else 4.0) for r in (50.0, 1000.0, 10_000.0)]
         res["filler_under_load"] = bench_filler_under_load(3.0 if quick else 5.0)
     server, url = (None, args.redis) if args.redis else start_redis()
     try:
@@ -945,6 +992,12 @@ def print_local(res: dict) -> None:
     print(f"\n4. lateness at 1000/s, 4 processes: p50 {la['p50_ms']:.3f} ms, p99 {la['p99_ms']:.3f} ms, max {la['max_ms']:.3f} ms")
     cw = res["cpu_waiting"]
     print(f"\n5. CPU while waiting: 8 processes on 50/s use {cw['cpu_s_per_wall_s']:.4f} CPU-s per wall-s together")
+    if "waiting" in res:
+        print("   8 processes saturating a rate: CPU-s per wall-s together, and each grant's lateness after its turn")
+        print(f"   {'rate/s':>8} {'CPU-s/s':>9} {'p50 ms':>8} {'p99 ms':>8} {'max ms':>8} {'grants':>8}")
+        for w in res["waiting"]:
+            print(f"   {w['rate']:>8,.0f} {w['cpu_s_per_wall_s']:>9.4f} {w['p50_ms']:>8.3f} {w['p99_ms']:>8.3f} "
+                  f"{w['max_ms']:>8.3f} {w['grants']:>8,}")
     fl = res["filler_under_load"]
     print(
         f"\n6. filler's process CPU-bound: {fl['achieved']:.1f}/s of {fl['target']:.0f}/s ({fl['error_pct']:+.2f}%), "
