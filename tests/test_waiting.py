@@ -118,12 +118,13 @@ def _saturate(name, seconds):
 def test_the_filler_steps_back_while_callers_queue(name):
     from shmlimit.filler import FILL_PERIOD, QUEUED_FILL_PERIOD
 
-    lim = shmlimit.Limiter(name, rate=1000)  # this process is the filler (the first to attach)
+    # a capacity of 0.1 s: a quarter of it is more than QUEUED_FILL_PERIOD, which applies then
+    lim = shmlimit.Limiter(name, rate=1000, burst=100)  # this process is the filler (the first to attach)
     try:
         wait_for(lambda: shmlimit.inspect(name).filler_pid == os.getpid())
         filler = lim._att.filler
         ctx = mp.get_context("fork")
-        procs = [ctx.Process(target=_saturate, args=(name, 2.0)) for _ in range(3)]
+        procs = [ctx.Process(target=_saturate, args=(name, 2.5)) for _ in range(3)]
         for p in procs:
             p.start()
         wait_for(lambda: lim.stats().deficiency > 0)  # callers are queued
