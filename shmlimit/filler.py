@@ -35,9 +35,6 @@ FILL_PERIOD = 0.001
 #: ... about twice per op for slower limits, and no less often than this (seconds).  A fill
 #: that finds nothing to do (bucket full, nobody grabbing) doubles the pause up to this too.
 MAX_FILL_PERIOD = 0.020
-#: While callers are queued (they replenish for themselves when due), the holder fills this often
-#: (seconds) -- as often as it renews the lease -- or every quarter of the capacity's time, if sooner.
-QUEUED_FILL_PERIOD = RENEW_EVERY
 #: Watchers look at the lease this often (seconds).  They need not hurry: a waiter that finds
 #: the filler late replenishes for itself and nudges its own process's watcher (``nudge``).
 WATCH_PERIOD = 0.5
@@ -142,15 +139,7 @@ class ClockFeed:
     def tick(self) -> float:
         b = self.bucket
         period = min(MAX_FILL_PERIOD, max(FILL_PERIOD, b.cost / b.tpn / 2e9))
-        added = b.replenish()
-        balance = b.balance()
-        if balance < 0:
-            # Callers are queued: each replenishes for itself when its ticket is due, and no try
-            # or fast path can be granted before the queue is served, so fills matter less -- but
-            # one add brings at most the capacity minus the previous interval (bucket.apply), so
-            # while every waiter is late the intervals must stay well inside the capacity.
-            return max(period, min(QUEUED_FILL_PERIOD, b.cap / b.tpn / 4e9))
-        if added > 0 or balance < b.cap:
+        if b.replenish() > 0 or b.balance() < b.cap:
             self.idle = period
         else:
             self.idle = min(MAX_FILL_PERIOD, self.idle * 2)

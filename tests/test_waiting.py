@@ -1,5 +1,5 @@
-"""Waiting for a ticket: a precise sleep to the moment it is due, one wake-up per turn, and a filler
-that steps back while callers queue.  (How cheap and how late is measured by tools/bench.py.)"""
+"""Waiting for a ticket: a precise sleep to the moment it is due, and one wake-up per turn.
+(How cheap and how late is measured by tools/bench.py.)"""
 import multiprocessing as mp
 import os
 import sys
@@ -106,35 +106,3 @@ def test_a_waiter_wakes_about_once_per_turn(name):
     assert grants >= 400  # they were saturating
     # one sleep per grant, plus a retry now and then when another process's replenish was in flight
     assert wakes <= 2 * grants, (wakes, grants)
-
-
-def _saturate(name, seconds):
-    lim = shmlimit.attach(name)
-    end = time.monotonic() + seconds
-    while time.monotonic() < end:
-        lim.acquire()
-
-
-def test_the_filler_steps_back_while_callers_queue(name):
-    from shmlimit.filler import FILL_PERIOD, QUEUED_FILL_PERIOD
-
-    # a capacity of 0.1 s: a quarter of it is more than QUEUED_FILL_PERIOD, which applies then
-    lim = shmlimit.Limiter(name, rate=1000, burst=100)  # this process is the filler (the first to attach)
-    try:
-        wait_for(lambda: shmlimit.inspect(name).filler_pid == os.getpid())
-        filler = lim._att.filler
-        ctx = mp.get_context("fork")
-        procs = [ctx.Process(target=_saturate, args=(name, 2.5)) for _ in range(3)]
-        for p in procs:
-            p.start()
-        wait_for(lambda: lim.stats().deficiency > 0)  # callers are queued
-        f0, g0, t0 = filler.fills, lim.stats().grants, time.monotonic()
-        wait_for(lambda: time.monotonic() > t0 + 1.0)
-        fills, grants, took = filler.fills - f0, lim.stats().grants - g0, time.monotonic() - t0
-        for p in procs:
-            p.join(30)
-        # at FILL_PERIOD it would fill ~1000 times; with a queue, about every QUEUED_FILL_PERIOD
-        assert fills <= 3 * took / QUEUED_FILL_PERIOD < took / FILL_PERIOD / 3
-        assert grants == pytest.approx(1000 * took, rel=0.1)  # the waiters keep the rate by themselves
-    finally:
-        lim.close()
