@@ -15,6 +15,7 @@ from shmlimit.bucket import Bucket, diff
 from shmlimit.cells import native_available, open_cells
 from shmlimit.config import MAX_QUEUE_TOKENS, MAX_SPAN_TOKENS, NS_PER_S, Config
 from shmlimit.errors import QueueFullError
+from support.procs import WORKDIR
 
 BACKENDS = ["atomics"] + (["native"] if native_available() else [])
 CONFIG_WORDS = [L.CFG_SEQ, L.CFG_RATE, L.CFG_PER, L.CFG_BURST, L.CFG_TPN, L.CFG_COST, L.CFG_CAP, L.CFG_FLAGS,
@@ -328,7 +329,9 @@ def test_close_while_another_thread_is_mid_call(name, backend_name):
     import subprocess
 
     env = dict(os.environ, SHMLIMIT_BACKEND=backend_name)
-    r = subprocess.run([sys.executable, "-c", _CLOSE_MID_CALL, name], env=env, capture_output=True, text=True, timeout=120)
+    r = subprocess.run(
+        [sys.executable, "-c", _CLOSE_MID_CALL, name], env=env, capture_output=True, text=True, timeout=120, cwd=WORKDIR
+    )
     assert r.returncode == 0 and r.stdout.strip() == "ok", (r.returncode, r.stderr[-2000:])
 
 
