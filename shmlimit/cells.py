@@ -615,6 +615,9 @@ class _AtomicsGrabber:
             t = w[self.i_tail]
             while True:
                 ticket = (t + self.amount) & MASK64
+                depth = (ticket - w[self.i_head]) & MASK64
+                if depth < 1 << 63 and depth > MAX_QUEUE:
+                    return False  # the queue is full: the slow path raises, nothing touched
                 found = cas(self.a_tail, t, ticket)
                 if found == t:
                     break

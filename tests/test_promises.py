@@ -68,6 +68,10 @@ def test_queue_never_wraps_past_2_63(name):
     assert c.load(L.TAIL) == tail
     assert c.grab(L.TAIL, L.HEAD, biggest * b.cost, L.UNREG_GRANTS, 1) is False
     assert c.load(L.TAIL) == tail
+    # the bound grabber of each backend (the acquire fast path) refuses as well
+    grab = c.grabber(L.CFG_SEQ, c.load(L.CFG_SEQ), L.TAIL, L.HEAD, biggest * b.cost, L.UNREG_GRANTS, 1)
+    assert grab() is False
+    assert c.load(L.TAIL) == tail
     # the limit still holds: nothing is available to anyone
     assert lim.try_acquire() is False
     assert lim.acquire(1, timeout=0.01) is False
