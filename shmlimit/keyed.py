@@ -16,6 +16,7 @@ from __future__ import annotations
 import asyncio
 import atexit
 import math
+import mmap
 import os
 import threading
 import time
@@ -101,6 +102,8 @@ class _Attachment:
 
     def join(self) -> None:
         """Register this process (also after fork, in the child) and bind the keyed composite."""
+        if self.kt is _CLOSED:
+            _prefault(self.seg)
         self.pid = os.getpid()
         start = proc_start(self.pid)
         self.slot = self.table.register(self.pid, start if start and start > 0 else 0)
@@ -123,6 +126,18 @@ class _Attachment:
             self.table.unregister(self.slot, self.pid)
         self.cells.close()
         self.seg.close()
+
+
+#: madvise(MADV_POPULATE_WRITE), Linux 5.14+: map every page of the table now (about 12 ms per
+#: 50 MB), so that a new key's first use pays no page fault (about a third of its cost).
+_POPULATE_WRITE = getattr(mmap, "MADV_POPULATE_WRITE", 23)
+
+
+def _prefault(seg: Segment) -> None:
+    try:
+        seg.mm.madvise(_POPULATE_WRITE)
+    except (OSError, ValueError, AttributeError):  # an older kernel: pages fault in on first use
+        pass
 
 
 _registry: Dict[str, _Attachment] = {}
