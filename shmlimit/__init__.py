@@ -19,8 +19,9 @@ from .errors import (
 )
 from .keyed import KeyedLimiter, KeyedStats
 from .kinds import attach, inspect
-from .limiter import Limiter, ProcessStats, Stats, UpstreamStats, unlink
+from .limiter import Limiter, unlink
 from .segment import list_names
+from .stats import ProcessStats, Stats, UpstreamStats
 from .throttle import throttle
 
 __version__ = "0.1.0"

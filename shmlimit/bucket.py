@@ -35,21 +35,19 @@ tested with a fake clock over simulated hours.
 """
 from __future__ import annotations
 
+import math
 import time
-from dataclasses import dataclass
-from typing import Callable, List, Optional, Tuple
+from typing import Any, Callable, List, Optional, Tuple
 
 from . import layout as L
-from .cells import MASK64, Cells
-from .config import MAX_SPAN_TOKENS as MAX_SPAN
+from .cells import MASK64, Cells, GrabResult
 from .config import MAX_QUEUE_TOKENS as MAX_QUEUE
-from .config import MAX_TPN, NS_PER_S, Config
+from .config import Config
+from .config_banks import NO_SNAPSHOT, Snapshot, config_words, published_values, read_snapshot, write_banks, write_under_lock
 from .errors import ConfigWriterTakenOver, QueueFullError, SegmentError
 
 SIGN = 1 << 63
 WRAP = 1 << 64
-
-
 
 
 def diff(a: int, b: int) -> int:
@@ -63,46 +61,8 @@ def behind(a: int, b: int) -> int:
     return a if diff(a, b) <= 0 else b
 
 
-INF_BITS = L.f2u(float("inf"))
-_KNOWN_FLAGS = L.FLAG_CAPPED | L.FLAG_STOPPED | L.UPSTREAM_FLAGS
 #: The filler replenishes this often (ns): the pace a queued head can count on (see estimate_wait_ns).
 FILL_NS = 1_000_000
-#: A config writer that holds the sequence lock longer than this is presumed dead (ns).
-CONFIG_LOCK_TIMEOUT_NS = 200_000_000
-
-
-def _opt(x: Optional[float]) -> int:
-    return INF_BITS if x is None else L.f2u(x)
-
-
-def _unopt(u: int) -> Optional[float]:
-    v = L.u2f(u)
-    return None if v == float("inf") else v
-
-
-@dataclass(frozen=True)
-class Snapshot:
-    """One process's view of the live config, derived once per change and never mutated."""
-
-    seq: int
-    tpn: int  #: tokens per nanosecond (fixed at creation)
-    cost: int  #: tokens per op
-    cap: int  #: capacity, tokens
-    cap_ops: int  #: capacity, whole ops (the capped-mode in-flight bound)
-    capped: bool
-    stopped: bool
-    upstream_flags: int
-    upstream: bool
-    time_fed: bool
-    open: bool
-    config: Optional[Config]
-    burst_pool: int
-    catch_up: bool
-    wait_cap: int
-    max_reserved_ns: float
-
-
-_NO_SNAPSHOT = Snapshot(-1, 1, 1, 1, 1, False, False, 0, False, True, False, None, 0, False, 0, 0.0)
 
 
 class Bucket:
@@ -111,72 +71,15 @@ class Bucket:
     def __init__(self, cells: Cells, clock: Callable[[], int] = time.monotonic_ns) -> None:
         self.cells = cells
         self.clock = clock
-        self.snap = _NO_SNAPSHOT
+        self.snap = NO_SNAPSHOT
         self.load_config()
 
-    # -- configuration ----------------------------------------------------------
-    #
-    # The config is published under a sequence lock (CFG_SEQ odd while a writer works, and a
-    # writer silent for 200 ms is taken over) into two banks, each stamped with the generation
-    # it is published as (the even CFG_SEQ) and a checksum over both.  A writer writes the
-    # backup bank, checks that it still holds the lock, then writes the live bank, and publishes
-    # by one CAS of CFG_SEQ from its lock value: a writer that was taken over fails there.  A
-    # stalled writer that resumes can scribble over at most one bank (it checks the lock between
-    # the two), and its words can never pass the checksum for the generation in force, so
-    # readers take the other.  Readers take the first bank valid for the even CFG_SEQ they saw
-    # before and after; with none (an interrupted writer published nothing new) or while a
-    # writer is presumed dead, the valid bank of the highest generation not above it.
+    # -- configuration (published in two banks under a sequence lock: see config_banks) --------
 
     def load_config(self) -> None:
-        c = self.cells
-        deadline = None
-        while True:
-            seq = c.load(L.CFG_SEQ)
-            if seq & 1:
-                now = time.monotonic_ns()
-                deadline = deadline or now + CONFIG_LOCK_TIMEOUT_NS
-                if now < deadline:
-                    time.sleep(0.0005)
-                    continue
-            vals = self._published_values(seq)
-            if c.load(L.CFG_SEQ) == seq or deadline is not None:
-                break
-        if vals is None:
-            raise SegmentError("segment is corrupt: no copy of its configuration passes its checksum")
-        rate, per, burst, tpn, cost, cap, flags, ratio, max_reserved, max_behind = vals
-        try:  # words from a corrupt or foreign segment must not reach the arithmetic
-            cfg = Config.make(
-                L.u2f(rate), L.u2f(per), L.u2f(burst), bool(flags & L.FLAG_CAPPED), L.u2f(ratio),
-                _unopt(max_reserved), _unopt(max_behind),
-            )
-        except (TypeError, ValueError) as e:
-            raise SegmentError(f"segment is corrupt: its configuration is invalid ({e})") from None
-        if not 1 <= tpn <= MAX_TPN or not 1 <= cost <= MAX_SPAN or not 1 <= cap <= MAX_SPAN or flags & ~_KNOWN_FLAGS:
-            raise SegmentError(
-                f"segment is corrupt: token unit {tpn}, op cost {cost}, capacity {cap} or flags {flags:#x} out of range"
-            )
-        mb = cfg.max_behind
-        mr = cfg.max_reserved
         # One immutable snapshot, swapped by reference: a thread that reads ``self.snap`` once
         # (the filler, an acquire) never combines the new sequence number with the old price.
-        self.snap = Snapshot(
-            seq=seq,
-            tpn=tpn,
-            cost=cost,
-            cap=cap,
-            cap_ops=max(1, cap // cost),
-            capped=bool(flags & L.FLAG_CAPPED),
-            stopped=bool(flags & L.FLAG_STOPPED),
-            upstream_flags=flags & L.UPSTREAM_FLAGS,
-            upstream=bool(flags & L.FLAG_UPSTREAM),
-            time_fed=not flags & L.FLAG_UPSTREAM or bool(flags & L.FLAG_FALLBACK_LOCAL),
-            open=bool(flags & L.FLAG_UPSTREAM) and bool(flags & L.FLAG_FALLBACK_OPEN),
-            config=cfg,
-            burst_pool=cfg.burst_pool_at(tpn),
-            catch_up=cfg.ratio > 1.0,
-            wait_cap=MAX_SPAN if mb is None else int(mb * NS_PER_S * tpn),
-            max_reserved_ns=float("inf") if mr is None else mr * NS_PER_S,
-        )
+        self.snap = read_snapshot(self.cells)
 
     # Single fields of the current snapshot (for code that needs only one of them).
     seq = property(lambda self: self.snap.seq)
@@ -196,74 +99,12 @@ class Bucket:
     wait_cap = property(lambda self: self.snap.wait_cap)
     max_reserved_ns = property(lambda self: self.snap.max_reserved_ns)
 
-    def _published_values(self, seq: int) -> Optional[List[int]]:
-        """The config words published as of ``seq``: the first bank valid for it, else the newest older one."""
-        banks = [
-            self._read_bank(L.CFG_BANK, L.CFG_GEN, L.CFG_SUM),
-            self._read_bank(L.CFG_BACKUP_BANK, L.CFG_BACKUP_GEN, L.CFG_BACKUP_SUM),
-        ]
-        valid = [(gen, vals) for gen, vals in banks if vals is not None and gen <= seq]
-        exact = [vals for gen, vals in valid if gen == seq]
-        if exact:
-            return exact[0]
-        return max(valid, key=lambda b: b[0])[1] if valid else None
-
-    def _read_bank(self, offsets, gen_off: int, sum_off: int):
-        """``(generation, values)`` of one bank; values None if its checksum does not hold."""
-        c = self.cells
-        gen = c.load(gen_off)
-        vals = [c.load(off) for off in offsets]
-        return gen, (vals if c.load(sum_off) == L.config_sum(gen, vals) else None)
-
     def refresh(self) -> bool:
         """Reload the config if another process changed it; True if it did."""
         if self.cells.load(L.CFG_SEQ) != self.snap.seq:
             self.load_config()
             return True
         return False
-
-    @staticmethod
-    def config_words(cfg: Config, tpn: int, stopped: bool, upstream_flags: int) -> List[Tuple[int, int]]:
-        """Every config word of ``cfg`` at the segment's token unit ``tpn``, computed before any is written.
-
-        Raises ValueError (naming the parameter) if a quantity does not fit at
-        ``tpn``: a config is validated at the unit it will be stored in, never
-        at the unit it would have chosen for itself.
-        """
-        cfg.check_at(tpn)
-        flags = (L.FLAG_CAPPED if cfg.capped else 0) | (L.FLAG_STOPPED if stopped else 0) | upstream_flags
-        return [
-            (L.CFG_RATE, L.f2u(cfg.rate)),
-            (L.CFG_PER, L.f2u(cfg.per)),
-            (L.CFG_BURST, L.f2u(cfg.burst)),
-            (L.CFG_TPN, tpn),
-            (L.CFG_COST, cfg.cost_at(tpn)),
-            (L.CFG_CAP, cfg.cap_at(tpn)),
-            (L.CFG_FLAGS, flags),
-            (L.CFG_RATIO, L.f2u(cfg.ratio)),
-            (L.CFG_MAX_RESERVED, _opt(cfg.max_reserved)),
-            (L.CFG_MAX_BEHIND, _opt(cfg.max_behind)),
-        ]
-
-    @staticmethod
-    def _write_banks(cells: Cells, words: List[Tuple[int, int]], gen: int, lock: Optional[int] = None) -> bool:
-        """Write the backup bank, then (if CFG_SEQ still holds ``lock``) the live bank, both for ``gen``.
-
-        Returns False, leaving the live bank alone, if the lock was taken over.
-        """
-        vals = [v for _, v in words]
-        total = L.config_sum(gen, vals)
-        for off, v in zip(L.CFG_BACKUP_BANK, vals):
-            cells.store(off, v)
-        cells.store(L.CFG_BACKUP_GEN, gen)
-        cells.store(L.CFG_BACKUP_SUM, total)
-        if lock is not None and cells.load(L.CFG_SEQ) != lock:
-            return False
-        for off, v in words:
-            cells.store(off, v)
-        cells.store(L.CFG_GEN, gen)
-        cells.store(L.CFG_SUM, total)
-        return True
 
     def publish(self, cfg: Config, stopped: Optional[bool] = None, upstream_flags: Optional[int] = None) -> None:
         """Replace the live config (seen by every attached process at its next operation).
@@ -282,7 +123,7 @@ class Bucket:
             flags = c.load(L.CFG_FLAGS)
             st = bool(flags & L.FLAG_STOPPED) if stopped is None else stopped
             up = flags & L.UPSTREAM_FLAGS if upstream_flags is None else upstream_flags
-            return self.config_words(cfg, tpn, st, up)
+            return config_words(cfg, tpn, st, up)
 
         words(self.cells)  # validate before taking the lock: a refused config writes nothing
         self._under_config_lock(words)
@@ -298,7 +139,7 @@ class Bucket:
         """
 
         def words(c: Cells) -> List[Tuple[int, int]]:
-            vals = self._published_values(c.load(L.CFG_SEQ))
+            vals = published_values(c, c.load(L.CFG_SEQ))
             if vals is None:
                 raise SegmentError("segment is corrupt: no copy of its configuration passes its checksum")
             out = list(zip(L.CFG_BANK, vals))
@@ -310,35 +151,11 @@ class Bucket:
         self.load_config()
 
     def _under_config_lock(self, words: Callable[[Cells], List[Tuple[int, int]]]) -> None:
-        """Take the config seqlock (CFG_SEQ odd), write ``words(cells)`` into both banks, publish by CAS.
-
-        Raises ``ConfigWriterTakenOver`` if this writer stalled past the lock's
-        timeout and another took over: then nothing of ours is published.
-        """
-        c = self.cells
-        since = time.monotonic_ns()
-        while True:
-            seq = c.load(L.CFG_SEQ)
-            if seq & 1 and time.monotonic_ns() - since < CONFIG_LOCK_TIMEOUT_NS:
-                time.sleep(0.0005)
-                continue
-            # even: take the lock; odd for too long: its writer is presumed dead, take it over
-            lock = seq + 1 if not seq & 1 else seq + 2
-            if c.cas(L.CFG_SEQ, seq, lock):
-                break
-        written = False
         try:
-            written = self._write_banks(c, words(c), lock + 1, lock)
-        finally:
-            # Publish by CAS from our lock value: if we were taken over, ours is not the config.
-            # (Interrupted half-way, we publish anyway: readers then find the old config valid.)
-            published = c.cas(L.CFG_SEQ, lock, lock + 1)
-        if not (written and published):
+            write_under_lock(self.cells, words)
+        except ConfigWriterTakenOver:
             self.load_config()
-            raise ConfigWriterTakenOver(
-                "this config change was abandoned: the writer stalled longer than the lock's "
-                f"{CONFIG_LOCK_TIMEOUT_NS // 1_000_000} ms and another took over; apply it again"
-            )
+            raise
 
     @staticmethod
     def initialise(
@@ -354,7 +171,7 @@ class Bucket:
         c = cells
         tpn = cfg.tpn
         cap = cfg.cap_at(tpn)
-        Bucket._write_banks(c, Bucket.config_words(cfg, tpn, False, L.FLAG_UPSTREAM if upstream else 0), c.load(L.CFG_SEQ))
+        write_banks(c, config_words(cfg, tpn, False, L.FLAG_UPSTREAM if upstream else 0), c.load(L.CFG_SEQ))
         initial = cap if initial_ops is None else min(cap, int(initial_ops * cfg.cost_at(tpn)))
         if upstream:
             initial = 0
@@ -369,20 +186,44 @@ class Bucket:
 
     # -- the four Seastar operations -----------------------------------------------
 
-    def grab(self, tokens: int) -> int:
-        """Take ``tokens``, queueing as needed; return the ticket to wait for.
+    def grab(self, tokens: int, grants: int, ops: int) -> Optional[int]:
+        """Take ``tokens``, queueing as needed: None if granted at once, else the ticket to wait for.
 
-        Raises ``QueueFullError`` (taking nothing) when the queue would hold
-        more than ``MAX_QUEUE_TOKENS``.
+        One composite of the cells.  Granted at once, ``ops`` are added to the
+        counter word ``grants``; a ticket's ops are the caller's to count once
+        the head covers it.  Raises ``QueueFullError`` (taking nothing) when
+        the queue would hold more than ``MAX_QUEUE_TOKENS``.
         """
-        c = self.cells
-        while True:
-            tail = c.load(L.TAIL)
-            new = (tail + tokens) & MASK64
-            if diff(new, c.load(L.HEAD)) > MAX_QUEUE:
-                raise QueueFullError(tokens, self.tpn)
-            if c.cas(L.TAIL, tail, new):
-                return new
+        ticket = self.cells.grab(L.TAIL, L.HEAD, tokens, grants, ops)
+        if ticket is False:
+            raise QueueFullError(tokens, self.tpn)
+        return ticket  # type: ignore[return-value]
+
+    def grabber(self, snap: Snapshot, grants: int) -> Callable[[], GrabResult]:
+        """The acquire fast path for one op, bound once: ``grab`` priced under ``snap``.
+
+        The callable answers False, touching nothing, once the config is no
+        longer ``snap``'s (or the queue is full): the caller then takes the
+        slow path.
+        """
+        return self.cells.grabber(L.CFG_SEQ, snap.seq, L.TAIL, L.HEAD, snap.cost, grants, 1)
+
+    def gate(self, snap: Snapshot, grants: int) -> Any:
+        """The try and timed-grab fast paths for one op, bound once under ``snap`` (see ``cells.Gate``).
+
+        Its calls answer None, touching nothing, once the config is no longer
+        ``snap``'s or when they cannot decide: the caller takes the slow path.
+        """
+        assert snap.config is not None
+        # (no ceiling word to bound: a capped limiter has no gate, so HEAD stands in for it)
+        return self.cells.gate(
+            L.CFG_SEQ, snap.seq, L.TAIL, L.HEAD, L.HEAD, L.REPL_TS, grants, snap.cost, 1, snap.tpn,
+            math.ceil(snap.config.ratio), False, snap.max_reserved_ns,
+        )
+
+    def covered(self, ticket: int) -> bool:
+        """True once the head has reached ``ticket``: its grab may proceed."""
+        return diff(ticket, self.cells.load(L.HEAD)) <= 0
 
     def deficiency(self, ticket: int) -> int:
         """Tokens the grab holding ``ticket`` is still owed (0 once it may proceed)."""
@@ -591,16 +432,58 @@ class Bucket:
 
     # -- conditional grabs ---------------------------------------------------------
 
-    def try_grab(self, tokens: int) -> Optional[int]:
-        """Take ``tokens`` only if the head covers them now; return the new tail or None."""
+    def try_grab(self, tokens: int, grants: int, ops: int) -> bool:
+        """Take ``tokens`` only if the head covers them now (adding ``ops`` to ``grants``); never queue.
+
+        One composite of the cells.  A refusal changes nothing, and a try
+        never jumps the queue: queued tickets are ahead of the head.
+        """
+        return self.cells.try_grab(L.TAIL, L.HEAD, tokens, grants, ops)
+
+    def take_available(self, grants: int) -> int:
+        """Take every whole op available now (``drain``), counted in ``grants``; return how many.
+
+        Queued tickets are untouched.  Capped mode takes no more than the room
+        among the ops in flight, and admits what it takes.
+        """
         c = self.cells
+        snap = self.snap
         while True:
             tail = c.load(L.TAIL)
-            new = (tail + tokens) & MASK64
-            if diff(c.load(L.HEAD), new) < 0:
-                return None
-            if c.cas(L.TAIL, tail, new):
-                return new
+            ops = diff(c.load(L.HEAD), tail) // snap.cost
+            if snap.capped:  # no more than the room among the ops in flight
+                ops = min(ops, snap.cap_ops - self.in_flight())
+            if ops <= 0:
+                return 0
+            if snap.capped and not self.admit(ops):
+                continue
+            if c.cas(L.TAIL, tail, (tail + ops * snap.cost) & MASK64):
+                c.fetch_add(grants, ops)
+                return ops
+            if snap.capped:
+                self.unadmit(ops)
+
+    # -- hierarchical mode: what waiters tell the filler, and what it tells them ---------------
+
+    def mark_hungry(self, now_ns: int) -> None:
+        """A caller found no token and took no ticket; the filler should lease."""
+        self.cells.store(L.UP_HUNGRY, now_ns)
+
+    def join_line(self, ops: int) -> int:
+        """A timed waiter joins the line of timed waiters (``UP_LINE_TAIL``); returns its place."""
+        return self.cells.fetch_add(L.UP_LINE_TAIL, ops)
+
+    def leave_line(self, ops: int) -> None:
+        """A timed waiter leaves the line (``UP_LINE_HEAD``), granted or not."""
+        self.cells.fetch_add(L.UP_LINE_HEAD, ops)
+
+    def ahead_in_line(self, place: int) -> int:
+        """Ops of the timed waiters that joined the line before ``place`` and are still in it."""
+        return max(0, diff(place, self.cells.load(L.UP_LINE_HEAD)))
+
+    def next_lease_ns(self) -> int:
+        """When (CLOCK_MONOTONIC ns) the filler next expects tokens; 0 when it does not know."""
+        return self.cells.load(L.UP_NEXT_NS)
 
     def estimate_wait_ns(self, short: int, snap: Optional[Snapshot] = None) -> float:
         """Nanoseconds until ``short`` more tokens reach the head, at the speed the head can really move.

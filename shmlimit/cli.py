@@ -14,13 +14,14 @@ import time
 from dataclasses import asdict
 from typing import Optional, Sequence
 
-from . import limiter as _limiter
 from .config import parse_spec
 from .errors import ShmlimitError
 from .keyed import KeyedStats
 from .kinds import inspect
-from .limiter import Limiter, Stats
+from .attachment import collect
+from .limiter import Limiter, unlink
 from .segment import scan
+from .stats import Stats
 from .top import printable
 from .top import run as run_top
 
@@ -292,7 +293,7 @@ def cmd_gc(args: argparse.Namespace) -> int:
         else:
             try:
                 # claims the segment, checks again, then unlinks: a process attaching meanwhile is kept
-                if not _limiter.collect(n):
+                if not collect(n):
                     kept += 1
                     continue
                 print(f"removed: {n}")
@@ -306,7 +307,7 @@ def cmd_gc(args: argparse.Namespace) -> int:
 
 def cmd_unlink(args: argparse.Namespace) -> int:
     try:
-        _limiter.unlink(args.name)
+        unlink(args.name)
     except FileNotFoundError:
         raise UserError(f"no limiter named {args.name!r} (see 'shmlimit list')") from None
     print(f"unlinked {args.name}")

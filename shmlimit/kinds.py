@@ -10,9 +10,10 @@ from typing import Iterable, Union
 
 from .keyed import KeyedLimiter, KeyedStats, inspect_keyed
 from .keyed_segment import is_keyed
-from .limiter import Limiter, Stats
+from .limiter import Limiter
 from .limiter import attach as attach_limiter
-from .limiter import inspect as inspect_limiter
+from .stats import Stats
+from .stats import inspect as inspect_limiter
 from .segment import validate_name
 
 

@@ -21,7 +21,7 @@ from dataclasses import dataclass, field
 from typing import Iterable, List, Optional, Sequence, Tuple
 
 from .errors import ShmlimitError
-from .limiter import Stats, inspect
+from .stats import Stats, inspect
 from .segment import list_names
 
 #: ``Content-Type`` of the text exposition format.

@@ -13,7 +13,7 @@ import mmap
 import os
 import re
 import stat
-from typing import AbstractSet, List, Optional, Tuple, Union
+from typing import AbstractSet, Iterable, List, Optional, Tuple, Union
 
 import posix_ipc
 
@@ -46,6 +46,18 @@ def posix_name(name: str) -> str:
 MAX_BYTES = L.segment_size(L.MAX_SLOTS)
 #: Write bits another user could hold.
 _WRITE_BITS = 0o022
+
+
+def validate_trusted_uids(uids: Iterable[int]) -> frozenset:
+    """``trusted_uids`` as a frozenset, each a uid from 0 to 2**32-1; TypeError/ValueError naming it otherwise."""
+    if isinstance(uids, (str, bytes, int)):
+        raise TypeError(f"trusted_uids must be an iterable of uids (ints), not {type(uids).__name__}")
+    out = []
+    for u in uids:
+        if isinstance(u, bool) or not isinstance(u, int) or not 0 <= u <= 0xFFFFFFFF:
+            raise ValueError(f"trusted_uids must hold uids from 0 to 4294967295, got {u!r}")
+        out.append(u)
+    return frozenset(out)
 
 
 def check_trust(name: str, st: os.stat_result, mode: int, trusted_uids: AbstractSet[int]) -> None:

@@ -28,8 +28,8 @@ from typing import Deque, Dict, List, Optional, Sequence, Tuple
 from .errors import ShmlimitError
 from .keyed import KeyedStats, sample_keys
 from .kinds import inspect
-from .limiter import Stats
 from .segment import scan
+from .stats import Stats
 
 SPARKS = "▁▂▃▄▅▆▇█"
 #: Key slots a refresh reads from each keyed limiter: the busiest keys are found over several

@@ -264,7 +264,7 @@ def test_abandoned_segment_is_refused_on_attach_and_replaced_on_create(name, cre
 
 
 def test_create_retries_when_the_name_vanishes_between_create_and_open(name, monkeypatch):
-    from shmlimit import limiter as limmod
+    from shmlimit import header as limmod
     from shmlimit.segment import Segment
 
     real_create = Segment.create
@@ -288,7 +288,7 @@ def test_a_handle_collected_during_an_attach_does_not_deadlock(name, monkeypatch
     """The garbage collector may run a dropped Limiter's __del__ inside another attach."""
     import gc
 
-    from shmlimit import limiter as limmod
+    from shmlimit import header as limmod
 
     dropped = shmlimit.Limiter(name, rate=10)
     cycle = [dropped]

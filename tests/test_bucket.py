@@ -66,7 +66,7 @@ def test_replenish_adds_exactly_elapsed_and_caps_at_capacity(backend):
 
 def test_deficiency_and_fifo_tickets(backend):
     b, clock = make_bucket(Config.make(1000, burst=3), backend, initial=0)
-    tickets = [b.grab(b.cost) for _ in range(3)]
+    tickets = [b.grab(b.cost, L.UNREG_GRANTS, 1) for _ in range(3)]
     assert [b.deficiency(t) for t in tickets] == [b.cost, 2 * b.cost, 3 * b.cost]
     clock.advance(1_000_000)
     b.replenish()
@@ -78,15 +78,15 @@ def test_deficiency_and_fifo_tickets(backend):
 
 def test_try_grab_respects_queue_and_changes_nothing_on_refusal(backend):
     b, clock = make_bucket(Config.make(1000, burst=2), backend, initial=2)
-    assert b.try_grab(b.cost) is not None
+    assert b.try_grab(b.cost, L.UNREG_GRANTS, 1)
     tail = b.cells.load(L.TAIL)
-    assert b.try_grab(2 * b.cost) is None
+    assert not b.try_grab(2 * b.cost, L.UNREG_GRANTS, 2)
     assert b.cells.load(L.TAIL) == tail
-    queued = b.grab(2 * b.cost)  # puts the bucket in debt
+    queued = b.grab(2 * b.cost, L.UNREG_GRANTS, 2)  # puts the bucket in debt
     clock.advance(1_000_000)
     b.replenish()
     assert b.deficiency(queued) == b.cost
-    assert b.try_grab(b.cost) is None  # a try never jumps the queue
+    assert not b.try_grab(b.cost, L.UNREG_GRANTS, 1)  # a try never jumps the queue
 
 
 def test_try_grab_within_takes_only_when_the_wait_fits(backend):
@@ -115,7 +115,7 @@ def test_exact_accounting_over_simulated_hours(backend, base):
         clock.advance(min(rng.randint(1_000, 4 * NS_PER_S), end - clock.now))
         b.replenish()
         avail = b.balance() // b.cost
-        if avail and b.try_grab(avail * b.cost) is not None:
+        if avail and b.try_grab(avail * b.cost, L.UNREG_GRANTS, avail):
             granted += avail
     assert granted == (end - start) * b.tpn // b.cost
     assert granted == hours * 3600 * 7 // 3
@@ -165,11 +165,15 @@ def test_no_interleaving_of_replenishers_and_grabbers_over_grants(ops, burst):
         elif op == "replenish":
             b.replenish()
         elif op == "take":
-            if b.try_grab(arg * b.cost) is not None:
+            if b.try_grab(arg * b.cost, L.UNREG_GRANTS, arg):
                 grants.append((clock.now, arg))
         elif op == "queue":
             for _ in range(arg):
-                queued.append((b.grab(b.cost), 1))
+                ticket = b.grab(b.cost, L.UNREG_GRANTS, 1)  # the acquire path: granted now, or queued
+                if ticket is None:
+                    grants.append((clock.now, 1))
+                else:
+                    queued.append((ticket, 1))
         settle()
         assert diff(b.cells.load(L.HEAD), b.cells.load(L.TAIL)) <= b.cap
     for claim in pending.values():

@@ -8,7 +8,7 @@ from hypothesis import strategies as st
 
 import shmlimit
 import shmlimit.layout as L
-import shmlimit.limiter as limiter_mod
+import shmlimit.header as header
 
 
 VALID_HEADER = struct.pack("<QQQQQQ", L.MAGIC, L.VERSION, L.segment_size(1), L.STATE_READY, 1, 1)
@@ -63,8 +63,8 @@ segment_bytes = st.one_of(
 def test_random_bytes_are_refused_cleanly(data, monkeypatch):
     # A zero magic looks like a segment still being initialised: an opener waits for its creator.
     # Here no creator exists, so the waits are cut to nothing (the judgement is the same).
-    monkeypatch.setattr(limiter_mod, "INIT_WAIT", 0.0)
-    monkeypatch.setattr(limiter_mod, "LIVE_CREATOR_WAIT", 0.0)
+    monkeypatch.setattr(header, "INIT_WAIT", 0.0)
+    monkeypatch.setattr(header, "LIVE_CREATOR_WAIT", 0.0)
     name = f"test-hostile-{os.getpid()}-{uuid.uuid4().hex[:8]}"
     path = f"/dev/shm/shmlimit.{name}"
     fd = os.open(path, os.O_CREAT | os.O_EXCL | os.O_RDWR, 0o600)

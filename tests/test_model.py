@@ -4,8 +4,10 @@ Each simulated process is a real ``Limiter`` handle on its own attachment (its o
 its own cached config, the native or the ``atomics`` backend) over one shared mapping, with an
 injected clock and no filler thread: time moves only when the test says so, and tokens arrive
 only through replenishes the test performs (a filler's, a waiter's, a stalled one's).  Waiting is
-not simulated by sleeping: an acquire that would wait leaves its ticket pending, and the model
-sees it granted when the head passes it.  After every step the invariants are checked:
+not simulated by sleeping: an acquire is the production ``Request`` of the acquisition core,
+taken one step at a time; one that would wait for its ticket leaves the ticket pending (the
+model sees it granted when the head passes it), one that would park before taking anything
+gives up, having taken nothing.  After every step the invariants are checked:
 
 * the window bound: in every window of length T, the tokens granted are at most
   ``ratio * (T * tpn + capacity)`` (the largest ratio and capacity ever in force);
@@ -16,6 +18,7 @@ sees it granted when the head passes it.  After every step the invariants are ch
 """
 import mmap
 import os
+import time as time_module
 
 import hypothesis.strategies as st
 import pytest
@@ -24,11 +27,12 @@ from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, pr
 
 import shmlimit
 from shmlimit import layout as L
-from shmlimit import limiter as limiter_module
 from shmlimit.bucket import Bucket, diff
 from shmlimit.cells import native_available, open_cells
 from shmlimit.config import MAX_SPAN_TOKENS, NS_PER_S, Config
-from shmlimit.limiter import Limiter, _Attachment
+from shmlimit.acquisition import TICKET, Request
+from shmlimit.attachment import Attachment
+from shmlimit.limiter import Limiter
 from shmlimit.segment import Segment
 
 BACKENDS = ["atomics"] + (["native"] if native_available() else [])
@@ -66,7 +70,7 @@ class LimiterModel(RuleBasedStateMachine):
         self.released = 0
         self.granted_ops = 0  # capped mode: ops granted or queued (counted once taken)
         self.stalled = []  # claims of replenishers stopped between their claim and their add
-        self.saved_sleep = limiter_module.time.sleep
+        self.saved_sleep = time_module.sleep
 
     @initialize(rate=RATES, burst=BURSTS, capped=st.booleans(), ratio=st.sampled_from([1.0, 1.0, 3.0]))
     def create(self, rate, burst, capped, ratio):
@@ -86,12 +90,12 @@ class LimiterModel(RuleBasedStateMachine):
         self.max_ratio = ratio
         self.cap_ops = max(1, c.load(L.CFG_CAP) // c.load(L.CFG_COST))
         self.capped = capped
-        limiter_module.time.sleep = self._no_sleep
+        time_module.sleep = self._no_sleep  # nothing in the model may wait
         for i in range(3):
             self._spawn(BACKENDS[i % len(BACKENDS)])
 
     def teardown(self):
-        limiter_module.time.sleep = self.saved_sleep
+        time_module.sleep = self.saved_sleep
         self.procs.clear()
 
     # -- simulated processes ---------------------------------------------------------
@@ -102,33 +106,40 @@ class LimiterModel(RuleBasedStateMachine):
     def _spawn(self, backend):
         size = L.segment_size(SLOTS)
         seg = Segment("model", self.mm, size, False, 0)
-        att = _Attachment("model", seg, open_cells(self.mm, size, backend), join=False)
-        att.bucket.clock = self.clock
+        att = Attachment("model", seg, open_cells(self.mm, size, backend), join=False, clock=self.clock)
         lim = Limiter.__new__(Limiter)
         lim._name = "model"
         lim._att = att
         lim._fast = att.fast
         att.refs += 1
-        model = self
-
-        def record(att_, ticket):  # instead of waiting: the ticket stays pending
-            model._pending_ticket = ticket
-
-        lim._wait = record
         self.procs.append(lim)
 
     def _words(self):
         return [self.cells.load(off) for off in WORDS]
 
     def _call(self, fn, *args, **kwargs):
-        """Run one API call; note a ticket it left pending, and the tokens it was priced at."""
-        self._pending_ticket = None
+        """Run one API call that never waits; note the tail before it."""
         tail = self.cells.load(L.TAIL)
         try:
             result = fn(*args, **kwargs)
         except WouldBlock:
             result = WouldBlock
-        return result, tail, self._pending_ticket
+        return result, tail, None
+
+    def _acquire(self, lim, n, timeout=None):
+        """One acquire, stepped by the core: granted, refused, waiting for its ticket, or giving up.
+
+        A request that holds a ticket and would park keeps waiting (its ticket pending, never
+        ended: its place among the ops in flight stays taken).  One that would park before
+        taking anything gives up (``end``), having taken nothing.
+        """
+        tail = self.cells.load(L.TAIL)
+        req = Request(lim._att, n, timeout)
+        step = req.begin()
+        if step is not True and step is not False and req.state == TICKET:
+            return True, tail, req.ticket
+        req.end()
+        return (step if step is True or step is False else WouldBlock), tail, None
 
     def _note_taken(self, tail_before, ops, ticket=None, now=False):
         """The tail moved: its tokens are granted now, or when the head passes ``ticket``."""
@@ -187,7 +198,7 @@ class LimiterModel(RuleBasedStateMachine):
         lim = self._proc(i)
         n = data.draw(st.one_of(st.just(1), st.integers(1, 3), st.just(MAX_SPAN_TOKENS // self._cost())), label="n")
         try:
-            result, tail, ticket = self._call(lim.acquire, n, timeout)
+            result, tail, ticket = self._acquire(lim, n, timeout)
         except shmlimit.QueueFullError if hasattr(shmlimit, "QueueFullError") else ():
             return
         except ValueError as e:  # capped mode: more than the capacity can ever admit
@@ -212,12 +223,12 @@ class LimiterModel(RuleBasedStateMachine):
         for _ in range(k):
             n = MAX_SPAN_TOKENS // self._cost()
             call = {
-                "reserve": lambda: lim.reserve(n),
-                "reserve_bounded": lambda: lim.reserve(n, max_wait=10**9),
-                "acquire": lambda: lim.acquire(n),
+                "reserve": lambda: self._call(lim.reserve, n),
+                "reserve_bounded": lambda: self._call(lim.reserve, n, max_wait=10**9),
+                "acquire": lambda: self._acquire(lim, n),
             }[how]
             try:
-                result, tail, ticket = self._call(call)
+                result, tail, ticket = call()
             except shmlimit.QueueFullError if hasattr(shmlimit, "QueueFullError") else ():
                 return
             except ValueError as e:  # capped mode: more than the capacity can ever admit
@@ -361,8 +372,7 @@ class LimiterModel(RuleBasedStateMachine):
         head = cells.load(L.HEAD)
         for ticket, _ in self.pending:
             assert diff(head, ticket) >= 0, "a queued ticket was not served after its schedule"
-        att = _Attachment("scratch", Segment("scratch", scratch, len(scratch), False, 0), cells, join=False)
-        att.bucket.clock = clock
+        att = Attachment("scratch", Segment("scratch", scratch, len(scratch), False, 0), cells, join=False, clock=clock)
         probe = Limiter.__new__(Limiter)
         probe._name, probe._att, probe._fast = "scratch", att, att.fast
         ok = probe.try_acquire(1)

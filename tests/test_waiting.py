@@ -8,7 +8,7 @@ import time
 import pytest
 
 import shmlimit
-from shmlimit import limiter as LM
+from shmlimit import acquisition as LM
 from shmlimit import sleep as S
 from shmlimit.cells import native_available
 from support.procs import wait_for
@@ -67,7 +67,7 @@ def test_the_slack_is_lowered_for_the_sleep_only(kind):
 def _counting_worker(name, seconds, q):
     """Acquire for a while; count every time the waiting loop sleeps or yields, per grant."""
     counts = {"wakes": 0}
-    real = LM._sleep_until()
+    real = LM.sleep_until()
     yield_ = os.sched_yield
 
     def sleep_until(*a):

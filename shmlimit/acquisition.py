@@ -1,0 +1,431 @@
+"""The acquisition core: every way of taking ops, as step functions that never sleep.
+
+``Request(att, n, timeout)`` is one call of ``acquire``.  ``begin()`` answers
+True (granted), False (refused, having taken nothing) or a number of seconds
+to park before asking again with ``next()``, which answers the same way;
+``end()`` must follow, whatever happened (it clears the WAITING flag and gives
+back what a request that was not granted still holds).  The two drivers only
+park: ``drive`` (``Limiter.acquire``) sleeps, to a ticket's turn precisely
+(``wake_ns``, ``sleep.sleep_until``), ``drive_async``
+(``Limiter.acquire_async``) awaits ``asyncio.sleep``.  This is the shape trio
+uses (``acquire_nowait`` plus parking): the decisions are made once, here,
+for both.
+
+A request moves through these states, each a step that never blocks:
+
+* ``ADMIT``  -- capped mode: waiting for a place among the ops in flight
+  (``Bucket.admit``), holding no ticket, so nobody queues behind it;
+* ``JOIN``   -- ``max_reserved`` is set and the queue is too long to join: an
+  untimed request waits, taking nothing, until it may take its ticket;
+* ``POLL``   -- hierarchical mode, timed: tokens arrive with leases, not on a
+  clock, so no wait is computable; the request takes nothing until it
+  succeeds, tells the filler it is hungry, and joins the line of timed
+  waiters only to learn how many ops wait ahead of it: it sleeps until the
+  filler next expects tokens, plus the local rate's time for those ahead;
+* ``TICKET`` -- it holds a ticket: it waits for the head to reach it,
+  replenishing by itself (the lazy refill: nothing waits for the filler) and
+  nudging its process's filler when it had to.  While here, its process slot's
+  WAITING word counts it (``stats().processes[i].waiting``).
+
+Every deadline and nap is measured on the attachment's clock (CLOCK_MONOTONIC
+ns, injected in tests), so a request can be driven step by step on a fake clock.
+"""
+from __future__ import annotations
+
+import asyncio
+import time
+from typing import TYPE_CHECKING, Callable, Optional, Union
+
+from .config import NS_PER_S, validate_n, validate_timeout
+
+if TYPE_CHECKING:  # pragma: no cover
+    from .attachment import Attachment
+    from .bucket import Bucket
+
+#: A waiter whose ticket is due but not yet covered looks again after this long at least (ns).
+RETRY_NS = 20_000
+#: A parked waiter looks again at least this often, to notice rate changes and stops (seconds).
+MAX_NAP = 0.25
+MAX_NAP_NS = int(MAX_NAP * NS_PER_S)
+#: ... and never sooner than this, unless it is about to be served (seconds).
+MIN_NAP = 1e-4
+#: Hierarchical mode: a request that does not know when tokens come looks this often (seconds) ...
+POLL = 0.002
+#: ... and one that knows wakes this long after they are due, once the filler has added them (seconds).
+ARRIVAL_SLACK = 0.0003
+#: Capped mode: a request waiting for a release looks again this often (seconds).
+CAPPED_NAP = 0.001
+_INF = float("inf")
+
+ADMIT, JOIN, POLL_STATE, TICKET, DONE = "admit", "join", "poll", "ticket", "done"
+
+Step = Union[bool, float]
+
+
+class Request:
+    """One acquire of ``n`` ops, with ``timeout`` seconds (None: as long as it takes)."""
+
+    __slots__ = (
+        "att", "bucket", "n", "tokens", "deadline", "state", "ticket", "admitted", "granted", "place", "wake_ns",
+        "_waiting",
+    )
+
+    def __init__(self, att: "Attachment", n: int, timeout: Optional[float]) -> None:
+        b = att.bucket
+        if b.refresh() or att.fast_seq != b.seq:
+            att.update_fast()
+        validate_n(n, b.cost)
+        timeout = validate_timeout(timeout)
+        self.att = att
+        self.bucket = b
+        self.n = n
+        self.tokens = n * b.cost
+        self.deadline: Optional[int] = None if timeout is None else att.clock() + int(timeout * NS_PER_S)
+        self.state = DONE
+        self.ticket: Optional[int] = None
+        self.admitted = False
+        self.granted = False
+        self.place: Optional[int] = None  # hierarchical mode, timed: our place in the line of waiters
+        #: the last nap ends at this CLOCK_MONOTONIC instant, to sleep to precisely (None: roughly)
+        self.wake_ns: Optional[int] = None
+        self._waiting = False
+
+    @classmethod
+    def holding(cls, att: "Attachment", n: int, ticket: int) -> "Request":
+        """A request that already holds ``ticket`` (the fast path's grab): it only waits."""
+        r = cls.__new__(cls)
+        r.att, r.bucket, r.n, r.tokens, r.deadline = att, att.bucket, n, n * att.bucket.cost, None
+        r.admitted = r.granted = r._waiting = False
+        r.place = None
+        r.wake_ns = None
+        r.ticket = ticket
+        r.state = TICKET
+        r._waiting = True
+        att.waiting(+1)
+        return r
+
+    # -- the steps ---------------------------------------------------------------------
+
+    def begin(self) -> Step:
+        """Try at once: True (granted), False (refused, nothing taken) or seconds to park before ``next``."""
+        if self.state == TICKET:  # made ``holding`` its ticket already
+            return self._wait_ticket()
+        b = self.bucket
+        if b.capped:
+            if not b.admit(self.n):
+                if self.n > b.cap_ops:
+                    raise ValueError(f"n must be at most the capacity of {b.cap_ops} ops in capped mode, got {self.n}")
+                self.state = ADMIT
+                return self._admit_nap()
+            self.admitted = True
+        return self._take()
+
+    def next(self) -> Step:
+        """After a park: True (granted), False (refused, nothing taken) or seconds to park again."""
+        state = self.state
+        if state == TICKET:
+            return self._wait_ticket()
+        if state == ADMIT:
+            b = self.bucket
+            b.refresh()
+            if not b.admit(self.n):
+                return self._admit_nap()
+            self.admitted = True
+            return self._take()
+        if state == JOIN:
+            return self._join()
+        if state == POLL_STATE:
+            return self._poll()
+        raise RuntimeError(f"request is {state}: nothing to wait for")
+
+    def end(self) -> None:
+        """Leave: clear the WAITING count, and give back the place in flight of a request not granted.
+
+        Safe to call more than once, and after any exception (an interrupt, a
+        cancellation) at any step.
+        """
+        if self._waiting:
+            self._waiting = False
+            self.att.waiting(-1)
+        if self.place is not None:  # we leave the line of timed waiters, whatever the outcome
+            self.place = None
+            self.bucket.leave_line(self.n)
+        if self.admitted and not self.granted:
+            self.admitted = False
+            self.bucket.unadmit(self.n)
+        self.state = DONE
+
+    # -- states --------------------------------------------------------------------------
+
+    def _take(self) -> Step:
+        """Admitted (or not capped): take the tokens now, or a ticket, or start waiting to take one."""
+        b = self.bucket
+        att = self.att
+        if att.opened():  # hierarchical mode, upstream unreachable, on_redis_error="open": no limit
+            return self._grant()
+        if self.deadline is None:
+            if b.max_reserved_ns == _INF:
+                ticket = b.grab(self.tokens, att.grants_off, self.n)
+                if ticket is None:
+                    self.granted = True
+                    self.state = DONE
+                    return True
+                return self._hold(ticket)
+            self.state = JOIN
+            return self._join()
+        if b.upstream:
+            self.state = POLL_STATE
+            return self._poll()
+        left_ns = max(0, self.deadline - att.clock())
+        ticket = self._reserve(min(left_ns, b.max_reserved_ns))
+        if ticket is None:
+            return self._refuse()
+        return self._hold(ticket)
+
+    def _reserve(self, max_wait_ns: float) -> Optional[int]:
+        return ticket_within(self.bucket, self.tokens, max_wait_ns)
+
+    def _join(self) -> Step:
+        """``max_reserved``: take a ticket once the queue is short enough, else park (taking nothing)."""
+        b = self.bucket
+        ticket = self._reserve(b.max_reserved_ns)
+        if ticket is not None:
+            return self._hold(ticket)
+        b.refresh()
+        over = -b.balance() + self.tokens - b.max_reserved_ns * b.tpn
+        return min(MAX_NAP, max(MIN_NAP, over / b.tpn / NS_PER_S))
+
+    def _poll(self) -> Step:
+        """Hierarchical mode, timed: granted now, refused past the deadline, else a short park."""
+        b = self.bucket
+        att = self.att
+        if take_now(att, self.n, self.tokens):
+            return self._done()
+        now = att.clock()
+        left = (self.deadline - now) / NS_PER_S if self.deadline is not None else _INF
+        if left <= 0:
+            return self._refuse()
+        b.mark_hungry(now)  # no ticket shows our demand: tell the filler
+        att.nudge_filler()
+        if self.place is None:
+            self.place = b.join_line(self.n)
+        turn = b.ahead_in_line(self.place) * b.config.per / b.config.rate  # the local rate serves those ahead
+        nxt = b.next_lease_ns()
+        nap = ((nxt - now) / NS_PER_S + turn if nxt > now else max(POLL, turn)) + ARRIVAL_SLACK
+        return min(left, nap, MAX_NAP)
+
+    def _hold(self, ticket: int) -> Step:
+        self.ticket = ticket
+        self.state = TICKET
+        if not self._waiting:
+            self._waiting = True
+            self.att.waiting(+1)
+        return self._wait_ticket()
+
+    def _wait_ticket(self) -> Step:
+        """Granted once the head covers the ticket.  Its due time at the rate is exact
+        (``Bucket.due_ns``), so a waiter parks once, until then (``wake_ns``, to sleep to
+        precisely), replenishes and is granted; only when the head still falls short (another
+        process's replenish in flight, or tokens that come from leases, releases or a start)
+        does it look again soon.  Each waiter wakes for its own turn only, or every ``MAX_NAP``."""
+        b = self.bucket
+        att = self.att
+        ticket = self.ticket
+        assert ticket is not None
+        self.wake_ns = None
+        if b.covered(ticket):
+            return self._grant()
+        b.refresh()
+        if att.opened():  # the "open" fallback lets queued callers through too
+            return self._grant()
+        now = att.clock()
+        due = b.due_ns(ticket) if b.time_fed and not b.stopped else now
+        if due > now:  # not our turn yet: no replenish can help, park until it
+            self.wake_ns = min(int(due) + 1, now + MAX_NAP_NS)  # now and then, to notice changes
+            return (self.wake_ns - now) / NS_PER_S
+        # our turn (or no clock to tell): replenishing adds whatever time has passed (the lazy
+        # refill: nothing waits for the filler)
+        if b.replenish() > 0:
+            att.nudge_filler()  # we did the filler's work: make sure a filler runs
+            if b.covered(ticket):
+                return self._grant()
+        short = b.deficiency(ticket) / b.tpn
+        if b.upstream:
+            att.nudge_filler()  # only a filler leases: make sure one runs
+            if not b.time_fed:  # tokens come with leases: park until a batch is due
+                return self._fed_nap(short / NS_PER_S)
+        # due, yet short: look again soon, or when the shortfall could have arrived
+        self.wake_ns = now + int(min(max(short, RETRY_NS), MAX_NAP_NS))
+        return (self.wake_ns - now) / NS_PER_S
+
+    def _fed_nap(self, estimate: float) -> float:
+        """Hierarchical mode: how long a queued waiter parks, ``estimate`` being the local rate's guess.
+
+        Tokens come only when a reserved batch falls due: never sooner than
+        that, and for a ticket far back not before the local rate would reach
+        it.  Unknown, look again after ``POLL``.
+        """
+        now = self.att.clock()
+        nxt = self.bucket.next_lease_ns()
+        if nxt <= now:  # not known: a batch may come at any moment (a burst available upstream)
+            return POLL
+        return min(max((nxt - now) / NS_PER_S, estimate) + ARRIVAL_SLACK, MAX_NAP)
+
+    def _admit_nap(self) -> Step:
+        if self.deadline is None:
+            return CAPPED_NAP
+        left = (self.deadline - self.att.clock()) / NS_PER_S
+        if left <= 0:
+            return self._refuse()
+        return min(CAPPED_NAP, left)
+
+    # -- outcomes ------------------------------------------------------------------------
+
+    def _grant(self) -> bool:
+        """Granted: counted in this process's slot."""
+        self.att.count(self.n)
+        return self._done()
+
+    def _done(self) -> bool:
+        self.granted = True
+        self.state = DONE
+        return True
+
+    def _refuse(self) -> bool:
+        self.state = DONE
+        return False
+
+
+# ---- the two drivers: they only park ------------------------------------------------------------
+
+
+def drive(req: Request) -> bool:
+    """Run ``req`` to its end in this thread, sleeping between steps.
+
+    A wait for a ticket's turn sleeps to its instant (``wake_ns``) precisely,
+    with a low timer slack (``sleep.sleep_until``); every other wait sleeps its nap.
+    """
+    try:
+        step = req.begin()
+        while step is not True and step is not False:
+            if req.wake_ns is not None:
+                sleep_until()(req.wake_ns)
+            else:
+                time.sleep(step)
+            step = req.next()
+        return step
+    finally:
+        req.end()
+
+
+_sleeper: list = []
+
+
+def sleep_until() -> Callable[[int], None]:
+    """This process's precise sleeper (chosen once: the backend does not change in a process)."""
+    if not _sleeper:
+        from .sleep import sleeper
+
+        _sleeper.append(sleeper())
+    return _sleeper[0]
+
+
+async def drive_async(req: Request) -> bool:
+    """Run ``req`` to its end on the event loop, awaiting ``asyncio.sleep`` between steps (never spinning)."""
+    try:
+        step = req.begin()
+        while step is not True and step is not False:
+            await asyncio.sleep(max(step, MIN_NAP))
+            step = req.next()
+        return step
+    finally:
+        req.end()
+
+
+# ---- the calls that never wait ------------------------------------------------------------------
+
+
+def take_now(att: "Attachment", n: int, tokens: int) -> bool:
+    """``n`` ops (``tokens``) if the head covers them now, replenishing once if it does not; counted."""
+    b = att.bucket
+    if b.try_grab(tokens, att.grants_off, n):
+        return True
+    b.refresh()
+    if att.opened():  # the "open" fallback: no limit
+        att.count(n)
+        return True
+    return b.replenish() > 0 and b.try_grab(tokens, att.grants_off, n)
+
+
+def ticket_within(b: "Bucket", tokens: int, max_wait_ns: float) -> Optional[int]:
+    """A ticket whose wait fits ``max_wait_ns``, replenishing once if it does not; None having taken nothing."""
+    ticket = b.try_grab_within(tokens, max_wait_ns)
+    if ticket is None and b.replenish() > 0:
+        ticket = b.try_grab_within(tokens, max_wait_ns)
+    return ticket
+
+
+def try_acquire(att: "Attachment", n: int) -> bool:
+    """``Limiter.try_acquire``: granted now, or refused having taken nothing (and the filler told)."""
+    b = att.bucket
+    if b.refresh() or att.fast_seq != b.seq:
+        att.update_fast()
+    tokens = validate_n(n, b.cost) * b.cost
+    if b.capped and not b.admit(n):
+        return False
+    granted = False
+    try:
+        granted = take_now(att, n, tokens)
+    finally:
+        if b.capped and not granted:
+            b.unadmit(n)
+    if not granted and b.upstream:
+        b.mark_hungry(att.clock())  # a refused try is demand the filler should see
+    return granted
+
+
+def reserve(att: "Attachment", n: int, max_wait: Optional[float]) -> Optional[float]:
+    """``Limiter.reserve``: a ticket counted as granted, and the seconds until it is due; None takes nothing."""
+    b = att.bucket
+    b.refresh()
+    if b.upstream:
+        # Paced by the local rate, each host would promise slots of the global rate: two hosts
+        # of a global 100/s handed out 200 usable slots in 1 s.  Leases have no known time.
+        raise ValueError(
+            f"reserve() is not available on the hierarchical limiter {att.name!r}: its tokens come "
+            f"from leases, whose time is not known in advance; use acquire(timeout=...) or try_acquire()"
+        )
+    tokens = validate_n(n, b.cost) * b.cost
+    limit = validate_timeout(max_wait, "max_wait")
+    if att.opened():
+        att.count(n)
+        return 0.0
+    if b.capped and not b.admit(n):
+        return None  # no room among the ops in flight: nothing taken
+    ticket = None
+    try:
+        ticket = ticket_within(b, tokens, min(_INF if limit is None else limit * NS_PER_S, b.max_reserved_ns))
+    finally:
+        if ticket is None and b.capped:
+            b.unadmit(n)
+    if ticket is None:
+        return None
+    att.count(n)
+    if b.deficiency(ticket) and b.stopped:
+        return _INF
+    # Replenish just before reading the head and its time: a replenish by another process
+    # landing between the two reads makes the answer late by its interval, which is now
+    # only as long as the time since ours.
+    b.replenish()
+    return max(0.0, b.due_ns(ticket) - att.clock()) / NS_PER_S
+
+
+def retry_after(att: "Attachment", n: int) -> float:
+    """Seconds until ``n`` ops could be granted to a new caller at the current rate (0.0: now)."""
+    b = att.bucket
+    b.refresh()
+    tokens = validate_n(n, b.cost) * b.cost
+    if b.stopped:
+        return _INF
+    short = -b.balance() + tokens - min(b.pending(), b.cap)
+    return max(0, short) / b.tpn / NS_PER_S

@@ -1,0 +1,214 @@
+"""The config as the segment publishes it: two checksummed banks under a sequence lock.
+
+The config is published under a sequence lock (``CFG_SEQ`` odd while a writer
+works, and a writer silent for ``CONFIG_LOCK_TIMEOUT_NS`` is taken over) into
+two banks, each stamped with the generation it is published as (the even
+``CFG_SEQ``) and a checksum over both.  A writer writes the backup bank,
+checks that it still holds the lock, then writes the live bank, and publishes
+by one CAS of ``CFG_SEQ`` from its lock value: a writer that was taken over
+fails there.  A stalled writer that resumes can scribble over at most one bank
+(it checks the lock between the two), and its words can never pass the
+checksum for the generation in force, so readers take the other.  Readers take
+the first bank valid for the even ``CFG_SEQ`` they saw before and after; with
+none (an interrupted writer published nothing new) or while a writer is
+presumed dead, the valid bank of the highest generation not above it.
+
+A reader turns the words into one immutable ``Snapshot``: a thread that reads
+a snapshot once never combines a new sequence number with an old price.
+"""
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+from typing import Callable, List, Optional, Tuple
+
+from . import layout as L
+from .cells import Cells
+from .config import MAX_SPAN_TOKENS as MAX_SPAN
+from .config import MAX_TPN, NS_PER_S, Config
+from .errors import ConfigWriterTakenOver, SegmentError
+
+INF_BITS = L.f2u(float("inf"))
+_KNOWN_FLAGS = L.FLAG_CAPPED | L.FLAG_STOPPED | L.UPSTREAM_FLAGS
+
+
+#: A config writer that holds the sequence lock longer than this is presumed dead (ns).
+CONFIG_LOCK_TIMEOUT_NS = 200_000_000
+
+
+def _opt(x: Optional[float]) -> int:
+    return INF_BITS if x is None else L.f2u(x)
+
+
+def _unopt(u: int) -> Optional[float]:
+    v = L.u2f(u)
+    return None if v == float("inf") else v
+
+
+@dataclass(frozen=True)
+class Snapshot:
+    """One process's view of the live config, derived once per change and never mutated."""
+
+    seq: int
+    tpn: int  #: tokens per nanosecond (fixed at creation)
+    cost: int  #: tokens per op
+    cap: int  #: capacity, tokens
+    cap_ops: int  #: capacity, whole ops (the capped-mode in-flight bound)
+    capped: bool
+    stopped: bool
+    upstream_flags: int
+    upstream: bool
+    time_fed: bool
+    open: bool
+    config: Optional[Config]
+    burst_pool: int
+    catch_up: bool
+    wait_cap: int
+    max_reserved_ns: float
+
+
+NO_SNAPSHOT = Snapshot(-1, 1, 1, 1, 1, False, False, 0, False, True, False, None, 0, False, 0, 0.0)
+
+
+def read_snapshot(cells: Cells) -> Snapshot:
+    """The config in force, read under the sequence lock and checked; ``SegmentError`` if corrupt."""
+    c = cells
+    deadline = None
+    while True:
+        seq = c.load(L.CFG_SEQ)
+        if seq & 1:
+            now = time.monotonic_ns()
+            deadline = deadline or now + CONFIG_LOCK_TIMEOUT_NS
+            if now < deadline:
+                time.sleep(0.0005)
+                continue
+        vals = published_values(c, seq)
+        if c.load(L.CFG_SEQ) == seq or deadline is not None:
+            break
+    if vals is None:
+        raise SegmentError("segment is corrupt: no copy of its configuration passes its checksum")
+    rate, per, burst, tpn, cost, cap, flags, ratio, max_reserved, max_behind = vals
+    try:  # words from a corrupt or foreign segment must not reach the arithmetic
+        cfg = Config.make(
+            L.u2f(rate), L.u2f(per), L.u2f(burst), bool(flags & L.FLAG_CAPPED), L.u2f(ratio),
+            _unopt(max_reserved), _unopt(max_behind),
+        )
+    except (TypeError, ValueError) as e:
+        raise SegmentError(f"segment is corrupt: its configuration is invalid ({e})") from None
+    if not 1 <= tpn <= MAX_TPN or not 1 <= cost <= MAX_SPAN or not 1 <= cap <= MAX_SPAN or flags & ~_KNOWN_FLAGS:
+        raise SegmentError(
+            f"segment is corrupt: token unit {tpn}, op cost {cost}, capacity {cap} or flags {flags:#x} out of range"
+        )
+    mb = cfg.max_behind
+    mr = cfg.max_reserved
+    return Snapshot(
+        seq=seq,
+        tpn=tpn,
+        cost=cost,
+        cap=cap,
+        cap_ops=max(1, cap // cost),
+        capped=bool(flags & L.FLAG_CAPPED),
+        stopped=bool(flags & L.FLAG_STOPPED),
+        upstream_flags=flags & L.UPSTREAM_FLAGS,
+        upstream=bool(flags & L.FLAG_UPSTREAM),
+        time_fed=not flags & L.FLAG_UPSTREAM or bool(flags & L.FLAG_FALLBACK_LOCAL),
+        open=bool(flags & L.FLAG_UPSTREAM) and bool(flags & L.FLAG_FALLBACK_OPEN),
+        config=cfg,
+        burst_pool=cfg.burst_pool_at(tpn),
+        catch_up=cfg.ratio > 1.0,
+        wait_cap=MAX_SPAN if mb is None else int(mb * NS_PER_S * tpn),
+        max_reserved_ns=float("inf") if mr is None else mr * NS_PER_S,
+    )
+
+
+def published_values(cells: Cells, seq: int) -> Optional[List[int]]:
+    """The config words published as of ``seq``: the first bank valid for it, else the newest older one."""
+    banks = [
+        _read_bank(cells, L.CFG_BANK, L.CFG_GEN, L.CFG_SUM),
+        _read_bank(cells, L.CFG_BACKUP_BANK, L.CFG_BACKUP_GEN, L.CFG_BACKUP_SUM),
+    ]
+    valid = [(gen, vals) for gen, vals in banks if vals is not None and gen <= seq]
+    exact = [vals for gen, vals in valid if gen == seq]
+    if exact:
+        return exact[0]
+    return max(valid, key=lambda b: b[0])[1] if valid else None
+
+def _read_bank(cells: Cells, offsets: Tuple[int, ...], gen_off: int, sum_off: int) -> Tuple[int, Optional[List[int]]]:
+    """``(generation, values)`` of one bank; values None if its checksum does not hold."""
+    c = cells
+    gen = c.load(gen_off)
+    vals = [c.load(off) for off in offsets]
+    return gen, (vals if c.load(sum_off) == L.config_sum(gen, vals) else None)
+
+
+def config_words(cfg: Config, tpn: int, stopped: bool, upstream_flags: int) -> List[Tuple[int, int]]:
+    """Every config word of ``cfg`` at the segment's token unit ``tpn``, computed before any is written.
+
+    Raises ValueError (naming the parameter) if a quantity does not fit at
+    ``tpn``: a config is validated at the unit it will be stored in, never
+    at the unit it would have chosen for itself.
+    """
+    cfg.check_at(tpn)
+    flags = (L.FLAG_CAPPED if cfg.capped else 0) | (L.FLAG_STOPPED if stopped else 0) | upstream_flags
+    return [
+        (L.CFG_RATE, L.f2u(cfg.rate)),
+        (L.CFG_PER, L.f2u(cfg.per)),
+        (L.CFG_BURST, L.f2u(cfg.burst)),
+        (L.CFG_TPN, tpn),
+        (L.CFG_COST, cfg.cost_at(tpn)),
+        (L.CFG_CAP, cfg.cap_at(tpn)),
+        (L.CFG_FLAGS, flags),
+        (L.CFG_RATIO, L.f2u(cfg.ratio)),
+        (L.CFG_MAX_RESERVED, _opt(cfg.max_reserved)),
+        (L.CFG_MAX_BEHIND, _opt(cfg.max_behind)),
+    ]
+
+def write_banks(cells: Cells, words: List[Tuple[int, int]], gen: int, lock: Optional[int] = None) -> bool:
+    """Write the backup bank, then (if CFG_SEQ still holds ``lock``) the live bank, both for ``gen``.
+
+    Returns False, leaving the live bank alone, if the lock was taken over.
+    """
+    vals = [v for _, v in words]
+    total = L.config_sum(gen, vals)
+    for off, v in zip(L.CFG_BACKUP_BANK, vals):
+        cells.store(off, v)
+    cells.store(L.CFG_BACKUP_GEN, gen)
+    cells.store(L.CFG_BACKUP_SUM, total)
+    if lock is not None and cells.load(L.CFG_SEQ) != lock:
+        return False
+    for off, v in words:
+        cells.store(off, v)
+    cells.store(L.CFG_GEN, gen)
+    cells.store(L.CFG_SUM, total)
+    return True
+
+
+def write_under_lock(cells: Cells, words: Callable[[Cells], List[Tuple[int, int]]]) -> None:
+    """Take the config seqlock (CFG_SEQ odd), write ``words(cells)`` into both banks, publish by CAS.
+
+    Raises ``ConfigWriterTakenOver`` if this writer stalled past the lock's
+    timeout and another took over: then nothing of ours is published.
+    """
+    c = cells
+    since = time.monotonic_ns()
+    while True:
+        seq = c.load(L.CFG_SEQ)
+        if seq & 1 and time.monotonic_ns() - since < CONFIG_LOCK_TIMEOUT_NS:
+            time.sleep(0.0005)
+            continue
+        # even: take the lock; odd for too long: its writer is presumed dead, take it over
+        lock = seq + 1 if not seq & 1 else seq + 2
+        if c.cas(L.CFG_SEQ, seq, lock):
+            break
+    written = False
+    try:
+        written = write_banks(c, words(c), lock + 1, lock)
+    finally:
+        # Publish by CAS from our lock value: if we were taken over, ours is not the config.
+        # (Interrupted half-way, we publish anyway: readers then find the old config valid.)
+        published = c.cas(L.CFG_SEQ, lock, lock + 1)
+    if not (written and published):
+        raise ConfigWriterTakenOver(
+            "this config change was abandoned: the writer stalled longer than the lock's "
+            f"{CONFIG_LOCK_TIMEOUT_NS // 1_000_000} ms and another took over; apply it again"
+        )

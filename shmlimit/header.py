@@ -1,0 +1,229 @@
+"""The segment header protocol: create and initialise a segment, or open one that is ready.
+
+Creation is ``shm_open(O_CREAT|O_EXCL)``, so of many racing creators exactly
+one initialises.  It writes its pid first (``CREATOR_PID``), then the header,
+the upstream's description, the config and the rovers (``Bucket.initialise``),
+then ``MAGIC``, and ``STATE = READY`` last.  Openers wait for ``READY``, then
+check the magic, the version and that ``SIZE`` matches ``SLOTS`` and the
+mapping; anything else raises ``SegmentError``.  A segment whose creator died
+mid-initialisation is refused when attaching, and replaced when creating.
+
+The upstream's description (hierarchical mode, without secrets) is written
+by the creator too (``UpstreamSpec.write``), before ``READY``.
+"""
+from __future__ import annotations
+
+import os
+import time
+from dataclasses import dataclass
+from typing import Callable, Optional, Tuple
+
+from . import layout as L
+from .bucket import Bucket
+from .cells import Cells, open_cells, warm_backend
+from .config import Config
+from .errors import LimiterNotFoundError, SegmentError
+from .segment import Segment, current_inode
+from .segment import unlink as unlink_name
+from .table import is_alive
+from .upstream_spec import UpstreamSpec
+
+#: A segment this old (seconds) with no creator pid in its header was abandoned by its creator.
+INIT_WAIT = 2.0
+#: How long an opener waits for a live creator to finish initialising (seconds); a creator is
+#: never replaced while it lives, however slow, but an opener gives up with an error after this.
+LIVE_CREATOR_WAIT = 30.0
+#: A segment left claimed by a garbage collector this long (seconds) lost its collector.
+DOOMED_WAIT = 2.0
+
+
+@dataclass(frozen=True)
+class Creation:
+    """What a creating call asks for: the segment is made with these if it does not exist."""
+
+    config: Config
+    mode: int = 0o600
+    initial: Optional[float] = None  #: ops in the bucket at creation (None: full)
+    slots: int = L.DEFAULT_SLOTS
+    upstream: Optional[UpstreamSpec] = None  #: hierarchical mode: the upstream, as stored (no secrets)
+
+
+class Abandoned(SegmentError):
+    """A segment whose creator died (or vanished) before finishing its initialisation."""
+
+    def __init__(self, name: str, inode: int, creator: int) -> None:
+        who = f"its creator (pid {creator}) died" if creator else "no creator ever wrote its header"
+        super().__init__(
+            f"segment {name!r} was never initialised: {who}; creating the limiter again replaces it, "
+            f"or remove it with shmlimit.unlink({name!r})"
+        )
+        self.inode = inode
+
+
+#: ready_creator's answer for a segment a collector has claimed (STATE_DOOMED).
+DOOMED = -2
+
+
+def ready_creator(name: str, seg: Segment, waited: float) -> int:
+    """0 if the segment is fully initialised (and its header sound), ``DOOMED`` if a collector
+    claimed it, else the pid of its live creator (-1: not yet known).
+
+    Raises ``SegmentError`` for a foreign or corrupt header and ``Abandoned``
+    for an initialisation nobody will finish.  A creator gets ``INIT_WAIT``
+    seconds to write its pid, counted from the segment's creation (its ctime)
+    *or* from when this caller first looked (``waited``, monotonic), whichever
+    ends first: a ctime anyone with write access can keep refreshing must not
+    keep an opener waiting.
+    """
+    if seg.size == 0:
+        if (time.time_ns() - seg.ctime_ns) / 1e9 > INIT_WAIT or waited > INIT_WAIT:
+            raise Abandoned(name, seg.inode, 0)
+        return -1
+    if seg.size < L.HEADER_BYTES:
+        raise SegmentError(f"segment {name!r} is truncated: {seg.size} bytes, a limiter needs {L.HEADER_BYTES}")
+    cells = open_cells(seg.mm, L.HEADER_BYTES)
+    try:
+        magic, state, version, size, slots, creator = (
+            cells.load(off)
+            for off in (L.MAGIC_OFF, L.STATE_OFF, L.VERSION_OFF, L.SIZE_OFF, L.SLOTS_OFF, L.CREATOR_PID_OFF)
+        )
+    finally:
+        cells.close()
+    if magic not in (0, L.MAGIC):
+        raise SegmentError(f"segment {name!r} is not a shmlimit limiter (bad magic {magic:#018x})")
+    if magic == L.MAGIC and state == L.STATE_READY:
+        if version != L.VERSION:
+            raise SegmentError(
+                f"segment {name!r} has layout version {version}; this shmlimit reads version {L.VERSION}"
+            )
+        if 1 <= slots <= L.MAX_SLOTS and size == L.segment_size(slots) and seg.size < size:
+            raise SegmentError(f"segment {name!r} is truncated: its header says {size} bytes, the file has {seg.size}")
+        if not 1 <= slots <= L.MAX_SLOTS or size != L.segment_size(slots) or seg.size < size:
+            raise SegmentError(
+                f"segment {name!r} is corrupt: header says {size} bytes and {slots} slots, "
+                f"the mapping has {seg.size} bytes"
+            )
+        return 0
+    if magic == L.MAGIC and state == L.STATEDOOMED:
+        return DOOMED  # a collector is unlinking it (or it restores READY)
+    if magic == L.MAGIC and state != L.STATE_INIT:
+        raise SegmentError(f"segment {name!r} is corrupt: unknown state {state}")
+    age = (time.time_ns() - seg.ctime_ns) / 1e9
+    if creator > 0xFFFFFFFF or (creator and not is_alive(creator, 0)) or (
+        not creator and (age > INIT_WAIT or waited > INIT_WAIT)
+    ):
+        raise Abandoned(name, seg.inode, creator)
+    return creator or -1
+
+
+def wait_ready(name: str, seg: Segment, mode: Optional[int] = None, trusted: frozenset = frozenset()) -> Segment:
+    """Return a mapping of a fully initialised segment, re-opening while its creator works.
+
+    A live creator is waited for (up to ``LIVE_CREATOR_WAIT``, by the
+    monotonic clock), never replaced; see ``ready_creator`` for the rest.
+    Re-opening repeats the trust check of the first open.
+    """
+    start = time.monotonic()
+    while True:
+        waited = time.monotonic() - start
+        try:
+            creator = ready_creator(name, seg, waited)
+        except BaseException:
+            seg.close()
+            raise
+        if creator == 0:
+            return seg
+        if creator == DOOMED:
+            # a collector is unlinking it (or it restores READY): wait, then open the name again
+            if waited > DOOMED_WAIT:
+                # the collector died between its claim and its unlink: the segment is whole
+                c = open_cells(seg.mm, L.HEADER_BYTES)
+                try:
+                    c.cas(L.STATE_OFF, L.STATEDOOMED, L.STATE_READY)
+                finally:
+                    c.close()
+        elif waited > LIVE_CREATOR_WAIT:
+            seg.close()
+            raise SegmentError(f"segment {name!r} is still being initialised by pid {creator} after {waited:.0f} s")
+        time.sleep(0.001)
+        seg.close()
+        seg = Segment.open(name, mode, trusted)
+
+
+def open_segment(
+    name: str,
+    create: Optional[Creation],
+    mode: Optional[int],
+    trusted: frozenset = frozenset(),
+    clock: Callable[[], int] = time.monotonic_ns,
+) -> Tuple[Segment, Cells]:
+    """Create and initialise the segment, or map the existing one; never a half-initialised header.
+
+    With ``create`` (create intent), a segment abandoned mid-initialisation is
+    replaced, and a name unlinked between our failed create and our open is
+    created again.  Without it, both raise.  An existing segment is opened
+    only if it passes the trust check for ``mode`` and ``trusted`` (uids);
+    ``mode`` None skips it (``collect``, which only unlinks, as the filesystem
+    allows).  ``clock`` (CLOCK_MONOTONIC ns) starts a new bucket's schedule.
+    """
+    warm_backend()  # a creator's first store must not wait for an import
+    for _ in range(16):
+        if create is not None:
+            seg = Segment.create(name, L.segment_size(create.slots), create.mode)
+            if seg is not None:
+                return seg, initialise(seg, create, clock())
+        try:
+            seg = wait_ready(name, Segment.open(name, mode, trusted), mode, trusted)
+        except LimiterNotFoundError:
+            if create is None:
+                raise
+            continue
+        except Abandoned as e:
+            if create is None:
+                raise
+            time.sleep(0.05)  # replacing destroys a segment: confirm the verdict once more first
+            try:
+                wait_ready(name, Segment.open(name, mode, trusted), mode, trusted).close()
+                continue  # it became ready (or another took its place): attach normally
+            except Abandoned as again:
+                if again.inode != e.inode:
+                    continue
+            except (LimiterNotFoundError, SegmentError):
+                continue
+            if current_inode(name) == e.inode:  # still the abandoned one, not a newer segment
+                try:
+                    unlink_name(name)
+                except LimiterNotFoundError:
+                    pass
+            continue
+        return seg, open_cells(seg.mm, cells_size(seg))
+    raise SegmentError(f"could not create or open limiter {name!r}: it kept being unlinked and re-created")
+
+
+def initialise(seg: Segment, create: Creation, now_ns: int) -> Cells:
+    """Write a new segment's header, upstream description, config and rovers; READY last."""
+    c = open_cells(seg.mm, seg.size)
+    c.store(L.CREATOR_PID_OFF, os.getpid())  # first: openers tell a working creator from a dead one
+    c.store(L.VERSION_OFF, L.VERSION)
+    c.store(L.SIZE_OFF, seg.size)
+    c.store(L.SLOTS_OFF, create.slots)
+    c.store(L.CREATED_NS_OFF, time.time_ns())
+    base = int(os.environ.get("SHMLIMIT_TEST_ROVER_BASE", "0"))  # tests: start the rovers anywhere
+    if create.upstream is not None:
+        create.upstream.write(c)
+    Bucket.initialise(c, create.config, now_ns, create.initial, base, create.upstream is not None)
+    c.store(L.MAGIC_OFF, L.MAGIC)
+    c.store(L.STATE_OFF, L.STATE_READY)  # last: openers wait for this
+    return c
+
+
+def cells_size(seg: Segment) -> int:
+    return min(seg.size, L.segment_size(_peek_slots(seg)))
+
+
+def _peek_slots(seg: Segment) -> int:
+    c = open_cells(seg.mm, L.HEADER_BYTES)
+    try:
+        return c.load(L.SLOTS_OFF)
+    finally:
+        c.close()

@@ -1,0 +1,235 @@
+"""The acquisition core, step by step on a fake clock: no test here sleeps to make time pass.
+
+A ``Request`` never sleeps: each step answers granted, refused, or how long to
+park.  Here the test parks by advancing the limiter's injected clock in 1 ms
+steps, replenishing at each as the filler would, so every schedule (tickets,
+backpressure, capped admission, stop/start, reservations, catch-up, a rate
+change) is checked exactly.  (The clock jumping far in one step with nobody
+replenishing would lose that interval: the documented price of the
+replenish clamp after a drained bucket.)
+"""
+import asyncio
+import os
+
+import pytest
+
+import shmlimit
+from shmlimit.acquisition import CAPPED_NAP, MAX_NAP, Request
+from support.clock import FakeClock
+
+MS = 1_000_000  # ns
+
+
+@pytest.fixture
+def clock():
+    return FakeClock()
+
+
+def open_limiter(name, clock, **kw):
+    return shmlimit.Limiter(name, clock=clock, **kw)
+
+
+def me(lim):
+    [p] = [p for p in lim.stats().processes if p.pid == os.getpid()]
+    return p
+
+
+def on_time(parked, due):
+    """Parked until ``due``: a waiter sleeps to 1 ns past its turn, so that its turn has come."""
+    return due <= parked <= due + 10
+
+
+def tick(lim, clock, ns):
+    """Let ``ns`` of time pass in steps of at most 1 ms, replenishing after each (the filler's work)."""
+    while ns > 0:
+        step = min(ns, MS)
+        clock.advance(step)
+        lim._att.bucket.replenish()
+        ns -= step
+
+
+def drive(lim, req, clock, limit=10_000):
+    """Park by letting time pass exactly as long as the request asks; return (result, ns parked)."""
+    parked = 0
+    step = req.begin()
+    try:
+        for _ in range(limit):
+            if step is True or step is False:
+                return step, parked
+            ns = max(1, int(round(step * 1e9)))
+            tick(lim, clock, ns)
+            parked += ns
+            step = req.next()
+        raise AssertionError("the request never finished")
+    finally:
+        req.end()
+
+
+def test_a_ticket_waits_exactly_its_deficiency_and_shows_waiting(name, clock):
+    lim = open_limiter(name, clock, rate=1000, burst=10, initial=1)  # one op now, then one per ms
+    try:
+        att = lim._att
+        req = Request(att, 3, None)
+        nap = req.begin()
+        assert nap == pytest.approx(0.002)  # 2 ops short at 1 ms each
+        assert me(lim).waiting is True  # queued: its slot says so
+        clock.advance(1 * MS)
+        assert req.next() == pytest.approx(0.001)  # it replenished by itself: one op short now
+        clock.advance(1 * MS)
+        assert req.next() is True
+        req.end()
+        assert me(lim).waiting is False
+        assert me(lim).grants == 3
+    finally:
+        lim.close()
+
+
+def test_a_timed_request_that_cannot_fit_takes_nothing(name, clock):
+    lim = open_limiter(name, clock, rate=1000, burst=10, initial=1)
+    try:
+        att = lim._att
+        tail = att.bucket.balance()
+        assert drive(lim, Request(att, 5, 0.0035), clock) == (False, 0)  # 4 ms short > 3.5 ms
+        assert att.bucket.balance() == tail and me(lim).grants == 0
+        ok, parked = drive(lim, Request(att, 5, 0.004), clock)  # exactly fits: a ticket, then the wait
+        assert ok and on_time(parked, 4 * MS) and me(lim).grants == 5
+    finally:
+        lim.close()
+
+
+def test_max_reserved_waits_to_join_taking_nothing(name, clock):
+    lim = open_limiter(name, clock, rate=1000, burst=10, initial=0, max_reserved=0.002)
+    try:
+        att = lim._att
+        assert [lim.reserve(), lim.reserve()] == [pytest.approx(0.001), pytest.approx(0.002)]
+        assert lim.reserve() is None  # the queue is 2 ms deep: full
+        req = Request(att, 1, None)
+        nap = req.begin()
+        assert nap == pytest.approx(0.001) and req.ticket is None  # backpressure: no ticket yet
+        assert me(lim).waiting is False  # not queued while it waits to join
+        ok, parked = drive(lim, req, clock)
+        assert ok and on_time(parked, 3 * MS)  # joins after 1 ms (the queue is 2 ms deep again), served at 3 ms
+    finally:
+        lim.close()
+
+
+def test_capped_requests_wait_for_a_release_holding_no_ticket(name, clock):
+    lim = open_limiter(name, clock, rate=1000, burst=2, capped=True)
+    try:
+        att = lim._att
+        assert lim.acquire(2)
+        req = Request(att, 1, None)
+        assert req.begin() == CAPPED_NAP and req.ticket is None
+        tick(lim, clock, 10 * MS)
+        assert req.next() == CAPPED_NAP  # time alone does not admit it: only a release does
+        lim.release(1)
+        assert req.next() is True  # admitted, and the tokens had accrued
+        req.end()
+        timed = Request(att, 1, 0.0)
+        assert timed.begin() is False  # no room and no time to wait: refused, nothing held
+        timed.end()
+        assert att.bucket.in_flight() == 2
+    finally:
+        lim.close()
+
+
+def test_stop_and_start_on_a_fake_clock(name, clock):
+    lim = open_limiter(name, clock, rate=100, burst=1)
+    try:
+        assert lim.try_acquire()
+        lim.stop()
+        tick(lim, clock, 10**9)  # a second stopped: no time accrues
+        assert not lim.try_acquire()
+        assert lim.reserve(max_wait=10) is None  # no computable wait while stopped
+        assert lim.retry_after() == float("inf")
+        lim.start()  # from an empty bucket: the paused second is not owed
+        assert not lim.try_acquire()
+        tick(lim, clock, 10 * MS - 1)
+        assert not lim.try_acquire()
+        tick(lim, clock, 1)
+        assert lim.try_acquire()
+    finally:
+        lim.close()
+
+
+def test_reservations_are_spaced_exactly_on_a_fake_clock(name, clock):
+    lim = open_limiter(name, clock, rate=100, burst=5, initial=1)
+    try:
+        assert [lim.reserve() for _ in range(3)] == [0.0, pytest.approx(0.01), pytest.approx(0.02)]
+        tick(lim, clock, 15 * MS)
+        assert lim.reserve() == pytest.approx(0.015)  # 30 ms after the first, 15 of them gone
+        assert lim.reserve(max_wait=0.0249) is None  # taking nothing
+        assert lim.reserve(max_wait=0.025) == pytest.approx(0.025)
+    finally:
+        lim.close()
+
+
+def test_set_rate_reprices_new_grabs_and_keeps_queued_tickets(name, clock):
+    lim = open_limiter(name, clock, rate=1000, burst=10, initial=0)
+    try:
+        att = lim._att
+        queued = Request(att, 2, None)
+        assert queued.begin() == pytest.approx(0.002)
+        lim.set_rate(100, burst=10)  # ten times slower: 10 ms per op from now on
+        ok, parked = drive(lim, queued, clock)
+        assert ok and on_time(parked, 2 * MS)  # the queued ticket keeps its schedule
+        ok, parked = drive(lim, Request(att, 1, None), clock)
+        assert ok and on_time(parked, 10 * MS)
+    finally:
+        lim.close()
+
+
+def test_catch_up_pays_back_at_most_ratio_times_the_rate(name, clock):
+    rate, ratio = 1000, 2.0
+    lim = open_limiter(name, clock, rate=rate, burst=10, ratio=ratio, initial=0)
+    try:
+        # nobody takes for 100 ms: the bucket holds its 10 ops plus the catch-up room of
+        # capacity * (ratio - 1) = 10 more, and the other 80 ms go to the waiting pool
+        tick(lim, clock, 100 * MS)
+        assert lim.stats().behind_seconds == pytest.approx(0.08, abs=0.001)
+        got = [lim.drain()]
+        assert got == [20]
+        for _ in range(50):  # 50 ms in 1 ms steps, taking everything each time
+            tick(lim, clock, MS)
+            got.append(lim.drain())
+        # the interval after a drained bucket is lost (the clamp's price), then the backlog is
+        # paid at exactly ratio x rate: 2 ops per ms, within ratio * (rate*T + capacity)
+        assert got == [20, 0] + [2] * 49
+        assert sum(got) <= ratio * (rate * 0.05 + 10)
+        assert lim.stats().behind_seconds < 0.08 - 0.02
+    finally:
+        lim.close()
+
+
+def test_an_async_waiter_shows_waiting_and_is_counted(name):
+    lim = shmlimit.Limiter(name, rate=20, burst=1)
+    try:
+        assert lim.try_acquire()  # empty now: the next op is 50 ms away
+
+        async def main():
+            task = asyncio.ensure_future(lim.acquire_async())
+            for _ in range(100):  # until the task has taken its ticket
+                await asyncio.sleep(0.001)
+                if me(lim).waiting:
+                    break
+            seen = me(lim).waiting
+            assert await task is True
+            return seen
+
+        assert asyncio.run(main()) is True
+        assert me(lim).waiting is False and me(lim).grants == 2
+    finally:
+        lim.close()
+
+
+def test_a_request_interrupted_while_queued_stops_showing_waiting(name, clock):
+    lim = open_limiter(name, clock, rate=1000, burst=1)
+    try:
+        assert lim.try_acquire()
+        req = Request(lim._att, 1, None)
+        assert req.begin() > 0 and me(lim).waiting
+        req.end()  # what the drivers do on KeyboardInterrupt or cancellation
+        req.end()  # twice is harmless
+        assert me(lim).waiting is False
+    finally:
+        lim.close()
