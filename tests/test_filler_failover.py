@@ -129,6 +129,8 @@ def test_filler_killed_20_times_while_4_workers_hammer(name):
 
 BUSY = """
 import sys, threading, shmlimit
+
+pytestmark = pytest.mark.slow  # real processes measured in real (wall-clock) time
 lim = shmlimit.attach(sys.argv[1])
 print("ready", flush=True)
 def acquire_forever():

@@ -69,6 +69,8 @@ def test_processes_killed_while_registering_leak_no_slot(name):
 
 FLEET = """
 import sys, shmlimit
+
+pytestmark = pytest.mark.slow  # real processes measured in real (wall-clock) time
 lim = shmlimit.Limiter(sys.argv[1], rate=100)
 for _ in range(5):
     lim.acquire()

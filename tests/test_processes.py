@@ -12,6 +12,8 @@ import shmlimit
 from support.procs import WORKDIR, collect, go, start_workers
 from support.windows import max_excess, max_gap, tag
 
+pytestmark = pytest.mark.slow  # real processes measured in real (wall-clock) time
+
 
 # ---- pool workers ----------------------------------------------------------------
 

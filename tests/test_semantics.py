@@ -90,6 +90,7 @@ def count_between(stamps, a, b):
 # ---- nosqlbench catch-up ----------------------------------------------------------------------
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("ratio", [1.0, 1.1])
 def test_catch_up_after_a_pause(name, ratio):
     """Consumers pause 0.5 s at 1000/s: with ratio 1.1 the time not used comes back at 1100/s
@@ -124,6 +125,7 @@ def test_catch_up_after_a_pause(name, ratio):
     lim.close()
 
 
+@pytest.mark.slow
 def test_waiting_pool_is_capped_by_max_behind(name):
     lim = shmlimit.Limiter(name, rate=1000, ratio=2.0, max_behind=0.1)
     wait_for(lambda: lim.stats().behind_seconds >= 0.1, timeout=5)
@@ -135,6 +137,7 @@ def test_waiting_pool_is_capped_by_max_behind(name):
 # ---- Seastar capped release ---------------------------------------------------------------------
 
 
+@pytest.mark.slow
 def test_capped_release_throttles_by_completions(name):
     lim = shmlimit.Limiter(name, rate=2000, burst=5, capped=True)
     cons = Consumers(lim, count=1)
@@ -180,6 +183,7 @@ def test_capped_release_throttles_by_completions(name):
 # ---- reservations and back-off -------------------------------------------------------------------
 
 
+@pytest.mark.slow
 def test_reservations_queue_in_order_and_respect_max_wait(name):
     lim = shmlimit.Limiter(name, rate=100, burst=1, max_reserved=0.05)
     assert lim.reserve() == 0.0
@@ -214,6 +218,7 @@ def _reserve_one(lim, barrier, q):
     q.put(reserve_bracketed(lim))
 
 
+@pytest.mark.slow
 def test_reservations_from_many_processes_get_distinct_slots(name):
     lim = shmlimit.Limiter(name, rate=50, burst=1, initial=0)
     ctx = mp.get_context("spawn")
@@ -238,6 +243,7 @@ def _backoff(lim, seconds, q):
     q.put(stamps)
 
 
+@pytest.mark.slow
 def test_pessimistic_backoff_shares_the_rate_without_starving_anyone(name):
     rate = 200
     lim = shmlimit.Limiter(name, rate=rate, burst=2)
@@ -270,6 +276,7 @@ def test_drain_takes_what_is_available_and_never_cancels_reservations(name):
     lim.close()
 
 
+@pytest.mark.slow
 def test_capacity_five_never_grants_eight_after_idling(name):
     lim = shmlimit.Limiter(name, rate=1000, burst=5)
     wait_for(lambda: lim.stats().available >= 5)
@@ -295,6 +302,7 @@ def test_timed_acquire_fails_at_once_when_the_wait_is_longer(name):
 # ---- live changes -----------------------------------------------------------------------------
 
 
+@pytest.mark.slow
 def test_set_rate_reaches_running_processes_without_over_grant(name):
     lim = shmlimit.Limiter(name, rate=200)
     cons = Consumers(lim, count=2, method="spawn")
@@ -317,6 +325,7 @@ def test_set_rate_reaches_running_processes_without_over_grant(name):
     lim.close()
 
 
+@pytest.mark.slow
 def test_stop_pauses_every_process_until_start(name):
     lim = shmlimit.Limiter(name, rate=500)
     cons = Consumers(lim, count=2)
@@ -392,6 +401,7 @@ def test_throttle_wait_skip_raise_on_plain_functions(name):
         shmlimit.throttle(name, rate=1, on_limit="drop")
 
 
+@pytest.mark.slow
 def test_throttle_on_async_functions(name):
     @shmlimit.throttle(name, rate=20, burst=1)
     async def tick(i):
@@ -415,6 +425,7 @@ def _throttled(i):
     return time.monotonic(), os.getpid()
 
 
+@pytest.mark.slow
 def test_throttle_across_spawned_pool_workers():
     try:
         shmlimit.unlink("test-throttle-pool")
@@ -433,6 +444,7 @@ def test_throttle_across_spawned_pool_workers():
 # ---- asyncio ----------------------------------------------------------------------------------------
 
 
+@pytest.mark.slow
 def test_acquire_async_never_blocks_the_loop(name):
     t0 = time.monotonic()
     lim = shmlimit.Limiter(name, rate=50, burst=1, initial=0)
@@ -486,6 +498,7 @@ def test_cancelled_before_its_ticket_takes_nothing(name):
     lim.close()
 
 
+@pytest.mark.slow
 def test_catch_up_ends_when_the_backlog_is_paid(name):
     """Ratio 2: a 0.5 s backlog is paid back at 2000/s in ~0.5 s, then the rate is 1000/s again."""
     rate, pause = 1000, 0.5
@@ -531,6 +544,7 @@ def _async_consumer(lim, seconds, q):
     q.put(asyncio.run(run()))
 
 
+@pytest.mark.slow
 def test_acquire_async_in_several_processes_shares_one_rate(name):
     rate, seconds = 200, 2.0
     lim = shmlimit.Limiter(name, rate=rate)

@@ -3,7 +3,11 @@ import os
 import subprocess
 import sys
 
+import pytest
+
 from support.procs import ROOT, WORKDIR
+
+pytestmark = pytest.mark.slow  # real processes measured in real (wall-clock) time
 
 
 def test_short_soak_keeps_the_promise():
