@@ -16,6 +16,8 @@ import shmlimit
 from support.procs import WORKDIR, Stampers, collect, go, start_acquirer, start_idle, start_workers, wait_for
 from support.windows import max_excess, max_gap, tag
 
+pytestmark = pytest.mark.slow  # real processes measured in real (wall-clock) time
+
 
 def test_stopped_filler_loses_the_lease_and_nothing_is_double_filled(name):
     rate, seconds = 500, 4.0
@@ -129,8 +131,6 @@ def test_filler_killed_20_times_while_4_workers_hammer(name):
 
 BUSY = """
 import sys, threading, shmlimit
-
-pytestmark = pytest.mark.slow  # real processes measured in real (wall-clock) time
 lim = shmlimit.attach(sys.argv[1])
 print("ready", flush=True)
 def acquire_forever():

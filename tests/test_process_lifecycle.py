@@ -13,6 +13,8 @@ import pytest
 import shmlimit
 from support.procs import WORKDIR, start_acquirer, wait_for
 
+pytestmark = pytest.mark.slow  # real processes measured in real (wall-clock) time
+
 
 def test_killed_waiters_leave_no_stuck_queue_and_their_slots_are_reclaimed(name):
     lim = shmlimit.Limiter(name, rate=20, slots=4)
@@ -69,8 +71,6 @@ def test_processes_killed_while_registering_leak_no_slot(name):
 
 FLEET = """
 import sys, shmlimit
-
-pytestmark = pytest.mark.slow  # real processes measured in real (wall-clock) time
 lim = shmlimit.Limiter(sys.argv[1], rate=100)
 for _ in range(5):
     lim.acquire()
