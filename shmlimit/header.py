@@ -104,7 +104,7 @@ def ready_creator(name: str, seg: Segment, waited: float) -> int:
                 f"the mapping has {seg.size} bytes"
             )
         return 0
-    if magic == L.MAGIC and state == L.STATEDOOMED:
+    if magic == L.MAGIC and state == L.STATE_DOOMED:
         return DOOMED  # a collector is unlinking it (or it restores READY)
     if magic == L.MAGIC and state != L.STATE_INIT:
         raise SegmentError(f"segment {name!r} is corrupt: unknown state {state}")
@@ -139,7 +139,7 @@ def wait_ready(name: str, seg: Segment, mode: Optional[int] = None, trusted: fro
                 # the collector died between its claim and its unlink: the segment is whole
                 c = open_cells(seg.mm, L.HEADER_BYTES)
                 try:
-                    c.cas(L.STATE_OFF, L.STATEDOOMED, L.STATE_READY)
+                    c.cas(L.STATE_OFF, L.STATE_DOOMED, L.STATE_READY)
                 finally:
                     c.close()
         elif waited > LIVE_CREATOR_WAIT:

@@ -10,7 +10,9 @@ model sees it granted when the head passes it), one that would park before takin
 gives up, having taken nothing.  After every step the invariants are checked:
 
 * the window bound: in every window of length T, the tokens granted are at most
-  ``ratio * (T * tpn + capacity)`` (the largest ratio and capacity ever in force);
+  ``ratio * T * tpn + max(ratio * capacity, the largest single request)`` (the largest ratio
+  and capacity ever in force; a request larger than the capacity is granted in one piece
+  once its schedule has accrued);
 * capped mode: ops granted (or queued) and not released never exceed the capacity in ops;
 * no deadlock: once the clock has run long enough for the queue ahead (and the limiter is not
   stopped), every pending ticket is granted and a new op can be had;
@@ -87,6 +89,7 @@ class LimiterModel(RuleBasedStateMachine):
         self.cells = c
         self.tpn = c.load(L.CFG_TPN)
         self.max_cap = c.load(L.CFG_CAP)
+        self.max_request = 0  # tokens of the largest single request taken
         self.max_ratio = ratio
         self.cap_ops = max(1, c.load(L.CFG_CAP) // c.load(L.CFG_COST))
         self.capped = capped
@@ -148,6 +151,7 @@ class LimiterModel(RuleBasedStateMachine):
         if tokens <= 0:
             return
         ticket = tail if ticket is None else ticket
+        self.max_request = max(self.max_request, tokens)
         if now or diff(self.cells.load(L.HEAD), ticket) >= 0:
             self.grants.append((self.clock(), tokens))
         else:
@@ -323,7 +327,9 @@ class LimiterModel(RuleBasedStateMachine):
             return
         self._observe()
         grants = sorted(self.grants)
-        bound_cap = self.max_ratio * self.max_cap
+        # A request larger than the capacity is granted in one piece once its schedule has
+        # accrued (documented): it may stand for the capacity term, never add to the rate term.
+        bound_cap = max(self.max_ratio * self.max_cap, self.max_request)
         for a in range(len(grants)):
             total = 0
             for b in range(a, len(grants)):

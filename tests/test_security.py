@@ -20,7 +20,7 @@ from hypothesis import strategies as st
 
 import shmlimit
 from shmlimit import layout as L
-from shmlimit import limiter as limiter_mod
+from shmlimit import header
 from shmlimit.top import printable
 
 ROOT = os.geteuid() == 0
@@ -339,7 +339,7 @@ def test_an_empty_file_with_a_refreshed_ctime_does_not_stall_an_opener(name):
             shmlimit.attach(name)
         waited = time.monotonic() - t0
         # INIT_WAIT by the monotonic clock (today: forever); the margin is for a loaded machine
-        assert waited < limiter_mod.INIT_WAIT + 5
+        assert waited < header.INIT_WAIT + 5
         t0 = time.monotonic()
         with pytest.raises(shmlimit.SegmentError):
             shmlimit.inspect(name)  # the tools never wait
@@ -502,7 +502,7 @@ def descriptions(draw):
 @settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(data=descriptions(), claimed=st.one_of(st.none(), st.integers(0, 2**64 - 1)))
 def test_fuzzed_upstream_descriptions_raise_only_segment_errors(data, claimed, monkeypatch):
-    monkeypatch.setattr(limiter_mod, "LIVE_CREATOR_WAIT", 0.0)
+    monkeypatch.setattr(header, "LIVE_CREATOR_WAIT", 0.0)
     name = f"test-fuzz-{os.getpid()}-{uuid.uuid4().hex[:8]}"
     try:
         _upstream_segment(name, data)
