@@ -206,7 +206,7 @@ def check_machine(
 def check_segments(shm_dir: str = SHM_DIR) -> List[Finding]:
     """Limiters no live process uses, and segments this user cannot read."""
     from .errors import ShmlimitError
-    from .limiter import inspect
+    from .stats import inspect
     from .segment import list_names
 
     try:
