@@ -14,11 +14,9 @@ counter it adds to (``count``) and the WAITING count of its queued callers
 """
 from __future__ import annotations
 
-import atexit
 import os
-import threading
 import time
-from typing import Any, Callable, Dict, Optional
+from typing import Any, Callable, Optional
 
 from . import layout as L
 from .bucket import Bucket, GrabResult
@@ -26,6 +24,7 @@ from .cells import MASK64, Cells
 from .errors import ConfigMismatchError, LimiterNotFoundError, SegmentError
 from .filler import FillerThread, Lease
 from .header import Creation, open_segment
+from .registry import Registry
 from .segment import Segment, check_trust, current_inode, validate_name
 from .segment import unlink as unlink_name
 from .table import ProcessTable, pid_namespace, proc_start, slot_alive
@@ -293,12 +292,9 @@ def show(spec: Optional[UpstreamSpec]) -> str:
     return "none" if spec is None else spec.describe()
 
 
-# ---- the registry: one attachment per name per process --------------------------------------
+# ---- the registry: one attachment per name per process -------------------------------------
 
-_registry: Dict[str, Attachment] = {}
-# Re-entrant: a Limiter.__del__ run by the garbage collector in the middle of an attach (which
-# holds the lock) must be able to take it again to drop its reference.
-_registry_lock = threading.RLock()
+_registry: Registry[Attachment] = Registry(after_fork=lambda att: att.after_fork_in_child())
 
 
 def open_attachment(
@@ -309,62 +305,22 @@ def open_attachment(
     clock: Callable[[], int] = time.monotonic_ns,
 ) -> Attachment:
     """This process's attachment to ``name`` (made on first use), with one more handle counted."""
-    with _registry_lock:
-        att = _registry.get(name)
-        # a name unlinked and re-created since we mapped it is a different limiter
-        if att is not None and (att.closed or current_inode(name) != att.seg.inode):
-            _registry.pop(name, None)
-            att = None
-        if att is None:
-            att = map_attachment(name, create, mode, trusted, clock=clock)
-            _registry[name] = att
-        else:
-            if clock is not att.clock:
-                raise ValueError(f"limiter {name!r} is attached in this process with another clock")
-            # vetted when this process first opened it, but perhaps under a wider trust than this call's
-            check_trust(name, _owner_stat(att.seg), mode, trusted)
-            check_matches(name, att, create)
-        att.refs += 1
-        return att
+
+    def check(att: Attachment) -> None:
+        if clock is not att.clock:
+            raise ValueError(f"limiter {name!r} is attached in this process with another clock")
+        # vetted when this process first opened it, but perhaps under a wider trust than this call's
+        check_trust(name, _owner_stat(att.seg), mode, trusted)
+        check_matches(name, att, create)
+
+    return _registry.open(name, lambda: map_attachment(name, create, mode, trusted, clock=clock), check)
+
+
+def release(att: Attachment, detach: bool) -> None:
+    """Drop one handle (see ``Registry.release``)."""
+    _registry.release(att, detach)
 
 
 def _owner_stat(seg: Segment) -> os.stat_result:
     """The owner and mode a segment had when this process opened it, in ``os.stat_result`` form."""
     return os.stat_result((seg.mode, 0, 0, 0, seg.owner, 0, seg.size, 0, 0, 0))
-
-
-def release(att: Attachment, detach: bool) -> None:
-    """Drop one handle.  The attachment ends only when its last handle is closed explicitly.
-
-    A handle that is merely garbage-collected keeps the process attached (and
-    registered) until exit: a pool worker that unpickles a fresh handle for
-    every task must not re-register and restart its filler thread each time.
-    """
-    with _registry_lock:
-        att.refs -= 1
-        if att.refs > 0 or not detach:
-            return
-        if _registry.get(att.name) is att:
-            del _registry[att.name]
-    att.detach()
-
-
-def _after_fork_in_child() -> None:
-    global _registry_lock
-    _registry_lock = threading.RLock()
-    for att in list(_registry.values()):
-        if not att.closed:
-            att.after_fork_in_child()
-
-
-def _detach_all_at_exit() -> None:
-    for att in list(_registry.values()):
-        try:
-            att.detach()
-        except Exception:  # pragma: no cover - best effort at exit
-            pass
-    _registry.clear()
-
-
-os.register_at_fork(after_in_child=_after_fork_in_child)
-atexit.register(_detach_all_at_exit)

@@ -119,3 +119,19 @@ class QueueFullError(ShmlimitError):
 
 class ConfigWriterTakenOver(ShmlimitError, RuntimeError):
     """A config change stalled past the lock's timeout and was taken over: it was not published."""
+
+
+class AbandonedSegmentError(SegmentError):
+    """A segment whose creator died (or vanished) before finishing its initialisation.
+
+    Attaching refuses it; creating the limiter again replaces it.  ``inode``
+    says which segment was judged, so a replacement never unlinks a newer one.
+    """
+
+    def __init__(self, name: str, inode: int, creator: int, kind: str = "limiter") -> None:
+        who = f"its creator (pid {creator}) died" if creator else "no creator ever wrote its header"
+        super().__init__(
+            f"segment {name!r} was never initialised: {who}; creating the {kind} again replaces it, "
+            f"or remove it with shmlimit.unlink({name!r})"
+        )
+        self.inode = inode

@@ -22,7 +22,7 @@ from . import layout as L
 from .bucket import Bucket
 from .cells import Cells, open_cells, warm_backend
 from .config import Config
-from .errors import LimiterNotFoundError, SegmentError
+from .errors import AbandonedSegmentError, LimiterNotFoundError, SegmentError
 from .segment import Segment, current_inode
 from .segment import unlink as unlink_name
 from .table import is_alive
@@ -48,18 +48,6 @@ class Creation:
     upstream: Optional[UpstreamSpec] = None  #: hierarchical mode: the upstream, as stored (no secrets)
 
 
-class Abandoned(SegmentError):
-    """A segment whose creator died (or vanished) before finishing its initialisation."""
-
-    def __init__(self, name: str, inode: int, creator: int) -> None:
-        who = f"its creator (pid {creator}) died" if creator else "no creator ever wrote its header"
-        super().__init__(
-            f"segment {name!r} was never initialised: {who}; creating the limiter again replaces it, "
-            f"or remove it with shmlimit.unlink({name!r})"
-        )
-        self.inode = inode
-
-
 #: ready_creator's answer for a segment a collector has claimed (STATE_DOOMED).
 DOOMED = -2
 
@@ -68,7 +56,7 @@ def ready_creator(name: str, seg: Segment, waited: float) -> int:
     """0 if the segment is fully initialised (and its header sound), ``DOOMED`` if a collector
     claimed it, else the pid of its live creator (-1: not yet known).
 
-    Raises ``SegmentError`` for a foreign or corrupt header and ``Abandoned``
+    Raises ``SegmentError`` for a foreign or corrupt header and ``AbandonedSegmentError``
     for an initialisation nobody will finish.  A creator gets ``INIT_WAIT``
     seconds to write its pid, counted from the segment's creation (its ctime)
     *or* from when this caller first looked (``waited``, monotonic), whichever
@@ -77,7 +65,7 @@ def ready_creator(name: str, seg: Segment, waited: float) -> int:
     """
     if seg.size == 0:
         if (time.time_ns() - seg.ctime_ns) / 1e9 > INIT_WAIT or waited > INIT_WAIT:
-            raise Abandoned(name, seg.inode, 0)
+            raise AbandonedSegmentError(name, seg.inode, 0)
         return -1
     if seg.size < L.HEADER_BYTES:
         raise SegmentError(f"segment {name!r} is truncated: {seg.size} bytes, a limiter needs {L.HEADER_BYTES}")
@@ -112,7 +100,7 @@ def ready_creator(name: str, seg: Segment, waited: float) -> int:
     if creator > 0xFFFFFFFF or (creator and not is_alive(creator, 0)) or (
         not creator and (age > INIT_WAIT or waited > INIT_WAIT)
     ):
-        raise Abandoned(name, seg.inode, creator)
+        raise AbandonedSegmentError(name, seg.inode, creator)
     return creator or -1
 
 
@@ -178,14 +166,14 @@ def open_segment(
             if create is None:
                 raise
             continue
-        except Abandoned as e:
+        except AbandonedSegmentError as e:
             if create is None:
                 raise
             time.sleep(0.05)  # replacing destroys a segment: confirm the verdict once more first
             try:
                 wait_ready(name, Segment.open(name, mode, trusted), mode, trusted).close()
                 continue  # it became ready (or another took its place): attach normally
-            except Abandoned as again:
+            except AbandonedSegmentError as again:
                 if again.inode != e.inode:
                     continue
             except (LimiterNotFoundError, SegmentError):

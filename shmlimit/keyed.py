@@ -14,14 +14,12 @@ atomic layer's keyed composite (``keyed_cells`` / the native ``KeyedTable``)
 from __future__ import annotations
 
 import asyncio
-import atexit
 import math
 import mmap
 import os
-import threading
 import time
 from dataclasses import dataclass
-from typing import Any, Dict, List, Optional, Tuple
+from typing import Any, List, Optional, Tuple
 
 from . import keyed_cells as KC
 from . import keyed_layout as K
@@ -30,7 +28,8 @@ from .config import validate_timeout
 from .errors import ConfigMismatchError, KeyTableFullError, SegmentError
 from .keyed_gcra import TICKS_PER_S, Overrides, Rate, make_rate, publish_default, read_default, read_rate
 from .keyed_segment import Geometry, check_geometry, open_segment, read_copy, validate_header
-from .segment import Segment, current_inode, validate_name
+from .registry import Registry
+from .segment import Segment, validate_name
 from .segment import unlink as _unlink_name
 from .table import ProcessTable, is_alive, proc_start
 
@@ -140,52 +139,21 @@ def _prefault(seg: Segment) -> None:
         pass
 
 
-_registry: Dict[str, _Attachment] = {}
-_lock = threading.RLock()
-
-
-def _after_fork_in_child() -> None:
-    global _lock
-    _lock = threading.RLock()
-    for att in list(_registry.values()):
-        if not att.closed:
-            att.join()
-
-
-os.register_at_fork(after_in_child=_after_fork_in_child)
-
-
-def _detach_all() -> None:
-    for att in list(_registry.values()):
-        try:
-            att.detach()
-        except Exception:  # pragma: no cover - best effort at exit
-            pass
-    _registry.clear()
-
-
-atexit.register(_detach_all)
+_registry: Registry[_Attachment] = Registry(after_fork=lambda att: att.join())
 
 
 def _open(name: str, rate: Optional[Rate], geo: Optional[Geometry], mode: int, trusted: frozenset) -> _Attachment:
-    with _lock:
-        att = _registry.get(name)
-        if att is not None and (att.closed or current_inode(name) != att.seg.inode):
-            _registry.pop(name, None)
-            att = None
-        if att is None:
-            seg, cells, real = open_segment(name, geo, rate, mode, trusted)
-            att = _Attachment(name, seg, cells, real)
-            try:
-                _check(name, att, rate, geo)
-            except BaseException:
-                att.detach()
-                raise
-            _registry[name] = att
-        else:
+    def make() -> _Attachment:
+        seg, cells, real = open_segment(name, geo, rate, mode, trusted)
+        att = _Attachment(name, seg, cells, real)
+        try:
             _check(name, att, rate, geo)
-        att.refs += 1
+        except BaseException:
+            att.detach()
+            raise
         return att
+
+    return _registry.open(name, make, lambda att: _check(name, att, rate, geo))
 
 
 def _check(name: str, att: _Attachment, rate: Optional[Rate], geo: Optional[Geometry]) -> None:
@@ -201,13 +169,7 @@ def _check(name: str, att: _Attachment, rate: Optional[Rate], geo: Optional[Geom
 
 
 def _release(att: _Attachment, detach: bool) -> None:
-    with _lock:
-        att.refs -= 1
-        if att.refs > 0 or not detach:
-            return
-        if _registry.get(att.name) is att:
-            del _registry[att.name]
-    att.detach()
+    _registry.release(att, detach)
 
 
 def _ticks(seconds: float) -> int:

@@ -20,14 +20,12 @@ import time
 from dataclasses import dataclass
 from typing import AbstractSet, Optional, Tuple
 
-import posix_ipc
-
 from . import keyed_layout as K
 from . import layout as L
 from .cells import Cells, open_cells, warm_backend
 from .keyed_gcra import MAX_TICKS, Rate, read_rate
-from .errors import LimiterNotFoundError, SegmentError, SharedMemoryFullError
-from .segment import PREFIX, SHM_DIR, Segment, check_trust, current_inode, posix_name
+from .errors import AbandonedSegmentError, LimiterNotFoundError, SegmentError, SharedMemoryFullError
+from .segment import PREFIX, SHM_DIR, Segment, check_trust, current_inode, open_shm
 from .segment import unlink as _unlink_name
 from .table import is_alive
 
@@ -58,16 +56,6 @@ def check_geometry(keys: object, overrides: object) -> Geometry:
             lo = 1 if param == "keys" else 0
             raise ValueError(f"{param} must be an int from {lo} to {hi}, got {v!r}")
     return Geometry(keys, overrides)  # type: ignore[arg-type]
-
-
-class _Abandoned(SegmentError):
-    def __init__(self, name: str, inode: int, creator: int) -> None:
-        who = f"its creator (pid {creator}) died" if creator else "no creator ever wrote its header"
-        super().__init__(
-            f"segment {name!r} was never initialised: {who}; creating the keyed limiter again replaces it, "
-            f"or remove it with shmlimit.unlink({name!r})"
-        )
-        self.inode = inode
 
 
 def _check_space(name: str, size: int) -> None:
@@ -142,14 +130,7 @@ def _open_checked(name: str, mode: int, trusted_uids: AbstractSet[int]) -> Segme
     A mapping longer than its file raises SIGBUS on the first access past its
     end, so the header's SIZE is read with ``pread`` and checked first.
     """
-    try:
-        shm = posix_ipc.SharedMemory(posix_name(name))
-    except posix_ipc.ExistentialError:
-        raise LimiterNotFoundError(name) from None
-    except posix_ipc.PermissionsError as e:
-        raise PermissionError(f"not allowed to open limiter {name!r}: {e}") from None
-    except OSError as e:
-        raise SegmentError(f"segment {name!r} cannot be opened: {e}") from None
+    shm = open_shm(name)
     try:
         st = os.fstat(shm.fd)
         if not stat.S_ISREG(st.st_mode):
@@ -218,9 +199,9 @@ def _wait_ready(name: str, seg: Segment, mode: int, trusted_uids: AbstractSet[in
             if magic == K.MAGIC and state == K.STATE_READY:
                 return seg
             if creator > 0xFFFFFFFF or (creator and not is_alive(creator, 0)) or (not creator and age > INIT_WAIT):
-                raise _Abandoned(name, seg.inode, creator)
+                raise AbandonedSegmentError(name, seg.inode, creator, "keyed limiter")
         elif age > INIT_WAIT:
-            raise _Abandoned(name, seg.inode, 0)
+            raise AbandonedSegmentError(name, seg.inode, 0, "keyed limiter")
         if time.monotonic() - start > LIVE_CREATOR_WAIT:
             raise SegmentError(f"segment {name!r} is still being initialised after {LIVE_CREATOR_WAIT:.0f} s")
         time.sleep(0.001)
@@ -250,7 +231,7 @@ def open_segment(
             if rate is None:
                 raise
             continue
-        except _Abandoned as e:
+        except AbandonedSegmentError as e:
             if rate is None:
                 raise
             time.sleep(0.05)

@@ -60,6 +60,18 @@ def validate_trusted_uids(uids: Iterable[int]) -> frozenset:
     return frozenset(out)
 
 
+def open_shm(name: str) -> "posix_ipc.SharedMemory":
+    """``shm_open`` an existing segment, its absence and every refusal as one of our clear errors."""
+    try:
+        return posix_ipc.SharedMemory(posix_name(name))
+    except posix_ipc.ExistentialError:
+        raise LimiterNotFoundError(name) from None
+    except posix_ipc.PermissionsError as e:
+        raise PermissionError(f"not allowed to open limiter {name!r}: {e}") from None
+    except OSError as e:  # a symlink (shm_open refuses to follow it) or another oddity
+        raise SegmentError(f"segment {name!r} cannot be opened: {e}") from None
+
+
 def check_trust(name: str, st: os.stat_result, mode: int, trusted_uids: AbstractSet[int]) -> None:
     """Refuse a segment that someone this process does not trust could have written.
 
@@ -166,14 +178,7 @@ class Segment:
         With ``mode``, the segment must pass ``check_trust`` first: nothing of
         an untrusted segment is read or mapped.
         """
-        try:
-            shm = posix_ipc.SharedMemory(posix_name(name))
-        except posix_ipc.ExistentialError:
-            raise LimiterNotFoundError(name) from None
-        except posix_ipc.PermissionsError as e:
-            raise PermissionError(f"not allowed to open limiter {name!r}: {e}") from None
-        except OSError as e:  # a symlink (shm_open refuses to follow it) or another oddity
-            raise SegmentError(f"segment {name!r} cannot be opened: {e}") from None
+        shm = open_shm(name)
         try:
             st = os.fstat(shm.fd)
             if not stat.S_ISREG(st.st_mode):
