@@ -25,7 +25,7 @@ from . import layout as L
 from .cells import Cells, open_cells, warm_backend
 from .keyed_gcra import MAX_TICKS, Rate, read_rate
 from .errors import AbandonedSegmentError, LimiterNotFoundError, SegmentError, SharedMemoryFullError
-from .segment import PREFIX, SHM_DIR, Segment, check_trust, current_inode, open_shm
+from .segment import PREFIX, SHM_DIR, Segment, check_trust, current_inode, open_shm, pread_file
 from .segment import unlink as _unlink_name
 from .table import is_alive
 
@@ -157,24 +157,7 @@ def read_copy(name: str, offset: int, length: int) -> Tuple[bytearray, int]:
     segment truncated under them cannot raise SIGBUS, and a FIFO or directory
     under a limiter's name is refused, never waited on.
     """
-    try:
-        fd = os.open(os.path.join(SHM_DIR, PREFIX + name), os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC)
-    except FileNotFoundError:
-        raise LimiterNotFoundError(name) from None
-    except OSError as e:
-        raise SegmentError(f"segment {name!r} cannot be opened: {e}") from None
-    try:
-        st = os.fstat(fd)
-        if not stat.S_ISREG(st.st_mode):
-            raise SegmentError(f"segment {name!r} is not a regular file")
-        data = bytearray()
-        while len(data) < length:
-            chunk = os.pread(fd, length - len(data), offset + len(data))
-            if not chunk:
-                break
-            data += chunk
-    finally:
-        os.close(fd)
+    data, st = pread_file(name, offset, length, max_bytes=None)
     buf = bytearray(max(8, len(data) + 7 & ~7))  # whole, 8-aligned words for the atomic layer
     buf[: len(data)] = data
     return buf, st.st_size

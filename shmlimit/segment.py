@@ -201,29 +201,7 @@ class Segment:
         FIFO, symlink or directory under a limiter's name is refused, never
         waited on.
         """
-        path = os.path.join(SHM_DIR, PREFIX + name)
-        try:
-            fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC)
-        except FileNotFoundError:
-            raise LimiterNotFoundError(name) from None
-        except PermissionError as e:
-            raise PermissionError(f"not allowed to open limiter {name!r}: {e}") from None
-        except OSError as e:
-            raise SegmentError(f"segment {name!r} cannot be opened: {e}") from None
-        try:
-            st = os.fstat(fd)
-            if not stat.S_ISREG(st.st_mode):
-                raise SegmentError(f"segment {name!r} is not a regular file")
-            if st.st_size > MAX_BYTES:
-                raise SegmentError(f"segment {name!r} is {st.st_size} bytes; no limiter is larger than {MAX_BYTES}")
-            data = bytearray()
-            while len(data) < st.st_size:
-                chunk = os.pread(fd, st.st_size - len(data), len(data))
-                if not chunk:
-                    break  # truncated while we read: judged on what is there
-                data += chunk
-        finally:
-            os.close(fd)
+        data, st = pread_file(name, 0, None)
         size = len(data) & ~7  # whole words only
         buf = bytearray(max(size, 8))  # a fresh, 8-aligned buffer for the atomic layer
         buf[:size] = data[:size]
@@ -233,6 +211,42 @@ class Segment:
         if isinstance(self.mm, mmap.mmap):
             self.mm.close()
         self.mm = None  # type: ignore[assignment]
+
+
+def pread_file(
+    name: str, offset: int, length: Optional[int], max_bytes: Optional[int] = MAX_BYTES
+) -> Tuple[bytearray, os.stat_result]:
+    """``length`` bytes (None: to the end) from ``offset`` of the segment, read with ``pread``; and its stat.
+
+    Nothing is mapped, so a segment truncated under the reader cannot raise
+    SIGBUS (it is judged on what is there), and a FIFO, symlink or directory
+    under a limiter's name is refused, never waited on.  A file larger than
+    ``max_bytes`` (a ``Limiter``'s largest by default; None: any) is refused.
+    """
+    try:
+        fd = os.open(os.path.join(SHM_DIR, PREFIX + name), os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC)
+    except FileNotFoundError:
+        raise LimiterNotFoundError(name) from None
+    except PermissionError as e:
+        raise PermissionError(f"not allowed to open limiter {name!r}: {e}") from None
+    except OSError as e:
+        raise SegmentError(f"segment {name!r} cannot be opened: {e}") from None
+    try:
+        st = os.fstat(fd)
+        if not stat.S_ISREG(st.st_mode):
+            raise SegmentError(f"segment {name!r} is not a regular file")
+        if max_bytes is not None and st.st_size > max_bytes:
+            raise SegmentError(f"segment {name!r} is {st.st_size} bytes; no limiter is larger than {max_bytes}")
+        want = st.st_size - offset if length is None else length
+        data = bytearray()
+        while len(data) < want:
+            chunk = os.pread(fd, want - len(data), offset + len(data))
+            if not chunk:
+                break  # truncated while we read: judged on what is there
+            data += chunk
+    finally:
+        os.close(fd)
+    return data, st
 
 
 def unlink(name: str) -> None:
