@@ -10,10 +10,10 @@ import re
 
 import pytest
 
-import shmlimit
 
-PACKAGE = os.path.dirname(shmlimit.__file__)
-ROOT = os.path.dirname(PACKAGE)
+# the source tree beside this test file (the installed copy has no docs/ beside it)
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+PACKAGE = os.path.join(ROOT, "shmlimit")
 DESIGN = open(os.path.join(ROOT, "docs", "design.md")).read()
 
 #: The shared-memory core: none of these may import the Redis tier, even lazily.
