@@ -2,17 +2,12 @@
 import mmap
 import multiprocessing as mp
 import os
-import uuid
 
 import posix_ipc
 import pytest
 
-from shmlimit.cells import MASK64, AtomicsCells, Cells, native_available, open_cells, selected_backend
-
-REQUIRE_NATIVE = os.environ.get("SHMLIMIT_REQUIRE_NATIVE") == "1"
-#: "atomics-api": the atomics backend on the package's public API (where its internals are not found)
-BACKENDS = ["atomics", "atomics-api", "native"]
-SIZE = 4096
+from shmlimit.cells import MASK64, Cells, native_available, selected_backend
+from support.cells import BACKENDS, REQUIRE_NATIVE, SIZE, backend, cells, cells_for, segment  # noqa: F401 (fixtures)
 
 
 def test_native_backend_is_built_when_required():
@@ -21,46 +16,6 @@ def test_native_backend_is_built_when_required():
         assert selected_backend() == os.environ.get("SHMLIMIT_BACKEND", "native")
     elif not native_available():
         pytest.skip("the native extension is not built here")
-
-
-def cells_for(mm, size, backend):
-    if backend == "atomics-api":
-        c = AtomicsCells(mm, size, direct=False)
-        assert not c._direct
-        return c
-    c = open_cells(mm, size, backend)
-    assert backend != "atomics" or c._direct  # the fast way is found in the package we test with
-    return c
-
-
-@pytest.fixture(params=BACKENDS)
-def backend(request):
-    if request.param == "native" and not native_available():
-        if REQUIRE_NATIVE:
-            pytest.fail("SHMLIMIT_REQUIRE_NATIVE=1 but shmlimit._native did not build")
-        pytest.skip("the native extension is not built here")
-    return request.param
-
-
-@pytest.fixture
-def segment():
-    name = f"/shmlimit-test-cells-{uuid.uuid4().hex[:10]}"
-    shm = posix_ipc.SharedMemory(name, posix_ipc.O_CREX, size=SIZE)
-    mm = mmap.mmap(shm.fd, SIZE)
-    shm.close_fd()
-    yield name, mm
-    mm.close()
-    posix_ipc.unlink_shared_memory(name)
-
-
-@pytest.fixture
-def cells(backend, segment):
-    c = cells_for(segment[1], SIZE, backend)
-    yield c
-    try:
-        c.close()
-    except ValueError:
-        pass
 
 
 def test_load_store_fetch_add_wrap(cells):

@@ -17,7 +17,7 @@ from hypothesis import HealthCheck, given, settings
 import shmlimit
 from shmlimit.cells import MASK64, Gate, open_cells
 
-from test_cells import BACKENDS, backend, cells, cells_for, segment  # noqa: F401 (fixtures)
+from support.cells import BACKENDS, backend, cells, cells_for, segment  # noqa: F401 (fixtures)
 
 SEQ, TAIL, HEAD, CEIL, TS, GRANTS = 8, 64, 128, 192, 256, 320
 INF = float("inf")

@@ -5,6 +5,7 @@
 * ``procs``         -- real processes: interpreters that acquire, stamp or idle, the command line,
                        a program on a pseudo-terminal, and ``wait_for``;
 * ``segments``      -- a segment's raw bytes, read around the atomic layer;
+* ``cells``         -- every atomic backend over a real POSIX segment (fixtures);
 * ``redis_server``  -- a real redis-server on a free port;
 * ``servers``       -- real servers (uvicorn, gunicorn, a Celery worker) on a free 127.0.0.1 port,
                        stopped by their own process group, and ``get`` for plain HTTP requests.

@@ -1,0 +1,54 @@
+"""The atomic layer's test fixtures: every backend over a real POSIX shared-memory segment."""
+import mmap
+import os
+import uuid
+
+import posix_ipc
+import pytest
+
+from shmlimit.cells import AtomicsCells, native_available, open_cells
+
+REQUIRE_NATIVE = os.environ.get("SHMLIMIT_REQUIRE_NATIVE") == "1"
+#: "atomics-api": the atomics backend on the package's public API (where its internals are not found)
+BACKENDS = ["atomics", "atomics-api", "native"]
+SIZE = 4096
+
+
+def cells_for(mm, size, backend):
+    if backend == "atomics-api":
+        c = AtomicsCells(mm, size, direct=False)
+        assert not c._direct
+        return c
+    c = open_cells(mm, size, backend)
+    assert backend != "atomics" or c._direct  # the fast way is found in the package we test with
+    return c
+
+
+@pytest.fixture(params=BACKENDS)
+def backend(request):
+    if request.param == "native" and not native_available():
+        if REQUIRE_NATIVE:
+            pytest.fail("SHMLIMIT_REQUIRE_NATIVE=1 but shmlimit._native did not build")
+        pytest.skip("the native extension is not built here")
+    return request.param
+
+
+@pytest.fixture
+def segment():
+    name = f"/shmlimit-test-cells-{uuid.uuid4().hex[:10]}"
+    shm = posix_ipc.SharedMemory(name, posix_ipc.O_CREX, size=SIZE)
+    mm = mmap.mmap(shm.fd, SIZE)
+    shm.close_fd()
+    yield name, mm
+    mm.close()
+    posix_ipc.unlink_shared_memory(name)
+
+
+@pytest.fixture
+def cells(backend, segment):
+    c = cells_for(segment[1], SIZE, backend)
+    yield c
+    try:
+        c.close()
+    except ValueError:
+        pass
