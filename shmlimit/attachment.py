@@ -83,7 +83,7 @@ class Attachment:
         # The fast paths: [grabber, try, grab within a timeout], shared by reference with every
         # handle and updated in place.  A grabber does one grab_if priced under the config it was
         # made for; it answers False (nothing touched) once the config changed, and _no_fast always
-        # answers False.  The other two are a Gate's methods (see cells.Gate): they answer None
+        # answers False.  The other two are a Gate's methods (see composites.Gate): they answer None
         # when the config changed or they cannot decide, and so do their stand-ins in NO_FAST.
         self.fast: list = list(NO_FAST)
         self.fast_seq = -1

@@ -209,7 +209,7 @@ class Bucket:
         return self.cells.grabber(L.CFG_SEQ, snap.seq, L.TAIL, L.HEAD, snap.cost, grants, 1)
 
     def gate(self, snap: Snapshot, grants: int) -> Any:
-        """The try and timed-grab fast paths for one op, bound once under ``snap`` (see ``cells.Gate``).
+        """The try and timed-grab fast paths for one op, bound once under ``snap`` (see ``composites.Gate``).
 
         Its calls answer None, touching nothing, once the config is no longer
         ``snap``'s or when they cannot decide: the caller takes the slow path.

@@ -72,7 +72,7 @@ def check_backend(env: Mapping[str, str] = os.environ) -> List[Finding]:
 def _check_atomics_speed() -> List[Finding]:
     import mmap
 
-    from .cells import AtomicsCells
+    from .atomics_cells import AtomicsCells
 
     mm = mmap.mmap(-1, mmap.PAGESIZE)
     try:

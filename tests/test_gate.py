@@ -15,7 +15,8 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 
 import shmlimit
-from shmlimit.cells import MASK64, Gate, open_cells
+from shmlimit.cells import MASK64, open_cells
+from shmlimit.composites import Gate
 
 from support.cells import BACKENDS, backend, cells, cells_for, segment  # noqa: F401 (fixtures)
 

@@ -17,7 +17,7 @@ PACKAGE = os.path.join(ROOT, "shmlimit")
 DESIGN = open(os.path.join(ROOT, "docs", "design.md")).read()
 
 #: The shared-memory core: none of these may import the Redis tier, even lazily.
-CORE = {"layout", "cells", "segment", "config", "errors", "bucket", "table", "filler"}
+CORE = {"layout", "words", "composites", "atomics_cells", "cells", "segment", "config", "errors", "bucket", "table", "filler"}
 REDIS_TIER = {"redis", "upstream"}
 EXTENSIONS = {f.split(".")[0] for f in os.listdir(PACKAGE) if f.endswith((".c", ".so"))}
 

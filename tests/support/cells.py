@@ -6,7 +6,8 @@ import uuid
 import posix_ipc
 import pytest
 
-from shmlimit.cells import AtomicsCells, native_available, open_cells
+from shmlimit.atomics_cells import AtomicsCells
+from shmlimit.cells import native_available, open_cells
 
 REQUIRE_NATIVE = os.environ.get("SHMLIMIT_REQUIRE_NATIVE") == "1"
 #: "atomics-api": the atomics backend on the package's public API (where its internals are not found)

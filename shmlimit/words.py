@@ -1,0 +1,50 @@
+"""The 64-bit word of the atomic layer: its wrap-around arithmetic and the bounds every backend checks.
+
+A cell is an aligned, unsigned 64-bit word of the segment, named by its byte
+offset.  All arithmetic on it wraps modulo 2**64 (the rovers rely on it, as
+Seastar's do).  These constants and checks are shared by the reference
+composites (composites.py), the ``atomics`` backend (atomics_cells.py) and the
+face of the layer (cells.py); the native backend has the same constants.
+"""
+from __future__ import annotations
+
+from typing import Optional, Union
+
+MASK64 = (1 << 64) - 1
+#: Tokens the queue (TAIL - HEAD) may hold at most: far below 2**63, so every signed comparison
+#: of rovers holds whatever is queued.  The native backend has the same constant.
+MAX_QUEUE = 1 << 62
+WORD = 8
+
+
+#: What a grab of the fast path answers: None (granted), a ticket to wait for, or False (not tried).
+GrabResult = Union[None, int, bool]
+
+
+def signed(d: int) -> int:
+    """A difference of two rovers as a signed 64-bit number."""
+    d &= MASK64
+    return d - (1 << 64) if d >> 63 else d
+
+
+def plain_seconds(timeout: object) -> Optional[float]:
+    """A timeout the fast path can use (an int or float, finite, >= 0), else None (the slow path decides)."""
+    if type(timeout) is not float and type(timeout) is not int:
+        return None
+    try:
+        t = float(timeout)  # type: ignore[arg-type]
+    except OverflowError:
+        return None
+    return t if 0 <= t < float("inf") else None
+
+
+def check_value(value: int) -> int:
+    if not 0 <= value <= MASK64:
+        raise OverflowError(f"cell values are unsigned 64-bit: {value} is out of range")
+    return value
+
+
+def check_offset(off: int, size: int) -> None:
+    """Refuse any offset that would touch memory outside the mapping."""
+    if off % WORD or off < 0 or off + WORD > size:
+        raise IndexError(f"cell offset {off} outside the mapping of {size} bytes (must be 8-aligned, < {size - WORD + 1})")
