@@ -39,8 +39,9 @@ MAX_FILL_PERIOD = 0.020
 #: the filler late replenishes for itself and nudges its own process's watcher (``nudge``).
 WATCH_PERIOD = 0.5
 
-#: Watchers of a hierarchical limiter look this often (seconds): only a filler can bring tokens.
-UPSTREAM_WATCH_PERIOD = 0.02
+#: Watchers of a hierarchical limiter look this often (seconds): only a filler can bring tokens, but
+#: waiters expecting no batch poll every few ms and nudge their own watcher, which takes over at once.
+UPSTREAM_WATCH_PERIOD = 0.1
 
 _SLOT_MASK = (1 << L.LEASE_SLOT_BITS) - 1
 

@@ -40,8 +40,7 @@ import random
 import threading
 import time
 from dataclasses import dataclass
-from typing import Any, Dict, Generator, Optional, Tuple, Type
-from urllib.parse import parse_qsl, unquote
+from typing import Any, Dict, Generator, Optional, Tuple
 
 from . import urls
 from .config import NS_PER_S, Config, validate_n, validate_timeout
@@ -52,15 +51,13 @@ from .urls import redact
 
 try:  # the redis extra: pip install 'shmlimit[redis]'
     import redis as _redis
-    import redis.asyncio as _aredis
     from redis import exceptions as _rx
-    from redis.asyncio.retry import Retry as _ARetry
-    from redis.backoff import NoBackoff
-    from redis.retry import Retry
+
+    from .redis_client import _REDIS_ERRORS, classify, connect
 except ImportError:  # pragma: no cover - exercised only without the extra
     _redis = None  # type: ignore[assignment]
 
-__all__ = ["RedisLimiter", "RedisStats", "RedisUnavailableError", "RedisDataError", "redact"]
+__all__ = ["RedisLimiter", "RedisStats", "RedisUnavailableError", "RedisDataError", "redact", "connect", "classify"]
 
 #: A reservation used more than this late is void (seconds).
 DEFAULT_GRACE = 0.05
@@ -145,126 +142,6 @@ class RedisStats:
     def ops_per_second(self) -> float:
         return self.rate / self.per
 
-
-
-# ---------------------------------------------------------------------------------
-# errors: only a connection error or a timeout is "unavailable"
-
-
-def _unavailable_types() -> Tuple[type, ...]:
-    """redis-py's errors that mean "no answer in time": the server is down, unreachable, loading,
-    failing over (``READONLY`` from a demoted master, ``CLUSTERDOWN``, ``TRYAGAIN`` while a slot
-    migrates) -- never an answer about the data.  Credentials refused are not among them: a
-    wrong password is a configuration error, and fails closed like a data error."""
-    found = [_rx.ConnectionError, _rx.TimeoutError, _rx.ReadOnlyError, _rx.TryAgainError, _rx.ClusterDownError]
-    for n in ("MasterNotFoundError", "SlaveNotFoundError"):  # in redis.sentinel, ConnectionErrors already
-        t = getattr(_rx, n, None)
-        if t is not None:
-            found.append(t)
-    return tuple(found)
-
-
-def _refused_types() -> Tuple[type, ...]:
-    return tuple(t for t in (_rx.AuthenticationError, getattr(_rx, "AuthorizationError", None)) if t is not None)
-
-
-def classify(e: BaseException, where: str) -> Exception:
-    """The shmlimit error for a redis-py error ``e``: ``RedisUnavailableError`` or ``RedisDataError``.
-
-    ``where`` (already redacted) names the server and the limiter.  redis-py's
-    own message is kept, with any URL in it redacted.
-    """
-    text = redact(str(e)) if "://" in str(e) else str(e)
-    if isinstance(e, _UNAVAILABLE) and not isinstance(e, _REFUSED):
-        err: Exception = RedisUnavailableError(f"{where} unavailable: {type(e).__name__}: {text}")
-    else:
-        err = RedisDataError(f"{where} answered with an error: {type(e).__name__}: {text}")
-    err.__cause__ = e
-    return err
-
-
-if _redis is not None:
-    _UNAVAILABLE = _unavailable_types()
-    _REFUSED = _refused_types()
-    #: Errors that could come from the server or the connection, as opposed to our own bugs.
-    _REDIS_ERRORS: Tuple[Type[BaseException], ...] = (_rx.RedisError, _rx.RedisClusterException, OSError)
-
-
-# ---------------------------------------------------------------------------------
-# connecting: one URL syntax for a server, a cluster and a sentinel-managed master
-
-
-def connect(url: str, secrets: Dict[str, str], timeout: float, is_async: bool = False) -> Any:
-    """A redis-py client for ``url`` (without secrets; they come in ``secrets``).
-
-    ``redis://``, ``rediss://``, ``unix://`` (and ``redis+unix://``): one
-    server, as redis-py reads them.  ``redis+cluster://host:port[,host:port]``:
-    a Redis Cluster found from any of those nodes.
-    ``redis+sentinel://host:port[,host:port]/service[/db]``: the master the
-    sentinels name for ``service``.  The URL's password is used for the
-    servers and for the sentinels (the ``limits`` library's convention);
-    ``?sentinel_password=`` gives the sentinels their own.  ``valkey``
-    schemes are the same.  TLS (``rediss``) always verifies the server's
-    certificate and host name (``?ssl_ca_certs=/path/ca.pem`` names the CA).
-    """
-    scheme = urls.scheme_of(url)
-    tls = scheme in urls.TLS_SCHEMES
-    opts: Dict[str, Any] = dict(socket_timeout=timeout, socket_connect_timeout=timeout)
-    # one immediate reconnect (a restarted server), never a back-off: callers must learn fast
-    opts["retry"] = (_ARetry if is_async else Retry)(NoBackoff(), 1)
-    opts.update(secrets)
-    if tls:
-        opts.update(ssl_cert_reqs="required", ssl_check_hostname=True)
-    lib = _aredis if is_async else _redis
-    rest = url[len(scheme) + 3 :]
-    if scheme in urls.SINGLE_SCHEMES:
-        base = {"redis": "redis", "valkey": "redis", "rediss": "rediss", "valkeys": "rediss"}.get(scheme, "unix")
-        return lib.Redis.from_url(f"{base}://{rest}", **opts)
-    netloc, _, tail = rest.partition("/")
-    tail, _, query = tail.partition("?")
-    if "?" in netloc:
-        netloc, _, query = netloc.partition("?")
-    if "@" in netloc:
-        info, _, netloc = netloc.rpartition("@")
-        if info.partition(":")[0]:
-            opts["username"] = unquote(info.partition(":")[0])
-    for k, v in parse_qsl(query):
-        if k in ("db",):
-            opts[k] = int(v)
-        elif k in ("socket_timeout", "socket_connect_timeout"):
-            opts[k] = float(v)
-        elif k not in ("ssl_cert_reqs", "ssl_check_hostname"):  # TLS is always verified (urls.check)
-            opts[k] = v
-    if tls:
-        opts["ssl"] = True
-    if scheme in urls.CLUSTER_SCHEMES:
-        if tail.strip("/"):
-            raise ValueError(f"url: a cluster has one database, so no path: {redact(url)}")
-        if is_async:
-            from redis.asyncio.cluster import ClusterNode as ANode
-            from redis.asyncio.cluster import RedisCluster as ACluster
-
-            return ACluster(startup_nodes=[ANode(h, p) for h, p in urls.hosts(netloc, 6379)], **opts)
-        from redis.cluster import ClusterNode, RedisCluster
-
-        return RedisCluster(startup_nodes=[ClusterNode(h, p) for h, p in urls.hosts(netloc, 6379)], **opts)
-    # sentinel
-    service, _, db = tail.partition("/")
-    if not service:
-        raise ValueError(f"url: a sentinel URL names the service: redis+sentinel://host:port/service; "
-                         f"got {redact(url)}")
-    if db:
-        opts["db"] = int(db)
-    sentinel_opts = {k: v for k, v in opts.items() if k not in ("db", "sentinel_password")}
-    if "sentinel_password" in opts:
-        sentinel_opts["password"] = opts.pop("sentinel_password")
-    if is_async:
-        from redis.asyncio.sentinel import Sentinel as ASentinel
-
-        return ASentinel(urls.hosts(netloc, 26379), sentinel_kwargs=sentinel_opts, **opts).master_for(service)
-    from redis.sentinel import Sentinel
-
-    return Sentinel(urls.hosts(netloc, 26379), sentinel_kwargs=sentinel_opts, **opts).master_for(service)
 
 
 # ---------------------------------------------------------------------------------
@@ -434,7 +311,8 @@ class RedisLimiter:
             for k, v in deltas.items():
                 self._counts[k] += v
 
-    def _script(self, mode: int, n: int, max_wait_ns: Optional[int] = None, least: int = 1) -> Step:
+    def _script(self, mode: int, n: int, max_wait_ns: Optional[int] = None, least: int = 1,
+                key: Optional[str] = None) -> Step:
         """Steps of one script call; returns ``(ops granted, wait_ns, backlog_ns)``.
 
         A NOSCRIPT answer (the scripts were flushed, or a failover or slot
@@ -442,15 +320,16 @@ class RedisLimiter:
         again.  redis-py's errors are classified (``classify``).
         """
         args = self._args(mode, n, max_wait_ns, least)
+        key = self.key if key is None else key
         trips = 1
         try:
             try:
-                r = yield (_EVAL, args)
+                r = yield (_EVAL, key, args)
             except _rx.NoScriptError:
                 trips += 2
                 self._count(script_loads=1)
                 yield (_LOAD,)
-                r = yield (_EVAL, args)
+                r = yield (_EVAL, key, args)
             granted, wait, backlog = int(r[0]), int(r[1]), int(r[2])
         except _REDIS_ERRORS as e:
             self._count(round_trips=trips, errors=1)
@@ -473,7 +352,7 @@ class RedisLimiter:
             value, error = None, None
             try:
                 if op[0] == _EVAL:
-                    value = self._client.evalsha(self._sha, 1, self.key, *op[1])
+                    value = self._client.evalsha(self._sha, 1, op[1], *op[2])
                 elif op[0] == _LOAD:
                     self._client.script_load(LUA)
                 else:
@@ -494,7 +373,7 @@ class RedisLimiter:
             value, error = None, None
             try:
                 if op[0] == _EVAL:
-                    value = await client.evalsha(self._sha, 1, self.key, *op[1])
+                    value = await client.evalsha(self._sha, 1, op[1], *op[2])
                 elif op[0] == _LOAD:
                     await client.script_load(LUA)
                 else:
@@ -533,9 +412,10 @@ class RedisLimiter:
         bounds = [b for b in (None if limit_s is None else int(limit_s * NS_PER_S), self._max_reserved_ns) if b is not None]
         return min(bounds) if bounds else None
 
-    def _reserve_steps(self, n: int, max_wait: Optional[float]) -> Step:
+    def _reserve_steps(self, n: int, max_wait: Optional[float], key: Optional[str] = None) -> Step:
         validate_n(n, 1)
-        granted, wait, _ = yield from self._script(MODE_RESERVE, n, self._bound(n, validate_timeout(max_wait, "max_wait")))
+        bound = self._bound(n, validate_timeout(max_wait, "max_wait"))
+        granted, wait, _ = yield from self._script(MODE_RESERVE, n, bound, key=key)
         if not granted:
             self._count(refusals=1)
             return None
@@ -574,14 +454,14 @@ class RedisLimiter:
             self._count(grants=granted)
         return granted, (0.0 if granted else wait / NS_PER_S)
 
-    def _acquire_steps(self, n: int, timeout: Optional[float]) -> Step:
+    def _acquire_steps(self, n: int, timeout: Optional[float], key: Optional[str] = None) -> Step:
         """Steps of ``acquire``: reserve, sleep until due, void a slot woken too late, back off."""
         validate_n(n, 1)
         timeout = validate_timeout(timeout)
         deadline = None if timeout is None else time.monotonic() + timeout
         while True:
             left = None if deadline is None else max(0.0, deadline - time.monotonic())
-            granted, wait, _ = yield from self._script(MODE_RESERVE, n, self._bound(n, left))
+            granted, wait, _ = yield from self._script(MODE_RESERVE, n, self._bound(n, left), key=key)
             received = time.monotonic()
             if granted:
                 self._count(grants=n)

@@ -402,7 +402,7 @@ def test_hierarchical_filler_killed_repeatedly(R, redis_server, name):
         w.stop_all()
     results = [r for r in w.results() if r]
     stamps = sorted(t for r in results for t in r if t_start < t < t_end)
-    # the lease times out in 50 ms and watchers of a hierarchical limiter look every 20 ms
+    # the lease times out in 50 ms, and waiters that expect no batch look every 2 ms and take over
     assert max_gap(stamps) < 0.15
     for width in (1.0, 0.1):
         assert max_excess(tag(results), width) <= rate * (width + ttl + 0.05) + cap
@@ -467,3 +467,47 @@ def test_a_stale_filler_cannot_add_an_old_batch(R, redis_server, name):
         wait_for(lambda: lim.stats().available == 0, timeout=1.0)  # the running filler burns it
     finally:
         lim.close()
+
+
+# ---- keyed limits across hosts ---------------------------------------------------------------------
+
+
+def test_keyed_redis_limiter_one_gcra_per_key(R, redis_server, name, fake_time):
+    from shmlimit.redis_keyed import RedisKeyedLimiter
+
+    lim = RedisKeyedLimiter(name, rate=10, burst=2, url=redis_server.url, clock="client")
+    # each key has its own schedule: two at once, then one per 100 ms
+    assert [lim.reserve("alice") for _ in range(3)] == pytest.approx([0.0, 0.0, 0.1])
+    assert [lim.reserve(b"bob") for _ in range(2)] == [0.0, 0.0]
+    assert not lim.try_acquire("bob") and lim.retry_after("bob") == pytest.approx(0.1)
+    assert lim.try_acquire("carol", 2) and not lim.try_acquire("carol")
+    client = redis_server.client()
+    ka, kb = lim.redis_key("alice"), lim.redis_key(b"bob")
+    assert ka != kb and "alice" not in ka and lim.redis_key("bob") == kb  # str and bytes name the same key
+    assert 0 < client.pttl(ka) <= 1000 + 300  # expires a second after the bucket would be full again
+    fake_time.advance_seconds(0.3)
+    assert lim.try_acquire("alice")
+    with pytest.raises(TypeError, match="key"):
+        lim.try_acquire(5)
+    with pytest.raises(ValueError, match="4096"):
+        lim.try_acquire("x" * 5000)
+    assert pickle.loads(pickle.dumps(lim)).redis_key("alice") == ka
+
+
+def test_keyed_redis_limiter_holds_each_key_across_processes(R, redis_server, name):
+    rate, burst, seconds = 40, 4, 2.0
+    keys = ["a", "b"]
+    make = (f"from shmlimit.redis_keyed import RedisKeyedLimiter\n"
+            f"k = RedisKeyedLimiter(sys.argv[1], rate={rate}, burst={burst}, url={redis_server.url!r})\n"
+            f"key = 'a' if os.getpid() % 2 else 'b'\n"
+            f"class L:\n"
+            f"    def acquire(self):\n"
+            f"        return k.acquire(key)\n"
+            f"lim = L()\n")
+    script = WORKER.replace(ATTACH, "import os\n" + make).replace("print(json.dumps(stamps)", "print(json.dumps([key] + stamps)")
+    results = run_workers(name, 4, seconds, script)
+    per_key = {k: [r[1:] for r in results if r[0] == k] for k in keys}
+    for k, rs in per_key.items():
+        if rs:
+            assert max_excess(tag(rs), 1.0) <= rate + burst
+            assert sum(len(r) for r in rs) >= 0.8 * rate * seconds

@@ -114,3 +114,14 @@ def test_sentinel_url_and_a_failover_mid_run(sentinel, name):
     assert up.errors >= 1 and up.state == "ok"  # it noticed, and recovered
     stamps = sorted(t for r in results for t in r)
     assert stamps[-1] - stamps[0] > seconds - 1.0  # grants went on after the failover
+
+
+def test_keyed_limits_spread_over_the_cluster_slots(cluster, name):
+    from shmlimit.redis_keyed import RedisKeyedLimiter
+
+    lim = RedisKeyedLimiter(name, rate=5, burst=1, url=cluster.url)
+    users = [f"user-{i}" for i in range(30)]
+    assert all(lim.try_acquire(u) for u in users)
+    assert not any(lim.try_acquire(u) for u in users)  # each key's burst is spent
+    owners = {cluster.owner(lim.redis_key(u)).port for u in users}
+    assert len(owners) == 3  # thirty keys land on all three masters

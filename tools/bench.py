@@ -611,7 +611,7 @@ def print_hierarchy(h: dict) -> None:
 # ---- 9. hosts behind latency ----------------------------------------------------------------------
 
 
-def _latency_worker(lim, paced_rate: float, barrier, seconds: float, q) -> None:
+def _latency_worker(lim, host: int, paced_rate: float, barrier, seconds: float, q) -> None:
     """Acquire for ``seconds``: saturated (paced_rate 0), or at about ``paced_rate``/s (Poisson).
 
     Records grant stamps and each acquire's latency (ns).
@@ -633,7 +633,7 @@ def _latency_worker(lim, paced_rate: float, barrier, seconds: float, q) -> None:
         lat.append(t1 - t0)
         if paced_rate:
             time.sleep(rng.expovariate(paced_rate))
-    q.put((stamps, lat))
+    q.put((stamps, lat, host))
 
 
 def bench_latency(redis_port: int, seconds: float, rate: float = 1000.0, per_host: int = 2) -> dict:
@@ -656,8 +656,8 @@ def bench_latency(redis_port: int, seconds: float, rate: float = 1000.0, per_hos
         ttl = hosts[0].stats().upstream.lease_ttl
         cap = hosts[0].capacity
         barrier, q = ctx.Barrier(3 * per_host + 1), ctx.Queue()
-        ps = [ctx.Process(target=_latency_worker, args=(h, paced, barrier, seconds, q))
-              for h in hosts for _ in range(per_host)]
+        ps = [ctx.Process(target=_latency_worker, args=(h, i, paced, barrier, seconds, q))
+              for i, h in enumerate(hosts) for _ in range(per_host)]
         for p in ps:
             p.start()
         trips0 = [h.stats().upstream.round_trips for h in hosts]
@@ -680,7 +680,7 @@ def bench_latency(redis_port: int, seconds: float, rate: float = 1000.0, per_hos
         span = (stamps[-1] - stamps[0]) / 1e9 if grants > 1 else seconds
         trips = sum(u.round_trips for u in ups) - sum(trips0)
         pick = lambda f: lat[min(len(lat) - 1, int(f * len(lat)))] / 1e6  # noqa: E731
-        host0 = sorted(t for r in res[:per_host] for t in r[0])
+        host0 = sorted(t for r in res if r[2] == 0 for t in r[0])
         out[label] = dict(
             achieved=grants / span, max_1s=max_in_window(stamps, 1_000_000_000),
             bound=rate * (1 + ttl + 0.05) + cap, round_trips_per_op=trips / max(1, grants),
