@@ -183,7 +183,8 @@ class Feeder:
 
     @property
     def lead_ns(self) -> int:
-        """How far ahead of need the next batch is asked for: two round trips and ``MIN_LEAD``.
+        """How far ahead of need the next batch is asked for: two round trips (at most ``MIN_LEAD``)
+        and ``MIN_LEAD``.
 
         A request that reaches Redis after the global schedule ran dry loses
         the gap for good (GCRA does not bank it), so the lead covers the
@@ -191,7 +192,13 @@ class Feeder:
         round trip.  Its cost: a host whose demand stops holds at most this
         much reserved schedule it will not use.
         """
-        return 2 * self.rtt_ns + int(MIN_LEAD * 1e9)
+        return min(2 * self.rtt_ns, int(MIN_LEAD * 1e9)) + int(MIN_LEAD * 1e9)
+
+    def horizon_ns(self, ops: int) -> int:
+        """How far ahead a reservation of ``ops`` may fall due: the same for every host (the longest
+        lead, two ticks and the batch), so a host far from Redis or descheduled for a while (its
+        round trips look long) cannot reserve further ahead than the others and take their share."""
+        return 2 * int(MIN_LEAD * 1e9) + int(2 * TICK * 1e9) + ops * self.interval_ns
 
     def close(self) -> None:
         if self.redis is not None:
@@ -338,7 +345,7 @@ class Feeder:
         want = max(1, want)
         # Reserve only what is due within the horizon: further ahead would hold slots other hosts
         # could use now.  Refused, Redis names when it would fit, and we ask again then.
-        horizon = self.lead_ns + want * self.interval_ns + int(2 * TICK * 1e9)
+        horizon = self.horizon_ns(want)
         sent = time.monotonic_ns()
         trips = 0
         try:
