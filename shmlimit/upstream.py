@@ -183,8 +183,7 @@ class Feeder:
 
     @property
     def lead_ns(self) -> int:
-        """How far ahead of need the next batch is asked for: two round trips (at most ``MIN_LEAD``)
-        and ``MIN_LEAD``.
+        """How far ahead of need the next batch is asked for: two round trips and ``MIN_LEAD``.
 
         A request that reaches Redis after the global schedule ran dry loses
         the gap for good (GCRA does not bank it), so the lead covers the
@@ -192,13 +191,18 @@ class Feeder:
         round trip.  Its cost: a host whose demand stops holds at most this
         much reserved schedule it will not use.
         """
-        return min(2 * self.rtt_ns, int(MIN_LEAD * 1e9)) + int(MIN_LEAD * 1e9)
+        return 2 * self.rtt_ns + int(MIN_LEAD * 1e9)
 
     def horizon_ns(self, ops: int) -> int:
-        """How far ahead a reservation of ``ops`` may fall due: the same for every host (the longest
-        lead, two ticks and the batch), so a host far from Redis or descheduled for a while (its
-        round trips look long) cannot reserve further ahead than the others and take their share."""
-        return 2 * int(MIN_LEAD * 1e9) + int(2 * TICK * 1e9) + ops * self.interval_ns
+        """How far ahead a reservation of ``ops`` may fall due: the lead, two ticks and the batch.
+
+        It follows this host's round trips, so under saturation a host far
+        from Redis reserves further ahead and gets a larger share than a
+        near one; a horizon equal for all hosts was fairer but let the
+        global schedule run dry between the hosts' requests (-23 % at
+        1000/s with hosts at 1, 3 and 5 ms).
+        """
+        return self.lead_ns + int(2 * TICK * 1e9) + ops * self.interval_ns
 
     def close(self) -> None:
         if self.redis is not None:
