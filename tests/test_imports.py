@@ -18,7 +18,7 @@ DESIGN = open(os.path.join(ROOT, "docs", "design.md")).read()
 
 #: The shared-memory core: none of these may import the Redis tier, even lazily.
 CORE = {"layout", "words", "composites", "atomics_cells", "cells", "segment", "config", "errors", "bucket", "table", "filler"}
-REDIS_TIER = {"redis", "upstream"}
+REDIS_TIER = {"redis", "redis_client", "redis_keyed", "upstream"}
 EXTENSIONS = {f.split(".")[0] for f in os.listdir(PACKAGE) if f.endswith((".c", ".so"))}
 
 
