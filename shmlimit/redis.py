@@ -147,35 +147,30 @@ class RedisStats:
 # ---------------------------------------------------------------------------------
 # the limiter: steps that never block, driven by a sync and an async loop
 
-#: What a step asks its driver to do: run the script, load the script, or sleep.
-_EVAL, _LOAD, _SLEEP = "eval", "load", "sleep"
+#: What a step asks its driver to do: run the script, load the script, or sleep; or the steps are done.
+_EVAL, _LOAD, _SLEEP, _DONE = "eval", "load", "sleep", object()
 Step = Generator[Tuple[Any, ...], Any, Any]
 
 
-class RedisLimiter:
-    """A rate limit of ``rate`` ops per ``per`` seconds shared through Redis by every client of ``name``.
+def _resume(steps: Step, value: Any = None, error: Optional[BaseException] = None) -> Tuple[Any, ...]:
+    """Run ``steps`` on to what it asks next, given the last answer (or error): an op or (_DONE, result)."""
+    try:
+        return steps.throw(error) if error is not None else steps.send(value)
+    except StopIteration as done:
+        return (_DONE, done.value)
 
-    The same interface and semantics as ``shmlimit.Limiter``: ``acquire``,
-    ``try_acquire``, ``reserve``, ``retry_after``, ``acquire_async``,
-    ``stats``, usable by ``shmlimit.throttle``.  Every client of one name must
-    pass the same ``rate``, ``per`` and ``burst`` (the script trusts them).
 
-    ``url``: a Redis server, cluster or sentinel-managed master (see
-    ``connect``); its password never leaves this object (``url`` shows it
-    redacted, and a segment stores the URL without it).  ``burst`` (ops,
-    default 10 ms of rate and at least one); ``max_reserved`` (seconds of
-    schedule callers may reserve ahead; default unbounded); ``grace``
-    (seconds a reservation may be used late before it is void; None = never
-    void); ``clock`` (``"server"``: Redis ``TIME``, or ``"client"``: this
-    host's wall clock); ``timeout`` (connect and socket timeout, seconds).
-    ``client`` may be an existing redis-py client to use instead of ``url``
-    (the limiter then cannot be pickled nor be an ``upstream=``).
+def _outcome(do: Any, op: Tuple[Any, ...]) -> Tuple[Any, Optional[BaseException]]:
+    """``(answer, None)`` of a sync op, or ``(None, the error)`` for the steps to classify or let through."""
+    try:
+        return do(op), None
+    except Exception as e:
+        return None, e
 
-    Errors: ``RedisUnavailableError`` when Redis cannot be reached in time
-    (a connection error or timeout: callers may fall back), and
-    ``RedisDataError`` when it answers with an error (the key holds another
-    type, the credentials are refused): never a reason to let calls through.
-    """
+
+class _GcraClient:
+    """What ``RedisLimiter`` and ``RedisKeyedLimiter`` share: the validated configuration, the
+    connections, the identity, and the script's steps with their sync and async drivers."""
 
     def __init__(
         self,
@@ -260,40 +255,17 @@ class RedisLimiter:
         with self._lock:
             return self._counts["round_trips"]
 
-    def upstream_spec(self, **options: Any) -> UpstreamSpec:
-        """This limiter as the upstream of a hierarchical ``Limiter`` (``options``: ``on_error``,
-        ``lease_ttl``, ``batch_seconds``).  Refused for a limiter built on a caller's ``client``:
-        its endpoint is unknown, and the default URL would silently lease from another server."""
-        if not self._own_client:
-            raise ValueError(
-                "a RedisLimiter built on a caller's client= cannot be an upstream (its endpoint is unknown "
-                "to the filler); build it with url="
-            )
-        c = self._config
-        return UpstreamSpec(self._name, self._url, c.rate, c.per, c.burst, clock=self._clock, timeout=self._timeout,
-                            secrets=tuple(sorted(self._secrets.items())), **options)
-
-    @classmethod
-    def from_spec(cls, spec: UpstreamSpec) -> "RedisLimiter":
-        """The global limiter of a hierarchical limiter, with the secrets its configuring process gave."""
-        self = cls(spec.name, spec.rate, spec.per, spec.burst, url=spec.url, clock=spec.clock, timeout=spec.timeout,
-                   client=_Deferred)
-        self._secrets = dict(spec.secrets)
-        self._own_client = True
-        self._client = connect(self._url, self._secrets, self._timeout)
-        return self
-
-    def __reduce__(self):
-        if not self._own_client:
-            raise TypeError("a RedisLimiter built on a caller's client cannot be pickled; pass url= instead")
-        c = self._config
-        kw = dict(max_reserved=c.max_reserved, grace=self._grace, clock=self._clock, timeout=self._timeout)
-        return (_unpickle, (self._name, c.rate, c.per, c.burst, self._url, tuple(self._secrets.items()), kw))
-
     def close(self) -> None:
         """Close this limiter's connections (the shared state in Redis stays)."""
         if self._own_client:
             self._client.close()
+
+    def __reduce__(self) -> Any:
+        if not self._own_client:
+            raise TypeError(f"a {type(self).__name__} built on a caller's client cannot be pickled; pass url= instead")
+        c = self._config
+        kw = dict(url=self._url, max_reserved=c.max_reserved, grace=self._grace, clock=self._clock, timeout=self._timeout)
+        return (_unpickle, (type(self), tuple(self._secrets.items()), (self._name, c.rate, c.per, c.burst), kw))
 
     # -- the script: one step core, two drivers ------------------------------------------
 
@@ -342,44 +314,31 @@ class RedisLimiter:
 
     def _run(self, steps: Step) -> Any:
         """The sync driver: run ``steps`` to completion on this thread's connection."""
-        value: Any = None
-        error: Optional[BaseException] = None
-        while True:
-            try:
-                op = steps.throw(error) if error is not None else steps.send(value)
-            except StopIteration as done:
-                return done.value
-            value, error = None, None
-            try:
-                if op[0] == _EVAL:
-                    value = self._client.evalsha(self._sha, 1, op[1], *op[2])
-                elif op[0] == _LOAD:
-                    self._client.script_load(LUA)
-                else:
-                    time.sleep(op[1])
-            except Exception as e:  # handed to the steps, which classify it or let it through
-                error = e
+        op = _resume(steps)
+        while op[0] is not _DONE:
+            op = _resume(steps, *_outcome(self._do, op))
+        return op[1]
+
+    def _do(self, op: Tuple[Any, ...]) -> Any:
+        if op[0] == _EVAL:
+            return self._client.evalsha(self._sha, 1, op[1], *op[2])
+        return self._client.script_load(LUA) if op[0] == _LOAD else time.sleep(op[1])
 
     async def _run_async(self, steps: Step) -> Any:
         """The async driver: the same steps on this event loop's own connection."""
         client = self._aclient()
-        value: Any = None
-        error: Optional[BaseException] = None
-        while True:
-            try:
-                op = steps.throw(error) if error is not None else steps.send(value)
-            except StopIteration as done:
-                return done.value
-            value, error = None, None
+        op = _resume(steps)
+        while op[0] is not _DONE:
             try:
                 if op[0] == _EVAL:
                     value = await client.evalsha(self._sha, 1, op[1], *op[2])
-                elif op[0] == _LOAD:
-                    await client.script_load(LUA)
                 else:
-                    await asyncio.sleep(op[1])
-            except Exception as e:
-                error = e
+                    value = await (client.script_load(LUA) if op[0] == _LOAD else asyncio.sleep(op[1]))
+            except Exception as e:  # handed to the steps, which classify it or let it through
+                op = _resume(steps, None, e)
+            else:
+                op = _resume(steps, value)
+        return op[1]
 
     def _aclient(self) -> Any:
         loop = asyncio.get_running_loop()
@@ -392,18 +351,7 @@ class RedisLimiter:
             client = self._aclients[id(loop)]
         return client
 
-    def call(self, mode: int, n: int, max_wait_ns: Optional[int] = None, least: int = 1) -> Tuple[int, int, int]:
-        """One script call: ``(ops granted, wait_ns, backlog_ns)``.
-
-        Raises ``RedisUnavailableError`` or ``RedisDataError``.
-        """
-        return self._run(self._script(mode, n, max_wait_ns, least))
-
-    async def call_async(self, mode: int, n: int, max_wait_ns: Optional[int] = None, least: int = 1) -> Tuple[int, int, int]:
-        """``call`` on this event loop's own connection."""
-        return await self._run_async(self._script(mode, n, max_wait_ns, least))
-
-    # -- acquiring ---------------------------------------------------------------------
+    # -- the steps of acquiring ----------------------------------------------------------
 
     def _bound(self, n: int, limit_s: Optional[float]) -> Optional[int]:
         """The script's max_wait for ``n`` ops: the caller's limit and ``max_reserved``, in ns."""
@@ -421,6 +369,101 @@ class RedisLimiter:
             return None
         self._count(grants=n)
         return wait / NS_PER_S
+
+    def _acquire_steps(self, n: int, timeout: Optional[float], key: Optional[str] = None) -> Step:
+        """Steps of ``acquire``: reserve, sleep until due, void a slot woken too late, back off."""
+        validate_n(n, 1)
+        timeout = validate_timeout(timeout)
+        deadline = None if timeout is None else time.monotonic() + timeout
+        while True:
+            left = None if deadline is None else max(0.0, deadline - time.monotonic())
+            granted, wait, _ = yield from self._script(MODE_RESERVE, n, self._bound(n, left), key=key)
+            received = time.monotonic()
+            if granted:
+                self._count(grants=n)
+                due = received + wait / NS_PER_S
+                if wait:
+                    yield (_SLEEP, wait / NS_PER_S)
+                if self._grace is None or time.monotonic() - due <= self._grace:
+                    return True
+                self._count(expired=1)  # woke too late: the slot is void, ask for a new one
+                continue
+            self._count(refusals=1)
+            nap = self._backoff(wait, left)
+            if nap is None:
+                return False
+            yield (_SLEEP, nap)
+
+    def _backoff(self, wait_ns: int, left: Optional[float]) -> Optional[float]:
+        """After a refusal: None when the caller's own limit refused it, else how long to back off.
+
+        Refused by ``max_reserved`` only, the caller sleeps until the queue
+        should have room, jittered in [0.5, 1.5] so refused callers spread out.
+        """
+        wait = wait_ns / NS_PER_S
+        if left is not None and wait > left:
+            return None
+        over = wait - (self._max_reserved_ns or 0) / NS_PER_S
+        nap = min(MAX_NAP, max(1e-4, over)) * random.uniform(0.5, 1.5)
+        return nap if left is None else min(nap, left)
+
+
+class RedisLimiter(_GcraClient):
+    """A rate limit of ``rate`` ops per ``per`` seconds shared through Redis by every client of ``name``.
+
+    The same interface and semantics as ``shmlimit.Limiter``: ``acquire``,
+    ``try_acquire``, ``reserve``, ``retry_after``, ``acquire_async``,
+    ``stats``, usable by ``shmlimit.throttle``.  Every client of one name must
+    pass the same ``rate``, ``per`` and ``burst`` (the script trusts them).
+
+    ``url``: a Redis server, cluster or sentinel-managed master (see
+    ``connect``); its password never leaves this object (``url`` shows it
+    redacted, and a segment stores the URL without it).  ``burst`` (ops,
+    default 10 ms of rate and at least one); ``max_reserved`` (seconds of
+    schedule callers may reserve ahead; default unbounded); ``grace``
+    (seconds a reservation may be used late before it is void; None = never
+    void); ``clock`` (``"server"``: Redis ``TIME``, or ``"client"``: this
+    host's wall clock); ``timeout`` (connect and socket timeout, seconds).
+    ``client`` may be an existing redis-py client to use instead of ``url``
+    (the limiter then cannot be pickled nor be an ``upstream=``).
+
+    Errors: ``RedisUnavailableError`` when Redis cannot be reached in time
+    (a connection error or timeout: callers may fall back), and
+    ``RedisDataError`` when it answers with an error (the key holds another
+    type, the credentials are refused): never a reason to let calls through.
+    """
+
+    def upstream_spec(self, **options: Any) -> UpstreamSpec:
+        """This limiter as the upstream of a hierarchical ``Limiter`` (``options``: ``on_error``,
+        ``lease_ttl``, ``batch_seconds``).  Refused for a limiter built on a caller's ``client``:
+        its endpoint is unknown, and the default URL would silently lease from another server."""
+        if not self._own_client:
+            raise ValueError(
+                "a RedisLimiter built on a caller's client= cannot be an upstream (its endpoint is unknown "
+                "to the filler); build it with url="
+            )
+        c = self._config
+        return UpstreamSpec(self._name, self._url, c.rate, c.per, c.burst, clock=self._clock, timeout=self._timeout,
+                            secrets=tuple(sorted(self._secrets.items())), **options)
+
+    @classmethod
+    def from_spec(cls, spec: UpstreamSpec) -> "RedisLimiter":
+        """The global limiter of a hierarchical limiter, with the secrets its configuring process gave."""
+        return _connected(cls, spec.secrets, spec.name, spec.rate, spec.per, spec.burst, url=spec.url,
+                          clock=spec.clock, timeout=spec.timeout)
+
+    def call(self, mode: int, n: int, max_wait_ns: Optional[int] = None, least: int = 1) -> Tuple[int, int, int]:
+        """One script call: ``(ops granted, wait_ns, backlog_ns)``.
+
+        Raises ``RedisUnavailableError`` or ``RedisDataError``.
+        """
+        return self._run(self._script(mode, n, max_wait_ns, least))
+
+    async def call_async(self, mode: int, n: int, max_wait_ns: Optional[int] = None, least: int = 1) -> Tuple[int, int, int]:
+        """``call`` on this event loop's own connection."""
+        return await self._run_async(self._script(mode, n, max_wait_ns, least))
+
+    # -- acquiring ---------------------------------------------------------------------
 
     def reserve(self, n: int = 1, max_wait: Optional[float] = None) -> Optional[float]:
         """Reserve the next slot for ``n`` ops; return the seconds until it is due (0.0: now).
@@ -454,30 +497,6 @@ class RedisLimiter:
             self._count(grants=granted)
         return granted, (0.0 if granted else wait / NS_PER_S)
 
-    def _acquire_steps(self, n: int, timeout: Optional[float], key: Optional[str] = None) -> Step:
-        """Steps of ``acquire``: reserve, sleep until due, void a slot woken too late, back off."""
-        validate_n(n, 1)
-        timeout = validate_timeout(timeout)
-        deadline = None if timeout is None else time.monotonic() + timeout
-        while True:
-            left = None if deadline is None else max(0.0, deadline - time.monotonic())
-            granted, wait, _ = yield from self._script(MODE_RESERVE, n, self._bound(n, left), key=key)
-            received = time.monotonic()
-            if granted:
-                self._count(grants=n)
-                due = received + wait / NS_PER_S
-                if wait:
-                    yield (_SLEEP, wait / NS_PER_S)
-                if self._grace is None or time.monotonic() - due <= self._grace:
-                    return True
-                self._count(expired=1)  # woke too late: the slot is void, ask for a new one
-                continue
-            self._count(refusals=1)
-            nap = self._backoff(wait, left)
-            if nap is None:
-                return False
-            yield (_SLEEP, nap)
-
     def acquire(self, n: int = 1, timeout: Optional[float] = None) -> bool:
         """Take ``n`` ops, sleeping until their reservation is due; True once granted.
 
@@ -492,19 +511,6 @@ class RedisLimiter:
     async def acquire_async(self, n: int = 1, timeout: Optional[float] = None) -> bool:
         """``acquire`` for asyncio (its own connection per event loop; never blocks the loop)."""
         return await self._run_async(self._acquire_steps(n, timeout))
-
-    def _backoff(self, wait_ns: int, left: Optional[float]) -> Optional[float]:
-        """After a refusal: None when the caller's own limit refused it, else how long to back off.
-
-        Refused by ``max_reserved`` only, the caller sleeps until the queue
-        should have room, jittered in [0.5, 1.5] so refused callers spread out.
-        """
-        wait = wait_ns / NS_PER_S
-        if left is not None and wait > left:
-            return None
-        over = wait - (self._max_reserved_ns or 0) / NS_PER_S
-        nap = min(MAX_NAP, max(1e-4, over)) * random.uniform(0.5, 1.5)
-        return nap if left is None else min(nap, left)
 
     async def __aenter__(self) -> "RedisLimiter":
         await self.acquire_async()
@@ -550,10 +556,14 @@ class RedisLimiter:
 _Deferred = object()
 
 
-def _unpickle(name: str, rate: float, per: float, burst: float, url: str, secrets: Tuple[Tuple[str, str], ...],
-              kw: Dict[str, Any]) -> RedisLimiter:
-    lim = RedisLimiter(name, rate, per, burst, url=url, client=_Deferred, **kw)
+def _connected(cls: Any, secrets: Tuple[Tuple[str, str], ...], *args: Any, **kw: Any) -> Any:
+    """A limiter of ``cls`` connected with ``secrets`` (kept out of its URL, as ``url=`` would)."""
+    lim = cls(*args, client=_Deferred, **kw)
     lim._secrets = dict(secrets)
     lim._own_client = True
     lim._client = connect(lim._url, lim._secrets, lim._timeout)
     return lim
+
+
+def _unpickle(cls: Any, secrets: Tuple[Tuple[str, str], ...], args: Tuple[Any, ...], kw: Dict[str, Any]) -> Any:
+    return _connected(cls, secrets, *args, **kw)

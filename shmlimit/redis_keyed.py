@@ -27,11 +27,10 @@ round trip is the honest design here.
 from __future__ import annotations
 
 import hashlib
-from typing import Any, Optional
+from typing import Optional
 
 from .config import NS_PER_S, validate_n
-from .redis import DEFAULT_GRACE, MODE_PEEK, RedisLimiter
-from .upstream_spec import DEFAULT_TIMEOUT, DEFAULT_URL
+from .redis import MODE_PEEK, _GcraClient
 
 #: Longest key, in bytes (as ``KeyedLimiter``).
 MAX_KEY_BYTES = 4096
@@ -50,70 +49,24 @@ def key_digest(key: object) -> str:
     return hashlib.sha256(raw).hexdigest()[:32]
 
 
-class RedisKeyedLimiter:
+class RedisKeyedLimiter(_GcraClient):
     """``rate`` ops per ``per`` seconds for each key, shared through Redis by every client of ``name``.
 
     Methods as ``KeyedLimiter``: ``try_acquire(key, n)``, ``acquire(key, n,
     timeout)``, ``acquire_async``, ``reserve(key, n, max_wait)`` (seconds
     until the slot is due), ``retry_after(key, n)`` (seconds).  Options as
     ``RedisLimiter`` (``url``, ``burst``, ``grace``, ``clock``, ``timeout``,
-    ``max_reserved``); errors too (``RedisUnavailableError``,
-    ``RedisDataError``).
+    ``max_reserved``, ``client``); errors too (``RedisUnavailableError``,
+    ``RedisDataError``).  ``rate``, ``per`` and ``capacity`` are each key's.
     """
-
-    def __init__(
-        self,
-        name: str,
-        rate: float,
-        per: float = 1.0,
-        burst: Optional[float] = None,
-        *,
-        url: str = DEFAULT_URL,
-        max_reserved: Optional[float] = None,
-        grace: Optional[float] = DEFAULT_GRACE,
-        clock: str = "server",
-        timeout: float = DEFAULT_TIMEOUT,
-    ) -> None:
-        self._lim = RedisLimiter(name, rate, per, burst, url=url, max_reserved=max_reserved, grace=grace,
-                                 clock=clock, timeout=timeout)
-
-    @property
-    def name(self) -> str:
-        return self._lim.name
-
-    @property
-    def rate(self) -> float:
-        """Ops per ``per`` seconds, for each key."""
-        return self._lim.rate
-
-    @property
-    def per(self) -> float:
-        """Seconds."""
-        return self._lim.per
-
-    @property
-    def capacity(self) -> float:
-        """Ops granted at most at once to one key (its burst)."""
-        return self._lim.capacity
-
-    @property
-    def url(self) -> str:
-        """The server's URL, without its password."""
-        return self._lim.url
-
-    @property
-    def round_trips(self) -> int:
-        """Script calls made by this client so far."""
-        return self._lim.round_trips
 
     def redis_key(self, key: object) -> str:
         """The Redis key holding ``key``'s GCRA state (its own cluster slot, by its hash tag)."""
-        return f"shmlimit:{{{self._lim.name}/{key_digest(key)}}}:gcra"
+        return f"shmlimit:{{{self._name}/{key_digest(key)}}}:gcra"
 
     def reserve(self, key: object, n: int = 1, max_wait: Optional[float] = None) -> Optional[float]:
         """Reserve ``key``'s next slot for ``n`` ops; seconds until it is due, or None (nothing taken)."""
-        lim = self._lim
-        return lim._run(lim._reserve_steps(n, max_wait, key=self.redis_key(key)))
+        return self._run(self._reserve_steps(n, max_wait, key=self.redis_key(key)))
 
     def try_acquire(self, key: object, n: int = 1) -> bool:
         """Take ``n`` ops of ``key`` only if they are available now (one round trip)."""
@@ -121,32 +74,17 @@ class RedisKeyedLimiter:
 
     def acquire(self, key: object, n: int = 1, timeout: Optional[float] = None) -> bool:
         """Take ``n`` ops of ``key``, sleeping until due; False (nothing taken) past ``timeout`` seconds."""
-        lim = self._lim
-        return lim._run(lim._acquire_steps(n, timeout, key=self.redis_key(key)))
+        return self._run(self._acquire_steps(n, timeout, key=self.redis_key(key)))
 
     async def acquire_async(self, key: object, n: int = 1, timeout: Optional[float] = None) -> bool:
         """``acquire`` for asyncio (its own connection per event loop)."""
-        lim = self._lim
-        return await lim._run_async(lim._acquire_steps(n, timeout, key=self.redis_key(key)))
+        return await self._run_async(self._acquire_steps(n, timeout, key=self.redis_key(key)))
 
     def retry_after(self, key: object, n: int = 1) -> float:
         """Seconds until ``n`` ops of ``key`` could be granted (0.0: now).  One round trip, writes nothing."""
         validate_n(n, 1)
-        lim = self._lim
-        return lim._run(lim._script(MODE_PEEK, n, key=self.redis_key(key)))[1] / NS_PER_S
-
-    def close(self) -> None:
-        self._lim.close()
-
-    def __reduce__(self) -> Any:
-        return (_rebuild, (self._lim,))
+        return self._run(self._script(MODE_PEEK, n, key=self.redis_key(key)))[1] / NS_PER_S
 
     def __repr__(self) -> str:
         return (f"<shmlimit.redis_keyed.RedisKeyedLimiter {self.name!r} rate={self.rate:g}/{self.per:g}s "
                 f"capacity={self.capacity:g} per key url={self.url} round_trips={self.round_trips}>")
-
-
-def _rebuild(lim: RedisLimiter) -> RedisKeyedLimiter:
-    self = RedisKeyedLimiter.__new__(RedisKeyedLimiter)
-    self._lim = lim
-    return self
