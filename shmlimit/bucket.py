@@ -528,6 +528,14 @@ class Bucket:
         tail = c.load(L.TAIL)
         return diff(c.load(L.HEAD), tail)
 
+    def taken(self) -> int:
+        """The tail rover: every token ever taken or queued for (wrapping at 2**64; compare with ``diff``).
+
+        Its advance over a period is that period's demand (grants, queued
+        tickets and burned tokens alike), which the upstream feeder measures.
+        """
+        return self.cells.load(L.TAIL)
+
     def pending(self, now: Optional[int] = None) -> int:
         """Tokens a replenish at ``now`` would add at most (before the capacity clamp)."""
         now = self.clock() if now is None else now

@@ -78,12 +78,12 @@ from __future__ import annotations
 import logging
 import math
 import random
-import time
 from collections import deque
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Deque, Optional
+from typing import TYPE_CHECKING, Callable, Deque, Optional
 
 from . import layout as L
+from .bucket import diff
 from .errors import RedisDataError, RedisUnavailableError
 from .redis import MODE_RESERVE, RedisLimiter
 from .upstream_spec import (
@@ -158,8 +158,18 @@ class Feeder:
     for the next batch when the last reserved one is due sooner than that.
     """
 
-    def __init__(self, bucket: "Bucket", lease: "Lease", spec: UpstreamSpec) -> None:
+    def __init__(
+        self,
+        bucket: "Bucket",
+        lease: "Lease",
+        spec: UpstreamSpec,
+        clock: Optional[Callable[[], int]] = None,
+        connect: Callable[[UpstreamSpec], RedisLimiter] = RedisLimiter.from_spec,
+    ) -> None:
         self.bucket = bucket
+        #: CLOCK_MONOTONIC ns: the bucket's clock unless a test gives another
+        self.clock = bucket.clock if clock is None else clock
+        self._connect = connect
         self.cells = bucket.cells
         self.lease = lease
         self.spec = spec
@@ -213,7 +223,7 @@ class Feeder:
     def tick(self) -> float:
         b = self.bucket
         c = self.cells
-        now = time.monotonic_ns()
+        now = self.clock()
         self._measure(now)
         state = c.load(L.UP_STATE)
         if state in (STATE_OK, STATE_CLOSED, STATE_ERROR):  # leased tokens expire, Redis or not
@@ -221,10 +231,10 @@ class Feeder:
         self._deliver(now)
         if not b.stopped and now >= self.next_try:
             self._lease(now, state)
-            self._deliver(time.monotonic_ns())  # a batch due at once goes in without waiting a tick
+            self._deliver(self.clock())  # a batch due at once goes in without waiting a tick
         if b.time_fed:  # the "local" fallback: the clock feeds the bucket meanwhile
             b.replenish()
-        return self._publish_next(time.monotonic_ns())
+        return self._publish_next(self.clock())
 
     def orphan_tick(self) -> Optional[float]:
         """No longer the filler: deliver the batches this process reserved, when due (they are slots
@@ -232,7 +242,7 @@ class Feeder:
         filler expects tokens sooner."""
         if not self.pending:
             return None
-        now = time.monotonic_ns()
+        now = self.clock()
         self._deliver(now)
         if not self.pending:
             return None
@@ -251,11 +261,11 @@ class Feeder:
         return TICK
 
     def _measure(self, now: int) -> None:
-        tail = self.cells.load(L.TAIL)
+        tail = self.bucket.taken()
         if self._last is not None:
             dt = now - self._last[0]
             if dt > 0:
-                ops = (((tail - self._last[1]) & ((1 << 64) - 1)) - self._burned) / self.bucket.cost
+                ops = (diff(tail, self._last[1]) - self._burned) / self.bucket.cost
                 alpha = min(1.0, dt / (DEMAND_WINDOW * 1e9))
                 self.demand += alpha * (ops * 1e9 / dt - self.demand)
         self._last = (now, tail)
@@ -350,11 +360,11 @@ class Feeder:
         # Reserve only what is due within the horizon: further ahead would hold slots other hosts
         # could use now.  Refused, Redis names when it would fit, and we ask again then.
         horizon = self.horizon_ns(want)
-        sent = time.monotonic_ns()
+        sent = self.clock()
         trips = 0
         try:
             if self.redis is None:
-                self.redis = RedisLimiter.from_spec(self.spec)
+                self.redis = self._connect(self.spec)
             trips = self.redis.round_trips
             granted, wait, _ = self.redis.call(MODE_RESERVE, want, horizon)
         except RedisUnavailableError as e:
@@ -365,7 +375,7 @@ class Feeder:
             self._count_trips(trips)
             self._error(state, e)
             return
-        received = time.monotonic_ns()
+        received = self.clock()
         self._count_trips(trips)
         self.rtt_ns += (received - sent - self.rtt_ns) // 4
         if state != STATE_OK:
@@ -395,7 +405,7 @@ class Feeder:
             c.store(L.UP_STATE, code)
             if flags != L.FLAG_UPSTREAM:
                 self.bucket.set_upstream_flags(flags)
-        self.next_try = time.monotonic_ns() + int(RETRY_EVERY * 1e9)
+        self.next_try = self.clock() + int(RETRY_EVERY * 1e9)
 
     def _error(self, state: int, e: RedisDataError) -> None:
         """Redis answered with an error: closed, whatever the fallback, until it answers correctly."""
@@ -408,7 +418,7 @@ class Feeder:
             c.store(L.UP_STATE, STATE_ERROR)
             if state in (STATE_LOCAL, STATE_OPEN):
                 self._end_fallback(state)
-        self.next_try = time.monotonic_ns() + int(RETRY_EVERY * 1e9)
+        self.next_try = self.clock() + int(RETRY_EVERY * 1e9)
 
     def _end_fallback(self, state: int) -> None:
         b = self.bucket
