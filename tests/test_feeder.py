@@ -11,6 +11,7 @@ import pytest
 import shmlimit
 import shmlimit.layout as L
 from support.clock import FakeClock
+from support.procs import run_cli
 from support.windows import check_windows, max_in_window
 
 
@@ -160,3 +161,55 @@ def test_leased_tokens_expire_after_their_ttl(R, redis_server, name, clock):
         assert host.lim.stats().upstream.expired >= held
     finally:
         host.close()
+
+
+class SlowRedis:
+    """The global limiter as the feeder sees it, where each call first runs ``during`` (what other
+    processes do while a call is in flight), then fails as an unreachable server does."""
+
+    def __init__(self, R, during):
+        self.R, self.during, self.round_trips = R, during, 0
+
+    def call(self, *args):
+        self.round_trips += 1
+        self.during()
+        raise self.R.RedisUnavailableError("redis at redis://127.0.0.1:1/0: timed out")
+
+    def close(self):
+        pass
+
+
+def test_a_fallback_keeps_a_set_rate_made_during_the_redis_call(R, redis_server, name, clock):
+    from shmlimit.upstream import Feeder
+
+    host = Host(R, name, redis_server.url, clock, 100, on_redis_error="local", lease_ttl=0.1)
+    try:
+        host.take_all()  # hungry: the feeder calls Redis
+
+        def operator():  # another process changes the rate while the call is in flight
+            r = run_cli("set-rate", name, "40")
+            assert r.returncode == 0, r.stderr
+
+        host.feeder = Feeder(host.att.bucket, host.att.lease, host.att.feed_spec, clock=clock,
+                             connect=lambda spec: SlowRedis(R, operator))
+        host.feeder.tick()
+        up = host.lim.stats().upstream
+        assert up.state == "local" and up.fallbacks == 1
+        host.att.bucket.refresh()
+        cfg = host.att.bucket.config
+        assert cfg.rate == 40  # the operator's change stands
+        assert host.att.bucket.time_fed  # and the fallback is on: the local clock feeds the bucket
+    finally:
+        host.close()
+
+
+def test_a_limiter_on_a_callers_client_is_refused_as_an_upstream(R, redis_server, name):
+    glob = R.RedisLimiter(f"{name}-g", rate=10, client=redis_server.client())
+    with pytest.raises(ValueError, match="client="):
+        shmlimit.Limiter(name, upstream=glob)
+    with pytest.raises(TypeError, match="client"):
+        import pickle
+
+        pickle.dumps(glob)
+    with pytest.raises(FileNotFoundError):
+        shmlimit.inspect(name)  # nothing was created
