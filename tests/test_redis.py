@@ -493,7 +493,12 @@ def test_keyed_redis_limiter_one_gcra_per_key(R, redis_server, name, fake_time):
         lim.try_acquire(5)
     with pytest.raises(ValueError, match="4096"):
         lim.try_acquire("x" * 5000)
-    assert pickle.loads(pickle.dumps(lim)).redis_key("alice") == ka
+    copy = pickle.loads(pickle.dumps(lim))
+    assert copy.redis_key("alice") == ka
+    assert copy.try_acquire("erin", 2) and not lim.try_acquire("erin")  # the same state in Redis
+    # the async driver runs the same steps: dave's burst of two, then his next slot is 100 ms away
+    assert asyncio.run(lim.acquire_async("dave", 2)) and not asyncio.run(lim.acquire_async("dave", timeout=0.05))
+    assert lim.retry_after("dave") == pytest.approx(0.1)
 
 
 def test_keyed_redis_limiter_holds_each_key_across_processes(R, redis_server, name):
