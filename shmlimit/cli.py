@@ -193,7 +193,7 @@ def cmd_set_rate(args: argparse.Namespace) -> int:
         if spec.verb == "stop":
             lim.stop()
         else:
-            lim.set_rate(spec.rate, per=args.per, burst=args.burst, ratio=spec.ratio)
+            lim.set_rate(spec.rate, per=spec.per_with(args.per, "--per"), burst=args.burst, ratio=spec.ratio)
             if spec.verb == "start":
                 lim.start()
             elif spec.verb == "restart":
@@ -377,7 +377,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     c = sub.add_parser("create", help="create a limiter (or check that it exists with this config)")
     c.add_argument("name")
-    c.add_argument("--rate", type=_spec, required=True, help="ops per --per seconds, or a spec like 12K,1.1")
+    c.add_argument("--rate", type=_spec, required=True, help="ops per --per seconds, a rate string like 10/s, 50/5s or 200K/min, or a spec like 12K,1.1")
     c.add_argument("--per", type=_positive(float), default=1.0, help="seconds (default 1)")
     c.add_argument("--burst", type=_positive(float), default=None, help="capacity in ops")
     c.add_argument("--mode", default="600", help="permission bits in octal (default 600)")
@@ -390,7 +390,7 @@ def build_parser() -> argparse.ArgumentParser:
         help="change a live limiter in every process: rate[,ratio][,verb] with verb configure|start|restart|stop",
     )
     r.add_argument("name")
-    r.add_argument("spec", type=_spec, help="e.g. 12000, 12K,1.1 or 12K,1.1,restart or 0,stop")
+    r.add_argument("spec", type=_spec, help="e.g. 12000, 200K/min, 12K,1.1 or 12K,1.1,restart or 0,stop")
     r.add_argument("--per", type=_positive(float), default=None, help="seconds (default: unchanged)")
     r.add_argument("--burst", type=_positive(float), default=None, help="capacity in ops (default: 10 ms of the rate)")
     r.add_argument("--mode", default="600", help="the group/other write bits the segment may have, octal (default 600)")

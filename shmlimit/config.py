@@ -18,9 +18,10 @@ ever dropped and nothing drifts over hours.
 from __future__ import annotations
 
 import math
+import re
 from dataclasses import dataclass
 from fractions import Fraction
-from typing import Dict, Optional
+from typing import Dict, Optional, Tuple
 
 NS_PER_S = 1_000_000_000
 MAX_TPN = 1 << 16
@@ -107,6 +108,7 @@ class Config:
             if ratio is not None and spec.ratio is not None and float(ratio) != spec.ratio:  # type: ignore[arg-type]
                 raise ValueError(f"ratio given twice: {ratio!r} and {spec.ratio!r} in the rate spec")
             rate, ratio = spec.rate, (spec.ratio if spec.ratio is not None else ratio)
+            per = spec.per_with(per)
         r = _positive_finite("rate", rate)
         p = _positive_finite("per", per)
         ops = r / p
@@ -238,13 +240,70 @@ VERBS = ("configure", "start", "restart", "stop")
 _SUFFIX = {"K": 1e3, "M": 1e6, "G": 1e9}
 
 
+#: The units of a rate string's window, in seconds ("N/unit", "N/<count>unit").
+UNITS = {
+    "s": 1.0, "sec": 1.0, "second": 1.0, "seconds": 1.0,
+    "m": 60.0, "min": 60.0, "minute": 60.0, "minutes": 60.0,
+    "h": 3600.0, "hour": 3600.0, "hours": 3600.0,
+    "d": 86400.0, "day": 86400.0, "days": 86400.0,
+}  # fmt: skip
+RATE_FORMS = "'N/unit' or 'N/<count>unit' (e.g. '10/s', '50/5s', '200K/min'; N may end in K, M or G; unit one of s, sec, second, m, min, minute, h, hour, d, day)"
+_WINDOW = re.compile(r"^\s*(\d+(?:\.\d*)?|\.\d+)?\s*([a-z]+)\s*$")
+
+
 @dataclass(frozen=True)
 class RateSpec:
-    """A parsed rate spec: ``rate[,ratio][,verb]``; ratio and verb are None when absent."""
+    """A parsed rate spec: ``rate[,ratio][,verb]``; ratio and verb are None when absent.
+
+    ``per`` is the window in seconds when the rate was written ``"N/unit"``
+    (``"50/5s"``: rate 50, per 5.0), and None when it was a bare number.
+    """
 
     rate: float
     ratio: Optional[float] = None
     verb: Optional[str] = None
+    per: Optional[float] = None
+
+    def per_with(self, per: object, param: str = "per") -> object:
+        """The window to use with a ``per`` also passed: the string's, which ``per`` may not contradict."""
+        if self.per is None:
+            return per
+        if per is not None and not (isinstance(per, (int, float)) and not isinstance(per, bool) and float(per) in (1.0, self.per)):
+            raise ValueError(
+                f"{param} given twice: {per!r} and {self.per:g} s in the rate string; "
+                f"leave {param} out (or 1.0) when the rate is written {RATE_FORMS}"
+            )
+        return self.per
+
+
+def carried_per(rate: object) -> Optional[float]:
+    """The window (seconds) a rate string ``"N/unit"`` carries; None for a number or a bare spec."""
+    return parse_spec(rate).per if isinstance(rate, str) else None
+
+
+def parse_rate(text: str, param: str = "rate") -> Tuple[float, float]:
+    """Parse a rate string ``"N/unit"`` into ``(rate, per)``: ``"10/s"`` is (10, 1.0),
+    ``"50/5s"`` (50, 5.0), ``"200K/min"`` (200000, 60.0), ``"5000/h"`` (5000, 3600.0).
+
+    A bare number (``"12K"``) is ops per second: (12000, 1.0).  Anything else
+    raises ValueError naming ``param`` and the allowed forms.
+    """
+    if not isinstance(text, str):
+        raise TypeError(f"{param} must be a number or a string {RATE_FORMS}, not {type(text).__name__}")
+    count, sep, window = text.partition("/")
+    try:
+        n = _spec_number(count, "the count", text)
+    except ValueError:
+        raise ValueError(f"{param} must be a positive number or {RATE_FORMS}; got {text!r}") from None
+    if not sep:
+        return n, 1.0
+    m = _WINDOW.match(window)
+    if m is None or m.group(2) not in UNITS:
+        raise ValueError(f"{param} {text!r}: the window must be {RATE_FORMS}; got {window.strip()!r}")
+    k = 1.0 if m.group(1) is None else float(m.group(1))
+    if not math.isfinite(k) or k <= 0:
+        raise ValueError(f"{param} {text!r}: the window's count must be > 0, got {m.group(1)!r}")
+    return n, k * UNITS[m.group(2)]
 
 
 def _spec_number(text: str, what: str, spec: str) -> float:
@@ -256,7 +315,8 @@ def _spec_number(text: str, what: str, spec: str) -> float:
     try:
         v = float(t) * mult
     except ValueError:
-        raise ValueError(f"rate spec {spec!r}: {what} must be a number (K/M/G suffixes allowed), got {text!r}") from None
+        forms = f", or {RATE_FORMS}" if what == "rate" else ""
+        raise ValueError(f"rate spec {spec!r}: {what} must be a number (K/M/G suffixes allowed){forms}; got {text!r}") from None
     if not math.isfinite(v) or v <= 0:
         raise ValueError(f"rate spec {spec!r}: {what} must be finite and > 0, got {text!r}")
     return v
@@ -266,7 +326,8 @@ def parse_spec(spec: str) -> RateSpec:
     """Parse nosqlbench's ``rate[,ratio][,verb]``: ``"12000"``, ``"12K,1.1"``, ``"5M,1.05,configure"``, ``"1000,stop"``.
 
     ``rate`` is in ops per second (per the limiter's ``per``), with K, M or G
-    meaning 1e3, 1e6, 1e9; ``ratio`` >= 1 is the catch-up ratio; ``verb`` is
+    meaning 1e3, 1e6, 1e9, or a rate string ``"N/unit"`` (``parse_rate``:
+    ``"200K/min,1.1"``) that carries its own window (``RateSpec.per``); ``ratio`` >= 1 is the catch-up ratio; ``verb`` is
     one of configure, start, restart, stop.
     """
     if not isinstance(spec, str):
@@ -277,11 +338,15 @@ def parse_spec(spec: str) -> RateSpec:
         verb = parts.pop().lower()
     if not 1 <= len(parts) <= 2 or not parts[0]:
         raise ValueError(f"rate spec must look like 'rate[,ratio][,verb]' with verb one of {', '.join(VERBS)}; got {spec!r}")
-    rate = _spec_number(parts[0], "rate", spec)
+    per = None
+    if "/" in parts[0]:
+        rate, per = parse_rate(parts[0])
+    else:
+        rate = _spec_number(parts[0], "rate", spec)
     ratio = _spec_number(parts[1], "ratio", spec) if len(parts) == 2 else None
     if ratio is not None and not 1.0 <= ratio <= MAX_RATIO:
         raise ValueError(f"rate spec {spec!r}: ratio must be between 1.0 and {MAX_RATIO:g}, got {ratio:g}")
-    return RateSpec(rate, ratio, verb)
+    return RateSpec(rate, ratio, verb, per)
 
 
 def validate_n(n: object, cost: int) -> int:

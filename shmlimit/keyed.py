@@ -24,7 +24,7 @@ from typing import Any, List, Optional, Tuple
 from . import keyed_cells as KC
 from . import keyed_layout as K
 from .cells import Cells, open_cells
-from .config import validate_timeout
+from .config import carried_per, validate_timeout
 from .errors import ConfigMismatchError, KeyTableFullError, SegmentError
 from .keyed_gcra import TICKS_PER_S, Overrides, Rate, make_rate, publish_default, read_default, read_rate
 from .keyed_segment import Geometry, check_geometry, open_segment, read_copy, validate_header
@@ -190,7 +190,8 @@ class KeyedLimiter:
     ``KeyedLimiter(name, rate=10, per=1.0, burst=None, keys=100_000)``
     creates the segment, or attaches if it exists with the same configuration
     (a different one raises ``ConfigMismatchError``; without ``rate`` it
-    attaches to whatever is there).  ``burst`` is each key's capacity in ops
+    attaches to whatever is there).  ``rate`` may be a rate string such as
+    ``"10/s"`` or ``"600/min"`` (it sets ``per`` too).  ``burst`` is each key's capacity in ops
     (default: 10 ms of schedule, at least one op).  ``keys`` is the number of
     64-byte key slots: size it for the keys that may be *limited at the same
     time*; a key whose bucket is full again gives its slot up.  ``overrides``
@@ -383,7 +384,8 @@ class KeyedLimiter:
     def set_rate(self, rate: Any, per: Optional[float] = None, burst: Optional[float] = None, key: object = None) -> None:
         """Change the default rate of every key, or (with ``key``) give one key a rate of its own.
 
-        Applies from the next call in every attached process.  ``per``
+        Applies from the next call in every attached process.  ``rate`` may be
+        a rate string (``"10/s"``, ``"600/min"``: it sets ``per`` too).  ``per``
         defaults to the current value, ``burst`` to the default for the new
         rate.  A key's override lives in a table of its own (``overrides=``
         entries), so it survives the key's eviction; ``remove_override``
@@ -392,6 +394,8 @@ class KeyedLimiter:
         """
         att = self._live()
         cur = read_default(att.cells)
+        if per is None:  # a rate string "N/unit" carries its window
+            per = carried_per(rate)
         if key is None:
             publish_default(att.cells, make_rate(rate, cur.per if per is None else per, burst))
             return

@@ -66,8 +66,10 @@ class Limiter:
 
     ``Limiter(name, rate=..., per=1.0, burst=None)`` creates the limiter, or
     attaches to it if it exists with the same configuration (a different one
-    raises ``ConfigMismatchError``).  ``rate`` may be a rate spec string such
-    as ``"12K,1.1"`` (rate 12000, catch-up ratio 1.1).  ``burst`` is the
+    raises ``ConfigMismatchError``).  ``rate`` may be a rate string
+    ``"N/unit"`` (``"10/s"``, ``"50/5s"``, ``"200K/min"``: it sets ``per``
+    too), or a rate spec string such as ``"12K,1.1"`` (rate 12000, catch-up
+    ratio 1.1).  ``burst`` is the
     bucket capacity in ops (default: 10 ms of schedule, at least one op).
 
     Keyword-only options: ``ratio`` (catch-up, >= 1.0; default 1.0 = off),
@@ -354,13 +356,16 @@ class Limiter:
 
     def set_rate(
         self,
-        rate: float,
+        rate: Union[float, str],
         per: Optional[float] = None,
         burst: Optional[float] = None,
         *,
         ratio: Optional[float] = None,
     ) -> None:
         """Change the limit for every attached process, at once, without re-attaching.
+
+        ``rate`` may be a rate string, ``"200K/min"`` (which sets ``per`` too),
+        or a spec ``"12K,1.1"``.
 
         ``per`` and ``ratio`` default to their current values; ``burst`` to the
         default for the new rate, as in the constructor.  Ops already granted
@@ -379,6 +384,7 @@ class Limiter:
             if spec.ratio is not None and ratio is not None and float(ratio) != spec.ratio:
                 raise ValueError(f"ratio given twice: {ratio!r} and {spec.ratio!r} in the rate spec")
             rate, ratio = spec.rate, (spec.ratio if spec.ratio is not None else ratio)
+            per = spec.per_with(per)  # type: ignore[assignment]
         new = cur.replace(
             rate=rate,
             per=cur.per if per is None else per,
@@ -426,7 +432,8 @@ class Limiter:
         if parsed.verb == "stop":
             self.stop()
             return
-        self.set_rate(parsed.rate, burst=None if parsed.rate != self.rate else self.capacity, ratio=parsed.ratio)
+        same = parsed.rate == self.rate and parsed.per in (None, self.per)
+        self.set_rate(parsed.rate, per=parsed.per, burst=None if not same else self.capacity, ratio=parsed.ratio)
         if parsed.verb == "start":
             self.start()
         elif parsed.verb == "restart":
