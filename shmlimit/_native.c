@@ -24,6 +24,11 @@ typedef struct {
     char *base;
     Py_ssize_t size;
     int open;
+    /* Waiters (see WAITER) run without the GIL: close() wakes them (`closing`, a futex word) and
+     * waits until `busy`, the callers inside, is 0 before it lets the mapping go. */
+    uint32_t closing;
+    int busy;
+    unsigned long busy_gen;
 } NativeCells;
 
 static int
@@ -1094,9 +1099,14 @@ release_view(NativeCells *self)
     }
 }
 
+/* defined in WAITER below */
+static void waiters_leave(NativeCells *self);
+static PyObject *cells_waiter(NativeCells *self, PyObject *const *args, Py_ssize_t n);
+
 static PyObject *
 cells_close(NativeCells *self, PyObject *Py_UNUSED(ignored))
 {
+    waiters_leave(self);
     release_view(self);
     Py_RETURN_NONE;
 }
@@ -1168,6 +1178,8 @@ static PyMethodDef cells_methods[] = {
      "try_grab(tail, head, amount, grants, ops) -> True if taken; False changes nothing"},
     {"keyed_table", (PyCFunction)(void (*)(void))cells_keyed_table, METH_FASTCALL,
      "keyed_table(cfg, ovr_live, ovr, novr, slots, nslots, probe, k0, k1, keys_live, evicted, refused, grants, pid)"},
+    {"waiter", (PyCFunction)(void (*)(void))cells_waiter, METH_FASTCALL,
+     "waiter(seq, expected, tail, head, repl_ts, snap_head, snap_tail, lease, grants, tpn, cap, slack_ns) -> Waiter"},
     {"close", (PyCFunction)cells_close, METH_NOARGS, "release the buffer; later calls raise ValueError"},
     {NULL, NULL, 0, NULL},
 };
@@ -1239,6 +1251,351 @@ native_sleep_until(PyObject *mod, PyObject *const *args, Py_ssize_t n)
     Py_RETURN_NONE;
 }
 
+/* ======================================================================================
+ * WAITER: a queued caller's whole wait in one call, without the GIL
+ * ======================================================================================
+ *
+ * A Waiter holds the words and the config of one limiter's wait for a ticket, validated once
+ * (like a Gate).  wait(ticket, ops, until_ns) runs, without the GIL, the same loop as the
+ * acquisition core's TICKET state (acquisition.Request._wait_ticket): granted once the head
+ * covers the ticket (`ops` counted, as the caller's grant); otherwise sleep to the instant the
+ * ticket is due (REPL_TS plus its deficiency at the rate: exact) as an absolute CLOCK_MONOTONIC
+ * deadline with a low timer slack; then replenish (the lazy refill: nothing waits for the
+ * filler) and look again, or, still short, look again RETRY_NS later.  So a waiter wakes once
+ * per grant and never returns to Python between its naps.
+ *
+ * It only ever decides what the Python loop would: the replenish is bucket.Bucket.replenish
+ * (claim, then apply) for the one case a Waiter is made for -- fed by the clock, not stopped,
+ * no catch-up (ratio 1) -- and the config is compared with the one it was bound to before
+ * every step (a changed config, a stop or a rate change, ends the call: the caller goes back to
+ * the Python loop, which reloads it).  It also ends at `until_ns`, on a signal (EINTR: Python
+ * runs its handlers) and when a replenish of ours landed while the config changed (the caller
+ * must burn down to the capacity in force, as Bucket.apply does).
+ *
+ * wait answers an int: bit 0 (WAIT_GRANTED) granted and counted; else the caller continues in
+ * Python; bit 1 (WAIT_NUDGE) we replenished and the filler lease is free or expired (the caller
+ * nudges its filler); bit 2 (WAIT_BURN) our add raced a config change (the caller burns).
+ * replenish(now_ns) is the same replenish at a given clock reading, for tests.
+ * Every word is touched here with sequentially consistent atomics, like everything in cells.
+ */
+#ifdef __linux__
+#include <linux/futex.h>
+#include <sys/syscall.h>
+#endif
+#include <pthread.h>
+#include <unistd.h>
+
+#define WAIT_GRANTED 1
+#define WAIT_NUDGE 2
+#define WAIT_BURN 4
+#define WAIT_RETRY_NS 20000u /* acquisition.RETRY_NS */
+#define WAIT_LEASE_SLOT_BITS 12 /* layout.LEASE_SLOT_BITS */
+
+typedef struct {
+    PyObject_HEAD
+    NativeCells *cells;
+    uint64_t *seq, *tail, *head, *repl_ts, *snap_head, *snap_tail, *lease, *grants;
+    uint64_t expected, tpn, cap;
+    long slack_ns;
+    uint64_t naps; /* sleeps taken by this waiter's calls (this process's, for tests and tools) */
+} Waiter;
+
+static inline uint64_t wld(uint64_t *w) { return __atomic_load_n(w, __ATOMIC_SEQ_CST); }
+static inline int wcas(uint64_t *w, uint64_t e, uint64_t d)
+{
+    return __atomic_compare_exchange_n(w, &e, d, 0, __ATOMIC_SEQ_CST, __ATOMIC_SEQ_CST);
+}
+
+/* Bucket.replenish at clock reading `now`, for a Waiter's config: the tokens added.  *burn is set
+ * when the config changed between the claim and the add (Bucket.apply then burns). */
+static uint64_t
+waiter_replenish(Waiter *w, uint64_t now, int *burn)
+{
+    /* claim: the config first (one load), then the words, then the clock (read by the caller
+     * before this call would make the snapshot newer than the interval: it is read here) */
+    if (wld(w->seq) != w->expected)
+        return 0;
+    uint64_t ts = wld(w->repl_ts);
+    uint64_t snap_head = wld(w->snap_head);
+    uint64_t snap_tail = wld(w->snap_tail);
+    uint64_t head = wld(w->head);
+    uint64_t tail = wld(w->tail);
+    if (now == 0)
+        now = monotonic_ns();
+    int64_t elapsed = (int64_t)(now - ts);
+    if (elapsed < 0) {
+        /* a REPL_TS ahead of the clock is corrupt: restart the clock, grant nothing for the past */
+        wcas(w->repl_ts, ts, now);
+        return 0;
+    }
+    if (elapsed == 0 || !wcas(w->repl_ts, ts, now))
+        return 0;
+    __atomic_store_n(w->snap_head, head, __ATOMIC_SEQ_CST);
+    __atomic_store_n(w->snap_tail, tail, __ATOMIC_SEQ_CST);
+    uint64_t limit = ((int64_t)(snap_head - snap_tail) <= 0 ? snap_head : snap_tail) + w->cap;
+    uint64_t extra;
+    if (__builtin_mul_overflow((uint64_t)elapsed, w->tpn, &extra))
+        extra = UINT64_MAX;
+    /* apply: add min(extra, limit - head) by CAS; another interval landed first: on top of it */
+    uint64_t total;
+    for (;;) {
+        int64_t room = (int64_t)(limit - head);
+        total = room <= 0 ? 0 : ((uint64_t)room < extra ? (uint64_t)room : extra);
+        if (total == 0 || wcas(w->head, head, head + total))
+            break;
+        head = wld(w->head);
+    }
+    if (total > 0 && wld(w->seq) != w->expected)
+        *burn = 1;
+    return total;
+}
+
+/* Is the filler lease free or expired (a waiter that replenished then nudges its filler)? */
+static int
+waiter_lease_lapsed(Waiter *w, uint64_t now)
+{
+    uint64_t l = wld(w->lease);
+    return l == 0 || (l >> WAIT_LEASE_SLOT_BITS) <= now / 1000u;
+}
+
+/* Sleep to the CLOCK_MONOTONIC instant `at`; 0 if interrupted by a signal or by close().  On Linux
+ * the sleep is a private futex wait with an absolute CLOCK_MONOTONIC deadline (FUTEX_WAIT_BITSET)
+ * on this process's `closing` word, so close() wakes every waiter at once. */
+static int
+waiter_sleep(Waiter *w, uint64_t at)
+{
+#ifdef __linux__
+    struct timespec ts = {(time_t)(at / 1000000000u), (long)(at % 1000000000u)};
+    long r = syscall(SYS_futex, &w->cells->closing, FUTEX_WAIT_BITSET | FUTEX_PRIVATE_FLAG, 0, &ts, NULL,
+                     FUTEX_BITSET_MATCH_ANY);
+    if (r == 0 || __atomic_load_n(&w->cells->closing, __ATOMIC_SEQ_CST))
+        return 0;
+    return errno != EINTR;
+#else
+    uint64_t now = monotonic_ns();
+    if (at > now) {
+        uint64_t d = at - now;
+        struct timespec ts = {(time_t)(d / 1000000000u), (long)(d % 1000000000u)};
+        return nanosleep(&ts, NULL) == 0;
+    }
+    return 1;
+#endif
+}
+
+/* The loop of wait(), without the GIL.  The thread's timer slack is lowered for its sleeps only:
+ * *old_slack holds the slack to restore (0: untouched). */
+static int
+waiter_loop(Waiter *w, uint64_t ticket, uint64_t ops, uint64_t until, long *old_slack)
+{
+    int flags = 0, burn = 0;
+    double tpn = (double)w->tpn;
+    for (;;) {
+        if (__atomic_load_n(&w->cells->closing, __ATOMIC_SEQ_CST) || wld(w->seq) != w->expected)
+            return flags;
+        /* the head first, then REPL_TS: read across a replenish, the pair can only make the
+         * due time later, never earlier (Bucket.due_ns) */
+        uint64_t head = wld(w->head);
+        int64_t short_ = (int64_t)(ticket - head);
+        if (short_ <= 0) {
+            __atomic_fetch_add(w->grants, ops, __ATOMIC_SEQ_CST);
+            return flags | WAIT_GRANTED;
+        }
+        uint64_t ts = wld(w->repl_ts);
+        uint64_t now = monotonic_ns();
+        double due = (double)ts + (double)short_ / tpn;
+        uint64_t at;
+        if (due > (double)now) { /* not our turn yet: no replenish can help, sleep until it */
+            at = due >= (double)until ? until : (uint64_t)due + 1;
+        } else {
+            /* our turn: replenishing adds whatever time has passed */
+            if (waiter_replenish(w, 0, &burn) > 0) {
+                if (burn)
+                    return flags | WAIT_BURN;
+                if (waiter_lease_lapsed(w, now))
+                    flags |= WAIT_NUDGE;
+                if ((int64_t)(ticket - wld(w->head)) <= 0)
+                    continue; /* covered: granted at the top (after the config check) */
+            }
+            /* due, yet short (another process's replenish in flight): look again soon, or when
+             * the shortfall could have arrived */
+            short_ = (int64_t)(ticket - wld(w->head));
+            double later = short_ > 0 ? (double)short_ / tpn : 0;
+            at = now + (later > WAIT_RETRY_NS ? (uint64_t)later : WAIT_RETRY_NS);
+            if (at > until)
+                at = until;
+        }
+#ifdef __linux__
+        if (*old_slack == 0) {
+            long old = prctl(PR_GET_TIMERSLACK, 0, 0, 0, 0);
+            if (old > 0 && old != w->slack_ns) {
+                prctl(PR_SET_TIMERSLACK, (unsigned long)w->slack_ns, 0, 0, 0);
+                *old_slack = old;
+            } else {
+                *old_slack = -1; /* nothing to restore */
+            }
+        }
+#endif
+        __atomic_fetch_add(&w->naps, 1, __ATOMIC_RELAXED);
+        if (!waiter_sleep(w, at) || at >= until)
+            return flags;
+    }
+}
+
+/* Bumped in a forked child: the waiters counted in `busy` before the fork were the parent's
+ * threads, which do not exist in the child. */
+static unsigned long waiter_fork_gen = 1;
+static void waiter_atfork_child(void) { waiter_fork_gen++; }
+
+static PyObject *
+waiter_wait(Waiter *self, PyObject *const *args, Py_ssize_t n)
+{
+    uint64_t ticket, ops, until;
+    if (!nargs(n, 3, "wait") || !check_open(self->cells))
+        return NULL;
+    if (!u64(args[0], &ticket) || !u64(args[1], &ops) || !u64(args[2], &until))
+        return NULL;
+    /* covered already (a fill came first): granted without leaving the GIL */
+    if (wld(self->seq) == self->expected && (int64_t)(ticket - wld(self->head)) <= 0) {
+        __atomic_fetch_add(self->grants, ops, __ATOMIC_SEQ_CST);
+        return PyLong_FromLong(WAIT_GRANTED);
+    }
+    int rc;
+    long old_slack = 0;
+    /* The mapping must outlive the loop, which runs without the GIL: close() waits while `busy`
+     * counts callers in here (it wakes them first).  After fork the count is the parent's, whose
+     * other threads do not exist here: a process starts its own count. */
+    NativeCells *c = self->cells;
+    if (c->busy_gen != waiter_fork_gen) {
+        c->busy_gen = waiter_fork_gen;
+        __atomic_store_n(&c->busy, 0, __ATOMIC_SEQ_CST);
+    }
+    __atomic_fetch_add(&c->busy, 1, __ATOMIC_SEQ_CST);
+    Py_INCREF(self);
+    Py_BEGIN_ALLOW_THREADS
+    rc = waiter_loop(self, ticket, ops, until, &old_slack);
+#ifdef __linux__
+    if (old_slack > 0)
+        prctl(PR_SET_TIMERSLACK, (unsigned long)old_slack, 0, 0, 0);
+#endif
+    __atomic_fetch_sub(&c->busy, 1, __ATOMIC_SEQ_CST);
+    Py_END_ALLOW_THREADS
+    Py_DECREF(self);
+    return PyLong_FromLong(rc);
+}
+
+static PyObject *
+waiter_replenish_at(Waiter *self, PyObject *arg)
+{
+    uint64_t now;
+    if (!check_open(self->cells) || !u64(arg, &now))
+        return NULL;
+    if (now == 0) {
+        PyErr_SetString(PyExc_ValueError, "replenish: now_ns must be >= 1");
+        return NULL;
+    }
+    int burn = 0;
+    uint64_t added = waiter_replenish(self, now, &burn);
+    return Py_BuildValue("(KO)", (unsigned long long)added, burn ? Py_True : Py_False);
+}
+
+static void
+waiter_dealloc(Waiter *self)
+{
+    Py_XDECREF(self->cells);
+    Py_TYPE(self)->tp_free((PyObject *)self);
+}
+
+static PyMethodDef waiter_methods[] = {
+    {"wait", (PyCFunction)(void (*)(void))waiter_wait, METH_FASTCALL,
+     "wait(ticket, ops, until_ns) -> flags: 1 granted (ops counted), 2 nudge the filler, 4 burn"},
+    {"replenish", (PyCFunction)waiter_replenish_at, METH_O,
+     "replenish(now_ns) -> (tokens added, burn): Bucket.replenish at that clock reading"},
+    {NULL, NULL, 0, NULL},
+};
+
+static PyObject *
+waiter_get_naps(Waiter *self, void *closure)
+{
+    return PyLong_FromUnsignedLongLong(__atomic_load_n(&self->naps, __ATOMIC_RELAXED));
+}
+
+static PyGetSetDef waiter_getset[] = {
+    {"naps", (getter)waiter_get_naps, NULL, "how many times this waiter's calls slept", NULL},
+    {NULL, NULL, NULL, NULL, NULL},
+};
+
+static PyTypeObject WaiterType = {
+    PyVarObject_HEAD_INIT(NULL, 0)
+    .tp_name = "shmlimit._native.Waiter",
+    .tp_basicsize = sizeof(Waiter),
+    .tp_flags = Py_TPFLAGS_DEFAULT,
+    .tp_doc = "A queued caller's wait for its ticket, in one call without the GIL.",
+    .tp_dealloc = (destructor)waiter_dealloc,
+    .tp_methods = waiter_methods,
+    .tp_getset = waiter_getset,
+};
+
+/* waiter(seq, expected, tail, head, repl_ts, snap_head, snap_tail, lease, grants, tpn, cap,
+ * slack_ns) -> a Waiter (see above). */
+static PyObject *
+cells_waiter(NativeCells *self, PyObject *const *args, Py_ssize_t n)
+{
+    if (!nargs(n, 12, "waiter") || !check_open(self))
+        return NULL;
+    uint64_t *w[8];
+    const int at[8] = {0, 2, 3, 4, 5, 6, 7, 8};
+    for (int i = 0; i < 8; i++)
+        if (!(w[i] = word(self, args[at[i]])))
+            return NULL;
+    uint64_t expected, tpn, cap, slack;
+    if (!u64(args[1], &expected) || !u64(args[9], &tpn) || !u64(args[10], &cap) || !u64(args[11], &slack))
+        return NULL;
+    if (tpn < 1 || cap < 1 || cap > ((uint64_t)1 << 62) || slack < 1 || slack > 1000000000u) {
+        PyErr_SetString(PyExc_ValueError, "waiter: tpn >= 1, 1 <= cap <= 2**62, 1 <= slack_ns <= 1e9");
+        return NULL;
+    }
+    Waiter *g = PyObject_New(Waiter, &WaiterType);
+    if (!g)
+        return NULL;
+    Py_INCREF(self);
+    g->cells = self;
+    g->seq = w[0];
+    g->tail = w[1];
+    g->head = w[2];
+    g->repl_ts = w[3];
+    g->snap_head = w[4];
+    g->snap_tail = w[5];
+    g->lease = w[6];
+    g->grants = w[7];
+    g->expected = expected;
+    g->tpn = tpn;
+    g->cap = cap;
+    g->slack_ns = (long)slack;
+    g->naps = 0;
+    return (PyObject *)g;
+}
+/* close(): wake the waiters of this process and wait until none is inside (they leave at once:
+ * each looks at `closing` before every step and after every sleep). */
+static void
+waiters_leave(NativeCells *self)
+{
+    __atomic_store_n(&self->closing, 1, __ATOMIC_SEQ_CST);
+    if (self->busy_gen != waiter_fork_gen || __atomic_load_n(&self->busy, __ATOMIC_SEQ_CST) == 0)
+        return;
+#ifdef __linux__
+    syscall(SYS_futex, &self->closing, FUTEX_WAKE | FUTEX_PRIVATE_FLAG, INT_MAX, NULL, NULL, 0);
+#endif
+    Py_BEGIN_ALLOW_THREADS
+    while (__atomic_load_n(&self->busy, __ATOMIC_SEQ_CST) > 0) {
+        struct timespec ts = {0, 50000};
+        nanosleep(&ts, NULL);
+    }
+    Py_END_ALLOW_THREADS
+}
+/* ======================================================================================
+ * END WAITER
+ * ====================================================================================== */
+
 static PyMethodDef native_functions[] = {
     {"sleep_until", (PyCFunction)(void (*)(void))native_sleep_until, METH_FASTCALL,
      "sleep_until(deadline_ns, slack_ns): sleep to a CLOCK_MONOTONIC deadline with a low timer slack"},
@@ -1253,11 +1610,12 @@ PyMODINIT_FUNC
 PyInit__native(void)
 {
     if (PyType_Ready(&NativeCellsType) < 0 || PyType_Ready(&GrabberType) < 0 || PyType_Ready(&KeyedTableType) < 0
-        || PyType_Ready(&GateType) < 0)
+        || PyType_Ready(&GateType) < 0 || PyType_Ready(&WaiterType) < 0)
         return NULL;
     PyObject *m = PyModule_Create(&native_module);
     if (!m)
         return NULL;
+    pthread_atfork(NULL, NULL, waiter_atfork_child); /* WAITER: a child counts its own waiters */
     Py_INCREF(&NativeCellsType);
     if (PyModule_AddObject(m, "NativeCells", (PyObject *)&NativeCellsType) < 0) {
         Py_DECREF(&NativeCellsType);

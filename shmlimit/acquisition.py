@@ -34,7 +34,7 @@ from __future__ import annotations
 
 import asyncio
 import time
-from typing import TYPE_CHECKING, Callable, Optional, Union
+from typing import TYPE_CHECKING, Any, Callable, Optional, Union
 
 from .config import NS_PER_S, validate_n, validate_timeout
 
@@ -56,6 +56,8 @@ ARRIVAL_SLACK = 0.0003
 #: Capped mode: a request waiting for a release looks again this often (seconds).
 CAPPED_NAP = 0.001
 _INF = float("inf")
+#: What a native wait (``Bucket.waiter``) answers: granted (counted), nudge the filler, burn.
+WAIT_GRANTED, WAIT_NUDGE, WAIT_BURN = 1, 2, 4
 
 ADMIT, JOIN, POLL_STATE, TICKET, DONE = "admit", "join", "poll", "ticket", "done"
 
@@ -258,6 +260,27 @@ class Request:
         self.wake_ns = now + int(min(max(short, RETRY_NS), MAX_NAP_NS))
         return (self.wake_ns - now) / NS_PER_S
 
+    def wait_native(self, waiter: Any) -> Step:
+        """``TICKET``: the wait itself, in one native call that sleeps (``Bucket.waiter``); then the next step.
+
+        The native loop decides only what ``_wait_ticket`` would, without returning to
+        Python between its naps; it returns when granted (already counted), when the
+        config changed, on a signal, or after ``MAX_NAP``, and the Python step takes over.
+        """
+        ticket = self.ticket
+        assert ticket is not None
+        self.wake_ns = None
+        rc = waiter.wait(ticket, self.n, time.monotonic_ns() + MAX_NAP_NS)
+        if rc & WAIT_NUDGE:
+            self.att.nudge_filler()  # we did the filler's work: make sure a filler runs
+        if rc & WAIT_BURN:  # our add raced a config change: the capacity in force applies to it
+            b = self.bucket
+            b.refresh()
+            b.burn(keep=b.cap + b.burst_pool)
+        if rc & WAIT_GRANTED:
+            return self._done()
+        return self.next()
+
     def _fed_nap(self, estimate: float) -> float:
         """Hierarchical mode: how long a queued waiter parks, ``estimate`` being the local rate's guess.
 
@@ -302,13 +325,23 @@ class Request:
 def drive(req: Request) -> bool:
     """Run ``req`` to its end in this thread, sleeping between steps.
 
-    A wait for a ticket's turn sleeps to its instant (``wake_ns``) precisely,
-    with a low timer slack (``sleep.sleep_until``); every other wait sleeps its nap.
+    A wait for a ticket's turn is the attachment's native wait when it has one
+    (``Request.wait_native``: the whole wait without returning to Python), else a
+    sleep to its instant (``wake_ns``) with a low timer slack
+    (``sleep.sleep_until``); every other wait sleeps its nap.
     """
+    att = req.att
     try:
-        step = req.begin()
+        waiter = att.fast[3] if req.state == TICKET and att.fast_seq == req.bucket.seq else None
+        step = req.wait_native(waiter) if waiter is not None else req.begin()  # holding a ticket: wait at once
         while step is not True and step is not False:
             if req.wake_ns is not None:
+                if att.fast_seq != req.bucket.seq:  # the config changed: a waiter bound to the new one
+                    att.update_fast()
+                waiter = att.fast[3]
+                if waiter is not None:
+                    step = req.wait_native(waiter)
+                    continue
                 sleep_until()(req.wake_ns)
             else:
                 time.sleep(step)

@@ -27,6 +27,7 @@ from .header import Creation, open_segment
 from .registry import Registry
 from .segment import Segment, check_trust, current_inode, validate_name
 from .segment import unlink as unlink_name
+from .sleep import SLACK_NS
 from .table import ProcessTable, pid_namespace, proc_start, slot_alive
 from .upstream_spec import UpstreamSpec
 
@@ -45,8 +46,9 @@ def _undecided_within(timeout: object) -> None:
     return None
 
 
-#: The fast path when there is none: [grab for acquire, try for try_acquire, grab within a timeout].
-NO_FAST = (_no_fast, _undecided, _undecided_within)
+#: The fast path when there is none: [grab for acquire, try for try_acquire, grab within a timeout,
+#: the native wait for a ticket (None: waiters wait in Python)].
+NO_FAST = (_no_fast, _undecided, _undecided_within, None)
 
 
 class Attachment:
@@ -105,7 +107,11 @@ class Attachment:
             self.fast[1:] = NO_FAST[1:]
         else:
             gate = self.bucket.gate(s, self.grants_off)
-            self.fast[1:] = (gate.try_grab, gate.grab_within)
+            self.fast[1:3] = (gate.try_grab, gate.grab_within)
+        # a ticket's whole wait in one native call, for the configs it handles (Bucket.waiter); it
+        # reads the real clock, so an attachment with an injected clock waits in Python
+        real_clock = self.clock is time.monotonic_ns
+        self.fast[3] = None if self.closed or not real_clock else self.bucket.waiter(s, self.grants_off, SLACK_NS)
 
     # -- this process's words ------------------------------------------------------------
 

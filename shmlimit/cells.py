@@ -96,6 +96,14 @@ class Cells(Protocol):
         """``try_grab()`` and ``grab_within(timeout)`` of one config, bound once (see ``Gate``)."""
         ...
 
+    def waiter(
+        self, seq: int, expected: int, tail: int, head: int, repl_ts: int, snap_head: int, snap_tail: int,
+        lease: int, grants: int, tpn: int, cap: int, slack_ns: int,
+    ) -> Any:
+        """A ticket's whole wait in one call without the GIL (see ``Bucket.waiter``), or None when
+        the backend has none: its callers wait in Python (``acquisition.Request``)."""
+        ...
+
 
 def native_available() -> bool:
     try:

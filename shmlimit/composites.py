@@ -122,6 +122,15 @@ class CompositesFromPrimitives:
         return Gate(self, seq, expected, tail, head, ceil, repl_ts, grants, amount, ops, tpn, pend_mul, capped,
                     max_reserved_ns)
 
+    def waiter(
+        self, seq: int, expected: int, tail: int, head: int, repl_ts: int, snap_head: int, snap_tail: int,
+        lease: int, grants: int, tpn: int, cap: int, slack_ns: int,
+    ) -> None:
+        """None: a wait loop is worth having only natively, where it sleeps without the GIL and
+        without returning to Python between naps; here waiters wait in Python."""
+        self._check(seq, tail, head, repl_ts, snap_head, snap_tail, lease, grants)
+        return None
+
     def keyed_table(self, *args: int):
         """The keyed slot table's composite (find/insert/evict + a GCRA step): see ``keyed_cells``."""
         from .keyed_cells import KeyedTable

@@ -1,0 +1,250 @@
+"""The native wait (``Bucket.waiter``, ``_native.c`` WAITER): a ticket's whole wait in one call.
+
+Its replenish must be the reference one (``Bucket.replenish``) word for word;
+it must give way to Python whenever the config changes, on a signal and on
+``close()``; and waiters must use it, waking about once per turn.
+(How cheap and how late is measured by tools/bench.py.)
+"""
+import multiprocessing as mp
+import signal
+import subprocess
+import sys
+import threading
+import time
+
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+import shmlimit
+from shmlimit import layout as L
+from shmlimit.cells import MASK64, native_available, selected_backend
+from shmlimit.sleep import SLACK_NS
+from support.clock import FakeClock
+from support.procs import WORKDIR, wait_for
+
+pytestmark = pytest.mark.skipif(
+    not native_available() or selected_backend() != "native", reason="the native wait is the native backend's"
+)
+
+ROVERS = (L.REPL_TS, L.SNAP_HEAD, L.SNAP_TAIL, L.HEAD, L.TAIL)
+
+
+def quiet_limiter(name, clock, **kw):
+    """A limiter on a fake clock whose filler thread is stopped: only the test replenishes."""
+    lim = shmlimit.Limiter(name, clock=clock, **kw)
+    f = lim._att.filler
+    f.stop()
+    f.join(10)
+    return lim
+
+
+def waiter_of(lim):
+    att = lim._att
+    b = att.bucket
+    w = b.waiter(b.snap, att.grants_off, SLACK_NS)
+    assert w is not None
+    return w
+
+
+@pytest.fixture(scope="module")
+def limiters():
+    """One quiet limiter per rate (a fine, a coarse and a slow token unit), shared by the examples."""
+    import uuid
+
+    clock = FakeClock(start_ns=10**15)  # room for REPL_TS up to ~11 days back
+    out = []
+    for rate, burst in ((1000, None), (7e6, None), (50, 3)):
+        name = f"test-nw-{uuid.uuid4().hex[:10]}"
+        kw = {} if burst is None else {"burst": burst}
+        out.append((quiet_limiter(name, clock, rate=rate, **kw), clock))
+    yield out
+    for lim, _ in out:
+        lim.close()
+        shmlimit.unlink(lim.name)
+
+
+@settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(
+    which=st.integers(0, 2),
+    base=st.one_of(st.integers(0, MASK64), st.integers(MASK64 - 2**40, MASK64)),
+    queued=st.integers(-(2**42), 2**50),
+    snap_back=st.integers(0, 2**44),
+    snap_q=st.integers(-(2**44), 2**44),
+    elapsed=st.one_of(st.integers(-(10**6), 10**4), st.integers(0, 10**13)),
+)
+def test_the_native_replenish_is_the_reference_one(limiters, which, base, queued, snap_back, snap_q, elapsed):
+    """Same words in, same clock reading: the same tokens added and the same words out, wrap included."""
+    lim, clock = limiters[which]
+    c = lim._att.cells
+    b = lim._att.bucket
+    now = clock.now
+    head = base
+    words = {
+        L.HEAD: head,
+        L.TAIL: (head + queued) & MASK64,
+        L.SNAP_HEAD: (head - snap_back) & MASK64,
+        L.SNAP_TAIL: (head - snap_back + snap_q) & MASK64,
+        L.REPL_TS: now - elapsed,
+    }
+
+    def put():
+        for off, v in words.items():
+            c.store(off, v)
+
+    put()
+    ref = b.replenish()
+    ref_words = [c.load(o) for o in ROVERS]
+    put()
+    added, burn = waiter_of(lim).replenish(now)
+    assert (added, burn) == (ref, False)
+    assert [c.load(o) for o in ROVERS] == ref_words
+
+
+def test_a_waiter_bound_to_a_replaced_config_touches_nothing(name):
+    clock = FakeClock()
+    lim = quiet_limiter(name, clock, rate=1000)
+    try:
+        c = lim._att.cells
+        w = waiter_of(lim)
+        ticket = (c.load(L.TAIL) + 10**12) & MASK64
+        lim.set_rate(2000)
+        clock.advance(10**6)
+        before = [c.load(o) for o in ROVERS]
+        assert w.replenish(clock.now) == (0, False)
+        assert w.wait(ticket, 1, time.monotonic_ns() + 10**9) == 0  # back to Python at once
+        assert [c.load(o) for o in ROVERS] == before and w.naps == 0
+    finally:
+        lim.close()
+
+
+def _counting_worker(name, seconds, q):
+    lim = shmlimit.attach(name)
+    grants = 0
+    end = time.monotonic() + seconds
+    while time.monotonic() < end:
+        lim.acquire()
+        grants += 1
+    w = lim._att.fast[3]
+    q.put((grants, w.naps if w is not None else None))
+
+
+@pytest.mark.slow
+def test_waiters_wait_natively_about_once_per_turn(name):
+    """4 processes saturating 400/s: each waits in the native loop, one sleep per grant or so."""
+    lim = shmlimit.Limiter(name, rate=400)
+    lim.close()
+    ctx = mp.get_context("fork")
+    q = ctx.Queue()
+    procs = [ctx.Process(target=_counting_worker, args=(name, 1.5, q)) for _ in range(4)]
+    for p in procs:
+        p.start()
+    try:
+        out = [q.get(timeout=60) for _ in procs]
+    finally:
+        for p in procs:
+            p.join(30)
+            if p.is_alive():
+                p.kill()
+                p.join()
+    assert all(naps is not None for _, naps in out), out
+    grants = sum(g for g, _ in out)
+    naps = sum(n for _, n in out)
+    assert grants >= 400  # they were saturating
+    assert grants / 2 <= naps <= 2 * grants, (naps, grants)  # they did wait, natively, once per turn
+
+
+@pytest.mark.slow
+def test_a_config_change_hands_a_native_waiter_back_to_python_on_schedule(name):
+    """Another process's set_rate: the waiter leaves its loop (bound to the old capacity), the
+    Python step rebinds one for the new config, and the ticket is served at its schedule time."""
+    lim = shmlimit.Limiter(name, rate=2, burst=1)
+    lim.acquire()  # the bucket is empty
+    att = lim._att
+    first = att.fast[3]
+    done = []
+    t0 = time.monotonic()
+    t = threading.Thread(target=lambda: done.append((lim.acquire(3), time.monotonic() - t0)))  # 1.5 s away
+    t.start()
+    try:
+        wait_for(lambda: first.naps >= 1)  # asleep in the native loop
+        other = shmlimit.attach(name)
+        other.set_rate(4, burst=1)  # tickets keep their schedule time; the capacity halves
+        t.join(10)
+        [(granted, took)] = done
+        # never early; late only by a loaded machine's scheduling
+        assert granted and 1.5 - 0.01 <= took < 1.5 + 1.0, took
+        assert att.fast[3] is not first and att.fast[3].naps >= 1  # rebound, and waited in it again
+        other.close()
+    finally:
+        lim.set_rate(1e6)
+        t.join(10)
+        lim.close()
+
+
+_CLOSE_WHILE_WAITING = """
+import sys, threading, time, shmlimit
+name = sys.argv[1]
+lim = shmlimit.Limiter(name, rate=1, burst=1)
+lim.acquire()
+out = []
+def wait():
+    try:
+        out.append(lim.acquire(30))  # 30 s away
+    except ValueError as e:
+        out.append(str(e))
+threads = [threading.Thread(target=wait) for _ in range(3)]
+for t in threads:
+    t.start()
+att = lim._att
+while att.cells.load(att.waiting_off) < 3:  # this process's queued callers
+    time.sleep(0.005)
+t0 = time.monotonic()
+lim.close()  # the waiters are in the native loop, without the GIL: they leave before the unmap
+for t in threads:
+    t.join(5)
+assert time.monotonic() - t0 < 2, time.monotonic() - t0
+assert len(out) == 3 and all("closed" in str(o) for o in out), out
+print("ok")
+"""
+
+
+@pytest.mark.slow
+def test_close_wakes_the_native_waiters_before_the_mapping_goes(name):
+    r = subprocess.run(
+        [sys.executable, "-c", _CLOSE_WHILE_WAITING, name], capture_output=True, text=True, timeout=120, cwd=WORKDIR
+    )
+    assert r.returncode == 0 and r.stdout.strip() == "ok", (r.returncode, r.stderr[-2000:])
+
+
+_INTERRUPTED = """
+import sys, shmlimit
+name = sys.argv[1]
+lim = shmlimit.Limiter(name, rate=1, burst=1)
+lim.acquire()
+print("waiting", flush=True)
+try:
+    lim.acquire(60)
+except KeyboardInterrupt:
+    print("interrupted", flush=True)
+"""
+
+
+@pytest.mark.slow
+def test_a_signal_reaches_a_native_waiter_at_once(name):
+    p = subprocess.Popen(
+        [sys.executable, "-c", _INTERRUPTED, name], stdout=subprocess.PIPE, text=True, cwd=WORKDIR
+    )
+    try:
+        assert p.stdout.readline().strip() == "waiting"
+        wait_for(lambda: sum(s.waiting for s in shmlimit.inspect(name).processes) == 1)
+        t0 = time.monotonic()
+        p.send_signal(signal.SIGINT)
+        assert p.stdout.readline().strip() == "interrupted"
+        assert time.monotonic() - t0 < 1.0  # not the minute its ticket is away
+        assert p.wait(10) == 0
+    finally:
+        if p.poll() is None:
+            p.kill()
+        p.wait()
+
