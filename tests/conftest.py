@@ -1,6 +1,9 @@
+import gc
 import os
+import threading
 import uuid
 
+import psutil
 import pytest
 
 import shmlimit
@@ -40,3 +43,72 @@ def own_redis():
     server = _redis()
     yield server
     server.stop()
+
+
+# ---- every test starts with the runner's own heap out of the way -------------------------------
+# The test process runs filler threads of its own limiters, and late in a full run its heap is
+# large: one full collection of it held the GIL for up to 0.6 s, long enough for a filler thread
+# of this process to miss its lease renewals (50 ms).  The tests measure the limiter, not the
+# runner's heap: what earlier tests left alive is collected once and then frozen (never scanned
+# again), so a collection during a test scans only what that test allocated.
+@pytest.fixture(autouse=True)
+def _earlier_tests_heap_frozen():
+    gc.collect()
+    gc.freeze()
+    yield
+
+
+# ---- no test leaves a process or a filler thread behind ------------------------------------------
+# Every process a test starts inherits this mark (through any number of forks and execs), so one
+# that outlives its test is found even after it was orphaned and adopted by init.  A leftover busy
+# process, or a filler thread of a limiter never closed, slows every later timing test of the run.
+_RUN_MARK = "SHMLIMIT_TEST_RUN"
+os.environ[_RUN_MARK] = uuid.uuid4().hex
+_SESSION_HELPERS = ("multiprocessing.resource_tracker",)  # started once, lives as long as the run
+
+
+def _marked_processes():
+    me, mark, uid = os.getpid(), os.environ[_RUN_MARK], os.getuid()
+    found = {}
+    for p in psutil.process_iter(["uids", "status"]):
+        try:
+            if p.pid == me or p.info["status"] == psutil.STATUS_ZOMBIE or p.info["uids"].real != uid:
+                continue
+            if p.environ().get(_RUN_MARK) == mark:
+                found[p.pid] = " ".join(p.cmdline())
+        except (psutil.Error, OSError):
+            continue  # gone, or not ours to read
+    return found
+
+
+def _filler_threads():
+    return {t for t in threading.enumerate() if t.name.startswith("shmlimit-filler-")}
+
+
+@pytest.hookimpl(wrapper=True)
+def pytest_runtest_makereport(item, call):
+    report = yield
+    if report.when == "call":
+        item.call_failed = report.failed  # a failed test's leftovers are cleaned, not reported twice
+    return report
+
+
+@pytest.fixture(autouse=True)
+def _leaves_no_process_behind(request):
+    processes, threads = _marked_processes(), _filler_threads()
+    yield
+    left = {
+        pid: cmd
+        for pid, cmd in _marked_processes().items()
+        if pid not in processes and not any(h in cmd for h in _SESSION_HELPERS)
+    }
+    for pid in left:
+        try:
+            psutil.Process(pid).kill()  # so that one leak does not slow the rest of the run
+        except psutil.Error:
+            pass
+    if getattr(request.node, "call_failed", True):
+        return
+    assert not left, f"the test left processes running: {left}"
+    fillers = _filler_threads() - threads
+    assert not fillers, f"the test left limiters open (their filler threads run): {sorted(t.name for t in fillers)}"

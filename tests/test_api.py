@@ -91,6 +91,7 @@ def test_pickles_as_its_name(name):
     assert name.encode() in data and len(data) < 200
     clone = pickle.loads(data)
     assert clone.name == name and clone.config == lim.config
+    clone.close()
     lim.close()
 
 
@@ -313,3 +314,4 @@ def test_a_handle_collected_during_an_attach_does_not_deadlock(name, monkeypatch
     t.start()
     t.join(20)
     assert done, "the attach deadlocked on the registry lock"
+    shmlimit.Limiter(name).close()  # a collected handle stays attached; closing one more ends it

@@ -255,9 +255,11 @@ def test_throttle_with_a_key(name):
     assert isinstance(fetch.limiter(), shmlimit.KeyedLimiter)
     with pytest.raises(TypeError, match="key="):
         shmlimit.throttle(fetch.limiter())
+    plain = shmlimit.Limiter(name + "-p", rate=1)
     with pytest.raises(TypeError, match="key="):
-        shmlimit.throttle(shmlimit.Limiter(name + "-p", rate=1), key=str)
-    shmlimit.unlink(name + "-p")
+        shmlimit.throttle(plain, key=str)
+    plain.close()
+    plain.unlink()
     fetch.limiter().close()
 
 

@@ -127,6 +127,7 @@ def test_capped_rate_up_keeps_capacity_in_ops(name):
     lim = shmlimit.Limiter(name, rate=10, burst=2, capped=True, initial=0)  # 0.2 s of tokens to come
     lim.set_rate(1000, burst=2)  # ... are 200 ops now
     assert _in_flight_after_burst(lim, 0.3) == 2
+    lim.close()
 
 
 def test_capped_with_catch_up_keeps_capacity_in_ops(name):
@@ -136,6 +137,7 @@ def test_capped_with_catch_up_keeps_capacity_in_ops(name):
         time.sleep(0.01)  # time passes with a full bucket: the waiting pool fills
     assert lim.stats().behind_seconds >= 0.05
     assert _in_flight_after_burst(lim, 0.2) == 2
+    lim.close()
 
 
 def test_capped_release_beyond_in_flight_changes_nothing(name):
@@ -162,6 +164,7 @@ def test_set_rate_validated_at_the_segments_unit(name, burst):
     assert words(lim) == before  # not one word written
     other = shmlimit.attach(name)  # nobody is bricked
     assert other.rate == 999 and lim.try_acquire()
+    other.close()
     lim.close()
 
 

@@ -174,9 +174,11 @@ def test_capped_release_throttles_by_completions(name):
     cons.finish()  # the releaser lets the consumer's last acquire through, whenever it sees the stop
     done.set()
     releaser.join()
+    plain = shmlimit.Limiter(name + "x", rate=10)
     with pytest.raises(ValueError, match="capped"):
-        shmlimit.Limiter(name + "x", rate=10).release()
-    shmlimit.unlink(name + "x")
+        plain.release()
+    plain.close()
+    plain.unlink()
     lim.close()
 
 
@@ -256,6 +258,7 @@ def test_pessimistic_backoff_shares_the_rate_without_starving_anyone(name):
     for p in procs:
         p.join(30)
     stamps = [t for r in results for t in r]
+    lim.close()
     assert max_excess(tag(results), 1.0) <= rate + 2
     assert len(stamps) >= 0.85 * rate * 2  # back-off wastes a little of the rate, not much
     assert min(len(r) for r in results) >= 0.5 * len(stamps) / 4  # nobody starved
@@ -344,6 +347,7 @@ def test_stop_pauses_every_process_until_start(name):
     stamps = cons.finish()
     assert count_between(stamps, stopped_at + 0.01, started) <= 2
     assert max_excess([(t, w) for t, w in cons.tagged if t > started], 1.0) <= 500 + lim.capacity
+    lim.close()
 
 
 def test_reapplying_the_same_spec_changes_nothing(name):
@@ -399,6 +403,8 @@ def test_throttle_wait_skip_raise_on_plain_functions(name):
     assert calls == [2]
     with pytest.raises(ValueError, match="on_limit"):
         shmlimit.throttle(name, rate=1, on_limit="drop")
+    for fn in (waited, skipper, impatient):  # each decorator opened a handle of its own
+        fn.limiter().close()
 
 
 @pytest.mark.slow
@@ -417,6 +423,8 @@ def test_throttle_on_async_functions(name):
         return out, time.monotonic() - t0, await maybe()
 
     out, took, skipped = asyncio.run(main())
+    tick.limiter().close()
+    maybe.limiter().close()
     assert out == [0, 1, 2, 3, 4] and took >= 4 / 20 * 0.9 and skipped is None
 
 
