@@ -1179,7 +1179,8 @@ static PyMethodDef cells_methods[] = {
     {"keyed_table", (PyCFunction)(void (*)(void))cells_keyed_table, METH_FASTCALL,
      "keyed_table(cfg, ovr_live, ovr, novr, slots, nslots, probe, k0, k1, keys_live, evicted, refused, grants, pid)"},
     {"waiter", (PyCFunction)(void (*)(void))cells_waiter, METH_FASTCALL,
-     "waiter(seq, expected, tail, head, repl_ts, snap_head, snap_tail, lease, grants, tpn, cap, slack_ns) -> Waiter"},
+     "waiter(seq, expected, tail, head, repl_ts, snap_head, snap_tail, lease, grants, waiting, tpn, cap, "
+     "slack_ns) -> Waiter"},
     {"close", (PyCFunction)cells_close, METH_NOARGS, "release the buffer; later calls raise ValueError"},
     {NULL, NULL, 0, NULL},
 };
@@ -1272,7 +1273,8 @@ native_sleep_until(PyObject *mod, PyObject *const *args, Py_ssize_t n)
  * runs its handlers) and when a replenish of ours landed while the config changed (the caller
  * must burn down to the capacity in force, as Bucket.apply does).
  *
- * wait answers an int: bit 0 (WAIT_GRANTED) granted and counted; else the caller continues in
+ * With count_waiting, the caller counts in its process's WAITING word (bound once, or none) for
+ * the duration of the call.  wait answers an int: bit 0 (WAIT_GRANTED) granted and counted; else the caller continues in
  * Python; bit 1 (WAIT_NUDGE) we replenished and the filler lease is free or expired (the caller
  * nudges its filler); bit 2 (WAIT_BURN) our add raced a config change (the caller burns).
  * replenish(now_ns) is the same replenish at a given clock reading, for tests.
@@ -1295,6 +1297,7 @@ typedef struct {
     PyObject_HEAD
     NativeCells *cells;
     uint64_t *seq, *tail, *head, *repl_ts, *snap_head, *snap_tail, *lease, *grants;
+    uint64_t *waiting; /* this process's WAITING word, or NULL (unregistered) */
     uint64_t expected, tpn, cap;
     long slack_ns;
     uint64_t naps; /* sleeps taken by this waiter's calls (this process's, for tests and tools) */
@@ -1450,10 +1453,14 @@ static PyObject *
 waiter_wait(Waiter *self, PyObject *const *args, Py_ssize_t n)
 {
     uint64_t ticket, ops, until;
-    if (!nargs(n, 3, "wait") || !check_open(self->cells))
+    if (!nargs(n, 4, "wait") || !check_open(self->cells))
         return NULL;
     if (!u64(args[0], &ticket) || !u64(args[1], &ops) || !u64(args[2], &until))
         return NULL;
+    int count = PyObject_IsTrue(args[3]);
+    if (count < 0)
+        return NULL;
+    uint64_t *waiting = count ? self->waiting : NULL;
     /* covered already (a fill came first): granted without leaving the GIL */
     if (wld(self->seq) == self->expected && (int64_t)(ticket - wld(self->head)) <= 0) {
         __atomic_fetch_add(self->grants, ops, __ATOMIC_SEQ_CST);
@@ -1471,8 +1478,12 @@ waiter_wait(Waiter *self, PyObject *const *args, Py_ssize_t n)
     }
     __atomic_fetch_add(&c->busy, 1, __ATOMIC_SEQ_CST);
     Py_INCREF(self);
+    if (waiting) /* while it waits, the caller counts among its process's queued callers */
+        __atomic_fetch_add(waiting, 1, __ATOMIC_SEQ_CST);
     Py_BEGIN_ALLOW_THREADS
     rc = waiter_loop(self, ticket, ops, until, &old_slack);
+    if (waiting)
+        __atomic_fetch_sub(waiting, 1, __ATOMIC_SEQ_CST);
 #ifdef __linux__
     if (old_slack > 0)
         prctl(PR_SET_TIMERSLACK, (unsigned long)old_slack, 0, 0, 0);
@@ -1507,7 +1518,7 @@ waiter_dealloc(Waiter *self)
 
 static PyMethodDef waiter_methods[] = {
     {"wait", (PyCFunction)(void (*)(void))waiter_wait, METH_FASTCALL,
-     "wait(ticket, ops, until_ns) -> flags: 1 granted (ops counted), 2 nudge the filler, 4 burn"},
+     "wait(ticket, ops, until_ns, count_waiting) -> flags: 1 granted (ops counted), 2 nudge the filler, 4 burn"},
     {"replenish", (PyCFunction)waiter_replenish_at, METH_O,
      "replenish(now_ns) -> (tokens added, burn): Bucket.replenish at that clock reading"},
     {NULL, NULL, 0, NULL},
@@ -1535,12 +1546,15 @@ static PyTypeObject WaiterType = {
     .tp_getset = waiter_getset,
 };
 
-/* waiter(seq, expected, tail, head, repl_ts, snap_head, snap_tail, lease, grants, tpn, cap,
- * slack_ns) -> a Waiter (see above). */
+/* waiter(seq, expected, tail, head, repl_ts, snap_head, snap_tail, lease, grants, waiting, tpn,
+ * cap, slack_ns) -> a Waiter (see above); `waiting` is a word offset or None. */
 static PyObject *
 cells_waiter(NativeCells *self, PyObject *const *args, Py_ssize_t n)
 {
-    if (!nargs(n, 12, "waiter") || !check_open(self))
+    if (!nargs(n, 13, "waiter") || !check_open(self))
+        return NULL;
+    uint64_t *waiting = NULL;
+    if (args[9] != Py_None && !(waiting = word(self, args[9])))
         return NULL;
     uint64_t *w[8];
     const int at[8] = {0, 2, 3, 4, 5, 6, 7, 8};
@@ -1548,7 +1562,7 @@ cells_waiter(NativeCells *self, PyObject *const *args, Py_ssize_t n)
         if (!(w[i] = word(self, args[at[i]])))
             return NULL;
     uint64_t expected, tpn, cap, slack;
-    if (!u64(args[1], &expected) || !u64(args[9], &tpn) || !u64(args[10], &cap) || !u64(args[11], &slack))
+    if (!u64(args[1], &expected) || !u64(args[10], &tpn) || !u64(args[11], &cap) || !u64(args[12], &slack))
         return NULL;
     if (tpn < 1 || cap < 1 || cap > ((uint64_t)1 << 62) || slack < 1 || slack > 1000000000u) {
         PyErr_SetString(PyExc_ValueError, "waiter: tpn >= 1, 1 <= cap <= 2**62, 1 <= slack_ns <= 1e9");
@@ -1567,6 +1581,7 @@ cells_waiter(NativeCells *self, PyObject *const *args, Py_ssize_t n)
     g->snap_tail = w[5];
     g->lease = w[6];
     g->grants = w[7];
+    g->waiting = waiting;
     g->expected = expected;
     g->tpn = tpn;
     g->cap = cap;

@@ -111,7 +111,9 @@ class Attachment:
         # a ticket's whole wait in one native call, for the configs it handles (Bucket.waiter); it
         # reads the real clock, so an attachment with an injected clock waits in Python
         real_clock = self.clock is time.monotonic_ns
-        self.fast[3] = None if self.closed or not real_clock else self.bucket.waiter(s, self.grants_off, SLACK_NS)
+        self.fast[3] = None if self.closed or not real_clock else self.bucket.waiter(
+            s, self.grants_off, self.waiting_off, SLACK_NS
+        )
 
     # -- this process's words ------------------------------------------------------------
 

@@ -221,22 +221,22 @@ class Bucket:
             math.ceil(snap.config.ratio), False, snap.max_reserved_ns,
         )
 
-    def waiter(self, snap: Snapshot, grants: int, slack_ns: int) -> Any:
+    def waiter(self, snap: Snapshot, grants: int, waiting: Optional[int], slack_ns: int) -> Any:
         """A ticket's whole wait as one native call, bound once under ``snap`` (None: wait in Python).
 
         Only the native backend has one (``_native.c``, WAITER): it loops without the GIL over
         what ``acquisition.Request`` does for a ticket -- covered? else sleep to ``due_ns``,
         ``replenish`` and look again -- for the configs whose replenish it mirrors: fed by the
-        clock, not stopped, without catch-up or capped release.  ``wait(ticket, ops, until_ns)``
-        answers flags (``WAIT_GRANTED``, ``WAIT_NUDGE``, ``WAIT_BURN``), and returns at once
+        clock, not stopped, without catch-up or capped release.  ``wait(ticket, ops, until_ns,
+        count_waiting)`` (counting the caller in the word ``waiting`` meanwhile, if asked) answers flags (``WAIT_GRANTED``, ``WAIT_NUDGE``, ``WAIT_BURN``), and returns at once
         when the config is no longer ``snap``'s.
         """
         if (snap.config is None or snap.stopped or not snap.time_fed or snap.upstream or snap.catch_up
                 or snap.capped):
             return None
         return self.cells.waiter(  # None on the atomics backend
-            L.CFG_SEQ, snap.seq, L.TAIL, L.HEAD, L.REPL_TS, L.SNAP_HEAD, L.SNAP_TAIL, L.LEASE, grants, snap.tpn,
-            snap.cap, slack_ns,
+            L.CFG_SEQ, snap.seq, L.TAIL, L.HEAD, L.REPL_TS, L.SNAP_HEAD, L.SNAP_TAIL, L.LEASE, grants, waiting,
+            snap.tpn, snap.cap, slack_ns,
         )
 
     def covered(self, ticket: int) -> bool:

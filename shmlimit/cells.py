@@ -26,7 +26,7 @@ from __future__ import annotations
 
 import mmap
 import os
-from typing import Any, Callable, Protocol, runtime_checkable
+from typing import Any, Callable, Optional, Protocol, runtime_checkable
 
 # The words' constants are part of this layer's face: modules above import them from here.
 from .words import MASK64, MAX_QUEUE, WORD, GrabResult
@@ -98,7 +98,7 @@ class Cells(Protocol):
 
     def waiter(
         self, seq: int, expected: int, tail: int, head: int, repl_ts: int, snap_head: int, snap_tail: int,
-        lease: int, grants: int, tpn: int, cap: int, slack_ns: int,
+        lease: int, grants: int, waiting: Optional[int], tpn: int, cap: int, slack_ns: int,
     ) -> Any:
         """A ticket's whole wait in one call without the GIL (see ``Bucket.waiter``), or None when
         the backend has none: its callers wait in Python (``acquisition.Request``)."""

@@ -14,7 +14,7 @@ from typing import TYPE_CHECKING, Any, Callable, Iterable, Optional, Tuple, Unio
 
 from . import layout as L
 from . import acquisition
-from .acquisition import MAX_NAP, Request, drive, drive_async
+from .acquisition import MAX_NAP, Request, drive, drive_async, wait_for_ticket
 from .attachment import NO_FAST, Attachment, open_attachment, release, show
 from .config import Config, parse_spec, validate_n, validate_timeout
 from .errors import ConfigMismatchError
@@ -269,7 +269,7 @@ class Limiter:
                 if ticket is False or ticket is True:  # refused first: a flood is mostly refusals
                     return ticket
             if ticket is not False and ticket is not None:
-                return drive(Request.holding(self._live(), 1, ticket))
+                return wait_for_ticket(self._live(), ticket)
         return drive(Request(self._live(), n, timeout))
 
     def try_acquire(self, n: int = 1) -> bool:

@@ -42,7 +42,7 @@ def quiet_limiter(name, clock, **kw):
 def waiter_of(lim):
     att = lim._att
     b = att.bucket
-    w = b.waiter(b.snap, att.grants_off, SLACK_NS)
+    w = b.waiter(b.snap, att.grants_off, att.waiting_off, SLACK_NS)
     assert w is not None
     return w
 
@@ -112,8 +112,9 @@ def test_a_waiter_bound_to_a_replaced_config_touches_nothing(name):
         clock.advance(10**6)
         before = [c.load(o) for o in ROVERS]
         assert w.replenish(clock.now) == (0, False)
-        assert w.wait(ticket, 1, time.monotonic_ns() + 10**9) == 0  # back to Python at once
+        assert w.wait(ticket, 1, time.monotonic_ns() + 10**9, True) == 0  # back to Python at once
         assert [c.load(o) for o in ROVERS] == before and w.naps == 0
+        assert c.load(lim._att.waiting_off) == 0  # counted while inside only
     finally:
         lim.close()
 
@@ -152,6 +153,27 @@ def test_waiters_wait_natively_about_once_per_turn(name):
     naps = sum(n for _, n in out)
     assert grants >= 400  # they were saturating
     assert grants / 2 <= naps <= 2 * grants, (naps, grants)  # they did wait, natively, once per turn
+
+
+@pytest.mark.slow
+def test_a_native_waiter_counts_as_waiting_until_granted(name):
+    """acquire() of one op waits in the native call straight from the fast path: its process
+    shows it as waiting meanwhile, and not after."""
+    lim = shmlimit.Limiter(name, rate=2, burst=1)
+    lim.acquire()  # the bucket is empty: the next op is half a second away
+    att = lim._att
+    w = att.fast[3]
+    done = []
+    t = threading.Thread(target=lambda: done.append(lim.acquire()))
+    t.start()
+    try:
+        wait_for(lambda: w.naps >= 1)  # asleep in the native loop
+        assert att.cells.load(att.waiting_off) == 1 and [p.waiting for p in lim.stats().processes] == [True]
+        t.join(10)
+        assert done == [True] and att.cells.load(att.waiting_off) == 0
+    finally:
+        t.join(10)
+        lim.close()
 
 
 @pytest.mark.slow
