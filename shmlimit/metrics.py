@@ -12,16 +12,20 @@ turns the same families into ``prometheus_client`` metrics.  This module itself
 needs nothing beyond the standard library.
 
 Cardinality is bounded: one label, ``limiter``, whose values are the limiter
-names; no label per process or per key.
+names; no label per process or per key.  Keyed limiters share the families
+that apply to them (grants, rate, capacity, processes) and have their own
+(``shmlimit_keyed_*``: live keys, slots, evictions, refusals of new keys).
 """
 from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
-from typing import Iterable, List, Optional, Sequence, Tuple
+from typing import Iterable, List, Optional, Sequence, Tuple, Union
 
 from .errors import ShmlimitError
-from .stats import Stats, inspect
+from .keyed import KeyedStats
+from .kinds import inspect
+from .stats import Stats
 from .segment import list_names
 
 #: ``Content-Type`` of the text exposition format.
@@ -96,9 +100,28 @@ _UPSTREAM_METRICS = (
 )
 
 
-def snapshots(names: Optional[Sequence[str]] = None) -> Tuple[List[Stats], List[str]]:
+AnyStats = Union[Stats, KeyedStats]
+
+# keyed limiters only: (name, type, help, KeyedStats attribute)
+_KEYED_METRICS = (
+    ("shmlimit_keyed_keys", "gauge", "Keys live in the table now.", "keys"),
+    ("shmlimit_keyed_slots", "gauge", "Key slots in the table.", "slots"),
+    ("shmlimit_keyed_evictions", "counter", "Keys whose slot was reused after their bucket was full again.", "evicted"),
+    (
+        "shmlimit_keyed_refusals",
+        "counter",
+        "New keys refused because every slot of their window held a limited key.",
+        "refused_full",
+    ),
+    ("shmlimit_keyed_overrides", "gauge", "Keys with a rate of their own.", "overrides"),
+)
+# the families keyed limiters share with the others
+_SHARED = {"shmlimit_grants", "shmlimit_rate_ops_per_second", "shmlimit_capacity_ops", "shmlimit_processes"}
+
+
+def snapshots(names: Optional[Sequence[str]] = None) -> Tuple[List[AnyStats], List[str]]:
     """Snapshots of the named limiters (all of the machine's by default), and the names that could not be read."""
-    stats: List[Stats] = []
+    stats: List[AnyStats] = []
     unreadable: List[str] = []
     for name in list_names() if names is None else names:
         try:
@@ -116,12 +139,14 @@ def families(names: Optional[Sequence[str]] = None) -> List[Family]:
     return families_of(stats, unreadable)
 
 
-def families_of(stats: Iterable[Stats], unreadable: Sequence[str] = ()) -> List[Family]:
-    stats = list(stats)
+def families_of(stats: Iterable[AnyStats], unreadable: Sequence[str] = ()) -> List[Family]:
+    everything = list(stats)
+    keyed = [s for s in everything if isinstance(s, KeyedStats)]
+    stats = [s for s in everything if not isinstance(s, KeyedStats)]
     out = []
     for name, kind, help_, get in _LIMITER_METRICS:
         fam = Family(name, kind, help_)
-        for s in stats:
+        for s in [*stats, *keyed] if name in _SHARED else stats:
             v = get(s)
             if v is not None:
                 fam.samples.append(((("limiter", s.name),), float(v)))
@@ -140,6 +165,11 @@ def families_of(stats: Iterable[Stats], unreadable: Sequence[str] = ()) -> List[
         fam = Family(name, kind, help_)
         for s in hier:
             fam.samples.append(((("limiter", s.name),), float(getattr(s.upstream, attr))))
+        out.append(fam)
+    for name, kind, help_, attr in _KEYED_METRICS:
+        fam = Family(name, kind, help_)
+        for k in keyed:
+            fam.samples.append(((("limiter", k.name),), float(getattr(k, attr))))
         out.append(fam)
     out.append(
         Family(

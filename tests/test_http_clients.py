@@ -141,3 +141,25 @@ def test_bad_parameters(name, kwargs, err):
     with pytest.raises(TypeError):
         AsyncThrottledTransport(object())
     lim.close()
+
+
+def test_keyed_limiter_throttles_and_pauses_per_host(name):
+    lim = shmlimit.KeyedLimiter(name, rate=10, burst=1, keys=64)
+
+    def remote(request):
+        if request.url.host == "busy.example":
+            return httpx.Response(429, headers={"Retry-After": "30"})
+        return httpx.Response(200)
+
+    with httpx.Client(transport=ThrottledTransport(lim, transport=httpx.MockTransport(remote), max_wait=0.5)) as c:
+        assert c.get("https://busy.example/").status_code == 429
+        assert 30 <= lim.retry_after("busy.example") <= 30.2  # that host is paused for every process...
+        with pytest.raises(shmlimit.RateLimited) as e:
+            c.get("https://busy.example/again")  # ...so this one is not even sent
+        assert e.value.retry_after >= 29
+        t0 = time.monotonic()
+        assert [c.get("http://calm.example:8080/").status_code for _ in range(3)] == [200] * 3  # other hosts go on
+        assert time.monotonic() - t0 < 1.0
+    assert lim.retry_after("calm.example:8080") > 0  # keyed by host:port
+    assert lim.stats().keys == 2
+    lim.close()

@@ -180,3 +180,26 @@ def test_collector_upstream_counters(name, redis_server):
     finally:
         lim.close()
         up.close()
+
+
+def test_keyed_limiter_metrics_never_join(name):
+    lim = shmlimit.KeyedLimiter(name, rate=1, per=60, burst=2, keys=64)
+    for key in ("alice", "bob", "carol"):
+        assert lim.try_acquire(key)
+    assert lim.try_acquire("alice") and not lim.try_acquire("alice")
+    r = subprocess.run([*CLI, "metrics", name], capture_output=True, text=True, timeout=60, cwd=tempfile.gettempdir())
+    assert r.returncode == 0, r.stderr
+    values, types = parse(r.stdout)
+    live = shmlimit.inspect(name)
+    assert values[("shmlimit_grants_total", name)] == live.grants == 4
+    assert values[("shmlimit_rate_ops_per_second", name)] == pytest.approx(1 / 60)
+    assert values[("shmlimit_capacity_ops", name)] == 2
+    assert values[("shmlimit_keyed_keys", name)] == live.keys == 3
+    assert values[("shmlimit_keyed_slots", name)] == live.slots
+    assert values[("shmlimit_keyed_evictions_total", name)] == live.evicted
+    assert values[("shmlimit_keyed_refusals_total", name)] == live.refused_full == 0
+    assert types["shmlimit_keyed_evictions"] == "counter"
+    assert ("shmlimit_available_ops", name) not in values  # no per-key figures, no bucket of its own
+    assert values[("shmlimit_unreadable_segments", None)] == 0
+    assert [p.pid for p in live.processes if p.alive] == [os.getpid()]
+    lim.close()

@@ -22,7 +22,7 @@ async def _hello(scope, receive, send):
     await send({"type": "http.response.body", "body": b"hello"})
 
 
-async def call(app, path="/"):
+async def call(app, path="/", client="127.0.0.1"):
     """(status, {header: value}) of one request through an ASGI app, run in this event loop."""
     sent = []
 
@@ -32,7 +32,7 @@ async def call(app, path="/"):
     async def send(message):
         sent.append(message)
 
-    scope = {"type": "http", "method": "GET", "path": path, "headers": [], "client": ("127.0.0.1", 1234)}
+    scope = {"type": "http", "method": "GET", "path": path, "headers": [], "client": (client, 1234)}
     await app(scope, receive, send)
     start = sent[0]
     return start["status"], {k.decode(): v.decode() for k, v in start["headers"]}
@@ -60,6 +60,18 @@ def test_asgi_headers_remaining_and_refusal(name):
 
     asyncio.run(main())
     assert lim.stats().grants == 5
+    lim.close()
+
+
+def test_asgi_keyed_by_client_address_by_default(name):
+    lim = shmlimit.KeyedLimiter(name, rate=1, per=60, burst=2, keys=64)
+    app = ASGILimit(_hello, limiter=lim)
+
+    async def main():
+        return [(await call(app, client=c))[0] for c in ["10.0.0.1"] * 3 + ["10.0.0.2"] * 3]
+
+    assert asyncio.run(main()) == [200, 200, 429, 200, 200, 429]
+    assert lim.stats().keys == 2
     lim.close()
 
 
@@ -158,61 +170,56 @@ import shmlimit
 from starlette.applications import Starlette
 from starlette.responses import PlainTextResponse
 from starlette.routing import Route
-from shmlimit.integrations.asgi import RateLimitMiddleware
+from shmlimit.integrations.asgi import RateLimitMiddleware, client_host
 
-# two clients, each with a limit of its own: 5 requests, then 1 per minute
-A = shmlimit.Limiter(os.environ["LIM_A"], rate=1, per=60, burst=5)
-B = shmlimit.Limiter(os.environ["LIM_B"], rate=1, per=60, burst=5)
+# every client has a limit of its own: 5 requests, then 1 per minute
+PER_CLIENT = shmlimit.KeyedLimiter(os.environ["LIM"], rate=1, per=60, burst=5, keys=1000)
+
+def client(scope):
+    if scope["path"] == "/health":
+        return None  # never limited
+    return dict(scope["headers"]).get(b"x-client", b"").decode() or client_host(scope)
 
 async def hello(request):
     return PlainTextResponse(str(os.getpid()))
 
-inner = Starlette(routes=[Route("/a", hello), Route("/b", hello), Route("/health", hello)])
-app = RateLimitMiddleware(inner, limiter=A, key=lambda scope: "" if scope["path"] == "/a" else None)
-app = RateLimitMiddleware(app, limiter=B, key=lambda scope: "" if scope["path"] == "/b" else None)
+app = RateLimitMiddleware(Starlette(routes=[Route("/", hello), Route("/health", hello)]), limiter=PER_CLIENT, key=client)
 """
 
 
-def test_starlette_under_uvicorn_two_workers(name, tmp_path):
+def test_starlette_under_uvicorn_two_workers_per_client(name, tmp_path):
     pytest.importorskip("starlette")
     pytest.importorskip("uvicorn")
     (tmp_path / "asgi_app.py").write_text(textwrap.dedent(ASGI_APP))
-    a, b = f"{name}-a", f"{name}-b"
     argv = [sys.executable, "-m", "uvicorn", "asgi_app:app", "--host", "127.0.0.1", "--port", "{port}",
             "--workers", "2", "--log-level", "warning"]
-    try:
-        with Server(argv, str(tmp_path), env={"LIM_A": a, "LIM_B": b}) as srv:
-            # client A, one request at a time: 5 granted with the quota counting down, then refused
-            seen = []
-            for _ in range(5):
-                status, h, _ = get(srv.url + "/a")
-                assert status == 200, (status, h)
-                seen.append(int(RATELIMIT.match(h["ratelimit"]).group(1)))
-                assert h["ratelimit-policy"] == '"default";q=1;w=60'
-            assert seen == [4, 3, 2, 1, 0]
-            # then client A hammers, concurrently, on fresh connections spread over both workers
-            with ThreadPoolExecutor(8) as pool:
-                burst = list(pool.map(lambda _: get(srv.url + "/a"), range(40)))
-            assert all(s == 429 for s, _, _ in burst)
-            for _, h, _ in burst:
-                retry = int(h["retry-after"])
-                assert 1 <= retry <= 60 and h["ratelimit"] == f'"default";r=0;t={retry}'
-            # client B is limited separately: its 5 requests are granted while A is saturated
-            with ThreadPoolExecutor(8) as pool:
-                results = list(pool.map(lambda _: get(srv.url + "/b"), range(20)))
-            assert sorted(s for s, _, _ in results) == [200] * 5 + [429] * 15
-            # health answers while both are saturated
-            assert all(get(srv.url + "/health")[0] == 200 for _ in range(10))
-            # exactly the burst, across every worker process of the server
-            assert shmlimit.inspect(a).grants == 5 and shmlimit.inspect(b).grants == 5
-            workers = {p.pid for p in shmlimit.inspect(a).processes if p.alive}
-            assert srv.proc.pid not in workers and len(workers) >= 1
-    finally:
-        for n in (a, b):
-            try:
-                shmlimit.unlink(n)
-            except FileNotFoundError:
-                pass
+    alice, bob = {"X-Client": "alice"}, {"X-Client": "bob"}
+    with Server(argv, str(tmp_path), env={"LIM": name}) as srv:
+        # alice, one request at a time: 5 granted with her quota counting down, then refused
+        seen = []
+        for _ in range(5):
+            status, h, _ = get(srv.url + "/", headers=alice)
+            assert status == 200, (status, h)
+            seen.append(int(RATELIMIT.match(h["ratelimit"]).group(1)))
+            assert h["ratelimit-policy"] == '"default";q=1;w=60'
+        assert seen == [4, 3, 2, 1, 0]
+        # then alice hammers, concurrently, on fresh connections spread over both workers
+        with ThreadPoolExecutor(8) as pool:
+            burst = list(pool.map(lambda _: get(srv.url + "/", headers=alice), range(40)))
+        assert all(s == 429 for s, _, _ in burst)
+        for _, h, _ in burst:
+            retry = int(h["retry-after"])
+            assert 1 <= retry <= 60 and h["ratelimit"] == f'"default";r=0;t={retry}'
+        # bob is limited separately: his 5 requests are granted while alice is saturated
+        with ThreadPoolExecutor(8) as pool:
+            results = list(pool.map(lambda _: get(srv.url + "/", headers=bob), range(20)))
+        assert sorted(s for s, _, _ in results) == [200] * 5 + [429] * 15
+        # health answers while both are saturated
+        assert all(get(srv.url + "/health")[0] == 200 for _ in range(10))
+        # exactly each client's burst, across every worker process of the server
+        live = shmlimit.inspect(name)
+        assert live.grants == 10 and live.keys == 2
+        assert srv.proc.pid not in {p.pid for p in live.processes if p.alive}
 
 
 WSGI_APP = """

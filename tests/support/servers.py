@@ -21,10 +21,10 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def get(url: str, timeout: float = 30.0):
+def get(url: str, timeout: float = 30.0, headers: Optional[Dict[str, str]] = None):
     """(status, headers as a dict with lower-case names, body) -- 4xx/5xx included, never raised."""
     try:
-        with urllib.request.urlopen(url, timeout=timeout) as r:
+        with urllib.request.urlopen(urllib.request.Request(url, headers=headers or {}), timeout=timeout) as r:
             return r.status, {k.lower(): v for k, v in r.headers.items()}, r.read().decode()
     except urllib.error.HTTPError as e:
         return e.code, {k.lower(): v for k, v in e.headers.items()}, e.read().decode()
