@@ -3,8 +3,9 @@
 Every ``Limiter`` handle for a name in a process shares one ``Attachment``
 (the registry here), so a process registers once in the process table and
 runs one filler thread per limiter however many handles it makes.  After
-``fork``, a hook registers the child in a slot of its own, starts its filler
-thread and forgets any lease the parent held; at exit, every attachment
+``fork``, a hook registers the child in a slot of its own and forgets any
+lease the parent held; the filler thread starts on the process's first use of
+the limiter (never at open or fork, so a pre-fork master runs none); at exit, every attachment
 detaches (its slot is given back and a held lease dropped, so a successor
 fills at once).
 
@@ -15,6 +16,7 @@ counter it adds to (``count``) and the WAITING count of its queued callers
 from __future__ import annotations
 
 import os
+import threading
 import time
 from typing import Any, Callable, Optional
 
@@ -89,6 +91,11 @@ class Attachment:
         # when the config changed or they cannot decide, and so do their stand-ins in NO_FAST.
         self.fast: list = list(NO_FAST)
         self.fast_seq = -1
+        #: The filler thread starts on this process's first use, not when it opens or forks: a
+        #: process that only opened the limiter (a pre-fork server's master) runs no thread, so it
+        #: never forks with one running.  Nothing waits for a filler: waiters replenish themselves.
+        self.filler_started = False
+        self._start_lock = threading.Lock()
         if join:
             self._join_process()
         self.update_fast()
@@ -96,14 +103,15 @@ class Attachment:
     def update_fast(self) -> None:
         s = self.bucket.snap  # one snapshot: the grabber's seq and price always belong together
         self.fast_seq = s.seq
-        if self.closed or s.max_reserved_ns != _INF or s.open or s.capped:  # these take the slow path
+        unstarted = self.filler is not None and not self.filler_started  # the slow path starts it
+        if self.closed or unstarted or s.max_reserved_ns != _INF or s.open or s.capped:  # the slow path
             self.fast[0] = _no_fast
         else:
             self.fast[0] = self.bucket.grabber(s, self.grants_off)
         # tries and timed acquires: not in hierarchical mode (a refusal there is demand the filler
         # must see, and a timed acquire polls), nor while stopped (no wait is computable), nor
         # capped (every grant must be admitted against the in-flight bound first)
-        if self.closed or s.upstream or s.stopped or s.capped or s.config is None:
+        if self.closed or unstarted or s.upstream or s.stopped or s.capped or s.config is None:
             self.fast[1:] = NO_FAST[1:]
         else:
             gate = self.bucket.gate(s, self.grants_off)
@@ -134,7 +142,7 @@ class Attachment:
     # -- lifecycle -------------------------------------------------------------------------
 
     def _join_process(self) -> None:
-        """Register this process and start its filler thread (also after fork, in the child)."""
+        """Register this process and make its filler thread, started on first use (also after fork, in the child)."""
         self.pid = os.getpid()
         start = proc_start(self.pid)
         self.slot = self.table.register(self.pid, start if start and start > 0 else 0, pid_namespace())
@@ -149,7 +157,17 @@ class Attachment:
             self.waiting_off = base + L.SLOT_WAITING
             self.lease = Lease(self.cells, self.slot)
             self.filler = FillerThread(self.bucket, self.lease, self.name, self._feed())
-            self.filler.start()
+        self.filler_started = False
+        self.update_fast()
+
+    def start_filler(self) -> None:
+        """This process uses the limiter: start its filler thread, once (cheap after the first call)."""
+        if self.filler_started or self.filler is None or self.closed:
+            return
+        with self._start_lock:
+            if not self.filler_started and not self.closed and self.pid == os.getpid():
+                self.filler.start()
+                self.filler_started = True
         self.update_fast()
 
     def _feed(self) -> Any:
@@ -183,6 +201,7 @@ class Attachment:
         # The parent's filler thread does not exist here, and its lease is the parent's.
         if self.lease is not None:
             self.lease.forget()
+        self._start_lock = threading.Lock()  # the parent's may have been held by a thread not copied
         self._join_process()
 
     def detach(self) -> None:

@@ -161,7 +161,7 @@ class Limiter:
     @property
     def config(self) -> Config:
         """The live configuration (changes made by any process show here)."""
-        b = self._live().bucket
+        b = self._peek().bucket
         b.refresh()
         return b.config
 
@@ -182,18 +182,26 @@ class Limiter:
 
     @property
     def backend(self) -> str:
-        return self._live().cells.backend
+        return self._peek().cells.backend
 
     @property
     def created(self) -> bool:
         """True if this process created (and initialised) the segment."""
-        return self._live().created
+        return self._peek().created
 
     @property
     def closed(self) -> bool:
         return self._att is None
 
     def _live(self) -> Attachment:
+        """The attachment, for a use: the first one in this process starts its filler thread."""
+        att = self._peek()
+        if not att.filler_started:
+            att.start_filler()
+        return att
+
+    def _peek(self) -> Attachment:
+        """The attachment, for reading: observing (config, stats) starts no thread."""
         att = self._att
         if att is None:
             raise ValueError(f"limiter {self._name!r} is closed in this process")
@@ -416,7 +424,7 @@ class Limiter:
 
     @property
     def stopped(self) -> bool:
-        b = self._live().bucket
+        b = self._peek().bucket
         b.refresh()
         return b.stopped
 
@@ -456,7 +464,7 @@ class Limiter:
 
     def stats(self) -> Stats:
         """A snapshot of the live pool state (reads only; changes nothing)."""
-        return snapshot(self._name, self._live())
+        return snapshot(self._name, self._peek())
 
     def __repr__(self) -> str:
         if self._att is None:
@@ -496,7 +504,7 @@ def unlink(name: str) -> None:
 def _attach_configured(name: str, spec: UpstreamSpec, mode: int = 0o600, trusted: Tuple[int, ...] = ()) -> Limiter:
     """Unpickling a hierarchical handle: attach, and feed with the upstream its sender configured."""
     lim = Limiter(name, mode=mode, trusted_uids=trusted)
-    att = lim._live()
+    att = lim._peek()
     if att.upstream != spec:
         raise ConfigMismatchError(name, f"upstream {show(att.upstream)}", f"upstream {show(spec)}")
     att.configure_upstream(spec)

@@ -109,6 +109,7 @@ while True:
 IDLE = """
 import sys, shmlimit
 lim = shmlimit.attach(sys.argv[1])
+lim.retry_after()  # a first use, taking nothing: the process's filler thread starts
 print("ready", flush=True)
 sys.stdin.readline()
 """
