@@ -3,9 +3,10 @@
 Every ``Limiter`` handle for a name in a process shares one ``Attachment``
 (the registry here), so a process registers once in the process table and
 runs one filler thread per limiter however many handles it makes.  After
-``fork``, a hook registers the child in a slot of its own and forgets any
-lease the parent held; the filler thread starts on the process's first use of
-the limiter (never at open or fork, so a pre-fork master runs none); at exit, every attachment
+``fork``, a hook forgets any lease the parent held; the child registers in a
+slot of its own only on its first use of the limiter (a child that never uses
+it is never listed), and a process's filler thread starts on its first use
+too (never at open or fork, so a pre-fork master runs none); at exit, every attachment
 detaches (its slot is given back and a held lease dropped, so a successor
 fills at once).
 
@@ -30,7 +31,7 @@ from .registry import Registry
 from .segment import Segment, check_trust, current_inode, validate_name
 from .segment import unlink as unlink_name
 from .sleep import SLACK_NS
-from .table import ProcessTable, pid_namespace, proc_start, slot_alive
+from .table import ProcessTable, is_alive, pid_namespace, proc_start, slot_alive
 from .upstream_spec import UpstreamSpec
 
 _INF = float("inf")
@@ -91,11 +92,15 @@ class Attachment:
         # when the config changed or they cannot decide, and so do their stand-ins in NO_FAST.
         self.fast: list = list(NO_FAST)
         self.fast_seq = -1
-        #: The filler thread starts on this process's first use, not when it opens or forks: a
-        #: process that only opened the limiter (a pre-fork server's master) runs no thread, so it
-        #: never forks with one running.  Nothing waits for a filler: waiters replenish themselves.
-        self.filler_started = False
-        self._start_lock = threading.Lock()
+        #: This process used the limiter (``use``): it is registered and its filler thread runs.
+        #: Opening registers (so ``gc`` never takes a segment from under its opener) but starts
+        #: no thread: a pre-fork server's master that only opened it never forks with one
+        #: running.  A forked child registers only on its first use, so a child that never uses
+        #: an inherited limiter is never listed (pool children that leave with ``os._exit``
+        #: leave no dead entries).  Nothing waits for a filler: waiters replenish themselves.
+        self.in_use = False
+        self.joined = False
+        self._use_lock = threading.Lock()
         if join:
             self._join_process()
         self.update_fast()
@@ -103,15 +108,15 @@ class Attachment:
     def update_fast(self) -> None:
         s = self.bucket.snap  # one snapshot: the grabber's seq and price always belong together
         self.fast_seq = s.seq
-        unstarted = self.filler is not None and not self.filler_started  # the slow path starts it
-        if self.closed or unstarted or s.max_reserved_ns != _INF or s.open or s.capped:  # the slow path
+        unused = not self.in_use  # the slow path's first call is the use that registers and starts
+        if self.closed or unused or s.max_reserved_ns != _INF or s.open or s.capped:  # the slow path
             self.fast[0] = _no_fast
         else:
             self.fast[0] = self.bucket.grabber(s, self.grants_off)
         # tries and timed acquires: not in hierarchical mode (a refusal there is demand the filler
         # must see, and a timed acquire polls), nor while stopped (no wait is computable), nor
         # capped (every grant must be admitted against the in-flight bound first)
-        if self.closed or unstarted or s.upstream or s.stopped or s.capped or s.config is None:
+        if self.closed or unused or s.upstream or s.stopped or s.capped or s.config is None:
             self.fast[1:] = NO_FAST[1:]
         else:
             gate = self.bucket.gate(s, self.grants_off)
@@ -142,8 +147,9 @@ class Attachment:
     # -- lifecycle -------------------------------------------------------------------------
 
     def _join_process(self) -> None:
-        """Register this process and make its filler thread, started on first use (also after fork, in the child)."""
+        """Register this process and make its filler thread (started by ``use``)."""
         self.pid = os.getpid()
+        self.joined = True
         start = proc_start(self.pid)
         self.slot = self.table.register(self.pid, start if start and start > 0 else 0, pid_namespace())
         if self.slot is None:
@@ -157,17 +163,40 @@ class Attachment:
             self.waiting_off = base + L.SLOT_WAITING
             self.lease = Lease(self.cells, self.slot)
             self.filler = FillerThread(self.bucket, self.lease, self.name, self._feed())
-        self.filler_started = False
         self.update_fast()
 
-    def start_filler(self) -> None:
-        """This process uses the limiter: start its filler thread, once (cheap after the first call)."""
-        if self.filler_started or self.filler is None or self.closed:
-            return
-        with self._start_lock:
-            if not self.filler_started and not self.closed and self.pid == os.getpid():
+    def use(self) -> None:
+        """This process uses the limiter: register it if it is not yet, start its filler thread (once).
+
+        Raises ``SegmentError`` when a forked child's first use finds the
+        segment collected (``gc``) since it was inherited: no live process was
+        registered then, so its name may already be another segment's.
+        """
+        with self._use_lock:
+            if self.in_use or self.closed or self.pid != os.getpid():
+                return
+            if not self.joined:
+                self._join_process()
+                # registered, then STATE: a collector that claimed the segment before it saw us
+                # unlinks it (see _still_ready), so a claim seen now means it is gone or going
+                if self.cells.load(L.STATE_OFF) != L.STATE_READY:
+                    self._leave()
+                    raise SegmentError(
+                        f"limiter {self.name!r} was collected while this process held it unused "
+                        "(no live process was registered); open it again"
+                    )
+            if self.filler is not None:
                 self.filler.start()
-                self.filler_started = True
+            self.in_use = True
+        self.update_fast()
+
+    def _leave(self) -> None:
+        """Give this process's slot back, keeping the mapping (it registers again on its next use)."""
+        if self.slot is not None and self.pid == os.getpid():
+            self.table.unregister(self.slot, self.pid)
+        self.slot, self.lease, self.filler, self.waiting_off = None, None, None, None
+        self.grants_off = L.UNREG_GRANTS
+        self.joined = self.in_use = False
         self.update_fast()
 
     def _feed(self) -> Any:
@@ -198,11 +227,16 @@ class Attachment:
                 self.filler.set_feed(self._feed())
 
     def after_fork_in_child(self) -> None:
-        # The parent's filler thread does not exist here, and its lease is the parent's.
+        # The parent's filler thread does not exist here, its lease and its slot are the parent's:
+        # the child holds the mapping only, and registers on its first use.
         if self.lease is not None:
             self.lease.forget()
-        self._start_lock = threading.Lock()  # the parent's may have been held by a thread not copied
-        self._join_process()
+        self._use_lock = threading.Lock()  # the parent's may have been held by a thread not copied
+        self.pid = os.getpid()
+        self.slot, self.lease, self.filler, self.waiting_off = None, None, None, None
+        self.grants_off = L.UNREG_GRANTS
+        self.joined = self.in_use = False
+        self.update_fast()
 
     def detach(self) -> None:
         if self.closed:
@@ -226,16 +260,22 @@ def map_attachment(
     trusted: frozenset = frozenset(),
     join: bool = True,
     clock: Callable[[], int] = time.monotonic_ns,
+    reconfigure: bool = False,
 ) -> Attachment:
     """A new attachment to ``name`` (created with ``create`` if it does not exist), checked against ``create``.
 
     ``mode`` and ``trusted`` are the trust check of an existing segment (see ``open_segment``).
+    An existing segment takes ``create``'s config if no live process uses it, or if ``reconfigure``.
     """
     for _ in range(16):
         seg, cells = open_segment(name, create, mode, trusted, clock)
         att = None
         try:
-            att = Attachment(name, seg, cells, join, clock)
+            att = Attachment(name, seg, cells, False, clock)
+            if create is not None and not seg.created:
+                adopt_config(att, create, reconfigure)  # before registering: see adopt_config
+            if join:
+                att._join_process()
             if not _still_ready(att):
                 continue  # a collector took it while we registered: open the name again
             check_matches(name, att, create)
@@ -274,12 +314,9 @@ def collect(name: str) -> bool:
     try:
         c = att.cells
 
-        def in_use() -> bool:
-            return any(slot_alive(e.pid, e.start, e.pidns) for e in att.table.entries())
-
-        if in_use() or not c.cas(L.STATE_OFF, L.STATE_READY, L.STATE_DOOMED):
+        if in_use(att) or not c.cas(L.STATE_OFF, L.STATE_READY, L.STATE_DOOMED):
             return False
-        if in_use():
+        if in_use(att):
             c.cas(L.STATE_OFF, L.STATE_DOOMED, L.STATE_READY)
             return False
         if current_inode(name) == att.seg.inode:
@@ -293,6 +330,39 @@ def collect(name: str) -> bool:
         att.detach()
 
 
+def in_use(att: Attachment) -> bool:
+    """Some live process is registered in the segment's process table."""
+    return any(slot_alive(e.pid, e.start, e.pidns) for e in att.table.entries())
+
+
+def creator_alive(att: Attachment) -> bool:
+    """The segment's creator still runs (a pid reused since counts as alive: the safe side)."""
+    creator = att.cells.load(L.CREATOR_PID_OFF)
+    return 0 < creator <= 0xFFFFFFFF and is_alive(creator, 0)
+
+
+def adopt_config(att: Attachment, create: Creation, reconfigure: bool) -> None:
+    """Publish ``create``'s config (as ``set_rate`` does) if it differs and no live process uses the segment.
+
+    A redeploy with a changed rate boots: the old fleet is gone (its dead
+    entries do not count), so the new config is nobody's surprise.  With live
+    processes only ``reconfigure`` applies it (fleet-wide); otherwise the
+    mismatch is reported by ``check_matches``.  Called before this process
+    registers, so workers of one deploy opening together each see no live
+    user and all publish the same config, instead of each seeing the other
+    and refusing.  A live creator counts as a user: it registers just after
+    the segment becomes ready, and must find the config it created.  The
+    upstream is never changed here.
+    """
+    b = att.bucket
+    b.refresh()
+    if b.config == create.config or b.config is None:
+        return
+    if reconfigure or not (in_use(att) or creator_alive(att)):
+        b.publish(create.config)
+        att.update_fast()
+
+
 def check_matches(name: str, att: Attachment, create: Optional[Creation]) -> None:
     """A creating call must find the segment with its config and its upstream (any other: a mismatch).
 
@@ -303,7 +373,7 @@ def check_matches(name: str, att: Attachment, create: Optional[Creation]) -> Non
     b = att.bucket
     b.refresh()  # another process may have changed it since this one last looked
     if b.config != create.config:
-        raise ConfigMismatchError(name, b.config.describe(), create.config.describe())
+        raise ConfigMismatchError(name, b.config.describe(), create.config.describe(), live=True)
     check_upstream(name, att, create.upstream)
 
 
@@ -330,6 +400,7 @@ def open_attachment(
     mode: int,
     trusted: frozenset = frozenset(),
     clock: Callable[[], int] = time.monotonic_ns,
+    reconfigure: bool = False,
 ) -> Attachment:
     """This process's attachment to ``name`` (made on first use), with one more handle counted."""
 
@@ -338,9 +409,13 @@ def open_attachment(
             raise ValueError(f"limiter {name!r} is attached in this process with another clock")
         # vetted when this process first opened it, but perhaps under a wider trust than this call's
         check_trust(name, _owner_stat(att.seg), mode, trusted)
+        if reconfigure and create is not None:  # this process uses it: only an explicit reconfigure applies
+            adopt_config(att, create, True)
         check_matches(name, att, create)
 
-    return _registry.open(name, lambda: map_attachment(name, create, mode, trusted, clock=clock), check)
+    return _registry.open(
+        name, lambda: map_attachment(name, create, mode, trusted, clock=clock, reconfigure=reconfigure), check
+    )
 
 
 def release(att: Attachment, detach: bool) -> None:

@@ -17,11 +17,14 @@ class LimiterNotFoundError(ShmlimitError, FileNotFoundError):
 class ConfigMismatchError(ShmlimitError, ValueError):
     """The segment exists with a configuration different from the one asked for."""
 
-    def __init__(self, name: str, existing: object, requested: object) -> None:
-        super().__init__(
-            f"limiter {name!r} already exists with {existing}; this call asked for {requested}. "
-            f"Attach with shmlimit.attach({name!r}) to use it as it is, or unlink it first."
+    def __init__(self, name: str, existing: object, requested: object, live: bool = False) -> None:
+        advice = (
+            f"Attach with shmlimit.attach({name!r}) to use it as it is, or pass reconfigure=True to "
+            "apply this configuration to every process using it."
+            if live
+            else f"Attach with shmlimit.attach({name!r}) to use it as it is, or unlink it first."
         )
+        super().__init__(f"limiter {name!r} already exists with {existing}; this call asked for {requested}. {advice}")
         self.name = name
         self.existing = existing
         self.requested = requested

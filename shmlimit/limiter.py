@@ -98,6 +98,12 @@ class Limiter:
     (``"closed"``, the default, ``"local"`` or ``"open"``) are described in
     ``shmlimit.upstream`` and the README.
 
+    A new configuration for an existing segment: if no live process uses
+    it (a redeploy after the old fleet stopped, killed or not), it takes the
+    new configuration, keeping its counts.  With live processes
+    ``ConfigMismatchError`` is raised, unless ``reconfigure=True``, which
+    applies it to every attached process at once, as ``set_rate`` does.
+
     ``clock`` is this process's CLOCK_MONOTONIC source in nanoseconds
     (default ``time.monotonic_ns``): tests inject a fake one to drive every
     schedule step by step.  All the handles of a name in a process share it.
@@ -127,8 +133,13 @@ class Limiter:
         batch_seconds: float = DEFAULT_BATCH_SECONDS,
         trusted_uids: Iterable[int] = (),
         clock: Optional[Callable[[], int]] = None,
+        reconfigure: bool = False,
     ) -> None:
         validate_name(name)
+        if not isinstance(reconfigure, bool):
+            raise ValueError(f"reconfigure must be True or False, got {reconfigure!r}")
+        if reconfigure and rate is None and upstream is None:
+            raise ValueError("reconfigure=True needs rate= (the configuration to apply)")
         trusted = validate_trusted_uids(trusted_uids)
         desc = None
         if upstream is not None:
@@ -149,7 +160,7 @@ class Limiter:
         self._att: Optional[Attachment] = None
         self._fast: list = list(NO_FAST)
         create = None if cfg is None else Creation(cfg, mode, initial, slots, desc)
-        self._att = open_attachment(name, create, mode, trusted, clock or time.monotonic_ns)
+        self._att = open_attachment(name, create, mode, trusted, clock or time.monotonic_ns, reconfigure)
         self._fast = self._att.fast
 
     # -- identity and lifecycle ----------------------------------------------------
@@ -194,10 +205,10 @@ class Limiter:
         return self._att is None
 
     def _live(self) -> Attachment:
-        """The attachment, for a use: the first one in this process starts its filler thread."""
+        """The attachment, for a use: the first one in this process registers it and starts its filler."""
         att = self._peek()
-        if not att.filler_started:
-            att.start_filler()
+        if not att.in_use:
+            att.use()
         return att
 
     def _peek(self) -> Attachment:

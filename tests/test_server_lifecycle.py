@@ -1,6 +1,9 @@
 """How limiters live in servers: a pre-fork master that only opened a limiter forks without threads
 (the filler starts on first use), and workers share the limit.  Real gunicorn on 127.0.0.1."""
+import multiprocessing as mp
 import os
+import signal
+import subprocess
 import sys
 import textwrap
 import threading
@@ -8,6 +11,7 @@ import threading
 import pytest
 
 import shmlimit
+from support.procs import WORKDIR
 from support.servers import BIN, Server, get
 
 
@@ -74,3 +78,199 @@ def test_gunicorn_preload_master_forks_without_threads(name, tmp_path):
     assert len(at_forks) >= 2 and all("MainThread" in line for line in at_forks)
     assert not any("shmlimit" in line for line in at_forks), at_forks
     assert shmlimit.inspect(name).grants == 4
+
+
+# ---- registering on first use ----------------------------------------------------------------
+
+
+def _listed(name):
+    return {p.pid for p in shmlimit.inspect(name).processes}
+
+
+def test_forked_child_is_listed_only_once_it_uses_the_limiter(name):
+    lim = shmlimit.Limiter(name, rate=100)
+    to_child, from_parent = os.pipe()
+    to_parent, from_child = os.pipe()
+    pid = os.fork()
+    if pid == 0:  # waits for the parent's word, uses the limiter once, reports, waits again
+        try:
+            os.read(to_child, 1)
+            ok = lim.try_acquire()
+            os.write(from_child, b"1" if ok else b"0")
+            os.read(to_child, 1)
+        finally:
+            os._exit(0)
+    try:
+        assert _listed(name) == {os.getpid()}  # the parent opened it; the child only inherited it
+        os.write(from_parent, b"g")
+        assert os.read(to_parent, 1) == b"1"
+        assert _listed(name) == {os.getpid(), pid}  # its first use registered it
+        assert shmlimit.inspect(name).grants == 1
+    finally:
+        os.write(from_parent, b"x")
+        os.waitpid(pid, 0)
+        for fd in (to_child, from_parent, to_parent, from_child):
+            os.close(fd)
+    lim.close()
+
+
+def test_children_that_leave_with_os_exit_unused_leave_no_entry(name):
+    lim = shmlimit.Limiter(name, rate=100)
+    pids = []
+    for _ in range(3):  # Celery's pool children leave with os._exit: no exit hook runs
+        pid = os.fork()
+        if pid == 0:
+            lim.stats()  # observing is not using
+            os._exit(0)
+        pids.append(pid)
+    for pid in pids:
+        os.waitpid(pid, 0)
+    assert [p.pid for p in shmlimit.inspect(name).processes] == [os.getpid()]
+    lim.close()
+
+
+def test_child_using_a_limiter_collected_meanwhile_gets_a_clear_error(name):
+    from shmlimit.attachment import collect
+
+    lim = shmlimit.Limiter(name, rate=100)
+    r, w = os.pipe()
+    go_r, go_w = os.pipe()
+    pid = os.fork()
+    if pid == 0:
+        try:
+            os.read(go_r, 1)
+            try:
+                lim.try_acquire()
+                os.write(w, b"granted")
+            except shmlimit.SegmentError as e:
+                os.write(w, str(e).encode()[:500])
+        finally:
+            os._exit(0)
+    lim.close()  # the only registered process leaves: nothing keeps the segment
+    assert collect(name)  # what `shmlimit gc` does: no live process is listed, so it goes
+    os.write(go_w, b"g")
+    msg = os.read(r, 600).decode()
+    os.waitpid(pid, 0)
+    for fd in (r, w, go_r, go_w):
+        os.close(fd)
+    assert name in msg and "collected" in msg, msg
+
+
+# ---- a new configuration: redeploys, and live changes ------------------------------------------
+
+OPENER = """
+import sys, shmlimit
+lim = shmlimit.Limiter(sys.argv[1], rate=float(sys.argv[2]))
+lim.try_acquire()
+print("ready", flush=True)
+sys.stdin.readline()
+"""
+
+
+def _start_opener(name, rate):
+    p = subprocess.Popen([sys.executable, "-c", OPENER, name, str(rate)], stdin=subprocess.PIPE,
+                         stdout=subprocess.PIPE, text=True, cwd=WORKDIR)
+    assert p.stdout.readline().strip() == "ready"
+    return p
+
+
+def test_a_segment_no_live_process_uses_takes_the_new_config(name):
+    p = _start_opener(name, 10)
+    p.kill()  # killed: its entry stays in the table, dead
+    p.wait()
+    assert [q.alive for q in shmlimit.inspect(name).processes] == [False]
+    lim = shmlimit.Limiter(name, rate=20)  # a redeploy with a changed rate boots
+    assert not lim.created and lim.rate == 20 and shmlimit.inspect(name).rate == 20
+    assert shmlimit.inspect(name).grants == 1  # the same segment: its counts are kept
+    lim.close()
+
+
+def test_live_processes_keep_their_config_unless_reconfigure(name):
+    p = _start_opener(name, 10)
+    try:
+        with pytest.raises(shmlimit.ConfigMismatchError, match="reconfigure=True"):
+            shmlimit.Limiter(name, rate=20)
+        assert shmlimit.inspect(name).rate == 10  # refused: nothing changed
+        with pytest.raises(ValueError, match="reconfigure"):
+            shmlimit.Limiter(name, rate=20, reconfigure="yes")
+        with pytest.raises(ValueError, match="reconfigure"):
+            shmlimit.Limiter(name, reconfigure=True)  # nothing to apply
+        assert shmlimit.inspect(name).rate == 10
+        lim = shmlimit.Limiter(name, rate=20, reconfigure=True)  # fleet-wide, as set_rate
+        assert lim.rate == 20 and shmlimit.inspect(name).rate == 20
+        again = shmlimit.Limiter(name, rate=30, reconfigure=True)  # through this process's own attachment
+        assert lim.rate == again.rate == 30
+        with pytest.raises(shmlimit.ConfigMismatchError):
+            shmlimit.Limiter(name, rate=40)  # this process and the other one use it
+        again.close()
+        lim.close()
+    finally:
+        p.kill()
+        p.wait()
+
+
+def _race_to_open(name, rate, barrier, out):
+    barrier.wait(30)
+    try:
+        lim = shmlimit.Limiter(name, rate=rate)
+        out.put(lim.rate)
+        barrier.wait(30)  # everyone holds it before anyone leaves
+        lim.close()
+    except Exception as e:  # reported, not raised: the parent asserts
+        out.put(repr(e))
+        barrier.abort()
+
+
+def test_workers_booting_together_on_an_old_config_all_boot(name):
+    ctx = mp.get_context("fork")
+    create = f"import shmlimit; shmlimit.Limiter({name!r}, rate=10).close()"
+    subprocess.run([sys.executable, "-c", create], check=True, cwd=WORKDIR)  # its creator is gone
+    for rnd in range(6):  # the workers of a redeploy start at once: none may see another as an old user
+        old = shmlimit.attach(name)
+        old.set_rate(10)
+        old.close()
+        barrier, out = ctx.Barrier(4), ctx.Queue()
+        procs = [ctx.Process(target=_race_to_open, args=(name, 20 + rnd, barrier, out)) for _ in range(4)]
+        for q in procs:
+            q.start()
+        try:
+            got = [out.get(timeout=60) for _ in procs]
+        finally:
+            for q in procs:
+                q.join(30)
+                q.kill()
+                q.join()
+        assert got == [20.0 + rnd] * 4, got
+
+
+REDEPLOY_APP = """
+import os
+import shmlimit
+from shmlimit.integrations.wsgi import RateLimitMiddleware
+
+LIM = shmlimit.Limiter(os.environ["LIM"], rate=float(os.environ["RATE"]), per=60)
+
+def hello(environ, start_response):
+    start_response("200 OK", [("Content-Type", "text/plain")])
+    return [str(os.getpid()).encode()]
+
+app = RateLimitMiddleware(hello, limiter=LIM, key=lambda e: None if e["PATH_INFO"] == "/health" else "")
+"""
+
+
+@pytest.mark.slow
+def test_gunicorn_redeploy_with_a_changed_rate_boots(name, tmp_path):
+    pytest.importorskip("gunicorn")
+    (tmp_path / "redeploy_app.py").write_text(textwrap.dedent(REDEPLOY_APP))
+    argv = [f"{BIN}/gunicorn", "-w", "2", "-b", "127.0.0.1:{port}", "--log-level", "warning", "redeploy_app:app"]
+    with Server(argv, str(tmp_path), env={"LIM": name, "RATE": "2"}) as srv:
+        assert get(srv.url + "/")[1]["ratelimit-policy"] == '"default";q=2;w=60'
+        os.killpg(srv.proc.pid, signal.SIGKILL)  # gone without a word: its entries stay, dead
+        srv.proc.wait(15)
+    old = shmlimit.inspect(name).processes
+    assert old and not any(p.alive for p in old)
+    with Server(argv, str(tmp_path), env={"LIM": name, "RATE": "5"}) as srv:  # boots: no ConfigMismatchError
+        policies = {get(srv.url + "/")[1]["ratelimit-policy"] for _ in range(8)}
+        assert policies == {'"default";q=5;w=60'}  # every worker runs the new rate
+        assert "Worker failed to boot" not in srv.output()
+    assert shmlimit.inspect(name).rate == 5
