@@ -16,12 +16,16 @@ from __future__ import annotations
 import email.utils
 import math
 import time
-from typing import Any, Callable, Iterable, Optional, Tuple
+from typing import Any, Awaitable, Callable, Iterable, Optional, Tuple, TypeVar
 from urllib.parse import urlsplit
 
+from .. import KeyedLimiter
 from ..errors import RateLimited
 
 _DEFAULT_PORTS = {"http": 80, "https": 443}
+R = TypeVar("R")
+#: A response's status and ``Retry-After`` header (None when absent).
+Answer = Callable[[Any], Tuple[int, Optional[str]]]
 
 
 def host_key(url: str) -> str:
@@ -53,19 +57,21 @@ def parse_retry_after(value: Optional[str], now: Optional[float] = None) -> Opti
     return max(0.0, when.timestamp() - (time.time() if now is None else now))
 
 
-def _is_keyed(limiter: Any) -> bool:
-    import shmlimit
-
-    keyed = getattr(shmlimit, "KeyedLimiter", None)
-    return keyed is not None and isinstance(limiter, keyed)
-
-
 class HostThrottle:
-    """One limiter applied per host, and the reaction to 429/503 ``Retry-After``."""
+    """One limiter applied per host, and the reaction to 429/503 ``Retry-After``.
+
+    The options of every HTTP client integration: ``key(url) -> str | None``
+    overrides the key (default: the host; None: not throttled); ``max_wait``
+    (seconds, default None: as long as needed) bounds the wait, beyond which
+    ``shmlimit.RateLimited`` is raised without sending; ``pause_on`` are the
+    statuses whose ``Retry-After`` pauses the host (default 429 and 503), for
+    at most ``max_pause`` seconds (default 300).
+    """
 
     def __init__(
         self,
         limiter: Any,
+        *,
         key: Optional[Callable[[str], Optional[str]]] = None,
         max_wait: Optional[float] = None,
         pause_on: Iterable[int] = (429, 503),
@@ -83,7 +89,7 @@ class HostThrottle:
         if isinstance(max_pause, bool) or not isinstance(max_pause, (int, float)) or not 0 <= max_pause < math.inf:
             raise ValueError(f"max_pause must be a finite number of seconds >= 0, got {max_pause!r}")
         self.limiter = limiter
-        self.keyed = _is_keyed(limiter)
+        self.keyed = isinstance(limiter, KeyedLimiter)
         self.key = key
         self.max_wait = None if max_wait is None or max_wait == math.inf else float(max_wait)
         self.pause_on = frozenset(int(s) for s in pause_on)
@@ -95,6 +101,26 @@ class HostThrottle:
         if key is None:
             return None
         return (key,) if self.keyed else ()
+
+    def around(self, url: str, send: Callable[[], R], answer: Answer) -> R:
+        """Send a request to ``url`` (``send()``) under the throttle, and react to its response."""
+        args = self.args(url)
+        if args is None:
+            return send()
+        self.before(args)
+        response = send()
+        self.after(args, *answer(response))
+        return response
+
+    async def around_async(self, url: str, send: Callable[[], Awaitable[R]], answer: Answer) -> R:
+        """``around`` for asyncio: the wait is an ``asyncio.sleep``."""
+        args = self.args(url)
+        if args is None:
+            return await send()
+        await self.before_async(args)
+        response = await send()
+        self.after(args, *answer(response))
+        return response
 
     def _refused(self, args: Tuple[Any, ...]) -> RateLimited:
         name = getattr(self.limiter, "name", "?")

@@ -1,4 +1,4 @@
-"""What the ASGI and WSGI middleware share: the limiter adapter and the rate-limit response headers.
+"""What the ASGI and WSGI middleware share: their options, the limiter adapter and the rate-limit headers.
 
 The headers follow the IETF httpapi draft "RateLimit header fields for HTTP"
 (structured fields):
@@ -20,6 +20,8 @@ import math
 import re
 from typing import Any, Callable, List, Optional, Tuple, Union
 
+from .. import KeyedLimiter
+
 #: What a refusal answers: the status, and a short plain-text body.
 STATUS = 429
 BODY = b"Too Many Requests\n"
@@ -29,16 +31,35 @@ KeyFunc = Callable[[Any], Optional[str]]
 CostArg = Union[int, Callable[[Any], int]]
 
 
+class Middleware:
+    """The options both middleware take (see ``shmlimit.integrations.asgi.RateLimitMiddleware``).
+
+    Each subclass only adds its server interface's ``__call__``.
+    """
+
+    def __init__(
+        self,
+        app: Any,
+        limiter: Any,
+        key: Optional[KeyFunc] = None,
+        cost: CostArg = 1,
+        *,
+        max_wait: float = 0.0,
+        policy: str = "default",
+        headers: bool = True,
+    ) -> None:
+        self.app = app
+        self.policy = Policy(limiter, key, cost, max_wait, policy)
+        self.headers = headers
+
+    def __repr__(self) -> str:
+        cls = type(self)
+        return f"<{cls.__module__}.{cls.__qualname__} limiter={self.policy.limiter!r} max_wait={self.policy.max_wait:g}>"
+
+
 def ascii_headers(headers: List[Tuple[str, str]]) -> List[Tuple[bytes, bytes]]:
     """ASGI's form: lower-case names, bytes."""
     return [(k.lower().encode("latin-1"), v.encode("latin-1")) for k, v in headers]
-
-
-def _is_keyed(limiter: Any) -> bool:
-    import shmlimit
-
-    keyed = getattr(shmlimit, "KeyedLimiter", None)
-    return keyed is not None and isinstance(limiter, keyed)
 
 
 class Policy:
@@ -57,7 +78,7 @@ class Policy:
             if not hasattr(limiter, attr):
                 raise TypeError(f"limiter must be a shmlimit Limiter or KeyedLimiter, got {limiter!r}")
         self.limiter = limiter
-        self.keyed = _is_keyed(limiter)
+        self.keyed = isinstance(limiter, KeyedLimiter)
         self.key = key
         self.cost = cost
         self.max_wait = float(max_wait)

@@ -19,9 +19,9 @@ waits with ``asyncio.sleep`` through ``acquire_async``.
 """
 from __future__ import annotations
 
-from typing import Any, Awaitable, Callable, MutableMapping, Optional
+from typing import Any, Awaitable, Callable, MutableMapping
 
-from ._http import BODY, STATUS, CostArg, KeyFunc, Policy, ascii_headers
+from ._http import BODY, STATUS, Middleware, ascii_headers
 
 __all__ = ["RateLimitMiddleware", "client_host"]
 
@@ -38,7 +38,7 @@ def client_host(scope: Scope) -> str:
     return str(client[0]) if client else ""
 
 
-class RateLimitMiddleware:
+class RateLimitMiddleware(Middleware):
     """Limit the HTTP requests of ``app`` by ``limiter`` (a ``Limiter`` or a ``KeyedLimiter``).
 
     * ``key(scope) -> str | None`` picks the key of a ``KeyedLimiter`` (default:
@@ -52,20 +52,7 @@ class RateLimitMiddleware:
     * ``headers``: add the ``RateLimit`` headers to granted responses (default True).
     """
 
-    def __init__(
-        self,
-        app: ASGIApp,
-        limiter: Any,
-        key: Optional[KeyFunc] = None,
-        cost: CostArg = 1,
-        *,
-        max_wait: float = 0.0,
-        policy: str = "default",
-        headers: bool = True,
-    ) -> None:
-        self.app = app
-        self.policy = Policy(limiter, key, cost, max_wait, policy)
-        self.headers = headers
+    app: ASGIApp
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http":
@@ -97,6 +84,3 @@ class RateLimitMiddleware:
             await send(message)
 
         await self.app(scope, receive, send_with_quota)
-
-    def __repr__(self) -> str:
-        return f"<shmlimit.integrations.asgi.RateLimitMiddleware limiter={self.policy.limiter!r} max_wait={self.policy.max_wait:g}>"

@@ -14,7 +14,7 @@ pushes that host's schedule that far ahead for every process on the machine.
 """
 from __future__ import annotations
 
-from typing import Any, Callable, Iterable, Optional
+from typing import Any, Optional, Tuple
 
 import httpx
 
@@ -23,37 +23,23 @@ from ._hosts import HostThrottle
 __all__ = ["AsyncThrottledTransport", "ThrottledTransport"]
 
 
+def _answer(response: httpx.Response) -> Tuple[int, Optional[str]]:
+    return response.status_code, response.headers.get("retry-after")
+
+
 class ThrottledTransport(httpx.BaseTransport):
     """Wraps ``transport`` (default ``httpx.HTTPTransport()``): one op per request, a pause on Retry-After.
 
-    ``key(url) -> str | None`` overrides the key (default: the host; None: not
-    throttled).  ``max_wait`` (seconds, default None: as long as needed) bounds
-    the wait, beyond which ``shmlimit.RateLimited`` is raised without sending.
-    ``pause_on`` are the statuses whose ``Retry-After`` pauses the host
-    (default 429 and 503), for at most ``max_pause`` seconds (default 300).
+    The keyword options (``key``, ``max_wait``, ``pause_on``, ``max_pause``)
+    are those of ``shmlimit.integrations._hosts.HostThrottle``.
     """
 
-    def __init__(
-        self,
-        limiter: Any,
-        transport: Optional[httpx.BaseTransport] = None,
-        *,
-        key: Optional[Callable[[str], Optional[str]]] = None,
-        max_wait: Optional[float] = None,
-        pause_on: Iterable[int] = (429, 503),
-        max_pause: float = 300.0,
-    ) -> None:
-        self.throttle = HostThrottle(limiter, key, max_wait, pause_on, max_pause)
+    def __init__(self, limiter: Any, transport: Optional[httpx.BaseTransport] = None, **options: Any) -> None:
+        self.throttle = HostThrottle(limiter, **options)
         self.transport = transport if transport is not None else httpx.HTTPTransport()
 
     def handle_request(self, request: httpx.Request) -> httpx.Response:
-        args = self.throttle.args(str(request.url))
-        if args is None:
-            return self.transport.handle_request(request)
-        self.throttle.before(args)
-        response = self.transport.handle_request(request)
-        self.throttle.after(args, response.status_code, response.headers.get("retry-after"))
-        return response
+        return self.throttle.around(str(request.url), lambda: self.transport.handle_request(request), _answer)
 
     def close(self) -> None:
         self.transport.close()
@@ -62,27 +48,13 @@ class ThrottledTransport(httpx.BaseTransport):
 class AsyncThrottledTransport(httpx.AsyncBaseTransport):
     """The asyncio form of ``ThrottledTransport`` (default inner transport ``httpx.AsyncHTTPTransport()``)."""
 
-    def __init__(
-        self,
-        limiter: Any,
-        transport: Optional[httpx.AsyncBaseTransport] = None,
-        *,
-        key: Optional[Callable[[str], Optional[str]]] = None,
-        max_wait: Optional[float] = None,
-        pause_on: Iterable[int] = (429, 503),
-        max_pause: float = 300.0,
-    ) -> None:
-        self.throttle = HostThrottle(limiter, key, max_wait, pause_on, max_pause)
+    def __init__(self, limiter: Any, transport: Optional[httpx.AsyncBaseTransport] = None, **options: Any) -> None:
+        self.throttle = HostThrottle(limiter, **options)
         self.transport = transport if transport is not None else httpx.AsyncHTTPTransport()
 
     async def handle_async_request(self, request: httpx.Request) -> httpx.Response:
-        args = self.throttle.args(str(request.url))
-        if args is None:
-            return await self.transport.handle_async_request(request)
-        await self.throttle.before_async(args)
-        response = await self.transport.handle_async_request(request)
-        self.throttle.after(args, response.status_code, response.headers.get("retry-after"))
-        return response
+        send = lambda: self.transport.handle_async_request(request)  # noqa: E731
+        return await self.throttle.around_async(str(request.url), send, _answer)
 
     async def aclose(self) -> None:
         await self.transport.aclose()

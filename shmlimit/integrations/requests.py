@@ -8,13 +8,14 @@
     session.mount("http://", adapter)
     session.mount("https://", adapter)
 
-The parameters and behaviour are those of
+The throttle's keyword options (``key``, ``max_wait``, ``pause_on``,
+``max_pause``) and its behaviour are those of
 ``shmlimit.integrations.httpx.ThrottledTransport``; the other keyword
 arguments go to ``requests.adapters.HTTPAdapter`` (pool sizes, retries).
 """
 from __future__ import annotations
 
-from typing import Any, Callable, Iterable, Optional
+from typing import Any, Optional, Tuple
 
 from requests.adapters import HTTPAdapter
 
@@ -22,28 +23,20 @@ from ._hosts import HostThrottle
 
 __all__ = ["ThrottledAdapter"]
 
+#: HostThrottle's options; every other keyword argument is HTTPAdapter's
+THROTTLE_OPTIONS = ("key", "max_wait", "pause_on", "max_pause")
+
+
+def _answer(response: Any) -> Tuple[int, Optional[str]]:
+    return response.status_code, response.headers.get("Retry-After")
+
 
 class ThrottledAdapter(HTTPAdapter):
     """An ``HTTPAdapter`` that takes one op per request and pauses a host on 429/503 ``Retry-After``."""
 
-    def __init__(
-        self,
-        limiter: Any,
-        *,
-        key: Optional[Callable[[str], Optional[str]]] = None,
-        max_wait: Optional[float] = None,
-        pause_on: Iterable[int] = (429, 503),
-        max_pause: float = 300.0,
-        **adapter_options: Any,
-    ) -> None:
-        self.throttle = HostThrottle(limiter, key, max_wait, pause_on, max_pause)
-        super().__init__(**adapter_options)
+    def __init__(self, limiter: Any, **options: Any) -> None:
+        self.throttle = HostThrottle(limiter, **{k: options.pop(k) for k in THROTTLE_OPTIONS if k in options})
+        super().__init__(**options)
 
     def send(self, request: Any, *args: Any, **kwargs: Any) -> Any:
-        throttle_args = self.throttle.args(request.url)
-        if throttle_args is None:
-            return super().send(request, *args, **kwargs)
-        self.throttle.before(throttle_args)
-        response = super().send(request, *args, **kwargs)
-        self.throttle.after(throttle_args, response.status_code, response.headers.get("Retry-After"))
-        return response
+        return self.throttle.around(request.url, lambda: HTTPAdapter.send(self, request, *args, **kwargs), _answer)

@@ -14,9 +14,9 @@ same two headers with the quota remaining.  With ``max_wait`` a request waits
 """
 from __future__ import annotations
 
-from typing import Any, Callable, Dict, Iterable, Optional
+from typing import Any, Callable, Dict, Iterable
 
-from ._http import BODY, CostArg, KeyFunc, Policy
+from ._http import BODY, Middleware
 
 __all__ = ["RateLimitMiddleware", "remote_addr"]
 
@@ -29,27 +29,14 @@ def remote_addr(environ: Environ) -> str:
     return str(environ.get("REMOTE_ADDR", ""))
 
 
-class RateLimitMiddleware:
+class RateLimitMiddleware(Middleware):
     """Limit the requests of ``app`` by ``limiter`` (a ``Limiter`` or a ``KeyedLimiter``).
 
     The parameters are those of ``shmlimit.integrations.asgi.RateLimitMiddleware``,
     with ``key(environ)`` and ``cost(environ)`` taking the WSGI environ.
     """
 
-    def __init__(
-        self,
-        app: WSGIApp,
-        limiter: Any,
-        key: Optional[KeyFunc] = None,
-        cost: CostArg = 1,
-        *,
-        max_wait: float = 0.0,
-        policy: str = "default",
-        headers: bool = True,
-    ) -> None:
-        self.app = app
-        self.policy = Policy(limiter, key, cost, max_wait, policy)
-        self.headers = headers
+    app: WSGIApp
 
     def __call__(self, environ: Environ, start_response: Callable[..., Any]) -> Iterable[bytes]:
         req = self.policy.request(environ, remote_addr)
@@ -73,6 +60,3 @@ class RateLimitMiddleware:
             return start_response(status, headers) if exc_info is None else start_response(status, headers, exc_info)
 
         return self.app(environ, start_with_quota)
-
-    def __repr__(self) -> str:
-        return f"<shmlimit.integrations.wsgi.RateLimitMiddleware limiter={self.policy.limiter!r} max_wait={self.policy.max_wait:g}>"
