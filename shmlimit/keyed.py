@@ -31,7 +31,7 @@ from .keyed_segment import Geometry, check_geometry, open_segment, read_copy, va
 from .registry import Registry
 from .segment import Segment, validate_name
 from .segment import unlink as _unlink_name
-from .table import ProcessTable, is_alive, proc_start
+from .table import ProcessTable, is_alive, proc_start, slot_alive
 
 _MAX_NAP = 0.25
 
@@ -142,18 +142,43 @@ def _prefault(seg: Segment) -> None:
 _registry: Registry[_Attachment] = Registry(after_fork=lambda att: att.join())
 
 
-def _open(name: str, rate: Optional[Rate], geo: Optional[Geometry], mode: int, trusted: frozenset) -> _Attachment:
+def _open(
+    name: str, rate: Optional[Rate], geo: Optional[Geometry], mode: int, trusted: frozenset, reconfigure: bool = False
+) -> _Attachment:
     def make() -> _Attachment:
         seg, cells, real = open_segment(name, geo, rate, mode, trusted)
-        att = _Attachment(name, seg, cells, real)
+        att = _Attachment(name, seg, cells, real, join=False)
         try:
+            if rate is not None and not seg.created:
+                _adopt(att, rate, geo, reconfigure)  # before registering, as attachment.adopt_config
+            att.join()
             _check(name, att, rate, geo)
         except BaseException:
             att.detach()
             raise
         return att
 
-    return _registry.open(name, make, lambda att: _check(name, att, rate, geo))
+    def check(att: _Attachment) -> None:
+        if reconfigure and rate is not None:
+            _adopt(att, rate, geo, True)
+        _check(name, att, rate, geo)
+
+    return _registry.open(name, make, check)
+
+
+def _adopt(att: _Attachment, rate: Rate, geo: Optional[Geometry], reconfigure: bool) -> None:
+    """Publish ``rate`` as the default if no live process uses the segment (or ``reconfigure``).
+
+    The same rule as a ``Limiter``'s (``attachment.adopt_config``): a
+    redeploy with a changed rate boots.  The geometry (keys, overrides) is
+    the segment's size and never changes: a different one stays a mismatch.
+    """
+    if read_default(att.cells) == rate or (geo is not None and geo != att.geo):
+        return
+    creator = att.cells.load(K.CREATOR_PID_OFF)
+    live = any(slot_alive(e.pid, e.start, e.pidns) for e in att.table.entries())
+    if reconfigure or not (live or (0 < creator <= 0xFFFFFFFF and is_alive(creator, 0))):
+        publish_default(att.cells, rate)
 
 
 def _check(name: str, att: _Attachment, rate: Optional[Rate], geo: Optional[Geometry]) -> None:
@@ -165,6 +190,7 @@ def _check(name: str, att: _Attachment, rate: Optional[Rate], geo: Optional[Geom
             name,
             f"{cur.describe()} keys={att.geo.keys} overrides={att.geo.overrides}",
             f"{rate.describe()} keys={geo.keys if geo else att.geo.keys} overrides={geo.overrides if geo else att.geo.overrides}",
+            live=geo is None or geo == att.geo,  # only the rate can be reconfigured
         )
 
 
@@ -191,7 +217,10 @@ class KeyedLimiter:
     creates the segment, or attaches if it exists with the same configuration
     (a different one raises ``ConfigMismatchError``; without ``rate`` it
     attaches to whatever is there).  ``rate`` may be a rate string such as
-    ``"10/s"`` or ``"600/min"`` (it sets ``per`` too).  ``burst`` is each key's capacity in ops
+    ``"10/s"`` or ``"600/min"`` (it sets ``per`` too).  A different default
+    rate is taken when no live process uses the segment (a redeploy), or with
+    ``reconfigure=True`` (every attached process at once, as ``set_rate``).
+    ``burst`` is each key's capacity in ops
     (default: 10 ms of schedule, at least one op).  ``keys`` is the number of
     64-byte key slots: size it for the keys that may be *limited at the same
     time*; a key whose bucket is full again gives its slot up.  ``overrides``
@@ -214,8 +243,13 @@ class KeyedLimiter:
         overrides: Optional[int] = None,
         mode: int = 0o600,
         trusted_uids: Any = (),
+        reconfigure: bool = False,
     ) -> None:
         validate_name(name)
+        if not isinstance(reconfigure, bool):
+            raise ValueError(f"reconfigure must be True or False, got {reconfigure!r}")
+        if reconfigure and rate is None:
+            raise ValueError("reconfigure=True needs rate= (the default rate to apply)")
         geo = check_geometry(keys, K.default_overrides(keys) if overrides is None and isinstance(keys, int) else overrides)
         r = None if rate is None else make_rate(rate, per, burst)
         if isinstance(mode, bool) or not isinstance(mode, int) or not 0 <= mode <= 0o777:
@@ -225,7 +259,7 @@ class KeyedLimiter:
         trusted = frozenset(trusted_uids)
         if not all(isinstance(u, int) and not isinstance(u, bool) and u >= 0 for u in trusted):
             raise ValueError(f"trusted_uids must be user ids (ints >= 0), got {trusted_uids!r}")
-        self._att = _open(name, r, geo if r is not None else None, mode, trusted)
+        self._att = _open(name, r, geo if r is not None else None, mode, trusted, reconfigure)
         # The hot path without a Python frame: the native composite's own try_acquire, bound to
         # this attachment (rebound in place after fork; it refuses to run once the cells are closed).
         self.try_acquire = self._att.kt.try_acquire  # type: ignore[method-assign]

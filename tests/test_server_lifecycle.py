@@ -11,7 +11,7 @@ import threading
 import pytest
 
 import shmlimit
-from support.procs import WORKDIR
+from support.procs import WORKDIR, wait_for
 from support.servers import BIN, Server, get
 
 
@@ -267,10 +267,41 @@ def test_gunicorn_redeploy_with_a_changed_rate_boots(name, tmp_path):
         assert get(srv.url + "/")[1]["ratelimit-policy"] == '"default";q=2;w=60'
         os.killpg(srv.proc.pid, signal.SIGKILL)  # gone without a word: its entries stay, dead
         srv.proc.wait(15)
-    old = shmlimit.inspect(name).processes
-    assert old and not any(p.alive for p in old)
+    # the killed workers are gone once reaped (their new parent does it)
+    wait_for(lambda: not any(p.alive for p in shmlimit.inspect(name).processes), timeout=30)
+    assert shmlimit.inspect(name).processes  # their entries stay, dead
     with Server(argv, str(tmp_path), env={"LIM": name, "RATE": "5"}) as srv:  # boots: no ConfigMismatchError
         policies = {get(srv.url + "/")[1]["ratelimit-policy"] for _ in range(8)}
         assert policies == {'"default";q=5;w=60'}  # every worker runs the new rate
         assert "Worker failed to boot" not in srv.output()
     assert shmlimit.inspect(name).rate == 5
+
+
+KEYED_OPENER = """
+import sys, shmlimit
+lim = shmlimit.KeyedLimiter(sys.argv[1], rate=float(sys.argv[2]), keys=64)
+lim.try_acquire("a")
+print("ready", flush=True)
+sys.stdin.readline()
+"""
+
+
+def test_keyed_redeploy_takes_the_new_rate_and_live_users_need_reconfigure(name):
+    p = subprocess.Popen([sys.executable, "-c", KEYED_OPENER, name, "10"], stdin=subprocess.PIPE,
+                         stdout=subprocess.PIPE, text=True, cwd=WORKDIR)
+    assert p.stdout.readline().strip() == "ready"
+    try:
+        with pytest.raises(shmlimit.ConfigMismatchError, match="reconfigure=True"):
+            shmlimit.KeyedLimiter(name, rate=20, keys=64)
+        with pytest.raises(shmlimit.ConfigMismatchError, match="unlink"):  # the size never changes
+            shmlimit.KeyedLimiter(name, rate=20, keys=128, reconfigure=True)
+        assert shmlimit.inspect(name).rate == 10
+        lim = shmlimit.KeyedLimiter(name, rate=20, keys=64, reconfigure=True)
+        assert lim.rate == 20
+        lim.close()
+    finally:
+        p.kill()
+        p.wait()
+    lim = shmlimit.KeyedLimiter(name, rate=30, keys=64)  # every user gone (one killed): a redeploy boots
+    assert lim.rate == 30 and not lim.created
+    lim.close()
