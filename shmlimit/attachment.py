@@ -356,8 +356,8 @@ def adopt_config(att: Attachment, create: Creation, reconfigure: bool) -> None:
     """
     b = att.bucket
     b.refresh()
-    if b.config == create.config or b.config is None:
-        return
+    if b.config == create.config or b.config is None or b.config.capped != create.config.capped:
+        return  # capped is fixed at creation: that mismatch stays one
     if reconfigure or not (in_use(att) or creator_alive(att)):
         b.publish(create.config)
         att.update_fast()

@@ -42,7 +42,8 @@ class Host:
         self.glob = R.RedisLimiter(glob or f"{name}-g", rate=rate, burst=burst, url=url, clock="client")
         self.lim = shmlimit.Limiter(name, upstream=self.glob, clock=clock, **up)
         att = self.lim._att
-        att.filler.stop()  # the test is the filler
+        self.lim.retry_after()  # a first use (taking nothing): this process's filler thread runs...
+        att.filler.stop()  # ... and stops: the test is the filler
         att.filler.join()
         att.lease.drop()
         assert att.lease.try_take()

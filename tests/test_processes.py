@@ -9,7 +9,7 @@ import time
 import pytest
 
 import shmlimit
-from support.procs import WORKDIR, collect, go, start_workers
+from support.procs import WORKDIR, collect, go, start_workers, wait_for
 from support.windows import max_excess, max_gap, tag
 
 pytestmark = pytest.mark.slow  # real processes measured in real (wall-clock) time
@@ -67,25 +67,28 @@ _inherited = None
 def _use_inherited(q):
     lim = _inherited
     att = lim._att
-    q.put((os.getpid(), att.pid, att.lease.held if att.lease else None, att.slot))
+    q.put((os.getpid(), att.pid, att.lease, att.slot))  # inherited, not used yet
     for _ in range(5):
         lim.acquire()
-    q.put({p.pid: p.grants for p in lim.stats().processes})
+    q.put((att.lease.held, att.slot, {p.pid: p.grants for p in lim.stats().processes}))
 
 
 def test_limiter_inherited_through_fork_registers_the_child(name):
     global _inherited
     _inherited = shmlimit.Limiter(name, rate=1000)
+    _inherited.retry_after()  # a first use: the parent's filler runs and takes the lease
+    wait_for(lambda: _inherited.stats().filler_pid == os.getpid())
     parent_slot = _inherited._att.slot
     ctx = mp.get_context("fork")
     q = ctx.Queue()
     p = ctx.Process(target=_use_inherited, args=(q,))
     p.start()
-    child_pid, att_pid, held, child_slot = q.get(timeout=30)
-    pids = q.get(timeout=30)
+    child_pid, att_pid, lease_before, slot_before = q.get(timeout=30)
+    held, child_slot, pids = q.get(timeout=30)
     p.join(30)
     assert p.exitcode == 0
-    assert att_pid == child_pid and child_slot != parent_slot
+    assert att_pid == child_pid and lease_before is None and slot_before is None  # registers on first use
+    assert child_slot is not None and child_slot != parent_slot
     assert held is False  # never believes it holds the parent's lease
     assert os.getpid() in pids and child_pid in pids
     assert pids[child_pid] == 5  # counted in the child's own slot, not the parent's

@@ -179,6 +179,8 @@ def test_a_segment_no_live_process_uses_takes_the_new_config(name):
     p.kill()  # killed: its entry stays in the table, dead
     p.wait()
     assert [q.alive for q in shmlimit.inspect(name).processes] == [False]
+    with pytest.raises(shmlimit.ConfigMismatchError, match="capped"):
+        shmlimit.Limiter(name, rate=20, capped=True)  # fixed at creation: never taken
     lim = shmlimit.Limiter(name, rate=20)  # a redeploy with a changed rate boots
     assert not lim.created and lim.rate == 20 and shmlimit.inspect(name).rate == 20
     assert shmlimit.inspect(name).grants == 1  # the same segment: its counts are kept
