@@ -33,6 +33,7 @@ ROVERS = (L.REPL_TS, L.SNAP_HEAD, L.SNAP_TAIL, L.HEAD, L.TAIL)
 def quiet_limiter(name, clock, **kw):
     """A limiter on a fake clock whose filler thread is stopped: only the test replenishes."""
     lim = shmlimit.Limiter(name, clock=clock, **kw)
+    lim.retry_after()  # a first use (taking nothing): its filler thread starts, to be stopped here
     f = lim._att.filler
     f.stop()
     f.join(10)
