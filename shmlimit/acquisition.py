@@ -384,11 +384,20 @@ def sleep_until() -> Callable[[int], None]:
 
 
 async def drive_async(req: Request) -> bool:
-    """Run ``req`` to its end on the event loop, awaiting ``asyncio.sleep`` between steps (never spinning)."""
+    """Run ``req`` to its end on the event loop, awaiting ``asyncio.sleep`` between steps (never spinning).
+
+    A wait for a ticket's turn is timed to its instant (``wake_ns``), measured
+    when the sleep starts, with no floor: the loop's own timer granularity (the
+    selector's timeout is whole milliseconds on Linux) is then all it is late by.
+    """
+    clock = req.att.clock
     try:
         step = req.begin()
         while step is not True and step is not False:
-            await asyncio.sleep(max(step, MIN_NAP))
+            if req.wake_ns is not None:
+                await asyncio.sleep(max(0, req.wake_ns - clock()) / NS_PER_S)
+            else:
+                await asyncio.sleep(max(step, MIN_NAP))
             step = req.next()
         return step
     finally:

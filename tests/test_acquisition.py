@@ -233,3 +233,35 @@ def test_a_request_interrupted_while_queued_stops_showing_waiting(name, clock):
         assert me(lim).waiting is False
     finally:
         lim.close()
+
+
+class _BusyClock(FakeClock):
+    """Every reading finds 1 us gone: the event loop runs other work between any two steps."""
+
+    def __call__(self):
+        self.now += 1_000
+        return self.now
+
+
+def test_an_async_ticket_wait_sleeps_to_its_instant_without_a_floor(name, monkeypatch):
+    """acquire_async parks a ticket until exactly its due instant, measured when the sleep
+    starts (time spent before the await is not added), even when that is under MIN_NAP away."""
+    from shmlimit import acquisition as A
+
+    clock = _BusyClock()
+    lim = open_limiter(name, clock, rate=20_000, burst=1)  # an op is 50 us: less than MIN_NAP
+    lim.acquire()  # the bucket is empty
+    req = Request(lim._att, 1, None)
+    naps = []
+
+    async def fake_sleep(seconds):
+        left = req.wake_ns - clock.now  # how far the due instant is, as the sleep starts
+        naps.append((seconds, left))
+        clock.advance(max(1, int(round(seconds * 1e9))))
+        lim._att.bucket.replenish()
+
+    monkeypatch.setattr(A.asyncio, "sleep", fake_sleep)
+    assert asyncio.run(A.drive_async(req)) is True
+    seconds, left = naps[0]
+    assert seconds == left / 1e9 and 0 < seconds < A.MIN_NAP
+    lim.close()
