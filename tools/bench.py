@@ -4,6 +4,7 @@
     python tools/bench.py            # the table (about two minutes on 2 cores)
     python tools/bench.py --json     # the same figures as one JSON object
     python tools/bench.py --quick    # shorter runs, for a smoke test
+    python tools/bench.py --only-waiting   # section 5 only (waiting: CPU and lateness)
 
 1. cost of acquire() in one process at an effectively unlimited rate, per backend,
    against a bare native atomic fetch-add called from Python (the floor) and a
@@ -890,6 +891,7 @@ def main(argv=None) -> int:
     ap.add_argument("--redis", metavar="URL", help="Redis server for section 7 (default: start one if possible)")
     ap.add_argument("--only-redis", action="store_true", help="run sections 7, 9 and 10 only")
     ap.add_argument("--only-keyed", action="store_true", help="run section 8 only")
+    ap.add_argument("--only-waiting", action="store_true", help="run section 5 only")
     args = ap.parse_args(argv)
     quick = args.quick
     res: dict = dict(
@@ -900,6 +902,16 @@ def main(argv=None) -> int:
             native=native_available(),
         )
     )
+    if args.only_waiting:
+        res["cpu_waiting"] = bench_cpu(2.0 if quick else 4.0)
+        res["waiting"] = [bench_waiting(r, 2.0 if quick else 4.0) for r in (50.0, 1000.0, 10_000.0)]
+        if args.json:
+            print(json.dumps(res, indent=None))
+        else:
+            m = res["machine"]
+            print(f"shmlimit benchmark — Python {m['python']}, {m['cpus']} CPUs, {m['platform']}, native={m['native']}\n")
+            print_waiting(res)
+        return 0
     if not (args.only_redis or args.only_keyed):
         res["single_ns"] = bench_single(20_000 if quick else 300_000)
         res["tries_ns"] = bench_tries(20_000 if quick else 100_000)
@@ -990,19 +1002,24 @@ def print_local(res: dict) -> None:
         )
     la = res["lateness"]
     print(f"\n4. lateness at 1000/s, 4 processes: p50 {la['p50_ms']:.3f} ms, p99 {la['p99_ms']:.3f} ms, max {la['max_ms']:.3f} ms")
+    print()
+    print_waiting(res)
+    fl = res["filler_under_load"]
+    print(
+        f"\n6. filler's process CPU-bound: {fl['achieved']:.1f}/s of {fl['target']:.0f}/s ({fl['error_pct']:+.2f}%), "
+        f"filler stayed in the busy process: {fl['filler_was_busy_process']}"
+    )
+
+
+def print_waiting(res: dict) -> None:
     cw = res["cpu_waiting"]
-    print(f"\n5. CPU while waiting: 8 processes on 50/s use {cw['cpu_s_per_wall_s']:.4f} CPU-s per wall-s together")
+    print(f"5. CPU while waiting: 8 processes on 50/s use {cw['cpu_s_per_wall_s']:.4f} CPU-s per wall-s together")
     if "waiting" in res:
         print("   8 processes saturating a rate: CPU-s per wall-s together, and each grant's lateness after its turn")
         print(f"   {'rate/s':>8} {'CPU-s/s':>9} {'p50 ms':>8} {'p99 ms':>8} {'max ms':>8} {'grants':>8}")
         for w in res["waiting"]:
             print(f"   {w['rate']:>8,.0f} {w['cpu_s_per_wall_s']:>9.4f} {w['p50_ms']:>8.3f} {w['p99_ms']:>8.3f} "
                   f"{w['max_ms']:>8.3f} {w['grants']:>8,}")
-    fl = res["filler_under_load"]
-    print(
-        f"\n6. filler's process CPU-bound: {fl['achieved']:.1f}/s of {fl['target']:.0f}/s ({fl['error_pct']:+.2f}%), "
-        f"filler stayed in the busy process: {fl['filler_was_busy_process']}"
-    )
 
 
 if __name__ == "__main__":
