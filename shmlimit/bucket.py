@@ -458,6 +458,24 @@ class Bucket:
         """
         return self.cells.try_grab(L.TAIL, L.HEAD, tokens, grants, ops)
 
+    def head(self) -> int:
+        """The head rover now (for ``give_back``)."""
+        return self.cells.load(L.HEAD)
+
+    def give_back(self, tokens: int, head_then: int) -> int:
+        """Return ``tokens`` taken (and covered) when the head was at most ``head_then``, unused.
+
+        Had they never been taken, every replenish since would have been
+        clamped ``tokens`` lower, so what the head has gained since may be
+        time that would have been dropped: only ``tokens`` minus that gain is
+        returned (all of it when no replenish came between, as after a
+        refused all-or-nothing try), and never beyond ``tail + capacity``.
+        The bucket is then never fuller than had they never been taken.
+        Returns the tokens returned.
+        """
+        back = tokens - max(0, diff(self.cells.load(L.HEAD), head_then))
+        return self.add(back) if back > 0 else 0
+
     def take_available(self, grants: int) -> int:
         """Take every whole op available now (``drain``), counted in ``grants``; return how many.
 

@@ -108,10 +108,29 @@ class Limiter:
     (default ``time.monotonic_ns``): tests inject a fake one to drive every
     schedule step by step.  All the handles of a name in a process share it.
 
+    ``rates=["5000/h", "100/min"]`` or ``rates={"requests": "500/min",
+    "tokens": "200K/min"}`` (instead of ``rate``) makes a limiter of several
+    rates taken together, all or nothing (``shmlimit.multirate.MultiLimiter``).
+
     A Limiter pickles as its name: a child process that unpickles it attaches
     to the same segment.  One inherited through ``fork`` works as well: the
     child registers itself as its own process.
     """
+
+    def __new__(cls, name: str = "", rate: Any = None, *args: Any, rates: Any = None, **kwargs: Any) -> Any:
+        # ``rates=`` makes a limiter of several rates (multirate.py), a group of one segment per
+        # rate: a different class, so the single rate's hot paths carry no test for it.
+        if rates is None:
+            return super().__new__(cls)
+        from .multirate import MultiLimiter
+
+        if rate is not None or args:
+            raise TypeError("give either rate= (one rate) or rates= (several), not both")
+        allowed = {"mode", "slots", "trusted_uids", "clock"}
+        extra = sorted(k for k, v in kwargs.items() if k not in allowed and v is not None)
+        if extra:
+            raise ValueError(f"{', '.join(extra)} not supported with rates= (allowed: {', '.join(sorted(allowed))})")
+        return MultiLimiter(name, rates, **{k: v for k, v in kwargs.items() if k in allowed})
 
     def __init__(
         self,
@@ -134,6 +153,7 @@ class Limiter:
         trusted_uids: Iterable[int] = (),
         clock: Optional[Callable[[], int]] = None,
         reconfigure: bool = False,
+        rates: None = None,
     ) -> None:
         validate_name(name)
         if not isinstance(reconfigure, bool):

@@ -1,0 +1,590 @@
+"""Several rates at once: ``Limiter(name, rates=[...])`` and ``Limiter(name, rates={...})``.
+
+A limiter of several rates is a group of ordinary limiters, one segment per
+rate, named ``<name>.<key>`` (``github.0``, ``llm.tokens``).  Each keeps its
+own bucket, filler and process table, so each rate keeps every promise of a
+single one (``rate*T + capacity`` in any window, FIFO, nothing lost or stalled
+by a killed process), and every tool (``list``, ``top``, ``set-rate``, the
+metrics) shows and changes each rate as a limiter of its own.  This module only
+takes them together:
+
+* **All or nothing.**  A try takes from every rate by CAS, and if one refuses,
+  gives back (``Bucket.add``: head forward, never beyond ``tail + capacity``)
+  what it took from the others.  Tokens given back are exactly tokens a
+  replenish would have found in the bucket had they not been taken, so a
+  refusal leaves nothing taken.
+* **What a waiter holds.**  A waiter takes a ticket on one rate only: the one
+  whose wait was longest when it came (``lead``).  It holds nothing on the
+  others while that ticket queues.  Once the ticket is due it joins the
+  others' queues, and holds the lead rate's tokens (granted, unused) while it
+  waits there: as long as the callers already queued on them at that instant
+  need (FIFO), which is nothing when they have room.  A timed waiter whose wait
+  there exceeds its time left gives everything back and returns False.
+* **Settling.**  ``settle`` charges a rate by a grab it does not wait for
+  (never refused: it is debt later callers wait for), and refunds by
+  ``Bucket.add`` (what does not fit under the capacity is dropped).
+
+Every word is touched through each rate's ``Bucket`` and cells.
+"""
+from __future__ import annotations
+
+import math
+import re
+import time
+from dataclasses import dataclass
+from typing import Any, Callable, Dict, Iterable, List, Mapping, Optional, Sequence, Tuple, Union
+
+from . import acquisition
+from . import layout as L
+from .acquisition import Request, drive, drive_async, ticket_within
+from .attachment import Attachment, open_attachment, release
+from .bucket import diff
+from .config import NS_PER_S, Config, parse_spec, validate_n, validate_timeout
+from .header import Creation
+from .segment import NAME_MAX, validate_name, validate_trusted_uids
+from .segment import unlink as _unlink_name
+from .stats import Stats, snapshot
+
+_INF = float("inf")
+_KEY = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")
+#: Keys that would collide with the calls' own parameters.
+_RESERVED = ("n", "timeout", "max_wait", "which")
+MAX_RATES = 16
+RateValue = Union[str, float, int, Tuple[Any, Any]]
+
+
+def parse_rates(name: str, rates: object) -> Tuple[Tuple[str, ...], Tuple[Config, ...], bool]:
+    """``rates=`` as (keys, configs, named).  A list's keys are "0", "1", ...; a dict's are its own.
+
+    Each value is a rate (``"5000/h"``, ``"200K/min"``, a number of ops per
+    second) or a pair ``(rate, burst)``; the capacity defaults as for one rate.
+    """
+    if isinstance(rates, Mapping):
+        items = list(rates.items())
+        named = True
+    elif isinstance(rates, (list, tuple)):
+        items = [(str(i), v) for i, v in enumerate(rates)]
+        named = False
+    else:
+        raise TypeError(f"rates must be a list of rates or a dict of name -> rate, not {type(rates).__name__}")
+    if not 1 <= len(items) <= MAX_RATES:
+        raise ValueError(f"rates must hold 1 to {MAX_RATES} rates, got {len(items)}")
+    keys: List[str] = []
+    cfgs: List[Config] = []
+    for key, value in items:
+        if named and (not isinstance(key, str) or not _KEY.fullmatch(key) or key in _RESERVED):
+            raise ValueError(
+                f"rates: each name must be a Python identifier of ASCII letters, digits and '_', "
+                f"and not one of {', '.join(_RESERVED)}; got {key!r}"
+            )
+        if len(name) + 1 + len(key) > NAME_MAX:
+            raise ValueError(f"rates: name {name!r} plus '.{key}' must be at most {NAME_MAX} characters")
+        rate, burst = value if isinstance(value, tuple) else (value, None)
+        try:
+            cfgs.append(Config.make(rate, 1.0, burst))
+        except (TypeError, ValueError) as e:
+            raise type(e)(f"rates[{key!r}]: {e}") from None
+        keys.append(key)
+    return tuple(keys), tuple(cfgs), named
+
+
+@dataclass(frozen=True)
+class MultiStats:
+    """A snapshot of every rate of a limiter of several rates (``rates`` by key, in order)."""
+
+    name: str
+    rates: Dict[str, Stats]
+
+    @property
+    def grants(self) -> Dict[str, int]:
+        """Ops granted on each rate (charges included; refunds are not subtracted)."""
+        return {k: s.grants for k, s in self.rates.items()}
+
+
+class MultiLimiter:
+    """Several rates taken together; made by ``Limiter(name, rates=...)`` (see the module's docstring).
+
+    ``rates=["5000/h", "100/min"]``: every op must fit every rate; ``n`` ops
+    cost ``n`` on each.  ``rates={"requests": "500/min", "tokens": "200K/min"}``:
+    each call says its cost per rate by keyword (``acquire(requests=1,
+    tokens=1500)``, rates not named cost nothing), or ``n`` on each without
+    keywords.  Every process must name the same rates.
+    """
+
+    def __init__(
+        self,
+        name: str,
+        rates: object,
+        *,
+        mode: int = 0o600,
+        slots: int = L.DEFAULT_SLOTS,
+        trusted_uids: Iterable[int] = (),
+        clock: Optional[Callable[[], int]] = None,
+    ) -> None:
+        validate_name(name)
+        trusted = validate_trusted_uids(trusted_uids)
+        keys, cfgs, named = parse_rates(name, rates)
+        if isinstance(mode, bool) or not isinstance(mode, int) or not 0 <= mode <= 0o777:
+            raise ValueError(f"mode must be permission bits between 0 and 0o777, got {mode!r}")
+        if isinstance(slots, bool) or not isinstance(slots, int) or not 1 <= slots <= L.MAX_SLOTS:
+            raise ValueError(f"slots must be an int from 1 to {L.MAX_SLOTS}, got {slots!r}")
+        self._name = name
+        self._keys = keys
+        self._named = named
+        self._rates_arg = dict(rates) if named else list(rates)  # type: ignore[call-overload]
+        self._mode = mode
+        self._trusted = trusted
+        self._atts: List[Attachment] = []
+        try:
+            for key, cfg in zip(keys, cfgs):
+                att = open_attachment(f"{name}.{key}", Creation(cfg, mode, None, slots, None), mode, trusted,
+                                      clock or time.monotonic_ns)
+                self._atts.append(att)
+        except BaseException:
+            self.close()
+            raise
+
+    # -- identity and lifecycle ----------------------------------------------------
+
+    @property
+    def name(self) -> str:
+        return self._name
+
+    @property
+    def keys(self) -> Tuple[str, ...]:
+        """The rates' keys, in order ("0", "1", ... for a list)."""
+        return self._keys
+
+    @property
+    def configs(self) -> Dict[str, Config]:
+        """Each rate's live configuration, by key."""
+        out = {}
+        for k, att in zip(self._keys, self._live()):
+            att.bucket.refresh()
+            out[k] = att.bucket.config
+        return out
+
+    @property
+    def closed(self) -> bool:
+        return not self._atts
+
+    def _live(self) -> List[Attachment]:
+        if not self._atts:
+            raise ValueError(f"limiter {self._name!r} is closed in this process")
+        return self._atts
+
+    def close(self) -> None:
+        """Detach this handle from every rate.  The segments stay (use ``unlink``)."""
+        atts, self._atts = self._atts, []
+        for att in atts:
+            release(att, detach=True)
+
+    def unlink(self) -> None:
+        """Remove every rate's segment (those already gone are skipped)."""
+        for key in self._keys:
+            try:
+                _unlink_name(f"{self._name}.{key}")
+            except FileNotFoundError:
+                pass
+
+    def __enter__(self) -> "MultiLimiter":
+        self.acquire()
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        return None
+
+    async def __aenter__(self) -> "MultiLimiter":
+        await self.acquire_async()
+        return self
+
+    async def __aexit__(self, *exc: Any) -> None:
+        return None
+
+    def __reduce__(self):
+        return (_unpickle, (self._name, self._rates_arg, self._mode, tuple(sorted(self._trusted))))
+
+    def __del__(self) -> None:
+        atts, self._atts = getattr(self, "_atts", []), []
+        for att in atts:
+            try:
+                release(att, detach=False)
+            except Exception:  # pragma: no cover - interpreter shutdown
+                pass
+
+    # -- costs -----------------------------------------------------------------------
+
+    def _ops(self, n: object, costs: Dict[str, object]) -> Tuple[int, ...]:
+        """Ops on each rate: ``n`` on every one, or the keywords' (rates not named cost nothing)."""
+        if not costs:
+            if isinstance(n, bool) or not isinstance(n, int) or n < 1:
+                raise ValueError(f"n must be a positive int (ops), got {n!r}")
+            return tuple(n for _ in self._keys)
+        if not self._named:
+            raise TypeError(f"limiter {self._name!r} has a list of rates: give n (ops on every rate), not {sorted(costs)}")
+        if n != 1:
+            raise TypeError("give either n (ops on every rate) or a cost per rate by name, not both")
+        unknown = sorted(set(costs) - set(self._keys))
+        if unknown:
+            raise TypeError(f"unknown rate(s) {unknown}: the rates of {self._name!r} are {', '.join(self._keys)}")
+        out = []
+        for k in self._keys:
+            v = costs.get(k, 0)
+            if isinstance(v, bool) or not isinstance(v, int) or v < 0:
+                raise ValueError(f"{k} must be an int >= 0 (ops of that rate), got {v!r}")
+            out.append(v)
+        if not any(out):
+            raise ValueError(f"at least one cost must be > 0, got {costs!r}")
+        return tuple(out)
+
+    def _tokens(self, ops: Sequence[int]) -> List[int]:
+        """Each rate's tokens for ``ops``, at the price in force (configs refreshed)."""
+        toks = []
+        for k, att, o in zip(self._keys, self._live(), ops):
+            b = att.bucket
+            b.refresh()
+            if o:
+                try:
+                    validate_n(o, b.cost)
+                except ValueError as e:
+                    raise ValueError(f"rate {k!r}: {e}") from None
+            toks.append(o * b.cost)
+        return toks
+
+    # -- acquiring -------------------------------------------------------------------
+
+    def try_acquire(self, n: int = 1, **costs: int) -> bool:
+        """Take the ops from every rate only if all have them now; never waits.  False takes nothing."""
+        ops = self._ops(n, costs)
+        atts = self._live()
+        return take_all(atts, ops, self._tokens(ops))
+
+    def acquire(self, n: int = 1, timeout: Optional[float] = None, **costs: int) -> bool:
+        """Take the ops from every rate, waiting until all allow them; True once granted.
+
+        With ``timeout`` (seconds): False at once, taking nothing, when the
+        wait on any rate exceeds it; False, having given everything back, when
+        the wait on the other rates once the longest is served exceeds what is
+        left of it.
+        """
+        ops = self._ops(n, costs)
+        return drive(MultiRequest(self._live(), ops, self._tokens(ops), timeout))  # type: ignore[arg-type]
+
+    async def acquire_async(self, n: int = 1, timeout: Optional[float] = None, **costs: int) -> bool:
+        """``acquire`` for asyncio: parks with ``asyncio.sleep``, never blocking the event loop."""
+        ops = self._ops(n, costs)
+        return await drive_async(MultiRequest(self._live(), ops, self._tokens(ops), timeout))  # type: ignore[arg-type]
+
+    def reserve(self, n: int = 1, max_wait: Optional[float] = None, **costs: int) -> Optional[float]:
+        """Claim the next slot on every rate; the seconds until all are due (0.0: now).
+
+        None, taking nothing, when any rate's wait would exceed ``max_wait``
+        seconds.  The caller owns the slots once this returns a number
+        (counted as granted).  The rates are claimed shortest wait first, so
+        that a refusal by a later one (another caller took its room between
+        the look and the claim) finds the earlier claims covered and gives
+        them back; a claim still queued then is spent unused (never an extra
+        grant), as a single rate's abandoned ticket is.
+        """
+        ops = self._ops(n, costs)
+        atts = self._live()
+        toks = self._tokens(ops)
+        limit = validate_timeout(max_wait, "max_wait")
+        max_ns = _INF if limit is None else limit * NS_PER_S
+        order = sorted((i for i, o in enumerate(ops) if o), key=lambda i: wait_ns(atts[i], toks[i]))
+        if any(atts[i].bucket.stopped or wait_ns(atts[i], toks[i]) > max_ns for i in order) and limit is not None:
+            return None
+        claims: List[Tuple[Attachment, int, int, int]] = []  # (att, tokens, ticket, head before)
+        due = 0.0
+        for i in order:
+            att, t = atts[i], toks[i]
+            h = att.bucket.head()
+            ticket = ticket_within(att.bucket, t, max_ns)
+            if ticket is None:
+                give_back([(a, tk, hb if diff(tkt, hb) <= 0 else tkt) for a, tk, tkt, hb in claims if a.bucket.covered(tkt)])
+                return None
+            claims.append((att, t, ticket, h))
+            att.bucket.replenish()
+            due = max(due, att.bucket.due_ns(ticket) - att.clock())
+        for att, o in zip(atts, ops):
+            if o:
+                att.count(o)
+        return max(0.0, due) / NS_PER_S
+
+    def retry_after(self, n: int = 1, **costs: int) -> float:
+        """Seconds until the ops could be granted on every rate to a new caller (0.0: now)."""
+        ops = self._ops(n, costs)
+        return max(acquisition.retry_after(att, o) for att, o in zip(self._live(), ops) if o)
+
+    def settle(self, n: int = 0, **deltas: int) -> None:
+        """After the call: correct an estimate.  A positive delta charges, a negative one refunds.
+
+        ``settle(tokens=actual - estimate)``; ``settle(n)`` changes every
+        rate by ``n`` ops.  A charge is never refused and never waits: it is
+        debt that later callers wait for.  A refund returns its tokens to the
+        bucket at once (to the callers waiting now), as far as they fit under
+        the capacity; the rest is dropped, as in any token bucket.  Any
+        process may settle.  Charges are counted as grants; refunds are not
+        subtracted from them.
+        """
+        atts = self._live()
+        if deltas:
+            if not self._named:
+                raise TypeError(f"limiter {self._name!r} has a list of rates: settle(n) changes every rate")
+            if n != 0:
+                raise TypeError("give either n (ops on every rate) or a delta per rate by name, not both")
+            unknown = sorted(set(deltas) - set(self._keys))
+            if unknown:
+                raise TypeError(f"unknown rate(s) {unknown}: the rates of {self._name!r} are {', '.join(self._keys)}")
+            per = [deltas.get(k, 0) for k in self._keys]
+        else:
+            per = [n for _ in self._keys]
+        for k, d in zip(self._keys, per):
+            if isinstance(d, bool) or not isinstance(d, int):
+                raise TypeError(f"{k if deltas else 'n'} must be an int (ops; negative refunds), not {type(d).__name__}")
+        checked = []
+        for k, att, d in zip(self._keys, atts, per):
+            b = att.bucket
+            b.refresh()
+            if d:
+                try:
+                    validate_n(abs(d), b.cost)
+                except ValueError as e:
+                    raise ValueError(f"rate {k!r}: {e}") from None
+            checked.append((att, d))
+        for att, d in checked:  # every delta validated before any is applied
+            b = att.bucket
+            if d > 0:
+                b.grab(d * b.cost, att.grants_off, 0)  # a ticket no one waits for: debt
+                att.count(d)
+            elif d < 0:
+                b.add(-d * b.cost)
+
+    # -- live changes ------------------------------------------------------------------
+
+    def _index(self, which: Union[str, int]) -> int:
+        if isinstance(which, bool) or not isinstance(which, (str, int)):
+            raise TypeError(f"which must be a rate's name or index, not {type(which).__name__}")
+        if isinstance(which, int):
+            if not -len(self._keys) <= which < len(self._keys):
+                raise ValueError(f"which must be an index from 0 to {len(self._keys) - 1}, got {which}")
+            return which % len(self._keys)
+        if which not in self._keys:
+            raise ValueError(f"which must be one of {', '.join(self._keys)}, got {which!r}")
+        return self._keys.index(which)
+
+    def set_rate(
+        self, which: Union[str, int], rate: Union[float, str], per: Optional[float] = None, burst: Optional[float] = None
+    ) -> None:
+        """Change one rate (by name or index) for every attached process, at once (see ``Limiter.set_rate``)."""
+        b = self._live()[self._index(which)].bucket
+        b.refresh()
+        cur = b.config
+        if isinstance(rate, str):
+            spec = parse_spec(rate)
+            if spec.verb is not None or spec.ratio is not None:
+                raise ValueError(f"rate must be a number or a rate string such as '200K/min', got {rate!r}")
+            rate, per = spec.rate, spec.per_with(per)  # type: ignore[assignment]
+        new = cur.replace(rate=rate, per=cur.per if per is None else per, burst=burst)
+        if new != cur:
+            b.publish(new)
+
+    # -- observation -------------------------------------------------------------------
+
+    def stats(self) -> MultiStats:
+        """A snapshot of every rate's live state (reads only)."""
+        atts = self._live()
+        return MultiStats(self._name, {k: snapshot(f"{self._name}.{k}", att) for k, att in zip(self._keys, atts)})
+
+    def __repr__(self) -> str:
+        if not self._atts:
+            return f"<shmlimit.Limiter {self._name!r} rates={list(self._keys)} closed>"
+        s = self.stats()
+        parts = " ".join(
+            f"{k}={st.rate:g}/{st.per:g}s(capacity={st.capacity:g} available={st.available:.1f} "
+            f"deficiency={st.deficiency:.1f} grants={st.grants})"
+            for k, st in s.rates.items()
+        )
+        return f"<shmlimit.Limiter {self._name!r} {parts} backend={self._atts[0].cells.backend}>"
+
+
+def _unpickle(name: str, rates: object, mode: int, trusted: Tuple[int, ...]) -> MultiLimiter:
+    return MultiLimiter(name, rates, mode=mode, trusted_uids=trusted)
+
+
+# ---- the protocol ----------------------------------------------------------------------------
+
+
+#: Tokens taken and covered, not yet used: (attachment, tokens, the head when they were taken at
+#: the latest -- for a ticket, the ticket itself).
+Held = Tuple[Attachment, int, int]
+
+
+def give_back(held: Sequence[Held]) -> None:
+    """Return tokens taken and not used (a refusal, a timeout, an interruption), less what the
+    head gained since they were taken (``Bucket.give_back``): the bucket is never left fuller
+    than had they never been taken."""
+    for att, tokens, head_then in held:
+        att.bucket.give_back(tokens, head_then)
+
+
+def take_all(atts: Sequence[Attachment], ops: Sequence[int], toks: Sequence[int]) -> bool:
+    """All or nothing, now: each rate by CAS (replenishing once if short); on a refusal the rates
+    already taken get their tokens back.  Counted only once every rate has granted.
+
+    It looks before it takes: a rate short even after a replenish refuses with nothing written
+    on any rate.  Only a race (another caller took the room between the look and the take) makes
+    it give back, which costs those rates' next replenish up to what it gave back (the snapshot
+    clamp counts it as tokens already in the bucket): time lost, never an extra grant."""
+    for att, o, t in zip(atts, ops, toks):
+        if o:
+            b = att.bucket
+            if b.balance() < t and (b.replenish() <= 0 or b.balance() < t):
+                return False
+    held: List[Held] = []
+    for att, o, t in zip(atts, ops, toks):
+        if not o:
+            continue
+        b = att.bucket
+        h = b.head()
+        if not b.try_grab(t, att.grants_off, 0):
+            if b.replenish() <= 0:
+                give_back(held)
+                return False
+            h = b.head()
+            if not b.try_grab(t, att.grants_off, 0):
+                give_back(held)
+                return False
+        held.append((att, t, h))
+    for att, o in zip(atts, ops):
+        if o:
+            att.count(o)
+    return True
+
+
+def wait_ns(att: Attachment, tokens: int) -> float:
+    """The wait (ns) a ticket of ``tokens`` taken now would have on this rate (0: none)."""
+    b = att.bucket
+    short = -b.balance() + tokens - min(b.pending(), b.cap)
+    return b.estimate_wait_ns(short) if short > 0 else 0.0
+
+
+LEAD, OTHERS, DONE = "lead", "others", "done"
+
+
+class MultiRequest:
+    """One acquire over several rates, as steps that never sleep (``begin``/``next``/``end``, as
+    ``acquisition.Request``; run by the same drivers)."""
+
+    def __init__(self, atts: Sequence[Attachment], ops: Sequence[int], toks: Sequence[int], timeout: Optional[float]) -> None:
+        timeout = validate_timeout(timeout)
+        self.atts = atts
+        self.ops = ops
+        self.toks = toks
+        self.clock = atts[0].clock
+        self.deadline: Optional[int] = None if timeout is None else self.clock() + int(timeout * NS_PER_S)
+        self.state = DONE
+        self.waits: List[Tuple[int, Request]] = []  # (rate index, the request waiting for its ticket)
+        self.held: List[Held] = []  # tokens granted and not yet used
+        self.lead = -1
+        self.failed = False  # a timed join of the other rates was refused: give back once covered
+        self.granted = False
+        self.wake_ns: Optional[int] = None
+
+    def _left_ns(self) -> float:
+        return _INF if self.deadline is None else max(0, self.deadline - self.clock())
+
+    def begin(self) -> acquisition.Step:
+        active = [i for i, o in enumerate(self.ops) if o]
+        waits = {i: wait_ns(self.atts[i], self.toks[i]) for i in active}
+        left = self._left_ns()
+        if any(w > left for w in waits.values()):
+            return False  # fails fast: the wait on some rate exceeds the timeout
+        if take_all(self.atts, self.ops, self.toks):
+            return self._granted(count=False)
+        self.lead = max(active, key=lambda i: waits[i])
+        self.state = LEAD
+        return self._join([self.lead])
+
+    def _join(self, which: Sequence[int]) -> acquisition.Step:
+        """Take a ticket on each rate of ``which`` (within the time left); give all back if one refuses."""
+        left = self._left_ns()
+        for i in which:
+            att, t = self.atts[i], self.toks[i]
+            b = att.bucket
+            h = b.head()
+            if self.deadline is None:
+                ticket = b.grab(t, att.grants_off, 0)
+            else:
+                ticket = ticket_within(b, t, left)
+                if ticket is None:
+                    if not self.waits:
+                        return self._refuse()
+                    # A ticket already queued on another rate cannot be handed back before the head
+                    # reaches it (that would let those ahead of it through early): wait for it,
+                    # then give everything back.
+                    self.failed = True
+                    break
+            if ticket is None or b.covered(ticket):
+                self.held.append((att, t, h))
+            else:
+                self.waits.append((i, Request.holding(att, 0, ticket)))
+        return self._step()
+
+    def _step(self) -> acquisition.Step:
+        naps = []
+        wakes = []
+        still = []
+        for i, req in self.waits:
+            s = req.next()
+            if s is True:
+                req.end()
+                self.held.append((self.atts[i], self.toks[i], req.ticket))  # covered once the head passed it
+                continue
+            still.append((i, req))
+            naps.append(s)
+            wakes.append(req.wake_ns)
+        self.waits = still
+        if still:
+            self.wake_ns = min(wakes) if all(w is not None for w in wakes) else None
+            return min(naps)  # type: ignore[type-var]
+        self.wake_ns = None
+        if self.failed:
+            return self._refuse()
+        if self.state == LEAD:  # the lead rate's ticket is due: now join the others' queues
+            self.state = OTHERS
+            rest = [i for i, o in enumerate(self.ops) if o and i != self.lead]
+            if rest:
+                return self._join(rest)
+        return self._granted(count=True)
+
+    def next(self) -> acquisition.Step:
+        if self.state == DONE:
+            raise RuntimeError("request is done: nothing to wait for")
+        return self._step()
+
+    def _granted(self, count: bool) -> bool:
+        if count:
+            for att, o in zip(self.atts, self.ops):
+                if o:
+                    att.count(o)
+        self.held = []
+        self.granted = True
+        self.state = DONE
+        return True
+
+    def _refuse(self) -> bool:
+        self.end()
+        return False
+
+    def end(self) -> None:
+        """Leave: a request not granted gives back the tokens it was granted and did not use.
+        Tickets still queued are spent unused, as a single rate's are (handing them back could let
+        later callers jump the queue)."""
+        for _, req in self.waits:
+            req.end()
+        self.waits = []
+        if not self.granted:
+            held, self.held = self.held, []
+            give_back(held)
+        self.state = DONE

@@ -1,0 +1,281 @@
+"""Several rates at once (rates=), step by step on an injected clock."""
+import asyncio
+import pickle
+
+import pytest
+
+import shmlimit
+from shmlimit.multirate import MultiLimiter, MultiRequest
+from support.clock import FakeClock
+
+S = 1_000_000_000
+
+
+@pytest.fixture
+def clock():
+    return FakeClock()
+
+
+def make(name, rates, clock):
+    lim = shmlimit.Limiter(name, rates=rates, clock=clock)
+    assert isinstance(lim, MultiLimiter)
+    return lim
+
+
+@pytest.fixture
+def cleanup():
+    made = []
+    yield made
+    for lim in made:
+        if not lim.closed:
+            lim.unlink()
+            lim.close()
+
+
+def advance(lim, clock, seconds, tick=0.001):
+    """Move the clock ``seconds`` forward as a filler would see it: a replenish of every rate
+    every ``tick`` (one replenish after a long jump loses that interval to the snapshot clamp,
+    as the design page says)."""
+    steps = max(1, round(seconds / tick))
+    for i in range(steps):
+        clock.advance(round(seconds * 1e9 * (i + 1) / steps) - round(seconds * 1e9 * i / steps))
+        for att in lim._live():
+            att.bucket.replenish()
+
+
+def balance(lim, key):
+    """Ops in ``key``'s bucket (negative: owed to the queue), after a replenish to now (a filler's tick)."""
+    att = lim._live()[lim.keys.index(key)]
+    att.bucket.replenish()
+    return att.bucket.balance() / att.bucket.cost
+
+
+
+def request(lim, timeout=None, n=1, **costs):
+    ops = lim._ops(n, costs)
+    return MultiRequest(lim._live(), ops, lim._tokens(ops), timeout)
+
+
+def test_one_segment_per_rate_with_its_own_config(name, clock, cleanup):
+    lim = make(name, ["5000/h", ("100/min", 10)], clock)
+    cleanup.append(lim)
+    assert lim.keys == ("0", "1")
+    assert {name + ".0", name + ".1"} <= set(shmlimit.list_names())
+    cfg = lim.configs
+    assert (cfg["0"].rate, cfg["0"].per, cfg["1"].rate, cfg["1"].per, cfg["1"].burst) == (5000, 3600, 100, 60, 10)
+    st = lim.stats()
+    assert set(st.rates) == {"0", "1"} and st.rates["1"].capacity == 10
+    assert "0=5000/3600s" in repr(lim) and "1=100/60s" in repr(lim)
+    # another process's view of one rate is an ordinary limiter
+    one = shmlimit.Limiter(name + ".1", clock=clock)
+    assert one.rate == 100
+    one.close()
+    # the same rates attach; different ones are refused, naming the rate
+    same = make(name, ["5000/h", ("100/min", 10)], clock)
+    same.close()
+    with pytest.raises(shmlimit.ConfigMismatchError):
+        make(name, ["5000/h", "100/min"], clock)
+
+
+@pytest.mark.parametrize(
+    "rates, error",
+    [
+        ({}, ValueError),
+        ([], ValueError),
+        ("10/s", TypeError),
+        ({"a-b": "1/s"}, ValueError),
+        ({"n": "1/s"}, ValueError),
+        ({"timeout": "1/s"}, ValueError),
+        ({"a": "1/fortnight"}, ValueError),
+        ({"a": 0}, ValueError),
+        ([("1/s", 0.5)], ValueError),
+    ],
+)
+def test_bad_rates_are_refused_naming_what_is_wrong(name, clock, rates, error):
+    with pytest.raises(error) as e:
+        shmlimit.Limiter(name, rates=rates, clock=clock)
+    assert "rates" in str(e.value)
+    assert not [n for n in shmlimit.list_names() if n.startswith(name)]
+
+
+def test_rates_and_rate_or_other_options_do_not_mix(name, clock):
+    with pytest.raises(TypeError, match="not both"):
+        shmlimit.Limiter(name, 10, rates=["1/s"])
+    with pytest.raises(ValueError, match="capped"):
+        shmlimit.Limiter(name, rates=["1/s"], capped=True)
+
+
+def test_costs_by_name(name, clock, cleanup):
+    lim = make(name, {"requests": ("10/s", 2), "tokens": ("1000/s", 1000)}, clock)
+    cleanup.append(lim)
+    with pytest.raises(TypeError, match="unknown rate"):
+        lim.try_acquire(tokenz=1)
+    with pytest.raises(TypeError, match="not both"):
+        lim.try_acquire(2, tokens=1)
+    with pytest.raises(ValueError, match="at least one"):
+        lim.try_acquire(tokens=0)
+    with pytest.raises(ValueError, match="tokens must be an int"):
+        lim.try_acquire(tokens=-1)
+    assert lim.try_acquire(requests=1, tokens=600)
+    assert not lim.try_acquire(requests=1, tokens=600)  # tokens short: all or nothing
+    assert balance(lim, "requests") == 1  # the request it took was given back
+    assert lim.try_acquire(tokens=400)  # a rate not named costs nothing
+    assert balance(lim, "requests") == 1
+    assert lim.stats().grants == {"requests": 1, "tokens": 1000}
+
+
+def test_a_refused_try_leaves_every_rate_as_it_was(name, clock, cleanup):
+    lim = make(name, [("10/s", 3), ("1/s", 1)], clock)
+    cleanup.append(lim)
+    assert lim.try_acquire()
+    for _ in range(5):
+        assert not lim.try_acquire()
+        assert (balance(lim, "0"), balance(lim, "1")) == (2, 0)
+    advance(lim, clock, 0.5)
+    assert not lim.try_acquire()
+    assert balance(lim, "0") == pytest.approx(3)  # full again: nothing was held away from it
+    advance(lim, clock, 0.501)  # (the first replenish after a drain loses its tick: the snapshot clamp)
+    assert lim.try_acquire()
+    assert lim.stats().grants == {"0": 2, "1": 2}
+
+
+def test_a_timed_acquire_fails_at_once_when_any_rate_is_too_slow(name, clock, cleanup):
+    lim = make(name, [("100/s", 5), ("1/s", 1)], clock)
+    cleanup.append(lim)
+    assert lim.acquire()
+    before = (balance(lim, "0"), balance(lim, "1"))
+    r = request(lim, timeout=0.5)
+    assert r.begin() is False  # 1 s on the slow rate: no wait at all
+    r.end()
+    assert (balance(lim, "0"), balance(lim, "1")) == before
+    assert lim.retry_after() == pytest.approx(1.0, abs=0.01)
+
+
+def test_a_waiter_holds_nothing_on_the_other_rates_while_it_queues(name, clock, cleanup):
+    lim = make(name, {"slow": ("1/s", 1), "fast": ("100/s", 10)}, clock)
+    cleanup.append(lim)
+    assert lim.try_acquire(slow=1)
+    r = request(lim, slow=1, fast=5)
+    assert r.begin() is not True
+    assert r.state == "lead" and [i for i, _ in r.waits] == [0]  # queued on the slow rate only
+    assert balance(lim, "fast") == 10  # the fast rate is untouched: others take it all
+    assert lim.try_acquire(fast=10)
+    advance(lim, clock, 0.5)
+    assert r.next() is not True
+    assert balance(lim, "fast") == pytest.approx(10)  # refilled, still untouched
+    advance(lim, clock, 0.501)
+    assert r.next() is True  # the slow ticket is due, the fast rate has room: both at once
+    r.end()
+    assert balance(lim, "fast") == pytest.approx(5)
+    assert lim.stats().grants == {"slow": 2, "fast": 15}
+
+
+def _queue_on(lim, key, seconds):
+    """Someone reserves ``seconds`` of ``key``'s schedule: a queue there."""
+    att = lim._live()[lim.keys.index(key)]
+    ops = round(seconds * att.bucket.config.rate / att.bucket.config.per)
+    assert shmlimit.multirate.acquisition.reserve(att, ops, None) is not None
+
+
+def test_once_its_lead_rate_is_due_a_waiter_holds_it_only_for_the_others_queue(name, clock, cleanup):
+    lim = make(name, {"a": ("1/s", 1), "b": ("10/s", 1)}, clock)
+    cleanup.append(lim)
+    assert lim.try_acquire(a=1, b=1)
+    r = request(lim, a=1, b=1)
+    assert r.begin() is not True
+    assert r.state == "lead" and [i for i, _ in r.waits] == [0]  # a is the lead
+    _queue_on(lim, "b", 1.5)  # meanwhile a queue forms on b
+    advance(lim, clock, 1.002)
+    assert r.next() is not True  # a is due: it joins b's queue, holding a's op
+    assert r.state == "others"
+    a = lim._live()[0]
+    assert [att for att, _, _ in r.held] == [a]  # it holds a's op (taken, not yet used) ...
+    assert [i for i, _ in r.waits] == [1]  # ... while it queues on b
+    advance(lim, clock, 0.58)
+    assert r.next() is not True  # b's queue, 1.5 s from the start, then its own op on b (0.1 s)
+    assert [att for att, _, _ in r.held] == [a]  # still held: for b's queue, no longer
+    advance(lim, clock, 0.02)
+    assert r.next() is True
+    r.end()
+
+
+def test_a_timed_waiter_whose_other_rates_queued_gives_everything_back(name, clock, cleanup):
+    lim = make(name, {"a": ("1/s", 1), "b": ("10/s", 1)}, clock)
+    cleanup.append(lim)
+    assert lim.try_acquire(a=1, b=1)
+    r = request(lim, timeout=1.5, a=1, b=1)
+    assert r.begin() is not True
+    assert r.state == "lead" and [i for i, _ in r.waits] == [0]
+    _queue_on(lim, "b", 2.0)
+    advance(lim, clock, 1.002)
+    assert r.next() is False  # b would take 1.1 s more, under 0.5 s left: refused at once
+    r.end()
+    # a's op is back in the bucket, less the time the head gained since it was covered
+    assert balance(lim, "a") == pytest.approx(1, abs=0.003)
+    advance(lim, clock, 0.003)
+    assert lim.try_acquire(a=1)
+
+
+def test_settle_refunds_and_charges(name, clock, cleanup):
+    lim = make(name, {"requests": ("100/s", 10), "tokens": ("1000/s", 1000)}, clock)
+    cleanup.append(lim)
+    assert lim.acquire(requests=1, tokens=900, timeout=0)
+    lim.settle(tokens=-700)  # used 200
+    assert balance(lim, "tokens") == pytest.approx(800)
+    lim.settle(tokens=-5000)  # a refund beyond the capacity is dropped
+    assert balance(lim, "tokens") == pytest.approx(1000)
+    assert lim.acquire(tokens=1000, timeout=0)
+    lim.settle(tokens=500)  # used 500 more than estimated: debt, never refused
+    assert balance(lim, "tokens") == pytest.approx(-500)
+    assert lim.retry_after(tokens=100) == pytest.approx(0.6, abs=0.002)  # the debt delays the next caller
+    assert not lim.acquire(tokens=100, timeout=0.59)
+    with pytest.raises(TypeError):
+        lim.settle(tokenz=1)
+    with pytest.raises(TypeError):
+        lim.settle(tokens=1.5)
+    assert balance(lim, "tokens") == pytest.approx(-500)  # refused settles changed nothing
+
+
+def test_list_rates_settle_every_rate(name, clock, cleanup):
+    lim = make(name, [("10/s", 5), ("100/s", 5)], clock)
+    cleanup.append(lim)
+    assert lim.acquire(4)
+    lim.settle(-3)
+    assert (balance(lim, "0"), balance(lim, "1")) == (4, 4)
+    lim.settle(2)
+    assert (balance(lim, "0"), balance(lim, "1")) == (2, 2)
+
+
+def test_reserve_is_all_or_nothing(name, clock, cleanup):
+    lim = make(name, [("10/s", 1), ("1/s", 1)], clock)
+    cleanup.append(lim)
+    assert lim.reserve() == 0.0
+    assert lim.reserve(max_wait=0.5) is None  # the 1/s rate would need 1 s
+    assert (balance(lim, "0"), balance(lim, "1")) == (0, 0)
+    assert lim.reserve(max_wait=1.0) == pytest.approx(1.0, abs=0.01)
+    assert lim.stats().grants == {"0": 2, "1": 2}
+
+
+def test_set_rate_by_name_or_index_live(name, clock, cleanup):
+    lim = make(name, {"requests": "500/min", "tokens": "200K/min"}, clock)
+    cleanup.append(lim)
+    other = make(name, {"requests": "500/min", "tokens": "200K/min"}, clock)
+    lim.set_rate("tokens", "100K/min")
+    assert other.configs["tokens"].rate == 100_000
+    lim.set_rate(0, 10, per=1)
+    assert (other.configs["requests"].rate, other.configs["requests"].per) == (10, 1)
+    with pytest.raises(ValueError, match="which must be one of"):
+        lim.set_rate("tokenz", 1)
+    with pytest.raises(ValueError, match="index"):
+        lim.set_rate(2, 1)
+    other.close()
+
+
+def test_pickles_and_works_with_asyncio(name, clock, cleanup):
+    lim = shmlimit.Limiter(name, rates={"a": ("100/s", 5)})
+    cleanup.append(lim)
+    copy = pickle.loads(pickle.dumps(lim))
+    assert copy.keys == ("a",)
+    assert asyncio.run(copy.acquire_async(a=5))
+    assert not lim.try_acquire(a=1)
+    copy.close()

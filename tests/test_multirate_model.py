@@ -1,0 +1,181 @@
+"""Stateful property test: several rates, mixed callers, settles, an injected clock.
+
+Hypothesis interleaves tries, timed and untimed acquires parked mid-way (their
+steps taken one by one), refunds and charges, and the clock's moves (a filler's
+replenish every millisecond).  After every step, on every rate and in every
+window [t1, t2] of the grants seen:
+
+    grants - refunds  <=  rate*(t2 - t1) + capacity       (in tokens)
+
+(an untimed request larger than the capacity stands for the capacity term, as
+for a single rate, plus what the replenish that covers it brings beyond it: at
+most one fill interval, and never more than the capacity),
+and a charge is debt the later grants wait for, so it never loosens this; at
+the end every untimed request has been granted once the schedule allowed it.
+"""
+import os
+import uuid
+
+import hypothesis.strategies as st
+from hypothesis import HealthCheck, settings
+from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
+
+import shmlimit
+from shmlimit.multirate import MultiRequest
+from support.clock import FakeClock
+
+RATE = st.sampled_from(["10/s", "50/s", "200/s", "30/2s", "1000/min"])
+BURST = st.integers(min_value=1, max_value=4)
+KEYS = ("a", "b", "c")
+TICK_NS = 1_000_000  # the model's filler replenishes every millisecond
+
+
+class MultiRateModel(RuleBasedStateMachine):
+    def __init__(self) -> None:
+        super().__init__()
+        self.clock = FakeClock()
+        self.lim = None
+        self.pending = []  # (request, costs by key)
+        self.took = {}  # id(request) -> {key: fake ns when that rate's tokens were taken}
+        self.events = {}  # key -> [(time_ns, signed tokens)]: grants +, refunds -
+
+    @initialize(rates=st.lists(st.tuples(RATE, BURST), min_size=2, max_size=3))
+    def create(self, rates):
+        self.name = f"model-{os.getpid()}-{uuid.uuid4().hex[:8]}"
+        spec = dict(zip(KEYS, rates))
+        self.lim = shmlimit.Limiter(self.name, rates=spec, clock=self.clock)
+        self.keys = self.lim.keys
+        self.atts = dict(zip(self.keys, self.lim._live()))
+        self.events = {k: [] for k in self.keys}
+
+    def teardown(self) -> None:
+        if self.lim is not None:
+            try:
+                for r, _ in self.pending:
+                    r.end()
+            finally:
+                self.lim.unlink()
+                self.lim.close()
+
+    def _costs(self, data):
+        costs = {k: data.draw(st.integers(min_value=0, max_value=3), label=k) for k in self.keys}
+        if not any(costs.values()):
+            costs[self.keys[0]] = 1
+        return costs
+
+    def _granted(self, costs, r=None):
+        """Record a grant: on each rate at the instant its tokens were taken (a waiter takes its
+        lead rate's first and holds them while it waits on the others)."""
+        took = self.took.pop(id(r), {}) if r is not None else {}
+        for k, o in costs.items():
+            if o:
+                self.events[k].append((took.get(k, self.clock.now), o * self.atts[k].bucket.cost))
+                self.events[k].sort(key=lambda e: e[0])  # stable: same-instant events keep their order
+
+    def _saw(self, r):
+        """Note when each of ``r``'s rates was taken (its ``held`` entries), as of now."""
+        took = self.took.setdefault(id(r), {})
+        for att, _, _ in r.held:
+            for k, a in self.atts.items():
+                if a is att:
+                    took.setdefault(k, self.clock.now)
+
+    @rule(data=st.data())
+    def try_acquire(self, data):
+        costs = self._costs(data)
+        if self.lim.try_acquire(**costs):
+            self._granted(costs)
+
+    @rule(data=st.data(), timeout=st.one_of(st.none(), st.sampled_from([0.0, 0.01, 0.05, 0.3, 2.0])))
+    def start(self, data, timeout):
+        costs = self._costs(data)
+        ops = self.lim._ops(1, costs)
+        r = MultiRequest(self.lim._live(), ops, self.lim._tokens(ops), timeout)
+        s = r.begin()
+        if s is True:
+            self._granted(costs)
+        if s is True or s is False:
+            r.end()
+        else:
+            self._saw(r)
+            self.pending.append((r, costs))
+
+    def _step(self, r, costs):
+        s = r.next()
+        if s is True:
+            self._granted(costs, r)
+        else:
+            self._saw(r)
+        if s is True or s is False:
+            self.took.pop(id(r), None)
+            assert s is True or r.deadline is not None, "an untimed request was refused"
+            r.end()
+            self.pending.remove((r, costs))
+
+    def _step_all(self):
+        """Every parked request looks, as its driver would on waking, before the clock moves on:
+        a grant is then seen at the instant the head covered it (the window check needs that)."""
+        for r, costs in list(self.pending):
+            self._step(r, costs)
+
+    @rule(ms=st.integers(min_value=1, max_value=120))
+    def advance(self, ms):
+        self._tick(ms)
+
+    @rule(data=st.data(), delta=st.integers(min_value=-4, max_value=3).filter(bool))
+    def settle(self, data, delta):
+        k = data.draw(st.sampled_from(self.keys))
+        self.lim.settle(**{k: delta})
+        if delta < 0:
+            self.events[k].append((self.clock.now, delta * self.atts[k].bucket.cost))
+            self._step_all()  # a refund may serve the waiters now
+
+    @invariant()
+    def no_rate_is_over_granted(self):
+        for k, events in self.events.items():
+            b = self.atts[k].bucket
+            biggest = max((t for _, t in events), default=0)
+            term = max(b.cap, biggest + min(b.cap, TICK_NS * b.tpn)) if biggest > b.cap else b.cap
+            ev = events  # in the order they happened (a refund and the grant it allows may share an instant)
+            for i in range(len(ev)):
+                if i and ev[i - 1][0] == ev[i][0]:
+                    continue  # a window [t1, t2] holds every event of the instant t1
+                net = 0
+                for j in range(i, len(ev)):
+                    net += ev[j][1]
+                    if ev[j][1] > 0:  # windows ending on a grant
+                        allowed = (ev[j][0] - ev[i][0]) * b.tpn + term
+                        assert net <= allowed, (
+                            f"rate {k}: {net / b.cost:g} ops net in {(ev[j][0] - ev[i][0]) / 1e6:g} ms; events (ms, ops): "
+                            f"{[((t - ev[0][0]) / 1e6, x / b.cost) for t, x in ev]}"
+                        )
+
+    def check_liveness(self):
+        """Every pending request ends: untimed ones granted, once the schedule allows."""
+        for _ in range(200):
+            if not self.pending:
+                return
+            self._tick(100)
+        raise AssertionError("requests still waiting after 20 s of schedule")
+
+    def _tick(self, ms):
+        for _ in range(ms):  # a filler's replenish every millisecond; the waiters look
+            self.clock.advance(TICK_NS)
+            for att in self.atts.values():
+                att.bucket.replenish()
+            self._step_all()
+
+    @precondition(lambda self: self.pending)
+    @rule()
+    def drain(self):
+        self.check_liveness()
+        self.no_rate_is_over_granted()
+
+
+MultiRateModel.TestCase.settings = settings(
+    max_examples=int(os.environ.get("SHMLIMIT_MODEL_EXAMPLES", "15")),
+    stateful_step_count=25,
+    deadline=None,
+    suppress_health_check=[HealthCheck.too_slow, HealthCheck.filter_too_much],
+)
+TestMultiRateModel = MultiRateModel.TestCase
