@@ -28,7 +28,6 @@ Every word is touched through each rate's ``Bucket`` and cells.
 """
 from __future__ import annotations
 
-import math
 import re
 import time
 from dataclasses import dataclass
