@@ -208,16 +208,17 @@ class Bucket:
         """
         return self.cells.grabber(L.CFG_SEQ, snap.seq, L.TAIL, L.HEAD, snap.cost, grants, 1)
 
-    def gate(self, snap: Snapshot, grants: int) -> Any:
+    def gate(self, snap: Snapshot, grants: int, ops: int = 1) -> Any:
         """The try and timed-grab fast paths for one op, bound once under ``snap`` (see ``composites.Gate``).
 
         Its calls answer None, touching nothing, once the config is no longer
         ``snap``'s or when they cannot decide: the caller takes the slow path.
+        A grant adds ``ops`` to ``grants`` (0: the caller counts it later).
         """
         assert snap.config is not None
         # (no ceiling word to bound: a capped limiter has no gate, so HEAD stands in for it)
         return self.cells.gate(
-            L.CFG_SEQ, snap.seq, L.TAIL, L.HEAD, L.HEAD, L.REPL_TS, grants, snap.cost, 1, snap.tpn,
+            L.CFG_SEQ, snap.seq, L.TAIL, L.HEAD, L.HEAD, L.REPL_TS, grants, snap.cost, ops, snap.tpn,
             math.ceil(snap.config.ratio), False, snap.max_reserved_ns,
         )
 

@@ -28,8 +28,11 @@ Every word is touched through each rate's ``Bucket`` and cells.
 """
 from __future__ import annotations
 
+import functools
+import os
 import re
 import time
+import weakref
 from dataclasses import dataclass
 from typing import Any, Callable, Dict, Iterable, List, Mapping, Optional, Sequence, Tuple, Union
 
@@ -49,6 +52,7 @@ _KEY = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")
 #: Keys that would collide with the calls' own parameters.
 _RESERVED = ("n", "timeout", "max_wait", "which")
 MAX_RATES = 16
+_ONE = 1
 RateValue = Union[str, float, int, Tuple[Any, Any]]
 
 
@@ -134,6 +138,10 @@ class MultiLimiter:
         self._mode = mode
         self._trusted = trusted
         self._atts: List[Attachment] = []
+        self._fast: Optional[Tuple[Any, ...]] = None  # one op on every rate, bound (see _bind_fast)
+        self._fast2: Optional[Tuple[Any, ...]] = None  # the same for two rates, unrolled
+        self._seqs: Tuple[int, ...] = ()
+        _handles.add(self)
         try:
             for key, cfg in zip(keys, cfgs):
                 att = open_attachment(f"{name}.{key}", Creation(cfg, mode, None, slots, None), mode, trusted,
@@ -174,6 +182,7 @@ class MultiLimiter:
 
     def close(self) -> None:
         """Detach this handle from every rate.  The segments stay (use ``unlink``)."""
+        self._fast = self._fast2 = None
         atts, self._atts = self._atts, []
         for att in atts:
             release(att, detach=True)
@@ -252,8 +261,81 @@ class MultiLimiter:
 
     # -- acquiring -------------------------------------------------------------------
 
+    # The fast path: one op on every rate, the configs unchanged -- per rate one native call of its
+    # gate (which checks the config's sequence number itself), the first rates' counted only once
+    # the last has granted; a refusal by a later rate gives the earlier ones back (``give_back``,
+    # from the head read just before).  Anything else (a refusal, a changed config, a gate that
+    # cannot decide) takes the slow path, which decides afresh.
+
+    def _bind_fast(self) -> None:
+        """Bind the fast path for the configs in force (none while any rate is stopped)."""
+        self._fast = self._fast2 = None
+        atts = self._live()
+        seqs = []
+        parts = []
+        for i, att in enumerate(atts):
+            b = att.bucket
+            b.refresh()
+            s = b.snap
+            if s.stopped or s.config is None:
+                return
+            last = i == len(atts) - 1
+            gate = b.gate(s, att.grants_off, 1 if last else 0)
+            parts.append((
+                functools.partial(att.cells.load, L.HEAD), gate.try_grab,
+                functools.partial(att.cells.fetch_add, att.grants_off, 1), s.cost, att,
+            ))
+            seqs.append(s.seq)
+        self._seqs = tuple(seqs)
+        self._fast = tuple(parts)
+        if len(parts) == 2:  # the common case, unrolled: (head0, take0, count0, take1)
+            self._fast2 = (parts[0][0], parts[0][1], parts[0][2], parts[1][1])
+
+    def _try_fast(self) -> bool:
+        """One op on every rate now, by the bound gates: True, or False having taken nothing
+        (the caller then takes the slow path)."""
+        f2 = self._fast2
+        if f2 is not None:
+            h = f2[0]()
+            if f2[1]() is True:
+                if f2[3]() is True:
+                    f2[2]()
+                    return True
+                fast = self._fast
+                assert fast is not None
+                give_back([(fast[0][4], fast[0][3], h)])
+            return False
+        fast = self._fast
+        if fast is None:
+            return False
+        taken = []
+        for head, take, _, cost, att in fast:
+            h = head()
+            if take() is not True:
+                if taken:
+                    give_back(taken)
+                return False
+            taken.append((att, cost, h))
+        for part in fast[:-1]:
+            part[2]()  # count the earlier rates' op (the last gate counted its own)
+        return True
+
+    def _refresh_fast(self) -> None:
+        """Rebind the fast path if any rate's config changed since it was bound."""
+        if not self._atts:
+            return
+        seqs = []
+        for att in self._atts:
+            att.bucket.refresh()
+            seqs.append(att.bucket.seq)
+        if self._fast is None or tuple(seqs) != self._seqs:
+            self._bind_fast()
+
     def try_acquire(self, n: int = 1, **costs: int) -> bool:
         """Take the ops from every rate only if all have them now; never waits.  False takes nothing."""
+        if n is _ONE and not costs and self._try_fast():  # `is`: the int 1 (True is not)
+            return True
+        self._refresh_fast()
         ops = self._ops(n, costs)
         atts = self._live()
         return take_all(atts, ops, self._tokens(ops))
@@ -266,6 +348,9 @@ class MultiLimiter:
         the wait on the other rates once the longest is served exceeds what is
         left of it.
         """
+        if n is _ONE and not costs and timeout is None and self._try_fast():
+            return True
+        self._refresh_fast()
         ops = self._ops(n, costs)
         return drive(MultiRequest(self._live(), ops, self._tokens(ops), timeout))  # type: ignore[arg-type]
 
@@ -407,6 +492,20 @@ class MultiLimiter:
         return f"<shmlimit.Limiter {self._name!r} {parts} backend={self._atts[0].cells.backend}>"
 
 
+#: Every live handle of this process, so that a forked child drops their fast paths (bound to the
+#: parent's process slots) and binds its own on first use.
+_handles: "weakref.WeakSet[MultiLimiter]" = weakref.WeakSet()
+
+
+def _forget_fast_paths() -> None:
+    for h in list(_handles):
+        h._fast = h._fast2 = None
+
+
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(after_in_child=_forget_fast_paths)
+
+
 def _unpickle(name: str, rates: object, mode: int, trusted: Tuple[int, ...]) -> MultiLimiter:
     return MultiLimiter(name, rates, mode=mode, trusted_uids=trusted)
 
@@ -494,13 +593,13 @@ class MultiRequest:
         return _INF if self.deadline is None else max(0, self.deadline - self.clock())
 
     def begin(self) -> acquisition.Step:
+        if take_all(self.atts, self.ops, self.toks):
+            return self._granted(count=False)
         active = [i for i, o in enumerate(self.ops) if o]
         waits = {i: wait_ns(self.atts[i], self.toks[i]) for i in active}
         left = self._left_ns()
         if any(w > left for w in waits.values()):
             return False  # fails fast: the wait on some rate exceeds the timeout
-        if take_all(self.atts, self.ops, self.toks):
-            return self._granted(count=False)
         self.lead = max(active, key=lambda i: waits[i])
         self.state = LEAD
         return self._join([self.lead])

@@ -279,3 +279,18 @@ def test_pickles_and_works_with_asyncio(name, clock, cleanup):
     assert asyncio.run(copy.acquire_async(a=5))
     assert not lim.try_acquire(a=1)
     copy.close()
+
+
+def test_the_fast_path_is_all_or_nothing_and_follows_live_changes(name, clock, cleanup):
+    lim = make(name, [("10/s", 2), ("1/s", 1)], clock)
+    cleanup.append(lim)
+    assert lim.acquire() and lim._fast2 is not None  # bound on first use
+    for _ in range(3):
+        assert not lim.try_acquire()  # the second rate refuses: the first gets its op back
+        assert (balance(lim, "0"), balance(lim, "1")) == (1, 0)
+    assert lim.stats().grants == {"0": 1, "1": 1}
+    lim.set_rate(1, "100/s", burst=5)  # another config: the bound gates refuse to decide
+    advance(lim, clock, 0.2)  # the first rate full again (2), the second too (5)
+    assert lim.try_acquire() and lim.try_acquire()
+    assert lim._seqs == tuple(att.bucket.seq for att in lim._live())  # rebound
+    assert lim.stats().grants == {"0": 3, "1": 3}

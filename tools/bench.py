@@ -27,6 +27,9 @@
    against `limits` with RedisStorage (when `limits` is installed: pip install '.[bench]').
 9. the hierarchical mode against the local one, 8 processes (50/s untimed and timed with their CPU,
    1000/s), and its fidelity and round trips per op from 1/s to 1 000 000/s;
+11. several rates at once (rates=): acquire() and try_acquire() over two rates, and
+    acquire(requests=1, tokens=50) over a dict of two, one process at an unlimited rate, as
+    ratios to the single-rate acquire() of the same process and run, per backend;
 10. three hosts reaching Redis through delaying TCP proxies (1, 3, 5 ms each way): the global rate
     against the window bound, round trips per op, acquire() latency at 70 % load, and one host
     cut off for 2 s (needs a redis-server on 127.0.0.1: the one started for the run, or --redis).
@@ -884,6 +887,54 @@ def print_keyed(k: dict) -> None:
         print(f"   {name:24} {v:14,.0f}   shmlimit is {ours / v:,.1f}x")
 
 
+# ---- 11. several rates at once ---------------------------------------------------------------------
+
+
+def _rates_costs(backend: str, n: int, q) -> None:
+    """Per-call costs in one process: one rate's acquire next to two rates' (interleaved, best of)."""
+    os.environ["SHMLIMIT_BACKEND"] = backend
+    tag = uuid.uuid4().hex[:8]
+    one = shmlimit.Limiter(f"bench-{tag}-1", **UNLIMITED)
+    two = shmlimit.Limiter(f"bench-{tag}-2", rates=[(1e9, 1e9), (1e9, 1e9)])
+    named = shmlimit.Limiter(f"bench-{tag}-d", rates={"requests": (1e9, 1e9), "tokens": (1e9, 1e9)})
+    out: Dict[str, float] = {}
+    try:
+        rows = {
+            "one rate: acquire()": one.acquire,
+            "two rates: acquire()": two.acquire,
+            "two rates: try_acquire()": two.try_acquire,
+            "dict: acquire(requests=1, tokens=50)": lambda: named.acquire(requests=1, tokens=50),
+        }
+        for _ in range(3):  # interleaved, so that a noisy moment does not favour one row
+            for k, fn in rows.items():
+                out[k] = min(out.get(k, float("inf")), best_ns_per_call(fn, n, repeat=2))
+        q.put(out)
+    finally:
+        for lim in (one, two, named):
+            lim.unlink()
+            lim.close()
+
+
+def bench_rates(n: int) -> Dict[str, Dict[str, float]]:
+    res = {}
+    ctx = mp.get_context("spawn")
+    for backend in ["native", "atomics"] if native_available() else ["atomics"]:
+        q = ctx.Queue()
+        p = ctx.Process(target=_rates_costs, args=(backend, n if backend == "native" else max(2000, n // 50), q))
+        p.start()
+        res[backend] = q.get(timeout=300)
+        p.join()
+    return res
+
+
+def print_rates(r: Dict[str, Dict[str, float]]) -> None:
+    print("\n11. several rates at once, one process, unlimited: ns per call and ratio to one rate's acquire()")
+    for backend, rows in r.items():
+        base = rows["one rate: acquire()"]
+        for k, v in rows.items():
+            print(f"   {backend:8} {k:40} {v:10.0f} {v / base:8.2f}x")
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--json", action="store_true", help="print one JSON object instead of the table")
@@ -892,6 +943,7 @@ def main(argv=None) -> int:
     ap.add_argument("--only-redis", action="store_true", help="run sections 7, 9 and 10 only")
     ap.add_argument("--only-keyed", action="store_true", help="run section 8 only")
     ap.add_argument("--only-waiting", action="store_true", help="run section 5 only")
+    ap.add_argument("--only-rates", action="store_true", help="run section 11 only")
     args = ap.parse_args(argv)
     quick = args.quick
     res: dict = dict(
@@ -912,7 +964,15 @@ def main(argv=None) -> int:
             print(f"shmlimit benchmark — Python {m['python']}, {m['cpus']} CPUs, {m['platform']}, native={m['native']}\n")
             print_waiting(res)
         return 0
+    if args.only_rates:
+        res["rates"] = bench_rates(20_000 if quick else 200_000)
+        if args.json:
+            print(json.dumps(res, indent=None))
+        else:
+            print_table(res)
+        return 0
     if not (args.only_redis or args.only_keyed):
+        res["rates"] = bench_rates(20_000 if quick else 200_000)
         res["single_ns"] = bench_single(20_000 if quick else 300_000)
         res["tries_ns"] = bench_tries(20_000 if quick else 100_000)
         res["aggregate_per_s"] = bench_aggregate([1, 2, 4, 8], 0.5 if quick else 1.5)
@@ -955,6 +1015,8 @@ def print_table(res: dict) -> None:
         print_hierarchy(res["hierarchy"])
     if res.get("latency"):
         print_latency(res["latency"])
+    if "rates" in res:
+        print_rates(res["rates"])
 
 
 def print_redis(res: dict) -> None:
