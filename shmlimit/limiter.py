@@ -117,15 +117,21 @@ class Limiter:
     child registers itself as its own process.
     """
 
-    def __new__(cls, name: str = "", rate: Any = None, *args: Any, rates: Any = None, **kwargs: Any) -> Any:
+    def __new__(
+        cls, name: str = "", rate: Any = None, per: Any = 1.0, burst: Any = None, *args: Any, rates: Any = None,
+        **kwargs: Any,
+    ) -> Any:
         # ``rates=`` makes a limiter of several rates (multirate.py), a group of one segment per
         # rate: a different class, so the single rate's hot paths carry no test for it.
         if rates is None:
             return super().__new__(cls)
         from .multirate import MultiLimiter
 
-        if rate is not None or args:
-            raise TypeError("give either rate= (one rate) or rates= (several), not both")
+        if rate is not None or per != 1.0 or burst is not None or args:
+            raise TypeError(
+                "give either rate= (one rate) or rates= (several), not both; with rates=, each rate carries "
+                "its window and its burst: rates=['5000/h', ('100/min', 20)]"
+            )
         allowed = {"mode", "slots", "trusted_uids", "clock"}
         extra = sorted(k for k, v in kwargs.items() if k not in allowed and v is not None)
         if extra:

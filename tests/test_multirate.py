@@ -294,3 +294,16 @@ def test_the_fast_path_is_all_or_nothing_and_follows_live_changes(name, clock, c
     assert lim.try_acquire() and lim.try_acquire()
     assert lim._seqs == tuple(att.bucket.seq for att in lim._live())  # rebound
     assert lim.stats().grants == {"0": 3, "1": 3}
+
+
+def test_the_throttle_decorator_takes_several_rates(name, clock, cleanup):
+    @shmlimit.throttle(name, rates=[("10/s", 2), ("100/s", 5)], on_limit="raise", max_wait=0)
+    def call():
+        return "ok"
+
+    assert call() == "ok" and call() == "ok"
+    with pytest.raises(shmlimit.RateLimited):
+        call()
+    lim = shmlimit.Limiter(name, rates=[("10/s", 2), ("100/s", 5)])
+    cleanup.append(lim)
+    assert lim.stats().grants == {"0": 2, "1": 2}
