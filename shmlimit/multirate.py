@@ -38,7 +38,7 @@ from typing import Any, Callable, Dict, Iterable, List, Mapping, Optional, Seque
 
 from . import acquisition
 from . import layout as L
-from .acquisition import Request, drive, drive_async, ticket_within
+from .acquisition import Request, drive_async, sleep_until, ticket_within
 from .attachment import Attachment, open_attachment, release
 from .bucket import diff
 from .config import NS_PER_S, Config, parse_spec, validate_n, validate_timeout
@@ -352,7 +352,7 @@ class MultiLimiter:
             return True
         self._refresh_fast()
         ops = self._ops(n, costs)
-        return drive(MultiRequest(self._live(), ops, self._tokens(ops), timeout))  # type: ignore[arg-type]
+        return drive(MultiRequest(self._live(), ops, self._tokens(ops), timeout))
 
     async def acquire_async(self, n: int = 1, timeout: Optional[float] = None, **costs: int) -> bool:
         """``acquire`` for asyncio: parks with ``asyncio.sleep``, never blocking the event loop."""
@@ -568,6 +568,23 @@ def wait_ns(att: Attachment, tokens: int) -> float:
 
 
 LEAD, OTHERS, DONE = "lead", "others", "done"
+
+
+def drive(req: "MultiRequest") -> bool:
+    """Run ``req`` to its end in this thread: a wait for a turn sleeps to its instant (``wake_ns``)
+    precisely (``acquisition.sleep_until``), any other its nap.  (The waits stay in Python: a
+    request waits on several rates' turns, each looked at once it is due.)"""
+    try:
+        step = req.begin()
+        while step is not True and step is not False:
+            if req.wake_ns is not None:
+                sleep_until()(req.wake_ns)
+            else:
+                time.sleep(step)
+            step = req.next()
+        return step
+    finally:
+        req.end()
 
 
 class MultiRequest:
