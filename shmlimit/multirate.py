@@ -166,7 +166,7 @@ class MultiLimiter:
     def configs(self) -> Dict[str, Config]:
         """Each rate's live configuration, by key."""
         out = {}
-        for k, att in zip(self._keys, self._live()):
+        for k, att in zip(self._keys, self._peek()):
             att.bucket.refresh()
             out[k] = att.bucket.config
         return out
@@ -176,6 +176,16 @@ class MultiLimiter:
         return not self._atts
 
     def _live(self) -> List[Attachment]:
+        """The rates' attachments, for a use: the first one in this process registers it in every
+        rate and starts their fillers (as ``Limiter._live``)."""
+        atts = self._peek()
+        for att in atts:
+            if not att.in_use:
+                att.use()
+        return atts
+
+    def _peek(self) -> List[Attachment]:
+        """The rates' attachments, for reading: observing starts no thread."""
         if not self._atts:
             raise ValueError(f"limiter {self._name!r} is closed in this process")
         return self._atts
@@ -477,7 +487,7 @@ class MultiLimiter:
 
     def stats(self) -> MultiStats:
         """A snapshot of every rate's live state (reads only)."""
-        atts = self._live()
+        atts = self._peek()
         return MultiStats(self._name, {k: snapshot(f"{self._name}.{k}", att) for k, att in zip(self._keys, atts)})
 
     def __repr__(self) -> str:
