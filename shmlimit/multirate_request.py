@@ -1,0 +1,226 @@
+"""The acquisition protocol over several rates (``rates=``; see ``multirate``): all or nothing
+now (``take_all``), giving back (``give_back``), and ``MultiRequest``, one acquire as steps that
+never sleep, with its two drivers.  Every word is touched through each rate's ``Bucket``."""
+from __future__ import annotations
+
+import asyncio
+import time
+from typing import List, Optional, Sequence, Tuple
+
+from . import acquisition
+from .acquisition import MIN_NAP, Request, sleep_until, ticket_within
+from .attachment import Attachment
+from .config import NS_PER_S, validate_timeout
+
+_INF = float("inf")
+
+
+# ---- the protocol ----------------------------------------------------------------------------
+
+
+#: Tokens taken and covered, not yet used: (attachment, tokens, the head when they were taken at
+#: the latest -- for a ticket, the ticket itself).
+Held = Tuple[Attachment, int, int]
+
+
+def give_back(held: Sequence[Held]) -> None:
+    """Return tokens taken and not used (a refusal, a timeout, an interruption), less what the
+    head gained since they were taken (``Bucket.give_back``): the bucket is never left fuller
+    than had they never been taken."""
+    for att, tokens, head_then in held:
+        att.bucket.give_back(tokens, head_then)
+
+
+def take_all(atts: Sequence[Attachment], ops: Sequence[int], toks: Sequence[int]) -> bool:
+    """All or nothing, now: each rate by CAS (replenishing once if short); on a refusal the rates
+    already taken get their tokens back.  Counted only once every rate has granted.
+
+    It looks before it takes: a rate short even after a replenish refuses with nothing written
+    on any rate.  Only a race (another caller took the room between the look and the take) makes
+    it give back, which costs those rates' next replenish up to what it gave back (the snapshot
+    clamp counts it as tokens already in the bucket): time lost, never an extra grant."""
+    for att, o, t in zip(atts, ops, toks):
+        if o:
+            b = att.bucket
+            if b.balance() < t and (b.replenish() <= 0 or b.balance() < t):
+                return False
+    held: List[Held] = []
+    for att, o, t in zip(atts, ops, toks):
+        if not o:
+            continue
+        b = att.bucket
+        h = b.head()
+        if not b.try_grab(t, att.grants_off, 0):
+            if b.replenish() <= 0:
+                give_back(held)
+                return False
+            h = b.head()
+            if not b.try_grab(t, att.grants_off, 0):
+                give_back(held)
+                return False
+        held.append((att, t, h))
+    for att, o in zip(atts, ops):
+        if o:
+            att.count(o)
+    return True
+
+
+def wait_ns(att: Attachment, tokens: int) -> float:
+    """The wait (ns) a ticket of ``tokens`` taken now would have on this rate (0: none)."""
+    b = att.bucket
+    short = -b.balance() + tokens - min(b.pending(), b.cap)
+    return b.estimate_wait_ns(short) if short > 0 else 0.0
+
+
+LEAD, OTHERS, DONE = "lead", "others", "done"
+
+
+def drive(req: "MultiRequest") -> bool:
+    """Run ``req`` to its end in this thread: a wait for a turn sleeps to its instant (``wake_ns``)
+    precisely (``acquisition.sleep_until``), any other its nap.  (The waits stay in Python: a
+    request waits on several rates' turns, each looked at once it is due.)"""
+    try:
+        step = req.begin()
+        while step is not True and step is not False:
+            if req.wake_ns is not None:
+                sleep_until()(req.wake_ns)
+            else:
+                time.sleep(step)
+            step = req.next()
+        return step
+    finally:
+        req.end()
+
+
+async def drive_async(req: "MultiRequest") -> bool:
+    """Run ``req`` to its end on the event loop: a wait for a turn is timed to its instant
+    (``wake_ns``, measured when the sleep starts), any other is its nap (at least ``MIN_NAP``)."""
+    try:
+        step = req.begin()
+        while step is not True and step is not False:
+            if req.wake_ns is not None:
+                await asyncio.sleep(max(0, req.wake_ns - req.clock()) / NS_PER_S)
+            else:
+                await asyncio.sleep(max(step, MIN_NAP))
+            step = req.next()
+        return step
+    finally:
+        req.end()
+
+
+class MultiRequest:
+    """One acquire over several rates, as steps that never sleep (``begin``/``next``/``end``, as
+    ``acquisition.Request``; run by the same drivers)."""
+
+    def __init__(self, atts: Sequence[Attachment], ops: Sequence[int], toks: Sequence[int], timeout: Optional[float]) -> None:
+        timeout = validate_timeout(timeout)
+        self.atts = atts
+        self.ops = ops
+        self.toks = toks
+        self.clock = atts[0].clock
+        self.deadline: Optional[int] = None if timeout is None else self.clock() + int(timeout * NS_PER_S)
+        self.state = DONE
+        self.waits: List[Tuple[int, Request]] = []  # (rate index, the request waiting for its ticket)
+        self.held: List[Held] = []  # tokens granted and not yet used
+        self.lead = -1
+        self.failed = False  # a timed join of the other rates was refused: give back once covered
+        self.granted = False
+        self.wake_ns: Optional[int] = None
+
+    def _left_ns(self) -> float:
+        return _INF if self.deadline is None else max(0, self.deadline - self.clock())
+
+    def begin(self) -> acquisition.Step:
+        if take_all(self.atts, self.ops, self.toks):
+            return self._granted(count=False)
+        active = [i for i, o in enumerate(self.ops) if o]
+        waits = {i: wait_ns(self.atts[i], self.toks[i]) for i in active}
+        left = self._left_ns()
+        if any(w > left for w in waits.values()):
+            return False  # fails fast: the wait on some rate exceeds the timeout
+        self.lead = max(active, key=lambda i: waits[i])
+        self.state = LEAD
+        return self._join([self.lead])
+
+    def _join(self, which: Sequence[int]) -> acquisition.Step:
+        """Take a ticket on each rate of ``which`` (within the time left); give all back if one refuses."""
+        left = self._left_ns()
+        for i in which:
+            att, t = self.atts[i], self.toks[i]
+            b = att.bucket
+            h = b.head()
+            if self.deadline is None:
+                ticket = b.grab(t, att.grants_off, 0)
+            else:
+                ticket = ticket_within(b, t, left)
+                if ticket is None:
+                    if not self.waits:
+                        return self._refuse()
+                    # A ticket already queued on another rate cannot be handed back before the head
+                    # reaches it (that would let those ahead of it through early): wait for it,
+                    # then give everything back.
+                    self.failed = True
+                    break
+            if ticket is None or b.covered(ticket):
+                self.held.append((att, t, h))
+            else:
+                self.waits.append((i, Request.holding(att, 0, ticket)))
+        return self._step()
+
+    def _step(self) -> acquisition.Step:
+        naps = []
+        wakes = []
+        still = []
+        for i, req in self.waits:
+            s = req.next()
+            if s is True:
+                req.end()
+                self.held.append((self.atts[i], self.toks[i], req.ticket))  # covered once the head passed it
+                continue
+            still.append((i, req))
+            naps.append(s)
+            wakes.append(req.wake_ns)
+        self.waits = still
+        if still:
+            self.wake_ns = min(wakes) if all(w is not None for w in wakes) else None
+            return min(naps)  # type: ignore[type-var]
+        self.wake_ns = None
+        if self.failed:
+            return self._refuse()
+        if self.state == LEAD:  # the lead rate's ticket is due: now join the others' queues
+            self.state = OTHERS
+            rest = [i for i, o in enumerate(self.ops) if o and i != self.lead]
+            if rest:
+                return self._join(rest)
+        return self._granted(count=True)
+
+    def next(self) -> acquisition.Step:
+        if self.state == DONE:
+            raise RuntimeError("request is done: nothing to wait for")
+        return self._step()
+
+    def _granted(self, count: bool) -> bool:
+        if count:
+            for att, o in zip(self.atts, self.ops):
+                if o:
+                    att.count(o)
+        self.held = []
+        self.granted = True
+        self.state = DONE
+        return True
+
+    def _refuse(self) -> bool:
+        self.end()
+        return False
+
+    def end(self) -> None:
+        """Leave: a request not granted gives back the tokens it was granted and did not use.
+        Tickets still queued are spent unused, as a single rate's are (handing them back could let
+        later callers jump the queue)."""
+        for _, req in self.waits:
+            req.end()
+        self.waits = []
+        if not self.granted:
+            held, self.held = self.held, []
+            give_back(held)
+        self.state = DONE
