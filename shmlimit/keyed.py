@@ -147,6 +147,10 @@ def _open(
 ) -> _Attachment:
     def make() -> _Attachment:
         seg, cells, real = open_segment(name, geo, rate, mode, trusted)
+        if real.kind != K.KIND_GCRA:
+            cells.close()
+            seg.close()
+            raise SegmentError(f"segment {name!r} holds window counters (a limits storage), not a KeyedLimiter")
         att = _Attachment(name, seg, cells, real, join=False)
         try:
             if rate is not None and not seg.created:

@@ -41,7 +41,7 @@ from __future__ import annotations
 
 import os
 import time
-from typing import Tuple
+from typing import Callable, Optional, Tuple
 
 from . import keyed_layout as K
 
@@ -143,6 +143,13 @@ def alive(owner: int, mine: int) -> bool:
     return True
 
 
+def check_offsets(cells, *offsets: int) -> None:
+    """Refuse an offset that is not an aligned word of the mapping (IndexError), whatever the backend."""
+    for off in offsets:
+        if isinstance(off, bool) or not isinstance(off, int) or off % 8 or not 0 <= off <= cells.size - 8:
+            raise IndexError(f"offset {off!r} is not an aligned word inside the mapping of {cells.size} bytes")
+
+
 class SlotTable:
     """The slot protocol alone (lookup, insert, exact eviction, reuse), for any value kind.
 
@@ -157,7 +164,7 @@ class SlotTable:
     def __init__(self, cells, slots: int, nslots: int, probe: int, keys_live: int, evicted: int, pid: int) -> None:
         if slots % 8 or slots + nslots * K.LINE > cells.size or not nslots or not probe or probe > nslots:
             raise IndexError("keyed_table: a region lies outside the mapping")
-        cells._check(keys_live, evicted)
+        check_offsets(cells, keys_live, evicted)
         self.c = cells
         self.slots, self.nslots, self.probe = slots, nslots, probe
         self.keys_live, self.evicted, self.pid = keys_live, evicted, pid
@@ -178,8 +185,13 @@ class SlotTable:
                 return s, ctl
         return None, 0
 
-    def insert(self, d: Tuple[int, int], home: int, now: int, v0: int, rest: Tuple[int, int, int, int]):
+    def insert(self, d: Tuple[int, int], home: int, now: int, v0: int, rest: Tuple[int, int, int, int],
+               above: Optional[Callable[[int], int]] = None):
         """Insert digest d with its first values (V0 = v0, raised above the slot's past; V1..V4 = rest).
+
+        When the slot's past value ``prior`` is not below ``v0`` (a dead inserter
+        left a later one), V0 becomes ``above(prior)``, which must exceed it;
+        by default ``prior + 1``.
 
         Returns (slot, ctrl): ctrl is the LIVE word when we published (the
         grant is made), 0 means "look again"; slot None means the window is full.
@@ -225,7 +237,7 @@ class SlotTable:
         for k in range(4):
             c.store(cand + K.S_V1 + 8 * k, rest[k])
         prior = c.load(cand + K.S_V0) & ~K.DEAD
-        fresh = v0 if prior < v0 else prior + 1
+        fresh = v0 if prior < v0 else (prior + 1 if above is None else above(prior))
         c.store(cand + K.S_V0, fresh)
         pend = K.ctrl(K.PEND, self.pid, gen)
         if not c.cas(cand, mine, pend):

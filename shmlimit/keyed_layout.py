@@ -3,7 +3,7 @@
 A keyed segment holds many independent limits, one per key, in a table of
 64-byte slots.  Every word is an unsigned 64-bit cell (see ``cells``).
 
-    line  0  header     MAGIC VERSION SIZE STATE PSLOTS CREATOR_PID CREATED_NS KIND
+    line  0  header     MAGIC VERSION SIZE STATE PSLOTS CREATOR_PID CREATED_NS KIND (1 GCRA, 2 windows)
     line  1  config     CFG_SEQ RATE PER BURST T TAU - -   (RATE PER BURST: IEEE-754 bits)
     line  2  geometry   NKEYS NOVR PROBE SECRET0 SECRET1 - - -
     line  3  KEYS_LIVE  keys in LIVE slots
@@ -46,6 +46,10 @@ STATE_READY = 1
 
 #: Value kinds a keyed table may hold.  The slot protocol is the same for all of them.
 KIND_GCRA = 1
+#: Window counters (fixed window, sliding window counter: ``keyed_windows``), the ``limits`` storage's
+#: table; its config line is zero and it has no override entries.
+KIND_WINDOWS = 2
+KINDS = (KIND_GCRA, KIND_WINDOWS)
 
 CFG_SEQ = 64
 CFG_RATE = 72

@@ -40,6 +40,7 @@ assert K.HEADER_BYTES == L.HEADER_BYTES and K.LINE == L.SLOT_BYTES  # ProcessTab
 class Geometry:
     keys: int
     overrides: int
+    kind: int = K.KIND_GCRA  #: the value kind of the slots (``keyed_layout.KINDS``)
 
     @property
     def size(self) -> int:
@@ -72,19 +73,20 @@ def _check_space(name: str, size: int) -> None:
         )
 
 
-def _initialise(seg: Segment, geo: Geometry, rate: Rate) -> Cells:
+def _initialise(seg: Segment, geo: Geometry, rate: Optional[Rate]) -> Cells:
     c = open_cells(seg.mm, seg.size)
     c.store(K.CREATOR_PID_OFF, os.getpid())  # first: openers tell a working creator from a dead one
     c.store(K.VERSION_OFF, K.VERSION)
     c.store(K.SIZE_OFF, seg.size)
     c.store(K.PSLOTS_OFF, K.PSLOTS)
     c.store(K.CREATED_NS_OFF, time.time_ns())
-    c.store(K.KIND_OFF, K.KIND_GCRA)
-    c.store(K.CFG_RATE, L.f2u(rate.rate))
-    c.store(K.CFG_PER, L.f2u(rate.per))
-    c.store(K.CFG_BURST, L.f2u(rate.burst))
-    c.store(K.CFG_T, rate.t)
-    c.store(K.CFG_TAU, rate.tau)
+    c.store(K.KIND_OFF, geo.kind)
+    if rate is not None:  # a table of window counters has no rate: its config line stays zero
+        c.store(K.CFG_RATE, L.f2u(rate.rate))
+        c.store(K.CFG_PER, L.f2u(rate.per))
+        c.store(K.CFG_BURST, L.f2u(rate.burst))
+        c.store(K.CFG_T, rate.t)
+        c.store(K.CFG_TAU, rate.tau)
     c.store(K.NKEYS_OFF, geo.keys)
     c.store(K.NOVR_OFF, geo.overrides)
     c.store(K.PROBE_OFF, geo.probe)
@@ -109,12 +111,15 @@ def validate_header(name: str, c: Cells, mapped: int) -> Geometry:
         or probe != min(K.PROBE, keys)
         or size != K.segment_size(keys, novr)
         or mapped < size
-        or kind != K.KIND_GCRA
+        or kind not in K.KINDS
+        or (kind == K.KIND_WINDOWS and novr)
     ):
         raise SegmentError(
             f"segment {name!r} is corrupt: header says {size} bytes, {keys} keys, {novr} overrides, "
             f"probe {probe}, kind {kind}; the mapping has {mapped} bytes"
         )
+    if kind == K.KIND_WINDOWS:
+        return Geometry(keys, novr, kind)
     r = read_rate(c)
     t, tau = c.load(K.CFG_T), c.load(K.CFG_TAU)
     if not all(math.isfinite(x) and x > 0 for x in (r.rate, r.per, r.burst)) or not 1 <= t <= tau < MAX_TICKS:
@@ -195,15 +200,17 @@ def _wait_ready(name: str, seg: Segment, mode: int, trusted_uids: AbstractSet[in
 def open_segment(
     name: str, geo: Optional[Geometry], rate: Optional[Rate], mode: int, trusted_uids: AbstractSet[int] = frozenset()
 ) -> Tuple[Segment, Cells, Geometry]:
-    """Create (when ``rate`` is given and the name is free) or open a keyed segment.
+    """Create (when ``rate`` is given, or ``geo`` is a table of window counters, and the name is free)
+    or open a keyed segment.
 
     Returns the mapping, cells over the whole segment, and its geometry.  With
     create intent an abandoned segment is replaced (only if the name still
     points at the same inode); without, every problem raises.
     """
     warm_backend()
+    create = geo is not None and (rate is not None or geo.kind == K.KIND_WINDOWS)
     for _ in range(16):
-        if rate is not None and geo is not None:
+        if create:
             _check_space(name, geo.size)
             seg = Segment.create(name, geo.size, mode)  # allocates every page: ENOSPC is an error now
             if seg is not None:
@@ -211,11 +218,11 @@ def open_segment(
         try:
             seg = _wait_ready(name, _open_checked(name, mode, trusted_uids), mode, trusted_uids)
         except LimiterNotFoundError:
-            if rate is None:
+            if not create:
                 raise
             continue
         except AbandonedSegmentError as e:
-            if rate is None:
+            if not create:
                 raise
             time.sleep(0.05)
             if current_inode(name) == e.inode:

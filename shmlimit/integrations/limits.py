@@ -1,0 +1,113 @@
+"""A ``limits`` storage in shared memory: ``shm://NAME``, shared by every process of the host, no server.
+
+Importing this module registers the scheme, so that ``limits``
+(``storage_from_string("shm://api")``), Flask-Limiter
+(``Limiter(..., storage_uri="shm://api")``) and slowapi count every worker's
+hits in one table: 4 gunicorn workers with a limit of 10/second grant 10 per
+second, not 40.  ``shm://api?keys=200000`` sizes the table (64-byte slots,
+used when the first process creates it).
+
+Strategies: ``fixed-window`` and ``sliding-window-counter`` (limits >= 4.1)
+hold exactly across processes: each hit is one compare-and-swap on the key's
+counter word (``shmlimit.keyed_windows``).  ``moving-window`` is not
+supported: limits refuses it when the rate limiter is built (at configuration
+time), with ``NotImplementedError``.  Tested with limits 5.8; written for
+limits >= 3 (the fixed window; the sliding window counter exists from 4.1).
+"""
+from __future__ import annotations
+
+import time
+import urllib.parse
+from typing import Any, Dict, Tuple, Type, Union
+
+from limits.storage import Storage
+
+from ..errors import ShmlimitError
+from ..window_table import WindowTable
+
+try:  # limits >= 4.1
+    from limits.storage import SlidingWindowCounterSupport as _Sliding
+except ImportError:  # pragma: no cover - older limits: fixed windows only
+    _Sliding = object  # type: ignore[assignment,misc]
+
+__all__ = ["ShmStorage", "parse_uri"]
+
+
+def parse_uri(uri: str) -> Tuple[str, Dict[str, Any]]:
+    """``shm://NAME[?keys=N&mode=0o600]`` -> (name, WindowTable options); ValueError names what is wrong."""
+    parts = urllib.parse.urlparse(uri)
+    if parts.scheme != "shm":
+        raise ValueError(f"storage uri must start with shm://, got {uri!r}")
+    name = (parts.netloc + parts.path).strip("/")
+    if not name:
+        raise ValueError(f"storage uri must name the table, as shm://NAME; got {uri!r}")
+    opts: Dict[str, Any] = {}
+    for k, vs in urllib.parse.parse_qs(parts.query, keep_blank_values=True).items():
+        if k not in ("keys", "mode"):
+            raise ValueError(f"unknown option {k!r} in storage uri {uri!r}: allowed are keys and mode")
+        try:
+            opts[k] = int(vs[-1], 0)
+        except ValueError:
+            raise ValueError(f"{k} must be an integer in storage uri {uri!r}, got {vs[-1]!r}") from None
+    return name, opts
+
+
+class ShmStorage(Storage, _Sliding):  # type: ignore[misc,valid-type]
+    """The ``shm://`` storage: fixed-window and sliding-window-counter counters in a ``WindowTable``.
+
+    Options (URI query or keyword arguments, e.g. Flask-Limiter's
+    ``storage_options``): ``keys`` (slots, default 100 000), ``mode``
+    (permission bits of the segment, default 0o600), ``trusted_uids``.
+    """
+
+    STORAGE_SCHEME = ["shm"]
+
+    def __init__(self, uri: str = "shm://limits", wrap_exceptions: bool = False, **options: Any) -> None:
+        name, opts = parse_uri(uri)
+        for k in ("keys", "mode", "trusted_uids", "clock"):
+            if k in options:
+                opts[k] = options.pop(k)
+        self.table = WindowTable(name, **opts)
+        super().__init__(uri, wrap_exceptions=wrap_exceptions, **options)
+
+    @property
+    def base_exceptions(self) -> Union[Type[Exception], Tuple[Type[Exception], ...]]:
+        return ShmlimitError
+
+    # -- fixed window ---------------------------------------------------------------------
+
+    def incr(self, key: str, expiry: float, amount: int = 1, elastic_expiry: bool = False) -> int:
+        """Add ``amount`` to ``key``'s window of ``expiry`` seconds; the count after it."""
+        if elastic_expiry:
+            raise NotImplementedError("the shm:// storage has no elastic expiry (use fixed-window)")
+        return self.table.incr(key, expiry, amount)
+
+    def get(self, key: str) -> int:
+        return self.table.get(key)
+
+    def get_expiry(self, key: str) -> float:
+        """When ``key``'s window ends, as a ``time.time()`` timestamp (now if it has none)."""
+        return time.time() + self.table.expires_in(key)
+
+    def clear(self, key: str) -> None:
+        self.table.clear(key)
+
+    def check(self) -> bool:
+        return not self.table.closed
+
+    def reset(self) -> int:
+        return self.table.reset()
+
+    # -- sliding window counter (limits >= 4.1) ------------------------------------------------
+
+    def acquire_sliding_window_entry(self, key: str, limit: int, expiry: int, amount: int = 1) -> bool:
+        return self.table.acquire_sliding(key, limit, expiry, amount)
+
+    def get_sliding_window(self, key: str, expiry: int) -> Tuple[int, float, int, float]:
+        return self.table.sliding(key, expiry)
+
+    def clear_sliding_window(self, key: str, expiry: int) -> None:
+        self.table.clear_sliding(key, expiry)
+
+    def __repr__(self) -> str:
+        return f"<ShmStorage {self.table!r}>"

@@ -1,0 +1,134 @@
+"""The ``shm://`` storage through ``limits``' own strategies and Flask-Limiter, then under a real
+``gunicorn -w 4`` on 127.0.0.1: the four workers share one count per window."""
+import textwrap
+from concurrent.futures import ThreadPoolExecutor
+
+import pytest
+
+pytest.importorskip("limits")
+from limits import parse, storage, strategies  # noqa: E402
+
+import shmlimit  # noqa: E402
+import shmlimit.integrations.limits as shm_limits  # noqa: E402
+from support.clock import FakeClock  # noqa: E402
+from support.servers import BIN, Server, get  # noqa: E402
+
+
+@pytest.fixture
+def store(name):
+    s = storage.storage_from_string(f"shm://{name}?keys=4096")
+    yield s
+    s.table.close()
+
+
+def test_the_scheme_is_registered_and_options_are_checked(name):
+    s = storage.storage_from_string(f"shm://{name}?keys=512")
+    assert isinstance(s, shm_limits.ShmStorage) and s.table.slots == 512 and s.check()
+    s.table.close()
+    for bad, msg in [("shm://", "name the table"), (f"shm://{name}?size=3", "unknown option"),
+                     (f"shm://{name}?keys=many", "keys must be an integer"), ("shm://bad name", "name must be")]:
+        with pytest.raises(ValueError, match=msg):
+            storage.storage_from_string(bad)
+
+
+def test_fixed_window_through_limits(store):
+    lim = strategies.FixedWindowRateLimiter(store)
+    item = parse("3/minute")
+    assert [lim.hit(item, "a") for _ in range(5)] == [True] * 3 + [False] * 2
+    assert lim.hit(item, "b") and not lim.test(item, "a") and lim.test(item, "b")
+    stats = lim.get_window_stats(item, "a")
+    assert stats.remaining == 0 and 0 < stats.reset_time - __import__("time").time() <= 60.01
+    lim.clear(item, "a")
+    assert lim.hit(item, "a") and store.get(item.key_for("a")) == 1
+    assert store.reset() >= 2 and store.get(item.key_for("b")) == 0
+
+
+def test_sliding_window_counter_through_limits(store):
+    lim = strategies.SlidingWindowCounterRateLimiter(store)
+    item = parse("4/hour")
+    assert [lim.hit(item, "a", cost=2) for _ in range(3)] == [True, True, False]
+    assert lim.get_window_stats(item, "a").remaining == 0
+    lim.clear(item, "a")
+    assert lim.test(item, "a") and lim.hit(item, "a")
+
+
+def test_sliding_window_weights_the_previous_window(name):
+    clock = FakeClock(3600 * 10**9 * 1000)  # on a window boundary of every length
+    s = storage.storage_from_string(f"shm://{name}", clock=clock)
+    try:
+        assert sum(s.acquire_sliding_window_entry("k", 10, 10) for _ in range(12)) == 10
+        clock.advance_seconds(12.5)  # a quarter into the next window: the previous counts 3/4
+        assert s.get_sliding_window("k", 10)[:3:2] == (10, 0)
+        assert sum(s.acquire_sliding_window_entry("k", 10, 10) for _ in range(5)) == 3  # floor(7.5)+n <= 10
+    finally:
+        s.table.close()
+
+
+def test_moving_window_is_refused_at_configuration_time(name):
+    s = storage.storage_from_string(f"shm://{name}")
+    with pytest.raises(NotImplementedError, match="MovingWindow"):
+        strategies.MovingWindowRateLimiter(s)
+    s.table.close()
+    flask = pytest.importorskip("flask")
+    flask_limiter = pytest.importorskip("flask_limiter")
+    app = flask.Flask(__name__)
+    with pytest.raises(NotImplementedError, match="MovingWindow"):
+        flask_limiter.Limiter(lambda: "x", app=app, storage_uri=f"shm://{name}", strategy="moving-window")
+
+
+APP = """
+import os
+import shmlimit.integrations.limits
+from flask import Flask
+from flask_limiter import Limiter
+
+app = Flask(__name__)
+limiter = Limiter(lambda: "everyone", app=app, storage_uri="shm://" + os.environ["LIM"],
+                  strategy=os.environ["STRATEGY"], headers_enabled=True)
+
+@app.route("/")
+@limiter.limit(os.environ["LIMIT"])
+def index():
+    return str(os.getpid())
+
+@app.route("/health")
+@limiter.exempt
+def health():
+    return "ok"
+"""
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("strategy", ["fixed-window", "sliding-window-counter"])
+def test_flask_limiter_under_gunicorn_four_workers(name, tmp_path, strategy):
+    pytest.importorskip("flask_limiter")
+    (tmp_path / "limits_app.py").write_text(textwrap.dedent(APP))
+    argv = [f"{BIN}/gunicorn", "-w", "4", "-b", "127.0.0.1:{port}", "--log-level", "warning", "limits_app:app"]
+    env = {"LIM": name, "STRATEGY": strategy, "LIMIT": "25 per 10 minutes"}
+    with Server(argv, str(tmp_path), env=env) as srv:
+        with ThreadPoolExecutor(8) as pool:
+            results = list(pool.map(lambda _: get(srv.url + "/"), range(200)))
+        assert all(get(srv.url + "/health")[0] == 200 for _ in range(3))
+    statuses = [s for s, _, _ in results]
+    # one window for the whole run (it lasts 10 minutes): exactly the limit, shared by the workers
+    assert statuses.count(200) == 25 and statuses.count(429) == 175
+    assert len({body for s, _, body in results if s == 200}) >= 2, "one worker served every grant"
+    assert all(h.get("x-ratelimit-remaining") == "0" for s, h, _ in results if s == 429)
+
+
+@pytest.mark.slow
+def test_flask_limiter_short_windows_under_gunicorn(name, tmp_path):
+    """Windows of one second over about three seconds: no window grants more than the limit."""
+    pytest.importorskip("flask_limiter")
+    (tmp_path / "limits_app.py").write_text(textwrap.dedent(APP))
+    argv = [f"{BIN}/gunicorn", "-w", "4", "-b", "127.0.0.1:{port}", "--log-level", "warning", "limits_app:app"]
+    with Server(argv, str(tmp_path), env={"LIM": name, "STRATEGY": "fixed-window", "LIMIT": "5 per second"}) as srv:
+        with ThreadPoolExecutor(6) as pool:
+            results = list(pool.map(lambda _: get(srv.url + "/"), range(300)))
+    windows = {}
+    for s, h, _ in results:
+        if s == 200:
+            reset = h["x-ratelimit-reset"]  # the window's end: one value per window
+            windows[reset] = windows.get(reset, 0) + 1
+    assert windows and max(windows.values()) <= 5
+    assert sum(s == 429 for s, _, _ in results) >= 100

@@ -1,0 +1,278 @@
+"""The window-counter kinds (fixed window, sliding window counter) of the keyed table, on both backends.
+
+A stateful hypothesis test drives several simulated processes (each its own
+``WindowCounters`` and cells over one mapping) with an injected clock against
+exact models of the two ``limits`` strategies, with processes killed in the
+middle of a window roll (V0 left ROLLING, with or without the snapshot
+written) and inserts left BUSY by a dead pid.  Then real processes (fork) hit
+one key at once: every increment is counted exactly once.
+"""
+import mmap
+import math
+import multiprocessing as mp
+import os
+
+import pytest
+from hypothesis import settings
+from hypothesis import strategies as st
+from hypothesis.stateful import RuleBasedStateMachine, initialize, rule
+
+from shmlimit import keyed_cells as KC
+from shmlimit import keyed_layout as K
+from shmlimit import keyed_windows as W
+from shmlimit.cells import native_available, open_cells
+from shmlimit.errors import KeyTableFullError, SegmentError
+from shmlimit.window_table import WindowTable
+from support.clock import FakeClock
+
+BACKENDS = ["atomics"] + (["native"] if native_available() else [])
+DEAD_PID = (1 << K.PID_BITS) - 7  # above pid_max: never a live process
+SECRET = (0x0123456789ABCDEF, 0x0FEDCBA987654321)
+
+
+class Mapping:
+    """A keyed table of window counters in an anonymous mapping, laid out as in a segment."""
+
+    def __init__(self, nkeys):
+        self.nkeys = nkeys
+        self.size = K.segment_size(nkeys, 0)
+        self.mm = mmap.mmap(-1, self.size)
+
+    def process(self, backend, clock, pid=None):
+        c = open_cells(self.mm, self.size, backend)
+        t = KC.SlotTable(c, K.slots_offset(0), self.nkeys, min(K.PROBE, self.nkeys), K.KEYS_LIVE, K.EVICTED,
+                         K.owner(pid or os.getpid()))
+        return W.WindowCounters(t, *SECRET, K.REFUSED, clock)
+
+
+class FixedModel:
+    def __init__(self):
+        self.windows = {}  # key -> [end_ms, count]
+
+    def incr(self, key, w, now, amount):
+        e = self.windows.get(key)
+        if e is None or e[0] <= now:
+            e = self.windows[key] = [now + w + 1, 0]
+        e[1] += amount
+        return e[1]
+
+    def get(self, key, now):
+        e = self.windows.get(key)
+        return e[1] if e and e[0] > now else 0
+
+
+class SlidingModel:
+    """The limits sliding window counter, with windows aligned on the clock: exact, one process."""
+
+    def __init__(self):
+        self.counts = {}  # (key, w) -> {window index: count}
+
+    def state(self, key, w, ns):
+        k = ns // 1_000_000 // w
+        c = self.counts.get((key, w), {})
+        weight = min(1.0, max(0.0, ((k + 1) * w * 1_000_000 - ns) / (w * 1_000_000)))
+        return k, c.get(k - 1, 0), c.get(k, 0), weight
+
+    def acquire(self, key, w, ns, limit, amount):
+        if amount > limit:
+            return False
+        k, prev, cur, weight = self.state(key, w, ns)
+        if math.floor(prev * weight + cur) + amount > limit:
+            return False
+        self.counts.setdefault((key, w), {})[k] = cur + amount
+        return True
+
+
+KEYS = st.sampled_from(["a", "b", "c", "client-7", "é"])
+SLIDE = st.sampled_from([1000, 3000])  # window lengths (ms)
+
+
+class Counters(RuleBasedStateMachine):
+    backend = "atomics"
+
+    @initialize(nprocs=st.integers(1, 4))
+    def setup(self, nprocs):
+        self.clock = FakeClock(10**12 + 123_456_789)
+        self.map = Mapping(256)
+        self.procs = [self.map.process(self.backend, self.clock) for _ in range(nprocs)]
+        self.fixed, self.sliding = FixedModel(), SlidingModel()
+
+    def now_ms(self):
+        return self.clock() // 1_000_000
+
+    @rule(p=st.integers(0, 3), key=KEYS, w=st.sampled_from([1000, 2000]), amount=st.integers(1, 3))
+    def incr(self, p, key, w, amount):
+        got = self.procs[p % len(self.procs)].incr(key, w / 1000, amount)
+        assert got == self.fixed.incr(key, w, self.now_ms(), amount)
+
+    @rule(p=st.integers(0, 3), key=KEYS)
+    def get_fixed(self, p, key):
+        proc = self.procs[p % len(self.procs)]
+        assert proc.get(key) == self.fixed.get(key, self.now_ms())
+        e = self.fixed.windows.get(key)
+        assert proc.expiry_ms(key) == (e[0] - self.now_ms() if e and e[0] > self.now_ms() else 0)
+
+    @rule(p=st.integers(0, 3), key=KEYS)
+    def clear_fixed(self, p, key):
+        self.procs[p % len(self.procs)].clear(key)
+        self.fixed.windows.pop(key, None)
+
+    @rule(p=st.integers(0, 3), key=KEYS, w=SLIDE, limit=st.integers(0, 6), amount=st.integers(1, 3))
+    def acquire_sliding(self, p, key, w, limit, amount):
+        got = self.procs[p % len(self.procs)].acquire_sliding(key, limit, w / 1000, amount)
+        assert got == self.sliding.acquire(key, w, self.clock(), limit, amount)
+
+    @rule(p=st.integers(0, 3), key=KEYS, w=SLIDE)
+    def read_sliding(self, p, key, w):
+        prev, prev_ttl, cur, cur_ttl = self.procs[p % len(self.procs)].sliding(key, w / 1000)
+        k, mprev, mcur, weight = self.sliding.state(key, w, self.clock())
+        assert (prev, cur) == (mprev, mcur)
+        left = ((k + 1) * w * 1_000_000 - self.clock()) / 1e9
+        assert prev_ttl == pytest.approx(left if mprev else 0.0) and cur_ttl == pytest.approx(left + w / 1000)
+
+    @rule(p=st.integers(0, 3), key=KEYS, w=SLIDE)
+    def clear_sliding(self, p, key, w):
+        self.procs[p % len(self.procs)].clear_sliding(key, w / 1000)
+        self.sliding.counts.pop((key, w), None)
+
+    @rule(key=KEYS, w=SLIDE, snapshot=st.booleans())
+    def die_mid_roll(self, key, w, snapshot):
+        """A process that began moving a key to the clock's window (V0 -> ROLLING) and was killed."""
+        proc = self.procs[0]
+        d, home, _ = proc._sliding_key(key, w)
+        s, ctl = proc.t.find(d, home)
+        if s is None:
+            return
+        v = proc.c.load(s + K.S_V0)
+        x, rolling, cnt = W.unpack(v)
+        if rolling or -(-x // w) - 2 >= self.now_ms() // w:
+            return
+        assert proc.c.cas(s + K.S_V0, v, v | W.FLAG)
+        if snapshot:  # it even wrote the snapshot: everything but the last CAS
+            kv = -(-x // w) - 2
+            k = self.now_ms() // w
+            snap = W.pack((kv + 1) * w, cnt, True) if k == kv + 1 else W.pack(k * w, 0, True)
+            if proc.c.load(s + K.S_V1) < snap:
+                proc.c.store(s + K.S_V1, snap)
+
+    @rule(key=st.sampled_from(["dead-1", "dead-2"]))
+    def die_mid_insert(self, key):
+        """A slot left BUSY by an inserter killed before it wrote anything: later inserters reclaim it."""
+        dead = self.map.process(self.backend, self.clock, DEAD_PID)
+        d, home, _ = dead._key(b"F", key)
+        for i in range(dead.t.probe):
+            s = dead.t._slot(home, i)
+            ctl = dead.c.load(s)
+            if ctl & 0xFF in (K.EMPTY, K.TOMB):
+                dead.c.cas(s, ctl, K.ctrl(K.BUSY, K.owner(DEAD_PID), (ctl >> 40) + 1))
+                return
+
+    @rule(ms=st.sampled_from([1, 7, 250, 999, 1000, 1001, 2500, 6000]))
+    def tick(self, ms):
+        self.clock.advance(ms * 1_000_000 + 17)
+
+
+Counters.TestCase.settings = settings(max_examples=40, stateful_step_count=50, deadline=None)
+TestCountersAtomics = Counters.TestCase
+if native_available():
+    class NativeCounters(Counters):
+        backend = "native"
+
+    NativeCounters.TestCase.settings = settings(max_examples=40, stateful_step_count=50, deadline=None)
+    TestCountersNative = NativeCounters.TestCase
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_a_live_window_is_never_evicted_a_full_table_refuses(backend):
+    clock = FakeClock()
+    m = Mapping(8)
+    p = m.process(backend, clock)
+    assert [p.incr(f"k{i}", 10) for i in range(8)] == [1] * 8
+    live = [f"k{i}" for i in range(40) if p.get(f"k{i}")]
+    assert len(live) == 8
+    with pytest.raises(KeyTableFullError):
+        for i in range(8, 40):
+            p.incr(f"k{i}", 10)
+    assert all(p.get(k) >= 1 for k in live)  # none lost
+    assert p.c.load(K.REFUSED) >= 1
+    clock.advance_seconds(10.002)  # every window ended: their slots may be reused
+    assert p.incr("new", 10) == 1 and p.c.load(K.EVICTED) == 1
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_bad_arguments_name_the_range_and_change_nothing(backend):
+    m = Mapping(8)
+    p = m.process(backend, FakeClock())
+    for call, msg in [
+        (lambda: p.incr("k", 0), "expiry"),
+        (lambda: p.incr("k", 1, -1), "amount"),
+        (lambda: p.incr("k", 1, W.CMAX + 1), "amount"),
+        (lambda: p.acquire_sliding("k", W.CMAX + 1, 1), "limit"),
+        (lambda: p.acquire_sliding("k", 3, float("nan")), "expiry"),
+    ]:
+        with pytest.raises(ValueError, match=msg):
+            call()
+    with pytest.raises(TypeError):
+        p.incr(3, 1)
+    assert bytes(m.mm[K.slots_offset(0):]) == bytes(m.size - K.slots_offset(0))
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_a_saturated_window_refuses(backend):
+    p = Mapping(8).process(backend, FakeClock())
+    assert p.incr("k", 5, W.CMAX) == W.CMAX
+    assert p.incr("k", 5) == W.OVER and p.get("k") == W.CMAX
+
+
+def _hammer(name, n, out):
+    t = WindowTable(name)
+    out.put(([t.incr("shared", 600) for _ in range(n)], sum(t.acquire_sliding("slide", 777, 600) for _ in range(n))))
+    t.close()
+
+
+@pytest.mark.parametrize("start", ["fork", "spawn"])
+def test_real_processes_count_every_hit_exactly_once(name, start):
+    table = WindowTable(name, keys=1024)
+    ctx = mp.get_context(start)
+    out = ctx.Queue()
+    procs = [ctx.Process(target=_hammer, args=(name, 1500, out)) for _ in range(4)]
+    try:
+        for p in procs:
+            p.start()
+        results = [out.get(timeout=120) for _ in procs]
+    finally:
+        for p in procs:
+            p.join(30)
+            if p.is_alive():
+                p.kill()
+                p.join()
+    counts = sorted(c for r, _ in results for c in r)
+    assert counts == list(range(1, 6001))  # every increment linearized once: no lost or doubled update
+    assert sum(g for _, g in results) == 777  # the sliding limit, exactly, across the processes
+    assert table.get("shared") == 6000
+    table.close()
+
+
+def test_segment_kinds_are_not_mixed_up(name):
+    import shmlimit
+
+    kl = shmlimit.KeyedLimiter(name, rate=10, keys=64)
+    with pytest.raises(SegmentError, match="KeyedLimiter"):
+        WindowTable(name)
+    kl.close()
+    kl.unlink()
+    t = WindowTable(name, keys=64)
+    with pytest.raises(SegmentError, match="window counters"):
+        shmlimit.KeyedLimiter(name)
+    t.close()
+
+
+def test_a_corrupt_header_is_refused(name):
+    t = WindowTable(name, keys=64)
+    t.close()
+    path = f"/dev/shm/shmlimit.{name}"
+    with open(path, "r+b") as f:
+        f.seek(K.NOVR_OFF)
+        f.write((5).to_bytes(8, "little"))  # a window table with override entries: not one we wrote
+    with pytest.raises(SegmentError, match="corrupt"):
+        WindowTable(name)
