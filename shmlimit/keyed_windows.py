@@ -12,27 +12,29 @@ moves ``V0`` by one CAS: within the window it adds to the count; once
 (the window is never shorter than asked).  So the count of a window is exactly
 the number of increments linearized in it, whichever processes made them.
 
-**Sliding window counter** (key ``S`` + W + key): windows are aligned,
-``k = now // W``, and the estimate is ``prev * (time left in k) / W + cur``.
-``V0 = X << 25 | ROLLING << 24 | cur`` with ``X = (k + 2) * W`` (the slot
-holds information until the *next* window ends, so that is its expiry), and
-``V1 = E << 25 | phase << 24 | n`` records the count ``n`` of the window
-ending at ``E``.  A grant is one CAS of ``V0`` within window ``k``, after
-reading ``V1`` between two equal reads of ``V0``; the previous window's
-count in ``V1`` is never written while ``V0`` is in window ``k`` and not
+**Sliding window counter** (key ``S`` + W + key): a key's first hit starts
+its first window; windows of length W follow on from it, and a key with no
+hit for two windows starts afresh at its next hit (as ``limits``' Redis
+storage keeps it).  The estimate is ``prev * (time left) / W + cur``.
+``V0 = X << 25 | ROLLING << 24 | cur`` where the current window is
+``[X - 2W, X - W)`` (the slot holds information until the *next* window
+ends, so that is its expiry), and ``V1 = E << 25 | 1 << 24 | n`` records the
+final count ``n`` of the window ending at ``E``.  A grant is one CAS of
+``V0`` within its window, after reading ``V1`` between two equal reads of
+``V0``; ``V1`` is never written while ``V0`` is in the same window and not
 ROLLING, so the check and the increment are one atomic step.
 
-Moving to a later window takes three steps that anyone may complete: CAS
-``V0`` to ROLLING (this freezes the count), raise ``V1`` to the snapshot of
-the window being left (``(E_k, 1, count)``, or ``(k' * W, 1, 0)`` when
-windows were skipped), then CAS ``V0`` to the new window with count 0.  A
-process killed between them stalls nobody: the next caller sees ROLLING and
-finishes the roll from ``V0`` alone.  ``V1`` only ever *rises* (a CAS loop
-to the maximum), and its tag is an absolute time: a late helper, or a stale
-write from a previous tenant of the slot, can only leave a smaller value,
-which changes nothing, or (in a fresh key's first window) an over-estimate.
-A reader that finds a ``V1`` tag later than its own window read the clock
-before a helper did: it reads the clock again (it is then at least as late).
+Moving on takes three steps that anyone may complete: CAS ``V0`` to ROLLING
+(this freezes the count), raise ``V1`` to the snapshot of the window being
+left (``(X - W, 1, count)``; ``(now, 1, 0)`` for a fresh start), then CAS
+``V0`` to the next window with count 0.  A process killed between them
+stalls nobody: the next caller sees ROLLING and finishes the move from ``V0``
+alone.  ``V1`` only ever *rises* (a CAS loop to the maximum), and its tag is
+an absolute time: a late helper, or a stale write from a previous tenant of
+the slot, can only leave a smaller value, which changes nothing, or (in a
+fresh key's first window) an over-estimate.  A reader that finds a ``V1``
+tag later than its window read the clock before a helper did: it reads the
+clock again (it is then at least as late).
 
 Both kinds keep the slot protocol's contract: ``V0`` only ever increases
 over a slot's life (``clear``/``reset`` evict a key -- ``V0 | DEAD``, then
@@ -221,75 +223,88 @@ class WindowCounters:
     def _sliding_key(self, key: object, w: int):
         return self._key(b"S" + w.to_bytes(8, "little"), key)
 
-    def _roll(self, s: int, v: int, w: int, k: int) -> None:
-        """Finish moving slot s (V0 = v, ROLLING) to window ``max(k, kv + 1)``; anyone may do it."""
+    def _roll(self, s: int, v: int, w: int, now: int) -> None:
+        """Finish moving slot s (V0 = v, ROLLING) on from its window; anyone may do it.
+
+        To the next window while ``now`` is before the slot's expiry (the count
+        becomes the previous one), else to a fresh window starting at ``now``
+        (both windows ended: the key holds nothing, as a new key).
+        """
         c = self.c
         x, _, cnt = unpack(v)
-        kv = -(-x // w) - 2
-        target = max(k, kv + 1)
-        snap = pack((kv + 1) * w, cnt, True) if target == kv + 1 else pack(target * w, 0, True)
+        start = x - 2 * w
+        if now < x:
+            nxt, snap = start + w, pack(start + w, cnt, True)
+        else:
+            nxt, snap = now, pack(now, 0, True)
         while True:
             cur = c.load(s + K.S_V1)
             if cur >= snap or c.cas(s + K.S_V1, cur, snap):
                 break
-        c.cas(s + K.S_V0, v, pack((target + 2) * w, 0))
+        c.cas(s + K.S_V0, v, pack(nxt + 2 * w, 0))
 
-    def _state(self, s: int, ctl: int, w: int, ns: int, k: int, write: bool):
-        """Bring slot s to window k (when ``write``) and read it: (v, k, prev, cur, ns), or None to look again.
+    def _state(self, s: int, ctl: int, w: int, ns: int, write: bool):
+        """Slot s's counts now: (v, start, prev, cur, ns), or None to look again.
 
-        ``v`` is the V0 the answer was read under, None when the answer is virtual
-        (the slot is in an earlier window and ``write`` is False).
+        With ``write`` the slot is first moved on to the window holding ``now``
+        (``v`` is the V0 the answer was read under); without, the answer for a
+        slot left in an earlier window is computed (``v`` None).  ``start`` is
+        the current window's start (ms).
         """
         c = self.c
         refreshed = False
+        now = ns // 1_000_000
         while True:
             v = self._live_v0(s, ctl)
             if v is None:
                 return None
             x, rolling, cnt = unpack(v)
-            kv = -(-x // w) - 2
-            if kv > k or (rolling and kv >= k):
+            start = x - 2 * w
+            if now < start + (w if rolling else 0):
                 if not refreshed:  # another process read the clock after us: so do we, once
                     refreshed = True
                     ns, now = self._now()
-                    k = now // w
                     continue
-                k = max(k, kv)  # only a corrupt or re-inserted slot is ahead of the clock: count there
-            if kv < k or rolling:
+                # only a slot re-inserted above a dead inserter's value starts in the future: count there
+                now = start + (w if rolling else 0)
+            if now >= start + w or rolling:
                 if not write:
-                    return None, k, (cnt if kv == k - 1 else 0), 0, ns
+                    if now >= start + 2 * w:
+                        return None, now, 0, 0, ns
+                    return None, start + w, cnt, 0, ns
                 if rolling or c.cas(s + K.S_V0, v, v | FLAG):
-                    self._roll(s, v | FLAG, w, k)
+                    self._roll(s, v | FLAG, w, now)
                 continue
             v1 = c.load(s + K.S_V1)
             if c.load(s + K.S_V0) != v:
                 continue
             tag, phase, n = unpack(v1)
-            if tag == k * w and phase:
-                prev = n  # the final count of window k - 1
-            elif tag < k * w:
-                prev = 0  # a snapshot older than window k - 1: it had no hit
-            elif not refreshed:  # a helper rolled with a later clock than ours
+            if tag == start and phase:
+                prev = n  # the final count of the window before
+            elif tag < start:
+                prev = 0  # a key whose first window this is (inserted above a dead inserter's value)
+            elif not refreshed:  # a helper moved on with a later clock than ours
                 refreshed = True
                 ns, now = self._now()
-                k = now // w
                 continue
             else:
                 prev = n  # a stale write from a previous tenant, in a fresh key's first window: over-counts
-            return v, k, prev, cnt, ns
+            return v, start, prev, cnt, ns
 
     @staticmethod
-    def _weight(k: int, w: int, ns: int) -> float:
-        """The previous window's weight: the time left in window k over its length (at most 1)."""
-        left = (k + 1) * w * 1_000_000 - ns
+    def _weight(start: int, w: int, ns: int) -> float:
+        """The previous window's weight: the time left in the current one over its length (at most 1)."""
+        left = (start + w) * 1_000_000 - ns
         return min(1.0, max(0.0, left / (w * 1_000_000)))
 
     def acquire_sliding(self, key: object, limit: int, expiry: float, amount: int = 1) -> bool:
         """Count ``amount`` hits for ``key`` iff ``floor(prev * left / W + cur) + amount <= limit``.
 
-        ``prev`` and ``cur`` are the counts of the previous and current aligned
-        windows of ``expiry`` seconds, ``left`` the time left in the current one
-        (the ``limits`` sliding window counter).  Check and count are one CAS.
+        ``cur`` counts the current window of ``expiry`` seconds and ``prev`` the
+        one before; ``left`` is the time left in the current one.  A key's
+        first hit starts its first window; when two windows pass without a
+        hit it starts afresh (the ``limits`` sliding window counter, as its
+        Redis storage keeps it).  Check and count are one CAS.
         """
         w, amount = window_ms(expiry), _amount(amount)
         if isinstance(limit, bool) or not isinstance(limit, int) or not 0 <= limit <= CMAX:
@@ -297,46 +312,44 @@ class WindowCounters:
         if amount > limit:
             return False
         ns, now = self._now()
-        k = now // w
         d, home, data = self._sliding_key(key, w)
         c = self.c
         while True:
             s, ctl = self.t.find(d, home)
             if s is None:
                 # a new key's windows are empty: amount <= limit is granted by the insert itself
-                ctl = self._insert(d, home, now, pack((k + 2) * w, amount), pack(k * w, 0, True), data,
-                                   lambda prior: pack((unpack(prior)[0] // w + 1) * w, amount))
+                ctl = self._insert(d, home, now, pack(now + 2 * w, amount), pack(now, 0, True), data,
+                                   lambda prior: pack(unpack(prior)[0] + 1, amount))
                 if ctl:
                     return True
                 os.sched_yield()
                 continue
             while True:
-                st = self._state(s, ctl, w, ns, k, True)
+                st = self._state(s, ctl, w, ns, True)
                 if st is None:
                     break
-                v, k, prev, cur, ns = st
-                if math.floor(prev * self._weight(k, w, ns) + cur) + amount > limit:
+                v, start, prev, cur, ns = st
+                if math.floor(prev * self._weight(start, w, ns) + cur) + amount > limit:
                     return False
-                x, _, _ = unpack(v)
-                if c.cas(s + K.S_V0, v, pack(x, cur + amount)):
+                if c.cas(s + K.S_V0, v, pack(start + 2 * w, cur + amount)):
                     return True
 
     def sliding(self, key: object, expiry: float) -> Tuple[int, float, int, float]:
         """``(prev, prev_ttl, cur, cur_ttl)`` for ``key`` now (seconds; prev_ttl 0.0 when prev is 0).  Reads only."""
         w = window_ms(expiry)
         ns, now = self._now()
-        k = now // w
         d, home, _ = self._sliding_key(key, w)
         prev = cur = 0
+        start = now
         while True:
             s, ctl = self.t.find(d, home)
             if s is None:
                 break
-            st = self._state(s, ctl, w, ns, k, False)
+            st = self._state(s, ctl, w, ns, False)
             if st is not None:
-                _, k, prev, cur, ns = st
+                _, start, prev, cur, ns = st
                 break
-        left = max(0, (k + 1) * w * 1_000_000 - ns) / 1e9
+        left = max(0, (start + w) * 1_000_000 - ns) / 1e9
         return prev, (left if prev else 0.0), cur, left + w / 1000
 
     def clear_sliding(self, key: object, expiry: float) -> bool:

@@ -46,8 +46,11 @@ class Mapping:
 
 
 class FixedModel:
+    """limits' fixed window: a window starts at the first hit after the last one ended."""
+
     def __init__(self):
         self.windows = {}  # key -> [end_ms, count]
+        self.floor = {}  # key -> the end a cleared key's next window may be raised to (see clear)
 
     def incr(self, key, w, now, amount):
         e = self.windows.get(key)
@@ -56,34 +59,62 @@ class FixedModel:
         e[1] += amount
         return e[1]
 
+    def allowed_ends(self, key, w, now):
+        """A key cleared and hit again in the same ms may reuse its slot above the old value: 1 ms later."""
+        return {now + w + 1, max(now + w + 1, self.floor.get(key, 0))}
+
+    def clear(self, key, now):
+        e = self.windows.pop(key, None)
+        if e is not None:
+            self.floor[key] = e[0] + 1
+
     def get(self, key, now):
         e = self.windows.get(key)
         return e[1] if e and e[0] > now else 0
 
 
 class SlidingModel:
-    """The limits sliding window counter, with windows aligned on the clock: exact, one process."""
+    """limits' sliding window counter, exact, one process: a key's first hit starts its windows;
+    a key with no hit for two windows starts afresh (as limits' Redis storage keeps it)."""
 
     def __init__(self):
-        self.counts = {}  # (key, w) -> {window index: count}
+        self.keys = {}  # (key, w) -> [start_ms, prev, cur]
+        self.floor = {}  # (key, w) -> a later start a cleared key's slot may be re-inserted at
 
     def state(self, key, w, ns):
-        k = ns // 1_000_000 // w
-        c = self.counts.get((key, w), {})
-        weight = min(1.0, max(0.0, ((k + 1) * w * 1_000_000 - ns) / (w * 1_000_000)))
-        return k, c.get(k - 1, 0), c.get(k, 0), weight
+        now = ns // 1_000_000
+        e = self.keys.get((key, w))
+        if e is None or now >= e[0] + 2 * w:
+            return now, 0, 0
+        if now >= e[0] + w:
+            return e[0] + w, e[2], 0
+        return e[0], e[1], e[2]
 
-    def acquire(self, key, w, ns, limit, amount):
+    @staticmethod
+    def weight(start, w, ns):
+        return min(1.0, max(0.0, ((start + w) * 1_000_000 - ns) / (w * 1_000_000)))
+
+    def acquire(self, key, w, ns, limit, amount, actual_start):
         if amount > limit:
             return False
-        k, prev, cur, weight = self.state(key, w, ns)
-        if math.floor(prev * weight + cur) + amount > limit:
+        start, prev, cur = self.state(key, w, ns)
+        if (key, w) not in self.keys and (key, w) in self.floor:
+            start = actual_start()  # re-inserted above its cleared slot's value (at most 2W + 1 ms on)
+            assert ns // 1_000_000 <= start <= max(ns // 1_000_000, self.floor.pop((key, w)))
+        if math.floor(prev * self.weight(start, w, ns) + cur) + amount > limit:
+            self.keys[(key, w)] = [start, prev, cur]
             return False
-        self.counts.setdefault((key, w), {})[k] = cur + amount
+        self.keys[(key, w)] = [start, prev, cur + amount]
         return True
+
+    def clear(self, key, w, ns):
+        e = self.keys.pop((key, w), None)
+        if e is not None:
+            self.floor[(key, w)] = e[0] + 2 * w + 1
 
 
 KEYS = st.sampled_from(["a", "b", "c", "client-7", "é"])
+SKEYS = st.sampled_from(["a", "é"])  # few keys for the sliding windows, so that their counts carry over
 SLIDE = st.sampled_from([1000, 3000])  # window lengths (ms)
 
 
@@ -102,8 +133,16 @@ class Counters(RuleBasedStateMachine):
 
     @rule(p=st.integers(0, 3), key=KEYS, w=st.sampled_from([1000, 2000]), amount=st.integers(1, 3))
     def incr(self, p, key, w, amount):
-        got = self.procs[p % len(self.procs)].incr(key, w / 1000, amount)
+        proc = self.procs[p % len(self.procs)]
+        fresh = self.fixed.get(key, self.now_ms()) == 0
+        allowed = self.fixed.allowed_ends(key, w, self.now_ms())
+        got = proc.incr(key, w / 1000, amount)
         assert got == self.fixed.incr(key, w, self.now_ms(), amount)
+        if fresh:
+            end = self.now_ms() + proc.expiry_ms(key)
+            assert end in allowed
+            self.fixed.windows[key][0] = end
+            self.fixed.floor.pop(key, None)
 
     @rule(p=st.integers(0, 3), key=KEYS)
     def get_fixed(self, p, key):
@@ -115,29 +154,35 @@ class Counters(RuleBasedStateMachine):
     @rule(p=st.integers(0, 3), key=KEYS)
     def clear_fixed(self, p, key):
         self.procs[p % len(self.procs)].clear(key)
-        self.fixed.windows.pop(key, None)
+        self.fixed.clear(key, self.now_ms())
 
-    @rule(p=st.integers(0, 3), key=KEYS, w=SLIDE, limit=st.integers(0, 6), amount=st.integers(1, 3))
+    def slot_start(self, proc, key, w):
+        d, home, _ = proc._sliding_key(key, w)
+        s, _ = proc.t.find(d, home)
+        return W.unpack(proc.c.load(s + K.S_V0))[0] - 2 * w
+
+    @rule(p=st.integers(0, 3), key=SKEYS, w=SLIDE, limit=st.integers(0, 5), amount=st.integers(1, 2))
     def acquire_sliding(self, p, key, w, limit, amount):
-        got = self.procs[p % len(self.procs)].acquire_sliding(key, limit, w / 1000, amount)
-        assert got == self.sliding.acquire(key, w, self.clock(), limit, amount)
+        proc = self.procs[p % len(self.procs)]
+        got = proc.acquire_sliding(key, limit, w / 1000, amount)
+        assert got == self.sliding.acquire(key, w, self.clock(), limit, amount, lambda: self.slot_start(proc, key, w))
 
-    @rule(p=st.integers(0, 3), key=KEYS, w=SLIDE)
+    @rule(p=st.integers(0, 3), key=SKEYS, w=SLIDE)
     def read_sliding(self, p, key, w):
         prev, prev_ttl, cur, cur_ttl = self.procs[p % len(self.procs)].sliding(key, w / 1000)
-        k, mprev, mcur, weight = self.sliding.state(key, w, self.clock())
+        start, mprev, mcur = self.sliding.state(key, w, self.clock())
         assert (prev, cur) == (mprev, mcur)
-        left = ((k + 1) * w * 1_000_000 - self.clock()) / 1e9
+        left = ((start + w) * 1_000_000 - self.clock()) / 1e9
         assert prev_ttl == pytest.approx(left if mprev else 0.0) and cur_ttl == pytest.approx(left + w / 1000)
 
-    @rule(p=st.integers(0, 3), key=KEYS, w=SLIDE)
+    @rule(p=st.integers(0, 3), key=SKEYS, w=SLIDE)
     def clear_sliding(self, p, key, w):
         self.procs[p % len(self.procs)].clear_sliding(key, w / 1000)
-        self.sliding.counts.pop((key, w), None)
+        self.sliding.clear(key, w, self.clock())
 
-    @rule(key=KEYS, w=SLIDE, snapshot=st.booleans())
+    @rule(key=SKEYS, w=SLIDE, snapshot=st.booleans())
     def die_mid_roll(self, key, w, snapshot):
-        """A process that began moving a key to the clock's window (V0 -> ROLLING) and was killed."""
+        """A process that began moving a key on from an ended window (V0 -> ROLLING) and was killed."""
         proc = self.procs[0]
         d, home, _ = proc._sliding_key(key, w)
         s, ctl = proc.t.find(d, home)
@@ -145,13 +190,12 @@ class Counters(RuleBasedStateMachine):
             return
         v = proc.c.load(s + K.S_V0)
         x, rolling, cnt = W.unpack(v)
-        if rolling or -(-x // w) - 2 >= self.now_ms() // w:
+        now = self.now_ms()
+        if rolling or now < x - w:
             return
         assert proc.c.cas(s + K.S_V0, v, v | W.FLAG)
         if snapshot:  # it even wrote the snapshot: everything but the last CAS
-            kv = -(-x // w) - 2
-            k = self.now_ms() // w
-            snap = W.pack((kv + 1) * w, cnt, True) if k == kv + 1 else W.pack(k * w, 0, True)
+            snap = W.pack(x - w, cnt, True) if now < x else W.pack(now, 0, True)
             if proc.c.load(s + K.S_V1) < snap:
                 proc.c.store(s + K.S_V1, snap)
 
@@ -167,7 +211,7 @@ class Counters(RuleBasedStateMachine):
                 dead.c.cas(s, ctl, K.ctrl(K.BUSY, K.owner(DEAD_PID), (ctl >> 40) + 1))
                 return
 
-    @rule(ms=st.sampled_from([1, 7, 250, 999, 1000, 1001, 2500, 6000]))
+    @rule(ms=st.sampled_from([1, 7, 100, 250, 999, 1000, 1001, 2500, 6000]))
     def tick(self, ms):
         self.clock.advance(ms * 1_000_000 + 17)
 
