@@ -91,6 +91,10 @@ limiter = Limiter(lambda: "everyone", app=app, storage_uri="shm://" + os.environ
 def index():
     return str(os.getpid())
 
+@app.errorhandler(429)
+def refused(e):
+    return str(os.getpid()), 429
+
 @app.route("/health")
 @limiter.exempt
 def health():
@@ -112,7 +116,8 @@ def test_flask_limiter_under_gunicorn_four_workers(name, tmp_path, strategy):
     statuses = [s for s, _, _ in results]
     # one window for the whole run (it lasts 10 minutes): exactly the limit, shared by the workers
     assert statuses.count(200) == 25 and statuses.count(429) == 175
-    assert len({body for s, _, body in results if s == 200}) >= 2, "one worker served every grant"
+    # with counts per process, any second worker would have granted requests of its own
+    assert len({body for _, _, body in results}) >= 2, "one worker served every request"
     assert all(h.get("x-ratelimit-remaining") == "0" for s, h, _ in results if s == 429)
 
 
