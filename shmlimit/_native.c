@@ -2,8 +2,9 @@
  *
  * NativeCells(buffer, size) wraps the first `size` bytes of a writable buffer
  * (the segment's mmap) and offers the same operations as the Python reference
- * backend in cells.py: load, store, fetch_add, cas on aligned unsigned 64-bit
- * words, plus the hot path's composites grab and try_grab.  All arithmetic
+ * (composites.py, and the atomics backend in atomics_cells.py): load, store,
+ * fetch_add, cas on aligned unsigned 64-bit words, plus the hot path's
+ * composites grab and try_grab.  All arithmetic
  * wraps modulo 2**64; every operation is sequentially consistent.
  *
  * Invariant: no operation touches memory outside [base, base + size).  Every
@@ -75,6 +76,27 @@ nargs(Py_ssize_t n, Py_ssize_t want, const char *name)
         PyErr_Format(PyExc_TypeError, "%s() takes exactly %zd arguments (%zd given)", name, want, n);
         return 0;
     }
+    return 1;
+}
+
+/* A method's arguments, as `kinds` spells them, one letter each: 'w' a word (its offset checked),
+ * 'u' an unsigned 64-bit value, '.' one the caller reads itself.  The words land in `words` and
+ * the values in `values`, each in order.  Every offset is checked before any value is read, and
+ * all before the caller's first access; 0 with the exception set if any is bad or the cells are
+ * closed. */
+static int
+parse_args(NativeCells *self, PyObject *const *args, Py_ssize_t n, const char *name, const char *kinds,
+           uint64_t **words, uint64_t *values)
+{
+    Py_ssize_t want = (Py_ssize_t)strlen(kinds);
+    if (!nargs(n, want, name) || !check_open(self))
+        return 0;
+    for (Py_ssize_t i = 0; i < want; i++)
+        if (kinds[i] == 'w' && !(*words++ = word(self, args[i])))
+            return 0;
+    for (Py_ssize_t i = 0; i < want; i++)
+        if (kinds[i] == 'u' && !u64(args[i], values++))
+            return 0;
     return 1;
 }
 
@@ -160,38 +182,25 @@ do_grab(uint64_t *tail, uint64_t *head, uint64_t *grants, uint64_t amount, uint6
 static PyObject *
 cells_grab(NativeCells *self, PyObject *const *args, Py_ssize_t n)
 {
-    uint64_t amount, ops;
-    if (!nargs(n, 5, "grab") || !check_open(self))
+    uint64_t *w[3], v[2]; /* tail, head, grants; amount, ops */
+    if (!parse_args(self, args, n, "grab", "wwuwu", w, v))
         return NULL;
-    uint64_t *tail = word(self, args[0]);
-    uint64_t *head = tail ? word(self, args[1]) : NULL;
-    uint64_t *grants = head ? word(self, args[3]) : NULL;
-    if (!grants || !u64(args[2], &amount) || !u64(args[4], &ops))
-        return NULL;
-    return do_grab(tail, head, grants, amount, ops);
+    return do_grab(w[0], w[1], w[2], v[0], v[1]);
 }
 
 /* grab_if(seq, expected, tail, head, amount, grants, ops): grab, unless the word `seq` no
  * longer holds `expected` (the config changed): then False, with nothing touched. */
+#define GRAB_IF_ARGS "wuwwuwu" /* seq, expected, tail, head, amount, grants, ops */
+
 static PyObject *
 cells_grab_if(NativeCells *self, PyObject *const *args, Py_ssize_t n)
 {
-    uint64_t expected;
-    if (!nargs(n, 7, "grab_if") || !check_open(self))
+    uint64_t *w[4], v[3]; /* seq, tail, head, grants; expected, amount, ops */
+    if (!parse_args(self, args, n, "grab_if", GRAB_IF_ARGS, w, v))
         return NULL;
-    uint64_t *seq = word(self, args[0]);
-    if (!seq || !u64(args[1], &expected))
-        return NULL;
-    /* check every offset before the first access */
-    uint64_t *tail = word(self, args[2]);
-    uint64_t *head = tail ? word(self, args[3]) : NULL;
-    uint64_t *grants = head ? word(self, args[5]) : NULL;
-    uint64_t amount, ops;
-    if (!grants || !u64(args[4], &amount) || !u64(args[6], &ops))
-        return NULL;
-    if (__atomic_load_n(seq, __ATOMIC_SEQ_CST) != expected)
+    if (__atomic_load_n(w[0], __ATOMIC_SEQ_CST) != v[0])
         Py_RETURN_FALSE;
-    return do_grab(tail, head, grants, amount, ops);
+    return do_grab(w[1], w[2], w[3], v[1], v[2]);
 }
 
 /* try_grab(tail, head, amount, grants, ops): advance the tail by CAS only if the head covers
@@ -199,16 +208,10 @@ cells_grab_if(NativeCells *self, PyObject *const *args, Py_ssize_t n)
 static PyObject *
 cells_try_grab(NativeCells *self, PyObject *const *args, Py_ssize_t n)
 {
-    uint64_t amount, ops;
-    if (!nargs(n, 5, "try_grab") || !check_open(self))
+    uint64_t *w[3], v[2];
+    if (!parse_args(self, args, n, "try_grab", "wwuwu", w, v))
         return NULL;
-    uint64_t *tail = word(self, args[0]);
-    uint64_t *head = tail ? word(self, args[1]) : NULL;
-    if (!head || !u64(args[2], &amount))
-        return NULL;
-    uint64_t *grants = word(self, args[3]);
-    if (!grants || !u64(args[4], &ops))
-        return NULL;
+    uint64_t *tail = w[0], *head = w[1], *grants = w[2], amount = v[0], ops = v[1];
     uint64_t t = __atomic_load_n(tail, __ATOMIC_SEQ_CST);
     for (;;) {
         uint64_t want = t + amount;
@@ -221,55 +224,27 @@ cells_try_grab(NativeCells *self, PyObject *const *args, Py_ssize_t n)
     Py_RETURN_TRUE;
 }
 
-/* Grabber: grab_if with its arguments bound and validated once, called with none.  It holds a
- * reference to its cells (so the mapping outlives it) and refuses to run once they are closed. */
-typedef struct {
-    PyObject_HEAD
-    NativeCells *cells;
-    uint64_t *seq, *tail, *head, *grants;
+/* What a Grabber and a Gate bind once, validated: their cells, and grab_if's words and values.
+ * A bound object holds a reference to its cells (so the mapping outlives it) and refuses to run
+ * once they are closed.  A Gate's struct begins with these fields, so bind_grab and
+ * bound_dealloc serve both. */
+#define GRAB_FIELDS                           \
+    PyObject_HEAD                             \
+    NativeCells *cells;                       \
+    uint64_t *seq, *tail, *head, *grants;     \
     uint64_t expected, amount, ops;
+
+/* Grabber: grab_if with its arguments bound and validated once, called with none. */
+typedef struct {
+    GRAB_FIELDS
 } Grabber;
 
-static PyObject *
-grabber_call(Grabber *self, PyObject *args, PyObject *kwds)
+/* A new object of `type` (a Grabber, or a Gate) bound to these cells and grab_if's arguments. */
+static Grabber *
+bind_grab(NativeCells *self, PyTypeObject *type, uint64_t *seq, uint64_t *tail, uint64_t *head, uint64_t *grants,
+          uint64_t expected, uint64_t amount, uint64_t ops)
 {
-    if (!check_open(self->cells))
-        return NULL;
-    if (__atomic_load_n(self->seq, __ATOMIC_SEQ_CST) != self->expected)
-        Py_RETURN_FALSE;
-    return do_grab(self->tail, self->head, self->grants, self->amount, self->ops);
-}
-
-static void
-grabber_dealloc(Grabber *self)
-{
-    Py_XDECREF(self->cells);
-    Py_TYPE(self)->tp_free((PyObject *)self);
-}
-
-static PyTypeObject GrabberType = {
-    PyVarObject_HEAD_INIT(NULL, 0)
-    .tp_name = "shmlimit._native.Grabber",
-    .tp_basicsize = sizeof(Grabber),
-    .tp_flags = Py_TPFLAGS_DEFAULT,
-    .tp_doc = "grab_if with bound arguments: call it with none.",
-    .tp_call = (ternaryfunc)grabber_call,
-    .tp_dealloc = (destructor)grabber_dealloc,
-};
-
-static PyObject *
-cells_grabber(NativeCells *self, PyObject *const *args, Py_ssize_t n)
-{
-    if (!nargs(n, 7, "grabber") || !check_open(self))
-        return NULL;
-    uint64_t *seq = word(self, args[0]);
-    uint64_t *tail = seq ? word(self, args[2]) : NULL;
-    uint64_t *head = tail ? word(self, args[3]) : NULL;
-    uint64_t *grants = head ? word(self, args[5]) : NULL;
-    uint64_t expected, amount, ops;
-    if (!grants || !u64(args[1], &expected) || !u64(args[4], &amount) || !u64(args[6], &ops))
-        return NULL;
-    Grabber *g = PyObject_New(Grabber, &GrabberType);
+    Grabber *g = PyObject_New(Grabber, type);
     if (!g)
         return NULL;
     Py_INCREF(self);
@@ -281,7 +256,44 @@ cells_grabber(NativeCells *self, PyObject *const *args, Py_ssize_t n)
     g->expected = expected;
     g->amount = amount;
     g->ops = ops;
-    return (PyObject *)g;
+    return g;
+}
+
+static void
+bound_dealloc(Grabber *self)
+{
+    Py_XDECREF(self->cells);
+    Py_TYPE(self)->tp_free((PyObject *)self);
+}
+
+/* The slots every type of this module shares. */
+#define NATIVE_TYPE(name, ctype, doc)                                                                  \
+    PyVarObject_HEAD_INIT(NULL, 0).tp_name = "shmlimit._native." name, .tp_basicsize = sizeof(ctype), \
+    .tp_flags = Py_TPFLAGS_DEFAULT, .tp_doc = doc
+
+static PyObject *
+grabber_call(Grabber *self, PyObject *args, PyObject *kwds)
+{
+    if (!check_open(self->cells))
+        return NULL;
+    if (__atomic_load_n(self->seq, __ATOMIC_SEQ_CST) != self->expected)
+        Py_RETURN_FALSE;
+    return do_grab(self->tail, self->head, self->grants, self->amount, self->ops);
+}
+
+static PyTypeObject GrabberType = {
+    NATIVE_TYPE("Grabber", Grabber, "grab_if with bound arguments: call it with none."),
+    .tp_call = (ternaryfunc)grabber_call,
+    .tp_dealloc = (destructor)bound_dealloc,
+};
+
+static PyObject *
+cells_grabber(NativeCells *self, PyObject *const *args, Py_ssize_t n)
+{
+    uint64_t *w[4], v[3];
+    if (!parse_args(self, args, n, "grabber", GRAB_IF_ARGS, w, v))
+        return NULL;
+    return (PyObject *)bind_grab(self, &GrabberType, w[0], w[1], w[2], w[3], v[0], v[1], v[2]);
 }
 
 /* ======================================================================================
@@ -818,11 +830,8 @@ static PyMethodDef kt_methods[] = {
 };
 
 static PyTypeObject KeyedTableType = {
-    PyVarObject_HEAD_INIT(NULL, 0)
-    .tp_name = "shmlimit._native.KeyedTable",
-    .tp_basicsize = sizeof(KeyedTable),
-    .tp_flags = Py_TPFLAGS_DEFAULT,
-    .tp_doc = "The keyed slot table's lookup, insert, eviction and GCRA step (see keyed_cells.py).",
+    NATIVE_TYPE("KeyedTable", KeyedTable,
+                "The keyed slot table's lookup, insert, eviction and GCRA step (see keyed_cells.py)."),
     .tp_methods = kt_methods,
     .tp_dealloc = (destructor)kt_dealloc,
 };
@@ -889,10 +898,9 @@ cells_keyed_table(NativeCells *self, PyObject *const *args, Py_ssize_t n)
  * over-estimate merely sends a caller down the slow path.
  */
 typedef struct {
-    PyObject_HEAD
-    NativeCells *cells;
-    uint64_t *seq, *tail, *head, *ceil, *repl_ts, *grants;
-    uint64_t expected, amount, ops, tpn, pend_mul;
+    GRAB_FIELDS /* first: a Gate is bound as a Grabber is */
+    uint64_t *ceil, *repl_ts;
+    uint64_t tpn, pend_mul;
     double max_reserved_ns; /* +inf when the limiter has no max_reserved */
     int capped;
 } Gate;
@@ -1018,13 +1026,6 @@ gate_grab_within(Gate *self, PyObject *arg)
     }
 }
 
-static void
-gate_dealloc(Gate *self)
-{
-    Py_XDECREF(self->cells);
-    Py_TYPE(self)->tp_free((PyObject *)self);
-}
-
 static PyMethodDef gate_methods[] = {
     {"try_grab", (PyCFunction)gate_try_grab, METH_NOARGS,
      "try_grab() -> True if granted now, False if refused for certain (nothing touched), None if undecided"},
@@ -1035,12 +1036,8 @@ static PyMethodDef gate_methods[] = {
 };
 
 static PyTypeObject GateType = {
-    PyVarObject_HEAD_INIT(NULL, 0)
-    .tp_name = "shmlimit._native.Gate",
-    .tp_basicsize = sizeof(Gate),
-    .tp_flags = Py_TPFLAGS_DEFAULT,
-    .tp_doc = "try_acquire and timed acquire of one config, in one call each.",
-    .tp_dealloc = (destructor)gate_dealloc,
+    NATIVE_TYPE("Gate", Gate, "try_acquire and timed acquire of one config, in one call each."),
+    .tp_dealloc = (destructor)bound_dealloc,
     .tp_methods = gate_methods,
 };
 
@@ -1049,17 +1046,10 @@ static PyTypeObject GateType = {
 static PyObject *
 cells_gate(NativeCells *self, PyObject *const *args, Py_ssize_t n)
 {
-    if (!nargs(n, 13, "gate") || !check_open(self))
+    uint64_t *w[6], v[5]; /* seq, tail, head, ceil, repl_ts, grants; expected, amount, ops, tpn, pend_mul */
+    if (!parse_args(self, args, n, "gate", "wuwwwwwuuuu..", w, v))
         return NULL;
-    uint64_t *w[6];
-    const int at[6] = {0, 2, 3, 4, 5, 6};
-    for (int i = 0; i < 6; i++)
-        if (!(w[i] = word(self, args[at[i]])))
-            return NULL;
-    uint64_t expected, amount, ops, tpn, pend_mul;
-    if (!u64(args[1], &expected) || !u64(args[7], &amount) || !u64(args[8], &ops) || !u64(args[9], &tpn)
-        || !u64(args[10], &pend_mul))
-        return NULL;
+    uint64_t amount = v[1], tpn = v[3], pend_mul = v[4];
     int capped = PyObject_IsTrue(args[11]);
     double max_reserved_ns = PyFloat_AsDouble(args[12]);
     if (capped < 0 || (max_reserved_ns == -1.0 && PyErr_Occurred()))
@@ -1069,20 +1059,11 @@ cells_gate(NativeCells *self, PyObject *const *args, Py_ssize_t n)
                                           "max_reserved_ns >= 0");
         return NULL;
     }
-    Gate *g = PyObject_New(Gate, &GateType);
+    Gate *g = (Gate *)bind_grab(self, &GateType, w[0], w[1], w[2], w[5], v[0], amount, v[2]);
     if (!g)
         return NULL;
-    Py_INCREF(self);
-    g->cells = self;
-    g->seq = w[0];
-    g->tail = w[1];
-    g->head = w[2];
     g->ceil = w[3];
     g->repl_ts = w[4];
-    g->grants = w[5];
-    g->expected = expected;
-    g->amount = amount;
-    g->ops = ops;
     g->tpn = tpn;
     g->pend_mul = pend_mul;
     g->capped = capped;
@@ -1192,11 +1173,7 @@ static PyGetSetDef cells_getset[] = {
 };
 
 static PyTypeObject NativeCellsType = {
-    PyVarObject_HEAD_INIT(NULL, 0)
-    .tp_name = "shmlimit._native.NativeCells",
-    .tp_basicsize = sizeof(NativeCells),
-    .tp_flags = Py_TPFLAGS_DEFAULT,
-    .tp_doc = "Atomic 64-bit cells over a writable buffer (bounds-checked).",
+    NATIVE_TYPE("NativeCells", NativeCells, "Atomic 64-bit cells over a writable buffer (bounds-checked)."),
     .tp_new = PyType_GenericNew,
     .tp_init = (initproc)cells_init,
     .tp_dealloc = (destructor)cells_dealloc,

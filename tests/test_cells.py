@@ -91,11 +91,21 @@ def test_out_of_bounds_and_misaligned_offsets_touch_nothing(cells, off):
         lambda: cells.store(off, 1),
         lambda: cells.fetch_add(off, 1),
         lambda: cells.cas(off, 0, 1),
-        lambda: cells.grab(0, off, 1, 16, 1),
-        lambda: cells.try_grab(off, 8, 1, 16, 1),
     ):
         with pytest.raises(IndexError):
             call()
+    # every offset of every composite, each checked before the first access to any word
+    for method, args, words in (
+        ("grab", [0, 8, 1, 16, 1], (0, 1, 3)),
+        ("try_grab", [0, 8, 1, 16, 1], (0, 1, 3)),
+        ("grab_if", [24, 25, 0, 8, 1, 16, 1], (0, 2, 3, 5)),
+        ("grabber", [24, 25, 0, 8, 1, 16, 1], (0, 2, 3, 5)),
+    ):
+        for i in words:
+            bad = list(args)
+            bad[i] = off
+            with pytest.raises(IndexError):
+                getattr(cells, method)(*bad)
     assert all(cells.load(i) == i + 1 for i in range(0, SIZE, 8))
 
 
