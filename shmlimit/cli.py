@@ -12,7 +12,7 @@ import os
 import sys
 import time
 from dataclasses import asdict
-from typing import Optional, Sequence
+from typing import Callable, Iterator, Optional, Sequence, Tuple
 
 from .config import parse_spec
 from .errors import ShmlimitError
@@ -122,15 +122,25 @@ def _inspect(name: str) -> "Stats | KeyedStats":
 BAD_NAME = "not a valid limiter name: skipped"
 
 
+def _inspected(
+    names: Sequence[str], unreadable: Callable[[str, Exception], None]
+) -> Iterator[Tuple[str, "Stats | KeyedStats"]]:
+    """Each limiter's name and snapshot; one that cannot be read is given to ``unreadable`` (never fatal)."""
+    for n in names:
+        try:
+            s = inspect(n)
+        except (ShmlimitError, OSError) as e:
+            unreadable(n, e)
+            continue
+        yield n, s
+
+
 def cmd_list(args: argparse.Namespace) -> int:
     names, bad = scan()
     if args.json:
-        out = []
-        for n in names:
-            try:
-                out.append(_stats_dict(inspect(n)))
-            except (ShmlimitError, OSError) as e:  # listed with the reason, never fatal
-                out.append({"name": n, "error": str(e)})
+        out: list = []
+        for _, s in _inspected(names, lambda n, e: out.append({"name": n, "error": str(e)})):
+            out.append(_stats_dict(s))
         out.extend({"name": n, "error": BAD_NAME} for n in bad)
         print(json.dumps(out))
         return 0
@@ -140,12 +150,7 @@ def cmd_list(args: argparse.Namespace) -> int:
         print("no shmlimit limiters on this machine")
         return 0
     print(f"{'name':24} {'rate':>12} {'capacity':>9} {'available':>10} {'grants':>10} {'procs':>5}")
-    for n in names:
-        try:
-            s = inspect(n)
-        except (ShmlimitError, OSError) as e:
-            print(printable(f"{n:24} unreadable: {e}"))
-            continue
+    for n, s in _inspected(names, lambda n, e: print(printable(f"{n:24} unreadable: {e}"))):
         alive = sum(p.alive for p in s.processes)
         if isinstance(s, KeyedStats):  # per key: the table's fill instead of one bucket's level
             keys = f"{s.keys}/{s.slots} keys"
@@ -279,12 +284,7 @@ def cmd_gc(args: argparse.Namespace) -> int:
     names, bad = scan()
     for n in bad:
         print(printable(f"left alone ({BAD_NAME}): {n!r}"))
-    for n in names:
-        try:
-            s = inspect(n)
-        except (ShmlimitError, OSError) as e:
-            print(printable(f"left alone (unreadable): {n}: {e}"))
-            continue
+    for n, s in _inspected(names, lambda n, e: print(printable(f"left alone (unreadable): {n}: {e}"))):
         if any(p.alive for p in s.processes):
             kept += 1
             continue
