@@ -37,6 +37,8 @@ from shmlimit.attachment import Attachment
 from shmlimit.limiter import Limiter
 from shmlimit.segment import Segment
 
+from support.clock import FakeClock
+
 BACKENDS = ["atomics"] + (["native"] if native_available() else [])
 SLOTS = 4
 WORDS = [L.CFG_SEQ, L.CFG_RATE, L.CFG_PER, L.CFG_BURST, L.CFG_TPN, L.CFG_COST, L.CFG_CAP, L.CFG_FLAGS, L.CFG_RATIO,
@@ -48,14 +50,6 @@ class WouldBlock(Exception):
     """A simulated caller would sleep (waiting for room or a release): it gives up, taking nothing."""
 
 
-class Clock:
-    def __init__(self) -> None:
-        self.now = 10**15
-
-    def __call__(self) -> int:
-        return self.now
-
-
 RATES = st.sampled_from([1000.0, 10.0, 333.0, 1e9 / 3, 9.9e8, 1e6, 100_000.0, 2.5, 7e6])
 BURSTS = st.one_of(st.none(), st.sampled_from([1.0, 2.0, 3.0, 14.0, 250.0]))
 
@@ -65,7 +59,7 @@ class LimiterModel(RuleBasedStateMachine):
 
     def __init__(self) -> None:
         super().__init__()
-        self.clock = Clock()
+        self.clock = FakeClock(10**15)
         self.procs = []
         self.pending = []  # (ticket, tokens, ops, owner) not yet covered by the head
         self.grants = []  # (time_ns, tokens) of every grant observed
@@ -367,7 +361,7 @@ class LimiterModel(RuleBasedStateMachine):
         # a scratch copy: running the clock must not change the machine's state
         scratch = mmap.mmap(-1, len(self.mm))
         scratch[:] = self.mm[:]
-        clock = Clock()
+        clock = FakeClock(10**15)
         clock.now = self.clock.now
         cells = open_cells(scratch, len(scratch), BACKENDS[-1])
         b = Bucket(cells, clock)

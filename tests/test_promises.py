@@ -15,19 +15,12 @@ from shmlimit.bucket import Bucket, diff
 from shmlimit.cells import native_available, open_cells
 from shmlimit.config import MAX_QUEUE_TOKENS, MAX_SPAN_TOKENS, NS_PER_S, Config
 from shmlimit.errors import QueueFullError
+from support.clock import FakeClock
 from support.procs import WORKDIR
 
 BACKENDS = ["atomics"] + (["native"] if native_available() else [])
 CONFIG_WORDS = [L.CFG_SEQ, L.CFG_RATE, L.CFG_PER, L.CFG_BURST, L.CFG_TPN, L.CFG_COST, L.CFG_CAP, L.CFG_FLAGS,
                 L.CFG_RATIO, L.CFG_MAX_RESERVED, L.CFG_MAX_BEHIND]
-
-
-class FakeClock:
-    def __init__(self, start: int = 10**12) -> None:
-        self.now = start
-
-    def __call__(self) -> int:
-        return self.now
 
 
 def make_cells(backend, slots=1):
@@ -130,6 +123,7 @@ def test_capped_rate_up_keeps_capacity_in_ops(name):
     lim.close()
 
 
+@pytest.mark.slow
 def test_capped_with_catch_up_keeps_capacity_in_ops(name):
     lim = shmlimit.Limiter(name, rate=1000, burst=2, capped=True, ratio=3.0)
     lim.retry_after()  # a first use (taking nothing): the filler runs, and moves unused time to the pool
@@ -296,6 +290,7 @@ def test_config_snapshot_is_never_torn_by_a_thread_switch(name):
 # ---- 8. a timed acquire never overshoots its timeout by more than scheduling noise --------------
 
 
+@pytest.mark.slow
 def test_timed_acquire_counts_the_real_refill_speed(name):
     lim = shmlimit.Limiter(name, rate=100_000, burst=1)  # capacity 10 us: far below two fill intervals
     for _ in range(5):
