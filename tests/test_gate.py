@@ -209,6 +209,7 @@ def test_a_certain_refusal_is_never_one_a_replenish_could_grant(base, avail, amo
 # ---- the public calls ------------------------------------------------------------------------------
 
 
+@pytest.mark.slow
 def test_try_acquire_and_timed_acquire_take_the_gate(name):
     lim = shmlimit.Limiter(name, rate=10, burst=2)
     try:

@@ -56,6 +56,7 @@ def test_retry_after_reserve_and_timed_acquire(name):
     lim.close()
 
 
+@pytest.mark.slow
 def test_acquire_waits_for_its_turn_never_less(name):
     lim = shmlimit.KeyedLimiter(name, rate=20, burst=1, keys=100)
     t0 = time.monotonic()

@@ -131,6 +131,7 @@ def _override_then_report(name):
     return before
 
 
+@pytest.mark.slow
 def test_overrides_live_across_processes_and_eviction(name):
     lim = shmlimit.KeyedLimiter(name, rate=1_000_000, burst=1, keys=32)
     lim.set_rate(10, per=1, burst=5, key="vip")

@@ -243,6 +243,7 @@ if native_available():
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.slow
 def test_a_config_lock_left_by_a_dead_writer_is_closed(backend):
     t = Table(backend, 16, 1)
     t.c.store(K.CFG_SEQ, 7)  # odd: a writer died holding it

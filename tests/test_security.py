@@ -170,6 +170,7 @@ def test_creating_on_a_full_dev_shm_raises_instead_of_crashing():
     assert r.stdout.startswith("refused:") and "no room" in r.stdout
 
 
+@pytest.mark.slow
 def test_inspect_and_list_survive_a_segment_truncated_under_them():
     # A writer keeps truncating and regrowing the segment while `list --json` and inspect run:
     # a mapping would fault (SIGBUS) on the pages that vanished.
@@ -324,6 +325,7 @@ def _refresh_ctime(path, stop_at):
         time.sleep(0.2)
 
 
+@pytest.mark.slow
 def test_an_empty_file_with_a_refreshed_ctime_does_not_stall_an_opener(name):
     path = _path(name)
     os.close(os.open(path, os.O_CREAT | os.O_EXCL | os.O_RDWR, 0o600))
@@ -350,6 +352,7 @@ def test_an_empty_file_with_a_refreshed_ctime_does_not_stall_an_opener(name):
 
 
 @needs_root
+@pytest.mark.slow
 def test_a_forged_header_with_a_live_creator_costs_no_wait(name):
     nobody = _nobody()
     path = _path(name)

@@ -294,6 +294,7 @@ def test_capacity_five_never_grants_eight_after_idling(name):
     lim.close()
 
 
+@pytest.mark.slow
 def test_timed_acquire_fails_at_once_when_the_wait_is_longer(name):
     lim = shmlimit.Limiter(name, rate=1, per=5, initial=0)
     t0 = time.monotonic()
@@ -577,6 +578,7 @@ def _reserve_and_report(lim, q):
     q.put((before, wait, time.monotonic()))
 
 
+@pytest.mark.slow
 def test_drain_in_one_process_never_cancels_another_process_reservation(name):
     lim = shmlimit.Limiter(name, rate=10, burst=5)
     assert lim.drain() == 5

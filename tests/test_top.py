@@ -35,6 +35,7 @@ def test_once_json_matches_inspect_and_measures_the_rate(name):
 
 
 @pytest.mark.parametrize("sigint", ["default", "ignored"])
+@pytest.mark.slow
 def test_live_view_refreshes_in_place_under_a_terminal(name, sigint):
     """Ctrl-C ends the live view cleanly, also when the test run itself ignores SIGINT.
 
