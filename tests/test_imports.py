@@ -2,7 +2,8 @@
 
 Every ``import`` statement of the package is read (at any depth: a function-level import is
 an edge too), and the graph must have no cycle.  The shared-memory core never imports the
-Redis tier, and the design page's map lists every module with the modules it imports.
+Redis tier, the design page's map lists every module with the modules it imports, and no
+module is longer than a reader can hold (``MAX_LINES``).
 """
 import ast
 import os
@@ -19,6 +20,8 @@ DESIGN = open(os.path.join(ROOT, "docs", "design.md")).read()
 #: The shared-memory core: none of these may import the Redis tier, even lazily.
 CORE = {"layout", "words", "composites", "atomics_cells", "cells", "segment", "config", "errors", "bucket", "table", "filler"}
 REDIS_TIER = {"redis", "redis_client", "redis_keyed", "upstream"}
+#: One concept per module: none of the package's Python modules is longer than this.
+MAX_LINES = 600
 EXTENSIONS = {f.split(".")[0] for f in os.listdir(PACKAGE) if f.endswith((".c", ".so"))}
 
 
@@ -108,3 +111,9 @@ def test_the_design_page_maps_every_module_and_its_imports():
     assert set(shown) == set(g), f"missing from the map: {set(g) - set(shown)}; not modules: {set(shown) - set(g)}"
     for m, deps in g.items():
         assert shown[m] == deps, f"design.md says {m} imports {sorted(shown[m])}; it imports {sorted(deps)}"
+
+
+def test_no_module_is_above_600_lines():
+    lines = {m: len(open(p).read().splitlines()) for m, p in modules().items()}
+    long = {m: n for m, n in lines.items() if n > MAX_LINES}
+    assert not long, f"modules above {MAX_LINES} lines (split them by concept): {long}"
