@@ -21,7 +21,8 @@ from .errors import ConfigMismatchError
 from .header import Creation
 from .segment import unlink as _unlink_name
 from .segment import validate_name, validate_trusted_uids
-from .upstream_spec import DEFAULT_BATCH_SECONDS, DEFAULT_LEASE_TTL, ON_ERROR, UpstreamSpec
+from .upstream_option import resolve_upstream
+from .upstream_spec import DEFAULT_BATCH_SECONDS, DEFAULT_LEASE_TTL, UpstreamSpec
 from .stats import Stats, snapshot
 
 if TYPE_CHECKING:  # pragma: no cover
@@ -29,36 +30,6 @@ if TYPE_CHECKING:  # pragma: no cover
 
 _INF = float("inf")
 _ONE = 1  # `n is _ONE`: the cheapest test that n is the int 1 (True is not)
-
-
-def _upstream(
-    name: str, rate: Any, per: float, burst: Optional[float], upstream: Any, on_error: str, ttl: Any, batch: Any
-) -> Tuple[Any, float, Optional[float], UpstreamSpec]:
-    """Resolve ``upstream=``: the local config to use and the upstream this process leases from."""
-    if on_error not in ON_ERROR:
-        raise ValueError(f"on_redis_error must be one of {', '.join(ON_ERROR)}, got {on_error!r}")
-    for param, v in (("lease_ttl", ttl), ("batch_seconds", batch)):
-        t = validate_timeout(v, param)
-        if t is None or not 0.001 <= t <= 60:
-            raise ValueError(f"{param} must be between 0.001 and 60 seconds, got {v!r}")
-    from .redis import RedisLimiter  # the Redis tier: only a process that configures it imports it
-
-    options = dict(on_error=on_error, lease_ttl=float(ttl), batch_seconds=float(batch))
-    if isinstance(upstream, str):
-        if rate is None:
-            raise ValueError("upstream= as a URL needs rate= (the global limit); or pass a RedisLimiter")
-        cfg = Config.make(rate, per, burst)
-        redis = RedisLimiter(name, cfg.rate, cfg.per, cfg.burst, url=upstream)
-        redis.close()
-    elif isinstance(upstream, RedisLimiter):
-        redis = upstream
-        if rate is None:
-            rate, per, burst = redis.rate, redis.per, redis.capacity
-    else:
-        raise TypeError(f"upstream must be a Redis URL or a RedisLimiter, not {type(upstream).__name__}")
-    spec = redis.upstream_spec(**options)
-    spec.encode()  # too long for the header: refused before anything is created
-    return rate, per, burst, spec
 
 
 class Limiter:
@@ -169,7 +140,7 @@ class Limiter:
         trusted = validate_trusted_uids(trusted_uids)
         desc = None
         if upstream is not None:
-            rate, per, burst, desc = _upstream(name, rate, per, burst, upstream, on_redis_error, lease_ttl, batch_seconds)
+            rate, per, burst, desc = resolve_upstream(name, rate, per, burst, upstream, on_redis_error, lease_ttl, batch_seconds)
             if capped or (ratio is not None and ratio != 1.0):
                 raise ValueError("capped and ratio are not supported with upstream= (hierarchical mode)")
         cfg = None if rate is None else Config.make(rate, per, burst, capped, ratio, max_reserved, max_behind)
