@@ -144,7 +144,9 @@ class MultiRateModel(RuleBasedStateMachine):
                 for j in range(i, len(ev)):
                     net += ev[j][1]
                     if ev[j][1] > 0:  # windows ending on a grant
-                        allowed = (ev[j][0] - ev[i][0]) * b.tpn + term
+                        # instants are whole nanoseconds of the clock, due times are exact: one
+                        # nanosecond of schedule is the clock's resolution, not an over-grant
+                        allowed = (ev[j][0] - ev[i][0] + 1) * b.tpn + term
                         assert net <= allowed, (
                             f"rate {k}: {net / b.cost:g} ops net in {(ev[j][0] - ev[i][0]) / 1e6:g} ms; events (ms, ops): "
                             f"{[((t - ev[0][0]) / 1e6, x / b.cost) for t, x in ev]}"
@@ -160,10 +162,22 @@ class MultiRateModel(RuleBasedStateMachine):
 
     def _tick(self, ms):
         for _ in range(ms):  # a filler's replenish every millisecond; the waiters look
-            self.clock.advance(TICK_NS)
-            for att in self.atts.values():
-                att.bucket.replenish()
-            self._step_all()
+            end = self.clock.now + TICK_NS
+            # A parked waiter wakes at its own instant (``wake_ns``) and replenishes for itself, as
+            # the drivers do: its grant is then seen when the head covers it, not up to a filler's
+            # tick later (a grant dated late makes the next one look early).
+            while True:
+                wakes = [r.wake_ns for r, _ in self.pending if r.wake_ns is not None and self.clock.now < r.wake_ns < end]
+                if not wakes:
+                    break
+                self._replenish_at(min(wakes))
+            self._replenish_at(end)
+
+    def _replenish_at(self, ns):
+        self.clock.advance(ns - self.clock.now)
+        for att in self.atts.values():
+            att.bucket.replenish()
+        self._step_all()
 
     @precondition(lambda self: self.pending)
     @rule()
