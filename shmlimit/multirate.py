@@ -235,22 +235,26 @@ class MultiLimiter:
 
     # -- costs -----------------------------------------------------------------------
 
+    def _by_name(self, values: Dict[str, object], n: object, n_default: int, what: str) -> List[object]:
+        """``values`` given per rate by name, in the rates' order (0 for a rate not named); refused
+        on a list of rates, with ``n`` given too (not ``n_default``), or with a name not a rate's."""
+        if not self._named:
+            raise TypeError(f"limiter {self._name!r} has a list of rates: give n (ops on every rate), not {sorted(values)}")
+        if n != n_default:
+            raise TypeError(f"give either n (ops on every rate) or a {what} per rate by name, not both")
+        unknown = sorted(set(values) - set(self._keys))
+        if unknown:
+            raise TypeError(f"unknown rate(s) {unknown}: the rates of {self._name!r} are {', '.join(self._keys)}")
+        return [values.get(k, 0) for k in self._keys]
+
     def _ops(self, n: object, costs: Dict[str, object]) -> Tuple[int, ...]:
         """Ops on each rate: ``n`` on every one, or the keywords' (rates not named cost nothing)."""
         if not costs:
             if isinstance(n, bool) or not isinstance(n, int) or n < 1:
                 raise ValueError(f"n must be a positive int (ops), got {n!r}")
             return tuple(n for _ in self._keys)
-        if not self._named:
-            raise TypeError(f"limiter {self._name!r} has a list of rates: give n (ops on every rate), not {sorted(costs)}")
-        if n != 1:
-            raise TypeError("give either n (ops on every rate) or a cost per rate by name, not both")
-        unknown = sorted(set(costs) - set(self._keys))
-        if unknown:
-            raise TypeError(f"unknown rate(s) {unknown}: the rates of {self._name!r} are {', '.join(self._keys)}")
         out = []
-        for k in self._keys:
-            v = costs.get(k, 0)
+        for k, v in zip(self._keys, self._by_name(costs, n, 1, "cost")):
             if isinstance(v, bool) or not isinstance(v, int) or v < 0:
                 raise ValueError(f"{k} must be an int >= 0 (ops of that rate), got {v!r}")
             out.append(v)
@@ -426,14 +430,7 @@ class MultiLimiter:
         """
         atts = self._live()
         if deltas:
-            if not self._named:
-                raise TypeError(f"limiter {self._name!r} has a list of rates: settle(n) changes every rate")
-            if n != 0:
-                raise TypeError("give either n (ops on every rate) or a delta per rate by name, not both")
-            unknown = sorted(set(deltas) - set(self._keys))
-            if unknown:
-                raise TypeError(f"unknown rate(s) {unknown}: the rates of {self._name!r} are {', '.join(self._keys)}")
-            per = [deltas.get(k, 0) for k in self._keys]
+            per = self._by_name(deltas, n, 0, "delta")
         else:
             per = [n for _ in self._keys]
         for k, d in zip(self._keys, per):
