@@ -23,7 +23,7 @@ from .bucket import Bucket
 from .cells import Cells, open_cells, warm_backend
 from .config import Config
 from .errors import AbandonedSegmentError, LimiterNotFoundError, SegmentError
-from .segment import Segment, current_inode
+from .segment import Segment, current_inode, publish, start_header
 from .segment import unlink as unlink_name
 from .table import is_alive
 from .upstream_spec import UpstreamSpec
@@ -190,18 +190,12 @@ def open_segment(
 
 def initialise(seg: Segment, create: Creation, now_ns: int) -> Cells:
     """Write a new segment's header, upstream description, config and rovers; READY last."""
-    c = open_cells(seg.mm, seg.size)
-    c.store(L.CREATOR_PID_OFF, os.getpid())  # first: openers tell a working creator from a dead one
-    c.store(L.VERSION_OFF, L.VERSION)
-    c.store(L.SIZE_OFF, seg.size)
-    c.store(L.SLOTS_OFF, create.slots)
-    c.store(L.CREATED_NS_OFF, time.time_ns())
+    c = start_header(seg, L.VERSION, create.slots)
     base = int(os.environ.get("SHMLIMIT_TEST_ROVER_BASE", "0"))  # tests: start the rovers anywhere
     if create.upstream is not None:
         create.upstream.write(c)
     Bucket.initialise(c, create.config, now_ns, create.initial, base, create.upstream is not None)
-    c.store(L.MAGIC_OFF, L.MAGIC)
-    c.store(L.STATE_OFF, L.STATE_READY)  # last: openers wait for this
+    publish(c, L.MAGIC)
     return c
 
 

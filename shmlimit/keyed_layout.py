@@ -28,21 +28,20 @@ from __future__ import annotations
 
 import os
 
+# Line 0 is the header every kind of segment shares (see layout), with the process slots' count
+# in its SLOTS word and the value kind in its last one; line 1 begins, as in every kind, with the
+# config's sequence word and the rate (IEEE-754 bits).
+from .layout import (  # noqa: F401 (this layout's names too)
+    CFG_BURST, CFG_PER, CFG_RATE, CFG_SEQ, CREATED_NS_OFF, CREATOR_PID_OFF, LINE, MAGIC_OFF, SIZE_OFF,
+    STATE_INIT, STATE_OFF, STATE_READY, VERSION_OFF,
+)
+from .layout import SLOTS_OFF as PSLOTS_OFF
+from .layout import words
+
 MAGIC = int.from_bytes(b"SHMLKEYS", "little")
 VERSION = 1
-LINE = 64
 
-MAGIC_OFF = 0
-VERSION_OFF = 8
-SIZE_OFF = 16
-STATE_OFF = 24
-PSLOTS_OFF = 32
-CREATOR_PID_OFF = 40
-CREATED_NS_OFF = 48
-KIND_OFF = 56
-
-STATE_INIT = 0
-STATE_READY = 1
+KIND_OFF = words(0, 8)[7]
 
 #: Value kinds a keyed table may hold.  The slot protocol is the same for all of them.
 KIND_GCRA = 1
@@ -51,18 +50,11 @@ KIND_GCRA = 1
 KIND_WINDOWS = 2
 KINDS = (KIND_GCRA, KIND_WINDOWS)
 
-CFG_SEQ = 64
-CFG_RATE = 72
-CFG_PER = 80
-CFG_BURST = 88
-CFG_T = 96
-CFG_TAU = 104
+# line 1 after the rate: the GCRA's emission interval and burst tolerance (ticks)
+CFG_T, CFG_TAU = words(1, 6)[4:]
 
-NKEYS_OFF = 128
-NOVR_OFF = 136
-PROBE_OFF = 144
-SECRET0_OFF = 152
-SECRET1_OFF = 160
+# line 2: the geometry and the keyed hash's secret
+NKEYS_OFF, NOVR_OFF, PROBE_OFF, SECRET0_OFF, SECRET1_OFF = words(2, 5)
 
 KEYS_LIVE = 3 * LINE
 EVICTED = 4 * LINE
@@ -74,14 +66,7 @@ HEADER_BYTES = 16 * LINE
 PSLOTS = 128
 
 # a key slot (word offsets within its line)
-S_CTRL = 0
-S_D0 = 8
-S_D1 = 16
-S_V0 = 24
-S_V1 = 32
-S_V2 = 40
-S_V3 = 48
-S_V4 = 56
+S_CTRL, S_D0, S_D1, S_V0, S_V1, S_V2, S_V3, S_V4 = words(0, 8)
 SLOT_BYTES = LINE
 
 # slot states (CTRL & 0xff)
@@ -92,14 +77,7 @@ LIVE = 3
 TOMB = 4
 
 # an override entry (word offsets within its line)
-O_CTRL = 0
-O_D0 = 8
-O_D1 = 16
-O_T = 24
-O_TAU = 32
-O_RATE = 40
-O_PER = 48
-O_BURST = 56
+O_CTRL, O_D0, O_D1, O_T, O_TAU, O_RATE, O_PER, O_BURST = words(0, 8)
 O_EMPTY, O_LIVE, O_TOMB = 0, 1, 2
 
 DEFAULT_OVERRIDES = 1024

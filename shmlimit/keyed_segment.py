@@ -25,7 +25,9 @@ from . import layout as L
 from .cells import Cells, open_cells, warm_backend
 from .keyed_gcra import MAX_TICKS, Rate, read_rate
 from .errors import AbandonedSegmentError, LimiterNotFoundError, SegmentError, SharedMemoryFullError
-from .segment import PREFIX, SHM_DIR, Segment, check_trust, current_inode, open_shm, pread_file
+from .segment import (
+    PREFIX, SHM_DIR, Segment, check_trust, current_inode, open_shm, pread_file, publish, start_header,
+)
 from .segment import unlink as _unlink_name
 from .table import is_alive
 
@@ -74,12 +76,7 @@ def _check_space(name: str, size: int) -> None:
 
 
 def _initialise(seg: Segment, geo: Geometry, rate: Optional[Rate]) -> Cells:
-    c = open_cells(seg.mm, seg.size)
-    c.store(K.CREATOR_PID_OFF, os.getpid())  # first: openers tell a working creator from a dead one
-    c.store(K.VERSION_OFF, K.VERSION)
-    c.store(K.SIZE_OFF, seg.size)
-    c.store(K.PSLOTS_OFF, K.PSLOTS)
-    c.store(K.CREATED_NS_OFF, time.time_ns())
+    c = start_header(seg, K.VERSION, K.PSLOTS)
     c.store(K.KIND_OFF, geo.kind)
     if rate is not None:  # a table of window counters has no rate: its config line stays zero
         c.store(K.CFG_RATE, L.f2u(rate.rate))
@@ -93,8 +90,7 @@ def _initialise(seg: Segment, geo: Geometry, rate: Optional[Rate]) -> Cells:
     secret = os.urandom(16)  # the keyed hash's secret: chosen keys cannot pile onto one window
     c.store(K.SECRET0_OFF, int.from_bytes(secret[:8], "little"))
     c.store(K.SECRET1_OFF, int.from_bytes(secret[8:], "little"))
-    c.store(K.MAGIC_OFF, K.MAGIC)
-    c.store(K.STATE_OFF, K.STATE_READY)  # last: openers wait for this
+    publish(c, K.MAGIC)
     return c
 
 

@@ -32,7 +32,15 @@ MAGIC = int.from_bytes(b"SHMLIMIT", "little")
 VERSION = 2
 LINE = 64
 
-# line 0: header, written once by the creator before STATE becomes READY
+
+def words(line: int, count: int) -> range:
+    """The byte offsets of the first ``count`` words of ``line``, in order (a layout states its lines' words)."""
+    return range(line * LINE, line * LINE + count * 8, 8)
+
+
+# line 0: header, written once by the creator before STATE becomes READY.  Every kind of segment
+# (keyed_layout's too) begins with these words, so one protocol creates and checks it
+# (segment.start_header, segment.publish) and a reader can tell the kinds apart by MAGIC.
 MAGIC_OFF = 0
 VERSION_OFF = 8
 SIZE_OFF = 16
@@ -48,7 +56,7 @@ STATE_READY = 1
 #: gives its slot back and opens the name again.
 STATE_DOOMED = 2
 
-# line 1: configuration
+# line 1: configuration (keyed_layout's line 1 begins with the same four words)
 CFG_SEQ = 64
 CFG_RATE = 72
 CFG_PER = 80

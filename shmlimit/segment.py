@@ -13,11 +13,13 @@ import mmap
 import os
 import re
 import stat
+import time
 from typing import AbstractSet, Iterable, List, Optional, Tuple, Union
 
 import posix_ipc
 
 from . import layout as L
+from .cells import Cells, open_cells
 from .errors import LimiterNotFoundError, SegmentError, SharedMemoryFullError, UntrustedSegmentError
 
 PREFIX = "shmlimit."
@@ -302,3 +304,29 @@ def list_names() -> List[str]:
 def describe_mode(name: str) -> Tuple[int, int]:
     st = os.stat(os.path.join(SHM_DIR, PREFIX + name))
     return st.st_mode & 0o777, st.st_uid
+
+
+# ---- the header line every kind of segment begins with (layout's line 0)
+
+
+def start_header(seg: Segment, version: int, slots: int) -> Cells:
+    """Open a new segment's cells and write its header line, all but MAGIC and STATE (``publish``).
+
+    The creator's pid goes first: an opener tells a working creator from a dead one by it.
+    """
+    c = open_cells(seg.mm, seg.size)
+    c.store(L.CREATOR_PID_OFF, os.getpid())
+    c.store(L.VERSION_OFF, version)
+    c.store(L.SIZE_OFF, seg.size)
+    c.store(L.SLOTS_OFF, slots)
+    c.store(L.CREATED_NS_OFF, time.time_ns())
+    return c
+
+
+def publish(c: Cells, magic: int) -> None:
+    """The creator's last writes, once every other word is in place: ``MAGIC``, then ``STATE = READY``.
+
+    Openers wait for ``READY``, so nothing written before it is ever seen half-done.
+    """
+    c.store(L.MAGIC_OFF, magic)
+    c.store(L.STATE_OFF, L.STATE_READY)
