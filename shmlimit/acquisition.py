@@ -34,7 +34,7 @@ from __future__ import annotations
 
 import asyncio
 import time
-from typing import TYPE_CHECKING, Any, Callable, Optional, Union
+from typing import TYPE_CHECKING, Any, Callable, Optional, Protocol, Union
 
 from .config import NS_PER_S, validate_n, validate_timeout
 
@@ -105,6 +105,10 @@ class Request:
         r._waiting = True
         att.waiting(+1)
         return r
+
+    def clock(self) -> int:
+        """Now on the attachment's clock (CLOCK_MONOTONIC ns; injected in tests)."""
+        return self.att.clock()
 
     # -- the steps ---------------------------------------------------------------------
 
@@ -260,13 +264,20 @@ class Request:
         self.wake_ns = now + int(min(max(short, RETRY_NS), MAX_NAP_NS))
         return (self.wake_ns - now) / NS_PER_S
 
-    def wait_native(self, waiter: Any) -> Step:
-        """``TICKET``: the wait itself, in one native call that sleeps (``Bucket.waiter``); then the next step.
+    def wait_native(self) -> Optional[Step]:
+        """``TICKET``: the wait itself, in one native call that sleeps (``Bucket.waiter``), then the
+        next step; None if the backend has no native waiter (the driver sleeps to ``wake_ns``).
 
         The native loop decides only what ``_wait_ticket`` would, without returning to
         Python between its naps; it returns when granted (already counted), when the
         config changed, on a signal, or after ``MAX_NAP``, and the Python step takes over.
         """
+        att = self.att
+        if att.fast_seq != self.bucket.seq:  # the config changed: a waiter bound to the new one
+            att.update_fast()
+        waiter = att.fast[3]
+        if waiter is None:
+            return None
         ticket = self.ticket
         assert ticket is not None
         self.wake_ns = None
@@ -318,25 +329,34 @@ class Request:
 # ---- the two drivers: they only park ------------------------------------------------------------
 
 
-def drive(req: Request) -> bool:
+class Steps(Protocol):
+    """What the drivers run: ``Request``, and ``multirate_request.MultiRequest`` over several rates."""
+
+    #: the current nap ends at this CLOCK_MONOTONIC instant, to sleep to precisely (None: roughly)
+    wake_ns: Optional[int]
+
+    def clock(self) -> int: ...
+    def begin(self) -> Step: ...
+    def next(self) -> Step: ...
+    def end(self) -> None: ...
+    def wait_native(self) -> Optional[Step]: ...
+
+
+def drive(req: Steps) -> bool:
     """Run ``req`` to its end in this thread, sleeping between steps.
 
-    A wait for a ticket's turn is the attachment's native wait when it has one
-    (``Request.wait_native``: the whole wait without returning to Python), else a
-    sleep to its instant (``wake_ns``) with a low timer slack
+    A wait for a turn (``wake_ns`` set) is the request's native wait when it
+    has one (``Request.wait_native``: the whole wait without returning to
+    Python), else a sleep to its instant with a low timer slack
     (``sleep.sleep_until``); every other wait sleeps its nap.
     """
-    att = req.att
     try:
-        waiter = att.fast[3] if req.state == TICKET and att.fast_seq == req.bucket.seq else None
-        step = req.wait_native(waiter) if waiter is not None else req.begin()  # holding a ticket: wait at once
+        step = req.begin()
         while step is not True and step is not False:
             if req.wake_ns is not None:
-                if att.fast_seq != req.bucket.seq:  # the config changed: a waiter bound to the new one
-                    att.update_fast()
-                waiter = att.fast[3]
-                if waiter is not None:
-                    step = req.wait_native(waiter)
+                native = req.wait_native()
+                if native is not None:
+                    step = native
                     continue
                 sleep_until()(req.wake_ns)
             else:
@@ -383,19 +403,18 @@ def sleep_until() -> Callable[[int], None]:
     return _sleeper[0]
 
 
-async def drive_async(req: Request) -> bool:
+async def drive_async(req: Steps) -> bool:
     """Run ``req`` to its end on the event loop, awaiting ``asyncio.sleep`` between steps (never spinning).
 
     A wait for a ticket's turn is timed to its instant (``wake_ns``), measured
     when the sleep starts, with no floor: the loop's own timer granularity (the
     selector's timeout is whole milliseconds on Linux) is then all it is late by.
     """
-    clock = req.att.clock
     try:
         step = req.begin()
         while step is not True and step is not False:
             if req.wake_ns is not None:
-                await asyncio.sleep(max(0, req.wake_ns - clock()) / NS_PER_S)
+                await asyncio.sleep(max(0, req.wake_ns - req.clock()) / NS_PER_S)
             else:
                 await asyncio.sleep(max(step, MIN_NAP))
             step = req.next()

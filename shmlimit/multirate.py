@@ -24,8 +24,8 @@ takes them together:
   (never refused: it is debt later callers wait for), and refunds by
   ``Bucket.add`` (what does not fit under the capacity is dropped).
 
-The protocol itself (``take_all``, ``give_back``, ``MultiRequest`` and its
-drivers) is in ``multirate_request``.  Every word is touched through each
+The protocol itself (``take_all``, ``give_back``, ``MultiRequest``) is in
+``multirate_request``; the acquisition core's drivers run it.  Every word is touched through each
 rate's ``Bucket`` and cells.
 """
 from __future__ import annotations
@@ -40,12 +40,12 @@ from typing import Any, Callable, Dict, Iterable, List, Mapping, Optional, Seque
 
 from . import acquisition
 from . import layout as L
-from .acquisition import ticket_within
+from .acquisition import drive, drive_async, ticket_within
 from .attachment import Attachment, open_attachment, release
 from .bucket import diff
 from .config import NS_PER_S, Config, parse_spec, validate_n, validate_timeout
 from .header import Creation
-from .multirate_request import MultiRequest, drive, drive_async, give_back, take_all, wait_ns
+from .multirate_request import MultiRequest, give_back, take_all, wait_ns
 from .segment import NAME_MAX, validate_name, validate_trusted_uids
 from .segment import unlink as _unlink_name
 from .stats import Stats, snapshot

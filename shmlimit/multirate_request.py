@@ -1,14 +1,13 @@
 """The acquisition protocol over several rates (``rates=``; see ``multirate``): all or nothing
 now (``take_all``), giving back (``give_back``), and ``MultiRequest``, one acquire as steps that
-never sleep, with its two drivers.  Every word is touched through each rate's ``Bucket``."""
+never sleep, run by the acquisition core's drivers (``acquisition.drive``, ``drive_async``).
+Every word is touched through each rate's ``Bucket``."""
 from __future__ import annotations
 
-import asyncio
-import time
 from typing import List, Optional, Sequence, Tuple
 
 from . import acquisition
-from .acquisition import MIN_NAP, Request, sleep_until, ticket_within
+from .acquisition import Request, ticket_within
 from .attachment import Attachment
 from .config import NS_PER_S, validate_timeout
 
@@ -75,42 +74,9 @@ def wait_ns(att: Attachment, tokens: int) -> float:
 LEAD, OTHERS, DONE = "lead", "others", "done"
 
 
-def drive(req: "MultiRequest") -> bool:
-    """Run ``req`` to its end in this thread: a wait for a turn sleeps to its instant (``wake_ns``)
-    precisely (``acquisition.sleep_until``), any other its nap.  (The waits stay in Python: a
-    request waits on several rates' turns, each looked at once it is due.)"""
-    try:
-        step = req.begin()
-        while step is not True and step is not False:
-            if req.wake_ns is not None:
-                sleep_until()(req.wake_ns)
-            else:
-                time.sleep(step)
-            step = req.next()
-        return step
-    finally:
-        req.end()
-
-
-async def drive_async(req: "MultiRequest") -> bool:
-    """Run ``req`` to its end on the event loop: a wait for a turn is timed to its instant
-    (``wake_ns``, measured when the sleep starts), any other is its nap (at least ``MIN_NAP``)."""
-    try:
-        step = req.begin()
-        while step is not True and step is not False:
-            if req.wake_ns is not None:
-                await asyncio.sleep(max(0, req.wake_ns - req.clock()) / NS_PER_S)
-            else:
-                await asyncio.sleep(max(step, MIN_NAP))
-            step = req.next()
-        return step
-    finally:
-        req.end()
-
-
 class MultiRequest:
     """One acquire over several rates, as steps that never sleep (``begin``/``next``/``end``, as
-    ``acquisition.Request``; run by the same drivers)."""
+    ``acquisition.Request``; run by the same drivers, ``acquisition.drive`` and ``drive_async``)."""
 
     def __init__(self, atts: Sequence[Attachment], ops: Sequence[int], toks: Sequence[int], timeout: Optional[float]) -> None:
         timeout = validate_timeout(timeout)
@@ -193,6 +159,11 @@ class MultiRequest:
             if rest:
                 return self._join(rest)
         return self._granted(count=True)
+
+    def wait_native(self) -> None:
+        """No native wait: a request over several rates waits on each rate's turn in Python, each
+        looked at once it is due (the driver sleeps to the earliest, ``wake_ns``)."""
+        return None
 
     def next(self) -> acquisition.Step:
         if self.state == DONE:
