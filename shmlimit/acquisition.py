@@ -25,7 +25,11 @@ A request moves through these states, each a step that never blocks:
 * ``TICKET`` -- it holds a ticket: it waits for the head to reach it,
   replenishing by itself (the lazy refill: nothing waits for the filler) and
   nudging its process's filler when it had to.  While here, its process slot's
-  WAITING word counts it (``stats().processes[i].waiting``).
+  WAITING word counts it (``stats().processes[i].waiting``), and its ticket is
+  recorded in the slot if the record is free (given back should the process
+  die).  A request that leaves here without being granted (an interrupt, a
+  cancellation: ``end`` after an exception) gives its ticket back: the head
+  skips its range (see ``giveback``), so no one waits for it.
 
 Every deadline and nap is measured on the attachment's clock (CLOCK_MONOTONIC
 ns, injected in tests), so a request can be driven step by step on a fake clock.
@@ -69,7 +73,7 @@ class Request:
 
     __slots__ = (
         "att", "bucket", "n", "tokens", "deadline", "state", "ticket", "admitted", "granted", "place", "wake_ns",
-        "_waiting",
+        "_waiting", "recorded",
     )
 
     def __init__(self, att: "Attachment", n: int, timeout: Optional[float]) -> None:
@@ -91,12 +95,17 @@ class Request:
         #: the last nap ends at this CLOCK_MONOTONIC instant, to sleep to precisely (None: roughly)
         self.wake_ns: Optional[int] = None
         self._waiting = False
+        self.recorded = False  # our ticket is recorded in our process slot
 
     @classmethod
-    def holding(cls, att: "Attachment", n: int, ticket: int) -> "Request":
-        """A request that already holds ``ticket`` (the fast path's grab): it only waits."""
+    def holding(cls, att: "Attachment", n: int, ticket: int, tokens: int) -> "Request":
+        """A request that already holds ``ticket``, ``tokens`` long (the fast path's grab): it only waits.
+
+        ``tokens`` 0: the length is not known for sure (the config changed
+        under the grab), and the ticket can then never be given back.
+        """
         r = cls.__new__(cls)
-        r.att, r.bucket, r.n, r.tokens, r.deadline = att, att.bucket, n, n * att.bucket.cost, None
+        r.att, r.bucket, r.n, r.tokens, r.deadline = att, att.bucket, n, tokens, None
         r.admitted = r.granted = r._waiting = False
         r.place = None
         r.wake_ns = None
@@ -104,6 +113,7 @@ class Request:
         r.state = TICKET
         r._waiting = True
         att.waiting(+1)
+        r.recorded = tokens > 0 and att.record_ticket(ticket, tokens)
         return r
 
     def clock(self) -> int:
@@ -145,11 +155,19 @@ class Request:
         raise RuntimeError(f"request is {state}: nothing to wait for")
 
     def end(self) -> None:
-        """Leave: clear the WAITING count, and give back the place in flight of a request not granted.
+        """Leave: clear the WAITING count, and give back what a request not granted holds.
 
-        Safe to call more than once, and after any exception (an interrupt, a
-        cancellation) at any step.
+        That is its place in flight (capped mode) and its ticket: a request
+        that holds one and was not granted left early (an interrupt, a
+        cancellation), and the head will skip its range.  Safe to call more
+        than once, and after any exception at any step.
         """
+        ticket, self.ticket = self.ticket, None
+        if ticket is not None and self.state == TICKET and not self.granted and self.tokens > 0:
+            self.att.give_back(ticket, self.tokens)
+        if self.recorded:
+            self.recorded = False
+            self.att.clear_ticket(self.tokens)
         if self._waiting:
             self._waiting = False
             self.att.waiting(-1)
@@ -226,6 +244,7 @@ class Request:
         if not self._waiting:
             self._waiting = True
             self.att.waiting(+1)
+        self.recorded = self.att.record_ticket(ticket, self.tokens)
         return self._wait_ticket()
 
     def _wait_ticket(self) -> Step:
@@ -240,7 +259,7 @@ class Request:
         assert ticket is not None
         self.wake_ns = None
         if b.covered(ticket):
-            return self._grant()
+            return self._grant_ticket()
         b.refresh()
         if att.opened():  # the "open" fallback lets queued callers through too
             return self._grant()
@@ -254,7 +273,7 @@ class Request:
         if b.replenish() > 0:
             att.nudge_filler()  # we did the filler's work: make sure a filler runs
             if b.covered(ticket):
-                return self._grant()
+                return self._grant_ticket()
         short = b.deficiency(ticket) / b.tpn
         if b.upstream:
             att.nudge_filler()  # only a filler leases: make sure one runs
@@ -310,6 +329,17 @@ class Request:
         return min(CAPPED_NAP, left)
 
     # -- outcomes ------------------------------------------------------------------------
+
+    def _grant_ticket(self) -> bool:
+        """The head covers our ticket.
+
+        A closed attachment grants nothing: closing unregisters the slot, and
+        a ticket recorded there may then be given back by another process
+        (whose head skip covers it): it is no longer ours.
+        """
+        if self.att.closed:
+            raise ValueError(f"limiter {self.att.name!r} was closed while this call waited")
+        return self._grant()
 
     def _grant(self) -> bool:
         """Granted: counted in this process's slot."""
@@ -377,18 +407,30 @@ def after_native_wait(att: "Attachment", rc: int) -> None:
         b.burn(keep=b.cap + b.burst_pool)
 
 
-def wait_for_ticket(att: "Attachment", ticket: int) -> bool:
-    """The fast path's ticket for one op: the native wait straight away (counted among this
-    process's queued callers meanwhile), and a ``Request`` only if it hands the wait back."""
+def wait_for_ticket(att: "Attachment", ticket: int, tokens: int) -> bool:
+    """The fast path's ticket for one op (``tokens`` long; 0: not known): the native wait straight
+    away (counted among this process's queued callers meanwhile), and a ``Request`` only if it
+    hands the wait back.
+
+    Interrupted in the native wait, it gives its ticket back (a granted one is covered already,
+    and giving back a covered range does nothing).  Not recorded in the process slot while
+    there (saving a saturated waiter the record's atomics): a process killed then leaves one
+    op of schedule queued.
+    """
     waiter = att.fast[3]
     if waiter is not None:
-        rc = waiter.wait(ticket, 1, time.monotonic_ns() + MAX_NAP_NS, True)
-        if rc == WAIT_GRANTED:
-            return True
-        after_native_wait(att, rc)
-        if rc & WAIT_GRANTED:
-            return True
-    return drive(Request.holding(att, 1, ticket))
+        try:
+            rc = waiter.wait(ticket, 1, time.monotonic_ns() + MAX_NAP_NS, True)
+            if rc == WAIT_GRANTED:
+                return True
+            after_native_wait(att, rc)
+            if rc & WAIT_GRANTED:
+                return True
+        except BaseException:
+            if tokens:
+                att.give_back(ticket, tokens)
+            raise
+    return drive(Request.holding(att, 1, ticket, tokens))
 
 
 _sleeper: list = []

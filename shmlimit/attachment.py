@@ -11,8 +11,10 @@ detaches (its slot is given back and a held lease dropped, so a successor
 fills at once).
 
 The attachment owns this process's words of the process table: the grants
-counter it adds to (``count``) and the WAITING count of its queued callers
-(``waiting``).  Everything else goes through the bucket.
+counter it adds to (``count``), the WAITING count of its queued callers
+(``waiting``) and the record of one waiter's ticket (``record_ticket``), and
+the ticket ranges this process gives back (``give_back``, see ``giveback``).
+Everything else goes through the bucket.
 """
 from __future__ import annotations
 
@@ -26,6 +28,7 @@ from .bucket import Bucket, GrabResult
 from .cells import MASK64, Cells
 from .errors import ConfigMismatchError, LimiterNotFoundError, SegmentError
 from .filler import FillerThread, Lease
+from .giveback import REAP_EVERY, Returns, ReturnsThread, clear, reap, record, take_over
 from .header import Creation, open_segment
 from .registry import Registry
 from .segment import Segment, check_trust, current_inode, validate_name
@@ -85,6 +88,12 @@ class Attachment:
         self.grants_off = L.UNREG_GRANTS
         self.waiting_off: Optional[int] = None
         self.pid = os.getpid()
+        #: the ticket ranges this process gave back, and the thread that skips them (started at the first)
+        self.returns = Returns(self.bucket)
+        self._returns_thread: Optional[ReturnsThread] = None
+        self._join = join
+        #: (grabber, grab within a timeout, the tokens each takes): a ticket they hand out is this long
+        self.fast_grab: tuple = (None, None, 0)
         # The fast paths: [grabber, try, grab within a timeout], shared by reference with every
         # handle and updated in place.  A grabber does one grab_if priced under the config it was
         # made for; it answers False (nothing touched) once the config changed, and _no_fast always
@@ -127,6 +136,8 @@ class Attachment:
         self.fast[3] = None if self.closed or not real_clock else self.bucket.waiter(
             s, self.grants_off, self.waiting_off, SLACK_NS
         )
+        # one tuple, swapped by reference: a grab's price is never another config's
+        self.fast_grab = (self.fast[0], self.fast[2], s.cost)
 
     # -- this process's words ------------------------------------------------------------
 
@@ -138,6 +149,33 @@ class Attachment:
         """One more (+1) or one fewer (-1) of this process's callers queued for tokens."""
         if self.waiting_off is not None:
             self.cells.fetch_add(self.waiting_off, delta & MASK64)
+
+    def record_ticket(self, ticket: int, tokens: int) -> bool:
+        """Record a waiter's ticket in this process's slot (if free), to be given back should the process die."""
+        return record(self.cells, self.slot, ticket, tokens)
+
+    def clear_ticket(self, tokens: int) -> None:
+        """The waiter that recorded its ticket leaves."""
+        clear(self.cells, self.slot, tokens)
+
+    def give_back(self, ticket: int, tokens: int) -> None:
+        """A waiter leaves before its turn: the head will skip its range (see ``giveback``)."""
+        self.returns.give_back(ticket, tokens)
+        if self.returns.step() is not None:  # at once if the head is there already, else when it gets there
+            self._skipper()
+
+    def reap(self) -> int:
+        """Give back the tickets recorded by dead processes; return how many (the filler's chore)."""
+        found = reap(self.cells, self.table, self.returns)
+        if found:
+            self._skipper()
+        return found
+
+    def _skipper(self) -> None:
+        t = self._returns_thread
+        if self._join and not self.closed and (t is None or not t.is_alive()):
+            self._returns_thread = t = ReturnsThread(self.returns, self.name)
+            t.start()
 
     def nudge_filler(self) -> None:
         """A caller did the filler's work, or needs a lease: make sure a filler runs."""
@@ -161,8 +199,10 @@ class Attachment:
             base = L.slot_offset(self.slot)
             self.grants_off = base + L.SLOT_GRANTS
             self.waiting_off = base + L.SLOT_WAITING
+            if take_over(self.cells, self.slot, self.returns):  # a killed predecessor's ticket
+                self._skipper()
             self.lease = Lease(self.cells, self.slot)
-            self.filler = FillerThread(self.bucket, self.lease, self.name, self._feed())
+            self.filler = FillerThread(self.bucket, self.lease, self.name, self._feed(), chores=self._chores)
         self.update_fast()
 
     def use(self) -> None:
@@ -193,11 +233,17 @@ class Attachment:
     def _leave(self) -> None:
         """Give this process's slot back, keeping the mapping (it registers again on its next use)."""
         if self.slot is not None and self.pid == os.getpid():
+            self.cells.store(L.slot_offset(self.slot) + L.SLOT_TICKET_LEN, 0)  # no record outlives a leave
             self.table.unregister(self.slot, self.pid)
         self.slot, self.lease, self.filler, self.waiting_off = None, None, None, None
         self.grants_off = L.UNREG_GRANTS
         self.joined = self.in_use = False
         self.update_fast()
+
+    def _chores(self) -> Optional[float]:
+        """What the elected filler does now and then: give back dead processes' tickets."""
+        self.reap()
+        return REAP_EVERY
 
     def _feed(self) -> Any:
         if self.feed_spec is None:
@@ -233,6 +279,9 @@ class Attachment:
             self.lease.forget()
         self._use_lock = threading.Lock()  # the parent's may have been held by a thread not copied
         self.pid = os.getpid()
+        # the parent skips the ranges it gave back; the child starts afresh (its lock may be held)
+        self.returns = Returns(self.bucket)
+        self._returns_thread = None
         self.slot, self.lease, self.filler, self.waiting_off = None, None, None, None
         self.grants_off = L.UNREG_GRANTS
         self.joined = self.in_use = False
@@ -247,7 +296,12 @@ class Attachment:
             self.filler.stop()
             if self.filler.is_alive():
                 self.filler.join()
+        if self._returns_thread is not None:
+            self._returns_thread.stop()
         if self.slot is not None and self.pid == os.getpid():
+            # No record outlives a clean leave: a waiter of ours still mid-call (closing under it)
+            # could otherwise be granted from a range another process gave back.
+            self.cells.store(L.slot_offset(self.slot) + L.SLOT_TICKET_LEN, 0)
             self.table.unregister(self.slot, self.pid)
         self.cells.close()
         self.seg.close()

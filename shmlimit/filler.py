@@ -163,7 +163,10 @@ class FillerThread(threading.Thread):
     the segment says.
     """
 
-    def __init__(self, bucket: "Bucket", lease: Lease, name: str, feed: Optional[FeedFactory] = None) -> None:
+    def __init__(
+        self, bucket: "Bucket", lease: Lease, name: str, feed: Optional[FeedFactory] = None,
+        chores: Optional[Callable[[], Optional[float]]] = None,
+    ) -> None:
         super().__init__(name=f"shmlimit-filler-{name}", daemon=True)
         self.bucket = bucket
         self.lease = lease
@@ -172,6 +175,9 @@ class FillerThread(threading.Thread):
         self._stopping = False
         self._wake = threading.Event()
         self.fills = 0
+        #: run by the elected filler now and then (giving back dead processes' tickets); it answers
+        #: the seconds until it wants to run again
+        self.chores = chores
 
     def set_feed(self, feed: FeedFactory) -> None:
         """Give a watcher the feed it may run once elected (the first one given stays)."""
@@ -197,6 +203,7 @@ class FillerThread(threading.Thread):
         lease = self.lease
         bucket = self.bucket
         last_renew = 0.0
+        chores_at = 0.0
         try:
             while not self._stopping:
                 if not lease.held:
@@ -219,6 +226,11 @@ class FillerThread(threading.Thread):
                     self.feed = self.make_feed(bucket, lease)  # type: ignore[misc]
                 nap = self.feed.tick()
                 self.fills += 1
+                if self.chores is not None and now >= chores_at:
+                    try:
+                        chores_at = now + (self.chores() or 0.0)
+                    except Exception:  # pragma: no cover - a chore never stops the filling
+                        chores_at = now + 1.0
                 time.sleep(nap)
         except Exception:  # pragma: no cover - a closed mapping at interpreter exit
             pass

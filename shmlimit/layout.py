@@ -18,7 +18,7 @@ filler and the process table never false-share.
     line 10  UP_*      upstream (hierarchical mode) state and counters, written by the filler
     line 11  UP_RECORD the ring of lease records, UP_LEASES, UP_NEXT_NS, UP_LINE_TAIL/HEAD
     lines 12..15 UP_DESC   the upstream's description (JSON), written once by the creator
-    then SLOTS process slots of one line each: PID START GRANTS WAITING BASE PIDNS - -
+    then SLOTS process slots of one line each: PID START GRANTS WAITING BASE PIDNS TICKET TICKET_LEN
 
 Values that are not integers (rate, per, burst) are stored as IEEE-754 bits.
 """
@@ -148,6 +148,12 @@ SLOT_BASE = 32
 #: The inode of the owner's PID namespace (0: not recorded).  PID and START mean something only
 #: in that namespace: a process in another one (a container sharing /dev/shm) cannot judge them.
 SLOT_PIDNS = 40
+#: The ticket one of the owner's waiters holds, recorded so that it can be given back if the owner
+#: dies while queued (see ``giveback``): its end (the ticket) and its length in tokens.  LEN is 0
+#: when nothing is recorded, TICKET_BUSY while a waiter is writing the pair.
+SLOT_TICKET = 48
+SLOT_TICKET_LEN = 56
+TICKET_BUSY = 1 << 63
 DEFAULT_SLOTS = 128
 #: The table can be no larger than the lease word can name.
 MAX_SLOTS = (1 << LEASE_SLOT_BITS) - 1

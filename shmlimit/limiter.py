@@ -277,16 +277,26 @@ class Limiter:
         # The fast paths: one op, the config unchanged -- a single native call.
         if n is _ONE:
             if timeout is None:
-                ticket = self._fast[0]()
+                grab = self._fast[0]
+                ticket = grab()
                 if ticket is None:
                     return True
             else:
-                ticket = self._fast[2](timeout)
+                grab = self._fast[2]
+                ticket = grab(timeout)
                 if ticket is False or ticket is True:  # refused first: a flood is mostly refusals
                     return ticket
             if ticket is not False and ticket is not None:
-                return wait_for_ticket(self._live(), ticket)
+                return wait_for_ticket(self._live(), ticket, self._fast_tokens(grab))
         return drive(Request(self._live(), n, timeout))
+
+    def _fast_tokens(self, grab: Any) -> int:
+        """The tokens a fast-path grab took: the price of the config it was bound to (0: not known)."""
+        att = self._att
+        if att is None:
+            return 0
+        grabber, within, cost = att.fast_grab
+        return cost if grab is grabber or grab is within else 0
 
     def try_acquire(self, n: int = 1) -> bool:
         """Take ``n`` ops only if they are available now; never waits.  False takes nothing.
@@ -418,17 +428,33 @@ class Limiter:
             b.set_stopped(True)
 
     def start(self) -> None:
-        """Resume after ``stop``, from an empty bucket; the paused time is not owed to anyone."""
-        b = self._live().bucket
+        """Resume after ``stop``, from an empty bucket; the paused time is not owed to anyone.
+
+        Tickets of dead processes are given back at once (the head skips them).
+        """
+        att = self._live()
+        b = att.bucket
         b.refresh()
         if b.stopped:
             b.set_stopped(False)
+        self._clear_dead_backlog(att)
 
     def restart(self) -> None:
-        """Start (if stopped) with the pools zeroed: an empty bucket and nothing behind schedule."""
-        b = self._live().bucket
+        """Start (if stopped) with the pools zeroed: an empty bucket and nothing behind schedule.
+
+        Tickets of dead processes are given back at once (the head skips them).
+        """
+        att = self._live()
+        b = att.bucket
         b.refresh()
         b.set_stopped(False, reset=True)
+        self._clear_dead_backlog(att)
+
+    @staticmethod
+    def _clear_dead_backlog(att: Attachment) -> None:
+        # without waiting for the filler's next look: a queue of dead waiters does not outlive a start
+        att.reap()
+        att.returns.step()
 
     @property
     def stopped(self) -> bool:
@@ -463,8 +489,8 @@ class Limiter:
         The same request as ``acquire``, parked on the event loop: while it
         holds a ticket its process shows as waiting.  Cancelled before it has
         its ticket, it takes nothing.  Cancelled while waiting for a ticket it
-        already holds, the ticket's ``n`` ops of schedule are spent unused:
-        they cannot be handed back without letting later callers jump the queue.
+        already holds (``asyncio.wait_for`` timing out included), it gives the
+        ticket back: those queued behind it do not wait for its ``n`` ops.
         """
         return await drive_async(Request(self._live(), n, timeout))
 

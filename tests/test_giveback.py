@@ -1,0 +1,369 @@
+"""Abandoned tickets are given back: a waiter interrupted, cancelled or killed while queued stalls nobody.
+
+A waiter that leaves before its turn gives its ticket's range back and the head skips it (see
+``shmlimit.giveback``); a killed process's recorded ticket is given back by the filler.  Each
+test here fails on a limiter that leaves the range queued: whoever comes next waits for it.
+"""
+import asyncio
+import mmap
+import signal
+import subprocess
+import sys
+import textwrap
+import threading
+import time
+
+import pytest
+
+import shmlimit
+from shmlimit import layout as L
+from shmlimit.acquisition import Request
+from shmlimit.bucket import Bucket, diff
+from shmlimit.cells import native_available, open_cells
+from shmlimit.config import Config
+from shmlimit.giveback import Returns
+from support.procs import WORKDIR, wait_for
+
+BACKENDS = ["atomics"] + (["native"] if native_available() else [])
+
+
+class FakeClock:
+    def __init__(self, start: int = 10**12) -> None:
+        self.now = start
+
+    def __call__(self) -> int:
+        return self.now
+
+
+def empty(lim):
+    """Take every op the bucket holds, so that the next request queues."""
+    lim.drain()
+
+
+def no_backlog(lim, n=1, within=0.5):
+    """A timed acquire decides at once from the queue ahead: True only if no long ticket is in it."""
+    return lim.acquire(n, timeout=within)
+
+
+# ---- the skip itself, on a fake clock --------------------------------------------------------------
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_the_head_skips_a_range_only_from_inside_it_and_grants_no_one(backend):
+    size = L.segment_size(1)
+    cells = open_cells(mmap.mmap(-1, size), size, backend)
+    clock = FakeClock()
+    Bucket.initialise(cells, Config.make(1000, burst=2), clock(), initial_ops=0)
+    b = Bucket(cells, clock)
+    cost = b.cost
+    first = b.grab(cost, L.UNREG_GRANTS, 1)  # someone ahead, still waiting
+    gone = b.grab(10 * cost, L.UNREG_GRANTS, 10)  # the ticket that is given back
+    behind = b.grab(cost, L.UNREG_GRANTS, 1)
+    start = gone - 10 * cost
+    assert b.skip(start, gone) is None  # the ticket ahead is not served yet: nothing moves
+    assert not b.covered(first)
+    clock.now += 1_000_000  # one op's schedule: the head reaches the range's start
+    b.replenish()
+    assert b.covered(first)
+    clock.now += 1
+    assert b.skip(start, gone) == 10 * cost  # skipped: straight to its end ...
+    assert diff(cells.load(L.HEAD), gone) == 0
+    assert not b.covered(behind)  # ... granting nobody behind it
+    assert b.skip(start, gone) == 0  # twice is once
+    clock.now += 1_000_000
+    b.replenish()
+    assert b.covered(behind)  # served one op's schedule later, as if the range had never been taken
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_a_late_skip_loses_the_tokens_that_reached_the_range_never_passes_them_on(backend):
+    size = L.segment_size(1)
+    cells = open_cells(mmap.mmap(-1, size), size, backend)
+    clock = FakeClock()
+    Bucket.initialise(cells, Config.make(1000, burst=1), clock(), initial_ops=0)
+    b = Bucket(cells, clock)
+    cost = b.cost
+    gone = b.grab(100 * cost, L.UNREG_GRANTS, 100)
+    tickets = [b.grab(cost, L.UNREG_GRANTS, 1) for _ in range(5)]
+    for _ in range(50):  # 50 ms of fills land inside the range before anyone skips it
+        clock.now += 1_000_000
+        b.replenish()
+    head = cells.load(L.HEAD)
+    assert diff(head, gone - 100 * cost) > 0  # some time reached the range
+    assert b.skip(gone - 100 * cost, gone) == diff(gone, head)  # only what it had not reached is skipped
+    assert not any(b.covered(t) for t in tickets)  # no burst: the five behind are still owed their schedule
+
+
+def test_returns_skip_each_range_when_the_head_reaches_it():
+    size = L.segment_size(1)
+    cells = open_cells(mmap.mmap(-1, size), size, BACKENDS[-1])
+    clock = FakeClock()
+    Bucket.initialise(cells, Config.make(1000, burst=1), clock(), initial_ops=0)
+    b = Bucket(cells, clock)
+    cost = b.cost
+    ahead = b.grab(cost, L.UNREG_GRANTS, 1)
+    gone = b.grab(3600 * 1000 * cost, L.UNREG_GRANTS, 1)  # an hour of schedule
+    behind = b.grab(cost, L.UNREG_GRANTS, 1)
+    r = Returns(b)
+    r.give_back(gone, 3600 * 1000 * cost)
+    nap = r.step()
+    assert nap == pytest.approx(0.001, abs=1e-6)  # due when the op ahead is served
+    clock.now += 1_000_000
+    b.replenish()  # the head reaches the range (another process's fill) ...
+    clock.now += 1
+    assert r.step() is None  # ... and it is skipped: nothing left to give back
+    assert b.covered(ahead) and not b.covered(behind)
+    clock.now += 1_000_000
+    b.replenish()
+    assert b.covered(behind)  # an hour sooner than without the give-back
+
+
+# ---- a waiter of this process that leaves ----------------------------------------------------------
+
+
+@pytest.mark.slow
+def test_keyboard_interrupt_in_a_sync_waiter_gives_its_ticket_back(name):
+    lim = shmlimit.Limiter(name, rate=10, burst=1)
+    try:
+        empty(lim)
+
+        def interrupt(signum, frame):
+            raise KeyboardInterrupt
+
+        old = signal.signal(signal.SIGALRM, interrupt)
+        try:
+            signal.setitimer(signal.ITIMER_REAL, 0.1)
+            with pytest.raises(KeyboardInterrupt):
+                lim.acquire(600)  # a minute of schedule
+        finally:
+            signal.setitimer(signal.ITIMER_REAL, 0)
+            signal.signal(signal.SIGALRM, old)
+        assert no_backlog(lim)  # the next op waits for one op's schedule, not for the minute
+        assert lim.stats().processes[0].waiting == 0
+    finally:
+        lim.close()
+
+
+@pytest.mark.slow
+def test_keyboard_interrupt_in_the_fast_paths_native_wait_gives_its_ticket_back(name):
+    lim = shmlimit.Limiter(name, rate=2, burst=1)
+    try:
+        empty(lim)
+
+        def interrupt(signum, frame):
+            raise KeyboardInterrupt
+
+        old = signal.signal(signal.SIGALRM, interrupt)
+        try:
+            signal.setitimer(signal.ITIMER_REAL, 0.1)
+            with pytest.raises(KeyboardInterrupt):
+                lim.acquire()  # one op: the fast path's ticket, half a second away
+        finally:
+            signal.setitimer(signal.ITIMER_REAL, 0)
+            signal.signal(signal.SIGALRM, old)
+        # given back: the next op is one op's schedule away (0.5 s), not two (about 0.9 s)
+        assert lim.acquire(1, timeout=0.65)
+    finally:
+        lim.close()
+
+
+@pytest.mark.slow
+def test_a_cancelled_async_waiter_gives_its_ticket_back(name):
+    lim = shmlimit.Limiter(name, rate=10, burst=1)
+
+    async def main():
+        empty(lim)
+        task = asyncio.ensure_future(lim.acquire_async(600))
+        await asyncio.sleep(0.05)
+        assert lim.stats().processes[0].waiting == 1  # queued, holding its ticket
+        task.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await task
+        return await lim.acquire_async(1, timeout=0.5)
+
+    try:
+        assert asyncio.run(main())
+    finally:
+        lim.close()
+
+
+@pytest.mark.slow
+def test_wait_for_in_a_retry_loop_lets_others_through(name):
+    """Each timeout of ``wait_for(acquire_async())`` used to leave a dead ticket: the queue grew
+    faster than it drained and nobody got through.  Now each one is given back."""
+    rate = 20
+    lim = shmlimit.Limiter(name, rate=rate, burst=1)
+    seconds = 1.5
+
+    async def retrier(stop):
+        timeouts = 0
+        while not stop.is_set():
+            try:
+                await asyncio.wait_for(lim.acquire_async(10), 0.02)  # half a second of schedule, 20 ms patience
+            except asyncio.TimeoutError:
+                timeouts += 1
+        return timeouts
+
+    async def bystander(stop, stamps):
+        while not stop.is_set():
+            if await lim.acquire_async(1, timeout=1.0):
+                stamps.append(time.monotonic())
+            await asyncio.sleep(0)  # a refusal does not yield: let the others run
+
+    async def main():
+        empty(lim)
+        stop = asyncio.Event()
+        stamps = []
+        tasks = [asyncio.ensure_future(retrier(stop)), asyncio.ensure_future(bystander(stop, stamps))]
+        await asyncio.sleep(seconds)
+        stop.set()
+        timeouts = await tasks[0]
+        await tasks[1]
+        return timeouts, stamps
+
+    try:
+        timeouts, stamps = asyncio.run(main())
+    finally:
+        lim.close()
+    assert timeouts >= 10  # the loop really did leave that many tickets behind
+    # Leaving every ticket queued, the bystander gets its first op and then none: each timeout adds
+    # half a second of schedule every 20 ms.  Given back, it gets one at least every MAX_NAP (0.25 s):
+    # a waiter that computed its turn behind a ticket given back later notices when it next looks.
+    assert len(stamps) >= 4, f"only {len(stamps)} ops in {seconds} s at {rate}/s"
+    # ... and never more than the window bound (rate*T + capacity) in any window
+    for i in range(len(stamps)):
+        for j in range(i, len(stamps)):
+            assert j - i + 1 <= rate * (stamps[j] - stamps[i]) + 1 + 1e-6
+
+
+def test_a_request_that_leaves_on_a_fake_clock_gives_back_and_clears_its_record(name):
+    clock = FakeClock()
+    lim = shmlimit.Limiter(name, rate=1000, burst=1, clock=clock)
+    try:
+        att = lim._att
+        empty(lim)
+        req = Request(att, 100, None)
+        assert req.begin() > 0  # queued: 100 ms of schedule
+        slot = L.slot_offset(att.slot)
+        assert att.cells.load(slot + L.SLOT_TICKET_LEN) == 100 * att.bucket.cost  # recorded
+        req.end()  # left without being granted (an exception in the driver)
+        assert att.cells.load(slot + L.SLOT_TICKET_LEN) == 0
+        assert diff(att.cells.load(L.HEAD), att.cells.load(L.TAIL)) == 0  # skipped at once: it was at the head
+        assert att.returns.pending() == []
+        # The first replenish after a skip adds nothing (its clamp is relative to a head read before
+        # the skip: lost time, never a grant); the skip's own replenish makes that interval as short
+        # as the clock allows, here (a clock that stood still) one fill of 1 ms.
+        clock.now += 1_000_000
+        att.bucket.replenish()
+        clock.now += 1_000_000
+        nxt = Request(att, 1, 0.0015)
+        try:
+            assert nxt.begin() is True  # one op's schedule later, not 100
+        finally:
+            nxt.end()
+    finally:
+        lim.close()
+
+
+# ---- a waiter killed while queued ---------------------------------------------------------------
+
+KILLED_WAITER = textwrap.dedent(
+    """
+    import sys
+    import shmlimit
+    lim = shmlimit.attach(sys.argv[1])
+    print("ready", flush=True)
+    lim.acquire(int(sys.argv[2]))
+    print("granted", flush=True)
+    """
+)
+
+
+def queue_and_kill(name, lim, ops):
+    """An interpreter queues ``ops`` (its ticket recorded in its slot), then is killed with SIGKILL."""
+    p = subprocess.Popen([sys.executable, "-c", KILLED_WAITER, name, str(ops)], stdout=subprocess.PIPE, text=True,
+                         cwd=WORKDIR)
+    try:
+        assert p.stdout.readline().strip() == "ready"
+        cells = lim._att.cells
+
+        def recorded():
+            for i in range(cells.load(L.SLOTS_OFF)):
+                base = L.slot_offset(i)
+                if cells.load(base + L.SLOT_PID) == p.pid and cells.load(base + L.SLOT_WAITING):
+                    # queued: its ticket is recorded just after it counts itself waiting
+                    return cells.load(base + L.SLOT_TICKET_LEN) if hasattr(L, "SLOT_TICKET_LEN") else True
+            return False
+
+        wait_for(recorded, timeout=30)
+    finally:
+        p.kill()
+        p.wait()
+        p.stdout.close()
+
+
+@pytest.mark.slow
+def test_a_killed_waiter_does_not_stall_those_behind_it(name):
+    lim = shmlimit.Limiter(name, rate=10, burst=1)
+    try:
+        empty(lim)
+        queue_and_kill(name, lim, 600)  # a minute of schedule, at the head of the queue
+        t0 = time.monotonic()
+        end = t0 + 5.0
+        while not lim.acquire(1, timeout=0.2):
+            assert time.monotonic() < end, "still behind the killed waiter's minute"
+        waited = time.monotonic() - t0
+        # documented: the filler gives a dead waiter's ticket back within REAP_EVERY (0.1 s), plus a
+        # lease takeover (50 ms) if the dead process was the filler, plus this op's own 0.1 s
+        assert waited < 2.0, waited
+    finally:
+        lim.close()
+
+
+@pytest.mark.slow
+def test_restart_clears_a_dead_backlog(name):
+    lim = shmlimit.Limiter(name, rate=10, burst=1)
+    try:
+        empty(lim)
+        queue_and_kill(name, lim, 36000)  # an hour of schedule
+        lim.restart()
+        assert no_backlog(lim)  # right after restart: one op's schedule away, not an hour
+    finally:
+        lim.close()
+
+
+def test_reap_gives_back_only_a_dead_owners_record(name):
+    clock = FakeClock()
+    lim = shmlimit.Limiter(name, rate=1000, burst=1, clock=clock)
+    try:
+        att = lim._att
+        att.filler.stop()  # this test plays the filler's part itself
+        att.filler.join()
+        empty(lim)
+        ahead = Request(att, 1, None)
+        assert ahead.begin() > 0
+        req = Request(att, 100, None)
+        assert req.begin() > 0
+        assert not req.recorded  # one record per process: the first waiter's
+        assert att.reap() == 0  # its owner (this process) is alive: nothing is taken
+        base = L.slot_offset(att.slot)
+        att.cells.store(base + L.SLOT_START, att.cells.load(base + L.SLOT_START) + 1)  # "dead": another start
+        assert att.reap() == 1  # the first waiter's ticket, given back
+        assert att.cells.load(base + L.SLOT_TICKET_LEN) == 0
+        assert att.reap() == 0  # once
+        att.returns.step()
+        assert diff(att.cells.load(L.HEAD), ahead.ticket) == 0  # the dead owner's range, skipped ...
+        assert not att.bucket.covered(req.ticket)  # ... granting no one behind it
+        # a corrupt record (no ticket of the queue) is dropped, never skipped
+        att.cells.store(base + L.SLOT_TICKET, (att.cells.load(L.TAIL) + 10**9) % 2**64)
+        att.cells.store(base + L.SLOT_TICKET_LEN, 2 * 10**9)
+        assert att.reap() == 1
+        head = att.cells.load(L.HEAD)
+        assert att.returns.step() is None
+        assert att.cells.load(L.HEAD) == head
+        att.cells.store(base + L.SLOT_START, att.cells.load(base + L.SLOT_START) - 1)
+        req.end()
+        ahead.end()
+    finally:
+        lim.close()
+
