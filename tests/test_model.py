@@ -7,15 +7,20 @@ only through replenishes the test performs (a filler's, a waiter's, a stalled on
 not simulated by sleeping: an acquire is the production ``Request`` of the acquisition core,
 taken one step at a time; one that would wait for its ticket leaves the ticket pending (the
 model sees it granted when the head passes it), one that would park before taking anything
-gives up, having taken nothing.  After every step the invariants are checked:
+gives up, having taken nothing.  A waiting request may leave (an interrupt, a cancellation:
+its ``end``), giving its ticket back; a simulated process may die while its requests wait,
+and a filler gives back the ticket it recorded in its slot; the ranges given back are skipped
+when a process's skipper runs (a step of its own).  A given-back ticket is never a grant.
+After every step the invariants are checked:
 
 * the window bound: in every window of length T, the tokens granted are at most
   ``ratio * T * tpn + max(ratio * capacity, the largest single request)`` (the largest ratio
   and capacity ever in force; a request larger than the capacity is granted in one piece
   once its schedule has accrued);
 * capped mode: ops granted (or queued) and not released never exceed the capacity in ops;
-* no deadlock: once the clock has run long enough for the queue ahead (and the limiter is not
-  stopped), every pending ticket is granted and a new op can be had;
+* no deadlock: once the clock has run long enough for the queue ahead, less the ranges given
+  back ahead of it (and the limiter is not stopped), every pending ticket is granted and a new
+  op can be had;
 * the config words are mutually consistent, and bad input changes no word.
 """
 import mmap
@@ -34,6 +39,8 @@ from shmlimit.cells import native_available, open_cells
 from shmlimit.config import MAX_SPAN_TOKENS, NS_PER_S, Config
 from shmlimit.acquisition import TICKET, Request
 from shmlimit.attachment import Attachment
+from shmlimit.giveback import Returns
+from shmlimit.table import ProcessTable, proc_start
 from shmlimit.limiter import Limiter
 from shmlimit.segment import Segment
 
@@ -61,7 +68,8 @@ class LimiterModel(RuleBasedStateMachine):
         super().__init__()
         self.clock = FakeClock(10**15)
         self.procs = []
-        self.pending = []  # (ticket, tokens, ops, owner) not yet covered by the head
+        self.pending = []  # (ticket, tokens, request or None) not yet covered by the head
+        self.given_back = set()  # tickets given back: never grants
         self.grants = []  # (time_ns, tokens) of every grant observed
         self.released = 0
         self.granted_ops = 0  # capped mode: ops granted or queued (counted once taken)
@@ -88,6 +96,7 @@ class LimiterModel(RuleBasedStateMachine):
         self.cap_ops = max(1, c.load(L.CFG_CAP) // c.load(L.CFG_COST))
         self.capped = capped
         time_module.sleep = self._no_sleep  # nothing in the model may wait
+        self.table = ProcessTable(c, SLOTS)
         for i in range(3):
             self._spawn(BACKENDS[i % len(BACKENDS)])
 
@@ -104,6 +113,16 @@ class LimiterModel(RuleBasedStateMachine):
         size = L.segment_size(SLOTS)
         seg = Segment("model", self.mm, size, False, 0)
         att = Attachment("model", seg, open_cells(self.mm, size, backend), join=False, clock=self.clock)
+        # a slot of its own (this pid, its real start time: alive until the model kills it), so
+        # that its waiters record their tickets there; no filler thread and no skipper thread
+        att.slot = self.table.register(os.getpid(), proc_start(os.getpid()) or 0)
+        give_back = att.returns.give_back
+
+        def noted(ticket, tokens):  # every range given back, skipped at once or later: never a grant
+            self.given_back.add(ticket)
+            give_back(ticket, tokens)
+
+        att.returns.give_back = noted
         lim = Limiter.__new__(Limiter)
         lim._name = "model"
         lim._att = att
@@ -134,34 +153,43 @@ class LimiterModel(RuleBasedStateMachine):
         req = Request(lim._att, n, timeout)
         step = req.begin()
         if step is not True and step is not False and req.state == TICKET:
-            return True, tail, req.ticket
+            return True, tail, req
         req.end()
         return (step if step is True or step is False else WouldBlock), tail, None
 
-    def _note_taken(self, tail_before, ops, ticket=None, now=False):
-        """The tail moved: its tokens are granted now, or when the head passes ``ticket``."""
+    def _note_taken(self, tail_before, ops, req=None, now=False):
+        """The tail moved: its tokens are granted now, or when the head passes ``req``'s ticket."""
         tail = self.cells.load(L.TAIL)
         tokens = diff(tail, tail_before)
         if tokens <= 0:
             return
-        ticket = tail if ticket is None else ticket
+        ticket = tail if req is None else req.ticket
         self.max_request = max(self.max_request, tokens)
         if now or diff(self.cells.load(L.HEAD), ticket) >= 0:
             self.grants.append((self.clock(), tokens))
         else:
-            self.pending.append((ticket, tokens))
+            self.pending.append((ticket, tokens, req))
         if self.capped:
             self.granted_ops += ops
 
+    def _note_given_back(self):
+        """Every range a process holds to skip is given back: its ticket will never be a grant."""
+        for lim in self.procs:
+            for _, end in lim._att.returns.pending():
+                self.given_back.add(end)
+
     def _observe(self):
-        """Grant every pending ticket the head has passed, at the current time."""
+        """Grant every pending ticket the head has passed, at the current time (never one given back)."""
+        self._note_given_back()
         head = self.cells.load(L.HEAD)
         still = []
-        for ticket, tokens in self.pending:
+        for ticket, tokens, req in self.pending:
+            if ticket in self.given_back:
+                continue
             if diff(head, ticket) >= 0:
                 self.grants.append((self.clock(), tokens))
             else:
-                still.append((ticket, tokens))
+                still.append((ticket, tokens, req))
         self.pending = still
 
     def _cost(self):
@@ -196,13 +224,13 @@ class LimiterModel(RuleBasedStateMachine):
         lim = self._proc(i)
         n = data.draw(st.one_of(st.just(1), st.integers(1, 3), st.just(MAX_SPAN_TOKENS // self._cost())), label="n")
         try:
-            result, tail, ticket = self._acquire(lim, n, timeout)
+            result, tail, req = self._acquire(lim, n, timeout)
         except shmlimit.QueueFullError if hasattr(shmlimit, "QueueFullError") else ():
             return
         except ValueError as e:  # capped mode: more than the capacity can ever admit
             assert "capacity" in str(e)
             return
-        self._note_taken(tail, n, ticket)
+        self._note_taken(tail, n, req)
 
     @rule(i=procs_idx, data=st.data(), max_wait=st.one_of(st.none(), st.sampled_from([0.0, 0.01, 1.0, 3600.0])))
     def reserve(self, i, data, max_wait):
@@ -226,13 +254,13 @@ class LimiterModel(RuleBasedStateMachine):
                 "acquire": lambda: self._acquire(lim, n),
             }[how]
             try:
-                result, tail, ticket = call()
+                result, tail, req = call()
             except shmlimit.QueueFullError if hasattr(shmlimit, "QueueFullError") else ():
                 return
             except ValueError as e:  # capped mode: more than the capacity can ever admit
                 assert "capacity" in str(e)
                 return
-            self._note_taken(tail, n, ticket)
+            self._note_taken(tail, n, req if req is not None and req is not True else None)
 
     @rule(i=procs_idx)
     def drain(self, i):
@@ -247,7 +275,7 @@ class LimiterModel(RuleBasedStateMachine):
         in_flight = self.granted_ops - self.released
         if in_flight <= 0:
             return
-        k = data.draw(st.integers(1, in_flight), label="k")
+        k = data.draw(st.integers(1, min(in_flight, MAX_SPAN_TOKENS // self._cost())), label="k")
         self._proc(0).release(k)
         self.released += k
 
@@ -300,12 +328,43 @@ class LimiterModel(RuleBasedStateMachine):
         bucket, claim = self.stalled.pop(0)
         bucket.apply(claim)
 
+    @rule(data=st.data())
+    def waiter_leaves(self, data):
+        """A waiting request is interrupted or cancelled: its driver ends it, and it gives its ticket back."""
+        self._observe()
+        waiting = [p for p in self.pending if p[2] is not None and any(p[2].att is q._att for q in self.procs)]
+        if not waiting:
+            return
+        ticket, tokens, req = data.draw(st.sampled_from(waiting), label="waiter")
+        req.end()
+        self.given_back.add(ticket)
+        if self.capped:
+            self.granted_ops -= req.n  # end() un-admitted it: never granted, never to be released
+
+    @rule(i=procs_idx)
+    def skipper_runs(self, i):
+        """A process's skipper thread looks at the ranges it gave back (each skipped once the head is there)."""
+        self._note_given_back()
+        self._proc(i)._att.returns.step()
+
+    @rule(i=procs_idx)
+    def filler_reaps(self, i):
+        """The filler's chore: the tickets dead processes recorded in their slots are given back."""
+        self._proc(i)._att.reap()
+        self._note_given_back()
+
     @precondition(lambda self: len(self.procs) > 1)
     @rule(i=procs_idx)
     def process_dies(self, i):
-        # its queued tickets stay in the queue (and count, when the head passes them)
+        # Its waiters die with it.  The ticket one of them recorded in its slot is given back once a
+        # filler reaps it; the others stay queued (and count, when the head passes them), and so do
+        # the ranges it held to skip.  Killed: its slot now names a process that no longer runs.
         dead = self.procs.pop(i % len(self.procs))
+        self._note_given_back()
+        base = L.slot_offset(dead._att.slot)
+        self.cells.store(base + L.SLOT_START, self.cells.load(base + L.SLOT_START) + 1)
         self.stalled = [(b, c) for b, c in self.stalled if b is not dead._att.bucket]  # it never resumes
+        self.pending = [(t, k, None if r is not None and r.att is dead._att else r) for t, k, r in self.pending]
 
     @precondition(lambda self: len(self.procs) < 3)
     @rule(backend=st.sampled_from(BACKENDS))
@@ -381,13 +440,26 @@ class LimiterModel(RuleBasedStateMachine):
         clock.now = self.clock.now
         cells = open_cells(scratch, len(scratch), BACKENDS[-1])
         b = Bucket(cells, clock)
+        # the live processes' skippers run as the clock does: the ranges they gave back do not count
+        returns = Returns(b)
+        back = 0
+        head0 = c.load(L.HEAD)
+        for lim in self.procs:
+            for start, end in lim._att.returns.pending():
+                returns.give_back(end, diff(end, start))
+                back += max(0, min(diff(end, start), diff(end, head0)))
         step = max(1, cap // 2 // b.tpn)
-        for _ in range(120):
+        # each replenish adds at least half a capacity under a queue (one may add nothing after a
+        # drain or a skip); the queue less what is given back, then one op for the probe
+        fills = (max(0, depth - back) + self._cost()) * 2 // cap + 4 + 2 * len(returns.pending())
+        for _ in range(fills):
             clock.now += step
             b.replenish()
+            clock.now += 1
+            returns.step()
         head = cells.load(L.HEAD)
-        for ticket, _ in self.pending:
-            assert diff(head, ticket) >= 0, "a queued ticket was not served after its schedule"
+        for ticket, _, _ in self.pending:
+            assert diff(head, ticket) >= 0, "a queued ticket was not served after its schedule less what was given back"
         att = Attachment("scratch", Segment("scratch", scratch, len(scratch), False, 0), cells, join=False, clock=clock)
         probe = Limiter.__new__(Limiter)
         probe._name, probe._att, probe._fast = "scratch", att, att.fast
