@@ -57,9 +57,9 @@ if TYPE_CHECKING:  # pragma: no cover
 
 #: The filler looks for dead processes' recorded tickets this often (seconds).
 REAP_EVERY = 0.1
-#: A range whose start is not due at a known time (hierarchical mode, stopped) is looked at this often (s) ...
+#: A range whose start is not due at a known time (hierarchical mode) is looked at this often (s) ...
 LOOK_EVERY = 0.005
-#: ... one due later at least this often, to notice rate changes, as a waiter does (seconds) ...
+#: ... one due later (or while stopped) at least this often, to notice changes, as a waiter does (s) ...
 LOOK_AT_LEAST = 0.25
 #: ... and one due now (another process's replenish in flight) again after this long (seconds).
 RETRY = 20e-6
@@ -200,7 +200,9 @@ class Returns:
 
     def _due_in(self, start: int) -> float:
         b = self.bucket
-        if b.stopped or not b.time_fed:
+        if b.stopped:
+            return LOOK_AT_LEAST  # no time accrues: nothing to skip before a start
+        if not b.time_fed:
             return LOOK_EVERY
         now = b.clock()
         return max(0.0, (b.due_ns(start) - now) / 1e9)
