@@ -11,6 +11,9 @@ gives up, having taken nothing.  A waiting request may leave (an interrupt, a ca
 its ``end``), giving its ticket back; a simulated process may die while its requests wait,
 and a filler gives back the ticket it recorded in its slot; the ranges given back are skipped
 when a process's skipper runs (a step of its own).  A given-back ticket is never a grant.
+A config writer may stall after taking the config lock (a thread parked between its lock and
+its writes) and resume later: meanwhile every reader and writer waits for the lock's timeout
+on the model's clock (the config lock's clock and sleep are the model's), and takes over.
 After every step the invariants are checked:
 
 * the window bound: in every window of length T, the tokens granted are at most
@@ -25,7 +28,9 @@ After every step the invariants are checked:
 """
 import mmap
 import os
+import threading
 import time as time_module
+import types
 
 import hypothesis.strategies as st
 import pytest
@@ -33,6 +38,8 @@ from hypothesis import HealthCheck, settings
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
 
 import shmlimit
+from shmlimit import bucket as bucket_module
+from shmlimit import config_banks
 from shmlimit import layout as L
 from shmlimit.bucket import Bucket, diff
 from shmlimit.cells import native_available, open_cells
@@ -75,6 +82,7 @@ class LimiterModel(RuleBasedStateMachine):
         self.granted_ops = 0  # capped mode: ops granted or queued (counted once taken)
         self.stalled = []  # claims of replenishers stopped between their claim and their add
         self.saved_sleep = time_module.sleep
+        self.writer = None  # a config writer stalled holding the lock: (thread, resume event, outcome)
 
     @initialize(rate=RATES, burst=BURSTS, capped=st.booleans(), ratio=st.sampled_from([1.0, 1.0, 3.0]))
     def create(self, rate, burst, capped, ratio):
@@ -95,13 +103,23 @@ class LimiterModel(RuleBasedStateMachine):
         self.max_ratio = ratio
         self.cap_ops = max(1, c.load(L.CFG_CAP) // c.load(L.CFG_COST))
         self.capped = capped
-        time_module.sleep = self._no_sleep  # nothing in the model may wait
+        time_module.sleep = self._no_sleep  # nothing in the model may wait ...
+        # ... except for the config lock, whose waits are time passing on the model's clock
+        self.saved_banks_time = config_banks.time
+        config_banks.time = types.SimpleNamespace(monotonic_ns=self.clock, sleep=self._pass_time)
+        self.saved_config_words = bucket_module.config_words
+        bucket_module.config_words = self._config_words
         self.table = ProcessTable(c, SLOTS)
         for i in range(3):
             self._spawn(BACKENDS[i % len(BACKENDS)])
 
     def teardown(self):
+        if self.writer is not None:
+            self.resume_config_writer()
         time_module.sleep = self.saved_sleep
+        if hasattr(self, "saved_banks_time"):
+            config_banks.time = self.saved_banks_time
+            bucket_module.config_words = self.saved_config_words
         self.procs.clear()
 
     # -- simulated processes ---------------------------------------------------------
@@ -109,6 +127,21 @@ class LimiterModel(RuleBasedStateMachine):
     def _no_sleep(self, seconds):
         raise WouldBlock()
 
+    def _pass_time(self, seconds):
+        # a waiter for the config lock looks again after 0.5 ms; here after 50 ms, so that the
+        # lock's 200 ms timeout passes in a few looks: it only ever waited longer
+        self.clock.now += max(50_000_000, int(seconds * NS_PER_S))
+
+    def _config_words(self, *args):
+        """``config_words``, where the stalled writer's thread parks once it holds the lock."""
+        words = self.saved_config_words(*args)
+        w = self.writer
+        if w is not None and threading.current_thread() is w["thread"]:
+            w["calls"] += 1
+            if w["calls"] == 2:  # the first call validates; the second is made under the lock
+                w["locked"].set()
+                w["resume"].wait(60)
+        return words
     def _spawn(self, backend):
         size = L.segment_size(SLOTS)
         seg = Segment("model", self.mm, size, False, 0)
@@ -287,6 +320,46 @@ class LimiterModel(RuleBasedStateMachine):
             lim.set_rate(rate, burst=burst, ratio=ratio)
         except ValueError:
             assert self._words() == before  # refused: not one word written
+        self._track_config()
+
+    @precondition(lambda self: self.writer is None)
+    @rule(i=procs_idx, rate=RATES, burst=BURSTS)
+    def stall_config_writer(self, i, rate, burst):
+        """A ``set_rate`` stops (SIGSTOP, a long pause) right after taking the config lock."""
+        lim = self._proc(i)
+        w = {"calls": 0, "locked": threading.Event(), "resume": threading.Event(), "outcome": None}
+
+        def run():
+            try:
+                lim.set_rate(rate, burst=burst)
+                w["outcome"] = "published"
+            except shmlimit.ConfigWriterTakenOver:
+                w["outcome"] = "taken over"
+            except ValueError:
+                w["outcome"] = "refused"
+            except BaseException as e:  # reported by resume_config_writer
+                w["outcome"] = e
+
+        w["thread"] = threading.Thread(target=run, daemon=True)
+        self.writer = w
+        w["thread"].start()
+        w["thread"].join(timeout=0.001)
+        while not w["locked"].is_set() and w["thread"].is_alive():
+            w["locked"].wait(0.01)
+        if not w["locked"].is_set():  # refused before the lock (bad at this unit) or no change: no stall
+            w["thread"].join()
+            self.writer = None
+            assert w["outcome"] in ("refused", "published"), w["outcome"]
+
+    @precondition(lambda self: self.writer is not None)
+    @rule()
+    def resume_config_writer(self):
+        """The stalled writer resumes: published if nobody took the lock over, else it publishes nothing."""
+        w, self.writer = self.writer, None
+        w["resume"].set()
+        w["thread"].join(60)
+        assert not w["thread"].is_alive()
+        assert w["outcome"] in ("published", "taken over"), w["outcome"]
         self._track_config()
 
     @rule(i=procs_idx, verb=st.sampled_from(["stop", "start", "restart"]))
