@@ -222,6 +222,23 @@ def test_repl_ts_in_the_future_does_not_stop_replenishment(backend):
     assert b.replenish() == 2_000_000 * b.tpn  # and time counts again from now
 
 
+
+@pytest.mark.slow
+def test_a_limiter_whose_repl_ts_is_in_the_future_grants_again_at_its_rate(name):
+    """End to end, through the facade and the fast paths: the filler's replenish repairs the word."""
+    lim = shmlimit.Limiter(name, rate=100, burst=1)
+    try:
+        lim.drain()
+        lim._att.cells.store(L.REPL_TS, time.monotonic_ns() + 10**15)  # corrupt: ~11 days ahead
+        t0 = time.monotonic()
+        got = 0
+        while time.monotonic() - t0 < 1.0:
+            got += lim.try_acquire()
+            time.sleep(0.001)  # a caller polling, not a synchronisation
+        assert got >= 50  # about 100 in the second: replenishment never stopped
+    finally:
+        lim.close()
+
 # ---- 11. Limiter(name, rate=...) compares against the live config ------------------------------
 
 
