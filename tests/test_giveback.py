@@ -367,3 +367,23 @@ def test_reap_gives_back_only_a_dead_owners_record(name):
     finally:
         lim.close()
 
+
+
+def test_a_process_that_takes_a_dead_owners_slot_gives_back_its_recorded_ticket():
+    from shmlimit.giveback import record, take_over
+
+    size = L.segment_size(2)
+    cells = open_cells(mmap.mmap(-1, size), size, BACKENDS[-1])
+    clock = FakeClock()
+    Bucket.initialise(cells, Config.make(1000, burst=1), clock(), initial_ops=0)
+    b = Bucket(cells, clock)
+    ticket = b.grab(50 * b.cost, L.UNREG_GRANTS, 50)
+    assert record(cells, 1, ticket, 50 * b.cost)  # the dead owner's waiter
+    assert not record(cells, 1, ticket + 1, 1)  # one record per slot
+    r = Returns(b)
+    assert take_over(cells, 1, r)  # its successor finds it ...
+    assert r.pending() == [((ticket - 50 * b.cost) % 2**64, ticket)]  # ... and gives it back
+    assert cells.load(L.slot_offset(1) + L.SLOT_TICKET_LEN) == 0
+    assert not take_over(cells, 1, r)  # once
+    cells.store(L.slot_offset(1) + L.SLOT_TICKET_LEN, L.TICKET_BUSY)  # killed while writing its record
+    assert not take_over(cells, 1, r) and cells.load(L.slot_offset(1) + L.SLOT_TICKET_LEN) == 0
