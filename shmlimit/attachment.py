@@ -91,7 +91,6 @@ class Attachment:
         #: the ticket ranges this process gave back, and the thread that skips them (started at the first)
         self.returns = Returns(self.bucket)
         self._returns_thread: Optional[ReturnsThread] = None
-        self._join = join
         #: (grabber, grab within a timeout, the tokens each takes): a ticket they hand out is this long
         self.fast_grab: tuple = (None, None, 0)
         # The fast paths: [grabber, try, grab within a timeout], shared by reference with every
@@ -173,7 +172,10 @@ class Attachment:
 
     def _skipper(self) -> None:
         t = self._returns_thread
-        if self._join and not self.closed and (t is None or not t.is_alive()):
+        # a process that runs threads for this limiter (its filler; or it is beyond the table)
+        if self.joined and not self.closed and (self.filler is not None or self.slot is None) and (
+            t is None or not t.is_alive()
+        ):
             self._returns_thread = t = ReturnsThread(self.returns, self.name)
             t.start()
 

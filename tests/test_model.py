@@ -149,6 +149,8 @@ class LimiterModel(RuleBasedStateMachine):
         # a slot of its own (this pid, its real start time: alive until the model kills it), so
         # that its waiters record their tickets there; no filler thread and no skipper thread
         att.slot = self.table.register(os.getpid(), proc_start(os.getpid()) or 0)
+        att.joined = att.in_use = True  # its first use registers nothing more and starts no thread
+        att.update_fast()
         give_back = att.returns.give_back
 
         def noted(ticket, tokens):  # every range given back, skipped at once or later: never a grant
@@ -534,6 +536,8 @@ class LimiterModel(RuleBasedStateMachine):
         for ticket, _, _ in self.pending:
             assert diff(head, ticket) >= 0, "a queued ticket was not served after its schedule less what was given back"
         att = Attachment("scratch", Segment("scratch", scratch, len(scratch), False, 0), cells, join=False, clock=clock)
+        att.joined = att.in_use = True  # a probe: it registers nothing and starts no thread
+        att.update_fast()
         probe = Limiter.__new__(Limiter)
         probe._name, probe._att, probe._fast = "scratch", att, att.fast
         ok = probe.try_acquire(1)
