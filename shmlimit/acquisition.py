@@ -98,7 +98,7 @@ class Request:
         self.recorded = False  # our ticket is recorded in our process slot
 
     @classmethod
-    def holding(cls, att: "Attachment", n: int, ticket: int, tokens: int) -> "Request":
+    def holding(cls, att: "Attachment", n: int, ticket: int, tokens: int = 0) -> "Request":
         """A request that already holds ``ticket``, ``tokens`` long (the fast path's grab): it only waits.
 
         ``tokens`` 0: the length is not known for sure (the config changed
