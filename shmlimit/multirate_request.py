@@ -140,8 +140,9 @@ class MultiRequest:
         for i, req in self.waits:
             s = req.next()
             if s is True:
+                ticket = req.ticket  # ending the request forgets it
                 req.end()
-                self.held.append((self.atts[i], self.toks[i], req.ticket))  # covered once the head passed it
+                self.held.append((self.atts[i], self.toks[i], ticket))  # covered once the head passed it
                 continue
             still.append((i, req))
             naps.append(s)
