@@ -410,45 +410,6 @@ class Bucket:
             if owed <= 0 or c.cas(L.HEAD, head, tail):
                 return max(0, owed)
 
-    # -- given-back tickets (see giveback) ------------------------------------------------
-
-    def skip(self, start: int, end: int) -> Optional[int]:
-        """Give back ``[start, end)``, the range of a ticket nobody will be granted: the head skips it.
-
-        Returns None while the head is still before ``start`` (the tickets
-        ahead are not yet served: try again when it gets there); else the
-        tokens skipped, 0 when there is nothing to do (the head passed
-        ``end`` already, or the range is not in the queue: a corrupt record).
-
-        Invariant: the head moves by a skip only from inside a given-back
-        range to its end, and that end is within the queue (``end <= TAIL``):
-        every ticket before ``start`` is covered already and every ticket at
-        or after ``end`` stays exactly as uncovered as before, so the skip
-        grants no one; afterwards ``HEAD <= TAIL``, nothing is available.
-        (The tail never moves backwards, so a range once handed out is never
-        handed out again: a given-back range stays nobody's.)
-        The tokens that had reached the range before the skip (since the last
-        replenish, at most) are lost, never passed on: carried over, they would cover the tickets behind it all at
-        once, a burst above the capacity.  In any window the grants are thus
-        what they would have been had the range never been taken, less that
-        lost time: the window bound holds.
-        """
-        c = self.cells
-        while True:
-            head = c.load(L.HEAD)
-            if diff(head, end) >= 0:
-                return 0
-            if diff(end, c.load(L.TAIL)) > 0 or diff(end, start) <= 0:
-                return 0  # no ticket ever handed out (the tail only grows): a corrupt record
-            if diff(head, start) < 0:
-                return None
-            if c.cas(L.HEAD, head, end):
-                # A replenish now leaves a snapshot of the head past the range: the clamp of the
-                # next one is then relative to it, not to a head before the range, which would
-                # make it add nothing (a whole interval of time lost instead of this instant's).
-                self.replenish()
-                return diff(end, head)
-
     # -- capped mode: ops in flight, counted in ops --------------------------------------
     #
     # INFLIGHT counts ops admitted and not yet released.  An acquire is admitted (CAS, only while

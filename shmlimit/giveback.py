@@ -20,7 +20,7 @@ everyone behind it for its whole schedule.  It is given back instead:
 Giving back never moves the tail, which never moves backwards (so no range is
 ever handed out twice, and the replenish snapshots stay lower bounds: moving
 the tail back could let the bucket hold more than its capacity).  The head
-*skips* the range instead (``Bucket.skip``): once it has reached the range's
+*skips* the range instead (``skip``): once it has reached the range's
 start -- every ticket ahead of it served -- one CAS moves it to the range's
 end.  The skip grants no one, leaves nothing available, and loses the tokens
 that reached the range before it (lost time, never a grant): in any window
@@ -63,6 +63,47 @@ LOOK_EVERY = 0.005
 LOOK_AT_LEAST = 0.25
 #: ... and one due now (another process's replenish in flight) again after this long (seconds).
 RETRY = 20e-6
+
+
+# ---- the skip ------------------------------------------------------------------------------------
+
+
+def skip(b: "Bucket", start: int, end: int) -> Optional[int]:
+    """Give back ``[start, end)``, the range of a ticket nobody will be granted: the head skips it.
+
+    Returns None while the head is still before ``start`` (the tickets
+    ahead are not yet served: try again when it gets there); else the
+    tokens skipped, 0 when there is nothing to do (the head passed
+    ``end`` already, or the range is not in the queue: a corrupt record).
+
+    Invariant: the head moves by a skip only from inside a given-back
+    range to its end, and that end is within the queue (``end <= TAIL``):
+    every ticket before ``start`` is covered already and every ticket at
+    or after ``end`` stays exactly as uncovered as before, so the skip
+    grants no one; afterwards ``HEAD <= TAIL``, nothing is available.
+    (The tail never moves backwards, so a range once handed out is never
+    handed out again: a given-back range stays nobody's.)
+    The tokens that had reached the range before the skip (since the last
+    replenish, at most) are lost, never passed on: carried over, they would
+    cover the tickets behind it all at once, a burst above the capacity.  In any window the grants are thus
+    what they would have been had the range never been taken, less that
+    lost time: the window bound holds.
+    """
+    c = b.cells
+    while True:
+        head = c.load(L.HEAD)
+        if diff(head, end) >= 0:
+            return 0
+        if diff(end, c.load(L.TAIL)) > 0 or diff(end, start) <= 0:
+            return 0  # no ticket ever handed out (the tail only grows): a corrupt record
+        if diff(head, start) < 0:
+            return None
+        if c.cas(L.HEAD, head, end):
+            # A replenish now leaves a snapshot of the head past the range: the clamp of the
+            # next one is then relative to it, not to a head before the range, which would
+            # make it add nothing (a whole interval of time lost instead of this instant's).
+            b.replenish()
+            return diff(end, head)
 
 
 # ---- the record in the process slot --------------------------------------------------------------
@@ -180,12 +221,12 @@ class Returns:
         replenished = False
         nap: Optional[float] = None
         for r in ranges:
-            got = b.skip(*r)
+            got = skip(b, *r)
             if got is None and not replenished:
                 replenished = True  # the time up to now may bring the head there
                 b.refresh()
                 b.replenish()
-                got = b.skip(*r)
+                got = skip(b, *r)
             if got is not None:
                 self.skipped += got
                 done.add(r)

@@ -21,7 +21,7 @@ from shmlimit.acquisition import Request
 from shmlimit.bucket import Bucket, diff
 from shmlimit.cells import native_available, open_cells
 from shmlimit.config import Config
-from shmlimit.giveback import Returns
+from shmlimit.giveback import Returns, skip
 from support.procs import WORKDIR, wait_for
 
 BACKENDS = ["atomics"] + (["native"] if native_available() else [])
@@ -60,16 +60,16 @@ def test_the_head_skips_a_range_only_from_inside_it_and_grants_no_one(backend):
     gone = b.grab(10 * cost, L.UNREG_GRANTS, 10)  # the ticket that is given back
     behind = b.grab(cost, L.UNREG_GRANTS, 1)
     start = gone - 10 * cost
-    assert b.skip(start, gone) is None  # the ticket ahead is not served yet: nothing moves
+    assert skip(b, start, gone) is None  # the ticket ahead is not served yet: nothing moves
     assert not b.covered(first)
     clock.now += 1_000_000  # one op's schedule: the head reaches the range's start
     b.replenish()
     assert b.covered(first)
     clock.now += 1
-    assert b.skip(start, gone) == 10 * cost  # skipped: straight to its end ...
+    assert skip(b, start, gone) == 10 * cost  # skipped: straight to its end ...
     assert diff(cells.load(L.HEAD), gone) == 0
     assert not b.covered(behind)  # ... granting nobody behind it
-    assert b.skip(start, gone) == 0  # twice is once
+    assert skip(b, start, gone) == 0  # twice is once
     clock.now += 1_000_000
     b.replenish()
     assert b.covered(behind)  # served one op's schedule later, as if the range had never been taken
@@ -90,7 +90,7 @@ def test_a_late_skip_loses_the_tokens_that_reached_the_range_never_passes_them_o
         b.replenish()
     head = cells.load(L.HEAD)
     assert diff(head, gone - 100 * cost) > 0  # some time reached the range
-    assert b.skip(gone - 100 * cost, gone) == diff(gone, head)  # only what it had not reached is skipped
+    assert skip(b, gone - 100 * cost, gone) == diff(gone, head)  # only what it had not reached is skipped
     assert not any(b.covered(t) for t in tickets)  # no burst: the five behind are still owed their schedule
 
 
