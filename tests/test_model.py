@@ -380,7 +380,7 @@ class LimiterModel(RuleBasedStateMachine):
         late makes the grants after it look early)."""
         while self.pending and self.procs:
             bucket = self.procs[0]._att.bucket
-            dues = [int(bucket.due_ns(t)) + 1 for t, _ in self.pending]
+            dues = [int(bucket.due_ns(t)) + 1 for t, *_ in self.pending]
             dues = [d for d in dues if self.clock.now < d < end]
             if not dues:
                 break
