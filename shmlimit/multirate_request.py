@@ -186,9 +186,9 @@ class MultiRequest:
         return False
 
     def end(self) -> None:
-        """Leave: a request not granted gives back the tokens it was granted and did not use.
-        Tickets still queued are spent unused, as a single rate's are (handing them back could let
-        later callers jump the queue)."""
+        """Leave: a request not granted gives back the tokens it was granted and did not use,
+        and its tickets still queued, as a single rate's are (each ``Request.end``: the head
+        skips their ranges, so no later caller waits for them and none jumps the queue)."""
         for _, req in self.waits:
             req.end()
         self.waits = []
