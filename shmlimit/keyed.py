@@ -17,7 +17,9 @@ import asyncio
 import math
 import mmap
 import os
+import threading
 import time
+import weakref
 from dataclasses import dataclass
 from typing import Any, List, Optional, Tuple
 
@@ -96,16 +98,26 @@ class _Attachment:
         self.slot: Optional[int] = None
         self.kt: Any = _CLOSED
         self.pid = os.getpid()
+        #: This process is registered in the process table (or found it full).  Opening
+        #: registers; a forked child is not, until its first use (``use``), so a child that never
+        #: uses an inherited limiter is never listed and one that leaves with ``os._exit`` leaves
+        #: no dead entry.  Until then its handles take the slow path (``KeyedLimiter._slow``).
+        self.joined = False
+        #: Every handle on this attachment in this process: after fork, the child points their
+        #: ``try_acquire`` back at the slow path, which registers on the first call.
+        self.handles: "weakref.WeakSet[KeyedLimiter]" = weakref.WeakSet()
+        self._use_lock = threading.Lock()
         if join:
             self.join()
 
     def join(self) -> None:
-        """Register this process (also after fork, in the child) and bind the keyed composite."""
+        """Register this process in the process table and bind the keyed composite to its slot."""
         if self.kt is _CLOSED:
             _prefault(self.seg)
         self.pid = os.getpid()
         start = proc_start(self.pid)
         self.slot = self.table.register(self.pid, start if start and start > 0 else 0)
+        self.joined = True
         grants = K.UNREG_GRANTS if self.slot is None else K.HEADER_BYTES + self.slot * K.LINE + 16
         if self.kt is not _CLOSED:  # after fork: the same object, so every handle's bound calls follow
             self.kt.rebind(grants, K.owner(self.pid))
@@ -115,6 +127,30 @@ class _Attachment:
             self.geo.keys, self.geo.probe, self.secret[0], self.secret[1],
             K.KEYS_LIVE, K.EVICTED, K.REFUSED, grants, K.owner(self.pid),
         )
+
+    def use(self) -> None:
+        """This process uses the limiter: register it if it is not yet (a forked child's first use)."""
+        with self._use_lock:
+            if not self.joined and not self.closed and self.pid == os.getpid():
+                self.join()
+
+    def after_fork_in_child(self) -> None:
+        """The parent's process slot is not ours: count as unregistered until the first use.
+
+        The composite is rebound at once, not at the first use: it must insert
+        keys as *this* pid, so that an insert this child dies in the middle of
+        is reclaimed by the next inserter (the parent, still alive, would make
+        the slot look held forever); and its grants must not land in the
+        parent's slot.
+        """
+        self._use_lock = threading.Lock()  # the parent's may have been held by a thread not copied
+        self.pid = os.getpid()
+        self.slot = None
+        self.joined = False
+        if self.kt is not _CLOSED:
+            self.kt.rebind(K.UNREG_GRANTS, K.owner(self.pid))
+        for h in list(self.handles):
+            h.__dict__.pop("try_acquire", None)  # back to the class's method: the slow path
 
     def detach(self) -> None:
         if self.closed:
@@ -139,7 +175,7 @@ def _prefault(seg: Segment) -> None:
         pass
 
 
-_registry: Registry[_Attachment] = Registry(after_fork=lambda att: att.join())
+_registry: Registry[_Attachment] = Registry(after_fork=lambda att: att.after_fork_in_child())
 
 
 def _open(
@@ -263,10 +299,25 @@ class KeyedLimiter:
         trusted = frozenset(trusted_uids)
         if not all(isinstance(u, int) and not isinstance(u, bool) and u >= 0 for u in trusted):
             raise ValueError(f"trusted_uids must be user ids (ints >= 0), got {trusted_uids!r}")
-        self._att = _open(name, r, geo if r is not None else None, mode, trusted, reconfigure)
+        self._att = att = _open(name, r, geo if r is not None else None, mode, trusted, reconfigure)
+        att.handles.add(self)
+        if att.joined:
+            self._bind_fast(att)
+
+    def _bind_fast(self, att: _Attachment) -> None:
         # The hot path without a Python frame: the native composite's own try_acquire, bound to
-        # this attachment (rebound in place after fork; it refuses to run once the cells are closed).
-        self.try_acquire = self._att.kt.try_acquire  # type: ignore[method-assign]
+        # this attachment (rebound in place after fork; it refuses to run once the cells are
+        # closed).  A forked child's handles lose it until the child registers (``_use``).
+        self.try_acquire = att.kt.try_acquire  # type: ignore[method-assign]
+
+    def _use(self) -> _Attachment:
+        """The live attachment, this process registered in it (a forked child's first use registers)."""
+        att = self._live()
+        if not att.joined:
+            att.use()
+        if att.joined and "try_acquire" not in self.__dict__ and self._att is att:
+            self._bind_fast(att)
+        return att
 
     # -- identity and lifecycle ----------------------------------------------------
 
@@ -341,7 +392,7 @@ class KeyedLimiter:
     # -- acquiring ---------------------------------------------------------------------
 
     def _call(self, key: object, n: int, max_wait: int) -> int:
-        return self._live().kt.acquire(key, n, max_wait)
+        return self._use().kt.acquire(key, n, max_wait)
 
     def try_acquire(self, key: object, n: int = 1) -> bool:
         """Take ``n`` ops for ``key`` only if they are available now; never waits.
@@ -350,7 +401,8 @@ class KeyedLimiter:
         key's capacity, or when the key is new and the table has no slot for it
         (counted in ``stats().refused_full``).
         """
-        return self._live().kt.try_acquire(key, n)  # (an open handle calls the native one directly)
+        # (a handle of a registered process calls the native one directly: this is the slow path)
+        return self._use().kt.try_acquire(key, n)
 
     def reserve(self, key: object, n: int = 1, max_wait: Optional[float] = None) -> Optional[float]:
         """Claim ``n`` ops for ``key`` and return the seconds to wait before using them (0.0: now).

@@ -215,3 +215,86 @@ def test_concurrent_first_uses_of_the_same_keys_insert_each_once(name):
     states = _slot_states(name, 1024)
     assert states.count(K.LIVE) == len(keys) == lim.stats().keys
     lim.close()
+
+
+# ---- a pre-fork server: the master opens, forked workers use the inherited handle ----------------
+
+
+def _listed(name):
+    return {p.pid: p.alive for p in shmlimit.inspect(name).processes}
+
+
+def _worker_inserting_forever(lim, tag, started):
+    """A worker that uses the handle its master opened (inherited by fork, never re-opened)."""
+    lim.try_acquire(f"{tag}-first")
+    started.set()
+    i = 0
+    while True:
+        lim.try_acquire(f"{tag}-{i}")
+        i += 1
+
+
+def _worker_churning(lim, go, done, q, count):
+    go.wait(120)
+    q.put((os.getpid(), sum(lim.try_acquire(f"survivor-{os.getpid()}-{i}") for i in range(count))))
+    done.wait(120)  # still attached while the master looks
+
+
+def test_prefork_workers_register_on_first_use_and_one_killed_mid_insert_stalls_nobody(name):
+    slots = 32
+    lim = shmlimit.KeyedLimiter(name, rate=1_000_000, keys=slots)  # the master: opens, never uses
+    ctx = mp.get_context("fork")
+    go, done, q = ctx.Event(), ctx.Event(), ctx.Queue()
+    survivors = [ctx.Process(target=_worker_churning, args=(lim, go, done, q, 50 * slots)) for _ in range(2)]
+    victims = []
+    try:
+        for p in survivors:
+            p.start()
+        assert _listed(name) == {os.getpid(): True}  # forked workers that have not used it are not listed
+        rnd = random.Random(16)
+        left_midway = 0
+        for round in range(30):
+            started = ctx.Event()
+            p = ctx.Process(target=_worker_inserting_forever, args=(lim, round, started))
+            victims.append(p)
+            p.start()
+            assert started.wait(60)
+            assert _listed(name).get(p.pid) is True  # its first use registered it
+            time.sleep(rnd.uniform(0.001, 0.02))  # a random moment of its inserts, not a synchronisation
+            os.kill(p.pid, signal.SIGKILL)
+            p.join()
+            left_midway += sum(s in (K.BUSY, K.PEND) for s in _slot_states(name, slots))
+        # some deaths landed inside an insert, leaving a slot BUSY or PEND: under the dead child's
+        # pid, never the master's (alive), which would hold the slot for as long as the master runs
+        assert left_midway >= 1
+        listed = _listed(name)
+        assert all(listed[p.pid] is False for p in victims)  # tracked: each killed worker shows dead
+        go.set()
+        results = dict(q.get(timeout=120) for _ in survivors)
+        # nobody stalled: every new key of both survivors was granted, reclaiming what the dead left
+        assert results == {p.pid: 50 * slots for p in survivors}
+        assert set(_slot_states(name, slots)) <= {K.LIVE, K.TOMB}
+        assert lim.stats().refused_full == 0
+        assert all(_listed(name)[p.pid] for p in survivors)
+    finally:
+        done.set()
+        for p in survivors + victims:
+            if p.is_alive():
+                p.kill()
+            p.join()
+    lim.close()
+
+
+def test_forked_children_that_leave_unused_leave_no_entry_and_observing_is_not_using(name):
+    lim = shmlimit.KeyedLimiter(name, rate=100, keys=64)
+    pids = []
+    for _ in range(3):  # Celery's pool children leave with os._exit: no exit hook runs
+        pid = os.fork()
+        if pid == 0:
+            code = 0 if lim.stats().keys == 0 and lim.override("x") is None else 1
+            os._exit(code)
+        pids.append(pid)
+    for pid in pids:
+        assert os.waitstatus_to_exitcode(os.waitpid(pid, 0)[1]) == 0
+    assert _listed(name) == {os.getpid(): True}
+    lim.close()
