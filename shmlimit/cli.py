@@ -16,7 +16,7 @@ from typing import Callable, Iterator, Optional, Sequence, Tuple
 
 from .config import parse_spec
 from .errors import ShmlimitError
-from .keyed import KeyedStats
+from .keyed_stats import KeyedStats
 from .kinds import inspect
 from .attachment import collect
 from .limiter import Limiter, unlink
@@ -152,6 +152,10 @@ def cmd_list(args: argparse.Namespace) -> int:
     print(f"{'name':24} {'rate':>12} {'capacity':>9} {'available':>10} {'grants':>10} {'procs':>5}")
     for n, s in _inspected(names, lambda n, e: print(printable(f"{n:24} unreadable: {e}"))):
         alive = sum(p.alive for p in s.processes)
+        if isinstance(s, KeyedStats) and s.kind == "windows":  # a limits storage: no rate of its own
+            keys = f"{s.keys}/{s.slots} keys"
+            print(f"{n:24} {'windows':>12} {'-':>9} {keys:>10} {s.grants:>10} {alive:>5}  limits storage (grants: hits)")
+            continue
         if isinstance(s, KeyedStats):  # per key: the table's fill instead of one bucket's level
             keys = f"{s.keys}/{s.slots} keys"
             print(f"{n:24} {s.rate:>8g}/{s.per:g}s {s.capacity:>9g} {keys:>10} {s.grants:>10} {alive:>5}  keyed")
@@ -165,8 +169,10 @@ def cmd_inspect(args: argparse.Namespace) -> int:
     if args.json:
         print(json.dumps(_stats_dict(s)))
         return 0
+    # a table of window counters has no rate, capacity or overrides of its own: not shown as zeros
+    hidden = {"processes"} | ({"rate", "per", "capacity", "overrides", "override_slots"} if getattr(s, "kind", "") == "windows" else set())
     for k, v in _stats_dict(s).items():
-        if k != "processes":
+        if k not in hidden:
             print(printable(f"{k:20} {v}"))
     print(f"{'processes':20} {len(s.processes)}")
     for p in s.processes:

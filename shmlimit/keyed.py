@@ -20,54 +20,24 @@ import os
 import threading
 import time
 import weakref
-from dataclasses import dataclass
-from typing import Any, List, Optional, Tuple
+from typing import Any, Optional, Tuple
 
 from . import keyed_cells as KC
 from . import keyed_layout as K
-from .cells import Cells, open_cells
+from .cells import Cells
 from .config import carried_per, validate_timeout
 from .errors import ConfigMismatchError, KeyTableFullError, SegmentError
-from .keyed_gcra import TICKS_PER_S, Overrides, Rate, make_rate, publish_default, read_default, read_rate
-from .keyed_segment import Geometry, check_geometry, open_segment, read_copy, validate_header
+from .keyed_gcra import TICKS_PER_S, Overrides, Rate, make_rate, publish_default, read_default
+from .keyed_segment import Geometry, check_geometry, open_segment
+from .keyed_stats import KeyedProcess, KeyedStats, KeySample, inspect_keyed, sample_keys, snapshot_of
 from .registry import Registry
 from .segment import Segment, validate_name
 from .segment import unlink as _unlink_name
 from .table import ProcessTable, is_alive, proc_start, slot_alive
 
+__all__ = ["KeyedLimiter", "KeyedProcess", "KeyedStats", "KeySample", "attach_keyed", "inspect_keyed", "sample_keys"]
+
 _MAX_NAP = 0.25
-
-
-@dataclass(frozen=True)
-class KeyedProcess:
-    pid: int
-    alive: bool
-    grants: int
-
-
-@dataclass(frozen=True)
-class KeyedStats:
-    """A snapshot of a keyed limiter.  Rates are ops per ``per`` seconds; counts are ops or keys."""
-
-    name: str
-    rate: float
-    per: float
-    capacity: float
-    slots: int  #: key slots in the table
-    keys: int  #: keys live now (a key whose bucket refilled may still hold its slot until reused)
-    evicted: int  #: keys whose slot was reused after their bucket was full again
-    refused_full: int  #: new keys refused because every slot of their window held a limited key
-    grants: int  #: ops granted for all keys by every process that ever attached
-    overrides: int  #: keys with a rate of their own
-    override_slots: int
-    segment_bytes: int
-    processes: Tuple[KeyedProcess, ...]
-    backend: str
-    kind: str = "keyed"
-
-    @property
-    def bytes_per_key(self) -> float:
-        return self.segment_bytes / self.slots
 
 
 class _Closed:
@@ -509,7 +479,8 @@ class KeyedLimiter:
 
     def stats(self) -> KeyedStats:
         """A snapshot of the table and its counters (reads only; never a scan of the key slots)."""
-        return snapshot(self._name, self._live())
+        att = self._live()
+        return snapshot_of(self._name, att.cells, att.geo, att.seg.size)
 
     def __repr__(self) -> str:
         if self._att is None:
@@ -520,98 +491,6 @@ class KeyedLimiter:
             f"keys={s.keys}/{s.slots} evicted={s.evicted} refused_full={s.refused_full} grants={s.grants} "
             f"overrides={s.overrides} processes={len(s.processes)} backend={s.backend}>"
         )
-
-
-def snapshot(name: str, att: _Attachment) -> KeyedStats:
-    return _snapshot(name, att.cells, att.geo, att.seg.size)
-
-
-def _snapshot(name: str, c: Cells, geo: Geometry, size: int) -> KeyedStats:
-    r = read_rate(c)  # no wait: a copy taken while a writer worked would never change (display only)
-    table = ProcessTable(c, K.PSLOTS)
-    procs = tuple(KeyedProcess(e.pid, is_alive(e.pid, e.start), e.grants) for e in table.entries())
-    keys = c.load(K.KEYS_LIVE)
-    return KeyedStats(
-        name=name,
-        rate=r.rate,
-        per=r.per,
-        capacity=r.burst,
-        slots=geo.keys,
-        keys=keys if keys < 1 << 63 else 0,
-        evicted=c.load(K.EVICTED),
-        refused_full=c.load(K.REFUSED),
-        grants=c.load(K.UNREG_GRANTS) + table.total_grants(),
-        overrides=c.load(K.OVR_LIVE),
-        override_slots=geo.overrides,
-        segment_bytes=size,
-        processes=procs,
-        backend=c.backend,
-    )
-
-
-@dataclass(frozen=True)
-class KeySample:
-    key: str  #: the key's first bytes, as stored for display
-    grants: int  #: ops granted to this key since it took its slot
-    wait: float  #: seconds until the key's bucket is full again (0.0: idle)
-
-
-def sample_keys(name: str, start: int, count: int) -> Tuple[List[KeySample], int]:
-    """Read ``count`` key slots from ``start`` (wrapping) without joining: the live keys found there.
-
-    Returns them with the next start, so a caller (``shmlimit top``) covers the
-    whole table over several refreshes at a bounded cost per refresh.  The
-    slots are read with ``pread`` into a private copy: nothing is mapped.
-    """
-    cells, geo, _ = _header_copy(name)
-    cells.close()
-    base = K.slots_offset(geo.overrides)
-    count = min(count, geo.keys)
-    start %= geo.keys
-    first = min(count, geo.keys - start)
-    now = time.monotonic_ns() << K.TICK_SHIFT
-    out = []
-    for off, n in ((base + start * K.LINE, first), (base, count - first)):
-        if not n:
-            continue
-        data, _ = read_copy(name, off, n * K.LINE)
-        c = open_cells(data, len(data))  # type: ignore[arg-type]  # a private copy, not a mapping
-        try:
-            for i in range(min(n, len(data) // K.LINE)):
-                s = i * K.LINE
-                if c.load(s) & 0xFF != K.LIVE:
-                    continue
-                tat = c.load(s + K.S_V0)
-                if tat & K.DEAD:
-                    continue
-                disp = (c.load(s + K.S_V2), c.load(s + K.S_V3), c.load(s + K.S_V4))
-                out.append(KeySample(KC.display_key(disp), c.load(s + K.S_V1), max(0, tat - now) / TICKS_PER_S))
-        finally:
-            c.close()
-    return out, (start + count) % geo.keys
-
-
-def _header_copy(name: str) -> Tuple[Cells, Geometry, int]:
-    """A private, validated copy of the header and the process table: (cells over it, geometry, file size)."""
-    validate_name(name)
-    data, size = read_copy(name, 0, K.overrides_offset())
-    c = open_cells(data, len(data))  # type: ignore[arg-type]  # a private copy, not a mapping
-    try:
-        if len(data) < K.overrides_offset() or c.load(K.MAGIC_OFF) != K.MAGIC or c.load(K.STATE_OFF) != K.STATE_READY:
-            raise SegmentError(f"segment {name!r} is not a ready keyed limiter")
-        return c, validate_header(name, c, size), size
-    except BaseException:
-        c.close()
-        raise
-
-
-def inspect_keyed(name: str) -> KeyedStats:
-    """A snapshot of a keyed limiter, read without joining it: a private copy of its header, nothing mapped."""
-    c, geo, size = _header_copy(name)
-    try:
-        return _snapshot(name, c, geo, size)
-    finally:
-        c.close()
 
 
 def attach_keyed(name: str) -> KeyedLimiter:

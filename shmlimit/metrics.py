@@ -15,6 +15,9 @@ Cardinality is bounded: one label, ``limiter``, whose values are the limiter
 names; no label per process or per key.  Keyed limiters share the families
 that apply to them (grants, rate, capacity, processes) and have their own
 (``shmlimit_keyed_*``: live keys, slots, evictions, refusals of new keys).
+A table of window counters (the ``limits`` storage ``shm://``) has no rate of
+its own: it gets grants (the hits its users counted), processes and the
+``shmlimit_keyed_*`` families but overrides, never a rate or capacity of 0.
 """
 from __future__ import annotations
 
@@ -23,7 +26,7 @@ from dataclasses import dataclass, field
 from typing import Iterable, List, Optional, Sequence, Tuple, Union
 
 from .errors import ShmlimitError
-from .keyed import KeyedStats
+from .keyed_stats import KeyedStats
 from .kinds import inspect
 from .stats import Stats
 from .segment import list_names
@@ -115,8 +118,10 @@ _KEYED_METRICS = (
     ),
     ("shmlimit_keyed_overrides", "gauge", "Keys with a rate of their own.", "overrides"),
 )
-# the families keyed limiters share with the others
+# the families keyed limiters share with the others; tables of window counters share fewer
 _SHARED = {"shmlimit_grants", "shmlimit_rate_ops_per_second", "shmlimit_capacity_ops", "shmlimit_processes"}
+_SHARED_WINDOWS = {"shmlimit_grants", "shmlimit_processes"}
+_NOT_WINDOWS = {"shmlimit_keyed_overrides"}
 
 
 def snapshots(names: Optional[Sequence[str]] = None) -> Tuple[List[AnyStats], List[str]]:
@@ -143,10 +148,12 @@ def families_of(stats: Iterable[AnyStats], unreadable: Sequence[str] = ()) -> Li
     everything = list(stats)
     keyed = [s for s in everything if isinstance(s, KeyedStats)]
     stats = [s for s in everything if not isinstance(s, KeyedStats)]
+    limiters = [k for k in keyed if k.kind != "windows"]
     out = []
     for name, kind, help_, get in _LIMITER_METRICS:
         fam = Family(name, kind, help_)
-        for s in [*stats, *keyed] if name in _SHARED else stats:
+        shared = keyed if name in _SHARED_WINDOWS else limiters if name in _SHARED else []
+        for s in [*stats, *shared]:
             v = get(s)
             if v is not None:
                 fam.samples.append(((("limiter", s.name),), float(v)))
@@ -168,7 +175,7 @@ def families_of(stats: Iterable[AnyStats], unreadable: Sequence[str] = ()) -> Li
         out.append(fam)
     for name, kind, help_, attr in _KEYED_METRICS:
         fam = Family(name, kind, help_)
-        for k in keyed:
+        for k in limiters if name in _NOT_WINDOWS else keyed:
             fam.samples.append(((("limiter", k.name),), float(getattr(k, attr))))
         out.append(fam)
     out.append(

@@ -26,7 +26,7 @@ from dataclasses import asdict
 from typing import Deque, Dict, List, Optional, Sequence, Tuple
 
 from .errors import ShmlimitError
-from .keyed import KeyedStats, sample_keys
+from .keyed_stats import KeyedStats, sample_keys, sample_windows
 from .kinds import inspect
 from .segment import scan
 from .stats import Stats
@@ -116,14 +116,22 @@ class Inspector:
         top = sorted(seen.items(), key=lambda kv: -kv[1][0])[:BUSIEST]
         return [{"key": k, "grants": g, "wait": w} for k, (g, w) in top]
 
+    def _windows(self, name: str) -> List[dict]:
+        """The fullest windows (by count) among the next KEY_SAMPLE slots: those now counting."""
+        found, self.cursor[name] = sample_windows(name, self.cursor.get(name, 0), KEY_SAMPLE)
+        return [asdict(w) for w in sorted(found, key=lambda w: (-w.count, -w.previous, w.key))[:BUSIEST]]
+
     def _record(self, name: str, s: "Stats | KeyedStats", now: float) -> dict:
         d = asdict(s)
         d["processes"] = [dict(asdict(p), command=command_of(p.pid, p.alive)) for p in s.processes]
         if isinstance(s, KeyedStats):
             try:
-                d["busiest"] = self._busiest(name, s)
+                if s.kind == "windows":
+                    d["windows"] = self._windows(name)
+                else:
+                    d["busiest"] = self._busiest(name, s)
             except (ShmlimitError, OSError):
-                d["busiest"] = []
+                d["windows" if s.kind == "windows" else "busiest"] = []
         last = self.prev.get(name)
         gps = None
         if last is not None and now > last[0]:
@@ -148,6 +156,9 @@ def render(records: List[dict], interval: float) -> str:
             continue
         if r.get("kind") == "keyed":
             lines.extend(_render_keyed(r))
+            continue
+        if r.get("kind") == "windows":
+            lines.extend(_render_windows(r))
             continue
         rate = f"{r['rate']:g}/{r['per']:g}s" + (f" ratio {r['ratio']:g}" if r["ratio"] != 1.0 else "")
         flags = " STOPPED" if r["stopped"] else ""
@@ -200,6 +211,30 @@ def _render_keyed(r: dict) -> List[str]:
         for k in r["busiest"]:
             out.append(f"  {_printable(k['key'])[:28]:28} {k['grants']:>10}  {k['wait']:.3f} s")
     out.append(f"  {'pid':>8} {'command':16} {'state':6} {'grants':>10}")
+    for p in r["processes"]:
+        out.append(f"  {p['pid']:>8} {p['command'][:16]:16} {'alive' if p['alive'] else 'DEAD':6} {p['grants']:>10}")
+    out.append("")
+    return out
+
+
+def _render_windows(r: dict) -> List[str]:
+    """A table of window counters (the ``limits`` storage ``shm://``): it has no rate of its own."""
+    gps = r["grants_per_second"]
+    stale = " STALE (no live process)" if r["stale"] else ""
+    out = [
+        f"{r['name']}  windows: a limits storage (shm://{r['name']}), the limits are its users'{stale}",
+        f"  keys {r['keys']}/{r['slots']}  evicted {r['evicted']}  refused (table full) {r['refused_full']}"
+        f"  hits {r['grants']}",
+        f"  hits/s {'-' if gps is None else f'{gps:,.1f}'}  {sparkline(r['history'])}",
+    ]
+    if r.get("windows"):
+        out.append(f"  {'fullest windows':40} {'strategy':8} {'count':>8} {'previous':>8}  ends in")
+        for w in r["windows"]:
+            out.append(
+                f"  {_printable(w['key'])[:40]:40} {w['strategy']:8} {w['count']:>8} "
+                f"{w['previous'] if w['strategy'] == 'sliding' else '-':>8}  {w['ends_in']:.3f} s"
+            )
+    out.append(f"  {'pid':>8} {'command':16} {'state':6} {'hits':>10}")
     for p in r["processes"]:
         out.append(f"  {p['pid']:>8} {p['command'][:16]:16} {'alive' if p['alive'] else 'DEAD':6} {p['grants']:>10}")
     out.append("")

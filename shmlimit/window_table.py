@@ -11,7 +11,10 @@ cells -> segment.
 """
 from __future__ import annotations
 
+import atexit
 import os
+import threading
+import weakref
 from typing import Any, Callable, Optional
 
 from . import keyed_layout as K
@@ -22,6 +25,7 @@ from .keyed_segment import Geometry, check_geometry, open_segment
 from .keyed_windows import CMAX, OVER, WindowCounters
 from .segment import Segment, validate_name
 from .segment import unlink as _unlink_name
+from .table import ProcessTable, proc_start
 
 __all__ = ["WindowTable", "CMAX", "OVER"]
 
@@ -59,6 +63,30 @@ class WindowTable:
                           K.owner(os.getpid()))
         self.counters = WindowCounters(table, cells.load(K.SECRET0_OFF), cells.load(K.SECRET1_OFF), K.REFUSED,
                                        clock, name)
+        # This process in the segment's process table, as a KeyedLimiter's user: listed (alive or
+        # dead) by `shmlimit list`/`top`, with the hits it counted.  Registered on opening; a forked
+        # child on its first call (``_live``), so a child that never counts is never listed.
+        self._procs = ProcessTable(cells, K.PSLOTS)
+        self._slot: Optional[int] = None
+        self._hits = K.UNREG_GRANTS
+        self._pid = 0
+        self._lock = threading.Lock()
+        self._register()
+        _open_tables.add(self)
+
+    def _register(self) -> None:
+        with self._lock:
+            pid = os.getpid()
+            if self._pid == pid:
+                return
+            start = proc_start(pid)
+            self._slot = self._procs.register(pid, start if start and start > 0 else 0)
+            self._hits = K.UNREG_GRANTS if self._slot is None else K.HEADER_BYTES + self._slot * K.LINE + 16
+            self._pid = pid
+
+    def _count(self, hits: int) -> None:
+        if hits:
+            self._cells.fetch_add(self._hits, hits)
 
     @property
     def name(self) -> str:
@@ -76,6 +104,8 @@ class WindowTable:
     def _live(self) -> Cells:
         if self._seg is None:
             raise ValueError(f"window table {self._name!r} is closed in this process")
+        if self._pid != os.getpid():  # a forked child's first use: it registers as itself
+            self._register()
         return self._cells
 
     # The counters (see keyed_windows.WindowCounters for the exact semantics).
@@ -83,7 +113,9 @@ class WindowTable:
     def incr(self, key: object, expiry: float, amount: int = 1) -> int:
         """Add ``amount`` hits to ``key``'s fixed window of ``expiry`` seconds; its count after that."""
         self._live()
-        return self.counters.incr(key, expiry, amount)
+        count = self.counters.incr(key, expiry, amount)
+        self._count(amount)
+        return count
 
     def get(self, key: object) -> int:
         """Hits in ``key``'s current fixed window (0 if none)."""
@@ -103,7 +135,10 @@ class WindowTable:
     def acquire_sliding(self, key: object, limit: int, expiry: float, amount: int = 1) -> bool:
         """Count ``amount`` hits in ``key``'s sliding window of ``expiry`` seconds iff the estimate stays <= limit."""
         self._live()
-        return self.counters.acquire_sliding(key, limit, expiry, amount)
+        granted = self.counters.acquire_sliding(key, limit, expiry, amount)
+        if granted:
+            self._count(amount)
+        return granted
 
     def sliding(self, key: object, expiry: float):
         """``(previous count, its weight in seconds, current count, seconds until it expires)``."""
@@ -139,8 +174,16 @@ class WindowTable:
         """Unmap the segment in this process; the table stays for the others (``unlink`` removes it)."""
         seg, self._seg = self._seg, None
         if seg is not None:
+            if self._slot is not None and self._pid == os.getpid():
+                self._procs.unregister(self._slot, self._pid)
             self._cells.close()
             seg.close()
+
+    def __del__(self) -> None:
+        try:
+            self.close()
+        except Exception:  # pragma: no cover - interpreter shutdown
+            pass
 
     def unlink(self) -> None:
         """Remove the segment's name; processes still attached keep working on their mapping."""
@@ -154,3 +197,16 @@ class WindowTable:
             return f"<shmlimit.WindowTable {self._name!r} closed>"
         return (f"<shmlimit.WindowTable {self._name!r} keys={self.keys_live}/{self.slots} "
                 f"evicted={self.evicted} refused={self.refused} backend={self._cells.backend}>")
+
+
+#: Every table open in this process: at exit each gives its process slot back.
+_open_tables: "weakref.WeakSet[WindowTable]" = weakref.WeakSet()
+
+
+@atexit.register
+def _close_all() -> None:
+    for t in list(_open_tables):
+        try:
+            t.close()
+        except Exception:  # pragma: no cover - best effort at exit
+            pass

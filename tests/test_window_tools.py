@@ -1,0 +1,162 @@
+"""A table of window counters (the ``limits`` storage ``shm://``) as the tools show it: what it is
+(windows, keys, counts, the processes counting), never a limiter with a rate of 0; and its users
+listed as a keyed limiter's are (a forked child on its first hit, a killed one as dead)."""
+import json
+import os
+import signal
+import time
+
+import pytest
+
+import shmlimit
+from shmlimit.keyed_stats import sample_windows
+from shmlimit.window_table import WindowTable
+from support.clock import FakeClock
+from support.procs import run_cli as cli
+
+
+@pytest.fixture
+def table(name):
+    t = WindowTable(name, keys=512)
+    yield t
+    t.close()
+
+
+def _fill(t):
+    for _ in range(5):
+        t.incr("LIMITER/a/3/1/minute", 60)
+    for _ in range(7):
+        t.acquire_sliding("LIMITER/b/5/10/second", 5, 10)
+    return 5 + 5  # the fixed window's 5 hits, and the sliding window's 5 granted ones
+
+
+def test_inspect_shows_windows_keys_and_the_hits_counted(table, name):
+    hits = _fill(table)
+    s = shmlimit.inspect(name)
+    assert s.kind == "windows" and s.keys == 2 and s.slots == 512 and s.grants == hits
+    assert [(p.pid, p.alive, p.grants) for p in s.processes] == [(os.getpid(), True, hits)]
+    r = cli("inspect", name)
+    assert r.returncode == 0, r.stderr
+    fields = dict(line.split(None, 1) for line in r.stdout.splitlines() if not line.startswith(" "))
+    assert fields["kind"] == "windows" and fields["keys"] == "2" and fields["grants"] == str(hits)
+    assert not {"rate", "per", "capacity", "overrides"} & set(fields)  # no rate of 0 shown
+
+
+def test_list_shows_a_window_table_as_one(table, name):
+    hits = _fill(table)
+    [row] = [line for line in cli("list").stdout.splitlines() if line.startswith(name)]
+    assert row.split()[1:6] == ["windows", "-", "2/512", "keys", str(hits)] and "limits storage" in row
+    assert "0/0s" not in row
+    [rec] = [r for r in json.loads(cli("list", "--json").stdout) if r["name"] == name]
+    assert rec["kind"] == "windows" and rec["keys"] == 2 and rec["grants"] == hits
+
+
+def test_top_shows_the_fullest_windows_and_their_counts(table, name):
+    hits = _fill(table)
+    r = cli("top", name, "--once", "--interval", "0.05")
+    assert r.returncode == 0, r.stderr
+    assert "rate 0" not in r.stdout and f"windows: a limits storage (shm://{name})" in r.stdout
+    assert f"keys 2/512" in r.stdout and f"hits {hits}" in r.stdout and "STALE" not in r.stdout
+    fixed = next(line for line in r.stdout.splitlines() if "LIMITER/a/3/1/minute" in line).split()
+    sliding = next(line for line in r.stdout.splitlines() if "LIMITER/b/5/10/second" in line).split()
+    assert fixed[1:4] == ["fixed", "5", "-"] and sliding[1:4] == ["sliding", "5", "0"]
+    assert 0 < float(fixed[4]) <= 60.001 and 0 < float(sliding[4]) <= 10.001
+    snap = json.loads(cli("top", name, "--once", "--json", "--interval", "0.05").stdout)
+    [rec] = snap["limiters"]
+    assert rec["kind"] == "windows" and rec["stale"] is False
+    assert {(w["key"], w["strategy"], w["count"]) for w in rec["windows"]} == {
+        ("LIMITER/a/3/1/minute", "fixed", 5), ("LIMITER/b/5/10/second", "sliding", 5)}
+
+
+def test_sampled_windows_follow_the_clock(name):
+    """The sample reads the counters as the strategies do: a sliding window that ended is the
+    previous one; a fixed window that ended, or a sliding key two windows old, is not listed."""
+    clock = FakeClock(time.monotonic_ns() // 10**6 * 10**6)  # on a whole millisecond, as the counters count
+    t = WindowTable(name, keys=64, clock=clock)
+
+    def sample():
+        return {w.key: (w.strategy, w.count, w.previous, w.window, round(w.ends_in, 3))
+                for w in sample_windows(name, 0, 64, now_ns=clock())[0]}
+
+    try:
+        assert t.incr("f", 1) == 1 and t.acquire_sliding("s", 10, 2, 3)
+        first = sample()
+        assert first["f"] == ("fixed", 1, 0, None, 1.001)  # a fixed window lasts 1 ms more than asked
+        assert first["s"] == ("sliding", 3, 0, 2.0, 2.0)
+        clock.advance_seconds(1.5)
+        assert set(sample()) == {"s"} and sample()["s"] == ("sliding", 3, 0, 2.0, 0.5)  # f's window ended
+        clock.advance_seconds(1.0)  # the sliding window ended without another hit: it is the previous
+        assert sample()["s"] == ("sliding", 0, 3, 2.0, 1.5)
+        assert t.acquire_sliding("s", 10, 2, 1)  # a hit moves the slot on: the same counts, now stored
+        assert sample()["s"] == ("sliding", 1, 3, 2.0, 1.5)
+        clock.advance_seconds(4.0)  # two windows without a hit: nothing left to show
+        assert sample() == {}
+    finally:
+        t.close()
+
+
+def test_metrics_give_a_window_table_no_rate(table, name):
+    from shmlimit.metrics import families
+
+    hits = _fill(table)
+    fams = {f.name: {dict(labels).get("limiter"): v for labels, v in f.samples} for f in families([name])}
+    assert fams["shmlimit_grants"][name] == hits and fams["shmlimit_processes"][name] == 1
+    assert fams["shmlimit_keyed_keys"][name] == 2
+    assert name not in fams["shmlimit_rate_ops_per_second"] and name not in fams["shmlimit_capacity_ops"]
+    assert name not in fams["shmlimit_keyed_overrides"]
+
+
+def _listed(name):
+    return {p.pid: p.alive for p in shmlimit.inspect(name).processes}
+
+
+def _read_exactly(fd, n):
+    got = b""
+    while len(got) < n:
+        chunk = os.read(fd, n - len(got))
+        assert chunk, "a worker died before answering"
+        got += chunk
+    return got
+
+
+def test_forked_users_are_listed_on_first_use_and_a_killed_one_as_dead(table, name):
+    table.incr("k", 60)
+    r_go, w_go = os.pipe()
+    r_done, w_done = os.pipe()
+    r_end, w_end = os.pipe()
+    pids = []
+    for use in (False, True, True):
+        pid = os.fork()
+        if pid == 0:  # a worker forked from the master holding the storage
+            try:
+                os.read(r_go, 1)
+                if use:
+                    table.incr("k", 60)
+                os.write(w_done, b"1")
+                os.read(r_end, 1)  # until the master lets go (or kills us)
+            finally:
+                os._exit(0)
+        pids.append(pid)
+    try:
+        assert _listed(name) == {os.getpid(): True}
+        os.write(w_go, b"ggg")
+        _read_exactly(r_done, 3)  # each answers after its hit
+        # the one that never counted is not listed; the two that did are, alive
+        assert _listed(name) == {os.getpid(): True, pids[1]: True, pids[2]: True}
+        os.kill(pids[1], signal.SIGKILL)
+        os.waitpid(pids[1], 0)
+        assert _listed(name) == {os.getpid(): True, pids[1]: False, pids[2]: True}
+        assert shmlimit.inspect(name).grants == 3  # the dead one's hit stays counted
+    finally:
+        os.write(w_end, b"xxx")
+        for pid in pids:
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+            try:
+                os.waitpid(pid, 0)
+            except ChildProcessError:
+                pass
+        for fd in (r_go, w_go, r_done, w_done, r_end, w_end):
+            os.close(fd)
