@@ -7,6 +7,11 @@ hits in one table: 4 gunicorn workers with a limit of 10/second grant 10 per
 second, not 40.  ``shm://api?keys=200000`` sizes the table (64-byte slots,
 used when the first process creates it).
 
+``async+shm://NAME`` is the same table for ``limits.aio`` (``AsyncShmStorage``:
+an async Starlette, FastAPI or aiohttp app, whatever its workers): a hit is
+a few atomic operations, never a wait, so it runs on the event loop itself;
+only ``reset`` (a scan of every slot) runs in a worker thread.
+
 Strategies: ``fixed-window`` and ``sliding-window-counter`` (limits >= 4.1)
 hold exactly across processes: each hit is one compare-and-swap on the key's
 counter word (``shmlimit.keyed_windows``).  ``moving-window`` is not
@@ -16,6 +21,7 @@ limits >= 3 (the fixed window; the sliding window counter exists from 4.1).
 """
 from __future__ import annotations
 
+import asyncio
 import time
 import urllib.parse
 from typing import Any, Dict, Tuple, Type, Union
@@ -30,14 +36,14 @@ try:  # limits >= 4.1
 except ImportError:  # pragma: no cover - older limits: fixed windows only
     _Sliding = object  # type: ignore[assignment,misc]
 
-__all__ = ["ShmStorage", "parse_uri"]
+__all__ = ["AsyncShmStorage", "ShmStorage", "parse_uri"]
 
 
-def parse_uri(uri: str) -> Tuple[str, Dict[str, Any]]:
+def parse_uri(uri: str, scheme: str = "shm") -> Tuple[str, Dict[str, Any]]:
     """``shm://NAME[?keys=N&mode=0o600]`` -> (name, WindowTable options); ValueError names what is wrong."""
     parts = urllib.parse.urlparse(uri)
-    if parts.scheme != "shm":
-        raise ValueError(f"storage uri must start with shm://, got {uri!r}")
+    if parts.scheme != scheme:
+        raise ValueError(f"storage uri must start with {scheme}://, got {uri!r}")
     name = (parts.netloc + parts.path).strip("/")
     if not name:
         raise ValueError(f"storage uri must name the table, as shm://NAME; got {uri!r}")
@@ -52,6 +58,15 @@ def parse_uri(uri: str) -> Tuple[str, Dict[str, Any]]:
     return name, opts
 
 
+def _table(uri: str, scheme: str, options: Dict[str, Any]) -> WindowTable:
+    """The ``WindowTable`` a storage uri names; its options are taken out of ``options``."""
+    name, opts = parse_uri(uri, scheme)
+    for k in ("keys", "mode", "trusted_uids", "clock"):
+        if k in options:
+            opts[k] = options.pop(k)
+    return WindowTable(name, **opts)
+
+
 class ShmStorage(Storage, _Sliding):  # type: ignore[misc,valid-type]
     """The ``shm://`` storage: fixed-window and sliding-window-counter counters in a ``WindowTable``.
 
@@ -63,11 +78,7 @@ class ShmStorage(Storage, _Sliding):  # type: ignore[misc,valid-type]
     STORAGE_SCHEME = ["shm"]
 
     def __init__(self, uri: str = "shm://limits", wrap_exceptions: bool = False, **options: Any) -> None:
-        name, opts = parse_uri(uri)
-        for k in ("keys", "mode", "trusted_uids", "clock"):
-            if k in options:
-                opts[k] = options.pop(k)
-        self.table = WindowTable(name, **opts)
+        self.table = _table(uri, "shm", options)
         super().__init__(uri, wrap_exceptions=wrap_exceptions, **options)
 
     @property
@@ -111,3 +122,64 @@ class ShmStorage(Storage, _Sliding):  # type: ignore[misc,valid-type]
 
     def __repr__(self) -> str:
         return f"<ShmStorage {self.table!r}>"
+
+
+try:  # limits.aio (limits >= 2.1; its sliding window counter from 4.1)
+    from limits.aio.storage import SlidingWindowCounterSupport as _AsyncSliding
+    from limits.aio.storage import Storage as _AsyncStorage
+except ImportError:  # pragma: no cover - a limits without the asyncio API
+    _AsyncStorage = None  # type: ignore[assignment,misc]
+
+if _AsyncStorage is not None:
+
+    class AsyncShmStorage(_AsyncStorage, _AsyncSliding):  # type: ignore[misc,valid-type]
+        """The ``async+shm://NAME`` storage for ``limits.aio``: the table ``shm://NAME`` names, shared alike.
+
+        Every method but ``reset`` works on the event loop: a hit is a few
+        compare-and-swaps on the key's words and never waits for another
+        process (one that lost an insert race yields its time slice once, as
+        the sync storage does).  ``reset`` scans every slot, so it runs in a
+        worker thread.  Options as ``ShmStorage``'s.
+        """
+
+        STORAGE_SCHEME = ["async+shm"]
+
+        def __init__(self, uri: str = "async+shm://limits", wrap_exceptions: bool = False, **options: Any) -> None:
+            self.table = _table(uri, "async+shm", options)
+            super().__init__(uri, wrap_exceptions=wrap_exceptions, **options)
+
+        @property
+        def base_exceptions(self) -> Union[Type[Exception], Tuple[Type[Exception], ...]]:
+            return ShmlimitError
+
+        async def incr(self, key: str, expiry: float, amount: int = 1) -> int:
+            """Add ``amount`` to ``key``'s window of ``expiry`` seconds; the count after it."""
+            return self.table.incr(key, expiry, amount)
+
+        async def get(self, key: str) -> int:
+            return self.table.get(key)
+
+        async def get_expiry(self, key: str) -> float:
+            """When ``key``'s window ends, as a ``time.time()`` timestamp (now if it has none)."""
+            return time.time() + self.table.expires_in(key)
+
+        async def clear(self, key: str) -> None:
+            self.table.clear(key)
+
+        async def check(self) -> bool:
+            return not self.table.closed
+
+        async def reset(self) -> int:
+            return await asyncio.to_thread(self.table.reset)
+
+        async def acquire_sliding_window_entry(self, key: str, limit: int, expiry: int, amount: int = 1) -> bool:
+            return self.table.acquire_sliding(key, limit, expiry, amount)
+
+        async def get_sliding_window(self, key: str, expiry: int) -> Tuple[int, float, int, float]:
+            return self.table.sliding(key, expiry)
+
+        async def clear_sliding_window(self, key: str, expiry: int) -> None:
+            self.table.clear_sliding(key, expiry)
+
+        def __repr__(self) -> str:
+            return f"<AsyncShmStorage {self.table!r}>"
