@@ -298,3 +298,61 @@ def test_forked_children_that_leave_unused_leave_no_entry_and_observing_is_not_u
         assert os.waitstatus_to_exitcode(os.waitpid(pid, 0)[1]) == 0
     assert _listed(name) == {os.getpid(): True}
     lim.close()
+
+
+def test_a_killed_workers_slot_is_reaped_by_the_next_worker_when_the_table_is_full(name):
+    """Every one of the 128 process slots held (the master and 127 forked workers, each registered by
+    its first use): one worker is SIGKILLed, and the next worker's first use reclaims its slot."""
+    lim = shmlimit.KeyedLimiter(name, rate=1000, keys=1024)
+    r_end, w_end = os.pipe()
+    r_up, w_up = os.pipe()
+
+    def fork_worker():
+        pid = os.fork()
+        if pid == 0:
+            try:
+                assert lim.acquire(f"worker-{os.getpid()}")  # a new key: granted
+                os.write(w_up, b"1")
+                os.read(r_end, 1)
+            finally:
+                os._exit(0)
+        return pid
+
+    pids = []
+    try:
+        for _ in range(K.PSLOTS - 1):
+            pids.append(fork_worker())
+        _read_exactly(r_up, K.PSLOTS - 1)
+        assert len(_listed(name)) == K.PSLOTS and all(_listed(name).values())
+        os.kill(pids[0], signal.SIGKILL)
+        os.waitpid(pids[0], 0)
+        assert _listed(name)[pids[0]] is False  # tracked: listed dead, its slot still taken
+        pids.append(fork_worker())
+        _read_exactly(r_up, 1)
+        listed = _listed(name)
+        # reaped: the newcomer registered in the dead worker's slot (no other was free)
+        assert pids[0] not in listed and listed[pids[-1]] is True and len(listed) == K.PSLOTS
+        assert lim.stats().grants == K.PSLOTS  # the dead worker's grant stays in the total
+    finally:
+        os.write(w_end, b"x" * len(pids))
+        for pid in pids:
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+            try:
+                os.waitpid(pid, 0)
+            except ChildProcessError:
+                pass
+        for fd in (r_end, w_end, r_up, w_up):
+            os.close(fd)
+        lim.close()
+
+
+def _read_exactly(fd, n):
+    got = b""
+    while len(got) < n:
+        chunk = os.read(fd, n - len(got))
+        assert chunk, "a worker died before answering"
+        got += chunk
+    return got
