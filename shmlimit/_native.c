@@ -1071,6 +1071,270 @@ cells_gate(NativeCells *self, PyObject *const *args, Py_ssize_t n)
     return (PyObject *)g;
 }
 
+/* ---- MultiGate: one try over several rates, all or nothing, in one call -------------------
+ *
+ * Several rates (each its own segment and Gate) taken together, as the reference
+ * composites.MultiGate does from its gates' steps.  A try first looks at every rate (its config
+ * unchanged, room for its amount now) and touches nothing unless all have room; only then does
+ * it take each by CAS, in order.  A race (another caller took a later rate's room between the
+ * look and the take) gives back to the rates already taken what it took, less what their heads
+ * gained since it read them, and never beyond tail + capacity: the bucket is never left fuller
+ * than had the tokens never been taken (Bucket.give_back).  Every rate's grants are counted
+ * only once all have granted.  A try never queues, so it never passes a ticket already queued
+ * on any rate (FIFO), and each rate's tail advances only over tokens its head covers, so each
+ * keeps its own window bound.
+ *
+ * Answers: True (granted on every rate, counted), False (refused for certain on some rate,
+ * nothing touched; only when bound with decide=True), None (undecided: a config changed, a
+ * replenish might grant, or a race gave back -- the caller takes the slow path).
+ */
+#define MULTI_MAX 16
+
+typedef struct {
+    PyObject_HEAD
+    PyObject *gates; /* a tuple of Gates, kept alive (each keeps its cells) */
+    PyObject *names; /* a tuple of the rates' names (costs given by name), or NULL */
+    Py_ssize_t n;
+    int decide;
+    Gate *g[MULTI_MAX];
+    uint64_t cap[MULTI_MAX]; /* each rate's capacity in tokens (the give-back clamp) */
+} MultiGate;
+
+/* Return `amount` tokens taken from g when its head was `head_then`, unused (Bucket.give_back). */
+static void
+multi_give_back(Gate *g, uint64_t cap, uint64_t amount, uint64_t head_then)
+{
+    uint64_t head = __atomic_load_n(g->head, __ATOMIC_SEQ_CST);
+    int64_t gained = (int64_t)(head - head_then);
+    if (gained > 0 && (uint64_t)gained >= amount)
+        return;
+    uint64_t back = gained > 0 ? amount - (uint64_t)gained : amount;
+    for (;;) {
+        uint64_t tail = __atomic_load_n(g->tail, __ATOMIC_SEQ_CST);
+        int64_t room = (int64_t)(tail + cap - head);
+        if (room <= 0)
+            return;
+        uint64_t add = (uint64_t)room < back ? (uint64_t)room : back;
+        if (__atomic_compare_exchange_n(g->head, &head, head + add, 0, __ATOMIC_SEQ_CST, __ATOMIC_SEQ_CST))
+            return; /* on failure `head` holds the current head: clamp again from there */
+    }
+}
+
+/* The try itself: mult[i] ops on rate i (0: the rate is not touched). */
+static PyObject *
+multi_try(MultiGate *self, const uint64_t *mult)
+{
+    Py_ssize_t n = self->n, i;
+    uint64_t amount[MULTI_MAX], head_then[MULTI_MAX];
+    int short_any = 0, certain = 0;
+    for (i = 0; i < n; i++)
+        if (!check_open(self->g[i]->cells))
+            return NULL;
+    for (i = 0; i < n; i++) { /* look: touch nothing unless every rate has room now */
+        if (!mult[i])
+            continue;
+        Gate *g = self->g[i];
+        if (__atomic_load_n(g->seq, __ATOMIC_SEQ_CST) != g->expected)
+            Py_RETURN_NONE;
+        amount[i] = g->amount * mult[i]; /* <= cap < 2**62: checked by the callers */
+        uint64_t t = __atomic_load_n(g->tail, __ATOMIC_SEQ_CST);
+        int64_t short_ = (int64_t)(t + amount[i] - __atomic_load_n(g->head, __ATOMIC_SEQ_CST));
+        if (short_ > 0) {
+            short_any = 1;
+            if ((uint64_t)short_ > gate_pending(g))
+                certain = 1;
+        }
+    }
+    if (short_any) {
+        if (certain && self->decide)
+            Py_RETURN_FALSE;
+        Py_RETURN_NONE;
+    }
+    for (i = 0; i < n; i++) { /* take, in order; a race gives the earlier rates back */
+        if (!mult[i])
+            continue;
+        Gate *g = self->g[i];
+        head_then[i] = __atomic_load_n(g->head, __ATOMIC_SEQ_CST);
+        uint64_t t = __atomic_load_n(g->tail, __ATOMIC_SEQ_CST);
+        for (;;) {
+            uint64_t want = t + amount[i];
+            if ((int64_t)(want - __atomic_load_n(g->head, __ATOMIC_SEQ_CST)) > 0) {
+                for (Py_ssize_t j = 0; j < i; j++)
+                    if (mult[j])
+                        multi_give_back(self->g[j], self->cap[j], amount[j], head_then[j]);
+                Py_RETURN_NONE;
+            }
+            if (gate_take(g, &t, want))
+                break; /* on failure `t` holds the current tail: try again from there */
+        }
+    }
+    for (i = 0; i < n; i++)
+        if (mult[i])
+            __atomic_fetch_add(self->g[i]->grants, self->g[i]->ops * mult[i], __ATOMIC_SEQ_CST);
+    Py_RETURN_TRUE;
+}
+
+static PyObject *
+multi_try_grab(MultiGate *self, PyObject *Py_UNUSED(ignored))
+{
+    static const uint64_t ones[MULTI_MAX] = {1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1};
+    return multi_try(self, ones);
+}
+
+/* One count of ops as a multiplier of rate i, or 0 with *ok cleared when the slow path must
+ * decide: not a plain int >= 0, or more tokens than the rate's capacity (never granted by a try;
+ * the slow path queues it or raises). */
+static uint64_t
+multi_ops(MultiGate *self, Py_ssize_t i, PyObject *o, int *ok)
+{
+    if (!PyLong_CheckExact(o)) {
+        *ok = 0;
+        return 0;
+    }
+    int overflow = 0;
+    long long v = PyLong_AsLongLongAndOverflow(o, &overflow);
+    if (overflow || v < 0 || (v == -1 && PyErr_Occurred())) {
+        PyErr_Clear();
+        *ok = 0;
+        return 0;
+    }
+    if ((uint64_t)v > self->cap[i] / self->g[i]->amount) {
+        *ok = 0;
+        return 0;
+    }
+    return (uint64_t)v;
+}
+
+/* try_grab_ops(ops): ops per rate -- a tuple of one int per rate (0: not touched), a dict of
+ * them by the rates' names (those not named: 0), or one int for every rate.  None, touching
+ * nothing, for anything but plain ints >= 0 with one > 0, or a name not a rate's (the slow path
+ * raises what it must). */
+static PyObject *
+multi_try_grab_ops(MultiGate *self, PyObject *arg)
+{
+    uint64_t mult[MULTI_MAX];
+    int ok = 1, any = 0;
+    Py_ssize_t i;
+    if (PyTuple_CheckExact(arg)) {
+        if (PyTuple_GET_SIZE(arg) != self->n)
+            Py_RETURN_NONE;
+        for (i = 0; i < self->n; i++)
+            mult[i] = multi_ops(self, i, PyTuple_GET_ITEM(arg, i), &ok);
+    } else if (PyDict_CheckExact(arg)) {
+        Py_ssize_t found = 0;
+        if (!self->names)
+            Py_RETURN_NONE;
+        for (i = 0; i < self->n; i++) {
+            PyObject *v = PyDict_GetItemWithError(arg, PyTuple_GET_ITEM(self->names, i));
+            if (!v) {
+                if (PyErr_Occurred())
+                    return NULL;
+                mult[i] = 0;
+                continue;
+            }
+            found++;
+            mult[i] = multi_ops(self, i, v, &ok);
+        }
+        if (found != PyDict_GET_SIZE(arg))
+            Py_RETURN_NONE; /* a name not a rate's */
+    } else {
+        for (i = 0; i < self->n; i++)
+            mult[i] = multi_ops(self, i, arg, &ok);
+    }
+    for (i = 0; i < self->n; i++)
+        any |= mult[i] != 0;
+    if (!ok || !any)
+        Py_RETURN_NONE;
+    return multi_try(self, mult);
+}
+
+static void
+multi_dealloc(MultiGate *self)
+{
+    Py_XDECREF(self->gates);
+    Py_XDECREF(self->names);
+    Py_TYPE(self)->tp_free((PyObject *)self);
+}
+
+static PyMethodDef multi_methods[] = {
+    {"try_grab", (PyCFunction)multi_try_grab, METH_NOARGS,
+     "try_grab() -> one op on every rate: True if granted on all (counted), False if refused for certain "
+     "(nothing touched), None if undecided"},
+    {"try_grab_ops", (PyCFunction)multi_try_grab_ops, METH_O,
+     "try_grab_ops(ops) -> as try_grab, for ops per rate (a tuple, 0 for a rate not taken; a dict by the rates' "
+     "names) or one int for all"},
+    {NULL, NULL, 0, NULL},
+};
+
+static PyTypeObject MultiGateType = {
+    NATIVE_TYPE("MultiGate", MultiGate, "one try over several rates' Gates, all or nothing, in one call."),
+    .tp_dealloc = (destructor)multi_dealloc,
+    .tp_methods = multi_methods,
+};
+
+/* multi_gate(gates, caps, decide, names) -> a MultiGate over a tuple of 1..16 Gates, each with
+ * its capacity in tokens (>= its amount, < 2**62); names: a tuple of one str per gate, or None. */
+static PyObject *
+native_multi_gate(PyObject *Py_UNUSED(module), PyObject *const *args, Py_ssize_t nargs)
+{
+    if (nargs != 4 || !PyTuple_Check(args[0]) || !PyTuple_Check(args[1])
+        || (args[3] != Py_None && !PyTuple_Check(args[3]))) {
+        PyErr_SetString(PyExc_TypeError,
+                        "multi_gate(gates, caps, decide, names): a tuple of Gates, a tuple of ints, a bool, "
+                        "a tuple of str or None");
+        return NULL;
+    }
+    Py_ssize_t n = PyTuple_GET_SIZE(args[0]);
+    if (n < 1 || n > MULTI_MAX || PyTuple_GET_SIZE(args[1]) != n
+        || (args[3] != Py_None && PyTuple_GET_SIZE(args[3]) != n)) {
+        PyErr_SetString(PyExc_ValueError, "multi_gate: 1 to 16 gates, and one capacity (and name) per gate");
+        return NULL;
+    }
+    if (args[3] != Py_None)
+        for (Py_ssize_t i = 0; i < n; i++)
+            if (!PyUnicode_CheckExact(PyTuple_GET_ITEM(args[3], i))) {
+                PyErr_SetString(PyExc_TypeError, "multi_gate: each name must be a str");
+                return NULL;
+            }
+    int decide = PyObject_IsTrue(args[2]);
+    if (decide < 0)
+        return NULL;
+    MultiGate *m = PyObject_New(MultiGate, &MultiGateType);
+    if (!m)
+        return NULL;
+    m->n = n;
+    m->decide = decide;
+    m->gates = NULL;
+    m->names = NULL;
+    for (Py_ssize_t i = 0; i < n; i++) {
+        PyObject *g = PyTuple_GET_ITEM(args[0], i);
+        if (Py_TYPE(g) != &GateType) {
+            PyErr_SetString(PyExc_TypeError, "multi_gate: every gate must be a native Gate");
+            Py_DECREF(m);
+            return NULL;
+        }
+        unsigned long long cap = PyLong_AsUnsignedLongLong(PyTuple_GET_ITEM(args[1], i));
+        if (cap == (unsigned long long)-1 && PyErr_Occurred()) {
+            Py_DECREF(m);
+            return NULL;
+        }
+        m->g[i] = (Gate *)g;
+        m->cap[i] = cap;
+        if (cap < m->g[i]->amount || cap >= ((uint64_t)1 << 62)) {
+            PyErr_SetString(PyExc_ValueError, "multi_gate: each capacity must be >= its gate's amount and < 2**62");
+            Py_DECREF(m);
+            return NULL;
+        }
+    }
+    Py_INCREF(args[0]);
+    m->gates = args[0];
+    if (args[3] != Py_None) {
+        Py_INCREF(args[3]);
+        m->names = args[3];
+    }
+    return (PyObject *)m;
+}
+
 static void
 release_view(NativeCells *self)
 {
@@ -1591,6 +1855,8 @@ waiters_leave(NativeCells *self)
 static PyMethodDef native_functions[] = {
     {"sleep_until", (PyCFunction)(void (*)(void))native_sleep_until, METH_FASTCALL,
      "sleep_until(deadline_ns, slack_ns): sleep to a CLOCK_MONOTONIC deadline with a low timer slack"},
+    {"multi_gate", (PyCFunction)(void (*)(void))native_multi_gate, METH_FASTCALL,
+     "multi_gate(gates, caps, decide, names) -> a MultiGate: one try over several rates, all or nothing"},
     {NULL, NULL, 0, NULL},
 };
 
@@ -1602,7 +1868,7 @@ PyMODINIT_FUNC
 PyInit__native(void)
 {
     if (PyType_Ready(&NativeCellsType) < 0 || PyType_Ready(&GrabberType) < 0 || PyType_Ready(&KeyedTableType) < 0
-        || PyType_Ready(&GateType) < 0 || PyType_Ready(&WaiterType) < 0)
+        || PyType_Ready(&GateType) < 0 || PyType_Ready(&WaiterType) < 0 || PyType_Ready(&MultiGateType) < 0)
         return NULL;
     PyObject *m = PyModule_Create(&native_module);
     if (!m)

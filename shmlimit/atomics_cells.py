@@ -408,3 +408,46 @@ class _AtomicsGate(Gate):
                 tail = found
         finally:
             self.c._exit()
+
+    # -- a MultiGate's steps on raw words, under one enter/exit (see Gate's reference steps)
+
+    def enter(self) -> None:
+        self.c._enter()
+
+    def exit(self) -> None:
+        self.c._exit()
+
+    def short(self, amount: int) -> Optional[int]:
+        w = self.w
+        if w[self.i_seq] != self.expected:
+            return None
+        return signed(w[self.i_tail] + amount - w[self.i_head])
+
+    def take(self, amount: int) -> Optional[int]:
+        w, cas = self.w, self.p.cas
+        head_then = w[self.i_head]
+        t = w[self.i_tail]
+        while True:
+            want = (t + amount) & MASK64
+            if signed(want - w[self.i_head]) > 0:
+                return None
+            found = cas(self.a_tail, t, want)
+            if found == t:
+                return head_then
+            t = found
+
+    def count(self, mult: int) -> None:
+        self.p.fetch_add(self.a_grants, self.ops * mult)
+
+    def give_back(self, amount: int, head_then: int, cap: int) -> None:
+        w, cas = self.w, self.p.cas
+        head = w[self.i_head]
+        back = amount - max(0, signed(head - head_then))
+        while back > 0:
+            add = min(back, signed(w[self.i_tail] + cap - head))
+            if add <= 0:
+                return
+            found = cas(self.c._base + self.head, head, (head + add) & MASK64)
+            if found == head:
+                return
+            head = found

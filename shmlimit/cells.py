@@ -19,21 +19,21 @@ memory is touched.
 
 This module is the layer's face: the ``Cells`` protocol and the choice of a
 backend.  The word's constants and checks live in words.py, the reference
-composites (and ``Gate``) in composites.py, the ``atomics`` backend in
+composites (and ``Gate``, ``MultiGate``) in composites.py, the ``atomics`` backend in
 atomics_cells.py; the native one is ``_native.c``.
 """
 from __future__ import annotations
 
 import mmap
 import os
-from typing import Any, Callable, Optional, Protocol, runtime_checkable
+from typing import Any, Callable, Optional, Protocol, Sequence, runtime_checkable
 
 # The words' constants are part of this layer's face: modules above import them from here.
 from .words import MASK64, MAX_QUEUE, WORD, GrabResult
 
 __all__ = [
     "BACKENDS", "Cells", "GrabResult", "MASK64", "MAX_QUEUE", "WORD",
-    "native_available", "open_cells", "selected_backend", "warm_backend",
+    "multi_gate", "native_available", "open_cells", "selected_backend", "warm_backend",
 ]
 
 BACKENDS = ("native", "atomics")
@@ -131,6 +131,20 @@ def warm_backend(backend: str | None = None) -> None:
         import atomics  # noqa: F401
 
         from . import atomics_cells  # noqa: F401
+
+
+def multi_gate(gates: Sequence[Any], caps: Sequence[int], decide: bool, names: Optional[Sequence[str]] = None) -> Any:
+    """One try over several rates' gates, all or nothing, in one call (see ``composites.MultiGate``):
+    the native one when every gate is native, else the reference built from the gates' steps.
+    ``names`` (one per gate) lets ``try_grab_ops`` take the ops per rate as a dict by name."""
+    if native_available():
+        from . import _native
+
+        if gates and all(type(g).__name__ == "Gate" and type(g).__module__ == "shmlimit._native" for g in gates):
+            return _native.multi_gate(tuple(gates), tuple(caps), decide, None if names is None else tuple(names))
+    from .composites import MultiGate
+
+    return MultiGate(gates, caps, decide, names)
 
 
 def open_cells(mm: mmap.mmap, size: int, backend: str | None = None) -> Cells:

@@ -3,13 +3,14 @@
 This is the reference every backend must match: the ``atomics`` backend
 (atomics_cells.py) inherits it, and the native one (``_native.c``) does the
 same steps in C.  ``Gate`` binds the fast paths of ``try_acquire`` and of a
-timed ``acquire`` to one config.
+timed ``acquire`` to one config; ``MultiGate`` takes several rates' gates
+together, all or nothing, in one call.
 """
 from __future__ import annotations
 
 import functools
 import time
-from typing import Callable, Optional, Protocol, Union
+from typing import Callable, List, Optional, Protocol, Sequence, Tuple, Union
 
 from .words import MASK64, MAX_QUEUE, GrabResult, check_offset, plain_seconds, signed
 
@@ -213,3 +214,148 @@ class Gate:
             elif c.cas(self.tail, tail, want):
                 c.fetch_add(self.grants, self.ops)
                 return True
+
+    # -- the steps of a try over several rates (``MultiGate``), each on this gate's words ----------
+
+    def enter(self) -> None:
+        """Hold the cells open while a ``MultiGate`` works on them (the primitives here check
+        for themselves; a backend whose steps use raw words overrides this)."""
+
+    def exit(self) -> None:
+        """Undo ``enter``."""
+
+    def short(self, amount: int) -> Optional[int]:
+        """Tokens this rate lacks for ``amount`` now (<= 0: it has room), or None when the config
+        is no longer the gate's.  Touches nothing."""
+        c = self.cells
+        if c.load(self.seq) != self.expected:
+            return None
+        return signed(c.load(self.tail) + amount - c.load(self.head))
+
+    def take(self, amount: int) -> Optional[int]:
+        """Advance the tail by ``amount`` only while the head covers it (CAS); the head read
+        before, or None when short (nothing taken).  Not counted: see ``count``."""
+        c = self.cells
+        head_then = c.load(self.head)
+        while True:
+            t = c.load(self.tail)
+            want = (t + amount) & MASK64
+            if signed(want - c.load(self.head)) > 0:
+                return None
+            if c.cas(self.tail, t, want):
+                return head_then
+
+    def count(self, mult: int) -> None:
+        """Count ``mult`` grants of this gate's ``ops``."""
+        self.cells.fetch_add(self.grants, self.ops * mult)
+
+    def give_back(self, amount: int, head_then: int, cap: int) -> None:
+        """Return ``amount`` tokens taken when the head was ``head_then``, unused, less what the
+        head gained since, never beyond ``tail + cap`` (as ``Bucket.give_back``)."""
+        c = self.cells
+        head = c.load(self.head)
+        back = amount - max(0, signed(head - head_then))
+        while back > 0:
+            add = min(back, signed(c.load(self.tail) + cap - head))
+            if add <= 0 or c.cas(self.head, head, (head + add) & MASK64):
+                return
+            head = c.load(self.head)
+
+
+#: Rates a ``MultiGate`` takes at most (``rates=`` holds at most as many).
+MULTI_MAX = 16
+
+
+class MultiGate:
+    """One try over several rates' gates, all or nothing (the reference; ``_native.c`` does the
+    same steps in one C call).
+
+    It looks at every rate first (config unchanged, room now) and touches
+    nothing unless all have room; only then does it take each by CAS, in
+    order.  A race (another caller took a later rate's room between the look
+    and the take) gives back to the rates already taken what it took, less
+    what their heads gained since, never beyond ``tail + cap``.  Every rate's
+    grants are counted only once all have granted.  It never queues, so it
+    never passes a ticket queued on any rate, and each rate's tail advances
+    only over tokens its head covers: each keeps its own window bound.
+
+    Answers True (granted and counted on every rate), False (refused for
+    certain on some rate, nothing touched; only with ``decide``), or None
+    (undecided: a config changed, a replenish might grant, or a race gave
+    back -- the caller takes the slow path).
+    """
+
+    def __init__(
+        self, gates: Sequence[Gate], caps: Sequence[int], decide: bool, names: Optional[Sequence[str]] = None
+    ) -> None:
+        if not 1 <= len(gates) <= MULTI_MAX or len(caps) != len(gates) or (names is not None and len(names) != len(gates)):
+            raise ValueError(f"multi_gate: 1 to {MULTI_MAX} gates, and one capacity (and name) per gate")
+        for g, cap in zip(gates, caps):
+            if not g.amount <= cap < 1 << 62:
+                raise ValueError("multi_gate: each capacity must be >= its gate's amount and < 2**62")
+        self.gates = tuple(gates)
+        self.caps = tuple(caps)
+        self.decide = bool(decide)
+        self.names = None if names is None else tuple(names)
+        self._ones = (1,) * len(gates)
+
+    def try_grab(self) -> Optional[bool]:
+        """One op on every rate."""
+        return self._try(self._ones)
+
+    def try_grab_ops(self, ops: object) -> Optional[bool]:
+        """``ops`` per rate (a tuple, 0 for a rate not taken; a dict by the rates' names, those
+        not named 0) or one int for every rate; None, touching nothing, for anything but plain
+        ints >= 0 with one > 0, a name not a rate's, or more tokens than a rate's capacity (the
+        slow path queues that or raises)."""
+        n = len(self.gates)
+        if type(ops) is tuple:
+            if len(ops) != n:
+                return None
+            mult = ops
+        elif type(ops) is dict:
+            if self.names is None or not ops.keys() <= set(self.names):
+                return None
+            mult = tuple(ops.get(k, 0) for k in self.names)
+        else:
+            mult = (ops,) * n
+        for o, g, cap in zip(mult, self.gates, self.caps):
+            if type(o) is not int or not 0 <= o <= cap // g.amount:
+                return None
+        if not any(mult):
+            return None
+        return self._try(mult)
+
+    def _try(self, mult: Sequence[int]) -> Optional[bool]:
+        entered: List[Gate] = []
+        try:
+            for g in self.gates:
+                g.enter()
+                entered.append(g)
+            certain = short_any = False
+            for g, m in zip(self.gates, mult):  # look: touch nothing unless every rate has room
+                if m:
+                    short = g.short(g.amount * m)
+                    if short is None:
+                        return None
+                    if short > 0:
+                        short_any = True
+                        certain = certain or short > g.pending()
+            if short_any:
+                return False if certain and self.decide else None
+            taken: List[Tuple[Gate, int, int, int]] = []
+            for g, m, cap in zip(self.gates, mult, self.caps):  # take, in order
+                if m:
+                    head_then = g.take(g.amount * m)
+                    if head_then is None:  # a race: the earlier rates get their tokens back
+                        for tg, amount, h, tcap in taken:
+                            tg.give_back(amount, h, tcap)
+                        return None
+                    taken.append((g, g.amount * m, head_then, cap))
+            for g, m in zip(self.gates, mult):
+                if m:
+                    g.count(m)
+            return True
+        finally:
+            for g in entered:
+                g.exit()
