@@ -21,11 +21,11 @@ from __future__ import annotations
 import os
 import threading
 import time
-from typing import Any, Callable, Optional
+from typing import Any, Callable, Optional, Sequence
 
 from . import layout as L
 from .bucket import Bucket, GrabResult
-from .cells import MASK64, Cells
+from .cells import MASK64, Cells, multi_gate
 from .errors import ConfigMismatchError, LimiterNotFoundError, SegmentError
 from .filler import FillerThread, Lease
 from .giveback import REAP_EVERY, Returns, ReturnsThread, clear, reap, record, take_over
@@ -307,6 +307,25 @@ class Attachment:
             self.table.unregister(self.slot, self.pid)
         self.cells.close()
         self.seg.close()
+
+
+def gate_all(atts: Sequence[Attachment], names: Optional[Sequence[str]] = None) -> Any:
+    """One try over several rates' attachments, all or nothing, in one call, bound to their
+    configs in force (``composites.MultiGate``; native when every rate's cells are), or None when
+    any rate is stopped, leased from upstream or capped (their grants need more than a try).
+    ``try_grab()`` takes one op from each, ``try_grab_ops(ops)`` ops per rate (a tuple, one int,
+    or a dict by ``names``), each counted in the rate's grants word once all have granted.  A
+    certain refusal is judged on the real clock: with an injected one, the slow path judges."""
+    snaps = []
+    for att in atts:
+        att.bucket.refresh()
+        s = att.bucket.snap
+        if s.stopped or s.config is None or s.upstream or s.capped or s.cap < s.cost:
+            return None
+        snaps.append(s)
+    gates = [att.bucket.gate(s, att.grants_off, 1) for att, s in zip(atts, snaps)]
+    decide = all(att.clock is time.monotonic_ns for att in atts)
+    return multi_gate(gates, [s.cap for s in snaps], decide, names)
 
 
 def map_attachment(

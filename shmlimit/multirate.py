@@ -30,7 +30,6 @@ rate's ``Bucket`` and cells.
 """
 from __future__ import annotations
 
-import functools
 import os
 import re
 import time
@@ -41,7 +40,7 @@ from typing import Any, Callable, Dict, Iterable, List, Mapping, Optional, Seque
 from . import acquisition
 from . import layout as L
 from .acquisition import drive, drive_async, ticket_within
-from .attachment import Attachment, open_attachment, release
+from .attachment import Attachment, gate_all, open_attachment, release
 from .bucket import diff
 from .config import NS_PER_S, Config, parse_spec, validate_n, validate_timeout
 from .header import Creation
@@ -57,6 +56,11 @@ _RESERVED = ("n", "timeout", "max_wait", "which")
 MAX_RATES = 16
 _ONE = 1
 RateValue = Union[str, float, int, Tuple[Any, Any]]
+
+
+def _plain_timeout(timeout: object) -> bool:
+    """None, or a number of seconds the fast path may take as valid (the slow path checks the rest)."""
+    return timeout is None or (type(timeout) in (int, float) and 0 <= timeout < _INF)  # type: ignore[operator]
 
 
 def parse_rates(name: str, rates: object) -> Tuple[Tuple[str, ...], Tuple[Config, ...], bool]:
@@ -141,8 +145,8 @@ class MultiLimiter:
         self._mode = mode
         self._trusted = trusted
         self._atts: List[Attachment] = []
-        self._fast: Optional[Tuple[Any, ...]] = None  # one op on every rate, bound (see _bind_fast)
-        self._fast2: Optional[Tuple[Any, ...]] = None  # the same for two rates, unrolled
+        self._fast: Optional[Callable[[], Optional[bool]]] = None  # one op on every rate (see _bind_fast)
+        self._fast_ops: Optional[Callable[[object], Optional[bool]]] = None  # ops per rate, or n on all
         self._seqs: Tuple[int, ...] = ()
         _handles.add(self)
         try:
@@ -195,7 +199,7 @@ class MultiLimiter:
 
     def close(self) -> None:
         """Detach this handle from every rate.  The segments stay (use ``unlink``)."""
-        self._fast = self._fast2 = None
+        self._fast = self._fast_ops = None
         atts, self._atts = self._atts, []
         for att in atts:
             release(att, detach=True)
@@ -278,64 +282,34 @@ class MultiLimiter:
 
     # -- acquiring -------------------------------------------------------------------
 
-    # The fast path: one op on every rate, the configs unchanged -- per rate one native call of its
-    # gate (which checks the config's sequence number itself), the first rates' counted only once
-    # the last has granted; a refusal by a later rate gives the earlier ones back (``give_back``,
-    # from the head read just before).  Anything else (a refusal, a changed config, a gate that
-    # cannot decide) takes the slow path, which decides afresh.
+    # The fast path: every rate taken in one call of a ``MultiGate`` (attachment.gate_all; native
+    # when the cells are): it looks at every rate (config unchanged, room now) and touches nothing
+    # unless all have room, then takes each by CAS, giving the earlier ones back if a race took a
+    # later one's room, and counts every rate's grant only once all have granted.  It never
+    # queues, so it never passes a ticket queued on any rate, and takes only tokens each head
+    # covers: every rate keeps its window bound and its FIFO.  One op on every rate is
+    # ``try_grab()``; ``n`` ops or costs by name are ``try_grab_ops``.  Anything it cannot
+    # decide (a changed config, a replenish that might grant, a race, odd arguments) takes the
+    # slow path, which decides afresh and raises what it must.
 
     def _bind_fast(self) -> None:
-        """Bind the fast path for the configs in force (none while any rate is stopped)."""
-        self._fast = self._fast2 = None
+        """Bind the fast path for the configs in force (none while any rate has no gate)."""
         atts = self._live()
-        seqs = []
-        parts = []
-        for i, att in enumerate(atts):
-            b = att.bucket
-            b.refresh()
-            s = b.snap
-            if s.stopped or s.config is None:
-                return
-            last = i == len(atts) - 1
-            gate = b.gate(s, att.grants_off, 1 if last else 0)
-            parts.append((
-                functools.partial(att.cells.load, L.HEAD), gate.try_grab,
-                functools.partial(att.cells.fetch_add, att.grants_off, 1), s.cost, att,
-            ))
-            seqs.append(s.seq)
-        self._seqs = tuple(seqs)
-        self._fast = tuple(parts)
-        if len(parts) == 2:  # the common case, unrolled: (head0, take0, count0, take1)
-            self._fast2 = (parts[0][0], parts[0][1], parts[0][2], parts[1][1])
+        gates = gate_all(atts, self._keys if self._named else None)
+        self._seqs = tuple(att.bucket.seq for att in atts)
+        self._fast, self._fast_ops = (None, None) if gates is None else (gates.try_grab, gates.try_grab_ops)
 
-    def _try_fast(self) -> bool:
-        """One op on every rate now, by the bound gates: True, or False having taken nothing
-        (the caller then takes the slow path)."""
-        f2 = self._fast2
-        if f2 is not None:
-            h = f2[0]()
-            if f2[1]() is True:
-                if f2[3]() is True:
-                    f2[2]()
-                    return True
-                fast = self._fast
-                assert fast is not None
-                give_back([(fast[0][4], fast[0][3], h)])
-            return False
-        fast = self._fast
-        if fast is None:
-            return False
-        taken = []
-        for head, take, _, cost, att in fast:
-            h = head()
-            if take() is not True:
-                if taken:
-                    give_back(taken)
-                return False
-            taken.append((att, cost, h))
-        for part in fast[:-1]:
-            part[2]()  # count the earlier rates' op (the last gate counted its own)
-        return True
+    def _try_fast(self, n: object, costs: Dict[str, object]) -> Optional[bool]:
+        """``n`` ops on every rate, or the costs by name, now, by the bound gates: True (granted),
+        False (refused for certain, nothing taken), None (the slow path decides)."""
+        fast_ops = self._fast_ops
+        if fast_ops is None:
+            return None
+        if costs:
+            # by name (the gate refuses a name not a rate's, or a list of rates' names: the slow
+            # path then raises); n given too is the slow path's to refuse
+            return fast_ops(costs) if n is _ONE else None
+        return fast_ops(n)
 
     def _refresh_fast(self) -> None:
         """Rebind the fast path if any rate's config changed since it was bound."""
@@ -350,8 +324,11 @@ class MultiLimiter:
 
     def try_acquire(self, n: int = 1, **costs: int) -> bool:
         """Take the ops from every rate only if all have them now; never waits.  False takes nothing."""
-        if n is _ONE and not costs and self._try_fast():  # `is`: the int 1 (True is not)
-            return True
+        fast = self._fast
+        if fast is not None:
+            got = fast() if n is _ONE and not costs else self._try_fast(n, costs)  # `is`: the int 1 (True is not)
+            if got is not None:
+                return got
         self._refresh_fast()
         ops = self._ops(n, costs)
         atts = self._live()
@@ -365,14 +342,22 @@ class MultiLimiter:
         the wait on the other rates once the longest is served exceeds what is
         left of it.
         """
-        if n is _ONE and not costs and timeout is None and self._try_fast():
-            return True
+        fast = self._fast
+        if fast is not None and (timeout is None or _plain_timeout(timeout)):
+            # granted now is within any timeout; anything else waits (or fails) on the slow path
+            if (fast() if n is _ONE and not costs else self._try_fast(n, costs)) is True:
+                return True
         self._refresh_fast()
         ops = self._ops(n, costs)
         return drive(MultiRequest(self._live(), ops, self._tokens(ops), timeout))
 
     async def acquire_async(self, n: int = 1, timeout: Optional[float] = None, **costs: int) -> bool:
         """``acquire`` for asyncio: parks with ``asyncio.sleep``, never blocking the event loop."""
+        fast = self._fast
+        if fast is not None and (timeout is None or _plain_timeout(timeout)):
+            if (fast() if n is _ONE and not costs else self._try_fast(n, costs)) is True:
+                return True
+        self._refresh_fast()
         ops = self._ops(n, costs)
         return await drive_async(MultiRequest(self._live(), ops, self._tokens(ops), timeout))
 
@@ -509,7 +494,7 @@ _handles: "weakref.WeakSet[MultiLimiter]" = weakref.WeakSet()
 
 def _forget_fast_paths() -> None:
     for h in list(_handles):
-        h._fast = h._fast2 = None
+        h._fast = h._fast_ops = None
 
 
 if hasattr(os, "register_at_fork"):

@@ -284,7 +284,7 @@ def test_pickles_and_works_with_asyncio(name, clock, cleanup):
 def test_the_fast_path_is_all_or_nothing_and_follows_live_changes(name, clock, cleanup):
     lim = make(name, [("10/s", 2), ("1/s", 1)], clock)
     cleanup.append(lim)
-    assert lim.acquire() and lim._fast2 is not None  # bound on first use
+    assert lim.acquire() and lim._fast is not None  # bound on first use
     for _ in range(3):
         assert not lim.try_acquire()  # the second rate refuses: the first gets its op back
         assert (balance(lim, "0"), balance(lim, "1")) == (1, 0)

@@ -27,9 +27,10 @@
    against `limits` with RedisStorage (when `limits` is installed: pip install '.[bench]').
 9. the hierarchical mode against the local one, 8 processes (50/s untimed and timed with their CPU,
    1000/s), and its fidelity and round trips per op from 1/s to 1 000 000/s;
-11. several rates at once (rates=): acquire() and try_acquire() over two rates, and
-    acquire(requests=1, tokens=50) over a dict of two, one process at an unlimited rate, as
-    ratios to the single-rate acquire() of the same process and run, per backend;
+11. several rates at once (rates=): acquire(), try_acquire(), acquire(timeout=1.0) and
+    acquire(2) over two rates, and acquire(requests=1, tokens=50) over a dict of two, one process
+    at an unlimited rate, as ratios to the single-rate acquire() of the same process and run, per
+    backend (the target: a granted acquire() over two rates at most 2.5x one rate's, native);
 10. three hosts reaching Redis through delaying TCP proxies (1, 3, 5 ms each way): the global rate
     against the window bound, round trips per op, acquire() latency at 70 % load, and one host
     cut off for 2 s (needs a redis-server on 127.0.0.1: the one started for the run, or --redis).
@@ -903,6 +904,8 @@ def _rates_costs(backend: str, n: int, q) -> None:
             "one rate: acquire()": one.acquire,
             "two rates: acquire()": two.acquire,
             "two rates: try_acquire()": two.try_acquire,
+            "two rates: acquire(timeout=1.0)": lambda: two.acquire(timeout=1.0),
+            "two rates: acquire(2)": lambda: two.acquire(2),
             "dict: acquire(requests=1, tokens=50)": lambda: named.acquire(requests=1, tokens=50),
         }
         for _ in range(3):  # interleaved, so that a noisy moment does not favour one row
