@@ -307,3 +307,29 @@ def test_the_throttle_decorator_takes_several_rates(name, clock, cleanup):
     lim = shmlimit.Limiter(name, rates=[("10/s", 2), ("100/s", 5)])
     cleanup.append(lim)
     assert lim.stats().grants == {"0": 2, "1": 2}
+
+
+def test_the_fast_path_decides_costs_and_leaves_bad_calls_to_the_slow_path(name, cleanup):
+    # the real clock: a certain refusal is the gate's own answer here
+    lim = shmlimit.Limiter(name, rates={"requests": ("1/h", 2), "tokens": ("1000/h", 1000)})
+    cleanup.append(lim)
+    assert lim.acquire(requests=1, tokens=600) and lim._fast is not None
+    fast = lim._fast
+    for call, error in [
+        (lambda: lim.try_acquire(tokenz=1), TypeError),  # a name not a rate's
+        (lambda: lim.acquire(2, tokens=1), TypeError),  # n and costs
+        (lambda: lim.acquire(tokens=0), ValueError),  # nothing to take
+        (lambda: lim.acquire(tokens=-1), ValueError),
+        (lambda: lim.acquire(tokens=True), ValueError),
+        (lambda: lim.acquire(requests=1, timeout=-1), ValueError),  # grantable now, but a bad timeout
+        (lambda: lim.acquire(requests=1, timeout=float("nan")), ValueError),
+        (lambda: lim.try_acquire(0), ValueError),
+    ]:
+        with pytest.raises(error):
+            call()
+    assert lim.try_acquire(tokens=400) and lim._fast is fast  # granted by the gate
+    assert not lim.try_acquire(requests=1, tokens=1)  # tokens are gone for an hour: refused, all or nothing
+    assert not lim.acquire(requests=1, tokens=1, timeout=0.01)
+    assert lim.stats().grants == {"requests": 1, "tokens": 1000}
+    assert lim.try_acquire(requests=1)  # the request the refusals looked at is still there
+    assert lim.stats().grants == {"requests": 2, "tokens": 1000}
