@@ -661,8 +661,18 @@ kt_display(const char *buf, Py_ssize_t len, uint64_t disp[3])
  * an exception set. */
 #define KT_REFUSED (-1)
 #define KT_ERROR (KT_NEVER - 3)
+/* What a take wrote, for its undo: the slot's index, its CTRL, the TAT set, the cost. */
+static void
+kt_taken(KeyedTable *t, uint64_t *taken, uint64_t *s, uint64_t tat, uint64_t cost)
+{
+    taken[0] = (uint64_t)(s - t->slots) / LINEW;
+    taken[1] = ld(s + KW_CTRL);
+    taken[2] = tat;
+    taken[3] = cost;
+}
+
 static int64_t
-kt_step(KeyedTable *t, PyObject *key, PyObject *nobj, long long mw, uint64_t now)
+kt_step(KeyedTable *t, PyObject *key, PyObject *nobj, long long mw, uint64_t now, uint64_t *taken)
 {
     if (!check_open(t->cells))
         return KT_ERROR;
@@ -716,6 +726,8 @@ kt_step(KeyedTable *t, PyObject *key, PyObject *nobj, long long mw, uint64_t now
             }
             if (c) {
                 add(t->grants, (uint64_t)n);
+                if (taken)
+                    kt_taken(t, taken, s, now + cost, cost);
                 return 0;
             }
             if (!kt_yield(t)) /* lost a race (often to an insert of the same key): let it finish */
@@ -736,6 +748,8 @@ kt_step(KeyedTable *t, PyObject *key, PyObject *nobj, long long mw, uint64_t now
             if (cas(s + KW_V0, tat, base + cost)) {
                 add(s + KW_V1, (uint64_t)n);
                 add(t->grants, (uint64_t)n);
+                if (taken)
+                    kt_taken(t, taken, s, base + cost, cost);
                 return (int64_t)wait;
             }
         }
@@ -759,10 +773,69 @@ kt_acquire(KeyedTable *t, PyObject *const *args, Py_ssize_t nargs_)
             PyErr_SetString(PyExc_ValueError, "now must be a positive tick count");
         return NULL;
     }
-    int64_t r = kt_step(t, args[0], args[1], mw, now);
+    int64_t r = kt_step(t, args[0], args[1], mw, now, NULL);
     if (r == KT_ERROR)
         return NULL;
     return PyLong_FromLongLong(r);
+}
+
+/* take(key, n, max_wait, now=None) -> acquire's answer, and when taken (>= 0) what the undo needs:
+ * (wait, slot, ctrl, tat, cost); a refusal is acquire's code (an int < 0).  Never peeks. */
+static PyObject *
+kt_take(KeyedTable *t, PyObject *const *args, Py_ssize_t nargs_)
+{
+    if (nargs_ < 3 || nargs_ > 4) {
+        PyErr_SetString(PyExc_TypeError, "take(key, n, max_wait, now=None)");
+        return NULL;
+    }
+    long long mw = PyLong_AsLongLong(args[2]);
+    if (mw == -1 && PyErr_Occurred())
+        return NULL;
+    if (mw < 0) {
+        PyErr_SetString(PyExc_ValueError, "take: max_wait must be >= 0 ticks (a peek is acquire's)");
+        return NULL;
+    }
+    uint64_t now = 0, taken[4];
+    if (nargs_ == 4 && args[3] != Py_None && (!u64(args[3], &now) || !now)) {
+        if (!PyErr_Occurred())
+            PyErr_SetString(PyExc_ValueError, "now must be a positive tick count");
+        return NULL;
+    }
+    int64_t r = kt_step(t, args[0], args[1], mw, now, taken);
+    if (r == KT_ERROR)
+        return NULL;
+    if (r < 0)
+        return PyLong_FromLongLong(r);
+    return Py_BuildValue("(LKKKK)", (long long)r, (unsigned long long)taken[0], (unsigned long long)taken[1],
+                         (unsigned long long)taken[2], (unsigned long long)taken[3]);
+}
+
+/* undo(slot, ctrl, tat, cost, n) -> bool: give a take back, exactly, if no one took the key since
+ * (its TAT still the one the take set, its slot still the take's tenant): the TAT goes back to
+ * where the take found it (max(TAT, now) then, which serves every later call as the TAT before
+ * it did) and the counts lose n.  False changes nothing: the take stays spent (time lost, never
+ * an extra grant; handing it back behind a later take would let that one's successor in early).
+ * A later tenant of the slot never holds `tat` (its values start above the instant the take's
+ * TAT had expired), so a stale undo never lands on it. */
+static PyObject *
+kt_undo(KeyedTable *t, PyObject *const *args, Py_ssize_t n)
+{
+    uint64_t v[5];
+    if (!nargs(n, 5, "undo") || !check_open(t->cells))
+        return NULL;
+    for (int i = 0; i < 5; i++)
+        if (!u64(args[i], &v[i]))
+            return NULL;
+    if (v[0] >= t->nslots || v[3] > v[2] || !v[3]) {
+        PyErr_SetString(PyExc_ValueError, "undo: slot must be below the table's slots, 0 < cost <= tat");
+        return NULL;
+    }
+    uint64_t *s = t->slots + v[0] * LINEW;
+    if (ld(s + KW_CTRL) != v[1] || !cas(s + KW_V0, v[2], v[2] - v[3]))
+        Py_RETURN_FALSE;
+    add(s + KW_V1, (uint64_t)0 - v[4]);
+    add(t->grants, (uint64_t)0 - v[4]);
+    Py_RETURN_TRUE;
 }
 
 /* try_acquire(key, n=1) -> bool: the hot path, one call from Python to the answer. */
@@ -776,7 +849,7 @@ kt_try_acquire(KeyedTable *t, PyObject *const *args, Py_ssize_t nargs_)
         PyErr_SetString(PyExc_TypeError, "try_acquire(key, n=1)");
         return NULL;
     }
-    int64_t r = kt_step(t, args[0], nargs_ == 2 ? args[1] : one, 0, 0);
+    int64_t r = kt_step(t, args[0], nargs_ == 2 ? args[1] : one, 0, 0, NULL);
     if (r == KT_ERROR)
         return NULL;
     if (r >= 0)
@@ -824,6 +897,10 @@ static PyMethodDef kt_methods[] = {
      "acquire(key, n, max_wait_ticks, now_ticks=None) -> wait ticks (>= 0, taken), or a refusal code (< 0)"},
     {"try_acquire", (PyCFunction)(void (*)(void))kt_try_acquire, METH_FASTCALL,
      "try_acquire(key, n=1) -> True if n ops were taken now for key; False changes nothing"},
+    {"take", (PyCFunction)(void (*)(void))kt_take, METH_FASTCALL,
+     "take(key, n, max_wait_ticks, now_ticks=None) -> (wait, slot, ctrl, tat, cost) when taken, else acquire's code"},
+    {"undo", (PyCFunction)(void (*)(void))kt_undo, METH_FASTCALL,
+     "undo(slot, ctrl, tat, cost, n) -> True if a take no one followed was given back exactly"},
     {"rebind", (PyCFunction)(void (*)(void))kt_rebind, METH_FASTCALL, "rebind(grants_offset, pid)"},
     {"digest", (PyCFunction)kt_digest, METH_O, "digest(key) -> (d0, d1), the key's keyed 128-bit digest"},
     {NULL, NULL, 0, NULL},

@@ -14,8 +14,11 @@ the value words mean, with one contract: ``V0`` is the value's *expiry word*.
    slot's whole life only ever increase: an inserter stores its first grant's
    value, which is above ``now`` (the previous values were all ``<= now`` when
    evicted; only a dead inserter may have left more, and then the new value
-   goes above that), and a value kind only moves it forward.  So a CAS on ``V0`` from a value read under one tenant can
-   never succeed under a later one: no ABA.
+   goes above that), and a value kind only moves it forward -- but for GCRA's
+   ``undo``, which moves it back to where its own take found it, and only while
+   no one has taken since (all above what the slot held before).  So a CAS on
+   ``V0`` from a value read under one tenant can never succeed under a later
+   one: no ABA.
 2. **Lookup**: probe at most ``probe`` slots from the key's home slot
    (``D0 * nslots >> 64``); an EMPTY slot ends the chain (a slot never becomes
    EMPTY again, and an inserter takes the first free slot it sees).
@@ -338,6 +341,35 @@ class KeyedTable(SlotTable):
         wait would exceed ``max_wait`` (nothing written), ``NEVER`` or ``FULL``.
         ``max_wait < 0`` peeks: the wait, taking and inserting nothing.
         """
+        return self._step(key, n, max_wait, now, None)
+
+    def take(self, key: object, n: int, max_wait: int, now: "int | None" = None):
+        """``acquire`` (never a peek), answering also what ``undo`` needs when taken:
+        ``(wait, slot, ctrl, tat, cost)``; a refusal is acquire's code (an int < 0)."""
+        if max_wait < 0:
+            raise ValueError("take: max_wait must be >= 0 ticks (a peek is acquire's)")
+        taken: list = []
+        r = self._step(key, n, max_wait, now, taken)
+        return r if r < 0 else (r, *taken)
+
+    def undo(self, slot: int, ctrl: int, tat: int, cost: int, n: int) -> bool:
+        """Give a take back exactly if no one took the key since: its TAT still the one the take
+        set, its slot still the take's tenant.  The TAT goes back to where the take found it
+        (``max(TAT, now)`` then, which serves every later call as the TAT before it did), the
+        counts lose ``n``.  False changes nothing: the take stays spent (time lost, never an
+        extra grant).  A later tenant never holds ``tat`` (its values start above the instant
+        the take's TAT had expired), so a stale undo never lands on it."""
+        if not 0 <= slot < self.nslots or not 0 < cost <= tat:
+            raise ValueError("undo: slot must be below the table's slots, 0 < cost <= tat")
+        c = self.c
+        s = self.slots + slot * K.LINE
+        if c.load(s) != ctrl or not c.cas(s + K.S_V0, tat, tat - cost):
+            return False
+        c.fetch_add(s + K.S_V1, (-n) & MASK64)
+        c.fetch_add(self.grants, (-n) & MASK64)
+        return True
+
+    def _step(self, key: object, n: int, max_wait: int, now: "int | None", taken: "list | None") -> int:
         data = key_bytes(key)
         if isinstance(n, bool) or not isinstance(n, int):
             raise TypeError(f"n must be a positive int (ops), not {type(n).__name__}")
@@ -368,6 +400,8 @@ class KeyedTable(SlotTable):
                     return FULL
                 if ctl:
                     c.fetch_add(self.grants, n)
+                    if taken is not None:
+                        taken.extend(((s - self.slots) // K.LINE, ctl, now + cost, cost))
                     return 0
                 os.sched_yield()  # lost a race (often to an insert of the same key): let it finish
                 continue
@@ -385,6 +419,8 @@ class KeyedTable(SlotTable):
                 if c.cas(s + K.S_V0, tat, base + cost):
                     c.fetch_add(s + K.S_V1, n)
                     c.fetch_add(self.grants, n)
+                    if taken is not None:
+                        taken.extend(((s - self.slots) // K.LINE, ctl, base + cost, cost))
                     return wait
 
     def try_acquire(self, key: object, n: int = 1) -> bool:
