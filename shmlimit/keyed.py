@@ -240,7 +240,28 @@ class KeyedLimiter:
     A key is a ``str`` (its UTF-8 bytes) or ``bytes``, at most 4096 bytes.
     Per key, grants in any window of T seconds never exceed
     ``rate*T/per + capacity``, across every attached process.
+
+    ``KeyedLimiter(name, rates=["10/s", "600/h"])`` (or a dict of named
+    rates, each call naming its costs) holds every key to several rates at
+    once, all or nothing: see ``keyed_multi``.
     """
+
+    def __new__(
+        cls, name: str = "", rate: Any = None, per: Any = 1.0, burst: Any = None, *args: Any, rates: Any = None,
+        **kwargs: Any,
+    ) -> Any:
+        # ``rates=`` makes a keyed limiter of several rates (keyed_multi.py): one segment per
+        # rate, a different class, so the single rate's hot path carries no test for it.
+        if rates is None:
+            return super().__new__(cls)
+        if rate is not None or per != 1.0 or burst is not None or args:
+            raise TypeError(
+                "give either rate= (one rate per key) or rates= (several), not both; with rates=, each rate "
+                "carries its window and its burst: rates=['10/s', ('600/min', 20)]"
+            )
+        from .keyed_multi import make
+
+        return make(cls, name, rates, kwargs)
 
     def __init__(
         self,
@@ -254,6 +275,7 @@ class KeyedLimiter:
         mode: int = 0o600,
         trusted_uids: Any = (),
         reconfigure: bool = False,
+        rates: None = None,
     ) -> None:
         validate_name(name)
         if not isinstance(reconfigure, bool):

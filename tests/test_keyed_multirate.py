@@ -1,0 +1,316 @@
+"""Several rates per key (KeyedLimiter(rates=)), step by step on an injected clock, and the
+GCRA take/undo pair it is built on, on every backend."""
+import asyncio
+import pickle
+
+import hypothesis.strategies as st
+import pytest
+from hypothesis import settings
+from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
+
+import shmlimit
+from shmlimit import keyed_cells as KC
+from shmlimit.keyed_multi import MultiKeyedLimiter
+from support.clock import FakeClock
+from support.windows import check_windows
+
+S = 1_000_000_000
+
+
+@pytest.fixture
+def clock():
+    return FakeClock()
+
+
+@pytest.fixture
+def cleanup():
+    made = []
+    yield made
+    for lim in made:
+        if not lim.closed:
+            lim.unlink()
+            lim.close()
+
+
+def make(name, rates, clock, cleanup, **kw):
+    lim = shmlimit.KeyedLimiter(name, rates=rates, keys=256, clock=clock, **kw)
+    assert isinstance(lim, MultiKeyedLimiter)
+    cleanup.append(lim)
+    lim._sleep = lambda seconds: clock.advance(max(1, round(seconds * S)))  # sleeping moves the clock
+    return lim
+
+
+def grants(lim):
+    return {k: s.grants for k, s in lim.stats().items()}
+
+
+def take(lim, i, key, n=1):
+    """``n`` ops of ``key`` from rate ``i`` alone, now on the limiter's clock (another caller)."""
+    return lim._lims[i]._live().kt.acquire(key, n, 0, lim._now()) >= 0
+
+
+def peek(lim, i, key, n=1):
+    """Rate ``i``'s wait (ticks) for ``n`` ops of ``key`` now on the limiter's clock; takes nothing."""
+    return lim._lims[i]._live().kt.acquire(key, n, -1, lim._now())
+
+
+def test_every_key_is_held_to_every_rate(name, clock, cleanup):
+    lim = make(name, [("10/s", 2), ("1/s", 1)], clock, cleanup)
+    assert [s.rate for s in lim.stats().values()] == [10, 1]
+    assert sorted(n for n in shmlimit.list_names() if n.startswith(name)) == [f"{name}.0", f"{name}.1"]
+    assert lim.try_acquire("a")
+    assert not lim.try_acquire("a")  # the second rate (1/s, burst 1) refuses: all or nothing
+    assert lim.try_acquire("b")  # another key: its own buckets
+    assert grants(lim) == {"0": 2, "1": 2}
+    assert lim.retry_after("a") == pytest.approx(1.0)
+    clock.advance(S // 2)
+    assert not lim.try_acquire("a") and lim.retry_after("a") == pytest.approx(0.5)
+    clock.advance(S // 2)
+    assert lim.try_acquire("a")
+    assert grants(lim) == {"0": 3, "1": 3}
+
+
+def test_a_refusal_leaves_every_rate_as_it_was(name, clock, cleanup):
+    lim = make(name, {"requests": ("10/s", 3), "tokens": ("100/s", 100)}, clock, cleanup)
+    assert lim.try_acquire("k", requests=1, tokens=60)
+    before = (peek(lim, 0, "k", 3), grants(lim))
+    for _ in range(3):
+        assert not lim.try_acquire("k", requests=1, tokens=60)  # tokens short
+    assert (peek(lim, 0, "k", 3), grants(lim)) == before  # the request was never taken
+    assert lim.try_acquire("k", tokens=40)  # a rate not named costs nothing
+    assert grants(lim) == {"requests": 1, "tokens": 100}
+
+
+def test_costs_by_name_and_bad_calls(name, clock, cleanup):
+    lim = make(name, {"requests": "10/s", "tokens": ("1000/s", 1000)}, clock, cleanup)
+    for call, error in [
+        (lambda: lim.try_acquire("k", tokenz=1), TypeError),
+        (lambda: lim.try_acquire("k", 2, tokens=1), TypeError),
+        (lambda: lim.try_acquire("k", tokens=0), ValueError),
+        (lambda: lim.try_acquire("k", tokens=-1), ValueError),
+        (lambda: lim.try_acquire("k", tokens=True), ValueError),
+        (lambda: lim.try_acquire("k", 0), ValueError),
+        (lambda: lim.acquire("k", timeout=-1), ValueError),
+        (lambda: lim.try_acquire(12, tokens=1), TypeError),  # a key is str or bytes
+        (lambda: lim.set_rate("nope", "1/s"), ValueError),
+    ]:
+        with pytest.raises(error):
+            call()
+    assert grants(lim) == {"requests": 0, "tokens": 0}
+    listed = make(name + "l", ["10/s"], clock, cleanup)
+    with pytest.raises(TypeError, match="list of rates"):
+        listed.try_acquire("k", tokens=1)
+
+
+def test_rates_and_rate_or_unknown_options_do_not_mix(name):
+    with pytest.raises(TypeError, match="not both"):
+        shmlimit.KeyedLimiter(name, 10, rates=["1/s"])
+    with pytest.raises(TypeError, match="not supported"):
+        shmlimit.KeyedLimiter(name, rates=["1/s"], capped=True)
+    with pytest.raises(ValueError, match="rates"):
+        shmlimit.KeyedLimiter(name, rates=[])
+    assert not [n for n in shmlimit.list_names() if n.startswith(name)]
+
+
+def test_a_cost_above_a_burst_never_fits(name, clock, cleanup):
+    lim = make(name, [("10/s", 2), ("100/s", 5)], clock, cleanup)
+    assert not lim.try_acquire("k", 3)
+    assert not lim.acquire("k", 3, timeout=10)
+    assert lim.retry_after("k", 3) == float("inf")
+    with pytest.raises(ValueError, match="burst"):
+        lim.acquire("k", 3)
+    assert grants(lim) == {"0": 0, "1": 0}
+
+
+def test_acquire_waits_for_the_slowest_rate_holding_nothing(name, clock, cleanup):
+    lim = make(name, [("10/s", 1), ("2/s", 1)], clock, cleanup)
+    assert lim.acquire("k")
+    t0 = clock.now
+    assert not lim.acquire("k", timeout=0.4)  # the 2/s rate needs 0.5 s: fails at once
+    assert clock.now == t0
+    assert not take(lim, 0, "k")  # the fast rate: its own op of t0 still counts
+    clock.advance(S // 10)
+    assert take(lim, 0, "k")  # and nothing was held on it by the refused waiter
+    assert lim.acquire("k")  # waits (the clock moves) until the 2/s rate allows it
+    assert clock.now - t0 >= S // 2
+    assert grants(lim) == {"0": 3, "1": 2}
+    assert clock.now - t0 < S // 2 + S // 100  # and no later than the wait it peeked
+
+
+def test_acquire_async(name, clock, cleanup):
+    lim = make(name, [("1000/s", 1), ("1000/s", 1)], clock, cleanup)
+
+    async def main():
+        assert await lim.acquire_async("k")
+        assert not await lim.acquire_async("k", timeout=0)
+
+    asyncio.run(main())
+    assert grants(lim) == {"0": 1, "1": 1}
+
+
+def test_set_rate_by_name_stats_repr_and_pickle(name, clock, cleanup):
+    lim = make(name, {"requests": ("1/s", 1), "tokens": ("100/s", 100)}, clock, cleanup)
+    assert lim.try_acquire("k", requests=1) and not lim.try_acquire("k", requests=1)
+    lim.set_rate("requests", "10/s", burst=2)  # live; a key's schedule so far is kept
+    assert [lim.try_acquire("j", requests=1) for _ in range(3)] == [True, True, False]
+    lim.set_rate(0, 5, key="vip")
+    assert lim._lims[0].override("vip") == (5, 1.0, 1.0)  # the default burst: at least one op
+    assert "requests=10/1s" in repr(lim) and "tokens=100/1s" in repr(lim)
+    copy = pickle.loads(pickle.dumps(lim))
+    try:
+        assert copy.keys == ("requests", "tokens")
+        assert copy.stats()["requests"].rate == 10
+    finally:
+        copy.close()
+    lim.close()
+    assert "closed" in repr(lim)
+    with pytest.raises(ValueError, match="closed"):
+        lim.try_acquire("k")
+
+
+# ---- take and undo: a take no one followed is given back exactly ---------------------------------
+
+
+@pytest.fixture(params=["native", "atomics"])
+def table(request, name, monkeypatch):
+    from shmlimit.cells import native_available
+
+    if request.param == "native" and not native_available():
+        pytest.skip("the native extension is not built here")
+    monkeypatch.setenv("SHMLIMIT_BACKEND", request.param)
+    lim = shmlimit.KeyedLimiter(name, rate=10, burst=3, keys=64)
+    assert lim.backend == request.param
+    yield lim, lim._live().kt
+    lim.unlink()
+    lim.close()
+
+
+TICK = 10**9 * 16  # a second in ticks (the tables' unit: ns << 4)
+
+
+def test_undo_restores_a_take_exactly(table):
+    lim, kt = table
+    now = 10**12 * 16
+    r = kt.take("k", 1, 0, now)  # a new key: taken by its insert
+    assert r[0] == 0
+    assert kt.acquire("k", 3, -1, now) > 0  # now short of 3
+    assert kt.undo(*r[1:], 1)
+    assert kt.acquire("k", 3, -1, now) == 0 and lim.stats().grants == 0  # as if never taken
+    r1 = kt.take("k", 2, 0, now)
+    r2 = kt.take("k", 1, 0, now)
+    assert not kt.undo(*r1[1:], 2)  # someone took since: the first take stays spent
+    assert kt.undo(*r2[1:], 1)  # the last one can go back
+    assert kt.acquire("k", 2, -1, now) == TICK // 10  # two more need 0.1 s: only the first take is spent
+    assert kt.take("k", 1, 0, now)[0] == 0 and kt.take("k", 1, 0, now) == KC.REFUSED
+    with pytest.raises(ValueError):
+        kt.undo(10**9, r2[2], r2[3], r2[4], 1)
+    with pytest.raises(ValueError):
+        kt.take("k", 1, -1, now)
+
+
+def test_a_lost_race_undoes_the_earlier_rates(name, clock, cleanup):
+    lim = make(name, [("10/s", 2), ("10/s", 2)], clock, cleanup)
+
+    def racing_peek(key, ops, now):
+        out = real(key, ops, now)
+        assert take(lim, 1, key, 2)  # another caller empties the second rate after the peek
+        return out
+
+    real = lim._waits
+    lim._waits = racing_peek
+    assert not lim.try_acquire("k")
+    lim._waits = real
+    assert grants(lim) == {"0": 0, "1": 2}  # the first rate's take was undone
+    assert take(lim, 0, "k", 2)  # its whole burst is there
+
+
+# ---- a stateful search: every key held to every rate after any sequence of calls -----------------
+
+
+class KeyedRates(RuleBasedStateMachine):
+    """Tries, timed and untimed acquires, and races, on two keys over two rates on an injected clock;
+    every grant's instant and ops recorded per key and rate, every window checked."""
+
+    RATES = {"requests": ("20/s", 2), "tokens": ("1000/s", 300)}
+
+    @initialize()
+    def setup(self):
+        import uuid
+
+        self.clock = FakeClock()
+        self.name = f"test-keyed-model-{uuid.uuid4().hex[:10]}"
+        self.lim = shmlimit.KeyedLimiter(self.name, rates=self.RATES, keys=64, clock=self.clock)
+        self.lim._sleep = lambda seconds: self.clock.advance(max(1, round(seconds * S)))
+        self.grants = {(key, rate): [] for key in "ab" for rate in self.RATES}
+
+    def teardown(self):
+        if hasattr(self, "lim"):
+            self.lim.unlink()
+            self.lim.close()
+
+    def _record(self, key, costs):
+        for rate, ops in costs.items():
+            if ops:
+                self.grants[(key, rate)].append((self.clock.now, ops))
+
+    costs = st.fixed_dictionaries({"requests": st.integers(0, 2), "tokens": st.integers(0, 400)}).filter(
+        lambda c: any(c.values()))
+
+    @rule(key=st.sampled_from("ab"), costs=costs)
+    def try_acquire(self, key, costs):
+        if self.lim.try_acquire(key, **costs):
+            self._record(key, costs)
+
+    @rule(key=st.sampled_from("ab"), costs=costs, timeout=st.none() | st.floats(0, 0.5))
+    def acquire(self, key, costs, timeout):
+        fits = costs["requests"] <= 2 and costs["tokens"] <= 300
+        if not fits:
+            if timeout is None:
+                with pytest.raises(ValueError):
+                    self.lim.acquire(key, **costs)
+            else:
+                assert not self.lim.acquire(key, timeout=timeout, **costs)
+            return
+        if self.lim.acquire(key, timeout=timeout, **costs):
+            self._record(key, costs)  # granted at the clock's instant when it returned
+
+    @rule(key=st.sampled_from("ab"), costs=costs, which=st.sampled_from(["requests", "tokens"]))
+    def race(self, key, costs, which):
+        """Another caller takes one rate's room between a try's peek and its take."""
+        lim = self.lim
+        real = lim._waits
+        i = lim.keys.index(which)
+
+        def racing_peek(k, ops, now):
+            out = real(k, ops, now)
+            n = 1 if which == "requests" else 100
+            if take(lim, i, k, n):
+                self.grants[(k, which)].append((self.clock.now, n))
+            return out
+
+        lim._waits = racing_peek
+        try:
+            if lim.try_acquire(key, **costs):
+                self._record(key, costs)
+        finally:
+            lim._waits = real
+
+    @rule(ms=st.integers(1, 400))
+    def advance(self, ms):
+        self.clock.advance(ms * 1_000_000)
+
+    @invariant()
+    def every_key_within_every_rate(self):
+        if not hasattr(self, "lim"):
+            return
+        for (key, rate), gs in self.grants.items():
+            per_s, burst = {"requests": (20, 2), "tokens": (1000, 300)}[rate]
+            # GCRA: ops in a window of T ns <= T / interval + burst, with the interval rounded up
+            interval = -(-S * 16 // per_s)  # ticks per op, as the table computes it
+            check_windows(gs, 16, interval, burst * interval)
+        counted = {r: sum(n for (k, rr), gs in self.grants.items() if rr == r for _, n in gs) for r in self.RATES}
+        assert {k: s.grants for k, s in self.lim.stats().items()} == counted  # undone takes are not counted
+
+
+TestKeyedRates = KeyedRates.TestCase
+TestKeyedRates.settings = settings(max_examples=40, stateful_step_count=30, deadline=None)
