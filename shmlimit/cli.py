@@ -20,6 +20,7 @@ from .keyed_stats import KeyedStats
 from .kinds import inspect
 from .attachment import collect
 from .limiter import Limiter, unlink
+from .multirate import parse_rates
 from .segment import scan
 from .stats import Stats
 from .top import printable
@@ -185,6 +186,18 @@ def cmd_inspect(args: argparse.Namespace) -> int:
 
 
 def cmd_create(args: argparse.Namespace) -> int:
+    if args.rates is not None:  # several rates: one segment each, NAME.KEY (see multirate)
+        if args.per != 1.0 or args.burst is not None:
+            raise UserError("--per and --burst go with --rate; with --rates each item carries its window "
+                            "and its burst: 'requests=500/min; tokens=200K/min burst=20K'")
+        multi = Limiter(args.name, rates=args.rates, mode=int(args.mode, 8), trusted_uids=args.trust_uid)
+        try:
+            created, configs = multi.created, multi.configs
+            for key in multi.keys:
+                print(printable(f"{'created' if created[key] else 'exists'}: {args.name}.{key} {configs[key].describe()}"))
+        finally:
+            multi.close()
+        return 0
     lim = Limiter(
         args.name, rate=args.rate, per=args.per, burst=args.burst, mode=int(args.mode, 8), trusted_uids=args.trust_uid
     )
@@ -359,6 +372,15 @@ def _spec(text: str) -> str:
     return text
 
 
+def _rates(text: str) -> str:
+    """Several rates in one string, checked at parse time so a bad one is a usage error."""
+    try:
+        parse_rates("x", text)
+    except (TypeError, ValueError) as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
+    return text
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="shmlimit", description="Rate limits shared by processes through shared memory.")
     sub = p.add_subparsers(dest="command", metavar="COMMAND")
@@ -383,7 +405,11 @@ def build_parser() -> argparse.ArgumentParser:
 
     c = sub.add_parser("create", help="create a limiter (or check that it exists with this config)")
     c.add_argument("name")
-    c.add_argument("--rate", type=_spec, required=True, help="ops per --per seconds, a rate string like 10/s, 50/5s or 200K/min, or a spec like 12K,1.1")
+    which = c.add_mutually_exclusive_group(required=True)
+    which.add_argument("--rate", type=_spec, help="ops per --per seconds, a rate string like 10/s, 50/5s or 200K/min, or a spec like 12K,1.1")
+    which.add_argument("--rates", type=_rates, metavar="'R1; R2'",
+                       help="several rates taken together, one segment each (NAME.0, NAME.1 or NAME.KEY): "
+                            "'5000/h; 100/min' or 'requests=500/min; tokens=200K/min burst=20K'")
     c.add_argument("--per", type=_positive(float), default=1.0, help="seconds (default 1)")
     c.add_argument("--burst", type=_positive(float), default=None, help="capacity in ops")
     c.add_argument("--mode", default="600", help="permission bits in octal (default 600)")

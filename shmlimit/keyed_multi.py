@@ -35,7 +35,7 @@ from . import keyed_layout as K
 from .config import validate_timeout
 from .errors import KeyTableFullError
 from .keyed_gcra import TICKS_PER_S
-from .multirate import parse_rates
+from .multirate import parse_rates, rates_from_text
 from .segment import unlink as _unlink_name
 from .segment import validate_name
 
@@ -70,6 +70,8 @@ class MultiKeyedLimiter:
         clock: Optional[Callable[[], int]] = None,
     ) -> None:
         validate_name(name)
+        if isinstance(rates, str):
+            rates = rates_from_text(rates)
         rkeys, _, named = parse_rates(name, rates)  # names and values checked as a Limiter's rates=
         values = list(rates.values()) if named else list(rates)  # type: ignore[union-attr, call-overload]
         self._name = name

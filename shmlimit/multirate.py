@@ -42,7 +42,7 @@ from . import layout as L
 from .acquisition import drive, drive_async, ticket_within
 from .attachment import Attachment, gate_all, open_attachment, release
 from .bucket import diff
-from .config import NS_PER_S, Config, parse_spec, validate_n, validate_timeout
+from .config import NS_PER_S, Config, parse_rate, parse_spec, validate_n, validate_timeout
 from .header import Creation
 from .multirate_request import MultiRequest, give_back, take_all, wait_ns
 from .segment import NAME_MAX, validate_name, validate_trusted_uids
@@ -63,12 +63,46 @@ def _plain_timeout(timeout: object) -> bool:
     return timeout is None or (type(timeout) in (int, float) and 0 <= timeout < _INF)  # type: ignore[operator]
 
 
+def rates_from_text(text: str) -> Union[List[RateValue], Dict[str, RateValue]]:
+    """``rates=`` written as one string, items separated by ``;``: ``"5000/h; 100/min"`` (a list),
+    ``"requests=500/min; tokens=200K/min burst=20K"`` (a dict: every item named, or none).  Each
+    item is a rate string, with an optional ``burst=N`` (ops; K/M/G suffixes)."""
+    items = [part.strip() for part in text.split(";")]
+    if not all(items):
+        raise ValueError(f"rates: items are separated by ';' and none may be empty, got {text!r}")
+    named: Dict[str, RateValue] = {}
+    listed: List[RateValue] = []
+    for item in items:
+        words = item.split()
+        if len(words) > 2 or (len(words) == 2 and not words[1].startswith("burst=")):
+            raise ValueError(f"rates: each item is [name=]RATE [burst=N], got {item!r}")
+        key, sep, rate = words[0].rpartition("=")
+        value: RateValue = rate
+        if len(words) == 2:
+            burst, per = parse_rate(words[1][len("burst="):], "burst")
+            if per != 1.0:
+                raise ValueError(f"rates: a burst is a number of ops (e.g. burst=20K), got {words[1]!r}")
+            value = (rate, burst)
+        if sep:
+            if key in named:
+                raise ValueError(f"rates: the name {key!r} is given twice")
+            named[key] = value
+        else:
+            listed.append(value)
+    if named and listed:
+        raise ValueError(f"rates: name every item (name=RATE) or none, got {text!r}")
+    return named or listed
+
+
 def parse_rates(name: str, rates: object) -> Tuple[Tuple[str, ...], Tuple[Config, ...], bool]:
     """``rates=`` as (keys, configs, named).  A list's keys are "0", "1", ...; a dict's are its own.
 
     Each value is a rate (``"5000/h"``, ``"200K/min"``, a number of ops per
     second) or a pair ``(rate, burst)``; the capacity defaults as for one rate.
+    One string stands for either (``rates_from_text``).
     """
+    if isinstance(rates, str):
+        rates = rates_from_text(rates)
     if isinstance(rates, Mapping):
         items = list(rates.items())
         named = True
@@ -133,6 +167,8 @@ class MultiLimiter:
     ) -> None:
         validate_name(name)
         trusted = validate_trusted_uids(trusted_uids)
+        if isinstance(rates, str):
+            rates = rates_from_text(rates)
         keys, cfgs, named = parse_rates(name, rates)
         if isinstance(mode, bool) or not isinstance(mode, int) or not 0 <= mode <= 0o777:
             raise ValueError(f"mode must be permission bits between 0 and 0o777, got {mode!r}")
@@ -177,6 +213,11 @@ class MultiLimiter:
             att.bucket.refresh()
             out[k] = att.bucket.config
         return out
+
+    @property
+    def created(self) -> Dict[str, bool]:
+        """For each rate, by key: True if this process created (and initialised) its segment."""
+        return {k: att.created for k, att in zip(self._keys, self._peek())}
 
     @property
     def closed(self) -> bool:

@@ -75,3 +75,44 @@ def test_list_reports_an_unreadable_segment_instead_of_failing(name):
     assert "not a shmlimit limiter" in entry["error"]
     r = run("list")
     assert r.returncode == 0 and name in r.stdout and "unreadable" in r.stdout
+
+
+def test_create_several_rates(name):
+    r = run("create", name, "--rates", "requests=500/min; tokens=200K/min burst=20K")
+    assert r.returncode == 0, r.stderr
+    assert r.stdout.splitlines() == [
+        f"created: {name}.requests rate=500 per=60s burst=1",
+        f"created: {name}.tokens rate=200000 per=60s burst=20000",
+    ]
+    try:
+        lim = shmlimit.Limiter(name, rates={"requests": "500/min", "tokens": ("200K/min", 20_000)})
+        try:
+            assert lim.try_acquire(requests=1, tokens=20_000) and not lim.try_acquire(tokens=1)
+        finally:
+            lim.close()
+        r = run("create", name, "--rates", "requests=500/min; tokens=200K/min burst=20K")
+        assert r.returncode == 0 and [line.split(":")[0] for line in r.stdout.splitlines()] == ["exists", "exists"]
+        listing = {s["name"] for s in json.loads(run("list", "--json").stdout)}
+        assert {f"{name}.requests", f"{name}.tokens"} <= listing
+    finally:
+        for key in ("requests", "tokens"):
+            run("unlink", f"{name}.{key}")
+    r = run("create", name, "--rates", "5000/h; 100/min")  # a list: NAME.0, NAME.1
+    try:
+        assert r.returncode == 0 and [line.split()[1] for line in r.stdout.splitlines()] == [f"{name}.0", f"{name}.1"]
+    finally:
+        for key in ("0", "1"):
+            run("unlink", f"{name}.{key}")
+
+
+@pytest.mark.parametrize("args", [
+    ["--rates", "1/s; x"],
+    ["--rates", "a=1/s; 2/s"],
+    ["--rates", "1/s", "--burst", "3"],
+    ["--rates", "1/s", "--rate", "1/s"],
+    ["--rates", ""],
+])
+def test_create_several_rates_mistakes(name, args):
+    r = run("create", name, *args)
+    assert r.returncode == 2 and "Traceback" not in r.stderr and r.stderr.strip()
+    assert not [n for n in shmlimit.list_names() if n.startswith(name)]

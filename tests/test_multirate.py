@@ -82,7 +82,7 @@ def test_one_segment_per_rate_with_its_own_config(name, clock, cleanup):
     [
         ({}, ValueError),
         ([], ValueError),
-        ("10/s", TypeError),
+        (10, TypeError),  # (one string stands for a list or a dict: rates_from_text)
         ({"a-b": "1/s"}, ValueError),
         ({"n": "1/s"}, ValueError),
         ({"timeout": "1/s"}, ValueError),
@@ -333,3 +333,25 @@ def test_the_fast_path_decides_costs_and_leaves_bad_calls_to_the_slow_path(name,
     assert lim.stats().grants == {"requests": 1, "tokens": 1000}
     assert lim.try_acquire(requests=1)  # the request the refusals looked at is still there
     assert lim.stats().grants == {"requests": 2, "tokens": 1000}
+
+
+@pytest.mark.parametrize("text, expected", [
+    ("5000/h; 100/min", ["5000/h", "100/min"]),
+    ("requests=500/min; tokens=200K/min burst=20K", {"requests": "500/min", "tokens": ("200K/min", 20000.0)}),
+    (" 10/s ;50/5s burst=3 ", ["10/s", ("50/5s", 3.0)]),
+])
+def test_rates_as_one_string(name, clock, cleanup, text, expected):
+    from shmlimit.multirate import rates_from_text
+
+    assert rates_from_text(text) == expected
+    lim = make(name, text, clock)
+    cleanup.append(lim)
+    assert lim.keys == (tuple(expected) if isinstance(expected, dict) else tuple(str(i) for i in range(len(expected))))
+    assert lim.__reduce__()[1][1] == expected  # a string's rates pickle as the rates they stand for
+
+
+@pytest.mark.parametrize("text", ["a=1/s; 2/s", "1/s;;2/s", "1/s burst", "a=1/s; a=2/s", "1/s burst=1/min", "1/s x=2", ""])
+def test_bad_rate_strings_are_refused(name, clock, text):
+    with pytest.raises(ValueError, match="rates"):
+        shmlimit.Limiter(name, rates=text, clock=clock)
+    assert not [n for n in shmlimit.list_names() if n.startswith(name)]
