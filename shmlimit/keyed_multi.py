@@ -178,7 +178,7 @@ class MultiKeyedLimiter:
         for lim, o in zip(self._lims, ops):
             if not o:
                 continue
-            kt = lim._live().kt
+            kt = lim._use().kt  # a use: a forked child registers on its first
             r = kt.take(key, o, 0, now)
             if isinstance(r, int):  # refused: a race since the peek, or no slot for a new key
                 for tkt, t, tn in reversed(taken):

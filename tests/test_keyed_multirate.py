@@ -314,3 +314,29 @@ class KeyedRates(RuleBasedStateMachine):
 
 TestKeyedRates = KeyedRates.TestCase
 TestKeyedRates.settings = settings(max_examples=40, stateful_step_count=30, deadline=None)
+
+
+def test_a_forked_child_counts_as_itself_from_its_first_use(name, cleanup):
+    import multiprocessing as mp
+
+    lim = shmlimit.KeyedLimiter(name, rates=["100/s", "1000/s"], keys=64)
+    cleanup.append(lim)
+    assert lim.try_acquire("k")
+    ctx = mp.get_context("fork")
+    q = ctx.Queue()
+
+    def child():
+        q.put([len(s.processes) for s in lim.stats().values()])  # not listed before its first use
+        q.put(lim.try_acquire("j"))
+        q.put([sorted(p.grants for p in s.processes) for s in lim.stats().values()])
+
+    p = ctx.Process(target=child)
+    p.start()
+    try:
+        before, granted, after = q.get(timeout=60), q.get(timeout=60), q.get(timeout=60)
+    finally:
+        p.join(60)
+        if p.is_alive():
+            p.kill()
+            p.join()
+    assert before == [1, 1] and granted and after == [[1, 1], [1, 1]]
