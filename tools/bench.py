@@ -908,7 +908,7 @@ def _rates_costs(backend: str, n: int, q) -> None:
             "two rates: acquire(2)": lambda: two.acquire(2),
             "dict: acquire(requests=1, tokens=50)": lambda: named.acquire(requests=1, tokens=50),
         }
-        for _ in range(3):  # interleaved, so that a noisy moment does not favour one row
+        for _ in range(7):  # interleaved, best of: a noisy moment (a busy machine) favours no row
             for k, fn in rows.items():
                 out[k] = min(out.get(k, float("inf")), best_ns_per_call(fn, n, repeat=2))
         q.put(out)
