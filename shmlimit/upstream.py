@@ -108,10 +108,18 @@ _FALLBACK = {"local": (STATE_LOCAL, L.FLAG_UPSTREAM | L.FLAG_FALLBACK_LOCAL),
              "open": (STATE_OPEN, L.FLAG_UPSTREAM | L.FLAG_FALLBACK_OPEN),
              "closed": (STATE_CLOSED, L.FLAG_UPSTREAM)}
 
-#: The filler's tick in hierarchical mode (seconds): how often expiry is enforced and demand read ...
-TICK = 0.002
-#: ... or sooner, when a reserved batch falls due, but not sooner than this (seconds).
+#: The feeder sleeps until its next event (a batch falls due, the next batch is to be asked for,
+#: a lease record expires with tokens in the bucket), and no longer than this (seconds): how soon
+#: an idle host notices a caller's first refusal, and the lease is renewed at the latest ...
+IDLE_TICK = 0.02
+#: ... and no shorter than this (seconds).
 MIN_TICK = 0.0002
+#: While the "local" fallback feeds the bucket from the clock, or a due batch waits for room,
+#: the feeder looks this often (seconds).
+TICK = 0.002
+#: A feeder awake anyway asks for the next batch up to this much earlier than the lead requires,
+#: rather than wake again for it alone (seconds).
+EARLY = 0.01
 #: Batches are reserved at least this far ahead of need (seconds; see ``Feeder.lead_ns``).
 MIN_LEAD = 0.015
 #: A lease record: (stamp in ms << RECORD_OPS_BITS) | ops; a batch holds at most RECORD_MAX_OPS.
@@ -121,8 +129,9 @@ RECORD_MAX_OPS = (1 << RECORD_OPS_BITS) - 1
 RETRY_EVERY = 0.25
 #: After a lease request found nothing available upstream, wait at least this long (seconds) ...
 MIN_RETRY = 0.002
-#: A caller refused this recently (ns) still wants a token.
-HUNGRY_NS = 20_000_000
+#: A caller refused this recently (ns) still wants a token: longer than the feeder's longest
+#: sleep, so that a refusal is never missed between two of its wakes.
+HUNGRY_NS = 2 * int(IDLE_TICK * 1e9)
 #: Demand is averaged over about this long (seconds).
 DEMAND_WINDOW = 0.2
 
@@ -150,6 +159,9 @@ class _Batch:
 def _record(stamp_ns: int, ops: int) -> int:
     """One lease record word: the stamp in whole ms (rounded down: expiry only earlier) and the ops."""
     return ((stamp_ns // 1_000_000) << RECORD_OPS_BITS) | ops
+
+
+_NEVER = 1 << 62  # an instant later than any event (monotonic ns)
 
 
 class Feeder:
@@ -190,6 +202,9 @@ class Feeder:
         self.next_try = 0
         self.rtt_ns = 1_000_000  # round trip time, an average; starts at 1 ms
         self.pending: Deque[_Batch] = deque()
+        #: when the lease records this process wrote end (ns, ascending): checked by this process too
+        #: once it is no longer the filler, since the filler plans its wakes from the records it saw
+        self._ends: Deque[int] = deque()
 
     @property
     def max_batch(self) -> int:
@@ -223,6 +238,8 @@ class Feeder:
         state = c.load(L.UP_STATE)
         if state in (STATE_OK, STATE_CLOSED, STATE_ERROR):  # leased tokens expire, Redis or not
             self.expire(now)
+        if self._ends and min(self._ends) <= now:  # checked just now
+            self._ends = deque(e for e in self._ends if e > now)
         self._deliver(now)
         if not b.stopped and now >= self.next_try:
             self._lease(now, state)
@@ -235,25 +252,90 @@ class Feeder:
         """No longer the filler: deliver the batches this process reserved, when due (they are slots
         of the global schedule that nobody else will deliver); tell waiters when, unless another
         filler expects tokens sooner."""
-        if not self.pending:
+        if not self.pending and not self._ends:
             return None
         now = self.clock()
         self._deliver(now)
+        ended = [e for e in self._ends if e <= now]
+        if ended:  # a record of ours ended: the filler may have planned its sleep before we wrote it
+            self._ends = deque(e for e in self._ends if e > now)
+            if self.cells.load(L.UP_STATE) in (STATE_OK, STATE_CLOSED, STATE_ERROR):
+                self.expire(now)
         if not self.pending:
-            return None
+            return max(MIN_TICK, (min(self._ends) - now) / 1e9) if self._ends else None
         due = self.pending[0].due
         cur = self.cells.load(L.UP_NEXT_NS)
         if cur <= now or cur > due:
             self.cells.cas(L.UP_NEXT_NS, cur, due)
-        return max(MIN_TICK, (due - now) / 1e9)
+        return max(MIN_TICK, (min(due, min(self._ends, default=due)) - now) / 1e9)
 
     def _publish_next(self, now: int) -> float:
-        """Tell timed waiters when tokens are next expected (``UP_NEXT_NS``); return the nap until the next tick."""
+        """Tell timed waiters when tokens are next expected (``UP_NEXT_NS``); return the nap until the next event."""
         nxt = self.pending[0].due if self.pending else (self.next_try if self.next_try > now else 0)
         self.cells.store(L.UP_NEXT_NS, nxt)
-        if self.pending and self.pending[0].due > now:
-            return min(TICK, max(MIN_TICK, (self.pending[0].due - now) / 1e9))
-        return TICK
+        if self.bucket.time_fed:  # the "local" fallback refills from the clock: tick as a clock feed does
+            return TICK
+        at = min(self._next_delivery(now), self._next_request(now), self.next_expiry(now), now + int(IDLE_TICK * 1e9))
+        return max(MIN_TICK, (at - now) / 1e9)
+
+    def _next_delivery(self, now: int) -> int:
+        """When the first reserved batch goes into the bucket: when due, or, when it is due but waits
+        for room, when the host's demand has made room for it (or its ttl ends: it is dropped then)."""
+        if not self.pending:
+            return _NEVER
+        bt = self.pending[0]
+        if bt.due > now:
+            return bt.due
+        room = now + int(bt.left * 1e9 / self.demand) if self.demand > 0 else _NEVER
+        return min(bt.stamp + self.ttl_ns, max(now + int(TICK * 1e9), room))
+
+    def _next_request(self, now: int) -> int:
+        """When ``want`` could next ask for a batch, as far as the feeder knows now.
+
+        A caller's first refusal on an idle host is news it learns at its next
+        wake (``UP_HUNGRY`` outlives the longest sleep); everything else is a
+        time it computes: a retry, the reserved schedule ending within the
+        lead, or a busy host's supply running low at its demand.
+        """
+        if self.bucket.stopped:
+            return _NEVER
+        if self.next_try > now or self.cells.load(L.UP_STATE) != STATE_OK:
+            return max(self.next_try, now + int(MIN_TICK * 1e9))
+        if self.want(now):  # the batch just reserved is due within the lead: the next one at once
+            return now
+        if self.pending:
+            reach = self.pending[-1].due - self.lead_ns
+            if reach > now:
+                return reach
+        if self.demand <= 0:
+            return _NEVER
+        b = self.bucket
+        batch = min(self.max_batch, max(1, math.ceil(self.demand * self.batch_seconds)))
+        have = b.balance() / b.cost + sum(bt.left for bt in self.pending)
+        low = now + int(have * 1e9 / self.demand) - (self.lead_ns + batch * self.interval_ns)
+        return low if low > now else _NEVER
+
+    def next_expiry(self, now: int) -> int:
+        """The first instant a check would burn tokens the bucket holds now: a lease record's end.
+
+        Tokens enter the bucket only with a record (``_deliver``), so only a
+        record ending while the bucket holds more than the younger records
+        cover needs a wake; a delivery after this plans the next one.
+        """
+        c = self.cells
+        live = []
+        for i in range(L.UP_RECORDS):
+            word = c.load(L.UP_RECORD + 8 * i)
+            end = (word >> RECORD_OPS_BITS) * 1_000_000 + self.ttl_ns
+            if word and end > now:
+                live.append((end, word & RECORD_MAX_OPS))
+        held = self.bucket.balance()
+        keep = sum(ops for _, ops in live)
+        for end, ops in sorted(live):
+            keep -= ops
+            if held > keep * self.bucket.cost:
+                return end
+        return _NEVER
 
     def _measure(self, now: int) -> None:
         tail = self.bucket.taken()
@@ -303,15 +385,20 @@ class Feeder:
                 continue
             if not bt.recorded:
                 slot = c.fetch_add(L.UP_LEASES, 1) % L.UP_RECORDS
-                c.store(L.UP_RECORD + 8 * slot, _record(bt.stamp, bt.ops))
+                word = _record(bt.stamp, bt.ops)
+                c.store(L.UP_RECORD + 8 * slot, word)
                 bt.recorded = True
+                self._ends.append((word >> RECORD_OPS_BITS) * 1_000_000 + self.ttl_ns)
             bt.left -= b.add(bt.left * b.cost) // b.cost
+            if self.clock() - bt.stamp >= self.ttl_ns:
+                # stopped between the age check and the add: what we added is already past its ttl
+                self.expire(self.clock())
             if bt.left > 0:
                 return  # no room: the rest waits for the next tick (or its ttl)
             self.pending.popleft()
 
-    def want(self, now: int) -> int:
-        """Ops to reserve now (0: none needed).
+    def want(self, now: int, early: int = 0) -> int:
+        """Ops to reserve now (0: none needed), or up to ``early`` ns before they would be.
 
         Only for a host with demand: callers queued (a negative balance) or
         refused without queueing (``UP_HUNGRY``, recent), or busy enough to
@@ -320,28 +407,31 @@ class Feeder:
         holds and has reserved runs out at its demand within the lead plus
         one batch of the global schedule.  A batch is ``batch_seconds`` of demand or
         what queued callers are owed, at least one op, at most ``max_batch``.
+        A tick asks ``EARLY`` before the lead requires it (``_lease``): the
+        feeder, awake to deliver, saves a wake of its own for the request.
         """
         b = self.bucket
+        lead = self.lead_ns + early
         avail = b.balance() / b.cost  # negative: owed to queued callers
         # what queued callers are owed counts too: a filler that just took over knows no demand yet
         batch = min(self.max_batch, max(1, math.ceil(self.demand * self.batch_seconds), math.ceil(-avail)))
         hungry = avail < 0 or now - self.cells.load(L.UP_HUNGRY) < HUNGRY_NS
         if not hungry and self.demand * self.ttl_ns / 1e9 < 1:
             return 0
-        if self.pending and self.pending[-1].due - now >= self.lead_ns:
+        if self.pending and self.pending[-1].due - now >= lead:
             return 0  # the reserved schedule reaches far enough
         if avail < 0 or hungry:
             return batch  # callers wait: keep the schedule continuous
         # busy, nobody waiting: lease when what we hold and have reserved runs out within the lead
         # and one batch's worth of the global schedule
         have = avail + sum(bt.left for bt in self.pending)
-        if have * 1e9 >= self.demand * (self.lead_ns + batch * self.interval_ns):
+        if have * 1e9 >= self.demand * (lead + batch * self.interval_ns):
             return 0
         return batch
 
     def _lease(self, now: int, state: int) -> None:
         c = self.cells
-        want = self.want(now)
+        want = self.want(now, int(EARLY * 1e9))
         if state == STATE_OK and want == 0:
             return
         # Renewed just before the call: we still hold it (or learn we do not).  Not extended over
