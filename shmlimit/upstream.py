@@ -35,21 +35,25 @@ batch size does not enter the window bound below; it sets the round trips
 (one per batch: ``1 / (demand * batch_seconds)`` per op, bounded below by
 one per local capacity) against how lumpy a host's supply is (its tokens come
 ``batch`` at a time) and how much reserved schedule a host whose demand stops
-leaves unused (at most the lead plus one batch).  The default,
+leaves unused (at most the lead, ``EARLY`` and one batch).  The default,
 ``batch_seconds=0.02`` capped by the local capacity (default 10 ms of rate),
 gives one round trip per 10 ms of schedule per busy host at high rates.
 
 Leased tokens expire.  Each delivered batch leaves a record in the segment:
 one word, (the earliest moment it could be due, in ms) << 24 | its ops, in a
 ring of four slots chosen by a fetch-add, so racing fillers never mix one
-batch's time with another's size.  At every tick the filler burns whatever
-the bucket holds beyond the ops of records younger than ``lease_ttl``.  An
-op used at time u was therefore due after ``u - lease_ttl - d``, where d is
-the longest gap between two expiry checks (a tick of at most 2 ms, or one
-Redis call of at most ``timeout``).  A filler stopped in the middle of a
+batch's time with another's size.  At every wake, before the Redis call and
+after the deliveries, the filler burns whatever the bucket holds beyond the
+ops of records younger than ``lease_ttl``, and it plans a wake for the end
+of a record while the bucket holds more than the younger ones cover.  An op
+used at time u was therefore due after ``u - lease_ttl - d``, where d is how
+late a check comes after a record ends: the sleep's lateness, plus one
+Redis call of at most ``timeout``.  A filler stopped in the middle of a
 delivery (SIGSTOP) and resumed much later never adds a batch older than its
-ttl, and one it adds late carries its old record, so the next check by the
-running filler burns it: both are within d.  Since Redis grants at most
+ttl; one it adds late carries its old record, and it checks right after the
+add and, no longer the filler, at its records' ends (``orphan_tick``).
+Stopped again between the add and that check, the excess waits for the
+running filler's next wake: then d is at most ``IDLE_TICK`` plus one call.  Since Redis grants at most
 ``rate*T + burst`` in any window T, all hosts together grant at most
 ``rate*(T + lease_ttl + d) + burst`` in any window T.
 
@@ -86,7 +90,7 @@ import math
 import random
 from collections import deque
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Callable, Deque, Optional
+from typing import TYPE_CHECKING, Callable, Deque, List, Optional
 
 from . import layout as L
 from .bucket import diff
@@ -202,9 +206,11 @@ class Feeder:
         self.next_try = 0
         self.rtt_ns = 1_000_000  # round trip time, an average; starts at 1 ms
         self.pending: Deque[_Batch] = deque()
-        #: when the lease records this process wrote end (ns, ascending): checked by this process too
-        #: once it is no longer the filler, since the filler plans its wakes from the records it saw
-        self._ends: Deque[int] = deque()
+        #: the lease records this process wrote that have not ended: a record may leave the ring of
+        #: four before it ends (racing fillers, many small batches), and the wake for its end is
+        #: planned from here; a former filler checks its own at their ends (the filler plans from
+        #: the records it saw)
+        self.mine: List[int] = []
 
     @property
     def max_batch(self) -> int:
@@ -238,12 +244,15 @@ class Feeder:
         state = c.load(L.UP_STATE)
         if state in (STATE_OK, STATE_CLOSED, STATE_ERROR):  # leased tokens expire, Redis or not
             self.expire(now)
-        if self._ends and min(self._ends) <= now:  # checked just now
-            self._ends = deque(e for e in self._ends if e > now)
+        self.mine = [w for w in self.mine if self._end(w) > now]  # the ended ones were checked just now
         self._deliver(now)
         if not b.stopped and now >= self.next_try:
             self._lease(now, state)
             self._deliver(self.clock())  # a batch due at once goes in without waiting a tick
+        if c.load(L.UP_STATE) in (STATE_OK, STATE_CLOSED, STATE_ERROR):
+            # and once more: the rest of a batch that waited for room went in after the check, and
+            # its record counted all its ops already; the next wake may be far
+            self.expire(self.clock())
         if b.time_fed:  # the "local" fallback: the clock feeds the bucket meanwhile
             b.replenish()
         return self._publish_next(self.clock())
@@ -252,22 +261,22 @@ class Feeder:
         """No longer the filler: deliver the batches this process reserved, when due (they are slots
         of the global schedule that nobody else will deliver); tell waiters when, unless another
         filler expects tokens sooner."""
-        if not self.pending and not self._ends:
+        if not self.pending and not self.mine:
             return None
         now = self.clock()
         self._deliver(now)
-        ended = [e for e in self._ends if e <= now]
-        if ended:  # a record of ours ended: the filler may have planned its sleep before we wrote it
-            self._ends = deque(e for e in self._ends if e > now)
+        live = [w for w in self.mine if self._end(w) > now]
+        if len(live) < len(self.mine):  # a record of ours ended: the filler may not have seen it
+            self.mine = live
             if self.cells.load(L.UP_STATE) in (STATE_OK, STATE_CLOSED, STATE_ERROR):
                 self.expire(now)
         if not self.pending:
-            return max(MIN_TICK, (min(self._ends) - now) / 1e9) if self._ends else None
+            return max(MIN_TICK, (min(map(self._end, live)) - now) / 1e9) if live else None
         due = self.pending[0].due
         cur = self.cells.load(L.UP_NEXT_NS)
         if cur <= now or cur > due:
             self.cells.cas(L.UP_NEXT_NS, cur, due)
-        return max(MIN_TICK, (min(due, min(self._ends, default=due)) - now) / 1e9)
+        return max(MIN_TICK, (min(due, min(map(self._end, live), default=due)) - now) / 1e9)
 
     def _publish_next(self, now: int) -> float:
         """Tell timed waiters when tokens are next expected (``UP_NEXT_NS``); return the nap until the next event."""
@@ -320,15 +329,14 @@ class Feeder:
 
         Tokens enter the bucket only with a record (``_deliver``), so only a
         record ending while the bucket holds more than the younger records
-        cover needs a wake; a delivery after this plans the next one.
+        cover needs a wake; a delivery after this plans the next one.  The
+        records are the ring's and this process's own (one pushed out of the
+        ring still covers its tokens until it ends: the check at its end burns
+        them, as the ring no longer covers them).
         """
         c = self.cells
-        live = []
-        for i in range(L.UP_RECORDS):
-            word = c.load(L.UP_RECORD + 8 * i)
-            end = (word >> RECORD_OPS_BITS) * 1_000_000 + self.ttl_ns
-            if word and end > now:
-                live.append((end, word & RECORD_MAX_OPS))
+        words = {c.load(L.UP_RECORD + 8 * i) for i in range(L.UP_RECORDS)} | set(self.mine)
+        live = [(self._end(w), w & RECORD_MAX_OPS) for w in words if w and self._end(w) > now]
         held = self.bucket.balance()
         keep = sum(ops for _, ops in live)
         for end, ops in sorted(live):
@@ -367,6 +375,10 @@ class Feeder:
             c.fetch_add(L.UP_EXPIRED, burned // self.bucket.cost)
         return burned
 
+    def _end(self, word: int) -> int:
+        """When the lease record ``word`` ends (monotonic ns)."""
+        return (word >> RECORD_OPS_BITS) * 1_000_000 + self.ttl_ns
+
     def _deliver(self, now: int) -> None:
         """Put the batches that are due into the bucket, as far as they fit; drop those past their ttl.
 
@@ -388,7 +400,7 @@ class Feeder:
                 word = _record(bt.stamp, bt.ops)
                 c.store(L.UP_RECORD + 8 * slot, word)
                 bt.recorded = True
-                self._ends.append((word >> RECORD_OPS_BITS) * 1_000_000 + self.ttl_ns)
+                self.mine.append(word)
             bt.left -= b.add(bt.left * b.cost) // b.cost
             if self.clock() - bt.stamp >= self.ttl_ns:
                 # stopped between the age check and the add: what we added is already past its ttl

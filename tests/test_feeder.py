@@ -215,3 +215,89 @@ def test_a_limiter_on_a_callers_client_is_refused_as_an_upstream(R, redis_server
         pickle.dumps(glob)
     with pytest.raises(FileNotFoundError):
         shmlimit.inspect(name)  # nothing was created
+
+
+def ticking(host, clock):
+    """The instants the host's feeder ticks at."""
+    ticks = []
+    tick = host.feeder.tick
+
+    def counted():
+        ticks.append(clock.now)
+        return tick()
+
+    host.feeder.tick = counted
+    return ticks
+
+
+@pytest.mark.parametrize("rate", [50, 1000])
+def test_the_feeder_wakes_for_its_events_not_on_a_tick(R, redis_server, name, clock, rate):
+    """Saturated, it wakes about once per batch (the delivery, and the request for the next batch
+    with it); a 2 ms tick woke it 500 times a second whatever the rate."""
+    from shmlimit.upstream import IDLE_TICK
+
+    host = Host(R, name, redis_server.url, clock, rate, lease_ttl=0.1)
+    ticks = ticking(host, clock)
+    try:
+        start = clock.now
+        run([host], clock, 4.0)
+        up = host.lim.stats().upstream
+    finally:
+        host.close()
+    got = sum(1 for t in host.grants if t >= start + 10**9)
+    assert abs(got - rate * 3.0) <= 0.01 * rate * 3.0  # the schedule is kept as it was with ticks
+    assert up.expired == 0
+    assert len(ticks) <= 1.3 * up.leases + 10, (len(ticks), up.leases)
+    assert max(b - a for a, b in zip(ticks, ticks[1:])) <= IDLE_TICK * 1e9
+
+
+def test_an_idle_feeder_wakes_rarely_and_leases_nothing(R, redis_server, name, clock):
+    from shmlimit.upstream import IDLE_TICK
+
+    host = Host(R, name, redis_server.url, clock, 1000, lease_ttl=0.1)
+    ticks = ticking(host, clock)
+    try:
+        end = clock.now + 10**9
+        while clock.now < end:
+            clock.advance(max(1000, int(host.feeder.tick() * 1e9)))
+        up = host.lim.stats().upstream
+    finally:
+        host.close()
+    assert up.round_trips == 0
+    assert len(ticks) <= 1.05 / IDLE_TICK
+
+
+def keep_at(cells, ttl_ns, at, mine):
+    """Ops of the lease records still young at ``at`` (the ring's and those the feeder wrote, which
+    may have left the ring of four before their end): what the bucket may hold then."""
+    from shmlimit.upstream import RECORD_MAX_OPS, RECORD_OPS_BITS
+
+    words = {cells.load(L.UP_RECORD + 8 * i) for i in range(L.UP_RECORDS)} | set(mine)
+    return sum(w & RECORD_MAX_OPS for w in words if w and at - (w >> RECORD_OPS_BITS) * 1_000_000 < ttl_ns)
+
+
+@pytest.mark.parametrize("idle_after", [0.02, 0.05, 0.2])
+def test_a_sleeping_feeder_never_lets_tokens_outlive_their_records(R, redis_server, name, clock, idle_after):
+    """Busy, then nobody takes: the feeder sleeps, yet at no instant between two of its wakes does
+    the bucket hold more than the records young at that instant cover (it wakes when one ends)."""
+    ttl = 0.05
+    host = Host(R, name, redis_server.url, clock, 1000, burst=50, lease_ttl=ttl)
+    b, cells = host.att.bucket, host.att.cells
+    try:
+        end = clock.now + int(idle_after * 1e9)
+        while clock.now < end:  # a busy host: leases flow
+            host.take_all()
+            clock.advance(max(1000, int(host.feeder.tick() * 1e9)))
+        held_max = 0
+        end = clock.now + int(4 * ttl * 1e9)
+        while clock.now < end:  # nobody takes any more: only the feeder changes the bucket
+            nap = max(1000, int(host.feeder.tick() * 1e9))
+            held = b.balance() // b.cost
+            held_max = max(held_max, held)
+            # the bucket stays as it is until the next wake: every instant of the nap is covered
+            assert held <= keep_at(cells, int(ttl * 1e9), clock.now + nap - 1, host.feeder.mine), (held, nap)
+            clock.advance(nap)
+        assert held_max > 0  # the test saw tokens held across naps
+        assert host.lim.stats().upstream.expired > 0  # and the feeder's wakes burned some at their end
+    finally:
+        host.close()
