@@ -56,7 +56,7 @@ MIN_NAP = 1e-4
 #: Hierarchical mode: a request that does not know when tokens come looks this often (seconds) ...
 POLL = 0.002
 #: ... and one that knows wakes this long after they are due, once the filler has added them (seconds).
-ARRIVAL_SLACK = 0.0003
+ARRIVAL_SLACK = 0.001
 #: Capped mode: a request waiting for a release looks again this often (seconds).
 CAPPED_NAP = 0.001
 _INF = float("inf")
@@ -503,7 +503,8 @@ def try_acquire(att: "Attachment", n: int) -> bool:
         if b.capped and not granted:
             b.unadmit(n)
     if not granted and b.upstream:
-        b.mark_hungry(att.clock())  # a refused try is demand the filler should see
+        b.mark_hungry(att.clock())  # a refused try is demand the filler should see ...
+        att.nudge_filler()  # ... and one must run: a dead one's lease is taken here, not by a watcher
     return granted
 
 

@@ -39,9 +39,6 @@ MAX_FILL_PERIOD = 0.020
 #: the filler late replenishes for itself and nudges its own process's watcher (``nudge``).
 WATCH_PERIOD = 0.5
 
-#: Watchers of a hierarchical limiter look this often (seconds): only a filler can bring tokens, but
-#: waiters expecting no batch poll every few ms and nudge their own watcher, which takes over at once.
-UPSTREAM_WATCH_PERIOD = 0.1
 
 _SLOT_MASK = (1 << L.LEASE_SLOT_BITS) - 1
 
@@ -208,11 +205,12 @@ class FillerThread(threading.Thread):
             while not self._stopping:
                 if not lease.held:
                     if self.make_feed is None or not lease.try_take():
-                        # hierarchical mode: waiters cannot refill for themselves, so watch closely
-                        period = UPSTREAM_WATCH_PERIOD if bucket.upstream and self.make_feed else WATCH_PERIOD
-                        # a feed that lost the election still delivers what it had leased, when due
+                        # Hierarchical mode too: only a filler brings tokens there, but every caller
+                        # that finds none nudges (waiters, expecting no batch, every 2 ms; refused
+                        # tries each time), so a dead filler is replaced without watchers polling.
+                        # A feed that lost the election still delivers what it had leased, when due.
                         owed = self.feed.orphan_tick() if self.feed is not None else None
-                        wake.wait(period if owed is None else min(period, owed))
+                        wake.wait(WATCH_PERIOD if owed is None else min(WATCH_PERIOD, owed))
                         wake.clear()
                         continue
                     last_renew = time.monotonic()
