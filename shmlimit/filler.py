@@ -195,6 +195,27 @@ class FillerThread(threading.Thread):
         if self.make_feed is not None and not self.lease.held and self.lease.try_take():
             self._wake.set()
 
+    def _nap_renewing(self, nap: float, last_renew: float) -> float:
+        """Sleep ``nap`` seconds, renewing the lease every ``RENEW_EVERY`` meanwhile; return when it
+        was last renewed.
+
+        A hierarchical feed sleeps until its next event, up to ``upstream.IDLE_TICK``;
+        a thread that wakes late on a busy machine (tens of ms) would then let the
+        lease lapse, and a waiter would take it: a new filler that starts knowing no
+        demand.  A renewal alone costs far less than a tick.
+        """
+        end = time.monotonic() + nap
+        while not self._stopping:
+            now = time.monotonic()
+            if now >= end:
+                break
+            if now - last_renew >= RENEW_EVERY:
+                if not self.lease.renew():
+                    break
+                last_renew = now
+            time.sleep(min(end, last_renew + RENEW_EVERY) - now)
+        return last_renew
+
     def run(self) -> None:
         wake = self._wake
         lease = self.lease
@@ -229,7 +250,10 @@ class FillerThread(threading.Thread):
                         chores_at = now + (self.chores() or 0.0)
                     except Exception:  # pragma: no cover - a chore never stops the filling
                         chores_at = now + 1.0
-                time.sleep(nap)
+                if bucket.upstream:
+                    last_renew = self._nap_renewing(nap, last_renew)
+                else:
+                    time.sleep(nap)
         except Exception:  # pragma: no cover - a closed mapping at interpreter exit
             pass
         finally:
