@@ -206,6 +206,13 @@ class Feeder:
         self.next_try = 0
         self.rtt_ns = 1_000_000  # round trip time, an average; starts at 1 ms
         self.pending: Deque[_Batch] = deque()
+        #: ops a request asks at least while callers stay queued: doubled by each request that finds
+        #: them queued, 1 again at one that does not.  Demand is measured from the tail, which
+        #: queued callers advance only as fast as they are supplied: a filler that takes over at
+        #: 1 000 000/s knows no demand, and sized by it alone its batches grew 10 % per round trip
+        #: (~150 ms of the global schedule mostly lost); doubling reaches the capacity in ~14.
+        self.grow = 1
+        self._queued_at = -HUNGRY_NS  # when ``want`` last found callers queued (ns)
         #: the lease records this process wrote that have not ended: a record may leave the ring of
         #: four before it ends (racing fillers, many small batches), and the wake for its end is
         #: planned from here; a former filler checks its own at their ends (the filler plans from
@@ -312,6 +319,11 @@ class Feeder:
             return max(self.next_try, now + int(MIN_TICK * 1e9))
         if self.want(now):  # the batch just reserved is due within the lead: the next one at once
             return now
+        if not self.pending and (now - self._queued_at < HUNGRY_NS or now - self.cells.load(L.UP_HUNGRY) < HUNGRY_NS):
+            # callers waited a moment ago and nothing is reserved for them: a batch due at once went
+            # to them, and they come back at once (their demand is not measured yet, after a start
+            # or a take-over): look again soon, as a clock feed would
+            return now + int(TICK * 1e9)
         if self.pending:
             reach = self.pending[-1].due - self.lead_ns
             if reach > now:
@@ -426,7 +438,10 @@ class Feeder:
         lead = self.lead_ns + early
         avail = b.balance() / b.cost  # negative: owed to queued callers
         # what queued callers are owed counts too: a filler that just took over knows no demand yet
-        batch = min(self.max_batch, max(1, math.ceil(self.demand * self.batch_seconds), math.ceil(-avail)))
+        batch = min(self.max_batch, max(1, math.ceil(self.demand * self.batch_seconds), math.ceil(-avail),
+                                        self.grow if avail < 0 else 1))
+        if avail < 0:
+            self._queued_at = now
         hungry = avail < 0 or now - self.cells.load(L.UP_HUNGRY) < HUNGRY_NS
         if not hungry and self.demand * self.ttl_ns / 1e9 < 1:
             return 0
@@ -454,6 +469,7 @@ class Feeder:
         if not self.lease.renew():
             return
         want = max(1, want)
+        queued = self.bucket.balance() < 0
         # No max_wait: the next slots of the global schedule, however far ahead (a FIFO of the
         # hosts' batches: equal shares under saturation; see the module's docstring).
         sent = self.clock()
@@ -480,6 +496,7 @@ class Feeder:
             self.pending.append(_Batch(due=received + wait, stamp=sent + wait, ops=granted, left=granted))
             c.fetch_add(L.UP_LEASED, granted)
             self.next_try = 0
+            self.grow = min(self.max_batch, 2 * max(self.grow, granted)) if queued else 1
         else:
             # not an answer a reservation without max_wait gets: count it, ask again a little later
             c.fetch_add(L.UP_REFUSED, 1)

@@ -301,3 +301,32 @@ def test_a_sleeping_feeder_never_lets_tokens_outlive_their_records(R, redis_serv
         assert host.lim.stats().upstream.expired > 0  # and the feeder's wakes burned some at their end
     finally:
         host.close()
+
+
+def test_a_new_filler_with_few_queued_callers_reaches_the_rate_at_once(R, redis_server, name, clock):
+    """Four callers, each queued for one op at a time, on a fresh feeder (as after a take-over): it
+    knows no demand, and the tail (its measure) advances only as fast as it supplies them.  Sized by
+    demand and what is owed alone, its batches were ~4 ops per round trip for the first ~150 ms; each
+    request that still finds callers queued doubles the batch, up to the local capacity."""
+    rate = 100_000
+    host = Host(R, name, redis_server.url, clock, rate, lease_ttl=0.1)
+    b, att = host.att.bucket, host.att
+    tickets = []
+    try:
+        start = clock.now
+        end = start + 100_000_000
+        while clock.now < end:
+            tickets = [t for t in tickets if not b.covered(t)]
+            while len(tickets) < 4:  # each caller granted queues again at once
+                t = b.grab(b.cost, att.grants_off, 1)
+                if t is not None:
+                    tickets.append(t)
+            clock.advance(max(1000, int(host.feeder.tick() * 1e9)))
+        up = host.lim.stats().upstream
+        f = host.feeder
+        info = (up.leased, f.pending, f.grow, f.next_try - clock.now, f.demand, b.balance() / b.cost, len(tickets))
+    finally:
+        host.close()
+    assert up.leased >= rate * 0.1, info  # the whole global schedule of the 100 ms, from the start
+    # about one round trip per capacity, plus the doublings up to it (sized by demand: 72 here)
+    assert up.round_trips <= up.leased / host.feeder.max_batch + 16, up.round_trips
