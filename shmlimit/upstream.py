@@ -176,7 +176,7 @@ class Feeder:
     slots are, so the schedule stays continuous while this host has demand
     and no slot is lost to the latency of asking.  Blind retries after a
     refusal lost up to half of every interval at low rates.  The feeder
-    keeps the chain ``lead`` ahead (two round trips and two ticks): it asks
+    keeps the chain ``lead`` ahead (two round trips and ``MIN_LEAD``): it asks
     for the next batch when the last reserved one is due sooner than that.
     """
 
@@ -210,7 +210,7 @@ class Feeder:
         #: them queued, 1 again at one that does not.  Demand is measured from the tail, which
         #: queued callers advance only as fast as they are supplied: a filler that takes over at
         #: 1 000 000/s knows no demand, and sized by it alone its batches grew 10 % per round trip
-        #: (~150 ms of the global schedule mostly lost); doubling reaches the capacity in ~14.
+        #: (~150 ms of the global schedule mostly lost); doubling reaches ``max_grow`` in ~14.
         self.grow = 1
         self._queued_at = -HUNGRY_NS  # when ``want`` last found callers queued (ns)
         #: the lease records this process wrote that have not ended: a record may leave the ring of
@@ -224,6 +224,12 @@ class Feeder:
         """Ops per lease at most: what the local bucket holds (and a record can count)."""
         b = self.bucket
         return max(1, min(b.cap // b.cost, RECORD_MAX_OPS))
+
+    @property
+    def max_grow(self) -> int:
+        """The most ``grow`` reaches: a batch for the global rate itself (no host's demand is
+        higher), so a saturated host's batches are what its measured demand makes them."""
+        return min(self.max_batch, max(1, math.ceil(self.batch_seconds * 1e9 / self.interval_ns)))
 
     @property
     def lead_ns(self) -> int:
@@ -496,7 +502,7 @@ class Feeder:
             self.pending.append(_Batch(due=received + wait, stamp=sent + wait, ops=granted, left=granted))
             c.fetch_add(L.UP_LEASED, granted)
             self.next_try = 0
-            self.grow = min(self.max_batch, 2 * max(self.grow, granted)) if queued else 1
+            self.grow = min(self.max_grow, 2 * max(self.grow, granted)) if queued else 1
         else:
             # not an answer a reservation without max_wait gets: count it, ask again a little later
             c.fetch_add(L.UP_REFUSED, 1)

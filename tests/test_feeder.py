@@ -307,7 +307,7 @@ def test_a_new_filler_with_few_queued_callers_reaches_the_rate_at_once(R, redis_
     """Four callers, each queued for one op at a time, on a fresh feeder (as after a take-over): it
     knows no demand, and the tail (its measure) advances only as fast as it supplies them.  Sized by
     demand and what is owed alone, its batches were ~4 ops per round trip for the first ~150 ms; each
-    request that still finds callers queued doubles the batch, up to the local capacity."""
+    request that still finds callers queued doubles the batch, up to a batch at the global rate."""
     rate = 100_000
     host = Host(R, name, redis_server.url, clock, rate, lease_ttl=0.1)
     b, att = host.att.bucket, host.att
