@@ -203,17 +203,18 @@ def check_machine(
     return out
 
 
-def check_segments(shm_dir: str = SHM_DIR) -> List[Finding]:
-    """Limiters no live process uses, and segments this user cannot read."""
+def check_segments(shm_dir: str = SHM_DIR, names: Optional[List[str]] = None) -> List[Finding]:
+    """Limiters no live process uses, and segments this user cannot read (all of them, or ``names``)."""
     from .errors import ShmlimitError
-    from .stats import inspect
+    from .kinds import inspect  # every kind: a Limiter's segment, a keyed one
     from .segment import list_names
 
-    try:
-        names = list_names()
-    except (ShmlimitError, OSError):
-        return []
-    stale, unreadable = [], []
+    if names is None:
+        try:
+            names = list_names()
+        except (ShmlimitError, OSError):
+            return []
+    stale, unused, unreadable = [], [], []
     for n in names:
         try:
             s = inspect(n)
@@ -221,12 +222,18 @@ def check_segments(shm_dir: str = SHM_DIR) -> List[Finding]:
             unreadable.append(n)
             continue
         if not any(p.alive for p in s.processes):
-            stale.append(n)
+            # gc removes only a Limiter's segment; a keyed one (a KeyedLimiter's, or the window
+            # counters of the limits storage) is removed by unlink
+            (unused if getattr(s, "kind", "") in ("keyed", "windows") else stale).append(n)
     out = []
     if stale:
         out.append(Finding(WARN, "limiters", f"{len(stale)} limiter(s) no live process uses "
                                              f"({', '.join(stale[:5])}{', ...' if len(stale) > 5 else ''}): "
                                              "'shmlimit gc' removes them"))
+    if unused:
+        out.append(Finding(WARN, "limiters", f"{len(unused)} keyed table(s) no live process uses "
+                                             f"({', '.join(unused[:5])}{', ...' if len(unused) > 5 else ''}): "
+                                             "'shmlimit unlink NAME' removes one"))
     if unreadable:
         out.append(Finding(WARN, "limiters", f"{len(unreadable)} segment(s) this user cannot read or that are "
                                              f"not valid limiters: {', '.join(unreadable[:5])}"))

@@ -160,3 +160,24 @@ def test_forked_users_are_listed_on_first_use_and_a_killed_one_as_dead(table, na
                 pass
         for fd in (r_go, w_go, r_done, w_done, r_end, w_end):
             os.close(fd)
+
+
+def test_gc_and_doctor_say_what_they_do_with_unused_keyed_tables(name):
+    from shmlimit import doctor
+
+    windows, keyed = name + "-w", name + "-k"
+    WindowTable(windows, keys=64).close()  # no process uses either now
+    shmlimit.KeyedLimiter(keyed, rate=10, keys=64).close()
+    try:
+        for args in (("gc", "--dry-run"), ("gc",)):
+            out = cli(*args).stdout
+            assert f"stale: {windows}" not in out and f"removed: {windows}" not in out
+            assert f"left alone (a table of window counters, no live process: 'shmlimit unlink {windows}' removes it)" in out
+            assert f"left alone (a keyed limiter, no live process: 'shmlimit unlink {keyed}' removes it)" in out
+            assert {windows, keyed} <= set(shmlimit.list_names())
+        [found] = doctor.check_segments(names=[windows, keyed])  # neither unreadable nor for gc
+        assert found.level == "warn" and found.message == (
+            f"2 keyed table(s) no live process uses ({windows}, {keyed}): 'shmlimit unlink NAME' removes one")
+    finally:
+        shmlimit.unlink(windows)
+        shmlimit.unlink(keyed)
