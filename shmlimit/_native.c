@@ -1614,7 +1614,7 @@ native_sleep_until(PyObject *mod, PyObject *const *args, Py_ssize_t n)
 typedef struct {
     PyObject_HEAD
     NativeCells *cells;
-    uint64_t *seq, *tail, *head, *repl_ts, *snap_head, *snap_tail, *lease, *grants;
+    uint64_t *seq, *tail, *head, *repl_ts, *snap_head, *snap_tail, *lease, *grants, *lost;
     uint64_t *waiting; /* this process's WAITING word, or NULL (unregistered) */
     uint64_t expected, tpn, cap;
     long slack_ns;
@@ -1665,6 +1665,18 @@ waiter_replenish(Waiter *w, uint64_t now, int *burn)
         if (total == 0 || wcas(w->head, head, head + total))
             break;
         head = wld(w->head);
+    }
+    if (total < extra && (int64_t)(snap_tail - snap_head) > 0) {
+        /* Bucket.apply: clamped time that callers queued from the interval's start were owed
+         * (the head, after our add, still short of the tail), in whole ns rounded down */
+        uint64_t after = head + total;
+        int64_t owed = (int64_t)(wld(w->tail) - after);
+        if (owed > 0) {
+            uint64_t dropped = extra - total;
+            uint64_t ns = ((uint64_t)owed < dropped ? (uint64_t)owed : dropped) / w->tpn;
+            if (ns > 0)
+                __atomic_fetch_add(w->lost, ns, __ATOMIC_SEQ_CST);
+        }
     }
     if (total > 0 && wld(w->seq) != w->expected)
         *burn = 1;
@@ -1865,18 +1877,18 @@ static PyTypeObject WaiterType = {
 };
 
 /* waiter(seq, expected, tail, head, repl_ts, snap_head, snap_tail, lease, grants, waiting, tpn,
- * cap, slack_ns) -> a Waiter (see above); `waiting` is a word offset or None. */
+ * cap, slack_ns, lost) -> a Waiter (see above); `waiting` is a word offset or None. */
 static PyObject *
 cells_waiter(NativeCells *self, PyObject *const *args, Py_ssize_t n)
 {
-    if (!nargs(n, 13, "waiter") || !check_open(self))
+    if (!nargs(n, 14, "waiter") || !check_open(self))
         return NULL;
     uint64_t *waiting = NULL;
     if (args[9] != Py_None && !(waiting = word(self, args[9])))
         return NULL;
-    uint64_t *w[8];
-    const int at[8] = {0, 2, 3, 4, 5, 6, 7, 8};
-    for (int i = 0; i < 8; i++)
+    uint64_t *w[9];
+    const int at[9] = {0, 2, 3, 4, 5, 6, 7, 8, 13};
+    for (int i = 0; i < 9; i++)
         if (!(w[i] = word(self, args[at[i]])))
             return NULL;
     uint64_t expected, tpn, cap, slack;
@@ -1899,6 +1911,7 @@ cells_waiter(NativeCells *self, PyObject *const *args, Py_ssize_t n)
     g->snap_tail = w[5];
     g->lease = w[6];
     g->grants = w[7];
+    g->lost = w[8];
     g->waiting = waiting;
     g->expected = expected;
     g->tpn = tpn;

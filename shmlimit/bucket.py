@@ -237,7 +237,7 @@ class Bucket:
             return None
         return self.cells.waiter(  # None on the atomics backend
             L.CFG_SEQ, snap.seq, L.TAIL, L.HEAD, L.REPL_TS, L.SNAP_HEAD, L.SNAP_TAIL, L.LEASE, grants, waiting,
-            snap.tpn, snap.cap, slack_ns,
+            snap.tpn, snap.cap, slack_ns, L.LOST_NS,
         )
 
     def covered(self, ticket: int) -> bool:
@@ -256,15 +256,15 @@ class Bucket:
         claim = self.claim()
         return self.apply(claim) if claim is not None else 0
 
-    def claim(self) -> Optional[Tuple[int, int, int, Snapshot]]:
+    def claim(self) -> Optional[Tuple[int, int, int, Snapshot, bool]]:
         """First half of ``replenish``: claim ``[REPL_TS, now]`` and leave the next snapshot.
 
-        Returns ``(head, limit, tokens, snap)`` for ``apply``, or None when
-        nothing elapsed or another process claimed the interval first.  The
-        rovers are read before the clock, so the snapshot left here is never
-        newer than the instant the interval ends (invariant 3).  The config is
-        re-read first (one load when unchanged): the clamp uses the capacity in
-        force, never one cached before another process's ``set_rate``.
+        Returns ``(head, limit, tokens, snap, queued)`` for ``apply`` (``queued``: callers were
+        queued when the interval began), or None when nothing elapsed or another process
+        claimed the interval first.  The rovers are read before the clock, so the snapshot left
+        here is never newer than the instant the interval ends (invariant 3).  The config is
+        re-read first (one load when unchanged): the clamp uses the capacity in force, never one
+        cached before another process's ``set_rate``.
         """
         c = self.cells
         self.refresh()
@@ -287,9 +287,9 @@ class Bucket:
         c.store(L.SNAP_HEAD, head)
         c.store(L.SNAP_TAIL, tail)
         limit = behind(snap_head, snap_tail) + snap.cap
-        return head, limit & MASK64, elapsed * snap.tpn, snap
+        return head, limit & MASK64, elapsed * snap.tpn, snap, diff(snap_tail, snap_head) > 0
 
-    def apply(self, claim: Tuple[int, int, int, Snapshot]) -> int:
+    def apply(self, claim: Tuple[int, int, int, Snapshot, bool]) -> int:
         """Second half of ``replenish``: add a claimed interval's tokens, clamped (invariant 1).
 
         With catch-up (ratio > 1), tokens that do not fit go to the waiting
@@ -301,7 +301,7 @@ class Bucket:
         interval's time is dropped (a pause is not "behind schedule"); so it is
         in hierarchical mode, where tokens come from leases (``add``).
         """
-        head, limit, extra, snap = claim
+        head, limit, extra, snap, queued = claim
         if snap.stopped or not snap.time_fed:
             return 0
         c = self.cells
@@ -315,6 +315,10 @@ class Bucket:
             head = c.load(L.HEAD)  # another interval landed first: add ours on top, same clamp
         if snap.catch_up:
             self._put_wait(extra - add + taken - catch, snap)  # unusable time now: behind schedule
+        elif add < extra and queued:  # clamped while callers queued throughout: owed to them, and lost
+            owed = min(extra - add, diff(c.load(L.TAIL), (head + add) & MASK64))
+            if owed >= snap.tpn:
+                c.fetch_add(L.LOST_NS, owed // snap.tpn)  # whole ns, rounded down: never over-counted
         if total > 0 and c.load(L.CFG_SEQ) != snap.seq:
             # The config changed between our clamp and our add: a capacity that shrank meanwhile
             # applies to our tokens too (the writer's own burn may have run before our add).

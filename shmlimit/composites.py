@@ -125,7 +125,7 @@ class CompositesFromPrimitives:
 
     def waiter(
         self, seq: int, expected: int, tail: int, head: int, repl_ts: int, snap_head: int, snap_tail: int,
-        lease: int, grants: int, waiting: Optional[int], tpn: int, cap: int, slack_ns: int,
+        lease: int, grants: int, waiting: Optional[int], tpn: int, cap: int, slack_ns: int, lost: int,
     ) -> None:
         """None: a wait loop is worth having only natively, where it sleeps without the GIL and
         without returning to Python between naps; here waiters wait in Python."""

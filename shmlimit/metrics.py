@@ -71,6 +71,12 @@ _LIMITER_METRICS = (
         lambda s: s.behind_seconds,
     ),
     (
+        "shmlimit_lost_seconds",
+        "counter",
+        "Schedule time the limiter could not credit while callers were queued (its filler and waiters starved of CPU), in seconds.",
+        lambda s: s.lost_seconds,
+    ),
+    (
         "shmlimit_processes",
         "gauge",
         "Live processes attached (listed in the process table).",

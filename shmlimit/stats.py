@@ -70,6 +70,10 @@ class Stats:
     ratio: float = 1.0  #: catch-up ratio (1.0 = off)
     behind_seconds: float = 0.0  #: the waiting pool: schedule time owed back through catch-up
     stopped: bool = False  #: paused by stop() until start()
+    #: schedule time (seconds, since creation) the limiter could not credit while callers were
+    #: queued: no replenish ran within ``capacity`` of schedule because the filler and the waiters
+    #: did not get the CPU (a starved host).  The rate fell short by this much; 0 on a healthy host.
+    lost_seconds: float = 0.0
     upstream: Optional[UpstreamStats] = None  #: hierarchical mode only
 
     @property
@@ -116,6 +120,7 @@ def snapshot(name: str, att: Attachment) -> Stats:
         ratio=cfg.ratio,
         behind_seconds=b.behind_ns() / NS_PER_S,
         stopped=b.stopped,
+        lost_seconds=c.load(L.LOST_NS) / NS_PER_S,
         upstream=_upstream_stats(att),
     )
 

@@ -16,7 +16,9 @@ import tempfile
 import textwrap
 import time
 import uuid
-from typing import Any, Callable, Dict, List, Sequence, Tuple
+from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
+
+from .starvation import RUN_DELAY_SCRIPT
 
 WORKDIR = tempfile.gettempdir()
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -41,7 +43,9 @@ def run_cli(*args: str, timeout: float = 120) -> subprocess.CompletedProcess:
 
 # ---- workers that acquire for a while and report their grant times ---------------------------
 
-WORKER = textwrap.dedent(
+# Prints its stamps on one line, then on a second line how long its threads waited runnable for a
+# CPU meanwhile (the starvation witness; null where the kernel does not say).
+WORKER = RUN_DELAY_SCRIPT + textwrap.dedent(
     """
     import json, sys, time
     import shmlimit
@@ -49,6 +53,7 @@ WORKER = textwrap.dedent(
     seconds = float(sys.argv[2])
     print("ready", flush=True)
     sys.stdin.readline()  # go
+    delay0 = run_delay()
     end = time.monotonic() + seconds
     stamps = []
     while True:
@@ -57,7 +62,9 @@ WORKER = textwrap.dedent(
         if t > end:
             break
         stamps.append(t)
+    delay1 = run_delay()
     print(json.dumps(stamps), flush=True)
+    print(json.dumps(None if delay0 is None or delay1 is None else delay1 - delay0), flush=True)
     """
 )
 
@@ -88,12 +95,20 @@ def go(procs: Sequence[subprocess.Popen]) -> None:
 
 def collect(procs: Sequence[subprocess.Popen]) -> List[List[float]]:
     """Each worker's grant times (monotonic seconds), once it finished."""
-    out = []
+    return collect_witnessed(procs)[0]
+
+
+def collect_witnessed(procs: Sequence[subprocess.Popen]) -> Tuple[List[List[float]], List[Optional[float]]]:
+    """Each WORKER's grant times, and the seconds its threads waited runnable for a CPU
+    meanwhile (``support.starvation``; None where unknown, or for another script)."""
+    out, delays = [], []
     for p in procs:
         line = p.stdout.readline()
+        witness = p.stdout.readline()
         p.wait(30)
         out.append(json.loads(line))
-    return out
+        delays.append(json.loads(witness) if witness.strip() else None)
+    return out, delays
 
 
 # ---- processes that acquire forever, or only stay attached -------------------------------------

@@ -1,0 +1,57 @@
+"""How much CPU the machine withheld: the witness that lets wall-clock lower bounds be honest.
+
+A limiter can only deliver its rate while some process of it runs: the filler
+thread, or a waiter whose ticket is due (it replenishes for itself).  On a busy
+machine every one of them may sit runnable on a run queue for tens of
+milliseconds, and time that no replenish credits within a capacity is lost by
+design ("lose a little time, never grant early").  The limiter counts what it
+lost while callers were queued (``Stats.lost_seconds``); the kernel counts how
+long each thread waited runnable for a CPU (``/proc/<pid>/task/<tid>/schedstat``,
+second field, ns).  A test then asserts its lower bound relative to the time the
+limiter lost, and that the limiter lost no more than the machine withheld: on a
+quiet machine both are ~0 and the bound is as tight as ever.
+"""
+from __future__ import annotations
+
+from typing import Iterable, Optional
+
+#: The witness as program text, for the worker scripts (they run outside the source tree and
+#: cannot import this module); this module defines ``run_delay`` from the same text.
+RUN_DELAY_SCRIPT = '''
+def run_delay(pid="self"):
+    """Seconds the threads of process ``pid`` have waited runnable for a CPU so far (the kernel's
+    schedstat, summed over its live threads); None where the kernel does not say."""
+    import os
+    total = 0
+    try:
+        for tid in os.listdir(f"/proc/{pid}/task"):
+            with open(f"/proc/{pid}/task/{tid}/schedstat") as f:
+                total += int(f.read().split()[1])
+    except (OSError, ValueError, IndexError):
+        return None
+    return total / 1e9
+'''
+exec(RUN_DELAY_SCRIPT)  # run_delay, from the very text the workers run
+
+
+def total(delays: Iterable[Optional[float]]) -> float:
+    """Several processes' run delays added up; where the kernel does not say, 0 (the strict
+    reading: the machine is presumed to have withheld nothing)."""
+    return sum(d for d in delays if d is not None and d > 0)
+
+
+def least(delays: Iterable[Optional[float]]) -> float:
+    """The least of several workers' run delays (0 where one is unknown): no worker can take a
+    grant while none of them runs, and all of them were off the CPU together at most this long."""
+    known = [d if d is not None and d > 0 else 0.0 for d in delays]
+    return min(known) if known else 0.0
+
+
+def floor(full: float, rate: float, lost: float, delays: Iterable[Optional[float]]) -> float:
+    """The fewest grants workers honestly get where ``full`` is what the rate gives on a quiet machine.
+
+    Less the time the limiter lost while they queued (its own count, ``lost`` seconds), and the
+    time none of the workers ran to take what it had credited (``least(delays)``); each is ~0
+    on a quiet machine, where the bound is ``full``.
+    """
+    return full - rate * (lost + least(delays))
