@@ -237,7 +237,7 @@ class Bucket:
             return None
         return self.cells.waiter(  # None on the atomics backend
             L.CFG_SEQ, snap.seq, L.TAIL, L.HEAD, L.REPL_TS, L.SNAP_HEAD, L.SNAP_TAIL, L.LEASE, grants, waiting,
-            snap.tpn, snap.cap, slack_ns, L.LOST_NS,
+            snap.tpn, snap.cap, slack_ns, L.STARVED_NS,
         )
 
     def covered(self, ticket: int) -> bool:
@@ -313,12 +313,12 @@ class Bucket:
             if total <= 0 or c.cas(L.HEAD, head, (head + total) & MASK64):
                 break
             head = c.load(L.HEAD)  # another interval landed first: add ours on top, same clamp
+        if add < extra and queued:  # clamped while callers queued throughout: time owed to them
+            owed = min(extra - add, diff(c.load(L.TAIL), (head + add) & MASK64))  # starved: lost or deferred
+            if owed >= snap.tpn:
+                c.fetch_add(L.STARVED_NS, owed // snap.tpn)  # whole ns, rounded down: never over-counted
         if snap.catch_up:
             self._put_wait(extra - add + taken - catch, snap)  # unusable time now: behind schedule
-        elif add < extra and queued:  # clamped while callers queued throughout: owed to them, and lost
-            owed = min(extra - add, diff(c.load(L.TAIL), (head + add) & MASK64))
-            if owed >= snap.tpn:
-                c.fetch_add(L.LOST_NS, owed // snap.tpn)  # whole ns, rounded down: never over-counted
         if total > 0 and c.load(L.CFG_SEQ) != snap.seq:
             # The config changed between our clamp and our add: a capacity that shrank meanwhile
             # applies to our tokens too (the writer's own burn may have run before our add).

@@ -12,7 +12,7 @@ filler and the process table never false-share.
     line  5  INFLIGHT  capped-release mode only: ops admitted and not yet released; then the
                        backup config bank (continued in line 7; line 2 ends with the live GEN, SUM)
     line  6  REPL_TS SNAP_HEAD SNAP_TAIL: last replenish time and the rovers read just before it;
-                       LOST_NS: schedule time the clamp dropped while callers were queued
+                       STARVED_NS: schedule time the clamp could not credit while callers queued
     line  7  LEASE     filler lease: (expiry_us << 12) | (slot + 1), 0 = free
     line  8  UNREG_GRANTS: grants of processes beyond the table
     line  9  WAIT      the waiting pool: schedule time not used while the bucket was full (catch-up)
@@ -92,10 +92,11 @@ INFLIGHT = 5 * LINE
 REPL_TS = 6 * LINE
 SNAP_HEAD = 6 * LINE + 8
 SNAP_TAIL = 6 * LINE + 16
-#: ns of schedule time a replenish could not credit (the capacity clamp) while the head was short
-#: of the tail: time owed to queued callers, lost because no replenish ran soon enough (a starved
-#: filler and starved waiters).  Only ever grows; zero in a segment written before it existed.
-LOST_NS = 6 * LINE + 24
+#: ns of schedule time a replenish could not credit (the capacity clamp) while callers queued:
+#: time owed to them that no replenish came soon enough to credit (filler and waiters starved of
+#: the CPU): lost, or with catch-up deferred to WAIT.  Only ever grows; zero in a segment written
+#: before it existed.
+STARVED_NS = 6 * LINE + 24
 
 # filler lease
 LEASE = 7 * LINE

@@ -71,10 +71,10 @@ _LIMITER_METRICS = (
         lambda s: s.behind_seconds,
     ),
     (
-        "shmlimit_lost_seconds",
+        "shmlimit_starved_seconds",
         "counter",
-        "Schedule time the limiter could not credit while callers were queued (its filler and waiters starved of CPU), in seconds.",
-        lambda s: s.lost_seconds,
+        "Schedule time the limiter could not credit while callers were queued (its filler and waiters starved of CPU): lost, or with catch-up deferred, in seconds.",
+        lambda s: s.starved_seconds,
     ),
     (
         "shmlimit_processes",

@@ -72,8 +72,9 @@ class Stats:
     stopped: bool = False  #: paused by stop() until start()
     #: schedule time (seconds, since creation) the limiter could not credit while callers were
     #: queued: no replenish ran within ``capacity`` of schedule because the filler and the waiters
-    #: did not get the CPU (a starved host).  The rate fell short by this much; 0 on a healthy host.
-    lost_seconds: float = 0.0
+    #: did not get the CPU (a starved host).  The rate fell short by this much (with catch-up, it
+    #: went to the waiting pool, ``behind_seconds``, to be paid back); 0 on a healthy host.
+    starved_seconds: float = 0.0
     upstream: Optional[UpstreamStats] = None  #: hierarchical mode only
 
     @property
@@ -120,7 +121,7 @@ def snapshot(name: str, att: Attachment) -> Stats:
         ratio=cfg.ratio,
         behind_seconds=b.behind_ns() / NS_PER_S,
         stopped=b.stopped,
-        lost_seconds=c.load(L.LOST_NS) / NS_PER_S,
+        starved_seconds=c.load(L.STARVED_NS) / NS_PER_S,
         upstream=_upstream_stats(att),
     )
 

@@ -167,7 +167,7 @@ def render(records: List[dict], interval: float) -> str:
         lines.append(f"{r['name']}  rate {rate}  capacity {r['capacity']:g}{flags}")
         lines.append(
             f"  available {r['available']:.1f}  deficiency {r['deficiency']:.1f} ops / {r['deficiency_seconds']:.4f} s"
-            f"  behind {r['behind_seconds']:.3f} s  lost {r['lost_seconds']:.3f} s  grants {r['grants']}"
+            f"  behind {r['behind_seconds']:.3f} s  starved {r['starved_seconds']:.3f} s  grants {r['grants']}"
         )
         hb = "-" if r["heartbeat_age"] is None else f"{r['heartbeat_age'] * 1000:.0f} ms"
         lines.append(

@@ -64,37 +64,37 @@ def test_replenish_adds_exactly_elapsed_and_caps_at_capacity(backend):
     assert diff(b.cells.load(L.HEAD), b.cells.load(L.TAIL)) <= b.cap
 
 
-def test_time_the_clamp_drops_while_callers_queue_is_counted_as_lost(backend):
+def test_time_the_clamp_drops_while_callers_queue_is_counted_as_starved(backend):
     b, clock = make_bucket(Config.make(1000, burst=5), backend, initial=0)
     c = b.cells
     clock.advance(20_000_000)  # idle: the bucket fills up and the rest is dropped, owed to nobody
     b.replenish()
     clock.advance(1)
     b.replenish()
-    assert b.balance() == b.cap and c.load(L.LOST_NS) == 0
+    assert b.balance() == b.cap and c.load(L.STARVED_NS) == 0
     ticket = b.grab(100 * b.cost, L.UNREG_GRANTS, 100)  # a queue 95 ms deep
     clock.advance(1_000_000)  # began with a full bucket: dropped by design, owed to nobody yet
-    assert b.replenish() == 0 and c.load(L.LOST_NS) == 0
+    assert b.replenish() == 0 and c.load(L.STARVED_NS) == 0
     clock.advance(1_000_000)  # on time: all of it credited
-    assert b.replenish() == 1_000_000 * b.tpn and c.load(L.LOST_NS) == 0
+    assert b.replenish() == 1_000_000 * b.tpn and c.load(L.STARVED_NS) == 0
     clock.advance(20_000_000)  # no replenish for 20 ms, more than a capacity: the clamp drops the rest
     added = b.replenish()
     assert 0 < added < 20_000_000 * b.tpn
-    lost = c.load(L.LOST_NS)
+    lost = c.load(L.STARVED_NS)
     assert lost == (20_000_000 * b.tpn - added) // b.tpn  # every dropped ns was owed to the queue
     assert 10_000_000 <= lost < 20_000_000
     clock.advance(1_000_000)
     b.replenish()
-    assert c.load(L.LOST_NS) == lost  # on time again: nothing more lost
+    assert c.load(L.STARVED_NS) == lost  # on time again: nothing more lost
     while b.deficiency(ticket) > 0:  # the queue served on time: nothing more lost
         clock.advance(1_000_000)
         b.replenish()
-    assert c.load(L.LOST_NS) == lost
+    assert c.load(L.STARVED_NS) == lost
     clock.advance(50_000_000)  # idle again: what the clamp drops is owed to nobody
     b.replenish()
     clock.advance(50_000_000)
     b.replenish()
-    assert b.balance() <= b.cap and c.load(L.LOST_NS) == lost
+    assert b.balance() <= b.cap and c.load(L.STARVED_NS) == lost
 
 
 def test_deficiency_and_fifo_tickets(backend):

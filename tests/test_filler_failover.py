@@ -66,7 +66,7 @@ def test_killed_filler_is_replaced_and_grants_continue(name):
     filler = wait_for(lambda: shmlimit.inspect(name).filler_pid)  # elected among them on first use
     assert filler in by_pid
     wait_for(lambda: shmlimit.inspect(name).grants >= rate)  # a second of work before the fault
-    lost0 = shmlimit.inspect(name).lost_seconds
+    lost0 = shmlimit.inspect(name).starved_seconds
     killed_at = time.monotonic()
     by_pid[filler].send_signal(signal.SIGKILL)
     by_pid[filler].wait(10)
@@ -74,7 +74,7 @@ def test_killed_filler_is_replaced_and_grants_continue(name):
     assert new
     survivors = [p for p in procs if p.pid != filler]
     results, delays = collect_witnessed(survivors)
-    lost = shmlimit.inspect(name).lost_seconds - lost0
+    lost = shmlimit.inspect(name).starved_seconds - lost0
     after = sorted(t for r in results for t in r if t > killed_at)
     after_tagged = [(t, w) for t, w in tag(results) if t > killed_at]
     assert after and after[-1] > killed_at + 1.0
@@ -171,7 +171,7 @@ def test_a_starved_filler_thread_still_holds_the_rate(name):
             them (this process may stall in between), and the processes' run delays."""
             before = time.monotonic()
             s = shmlimit.inspect(name)
-            return s.grants, s.lost_seconds, before, time.monotonic(), [run_delay(p) for p in pids]
+            return s.grants, s.starved_seconds, before, time.monotonic(), [run_delay(p) for p in pids]
 
         g0, lost0, t0a, t0b, d0 = sample()
         wait_for(lambda: time.monotonic() - t0b >= 5.0, timeout=30)

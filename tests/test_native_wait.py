@@ -27,7 +27,7 @@ pytestmark = pytest.mark.skipif(
     not native_available() or selected_backend() != "native", reason="the native wait is the native backend's"
 )
 
-ROVERS = (L.REPL_TS, L.SNAP_HEAD, L.SNAP_TAIL, L.HEAD, L.TAIL, L.LOST_NS)  # and the count of time lost
+ROVERS = (L.REPL_TS, L.SNAP_HEAD, L.SNAP_TAIL, L.HEAD, L.TAIL, L.STARVED_NS)  # and the count of time lost
 
 
 def quiet_limiter(name, clock, **kw):
@@ -87,7 +87,7 @@ def test_the_native_replenish_is_the_reference_one(limiters, which, base, queued
         L.SNAP_HEAD: (head - snap_back) & MASK64,
         L.SNAP_TAIL: (head - snap_back + snap_q) & MASK64,
         L.REPL_TS: now - elapsed,
-        L.LOST_NS: base >> 3,  # any count so far: the clamped time owed to the queue adds to it
+        L.STARVED_NS: base >> 3,  # any count so far: the clamped time owed to the queue adds to it
     }
 
     def put():

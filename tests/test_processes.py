@@ -49,7 +49,7 @@ def test_pool_workers_share_one_rate(name, method):
     cap = lim.capacity
     ctx = mp.get_context(method)
     barrier = ctx.Barrier(workers)
-    lost0 = lim.stats().lost_seconds
+    lost0 = lim.stats().starved_seconds
     with ctx.Pool(workers, initializer=_init_worker, initargs=(barrier,)) as pool:
         witnessed = pool.starmap(_grab_for, [(lim, seconds)] * workers)
     s = lim.stats()
@@ -64,7 +64,7 @@ def test_pool_workers_share_one_rate(name, method):
     # came within a capacity) and the time none of the workers ran (the kernel's count); and it
     # may lose only while the machine kept its processes off the CPU at least that long.  On a
     # quiet machine both are ~0: the rate.
-    lost, delays = s.lost_seconds - lost0, [d for _, d in witnessed]
+    lost, delays = s.starved_seconds - lost0, [d for _, d in witnessed]
     assert len(stamps) >= floor(0.97 * (rate * seconds + cap), rate, lost, delays)
     assert lost <= total(delays)
     assert s.grants >= len(stamps)
@@ -120,7 +120,7 @@ def test_independent_interpreters_share_the_rate(name):
     procs = start_workers(name, 3, seconds)
     go(procs)
     results, delays = collect_witnessed(procs)
-    lost = shmlimit.inspect(name).lost_seconds  # time the limiter could not credit (as in the pool test)
+    lost = shmlimit.inspect(name).starved_seconds  # time the limiter could not credit (as in the pool test)
     stamps = [t for r in results for t in r]
     assert all(results)
     assert max_excess(tag(results), 1.0) <= rate + cap

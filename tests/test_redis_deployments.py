@@ -119,7 +119,9 @@ def test_sentinel_url_and_a_failover_mid_run(sentinel, name):
 def test_keyed_limits_spread_over_the_cluster_slots(cluster, name):
     from shmlimit.redis_keyed import RedisKeyedLimiter
 
-    lim = RedisKeyedLimiter(name, rate=5, burst=1, url=cluster.url)
+    # 5 per minute: a key's next op accrues 12 s after its first, far beyond the 60 round trips
+    # here even on a busy machine (at 5/s, 200 ms, a loaded run's round trips took longer)
+    lim = RedisKeyedLimiter(name, rate=5, per=60, burst=1, url=cluster.url)
     users = [f"user-{i}" for i in range(30)]
     assert all(lim.try_acquire(u) for u in users)
     assert not any(lim.try_acquire(u) for u in users)  # each key's burst is spent

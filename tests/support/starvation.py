@@ -5,11 +5,12 @@ thread, or a waiter whose ticket is due (it replenishes for itself).  On a busy
 machine every one of them may sit runnable on a run queue for tens of
 milliseconds, and time that no replenish credits within a capacity is lost by
 design ("lose a little time, never grant early").  The limiter counts what it
-lost while callers were queued (``Stats.lost_seconds``); the kernel counts how
-long each thread waited runnable for a CPU (``/proc/<pid>/task/<tid>/schedstat``,
-second field, ns).  A test then asserts its lower bound relative to the time the
-limiter lost, and that the limiter lost no more than the machine withheld: on a
-quiet machine both are ~0 and the bound is as tight as ever.
+could not credit while callers were queued (``Stats.starved_seconds``); the
+kernel counts how long each thread waited runnable for a CPU
+(``/proc/<pid>/task/<tid>/schedstat``, second field, ns).  A test then asserts
+its lower bound relative to both, and that the limiter was starved no longer
+than the machine withheld the CPU from its processes: on a quiet machine both
+are ~0 and the bound is as tight as ever.
 """
 from __future__ import annotations
 
@@ -47,11 +48,26 @@ def least(delays: Iterable[Optional[float]]) -> float:
     return min(known) if known else 0.0
 
 
-def floor(full: float, rate: float, lost: float, delays: Iterable[Optional[float]]) -> float:
+def floor(full: float, rate: float, starved: float, delays: Iterable[Optional[float]]) -> float:
     """The fewest grants workers honestly get where ``full`` is what the rate gives on a quiet machine.
 
-    Less the time the limiter lost while they queued (its own count, ``lost`` seconds), and the
-    time none of the workers ran to take what it had credited (``least(delays)``); each is ~0
-    on a quiet machine, where the bound is ``full``.
+    Less the time the limiter could not credit while they queued (its own count, ``starved``
+    seconds: ``Stats.starved_seconds``), and the time none of the workers ran to take what it
+    had credited (``least(delays)``); each is ~0 on a quiet machine, where the bound is ``full``.
     """
-    return full - rate * (lost + least(delays))
+    return full - rate * (starved + least(delays))
+
+
+def assert_rate(
+    count: int, rate: float, span: float, rel: float, starved: float, delays: Iterable[Optional[float]]
+) -> None:
+    """``count`` grants in ``span`` seconds at ``rate`` ops/s, within ``rel`` of it: never more than
+    ``rate*span*(1+rel)``; no fewer than ``rate*span*(1-rel)`` less what the machine took (``floor``)."""
+    delays = list(delays)
+    high = rate * span * (1 + rel)
+    low = floor(rate * span * (1 - rel), rate, starved, delays)
+    assert count <= high, f"{count} grants in {span:.3f} s: more than {high:.1f}"
+    assert count >= low, (
+        f"{count} grants in {span:.3f} s: fewer than {low:.1f} ({rate:g}/s within {rel:g}, less "
+        f"{starved:.3f} s starved and {least(delays):.3f} s when none of the workers ran)"
+    )
