@@ -119,7 +119,7 @@ def snapshot(name: str, att: Attachment) -> Stats:
         capped=cfg.capped,
         backend=c.backend,
         ratio=cfg.ratio,
-        behind_seconds=b.behind_ns() / NS_PER_S,
+        behind_seconds=c.load(L.WAIT) / b.tpn / NS_PER_S,
         stopped=b.stopped,
         starved_seconds=c.load(L.STARVED_NS) / NS_PER_S,
         upstream=_upstream_stats(att),

@@ -93,7 +93,8 @@ class LimiterModel(RuleBasedStateMachine):
         c.store(L.VERSION_OFF, L.VERSION)
         c.store(L.SIZE_OFF, size)
         c.store(L.SLOTS_OFF, SLOTS)
-        Bucket.initialise(c, self.cfg0, self.clock())
+        self.created_ns = self.clock()
+        Bucket.initialise(c, self.cfg0, self.created_ns)
         c.store(L.MAGIC_OFF, L.MAGIC)
         c.store(L.STATE_OFF, L.STATE_READY)
         self.cells = c
@@ -389,6 +390,17 @@ class LimiterModel(RuleBasedStateMachine):
             self._observe()
         self.clock.now = end
 
+    @rule(ns=st.sampled_from([10**5, 10**6, 4 * 10**6, 10**7, 10**8]), i=procs_idx)
+    def fill_on_a_running_clock(self, ns, i):
+        """A replenish on a clock that moves between its readings, as a real one does: one that
+        adds over a quarter of the capacity claims again at once, a few ns later."""
+        self._waiters_wake_until(self.clock.now + ns)
+        self.clock.tick_ns = 3
+        try:
+            self._proc(i)._att.bucket.replenish()
+        finally:
+            self.clock.tick_ns = 0
+
     @rule(i=procs_idx)
     def stall_replenisher(self, i):
         self._waiters_wake_until(self.clock.now + 10**6)
@@ -482,6 +494,11 @@ class LimiterModel(RuleBasedStateMachine):
                 assert total <= self.max_ratio * window * self.tpn + bound_cap, (
                     f"{total} tokens granted in {window} ns: more than ratio*(T*tpn + cap)"
                 )
+
+    @invariant()
+    def starved_time_is_time(self):
+        # what the clamp could not credit while callers queued: never more than the time passed
+        assert 0 <= self.cells.load(L.STARVED_NS) <= self.clock.now - self.created_ns
 
     @invariant()
     def capped_in_flight(self):

@@ -256,8 +256,11 @@ except KeyboardInterrupt:
 
 @pytest.mark.slow
 def test_a_signal_reaches_a_native_waiter_at_once(name):
+    # SIGINT's default disposition back in the child: a run started with SIGINT ignored (a
+    # background job of a non-interactive shell) hands that on, and Python keeps it ignored
     p = subprocess.Popen(
-        [sys.executable, "-c", _INTERRUPTED, name], stdout=subprocess.PIPE, text=True, cwd=WORKDIR
+        [sys.executable, "-c", _INTERRUPTED, name], stdout=subprocess.PIPE, text=True, cwd=WORKDIR,
+        preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL),
     )
     try:
         assert p.stdout.readline().strip() == "waiting"

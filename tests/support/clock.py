@@ -11,8 +11,12 @@ class FakeClock:
 
     def __init__(self, start_ns: int = 10**12) -> None:
         self.now = start_ns
+        #: ns the clock moves on before each reading (0: still): a real clock moves between two
+        #: readings.  The last reading is always ``now``.
+        self.tick_ns = 0
 
     def __call__(self) -> int:
+        self.now += self.tick_ns
         return self.now
 
     def advance(self, ns: int) -> None:
