@@ -263,12 +263,11 @@ class Bucket:
     def claim(self) -> Optional[Tuple[int, int, int, Snapshot, bool]]:
         """First half of ``replenish``: claim ``[REPL_TS, now]`` and leave the next snapshot.
 
-        Returns ``(head, limit, tokens, snap, queued)`` for ``apply`` (``queued``: callers were
-        queued when the interval began), or None when nothing elapsed or another process
-        claimed the interval first.  The rovers are read before the clock, so the snapshot left
-        here is never newer than the instant the interval ends (invariant 3).  The config is
-        re-read first (one load when unchanged): the clamp uses the capacity in force, never one
-        cached before another process's ``set_rate``.
+        Returns ``(head, limit, tokens, snap, queued)`` for ``apply`` (``queued``: callers queued
+        when the interval began), or None when nothing elapsed or another process claimed the
+        interval first.  Rovers are read before the clock: the snapshot left here is never newer
+        than the interval's end (invariant 3).  The config is re-read first (one load when
+        unchanged): the clamp uses the capacity in force, never one cached before a ``set_rate``.
         """
         c = self.cells
         self.refresh()
@@ -317,10 +316,9 @@ class Bucket:
             if total <= 0 or c.cas(L.HEAD, head, (head + total) & MASK64):
                 break
             head = c.load(L.HEAD)  # another interval landed first: add ours on top, same clamp
-        if add < extra and queued:  # clamped while callers queued throughout: time owed to them
-            owed = min(extra - add, diff(c.load(L.TAIL), (head + add) & MASK64))  # starved: lost or deferred
-            if owed >= snap.tpn:
-                c.fetch_add(L.STARVED_NS, owed // snap.tpn)  # whole ns, rounded down: never over-counted
+        owed = min(extra - add, diff(c.load(L.TAIL), (head + add) & MASK64)) if queued and add < extra else 0
+        if owed >= snap.tpn:  # clamped while callers queued throughout: time owed them, starved (lost
+            c.fetch_add(L.STARVED_NS, owed // snap.tpn)  # or deferred); whole ns, never over-counted
         if snap.catch_up:
             self._put_wait(extra - add + taken - catch, snap)  # unusable time now: behind schedule
         if total > 0 and c.load(L.CFG_SEQ) != snap.seq:
