@@ -89,6 +89,8 @@ def check(values, types, name, child_pid):
     assert 0.9 < values[("shmlimit_deficiency_ops", name)] <= 1  # one op owed, shrinking as time passes
     assert 0 <= values[("shmlimit_filler_heartbeat_age_seconds", name)] < 5
     assert values[("shmlimit_stopped", name)] == 0
+    assert values[("shmlimit_starved_seconds_total", name)] == live.starved_seconds == 0  # a healthy host
+    assert types["shmlimit_starved_seconds"] == "counter"
     # reading never joined: only this process and the queued child are listed
     assert sorted(p.pid for p in live.processes) == sorted([os.getpid(), child_pid])
     assert _wait_for(lambda: shmlimit.inspect(name).filler_pid in (os.getpid(), child_pid))

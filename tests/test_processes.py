@@ -156,12 +156,19 @@ def test_rovers_wrapping_mid_run_change_nothing(name, base):
 
 def _create(name, barrier, q, rate):
     barrier.wait(timeout=60)
+    lim = None
     try:
         lim = shmlimit.Limiter(name, rate=rate, burst=3)
         q.put(("ok", lim.created, repr(lim.config)))
-        lim.close()
     except shmlimit.ConfigMismatchError as e:
         q.put(("mismatch", False, str(e)))
+    finally:
+        # Every creator has tried before any closes: they all overlap.  Closing at once let a
+        # creator that a busy machine started late find nobody attached and the creator gone,
+        # and adopt its own config (a redeploy, by design), where the test means a live conflict.
+        barrier.wait(timeout=60)
+        if lim is not None:
+            lim.close()
 
 
 @pytest.mark.parametrize("method", ["fork", "spawn"])

@@ -185,6 +185,10 @@ class Stampers:
         p.kill()
         p.wait()
 
+    def live(self) -> List[int]:
+        """The pids of the workers still running."""
+        return [pid for pid, (p, _) in self.procs.items() if p.poll() is None]
+
     def stop_all(self) -> None:
         for p, _ in self.procs.values():
             if p.poll() is None:

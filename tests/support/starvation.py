@@ -71,3 +71,29 @@ def assert_rate(
         f"{count} grants in {span:.3f} s: fewer than {low:.1f} ({rate:g}/s within {rel:g}, less "
         f"{starved:.3f} s starved and {least(delays):.3f} s when none of the workers ran)"
     )
+
+
+class Stalls:
+    """The run delays of a changing set of processes, sampled at chosen instants (kills, say).
+
+    Between two samples, ``candidates`` are processes any one of which can do the work (take over
+    a filler, take a grant), and ``servers`` processes that all must run (a Redis server): the time
+    the work was held up by the machine is at most the least candidate's delay plus every server's.
+    """
+
+    def __init__(self, servers: Iterable[int] = ()) -> None:
+        self.servers = list(servers)
+        self.samples: list = []
+
+    def sample(self, candidates: Iterable[int]) -> None:
+        pids = list(candidates)
+        self.samples.append(({p: run_delay(p) for p in pids}, [run_delay(p) for p in self.servers]))
+
+    def spans(self) -> list:
+        """For each span between two samples, the seconds the machine may have held the work up."""
+        out = []
+        for (c0, s0), (c1, s1) in zip(self.samples, self.samples[1:]):
+            both = [c1[p] - c0[p] for p in c0 if p in c1 and c0[p] is not None and c1[p] is not None]
+            servers = [b - a for a, b in zip(s0, s1) if a is not None and b is not None]
+            out.append(least(both) + sum(servers))
+        return out
