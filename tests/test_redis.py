@@ -11,8 +11,8 @@ import pytest
 
 import shmlimit
 from support.clock import FakeClock
-from support.procs import STAMPER, WORKER, Stampers, collect, go, run_cli, start_workers, wait_for
-from support.starvation import Stalls
+from support.procs import STAMPER, WORKER, Stampers, collect, collect_witnessed, go, run_cli, start_workers, wait_for
+from support.starvation import Stalls, run_delay
 from support.windows import max_excess, max_gap, tag
 
 
@@ -109,10 +109,15 @@ def test_acquire_async_and_throttle(R, redis_server, name):
             assert await lim.acquire_async()
         async with lim:
             pass
-        return time.monotonic() - t0
+        return t0, time.monotonic()
 
-    assert asyncio.run(main()) >= 5 / 20 - 0.005
-    assert asyncio.run(main()) >= 6 / 20 - 0.005  # a second event loop gets its own connection
+    t0, end1 = asyncio.run(main())
+    assert end1 - t0 >= 5 / 20 - 0.005
+    # A second event loop gets its own connection, and its six grants come 50 ms apart after the
+    # first loop's last: measured from that grant, not from the second loop's start (a busy
+    # machine may start it late, and the one op of burst accrues meanwhile, by the promise)
+    _, end2 = asyncio.run(main())
+    assert end2 - end1 >= 6 / 20 - 0.005
 
     calls = []
 
@@ -427,16 +432,22 @@ def test_low_rate_is_delivered_in_full_by_reservations(R, redis_server, name):
     lim = shmlimit.Limiter(f"{name}-h", upstream=glob)
     try:
         procs = start_workers(f"{name}-h", 3, seconds, configured(WORKER, name, redis_server.url, rate, glob.capacity))
+        server0 = run_delay(redis_server.proc.pid)
         go(procs)
-        results = collect(procs)
+        results, delays = collect_witnessed(procs)
+        server1 = run_delay(redis_server.proc.pid)
         up = lim.stats().upstream
     finally:
         lim.close()
         shmlimit.unlink(f"{name}-h")
     stamps = sorted(t for r in results for t in r)
     steady = [t for t in stamps if t > stamps[0] + 0.5]
-    achieved = (len(steady) - 1) / (steady[-1] - steady[0])
-    assert achieved >= 0.95 * rate
+    span = steady[-1] - steady[0]
+    # the rate, but for the time the machine kept the filler (in one of the workers: off the CPU
+    # at most the longest of their delays) or the server off the CPU (support.starvation)
+    held_up = max([d for d in delays if d is not None], default=0.0) + (
+        server1 - server0 if server0 is not None and server1 is not None else 0.0)
+    assert len(steady) - 1 >= 0.95 * rate * span - rate * held_up
     # above, the promise is the window bound (the rate from stamps is jittered by late wake-ups)
     assert max_excess(tag(results), 1.0) <= rate * (1.0 + 0.1 + 0.05) + glob.capacity
     assert up.leases <= up.round_trips <= up.leases + up.refused + 5  # one round trip per lease
