@@ -1595,7 +1595,8 @@ native_sleep_until(PyObject *mod, PyObject *const *args, Py_ssize_t n)
  * the duration of the call.  wait answers an int: bit 0 (WAIT_GRANTED) granted and counted; else the caller continues in
  * Python; bit 1 (WAIT_NUDGE) we replenished and the filler lease is free or expired (the caller
  * nudges its filler); bit 2 (WAIT_BURN) our add raced a config change (the caller burns).
- * replenish(now_ns) is the same replenish at a given clock reading, for tests.
+ * replenish(now_ns) is the same replenish at a given clock reading, for tests; refill() is it now,
+ * for the filler's ticks.
  * Every word is touched here with sequentially consistent atomics, like everything in cells.
  */
 #ifdef __linux__
@@ -1852,6 +1853,19 @@ waiter_replenish_at(Waiter *self, PyObject *arg)
     return Py_BuildValue("(KO)", (unsigned long long)added, burn ? Py_True : Py_False);
 }
 
+/* refill() -> (tokens added, burn): Bucket.replenish now, the clock read after the words as in
+ * wait() -- a filler's tick in one call. */
+static PyObject *
+waiter_refill(Waiter *self, PyObject *unused)
+{
+    (void)unused;
+    if (!check_open(self->cells))
+        return NULL;
+    int burn = 0;
+    uint64_t added = waiter_replenish(self, 0, &burn);
+    return Py_BuildValue("(KO)", (unsigned long long)added, burn ? Py_True : Py_False);
+}
+
 static void
 waiter_dealloc(Waiter *self)
 {
@@ -1864,6 +1878,8 @@ static PyMethodDef waiter_methods[] = {
      "wait(ticket, ops, until_ns, count_waiting) -> flags: 1 granted (ops counted), 2 nudge the filler, 4 burn"},
     {"replenish", (PyCFunction)waiter_replenish_at, METH_O,
      "replenish(now_ns) -> (tokens added, burn): Bucket.replenish at that clock reading"},
+    {"refill", (PyCFunction)waiter_refill, METH_NOARGS,
+     "refill() -> (tokens added, burn): Bucket.replenish now (the clock read after the words)"},
     {NULL, NULL, 0, NULL},
 };
 

@@ -18,9 +18,10 @@ from __future__ import annotations
 
 import threading
 import time
-from typing import TYPE_CHECKING, Callable, Optional, Protocol
+from typing import TYPE_CHECKING, Any, Callable, Optional, Protocol, Tuple
 
 from . import layout as L
+from .bucket import diff
 
 if TYPE_CHECKING:  # pragma: no cover
     from .bucket import Bucket
@@ -35,6 +36,10 @@ FILL_PERIOD = 0.001
 #: ... about twice per op for slower limits, and no less often than this (seconds).  A fill
 #: that finds nothing to do (bucket full, nobody grabbing) doubles the pause up to this too.
 MAX_FILL_PERIOD = 0.020
+#: While callers queue, each waiter refills at its own ticket's turn (the lazy refill), so a
+#: filler that sees the head keep the rate without it backs off to ``MAX_FILL_PERIOD``; after
+#: a refill that lost time to the capacity clamp it backs off at most half as far this long (seconds).
+PACE_HOLD = 1.0
 #: Watchers look at the lease this often (seconds).  They need not hurry: a waiter that finds
 #: the filler late replenishes for itself and nudges its own process's watcher (``nudge``).
 WATCH_PERIOD = 0.5
@@ -128,20 +133,95 @@ FeedFactory = Callable[["Bucket", Lease], Feed]
 
 
 class ClockFeed:
-    """Replenish from the clock: about 1 kHz, about twice per op for slow limits, slower when idle."""
+    """Replenish from the clock: about 1 kHz, about twice per op for slow limits, slower when idle
+    or while queued callers keep the pace by refilling at their own turns."""
 
     def __init__(self, bucket: "Bucket", lease: Lease) -> None:
         self.bucket = bucket
         self.idle = FILL_PERIOD
+        self.mark: Optional[Tuple[int, int, bool]] = None  # (REPL_TS, HEAD, queued) after our last tick
+        self.ceiling = MAX_FILL_PERIOD  # the longest pause under a queue, halved after a loss ...
+        self.hold_until = 0  # ... until this instant (clock ns)
+        self.native: Any = None  # the native refill bound to the config numbered native_seq
+        self.native_seq: Optional[int] = None
+
+    def refill(self) -> int:
+        """``Bucket.replenish``, as one native call where the bucket has one for its config (the
+        native wait's refill, word for word: fed by the clock, not stopped, no catch-up, not
+        capped), which makes a tick cheap; the tokens added."""
+        b = self.bucket
+        snap = b.snap
+        if self.native_seq != snap.seq:
+            self.native_seq = snap.seq
+            # bound like a waiter, but only ever refilling: it counts no grant and no waiter
+            real_clock = b.clock is time.monotonic_ns
+            self.native = b.waiter(snap, L.UNREG_GRANTS, None, 1) if real_clock else None
+        if self.native is None:
+            return b.replenish()
+        added, burn = self.native.refill()
+        if burn:  # our add raced a config change: the capacity in force applies (as Bucket.apply)
+            b.refresh()
+            b.burn(keep=b.cap + b.burst_pool)
+        return added
 
     def tick(self) -> float:
         b = self.bucket
         period = min(MAX_FILL_PERIOD, max(FILL_PERIOD, b.cost / b.tpn / 2e9))
-        if b.replenish() > 0 or b.balance() < b.cap:
-            self.idle = period
+        before = b.refilled()[0]
+        added = self.refill()
+        balance = b.balance()
+        ts, head = b.refilled()
+        mark, self.mark = self.mark, (ts, head, balance < 0)
+        if balance < 0:
+            self.idle = self.queued(period, before, mark)
         else:
-            self.idle = min(MAX_FILL_PERIOD, self.idle * 2)
+            self.lost(period, mark, balance)
+            if added > 0 or balance < b.cap:
+                self.idle = period
+            else:
+                self.idle = min(MAX_FILL_PERIOD, self.idle * 2)
         return self.idle
+
+    def lost(self, period: float, mark: Optional[Tuple[int, int, bool]], balance: int) -> bool:
+        """Did the refills since our last tick, made under a queue, lose time to the capacity clamp?
+
+        The head then gained fewer tokens than the time refilled since.  (A bucket
+        that filled up meanwhile drops time by design: not a loss.)  A loss while we
+        had backed off halves the longest pause for ``PACE_HOLD`` seconds."""
+        b = self.bucket
+        ts, head, _ = self.mark  # type: ignore[misc]
+        if mark is None or not mark[2] or balance >= b.cap or diff(head, mark[1]) >= (ts - mark[0]) * b.tpn:
+            return False
+        if self.idle > period:  # we had backed off (at our pace, it is a drained burst's)
+            self.ceiling = max(period, self.idle / 2)
+            self.hold_until = ts + int(PACE_HOLD * 1e9)
+        return True
+
+    def queued(self, period: float, before: int, mark: Optional[Tuple[int, int, bool]]) -> float:
+        """The pause while callers queue (the head behind the tail after our refill).
+
+        A waiter refills when its ticket is due, so one-op tickets refill the
+        bucket once per op.  The clamp lets two consecutive refills add at most
+        one capacity; with a capacity of three ops or more (two, and a third to
+        spare for late waiters), the waiters' own refills then turn every
+        nanosecond into tokens and ours add nothing they need, so we back off (doubling up to ``MAX_FILL_PERIOD``) while
+        we see exactly that: someone else refilled since our last tick, and the
+        head gained every token of the time refilled since.  Anything else
+        (reservations or debt nobody refills for, a capacity under three ops,
+        time lost to the clamp, a stop) keeps a pace that alone keeps the rate:
+        every two consecutive refills within one capacity, with a third to spare.
+        Pacing only decides when the filler looks: the bound is the refill's.
+        """
+        b = self.bucket
+        period = min(period, max(FILL_PERIOD, b.cap / b.tpn / 3e9))
+        ts = self.mark[0]  # type: ignore[index]
+        if ts >= self.hold_until:
+            self.ceiling = MAX_FILL_PERIOD
+        if self.lost(period, mark, -1) or mark is None or not mark[2]:
+            return period
+        if before == mark[0] or b.cap < 3 * b.cost:  # nobody else refilled, or they could not alone
+            return period
+        return min(self.ceiling, max(period, self.idle * 2))
 
     def close(self) -> None:
         pass

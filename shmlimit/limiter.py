@@ -286,8 +286,9 @@ class Limiter:
                 ticket = grab(timeout)
                 if ticket is False or ticket is True:  # refused first: a flood is mostly refusals
                     return ticket
-            if ticket is not False and ticket is not None:
-                return wait_for_ticket(self._live(), ticket, self._fast_tokens(grab))
+            if ticket is not False and ticket is not None:  # a fast path exists only for a live attachment
+                att = self._att
+                return wait_for_ticket(att if att is not None else self._live(), ticket, self._fast_tokens(grab))
         return drive(Request(self._live(), n, timeout))
 
     def _fast_tokens(self, grab: Any) -> int:

@@ -1,0 +1,156 @@
+"""The filler's pace while callers queue, on a fake clock (no test here sleeps).
+
+Queued waiters refill the bucket at their own turns, so a filler that sees the
+head keep the rate without it backs off (`ClockFeed.queued`).  These tests run
+the filler's ticks and the waiters' turns as events on one injected clock and
+check the two sides of that: it does back off when waiters keep the pace, and
+no schedule it backs off on loses more than a sliver of time to the capacity
+clamp -- tickets nobody refills for, tickets of many ops, a capacity under three ops.
+"""
+import heapq
+
+import pytest
+
+import shmlimit
+from shmlimit import filler as F
+from shmlimit import layout as L
+from support.clock import FakeClock
+
+RETRY_NS = 20_000  # a due waiter still short looks again this much later (acquisition.RETRY_NS)
+
+
+def simulate(name, rate, seconds, waiters=8, ops=1, burst=None, refill=True, late_ns=30_000, stop_refilling=None):
+    """Run ``waiters`` callers saturating ``rate`` with the filler's ClockFeed for ``seconds`` of fake time.
+
+    Each waiter holds one ticket of ``ops`` ops, wakes 1 ns after its due instant
+    and, if still short, refills (``refill``: as the drivers do; without it the
+    tickets are like reservations, which nobody refills for) and looks again at
+    its new due instant; after ``stop_refilling`` seconds they stop refilling.  The filler ticks out of phase with the waiters and ``late_ns``
+    after each pause it asks for, as a thread's sleeps end.  Returns (grants, the filler's
+    pauses in seconds, the feed).
+    """
+    clock = FakeClock()
+    kw = {} if burst is None else {"burst": burst}
+    lim = shmlimit.Limiter(name, rate=rate, clock=clock, **kw)  # opening starts no filler thread
+    try:
+        b = lim._att.bucket
+        feed = F.ClockFeed(b, None)
+        tokens = b.cost * ops
+        end = clock.now + int(seconds * 1e9)
+        stop = end if stop_refilling is None else clock.now + int(stop_refilling * 1e9)
+        grants = 0
+        events = [(clock.now + 370_000, 0, -1)]  # (when, order, who): who -1 is the filler
+        tickets = {}
+
+        def take(w):
+            nonlocal grants
+            while True:
+                t = b.grab(tokens, L.UNREG_GRANTS, ops)
+                if t is not None:
+                    tickets[w] = t
+                    return
+                grants += ops  # granted at once (the bucket's burst)
+
+        for w in range(waiters):
+            take(w)
+            heapq.heappush(events, (int(b.due_ns(tickets[w])) + 1, w + 1, w))
+        pauses = []
+        while events:
+            when, order, who = heapq.heappop(events)
+            if when > end:
+                break
+            clock.advance(max(0, when - clock.now))
+            if who < 0:
+                pause = feed.tick()
+                pauses.append(pause)
+                heapq.heappush(events, (clock.now + int(pause * 1e9) + late_ns, order, -1))
+                continue
+            if not b.covered(tickets[who]) and refill and clock.now < stop:
+                b.replenish()
+            if b.covered(tickets[who]):
+                grants += ops
+                take(who)
+                due = int(b.due_ns(tickets[who])) + 1
+            else:
+                due = max(int(b.due_ns(tickets[who])) + 1, clock.now + RETRY_NS)
+            heapq.heappush(events, (max(due, clock.now + 1), order, who))
+        return grants, pauses, feed
+    finally:
+        lim.close()
+
+
+def owed(rate, seconds, burst_ops):
+    """The grants a saturated limiter makes in ``seconds``: its burst, then the rate."""
+    return burst_ops + rate * seconds
+
+
+def test_the_filler_backs_off_while_waiters_keep_the_pace_and_no_time_is_lost(name):
+    grants, pauses, feed = simulate(name, rate=1000, seconds=5.0)
+    # the head kept the rate (8 tickets still held at the end are not counted)
+    assert owed(1000, 5.0, 10) - 8 - 1 <= grants <= owed(1000, 5.0, 10)
+    # after a few doublings the filler looks only every MAX_FILL_PERIOD: ~250 ticks, not ~5000
+    assert pauses[-1] == F.MAX_FILL_PERIOD
+    assert len(pauses) < 400
+    assert feed.hold_until == 0  # it never saw time lost
+
+
+def test_tickets_nobody_refills_for_keep_the_filler_at_its_pace(name):
+    # reservations, debt: only the filler refills, so it must keep every two refills within a capacity
+    grants, pauses, feed = simulate(name, rate=1000, seconds=2.0, refill=False)
+    assert owed(1000, 2.0, 10) - 8 - 1 <= grants <= owed(1000, 2.0, 10)
+    assert max(pauses[5:]) <= F.FILL_PERIOD
+
+
+@pytest.mark.parametrize("rate, burst", [(50, None), (200, None), (1000, 1.5), (1000, 2.5)])
+def test_a_capacity_under_three_ops_never_lets_the_filler_back_off(name, rate, burst):
+    # one-op tickets one op apart leave two consecutive waiters' refills two ops apart: a capacity
+    # under three ops leaves late waiters no room
+    grants, pauses, feed = simulate(name, rate=rate, seconds=4.0, burst=burst)
+    cap_s = feed.bucket.cap / feed.bucket.tpn / 1e9  # the capacity in seconds of schedule
+    assert cap_s * rate < 3
+    assert max(pauses[5:]) <= max(F.FILL_PERIOD, cap_s / 3) + 1e-9
+    assert grants >= rate * 4.0 * 0.99
+
+
+def test_tickets_of_many_ops_keep_their_pace(name):
+    # 8-op tickets are 8 ms apart at 1000/s, more than half the 10 ms capacity: the waiters'
+    # own refills could not keep the rate alone, and nothing is lost
+    grants, pauses, feed = simulate(name, rate=1000, seconds=5.0, ops=8)
+    assert owed(1000, 5.0, 10) - 8 * 8 - 8 <= grants <= owed(1000, 5.0, 10)
+
+
+def test_a_pace_lost_while_backed_off_costs_one_pause_and_is_not_tried_again_at_once(name):
+    # waiters keep the pace, the filler backs off to 20 ms; then nobody else refills (the
+    # callers became reservations): 20 ms pauses under a 10 ms capacity lose time, once
+    grants, pauses, feed = simulate(name, rate=1000, seconds=2.0, stop_refilling=1.5)
+    assert F.MAX_FILL_PERIOD in pauses
+    assert feed.ceiling <= F.MAX_FILL_PERIOD / 2 and feed.hold_until > 0
+    assert max(pauses[-100:]) <= F.FILL_PERIOD  # back at its pace: only the filler refills now
+    # the loss: at most one capacity of schedule (10 ops)
+    assert owed(1000, 2.0, 10) - 10 - 8 - 1 <= grants <= owed(1000, 2.0, 10)
+
+
+def test_the_filler_refills_in_one_native_call_bound_to_the_config_in_force(name):
+    lim = shmlimit.Limiter(name, rate=1000)  # the real clock; opening starts no filler thread
+    try:
+        b = lim._att.bucket
+        feed = F.ClockFeed(b, None)
+        native = b.waiter(b.snap, L.UNREG_GRANTS, None, 1) is not None  # the native backend's
+        assert b.grab(b.cap + 5 * b.cost, L.UNREG_GRANTS, 1) is not None  # a queue
+        ts0, head0 = b.refilled()
+        added = feed.refill()
+        ts1, head1 = b.refilled()
+        assert (feed.native is not None) == native
+        assert ts1 > ts0 and added == head1 - head0 and 0 <= added <= (ts1 - ts0) * b.tpn
+        seq = b.snap.seq
+        lim.set_rate(500)  # a new config: the next refill binds to it (or refills in Python)
+        b.refresh()
+        feed.refill()
+        assert feed.native_seq == b.snap.seq != seq
+        assert (feed.native is not None) == native
+        lim.stop()  # stopped: no native refill is made for it, and the Python one adds nothing
+        b.refresh()
+        ts0, head0 = b.refilled()
+        assert feed.refill() == 0 and feed.native is None and b.refilled()[1] == head0
+    finally:
+        lim.close()
