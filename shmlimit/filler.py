@@ -208,12 +208,11 @@ class ClockFeed:
         we see exactly that: someone else refilled since our last tick, and the
         head gained every token of the time refilled since.  Anything else
         (reservations or debt nobody refills for, a capacity under three ops,
-        time lost to the clamp, a stop) keeps a pace that alone keeps the rate:
-        every two consecutive refills within one capacity, with a third to spare.
+        time lost to the clamp, a stop) keeps the usual pace, which alone keeps
+        the rate: at most half an op, and at most a millisecond for fast limits.
         Pacing only decides when the filler looks: the bound is the refill's.
         """
         b = self.bucket
-        period = min(period, max(FILL_PERIOD, b.cap / b.tpn / 3e9))
         ts = self.mark[0]  # type: ignore[index]
         if ts >= self.hold_until:
             self.ceiling = MAX_FILL_PERIOD
