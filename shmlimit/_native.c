@@ -1570,6 +1570,46 @@ native_sleep_until(PyObject *mod, PyObject *const *args, Py_ssize_t n)
     Py_RETURN_NONE;
 }
 
+/* timerfd() -> fd and timerfd_arm(fd, deadline_ns) (Linux): a CLOCK_MONOTONIC timerfd
+ * (non-blocking, close-on-exec), armed at an absolute deadline (0 disarms).  An event loop
+ * watches it to wake a coroutine at that instant (sleep.sleep_until_async): a timerfd's kernel
+ * timer has no slack, and its readiness wakes the loop's selector whatever the selector's own
+ * millisecond timeout. */
+#ifdef __linux__
+#include <sys/timerfd.h>
+
+static PyObject *
+native_timerfd(PyObject *mod, PyObject *unused)
+{
+    (void)mod;
+    (void)unused;
+    int fd = timerfd_create(CLOCK_MONOTONIC, TFD_NONBLOCK | TFD_CLOEXEC);
+    if (fd < 0)
+        return PyErr_SetFromErrno(PyExc_OSError);
+    return PyLong_FromLong(fd);
+}
+
+static PyObject *
+native_timerfd_arm(PyObject *mod, PyObject *const *args, Py_ssize_t n)
+{
+    (void)mod;
+    if (!nargs(n, 2, "timerfd_arm"))
+        return NULL;
+    int fd = PyLong_AsLong(args[0]);
+    long long deadline = PyLong_AsLongLong(args[1]);
+    if ((fd == -1 || deadline == -1) && PyErr_Occurred())
+        return NULL;
+    if (fd < 0 || deadline < 0) {
+        PyErr_SetString(PyExc_ValueError, "timerfd_arm: fd and deadline_ns must be >= 0");
+        return NULL;
+    }
+    struct itimerspec its = {{0, 0}, {(time_t)(deadline / 1000000000), (long)(deadline % 1000000000)}};
+    if (timerfd_settime(fd, TFD_TIMER_ABSTIME, &its, NULL) != 0)
+        return PyErr_SetFromErrno(PyExc_OSError);
+    Py_RETURN_NONE;
+}
+#endif
+
 /* ======================================================================================
  * WAITER: a queued caller's whole wait in one call, without the GIL
  * ======================================================================================
@@ -1976,6 +2016,12 @@ static PyMethodDef native_functions[] = {
      "sleep_until(deadline_ns, slack_ns): sleep to a CLOCK_MONOTONIC deadline with a low timer slack"},
     {"multi_gate", (PyCFunction)(void (*)(void))native_multi_gate, METH_FASTCALL,
      "multi_gate(gates, caps, decide, names) -> a MultiGate: one try over several rates, all or nothing"},
+#ifdef __linux__
+    {"timerfd", (PyCFunction)native_timerfd, METH_NOARGS,
+     "timerfd() -> fd: a CLOCK_MONOTONIC timerfd, non-blocking, close-on-exec"},
+    {"timerfd_arm", (PyCFunction)(void (*)(void))native_timerfd_arm, METH_FASTCALL,
+     "timerfd_arm(fd, deadline_ns): arm at an absolute CLOCK_MONOTONIC instant (0 disarms)"},
+#endif
     {NULL, NULL, 0, NULL},
 };
 

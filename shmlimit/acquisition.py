@@ -41,6 +41,7 @@ import time
 from typing import TYPE_CHECKING, Any, Callable, Optional, Protocol, Union
 
 from .config import NS_PER_S, validate_n, validate_timeout
+from .sleep import sleep_until_async
 
 if TYPE_CHECKING:  # pragma: no cover
     from .attachment import Attachment
@@ -270,7 +271,7 @@ class Request:
             return (self.wake_ns - now) / NS_PER_S
         # our turn (or no clock to tell): replenishing adds whatever time has passed (the lazy
         # refill: nothing waits for the filler)
-        if b.replenish() > 0:
+        if refill(att) > 0:
             att.nudge_filler()  # we did the filler's work: make sure a filler runs
             if b.covered(ticket):
                 return self._grant_ticket()
@@ -397,6 +398,21 @@ def drive(req: Steps) -> bool:
         req.end()
 
 
+def refill(att: "Attachment") -> int:
+    """``Bucket.replenish``; as one native call where the native wait has one for the config in
+    force (its refill, word for word).  One call leaves no gap between claiming an interval and
+    adding its tokens: a Python refill preempted there, while other processes refill, finds its
+    add clamped against their tokens and loses its time.  The tokens added."""
+    b = att.bucket
+    waiter = att.fast[3] if att.fast_seq == b.seq else None
+    if waiter is None:
+        return b.replenish()
+    added, burn = waiter.refill()
+    if burn:
+        after_native_wait(att, WAIT_BURN)
+    return added
+
+
 def after_native_wait(att: "Attachment", rc: int) -> None:
     """What a native wait's flags ask of Python: nudge the filler, burn to the capacity in force."""
     if rc & WAIT_NUDGE:
@@ -446,16 +462,21 @@ def sleep_until() -> Callable[[int], None]:
 
 
 async def drive_async(req: Steps) -> bool:
-    """Run ``req`` to its end on the event loop, awaiting ``asyncio.sleep`` between steps (never spinning).
+    """Run ``req`` to its end on the event loop, awaiting between steps (never spinning).
 
-    A wait for a ticket's turn is timed to its instant (``wake_ns``), measured
-    when the sleep starts, with no floor: the loop's own timer granularity (the
-    selector's timeout is whole milliseconds on Linux) is then all it is late by.
+    A wait for a turn (``wake_ns`` set) awaits that instant on the loop's timerfd
+    (``sleep.sleep_until_async``): ``asyncio.sleep`` would end up to a millisecond
+    late, the selector's timeout being whole milliseconds.  With an injected
+    clock it is ``asyncio.sleep`` of the time left, as is every other nap.
     """
+    att = getattr(req, "att", None)  # a Request's; a MultiRequest's clock is its attachments'
+    real = (att.clock if att is not None else req.clock) is time.monotonic_ns
     try:
         step = req.begin()
         while step is not True and step is not False:
-            if req.wake_ns is not None:
+            if req.wake_ns is not None and real:
+                await sleep_until_async(req.wake_ns)  # to its instant, not the selector's next ms
+            elif req.wake_ns is not None:
                 await asyncio.sleep(max(0, req.wake_ns - req.clock()) / NS_PER_S)
             else:
                 await asyncio.sleep(max(step, MIN_NAP))
@@ -477,7 +498,7 @@ def take_now(att: "Attachment", n: int, tokens: int) -> bool:
     if att.opened():  # the "open" fallback: no limit
         att.count(n)
         return True
-    return b.replenish() > 0 and b.try_grab(tokens, att.grants_off, n)
+    return refill(att) > 0 and b.try_grab(tokens, att.grants_off, n)
 
 
 def ticket_within(b: "Bucket", tokens: int, max_wait_ns: float) -> Optional[int]:
@@ -540,7 +561,7 @@ def reserve(att: "Attachment", n: int, max_wait: Optional[float]) -> Optional[fl
     # Replenish just before reading the head and its time: a replenish by another process
     # landing between the two reads makes the answer late by its interval, which is now
     # only as long as the time since ours.
-    b.replenish()
+    refill(att)
     return max(0.0, b.due_ns(ticket) - att.clock()) / NS_PER_S
 
 

@@ -12,12 +12,25 @@ and sleeps to an absolute ``CLOCK_MONOTONIC`` deadline.
 With the native extension this is one C call without the GIL
 (``clock_nanosleep(TIMER_ABSTIME)``); on the ``atomics`` backend the slack is
 set through libc with ctypes around ``time.sleep``.
+
+On an event loop (``sleep_until_async``) a timed ``asyncio.sleep`` ends late by
+up to a millisecond: the selector's timeout is whole milliseconds, rounded up.
+So a waiter awaits a ``timerfd`` instead (Linux, through libc): armed at the
+absolute ``CLOCK_MONOTONIC`` deadline, it becomes readable at that instant,
+which wakes the loop's selector whatever its own timeout; a kernel timer of a
+timerfd has no slack.  One timerfd per loop, watched once, armed at the
+earliest deadline of the coroutines waiting on it.  Elsewhere, or on a loop
+without ``add_reader``, it is ``asyncio.sleep``.
 """
 from __future__ import annotations
 
+import asyncio
+import heapq
+import os
 import sys
 import time
-from typing import Any, Callable, Optional
+import weakref
+from typing import Any, Callable, List, Optional
 
 from .cells import native_available, selected_backend
 
@@ -70,3 +83,135 @@ def sleeper() -> Callable[..., None]:
 
         return sleep_until
     return _sleep_until_py
+
+
+# ---- on an event loop: a timerfd per waiting coroutine ------------------------------------------
+
+_TFD_TIMER_ABSTIME = 1
+_TFD_NONBLOCK = os.O_NONBLOCK
+_TFD_CLOEXEC = os.O_CLOEXEC
+_CLOCK_MONOTONIC = 1
+
+_timerfd: Optional[Any] = None
+
+
+def _load_timerfd() -> Optional[Any]:
+    """``(create, arm)``: the extension's, else libc's through ctypes; None where there is none."""
+    global _timerfd
+    if _timerfd is None:
+        _timerfd = False
+        if selected_backend() == "native" and native_available():
+            from . import _native
+
+            if hasattr(_native, "timerfd_arm"):
+                _timerfd = (lambda clock, flags: _native.timerfd(), _native.timerfd_arm)
+        if not _timerfd and sys.platform.startswith("linux"):
+            try:
+                import ctypes
+
+                libc = ctypes.CDLL(None, use_errno=True)
+                create = libc.timerfd_create
+                create.restype = ctypes.c_int
+                create.argtypes = [ctypes.c_int, ctypes.c_int]
+                settime = libc.timerfd_settime
+                settime.restype = ctypes.c_int
+                settime.argtypes = [ctypes.c_int, ctypes.c_int, ctypes.c_void_p, ctypes.c_void_p]
+                spec = (ctypes.c_long * 4)()  # struct itimerspec: interval (0), then the value
+
+                def arm(fd: int, deadline_ns: int) -> None:
+                    spec[2], spec[3] = divmod(deadline_ns, 1_000_000_000)  # 0, 0 disarms
+                    if settime(fd, _TFD_TIMER_ABSTIME, ctypes.addressof(spec), None) != 0:
+                        raise OSError(ctypes.get_errno(), "timerfd_settime")
+
+                _timerfd = (create, arm)
+            except (OSError, AttributeError):  # pragma: no cover - a libc without timerfd
+                pass
+    return _timerfd or None
+
+
+class _LoopTimer:
+    """One event loop's timerfd, watched by that loop once: it wakes every coroutine whose
+    deadline has come, then is armed at the earliest deadline left (ours alone call it)."""
+
+    def __init__(self, loop: asyncio.AbstractEventLoop, fd: int, arm: Callable[[int, int], None]) -> None:
+        self.fd = fd
+        self.arm = arm
+        self.armed = 0  # the deadline the timerfd is armed at (0: not armed)
+        self.heap: List[Any] = []  # (deadline_ns, seq, future)
+        self.seq = 0
+        self.pid = os.getpid()
+        loop.add_reader(fd, self.fired)
+        weakref.finalize(loop, _close_fd, fd, self.pid)
+
+    def wait(self, loop: asyncio.AbstractEventLoop, deadline_ns: int) -> "asyncio.Future[None]":
+        fut = loop.create_future()
+        self.seq += 1
+        heapq.heappush(self.heap, (deadline_ns, self.seq, fut))
+        if not self.armed or deadline_ns < self.armed:
+            self.arm(self.fd, deadline_ns)
+            self.armed = deadline_ns
+        return fut
+
+    def fired(self) -> None:
+        try:
+            os.read(self.fd, 8)
+        except BlockingIOError:  # re-armed later after it fired: nothing to read yet
+            pass
+        now = time.monotonic_ns()
+        heap = self.heap
+        while heap and (heap[0][0] <= now or heap[0][2].done()):
+            fut = heapq.heappop(heap)[2]
+            if not fut.done():
+                fut.set_result(None)
+        self.armed = heap[0][0] if heap else 0
+        self.arm(self.fd, self.armed)  # the next deadline, or 0: disarmed
+
+
+def _close_fd(fd: int, pid: int) -> None:
+    if os.getpid() == pid:
+        try:
+            os.close(fd)
+        except OSError:  # pragma: no cover
+            pass
+
+
+#: Each event loop's timer, made at its first precise wait (weakly: a closed loop takes it along).
+_timers: "weakref.WeakKeyDictionary[asyncio.AbstractEventLoop, Optional[_LoopTimer]]" = weakref.WeakKeyDictionary()
+
+
+def _loop_timer(loop: asyncio.AbstractEventLoop) -> Optional[_LoopTimer]:
+    t = _timers.get(loop, False)
+    if t is not False and (t is None or t.pid == os.getpid()):
+        return t
+    timer = None
+    timerfd = _load_timerfd()
+    if timerfd is not None:
+        create, arm = timerfd
+        try:
+            fd = create(_CLOCK_MONOTONIC, _TFD_NONBLOCK | _TFD_CLOEXEC)
+        except OSError:  # out of descriptors: the coarse sleep, which never ends early either
+            fd = -1
+        if fd >= 0:
+            try:
+                timer = _LoopTimer(loop, fd, arm)
+            except (NotImplementedError, OSError):  # a loop that cannot watch descriptors
+                os.close(fd)
+    _timers[loop] = timer
+    return timer
+
+
+async def sleep_until_async(deadline_ns: int) -> None:
+    """Await, on the running loop, until ``CLOCK_MONOTONIC`` (``time.monotonic_ns``) reaches ``deadline_ns``.
+
+    Never returns early; late by the loop's own latency rather than its
+    millisecond timeout (see the module's docstring).  Cancellable.
+    """
+    left = deadline_ns - time.monotonic_ns()
+    if left <= 0:
+        return
+    loop = asyncio.get_running_loop()
+    timer = _loop_timer(loop)
+    if timer is None:
+        await asyncio.sleep(left / 1e9)
+        return
+    await timer.wait(loop, deadline_ns)

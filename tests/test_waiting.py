@@ -1,5 +1,7 @@
 """Waiting for a ticket: a precise sleep to the moment it is due, and one wake-up per turn.
 (How cheap and how late is measured by tools/bench.py.)"""
+import asyncio
+import gc
 import multiprocessing as mp
 import os
 import sys
@@ -106,3 +108,98 @@ def test_a_waiter_wakes_about_once_per_turn(name):
     assert grants >= 400  # they were saturating
     # one sleep per grant, plus a retry now and then when another process's replenish was in flight
     assert wakes <= 2 * grants, (wakes, grants)
+
+
+# ---- on an event loop: a timerfd armed at the instant, not the selector's millisecond ---------------
+
+
+def test_sleep_until_async_never_returns_early():
+    async def run():
+        for delay in (0, 1_000, 200_000, 2_000_000):
+            deadline = time.monotonic_ns() + delay
+            await S.sleep_until_async(deadline)
+            assert time.monotonic_ns() >= deadline
+        await S.sleep_until_async(time.monotonic_ns() - 10**9)  # a deadline in the past returns at once
+
+    asyncio.run(run())
+
+
+@pytest.mark.skipif(not LINUX, reason="timerfd is Linux's")
+def test_a_loop_waits_on_one_timerfd_armed_at_the_earliest_deadline():
+    async def run():
+        loop = asyncio.get_running_loop()
+        now = time.monotonic_ns()
+        late = asyncio.ensure_future(S.sleep_until_async(now + 40_000_000))
+        await asyncio.sleep(0)
+        timer = S._timers[loop]
+        assert timer.armed == now + 40_000_000
+        early = now + 3_000_000
+        await S.sleep_until_async(early)  # armed earlier for it, then at the later one again
+        assert time.monotonic_ns() >= early and not late.done()
+        assert timer.armed == now + 40_000_000
+        await late
+        assert time.monotonic_ns() >= now + 40_000_000
+        assert S._timers[loop] is timer and timer.armed == 0 and timer.heap == []  # disarmed, drained
+        with pytest.raises(BlockingIOError):
+            os.read(timer.fd, 8)  # nothing pending: the next waiter will not wake early
+        return timer.fd
+
+    fd = asyncio.run(run())
+    gc.collect()
+    with pytest.raises(OSError):
+        os.fstat(fd)  # closed with its loop
+
+
+@pytest.mark.skipif(not LINUX, reason="timerfd is Linux's")
+def test_a_cancelled_async_sleep_wakes_nobody_else_early():
+    async def run():
+        now = time.monotonic_ns()
+        cancelled = asyncio.ensure_future(S.sleep_until_async(now + 5_000_000))
+        await asyncio.sleep(0)
+        cancelled.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await cancelled
+        await S.sleep_until_async(now + 30_000_000)  # the cancelled deadline passes meanwhile
+        assert time.monotonic_ns() >= now + 30_000_000
+        assert S._timers[asyncio.get_running_loop()].heap == []
+
+    asyncio.run(run())
+
+
+def test_without_a_timerfd_the_async_sleep_is_asyncio_sleep(monkeypatch):
+    monkeypatch.setattr(S, "_timerfd", False)
+    slept = []
+    real = asyncio.sleep
+
+    async def sleep(seconds, *a):
+        slept.append(seconds)
+        await real(seconds, *a)
+
+    monkeypatch.setattr(asyncio, "sleep", sleep)
+    deadline = time.monotonic_ns() + 2_000_000
+    asyncio.run(S.sleep_until_async(deadline))
+    assert time.monotonic_ns() >= deadline
+    assert len(slept) == 1 and 0 < slept[0] <= 0.002
+
+
+@pytest.mark.skipif(not LINUX, reason="timerfd is Linux's")
+def test_an_async_waiter_waits_for_its_turn_on_a_timerfd(name, monkeypatch):
+    lim = shmlimit.Limiter(name, rate=200)
+    try:
+        async def run():
+            for _ in range(int(lim.capacity)):  # the burst
+                assert await lim.acquire_async()
+
+            async def no_coarse_sleep(*a):  # a ticket's wait must not take the selector's granularity
+                raise AssertionError("asyncio.sleep used for a ticket's wait")
+
+            monkeypatch.setattr(asyncio, "sleep", no_coarse_sleep)
+            before = time.monotonic_ns()
+            for _ in range(3):
+                assert await lim.acquire_async()
+            return time.monotonic_ns() - before
+
+        took = asyncio.run(run())
+        assert took >= 2 * 5_000_000 - 1_000_000  # three turns 5 ms apart, the first one maybe partly past
+    finally:
+        lim.close()
