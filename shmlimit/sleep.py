@@ -49,7 +49,9 @@ def _load_prctl() -> Optional[Any]:
         try:
             import ctypes
 
-            libc = ctypes.CDLL(None, use_errno=True)
+            # PyDLL: the call keeps the GIL.  A CDLL call releases it, and taking it back
+            # from a busy thread (the filler) waits up to the switch interval (5 ms).
+            libc = ctypes.PyDLL(None, use_errno=True)
             fn = libc.prctl
             fn.restype = ctypes.c_int
             fn.argtypes = [ctypes.c_int, ctypes.c_ulong, ctypes.c_ulong, ctypes.c_ulong, ctypes.c_ulong]
@@ -109,7 +111,7 @@ def _load_timerfd() -> Optional[Any]:
             try:
                 import ctypes
 
-                libc = ctypes.CDLL(None, use_errno=True)
+                libc = ctypes.PyDLL(None, use_errno=True)  # keeping the GIL, as _load_prctl's
                 create = libc.timerfd_create
                 create.restype = ctypes.c_int
                 create.argtypes = [ctypes.c_int, ctypes.c_int]

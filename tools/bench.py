@@ -398,10 +398,21 @@ def _wait_stamped_async(lim, barrier, seconds: float, q) -> None:
     q.put((start, stamps, r1.ru_utime - r0.ru_utime + r1.ru_stime - r0.ru_stime))
 
 
-def bench_waiting(rate: float, seconds: float, procs: int = 8, driver: str = "sync") -> dict:
+def bench_waiting(rate: float, seconds: float, procs: int = 8, driver: str = "sync", backend: str = "native") -> dict:
     """Section 5: procs processes saturating ``rate``: CPU per wall second together, and lateness.
 
-    ``driver``: "sync" (``acquire``) or "async" (``acquire_async``, one task per process's loop)."""
+    ``driver``: "sync" (``acquire``) or "async" (``acquire_async``, one task per process's loop).
+    ``backend``: the waiters' atomic layer ("atomics": no native wait, as without a compiler)."""
+    if backend != "native":
+        saved = os.environ.get("SHMLIMIT_BACKEND")
+        os.environ["SHMLIMIT_BACKEND"] = backend  # the waiters attach and choose their sleep with it
+        try:
+            return bench_waiting(rate, seconds, procs, driver, "native") | {"driver": f"{driver}, {backend}"}
+        finally:
+            if saved is None:
+                del os.environ["SHMLIMIT_BACKEND"]
+            else:
+                os.environ["SHMLIMIT_BACKEND"] = saved
     ctx = mp.get_context("fork")
     name = f"bench-{uuid.uuid4().hex[:8]}"
     lim = shmlimit.Limiter(name, rate=rate)
@@ -428,9 +439,10 @@ def bench_waiting(rate: float, seconds: float, procs: int = 8, driver: str = "sy
 
 
 def waiting_rows(seconds: float) -> List[dict]:
-    """Section 5's rows: blocking waiters at 50, 1 000 and 10 000/s, then async ones at 1 000/s."""
+    """Section 5's rows: blocking waiters at 50, 1 000 and 10 000/s, then at 1 000/s async ones and
+    blocking ones on the ``atomics`` backend."""
     rows = [bench_waiting(r, seconds) for r in (50.0, 1000.0, 10_000.0)]
-    return rows + [bench_waiting(1000.0, seconds, driver="async")]
+    return rows + [bench_waiting(1000.0, seconds, driver="async"), bench_waiting(1000.0, seconds, backend="atomics")]
 
 
 def _busy_filler(name: str, ready, stop) -> None:
@@ -1166,9 +1178,9 @@ def print_waiting(res: dict) -> None:
     print(f"5. CPU while waiting: 8 processes on 50/s use {cw['cpu_s_per_wall_s']:.4f} CPU-s per wall-s together")
     if "waiting" in res:
         print("   8 processes saturating a rate: CPU-s per wall-s together, and each grant's lateness after its turn")
-        print(f"   {'rate/s':>8} {'waiters':>8} {'CPU-s/s':>9} {'p50 ms':>8} {'p99 ms':>8} {'max ms':>8} {'grants':>8}")
+        print(f"   {'rate/s':>8} {'waiters':>15} {'CPU-s/s':>9} {'p50 ms':>8} {'p99 ms':>8} {'max ms':>8} {'grants':>8}")
         for w in res["waiting"]:
-            print(f"   {w['rate']:>8,.0f} {w.get('driver', 'sync'):>8} {w['cpu_s_per_wall_s']:>9.4f} {w['p50_ms']:>8.3f} "
+            print(f"   {w['rate']:>8,.0f} {w.get('driver', 'sync'):>15} {w['cpu_s_per_wall_s']:>9.4f} {w['p50_ms']:>8.3f} "
                   f"{w['p99_ms']:>8.3f} {w['max_ms']:>8.3f} {w['grants']:>8,}")
 
 
