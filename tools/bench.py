@@ -447,7 +447,12 @@ def waiting_rows(seconds: float) -> List[dict]:
 
 def _busy_filler(name: str, ready, stop) -> None:
     lim = shmlimit.attach(name)
+    lim.try_acquire()  # a process runs a filler thread from its first use on, not from opening
+    deadline = time.monotonic() + 30
     while shmlimit.inspect(name).filler_pid != os.getpid():  # become the filler first
+        if stop.is_set() or time.monotonic() > deadline:
+            lim.close()
+            return
         time.sleep(0.005)
 
     def spin() -> None:
