@@ -582,10 +582,6 @@ class Bucket:
         now = self.clock() if now is None else now
         return max(0, now - self.cells.load(L.REPL_TS)) * self.tpn
 
-    def refilled(self) -> Tuple[int, int]:
-        """``(REPL_TS, HEAD)``: the time refilled up to, then the head (the filler's pacing)."""
-        return self.cells.load(L.REPL_TS), self.cells.load(L.HEAD)
-
     def due_ns(self, ticket: int) -> float:
         """When (CLOCK_MONOTONIC ns) the head reaches ``ticket`` at the current rate.
 

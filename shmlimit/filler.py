@@ -132,6 +132,11 @@ class Feed(Protocol):
 FeedFactory = Callable[["Bucket", Lease], Feed]
 
 
+def _refilled(b: "Bucket") -> Tuple[int, int]:
+    """``(REPL_TS, HEAD)``: the time refilled up to, then the head (read only, for the pacing)."""
+    return b.cells.load(L.REPL_TS), b.head()
+
+
 class ClockFeed:
     """Replenish from the clock: about 1 kHz, about twice per op for slow limits, slower when idle
     or while queued callers keep the pace by refilling at their own turns."""
@@ -167,10 +172,10 @@ class ClockFeed:
     def tick(self) -> float:
         b = self.bucket
         period = min(MAX_FILL_PERIOD, max(FILL_PERIOD, b.cost / b.tpn / 2e9))
-        before = b.refilled()[0]
+        before = _refilled(b)[0]
         added = self.refill()
         balance = b.balance()
-        ts, head = b.refilled()
+        ts, head = _refilled(b)
         mark, self.mark = self.mark, (ts, head, balance < 0)
         if balance < 0:
             self.idle = self.queued(period, before, mark)

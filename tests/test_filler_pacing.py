@@ -136,9 +136,9 @@ def test_the_filler_refills_in_one_native_call_bound_to_the_config_in_force(name
         feed = F.ClockFeed(b, None)
         native = b.waiter(b.snap, L.UNREG_GRANTS, None, 1) is not None  # the native backend's
         assert b.grab(b.cap + 5 * b.cost, L.UNREG_GRANTS, 1) is not None  # a queue
-        ts0, head0 = b.refilled()
+        ts0, head0 = F._refilled(b)
         added = feed.refill()
-        ts1, head1 = b.refilled()
+        ts1, head1 = F._refilled(b)
         assert (feed.native is not None) == native
         assert ts1 > ts0 and added == head1 - head0 and 0 <= added <= (ts1 - ts0) * b.tpn
         seq = b.snap.seq
@@ -149,7 +149,7 @@ def test_the_filler_refills_in_one_native_call_bound_to_the_config_in_force(name
         assert (feed.native is not None) == native
         lim.stop()  # stopped: no native refill is made for it, and the Python one adds nothing
         b.refresh()
-        ts0, head0 = b.refilled()
-        assert feed.refill() == 0 and feed.native is None and b.refilled()[1] == head0
+        ts0, head0 = F._refilled(b)
+        assert feed.refill() == 0 and feed.native is None and F._refilled(b)[1] == head0
     finally:
         lim.close()
