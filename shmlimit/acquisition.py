@@ -38,7 +38,7 @@ from __future__ import annotations
 
 import asyncio
 import time
-from typing import TYPE_CHECKING, Any, Callable, Optional, Protocol, Union
+from typing import TYPE_CHECKING, Callable, Optional, Protocol, Union
 
 from .config import NS_PER_S, validate_n, validate_timeout
 from .sleep import sleep_until_async

@@ -31,7 +31,7 @@ from .keyed_gcra import TICKS_PER_S, Overrides, Rate, make_rate, publish_default
 from .keyed_segment import Geometry, check_geometry, open_segment
 from .keyed_stats import KeyedProcess, KeyedStats, KeySample, inspect_keyed, sample_keys, snapshot_of
 from .registry import Registry
-from .segment import Segment, validate_name
+from .segment import Segment, validate_mode, validate_name, validate_trusted_uids
 from .segment import unlink as _unlink_name
 from .table import ProcessTable, is_alive, proc_start, slot_alive
 
@@ -284,13 +284,10 @@ class KeyedLimiter:
             raise ValueError("reconfigure=True needs rate= (the default rate to apply)")
         geo = check_geometry(keys, K.default_overrides(keys) if overrides is None and isinstance(keys, int) else overrides)
         r = None if rate is None else make_rate(rate, per, burst)
-        if isinstance(mode, bool) or not isinstance(mode, int) or not 0 <= mode <= 0o777:
-            raise ValueError(f"mode must be permission bits between 0 and 0o777, got {mode!r}")
+        validate_mode(mode)
         self._name = name
         self._att: Optional[_Attachment] = None
-        trusted = frozenset(trusted_uids)
-        if not all(isinstance(u, int) and not isinstance(u, bool) and u >= 0 for u in trusted):
-            raise ValueError(f"trusted_uids must be user ids (ints >= 0), got {trusted_uids!r}")
+        trusted = validate_trusted_uids(trusted_uids)
         self._att = att = _open(name, r, geo if r is not None else None, mode, trusted, reconfigure)
         att.handles.add(self)
         if att.joined:

@@ -13,14 +13,14 @@ import time
 from typing import TYPE_CHECKING, Any, Callable, Iterable, Optional, Tuple, Union
 
 from . import layout as L
-from . import acquisition
+from . import acquisition, live_changes
 from .acquisition import MAX_NAP, Request, drive, drive_async, wait_for_ticket
 from .attachment import NO_FAST, Attachment, open_attachment, release, show
 from .config import Config, parse_spec, validate_n, validate_timeout
 from .errors import ConfigMismatchError
 from .header import Creation
 from .segment import unlink as _unlink_name
-from .segment import validate_name, validate_trusted_uids
+from .segment import validate_mode, validate_name, validate_slots, validate_trusted_uids
 from .upstream_option import resolve_upstream
 from .upstream_spec import DEFAULT_BATCH_SECONDS, DEFAULT_LEASE_TTL, UpstreamSpec
 from .stats import Stats, snapshot
@@ -144,13 +144,11 @@ class Limiter:
             if capped or (ratio is not None and ratio != 1.0):
                 raise ValueError("capped and ratio are not supported with upstream= (hierarchical mode)")
         cfg = None if rate is None else Config.make(rate, per, burst, capped, ratio, max_reserved, max_behind)
-        if isinstance(mode, bool) or not isinstance(mode, int) or not 0 <= mode <= 0o777:
-            raise ValueError(f"mode must be permission bits between 0 and 0o777, got {mode!r}")
+        validate_mode(mode)
         if initial is not None:
             if isinstance(initial, bool) or not isinstance(initial, (int, float)) or not 0 <= initial < float("inf"):
                 raise ValueError(f"initial must be a finite number of ops >= 0, got {initial!r}")
-        if isinstance(slots, bool) or not isinstance(slots, int) or not 1 <= slots <= L.MAX_SLOTS:
-            raise ValueError(f"slots must be an int from 1 to {L.MAX_SLOTS}, got {slots!r}")
+        validate_slots(slots)
         self._name = name
         self._mode = mode
         self._trusted = trusted
@@ -400,62 +398,25 @@ class Limiter:
         price, and a capacity that shrinks takes effect at once (tokens beyond
         it are dropped).  Re-applying the current config changes nothing.
         """
-        att = self._live()
-        b = att.bucket
-        b.refresh()
-        cur = b.config
-        if isinstance(rate, str):  # a rate spec: its ratio, if it has one, is the one to use
-            spec = parse_spec(rate)
-            if spec.verb not in (None, "configure"):
-                raise ValueError(f"rate spec verb {spec.verb!r} is not allowed in set_rate (use apply)")
-            if spec.ratio is not None and ratio is not None and float(ratio) != spec.ratio:
-                raise ValueError(f"ratio given twice: {ratio!r} and {spec.ratio!r} in the rate spec")
-            rate, ratio = spec.rate, (spec.ratio if spec.ratio is not None else ratio)
-            per = spec.per_with(per)  # type: ignore[assignment]
-        new = cur.replace(
-            rate=rate,
-            per=cur.per if per is None else per,
-            burst=burst,
-            ratio=cur.ratio if ratio is None else ratio,
-        )
-        if new != cur:
-            b.publish(new)
+        live_changes.set_rate(self._live(), rate, per, burst, ratio)
 
     def stop(self) -> None:
         """Pause the whole fleet: every acquirer in every process waits until ``start``."""
-        b = self._live().bucket
-        b.refresh()
-        if not b.stopped:
-            b.set_stopped(True)
+        live_changes.stop(self._live())
 
     def start(self) -> None:
         """Resume after ``stop``, from an empty bucket; the paused time is not owed to anyone.
 
         Tickets of dead processes are given back at once (the head skips them).
         """
-        att = self._live()
-        b = att.bucket
-        b.refresh()
-        if b.stopped:
-            b.set_stopped(False)
-        self._clear_dead_backlog(att)
+        live_changes.start(self._live())
 
     def restart(self) -> None:
         """Start (if stopped) with the pools zeroed: an empty bucket and nothing behind schedule.
 
         Tickets of dead processes are given back at once (the head skips them).
         """
-        att = self._live()
-        b = att.bucket
-        b.refresh()
-        b.set_stopped(False, reset=True)
-        self._clear_dead_backlog(att)
-
-    @staticmethod
-    def _clear_dead_backlog(att: Attachment) -> None:
-        # without waiting for the filler's next look: a queue of dead waiters does not outlive a start
-        att.reap()
-        att.returns.step()
+        live_changes.restart(self._live())
 
     @property
     def stopped(self) -> bool:
@@ -471,16 +432,8 @@ class Limiter:
         the pools, ``stop`` pauses every process.  Applying the spec that is
         already in force changes nothing.
         """
-        parsed = parse_spec(spec)
-        if parsed.verb == "stop":
-            self.stop()
-            return
-        same = parsed.rate == self.rate and parsed.per in (None, self.per)
-        self.set_rate(parsed.rate, per=parsed.per, burst=None if not same else self.capacity, ratio=parsed.ratio)
-        if parsed.verb == "start":
-            self.start()
-        elif parsed.verb == "restart":
-            self.restart()
+        parsed = parse_spec(spec)  # first: a spec refused has registered nothing
+        live_changes.apply(self._live(), parsed)
 
     # -- asyncio -----------------------------------------------------------------------
 

@@ -37,15 +37,15 @@ import weakref
 from dataclasses import dataclass
 from typing import Any, Callable, Dict, Iterable, List, Mapping, Optional, Sequence, Tuple, Union
 
-from . import acquisition
+from . import acquisition, live_changes
 from . import layout as L
 from .acquisition import drive, drive_async, ticket_within
 from .attachment import Attachment, gate_all, open_attachment, release
 from .bucket import diff
-from .config import NS_PER_S, Config, parse_rate, parse_spec, validate_n, validate_timeout
+from .config import NS_PER_S, Config, parse_rate, validate_n, validate_timeout
 from .header import Creation
 from .multirate_request import MultiRequest, give_back, take_all, wait_ns
-from .segment import NAME_MAX, validate_name, validate_trusted_uids
+from .segment import NAME_MAX, validate_mode, validate_name, validate_slots, validate_trusted_uids
 from .segment import unlink as _unlink_name
 from .stats import Stats, snapshot
 
@@ -170,10 +170,8 @@ class MultiLimiter:
         if isinstance(rates, str):
             rates = rates_from_text(rates)
         keys, cfgs, named = parse_rates(name, rates)
-        if isinstance(mode, bool) or not isinstance(mode, int) or not 0 <= mode <= 0o777:
-            raise ValueError(f"mode must be permission bits between 0 and 0o777, got {mode!r}")
-        if isinstance(slots, bool) or not isinstance(slots, int) or not 1 <= slots <= L.MAX_SLOTS:
-            raise ValueError(f"slots must be an int from 1 to {L.MAX_SLOTS}, got {slots!r}")
+        validate_mode(mode)
+        validate_slots(slots)
         self._name = name
         self._keys = keys
         self._named = named
@@ -497,17 +495,7 @@ class MultiLimiter:
         self, which: Union[str, int], rate: Union[float, str], per: Optional[float] = None, burst: Optional[float] = None
     ) -> None:
         """Change one rate (by name or index) for every attached process, at once (see ``Limiter.set_rate``)."""
-        b = self._live()[self._index(which)].bucket
-        b.refresh()
-        cur = b.config
-        if isinstance(rate, str):
-            spec = parse_spec(rate)
-            if spec.verb is not None or spec.ratio is not None:
-                raise ValueError(f"rate must be a number or a rate string such as '200K/min', got {rate!r}")
-            rate, per = spec.rate, spec.per_with(per)  # type: ignore[assignment]
-        new = cur.replace(rate=rate, per=cur.per if per is None else per, burst=burst)
-        if new != cur:
-            b.publish(new)
+        live_changes.set_rate(self._live()[self._index(which)], rate, per, burst, None, specs=False)
 
     # -- observation -------------------------------------------------------------------
 

@@ -62,6 +62,20 @@ def validate_trusted_uids(uids: Iterable[int]) -> frozenset:
     return frozenset(out)
 
 
+def validate_mode(mode: object) -> int:
+    """A segment's ``mode``: permission bits from 0 to 0o777; ValueError naming it otherwise."""
+    if isinstance(mode, bool) or not isinstance(mode, int) or not 0 <= mode <= 0o777:
+        raise ValueError(f"mode must be permission bits between 0 and 0o777, got {mode!r}")
+    return mode
+
+
+def validate_slots(slots: object) -> int:
+    """A limiter's process table size, ``slots``: an int from 1 to ``MAX_SLOTS``; ValueError naming it otherwise."""
+    if isinstance(slots, bool) or not isinstance(slots, int) or not 1 <= slots <= L.MAX_SLOTS:
+        raise ValueError(f"slots must be an int from 1 to {L.MAX_SLOTS}, got {slots!r}")
+    return slots
+
+
 def open_shm(name: str) -> "posix_ipc.SharedMemory":
     """``shm_open`` an existing segment, its absence and every refusal as one of our clear errors."""
     try:

@@ -23,7 +23,7 @@ from .errors import SegmentError
 from .keyed_cells import SlotTable
 from .keyed_segment import Geometry, check_geometry, open_segment
 from .keyed_windows import CMAX, OVER, WindowCounters
-from .segment import Segment, validate_name
+from .segment import Segment, validate_mode, validate_name, validate_trusted_uids
 from .segment import unlink as _unlink_name
 from .table import ProcessTable, proc_start
 
@@ -46,11 +46,8 @@ class WindowTable:
                  clock: Optional[Callable[[], int]] = None) -> None:
         validate_name(name)
         geo = check_geometry(keys, 0)
-        if isinstance(mode, bool) or not isinstance(mode, int) or not 0 <= mode <= 0o777:
-            raise ValueError(f"mode must be permission bits between 0 and 0o777, got {mode!r}")
-        trusted = frozenset(trusted_uids)
-        if not all(isinstance(u, int) and not isinstance(u, bool) and u >= 0 for u in trusted):
-            raise ValueError(f"trusted_uids must be user ids (ints >= 0), got {trusted_uids!r}")
+        validate_mode(mode)
+        trusted = validate_trusted_uids(trusted_uids)
         self._name = name
         self._seg: Optional[Segment] = None
         seg, cells, real = open_segment(name, Geometry(geo.keys, 0, K.KIND_WINDOWS), None, mode, trusted)

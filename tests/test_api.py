@@ -9,6 +9,7 @@ import pytest
 
 import shmlimit
 from shmlimit import layout as L
+from shmlimit.window_table import WindowTable
 from support.segments import shm_bytes
 
 
@@ -315,3 +316,63 @@ def test_a_handle_collected_during_an_attach_does_not_deadlock(name, monkeypatch
     t.join(20)
     assert done, "the attach deadlocked on the registry lock"
     shmlimit.Limiter(name).close()  # a collected handle stays attached; closing one more ends it
+
+
+# Every kind of limiter takes the same segment options, checked by the same rules (segment.py).
+KINDS = {
+    "Limiter": lambda name, **kw: shmlimit.Limiter(name, rate=10, **kw),
+    "several rates": lambda name, **kw: shmlimit.Limiter(name, rates=["10/s", "100/min"], **kw),
+    "KeyedLimiter": lambda name, **kw: shmlimit.KeyedLimiter(name, rate=10, keys=100, **kw),
+    "WindowTable": lambda name, **kw: WindowTable(name, 100, **kw),
+}
+
+
+@pytest.mark.parametrize("kind", sorted(KINDS))
+@pytest.mark.parametrize(
+    "kwargs,param",
+    [(dict(mode=0o1000), "mode"), (dict(mode=True), "mode"), (dict(trusted_uids="0"), "trusted_uids"),
+     (dict(trusted_uids=[-1]), "trusted_uids"), (dict(trusted_uids=[2**32]), "trusted_uids")],
+)
+def test_every_kind_refuses_bad_segment_options_and_creates_nothing(name, kind, kwargs, param):
+    with pytest.raises((ValueError, TypeError), match=param):
+        KINDS[kind](name, **kwargs)
+    assert not any(n == name or n.startswith(name + ".") for n in shmlimit.list_names())
+
+
+@pytest.mark.parametrize("kind", ["Limiter", "several rates"])
+@pytest.mark.parametrize("slots", [0, L.MAX_SLOTS + 1, 2.0, True])
+def test_slots_are_checked_alike_by_one_rate_and_several(name, kind, slots):
+    with pytest.raises(ValueError, match="slots"):
+        KINDS[kind](name, slots=slots)
+    assert not any(n == name or n.startswith(name + ".") for n in shmlimit.list_names())
+
+
+def test_live_changes_refused_leave_the_config_as_it_was(name):
+    """One set of rules for a Limiter's set_rate/apply and for each rate of several: a refusal
+    names what was wrong and publishes nothing."""
+    one = shmlimit.Limiter(name, rate=10)
+    several = shmlimit.Limiter(f"{name}-m", rates=["10/s", "100/min"])
+    try:
+        before = (one.config, several.configs)
+        with pytest.raises(ValueError, match="verb 'stop' is not allowed in set_rate"):
+            one.set_rate("20,stop")
+        with pytest.raises(ValueError, match="ratio given twice"):
+            one.set_rate("20,1.5", ratio=1.2)
+        with pytest.raises(ValueError, match="per given twice"):
+            one.set_rate("20/min", per=5)
+        with pytest.raises(ValueError):
+            one.apply("20,sideways")
+        with pytest.raises(ValueError, match="rate must be a number or a rate string"):
+            several.set_rate(0, "20,1.5")
+        with pytest.raises(ValueError, match="rate must be a number or a rate string"):
+            several.set_rate(1, "20,configure")
+        assert (one.config, several.configs) == before
+        one.set_rate("20,1.5")  # a spec's ratio applies to one rate
+        several.set_rate(1, "200/min")  # a rate string sets the window too
+        assert (one.rate, one.config.ratio) == (20.0, 1.5)
+        assert (several.configs["1"].rate, several.configs["1"].per) == (200.0, 60.0)
+        assert several.configs["0"] == before[1]["0"]
+    finally:
+        for lim in (one, several):
+            lim.close()
+            lim.unlink()

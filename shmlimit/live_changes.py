@@ -1,0 +1,110 @@
+"""Live changes: a new configuration, a stop or a start, for every attached process at once.
+
+A change is published through the attachment's ``Bucket`` (``publish``,
+``set_stopped``: the config banks' sequence lock), so every process sees it
+at its next ``refresh`` without re-attaching: ops already granted stay
+granted, queued callers keep their place, new grabs pay the new price.  A
+start also gives back dead processes' tickets at once.  One set of rules
+serves the ``Limiter`` facade and each rate of a ``MultiLimiter``: what
+``set_rate``'s arguments ask for (``requested``), the stop/start/restart
+verbs, and ``apply`` of a rate spec.
+"""
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Optional, Union
+
+from .config import Config, RateSpec, parse_spec
+
+if TYPE_CHECKING:  # pragma: no cover
+    from .attachment import Attachment
+
+
+def requested(
+    cur: Config, rate: Union[float, str], per: Optional[float], burst: Optional[float], ratio: Optional[float],
+    specs: bool = True,
+) -> Config:
+    """The config ``set_rate(rate, per, burst, ratio=...)`` asks for, validated (``cur``: the one in force).
+
+    ``rate`` is a number, a rate string ``"200K/min"`` (which sets ``per``
+    too) or, with ``specs``, a rate spec ``"12K,1.1"`` (its ratio, if it has
+    one, is the one to use; no verb but ``configure``).  ``per`` and
+    ``ratio`` default to ``cur``'s; ``burst`` to the new rate's default.
+    """
+    if isinstance(rate, str):
+        spec = parse_spec(rate)
+        if not specs and (spec.verb is not None or spec.ratio is not None):
+            raise ValueError(f"rate must be a number or a rate string such as '200K/min', got {rate!r}")
+        if spec.verb not in (None, "configure"):
+            raise ValueError(f"rate spec verb {spec.verb!r} is not allowed in set_rate (use apply)")
+        if spec.ratio is not None and ratio is not None and float(ratio) != spec.ratio:
+            raise ValueError(f"ratio given twice: {ratio!r} and {spec.ratio!r} in the rate spec")
+        rate, ratio = spec.rate, (spec.ratio if spec.ratio is not None else ratio)
+        per = spec.per_with(per)  # type: ignore[assignment]
+    return cur.replace(
+        rate=rate,
+        per=cur.per if per is None else per,
+        burst=burst,
+        ratio=cur.ratio if ratio is None else ratio,
+    )
+
+
+def set_rate(
+    att: "Attachment", rate: Union[float, str], per: Optional[float], burst: Optional[float], ratio: Optional[float],
+    specs: bool = True,
+) -> None:
+    """Publish the config ``requested`` asks for; re-applying the config in force changes nothing."""
+    b = att.bucket
+    b.refresh()
+    cur = b.config
+    new = requested(cur, rate, per, burst, ratio, specs)
+    if new != cur:
+        b.publish(new)
+
+
+def stop(att: "Attachment") -> None:
+    """Pause every acquirer in every process until ``start``."""
+    b = att.bucket
+    b.refresh()
+    if not b.stopped:
+        b.set_stopped(True)
+
+
+def start(att: "Attachment") -> None:
+    """Resume after ``stop``, from an empty bucket: the paused time is not owed to anyone."""
+    b = att.bucket
+    b.refresh()
+    if b.stopped:
+        b.set_stopped(False)
+    _clear_dead_backlog(att)
+
+
+def restart(att: "Attachment") -> None:
+    """Start (if stopped) with the pools zeroed: an empty bucket and nothing behind schedule."""
+    b = att.bucket
+    b.refresh()
+    b.set_stopped(False, reset=True)
+    _clear_dead_backlog(att)
+
+
+def _clear_dead_backlog(att: "Attachment") -> None:
+    # without waiting for the filler's next look: a queue of dead waiters does not outlive a start
+    att.reap()
+    att.returns.step()
+
+
+def apply(att: "Attachment", parsed: RateSpec) -> None:
+    """A parsed rate spec ``rate[,ratio][,verb]``: ``configure`` (the default) changes rate and ratio
+    in place (keeping the capacity when the rate and window stay), ``start`` also resumes,
+    ``restart`` also zeroes the pools, ``stop`` only pauses."""
+    if parsed.verb == "stop":
+        stop(att)
+        return
+    b = att.bucket
+    b.refresh()
+    cur = b.config
+    same = parsed.rate == cur.rate and parsed.per in (None, cur.per)
+    set_rate(att, parsed.rate, parsed.per, None if not same else cur.burst, parsed.ratio)
+    if parsed.verb == "start":
+        start(att)
+    elif parsed.verb == "restart":
+        restart(att)
