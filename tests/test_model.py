@@ -34,7 +34,6 @@ import types
 
 import hypothesis.strategies as st
 import pytest
-from hypothesis import HealthCheck, settings
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
 
 import shmlimit
@@ -52,6 +51,7 @@ from shmlimit.limiter import Limiter
 from shmlimit.segment import Segment
 
 from support.clock import FakeClock
+from support.models import model_settings
 
 BACKENDS = ["atomics"] + (["native"] if native_available() else [])
 SLOTS = 4
@@ -236,6 +236,22 @@ class LimiterModel(RuleBasedStateMachine):
         self.max_ratio = max(self.max_ratio, L.u2f(self.cells.load(L.CFG_RATIO)))
         self.cap_ops = max(self.cap_ops, self.cells.load(L.CFG_CAP) // self._cost())
 
+    def _taking(self, call, n, capped_refusal=True):
+        """``call()`` takes ``n`` ops, answering (result, tail before, its waiting request or None):
+        noted as taken.  False if it was refused, having taken nothing: a full queue, or
+        (``capped_refusal``) more than a capped limiter's capacity can ever admit."""
+        try:
+            result, tail, req = call()
+        except shmlimit.QueueFullError:
+            return False
+        except ValueError as e:
+            if not capped_refusal:
+                raise
+            assert "capacity" in str(e)
+            return False
+        self._note_taken(tail, n, req)
+        return True
+
     def _n(self, data, proc):
         """Any valid n, the largest included."""
         most = MAX_SPAN_TOKENS // self._cost()
@@ -259,24 +275,13 @@ class LimiterModel(RuleBasedStateMachine):
     def acquire(self, i, data, timeout):
         lim = self._proc(i)
         n = data.draw(st.one_of(st.just(1), st.integers(1, 3), st.just(MAX_SPAN_TOKENS // self._cost())), label="n")
-        try:
-            result, tail, req = self._acquire(lim, n, timeout)
-        except shmlimit.QueueFullError if hasattr(shmlimit, "QueueFullError") else ():
-            return
-        except ValueError as e:  # capped mode: more than the capacity can ever admit
-            assert "capacity" in str(e)
-            return
-        self._note_taken(tail, n, req)
+        self._taking(lambda: self._acquire(lim, n, timeout), n)
 
     @rule(i=procs_idx, data=st.data(), max_wait=st.one_of(st.none(), st.sampled_from([0.0, 0.01, 1.0, 3600.0])))
     def reserve(self, i, data, max_wait):
         lim = self._proc(i)
         n = self._n(data, lim)
-        try:
-            result, tail, _ = self._call(lim.reserve, n, max_wait)
-        except shmlimit.QueueFullError if hasattr(shmlimit, "QueueFullError") else ():
-            return
-        self._note_taken(tail, n)
+        self._taking(lambda: self._call(lim.reserve, n, max_wait), n, capped_refusal=False)
 
     @rule(i=procs_idx, k=st.integers(1, 10), how=st.sampled_from(["reserve", "reserve_bounded", "acquire"]))
     def flood(self, i, k, how):
@@ -289,14 +294,8 @@ class LimiterModel(RuleBasedStateMachine):
                 "reserve_bounded": lambda: self._call(lim.reserve, n, max_wait=10**9),
                 "acquire": lambda: self._acquire(lim, n),
             }[how]
-            try:
-                result, tail, req = call()
-            except shmlimit.QueueFullError if hasattr(shmlimit, "QueueFullError") else ():
+            if not self._taking(call, n):
                 return
-            except ValueError as e:  # capped mode: more than the capacity can ever admit
-                assert "capacity" in str(e)
-                return
-            self._note_taken(tail, n, req if req is not None and req is not True else None)
 
     @rule(i=procs_idx)
     def drain(self, i):
@@ -562,10 +561,5 @@ class LimiterModel(RuleBasedStateMachine):
         assert ok, "nothing in flight, nothing queued beyond the schedule, and still no op can be had"
 
 
-LimiterModel.TestCase.settings = settings(
-    max_examples=int(os.environ.get("SHMLIMIT_MODEL_EXAMPLES", "60")),
-    stateful_step_count=25,
-    deadline=None,
-    suppress_health_check=[HealthCheck.too_slow, HealthCheck.filter_too_much],
-)
+LimiterModel.TestCase.settings = model_settings(60)
 TestLimiterModel = LimiterModel.TestCase

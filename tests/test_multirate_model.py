@@ -17,12 +17,12 @@ import os
 import uuid
 
 import hypothesis.strategies as st
-from hypothesis import HealthCheck, settings
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
 
 import shmlimit
 from shmlimit.multirate import MultiRequest
 from support.clock import FakeClock
+from support.models import model_settings
 
 RATE = st.sampled_from(["10/s", "50/s", "200/s", "30/2s", "1000/min"])
 BURST = st.integers(min_value=1, max_value=4)
@@ -186,10 +186,5 @@ class MultiRateModel(RuleBasedStateMachine):
         self.no_rate_is_over_granted()
 
 
-MultiRateModel.TestCase.settings = settings(
-    max_examples=int(os.environ.get("SHMLIMIT_MODEL_EXAMPLES", "15")),
-    stateful_step_count=25,
-    deadline=None,
-    suppress_health_check=[HealthCheck.too_slow, HealthCheck.filter_too_much],
-)
+MultiRateModel.TestCase.settings = model_settings(15)
 TestMultiRateModel = MultiRateModel.TestCase
