@@ -98,15 +98,29 @@ def sample_keys(name: str, start: int, count: int) -> Tuple[List[KeySample], int
     whole table over several refreshes at a bounded cost per refresh.  The
     slots are read with ``pread`` into a private copy: nothing is mapped.
     """
+    now = time.monotonic_ns() << K.TICK_SHIFT
+    out = []
+    slots, nxt = _live_slots(name, K.KIND_GCRA, start, count)
+    for words in slots:
+        tat = words[K.S_V0 // 8]
+        out.append(KeySample(KC.display_key(words[K.S_V2 // 8:]), words[K.S_V1 // 8], max(0, tat - now) / TICKS_PER_S))
+    return out, nxt
+
+
+def _live_slots(name: str, kind: int, start: int, count: int) -> Tuple[List[Tuple[int, ...]], int]:
+    """``count`` key slots from ``start`` (wrapping), read with ``pread`` into a private copy (nothing
+    mapped): the words of each LIVE slot whose value is not evicted, and the next start.  A segment
+    of another value kind than ``kind`` is refused with ``SegmentError``."""
     cells, geo, _ = _header_copy(name)
     cells.close()
-    if geo.kind != K.KIND_GCRA:
-        raise SegmentError(f"segment {name!r} holds window counters, not a KeyedLimiter's keys")
+    if geo.kind != kind:
+        what = "holds window counters, not a KeyedLimiter's keys" if kind == K.KIND_GCRA else \
+            "is a KeyedLimiter, not a table of window counters"
+        raise SegmentError(f"segment {name!r} {what}")
     base = K.slots_offset(geo.overrides)
     count = min(count, geo.keys)
     start %= geo.keys
     first = min(count, geo.keys - start)
-    now = time.monotonic_ns() << K.TICK_SHIFT
     out = []
     for off, n in ((base + start * K.LINE, first), (base, count - first)):
         if not n:
@@ -118,11 +132,9 @@ def sample_keys(name: str, start: int, count: int) -> Tuple[List[KeySample], int
                 s = i * K.LINE
                 if c.load(s) & 0xFF != K.LIVE:
                     continue
-                tat = c.load(s + K.S_V0)
-                if tat & K.DEAD:
-                    continue
-                disp = (c.load(s + K.S_V2), c.load(s + K.S_V3), c.load(s + K.S_V4))
-                out.append(KeySample(KC.display_key(disp), c.load(s + K.S_V1), max(0, tat - now) / TICKS_PER_S))
+                words = tuple(c.load(s + o) for o in range(0, K.LINE, 8))
+                if not words[K.S_V0 // 8] & K.DEAD:
+                    out.append(words)
         finally:
             c.close()
     return out, (start + count) % geo.keys
@@ -173,41 +185,22 @@ def sample_windows(name: str, start: int, count: int, now_ns: Optional[int] = No
     windows are over is left out: it holds nothing any more.  ``now_ns``
     (CLOCK_MONOTONIC ns, default now) is for tests with an injected clock.
     """
-    cells, geo, _ = _header_copy(name)
-    cells.close()
-    if geo.kind != K.KIND_WINDOWS:
-        raise SegmentError(f"segment {name!r} is a KeyedLimiter, not a table of window counters")
-    base = K.slots_offset(0)
-    count = min(count, geo.keys)
-    start %= geo.keys
-    first = min(count, geo.keys - start)
     now_ms = (time.monotonic_ns() if now_ns is None else now_ns) / 1e6
     out = []
-    for off, n in ((base + start * K.LINE, first), (base, count - first)):
-        if not n:
+    slots, nxt = _live_slots(name, K.KIND_WINDOWS, start, count)
+    for words in slots:
+        (t, rolling, cnt), v1 = unpack(words[K.S_V0 // 8]), words[K.S_V1 // 8]
+        key = KC.display_key(words[K.S_V2 // 8:])
+        if not v1 & FLAG:  # a fixed window ending at t
+            if t > now_ms:
+                out.append(WindowSample(key, "fixed", cnt, 0, None, (t - now_ms) / 1000))
             continue
-        data, _ = read_copy(name, off, n * K.LINE)
-        c = open_cells(data, len(data))  # type: ignore[arg-type]  # a private copy, not a mapping
-        try:
-            for i in range(min(n, len(data) // K.LINE)):
-                s = i * K.LINE
-                v0 = c.load(s + K.S_V0)
-                if c.load(s) & 0xFF != K.LIVE or v0 & K.DEAD:
-                    continue
-                (t, rolling, cnt), v1 = unpack(v0), c.load(s + K.S_V1)
-                key = KC.display_key((c.load(s + K.S_V2), c.load(s + K.S_V3), c.load(s + K.S_V4)))
-                if not v1 & FLAG:  # a fixed window ending at t
-                    if t > now_ms:
-                        out.append(WindowSample(key, "fixed", cnt, 0, None, (t - now_ms) / 1000))
-                    continue
-                tag, _, prev = unpack(v1)
-                w = (t - tag) / 2  # V1's tag is the current window's start, V0's t is two windows on
-                if rolling or w <= 0 or now_ms >= t:
-                    continue  # mid-move (look next time), or both windows over
-                end = t - w
-                if now_ms >= end:  # the window ended without a hit since: what it counted is the previous
-                    prev, cnt, end = cnt, 0, t
-                out.append(WindowSample(key, "sliding", cnt, prev, w / 1000, (end - now_ms) / 1000))
-        finally:
-            c.close()
-    return out, (start + count) % geo.keys
+        tag, _, prev = unpack(v1)
+        w = (t - tag) / 2  # V1's tag is the current window's start, V0's t is two windows on
+        if rolling or w <= 0 or now_ms >= t:
+            continue  # mid-move (look next time), or both windows over
+        end = t - w
+        if now_ms >= end:  # the window ended without a hit since: what it counted is the previous
+            prev, cnt, end = cnt, 0, t
+        out.append(WindowSample(key, "sliding", cnt, prev, w / 1000, (end - now_ms) / 1000))
+    return out, nxt

@@ -198,35 +198,22 @@ def _printable(text: str) -> str:
 
 
 def _render_keyed(r: dict) -> List[str]:
-    gps = r["grants_per_second"]
-    stale = " STALE (no live process)" if r["stale"] else ""
-    out = [
-        f"{r['name']}  keyed: rate {r['rate']:g}/{r['per']:g}s capacity {r['capacity']:g} per key{stale}",
-        f"  keys {r['keys']}/{r['slots']}  evicted {r['evicted']}  refused (table full) {r['refused_full']}"
-        f"  overrides {r['overrides']}/{r['override_slots']}  grants {r['grants']}",
-        f"  grants/s {'-' if gps is None else f'{gps:,.1f}'}  {sparkline(r['history'])}",
-    ]
+    out = _keyed_head(
+        r, f"keyed: rate {r['rate']:g}/{r['per']:g}s capacity {r['capacity']:g} per key",
+        f"overrides {r['overrides']}/{r['override_slots']}  grants {r['grants']}", "grants/s",
+    )
     if r.get("busiest"):
         out.append(f"  {'busiest keys':28} {'grants':>10}  limited for")
         for k in r["busiest"]:
             out.append(f"  {_printable(k['key'])[:28]:28} {k['grants']:>10}  {k['wait']:.3f} s")
-    out.append(f"  {'pid':>8} {'command':16} {'state':6} {'grants':>10}")
-    for p in r["processes"]:
-        out.append(f"  {p['pid']:>8} {p['command'][:16]:16} {'alive' if p['alive'] else 'DEAD':6} {p['grants']:>10}")
-    out.append("")
-    return out
+    return out + _process_lines(r, "grants")
 
 
 def _render_windows(r: dict) -> List[str]:
     """A table of window counters (the ``limits`` storage ``shm://``): it has no rate of its own."""
-    gps = r["grants_per_second"]
-    stale = " STALE (no live process)" if r["stale"] else ""
-    out = [
-        f"{r['name']}  windows: a limits storage (shm://{r['name']}), the limits are its users'{stale}",
-        f"  keys {r['keys']}/{r['slots']}  evicted {r['evicted']}  refused (table full) {r['refused_full']}"
-        f"  hits {r['grants']}",
-        f"  hits/s {'-' if gps is None else f'{gps:,.1f}'}  {sparkline(r['history'])}",
-    ]
+    out = _keyed_head(
+        r, f"windows: a limits storage (shm://{r['name']}), the limits are its users'", f"hits {r['grants']}", "hits/s"
+    )
     if r.get("windows"):
         out.append(f"  {'fullest windows':40} {'strategy':8} {'count':>8} {'previous':>8}  ends in")
         for w in r["windows"]:
@@ -234,7 +221,23 @@ def _render_windows(r: dict) -> List[str]:
                 f"  {_printable(w['key'])[:40]:40} {w['strategy']:8} {w['count']:>8} "
                 f"{w['previous'] if w['strategy'] == 'sliding' else '-':>8}  {w['ends_in']:.3f} s"
             )
-    out.append(f"  {'pid':>8} {'command':16} {'state':6} {'hits':>10}")
+    return out + _process_lines(r, "hits")
+
+
+def _keyed_head(r: dict, title: str, counts: str, per_second: str) -> List[str]:
+    """The first lines of a keyed segment (either value kind): what it is, its table, its rate of use."""
+    gps = r["grants_per_second"]
+    stale = " STALE (no live process)" if r["stale"] else ""
+    return [
+        f"{r['name']}  {title}{stale}",
+        f"  keys {r['keys']}/{r['slots']}  evicted {r['evicted']}  refused (table full) {r['refused_full']}  {counts}",
+        f"  {per_second} {'-' if gps is None else f'{gps:,.1f}'}  {sparkline(r['history'])}",
+    ]
+
+
+def _process_lines(r: dict, counted: str) -> List[str]:
+    """A keyed segment's process table: each user's pid, command, liveness and ops (``counted``)."""
+    out = [f"  {'pid':>8} {'command':16} {'state':6} {counted:>10}"]
     for p in r["processes"]:
         out.append(f"  {p['pid']:>8} {p['command'][:16]:16} {'alive' if p['alive'] else 'DEAD':6} {p['grants']:>10}")
     out.append("")
