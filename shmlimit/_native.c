@@ -693,7 +693,11 @@ kt_step(KeyedTable *t, PyObject *key, PyObject *nobj, long long mw, uint64_t now
         PyErr_Format(PyExc_ValueError, "n must be a positive int (ops), got %lld", n);
         return KT_ERROR;
     }
-    if (!now)
+    /* A clock read here may go stale while this thread is preempted: keys inserted meanwhile by
+     * others look in use against it.  Before refusing a new key for a full table it is read once
+     * more (a later `now` only ever makes a grant later, never earlier). */
+    int own_clock = !now, reread = 0;
+    if (own_clock)
         now = kt_now();
     uint64_t d[2], T, tau;
     siphash128((const unsigned char *)buf, (size_t)len, t->k0, t->k1, d);
@@ -721,6 +725,14 @@ kt_step(KeyedTable *t, PyObject *key, PyObject *nobj, long long mw, uint64_t now
             if (err)
                 return KT_ERROR;
             if (!s) {
+                if (own_clock && !reread) {
+                    reread = 1;
+                    uint64_t later = kt_now();
+                    if (later > now) {
+                        now = later;
+                        continue;
+                    }
+                }
                 add(t->refused, 1);
                 return KT_FULL;
             }

@@ -375,6 +375,10 @@ class KeyedTable(SlotTable):
             raise TypeError(f"n must be a positive int (ops), not {type(n).__name__}")
         if n < 1:
             raise ValueError(f"n must be a positive int (ops), got {n}")
+        # A clock read here may go stale while this thread is preempted: keys inserted meanwhile by
+        # others look in use against it.  Before refusing a new key for a full table it is read
+        # once more (a later ``now`` only ever makes a grant later, never earlier).
+        reread = now is not None
         if now is None:
             now = time.monotonic_ns() << K.TICK_SHIFT
         d = siphash128(data, self.k0, self.k1)
@@ -396,6 +400,10 @@ class KeyedTable(SlotTable):
                 # a new key's bucket is full: n <= burst is granted at once, by the insert itself
                 s, ctl = self.insert(d, home, now, now + cost, (n, *disp))
                 if s is None:
+                    later = time.monotonic_ns() << K.TICK_SHIFT
+                    if not reread and later > now:
+                        reread, now = True, later
+                        continue
                     c.fetch_add(self.refused, 1)
                     return FULL
                 if ctl:

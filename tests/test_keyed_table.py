@@ -83,6 +83,31 @@ def test_full_table_refuses_new_keys_and_counts(backend):
     assert t.c.load(K.EVICTED) == 16
 
 
+class _Clock:
+    """Stands in for the time module in keyed_cells: answers the given readings, in order."""
+
+    def __init__(self, *readings_ns):
+        self.readings = list(readings_ns)
+
+    def monotonic_ns(self):
+        return self.readings.pop(0) if len(self.readings) > 1 else self.readings[0]
+
+
+def test_a_clock_read_before_a_preemption_is_read_again_before_a_new_key_is_refused(monkeypatch):
+    """Keys inserted by others while this thread was preempted look in use against the clock it
+    read before: before refusing a new key for a full table, the clock is read once more.  (The
+    native step does the same with its own clock; the churn test across processes exercises it.)"""
+    t = Table("atomics", 16, 1)
+    then = 1_000_000  # ns
+    assert all(t.kt.acquire(f"k{k}", 1, 0, then << K.TICK_SHIFT) >= 0 for k in range(16))  # every slot limited
+    monkeypatch.setattr(KC, "time", _Clock(then, then + T))  # preempted after the first reading
+    assert t.kt.acquire("new", 1, 0) >= 0  # admitted: every bucket is full again by the second reading
+    assert t.c.load(K.REFUSED) == 0 and t.c.load(K.EVICTED) == 1
+    monkeypatch.setattr(KC, "time", _Clock(then))  # a clock that has not moved: still full, refused at once
+    assert t.kt.acquire("other", 1, 0) == KC.FULL
+    assert t.c.load(K.REFUSED) == 1
+
+
 @pytest.mark.parametrize("backend", BACKENDS)
 def test_dead_inserters_slots_are_reclaimed(backend):
     t = Table(backend, 16, 1)
