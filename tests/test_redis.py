@@ -248,11 +248,13 @@ def test_two_hosts_share_one_global_rate(R, redis_server, name):
         # each worker configures the upstream itself: whichever is elected leases with its own config
         procs = [p for h in hosts for p in start_workers(h, 2, seconds, configured(WORKER, name, redis_server.url,
                                                                                     rate, burst, lease_ttl=ttl))]
+        server0 = run_delay(redis_server.proc.pid)
         go(procs)
         # mid-run, Redis forgets the script: the fillers load it again and carry on
         wait_for(lambda: sum(shmlimit.inspect(h).upstream.leased for h in hosts) >= rate)
         redis_server.client().script_flush()
-        results = collect(procs)
+        results, delays = collect_witnessed(procs)
+        server1 = run_delay(redis_server.proc.pid)
         stats = [shmlimit.inspect(h) for h in hosts]
     finally:
         for h in hosts:
@@ -260,7 +262,12 @@ def test_two_hosts_share_one_global_rate(R, redis_server, name):
     stamps = sorted(t for r in results for t in r)
     # the documented bound: rate*(T + lease_ttl + d) + burst, d = one tick plus one round trip (50 ms here)
     assert max_excess(tag(results), 1.0) <= rate * (1.0 + ttl + 0.05) + burst
-    assert len(stamps) >= 0.9 * rate * seconds
+    # the rate, but for the time the machine kept a host's filler (in one of its two workers: off
+    # the CPU at most the longer of their delays; each host leases half the rate) or the server
+    # off the CPU (support.starvation); on a quiet machine both are ~0
+    held_up = [max([d for d in delays[i:i + 2] if d is not None], default=0.0) for i in (0, 2)]
+    server = server1 - server0 if server0 is not None and server1 is not None else 0.0
+    assert len(stamps) >= 0.9 * rate * seconds - rate / 2 * sum(held_up) - rate * server
     per_host = [len(results[0]) + len(results[1]), len(results[2]) + len(results[3])]
     assert min(per_host) >= 0.25 * sum(per_host)  # both hosts are fed
     for s in stats:
