@@ -74,7 +74,7 @@ class Request:
 
     __slots__ = (
         "att", "bucket", "n", "tokens", "deadline", "state", "ticket", "admitted", "granted", "place", "wake_ns",
-        "_waiting", "recorded",
+        "_waiting", "record",
     )
 
     def __init__(self, att: "Attachment", n: int, timeout: Optional[float]) -> None:
@@ -96,14 +96,17 @@ class Request:
         #: the last nap ends at this CLOCK_MONOTONIC instant, to sleep to precisely (None: roughly)
         self.wake_ns: Optional[int] = None
         self._waiting = False
-        self.recorded = False  # our ticket is recorded in our process slot
+        self.record: Optional[int] = None  # the record of our ticket in our process slot (its LEN offset)
 
     @classmethod
-    def holding(cls, att: "Attachment", n: int, ticket: int, tokens: int = 0) -> "Request":
+    def holding(
+        cls, att: "Attachment", n: int, ticket: int, tokens: int = 0, rec: Optional[int] = None
+    ) -> "Request":
         """A request that already holds ``ticket``, ``tokens`` long (the fast path's grab): it only waits.
 
         ``tokens`` 0: the length is not known for sure (the config changed
         under the grab), and the ticket can then never be given back.
+        ``rec``: the record the grab's first wait made of it already.
         """
         r = cls.__new__(cls)
         r.att, r.bucket, r.n, r.tokens, r.deadline = att, att.bucket, n, tokens, None
@@ -114,7 +117,7 @@ class Request:
         r.state = TICKET
         r._waiting = True
         att.waiting(+1)
-        r.recorded = tokens > 0 and att.record_ticket(ticket, tokens)
+        r.record = rec if rec is not None or tokens <= 0 else att.record_ticket(ticket, tokens)
         return r
 
     def clock(self) -> int:
@@ -164,11 +167,11 @@ class Request:
         than once, and after any exception at any step.
         """
         ticket, self.ticket = self.ticket, None
+        rec, self.record = self.record, None
         if ticket is not None and self.state == TICKET and not self.granted and self.tokens > 0:
-            self.att.give_back(ticket, self.tokens)
-        if self.recorded:
-            self.recorded = False
-            self.att.clear_ticket(self.tokens)
+            self.att.give_back(ticket, self.tokens, rec)  # its record stays, marked given
+        elif rec is not None:
+            self.att.clear_ticket(rec, self.tokens)
         if self._waiting:
             self._waiting = False
             self.att.waiting(-1)
@@ -245,7 +248,7 @@ class Request:
         if not self._waiting:
             self._waiting = True
             self.att.waiting(+1)
-        self.recorded = self.att.record_ticket(ticket, self.tokens)
+        self.record = self.att.record_ticket(ticket, self.tokens)
         return self._wait_ticket()
 
     def _wait_ticket(self) -> Step:
@@ -428,25 +431,29 @@ def wait_for_ticket(att: "Attachment", ticket: int, tokens: int) -> bool:
     away (counted among this process's queued callers meanwhile), and a ``Request`` only if it
     hands the wait back.
 
-    Interrupted in the native wait, it gives its ticket back (a granted one is covered already,
-    and giving back a covered range does nothing).  Not recorded in the process slot while
-    there (saving a saturated waiter the record's atomics): a process killed then leaves one
-    op of schedule queued.
+    The ticket is recorded in the process slot first (given back should the process die in the
+    wait), and given back if the native wait is interrupted (a granted one is covered already,
+    and giving back a covered range does nothing).
     """
     waiter = att.fast[3]
+    rec = att.record_ticket(ticket, tokens) if tokens else None
     if waiter is not None:
         try:
             rc = waiter.wait(ticket, 1, time.monotonic_ns() + MAX_NAP_NS, True)
-            if rc == WAIT_GRANTED:
+            if rc & WAIT_GRANTED:
+                if rc != WAIT_GRANTED:
+                    after_native_wait(att, rc)
+                if rec is not None:
+                    att.clear_ticket(rec, tokens)
                 return True
             after_native_wait(att, rc)
-            if rc & WAIT_GRANTED:
-                return True
         except BaseException:
             if tokens:
-                att.give_back(ticket, tokens)
+                att.give_back(ticket, tokens, rec)
+            elif rec is not None:
+                att.clear_ticket(rec, tokens)
             raise
-    return drive(Request.holding(att, 1, ticket, tokens))
+    return drive(Request.holding(att, 1, ticket, tokens, rec))
 
 
 _sleeper: list = []

@@ -12,7 +12,7 @@ fills at once).
 
 The attachment owns this process's words of the process table: the grants
 counter it adds to (``count``), the WAITING count of its queued callers
-(``waiting``) and the record of one waiter's ticket (``record_ticket``), and
+(``waiting``) and the records of its waiters' tickets (``record_ticket``), and
 the ticket ranges this process gives back (``give_back``, see ``giveback``).
 Everything else goes through the bucket.
 """
@@ -28,7 +28,7 @@ from .bucket import Bucket, GrabResult
 from .cells import MASK64, Cells, multi_gate
 from .errors import ConfigMismatchError, LimiterNotFoundError, SegmentError
 from .filler import FillerThread, Lease
-from .giveback import REAP_EVERY, Returns, ReturnsThread, clear, reap, record, take_over
+from .giveback import REAP_EVERY, Records, Returns, ReturnsThread, clear, clear_waiting, mark_given, reap, record, take_over
 from .header import Creation, open_segment
 from .registry import Registry
 from .segment import Segment, check_trust, current_inode, validate_name
@@ -91,6 +91,8 @@ class Attachment:
         #: the ticket ranges this process gave back, and the thread that skips them (started at the first)
         self.returns = Returns(self.bucket)
         self._returns_thread: Optional[ReturnsThread] = None
+        #: the ticket records of this process's slot (none while it has no slot)
+        self.records: Records = ()
         #: (grabber, grab within a timeout, the tokens each takes): a ticket they hand out is this long
         self.fast_grab: tuple = (None, None, 0)
         # The fast paths: [grabber, try, grab within a timeout], shared by reference with every
@@ -149,23 +151,39 @@ class Attachment:
         if self.waiting_off is not None:
             self.cells.fetch_add(self.waiting_off, delta & MASK64)
 
-    def record_ticket(self, ticket: int, tokens: int) -> bool:
-        """Record a waiter's ticket in this process's slot (if free), to be given back should the process die."""
-        return record(self.cells, self.slot, ticket, tokens)
+    def record_ticket(self, ticket: int, tokens: int) -> Optional[int]:
+        """Record a waiter's ticket in a free record of this process's slot, to be given back should
+        the process die; the record's LEN offset (None: none was free)."""
+        return record(self.cells, self.records, ticket, tokens)
 
-    def clear_ticket(self, tokens: int) -> None:
-        """The waiter that recorded its ticket leaves."""
-        clear(self.cells, self.slot, tokens)
+    def clear_ticket(self, rec: Optional[int], tokens: int) -> None:
+        """The waiter that recorded its ticket at ``rec`` leaves, granted."""
+        clear(self.cells, rec, tokens)
 
-    def give_back(self, ticket: int, tokens: int) -> None:
-        """A waiter leaves before its turn: the head will skip its range (see ``giveback``)."""
-        self.returns.give_back(ticket, tokens)
+    def give_back(self, ticket: int, tokens: int, rec: Optional[int] = None) -> None:
+        """A waiter leaves before its turn: the head will skip its range (see ``giveback``).
+
+        The range stays recorded in the slot (its waiter's record, ``rec``,
+        marked given; else a free one), so that it is still skipped should
+        this process exit or die before the head gets there.
+        """
+        if not mark_given(self.cells, rec, tokens):
+            rec = record(self.cells, self.records, ticket, tokens, given=True)
+        self.returns.give_back(ticket, tokens, rec)
         if self.returns.step() is not None:  # at once if the head is there already, else when it gets there
             self._skipper()
 
+    def adopt(self, ticket: int, tokens: int) -> None:
+        """Skip a range another process gave back or left recorded (``reap``, ``take_over``).
+
+        Recorded in this process's slot, marked given, as its own would be: should this process
+        die or leave before the head gets there, the next filler finds it.
+        """
+        self.returns.give_back(ticket, tokens, record(self.cells, self.records, ticket, tokens, given=True))
+
     def reap(self) -> int:
         """Give back the tickets recorded by dead processes; return how many (the filler's chore)."""
-        found = reap(self.cells, self.table, self.returns)
+        found = reap(self.cells, self.table, self.adopt)
         if found:
             self._skipper()
         return found
@@ -201,7 +219,8 @@ class Attachment:
             base = L.slot_offset(self.slot)
             self.grants_off = base + L.SLOT_GRANTS
             self.waiting_off = base + L.SLOT_WAITING
-            if take_over(self.cells, self.slot, self.returns):  # a killed predecessor's ticket
+            self.records = L.ticket_records(self.table.slots, self.slot)
+            if take_over(self.cells, self.records, self.adopt):  # a predecessor's tickets
                 self._skipper()
             self.lease = Lease(self.cells, self.slot)
             self.filler = FillerThread(self.bucket, self.lease, self.name, self._feed(), chores=self._chores)
@@ -235,12 +254,25 @@ class Attachment:
     def _leave(self) -> None:
         """Give this process's slot back, keeping the mapping (it registers again on its next use)."""
         if self.slot is not None and self.pid == os.getpid():
-            self.cells.store(L.slot_offset(self.slot) + L.SLOT_TICKET_LEN, 0)  # no record outlives a leave
+            self._keep_given_back()
             self.table.unregister(self.slot, self.pid)
+        self.records = ()
         self.slot, self.lease, self.filler, self.waiting_off = None, None, None, None
         self.grants_off = L.UNREG_GRANTS
         self.joined = self.in_use = False
         self.update_fast()
+
+    def _keep_given_back(self) -> None:
+        """Before a clean leave: no waiter's record outlives it, and every range this process gave
+        back and the head has not yet passed stays recorded, for the next filler to skip.
+
+        A waiter of ours still mid-call (closing under it) could otherwise be granted from a range
+        another process gave back.  The ranges are recorded as given (``reap`` takes those from a
+        slot nobody owns), so a process that exits leaves no one waiting for them.
+        """
+        clear_waiting(self.cells, self.records)
+        for end, tokens in self.returns.unrecorded():
+            record(self.cells, self.records, end, tokens, given=True)
 
     def _chores(self) -> Optional[float]:
         """What the elected filler does now and then: give back dead processes' tickets."""
@@ -285,6 +317,7 @@ class Attachment:
         self.returns = Returns(self.bucket)
         self._returns_thread = None
         self.slot, self.lease, self.filler, self.waiting_off = None, None, None, None
+        self.records = ()
         self.grants_off = L.UNREG_GRANTS
         self.joined = self.in_use = False
         self.update_fast()
@@ -301,10 +334,9 @@ class Attachment:
         if self._returns_thread is not None:
             self._returns_thread.stop()
         if self.slot is not None and self.pid == os.getpid():
-            # No record outlives a clean leave: a waiter of ours still mid-call (closing under it)
-            # could otherwise be granted from a range another process gave back.
-            self.cells.store(L.slot_offset(self.slot) + L.SLOT_TICKET_LEN, 0)
+            self._keep_given_back()
             self.table.unregister(self.slot, self.pid)
+            self.records = ()
         self.cells.close()
         self.seg.close()
 

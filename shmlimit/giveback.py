@@ -7,15 +7,19 @@ everyone behind it for its whole schedule.  It is given back instead:
 
 * **by the process itself** on cancel or interrupt: ``Request.end`` hands the
   range to its attachment's ``Returns``;
-* **by the filler for a dead process**: each waiter records its range in its
-  process slot (``SLOT_TICKET``, ``SLOT_TICKET_LEN``; one per process, the
-  first waiter to find the record free) while it waits; the elected filler
-  looks at the slots every ``REAP_EVERY`` seconds, and one whose owner is dead
-  and still holds a record has its range given back (``reap``); a process
-  that takes over a dead owner's slot first gives back what it finds
-  recorded there (``take_over``).  The CAS of ``SLOT_TICKET_LEN`` from the
-  record to 0 decides it: only the dead owner's record can be taken, once.
-  A process that leaves cleanly clears its record first.
+* **by the filler for a dead process**: each waiter records its range in one
+  of its process slot's records (``layout.ticket_records``: five per slot,
+  the first free one) while it waits; the elected filler looks at the
+  records every ``REAP_EVERY`` seconds, and one whose owner is dead has its
+  range given back (``reap``); a process that takes over a slot first gives
+  back what it finds recorded there (``take_over``).  The CAS of the
+  record's length to 0 decides it: only a dead owner's record can be taken,
+  once.
+* **after its process is gone**: a range given back stays recorded (marked
+  ``TICKET_GIVEN``) until the head has skipped it, and a clean leave keeps
+  such records (clearing its waiters' ones), so a process that exits or
+  closes before the head reaches a range it gave back leaves it to the next
+  filler's ``reap``.
 
 Giving back never moves the tail, which never moves backwards (so no range is
 ever handed out twice, and the replenish snapshots stay lower bounds: moving
@@ -28,10 +32,10 @@ the grants are what they would have been had the range never been taken, less
 that time, so the window bound ``rate*T + capacity`` holds.  Nothing is put
 back into the bucket.
 
-A range is skipped by whoever holds it, when the head reaches its start: a
-daemon thread of the process (``ReturnsThread``, started at the first range
-given back) sleeps until that instant (``Bucket.due_ns``), replenishes, and
-skips.  The owner of a range given back never waits on it again (it left, or
+A range is skipped by whoever holds it, when the head reaches its start (its
+record, if any, is then freed): a daemon thread of the process
+(``ReturnsThread``, started at the first range given back) sleeps until that
+instant (``Bucket.due_ns``), replenishes, and skips.  The owner of a range given back never waits on it again (it left, or
 it is dead), so no one is ever granted from it.
 
 Not given back: a ``reserve()``.  A reservation is a grant for later, not a
@@ -42,7 +46,7 @@ into the schedule this way).
 from __future__ import annotations
 
 import threading
-from typing import TYPE_CHECKING, List, Optional, Tuple
+from typing import TYPE_CHECKING, Callable, List, Optional, Tuple
 
 from . import layout as L
 from .bucket import diff
@@ -54,6 +58,11 @@ if TYPE_CHECKING:  # pragma: no cover
     from .bucket import Bucket
     from .cells import Cells
     from .table import ProcessTable
+
+#: A slot's records: (TICKET, TICKET_LEN) offsets (``layout.ticket_records``).
+Records = Tuple[Tuple[int, int], ...]
+#: Takes a range found recorded (its end, its tokens) to give it back.
+Give = Callable[[int, int], None]
 
 #: The filler looks for dead processes' recorded tickets this often (seconds).
 REAP_EVERY = 0.1
@@ -85,9 +94,9 @@ def skip(b: "Bucket", start: int, end: int) -> Optional[int]:
     handed out again: a given-back range stays nobody's.)
     The tokens that had reached the range before the skip (since the last
     replenish, at most) are lost, never passed on: carried over, they would
-    cover the tickets behind it all at once, a burst above the capacity.  In any window the grants are thus
-    what they would have been had the range never been taken, less that
-    lost time: the window bound holds.
+    cover the tickets behind it all at once, a burst above the capacity.
+    In any window the grants are thus what they would have been had the
+    range never been taken, less that lost time: the window bound holds.
     """
     c = b.cells
     while True:
@@ -106,78 +115,106 @@ def skip(b: "Bucket", start: int, end: int) -> Optional[int]:
             return diff(end, head)
 
 
-# ---- the record in the process slot --------------------------------------------------------------
+# ---- the records in the process slot -------------------------------------------------------------
 
 
-def record(cells: "Cells", slot: Optional[int], ticket: int, tokens: int) -> bool:
-    """Record ``ticket`` (``tokens`` long) in this process's slot, if the record is free; True if it was.
+def record(cells: "Cells", records: Records, ticket: int, tokens: int, given: bool = False) -> Optional[int]:
+    """Record ``ticket`` (``tokens`` long) in the first free one of ``records``; its LEN offset, None if none is free.
 
     The pair is written under ``TICKET_BUSY``, so a reader never combines one
-    ticket's end with another's length.
+    ticket's end with another's length.  ``given``: a range given back (any
+    process may take it once its owner is gone), not a waiter's.
     """
-    if slot is None or not 0 < tokens <= MAX_SPAN_TOKENS:
-        return False
-    base = L.slot_offset(slot)
-    if cells.load(base + L.SLOT_TICKET_LEN) != 0 or not cells.cas(base + L.SLOT_TICKET_LEN, 0, L.TICKET_BUSY):
-        return False
-    cells.store(base + L.SLOT_TICKET, ticket & MASK64)
-    cells.store(base + L.SLOT_TICKET_LEN, tokens)
-    return True
+    if not 0 < tokens <= MAX_SPAN_TOKENS:
+        return None
+    for end_off, len_off in records:
+        if cells.load(len_off) == 0 and cells.cas(len_off, 0, L.TICKET_BUSY):
+            cells.store(end_off, ticket & MASK64)
+            cells.store(len_off, tokens | (L.TICKET_GIVEN if given else 0))
+            return len_off
+    return None
 
 
-def clear(cells: "Cells", slot: Optional[int], tokens: int) -> None:
-    """The waiter that recorded its ticket leaves (granted or giving it back): the record is free."""
-    if slot is not None:
-        cells.cas(L.slot_offset(slot) + L.SLOT_TICKET_LEN, tokens, 0)
+def clear(cells: "Cells", len_off: Optional[int], tokens: int) -> None:
+    """The waiter that recorded its ticket at ``len_off`` leaves granted: the record is free."""
+    if len_off is not None:
+        cells.cas(len_off, tokens, 0)
 
 
-def reap(cells: "Cells", table: "ProcessTable", returns: "Returns") -> int:
-    """Give back every dead process's recorded ticket (into ``returns``); return how many.
+def mark_given(cells: "Cells", len_off: Optional[int], tokens: int) -> bool:
+    """The waiter that recorded its ticket at ``len_off`` gives it back: the record stays, marked given."""
+    return len_off is not None and cells.cas(len_off, tokens, tokens | L.TICKET_GIVEN)
 
+
+def clear_waiting(cells: "Cells", records: Records) -> None:
+    """A clean leave: no waiter's record outlives it (given-back ones stay, for whoever finds them)."""
+    for _, len_off in records:
+        v = cells.load(len_off)
+        if v and not v & L.TICKET_GIVEN:
+            cells.cas(len_off, v, 0)
+
+
+def reap(cells: "Cells", table: "ProcessTable", give: Give) -> int:
+    """Give back (``give(end, tokens)``) the ranges recorded by processes that are gone; return how many.
+
+    A waiter's record is taken from a dead owner; a given-back one from a dead
+    owner or from a slot left cleanly (its owner gave it back, then left or
+    exited before the head reached it).  A live owner's records are its own.
     The record is read (length, end, length again: a consistent pair) before
-    the owner is judged, so a record read while the owner's pid and start
-    say dead is the dead owner's: a new owner takes the slot (and may record)
-    only after changing them.  The CAS of the length to 0 takes the record
-    once; were it a new owner's equal length, the range given back is still
-    the dead owner's one that was read.
+    the owner is judged, so a record read while the owner's pid and start say
+    dead is the dead owner's: a new owner takes the slot (and may record) only
+    after changing them.  The CAS of the length to 0 takes the record once;
+    were it a new owner's equal length, the range given back is still the dead
+    owner's one that was read (giving back a range twice is giving it once:
+    the head skips it once).
     """
     found = 0
     for i in range(table.slots):
         base = L.slot_offset(i)
-        tokens = cells.load(base + L.SLOT_TICKET_LEN)
-        if tokens == 0 or tokens & L.TICKET_BUSY:
-            continue
-        end = cells.load(base + L.SLOT_TICKET)
-        if cells.load(base + L.SLOT_TICKET_LEN) != tokens:
-            continue
-        pid = cells.load(base + L.SLOT_PID)
-        # a slot given back cleanly (pid 0) holds no record; one whose owner lives is the owner's
-        if not pid or slot_alive(pid, cells.load(base + L.SLOT_START), cells.load(base + L.SLOT_PIDNS)):
-            continue
-        if not cells.cas(base + L.SLOT_TICKET_LEN, tokens, 0):
-            continue
-        if tokens <= MAX_SPAN_TOKENS:  # anything longer is no ticket (corrupt): drop the record
-            returns.give_back(end, tokens)
-            found += 1
+        owner: Optional[bool] = None  # the owner is alive (None: not looked at yet)
+        for end_off, len_off in L.ticket_records(table.slots, i):
+            v = cells.load(len_off)
+            if v == 0 or v & L.TICKET_BUSY:
+                continue
+            end = cells.load(end_off)
+            if cells.load(len_off) != v:
+                continue
+            pid = cells.load(base + L.SLOT_PID)
+            if owner is None:
+                owner = bool(pid) and slot_alive(pid, cells.load(base + L.SLOT_START), cells.load(base + L.SLOT_PIDNS))
+            # a live owner skips its own; a slot left cleanly (pid 0) holds no waiter's record
+            if owner or (not pid and not v & L.TICKET_GIVEN):
+                continue
+            if not cells.cas(len_off, v, 0):
+                continue
+            tokens = v & ~L.TICKET_GIVEN
+            if tokens <= MAX_SPAN_TOKENS:  # anything longer is no ticket (corrupt): drop the record
+                give(end, tokens)
+                found += 1
     return found
 
 
-def take_over(cells: "Cells", slot: int, returns: "Returns") -> bool:
-    """A process that just took ``slot`` gives back the ticket its predecessor left recorded there.
+def take_over(cells: "Cells", records: Records, give: Give) -> int:
+    """A process that just took a slot gives back the ranges its predecessor left recorded there.
 
-    A slot is taken from a dead owner (one that left cleanly clears its
-    record first), and the new owner has not recorded anything yet: a record
-    found here is the dead one's.  True if a range was given back.
+    A slot is taken from a dead owner or one that left cleanly (whose waiters'
+    records it cleared, keeping those given back), and the new owner has not
+    recorded anything yet: a record found here is a predecessor's.  Returns
+    how many ranges were given back.
     """
-    off = L.slot_offset(slot) + L.SLOT_TICKET_LEN
-    tokens = cells.load(off)
-    if tokens == 0:
-        return False
-    end = cells.load(L.slot_offset(slot) + L.SLOT_TICKET)
-    if not cells.cas(off, tokens, 0) or tokens & L.TICKET_BUSY or tokens > MAX_SPAN_TOKENS:
-        return False  # killed while writing its record (or a corrupt one): nothing to give back
-    returns.give_back(end, tokens)
-    return True
+    found = 0
+    for end_off, len_off in records:
+        v = cells.load(len_off)
+        if v == 0:
+            continue
+        end = cells.load(end_off)
+        if not cells.cas(len_off, v, 0) or v & L.TICKET_BUSY:
+            continue  # killed while writing its record: nothing to give back
+        tokens = v & ~L.TICKET_GIVEN
+        if tokens <= MAX_SPAN_TOKENS:  # anything longer is a corrupt record: dropped
+            give(end, tokens)
+            found += 1
+    return found
 
 
 # ---- the ranges a process gives back, and the thread that skips them ------------------------------
@@ -193,20 +230,28 @@ class Returns:
     def __init__(self, bucket: "Bucket") -> None:
         self.bucket = bucket
         self._lock = threading.Lock()
-        self._ranges: List[Tuple[int, int]] = []  # (start, end)
+        self._ranges: List[Tuple[int, int, Optional[int], int]] = []  # (start, end, its record's LEN offset, tokens)
         self.skipped = 0  # tokens skipped by this process (shown in tests)
         self._wake = threading.Event()
 
-    def give_back(self, ticket: int, tokens: int) -> None:
-        """The range ``[ticket - tokens, ticket)`` will be granted to no one: skip it when it is reached."""
+    def give_back(self, ticket: int, tokens: int, rec: Optional[int] = None) -> None:
+        """The range ``[ticket - tokens, ticket)`` will be granted to no one: skip it when it is reached.
+
+        ``rec``: the LEN offset of the record that holds it, marked given (freed once skipped).
+        """
         with self._lock:
-            self._ranges.append(((ticket - tokens) & MASK64, ticket & MASK64))
+            self._ranges.append(((ticket - tokens) & MASK64, ticket & MASK64, rec, tokens))
         self._wake.set()
 
     def pending(self) -> List[Tuple[int, int]]:
         """The ranges not yet skipped, ``(start, end)``."""
         with self._lock:
-            return list(self._ranges)
+            return [r[:2] for r in self._ranges]
+
+    def unrecorded(self) -> List[Tuple[int, int]]:
+        """The ranges not yet skipped and held in no record, ``(end, tokens)``: lost if this process goes."""
+        with self._lock:
+            return [(r[1], r[3]) for r in self._ranges if r[2] is None]
 
     def step(self) -> Optional[float]:
         """Skip every range the head has reached; return the seconds until the next is due, None if none is left."""
@@ -221,15 +266,17 @@ class Returns:
         replenished = False
         nap: Optional[float] = None
         for r in ranges:
-            got = skip(b, *r)
+            got = skip(b, r[0], r[1])
             if got is None and not replenished:
                 replenished = True  # the time up to now may bring the head there
                 b.refresh()
                 b.replenish()
-                got = skip(b, *r)
+                got = skip(b, r[0], r[1])
             if got is not None:
                 self.skipped += got
                 done.add(r)
+                if r[2] is not None:  # skipped: its record is free (unless someone took it already)
+                    b.cells.cas(r[2], r[3] | L.TICKET_GIVEN, 0)
                 continue
             nap = self._due_in(r[0])
             break  # the head is before this one: those behind it are further still

@@ -20,6 +20,7 @@ filler and the process table never false-share.
     line 11  UP_RECORD the ring of lease records, UP_LEASES, UP_NEXT_NS, UP_LINE_TAIL/HEAD
     lines 12..15 UP_DESC   the upstream's description (JSON), written once by the creator
     then SLOTS process slots of one line each: PID START GRANTS WAITING BASE PIDNS TICKET TICKET_LEN
+    then SLOTS ticket lines, one per slot: four more (TICKET, TICKET_LEN) records of its owner's
 
 Values that are not integers (rate, per, burst) are stored as IEEE-754 bits.
 """
@@ -30,7 +31,8 @@ import struct
 MAGIC = int.from_bytes(b"SHMLIMIT", "little")
 #: 2: capped mode counts ops in flight (INFLIGHT) instead of a ceil rover in tokens; the config
 #: is published in two checksummed banks (a stalled writer that resumes cannot corrupt it).
-VERSION = 2
+#: 3: every process slot has five ticket records (one in its line, four in its ticket line).
+VERSION = 3
 LINE = 64
 
 
@@ -154,12 +156,16 @@ SLOT_BASE = 32
 #: The inode of the owner's PID namespace (0: not recorded).  PID and START mean something only
 #: in that namespace: a process in another one (a container sharing /dev/shm) cannot judge them.
 SLOT_PIDNS = 40
-#: The ticket one of the owner's waiters holds, recorded so that it can be given back if the owner
+#: A ticket one of the owner's waiters holds, recorded so that it can be given back if the owner
 #: dies while queued (see ``giveback``): its end (the ticket) and its length in tokens.  LEN is 0
-#: when nothing is recorded, TICKET_BUSY while a waiter is writing the pair.
+#: when nothing is recorded, TICKET_BUSY while a waiter is writing the pair, and has TICKET_GIVEN
+#: set once the owner gave the range back (whoever finds it then may skip it).  This is the
+#: slot's first record; its ticket line (``ticket_records``) holds TICKET_RECORDS - 1 more.
 SLOT_TICKET = 48
 SLOT_TICKET_LEN = 56
 TICKET_BUSY = 1 << 63
+TICKET_GIVEN = 1 << 62
+TICKET_RECORDS = 5
 DEFAULT_SLOTS = 128
 #: The table can be no larger than the lease word can name.
 MAX_SLOTS = (1 << LEASE_SLOT_BITS) - 1
@@ -170,7 +176,16 @@ def slot_offset(index: int) -> int:
 
 
 def segment_size(slots: int) -> int:
-    return HEADER_BYTES + slots * SLOT_BYTES
+    return HEADER_BYTES + slots * (SLOT_BYTES + LINE)
+
+
+def ticket_records(slots: int, index: int) -> tuple:
+    """The (TICKET, TICKET_LEN) offsets of slot ``index``'s records, in a table of ``slots``."""
+    base = slot_offset(index)
+    line = HEADER_BYTES + slots * SLOT_BYTES + index * LINE
+    return ((base + SLOT_TICKET, base + SLOT_TICKET_LEN),) + tuple(
+        (line + 16 * k, line + 16 * k + 8) for k in range(TICKET_RECORDS - 1)
+    )
 
 
 def f2u(x: float) -> int:

@@ -21,7 +21,7 @@ from shmlimit.acquisition import Request
 from shmlimit.bucket import Bucket, diff
 from shmlimit.cells import native_available, open_cells
 from shmlimit.config import Config
-from shmlimit.giveback import Returns, skip
+from shmlimit.giveback import Returns, reap, skip
 from support.procs import WORKDIR, wait_for
 
 BACKENDS = ["atomics"] + (["native"] if native_available() else [])
@@ -245,9 +245,10 @@ def test_a_request_that_leaves_on_a_fake_clock_gives_back_and_clears_its_record(
         req = Request(att, 100, None)
         assert req.begin() > 0  # queued: 100 ms of schedule
         slot = L.slot_offset(att.slot)
-        assert att.cells.load(slot + L.SLOT_TICKET_LEN) == 100 * att.bucket.cost  # recorded
+        assert req.record == slot + L.SLOT_TICKET_LEN  # recorded, in the slot's first record
+        assert att.cells.load(slot + L.SLOT_TICKET_LEN) == 100 * att.bucket.cost
         req.end()  # left without being granted (an exception in the driver)
-        assert att.cells.load(slot + L.SLOT_TICKET_LEN) == 0
+        assert att.cells.load(slot + L.SLOT_TICKET_LEN) == 0  # given back and skipped at once: free
         assert diff(att.cells.load(L.HEAD), att.cells.load(L.TAIL)) == 0  # skipped at once: it was at the head
         assert att.returns.pending() == []
         # The first replenish after a skip adds nothing (its clamp is relative to a head read before
@@ -344,22 +345,31 @@ def test_reap_gives_back_only_a_dead_owners_record(name):
         assert ahead.begin() > 0
         req = Request(att, 100, None)
         assert req.begin() > 0
-        assert not req.recorded  # one record per process: the first waiter's
-        assert att.reap() == 0  # its owner (this process) is alive: nothing is taken
+        assert ahead.record is not None and req.record is not None  # each waiter its own record
+        behind = att.bucket.grab(att.bucket.cost, L.UNREG_GRANTS, 1)  # another process's, queued behind both
+        filler = Returns(att.bucket)  # another process's filler reaps
+        assert reap(att.cells, att.table, filler.give_back) == 0  # their owner (this process) is alive
         base = L.slot_offset(att.slot)
         att.cells.store(base + L.SLOT_START, att.cells.load(base + L.SLOT_START) + 1)  # "dead": another start
-        assert att.reap() == 1  # the first waiter's ticket, given back
-        assert att.cells.load(base + L.SLOT_TICKET_LEN) == 0
-        assert att.reap() == 0  # once
-        att.returns.step()
-        assert diff(att.cells.load(L.HEAD), ahead.ticket) == 0  # the dead owner's range, skipped ...
-        assert not att.bucket.covered(req.ticket)  # ... granting no one behind it
+        assert reap(att.cells, att.table, filler.give_back) == 2  # both waiters' tickets, given back
+        assert all(att.cells.load(rec) == 0 for _, rec in att.records)
+        assert reap(att.cells, att.table, filler.give_back) == 0  # once
+        filler.step()
+        assert diff(att.cells.load(L.HEAD), req.ticket) == 0  # the dead owner's ranges, skipped ...
+        assert not att.bucket.covered(behind)  # ... granting no one behind them
+        clock.now += 1_000_000
+        att.bucket.replenish()
+        clock.now += 1_000_000
+        att.bucket.replenish()
+        assert att.bucket.covered(behind)  # served after its own op's schedule, not 101 ops'
+        req.record = ahead.record = None
         # a corrupt record (no ticket of the queue) is dropped, never skipped
         att.cells.store(base + L.SLOT_TICKET, (att.cells.load(L.TAIL) + 10**9) % 2**64)
         att.cells.store(base + L.SLOT_TICKET_LEN, 2 * 10**9)
-        assert att.reap() == 1
+        assert reap(att.cells, att.table, filler.give_back) == 1
+        assert att.cells.load(base + L.SLOT_TICKET_LEN) == 0
         head = att.cells.load(L.HEAD)
-        assert att.returns.step() is None
+        assert filler.step() is None
         assert att.cells.load(L.HEAD) == head
         att.cells.store(base + L.SLOT_START, att.cells.load(base + L.SLOT_START) - 1)
         req.end()
@@ -378,12 +388,180 @@ def test_a_process_that_takes_a_dead_owners_slot_gives_back_its_recorded_ticket(
     Bucket.initialise(cells, Config.make(1000, burst=1), clock(), initial_ops=0)
     b = Bucket(cells, clock)
     ticket = b.grab(50 * b.cost, L.UNREG_GRANTS, 50)
-    assert record(cells, 1, ticket, 50 * b.cost)  # the dead owner's waiter
-    assert not record(cells, 1, ticket + 1, 1)  # one record per slot
+    second = b.grab(7 * b.cost, L.UNREG_GRANTS, 7)
+    recs = L.ticket_records(2, 1)
+    assert record(cells, recs, ticket, 50 * b.cost) == recs[0][1]  # the dead owner's waiters
+    assert record(cells, recs, second, 7 * b.cost, given=True) == recs[1][1]  # (one it gave back)
     r = Returns(b)
-    assert take_over(cells, 1, r)  # its successor finds it ...
-    assert r.pending() == [((ticket - 50 * b.cost) % 2**64, ticket)]  # ... and gives it back
-    assert cells.load(L.slot_offset(1) + L.SLOT_TICKET_LEN) == 0
-    assert not take_over(cells, 1, r)  # once
-    cells.store(L.slot_offset(1) + L.SLOT_TICKET_LEN, L.TICKET_BUSY)  # killed while writing its record
-    assert not take_over(cells, 1, r) and cells.load(L.slot_offset(1) + L.SLOT_TICKET_LEN) == 0
+    assert take_over(cells, recs, r.give_back) == 2  # its successor finds them ...
+    assert r.pending() == [((ticket - 50 * b.cost) % 2**64, ticket), ((second - 7 * b.cost) % 2**64, second)]
+    assert all(cells.load(rec) == 0 for _, rec in recs)
+    assert take_over(cells, recs, r.give_back) == 0  # once
+    cells.store(recs[0][1], L.TICKET_BUSY)  # killed while writing its record
+    assert take_over(cells, recs, r.give_back) == 0 and cells.load(recs[0][1]) == 0
+
+
+# ---- every waiter of a process is recorded; a range given back outlives its process ------------
+
+
+def test_every_waiter_of_a_process_has_a_record_up_to_the_slots_five(name):
+    clock = FakeClock()
+    lim = shmlimit.Limiter(name, rate=1000, burst=1, clock=clock)
+    try:
+        att = lim._att
+        empty(lim)
+        reqs = [Request(att, 1 + i, None) for i in range(L.TICKET_RECORDS + 1)]
+        for r in reqs:
+            assert r.begin() > 0
+        recs = [len_off for _, len_off in att.records]
+        assert [r.record for r in reqs] == recs + [None]  # one record each, while there is one
+        assert [att.cells.load(off) for off in recs] == [(1 + i) * att.bucket.cost for i in range(len(recs))]
+        reqs[1].end()  # interrupted: its record stays, marked given, until the head skips its range
+        assert att.cells.load(recs[1]) == 2 * att.bucket.cost | L.TICKET_GIVEN
+        for r in reqs:
+            r.end()
+        assert att.returns.step() is None  # all skipped: the head is at the tail ...
+        assert diff(att.cells.load(L.HEAD), att.cells.load(L.TAIL)) == 0
+        assert [att.cells.load(off) for off in recs] == [0] * len(recs)  # ... and every record is free
+    finally:
+        lim.close()
+
+
+def test_the_fast_paths_ticket_is_recorded_during_its_native_wait(name):
+    from shmlimit.acquisition import wait_for_ticket
+
+    clock = FakeClock()
+    lim = shmlimit.Limiter(name, rate=1000, burst=1, clock=clock)
+    try:
+        att = lim._att
+        empty(lim)
+        b = att.bucket
+        ticket = b.grab(b.cost, att.grants_off, 1)  # the fast path's grab of one op: it must wait
+        seen = []
+
+        class Interrupted:
+            """A native wait, interrupted (KeyboardInterrupt) while it waits: what was recorded then?"""
+
+            def wait(self, *args):
+                seen.append([att.cells.load(off) for _, off in att.records])
+                raise KeyboardInterrupt
+
+        att.fast[3] = Interrupted()
+        with pytest.raises(KeyboardInterrupt):
+            wait_for_ticket(att, ticket, b.cost)
+        assert seen == [[b.cost] + [0] * (L.TICKET_RECORDS - 1)]  # recorded before the wait
+        assert diff(att.cells.load(L.HEAD), ticket) == 0  # given back: skipped at once (it was at the head)
+        assert [att.cells.load(off) for _, off in att.records] == [0] * L.TICKET_RECORDS
+
+        class Granted:
+            def wait(self, *args):
+                seen.append([att.cells.load(off) for _, off in att.records])
+                clock.now += 1_000_000
+                b.replenish()
+                return 1
+
+        ticket = b.grab(b.cost, att.grants_off, 1)
+        att.fast[3] = Granted()
+        assert wait_for_ticket(att, ticket, b.cost) is True
+        assert seen[-1] == [b.cost] + [0] * (L.TICKET_RECORDS - 1)
+        assert [att.cells.load(off) for _, off in att.records] == [0] * L.TICKET_RECORDS  # granted: freed
+    finally:
+        att.fast[3] = None
+        lim.close()
+
+
+KILLED_THREADS = textwrap.dedent(
+    """
+    import sys, threading
+    import shmlimit
+    lim = shmlimit.attach(sys.argv[1])
+    lim.try_acquire()  # registered: its waiters record their tickets in its slot
+    for _ in range(int(sys.argv[2])):
+        threading.Thread(target=lim.acquire, daemon=True).start()  # one op each: the fast path
+    print("ready", flush=True)
+    threading.Event().wait()
+    """
+)
+
+
+def queued_records(cells, pid):
+    """The records held in ``pid``'s slot, if it has one and they are all written."""
+    slots = cells.load(L.SLOTS_OFF)
+    for i in range(slots):
+        if cells.load(L.slot_offset(i) + L.SLOT_PID) == pid:
+            lens = [cells.load(off) for _, off in L.ticket_records(slots, i)]
+            return [v for v in lens if v and not v & L.TICKET_BUSY]
+    return []
+
+
+@pytest.mark.slow
+def test_every_waiter_of_a_killed_process_is_given_back(name):
+    # One op is a minute's schedule: two waiters of the killed process hold two minutes of queue.
+    lim = shmlimit.Limiter(name, rate=1, per=60, burst=1)
+    try:
+        empty(lim)
+        cells = lim._att.cells
+        p = subprocess.Popen([sys.executable, "-c", KILLED_THREADS, name, "2"], stdout=subprocess.PIPE, text=True,
+                             cwd=WORKDIR)
+        try:
+            assert p.stdout.readline().strip() == "ready"
+            wait_for(lambda: len(queued_records(cells, p.pid)) == 2, timeout=30)  # both are queued, recorded
+        finally:
+            p.kill()
+            p.wait()
+            p.stdout.close()
+        assert diff(cells.load(L.TAIL), cells.load(L.HEAD)) > 0
+        # The filler (this process's) reaps both within REAP_EVERY; the head skips them: nothing is queued.
+        wait_for(lambda: diff(cells.load(L.TAIL), cells.load(L.HEAD)) <= 0, timeout=10)
+    finally:
+        lim.close()
+
+
+GIVES_BACK_AND_EXITS = textwrap.dedent(
+    """
+    import asyncio, sys
+    import shmlimit
+    lim = shmlimit.attach(sys.argv[1])
+    lim.try_acquire()  # registered
+    print("ready", flush=True)
+    sys.stdin.readline()
+
+    async def main():
+        try:
+            await asyncio.wait_for(lim.acquire_async(int(sys.argv[2])), 0.05)
+        except asyncio.TimeoutError:
+            pass
+
+    asyncio.run(main())  # queued behind the parent's ticket, then cancelled: it gives its ticket back ...
+    print(len(lim._att.returns.pending()), flush=True)  # ... which the head has not reached yet
+    """
+)
+
+
+@pytest.mark.slow
+def test_a_range_given_back_is_skipped_after_its_process_exits(name):
+    lim = shmlimit.Limiter(name, rate=10, burst=1)
+    try:
+        att = lim._att
+        empty(lim)
+        cells = att.cells
+        p = subprocess.Popen([sys.executable, "-c", GIVES_BACK_AND_EXITS, name, "600"], stdin=subprocess.PIPE,
+                             stdout=subprocess.PIPE, text=True, cwd=WORKDIR)
+        try:
+            assert p.stdout.readline().strip() == "ready"
+            ahead = Request(att, 50, None)  # five seconds of schedule, ahead of the child's minute
+            assert ahead.begin() > 0
+            p.stdin.write("go\n")
+            p.stdin.flush()
+            assert p.stdout.readline().strip() == "1"  # it gave back a range the head had not reached ...
+            assert p.wait(timeout=30) == 0  # ... and exited cleanly
+        finally:
+            p.kill()
+            p.wait()
+            p.stdout.close()
+            p.stdin.close()
+        ahead.end()  # the queue ahead of the child's range leaves too: the head reaches it
+        # the filler finds the range recorded as given back in the slot the child left, and skips it
+        wait_for(lambda: diff(cells.load(L.TAIL), cells.load(L.HEAD)) <= 0, timeout=10)
+    finally:
+        lim.close()
