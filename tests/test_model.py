@@ -24,7 +24,10 @@ After every step the invariants are checked:
 * no deadlock: once the clock has run long enough for the queue ahead, less the ranges given
   back ahead of it (and the limiter is not stopped), every pending ticket is granted and a new
   op can be had;
-* the config words are mutually consistent, and bad input changes no word.
+* the config words are mutually consistent, and bad input changes no word;
+* every range a dead process left -- its waiters' tickets, the ranges it gave back -- is
+  recorded where a filler's reap finds it (when the process never held more ranges at once
+  than its slot has records), and the next reap gives it to a live process to skip.
 """
 import mmap
 import os
@@ -45,7 +48,7 @@ from shmlimit.cells import native_available, open_cells
 from shmlimit.config import MAX_SPAN_TOKENS, NS_PER_S, Config
 from shmlimit.acquisition import TICKET, Request
 from shmlimit.attachment import Attachment
-from shmlimit.giveback import Returns
+from shmlimit.giveback import Returns, reap, take_over
 from shmlimit.table import ProcessTable, proc_start
 from shmlimit.limiter import Limiter
 from shmlimit.segment import Segment
@@ -77,6 +80,10 @@ class LimiterModel(RuleBasedStateMachine):
         self.procs = []
         self.pending = []  # (ticket, tokens, request or None) not yet covered by the head
         self.given_back = set()  # tickets given back: never grants
+        # ends of the ranges a dead process left (its waiters' tickets, the ranges it gave back), each
+        # to be found by the next filler's reap; and the most ranges each process held at once
+        self.must_reap = set()
+        self.most_held = {}
         self.grants = []  # (time_ns, tokens) of every grant observed
         self.released = 0
         self.granted_ops = 0  # capped mode: ops granted or queued (counted once taken)
@@ -150,15 +157,17 @@ class LimiterModel(RuleBasedStateMachine):
         # a slot of its own (this pid, its real start time: alive until the model kills it), so
         # that its waiters record their tickets there; no filler thread and no skipper thread
         att.slot = self.table.register(os.getpid(), proc_start(os.getpid()) or 0)
+        att.records = L.ticket_records(SLOTS, att.slot)
         att.joined = att.in_use = True  # its first use registers nothing more and starts no thread
         att.update_fast()
         give_back = att.returns.give_back
 
-        def noted(ticket, tokens):  # every range given back, skipped at once or later: never a grant
+        def noted(ticket, tokens, rec=None):  # every range given back, skipped at once or later: never a grant
             self.given_back.add(ticket)
-            give_back(ticket, tokens)
+            give_back(ticket, tokens, rec)
 
         att.returns.give_back = noted
+        take_over(att.cells, att.records, att.adopt)  # as a join does: a dead predecessor's records
         lim = Limiter.__new__(Limiter)
         lim._name = "model"
         lim._att = att
@@ -203,6 +212,7 @@ class LimiterModel(RuleBasedStateMachine):
         self.max_request = max(self.max_request, tokens)
         if now or diff(self.cells.load(L.HEAD), ticket) >= 0:
             self.grants.append((self.clock(), tokens))
+            self._granted(req)
         else:
             self.pending.append((ticket, tokens, req))
         if self.capped:
@@ -224,9 +234,38 @@ class LimiterModel(RuleBasedStateMachine):
                 continue
             if diff(head, ticket) >= 0:
                 self.grants.append((self.clock(), tokens))
+                self._granted(req)
             else:
                 still.append((ticket, tokens, req))
         self.pending = still
+        self._count_held()
+
+    def _granted(self, req):
+        """A live waiter whose ticket the head covered: its driver's next step grants it, and it ends."""
+        if req is not None and req.state == TICKET and any(req.att is p._att for p in self.procs):
+            assert req.next() is True
+            req.end()
+
+    def _held(self, att, every=False):
+        """The ends of the ranges ``att``'s process holds: its waiters' tickets and what it gave back
+        (or took from a dead process) and the head has not passed (``every``: or not yet skipped)."""
+        head = self.cells.load(L.HEAD)
+        ends = {t for t, _, r in self.pending if r is not None and r.att is att and t not in self.given_back}
+        ends = {e for e in ends if diff(head, e) < 0}
+        ranges = {end for _, end in att.returns.pending()}
+        return ends | (ranges if every else {e for e in ranges if diff(head, e) < 0})
+
+    def _count_held(self):
+        for p in self.procs:
+            k = id(p._att)
+            self.most_held[k] = max(self.most_held.get(k, 0), len(self._held(p._att, every=True)))
+
+    def _lost(self, found=()):
+        """The ranges dead processes left that no live process holds, the head has not passed,
+        and are not among ``found``."""
+        head = self.cells.load(L.HEAD)
+        held = {end for p in self.procs for _, end in p._att.returns.pending()}
+        return {e for e in self.must_reap if diff(head, e) < 0 and e not in held and e not in found}
 
     def _cost(self):
         return self.cells.load(L.CFG_COST)
@@ -438,14 +477,23 @@ class LimiterModel(RuleBasedStateMachine):
         """The filler's chore: the tickets dead processes recorded in their slots are given back."""
         self._proc(i)._att.reap()
         self._note_given_back()
+        # every range a dead process left (while it held no more than its slot's records) was found:
+        # it is now some live process's to skip, or the head has passed it
+        assert not self._lost(), "a range a dead process left was not given back by the filler's reap"
+        self.must_reap = set()
 
     @precondition(lambda self: len(self.procs) > 1)
     @rule(i=procs_idx)
     def process_dies(self, i):
-        # Its waiters die with it.  The ticket one of them recorded in its slot is given back once a
-        # filler reaps it; the others stay queued (and count, when the head passes them), and so do
-        # the ranges it held to skip.  Killed: its slot now names a process that no longer runs.
-        dead = self.procs.pop(i % len(self.procs))
+        # Its waiters die with it.  The tickets they recorded in its slot, and the ranges it gave
+        # back, are given back once a filler reaps them (all of them if it never held more than its
+        # slot's records at once); any others stay queued (and count, when the head passes them).
+        # Killed: its slot now names a process that no longer runs.
+        self._observe()
+        dead = self.procs[i % len(self.procs)]
+        if self.most_held.get(id(dead._att), 0) <= L.TICKET_RECORDS:
+            self.must_reap |= self._held(dead._att)  # each was recorded in its slot: none is lost
+        self.procs.remove(dead)
         self._note_given_back()
         base = L.slot_offset(dead._att.slot)
         self.cells.store(base + L.SLOT_START, self.cells.load(base + L.SLOT_START) + 1)
@@ -498,6 +546,19 @@ class LimiterModel(RuleBasedStateMachine):
     def starved_time_is_time(self):
         # what the clamp could not credit while callers queued: never more than the time passed
         assert 0 <= self.cells.load(L.STARVED_NS) <= self.clock.now - self.created_ns
+
+    @invariant()
+    def dead_ranges_recorded(self):
+        """Every range a dead process left (while it held no more than its slot's records) is
+        recorded where the next filler's reap finds it (looked at on a scratch copy)."""
+        if not self.must_reap or not self.procs:
+            return
+        scratch = mmap.mmap(-1, len(self.mm))
+        scratch[:] = self.mm[:]
+        cells = open_cells(scratch, len(scratch), BACKENDS[-1])
+        found = set()
+        reap(cells, ProcessTable(cells, SLOTS), lambda end, tokens: found.add(end))
+        assert not self._lost(found), "a range a dead process left is recorded nowhere: it stays queued"
 
     @invariant()
     def capped_in_flight(self):
