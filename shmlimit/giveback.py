@@ -146,6 +146,16 @@ def mark_given(cells: "Cells", len_off: Optional[int], tokens: int) -> bool:
     return len_off is not None and cells.cas(len_off, tokens, tokens | L.TICKET_GIVEN)
 
 
+def free_given(cells: "Cells", len_off: int, end: int, tokens: int) -> None:
+    """The range ending at ``end`` recorded (given back) at ``len_off`` was skipped: free its record.
+
+    Only if the record still holds that range: one taken meanwhile (a filler's ``reap`` of a slot
+    this process left) may hold another's range of the same length, which must stay recorded.
+    """
+    if cells.load(len_off - 8) == end & MASK64:  # the record's TICKET: the word before its LEN
+        cells.cas(len_off, tokens | L.TICKET_GIVEN, 0)
+
+
 def clear_waiting(cells: "Cells", records: Records) -> None:
     """A clean leave: no waiter's record outlives it (given-back ones stay, for whoever finds them)."""
     for _, len_off in records:
@@ -276,7 +286,7 @@ class Returns:
                 self.skipped += got
                 done.add(r)
                 if r[2] is not None:  # skipped: its record is free (unless someone took it already)
-                    b.cells.cas(r[2], r[3] | L.TICKET_GIVEN, 0)
+                    free_given(b.cells, r[2], r[1], r[3])
                 continue
             nap = self._due_in(r[0])
             break  # the head is before this one: those behind it are further still

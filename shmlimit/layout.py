@@ -160,7 +160,8 @@ SLOT_PIDNS = 40
 #: dies while queued (see ``giveback``): its end (the ticket) and its length in tokens.  LEN is 0
 #: when nothing is recorded, TICKET_BUSY while a waiter is writing the pair, and has TICKET_GIVEN
 #: set once the owner gave the range back (whoever finds it then may skip it).  This is the
-#: slot's first record; its ticket line (``ticket_records``) holds TICKET_RECORDS - 1 more.
+#: slot's first record; its ticket line (``ticket_records``) holds TICKET_RECORDS - 1 more.  In
+#: every record TICKET is the word just before TICKET_LEN.
 SLOT_TICKET = 48
 SLOT_TICKET_LEN = 56
 TICKET_BUSY = 1 << 63

@@ -565,3 +565,26 @@ def test_a_range_given_back_is_skipped_after_its_process_exits(name):
         wait_for(lambda: diff(cells.load(L.TAIL), cells.load(L.HEAD)) <= 0, timeout=10)
     finally:
         lim.close()
+
+
+def test_a_skipped_range_frees_only_its_own_record():
+    from shmlimit.giveback import record
+
+    size = L.segment_size(1)
+    cells = open_cells(mmap.mmap(-1, size), size, BACKENDS[-1])
+    clock = FakeClock()
+    Bucket.initialise(cells, Config.make(1000, burst=1), clock(), initial_ops=0)
+    b = Bucket(cells, clock)
+    recs = L.ticket_records(1, 0)
+    mine = b.grab(5 * b.cost, L.UNREG_GRANTS, 5)
+    rec = record(cells, recs, mine, 5 * b.cost, given=True)
+    r = Returns(b)
+    r.give_back(mine, 5 * b.cost, rec)
+    # meanwhile a filler took the record (this process had left the slot) and another range of
+    # the same length, given back by someone else, was recorded there
+    other = b.grab(5 * b.cost, L.UNREG_GRANTS, 5)
+    cells.store(rec, 0)
+    assert record(cells, recs, other, 5 * b.cost, given=True) == rec
+    assert r.step() is None  # mine is skipped (it was at the head) ...
+    assert cells.load(rec) == 5 * b.cost | L.TICKET_GIVEN  # ... and the other's record stays
+    assert cells.load(rec - 8) == other
