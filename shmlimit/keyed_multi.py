@@ -210,6 +210,18 @@ class MultiKeyedLimiter:
         t = validate_timeout(timeout)
         return None if t is None else self._now() + int(t * TICKS_PER_S)
 
+    def _step(self, key: object, ops: Tuple[int, ...], deadline: Optional[int]) -> Union[bool, float]:
+        """One non-blocking try for ``acquire``'s drivers: True (granted) or False (refused for
+        good), else the seconds to sleep before the next try."""
+        ok, w = self._attempt(key, ops)
+        if ok:
+            return True
+        if w in (KC.NEVER, KC.FULL):
+            return self._failed(w, ops, deadline is not None)
+        if deadline is not None and self._now() + w > deadline:
+            return False
+        return max(w, 1) / TICKS_PER_S
+
     def acquire(self, key: object, n: int = 1, timeout: Optional[float] = None, **costs: int) -> bool:
         """Take the ops of ``key`` from every rate, waiting until all allow them; True once granted.
 
@@ -218,31 +230,17 @@ class MultiKeyedLimiter:
         it.  Untimed, a cost above a rate's burst raises ``ValueError`` and a
         full table ``KeyTableFullError``; timed, both return False.
         """
-        ops = self._ops(n, costs)
-        deadline = self._deadline(timeout)
-        while True:
-            ok, w = self._attempt(key, ops)
-            if ok:
-                return True
-            if w in (KC.NEVER, KC.FULL):
-                return self._failed(w, ops, deadline is not None)
-            if deadline is not None and self._now() + w > deadline:
-                return False
-            self._sleep(max(w, 1) / TICKS_PER_S)
+        ops, deadline = self._ops(n, costs), self._deadline(timeout)
+        while not isinstance(step := self._step(key, ops, deadline), bool):
+            self._sleep(step)
+        return step
 
     async def acquire_async(self, key: object, n: int = 1, timeout: Optional[float] = None, **costs: int) -> bool:
         """``acquire`` for asyncio: waits with ``asyncio.sleep``, never blocking the event loop."""
-        ops = self._ops(n, costs)
-        deadline = self._deadline(timeout)
-        while True:
-            ok, w = self._attempt(key, ops)
-            if ok:
-                return True
-            if w in (KC.NEVER, KC.FULL):
-                return self._failed(w, ops, deadline is not None)
-            if deadline is not None and self._now() + w > deadline:
-                return False
-            await asyncio.sleep(max(w, 1) / TICKS_PER_S)
+        ops, deadline = self._ops(n, costs), self._deadline(timeout)
+        while not isinstance(step := self._step(key, ops, deadline), bool):
+            await asyncio.sleep(step)
+        return step
 
     def _sleep(self, seconds: float) -> None:
         """Sleep the wait a peek found, on the real clock (tests with a clock replace this)."""
