@@ -7,6 +7,7 @@ import posix_ipc
 import pytest
 
 from shmlimit.cells import MASK64, Cells, native_available, selected_backend
+from support.procs import run_processes
 from support.cells import BACKENDS, REQUIRE_NATIVE, SIZE, backend, cells, cells_for, segment  # noqa: F401 (fixtures)
 
 
@@ -171,13 +172,6 @@ def test_racing_try_grabs_never_over_grant(backend, segment, method):
     c = cells_for(mm, SIZE, backend)
     c.store(64, 0)  # tail
     c.store(128, 3 * 500 + 2)  # head: 500 grabs of 3 fit, the remainder 2 does not
-    ctx = mp.get_context(method)
-    q = ctx.Queue()
-    procs = [ctx.Process(target=_taker, args=(name, backend, q)) for _ in range(4)]
-    for p in procs:
-        p.start()
-    got = [q.get(timeout=120) for _ in procs]
-    for p in procs:
-        p.join(60)
+    got = run_processes(mp.get_context(method), _taker, [(name, backend)] * 4)
     assert sum(got) == 500 and c.load(192) == 500 and c.load(64) == 1500
     c.close()

@@ -18,6 +18,7 @@ import shmlimit
 from shmlimit.cells import MASK64, open_cells
 from shmlimit.composites import Gate
 
+from support.procs import run_processes
 from support.cells import BACKENDS, backend, cells, cells_for, segment  # noqa: F401 (fixtures)
 
 SEQ, TAIL, HEAD, CEIL, TS, GRANTS = 8, 64, 128, 192, 256, 320
@@ -299,14 +300,7 @@ def test_racing_processes_share_the_head_exactly(backend, segment, kind):  # noq
     c.store(TAIL, 0)
     c.store(HEAD, 3 * 500 + 2)  # 500 grants of 3 fit, the remainder 2 does not
     c.store(TS, now_ns() + 10**12)
-    ctx = mp.get_context("fork")
-    q = ctx.Queue()
-    procs = [ctx.Process(target=_racer, args=(name, backend, kind, q)) for _ in range(4)]
-    for p in procs:
-        p.start()
-    out = [q.get(timeout=120) for _ in procs]
-    for p in procs:
-        p.join(60)
+    out = run_processes(mp.get_context("fork"), _racer, [(name, backend, kind)] * 4)
     granted = sum(g for g, _ in out)
     tickets = sorted(t for _, ts in out for t in ts)
     assert granted == 500 and c.load(GRANTS) == 500

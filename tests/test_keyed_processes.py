@@ -11,6 +11,7 @@ import pytest
 
 import shmlimit
 from shmlimit import keyed_layout as K
+from support.procs import run_processes
 
 RATE, BURST, KEYS, WORKERS, SECONDS = 20.0, 2, 200, 4, 1.0
 
@@ -203,13 +204,8 @@ def test_concurrent_first_uses_of_the_same_keys_insert_each_once(name):
     lim = shmlimit.KeyedLimiter(name, rate=1, per=3600, burst=1, keys=1024)
     keys = [f"same-{i}" for i in range(300)]
     ctx = mp.get_context("fork")
-    barrier, q = ctx.Barrier(WORKERS), ctx.Queue()
-    procs = [ctx.Process(target=_race, args=(name, keys, barrier, q)) for _ in range(WORKERS)]
-    for p in procs:
-        p.start()
-    results = [q.get(timeout=120) for _ in procs]
-    for p in procs:
-        p.join()
+    barrier = ctx.Barrier(WORKERS)
+    results = run_processes(ctx, _race, [(name, keys, barrier)] * WORKERS)
     per_key = [sum(r[i] for r in results) for i in range(len(keys))]
     assert per_key == [1] * len(keys)  # one grant per key: never two slots, never two full buckets
     states = _slot_states(name, 1024)

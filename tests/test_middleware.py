@@ -12,6 +12,7 @@ import pytest
 import shmlimit
 from shmlimit.integrations.asgi import RateLimitMiddleware as ASGILimit
 from shmlimit.integrations.wsgi import RateLimitMiddleware as WSGILimit
+from support.aio import LoopTicker
 from support.servers import BIN, Server, get
 
 RATELIMIT = re.compile(r'^"default";r=(\d+);t=(\d+)$')
@@ -80,22 +81,11 @@ def test_asgi_wait_mode_queues_without_blocking_the_loop(name):
     app = ASGILimit(_hello, limiter=lim, max_wait=2.0)
 
     async def main():
-        ticks = 0
-        stop = False
-
-        async def ticker():
-            nonlocal ticks
-            while not stop:
-                ticks += 1
-                await asyncio.sleep(0.005)
-
-        t = asyncio.ensure_future(ticker())
-        start = time.monotonic()
-        statuses = [s for s, _ in await asyncio.gather(*(call(app) for _ in range(16)))]
-        elapsed = time.monotonic() - start
-        stop = True
-        await t
-        return statuses, elapsed, ticks
+        async with LoopTicker(0.005) as ticker:
+            start = time.monotonic()
+            statuses = [s for s, _ in await asyncio.gather(*(call(app) for _ in range(16)))]
+            elapsed = time.monotonic() - start
+        return statuses, elapsed, ticker.ticks
 
     statuses, elapsed, ticks = asyncio.run(main())
     assert statuses == [200] * 16  # queued, none refused: 16 ops at 20/s fit max_wait

@@ -21,7 +21,7 @@ from shmlimit import layout as L
 from shmlimit.cells import MASK64, native_available, selected_backend
 from shmlimit.sleep import SLACK_NS
 from support.clock import FakeClock
-from support.procs import WORKDIR, wait_for
+from support.procs import WORKDIR, acquire_for, run_processes, wait_for
 
 pytestmark = pytest.mark.skipif(
     not native_available() or selected_backend() != "native", reason="the native wait is the native backend's"
@@ -123,11 +123,7 @@ def test_a_waiter_bound_to_a_replaced_config_touches_nothing(name):
 
 def _counting_worker(name, seconds, q):
     lim = shmlimit.attach(name)
-    grants = 0
-    end = time.monotonic() + seconds
-    while time.monotonic() < end:
-        lim.acquire()
-        grants += 1
+    grants = acquire_for(lim.acquire, seconds)
     w = lim._att.fast[3]
     q.put((grants, w.naps if w is not None else None))
 
@@ -137,19 +133,7 @@ def test_waiters_wait_natively_about_once_per_turn(name):
     """4 processes saturating 400/s: each waits in the native loop, one sleep per grant or so."""
     lim = shmlimit.Limiter(name, rate=400)
     lim.close()
-    ctx = mp.get_context("fork")
-    q = ctx.Queue()
-    procs = [ctx.Process(target=_counting_worker, args=(name, 1.5, q)) for _ in range(4)]
-    for p in procs:
-        p.start()
-    try:
-        out = [q.get(timeout=60) for _ in procs]
-    finally:
-        for p in procs:
-            p.join(30)
-            if p.is_alive():
-                p.kill()
-                p.join()
+    out = run_processes(mp.get_context("fork"), _counting_worker, [(name, 1.5)] * 4, timeout=60)
     assert all(naps is not None for _, naps in out), out
     grants = sum(g for g, _ in out)
     naps = sum(n for _, n in out)

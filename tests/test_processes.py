@@ -9,7 +9,7 @@ import time
 import pytest
 
 import shmlimit
-from support.procs import WORKDIR, collect, collect_witnessed, go, start_workers, wait_for
+from support.procs import WORKDIR, collect, collect_witnessed, go, run_processes, stamp_until, start_workers, wait_for
 from support.starvation import floor, run_delay, total
 from support.windows import max_excess, max_gap, tag
 
@@ -31,15 +31,9 @@ def _init_worker(barrier):
 def _grab_for(lim, seconds):
     """Grant times for ``seconds``, and how long this worker waited runnable for a CPU meanwhile."""
     delay0 = run_delay()
-    end = time.monotonic() + seconds
-    stamps = []
-    while True:
-        lim.acquire()
-        t = time.monotonic()
-        if t > end:
-            delay1 = run_delay()
-            return stamps, None if delay0 is None or delay1 is None else delay1 - delay0
-        stamps.append(t)
+    stamps = stamp_until(lim.acquire, time.monotonic() + seconds)
+    delay1 = run_delay()
+    return stamps, None if delay0 is None or delay1 is None else delay1 - delay0
 
 
 @pytest.mark.parametrize("method", ["fork", "spawn"])
@@ -154,7 +148,7 @@ def test_rovers_wrapping_mid_run_change_nothing(name, base):
 # ---- racing creators ------------------------------------------------------------------
 
 
-def _create(name, barrier, q, rate):
+def _create(name, barrier, rate, q):
     barrier.wait(timeout=60)
     lim = None
     try:
@@ -176,13 +170,7 @@ def test_concurrent_creation_initialises_once(name, method):
     ctx = mp.get_context(method)
     n = 8
     barrier = ctx.Barrier(n)
-    q = ctx.Queue()
-    procs = [ctx.Process(target=_create, args=(name, barrier, q, 100)) for _ in range(n)]
-    for p in procs:
-        p.start()
-    results = [q.get(timeout=60) for _ in range(n)]
-    for p in procs:
-        p.join(30)
+    results = run_processes(ctx, _create, [(name, barrier, 100)] * n, timeout=60)
     assert [r[0] for r in results] == ["ok"] * n
     assert sum(1 for r in results if r[1]) == 1
     assert len({r[2] for r in results}) == 1
@@ -193,13 +181,7 @@ def test_concurrent_creators_with_different_configs_get_a_clear_error(name):
     ctx = mp.get_context("fork")
     n = 6
     barrier = ctx.Barrier(n)
-    q = ctx.Queue()
-    procs = [ctx.Process(target=_create, args=(name, barrier, q, 100 if i % 2 else 200)) for i in range(n)]
-    for p in procs:
-        p.start()
-    results = [q.get(timeout=60) for _ in range(n)]
-    for p in procs:
-        p.join(30)
+    results = run_processes(ctx, _create, [(name, barrier, 100 if i % 2 else 200) for i in range(n)], timeout=60)
     oks = [r for r in results if r[0] == "ok"]
     bad = [r for r in results if r[0] == "mismatch"]
     assert len(oks) == 3 and len(bad) == 3 and sum(r[1] for r in oks) == 1

@@ -11,7 +11,7 @@ import pytest
 
 import shmlimit
 from support.clock import FakeClock
-from support.procs import STAMPER, WORKER, Stampers, collect, collect_witnessed, go, run_cli, start_workers, wait_for
+from support.procs import ATTACH, STAMPER, WORKER, Stampers, collect, collect_witnessed, configured, go, run_cli, start_workers, wait_for
 from support.starvation import Stalls, run_delay
 from support.windows import max_excess, max_gap, tag
 
@@ -206,22 +206,6 @@ def direct_worker(rate, burst, url):
     return WORKER.replace(ATTACH, "from shmlimit.redis import RedisLimiter\n" + make)
 
 
-ATTACH = "lim = shmlimit.attach(sys.argv[1])"
-
-
-def configured(script, gname, url, rate, burst=None, **options):
-    """``script`` whose process configures the hierarchical limiter itself (argv[1] is the host's name).
-
-    Only a process that configured the upstream feeds the bucket from Redis:
-    one that merely attaches by name never connects anywhere.
-    """
-    assert ATTACH in script
-    make = (f"from shmlimit.redis import RedisLimiter\n"
-            f"lim = shmlimit.Limiter(sys.argv[1], upstream=RedisLimiter({gname!r}, rate={rate}, burst={burst}, "
-            f"url={url!r}), **{options!r})")
-    return script.replace(ATTACH, make)
-
-
 def run_workers(name, count, seconds, script=WORKER):
     procs = start_workers(name, count, seconds, script)
     go(procs)
@@ -368,7 +352,8 @@ def test_leased_tokens_expire_and_every_leased_op_is_accounted_for(R, redis_serv
         lim.close()
 
 
-SLOW = WORKER.replace("    lim.acquire()\n", "    lim.acquire()\n    time.sleep(0.02)  # a quiet host: about 50 ops/s\n")
+# a quiet host: about 50 ops/s
+SLOW = WORKER.replace("stamp_until(lim.acquire,", "stamp_until(lambda: lim.acquire() and time.sleep(0.02),")
 
 
 def test_busy_hosts_lease_bigger_batches(R, redis_server, name):

@@ -4,18 +4,9 @@ master, each started by the test, with a slot migration and a failover in the mi
 import pytest
 
 import shmlimit
-from support.procs import WORKER, collect, go, start_workers, wait_for
+from support.procs import WORKER, collect, configured, go, start_workers, wait_for
 from support.redis_server import RedisClusterServers, SentinelServers, require
 from support.windows import max_excess, tag
-
-ATTACH = "lim = shmlimit.attach(sys.argv[1])"
-
-
-def configured(gname, url, rate, burst, **options):
-    make = (f"from shmlimit.redis import RedisLimiter\n"
-            f"lim = shmlimit.Limiter(sys.argv[1], upstream=RedisLimiter({gname!r}, rate={rate}, burst={burst}, "
-            f"url={url!r}), **{options!r})")
-    return WORKER.replace(ATTACH, make)
 
 
 @pytest.fixture(scope="module")
@@ -60,7 +51,7 @@ def test_cluster_hierarchical_survives_a_slot_migration_within_the_bound(cluster
     """Two hosts on a 3-master cluster; mid-run the key's slot moves to another master."""
     rate, burst, seconds, ttl = 200, 20, 3.0, 0.1
     hosts = [f"{name}-a", f"{name}-b"]
-    script = configured(name, cluster.url, rate, burst, lease_ttl=ttl)
+    script = configured(WORKER, name, cluster.url, rate, burst, lease_ttl=ttl)
     key = f"shmlimit:{{{name}}}:gcra"
     procs = [p for h in hosts for p in start_workers(h, 2, seconds, script)]
     try:
@@ -93,7 +84,7 @@ def test_sentinel_url_and_a_failover_mid_run(sentinel, name):
     promotes the replica.  The host stays within the bound (plus what replication had not copied:
     at most the reserved lead and the burst) and is fed again by the new master."""
     rate, burst, seconds, ttl = 100, 10, 4.0, 0.1
-    script = configured(name, sentinel.url, rate, burst, lease_ttl=ttl)
+    script = configured(WORKER, name, sentinel.url, rate, burst, lease_ttl=ttl)
     procs = start_workers(f"{name}-h", 2, seconds, script)
     old = sentinel.current_master_port()
     try:

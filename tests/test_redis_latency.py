@@ -3,18 +3,9 @@ of its own, each through a delaying TCP proxy (1, 3 and 5 ms each way), one of t
 import time
 
 import shmlimit
-from support.procs import WORKER, collect, go, start_workers, wait_for
+from support.procs import WORKER, collect, configured, go, start_workers, wait_for
 from support.proxy import DelayProxy
 from support.windows import max_excess, tag
-
-ATTACH = "lim = shmlimit.attach(sys.argv[1])"
-
-
-def configured(gname, url, rate, burst, **options):
-    make = (f"from shmlimit.redis import RedisLimiter\n"
-            f"lim = shmlimit.Limiter(sys.argv[1], upstream=RedisLimiter({gname!r}, rate={rate}, burst={burst}, "
-            f"url={url!r}), **{options!r})")
-    return WORKER.replace(ATTACH, make)
 
 
 def test_three_hosts_behind_latency_hold_the_global_rate_and_survive_a_cut(redis_server, name):
@@ -24,7 +15,7 @@ def test_three_hosts_behind_latency_hold_the_global_rate_and_survive_a_cut(redis
     procs = []
     try:
         for h, p in zip(hosts, proxies):
-            procs.append(start_workers(h, 2, seconds, configured(name, p.url(), rate, burst, lease_ttl=ttl)))
+            procs.append(start_workers(h, 2, seconds, configured(WORKER, name, p.url(), rate, burst, lease_ttl=ttl)))
         go([w for ws in procs for w in ws])
         t0 = time.monotonic()
         wait_for(lambda: all(shmlimit.inspect(h).upstream.leased > 0 for h in hosts))

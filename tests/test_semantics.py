@@ -11,7 +11,8 @@ import pytest
 
 import shmlimit
 from shmlimit import layout as L
-from support.procs import wait_for
+from support.aio import LoopTicker
+from support.procs import run_processes, wait_for
 from support.starvation import assert_rate, least, run_delay, total
 from support.windows import max_excess, tag
 
@@ -238,13 +239,8 @@ def test_reservations_from_many_processes_get_distinct_slots(name):
     lim = shmlimit.Limiter(name, rate=50, burst=1, initial=0)
     ctx = mp.get_context("spawn")
     n = 6
-    barrier, q = ctx.Barrier(n), ctx.Queue()
-    procs = [ctx.Process(target=_reserve_one, args=(lim, barrier, q)) for _ in range(n)]
-    for p in procs:
-        p.start()
-    slots = [q.get(timeout=60) for _ in range(n)]
-    for p in procs:
-        p.join(30)
+    barrier = ctx.Barrier(n)
+    slots = run_processes(ctx, _reserve_one, [(lim, barrier)] * n, timeout=60)
     assert_grid(slots, 0.02)  # one slot each, 1/rate apart
     lim.close()
 
@@ -262,14 +258,7 @@ def _backoff(lim, seconds, q):
 def test_pessimistic_backoff_shares_the_rate_without_starving_anyone(name):
     rate = 200
     lim = shmlimit.Limiter(name, rate=rate, burst=2)
-    ctx = mp.get_context("fork")
-    q = ctx.Queue()
-    procs = [ctx.Process(target=_backoff, args=(lim, 2.0, q)) for _ in range(4)]
-    for p in procs:
-        p.start()
-    results = [q.get(timeout=60) for _ in procs]
-    for p in procs:
-        p.join(30)
+    results = run_processes(mp.get_context("fork"), _backoff, [(lim, 2.0)] * 4, timeout=60)
     stamps = [t for r in results for t in r]
     lim.close()
     assert max_excess(tag(results), 1.0) <= rate + 2
@@ -479,24 +468,13 @@ def test_acquire_async_never_blocks_the_loop(name):
     lim = shmlimit.Limiter(name, rate=50, burst=1, initial=0)
 
     async def main():
-        ticks = 0
-        done = False
-
-        async def ticker():
-            nonlocal ticks
-            while not done:
-                ticks += 1
-                await asyncio.sleep(0.005)
-
-        t = asyncio.create_task(ticker())
-        for _ in range(5):
-            assert await lim.acquire_async()
-        async with lim:
-            pass
-        assert await lim.acquire_async(1, timeout=0.001) is False
-        done = True
-        await t
-        return ticks
+        async with LoopTicker(0.005) as ticker:
+            for _ in range(5):
+                assert await lim.acquire_async()
+            async with lim:
+                pass
+            assert await lim.acquire_async(1, timeout=0.001) is False
+        return ticker.ticks
 
     ticks = asyncio.run(main())
     took = time.monotonic() - t0

@@ -11,7 +11,7 @@ import threading
 import pytest
 
 import shmlimit
-from support.procs import WORKDIR, wait_for
+from support.procs import WORKDIR, run_processes, wait_for
 from support.servers import BIN, Server, get
 
 
@@ -231,17 +231,8 @@ def test_workers_booting_together_on_an_old_config_all_boot(name):
         old = shmlimit.attach(name)
         old.set_rate(10)
         old.close()
-        barrier, out = ctx.Barrier(4), ctx.Queue()
-        procs = [ctx.Process(target=_race_to_open, args=(name, 20 + rnd, barrier, out)) for _ in range(4)]
-        for q in procs:
-            q.start()
-        try:
-            got = [out.get(timeout=60) for _ in procs]
-        finally:
-            for q in procs:
-                q.join(30)
-                q.kill()
-                q.join()
+        barrier = ctx.Barrier(4)
+        got = run_processes(ctx, _race_to_open, [(name, 20 + rnd, barrier)] * 4, timeout=60)
         assert got == [20.0 + rnd] * 4, got
 
 

@@ -13,7 +13,7 @@ import shmlimit
 from shmlimit import acquisition as LM
 from shmlimit import sleep as S
 from shmlimit.cells import native_available
-from support.procs import wait_for
+from support.procs import acquire_for, run_processes, wait_for
 
 LINUX = sys.platform.startswith("linux")
 
@@ -83,11 +83,7 @@ def _counting_worker(name, seconds, q):
     LM._sleeper[:] = [sleep_until]
     os.sched_yield = counted_yield
     lim = shmlimit.attach(name)
-    grants = 0
-    end = time.monotonic() + seconds
-    while time.monotonic() < end:
-        lim.acquire()
-        grants += 1
+    grants = acquire_for(lim.acquire, seconds)
     q.put((grants, counts["wakes"]))
 
 
@@ -95,14 +91,7 @@ def test_a_waiter_wakes_about_once_per_turn(name):
     """4 processes saturating 400/s: each grant costs a sleep to its turn, not a spin before it."""
     lim = shmlimit.Limiter(name, rate=400)
     lim.close()
-    ctx = mp.get_context("fork")
-    q = ctx.Queue()
-    procs = [ctx.Process(target=_counting_worker, args=(name, 1.5, q)) for _ in range(4)]
-    for p in procs:
-        p.start()
-    out = [q.get(timeout=60) for _ in procs]
-    for p in procs:
-        p.join(30)
+    out = run_processes(mp.get_context("fork"), _counting_worker, [(name, 1.5)] * 4, timeout=60)
     grants = sum(g for g, _ in out)
     wakes = sum(w for _, w in out)
     assert grants >= 400  # they were saturating

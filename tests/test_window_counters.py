@@ -24,6 +24,7 @@ from shmlimit.cells import native_available, open_cells
 from shmlimit.errors import KeyTableFullError, SegmentError
 from shmlimit.window_table import WindowTable
 from support.clock import FakeClock
+from support.procs import run_processes
 
 BACKENDS = ["atomics"] + (["native"] if native_available() else [])
 DEAD_PID = (1 << K.PID_BITS) - 7  # above pid_max: never a live process
@@ -277,19 +278,7 @@ def _hammer(name, n, out):
 @pytest.mark.parametrize("start", ["fork", "spawn"])
 def test_real_processes_count_every_hit_exactly_once(name, start):
     table = WindowTable(name, keys=1024)
-    ctx = mp.get_context(start)
-    out = ctx.Queue()
-    procs = [ctx.Process(target=_hammer, args=(name, 1500, out)) for _ in range(4)]
-    try:
-        for p in procs:
-            p.start()
-        results = [out.get(timeout=120) for _ in procs]
-    finally:
-        for p in procs:
-            p.join(30)
-            if p.is_alive():
-                p.kill()
-                p.join()
+    results = run_processes(mp.get_context(start), _hammer, [(name, 1500)] * 4)
     counts = sorted(c for r, _ in results for c in r)
     assert counts == list(range(1, 6001))  # every increment linearized once: no lost or doubled update
     assert sum(g for _, g in results) == 777  # the sliding limit, exactly, across the processes

@@ -54,8 +54,10 @@ from typing import Callable, Dict, List, Optional
 import shmlimit
 from shmlimit.cells import native_available
 
-# The window check is the test suite's own, so the benchmark and the tests judge a run the same way.
+# The window check and the process helpers are the test suite's own, so the benchmark and the
+# tests run and judge processes the same way.
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "tests"))
+from support.procs import acquire_for, run_processes, stamp_until  # noqa: E402
 from support.windows import max_in_window  # noqa: E402
 
 UNLIMITED = dict(rate=1e9, burst=1e9)  # 1e9 ops/s with a second of burst: never waits in a benchmark
@@ -178,11 +180,7 @@ def bench_tries(n: int) -> Dict[str, Dict[str, float]]:
     out: Dict[str, Dict[str, float]] = {}
     ctx = mp.get_context("spawn")
     for backend in ["native", "atomics"] if native_available() else ["atomics"]:
-        q = ctx.Queue()
-        p = ctx.Process(target=_try_costs, args=(backend, n if backend == "native" else max(2000, n // 50), q))
-        p.start()
-        out[backend] = q.get(timeout=300)
-        p.join()
+        out[backend] = run_processes(ctx, _try_costs, [(backend, n if backend == "native" else max(2000, n // 50))], 300)[0]
     return out
 
 
@@ -200,11 +198,8 @@ def bench_single(n: int) -> Dict[str, float]:
     out["baseline: Value+Lock bucket"] = best_ns_per_call(bucket.acquire, n)
     ctx = mp.get_context("spawn")
     for backend in ["native", "atomics"] if native_available() else ["atomics"]:
-        q = ctx.Queue()
-        p = ctx.Process(target=_single_cost, args=(backend, n if backend == "native" else max(2000, n // 50), q))
-        p.start()
-        out[f"shmlimit acquire ({backend})"] = q.get(timeout=300)
-        p.join()
+        args = (backend, n if backend == "native" else max(2000, n // 50))
+        out[f"shmlimit acquire ({backend})"] = run_processes(ctx, _single_cost, [args], 300)[0]
     return out
 
 
@@ -230,19 +225,14 @@ def bench_aggregate(procs: List[int], seconds: float) -> Dict[str, Dict[int, flo
     out: Dict[str, Dict[int, float]] = {"shmlimit": {}, "Value+Lock": {}}
     for kind in out:
         for k in procs:
-            barrier, q = ctx.Barrier(k), ctx.Queue()
+            barrier = ctx.Barrier(k)
             if kind == "shmlimit":
                 name = f"bench-{uuid.uuid4().hex[:8]}"
                 lim = shmlimit.Limiter(name, **UNLIMITED)
                 target = lim
             else:
                 target = ValueLockBucket(1e9, 1e9, ctx)
-            ps = [ctx.Process(target=_hammer, args=(target, barrier, seconds, q)) for _ in range(k)]
-            for p in ps:
-                p.start()
-            out[kind][k] = sum(q.get(timeout=120) for _ in ps)
-            for p in ps:
-                p.join()
+            out[kind][k] = sum(run_processes(ctx, _hammer, [(target, barrier, seconds)] * k))
             if kind == "shmlimit":
                 lim.close()
                 lim.unlink()
@@ -256,17 +246,7 @@ def _stamp(lim, barrier, seconds: float, q) -> None:
     """Acquire until the end; record grant times into a list (compactly, as offsets in ns)."""
     barrier.wait(timeout=120)
     start = time.monotonic_ns()
-    end = start + int(seconds * 1e9)
-    stamps = []
-    acquire = lim.acquire
-    clock = time.monotonic_ns
-    while True:
-        acquire()
-        t = clock()
-        if t > end:
-            break
-        stamps.append(t)
-    q.put((start, stamps))
+    q.put((start, stamp_until(lim.acquire, start + int(seconds * 1e9), time.monotonic_ns)))
 
 
 def run_stamped(rate: float, procs: int, seconds: float, burst: Optional[float] = None, method: str = "fork"):
@@ -274,13 +254,7 @@ def run_stamped(rate: float, procs: int, seconds: float, burst: Optional[float] 
     name = f"bench-{uuid.uuid4().hex[:8]}"
     lim = shmlimit.Limiter(name, rate=rate, burst=burst)
     cap = lim.capacity
-    barrier, q = ctx.Barrier(procs), ctx.Queue()
-    ps = [ctx.Process(target=_stamp, args=(lim, barrier, seconds, q)) for _ in range(procs)]
-    for p in ps:
-        p.start()
-    results = [q.get(timeout=600) for _ in ps]
-    for p in ps:
-        p.join()
+    results = run_processes(ctx, _stamp, [(lim, ctx.Barrier(procs), seconds)] * procs, 600)
     lim.close()
     lim.unlink()
     # the window in which every process was running: from the last start to the first end
@@ -313,15 +287,21 @@ def bench_fidelity(rates: List[float], seconds: float) -> List[dict]:
 def bench_lateness(seconds: float) -> dict:
     rate = 1000.0
     start, end, stamps, cap = run_stamped(rate, 4, seconds)
-    # Saturated FIFO consumers of an exact limiter: once the initial capacity is spent, grants fall
-    # on a grid 1/rate apart.  The limiter never grants early, so the grid is anchored on the
-    # earliest grant relative to it; lateness is how long after its grid moment each grant came.
-    c = int(cap)
-    offsets = [(t - start) / 1e9 - k / rate for k, t in enumerate(stamps) if k >= c]
-    anchor = min(offsets)
-    late = sorted(o - anchor for o in offsets)
+    return dict(grants=len(stamps), **lateness_ms(stamps, start, rate, int(cap)))
+
+
+def lateness_ms(stamps: List[int], start: int, rate: float, cap: int) -> Dict[str, float]:
+    """p50, p99 and max of how late each grant came after its moment on the grid (ms).
+
+    Saturated FIFO consumers of an exact limiter: once the initial capacity
+    is spent, grants fall on a grid 1/rate apart.  The limiter never grants
+    early, so the grid is anchored on the earliest grant relative to it.
+    """
+    offsets = [(t - start) / 1e9 - k / rate for k, t in enumerate(sorted(stamps)) if k >= cap]
+    anchor = min(offsets) if offsets else 0.0
+    late = sorted(o - anchor for o in offsets) or [0.0]
     pick = lambda p: late[min(len(late) - 1, int(p * len(late)))] * 1e3  # noqa: E731
-    return dict(grants=len(stamps), p50_ms=pick(0.50), p99_ms=pick(0.99), max_ms=late[-1] * 1e3)
+    return dict(p50_ms=pick(0.50), p99_ms=pick(0.99), max_ms=late[-1] * 1e3)
 
 
 # ---- CPU while waiting, the filler under load --------------------------------------------------------
@@ -330,11 +310,7 @@ def bench_lateness(seconds: float) -> dict:
 def _wait_cpu(lim, barrier, seconds: float, q) -> None:
     barrier.wait(timeout=120)
     r0 = resource.getrusage(resource.RUSAGE_SELF)
-    end = time.monotonic() + seconds
-    n = 0
-    while time.monotonic() < end:
-        lim.acquire()
-        n += 1
+    n = acquire_for(lim.acquire, seconds)
     r1 = resource.getrusage(resource.RUSAGE_SELF)
     q.put((r1.ru_utime - r0.ru_utime + r1.ru_stime - r0.ru_stime, n))
 
@@ -344,58 +320,42 @@ def bench_cpu(seconds: float) -> dict:
     name = f"bench-{uuid.uuid4().hex[:8]}"
     lim = shmlimit.Limiter(name, rate=50)
     lim.close()  # the measuring process takes no part
-    barrier, q = ctx.Barrier(8), ctx.Queue()
-    ps = [ctx.Process(target=_wait_cpu, args=(shmlimit.attach(name), barrier, seconds, q)) for _ in range(8)]
-    for p in ps:
-        p.start()
-    res = [q.get(timeout=300) for _ in ps]
-    for p in ps:
-        p.join()
+    barrier = ctx.Barrier(8)
+    res = run_processes(ctx, _wait_cpu, [(shmlimit.attach(name), barrier, seconds) for _ in range(8)], 300)
     shmlimit.unlink(name)
     cpu = sum(r[0] for r in res)
     return dict(processes=8, rate=50, cpu_s_per_wall_s=cpu / seconds, grants=sum(r[1] for r in res))
 
 
-def _wait_stamped(lim, barrier, seconds: float, q) -> None:
-    """Acquire until the end, recording grant times and this process's CPU (every thread)."""
+def _stamped_with_cpu(barrier, seconds: float, q, stamp: Callable[[int], list]) -> None:
+    """Once every process is up, ``stamp(end)`` (grant times until ``end``, monotonic ns); puts its
+    start, the stamps and this process's CPU seconds (every thread) meanwhile."""
     barrier.wait(timeout=120)
     r0 = resource.getrusage(resource.RUSAGE_SELF)
     start = time.monotonic_ns()
-    end = start + int(seconds * 1e9)
-    stamps = []
-    acquire = lim.acquire
-    clock = time.monotonic_ns
-    while True:
-        acquire()
-        t = clock()
-        if t > end:
-            break
-        stamps.append(t)
+    stamps = stamp(start + int(seconds * 1e9))
     r1 = resource.getrusage(resource.RUSAGE_SELF)
     q.put((start, stamps, r1.ru_utime - r0.ru_utime + r1.ru_stime - r0.ru_stime))
+
+
+def _wait_stamped(lim, barrier, seconds: float, q) -> None:
+    """Acquire until the end, recording grant times and this process's CPU."""
+    _stamped_with_cpu(barrier, seconds, q, lambda end: stamp_until(lim.acquire, end, time.monotonic_ns))
 
 
 def _wait_stamped_async(lim, barrier, seconds: float, q) -> None:
     """``_wait_stamped`` with ``acquire_async``: one task on this process's event loop."""
-    barrier.wait(timeout=120)
-    r0 = resource.getrusage(resource.RUSAGE_SELF)
-    start = time.monotonic_ns()
-    end = start + int(seconds * 1e9)
-    stamps: list = []
-    clock = time.monotonic_ns
 
-    async def run() -> None:
-        acquire = lim.acquire_async
+    async def run(end: int) -> list:
+        stamps, acquire, clock = [], lim.acquire_async, time.monotonic_ns
         while True:
             await acquire()
             t = clock()
             if t > end:
-                break
+                return stamps
             stamps.append(t)
 
-    asyncio.run(run())
-    r1 = resource.getrusage(resource.RUSAGE_SELF)
-    q.put((start, stamps, r1.ru_utime - r0.ru_utime + r1.ru_stime - r0.ru_stime))
+    _stamped_with_cpu(barrier, seconds, q, lambda end: asyncio.run(run(end)))
 
 
 def bench_waiting(rate: float, seconds: float, procs: int = 8, driver: str = "sync", backend: str = "native") -> dict:
@@ -418,24 +378,14 @@ def bench_waiting(rate: float, seconds: float, procs: int = 8, driver: str = "sy
     lim = shmlimit.Limiter(name, rate=rate)
     cap = int(lim.capacity)
     lim.close()  # the measuring process takes no part
-    barrier, q = ctx.Barrier(procs), ctx.Queue()
+    barrier = ctx.Barrier(procs)
     target = _wait_stamped_async if driver == "async" else _wait_stamped
-    ps = [ctx.Process(target=target, args=(shmlimit.attach(name), barrier, seconds, q)) for _ in range(procs)]
-    for p in ps:
-        p.start()
-    res = [q.get(timeout=300) for _ in ps]
-    for p in ps:
-        p.join()
+    res = run_processes(ctx, target, [(shmlimit.attach(name), barrier, seconds) for _ in range(procs)], 300)
     shmlimit.unlink(name)
     start = max(r[0] for r in res)
-    stamps = sorted(t for r in res for t in r[1])
-    # as in section 4: after the capacity, grants fall on a grid 1/rate apart, anchored on the earliest
-    offsets = [(t - start) / 1e9 - k / rate for k, t in enumerate(stamps) if k >= cap]
-    anchor = min(offsets) if offsets else 0.0
-    late = sorted(o - anchor for o in offsets) or [0.0]
-    pick = lambda p: late[min(len(late) - 1, int(p * len(late)))] * 1e3  # noqa: E731
-    return dict(processes=procs, rate=rate, driver=driver, cpu_s_per_wall_s=sum(r[2] for r in res) / seconds, grants=len(stamps),
-                p50_ms=pick(0.50), p99_ms=pick(0.99), max_ms=late[-1] * 1e3)
+    stamps = [t for r in res for t in r[1]]
+    return dict(processes=procs, rate=rate, driver=driver, cpu_s_per_wall_s=sum(r[2] for r in res) / seconds,
+                grants=len(stamps), **lateness_ms(stamps, start, rate, cap))  # as in section 4
 
 
 def waiting_rows(seconds: float) -> List[dict]:
@@ -479,14 +429,9 @@ def bench_filler_under_load(seconds: float) -> dict:
     busy = ctx.Process(target=_busy_filler, args=(name, ready, stop))
     busy.start()
     ready.wait(60)
-    barrier, q = ctx.Barrier(3), ctx.Queue()
-    ps = [ctx.Process(target=_stamp, args=(shmlimit.attach(name), barrier, seconds, q)) for _ in range(3)]
-    for p in ps:
-        p.start()
-    results = [q.get(timeout=300) for _ in ps]
-    filler = shmlimit.inspect(name).filler_pid
-    for p in ps:
-        p.join()
+    barrier = ctx.Barrier(3)
+    results = run_processes(ctx, _stamp, [(shmlimit.attach(name), barrier, seconds) for _ in range(3)], 300)
+    filler = shmlimit.inspect(name).filler_pid  # the busy process is alive until ``stop``
     stop.set()
     busy.join()
     shmlimit.unlink(name)
@@ -955,11 +900,7 @@ def bench_keyed(n: int, seconds: float, redis_url: Optional[str]) -> dict:
     res: dict = {}
     ctx = mp.get_context("spawn")
     for backend in ["native", "atomics"] if native_available() else ["atomics"]:
-        q = ctx.Queue()
-        p = ctx.Process(target=_keyed_costs, args=(backend, n if backend == "native" else max(1000, n // 100), q))
-        p.start()
-        res[backend] = q.get(timeout=600)
-        p.join()
+        res[backend] = run_processes(ctx, _keyed_costs, [(backend, n if backend == "native" else max(1000, n // 100))], 600)[0]
     res["aggregate_per_s"] = bench_keyed_aggregate(seconds, redis_url)
     return res
 

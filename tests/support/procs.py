@@ -18,7 +18,6 @@ import time
 import uuid
 from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 
-from .starvation import RUN_DELAY_SCRIPT
 
 WORKDIR = tempfile.gettempdir()
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -41,39 +40,97 @@ def run_cli(*args: str, timeout: float = 120) -> subprocess.CompletedProcess:
     return subprocess.run([*CLI, *args], capture_output=True, text=True, timeout=timeout, cwd=WORKDIR)
 
 
+# ---- forked (or spawned) workers that report one result each ------------------------------------
+
+
+def run_processes(ctx: Any, target: Callable[..., None], argss: Sequence[Tuple[Any, ...]], timeout: float = 120.0) -> List[Any]:
+    """One process of ``ctx`` (a multiprocessing context) per ``args`` in ``argss``, running
+    ``target(*args, q)``, which puts one result on the queue ``q``; the results, in the order they
+    came.  Every process is joined, and killed if it outlives its result by 30 s, even on failure."""
+    q = ctx.Queue()
+    procs = [ctx.Process(target=target, args=(*args, q)) for args in argss]
+    try:
+        for p in procs:
+            p.start()
+        return [q.get(timeout=timeout) for _ in procs]
+    finally:
+        for p in procs:
+            if p.pid is None:  # never started
+                continue
+            p.join(30)
+            if p.is_alive():
+                p.kill()
+                p.join()
+
+
+def stamp_until(acquire: Callable[[], object], end: float, clock: Callable[[], Any] = time.monotonic) -> List[Any]:
+    """Call ``acquire`` until ``clock`` passes ``end``; the clock read just after each grant (the
+    grant that returned after ``end`` is not kept).  The evidence ``windows.max_excess`` judges."""
+    stamps = []
+    while True:
+        acquire()
+        t = clock()
+        if t > end:
+            return stamps
+        stamps.append(t)
+
+
+def acquire_for(acquire: Callable[[], object], seconds: float) -> int:
+    """Call ``acquire`` until ``seconds`` have passed on the monotonic clock; how many calls returned."""
+    grants = 0
+    end = time.monotonic() + seconds
+    while time.monotonic() < end:
+        acquire()
+        grants += 1
+    return grants
+
+
 # ---- workers that acquire for a while and report their grant times ---------------------------
 
 # Prints its stamps on one line, then on a second line how long its threads waited runnable for a
 # CPU meanwhile (the starvation witness; null where the kernel does not say).
-WORKER = RUN_DELAY_SCRIPT + textwrap.dedent(
+WORKER = textwrap.dedent(
     """
     import json, sys, time
     import shmlimit
+    sys.path.insert(0, sys.argv[3])  # the tests' folder, for support.procs (shmlimit stays the installed one)
+    from support.procs import stamp_until
+    from support.starvation import run_delay
     lim = shmlimit.attach(sys.argv[1])
     seconds = float(sys.argv[2])
     print("ready", flush=True)
     sys.stdin.readline()  # go
     delay0 = run_delay()
-    end = time.monotonic() + seconds
-    stamps = []
-    while True:
-        lim.acquire()
-        t = time.monotonic()
-        if t > end:
-            break
-        stamps.append(t)
+    stamps = stamp_until(lim.acquire, time.monotonic() + seconds)
     delay1 = run_delay()
     print(json.dumps(stamps), flush=True)
     print(json.dumps(None if delay0 is None or delay1 is None else delay1 - delay0), flush=True)
     """
 )
+#: WORKER's line that makes its limiter: ``configured`` replaces it.
+ATTACH = "lim = shmlimit.attach(sys.argv[1])"
+TESTS = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def configured(script: str, gname: str, url: str, rate: float, burst: Any = None, **options: Any) -> str:
+    """``script`` (WORKER or a variant) whose process configures the hierarchical limiter itself
+    (argv[1] is the host's name), leasing from the RedisLimiter ``gname`` at ``url``.
+
+    Only a process that configured the upstream feeds the bucket from Redis:
+    one that merely attaches by name never connects anywhere.
+    """
+    assert ATTACH in script
+    make = (f"from shmlimit.redis import RedisLimiter\n"
+            f"lim = shmlimit.Limiter(sys.argv[1], upstream=RedisLimiter({gname!r}, rate={rate}, burst={burst}, "
+            f"url={url!r}), **{options!r})")
+    return script.replace(ATTACH, make)
 
 
 def start_workers(name: str, count: int, seconds: float, script: str = WORKER) -> List[subprocess.Popen]:
-    """``count`` interpreters running ``script`` (argv: name, seconds), each once it printed "ready"."""
+    """``count`` interpreters running ``script`` (argv: name, seconds, the tests' folder), each once it printed "ready"."""
     procs = [
         subprocess.Popen(
-            [sys.executable, "-c", script, name, str(seconds)],
+            [sys.executable, "-c", script, name, str(seconds), TESTS],
             stdin=subprocess.PIPE,
             stdout=subprocess.PIPE,
             text=True,
