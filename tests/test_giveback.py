@@ -6,7 +6,6 @@ test here fails on a limiter that leaves the range queued: whoever comes next wa
 """
 import asyncio
 import mmap
-import signal
 import subprocess
 import sys
 import textwrap
@@ -22,7 +21,7 @@ from shmlimit.bucket import Bucket, diff
 from shmlimit.cells import native_available, open_cells
 from shmlimit.config import Config
 from shmlimit.giveback import Returns, reap, skip
-from support.procs import WORKDIR, wait_for
+from support.procs import WORKDIR, interrupted_after, wait_for
 
 BACKENDS = ["atomics"] + (["native"] if native_available() else [])
 
@@ -126,18 +125,8 @@ def test_keyboard_interrupt_in_a_sync_waiter_gives_its_ticket_back(name):
     lim = shmlimit.Limiter(name, rate=10, burst=1)
     try:
         empty(lim)
-
-        def interrupt(signum, frame):
-            raise KeyboardInterrupt
-
-        old = signal.signal(signal.SIGALRM, interrupt)
-        try:
-            signal.setitimer(signal.ITIMER_REAL, 0.1)
-            with pytest.raises(KeyboardInterrupt):
-                lim.acquire(600)  # a minute of schedule
-        finally:
-            signal.setitimer(signal.ITIMER_REAL, 0)
-            signal.signal(signal.SIGALRM, old)
+        with interrupted_after(0.1), pytest.raises(KeyboardInterrupt):
+            lim.acquire(600)  # a minute of schedule
         assert no_backlog(lim)  # the next op waits for one op's schedule, not for the minute
         assert lim.stats().processes[0].waiting == 0
     finally:
@@ -149,18 +138,8 @@ def test_keyboard_interrupt_in_the_fast_paths_native_wait_gives_its_ticket_back(
     lim = shmlimit.Limiter(name, rate=2, burst=1)
     try:
         empty(lim)
-
-        def interrupt(signum, frame):
-            raise KeyboardInterrupt
-
-        old = signal.signal(signal.SIGALRM, interrupt)
-        try:
-            signal.setitimer(signal.ITIMER_REAL, 0.1)
-            with pytest.raises(KeyboardInterrupt):
-                lim.acquire()  # one op: the fast path's ticket, half a second away
-        finally:
-            signal.setitimer(signal.ITIMER_REAL, 0)
-            signal.signal(signal.SIGALRM, old)
+        with interrupted_after(0.1), pytest.raises(KeyboardInterrupt):
+            lim.acquire()  # one op: the fast path's ticket, half a second away
         # given back: the next op is one op's schedule away (0.5 s), not two (about 0.9 s)
         assert lim.acquire(1, timeout=0.65)
     finally:

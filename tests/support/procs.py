@@ -16,8 +16,8 @@ import tempfile
 import textwrap
 import time
 import uuid
-from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
-
+from contextlib import contextmanager
+from typing import Any, Callable, Dict, Iterator, List, Optional, Sequence, Tuple
 
 WORKDIR = tempfile.gettempdir()
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -33,6 +33,23 @@ def wait_for(predicate: Callable[[], Any], timeout: float = 10.0, every: float =
             return v
         time.sleep(every)
     raise AssertionError("condition not reached in time")
+
+
+@contextmanager
+def interrupted_after(seconds: float) -> Iterator[None]:
+    """A ``KeyboardInterrupt`` raised in this (main) thread after ``seconds``, as a user's Ctrl-C
+    would be, unless the block ended first; the timer and the SIGALRM handler are restored on exit."""
+
+    def interrupt(signum: int, frame: Any) -> None:
+        raise KeyboardInterrupt
+
+    old = signal.signal(signal.SIGALRM, interrupt)
+    try:
+        signal.setitimer(signal.ITIMER_REAL, seconds)
+        yield
+    finally:
+        signal.setitimer(signal.ITIMER_REAL, 0)
+        signal.signal(signal.SIGALRM, old)
 
 
 def run_cli(*args: str, timeout: float = 120) -> subprocess.CompletedProcess:
