@@ -11,7 +11,7 @@ import pytest
 
 import shmlimit
 from shmlimit import keyed_layout as K
-from support.procs import run_processes
+from support.procs import kill_all, read_exactly, run_processes
 
 RATE, BURST, KEYS, WORKERS, SECONDS = 20.0, 2, 200, 4, 1.0
 
@@ -153,13 +153,7 @@ def test_overrides_live_across_processes_and_eviction(name):
 
 
 def _insert_forever(name, seed, started):
-    lim = shmlimit.attach(name)
-    lim.try_acquire(f"{seed}-first")
-    started.set()
-    i = 0
-    while True:
-        lim.try_acquire(f"{seed}-{i}")
-        i += 1
+    _worker_inserting_forever(shmlimit.attach(name), seed, started)
 
 
 def test_inserters_killed_midway_leave_no_slot_stuck(name):
@@ -323,37 +317,20 @@ def test_a_killed_workers_slot_is_reaped_by_the_next_worker_when_the_table_is_fu
     try:
         for _ in range(K.PSLOTS - 1):
             pids.append(fork_worker())
-        _read_exactly(r_up, K.PSLOTS - 1)
+        read_exactly(r_up, K.PSLOTS - 1)
         assert len(_listed(name)) == K.PSLOTS and all(_listed(name).values())
         os.kill(pids[0], signal.SIGKILL)
         os.waitpid(pids[0], 0)
         assert _listed(name)[pids[0]] is False  # tracked: listed dead, its slot still taken
         pids.append(fork_worker())
-        _read_exactly(r_up, 1)
+        read_exactly(r_up, 1)
         listed = _listed(name)
         # reaped: the newcomer registered in the dead worker's slot (no other was free)
         assert pids[0] not in listed and listed[pids[-1]] is True and len(listed) == K.PSLOTS
         assert lim.stats().grants == K.PSLOTS  # the dead worker's grant stays in the total
     finally:
         os.write(w_end, b"x" * len(pids))
-        for pid in pids:
-            try:
-                os.kill(pid, signal.SIGKILL)
-            except ProcessLookupError:
-                pass
-            try:
-                os.waitpid(pid, 0)
-            except ChildProcessError:
-                pass
+        kill_all(pids)
         for fd in (r_end, w_end, r_up, w_up):
             os.close(fd)
         lim.close()
-
-
-def _read_exactly(fd, n):
-    got = b""
-    while len(got) < n:
-        chunk = os.read(fd, n - len(got))
-        assert chunk, "a worker died before answering"
-        got += chunk
-    return got

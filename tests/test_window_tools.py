@@ -12,6 +12,7 @@ import shmlimit
 from shmlimit.keyed_stats import sample_windows
 from shmlimit.window_table import WindowTable
 from support.clock import FakeClock
+from support.procs import kill_all, read_exactly
 from support.procs import run_cli as cli
 
 
@@ -110,15 +111,6 @@ def _listed(name):
     return {p.pid: p.alive for p in shmlimit.inspect(name).processes}
 
 
-def _read_exactly(fd, n):
-    got = b""
-    while len(got) < n:
-        chunk = os.read(fd, n - len(got))
-        assert chunk, "a worker died before answering"
-        got += chunk
-    return got
-
-
 def test_forked_users_are_listed_on_first_use_and_a_killed_one_as_dead(table, name):
     table.incr("k", 60)
     r_go, w_go = os.pipe()
@@ -140,7 +132,7 @@ def test_forked_users_are_listed_on_first_use_and_a_killed_one_as_dead(table, na
     try:
         assert _listed(name) == {os.getpid(): True}
         os.write(w_go, b"ggg")
-        _read_exactly(r_done, 3)  # each answers after its hit
+        read_exactly(r_done, 3)  # each answers after its hit
         # the one that never counted is not listed; the two that did are, alive
         assert _listed(name) == {os.getpid(): True, pids[1]: True, pids[2]: True}
         os.kill(pids[1], signal.SIGKILL)
@@ -149,15 +141,7 @@ def test_forked_users_are_listed_on_first_use_and_a_killed_one_as_dead(table, na
         assert shmlimit.inspect(name).grants == 3  # the dead one's hit stays counted
     finally:
         os.write(w_end, b"xxx")
-        for pid in pids:
-            try:
-                os.kill(pid, signal.SIGKILL)
-            except ProcessLookupError:
-                pass
-            try:
-                os.waitpid(pid, 0)
-            except ChildProcessError:
-                pass
+        kill_all(pids)
         for fd in (r_go, w_go, r_done, w_done, r_end, w_end):
             os.close(fd)
 

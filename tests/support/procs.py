@@ -80,6 +80,29 @@ def run_processes(ctx: Any, target: Callable[..., None], argss: Sequence[Tuple[A
                 p.join()
 
 
+def kill_all(pids: Sequence[int]) -> None:
+    """SIGKILL and reap every forked child in ``pids`` (those already gone are skipped)."""
+    for pid in pids:
+        try:
+            os.kill(pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+        try:
+            os.waitpid(pid, 0)
+        except ChildProcessError:
+            pass
+
+
+def read_exactly(fd: int, n: int) -> bytes:
+    """``n`` bytes from the pipe ``fd`` (a forked worker's answer); fails if the writer died first."""
+    got = b""
+    while len(got) < n:
+        chunk = os.read(fd, n - len(got))
+        assert chunk, "a worker died before answering"
+        got += chunk
+    return got
+
+
 def stamp_until(acquire: Callable[[], object], end: float, clock: Callable[[], Any] = time.monotonic) -> List[Any]:
     """Call ``acquire`` until ``clock`` passes ``end``; the clock read just after each grant (the
     grant that returned after ``end`` is not kept).  The evidence ``windows.max_excess`` judges."""
