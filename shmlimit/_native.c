@@ -111,6 +111,37 @@ cells_load(NativeCells *self, PyObject *const *args, Py_ssize_t n)
     return PyLong_FromUnsignedLongLong(__atomic_load_n(w, __ATOMIC_SEQ_CST));
 }
 
+/* load_many(offsets) -> a tuple of the words at these offsets, each loaded as load() does (one
+ * sequentially consistent load per word, not a snapshot of them together); every offset is checked
+ * before any is read.  A scan of many words (the filler's look at every ticket record) in one call. */
+static PyObject *
+cells_load_many(NativeCells *self, PyObject *arg)
+{
+    if (!check_open(self))
+        return NULL;
+    if (!PyTuple_Check(arg)) {
+        PyErr_SetString(PyExc_TypeError, "load_many: offsets must be a tuple of ints");
+        return NULL;
+    }
+    Py_ssize_t n = PyTuple_GET_SIZE(arg);
+    for (Py_ssize_t i = 0; i < n; i++)
+        if (!word(self, PyTuple_GET_ITEM(arg, i)))
+            return NULL;
+    PyObject *out = PyTuple_New(n);
+    if (!out)
+        return NULL;
+    for (Py_ssize_t i = 0; i < n; i++) {
+        uint64_t *w = word(self, PyTuple_GET_ITEM(arg, i));
+        PyObject *v = PyLong_FromUnsignedLongLong(__atomic_load_n(w, __ATOMIC_SEQ_CST));
+        if (!v) {
+            Py_DECREF(out);
+            return NULL;
+        }
+        PyTuple_SET_ITEM(out, i, v);
+    }
+    return out;
+}
+
 static PyObject *
 cells_store(NativeCells *self, PyObject *const *args, Py_ssize_t n)
 {
@@ -1495,6 +1526,8 @@ cells_get_size(NativeCells *self, void *closure)
 static PyMethodDef cells_methods[] = {
     {"load", (PyCFunction)(void (*)(void))cells_load, METH_FASTCALL, "load(off) -> the word at byte offset off"},
     {"store", (PyCFunction)(void (*)(void))cells_store, METH_FASTCALL, "store(off, value)"},
+    {"load_many", (PyCFunction)cells_load_many, METH_O,
+     "load_many(offsets) -> a tuple of the words at these byte offsets (each loaded as load does)"},
     {"fetch_add", (PyCFunction)(void (*)(void))cells_fetch_add, METH_FASTCALL,
      "fetch_add(off, delta) -> previous value (wraps modulo 2**64)"},
     {"cas", (PyCFunction)(void (*)(void))cells_cas, METH_FASTCALL,

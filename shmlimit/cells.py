@@ -26,7 +26,7 @@ from __future__ import annotations
 
 import mmap
 import os
-from typing import Any, Callable, Optional, Protocol, Sequence, runtime_checkable
+from typing import Any, Callable, Optional, Protocol, Sequence, Tuple, runtime_checkable
 
 # The words' constants are part of this layer's face: modules above import them from here.
 from .words import MASK64, MAX_QUEUE, WORD, GrabResult
@@ -60,6 +60,10 @@ class Cells(Protocol):
         ...
 
     def load(self, off: int) -> int: ...
+
+    def load_many(self, offsets: Tuple[int, ...]) -> Tuple[int, ...]:
+        """The words at ``offsets``, each loaded as ``load`` does (not a snapshot of them together)."""
+        ...
 
     def store(self, off: int, value: int) -> None: ...
 

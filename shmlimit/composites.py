@@ -40,6 +40,13 @@ class CompositesFromPrimitives:
     def fetch_add(self, off: int, delta: int) -> int:  # pragma: no cover - provided by the backend
         raise NotImplementedError
 
+    def load_many(self, offsets: Tuple[int, ...]) -> Tuple[int, ...]:
+        """The words at ``offsets``, each one ``load`` (not a snapshot of them together): a scan
+        of many words in one call (the native backend makes it one C loop)."""
+        if not isinstance(offsets, tuple):
+            raise TypeError("load_many: offsets must be a tuple of ints")
+        return tuple(self.load(off) for off in offsets)
+
     def cas(self, off: int, expected: int, desired: int) -> bool:  # pragma: no cover - provided by the backend
         raise NotImplementedError
 

@@ -45,6 +45,16 @@ def test_cas(cells):
     assert not cells.cas(16, 5, 9) and cells.load(16) == 7
 
 
+def test_load_many_reads_each_word_as_load_does(cells):
+    for i in range(0, 64, 8):
+        cells.store(i, (i * 0x9E3779B97F4A7C15) & MASK64)
+    offs = (56, 0, 8, 8, 32)
+    assert cells.load_many(offs) == tuple(cells.load(o) for o in offs)
+    assert cells.load_many(()) == ()
+    with pytest.raises(TypeError):
+        cells.load_many([0, 8])  # a tuple only: the scan's offsets are fixed once
+
+
 def test_grab_granted_queued_and_counted(cells):
     tail, head, grants = 0, 64, 128
     cells.store(head, 10)
@@ -92,6 +102,7 @@ def test_out_of_bounds_and_misaligned_offsets_touch_nothing(cells, off):
         lambda: cells.store(off, 1),
         lambda: cells.fetch_add(off, 1),
         lambda: cells.cas(off, 0, 1),
+        lambda: cells.load_many((0, off)),
     ):
         with pytest.raises(IndexError):
             call()
@@ -124,6 +135,8 @@ def test_closed_cells_refuse_every_call(backend, segment):
     c.close()
     with pytest.raises(ValueError):
         c.load(0)
+    with pytest.raises(ValueError):
+        c.load_many((0,))
 
 
 def _adder(name, backend, n):
