@@ -18,6 +18,10 @@ from .words import MASK64, MAX_QUEUE, WORD, GrabResult, check_offset, check_valu
 
 #: An aligned 8-byte load compiles to one instruction, single-copy atomic, on these machines.
 _PLAIN_LOADS_ATOMIC = platform.machine().lower() in ("x86_64", "amd64", "aarch64", "arm64")
+#: ... and on these it is also a sequentially consistent load (x86-64 orders every load, and a
+#: sequentially consistent store is a locked instruction there: a plain load is what C11's
+#: seq_cst load compiles to), so ``load`` itself may be one, without a call into the package.
+_PLAIN_LOADS_SEQ_CST = platform.machine().lower() in ("x86_64", "amd64")
 _SEQ_CST = 5  # the atomics package's (patomic's) number for memory_order_seq_cst
 
 
@@ -175,6 +179,10 @@ class AtomicsCells(CompositesFromPrimitives):
                 self._words = self._buf.cast("Q")
             else:
                 self._words = _Words(self._p, self)
+        #: the words, read by ``load`` itself where a plain load is a sequentially consistent one
+        self._plain: Optional[memoryview] = (
+            self._words if _PLAIN_LOADS_SEQ_CST and isinstance(self._words, memoryview) else None
+        )
 
     @property
     def _direct(self) -> bool:
@@ -207,6 +215,14 @@ class AtomicsCells(CompositesFromPrimitives):
         return view
 
     def load(self, off: int) -> int:
+        if self._plain is not None:
+            # one plain read under the GIL: close() releases the view under the GIL too, so the
+            # read either sees the mapping or raises ValueError (released), as a closed load must
+            check_offset(off, self.size)
+            try:
+                return self._plain[off >> 3]
+            except ValueError:
+                raise ValueError("cells are closed") from None
         self._enter()
         try:
             if self._p is None:

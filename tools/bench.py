@@ -141,6 +141,14 @@ def _try_costs(backend: str, n: int, q) -> None:
         assert not dry.try_acquire() and not dry.acquire(timeout=0)
         if backend == "atomics":
             out["atomic ops per grant"] = _atomic_ops_per_grant(free)
+            # a grant that waits for its turn (2 000/s, one op of burst): every call queues
+            paced = shmlimit.Limiter(f"bench-{uuid.uuid4().hex[:8]}", rate=2000, burst=1)
+            try:
+                paced.acquire()
+                out["atomic ops per waited grant"] = _atomic_ops_per_grant(paced, 400)
+            finally:
+                paced.close()
+                paced.unlink()
         q.put(out)
     finally:
         for lim in (free, dry):
@@ -148,8 +156,10 @@ def _try_costs(backend: str, n: int, q) -> None:
             lim.unlink()
 
 
-def _atomic_ops_per_grant(lim) -> float:
-    """Counted, not assumed: the atomics package's operations an uncontended acquire() makes."""
+def _atomic_ops_per_grant(lim, n: int = 1000) -> float:
+    """Counted, not assumed: the atomics package's operations an acquire() makes (in the calling
+    thread: the filler's are not the call's); its plain loads, where they are sequentially
+    consistent (x86-64), are no call into the package and are not counted."""
     cells = lim._att.cells
     p = getattr(cells, "_p", None)
     if p is None:
@@ -167,12 +177,12 @@ def _atomic_ops_per_grant(lim) -> float:
 
         setattr(p, attr, counted)
     try:
-        for _ in range(1000):
+        for _ in range(n):
             lim.acquire()
     finally:
         for attr, fn in saved.items():
             setattr(p, attr, fn)
-    return count[0] / 1000
+    return count[0] / n
 
 
 def bench_tries(n: int) -> Dict[str, Dict[str, float]]:
@@ -327,20 +337,36 @@ def bench_cpu(seconds: float) -> dict:
     return dict(processes=8, rate=50, cpu_s_per_wall_s=cpu / seconds, grants=sum(r[1] for r in res))
 
 
-def _stamped_with_cpu(barrier, seconds: float, q, stamp: Callable[[int], list]) -> None:
+def _sleeps(tid: int) -> int:
+    """Voluntary context switches of this process's thread ``tid`` so far: its sleeps, so its wakes."""
+    try:
+        with open(f"/proc/self/task/{tid}/status") as f:
+            for line in f:
+                if line.startswith("voluntary_ctxt_switches:"):
+                    return int(line.split()[1])
+    except OSError:
+        pass
+    return 0
+
+
+def _stamped_with_cpu(barrier, seconds: float, q, stamp: Callable[[int], list], lim=None) -> None:
     """Once every process is up, ``stamp(end)`` (grant times until ``end``, monotonic ns); puts its
-    start, the stamps and this process's CPU seconds (every thread) meanwhile."""
+    start, the stamps and this process's CPU seconds (every thread) meanwhile, and with ``lim``
+    apart: its filler thread's CPU seconds (watching, or filling) and this thread's wakes."""
     barrier.wait(timeout=120)
+    me = threading.get_native_id()
+    f0, w0 = (_thread_cpu(lim._att.filler), _sleeps(me)) if lim is not None else (0.0, 0)
     r0 = resource.getrusage(resource.RUSAGE_SELF)
     start = time.monotonic_ns()
     stamps = stamp(start + int(seconds * 1e9))
     r1 = resource.getrusage(resource.RUSAGE_SELF)
-    q.put((start, stamps, r1.ru_utime - r0.ru_utime + r1.ru_stime - r0.ru_stime))
+    f1, w1 = (_thread_cpu(lim._att.filler), _sleeps(me)) if lim is not None else (0.0, 0)
+    q.put((start, stamps, r1.ru_utime - r0.ru_utime + r1.ru_stime - r0.ru_stime, f1 - f0, w1 - w0))
 
 
 def _wait_stamped(lim, barrier, seconds: float, q) -> None:
-    """Acquire until the end, recording grant times and this process's CPU."""
-    _stamped_with_cpu(barrier, seconds, q, lambda end: stamp_until(lim.acquire, end, time.monotonic_ns))
+    """Acquire until the end, recording grant times and this process's CPU (its filler's apart)."""
+    _stamped_with_cpu(barrier, seconds, q, lambda end: stamp_until(lim.acquire, end, time.monotonic_ns), lim)
 
 
 def _wait_stamped_async(lim, barrier, seconds: float, q) -> None:
@@ -384,8 +410,13 @@ def bench_waiting(rate: float, seconds: float, procs: int = 8, driver: str = "sy
     shmlimit.unlink(name)
     start = max(r[0] for r in res)
     stamps = [t for r in res for t in r[1]]
+    split = {}
+    if driver == "sync":  # apart: the filler threads' share, and the waiting threads' wakes per grant
+        split = dict(filler_cpu_s_per_wall_s=sum(r[3] for r in res) / seconds,
+                     wakes_per_grant=sum(r[4] for r in res) / max(1, len(stamps)))
     return dict(processes=procs, rate=rate, driver=driver, cpu_s_per_wall_s=sum(r[2] for r in res) / seconds,
-                grants=len(stamps), **lateness_ms(stamps, start, rate, cap))  # as in section 4
+                grants=len(stamps), load=os.getloadavg()[0], **split,
+                **lateness_ms(stamps, start, rate, cap))  # as in section 4
 
 
 def waiting_rows(seconds: float) -> List[dict]:
@@ -1091,7 +1122,7 @@ def print_local(res: dict) -> None:
         for backend, rows in res["tries_ns"].items():
             base_ns = rows["acquire granted"]
             for k, v in rows.items():
-                if k == "atomic ops per grant":
+                if k.startswith("atomic ops per"):
                     print(f"   {backend:12} {k:28} {v:10.1f}")
                 else:
                     print(f"   {backend:12} {k:28} {v:10.0f} {v / base_ns:10.2f}")
@@ -1124,10 +1155,15 @@ def print_waiting(res: dict) -> None:
     print(f"5. CPU while waiting: 8 processes on 50/s use {cw['cpu_s_per_wall_s']:.4f} CPU-s per wall-s together")
     if "waiting" in res:
         print("   8 processes saturating a rate: CPU-s per wall-s together, and each grant's lateness after its turn")
-        print(f"   {'rate/s':>8} {'waiters':>15} {'CPU-s/s':>9} {'p50 ms':>8} {'p99 ms':>8} {'max ms':>8} {'grants':>8}")
+        print("   (filler: the filler threads' share of the CPU; wakes: the waiting threads' per grant; load: the")
+        print("   machine's load average as the row ended)")
+        print(f"   {'rate/s':>8} {'waiters':>15} {'CPU-s/s':>9} {'filler':>8} {'wakes':>6} {'p50 ms':>8} {'p99 ms':>8} "
+              f"{'max ms':>8} {'grants':>8} {'load':>5}")
         for w in res["waiting"]:
-            print(f"   {w['rate']:>8,.0f} {w.get('driver', 'sync'):>15} {w['cpu_s_per_wall_s']:>9.4f} {w['p50_ms']:>8.3f} "
-                  f"{w['p99_ms']:>8.3f} {w['max_ms']:>8.3f} {w['grants']:>8,}")
+            fl = f"{w['filler_cpu_s_per_wall_s']:>8.4f}" if "filler_cpu_s_per_wall_s" in w else f"{'-':>8}"
+            wk = f"{w['wakes_per_grant']:>6.2f}" if "wakes_per_grant" in w else f"{'-':>6}"
+            print(f"   {w['rate']:>8,.0f} {w.get('driver', 'sync'):>15} {w['cpu_s_per_wall_s']:>9.4f} {fl} {wk} "
+                  f"{w['p50_ms']:>8.3f} {w['p99_ms']:>8.3f} {w['max_ms']:>8.3f} {w['grants']:>8,} {w.get('load', 0):>5.1f}")
 
 
 if __name__ == "__main__":
