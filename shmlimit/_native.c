@@ -30,6 +30,8 @@ typedef struct {
     uint32_t closing;
     int busy;
     unsigned long busy_gen;
+    /* FED WAIT: the shared word fed waiters of this process sleep on (NULL: none made), woken by close() too */
+    uint32_t *fed_word;
 } NativeCells;
 
 static int
@@ -1467,6 +1469,10 @@ release_view(NativeCells *self)
 /* defined in WAITER below */
 static void waiters_leave(NativeCells *self);
 static PyObject *cells_waiter(NativeCells *self, PyObject *const *args, Py_ssize_t n);
+/* defined in FED WAIT below */
+static PyObject *cells_futex_wait(NativeCells *self, PyObject *const *args, Py_ssize_t n);
+static PyObject *cells_futex_wake(NativeCells *self, PyObject *const *args, Py_ssize_t n);
+static PyObject *cells_fed_waiter(NativeCells *self, PyObject *const *args, Py_ssize_t n);
 
 static PyObject *
 cells_close(NativeCells *self, PyObject *Py_UNUSED(ignored))
@@ -1548,6 +1554,12 @@ static PyMethodDef cells_methods[] = {
     {"waiter", (PyCFunction)(void (*)(void))cells_waiter, METH_FASTCALL,
      "waiter(seq, expected, tail, head, repl_ts, snap_head, snap_tail, lease, grants, waiting, tpn, cap, "
      "slack_ns) -> Waiter"},
+    {"futex_wait", (PyCFunction)(void (*)(void))cells_futex_wait, METH_FASTCALL,
+     "futex_wait(off, expected, bitset, deadline_ns) -> False once the deadline passed, else True (look again)"},
+    {"futex_wake", (PyCFunction)(void (*)(void))cells_futex_wake, METH_FASTCALL,
+     "futex_wake(off, bitset) -> sleepers woken (any process)"},
+    {"fed_waiter", (PyCFunction)(void (*)(void))cells_fed_waiter, METH_FASTCALL,
+     "fed_waiter(seq, expected, head, lease, grants, waiting, wake, next_ns, cost, tpn, grace_ns) -> FedWaiter"},
     {"close", (PyCFunction)cells_close, METH_NOARGS, "release the buffer; later calls raise ValueError"},
     {NULL, NULL, 0, NULL},
 };
@@ -2044,6 +2056,8 @@ waiters_leave(NativeCells *self)
         return;
 #ifdef __linux__
     syscall(SYS_futex, &self->closing, FUTEX_WAKE | FUTEX_PRIVATE_FLAG, INT_MAX, NULL, NULL, 0);
+    if (self->fed_word) /* FED WAIT: the shared word (other processes' waiters wake too, look, sleep again) */
+        syscall(SYS_futex, self->fed_word, FUTEX_WAKE_BITSET, INT_MAX, NULL, NULL, FUTEX_BITSET_MATCH_ANY);
 #endif
     Py_BEGIN_ALLOW_THREADS
     while (__atomic_load_n(&self->busy, __ATOMIC_SEQ_CST) > 0) {
@@ -2054,6 +2068,295 @@ waiters_leave(NativeCells *self)
 }
 /* ======================================================================================
  * END WAITER
+ * ====================================================================================== */
+
+/* ======================================================================================
+ * FED WAIT: hierarchical mode's waits, woken across processes when leased tokens land
+ * ======================================================================================
+ *
+ * In hierarchical mode tokens come with leased batches, not with the clock, so no wait is
+ * computable from REPL_TS.  Instead a waiter sleeps on a shared futex word (the low 32 bits of
+ * the segment word UP_WAKE; a non-private futex, keyed by the mapping, so other processes'
+ * wakes reach it), and whoever moves the head (Bucket.add, forgive, a fallback switch) bumps the
+ * word and wakes the waiters whose tickets it covered: a waiter sleeps with the bit of its
+ * ticket's op index (ticket / cost mod 32), the waker wakes the bits of every op index its move
+ * covered (all 32 for 32 or more).  A waker that bumps the word between a waiter's load of it and
+ * the waiter's sleep makes the sleep return at once (the kernel compares the word): no wake is
+ * lost.  Every sleep still ends at a deadline: a missed or foreign move costs at most that.
+ *
+ * futex_wait(off, expected, bitset, deadline_ns) and futex_wake(off, bitset) are the two
+ * primitives (the atomics backend has them through libc, futex.py); fed_waiter(...) is a
+ * ticket's whole wait in one call without the GIL, like a Waiter, for this mode.
+ */
+static inline uint32_t *
+fed_word32(uint64_t *w)
+{
+#if __BYTE_ORDER__ == __ORDER_BIG_ENDIAN__
+    return (uint32_t *)w + 1; /* the low half */
+#else
+    return (uint32_t *)w;
+#endif
+}
+
+/* Sleep on `w` while it holds `expected`, until CLOCK_MONOTONIC `at`: 0 woken (or the word
+ * differed), ETIMEDOUT, EINTR; elsewhere than Linux a plain sleep to `at`. */
+static int
+fed_sleep(uint32_t *w, uint32_t expected, uint32_t bitset, uint64_t at)
+{
+#ifdef __linux__
+    struct timespec ts = {(time_t)(at / 1000000000u), (long)(at % 1000000000u)};
+    long r = syscall(SYS_futex, w, FUTEX_WAIT_BITSET, expected, &ts, NULL, bitset ? bitset : FUTEX_BITSET_MATCH_ANY);
+    if (r == 0 || errno == EAGAIN)
+        return 0;
+    return errno == ETIMEDOUT ? ETIMEDOUT : EINTR;
+#else
+    (void)w; (void)expected; (void)bitset;
+    uint64_t now = monotonic_ns();
+    if (at > now) {
+        uint64_t d = at - now;
+        struct timespec ts = {(time_t)(d / 1000000000u), (long)(d % 1000000000u)};
+        if (nanosleep(&ts, NULL) != 0)
+            return EINTR;
+    }
+    return ETIMEDOUT;
+#endif
+}
+
+/* futex_wait(off, expected, bitset, deadline_ns) -> False once the deadline passed, else True
+ * (woken, the word no longer `expected`'s low 32 bits, or a signal): the caller looks again. */
+static PyObject *
+cells_futex_wait(NativeCells *self, PyObject *const *args, Py_ssize_t n)
+{
+    uint64_t *w, expected, bitset, at;
+    if (!nargs(n, 4, "futex_wait") || !check_open(self) || !(w = word(self, args[0])))
+        return NULL;
+    if (!u64(args[1], &expected) || !u64(args[2], &bitset) || !u64(args[3], &at))
+        return NULL;
+    if (bitset == 0 || bitset > 0xffffffffu) {
+        PyErr_SetString(PyExc_ValueError, "futex_wait: bitset must be in [1, 2**32)");
+        return NULL;
+    }
+    int r;
+    Py_BEGIN_ALLOW_THREADS
+    r = fed_sleep(fed_word32(w), (uint32_t)expected, (uint32_t)bitset, at);
+    Py_END_ALLOW_THREADS
+    if (r == ETIMEDOUT)
+        Py_RETURN_FALSE;
+    Py_RETURN_TRUE;
+}
+
+/* futex_wake(off, bitset) -> how many sleepers on the word (any process) were woken. */
+static PyObject *
+cells_futex_wake(NativeCells *self, PyObject *const *args, Py_ssize_t n)
+{
+    uint64_t *w, bitset;
+    if (!nargs(n, 2, "futex_wake") || !check_open(self) || !(w = word(self, args[0])) || !u64(args[1], &bitset))
+        return NULL;
+    if (bitset == 0 || bitset > 0xffffffffu) {
+        PyErr_SetString(PyExc_ValueError, "futex_wake: bitset must be in [1, 2**32)");
+        return NULL;
+    }
+#ifdef __linux__
+    long r = syscall(SYS_futex, fed_word32(w), FUTEX_WAKE_BITSET, INT_MAX, NULL, NULL, (uint32_t)bitset);
+    return PyLong_FromLong(r < 0 ? 0 : r);
+#else
+    return PyLong_FromLong(0);
+#endif
+}
+
+#define FED_NUDGE_NS 2000000u /* acquisition.POLL: the filler lease lapsed, come back this soon */
+
+typedef struct {
+    PyObject_HEAD
+    NativeCells *cells;
+    uint64_t *seq, *head, *lease, *grants, *wake, *next_ns;
+    uint64_t *waiting; /* this process's WAITING word, or NULL */
+    uint64_t expected, cost, tpn, grace_ns;
+    uint64_t naps;
+} FedWaiter;
+
+/* Until when a fed waiter sleeps at most without a wake (Bucket.fed_deadline): the batch the
+ * filler expects next (UP_NEXT_NS) or the ticket's turn at the local rate, whichever is later,
+ * plus grace_ns.  A living filler's batch wakes it before; a dead one's does not, and the waiter
+ * then looks at the lease (only waiters nudge a filler in this mode).  Never after `until`. */
+static uint64_t
+fed_deadline(FedWaiter *w, uint64_t now, uint64_t short_, uint64_t until)
+{
+    uint64_t nxt = wld(w->next_ns);
+    double turn = (double)now + (double)short_ / (double)w->tpn;
+    double at = ((double)nxt > turn ? (double)nxt : turn) + (double)w->grace_ns;
+    return at >= (double)until ? until : (uint64_t)at;
+}
+
+/* The loop of a fed wait, without the GIL: granted once the head covers the ticket; asleep on the
+ * word with the ticket's bit meanwhile; back to Python at `until`, on a changed config, a signal or
+ * close(), and soon (WAIT_NUDGE) when the filler lease lapsed: only a filler leases. */
+static int
+fed_loop(FedWaiter *w, uint64_t ticket, uint64_t ops, uint64_t until)
+{
+    uint32_t *word = fed_word32(w->wake);
+    uint32_t bit = 1u << ((ticket / w->cost) & 31);
+    int flags = 0;
+    for (;;) {
+        if (__atomic_load_n(&w->cells->closing, __ATOMIC_SEQ_CST) || wld(w->seq) != w->expected)
+            return flags;
+        uint32_t v = __atomic_load_n(word, __ATOMIC_SEQ_CST); /* before the head: a move after it changes v */
+        int64_t short_ = (int64_t)(ticket - wld(w->head));
+        if (short_ <= 0) {
+            __atomic_fetch_add(w->grants, ops, __ATOMIC_SEQ_CST);
+            return flags | WAIT_GRANTED;
+        }
+        uint64_t now = monotonic_ns();
+        if (now >= until)
+            return flags;
+        uint64_t at = fed_deadline(w, now, (uint64_t)short_, until);
+        uint64_t l = wld(w->lease);
+        if (l == 0 || (l >> WAIT_LEASE_SLOT_BITS) <= now / 1000u) {
+            flags |= WAIT_NUDGE;
+            if (at > now + FED_NUDGE_NS)
+                at = now + FED_NUDGE_NS;
+        }
+        __atomic_fetch_add(&w->naps, 1, __ATOMIC_RELAXED);
+        int r = fed_sleep(word, v, bit, at);
+        if (r == EINTR)
+            return flags;
+        if (r == ETIMEDOUT && at < until) { /* the lapsed lease's short sleep: a last look, then Python nudges */
+            if ((int64_t)(ticket - wld(w->head)) <= 0 && wld(w->seq) == w->expected) {
+                __atomic_fetch_add(w->grants, ops, __ATOMIC_SEQ_CST);
+                return flags | WAIT_GRANTED;
+            }
+            return flags;
+        }
+    }
+}
+
+static PyObject *
+fed_wait(FedWaiter *self, PyObject *const *args, Py_ssize_t n)
+{
+    uint64_t ticket, ops, until;
+    if (!nargs(n, 4, "wait") || !check_open(self->cells))
+        return NULL;
+    if (!u64(args[0], &ticket) || !u64(args[1], &ops) || !u64(args[2], &until))
+        return NULL;
+    int count = PyObject_IsTrue(args[3]);
+    if (count < 0)
+        return NULL;
+    uint64_t *waiting = count ? self->waiting : NULL;
+    if (wld(self->seq) == self->expected && (int64_t)(ticket - wld(self->head)) <= 0) {
+        __atomic_fetch_add(self->grants, ops, __ATOMIC_SEQ_CST);
+        return PyLong_FromLong(WAIT_GRANTED);
+    }
+    int rc;
+    NativeCells *c = self->cells;
+    if (c->busy_gen != waiter_fork_gen) { /* as in waiter_wait: a forked child counts its own */
+        c->busy_gen = waiter_fork_gen;
+        __atomic_store_n(&c->busy, 0, __ATOMIC_SEQ_CST);
+    }
+    __atomic_fetch_add(&c->busy, 1, __ATOMIC_SEQ_CST);
+    Py_INCREF(self);
+    if (waiting)
+        __atomic_fetch_add(waiting, 1, __ATOMIC_SEQ_CST);
+    Py_BEGIN_ALLOW_THREADS
+    rc = fed_loop(self, ticket, ops, until);
+    if (waiting)
+        __atomic_fetch_sub(waiting, 1, __ATOMIC_SEQ_CST);
+    __atomic_fetch_sub(&c->busy, 1, __ATOMIC_SEQ_CST);
+    Py_END_ALLOW_THREADS
+    Py_DECREF(self);
+    return PyLong_FromLong(rc);
+}
+
+/* refill() -> (0, False): in this mode only leases add tokens (the interface of Waiter.refill). */
+static PyObject *
+fed_refill(FedWaiter *self, PyObject *unused)
+{
+    (void)unused;
+    if (!check_open(self->cells))
+        return NULL;
+    return Py_BuildValue("(KO)", 0ULL, Py_False);
+}
+
+static void
+fed_dealloc(FedWaiter *self)
+{
+    Py_XDECREF(self->cells);
+    Py_TYPE(self)->tp_free((PyObject *)self);
+}
+
+static PyObject *
+fed_get_naps(FedWaiter *self, void *closure)
+{
+    return PyLong_FromUnsignedLongLong(__atomic_load_n(&self->naps, __ATOMIC_RELAXED));
+}
+
+static PyMethodDef fed_methods[] = {
+    {"wait", (PyCFunction)(void (*)(void))fed_wait, METH_FASTCALL,
+     "wait(ticket, ops, until_ns, count_waiting) -> flags: 1 granted (ops counted), 2 nudge the filler"},
+    {"refill", (PyCFunction)fed_refill, METH_NOARGS, "refill() -> (0, False): only leases add tokens"},
+    {NULL, NULL, 0, NULL},
+};
+
+static PyGetSetDef fed_getset[] = {
+    {"naps", (getter)fed_get_naps, NULL, "how many times this waiter's calls slept", NULL},
+    {NULL, NULL, NULL, NULL, NULL},
+};
+
+static PyTypeObject FedWaiterType = {
+    PyVarObject_HEAD_INIT(NULL, 0)
+    .tp_name = "shmlimit._native.FedWaiter",
+    .tp_basicsize = sizeof(FedWaiter),
+    .tp_flags = Py_TPFLAGS_DEFAULT,
+    .tp_doc = "A queued caller's wait for its ticket in hierarchical mode, woken when leased tokens land.",
+    .tp_dealloc = (destructor)fed_dealloc,
+    .tp_methods = fed_methods,
+    .tp_getset = fed_getset,
+};
+
+/* fed_waiter(seq, expected, head, lease, grants, waiting, wake, next_ns, cost, tpn, grace_ns) -> a
+ * FedWaiter; `waiting` is a word offset or None, `cost` the tokens of one op (the ticket's bit is
+ * its op index), `tpn` tokens per ns at the local rate. */
+static PyObject *
+cells_fed_waiter(NativeCells *self, PyObject *const *args, Py_ssize_t n)
+{
+    if (!nargs(n, 11, "fed_waiter") || !check_open(self))
+        return NULL;
+    uint64_t *waiting = NULL;
+    if (args[5] != Py_None && !(waiting = word(self, args[5])))
+        return NULL;
+    uint64_t *w[6];
+    const int at[6] = {0, 2, 3, 4, 6, 7};
+    for (int i = 0; i < 6; i++)
+        if (!(w[i] = word(self, args[at[i]])))
+            return NULL;
+    uint64_t expected, cost, tpn, grace;
+    if (!u64(args[1], &expected) || !u64(args[8], &cost) || !u64(args[9], &tpn) || !u64(args[10], &grace))
+        return NULL;
+    if (cost < 1 || tpn < 1 || grace > 1000000000u) {
+        PyErr_SetString(PyExc_ValueError, "fed_waiter: cost >= 1, tpn >= 1, 0 <= grace_ns <= 1e9");
+        return NULL;
+    }
+    FedWaiter *g = PyObject_New(FedWaiter, &FedWaiterType);
+    if (!g)
+        return NULL;
+    Py_INCREF(self);
+    g->cells = self;
+    g->seq = w[0];
+    g->head = w[1];
+    g->lease = w[2];
+    g->grants = w[3];
+    g->wake = w[4];
+    g->next_ns = w[5];
+    g->waiting = waiting;
+    g->expected = expected;
+    g->cost = cost;
+    g->tpn = tpn;
+    g->grace_ns = grace;
+    g->naps = 0;
+    self->fed_word = fed_word32(w[4]);
+    return (PyObject *)g;
+}
+/* ======================================================================================
+ * END FED WAIT
  * ====================================================================================== */
 
 static PyMethodDef native_functions[] = {
@@ -2078,7 +2381,8 @@ PyMODINIT_FUNC
 PyInit__native(void)
 {
     if (PyType_Ready(&NativeCellsType) < 0 || PyType_Ready(&GrabberType) < 0 || PyType_Ready(&KeyedTableType) < 0
-        || PyType_Ready(&GateType) < 0 || PyType_Ready(&WaiterType) < 0 || PyType_Ready(&MultiGateType) < 0)
+        || PyType_Ready(&GateType) < 0 || PyType_Ready(&WaiterType) < 0 || PyType_Ready(&MultiGateType) < 0
+        || PyType_Ready(&FedWaiterType) < 0)
         return NULL;
     PyObject *m = PyModule_Create(&native_module);
     if (!m)

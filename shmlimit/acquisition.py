@@ -16,12 +16,8 @@ A request moves through these states, each a step that never blocks:
 * ``ADMIT``  -- capped mode: waiting for a place among the ops in flight
   (``Bucket.admit``), holding no ticket, so nobody queues behind it;
 * ``JOIN``   -- ``max_reserved`` is set and the queue is too long to join: an
-  untimed request waits, taking nothing, until it may take its ticket;
-* ``POLL``   -- hierarchical mode, timed: tokens arrive with leases, not on a
-  clock, so no wait is computable; the request takes nothing until it
-  succeeds, tells the filler it is hungry, and joins the line of timed
-  waiters only to learn how many ops wait ahead of it: it sleeps until the
-  filler next expects tokens, plus the local rate's time for those ahead;
+  untimed request (or, in hierarchical mode, a timed one until its deadline)
+  waits, taking nothing, until it may take its ticket;
 * ``TICKET`` -- it holds a ticket: it waits for the head to reach it,
   replenishing by itself (the lazy refill: nothing waits for the filler) and
   nudging its process's filler when it had to.  While here, its process slot's
@@ -29,7 +25,11 @@ A request moves through these states, each a step that never blocks:
   recorded in the slot if the record is free (given back should the process
   die).  A request that leaves here without being granted (an interrupt, a
   cancellation: ``end`` after an exception) gives its ticket back: the head
-  skips its range (see ``giveback``), so no one waits for it.
+  skips its range (see ``giveback``), so no one waits for it.  In hierarchical
+  mode tokens come with leases, so no wait is computable: a timed request
+  takes its ticket all the same, and gives it back at its deadline; its waiter
+  sleeps on ``UP_WAKE`` until the batch that covers it wakes it
+  (``fed_wait``).
 
 Every deadline and nap is measured on the attachment's clock (CLOCK_MONOTONIC
 ns, injected in tests), so a request can be driven step by step on a fake clock.
@@ -38,8 +38,9 @@ from __future__ import annotations
 
 import asyncio
 import time
-from typing import TYPE_CHECKING, Callable, Optional, Protocol, Union
+from typing import TYPE_CHECKING, Callable, Optional, Protocol, Tuple, Union
 
+from . import fed_wait
 from .config import NS_PER_S, validate_n, validate_timeout
 from .sleep import sleep_until_async
 
@@ -64,7 +65,7 @@ _INF = float("inf")
 #: What a native wait (``Bucket.waiter``) answers: granted (counted), nudge the filler, burn.
 WAIT_GRANTED, WAIT_NUDGE, WAIT_BURN = 1, 2, 4
 
-ADMIT, JOIN, POLL_STATE, TICKET, DONE = "admit", "join", "poll", "ticket", "done"
+ADMIT, JOIN, TICKET, DONE = "admit", "join", "ticket", "done"
 
 Step = Union[bool, float]
 
@@ -73,8 +74,8 @@ class Request:
     """One acquire of ``n`` ops, with ``timeout`` seconds (None: as long as it takes)."""
 
     __slots__ = (
-        "att", "bucket", "n", "tokens", "deadline", "state", "ticket", "admitted", "granted", "place", "wake_ns",
-        "_waiting", "record",
+        "att", "bucket", "n", "tokens", "deadline", "state", "ticket", "admitted", "granted", "wake_ns",
+        "_waiting", "record", "fed",
     )
 
     def __init__(self, att: "Attachment", n: int, timeout: Optional[float]) -> None:
@@ -92,27 +93,31 @@ class Request:
         self.ticket: Optional[int] = None
         self.admitted = False
         self.granted = False
-        self.place: Optional[int] = None  # hierarchical mode, timed: our place in the line of waiters
         #: the last nap ends at this CLOCK_MONOTONIC instant, to sleep to precisely (None: roughly)
         self.wake_ns: Optional[int] = None
         self._waiting = False
         self.record: Optional[int] = None  # the record of our ticket in our process slot (its LEN offset)
+        #: hierarchical mode: the nap to ``wake_ns`` is a sleep on ``UP_WAKE`` (the value read before
+        #: the head, the ticket's bit), ended early by the batch that covers the ticket
+        self.fed: Optional[Tuple[int, int]] = None
 
     @classmethod
     def holding(
-        cls, att: "Attachment", n: int, ticket: int, tokens: int = 0, rec: Optional[int] = None
+        cls, att: "Attachment", n: int, ticket: int, tokens: int = 0, rec: Optional[int] = None,
+        deadline: Optional[int] = None,
     ) -> "Request":
         """A request that already holds ``ticket``, ``tokens`` long (the fast path's grab): it only waits.
 
         ``tokens`` 0: the length is not known for sure (the config changed
         under the grab), and the ticket can then never be given back.
-        ``rec``: the record the grab's first wait made of it already.
+        ``rec``: the record the grab's first wait made of it already.  ``deadline``: hierarchical
+        mode's timed grab, given back when not served by then (CLOCK_MONOTONIC ns).
         """
         r = cls.__new__(cls)
-        r.att, r.bucket, r.n, r.tokens, r.deadline = att, att.bucket, n, tokens, None
+        r.att, r.bucket, r.n, r.tokens, r.deadline = att, att.bucket, n, tokens, deadline
         r.admitted = r.granted = r._waiting = False
-        r.place = None
         r.wake_ns = None
+        r.fed = None
         r.ticket = ticket
         r.state = TICKET
         r._waiting = True
@@ -154,8 +159,6 @@ class Request:
             return self._take()
         if state == JOIN:
             return self._join()
-        if state == POLL_STATE:
-            return self._poll()
         raise RuntimeError(f"request is {state}: nothing to wait for")
 
     def end(self) -> None:
@@ -175,9 +178,6 @@ class Request:
         if self._waiting:
             self._waiting = False
             self.att.waiting(-1)
-        if self.place is not None:  # we leave the line of timed waiters, whatever the outcome
-            self.place = None
-            self.bucket.leave_line(self.n)
         if self.admitted and not self.granted:
             self.admitted = False
             self.bucket.unadmit(self.n)
@@ -201,9 +201,18 @@ class Request:
                 return self._hold(ticket)
             self.state = JOIN
             return self._join()
-        if b.upstream:
-            self.state = POLL_STATE
-            return self._poll()
+        if b.upstream and not b.time_fed:
+            # no wait is computable (tokens come with leases): hold a ticket until the deadline, given
+            # back then if not served (``end``); with max_reserved, join once the queue is short enough
+            if take_now(att, self.n, self.tokens):
+                return self._done()
+            if self.deadline - att.clock() <= 0:
+                return self._refuse()
+            if b.max_reserved_ns != _INF:
+                self.state = JOIN
+                return self._join()
+            ticket = b.grab(self.tokens, att.grants_off, self.n)
+            return self._done() if ticket is None else self._hold(ticket)  # None: granted, counted
         left_ns = max(0, self.deadline - att.clock())
         ticket = self._reserve(min(left_ns, b.max_reserved_ns))
         if ticket is None:
@@ -216,31 +225,15 @@ class Request:
     def _join(self) -> Step:
         """``max_reserved``: take a ticket once the queue is short enough, else park (taking nothing)."""
         b = self.bucket
+        left = _INF if self.deadline is None else (self.deadline - self.att.clock()) / NS_PER_S
+        if left <= 0:  # hierarchical mode's timed request: not in the queue by its deadline
+            return self._refuse()
         ticket = self._reserve(b.max_reserved_ns)
         if ticket is not None:
             return self._hold(ticket)
         b.refresh()
         over = -b.balance() + self.tokens - b.max_reserved_ns * b.tpn
-        return min(MAX_NAP, max(MIN_NAP, over / b.tpn / NS_PER_S))
-
-    def _poll(self) -> Step:
-        """Hierarchical mode, timed: granted now, refused past the deadline, else a short park."""
-        b = self.bucket
-        att = self.att
-        if take_now(att, self.n, self.tokens):
-            return self._done()
-        now = att.clock()
-        left = (self.deadline - now) / NS_PER_S if self.deadline is not None else _INF
-        if left <= 0:
-            return self._refuse()
-        b.mark_hungry(now)  # no ticket shows our demand: tell the filler
-        att.nudge_filler()
-        if self.place is None:
-            self.place = b.join_line(self.n)
-        turn = b.ahead_in_line(self.place) * b.config.per / b.config.rate  # the local rate serves those ahead
-        nxt = b.next_lease_ns()
-        nap = ((nxt - now) / NS_PER_S + turn if nxt > now else max(POLL, turn)) + ARRIVAL_SLACK
-        return min(left, nap, MAX_NAP)
+        return min(MAX_NAP, left, max(MIN_NAP, over / b.tpn / NS_PER_S))
 
     def _hold(self, ticket: int) -> Step:
         self.ticket = ticket
@@ -262,12 +255,20 @@ class Request:
         ticket = self.ticket
         assert ticket is not None
         self.wake_ns = None
+        self.fed = None
+        # hierarchical mode, on the real clock: the wake word is read before the head, so a batch
+        # added after this look makes the sleep on it return at once (no wake is lost)
+        fed = b.upstream and not b.time_fed and att.clock is time.monotonic_ns
+        seen = fed_wait.seen(b.cells) if fed else 0
         if b.covered(ticket):
             return self._grant_ticket()
         b.refresh()
         if att.opened():  # the "open" fallback lets queued callers through too
             return self._grant()
         now = att.clock()
+        until = now + MAX_NAP_NS if self.deadline is None or not b.upstream else min(now + MAX_NAP_NS, self.deadline)
+        if until <= now:  # a timed ticket of hierarchical mode, not served by its deadline: given back (end)
+            return False
         due = b.due_ns(ticket) if b.time_fed and not b.stopped else now
         if due > now:  # not our turn yet: no replenish can help, park until it
             self.wake_ns = min(int(due) + 1, now + MAX_NAP_NS)  # now and then, to notice changes
@@ -281,8 +282,12 @@ class Request:
         short = b.deficiency(ticket) / b.tpn
         if b.upstream:
             att.nudge_filler()  # only a filler leases: make sure one runs
-            if not b.time_fed:  # tokens come with leases: park until a batch is due
-                return self._fed_nap(short / NS_PER_S)
+            if not b.time_fed:  # tokens come with leases: park until a batch is due, or (fed) until
+                if fed and fed_wait.wakes_work():  # the batch that covers us wakes us
+                    self.fed = (seen, fed_wait.fed_bit(ticket, b.cost))
+                    self.wake_ns = fed_wait.deadline(b.cells, b.tpn, now, b.deficiency(ticket), until)
+                    return max(0, self.wake_ns - now) / NS_PER_S
+                return min(self._fed_nap(short / NS_PER_S), (until - now) / NS_PER_S)
         # due, yet short: look again soon, or when the shortfall could have arrived
         self.wake_ns = now + int(min(max(short, RETRY_NS), MAX_NAP_NS))
         return (self.wake_ns - now) / NS_PER_S
@@ -299,12 +304,18 @@ class Request:
         if att.fast_seq != self.bucket.seq:  # the config changed: a waiter bound to the new one
             att.update_fast()
         waiter = att.fast[3]
+        fed, self.fed = self.fed, None
+        if waiter is None and fed is not None and self.wake_ns is not None:
+            # hierarchical mode without a native waiter: the same sleep on the wake word, from Python
+            fed_wait.sleep(self.bucket.cells, fed[0], fed[1], self.wake_ns)
+            return self.next()
         if waiter is None:
             return None
         ticket = self.ticket
         assert ticket is not None
         self.wake_ns = None
-        rc = waiter.wait(ticket, self.n, time.monotonic_ns() + MAX_NAP_NS, False)  # counted by the request
+        until = min(time.monotonic_ns() + MAX_NAP_NS, self.deadline or _INF)  # a timed one's: the real clock too
+        rc = waiter.wait(ticket, self.n, int(until), False)  # counted by the request
         if rc != WAIT_GRANTED:
             after_native_wait(self.att, rc)
         if rc & WAIT_GRANTED:
@@ -426,20 +437,24 @@ def after_native_wait(att: "Attachment", rc: int) -> None:
         b.burn(keep=b.cap + b.burst_pool)
 
 
-def wait_for_ticket(att: "Attachment", ticket: int, tokens: int) -> bool:
+def wait_for_ticket(att: "Attachment", ticket: int, tokens: int, timeout: Optional[float] = None) -> bool:
     """The fast path's ticket for one op (``tokens`` long; 0: not known): the native wait straight
     away (counted among this process's queued callers meanwhile), and a ``Request`` only if it
     hands the wait back.
 
     The ticket is recorded in the process slot first (given back should the process die in the
     wait), and given back if the native wait is interrupted (a granted one is covered already,
-    and giving back a covered range does nothing).
+    and giving back a covered range does nothing).  ``timeout`` (seconds): hierarchical mode's timed
+    grab, given back when not served by then (``Limiter.acquire`` passes it; elsewhere a timed ticket
+    is granted within its timeout by construction).
     """
     waiter = att.fast[3]
     rec = att.record_ticket(ticket, tokens) if tokens else None
+    now = time.monotonic_ns()
+    deadline = now + int(timeout * NS_PER_S) if timeout is not None and att.bucket.upstream else None
     if waiter is not None:
         try:
-            rc = waiter.wait(ticket, 1, time.monotonic_ns() + MAX_NAP_NS, True)
+            rc = waiter.wait(ticket, 1, now + MAX_NAP_NS if deadline is None else min(now + MAX_NAP_NS, deadline), True)
             if rc & WAIT_GRANTED:
                 if rc != WAIT_GRANTED:
                     after_native_wait(att, rc)
@@ -453,7 +468,7 @@ def wait_for_ticket(att: "Attachment", ticket: int, tokens: int) -> bool:
             elif rec is not None:
                 att.clear_ticket(rec, tokens)
             raise
-    return drive(Request.holding(att, 1, ticket, tokens, rec))
+    return drive(Request.holding(att, 1, ticket, tokens, rec, deadline))
 
 
 _sleeper: list = []

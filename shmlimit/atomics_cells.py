@@ -13,7 +13,8 @@ import threading
 from typing import Any, Dict, List, Optional, Tuple, Union
 
 from .composites import CompositesFromPrimitives, Gate
-from .words import MASK64, MAX_QUEUE, WORD, GrabResult, check_offset, check_value, plain_seconds, signed
+from . import futex
+from .words import MASK64, MAX_QUEUE, WORD, GrabResult, check_bitset, check_offset, check_value, plain_seconds, signed
 
 
 #: An aligned 8-byte load compiles to one instruction, single-copy atomic, on these machines.
@@ -168,6 +169,7 @@ class AtomicsCells(CompositesFromPrimitives):
         self._closed = False
         self._p: Optional[_Patomic] = None
         self._words: Any = None
+        self._addr: Optional[int] = None
         if direct and size >= WORD:
             try:
                 self._p = _Patomic(self._buf)
@@ -284,6 +286,35 @@ class AtomicsCells(CompositesFromPrimitives):
         self._check(seq, tail, head, ceil, repl_ts, grants)
         return _AtomicsGate(self, seq, expected, tail, head, ceil, repl_ts, grants, amount, ops, tpn, pend_mul,
                             capped, max_reserved_ns)
+
+    # -- the fed wait's futex (hierarchical mode): see futex.py
+
+    def futex_wait(self, off: int, expected: int, bitset: int, deadline_ns: int) -> bool:
+        """Sleep while the word's low 32 bits hold ``expected``'s, until ``deadline_ns`` (CLOCK_MONOTONIC);
+        False once the deadline passed, else True (woken: look again)."""
+        check_bitset(bitset)
+        check_value(expected), check_value(deadline_ns)
+        self._enter()  # close() waits for the sleep to end: it is bounded by its deadline
+        try:
+            check_offset(off, self.size)
+            return futex.wait(self._address() + off + futex.LOW_HALF, expected, bitset, deadline_ns)
+        finally:
+            self._exit()
+
+    def futex_wake(self, off: int, bitset: int) -> int:
+        """Wake the sleepers on the word (any process) whose bitset meets ``bitset``; how many."""
+        check_bitset(bitset)
+        self._enter()
+        try:
+            check_offset(off, self.size)
+            return futex.wake(self._address() + off + futex.LOW_HALF, bitset)
+        finally:
+            self._exit()
+
+    def _address(self) -> int:
+        if self._addr is None:
+            self._addr = self._base if self._p is not None else futex.address_of(self._buf)
+        return self._addr
 
     def close(self) -> None:
         with self._lock:

@@ -21,11 +21,12 @@ from __future__ import annotations
 import os
 import threading
 import time
-from typing import Any, Callable, Optional, Sequence
+from typing import Any, Callable, Optional, Sequence, Union
 
 from . import layout as L
 from .bucket import Bucket, GrabResult
 from .cells import MASK64, Cells, multi_gate
+from .words import plain_seconds
 from .errors import ConfigMismatchError, LimiterNotFoundError, SegmentError
 from .filler import FillerThread, Lease
 from .giveback import REAP_EVERY, Records, Returns, ReturnsThread, clear, clear_waiting, mark_given, reap, record, take_over
@@ -50,6 +51,24 @@ def _undecided() -> None:
 
 def _undecided_within(timeout: object) -> None:
     return None
+
+
+def _fed_within(grab: Callable[[], GrabResult]) -> Callable[[object], Union[bool, int, None]]:
+    """Hierarchical mode's timed acquire of one op: the untimed grab, whose ticket the caller waits for
+    until its deadline (``wait_for_ticket``) and gives back then.  No wait is computable there (tokens
+    come with leases), so none is refused up front; a timeout of 0 or not a plain number: undecided
+    (the slow path: a refusal there is demand the filler must see)."""
+
+    def within(timeout: object) -> Union[bool, int, None]:
+        t = plain_seconds(timeout)
+        if not t:
+            return None
+        ticket = grab()
+        if ticket is None:
+            return True
+        return None if ticket is False else ticket  # type: ignore[return-value]
+
+    return within
 
 
 #: The fast path when there is none: [grab for acquire, try for try_acquire, grab within a timeout,
@@ -131,6 +150,9 @@ class Attachment:
         else:
             gate = self.bucket.gate(s, self.grants_off)
             self.fast[1:3] = (gate.try_grab, gate.grab_within)
+        if (self.fast[0] is not _no_fast and s.upstream and not s.time_fed and not s.stopped
+                and self.clock is time.monotonic_ns):
+            self.fast[2] = _fed_within(self.fast[0])
         # a ticket's whole wait in one native call, for the configs it handles (Bucket.waiter); it
         # reads the real clock, so an attachment with an injected clock waits in Python
         real_clock = self.clock is time.monotonic_ns

@@ -38,8 +38,9 @@ import math
 import time
 from typing import Any, Callable, List, Optional, Tuple
 
+from . import fed_wait
 from . import layout as L
-from .cells import MASK64, Cells, GrabResult
+from .cells import FED_ALL, MASK64, Cells, GrabResult, fed_mask
 from .config import MAX_QUEUE_TOKENS as MAX_QUEUE
 from .config import Config
 from .config_banks import NO_SNAPSHOT, Snapshot, config_words, published_values, read_snapshot, write_banks, write_under_lock
@@ -155,6 +156,7 @@ class Bucket:
         except ConfigWriterTakenOver:
             self.load_config()
             raise
+        fed_wait.wake(self.cells, FED_ALL)  # fed waiters asleep on the old config go back to rebind to the new one
 
     @staticmethod
     def initialise(
@@ -231,6 +233,10 @@ class Bucket:
         count_waiting)`` (counting the caller in the word ``waiting`` meanwhile, if asked) answers flags (``WAIT_GRANTED``, ``WAIT_NUDGE``, ``WAIT_BURN``), and returns at once
         when the config is no longer ``snap``'s.
         """
+        if snap.config and snap.upstream and not (snap.time_fed or snap.stopped or snap.capped or snap.open):
+            return self.cells.fed_waiter(  # hierarchical mode (fed_wait); None on the atomics backend
+                L.CFG_SEQ, snap.seq, L.HEAD, L.LEASE, grants, waiting, L.UP_WAKE, L.UP_NEXT_NS, snap.cost, snap.tpn,
+                fed_wait.GRACE_NS)
         if (snap.config is None or snap.stopped or not snap.time_fed or snap.upstream or snap.catch_up
                 or snap.capped):
             return None
@@ -391,7 +397,10 @@ class Bucket:
             head = c.load(L.HEAD)
             tail = c.load(L.TAIL)
             add = max(0, min(tokens, diff((tail + self.cap) & MASK64, head)))
-            if add <= 0 or c.cas(L.HEAD, head, (head + add) & MASK64):
+            if add <= 0:
+                return 0
+            if c.cas(L.HEAD, head, (head + add) & MASK64):
+                fed_wait.wake(c, fed_mask(head, (head + add) & MASK64, self.snap.cost))  # the waiters it serves
                 return add
 
     def forgive(self) -> int:
@@ -410,6 +419,8 @@ class Bucket:
             head = c.load(L.HEAD)
             owed = diff(tail, head)
             if owed <= 0 or c.cas(L.HEAD, head, tail):
+                if owed > 0:  # the tickets it covered: their waiters go
+                    fed_wait.wake(c, FED_ALL)
                 return max(0, owed)
 
     # -- capped mode: ops in flight, counted in ops --------------------------------------
@@ -509,18 +520,6 @@ class Bucket:
     def mark_hungry(self, now_ns: int) -> None:
         """A caller found no token and took no ticket; the filler should lease."""
         self.cells.store(L.UP_HUNGRY, now_ns)
-
-    def join_line(self, ops: int) -> int:
-        """A timed waiter joins the line of timed waiters (``UP_LINE_TAIL``); returns its place."""
-        return self.cells.fetch_add(L.UP_LINE_TAIL, ops)
-
-    def leave_line(self, ops: int) -> None:
-        """A timed waiter leaves the line (``UP_LINE_HEAD``), granted or not."""
-        self.cells.fetch_add(L.UP_LINE_HEAD, ops)
-
-    def ahead_in_line(self, place: int) -> int:
-        """Ops of the timed waiters that joined the line before ``place`` and are still in it."""
-        return max(0, diff(place, self.cells.load(L.UP_LINE_HEAD)))
 
     def next_lease_ns(self) -> int:
         """When (CLOCK_MONOTONIC ns) the filler next expects tokens; 0 when it does not know."""

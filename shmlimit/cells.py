@@ -29,10 +29,10 @@ import os
 from typing import Any, Callable, Optional, Protocol, Sequence, Tuple, runtime_checkable
 
 # The words' constants are part of this layer's face: modules above import them from here.
-from .words import MASK64, MAX_QUEUE, WORD, GrabResult
+from .words import FED_ALL, MASK64, MAX_QUEUE, WORD, GrabResult, fed_bit, fed_mask
 
 __all__ = [
-    "BACKENDS", "Cells", "GrabResult", "MASK64", "MAX_QUEUE", "WORD",
+    "BACKENDS", "Cells", "FED_ALL", "GrabResult", "MASK64", "MAX_QUEUE", "WORD", "fed_bit", "fed_mask",
     "multi_gate", "native_available", "open_cells", "selected_backend", "warm_backend",
 ]
 
@@ -106,6 +106,25 @@ class Cells(Protocol):
     ) -> Any:
         """A ticket's whole wait in one call without the GIL (see ``Bucket.waiter``), or None when
         the backend has none: its callers wait in Python (``acquisition.Request``)."""
+        ...
+
+    def fed_waiter(
+        self, seq: int, expected: int, head: int, lease: int, grants: int, waiting: Optional[int], wake: int,
+        next_ns: int, cost: int, tpn: int, grace_ns: int,
+    ) -> Any:
+        """Hierarchical mode's wait for a ticket in one call without the GIL, asleep on the futex word
+        ``wake`` (see ``Bucket.waiter``), or None when the backend has none (``Request`` waits in
+        Python, on the same word through ``futex_wait``)."""
+        ...
+
+    def futex_wait(self, off: int, expected: int, bitset: int, deadline_ns: int) -> bool:
+        """Sleep while the low 32 bits of the word hold ``expected``'s, for the bits of ``bitset``, until
+        ``deadline_ns`` (CLOCK_MONOTONIC): False once the deadline passed, else True (look again).
+        A non-private futex: wakes from any process mapping the word reach it."""
+        ...
+
+    def futex_wake(self, off: int, bitset: int) -> int:
+        """Wake the sleepers on the word, in any process, whose bitset meets ``bitset``; how many."""
         ...
 
 

@@ -139,6 +139,14 @@ class CompositesFromPrimitives:
         self._check(seq, tail, head, repl_ts, snap_head, snap_tail, lease, grants, *([] if waiting is None else [waiting]))
         return None
 
+    def fed_waiter(
+        self, seq: int, expected: int, head: int, lease: int, grants: int, waiting: Optional[int], wake: int,
+        next_ns: int, cost: int, tpn: int, grace_ns: int,
+    ) -> None:
+        """None: here a fed waiter waits in Python, on the same futex word (``futex_wait``)."""
+        self._check(seq, head, lease, grants, wake, next_ns, *([] if waiting is None else [waiting]))
+        return None
+
     def keyed_table(self, *args: int):
         """The keyed slot table's composite (find/insert/evict + a GCRA step): see ``keyed_cells``."""
         from .keyed_cells import KeyedTable

@@ -15,7 +15,8 @@ filler and the process table never false-share.
                        STARVED_NS: schedule time the clamp could not credit while callers queued
     line  7  LEASE     filler lease: (expiry_us << 12) | (slot + 1), 0 = free
     line  8  UNREG_GRANTS: grants of processes beyond the table
-    line  9  WAIT      the waiting pool: schedule time not used while the bucket was full (catch-up)
+    line  9  WAIT      the waiting pool: schedule time not used while the bucket was full (catch-up);
+                       UP_WAKE: the futex word hierarchical mode's waiters sleep on
     line 10  UP_*      upstream (hierarchical mode) state and counters, written by the filler
     line 11  UP_RECORD the ring of lease records, UP_LEASES, UP_NEXT_NS, UP_LINE_TAIL/HEAD
     lines 12..15 UP_DESC   the upstream's description (JSON), written once by the creator
@@ -109,6 +110,10 @@ UNREG_GRANTS = 8 * LINE
 
 # catch-up
 WAIT = 9 * LINE
+#: Hierarchical mode: bumped by whoever moves the head (an added batch, forgive, a fallback switch),
+#: which then wakes the waiters asleep on its low 32 bits (a futex) whose tickets it covered.
+#: Zero in a segment written before it existed: a wait on it is still bounded by its deadline.
+UP_WAKE = 9 * LINE + 8
 
 # upstream (hierarchical mode); all zero otherwise
 UP_STATE = 10 * LINE  # 0 ok, else the fallback in force: 1 local, 2 open, 3 closed

@@ -286,7 +286,7 @@ class Limiter:
                     return ticket
             if ticket is not False and ticket is not None:  # a fast path exists only for a live attachment
                 att = self._att
-                return wait_for_ticket(att if att is not None else self._live(), ticket, self._fast_tokens(grab))
+                return wait_for_ticket(att if att is not None else self._live(), ticket, self._fast_tokens(grab), timeout)
         return drive(Request(self._live(), n, timeout))
 
     def _fast_tokens(self, grab: Any) -> int:

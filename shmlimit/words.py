@@ -48,3 +48,32 @@ def check_offset(off: int, size: int) -> None:
     """Refuse any offset that would touch memory outside the mapping."""
     if off % WORD or off < 0 or off + WORD > size:
         raise IndexError(f"cell offset {off} outside the mapping of {size} bytes (must be 8-aligned, < {size - WORD + 1})")
+
+
+#: A futex bitset has 32 bits: a waiter of the fed wait sleeps with the bit of its ticket's op index.
+FED_BITS = 32
+FED_ALL = (1 << FED_BITS) - 1
+
+
+def check_bitset(bitset: int) -> int:
+    if not 1 <= bitset <= FED_ALL:
+        raise ValueError(f"bitset must be in [1, 2**32), got {bitset}")
+    return bitset
+
+
+def fed_bit(ticket: int, cost: int) -> int:
+    """The futex bit a waiter for ``ticket`` sleeps with: its op index (``ticket // cost``) mod 32."""
+    return 1 << ((ticket // cost) % FED_BITS)
+
+
+def fed_mask(old_head: int, new_head: int, cost: int) -> int:
+    """The bits of every ticket a head moved from ``old_head`` to ``new_head`` covered (all 32 for a
+    move of 31 ops or more, or one that wrapped): a ticket ``t`` with old < t <= new has its op index
+    ``t // cost`` between ``old // cost`` and ``new // cost``."""
+    lo, hi = old_head // cost, new_head // cost
+    if hi < lo or hi - lo >= FED_BITS - 1:
+        return FED_ALL
+    mask = 0
+    for k in range(lo, hi + 1):
+        mask |= 1 << (k % FED_BITS)
+    return mask

@@ -1,0 +1,187 @@
+"""The fed wait: hierarchical mode's waiters asleep on ``UP_WAKE``, woken across processes by the batch
+that covers their tickets.  Asserted by counts (who was woken, how often a waiter slept), never by
+how long anything took; both backends (CI runs this file under each).
+"""
+import subprocess
+import sys
+import textwrap
+import time
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+import shmlimit
+import shmlimit.layout as L
+from shmlimit.cells import FED_ALL, MASK64, fed_bit, fed_mask
+from support.procs import WORKDIR, wait_for
+
+linux = pytest.mark.skipif(not sys.platform.startswith("linux"), reason="futexes and /proc are Linux's")
+
+
+@settings(max_examples=200, deadline=None)
+@given(old=st.one_of(st.integers(0, 1000), st.integers(MASK64 - 1000, MASK64)), ops=st.integers(0, 40),
+       cost=st.integers(1, 7), extra=st.integers(0, 6))
+def test_a_move_of_the_head_wakes_the_bit_of_every_ticket_it_covered(old, ops, cost, extra):
+    new = (old + ops * cost + extra) & MASK64
+    mask = fed_mask(old, new, cost)
+    assert 1 <= mask <= FED_ALL
+    span = (new - old) & MASK64
+    for d in range(1, span + 1):  # every ticket t with old < t <= new (wrapping)
+        assert fed_bit((old + d) & MASK64, cost) & mask
+
+
+def asleep_on(pid, cells, bit):
+    """The thread of ``pid`` asleep in a futex wait (shared, bitset ``bit``) on ``UP_WAKE``, if any."""
+    import os
+
+    for tid in os.listdir(f"/proc/{pid}/task"):
+        try:
+            with open(f"/proc/{pid}/task/{tid}/syscall") as f:
+                fields = f.read().split()
+        except OSError:
+            continue
+        # nr, uaddr, op, val, timeout, uaddr2, val3 (the bitset): FUTEX_WAIT_BITSET (9), not private
+        if len(fields) >= 7 and fields[0] != "running" and int(fields[2], 16) == 9 and int(fields[6], 16) == bit:
+            return True
+    return False
+
+
+SLEEPER = textwrap.dedent(
+    """
+    import sys, time
+    import shmlimit, shmlimit.layout as L
+    lim = shmlimit.attach(sys.argv[1])
+    cells = lim._att.cells
+    seen = cells.load(L.UP_WAKE)
+    print("ready", flush=True)
+    print(cells.futex_wait(L.UP_WAKE, seen, int(sys.argv[2]), time.monotonic_ns() + 60_000_000_000), flush=True)
+    lim.close()
+    """
+)
+
+
+@linux
+def test_a_wake_reaches_a_sleeper_in_another_process_by_its_bit_only(name):
+    lim = shmlimit.Limiter(name, rate=10)
+    cells = lim._att.cells
+    p = subprocess.Popen([sys.executable, "-c", SLEEPER, name, str(1 << 5)], stdout=subprocess.PIPE, text=True,
+                         cwd=WORKDIR)
+    try:
+        assert p.stdout.readline().strip() == "ready"
+        wait_for(lambda: asleep_on(p.pid, cells, 1 << 5), timeout=30)
+        assert cells.futex_wake(L.UP_WAKE, 1 << 6) == 0  # another ticket's bit: it sleeps on
+        assert asleep_on(p.pid, cells, 1 << 5)
+        assert cells.futex_wake(L.UP_WAKE, (1 << 5) | (1 << 9)) == 1  # its own: woken, across processes
+        assert p.stdout.readline().strip() == "True"
+        assert p.wait(timeout=30) == 0
+    finally:
+        p.kill()
+        p.wait()
+        lim.close()
+
+
+def test_a_sleep_on_a_word_that_moved_returns_at_once_and_one_past_its_deadline_reports_it(name):
+    lim = shmlimit.Limiter(name, rate=10)
+    cells = lim._att.cells
+    try:
+        seen = cells.load(L.UP_WAKE)
+        cells.fetch_add(L.UP_WAKE, 1)  # a batch landed between the look and the sleep
+        assert cells.futex_wait(L.UP_WAKE, seen, 1, time.monotonic_ns() + 60_000_000_000) is True
+        assert cells.futex_wait(L.UP_WAKE, seen + 1, 1, time.monotonic_ns() - 1) is False
+        with pytest.raises(ValueError, match="bitset"):
+            cells.futex_wait(L.UP_WAKE, seen, 0, 0)
+        with pytest.raises(IndexError):
+            cells.futex_wake(cells.size, 1)
+    finally:
+        lim.close()
+
+
+# ---- the whole path: a queued caller of another process, served by an added batch --------------------
+
+WAITER = textwrap.dedent(
+    """
+    import sys, time
+    import shmlimit, shmlimit.acquisition as A, shmlimit.fed_wait as F
+    A.MAX_NAP_NS = 60_000_000_000  # no look but the wake's (nor a deadline's) within the test
+    sleeps = [0]
+    sleep = F.sleep
+    def counted(*args):
+        sleeps[0] += 1
+        return sleep(*args)
+    F.sleep = counted  # the atomics backend's fed sleep (the native one counts its naps)
+    lim = shmlimit.attach(sys.argv[1])
+    timeout = None if sys.argv[2] == "-" else float(sys.argv[2])
+    print("ready", flush=True)
+    ok = lim.acquire(timeout=timeout)
+    waiter = lim._att.fast[3]
+    print(ok, sleeps[0] + (waiter.naps if waiter is not None else 0), flush=True)
+    lim.close()
+    """
+)
+
+
+@pytest.fixture
+def fed(redis_server, name):
+    """A hierarchical limiter at 1 op per 100 s whose filler is the test: nothing comes but what it adds."""
+    from support.redis_server import require
+
+    require()
+    from shmlimit.filler import Lease, now_us
+    from shmlimit.redis import RedisLimiter
+
+    glob = RedisLimiter(f"{name}-g", rate=1, per=100, url=redis_server.url)
+    lim = shmlimit.Limiter(name, upstream=glob)
+    att = lim._att
+    lim.retry_after()  # a first use: the filler thread runs, and stops: the test is the filler
+    att.filler.stop()
+    att.filler.join()
+    att.lease.drop()
+    lease = Lease(att.cells, att.lease.slot, clock_us=lambda: now_us() + 60_000_000)  # held through the test
+    assert lease.try_take()
+    att.bucket.burn()
+    att.cells.store(L.UP_NEXT_NS, 0)  # no batch expected: a sleeper's deadline is its turn, 100 s away
+    yield lim
+    lease.drop()
+    lim.close()
+    glob.close()
+
+
+def start_waiter(name, timeout="-"):
+    p = subprocess.Popen([sys.executable, "-c", WAITER, name, timeout], stdout=subprocess.PIPE, text=True,
+                         cwd=WORKDIR)
+    assert p.stdout.readline().strip() == "ready"
+    return p
+
+
+@linux
+@pytest.mark.parametrize("timeout", ["-", "60"])
+def test_a_queued_caller_sleeps_once_and_is_woken_by_the_batch_that_covers_it(fed, timeout, monkeypatch):
+    import shmlimit.fed_wait as F
+
+    woken = []
+    wake = F.wake
+    monkeypatch.setattr(F, "wake", lambda cells, mask: woken.append(wake(cells, mask)) or woken[-1])
+    b = fed._att.bucket
+    tail = b.cells.load(L.TAIL)
+    p = start_waiter(fed.name, timeout)
+    try:
+        ticket = wait_for(lambda: b.cells.load(L.TAIL) != tail and b.cells.load(L.TAIL))
+        bit = fed_bit(ticket, b.cost)
+        wait_for(lambda: asleep_on(p.pid, b.cells, bit), timeout=30)
+        assert b.add(b.cost) == b.cost  # one op: the batch that covers its ticket, and its wake
+        assert woken == [1]  # the add woke it, in the other process
+        assert p.stdout.readline().split() == ["True", "1"]  # granted, having slept once
+        assert p.wait(timeout=30) == 0
+    finally:
+        p.kill()
+        p.wait()
+
+
+def test_a_timed_caller_not_served_gives_its_ticket_back_and_the_next_batch_serves_the_next(fed):
+    b = fed._att.bucket
+    assert fed.acquire(timeout=0.05) is False  # nothing came: its ticket is given back
+    assert fed.stats().deficiency == 0  # nobody queued: the head skipped its range
+    assert b.add(b.cost) == b.cost
+    assert fed.try_acquire()  # the one op went to the next caller, not to the range given back
+    assert not fed.try_acquire()
