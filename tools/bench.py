@@ -548,18 +548,21 @@ def _fed_worker(lim, timed: bool, barrier, seconds: float, skip: float, stamp: b
     of waiting.
     """
     barrier.wait(timeout=120)
+    w0 = _thread_wakes(threading.get_native_id())
     r0 = resource.getrusage(resource.RUSAGE_SELF)
     start = time.monotonic_ns()
     lo, end = start + int(skip * 1e9), start + int(seconds * 1e9)
     clock = time.monotonic_ns
     acquire = lim.acquire
     stamps: List[int] = []
-    n = total = 0
+    n = total = refused = 0
     while True:
         ok = acquire(timeout=0.5) if timed else acquire()
         t = clock()
         if ok:
             total += 1
+        else:
+            refused += 1
         if t > end:
             break
         if ok and t >= lo:
@@ -567,10 +570,24 @@ def _fed_worker(lim, timed: bool, barrier, seconds: float, skip: float, stamp: b
             if stamp:
                 stamps.append(t)
     r1 = resource.getrusage(resource.RUSAGE_SELF)
+    wakes = _thread_wakes(threading.get_native_id()) - w0
     filler = _thread_cpu(lim._att.filler)  # started by this worker's first use: all of it is in the run
     if done is not None:
         done.wait(timeout=120)
-    q.put((start, n, stamps, r1.ru_utime - r0.ru_utime + r1.ru_stime - r0.ru_stime - filler, total, filler))
+    q.put((start, n, stamps, r1.ru_utime - r0.ru_utime + r1.ru_stime - r0.ru_stime - filler, total, filler, wakes,
+           refused))
+
+
+def _thread_wakes(tid: int) -> int:
+    """Voluntary context switches of this process's thread ``tid`` so far: its sleeps, so its wakes."""
+    try:
+        with open(f"/proc/self/task/{tid}/status") as f:
+            for line in f:
+                if line.startswith("voluntary_ctxt_switches:"):
+                    return int(line.split()[1])
+    except OSError:
+        pass
+    return 0
 
 
 def _thread_cpu(thread) -> float:
@@ -638,6 +655,9 @@ def run_fed(url: Optional[str], rate: float, procs: int, seconds: float, timed: 
         # filler threads of workers that took the lease over
         filler_cpu=(r1.ru_utime - r0.ru_utime + r1.ru_stime - r0.ru_stime + sum(r[5] for r in res)) / seconds,
         round_trips_per_op=trips / max(1, sum(r[4] for r in res)) if url else None,
+        # the waiting threads' sleeps per grant, all processes together (1.0: one wake per grant)
+        wakes_per_grant=sum(r[6] for r in res) / max(1, sum(r[4] for r in res)),
+        refused=sum(r[7] for r in res),  # timed: acquires that timed out
         leases=s.upstream.leases if url else None, leased=s.upstream.leased if url else None,
         expired=s.upstream.expired if url else None,
     )
