@@ -548,7 +548,7 @@ def _fed_worker(lim, timed: bool, barrier, seconds: float, skip: float, stamp: b
     of waiting.
     """
     barrier.wait(timeout=120)
-    w0 = _thread_wakes(threading.get_native_id())
+    w0 = _sleeps(threading.get_native_id())
     r0 = resource.getrusage(resource.RUSAGE_SELF)
     start = time.monotonic_ns()
     lo, end = start + int(skip * 1e9), start + int(seconds * 1e9)
@@ -570,24 +570,12 @@ def _fed_worker(lim, timed: bool, barrier, seconds: float, skip: float, stamp: b
             if stamp:
                 stamps.append(t)
     r1 = resource.getrusage(resource.RUSAGE_SELF)
-    wakes = _thread_wakes(threading.get_native_id()) - w0
+    wakes = _sleeps(threading.get_native_id()) - w0
     filler = _thread_cpu(lim._att.filler)  # started by this worker's first use: all of it is in the run
     if done is not None:
         done.wait(timeout=120)
     q.put((start, n, stamps, r1.ru_utime - r0.ru_utime + r1.ru_stime - r0.ru_stime - filler, total, filler, wakes,
            refused))
-
-
-def _thread_wakes(tid: int) -> int:
-    """Voluntary context switches of this process's thread ``tid`` so far: its sleeps, so its wakes."""
-    try:
-        with open(f"/proc/self/task/{tid}/status") as f:
-            for line in f:
-                if line.startswith("voluntary_ctxt_switches:"):
-                    return int(line.split()[1])
-    except OSError:
-        pass
-    return 0
 
 
 def _thread_cpu(thread) -> float:
