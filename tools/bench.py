@@ -16,7 +16,9 @@
 3. rate fidelity: 4 processes sharing 500, 5000, 100 000 and 1 000 000 ops/s for 5 s;
 4. lateness of each grant after its scheduled moment at 1000/s with 4 processes;
 5. CPU burned by 8 processes waiting on a 50/s limit; and for 8 processes saturating 50, 1000
-   and 10 000/s: CPU per wall second together, and lateness p50/p99/max;
+   and 10 000/s: CPU per wall second together (the filler threads' share apart, and the waiting
+   threads' wakes per grant), lateness p50/p99/max and the load average; then the floor: 8
+   processes waking at 1 000/s from a bare precise sleep, no limiter;
 6. the rate achieved while the filler's own process runs a CPU-bound Python loop;
 7. Redis, 4 processes: ops/s and Redis round trips per op for the direct RedisLimiter and the
    hierarchical mode side by side (with --redis URL, or a redis-server started for the run when
@@ -384,6 +386,38 @@ def _wait_stamped_async(lim, barrier, seconds: float, q) -> None:
     _stamped_with_cpu(barrier, seconds, q, lambda end: asyncio.run(run(end)))
 
 
+def _sleep_stamped(t0: int, rate: float, index: int, procs: int, barrier, seconds: float, q) -> None:
+    """The floor: no limiter, a bare precise sleep (``shmlimit.sleep``'s) to every ``procs``-th instant of
+    a grid ``1/rate`` apart from ``t0``, stamped on waking, as a waiter would be granted."""
+    from shmlimit.sleep import sleeper
+
+    sleep_until = sleeper()
+
+    def stamp(end: int) -> list:
+        stamps, k, clock = [], index, time.monotonic_ns
+        while True:
+            at = t0 + int(k * 1e9 / rate)
+            if at > end:
+                return stamps
+            sleep_until(at)
+            stamps.append(clock())
+            k += procs
+
+    _stamped_with_cpu(barrier, seconds, q, stamp)
+
+
+def bench_sleep_floor(rate: float, seconds: float, procs: int = 8) -> dict:
+    """Section 5's floor: what ``procs`` processes waking once per op of ``rate`` cost and how late they
+    wake on this machine now, without any limiter (the same sleep a waiter's is, minus the limiter)."""
+    ctx = mp.get_context("fork")
+    barrier = ctx.Barrier(procs)
+    t0 = time.monotonic_ns() + 500_000_000  # every process up by then
+    res = run_processes(ctx, _sleep_stamped, [(t0, rate, i, procs, barrier, seconds) for i in range(procs)], 300)
+    stamps = [t for r in res for t in r[1]]
+    return dict(processes=procs, rate=rate, driver="bare sleep", cpu_s_per_wall_s=sum(r[2] for r in res) / seconds,
+                grants=len(stamps), load=os.getloadavg()[0], **lateness_ms(stamps, t0, rate, 0))
+
+
 def bench_waiting(rate: float, seconds: float, procs: int = 8, driver: str = "sync", backend: str = "native") -> dict:
     """Section 5: procs processes saturating ``rate``: CPU per wall second together, and lateness.
 
@@ -421,9 +455,10 @@ def bench_waiting(rate: float, seconds: float, procs: int = 8, driver: str = "sy
 
 def waiting_rows(seconds: float) -> List[dict]:
     """Section 5's rows: blocking waiters at 50, 1 000 and 10 000/s, then at 1 000/s async ones and
-    blocking ones on the ``atomics`` backend."""
+    blocking ones on the ``atomics`` backend, and the floor: bare sleeps at 1 000/s, no limiter."""
     rows = [bench_waiting(r, seconds) for r in (50.0, 1000.0, 10_000.0)]
-    return rows + [bench_waiting(1000.0, seconds, driver="async"), bench_waiting(1000.0, seconds, backend="atomics")]
+    rows += [bench_waiting(1000.0, seconds, driver="async"), bench_waiting(1000.0, seconds, backend="atomics")]
+    return rows + [bench_sleep_floor(1000.0, seconds)]  # the machine's own floor, right after
 
 
 def _busy_filler(name: str, ready, stop) -> None:
