@@ -35,7 +35,7 @@ from .registry import Registry
 from .segment import Segment, check_trust, current_inode, validate_name
 from .segment import unlink as unlink_name
 from .sleep import SLACK_NS
-from .table import ProcessTable, is_alive, pid_namespace, proc_start, slot_alive
+from .table import OwnerWatch, ProcessTable, is_alive, pid_namespace, proc_start, slot_alive
 from .upstream_spec import UpstreamSpec
 
 _INF = float("inf")
@@ -109,6 +109,8 @@ class Attachment:
         self.pid = os.getpid()
         #: the ticket ranges this process gave back, and the thread that skips them (started at the first)
         self.returns = Returns(self.bucket)
+        #: the slot owners the reap looks at, each watched through a pidfd (closed on detach)
+        self.owners = OwnerWatch()
         self._returns_thread: Optional[ReturnsThread] = None
         #: the ticket records of this process's slot (none while it has no slot)
         self.records: Records = ()
@@ -205,7 +207,7 @@ class Attachment:
 
     def reap(self) -> int:
         """Give back the tickets recorded by dead processes; return how many (the filler's chore)."""
-        found = reap(self.cells, self.table, self.adopt)
+        found = reap(self.cells, self.table, self.adopt, self.owners.alive)
         if found:
             self._skipper()
         return found
@@ -338,6 +340,7 @@ class Attachment:
         # the parent skips the ranges it gave back; the child starts afresh (its lock may be held)
         self.returns = Returns(self.bucket)
         self._returns_thread = None
+        self.owners = self.owners.forked()  # the parent's pidfds, closed here; its lock may be held
         self.slot, self.lease, self.filler, self.waiting_off = None, None, None, None
         self.records = ()
         self.grants_off = L.UNREG_GRANTS
@@ -359,6 +362,7 @@ class Attachment:
             self._keep_given_back()
             self.table.unregister(self.slot, self.pid)
             self.records = ()
+        self.owners.close()
         self.cells.close()
         self.seg.close()
 

@@ -165,7 +165,14 @@ def clear_waiting(cells: "Cells", records: Records) -> None:
             cells.cas(len_off, v, 0)
 
 
-def reap(cells: "Cells", table: "ProcessTable", give: Give) -> int:
+def slot_alive_at(index: int, pid: int, start: int, pidns: int) -> bool:
+    """``table.slot_alive``, asked about slot ``index`` (the signature of ``OwnerWatch.alive``)."""
+    return slot_alive(pid, start, pidns)
+
+
+def reap(
+    cells: "Cells", table: "ProcessTable", give: Give, alive: Callable[[int, int, int, int], bool] = slot_alive_at
+) -> int:
     """Give back (``give(end, tokens)``) the ranges recorded by processes that are gone; return how many.
 
     A waiter's record is taken from a dead owner; a given-back one from a dead
@@ -177,7 +184,8 @@ def reap(cells: "Cells", table: "ProcessTable", give: Give) -> int:
     after changing them.  The CAS of the length to 0 takes the record once;
     were it a new owner's equal length, the range given back is still the dead
     owner's one that was read (giving back a range twice is giving it once:
-    the head skips it once).
+    the head skips it once).  ``alive(slot, pid, start, pidns)`` judges an owner (the filler
+    passes its ``table.OwnerWatch``'s, which keeps a pidfd per owner).
     """
     found = 0
     slot_of, lens = _record_lens(table.slots)
@@ -196,8 +204,8 @@ def reap(cells: "Cells", table: "ProcessTable", give: Give) -> int:
             continue
         pid = cells.load(base + L.SLOT_PID)
         if owner is None:
-            owner = owners[i] = bool(pid) and slot_alive(
-                pid, cells.load(base + L.SLOT_START), cells.load(base + L.SLOT_PIDNS)
+            owner = owners[i] = bool(pid) and alive(
+                i, pid, cells.load(base + L.SLOT_START), cells.load(base + L.SLOT_PIDNS)
             )
         # a live owner skips its own; a slot left cleanly (pid 0) holds no waiter's record
         if owner or (not pid and not v & L.TICKET_GIVEN):

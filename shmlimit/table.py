@@ -17,6 +17,7 @@ counted in UNREG_GRANTS.
 from __future__ import annotations
 
 import os
+import threading
 from dataclasses import dataclass
 from typing import List, Optional, Tuple
 
@@ -89,6 +90,87 @@ def is_alive(pid: int, start: int) -> bool:
     if now_start is None:
         return False
     return start == 0 or now_start in (start, UNKNOWN)
+
+
+class OwnerWatch:
+    """``slot_alive`` for a caller that asks about the same owners again and again (the filler's
+    reap, every ``REAP_EVERY``): a poll of a pidfd per owner instead of a read of /proc each time.
+
+    A slot owner's pidfd is opened once, and kept only if, read *after* opening it, the pid's
+    start time is still the one the slot names: the owner was registered before the slot was
+    read, so if it is still alive then, it held the pid all along and the descriptor is its own,
+    never that of a process that reused the pid.  The descriptor turns readable when the owner
+    exits (a zombie included, as ``proc_start`` says dead).  A start not yet known (0) or
+    unreadable, an owner in another PID namespace, or no pidfd (not Linux, an old kernel, no
+    descriptor left): it answers as ``slot_alive`` does.  ``close`` closes the descriptors.
+    One lock: a live change's reap may run beside the filler's, and a descriptor closed twice
+    could close another one that took its number.
+    """
+
+    def __init__(self) -> None:
+        self._fds: dict = {}  # slot index -> (pid, start, pidfd)
+        self._poll: Optional[object] = None
+        self._lock = threading.Lock()
+
+    def alive(self, index: int, pid: int, start: int, pidns: int) -> bool:
+        if pidns and pidns != pid_namespace():
+            return pid > 0
+        with self._lock:
+            return self._alive(index, pid, start)
+
+    def _alive(self, index: int, pid: int, start: int) -> bool:
+        held = self._fds.get(index)
+        if held is not None and held[:2] != (pid, start):
+            self._drop(index)
+            held = None
+        if held is None:
+            if pid <= 0:
+                return False
+            fd = _pidfd(pid) if start else None
+            if fd is None:
+                return is_alive(pid, start)
+            if proc_start(pid) != start:  # gone, or another process now, or /proc cannot tell
+                os.close(fd)
+                return is_alive(pid, start)
+            if self._poll is None:
+                import select
+
+                self._poll = select.poll()
+            self._poll.register(fd, 1)  # type: ignore[attr-defined]  # POLLIN: the process exited
+            self._fds[index] = held = (pid, start, fd)
+        ready = self._poll.poll(0)  # type: ignore[attr-defined]  # one syscall, every owner watched
+        if ready and any(fd == held[2] for fd, _ in ready):
+            self._drop(index)
+            return False
+        return True
+
+    def _drop(self, index: int) -> None:
+        _, _, fd = self._fds.pop(index)
+        self._poll.unregister(fd)  # type: ignore[attr-defined]
+        os.close(fd)
+
+    def close(self) -> None:
+        with self._lock:
+            for index in list(self._fds):
+                self._drop(index)
+
+    def forked(self) -> "OwnerWatch":
+        """In a forked child: a new watch, the parent's descriptors (copies, here) closed without
+        its lock, which a thread that does not exist here may have held at the fork."""
+        for _, _, fd in self._fds.values():
+            try:
+                os.close(fd)
+            except OSError:
+                pass
+        return OwnerWatch()
+
+
+def _pidfd(pid: int) -> Optional[int]:
+    """A pidfd of ``pid`` (close-on-exec), or None where there is none (or no descriptor left)."""
+    try:
+        return os.pidfd_open(pid)  # type: ignore[attr-defined]
+    except (AttributeError, OSError):
+        return None
 
 
 @dataclass(frozen=True)

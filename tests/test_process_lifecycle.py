@@ -148,3 +148,43 @@ def test_sixteen_processes_create_attach_close_unlink_concurrently(name, method)
     except shmlimit.LimiterNotFoundError:
         pass
     assert not [f for f in os.listdir("/dev/shm") if f.startswith(f"shmlimit.{name}")]
+
+
+# ---- the filler's watch of slot owners (table.OwnerWatch) ------------------------------------------
+
+
+def _open_fds():
+    return len(os.listdir("/proc/self/fd"))
+
+
+def test_the_owner_watch_answers_as_slot_alive_does_and_leaks_no_descriptor():
+    """One pidfd per owner, kept only for the process the slot names: a recycled pid (another
+    start), a start not yet known, a zombie, a reaped process and another namespace's owner are
+    judged as ``slot_alive`` judges them, and ``close`` (or a fork's ``forked``) leaves no descriptor."""
+    from shmlimit.table import OwnerWatch, proc_start, slot_alive
+
+    fds0 = _open_fds()
+    w = OwnerWatch()
+    child = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+    try:
+        start = wait_for(lambda: proc_start(child.pid))
+        cases = [(child.pid, start, 0), (child.pid, start + 1, 0), (child.pid, 0, 0), (os.getpid(), proc_start(os.getpid()), 0),
+                 (child.pid, start, 1)]  # the last: recorded in another PID namespace (inode 1: not ours)
+        for _ in range(2):  # the second time from the descriptors kept
+            for i, (pid, st, ns) in enumerate(cases):
+                assert w.alive(i, pid, st, ns) == slot_alive(pid, st, ns), (pid, st, ns)
+        assert w.alive(0, child.pid, start, 0) and _open_fds() > fds0
+        child.kill()
+        wait_for(lambda: proc_start(child.pid) is None)  # a zombie: dead to both
+        assert not w.alive(0, child.pid, start, 0) and not slot_alive(child.pid, start, 0)
+        child.wait()
+        assert not w.alive(0, child.pid, start, 0)
+        forked = OwnerWatch()
+        assert forked.alive(5, os.getpid(), proc_start(os.getpid()), 0)
+        forked.forked()  # as a forked child does with its parent's watch
+        w.close()
+        assert _open_fds() == fds0
+    finally:
+        child.kill()
+        child.wait()
+        w.close()
