@@ -19,6 +19,28 @@
 #include <string.h>
 #include <limits.h>
 
+/* The clock of Python's time.monotonic_ns, in ns: every deadline and stamp the package passes in
+ * was read from it. */
+static inline uint64_t
+monotonic_ns(void)
+{
+    struct timespec ts;
+#ifdef __APPLE__
+    clock_gettime(CLOCK_UPTIME_RAW, &ts); /* the clock of Python's time.monotonic_ns there */
+#else
+    clock_gettime(CLOCK_MONOTONIC, &ts);
+#endif
+    return (uint64_t)ts.tv_sec * 1000000000u + (uint64_t)ts.tv_nsec;
+}
+
+/* ns (an instant on that clock, or a duration) as a timespec. */
+static inline struct timespec
+ns_timespec(uint64_t ns)
+{
+    struct timespec ts = {(time_t)(ns / 1000000000u), (long)(ns % 1000000000u)};
+    return ts;
+}
+
 typedef struct {
     PyObject_HEAD
     Py_buffer view;
@@ -257,13 +279,28 @@ cells_try_grab(NativeCells *self, PyObject *const *args, Py_ssize_t n)
     Py_RETURN_TRUE;
 }
 
+/* Every object bound to cells (Grabber, Gate, KeyedTable, Waiter) begins with these fields: it
+ * holds a reference to its cells, so that the mapping outlives it, and refuses to run once they
+ * are closed; bound_dealloc serves them all. */
+#define BOUND_FIELDS \
+    PyObject_HEAD    \
+    NativeCells *cells;
+
+typedef struct {
+    BOUND_FIELDS
+} Bound;
+
+static void
+bound_dealloc(Bound *self)
+{
+    Py_XDECREF(self->cells);
+    Py_TYPE(self)->tp_free((PyObject *)self);
+}
+
 /* What a Grabber and a Gate bind once, validated: their cells, and grab_if's words and values.
- * A bound object holds a reference to its cells (so the mapping outlives it) and refuses to run
- * once they are closed.  A Gate's struct begins with these fields, so bind_grab and
- * bound_dealloc serve both. */
+ * A Gate's struct begins with these fields, so bind_grab serves both. */
 #define GRAB_FIELDS                           \
-    PyObject_HEAD                             \
-    NativeCells *cells;                       \
+    BOUND_FIELDS                              \
     uint64_t *seq, *tail, *head, *grants;     \
     uint64_t expected, amount, ops;
 
@@ -290,13 +327,6 @@ bind_grab(NativeCells *self, PyTypeObject *type, uint64_t *seq, uint64_t *tail, 
     g->amount = amount;
     g->ops = ops;
     return g;
-}
-
-static void
-bound_dealloc(Grabber *self)
-{
-    Py_XDECREF(self->cells);
-    Py_TYPE(self)->tp_free((PyObject *)self);
 }
 
 /* The slots every type of this module shares. */
@@ -423,8 +453,7 @@ siphash128(const unsigned char *in, size_t len, uint64_t k0, uint64_t k1, uint64
 }
 
 typedef struct {
-    PyObject_HEAD
-    NativeCells *cells;
+    BOUND_FIELDS
     uint64_t *cfg;        /* CFG_SEQ, then (at +4, +5 words) the default T and TAU */
     uint64_t *ovr_live;   /* live overrides: the override table is probed only when nonzero */
     uint64_t *ovr;        /* override table: novr lines */
@@ -446,9 +475,7 @@ static inline void add(uint64_t *w, uint64_t d) { __atomic_fetch_add(w, d, __ATO
 static inline uint64_t
 kt_now(void)
 {
-    struct timespec ts;
-    clock_gettime(CLOCK_MONOTONIC, &ts);
-    return ((uint64_t)ts.tv_sec * 1000000000u + (uint64_t)ts.tv_nsec) << KT_TICK_SHIFT;
+    return monotonic_ns() << KT_TICK_SHIFT;
 }
 
 /* Whether an inserter may still be running.  An owner field is pid | namespace tag << 22 (pids
@@ -930,13 +957,6 @@ kt_digest(KeyedTable *t, PyObject *key)
     return Py_BuildValue("(KK)", (unsigned long long)d[0], (unsigned long long)d[1]);
 }
 
-static void
-kt_dealloc(KeyedTable *self)
-{
-    Py_XDECREF(self->cells);
-    Py_TYPE(self)->tp_free((PyObject *)self);
-}
-
 static PyMethodDef kt_methods[] = {
     {"acquire", (PyCFunction)(void (*)(void))kt_acquire, METH_FASTCALL,
      "acquire(key, n, max_wait_ticks, now_ticks=None) -> wait ticks (>= 0, taken), or a refusal code (< 0)"},
@@ -955,7 +975,7 @@ static PyTypeObject KeyedTableType = {
     NATIVE_TYPE("KeyedTable", KeyedTable,
                 "The keyed slot table's lookup, insert, eviction and GCRA step (see keyed_cells.py)."),
     .tp_methods = kt_methods,
-    .tp_dealloc = (destructor)kt_dealloc,
+    .tp_dealloc = (destructor)bound_dealloc,
 };
 
 /* keyed_table(cfg, ovr_live, ovr, novr, slots, nslots, probe, k0, k1, keys_live, evicted,
@@ -1026,18 +1046,6 @@ typedef struct {
     double max_reserved_ns; /* +inf when the limiter has no max_reserved */
     int capped;
 } Gate;
-
-static uint64_t
-monotonic_ns(void)
-{
-    struct timespec ts;
-#ifdef __APPLE__
-    clock_gettime(CLOCK_UPTIME_RAW, &ts); /* the clock of Python's time.monotonic_ns there */
-#else
-    clock_gettime(CLOCK_MONOTONIC, &ts);
-#endif
-    return (uint64_t)ts.tv_sec * 1000000000u + (uint64_t)ts.tv_nsec;
-}
 
 /* At most how many tokens a replenish starting now could add (saturating). */
 static uint64_t
@@ -1611,7 +1619,7 @@ native_sleep_until(PyObject *mod, PyObject *const *args, Py_ssize_t n)
     int old = prctl(PR_GET_TIMERSLACK, 0, 0, 0, 0);
     if (old > 0 && old != slack)
         prctl(PR_SET_TIMERSLACK, (unsigned long)slack, 0, 0, 0);
-    struct timespec ts = {(time_t)(deadline / 1000000000), (long)(deadline % 1000000000)};
+    struct timespec ts = ns_timespec((uint64_t)deadline);
     clock_nanosleep(CLOCK_MONOTONIC, TIMER_ABSTIME, &ts, NULL);
     if (old > 0 && old != slack)
         prctl(PR_SET_TIMERSLACK, (unsigned long)old, 0, 0, 0);
@@ -1619,7 +1627,7 @@ native_sleep_until(PyObject *mod, PyObject *const *args, Py_ssize_t n)
     uint64_t now = monotonic_ns();
     if ((uint64_t)deadline > now) {
         uint64_t d = (uint64_t)deadline - now;
-        struct timespec ts = {(time_t)(d / 1000000000u), (long)(d % 1000000000u)};
+        struct timespec ts = ns_timespec(d);
         nanosleep(&ts, NULL);
     }
 #endif
@@ -1660,7 +1668,7 @@ native_timerfd_arm(PyObject *mod, PyObject *const *args, Py_ssize_t n)
         PyErr_SetString(PyExc_ValueError, "timerfd_arm: fd and deadline_ns must be >= 0");
         return NULL;
     }
-    struct itimerspec its = {{0, 0}, {(time_t)(deadline / 1000000000), (long)(deadline % 1000000000)}};
+    struct itimerspec its = {{0, 0}, ns_timespec((uint64_t)deadline)};
     if (timerfd_settime(fd, TFD_TIMER_ABSTIME, &its, NULL) != 0)
         return PyErr_SetFromErrno(PyExc_OSError);
     Py_RETURN_NONE;
@@ -1710,8 +1718,7 @@ native_timerfd_arm(PyObject *mod, PyObject *const *args, Py_ssize_t n)
 #define WAIT_LEASE_SLOT_BITS 12 /* layout.LEASE_SLOT_BITS */
 
 typedef struct {
-    PyObject_HEAD
-    NativeCells *cells;
+    BOUND_FIELDS
     uint64_t *seq, *tail, *head, *repl_ts, *snap_head, *snap_tail, *lease, *grants, *lost;
     uint64_t *waiting; /* this process's WAITING word, or NULL (unregistered) */
     uint64_t expected, tpn, cap;
@@ -1809,7 +1816,7 @@ static int
 waiter_sleep(Waiter *w, uint64_t at)
 {
 #ifdef __linux__
-    struct timespec ts = {(time_t)(at / 1000000000u), (long)(at % 1000000000u)};
+    struct timespec ts = ns_timespec(at);
     long r = syscall(SYS_futex, &w->cells->closing, FUTEX_WAIT_BITSET | FUTEX_PRIVATE_FLAG, 0, &ts, NULL,
                      FUTEX_BITSET_MATCH_ANY);
     if (r == 0 || __atomic_load_n(&w->cells->closing, __ATOMIC_SEQ_CST))
@@ -1819,7 +1826,7 @@ waiter_sleep(Waiter *w, uint64_t at)
     uint64_t now = monotonic_ns();
     if (at > now) {
         uint64_t d = at - now;
-        struct timespec ts = {(time_t)(d / 1000000000u), (long)(d % 1000000000u)};
+        struct timespec ts = ns_timespec(d);
         return nanosleep(&ts, NULL) == 0;
     }
     return 1;
@@ -1963,13 +1970,6 @@ waiter_refill(Waiter *self, PyObject *unused)
     return Py_BuildValue("(KO)", (unsigned long long)added, burn ? Py_True : Py_False);
 }
 
-static void
-waiter_dealloc(Waiter *self)
-{
-    Py_XDECREF(self->cells);
-    Py_TYPE(self)->tp_free((PyObject *)self);
-}
-
 static PyMethodDef waiter_methods[] = {
     {"wait", (PyCFunction)(void (*)(void))waiter_wait, METH_FASTCALL,
      "wait(ticket, ops, until_ns, count_waiting) -> flags: 1 granted (ops counted), 2 nudge the filler, 4 burn"},
@@ -1992,12 +1992,8 @@ static PyGetSetDef waiter_getset[] = {
 };
 
 static PyTypeObject WaiterType = {
-    PyVarObject_HEAD_INIT(NULL, 0)
-    .tp_name = "shmlimit._native.Waiter",
-    .tp_basicsize = sizeof(Waiter),
-    .tp_flags = Py_TPFLAGS_DEFAULT,
-    .tp_doc = "A queued caller's wait for its ticket, in one call without the GIL.",
-    .tp_dealloc = (destructor)waiter_dealloc,
+    NATIVE_TYPE("Waiter", Waiter, "A queued caller's wait for its ticket, in one call without the GIL."),
+    .tp_dealloc = (destructor)bound_dealloc,
     .tp_methods = waiter_methods,
     .tp_getset = waiter_getset,
 };
