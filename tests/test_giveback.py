@@ -485,11 +485,12 @@ def test_every_waiter_of_a_killed_process_is_given_back(name):
         try:
             assert p.stdout.readline().strip() == "ready"
             wait_for(lambda: len(queued_records(cells, p.pid)) == 2, timeout=30)  # both are queued, recorded
+            # queued until the kill (after it, the filler may reap them before this thread looks)
+            assert diff(cells.load(L.TAIL), cells.load(L.HEAD)) > 0
         finally:
             p.kill()
             p.wait()
             p.stdout.close()
-        assert diff(cells.load(L.TAIL), cells.load(L.HEAD)) > 0
         # The filler (this process's) reaps both within REAP_EVERY; the head skips them: nothing is queued.
         wait_for(lambda: diff(cells.load(L.TAIL), cells.load(L.HEAD)) <= 0, timeout=10)
     finally:
