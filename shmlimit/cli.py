@@ -20,7 +20,7 @@ from .keyed_stats import KeyedStats
 from .kinds import inspect
 from .attachment import collect
 from .limiter import Limiter, unlink
-from .multirate import parse_rates
+from .rate_group import parse_rates
 from .segment import scan
 from .stats import Stats
 from .top import printable

@@ -20,7 +20,7 @@ import os
 import threading
 import time
 import weakref
-from typing import Any, Optional, Tuple
+from typing import Any, Dict, Optional, Tuple
 
 from . import keyed_cells as KC
 from . import keyed_layout as K
@@ -30,6 +30,7 @@ from .errors import ConfigMismatchError, KeyTableFullError, SegmentError
 from .keyed_gcra import TICKS_PER_S, Overrides, Rate, make_rate, publish_default, read_default
 from .keyed_segment import Geometry, check_geometry, open_segment
 from .keyed_stats import KeyedProcess, KeyedStats, KeySample, inspect_keyed, sample_keys, snapshot_of
+from .rate_group import RatesSwitch, group_options
 from .registry import Registry
 from .segment import Segment, validate_mode, validate_name, validate_trusted_uids
 from .segment import unlink as _unlink_name
@@ -220,7 +221,7 @@ def _sleep_until(deadline_ns: int) -> None:
         time.sleep(left / 1e9)
 
 
-class KeyedLimiter:
+class KeyedLimiter(RatesSwitch):
     """One rate limit per key -- ``rate`` ops per ``per`` seconds for each -- shared by every process.
 
     ``KeyedLimiter(name, rate=10, per=1.0, burst=None, keys=100_000)``
@@ -246,22 +247,16 @@ class KeyedLimiter:
     once, all or nothing: see ``keyed_multi``.
     """
 
-    def __new__(
-        cls, name: str = "", rate: Any = None, per: Any = 1.0, burst: Any = None, *args: Any, rates: Any = None,
-        **kwargs: Any,
-    ) -> Any:
-        # ``rates=`` makes a keyed limiter of several rates (keyed_multi.py): one segment per
-        # rate, a different class, so the single rate's hot path carries no test for it.
-        if rates is None:
-            return super().__new__(cls)
-        if rate is not None or per != 1.0 or burst is not None or args:
-            raise TypeError(
-                "give either rate= (one rate per key) or rates= (several), not both; with rates=, each rate "
-                "carries its window and its burst: rates=['10/s', ('600/min', 20)]"
-            )
-        from .keyed_multi import make
+    @classmethod
+    def _several(cls, name: str, rates: Any, rate: Any, per: Any, burst: Any, args: Tuple[Any, ...],
+                 kwargs: Dict[str, Any]) -> Any:
+        """``KeyedLimiter(name, rates=...)``: several rates per key (keyed_multi.py), one segment per rate."""
+        from .keyed_multi import MultiKeyedLimiter
 
-        return make(cls, name, rates, kwargs)
+        return MultiKeyedLimiter(cls, name, rates, **group_options(
+            rate, per, burst, args, kwargs, ("keys", "overrides", "mode", "trusted_uids", "reconfigure", "clock"),
+            one="one rate per key", example="['10/s', ('600/min', 20)]",
+        ))
 
     def __init__(
         self,

@@ -28,22 +28,21 @@ from __future__ import annotations
 import asyncio
 import math
 import time
-from typing import Any, Callable, Dict, Iterable, List, Mapping, Optional, Tuple, Union
+from typing import Any, Callable, Dict, Iterable, List, Optional, Tuple, Union
 
 from . import keyed_cells as KC
 from . import keyed_layout as K
 from .config import validate_timeout
 from .errors import KeyTableFullError
 from .keyed_gcra import TICKS_PER_S
-from .multirate import parse_rates, rates_from_text
-from .segment import unlink as _unlink_name
+from .rate_group import RateGroup, parse_rates, rates_from_text
 from .segment import validate_name
 
 #: A take of the fast path: (the rate's table, what ``take`` answered, ops).
 _Taken = Tuple[Any, Tuple[int, int, int, int, int], int]
 
 
-class MultiKeyedLimiter:
+class MultiKeyedLimiter(RateGroup):
     """Several rates per key, taken together; made by ``KeyedLimiter(name, rates=...)`` (see the module).
 
     ``rates=["10/s", "100/min"]``: every op of a key must fit every rate; ``n``
@@ -55,6 +54,8 @@ class MultiKeyedLimiter:
     ``keyed`` is the class of each rate's limiter (``KeyedLimiter``: given
     by it, so that this module never imports it back).
     """
+
+    _what = "keyed limiter"
 
     def __init__(
         self,
@@ -94,15 +95,6 @@ class MultiKeyedLimiter:
     # -- identity and lifecycle ----------------------------------------------------------
 
     @property
-    def name(self) -> str:
-        return self._name
-
-    @property
-    def keys(self) -> Tuple[str, ...]:
-        """The rates' keys, in order ("0", "1", ... for a list)."""
-        return self._keys
-
-    @property
     def closed(self) -> bool:
         return not self._lims
 
@@ -117,41 +109,8 @@ class MultiKeyedLimiter:
         for lim in lims:
             lim.close()
 
-    def unlink(self) -> None:
-        """Remove every rate's segment (those already gone are skipped)."""
-        for k in self._keys:
-            try:
-                _unlink_name(f"{self._name}.{k}")
-            except FileNotFoundError:
-                pass
-
     def __reduce__(self):
         return (_unpickle, (self._keyed, self._name, self._keys, self._named))
-
-    # -- costs ---------------------------------------------------------------------------
-
-    def _ops(self, n: object, costs: Dict[str, object]) -> Tuple[int, ...]:
-        """Ops on each rate: ``n`` on every one, or the keywords' (rates not named cost nothing)."""
-        if not costs:
-            if isinstance(n, bool) or not isinstance(n, int) or n < 1:
-                raise ValueError(f"n must be a positive int (ops), got {n!r}")
-            return tuple(n for _ in self._keys)
-        if not self._named:
-            raise TypeError(f"keyed limiter {self._name!r} has a list of rates: give n (ops on every rate), not {sorted(costs)}")
-        if n != 1:
-            raise TypeError("give either n (ops on every rate) or a cost per rate by name, not both")
-        unknown = sorted(set(costs) - set(self._keys))
-        if unknown:
-            raise TypeError(f"unknown rate(s) {unknown}: the rates of {self._name!r} are {', '.join(self._keys)}")
-        out = []
-        for k in self._keys:
-            v = costs.get(k, 0)
-            if isinstance(v, bool) or not isinstance(v, int) or v < 0:
-                raise ValueError(f"{k} must be an int >= 0 (ops of that rate), got {v!r}")
-            out.append(v)
-        if not any(out):
-            raise ValueError(f"at least one cost must be > 0, got {costs!r}")
-        return tuple(out)
 
     def _now(self) -> int:
         """Now in the tables' ticks."""
@@ -255,17 +214,6 @@ class MultiKeyedLimiter:
 
     # -- live changes and observation ------------------------------------------------------
 
-    def _index(self, which: Union[str, int]) -> int:
-        if isinstance(which, bool) or not isinstance(which, (str, int)):
-            raise TypeError(f"which must be a rate's name or index, not {type(which).__name__}")
-        if isinstance(which, int):
-            if not -len(self._keys) <= which < len(self._keys):
-                raise ValueError(f"which must be an index from 0 to {len(self._keys) - 1}, got {which}")
-            return which % len(self._keys)
-        if which not in self._keys:
-            raise ValueError(f"which must be one of {', '.join(self._keys)}, got {which!r}")
-        return self._keys.index(which)
-
     def set_rate(self, which: Union[str, int], rate: Any, per: Optional[float] = None, burst: Optional[float] = None,
                  key: object = None) -> None:
         """Change one rate (by name or index) for every key, or with ``key`` for that key only
@@ -299,12 +247,3 @@ def _unpickle(keyed: Any, name: str, keys: Tuple[str, ...], named: bool) -> Mult
         raise
     return self
 
-
-def make(keyed: Any, name: str, rates: Mapping[str, Any] | List[Any], kwargs: Dict[str, Any]) -> MultiKeyedLimiter:
-    """``KeyedLimiter(name, rates=...)`` (``keyed``: that class): the options a keyed limiter of
-    several rates takes."""
-    allowed = {"keys", "overrides", "mode", "trusted_uids", "reconfigure", "clock"}
-    extra = sorted(k for k in kwargs if k not in allowed)
-    if extra:
-        raise TypeError(f"{', '.join(extra)} not supported with rates= (allowed: {', '.join(sorted(allowed))})")
-    return MultiKeyedLimiter(keyed, name, rates, **kwargs)

@@ -10,7 +10,7 @@ from __future__ import annotations
 import os
 import random
 import time
-from typing import TYPE_CHECKING, Any, Callable, Iterable, Optional, Tuple, Union
+from typing import TYPE_CHECKING, Any, Callable, Dict, Iterable, Optional, Tuple, Union
 
 from . import layout as L
 from . import acquisition, live_changes
@@ -19,6 +19,7 @@ from .attachment import NO_FAST, Attachment, open_attachment, release, show
 from .config import Config, parse_spec, validate_n, validate_timeout
 from .errors import ConfigMismatchError
 from .header import Creation
+from .rate_group import RatesSwitch, group_options
 from .segment import unlink as _unlink_name
 from .segment import validate_mode, validate_name, validate_slots, validate_trusted_uids
 from .upstream_option import resolve_upstream
@@ -32,7 +33,7 @@ _INF = float("inf")
 _ONE = 1  # `n is _ONE`: the cheapest test that n is the int 1 (True is not)
 
 
-class Limiter:
+class Limiter(RatesSwitch):
     """A rate limit of ``rate`` ops per ``per`` seconds shared by every process using ``name``.
 
     ``Limiter(name, rate=..., per=1.0, burst=None)`` creates the limiter, or
@@ -88,26 +89,16 @@ class Limiter:
     child registers itself as its own process.
     """
 
-    def __new__(
-        cls, name: str = "", rate: Any = None, per: Any = 1.0, burst: Any = None, *args: Any, rates: Any = None,
-        **kwargs: Any,
-    ) -> Any:
-        # ``rates=`` makes a limiter of several rates (multirate.py), a group of one segment per
-        # rate: a different class, so the single rate's hot paths carry no test for it.
-        if rates is None:
-            return super().__new__(cls)
+    @classmethod
+    def _several(cls, name: str, rates: Any, rate: Any, per: Any, burst: Any, args: Tuple[Any, ...],
+                 kwargs: Dict[str, Any]) -> Any:
+        """``Limiter(name, rates=...)``: a limiter of several rates (multirate.py), one segment per rate."""
         from .multirate import MultiLimiter
 
-        if rate is not None or per != 1.0 or burst is not None or args:
-            raise TypeError(
-                "give either rate= (one rate) or rates= (several), not both; with rates=, each rate carries "
-                "its window and its burst: rates=['5000/h', ('100/min', 20)]"
-            )
-        allowed = {"mode", "slots", "trusted_uids", "clock"}
-        extra = sorted(k for k, v in kwargs.items() if k not in allowed and v is not None)
-        if extra:
-            raise ValueError(f"{', '.join(extra)} not supported with rates= (allowed: {', '.join(sorted(allowed))})")
-        return MultiLimiter(name, rates, **{k: v for k, v in kwargs.items() if k in allowed})
+        return MultiLimiter(name, rates, **group_options(
+            rate, per, burst, args, kwargs, ("mode", "slots", "trusted_uids", "clock"), one="one rate",
+            example="['5000/h', ('100/min', 20)]", error=ValueError, drop_none=True,
+        ))
 
     def __init__(
         self,

@@ -25,111 +25,37 @@ takes them together:
   ``Bucket.add`` (what does not fit under the capacity is dropped).
 
 The protocol itself (``take_all``, ``give_back``, ``MultiRequest``) is in
-``multirate_request``; the acquisition core's drivers run it.  Every word is touched through each
+``multirate_request``; the acquisition core's drivers run it.  What a keyed limiter of several
+rates shares with this one (``rates=``, costs per rate, a rate named by key) is ``rate_group``'s.  Every word is touched through each
 rate's ``Bucket`` and cells.
 """
 from __future__ import annotations
 
 import os
-import re
 import time
 import weakref
 from dataclasses import dataclass
-from typing import Any, Callable, Dict, Iterable, List, Mapping, Optional, Sequence, Tuple, Union
+from typing import Any, Callable, Dict, Iterable, List, Optional, Sequence, Tuple, Union
 
 from . import acquisition, live_changes
 from . import layout as L
 from .acquisition import drive, drive_async, ticket_within
 from .attachment import Attachment, gate_all, open_attachment, release
 from .bucket import diff
-from .config import NS_PER_S, Config, parse_rate, validate_n, validate_timeout
+from .config import NS_PER_S, Config, validate_n, validate_timeout
 from .header import Creation
 from .multirate_request import MultiRequest, give_back, take_all, wait_ns
-from .segment import NAME_MAX, validate_mode, validate_name, validate_slots, validate_trusted_uids
-from .segment import unlink as _unlink_name
+from .rate_group import RateGroup, parse_rates, rates_from_text
+from .segment import validate_mode, validate_name, validate_slots, validate_trusted_uids
 from .stats import Stats, snapshot
 
 _INF = float("inf")
-_KEY = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")
-#: Keys that would collide with the calls' own parameters.
-_RESERVED = ("n", "timeout", "max_wait", "which")
-MAX_RATES = 16
 _ONE = 1
-RateValue = Union[str, float, int, Tuple[Any, Any]]
 
 
 def _plain_timeout(timeout: object) -> bool:
     """None, or a number of seconds the fast path may take as valid (the slow path checks the rest)."""
     return timeout is None or (type(timeout) in (int, float) and 0 <= timeout < _INF)  # type: ignore[operator]
-
-
-def rates_from_text(text: str) -> Union[List[RateValue], Dict[str, RateValue]]:
-    """``rates=`` written as one string, items separated by ``;``: ``"5000/h; 100/min"`` (a list),
-    ``"requests=500/min; tokens=200K/min burst=20K"`` (a dict: every item named, or none).  Each
-    item is a rate string, with an optional ``burst=N`` (ops; K/M/G suffixes)."""
-    items = [part.strip() for part in text.split(";")]
-    if not all(items):
-        raise ValueError(f"rates: items are separated by ';' and none may be empty, got {text!r}")
-    named: Dict[str, RateValue] = {}
-    listed: List[RateValue] = []
-    for item in items:
-        words = item.split()
-        if len(words) > 2 or (len(words) == 2 and not words[1].startswith("burst=")):
-            raise ValueError(f"rates: each item is [name=]RATE [burst=N], got {item!r}")
-        key, sep, rate = words[0].rpartition("=")
-        value: RateValue = rate
-        if len(words) == 2:
-            burst, per = parse_rate(words[1][len("burst="):], "burst")
-            if per != 1.0:
-                raise ValueError(f"rates: a burst is a number of ops (e.g. burst=20K), got {words[1]!r}")
-            value = (rate, burst)
-        if sep:
-            if key in named:
-                raise ValueError(f"rates: the name {key!r} is given twice")
-            named[key] = value
-        else:
-            listed.append(value)
-    if named and listed:
-        raise ValueError(f"rates: name every item (name=RATE) or none, got {text!r}")
-    return named or listed
-
-
-def parse_rates(name: str, rates: object) -> Tuple[Tuple[str, ...], Tuple[Config, ...], bool]:
-    """``rates=`` as (keys, configs, named).  A list's keys are "0", "1", ...; a dict's are its own.
-
-    Each value is a rate (``"5000/h"``, ``"200K/min"``, a number of ops per
-    second) or a pair ``(rate, burst)``; the capacity defaults as for one rate.
-    One string stands for either (``rates_from_text``).
-    """
-    if isinstance(rates, str):
-        rates = rates_from_text(rates)
-    if isinstance(rates, Mapping):
-        items = list(rates.items())
-        named = True
-    elif isinstance(rates, (list, tuple)):
-        items = [(str(i), v) for i, v in enumerate(rates)]
-        named = False
-    else:
-        raise TypeError(f"rates must be a list of rates or a dict of name -> rate, not {type(rates).__name__}")
-    if not 1 <= len(items) <= MAX_RATES:
-        raise ValueError(f"rates must hold 1 to {MAX_RATES} rates, got {len(items)}")
-    keys: List[str] = []
-    cfgs: List[Config] = []
-    for key, value in items:
-        if named and (not isinstance(key, str) or not _KEY.fullmatch(key) or key in _RESERVED):
-            raise ValueError(
-                f"rates: each name must be a Python identifier of ASCII letters, digits and '_', "
-                f"and not one of {', '.join(_RESERVED)}; got {key!r}"
-            )
-        if len(name) + 1 + len(key) > NAME_MAX:
-            raise ValueError(f"rates: name {name!r} plus '.{key}' must be at most {NAME_MAX} characters")
-        rate, burst = value if isinstance(value, tuple) else (value, None)
-        try:
-            cfgs.append(Config.make(rate, 1.0, burst))
-        except (TypeError, ValueError) as e:
-            raise type(e)(f"rates[{key!r}]: {e}") from None
-        keys.append(key)
-    return tuple(keys), tuple(cfgs), named
 
 
 @dataclass(frozen=True)
@@ -145,7 +71,7 @@ class MultiStats:
         return {k: s.grants for k, s in self.rates.items()}
 
 
-class MultiLimiter:
+class MultiLimiter(RateGroup):
     """Several rates taken together; made by ``Limiter(name, rates=...)`` (see the module's docstring).
 
     ``rates=["5000/h", "100/min"]``: every op must fit every rate; ``n`` ops
@@ -195,15 +121,6 @@ class MultiLimiter:
     # -- identity and lifecycle ----------------------------------------------------
 
     @property
-    def name(self) -> str:
-        return self._name
-
-    @property
-    def keys(self) -> Tuple[str, ...]:
-        """The rates' keys, in order ("0", "1", ... for a list)."""
-        return self._keys
-
-    @property
     def configs(self) -> Dict[str, Config]:
         """Each rate's live configuration, by key."""
         out = {}
@@ -243,14 +160,6 @@ class MultiLimiter:
         for att in atts:
             release(att, detach=True)
 
-    def unlink(self) -> None:
-        """Remove every rate's segment (those already gone are skipped)."""
-        for key in self._keys:
-            try:
-                _unlink_name(f"{self._name}.{key}")
-            except FileNotFoundError:
-                pass
-
     def __enter__(self) -> "MultiLimiter":
         self.acquire()
         return self
@@ -277,33 +186,6 @@ class MultiLimiter:
                 pass
 
     # -- costs -----------------------------------------------------------------------
-
-    def _by_name(self, values: Dict[str, object], n: object, n_default: int, what: str) -> List[object]:
-        """``values`` given per rate by name, in the rates' order (0 for a rate not named); refused
-        on a list of rates, with ``n`` given too (not ``n_default``), or with a name not a rate's."""
-        if not self._named:
-            raise TypeError(f"limiter {self._name!r} has a list of rates: give n (ops on every rate), not {sorted(values)}")
-        if n != n_default:
-            raise TypeError(f"give either n (ops on every rate) or a {what} per rate by name, not both")
-        unknown = sorted(set(values) - set(self._keys))
-        if unknown:
-            raise TypeError(f"unknown rate(s) {unknown}: the rates of {self._name!r} are {', '.join(self._keys)}")
-        return [values.get(k, 0) for k in self._keys]
-
-    def _ops(self, n: object, costs: Dict[str, object]) -> Tuple[int, ...]:
-        """Ops on each rate: ``n`` on every one, or the keywords' (rates not named cost nothing)."""
-        if not costs:
-            if isinstance(n, bool) or not isinstance(n, int) or n < 1:
-                raise ValueError(f"n must be a positive int (ops), got {n!r}")
-            return tuple(n for _ in self._keys)
-        out = []
-        for k, v in zip(self._keys, self._by_name(costs, n, 1, "cost")):
-            if isinstance(v, bool) or not isinstance(v, int) or v < 0:
-                raise ValueError(f"{k} must be an int >= 0 (ops of that rate), got {v!r}")
-            out.append(v)
-        if not any(out):
-            raise ValueError(f"at least one cost must be > 0, got {costs!r}")
-        return tuple(out)
 
     def _tokens(self, ops: Sequence[int]) -> List[int]:
         """Each rate's tokens for ``ops``, at the price in force (configs refreshed)."""
@@ -381,24 +263,25 @@ class MultiLimiter:
         the wait on the other rates once the longest is served exceeds what is
         left of it.
         """
-        fast = self._fast
-        if fast is not None and (timeout is None or _plain_timeout(timeout)):
-            # granted now is within any timeout; anything else waits (or fails) on the slow path
-            if (fast() if n is _ONE and not costs else self._try_fast(n, costs)) is True:
-                return True
-        self._refresh_fast()
-        ops = self._ops(n, costs)
-        return drive(MultiRequest(self._live(), ops, self._tokens(ops), timeout))
+        return self._granted_now(n, timeout, costs) or drive(self._request(n, timeout, costs))
 
     async def acquire_async(self, n: int = 1, timeout: Optional[float] = None, **costs: int) -> bool:
         """``acquire`` for asyncio: parks with ``asyncio.sleep``, never blocking the event loop."""
+        return self._granted_now(n, timeout, costs) or await drive_async(self._request(n, timeout, costs))
+
+    def _granted_now(self, n: object, timeout: object, costs: Dict[str, object]) -> bool:
+        """The fast path of ``acquire`` and ``acquire_async``: granted now by the bound gates (within
+        any timeout); anything else waits (or fails) on the slow path."""
         fast = self._fast
         if fast is not None and (timeout is None or _plain_timeout(timeout)):
-            if (fast() if n is _ONE and not costs else self._try_fast(n, costs)) is True:
-                return True
+            return (fast() if n is _ONE and not costs else self._try_fast(n, costs)) is True
+        return False
+
+    def _request(self, n: object, timeout: object, costs: Dict[str, object]) -> MultiRequest:
+        """The slow path's request for the ops (or costs), on configs refreshed."""
         self._refresh_fast()
         ops = self._ops(n, costs)
-        return await drive_async(MultiRequest(self._live(), ops, self._tokens(ops), timeout))
+        return MultiRequest(self._live(), ops, self._tokens(ops), timeout)
 
     def reserve(self, n: int = 1, max_wait: Optional[float] = None, **costs: int) -> Optional[float]:
         """Claim the next slot on every rate; the seconds until all are due (0.0: now).
@@ -479,17 +362,6 @@ class MultiLimiter:
                 b.add(-d * b.cost)
 
     # -- live changes ------------------------------------------------------------------
-
-    def _index(self, which: Union[str, int]) -> int:
-        if isinstance(which, bool) or not isinstance(which, (str, int)):
-            raise TypeError(f"which must be a rate's name or index, not {type(which).__name__}")
-        if isinstance(which, int):
-            if not -len(self._keys) <= which < len(self._keys):
-                raise ValueError(f"which must be an index from 0 to {len(self._keys) - 1}, got {which}")
-            return which % len(self._keys)
-        if which not in self._keys:
-            raise ValueError(f"which must be one of {', '.join(self._keys)}, got {which!r}")
-        return self._keys.index(which)
 
     def set_rate(
         self, which: Union[str, int], rate: Union[float, str], per: Optional[float] = None, burst: Optional[float] = None

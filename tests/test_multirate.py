@@ -22,16 +22,6 @@ def make(name, rates, clock):
     return lim
 
 
-@pytest.fixture
-def cleanup():
-    made = []
-    yield made
-    for lim in made:
-        if not lim.closed:
-            lim.unlink()
-            lim.close()
-
-
 def advance(lim, clock, seconds, tick=0.001):
     """Move the clock ``seconds`` forward as a filler would see it: a replenish of every rate
     every ``tick`` (one replenish after a long jump loses that interval to the snapshot clamp,
@@ -341,7 +331,7 @@ def test_the_fast_path_decides_costs_and_leaves_bad_calls_to_the_slow_path(name,
     (" 10/s ;50/5s burst=3 ", ["10/s", ("50/5s", 3.0)]),
 ])
 def test_rates_as_one_string(name, clock, cleanup, text, expected):
-    from shmlimit.multirate import rates_from_text
+    from shmlimit.rate_group import rates_from_text
 
     assert rates_from_text(text) == expected
     lim = make(name, text, clock)

@@ -1,0 +1,197 @@
+"""Several rates taken together: what both kinds share, ``Limiter(rates=)`` (``multirate``: one
+limiter segment per rate) and ``KeyedLimiter(rates=)`` (``keyed_multi``: one keyed segment per
+rate).
+
+``rates=`` is a list, a dict or one string; its rates are named by key (``"0"``, ``"1"``, ...
+for a list), each rate's segment is ``<name>.<key>``; a call costs ``n`` ops on every rate or
+its keyword costs by name; a live change names one rate by key or index.  How the rates are
+taken together is each kind's own.
+"""
+from __future__ import annotations
+
+import re
+from typing import Any, Dict, Iterable, List, Mapping, Tuple, Type, Union
+
+from .config import Config, parse_rate
+from .segment import NAME_MAX
+from .segment import unlink as _unlink_name
+
+_KEY = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")
+#: Keys that would collide with the calls' own parameters.
+_RESERVED = ("n", "timeout", "max_wait", "which")
+MAX_RATES = 16
+RateValue = Union[str, float, int, Tuple[Any, Any]]
+
+
+def rates_from_text(text: str) -> Union[List[RateValue], Dict[str, RateValue]]:
+    """``rates=`` written as one string, items separated by ``;``: ``"5000/h; 100/min"`` (a list),
+    ``"requests=500/min; tokens=200K/min burst=20K"`` (a dict: every item named, or none).  Each
+    item is a rate string, with an optional ``burst=N`` (ops; K/M/G suffixes)."""
+    items = [part.strip() for part in text.split(";")]
+    if not all(items):
+        raise ValueError(f"rates: items are separated by ';' and none may be empty, got {text!r}")
+    named: Dict[str, RateValue] = {}
+    listed: List[RateValue] = []
+    for item in items:
+        words = item.split()
+        if len(words) > 2 or (len(words) == 2 and not words[1].startswith("burst=")):
+            raise ValueError(f"rates: each item is [name=]RATE [burst=N], got {item!r}")
+        key, sep, rate = words[0].rpartition("=")
+        value: RateValue = rate
+        if len(words) == 2:
+            burst, per = parse_rate(words[1][len("burst="):], "burst")
+            if per != 1.0:
+                raise ValueError(f"rates: a burst is a number of ops (e.g. burst=20K), got {words[1]!r}")
+            value = (rate, burst)
+        if sep:
+            if key in named:
+                raise ValueError(f"rates: the name {key!r} is given twice")
+            named[key] = value
+        else:
+            listed.append(value)
+    if named and listed:
+        raise ValueError(f"rates: name every item (name=RATE) or none, got {text!r}")
+    return named or listed
+
+
+def parse_rates(name: str, rates: object) -> Tuple[Tuple[str, ...], Tuple[Config, ...], bool]:
+    """``rates=`` as (keys, configs, named).  A list's keys are "0", "1", ...; a dict's are its own.
+
+    Each value is a rate (``"5000/h"``, ``"200K/min"``, a number of ops per
+    second) or a pair ``(rate, burst)``; the capacity defaults as for one rate.
+    One string stands for either (``rates_from_text``).
+    """
+    if isinstance(rates, str):
+        rates = rates_from_text(rates)
+    if isinstance(rates, Mapping):
+        items = list(rates.items())
+        named = True
+    elif isinstance(rates, (list, tuple)):
+        items = [(str(i), v) for i, v in enumerate(rates)]
+        named = False
+    else:
+        raise TypeError(f"rates must be a list of rates or a dict of name -> rate, not {type(rates).__name__}")
+    if not 1 <= len(items) <= MAX_RATES:
+        raise ValueError(f"rates must hold 1 to {MAX_RATES} rates, got {len(items)}")
+    keys: List[str] = []
+    cfgs: List[Config] = []
+    for key, value in items:
+        if named and (not isinstance(key, str) or not _KEY.fullmatch(key) or key in _RESERVED):
+            raise ValueError(
+                f"rates: each name must be a Python identifier of ASCII letters, digits and '_', "
+                f"and not one of {', '.join(_RESERVED)}; got {key!r}"
+            )
+        if len(name) + 1 + len(key) > NAME_MAX:
+            raise ValueError(f"rates: name {name!r} plus '.{key}' must be at most {NAME_MAX} characters")
+        rate, burst = value if isinstance(value, tuple) else (value, None)
+        try:
+            cfgs.append(Config.make(rate, 1.0, burst))
+        except (TypeError, ValueError) as e:
+            raise type(e)(f"rates[{key!r}]: {e}") from None
+        keys.append(key)
+    return tuple(keys), tuple(cfgs), named
+
+
+def group_options(
+    rate: Any, per: Any, burst: Any, args: Tuple[Any, ...], kwargs: Dict[str, Any], allowed: Iterable[str], *,
+    one: str, example: str, error: Type[Exception] = TypeError, drop_none: bool = False,
+) -> Dict[str, Any]:
+    """The options of a constructor called with ``rates=``: no single rate (``rate``, ``per``,
+    ``burst`` or more positional arguments: TypeError, naming ``one`` rate's kind and an
+    ``example`` of ``rates=``), and only ``allowed`` options (``error`` naming the others; with
+    ``drop_none``, an option left None is dropped, not refused)."""
+    if rate is not None or per != 1.0 or burst is not None or args:
+        raise TypeError(
+            f"give either rate= ({one}) or rates= (several), not both; with rates=, each rate carries its "
+            f"window and its burst: rates={example}"
+        )
+    allowed = set(allowed)
+    given = {k: v for k, v in kwargs.items() if not (drop_none and v is None and k not in allowed)}
+    extra = sorted(k for k in given if k not in allowed)
+    if extra:
+        raise error(f"{', '.join(extra)} not supported with rates= (allowed: {', '.join(sorted(allowed))})")
+    return given
+
+
+class RateGroup:
+    """A limiter of several rates, as far as its kind does not matter: its name and its rates'
+    keys, a call's ops per rate, a rate named by key or index, its segments unlinked.  A subclass
+    sets ``_name``, ``_keys`` (its rates' keys, in order) and ``_named`` (a dict of rates);
+    ``_what`` names its kind in errors."""
+
+    _what = "limiter"
+    _name: str
+    _keys: Tuple[str, ...]
+    _named: bool
+
+    @property
+    def name(self) -> str:
+        return self._name
+
+    @property
+    def keys(self) -> Tuple[str, ...]:
+        """The rates' keys, in order ("0", "1", ... for a list)."""
+        return self._keys
+
+    def unlink(self) -> None:
+        """Remove every rate's segment (those already gone are skipped)."""
+        for key in self._keys:
+            try:
+                _unlink_name(f"{self._name}.{key}")
+            except FileNotFoundError:
+                pass
+
+    def _by_name(self, values: Dict[str, object], n: object, n_default: int, what: str) -> List[object]:
+        """``values`` given per rate by name, in the rates' order (0 for a rate not named); refused
+        on a list of rates, with ``n`` given too (not ``n_default``), or with a name not a rate's."""
+        if not self._named:
+            raise TypeError(
+                f"{self._what} {self._name!r} has a list of rates: give n (ops on every rate), not {sorted(values)}"
+            )
+        if n != n_default:
+            raise TypeError(f"give either n (ops on every rate) or a {what} per rate by name, not both")
+        unknown = sorted(set(values) - set(self._keys))
+        if unknown:
+            raise TypeError(f"unknown rate(s) {unknown}: the rates of {self._name!r} are {', '.join(self._keys)}")
+        return [values.get(k, 0) for k in self._keys]
+
+    def _ops(self, n: object, costs: Dict[str, object]) -> Tuple[int, ...]:
+        """Ops on each rate: ``n`` on every one, or the keywords' (rates not named cost nothing)."""
+        if not costs:
+            if isinstance(n, bool) or not isinstance(n, int) or n < 1:
+                raise ValueError(f"n must be a positive int (ops), got {n!r}")
+            return tuple(n for _ in self._keys)
+        out = []
+        for k, v in zip(self._keys, self._by_name(costs, n, 1, "cost")):
+            if isinstance(v, bool) or not isinstance(v, int) or v < 0:
+                raise ValueError(f"{k} must be an int >= 0 (ops of that rate), got {v!r}")
+            out.append(v)
+        if not any(out):
+            raise ValueError(f"at least one cost must be > 0, got {costs!r}")
+        return tuple(out)
+
+    def _index(self, which: Union[str, int]) -> int:
+        """The position of the rate ``which`` names: its key, or its index (negative from the end)."""
+        if isinstance(which, bool) or not isinstance(which, (str, int)):
+            raise TypeError(f"which must be a rate's name or index, not {type(which).__name__}")
+        if isinstance(which, int):
+            if not -len(self._keys) <= which < len(self._keys):
+                raise ValueError(f"which must be an index from 0 to {len(self._keys) - 1}, got {which}")
+            return which % len(self._keys)
+        if which not in self._keys:
+            raise ValueError(f"which must be one of {', '.join(self._keys)}, got {which!r}")
+        return self._keys.index(which)
+
+
+class RatesSwitch:
+    """The ``rates=`` switch of a limiter's constructor: called with it, the class makes a limiter
+    of several rates instead (``cls._several``: a different class, so that the single rate's hot
+    paths carry no test for it)."""
+
+    def __new__(
+        cls, name: str = "", rate: Any = None, per: Any = 1.0, burst: Any = None, *args: Any, rates: Any = None,
+        **kwargs: Any,
+    ) -> Any:
+        if rates is None:
+            return super().__new__(cls)
+        return cls._several(name, rates, rate, per, burst, args, kwargs)  # type: ignore[attr-defined]
