@@ -20,6 +20,18 @@ def name():
         pass
 
 
+@pytest.fixture
+def cleanup():
+    """A list for the handles a test makes (of several rates: one segment each); after the test,
+    each one still open is unlinked, then closed."""
+    made = []
+    yield made
+    for lim in made:
+        if not lim.closed:
+            lim.unlink()
+            lim.close()
+
+
 def _redis():
     from support.redis_server import RedisServer, require
 

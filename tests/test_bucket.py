@@ -1,5 +1,4 @@
 """Rover arithmetic with an injected clock: exact, capped, FIFO, and never over-granting."""
-import mmap
 import random
 
 import pytest
@@ -7,23 +6,13 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from shmlimit import layout as L
-from shmlimit.bucket import Bucket, diff
-from shmlimit.cells import native_available, open_cells
+from shmlimit.bucket import diff
+from shmlimit.cells import native_available
 from shmlimit.config import NS_PER_S, Config
-from support.clock import FakeClock
+from support.buckets import make_bucket
 from support.windows import check_windows
 
 BACKENDS = ["atomics"] + (["native"] if native_available() else [])
-
-
-def make_bucket(cfg: Config, backend: str = "atomics", initial=None, base: int = 0):
-    size = L.segment_size(1)
-    mm = mmap.mmap(-1, size)
-    cells = open_cells(mm, size, backend)
-    clock = FakeClock()
-    Bucket.initialise(cells, cfg, clock(), initial, base)
-    b = Bucket(cells, clock)
-    return b, clock
 
 
 @pytest.fixture(params=BACKENDS)

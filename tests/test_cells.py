@@ -1,14 +1,12 @@
 """The atomic layer: both backends behave identically, stay in bounds, and are atomic across processes."""
-import mmap
 import multiprocessing as mp
 import os
 
-import posix_ipc
 import pytest
 
 from shmlimit.cells import MASK64, Cells, native_available, selected_backend
 from support.procs import run_processes
-from support.cells import BACKENDS, REQUIRE_NATIVE, SIZE, backend, cells, cells_for, segment  # noqa: F401 (fixtures)
+from support.cells import BACKENDS, REQUIRE_NATIVE, SIZE, backend, cells, cells_for, opened, segment  # noqa: F401 (fixtures)
 
 
 def test_native_backend_is_built_when_required():
@@ -140,26 +138,16 @@ def test_closed_cells_refuse_every_call(backend, segment):
 
 
 def _adder(name, backend, n):
-    shm = posix_ipc.SharedMemory(name)
-    mm = mmap.mmap(shm.fd, SIZE)
-    shm.close_fd()
-    c = cells_for(mm, SIZE, backend)
-    for _ in range(n):
-        c.fetch_add(0, 1)
-    c.close()
-    mm.close()
+    with opened(name, backend) as c:
+        for _ in range(n):
+            c.fetch_add(0, 1)
 
 
 def _taker(name, backend, q):
-    shm = posix_ipc.SharedMemory(name)
-    mm = mmap.mmap(shm.fd, SIZE)
-    shm.close_fd()
-    c = cells_for(mm, SIZE, backend)
     got = 0
-    while c.try_grab(64, 128, 3, 192, 1):
-        got += 1
-    c.close()
-    mm.close()
+    with opened(name, backend) as c:
+        while c.try_grab(64, 128, 3, 192, 1):
+            got += 1
     q.put(got)
 
 

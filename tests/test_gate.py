@@ -19,7 +19,7 @@ from shmlimit.cells import MASK64, open_cells
 from shmlimit.composites import Gate
 
 from support.procs import run_processes
-from support.cells import BACKENDS, backend, cells, cells_for, segment  # noqa: F401 (fixtures)
+from support.cells import BACKENDS, backend, cells, cells_for, opened, segment  # noqa: F401 (fixtures)
 
 SEQ, TAIL, HEAD, CEIL, TS, GRANTS = 8, 64, 128, 192, 256, 320
 INF = float("inf")
@@ -264,29 +264,22 @@ def test_timed_acquire_bad_timeouts_still_raise(name):
 
 
 def _racer(name, backend, kind, q):
-    import posix_ipc
-
-    shm = posix_ipc.SharedMemory(name)
-    mm = mmap.mmap(shm.fd, 4096)
-    shm.close_fd()
-    c = cells_for(mm, 4096, backend)
     granted, tickets = 0, []
-    if kind == "grabber":
-        grab = c.grabber(SEQ, 2, TAIL, HEAD, 3, GRANTS, 1)
-        for _ in range(300):
-            r = grab()
-            if r is None:
-                granted += 1
-            else:
-                tickets.append(r)
-    else:
-        g = c.gate(SEQ, 2, TAIL, HEAD, CEIL, TS, GRANTS, 3, 1, 1, 1, False, INF)
-        for _ in range(300):
-            r = g.try_grab() if kind == "try" else g.grab_within(0)
-            assert r is not None  # TS is far ahead: nothing pending, every answer is certain
-            granted += r is True
-    c.close()
-    mm.close()
+    with opened(name, backend) as c:
+        if kind == "grabber":
+            grab = c.grabber(SEQ, 2, TAIL, HEAD, 3, GRANTS, 1)
+            for _ in range(300):
+                r = grab()
+                if r is None:
+                    granted += 1
+                else:
+                    tickets.append(r)
+        else:
+            g = c.gate(SEQ, 2, TAIL, HEAD, CEIL, TS, GRANTS, 3, 1, 1, 1, False, INF)
+            for _ in range(300):
+                r = g.try_grab() if kind == "try" else g.grab_within(0)
+                assert r is not None  # TS is far ahead: nothing pending, every answer is certain
+                granted += r is True
     q.put((granted, tickets))
 
 

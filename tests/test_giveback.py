@@ -5,38 +5,42 @@ A waiter that leaves before its turn gives its ticket's range back and the head 
 test here fails on a limiter that leaves the range queued: whoever comes next waits for it.
 """
 import asyncio
-import mmap
 import subprocess
 import sys
 import textwrap
-import threading
 import time
+from contextlib import contextmanager
 
 import pytest
 
 import shmlimit
 from shmlimit import layout as L
 from shmlimit.acquisition import Request
-from shmlimit.bucket import Bucket, diff
-from shmlimit.cells import native_available, open_cells
+from shmlimit.bucket import diff
+from shmlimit.cells import native_available
 from shmlimit.config import Config
 from shmlimit.giveback import Returns, reap, skip
+from support.buckets import make_bucket
+from support.clock import FakeClock
 from support.procs import WORKDIR, interrupted_after, wait_for
 
 BACKENDS = ["atomics"] + (["native"] if native_available() else [])
 
 
-class FakeClock:
-    def __init__(self, start: int = 10**12) -> None:
-        self.now = start
-
-    def __call__(self) -> int:
-        return self.now
-
-
 def empty(lim):
     """Take every op the bucket holds, so that the next request queues."""
     lim.drain()
+
+
+@contextmanager
+def queued(name, **options):
+    """A new limiter (``options`` as ``Limiter``'s), emptied so that the next request queues; closed on leaving."""
+    lim = shmlimit.Limiter(name, **options)
+    try:
+        empty(lim)
+        yield lim
+    finally:
+        lim.close()
 
 
 def no_backlog(lim, n=1, within=0.5):
@@ -49,11 +53,8 @@ def no_backlog(lim, n=1, within=0.5):
 
 @pytest.mark.parametrize("backend", BACKENDS)
 def test_the_head_skips_a_range_only_from_inside_it_and_grants_no_one(backend):
-    size = L.segment_size(1)
-    cells = open_cells(mmap.mmap(-1, size), size, backend)
-    clock = FakeClock()
-    Bucket.initialise(cells, Config.make(1000, burst=2), clock(), initial_ops=0)
-    b = Bucket(cells, clock)
+    b, clock = make_bucket(Config.make(1000, burst=2), backend, initial=0)
+    cells = b.cells
     cost = b.cost
     first = b.grab(cost, L.UNREG_GRANTS, 1)  # someone ahead, still waiting
     gone = b.grab(10 * cost, L.UNREG_GRANTS, 10)  # the ticket that is given back
@@ -76,11 +77,8 @@ def test_the_head_skips_a_range_only_from_inside_it_and_grants_no_one(backend):
 
 @pytest.mark.parametrize("backend", BACKENDS)
 def test_a_late_skip_loses_the_tokens_that_reached_the_range_never_passes_them_on(backend):
-    size = L.segment_size(1)
-    cells = open_cells(mmap.mmap(-1, size), size, backend)
-    clock = FakeClock()
-    Bucket.initialise(cells, Config.make(1000, burst=1), clock(), initial_ops=0)
-    b = Bucket(cells, clock)
+    b, clock = make_bucket(Config.make(1000, burst=1), backend, initial=0)
+    cells = b.cells
     cost = b.cost
     gone = b.grab(100 * cost, L.UNREG_GRANTS, 100)
     tickets = [b.grab(cost, L.UNREG_GRANTS, 1) for _ in range(5)]
@@ -94,11 +92,7 @@ def test_a_late_skip_loses_the_tokens_that_reached_the_range_never_passes_them_o
 
 
 def test_returns_skip_each_range_when_the_head_reaches_it():
-    size = L.segment_size(1)
-    cells = open_cells(mmap.mmap(-1, size), size, BACKENDS[-1])
-    clock = FakeClock()
-    Bucket.initialise(cells, Config.make(1000, burst=1), clock(), initial_ops=0)
-    b = Bucket(cells, clock)
+    b, clock = make_bucket(Config.make(1000, burst=1), BACKENDS[-1], initial=0)
     cost = b.cost
     ahead = b.grab(cost, L.UNREG_GRANTS, 1)
     gone = b.grab(3600 * 1000 * cost, L.UNREG_GRANTS, 1)  # an hour of schedule
@@ -122,28 +116,20 @@ def test_returns_skip_each_range_when_the_head_reaches_it():
 
 @pytest.mark.slow
 def test_keyboard_interrupt_in_a_sync_waiter_gives_its_ticket_back(name):
-    lim = shmlimit.Limiter(name, rate=10, burst=1)
-    try:
-        empty(lim)
+    with queued(name, rate=10, burst=1) as lim:
         with interrupted_after(0.1), pytest.raises(KeyboardInterrupt):
             lim.acquire(600)  # a minute of schedule
         assert no_backlog(lim)  # the next op waits for one op's schedule, not for the minute
         assert lim.stats().processes[0].waiting == 0
-    finally:
-        lim.close()
 
 
 @pytest.mark.slow
 def test_keyboard_interrupt_in_the_fast_paths_native_wait_gives_its_ticket_back(name):
-    lim = shmlimit.Limiter(name, rate=2, burst=1)
-    try:
-        empty(lim)
+    with queued(name, rate=2, burst=1) as lim:
         with interrupted_after(0.1), pytest.raises(KeyboardInterrupt):
             lim.acquire()  # one op: the fast path's ticket, half a second away
         # given back: the next op is one op's schedule away (0.5 s), not two (about 0.9 s)
         assert lim.acquire(1, timeout=0.65)
-    finally:
-        lim.close()
 
 
 @pytest.mark.slow
@@ -217,10 +203,8 @@ def test_wait_for_in_a_retry_loop_lets_others_through(name):
 
 def test_a_request_that_leaves_on_a_fake_clock_gives_back_and_clears_its_record(name):
     clock = FakeClock()
-    lim = shmlimit.Limiter(name, rate=1000, burst=1, clock=clock)
-    try:
+    with queued(name, rate=1000, burst=1, clock=clock) as lim:
         att = lim._att
-        empty(lim)
         req = Request(att, 100, None)
         assert req.begin() > 0  # queued: 100 ms of schedule
         slot = L.slot_offset(att.slot)
@@ -241,8 +225,6 @@ def test_a_request_that_leaves_on_a_fake_clock_gives_back_and_clears_its_record(
             assert nxt.begin() is True  # one op's schedule later, not 100
         finally:
             nxt.end()
-    finally:
-        lim.close()
 
 
 # ---- a waiter killed while queued ---------------------------------------------------------------
@@ -284,9 +266,7 @@ def queue_and_kill(name, lim, ops):
 
 @pytest.mark.slow
 def test_a_killed_waiter_does_not_stall_those_behind_it(name):
-    lim = shmlimit.Limiter(name, rate=10, burst=1)
-    try:
-        empty(lim)
+    with queued(name, rate=10, burst=1) as lim:
         queue_and_kill(name, lim, 600)  # a minute of schedule, at the head of the queue
         t0 = time.monotonic()
         end = t0 + 5.0
@@ -296,20 +276,14 @@ def test_a_killed_waiter_does_not_stall_those_behind_it(name):
         # documented: the filler gives a dead waiter's ticket back within REAP_EVERY (0.1 s), plus a
         # lease takeover (50 ms) if the dead process was the filler, plus this op's own 0.1 s
         assert waited < 2.0, waited
-    finally:
-        lim.close()
 
 
 @pytest.mark.slow
 def test_restart_clears_a_dead_backlog(name):
-    lim = shmlimit.Limiter(name, rate=10, burst=1)
-    try:
-        empty(lim)
+    with queued(name, rate=10, burst=1) as lim:
         queue_and_kill(name, lim, 36000)  # an hour of schedule
         lim.restart()
         assert no_backlog(lim)  # right after restart: one op's schedule away, not an hour
-    finally:
-        lim.close()
 
 
 def test_reap_gives_back_only_a_dead_owners_record(name):
@@ -361,11 +335,8 @@ def test_reap_gives_back_only_a_dead_owners_record(name):
 def test_a_process_that_takes_a_dead_owners_slot_gives_back_its_recorded_ticket():
     from shmlimit.giveback import record, take_over
 
-    size = L.segment_size(2)
-    cells = open_cells(mmap.mmap(-1, size), size, BACKENDS[-1])
-    clock = FakeClock()
-    Bucket.initialise(cells, Config.make(1000, burst=1), clock(), initial_ops=0)
-    b = Bucket(cells, clock)
+    b, clock = make_bucket(Config.make(1000, burst=1), BACKENDS[-1], initial=0, slots=2)
+    cells = b.cells
     ticket = b.grab(50 * b.cost, L.UNREG_GRANTS, 50)
     second = b.grab(7 * b.cost, L.UNREG_GRANTS, 7)
     recs = L.ticket_records(2, 1)
@@ -385,10 +356,8 @@ def test_a_process_that_takes_a_dead_owners_slot_gives_back_its_recorded_ticket(
 
 def test_every_waiter_of_a_process_has_a_record_up_to_the_slots_five(name):
     clock = FakeClock()
-    lim = shmlimit.Limiter(name, rate=1000, burst=1, clock=clock)
-    try:
+    with queued(name, rate=1000, burst=1, clock=clock) as lim:
         att = lim._att
-        empty(lim)
         reqs = [Request(att, 1 + i, None) for i in range(L.TICKET_RECORDS + 1)]
         for r in reqs:
             assert r.begin() > 0
@@ -402,8 +371,6 @@ def test_every_waiter_of_a_process_has_a_record_up_to_the_slots_five(name):
         assert att.returns.step() is None  # all skipped: the head is at the tail ...
         assert diff(att.cells.load(L.HEAD), att.cells.load(L.TAIL)) == 0
         assert [att.cells.load(off) for off in recs] == [0] * len(recs)  # ... and every record is free
-    finally:
-        lim.close()
 
 
 def test_the_fast_paths_ticket_is_recorded_during_its_native_wait(name):
@@ -476,9 +443,7 @@ def queued_records(cells, pid):
 @pytest.mark.slow
 def test_every_waiter_of_a_killed_process_is_given_back(name):
     # One op is a minute's schedule: two waiters of the killed process hold two minutes of queue.
-    lim = shmlimit.Limiter(name, rate=1, per=60, burst=1)
-    try:
-        empty(lim)
+    with queued(name, rate=1, per=60, burst=1) as lim:
         cells = lim._att.cells
         p = subprocess.Popen([sys.executable, "-c", KILLED_THREADS, name, "2"], stdout=subprocess.PIPE, text=True,
                              cwd=WORKDIR)
@@ -493,8 +458,6 @@ def test_every_waiter_of_a_killed_process_is_given_back(name):
             p.stdout.close()
         # The filler (this process's) reaps both within REAP_EVERY; the head skips them: nothing is queued.
         wait_for(lambda: diff(cells.load(L.TAIL), cells.load(L.HEAD)) <= 0, timeout=10)
-    finally:
-        lim.close()
 
 
 GIVES_BACK_AND_EXITS = textwrap.dedent(
@@ -520,10 +483,8 @@ GIVES_BACK_AND_EXITS = textwrap.dedent(
 
 @pytest.mark.slow
 def test_a_range_given_back_is_skipped_after_its_process_exits(name):
-    lim = shmlimit.Limiter(name, rate=10, burst=1)
-    try:
+    with queued(name, rate=10, burst=1) as lim:
         att = lim._att
-        empty(lim)
         cells = att.cells
         p = subprocess.Popen([sys.executable, "-c", GIVES_BACK_AND_EXITS, name, "600"], stdin=subprocess.PIPE,
                              stdout=subprocess.PIPE, text=True, cwd=WORKDIR)
@@ -543,18 +504,13 @@ def test_a_range_given_back_is_skipped_after_its_process_exits(name):
         ahead.end()  # the queue ahead of the child's range leaves too: the head reaches it
         # the filler finds the range recorded as given back in the slot the child left, and skips it
         wait_for(lambda: diff(cells.load(L.TAIL), cells.load(L.HEAD)) <= 0, timeout=10)
-    finally:
-        lim.close()
 
 
 def test_a_skipped_range_frees_only_its_own_record():
     from shmlimit.giveback import record
 
-    size = L.segment_size(1)
-    cells = open_cells(mmap.mmap(-1, size), size, BACKENDS[-1])
-    clock = FakeClock()
-    Bucket.initialise(cells, Config.make(1000, burst=1), clock(), initial_ops=0)
-    b = Bucket(cells, clock)
+    b, clock = make_bucket(Config.make(1000, burst=1), BACKENDS[-1], initial=0)
+    cells = b.cells
     recs = L.ticket_records(1, 0)
     mine = b.grab(5 * b.cost, L.UNREG_GRANTS, 5)
     rec = record(cells, recs, mine, 5 * b.cost, given=True)

@@ -22,16 +22,6 @@ def clock():
     return FakeClock()
 
 
-@pytest.fixture
-def cleanup():
-    made = []
-    yield made
-    for lim in made:
-        if not lim.closed:
-            lim.unlink()
-            lim.close()
-
-
 def make(name, rates, clock, cleanup, **kw):
     lim = shmlimit.KeyedLimiter(name, rates=rates, keys=256, clock=clock, **kw)
     assert isinstance(lim, MultiKeyedLimiter)

@@ -20,6 +20,7 @@ from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, ru
 from shmlimit import keyed_cells as KC
 from shmlimit import keyed_layout as K
 from shmlimit.cells import native_available, open_cells
+from support.models import on_each_backend
 
 BACKENDS = ["atomics"] + (["native"] if native_available() else [])
 T = 100  # ticks per op
@@ -251,20 +252,9 @@ class TableMachine(RuleBasedStateMachine):
                 seen.add(d)
 
 
-class AtomicsTable(TableMachine):
-    backend = "atomics"
-
-
-AtomicsTable.TestCase.settings = settings(max_examples=60, stateful_step_count=60, deadline=None)
-TestAtomicsTable = AtomicsTable.TestCase
-
-if native_available():
-
-    class NativeTable(TableMachine):
-        backend = "native"
-
-    NativeTable.TestCase.settings = settings(max_examples=150, stateful_step_count=80, deadline=None)
-    TestNativeTable = NativeTable.TestCase
+TestAtomicsTable, TestNativeTable = on_each_backend(
+    TableMachine, settings(max_examples=60, stateful_step_count=60, deadline=None),
+    settings(max_examples=150, stateful_step_count=80, deadline=None))
 
 
 @pytest.mark.parametrize("backend", BACKENDS)

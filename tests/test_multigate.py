@@ -18,7 +18,7 @@ from hypothesis import HealthCheck, given, settings
 from shmlimit.cells import MASK64, multi_gate, native_available, open_cells
 from shmlimit.composites import Gate, MultiGate
 
-from support.cells import BACKENDS, backend, cells, cells_for, segment  # noqa: F401 (fixtures)
+from support.cells import BACKENDS, backend, cells, cells_for, opened, segment  # noqa: F401 (fixtures)
 
 INF = float("inf")
 # two rates' words in one segment: (seq, tail, head, ceil, repl_ts, grants)
@@ -164,24 +164,17 @@ def test_refuses_to_run_once_any_cells_are_closed(backend, segment):  # noqa: F8
 
 
 def _racer(name, backend, kind, q):
-    import posix_ipc
-
-    shm = posix_ipc.SharedMemory(name)
-    mm = mmap.mmap(shm.fd, 4096)
-    shm.close_fd()
-    c = cells_for(mm, 4096, backend)
     granted = 0
-    if kind == "multi":
-        m = multi_gate([gate(c, A, 2), gate(c, B, 1)], [1 << 40, 1 << 40], True)
-        for _ in range(4000):
-            r = m.try_grab()
-            granted += r is True
-    else:  # takes B alone, racing the multis between their look and their take
-        g = gate(c, B, 1)
-        for _ in range(4000):
-            granted += g.try_grab() is True
-    c.close()
-    mm.close()
+    with opened(name, backend) as c:
+        if kind == "multi":
+            m = multi_gate([gate(c, A, 2), gate(c, B, 1)], [1 << 40, 1 << 40], True)
+            for _ in range(4000):
+                r = m.try_grab()
+                granted += r is True
+        else:  # takes B alone, racing the multis between their look and their take
+            g = gate(c, B, 1)
+            for _ in range(4000):
+                granted += g.try_grab() is True
     q.put((kind, granted))
 
 

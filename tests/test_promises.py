@@ -1,5 +1,4 @@
 """Regression tests: every promise holds off the well-trodden paths too (unusual but valid sequences)."""
-import mmap
 import multiprocessing as mp
 import random
 import sys
@@ -12,21 +11,16 @@ import pytest
 import shmlimit
 from shmlimit import layout as L
 from shmlimit.bucket import Bucket, diff
-from shmlimit.cells import native_available, open_cells
+from shmlimit.cells import native_available
 from shmlimit.config import MAX_QUEUE_TOKENS, MAX_SPAN_TOKENS, NS_PER_S, Config
 from shmlimit.errors import QueueFullError
+from support.buckets import private_cells
 from support.clock import FakeClock
 from support.procs import WORKDIR
 
 BACKENDS = ["atomics"] + (["native"] if native_available() else [])
 CONFIG_WORDS = [L.CFG_SEQ, L.CFG_RATE, L.CFG_PER, L.CFG_BURST, L.CFG_TPN, L.CFG_COST, L.CFG_CAP, L.CFG_FLAGS,
                 L.CFG_RATIO, L.CFG_MAX_RESERVED, L.CFG_MAX_BEHIND]
-
-
-def make_cells(backend, slots=1):
-    size = L.segment_size(slots)
-    mm = mmap.mmap(-1, size)
-    return open_cells(mm, size, backend)
 
 
 @pytest.fixture(params=BACKENDS)
@@ -184,7 +178,7 @@ def test_op_cost_error_bound_over_random_rates():
 
 
 def test_set_rate_to_near_1e9_is_enforced_within_bound(backend):
-    cells = make_cells(backend)
+    cells = private_cells(backend)
     clock = FakeClock()
     Bucket.initialise(cells, Config.make(1000), clock())
     b = Bucket(cells, clock)
@@ -197,7 +191,7 @@ def test_set_rate_to_near_1e9_is_enforced_within_bound(backend):
 
 
 def test_replenish_clamps_with_the_live_capacity(backend):
-    cells = make_cells(backend)
+    cells = private_cells(backend)
     clock = FakeClock()
     Bucket.initialise(cells, Config.make(1000, burst=100), clock(), initial_ops=0)
     stale = Bucket(cells, clock)  # another process's view, cached before the change
@@ -212,7 +206,7 @@ def test_replenish_clamps_with_the_live_capacity(backend):
 
 
 def test_repl_ts_in_the_future_does_not_stop_replenishment(backend):
-    cells = make_cells(backend)
+    cells = private_cells(backend)
     clock = FakeClock()
     Bucket.initialise(cells, Config.make(1000, burst=5), clock(), initial_ops=0)
     b = Bucket(cells, clock)
@@ -414,7 +408,7 @@ def test_stalled_config_writer_cannot_corrupt_the_config(backend, monkeypatch, s
     import shmlimit.config_banks as config_banks
 
     monkeypatch.setattr(config_banks, "CONFIG_LOCK_TIMEOUT_NS", 1_000_000)  # take over after 1 ms
-    cells = make_cells(backend)
+    cells = private_cells(backend)
     clock = FakeClock()
     Bucket.initialise(cells, Config.make(1000), clock())
     stalled, other = Bucket(cells, clock), Bucket(cells, clock)

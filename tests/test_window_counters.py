@@ -24,6 +24,7 @@ from shmlimit.cells import native_available, open_cells
 from shmlimit.errors import KeyTableFullError, SegmentError
 from shmlimit.window_table import WindowTable
 from support.clock import FakeClock
+from support.models import on_each_backend
 from support.procs import run_processes
 
 BACKENDS = ["atomics"] + (["native"] if native_available() else [])
@@ -217,14 +218,8 @@ class Counters(RuleBasedStateMachine):
         self.clock.advance(ms * 1_000_000 + 17)
 
 
-Counters.TestCase.settings = settings(max_examples=40, stateful_step_count=50, deadline=None)
-TestCountersAtomics = Counters.TestCase
-if native_available():
-    class NativeCounters(Counters):
-        backend = "native"
-
-    NativeCounters.TestCase.settings = settings(max_examples=40, stateful_step_count=50, deadline=None)
-    TestCountersNative = NativeCounters.TestCase
+TestCountersAtomics, TestCountersNative = on_each_backend(
+    Counters, settings(max_examples=40, stateful_step_count=50, deadline=None))
 
 
 @pytest.mark.parametrize("backend", BACKENDS)

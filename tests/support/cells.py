@@ -2,6 +2,7 @@
 import mmap
 import os
 import uuid
+from contextlib import contextmanager
 
 import posix_ipc
 import pytest
@@ -23,6 +24,21 @@ def cells_for(mm, size, backend):
     c = open_cells(mm, size, backend)
     assert backend != "atomics" or c._direct  # the fast way is found in the package we test with
     return c
+
+
+@contextmanager
+def opened(name, backend):
+    """The cells over the test segment ``name``, mapped as another process maps it (for a worker
+    process); the cells, then the mapping, closed on leaving."""
+    shm = posix_ipc.SharedMemory(name)
+    mm = mmap.mmap(shm.fd, SIZE)
+    shm.close_fd()
+    c = cells_for(mm, SIZE, backend)
+    try:
+        yield c
+    finally:
+        c.close()
+        mm.close()
 
 
 @pytest.fixture(params=BACKENDS)

@@ -1,9 +1,14 @@
-"""What the stateful models (tests/test_model.py, tests/test_multirate_model.py) share."""
+"""What the stateful models (tests/test_model.py, tests/test_multirate_model.py, and the
+tables' machines run on every backend) share."""
 from __future__ import annotations
 
 import os
+import unittest
+from typing import Optional, Tuple
 
 from hypothesis import HealthCheck, settings
+
+from shmlimit.cells import native_available
 
 
 def model_settings(default_examples: int) -> settings:
@@ -15,3 +20,16 @@ def model_settings(default_examples: int) -> settings:
         deadline=None,
         suppress_health_check=[HealthCheck.too_slow, HealthCheck.filter_too_much],
     )
+
+
+def on_each_backend(machine: type, atomics: settings, native: Optional[settings] = None) -> Tuple[type, type]:
+    """The TestCases of the stateful ``machine`` (its ``backend`` attribute picks the cells) on the
+    atomics backend and on the native one (with ``native`` settings, else ``atomics``'; skipped
+    where the extension is not built)."""
+    cases = []
+    for backend, chosen in (("atomics", atomics), ("native", native or atomics)):
+        case = type(f"{machine.__name__}_{backend}", (machine,), {"backend": backend}).TestCase
+        case.settings = chosen
+        cases.append(case)
+    skip = unittest.skipUnless(native_available(), "the native extension is not built here")
+    return cases[0], skip(cases[1])
