@@ -279,9 +279,9 @@ cells_try_grab(NativeCells *self, PyObject *const *args, Py_ssize_t n)
     Py_RETURN_TRUE;
 }
 
-/* Every object bound to cells (Grabber, Gate, KeyedTable, Waiter) begins with these fields: it
- * holds a reference to its cells, so that the mapping outlives it, and refuses to run once they
- * are closed; bound_dealloc serves them all. */
+/* Every object bound to cells (Grabber, Gate, KeyedTable, Waiter, FedWaiter) begins with these
+ * fields: it holds a reference to its cells, so that the mapping outlives it, and refuses to run
+ * once they are closed; bound_dealloc serves them all. */
 #define BOUND_FIELDS \
     PyObject_HEAD    \
     NativeCells *cells;
@@ -2100,7 +2100,7 @@ static int
 fed_sleep(uint32_t *w, uint32_t expected, uint32_t bitset, uint64_t at)
 {
 #ifdef __linux__
-    struct timespec ts = {(time_t)(at / 1000000000u), (long)(at % 1000000000u)};
+    struct timespec ts = ns_timespec(at);
     long r = syscall(SYS_futex, w, FUTEX_WAIT_BITSET, expected, &ts, NULL, bitset ? bitset : FUTEX_BITSET_MATCH_ANY);
     if (r == 0 || errno == EAGAIN)
         return 0;
@@ -2110,7 +2110,7 @@ fed_sleep(uint32_t *w, uint32_t expected, uint32_t bitset, uint64_t at)
     uint64_t now = monotonic_ns();
     if (at > now) {
         uint64_t d = at - now;
-        struct timespec ts = {(time_t)(d / 1000000000u), (long)(d % 1000000000u)};
+        struct timespec ts = ns_timespec(d);
         if (nanosleep(&ts, NULL) != 0)
             return EINTR;
     }
@@ -2163,8 +2163,7 @@ cells_futex_wake(NativeCells *self, PyObject *const *args, Py_ssize_t n)
 #define FED_NUDGE_NS 2000000u /* acquisition.POLL: the filler lease lapsed, come back this soon */
 
 typedef struct {
-    PyObject_HEAD
-    NativeCells *cells;
+    BOUND_FIELDS
     uint64_t *seq, *head, *lease, *grants, *wake, *next_ns;
     uint64_t *waiting; /* this process's WAITING word, or NULL */
     uint64_t expected, cost, tpn, grace_ns;
@@ -2272,13 +2271,6 @@ fed_refill(FedWaiter *self, PyObject *unused)
     return Py_BuildValue("(KO)", 0ULL, Py_False);
 }
 
-static void
-fed_dealloc(FedWaiter *self)
-{
-    Py_XDECREF(self->cells);
-    Py_TYPE(self)->tp_free((PyObject *)self);
-}
-
 static PyObject *
 fed_get_naps(FedWaiter *self, void *closure)
 {
@@ -2298,12 +2290,9 @@ static PyGetSetDef fed_getset[] = {
 };
 
 static PyTypeObject FedWaiterType = {
-    PyVarObject_HEAD_INIT(NULL, 0)
-    .tp_name = "shmlimit._native.FedWaiter",
-    .tp_basicsize = sizeof(FedWaiter),
-    .tp_flags = Py_TPFLAGS_DEFAULT,
-    .tp_doc = "A queued caller's wait for its ticket in hierarchical mode, woken when leased tokens land.",
-    .tp_dealloc = (destructor)fed_dealloc,
+    NATIVE_TYPE("FedWaiter", FedWaiter,
+                "A queued caller's wait for its ticket in hierarchical mode, woken when leased tokens land."),
+    .tp_dealloc = (destructor)bound_dealloc,
     .tp_methods = fed_methods,
     .tp_getset = fed_getset,
 };
