@@ -282,11 +282,10 @@ class Request:
         short = b.deficiency(ticket) / b.tpn
         if b.upstream:
             att.nudge_filler()  # only a filler leases: make sure one runs
-            if not b.time_fed:  # tokens come with leases: park until a batch is due, or (fed) until
-                if fed and fed_wait.wakes_work():  # the batch that covers us wakes us
+            if not b.time_fed:  # tokens come with leases: park until a batch is due; a blocking driver
+                if fed and fed_wait.wakes_work():  # until the batch that covers us wakes it (wake_ns: at most)
                     self.fed = (seen, fed_wait.fed_bit(ticket, b.cost))
                     self.wake_ns = fed_wait.deadline(b.cells, b.tpn, now, b.deficiency(ticket), until)
-                    return max(0, self.wake_ns - now) / NS_PER_S
                 return min(self._fed_nap(short / NS_PER_S), (until - now) / NS_PER_S)
         # due, yet short: look again soon, or when the shortfall could have arrived
         self.wake_ns = now + int(min(max(short, RETRY_NS), MAX_NAP_NS))
@@ -496,7 +495,10 @@ async def drive_async(req: Steps) -> bool:
     try:
         step = req.begin()
         while step is not True and step is not False:
-            if req.wake_ns is not None and real:
+            if getattr(req, "fed", None) is not None:  # no futex on a loop: the fed wait's estimate
+                req.fed = None  # type: ignore[attr-defined]
+                await asyncio.sleep(max(step, MIN_NAP))
+            elif req.wake_ns is not None and real:
                 await sleep_until_async(req.wake_ns)  # to its instant, not the selector's next ms
             elif req.wake_ns is not None:
                 await asyncio.sleep(max(0, req.wake_ns - req.clock()) / NS_PER_S)
