@@ -218,6 +218,10 @@ class Feeder:
         #: planned from here; a former filler checks its own at their ends (the filler plans from
         #: the records it saw)
         self.mine: List[int] = []
+        #: where our last reservation left the global schedule (its TAT), on our clock: the reply
+        #: plus the backlog Redis named, so never earlier than it was (None: not known yet)
+        self.schedule_end: Optional[int] = None
+        self._wanting_since: Optional[int] = None  # callers have wanted tokens since (None: not now)
 
     @property
     def max_batch(self) -> int:
@@ -254,6 +258,10 @@ class Feeder:
         c = self.cells
         now = self.clock()
         self._measure(now)
+        if b.balance() < 0 or now - c.load(L.UP_HUNGRY) < HUNGRY_NS:
+            self._wanting_since = now if self._wanting_since is None else self._wanting_since
+        else:
+            self._wanting_since = None
         state = c.load(L.UP_STATE)
         if state in (STATE_OK, STATE_CLOSED, STATE_ERROR):  # leased tokens expire, Redis or not
             self.expire(now)
@@ -484,7 +492,7 @@ class Feeder:
             if self.redis is None:
                 self.redis = self._connect(self.spec)
             trips = self.redis.round_trips
-            granted, wait, _ = self.redis.call(MODE_RESERVE, want, None)
+            granted, wait, backlog = self.redis.call(MODE_RESERVE, want, None)
         except RedisUnavailableError as e:
             self._count_trips(trips)
             self._fail(state, e)
@@ -499,6 +507,7 @@ class Feeder:
         if state != STATE_OK:
             self._recover(state)
         if granted:
+            self._note_dry(sent, received, granted, backlog)
             self.pending.append(_Batch(due=received + wait, stamp=sent + wait, ops=granted, left=granted))
             c.fetch_add(L.UP_LEASED, granted)
             self.next_try = 0
@@ -508,6 +517,23 @@ class Feeder:
             c.fetch_add(L.UP_REFUSED, 1)
             self.next_try = received + int(MIN_RETRY * 1e9) + random.randrange(min(self.interval_ns, 1_000_000) + 1)
 
+    def _note_dry(self, sent: int, received: int, granted: int, backlog: int) -> None:
+        """The global schedule had run dry when this request reached Redis (the reservation began at
+        Redis's now: its backlog is its own ops) while callers wanted tokens: the GCRA does not bank
+        the gap, so that schedule time is lost.  Counted in ``STARVED_NS`` (``Stats.starved_seconds``,
+        as the clamp's losses are in clock-fed mode): from where our last reservation left the
+        schedule, or from when callers began to want tokens if later, to our request.  A lower
+        bound on one host.  The filler asked late: its thread was off the CPU for longer than the
+        lead, or the previous call answered late.  (A Redis error resets it: an outage is counted
+        in ``errors`` and ``fallbacks``, not here.)"""
+        end, self.schedule_end = self.schedule_end, received + backlog
+        since = self._wanting_since
+        if end is None or since is None or backlog > granted * self.interval_ns:
+            return
+        lost = sent - max(end, since)
+        if lost > 0:
+            self.cells.fetch_add(L.STARVED_NS, lost)
+
     def _count_trips(self, before: int) -> None:
         if self.redis is not None:
             self.cells.fetch_add(L.UP_ROUND_TRIPS, self.redis.round_trips - before)
@@ -516,6 +542,7 @@ class Feeder:
         """Redis unavailable: enter the configured fallback (from "ok" only; "error" stays closed)."""
         c = self.cells
         c.fetch_add(L.UP_ERRORS, 1)
+        self.schedule_end = None
         if state == STATE_OK:
             log.warning("%s; fallback %r until it answers", e, self.on_error)
             code, flags = _FALLBACK[self.on_error]
@@ -529,6 +556,7 @@ class Feeder:
         """Redis answered with an error: closed, whatever the fallback, until it answers correctly."""
         c = self.cells
         c.fetch_add(L.UP_ERRORS, 1)
+        self.schedule_end = None
         if state != STATE_ERROR:
             log.error("%s; no tokens until it answers correctly", e)
             if state == STATE_OK:

@@ -330,3 +330,33 @@ def test_a_new_filler_with_few_queued_callers_reaches_the_rate_at_once(R, redis_
     assert up.leased >= rate * 0.1, info  # the whole global schedule of the 100 ms, from the start
     # about one round trip per capacity, plus the doublings up to it (sized by demand: 72 here)
     assert up.round_trips <= up.leased / host.feeder.max_batch + 16, up.round_trips
+
+
+def test_a_filler_that_asks_late_counts_the_schedule_lost_and_an_idle_host_counts_none(R, redis_server, name, clock):
+    """The global GCRA does not bank a gap: when the filler asks only after the reserved schedule ran
+    out while callers waited (its thread off the CPU), that time is lost, and counted as starved; the
+    shortfall is exactly that and the leased ops that expired meanwhile.  An idle host loses nothing."""
+    rate = 1000
+    host = Host(R, name, redis_server.url, clock, rate, lease_ttl=0.1)
+    try:
+        run([host], clock, 1.0)  # on time: nothing lost
+        assert host.lim.stats().starved_seconds == 0
+        clock.advance(2 * 10**9)  # idle (nobody asks, the filler ticks as it likes): nothing lost
+        host.feeder.tick()
+        run([host], clock, 0.5)
+        s0 = host.lim.stats()
+        assert s0.starved_seconds == 0
+        start, gap = clock.now, 0.3
+        for _ in range(300):  # callers keep asking, and the filler does not run for 0.3 s
+            clock.advance(1_000_000)
+            host.take_all()
+        run([host], clock, 1.7)
+        s = host.lim.stats()
+    finally:
+        host.close()
+    starved = s.starved_seconds - s0.starved_seconds
+    expired = s.upstream.expired - s0.upstream.expired
+    got = sum(1 for t in host.grants if t > start)
+    assert gap - 0.05 <= starved <= gap  # the gap, less the schedule reserved ahead of it
+    print(f"starved {starved:.4f} s, expired {expired}, got {got}")
+    assert abs(got - (rate * (2.0 - starved) - expired)) <= 0.01 * rate * 2.0, (got, starved, expired)
