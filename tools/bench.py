@@ -5,6 +5,7 @@
     python tools/bench.py --json     # the same figures as one JSON object
     python tools/bench.py --quick    # shorter runs, for a smoke test
     python tools/bench.py --only-waiting   # section 5 only (waiting: CPU and lateness)
+    python tools/bench.py --only-hierarchy # section 9's table only (local vs hierarchical, a Redis started for it)
 
 1. cost of acquire() in one process at an effectively unlimited rate, per backend,
    against a bare native atomic fetch-add called from Python (the floor) and a
@@ -584,6 +585,7 @@ def _fed_worker(lim, timed: bool, barrier, seconds: float, skip: float, stamp: b
     """
     barrier.wait(timeout=120)
     w0 = _sleeps(threading.get_native_id())
+    d0 = _run_delay(threading.get_native_id())
     r0 = resource.getrusage(resource.RUSAGE_SELF)
     start = time.monotonic_ns()
     lo, end = start + int(skip * 1e9), start + int(seconds * 1e9)
@@ -606,11 +608,12 @@ def _fed_worker(lim, timed: bool, barrier, seconds: float, skip: float, stamp: b
                 stamps.append(t)
     r1 = resource.getrusage(resource.RUSAGE_SELF)
     wakes = _sleeps(threading.get_native_id()) - w0
+    delay = _run_delay(threading.get_native_id()) - d0
     filler = _thread_cpu(lim._att.filler)  # started by this worker's first use: all of it is in the run
     if done is not None:
         done.wait(timeout=120)
     q.put((start, n, stamps, r1.ru_utime - r0.ru_utime + r1.ru_stime - r0.ru_stime - filler, total, filler, wakes,
-           refused))
+           refused, delay))
 
 
 def _thread_cpu(thread) -> float:
@@ -653,10 +656,14 @@ def run_fed(url: Optional[str], rate: float, procs: int, seconds: float, timed: 
           for _ in range(procs)]
     for p in ps:
         p.start()
-    trips0 = lim.stats().upstream.round_trips if url else 0
+    s0 = lim.stats()
+    trips0 = s0.upstream.round_trips if url else 0
+    filler = lim._att.filler
     r0 = resource.getrusage(resource.RUSAGE_SELF)
     barrier.wait(timeout=120)
+    d0 = _run_delay(filler.native_id)
     res = [q.get(timeout=seconds + 120) for _ in ps]
+    d1 = _run_delay(filler.native_id)
     r1 = resource.getrusage(resource.RUSAGE_SELF)
     for p in ps:
         p.join()
@@ -683,7 +690,23 @@ def run_fed(url: Optional[str], rate: float, procs: int, seconds: float, timed: 
         refused=sum(r[7] for r in res),  # timed: acquires that timed out
         leases=s.upstream.leases if url else None, leased=s.upstream.leased if url else None,
         expired=s.upstream.expired if url else None,
+        # the starvation witnesses: what the limiter could not credit while callers queued, how long
+        # this process's filler thread waited runnable for a CPU, the longest pause between grants,
+        # and Redis calls that failed (each closes the host until a retry)
+        starved=s.starved_seconds - s0.starved_seconds, filler_delay=d1 - d0,
+        workers_delay=min(r[8] for r in res),  # every waiting thread was off the CPU at most this long
+        max_gap=max((b - a for a, b in zip(stamps, stamps[1:])), default=0) / 1e9,
+        errors=s.upstream.errors - s0.upstream.errors if url else 0, load=os.getloadavg()[0],
     )
+
+
+def _run_delay(tid: Optional[int]) -> float:
+    """Seconds this process's thread ``tid`` has waited runnable for a CPU so far (schedstat; 0 unknown)."""
+    try:
+        with open(f"/proc/self/task/{tid}/schedstat") as f:
+            return int(f.read().split()[1]) / 1e9
+    except (OSError, ValueError, IndexError, TypeError):
+        return 0.0
 
 
 def hierarchy_ratios(h: dict) -> Dict[str, tuple]:
@@ -699,13 +722,15 @@ def hierarchy_ratios(h: dict) -> Dict[str, tuple]:
     return out
 
 
-def bench_hierarchy(url: str, seconds: float) -> dict:
+def bench_hierarchy(url: str, seconds: float, sweep: bool = True) -> dict:
     """The issue's table (8 processes: 50/s untimed and timed, 1000/s), local vs hierarchical, and a sweep."""
     table = []
     for u in (None, url):
         table.append(run_fed(u, 50, 8, seconds))
         table.append(run_fed(u, 50, 8, seconds, timed=True))
         table.append(run_fed(u, 1000, 8, seconds))
+    if not sweep:
+        return dict(table=table, sweep=[], local_1m=None)
     sweep = [run_fed(url, rate, 4, max(seconds, 4.0)) for rate in (1, 10, 100, 1000, 10_000, 100_000, 1_000_000)]
     # at 1 000 000/s four Python processes on a busy machine may not keep up: the local limiter,
     # right after, says how much of a shortfall is theirs
@@ -715,14 +740,22 @@ def bench_hierarchy(url: str, seconds: float) -> dict:
 
 def print_hierarchy(h: dict) -> None:
     print("\n9. hierarchical vs local, 8 processes: achieved rate (after 1 s), CPU of the waiting callers and of")
-    print("   the filler threads (every process's, watching or filling: in hierarchical mode the Redis round trips)")
+    print("   the filler threads (every process's, watching or filling: in hierarchical mode the Redis round trips),")
+    print("   the waiting threads' sleeps per grant, and what the machine withheld: the schedule the limiter could")
+    print("   not credit while callers waited (starved), how long the filler thread and every waiter (the least")
+    print("   of them) waited runnable for a CPU, the longest pause between two grants")
     print(f"   {'mode':>13} {'target/s':>9} {'waiters':>8} {'achieved/s':>11} {'error':>8} {'waiters CPU-s/s':>16} "
-          f"{'filler CPU-s/s':>15}")
+          f"{'filler CPU-s/s':>15} {'sleeps/grant':>13} {'starved s':>10} {'filler off s':>13} {'waiters off s':>14} "
+          f"{'max gap ms':>11} {'load':>5}")
     for r in h["table"]:
         print(f"   {r['mode']:>13} {r['rate']:>9,.0f} {'timed' if r['timed'] else 'untimed':>8} {r['achieved']:>11,.1f} "
-              f"{r['error_pct']:>7.2f}% {r['waiters_cpu']:>16.4f} {r['filler_cpu']:>15.4f}")
+              f"{r['error_pct']:>7.2f}% {r['waiters_cpu']:>16.4f} {r['filler_cpu']:>15.4f} {r['wakes_per_grant']:>13.2f} "
+              f"{r['starved']:>10.3f} {r['filler_delay']:>13.3f} {r['workers_delay']:>14.3f} {r['max_gap'] * 1e3:>11.1f} "
+              f"{r['load']:>5.1f}")
     for label, (w, t) in hierarchy_ratios(h).items():
         print(f"   hierarchical / local, {label}: waiters' CPU {w:.2f}x, with the filler threads {t:.2f}x")
+    if not h["sweep"]:
+        return
     print("\n   hierarchical, 4 processes, untimed: fidelity and Redis round trips per op across rates")
     print(f"   {'target/s':>10} {'achieved/s':>12} {'error':>8} {'trips/op':>9} {'ops/lease':>10} {'expired':>8}")
     for r in h["sweep"]:
@@ -1062,6 +1095,7 @@ def main(argv=None) -> int:
     ap.add_argument("--redis", metavar="URL", help="Redis server for section 7 (default: start one if possible)")
     ap.add_argument("--only-redis", action="store_true", help="run sections 7, 9 and 10 only")
     ap.add_argument("--only-keyed", action="store_true", help="run section 8 only")
+    ap.add_argument("--only-hierarchy", action="store_true", help="run section 9's table only (local vs hierarchical)")
     ap.add_argument("--only-waiting", action="store_true", help="run section 5 only")
     ap.add_argument("--only-rates", action="store_true", help="run section 11 only")
     args = ap.parse_args(argv)
@@ -1083,6 +1117,19 @@ def main(argv=None) -> int:
             m = res["machine"]
             print(f"shmlimit benchmark — Python {m['python']}, {m['cpus']} CPUs, {m['platform']}, native={m['native']}\n")
             print_waiting(res)
+        return 0
+    if args.only_hierarchy:
+        server, url = (None, args.redis) if args.redis else start_redis()
+        try:
+            res["hierarchy"] = bench_hierarchy(url, 2.0 if quick else 5.0, sweep=False) if url else None
+        finally:
+            if server is not None:
+                server.kill()
+                server.wait()
+        if args.json:
+            print(json.dumps(res, indent=None))
+        else:
+            print_table(res)
         return 0
     if args.only_rates:
         res["rates"] = bench_rates(20_000 if quick else 200_000)
