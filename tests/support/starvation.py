@@ -7,7 +7,9 @@ milliseconds, and time that no replenish credits within a capacity is lost by
 design ("lose a little time, never grant early").  The limiter counts what it
 could not credit while callers were queued (``Stats.starved_seconds``); the
 kernel counts how long each thread waited runnable for a CPU
-(``/proc/<pid>/task/<tid>/schedstat``, second field, ns).  A test then asserts
+(``/proc/<pid>/task/<tid>/schedstat``, second field, ns), and on a virtual machine
+how long the hypervisor ran something else on the machine's CPUs while its threads
+were due to run (``steal`` in ``/proc/stat``, which no run queue sees).  A test then asserts
 its lower bound relative to both, and that the limiter was starved no longer
 than the machine withheld the CPU from its processes: on a quiet machine both
 are ~0 and the bound is as tight as ever.
@@ -20,8 +22,11 @@ from typing import Iterable, Optional
 #: cannot import this module); this module defines ``run_delay`` from the same text.
 RUN_DELAY_SCRIPT = '''
 def run_delay(pid="self"):
-    """Seconds the threads of process ``pid`` have waited runnable for a CPU so far (the kernel's
-    schedstat, summed over its live threads); None where the kernel does not say."""
+    """Seconds process ``pid`` has been kept from running so far: its threads' waits runnable for
+    a CPU (the kernel's schedstat, summed over its live threads), plus the time the hypervisor
+    took the machine's CPUs away (steal, summed over the CPUs: the process ran on one of them at a
+    time, so it was held up by at most that); None where the kernel does not say.  Only the
+    difference of two readings means anything; on a machine without steal it is the schedstat's."""
     import os
     total = 0
     try:
@@ -30,7 +35,17 @@ def run_delay(pid="self"):
                 total += int(f.read().split()[1])
     except (OSError, ValueError, IndexError):
         return None
-    return total / 1e9
+    stolen = 0
+    try:
+        with open("/proc/stat") as f:
+            for line in f:
+                fields = line.split()
+                if fields[0].startswith("cpu") and fields[0] != "cpu" and len(fields) > 8:
+                    stolen += int(fields[8])  # clock ticks
+        stolen /= os.sysconf("SC_CLK_TCK")
+    except (OSError, ValueError, IndexError):
+        stolen = 0  # the strict reading: nothing stolen
+    return total / 1e9 + stolen
 '''
 exec(RUN_DELAY_SCRIPT)  # run_delay, from the very text the workers run
 
