@@ -16,7 +16,7 @@ import shmlimit
 from support.procs import (
     WORKDIR, Stampers, collect, collect_witnessed, go, start_acquirer, start_idle, start_workers, wait_for,
 )
-from support.starvation import Stalls, floor, run_delay, total
+from support.starvation import Stalls, floor, least, run_delay, total
 from support.windows import max_excess, max_gap, tag
 
 pytestmark = pytest.mark.slow  # real processes measured in real (wall-clock) time
@@ -42,17 +42,28 @@ def test_stopped_filler_loses_the_lease_and_nothing_is_double_filled(name):
     wait_for(lambda: time.monotonic() > stopped + 2.0)
     filler.send_signal(signal.SIGCONT)
     resumed = time.monotonic()
-    results = collect(procs)
+    # The rate after the resume is measured from here: the resumed filler's add of the interval
+    # it claimed before its stop (clamped: the waiters refilled meanwhile) lands before it
+    wait_for(lambda: time.monotonic() > resumed + 0.05)
+    starved0, filler0, since = shmlimit.inspect(name).starved_seconds, run_delay(filler.pid), time.monotonic()
+    results, delays = collect_witnessed(procs)
+    lost = shmlimit.inspect(name).starved_seconds - starved0
+    filler1 = run_delay(filler.pid)
     stamps = sorted(t for r in results for t in r)
     filler.stdin.write("\n")
     filler.stdin.flush()
     filler.wait(30)
-    # across the stop and the resume: never more than the promise, never a stall
+    # across the stop and the resume: never more than the promise, never a stall longer than the
+    # machine kept every worker off the CPU
     assert max_excess(tag(results), 1.0) <= rate + cap
     assert max_excess(tag(results), 0.1) <= rate * 0.1 + cap
-    assert max_gap([t for t in stamps if t > stopped]) < 0.1
-    after = [t for t in stamps if t > resumed + 0.05]
-    assert (len(after) - 1) / (after[-1] - after[0]) == pytest.approx(rate, rel=0.03)
+    assert max_gap([t for t in stamps if t > stopped]) < 0.1 + least(delays)
+    after = [t for t in stamps if t > since]
+    span = after[-1] - after[0]
+    assert len(after) - 1 <= rate * span * 1.03
+    # the rate, less what the machine withheld (support.starvation): ~0 on a quiet machine
+    assert len(after) - 1 >= floor(rate * span * 0.97, rate, lost, delays)
+    assert lost <= total(delays) + (filler1 - filler0 if filler0 is not None and filler1 is not None else 0)
 
 
 def test_killed_filler_is_replaced_and_grants_continue(name):

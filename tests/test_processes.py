@@ -9,8 +9,8 @@ import time
 import pytest
 
 import shmlimit
-from support.procs import WORKDIR, collect, collect_witnessed, go, run_processes, stamp_until, start_workers, wait_for
-from support.starvation import floor, run_delay, total
+from support.procs import WORKDIR, collect_witnessed, go, run_processes, stamp_until, start_workers, wait_for
+from support.starvation import floor, least, run_delay, total
 from support.windows import max_excess, max_gap, tag
 
 pytestmark = pytest.mark.slow  # real processes measured in real (wall-clock) time
@@ -138,11 +138,16 @@ def test_rovers_wrapping_mid_run_change_nothing(name, base):
     lim.close()
     procs = start_workers(name, 3, seconds)
     go(procs)
-    results = collect(procs)
+    results, delays = collect_witnessed(procs)
+    lost = shmlimit.inspect(name).starved_seconds  # time the limiter could not credit (as in the pool test)
     stamps = sorted(t for r in results for t in r)
     assert max_excess(tag(results), 1.0) <= rate + cap
-    assert len(stamps) == pytest.approx(rate * seconds, rel=0.03)
-    assert max_gap(stamps) < 0.1
+    assert len(stamps) <= rate * seconds * 1.03
+    # The rate, less what the machine withheld (as in the pool test): ~0 on a quiet machine
+    assert len(stamps) >= floor(rate * seconds * 0.97, rate, lost, delays)
+    assert lost <= total(delays)
+    # no pause longer than the machine kept every worker off the CPU
+    assert max_gap(stamps) < 0.1 + least(delays)
 
 
 # ---- racing creators ------------------------------------------------------------------

@@ -4,8 +4,9 @@ master, each started by the test, with a slot migration and a failover in the mi
 import pytest
 
 import shmlimit
-from support.procs import WORKER, collect, configured, go, start_workers, wait_for
+from support.procs import WORKER, collect, collect_witnessed, configured, go, start_workers, wait_for
 from support.redis_server import RedisClusterServers, SentinelServers, require
+from support.starvation import run_delay
 from support.windows import max_excess, tag
 
 
@@ -55,13 +56,15 @@ def test_cluster_hierarchical_survives_a_slot_migration_within_the_bound(cluster
     key = f"shmlimit:{{{name}}}:gcra"
     procs = [p for h in hosts for p in start_workers(h, 2, seconds, script)]
     try:
+        servers0 = [run_delay(n.proc.pid) for n in cluster.nodes]
         go(procs)
         wait_for(lambda: sum(shmlimit.inspect(h).upstream.leased for h in hosts) >= rate // 2)
         src = cluster.owner(key)
         dst = next(n for n in cluster.nodes if n is not src)
         cluster.migrate(key, dst)
         assert cluster.owner(key) is dst
-        results = collect(procs)
+        results, delays = collect_witnessed(procs)
+        servers1 = [run_delay(n.proc.pid) for n in cluster.nodes]
         stats = [shmlimit.inspect(h).upstream for h in hosts]
     finally:
         for p in procs:
@@ -75,7 +78,13 @@ def test_cluster_hierarchical_survives_a_slot_migration_within_the_bound(cluster
     stamps = sorted(t for r in results for t in r)
     # the documented bound, d = a tick plus one (redirected) round trip, 50 ms here
     assert max_excess(tag(results), 1.0) <= rate * (1.0 + ttl + 0.05) + burst
-    assert len(stamps) >= 0.85 * rate * seconds  # the migration cost at most a few round trips
+    # The migration costs at most a few round trips; and the rate is kept but for the time the
+    # machine kept a host's filler (in one of its two workers: off the CPU at most the longer of
+    # their delays; each host leases half the rate) or the cluster's servers off the CPU
+    # (support.starvation), as in the two-hosts test.  On a quiet machine both are ~0.
+    held_up = [max([d for d in delays[i:i + 2] if d is not None], default=0.0) for i in (0, 2)]
+    server = sum(b - a for a, b in zip(servers0, servers1) if a is not None and b is not None)
+    assert len(stamps) >= 0.85 * rate * seconds - rate / 2 * sum(held_up) - rate * server
     assert all(s.state == "ok" for s in stats)
 
 
