@@ -89,7 +89,7 @@ def test_killed_filler_is_replaced_and_grants_continue(name):
     after = sorted(t for r in results for t in r if t > killed_at)
     after_tagged = [(t, w) for t, w in tag(results) if t > killed_at]
     assert after and after[-1] > killed_at + 1.0
-    assert max_gap([killed_at] + after) < 0.100
+    assert max_gap([killed_at] + after) < 0.100 + least(delays)  # and no more while both survivors were off the CPU
     # the survivors alone kept the rate after the kill: never more; no less than the rate but for
     # the time the limiter lost and the time neither survivor ran (support.starvation), ~0 when
     # the machine is quiet, and the limiter loses only while the machine withholds the CPU

@@ -3,8 +3,9 @@ of its own, each through a delaying TCP proxy (1, 3 and 5 ms each way), one of t
 import time
 
 import shmlimit
-from support.procs import WORKER, collect, configured, go, start_workers, wait_for
+from support.procs import WORKER, collect_witnessed, configured, go, start_workers, wait_for
 from support.proxy import DelayProxy
+from support.starvation import run_delay
 from support.windows import max_excess, tag
 
 
@@ -16,13 +17,17 @@ def test_three_hosts_behind_latency_hold_the_global_rate_and_survive_a_cut(redis
     try:
         for h, p in zip(hosts, proxies):
             procs.append(start_workers(h, 2, seconds, configured(WORKER, name, p.url(), rate, burst, lease_ttl=ttl)))
+        # the server, and this process, whose threads are the proxies: both must run
+        servers0 = [run_delay(redis_server.proc.pid), run_delay()]
         go([w for ws in procs for w in ws])
         t0 = time.monotonic()
         wait_for(lambda: all(shmlimit.inspect(h).upstream.leased > 0 for h in hosts))
         time.sleep(max(0.0, t0 + 1.0 - time.monotonic()))  # a moment of the run, not a synchronisation
         cut = time.monotonic()
         proxies[0].drop(2.0)
-        results = [collect(ws) for ws in procs]
+        witnessed = [collect_witnessed(ws) for ws in procs]
+        servers1 = [run_delay(redis_server.proc.pid), run_delay()]
+        results = [r for r, _ in witnessed]
         stats = [shmlimit.inspect(h).upstream for h in hosts]
     finally:
         for ws in procs:
@@ -39,7 +44,13 @@ def test_three_hosts_behind_latency_hold_the_global_rate_and_survive_a_cut(redis
     every = [r for rs in results for r in rs]
     # the documented bound: d = a tick plus one round trip through the slowest proxy (10 ms), 50 ms here
     assert max_excess(tag(every), 1.0) <= rate * (1.0 + ttl + 0.05) + burst
-    assert len([t for r in every for t in r]) >= 0.85 * rate * seconds  # the others took the cut host's share
+    # the others took the cut host's share; and the rate is kept but for the time the machine kept
+    # a host's filler (in one of its two workers: off the CPU at most the longer of their delays;
+    # each host leases a third of the rate), the server or the proxies off the CPU
+    # (support.starvation), as in the two-hosts test.  On a quiet machine both are ~0.
+    held_up = [max([x for x in d if x is not None], default=0.0) for _, d in witnessed]
+    server = sum(b - a for a, b in zip(servers0, servers1) if a is not None and b is not None)
+    assert len([t for r in every for t in r]) >= 0.85 * rate * seconds - rate / 3 * sum(held_up) - rate * server
     cut_off = sorted(t for r in results[0] for t in r if cut + 0.3 < t < cut + 1.9)
     assert len(cut_off) <= 1  # closed while cut off: its leased tokens expired, no new ones came
     assert stats[0].errors >= 1 and stats[0].fallbacks >= 1 and stats[0].state == "ok"
