@@ -73,7 +73,8 @@ class Stats:
     #: schedule time (seconds, since creation) the limiter could not credit while callers were
     #: queued: no replenish ran within ``capacity`` of schedule because the filler and the waiters
     #: did not get the CPU (a starved host).  The rate fell short by this much (with catch-up, it
-    #: went to the waiting pool, ``behind_seconds``, to be paid back); 0 on a healthy host.
+    #: went to the waiting pool, ``behind_seconds``, to be paid back); 0 on a healthy host.  In
+    #: hierarchical mode: the global schedule lost because the filler asked for it late.
     starved_seconds: float = 0.0
     upstream: Optional[UpstreamStats] = None  #: hierarchical mode only
 
