@@ -282,6 +282,8 @@ class Feeder:
         """No longer the filler: deliver the batches this process reserved, when due (they are slots
         of the global schedule that nobody else will deliver); tell waiters when, unless another
         filler expects tokens sooner."""
+        # the schedule is another filler's meanwhile: a gap we see after taking over again is not ours
+        self.schedule_end = self._wanting_since = None
         if not self.pending and not self.mine:
             return None
         now = self.clock()

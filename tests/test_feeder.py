@@ -360,3 +360,28 @@ def test_a_filler_that_asks_late_counts_the_schedule_lost_and_an_idle_host_count
     assert gap - 0.05 <= starved <= gap  # the gap, less the schedule reserved ahead of it
     print(f"starved {starved:.4f} s, expired {expired}, got {got}")
     assert abs(got - (rate * (2.0 - starved) - expired)) <= 0.01 * rate * 2.0, (got, starved, expired)
+
+
+def test_a_filler_elected_again_counts_no_gap_of_the_filler_before_it(R, redis_server, name, clock):
+    """A filler that lost the election and takes over again later knows nothing of the schedule meanwhile:
+    a gap it then finds is counted from its own first request only (a stale end counted 3 s of a 5 s run)."""
+    from shmlimit.upstream import Feeder
+
+    host = Host(R, name, redis_server.url, clock, 1000, lease_ttl=0.1)
+    try:
+        run([host], clock, 0.5)
+        first = host.feeder
+        first.orphan_tick()  # not elected: another process's filler runs
+        host.feeder = Feeder(host.att.bucket, host.att.lease, host.att.feed_spec, clock=clock)
+        run([host], clock, 1.0)
+        s0 = host.lim.stats().starved_seconds
+        for _ in range(100):  # that filler dies; callers keep asking for 0.1 s
+            clock.advance(1_000_000)
+            host.take_all()
+        host.feeder.close()
+        host.feeder = first  # elected again
+        run([host], clock, 0.5)
+        starved = host.lim.stats().starved_seconds - s0
+    finally:
+        host.close()
+    assert starved <= 0.1
