@@ -297,12 +297,101 @@ bound_dealloc(Bound *self)
     Py_TYPE(self)->tp_free((PyObject *)self);
 }
 
+/* ---- ticket records: no queued ticket without one ---------------------------------------------
+ *
+ * A process slot's ticket records (layout.ticket_records): pairs of words TICKET, LEN, LEN being 0
+ * when free, REC_BUSY while claimed.  A grab bound to records (`recorded`) queues only once it holds
+ * one: before the CAS that takes a ticket it claims a free record (LEN 0 -> BUSY) and writes the
+ * ticket it is about to take there; after the CAS it writes LEN, the exact tokens it took.  When
+ * every record is in use it takes nothing and answers as an undecided call does (the slow path,
+ * which naps and tries again).  So every ticket such a grab hands out is recorded; only a process
+ * that dies between the CAS and the LEN store (a few instructions) leaves a BUSY record, which a
+ * reap cannot tell from a claim whose CAS failed and leaves queued (see giveback). */
+#define MAX_RECS 8
+#define REC_BUSY ((uint64_t)1 << 63)
+
+/* A free record claimed (LEN 0 -> BUSY), `ticket` written in its TICKET word: its LEN word, or
+ * NULL when every one is in use. */
+static uint64_t *
+claim_record(uint64_t *const *recs, int nrec, uint64_t ticket)
+{
+    for (int i = 0; i < nrec; i++) {
+        uint64_t zero = 0;
+        if (__atomic_load_n(recs[i], __ATOMIC_SEQ_CST) == 0 &&
+            __atomic_compare_exchange_n(recs[i], &zero, REC_BUSY, 0, __ATOMIC_SEQ_CST, __ATOMIC_SEQ_CST)) {
+            __atomic_store_n(recs[i] - 1, ticket, __ATOMIC_SEQ_CST);
+            return recs[i];
+        }
+    }
+    return NULL;
+}
+
+/* The records argument: a tuple of LEN offsets (each with its TICKET word just before it), all
+ * checked; 0 with the exception set otherwise. */
+static int
+parse_records(NativeCells *self, PyObject *arg, uint64_t **recs, int *nrec)
+{
+    if (!PyTuple_Check(arg) || PyTuple_GET_SIZE(arg) > MAX_RECS) {
+        PyErr_Format(PyExc_TypeError, "records must be a tuple of at most %d LEN offsets", MAX_RECS);
+        return 0;
+    }
+    *nrec = (int)PyTuple_GET_SIZE(arg);
+    for (int i = 0; i < *nrec; i++) {
+        PyObject *off = PyTuple_GET_ITEM(arg, i);
+        if (!(recs[i] = word(self, off)))
+            return 0;
+        if ((char *)recs[i] - self->base < 8) {
+            PyErr_SetString(PyExc_IndexError, "a record's LEN offset must have its TICKET word before it");
+            return 0;
+        }
+    }
+    return 1;
+}
+
+/* do_grab for a grab bound to records (see above): False, taking nothing, also when it would queue
+ * and every record is in use. */
+static PyObject *
+do_grab_recorded(uint64_t *tail, uint64_t *head, uint64_t *grants, uint64_t amount, uint64_t ops,
+                 uint64_t *const *recs, int nrec)
+{
+    uint64_t t = __atomic_load_n(tail, __ATOMIC_SEQ_CST), ticket;
+    uint64_t *rec = NULL;
+    for (;;) {
+        ticket = t + amount;
+        int64_t depth = (int64_t)(ticket - __atomic_load_n(head, __ATOMIC_SEQ_CST));
+        if (depth > (int64_t)MAX_QUEUE)
+            goto refuse;
+        if (depth > 0) { /* it would queue: not without a record holding the ticket it takes */
+            if (!rec && !(rec = claim_record(recs, nrec, ticket)))
+                Py_RETURN_FALSE;
+            __atomic_store_n(rec - 1, ticket, __ATOMIC_SEQ_CST);
+        }
+        if (__atomic_compare_exchange_n(tail, &t, ticket, 0, __ATOMIC_SEQ_CST, __ATOMIC_SEQ_CST))
+            break; /* on failure `t` holds the current tail: try again from there */
+    }
+    if ((int64_t)(__atomic_load_n(head, __ATOMIC_SEQ_CST) - ticket) < 0) {
+        /* uncovered now, so it was at the last read before the CAS (the head only grows): recorded */
+        __atomic_store_n(rec, amount, __ATOMIC_SEQ_CST);
+        return PyLong_FromUnsignedLongLong(ticket);
+    }
+    if (rec)
+        __atomic_store_n(rec, 0, __ATOMIC_SEQ_CST); /* covered after all: the record is free again */
+    __atomic_fetch_add(grants, ops, __ATOMIC_SEQ_CST);
+    Py_RETURN_NONE;
+refuse:
+    if (rec)
+        __atomic_store_n(rec, 0, __ATOMIC_SEQ_CST);
+    Py_RETURN_FALSE;
+}
+
 /* What a Grabber and a Gate bind once, validated: their cells, and grab_if's words and values.
  * A Gate's struct begins with these fields, so bind_grab serves both. */
 #define GRAB_FIELDS                           \
     BOUND_FIELDS                              \
     uint64_t *seq, *tail, *head, *grants;     \
-    uint64_t expected, amount, ops;
+    uint64_t expected, amount, ops;           \
+    uint64_t *recs[MAX_RECS];                 \
+    int nrec, recorded;
 
 /* Grabber: grab_if with its arguments bound and validated once, called with none. */
 typedef struct {
@@ -326,6 +415,8 @@ bind_grab(NativeCells *self, PyTypeObject *type, uint64_t *seq, uint64_t *tail, 
     g->expected = expected;
     g->amount = amount;
     g->ops = ops;
+    g->nrec = 0;
+    g->recorded = 0;
     return g;
 }
 
@@ -341,6 +432,9 @@ grabber_call(Grabber *self, PyObject *args, PyObject *kwds)
         return NULL;
     if (__atomic_load_n(self->seq, __ATOMIC_SEQ_CST) != self->expected)
         Py_RETURN_FALSE;
+    if (self->recorded)
+        return do_grab_recorded(self->tail, self->head, self->grants, self->amount, self->ops, self->recs,
+                                self->nrec);
     return do_grab(self->tail, self->head, self->grants, self->amount, self->ops);
 }
 
@@ -353,11 +447,21 @@ static PyTypeObject GrabberType = {
 static PyObject *
 cells_grabber(NativeCells *self, PyObject *const *args, Py_ssize_t n)
 {
-    uint64_t *w[4], v[3];
-    if (!parse_args(self, args, n, "grabber", GRAB_IF_ARGS, w, v))
+    uint64_t *w[4], v[3], *recs[MAX_RECS];
+    int nrec = 0, recorded = n == 8;
+    if (!parse_args(self, args, recorded ? 7 : n, "grabber", GRAB_IF_ARGS, w, v))
         return NULL;
-    return (PyObject *)bind_grab(self, &GrabberType, w[0], w[1], w[2], w[3], v[0], v[1], v[2]);
+    if (recorded && !parse_records(self, args[7], recs, &nrec))
+        return NULL;
+    Grabber *g = bind_grab(self, &GrabberType, w[0], w[1], w[2], w[3], v[0], v[1], v[2]);
+    if (g && recorded) {
+        g->recorded = 1;
+        g->nrec = nrec;
+        memcpy(g->recs, recs, sizeof(recs[0]) * (size_t)nrec);
+    }
+    return (PyObject *)g;
 }
+
 
 /* ======================================================================================
  * KEYED TABLE: lookup + insert + exact eviction of per-key slots, and the GCRA step.
@@ -1134,26 +1238,43 @@ gate_grab_within(Gate *self, PyObject *arg)
         max_wait_ns = self->max_reserved_ns;
     double tpn = (double)self->tpn;
     uint64_t t = __atomic_load_n(self->tail, __ATOMIC_SEQ_CST);
+    uint64_t *rec = NULL; /* the record claimed for the ticket, once it would queue */
     for (;;) {
         uint64_t want = t + self->amount;
         int64_t short_ = (int64_t)(want - __atomic_load_n(self->head, __ATOMIC_SEQ_CST));
         if (short_ > 0) {
             if (wait_exceeds((uint64_t)short_, tpn, max_wait_ns)) {
                 uint64_t pend = gate_pending(self);
+                if (rec)
+                    __atomic_store_n(rec, 0, __ATOMIC_SEQ_CST);
                 if ((uint64_t)short_ > pend && wait_exceeds((uint64_t)short_ - pend, tpn, max_wait_ns))
                     Py_RETURN_FALSE;
                 Py_RETURN_NONE;
             }
             /* beyond the released budget a wait is not computable, and no replenish moves CEIL */
             if (self->capped && (int64_t)(want - __atomic_load_n(self->ceil, __ATOMIC_SEQ_CST)) > 0)
-                Py_RETURN_FALSE;
-            if (gate_take(self, &t, want))
+                goto refuse;
+            if (self->recorded) { /* no queued ticket without a record: see claim_record */
+                if (!rec && !(rec = claim_record(self->recs, self->nrec, want)))
+                    Py_RETURN_NONE;
+                __atomic_store_n(rec - 1, want, __ATOMIC_SEQ_CST);
+            }
+            if (gate_take(self, &t, want)) {
+                if (rec)
+                    __atomic_store_n(rec, self->amount, __ATOMIC_SEQ_CST);
                 return PyLong_FromUnsignedLongLong(want);
+            }
         } else if (gate_take(self, &t, want)) {
+            if (rec)
+                __atomic_store_n(rec, 0, __ATOMIC_SEQ_CST);
             __atomic_fetch_add(self->grants, self->ops, __ATOMIC_SEQ_CST);
             Py_RETURN_TRUE;
         }
     }
+refuse:
+    if (rec)
+        __atomic_store_n(rec, 0, __ATOMIC_SEQ_CST);
+    Py_RETURN_FALSE;
 }
 
 static PyMethodDef gate_methods[] = {
@@ -1177,7 +1298,11 @@ static PyObject *
 cells_gate(NativeCells *self, PyObject *const *args, Py_ssize_t n)
 {
     uint64_t *w[6], v[5]; /* seq, tail, head, ceil, repl_ts, grants; expected, amount, ops, tpn, pend_mul */
-    if (!parse_args(self, args, n, "gate", "wuwwwwwuuuu..", w, v))
+    uint64_t *recs[MAX_RECS];
+    int nrec = 0, recorded = n == 14; /* a 14th argument: the records a queued ticket must hold one of */
+    if (!parse_args(self, args, recorded ? 13 : n, "gate", "wuwwwwwuuuu..", w, v))
+        return NULL;
+    if (recorded && !parse_records(self, args[13], recs, &nrec))
         return NULL;
     uint64_t amount = v[1], tpn = v[3], pend_mul = v[4];
     int capped = PyObject_IsTrue(args[11]);
@@ -1198,6 +1323,11 @@ cells_gate(NativeCells *self, PyObject *const *args, Py_ssize_t n)
     g->pend_mul = pend_mul;
     g->capped = capped;
     g->max_reserved_ns = max_reserved_ns;
+    if (recorded) {
+        g->recorded = 1;
+        g->nrec = nrec;
+        memcpy(g->recs, recs, sizeof(recs[0]) * (size_t)nrec);
+    }
     return (PyObject *)g;
 }
 
@@ -1551,10 +1681,11 @@ static PyMethodDef cells_methods[] = {
     {"grab_if", (PyCFunction)(void (*)(void))cells_grab_if, METH_FASTCALL,
      "grab_if(seq, expected, tail, head, amount, grants, ops) -> False if the seq word changed, else as grab"},
     {"grabber", (PyCFunction)(void (*)(void))cells_grabber, METH_FASTCALL,
-     "grabber(seq, expected, tail, head, amount, grants, ops) -> a callable doing grab_if with these"},
+     "grabber(seq, expected, tail, head, amount, grants, ops[, records]) -> a callable doing grab_if with these "
+     "(with records, a tuple of LEN offsets: it queues only holding one of them)"},
     {"gate", (PyCFunction)(void (*)(void))cells_gate, METH_FASTCALL,
-     "gate(seq, expected, tail, head, ceil, repl_ts, grants, amount, ops, tpn, pend_mul, capped, max_reserved_ns)"
-     " -> try_grab() and grab_within(timeout) bound to these"},
+     "gate(seq, expected, tail, head, ceil, repl_ts, grants, amount, ops, tpn, pend_mul, capped, max_reserved_ns"
+     "[, records]) -> try_grab() and grab_within(timeout) bound to these"},
     {"try_grab", (PyCFunction)(void (*)(void))cells_try_grab, METH_FASTCALL,
      "try_grab(tail, head, amount, grants, ops) -> True if taken; False changes nothing"},
     {"keyed_table", (PyCFunction)(void (*)(void))cells_keyed_table, METH_FASTCALL,

@@ -18,13 +18,15 @@ A request moves through these states, each a step that never blocks:
 * ``JOIN``   -- ``max_reserved`` is set and the queue is too long to join: an
   untimed request (or, in hierarchical mode, a timed one until its deadline)
   waits, taking nothing, until it may take its ticket;
+* ``RECORD`` -- it would queue, but every ticket record of its process's slot
+  is in use, or it has none (beyond the table): no ticket is taken without a
+  record (``giveback.take_ticket``), so it naps and tries again, holding nothing;
 * ``TICKET`` -- it holds a ticket: it waits for the head to reach it,
   replenishing by itself (the lazy refill: nothing waits for the filler) and
   nudging its process's filler when it had to.  While here, its process slot's
   WAITING word counts it (``stats().processes[i].waiting``), and its ticket is
-  recorded in the slot if the record is free (given back should the process
-  die).  A request that leaves here without being granted (an interrupt, a
-  cancellation: ``end`` after an exception) gives its ticket back: the head
+  recorded in one of the slot's records (given back should the process die).
+  Leaving unserved (an interrupt, a cancellation) it gives its ticket back: the head
   skips its range (see ``giveback``), so no one waits for it.  In hierarchical
   mode tokens come with leases, so no wait is computable: a timed request
   takes its ticket all the same, and gives it back at its deadline; its waiter
@@ -42,6 +44,7 @@ from typing import TYPE_CHECKING, Callable, Optional, Protocol, Tuple, Union
 
 from . import fed_wait
 from .config import NS_PER_S, validate_n, validate_timeout
+from .giveback import NO_RECORD, REFUSED, record_nap, take_ticket
 from .sleep import sleep_until_async
 
 if TYPE_CHECKING:  # pragma: no cover
@@ -65,7 +68,7 @@ _INF = float("inf")
 #: What a native wait (``Bucket.waiter``) answers: granted (counted), nudge the filler, burn.
 WAIT_GRANTED, WAIT_NUDGE, WAIT_BURN = 1, 2, 4
 
-ADMIT, JOIN, TICKET, DONE = "admit", "join", "ticket", "done"
+ADMIT, JOIN, RECORD, TICKET, DONE = "admit", "join", "record", "ticket", "done"
 
 Step = Union[bool, float]
 
@@ -159,6 +162,9 @@ class Request:
             return self._take()
         if state == JOIN:
             return self._join()
+        if state == RECORD:
+            self.bucket.refresh()
+            return self._take()
         raise RuntimeError(f"request is {state}: nothing to wait for")
 
     def end(self) -> None:
@@ -191,17 +197,10 @@ class Request:
         att = self.att
         if att.opened():  # hierarchical mode, upstream unreachable, on_redis_error="open": no limit
             return self._grant()
-        if self.deadline is None:
-            if b.max_reserved_ns == _INF:
-                ticket = b.grab(self.tokens, att.grants_off, self.n)
-                if ticket is None:
-                    self.granted = True
-                    self.state = DONE
-                    return True
-                return self._hold(ticket)
+        if self.deadline is None and b.max_reserved_ns != _INF:
             self.state = JOIN
             return self._join()
-        if b.upstream and not b.time_fed:
+        if self.deadline is not None and b.upstream and not b.time_fed:
             # no wait is computable (tokens come with leases): hold a ticket until the deadline, given
             # back then if not served (``end``); with max_reserved, join once the queue is short enough
             if take_now(att, self.n, self.tokens):
@@ -211,16 +210,19 @@ class Request:
             if b.max_reserved_ns != _INF:
                 self.state = JOIN
                 return self._join()
-            ticket = b.grab(self.tokens, att.grants_off, self.n)
-            return self._done() if ticket is None else self._hold(ticket)  # None: granted, counted
-        left_ns = max(0, self.deadline - att.clock())
-        ticket = self._reserve(min(left_ns, b.max_reserved_ns))
-        if ticket is None:
+            wait = _INF
+        else:
+            wait = _INF if self.deadline is None else min(max(0, self.deadline - att.clock()), b.max_reserved_ns)
+        got, rec = take_ticket(b, self.tokens, att.grants_off, self.n, att.rec_lens, wait)  # granted: counted
+        if got is None:  # granted at once, counted
+            return self._done()
+        if got is REFUSED:
             return self._refuse()
-        return self._hold(ticket)
+        return self._record_nap() if got is NO_RECORD else self._hold(got, rec)
 
-    def _reserve(self, max_wait_ns: float) -> Optional[int]:
-        return ticket_within(self.bucket, self.tokens, max_wait_ns)
+    def _record_nap(self) -> Step:  # no free record to hold a ticket: take nothing, look again
+        self.state = RECORD
+        return self._admit_nap(record_nap(self.bucket, self.tokens, bool(self.att.records), MAX_NAP))
 
     def _join(self) -> Step:
         """``max_reserved``: take a ticket once the queue is short enough, else park (taking nothing)."""
@@ -228,20 +230,24 @@ class Request:
         left = _INF if self.deadline is None else (self.deadline - self.att.clock()) / NS_PER_S
         if left <= 0:  # hierarchical mode's timed request: not in the queue by its deadline
             return self._refuse()
-        ticket = self._reserve(b.max_reserved_ns)
-        if ticket is not None:
-            return self._hold(ticket)
+        got, rec = take_ticket(b, self.tokens, self.att.grants_off, self.n, self.att.rec_lens, b.max_reserved_ns)
+        if got is None:
+            return self._done()
+        if got is NO_RECORD:
+            return self._record_nap()  # (RECORD goes back to _take, which joins again)
+        if got is not REFUSED:
+            return self._hold(got, rec)
         b.refresh()
         over = -b.balance() + self.tokens - b.max_reserved_ns * b.tpn
         return min(MAX_NAP, left, max(MIN_NAP, over / b.tpn / NS_PER_S))
 
-    def _hold(self, ticket: int) -> Step:
+    def _hold(self, ticket: int, rec: Optional[int]) -> Step:
         self.ticket = ticket
+        self.record = rec
         self.state = TICKET
         if not self._waiting:
             self._waiting = True
             self.att.waiting(+1)
-        self.record = self.att.record_ticket(ticket, self.tokens)
         return self._wait_ticket()
 
     def _wait_ticket(self) -> Step:
@@ -334,13 +340,14 @@ class Request:
             return POLL
         return min(max((nxt - now) / NS_PER_S, estimate) + ARRIVAL_SLACK, MAX_NAP)
 
-    def _admit_nap(self) -> Step:
+    def _admit_nap(self, nap: float = CAPPED_NAP) -> Step:
+        """Park ``nap`` seconds, holding nothing (``ADMIT``, ``RECORD``), or refuse past the deadline."""
         if self.deadline is None:
-            return CAPPED_NAP
+            return nap
         left = (self.deadline - self.att.clock()) / NS_PER_S
         if left <= 0:
             return self._refuse()
-        return min(CAPPED_NAP, left)
+        return min(nap, left)
 
     # -- outcomes ------------------------------------------------------------------------
 
@@ -436,19 +443,12 @@ def after_native_wait(att: "Attachment", rc: int) -> None:
         b.burn(keep=b.cap + b.burst_pool)
 
 
-def wait_for_ticket(att: "Attachment", ticket: int, tokens: int, timeout: Optional[float] = None) -> bool:
-    """The fast path's ticket for one op (``tokens`` long; 0: not known): the native wait straight
-    away (counted among this process's queued callers meanwhile), and a ``Request`` only if it
-    hands the wait back.
-
-    The ticket is recorded in the process slot first (given back should the process die in the
-    wait), and given back if the native wait is interrupted (a granted one is covered already,
-    and giving back a covered range does nothing).  ``timeout`` (seconds): hierarchical mode's timed
-    grab, given back when not served by then (``Limiter.acquire`` passes it; elsewhere a timed ticket
-    is granted within its timeout by construction).
-    """
+def wait_for_ticket(att: "Attachment", ticket: int, timeout: Optional[float] = None) -> bool:
+    """The fast path's one-op ticket, recorded by its grab with its own price (``find_record``): the
+    native wait at once, a ``Request`` only if it hands the wait back; given back if interrupted.
+    ``timeout`` (seconds): hierarchical mode's timed grab, given back when not served by then."""
     waiter = att.fast[3]
-    rec = att.record_ticket(ticket, tokens) if tokens else None
+    rec, tokens = att.find_record(ticket)
     now = time.monotonic_ns()
     deadline = now + int(timeout * NS_PER_S) if timeout is not None and att.bucket.upstream else None
     if waiter is not None:

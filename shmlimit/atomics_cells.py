@@ -14,7 +14,10 @@ from typing import Any, Dict, List, Optional, Tuple, Union
 
 from .composites import CompositesFromPrimitives, Gate
 from . import futex
-from .words import MASK64, MAX_QUEUE, WORD, GrabResult, check_bitset, check_offset, check_value, plain_seconds, signed
+from .words import (
+    MASK64, MAX_QUEUE, WORD, GrabResult, check_bitset, check_offset, check_records, check_value, claim_record, plain_seconds,
+    signed,
+)
 
 
 #: An aligned 8-byte load compiles to one instruction, single-copy atomic, on these machines.
@@ -271,21 +274,26 @@ class AtomicsCells(CompositesFromPrimitives):
 
     # -- the hot-path composites: at most two atomic operations for an uncontended grant
 
-    def grabber(self, seq: int, expected: int, tail: int, head: int, amount: int, grants: int, ops: int):
+    def grabber(self, seq: int, expected: int, tail: int, head: int, amount: int, grants: int, ops: int,
+                recs: Optional[tuple] = None):
         if self._p is None:
-            return super().grabber(seq, expected, tail, head, amount, grants, ops)
+            return super().grabber(seq, expected, tail, head, amount, grants, ops, recs)
         self._check(seq, tail, head, grants)
         check_value(expected), check_value(amount), check_value(ops)
-        return _AtomicsGrabber(self, seq, expected, tail, head, amount, grants, ops)
+        if recs is not None:
+            check_records(recs, self.size)
+        return _AtomicsGrabber(self, seq, expected, tail, head, amount, grants, ops, recs)
 
     def gate(self, seq, expected, tail, head, ceil, repl_ts, grants, amount, ops, tpn, pend_mul, capped,
-             max_reserved_ns):
+             max_reserved_ns, recs=None):
         if self._p is None:
             return super().gate(seq, expected, tail, head, ceil, repl_ts, grants, amount, ops, tpn, pend_mul,
-                                capped, max_reserved_ns)
+                                capped, max_reserved_ns, recs)
         self._check(seq, tail, head, ceil, repl_ts, grants)
+        if recs is not None:
+            check_records(recs, self.size)
         return _AtomicsGate(self, seq, expected, tail, head, ceil, repl_ts, grants, amount, ops, tpn, pend_mul,
-                            capped, max_reserved_ns)
+                            capped, max_reserved_ns, recs=recs)
 
     # -- the fed wait's futex (hierarchical mode): see futex.py
 
@@ -350,14 +358,16 @@ class _AtomicsGrabber:
     as one operation of its cells (``close`` waits for it; a call after ``close`` raises).
     """
 
-    __slots__ = ("c", "w", "p", "i_seq", "i_tail", "i_head", "a_tail", "a_grants", "expected", "amount", "ops")
+    __slots__ = ("c", "w", "p", "i_seq", "i_tail", "i_head", "a_tail", "a_grants", "expected", "amount", "ops",
+                 "recs")
 
     def __init__(self, c: AtomicsCells, seq: int, expected: int, tail: int, head: int, amount: int, grants: int,
-                 ops: int) -> None:
+                 ops: int, recs: Optional[tuple] = None) -> None:
         self.c, self.w, self.p = c, c._words, c._p
         self.i_seq, self.i_tail, self.i_head = seq // WORD, tail // WORD, head // WORD
         self.a_tail, self.a_grants = c._base + tail, c._base + grants
         self.expected, self.amount, self.ops = expected, amount, ops
+        self.recs = recs  # ticket records: it queues only holding one (see words.claim_record)
 
     def __call__(self) -> GrabResult:
         self.c._enter()
@@ -367,17 +377,31 @@ class _AtomicsGrabber:
                 return False
             cas = self.p.cas
             t = w[self.i_tail]
+            rec = None
             while True:
                 ticket = (t + self.amount) & MASK64
                 depth = (ticket - w[self.i_head]) & MASK64
-                if depth < 1 << 63 and depth > MAX_QUEUE:
-                    return False  # the queue is full: the slow path raises, nothing touched
+                if depth < 1 << 63 and depth:
+                    if depth > MAX_QUEUE:
+                        if rec is not None:
+                            self.c.store(rec, 0)
+                        return False  # the queue is full: the slow path raises, nothing touched
+                    if self.recs is not None:  # it would queue: not without a record (claim_record)
+                        if rec is None:
+                            rec = claim_record(self.c, self.recs, ticket)
+                            if rec is None:
+                                return False
+                        self.c.store(rec - WORD, ticket)
                 found = cas(self.a_tail, t, ticket)
                 if found == t:
                     break
                 t = found
             if ((w[self.i_head] - ticket) & MASK64) >> 63:
+                if rec is not None:  # (uncovered now, so it was at the last look: recorded if bound to records)
+                    self.c.store(rec, self.amount)
                 return ticket  # (a stale head only sends the caller to wait, where it loads it again)
+            if rec is not None:
+                self.c.store(rec, 0)
             self.p.fetch_add(self.a_grants, self.ops)
             return None
         finally:
@@ -390,8 +414,8 @@ class _AtomicsGate(Gate):
     Each call counts as one operation of its cells, as ``_AtomicsGrabber``'s.
     """
 
-    def __init__(self, c: AtomicsCells, *args: Any) -> None:
-        super().__init__(c, *args)
+    def __init__(self, c: AtomicsCells, *args: Any, recs: Optional[tuple] = None) -> None:
+        super().__init__(c, *args, recs=recs)
         base = c._base
         self.c, self.w, self.p = c, c._words, c._p
         self.i_seq, self.i_tail, self.i_head = self.seq // WORD, self.tail // WORD, self.head // WORD
@@ -427,6 +451,7 @@ class _AtomicsGate(Gate):
         t = plain_seconds(timeout)
         if t is None:
             return None
+        rec = None  # the record claimed for the ticket, once it would queue
         self.c._enter()
         try:
             w = self.w
@@ -444,8 +469,17 @@ class _AtomicsGate(Gate):
                         return False if short > pend and (short - pend) / self.tpn > max_wait_ns else None
                     if self.capped and signed(want - w[self.i_ceil]) > 0:
                         return False
+                    if self.recs is not None:  # no queued ticket without a record (claim_record)
+                        if rec is None:
+                            rec = claim_record(self.c, self.recs, want)
+                            if rec is None:
+                                return None
+                        self.c.store(rec - WORD, want)
                     found = cas(self.a_tail, tail, want)
                     if found == tail:
+                        if rec is not None:
+                            self.c.store(rec, self.amount)
+                            rec = None
                         return want
                 else:
                     found = cas(self.a_tail, tail, want)
@@ -454,6 +488,8 @@ class _AtomicsGate(Gate):
                         return True
                 tail = found
         finally:
+            if rec is not None:  # claimed and not used: free again
+                self.c.store(rec, 0)
             self.c._exit()
 
     # -- a MultiGate's steps on raw words, under one enter/exit (see Gate's reference steps)

@@ -21,7 +21,7 @@ from __future__ import annotations
 import os
 import threading
 import time
-from typing import Any, Callable, Optional, Sequence, Union
+from typing import Any, Callable, Optional, Sequence, Tuple, Union
 
 from . import layout as L
 from .bucket import Bucket, GrabResult
@@ -114,8 +114,6 @@ class Attachment:
         self._returns_thread: Optional[ReturnsThread] = None
         #: the ticket records of this process's slot (none while it has no slot)
         self.records: Records = ()
-        #: (grabber, grab within a timeout, the tokens each takes): a ticket they hand out is this long
-        self.fast_grab: tuple = (None, None, 0)
         # The fast paths: [grabber, try, grab within a timeout], shared by reference with every
         # handle and updated in place.  A grabber does one grab_if priced under the config it was
         # made for; it answers False (nothing touched) once the config changed, and _no_fast always
@@ -140,17 +138,20 @@ class Attachment:
         s = self.bucket.snap  # one snapshot: the grabber's seq and price always belong together
         self.fast_seq = s.seq
         unused = not self.in_use  # the slow path's first call is the use that registers and starts
+        # every ticket a fast path hands out is recorded in one of this process's records (none:
+        # beyond the table, it never queues), so a ticket is never queued unrecorded (see giveback)
+        recs = self.rec_lens
         if self.closed or unused or s.max_reserved_ns != _INF or s.open or s.capped:  # the slow path
             self.fast[0] = _no_fast
         else:
-            self.fast[0] = self.bucket.grabber(s, self.grants_off)
+            self.fast[0] = self.bucket.grabber(s, self.grants_off, recs)
         # tries and timed acquires: not in hierarchical mode (a refusal there is demand the filler
         # must see, and a timed acquire polls), nor while stopped (no wait is computable), nor
         # capped (every grant must be admitted against the in-flight bound first)
         if self.closed or unused or s.upstream or s.stopped or s.capped or s.config is None:
             self.fast[1:] = NO_FAST[1:]
         else:
-            gate = self.bucket.gate(s, self.grants_off)
+            gate = self.bucket.gate(s, self.grants_off, 1, recs)
             self.fast[1:3] = (gate.try_grab, gate.grab_within)
         if (self.fast[0] is not _no_fast and s.upstream and not s.time_fed and not s.stopped
                 and self.clock is time.monotonic_ns):
@@ -161,8 +162,6 @@ class Attachment:
         self.fast[3] = None if self.closed or not real_clock else self.bucket.waiter(
             s, self.grants_off, self.waiting_off, SLACK_NS
         )
-        # one tuple, swapped by reference: a grab's price is never another config's
-        self.fast_grab = (self.fast[0], self.fast[2], s.cost)
 
     # -- this process's words ------------------------------------------------------------
 
@@ -174,6 +173,23 @@ class Attachment:
         """One more (+1) or one fewer (-1) of this process's callers queued for tokens."""
         if self.waiting_off is not None:
             self.cells.fetch_add(self.waiting_off, delta & MASK64)
+
+    @property
+    def rec_lens(self) -> tuple:
+        """The LEN offsets of this process's ticket records (none while it has no slot)."""
+        return tuple(len_off for _, len_off in self.records)
+
+    def find_record(self, ticket: int) -> Tuple[Optional[int], int]:
+        """The record a grab of this process made of ``ticket`` (its LEN offset, None if there is
+        none) and the exact tokens it took (0: not known).  Tickets end where no other range ends
+        (the tail never moves backwards), so the record whose TICKET is ``ticket`` is this one."""
+        c = self.cells
+        for end_off, len_off in self.records:
+            if c.load(end_off) == ticket:
+                v = c.load(len_off)
+                if v and not v & (L.TICKET_BUSY | L.TICKET_GIVEN) and c.load(end_off) == ticket:
+                    return len_off, v
+        return None, 0
 
     def record_ticket(self, ticket: int, tokens: int) -> Optional[int]:
         """Record a waiter's ticket in a free record of this process's slot, to be given back should

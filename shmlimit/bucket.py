@@ -200,16 +200,16 @@ class Bucket:
             raise QueueFullError(tokens, self.tpn)
         return ticket  # type: ignore[return-value]
 
-    def grabber(self, snap: Snapshot, grants: int) -> Callable[[], GrabResult]:
+    def grabber(self, snap: Snapshot, grants: int, recs: Optional[Tuple[int, ...]] = None) -> Callable[[], GrabResult]:
         """The acquire fast path for one op, bound once: ``grab`` priced under ``snap``.
 
         The callable answers False, touching nothing, once the config is no
         longer ``snap``'s (or the queue is full): the caller then takes the
-        slow path.
+        slow path; bound to ``recs`` (records' LEN offsets) also when it would queue with all in use.
         """
-        return self.cells.grabber(L.CFG_SEQ, snap.seq, L.TAIL, L.HEAD, snap.cost, grants, 1)
+        return self.cells.grabber(L.CFG_SEQ, snap.seq, L.TAIL, L.HEAD, snap.cost, grants, 1, *([] if recs is None else [recs]))
 
-    def gate(self, snap: Snapshot, grants: int, ops: int = 1) -> Any:
+    def gate(self, snap: Snapshot, grants: int, ops: int = 1, recs: Optional[Tuple[int, ...]] = None) -> Any:
         """The try and timed-grab fast paths for one op, bound once under ``snap`` (see ``composites.Gate``).
 
         Its calls answer None, touching nothing, once the config is no longer
@@ -217,11 +217,11 @@ class Bucket:
         A grant adds ``ops`` to ``grants`` (0: the caller counts it later).
         """
         assert snap.config is not None
-        # (no ceiling word to bound: a capped limiter has no gate, so HEAD stands in for it)
-        return self.cells.gate(
-            L.CFG_SEQ, snap.seq, L.TAIL, L.HEAD, L.HEAD, L.REPL_TS, grants, snap.cost, ops, snap.tpn,
-            math.ceil(snap.config.ratio), False, snap.max_reserved_ns,
-        )
+        # (no ceiling word to bound: a capped limiter has no gate, so HEAD stands in for it); with
+        # recs, grab_within queues only holding one of them (else it answers None: undecided)
+        args = (L.CFG_SEQ, snap.seq, L.TAIL, L.HEAD, L.HEAD, L.REPL_TS, grants, snap.cost, ops, snap.tpn,
+                math.ceil(snap.config.ratio), False, snap.max_reserved_ns)
+        return self.cells.gate(*args) if recs is None else self.cells.gate(*args, recs)
 
     def waiter(self, snap: Snapshot, grants: int, waiting: Optional[int], slack_ns: int) -> Any:
         """A ticket's whole wait as one native call, bound once under ``snap`` (None: wait in Python).

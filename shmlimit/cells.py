@@ -29,7 +29,7 @@ import os
 from typing import Any, Callable, Optional, Protocol, Sequence, Tuple, runtime_checkable
 
 # The words' constants are part of this layer's face: modules above import them from here.
-from .words import FED_ALL, MASK64, MAX_QUEUE, WORD, GrabResult, fed_bit, fed_mask
+from .words import FED_ALL, MASK64, MAX_QUEUE, WORD, GrabResult, claim_record, fed_bit, fed_mask
 
 __all__ = [
     "BACKENDS", "Cells", "FED_ALL", "GrabResult", "MASK64", "MAX_QUEUE", "WORD", "fed_bit", "fed_mask",
@@ -84,8 +84,11 @@ class Cells(Protocol):
     ) -> GrabResult: ...
 
     def grabber(
-        self, seq: int, expected: int, tail: int, head: int, amount: int, grants: int, ops: int
-    ) -> Callable[[], GrabResult]: ...
+        self, seq: int, expected: int, tail: int, head: int, amount: int, grants: int, ops: int, *recs: tuple
+    ) -> Callable[[], GrabResult]:
+        """``grab_if`` bound once; with a tuple of ticket records' LEN offsets (``recs``) it queues only
+        holding one of them (``words.claim_record``), and answers False when all are in use."""
+        ...
 
     def try_grab(self, tail: int, head: int, amount: int, grants: int, ops: int) -> bool: ...
 
@@ -95,9 +98,10 @@ class Cells(Protocol):
 
     def gate(
         self, seq: int, expected: int, tail: int, head: int, ceil: int, repl_ts: int, grants: int, amount: int,
-        ops: int, tpn: int, pend_mul: int, capped: bool, max_reserved_ns: float,
+        ops: int, tpn: int, pend_mul: int, capped: bool, max_reserved_ns: float, *recs: tuple,
     ) -> Any:
-        """``try_grab()`` and ``grab_within(timeout)`` of one config, bound once (see ``Gate``)."""
+        """``try_grab()`` and ``grab_within(timeout)`` of one config, bound once (see ``Gate``); with
+        ticket records (``recs``) ``grab_within`` queues only holding one, else answers None."""
         ...
 
     def waiter(

@@ -12,13 +12,15 @@ import functools
 import time
 from typing import Callable, List, Optional, Protocol, Sequence, Tuple, Union
 
-from .words import MASK64, MAX_QUEUE, GrabResult, check_offset, plain_seconds, signed
+from .words import MASK64, MAX_QUEUE, GrabResult, check_offset, check_records, claim_record, plain_seconds, signed
 
 
 class Primitives(Protocol):
     """What a ``Gate`` uses of its cells: the atomic primitives (any backend has them)."""
 
     def load(self, off: int) -> int: ...
+
+    def store(self, off: int, value: int) -> None: ...
 
     def fetch_add(self, off: int, delta: int) -> int: ...
 
@@ -35,6 +37,9 @@ class CompositesFromPrimitives:
     size: int = 0
 
     def load(self, off: int) -> int:  # pragma: no cover - provided by the backend
+        raise NotImplementedError
+
+    def store(self, off: int, value: int) -> None:  # pragma: no cover - provided by the backend
         raise NotImplementedError
 
     def fetch_add(self, off: int, delta: int) -> int:  # pragma: no cover - provided by the backend
@@ -86,11 +91,56 @@ class CompositesFromPrimitives:
             return False
         return self.grab(tail, head, amount, grants, ops)
 
-    def grabber(
-        self, seq: int, expected: int, tail: int, head: int, amount: int, grants: int, ops: int
-    ) -> Callable[[], GrabResult]:
-        """``grab_if`` with its arguments bound (and checked) once: a callable taking none."""
+    def _grab_recorded(
+        self, seq: int, expected: int, tail: int, head: int, amount: int, grants: int, ops: int, recs: tuple
+    ) -> GrabResult:
+        """``grab_if`` that queues only holding one of the ticket records ``recs`` (LEN offsets):
+        False, taking nothing, also when it would queue and every record is in use.
+
+        The record is claimed, and the ticket about to be taken written in it, before the CAS
+        that takes it; its LEN (the tokens taken) is stored right after (see ``claim_record``).
+        """
         self._check(seq, tail, head, grants)
+        if self.load(seq) != expected:
+            return False
+        rec = None
+        while True:
+            t = self.load(tail)
+            ticket = (t + amount) & MASK64
+            depth = signed(ticket - self.load(head))
+            if depth > MAX_QUEUE:
+                if rec is not None:
+                    self.store(rec, 0)
+                return False
+            if depth > 0:
+                if rec is None:
+                    rec = claim_record(self, recs, ticket)
+                    if rec is None:
+                        return False
+                self.store(rec - 8, ticket)
+            if self.cas(tail, t, ticket):
+                break
+        if ((self.load(head) - ticket) & MASK64) >> 63:
+            self.store(rec, amount)  # uncovered: it was at the last look, so a record is held
+            return ticket
+        if rec is not None:
+            self.store(rec, 0)
+        self.fetch_add(grants, ops)
+        return None
+
+    def grabber(
+        self, seq: int, expected: int, tail: int, head: int, amount: int, grants: int, ops: int,
+        recs: Optional[tuple] = None,
+    ) -> Callable[[], GrabResult]:
+        """``grab_if`` with its arguments bound (and checked) once: a callable taking none.
+
+        With ``recs`` (a tuple of ticket records' LEN offsets) it is ``grab_recorded``: every ticket
+        it hands out is recorded in one of them, and it queues none while all are in use.
+        """
+        self._check(seq, tail, head, grants)
+        if recs is not None:
+            check_records(recs, self.size)
+            return functools.partial(self._grab_recorded, seq, expected, tail, head, amount, grants, ops, recs)
         return functools.partial(self.grab_if, seq, expected, tail, head, amount, grants, ops)
 
     def try_grab(self, tail: int, head: int, amount: int, grants: int, ops: int) -> bool:
@@ -124,11 +174,14 @@ class CompositesFromPrimitives:
         pend_mul: int,
         capped: bool,
         max_reserved_ns: float,
+        recs: Optional[tuple] = None,
     ) -> "Gate":
         """``try_acquire`` and a timed ``acquire`` of one config, each in one call (see ``Gate``)."""
         self._check(seq, tail, head, ceil, repl_ts, grants)
+        if recs is not None:
+            check_records(recs, self.size)
         return Gate(self, seq, expected, tail, head, ceil, repl_ts, grants, amount, ops, tpn, pend_mul, capped,
-                    max_reserved_ns)
+                    max_reserved_ns, recs=recs)
 
     def waiter(
         self, seq: int, expected: int, tail: int, head: int, repl_ts: int, snap_head: int, snap_tail: int,
@@ -179,7 +232,7 @@ class Gate:
     def __init__(
         self, cells: Primitives, seq: int, expected: int, tail: int, head: int, ceil: int, repl_ts: int, grants: int,
         amount: int, ops: int, tpn: int, pend_mul: int, capped: bool, max_reserved_ns: float,
-        clock: Callable[[], int] = time.monotonic_ns,
+        clock: Callable[[], int] = time.monotonic_ns, recs: Optional[tuple] = None,
     ) -> None:
         if tpn < 1 or pend_mul < 1 or not 1 <= amount <= 1 << 62 or not max_reserved_ns >= 0:
             raise ValueError("gate: tpn, pend_mul and amount must be >= 1 (amount < 2**62), max_reserved_ns >= 0")
@@ -188,6 +241,8 @@ class Gate:
         self.repl_ts, self.grants, self.amount, self.ops = repl_ts, grants, amount, ops
         self.tpn, self.pend_mul, self.capped, self.max_reserved_ns = tpn, pend_mul, bool(capped), max_reserved_ns
         self.clock = clock
+        #: the ticket records a queued ticket must hold one of (None: it queues unrecorded)
+        self.recs = recs
 
     def pending(self) -> int:
         """At most how many tokens a replenish starting now could add."""
@@ -214,21 +269,35 @@ class Gate:
         if t is None or c.load(self.seq) != self.expected:
             return None
         max_wait_ns = min(t * 1e9, self.max_reserved_ns)
-        while True:
-            tail = c.load(self.tail)
-            want = (tail + self.amount) & MASK64
-            short = signed(want - c.load(self.head))
-            if short > 0:
-                if short / self.tpn > max_wait_ns:
-                    pend = self.pending()
-                    return False if short > pend and (short - pend) / self.tpn > max_wait_ns else None
-                if self.capped and signed(want - c.load(self.ceil)) > 0:
-                    return False  # beyond the released budget: no computable wait, no replenish helps
-                if c.cas(self.tail, tail, want):
-                    return want
-            elif c.cas(self.tail, tail, want):
-                c.fetch_add(self.grants, self.ops)
-                return True
+        rec = None  # the record claimed for the ticket, once it would queue
+        try:
+            while True:
+                tail = c.load(self.tail)
+                want = (tail + self.amount) & MASK64
+                short = signed(want - c.load(self.head))
+                if short > 0:
+                    if short / self.tpn > max_wait_ns:
+                        pend = self.pending()
+                        return False if short > pend and (short - pend) / self.tpn > max_wait_ns else None
+                    if self.capped and signed(want - c.load(self.ceil)) > 0:
+                        return False  # beyond the released budget: no computable wait, no replenish helps
+                    if self.recs is not None:  # no queued ticket without a record (claim_record)
+                        if rec is None:
+                            rec = claim_record(c, self.recs, want)
+                            if rec is None:
+                                return None
+                        c.store(rec - 8, want)
+                    if c.cas(self.tail, tail, want):
+                        if rec is not None:
+                            c.store(rec, self.amount)
+                            rec = None
+                        return want
+                elif c.cas(self.tail, tail, want):
+                    c.fetch_add(self.grants, self.ops)
+                    return True
+        finally:
+            if rec is not None:  # claimed and not used: free again
+                c.store(rec, 0)
 
     # -- the steps of a try over several rates (``MultiGate``), each on this gate's words ----------
 

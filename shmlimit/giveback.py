@@ -47,12 +47,14 @@ from __future__ import annotations
 
 import functools
 import threading
-from typing import TYPE_CHECKING, Callable, List, Optional, Tuple
+from typing import TYPE_CHECKING, Any, Callable, List, Optional, Tuple
 
 from . import layout as L
 from .bucket import diff
-from .cells import MASK64
+from .cells import MASK64, claim_record
+from .config import MAX_QUEUE_TOKENS as MAX_QUEUE
 from .config import MAX_SPAN_TOKENS
+from .errors import QueueFullError
 from .table import slot_alive
 
 if TYPE_CHECKING:  # pragma: no cover
@@ -117,6 +119,88 @@ def skip(b: "Bucket", start: int, end: int) -> Optional[int]:
 
 
 # ---- the records in the process slot -------------------------------------------------------------
+
+
+#: What ``take_ticket`` answers, having taken nothing, when the wait would exceed its bound ...
+REFUSED = "refused"
+#: ... and when it would queue while every one of its ticket records is in use (or it has none).
+NO_RECORD = "no record"
+_INF = float("inf")
+
+
+def take_ticket(
+    b: "Bucket", tokens: int, grants: int, ops: int, recs: Tuple[int, ...], max_wait_ns: float = _INF
+) -> Tuple[Any, Optional[int]]:
+    """``take_once``, and once more after a replenish that added tokens if it took nothing."""
+    got = take_once(b, tokens, grants, ops, recs, max_wait_ns)
+    if (got[0] is REFUSED or got[0] is NO_RECORD) and b.replenish() > 0:
+        got = take_once(b, tokens, grants, ops, recs, max_wait_ns)
+    return got
+
+
+def take_once(
+    b: "Bucket", tokens: int, grants: int, ops: int, recs: Tuple[int, ...], max_wait_ns: float = _INF
+) -> Tuple[Any, Optional[int]]:
+    """Take ``tokens`` now, or a ticket recorded in one of ``recs`` (ticket records' LEN offsets).
+
+    Answers ``(None, None)`` granted at once (``ops`` added to ``grants``), ``(ticket, rec)``
+    queued with the ticket recorded at ``rec`` (its exact length in tokens), or, having taken
+    nothing, ``(REFUSED, None)`` when the wait (``estimate_wait_ns``; not computable while
+    stopped) would exceed a finite ``max_wait_ns`` and ``(NO_RECORD, None)`` when it would
+    queue while every record is in use.  No ticket is taken without a record to hold it:
+    the record is claimed, and the ticket about to be taken written in it, before the CAS
+    that takes it (``words.claim_record``), so a process killed at any instant leaves every
+    ticket it holds recorded but for one killed between that CAS and the next store.
+    Raises ``QueueFullError`` (taking nothing) beyond ``MAX_QUEUE_TOKENS``.
+    """
+    if b.cells.try_grab(L.TAIL, L.HEAD, tokens, grants, ops):  # granted at once: one composite
+        return None, None
+    c = b.cells
+    snap = b.snap
+    rec: Optional[int] = None
+    try:
+        while True:
+            tail = c.load(L.TAIL)
+            new = (tail + tokens) & MASK64
+            short = diff(new, c.load(L.HEAD))
+            if short > MAX_QUEUE:
+                raise QueueFullError(tokens, snap.tpn)
+            if short > 0:
+                if max_wait_ns != _INF and (snap.stopped or b.estimate_wait_ns(short, snap) > max_wait_ns):
+                    return REFUSED, None
+                if rec is None:
+                    rec = claim_record(c, recs, new)
+                    if rec is None:
+                        return NO_RECORD, None
+                c.store(rec - 8, new)  # the record's TICKET: the word before its LEN
+            if c.cas(L.TAIL, tail, new):
+                break
+        if diff(new, c.load(L.HEAD)) > 0:  # uncovered now, so at the last look too: recorded
+            assert rec is not None
+            c.store(rec, tokens)
+            held, rec = rec, None
+            return new, held
+        c.fetch_add(grants, ops)
+        return None, None
+    finally:
+        if rec is not None:  # claimed and not needed (granted, refused): free again
+            c.store(rec, 0)
+
+
+
+
+#: A request that found its process's ticket records all in use looks again this often (seconds).
+RECORD_NAP = 0.001
+
+
+def record_nap(b: "Bucket", tokens: int, has_records: bool, longest: float, nap: float = RECORD_NAP) -> float:
+    """How long a request that found no free record naps (seconds): ``nap`` while its process has
+    records (one is freed as each of its waiters is granted); without any (beyond the table) until
+    ``tokens`` could be there, the queue ahead served, within ``[nap, longest]``."""
+    if has_records or not b.time_fed or b.stopped:
+        return nap
+    short = -b.balance() + tokens - min(b.pending(), b.cap)
+    return min(longest, max(nap, short / b.tpn / 1e9))
 
 
 def record(cells: "Cells", records: Records, ticket: int, tokens: int, given: bool = False) -> Optional[int]:

@@ -277,16 +277,8 @@ class Limiter(RatesSwitch):
                     return ticket
             if ticket is not False and ticket is not None:  # a fast path exists only for a live attachment
                 att = self._att
-                return wait_for_ticket(att if att is not None else self._live(), ticket, self._fast_tokens(grab), timeout)
+                return wait_for_ticket(att if att is not None else self._live(), ticket, timeout)
         return drive(Request(self._live(), n, timeout))
-
-    def _fast_tokens(self, grab: Any) -> int:
-        """The tokens a fast-path grab took: the price of the config it was bound to (0: not known)."""
-        att = self._att
-        if att is None:
-            return 0
-        grabber, within, cost = att.fast_grab
-        return cost if grab is grabber or grab is within else 0
 
     def try_acquire(self, n: int = 1) -> bool:
         """Take ``n`` ops only if they are available now; never waits.  False takes nothing.

@@ -17,6 +17,12 @@ MAX_QUEUE = 1 << 62
 WORD = 8
 
 
+#: A ticket record's LEN while claimed (see ``claim_record``); the segment layout names it TICKET_BUSY.
+REC_BUSY = 1 << 63
+#: A grab bound to records takes none of more than this many.
+MAX_RECS = 8
+
+
 #: What a grab of the fast path answers: None (granted), a ticket to wait for, or False (not tried).
 GrabResult = Union[None, int, bool]
 
@@ -77,3 +83,28 @@ def fed_mask(old_head: int, new_head: int, cost: int) -> int:
     for k in range(lo, hi + 1):
         mask |= 1 << (k % FED_BITS)
     return mask
+
+
+def claim_record(cells, recs, ticket: int) -> Optional[int]:
+    """A free ticket record claimed (LEN 0 -> ``REC_BUSY``), ``ticket`` written in its TICKET word
+    (the word before LEN): its LEN offset, or None when every one of ``recs`` is in use.
+
+    The protocol of a grab bound to records (every backend's): it queues only once it holds a
+    record, claimed and written before the CAS that takes the ticket, whose LEN it stores (the
+    exact tokens taken) right after; a grant frees the record again.
+    """
+    for off in recs:
+        if cells.load(off) == 0 and cells.cas(off, 0, REC_BUSY):
+            cells.store(off - WORD, ticket)
+            return off
+    return None
+
+
+def check_records(recs: object, size: int) -> tuple:
+    """The records argument of a grab: a tuple of at most ``MAX_RECS`` LEN offsets, each with its TICKET before it."""
+    if not isinstance(recs, tuple) or len(recs) > MAX_RECS:
+        raise TypeError(f"records must be a tuple of at most {MAX_RECS} LEN offsets")
+    for off in recs:
+        check_offset(off, size)
+        check_offset(off - WORD, size)
+    return recs

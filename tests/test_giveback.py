@@ -19,7 +19,7 @@ from shmlimit.acquisition import Request
 from shmlimit.bucket import diff
 from shmlimit.cells import native_available
 from shmlimit.config import Config
-from shmlimit.giveback import Returns, reap, skip
+from shmlimit.giveback import Returns, reap, skip, take_ticket
 from support.buckets import make_bucket
 from support.clock import FakeClock
 from support.procs import WORKDIR, interrupted_after, wait_for
@@ -382,7 +382,8 @@ def test_the_fast_paths_ticket_is_recorded_during_its_native_wait(name):
         att = lim._att
         empty(lim)
         b = att.bucket
-        ticket = b.grab(b.cost, att.grants_off, 1)  # the fast path's grab of one op: it must wait
+        grab = b.grabber(b.snap, att.grants_off, att.rec_lens)  # the fast path's grab of one op ...
+        ticket = grab()  # ... it must wait, and it recorded its ticket as it took it
         seen = []
 
         class Interrupted:
@@ -394,7 +395,7 @@ def test_the_fast_paths_ticket_is_recorded_during_its_native_wait(name):
 
         att.fast[3] = Interrupted()
         with pytest.raises(KeyboardInterrupt):
-            wait_for_ticket(att, ticket, b.cost)
+            wait_for_ticket(att, ticket)
         assert seen == [[b.cost] + [0] * (L.TICKET_RECORDS - 1)]  # recorded before the wait
         assert diff(att.cells.load(L.HEAD), ticket) == 0  # given back: skipped at once (it was at the head)
         assert [att.cells.load(off) for _, off in att.records] == [0] * L.TICKET_RECORDS
@@ -406,9 +407,9 @@ def test_the_fast_paths_ticket_is_recorded_during_its_native_wait(name):
                 b.replenish()
                 return 1
 
-        ticket = b.grab(b.cost, att.grants_off, 1)
+        ticket = grab()
         att.fast[3] = Granted()
-        assert wait_for_ticket(att, ticket, b.cost) is True
+        assert wait_for_ticket(att, ticket) is True
         assert seen[-1] == [b.cost] + [0] * (L.TICKET_RECORDS - 1)
         assert [att.cells.load(off) for _, off in att.records] == [0] * L.TICKET_RECORDS  # granted: freed
     finally:
@@ -524,3 +525,181 @@ def test_a_skipped_range_frees_only_its_own_record():
     assert r.step() is None  # mine is skipped (it was at the head) ...
     assert cells.load(rec) == 5 * b.cost | L.TICKET_GIVEN  # ... and the other's record stays
     assert cells.load(rec - 8) == other
+
+
+# ---- no ticket without a record: more waiters than records, and a process beyond the table ------
+
+CROWD = textwrap.dedent(
+    """
+    import asyncio, sys, threading
+    import shmlimit
+    from shmlimit import acquisition, giveback
+
+    lim = shmlimit.attach(sys.argv[1])
+    lim.try_acquire()  # registered if the table has room: its waiters record their tickets in its slot
+    callers = int(sys.argv[2])
+    refused = set()  # the callers told "no free record" at least once: they hold no ticket then
+    told = threading.Condition()
+    take_ticket = acquisition.take_ticket
+
+    def counted(*args, **kwargs):
+        got = take_ticket(*args, **kwargs)
+        if got[0] is giveback.NO_RECORD:
+            try:
+                task = id(asyncio.current_task())
+            except RuntimeError:
+                task = None
+            with told:
+                refused.add((threading.get_ident(), task))
+                told.notify_all()
+        return got
+
+    acquisition.take_ticket = counted
+    kinds = [lambda: lim.acquire()] * 6 + [lambda: lim.acquire(timeout=3600)] * 2 + [lambda: lim.acquire(2)]
+    for fn in kinds:
+        threading.Thread(target=fn, daemon=True).start()
+
+    async def tasks():
+        await asyncio.gather(*(lim.acquire_async() for _ in range(callers - len(kinds))))
+
+    threading.Thread(target=asyncio.run, args=(tasks(),), daemon=True).start()
+    with told:  # every caller that found no free record has been told so (and took nothing)
+        told.wait_for(lambda: len(refused) >= callers - int(sys.argv[3]))
+    print("ready", len(refused), lim._att.slot, flush=True)
+    threading.Event().wait()
+    """
+)
+
+
+def slot_records(cells, pid):
+    """Every record held in ``pid``'s slot (None: it has no slot)."""
+    slots = cells.load(L.SLOTS_OFF)
+    for i in range(slots):
+        if cells.load(L.slot_offset(i) + L.SLOT_PID) == pid:
+            return [cells.load(off) for _, off in L.ticket_records(slots, i)]
+    return None
+
+
+def run_crowd(name, callers, recorded):
+    """Start CROWD with ``callers`` waiters of which at most ``recorded`` may hold tickets; the process."""
+    p = subprocess.Popen([sys.executable, "-c", CROWD, name, str(callers), str(recorded)], stdout=subprocess.PIPE,
+                         text=True, cwd=WORKDIR)
+    return p
+
+
+@pytest.mark.slow
+def test_a_process_with_more_waiters_than_records_queues_only_recorded_tickets(name):
+    # Thirteen callers in one process -- fast-path threads, timed ones, one of two ops, asyncio
+    # tasks -- and five records: five queue (each ticket recorded), the rest wait without a ticket.
+    # Killed, it leaves nothing queued: every range it held was recorded, and the filler reaps them.
+    lim = shmlimit.Limiter(name, rate=1, per=60, burst=1)
+    try:
+        empty(lim)
+        cells = lim._att.cells
+        p = run_crowd(name, 13, L.TICKET_RECORDS)
+        try:
+            line = p.stdout.readline().split()
+            assert line[0] == "ready" and line[2] != "None", line
+            recs = wait_for(lambda: (r := slot_records(cells, p.pid)) and all(r) and r, timeout=30)
+            assert not any(v & (L.TICKET_BUSY | L.TICKET_GIVEN) for v in recs)
+            # every queued token is in one of the five records: no ticket was taken without one (the
+            # head has covered less than an op of the first since: a minute's schedule)
+            depth = diff(cells.load(L.TAIL), cells.load(L.HEAD))
+            assert slot_records(cells, p.pid) == recs
+            assert sum(recs) - lim._att.bucket.cost < depth <= sum(recs)
+        finally:
+            p.kill()
+            p.wait()
+            p.stdout.close()
+        wait_for(lambda: diff(cells.load(L.TAIL), cells.load(L.HEAD)) <= 0, timeout=10)
+    finally:
+        lim.close()
+
+
+@pytest.mark.slow
+def test_a_process_beyond_the_table_never_queues(name):
+    # The table's one slot is this process's: the child is beyond it, with no record to hold a
+    # ticket.  Its callers poll without queueing (no FIFO place for it), and killed it leaves no queue.
+    lim = shmlimit.Limiter(name, rate=1, per=60, burst=1, slots=1)
+    try:
+        empty(lim)
+        cells = lim._att.cells
+        p = run_crowd(name, 13, 0)
+        try:
+            line = p.stdout.readline().split()
+            assert line == ["ready", "13", "None"], line
+            assert diff(cells.load(L.TAIL), cells.load(L.HEAD)) <= 0  # nothing queued by any of them
+        finally:
+            p.kill()
+            p.wait()
+            p.stdout.close()
+        assert diff(cells.load(L.TAIL), cells.load(L.HEAD)) <= 0
+        assert lim.retry_after() <= 60  # the next op is due in at most a minute: nobody ahead of it
+    finally:
+        lim.close()
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_a_grab_bound_to_records_queues_only_holding_one(backend):
+    # The fast paths' grab and timed grab on each backend: a ticket is recorded, with the exact
+    # tokens taken, by the call that takes it; with every record in use nothing is taken.
+    b, _ = make_bucket(Config.make(1000, burst=1), backend, initial=1)
+    cells = b.cells
+    size = L.segment_size(1)
+    recs = tuple(len_off for _, len_off in L.ticket_records(1, 0))[:2]
+    grab = b.grabber(b.snap, L.UNREG_GRANTS, recs)
+    within = b.gate(b.snap, L.UNREG_GRANTS, 1, recs).grab_within
+    assert grab() is None  # granted at once: no record used
+    assert [cells.load(r) for r in recs] == [0, 0]
+    first = grab()
+    second = within(3600)
+    assert [(cells.load(r - 8), cells.load(r)) for r in recs] == [(first, b.cost), (second, b.cost)]
+    before = [cells.load(off) for off in range(0, size, 8)]
+    assert grab() is False and within(3600) is None  # all in use: nothing taken, the slow path naps
+    assert [cells.load(off) for off in range(0, size, 8)] == before
+    none = b.grabber(b.snap, L.UNREG_GRANTS, ())  # no records at all (beyond the table): never queues
+    assert none() is False and b.gate(b.snap, L.UNREG_GRANTS, 1, ()).grab_within(3600) is None
+    assert [cells.load(off) for off in range(0, size, 8)] == before
+    cells.store(recs[0], 0)  # one freed: the next grab takes a ticket again, recorded there
+    third = grab()
+    assert (cells.load(recs[0] - 8), cells.load(recs[0])) == (third, b.cost)
+    got, rec = take_ticket(b, 2 * b.cost, L.UNREG_GRANTS, 2, recs)
+    assert got == "no record" and rec is None  # the slow path's take: the same rule
+    cells.store(recs[1], 0)
+    got, rec = take_ticket(b, 2 * b.cost, L.UNREG_GRANTS, 2, recs)
+    assert rec == recs[1] and (cells.load(rec - 8), cells.load(rec)) == (got, 2 * b.cost)
+    # queued: first, second, third (one op each) and the two ops; nothing else was taken
+    assert diff(cells.load(L.TAIL), cells.load(L.HEAD)) == 5 * b.cost
+
+
+def test_a_fast_paths_ticket_keeps_its_own_price_under_a_concurrent_set_rate(name):
+    # A grab priced under one config, and a set_rate (another thread's) before its waiter looks:
+    # the record the grab made holds exactly what it took, so giving it back skips exactly that.
+    from shmlimit.acquisition import wait_for_ticket
+
+    clock = FakeClock()
+    lim = shmlimit.Limiter(name, rate=1000, burst=1, clock=clock)
+    try:
+        att = lim._att
+        empty(lim)
+        b = att.bucket
+        old_cost = b.cost
+        ticket = lim._fast[0]()  # the fast path's grab: queued behind nothing, one op at 1000/s
+        assert ticket not in (None, False)
+        lim.set_rate(10)  # the price of an op changes under the grab (fast paths re-bound)
+        assert b.cost != old_cost
+
+        class Interrupted:
+            def wait(self, *args):
+                raise KeyboardInterrupt
+
+        att.fast[3] = Interrupted()
+        with pytest.raises(KeyboardInterrupt):
+            wait_for_ticket(att, ticket)
+        # given back exactly: the head skipped [ticket - old_cost, ticket), no more, no less
+        assert diff(att.cells.load(L.HEAD), ticket) == 0
+        assert diff(att.cells.load(L.TAIL), ticket) == 0
+        assert [att.cells.load(off) for _, off in att.records] == [0] * L.TICKET_RECORDS
+    finally:
+        att.fast[3] = None
+        lim.close()

@@ -25,6 +25,8 @@ After every step the invariants are checked:
   back ahead of it (and the limiter is not stopped), every pending ticket is granted and a new
   op can be had;
 * the config words are mutually consistent, and bad input changes no word;
+* every live waiter's ticket is recorded in its process slot, with its exact length (no
+  ticket is taken without a record: a process's sixth waiter takes nothing and gives up here);
 * every range a dead process left -- its waiters' tickets, the ranges it gave back -- is
   recorded where a filler's reap finds it (when the process never held more ranges at once
   than its slot has records), and the next reap gives it to a live process to skip.
@@ -563,6 +565,17 @@ class LimiterModel(RuleBasedStateMachine):
         found = set()
         reap(cells, ProcessTable(cells, SLOTS), lambda end, tokens: found.add(end))
         assert not self._lost(found), "a range a dead process left is recorded nowhere: it stays queued"
+
+    @invariant()
+    def every_queued_ticket_recorded(self):
+        """No ticket without a record: every live waiter's ticket is in one of its process slot's
+        records, with the exact tokens it took (so a death at any step leaves it to the reap)."""
+        for ticket, tokens, req in self.pending:
+            if req is None or req.state != TICKET or ticket in self.given_back:
+                continue
+            assert req.record is not None, "a waiter holds a ticket no record holds"
+            assert req.record in {off for _, off in req.att.records}
+            assert self.cells.load(req.record) == tokens and self.cells.load(req.record - 8) == ticket
 
     @invariant()
     def capped_in_flight(self):

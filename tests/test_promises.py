@@ -1,5 +1,6 @@
 """Regression tests: every promise holds off the well-trodden paths too (unusual but valid sequences)."""
 import multiprocessing as mp
+import os
 import random
 import sys
 import threading
@@ -390,6 +391,42 @@ def test_gc_keeps_a_segment_a_process_attached_to_meanwhile(name, monkeypatch, c
         child.join(30)
     assert child.exitcode == 0
     capsys.readouterr()
+
+
+COLLECT = "import sys; from shmlimit.attachment import collect; print(collect(sys.argv[1]))"
+INODE = "import sys, shmlimit; lim = shmlimit.attach(sys.argv[1]); print(lim._att.seg.inode); lim.close()"
+
+
+def test_gc_between_a_creators_ready_and_its_registration_orphans_nothing(name, monkeypatch):
+    # The creator has published READY and is not yet registered: a collector (another process) finds
+    # nobody attached and unlinks the segment.  The creator sees the collector's claim once it has
+    # registered, and opens the name again (a new segment): it never keeps one nobody else can open.
+    import subprocess
+
+    from shmlimit.attachment import Attachment
+    from shmlimit.segment import current_inode
+
+    join = Attachment._join_process
+    collected = []
+
+    def collector_in_the_gap(att):
+        if not collected:  # the creator's first registration: READY is published, no one is registered
+            assert att.cells.load(L.STATE_OFF) == L.STATE_READY and not att.table.entries()
+            r = subprocess.run([sys.executable, "-c", COLLECT, name], capture_output=True, text=True, cwd=WORKDIR,
+                               timeout=60)
+            collected.append(r.stdout.strip())
+        join(att)
+
+    monkeypatch.setattr(Attachment, "_join_process", collector_in_the_gap)
+    lim = shmlimit.Limiter(name, rate=100)
+    try:
+        assert collected == ["True"]  # the collector did unlink the segment in the gap
+        assert current_inode(name) == lim._att.seg.inode  # the creator holds the segment at the name ...
+        r = subprocess.run([sys.executable, "-c", INODE, name], capture_output=True, text=True, cwd=WORKDIR, timeout=60)
+        assert r.stdout.strip() == str(lim._att.seg.inode), r.stderr[-2000:]  # ... the one others attach to
+        assert [e.pid for e in lim._att.table.entries()] == [os.getpid()]
+    finally:
+        lim.close()
 
 
 def test_gc_removes_a_stale_segment(name, capsys, monkeypatch):
