@@ -263,15 +263,19 @@ class MultiLimiter(RateGroup):
         the wait on the other rates once the longest is served exceeds what is
         left of it.
         """
-        return self._granted_now(n, timeout, costs) or drive(self._request(n, timeout, costs))
+        fast = self._fast  # _granted_now, inlined: a call costs a granted acquire a fifth more
+        if fast is not None and (timeout is None or _plain_timeout(timeout)):
+            if (fast() if n is _ONE and not costs else self._try_fast(n, costs)) is True:
+                return True
+        return drive(self._request(n, timeout, costs))
 
     async def acquire_async(self, n: int = 1, timeout: Optional[float] = None, **costs: int) -> bool:
         """``acquire`` for asyncio: parks with ``asyncio.sleep``, never blocking the event loop."""
         return self._granted_now(n, timeout, costs) or await drive_async(self._request(n, timeout, costs))
 
     def _granted_now(self, n: object, timeout: object, costs: Dict[str, object]) -> bool:
-        """The fast path of ``acquire`` and ``acquire_async``: granted now by the bound gates (within
-        any timeout); anything else waits (or fails) on the slow path."""
+        """The fast path (``acquire`` inlines it): granted now by the bound gates, which is within
+        any timeout; anything else waits (or fails) on the slow path."""
         fast = self._fast
         if fast is not None and (timeout is None or _plain_timeout(timeout)):
             return (fast() if n is _ONE and not costs else self._try_fast(n, costs)) is True
