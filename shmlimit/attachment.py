@@ -23,6 +23,7 @@ import threading
 import time
 from typing import Any, Callable, Optional, Sequence, Tuple, Union
 
+from . import inflight
 from . import layout as L
 from .bucket import Bucket, GrabResult
 from .cells import MASK64, Cells, multi_gate
@@ -222,7 +223,10 @@ class Attachment:
         self.returns.give_back(ticket, tokens, record(self.cells, self.records, ticket, tokens, given=True))
 
     def reap(self) -> int:
-        """Give back the tickets recorded by dead processes; return how many (the filler's chore)."""
+        """Give back the tickets recorded by dead processes; return how many (the filler's chore).
+        Capped mode: release the ops in flight of processes gone holding them, too (``inflight``)."""
+        if self.bucket.capped:
+            inflight.reap(self.cells, self.table, self.owners.alive)
         found = reap(self.cells, self.table, self.adopt, self.owners.alive)
         if found:
             self._skipper()
@@ -250,6 +254,7 @@ class Attachment:
         self.joined = True
         start = proc_start(self.pid)
         self.slot = self.table.register(self.pid, start if start and start > 0 else 0, pid_namespace())
+        self.bucket.inflights = tuple(L.inflight_offset(self.table.slots, i) for i in range(self.table.slots))
         if self.slot is None:
             self.grants_off = L.UNREG_GRANTS
             self.waiting_off = None
@@ -260,6 +265,8 @@ class Attachment:
             self.grants_off = base + L.SLOT_GRANTS
             self.waiting_off = base + L.SLOT_WAITING
             self.records = L.ticket_records(self.table.slots, self.slot)
+            inflight.take_over(self.cells, self.table.slots, self.slot)  # a predecessor's ops in flight
+            self.bucket.own_inflight = L.inflight_offset(self.table.slots, self.slot)
             if take_over(self.cells, self.records, self.adopt):  # a predecessor's tickets
                 self._skipper()
             self.lease = Lease(self.cells, self.slot)
@@ -298,6 +305,7 @@ class Attachment:
             self.table.unregister(self.slot, self.pid)
         self.records = ()
         self.slot, self.lease, self.filler, self.waiting_off = None, None, None, None
+        self.bucket.own_inflight = None
         self.grants_off = L.UNREG_GRANTS
         self.joined = self.in_use = False
         self.update_fast()
@@ -358,6 +366,7 @@ class Attachment:
         self._returns_thread = None
         self.owners = self.owners.forked()  # the parent's pidfds, closed here; its lock may be held
         self.slot, self.lease, self.filler, self.waiting_off = None, None, None, None
+        self.bucket.own_inflight = None
         self.records = ()
         self.grants_off = L.UNREG_GRANTS
         self.joined = self.in_use = False

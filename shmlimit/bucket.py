@@ -38,7 +38,7 @@ import math
 import time
 from typing import Any, Callable, List, Optional, Tuple
 
-from . import fed_wait
+from . import fed_wait, inflight
 from . import layout as L
 from .cells import FED_ALL, MASK64, Cells, GrabResult, fed_mask
 from .config import MAX_QUEUE_TOKENS as MAX_QUEUE
@@ -73,6 +73,9 @@ class Bucket:
         self.clock = clock
         self.snap = NO_SNAPSHOT
         self.load_config()
+        #: capped mode: this process's slot's count of ops in flight, and every slot's (see ``inflight``)
+        self.own_inflight: Optional[int] = None
+        self.inflights: Tuple[int, ...] = ()
 
     # -- configuration (published in two banks under a sequence lock: see config_banks) --------
 
@@ -434,31 +437,15 @@ class Bucket:
 
     def admit(self, ops: int) -> bool:
         """Capped mode: count ``ops`` as in flight if the capacity (in ops) allows; False changes nothing."""
-        c = self.cells
-        while True:
-            cur = c.load(L.INFLIGHT)
-            if cur + ops > self.snap.cap_ops:
-                return False
-            if c.cas(L.INFLIGHT, cur, cur + ops):
-                return True
+        return inflight.admit(self.cells, ops, self.snap.cap_ops, self.own_inflight)
 
     def unadmit(self, ops: int) -> None:
         """Undo an ``admit`` whose acquire took nothing."""
-        c = self.cells
-        while True:
-            cur = c.load(L.INFLIGHT)
-            if c.cas(L.INFLIGHT, cur, max(0, cur - ops)):
-                return
+        inflight.release(self.cells, ops, self.own_inflight, self.inflights, False)
 
     def release(self, ops: int) -> None:
         """Capped mode: ``ops`` granted ops completed; beyond those in flight raises ValueError, changing nothing."""
-        c = self.cells
-        while True:
-            cur = c.load(L.INFLIGHT)
-            if ops > cur:
-                raise ValueError(f"n must be at most the {cur} ops in flight (granted and not released), got {ops}")
-            if c.cas(L.INFLIGHT, cur, cur - ops):
-                return
+        inflight.release(self.cells, ops, self.own_inflight, self.inflights, True)
 
     def in_flight(self) -> int:
         """Capped mode: ops admitted and not yet released."""

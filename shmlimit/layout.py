@@ -22,6 +22,7 @@ filler and the process table never false-share.
     lines 12..15 UP_DESC   the upstream's description (JSON), written once by the creator
     then SLOTS process slots of one line each: PID START GRANTS WAITING BASE PIDNS TICKET TICKET_LEN
     then SLOTS ticket lines, one per slot: four more (TICKET, TICKET_LEN) records of its owner's
+    then SLOTS in-flight lines, one per slot: SLOT_INFLIGHT, capped mode's ops in flight of its owner
 
 Values that are not integers (rate, per, burst) are stored as IEEE-754 bits.
 """
@@ -33,7 +34,8 @@ MAGIC = int.from_bytes(b"SHMLIMIT", "little")
 #: 2: capped mode counts ops in flight (INFLIGHT) instead of a ceil rover in tokens; the config
 #: is published in two checksummed banks (a stalled writer that resumes cannot corrupt it).
 #: 3: every process slot has five ticket records (one in its line, four in its ticket line).
-VERSION = 3
+#: 4: every process slot has a third line: its owner's ops in flight in capped mode (``SLOT_INFLIGHT``).
+VERSION = 4
 LINE = 64
 
 
@@ -182,7 +184,13 @@ def slot_offset(index: int) -> int:
 
 
 def segment_size(slots: int) -> int:
-    return HEADER_BYTES + slots * (SLOT_BYTES + LINE)
+    return HEADER_BYTES + slots * (SLOT_BYTES + 2 * LINE)
+
+
+def inflight_offset(slots: int, index: int) -> int:
+    """Slot ``index``'s SLOT_INFLIGHT (in a table of ``slots``): capped mode's ops granted to its
+    owner and not released, given back by a filler's reap once the owner is gone (``inflight``)."""
+    return HEADER_BYTES + slots * (SLOT_BYTES + LINE) + index * LINE
 
 
 def ticket_records(slots: int, index: int) -> tuple:

@@ -43,7 +43,7 @@ from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, pr
 
 import shmlimit
 from shmlimit import bucket as bucket_module
-from shmlimit import config_banks
+from shmlimit import config_banks, inflight
 from shmlimit import layout as L
 from shmlimit.bucket import Bucket, diff
 from shmlimit.cells import native_available, open_cells
@@ -89,6 +89,8 @@ class LimiterModel(RuleBasedStateMachine):
         self.grants = []  # (time_ns, tokens) of every grant observed
         self.released = 0
         self.granted_ops = 0  # capped mode: ops granted or queued (counted once taken)
+        self.held_ops = {}  # capped mode: each live process's ops admitted and not released (by its attachment)
+        self.dead_ops = {}  # ... and each dead process's, by slot, until a reap or a new owner releases them
         self.stalled = []  # claims of replenishers stopped between their claim and their add
         self.saved_sleep = time_module.sleep
         self.writer = None  # a config writer stalled holding the lock: (thread, resume event, outcome)
@@ -169,7 +171,11 @@ class LimiterModel(RuleBasedStateMachine):
             give_back(ticket, tokens, rec)
 
         att.returns.give_back = noted
-        take_over(att.cells, att.records, att.adopt)  # as a join does: a dead predecessor's records
+        take_over(att.cells, att.records, att.adopt)  # as a join does: a dead predecessor's records ...
+        att.bucket.inflights = tuple(L.inflight_offset(SLOTS, k) for k in range(SLOTS))
+        inflight.take_over(att.cells, SLOTS, att.slot)  # ... and its ops in flight
+        self.released += self.dead_ops.pop(att.slot, 0)
+        att.bucket.own_inflight = L.inflight_offset(SLOTS, att.slot)
         lim = Limiter.__new__(Limiter)
         lim._name = "model"
         lim._att = att
@@ -198,13 +204,17 @@ class LimiterModel(RuleBasedStateMachine):
         """
         tail = self.cells.load(L.TAIL)
         req = Request(lim._att, n, timeout)
-        step = req.begin()
+        try:
+            step = req.begin()
+        except BaseException:
+            req.end()  # as every driver does
+            raise
         if step is not True and step is not False and req.state == TICKET:
             return True, tail, req
         req.end()
         return (step if step is True or step is False else WouldBlock), tail, None
 
-    def _note_taken(self, tail_before, ops, req=None, now=False):
+    def _note_taken(self, tail_before, ops, req=None, now=False, lim=None):
         """The tail moved: its tokens are granted now, or when the head passes ``req``'s ticket."""
         tail = self.cells.load(L.TAIL)
         tokens = diff(tail, tail_before)
@@ -219,6 +229,8 @@ class LimiterModel(RuleBasedStateMachine):
             self.pending.append((ticket, tokens, req))
         if self.capped:
             self.granted_ops += ops
+            k = id(lim._att)
+            self.held_ops[k] = self.held_ops.get(k, 0) + ops
 
     def _note_given_back(self):
         """Every range a process holds to skip is given back: its ticket will never be a grant."""
@@ -277,7 +289,7 @@ class LimiterModel(RuleBasedStateMachine):
         self.max_ratio = max(self.max_ratio, L.u2f(self.cells.load(L.CFG_RATIO)))
         self.cap_ops = max(self.cap_ops, self.cells.load(L.CFG_CAP) // self._cost())
 
-    def _taking(self, call, n, capped_refusal=True):
+    def _taking(self, call, n, lim, capped_refusal=True):
         """``call()`` takes ``n`` ops, answering (result, tail before, its waiting request or None):
         noted as taken.  False if it was refused, having taken nothing: a full queue, or
         (``capped_refusal``) more than a capped limiter's capacity can ever admit."""
@@ -290,7 +302,7 @@ class LimiterModel(RuleBasedStateMachine):
                 raise
             assert "capacity" in str(e)
             return False
-        self._note_taken(tail, n, req)
+        self._note_taken(tail, n, req, lim=lim)
         return True
 
     def _n(self, data, proc):
@@ -310,19 +322,19 @@ class LimiterModel(RuleBasedStateMachine):
         lim = self._proc(i)
         n = self._n(data, lim)
         result, tail, _ = self._call(lim.try_acquire, n)
-        self._note_taken(tail, n, now=True)
+        self._note_taken(tail, n, now=True, lim=lim)
 
     @rule(i=procs_idx, data=st.data(), timeout=st.one_of(st.none(), st.sampled_from([0.0, 0.001, 0.05, 2.0])))
     def acquire(self, i, data, timeout):
         lim = self._proc(i)
         n = data.draw(st.one_of(st.just(1), st.integers(1, 3), st.just(MAX_SPAN_TOKENS // self._cost())), label="n")
-        self._taking(lambda: self._acquire(lim, n, timeout), n)
+        self._taking(lambda: self._acquire(lim, n, timeout), n, lim)
 
     @rule(i=procs_idx, data=st.data(), max_wait=st.one_of(st.none(), st.sampled_from([0.0, 0.01, 1.0, 3600.0])))
     def reserve(self, i, data, max_wait):
         lim = self._proc(i)
         n = self._n(data, lim)
-        self._taking(lambda: self._call(lim.reserve, n, max_wait), n, capped_refusal=False)
+        self._taking(lambda: self._call(lim.reserve, n, max_wait), n, lim, capped_refusal=False)
 
     @rule(i=procs_idx, k=st.integers(1, 10), how=st.sampled_from(["reserve", "reserve_bounded", "acquire"]))
     def flood(self, i, k, how):
@@ -335,7 +347,7 @@ class LimiterModel(RuleBasedStateMachine):
                 "reserve_bounded": lambda: self._call(lim.reserve, n, max_wait=10**9),
                 "acquire": lambda: self._acquire(lim, n),
             }[how]
-            if not self._taking(call, n):
+            if not self._taking(call, n, lim):
                 return
 
     @rule(i=procs_idx)
@@ -343,17 +355,19 @@ class LimiterModel(RuleBasedStateMachine):
         lim = self._proc(i)
         result, tail, _ = self._call(lim.drain)
         if result is not WouldBlock:
-            self._note_taken(tail, result, now=True)
+            self._note_taken(tail, result, now=True, lim=lim)
 
     @precondition(lambda self: self.capped)
     @rule(data=st.data())
     def release(self, data):
-        in_flight = self.granted_ops - self.released
-        if in_flight <= 0:
+        lim = self._proc(data.draw(st.integers(0, 2), label="i"))
+        own = self.held_ops.get(id(lim._att), 0)  # a process releases ops it acquired
+        if own <= 0:
             return
-        k = data.draw(st.integers(1, min(in_flight, MAX_SPAN_TOKENS // self._cost())), label="k")
-        self._proc(0).release(k)
+        k = data.draw(st.integers(1, min(own, MAX_SPAN_TOKENS // self._cost())), label="k")
+        lim.release(k)
         self.released += k
+        self.held_ops[id(lim._att)] -= k
 
     @rule(i=procs_idx, rate=RATES, burst=BURSTS, ratio=st.sampled_from([None, 1.0, 3.0]))
     def set_rate(self, i, rate, burst, ratio):
@@ -408,6 +422,12 @@ class LimiterModel(RuleBasedStateMachine):
     @rule(i=procs_idx, verb=st.sampled_from(["stop", "start", "restart"]))
     def lifecycle(self, i, verb):
         getattr(self._proc(i), verb)()
+        if verb != "stop":  # start and restart reap at once: a dead process's ops in flight are released
+            self._dead_ops_released()
+
+    def _dead_ops_released(self):
+        self.released += sum(self.dead_ops.values())
+        self.dead_ops = {}
 
     @rule(ns=st.sampled_from([1, 1000, 10**5, 10**6, 10**7, 10**9, 60 * 10**9]), i=procs_idx)
     def advance_and_fill(self, ns, i):
@@ -471,6 +491,7 @@ class LimiterModel(RuleBasedStateMachine):
         self.given_back.add(ticket)
         if self.capped:
             self.granted_ops -= req.n  # end() un-admitted it: never granted, never to be released
+            self.held_ops[id(req.att)] -= req.n
 
     @rule(i=procs_idx)
     def skipper_runs(self, i):
@@ -482,6 +503,7 @@ class LimiterModel(RuleBasedStateMachine):
     def filler_reaps(self, i):
         """The filler's chore: the tickets dead processes recorded in their slots are given back."""
         self._proc(i)._att.reap()
+        self._dead_ops_released()  # capped mode: the ops dead processes held are released for them
         self._note_given_back()
         # every range a dead process left (while it held no more than its slot's records) was found:
         # it is now some live process's to skip, or the head has passed it
@@ -500,6 +522,8 @@ class LimiterModel(RuleBasedStateMachine):
         if self.most_held.get(id(dead._att), 0) <= L.TICKET_RECORDS:
             self.must_reap |= self._held(dead._att)  # each was recorded in its slot: none is lost
         self.procs.remove(dead)
+        if self.capped:  # the ops it held stay in flight until a reap, or a new owner of its slot
+            self.dead_ops[dead._att.slot] = self.held_ops.pop(id(dead._att), 0)
         self._note_given_back()
         base = L.slot_offset(dead._att.slot)
         self.cells.store(base + L.SLOT_START, self.cells.load(base + L.SLOT_START) + 1)
@@ -581,6 +605,22 @@ class LimiterModel(RuleBasedStateMachine):
     def capped_in_flight(self):
         if self.capped and self.procs:
             assert self.granted_ops - self.released <= self.cap_ops
+
+    @invariant()
+    def capped_in_flight_per_process(self):
+        """Capped mode: INFLIGHT is exactly what live processes hold plus what dead ones held until
+        a reap (or their slot's next owner) releases it; each slot counts its owner's share."""
+        if not self.capped or not self.procs:
+            return
+        c = self.cells
+        live = sum(self.held_ops.values())
+        dead = sum(self.dead_ops.values())
+        assert c.load(L.INFLIGHT) == live + dead, "ops in flight lost or invented"
+        assert live + dead <= self.cap_ops
+        for p in self.procs:
+            assert c.load(L.inflight_offset(SLOTS, p._att.slot)) == self.held_ops.get(id(p._att), 0)
+        for slot, ops in self.dead_ops.items():
+            assert c.load(L.inflight_offset(SLOTS, slot)) == ops
 
     @invariant()
     def config_consistent(self):
