@@ -703,3 +703,43 @@ def test_a_fast_paths_ticket_keeps_its_own_price_under_a_concurrent_set_rate(nam
     finally:
         att.fast[3] = None
         lim.close()
+
+
+HOLDS_OPS = textwrap.dedent(
+    """
+    import sys, threading
+    import shmlimit
+    lim = shmlimit.attach(sys.argv[1])
+    assert lim.acquire(int(sys.argv[2]), timeout=5)  # capped: in flight until released (never, here)
+    print("ready", flush=True)
+    threading.Event().wait()
+    """
+)
+
+
+@pytest.mark.slow
+def test_a_killed_processs_ops_in_flight_are_released_for_it(name):
+    # Capped mode, capacity 3: a process holds two ops in flight and is killed.  The filler releases
+    # them for it (its slot's count), so the whole capacity can be had again; before, they stayed
+    # counted forever and the capacity shrank by two.
+    lim = shmlimit.Limiter(name, rate=1000, burst=3, capped=True)
+    try:
+        assert lim.acquire(1, timeout=5)  # this process uses it (its filler reaps) and holds one op
+        b = lim._att.bucket
+        p = subprocess.Popen([sys.executable, "-c", HOLDS_OPS, name, "2"], stdout=subprocess.PIPE, text=True,
+                             cwd=WORKDIR)
+        try:
+            assert p.stdout.readline().strip() == "ready"
+            assert b.in_flight() == 3
+            assert not lim.acquire(1, timeout=0.05)  # full: three ops in flight
+        finally:
+            p.kill()
+            p.wait()
+            p.stdout.close()
+        wait_for(lambda: b.in_flight() == 1, timeout=10)  # the child's two released for it; ours stays
+        assert lim.acquire(2, timeout=5)  # the whole capacity again
+        assert b.in_flight() == 3
+        lim.release(3)
+        assert b.in_flight() == 0
+    finally:
+        lim.close()
