@@ -23,16 +23,11 @@ from .bucket import Bucket
 from .cells import Cells, open_cells, warm_backend
 from .config import Config
 from .errors import AbandonedSegmentError, LimiterNotFoundError, SegmentError
-from .segment import Segment, current_inode, publish, start_header
+from .segment import INIT_WAIT, LIVE_CREATOR_WAIT, Segment, current_inode, publish, start_header
 from .segment import unlink as unlink_name
 from .table import is_alive
 from .upstream_spec import UpstreamSpec
 
-#: A segment this old (seconds) with no creator pid in its header was abandoned by its creator.
-INIT_WAIT = 2.0
-#: How long an opener waits for a live creator to finish initialising (seconds); a creator is
-#: never replaced while it lives, however slow, but an opener gives up with an error after this.
-LIVE_CREATOR_WAIT = 30.0
 #: A segment left claimed by a garbage collector this long (seconds) lost its collector.
 DOOMED_WAIT = 2.0
 

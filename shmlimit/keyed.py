@@ -24,6 +24,7 @@ from typing import Any, Dict, Optional, Tuple
 
 from . import keyed_cells as KC
 from . import keyed_layout as K
+from .acquisition import MAX_NAP
 from .cells import Cells
 from .config import carried_per, validate_timeout
 from .errors import ConfigMismatchError, KeyTableFullError, SegmentError
@@ -38,7 +39,6 @@ from .table import ProcessTable, is_alive, proc_start, slot_alive
 
 __all__ = ["KeyedLimiter", "KeyedProcess", "KeyedStats", "KeySample", "attach_keyed", "inspect_keyed", "sample_keys"]
 
-_MAX_NAP = 0.25
 
 
 class _Closed:

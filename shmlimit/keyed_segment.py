@@ -26,15 +26,12 @@ from .cells import Cells, open_cells, warm_backend
 from .keyed_gcra import MAX_TICKS, Rate, read_rate
 from .errors import AbandonedSegmentError, LimiterNotFoundError, SegmentError, SharedMemoryFullError
 from .segment import (
-    PREFIX, SHM_DIR, Segment, check_trust, current_inode, open_shm, pread_file, publish, start_header,
+    INIT_WAIT, LIVE_CREATOR_WAIT, PREFIX, SHM_DIR, Segment, check_trust, current_inode, open_shm,
+    pread_file, publish, start_header,
 )
 from .segment import unlink as _unlink_name
 from .table import is_alive
 
-#: Seconds a creator may take to write its pid before its segment counts as abandoned.
-INIT_WAIT = 2.0
-#: Seconds an opener waits for a live creator to finish.
-LIVE_CREATOR_WAIT = 30.0
 assert K.HEADER_BYTES == L.HEADER_BYTES and K.LINE == L.SLOT_BYTES  # ProcessTable reads the same offsets
 
 

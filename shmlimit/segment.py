@@ -44,6 +44,12 @@ def posix_name(name: str) -> str:
     return "/" + PREFIX + name
 
 
+#: A segment this old (seconds) with no creator pid in its header was abandoned by its creator
+#: (both kinds of segment: one header protocol).
+INIT_WAIT = 2.0
+#: How long an opener waits for a live creator to finish initialising (seconds); a creator is
+#: never replaced while it lives, however slow, but an opener gives up with an error after this.
+LIVE_CREATOR_WAIT = 30.0
 #: No limiter is larger than this (bytes): a bigger file is not read or mapped.
 MAX_BYTES = L.segment_size(L.MAX_SLOTS)
 #: Write bits another user could hold.
