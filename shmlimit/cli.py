@@ -43,14 +43,28 @@ def _demo_ready(barrier, lim: Limiter) -> None:
     barrier.wait(timeout=120)  # the clock starts when every worker is up
 
 
+def _run_delay() -> float:
+    """Seconds this process's threads have waited runnable for a CPU so far (the kernel's
+    schedstat; 0.0 where it does not say)."""
+    total = 0
+    try:
+        for tid in os.listdir("/proc/self/task"):
+            with open(f"/proc/self/task/{tid}/schedstat") as f:
+                total += int(f.read().split()[1])
+    except (OSError, ValueError, IndexError):
+        return 0.0
+    return total / 1e9
+
+
 def _demo_worker(end: float) -> tuple:
     lim = _demo_limiter
     assert lim is not None
     n = 0
+    began, held0 = time.monotonic(), _run_delay()
     while True:
         lim.acquire()
         if time.monotonic() > end:  # granted after the run: not counted
-            return os.getpid(), n
+            return os.getpid(), n, _run_delay() - held0, began
         n += 1
 
 
@@ -69,6 +83,7 @@ def cmd_demo(args: argparse.Namespace) -> int:
         barrier = ctx.Barrier(args.workers + 1)
         with ctx.Pool(args.workers, initializer=_demo_ready, initargs=(barrier, lim)) as pool:
             barrier.wait(timeout=120)
+            starved0 = inspect(name).starved_seconds
             start = time.monotonic()
             end = start + args.seconds
             jobs = [pool.apply_async(_demo_worker, (end,)) for _ in range(args.workers)]
@@ -86,13 +101,14 @@ def cmd_demo(args: argparse.Namespace) -> int:
                 out.flush()
                 last_t, last_g = now, s.grants
             results = [j.get(timeout=args.seconds + 60) for j in jobs]
+            starved = inspect(name).starved_seconds - starved0
         elapsed = end - start
     finally:
         lim.close()
         lim.unlink()
-    total = sum(n for _, n in results)
+    total = sum(r[1] for r in results)
     out.write(f"\n  {'worker pid':>10}  {'grants':>8}  {'share':>6}\n")
-    for pid, n in sorted(results):
+    for pid, n, *_ in sorted(results):
         out.write(f"  {pid:>10}  {n:>8}  {100.0 * n / max(total, 1):5.1f}%\n")
     target = cfg.ops_per_second
     bound = target * elapsed + cfg.burst
@@ -100,6 +116,15 @@ def cmd_demo(args: argparse.Namespace) -> int:
         f"\n  total {total} grants in {elapsed:.2f} s: {total / elapsed:.1f} ops/s, target {target:g} ops/s "
         f"({100.0 * total / elapsed / target:.1f}%); never more than rate*T + capacity = {bound:.0f}: "
         f"{'yes' if total <= bound else 'NO'}\n"
+    )
+    # What a busy machine withheld: no worker takes a grant before the pool hands the first one its
+    # job, nor while none of them runs (the least of their run-queue waits); and the time the
+    # limiter could not credit while they queued
+    late = max(0.0, min(r[3] for r in results) - start) if results else 0.0
+    least = min(r[2] for r in results) if results else 0.0
+    out.write(
+        f"  held up: the first worker started {late:.3f} s late, every worker was off the CPU at most "
+        f"{least:.3f} s; the limiter starved {starved:.3f} s\n"
     )
     return 0 if total <= bound else 1
 

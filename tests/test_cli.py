@@ -6,6 +6,7 @@ import pytest
 
 import shmlimit
 from support.procs import run_cli as run
+from support.starvation import steal_seconds
 
 
 def test_create_inspect_set_rate_unlink(name):
@@ -52,12 +53,22 @@ def test_user_mistakes_are_one_line_and_exit_2(args):
 
 
 def test_demo_reports_achieved_rate_within_the_bound():
+    stolen0 = steal_seconds()
     r = run("demo", "--workers", "3", "--rate", "300", "--seconds", "1.5")
     assert r.returncode == 0, r.stderr
     assert "never more than rate*T + capacity" in r.stdout and ": yes" in r.stdout
     total = [line for line in r.stdout.splitlines() if line.strip().startswith("total")][0]
     achieved = float(total.split("s: ")[1].split(" ops/s")[0])
-    assert achieved == pytest.approx(300, rel=0.05)
+    elapsed = float(total.split(" grants in ")[1].split(" s:")[0])
+    assert achieved <= 300 * 1.05
+    # the rate but for what the machine withheld, as the demo reports it (the first worker's late
+    # start, the workers' run-queue waits, the limiter's starved time) and the hypervisor's steal
+    # (support.starvation): on a quiet machine all are ~0 and the floor is the old one
+    held = [line for line in r.stdout.splitlines() if line.strip().startswith("held up:")][0]
+    late, workers, starved = (float(x.split(" s")[0]) for x in (
+        held.split("started ")[1], held.split("at most ")[1], held.split("starved ")[1]))
+    stolen = steal_seconds() - stolen0
+    assert achieved >= 300 * 0.95 - 300 * (late + workers + starved + stolen) / elapsed
 
 
 def test_help_on_every_command():

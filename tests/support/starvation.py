@@ -35,6 +35,13 @@ def run_delay(pid="self"):
                 total += int(f.read().split()[1])
     except (OSError, ValueError, IndexError):
         return None
+    return total / 1e9 + steal_seconds()
+
+
+def steal_seconds():
+    """Seconds the hypervisor has taken the machine's CPUs away so far (steal, summed over the
+    CPUs); 0 where the kernel does not say (the strict reading: nothing stolen)."""
+    import os
     stolen = 0
     try:
         with open("/proc/stat") as f:
@@ -42,10 +49,9 @@ def run_delay(pid="self"):
                 fields = line.split()
                 if fields[0].startswith("cpu") and fields[0] != "cpu" and len(fields) > 8:
                     stolen += int(fields[8])  # clock ticks
-        stolen /= os.sysconf("SC_CLK_TCK")
+        return stolen / os.sysconf("SC_CLK_TCK")
     except (OSError, ValueError, IndexError):
-        stolen = 0  # the strict reading: nothing stolen
-    return total / 1e9 + stolen
+        return 0.0
 '''
 exec(RUN_DELAY_SCRIPT)  # run_delay, from the very text the workers run
 
