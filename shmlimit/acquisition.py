@@ -527,10 +527,10 @@ def take_now(att: "Attachment", n: int, tokens: int) -> bool:
 
 def ticket_within(b: "Bucket", tokens: int, max_wait_ns: float) -> Optional[int]:
     """A ticket whose wait fits ``max_wait_ns``, replenishing once if it does not; None having taken nothing."""
-    ticket = b.try_grab_within(tokens, max_wait_ns)
-    if ticket is None and b.replenish() > 0:
-        ticket = b.try_grab_within(tokens, max_wait_ns)
-    return ticket
+    ticket, _ = b.take_within(tokens, max_wait_ns)
+    if ticket is REFUSED and b.replenish() > 0:
+        ticket, _ = b.take_within(tokens, max_wait_ns)
+    return None if ticket is REFUSED else ticket
 
 
 def try_acquire(att: "Attachment", n: int) -> bool:

@@ -40,7 +40,7 @@ from typing import Any, Callable, List, Optional, Tuple
 
 from . import fed_wait, inflight
 from . import layout as L
-from .cells import FED_ALL, MASK64, Cells, GrabResult, fed_mask
+from .cells import FED_ALL, MASK64, Cells, GrabResult, claim_record, fed_mask
 from .config import MAX_QUEUE_TOKENS as MAX_QUEUE
 from .config import Config
 from .config_banks import NO_SNAPSHOT, Snapshot, config_words, published_values, read_snapshot, write_banks, write_under_lock
@@ -63,6 +63,7 @@ def behind(a: int, b: int) -> int:
 
 #: The filler replenishes this often (ns): the pace a queued head can count on (see estimate_wait_ns).
 FILL_NS = 1_000_000
+REFUSED, NO_RECORD = "refused", "no record"  #: ``take_within`` took nothing: wait over its bound; no free record
 
 
 class Bucket:
@@ -176,9 +177,7 @@ class Bucket:
         tpn = cfg.tpn
         cap = cfg.cap_at(tpn)
         write_banks(c, config_words(cfg, tpn, False, L.FLAG_UPSTREAM if upstream else 0), c.load(L.CFG_SEQ))
-        initial = cap if initial_ops is None else min(cap, int(initial_ops * cfg.cost_at(tpn)))
-        if upstream:
-            initial = 0
+        initial = 0 if upstream else cap if initial_ops is None else min(cap, int(initial_ops * cfg.cost_at(tpn)))
         head = (base + initial) & MASK64
         c.store(L.TAIL, base & MASK64)
         c.store(L.HEAD, head)
@@ -524,28 +523,47 @@ class Bucket:
         s = snap or self.snap
         return max(short / s.tpn, short / max(1, s.cap // 2) * FILL_NS)
 
-    def try_grab_within(self, tokens: int, max_wait_ns: float) -> Optional[int]:
-        """Take ``tokens`` if the wait they imply (``estimate_wait_ns``) is <= ``max_wait_ns``.
+    def take_within(self, tokens: int, max_wait_ns: float, recs: Optional[Tuple[int, ...]] = None,
+                    grants: int = 0, ops: int = 0) -> Tuple[Any, Optional[int]]:
+        """Take ``tokens`` if their wait (``estimate_wait_ns``) is <= ``max_wait_ns``: the one CAS loop on the tail that may queue.
 
-        Returns the ticket (possibly not yet covered: the caller waits for it),
-        or None having changed nothing.  While stopped the wait is not
-        computable: only an unbounded ``max_wait_ns`` queues.  Raises
-        ``QueueFullError`` (changing nothing) when the queue would hold more
-        than ``MAX_QUEUE_TOKENS``.
+        Taking nothing: ``(REFUSED, None)`` when the wait exceeds a finite bound (not computable while stopped);
+        ``QueueFullError`` beyond ``MAX_QUEUE_TOKENS``.  Without ``recs``: ``(ticket, None)``, maybe not yet covered.
+        With ``recs`` (records' LEN offsets) it queues only holding a record, by ``words.claim_record``'s protocol
+        (claimed, the ticket written in it, before the CAS: a process killed at any instant leaves every ticket it
+        holds recorded but for one killed between that CAS and the next store): ``(NO_RECORD, None)``, taking nothing,
+        when all are in use; ``(ticket, rec)`` queued, recorded at ``rec`` with its exact length; ``(None, None)``
+        covered after all, ``ops`` added to ``grants``.  A record claimed and not needed is freed again.
         """
-        c = self.cells
-        snap = self.snap
-        while True:
-            tail = c.load(L.TAIL)
-            new = (tail + tokens) & MASK64
-            short = diff(new, c.load(L.HEAD))
-            if short > MAX_QUEUE:
-                raise QueueFullError(tokens, snap.tpn)
-            if short > 0 and max_wait_ns != float("inf"):
-                if snap.stopped or self.estimate_wait_ns(short, snap) > max_wait_ns:
-                    return None
-            if c.cas(L.TAIL, tail, new):
-                return new
+        c, snap = self.cells, self.snap
+        rec: Optional[int] = None
+        try:
+            while True:
+                tail = c.load(L.TAIL)
+                new = (tail + tokens) & MASK64
+                short = diff(new, c.load(L.HEAD))
+                if short > MAX_QUEUE:
+                    raise QueueFullError(tokens, snap.tpn)
+                if short > 0:
+                    if max_wait_ns != float("inf") and (snap.stopped or self.estimate_wait_ns(short, snap) > max_wait_ns):
+                        return REFUSED, None
+                    if recs is not None:
+                        rec = claim_record(c, recs, new) if rec is None else rec
+                        if rec is None:
+                            return NO_RECORD, None
+                        c.store(rec - 8, new)  # the record's TICKET: the word before its LEN
+                if c.cas(L.TAIL, tail, new):
+                    break
+            if recs is not None and diff(new, c.load(L.HEAD)) <= 0:  # covered after all: granted
+                c.fetch_add(grants, ops)
+                return None, None
+            if rec is not None:  # uncovered now, so at the last look too: recorded, its exact length
+                c.store(rec, tokens)
+            held, rec = rec, None
+            return new, held
+        finally:
+            if rec is not None:  # claimed and not needed (granted, refused): free again
+                c.store(rec, 0)
 
     # -- observation -----------------------------------------------------------------
 
@@ -580,7 +598,3 @@ class Bucket:
         c = self.cells
         head = c.load(L.HEAD)
         return c.load(L.REPL_TS) + max(0, diff(ticket, head)) / self.tpn
-
-    def wait_ns(self, tokens_short: int) -> float:
-        """Nanoseconds of schedule until ``tokens_short`` more tokens accrue."""
-        return tokens_short / self.tpn

@@ -50,11 +50,9 @@ import threading
 from typing import TYPE_CHECKING, Any, Callable, List, Optional, Tuple
 
 from . import layout as L
-from .bucket import diff
-from .cells import MASK64, claim_record
-from .config import MAX_QUEUE_TOKENS as MAX_QUEUE
+from .bucket import NO_RECORD, REFUSED, diff
+from .cells import MASK64
 from .config import MAX_SPAN_TOKENS
-from .errors import QueueFullError
 from .table import slot_alive
 
 if TYPE_CHECKING:  # pragma: no cover
@@ -75,6 +73,7 @@ LOOK_EVERY = 0.005
 LOOK_AT_LEAST = 0.25
 #: ... and one due now (another process's replenish in flight) again after this long (seconds).
 RETRY = 20e-6
+_INF = float("inf")
 
 
 # ---- the skip ------------------------------------------------------------------------------------
@@ -121,13 +120,6 @@ def skip(b: "Bucket", start: int, end: int) -> Optional[int]:
 # ---- the records in the process slot -------------------------------------------------------------
 
 
-#: What ``take_ticket`` answers, having taken nothing, when the wait would exceed its bound ...
-REFUSED = "refused"
-#: ... and when it would queue while every one of its ticket records is in use (or it has none).
-NO_RECORD = "no record"
-_INF = float("inf")
-
-
 def take_ticket(
     b: "Bucket", tokens: int, grants: int, ops: int, recs: Tuple[int, ...], max_wait_ns: float = _INF
 ) -> Tuple[Any, Optional[int]]:
@@ -143,50 +135,17 @@ def take_once(
 ) -> Tuple[Any, Optional[int]]:
     """Take ``tokens`` now, or a ticket recorded in one of ``recs`` (ticket records' LEN offsets).
 
-    Answers ``(None, None)`` granted at once (``ops`` added to ``grants``), ``(ticket, rec)``
+    Answers ``(None, None)`` granted (``ops`` added to ``grants``), ``(ticket, rec)``
     queued with the ticket recorded at ``rec`` (its exact length in tokens), or, having taken
-    nothing, ``(REFUSED, None)`` when the wait (``estimate_wait_ns``; not computable while
-    stopped) would exceed a finite ``max_wait_ns`` and ``(NO_RECORD, None)`` when it would
-    queue while every record is in use.  No ticket is taken without a record to hold it:
-    the record is claimed, and the ticket about to be taken written in it, before the CAS
-    that takes it (``words.claim_record``), so a process killed at any instant leaves every
-    ticket it holds recorded but for one killed between that CAS and the next store.
+    nothing, ``(REFUSED, None)`` when the wait would exceed a finite ``max_wait_ns`` and
+    ``(NO_RECORD, None)`` when it would queue while every record is in use: one composite of
+    the cells when the head covers the tokens now, else ``Bucket.take_within`` bound to the
+    records (no ticket taken without a record to hold it, claimed before the CAS that takes it).
     Raises ``QueueFullError`` (taking nothing) beyond ``MAX_QUEUE_TOKENS``.
     """
-    if b.cells.try_grab(L.TAIL, L.HEAD, tokens, grants, ops):  # granted at once: one composite
+    if b.try_grab(tokens, grants, ops):  # granted at once: one composite
         return None, None
-    c = b.cells
-    snap = b.snap
-    rec: Optional[int] = None
-    try:
-        while True:
-            tail = c.load(L.TAIL)
-            new = (tail + tokens) & MASK64
-            short = diff(new, c.load(L.HEAD))
-            if short > MAX_QUEUE:
-                raise QueueFullError(tokens, snap.tpn)
-            if short > 0:
-                if max_wait_ns != _INF and (snap.stopped or b.estimate_wait_ns(short, snap) > max_wait_ns):
-                    return REFUSED, None
-                if rec is None:
-                    rec = claim_record(c, recs, new)
-                    if rec is None:
-                        return NO_RECORD, None
-                c.store(rec - 8, new)  # the record's TICKET: the word before its LEN
-            if c.cas(L.TAIL, tail, new):
-                break
-        if diff(new, c.load(L.HEAD)) > 0:  # uncovered now, so at the last look too: recorded
-            assert rec is not None
-            c.store(rec, tokens)
-            held, rec = rec, None
-            return new, held
-        c.fetch_add(grants, ops)
-        return None, None
-    finally:
-        if rec is not None:  # claimed and not needed (granted, refused): free again
-            c.store(rec, 0)
-
-
+    return b.take_within(tokens, max_wait_ns, recs, grants, ops)
 
 
 #: A request that found its process's ticket records all in use looks again this often (seconds).

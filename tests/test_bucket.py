@@ -6,7 +6,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from shmlimit import layout as L
-from shmlimit.bucket import diff
+from shmlimit.bucket import NO_RECORD, REFUSED, diff
 from shmlimit.cells import native_available
 from shmlimit.config import NS_PER_S, Config
 from support.buckets import make_bucket
@@ -111,13 +111,15 @@ def test_try_grab_respects_queue_and_changes_nothing_on_refusal(backend):
     assert not b.try_grab(b.cost, L.UNREG_GRANTS, 1)  # a try never jumps the queue
 
 
-def test_try_grab_within_takes_only_when_the_wait_fits(backend):
+def test_take_within_takes_only_when_the_wait_fits(backend):
     b, clock = make_bucket(Config.make(1000, burst=2), backend, initial=0)  # covers two fill intervals
     tail = b.cells.load(L.TAIL)
-    assert b.try_grab_within(5 * b.cost, 4.9e6) is None  # 5 ms of wait > 4.9 ms
+    assert b.take_within(5 * b.cost, 4.9e6) == (REFUSED, None)  # 5 ms of wait > 4.9 ms
     assert b.cells.load(L.TAIL) == tail
-    ticket = b.try_grab_within(5 * b.cost, 5e6)
-    assert ticket is not None and b.deficiency(ticket) == 5 * b.cost
+    assert b.take_within(5 * b.cost, 5e6, recs=()) == (NO_RECORD, None)  # would queue, no record to hold it
+    assert b.cells.load(L.TAIL) == tail
+    ticket, rec = b.take_within(5 * b.cost, 5e6)
+    assert rec is None and b.deficiency(ticket) == 5 * b.cost
 
 
 @pytest.mark.parametrize("base", [0, (1 << 64) - 3 * 7_000_000_000, (1 << 63) - 5])
