@@ -370,3 +370,11 @@ def validate_timeout(timeout: object, param: str = "timeout") -> Optional[float]
     if math.isnan(t) or t < 0:
         raise ValueError(f"{param} must be None or a number of seconds >= 0, got {timeout!r}")
     return None if math.isinf(t) else t
+
+
+def validate_reconfigure(reconfigure: object, configured: bool, what: str) -> None:
+    """``reconfigure``: True or False, and True only given a configuration to apply (``what``, for the message)."""
+    if not isinstance(reconfigure, bool):
+        raise ValueError(f"reconfigure must be True or False, got {reconfigure!r}")
+    if reconfigure and not configured:
+        raise ValueError(f"reconfigure=True needs rate= ({what})")

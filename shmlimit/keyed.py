@@ -26,13 +26,13 @@ from . import keyed_cells as KC
 from . import keyed_layout as K
 from .acquisition import MAX_NAP
 from .cells import Cells
-from .config import carried_per, validate_timeout
+from .config import carried_per, validate_reconfigure, validate_timeout
 from .errors import ConfigMismatchError, KeyTableFullError, SegmentError
 from .keyed_gcra import TICKS_PER_S, Overrides, Rate, make_rate, publish_default, read_default
 from .keyed_segment import Geometry, check_geometry, open_segment
 from .keyed_stats import KeyedProcess, KeyedStats, KeySample, inspect_keyed, sample_keys, snapshot_of
 from .rate_group import RatesSwitch, group_options
-from .registry import Registry
+from .registry import Registry, release_on_gc
 from .segment import Segment, validate_mode, validate_name, validate_trusted_uids
 from .segment import unlink as _unlink_name
 from .table import ProcessTable, is_alive, proc_start, slot_alive
@@ -273,10 +273,7 @@ class KeyedLimiter(RatesSwitch):
         rates: None = None,
     ) -> None:
         validate_name(name)
-        if not isinstance(reconfigure, bool):
-            raise ValueError(f"reconfigure must be True or False, got {reconfigure!r}")
-        if reconfigure and rate is None:
-            raise ValueError("reconfigure=True needs rate= (the default rate to apply)")
+        validate_reconfigure(reconfigure, rate is not None, "the default rate to apply")
         geo = check_geometry(keys, K.default_overrides(keys) if overrides is None and isinstance(keys, int) else overrides)
         r = None if rate is None else make_rate(rate, per, burst)
         validate_mode(mode)
@@ -366,12 +363,7 @@ class KeyedLimiter(RatesSwitch):
         return (attach_keyed, (self._name,))
 
     def __del__(self) -> None:
-        att, self._att = getattr(self, "_att", None), None
-        if att is not None:
-            try:
-                _release(att, detach=False)
-            except Exception:  # pragma: no cover - interpreter shutdown
-                pass
+        release_on_gc(self, _release)
 
     # -- acquiring ---------------------------------------------------------------------
 

@@ -16,10 +16,11 @@ from . import layout as L
 from . import acquisition, live_changes
 from .acquisition import MAX_NAP, Request, drive, drive_async, wait_for_ticket
 from .attachment import NO_FAST, Attachment, open_attachment, release, show
-from .config import Config, parse_spec, validate_n, validate_timeout
+from .config import Config, parse_spec, validate_n, validate_reconfigure, validate_timeout
 from .errors import ConfigMismatchError
 from .header import Creation
 from .rate_group import RatesSwitch, group_options
+from .registry import release_on_gc
 from .segment import unlink as _unlink_name
 from .segment import validate_mode, validate_name, validate_slots, validate_trusted_uids
 from .upstream_option import resolve_upstream
@@ -124,10 +125,7 @@ class Limiter(RatesSwitch):
         rates: None = None,
     ) -> None:
         validate_name(name)
-        if not isinstance(reconfigure, bool):
-            raise ValueError(f"reconfigure must be True or False, got {reconfigure!r}")
-        if reconfigure and rate is None and upstream is None:
-            raise ValueError("reconfigure=True needs rate= (the configuration to apply)")
+        validate_reconfigure(reconfigure, rate is not None or upstream is not None, "the configuration to apply")
         trusted = validate_trusted_uids(trusted_uids)
         desc = None
         if upstream is not None:
@@ -242,12 +240,7 @@ class Limiter(RatesSwitch):
         return (_unpickle, (self._name, self._mode, trusted))
 
     def __del__(self) -> None:
-        att, self._att = getattr(self, "_att", None), None
-        if att is not None:
-            try:
-                release(att, detach=False)
-            except Exception:  # pragma: no cover - interpreter shutdown
-                pass
+        release_on_gc(self, release)
 
     # -- acquiring -------------------------------------------------------------------
     #

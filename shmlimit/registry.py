@@ -12,7 +12,7 @@ from __future__ import annotations
 import atexit
 import os
 import threading
-from typing import Callable, Dict, Generic, Protocol, TypeVar
+from typing import Any, Callable, Dict, Generic, Protocol, TypeVar
 
 from .segment import Segment, current_inode
 
@@ -86,3 +86,15 @@ class Registry(Generic[A]):
             except Exception:  # pragma: no cover - best effort at exit
                 pass
         self._atts.clear()
+
+
+def release_on_gc(handle: Any, release: Callable[[Any, bool], None]) -> None:
+    """A handle's ``__del__``: take its attachment (``handle._att``) from it, once, and ``release`` it
+    without detaching (the process stays attached, see ``Registry.release``), quietly: at interpreter
+    shutdown what the release needs may be gone already."""
+    att, handle._att = getattr(handle, "_att", None), None
+    if att is not None:
+        try:
+            release(att, False)
+        except Exception:  # pragma: no cover - interpreter shutdown
+            pass
