@@ -45,20 +45,7 @@ from .config import MAX_QUEUE_TOKENS as MAX_QUEUE
 from .config import Config
 from .config_banks import NO_SNAPSHOT, Snapshot, config_words, published_values, read_snapshot, write_banks, write_under_lock
 from .errors import ConfigWriterTakenOver, QueueFullError, SegmentError
-
-SIGN = 1 << 63
-WRAP = 1 << 64
-
-
-def diff(a: int, b: int) -> int:
-    """``a - b`` for wrapping 64-bit rovers, as a signed number."""
-    d = (a - b) & MASK64
-    return d - WRAP if d & SIGN else d
-
-
-def behind(a: int, b: int) -> int:
-    """Whichever of two rovers is behind the other."""
-    return a if diff(a, b) <= 0 else b
+from .words import behind, diff  # rover arithmetic, re-exported: the bucket's vocabulary
 
 
 #: The filler replenishes this often (ns): the pace a queued head can count on (see estimate_wait_ns).
@@ -464,6 +451,22 @@ class Bucket:
         """The head rover now (for ``give_back``)."""
         return self.cells.load(L.HEAD)
 
+    def skip(self, start: int, end: int) -> Optional[int]:
+        """The head jumps over ``[start, end)``, a range given back (``giveback.skip`` says why the bound
+        holds): None while the head is before ``start``, else the tokens skipped (0: none to skip)."""
+        c = self.cells
+        while True:
+            head = c.load(L.HEAD)
+            if diff(head, end) >= 0:
+                return 0
+            if diff(end, c.load(L.TAIL)) > 0 or diff(end, start) <= 0:
+                return 0  # no ticket ever handed out (the tail only grows): a corrupt record
+            if diff(head, start) < 0:
+                return None
+            if c.cas(L.HEAD, head, end):
+                self.replenish()  # the next one then clamps against a head past the range (see giveback)
+                return diff(end, head)
+
     def give_back(self, tokens: int, head_then: int) -> int:
         """Return ``tokens`` taken (and covered) when the head was at most ``head_then``, unused.
 
@@ -569,16 +572,12 @@ class Bucket:
 
     def balance(self) -> int:
         """``HEAD - TAIL`` in tokens: available when positive, owed to waiters when negative."""
-        c = self.cells
-        tail = c.load(L.TAIL)
-        return diff(c.load(L.HEAD), tail)
+        tail = self.cells.load(L.TAIL)
+        return diff(self.cells.load(L.HEAD), tail)
 
     def taken(self) -> int:
         """The tail rover: every token ever taken or queued for (wrapping at 2**64; compare with ``diff``).
-
-        Its advance over a period is that period's demand (grants, queued
-        tickets and burned tokens alike), which the upstream feeder measures.
-        """
+        Its advance over a period is that period's demand (grants, tickets, burned tokens alike)."""
         return self.cells.load(L.TAIL)
 
     def pending(self, now: Optional[int] = None) -> int:

@@ -99,22 +99,11 @@ def skip(b: "Bucket", start: int, end: int) -> Optional[int]:
     cover the tickets behind it all at once, a burst above the capacity.
     In any window the grants are thus what they would have been had the
     range never been taken, less that lost time: the window bound holds.
+    The skip then replenishes, leaving a snapshot of the head past the
+    range: the next replenish clamps against it, not against a head before
+    the range, which would make it add nothing (a whole interval lost).
     """
-    c = b.cells
-    while True:
-        head = c.load(L.HEAD)
-        if diff(head, end) >= 0:
-            return 0
-        if diff(end, c.load(L.TAIL)) > 0 or diff(end, start) <= 0:
-            return 0  # no ticket ever handed out (the tail only grows): a corrupt record
-        if diff(head, start) < 0:
-            return None
-        if c.cas(L.HEAD, head, end):
-            # A replenish now leaves a snapshot of the head past the range: the clamp of the
-            # next one is then relative to it, not to a head before the range, which would
-            # make it add nothing (a whole interval of time lost instead of this instant's).
-            b.replenish()
-            return diff(end, head)
+    return b.skip(start, end)
 
 
 # ---- the records in the process slot -------------------------------------------------------------
@@ -335,7 +324,7 @@ class Returns:
             ranges = list(self._ranges)
         if not ranges:
             return None
-        head = b.cells.load(L.HEAD)
+        head = b.head()
         ranges.sort(key=lambda r: diff(r[0], head))  # in queue order: a skip may reach the next one
         done = set()
         replenished = False

@@ -24,7 +24,6 @@ from typing import Any, Dict, Optional, Tuple
 
 from . import keyed_cells as KC
 from . import keyed_layout as K
-from .acquisition import MAX_NAP
 from .cells import Cells
 from .config import carried_per, validate_reconfigure, validate_timeout
 from .errors import ConfigMismatchError, KeyTableFullError, SegmentError

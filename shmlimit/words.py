@@ -33,6 +33,16 @@ def signed(d: int) -> int:
     return d - (1 << 64) if d >> 63 else d
 
 
+def diff(a: int, b: int) -> int:
+    """``a - b`` for wrapping 64-bit rovers, as a signed number."""
+    return signed(a - b)
+
+
+def behind(a: int, b: int) -> int:
+    """Whichever of two rovers is behind the other."""
+    return a if diff(a, b) <= 0 else b
+
+
 def plain_seconds(timeout: object) -> Optional[float]:
     """A timeout the fast path can use (an int or float, finite, >= 0), else None (the slow path decides)."""
     if type(timeout) is not float and type(timeout) is not int:
