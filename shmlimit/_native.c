@@ -1848,13 +1848,28 @@ native_timerfd_arm(PyObject *mod, PyObject *const *args, Py_ssize_t n)
 #define WAIT_RETRY_NS 20000u /* acquisition.RETRY_NS */
 #define WAIT_LEASE_SLOT_BITS 12 /* layout.LEASE_SLOT_BITS */
 
-typedef struct {
-    BOUND_FIELDS
-    uint64_t *seq, *tail, *head, *repl_ts, *snap_head, *snap_tail, *lease, *grants, *lost;
-    uint64_t *waiting; /* this process's WAITING word, or NULL (unregistered) */
-    uint64_t expected, tpn, cap;
-    long slack_ns;
+/* Both waiter types (Waiter, FedWaiter below) begin with these fields, so that one constructor
+ * half (wait_bind, wait_new), one wait() call (wait_call) and one `naps` getter serve both through
+ * WaitBase: what a wait() does around its loop -- parse, the grant without leaving the GIL, the
+ * `busy` and WAITING counts, the GIL released -- is the same for both; only the loop differs.
+ * Invariant: `seq`, `head` and `grants` are words of `cells` (bound by word(), so inside the
+ * mapping), `waiting` one or NULL; `expected` is the config the waiter was bound to. */
+#define WAIT_FIELDS                                                                                     \
+    BOUND_FIELDS                                                                                        \
+    uint64_t *seq, *head, *grants;                                                                      \
+    uint64_t *waiting; /* this process's WAITING word, or NULL (unregistered) */                        \
+    uint64_t expected;                                                                                  \
     uint64_t naps; /* sleeps taken by this waiter's calls (this process's, for tests and tools) */
+
+typedef struct {
+    WAIT_FIELDS
+} WaitBase;
+
+typedef struct {
+    WAIT_FIELDS
+    uint64_t *tail, *repl_ts, *snap_head, *snap_tail, *lease, *lost;
+    uint64_t tpn, cap;
+    long slack_ns;
 } Waiter;
 
 static inline uint64_t wld(uint64_t *w) { return __atomic_load_n(w, __ATOMIC_SEQ_CST); }
@@ -1862,6 +1877,56 @@ static inline int wcas(uint64_t *w, uint64_t e, uint64_t d)
 {
     return __atomic_compare_exchange_n(w, &e, d, 0, __ATOMIC_SEQ_CST, __ATOMIC_SEQ_CST);
 }
+
+/* The steps every wait loop shares, inline: no call, no clock read, no syscall of their own (a
+ * wait's CPU per grant is what the native loops are for). */
+
+/* Must the loop go back to Python (close() began, or the config it was bound to changed)?  Looked
+ * at before every step and after every sleep: close() relies on it to drain `busy`. */
+static inline int
+wait_leaving(WaitBase *w)
+{
+    return __atomic_load_n(&w->cells->closing, __ATOMIC_SEQ_CST) || wld(w->seq) != w->expected;
+}
+
+/* How many tokens the head is still short of `ticket` (<= 0: covered), wrap-safe. */
+static inline int64_t
+wait_short(WaitBase *w, uint64_t ticket)
+{
+    return (int64_t)(ticket - wld(w->head));
+}
+
+/* A covered ticket's grant: its ops counted in GRANTS, the flags with WAIT_GRANTED. */
+static inline int
+wait_grant(WaitBase *w, uint64_t ops, int flags)
+{
+    __atomic_fetch_add(w->grants, ops, __ATOMIC_SEQ_CST);
+    return flags | WAIT_GRANTED;
+}
+
+/* A computed wake-up instant as a deadline: `until` if it is not before it, else the instant
+ * truncated to whole ns plus `round_up` (1 where waking in the ns before the instant would be
+ * early).  The comparison is in double, as the instant was computed, so a value that would
+ * round to `until` caps at `until`. */
+static inline uint64_t
+wait_deadline(double at, uint64_t until, uint64_t round_up)
+{
+    return at >= (double)until ? until : (uint64_t)at + round_up;
+}
+
+#ifndef __linux__
+/* Without futexes: a plain relative sleep to the CLOCK_MONOTONIC instant `at`; 0 if a signal cut it. */
+static int
+wait_plain_sleep(uint64_t at)
+{
+    uint64_t now = monotonic_ns();
+    if (at > now) {
+        struct timespec ts = ns_timespec(at - now);
+        return nanosleep(&ts, NULL) == 0;
+    }
+    return 1;
+}
+#endif
 
 /* One claim and add of Bucket.replenish at clock reading `now` (0: read here), for a Waiter's
  * config: the tokens added.  *burn is set when the config changed between the claim and the add
@@ -1954,40 +2019,33 @@ waiter_sleep(Waiter *w, uint64_t at)
         return 0;
     return errno != EINTR;
 #else
-    uint64_t now = monotonic_ns();
-    if (at > now) {
-        uint64_t d = at - now;
-        struct timespec ts = ns_timespec(d);
-        return nanosleep(&ts, NULL) == 0;
-    }
-    return 1;
+    (void)w;
+    return wait_plain_sleep(at);
 #endif
 }
 
 /* The loop of wait(), without the GIL.  The thread's timer slack is lowered for its sleeps only:
  * *old_slack holds the slack to restore (0: untouched). */
 static int
-waiter_loop(Waiter *w, uint64_t ticket, uint64_t ops, uint64_t until, long *old_slack)
+waiter_loop(WaitBase *base, uint64_t ticket, uint64_t ops, uint64_t until, long *old_slack)
 {
+    Waiter *w = (Waiter *)base;
     int flags = 0, burn = 0;
     double tpn = (double)w->tpn;
     for (;;) {
-        if (__atomic_load_n(&w->cells->closing, __ATOMIC_SEQ_CST) || wld(w->seq) != w->expected)
+        if (wait_leaving(base))
             return flags;
         /* the head first, then REPL_TS: read across a replenish, the pair can only make the
          * due time later, never earlier (Bucket.due_ns) */
-        uint64_t head = wld(w->head);
-        int64_t short_ = (int64_t)(ticket - head);
-        if (short_ <= 0) {
-            __atomic_fetch_add(w->grants, ops, __ATOMIC_SEQ_CST);
-            return flags | WAIT_GRANTED;
-        }
+        int64_t short_ = wait_short(base, ticket);
+        if (short_ <= 0)
+            return wait_grant(base, ops, flags);
         uint64_t ts = wld(w->repl_ts);
         uint64_t now = monotonic_ns();
         double due = (double)ts + (double)short_ / tpn;
         uint64_t at;
         if (due > (double)now) { /* not our turn yet: no replenish can help, sleep until it */
-            at = due >= (double)until ? until : (uint64_t)due + 1;
+            at = wait_deadline(due, until, 1); /* the ns after `due`: never before it */
         } else {
             /* our turn: replenishing adds whatever time has passed */
             if (waiter_replenish(w, 0, &burn) > 0) {
@@ -1995,12 +2053,12 @@ waiter_loop(Waiter *w, uint64_t ticket, uint64_t ops, uint64_t until, long *old_
                     return flags | WAIT_BURN;
                 if (waiter_lease_lapsed(w, now))
                     flags |= WAIT_NUDGE;
-                if ((int64_t)(ticket - wld(w->head)) <= 0)
+                if (wait_short(base, ticket) <= 0)
                     continue; /* covered: granted at the top (after the config check) */
             }
             /* due, yet short (another process's replenish in flight): look again soon, or when
              * the shortfall could have arrived */
-            short_ = (int64_t)(ticket - wld(w->head));
+            short_ = wait_short(base, ticket);
             double later = short_ > 0 ? (double)short_ / tpn : 0;
             at = now + (later > WAIT_RETRY_NS ? (uint64_t)later : WAIT_RETRY_NS);
             if (at > until)
@@ -2028,8 +2086,13 @@ waiter_loop(Waiter *w, uint64_t ticket, uint64_t ops, uint64_t until, long *old_
 static unsigned long waiter_fork_gen = 1;
 static void waiter_atfork_child(void) { waiter_fork_gen++; }
 
+/* A waiter type's loop, run without the GIL: the flags wait() answers.  *old_slack is the
+ * thread's timer slack to restore after it (0: untouched; a loop that never lowers it leaves 0). */
+typedef int (*wait_loop_fn)(WaitBase *w, uint64_t ticket, uint64_t ops, uint64_t until, long *old_slack);
+
+/* wait(ticket, ops, until_ns, count_waiting) of both waiter types: everything around `loop`. */
 static PyObject *
-waiter_wait(Waiter *self, PyObject *const *args, Py_ssize_t n)
+wait_call(WaitBase *self, PyObject *const *args, Py_ssize_t n, wait_loop_fn loop)
 {
     uint64_t ticket, ops, until;
     if (!nargs(n, 4, "wait") || !check_open(self->cells))
@@ -2040,11 +2103,9 @@ waiter_wait(Waiter *self, PyObject *const *args, Py_ssize_t n)
     if (count < 0)
         return NULL;
     uint64_t *waiting = count ? self->waiting : NULL;
-    /* covered already (a fill came first): granted without leaving the GIL */
-    if (wld(self->seq) == self->expected && (int64_t)(ticket - wld(self->head)) <= 0) {
-        __atomic_fetch_add(self->grants, ops, __ATOMIC_SEQ_CST);
-        return PyLong_FromLong(WAIT_GRANTED);
-    }
+    /* covered already (a fill or a batch came first): granted without leaving the GIL */
+    if (wld(self->seq) == self->expected && wait_short(self, ticket) <= 0)
+        return PyLong_FromLong(wait_grant(self, ops, 0));
     int rc;
     long old_slack = 0;
     /* The mapping must outlive the loop, which runs without the GIL: close() waits while `busy`
@@ -2060,7 +2121,7 @@ waiter_wait(Waiter *self, PyObject *const *args, Py_ssize_t n)
     if (waiting) /* while it waits, the caller counts among its process's queued callers */
         __atomic_fetch_add(waiting, 1, __ATOMIC_SEQ_CST);
     Py_BEGIN_ALLOW_THREADS
-    rc = waiter_loop(self, ticket, ops, until, &old_slack);
+    rc = loop(self, ticket, ops, until, &old_slack);
     if (waiting)
         __atomic_fetch_sub(waiting, 1, __ATOMIC_SEQ_CST);
 #ifdef __linux__
@@ -2074,6 +2135,19 @@ waiter_wait(Waiter *self, PyObject *const *args, Py_ssize_t n)
 }
 
 static PyObject *
+waiter_wait(Waiter *self, PyObject *const *args, Py_ssize_t n)
+{
+    return wait_call((WaitBase *)self, args, n, waiter_loop);
+}
+
+/* (tokens added, burn), the answer of replenish() and refill() on both waiter types. */
+static PyObject *
+replenish_result(uint64_t added, int burn)
+{
+    return Py_BuildValue("(KO)", (unsigned long long)added, burn ? Py_True : Py_False);
+}
+
+static PyObject *
 waiter_replenish_at(Waiter *self, PyObject *arg)
 {
     uint64_t now;
@@ -2084,8 +2158,7 @@ waiter_replenish_at(Waiter *self, PyObject *arg)
         return NULL;
     }
     int burn = 0;
-    uint64_t added = waiter_replenish(self, now, &burn);
-    return Py_BuildValue("(KO)", (unsigned long long)added, burn ? Py_True : Py_False);
+    return replenish_result(waiter_replenish(self, now, &burn), burn);
 }
 
 /* refill() -> (tokens added, burn): Bucket.replenish now, the clock read after the words as in
@@ -2097,8 +2170,7 @@ waiter_refill(Waiter *self, PyObject *unused)
     if (!check_open(self->cells))
         return NULL;
     int burn = 0;
-    uint64_t added = waiter_replenish(self, 0, &burn);
-    return Py_BuildValue("(KO)", (unsigned long long)added, burn ? Py_True : Py_False);
+    return replenish_result(waiter_replenish(self, 0, &burn), burn);
 }
 
 static PyMethodDef waiter_methods[] = {
@@ -2112,11 +2184,12 @@ static PyMethodDef waiter_methods[] = {
 };
 
 static PyObject *
-waiter_get_naps(Waiter *self, void *closure)
+waiter_get_naps(WaitBase *self, void *closure)
 {
     return PyLong_FromUnsignedLongLong(__atomic_load_n(&self->naps, __ATOMIC_RELAXED));
 }
 
+/* both waiter types' getters (WAIT_FIELDS) */
 static PyGetSetDef waiter_getset[] = {
     {"naps", (getter)waiter_get_naps, NULL, "how many times this waiter's calls slept", NULL},
     {NULL, NULL, NULL, NULL, NULL},
@@ -2129,48 +2202,71 @@ static PyTypeObject WaiterType = {
     .tp_getset = waiter_getset,
 };
 
+/* The half of a waiter constructor both types share: `n` must be `want`; the args at the offsets
+ * `at[0..k)` are bound as words into w[] (word(): checked against the mapping), the one at
+ * `waiting_at` as *waiting (None: NULL), args[1] read as *expected.  0 with an exception set. */
+static int
+wait_bind(NativeCells *self, PyObject *const *args, Py_ssize_t n, Py_ssize_t want, const char *name,
+          int waiting_at, const int *at, int k, uint64_t **w, uint64_t **waiting, uint64_t *expected)
+{
+    if (!nargs(n, want, name) || !check_open(self))
+        return 0;
+    *waiting = NULL;
+    if (args[waiting_at] != Py_None && !(*waiting = word(self, args[waiting_at])))
+        return 0;
+    for (int i = 0; i < k; i++)
+        if (!(w[i] = word(self, args[at[i]])))
+            return 0;
+    return u64(args[1], expected);
+}
+
+/* A new waiter of `type` bound to `self` (a reference held: the mapping outlives it) with the
+ * WAIT_FIELDS set and no naps; the caller sets the rest of its type's fields. */
+static WaitBase *
+wait_new(NativeCells *self, PyTypeObject *type, uint64_t *seq, uint64_t *head, uint64_t *grants,
+         uint64_t *waiting, uint64_t expected)
+{
+    WaitBase *g = PyObject_New(WaitBase, type); /* tp_basicsize: the whole Waiter or FedWaiter */
+    if (!g)
+        return NULL;
+    Py_INCREF(self);
+    g->cells = self;
+    g->seq = seq;
+    g->head = head;
+    g->grants = grants;
+    g->waiting = waiting;
+    g->expected = expected;
+    g->naps = 0;
+    return g;
+}
+
 /* waiter(seq, expected, tail, head, repl_ts, snap_head, snap_tail, lease, grants, waiting, tpn,
  * cap, slack_ns, lost) -> a Waiter (see above); `waiting` is a word offset or None. */
 static PyObject *
 cells_waiter(NativeCells *self, PyObject *const *args, Py_ssize_t n)
 {
-    if (!nargs(n, 14, "waiter") || !check_open(self))
-        return NULL;
-    uint64_t *waiting = NULL;
-    if (args[9] != Py_None && !(waiting = word(self, args[9])))
-        return NULL;
-    uint64_t *w[9];
+    uint64_t *w[9], *waiting, expected, tpn, cap, slack;
     const int at[9] = {0, 2, 3, 4, 5, 6, 7, 8, 13};
-    for (int i = 0; i < 9; i++)
-        if (!(w[i] = word(self, args[at[i]])))
-            return NULL;
-    uint64_t expected, tpn, cap, slack;
-    if (!u64(args[1], &expected) || !u64(args[10], &tpn) || !u64(args[11], &cap) || !u64(args[12], &slack))
+    if (!wait_bind(self, args, n, 14, "waiter", 9, at, 9, w, &waiting, &expected))
+        return NULL;
+    if (!u64(args[10], &tpn) || !u64(args[11], &cap) || !u64(args[12], &slack))
         return NULL;
     if (tpn < 1 || cap < 1 || cap > ((uint64_t)1 << 62) || slack < 1 || slack > 1000000000u) {
         PyErr_SetString(PyExc_ValueError, "waiter: tpn >= 1, 1 <= cap <= 2**62, 1 <= slack_ns <= 1e9");
         return NULL;
     }
-    Waiter *g = PyObject_New(Waiter, &WaiterType);
+    Waiter *g = (Waiter *)wait_new(self, &WaiterType, w[0], w[2], w[7], waiting, expected);
     if (!g)
         return NULL;
-    Py_INCREF(self);
-    g->cells = self;
-    g->seq = w[0];
     g->tail = w[1];
-    g->head = w[2];
     g->repl_ts = w[3];
     g->snap_head = w[4];
     g->snap_tail = w[5];
     g->lease = w[6];
-    g->grants = w[7];
     g->lost = w[8];
-    g->waiting = waiting;
-    g->expected = expected;
     g->tpn = tpn;
     g->cap = cap;
     g->slack_ns = (long)slack;
-    g->naps = 0;
     return (PyObject *)g;
 }
 /* close(): wake the waiters of this process and wait until none is inside (they leave at once:
@@ -2238,14 +2334,7 @@ fed_sleep(uint32_t *w, uint32_t expected, uint32_t bitset, uint64_t at)
     return errno == ETIMEDOUT ? ETIMEDOUT : EINTR;
 #else
     (void)w; (void)expected; (void)bitset;
-    uint64_t now = monotonic_ns();
-    if (at > now) {
-        uint64_t d = at - now;
-        struct timespec ts = ns_timespec(d);
-        if (nanosleep(&ts, NULL) != 0)
-            return EINTR;
-    }
-    return ETIMEDOUT;
+    return wait_plain_sleep(at) ? ETIMEDOUT : EINTR;
 #endif
 }
 
@@ -2294,11 +2383,9 @@ cells_futex_wake(NativeCells *self, PyObject *const *args, Py_ssize_t n)
 #define FED_NUDGE_NS 2000000u /* acquisition.POLL: the filler lease lapsed, come back this soon */
 
 typedef struct {
-    BOUND_FIELDS
-    uint64_t *seq, *head, *lease, *grants, *wake, *next_ns;
-    uint64_t *waiting; /* this process's WAITING word, or NULL */
-    uint64_t expected, cost, tpn, grace_ns;
-    uint64_t naps;
+    WAIT_FIELDS
+    uint64_t *lease, *wake, *next_ns;
+    uint64_t cost, tpn, grace_ns;
 } FedWaiter;
 
 /* Until when a fed waiter sleeps at most without a wake (Bucket.fed_deadline): the batch the
@@ -2311,27 +2398,27 @@ fed_deadline(FedWaiter *w, uint64_t now, uint64_t short_, uint64_t until)
     uint64_t nxt = wld(w->next_ns);
     double turn = (double)now + (double)short_ / (double)w->tpn;
     double at = ((double)nxt > turn ? (double)nxt : turn) + (double)w->grace_ns;
-    return at >= (double)until ? until : (uint64_t)at;
+    return wait_deadline(at, until, 0);
 }
 
 /* The loop of a fed wait, without the GIL: granted once the head covers the ticket; asleep on the
  * word with the ticket's bit meanwhile; back to Python at `until`, on a changed config, a signal or
  * close(), and soon (WAIT_NUDGE) when the filler lease lapsed: only a filler leases. */
 static int
-fed_loop(FedWaiter *w, uint64_t ticket, uint64_t ops, uint64_t until)
+fed_loop(WaitBase *base, uint64_t ticket, uint64_t ops, uint64_t until, long *old_slack)
 {
+    (void)old_slack; /* the futex sleep keeps the thread's timer slack: nothing to restore */
+    FedWaiter *w = (FedWaiter *)base;
     uint32_t *word = fed_word32(w->wake);
     uint32_t bit = 1u << ((ticket / w->cost) & 31);
     int flags = 0;
     for (;;) {
-        if (__atomic_load_n(&w->cells->closing, __ATOMIC_SEQ_CST) || wld(w->seq) != w->expected)
+        if (wait_leaving(base))
             return flags;
         uint32_t v = __atomic_load_n(word, __ATOMIC_SEQ_CST); /* before the head: a move after it changes v */
-        int64_t short_ = (int64_t)(ticket - wld(w->head));
-        if (short_ <= 0) {
-            __atomic_fetch_add(w->grants, ops, __ATOMIC_SEQ_CST);
-            return flags | WAIT_GRANTED;
-        }
+        int64_t short_ = wait_short(base, ticket);
+        if (short_ <= 0)
+            return wait_grant(base, ops, flags);
         uint64_t now = monotonic_ns();
         if (now >= until)
             return flags;
@@ -2347,10 +2434,8 @@ fed_loop(FedWaiter *w, uint64_t ticket, uint64_t ops, uint64_t until)
         if (r == EINTR)
             return flags;
         if (r == ETIMEDOUT && at < until) { /* the lapsed lease's short sleep: a last look, then Python nudges */
-            if ((int64_t)(ticket - wld(w->head)) <= 0 && wld(w->seq) == w->expected) {
-                __atomic_fetch_add(w->grants, ops, __ATOMIC_SEQ_CST);
-                return flags | WAIT_GRANTED;
-            }
+            if (wait_short(base, ticket) <= 0 && wld(w->seq) == w->expected)
+                return wait_grant(base, ops, flags);
             return flags;
         }
     }
@@ -2359,37 +2444,7 @@ fed_loop(FedWaiter *w, uint64_t ticket, uint64_t ops, uint64_t until)
 static PyObject *
 fed_wait(FedWaiter *self, PyObject *const *args, Py_ssize_t n)
 {
-    uint64_t ticket, ops, until;
-    if (!nargs(n, 4, "wait") || !check_open(self->cells))
-        return NULL;
-    if (!u64(args[0], &ticket) || !u64(args[1], &ops) || !u64(args[2], &until))
-        return NULL;
-    int count = PyObject_IsTrue(args[3]);
-    if (count < 0)
-        return NULL;
-    uint64_t *waiting = count ? self->waiting : NULL;
-    if (wld(self->seq) == self->expected && (int64_t)(ticket - wld(self->head)) <= 0) {
-        __atomic_fetch_add(self->grants, ops, __ATOMIC_SEQ_CST);
-        return PyLong_FromLong(WAIT_GRANTED);
-    }
-    int rc;
-    NativeCells *c = self->cells;
-    if (c->busy_gen != waiter_fork_gen) { /* as in waiter_wait: a forked child counts its own */
-        c->busy_gen = waiter_fork_gen;
-        __atomic_store_n(&c->busy, 0, __ATOMIC_SEQ_CST);
-    }
-    __atomic_fetch_add(&c->busy, 1, __ATOMIC_SEQ_CST);
-    Py_INCREF(self);
-    if (waiting)
-        __atomic_fetch_add(waiting, 1, __ATOMIC_SEQ_CST);
-    Py_BEGIN_ALLOW_THREADS
-    rc = fed_loop(self, ticket, ops, until);
-    if (waiting)
-        __atomic_fetch_sub(waiting, 1, __ATOMIC_SEQ_CST);
-    __atomic_fetch_sub(&c->busy, 1, __ATOMIC_SEQ_CST);
-    Py_END_ALLOW_THREADS
-    Py_DECREF(self);
-    return PyLong_FromLong(rc);
+    return wait_call((WaitBase *)self, args, n, fed_loop);
 }
 
 /* refill() -> (0, False): in this mode only leases add tokens (the interface of Waiter.refill). */
@@ -2399,13 +2454,7 @@ fed_refill(FedWaiter *self, PyObject *unused)
     (void)unused;
     if (!check_open(self->cells))
         return NULL;
-    return Py_BuildValue("(KO)", 0ULL, Py_False);
-}
-
-static PyObject *
-fed_get_naps(FedWaiter *self, void *closure)
-{
-    return PyLong_FromUnsignedLongLong(__atomic_load_n(&self->naps, __ATOMIC_RELAXED));
+    return replenish_result(0, 0);
 }
 
 static PyMethodDef fed_methods[] = {
@@ -2415,17 +2464,12 @@ static PyMethodDef fed_methods[] = {
     {NULL, NULL, 0, NULL},
 };
 
-static PyGetSetDef fed_getset[] = {
-    {"naps", (getter)fed_get_naps, NULL, "how many times this waiter's calls slept", NULL},
-    {NULL, NULL, NULL, NULL, NULL},
-};
-
 static PyTypeObject FedWaiterType = {
     NATIVE_TYPE("FedWaiter", FedWaiter,
                 "A queued caller's wait for its ticket in hierarchical mode, woken when leased tokens land."),
     .tp_dealloc = (destructor)bound_dealloc,
     .tp_methods = fed_methods,
-    .tp_getset = fed_getset,
+    .tp_getset = waiter_getset,
 };
 
 /* fed_waiter(seq, expected, head, lease, grants, waiting, wake, next_ns, cost, tpn, grace_ns) -> a
@@ -2434,40 +2478,25 @@ static PyTypeObject FedWaiterType = {
 static PyObject *
 cells_fed_waiter(NativeCells *self, PyObject *const *args, Py_ssize_t n)
 {
-    if (!nargs(n, 11, "fed_waiter") || !check_open(self))
-        return NULL;
-    uint64_t *waiting = NULL;
-    if (args[5] != Py_None && !(waiting = word(self, args[5])))
-        return NULL;
-    uint64_t *w[6];
+    uint64_t *w[6], *waiting, expected, cost, tpn, grace;
     const int at[6] = {0, 2, 3, 4, 6, 7};
-    for (int i = 0; i < 6; i++)
-        if (!(w[i] = word(self, args[at[i]])))
-            return NULL;
-    uint64_t expected, cost, tpn, grace;
-    if (!u64(args[1], &expected) || !u64(args[8], &cost) || !u64(args[9], &tpn) || !u64(args[10], &grace))
+    if (!wait_bind(self, args, n, 11, "fed_waiter", 5, at, 6, w, &waiting, &expected))
+        return NULL;
+    if (!u64(args[8], &cost) || !u64(args[9], &tpn) || !u64(args[10], &grace))
         return NULL;
     if (cost < 1 || tpn < 1 || grace > 1000000000u) {
         PyErr_SetString(PyExc_ValueError, "fed_waiter: cost >= 1, tpn >= 1, 0 <= grace_ns <= 1e9");
         return NULL;
     }
-    FedWaiter *g = PyObject_New(FedWaiter, &FedWaiterType);
+    FedWaiter *g = (FedWaiter *)wait_new(self, &FedWaiterType, w[0], w[1], w[3], waiting, expected);
     if (!g)
         return NULL;
-    Py_INCREF(self);
-    g->cells = self;
-    g->seq = w[0];
-    g->head = w[1];
     g->lease = w[2];
-    g->grants = w[3];
     g->wake = w[4];
     g->next_ns = w[5];
-    g->waiting = waiting;
-    g->expected = expected;
     g->cost = cost;
     g->tpn = tpn;
     g->grace_ns = grace;
-    g->naps = 0;
     self->fed_word = fed_word32(w[4]);
     return (PyObject *)g;
 }
