@@ -43,6 +43,18 @@ def queued(name, **options):
         lim.close()
 
 
+@contextmanager
+def native_wait_replaced(name):
+    """A limiter at 1000/s (burst 1) on a fake clock, emptied, whose native wait (``fast[3]``) the
+    test replaces: ``(lim, its attachment, the clock)``; the wait restored and the limiter closed on leaving."""
+    clock = FakeClock()
+    with queued(name, rate=1000, burst=1, clock=clock) as lim:
+        try:
+            yield lim, lim._att, clock
+        finally:
+            lim._att.fast[3] = None
+
+
 def no_backlog(lim, n=1, within=0.5):
     """A timed acquire decides at once from the queue ahead: True only if no long ticket is in it."""
     return lim.acquire(n, timeout=within)
@@ -376,11 +388,7 @@ def test_every_waiter_of_a_process_has_a_record_up_to_the_slots_five(name):
 def test_the_fast_paths_ticket_is_recorded_during_its_native_wait(name):
     from shmlimit.acquisition import wait_for_ticket
 
-    clock = FakeClock()
-    lim = shmlimit.Limiter(name, rate=1000, burst=1, clock=clock)
-    try:
-        att = lim._att
-        empty(lim)
+    with native_wait_replaced(name) as (lim, att, clock):
         b = att.bucket
         grab = b.grabber(b.snap, att.grants_off, att.rec_lens)  # the fast path's grab of one op ...
         ticket = grab()  # ... it must wait, and it recorded its ticket as it took it
@@ -412,9 +420,6 @@ def test_the_fast_paths_ticket_is_recorded_during_its_native_wait(name):
         assert wait_for_ticket(att, ticket) is True
         assert seen[-1] == [b.cost] + [0] * (L.TICKET_RECORDS - 1)
         assert [att.cells.load(off) for _, off in att.records] == [0] * L.TICKET_RECORDS  # granted: freed
-    finally:
-        att.fast[3] = None
-        lim.close()
 
 
 KILLED_THREADS = textwrap.dedent(
@@ -677,11 +682,7 @@ def test_a_fast_paths_ticket_keeps_its_own_price_under_a_concurrent_set_rate(nam
     # the record the grab made holds exactly what it took, so giving it back skips exactly that.
     from shmlimit.acquisition import wait_for_ticket
 
-    clock = FakeClock()
-    lim = shmlimit.Limiter(name, rate=1000, burst=1, clock=clock)
-    try:
-        att = lim._att
-        empty(lim)
+    with native_wait_replaced(name) as (lim, att, clock):
         b = att.bucket
         old_cost = b.cost
         ticket = lim._fast[0]()  # the fast path's grab: queued behind nothing, one op at 1000/s
@@ -700,9 +701,6 @@ def test_a_fast_paths_ticket_keeps_its_own_price_under_a_concurrent_set_rate(nam
         assert diff(att.cells.load(L.HEAD), ticket) == 0
         assert diff(att.cells.load(L.TAIL), ticket) == 0
         assert [att.cells.load(off) for _, off in att.records] == [0] * L.TICKET_RECORDS
-    finally:
-        att.fast[3] = None
-        lim.close()
 
 
 HOLDS_OPS = textwrap.dedent(

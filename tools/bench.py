@@ -42,6 +42,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import json
 import mmap
 import multiprocessing as mp
@@ -52,7 +53,7 @@ import sys
 import threading
 import time
 import uuid
-from typing import Callable, Dict, List, Optional
+from typing import Callable, Dict, Iterator, List, Optional
 
 import shmlimit
 from shmlimit.cells import native_available
@@ -1119,25 +1120,12 @@ def main(argv=None) -> int:
             print_waiting(res)
         return 0
     if args.only_hierarchy:
-        server, url = (None, args.redis) if args.redis else start_redis()
-        try:
+        with redis_url(args.redis) as url:
             res["hierarchy"] = bench_hierarchy(url, 2.0 if quick else 5.0, sweep=False) if url else None
-        finally:
-            if server is not None:
-                server.kill()
-                server.wait()
-        if args.json:
-            print(json.dumps(res, indent=None))
-        else:
-            print_table(res)
-        return 0
+        return emit(res, args.json)
     if args.only_rates:
         res["rates"] = bench_rates(20_000 if quick else 200_000)
-        if args.json:
-            print(json.dumps(res, indent=None))
-        else:
-            print_table(res)
-        return 0
+        return emit(res, args.json)
     if not (args.only_redis or args.only_keyed):
         res["rates"] = bench_rates(20_000 if quick else 200_000)
         res["single_ns"] = bench_single(20_000 if quick else 300_000)
@@ -1148,8 +1136,7 @@ def main(argv=None) -> int:
         res["cpu_waiting"] = bench_cpu(2.0 if quick else 4.0)
         res["waiting"] = waiting_rows(2.0 if quick else 4.0)
         res["filler_under_load"] = bench_filler_under_load(3.0 if quick else 5.0)
-    server, url = (None, args.redis) if args.redis else start_redis()
-    try:
+    with redis_url(args.redis) as url:
         if not args.only_keyed:
             res["redis"] = bench_redis(url, 1.0 if quick else 3.0) if url else None
             res["hierarchy"] = bench_hierarchy(url, 2.0 if quick else 5.0) if url else None
@@ -1158,14 +1145,27 @@ def main(argv=None) -> int:
             res["latency"] = bench_latency(port, 3.0 if quick else 5.0) if port else None
         if not args.only_redis:
             res["keyed"] = bench_keyed(20_000 if quick else 200_000, 0.5 if quick else 1.5, url)
+    return emit(res, args.json)
+
+
+@contextlib.contextmanager
+def redis_url(given: Optional[str]) -> Iterator[Optional[str]]:
+    """The Redis server's URL: ``given``, or one started for the run (stopped after it; None if none starts)."""
+    server, url = (None, given) if given else start_redis()
+    try:
+        yield url
     finally:
         if server is not None:
             server.kill()
             server.wait()
-    if args.json:
+
+
+def emit(res: dict, as_json: bool) -> int:
+    """Print the results, as one JSON object or as the table; the exit status."""
+    if as_json:
         print(json.dumps(res, indent=None))
-        return 0
-    print_table(res)
+    else:
+        print_table(res)
     return 0
 
 
