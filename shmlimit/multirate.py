@@ -19,7 +19,9 @@ takes them together:
   others' queues, and holds the lead rate's tokens (granted, unused) while it
   waits there: as long as the callers already queued on them at that instant
   need (FIFO), which is nothing when they have room.  A timed waiter whose wait
-  there exceeds its time left gives everything back and returns False.
+  there exceeds its time left gives everything back and returns False.  Every
+  ticket it queues, on any rate, is recorded in that rate's process slot and
+  given back should it leave unserved or die, exactly as one rate's waiter's.
 * **Settling.**  ``settle`` charges a rate by a grab it does not wait for
   (never refused: it is debt later callers wait for), and refunds by
   ``Bucket.add`` (what does not fit under the capacity is dropped).
@@ -296,7 +298,7 @@ class MultiLimiter(RateGroup):
         that a refusal by a later one (another caller took its room between
         the look and the claim) finds the earlier claims covered and gives
         them back; a claim still queued then is spent unused (never an extra
-        grant), as a single rate's abandoned ticket is.
+        grant: a reservation is not a waiter, and takes no ticket record).
         """
         ops = self._ops(n, costs)
         atts = self._live()

@@ -7,9 +7,10 @@ from __future__ import annotations
 from typing import List, Optional, Sequence, Tuple
 
 from . import acquisition
-from .acquisition import Request, ticket_within
+from .acquisition import Request
 from .attachment import Attachment
 from .config import NS_PER_S, validate_timeout
+from .giveback import NO_RECORD, REFUSED, record_nap, take_ticket
 
 _INF = float("inf")
 
@@ -89,7 +90,7 @@ class MultiRequest:
         self.waits: List[Tuple[int, Request]] = []  # (rate index, the request waiting for its ticket)
         self.held: List[Held] = []  # tokens granted and not yet used
         self.lead = -1
-        self.failed = False  # a timed join of the other rates was refused: give back once covered
+        self.joining: List[int] = []  # rates still to join, whose records were all in use (RECORD)
         self.granted = False
         self.wake_ns: Optional[int] = None
 
@@ -109,28 +110,26 @@ class MultiRequest:
         return self._join([self.lead])
 
     def _join(self, which: Sequence[int]) -> acquisition.Step:
-        """Take a ticket on each rate of ``which`` (within the time left); give all back if one refuses."""
+        """Take a ticket on each rate of ``which`` (within the time left), each recorded in its rate's
+        process slot as a single rate's is (``giveback.take_ticket``): a rate whose records are all in
+        use takes nothing, and it and the rest are joined later (``joining``); one that refuses ends
+        the request, giving back what it holds (``end``: its queued tickets too)."""
         left = self._left_ns()
-        for i in which:
+        self.joining = []
+        for k, i in enumerate(which):
             att, t = self.atts[i], self.toks[i]
             b = att.bucket
             h = b.head()
-            if self.deadline is None:
-                ticket = b.grab(t, att.grants_off, 0)
-            else:
-                ticket = ticket_within(b, t, left)
-                if ticket is None:
-                    if not self.waits:
-                        return self._refuse()
-                    # A ticket already queued on another rate cannot be handed back before the head
-                    # reaches it (that would let those ahead of it through early): wait for it,
-                    # then give everything back.
-                    self.failed = True
-                    break
-            if ticket is None or b.covered(ticket):
+            got, rec = take_ticket(b, t, att.grants_off, 0, att.rec_lens, left)  # counted once all are granted
+            if got is REFUSED:
+                return self._refuse()
+            if got is NO_RECORD:
+                self.joining = list(which[k:])
+                break
+            if got is None:
                 self.held.append((att, t, h))
             else:
-                self.waits.append((i, Request.holding(att, 0, ticket)))
+                self.waits.append((i, Request.holding(att, 0, got, t, rec)))
         return self._step()
 
     def _step(self) -> acquisition.Step:
@@ -148,18 +147,32 @@ class MultiRequest:
             naps.append(s)
             wakes.append(req.wake_ns)
         self.waits = still
+        if self.joining:  # a rate found no free record: look again soon, holding what it holds
+            return self._record_nap(naps)
         if still:
             self.wake_ns = min(wakes) if all(w is not None for w in wakes) else None
             return min(naps)  # type: ignore[type-var]
         self.wake_ns = None
-        if self.failed:
-            return self._refuse()
         if self.state == LEAD:  # the lead rate's ticket is due: now join the others' queues
             self.state = OTHERS
             rest = [i for i, o in enumerate(self.ops) if o and i != self.lead]
             if rest:
                 return self._join(rest)
         return self._granted(count=True)
+
+    def _record_nap(self, naps: List[acquisition.Step]) -> acquisition.Step:
+        """``joining``: park as a single rate's request does in ``RECORD`` (``giveback.record_nap``;
+        roughly: ``wake_ns`` None), at most until a ticket's turn; refused at the deadline."""
+        i = self.joining[0]
+        att = self.atts[i]
+        nap = record_nap(att.bucket, self.toks[i], bool(att.records), acquisition.MAX_NAP)
+        self.wake_ns = None
+        if self.deadline is not None:
+            left = (self.deadline - self.clock()) / NS_PER_S
+            if left <= 0:
+                return self._refuse()
+            nap = min(nap, left)
+        return min([nap, *naps])  # type: ignore[type-var]
 
     def wait_native(self) -> None:
         """No native wait: a request over several rates waits on each rate's turn in Python, each
@@ -169,6 +182,10 @@ class MultiRequest:
     def next(self) -> acquisition.Step:
         if self.state == DONE:
             raise RuntimeError("request is done: nothing to wait for")
+        if self.joining:  # the rates that found no free record: try them again
+            for i in self.joining:
+                self.atts[i].bucket.refresh()
+            return self._join(self.joining)
         return self._step()
 
     def _granted(self, count: bool) -> bool:

@@ -12,6 +12,9 @@ for a single rate, plus what the replenish that covers it brings beyond it: at
 most one fill interval, and never more than the capacity),
 and a charge is debt the later grants wait for, so it never loosens this; at
 the end every untimed request has been granted once the schedule allowed it.
+A parked request may leave (an interrupt, a cancellation: its ``end``), giving back what it
+holds, and every ticket a parked request holds on any rate is recorded in that rate's process
+slot with its exact length (so that a death at any step leaves it to the filler's reap).
 """
 import os
 import uuid
@@ -130,6 +133,27 @@ class MultiRateModel(RuleBasedStateMachine):
             self.events[k].append((self.clock.now, delta * self.atts[k].bucket.cost))
             self._step_all()  # a refund may serve the waiters now
 
+    @precondition(lambda self: self.pending)
+    @rule(data=st.data())
+    def waiter_leaves(self, data):
+        """A parked request is interrupted or cancelled: its driver ends it; what it holds is given back."""
+        r, costs = data.draw(st.sampled_from(self.pending), label="waiter")
+        r.end()
+        self.pending.remove((r, costs))
+        self.took.pop(id(r), None)
+
+    @invariant()
+    def every_queued_ticket_recorded(self):
+        """No ticket without a record: each parked request's ticket on every rate is in one of its
+        process slot's records on that rate, with the exact tokens it took."""
+        for r, _ in self.pending:
+            for _, req in r.waits:
+                att = req.att
+                assert req.record is not None, "a request over several rates holds a ticket no record holds"
+                assert req.record in {off for _, off in att.records}
+                assert att.cells.load(req.record) == req.tokens > 0
+                assert att.cells.load(req.record - 8) == req.ticket
+
     @invariant()
     def no_rate_is_over_granted(self):
         for k, events in self.events.items():
@@ -177,6 +201,7 @@ class MultiRateModel(RuleBasedStateMachine):
         self.clock.advance(ns - self.clock.now)
         for att in self.atts.values():
             att.bucket.replenish()
+            att.returns.step()  # the process's skipper: the ranges given back, skipped when reached
         self._step_all()
 
     @precondition(lambda self: self.pending)

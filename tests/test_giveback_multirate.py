@@ -1,0 +1,205 @@
+"""Abandoned tickets over several rates (``rates=``): every queued ticket of a request over several
+rates is recorded in its rate's process slot, as a single rate's is, and given back when its waiter
+is interrupted, cancelled or killed.  Each test fails on a limiter that leaves the range queued:
+whoever comes next on that rate waits for the abandoned request's whole schedule.
+"""
+import asyncio
+import subprocess
+import sys
+import textwrap
+import time
+
+import pytest
+
+import shmlimit
+from shmlimit import layout as L
+from shmlimit.bucket import diff
+from shmlimit.giveback import record
+from shmlimit.multirate import MultiLimiter, MultiRequest
+from support.clock import FakeClock
+from support.procs import WORKDIR, interrupted_after, wait_for
+
+
+def make(name, rates, clock=None):
+    lim = shmlimit.Limiter(name, rates=rates, clock=clock)
+    assert isinstance(lim, MultiLimiter)
+    return lim
+
+
+def empty(lim):
+    """Take every op every rate holds now (one op on all at a time), so that the next request queues."""
+    while lim.try_acquire():
+        pass
+
+
+def request(lim, timeout=None, n=1, **costs):
+    ops = lim._ops(n, costs)
+    return MultiRequest(lim._live(), ops, lim._tokens(ops), timeout)
+
+
+def advance(lim, clock, seconds, tick=0.001):
+    """Move the fake clock as a filler would see it (a replenish of every rate every ``tick``), each
+    process's skipper skipping the ranges it gave back as the head reaches them."""
+    for _ in range(max(1, round(seconds / tick))):
+        clock.advance(round(tick * 1e9))
+        for att in lim._live():
+            att.bucket.replenish()
+            att.returns.step()
+
+
+def assert_recorded(req):
+    """``req`` (one rate's ``Request``) holds its ticket in one of its process slot's records, exactly."""
+    att = req.att
+    assert req.record is not None and req.record in {off for _, off in att.records}
+    assert att.cells.load(req.record) == req.tokens > 0
+    assert att.cells.load(req.record - 8) == req.ticket
+
+
+def test_an_interrupted_lead_ticket_is_recorded_and_given_back(name, cleanup):
+    clock = FakeClock()
+    lim = make(name, {"a": ("1/s", 1), "b": ("10/s", 1)}, clock)
+    cleanup.append(lim)
+    empty(lim)
+    r = request(lim, a=5, b=1)  # five seconds of a's schedule
+    assert r.begin() is not True
+    assert r.state == "lead" and [i for i, _ in r.waits] == [0]
+    assert_recorded(r.waits[0][1])
+    a = lim._live()[0]
+    behind = request(lim, a=1)
+    assert behind.begin() is not True  # queued behind it on a
+    r.end()  # interrupted (the driver's finally): its ticket is given back, the head skips it
+    assert [a.cells.load(off) for _, off in a.records].count(0) == L.TICKET_RECORDS - 1  # behind's only
+    advance(lim, clock, 1.001)
+    assert behind.next() is True  # one op's schedule, not six
+    behind.end()
+
+
+def test_a_ticket_queued_on_another_rate_is_recorded_and_given_back(name, cleanup):
+    clock = FakeClock()
+    lim = make(name, {"a": ("1/s", 1), "b": ("10/s", 1)}, clock)
+    cleanup.append(lim)
+    empty(lim)
+    r = request(lim, a=1, b=1)
+    assert r.begin() is not True and r.state == "lead"  # a leads
+    b = lim._live()[1]
+    assert shmlimit.multirate.acquisition.reserve(b, 15, None) is not None  # 1.5 s of b's schedule
+    advance(lim, clock, 1.002)
+    assert r.next() is not True and r.state == "others"  # a is due: it queues on b behind the reservation
+    assert [i for i, _ in r.waits] == [1]
+    assert_recorded(r.waits[0][1])
+    bystander = request(lim, b=1)
+    assert bystander.begin() is not True  # behind it on b: due at 1.7 s with it, 1.6 s without
+    r.end()  # interrupted: its ticket on b is given back (and a's op it held)
+    advance(lim, clock, 1.6 - 1.002 + 0.002)
+    assert bystander.next() is True
+    bystander.end()
+
+
+def test_a_rate_whose_records_are_all_in_use_is_joined_once_one_is_free(name, cleanup):
+    clock = FakeClock()
+    lim = make(name, {"a": ("1/s", 1), "b": ("10/s", 1)}, clock)
+    cleanup.append(lim)
+    empty(lim)
+    a = lim._live()[0]
+    cells = a.cells
+    far = (cells.load(L.TAIL) - 10**12) % 2**64  # long passed: no range of the queue
+    for _ in range(L.TICKET_RECORDS):  # every record of this process's slot on a is in use
+        assert record(cells, a.records, far, 1) is not None
+    tail = cells.load(L.TAIL)
+    r = request(lim, a=1, b=1)
+    nap = r.begin()
+    assert nap is not True and nap is not False and 0 < nap <= 0.25
+    assert r.joining == [0] and r.waits == [] and cells.load(L.TAIL) == tail  # took nothing on a
+    assert r.next() is not True and cells.load(L.TAIL) == tail  # still none free: still nothing
+    cells.store(a.records[0][1], 0)  # one is freed (a waiter of this process was served)
+    assert r.next() is not True
+    assert r.joining == [] and [i for i, _ in r.waits] == [0]
+    assert_recorded(r.waits[0][1])
+    r.end()
+    # a timed request refuses at its deadline, holding nothing, if no record frees meanwhile
+    for _, off in a.records:
+        cells.store(off, 0)
+    for _ in range(L.TICKET_RECORDS):
+        record(cells, a.records, far, 1)
+    t = request(lim, timeout=2.0, a=1, b=1)
+    assert t.begin() is not True
+    clock.advance(2_000_000_001)
+    assert t.next() is False
+    assert t.waits == [] and t.held == []
+    for _, off in a.records:
+        cells.store(off, 0)
+
+
+# ---- real processes, real time -------------------------------------------------------------------
+
+RATES = [("10/s", 1), ("20/s", 1)]
+
+
+@pytest.mark.slow
+def test_keyboard_interrupt_in_a_multirate_waiter_gives_its_tickets_back(name, cleanup):
+    lim = make(name, RATES)
+    cleanup.append(lim)
+    empty(lim)
+    with interrupted_after(0.1), pytest.raises(KeyboardInterrupt):
+        lim.acquire(600)  # a minute of the first rate's schedule
+    assert lim.acquire(1, timeout=0.5)  # one op's schedule away, not a minute
+    assert all(s.processes[0].waiting == 0 for s in lim.stats().rates.values())
+
+
+@pytest.mark.slow
+def test_a_cancelled_async_multirate_waiter_gives_its_tickets_back(name, cleanup):
+    lim = make(name, RATES)
+    cleanup.append(lim)
+
+    async def main():
+        empty(lim)
+        task = asyncio.ensure_future(lim.acquire_async(600))
+        await asyncio.sleep(0.05)
+        assert lim.stats().rates["0"].processes[0].waiting == 1  # queued on the lead rate
+        task.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await task
+        return await lim.acquire_async(1, timeout=0.5)
+
+    assert asyncio.run(main())
+
+
+KILLED_MULTI_WAITER = textwrap.dedent(
+    """
+    import sys
+    import shmlimit
+    lim = shmlimit.Limiter(sys.argv[1], rates=[("10/s", 1), ("20/s", 1)])
+    print("ready", flush=True)
+    lim.acquire(int(sys.argv[2]))
+    print("granted", flush=True)
+    """
+)
+
+
+@pytest.mark.slow
+def test_a_killed_multirate_waiter_does_not_stall_those_behind_it(name, cleanup):
+    lim = make(name, RATES)
+    cleanup.append(lim)
+    empty(lim)
+    p = subprocess.Popen([sys.executable, "-c", KILLED_MULTI_WAITER, name, "600"], stdout=subprocess.PIPE,
+                         text=True, cwd=WORKDIR)
+    try:
+        assert p.stdout.readline().strip() == "ready"
+
+        def queued():  # the child waits on some rate: its ticket is taken (a minute of the first rate's)
+            return any(pr.pid == p.pid and pr.waiting for s in lim.stats().rates.values() for pr in s.processes)
+
+        wait_for(queued, timeout=30)
+        cells = lim._live()[0].cells
+        assert diff(cells.load(L.TAIL), cells.load(L.HEAD)) > 500 * lim._live()[0].bucket.cost
+    finally:
+        p.kill()
+        p.wait()
+        p.stdout.close()
+    t0 = time.monotonic()
+    while not lim.acquire(1, timeout=0.2):
+        assert time.monotonic() < t0 + 5.0, "still behind the killed waiter's minute"
+    waited = time.monotonic() - t0
+    # as for one rate: the filler gives the dead ticket back within REAP_EVERY (0.1 s), plus a lease
+    # takeover (50 ms, and a watcher's look) if the dead process was the filler, plus this op's 0.1 s
+    assert waited < 2.0, waited
