@@ -14,7 +14,8 @@ filler and the process table never false-share.
     line  6  REPL_TS SNAP_HEAD SNAP_TAIL: last replenish time and the rovers read just before it;
                        STARVED_NS: schedule time the clamp could not credit while callers queued
     line  7  LEASE     filler lease: (expiry_us << 12) | (slot + 1), 0 = free
-    line  8  UNREG_GRANTS: grants of processes beyond the table
+    line  8  UNREG_GRANTS: grants of processes beyond the table; UP_WANTING: since when callers of
+                       hierarchical mode have wanted tokens (the fillers' view, for the starved count)
     line  9  WAIT      the waiting pool: schedule time not used while the bucket was full (catch-up);
                        UP_WAKE: the futex word hierarchical mode's waiters sleep on
     line 10  UP_*      upstream (hierarchical mode) state and counters, written by the filler
@@ -109,6 +110,12 @@ LEASE_SLOT_BITS = 12
 
 # counters
 UNREG_GRANTS = 8 * LINE
+#: Hierarchical mode: CLOCK_MONOTONIC ns since when callers have wanted tokens without a pause any
+#: filler saw (0: they did not at the filler's last look).  In the segment, not in the filler, so a
+#: filler that takes over knows how long a gap it finds in the global schedule has been starving
+#: them.  Zero in a segment written before it existed: such gaps are then counted from the
+#: new filler's first look only.
+UP_WANTING = 8 * LINE + 8
 
 # catch-up
 WAIT = 9 * LINE

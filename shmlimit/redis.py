@@ -72,8 +72,10 @@ LUA = r"""
 -- KEYS[1]: hash {e = epoch (whole seconds), t = theoretical arrival time (ns after e)}
 -- ARGV: mode (0 reserve n, 1 take up to n available now but at least m, 2 peek), n, interval_ns,
 --       tolerance_ns, max_wait_ns (-1 = none), clock seconds and microseconds ('' = Redis TIME), m
--- Returns {ops granted, wait_ns, backlog_ns}: a refusal grants 0 ops, writes nothing, and its
--- wait is how long until the request could be granted.
+-- Returns {ops granted, wait_ns, backlog_ns, dry_ns}: a refusal grants 0 ops, writes nothing, and its
+-- wait is how long until the request could be granted; dry_ns is how long the schedule had run dry
+-- (now past the stored tat: time the GCRA did not bank beyond its tolerance), 0 when it had not or
+-- the key was gone.
 local mode = tonumber(ARGV[1])
 local n = tonumber(ARGV[2])
 local iv = tonumber(ARGV[3])
@@ -90,21 +92,22 @@ local st = redis.call('HMGET', KEYS[1], 'e', 't')
 local e = tonumber(st[1]) or sec
 local now = (sec - e) * 1000000000 + usec * 1000
 local tat = tonumber(st[2]) or now
-if tat < now then tat = now end
+local dry = 0
+if tat < now then dry = now - tat; tat = now end
 local backlog = tat - now
 if mode == 2 then
   local avail = math.floor((tau - backlog) / iv)
   if avail < 0 then avail = 0 end
-  return {avail, math.max(0, backlog + n * iv - tau), backlog}
+  return {avail, math.max(0, backlog + n * iv - tau), backlog, dry}
 end
 local grant = n
 if mode == 1 then
   local m = tonumber(ARGV[8])
   grant = math.min(n, math.floor((tau - backlog) / iv))
-  if grant < m then return {0, backlog + m * iv - tau, backlog} end
+  if grant < m then return {0, backlog + m * iv - tau, backlog, dry} end
 else
   local wait = backlog + n * iv - tau
-  if wait > 0 and max_wait >= 0 and wait > max_wait then return {0, wait, backlog} end
+  if wait > 0 and max_wait >= 0 and wait > max_wait then return {0, wait, backlog, dry} end
 end
 tat = tat + grant * iv
 if now > 1000000000000000 then
@@ -114,7 +117,7 @@ if now > 1000000000000000 then
 end
 redis.call('HSET', KEYS[1], 'e', string.format('%.0f', e), 't', string.format('%.0f', tat))
 redis.call('PEXPIRE', KEYS[1], math.ceil((tat - now) / 1000000) + 1000)
-return {grant, math.max(0, tat - tau - now), tat - now}
+return {grant, math.max(0, tat - tau - now), tat - now, dry}
 """
 #: What EVALSHA names the script by (redis-py computes the same).
 LUA_SHA = hashlib.sha1(LUA.encode()).hexdigest()
@@ -285,7 +288,7 @@ class _GcraClient:
 
     def _script(self, mode: int, n: int, max_wait_ns: Optional[int] = None, least: int = 1,
                 key: Optional[str] = None) -> Step:
-        """Steps of one script call; returns ``(ops granted, wait_ns, backlog_ns)``.
+        """Steps of one script call; returns ``(ops granted, wait_ns, backlog_ns, dry_ns)``.
 
         A NOSCRIPT answer (the scripts were flushed, or a failover or slot
         migration reached a server that never saw ours) loads it and asks
@@ -302,7 +305,7 @@ class _GcraClient:
                 self._count(script_loads=1)
                 yield (_LOAD,)
                 r = yield (_EVAL, key, args)
-            granted, wait, backlog = int(r[0]), int(r[1]), int(r[2])
+            granted, wait, backlog, dry = int(r[0]), int(r[1]), int(r[2]), int(r[3])
         except _REDIS_ERRORS as e:
             self._count(round_trips=trips, errors=1)
             raise classify(e, f"redis at {self.url} for limiter {self._name!r}") from e
@@ -310,7 +313,7 @@ class _GcraClient:
             self._count(round_trips=trips, errors=1)
             raise RedisDataError(f"redis at {self.url} for limiter {self._name!r} answered {r!r}") from e
         self._count(round_trips=trips)
-        return granted, wait, backlog
+        return granted, wait, backlog, dry
 
     def _run(self, steps: Step) -> Any:
         """The sync driver: run ``steps`` to completion on this thread's connection."""
@@ -363,7 +366,7 @@ class _GcraClient:
     def _reserve_steps(self, n: int, max_wait: Optional[float], key: Optional[str] = None) -> Step:
         validate_n(n, 1)
         bound = self._bound(n, validate_timeout(max_wait, "max_wait"))
-        granted, wait, _ = yield from self._script(MODE_RESERVE, n, bound, key=key)
+        granted, wait, _, _ = yield from self._script(MODE_RESERVE, n, bound, key=key)
         if not granted:
             self._count(refusals=1)
             return None
@@ -377,7 +380,7 @@ class _GcraClient:
         deadline = None if timeout is None else time.monotonic() + timeout
         while True:
             left = None if deadline is None else max(0.0, deadline - time.monotonic())
-            granted, wait, _ = yield from self._script(MODE_RESERVE, n, self._bound(n, left), key=key)
+            granted, wait, _, _ = yield from self._script(MODE_RESERVE, n, self._bound(n, left), key=key)
             received = time.monotonic()
             if granted:
                 self._count(grants=n)
@@ -452,14 +455,15 @@ class RedisLimiter(_GcraClient):
         return _connected(cls, spec.secrets, spec.name, spec.rate, spec.per, spec.burst, url=spec.url,
                           clock=spec.clock, timeout=spec.timeout)
 
-    def call(self, mode: int, n: int, max_wait_ns: Optional[int] = None, least: int = 1) -> Tuple[int, int, int]:
-        """One script call: ``(ops granted, wait_ns, backlog_ns)``.
+    def call(self, mode: int, n: int, max_wait_ns: Optional[int] = None, least: int = 1) -> Tuple[int, int, int, int]:
+        """One script call: ``(ops granted, wait_ns, backlog_ns, dry_ns)``: ``dry_ns`` is how long the
+        global schedule had run dry before it (schedule the GCRA did not bank), 0 if it had not.
 
         Raises ``RedisUnavailableError`` or ``RedisDataError``.
         """
         return self._run(self._script(mode, n, max_wait_ns, least))
 
-    async def call_async(self, mode: int, n: int, max_wait_ns: Optional[int] = None, least: int = 1) -> Tuple[int, int, int]:
+    async def call_async(self, mode: int, n: int, max_wait_ns: Optional[int] = None, least: int = 1) -> Tuple[int, int, int, int]:
         """``call`` on this event loop's own connection."""
         return await self._run_async(self._script(mode, n, max_wait_ns, least))
 
@@ -492,7 +496,7 @@ class RedisLimiter(_GcraClient):
         validate_n(n, 1)
         if isinstance(least, bool) or not isinstance(least, int) or not 1 <= least <= n:
             raise ValueError(f"least must be an int from 1 to n={n}, got {least!r}")
-        granted, wait, _ = self.call(MODE_UPTO, n, 0, least)
+        granted, wait, _, _ = self.call(MODE_UPTO, n, 0, least)
         if granted:
             self._count(grants=granted)
         return granted, (0.0 if granted else wait / NS_PER_S)
@@ -530,7 +534,7 @@ class RedisLimiter(_GcraClient):
 
     def stats(self) -> RedisStats:
         """The shared state (one round trip, writes nothing) and this client's counters."""
-        avail, _, backlog = self.call(MODE_PEEK, 1)
+        avail, _, backlog, _ = self.call(MODE_PEEK, 1)
         with self._lock:
             counts = dict(self._counts)
         c = self._config

@@ -74,7 +74,8 @@ class Stats:
     #: queued: no replenish ran within ``capacity`` of schedule because the filler and the waiters
     #: did not get the CPU (a starved host).  The rate fell short by this much (with catch-up, it
     #: went to the waiting pool, ``behind_seconds``, to be paid back); 0 on a healthy host.  In
-    #: hierarchical mode: the global schedule lost because the filler asked for it late.
+    #: hierarchical mode: the global schedule lost while callers wanted tokens, because the filler
+    #: asked for it late, Redis ran the request late, or a reserved batch was delivered past its ttl.
     starved_seconds: float = 0.0
     upstream: Optional[UpstreamStats] = None  #: hierarchical mode only
 

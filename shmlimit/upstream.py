@@ -218,10 +218,6 @@ class Feeder:
         #: planned from here; a former filler checks its own at their ends (the filler plans from
         #: the records it saw)
         self.mine: List[int] = []
-        #: where our last reservation left the global schedule (its TAT), on our clock: the reply
-        #: plus the backlog Redis named, so never earlier than it was (None: not known yet)
-        self.schedule_end: Optional[int] = None
-        self._wanting_since: Optional[int] = None  # callers have wanted tokens since (None: not now)
 
     @property
     def max_batch(self) -> int:
@@ -258,10 +254,7 @@ class Feeder:
         c = self.cells
         now = self.clock()
         self._measure(now)
-        if b.balance() < 0 or now - c.load(L.UP_HUNGRY) < HUNGRY_NS:
-            self._wanting_since = now if self._wanting_since is None else self._wanting_since
-        else:
-            self._wanting_since = None
+        self._note_wanting(now)
         state = c.load(L.UP_STATE)
         if state in (STATE_OK, STATE_CLOSED, STATE_ERROR):  # leased tokens expire, Redis or not
             self.expire(now)
@@ -282,8 +275,6 @@ class Feeder:
         """No longer the filler: deliver the batches this process reserved, when due (they are slots
         of the global schedule that nobody else will deliver); tell waiters when, unless another
         filler expects tokens sooner."""
-        # the schedule is another filler's meanwhile: a gap we see after taking over again is not ours
-        self.schedule_end = self._wanting_since = None
         if not self.pending and not self.mine:
             return None
         now = self.clock()
@@ -421,6 +412,14 @@ class Feeder:
             bt = self.pending[0]
             if now - bt.stamp >= self.ttl_ns:
                 c.fetch_add(L.UP_EXPIRED, bt.left)
+                # delivered too late to be used (the filler, or this process as an orphan, off the
+                # CPU since it fell due): schedule lost as surely as a gap, if callers want it (the
+                # ops queued callers are owed, or all of it for callers refused just now)
+                owed = -b.balance() // b.cost
+                if owed <= 0 and now - c.load(L.UP_HUNGRY) < HUNGRY_NS:
+                    owed = bt.left
+                if owed > 0:
+                    c.fetch_add(L.STARVED_NS, min(owed, bt.left) * self.interval_ns)
                 self.pending.popleft()
                 continue
             if not bt.recorded:
@@ -494,7 +493,7 @@ class Feeder:
             if self.redis is None:
                 self.redis = self._connect(self.spec)
             trips = self.redis.round_trips
-            granted, wait, backlog = self.redis.call(MODE_RESERVE, want, None)
+            granted, wait, backlog, dry = self.redis.call(MODE_RESERVE, want, None)
         except RedisUnavailableError as e:
             self._count_trips(trips)
             self._fail(state, e)
@@ -509,7 +508,8 @@ class Feeder:
         if state != STATE_OK:
             self._recover(state)
         if granted:
-            self._note_dry(sent, received, granted, backlog)
+            if state == STATE_OK:  # (after an outage the gap is the outage's: counted as errors)
+                self._note_dry(sent, dry)
             self.pending.append(_Batch(due=received + wait, stamp=sent + wait, ops=granted, left=granted))
             c.fetch_add(L.UP_LEASED, granted)
             self.next_try = 0
@@ -519,20 +519,32 @@ class Feeder:
             c.fetch_add(L.UP_REFUSED, 1)
             self.next_try = received + int(MIN_RETRY * 1e9) + random.randrange(min(self.interval_ns, 1_000_000) + 1)
 
-    def _note_dry(self, sent: int, received: int, granted: int, backlog: int) -> None:
-        """The global schedule had run dry when this request reached Redis (the reservation began at
-        Redis's now: its backlog is its own ops) while callers wanted tokens: the GCRA does not bank
-        the gap, so that schedule time is lost.  Counted in ``STARVED_NS`` (``Stats.starved_seconds``,
-        as the clamp's losses are in clock-fed mode): from where our last reservation left the
-        schedule, or from when callers began to want tokens if later, to our request.  A lower
-        bound on one host.  The filler asked late: its thread was off the CPU for longer than the
-        lead, or the previous call answered late.  (A Redis error resets it: an outage is counted
-        in ``errors`` and ``fallbacks``, not here.)"""
-        end, self.schedule_end = self.schedule_end, received + backlog
-        since = self._wanting_since
-        if end is None or since is None or backlog > granted * self.interval_ns:
+    def _note_wanting(self, now: int) -> None:
+        """Keep ``UP_WANTING``: since when callers have wanted tokens (queued, or refused without
+        queueing in the last ``HUNGRY_NS``), as every filler in turn saw it; 0 when they do not."""
+        c = self.cells
+        wanting = self.bucket.balance() < 0 or now - c.load(L.UP_HUNGRY) < HUNGRY_NS
+        since = c.load(L.UP_WANTING)
+        if wanting and not since:
+            c.store(L.UP_WANTING, max(1, now))
+        elif since and not wanting:
+            c.store(L.UP_WANTING, 0)
+
+    def _note_dry(self, sent: int, dry: int) -> None:
+        """The global schedule had run dry for ``dry`` ns (Redis's own measure: from the end of the
+        last reservation, anyone's, to when it ran this one) while callers wanted tokens: the GCRA
+        does not bank the gap, so that schedule time is lost.  Counted in ``STARVED_NS``
+        (``Stats.starved_seconds``, as the clamp's losses are in clock-fed mode): the part of the
+        gap since callers began to want tokens (``UP_WANTING``, kept by whichever filler ran), up to
+        our request; a lower bound, as Redis ran it after we sent it.  Either the filler asked late
+        (its thread, or the process that should have taken over from it, off the CPU for longer
+        than the lead) or Redis ran the request late (off the CPU itself).  A filler that takes
+        over counts a gap its predecessor left, and never one of its own earlier stint that
+        someone else's reservations closed."""
+        since = self.cells.load(L.UP_WANTING)
+        if dry <= 0 or not since:
             return
-        lost = sent - max(end, since)
+        lost = min(dry, sent - since)
         if lost > 0:
             self.cells.fetch_add(L.STARVED_NS, lost)
 
@@ -544,7 +556,6 @@ class Feeder:
         """Redis unavailable: enter the configured fallback (from "ok" only; "error" stays closed)."""
         c = self.cells
         c.fetch_add(L.UP_ERRORS, 1)
-        self.schedule_end = None
         if state == STATE_OK:
             log.warning("%s; fallback %r until it answers", e, self.on_error)
             code, flags = _FALLBACK[self.on_error]
@@ -558,7 +569,6 @@ class Feeder:
         """Redis answered with an error: closed, whatever the fallback, until it answers correctly."""
         c = self.cells
         c.fetch_add(L.UP_ERRORS, 1)
-        self.schedule_end = None
         if state != STATE_ERROR:
             log.error("%s; no tokens until it answers correctly", e)
             if state == STATE_OK:
