@@ -94,14 +94,22 @@ class Lease:
 
     def renew(self) -> bool:
         """Extend our lease.  False (and we no longer hold it) if another process took it."""
-        if not self.word:
+        word = self.word
+        if not word:
             return False
         new = lease_word(self.clock_us() + int(LEASE_TIMEOUT * 1e6), self.slot)
-        if self.cells.cas(L.LEASE, self.word, new):
+        if self.cells.cas(L.LEASE, word, new):
             self.word = new
             return True
-        self.word = 0
+        if self.word == word:  # (not if this process's nudge took it again meanwhile: ``lapsed``)
+            self.word = 0
         return False
+
+    def lapsed(self) -> bool:
+        """Is the lease free or expired, whoever held it (this process too: a thread that believes it
+        holds the lease may be late to renew it)?"""
+        cur = self.cells.load(L.LEASE)
+        return not cur or lease_expiry_us(cur) <= self.clock_us()
 
     def drop(self) -> None:
         """Give the lease up at once so another process takes over without waiting for expiry."""
@@ -274,9 +282,15 @@ class FillerThread(threading.Thread):
         """Called by this process's waiters when they had to replenish: the filler is late.
 
         Takes the lease at once if it has expired, so the next filler is one
-        that is known to be running, without any watcher polling quickly.
+        that is known to be running, without any watcher polling quickly.  Also
+        when this process's filler thread believes it holds the lease: it is
+        late to renew it (off the CPU, or another process took the lease and
+        let it lapse in turn), and a waiter that runs proves the process runs;
+        left lapsed, every waiter would look again every few ms (a fed wait's
+        short sleep) until the thread noticed.
         """
-        if self.make_feed is not None and not self.lease.held and self.lease.try_take():
+        lease = self.lease
+        if self.make_feed is not None and (not lease.held or lease.lapsed()) and lease.try_take():
             self._wake.set()
 
     def _nap_renewing(self, nap: float, last_renew: float) -> float:

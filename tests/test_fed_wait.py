@@ -185,3 +185,58 @@ def test_a_timed_caller_not_served_gives_its_ticket_back_and_the_next_batch_serv
     assert b.add(b.cost) == b.cost
     assert fed.try_acquire()  # the one op went to the next caller, not to the range given back
     assert not fed.try_acquire()
+
+
+LATE_FILLER_WAITER = textwrap.dedent(
+    """
+    import sys
+    import shmlimit, shmlimit.acquisition as A, shmlimit.fed_wait as F, shmlimit.layout as L
+    from shmlimit.filler import lease_word, now_us
+    from shmlimit.redis import RedisLimiter
+    A.MAX_NAP_NS = 60_000_000_000  # no look but the wake's (nor a deadline's) within the test
+    sleeps = [0]
+    sleep = F.sleep
+    def counted(*args):
+        sleeps[0] += 1
+        return sleep(*args)
+    F.sleep = counted  # the atomics backend's fed sleep (the native one counts its naps)
+    name, glob, url, other = sys.argv[1], sys.argv[2], sys.argv[3], int(sys.argv[4])
+    lim = shmlimit.Limiter(name, upstream=RedisLimiter(glob, rate=1, per=100, url=url))  # a filler candidate
+    att = lim._att
+    lim.retry_after()  # a first use: this process's filler thread runs ...
+    att.filler.stop()  # ... and never runs again: as a thread off the CPU
+    att.filler.join()
+    # it believes it holds the lease, which another process took from it and let lapse in turn
+    att.lease.word = lease_word(now_us() - 2_000_000, att.lease.slot)
+    att.cells.store(L.LEASE, lease_word(now_us() - 1_000_000, other))
+    print("ready", flush=True)
+    ok = lim.acquire()
+    waiter = lim._att.fast[3]
+    print(ok, sleeps[0] + (waiter.naps if waiter is not None else 0), flush=True)
+    lim.close()
+    """
+)
+
+
+@linux
+def test_a_waiter_whose_filler_thread_is_late_takes_the_lapsed_lease_and_sleeps_until_the_batch(fed, redis_server):
+    """A waiter that finds the filler lease lapsed, held (as its own process's filler thread believes) by
+    that late thread, takes the lease and sleeps until the batch, rather than look again every few ms
+    until the thread runs: it slept at most three times in 0.3 s (one short look at the lapse)."""
+    b = fed._att.bucket
+    tail = b.cells.load(L.TAIL)
+    glob = fed.stats().upstream.key.split("{")[1].split("}")[0]
+    p = subprocess.Popen([sys.executable, "-c", LATE_FILLER_WAITER, fed.name, glob, redis_server.url,
+                          str(fed._att.lease.slot)], stdout=subprocess.PIPE, text=True, cwd=WORKDIR)
+    try:
+        assert p.stdout.readline().strip() == "ready"
+        ticket = wait_for(lambda: b.cells.load(L.TAIL) != tail and b.cells.load(L.TAIL))
+        wait_for(lambda: asleep_on(p.pid, b.cells, fed_bit(ticket, b.cost)), timeout=30)
+        time.sleep(0.3)  # the span over which its sleeps are counted: no batch comes meanwhile
+        assert b.add(b.cost) == b.cost  # the batch that covers its ticket
+        ok, sleeps = p.stdout.readline().split()
+        assert ok == "True" and int(sleeps) <= 3, sleeps  # not one look every 2 ms (~150)
+        assert p.wait(timeout=30) == 0
+    finally:
+        p.kill()
+        p.wait()
