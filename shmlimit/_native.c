@@ -348,14 +348,21 @@ parse_records(NativeCells *self, PyObject *arg, uint64_t **recs, int *nrec)
     return 1;
 }
 
-/* do_grab for a grab bound to records (see above): False, taking nothing, also when it would queue
- * and every record is in use. */
-static PyObject *
-do_grab_recorded(uint64_t *tail, uint64_t *head, uint64_t *grants, uint64_t amount, uint64_t ops,
-                 uint64_t *const *recs, int nrec)
+/* What grab_recorded did: granted (ops counted), queued (a ticket, recorded), or nothing taken. */
+#define GRAB_GRANTED 0
+#define GRAB_QUEUED 1
+#define GRAB_NONE 2 /* the queue is full, or it would queue and every record is in use */
+
+/* The grab of a grab bound to records (see above), on validated words: GRAB_QUEUED with the ticket
+ * in *ticket_out and its record's LEN word (holding `amount`) in *rec_out; else *rec_out is NULL.
+ * The Acquirer (WAITER) runs it too, before its wait: one protocol for both. */
+static int
+grab_recorded(uint64_t *tail, uint64_t *head, uint64_t *grants, uint64_t amount, uint64_t ops,
+              uint64_t *const *recs, int nrec, uint64_t *ticket_out, uint64_t **rec_out)
 {
     uint64_t t = __atomic_load_n(tail, __ATOMIC_SEQ_CST), ticket;
     uint64_t *rec = NULL;
+    *rec_out = NULL;
     for (;;) {
         ticket = t + amount;
         int64_t depth = (int64_t)(ticket - __atomic_load_n(head, __ATOMIC_SEQ_CST));
@@ -363,7 +370,7 @@ do_grab_recorded(uint64_t *tail, uint64_t *head, uint64_t *grants, uint64_t amou
             goto refuse;
         if (depth > 0) { /* it would queue: not without a record holding the ticket it takes */
             if (!rec && !(rec = claim_record(recs, nrec, ticket)))
-                Py_RETURN_FALSE;
+                return GRAB_NONE;
             __atomic_store_n(rec - 1, ticket, __ATOMIC_SEQ_CST);
         }
         if (__atomic_compare_exchange_n(tail, &t, ticket, 0, __ATOMIC_SEQ_CST, __ATOMIC_SEQ_CST))
@@ -372,16 +379,35 @@ do_grab_recorded(uint64_t *tail, uint64_t *head, uint64_t *grants, uint64_t amou
     if ((int64_t)(__atomic_load_n(head, __ATOMIC_SEQ_CST) - ticket) < 0) {
         /* uncovered now, so it was at the last read before the CAS (the head only grows): recorded */
         __atomic_store_n(rec, amount, __ATOMIC_SEQ_CST);
-        return PyLong_FromUnsignedLongLong(ticket);
+        *ticket_out = ticket;
+        *rec_out = rec;
+        return GRAB_QUEUED;
     }
     if (rec)
         __atomic_store_n(rec, 0, __ATOMIC_SEQ_CST); /* covered after all: the record is free again */
     __atomic_fetch_add(grants, ops, __ATOMIC_SEQ_CST);
-    Py_RETURN_NONE;
+    return GRAB_GRANTED;
 refuse:
     if (rec)
         __atomic_store_n(rec, 0, __ATOMIC_SEQ_CST);
-    Py_RETURN_FALSE;
+    return GRAB_NONE;
+}
+
+/* do_grab for a grab bound to records: False, taking nothing, also when it would queue and every
+ * record is in use. */
+static PyObject *
+do_grab_recorded(uint64_t *tail, uint64_t *head, uint64_t *grants, uint64_t amount, uint64_t ops,
+                 uint64_t *const *recs, int nrec)
+{
+    uint64_t ticket, *rec;
+    switch (grab_recorded(tail, head, grants, amount, ops, recs, nrec, &ticket, &rec)) {
+    case GRAB_GRANTED:
+        Py_RETURN_NONE;
+    case GRAB_QUEUED:
+        return PyLong_FromUnsignedLongLong(ticket);
+    default:
+        Py_RETURN_FALSE;
+    }
 }
 
 /* What a Grabber and a Gate bind once, validated: their cells, and grab_if's words and values.
@@ -2090,22 +2116,21 @@ static void waiter_atfork_child(void) { waiter_fork_gen++; }
  * thread's timer slack to restore after it (0: untouched; a loop that never lowers it leaves 0). */
 typedef int (*wait_loop_fn)(WaitBase *w, uint64_t ticket, uint64_t ops, uint64_t until, long *old_slack);
 
-/* wait(ticket, ops, until_ns, count_waiting) of both waiter types: everything around `loop`. */
-static PyObject *
-wait_call(WaitBase *self, PyObject *const *args, Py_ssize_t n, wait_loop_fn loop)
+/* Everything a wait does around `loop`, the GIL held on entry and on return: the grant without
+ * leaving the GIL when the ticket is covered already, the `busy` and WAITING (`waiting`, NULL: not
+ * counted) counts, the GIL released, the timer slack restored.  `rec`: the LEN word of the ticket's
+ * record (holding `amount`), freed at its grant (NULL: none), while `busy` still keeps the mapping. */
+static int
+wait_run(WaitBase *self, uint64_t ticket, uint64_t ops, uint64_t until, uint64_t *waiting, wait_loop_fn loop,
+         uint64_t *rec, uint64_t amount)
 {
-    uint64_t ticket, ops, until;
-    if (!nargs(n, 4, "wait") || !check_open(self->cells))
-        return NULL;
-    if (!u64(args[0], &ticket) || !u64(args[1], &ops) || !u64(args[2], &until))
-        return NULL;
-    int count = PyObject_IsTrue(args[3]);
-    if (count < 0)
-        return NULL;
-    uint64_t *waiting = count ? self->waiting : NULL;
     /* covered already (a fill or a batch came first): granted without leaving the GIL */
-    if (wld(self->seq) == self->expected && wait_short(self, ticket) <= 0)
-        return PyLong_FromLong(wait_grant(self, ops, 0));
+    if (wld(self->seq) == self->expected && wait_short(self, ticket) <= 0) {
+        int granted = wait_grant(self, ops, 0);
+        if (rec)
+            wcas(rec, amount, 0); /* giveback.clear: the record is free (unless taken meanwhile) */
+        return granted;
+    }
     int rc;
     long old_slack = 0;
     /* The mapping must outlive the loop, which runs without the GIL: close() waits while `busy`
@@ -2122,6 +2147,8 @@ wait_call(WaitBase *self, PyObject *const *args, Py_ssize_t n, wait_loop_fn loop
         __atomic_fetch_add(waiting, 1, __ATOMIC_SEQ_CST);
     Py_BEGIN_ALLOW_THREADS
     rc = loop(self, ticket, ops, until, &old_slack);
+    if (rec && (rc & WAIT_GRANTED))
+        wcas(rec, amount, 0);
     if (waiting)
         __atomic_fetch_sub(waiting, 1, __ATOMIC_SEQ_CST);
 #ifdef __linux__
@@ -2131,7 +2158,22 @@ wait_call(WaitBase *self, PyObject *const *args, Py_ssize_t n, wait_loop_fn loop
     __atomic_fetch_sub(&c->busy, 1, __ATOMIC_SEQ_CST);
     Py_END_ALLOW_THREADS
     Py_DECREF(self);
-    return PyLong_FromLong(rc);
+    return rc;
+}
+
+/* wait(ticket, ops, until_ns, count_waiting) of both waiter types: wait_run, without a record. */
+static PyObject *
+wait_call(WaitBase *self, PyObject *const *args, Py_ssize_t n, wait_loop_fn loop)
+{
+    uint64_t ticket, ops, until;
+    if (!nargs(n, 4, "wait") || !check_open(self->cells))
+        return NULL;
+    if (!u64(args[0], &ticket) || !u64(args[1], &ops) || !u64(args[2], &until))
+        return NULL;
+    int count = PyObject_IsTrue(args[3]);
+    if (count < 0)
+        return NULL;
+    return PyLong_FromLong(wait_run(self, ticket, ops, until, count ? self->waiting : NULL, loop, NULL, 0));
 }
 
 static PyObject *
@@ -2173,11 +2215,139 @@ waiter_refill(Waiter *self, PyObject *unused)
     return replenish_result(waiter_replenish(self, 0, &burn), burn);
 }
 
+/* Acquirer: the acquire fast path of one op, untimed, as one call -- a Grabber bound to records
+ * and a Waiter of the same cells and config.  The grab claims a record before the CAS that takes a
+ * ticket and stores its LEN after it (grab_recorded); a queued ticket is then waited for at once
+ * (wait_run, counted in WAITING), and its record freed at its grant, as Python's wait_for_ticket
+ * does with a Grabber's ticket and Waiter.wait.  So a waited grant costs one call, and no
+ * Python runs between the grab and the grant.
+ *
+ * acq([until_ns]) answers None (granted: counted, its record free), False (nothing taken: the
+ * config changed, the queue is full, or every record is in use -- the slow path naps in RECORD),
+ * the ticket (still held, still recorded: the wait returned at `until_ns` -- now + max_nap_ns
+ * by default --, on a config change, close() or a signal whose handlers raised nothing), or
+ * (flags, ticket) when the wait's flags ask Python for more (WAIT_NUDGE, WAIT_BURN; granted if
+ * WAIT_GRANTED is among them).  A signal handler that raises (KeyboardInterrupt) while the ticket
+ * is held: `give(ticket, tokens, rec_offset, flags)` gives it back (and acts on the flags) before
+ * the exception leaves, as wait_for_ticket's except clause does. */
+typedef struct {
+    BOUND_FIELDS
+    Grabber *grab;
+    Waiter *waiter;
+    PyObject *give;
+    uint64_t max_nap_ns;
+} Acquirer;
+
+static void
+acquirer_dealloc(Acquirer *self)
+{
+    Py_XDECREF(self->grab);
+    Py_XDECREF(self->waiter);
+    Py_XDECREF(self->give);
+    bound_dealloc((Bound *)self);
+}
+
+static PyObject *
+acquirer_call(Acquirer *self, PyObject *args, PyObject *kwds)
+{
+    uint64_t until = 0;
+    Py_ssize_t na = PyTuple_GET_SIZE(args);
+    if ((kwds && PyDict_GET_SIZE(kwds)) || na > 1) {
+        PyErr_SetString(PyExc_TypeError, "acquirer takes at most one positional argument (until_ns)");
+        return NULL;
+    }
+    if (na == 1 && !u64(PyTuple_GET_ITEM(args, 0), &until))
+        return NULL;
+    if (!check_open(self->cells))
+        return NULL;
+    Grabber *g = self->grab;
+    if (wld(g->seq) != g->expected)
+        Py_RETURN_FALSE;
+    uint64_t ticket = 0, *rec = NULL;
+    int got = grab_recorded(g->tail, g->head, g->grants, g->amount, g->ops, g->recs, g->nrec, &ticket, &rec);
+    if (got == GRAB_GRANTED)
+        Py_RETURN_NONE;
+    if (got != GRAB_QUEUED)
+        Py_RETURN_FALSE;
+    if (na == 0)
+        until = monotonic_ns() + self->max_nap_ns;
+    WaitBase *w = (WaitBase *)self->waiter;
+    int rc = wait_run(w, ticket, g->ops, until, w->waiting, waiter_loop, rec, g->amount);
+    if (rc == WAIT_GRANTED)
+        Py_RETURN_NONE;
+    if (!(rc & WAIT_GRANTED) && PyErr_CheckSignals() < 0) {
+        /* a handler raised while we hold the ticket: give it back before the exception leaves */
+        PyObject *et, *ev, *tb;
+        PyErr_Fetch(&et, &ev, &tb);
+        PyObject *r = PyObject_CallFunction(self->give, "KKni", (unsigned long long)ticket, (unsigned long long)g->amount,
+                                            (Py_ssize_t)((char *)rec - self->cells->base), rc);
+        if (r)
+            Py_DECREF(r);
+        else
+            PyErr_WriteUnraisable(self->give);
+        PyErr_Restore(et, ev, tb);
+        return NULL;
+    }
+    if (rc == 0)
+        return PyLong_FromUnsignedLongLong(ticket);
+    return Py_BuildValue("(iK)", rc, (unsigned long long)ticket);
+}
+
+static PyTypeObject AcquirerType = {
+    NATIVE_TYPE("Acquirer", Acquirer, "A Grabber's grab and a Waiter's wait as one call: acq([until_ns])."),
+    .tp_call = (ternaryfunc)acquirer_call,
+    .tp_dealloc = (destructor)acquirer_dealloc,
+};
+
+/* acquirer(grabber, give, max_nap_ns) -> an Acquirer: this waiter's wait after `grabber`'s grab,
+ * which must be bound to records and to this waiter's cells, config and words. */
+static PyObject *
+waiter_acquirer(Waiter *self, PyObject *const *args, Py_ssize_t n)
+{
+    uint64_t max_nap;
+    if (!nargs(n, 3, "acquirer") || !check_open(self->cells) || !u64(args[2], &max_nap))
+        return NULL;
+    if (!Py_IS_TYPE(args[0], &GrabberType)) {
+        PyErr_SetString(PyExc_TypeError, "acquirer: grabber must be a Grabber");
+        return NULL;
+    }
+    Grabber *g = (Grabber *)args[0];
+    if (!g->recorded || g->cells != self->cells || g->seq != self->seq || g->expected != self->expected ||
+        g->head != self->head || g->tail != self->tail || g->grants != self->grants) {
+        PyErr_SetString(PyExc_ValueError,
+                        "acquirer: the grabber must be bound to records and to the waiter's cells, config and words");
+        return NULL;
+    }
+    if (!PyCallable_Check(args[1])) {
+        PyErr_SetString(PyExc_TypeError, "acquirer: give must be callable");
+        return NULL;
+    }
+    if (max_nap < 1 || max_nap > 60000000000u) {
+        PyErr_SetString(PyExc_ValueError, "acquirer: 1 <= max_nap_ns <= 60e9");
+        return NULL;
+    }
+    Acquirer *a = PyObject_New(Acquirer, &AcquirerType);
+    if (!a)
+        return NULL;
+    Py_INCREF(self->cells);
+    a->cells = self->cells;
+    Py_INCREF(g);
+    a->grab = g;
+    Py_INCREF(self);
+    a->waiter = self;
+    Py_INCREF(args[1]);
+    a->give = args[1];
+    a->max_nap_ns = max_nap;
+    return (PyObject *)a;
+}
+
 static PyMethodDef waiter_methods[] = {
     {"wait", (PyCFunction)(void (*)(void))waiter_wait, METH_FASTCALL,
      "wait(ticket, ops, until_ns, count_waiting) -> flags: 1 granted (ops counted), 2 nudge the filler, 4 burn"},
     {"replenish", (PyCFunction)waiter_replenish_at, METH_O,
      "replenish(now_ns) -> (tokens added, burn): Bucket.replenish at that clock reading"},
+    {"acquirer", (PyCFunction)(void (*)(void))waiter_acquirer, METH_FASTCALL,
+     "acquirer(grabber, give, max_nap_ns) -> an Acquirer: grabber's grab, then this wait, in one call"},
     {"refill", (PyCFunction)waiter_refill, METH_NOARGS,
      "refill() -> (tokens added, burn): Bucket.replenish now (the clock read after the words)"},
     {NULL, NULL, 0, NULL},
@@ -2527,7 +2697,7 @@ PyInit__native(void)
 {
     if (PyType_Ready(&NativeCellsType) < 0 || PyType_Ready(&GrabberType) < 0 || PyType_Ready(&KeyedTableType) < 0
         || PyType_Ready(&GateType) < 0 || PyType_Ready(&WaiterType) < 0 || PyType_Ready(&MultiGateType) < 0
-        || PyType_Ready(&FedWaiterType) < 0)
+        || PyType_Ready(&FedWaiterType) < 0 || PyType_Ready(&AcquirerType) < 0)
         return NULL;
     PyObject *m = PyModule_Create(&native_module);
     if (!m)

@@ -43,7 +43,8 @@ import time
 from typing import TYPE_CHECKING, Callable, Optional, Protocol, Tuple, Union
 
 from . import fed_wait
-from .config import NS_PER_S, validate_n, validate_timeout
+from .bucket import WAIT_BURN, WAIT_GRANTED
+from .config import MAX_NAP, NS_PER_S, validate_n, validate_timeout
 from .giveback import NO_RECORD, REFUSED, record_nap, take_ticket
 from .sleep import sleep_until_async
 
@@ -53,8 +54,6 @@ if TYPE_CHECKING:  # pragma: no cover
 
 #: A waiter whose ticket is due but not yet covered looks again after this long at least (ns).
 RETRY_NS = 20_000
-#: A parked waiter looks again at least this often, to notice rate changes and stops (seconds).
-MAX_NAP = 0.25
 MAX_NAP_NS = int(MAX_NAP * NS_PER_S)
 #: ... and never sooner than this, unless it is about to be served (seconds).
 MIN_NAP = 1e-4
@@ -65,8 +64,6 @@ ARRIVAL_SLACK = 0.001
 #: Capped mode: a request waiting for a release looks again this often (seconds).
 CAPPED_NAP = 0.001
 _INF = float("inf")
-#: What a native wait (``Bucket.waiter``) answers: granted (counted), nudge the filler, burn.
-WAIT_GRANTED, WAIT_NUDGE, WAIT_BURN = 1, 2, 4
 
 ADMIT, JOIN, RECORD, TICKET, DONE = "admit", "join", "record", "ticket", "done"
 
@@ -322,7 +319,7 @@ class Request:
         until = min(time.monotonic_ns() + MAX_NAP_NS, self.deadline or _INF)  # a timed one's: the real clock too
         rc = waiter.wait(ticket, self.n, int(until), False)  # counted by the request
         if rc != WAIT_GRANTED:
-            after_native_wait(self.att, rc)
+            att.after_native_wait(rc)
         if rc & WAIT_GRANTED:
             return self._done()
         return self.next()
@@ -429,38 +426,37 @@ def refill(att: "Attachment") -> int:
         return b.replenish()
     added, burn = waiter.refill()
     if burn:
-        after_native_wait(att, WAIT_BURN)
+        att.after_native_wait(WAIT_BURN)
     return added
 
 
-def after_native_wait(att: "Attachment", rc: int) -> None:
-    """What a native wait's flags ask of Python: nudge the filler, burn to the capacity in force."""
-    if rc & WAIT_NUDGE:
-        att.nudge_filler()  # we did the filler's work and the lease lapsed: make sure a filler runs
-    if rc & WAIT_BURN:  # our add raced a config change: the capacity in force applies to it
-        b = att.bucket
-        b.refresh()
-        b.burn(keep=b.cap + b.burst_pool)
-
-
-def wait_for_ticket(att: "Attachment", ticket: int, timeout: Optional[float] = None) -> bool:
+def wait_for_ticket(att: "Attachment", ticket: Union[int, Tuple[int, int]], timeout: Optional[float] = None) -> bool:
     """The fast path's one-op ticket, recorded by its grab with its own price (``find_record``): the
     native wait at once, a ``Request`` only if it hands the wait back; given back if interrupted.
-    ``timeout`` (seconds): hierarchical mode's timed grab, given back when not served by then."""
+    ``timeout`` (seconds): hierarchical mode's timed grab, given back when not served by then.
+    ``(flags, ticket)``: an ``Acquirer``'s wait returned flags to act on (granted with ``WAIT_GRANTED``)."""
+    flags = 0
+    if isinstance(ticket, tuple):
+        flags, ticket = ticket
     waiter = att.fast[3]
-    rec, tokens = att.find_record(ticket)
+    rec, tokens = att.find_record(ticket) if not flags & WAIT_GRANTED else (None, 0)
     now = time.monotonic_ns()
     deadline = now + int(timeout * NS_PER_S) if timeout is not None and att.bucket.upstream else None
-    if waiter is not None:
+    if waiter is not None or flags:
         try:
-            rc = waiter.wait(ticket, 1, now + MAX_NAP_NS if deadline is None else min(now + MAX_NAP_NS, deadline), True)
-            if rc & WAIT_GRANTED:
-                if rc != WAIT_GRANTED:
-                    after_native_wait(att, rc)
-                if rec is not None:
-                    att.clear_ticket(rec, tokens)
-                return True
-            after_native_wait(att, rc)
+            if flags:  # an Acquirer's: counted and its record freed if granted
+                att.after_native_wait(flags)
+                if flags & WAIT_GRANTED:
+                    return True
+            if waiter is not None:
+                rc = waiter.wait(ticket, 1, now + MAX_NAP_NS if deadline is None else min(now + MAX_NAP_NS, deadline), True)
+                if rc & WAIT_GRANTED:
+                    if rc != WAIT_GRANTED:
+                        att.after_native_wait(rc)
+                    if rec is not None:
+                        att.clear_ticket(rec, tokens)
+                    return True
+                att.after_native_wait(rc)
         except BaseException:
             if tokens:
                 att.give_back(ticket, tokens, rec)

@@ -25,12 +25,13 @@ from typing import Any, Callable, Optional, Sequence, Tuple, Union
 
 from . import inflight
 from . import layout as L
-from .bucket import Bucket, GrabResult
+from .bucket import WAIT_BURN, WAIT_NUDGE, Bucket, GrabResult
+from .config import MAX_NAP, NS_PER_S
 from .cells import MASK64, Cells, multi_gate
 from .words import plain_seconds
 from .errors import ConfigMismatchError, LimiterNotFoundError, SegmentError
 from .filler import FillerThread, Lease
-from .giveback import REAP_EVERY, Records, Returns, ReturnsThread, clear, clear_waiting, mark_given, reap, record, take_over
+from .giveback import REAP_EVERY, Records, Returns, ReturnsThread, clear, clear_waiting, interrupted, mark_given, reap, record, take_over
 from .header import Creation, open_segment
 from .registry import Registry
 from .segment import Segment, check_trust, current_inode, validate_name
@@ -160,9 +161,13 @@ class Attachment:
         # a ticket's whole wait in one native call, for the configs it handles (Bucket.waiter); it
         # reads the real clock, so an attachment with an injected clock waits in Python
         real_clock = self.clock is time.monotonic_ns
-        self.fast[3] = None if self.closed or not real_clock else self.bucket.waiter(
+        self.fast[3] = waiter = None if self.closed or not real_clock else self.bucket.waiter(
             s, self.grants_off, self.waiting_off, SLACK_NS
         )
+        if recs and self.fast[0] is not _no_fast and hasattr(waiter, "acquirer"):
+            # an untimed acquire of one op as one native call: the grab (record claimed before its
+            # CAS, LEN stored after), the wait, the record freed at the grant (wait_for_ticket's steps)
+            self.fast[0] = waiter.acquirer(self.fast[0], interrupted(self), int(MAX_NAP * NS_PER_S))
 
     # -- this process's words ------------------------------------------------------------
 
@@ -240,6 +245,15 @@ class Attachment:
         ):
             self._returns_thread = t = ReturnsThread(self.returns, self.name)
             t.start()
+
+    def after_native_wait(self, rc: int) -> None:
+        """What a native wait's flags ask of Python: nudge the filler, burn to the capacity in force."""
+        if rc & WAIT_NUDGE:
+            self.nudge_filler()  # we did the filler's work and the lease lapsed: make sure a filler runs
+        if rc & WAIT_BURN:  # our add raced a config change: the capacity in force applies to it
+            b = self.bucket
+            b.refresh()
+            b.burn(keep=b.cap + b.burst_pool)
 
     def nudge_filler(self) -> None:
         """A caller did the filler's work, or needs a lease: make sure a filler runs."""

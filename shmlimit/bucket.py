@@ -51,6 +51,7 @@ from .words import behind, diff  # rover arithmetic, re-exported: the bucket's v
 #: The filler replenishes this often (ns): the pace a queued head can count on (see estimate_wait_ns).
 FILL_NS = 1_000_000
 REFUSED, NO_RECORD = "refused", "no record"  #: ``take_within`` took nothing: wait over its bound; no free record
+WAIT_GRANTED, WAIT_NUDGE, WAIT_BURN = 1, 2, 4  #: a native wait's flags (``waiter``): granted (counted), nudge the filler, burn
 
 
 class Bucket:

@@ -37,6 +37,8 @@ MIN_FINE_TPN = 1 << 15
 MAX_OPS_PER_S = 1e9
 #: Default capacity: this much schedule time, and never less than one op.
 DEFAULT_BURST_SECONDS = 0.010
+#: A parked waiter looks again at least this often, to notice rate changes and stops (seconds).
+MAX_NAP = 0.25
 
 
 def _positive_finite(param: str, value: object) -> float:

@@ -47,6 +47,7 @@ from __future__ import annotations
 
 import functools
 import threading
+import weakref
 from typing import TYPE_CHECKING, Any, Callable, List, Optional, Tuple
 
 from . import layout as L
@@ -166,6 +167,22 @@ def record(cells: "Cells", records: Records, ticket: int, tokens: int, given: bo
             cells.store(len_off, tokens | (L.TICKET_GIVEN if given else 0))
             return len_off
     return None
+
+
+def interrupted(att: Any) -> Callable[[int, int, int, int], None]:
+    """What a native acquire (``_native.c``'s Acquirer) calls when a signal handler raised while
+    it held a queued ticket: ``give(ticket, tokens, rec, flags)`` gives it back through ``att``
+    (its record marked given) and acts on the wait's ``flags``, as ``wait_for_ticket``'s except
+    clause does.  ``att`` is held weakly: the acquirer is one of its fast paths."""
+    ref = weakref.ref(att)
+
+    def give(ticket: int, tokens: int, rec: int, flags: int) -> None:
+        a = ref()
+        if a is not None:
+            a.give_back(ticket, tokens, rec)
+            a.after_native_wait(flags)
+
+    return give
 
 
 def clear(cells: "Cells", len_off: Optional[int], tokens: int) -> None:

@@ -741,3 +741,90 @@ def test_a_killed_processs_ops_in_flight_are_released_for_it(name):
         assert b.in_flight() == 0
     finally:
         lim.close()
+
+
+# ---- one protocol for the ticket records, whichever path waits ---------------------------------------
+
+RECORD_RATE = 200  # ops/s: a queue of RECORD_QUEUE ops ahead is 0.1 s, far more than a step's own delays
+RECORD_QUEUE = 20
+
+
+def _record_sequence(lim, python_wait):
+    """The record words of ``lim``'s slot (TICKET relative to the tail at the start, LEN) after each
+    step of one sequence of untimed one-op acquires, all queued behind a reservation.
+
+    ``python_wait``: the fast path's grab alone, the wait in Python (``wait_for_ticket`` ->
+    ``Request``), as without a native wait; else whatever the backend's fast path is."""
+    att = lim._att
+    assert lim.reserve(1) is not None  # the first use: registered (its records), fast paths bound
+    if python_wait:
+        b = att.bucket
+        att.fast[0] = b.grabber(b.snap, att.grants_off, att.rec_lens)
+        att.fast[3] = None
+    c, cost, recs = att.cells, att.bucket.cost, att.records
+    tail0 = c.load(L.TAIL)
+
+    def words():
+        return [(diff(c.load(t), tail0) if c.load(t) else 0, c.load(n)) for t, n in recs]
+
+    seen = []
+    # 1. a waited grant: the first record claimed, then freed (its TICKET stays)
+    lim.reserve(RECORD_QUEUE)
+    assert lim.acquire() is True
+    seen.append(words())
+    # 2. the first record held (another waiter of this process): the next one is claimed and freed
+    c.store(recs[0][0], tail0 + 1)
+    c.store(recs[0][1], cost)
+    lim.reserve(RECORD_QUEUE)
+    assert lim.acquire() is True
+    seen.append(words())
+    # 3. every record held: the fast path takes nothing (the slow path naps in RECORD)
+    for _, len_off in recs:
+        c.store(len_off, cost)
+    tail = c.load(L.TAIL)
+    assert att.fast[0]() is False and c.load(L.TAIL) == tail
+    seen.append(words())
+    for _, len_off in recs:
+        c.store(len_off, 0)
+    # 4. a wait that ends unserved (the native one at a deadline already past): the ticket stays
+    # recorded; given back, its record is marked given, then freed once the head skipped it
+    lim.reserve(RECORD_QUEUE)
+    ticket = att.fast[0](1) if type(att.fast[0]).__name__ == "Acquirer" else att.fast[0]()
+    assert ticket not in (None, False, True) and not isinstance(ticket, tuple), ticket
+    seen.append(words())
+    rec, tokens = att.find_record(ticket)
+    assert tokens == cost
+    att.give_back(ticket, tokens, rec)
+    seen.append(words())
+    wait_for(lambda: not att.returns.pending())
+    seen.append(words())
+    return [cost] + seen
+
+
+@pytest.mark.skipif(not native_available(), reason="compares the native backend's paths with the atomics one")
+def test_the_native_and_python_waits_leave_the_same_record_words(name, monkeypatch):
+    # the same sequence three ways: the native one-call acquire (grab, wait, record freed), the
+    # native grab with the wait in Python, and the atomics backend (its grab, the wait in Python)
+    out = {}
+    for path, backend, python_wait in (("native", "native", False), ("python", "native", True),
+                                       ("atomics", "atomics", False)):
+        monkeypatch.setenv("SHMLIMIT_BACKEND", backend)
+        lim = shmlimit.Limiter(f"{name}-{path}", rate=RECORD_RATE, burst=1)
+        try:
+            out[path] = _record_sequence(lim, python_wait)
+            assert (type(lim._att.fast[0]).__name__ == "Acquirer") == (path == "native")  # one call per acquire
+        finally:
+            lim.close()
+            shmlimit.unlink(f"{name}-{path}")
+    assert out["native"] == out["python"] == out["atomics"], out
+    # and what they are: tickets (relative to the start) count the reservations and the ops taken
+    cost, steps = out["native"][0], out["native"][1:]
+    first, second, full, held, given, skipped = steps
+    free = [(0, 0)] * (L.TICKET_RECORDS - 2)
+    q = RECORD_QUEUE + 1
+    assert first == [(q * cost, 0), (0, 0)] + free
+    assert second == [(1, cost), (2 * q * cost, 0)] + free
+    assert full == [(1, cost), (2 * q * cost, cost)] + [(0, cost)] * (L.TICKET_RECORDS - 2)
+    assert held == [(3 * q * cost, cost), (2 * q * cost, 0)] + free
+    assert given == [(3 * q * cost, cost | L.TICKET_GIVEN), (2 * q * cost, 0)] + free
+    assert skipped == [(3 * q * cost, 0), (2 * q * cost, 0)] + free

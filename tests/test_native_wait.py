@@ -259,3 +259,60 @@ def test_a_signal_reaches_a_native_waiter_at_once(name):
             p.kill()
         p.wait()
 
+
+
+_INTERRUPTED_ONE = """
+import signal, sys, time, shmlimit
+from shmlimit import layout as L
+from shmlimit.bucket import diff
+name = sys.argv[1]
+t0 = time.monotonic()  # before the limiter: its third op is due 2 s after its creation at least
+lim = shmlimit.Limiter(name, rate=1, burst=1)
+lim.acquire()
+lim.acquire()  # a second: the fast path is bound (one native call per acquire), the bucket empty
+att = lim._att
+assert type(att.fast[0]).__name__ == "Acquirer", att.fast[0]
+if sys.argv[2] == "usr1":  # a handler that raises nothing: the acquire goes on waiting, to its turn
+    signal.signal(signal.SIGUSR1, lambda *a: print("handled", flush=True))
+print("waiting", flush=True)
+try:
+    lim.acquire()  # one op, untimed: a second away
+    print("granted", round(time.monotonic() - t0, 3), flush=True)
+except KeyboardInterrupt:
+    c = att.cells
+    print("interrupted", flush=True)
+    # given back: the head skipped the ticket's range (it was next: the head is past the tail now,
+    # by what accrued since), its record freed, nobody waiting
+    assert diff(c.load(L.HEAD), c.load(L.TAIL)) >= 0, (c.load(L.HEAD), c.load(L.TAIL))
+    assert [c.load(n) for _, n in att.records] == [0] * L.TICKET_RECORDS
+    assert c.load(att.waiting_off) == 0
+    print("given back", flush=True)
+lim.close()
+"""
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("sig", ["int", "usr1"])
+def test_a_signal_during_a_one_call_acquire(name, sig):
+    """SIGINT in an untimed acquire() of one op (grab and wait in one native call): the ticket is
+    given back before KeyboardInterrupt leaves; a handler that raises nothing: it waits on, to its turn."""
+    p = subprocess.Popen(
+        [sys.executable, "-c", _INTERRUPTED_ONE, name, sig], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+        text=True, cwd=WORKDIR, preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL),
+    )
+    try:
+        assert p.stdout.readline().strip() == "waiting"
+        wait_for(lambda: sum(s.waiting for s in shmlimit.inspect(name).processes) == 1)
+        p.send_signal(signal.SIGINT if sig == "int" else signal.SIGUSR1)
+        if sig == "int":
+            assert p.stdout.readline().strip() == "interrupted"
+            assert p.stdout.readline().strip() == "given back"
+        else:
+            assert p.stdout.readline().strip() == "handled"
+            word, took = p.stdout.readline().split()
+            assert word == "granted" and float(took) >= 2.0 - 0.001  # never early
+        assert p.wait(10) == 0, p.stderr.read()[-2000:]
+    finally:
+        if p.poll() is None:
+            p.kill()
+        p.wait()
