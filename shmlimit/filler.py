@@ -220,46 +220,20 @@ class ClockFeed:
         nanosecond into tokens and ours add nothing they need, so we back off (doubling up to ``MAX_FILL_PERIOD``) while
         we see exactly that: someone else refilled since our last tick, and the
         head gained every token of the time refilled since.  Anything else
-        (reservations or debt nobody refills for, time lost to the clamp, a stop)
-        keeps the usual pace, which alone keeps the rate: at most half an op, and
-        at most a millisecond for fast limits.  With a capacity under three ops
-        (the waiters cannot keep the rate alone) it looks when the head is next
-        due, or after that pace if the head is due sooner (``to_head``).
+        (reservations or debt nobody refills for, a capacity under three ops,
+        time lost to the clamp, a stop) keeps the usual pace, which alone keeps
+        the rate: at most half an op, and at most a millisecond for fast limits.
         Pacing only decides when the filler looks: the bound is the refill's.
         """
         b = self.bucket
         ts = self.mark[0]  # type: ignore[index]
         if ts >= self.hold_until:
             self.ceiling = MAX_FILL_PERIOD
-        lost = self.lost(period, mark, -1)
-        if b.cap < 3 * b.cost:  # the waiters could not keep the rate alone: look at each turn of the head
-            return self.to_head(period)
-        if lost or mark is None or not mark[2] or before == mark[0]:  # (or nobody else refilled)
+        if self.lost(period, mark, -1) or mark is None or not mark[2]:
+            return period
+        if before == mark[0] or b.cap < 3 * b.cost:  # nobody else refilled, or they could not alone
             return period
         return min(self.ceiling, max(period, self.idle * 2))
-
-    def to_head(self, period: float) -> float:
-        """The usual pause under a queue, ``period``, or longer: up to the instant the queue's head
-        is next due at the rate, when that is further (at most ``MAX_FILL_PERIOD``: the lease).
-
-        Half an op is the pace that keeps every two refills within a capacity of one op; but a
-        refill at each instant a ticket falls due (as the waiters' own) adds one op, which the
-        refresh (a replenish adding over a quarter of the capacity claims again) keeps from the
-        clamp: so a slow limit is filled once per op, not twice, and never after a head is due.
-        Tickets end one op apart from the tail back (every amount queued is whole ops of the
-        config in force), so the first one past the head ends ``(TAIL - HEAD) mod cost`` (or a
-        whole op) after it; read after our refill, time first, the instant can only come out
-        early.  Only for a clock-fed config without catch-up or capped release (where tokens
-        come at the rate), else ``period``.
-        """
-        b = self.bucket
-        snap = b.snap
-        if snap.stopped or not snap.time_fed or snap.catch_up or snap.capped or self.mark is None:
-            return period
-        ts, head, _ = self.mark
-        first = diff(b.cells.load(L.TAIL), head) % b.cost or b.cost
-        due = (ts + first / b.tpn - b.clock()) / 1e9
-        return max(period, min(due, MAX_FILL_PERIOD))
 
     def close(self) -> None:
         pass

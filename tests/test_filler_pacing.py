@@ -19,8 +19,7 @@ from support.clock import FakeClock
 RETRY_NS = 20_000  # a due waiter still short looks again this much later (acquisition.RETRY_NS)
 
 
-def simulate(name, rate, seconds, waiters=8, ops=1, burst=None, refill=True, late_ns=30_000, stop_refilling=None,
-             dues=None):
+def simulate(name, rate, seconds, waiters=8, ops=1, burst=None, refill=True, late_ns=30_000, stop_refilling=None):
     """Run ``waiters`` callers saturating ``rate`` with the filler's ClockFeed for ``seconds`` of fake time.
 
     Each waiter holds one ticket of ``ops`` ops, wakes 1 ns after its due instant
@@ -28,8 +27,7 @@ def simulate(name, rate, seconds, waiters=8, ops=1, burst=None, refill=True, lat
     tickets are like reservations, which nobody refills for) and looks again at
     its new due instant; after ``stop_refilling`` seconds they stop refilling.  The filler ticks out of phase with the waiters and ``late_ns``
     after each pause it asks for, as a thread's sleeps end.  Returns (grants, the filler's
-    pauses in seconds, the feed); ``dues``: a list to which each tick appends the seconds from it
-    to the instant the first waiter still short is due (its ticket's ``due_ns``).
+    pauses in seconds, the feed).
     """
     clock = FakeClock()
     kw = {} if burst is None else {"burst": burst}
@@ -65,9 +63,6 @@ def simulate(name, rate, seconds, waiters=8, ops=1, burst=None, refill=True, lat
             if who < 0:
                 pause = feed.tick()
                 pauses.append(pause)
-                if dues is not None:
-                    short = [b.due_ns(t) for t in tickets.values() if not b.covered(t)]
-                    dues.append((min(short) - clock.now) / 1e9 if short else None)
                 heapq.heappush(events, (clock.now + int(pause * 1e9) + late_ns, order, -1))
                 continue
             if not b.covered(tickets[who]) and refill and clock.now < stop:
@@ -106,32 +101,14 @@ def test_tickets_nobody_refills_for_keep_the_filler_at_its_pace(name):
     assert max(pauses[5:]) <= F.FILL_PERIOD
 
 
-@pytest.mark.parametrize("rate, burst", [(50, None), (200, None), (1000, 1.5), (1000, 2.5), (10_000, 2)])
+@pytest.mark.parametrize("rate, burst", [(50, None), (200, None), (1000, 1.5), (1000, 2.5)])
 def test_a_capacity_under_three_ops_never_lets_the_filler_back_off(name, rate, burst):
     # one-op tickets one op apart leave two consecutive waiters' refills two ops apart: a capacity
-    # under three ops leaves late waiters no room.  The filler keeps its pace (half an op, a
-    # millisecond at least), or looks when the head is next due if that is later: never after it
-    dues = []
-    grants, pauses, feed = simulate(name, rate=rate, seconds=4.0, burst=burst, dues=dues)
-    b = feed.bucket
-    assert b.cap < 3 * b.cost
-    pace = max(F.FILL_PERIOD, 0.5 / rate)
-    for pause, due in list(zip(pauses, dues))[5:]:
-        assert pause <= pace + 1e-9 or (due is not None and pause <= due + 1e-9), (pause, due, pace)
-    assert max(pauses[5:]) <= max(pace, min(1 / rate, F.MAX_FILL_PERIOD)) + 1e-9  # an op at most
-    assert grants >= rate * 4.0 * 0.99
-
-
-def test_at_a_slow_rate_the_filler_looks_once_per_op_at_the_heads_turn(name):
-    # 50/s, the default capacity (one op): a tick each time the head is due, not two per op
-    dues = []
-    grants, pauses, feed = simulate(name, rate=50, seconds=10.0, dues=dues)
+    # under three ops leaves late waiters no room
+    grants, pauses, feed = simulate(name, rate=rate, seconds=4.0, burst=burst)
     assert feed.bucket.cap < 3 * feed.bucket.cost
-    assert grants >= 50 * 10.0 * 0.99  # the rate is kept (waiters 30 us late, the filler too)
-    assert len(pauses) <= 50 * 10.0 * 1.05 + 5, len(pauses)  # about one tick per op (was two)
-    # each pause ends at the head's next due instant (or is the pace of half an op when that is sooner)
-    ends = [p for p, d in zip(pauses[5:], dues[5:]) if d is not None and abs(p - d) <= 1e-6]
-    assert len(ends) >= 0.9 * len(pauses[5:])
+    assert max(pauses[5:]) <= max(F.FILL_PERIOD, 0.5 / rate) + 1e-9  # the usual pace: half an op
+    assert grants >= rate * 4.0 * 0.99
 
 
 def test_tickets_of_many_ops_keep_their_pace(name):
