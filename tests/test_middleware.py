@@ -85,13 +85,14 @@ def test_asgi_wait_mode_queues_without_blocking_the_loop(name):
             start = time.monotonic()
             statuses = [s for s, _ in await asyncio.gather(*(call(app) for _ in range(16)))]
             elapsed = time.monotonic() - start
-        return statuses, elapsed, ticker.ticks
+        return statuses, elapsed, ticker
 
-    statuses, elapsed, ticks = asyncio.run(main())
+    statuses, elapsed, ticker = asyncio.run(main())
     assert statuses == [200] * 16  # queued, none refused: 16 ops at 20/s fit max_wait
     assert elapsed >= 15 / 20 - 0.05  # the rate held: 15 ops after the first need 0.75 s
     # a blocked loop would not tick at all while the requests wait; a free one ticks ~every 5 ms
-    assert ticks >= elapsed / 0.005 / 4, (ticks, elapsed)
+    # of the time the machine let it run (support.starvation: on a quiet machine, all of it)
+    ticker.assert_free(0.25)
     lim.close()
 
 
