@@ -107,24 +107,40 @@ def test_acquire_waits_and_a_late_permit_is_void(R, redis_server, name, monkeypa
     lim.close()
 
 
-def test_acquire_async_and_throttle(R, redis_server, name):
-    lim = R.RedisLimiter(name, rate=20, burst=1, url=redis_server.url)
+def test_acquire_async_and_throttle(R, redis_server, name, monkeypatch):
+    # One injected clock for the waits (the loop's and a thread's), the lateness check and the
+    # script's time (clock="client"): the spacing measured is the limiter's, never the machine's
+    clock = FakeClock(1_800_000_000_000_000_000)
+    slept = {"loop": 0, "thread": 0}
+
+    def sleep(s):  # a blocking sleep: acquire_async must never take one
+        slept["thread"] += 1
+        clock.advance_seconds(s)
+
+    async def loop_sleep(s):  # the loop's: the time passes, and the loop is free meanwhile
+        slept["loop"] += 1
+        clock.advance_seconds(s)
+        await asyncio.sleep(0)
+
+    monkeypatch.setattr(R, "time", types.SimpleNamespace(monotonic=lambda: clock.now / 1e9, sleep=sleep, time_ns=clock))
+    monkeypatch.setattr(R, "asyncio", types.SimpleNamespace(sleep=loop_sleep, get_running_loop=asyncio.get_running_loop))
+    lim = R.RedisLimiter(name, rate=20, burst=1, url=redis_server.url, clock="client")
 
     async def main():
-        t0 = time.monotonic()
+        t0 = clock.now
         for _ in range(5):
             assert await lim.acquire_async()
         async with lim:
             pass
-        return t0, time.monotonic()
+        return t0, clock.now
 
     t0, end1 = asyncio.run(main())
-    assert end1 - t0 >= 5 / 20 - 0.005
+    assert (end1 - t0) / 1e9 == pytest.approx(5 / 20, abs=1e-5)  # one op at once, then one every 50 ms
     # A second event loop gets its own connection, and its six grants come 50 ms apart after the
-    # first loop's last: measured from that grant, not from the second loop's start (a busy
-    # machine may start it late, and the one op of burst accrues meanwhile, by the promise)
+    # first loop's last
     _, end2 = asyncio.run(main())
-    assert end2 - end1 >= 6 / 20 - 0.005
+    assert (end2 - end1) / 1e9 == pytest.approx(6 / 20, abs=1e-5)
+    assert slept == {"loop": 5 + 6, "thread": 0}  # every wait awaited on the loop, none blocked it
 
     calls = []
 
@@ -133,12 +149,15 @@ def test_acquire_async_and_throttle(R, redis_server, name):
         calls.append(x)
         return x
 
-    results = [f(i) for i in range(5)]
-    assert results.count(None) >= 3 and len(calls) == 5 - results.count(None)  # 20/s: most are skipped
+    assert [f(i) for i in range(3)] == [None] * 3  # the last op was granted just now: 50 ms to the next
+    clock.advance_seconds(0.05)
+    assert [f(i) for i in range(3, 6)] == [3, None, None]  # one op per 50 ms, never more
+    assert calls == [3]
     with pytest.raises(shmlimit.RateLimited) as e:
         shmlimit.throttle(lim, on_limit="raise")(lambda: None)()
-        shmlimit.throttle(lim, on_limit="raise")(lambda: None)()
-    assert 0 < e.value.retry_after <= 0.05 + 0.01
+    assert e.value.retry_after == pytest.approx(0.05, abs=1e-5)
+    assert slept["thread"] == 0  # skip and raise never wait
+    lim.close()
 
 
 def test_script_flush_mid_run_is_survived(R, redis_server, name):
