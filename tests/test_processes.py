@@ -9,6 +9,7 @@ import time
 import pytest
 
 import shmlimit
+from shmlimit.filler import lease_slot
 from support.procs import WORKDIR, collect_witnessed, go, run_processes, stamp_until, start_workers, wait_for
 from support.starvation import floor, least, run_delay, total
 from support.windows import max_excess, max_gap, tag
@@ -53,7 +54,9 @@ def test_pool_workers_share_one_rate(name, method):
     assert all(len(r) > 0 for r in results), "every worker gets a share"
     assert max_excess(tag(results), 1.0) <= rate + cap
     span = max(stamps) - min(stamps)
-    assert len(stamps) <= rate * span + cap + 1
+    # the whole run as one window, judged as every window is (support.windows: a worker preempted
+    # between its grant and its stamp leaves at most one late stamp in a window)
+    assert max_excess(tag(results), span + 1e-9) <= rate * span + cap + 1
     # The rate, less the time the limiter lost while callers queued (its own count: no replenish
     # came within a capacity) and the time none of the workers ran (the kernel's count); and it
     # may lose only while the machine kept its processes off the CPU at least that long.  On a
@@ -76,7 +79,7 @@ def _use_inherited(q):
     q.put((os.getpid(), att.pid, att.lease, att.slot))  # inherited, not used yet
     for _ in range(5):
         lim.acquire()
-    q.put((att.lease.held, att.slot, {p.pid: p.grants for p in lim.stats().processes}))
+    q.put((att.lease.word, att.slot, {p.pid: p.grants for p in lim.stats().processes}))
 
 
 def test_limiter_inherited_through_fork_registers_the_child(name):
@@ -90,12 +93,15 @@ def test_limiter_inherited_through_fork_registers_the_child(name):
     p = ctx.Process(target=_use_inherited, args=(q,))
     p.start()
     child_pid, att_pid, lease_before, slot_before = q.get(timeout=30)
-    held, child_slot, pids = q.get(timeout=30)
+    word, child_slot, pids = q.get(timeout=30)
     p.join(30)
     assert p.exitcode == 0
     assert att_pid == child_pid and lease_before is None and slot_before is None  # registers on first use
     assert child_slot is not None and child_slot != parent_slot
-    assert held is False  # never believes it holds the parent's lease
+    # Never believes it holds the parent's lease: a lease it holds is one it took itself, in its
+    # own slot (a busy machine may keep the parent's filler thread from renewing in time, and
+    # the child then takes the lease over, rightly)
+    assert word == 0 or lease_slot(word) == child_slot
     assert os.getpid() in pids and child_pid in pids
     assert pids[child_pid] == 5  # counted in the child's own slot, not the parent's
     assert pids[os.getpid()] == 0
