@@ -15,10 +15,13 @@ from shmlimit.bucket import Bucket, diff
 from shmlimit.cells import native_available
 from shmlimit.config import MAX_QUEUE_TOKENS, MAX_SPAN_TOKENS, NS_PER_S, Config
 from shmlimit.errors import QueueFullError
+from shmlimit.filler import FILL_PERIOD, ClockFeed
 from support.buckets import private_cells
 from support.clock import FakeClock
 from support.procs import WORKDIR
 from support.starvation import run_delay
+
+FILL_PERIOD_NS = round(FILL_PERIOD * NS_PER_S)
 
 BACKENDS = ["atomics"] + (["native"] if native_available() else [])
 CONFIG_WORDS = [L.CFG_SEQ, L.CFG_RATE, L.CFG_PER, L.CFG_BURST, L.CFG_TPN, L.CFG_COST, L.CFG_CAP, L.CFG_FLAGS,
@@ -219,19 +222,37 @@ def test_repl_ts_in_the_future_does_not_stop_replenishment(backend):
 
 
 
-@pytest.mark.slow
 def test_a_limiter_whose_repl_ts_is_in_the_future_grants_again_at_its_rate(name):
-    """End to end, through the facade and the fast paths: the filler's replenish repairs the word."""
-    lim = shmlimit.Limiter(name, rate=100, burst=1)
+    """End to end, through the facade and the fast paths: the filler's replenish repairs the word.
+    On an injected clock: the filler thread is stopped and its feed ticked here at its period (1 ms),
+    a caller polling ``try_acquire`` after each tick.  The first tick credits nothing for the
+    unknown past, and from then on the ops come at the rate, less the clamp's documented price
+    (after a full bucket is drained, up to one fill interval is lost: docs/design.md)."""
+    clock = FakeClock(10**15)
+    lim = shmlimit.Limiter(name, rate=100, burst=1, clock=clock)
     try:
+        lim.retry_after()  # a first use (taking nothing): its filler thread starts, to be stopped here
+        lim._att.filler.stop()
+        lim._att.filler.join(10)
+        filler = ClockFeed(lim._att.bucket, None)  # the filler's tick, run here
         lim.drain()
-        lim._att.cells.store(L.REPL_TS, time.monotonic_ns() + 10**15)  # corrupt: ~11 days ahead
-        t0 = time.monotonic()
-        got = 0
-        while time.monotonic() - t0 < 1.0:
-            got += lim.try_acquire()
-            time.sleep(0.001)  # a caller polling, not a synchronisation
-        assert got >= 50  # about 100 in the second: replenishment never stopped
+        lim._att.cells.store(L.REPL_TS, clock.now + 10**15)  # corrupt: ~11 days ahead
+        filler.tick()
+        repaired = clock.now
+        assert lim._att.cells.load(L.REPL_TS) == repaired  # time counts again from now ...
+        assert lim.try_acquire() is False  # ... and nothing was credited for the unknown past
+        stamps = [repaired]
+        while clock.now < repaired + NS_PER_S:
+            clock.advance(FILL_PERIOD_NS)
+            filler.tick()
+            if lim.try_acquire():
+                stamps.append(clock.now)
+                assert lim.try_acquire() is False  # one op at a time: the capacity
+        gaps = [b - a for a, b in zip(stamps, stamps[1:])]
+        # replenishment never stopped: an op every 10 ms (100/s), never sooner, and at most one
+        # fill interval later (the bucket of one op was drained by each grant)
+        assert all(10**7 <= g <= 10**7 + FILL_PERIOD_NS for g in gaps), gaps
+        assert len(gaps) >= NS_PER_S // (10**7 + FILL_PERIOD_NS)
     finally:
         lim.close()
 
