@@ -65,6 +65,10 @@ WORDS = [L.CFG_SEQ, L.CFG_RATE, L.CFG_PER, L.CFG_BURST, L.CFG_TPN, L.CFG_COST, L
          5 * L.LINE]  # line 5: capped mode's word
 
 
+#: Seconds (real ones: a thread's) a stalled config writer may take to park holding the lock.
+WRITER_PARKS_WITHIN = 60
+
+
 class WouldBlock(Exception):
     """A simulated caller would sleep (waiting for room or a release): it gives up, taking nothing."""
 
@@ -400,11 +404,17 @@ class LimiterModel(RuleBasedStateMachine):
         w["thread"] = threading.Thread(target=run, daemon=True)
         self.writer = w
         w["thread"].start()
-        w["thread"].join(timeout=0.001)
+        # Until it parks holding the lock, or ends: every wait of its own is on the model's clock,
+        # so this takes milliseconds; bounded all the same, so that a writer stuck elsewhere fails
+        # the example with this message instead of hanging it
+        give_up = time_module.monotonic() + WRITER_PARKS_WITHIN
         while not w["locked"].is_set() and w["thread"].is_alive():
             w["locked"].wait(0.01)
+            if time_module.monotonic() > give_up:
+                w["resume"].set()  # if it parks after all, it resumes at once
+                raise AssertionError(f"set_rate neither took the config lock nor ended in {WRITER_PARKS_WITHIN} s")
         if not w["locked"].is_set():  # refused before the lock (bad at this unit) or no change: no stall
-            w["thread"].join()
+            w["thread"].join(WRITER_PARKS_WITHIN)
             self.writer = None
             assert w["outcome"] in ("refused", "published"), w["outcome"]
 
@@ -434,25 +444,44 @@ class LimiterModel(RuleBasedStateMachine):
         self._waiters_wake_until(self.clock.now + ns)
         self._proc(i)._att.bucket.replenish()
 
+    #: How many times the queued waiters wake at their exact due instants in one move of the
+    #: clock; past that they wake late, as on a busy host, at most LATE_WAKES more times, evenly
+    #: spread over what is left of the move.  A queue under the clamp (two replenishes add at most
+    #: a capacity) whose capacity is a few ns of schedule and whose ticket is many capacities
+    #: long has its due move on a few ns per wake: a 60 s move stepped through 60,000 of them
+    #: (40 s), and an example of several such moves ran into the suite's timeout.  Every wake
+    #: still replenishes and observes at one instant, so each grant is dated exactly.
+    EXACT_WAKES = 200
+    LATE_WAKES = 200
+
     def _waiters_wake_until(self, end):
         """Move the clock to ``end``.  On the way every queued waiter wakes at its ticket's due
         instant and replenishes for itself, as the drivers do (nothing waits for a filler): its
         grant is seen when the head covers it, not whenever the clock next stops (a grant dated
-        late makes the grants after it look early)."""
+        late makes the grants after it look early).  At most EXACT_WAKES + LATE_WAKES wakes."""
+        wakes, late_step = 0, 0
         while self.pending and self.procs:
             bucket = self.procs[0]._att.bucket
             dues = [int(bucket.due_ns(t)) + 1 for t, *_ in self.pending]
             dues = [d for d in dues if self.clock.now < d < end]
             if not dues:
                 break
-            self.clock.now = min(dues)
+            if wakes == self.EXACT_WAKES:
+                late_step = (end - self.clock.now) // self.LATE_WAKES + 1
+            wake = max(min(dues), self.clock.now + late_step)
+            if wake >= end:
+                break
+            wakes += 1
+            self.clock.now = wake
             bucket.replenish()
             self._observe()
             if bucket.stopped:
                 # a stopped limiter's replenish moves its time on and adds nothing: every due moves
                 # on with the clock, a few ns at a time, and stepping through them takes forever
                 break
-        self.clock.now = end
+        # never back: a replenish on the way may have waited out a stalled config writer's lock,
+        # which passes the model's time
+        self.clock.now = max(self.clock.now, end)
 
     @rule(ns=st.sampled_from([10**5, 10**6, 4 * 10**6, 10**7, 10**8]), i=procs_idx)
     def fill_on_a_running_clock(self, ns, i):
