@@ -365,7 +365,10 @@ class LimiterModel(RuleBasedStateMachine):
     @rule(data=st.data())
     def release(self, data):
         lim = self._proc(data.draw(st.integers(0, 2), label="i"))
-        own = self.held_ops.get(id(lim._att), 0)  # a process releases ops it acquired
+        # a process releases ops it acquired: granted, not those its waiters still queue for (a
+        # waiter that leaves un-admits its own; released as well, they were counted off twice)
+        queued = sum(r.n for _, _, r in self.pending if r is not None and r.att is lim._att and r.state == TICKET)
+        own = self.held_ops.get(id(lim._att), 0) - queued
         if own <= 0:
             return
         k = data.draw(st.integers(1, min(own, MAX_SPAN_TOKENS // self._cost())), label="k")
