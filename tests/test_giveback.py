@@ -20,6 +20,7 @@ from shmlimit.bucket import diff
 from shmlimit.cells import native_available
 from shmlimit.config import Config
 from shmlimit.giveback import Returns, reap, skip, take_ticket
+from support.aio import until
 from support.buckets import make_bucket
 from support.clock import FakeClock
 from support.procs import WORKDIR, interrupted_after, wait_for
@@ -152,8 +153,7 @@ def test_a_cancelled_async_waiter_gives_its_ticket_back(name):
     async def main():
         empty(lim)
         task = asyncio.ensure_future(lim.acquire_async(600))
-        await asyncio.sleep(0.05)
-        assert lim.stats().processes[0].waiting == 1  # queued, holding its ticket
+        await until(lambda: lim.stats().processes[0].waiting == 1)  # queued, holding its ticket (waited for, not slept on)
         task.cancel()
         with pytest.raises(asyncio.CancelledError):
             await task

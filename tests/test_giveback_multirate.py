@@ -16,6 +16,7 @@ from shmlimit import layout as L
 from shmlimit.bucket import diff
 from shmlimit.giveback import record
 from shmlimit.multirate import MultiLimiter, MultiRequest
+from support.aio import until
 from support.clock import FakeClock
 from support.procs import WORKDIR, interrupted_after, wait_for
 
@@ -154,8 +155,7 @@ def test_a_cancelled_async_multirate_waiter_gives_its_tickets_back(name, cleanup
     async def main():
         empty(lim)
         task = asyncio.ensure_future(lim.acquire_async(600))
-        await asyncio.sleep(0.05)
-        assert lim.stats().rates["0"].processes[0].waiting == 1  # queued on the lead rate
+        await until(lambda: lim.stats().rates["0"].processes[0].waiting == 1)  # queued on the lead rate (waited for, not slept on)
         task.cancel()
         with pytest.raises(asyncio.CancelledError):
             await task

@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import asyncio
 import time
-from typing import Any, Optional
+from typing import Any, Callable, Optional
 
 from .starvation import run_delay
 
@@ -60,3 +60,16 @@ class LoopTicker:
             f"{self.ticks} ticks in {self.seconds:.3f} s (less {self.withheld:.3f} s the machine withheld): "
             f"fewer than {low:.1f}, the loop was blocked"
         )
+
+
+async def until(predicate: Callable[[], Any], timeout: float = 10.0, every: float = 0.001) -> Any:
+    """``support.procs.wait_for`` on the running loop: poll ``predicate`` between awaits until it
+    holds (returning its value), so that the tasks it waits for run meanwhile; fail after ``timeout`` s."""
+    end = time.monotonic() + timeout
+    while True:
+        v = predicate()
+        if v:
+            return v
+        if time.monotonic() > end:
+            raise AssertionError("condition not reached in time")
+        await asyncio.sleep(every)
