@@ -15,10 +15,10 @@ import pytest
 
 import shmlimit
 from shmlimit import layout as L
-from shmlimit.acquisition import MAX_NAP, Request
+from shmlimit.acquisition import Request
 from shmlimit.bucket import diff
 from shmlimit.cells import native_available
-from shmlimit.config import Config
+from shmlimit.config import MAX_NAP, Config
 from shmlimit.giveback import Returns, reap, skip, take_ticket
 from support.aio import until
 from support.buckets import make_bucket
