@@ -662,7 +662,9 @@ def run_fed(url: Optional[str], rate: float, procs: int, seconds: float, timed: 
     filler = lim._att.filler
     r0 = resource.getrusage(resource.RUSAGE_SELF)
     barrier.wait(timeout=120)
+    time.sleep(skip)  # the witnesses over the span the rate is measured in (the start's burst is not)
     d0 = _run_delay(filler.native_id)
+    s1 = lim.stats()
     res = [q.get(timeout=seconds + 120) for _ in ps]
     d1 = _run_delay(filler.native_id)
     r1 = resource.getrusage(resource.RUSAGE_SELF)
@@ -690,11 +692,11 @@ def run_fed(url: Optional[str], rate: float, procs: int, seconds: float, timed: 
         wakes_per_grant=sum(r[6] for r in res) / max(1, sum(r[4] for r in res)),
         refused=sum(r[7] for r in res),  # timed: acquires that timed out
         leases=s.upstream.leases if url else None, leased=s.upstream.leased if url else None,
-        expired=s.upstream.expired if url else None,
+        expired=s.upstream.expired - s1.upstream.expired if url else None,  # leased ops void, in the span
         # the starvation witnesses: what the limiter could not credit while callers queued, how long
         # this process's filler thread waited runnable for a CPU, the longest pause between grants,
         # and Redis calls that failed (each closes the host until a retry)
-        starved=s.starved_seconds - s0.starved_seconds, filler_delay=d1 - d0,
+        starved=s.starved_seconds - s1.starved_seconds, filler_delay=d1 - d0,
         workers_delay=min(r[8] for r in res),  # every waiting thread was off the CPU at most this long
         max_gap=max((b - a for a, b in zip(stamps, stamps[1:])), default=0) / 1e9,
         errors=s.upstream.errors - s0.upstream.errors if url else 0, load=os.getloadavg()[0],
@@ -743,15 +745,17 @@ def print_hierarchy(h: dict) -> None:
     print("\n9. hierarchical vs local, 8 processes: achieved rate (after 1 s), CPU of the waiting callers and of")
     print("   the filler threads (every process's, watching or filling: in hierarchical mode the Redis round trips),")
     print("   the waiting threads' sleeps per grant, and what the machine withheld: the schedule the limiter could")
-    print("   not credit while callers waited (starved), how long the filler thread and every waiter (the least")
-    print("   of them) waited runnable for a CPU, the longest pause between two grants")
+    print("   not credit while callers waited (starved; from the second second on, as the rate), leased ops void")
+    print("   unused (expired), how long the filler thread and every waiter (the least of them) waited runnable")
+    print("   for a CPU, the longest pause between two grants")
     print(f"   {'mode':>13} {'target/s':>9} {'waiters':>8} {'achieved/s':>11} {'error':>8} {'waiters CPU-s/s':>16} "
-          f"{'filler CPU-s/s':>15} {'sleeps/grant':>13} {'starved s':>10} {'filler off s':>13} {'waiters off s':>14} "
-          f"{'max gap ms':>11} {'load':>5}")
+          f"{'filler CPU-s/s':>15} {'sleeps/grant':>13} {'starved s':>10} {'expired':>8} {'filler off s':>13} "
+          f"{'waiters off s':>14} {'max gap ms':>11} {'load':>5}")
     for r in h["table"]:
         print(f"   {r['mode']:>13} {r['rate']:>9,.0f} {'timed' if r['timed'] else 'untimed':>8} {r['achieved']:>11,.1f} "
               f"{r['error_pct']:>7.2f}% {r['waiters_cpu']:>16.4f} {r['filler_cpu']:>15.4f} {r['wakes_per_grant']:>13.2f} "
-              f"{r['starved']:>10.3f} {r['filler_delay']:>13.3f} {r['workers_delay']:>14.3f} {r['max_gap'] * 1e3:>11.1f} "
+              f"{r['starved']:>10.3f} {r['expired'] or 0:>8,} {r['filler_delay']:>13.3f} {r['workers_delay']:>14.3f} "
+              f"{r['max_gap'] * 1e3:>11.1f} "
               f"{r['load']:>5.1f}")
     for label, (w, t) in hierarchy_ratios(h).items():
         print(f"   hierarchical / local, {label}: waiters' CPU {w:.2f}x, with the filler threads {t:.2f}x")
