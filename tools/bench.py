@@ -761,12 +761,14 @@ def print_hierarchy(h: dict) -> None:
         print(f"   hierarchical / local, {label}: waiters' CPU {w:.2f}x, with the filler threads {t:.2f}x")
     if not h["sweep"]:
         return
-    print("\n   hierarchical, 4 processes, untimed: fidelity and Redis round trips per op across rates")
-    print(f"   {'target/s':>10} {'achieved/s':>12} {'error':>8} {'trips/op':>9} {'ops/lease':>10} {'expired':>8}")
+    print("\n   hierarchical, 4 processes, untimed: fidelity and Redis round trips per op across rates, with the")
+    print("   witnesses as above")
+    print(f"   {'target/s':>10} {'achieved/s':>12} {'error':>8} {'trips/op':>9} {'ops/lease':>10} {'expired':>8} "
+          f"{'starved s':>10} {'filler off s':>13} {'load':>5}")
     for r in h["sweep"]:
         per = r["leased"] / r["leases"] if r["leases"] else 0
         print(f"   {r['rate']:>10,.0f} {r['achieved']:>12,.2f} {r['error_pct']:>7.2f}% {r['round_trips_per_op']:>9.4f} "
-              f"{per:>10.1f} {r['expired']:>8,}")
+              f"{per:>10.1f} {r['expired']:>8,} {r['starved']:>10.3f} {r['filler_delay']:>13.3f} {r['load']:>5.1f}")
     if h.get("local_1m"):
         r = h["local_1m"]
         print(f"   local, 4 processes, right after: {r['rate']:,.0f}/s achieved {r['achieved']:,.2f} ({r['error_pct']:.2f}%)")
