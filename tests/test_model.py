@@ -735,3 +735,99 @@ def test_the_model_sees_a_killed_processs_ops_in_flight_released():
         m.capped_in_flight_per_process()
     finally:
         m.teardown()
+
+
+class _Draws:
+    """The ``data`` of a spelt-out rule: its draws, in order."""
+
+    def __init__(self, *values):
+        self.values = list(values)
+
+    def draw(self, strategy, label=None):
+        return self.values.pop(0)
+
+
+def _over_the_bound(m):
+    """The windows whose grants exceed ``T * tpn + max(capacity, the largest request)`` tokens
+    (ratio 1), exactly: grants are seen at whole-ns instants of the model's clock, when the head
+    covers them, so no rounding allowance is due.  Returns (tokens, window ns, bound) of each."""
+    m._observe()
+    grants = sorted(m.grants)
+    term = max(m.max_cap, m.max_request)
+    over = []
+    for a in range(len(grants)):
+        total = 0
+        for b in range(a, len(grants)):
+            total += grants[b][1]
+            window = grants[b][0] - grants[a][0]
+            if total > window * m.tpn + term:
+                over.append((total, window, window * m.tpn + term))
+    return over
+
+
+# Open defect: the clamp of a replenish (``min(SNAP_HEAD, SNAP_TAIL) + CAP``, in bucket.py, the
+# native waiter's replenish and every backend's) counts the capacity from the head, but while a
+# request of several ops is queued the head stands inside it: the part of it already accrued is
+# granted together with up to a capacity more when a late add lands.  Both tests below fail on
+# today's code (strict: once the clamp counts from the queued request's start they pass, and the
+# marks must go).
+PARTLY_ACCRUED = pytest.mark.xfail(
+    strict=True,
+    raises=AssertionError,
+    reason="open defect: the replenish clamp counts the capacity from a head inside a partly accrued request",
+)
+
+
+@PARTLY_ACCRUED
+def test_a_request_over_the_capacity_and_the_next_op_within_the_bound():
+    """The sequence the random search found (both backends' cells; stalled replenisher included):
+    at 1e9/3 ops/s (an op is 196 609 tokens, 3.00002 ns) with burst 2, drain, reserve(3), acquire(1),
+    and time passing while the waiters wake at their turns.  A replenish clamped at 24 ns leaves
+    the reservation 2 ops accrued; the next, at 28 ns, adds its 4 ns whole: the 3 ops are granted
+    and 65 535 tokens more are in the head, so the next op is granted 3 ns later: 786 436 tokens in
+    a 3 ns window where ``rate*T + max(capacity, largest request)`` allows 786 435.  The excess is
+    no rounding of the token unit: the unit makes an op dearer (196 609 tokens, not 196 608), and
+    in ops at the asked rate the window still holds 4 ops against 3.9999999999999999."""
+    m = LimiterModel()
+    m.create(rate=1e9 / 3, burst=2.0, capped=False, ratio=1.0)
+    try:
+        m.drain(0)
+        m.reserve(0, _Draws(3), None)
+        m.acquire(0, _Draws(1), None)
+        m.stall_replenisher(0)
+        assert [(t - m.created_ns, k // m._cost()) for t, k in sorted(m.grants)] == [(0, 2), (28, 3), (31, 1)]
+        assert not _over_the_bound(m), _over_the_bound(m)
+    finally:
+        m.teardown()
+
+
+@PARTLY_ACCRUED
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_a_late_replenish_never_grants_a_partly_accrued_request_and_a_capacity_more(backend):
+    """Requests within the capacity: at 1000/s with burst 10, acquire(10) then nine reserve(1)
+    queue behind an empty bucket; replenishes every ms accrue 9.999 ops of the ten; then the
+    filler and every waiter are kept off the CPU for 10 ms, and the first replenish after it adds
+    what the clamp allows: a capacity from the head, which stands 9.999 ops into the acquire(10).
+    18 ops are granted at one instant where ``rate*0 + capacity`` allows 10 (the design promises
+    the bound on a starved host: the time beyond the clamp is lost, never credited late)."""
+    m = LimiterModel()
+    m.create(rate=1000.0, burst=10.0, capped=False, ratio=1.0)
+    try:
+        i = next(k for k, p in enumerate(m.procs) if p._att.cells.backend == backend)
+        bucket = m.procs[i]._att.bucket
+        m.drain(i)
+        m.acquire(i, _Draws(10), None)
+        for _ in range(9):
+            m.reserve(i, _Draws(1), None)
+        for _ in range(9):
+            m.clock.now += 10**6
+            bucket.replenish()
+        m.clock.now += 10**6 - 1000
+        bucket.replenish()
+        m._observe()
+        assert len(m.grants) == 1  # the drain's: the acquire(10) is 1 us short
+        m.clock.now += 10**7  # nobody replenishes: the host is starved
+        bucket.replenish()
+        assert not _over_the_bound(m), _over_the_bound(m)
+    finally:
+        m.teardown()
