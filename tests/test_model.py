@@ -804,8 +804,8 @@ def test_a_request_over_the_capacity_and_the_next_op_within_the_bound():
 @PARTLY_ACCRUED
 @pytest.mark.parametrize("backend", BACKENDS)
 def test_a_late_replenish_never_grants_a_partly_accrued_request_and_a_capacity_more(backend):
-    """Requests within the capacity: at 1000/s with burst 10, acquire(10) then nine reserve(1)
-    queue behind an empty bucket; replenishes every ms accrue 9.999 ops of the ten; then the
+    """Requests within the capacity: at 1000/s with burst 10, acquire(10) then nine acquire(1)
+    (of the other processes) queue behind an empty bucket; replenishes every ms accrue 9.999 ops of the ten; then the
     filler and every waiter are kept off the CPU for 10 ms, and the first replenish after it adds
     what the clamp allows: a capacity from the head, which stands 9.999 ops into the acquire(10).
     18 ops are granted at one instant where ``rate*0 + capacity`` allows 10 (the design promises
@@ -817,8 +817,9 @@ def test_a_late_replenish_never_grants_a_partly_accrued_request_and_a_capacity_m
         bucket = m.procs[i]._att.bucket
         m.drain(i)
         m.acquire(i, _Draws(10), None)
-        for _ in range(9):
-            m.reserve(i, _Draws(1), None)
+        for k in range(9):  # waiters of every process (a slot records five tickets)
+            m.acquire(i + 1 + k % 2, _Draws(1), None)
+        assert len(m.pending) == 10
         for _ in range(9):
             m.clock.now += 10**6
             bucket.replenish()
