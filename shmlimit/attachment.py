@@ -219,13 +219,11 @@ class Attachment:
         if self.returns.step() is not None:  # at once if the head is there already, else when it gets there
             self._skipper()
 
-    def adopt(self, ticket: int, tokens: int) -> None:
-        """Skip a range another process gave back or left recorded (``reap``, ``take_over``).
-
-        Recorded in this process's slot, marked given, as its own would be: should this process
-        die or leave before the head gets there, the next filler finds it.
-        """
-        self.returns.give_back(ticket, tokens, record(self.cells, self.records, ticket, tokens, given=True))
+    def adopt(self, ticket: int, tokens: int, take: Callable[[], bool]) -> bool:
+        """Skip a range another process gave back or left recorded (``reap``): recorded in this
+        process's slot, marked given, before it is taken from where it was found, so that should
+        this process die or leave first, the next filler finds it (``Returns.adopt``)."""
+        return self.returns.adopt(ticket, tokens, take, self.records)
 
     def reap(self) -> int:
         """Give back the tickets recorded by dead processes; return how many (the filler's chore).
@@ -281,7 +279,7 @@ class Attachment:
             self.records = L.ticket_records(self.table.slots, self.slot)
             inflight.take_over(self.cells, self.table.slots, self.slot)  # a predecessor's ops in flight
             self.bucket.own_inflight = L.inflight_offset(self.table.slots, self.slot)
-            if take_over(self.cells, self.records, self.adopt):  # a predecessor's tickets
+            if take_over(self.cells, self.records, self.returns.give_back):  # a predecessor's tickets
                 self._skipper()
             self.lease = Lease(self.cells, self.slot)
             self.filler = FillerThread(self.bucket, self.lease, self.name, self._feed(), chores=self._chores)

@@ -14,7 +14,9 @@ everyone behind it for its whole schedule.  It is given back instead:
   range given back (``reap``); a process that takes over a slot first gives
   back what it finds recorded there (``take_over``).  The CAS of the
   record's length to 0 decides it: only a dead owner's record can be taken,
-  once.
+  once, and only once the range is recorded in the taker's slot too
+  (``Returns.adopt``; with none free there, the range is skipped where it is
+  once the head reaches it): no range is ever held in no record.
 * **after its process is gone**: a range given back stays recorded (marked
   ``TICKET_GIVEN``) until the head has skipped it, and a clean leave keeps
   such records (clearing its waiters' ones), so a process that exits or
@@ -63,8 +65,9 @@ if TYPE_CHECKING:  # pragma: no cover
 
 #: A slot's records: (TICKET, TICKET_LEN) offsets (``layout.ticket_records``).
 Records = Tuple[Tuple[int, int], ...]
-#: Takes a range found recorded (its end, its tokens) to give it back.
-Give = Callable[[int, int], None]
+#: Takes a range found recorded -- its end, its tokens, and ``take``: the CAS that frees the record it
+#: was found in (True once) -- to give it back; True if it did (``Returns.adopt``: it then took it).
+Give = Callable[[int, int, Callable[[], bool]], Any]
 
 #: The filler looks for dead processes' recorded tickets this often (seconds).
 REAP_EVERY = 0.1
@@ -222,7 +225,7 @@ def slot_alive_at(index: int, pid: int, start: int, pidns: int) -> bool:
 def reap(
     cells: "Cells", table: "ProcessTable", give: Give, alive: Callable[[int, int, int, int], bool] = slot_alive_at
 ) -> int:
-    """Give back (``give(end, tokens)``) the ranges recorded by processes that are gone; return how many.
+    """Give back (``give(end, tokens, take)``) the ranges recorded by processes that are gone; return how many.
 
     A waiter's record is taken from a dead owner; a given-back one from a dead
     owner or from a slot left cleanly (its owner gave it back, then left or
@@ -230,11 +233,14 @@ def reap(
     The record is read (length, end, length again: a consistent pair) before
     the owner is judged, so a record read while the owner's pid and start say
     dead is the dead owner's: a new owner takes the slot (and may record) only
-    after changing them.  The CAS of the length to 0 takes the record once;
-    were it a new owner's equal length, the range given back is still the dead
-    owner's one that was read (giving back a range twice is giving it once:
-    the head skips it once).  ``alive(slot, pid, start, pidns)`` judges an owner (the filler
-    passes its ``table.OwnerWatch``'s, which keeps a pidfd per owner).
+    after changing them.  The CAS of the length to 0 (``take``, which ``give``
+    calls once the range is held elsewhere: ``Returns.adopt``) takes the record
+    once; were it a new owner's equal length, the range given back is still the
+    dead owner's one that was read (giving back a range twice is giving it
+    once: the head skips it once).  A range ``give`` declines stays recorded
+    where it was found, for the next reap.  ``alive(slot, pid, start, pidns)``
+    judges an owner (the filler passes its ``table.OwnerWatch``'s, which keeps
+    a pidfd per owner).
     """
     found = 0
     slot_of, lens = _record_lens(table.slots)
@@ -259,11 +265,11 @@ def reap(
         # a live owner skips its own; a slot left cleanly (pid 0) holds no waiter's record
         if owner or (not pid and not v & L.TICKET_GIVEN):
             continue
-        if not cells.cas(len_off, v, 0):
-            continue
         tokens = v & ~L.TICKET_GIVEN
-        if tokens <= MAX_SPAN_TOKENS:  # anything longer is no ticket (corrupt): drop the record
-            give(end, tokens)
+        if tokens > MAX_SPAN_TOKENS:  # no ticket (corrupt): drop the record
+            cells.cas(len_off, v, 0)
+            continue
+        if give(end, tokens, functools.partial(cells.cas, len_off, v, 0)):
             found += 1
     return found
 
@@ -275,13 +281,15 @@ def _record_lens(slots: int) -> Tuple[Tuple[int, ...], Tuple[int, ...]]:
     return tuple(i for i, _ in pairs), tuple(off for _, off in pairs)
 
 
-def take_over(cells: "Cells", records: Records, give: Give) -> int:
+def take_over(cells: "Cells", records: Records, give: Callable[[int, int, int], None]) -> int:
     """A process that just took a slot gives back the ranges its predecessor left recorded there.
 
     A slot is taken from a dead owner or one that left cleanly (whose waiters'
     records it cleared, keeping those given back), and the new owner has not
-    recorded anything yet: a record found here is a predecessor's.  Returns
-    how many ranges were given back.
+    recorded anything yet: a record found here is a predecessor's.  Each is
+    marked given *where it is* (one CAS: the range is never held in no record,
+    whatever instant the taker dies at) and handed to ``give(end, tokens, its
+    record's LEN offset)`` (``Returns.give_back``).  Returns how many.
     """
     found = 0
     for end_off, len_off in records:
@@ -289,11 +297,12 @@ def take_over(cells: "Cells", records: Records, give: Give) -> int:
         if v == 0:
             continue
         end = cells.load(end_off)
-        if not cells.cas(len_off, v, 0) or v & L.TICKET_BUSY:
-            continue  # killed while writing its record: nothing to give back
         tokens = v & ~L.TICKET_GIVEN
-        if tokens <= MAX_SPAN_TOKENS:  # anything longer is a corrupt record: dropped
-            give(end, tokens)
+        if v & L.TICKET_BUSY or tokens > MAX_SPAN_TOKENS:
+            cells.cas(len_off, v, 0)  # killed while writing its record, or corrupt: nothing to give back
+            continue
+        if cells.cas(len_off, v, tokens | L.TICKET_GIVEN):
+            give(end, tokens, len_off)
             found += 1
     return found
 
@@ -323,6 +332,35 @@ class Returns:
         with self._lock:
             self._ranges.append(((ticket - tokens) & MASK64, ticket & MASK64, rec, tokens))
         self._wake.set()
+
+    def adopt(self, end: int, tokens: int, take: Callable[[], bool], records: Records) -> bool:
+        """A range another process left recorded (``reap``): skip it, never holding it in no record.
+
+        Recorded first in a free one of ``records`` (this process's, marked given), and only then
+        taken from where it was found (``take``): a death at any instant leaves it recorded in one
+        slot or both (giving back twice is giving back once).  With none free, it is skipped at once
+        if the head has reached it (then taken), else left where it was found for the next reap:
+        held elsewhere it would be lost should this process die, and waiting here for a record could
+        wait for the range itself (this process's waiters may queue behind it).  True if taken.
+        """
+        cells = self.bucket.cells
+        rec = record(cells, records, end, tokens, given=True)
+        if rec is not None:
+            if take():
+                self.give_back(end, tokens, rec)
+                return True
+            cells.cas(rec, tokens | L.TICKET_GIVEN, 0)  # taken by another first: it holds the range
+            return False
+        b = self.bucket
+        start = (end - tokens) & MASK64
+        got = skip(b, start, end)
+        if got is None and b.replenish() > 0:
+            got = skip(b, start, end)
+        if got is None:  # the head is not there yet
+            return False
+        self.skipped += got
+        take()
+        return True
 
     def pending(self) -> List[Tuple[int, int]]:
         """The ranges not yet skipped, ``(start, end)``."""

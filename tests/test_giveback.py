@@ -319,13 +319,21 @@ def test_reap_gives_back_only_a_dead_owners_record(name):
         assert req.begin() > 0
         assert ahead.record is not None and req.record is not None  # each waiter its own record
         behind = att.bucket.grab(att.bucket.cost, L.UNREG_GRANTS, 1)  # another process's, queued behind both
-        filler = Returns(att.bucket)  # another process's filler reaps
-        assert reap(att.cells, att.table, filler.give_back) == 0  # their owner (this process) is alive
+        filler = Returns(att.bucket)  # another (live) process's filler reaps, into its own slot's records
+        other = L.slot_offset((att.slot + 1) % att.table.slots)
+        for word in (L.SLOT_PID, L.SLOT_START):
+            att.cells.store(other + word, att.cells.load(L.slot_offset(att.slot) + word))
+        theirs = L.ticket_records(att.table.slots, (att.slot + 1) % att.table.slots)
+
+        def adopt(end, tokens, take):
+            return filler.adopt(end, tokens, take, theirs)
+
+        assert reap(att.cells, att.table, adopt) == 0  # their owner (this process) is alive
         base = L.slot_offset(att.slot)
         att.cells.store(base + L.SLOT_START, att.cells.load(base + L.SLOT_START) + 1)  # "dead": another start
-        assert reap(att.cells, att.table, filler.give_back) == 2  # both waiters' tickets, given back
+        assert reap(att.cells, att.table, adopt) == 2  # both waiters' tickets, given back
         assert all(att.cells.load(rec) == 0 for _, rec in att.records)
-        assert reap(att.cells, att.table, filler.give_back) == 0  # once
+        assert reap(att.cells, att.table, adopt) == 0  # once
         filler.step()
         assert diff(att.cells.load(L.HEAD), req.ticket) == 0  # the dead owner's ranges, skipped ...
         assert not att.bucket.covered(behind)  # ... granting no one behind them
@@ -338,17 +346,78 @@ def test_reap_gives_back_only_a_dead_owners_record(name):
         # a corrupt record (no ticket of the queue) is dropped, never skipped
         att.cells.store(base + L.SLOT_TICKET, (att.cells.load(L.TAIL) + 10**9) % 2**64)
         att.cells.store(base + L.SLOT_TICKET_LEN, 2 * 10**9)
-        assert reap(att.cells, att.table, filler.give_back) == 1
+        assert reap(att.cells, att.table, adopt) == 1
         assert att.cells.load(base + L.SLOT_TICKET_LEN) == 0
         head = att.cells.load(L.HEAD)
         assert filler.step() is None
         assert att.cells.load(L.HEAD) == head
         att.cells.store(base + L.SLOT_START, att.cells.load(base + L.SLOT_START) - 1)
+        att.cells.store(other + L.SLOT_PID, 0)
         req.end()
         ahead.end()
     finally:
         lim.close()
 
+
+
+def test_a_filler_with_every_record_in_use_never_holds_a_dead_range_in_no_record(name):
+    # The filler's process has five waiters queued (every record of its slot in use), four of them
+    # behind a dead process's range.  Taking that range into no record, it would be lost should the
+    # filler die too; waiting for a record of its own, it would wait for the range itself (its
+    # waiters are behind it).  It leaves the range recorded where it is until the head reaches it,
+    # then skips it there; with a record free, it records the range in its own slot first.
+    from shmlimit.giveback import record
+
+    clock = FakeClock()
+    lim = shmlimit.Limiter(name, rate=1000, burst=1, clock=clock)
+    try:
+        att = lim._att
+        cells, b = att.cells, att.bucket
+        empty(lim)  # the first use: it registers and starts the filler ...
+        att.filler.stop()  # ... whose part this test plays itself
+        att.filler.join()
+        clock.now += 1
+        b.replenish()  # a snapshot after the drain: the next replenish adds its whole interval
+        ahead = Request(att, 1, None)
+        assert ahead.begin() > 0
+        other = (att.slot + 1) % att.table.slots  # a dead process's slot: its waiter's ticket recorded there
+        base = L.slot_offset(other)
+        cells.store(base + L.SLOT_PID, cells.load(L.slot_offset(att.slot) + L.SLOT_PID))
+        cells.store(base + L.SLOT_START, cells.load(L.slot_offset(att.slot) + L.SLOT_START) + 1)  # not alive
+        dead_recs = L.ticket_records(att.table.slots, other)
+        dead = b.grab(100 * b.cost, L.UNREG_GRANTS, 100)
+        assert record(cells, dead_recs, dead, 100 * b.cost) is not None
+        behind = [Request(att, 1, None) for _ in range(L.TICKET_RECORDS - 1)]
+        assert all(r.begin() > 0 for r in behind)
+        assert all(cells.load(off) for _, off in att.records)  # every record of the filler's slot in use
+        att.reap()  # the head is not at the dead range yet, and no record is free
+        assert att.returns.unrecorded() == []  # never held in no record ...
+        assert cells.load(dead_recs[0][1]) == 100 * b.cost  # ... it stays where it was, for the next reap
+        clock.now += 1_000_000
+        b.replenish()
+        assert b.covered(ahead.ticket)  # the head reaches the dead range
+        clock.now += 1
+        assert att.reap() == 1  # skipped where it is, then its record freed
+        assert cells.load(dead_recs[0][1]) == 0 and diff(cells.load(L.HEAD), dead) == 0
+        clock.now += 1_000_000
+        b.replenish()
+        assert b.covered(behind[0].ticket)  # one op's schedule later, not 101
+        assert ahead.next() is True and behind[0].next() is True
+        ahead.end()
+        behind[0].end()  # two records free
+        # another dead range, now with records free: recorded in the filler's slot first, marked given
+        dead2 = b.grab(50 * b.cost, L.UNREG_GRANTS, 50)
+        assert record(cells, dead_recs, dead2, 50 * b.cost) is not None
+        assert att.reap() == 1
+        assert cells.load(dead_recs[0][1]) == 0
+        mine = [(cells.load(off - 8), cells.load(off)) for _, off in att.records]
+        assert (dead2, 50 * b.cost | L.TICKET_GIVEN) in mine  # should the filler die now, the next reap finds it
+        assert att.returns.unrecorded() == []
+        for r in behind[1:]:
+            r.end()
+        cells.store(base + L.SLOT_PID, 0)
+    finally:
+        lim.close()
 
 
 def test_a_process_that_takes_a_dead_owners_slot_gives_back_its_recorded_ticket():
@@ -364,6 +433,9 @@ def test_a_process_that_takes_a_dead_owners_slot_gives_back_its_recorded_ticket(
     r = Returns(b)
     assert take_over(cells, recs, r.give_back) == 2  # its successor finds them ...
     assert r.pending() == [((ticket - 50 * b.cost) % 2**64, ticket), ((second - 7 * b.cost) % 2**64, second)]
+    # ... and keeps them recorded where they are, marked given (never held in no record)
+    assert [cells.load(rec) for _, rec in recs[:2]] == [50 * b.cost | L.TICKET_GIVEN, 7 * b.cost | L.TICKET_GIVEN]
+    assert r.step() is None  # both skipped (the first was at the head): their records are free
     assert all(cells.load(rec) == 0 for _, rec in recs)
     assert take_over(cells, recs, r.give_back) == 0  # once
     cells.store(recs[0][1], L.TICKET_BUSY)  # killed while writing its record

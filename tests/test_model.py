@@ -27,9 +27,12 @@ After every step the invariants are checked:
 * the config words are mutually consistent, and bad input changes no word;
 * every live waiter's ticket is recorded in its process slot, with its exact length (no
   ticket is taken without a record: a process's sixth waiter takes nothing and gives up here);
-* every range a dead process left -- its waiters' tickets, the ranges it gave back -- is
-  recorded where a filler's reap finds it (when the process never held more ranges at once
-  than its slot has records), and the next reap gives it to a live process to skip.
+* every range a live process holds to skip (given back, or taken from a dead process) is
+  recorded in its slot: none is ever held in no record;
+* every range a dead process left -- its waiters' tickets, the ranges it gave back or took --
+  is recorded where a filler's reap finds it, and the next reap gives it to a live process to
+  skip (recorded in its slot), skips it if the head is there, or leaves it where it is only
+  while the reaper has no free record.
 """
 import mmap
 import os
@@ -87,9 +90,8 @@ class LimiterModel(RuleBasedStateMachine):
         self.pending = []  # (ticket, tokens, request or None) not yet covered by the head
         self.given_back = set()  # tickets given back: never grants
         # ends of the ranges a dead process left (its waiters' tickets, the ranges it gave back), each
-        # to be found by the next filler's reap; and the most ranges each process held at once
+        # to be found by the next filler's reap
         self.must_reap = set()
-        self.most_held = {}
         self.grants = []  # (time_ns, tokens) of every grant observed
         self.released = 0
         self.granted_ops = 0  # capped mode: ops granted or queued (counted once taken)
@@ -175,7 +177,7 @@ class LimiterModel(RuleBasedStateMachine):
             give_back(ticket, tokens, rec)
 
         att.returns.give_back = noted
-        take_over(att.cells, att.records, att.adopt)  # as a join does: a dead predecessor's records ...
+        take_over(att.cells, att.records, att.returns.give_back)  # as a join does: a dead predecessor's records ...
         att.bucket.inflights = tuple(L.inflight_offset(SLOTS, k) for k in range(SLOTS))
         inflight.take_over(att.cells, SLOTS, att.slot)  # ... and its ops in flight
         self.released += self.dead_ops.pop(att.slot, 0)
@@ -256,7 +258,6 @@ class LimiterModel(RuleBasedStateMachine):
             else:
                 still.append((ticket, tokens, req))
         self.pending = still
-        self._count_held()
 
     def _granted(self, req):
         """A live waiter whose ticket the head covered: its driver's next step grants it, and it ends."""
@@ -272,11 +273,6 @@ class LimiterModel(RuleBasedStateMachine):
         ends = {e for e in ends if diff(head, e) < 0}
         ranges = {end for _, end in att.returns.pending()}
         return ends | (ranges if every else {e for e in ranges if diff(head, e) < 0})
-
-    def _count_held(self):
-        for p in self.procs:
-            k = id(p._att)
-            self.most_held[k] = max(self.most_held.get(k, 0), len(self._held(p._att, every=True)))
 
     def _lost(self, found=()):
         """The ranges dead processes left that no live process holds, the head has not passed,
@@ -534,25 +530,29 @@ class LimiterModel(RuleBasedStateMachine):
     @rule(i=procs_idx)
     def filler_reaps(self, i):
         """The filler's chore: the tickets dead processes recorded in their slots are given back."""
-        self._proc(i)._att.reap()
+        att = self._proc(i)._att
+        att.reap()
         self._dead_ops_released()  # capped mode: the ops dead processes held are released for them
         self._note_given_back()
-        # every range a dead process left (while it held no more than its slot's records) was found:
-        # it is now some live process's to skip, or the head has passed it
-        assert not self._lost(), "a range a dead process left was not given back by the filler's reap"
-        self.must_reap = set()
+        # every range a dead process left is now some live process's to skip (recorded in its slot),
+        # or the head has passed it, or -- only while the reaper had no free record to take it into,
+        # and the head had not reached it -- it is still recorded where it was found
+        left = self._left_recorded()
+        assert not self._lost(left), "a range a dead process left was not given back by the filler's reap"
+        if left & self.must_reap:
+            assert all(self.cells.load(off) for _, off in att.records), "a range left behind with a record free"
+        self.must_reap &= left
 
     @precondition(lambda self: len(self.procs) > 1)
     @rule(i=procs_idx)
     def process_dies(self, i):
         # Its waiters die with it.  The tickets they recorded in its slot, and the ranges it gave
-        # back, are given back once a filler reaps them (all of them if it never held more than its
-        # slot's records at once); any others stay queued (and count, when the head passes them).
+        # back or took from another dead process (each recorded in its slot: a range is never held
+        # in no record), are given back once a filler reaps them.
         # Killed: its slot now names a process that no longer runs.
         self._observe()
         dead = self.procs[i % len(self.procs)]
-        if self.most_held.get(id(dead._att), 0) <= L.TICKET_RECORDS:
-            self.must_reap |= self._held(dead._att)  # each was recorded in its slot: none is lost
+        self.must_reap |= self._held(dead._att)  # each was recorded in its slot: none is lost
         self.procs.remove(dead)
         if self.capped:  # the ops it held stay in flight until a reap, or a new owner of its slot
             self.dead_ops[dead._att.slot] = self.held_ops.pop(id(dead._att), 0)
@@ -611,16 +611,28 @@ class LimiterModel(RuleBasedStateMachine):
 
     @invariant()
     def dead_ranges_recorded(self):
-        """Every range a dead process left (while it held no more than its slot's records) is
-        recorded where the next filler's reap finds it (looked at on a scratch copy)."""
+        """Every range a dead process left is recorded where the next filler's reap finds it, or
+        held (recorded) by a live process that took it, or passed by the head."""
         if not self.must_reap or not self.procs:
             return
+        assert not self._lost(self._left_recorded()), "a range a dead process left is recorded nowhere: it stays queued"
+
+    def _left_recorded(self):
+        """The ends of the ranges recorded in the slots of dead or departed processes, where the next
+        filler's reap finds them (looked at on a scratch copy)."""
         scratch = mmap.mmap(-1, len(self.mm))
         scratch[:] = self.mm[:]
         cells = open_cells(scratch, len(scratch), BACKENDS[-1])
         found = set()
-        reap(cells, ProcessTable(cells, SLOTS), lambda end, tokens: found.add(end))
-        assert not self._lost(found), "a range a dead process left is recorded nowhere: it stays queued"
+        reap(cells, ProcessTable(cells, SLOTS), lambda end, tokens, take: found.add(end))
+        return found
+
+    @invariant()
+    def no_range_held_unrecorded(self):
+        """A range a live process holds to skip is in one of its slot's records, marked given: should
+        it die before the head gets there, the next reap finds it."""
+        for p in self.procs:
+            assert p._att.returns.unrecorded() == [], "a range given back or taken is held in no record"
 
     @invariant()
     def every_queued_ticket_recorded(self):
