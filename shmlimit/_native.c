@@ -2556,6 +2556,12 @@ typedef struct {
     WAIT_FIELDS
     uint64_t *lease, *wake, *next_ns;
     uint64_t cost, tpn, grace_ns;
+    /* 0: this process may take a lapsed lease (its nudge does), so a lapse is looked at again soon.
+     * Else it cannot (it attached by name, without the upstream): its look changes nothing, and it
+     * sleeps until the lease's expiry plus this long, by when a process that can (its waiters'
+     * nudge, or a watching filler thread, within filler.WATCH_PERIOD) has taken the lease over;
+     * the new filler's batch wakes it sooner.  Set by Python (attachment.update_fast). */
+    uint64_t takeover_ns;
 } FedWaiter;
 
 /* Until when a fed waiter sleeps at most without a wake (Bucket.fed_deadline): the batch the
@@ -2595,15 +2601,22 @@ fed_loop(WaitBase *base, uint64_t ticket, uint64_t ops, uint64_t until, long *ol
         uint64_t at = fed_deadline(w, now, (uint64_t)short_, until);
         uint64_t l = wld(w->lease);
         if (l == 0 || (l >> WAIT_LEASE_SLOT_BITS) <= now / 1000u) {
-            flags |= WAIT_NUDGE;
-            if (at > now + FED_NUDGE_NS)
-                at = now + FED_NUDGE_NS;
+            uint64_t soon = now + FED_NUDGE_NS;
+            if (w->takeover_ns) { /* not ours to take: look once the take-over is due (past it: as usual) */
+                uint64_t over = (l >> WAIT_LEASE_SLOT_BITS) * 1000u + w->takeover_ns;
+                soon = over > now ? (over > soon ? over : soon) : at;
+            } else {
+                flags |= WAIT_NUDGE;
+            }
+            if (at > soon)
+                at = soon;
         }
         __atomic_fetch_add(&w->naps, 1, __ATOMIC_RELAXED);
         int r = fed_sleep(word, v, bit, at);
         if (r == EINTR)
             return flags;
-        if (r == ETIMEDOUT && at < until) { /* the lapsed lease's short sleep: a last look, then Python nudges */
+        if (r == ETIMEDOUT && at < until) { /* a deadline before `until` (a lapsed lease's short sleep, the
+                                              * take-over's, the batch's grace): a last look, then Python's */
             if (wait_short(base, ticket) <= 0 && wld(w->seq) == w->expected)
                 return wait_grant(base, ops, flags);
             return flags;
@@ -2634,12 +2647,42 @@ static PyMethodDef fed_methods[] = {
     {NULL, NULL, 0, NULL},
 };
 
+static PyObject *
+fed_get_takeover(FedWaiter *self, void *unused)
+{
+    (void)unused;
+    return PyLong_FromUnsignedLongLong(self->takeover_ns);
+}
+
+static int
+fed_set_takeover(FedWaiter *self, PyObject *value, void *unused)
+{
+    (void)unused;
+    uint64_t v;
+    if (value == NULL || !u64(value, &v))
+        return -1;
+    if (v > 60000000000ull) {
+        PyErr_SetString(PyExc_ValueError, "takeover_ns must be in [0, 60e9]");
+        return -1;
+    }
+    self->takeover_ns = v;
+    return 0;
+}
+
+static PyGetSetDef fed_getset[] = {
+    {"naps", (getter)waiter_get_naps, NULL, "how many times this waiter's calls slept", NULL},
+    {"takeover_ns", (getter)fed_get_takeover, (setter)fed_set_takeover,
+     "0: this process takes a lapsed filler lease (looks again soon); else ns after the lease's expiry "
+     "by when another process has taken it over (this one sleeps until then)", NULL},
+    {NULL, NULL, NULL, NULL, NULL},
+};
+
 static PyTypeObject FedWaiterType = {
     NATIVE_TYPE("FedWaiter", FedWaiter,
                 "A queued caller's wait for its ticket in hierarchical mode, woken when leased tokens land."),
     .tp_dealloc = (destructor)bound_dealloc,
     .tp_methods = fed_methods,
-    .tp_getset = waiter_getset,
+    .tp_getset = fed_getset,
 };
 
 /* fed_waiter(seq, expected, head, lease, grants, waiting, wake, next_ns, cost, tpn, grace_ns) -> a
@@ -2667,6 +2710,7 @@ cells_fed_waiter(NativeCells *self, PyObject *const *args, Py_ssize_t n)
     g->cost = cost;
     g->tpn = tpn;
     g->grace_ns = grace;
+    g->takeover_ns = 0;
     self->fed_word = fed_word32(w[4]);
     return (PyObject *)g;
 }

@@ -240,3 +240,30 @@ def test_a_waiter_whose_filler_thread_is_late_takes_the_lapsed_lease_and_sleeps_
     finally:
         p.kill()
         p.wait()
+
+
+@linux
+def test_a_waiter_that_cannot_take_the_lapsed_lease_sleeps_until_the_take_over(fed):
+    """A waiter of a process attached by name (no upstream: it may not fill) that finds the filler lease
+    lapsed sleeps until the lease's expiry plus the take-over (a watcher's period), not one look every
+    few ms that changes nothing: at most three sleeps in 0.3 s (~150 before), and the batch still
+    wakes it."""
+    from shmlimit.filler import lease_word, now_us
+
+    b = fed._att.bucket
+    tail = b.cells.load(L.TAIL)
+    # the lease of another slot, lapsed 10 ms ago: the take-over is due ~0.5 s from now, and no
+    # process here may take it (the test's filler thread is stopped, the waiter's has no upstream)
+    b.cells.store(L.LEASE, lease_word(now_us() - 10_000, fed._att.lease.slot + 1))
+    p = start_waiter(fed.name)
+    try:
+        ticket = wait_for(lambda: b.cells.load(L.TAIL) != tail and b.cells.load(L.TAIL))
+        wait_for(lambda: asleep_on(p.pid, b.cells, fed_bit(ticket, b.cost)), timeout=30)
+        time.sleep(0.3)  # the span over which its sleeps are counted: no batch comes meanwhile
+        assert b.add(b.cost) == b.cost  # the batch that covers its ticket wakes it
+        ok, sleeps = p.stdout.readline().split()
+        assert ok == "True" and int(sleeps) <= 3, sleeps
+        assert p.wait(timeout=30) == 0
+    finally:
+        p.kill()
+        p.wait()
