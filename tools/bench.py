@@ -588,6 +588,7 @@ def _fed_worker(lim, timed: bool, barrier, seconds: float, skip: float, stamp: b
     w0 = _sleeps(threading.get_native_id())
     d0 = _run_delay(threading.get_native_id())
     r0 = resource.getrusage(resource.RUSAGE_SELF)
+    own0 = time.thread_time()
     start = time.monotonic_ns()
     lo, end = start + int(skip * 1e9), start + int(seconds * 1e9)
     clock = time.monotonic_ns
@@ -607,6 +608,7 @@ def _fed_worker(lim, timed: bool, barrier, seconds: float, skip: float, stamp: b
             n += 1
             if stamp:
                 stamps.append(t)
+    own = time.thread_time() - own0  # the waiting thread's own CPU
     r1 = resource.getrusage(resource.RUSAGE_SELF)
     wakes = _sleeps(threading.get_native_id()) - w0
     delay = _run_delay(threading.get_native_id()) - d0
@@ -614,7 +616,7 @@ def _fed_worker(lim, timed: bool, barrier, seconds: float, skip: float, stamp: b
     if done is not None:
         done.wait(timeout=120)
     q.put((start, n, stamps, r1.ru_utime - r0.ru_utime + r1.ru_stime - r0.ru_stime - filler, total, filler, wakes,
-           refused, delay))
+           refused, delay, own))
 
 
 def _thread_cpu(thread) -> float:
@@ -684,6 +686,9 @@ def run_fed(url: Optional[str], rate: float, procs: int, seconds: float, timed: 
     return dict(
         mode="hierarchical" if url else "local", rate=rate, timed=timed, achieved=achieved,
         error_pct=100.0 * (achieved - rate) / rate, waiters_cpu=sum(r[3] for r in res) / seconds,
+        # of that, what the workers' other threads used (not the waiting thread, nor the filler's: a
+        # giveback thread skipping a timed-out caller's range, say), apart so a difference is placed
+        others_cpu=sum(r[3] - r[9] for r in res) / seconds,
         # the filler's thread, wherever it ran: this process (which does nothing else) and the
         # filler threads of workers that took the lease over
         filler_cpu=(r1.ru_utime - r0.ru_utime + r1.ru_stime - r0.ru_stime + sum(r[5] for r in res)) / seconds,
@@ -747,13 +752,14 @@ def print_hierarchy(h: dict) -> None:
     print("   the waiting threads' sleeps per grant, and what the machine withheld: the schedule the limiter could")
     print("   not credit while callers waited (starved; from the second second on, as the rate), leased ops void")
     print("   unused (expired), how long the filler thread and every waiter (the least of them) waited runnable")
-    print("   for a CPU, the longest pause between two grants")
+    print("   for a CPU, the longest pause between two grants; of the waiters' CPU, what their processes' other")
+    print("   threads used (others: neither the waiting thread nor the filler's), and the timed acquires refused")
     print(f"   {'mode':>13} {'target/s':>9} {'waiters':>8} {'achieved/s':>11} {'error':>8} {'waiters CPU-s/s':>16} "
-          f"{'filler CPU-s/s':>15} {'sleeps/grant':>13} {'starved s':>10} {'expired':>8} {'filler off s':>13} "
+          f"{'others':>7} {'refused':>7} {'filler CPU-s/s':>15} {'sleeps/grant':>13} {'starved s':>10} {'expired':>8} {'filler off s':>13} "
           f"{'waiters off s':>14} {'max gap ms':>11} {'load':>5}")
     for r in h["table"]:
         print(f"   {r['mode']:>13} {r['rate']:>9,.0f} {'timed' if r['timed'] else 'untimed':>8} {r['achieved']:>11,.1f} "
-              f"{r['error_pct']:>7.2f}% {r['waiters_cpu']:>16.4f} {r['filler_cpu']:>15.4f} {r['wakes_per_grant']:>13.2f} "
+              f"{r['error_pct']:>7.2f}% {r['waiters_cpu']:>16.4f} {r['others_cpu']:>7.4f} {r['refused']:>7,} {r['filler_cpu']:>15.4f} {r['wakes_per_grant']:>13.2f} "
               f"{r['starved']:>10.3f} {r['expired'] or 0:>8,} {r['filler_delay']:>13.3f} {r['workers_delay']:>14.3f} "
               f"{r['max_gap'] * 1e3:>11.1f} "
               f"{r['load']:>5.1f}")
