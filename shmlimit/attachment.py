@@ -29,9 +29,8 @@ from .bucket import WAIT_BURN, WAIT_NUDGE, Bucket, GrabResult
 from .config import MAX_NAP, NS_PER_S
 from .cells import MASK64, Cells, multi_gate
 from .words import plain_seconds
-from .fed_wait import GRACE_NS
 from .errors import ConfigMismatchError, LimiterNotFoundError, SegmentError
-from .filler import WATCH_PERIOD, FillerThread, Lease
+from .filler import FillerThread, Lease, takeover_ns
 from .giveback import REAP_EVERY, Records, Returns, ReturnsThread, clear, clear_waiting, interrupted, mark_given, reap, record, take_over
 from .header import Creation, open_segment
 from .registry import Registry
@@ -165,22 +164,12 @@ class Attachment:
         self.fast[3] = waiter = None if self.closed or not real_clock else self.bucket.waiter(
             s, self.grants_off, self.waiting_off, SLACK_NS
         )
-        self._set_takeover()
+        if hasattr(waiter, "takeover_ns"):  # may this process take a lapsed filler lease? (filler.takeover_ns)
+            waiter.takeover_ns = takeover_ns(self.filler)
         if recs and self.fast[0] is not _no_fast and hasattr(waiter, "acquirer"):
             # an untimed acquire of one op as one native call: the grab (record claimed before its
             # CAS, LEN stored after), the wait, the record freed at the grant (wait_for_ticket's steps)
             self.fast[0] = waiter.acquirer(self.fast[0], interrupted(self), int(MAX_NAP * NS_PER_S))
-
-    def _set_takeover(self) -> None:
-        """Tell this process's fed waiter (hierarchical mode, native) whether it may take a lapsed
-        filler lease.  One that cannot (no slot, or it attached by name, without the upstream) would
-        look again every few ms for nothing: it sleeps until the lease's expiry plus ``TAKEOVER_NS``,
-        by when a process that can has taken it (a waiter's nudge, a watcher within ``WATCH_PERIOD``)
-        and the new filler's batch wakes it."""
-        waiter = self.fast[3]
-        if hasattr(waiter, "takeover_ns"):
-            can = self.filler is not None and self.filler.make_feed is not None
-            waiter.takeover_ns = 0 if can else TAKEOVER_NS
 
     # -- this process's words ------------------------------------------------------------
 
@@ -360,12 +349,9 @@ class Attachment:
         return feed_for(self.feed_spec)
 
     def opened(self) -> bool:
-        """The "open" fallback is in force *and* this process asked for it.
-
-        A process that did not configure the upstream (it attached by name)
-        never lets calls through on the segment's word: for it, the open
-        fallback is closed.  Call after ``bucket.refresh()``.
-        """
+        """The "open" fallback is in force *and* this process asked for it.  A process that did not
+        configure the upstream (it attached by name) never lets calls through on the segment's word:
+        for it, the open fallback is closed.  Call after ``bucket.refresh()``."""
         return self.bucket.open and self.feed_spec is not None and self.feed_spec.on_error == "open"
 
     def configure_upstream(self, spec: UpstreamSpec) -> None:
@@ -378,7 +364,7 @@ class Attachment:
             self.feed_spec = spec
             if self.filler is not None:
                 self.filler.set_feed(self._feed())
-                self._set_takeover()  # its waiters take a lapsed lease from now on
+                self.update_fast()  # its waiters take a lapsed lease from now on (filler.takeover_ns)
 
     def after_fork_in_child(self) -> None:
         # The parent's filler thread does not exist here, its lease and its slot are the parent's:
@@ -574,10 +560,6 @@ def show(spec: Optional[UpstreamSpec]) -> str:
 
 
 # ---- the registry: one attachment per name per process -------------------------------------
-
-#: How long after a filler lease's expiry a process that may not take it (see ``_set_takeover``)
-#: sleeps, at most: a watching filler thread looks every ``WATCH_PERIOD``, plus a fed wait's grace.
-TAKEOVER_NS = int(WATCH_PERIOD * NS_PER_S) + GRACE_NS
 
 _registry: Registry[Attachment] = Registry(after_fork=lambda att: att.after_fork_in_child())
 

@@ -242,6 +242,21 @@ class ClockFeed:
         return None  # the clock owes nothing: whoever fills next converts the time
 
 
+#: How long after a filler lease's expiry a fed waiter sleeps at most when its process may not take the
+#: lease: a watching filler thread takes it within ``WATCH_PERIOD``, plus a fed wait's grace
+#: (``fed_wait.GRACE_NS``) for the new filler's first batch.
+TAKEOVER_NS = int(WATCH_PERIOD * 1e9) + 30_000_000
+
+
+def takeover_ns(filler: Optional["FillerThread"]) -> int:
+    """What a native fed waiter (``_native.c``, ``FedWaiter.takeover_ns``) of the process whose filler
+    thread is ``filler`` does with a lapsed filler lease: 0, look again soon and nudge, when the
+    process may take the lease; else ``TAKEOVER_NS``: it has no slot, or it attached by name without
+    the upstream, its nudge does nothing and a look every few ms would be for nothing, so it sleeps
+    until the lease's expiry plus the take-over by a process that may (or the new batch's wake)."""
+    return 0 if filler is not None and filler.make_feed is not None else TAKEOVER_NS
+
+
 class FillerThread(threading.Thread):
     """Watches the lease; while holding it, runs its feed and renews the lease.
 
