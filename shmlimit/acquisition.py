@@ -578,11 +578,18 @@ def reserve(att: "Attachment", n: int, max_wait: Optional[float]) -> Optional[fl
     att.count(n)
     if b.deficiency(ticket) and b.stopped:
         return _INF
-    # Replenish just before reading the head and its time: a replenish by another process
-    # landing between the two reads makes the answer late by its interval, which is now
-    # only as long as the time since ours.
-    refill(att)
-    return max(0.0, b.due_ns(ticket) - att.clock()) / NS_PER_S
+    # Replenish just before reading the head and its time, with a claim of our own: the next
+    # replenish then clamps against a snapshot taken after our grab (bucket invariant 3) and
+    # converts all of its time, so the head reaches the ticket when promised_ns says.  A claim lost
+    # to a replenisher that read the clock before ours (preempted between that reading and its
+    # CAS) leaves REPL_TS older, with a snapshot maybe older than our grab: claim again (a few
+    # times at most; promised_ns never answers early without it, only later than the head could be).
+    for _ in range(3):
+        since = att.clock()
+        refill(att)
+        if b.refilled_since(since):
+            break
+    return max(0.0, b.promised_ns(ticket) - att.clock()) / NS_PER_S
 
 
 def retry_after(att: "Attachment", n: int) -> float:
@@ -592,5 +599,4 @@ def retry_after(att: "Attachment", n: int) -> float:
     tokens = validate_n(n, b.cost) * b.cost
     if b.stopped:
         return _INF
-    short = -b.balance() + tokens - min(b.pending(), b.cap)
-    return max(0, short) / b.tpn / NS_PER_S
+    return max(0.0, b.next_promised_ns(tokens) - att.clock()) / NS_PER_S

@@ -319,7 +319,7 @@ class MultiLimiter(RateGroup):
                 return None
             claims.append((att, t, ticket, h))
             att.bucket.replenish()
-            due = max(due, att.bucket.due_ns(ticket) - att.clock())
+            due = max(due, att.bucket.promised_ns(ticket) - att.clock())  # never earlier than the head
         for att, o in zip(atts, ops):
             if o:
                 att.count(o)

@@ -10,11 +10,13 @@ replenish clamp after a drained bucket.)
 """
 import asyncio
 import os
+import threading
 
 import pytest
 
 import shmlimit
 from shmlimit.acquisition import CAPPED_NAP, MAX_NAP, Request
+from shmlimit.bucket import Bucket
 from support.clock import FakeClock
 
 MS = 1_000_000  # ns
@@ -160,6 +162,73 @@ def test_reservations_are_spaced_exactly_on_a_fake_clock(name, clock):
         assert lim.reserve() == pytest.approx(0.015)  # 30 ms after the first, 15 of them gone
         assert lim.reserve(max_wait=0.0249) is None  # taking nothing
         assert lim.reserve(max_wait=0.025) == pytest.approx(0.025)
+    finally:
+        lim.close()
+
+
+class PreemptedReplenisher:
+    """Another process's replenisher (the production ``Bucket.claim``, in a thread) that read
+    REPL_TS, the snapshot, the rovers and the clock, and was preempted before its CAS on REPL_TS;
+    ``land()`` lets it go on (its CAS, its snapshot) and adds what it claimed."""
+
+    def __init__(self, lim, clock):
+        self.read, self.go = threading.Event(), threading.Event()
+        at = clock.now
+
+        def parked_clock():
+            self.read.set()
+            self.go.wait(10)
+            return at
+
+        self.bucket = Bucket(lim._att.cells, parked_clock)
+        self.claim = None
+        self.thread = threading.Thread(target=lambda: setattr(self, "claim", self.bucket.claim()), daemon=True)
+        self.thread.start()
+        assert self.read.wait(10)
+
+    def land(self):
+        self.go.set()
+        self.thread.join(10)
+        assert not self.thread.is_alive()
+        if self.claim is not None:
+            self.bucket.apply(self.claim)
+
+
+def test_a_reservation_is_never_promised_time_the_bucket_spent_full(name, clock):
+    """A full bucket of one op at 50/s; a replenisher reads it and is preempted before its CAS; an
+    op is granted from the bucket 18.8 ms later (no replenish: the filler backed off while full);
+    then a reserve() whose replenish loses its claim to that replenisher's CAS, landing meanwhile.
+    REPL_TS is then 18.8 ms old and the snapshot predates the grant: the next replenish drops that
+    time (the bucket was full).  The reservation is due 1/rate after the grant, never sooner
+    (counted from REPL_TS it was promised 1.2 ms after the grant: two ops within 1.2 ms, where
+    the bound allows 1.06), and the head reaches it then, filled every ms."""
+    lim = open_limiter(name, clock, rate=50, burst=1)
+    try:
+        lim.retry_after()  # a first use (taking nothing) starts the filler thread, stopped here:
+        lim._att.filler.stop()  # this test plays the filler
+        lim._att.filler.join(10)
+        clock.advance(1 * MS)
+        late = PreemptedReplenisher(lim, clock)
+        clock.advance(18_800_000)
+        assert lim.try_acquire()  # from the full bucket, replenishing nothing
+        granted = clock.now
+        bucket = lim._att.bucket
+        own_clock = bucket.clock
+
+        def landing():  # the reserve's replenish read REPL_TS; the preempted CAS lands first
+            bucket.clock = own_clock
+            late.land()
+            return own_clock()
+
+        bucket.clock = landing
+        wait = lim.reserve()
+        assert bucket.clock is own_clock  # the race happened inside reserve()
+        promised = clock.now + wait * 1e9
+        assert promised - granted >= 20 * MS - 1  # one op per 20 ms, the bucket holding one
+        ticket = bucket.taken()
+        tick(lim, clock, int(promised - clock.now) + 1)  # the filler's 1 ms replenishes
+        assert bucket.covered(ticket)  # the head is there when promised
+        assert lim.retry_after() == pytest.approx(0.02)  # and the next op 20 ms later still
     finally:
         lim.close()
 
