@@ -34,6 +34,7 @@ After every step the invariants are checked:
   skip (recorded in its slot), skips it if the head is there, or leaves it where it is only
   while the reaper has no free record.
 """
+import math
 import mmap
 import os
 import threading
@@ -92,7 +93,9 @@ class LimiterModel(RuleBasedStateMachine):
         # ends of the ranges a dead process left (its waiters' tickets, the ranges it gave back), each
         # to be found by the next filler's reap
         self.must_reap = set()
-        self.grants = []  # (time_ns, tokens) of every grant observed
+        self.grants = []  # (time_ns, tokens) of every grant observed; a reservation's at its promised moment if sooner
+        self.promised = {}  # ticket -> the moment (ns) its reserve() promised
+        self.precas = None  # a replenisher stopped between reading the clock and its CAS on REPL_TS
         self.released = 0
         self.granted_ops = 0  # capped mode: ops granted or queued (counted once taken)
         self.held_ops = {}  # capped mode: each live process's ops admitted and not released (by its attachment)
@@ -134,6 +137,9 @@ class LimiterModel(RuleBasedStateMachine):
     def teardown(self):
         if self.writer is not None:
             self.resume_config_writer()
+        if self.precas is not None:
+            self.precas["dead"] = True
+            self._claimer_lands()
         time_module.sleep = self.saved_sleep
         if hasattr(self, "saved_banks_time"):
             config_banks.time = self.saved_banks_time
@@ -220,15 +226,19 @@ class LimiterModel(RuleBasedStateMachine):
         req.end()
         return (step if step is True or step is False else WouldBlock), tail, None
 
-    def _note_taken(self, tail_before, ops, req=None, now=False, lim=None):
-        """The tail moved: its tokens are granted now, or when the head passes ``req``'s ticket."""
+    def _note_taken(self, tail_before, ops, req=None, now=False, lim=None, promise=None):
+        """The tail moved: its tokens are granted now, or when the head passes ``req``'s ticket, or
+        (a reservation) at the moment ``promise`` its reserve() answered."""
         tail = self.cells.load(L.TAIL)
         tokens = diff(tail, tail_before)
         if tokens <= 0:
             return
         ticket = tail if req is None else req.ticket
         self.max_request = max(self.max_request, tokens)
-        if now or diff(self.cells.load(L.HEAD), ticket) >= 0:
+        if promise is not None and diff(self.cells.load(L.HEAD), ticket) < 0:
+            self.promised[ticket] = promise  # counted when the head passes it, at its promise if sooner
+            self.pending.append((ticket, tokens, None))
+        elif now or diff(self.cells.load(L.HEAD), ticket) >= 0:
             self.grants.append((self.clock(), tokens))
             self._granted(req)
         else:
@@ -253,7 +263,9 @@ class LimiterModel(RuleBasedStateMachine):
             if ticket in self.given_back:
                 continue
             if diff(head, ticket) >= 0:
-                self.grants.append((self.clock(), tokens))
+                # a reservation's holder owns its slot from its promised moment: counted then if
+                # that is sooner (a promise earlier than the head shows up in the window bound)
+                self.grants.append((min(self.clock(), self.promised.pop(ticket, float("inf"))), tokens))
                 self._granted(req)
             else:
                 still.append((ticket, tokens, req))
@@ -289,10 +301,11 @@ class LimiterModel(RuleBasedStateMachine):
         self.max_ratio = max(self.max_ratio, L.u2f(self.cells.load(L.CFG_RATIO)))
         self.cap_ops = max(self.cap_ops, self.cells.load(L.CFG_CAP) // self._cost())
 
-    def _taking(self, call, n, lim, capped_refusal=True):
+    def _taking(self, call, n, lim, capped_refusal=True, reservation=False):
         """``call()`` takes ``n`` ops, answering (result, tail before, its waiting request or None):
-        noted as taken.  False if it was refused, having taken nothing: a full queue, or
-        (``capped_refusal``) more than a capped limiter's capacity can ever admit."""
+        noted as taken (``reservation``: the result is reserve()'s wait, and it promised that
+        moment; checked by ``_promise_kept``).  False if it was refused, having taken nothing: a
+        full queue, or (``capped_refusal``) more than a capped limiter's capacity can ever admit."""
         try:
             result, tail, req = call()
         except shmlimit.QueueFullError:
@@ -302,8 +315,48 @@ class LimiterModel(RuleBasedStateMachine):
                 raise
             assert "capacity" in str(e)
             return False
-        self._note_taken(tail, n, req, lim=lim)
+        promise = None
+        if reservation and isinstance(result, float) and result != float("inf"):
+            # seconds from its last clock reading (time may pass inside: a config lock's wait)
+            promise = self.clock.now + result * NS_PER_S  # (float seconds: rounded, well below 1 ns)
+            self._promise_kept(lim, diff(self.cells.load(L.TAIL), tail), promise)
+        self._note_taken(tail, n, req, lim=lim, promise=promise)
         return True
+
+    def _promise_kept(self, lim, tokens, promise):
+        """A reservation's promised moment is never earlier than the head's arrival at its ticket:
+        on a scratch copy, every stalled replenisher resumes at once and a filler replenishes from
+        now on, at once, 1 ns later and then every quarter capacity (each converting all of its
+        time: the best any cadence can do); by the promised moment (and 1 ns of rounding) the
+        head covers the ticket.  A slower filler only makes the head later (time lost): everyone after
+        waits longer, no one is granted early."""
+        if tokens <= 0 or not self.procs:
+            return
+        c = self.cells
+        ticket = c.load(L.TAIL)  # the reservation's: no other call ran since
+        if diff(ticket, c.load(L.HEAD)) <= 0 or c.load(L.CFG_FLAGS) & L.FLAG_STOPPED:
+            return
+        step = max(1, c.load(L.CFG_CAP) // 4 // self.tpn)
+        end = int(math.ceil(promise)) + 1  # (1 ns for the rounding of a float moment)
+        if (end - self.clock.now) // step > 4000:
+            return  # too far to simulate fill by fill; the window bound still counts it at its promise
+        scratch = mmap.mmap(-1, len(self.mm))
+        scratch[:] = self.mm[:]
+        clock = FakeClock(self.clock.now)
+        cells = open_cells(scratch, len(scratch), BACKENDS[-1])
+        b = Bucket(cells, clock)
+        for _, claim in self.stalled:
+            b.apply(claim)
+        b.replenish()
+        clock.now += 1  # a replenish 1 ns later: a snapshot older than the reservation costs only that ns
+        b.replenish()
+        while clock.now < end and diff(ticket, cells.load(L.HEAD)) > 0:
+            clock.now = min(end, clock.now + step)
+            b.replenish()
+        assert diff(ticket, cells.load(L.HEAD)) <= 0, (
+            f"reserve() promised its slot at {promise:.0f} ns, but the head can reach its ticket only later "
+            f"({diff(ticket, cells.load(L.HEAD))} tokens short then): an early promise"
+        )
 
     def _n(self, data, proc):
         """Any valid n, the largest included."""
@@ -334,7 +387,7 @@ class LimiterModel(RuleBasedStateMachine):
     def reserve(self, i, data, max_wait):
         lim = self._proc(i)
         n = self._n(data, lim)
-        self._taking(lambda: self._call(lim.reserve, n, max_wait), n, lim, capped_refusal=False)
+        self._taking(lambda: self._call(lim.reserve, n, max_wait), n, lim, capped_refusal=False, reservation=True)
 
     @rule(i=procs_idx, k=st.integers(1, 10), how=st.sampled_from(["reserve", "reserve_bounded", "acquire"]))
     def flood(self, i, k, how):
@@ -347,7 +400,7 @@ class LimiterModel(RuleBasedStateMachine):
                 "reserve_bounded": lambda: self._call(lim.reserve, n, max_wait=10**9),
                 "acquire": lambda: self._acquire(lim, n),
             }[how]
-            if not self._taking(call, n, lim):
+            if not self._taking(call, n, lim, reservation=how != "acquire"):
                 return
 
     @rule(i=procs_idx)
@@ -507,6 +560,79 @@ class LimiterModel(RuleBasedStateMachine):
         bucket, claim = self.stalled.pop(0)
         bucket.apply(claim)
 
+    @rule(ns=st.sampled_from([10**5, 10**6, 5 * 10**6, 19 * 10**6]))
+    def time_passes(self, ns):
+        """Nobody replenishes for a while (the filler backed off: the bucket was full, or it was
+        preempted); queued waiters still wake at their turns and replenish for themselves."""
+        self._waiters_wake_until(self.clock.now + ns)
+
+    @precondition(lambda self: self.precas is None)
+    @rule(i=procs_idx)
+    def claimer_reads(self, i):
+        """A replenisher (another thread of process ``i``) reads REPL_TS, the snapshot, the rovers
+        and the clock, and is preempted before its CAS on REPL_TS: the production ``claim``, in a
+        thread parked in its clock reading."""
+        att = self._proc(i)._att
+        at = self.clock.now
+        w = {"read": threading.Event(), "go": threading.Event(), "dead": False, "claim": None, "att": att}
+
+        def clock():
+            w["read"].set()
+            w["go"].wait(60)
+            if w["dead"]:
+                raise WouldBlock()  # its process died: it never lands
+            return at
+
+        bucket = Bucket(att.cells, clock)
+
+        def run():
+            try:
+                w["claim"] = (bucket, bucket.claim())
+            except WouldBlock:
+                pass
+
+        w["thread"] = threading.Thread(target=run, daemon=True)
+        w["thread"].start()
+        w["read"].wait(60)
+        self.precas = w
+
+    def _claimer_lands(self):
+        """The preempted replenisher resumes: its CAS on REPL_TS (to the clock it read), and if
+        that wins, its snapshot and its add."""
+        w, self.precas = self.precas, None
+        w["go"].set()
+        w["thread"].join(60)
+        assert not w["thread"].is_alive()
+        if w["claim"] is not None and w["claim"][1] is not None:
+            bucket, claim = w["claim"]
+            bucket.apply(claim)
+
+    @precondition(lambda self: self.precas is not None)
+    @rule()
+    def claimer_lands(self):
+        self._claimer_lands()
+
+    @precondition(lambda self: self.precas is not None)
+    @rule(i=procs_idx, data=st.data(), max_wait=st.one_of(st.none(), st.just(3600.0)))
+    def reserve_as_a_claim_lands(self, i, data, max_wait):
+        """A reserve() whose own replenish reads REPL_TS just before the preempted replenisher's CAS
+        lands (between its reading and its CAS): it loses the claim to an older one."""
+        lim = self._proc(i)
+        n = data.draw(st.integers(1, 3), label="n")
+        bucket = lim._att.bucket
+        clock = bucket.clock
+
+        def landing():
+            bucket.clock = clock
+            self._claimer_lands()
+            return clock()
+
+        bucket.clock = landing
+        try:
+            self._taking(lambda: self._call(lim.reserve, n, max_wait), n, lim, capped_refusal=False, reservation=True)
+        finally:
+            bucket.clock = clock
+
     @rule(data=st.data())
     def waiter_leaves(self, data):
         """A waiting request is interrupted or cancelled: its driver ends it, and it gives its ticket back."""
@@ -560,6 +686,9 @@ class LimiterModel(RuleBasedStateMachine):
         base = L.slot_offset(dead._att.slot)
         self.cells.store(base + L.SLOT_START, self.cells.load(base + L.SLOT_START) + 1)
         self.stalled = [(b, c) for b, c in self.stalled if b is not dead._att.bucket]  # it never resumes
+        if self.precas is not None and self.precas["att"] is dead._att:  # nor does its preempted replenisher
+            self.precas["dead"] = True
+            self._claimer_lands()
         self.pending = [(t, k, None if r is not None and r.att is dead._att else r) for t, k, r in self.pending]
 
     @precondition(lambda self: len(self.procs) < 3)
@@ -599,7 +728,7 @@ class LimiterModel(RuleBasedStateMachine):
             total = 0
             for b in range(a, len(grants)):
                 total += grants[b][1]
-                window = grants[b][0] - grants[a][0]
+                window = grants[b][0] - grants[a][0] + 1  # (1 ns: a reservation's moment is a float, rounded)
                 assert total <= self.max_ratio * window * self.tpn + bound_cap, (
                     f"{total} tokens granted in {window} ns: more than ratio*(T*tpn + cap)"
                 )
