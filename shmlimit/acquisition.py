@@ -578,12 +578,9 @@ def reserve(att: "Attachment", n: int, max_wait: Optional[float]) -> Optional[fl
     att.count(n)
     if b.deficiency(ticket) and b.stopped:
         return _INF
-    # Replenish just before reading the head and its time, with a claim of our own: the next
-    # replenish then clamps against a snapshot taken after our grab (bucket invariant 3) and
-    # converts all of its time, so the head reaches the ticket when promised_ns says.  A claim lost
-    # to a replenisher that read the clock before ours (preempted between that reading and its
-    # CAS) leaves REPL_TS older, with a snapshot maybe older than our grab: claim again (a few
-    # times at most; promised_ns never answers early without it, only later than the head could be).
+    # Replenish with a claim of our own (again, a few times at most, while an older one preempted
+    # before its CAS wins): the next replenish then clamps against a snapshot taken after our grab
+    # and the head reaches the ticket when promised_ns says (never early without it: only later).
     for _ in range(3):
         since = att.clock()
         refill(att)

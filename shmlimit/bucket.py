@@ -45,16 +45,15 @@ from .config import MAX_QUEUE_TOKENS as MAX_QUEUE
 from .config import Config
 from .config_banks import NO_SNAPSHOT, Snapshot, config_words, published_values, read_snapshot, write_banks, write_under_lock
 from .errors import ConfigWriterTakenOver, QueueFullError, SegmentError
+from .schedule import Schedule
 from .words import behind, diff  # rover arithmetic, re-exported: the bucket's vocabulary
 
 
-#: The filler replenishes this often (ns): the pace a queued head can count on (see estimate_wait_ns).
-FILL_NS = 1_000_000
 REFUSED, NO_RECORD = "refused", "no record"  #: ``take_within`` took nothing: wait over its bound; no free record
 WAIT_GRANTED, WAIT_NUDGE, WAIT_BURN = 1, 2, 4  #: a native wait's flags (``waiter``): granted (counted), nudge the filler, burn
 
 
-class Bucket:
+class Bucket(Schedule):
     """Rover arithmetic on one segment.  ``clock`` returns CLOCK_MONOTONIC nanoseconds."""
 
     def __init__(self, cells: Cells, clock: Callable[[], int] = time.monotonic_ns) -> None:
@@ -515,18 +514,6 @@ class Bucket:
         """When (CLOCK_MONOTONIC ns) the filler next expects tokens; 0 when it does not know."""
         return self.cells.load(L.UP_NEXT_NS)
 
-    def estimate_wait_ns(self, short: int, snap: Optional[Snapshot] = None) -> float:
-        """Nanoseconds until ``short`` more tokens reach the head, at the speed the head can really move.
-
-        The clamp lets one replenish add at most a capacity minus the previous
-        interval's tokens, so under a queue the head gains at most about half a
-        capacity per replenish.  With replenishes every ``FILL_NS`` (the
-        filler), a capacity smaller than two fill intervals moves the head
-        slower than the rate, and the wait is that much longer.
-        """
-        s = snap or self.snap
-        return max(short / s.tpn, short / max(1, s.cap // 2) * FILL_NS)
-
     def take_within(self, tokens: int, max_wait_ns: float, recs: Optional[Tuple[int, ...]] = None,
                     grants: int = 0, ops: int = 0) -> Tuple[Any, Optional[int]]:
         """Take ``tokens`` if their wait (``estimate_wait_ns``) is <= ``max_wait_ns``: the one CAS loop on the tail that may queue.
@@ -580,67 +567,3 @@ class Bucket:
         """The tail rover: every token ever taken or queued for (wrapping at 2**64; compare with ``diff``).
         Its advance over a period is that period's demand (grants, tickets, burned tokens alike)."""
         return self.cells.load(L.TAIL)
-
-    def pending(self, now: Optional[int] = None) -> int:
-        """Tokens a replenish at ``now`` would add at most (before the capacity clamp)."""
-        now = self.clock() if now is None else now
-        return max(0, now - self.cells.load(L.REPL_TS)) * self.tpn
-
-    def refilled_since(self, since_ns: int) -> bool:
-        """Has a replenish claimed time up to ``since_ns`` (CLOCK_MONOTONIC ns) or later?"""
-        return diff(self.cells.load(L.REPL_TS), since_ns) >= 0
-
-    def next_promised_ns(self, tokens: int) -> float:
-        """When (CLOCK_MONOTONIC ns) a ticket of ``tokens`` taken now would be due (``promised_ns``)."""
-        return self.promised_ns((self.cells.load(L.TAIL) + tokens) & MASK64)
-
-    def due_ns(self, ticket: int) -> float:
-        """The earliest instant (CLOCK_MONOTONIC ns) a replenish could cover ``ticket``: when its waiter looks.
-
-        The head holds every token up to the last replenish time, so the
-        ticket is due that long after it.  A replenish claims its time
-        before it adds its tokens, so the head is read first: a pair read
-        across a replenish then has the newer time and the older head, and
-        can only make the answer later, never earlier.  A wake time, never a
-        promise: the next replenish's clamp may leave less room than that
-        (``promised_ns``), and a waiter that finds its ticket still short
-        after replenishing simply looks again.
-        """
-        c = self.cells
-        head = c.load(L.HEAD)
-        return c.load(L.REPL_TS) + max(0, diff(ticket, head)) / self.tpn
-
-    def promised_ns(self, ticket: int) -> float:
-        """When (CLOCK_MONOTONIC ns) the head reaches ``ticket`` at the current rate, if replenished
-        as often as needed from now on: the moment a reservation owns its slot, never earlier than
-        the head can get there.
-
-        The head holds every token up to the last replenish time (``REPL_TS``),
-        and the time since then becomes tokens only up to what the next
-        replenish's clamp allows: the room below ``min(SNAP_HEAD, SNAP_TAIL) +
-        capacity`` (invariant 3).  Up to that room the ticket is due that long
-        after ``REPL_TS``; beyond it the next replenish drops the rest of its
-        interval, and the tokens still short accrue only from then: from now at
-        the earliest (and 1 ns after ``REPL_TS``: a claim needs time elapsed),
-        at the pace the head can keep (``estimate_wait_ns``).  (A snapshot older than the last grab -- a full bucket
-        taken by a grab that did not replenish, whose next claim was lost to a
-        replenisher that read the rovers before that grab -- leaves no room:
-        counting from ``REPL_TS`` there would promise time the bucket spent
-        full, a slot up to a fill interval early.)  The head is read first and
-        the snapshot before ``REPL_TS``: read across a replenish, an older head
-        and an older snapshot (lower rovers: less room) can only make the
-        answer later, never earlier.
-        """
-        c = self.cells
-        snap = self.snap
-        head = c.load(L.HEAD)
-        limit = (behind(c.load(L.SNAP_HEAD), c.load(L.SNAP_TAIL)) + snap.cap) & MASK64
-        ts = c.load(L.REPL_TS)
-        short = max(0, diff(ticket, head))
-        room = max(0, diff(limit, head))
-        if short <= room:
-            return ts + short / snap.tpn
-        # the next replenish claims some time: not before now, nor before REPL_TS + 1 ns; the rest
-        # then comes at the pace the head can keep (estimate_wait_ns: slower for a capacity under
-        # two fill intervals, where each replenish may add only half a capacity)
-        return max(self.clock(), ts + max(1.0, room / snap.tpn)) + self.estimate_wait_ns(short - room, snap)

@@ -1,0 +1,102 @@
+"""When tickets are due: the bucket's clock arithmetic, read from its rovers (a base of ``Bucket``).
+
+``due_ns`` is a waiter's wake time, the earliest a replenish could cover a
+ticket; ``promised_ns`` is a reservation's moment, never earlier than the head
+can get there (see docs/design.md, "When a reservation is due").
+"""
+from __future__ import annotations
+
+from typing import Callable, Optional
+
+from . import layout as L
+from .cells import MASK64, Cells
+from .config_banks import Snapshot
+from .words import behind, diff
+
+#: The filler replenishes this often (ns): the pace a queued head can count on (see estimate_wait_ns).
+FILL_NS = 1_000_000
+
+
+class Schedule:
+    """Reads only: ``Bucket`` provides the cells, its config snapshot and its clock."""
+
+    cells: Cells
+    snap: Snapshot
+    clock: Callable[[], int]
+    tpn: int
+
+    def estimate_wait_ns(self, short: int, snap: Optional[Snapshot] = None) -> float:
+        """Nanoseconds until ``short`` more tokens reach the head, at the speed the head can really move.
+
+        The clamp lets one replenish add at most a capacity minus the previous
+        interval's tokens, so under a queue the head gains at most about half a
+        capacity per replenish.  With replenishes every ``FILL_NS`` (the
+        filler), a capacity smaller than two fill intervals moves the head
+        slower than the rate, and the wait is that much longer.
+        """
+        s = snap or self.snap
+        return max(short / s.tpn, short / max(1, s.cap // 2) * FILL_NS)
+
+    def pending(self, now: Optional[int] = None) -> int:
+        """Tokens a replenish at ``now`` would add at most (before the capacity clamp)."""
+        now = self.clock() if now is None else now
+        return max(0, now - self.cells.load(L.REPL_TS)) * self.tpn
+
+    def refilled_since(self, since_ns: int) -> bool:
+        """Has a replenish claimed time up to ``since_ns`` (CLOCK_MONOTONIC ns) or later?"""
+        return diff(self.cells.load(L.REPL_TS), since_ns) >= 0
+
+    def next_promised_ns(self, tokens: int) -> float:
+        """When (CLOCK_MONOTONIC ns) a ticket of ``tokens`` taken now would be due (``promised_ns``)."""
+        return self.promised_ns((self.cells.load(L.TAIL) + tokens) & MASK64)
+
+    def due_ns(self, ticket: int) -> float:
+        """The earliest instant (CLOCK_MONOTONIC ns) a replenish could cover ``ticket``: when its waiter looks.
+
+        The head holds every token up to the last replenish time, so the
+        ticket is due that long after it.  A replenish claims its time
+        before it adds its tokens, so the head is read first: a pair read
+        across a replenish then has the newer time and the older head, and
+        can only make the answer later, never earlier.  A wake time, never a
+        promise: the next replenish's clamp may leave less room than that
+        (``promised_ns``), and a waiter that finds its ticket still short
+        after replenishing simply looks again.
+        """
+        c = self.cells
+        head = c.load(L.HEAD)
+        return c.load(L.REPL_TS) + max(0, diff(ticket, head)) / self.tpn
+
+    def promised_ns(self, ticket: int) -> float:
+        """When (CLOCK_MONOTONIC ns) the head reaches ``ticket`` at the current rate, if replenished
+        as often as needed from now on: the moment a reservation owns its slot, never earlier than
+        the head can get there.
+
+        The head holds every token up to the last replenish time (``REPL_TS``),
+        and the time since then becomes tokens only up to what the next
+        replenish's clamp allows: the room below ``min(SNAP_HEAD, SNAP_TAIL) +
+        capacity`` (invariant 3).  Up to that room the ticket is due that long
+        after ``REPL_TS``; beyond it the next replenish drops the rest of its
+        interval, and the tokens still short accrue only from then: from now at
+        the earliest (and 1 ns after ``REPL_TS``: a claim needs time elapsed),
+        at the pace the head can keep (``estimate_wait_ns``).  (A snapshot older than the last grab -- a full bucket
+        taken by a grab that did not replenish, whose next claim was lost to a
+        replenisher that read the rovers before that grab -- leaves no room:
+        counting from ``REPL_TS`` there would promise time the bucket spent
+        full, a slot up to a fill interval early.)  The head is read first and
+        the snapshot before ``REPL_TS``: read across a replenish, an older head
+        and an older snapshot (lower rovers: less room) can only make the
+        answer later, never earlier.
+        """
+        c = self.cells
+        snap = self.snap
+        head = c.load(L.HEAD)
+        limit = (behind(c.load(L.SNAP_HEAD), c.load(L.SNAP_TAIL)) + snap.cap) & MASK64
+        ts = c.load(L.REPL_TS)
+        short = max(0, diff(ticket, head))
+        room = max(0, diff(limit, head))
+        if short <= room:
+            return ts + short / snap.tpn
+        # the next replenish claims some time: not before now, nor before REPL_TS + 1 ns; the rest
+        # then comes at the pace the head can keep (estimate_wait_ns: slower for a capacity under
+        # two fill intervals, where each replenish may add only half a capacity)
+        return max(self.clock(), ts + max(1.0, room / snap.tpn)) + self.estimate_wait_ns(short - room, snap)
