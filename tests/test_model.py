@@ -568,7 +568,8 @@ class LimiterModel(RuleBasedStateMachine):
 
     # Not with catch-up (ratio > 1): there a preempted replenisher's late claim lets 4 ops at
     # one instant where ratio * capacity allows 3 (rate 10/s, ratio 3, a stalled config writer,
-    # acquire(2), the claim landing, try_acquire(2)): an open defect of the catch-up clamp.
+    # acquire(2), the claim landing, try_acquire(2)): an open defect of the catch-up clamp, held
+    # as a strict expected failure by test_catch_up_after_a_stalled_config_writer_stays_within_...
     @precondition(lambda self: self.precas is None and self.max_ratio == 1.0)
     @rule(i=procs_idx)
     def claimer_reads(self, i):
@@ -941,6 +942,36 @@ def test_a_request_over_the_capacity_and_the_next_op_within_the_bound():
         m.stall_replenisher(0)
         assert [(t - m.created_ns, k // m._cost()) for t, k in sorted(m.grants)] == [(0, 2), (28, 3), (31, 1)]
         assert not _over_the_bound(m), _over_the_bound(m)
+    finally:
+        m.teardown()
+
+
+CATCH_UP_LATE = pytest.mark.xfail(
+    strict=True,
+    raises=AssertionError,
+    reason="open defect: catch-up (ratio > 1) pays time behind schedule on top of queued requests of several ops",
+)
+
+
+@CATCH_UP_LATE
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_catch_up_after_a_stalled_config_writer_stays_within_ratio_times_the_capacity(backend):
+    """At 10/s, burst 1, ratio 3 (catch-up up to three capacities at once): a ``set_rate`` stalls
+    holding the config lock, two ``acquire(2)`` queue, and time passes while the lock is taken
+    over (the model's clock moves through the readers' waits for a stable config).  The replenish
+    that follows pays the time behind schedule back: both requests are granted at one instant,
+    4 ops where ``max(ratio * capacity, the largest request)`` allows 3.  The model's preempted
+    replenisher step is kept off catch-up configurations until this is fixed, since its late
+    claim reaches the same excess at random."""
+    m = LimiterModel()
+    m.create(rate=10.0, burst=1.0, capped=False, ratio=3.0)
+    try:
+        i = next(k for k, p in enumerate(m.procs) if p._att.cells.backend == backend)
+        m.stall_config_writer(i, 2.5, None)
+        m.acquire(i, _Draws(2), None)
+        m.acquire(i, _Draws(2), None)
+        m.advance_and_fill(10**8, i)
+        m.window_bound()
     finally:
         m.teardown()
 
