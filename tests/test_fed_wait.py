@@ -99,10 +99,11 @@ def test_a_sleep_on_a_word_that_moved_returns_at_once_and_one_past_its_deadline_
 
 # ---- the whole path: a queued caller of another process, served by an added batch --------------------
 
-WAITER = textwrap.dedent(
+#: A waiter process's prelude: it counts its sleeps, and ``acquire_counted`` says "ready", acquires
+#: once, prints whether it was granted and how many times it slept, and closes.
+COUNTED_WAITER = textwrap.dedent(
     """
-    import sys, time
-    import shmlimit, shmlimit.acquisition as A, shmlimit.fed_wait as F
+    import shmlimit.acquisition as A, shmlimit.fed_wait as F
     A.MAX_NAP_NS = 60_000_000_000  # no look but the wake's (nor a deadline's) within the test
     sleeps = [0]
     sleep = F.sleep
@@ -110,13 +111,21 @@ WAITER = textwrap.dedent(
         sleeps[0] += 1
         return sleep(*args)
     F.sleep = counted  # the atomics backend's fed sleep (the native one counts its naps)
+    def acquire_counted(lim, timeout=None):
+        print("ready", flush=True)
+        ok = lim.acquire(timeout=timeout)
+        waiter = lim._att.fast[3]
+        print(ok, sleeps[0] + (waiter.naps if waiter is not None else 0), flush=True)
+        lim.close()
+    """
+)
+
+WAITER = COUNTED_WAITER + textwrap.dedent(
+    """
+    import sys
+    import shmlimit
     lim = shmlimit.attach(sys.argv[1])
-    timeout = None if sys.argv[2] == "-" else float(sys.argv[2])
-    print("ready", flush=True)
-    ok = lim.acquire(timeout=timeout)
-    waiter = lim._att.fast[3]
-    print(ok, sleeps[0] + (waiter.naps if waiter is not None else 0), flush=True)
-    lim.close()
+    acquire_counted(lim, None if sys.argv[2] == "-" else float(sys.argv[2]))
     """
 )
 
@@ -187,19 +196,12 @@ def test_a_timed_caller_not_served_gives_its_ticket_back_and_the_next_batch_serv
     assert not fed.try_acquire()
 
 
-LATE_FILLER_WAITER = textwrap.dedent(
+LATE_FILLER_WAITER = COUNTED_WAITER + textwrap.dedent(
     """
     import sys
-    import shmlimit, shmlimit.acquisition as A, shmlimit.fed_wait as F, shmlimit.layout as L
+    import shmlimit, shmlimit.layout as L
     from shmlimit.filler import lease_word, now_us
     from shmlimit.redis import RedisLimiter
-    A.MAX_NAP_NS = 60_000_000_000  # no look but the wake's (nor a deadline's) within the test
-    sleeps = [0]
-    sleep = F.sleep
-    def counted(*args):
-        sleeps[0] += 1
-        return sleep(*args)
-    F.sleep = counted  # the atomics backend's fed sleep (the native one counts its naps)
     name, glob, url, other = sys.argv[1], sys.argv[2], sys.argv[3], int(sys.argv[4])
     lim = shmlimit.Limiter(name, upstream=RedisLimiter(glob, rate=1, per=100, url=url))  # a filler candidate
     att = lim._att
@@ -209,11 +211,7 @@ LATE_FILLER_WAITER = textwrap.dedent(
     # it believes it holds the lease, which another process took from it and let lapse in turn
     att.lease.word = lease_word(now_us() - 2_000_000, att.lease.slot)
     att.cells.store(L.LEASE, lease_word(now_us() - 1_000_000, other))
-    print("ready", flush=True)
-    ok = lim.acquire()
-    waiter = lim._att.fast[3]
-    print(ok, sleeps[0] + (waiter.naps if waiter is not None else 0), flush=True)
-    lim.close()
+    acquire_counted(lim)
     """
 )
 
