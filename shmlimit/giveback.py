@@ -43,7 +43,9 @@ it is dead), so no one is ever granted from it.
 Not given back: a ``reserve()``.  A reservation is a grant for later, not a
 waiter: it is counted as granted when made, and its holder may use it
 whether or not its process still runs (the HTTP integrations push a pause
-into the schedule this way).
+into the schedule this way).  Until it is made, though, a reservation over
+several rates holds its claims as waiters' tickets (recorded), and gives them
+back if refused part-way, interrupted or killed (``multirate_request.claim``).
 """
 from __future__ import annotations
 

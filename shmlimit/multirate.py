@@ -41,12 +41,11 @@ from typing import Any, Callable, Dict, Iterable, List, Optional, Sequence, Tupl
 
 from . import acquisition, live_changes
 from . import layout as L
-from .acquisition import drive, drive_async, ticket_within
+from .acquisition import drive, drive_async
 from .attachment import Attachment, gate_all, open_attachment, release
-from .bucket import diff
 from .config import NS_PER_S, Config, validate_n, validate_timeout
 from .header import Creation
-from .multirate_request import MultiRequest, give_back, take_all, wait_ns
+from .multirate_request import REFUSED, Claim, MultiRequest, claim, give_back_claims, take_all, wait_ns
 from .rate_group import RateGroup, parse_rates, rates_from_text
 from .segment import validate_mode, validate_name, validate_slots, validate_trusted_uids
 from .stats import Stats, snapshot
@@ -296,9 +295,13 @@ class MultiLimiter(RateGroup):
         seconds.  The caller owns the slots once this returns a number
         (counted as granted).  The rates are claimed shortest wait first, so
         that a refusal by a later one (another caller took its room between
-        the look and the claim) finds the earlier claims covered and gives
-        them back; a claim still queued then is spent unused (never an extra
-        grant: a reservation is not a waiter, and takes no ticket record).
+        the look and the claim) mostly finds the earlier claims covered.
+        Until the last rate is claimed each claim is held as a waiter's
+        ticket, recorded in this process's slot on its rate
+        (``multirate_request.claim``); refused part-way, or interrupted, every
+        claim is given back (``give_back_claims``: covered tokens to the head,
+        a queued range skipped by the head), so no rate keeps a dead claim
+        queued, and none is given back beyond what it would have held.
         """
         ops = self._ops(n, costs)
         atts = self._live()
@@ -308,18 +311,25 @@ class MultiLimiter(RateGroup):
         order = sorted((i for i, o in enumerate(ops) if o), key=lambda i: wait_ns(atts[i], toks[i]))
         if any(atts[i].bucket.stopped or wait_ns(atts[i], toks[i]) > max_ns for i in order) and limit is not None:
             return None
-        claims: List[Tuple[Attachment, int, int, int]] = []  # (att, tokens, ticket, head before)
+        claims: List[Claim] = []
         due = 0.0
-        for i in order:
-            att, t = atts[i], toks[i]
-            h = att.bucket.head()
-            ticket = ticket_within(att.bucket, t, max_ns)
-            if ticket is None:
-                give_back([(a, tk, hb if diff(tkt, hb) <= 0 else tkt) for a, tk, tkt, hb in claims if a.bucket.covered(tkt)])
-                return None
-            claims.append((att, t, ticket, h))
-            att.bucket.replenish()
-            due = max(due, att.bucket.promised_ns(ticket) - att.clock())  # never earlier than the head
+        made = False
+        try:
+            for i in order:
+                c = claim(atts[i], toks[i], max_ns)
+                if c[2] is REFUSED:
+                    return None
+                claims.append(c)
+                att, ticket = c[0], c[2]
+                att.bucket.replenish()
+                if ticket is not None:
+                    due = max(due, att.bucket.promised_ns(ticket) - att.clock())  # never earlier than the head
+            made = True
+        finally:
+            if not made:  # refused part-way, or an exception (QueueFullError, an interrupt): give every claim back
+                give_back_claims(claims)
+        for att, tokens, _, _, rec in claims:  # made: the claims are a grant, no longer waiters' tickets
+            att.clear_ticket(rec, tokens)
         for att, o in zip(atts, ops):
             if o:
                 att.count(o)

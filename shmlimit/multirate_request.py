@@ -4,11 +4,12 @@ never sleep, run by the acquisition core's drivers (``acquisition.drive``, ``dri
 Every word is touched through each rate's ``Bucket``."""
 from __future__ import annotations
 
-from typing import List, Optional, Sequence, Tuple
+from typing import Any, List, Optional, Sequence, Tuple
 
 from . import acquisition
 from .acquisition import Request
 from .attachment import Attachment
+from .bucket import diff
 from .config import NS_PER_S, validate_timeout
 from .giveback import NO_RECORD, REFUSED, record_nap, take_ticket
 
@@ -63,6 +64,54 @@ def take_all(atts: Sequence[Attachment], ops: Sequence[int], toks: Sequence[int]
         if o:
             att.count(o)
     return True
+
+
+#: A reservation's claim on one rate: (attachment, tokens, its ticket -- None: covered when taken --,
+#: the head read just before the take, the LEN offset of the record holding it -- None: none).
+Claim = Tuple[Attachment, int, Any, int, Optional[int]]
+
+
+def claim(att: Attachment, tokens: int, max_ns: float) -> Claim:
+    """One rate's claim of a reservation over several rates (``MultiLimiter.reserve``), within
+    ``max_ns``, replenishing once if refused; ``REFUSED`` as its ticket when refused, taking nothing.
+
+    Queued, it is recorded in a free record of this process's slot on that rate, claimed before
+    the CAS that takes it (``Bucket.take_within``'s protocol, as a waiter's ticket): until the
+    reservation is made (every rate claimed, the records freed) the claim is a waiter's ticket,
+    and should the reservation be refused on a later rate, or this process die or be interrupted
+    first, it is given back (``give_back_claims``; a dead process's by the filler's ``reap``).  With
+    every record in use (five waiters of this process queue there) it is taken unrecorded: given
+    back on a refusal or an exception all the same, lost (its schedule, once) only to a death.
+    """
+    b = att.bucket
+    for attempt in range(2):
+        h = b.head()
+        got, rec = NO_RECORD, None
+        if att.rec_lens:
+            got, rec = b.take_within(tokens, max_ns, att.rec_lens, att.grants_off, 0)
+        if got is NO_RECORD:
+            got, rec = b.take_within(tokens, max_ns)
+        if got is not REFUSED or attempt or b.replenish() <= 0:
+            break
+    return att, tokens, got, h, rec
+
+
+def give_back_claims(claims: Sequence[Claim]) -> None:
+    """A reservation over several rates refused part-way (or interrupted): every claim it took goes
+    back through the give-back mechanism.  A covered one to the head (``give_back``: less the
+    head's gain since the take, so the bucket is never fuller than had it never been taken); a
+    queued one by the skip (``Attachment.give_back``: its record marked given, the head skips its
+    range once every ticket ahead is served), never by moving the head, which would serve the
+    tickets ahead of it early.  A claim covered between the look and the skip is lost (time, never
+    a grant)."""
+    covered: List[Held] = []
+    for att, tokens, ticket, h, rec in claims:
+        if ticket is not None and not att.bucket.covered(ticket):
+            att.give_back(ticket, tokens, rec)
+            continue
+        att.clear_ticket(rec, tokens)
+        covered.append((att, tokens, h if ticket is None or diff(ticket, h) <= 0 else ticket))
+    give_back(covered)
 
 
 def wait_ns(att: Attachment, tokens: int) -> float:

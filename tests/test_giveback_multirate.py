@@ -203,3 +203,130 @@ def test_a_killed_multirate_waiter_does_not_stall_those_behind_it(name, cleanup)
     # as for one rate: the filler gives the dead ticket back within REAP_EVERY (0.1 s), plus a lease
     # takeover (50 ms, and a watcher's look) if the dead process was the filler, plus this op's 0.1 s
     assert waited < 2.0, waited
+
+
+# ---- a reservation over several rates refused part-way ------------------------------------------
+
+
+def _racing_claims(monkeypatch, lim, key, before):
+    """Run ``before()`` once, just before the reservation's claim on rate ``key`` (its bucket's
+    ``take_within``): another caller acting between the reservation's look and that claim (an
+    injected thread switch)."""
+    b = lim._live()[lim.keys.index(key)].bucket
+    real = b.take_within
+    once = []
+
+    def racing(*args, **kwargs):
+        if not once:
+            once.append(True)
+            before()
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(b, "take_within", racing)
+
+
+def test_a_reservation_refused_on_a_later_rate_gives_back_its_earlier_claims(name, cleanup, monkeypatch):
+    clock = FakeClock()
+    lim = make(name, {"a": ("10/s", 1), "b": ("1/s", 1)}, clock)
+    cleanup.append(lim)
+    other = shmlimit.Limiter(name + ".b", clock=clock)  # another caller of b
+    cleanup.insert(0, other)  # closed (unlinking the rate) before the limiter of both
+    empty(lim)  # a's next slot in 0.1 s, b's in 1 s
+    a = lim._live()[0]
+    # between the reservation's look and its claim on b, the other caller takes b's next slot
+    _racing_claims(monkeypatch, lim, "b", lambda: other.reserve())
+    assert lim.reserve(max_wait=1.5) is None  # a claimed (queued: 0.1 s), then b 2 s away: refused
+    monkeypatch.undo()
+    # a's claim, queued, went back by the skip: nothing queued on a, its record free again
+    assert diff(a.cells.load(L.TAIL), a.cells.load(L.HEAD)) <= 0
+    assert a.returns.pending() == [] and [a.cells.load(off) for _, off in a.records] == [0] * L.TICKET_RECORDS
+    # so a's next caller is promised a's next slot, not one behind a dead claim (0.2 s) ...
+    assert lim.reserve(a=1) == pytest.approx(0.1, abs=1e-6)
+    # ... and nothing was counted for the refusal; b's slot is the other caller's
+    assert lim.stats().grants == {"a": 2, "b": 2}
+
+
+def test_a_reservation_interrupted_part_way_gives_back_its_claims(name, cleanup, monkeypatch):
+    clock = FakeClock()
+    lim = make(name, {"a": ("10/s", 1), "b": ("1/s", 1)}, clock)
+    cleanup.append(lim)
+    empty(lim)
+    a, b = lim._live()
+    advance(lim, clock, 0.05)  # half of a's next op accrued: its claim is part covered, part queued
+
+    def interrupt():
+        raise KeyboardInterrupt
+
+    _racing_claims(monkeypatch, lim, "b", interrupt)
+    with pytest.raises(KeyboardInterrupt):
+        lim.reserve()
+    monkeypatch.undo()
+    assert diff(a.cells.load(L.TAIL), a.cells.load(L.HEAD)) <= 0  # given back: a queues nothing
+    assert a.returns.pending() == []
+    assert diff(b.cells.load(L.TAIL), b.cells.load(L.HEAD)) <= 0  # b was never claimed
+    # the half op that had accrued on a was lost to the skip, never passed on: a's next slot is
+    # 0.1 s from now, not sooner (no grant out of time a dead claim was given)
+    assert lim.reserve(a=1) == pytest.approx(0.1, abs=1e-6)
+    assert lim.stats().grants == {"a": 2, "b": 1}
+
+
+def test_a_reservation_whose_later_rate_takes_all_records_still_gives_back(name, cleanup, monkeypatch):
+    # every record of this process's slot on a is in use: the claim there is taken unrecorded,
+    # and given back on the refusal all the same
+    clock = FakeClock()
+    lim = make(name, {"a": ("10/s", 1), "b": ("1/s", 1)}, clock)
+    cleanup.append(lim)
+    other = shmlimit.Limiter(name + ".b", clock=clock)
+    cleanup.insert(0, other)
+    empty(lim)
+    a = lim._live()[0]
+    cells = a.cells
+    far = (cells.load(L.TAIL) - 10**12) % 2**64
+    for _ in range(L.TICKET_RECORDS):
+        assert record(cells, a.records, far, 1) is not None
+    _racing_claims(monkeypatch, lim, "b", lambda: other.reserve())
+    assert lim.reserve(max_wait=1.5) is None
+    monkeypatch.undo()
+    assert diff(cells.load(L.TAIL), cells.load(L.HEAD)) <= 0 and a.returns.pending() == []
+    for _, off in a.records:
+        cells.store(off, 0)
+
+
+RESERVES_AND_IS_KILLED = textwrap.dedent(
+    """
+    import sys
+    import shmlimit
+    lim = shmlimit.Limiter(sys.argv[1], rates={"a": ("1/min", 1), "b": ("1/h", 1)})
+    b = lim._live()[1].bucket
+    real = b.take_within
+
+    def claim(*args, **kwargs):  # a is claimed (queued: a minute), b not yet: killed here
+        print("claimed", flush=True)
+        sys.stdin.readline()
+        return real(*args, **kwargs)
+
+    b.take_within = claim
+    lim.reserve()
+    """
+)
+
+
+@pytest.mark.slow
+def test_a_process_killed_part_way_through_a_reservation_leaves_no_claim_queued(name, cleanup):
+    lim = make(name, {"a": ("1/min", 1), "b": ("1/h", 1)})
+    cleanup.append(lim)
+    empty(lim)
+    a = lim._live()[0]
+    cells = a.cells
+    p = subprocess.Popen([sys.executable, "-c", RESERVES_AND_IS_KILLED, name], stdin=subprocess.PIPE,
+                         stdout=subprocess.PIPE, text=True, cwd=WORKDIR)
+    try:
+        assert p.stdout.readline().strip() == "claimed"
+        assert diff(cells.load(L.TAIL), cells.load(L.HEAD)) > 0  # a minute of a's schedule queued
+    finally:
+        p.kill()
+        p.wait()
+        p.stdout.close()
+        p.stdin.close()
+    # the claim was recorded in the child's slot on a: this process's filler reaps it, the head skips it
+    wait_for(lambda: diff(cells.load(L.TAIL), cells.load(L.HEAD)) <= 0, timeout=10)
