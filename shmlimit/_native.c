@@ -1638,6 +1638,16 @@ static PyObject *cells_futex_wait(NativeCells *self, PyObject *const *args, Py_s
 static PyObject *cells_futex_wake(NativeCells *self, PyObject *const *args, Py_ssize_t n);
 static PyObject *cells_fed_waiter(NativeCells *self, PyObject *const *args, Py_ssize_t n);
 
+/* leave_waiters(): close()'s first half -- every waiter of this process leaves its native loop and
+ * none is granted there from now on (`closing` stays set), the mapping kept: a closing attachment
+ * then records its waiters' tickets as given back, none of which a native loop may still grant. */
+static PyObject *
+cells_leave_waiters(NativeCells *self, PyObject *Py_UNUSED(ignored))
+{
+    waiters_leave(self);
+    Py_RETURN_NONE;
+}
+
 static PyObject *
 cells_close(NativeCells *self, PyObject *Py_UNUSED(ignored))
 {
@@ -1725,6 +1735,8 @@ static PyMethodDef cells_methods[] = {
      "futex_wake(off, bitset) -> sleepers woken (any process)"},
     {"fed_waiter", (PyCFunction)(void (*)(void))cells_fed_waiter, METH_FASTCALL,
      "fed_waiter(seq, expected, head, lease, grants, waiting, wake, next_ns, cost, tpn, grace_ns) -> FedWaiter"},
+    {"leave_waiters", (PyCFunction)cells_leave_waiters, METH_NOARGS,
+     "every native wait of this process returns, and any later one at once (before close)"},
     {"close", (PyCFunction)cells_close, METH_NOARGS, "release the buffer; later calls raise ValueError"},
     {NULL, NULL, 0, NULL},
 };

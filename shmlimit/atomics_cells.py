@@ -324,6 +324,10 @@ class AtomicsCells(CompositesFromPrimitives):
             self._addr = self._base if self._p is not None else futex.address_of(self._buf)
         return self._addr
 
+    def leave_waiters(self) -> None:
+        """Nothing to do: this backend has no native wait (its waiters decide in Python, where a
+        closed attachment grants nothing)."""
+
     def close(self) -> None:
         with self._lock:
             if self._closed:

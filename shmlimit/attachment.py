@@ -31,7 +31,8 @@ from .cells import MASK64, Cells, multi_gate
 from .words import plain_seconds
 from .errors import ConfigMismatchError, LimiterNotFoundError, SegmentError
 from .filler import FillerThread, Lease, takeover_ns
-from .giveback import REAP_EVERY, Records, Returns, ReturnsThread, clear, clear_waiting, interrupted, mark_given, reap, record, take_over
+from .giveback import REAP_EVERY, Records, Returns, ReturnsThread, clear, interrupted, keep_on_leave, mark_given, reap, record
+from .giveback import take_over
 from .header import Creation, open_segment
 from .registry import Registry
 from .segment import Segment, check_trust, current_inode, validate_name
@@ -324,17 +325,11 @@ class Attachment:
         self.joined = self.in_use = False
         self.update_fast()
 
-    def _keep_given_back(self) -> None:
-        """Before a clean leave: no waiter's record outlives it, and every range this process gave
-        back and the head has not yet passed stays recorded, for the next filler to skip.
-
-        A waiter of ours still mid-call (closing under it) could otherwise be granted from a range
-        another process gave back.  The ranges are recorded as given (``reap`` takes those from a
-        slot nobody owns), so a process that exits leaves no one waiting for them.
-        """
-        clear_waiting(self.cells, self.records)
-        for end, tokens in self.returns.unrecorded():
-            record(self.cells, self.records, end, tokens, given=True)
+    def _keep_given_back(self, waiters_out: bool = False) -> None:
+        """Before a clean leave: every range this process gave back, and (``waiters_out``: closing,
+        its waiters out, see ``detach``) every ticket its waiters still queue, stays recorded for the
+        next filler (``giveback.keep_on_leave``)."""
+        keep_on_leave(self.cells, self.records, self.returns, waiters_out)
 
     def _chores(self) -> Optional[float]:
         """What the elected filler does now and then: give back dead processes' tickets."""
@@ -395,8 +390,9 @@ class Attachment:
                 self.filler.join()
         if self._returns_thread is not None:
             self._returns_thread.stop()
+        self.cells.leave_waiters()  # no waiter of ours is granted now: its queued ticket may be given back
         if self.slot is not None and self.pid == os.getpid():
-            self._keep_given_back()
+            self._keep_given_back(waiters_out=True)
             self.table.unregister(self.slot, self.pid)
             self.records = ()
         self.owners.close()

@@ -18,10 +18,11 @@ everyone behind it for its whole schedule.  It is given back instead:
   (``Returns.adopt``; with none free there, the range is skipped where it is
   once the head reaches it): no range is ever held in no record.
 * **after its process is gone**: a range given back stays recorded (marked
-  ``TICKET_GIVEN``) until the head has skipped it, and a clean leave keeps
-  such records (clearing its waiters' ones), so a process that exits or
-  closes before the head reaches a range it gave back leaves it to the next
-  filler's ``reap``.
+  ``TICKET_GIVEN``) until the head has skipped it, and a close keeps such
+  records and marks its waiters' ones given (``keep_waiting``: once none of
+  its waiters can be granted), so a process that exits or closes before the
+  head reaches a range it gave back, or under a waiter still queued, leaves
+  the range to the next filler's ``reap``.
 
 Giving back never moves the tail, which never moves backwards (so no range is
 ever handed out twice, and the replenish snapshots stay lower bounds: moving
@@ -217,6 +218,41 @@ def clear_waiting(cells: "Cells", records: Records) -> None:
         v = cells.load(len_off)
         if v and not v & L.TICKET_GIVEN:
             cells.cas(len_off, v, 0)
+
+
+def keep_on_leave(cells: "Cells", records: Records, returns: "Returns", waiters_out: bool) -> None:
+    """Before a process gives its slot back: every range it gave back and the head has not yet
+    passed stays recorded (those held in no record are recorded as given, while one is free), for
+    the next filler's ``reap`` (which takes given-back records from a slot nobody owns).
+
+    Its waiters' records: with ``waiters_out`` (``Attachment.detach``: ``closed`` set and every native
+    wait of the process out of its loop, so none of its waiters can be granted any more) they are
+    marked given where they are (``keep_waiting``): the ticket of a waiter still mid-call when its
+    process closes the limiter is skipped, never held in no record.  Without it (leaving a segment
+    collected since a fork, before any use) they are cleared: a waiter that might still be granted
+    must never be granted from a range another process skipped.
+    """
+    if waiters_out:
+        keep_waiting(cells, records)
+    else:
+        clear_waiting(cells, records)
+    for end, tokens in returns.unrecorded():
+        record(cells, records, end, tokens, given=True)
+
+
+def keep_waiting(cells: "Cells", records: Records) -> None:
+    """A clean leave whose waiters can no longer be granted (``Attachment.detach``, after
+    ``leave_waiters``): each waiter's record is marked given where it is (one CAS), so the ticket of
+    a waiter still mid-call outlives the slot, for the next filler's ``reap`` to skip.
+
+    A record still being written (``TICKET_BUSY``: a grab between its claim and its length store)
+    is left as it is: its grab either fails (and frees it) or stores the length over it, a waiter's
+    record in a slot left cleanly, which no ``reap`` takes (see the design page's "Not given back").
+    """
+    for _, len_off in records:
+        v = cells.load(len_off)
+        if v and not v & (L.TICKET_GIVEN | L.TICKET_BUSY):
+            cells.cas(len_off, v, v | L.TICKET_GIVEN)
 
 
 def slot_alive_at(index: int, pid: int, start: int, pidns: int) -> bool:

@@ -545,6 +545,50 @@ def test_every_waiter_of_a_killed_process_is_given_back(name):
         wait_for(lambda: diff(cells.load(L.TAIL), cells.load(L.HEAD)) <= 0, timeout=10)
 
 
+CLOSES_UNDER_ITS_WAITER = textwrap.dedent(
+    """
+    import sys, threading
+    import shmlimit
+    lim = shmlimit.attach(sys.argv[1])
+    lim.try_acquire()  # registered: its waiter records its ticket in its slot
+    threading.Thread(target=lim.acquire, daemon=True).start()  # one op: a minute away
+    print("ready", flush=True)
+    sys.stdin.readline()
+    lim.close()  # its waiter still queued, mid-call
+    print("closed", flush=True)
+    sys.stdin.readline()
+    """
+)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("then", ["lives", "killed"])
+def test_a_waiter_whose_process_closes_the_limiter_under_it_is_given_back(name, then):
+    # One op is a minute's schedule: the waiter's ticket, queued when its process closes the
+    # limiter, must stay recorded (given back) so that a filler skips it, whether the process
+    # then lives on or is killed; left in no record, it held the queue for its minute.
+    with queued(name, rate=1, per=60, burst=1) as lim:
+        cells = lim._att.cells
+        p = subprocess.Popen([sys.executable, "-c", CLOSES_UNDER_ITS_WAITER, name], stdin=subprocess.PIPE,
+                             stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True, cwd=WORKDIR)
+        try:
+            assert p.stdout.readline().strip() == "ready"
+            wait_for(lambda: len(queued_records(cells, p.pid)) == 1, timeout=30)  # queued, recorded
+            assert diff(cells.load(L.TAIL), cells.load(L.HEAD)) > 0
+            p.stdin.write("close\n")
+            p.stdin.flush()
+            assert p.stdout.readline().strip() == "closed"
+            if then == "killed":
+                p.kill()
+            # this process's filler finds the range recorded in the slot the child left, and skips it
+            wait_for(lambda: diff(cells.load(L.TAIL), cells.load(L.HEAD)) <= 0, timeout=10)
+        finally:
+            p.kill()
+            p.wait()
+            p.stdout.close()
+            p.stdin.close()
+
+
 GIVES_BACK_AND_EXITS = textwrap.dedent(
     """
     import asyncio, sys
