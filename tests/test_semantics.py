@@ -11,6 +11,7 @@ import pytest
 
 import shmlimit
 from shmlimit import layout as L
+from shmlimit.acquisition import JOIN, Request
 from shmlimit.filler import ClockFeed
 from support.aio import LoopTicker
 from support.clock import FakeClock
@@ -502,25 +503,48 @@ def test_acquire_async_never_blocks_the_loop(name):
     lim.close()
 
 
-def test_cancelled_before_its_ticket_takes_nothing(name):
-    lim = shmlimit.Limiter(name, rate=10, burst=1, max_reserved=0.15, initial=0)
+def test_cancelled_before_its_ticket_takes_nothing(name, monkeypatch):
+    """Cancelled while it waits for room in a queue deeper than ``max_reserved``: it held nothing,
+    so it gives nothing back and nobody's slot moves.  On an injected clock (the queue's depth is
+    exact) and with the park observed, not slept for: the request is cancelled only once it has
+    begun and parked holding no ticket, however slowly the loop runs."""
+    clock = FakeClock()
+    lim = shmlimit.Limiter(name, rate=10, burst=1, max_reserved=0.15, initial=0, clock=clock)
+    begun = []
+
+    class Observed(Request):
+        def begin(self):
+            step = super().begin()
+            begun.append((step, self.state, self.ticket))
+            parked.set()  # the task runs on to its first await before the test resumes
+            return step
+
+    monkeypatch.setattr(shmlimit.limiter, "Request", Observed)
 
     async def main():
-        first = await lim.acquire_async(1, timeout=0.2)  # the queue is empty: waits ~0.1 s
-        assert lim.reserve() == pytest.approx(0.1, abs=0.02)  # the queue is now 0.1 s deep
+        assert lim.reserve() == pytest.approx(0.1, abs=1e-6)  # the queue is now exactly 0.1 s deep
         tail = lim._att.cells.load(L.TAIL)
         task = asyncio.create_task(lim.acquire_async())  # 0.2 s > max_reserved: waits for room, holding nothing
-        await asyncio.sleep(0.02)
+        await parked.wait()
+        assert not task.done()
         task.cancel()
         with pytest.raises(asyncio.CancelledError):
             await task
-        return first, tail
+        return tail
 
-    first, tail = asyncio.run(main())
-    assert first is True
-    assert lim._att.cells.load(L.TAIL) == tail
-    assert lim.stats().grants == 2
-    lim.close()
+    parked = asyncio.Event()
+    try:
+        tail = asyncio.run(main())
+        [(step, state, ticket)] = begun
+        assert step not in (True, False) and step > 0  # it parked ...
+        assert state == JOIN and ticket is None  # ... waiting to join, no ticket
+        assert lim._att.cells.load(L.TAIL) == tail  # nothing taken, nothing given back
+        assert lim.stats().grants == 1  # the reservation alone
+        assert not [p for p in lim.stats().processes if p.waiting]
+        clock.advance_seconds(0.1)  # the reservation's turn: the next slot is the one right after it
+        assert lim.reserve() == pytest.approx(0.1, abs=1e-6)
+    finally:
+        lim.close()
 
 
 @pytest.mark.slow
