@@ -520,6 +520,10 @@ cells_grabber(NativeCells *self, PyObject *const *args, Py_ssize_t n)
 #define KT_MAX_WAIT (UINT64_C(1) << 60)
 #define KT_KEY_MAX 4096
 #define KT_TICK_SHIFT 4
+/* A farther PEND of the same key whose live owner has not moved it for this long (ns) is stopped
+ * (SIGSTOP, a frozen container) or was written by hand: the inserter that waits for it gives way
+ * and answers KT_BUSY instead of waiting without end (keyed_cells.PEND_NS). */
+#define KT_PEND_NS 200000000u
 
 /* word offsets inside a slot line */
 #define KW_CTRL 0
@@ -713,7 +717,9 @@ kt_find(KeyedTable *t, const uint64_t d[2], uint64_t home, uint64_t *ctrl)
  * v0 (the TAT after the grant; raised above every value the slot held before if need be),
  * V1 = v1.  Returns the slot with *ctrl its LIVE word when we published it (the grant is made),
  * *ctrl 0 when the caller must look again (another inserter or evictor won a race), or NULL
- * when every slot of the window holds a limited key or a live insert (the table is full there). */
+ * when every slot of the window holds a limited key or a live insert (the table is full there);
+ * NULL with *err 1 on an error (set), with *err 2 when a farther PEND of the same key stayed
+ * unchanged under a live owner for KT_PEND_NS (we gave way: nothing of ours is left). */
 static uint64_t *
 kt_insert(KeyedTable *t, const uint64_t d[2], uint64_t home, uint64_t now, uint64_t v0, uint64_t v1,
           const uint64_t disp[3], uint64_t *ctrl, int *err)
@@ -779,6 +785,7 @@ kt_insert(KeyedTable *t, const uint64_t d[2], uint64_t home, uint64_t now, uint6
         if (i == pos)
             continue;
         uint64_t *s = kt_slot(t, home, i);
+        uint64_t seen = 0, since = 0;
         for (;;) {
             uint64_t c = ld(s + KW_CTRL), st8 = kt_state(c);
             if (st8 == KS_EMPTY)
@@ -796,7 +803,18 @@ kt_insert(KeyedTable *t, const uint64_t d[2], uint64_t home, uint64_t now, uint6
                 cas(s + KW_CTRL, c, kt_ctrl(KS_TOMB, 0, kt_gen(c)));
                 continue;
             }
-            if (!kt_yield(t)) { /* the farther PEND will see ours and give way */
+            /* it will see ours and give way -- unless its owner never runs again: bounded */
+            uint64_t t_ns = kt_now() >> KT_TICK_SHIFT;
+            if (c != seen) {
+                seen = c;
+                since = t_ns;
+            } else if (t_ns - since > KT_PEND_NS) {
+                *err = 2;
+                st(cand + KW_V0, fresh | KT_DEAD);
+                cas(cand + KW_CTRL, pend, kt_ctrl(KS_TOMB, 0, gen));
+                return NULL;
+            }
+            if (!kt_yield(t)) {
                 *err = 1;
                 return NULL;
             }
@@ -847,9 +865,10 @@ kt_display(const char *buf, Py_ssize_t len, uint64_t disp[3])
 
 /* The keyed composite: find or insert key's slot, then one GCRA step.  Returns the wait in ticks
  * (>= 0: taken -- or, peeking (mw < 0), what a take would wait), KT_REFUSED (the wait exceeds mw;
- * nothing written), KT_NEVER (n above the burst), KT_FULL (no slot for a new key); KT_ERROR with
- * an exception set. */
+ * nothing written), KT_NEVER (n above the burst), KT_FULL (no slot for a new key), KT_BUSY (a
+ * stalled insert of the same key by a live process: nothing taken); KT_ERROR with an exception set. */
 #define KT_REFUSED (-1)
+#define KT_BUSY (KT_NEVER - 2) /* another live process's insert of this key has not moved for KT_PEND_NS */
 #define KT_ERROR (KT_NEVER - 3)
 /* What a take wrote, for its undo: the slot's index, its CTRL, the TAT set, the cost. */
 static void
@@ -913,7 +932,7 @@ kt_step(KeyedTable *t, PyObject *key, PyObject *nobj, long long mw, uint64_t now
             int err;
             s = kt_insert(t, d, home, now, now + cost, (uint64_t)n, disp, &c, &err);
             if (err)
-                return KT_ERROR;
+                return err == 2 ? KT_BUSY : KT_ERROR;
             if (!s) {
                 if (own_clock && !reread) {
                     reread = 1;

@@ -87,15 +87,23 @@ class KeyTableFullError(ShmlimitError):
     Raised by an untimed ``KeyedLimiter.acquire``; ``try_acquire`` and timed
     calls return False instead.  Limited keys are never evicted, so the cure
     is a larger table (``keys=``) or a faster rate (keys free up sooner).
+
+    ``busy`` (a table of window counters only): the key's slot is held by
+    another live process's insert of the same key that has not moved for
+    0.2 s -- a process stopped mid-insert, or a segment written by hand.
     """
 
-    def __init__(self, name: str, slots: int) -> None:
-        super().__init__(
-            f"keyed limiter {name!r}: no free slot for a new key (the table of {slots} slots is full of keys "
-            f"that are still limited near this key's home slot); create it with more keys= or wait"
-        )
+    def __init__(self, name: str, slots: int, busy: bool = False) -> None:
+        if busy:
+            msg = (f"keyed limiter {name!r}: no slot for this key now: another live process has been inserting "
+                   f"it for over 0.2 s (a stopped process, or a segment written by hand); nothing was counted")
+        else:
+            msg = (f"keyed limiter {name!r}: no free slot for a new key (the table of {slots} slots is full of keys "
+                   f"that are still limited near this key's home slot); create it with more keys= or wait")
+        super().__init__(msg)
         self.name = name
         self.slots = slots
+        self.busy = busy
 
 
 class SharedMemoryFullError(ShmlimitError, OSError):

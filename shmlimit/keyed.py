@@ -208,6 +208,12 @@ def _release(att: _Attachment, detach: bool) -> None:
     _registry.release(att, detach)
 
 
+#: An untimed call whose key's insert is held by a stalled inserter (``keyed_cells.BUSY``, after
+#: ``PEND_NS`` of waiting inside the call) tries again after this nap (seconds), back in Python
+#: each time so that a signal can interrupt it.
+BUSY_NAP = 0.001
+
+
 def _ticks(seconds: float) -> int:
     return min(KC.MAX_WAIT, int(seconds * TICKS_PER_S))
 
@@ -369,12 +375,21 @@ class KeyedLimiter(RatesSwitch):
     def _call(self, key: object, n: int, max_wait: int) -> int:
         return self._use().kt.acquire(key, n, max_wait)
 
+    def _call_untimed(self, key: object, n: int) -> int:
+        """An untimed call: a key whose insert another live process has stalled (``KC.BUSY``) is
+        tried again until that process moves on or dies (a try or a timed call refuses instead)."""
+        while (r := self._call(key, n, KC.MAX_WAIT)) == KC.BUSY:
+            time.sleep(BUSY_NAP)
+        return r
+
     def try_acquire(self, key: object, n: int = 1) -> bool:
         """Take ``n`` ops for ``key`` only if they are available now; never waits.
 
         False (taking nothing) when the key is limited, when ``n`` exceeds the
         key's capacity, or when the key is new and the table has no slot for it
-        (counted in ``stats().refused_full``).
+        (counted in ``stats().refused_full``).  A new key whose insert another
+        live process has left half-done (stopped mid-insert) is refused after
+        0.2 s of waiting for it, not waited for without end.
         """
         # (a handle of a registered process calls the native one directly: this is the slow path)
         return self._use().kt.try_acquire(key, n)
@@ -387,7 +402,7 @@ class KeyedLimiter(RatesSwitch):
         ``KeyTableFullError`` and an ``n`` above the capacity ``ValueError``.
         """
         mw = validate_timeout(max_wait, "max_wait")
-        r = self._call(key, n, KC.MAX_WAIT if mw is None else _ticks(mw))
+        r = self._call_untimed(key, n) if mw is None else self._call(key, n, _ticks(mw))
         if r >= 0:
             return r / TICKS_PER_S
         if mw is None:
@@ -409,11 +424,13 @@ class KeyedLimiter(RatesSwitch):
 
         With ``timeout`` (seconds) it returns False at once, taking nothing,
         when the wait the key's schedule implies exceeds it, or when the key is
-        new and the table is full.  Untimed, a full table raises
-        ``KeyTableFullError`` and ``n`` above the key's capacity ``ValueError``.
+        new and the table is full (or its insert is held by a process stopped
+        midway, for 0.2 s).  Untimed, a full table raises ``KeyTableFullError``
+        and ``n`` above the key's capacity ``ValueError``; a stalled insert of the
+        same key is waited for, interruptibly.
         """
         t = validate_timeout(timeout)
-        r = self._call(key, n, KC.MAX_WAIT if t is None else _ticks(t))
+        r = self._call_untimed(key, n) if t is None else self._call(key, n, _ticks(t))
         if r >= 0:
             if r:
                 _sleep_until(time.monotonic_ns() + (r >> K.TICK_SHIFT) + 1)
@@ -430,6 +447,9 @@ class KeyedLimiter(RatesSwitch):
         """
         t = validate_timeout(timeout)
         r = self._call(key, n, KC.MAX_WAIT if t is None else _ticks(t))
+        while r == KC.BUSY and t is None:  # as _call_untimed, sleeping on the loop
+            await asyncio.sleep(BUSY_NAP)
+            r = self._call(key, n, KC.MAX_WAIT)
         if r >= 0:
             deadline = time.monotonic_ns() + (r >> K.TICK_SHIFT) + 1
             while (left := deadline - time.monotonic_ns()) > 0:

@@ -52,8 +52,17 @@ MASK64 = (1 << 64) - 1
 REFUSED = -1  #: the wait exceeds max_wait: nothing written
 NEVER = -(1 << 62)  #: n exceeds the burst: never grantable
 FULL = NEVER - 1  #: no slot for a new key (every slot of its window holds a limited key)
+#: Another live process's insert of the same key has not moved for ``PEND_NS``: nothing taken.
+BUSY = NEVER - 2
 #: A config lock held this long (ns) was left by a dead writer: readers close it.
 LOCK_NS = 200_000_000
+#: An inserter waits this long (ns) at most for a farther PEND of the same key to give way.  Its
+#: owner normally does within microseconds; one that is alive but never runs (stopped by SIGSTOP,
+#: a frozen container) or a PEND written into the segment by hand would hold every insert of that
+#: key forever -- ``try_acquire`` included, uninterruptibly in the native call.  So past this
+#: the waiter gives way itself (TOMB) and answers ``BUSY``: no insert survives twice, nothing is
+#: taken, and the caller decides (a try or a timed call refuses, an untimed one tries again).
+PEND_NS = 200_000_000
 MAX_WAIT = 1 << 60
 KEY_MAX = 4096
 
@@ -197,7 +206,9 @@ class SlotTable:
         by default ``prior + 1``.
 
         Returns (slot, ctrl): ctrl is the LIVE word when we published (the
-        grant is made), 0 means "look again"; slot None means the window is full.
+        grant is made), 0 means "look again"; slot None means the window is full
+        (ctrl 0), or (ctrl ``BUSY``) that a farther PEND of the same key stayed
+        unchanged under a live owner for ``PEND_NS`` and we gave way.
         """
         c = self.c
         cand, cc, pos = None, 0, 0
@@ -249,6 +260,7 @@ class SlotTable:
             if i == pos:
                 continue
             s = self._slot(home, i)
+            seen, since = 0, 0
             while True:
                 ctl = c.load(s)
                 st = ctl & 0xFF
@@ -265,6 +277,13 @@ class SlotTable:
                 if not alive((ctl >> 8) & 0xFFFFFFFF, self.pid):
                     c.cas(s, ctl, K.ctrl(K.TOMB, 0, ctl >> 40))
                     continue
+                # it will see ours and give way -- unless its owner never runs again: bounded
+                t_ns = time.monotonic_ns()
+                if ctl != seen:
+                    seen, since = ctl, t_ns
+                elif t_ns - since > PEND_NS:
+                    self._abort(cand, pend, gen, fresh)
+                    return None, BUSY
                 os.sched_yield()
         return self._publish(cand, pend, gen)
 
@@ -338,7 +357,7 @@ class KeyedTable(SlotTable):
         """Find or insert ``key``'s slot and take ``n`` ops if they fit ``max_wait`` ticks.
 
         Returns the wait in ticks (>= 0) after taking, ``REFUSED`` when the
-        wait would exceed ``max_wait`` (nothing written), ``NEVER`` or ``FULL``.
+        wait would exceed ``max_wait`` (nothing written), ``NEVER``, ``FULL`` or ``BUSY``.
         ``max_wait < 0`` peeks: the wait, taking and inserting nothing.
         """
         return self._step(key, n, max_wait, now, None)
@@ -399,6 +418,8 @@ class KeyedTable(SlotTable):
                     disp = display_words(data)
                 # a new key's bucket is full: n <= burst is granted at once, by the insert itself
                 s, ctl = self.insert(d, home, now, now + cost, (n, *disp))
+                if s is None and ctl == BUSY:
+                    return BUSY
                 if s is None:
                     later = time.monotonic_ns() << K.TICK_SHIFT
                     if not reread and later > now:

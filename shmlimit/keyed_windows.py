@@ -137,6 +137,8 @@ class WindowCounters:
 
     def _insert(self, d, home: int, now_ms: int, v0: int, v1: int, data: bytes, above: Callable[[int], int]):
         s, ctl = self.t.insert(d, home, pack(now_ms, CMAX, True), v0, (v1, *KC.display_words(data)), above)
+        if s is None and ctl == KC.BUSY:  # a stalled insert of this key by a live process: nothing counted
+            raise KeyTableFullError(self.name, self.t.nslots, busy=True)
         if s is None:
             self.c.fetch_add(self.refused, 1)
             raise KeyTableFullError(self.name, self.t.nslots)
