@@ -16,7 +16,7 @@ import pytest
 
 import shmlimit
 from shmlimit.acquisition import CAPPED_NAP, MAX_NAP, Request
-from shmlimit.bucket import Bucket
+from shmlimit.bucket import Bucket, diff
 from support.clock import FakeClock
 
 MS = 1_000_000  # ns
@@ -334,3 +334,76 @@ def test_an_async_ticket_wait_sleeps_to_its_instant_without_a_floor(name, monkey
     seconds, left = naps[0]
     assert seconds == left / 1e9 and 0 < seconds < A.MIN_NAP
     lim.close()
+
+
+# Open defect: a promise is computed once, from the queue ahead as it stands then.  When the head
+# later reaches the ticket sooner -- a range ahead given back and skipped (or, over several rates,
+# tokens refunded) -- the promise is late, and a holder that uses its slot at its promise uses it
+# together with the slots of those behind it.  The strict mark goes once every grant behind a late
+# promise respects it (see docs/design.md, "When a reservation is due": late promises).
+LATE_PROMISE = pytest.mark.xfail(
+    strict=True,
+    raises=AssertionError,
+    reason="open defect: a promise is not moved earlier when the head reaches its ticket sooner",
+)
+
+
+def _late_promise(lim, clock):
+    """At 10/s, burst 1: 1 s of schedule queues (a waiter), a reservation behind it is promised at
+    1.1 s, the waiter leaves (its range is given back and skipped at once: the head is at its
+    start), and reservations follow until one is promised as late as the first.  Their promised
+    moments (ns, the first one's first) and the first one's lateness (ns): its promise less the
+    head's arrival at its ticket, filled continuously from now on."""
+    att = lim._att
+    b = att.bucket
+    lim.drain()
+    ahead = Request(att, 10, None)
+    assert ahead.begin() is not True
+    first = clock.now + lim.reserve() * 1e9
+    ticket = b.taken()
+    ahead.end()  # interrupted: its range is given back
+    arrival = clock.now + max(0, diff(ticket, b.head())) / b.tpn
+    promises = [first]
+    while len(promises) == 1 or promises[-1] < first - 1:
+        promises.append(clock.now + lim.reserve() * 1e9)
+    return promises, first - arrival
+
+
+def _excess(moments, rate, slack_ops):
+    """The largest excess, over ``rate * T + slack_ops``, of the ops used at ``moments`` (ns) in any window."""
+    moments = sorted(moments)
+    return max(
+        (b - a + 1) - (rate * (moments[b] - moments[a]) / 1e9 + slack_ops)
+        for a in range(len(moments))
+        for b in range(a, len(moments))
+    )
+
+
+def test_a_late_promise_costs_the_bound_exactly_its_lateness(name, clock):
+    """The bound that holds: a promise is never early (the model checks it) and late only by what
+    moved the head ahead of its ticket after it was made: here the 1 s given back ahead of it.
+    Slots used at their promises stay within ``rate * (T + L) + capacity``, L the lateness, and
+    exceed ``rate * T + capacity``: the late slot and those promised after the skip."""
+    lim = open_limiter(name, clock, rate=10, burst=1)
+    try:
+        promises, late = _late_promise(lim, clock)
+        assert promises[0] - clock.now == pytest.approx(1.1e9, abs=1e3)  # promised behind the waiter
+        assert late == pytest.approx(1e9, abs=1e3)  # the head gets there 1 s sooner
+        assert len(promises) == 11  # ten more promised up to 1.1 s
+        assert _excess(promises, 10, 1 + 10 * late / 1e9) <= 1e-6
+        assert _excess(promises, 10, 1) == pytest.approx(1, abs=1e-6)
+    finally:
+        lim.close()
+
+
+@LATE_PROMISE
+def test_slots_used_at_their_promises_stay_within_rate_times_t_plus_capacity(name, clock):
+    """The same sequence held to the bound without the lateness: the first reservation's slot,
+    used at its promise (1.1 s), falls together with the last one promised (also 1.1 s) and the one
+    before it (1.0 s): three ops in 0.1 s where ``rate*T + capacity`` allows two."""
+    lim = open_limiter(name, clock, rate=10, burst=1)
+    try:
+        promises, _ = _late_promise(lim, clock)
+        assert _excess(promises, 10, 1) <= 1e-6
+    finally:
+        lim.close()
