@@ -360,6 +360,51 @@ def test_reap_gives_back_only_a_dead_owners_record(name):
 
 
 
+def test_a_death_between_the_ticket_cas_and_its_length_store_costs_that_requests_schedule_once(name):
+    """The one queued range never given back (design.md, "Not given back"): its taker killed after
+    the CAS that took it and before the store of its length, its record reads busy, which a reap
+    cannot tell from a taker whose CAS failed while another took the same range from the same tail
+    unrecorded (a reserve(): the words are the same), so it is never given back.  Those behind it
+    wait that request's schedule, n / rate, once: never longer, and never granted early."""
+    clock = FakeClock()
+    lim = shmlimit.Limiter(name, rate=1000, burst=10, clock=clock)  # a capacity of ten fill intervals
+    try:
+        att = lim._att
+        empty(lim)
+        att.filler.stop()  # this test plays the filler
+        att.filler.join()
+        cells, b = att.cells, att.bucket
+
+        def ms_until_covered(ticket):
+            """Milliseconds of the filler's 1 ms replenishes until ``ticket`` is covered."""
+            for k in range(1, 1000):
+                clock.now += 1_000_000
+                b.replenish()
+                if b.covered(ticket):
+                    return k
+            return None
+
+        assert ms_until_covered(b.grab(b.cost, L.UNREG_GRANTS, 1)) is not None  # steady: an op queued, served
+        assert ms_until_covered(b.grab(b.cost, L.UNREG_GRANTS, 1)) == 1  # one op's schedule: 1 ms
+        end_off, len_off = att.records[0]
+        tail = cells.load(L.TAIL)
+        ticket = (tail + 100 * b.cost) % 2**64  # 100 ops: 100 ms of schedule
+        assert cells.cas(len_off, 0, L.TICKET_BUSY)  # the record claimed, the ticket written ...
+        cells.store(end_off, ticket)
+        assert cells.cas(L.TAIL, tail, ticket)  # ... the CAS that takes it, then killed
+        behind = b.grab(b.cost, L.UNREG_GRANTS, 1)  # another process's op, queued behind it
+        base = L.slot_offset(att.slot)
+        cells.store(base + L.SLOT_START, cells.load(base + L.SLOT_START) + 1)  # the owner is "dead"
+        head = cells.load(L.HEAD)
+        assert reap(cells, att.table, lambda end, tokens, take: pytest.fail("a busy record given back")) == 0
+        assert cells.load(L.HEAD) == head  # nothing skipped
+        assert ms_until_covered(behind) == 101  # the lost request's 100 ms, then its own op: once
+        cells.store(base + L.SLOT_START, cells.load(base + L.SLOT_START) - 1)
+        cells.store(len_off, 0)
+    finally:
+        lim.close()
+
+
 def test_a_filler_with_every_record_in_use_never_holds_a_dead_range_in_no_record(name):
     # The filler's process has five waiters queued (every record of its slot in use), four of them
     # behind a dead process's range.  Taking that range into no record, it would be lost should the
