@@ -361,6 +361,24 @@ class Attachment:
                 self.filler.set_feed(self._feed())
                 self.update_fast()  # its waiters take a lapsed lease from now on (filler.takeover_ns)
 
+    def shut(self) -> None:
+        """Close's part on the shared words: nothing of this process is granted any more (``closed``,
+        its fast paths unbound, its threads stopped, its native waits out of their loops), and its
+        slot is left with every range it holds still recorded, its waiters' tickets given back."""
+        self.closed = True
+        self.fast[:] = NO_FAST
+        if self.filler is not None:
+            self.filler.stop()
+            if self.filler.is_alive():
+                self.filler.join()
+        if self._returns_thread is not None:
+            self._returns_thread.stop()
+        self.cells.leave_waiters()  # no waiter of ours is granted now: its queued ticket may be given back
+        if self.slot is not None and self.pid == os.getpid():
+            self._keep_given_back(waiters_out=True)
+            self.table.unregister(self.slot, self.pid)
+            self.records = ()
+
     def after_fork_in_child(self) -> None:
         # The parent's filler thread does not exist here, its lease and its slot are the parent's:
         # the child holds the mapping only, and registers on its first use.
@@ -382,19 +400,7 @@ class Attachment:
     def detach(self) -> None:
         if self.closed:
             return
-        self.closed = True
-        self.fast[:] = NO_FAST
-        if self.filler is not None:
-            self.filler.stop()
-            if self.filler.is_alive():
-                self.filler.join()
-        if self._returns_thread is not None:
-            self._returns_thread.stop()
-        self.cells.leave_waiters()  # no waiter of ours is granted now: its queued ticket may be given back
-        if self.slot is not None and self.pid == os.getpid():
-            self._keep_given_back(waiters_out=True)
-            self.table.unregister(self.slot, self.pid)
-            self.records = ()
+        self.shut()
         self.owners.close()
         self.cells.close()
         self.seg.close()

@@ -8,8 +8,8 @@ not simulated by sleeping: an acquire is the production ``Request`` of the acqui
 taken one step at a time; one that would wait for its ticket leaves the ticket pending (the
 model sees it granted when the head passes it), one that would park before taking anything
 gives up, having taken nothing.  A waiting request may leave (an interrupt, a cancellation:
-its ``end``), giving its ticket back; a simulated process may die while its requests wait,
-and a filler gives back the ticket it recorded in its slot; the ranges given back are skipped
+its ``end``), giving its ticket back; a simulated process may die, or close the limiter, while
+its requests wait, and a filler gives back the tickets left recorded in its slot; the ranges given back are skipped
 when a process's skipper runs (a step of its own).  A given-back ticket is never a grant.
 A config writer may stall after taking the config lock (a thread parked between its lock and
 its writes) and resume later: meanwhile every reader and writer waits for the lock's timeout
@@ -694,6 +694,27 @@ class LimiterModel(RuleBasedStateMachine):
             self.precas["dead"] = True
             self._claimer_lands()
         self.pending = [(t, k, None if r is not None and r.att is dead._att else r) for t, k, r in self.pending]
+
+    @precondition(lambda self: len(self.procs) > 1)
+    @rule(i=procs_idx)
+    def process_closes(self, i):
+        # It closes the limiter while its waiters still queue (other threads, blocked in acquire):
+        # they are granted nothing from now on, and every range it holds -- their tickets, what it
+        # gave back or took -- stays recorded in the slot it leaves, for the next filler's reap.
+        self._observe()
+        gone = self.procs[i % len(self.procs)]
+        self.must_reap |= self._held(gone._att)
+        self.procs.remove(gone)
+        slot = gone._att.slot
+        if self.capped:  # the ops it held stay in flight until a reap, or a new owner of its slot
+            self.dead_ops[slot] = self.held_ops.pop(id(gone._att), 0)
+        self._note_given_back()
+        gone._att.shut()  # close() but the unmapping: the model's processes share one mapping
+        self.stalled = [(b, c) for b, c in self.stalled if b is not gone._att.bucket]  # its threads end
+        if self.precas is not None and self.precas["att"] is gone._att:
+            self.precas["dead"] = True
+            self._claimer_lands()
+        self.pending = [(t, k, None if r is not None and r.att is gone._att else r) for t, k, r in self.pending]
 
     @precondition(lambda self: len(self.procs) < 3)
     @rule(backend=st.sampled_from(BACKENDS))
