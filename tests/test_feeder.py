@@ -106,9 +106,11 @@ def test_one_saturated_host_gets_the_global_rate_within_one_percent(R, redis_ser
     expected = rate * (seconds - 1.0)
     assert abs(got - expected) <= max(1, 0.01 * expected), (got, expected)
     assert up.expired == 0  # nothing reserved was lost to a late delivery
-    # one round trip per batch (and the script's first load): at most one per op, far fewer when busy
-    print(f"rate {rate}: {len(host.grants)} grants, {up.round_trips} round trips, {up.refused} refused")
-    assert up.round_trips <= len(host.grants) + up.refused + 4
+    # one round trip per batch (and the script's first load): at most one per op, far fewer when busy,
+    # counting the batches reserved ahead that were not due yet at the end (the lead)
+    ahead = len(host.feeder.pending)
+    print(f"rate {rate}: {len(host.grants)} grants, {up.round_trips} round trips, {up.refused} refused, {ahead} ahead")
+    assert up.round_trips <= len(host.grants) + ahead + up.refused + 4
     if rate >= 1000:
         assert up.round_trips <= 0.2 * len(host.grants)
 
@@ -278,8 +280,13 @@ def keep_at(cells, ttl_ns, at, mine):
     may have left the ring of four before their end): what the bucket may hold then."""
     from shmlimit.upstream import RECORD_MAX_OPS, RECORD_OPS_BITS
 
-    words = {cells.load(L.UP_RECORD + 8 * i) for i in range(L.UP_RECORDS)} | set(mine)
-    return sum(w & RECORD_MAX_OPS for w in words if w and at - (w >> RECORD_OPS_BITS) * 1_000_000 < ttl_ns)
+    from collections import Counter
+
+    # as multisets: two batches of one size stamped in one ms are two records of one word (the
+    # ring's slots and the feeder's list are each one record per entry; one in both is one record)
+    words = Counter(cells.load(L.UP_RECORD + 8 * i) for i in range(L.UP_RECORDS)) | Counter(mine)
+    return sum(k * (w & RECORD_MAX_OPS) for w, k in words.items()
+               if w and at - (w >> RECORD_OPS_BITS) * 1_000_000 < ttl_ns)
 
 
 @pytest.mark.parametrize("idle_after", [0.02, 0.05, 0.2])
@@ -370,16 +377,46 @@ def test_a_filler_that_asks_late_counts_the_schedule_lost_and_an_idle_host_count
     assert abs(got - rate * (2.0 - starved)) <= 0.01 * rate * 2.0, (got, starved, expired)
 
 
+@pytest.mark.parametrize("rate", [50, 1000])
+def test_a_filler_off_the_cpu_for_less_than_its_lead_loses_nothing(R, redis_server, name, clock, rate):
+    """Under saturation the reserved schedule reaches at least the lead (and the GCRA's tolerance)
+    ahead of now, whenever the filler stops.  So a filler kept off the CPU for 80 ms (on the
+    development machine, quiet by its load average, the longest pauses between grants at 1 000/s were
+    64 and 81 ms: the hypervisor or other processes held the filler, or Redis) loses no slot of the
+    global schedule: callers keep asking meanwhile, nothing is counted starved, and the rate is whole.
+    With a lead of 15 ms the schedule ran dry 35 to 55 ms into such a pause."""
+    stall = 0.08
+    host = Host(R, name, redis_server.url, clock, rate, lease_ttl=0.5)
+    try:
+        run([host], clock, 1.0)
+        s0 = host.lim.stats()
+        assert s0.starved_seconds == 0
+        start = clock.now
+        for _ in range(int(stall * 1000)):  # callers keep asking; the filler does not run
+            clock.advance(1_000_000)
+            host.take_all()
+        run([host], clock, 2.0 - stall)
+        s = host.lim.stats()
+    finally:
+        host.close()
+    got = sum(1 for t in host.grants if t > start)
+    starved = s.starved_seconds - s0.starved_seconds
+    print(f"rate {rate}: starved {starved:.4f} s, got {got}")
+    assert starved == 0 and s.upstream.expired == s0.upstream.expired
+    # the two seconds' schedule, to a batch (the window's ends cut the schedule in one)
+    assert abs(got - rate * 2.0) <= max(1, host.feeder.max_grow) + 0.002 * rate * 2.0, got
+
+
 @pytest.mark.parametrize("again", [False, True])
 def test_a_filler_that_takes_over_counts_the_gap_its_predecessor_left(R, redis_server, name, clock, again):
-    """The filler dies (its reservations ahead never delivered) and callers keep asking for 0.1 s before
+    """The filler dies (its reservations ahead never delivered) and callers keep asking for 0.2 s before
     another process's filler takes over: the global schedule ran dry meanwhile, and the new filler
     counts that gap (Redis measures it; since when callers wanted is in the segment), whether it is
     a new one (a waiter's process) or one elected before, whose own earlier stint counts nothing
     (a stale end of its own counted 3 s of a 5 s run once)."""
     from shmlimit.upstream import Feeder
 
-    rate, gap = 1000, 0.1
+    rate, gap = 1000, 0.2  # longer than the schedule reserved ahead (the lead, ~0.1 s here)
     host = Host(R, name, redis_server.url, clock, rate, lease_ttl=0.1)
     try:
         run([host], clock, 0.5)
@@ -394,7 +431,7 @@ def test_a_filler_that_takes_over_counts_the_gap_its_predecessor_left(R, redis_s
         ahead = dead.pending[-1].due - clock.now + capacity * 1e9 / rate if dead.pending else 0
         undelivered = sum(bt.left for bt in dead.pending)
         start = clock.now
-        for _ in range(int(gap * 1000)):  # that filler dies; callers keep asking for 0.1 s
+        for _ in range(int(gap * 1000)):  # that filler dies; callers keep asking
             clock.advance(1_000_000)
             host.take_all()
         dead.close()
@@ -407,10 +444,13 @@ def test_a_filler_that_takes_over_counts_the_gap_its_predecessor_left(R, redis_s
     got = sum(1 for t in host.grants if t > start)
     print(f"starved {starved:.4f} s, ahead {ahead / 1e9:.4f} s, undelivered {undelivered}, got {got}")
     assert gap - ahead / 1e9 - 0.002 <= starved <= gap - ahead / 1e9 + 0.001  # the gap after the reserved schedule
-    # and the rest was delivered, within 1 % and a batch (the window's end cuts the schedule, whose
-    # ops are due a tolerance early, in the middle of one)
-    expected = rate * (0.6 - starved) - undelivered + capacity
-    assert abs(got - expected) <= batch + 0.01 * rate * 0.6, (got, expected, starved, undelivered)
+    # and the rest was delivered, within 1 % and a batch at each end: the window's end cuts the
+    # schedule, whose ops are due a tolerance early, in the middle of one, and the first batch after
+    # the gap is due when its last op is (a filler elected before asks its old demand's batch, ten
+    # ops due 10 ms on; a new one asks one op at a time at first)
+    span = gap + 0.5  # the callers' pause and the new filler's run
+    expected = rate * (span - starved) - undelivered + capacity
+    assert abs(got - expected) <= 2 * batch + 0.01 * rate * span, (got, expected, starved, undelivered)
 
 
 class LateRedis:
@@ -440,13 +480,20 @@ def test_a_request_redis_runs_late_counts_the_gap_it_left(R, redis_server, name,
     """The filler asks in time, but Redis runs the request 0.2 s later: the schedule reserved ahead ran
     out meanwhile, and the gap Redis found is counted as starved, though the request was sent before
     the reserved schedule ended."""
+    from shmlimit.upstream import EARLY
+
     rate, late = 1000, 0.2
     host = Host(R, name, redis_server.url, clock, rate, lease_ttl=0.5)
     try:
         run([host], clock, 0.5)
         s0 = host.lim.stats()
         assert s0.starved_seconds == 0
-        host.feeder.redis = LateRedis(host.feeder.redis, clock, int(late * 1e9), host.take_all)
+        f = host.feeder
+        # the schedule reserved before the call reaches at most the lead, EARLY, one batch and the
+        # GCRA's tolerance ahead
+        ahead = (f.lead_ns + EARLY * 1e9 + f.max_grow * f.interval_ns) / 1e9 + host.glob.capacity / rate
+        assert ahead < late
+        f.redis = LateRedis(f.redis, clock, int(late * 1e9), host.take_all)
         start = clock.now
         run([host], clock, 1.0)
         s = host.lim.stats()
@@ -455,5 +502,5 @@ def test_a_request_redis_runs_late_counts_the_gap_it_left(R, redis_server, name,
     starved = s.starved_seconds - s0.starved_seconds
     got = sum(1 for t in host.grants if t > start)
     print(f"starved {starved:.4f} s, got {got}")
-    assert late - 0.05 <= starved <= late  # the late run, less the schedule reserved before the call
+    assert late - ahead <= starved <= late  # the late run, less the schedule reserved before the call
     assert abs(got - rate * (1.0 - starved)) <= 0.01 * rate * 1.0, (got, starved)  # the loss, all counted

@@ -482,7 +482,9 @@ def test_low_rate_is_delivered_in_full_by_reservations(R, redis_server, name):
     assert len(steady) - 1 >= 0.95 * rate * span - rate * held_up
     # above, the promise is the window bound (the rate from stamps is jittered by late wake-ups)
     assert max_excess(tag(results), 1.0) <= rate * (1.0 + 0.1 + 0.05) + glob.capacity
-    assert up.leases <= up.round_trips <= up.leases + up.refused + 5  # one round trip per lease
+    # one round trip per batch reserved (at 20/s a batch is one op, so ``leased`` counts them):
+    # the last few, reserved ahead (the lead), are not delivered by the end
+    assert up.leases <= up.round_trips <= up.leased + up.refused + 5
 
 
 def test_reserve_is_refused_in_hierarchical_mode(R, redis_server, name):

@@ -95,7 +95,11 @@ def test_sentinel_url_and_a_failover_mid_run(sentinel, name):
     promotes the replica.  The host stays within the bound (plus what replication had not copied:
     at most the reserved lead and the burst) and is fed again by the new master."""
     rate, burst, ttl = 100, 10, 0.1
-    lead = 0.05  # the feeder's reserve-ahead (MIN_LEAD plus round trips), lost at most once by a failover
+    from shmlimit.upstream import EARLY, MIN_LEAD
+
+    # the feeder's reserve-ahead, lost at most once by a failover: MIN_LEAD, EARLY, a batch (one op
+    # of 10 ms here) and two round trips (15 ms)
+    lead = MIN_LEAD + EARLY + 0.025
     # the most a host grants in a second beyond the rate: a tick plus a round trip, its lease's time
     # to live, the lead a failover loses, a burst on each master
     excess = rate * (ttl + 0.05 + lead) + 2 * burst
