@@ -124,10 +124,8 @@ TICK = 0.002
 #: A feeder awake anyway asks for the next batch up to this much earlier than the lead requires,
 #: rather than wake again for it alone (seconds).
 EARLY = 0.01
-#: Batches are reserved at least this far ahead of need (seconds; see ``Feeder.lead_ns``): longer
-#: than the pauses a filler thread (or Redis) is kept off the CPU on a busy or virtual machine.
-#: At 15 ms, quiet runs of 8 processes at 1 000/s on a 2-core VM lost 2 % of the rate in 64-81 ms
-#: pauses between grants (the hypervisor's or other processes'), counted starved.
+#: Batches are reserved at least this far ahead of need (seconds; ``Feeder.lead_ns``): longer than
+#: a filler (or Redis) is kept off the CPU on a busy VM (at 15 ms, 64-81 ms pauses lost 2 % at 1 000/s).
 MIN_LEAD = 0.075
 #: A lease record: (stamp in ms << RECORD_OPS_BITS) | ops; a batch holds at most RECORD_MAX_OPS.
 RECORD_OPS_BITS = 24
@@ -239,15 +237,12 @@ class Feeder:
         """How far ahead of need the next batch is asked for: two round trips and ``MIN_LEAD``.
 
         A request that reaches Redis after the global schedule ran dry loses
-        the gap for good (GCRA does not bank it), so the lead covers the
-        filler being descheduled for a while on a busy host, not only the
-        round trip: under saturation the reserved schedule reaches at least
-        the lead and the GCRA's tolerance ahead, so a filler (or Redis) kept
-        off the CPU for less loses nothing.  Its costs, none of them a grant
-        beyond the bound: a host whose demand stops, or a filler killed, leaves
-        at most this much reserved schedule (plus ``EARLY`` and a batch)
-        unused, and a sentinel failover may grant it twice (replication is
-        asynchronous: see the design page).
+        the gap for good (GCRA does not bank it).  Under saturation the
+        reserved schedule reaches at least the lead and the GCRA's tolerance
+        ahead, so a filler (or Redis) kept off the CPU for less loses nothing.
+        Costs, none a grant beyond the bound: a host whose demand stops, or a
+        filler killed, leaves this much schedule (plus ``EARLY`` and a batch)
+        unused; a sentinel failover may grant it twice (design page).
         """
         return 2 * self.rtt_ns + int(MIN_LEAD * 1e9)
 
