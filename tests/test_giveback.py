@@ -8,6 +8,7 @@ import asyncio
 import subprocess
 import sys
 import textwrap
+import threading
 import time
 from contextlib import contextmanager
 
@@ -17,7 +18,7 @@ import shmlimit
 from shmlimit import layout as L
 from shmlimit.acquisition import Request
 from shmlimit.bucket import diff
-from shmlimit.cells import native_available
+from shmlimit.cells import MASK64, native_available
 from shmlimit.config import MAX_NAP, Config
 from shmlimit.giveback import Returns, reap, skip, take_ticket
 from support.aio import until
@@ -913,13 +914,54 @@ def test_a_killed_processs_ops_in_flight_are_released_for_it(name):
 
 # ---- one protocol for the ticket records, whichever path waits ---------------------------------------
 
-RECORD_RATE = 200  # ops/s: a queue of RECORD_QUEUE ops ahead is 0.1 s, far more than a step's own delays
-RECORD_QUEUE = 20
+RECORD_RATE = 200  # ops/s
+# A range ahead of every step's grab, taken by the test (no record) and skipped once the step's
+# waiter is seen queued with its record written: an hour at RECORD_RATE, so the grab queues however
+# long the machine keeps this process off the CPU, and the wait ends on what the test observed, not
+# on a timing window.
+RECORD_QUEUE = 3600 * RECORD_RATE
+
+
+def _block(att):
+    """Queue a range of RECORD_QUEUE ops ahead of everyone, recorded nowhere: ``[start, end)``,
+    for ``_unblock``.  The tail moves exactly as a reservation's would."""
+    b = att.bucket
+    tokens = RECORD_QUEUE * b.cost
+    end = b.grab(tokens, L.UNREG_GRANTS, RECORD_QUEUE)
+    assert end is not None  # an hour's ops never fit a bucket of burst 1
+    return (end - tokens) & MASK64, end
+
+
+def _unblock(att, rng):
+    """Skip the range ``_block`` queued: the head jumps to its end (once it reached its start)."""
+    wait_for(lambda: att.bucket.skip(*rng) is not None)
+
+
+@contextmanager
+def _released_when_recorded(att, rng, ticket):
+    """Skip ``rng`` in a helper thread once a record of this process's slot holds ``ticket``
+    (the waiter queued behind ``rng``, its record written), so that the block's wait ends."""
+    c, cost = att.cells, att.bucket.cost
+    seen = []
+
+    def release():
+        try:
+            seen.append(wait_for(lambda: any(c.load(t) == ticket and c.load(n) == cost for t, n in att.records)))
+        finally:
+            _unblock(att, rng)  # never leave the waiter queued behind an hour
+
+    t = threading.Thread(target=release, daemon=True)
+    t.start()
+    try:
+        yield
+    finally:
+        t.join()
+    assert seen, f"no record of ticket {ticket} while its waiter was queued"
 
 
 def _record_sequence(lim, python_wait):
     """The record words of ``lim``'s slot (TICKET relative to the tail at the start, LEN) after each
-    step of one sequence of untimed one-op acquires, all queued behind a reservation.
+    step of one sequence of untimed one-op acquires, each queued behind a range ahead (``_block``).
 
     ``python_wait``: the fast path's grab alone, the wait in Python (``wait_for_ticket`` ->
     ``Request``), as without a native wait; else whatever the backend's fast path is."""
@@ -937,26 +979,30 @@ def _record_sequence(lim, python_wait):
 
     seen = []
     # 1. a waited grant: the first record claimed, then freed (its TICKET stays)
-    lim.reserve(RECORD_QUEUE)
-    assert lim.acquire() is True
+    rng = _block(att)
+    with _released_when_recorded(att, rng, (rng[1] + cost) & MASK64):
+        assert lim.acquire() is True
     seen.append(words())
     # 2. the first record held (another waiter of this process): the next one is claimed and freed
     c.store(recs[0][0], tail0 + 1)
     c.store(recs[0][1], cost)
-    lim.reserve(RECORD_QUEUE)
-    assert lim.acquire() is True
+    rng = _block(att)
+    with _released_when_recorded(att, rng, (rng[1] + cost) & MASK64):
+        assert lim.acquire() is True
     seen.append(words())
-    # 3. every record held: the fast path takes nothing (the slow path naps in RECORD)
+    # 3. every record held: the fast path, which would queue, takes nothing (the slow path naps in RECORD)
     for _, len_off in recs:
         c.store(len_off, cost)
+    rng = _block(att)
     tail = c.load(L.TAIL)
     assert att.fast[0]() is False and c.load(L.TAIL) == tail
     seen.append(words())
+    _unblock(att, rng)
     for _, len_off in recs:
         c.store(len_off, 0)
     # 4. a wait that ends unserved (the native one at a deadline already past): the ticket stays
     # recorded; given back, its record is marked given, then freed once the head skipped it
-    lim.reserve(RECORD_QUEUE)
+    rng = _block(att)
     ticket = att.fast[0](1) if type(att.fast[0]).__name__ == "Acquirer" else att.fast[0]()
     assert ticket not in (None, False, True) and not isinstance(ticket, tuple), ticket
     seen.append(words())
@@ -964,6 +1010,8 @@ def _record_sequence(lim, python_wait):
     assert tokens == cost
     att.give_back(ticket, tokens, rec)
     seen.append(words())
+    assert att.returns.pending()  # the head is not there yet: the range ahead holds it
+    _unblock(att, rng)
     wait_for(lambda: not att.returns.pending())
     seen.append(words())
     return [cost] + seen
@@ -993,6 +1041,7 @@ def test_the_native_and_python_waits_leave_the_same_record_words(name, monkeypat
     assert first == [(q * cost, 0), (0, 0)] + free
     assert second == [(1, cost), (2 * q * cost, 0)] + free
     assert full == [(1, cost), (2 * q * cost, cost)] + [(0, cost)] * (L.TICKET_RECORDS - 2)
-    assert held == [(3 * q * cost, cost), (2 * q * cost, 0)] + free
-    assert given == [(3 * q * cost, cost | L.TICKET_GIVEN), (2 * q * cost, 0)] + free
-    assert skipped == [(3 * q * cost, 0), (2 * q * cost, 0)] + free
+    fourth = (3 * q + RECORD_QUEUE) * cost  # step 3's range ahead moved the tail too
+    assert held == [(fourth, cost), (2 * q * cost, 0)] + free
+    assert given == [(fourth, cost | L.TICKET_GIVEN), (2 * q * cost, 0)] + free
+    assert skipped == [(fourth, 0), (2 * q * cost, 0)] + free
