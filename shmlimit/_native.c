@@ -2264,7 +2264,8 @@ waiter_refill(Waiter *self, PyObject *unused)
 typedef struct {
     BOUND_FIELDS
     Grabber *grab;
-    Waiter *waiter;
+    WaitBase *waiter; /* a Waiter (waiter_loop) or a FedWaiter (fed_loop): `loop` is its type's */
+    wait_loop_fn loop;
     PyObject *give;
     uint64_t max_nap_ns;
 } Acquirer;
@@ -2302,8 +2303,8 @@ acquirer_call(Acquirer *self, PyObject *args, PyObject *kwds)
         Py_RETURN_FALSE;
     if (na == 0)
         until = monotonic_ns() + self->max_nap_ns;
-    WaitBase *w = (WaitBase *)self->waiter;
-    int rc = wait_run(w, ticket, g->ops, until, w->waiting, waiter_loop, rec, g->amount);
+    WaitBase *w = self->waiter;
+    int rc = wait_run(w, ticket, g->ops, until, w->waiting, self->loop, rec, g->amount);
     if (rc == WAIT_GRANTED)
         Py_RETURN_NONE;
     if (!(rc & WAIT_GRANTED) && PyErr_CheckSignals() < 0) {
@@ -2331,9 +2332,10 @@ static PyTypeObject AcquirerType = {
 };
 
 /* acquirer(grabber, give, max_nap_ns) -> an Acquirer: this waiter's wait after `grabber`'s grab,
- * which must be bound to records and to this waiter's cells, config and words. */
+ * which must be bound to records and to this waiter's cells, config and words.  Both waiter types
+ * have one (`loop` their wait's loop, `tail` their TAIL word or NULL: a FedWaiter binds none). */
 static PyObject *
-waiter_acquirer(Waiter *self, PyObject *const *args, Py_ssize_t n)
+make_acquirer(WaitBase *self, uint64_t *tail, wait_loop_fn loop, PyObject *const *args, Py_ssize_t n)
 {
     uint64_t max_nap;
     if (!nargs(n, 3, "acquirer") || !check_open(self->cells) || !u64(args[2], &max_nap))
@@ -2344,7 +2346,7 @@ waiter_acquirer(Waiter *self, PyObject *const *args, Py_ssize_t n)
     }
     Grabber *g = (Grabber *)args[0];
     if (!g->recorded || g->cells != self->cells || g->seq != self->seq || g->expected != self->expected ||
-        g->head != self->head || g->tail != self->tail || g->grants != self->grants) {
+        g->head != self->head || (tail && g->tail != tail) || g->grants != self->grants) {
         PyErr_SetString(PyExc_ValueError,
                         "acquirer: the grabber must be bound to records and to the waiter's cells, config and words");
         return NULL;
@@ -2366,10 +2368,17 @@ waiter_acquirer(Waiter *self, PyObject *const *args, Py_ssize_t n)
     a->grab = g;
     Py_INCREF(self);
     a->waiter = self;
+    a->loop = loop;
     Py_INCREF(args[1]);
     a->give = args[1];
     a->max_nap_ns = max_nap;
     return (PyObject *)a;
+}
+
+static PyObject *
+waiter_acquirer(Waiter *self, PyObject *const *args, Py_ssize_t n)
+{
+    return make_acquirer((WaitBase *)self, self->tail, waiter_loop, args, n);
 }
 
 static PyMethodDef waiter_methods[] = {
@@ -2661,6 +2670,15 @@ fed_wait(FedWaiter *self, PyObject *const *args, Py_ssize_t n)
     return wait_call((WaitBase *)self, args, n, fed_loop);
 }
 
+/* acquirer(grabber, give, max_nap_ns) -> an Acquirer whose wait is this fed wait: an untimed
+ * acquire of one op costs one call here too (the grab, the sleep on the wake word, the record
+ * freed at the grant), not a grab, then Python's wait_for_ticket around wait(). */
+static PyObject *
+fed_acquirer(FedWaiter *self, PyObject *const *args, Py_ssize_t n)
+{
+    return make_acquirer((WaitBase *)self, NULL, fed_loop, args, n);
+}
+
 /* refill() -> (0, False): in this mode only leases add tokens (the interface of Waiter.refill). */
 static PyObject *
 fed_refill(FedWaiter *self, PyObject *unused)
@@ -2674,6 +2692,8 @@ fed_refill(FedWaiter *self, PyObject *unused)
 static PyMethodDef fed_methods[] = {
     {"wait", (PyCFunction)(void (*)(void))fed_wait, METH_FASTCALL,
      "wait(ticket, ops, until_ns, count_waiting) -> flags: 1 granted (ops counted), 2 nudge the filler"},
+    {"acquirer", (PyCFunction)(void (*)(void))fed_acquirer, METH_FASTCALL,
+     "acquirer(grabber, give, max_nap_ns) -> an Acquirer: grabber's grab, then this fed wait, in one call"},
     {"refill", (PyCFunction)fed_refill, METH_NOARGS, "refill() -> (0, False): only leases add tokens"},
     {NULL, NULL, 0, NULL},
 };

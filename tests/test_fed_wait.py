@@ -103,8 +103,9 @@ def test_a_sleep_on_a_word_that_moved_returns_at_once_and_one_past_its_deadline_
 #: once, prints whether it was granted and how many times it slept, and closes.
 COUNTED_WAITER = textwrap.dedent(
     """
-    import shmlimit.acquisition as A, shmlimit.fed_wait as F
+    import shmlimit.acquisition as A, shmlimit.attachment as T, shmlimit.fed_wait as F
     A.MAX_NAP_NS = 60_000_000_000  # no look but the wake's (nor a deadline's) within the test
+    T.MAX_NAP = 60.0  # the same for the native one-call acquire (Acquirer), bound when the fast paths are
     sleeps = [0]
     sleep = F.sleep
     def counted(*args):
@@ -265,3 +266,50 @@ def test_a_waiter_that_cannot_take_the_lapsed_lease_sleeps_until_the_take_over(f
     finally:
         p.kill()
         p.wait()
+
+
+@linux
+def test_an_untimed_acquire_in_hierarchical_mode_is_one_native_call_woken_by_the_batch(fed, monkeypatch):
+    """The native backend's untimed one-op acquire is one call here too (an ``Acquirer`` over the fed
+    wait: the grab, the sleep on the wake word, the record freed at the grant), not a grab then
+    ``wait_for_ticket`` in Python; a wait that ends unserved hands back its ticket, still recorded."""
+    import threading
+
+    from shmlimit.cells import native_available
+
+    if not native_available() or fed._att.cells.__class__.__name__ != "NativeCells":
+        pytest.skip("the one-call acquire is the native backend's")
+    att, b = fed._att, fed._att.bucket
+    monkeypatch.setattr("shmlimit.attachment.MAX_NAP", 60.0)  # no look but the wake's within the test
+    att.update_fast()
+    acq, waiter = att.fast[0], att.fast[3]
+    assert type(acq).__name__ == "Acquirer" and type(waiter).__name__ == "FedWaiter", (acq, waiter)
+    lens = [n for _, n in att.records]
+    # a wait whose deadline has passed: the ticket comes back, recorded with its price; given back,
+    # the head skips it and its record is freed
+    ticket = acq(1)
+    assert isinstance(ticket, int) and not isinstance(ticket, bool), ticket
+    rec, tokens = att.find_record(ticket)
+    assert rec is not None and tokens == b.cost
+    att.give_back(ticket, tokens, rec)
+    wait_for(lambda: not att.returns.pending())
+    assert [att.cells.load(n) for n in lens] == [0] * len(lens)
+    # a caller asleep in the one call until the batch that covers it: granted, counted, having slept once
+    grants0, naps0 = fed.stats().grants, waiter.naps
+    out = []
+    t = threading.Thread(target=lambda: out.append(fed.acquire()))
+    t.start()
+    try:
+        wait_for(lambda: waiter.naps > naps0 and att.cells.load(att.waiting_off) == 1, timeout=30)
+        assert att.fast[0] is acq and not out
+        assert b.add(b.cost) == b.cost
+        t.join(timeout=30)
+        assert out == [True]
+        assert waiter.naps == naps0 + 1  # the batch woke it: no look in between
+        assert fed.stats().grants == grants0 + 1
+        assert [att.cells.load(n) for n in lens] == [0] * len(lens)  # its record freed at the grant
+        assert att.cells.load(att.waiting_off) == 0
+    finally:
+        if t.is_alive():
+            b.add(b.cost)
+        t.join(timeout=30)
