@@ -18,8 +18,9 @@
 4. lateness of each grant after its scheduled moment at 1000/s with 4 processes;
 5. CPU burned by 8 processes waiting on a 50/s limit; and for 8 processes saturating 50, 1000
    and 10 000/s: CPU per wall second together (the filler threads' share apart, and the waiting
-   threads' wakes per grant), lateness p50/p99/max and the load average; then the floor: 8
-   processes waking at 1 000/s from a bare precise sleep, no limiter;
+   threads' wakes per grant), lateness p50/p99/max and the load average; then the floors: 8
+   processes waking at 1 000/s and at 10 000/s from a bare precise sleep, no limiter, and each
+   saturated row's CPU as a multiple of its rate's floor;
 6. the rate achieved while the filler's own process runs a CPU-bound Python loop;
 7. Redis, 4 processes: ops/s and Redis round trips per op for the direct RedisLimiter and the
    hierarchical mode side by side (with --redis URL, or a redis-server started for the run when
@@ -389,24 +390,30 @@ def _wait_stamped_async(lim, barrier, seconds: float, q) -> None:
     _stamped_with_cpu(barrier, seconds, q, lambda end: asyncio.run(run(end)))
 
 
-def _sleep_stamped(t0: int, rate: float, index: int, procs: int, barrier, seconds: float, q) -> None:
-    """The floor: no limiter, a bare precise sleep (``shmlimit.sleep``'s) to every ``procs``-th instant of
-    a grid ``1/rate`` apart from ``t0``, stamped on waking, as a waiter would be granted."""
+def _sleep_stamped(rate: float, index: int, procs: int, barrier, seconds: float, q) -> None:
+    """The floor: no limiter, a bare precise sleep (``shmlimit.sleep``'s: an absolute deadline, the
+    waiters' timer slack) to every ``procs``-th instant of a grid ``1/rate`` apart, from this
+    process's start on, as a waiter would be granted; how late each wake came (ns).
+
+    The grid starts when the process does (after the barrier), so every process sleeps for the
+    whole measured time: a grid fixed before the processes were up had them idle until it began,
+    and the floor counted fewer wakes than the rows it is read against."""
     from shmlimit.sleep import sleeper
 
     sleep_until = sleeper()
 
-    def stamp(end: int) -> list:
-        stamps, k, clock = [], index, time.monotonic_ns
+    def late(end: int) -> list:
+        clock = time.monotonic_ns
+        lates, t0, k = [], clock(), index + 1
         while True:
             at = t0 + int(k * 1e9 / rate)
             if at > end:
-                return stamps
+                return lates
             sleep_until(at)
-            stamps.append(clock())
+            lates.append(clock() - at)
             k += procs
 
-    _stamped_with_cpu(barrier, seconds, q, stamp)
+    _stamped_with_cpu(barrier, seconds, q, late)
 
 
 def bench_sleep_floor(rate: float, seconds: float, procs: int = 8) -> dict:
@@ -414,11 +421,11 @@ def bench_sleep_floor(rate: float, seconds: float, procs: int = 8) -> dict:
     wake on this machine now, without any limiter (the same sleep a waiter's is, minus the limiter)."""
     ctx = mp.get_context("fork")
     barrier = ctx.Barrier(procs)
-    t0 = time.monotonic_ns() + 500_000_000  # every process up by then
-    res = run_processes(ctx, _sleep_stamped, [(t0, rate, i, procs, barrier, seconds) for i in range(procs)], 300)
-    stamps = [t for r in res for t in r[1]]
+    res = run_processes(ctx, _sleep_stamped, [(rate, i, procs, barrier, seconds) for i in range(procs)], 300)
+    late = sorted(t for r in res for t in r[1]) or [0]
+    pick = lambda p: late[min(len(late) - 1, int(p * len(late)))] / 1e6  # noqa: E731
     return dict(processes=procs, rate=rate, driver="bare sleep", cpu_s_per_wall_s=sum(r[2] for r in res) / seconds,
-                grants=len(stamps), load=os.getloadavg()[0], **lateness_ms(stamps, t0, rate, 0))
+                grants=len(late), load=os.getloadavg()[0], p50_ms=pick(0.50), p99_ms=pick(0.99), max_ms=late[-1] / 1e6)
 
 
 def bench_waiting(rate: float, seconds: float, procs: int = 8, driver: str = "sync", backend: str = "native") -> dict:
@@ -458,10 +465,24 @@ def bench_waiting(rate: float, seconds: float, procs: int = 8, driver: str = "sy
 
 def waiting_rows(seconds: float) -> List[dict]:
     """Section 5's rows: blocking waiters at 50, 1 000 and 10 000/s, then at 1 000/s async ones and
-    blocking ones on the ``atomics`` backend, and the floor: bare sleeps at 1 000/s, no limiter."""
+    blocking ones on the ``atomics`` backend, and the floors: bare sleeps at 1 000 and 10 000/s, no
+    limiter (the same wakes, to the same absolute deadlines, with the same timer slack, in the same
+    number of Python processes: what this machine charges for them now)."""
     rows = [bench_waiting(r, seconds) for r in (50.0, 1000.0, 10_000.0)]
     rows += [bench_waiting(1000.0, seconds, driver="async"), bench_waiting(1000.0, seconds, backend="atomics")]
-    return rows + [bench_sleep_floor(1000.0, seconds)]  # the machine's own floor, right after
+    return rows + [bench_sleep_floor(r, seconds) for r in (1000.0, 10_000.0)]  # the machine's own, right after
+
+
+def floor_ratios(rows: List[dict]) -> Dict[str, Dict[float, float]]:
+    """Each saturated row's CPU per wall second as a multiple of the bare sleeps' at its rate
+    (``driver`` -> {rate: ratio}), for the rates the run has a floor of."""
+    floors = {w["rate"]: w["cpu_s_per_wall_s"] for w in rows if w.get("driver") == "bare sleep"}
+    out: Dict[str, Dict[float, float]] = {}
+    for w in rows:
+        f = floors.get(w["rate"])
+        if w.get("driver") != "bare sleep" and f:
+            out.setdefault(w.get("driver", "sync"), {})[w["rate"]] = w["cpu_s_per_wall_s"] / f
+    return out
 
 
 def _busy_filler(name: str, ready, stop) -> None:
@@ -1298,6 +1319,10 @@ def print_waiting(res: dict) -> None:
             wk = f"{w['wakes_per_grant']:>6.2f}" if "wakes_per_grant" in w else f"{'-':>6}"
             print(f"   {w['rate']:>8,.0f} {w.get('driver', 'sync'):>15} {w['cpu_s_per_wall_s']:>9.4f} {fl} {wk} "
                   f"{w['p50_ms']:>8.3f} {w['p99_ms']:>8.3f} {w['max_ms']:>8.3f} {w['grants']:>8,} {w.get('load', 0):>5.1f}")
+        ratios = floor_ratios(res["waiting"])
+        if ratios:
+            parts = [f"{rate:,.0f}/s {driver} {x:.2f}" for driver, by in ratios.items() for rate, x in by.items()]
+            print(f"   CPU as a multiple of the bare sleeps' at the same rate: {', '.join(parts)}")
 
 
 if __name__ == "__main__":
