@@ -51,6 +51,7 @@ back if refused part-way, interrupted or killed (``multirate_request.claim``).
 from __future__ import annotations
 
 import functools
+import itertools
 import threading
 import weakref
 from typing import TYPE_CHECKING, Any, Callable, List, Optional, Tuple
@@ -283,10 +284,13 @@ def reap(
     found = 0
     slot_of, lens = _record_lens(table.slots)
     # one call reads every record's length: most are free (0), and only those that are not are
-    # looked at, word by word, below (a scan of them one load at a time cost the filler ~0.3 ms)
+    # looked at, word by word, below (a scan of them one load at a time cost the filler ~0.3 ms;
+    # a Python loop over all the lengths ~0.1 ms, where compress skips the free ones in C)
     owners: dict = {}  # slot -> its owner is alive (looked at once per reap)
-    for k, v in enumerate(cells.load_many(lens)):
-        if v == 0 or v & L.TICKET_BUSY:
+    vals = cells.load_many(lens)
+    for k in itertools.compress(range(len(vals)), vals):
+        v = vals[k]
+        if v & L.TICKET_BUSY:
             continue
         i, len_off = slot_of[k], lens[k]
         end_off = len_off - 8  # a record's TICKET: the word before its LEN
