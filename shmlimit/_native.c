@@ -1927,6 +1927,7 @@ typedef struct {
     uint64_t *tail, *repl_ts, *snap_head, *snap_tail, *lease, *lost;
     uint64_t tpn, cap;
     long slack_ns;
+    uint32_t fill_stop; /* set by interrupt(): a fill() in progress ends at once, and every later one */
 } Waiter;
 
 static inline uint64_t wld(uint64_t *w) { return __atomic_load_n(w, __ATOMIC_SEQ_CST); }
@@ -2246,6 +2247,149 @@ waiter_refill(Waiter *self, PyObject *unused)
     return replenish_result(waiter_replenish(self, 0, &burn), burn);
 }
 
+/* fill(period_ns, until_ns, lease_word, renewed_ns, renew_every_ns, lease_us, mark_ts, mark_head,
+ * backed_off) -> (flags, fills, lease_word, renewed_ns, mark_ts, mark_head): the elected filler's
+ * ticks at a pace its Python pacing (filler.ClockFeed) chose and would keep, without the GIL and
+ * without returning to Python between them (ClockFeed.span).  Each step: sleep `period_ns` (as
+ * the filler thread's time.sleep after a tick), renew the lease when `renew_every_ns` passed since
+ * `renewed_ns` (a CAS from `lease_word` to the lease word of expiry now + `lease_us` and the same
+ * slot bits: filler.Lease.renew), then refill (the tick's refill(), word for word) and leave
+ * (REPL_TS, HEAD) after it as the mark, as a tick does.  With `backed_off` (the pace is the one the
+ * filler backs off to while queued waiters refill at their turns: ClockFeed.queued) it keeps the
+ * pace only while it sees what the Python tick needs to keep it: someone else refilled since the
+ * mark, and the head gained every token of the time refilled since (nothing lost to the clamp);
+ * otherwise it leaves, before refilling when the others' refills already tell, the mark as it was
+ * (FILL_PACE), so that the Python tick that follows judges the same interval.  It also ends at
+ * `until_ns` (a sleep that would pass it ends there: FILL_UNTIL), when the queue is gone after a
+ * refill (FILL_IDLE), when a renewal fails (FILL_LOST: lease_word answers 0), when our add raced a
+ * config change (FILL_BURN: the caller burns, as after refill()), when the config it is bound to
+ * changed, at close() or interrupt(), or on a signal (FILL_LEFT).  `fills` counts its refills.  It
+ * counts in `busy` as a wait does, so close() wakes it and waits for it to leave. */
+#define FILL_UNTIL 1
+#define FILL_IDLE 2
+#define FILL_LOST 4
+#define FILL_BURN 8
+#define FILL_LEFT 16
+#define FILL_PACE 32
+
+/* Did the refills from the mark (ts0, head0) to (ts, head) lose time to the clamp (filler.ClockFeed.lost)? */
+static inline int
+fill_lost(Waiter *w, uint64_t ts0, uint64_t head0, uint64_t ts, uint64_t head)
+{
+    uint64_t owed;
+    int64_t gained = (int64_t)(head - head0);
+    if (__builtin_mul_overflow(ts - ts0, w->tpn, &owed) || owed > (uint64_t)INT64_MAX)
+        return 1;
+    return gained < (int64_t)owed;
+}
+
+typedef struct {
+    uint64_t period, until, lease_word, renewed, renew_every, lease_us, mark_ts, mark_head, fills;
+    int backed_off;
+} FillSpan;
+
+static int
+waiter_fill_loop(Waiter *w, FillSpan *f)
+{
+    for (;;) {
+        if (__atomic_load_n(&w->fill_stop, __ATOMIC_SEQ_CST))
+            return FILL_LEFT;
+        uint64_t at = monotonic_ns() + f->period;
+        int last = at > f->until; /* sleep to `until` only, and leave: Python's turn */
+#ifdef __linux__
+        struct timespec ts = ns_timespec(last ? f->until : at);
+        long r = syscall(SYS_futex, &w->cells->closing, FUTEX_WAIT_BITSET | FUTEX_PRIVATE_FLAG, 0, &ts, NULL,
+                         FUTEX_BITSET_MATCH_ANY);
+        if (r != 0 && errno == EINTR)
+            return FILL_LEFT;
+#else
+        if (!wait_plain_sleep(last ? f->until : at))
+            return FILL_LEFT;
+#endif
+        if (__atomic_load_n(&w->fill_stop, __ATOMIC_SEQ_CST) || wait_leaving((WaitBase *)w))
+            return FILL_LEFT;
+        if (last)
+            return FILL_UNTIL;
+        uint64_t now = monotonic_ns();
+        if (now - f->renewed >= f->renew_every) {
+            uint64_t slot = f->lease_word & ((1u << WAIT_LEASE_SLOT_BITS) - 1);
+            uint64_t renewed_word = ((now / 1000u + f->lease_us) << WAIT_LEASE_SLOT_BITS) | slot;
+            if (!wcas(w->lease, f->lease_word, renewed_word)) {
+                f->lease_word = 0;
+                return FILL_LOST;
+            }
+            f->lease_word = renewed_word;
+            f->renewed = now;
+        }
+        if (f->backed_off) { /* the others' refills since the mark, as the tick would see them */
+            uint64_t head0 = wld(w->head), before = wld(w->repl_ts);
+            if (before == f->mark_ts || fill_lost(w, f->mark_ts, f->mark_head, before, head0))
+                return FILL_PACE;
+        }
+        int burn = 0;
+        waiter_replenish(w, 0, &burn);
+        f->fills++;
+        if (burn)
+            return FILL_BURN;
+        uint64_t ts_after = wld(w->repl_ts), head = wld(w->head);
+        if (f->backed_off && fill_lost(w, f->mark_ts, f->mark_head, ts_after, head))
+            return FILL_PACE;
+        if ((int64_t)(wld(w->tail) - head) <= 0)
+            return FILL_IDLE;
+        f->mark_ts = ts_after;
+        f->mark_head = head;
+    }
+}
+
+static PyObject *
+waiter_fill(Waiter *self, PyObject *const *args, Py_ssize_t n)
+{
+    FillSpan f = {0};
+    if (!nargs(n, 9, "fill") || !check_open(self->cells))
+        return NULL;
+    if (!u64(args[0], &f.period) || !u64(args[1], &f.until) || !u64(args[2], &f.lease_word) ||
+        !u64(args[3], &f.renewed) || !u64(args[4], &f.renew_every) || !u64(args[5], &f.lease_us) ||
+        !u64(args[6], &f.mark_ts) || !u64(args[7], &f.mark_head))
+        return NULL;
+    f.backed_off = PyObject_IsTrue(args[8]);
+    if (f.backed_off < 0)
+        return NULL;
+    if (f.period < 1 || f.lease_word == 0 || f.lease_us >= ((uint64_t)1 << 40)) {
+        PyErr_SetString(PyExc_ValueError, "fill: period_ns >= 1, a lease word held (not 0), lease_us < 2**40");
+        return NULL;
+    }
+    int rc;
+    NativeCells *c = self->cells;
+    if (c->busy_gen != waiter_fork_gen) {
+        c->busy_gen = waiter_fork_gen;
+        __atomic_store_n(&c->busy, 0, __ATOMIC_SEQ_CST);
+    }
+    __atomic_fetch_add(&c->busy, 1, __ATOMIC_SEQ_CST);
+    Py_INCREF(self);
+    Py_BEGIN_ALLOW_THREADS
+    rc = waiter_fill_loop(self, &f);
+    __atomic_fetch_sub(&c->busy, 1, __ATOMIC_SEQ_CST);
+    Py_END_ALLOW_THREADS
+    Py_DECREF(self);
+    return Py_BuildValue("(iKKKKK)", rc, (unsigned long long)f.fills, (unsigned long long)f.lease_word,
+                         (unsigned long long)f.renewed, (unsigned long long)f.mark_ts, (unsigned long long)f.mark_head);
+}
+
+/* interrupt(): a fill() in progress in another thread ends at once (and every later one of this
+ * waiter): the flag, then a wake of this process's sleepers on `closing` (a waiter woken by it
+ * looks again and goes back to its wait in Python). */
+static PyObject *
+waiter_interrupt(Waiter *self, PyObject *unused)
+{
+    (void)unused;
+    __atomic_store_n(&self->fill_stop, 1, __ATOMIC_SEQ_CST);
+#ifdef __linux__
+    if (!__atomic_load_n(&self->cells->closing, __ATOMIC_SEQ_CST))
+        syscall(SYS_futex, &self->cells->closing, FUTEX_WAKE | FUTEX_PRIVATE_FLAG, INT_MAX, NULL, NULL, 0);
+#endif
+    Py_RETURN_NONE;
+}
+
 /* Acquirer: the acquire fast path of one op, untimed, as one call -- a Grabber bound to records
  * and a Waiter of the same cells and config.  The grab claims a record before the CAS that takes a
  * ticket and stores its LEN after it (grab_recorded); a queued ticket is then waited for at once
@@ -2390,6 +2534,12 @@ static PyMethodDef waiter_methods[] = {
      "acquirer(grabber, give, max_nap_ns) -> an Acquirer: grabber's grab, then this wait, in one call"},
     {"refill", (PyCFunction)waiter_refill, METH_NOARGS,
      "refill() -> (tokens added, burn): Bucket.replenish now (the clock read after the words)"},
+    {"fill", (PyCFunction)(void (*)(void))waiter_fill, METH_FASTCALL,
+     "fill(period_ns, until_ns, lease_word, renewed_ns, renew_every_ns, lease_us, mark_ts, mark_head, backed_off) -> "
+     "(flags, fills, lease_word, renewed_ns, mark_ts, mark_head): the filler's ticks at its pace without the GIL "
+     "(1 until, 2 idle, 4 lease lost, 8 burn, 16 left, 32 the pace ends)"},
+    {"interrupt", (PyCFunction)waiter_interrupt, METH_NOARGS,
+     "interrupt(): a fill() in progress ends at once, and every later one"},
     {NULL, NULL, 0, NULL},
 };
 
@@ -2477,6 +2627,7 @@ cells_waiter(NativeCells *self, PyObject *const *args, Py_ssize_t n)
     g->tpn = tpn;
     g->cap = cap;
     g->slack_ns = (long)slack;
+    g->fill_stop = 0;
     return (PyObject *)g;
 }
 /* close(): wake the waiters of this process and wait until none is inside (they leave at once:

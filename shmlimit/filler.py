@@ -40,12 +40,21 @@ MAX_FILL_PERIOD = 0.020
 #: filler that sees the head keep the rate without it backs off to ``MAX_FILL_PERIOD``; after
 #: a refill that lost time to the capacity clamp it backs off at most half as far this long (seconds).
 PACE_HOLD = 1.0
+#: A pace kept natively (``ClockFeed.span``) runs without returning to Python at most this long
+#: (seconds): the filler thread's loop, chores and stop requests come back at least this often.
+SPAN_MAX = 0.1
 #: Watchers look at the lease this often (seconds).  They need not hurry: a waiter that finds
 #: the filler late replenishes for itself and nudges its own process's watcher (``nudge``).
 WATCH_PERIOD = 0.5
 
 
 _SLOT_MASK = (1 << L.LEASE_SLOT_BITS) - 1
+#: ``Waiter.fill``'s flags (``_native.c``): the lease lost, our add raced a config change
+FILL_LOST = 4
+FILL_BURN = 8
+#: ``ClockFeed.pace``: the paces a span keeps
+FIXED = 0
+BACKED_OFF = 1
 
 
 def lease_word(expiry_us: int, slot: int) -> int:
@@ -157,6 +166,11 @@ class ClockFeed:
         self.hold_until = 0  # ... until this instant (clock ns)
         self.native: Any = None  # the native refill bound to the config numbered native_seq
         self.native_seq: Optional[int] = None
+        #: what our last tick's pace was (``span``): None, one to judge again at the next tick;
+        #: FIXED, the usual pace because callers queue under a capacity of less than three ops (it
+        #: stays until the queue is gone or the config changes); BACKED_OFF, the longest pause while
+        #: queued waiters keep the pace (it stays while they do, as ``queued`` sees it)
+        self.pace: Optional[int] = None
 
     def refill(self) -> int:
         """``Bucket.replenish``, as one native call where the bucket has one for its config (the
@@ -185,6 +199,7 @@ class ClockFeed:
         balance = b.balance()
         ts, head = _refilled(b)
         mark, self.mark = self.mark, (ts, head, balance < 0)
+        self.pace = None
         if balance < 0:
             self.idle = self.queued(period, before, mark)
         else:
@@ -229,11 +244,54 @@ class ClockFeed:
         ts = self.mark[0]  # type: ignore[index]
         if ts >= self.hold_until:
             self.ceiling = MAX_FILL_PERIOD
-        if self.lost(period, mark, -1) or mark is None or not mark[2]:
+        if b.cap < 3 * b.cost:  # the waiters could not keep the rate alone: the usual pace, always
+            self.lost(period, mark, -1)
+            self.pace = FIXED
             return period
-        if before == mark[0] or b.cap < 3 * b.cost:  # nobody else refilled, or they could not alone
-            return period
-        return min(self.ceiling, max(period, self.idle * 2))
+        if self.lost(period, mark, -1) or mark is None or not mark[2] or before == mark[0]:
+            return period  # (before == mark[0]: nobody else refilled since our last tick)
+        pause = min(self.ceiling, max(period, self.idle * 2))
+        if pause == self.ceiling:
+            self.pace = BACKED_OFF
+        return pause
+
+    def span(self, nap: float, until: float, lease: Lease, renewed: float) -> Tuple[int, float]:
+        """Sleep ``nap`` seconds after a tick, as the filler thread does; while the pace stays what
+        ``queued`` would answer at every tick (``pace``: fixed under a capacity of less than three
+        ops; or backed off as far as it goes, kept while someone else refills and nothing is lost
+        to the clamp), go on ticking at it natively until ``until`` (``time.monotonic`` seconds):
+        one call without the GIL that renews the lease (every ``RENEW_EVERY`` since ``renewed``),
+        refills, leaves the mark and sleeps (``Waiter.fill``), so the thread's Python runs about
+        ten times a second instead of at every tick (a tick's wake in Python cost about twice a
+        bare sleep's).  It leaves as soon as anything could change the pace: the queue gone, the
+        config changed, what the backed-off pace needs no longer seen, the lease lost, a stop.
+        Returns (ticks made, when the lease was last renewed)."""
+        native = self.native
+        word = lease.word
+        if self.pace is None or self.mark is None or native is None or not word or nap <= 0:
+            time.sleep(max(0.0, nap))
+            return 0, renewed
+        flags, fills, new_word, renewed_ns, mark_ts, mark_head = native.fill(
+            int(nap * 1e9), int(until * 1e9), word, int(renewed * 1e9), int(RENEW_EVERY * 1e9),
+            int(LEASE_TIMEOUT * 1e6), self.mark[0], self.mark[1], self.pace == BACKED_OFF,
+        )
+        self.mark = (mark_ts, mark_head, True)  # after its last tick that kept the pace (as ours)
+        if flags & FILL_LOST:
+            if lease.word == word:  # (not if this process's nudge took the lease again meanwhile)
+                lease.word = 0
+        elif lease.word == word:
+            lease.word = new_word
+        if flags & FILL_BURN:  # our add raced a config change: the capacity in force applies
+            b = self.bucket
+            b.refresh()
+            b.burn(keep=b.cap + b.burst_pool)
+        return fills, renewed_ns / 1e9
+
+    def interrupt(self) -> None:
+        """End a ``span`` in progress at once (the filler stops)."""
+        native = self.native
+        if native is not None:
+            native.interrupt()
 
     def close(self) -> None:
         pass
@@ -292,6 +350,9 @@ class FillerThread(threading.Thread):
     def stop(self) -> None:
         self._stopping = True
         self._wake.set()
+        interrupt = getattr(self.feed, "interrupt", None)
+        if interrupt is not None:
+            interrupt()
 
     def nudge(self) -> None:
         """Called by this process's waiters when they had to replenish: the filler is late.
@@ -365,6 +426,10 @@ class FillerThread(threading.Thread):
                         chores_at = now + 1.0
                 if bucket.upstream:
                     last_renew = self._nap_renewing(nap, last_renew)
+                elif isinstance(self.feed, ClockFeed) and not self._stopping:
+                    until = min(now + SPAN_MAX, chores_at if self.chores is not None else now + SPAN_MAX)
+                    ticks, last_renew = self.feed.span(nap, until, lease, last_renew)
+                    self.fills += ticks
                 else:
                     time.sleep(nap)
         except Exception:  # pragma: no cover - a closed mapping at interpreter exit

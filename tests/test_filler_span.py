@@ -1,0 +1,248 @@
+"""The elected filler's fixed pace, run natively (``Waiter.fill``, ``ClockFeed.span``).
+
+Under a capacity of less than three ops the filler refills at its usual pace
+(half an op) for as long as callers queue.  Its thread then stays in one
+native call between its Python passes (chores, pacing), renewing the lease,
+refilling and sleeping there; these tests check that the call does exactly
+what the Python loop's ticks did, and that it leaves whenever anything could
+change the pace: the time given, the queue gone, the lease lost, a config
+change, a stop.
+"""
+import threading
+import time
+
+import pytest
+
+import shmlimit
+from shmlimit import filler as F
+from shmlimit import layout as L
+from shmlimit.cells import native_available, selected_backend
+from support.procs import wait_for
+
+pytestmark = pytest.mark.skipif(
+    not native_available() or selected_backend() != "native", reason="the native fill is the native backend's"
+)
+
+UNTIL, IDLE, LOST, BURN, LEFT, PACE = 1, 2, 4, 8, 16, 32
+MS = 1_000_000
+NEVER = 10**15  # a renewal interval that never passes: the lease is not what a test looks at
+
+
+def quiet(name, **kw):
+    """A limiter whose filler thread is stopped (its lease dropped): only the test fills."""
+    lim = shmlimit.Limiter(name, **kw)
+    lim.retry_after()  # a first use: the filler thread starts, to be stopped here
+    f = lim._att.filler
+    f.stop()
+    f.join(10)
+    assert not f.is_alive()
+    return lim
+
+
+def filling(lim):
+    """(the native waiter a ClockFeed would fill with, a lease held by the test)"""
+    att = lim._att
+    b = att.bucket
+    lease = F.Lease(att.cells, att.slot)
+    assert lease.try_take()
+    return b.waiter(b.snap, L.UNREG_GRANTS, None, 1), lease
+
+
+def mark(lim):
+    """(REPL_TS, HEAD) now: a tick's mark"""
+    c = lim._att.cells
+    return c.load(L.REPL_TS), c.load(L.HEAD)
+
+
+def queue(lim, ops):
+    """Callers queued for ``ops`` ops past the capacity, and a replenish that saw them."""
+    b = lim._att.bucket
+    assert b.grab(b.cap + ops * b.cost, L.UNREG_GRANTS, ops) is not None
+    b.replenish()
+
+
+def test_a_span_refills_at_its_pace_renews_the_lease_and_ends_at_until(name):
+    lim = quiet(name, rate=50)
+    try:
+        c = lim._att.cells
+        w, lease = filling(lim)
+        queue(lim, 20)
+        ts0, head0, word = c.load(L.REPL_TS), c.load(L.HEAD), lease.word
+        start = time.monotonic_ns()
+        until = start + 40 * MS
+        flags, fills, new_word, renewed, *_ = w.fill(4 * MS, until, word, start, 10 * MS, 50_000, *mark(lim), False)
+        end = time.monotonic_ns()
+        assert flags == UNTIL and end >= until  # never back before the time given (nothing else ended it)
+        assert 1 <= fills <= 10  # one refill per 4 ms slept, at most
+        ts1, head1 = c.load(L.REPL_TS), c.load(L.HEAD)
+        assert start <= ts1 <= end and head1 != head0 and ts1 > ts0
+        # renewed: the same slot, a later expiry, written in the segment, and when
+        assert new_word != word and c.load(L.LEASE) == new_word
+        assert F.lease_slot(new_word) == lim._att.slot
+        assert F.lease_expiry_us(new_word) > F.lease_expiry_us(word)
+        assert start + 10 * MS <= renewed <= end
+    finally:
+        lim.close()
+
+
+def test_a_span_ends_when_the_queue_is_gone(name):
+    lim = quiet(name, rate=50)
+    try:
+        w, lease = filling(lim)
+        start = time.monotonic_ns()
+        flags, fills, new_word, *_ = w.fill(2 * MS, start + 10**9, lease.word, start, NEVER, 50_000, *mark(lim), False)
+        assert (flags, fills, new_word) == (IDLE, 1, lease.word)  # one refill, then Python's pacing
+        assert time.monotonic_ns() - start < 10**9
+    finally:
+        lim.close()
+
+
+def test_a_span_ends_when_another_process_holds_the_lease(name):
+    lim = quiet(name, rate=50)
+    try:
+        c = lim._att.cells
+        w, lease = filling(lim)
+        queue(lim, 20)
+        other = F.lease_word(F.now_us() + 50_000, lim._att.slot + 1)
+        assert c.cas(L.LEASE, lease.word, other)  # taken over (ours had lapsed, say)
+        start = time.monotonic_ns()
+        flags, fills, new_word, renewed, *_ = w.fill(2 * MS, start + 10**9, lease.word, start - 10 * MS, 10 * MS, 50_000, *mark(lim), False)
+        assert (flags, fills, new_word, renewed) == (LOST, 0, 0, start - 10 * MS)
+        assert c.load(L.LEASE) == other  # untouched
+    finally:
+        lim.close()
+
+
+def test_a_span_ends_at_a_config_change_and_at_an_interrupt(name):
+    lim = quiet(name, rate=50)
+    try:
+        w, lease = filling(lim)
+        queue(lim, 20)
+        start = time.monotonic_ns()
+        out = []
+        t = threading.Thread(target=lambda: out.append(w.fill(5 * MS, start + 60 * 10**9, lease.word, start, NEVER, 50_000, *mark(lim), False)))
+        t.start()
+        time.sleep(0.05)  # (a span in progress or not: either way it must end below, not at its until)
+        lim.set_rate(40)
+        t.join(10)
+        assert not t.is_alive() and out[0][0] == LEFT
+        # bound to the new config: an interrupt from another thread ends it, and every later one
+        b = lim._att.bucket
+        b.refresh()
+        w = b.waiter(b.snap, L.UNREG_GRANTS, None, 1)
+        out.clear()
+        t = threading.Thread(target=lambda: out.append(w.fill(5 * MS, start + 60 * 10**9, lease.word, start, NEVER, 50_000, *mark(lim), False)))
+        t.start()
+        time.sleep(0.05)
+        w.interrupt()
+        t.join(10)
+        assert not t.is_alive() and out[0][0] == LEFT
+        assert w.fill(5 * MS, start + 60 * 10**9, lease.word, start, NEVER, 50_000, *mark(lim), False)[:2] == (LEFT, 0)
+    finally:
+        lim.close()
+
+
+def test_a_backed_off_span_ends_before_refilling_when_nobody_else_refilled(name):
+    # reservations: nobody refills at their turns, so the pace the filler backed off to ends at the
+    # first tick, before our refill and with the mark as it was: the Python tick that follows sees
+    # the same interval (nobody else refilled) and goes back to its usual pace
+    lim = quiet(name, rate=1000)
+    try:
+        w, lease = filling(lim)
+        queue(lim, 50)
+        m = mark(lim)
+        start = time.monotonic_ns()
+        out = w.fill(2 * MS, start + 10**9, lease.word, start, NEVER, 50_000, *m, True)
+        assert out[:2] == (PACE, 0) and out[4:] == m and mark(lim) == m
+    finally:
+        lim.close()
+
+
+def test_a_backed_off_span_keeps_its_pace_while_others_refill_and_lose_nothing(name):
+    # another thread refills every half millisecond (the waiters at their turns): the span keeps
+    # its pace to the end, every tick's mark after its refill
+    lim = quiet(name, rate=1000)
+    try:
+        b = lim._att.bucket
+        w, lease = filling(lim)
+        queue(lim, 500)
+        others = b.waiter(b.snap, L.UNREG_GRANTS, None, 1)
+        stop = []
+
+        def turns():
+            while not stop:
+                others.refill()
+                time.sleep(0.0005)
+
+        t = threading.Thread(target=turns)
+        t.start()
+        try:
+            time.sleep(0.002)
+            m = mark(lim)
+            start = time.monotonic_ns()
+            flags, fills, _, _, ts, head = w.fill(4 * MS, start + 40 * MS, lease.word, start, NEVER, 50_000, *m, True)
+        finally:
+            stop.append(1)
+            t.join(10)
+        if flags == PACE:  # (a refill of theirs lost time to the clamp, or came late: possible on a busy machine)
+            assert (ts, head) == m or ts > m[0]
+        else:
+            assert flags == UNTIL and 1 <= fills <= 10 and ts > m[0] and head != m[1], (flags, fills)
+    finally:
+        lim.close()
+
+
+def test_a_span_refuses_what_it_cannot_do(name):
+    lim = quiet(name, rate=50)
+    try:
+        w, lease = filling(lim)
+        now = time.monotonic_ns()
+        for args in [(0, now, lease.word, now, 1, 1), (MS, now, 0, now, 1, 1), (MS, now, lease.word, now, 1, 1 << 40)]:
+            args += (*mark(lim), False)
+            with pytest.raises(ValueError, match="fill"):
+                w.fill(*args)
+    finally:
+        lim.close()
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("rate, half_ops", [(50, 1.0), (1000, None)])
+def test_the_filler_thread_keeps_its_pace_in_native_spans(name, monkeypatch, rate, half_ops):
+    """Waiters queued at 50/s (capacity one op: the usual pace, fixed) and at 1000/s (the pace the
+    filler backs off to while they refill at their turns): most of the filler thread's refills are
+    made in native spans, not by its Python ticks; never more than one per pace slept; and the
+    waiters are served within the rate's bound."""
+    ticks = []
+    tick = F.ClockFeed.tick
+    monkeypatch.setattr(F.ClockFeed, "tick", lambda self: ticks.append(1) or tick(self))
+    lim = shmlimit.Limiter(name, rate=rate)
+    cap = lim.capacity
+    stop = time.monotonic() + 1.5
+    got = []
+
+    def waiter():
+        n = 0
+        while time.monotonic() < stop:
+            lim.acquire()
+            n += 1
+        got.append(n)
+
+    threads = [threading.Thread(target=waiter) for _ in range(3)]
+    try:
+        for t in threads:
+            t.start()
+        f = lim._att.filler
+        wait_for(lambda: f.fills >= 20)
+        fills0, ticks0, t0 = f.fills, len(ticks), time.monotonic()
+        wait_for(lambda: time.monotonic() - t0 >= 0.8)
+        fills, python = f.fills - fills0, len(ticks) - ticks0
+        # at most one refill per pace slept (half an op at 50/s, at least FILL_PERIOD), and one more
+        # per span (its last sleep ends at the span's end, and the Python tick refills then)
+        pace = 0.5 / rate if half_ops else F.FILL_PERIOD
+        assert fills <= 0.8 / pace + 0.8 / F.SPAN_MAX + 3, fills
+        assert python * 2 <= fills, (python, fills)  # most of them natively
+    finally:
+        for t in threads:
+            t.join(10)
+        lim.close()
+    assert sum(got) <= cap + rate * 1.6  # the rate's bound over the run, never more
