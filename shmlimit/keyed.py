@@ -215,7 +215,10 @@ BUSY_NAP = 0.001
 
 
 def _ticks(seconds: float) -> int:
-    return min(KC.MAX_WAIT, int(seconds * TICKS_PER_S))
+    """A wait in ticks, at most ``MAX_WAIT``: a finite wait past about 1e298 s is infinite in ticks
+    (its float product), which ``int`` refuses, so the product is compared before converting."""
+    ticks = seconds * TICKS_PER_S
+    return KC.MAX_WAIT if ticks >= KC.MAX_WAIT else int(ticks)
 
 
 def _sleep_until(deadline_ns: int) -> None:

@@ -167,7 +167,10 @@ class MultiKeyedLimiter(RateGroup):
 
     def _deadline(self, timeout: Optional[float]) -> Optional[int]:
         t = validate_timeout(timeout)
-        return None if t is None else self._now() + int(t * TICKS_PER_S)
+        if t is None:
+            return None
+        ticks = t * TICKS_PER_S  # inf for a finite timeout past about 1e298 s: compared, never converted
+        return self._now() + (KC.MAX_WAIT if ticks >= KC.MAX_WAIT else int(ticks))
 
     def _step(self, key: object, ops: Tuple[int, ...], deadline: Optional[int]) -> Union[bool, float]:
         """One non-blocking try for ``acquire``'s drivers: True (granted) or False (refused for

@@ -99,6 +99,23 @@ def test_bad_n_and_oversized_keys(lim):
     assert lim.stats().grants == 0
 
 
+def test_a_huge_finite_timeout_is_a_long_wait_not_an_overflow(name):
+    """A timeout is any finite number of seconds >= 0: one past about 1e298 s is infinite in ticks
+    as a float, and converting it raised OverflowError instead of waiting (or granting now)."""
+    lim = shmlimit.KeyedLimiter(name, rate=10, burst=1, keys=64)
+    multi = shmlimit.KeyedLimiter(name + "-m", rates=["10/s", "100/min"], keys=64)
+    try:
+        assert lim.acquire("k", timeout=1e300) is True  # a full bucket: granted now
+        assert 0 < lim.reserve("k", max_wait=1e300) <= 0.1  # the next op's wait, claimed
+        assert asyncio.run(lim.acquire_async("j", timeout=sys.float_info.max)) is True
+        assert multi.acquire("k", timeout=1e300) is True
+        assert lim.stats().grants == 3 and multi.stats()["0"].grants == 1
+    finally:
+        lim.close()
+        multi.unlink()
+        multi.close()
+
+
 def test_bad_config(name):
     with pytest.raises(ValueError, match="rate"):
         shmlimit.KeyedLimiter(name, rate=0)
