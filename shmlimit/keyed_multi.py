@@ -9,7 +9,8 @@ limiter of its own.  This module only takes them together:
 
 * **All or nothing, now.**  A try first *peeks* at every rate (what a take
   would wait, taking and inserting nothing) and takes nothing unless every
-  rate would grant at once; then it takes each rate, in order, at one instant.
+  rate would grant at once; then it takes each rate, in order, each at the
+  instant of its own take (the peek's reading may be stale by then).
   If a race (another caller took a later rate's room between the peek and the
   take) refuses a later rate, the earlier takes are undone (``undo``: exact,
   when no one took that key on that rate since; otherwise the take stays
@@ -124,7 +125,7 @@ class MultiKeyedLimiter(RateGroup):
         return [lim._live().kt.acquire(key, o, -1, now) if o else 0 for lim, o in zip(self._live(), ops)]
 
     def _attempt(self, key: object, ops: Tuple[int, ...]) -> Tuple[bool, int]:
-        """One try at one instant: (True, 0) granted on every rate; (False, w) nothing taken, where
+        """One try: (True, 0) granted on every rate; (False, w) nothing taken, where
         ``w`` is the longest wait a peek found (ticks; 0 after a lost race, ``KC.NEVER``, ``KC.FULL``)."""
         now = self._now()
         waits = self._waits(key, ops, now)
@@ -138,7 +139,12 @@ class MultiKeyedLimiter(RateGroup):
             if not o:
                 continue
             kt = lim._use().kt  # a use: a forked child registers on its first
-            r = kt.take(key, o, 0, now)
+            # Each take reads the clock itself (on the real clock, inside the native call): the
+            # peek's reading may be long past (the GIL given to another thread, the process off the
+            # CPU), and a take priced then would record a grant made now as made then, handing the
+            # key's room back early by that much.  A later reading never refuses what the peek
+            # allowed, but for another caller's take since (a race, undone as any).
+            r = kt.take(key, o, 0, None if self._clock is None else self._now())
             if isinstance(r, int):  # refused: a race since the peek, or no slot for a new key
                 for tkt, t, tn in reversed(taken):
                     tkt.undo(t[1], t[2], t[3], t[4], tn)

@@ -214,6 +214,29 @@ def test_a_lost_race_undoes_the_earlier_rates(name, clock, cleanup):
     assert take(lim, 0, "k", 2)  # its whole burst is there
 
 
+def test_a_take_after_a_preemption_is_priced_at_its_own_instant(name, clock, cleanup):
+    """A try's takes ran at the instant its peek read the clock: preempted between the two (the GIL
+    given to another thread, the process descheduled), it was granted later but recorded as granted
+    then, so the key's room came back that much early.  At 1/s, burst 1: granted 0.9 s after its
+    reading, then again 0.1 s later -- two ops in 0.1 s where the rate allows 1.1.  Each take reads
+    the clock itself now (on the real clock, inside the native call)."""
+    lim = make(name, [("1/s", 1), ("1000/s", 1000)], clock, cleanup)
+
+    def preempted_peek(key, ops, now):
+        out = real(key, ops, now)
+        clock.advance(9 * S // 10)  # 0.9 s off the CPU between the peek and the takes
+        return out
+
+    real = lim._waits
+    lim._waits = preempted_peek
+    assert lim.try_acquire("k")  # granted at t0 + 0.9 s
+    lim._waits = real
+    clock.advance(S // 10)
+    assert not lim.try_acquire("k")  # t0 + 1.0 s: the next op is due at t0 + 1.9 s
+    assert lim.retry_after("k") == pytest.approx(0.9)
+    assert grants(lim) == {"0": 1, "1": 1}
+
+
 # ---- a stateful search: every key held to every rate after any sequence of calls -----------------
 
 
@@ -279,6 +302,24 @@ class KeyedRates(RuleBasedStateMachine):
             return out
 
         lim._waits = racing_peek
+        try:
+            if lim.try_acquire(key, **costs):
+                self._record(key, costs)
+        finally:
+            lim._waits = real
+
+    @rule(key=st.sampled_from("ab"), costs=costs, ms=st.integers(1, 400))
+    def preempted(self, key, costs, ms):
+        """A try preempted for ``ms`` between its peek and its takes: granted when it returns."""
+        lim = self.lim
+        real = lim._waits
+
+        def preempted_peek(k, ops, now):
+            out = real(k, ops, now)
+            self.clock.advance(ms * 1_000_000)
+            return out
+
+        lim._waits = preempted_peek
         try:
             if lim.try_acquire(key, **costs):
                 self._record(key, costs)
