@@ -336,7 +336,7 @@ class KeyedTable(SlotTable):
                 if s1 != seen:
                     seen, since = s1, now
                 elif now - since > LOCK_NS:
-                    c.cas(self.cfg, s1, s1 + 1)
+                    c.cas(self.cfg, s1, (s1 + 1) & MASK64)  # modulo 2**64, as the native one
                 os.sched_yield()
                 continue
             t, tau = c.load(self.cfg + 32), c.load(self.cfg + 40)

@@ -28,6 +28,36 @@ MAX_TICKS = 1 << 60
 TICKS_PER_S = 1e9 * (1 << K.TICK_SHIFT)
 #: A config lock held longer than this (seconds) was left by a dead writer and is taken over.
 LOCK_TIMEOUT = 0.2
+_MASK64 = (1 << 64) - 1  # CFG_SEQ counts modulo 2**64, as the native composite's does
+
+
+def _next(seq: int, by: int = 1) -> int:
+    return (seq + by) & _MASK64
+
+
+def wait_unlocked(c: Cells) -> int:
+    """``CFG_SEQ`` once no writer holds it: an even value.
+
+    A writer holds it for microseconds; one that held it for ``LOCK_TIMEOUT``
+    died there (killed in ``set_rate``), and the lock is closed by CAS to the
+    next even value, as the keyed composite's readers close it.  Without this
+    the Python readers (the default rate, an override, ``_adopt`` when a
+    process opens with ``rate=``) waited for that writer forever: after a
+    writer was killed in a set_rate, every process opening the limiter with
+    its rate hung until some other process acquired through it.
+    """
+    seen, since = None, 0.0
+    while True:
+        s = c.load(K.CFG_SEQ)
+        if not s & 1:
+            return s
+        now = time.monotonic()
+        if s != seen:
+            seen, since = s, now
+        elif now - since > LOCK_TIMEOUT:
+            c.cas(K.CFG_SEQ, s, _next(s))
+            continue
+        os.sched_yield()
 
 
 @dataclass(frozen=True)
@@ -79,19 +109,19 @@ class ConfigLock:
         while True:
             s = c.load(K.CFG_SEQ)
             if not s & 1:
-                if c.cas(K.CFG_SEQ, s, s + 1):
-                    self.seq = s + 1
+                if c.cas(K.CFG_SEQ, s, _next(s)):
+                    self.seq = _next(s)
                     return self.seq
                 continue
             if s != seen:
                 seen, since = s, time.monotonic()
-            elif time.monotonic() - since > LOCK_TIMEOUT and c.cas(K.CFG_SEQ, s, s + 2):
-                self.seq = s + 2  # still odd: ours now; we rewrite what we came to write
+            elif time.monotonic() - since > LOCK_TIMEOUT and c.cas(K.CFG_SEQ, s, _next(s, 2)):
+                self.seq = _next(s, 2)  # still odd: ours now; we rewrite what we came to write
                 return self.seq
             os.sched_yield()
 
     def __exit__(self, *exc: object) -> None:
-        self.c.store(K.CFG_SEQ, self.seq + 1)
+        self.c.store(K.CFG_SEQ, _next(self.seq))
 
 
 def _write_pair(c: Cells, t_off: int, tau_off: int, t: int, tau: int) -> None:
@@ -118,9 +148,9 @@ def publish_default(c: Cells, rate: Rate) -> None:
 
 def read_default(c: Cells) -> Rate:
     while True:
-        s = c.load(K.CFG_SEQ)
+        s = wait_unlocked(c)
         r = read_rate(c)
-        if not s & 1 and c.load(K.CFG_SEQ) == s:
+        if c.load(K.CFG_SEQ) == s:
             return r
         os.sched_yield()
 
@@ -150,10 +180,10 @@ class Overrides:
 
     def get(self, d: Tuple[int, int]) -> Optional[Rate]:
         while True:
-            s = self.c.load(K.CFG_SEQ)
+            s = wait_unlocked(self.c)
             e = self._find(d) if self.novr else None
             r = read_rate(self.c, e + K.O_RATE) if e is not None else None
-            if not s & 1 and self.c.load(K.CFG_SEQ) == s:
+            if self.c.load(K.CFG_SEQ) == s:
                 return r
             os.sched_yield()
 

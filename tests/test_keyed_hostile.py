@@ -105,6 +105,7 @@ def _window_slots(name, digest, novr):
 
 
 def _run(script, name, kind, backend):
+    """``script`` in a fresh interpreter on ``backend``: its JSON answer (a hang fails after 60 s)."""
     env = dict(os.environ, SHMLIMIT_BACKEND=backend)
     out = subprocess.run([sys.executable, "-c", script, name, kind], cwd=WORKDIR, env=env, capture_output=True,
                          text=True, timeout=60)
@@ -191,3 +192,32 @@ def test_a_window_counter_on_a_stalled_insert_is_a_clear_error(name, backend, st
         assert out["other"] == 1
     finally:
         wt.close()
+
+
+OPEN_WITH_RATE = r"""
+import json, sys, time
+import shmlimit
+t = time.monotonic()
+lim = shmlimit.KeyedLimiter(sys.argv[1], rate=10, keys=64)  # a redeploy: opens with its rate (_adopt reads it)
+out = dict(rate=lim.rate, override=lim.override("k"), granted=lim.try_acquire("k"), seconds=time.monotonic() - t)
+lim.set_rate(20)
+out["after"] = lim.rate
+lim.close()
+print(json.dumps(out))
+"""
+
+
+@pytest.mark.parametrize("seq", [5, 2**64 - 1])
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_a_writer_killed_holding_the_config_lock_stalls_no_opener(name, backend, seq):
+    """A process killed inside ``set_rate`` leaves ``CFG_SEQ`` odd.  The keyed composite's readers close
+    such a lock after 200 ms, but the Python readers (the default rate, an override, the adoption of
+    a redeploy's rate) waited for it forever: a process opening the limiter with its rate hung until
+    some other process acquired through it.  At 2**64 - 1 the reference composite's close overflowed."""
+    shmlimit.KeyedLimiter(name, rate=10, keys=64).close()
+    _put(name, K.CFG_SEQ, seq)  # as a writer killed between taking the lock and releasing it
+    out = _run(OPEN_WITH_RATE, name, "", backend)
+    assert out["rate"] == 10 and out["override"] is None and out["granted"] is True
+    assert 0.2 <= out["seconds"] < 30  # the lock was taken over after its timeout, not waited for
+    assert out["after"] == 20
+    assert _word(name, K.CFG_SEQ) % 2 == 0
