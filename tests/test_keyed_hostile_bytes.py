@@ -1,0 +1,119 @@
+"""Random words in a keyed segment (header, config, process table, overrides, key slots): every call
+and every tool answers or refuses with one of shmlimit's errors, never a crash, a hang or another
+exception."""
+import contextlib
+import io
+import os
+import uuid
+
+from hypothesis import HealthCheck, event, given, settings
+from hypothesis import strategies as st
+
+import shmlimit
+from shmlimit import cli
+from shmlimit import header
+from shmlimit import keyed_layout as K
+from shmlimit import keyed_segment
+from shmlimit.keyed_stats import sample_keys
+
+KEYS, OVR = 64, 4
+SIZE = K.segment_size(KEYS, OVR)
+WORDS = SIZE // 8
+_TEMPLATE = []
+
+
+def _template():
+    """A real keyed segment with live keys, one override and this process registered (then unlinked)."""
+    if not _TEMPLATE:
+        name = f"test-ktmpl-{os.getpid()}-{uuid.uuid4().hex[:8]}"
+        lim = shmlimit.KeyedLimiter(name, rate=10, burst=3, keys=KEYS, overrides=OVR)
+        for k in ("a", "b", "c", "d" * 40):
+            lim.try_acquire(k, 2)
+        lim.set_rate(1, key="a")
+        with open(f"/dev/shm/shmlimit.{name}", "rb") as f:
+            _TEMPLATE.append(f.read())
+        lim.close()
+        shmlimit.unlink(name)
+    return _TEMPLATE[0]
+
+
+def _mutated(changes):
+    data = bytearray(_template())
+    for word, value in changes:
+        data[word * 8: word * 8 + 8] = value.to_bytes(8, "little")
+    return bytes(data)
+
+
+def _slot_words():
+    first = K.slots_offset(OVR) // 8
+    return st.integers(first, WORDS - 1)
+
+
+interesting = st.one_of(
+    st.integers(0, 2**64 - 1),
+    st.sampled_from([0, 1, 2, 3, 4, 5, 2**63, 2**63 - 1, 2**64 - 1, 2**62]),
+    # control words: any state, any owner (this process, init, none), any generation
+    st.builds(K.ctrl, st.integers(0, 255), st.sampled_from([0, 1, K.owner(os.getpid()), 2**22 - 7]),
+              st.integers(0, 2**24 - 1)),
+)
+segment_bytes = st.one_of(
+    st.builds(_mutated, st.lists(st.tuples(st.integers(1, WORDS - 1), interesting), max_size=8)),
+    st.builds(_mutated, st.lists(st.tuples(_slot_words(), interesting), min_size=1, max_size=24)),
+    st.builds(_mutated, st.lists(st.tuples(st.integers(8, 47), interesting), min_size=1, max_size=4)),  # config lines
+    st.builds(lambda tail: _template()[:64] + tail, st.binary(min_size=SIZE - 64, max_size=SIZE - 64)),
+    st.binary(max_size=2048),
+)
+
+
+def _quiet_cli(*argv):
+    out, err = io.StringIO(), io.StringIO()
+    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+        code = cli.main(list(argv))
+    assert code in (0, 2), (argv, code, err.getvalue())
+    return code
+
+
+@settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(data=segment_bytes)
+def test_random_words_in_a_keyed_segment_are_refused_or_served_cleanly(data, monkeypatch):
+    monkeypatch.setattr(header, "INIT_WAIT", 0.0)
+    monkeypatch.setattr(header, "LIVE_CREATOR_WAIT", 0.0)
+    monkeypatch.setattr(keyed_segment, "INIT_WAIT", 0.0)
+    monkeypatch.setattr(keyed_segment, "LIVE_CREATOR_WAIT", 0.0)
+    name = f"test-khostile-{os.getpid()}-{uuid.uuid4().hex[:8]}"
+    path = f"/dev/shm/shmlimit.{name}"
+    fd = os.open(path, os.O_CREAT | os.O_EXCL | os.O_RDWR, 0o600)
+    try:
+        os.write(fd, data)
+        for argv in (("inspect", name), ("inspect", "--json", name), ("top", "--once", "--interval", "0.001", name),
+                     ("metrics", name)):
+            _quiet_cli(*argv)
+        try:
+            sample_keys(name, 0, KEYS)
+        except shmlimit.ShmlimitError:
+            pass
+        try:
+            lim = shmlimit.attach(name)
+        except shmlimit.ShmlimitError as e:
+            event(f"refused: {type(e).__name__}")
+            return
+        event(f"accepted: {type(lim).__name__}")
+        try:
+            if isinstance(lim, shmlimit.KeyedLimiter):
+                for k in ("a", "b", "c", "d" * 40, "new"):
+                    for what, call in (("try", lambda: lim.try_acquire(k)), ("timed", lambda: lim.acquire(k, timeout=0)),
+                                       ("reserve", lambda: lim.reserve(k, max_wait=0)),
+                                       ("retry_after", lambda: lim.retry_after(k)), ("override", lambda: lim.override(k))):
+                        try:
+                            call()
+                        except shmlimit.ShmlimitError as e:
+                            event(f"refused later: {type(e).__name__}")
+                        # (the atomics backend: no operation left open, which close() would wait for)
+                        assert getattr(lim._att.cells, "_active", 0) == 0, (what, k)
+                repr(lim)
+                lim.stats()
+        finally:
+            lim.close()
+    finally:
+        os.close(fd)
+        os.unlink(path)
