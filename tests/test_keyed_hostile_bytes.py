@@ -37,11 +37,29 @@ def _template():
     return _TEMPLATE[0]
 
 
+DEAD_OWNER = K.owner((1 << K.PID_BITS) - 7)  # above any pid_max: never a live process
+
+
+def _no_live_inserter(data):
+    """Every BUSY or PEND slot under a dead owner.  A slot of a key left PEND by an owner that is
+    alive and never moves (a stopped process) is test_keyed_hostile's subject: one farther than a
+    new insert is given way to after 0.2 s, but one *nearer* the key's home still makes every insert
+    of that key give way and try again without end (a known gap, held there as a strict xfail)."""
+    data = bytearray(data)
+    first = K.slots_offset(OVR)
+    for off in range(first, len(data) - 7, K.LINE):
+        ctrl = int.from_bytes(data[off:off + 8], "little")
+        if ctrl & 0xFF in (K.BUSY, K.PEND):
+            ctrl = K.ctrl(ctrl & 0xFF, DEAD_OWNER, ctrl >> 40)
+            data[off:off + 8] = ctrl.to_bytes(8, "little")
+    return bytes(data)
+
+
 def _mutated(changes):
     data = bytearray(_template())
     for word, value in changes:
         data[word * 8: word * 8 + 8] = value.to_bytes(8, "little")
-    return bytes(data)
+    return _no_live_inserter(data)
 
 
 def _slot_words():
@@ -60,7 +78,7 @@ segment_bytes = st.one_of(
     st.builds(_mutated, st.lists(st.tuples(st.integers(1, WORDS - 1), interesting), max_size=8)),
     st.builds(_mutated, st.lists(st.tuples(_slot_words(), interesting), min_size=1, max_size=24)),
     st.builds(_mutated, st.lists(st.tuples(st.integers(8, 47), interesting), min_size=1, max_size=4)),  # config lines
-    st.builds(lambda tail: _template()[:64] + tail, st.binary(min_size=SIZE - 64, max_size=SIZE - 64)),
+    st.builds(lambda tail: _no_live_inserter(_template()[:64] + tail), st.binary(min_size=SIZE - 64, max_size=SIZE - 64)),
     st.binary(max_size=2048),
 )
 
