@@ -1747,7 +1747,7 @@ static PyMethodDef cells_methods[] = {
      "keyed_table(cfg, ovr_live, ovr, novr, slots, nslots, probe, k0, k1, keys_live, evicted, refused, grants, pid)"},
     {"waiter", (PyCFunction)(void (*)(void))cells_waiter, METH_FASTCALL,
      "waiter(seq, expected, tail, head, repl_ts, snap_head, snap_tail, lease, grants, waiting, tpn, cap, "
-     "slack_ns) -> Waiter"},
+     "slack_ns, lost, snap_base, snap_end, snap_next, records) -> Waiter"},
     {"futex_wait", (PyCFunction)(void (*)(void))cells_futex_wait, METH_FASTCALL,
      "futex_wait(off, expected, bitset, deadline_ns) -> False once the deadline passed, else True (look again)"},
     {"futex_wake", (PyCFunction)(void (*)(void))cells_futex_wake, METH_FASTCALL,
@@ -1925,6 +1925,9 @@ typedef struct {
 typedef struct {
     WAIT_FIELDS
     uint64_t *tail, *repl_ts, *snap_head, *snap_tail, *lease, *lost;
+    uint64_t *snap_base, *snap_end, *snap_next; /* the clamp words (layout.SNAP_BASE) */
+    uint64_t **recs; /* every ticket record's LEN word in the segment (PyMem), nrecs of them */
+    Py_ssize_t nrecs;
     uint64_t tpn, cap;
     long slack_ns;
     uint32_t fill_stop; /* set by interrupt(): a fill() in progress ends at once, and every later one */
@@ -1986,6 +1989,78 @@ wait_plain_sleep(uint64_t at)
 }
 #endif
 
+/* The clamp a snapshot (head, tail) leaves the next replenish: bucket.clamp_words, word for word.
+ * out = {base, end, next}: the next replenish may bring the head to min(max(base + cap, end), next)
+ * (clamp_limit).  Invariant: base is the start of the waiter's request the head stands in (read
+ * from the ticket records, where every queued waiter's ticket is), end its end, both the head
+ * outside any recorded request; there next is the nearest boundary above the head the records
+ * tell (a recorded request's start, the ticket of a record being written, the tail).  Not queued, the
+ * tail is a boundary and no record is read.  0 when the head moved during the read (a request
+ * around the head may have been granted and its record freed): the older words stay. */
+#define REC_GIVEN ((uint64_t)1 << 62)
+#define CLAMP_FAR ((uint64_t)1 << 62)
+#define SPAN_MAX ((uint64_t)1 << 60) /* config.MAX_SPAN_TOKENS */
+static int
+clamp_words(uint64_t *const *recs, Py_ssize_t nrecs, uint64_t *headw, uint64_t head, uint64_t tail,
+            uint64_t out[3])
+{
+    if ((int64_t)(head - tail) >= 0) {
+        out[0] = out[1] = tail;
+        out[2] = tail + CLAMP_FAR;
+        return 1;
+    }
+    uint64_t base = head, end = head, next = tail;
+    for (Py_ssize_t i = 0; i < nrecs; i++) {
+        uint64_t v = __atomic_load_n(recs[i], __ATOMIC_SEQ_CST);
+        if (v == 0)
+            continue;
+        uint64_t e = __atomic_load_n(recs[i] - 1, __ATOMIC_SEQ_CST);
+        if ((v & REC_BUSY) || __atomic_load_n(recs[i], __ATOMIC_SEQ_CST) != v) {
+            /* being written, or changed under us: its ticket is a boundary the head stops at */
+            int64_t d = (int64_t)(e - head);
+            if (d > 0 && d < (int64_t)(next - head))
+                next = e;
+            continue;
+        }
+        uint64_t n = v & ~REC_GIVEN;
+        if (n == 0 || n > SPAN_MAX)
+            continue; /* corrupt: no range */
+        uint64_t st = e - n;
+        if ((int64_t)(head - st) >= 0 && (int64_t)(e - head) > 0) {
+            base = st;
+            end = e;
+        } else {
+            int64_t d = (int64_t)(st - head);
+            if (d > 0 && d < (int64_t)(next - head))
+                next = st;
+        }
+    }
+    if (__atomic_load_n(headw, __ATOMIC_SEQ_CST) != head)
+        return 0;
+    if (base != end) /* in a recorded request: it alone decides */
+        next = head + CLAMP_FAR;
+    out[0] = base;
+    out[1] = end;
+    out[2] = next;
+    return 1;
+}
+
+/* words.clamp_limit: min(max(base + room, end), next); the head (nothing added) when base is not
+ * below it (words that predate the clamp words: zero). */
+static inline uint64_t
+clamp_limit(uint64_t base, uint64_t end, uint64_t next, uint64_t room, uint64_t head)
+{
+    int64_t d = (int64_t)(head - base);
+    if (d < 0 || (uint64_t)d > CLAMP_FAR)
+        return head;
+    uint64_t limit = base + room;
+    if ((int64_t)(end - limit) > 0)
+        limit = end;
+    if ((int64_t)(next - limit) < 0)
+        limit = next;
+    return limit;
+}
+
 /* One claim and add of Bucket.replenish at clock reading `now` (0: read here), for a Waiter's
  * config: the tokens added.  *burn is set when the config changed between the claim and the add
  * (Bucket.apply then burns). */
@@ -1999,6 +2074,7 @@ waiter_replenish_once(Waiter *w, uint64_t now, int *burn)
     uint64_t ts = wld(w->repl_ts);
     uint64_t snap_head = wld(w->snap_head);
     uint64_t snap_tail = wld(w->snap_tail);
+    uint64_t base = wld(w->snap_base), end = wld(w->snap_end), next = wld(w->snap_next);
     uint64_t head = wld(w->head);
     uint64_t tail = wld(w->tail);
     if (now == 0)
@@ -2013,10 +2089,24 @@ waiter_replenish_once(Waiter *w, uint64_t now, int *burn)
         return 0;
     __atomic_store_n(w->snap_head, head, __ATOMIC_SEQ_CST);
     __atomic_store_n(w->snap_tail, tail, __ATOMIC_SEQ_CST);
-    uint64_t limit = ((int64_t)(snap_head - snap_tail) <= 0 ? snap_head : snap_tail) + w->cap;
     uint64_t extra;
     if (__builtin_mul_overflow((uint64_t)elapsed, w->tpn, &extra))
         extra = UINT64_MAX;
+    /* invariant 1 (bucket.py): a capacity from the start of the request the previous snapshot's
+     * head stood in, never past the next boundary the records told */
+    uint64_t limit = clamp_limit(base, end, next, w->cap, head);
+    /* new words (Bucket.claim): not queued, or the older ones leave the head less room than two
+     * such intervals and a quarter capacity (older words bound any later interval too) */
+    int64_t room0 = (int64_t)(limit - head);
+    uint64_t need = extra > (UINT64_MAX - w->cap / 4) / 2 ? UINT64_MAX : 2 * extra + w->cap / 4;
+    if ((int64_t)(head - tail) >= 0 || room0 < 0 || (uint64_t)room0 < need) {
+        uint64_t words[3];
+        if (clamp_words(w->recs, w->nrecs, w->head, head, tail, words)) {
+            __atomic_store_n(w->snap_base, words[0], __ATOMIC_SEQ_CST);
+            __atomic_store_n(w->snap_end, words[1], __ATOMIC_SEQ_CST);
+            __atomic_store_n(w->snap_next, words[2], __ATOMIC_SEQ_CST);
+        }
+    }
     /* apply: add min(extra, limit - head) by CAS; another interval landed first: on top of it */
     uint64_t total;
     for (;;) {
@@ -2555,9 +2645,16 @@ static PyGetSetDef waiter_getset[] = {
     {NULL, NULL, NULL, NULL, NULL},
 };
 
+static void
+waiter_dealloc(Waiter *self)
+{
+    PyMem_Free(self->recs);
+    bound_dealloc((Bound *)self);
+}
+
 static PyTypeObject WaiterType = {
     NATIVE_TYPE("Waiter", Waiter, "A queued caller's wait for its ticket, in one call without the GIL."),
-    .tp_dealloc = (destructor)bound_dealloc,
+    .tp_dealloc = (destructor)waiter_dealloc,
     .tp_methods = waiter_methods,
     .tp_getset = waiter_getset,
 };
@@ -2601,13 +2698,14 @@ wait_new(NativeCells *self, PyTypeObject *type, uint64_t *seq, uint64_t *head, u
 }
 
 /* waiter(seq, expected, tail, head, repl_ts, snap_head, snap_tail, lease, grants, waiting, tpn,
- * cap, slack_ns, lost) -> a Waiter (see above); `waiting` is a word offset or None. */
+ * cap, slack_ns, lost, snap_base, snap_end, snap_next, records) -> a Waiter (see above); `waiting`
+ * is a word offset or None; `records` every ticket record's LEN offset (a tuple). */
 static PyObject *
 cells_waiter(NativeCells *self, PyObject *const *args, Py_ssize_t n)
 {
-    uint64_t *w[9], *waiting, expected, tpn, cap, slack;
-    const int at[9] = {0, 2, 3, 4, 5, 6, 7, 8, 13};
-    if (!wait_bind(self, args, n, 14, "waiter", 9, at, 9, w, &waiting, &expected))
+    uint64_t *w[12], *waiting, expected, tpn, cap, slack;
+    const int at[12] = {0, 2, 3, 4, 5, 6, 7, 8, 13, 14, 15, 16};
+    if (!wait_bind(self, args, n, 18, "waiter", 9, at, 12, w, &waiting, &expected))
         return NULL;
     if (!u64(args[10], &tpn) || !u64(args[11], &cap) || !u64(args[12], &slack))
         return NULL;
@@ -2615,9 +2713,36 @@ cells_waiter(NativeCells *self, PyObject *const *args, Py_ssize_t n)
         PyErr_SetString(PyExc_ValueError, "waiter: tpn >= 1, 1 <= cap <= 2**62, 1 <= slack_ns <= 1e9");
         return NULL;
     }
-    Waiter *g = (Waiter *)wait_new(self, &WaiterType, w[0], w[2], w[7], waiting, expected);
-    if (!g)
+    PyObject *rt = args[17];
+    if (!PyTuple_Check(rt)) {
+        PyErr_SetString(PyExc_TypeError, "waiter: records must be a tuple of LEN offsets");
         return NULL;
+    }
+    Py_ssize_t nrecs = PyTuple_GET_SIZE(rt);
+    uint64_t **recs = PyMem_New(uint64_t *, nrecs > 0 ? nrecs : 1);
+    if (!recs)
+        return PyErr_NoMemory();
+    for (Py_ssize_t i = 0; i < nrecs; i++) {
+        if (!(recs[i] = word(self, PyTuple_GET_ITEM(rt, i)))) {
+            PyMem_Free(recs);
+            return NULL;
+        }
+        if ((char *)recs[i] - self->base < 8) {
+            PyMem_Free(recs);
+            PyErr_SetString(PyExc_IndexError, "a record's LEN offset must have its TICKET word before it");
+            return NULL;
+        }
+    }
+    Waiter *g = (Waiter *)wait_new(self, &WaiterType, w[0], w[2], w[7], waiting, expected);
+    if (!g) {
+        PyMem_Free(recs);
+        return NULL;
+    }
+    g->snap_base = w[9];
+    g->snap_end = w[10];
+    g->snap_next = w[11];
+    g->recs = recs;
+    g->nrecs = nrecs;
     g->tail = w[1];
     g->repl_ts = w[3];
     g->snap_head = w[4];

@@ -15,15 +15,22 @@ Rovers (unsigned 64-bit, wrapping; only their differences mean anything):
 
 Invariants (D = ``HEAD - TAIL``; D < 0 means -D tokens are owed to queued grabs):
 
-1. ``HEAD <= min(head, tail) + capacity`` for the head and tail as they were at
-   the start of the interval being replenished.  Hence the bucket never holds
-   more than ``capacity``, and in any window of length T the grants never
-   exceed ``rate*T + capacity``.
+1. ``HEAD <= B + max(capacity, n)``, where ``B`` is the start of the first
+   request the head had not passed at the start of the interval being
+   replenished (the head itself, were it at a boundary or in a range nobody
+   waits on) and ``n`` that request's length.  A request is granted whole
+   when the head passes its end, so the part of it already accrued counts
+   against the capacity: grants at one instant never exceed
+   ``max(capacity, request)``, and in any window of length T they never
+   exceed ``rate*T + max(capacity, largest request)`` (docs/design.md, "The
+   clamp counts from the request's start").
 2. Each instant of time is converted to tokens at most once: an interval
    ``[REPL_TS, now]`` is claimed by a CAS on ``REPL_TS`` before its tokens are
    added, so any number of processes may call ``replenish`` at any moment.
 3. A replenisher records the head and tail it read *before* reading the clock
-   (``SNAP_HEAD``, ``SNAP_TAIL``); the next replenisher clamps against those.
+   (``SNAP_HEAD``, ``SNAP_TAIL``), and the clamp they allow (``SNAP_BASE``,
+   ``SNAP_END``, ``SNAP_NEXT``: see ``clamp_words``); the next replenisher
+   clamps against those.
    A replenisher that was delayed between its claim and its add therefore can
    never make tokens of an old interval spendable on top of a fresh bucket:
    the clamp is always relative to the oldest state the interval could have
@@ -34,6 +41,7 @@ Pure arithmetic on cells and an injected clock: tested with a fake clock over si
 """
 from __future__ import annotations
 
+import itertools
 import math
 import time
 from typing import Any, Callable, List, Optional, Tuple
@@ -42,15 +50,67 @@ from . import fed_wait, inflight
 from . import layout as L
 from .cells import FED_ALL, MASK64, Cells, GrabResult, claim_record, fed_mask
 from .config import MAX_QUEUE_TOKENS as MAX_QUEUE
+from .config import MAX_SPAN_TOKENS
 from .config import Config
 from .config_banks import NO_SNAPSHOT, Snapshot, config_words, published_values, read_snapshot, write_banks, write_under_lock
 from .errors import ConfigWriterTakenOver, QueueFullError, SegmentError
 from .schedule import Schedule
-from .words import behind, diff  # rover arithmetic, re-exported: the bucket's vocabulary
+from .words import FAR, behind, clamp_limit, diff  # rover arithmetic, re-exported: the bucket's vocabulary
 
 
 REFUSED, NO_RECORD = "refused", "no record"  #: ``take_within`` took nothing: wait over its bound; no free record
 WAIT_GRANTED, WAIT_NUDGE, WAIT_BURN = 1, 2, 4  #: a native wait's flags (``waiter``): granted (counted), nudge the filler, burn
+
+
+#: The clamp words a replenish leaves for the next one (``layout.SNAP_BASE``): base, end, next.
+CLAMP_WORDS = (L.SNAP_BASE, L.SNAP_END, L.SNAP_NEXT)
+
+
+def clamp_words(c: Cells, lens: Tuple[int, ...], head: int, tail: int) -> Optional[Tuple[int, int, int]]:
+    """The clamp the snapshot ``(head, tail)`` allows the next interval: ``(base, end, next)``.
+
+    The next replenish may bring the head to ``min(max(base + cap, end), next)``
+    (``clamp_limit``).  Invariant (docs/design.md, "The clamp counts from the request's
+    start"): ``base`` is the start of the waiter's request the head stands in, read from the
+    ticket records (``lens``: their LEN offsets; every queued waiter's ticket is recorded, its
+    record claimed before the CAS that takes it), ``end`` that request's end; outside any
+    recorded request (a boundary, a reservation, a range given back) both are the head.  So a
+    request is never granted together with more than ``max(cap, its length)`` counted from its
+    start.  Outside a recorded request, ``next`` is the nearest boundary above the head the
+    records tell (a recorded request's start, a record being written's ticket, the tail): the
+    head stops there, so a range no record tells (a reservation, a waiter's whose record is being
+    written) is never passed together with the recorded request after it.  Not queued (``head >= tail``), the tail is a boundary and no record is read.
+    None when the head moved while the records were read (a request around the snapshot's head
+    may then have been granted and its record freed): the caller keeps the older words, which
+    only ever allow less.
+    """
+    if diff(head, tail) >= 0:
+        return tail, tail, (tail + FAR) & MASK64
+    base = end = head
+    nxt = tail  # the tail is a boundary, above the head
+    vals = c.load_many(lens) if lens else ()
+    for k in itertools.compress(range(len(vals)), vals):
+        len_off, v = lens[k], vals[k]
+        e = c.load(len_off - 8)  # the record's TICKET: the word before its LEN
+        if v & L.TICKET_BUSY or c.load(len_off) != v:
+            # being written (its ticket taken or about to be: TICKET holds the end) or changed
+            # under us: its end is a boundary the head may not pass in this clamp
+            if 0 < diff(e, head) < diff(nxt, head):
+                nxt = e
+            continue
+        n = v & ~L.TICKET_GIVEN
+        if not 0 < n <= MAX_SPAN_TOKENS:
+            continue  # corrupt: no range
+        s = (e - n) & MASK64
+        if diff(head, s) >= 0 and diff(e, head) > 0:
+            base, end = s, e
+        elif 0 < diff(s, head) < diff(nxt, head):
+            nxt = s
+    if c.load(L.HEAD) != head:
+        return None
+    if base != end:  # in a recorded request: it alone decides (max(cap, its length) from its start)
+        nxt = (head + FAR) & MASK64
+    return base, end, nxt
 
 
 class Bucket(Schedule):
@@ -171,6 +231,8 @@ class Bucket(Schedule):
         c.store(L.INFLIGHT, 0)  # capped mode: ops granted (or about to be) and not yet released
         c.store(L.SNAP_HEAD, head)
         c.store(L.SNAP_TAIL, base & MASK64)
+        for off, value in zip(CLAMP_WORDS, clamp_words(c, (), head, base & MASK64)):  # no queue
+            c.store(off, value)
         c.store(L.REPL_TS, now_ns)
         c.store(L.WAIT, 0)
 
@@ -231,7 +293,7 @@ class Bucket(Schedule):
             return None
         return self.cells.waiter(  # None on the atomics backend
             L.CFG_SEQ, snap.seq, L.TAIL, L.HEAD, L.REPL_TS, L.SNAP_HEAD, L.SNAP_TAIL, L.LEASE, grants, waiting,
-            snap.tpn, snap.cap, slack_ns, L.STARVED_NS,
+            snap.tpn, snap.cap, slack_ns, L.STARVED_NS, L.SNAP_BASE, L.SNAP_END, L.SNAP_NEXT, self._record_lens(),
         )
 
     def covered(self, ticket: int) -> bool:
@@ -255,14 +317,15 @@ class Bucket(Schedule):
             added += self.apply(claim)
         return added
 
-    def claim(self) -> Optional[Tuple[int, int, int, Snapshot, bool]]:
+    def claim(self) -> Optional[Tuple[int, int, int, Snapshot, bool, int]]:
         """First half of ``replenish``: claim ``[REPL_TS, now]`` and leave the next snapshot.
 
-        Returns ``(head, limit, tokens, snap, queued)`` for ``apply`` (``queued``: callers queued
-        when the interval began), or None when nothing elapsed or another process claimed the
-        interval first.  Rovers are read before the clock: the snapshot left here is never newer
-        than the interval's end (invariant 3).  The config is re-read first (one load when
-        unchanged): the clamp uses the capacity in force, never one cached before a ``set_rate``.
+        Returns ``(head, limit, tokens, snap, queued, catch_limit)`` for ``apply`` (``queued``:
+        callers queued when the interval began; ``catch_limit``: the limit of catch-up tokens),
+        or None when nothing elapsed or another process claimed the interval first.  Rovers are
+        read before the clock: the snapshot left here is never newer than the interval's end
+        (invariant 3).  The config is re-read first (one load when unchanged): the clamp uses
+        the capacity in force, never one cached before a ``set_rate``.
         """
         c = self.cells
         self.refresh()
@@ -270,6 +333,7 @@ class Bucket(Schedule):
         ts = c.load(L.REPL_TS)
         snap_head = c.load(L.SNAP_HEAD)
         snap_tail = c.load(L.SNAP_TAIL)
+        base, end, nxt = c.load(L.SNAP_BASE), c.load(L.SNAP_END), c.load(L.SNAP_NEXT)
         head = c.load(L.HEAD)
         tail = c.load(L.TAIL)
         now = self.clock()
@@ -284,29 +348,47 @@ class Bucket(Schedule):
             return None
         c.store(L.SNAP_HEAD, head)
         c.store(L.SNAP_TAIL, tail)
-        limit = behind(snap_head, snap_tail) + snap.cap
-        return head, limit & MASK64, elapsed * snap.tpn, snap, diff(snap_tail, snap_head) > 0
+        extra = elapsed * snap.tpn
+        limit = clamp_limit(base, end, nxt, snap.cap, head)
+        if diff(head, tail) >= 0 or diff(limit, head) < 2 * extra + snap.cap // 4:
+            # New words (reading the records only with callers queued).  Older words are a bound
+            # for any later interval too (from an older snapshot): kept while they leave the head
+            # room for two such intervals and a quarter capacity, they spare the records' read.
+            words = clamp_words(c, self._record_lens(), head, tail)
+            if words is not None:  # (None: the head moved during the read; the older words stay)
+                for off, value in zip(CLAMP_WORDS, words):
+                    c.store(off, value)
+        catch_limit = clamp_limit(base, end, nxt, snap.cap + snap.burst_pool, head) if snap.catch_up else limit
+        return head, limit, extra, snap, diff(snap_tail, snap_head) > 0, catch_limit
 
-    def apply(self, claim: Tuple[int, int, int, Snapshot, bool]) -> int:
+    def _record_lens(self) -> Tuple[int, ...]:
+        """Every ticket record's LEN offset in this segment (its table's size, read once)."""
+        lens = getattr(self, "_lens", None)
+        if lens is None:
+            lens = self._lens = L.record_lens(self.cells.load(L.SLOTS_OFF))
+        return lens
+
+    def apply(self, claim: Tuple[int, int, int, Snapshot, bool, int]) -> int:
         """Second half of ``replenish``: add a claimed interval's tokens, clamped (invariant 1).
 
         With catch-up (ratio > 1), tokens that do not fit go to the waiting
         pool instead of being dropped, and each replenish moves up to
         ``(ratio - 1)`` times its own tokens back from the waiting pool, into
-        a burst room of ``capacity * (ratio - 1)`` above the usual limit: the
-        catch-up rate is normalised to the time each fill covers, so ten fills
+        a burst room of ``capacity * (ratio - 1)`` above the usual limit
+        (counted, like it, from the start of the request the head stands in):
+        the catch-up rate is normalised to the time each fill covers, so ten fills
         of 0.1 ms catch up exactly as much as one of 1 ms.  While stopped, the
         interval's time is dropped (a pause is not "behind schedule"); so it is
         in hierarchical mode, where tokens come from leases (``add``).
         """
-        head, limit, extra, snap, queued = claim
+        head, limit, extra, snap, queued, catch_limit = claim
         if snap.stopped or not snap.time_fed:
             return 0
         c = self.cells
         taken = self._take_wait(int(extra * (snap.config.ratio - 1.0)), snap) if snap.catch_up else 0
         while True:
             add = max(0, min(extra, diff(limit, head)))
-            catch = max(0, min(taken, diff((limit + snap.burst_pool) & MASK64, (head + add) & MASK64)))
+            catch = max(0, min(taken, diff(catch_limit, (head + add) & MASK64)))
             total = add + catch
             if total <= 0 or c.cas(L.HEAD, head, (head + total) & MASK64):
                 break

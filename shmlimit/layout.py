@@ -12,7 +12,8 @@ filler and the process table never false-share.
     line  5  INFLIGHT  capped-release mode only: ops admitted and not yet released; then the
                        backup config bank (continued in line 7; line 2 ends with the live GEN, SUM)
     line  6  REPL_TS SNAP_HEAD SNAP_TAIL: last replenish time and the rovers read just before it;
-                       STARVED_NS: schedule time the clamp could not credit while callers queued
+                       STARVED_NS: schedule time the clamp could not credit while callers queued;
+                       SNAP_BASE SNAP_END SNAP_NEXT: the next replenish's clamp, from that snapshot
     line  7  LEASE     filler lease: (expiry_us << 12) | (slot + 1), 0 = free
     line  8  UNREG_GRANTS: grants of processes beyond the table; UP_WANTING: since when callers of
                        hierarchical mode have wanted tokens (the fillers' view, for the starved count)
@@ -103,6 +104,17 @@ SNAP_TAIL = 6 * LINE + 16
 #: the CPU): lost, or with catch-up deferred to WAIT.  Only ever grows; zero in a segment written
 #: before it existed.
 STARVED_NS = 6 * LINE + 24
+#: The clamp of the next replenish, computed by the replenish that left the snapshot (from the
+#: ticket records, see ``Bucket.claim``): it may bring the head to
+#: ``min(max(SNAP_BASE + CAP, SNAP_END), SNAP_NEXT)``.  SNAP_BASE is the start of the request the
+#: snapshot's head stands in (the head itself outside any waiter's), SNAP_END that request's end,
+#: SNAP_NEXT the nearest boundary above the head that the records tell.  Each word on its own is
+#: a safe bound for any later interval, so a reader that sees words of two replenishes (one
+#: still writing) is never looser than either.  Zero in a segment written before they existed:
+#: the first replenish there adds nothing and writes them.
+SNAP_BASE = 6 * LINE + 32
+SNAP_END = 6 * LINE + 40
+SNAP_NEXT = 6 * LINE + 48
 
 # filler lease
 LEASE = 7 * LINE
@@ -207,6 +219,11 @@ def ticket_records(slots: int, index: int) -> tuple:
     return ((base + SLOT_TICKET, base + SLOT_TICKET_LEN),) + tuple(
         (line + 16 * k, line + 16 * k + 8) for k in range(TICKET_RECORDS - 1)
     )
+
+
+def record_lens(slots: int) -> tuple:
+    """Every ticket record's LEN offset in a table of ``slots`` (its TICKET is the word before)."""
+    return tuple(len_off for i in range(slots) for _, len_off in ticket_records(slots, i))
 
 
 def f2u(x: float) -> int:

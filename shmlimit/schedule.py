@@ -6,24 +6,63 @@ can get there (see docs/design.md, "When a reservation is due").
 """
 from __future__ import annotations
 
-from typing import Callable, Optional
+import itertools
+from typing import Callable, Optional, Tuple
 
 from . import layout as L
 from .cells import MASK64, Cells
+from .config import MAX_SPAN_TOKENS
 from .config_banks import Snapshot
-from .words import behind, diff
+from .words import clamp_limit, diff
 
 #: The filler replenishes this often (ns): the pace a queued head can count on (see estimate_wait_ns).
 FILL_NS = 1_000_000
 
 
+def stop_ns(snap: Snapshot) -> float:
+    """What a stop (``count_stops``) may cost the head, in ns: two replenishes, at the filler's
+    pace or every half capacity, whichever is longer."""
+    return max(2.0 * FILL_NS, snap.cap / snap.tpn / 2)
+
+
+def count_stops(c: Cells, lens: Tuple[int, ...], head: int, ticket: int) -> int:
+    """How many times the head may stop between ``head`` and ``ticket`` (``bucket.clamp_words``).
+
+    Where a snapshot's head stands in a range no record tells (a reservation), the clamp lets the
+    head go no further than the next boundary the records tell: the start of a recorded request
+    that follows no recorded one, or the ticket of a record being written.  The head stops there
+    until a snapshot taken there: up to two replenishes.  Counted from the ticket records (``lens``
+    their LEN offsets): each such boundary strictly between ``head`` and ``ticket``.
+    """
+    if diff(ticket, head) <= 0 or not lens:
+        return 0
+    span = diff(ticket, head)
+    starts, ends, busy = set(), set(), 0
+    vals = c.load_many(lens)
+    for k in itertools.compress(range(len(vals)), vals):
+        v = vals[k]
+        e = c.load(lens[k] - 8)  # the record's TICKET: the word before its LEN
+        if v & L.TICKET_BUSY:
+            busy += 0 < diff(e, head) < span
+            continue
+        n = v & ~L.TICKET_GIVEN
+        if not 0 < n <= MAX_SPAN_TOKENS:
+            continue
+        ends.add(e)
+        st = (e - n) & MASK64
+        if 0 < diff(st, head) < span:
+            starts.add(st)
+    return len(starts - ends) + busy
+
+
 class Schedule:
-    """Reads only: ``Bucket`` provides the cells, its config snapshot and its clock."""
+    """Reads only: ``Bucket`` provides the cells, its config snapshot, its clock and its records."""
 
     cells: Cells
     snap: Snapshot
     clock: Callable[[], int]
     tpn: int
+    _record_lens: Callable[[], Tuple[int, ...]]
 
     def estimate_wait_ns(self, short: int, snap: Optional[Snapshot] = None) -> float:
         """Nanoseconds until ``short`` more tokens reach the head, at the speed the head can really move.
@@ -73,8 +112,9 @@ class Schedule:
 
         The head holds every token up to the last replenish time (``REPL_TS``),
         and the time since then becomes tokens only up to what the next
-        replenish's clamp allows: the room below ``min(SNAP_HEAD, SNAP_TAIL) +
-        capacity`` (invariant 3).  Up to that room the ticket is due that long
+        replenish's clamp allows: the room below the limit its clamp words give
+        (``bucket.clamp_limit``: a capacity from the start of the request the
+        snapshot's head stood in, invariants 1 and 3).  Up to that room the ticket is due that long
         after ``REPL_TS``; beyond it the next replenish drops the rest of its
         interval, and the tokens still short accrue only from then: from now at
         the earliest (and 1 ns after ``REPL_TS``: a claim needs time elapsed),
@@ -90,7 +130,8 @@ class Schedule:
         c = self.cells
         snap = self.snap
         head = c.load(L.HEAD)
-        limit = (behind(c.load(L.SNAP_HEAD), c.load(L.SNAP_TAIL)) + snap.cap) & MASK64
+        base, end, nxt = c.load(L.SNAP_BASE), c.load(L.SNAP_END), c.load(L.SNAP_NEXT)
+        limit = clamp_limit(base, end, nxt, snap.cap, head)
         ts = c.load(L.REPL_TS)
         short = max(0, diff(ticket, head))
         room = max(0, diff(limit, head))
@@ -98,5 +139,8 @@ class Schedule:
             return ts + short / snap.tpn
         # the next replenish claims some time: not before now, nor before REPL_TS + 1 ns; the rest
         # then comes at the pace the head can keep (estimate_wait_ns: slower for a capacity under
-        # two fill intervals, where each replenish may add only half a capacity)
-        return max(self.clock(), ts + max(1.0, room / snap.tpn)) + self.estimate_wait_ns(short - room, snap)
+        # two fill intervals, where each replenish may add only half a capacity), and each stop
+        # on the way costs two replenishes' time more
+        stops = count_stops(c, self._record_lens(), head, ticket)
+        return (max(self.clock(), ts + max(1.0, room / snap.tpn)) + self.estimate_wait_ns(short - room, snap)
+                + stops * stop_ns(snap))

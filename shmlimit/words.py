@@ -27,6 +27,10 @@ MAX_RECS = 8
 GrabResult = Union[None, int, bool]
 
 
+#: A clamp word's "no bound": as far above the head as the queue may reach (2**62 tokens).
+FAR = 1 << 62
+
+
 def signed(d: int) -> int:
     """A difference of two rovers as a signed 64-bit number."""
     d &= MASK64
@@ -118,3 +122,16 @@ def check_records(recs: object, size: int) -> tuple:
         check_offset(off, size)
         check_offset(off - WORD, size)
     return recs
+
+
+def clamp_limit(base: int, end: int, nxt: int, room: int, head: int) -> int:
+    """The limit of a replenish from clamp words: ``min(max(base + room, end), next)``; the head
+    itself (nothing added) when the words are not below it (zero in a segment that predates them)."""
+    if not 0 <= diff(head, base) <= FAR:
+        return head
+    limit = (base + room) & MASK64
+    if diff(end, limit) > 0:
+        limit = end
+    if diff(nxt, limit) < 0:
+        limit = nxt
+    return limit

@@ -7,6 +7,7 @@ from hypothesis import strategies as st
 
 from shmlimit import layout as L
 from shmlimit.bucket import NO_RECORD, REFUSED, diff
+from shmlimit.cells import MASK64
 from shmlimit.cells import native_available
 from shmlimit.config import NS_PER_S, Config
 from support.buckets import make_bucket
@@ -204,3 +205,138 @@ def test_no_interleaving_of_replenishers_and_grabbers_over_grants(ops, burst):
         b.apply(claim)
         settle()
     check_windows(grants, b.tpn, b.cost, b.cap)
+
+
+# ---- the clamp counts from the start of the request the head stands in (invariant 1) -------------
+
+
+def _recorded_bucket(cfg, backend, slots=2, base=0):
+    """An empty bucket whose segment names its table (``slots``): replenishes read its ticket records."""
+    b, clock = make_bucket(cfg, backend, initial=0, base=base, slots=slots)
+    b.cells.store(L.SLOTS_OFF, slots)
+    return b, clock
+
+
+def _lens(slot, slots=2):
+    return tuple(len_off for _, len_off in L.ticket_records(slots, slot))
+
+
+def _queue(b, ops, slot):
+    """A waiter's ticket of ``ops`` ops, recorded in ``slot``'s records as every waiter's is."""
+    ticket, rec = b.take_within(ops * b.cost, float("inf"), _lens(slot), 0, ops)
+    assert rec is not None
+    return ticket
+
+
+def test_a_request_over_the_capacity_is_granted_alone_and_nothing_waits_forever(backend):
+    """10 ops at burst 2 (1000/s), one op queued behind: replenished every ms, the head reaches the
+    request's end (no deadlock: the clamp allows its whole length from its start) and stops there,
+    also when an add lands 50 ms late with the request 9.5 ops accrued: the op behind it is granted
+    an op's time later or a little more, never at the same instant."""
+    b, clock = _recorded_bucket(Config.make(1000, burst=2), backend)
+    big = _queue(b, 10, 0)
+    one = _queue(b, 1, 1)
+    for _ in range(9):
+        clock.advance(1_000_000)
+        b.replenish()
+    clock.advance(500_000)
+    b.replenish()
+    assert 0 < diff(big, b.head()) <= b.cost  # 9.5 ops accrued
+    clock.advance(50_000_000)  # the host stalled: the next add is late
+    b.replenish()
+    assert b.covered(big) and b.head() == big  # granted, and not an op beyond its end
+    waited = 0
+    while not b.covered(one):
+        assert waited < 3_000_000, "the op behind the request is never granted"
+        clock.advance(500_000)
+        waited += 500_000
+        b.replenish()
+    # not before an op's time (the bound's rate term); an interval later at most (the snapshot of
+    # the late add stood inside the request: its clamp lets the head no further than its end)
+    assert 1_000_000 <= waited <= 1_500_000
+
+
+def test_a_late_add_never_passes_a_partly_accrued_request_with_a_capacity_more(backend):
+    """acquire(10) then nine single ops at 1000/s, burst 10: 9.9 ops accrued, then 10 ms late the
+    add may bring the head only to a capacity from the request's start: the request, no op behind."""
+    b, clock = _recorded_bucket(Config.make(1000, burst=10), backend, slots=2)
+    big = _queue(b, 10, 0)
+    ones = [_queue(b, 1, 1 if k < 5 else 0) for k in range(4)]
+    for _ in range(99):
+        clock.advance(100_000)
+        b.replenish()
+    assert 0 < diff(big, b.head()) <= b.cost
+    clock.advance(10_000_000)
+    b.replenish()
+    assert b.covered(big) and b.head() == big
+    assert not any(b.covered(t) for t in ones)
+
+
+def test_a_record_being_written_stops_the_head_at_its_ticket_and_never_for_ever(backend):
+    """A waiter between its CAS on the tail and the store of its record's length (BUSY): the clamp
+    cannot tell where its request starts, so the head stops at its ticket (its end: nothing behind
+    it is granted with it).  Should the writer die there, the head still passes it: a range a
+    BUSY record holds never stalls the queue."""
+    b, clock = _recorded_bucket(Config.make(1000, burst=2), backend)
+    c = b.cells
+    rec = _lens(0)[0]
+    tail = c.load(L.TAIL)
+    end = (tail + 2 * b.cost) & MASK64
+    c.store(rec, L.TICKET_BUSY)  # claimed, its ticket written, the tail taken: its length never stored
+    c.store(rec - 8, end)
+    assert c.cas(L.TAIL, tail, end)
+    behind = _queue(b, 1, 1)
+    for step in (1_000_000, 500_000):
+        clock.advance(step)
+        b.replenish()
+    assert 0 < diff(end, b.head()) <= b.cost  # 1.5 of its 2 ops accrued
+    clock.advance(50_000_000)  # a late add
+    b.replenish()
+    assert b.head() == end and not b.covered(behind)  # its end, not the op behind with it
+    waited = 0
+    while not b.covered(behind):  # the writer never stores its length (killed): the head goes on
+        assert waited < 5_000_000, "a BUSY record stalls the queue"
+        clock.advance(500_000)
+        waited += 500_000
+        b.replenish()
+
+
+def test_the_clamp_keeps_the_older_words_when_the_head_moves_while_it_reads_the_records(backend):
+    """A request around the snapshot's head may be granted (its record freed) while the records are
+    read: the words are then not written (None), and the older ones, which allow less, stay."""
+    from shmlimit.bucket import clamp_words
+
+    b, clock = _recorded_bucket(Config.make(1000, burst=2), backend)
+    c = b.cells
+    _queue(b, 3, 0)
+    head, tail = c.load(L.HEAD), c.load(L.TAIL)
+    assert clamp_words(c, b._record_lens(), head, tail) == (head, (head + 3 * b.cost) & MASK64,
+                                                           (head + (1 << 62)) & MASK64)
+
+    class Moving:
+        def __init__(self, cells):
+            self.cells = cells
+
+        def load_many(self, offs):
+            out = self.cells.load_many(offs)
+            self.cells.store(L.HEAD, (self.cells.load(L.HEAD) + 1) & MASK64)  # an add lands meanwhile
+            return out
+
+        def __getattr__(self, attr):
+            return getattr(self.cells, attr)
+
+    assert clamp_words(Moving(c), b._record_lens(), head, tail) is None
+
+
+@pytest.mark.parametrize("base", [0, (1 << 64) - 5 * 10**12])
+def test_a_segment_without_the_clamp_words_adds_nothing_once_then_replenishes(backend, base):
+    """A segment written before the clamp words existed (zero): its first replenish adds nothing
+    (zero words allow nothing wherever the rovers are) and writes them; the next one adds."""
+    b, clock = _recorded_bucket(Config.make(1000, burst=5), backend, base=base)
+    c = b.cells
+    for off in (L.SNAP_BASE, L.SNAP_END, L.SNAP_NEXT):
+        c.store(off, 0)
+    clock.advance(2_000_000)
+    assert b.replenish() == 0
+    clock.advance(2_000_000)
+    assert b.replenish() == 2_000_000 * b.tpn

@@ -28,7 +28,8 @@ pytestmark = pytest.mark.skipif(
     not native_available() or selected_backend() != "native", reason="the native wait is the native backend's"
 )
 
-ROVERS = (L.REPL_TS, L.SNAP_HEAD, L.SNAP_TAIL, L.HEAD, L.TAIL, L.STARVED_NS)  # and the count of time lost
+ROVERS = (L.REPL_TS, L.SNAP_HEAD, L.SNAP_TAIL, L.HEAD, L.TAIL, L.STARVED_NS,  # and the count of time lost
+          L.SNAP_BASE, L.SNAP_END, L.SNAP_NEXT)  # and the clamp left for the next replenish
 
 
 def quiet_limiter(name, clock, **kw):
@@ -74,21 +75,34 @@ def limiters():
     snap_back=st.integers(0, 2**44),
     snap_q=st.integers(-(2**44), 2**44),
     elapsed=st.one_of(st.integers(-(10**6), 10**4), st.integers(0, 10**13)),
+    clamp=st.tuples(st.integers(-(2**44), 2**44), st.integers(0, 2**45), st.integers(-(2**44), 2**46)),
+    record=st.one_of(st.none(), st.tuples(st.integers(-(2**44), 2**44), st.integers(0, 2**45),
+                                          st.sampled_from([0, L.TICKET_GIVEN, L.TICKET_BUSY]))),
 )
-def test_the_native_replenish_is_the_reference_one(limiters, which, base, queued, snap_back, snap_q, elapsed):
-    """Same words in, same clock reading: the same tokens added and the same words out, wrap included."""
+def test_the_native_replenish_is_the_reference_one(
+    limiters, which, base, queued, snap_back, snap_q, elapsed, clamp, record
+):
+    """Same words in, same clock reading: the same tokens added and the same words out, wrap
+    included; with a ticket recorded (or being written, or given back) anywhere around the head."""
     lim, clock = limiters[which]
     c = lim._att.cells
     b = lim._att.bucket
     now = clock.now
     head = base
+    x = (head - snap_back) & MASK64
+    rec_ticket, rec_len = lim._att.records[0]
     words = {
         L.HEAD: head,
         L.TAIL: (head + queued) & MASK64,
-        L.SNAP_HEAD: (head - snap_back) & MASK64,
+        L.SNAP_HEAD: x,
         L.SNAP_TAIL: (head - snap_back + snap_q) & MASK64,
         L.REPL_TS: now - elapsed,
         L.STARVED_NS: base >> 3,  # any count so far: the clamped time owed to the queue adds to it
+        L.SNAP_BASE: (x - clamp[1]) & MASK64,
+        L.SNAP_END: (x + clamp[0]) & MASK64,
+        L.SNAP_NEXT: (x + clamp[2]) & MASK64,
+        rec_ticket: 0 if record is None else (head + record[0]) & MASK64,
+        rec_len: 0 if record is None else record[1] | record[2],
     }
 
     def put():
