@@ -1652,6 +1652,7 @@ release_view(NativeCells *self)
 /* defined in WAITER below */
 static void waiters_leave(NativeCells *self);
 static PyObject *cells_waiter(NativeCells *self, PyObject *const *args, Py_ssize_t n);
+static PyObject *cells_clamp_words(NativeCells *self, PyObject *const *args, Py_ssize_t n);
 /* defined in FED WAIT below */
 static PyObject *cells_futex_wait(NativeCells *self, PyObject *const *args, Py_ssize_t n);
 static PyObject *cells_futex_wake(NativeCells *self, PyObject *const *args, Py_ssize_t n);
@@ -1745,6 +1746,8 @@ static PyMethodDef cells_methods[] = {
      "try_grab(tail, head, amount, grants, ops) -> True if taken; False changes nothing"},
     {"keyed_table", (PyCFunction)(void (*)(void))cells_keyed_table, METH_FASTCALL,
      "keyed_table(cfg, ovr_live, ovr, novr, slots, nslots, probe, k0, k1, keys_live, evicted, refused, grants, pid)"},
+    {"clamp_words", (PyCFunction)(void (*)(void))cells_clamp_words, METH_FASTCALL,
+     "clamp_words(head_off, head, tail, records) -> (base, end, next) or None (bucket.clamp_words)"},
     {"waiter", (PyCFunction)(void (*)(void))cells_waiter, METH_FASTCALL,
      "waiter(seq, expected, tail, head, repl_ts, snap_head, snap_tail, lease, grants, waiting, tpn, cap, "
      "slack_ns, lost, snap_base, snap_end, snap_next, records) -> Waiter"},
@@ -1993,8 +1996,9 @@ wait_plain_sleep(uint64_t at)
  * out = {base, end, next}: the next replenish may bring the head to min(max(base + cap, end), next)
  * (clamp_limit).  Invariant: base is the start of the waiter's request the head stands in (read
  * from the ticket records, where every queued waiter's ticket is), end its end, both the head
- * outside any recorded request; there next is the nearest boundary above the head the records
- * tell (a recorded request's start, the ticket of a record being written, the tail).  Not queued, the
+ * outside any recorded request; there next is where the records let the head go: a token short
+ * of the end of the first recorded request after it, the ticket of a record being written, or the
+ * tail, whichever is nearest.  Not queued, the
  * tail is a boundary and no record is read.  0 when the head moved during the read (a request
  * around the head may have been granted and its record freed): the older words stay. */
 #define REC_GIVEN ((uint64_t)1 << 62)
@@ -2029,10 +2033,8 @@ clamp_words(uint64_t *const *recs, Py_ssize_t nrecs, uint64_t *headw, uint64_t h
         if ((int64_t)(head - st) >= 0 && (int64_t)(e - head) > 0) {
             base = st;
             end = e;
-        } else {
-            int64_t d = (int64_t)(st - head);
-            if (d > 0 && d < (int64_t)(next - head))
-                next = st;
+        } else if ((int64_t)(st - head) > 0 && (int64_t)(e - head) <= (int64_t)(next - head)) {
+            next = e - 1; /* into the request, not to its end */
         }
     }
     if (__atomic_load_n(headw, __ATOMIC_SEQ_CST) != head)
@@ -2059,6 +2061,43 @@ clamp_limit(uint64_t base, uint64_t end, uint64_t next, uint64_t room, uint64_t 
     if ((int64_t)(next - limit) < 0)
         limit = next;
     return limit;
+}
+
+/* cells.clamp_words(head_off, head, tail, records) -> (base, end, next), or None when the head moved
+ * during the read: bucket.clamp_words for the Python replenish on this backend (one call, the
+ * records' offsets a tuple checked as load_many's are). */
+static PyObject *
+cells_clamp_words(NativeCells *self, PyObject *const *args, Py_ssize_t n)
+{
+    uint64_t head, tail, out[3];
+    if (!nargs(n, 4, "clamp_words") || !check_open(self))
+        return NULL;
+    uint64_t *headw = word(self, args[0]);
+    if (!headw || !u64(args[1], &head) || !u64(args[2], &tail))
+        return NULL;
+    PyObject *rt = args[3];
+    if (!PyTuple_Check(rt)) {
+        PyErr_SetString(PyExc_TypeError, "clamp_words: records must be a tuple of LEN offsets");
+        return NULL;
+    }
+    Py_ssize_t nrecs = PyTuple_GET_SIZE(rt);
+    uint64_t **recs = PyMem_New(uint64_t *, nrecs > 0 ? nrecs : 1);
+    if (!recs)
+        return PyErr_NoMemory();
+    for (Py_ssize_t i = 0; i < nrecs; i++) {
+        if (!(recs[i] = word(self, PyTuple_GET_ITEM(rt, i))) || (char *)recs[i] - self->base < 8) {
+            PyMem_Free(recs);
+            if (!PyErr_Occurred())
+                PyErr_SetString(PyExc_IndexError, "a record's LEN offset must have its TICKET word before it");
+            return NULL;
+        }
+    }
+    int ok = clamp_words(recs, nrecs, headw, head, tail, out);
+    PyMem_Free(recs);
+    if (!ok)
+        Py_RETURN_NONE;
+    return Py_BuildValue("(KKK)", (unsigned long long)out[0], (unsigned long long)out[1],
+                         (unsigned long long)out[2]);
 }
 
 /* One claim and add of Bucket.replenish at clock reading `now` (0: read here), for a Waiter's
@@ -2095,11 +2134,9 @@ waiter_replenish_once(Waiter *w, uint64_t now, int *burn)
     /* invariant 1 (bucket.py): a capacity from the start of the request the previous snapshot's
      * head stood in, never past the next boundary the records told */
     uint64_t limit = clamp_limit(base, end, next, w->cap, head);
-    /* new words (Bucket.claim): not queued, or the older ones leave the head less room than two
-     * such intervals and a quarter capacity (older words bound any later interval too) */
-    int64_t room0 = (int64_t)(limit - head);
-    uint64_t need = extra > (UINT64_MAX - w->cap / 4) / 2 ? UINT64_MAX : 2 * extra + w->cap / 4;
-    if ((int64_t)(head - tail) >= 0 || room0 < 0 || (uint64_t)room0 < need) {
+    /* new words (Bucket.claim), unless the older ones name a recorded request the head still
+     * stands in: the records would name it again */
+    if ((int64_t)(head - tail) >= 0 || base == end || (int64_t)(head - base) < 0 || (int64_t)(end - head) <= 0) {
         uint64_t words[3];
         if (clamp_words(w->recs, w->nrecs, w->head, head, tail, words)) {
             __atomic_store_n(w->snap_base, words[0], __ATOMIC_SEQ_CST);

@@ -76,10 +76,12 @@ def clamp_words(c: Cells, lens: Tuple[int, ...], head: int, tail: int) -> Option
     record claimed before the CAS that takes it), ``end`` that request's end; outside any
     recorded request (a boundary, a reservation, a range given back) both are the head.  So a
     request is never granted together with more than ``max(cap, its length)`` counted from its
-    start.  Outside a recorded request, ``next`` is the nearest boundary above the head the
-    records tell (a recorded request's start, a record being written's ticket, the tail): the
-    head stops there, so a range no record tells (a reservation, a waiter's whose record is being
-    written) is never passed together with the recorded request after it.  Not queued (``head >= tail``), the tail is a boundary and no record is read.
+    start.  Outside a recorded request, ``next`` is where the records let the head go: a token
+    short of the end of the first recorded request after it, or the ticket of a record being
+    written, or the tail, whichever is nearest: so a range no record tells (a reservation, a
+    waiter's whose record is being written) is never granted together with a recorded request
+    after it, nor with tokens beyond the tail (a grant at once).  The head may go into that
+    request; its end is allowed by the clamp of a snapshot taken inside it (from its start).  Not queued (``head >= tail``), the tail is a boundary and no record is read.
     None when the head moved while the records were read (a request around the snapshot's head
     may then have been granted and its record freed): the caller keeps the older words, which
     only ever allow less.
@@ -104,8 +106,8 @@ def clamp_words(c: Cells, lens: Tuple[int, ...], head: int, tail: int) -> Option
         s = (e - n) & MASK64
         if diff(head, s) >= 0 and diff(e, head) > 0:
             base, end = s, e
-        elif 0 < diff(s, head) < diff(nxt, head):
-            nxt = s
+        elif 0 < diff(s, head) and diff(e, head) <= diff(nxt, head):
+            nxt = (e - 1) & MASK64  # into the request, not to its end: granted only from its own start's clamp
     if c.load(L.HEAD) != head:
         return None
     if base != end:  # in a recorded request: it alone decides (max(cap, its length) from its start)
@@ -350,11 +352,10 @@ class Bucket(Schedule):
         c.store(L.SNAP_TAIL, tail)
         extra = elapsed * snap.tpn
         limit = clamp_limit(base, end, nxt, snap.cap, head)
-        if diff(head, tail) >= 0 or diff(limit, head) < 2 * extra + snap.cap // 4:
-            # New words (reading the records only with callers queued).  Older words are a bound
-            # for any later interval too (from an older snapshot): kept while they leave the head
-            # room for two such intervals and a quarter capacity, they spare the records' read.
-            words = clamp_words(c, self._record_lens(), head, tail)
+        if diff(head, tail) >= 0 or base == end or diff(head, base) < 0 or diff(end, head) <= 0:
+            # New words, unless the older ones name a recorded request the head still stands in
+            # (the records would name it again); the records are read only with callers queued
+            words = self._clamp_words(head, tail)
             if words is not None:  # (None: the head moved during the read; the older words stay)
                 for off, value in zip(CLAMP_WORDS, words):
                     c.store(off, value)
@@ -367,6 +368,24 @@ class Bucket(Schedule):
         if lens is None:
             lens = self._lens = L.record_lens(self.cells.load(L.SLOTS_OFF))
         return lens
+
+    def _clamp_words(self, head: int, tail: int) -> Optional[Tuple[int, int, int]]:
+        """``clamp_words`` for the snapshot ``(head, tail)``: one native call where the backend has
+        it; else only the records of slots a process holds are read (a slot no process holds, PID
+        0, holds no waiter's record: a clean leave gives its waiters' ranges back, marked given,
+        and a range given back is nobody's grant), one load per slot and five per one held."""
+        c = self.cells
+        if diff(head, tail) >= 0:
+            return clamp_words(c, (), head, tail)
+        native = getattr(c, "clamp_words", None)
+        if native is not None:
+            return native(L.HEAD, head, tail, self._record_lens())
+        slots = len(self._record_lens()) // L.TICKET_RECORDS
+        pids = c.load_many(tuple(L.slot_offset(i) + L.SLOT_PID for i in range(slots)))
+        lens = self._record_lens()
+        held = tuple(off for i in itertools.compress(range(slots), pids)
+                     for off in lens[i * L.TICKET_RECORDS:(i + 1) * L.TICKET_RECORDS])
+        return clamp_words(c, held, head, tail)
 
     def apply(self, claim: Tuple[int, int, int, Snapshot, bool, int]) -> int:
         """Second half of ``replenish``: add a claimed interval's tokens, clamped (invariant 1).

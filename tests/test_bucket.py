@@ -1,4 +1,5 @@
 """Rover arithmetic with an injected clock: exact, capped, FIFO, and never over-granting."""
+import os
 import random
 
 import pytest
@@ -211,9 +212,12 @@ def test_no_interleaving_of_replenishers_and_grabbers_over_grants(ops, burst):
 
 
 def _recorded_bucket(cfg, backend, slots=2, base=0):
-    """An empty bucket whose segment names its table (``slots``): replenishes read its ticket records."""
+    """An empty bucket whose segment names its table (``slots``), each slot held by a process (this
+    one): replenishes read their ticket records."""
     b, clock = make_bucket(cfg, backend, initial=0, base=base, slots=slots)
     b.cells.store(L.SLOTS_OFF, slots)
+    for i in range(slots):
+        b.cells.store(L.slot_offset(i) + L.SLOT_PID, os.getpid())
     return b, clock
 
 

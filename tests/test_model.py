@@ -939,10 +939,10 @@ def test_a_request_over_the_capacity_and_the_next_op_within_the_bound():
     and time passing while the waiters wake at their turns.  The old clamp left the reservation 2
     ops accrued at 24 ns; the add at 28 ns brought its 4 ns whole: the 3 ops granted and 65 535
     tokens more in the head, the next op granted 3 ns later, 786 436 tokens in a 3 ns window where
-    ``rate*T + max(capacity, largest request)`` allows 786 435.  Now the clamp stops the head at the
-    start of the recorded request after the reservation (the records cannot tell the reservation's
-    own start): the reservation is granted alone at 28 ns, and the op after an op's time and the
-    interval whose clamp came from the snapshot inside the reservation (lost: 36 ns)."""
+    ``rate*T + max(capacity, largest request)`` allows 786 435.  Now the clamp lets the head no
+    further than a token short of the end of the recorded request after the reservation (the
+    records cannot tell the reservation's own start): the reservation is granted alone at 28 ns,
+    and the op an op's time later, at the first whole ns (32 ns)."""
     m = LimiterModel()
     m.create(rate=1e9 / 3, burst=2.0, capped=False, ratio=1.0)
     try:
@@ -950,7 +950,7 @@ def test_a_request_over_the_capacity_and_the_next_op_within_the_bound():
         m.reserve(0, _Draws(3), None)
         m.acquire(0, _Draws(1), None)
         m.stall_replenisher(0)
-        assert [(t - m.created_ns, k // m._cost()) for t, k in sorted(m.grants)] == [(0, 2), (28, 3), (36, 1)]
+        assert [(t - m.created_ns, k // m._cost()) for t, k in sorted(m.grants)] == [(0, 2), (28, 3), (32, 1)]
         assert not _over_the_bound(m), _over_the_bound(m)
     finally:
         m.teardown()
