@@ -50,7 +50,6 @@ from . import fed_wait, inflight
 from . import layout as L
 from .cells import FED_ALL, MASK64, Cells, GrabResult, claim_record, fed_mask
 from .config import MAX_QUEUE_TOKENS as MAX_QUEUE
-from .config import MAX_SPAN_TOKENS
 from .config import Config
 from .config_banks import NO_SNAPSHOT, Snapshot, config_words, published_values, read_snapshot, write_banks, write_under_lock
 from .errors import ConfigWriterTakenOver, QueueFullError, SegmentError
@@ -74,45 +73,18 @@ def clamp_words(c: Cells, lens: Tuple[int, ...], head: int, tail: int) -> Option
     start"): ``base`` is the start of the waiter's request the head stands in, read from the
     ticket records (``lens``: their LEN offsets; every queued waiter's ticket is recorded, its
     record claimed before the CAS that takes it), ``end`` that request's end; outside any
-    recorded request (a boundary, a reservation, a range given back) both are the head.  So a
-    request is never granted together with more than ``max(cap, its length)`` counted from its
-    start.  Outside a recorded request, ``next`` is where the records let the head go: a token
-    short of the end of the first recorded request after it, or the ticket of a record being
-    written, or the tail, whichever is nearest: so a range no record tells (a reservation, a
-    waiter's whose record is being written) is never granted together with a recorded request
-    after it, nor with tokens beyond the tail (a grant at once).  The head may go into that
-    request; its end is allowed by the clamp of a snapshot taken inside it (from its start).  Not queued (``head >= tail``), the tail is a boundary and no record is read.
-    None when the head moved while the records were read (a request around the snapshot's head
-    may then have been granted and its record freed): the caller keeps the older words, which
-    only ever allow less.
+    recorded request both are the head.  So a request is never granted together with more than
+    ``max(cap, its length)`` counted from its start.  Outside a recorded request, ``next`` is where
+    the records let the head go: a token short of the end of the first recorded request after
+    it, or the ticket of a record being written, or the tail, whichever is nearest: so a range no
+    record tells (a reservation, a waiter's whose record is being written) is never granted
+    together with a recorded request after it, nor with tokens beyond the tail (a grant at once).
+    Not queued (``head >= tail``), the tail is a boundary and no record is read.  None when the
+    head moved while the records were read (a request around the snapshot's head may then have
+    been granted and its record freed): the caller keeps the older words, which only ever allow
+    less.  One call of the atomic layer (``words.clamp_words``; natively, one C loop).
     """
-    if diff(head, tail) >= 0:
-        return tail, tail, (tail + FAR) & MASK64
-    base = end = head
-    nxt = tail  # the tail is a boundary, above the head
-    vals = c.load_many(lens) if lens else ()
-    for k in itertools.compress(range(len(vals)), vals):
-        len_off, v = lens[k], vals[k]
-        e = c.load(len_off - 8)  # the record's TICKET: the word before its LEN
-        if v & L.TICKET_BUSY or c.load(len_off) != v:
-            # being written (its ticket taken or about to be: TICKET holds the end) or changed
-            # under us: its end is a boundary the head may not pass in this clamp
-            if 0 < diff(e, head) < diff(nxt, head):
-                nxt = e
-            continue
-        n = v & ~L.TICKET_GIVEN
-        if not 0 < n <= MAX_SPAN_TOKENS:
-            continue  # corrupt: no range
-        s = (e - n) & MASK64
-        if diff(head, s) >= 0 and diff(e, head) > 0:
-            base, end = s, e
-        elif 0 < diff(s, head) and diff(e, head) <= diff(nxt, head):
-            nxt = (e - 1) & MASK64  # into the request, not to its end: granted only from its own start's clamp
-    if c.load(L.HEAD) != head:
-        return None
-    if base != end:  # in a recorded request: it alone decides (max(cap, its length) from its start)
-        nxt = (head + FAR) & MASK64
-    return base, end, nxt
+    return c.clamp_words(L.HEAD, head, tail, lens)
 
 
 class Bucket(Schedule):
@@ -370,16 +342,13 @@ class Bucket(Schedule):
         return lens
 
     def _clamp_words(self, head: int, tail: int) -> Optional[Tuple[int, int, int]]:
-        """``clamp_words`` for the snapshot ``(head, tail)``: one native call where the backend has
-        it; else only the records of slots a process holds are read (a slot no process holds, PID
+        """``clamp_words`` for the snapshot ``(head, tail)``: natively every record in one C loop;
+        on the ``atomics`` backend only the records of slots a process holds are read (a slot no process holds, PID
         0, holds no waiter's record: a clean leave gives its waiters' ranges back, marked given,
         and a range given back is nobody's grant), one load per slot and five per one held."""
         c = self.cells
-        if diff(head, tail) >= 0:
-            return clamp_words(c, (), head, tail)
-        native = getattr(c, "clamp_words", None)
-        if native is not None:
-            return native(L.HEAD, head, tail, self._record_lens())
+        if diff(head, tail) >= 0 or c.backend == "native":
+            return clamp_words(c, self._record_lens(), head, tail)
         slots = len(self._record_lens()) // L.TICKET_RECORDS
         pids = c.load_many(tuple(L.slot_offset(i) + L.SLOT_PID for i in range(slots)))
         lens = self._record_lens()

@@ -67,6 +67,11 @@ class Cells(Protocol):
 
     def store(self, off: int, value: int) -> None: ...
 
+    def clamp_words(self, head_off: int, head: int, tail: int, records: Tuple[int, ...]) -> Optional[Tuple[int, int, int]]:
+        """The clamp words a replenish leaves for the snapshot ``(head, tail)``, from the ticket
+        ``records`` (LEN offsets); None when HEAD moved during the read (``words.clamp_words``)."""
+        ...
+
     def fetch_add(self, off: int, delta: int) -> int:
         """Add ``delta`` (0 <= delta < 2**64) modulo 2**64; return the previous value."""
         ...

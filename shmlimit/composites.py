@@ -12,7 +12,8 @@ import functools
 import time
 from typing import Callable, List, Optional, Protocol, Sequence, Tuple, Union
 
-from .words import MASK64, MAX_QUEUE, GrabResult, check_offset, check_records, claim_record, plain_seconds, signed
+from .words import (MASK64, MAX_QUEUE, WORD, GrabResult, check_offset, check_records, claim_record, clamp_words,
+                    plain_seconds, signed)
 
 
 class Primitives(Protocol):
@@ -54,6 +55,14 @@ class CompositesFromPrimitives:
 
     def cas(self, off: int, expected: int, desired: int) -> bool:  # pragma: no cover - provided by the backend
         raise NotImplementedError
+
+    def clamp_words(self, head_off: int, head: int, tail: int, records: Tuple[int, ...]) -> Optional[Tuple[int, int, int]]:
+        """The clamp words a replenish leaves for the snapshot ``(head, tail)``, read from the ticket
+        ``records`` (LEN offsets), or None when HEAD (at ``head_off``) moved: ``words.clamp_words``."""
+        if not isinstance(records, tuple):
+            raise TypeError("clamp_words: records must be a tuple of LEN offsets")
+        self._check(head_off, *records, *(off - WORD for off in records))
+        return clamp_words(self, head_off, head, tail, records)
 
     def grab(self, tail: int, head: int, amount: int, grants: int, ops: int) -> GrabResult:
         """Advance the tail rover by ``amount`` (CAS), unless the queue would exceed ``MAX_QUEUE``.

@@ -8,7 +8,8 @@ face of the layer (cells.py); the native backend has the same constants.
 """
 from __future__ import annotations
 
-from typing import Optional, Union
+import itertools
+from typing import Optional, Tuple, Union
 
 MASK64 = (1 << 64) - 1
 #: Tokens the queue (TAIL - HEAD) may hold at most: far below 2**63, so every signed comparison
@@ -19,6 +20,10 @@ WORD = 8
 
 #: A ticket record's LEN while claimed (see ``claim_record``); the segment layout names it TICKET_BUSY.
 REC_BUSY = 1 << 63
+#: ... and its flag once the range is given back (the layout's TICKET_GIVEN).
+REC_GIVEN = 1 << 62
+#: A record's length is never more than this (config.MAX_SPAN_TOKENS): more is corrupt, no range.
+SPAN_MAX = 1 << 60
 #: A grab bound to records takes none of more than this many.
 MAX_RECS = 8
 
@@ -135,3 +140,43 @@ def clamp_limit(base: int, end: int, nxt: int, room: int, head: int) -> int:
     if diff(nxt, limit) < 0:
         limit = nxt
     return limit
+
+
+def clamp_words(cells, head_off: int, head: int, tail: int, records: Tuple[int, ...]) -> Optional[Tuple[int, int, int]]:
+    """The clamp the snapshot ``(head, tail)`` leaves the next replenish: ``(base, end, next)``, or
+    None when the word at ``head_off`` (HEAD) moved during the read.  ``records``: ticket records'
+    LEN offsets, each with its TICKET word before it.  See ``Bucket.claim`` and docs/design.md
+    ("The clamp counts from the request's start"); the native backend does the same steps in C.
+
+    The next replenish may bring the head to ``min(max(base + cap, end), next)`` (``clamp_limit``).
+    Not queued (``head >= tail``): the tail is a boundary, ``(tail, tail, far)``, no record read.
+    Else ``base``/``end`` name the recorded request the head stands in (``next`` far), or are the
+    head itself outside any; there ``next`` is where the records let the head go: a token short of
+    the end of the first recorded request after it, the ticket of a record being written (or
+    changed under the read), or the tail, whichever is nearest.
+    """
+    if signed(head - tail) >= 0:
+        return tail, tail, (tail + FAR) & MASK64
+    base = end = head
+    nxt = tail
+    vals = cells.load_many(records) if records else ()
+    for k in itertools.compress(range(len(vals)), vals):
+        len_off, v = records[k], vals[k]
+        e = cells.load(len_off - WORD)
+        if v & REC_BUSY or cells.load(len_off) != v:
+            if 0 < signed(e - head) < signed(nxt - head):
+                nxt = e
+            continue
+        n = v & ~REC_GIVEN
+        if not 0 < n <= SPAN_MAX:
+            continue  # corrupt: no range
+        s = (e - n) & MASK64
+        if signed(head - s) >= 0 and signed(e - head) > 0:
+            base, end = s, e
+        elif 0 < signed(s - head) and signed(e - head) <= signed(nxt - head):
+            nxt = (e - 1) & MASK64  # into the request, not to its end
+    if cells.load(head_off) != head:
+        return None
+    if base != end:  # in a recorded request: it alone decides
+        nxt = (head + FAR) & MASK64
+    return base, end, nxt

@@ -309,6 +309,7 @@ def test_the_clamp_keeps_the_older_words_when_the_head_moves_while_it_reads_the_
     """A request around the snapshot's head may be granted (its record freed) while the records are
     read: the words are then not written (None), and the older ones, which allow less, stay."""
     from shmlimit.bucket import clamp_words
+    from shmlimit.words import clamp_words as reference  # the atomic layer's steps, on any cells
 
     b, clock = _recorded_bucket(Config.make(1000, burst=2), backend)
     c = b.cells
@@ -329,7 +330,8 @@ def test_the_clamp_keeps_the_older_words_when_the_head_moves_while_it_reads_the_
         def __getattr__(self, attr):
             return getattr(self.cells, attr)
 
-    assert clamp_words(Moving(c), b._record_lens(), head, tail) is None
+    assert reference(Moving(c), L.HEAD, head, tail, b._record_lens()) is None
+    assert reference(c, L.HEAD, head, tail, b._record_lens()) == clamp_words(c, b._record_lens(), head, tail)
 
 
 @pytest.mark.parametrize("base", [0, (1 << 64) - 5 * 10**12])
