@@ -29,7 +29,7 @@ Invariants (D = ``HEAD - TAIL``; D < 0 means -D tokens are owed to queued grabs)
    added, so any number of processes may call ``replenish`` at any moment.
 3. A replenisher records the head and tail it read *before* reading the clock
    (``SNAP_HEAD``, ``SNAP_TAIL``), and the clamp they allow (``SNAP_BASE``,
-   ``SNAP_END``, ``SNAP_NEXT``: see ``clamp_words``); the next replenisher
+   ``SNAP_END``, ``SNAP_NEXT``: see ``clamp``); the next replenisher
    clamps against those.
    A replenisher that was delayed between its claim and its add therefore can
    never make tokens of an old interval spendable on top of a fresh bucket:
@@ -41,7 +41,6 @@ Pure arithmetic on cells and an injected clock: tested with a fake clock over si
 """
 from __future__ import annotations
 
-import itertools
 import math
 import time
 from typing import Any, Callable, List, Optional, Tuple
@@ -53,38 +52,13 @@ from .config import MAX_QUEUE_TOKENS as MAX_QUEUE
 from .config import Config
 from .config_banks import NO_SNAPSHOT, Snapshot, config_words, published_values, read_snapshot, write_banks, write_under_lock
 from .errors import ConfigWriterTakenOver, QueueFullError, SegmentError
+from .clamp import leave_words
 from .schedule import Schedule
-from .words import FAR, behind, clamp_limit, diff  # rover arithmetic, re-exported: the bucket's vocabulary
+from .words import behind, clamp_limit, diff  # rover arithmetic, re-exported: the bucket's vocabulary
 
 
 REFUSED, NO_RECORD = "refused", "no record"  #: ``take_within`` took nothing: wait over its bound; no free record
 WAIT_GRANTED, WAIT_NUDGE, WAIT_BURN = 1, 2, 4  #: a native wait's flags (``waiter``): granted (counted), nudge the filler, burn
-
-
-#: The clamp words a replenish leaves for the next one (``layout.SNAP_BASE``): base, end, next.
-CLAMP_WORDS = (L.SNAP_BASE, L.SNAP_END, L.SNAP_NEXT)
-
-
-def clamp_words(c: Cells, lens: Tuple[int, ...], head: int, tail: int) -> Optional[Tuple[int, int, int]]:
-    """The clamp the snapshot ``(head, tail)`` allows the next interval: ``(base, end, next)``.
-
-    The next replenish may bring the head to ``min(max(base + cap, end), next)``
-    (``clamp_limit``).  Invariant (docs/design.md, "The clamp counts from the request's
-    start"): ``base`` is the start of the waiter's request the head stands in, read from the
-    ticket records (``lens``: their LEN offsets; every queued waiter's ticket is recorded, its
-    record claimed before the CAS that takes it), ``end`` that request's end; outside any
-    recorded request both are the head.  So a request is never granted together with more than
-    ``max(cap, its length)`` counted from its start.  Outside a recorded request, ``next`` is where
-    the records let the head go: a token short of the end of the first recorded request after
-    it, or the ticket of a record being written, or the tail, whichever is nearest: so a range no
-    record tells (a reservation, a waiter's whose record is being written) is never granted
-    together with a recorded request after it, nor with tokens beyond the tail (a grant at once).
-    Not queued (``head >= tail``), the tail is a boundary and no record is read.  None when the
-    head moved while the records were read (a request around the snapshot's head may then have
-    been granted and its record freed): the caller keeps the older words, which only ever allow
-    less.  One call of the atomic layer (``words.clamp_words``; natively, one C loop).
-    """
-    return c.clamp_words(L.HEAD, head, tail, lens)
 
 
 class Bucket(Schedule):
@@ -205,8 +179,7 @@ class Bucket(Schedule):
         c.store(L.INFLIGHT, 0)  # capped mode: ops granted (or about to be) and not yet released
         c.store(L.SNAP_HEAD, head)
         c.store(L.SNAP_TAIL, base & MASK64)
-        for off, value in zip(CLAMP_WORDS, clamp_words(c, (), head, base & MASK64)):  # no queue
-            c.store(off, value)
+        leave_words(c, (), head, base & MASK64)  # no queue: no record read
         c.store(L.REPL_TS, now_ns)
         c.store(L.WAIT, 0)
 
@@ -327,10 +300,7 @@ class Bucket(Schedule):
         if diff(head, tail) >= 0 or base == end or diff(head, base) < 0 or diff(end, head) <= 0:
             # New words, unless the older ones name a recorded request the head still stands in
             # (the records would name it again); the records are read only with callers queued
-            words = self._clamp_words(head, tail)
-            if words is not None:  # (None: the head moved during the read; the older words stay)
-                for off, value in zip(CLAMP_WORDS, words):
-                    c.store(off, value)
+            leave_words(c, self._record_lens(), head, tail)
         catch_limit = clamp_limit(base, end, nxt, snap.cap + snap.burst_pool, head) if snap.catch_up else limit
         return head, limit, extra, snap, diff(snap_tail, snap_head) > 0, catch_limit
 
@@ -340,21 +310,6 @@ class Bucket(Schedule):
         if lens is None:
             lens = self._lens = L.record_lens(self.cells.load(L.SLOTS_OFF))
         return lens
-
-    def _clamp_words(self, head: int, tail: int) -> Optional[Tuple[int, int, int]]:
-        """``clamp_words`` for the snapshot ``(head, tail)``: natively every record in one C loop;
-        on the ``atomics`` backend only the records of slots a process holds are read (a slot no process holds, PID
-        0, holds no waiter's record: a clean leave gives its waiters' ranges back, marked given,
-        and a range given back is nobody's grant), one load per slot and five per one held."""
-        c = self.cells
-        if diff(head, tail) >= 0 or c.backend == "native":
-            return clamp_words(c, self._record_lens(), head, tail)
-        slots = len(self._record_lens()) // L.TICKET_RECORDS
-        pids = c.load_many(tuple(L.slot_offset(i) + L.SLOT_PID for i in range(slots)))
-        lens = self._record_lens()
-        held = tuple(off for i in itertools.compress(range(slots), pids)
-                     for off in lens[i * L.TICKET_RECORDS:(i + 1) * L.TICKET_RECORDS])
-        return clamp_words(c, held, head, tail)
 
     def apply(self, claim: Tuple[int, int, int, Snapshot, bool, int]) -> int:
         """Second half of ``replenish``: add a claimed interval's tokens, clamped (invariant 1).

@@ -11,9 +11,8 @@ from typing import Callable, Optional, Tuple
 
 from . import layout as L
 from .cells import MASK64, Cells
-from .config import MAX_SPAN_TOKENS
 from .config_banks import Snapshot
-from .words import clamp_limit, diff
+from .words import SPAN_MAX, clamp_limit, diff
 
 #: The filler replenishes this often (ns): the pace a queued head can count on (see estimate_wait_ns).
 FILL_NS = 1_000_000
@@ -46,7 +45,7 @@ def count_stops(c: Cells, lens: Tuple[int, ...], head: int, ticket: int) -> int:
             busy += 0 < diff(e, head) < span
             continue
         n = v & ~L.TICKET_GIVEN
-        if not 0 < n <= MAX_SPAN_TOKENS:
+        if not 0 < n <= SPAN_MAX:
             continue
         ends.add(e)
         st = (e - n) & MASK64

@@ -308,7 +308,7 @@ def test_a_record_being_written_stops_the_head_at_its_ticket_and_never_for_ever(
 def test_the_clamp_keeps_the_older_words_when_the_head_moves_while_it_reads_the_records(backend):
     """A request around the snapshot's head may be granted (its record freed) while the records are
     read: the words are then not written (None), and the older ones, which allow less, stay."""
-    from shmlimit.bucket import clamp_words
+    from shmlimit.clamp import clamp_words
     from shmlimit.words import clamp_words as reference  # the atomic layer's steps, on any cells
 
     b, clock = _recorded_bucket(Config.make(1000, burst=2), backend)
