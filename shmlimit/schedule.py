@@ -24,19 +24,22 @@ def stop_ns(snap: Snapshot) -> float:
     return max(2.0 * FILL_NS, snap.cap / snap.tpn / 2)
 
 
-def count_stops(c: Cells, lens: Tuple[int, ...], head: int, ticket: int) -> int:
+def count_stops(c: Cells, lens: Tuple[int, ...], head: int, ticket: int, cap: int) -> int:
     """How many times the head may stop between ``head`` and ``ticket`` (``bucket.clamp_words``).
 
     Where a snapshot's head stands in a range no record tells (a reservation), the clamp lets the
     head go no further than the next boundary the records tell: the start of a recorded request
     that follows no recorded one, or the ticket of a record being written.  The head stops there
-    until a snapshot taken there: up to two replenishes.  Counted from the ticket records (``lens``
-    their LEN offsets): each such boundary strictly between ``head`` and ``ticket``.
+    until a snapshot taken there: up to two replenishes.  So may it at the end of a recorded
+    request of half the capacity ``cap`` or more (the clamp of a snapshot inside it allows
+    ``max(cap, its length)`` from its start, which a replenish may reach within it or just after
+    it).  Counted from the ticket records (``lens`` their LEN offsets): each such boundary strictly
+    between ``head`` and ``ticket``.
     """
     if diff(ticket, head) <= 0 or not lens:
         return 0
     span = diff(ticket, head)
-    starts, ends, busy = set(), set(), 0
+    starts, ends, big, busy = set(), set(), set(), 0
     vals = c.load_many(lens)
     for k in itertools.compress(range(len(vals)), vals):
         v = vals[k]
@@ -51,7 +54,9 @@ def count_stops(c: Cells, lens: Tuple[int, ...], head: int, ticket: int) -> int:
         st = (e - n) & MASK64
         if 0 < diff(st, head) < span:
             starts.add(st)
-    return len(starts - ends) + busy
+        if 2 * n >= cap and 0 < diff(e, head) < span:
+            big.add(e)
+    return len(starts - ends) + len(big) + busy
 
 
 class Schedule:
@@ -140,6 +145,6 @@ class Schedule:
         # then comes at the pace the head can keep (estimate_wait_ns: slower for a capacity under
         # two fill intervals, where each replenish may add only half a capacity), and each stop
         # on the way costs two replenishes' time more
-        stops = count_stops(c, self._record_lens(), head, ticket)
+        stops = count_stops(c, self._record_lens(), head, ticket, snap.cap)
         return (max(self.clock(), ts + max(1.0, room / snap.tpn)) + self.estimate_wait_ns(short - room, snap)
                 + stops * stop_ns(snap))

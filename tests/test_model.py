@@ -1032,3 +1032,19 @@ def test_a_reservation_behind_a_stop_is_promised_after_it(backend):
         m.no_deadlock()
     finally:
         m.teardown()
+
+
+def test_a_reservation_behind_a_request_over_the_capacity_is_promised_after_its_stop():
+    """The sequence the random search found next: at 2.5/s with burst 250 (a capacity of 100 s) the
+    largest acquire queues (recorded) on the full bucket, then the largest reserve() behind it.
+    The clamp lets the head reach the acquire's end and no further until a snapshot is taken
+    past it: the promise counts that stop (``_promise_kept`` checks it)."""
+    m = LimiterModel()
+    m.create(rate=2.5, burst=250.0, capped=False, ratio=1.0)
+    try:
+        m.flood(0, 1, "acquire")
+        m.flood(0, 1, "reserve")
+        assert len(m.promised) == 1
+    finally:
+        m.teardown()
+
