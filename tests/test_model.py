@@ -50,13 +50,14 @@ from shmlimit import bucket as bucket_module
 from shmlimit import config_banks, inflight
 from shmlimit import layout as L
 from shmlimit.bucket import Bucket, diff
-from shmlimit.cells import native_available, open_cells
+from shmlimit.cells import MASK64, native_available, open_cells
 from shmlimit.config import MAX_SPAN_TOKENS, NS_PER_S, Config
 from shmlimit.acquisition import TICKET, Request
 from shmlimit.attachment import Attachment
 from shmlimit.giveback import Returns, reap, take_over
 from shmlimit.table import ProcessTable, proc_start
 from shmlimit.limiter import Limiter
+from shmlimit.schedule import count_stops
 from shmlimit.segment import Segment
 
 from support.clock import FakeClock
@@ -853,8 +854,11 @@ class LimiterModel(RuleBasedStateMachine):
                 back += max(0, min(diff(end, start), diff(end, head0)))
         step = max(1, cap // 2 // b.tpn)
         # each replenish adds at least half a capacity under a queue (one may add nothing after a
-        # drain or a skip); the queue less what is given back, then one op for the probe
-        fills = (max(0, depth - back) + self._cost()) * 2 // cap + 4 + 2 * len(returns.pending())
+        # drain or a skip); the queue less what is given back, then one op for the probe; and two
+        # replenishes for each stop of the head on the way (the clamp counts from a request's
+        # start: schedule.count_stops, which promised_ns counts too), the tail's included
+        stops = 1 + count_stops(cells, b._record_lens(), head0, (c.load(L.TAIL) + self._cost()) & MASK64, cap)
+        fills = (max(0, depth - back) + self._cost()) * 2 // cap + 4 + 2 * len(returns.pending()) + 2 * stops
         for _ in range(fills):
             clock.now += step
             b.replenish()
@@ -1048,3 +1052,42 @@ def test_a_reservation_behind_a_request_over_the_capacity_is_promised_after_its_
     finally:
         m.teardown()
 
+
+
+def test_the_head_passes_its_stops_within_the_schedule_after_a_rate_change():
+    """Sequences the random search found once the head stopped at the end of each request of a
+    capacity or more (until a snapshot is taken past it): at 1000/s, the bucket drained, two
+    one-op waiters (the first of a process that then dies), and a set_rate to 100 000/s with
+    burst 14, which makes each of them over a hundred capacities long; and a reserve() behind a
+    waiter queued at 10/s, two stalled replenishers resumed around a set_rate back to 1000/s.
+    Every ticket is served, and an op can be had, within the schedule and two replenishes per
+    stop (``no_deadlock``)."""
+    m = LimiterModel()
+    m.create(rate=1000.0, burst=None, capped=False, ratio=1.0)
+    try:
+        m.drain(0)
+        m.drain(0)
+        m.acquire(0, _Draws(1), None)
+        m.process_dies(0)
+        m.acquire(0, _Draws(1), None)
+        m.set_rate(i=0, rate=100000.0, burst=14.0, ratio=None)
+        m.no_deadlock()
+    finally:
+        m.teardown()
+    m = LimiterModel()
+    m.create(rate=1000.0, burst=None, capped=False, ratio=1.0)
+    try:
+        m.set_rate(i=0, rate=10.0, burst=None, ratio=None)
+        m.stall_replenisher(0)
+        m.stall_replenisher(0)
+        m.drain(0)
+        m.drain(0)
+        m.acquire(0, _Draws(1), None)
+        m.resume_replenisher()
+        m.set_rate(i=0, rate=1000.0, burst=None, ratio=None)
+        m.resume_replenisher()
+        m.reserve(0, _Draws(1), None)
+        m.no_deadlock()
+        m.window_bound()
+    finally:
+        m.teardown()
