@@ -1997,8 +1997,8 @@ wait_plain_sleep(uint64_t at)
  * (clamp_limit).  Invariant: base is the start of the waiter's request the head stands in (read
  * from the ticket records, where every queued waiter's ticket is), end its end, both the head
  * outside any recorded request; there next is where the records let the head go: a token short
- * of the end of the first recorded request after it, the ticket of a record being written, or the
- * tail, whichever is nearest.  Not queued, the
+ * of the end of the first recorded request after it, or the tail, whichever is nearest (a record
+ * being written tells no range).  Not queued, the
  * tail is a boundary and no record is read.  0 when the head moved during the read (a request
  * around the head may have been granted and its record freed): the older words stay. */
 #define REC_GIVEN ((uint64_t)1 << 62)
@@ -2019,13 +2019,8 @@ clamp_words(uint64_t *const *recs, Py_ssize_t nrecs, uint64_t *headw, uint64_t h
         if (v == 0)
             continue;
         uint64_t e = __atomic_load_n(recs[i] - 1, __ATOMIC_SEQ_CST);
-        if ((v & REC_BUSY) || __atomic_load_n(recs[i], __ATOMIC_SEQ_CST) != v) {
-            /* being written, or changed under us: its ticket is a boundary the head stops at */
-            int64_t d = (int64_t)(e - head);
-            if (d > 0 && d < (int64_t)(next - head))
-                next = e;
-            continue;
-        }
+        if ((v & REC_BUSY) || __atomic_load_n(recs[i], __ATOMIC_SEQ_CST) != v)
+            continue; /* being written, or changed under us: its range is told by no record */
         uint64_t n = v & ~REC_GIVEN;
         if (n == 0 || n > SPAN_MAX)
             continue; /* corrupt: no range */

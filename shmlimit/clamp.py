@@ -30,9 +30,9 @@ def clamp_words(c: Cells, lens: Tuple[int, ...], head: int, tail: int) -> Option
     request both are the head.  So a request is never granted together with more than
     ``max(cap, its length)`` counted from its start.  Outside a recorded request, ``next`` is where
     the records let the head go: a token short of the end of the first recorded request after
-    it, or the ticket of a record being written, or the tail, whichever is nearest: so a range no
-    record tells (a reservation, a waiter's whose record is being written) is never granted
-    together with a recorded request after it, nor with tokens beyond the tail (a grant at once).
+    it, or the tail, whichever is nearest: so a range no record tells (a reservation, a waiter's
+    whose record is being written) is never granted together with a recorded request after it,
+    nor with tokens beyond the tail (a grant at once).
     Not queued (``head >= tail``), the tail is a boundary and no record is read.  None when the
     head moved while the records were read (a request around the snapshot's head may then have
     been granted and its record freed): the caller keeps the older words, which only ever allow

@@ -28,8 +28,8 @@ def count_stops(c: Cells, lens: Tuple[int, ...], head: int, ticket: int, cap: in
     """How many times the head may stop between ``head`` and ``ticket`` (``bucket.clamp_words``).
 
     Where a snapshot's head stands in a range no record tells (a reservation), the clamp lets the
-    head go no further than the next boundary the records tell: the start of a recorded request
-    that follows no recorded one, or the ticket of a record being written.  The head stops there
+    head go no further than a token short of the end of the first recorded request after it (or
+    the tail): each recorded request that follows no recorded one.  The head stops there
     until a snapshot taken there: up to two replenishes.  So may it at the end of a recorded
     request of half the capacity ``cap`` or more (the clamp of a snapshot inside it allows
     ``max(cap, its length)`` from its start, which a replenish may reach within it or just after
@@ -39,13 +39,12 @@ def count_stops(c: Cells, lens: Tuple[int, ...], head: int, ticket: int, cap: in
     if diff(ticket, head) <= 0 or not lens:
         return 0
     span = diff(ticket, head)
-    starts, ends, big, busy = set(), set(), set(), 0
+    starts, ends, big = set(), set(), set()
     vals = c.load_many(lens)
     for k in itertools.compress(range(len(vals)), vals):
         v = vals[k]
         e = c.load(lens[k] - 8)  # the record's TICKET: the word before its LEN
         if v & L.TICKET_BUSY:
-            busy += 0 < diff(e, head) < span
             continue
         n = v & ~L.TICKET_GIVEN
         if not 0 < n <= SPAN_MAX:
@@ -56,7 +55,7 @@ def count_stops(c: Cells, lens: Tuple[int, ...], head: int, ticket: int, cap: in
             starts.add(st)
         if 2 * n >= cap and 0 < diff(e, head) < span:
             big.add(e)
-    return len(starts - ends) + len(big) + busy
+    return len(starts - ends) + len(big)
 
 
 class Schedule:

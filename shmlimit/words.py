@@ -164,9 +164,7 @@ def clamp_words(cells, head_off: int, head: int, tail: int, records: Tuple[int, 
         len_off, v = records[k], vals[k]
         e = cells.load(len_off - WORD)
         if v & REC_BUSY or cells.load(len_off) != v:
-            if 0 < signed(e - head) < signed(nxt - head):
-                nxt = e
-            continue
+            continue  # being written, or changed under the read: its range is told by no record
         n = v & ~REC_GIVEN
         if not 0 < n <= SPAN_MAX:
             continue  # corrupt: no range
