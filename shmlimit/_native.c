@@ -2099,8 +2099,9 @@ cells_clamp_words(NativeCells *self, PyObject *const *args, Py_ssize_t n)
  * config: the tokens added.  *burn is set when the config changed between the claim and the add
  * (Bucket.apply then burns). */
 static uint64_t
-waiter_replenish_once(Waiter *w, uint64_t now, int *burn)
+waiter_replenish_once(Waiter *w, uint64_t now, int *burn, int *cut_short)
 {
+    *cut_short = 0;
     /* claim: the config first (one load), then the words, then the clock (read by the caller
      * before this call would make the snapshot newer than the interval: it is read here) */
     if (wld(w->seq) != w->expected)
@@ -2148,6 +2149,8 @@ waiter_replenish_once(Waiter *w, uint64_t now, int *burn)
             break;
         head = wld(w->head);
     }
+    /* Bucket.apply's cut_short: the clamp cut the add short, the head moved to its limit */
+    *cut_short = total > 0 && total < extra;
     if (total < extra && (int64_t)(snap_tail - snap_head) > 0) {
         /* Bucket.apply: clamped time that callers queued from the interval's start were owed
          * (the head, after our add, still short of the tail), in whole ns rounded down */
@@ -2165,15 +2168,18 @@ waiter_replenish_once(Waiter *w, uint64_t now, int *burn)
     return total;
 }
 
-/* Bucket.replenish: one that added over a quarter of the capacity claims again at once, so that
- * the next replenish clamps against the head it left.  At a given clock reading (tests) the second
- * claim is skipped: it would find nothing elapsed, as Bucket.replenish on a fake clock does. */
+/* Bucket.replenish: one that added over a quarter of the capacity, or whose add the clamp cut short
+ * (the head stopped at a boundary, which only a snapshot taken at it lets the next replenish pass),
+ * claims again at once, so that the next replenish clamps against the head it left.  At a given
+ * clock reading (tests) the second claim is skipped: it would find nothing elapsed, as
+ * Bucket.replenish on a fake clock does. */
 static uint64_t
 waiter_replenish(Waiter *w, uint64_t now, int *burn)
 {
-    uint64_t added = waiter_replenish_once(w, now, burn);
-    if (now == 0 && added > w->cap / 4 && !*burn)
-        added += waiter_replenish_once(w, 0, burn);
+    int cut_short;
+    uint64_t added = waiter_replenish_once(w, now, burn, &cut_short);
+    if (now == 0 && (added > w->cap / 4 || cut_short) && !*burn)
+        added += waiter_replenish_once(w, 0, burn, &cut_short);
     return added;
 }
 

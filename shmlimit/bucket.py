@@ -68,6 +68,7 @@ class Bucket(Schedule):
         self.cells = cells
         self.clock = clock
         self.snap = NO_SNAPSHOT
+        self.cut_short = False  # the last apply's add was cut short by the clamp (replenish claims again)
         self.load_config()
         #: capped mode: this process's slot's count of ops in flight, and every slot's (see ``inflight``)
         self.own_inflight: Optional[int] = None
@@ -257,10 +258,13 @@ class Bucket(Schedule):
         Safe at any moment (invariant 2), hence twice: one that added over a quarter of the
         capacity claims again at once (a few ns), so the next clamps against the head it left
         (invariant 3) and may come a capacity late, not a capacity less this interval, unharmed.
+        So does one the clamp cut short (``cut_short``): the head stays at the boundary it stopped
+        at (a request's end, the tail) until a snapshot is taken there, else one replenish later.
         """
-        claim = self.claim()
-        added = self.apply(claim) if claim is not None else 0
-        if added * 4 > self.snap.cap and (claim := self.claim()) is not None:
+        if (claim := self.claim()) is None:
+            return 0
+        added = self.apply(claim)
+        if (added * 4 > self.snap.cap or self.cut_short) and (claim := self.claim()) is not None:
             added += self.apply(claim)
         return added
 
@@ -325,6 +329,7 @@ class Bucket(Schedule):
         in hierarchical mode, where tokens come from leases (``add``).
         """
         head, limit, extra, snap, queued, catch_limit = claim
+        self.cut_short = False
         if snap.stopped or not snap.time_fed:
             return 0
         c = self.cells
@@ -336,6 +341,7 @@ class Bucket(Schedule):
             if total <= 0 or c.cas(L.HEAD, head, (head + total) & MASK64):
                 break
             head = c.load(L.HEAD)  # another interval landed first: add ours on top, same clamp
+        self.cut_short = 0 < add < extra  # the head moved to the clamp's limit: replenish claims again
         owed = min(extra - add, diff(c.load(L.TAIL), (head + add) & MASK64)) if queued and add < extra else 0
         if owed >= snap.tpn:  # clamped while callers queued throughout: time owed them, starved (lost
             c.fetch_add(L.STARVED_NS, owed // snap.tpn)  # or deferred); whole ns, never over-counted
