@@ -2042,13 +2042,28 @@ clamp_words(uint64_t *const *recs, Py_ssize_t nrecs, uint64_t *headw, uint64_t h
     return 1;
 }
 
-/* words.clamp_limit: min(max(base + room, end), next); the head (nothing added) when base is not
- * below it (words that predate the clamp words: zero). */
-static inline uint64_t
-clamp_limit(uint64_t base, uint64_t end, uint64_t next, uint64_t room, uint64_t head)
+/* words.clamp_sane: words a snapshot at or before (head, tail) could have left (tail read after
+ * them): base not above the head (within CLAMP_FAR), end at most SPAN_MAX past base and not past
+ * the tail, next not below a request's end.  Others (a corrupt or hostile segment) allow nothing
+ * and are never kept: lost time, one interval, never a grant. */
+static inline int
+clamp_sane(uint64_t base, uint64_t end, uint64_t next, uint64_t head, uint64_t tail)
 {
     int64_t d = (int64_t)(head - base);
     if (d < 0 || (uint64_t)d > CLAMP_FAR)
+        return 0;
+    int64_t span = (int64_t)(end - base);
+    if (span < 0 || (uint64_t)span > SPAN_MAX || (int64_t)(tail - end) < 0)
+        return 0;
+    return span == 0 || (int64_t)(next - end) >= 0;
+}
+
+/* words.clamp_limit: min(max(base + room, end), next); the head (nothing added) when base is not
+ * below it (words that predate the clamp words: zero) or no snapshot could have left the words. */
+static inline uint64_t
+clamp_limit(uint64_t base, uint64_t end, uint64_t next, uint64_t room, uint64_t head, uint64_t tail)
+{
+    if (!clamp_sane(base, end, next, head, tail))
         return head;
     uint64_t limit = base + room;
     if ((int64_t)(end - limit) > 0)
@@ -2129,10 +2144,11 @@ waiter_replenish_once(Waiter *w, uint64_t now, int *burn, int *cut_short)
         extra = UINT64_MAX;
     /* invariant 1 (bucket.py): a capacity from the start of the request the previous snapshot's
      * head stood in, never past the next boundary the records told */
-    uint64_t limit = clamp_limit(base, end, next, w->cap, head);
+    uint64_t limit = clamp_limit(base, end, next, w->cap, head, tail);
     /* new words (Bucket.claim), unless the older ones name a recorded request the head still
-     * stands in: the records would name it again */
-    if ((int64_t)(head - tail) >= 0 || base == end || (int64_t)(head - base) < 0 || (int64_t)(end - head) <= 0) {
+     * stands in: the records would name it again (never words no snapshot leaves) */
+    if ((int64_t)(head - tail) >= 0 || base == end || (int64_t)(head - base) < 0 || (int64_t)(end - head) <= 0
+        || !clamp_sane(base, end, next, head, tail)) {
         uint64_t words[3];
         if (clamp_words(w->recs, w->nrecs, w->head, head, tail, words)) {
             __atomic_store_n(w->snap_base, words[0], __ATOMIC_SEQ_CST);

@@ -54,7 +54,7 @@ from .config_banks import NO_SNAPSHOT, Snapshot, config_words, published_values,
 from .errors import ConfigWriterTakenOver, QueueFullError, SegmentError
 from .clamp import leave_words
 from .schedule import Schedule
-from .words import behind, clamp_limit, diff  # rover arithmetic, re-exported: the bucket's vocabulary
+from .words import behind, clamp_kept, clamp_limit, diff  # rover arithmetic, re-exported: the bucket's vocabulary
 
 
 REFUSED, NO_RECORD = "refused", "no record"  #: ``take_within`` took nothing: wait over its bound; no free record
@@ -300,12 +300,10 @@ class Bucket(Schedule):
         c.store(L.SNAP_HEAD, head)
         c.store(L.SNAP_TAIL, tail)
         extra = elapsed * snap.tpn
-        limit = clamp_limit(base, end, nxt, snap.cap, head)
-        if diff(head, tail) >= 0 or base == end or diff(head, base) < 0 or diff(end, head) <= 0:
-            # New words, unless the older ones name a recorded request the head still stands in
-            # (the records would name it again); the records are read only with callers queued
-            leave_words(c, self._record_lens(), head, tail)
-        catch_limit = clamp_limit(base, end, nxt, snap.cap + snap.burst_pool, head) if snap.catch_up else limit
+        limit = clamp_limit(base, end, nxt, snap.cap, head, tail)
+        if not clamp_kept(base, end, nxt, head, tail):
+            leave_words(c, self._record_lens(), head, tail)  # the records are read only with callers queued
+        catch_limit = clamp_limit(base, end, nxt, snap.cap + snap.burst_pool, head, tail) if snap.catch_up else limit
         return head, limit, extra, snap, diff(snap_tail, snap_head) > 0, catch_limit
 
     def _record_lens(self) -> Tuple[int, ...]:

@@ -134,7 +134,7 @@ class Schedule:
         snap = self.snap
         head = c.load(L.HEAD)
         base, end, nxt = c.load(L.SNAP_BASE), c.load(L.SNAP_END), c.load(L.SNAP_NEXT)
-        limit = clamp_limit(base, end, nxt, snap.cap, head)
+        limit = clamp_limit(base, end, nxt, snap.cap, head, c.load(L.TAIL))
         ts = c.load(L.REPL_TS)
         short = max(0, diff(ticket, head))
         room = max(0, diff(limit, head))

@@ -129,10 +129,35 @@ def check_records(recs: object, size: int) -> tuple:
     return recs
 
 
-def clamp_limit(base: int, end: int, nxt: int, room: int, head: int) -> int:
-    """The limit of a replenish from clamp words: ``min(max(base + room, end), next)``; the head
-    itself (nothing added) when the words are not below it (zero in a segment that predates them)."""
+def clamp_sane(base: int, end: int, nxt: int, head: int, tail: int) -> bool:
+    """Whether clamp words could have been left by a snapshot at or before ``(head, tail)`` (the
+    rovers read after them): ``base`` not above the head (and within ``FAR`` of it), ``end`` at
+    most ``SPAN_MAX`` past ``base`` (one request) and not past the tail (a recorded request was
+    taken, and the tail only grows), ``next`` not below a request's ``end`` (inside a request it is
+    far).  Words no snapshot leaves (a corrupt or hostile segment) allow nothing (``clamp_limit``)
+    and are written again by the claim that reads them: lost time, one interval, never a grant."""
     if not 0 <= diff(head, base) <= FAR:
+        return False
+    span = diff(end, base)
+    if not 0 <= span <= SPAN_MAX or diff(tail, end) < 0:
+        return False
+    return span == 0 or diff(nxt, end) >= 0
+
+
+def clamp_kept(base: int, end: int, nxt: int, head: int, tail: int) -> bool:
+    """Whether a claim keeps the older clamp words instead of writing new ones: only while they
+    name a recorded request the head still stands in, callers queued (the records would name it
+    again), and could have been left by a snapshot (``clamp_sane``: others, kept, could stop the
+    head for good)."""
+    return (diff(head, tail) < 0 and base != end and diff(head, base) >= 0 and diff(end, head) > 0
+            and clamp_sane(base, end, nxt, head, tail))
+
+
+def clamp_limit(base: int, end: int, nxt: int, room: int, head: int, tail: int) -> int:
+    """The limit of a replenish from clamp words: ``min(max(base + room, end), next)``; the head
+    itself (nothing added) when the words are not below it (zero in a segment that predates them)
+    or no snapshot could have left them (``clamp_sane``; ``tail`` read after the words)."""
+    if not clamp_sane(base, end, nxt, head, tail):
         return head
     limit = (base + room) & MASK64
     if diff(end, limit) > 0:
