@@ -76,6 +76,32 @@ def test_errors_about_urls_never_echo_the_password(R, name):
     assert name not in shmlimit.list_names()
 
 
+def test_a_password_holding_a_question_mark_is_hidden_and_refused(R, name):
+    """An unescaped ``?`` in the password once began the query for the parser: ``redact`` showed
+    the password whole, and ``admin:123?abc@host`` passed the check as host ``admin`` port 123, so
+    the upstream description kept it in the segment and every message showed it.  Hidden when
+    shown; refused (naming the parameter) when used, since no reading of it is sure."""
+    from shmlimit.urls import redact
+
+    cases = {
+        "redis://admin:123?abc@127.0.0.1:6379/0": ("123?abc", "redis://admin:***@127.0.0.1:6379/0"),
+        "redis://:pa?ss@127.0.0.1:6379": ("pa?ss", "redis://:***@127.0.0.1:6379"),
+        "rediss://u:p?w@h:1?ssl_cert_reqs=none": ("p?w", "rediss://u:***@h:1?ssl_cert_reqs=none"),
+        "redis+cluster://:s?x@h1:7000,h2:7001": ("s?x", "redis+cluster://:***@h1:7000,h2:7001"),
+    }
+    for url, (secret, shown) in cases.items():
+        assert redact(url) == shown
+        with pytest.raises(ValueError, match=r"^url\b") as e:
+            R.RedisLimiter(name, rate=1, url=url)
+        assert secret not in str(e.value) and ":" + secret.split("?")[0] not in str(e.value)
+        with pytest.raises(ValueError, match=r"^upstream\b") as e:
+            shmlimit.Limiter(name, rate=1, upstream=url)
+        assert secret not in str(e.value) and ":" + secret.split("?")[0] not in str(e.value)
+    assert name not in shmlimit.list_names()
+    # a URL that is not ambiguous still means what it says
+    assert redact("redis://host:6379/0?client_name=a") == "redis://host:6379/0?client_name=a"
+
+
 def test_the_password_stays_out_of_the_segment_and_every_output(R, locked_redis, name, caplog):
     run = run_cli
     url = f"redis://:{SECRET}@127.0.0.1:{locked_redis.port}/0"
