@@ -8,6 +8,7 @@ from __future__ import annotations
 from typing import Any, Optional, Tuple
 
 from .config import Config, validate_timeout
+from . import urls
 from .upstream_spec import ON_ERROR, UpstreamSpec
 
 
@@ -27,6 +28,7 @@ def resolve_upstream(
     if isinstance(upstream, str):
         if rate is None:
             raise ValueError("upstream= as a URL needs rate= (the global limit); or pass a RedisLimiter")
+        urls.check(upstream, "upstream")  # its errors name the parameter the caller passed
         cfg = Config.make(rate, per, burst)
         redis = RedisLimiter(name, cfg.rate, cfg.per, cfg.burst, url=upstream)
         redis.close()

@@ -41,6 +41,8 @@ def _parts(url: str) -> Tuple[str, Optional[str], Optional[str], str, Optional[s
     i = url.find("://")
     head, rest = (url[: i + 3], url[i + 3 :]) if i >= 0 else ("", url)
     q = rest.find("?")
+    if _ambiguous(rest):
+        q = rest.find("?", rest.rfind("@"))  # the password holds the "?": hide it (check refuses the URL)
     body, query = (rest, None) if q < 0 else (rest[:q], rest[q + 1 :])
     at = body.rfind("@")
     user = password = None
@@ -52,6 +54,14 @@ def _parts(url: str) -> Tuple[str, Optional[str], Optional[str], str, Optional[s
             user = info
         body = body[at + 1 :]
     return head, user, password, body, query
+
+
+def _ambiguous(rest: str) -> bool:
+    """An ``@`` only after the first ``?``: a password holding an unescaped ``?`` (``u:p?w@host``),
+    or a query value holding an ``@``.  No reading is sure, so the text up to that ``@`` counts
+    as user information wherever a secret might be shown, and ``check`` refuses the URL."""
+    q = rest.find("?")
+    return 0 <= q < rest.rfind("@") and "@" not in rest[:q]
 
 
 def _join(head: str, user: Optional[str], password: Optional[str], body: str, query: Optional[str]) -> str:
@@ -124,6 +134,9 @@ def check(url: object, param: str = "url") -> str:
     if scheme not in SCHEMES:
         raise ValueError(f"{param} must be a URL with one of the schemes {', '.join(s + '://' for s in SCHEMES)}; "
                          f"got {redact(url)}")
+    if _ambiguous(url[url.find("://") + 3:]):
+        raise ValueError(f"{param}: an '@' after the '?' is ambiguous; percent-encode a '?' in the password "
+                         f"as %3F (or an '@' in a query value as %40): {redact(url)}")
     _, _, _, body, query = _parts(url)
     for p in (query or "").split("&"):
         key, _, value = p.partition("=")
