@@ -431,6 +431,28 @@ def test_throttle_wait_skip_raise_on_plain_functions(name):
         fn.limiter().close()
 
 
+def test_throttle_refuses_wrong_parameters_when_decorating(name):
+    """A rate given beside an existing limiter was silently dropped (10/s stayed 10/s where the
+    decorator said 1000), and a bad rate, per, burst or an unknown option passed the decorator and
+    failed only at the first call.  Each is refused at decoration, naming the parameter, and
+    nothing is created."""
+    bad = [(dict(rate=-1), "rate"), (dict(rate=10, per=0), "per"), (dict(rate=10, burst=-3), "burst"),
+           (dict(rate=10, bogus=3), "bogus"), (dict(rate=1, per=60, key=str, keyz=5), "keyz")]
+    for kw, param in bad:
+        with pytest.raises((TypeError, ValueError), match=param):
+            shmlimit.throttle(name, **kw)
+    assert name not in shmlimit.list_names()
+    lim = shmlimit.Limiter(name, rate=10)
+    try:
+        for kw, param in [(dict(rate=1000), "rate"), (dict(per=60), "per"), (dict(burst=5), "burst"),
+                          (dict(capped=True), "capped")]:
+            with pytest.raises(TypeError, match=param):
+                shmlimit.throttle(lim, **kw)
+        assert lim.rate == 10
+    finally:
+        lim.close()
+
+
 @pytest.mark.slow
 def test_throttle_on_async_functions(name):
     @shmlimit.throttle(name, rate=20, burst=1)
