@@ -17,7 +17,7 @@ import inspect
 import threading
 from typing import Any, Callable, Optional, TypeVar, Union
 
-from .config import validate_n, validate_timeout
+from .config import Config, validate_n, validate_timeout
 from .errors import RateLimited
 from .keyed import KeyedLimiter
 from .limiter import Limiter
@@ -25,6 +25,17 @@ from .segment import validate_name
 
 F = TypeVar("F", bound=Callable[..., Any])
 ON_LIMIT = ("wait", "skip", "raise")
+
+
+def _check_options(make: type, rate: Any, per: float, burst: Optional[float], options: dict) -> None:
+    """Refuse now what the first call's ``make(name, rate, per, burst, **options)`` would: an
+    unknown option, or a bad rate, per or burst (the limiter itself is made only on that call)."""
+    known = inspect.signature(make.__init__).parameters
+    unknown = sorted(k for k in options if k not in known or k in ("self", "name", "rate", "per", "burst"))
+    if unknown:
+        raise TypeError(f"{', '.join(unknown)}: not an option of {make.__name__}")
+    if make is Limiter and rate is not None and options.get("upstream") is None:
+        Config.make(rate, per, burst)  # raises naming the parameter; capped, ratio and the rest add their own checks
 
 
 def throttle(
@@ -69,6 +80,11 @@ def throttle(
     if isinstance(limiter, str):
         validate_name(limiter)
         name = limiter
+        _check_options(KeyedLimiter if keyed else Limiter, rate, per, burst, limiter_options)
+    elif rate is not None or per != 1.0 or burst is not None or limiter_options:
+        given = [p for p, v in (("rate", rate), ("per", per != 1.0 or None), ("burst", burst)) if v is not None]
+        raise TypeError(f"{', '.join(given + sorted(limiter_options))}: these configure a limiter made by name; "
+                        f"the {type(limiter).__name__} given is configured already (see its set_rate)")
     elif keyed != isinstance(limiter, KeyedLimiter):
         raise TypeError("a KeyedLimiter needs key=, and key= needs a KeyedLimiter (or a name)")
     elif all(hasattr(limiter, a) for a in ("acquire", "acquire_async", "name")):
