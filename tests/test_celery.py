@@ -99,3 +99,26 @@ def test_called_directly_waits_and_bad_parameters(name):
         with pytest.raises((ValueError, TypeError)):
             rate_limited(lim, **bad)
     lim.close()
+
+
+def test_a_wrong_limiter_or_key_is_refused_when_decorating(name):
+    """A limiter's name, a KeyedLimiter without key= or key= on a plain Limiter passed the
+    decorator and failed inside every task run (AttributeError, TypeError); each is refused at
+    once, naming the parameter, as every other bad parameter is."""
+    from shmlimit.integrations.celery import rate_limited
+
+    lim = shmlimit.Limiter(name, rate=20, burst=1)
+    keyed = shmlimit.KeyedLimiter(name + "-k", rate=20, burst=1, keys=16)
+    try:
+        for args, kw, param in [((name,), {}, "limiter"), ((None,), {}, "limiter"), ((keyed,), {}, "key"),
+                                ((lim,), dict(key=lambda x: x), "key"), ((lim,), dict(n=0), "n"),
+                                ((lim,), dict(max_block=-1), "max_block"), ((lim,), dict(max_retries=-1), "max_retries"),
+                                ((lim,), dict(max_countdown=0), "max_countdown")]:
+            with pytest.raises((ValueError, TypeError), match=rf"^{param}\b"):
+                rate_limited(*args, **kw)
+        rate_limited(keyed, key=lambda x: x)  # the right pairs pass
+        rate_limited(lim)
+    finally:
+        lim.close()
+        keyed.close()
+        shmlimit.unlink(name + "-k")
