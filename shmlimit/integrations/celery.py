@@ -46,6 +46,16 @@ F = TypeVar("F", bound=Callable[..., Any])
 SPREAD_CAP_RETRIES = 8
 
 
+def _check_limiter(limiter: Any, keyed: bool) -> None:
+    """A limiter (``Limiter``, ``KeyedLimiter``, ``RedisLimiter``) and ``key=`` given exactly for a keyed one."""
+    from .. import KeyedLimiter
+
+    if not all(callable(getattr(limiter, a, None)) for a in ("try_acquire", "acquire", "retry_after")):
+        raise TypeError(f"limiter must be a shmlimit Limiter, KeyedLimiter or RedisLimiter, got {type(limiter).__name__}")
+    if keyed != isinstance(limiter, KeyedLimiter):
+        raise TypeError("key is needed with a KeyedLimiter (it picks each run's key), and only with one")
+
+
 def _check(n: int, max_block: float, max_countdown: float, max_retries: Optional[int]) -> None:
     if isinstance(n, bool) or not isinstance(n, int) or n < 1:
         raise ValueError(f"n must be an int >= 1, got {n!r}")
@@ -123,6 +133,7 @@ def rate_limited(
     _check(n, max_block, max_countdown, max_retries)
     if key is not None and not callable(key):
         raise TypeError(f"key must be a callable taking the task's arguments, got {key!r}")
+    _check_limiter(limiter, key is not None)
 
     def decorate(fn: F) -> F:
         @functools.wraps(fn)
