@@ -31,6 +31,20 @@ def test_the_scheme_is_registered_and_options_are_checked(name):
             storage.storage_from_string(bad)
 
 
+def test_an_unknown_storage_option_is_refused(name):
+    """An option the shm:// storage does not know (``key=`` for ``keys=``, as Flask-Limiter's
+    ``storage_options`` pass it) was silently dropped: the table got 100 000 slots.  Refused,
+    naming it, before any table is made; sync and asyncio alike."""
+    for make in (lambda **kw: storage.storage_from_string(f"shm://{name}", **kw),
+                 lambda **kw: storage.storage_from_string(f"async+shm://{name}", **kw)):
+        with pytest.raises(TypeError, match=r"^key\b.*keys"):
+            make(key=512)
+    assert name not in shmlimit.list_names()
+    s = storage.storage_from_string(f"shm://{name}", keys=512)  # a known one still works
+    assert s.table.slots == 512
+    s.table.close()
+
+
 def test_fixed_window_through_limits(store):
     lim = strategies.FixedWindowRateLimiter(store)
     item = parse("3/minute")
