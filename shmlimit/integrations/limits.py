@@ -64,6 +64,9 @@ def _table(uri: str, scheme: str, options: Dict[str, Any]) -> WindowTable:
     for k in ("keys", "mode", "trusted_uids", "clock"):
         if k in options:
             opts[k] = options.pop(k)
+    if options:  # a typo (key= for keys=) would otherwise be dropped in silence
+        raise TypeError(f"{', '.join(sorted(options))}: not an option of the {scheme}:// storage "
+                        f"(allowed are keys, mode, trusted_uids and clock)")
     return WindowTable(name, **opts)
 
 
