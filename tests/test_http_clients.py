@@ -130,13 +130,17 @@ def test_pause_pushes_the_schedule_once_and_is_capped(name):
 
 @pytest.mark.parametrize(
     "kwargs, err",
-    [(dict(max_wait=-1), ValueError), (dict(max_pause=float("inf")), ValueError), (dict(key=5), TypeError)],
+    [(dict(max_wait=-1), ValueError), (dict(max_pause=float("inf")), ValueError), (dict(key=5), TypeError),
+     # pause_on: a bare status raised "'int' object is not iterable", a word int()'s own message
+     (dict(pause_on=429), TypeError), (dict(pause_on=["soon"]), ValueError), (dict(pause_on=[4290]), ValueError)],
 )
 def test_bad_parameters(name, kwargs, err):
+    """Each refused with an error naming the parameter."""
     lim = shmlimit.Limiter(name, rate=10)
-    with pytest.raises(err):
+    param = next(iter(kwargs))
+    with pytest.raises(err, match=rf"^{param}\b"):
         ThrottledTransport(lim, **kwargs)
-    with pytest.raises(err):
+    with pytest.raises(err, match=rf"^{param}\b"):
         ThrottledAdapter(lim, **kwargs)
     with pytest.raises(TypeError):
         AsyncThrottledTransport(object())
