@@ -57,6 +57,17 @@ def parse_retry_after(value: Optional[str], now: Optional[float] = None) -> Opti
     return max(0.0, when.timestamp() - (time.time() if now is None else now))
 
 
+def _statuses(pause_on: Any) -> frozenset:
+    """``pause_on`` as a set of HTTP statuses (ints 100-599), or an error naming it."""
+    if isinstance(pause_on, (str, bytes)) or not hasattr(pause_on, "__iter__"):
+        raise TypeError(f"pause_on must be an iterable of HTTP statuses (ints 100-599), got {pause_on!r}")
+    out = frozenset(pause_on)
+    for s in out:
+        if isinstance(s, bool) or not isinstance(s, int) or not 100 <= s <= 599:
+            raise ValueError(f"pause_on must hold HTTP statuses (ints 100-599), got {s!r}")
+    return out
+
+
 class HostThrottle:
     """One limiter applied per host, and the reaction to 429/503 ``Retry-After``.
 
@@ -92,7 +103,7 @@ class HostThrottle:
         self.keyed = isinstance(limiter, KeyedLimiter)
         self.key = key
         self.max_wait = None if max_wait is None or max_wait == math.inf else float(max_wait)
-        self.pause_on = frozenset(int(s) for s in pause_on)
+        self.pause_on = _statuses(pause_on)
         self.max_pause = float(max_pause)
 
     def args(self, url: str) -> Optional[Tuple[Any, ...]]:
