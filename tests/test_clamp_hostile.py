@@ -128,3 +128,35 @@ def test_any_clamp_or_record_words_lose_time_never_grant_or_hang(backend, data, 
         b.replenish()
         assert _free(b) <= b.cap
     assert all(diff(c.load(L.HEAD), t) >= 0 for t in tickets)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_a_hostile_given_record_over_live_waiters_is_not_skipped(backend):
+    """A record marked given back whose range covers two live waiters' recorded requests (written
+    into a slot by hand): skipping it moved the head past both, granting 20 ops at once on an
+    empty bucket.  Ranges of tickets never overlap, so a range another record holds part of is
+    corrupt: not skipped (its time is lost instead), and the waiters are served at the rate."""
+    from shmlimit import giveback
+
+    b, clock = _bucket(backend)
+    c = b.cells
+    start = c.load(L.HEAD)
+    first, second = _queue(b, 10, 0), _queue(b, 10, 0)
+    ticket_off, len_off = L.ticket_records(SLOTS, 1)[-1]
+    c.store(ticket_off, second)
+    c.store(len_off, diff(second, start) | L.TICKET_GIVEN)
+    assert giveback.skip(b, start, second) == 0
+    assert diff(c.load(L.HEAD), first) < 0  # nobody granted without time
+    for _ in range(9):
+        clock.advance(MS)
+        b.replenish()
+    assert diff(c.load(L.HEAD), first) < 0  # 9 ms: not even the first one's 10 ops yet
+    # the range's own record (a copy of it, as an adopted range has) is no objection
+    c.store(ticket_off, 0)
+    c.store(len_off, 0)
+    rec_t, rec_l = L.ticket_records(SLOTS, 0)[0]
+    assert c.load(rec_t) == first and c.load(rec_l) == 10 * b.cost
+    c.store(rec_l, 10 * b.cost | L.TICKET_GIVEN)  # the first waiter gave its range back
+    before = c.load(L.HEAD)
+    assert giveback.skip(b, start, first) == diff(first, before) > 0
+    assert c.load(L.HEAD) == first  # skipped to its end, and the second waiter not granted
