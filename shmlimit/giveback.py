@@ -110,8 +110,35 @@ def skip(b: "Bucket", start: int, end: int) -> Optional[int]:
     The skip then replenishes, leaving a snapshot of the head past the
     range: the next replenish clamps against it, not against a head before
     the range, which would make it add nothing (a whole interval lost).
+    Tickets' ranges never overlap, so a range another record holds part of
+    (``overlapped``) is corrupt, hostile or not: 0, not skipped (the head
+    crosses it at the rate: its time lost), never a queued waiter granted.
     """
+    head = b.cells.load(L.HEAD)
+    if diff(head, start) >= 0 and diff(head, end) < 0 and overlapped(b, start, end):
+        return 0
     return b.skip(start, end)
+
+
+def overlapped(b: "Bucket", start: int, end: int) -> bool:
+    """Some ticket record holds a range overlapping ``[start, end)`` other than that range itself
+    (its own record, or a copy of it: an adopted range is recorded twice).  Read only when a skip
+    is due (the head inside the range): one ``load_many`` of every record's length."""
+    c = b.cells
+    lens = b._record_lens()
+    vals = c.load_many(lens)
+    tokens = diff(end, start)
+    for k in itertools.compress(range(len(vals)), vals):
+        v = vals[k]
+        n = v & ~L.TICKET_GIVEN
+        if v & L.TICKET_BUSY or not 0 < n <= MAX_SPAN_TOKENS:
+            continue  # being written, or no range
+        e = c.load(lens[k] - 8)  # its TICKET: the word before its LEN
+        if (e == end and n == tokens) or c.load(lens[k]) != v:
+            continue
+        if diff(e, start) > 0 and diff(end, (e - n) & MASK64) > 0:
+            return True
+    return False
 
 
 # ---- the records in the process slot -------------------------------------------------------------
