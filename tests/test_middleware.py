@@ -120,15 +120,20 @@ def test_asgi_wait_mode_refuses_at_once_past_max_wait(name):
         (dict(policy='a"b'), ValueError),
         (dict(key="not callable"), TypeError),
         (dict(limiter=object()), TypeError),
+        # above the capacity (1 op at 10/s) and no wait allowed: every request was refused, for ever
+        (dict(cost=2), ValueError),
     ],
 )
 def test_bad_parameters_are_refused(name, kwargs, err):
+    """Each refused with an error naming the parameter."""
     lim = shmlimit.Limiter(name, rate=10)
     args = {"limiter": lim, **kwargs}
-    with pytest.raises(err):
+    param = next(iter(kwargs))
+    with pytest.raises(err, match=rf"^{param}\b"):
         ASGILimit(_hello, **args)
-    with pytest.raises(err):
+    with pytest.raises(err, match=rf"^{param}\b"):
         WSGILimit(lambda e, s: [], **args)
+    ASGILimit(_hello, limiter=lim, cost=2, max_wait=1.0)  # may wait for it: accepted
     lim.close()
 
 
