@@ -77,6 +77,11 @@ class Policy:
         for attr in ("try_acquire", "retry_after", "capacity", "rate", "per"):
             if not hasattr(limiter, attr):
                 raise TypeError(f"limiter must be a shmlimit Limiter or KeyedLimiter, got {limiter!r}")
+        # (a keyed limiter's capacity is its default: a key's override may hold more)
+        if (not callable(cost) and max_wait == 0 and not isinstance(limiter, KeyedLimiter)
+                and cost > float(limiter.capacity)):
+            raise ValueError(f"cost must be at most the limiter's capacity ({float(limiter.capacity):g} ops) when "
+                             f"max_wait is 0, else no request ever passes; got {cost}")
         self.limiter = limiter
         self.keyed = isinstance(limiter, KeyedLimiter)
         self.key = key
