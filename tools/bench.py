@@ -44,6 +44,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
+import functools
 import json
 import mmap
 import multiprocessing as mp
@@ -390,42 +391,59 @@ def _wait_stamped_async(lim, barrier, seconds: float, q) -> None:
     _stamped_with_cpu(barrier, seconds, q, lambda end: asyncio.run(run(end)))
 
 
-def _sleep_stamped(rate: float, index: int, procs: int, barrier, seconds: float, q) -> None:
-    """The floor: no limiter, a bare precise sleep (``shmlimit.sleep``'s: an absolute deadline, the
-    waiters' timer slack) to every ``procs``-th instant of a grid ``1/rate`` apart, from this
-    process's start on, as a waiter would be granted; how late each wake came (ns).
+#: How far after the floor's processes are all through the barrier their shared grid begins (ns):
+#: time for each of them to leave the barrier before its first deadline.
+GRID_LEAD_NS = 5_000_000
 
-    The grid starts when the process does (after the barrier), so every process sleeps for the
+
+def _grid_start(t0) -> None:
+    """The floor's barrier action (run once, in one process, before any is released): the shared
+    grid begins ``GRID_LEAD_NS`` from now."""
+    t0.value = time.monotonic_ns() + GRID_LEAD_NS
+
+
+def _sleep_stamped(rate: float, index: int, procs: int, t0, barrier, seconds: float, q) -> None:
+    """The floor: no limiter, a bare precise sleep (``shmlimit.sleep``'s: an absolute deadline, the
+    waiters' timer slack) to every ``procs``-th instant of one grid ``1/rate`` apart that every
+    process of the floor shares (it begins at ``t0``, fixed once all of them are up), as the
+    waiters' grants fall on one grid; the wake times (monotonic ns), which ``bench_sleep_floor``
+    judges as the waiters' grant times are judged (``lateness_ms``).
+
+    The grid begins once every process is through the barrier, so every process sleeps for the
     whole measured time: a grid fixed before the processes were up had them idle until it began,
     and the floor counted fewer wakes than the rows it is read against."""
     from shmlimit.sleep import sleeper
 
     sleep_until = sleeper()
 
-    def late(end: int) -> list:
-        clock = time.monotonic_ns
-        lates, t0, k = [], clock(), index + 1
+    def wakes(end: int) -> list:
+        clock, begin = time.monotonic_ns, t0.value
+        stamps, k, stop = [], index + 1, begin + int(seconds * 1e9)
         while True:
-            at = t0 + int(k * 1e9 / rate)
-            if at > end:
-                return lates
+            at = begin + int(k * 1e9 / rate)
+            if at > stop:
+                return stamps
             sleep_until(at)
-            lates.append(clock() - at)
+            stamps.append(clock())
             k += procs
 
-    _stamped_with_cpu(barrier, seconds, q, late)
+    _stamped_with_cpu(barrier, seconds, q, wakes)
 
 
 def bench_sleep_floor(rate: float, seconds: float, procs: int = 8) -> dict:
     """Section 5's floor: what ``procs`` processes waking once per op of ``rate`` cost and how late they
-    wake on this machine now, without any limiter (the same sleep a waiter's is, minus the limiter)."""
+    wake on this machine now, without any limiter (the same sleep a waiter's is, minus the limiter).
+
+    Their lateness is measured as the waiters' is, against the same kind of schedule: every wake
+    of every process pooled and sorted, the k-th against the k-th instant of one grid ``1/rate``
+    apart, anchored on the earliest (``lateness_ms``)."""
     ctx = mp.get_context("fork")
-    barrier = ctx.Barrier(procs)
-    res = run_processes(ctx, _sleep_stamped, [(rate, i, procs, barrier, seconds) for i in range(procs)], 300)
-    late = sorted(t for r in res for t in r[1]) or [0]
-    pick = lambda p: late[min(len(late) - 1, int(p * len(late)))] / 1e6  # noqa: E731
+    t0 = ctx.Value("q", 0)
+    barrier = ctx.Barrier(procs, action=functools.partial(_grid_start, t0))
+    res = run_processes(ctx, _sleep_stamped, [(rate, i, procs, t0, barrier, seconds) for i in range(procs)], 300)
+    stamps = [t for r in res for t in r[1]]
     return dict(processes=procs, rate=rate, driver="bare sleep", cpu_s_per_wall_s=sum(r[2] for r in res) / seconds,
-                grants=len(late), load=os.getloadavg()[0], p50_ms=pick(0.50), p99_ms=pick(0.99), max_ms=late[-1] / 1e6)
+                grants=len(stamps), load=os.getloadavg()[0], **lateness_ms(stamps, t0.value, rate, 0))
 
 
 def bench_waiting(rate: float, seconds: float, procs: int = 8, driver: str = "sync", backend: str = "native") -> dict:
