@@ -2,12 +2,12 @@
 
 On a busy CPU a woken waiter runs once the running task's request ends (about 1.4 ms by default),
 unless its own slice is shorter (Linux 6.12+: sched_attr.sched_runtime of a fair task).  The native
-wait and the native precise sleep set the slice of their thread to 0.1 ms, once, and nothing else:
+wait and the precise sleep set the slice of their thread to 0.1 ms, once, and nothing else:
 the policy and the nice value stay as they were, and a thread of another policy is left alone.
+On the ``atomics`` backend the Python wait's sleep does the same through libc.
 """
 import ctypes
 import multiprocessing as mp
-import os
 import platform
 import struct
 import sys
@@ -17,7 +17,6 @@ import time
 import pytest
 
 import shmlimit
-from shmlimit.cells import native_available
 
 #: (sched_setattr, sched_getattr) by machine
 _NR = {"x86_64": (314, 315), "aarch64": (274, 275)}
@@ -29,7 +28,6 @@ LONG_SLICE_NS = 3_000_000
 pytestmark = [
     pytest.mark.skipif(not sys.platform.startswith("linux") or platform.machine() not in _NR,
                        reason="sched_setattr of Linux on a known machine"),
-    pytest.mark.skipif(not native_available(), reason="the native wait"),
 ]
 
 
@@ -66,10 +64,10 @@ def _in_fresh_thread(mode: str, name: str, conn) -> None:
                 out["refused"] = repr(e)
                 return
             out["before"] = get_attr()
-            if mode == "sleep":
-                from shmlimit._native import sleep_until
+            if mode == "sleep":  # the precise sleep of this backend (native, or Python's on atomics)
+                from shmlimit.sleep import sleeper
 
-                sleep_until(time.monotonic_ns() + 2_000_000, 1_000)
+                sleeper()(time.monotonic_ns() + 2_000_000)
             else:
                 lim = shmlimit.attach(name)
                 try:
