@@ -1807,14 +1807,18 @@ static PyTypeObject NativeCellsType = {
  * gets its turn.  A waiter runs a few µs per wake, far within 0.1 ms, so it is never cut short.
  *
  * It is set once per thread, on the first wait or precise sleep that sleeps, and kept: restoring it
- * after every wait would cost two sched_setattr calls (~2 µs each), as much again as the whole
- * native part of a wake.  Only a thread of the normal policy (SCHED_OTHER) on a kernel that tells
- * its slice (sched_getattr answers a non-zero sched_runtime) and whose slice is longer is changed;
- * its policy, nice value and reset-on-fork flag are written back as read, so the call needs no
- * privilege (the same policy, no lower nice) and a thread the user scheduled otherwise keeps it.
- * A refusal (a seccomp filter, an older kernel) changes nothing and is not tried again. */
+ * after every wait would cost two sched_setattr calls (~2 us each), as much again as the whole
+ * native part of a wake.  It is set with the reset-on-fork flag, so that the threads and processes
+ * the waiting thread starts afterwards begin with the kernel's default slice, not with the short
+ * one (a forked child's thread asks again at its own first wait: the at-fork handler clears its
+ * once-per-thread mark).  Only a thread of the normal policy (SCHED_OTHER) at a nice value of 0 or
+ * more, on a kernel that tells its slice (sched_getattr answers a non-zero sched_runtime) and
+ * whose slice is longer, is changed; its policy and nice value are written back as read, so the
+ * call needs no privilege (the same policy, no lower nice), and a thread the user scheduled
+ * otherwise keeps it.  A refusal (a seccomp filter) changes nothing and is not tried again. */
 #define WAIT_SLICE_NS 100000u
 
+static __thread int wait_slice_tried;
 #if defined(__linux__) && defined(SYS_sched_getattr) && defined(SYS_sched_setattr)
 struct wait_sched_attr { /* the kernel's struct sched_attr, its first version (56 bytes) */
     uint32_t size, policy;
@@ -1825,7 +1829,6 @@ struct wait_sched_attr { /* the kernel's struct sched_attr, its first version (5
     uint32_t util_min, util_max;
 };
 #define WAIT_SCHED_RESET_ON_FORK 1u /* SCHED_FLAG_RESET_ON_FORK */
-static __thread int wait_slice_tried;
 static void
 wait_short_slice(void)
 {
@@ -1836,11 +1839,11 @@ wait_short_slice(void)
     memset(&a, 0, sizeof a);
     if (syscall(SYS_sched_getattr, 0, &a, (unsigned)sizeof a, 0) != 0)
         return;
-    if (a.policy != SCHED_OTHER || a.runtime <= WAIT_SLICE_NS)
-        return; /* another policy, no slice told (an older kernel), or one as short already */
+    if (a.policy != SCHED_OTHER || a.nice < 0 || a.runtime <= WAIT_SLICE_NS)
+        return; /* another policy, a raised priority, no slice told (an older kernel), or as short already */
     a.size = sizeof a;
     a.runtime = WAIT_SLICE_NS;
-    a.flags &= WAIT_SCHED_RESET_ON_FORK; /* nothing else: no utilization clamps, policy and nice as read */
+    a.flags = WAIT_SCHED_RESET_ON_FORK; /* nothing else: no utilization clamps, policy and nice as read */
     a.util_min = a.util_max = 0;
     (void)syscall(SYS_sched_setattr, 0, &a, 0);
 }
@@ -2344,7 +2347,12 @@ waiter_loop(WaitBase *base, uint64_t ticket, uint64_t ops, uint64_t until, long 
 /* Bumped in a forked child: the waiters counted in `busy` before the fork were the parent's
  * threads, which do not exist in the child. */
 static unsigned long waiter_fork_gen = 1;
-static void waiter_atfork_child(void) { waiter_fork_gen++; }
+static void
+waiter_atfork_child(void)
+{
+    waiter_fork_gen++;
+    wait_slice_tried = 0; /* the kernel reset the slice of the child's thread (reset-on-fork) */
+}
 
 /* A waiter type's loop, run without the GIL: the flags wait() answers.  *old_slack is the
  * thread's timer slack to restore after it (0: untouched; a loop that never lowers it leaves 0). */

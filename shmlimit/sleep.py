@@ -66,8 +66,9 @@ def _load_prctl() -> Optional[Any]:
 
 #: The slice a waiting thread asks the kernel for (ns): the shortest it takes.  On a busy CPU a woken
 #: thread runs once the running task's request ends (about 1.4 ms by default) unless its own slice
-#: is shorter (Linux 6.12+); a slice changes no share of the CPU.  Set once per thread and kept, as
-#: the native wait does (``WAIT_SLICE_NS`` in ``_native.c``, which says why).
+#: is shorter (Linux 6.12+); a slice changes no share of the CPU.  Set once per thread and kept, with
+#: the reset-on-fork flag (threads and processes it starts begin with the default), as the native
+#: wait does (``WAIT_SLICE_NS`` in ``_native.c``, which says why).
 SLICE_NS = 100_000
 #: (sched_setattr, sched_getattr) by machine (Linux)
 _SYS_SCHED_ATTR = {"x86_64": (314, 315), "amd64": (314, 315), "aarch64": (274, 275), "arm64": (274, 275),
@@ -79,9 +80,10 @@ _sliced = threading.local()
 
 
 def _short_slice() -> None:
-    """This thread's slice down to ``SLICE_NS``, once per thread: only a thread of the normal policy
-    whose kernel tells a longer slice; its policy, nice value and reset-on-fork flag are written
-    back as read, so no privilege is needed.  A refusal changes nothing and is not tried again."""
+    """This thread's slice down to ``SLICE_NS``, once per thread, reset on fork: only a thread of the
+    normal policy at a nice value of 0 or more whose kernel tells a longer slice; its policy and
+    nice value are written back as read, so no privilege is needed.  A refusal changes nothing and
+    is not tried again."""
     if getattr(_sliced, "tried", False):
         return
     _sliced.tried = True
@@ -98,12 +100,20 @@ def _short_slice() -> None:
         if call(L(nrs[1]), L(0), buf, L(56), L(0)) != 0:
             return
         _, policy, flags, nice, prio, runtime, *_ = struct.unpack(_SCHED_ATTR, buf.raw)
-        if policy != _SCHED_OTHER or runtime <= SLICE_NS:
+        if policy != _SCHED_OTHER or nice < 0 or runtime <= SLICE_NS:
             return
-        attr = struct.pack(_SCHED_ATTR, 56, policy, flags & _SCHED_RESET_ON_FORK, nice, prio, SLICE_NS, 0, 0, 0, 0)
+        attr = struct.pack(_SCHED_ATTR, 56, policy, _SCHED_RESET_ON_FORK, nice, prio, SLICE_NS, 0, 0, 0, 0)
         call(L(nrs[0]), L(0), ctypes.create_string_buffer(attr, 56), L(0))
     except (OSError, AttributeError):  # pragma: no cover - no libc syscall
         return
+
+
+def _forked() -> None:
+    _sliced.tried = False  # the kernel reset the slice of the child's thread (reset-on-fork)
+
+
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(after_in_child=_forked)
 
 
 def _sleep_until_py(deadline_ns: int, slack_ns: int = SLACK_NS) -> None:

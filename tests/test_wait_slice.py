@@ -3,11 +3,14 @@
 On a busy CPU a woken waiter runs once the running task's request ends (about 1.4 ms by default),
 unless its own slice is shorter (Linux 6.12+: sched_attr.sched_runtime of a fair task).  The native
 wait and the precise sleep set the slice of their thread to 0.1 ms, once, and nothing else:
-the policy and the nice value stay as they were, and a thread of another policy is left alone.
+the policy and the nice value stay as they were, a thread of another policy is left alone, and
+the threads and processes the waiting thread starts afterwards begin with the default slice.
 On the ``atomics`` backend the Python wait's sleep does the same through libc.
 """
+import ast
 import ctypes
 import multiprocessing as mp
+import os
 import platform
 import struct
 import sys
@@ -76,6 +79,27 @@ def _in_fresh_thread(mode: str, name: str, conn) -> None:
                 finally:
                     lim.close()
             out["after"] = get_attr()
+            if mode == "wait":  # what the waiting thread starts afterwards begins with the default
+                seen = {}
+                t = threading.Thread(target=lambda: seen.setdefault("thread", get_attr()))
+                t.start()
+                t.join()
+                out["thread"] = seen["thread"]
+                r, w = os.pipe()
+                pid = os.fork()
+                if pid == 0:  # the child's thread: the default, then its own first sleep shortens it
+                    try:
+                        first = get_attr()
+                        from shmlimit.sleep import sleeper
+
+                        sleeper()(time.monotonic_ns() + 1_000_000)
+                        os.write(w, repr((first, get_attr())).encode())
+                    finally:
+                        os._exit(0)
+                os.close(w)
+                with os.fdopen(r) as f:
+                    out["child"] = ast.literal_eval(f.read())
+                os.waitpid(pid, 0)
         except Exception as e:  # sent to the test, which fails with it
             out["error"] = repr(e)
 
@@ -126,6 +150,11 @@ def test_a_waiting_thread_gets_the_shortest_slice_and_keeps_its_policy_and_nice(
     assert slice_ns == LONG_SLICE_NS, out
     assert out["after"] == (policy, nice, WAIT_SLICE_NS), out
     assert out["after"][1] == (5 if mode == "nice" else 0)
+    if mode == "wait":  # set reset-on-fork: a thread or process it starts is not shortened with it
+        assert out["thread"][:2] == (SCHED_OTHER, 0) and out["thread"][2] > WAIT_SLICE_NS, out
+        first, later = out["child"]
+        assert first[:2] == (SCHED_OTHER, 0) and first[2] > WAIT_SLICE_NS, out
+        assert later == (SCHED_OTHER, 0, WAIT_SLICE_NS), out  # its own first sleep asks again
 
 
 def test_a_thread_of_another_policy_is_left_alone(limiter):
