@@ -35,6 +35,9 @@ class CompositesFromPrimitives:
     these; the native one does the same in C.
     """
 
+    #: the last records tuple ``clamp_words`` checked every offset of (see there)
+    _clamp_checked: Tuple[int, ...] = ()
+
     size: int = 0
 
     def load(self, off: int) -> int:  # pragma: no cover - provided by the backend
@@ -61,7 +64,10 @@ class CompositesFromPrimitives:
         ``records`` (LEN offsets), or None when HEAD (at ``head_off``) moved: ``words.clamp_words``."""
         if not isinstance(records, tuple):
             raise TypeError("clamp_words: records must be a tuple of LEN offsets")
-        self._check(head_off, *records, *(off - WORD for off in records))
+        self._check(head_off)
+        if signed(head - tail) < 0 and records is not self._clamp_checked:  # read only when queued;
+            self._check(*records, *(off - WORD for off in records))  # the same tuple: checked once
+            self._clamp_checked = records
         return clamp_words(self, head_off, head, tail, records)
 
     def grab(self, tail: int, head: int, amount: int, grants: int, ops: int) -> GrabResult:
