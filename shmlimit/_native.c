@@ -1966,6 +1966,7 @@ native_timerfd_arm(PyObject *mod, PyObject *const *args, Py_ssize_t n)
 #define WAIT_NUDGE 2
 #define WAIT_BURN 4
 #define WAIT_RETRY_NS 20000u /* acquisition.RETRY_NS */
+#define WAIT_STOP_LEAD_NS 100000u /* sleep.STOP_LEAD_NS */
 #define WAIT_LEASE_SLOT_BITS 12 /* layout.LEASE_SLOT_BITS */
 
 /* Both waiter types (Waiter, FedWaiter below) begin with these fields, so that one constructor
@@ -2225,8 +2226,9 @@ waiter_replenish_once(Waiter *w, uint64_t now, int *burn, int *cut_short)
             break;
         head = wld(w->head);
     }
-    /* Bucket.apply's cut_short: the clamp cut the add short, the head moved to its limit */
-    *cut_short = total > 0 && total < extra;
+    /* Bucket.apply's cut_short: the head moved to the clamp's limit (the add cut short there, or
+     * just filling it: a crossing at its due instant), which only a snapshot taken there passes */
+    *cut_short = total > 0 && head + total == limit;
     if (total < extra && (int64_t)(snap_tail - snap_head) > 0) {
         /* Bucket.apply: clamped time that callers queued from the interval's start were owed
          * (the head, after our add, still short of the tail), in whole ns rounded down */
@@ -2288,8 +2290,38 @@ waiter_sleep(Waiter *w, uint64_t at)
 
 /* The loop of wait(), without the GIL.  The thread's timer slack is lowered for its sleeps only:
  * *old_slack holds the slack to restore (0: untouched). */
+/* Does the head stop at `ticket`, so that a replenish that covers it late loses the time since it
+ * fell due (the clamp cuts its add short there: Bucket.apply, counted starved)?  Always, when the
+ * request alone fills the capacity (`tokens` >= cap: no snapshot, from its start or before, lets the
+ * head past its end: min(max(base + cap, end), next) <= its end); else when the clamp words now
+ * name it as the limit.  `tokens`: the request's length, 0 when unknown. */
+static inline int
+waiter_stops_at(Waiter *w, uint64_t ticket, uint64_t tokens)
+{
+    if (tokens >= w->cap)
+        return 1;
+    uint64_t head = wld(w->head);
+    uint64_t base = wld(w->snap_base), end = wld(w->snap_end), next = wld(w->snap_next);
+    return clamp_limit(base, end, next, w->cap, head, wld(w->tail)) == ticket; /* the tail after the words */
+}
+
+/* Stay awake until the CLOCK_MONOTONIC instant `due` (at most WAIT_STOP_LEAD_NS away): a sleep would
+ * end tens of microseconds after it, and at a stop that lateness is lost to every request behind.
+ * Leaves early on close() or a config change (the loop then returns). */
+static void
+waiter_spin(WaitBase *base, double due)
+{
+    while ((double)monotonic_ns() < due && !wait_leaving(base)) {
+#if defined(__x86_64__) || defined(__i386__)
+        __builtin_ia32_pause();
+#elif defined(__aarch64__)
+        __asm__ __volatile__("yield");
+#endif
+    }
+}
+
 static int
-waiter_loop(WaitBase *base, uint64_t ticket, uint64_t ops, uint64_t until, long *old_slack)
+waiter_loop(WaitBase *base, uint64_t ticket, uint64_t ops, uint64_t tokens, uint64_t until, long *old_slack)
 {
     Waiter *w = (Waiter *)base;
     int flags = 0, burn = 0;
@@ -2307,7 +2339,20 @@ waiter_loop(WaitBase *base, uint64_t ticket, uint64_t ops, uint64_t until, long 
         double due = (double)ts + (double)short_ / tpn;
         uint64_t at;
         if (due > (double)now) { /* not our turn yet: no replenish can help, sleep until it */
-            at = wait_deadline(due, until, 1); /* the ns after `due`: never before it */
+            double wake = due;
+            if (waiter_stops_at(w, ticket, tokens)) {
+                /* the head stops at our ticket: the replenish that covers it must come at `due`, not
+                 * a wake's lateness after it (lost there, and to every request behind: each would
+                 * wake for a turn that came later, and sleep again).  Sleep until a little before,
+                 * and stay awake for the rest; never replenish before `due` (nothing early). */
+                if (due - (double)now > (double)WAIT_STOP_LEAD_NS) {
+                    wake = due - (double)WAIT_STOP_LEAD_NS;
+                } else if (due <= (double)until) {
+                    waiter_spin(base, due);
+                    continue;
+                } /* else: the wait ends at `until` first, asleep */
+            }
+            at = wait_deadline(wake, until, 1); /* the ns after `wake`: never before it */
         } else {
             /* our turn: replenishing adds whatever time has passed */
             if (waiter_replenish(w, 0, &burn) > 0) {
@@ -2356,12 +2401,14 @@ waiter_atfork_child(void)
 
 /* A waiter type's loop, run without the GIL: the flags wait() answers.  *old_slack is the
  * thread's timer slack to restore after it (0: untouched; a loop that never lowers it leaves 0). */
-typedef int (*wait_loop_fn)(WaitBase *w, uint64_t ticket, uint64_t ops, uint64_t until, long *old_slack);
+typedef int (*wait_loop_fn)(WaitBase *w, uint64_t ticket, uint64_t ops, uint64_t tokens, uint64_t until,
+                           long *old_slack);
 
 /* Everything a wait does around `loop`, the GIL held on entry and on return: the grant without
  * leaving the GIL when the ticket is covered already, the `busy` and WAITING (`waiting`, NULL: not
- * counted) counts, the GIL released, the timer slack restored.  `rec`: the LEN word of the ticket's
- * record (holding `amount`), freed at its grant (NULL: none), while `busy` still keeps the mapping. */
+ * counted) counts, the GIL released, the timer slack restored.  `amount`: the ticket's request
+ * length in tokens (0: unknown); `rec`: the LEN word of the ticket's record (holding `amount`),
+ * freed at its grant (NULL: none), while `busy` still keeps the mapping. */
 static int
 wait_run(WaitBase *self, uint64_t ticket, uint64_t ops, uint64_t until, uint64_t *waiting, wait_loop_fn loop,
          uint64_t *rec, uint64_t amount)
@@ -2388,7 +2435,7 @@ wait_run(WaitBase *self, uint64_t ticket, uint64_t ops, uint64_t until, uint64_t
     if (waiting) /* while it waits, the caller counts among its process's queued callers */
         __atomic_fetch_add(waiting, 1, __ATOMIC_SEQ_CST);
     Py_BEGIN_ALLOW_THREADS
-    rc = loop(self, ticket, ops, until, &old_slack);
+    rc = loop(self, ticket, ops, amount, until, &old_slack);
     if (rec && (rc & WAIT_GRANTED))
         wcas(rec, amount, 0);
     if (waiting)
@@ -2403,19 +2450,22 @@ wait_run(WaitBase *self, uint64_t ticket, uint64_t ops, uint64_t until, uint64_t
     return rc;
 }
 
-/* wait(ticket, ops, until_ns, count_waiting) of both waiter types: wait_run, without a record. */
+/* wait(ticket, ops, until_ns, count_waiting[, tokens]) of both waiter types: wait_run, without a
+ * record; `tokens` the request's length (0, the default: unknown). */
 static PyObject *
 wait_call(WaitBase *self, PyObject *const *args, Py_ssize_t n, wait_loop_fn loop)
 {
-    uint64_t ticket, ops, until;
-    if (!nargs(n, 4, "wait") || !check_open(self->cells))
+    uint64_t ticket, ops, until, tokens = 0;
+    if (n != 5 && !nargs(n, 4, "wait"))
         return NULL;
-    if (!u64(args[0], &ticket) || !u64(args[1], &ops) || !u64(args[2], &until))
+    if (!check_open(self->cells))
+        return NULL;
+    if (!u64(args[0], &ticket) || !u64(args[1], &ops) || !u64(args[2], &until) || (n == 5 && !u64(args[4], &tokens)))
         return NULL;
     int count = PyObject_IsTrue(args[3]);
     if (count < 0)
         return NULL;
-    return PyLong_FromLong(wait_run(self, ticket, ops, until, count ? self->waiting : NULL, loop, NULL, 0));
+    return PyLong_FromLong(wait_run(self, ticket, ops, until, count ? self->waiting : NULL, loop, NULL, tokens));
 }
 
 static PyObject *
@@ -2737,7 +2787,7 @@ waiter_acquirer(Waiter *self, PyObject *const *args, Py_ssize_t n)
 
 static PyMethodDef waiter_methods[] = {
     {"wait", (PyCFunction)(void (*)(void))waiter_wait, METH_FASTCALL,
-     "wait(ticket, ops, until_ns, count_waiting) -> flags: 1 granted (ops counted), 2 nudge the filler, 4 burn"},
+     "wait(ticket, ops, until_ns, count_waiting[, tokens]) -> flags: 1 granted (ops counted), 2 nudge the filler, 4 burn"},
     {"replenish", (PyCFunction)waiter_replenish_at, METH_O,
      "replenish(now_ns) -> (tokens added, burn): Bucket.replenish at that clock reading"},
     {"acquirer", (PyCFunction)(void (*)(void))waiter_acquirer, METH_FASTCALL,
@@ -3017,9 +3067,10 @@ fed_deadline(FedWaiter *w, uint64_t now, uint64_t short_, uint64_t until)
  * word with the ticket's bit meanwhile; back to Python at `until`, on a changed config, a signal or
  * close(), and soon (WAIT_NUDGE) when the filler lease lapsed: only a filler leases. */
 static int
-fed_loop(WaitBase *base, uint64_t ticket, uint64_t ops, uint64_t until, long *old_slack)
+fed_loop(WaitBase *base, uint64_t ticket, uint64_t ops, uint64_t tokens, uint64_t until, long *old_slack)
 {
     (void)old_slack; /* the futex sleep keeps the thread's timer slack: nothing to restore */
+    (void)tokens;
     FedWaiter *w = (FedWaiter *)base;
     uint32_t *word = fed_word32(w->wake);
     uint32_t bit = 1u << ((ticket / w->cost) & 31);

@@ -46,7 +46,7 @@ from . import fed_wait
 from .bucket import WAIT_BURN, WAIT_GRANTED
 from .config import MAX_NAP, NS_PER_S, validate_n, validate_timeout
 from .giveback import NO_RECORD, REFUSED, record_nap, take_ticket
-from .sleep import sleep_until_async
+from .sleep import at_stop, sleep_until_async
 
 if TYPE_CHECKING:  # pragma: no cover
     from .attachment import Attachment
@@ -273,11 +273,12 @@ class Request:
         if until <= now:  # a timed ticket of hierarchical mode, not served by its deadline: given back (end)
             return False
         due = b.due_ns(ticket) if b.time_fed and not b.stopped else now
+        if due > now and att.clock is time.monotonic_ns and b.stops_at(ticket, self.tokens):
+            due, now = at_stop(due, now)  # the head stops at our ticket: replenish at its instant
         if due > now:  # not our turn yet: no replenish can help, park until it
             self.wake_ns = min(int(due) + 1, now + MAX_NAP_NS)  # now and then, to notice changes
             return (self.wake_ns - now) / NS_PER_S
-        # our turn (or no clock to tell): replenishing adds whatever time has passed (the lazy
-        # refill: nothing waits for the filler)
+        # our turn (or no clock to tell): replenishing adds whatever time has passed (lazily)
         if refill(att) > 0:
             att.nudge_filler()  # we did the filler's work: make sure a filler runs
             if b.covered(ticket):
@@ -317,7 +318,7 @@ class Request:
         assert ticket is not None
         self.wake_ns = None
         until = min(time.monotonic_ns() + MAX_NAP_NS, self.deadline or _INF)  # a timed one's: the real clock too
-        rc = waiter.wait(ticket, self.n, int(until), False)  # counted by the request
+        rc = waiter.wait(ticket, self.n, int(until), False, self.tokens)  # counted by the request
         if rc != WAIT_GRANTED:
             att.after_native_wait(rc)
         if rc & WAIT_GRANTED:
@@ -449,7 +450,7 @@ def wait_for_ticket(att: "Attachment", ticket: Union[int, Tuple[int, int]], time
                 if flags & WAIT_GRANTED:
                     return True
             if waiter is not None:
-                rc = waiter.wait(ticket, 1, now + MAX_NAP_NS if deadline is None else min(now + MAX_NAP_NS, deadline), True)
+                rc = waiter.wait(ticket, 1, min(now + MAX_NAP_NS, deadline or _INF), True, tokens)
                 if rc & WAIT_GRANTED:
                     if rc != WAIT_GRANTED:
                         att.after_native_wait(rc)

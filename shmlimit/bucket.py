@@ -258,8 +258,8 @@ class Bucket(Schedule):
         Safe at any moment (invariant 2), hence twice: one that added over a quarter of the
         capacity claims again at once (a few ns), so the next clamps against the head it left
         (invariant 3) and may come a capacity late, not a capacity less this interval, unharmed.
-        So does one the clamp cut short (``cut_short``): the head stays at the boundary it stopped
-        at (a request's end, the tail) until a snapshot is taken there, else one replenish later.
+        So does one that brought the head to the clamp's limit (``cut_short``): it stays at that
+        boundary (a request's end, the tail) until a snapshot is taken there.
         """
         if (claim := self.claim()) is None:
             return 0
@@ -339,7 +339,7 @@ class Bucket(Schedule):
             if total <= 0 or c.cas(L.HEAD, head, (head + total) & MASK64):
                 break
             head = c.load(L.HEAD)  # another interval landed first: add ours on top, same clamp
-        self.cut_short = 0 < add < extra  # the head moved to the clamp's limit: replenish claims again
+        self.cut_short = 0 < add and diff(limit, head + add) == 0  # at the clamp's limit: claim again
         owed = min(extra - add, diff(c.load(L.TAIL), (head + add) & MASK64)) if queued and add < extra else 0
         if owed >= snap.tpn:  # clamped while callers queued throughout: time owed them, starved (lost
             c.fetch_add(L.STARVED_NS, owed // snap.tpn)  # or deferred); whole ns, never over-counted

@@ -108,6 +108,23 @@ class Schedule:
         head = c.load(L.HEAD)
         return c.load(L.REPL_TS) + max(0, diff(ticket, head)) / self.tpn
 
+    def stops_at(self, ticket: int, tokens: int) -> bool:
+        """Does the head stop at ``ticket`` (the end of a request ``tokens`` long; 0: not known)?
+
+        There the clamp cuts short a replenish that covers the ticket late: the time since it
+        fell due is lost, to it and to every request behind (``Bucket.apply`` counts it starved).
+        Always so when the request alone fills the capacity: no snapshot taken at its start or
+        before lets the head past its end (``min(max(base + cap, end), next)`` is at most its end);
+        else when the clamp words now name the ticket as the limit.  A waiter whose head stops at
+        its ticket replenishes at the due instant itself, not a wake's lateness after it.
+        """
+        if tokens >= self.snap.cap:
+            return True
+        c = self.cells
+        head = c.load(L.HEAD)
+        base, end, nxt = c.load(L.SNAP_BASE), c.load(L.SNAP_END), c.load(L.SNAP_NEXT)
+        return clamp_limit(base, end, nxt, self.snap.cap, head, c.load(L.TAIL)) == ticket  # the tail after the words
+
     def promised_ns(self, ticket: int) -> float:
         """When (CLOCK_MONOTONIC ns) the head reaches ``ticket`` at the current rate, if replenished
         as often as needed from now on: the moment a reservation owns its slot, never earlier than

@@ -40,6 +40,10 @@ from .cells import native_available, selected_backend
 #: The timer slack a waiter's sleep runs with (ns): wake-ups end within about this of the deadline
 #: plus the kernel's own latency.
 SLACK_NS = 1_000
+#: A waiter at whose ticket the head stops wakes this long before its turn and stays awake for the
+#: rest (ns): a sleep ends tens of microseconds late, and at a stop that lateness is lost to every
+#: request behind (``Bucket.stops_at``; the native waiter's WAIT_STOP_LEAD_NS).
+STOP_LEAD_NS = 100_000
 _PR_SET_TIMERSLACK = 29
 _PR_GET_TIMERSLACK = 30
 
@@ -129,6 +133,17 @@ def _sleep_until_py(deadline_ns: int, slack_ns: int = SLACK_NS) -> None:
     finally:
         if old > 0 and old != slack_ns:
             prctl(_PR_SET_TIMERSLACK, old, 0, 0, 0)  # type: ignore[misc]
+
+
+def at_stop(due: float, now: int) -> "tuple[float, int]":
+    """``(wake, now)`` for a waiter at whose ticket the head stops, due at ``due`` (real clock, ns):
+    its turn less ``STOP_LEAD_NS`` to sleep to; or, that near, its turn itself, reached awake (the
+    replenish then covers the ticket at its instant, not a wake's lateness after it)."""
+    if due - now > STOP_LEAD_NS:
+        return due - STOP_LEAD_NS, now
+    while time.monotonic_ns() < due:
+        pass
+    return due, time.monotonic_ns()
 
 
 def sleeper() -> Callable[..., None]:

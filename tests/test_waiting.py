@@ -5,12 +5,14 @@ import gc
 import multiprocessing as mp
 import os
 import sys
+import threading
 import time
 
 import pytest
 
 import shmlimit
 from shmlimit import acquisition as LM
+from shmlimit import layout as L
 from shmlimit import sleep as S
 from shmlimit.cells import native_available
 from support.procs import acquire_for, run_processes, wait_for
@@ -104,6 +106,45 @@ def test_a_waiter_wakes_about_once_per_turn(name):
     assert grants >= floor(400, 400, starved, [d for _, _, d in out]), (grants, starved, out)
     # one sleep per grant, plus a retry now and then when another process's replenish was in flight
     assert wakes <= 2 * grants, (wakes, grants)
+
+
+@pytest.mark.slow
+def test_a_waiter_at_a_stop_replenishes_at_its_turn_not_a_wake_later(name):
+    """Capacity one op: the head stops at the end of every request until a snapshot is taken
+    there, so a replenish that covers a ticket a wake's lateness after its turn drops that
+    lateness (the request behind accrues only from then): every grant of the grid would come
+    later by it.  The waiter at a stop wakes a little before its turn and replenishes at it,
+    so the grants keep their grid: two threads saturating 200/s, each grant later than the one
+    before by the replenish itself and the claim after it (the median: now and then one is
+    late by what the machine withheld), where a wake-up's lateness is tens of microseconds."""
+    lim = shmlimit.Limiter(name, rate=200, burst=1)
+    lim.retry_after()  # its filler thread starts, to be stopped: only the waiters replenish
+    lim._att.filler.stop()
+    lim._att.filler.join(10)
+    c = lim._att.cells
+    stamps = []
+
+    def waiter():
+        for _ in range(25):
+            lim.acquire()
+            stamps.append(c.load(L.REPL_TS))  # the claim taken where the head stopped, right after it
+
+    lim.acquire()  # the bucket's one op: from here on every grant is a stop
+    threads = [threading.Thread(target=waiter) for _ in range(2)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(60)
+    lim.close()
+    # from the third on (both threads queued); a thread held off the CPU for a turn or more after
+    # its grant reads the next claim instead of its own: counted once, its own gap then doubled
+    stamps = sorted(set(stamps))[2:]
+    late = sorted(b - a - 5_000_000 for a, b in zip(stamps, stamps[1:]))
+    assert len(late) >= 40 and late[0] >= 0, late  # never a grant before its turn
+    if c.backend == "native":  # under a microsecond; a wake-up's lateness is 10-50 us
+        assert late[len(late) // 2] <= 10_000, late  # ns
+    # (the atomics backend's replenish runs in Python, tens of microseconds, its threads share
+    # one GIL and wake in Python: there the median follows the machine's load, not the stop)
 
 
 # ---- on an event loop: a timerfd armed at the instant, not the selector's millisecond ---------------
