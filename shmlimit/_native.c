@@ -326,19 +326,25 @@ claim_record(uint64_t *const *recs, int nrec, uint64_t ticket)
     return NULL;
 }
 
-/* The records argument: a tuple of LEN offsets (each with its TICKET word just before it), all
- * checked; 0 with the exception set otherwise. */
+/* A records argument: a tuple of ticket records' LEN offsets, at most `max` of them, into
+ * recs[0..*nrec).  Each offset is checked as any word's and must leave room for its TICKET word just
+ * before it (claim_record writes recs[i] - 1); all are checked before the caller touches any.
+ * `what` names the call in the errors; 0 with the exception set otherwise. */
 static int
-parse_records(NativeCells *self, PyObject *arg, uint64_t **recs, int *nrec)
+records_from_tuple(NativeCells *self, PyObject *arg, const char *what, Py_ssize_t max, uint64_t **recs,
+                   Py_ssize_t *nrec)
 {
-    if (!PyTuple_Check(arg) || PyTuple_GET_SIZE(arg) > MAX_RECS) {
-        PyErr_Format(PyExc_TypeError, "records must be a tuple of at most %d LEN offsets", MAX_RECS);
+    if (!PyTuple_Check(arg)) {
+        PyErr_Format(PyExc_TypeError, "%s: records must be a tuple of LEN offsets", what);
         return 0;
     }
-    *nrec = (int)PyTuple_GET_SIZE(arg);
-    for (int i = 0; i < *nrec; i++) {
-        PyObject *off = PyTuple_GET_ITEM(arg, i);
-        if (!(recs[i] = word(self, off)))
+    if (PyTuple_GET_SIZE(arg) > max) {
+        PyErr_Format(PyExc_TypeError, "%s: records must be a tuple of at most %zd LEN offsets", what, max);
+        return 0;
+    }
+    *nrec = PyTuple_GET_SIZE(arg);
+    for (Py_ssize_t i = 0; i < *nrec; i++) {
+        if (!(recs[i] = word(self, PyTuple_GET_ITEM(arg, i))))
             return 0;
         if ((char *)recs[i] - self->base < 8) {
             PyErr_SetString(PyExc_IndexError, "a record's LEN offset must have its TICKET word before it");
@@ -346,6 +352,33 @@ parse_records(NativeCells *self, PyObject *arg, uint64_t **recs, int *nrec)
         }
     }
     return 1;
+}
+
+/* The records of a grab (Grabber, Gate): at most MAX_RECS, into the caller's array. */
+static int
+parse_records(NativeCells *self, PyObject *arg, const char *what, uint64_t **recs, int *nrec)
+{
+    Py_ssize_t n;
+    if (!records_from_tuple(self, arg, what, MAX_RECS, recs, &n))
+        return 0;
+    *nrec = (int)n;
+    return 1;
+}
+
+/* Every ticket record of a segment (clamp_words, a Waiter): any number of them, in a new PyMem
+ * array the caller frees with PyMem_Free; NULL with the exception set otherwise. */
+static uint64_t **
+records_new(NativeCells *self, PyObject *arg, const char *what, Py_ssize_t *nrecs)
+{
+    Py_ssize_t n = PyTuple_Check(arg) ? PyTuple_GET_SIZE(arg) : 0;
+    uint64_t **recs = PyMem_New(uint64_t *, n > 0 ? n : 1);
+    if (!recs)
+        return (uint64_t **)PyErr_NoMemory();
+    if (!records_from_tuple(self, arg, what, n, recs, nrecs)) {
+        PyMem_Free(recs);
+        return NULL;
+    }
+    return recs;
 }
 
 /* What grab_recorded did: granted (ops counted), queued (a ticket, recorded), or nothing taken. */
@@ -477,7 +510,7 @@ cells_grabber(NativeCells *self, PyObject *const *args, Py_ssize_t n)
     int nrec = 0, recorded = n == 8;
     if (!parse_args(self, args, recorded ? 7 : n, "grabber", GRAB_IF_ARGS, w, v))
         return NULL;
-    if (recorded && !parse_records(self, args[7], recs, &nrec))
+    if (recorded && !parse_records(self, args[7], "grabber", recs, &nrec))
         return NULL;
     Grabber *g = bind_grab(self, &GrabberType, w[0], w[1], w[2], w[3], v[0], v[1], v[2]);
     if (g && recorded) {
@@ -1347,7 +1380,7 @@ cells_gate(NativeCells *self, PyObject *const *args, Py_ssize_t n)
     int nrec = 0, recorded = n == 14; /* a 14th argument: the records a queued ticket must hold one of */
     if (!parse_args(self, args, recorded ? 13 : n, "gate", "wuwwwwwuuuu..", w, v))
         return NULL;
-    if (recorded && !parse_records(self, args[13], recs, &nrec))
+    if (recorded && !parse_records(self, args[13], "gate", recs, &nrec))
         return NULL;
     uint64_t amount = v[1], tpn = v[3], pend_mul = v[4];
     int capped = PyObject_IsTrue(args[11]);
@@ -2136,7 +2169,7 @@ clamp_limit(uint64_t base, uint64_t end, uint64_t next, uint64_t room, uint64_t 
 
 /* cells.clamp_words(head_off, head, tail, records) -> (base, end, next), or None when the head moved
  * during the read: bucket.clamp_words for the Python replenish on this backend (one call, the
- * records' offsets a tuple checked as load_many's are). */
+ * records' offsets checked as records_from_tuple does). */
 static PyObject *
 cells_clamp_words(NativeCells *self, PyObject *const *args, Py_ssize_t n)
 {
@@ -2146,23 +2179,10 @@ cells_clamp_words(NativeCells *self, PyObject *const *args, Py_ssize_t n)
     uint64_t *headw = word(self, args[0]);
     if (!headw || !u64(args[1], &head) || !u64(args[2], &tail))
         return NULL;
-    PyObject *rt = args[3];
-    if (!PyTuple_Check(rt)) {
-        PyErr_SetString(PyExc_TypeError, "clamp_words: records must be a tuple of LEN offsets");
-        return NULL;
-    }
-    Py_ssize_t nrecs = PyTuple_GET_SIZE(rt);
-    uint64_t **recs = PyMem_New(uint64_t *, nrecs > 0 ? nrecs : 1);
+    Py_ssize_t nrecs;
+    uint64_t **recs = records_new(self, args[3], "clamp_words", &nrecs);
     if (!recs)
-        return PyErr_NoMemory();
-    for (Py_ssize_t i = 0; i < nrecs; i++) {
-        if (!(recs[i] = word(self, PyTuple_GET_ITEM(rt, i))) || (char *)recs[i] - self->base < 8) {
-            PyMem_Free(recs);
-            if (!PyErr_Occurred())
-                PyErr_SetString(PyExc_IndexError, "a record's LEN offset must have its TICKET word before it");
-            return NULL;
-        }
-    }
+        return NULL;
     int ok = clamp_words(recs, nrecs, headw, head, tail, out);
     PyMem_Free(recs);
     if (!ok)
@@ -2883,26 +2903,10 @@ cells_waiter(NativeCells *self, PyObject *const *args, Py_ssize_t n)
         PyErr_SetString(PyExc_ValueError, "waiter: tpn >= 1, 1 <= cap <= 2**62, 1 <= slack_ns <= 1e9");
         return NULL;
     }
-    PyObject *rt = args[17];
-    if (!PyTuple_Check(rt)) {
-        PyErr_SetString(PyExc_TypeError, "waiter: records must be a tuple of LEN offsets");
-        return NULL;
-    }
-    Py_ssize_t nrecs = PyTuple_GET_SIZE(rt);
-    uint64_t **recs = PyMem_New(uint64_t *, nrecs > 0 ? nrecs : 1);
+    Py_ssize_t nrecs;
+    uint64_t **recs = records_new(self, args[17], "waiter", &nrecs);
     if (!recs)
-        return PyErr_NoMemory();
-    for (Py_ssize_t i = 0; i < nrecs; i++) {
-        if (!(recs[i] = word(self, PyTuple_GET_ITEM(rt, i)))) {
-            PyMem_Free(recs);
-            return NULL;
-        }
-        if ((char *)recs[i] - self->base < 8) {
-            PyMem_Free(recs);
-            PyErr_SetString(PyExc_IndexError, "a record's LEN offset must have its TICKET word before it");
-            return NULL;
-        }
-    }
+        return NULL;
     Waiter *g = (Waiter *)wait_new(self, &WaiterType, w[0], w[2], w[7], waiting, expected);
     if (!g) {
         PyMem_Free(recs);

@@ -119,6 +119,31 @@ def test_out_of_bounds_and_misaligned_offsets_touch_nothing(cells, off):
     assert all(cells.load(i) == i + 1 for i in range(0, SIZE, 8))
 
 
+@pytest.mark.parametrize("records, error", [
+    ((0,), IndexError),  # a LEN word with no TICKET word before it
+    ((40, SIZE), IndexError),
+    ((40, 44), IndexError),
+    ([40], TypeError),
+])
+def test_every_records_argument_is_checked_before_any_word_is_touched(cells, records, error):
+    for i in range(0, SIZE, 8):
+        cells.store(i, i + 1)
+    seq, tail, head, grants = 24, 0, 8, 16
+    waiter_args = [seq, 25, tail, head, 48, 56, 64, 72, grants, None, 1, 10, 1000, 80, 88, 96, 104]
+    calls = [
+        lambda: cells.grabber(seq, 25, tail, head, 1, grants, 1, records),
+        lambda: cells.clamp_words(head, 9, 1, records),
+    ]
+    if cells.waiter(*waiter_args, (40,)) is not None:  # the backend waits in one call
+        calls.append(lambda: cells.waiter(*waiter_args, records))
+    for call in calls:
+        with pytest.raises(error):
+            call()
+    with pytest.raises(TypeError):  # a grab holds at most MAX_RECS (8) records
+        cells.grabber(seq, 25, tail, head, 1, grants, 1, tuple(range(40, 40 + 9 * 16, 16)))
+    assert all(cells.load(i) == i + 1 for i in range(0, SIZE, 8))
+
+
 @pytest.mark.parametrize("value", [-1, 1 << 64])
 def test_values_outside_64_bits_are_refused(cells, value):
     cells.store(0, 7)
