@@ -10,6 +10,7 @@ change, a stop.
 """
 import threading
 import time
+from contextlib import closing
 
 import pytest
 
@@ -17,6 +18,7 @@ import shmlimit
 from shmlimit import filler as F
 from shmlimit import layout as L
 from shmlimit.cells import native_available, selected_backend
+from support.limiters import quiet_limiter
 from support.procs import wait_for
 
 pytestmark = pytest.mark.skipif(
@@ -26,17 +28,6 @@ pytestmark = pytest.mark.skipif(
 UNTIL, IDLE, LOST, BURN, LEFT, PACE = 1, 2, 4, 8, 16, 32
 MS = 1_000_000
 NEVER = 10**15  # a renewal interval that never passes: the lease is not what a test looks at
-
-
-def quiet(name, **kw):
-    """A limiter whose filler thread is stopped (its lease dropped): only the test fills."""
-    lim = shmlimit.Limiter(name, **kw)
-    lim.retry_after()  # a first use: the filler thread starts, to be stopped here
-    f = lim._att.filler
-    f.stop()
-    f.join(10)
-    assert not f.is_alive()
-    return lim
 
 
 def filling(lim):
@@ -62,8 +53,7 @@ def queue(lim, ops):
 
 
 def test_a_span_refills_at_its_pace_renews_the_lease_and_ends_at_until(name):
-    lim = quiet(name, rate=50)
-    try:
+    with closing(quiet_limiter(name, rate=50)) as lim:
         c = lim._att.cells
         w, lease = filling(lim)
         queue(lim, 20)
@@ -81,25 +71,19 @@ def test_a_span_refills_at_its_pace_renews_the_lease_and_ends_at_until(name):
         assert F.lease_slot(new_word) == lim._att.slot
         assert F.lease_expiry_us(new_word) > F.lease_expiry_us(word)
         assert start + 10 * MS <= renewed <= end
-    finally:
-        lim.close()
 
 
 def test_a_span_ends_when_the_queue_is_gone(name):
-    lim = quiet(name, rate=50)
-    try:
+    with closing(quiet_limiter(name, rate=50)) as lim:
         w, lease = filling(lim)
         start = time.monotonic_ns()
         flags, fills, new_word, *_ = w.fill(2 * MS, start + 10**9, lease.word, start, NEVER, 50_000, *mark(lim), False)
         assert (flags, fills, new_word) == (IDLE, 1, lease.word)  # one refill, then Python's pacing
         assert time.monotonic_ns() - start < 10**9
-    finally:
-        lim.close()
 
 
 def test_a_span_ends_when_another_process_holds_the_lease(name):
-    lim = quiet(name, rate=50)
-    try:
+    with closing(quiet_limiter(name, rate=50)) as lim:
         c = lim._att.cells
         w, lease = filling(lim)
         queue(lim, 20)
@@ -109,13 +93,10 @@ def test_a_span_ends_when_another_process_holds_the_lease(name):
         flags, fills, new_word, renewed, *_ = w.fill(2 * MS, start + 10**9, lease.word, start - 10 * MS, 10 * MS, 50_000, *mark(lim), False)
         assert (flags, fills, new_word, renewed) == (LOST, 0, 0, start - 10 * MS)
         assert c.load(L.LEASE) == other  # untouched
-    finally:
-        lim.close()
 
 
 def test_a_span_ends_at_a_config_change_and_at_an_interrupt(name):
-    lim = quiet(name, rate=50)
-    try:
+    with closing(quiet_limiter(name, rate=50)) as lim:
         w, lease = filling(lim)
         queue(lim, 20)
         start = time.monotonic_ns()
@@ -138,31 +119,25 @@ def test_a_span_ends_at_a_config_change_and_at_an_interrupt(name):
         t.join(10)
         assert not t.is_alive() and out[0][0] == LEFT
         assert w.fill(5 * MS, start + 60 * 10**9, lease.word, start, NEVER, 50_000, *mark(lim), False)[:2] == (LEFT, 0)
-    finally:
-        lim.close()
 
 
 def test_a_backed_off_span_ends_before_refilling_when_nobody_else_refilled(name):
     # reservations: nobody refills at their turns, so the pace the filler backed off to ends at the
     # first tick, before our refill and with the mark as it was: the Python tick that follows sees
     # the same interval (nobody else refilled) and goes back to its usual pace
-    lim = quiet(name, rate=1000)
-    try:
+    with closing(quiet_limiter(name, rate=1000)) as lim:
         w, lease = filling(lim)
         queue(lim, 50)
         m = mark(lim)
         start = time.monotonic_ns()
         out = w.fill(2 * MS, start + 10**9, lease.word, start, NEVER, 50_000, *m, True)
         assert out[:2] == (PACE, 0) and out[4:] == m and mark(lim) == m
-    finally:
-        lim.close()
 
 
 def test_a_backed_off_span_keeps_its_pace_while_others_refill_and_lose_nothing(name):
     # another thread refills every half millisecond (the waiters at their turns): the span keeps
     # its pace to the end, every tick's mark after its refill
-    lim = quiet(name, rate=1000)
-    try:
+    with closing(quiet_limiter(name, rate=1000)) as lim:
         b = lim._att.bucket
         w, lease = filling(lim)
         queue(lim, 500)
@@ -188,21 +163,16 @@ def test_a_backed_off_span_keeps_its_pace_while_others_refill_and_lose_nothing(n
             assert (ts, head) == m or ts > m[0]
         else:
             assert flags == UNTIL and 1 <= fills <= 10 and ts > m[0] and head != m[1], (flags, fills)
-    finally:
-        lim.close()
 
 
 def test_a_span_refuses_what_it_cannot_do(name):
-    lim = quiet(name, rate=50)
-    try:
+    with closing(quiet_limiter(name, rate=50)) as lim:
         w, lease = filling(lim)
         now = time.monotonic_ns()
         for args in [(0, now, lease.word, now, 1, 1), (MS, now, 0, now, 1, 1), (MS, now, lease.word, now, 1, 1 << 40)]:
             args += (*mark(lim), False)
             with pytest.raises(ValueError, match="fill"):
                 w.fill(*args)
-    finally:
-        lim.close()
 
 
 @pytest.mark.slow

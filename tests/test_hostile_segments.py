@@ -1,7 +1,6 @@
 """Random bytes where a segment should be: refused with a clear error, never a crash or a hang."""
-import os
+import functools
 import struct
-import uuid
 
 from hypothesis import HealthCheck, event, given, settings
 from hypothesis import strategies as st
@@ -9,6 +8,7 @@ from hypothesis import strategies as st
 import shmlimit
 import shmlimit.layout as L
 import shmlimit.header as header
+from support.segments import captured, no_opener_waits, planted
 
 
 VALID_HEADER = struct.pack("<QQQQQQ", L.MAGIC, L.VERSION, L.segment_size(1), L.STATE_READY, 1, 1)
@@ -23,20 +23,16 @@ def _header_with(word, value):
     return bytes(h)
 
 
+def _used(name):
+    lim = shmlimit.Limiter(name, rate=1000, slots=1)
+    lim.acquire()
+    return lim
+
+
+@functools.lru_cache(maxsize=None)
 def _real_segment():
     """The bytes of a real, live-looking segment (created once, then unlinked)."""
-    if not _TEMPLATE:
-        name = f"test-template-{os.getpid()}-{uuid.uuid4().hex[:8]}"
-        lim = shmlimit.Limiter(name, rate=1000, slots=1)
-        lim.acquire()
-        with open(f"/dev/shm/shmlimit.{name}", "rb") as f:
-            _TEMPLATE.append(f.read())
-        lim.close()
-        shmlimit.unlink(name)
-    return _TEMPLATE[0]
-
-
-_TEMPLATE = []
+    return captured(_used)
 
 
 def _mutated(changes):
@@ -61,15 +57,8 @@ segment_bytes = st.one_of(
 @settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(data=segment_bytes)
 def test_random_bytes_are_refused_cleanly(data, monkeypatch):
-    # A zero magic looks like a segment still being initialised: an opener waits for its creator.
-    # Here no creator exists, so the waits are cut to nothing (the judgement is the same).
-    monkeypatch.setattr(header, "INIT_WAIT", 0.0)
-    monkeypatch.setattr(header, "LIVE_CREATOR_WAIT", 0.0)
-    name = f"test-hostile-{os.getpid()}-{uuid.uuid4().hex[:8]}"
-    path = f"/dev/shm/shmlimit.{name}"
-    fd = os.open(path, os.O_CREAT | os.O_EXCL | os.O_RDWR, 0o600)
-    try:
-        os.write(fd, data)
+    no_opener_waits(monkeypatch, header)
+    with planted(data, "test-hostile") as name:
         for call in (shmlimit.inspect, shmlimit.attach):
             try:
                 r = call(name)
@@ -86,6 +75,3 @@ def test_random_bytes_are_refused_cleanly(data, monkeypatch):
                     event(f"refused later: {type(e).__name__}")
                 finally:
                     r.close()
-    finally:
-        os.close(fd)
-        os.unlink(path)

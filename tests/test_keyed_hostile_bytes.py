@@ -2,9 +2,9 @@
 and every tool answers or refuses with one of shmlimit's errors, never a crash, a hang or another
 exception."""
 import contextlib
+import functools
 import io
 import os
-import uuid
 
 from hypothesis import HealthCheck, event, given, settings
 from hypothesis import strategies as st
@@ -15,26 +15,23 @@ from shmlimit import header
 from shmlimit import keyed_layout as K
 from shmlimit import keyed_segment
 from shmlimit.keyed_stats import sample_keys
+from support.segments import captured, no_opener_waits, planted
 
 KEYS, OVR = 64, 4
 SIZE = K.segment_size(KEYS, OVR)
 WORDS = SIZE // 8
-_TEMPLATE = []
+def _used(name):
+    lim = shmlimit.KeyedLimiter(name, rate=10, burst=3, keys=KEYS, overrides=OVR)
+    for k in ("a", "b", "c", "d" * 40):
+        lim.try_acquire(k, 2)
+    lim.set_rate(1, key="a")
+    return lim
 
 
+@functools.lru_cache(maxsize=None)
 def _template():
     """A real keyed segment with live keys, one override and this process registered (then unlinked)."""
-    if not _TEMPLATE:
-        name = f"test-ktmpl-{os.getpid()}-{uuid.uuid4().hex[:8]}"
-        lim = shmlimit.KeyedLimiter(name, rate=10, burst=3, keys=KEYS, overrides=OVR)
-        for k in ("a", "b", "c", "d" * 40):
-            lim.try_acquire(k, 2)
-        lim.set_rate(1, key="a")
-        with open(f"/dev/shm/shmlimit.{name}", "rb") as f:
-            _TEMPLATE.append(f.read())
-        lim.close()
-        shmlimit.unlink(name)
-    return _TEMPLATE[0]
+    return captured(_used, "test-ktmpl")
 
 
 DEAD_OWNER = K.owner((1 << K.PID_BITS) - 7)  # above any pid_max: never a live process
@@ -94,15 +91,8 @@ def _quiet_cli(*argv):
 @settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(data=segment_bytes)
 def test_random_words_in_a_keyed_segment_are_refused_or_served_cleanly(data, monkeypatch):
-    monkeypatch.setattr(header, "INIT_WAIT", 0.0)
-    monkeypatch.setattr(header, "LIVE_CREATOR_WAIT", 0.0)
-    monkeypatch.setattr(keyed_segment, "INIT_WAIT", 0.0)
-    monkeypatch.setattr(keyed_segment, "LIVE_CREATOR_WAIT", 0.0)
-    name = f"test-khostile-{os.getpid()}-{uuid.uuid4().hex[:8]}"
-    path = f"/dev/shm/shmlimit.{name}"
-    fd = os.open(path, os.O_CREAT | os.O_EXCL | os.O_RDWR, 0o600)
-    try:
-        os.write(fd, data)
+    no_opener_waits(monkeypatch, header, keyed_segment)
+    with planted(data, "test-khostile") as name:
         for argv in (("inspect", name), ("inspect", "--json", name), ("top", "--once", "--interval", "0.001", name),
                      ("metrics", name)):
             _quiet_cli(*argv)
@@ -132,6 +122,3 @@ def test_random_words_in_a_keyed_segment_are_refused_or_served_cleanly(data, mon
                 lim.stats()
         finally:
             lim.close()
-    finally:
-        os.close(fd)
-        os.unlink(path)

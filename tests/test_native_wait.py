@@ -11,6 +11,7 @@ import subprocess
 import sys
 import threading
 import time
+from contextlib import closing
 
 import pytest
 from hypothesis import HealthCheck, given, settings
@@ -21,6 +22,7 @@ from shmlimit import layout as L
 from shmlimit.cells import MASK64, native_available, selected_backend
 from shmlimit.sleep import SLACK_NS
 from support.clock import FakeClock
+from support.limiters import quiet_limiter
 from support.procs import WORKDIR, acquire_for, run_processes, wait_for
 from support.starvation import floor, run_delay
 
@@ -30,16 +32,6 @@ pytestmark = pytest.mark.skipif(
 
 ROVERS = (L.REPL_TS, L.SNAP_HEAD, L.SNAP_TAIL, L.HEAD, L.TAIL, L.STARVED_NS,  # and the count of time lost
           L.SNAP_BASE, L.SNAP_END, L.SNAP_NEXT)  # and the clamp left for the next replenish
-
-
-def quiet_limiter(name, clock, **kw):
-    """A limiter on a fake clock whose filler thread is stopped: only the test replenishes."""
-    lim = shmlimit.Limiter(name, clock=clock, **kw)
-    lim.retry_after()  # a first use (taking nothing): its filler thread starts, to be stopped here
-    f = lim._att.filler
-    f.stop()
-    f.join(10)
-    return lim
 
 
 def waiter_of(lim):
@@ -120,8 +112,7 @@ def test_the_native_replenish_is_the_reference_one(
 
 def test_a_waiter_bound_to_a_replaced_config_touches_nothing(name):
     clock = FakeClock()
-    lim = quiet_limiter(name, clock, rate=1000)
-    try:
+    with closing(quiet_limiter(name, clock, rate=1000)) as lim:
         c = lim._att.cells
         w = waiter_of(lim)
         ticket = (c.load(L.TAIL) + 10**12) & MASK64
@@ -132,8 +123,6 @@ def test_a_waiter_bound_to_a_replaced_config_touches_nothing(name):
         assert w.wait(ticket, 1, time.monotonic_ns() + 10**9, True) == 0  # back to Python at once
         assert [c.load(o) for o in ROVERS] == before and w.naps == 0
         assert c.load(lim._att.waiting_off) == 0  # counted while inside only
-    finally:
-        lim.close()
 
 
 def _counting_worker(name, seconds, q):

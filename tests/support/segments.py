@@ -1,8 +1,82 @@
-"""Segments seen from outside the atomic layer."""
+"""Segments seen from outside the atomic layer: raw bytes, hostile files, and the tools' view of them."""
 from __future__ import annotations
+
+import io
+import os
+import uuid
+from contextlib import contextmanager, redirect_stderr, redirect_stdout
+from typing import Any, Callable, Iterator, Tuple
+
+
+def shm_path(name: str) -> str:
+    return f"/dev/shm/shmlimit.{name}"
 
 
 def shm_bytes(name: str) -> bytes:
     """The segment's raw bytes, read through the filesystem (not the atomic layer)."""
-    with open(f"/dev/shm/shmlimit.{name}", "rb") as f:
+    with open(shm_path(name), "rb") as f:
         return f.read()
+
+
+def unique_name(prefix: str) -> str:
+    """A limiter name no other test (of this run or another) uses: ``prefix``, this pid, a random tail."""
+    return f"{prefix}-{os.getpid()}-{uuid.uuid4().hex[:8]}"
+
+
+def captured(create: Callable[[str], Any], prefix: str = "test-template") -> bytes:
+    """The raw bytes of a real segment: ``create(name)`` makes it and returns what it opened, which
+    is then closed, the segment unlinked."""
+    import shmlimit
+
+    name = unique_name(prefix)
+    opened = create(name)
+    try:
+        data = shm_bytes(name)
+    finally:
+        opened.close()
+        shmlimit.unlink(name)
+    return data
+
+
+@contextmanager
+def planted(data: bytes, prefix: str) -> Iterator[str]:
+    """``data`` where a segment's file would be, under a new name (yielded), removed on leaving.
+    The file is made here (O_EXCL, mode 0600): no segment of anyone else is touched."""
+    name = unique_name(prefix)
+    path = shm_path(name)
+    fd = os.open(path, os.O_CREAT | os.O_EXCL | os.O_RDWR, 0o600)
+    try:
+        os.write(fd, data)
+        yield name
+    finally:
+        os.close(fd)
+        os.unlink(path)
+
+
+def no_opener_waits(monkeypatch: Any, *modules: Any) -> None:
+    """A zero magic looks like a segment still being initialised, so an opener waits for its creator:
+    where no creator exists, the waits of ``modules`` (``header`` and the like) are cut to nothing (the
+    judgement is the same)."""
+    for module in modules:
+        monkeypatch.setattr(module, "INIT_WAIT", 0.0)
+        monkeypatch.setattr(module, "LIVE_CREATOR_WAIT", 0.0)
+
+
+def run_tools_on(monkeypatch: Any, prefix: str, *argv: str) -> Tuple[int, str]:
+    """``shmlimit argv...`` run in this process as if the segments named ``prefix``... were the only
+    ones on the machine: ``(exit code, stdout)``.  A test's ``gc`` then never collects a segment of
+    another test run (one whose processes are between a close and the next attach, say)."""
+    from shmlimit import cli
+
+    real = cli.scan
+
+    def own() -> Tuple[list, list]:
+        good, bad = real()
+        return [n for n in good if n.startswith(prefix)], [n for n in bad if n.startswith(prefix)]
+
+    out = io.StringIO()
+    with monkeypatch.context() as m:
+        m.setattr(cli, "scan", own)
+        with redirect_stdout(out), redirect_stderr(io.StringIO()):
+            code = cli.main(list(argv))
+    return code, out.getvalue()
