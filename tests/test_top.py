@@ -10,6 +10,7 @@ import pytest
 
 import shmlimit
 from support.procs import ROOT, run_cli as cli, start_acquirer as start_worker, start_on_terminal, wait_exit
+from support.segments import run_tools_on
 from support.starvation import assert_rate, run_delay
 
 
@@ -91,17 +92,19 @@ def test_a_killed_worker_shows_dead_and_the_segment_stale(name):
     assert "DEAD" in text and "STALE" in text
 
 
-def test_gc_removes_only_stale_segments(name):
+def test_gc_removes_only_stale_segments(name, monkeypatch):
+    # gc run over this test's segments only: over every one on the machine it would also collect
+    # those of another test run between a close and its next attach (as it should: nobody uses them)
     stale, used = name + "-stale", name + "-used"
     shmlimit.Limiter(stale, rate=10).close()
     shmlimit.Limiter(used, rate=10).close()
     worker = start_worker(used)
     try:
-        r = cli("gc", "--dry-run")
-        assert r.returncode == 0 and f"stale: {stale}" in r.stdout and used not in r.stdout
+        code, out = run_tools_on(monkeypatch, name, "gc", "--dry-run")
+        assert code == 0 and f"stale: {stale}" in out and used not in out
         assert stale in shmlimit.list_names()  # dry run removes nothing
-        r = cli("gc")
-        assert f"removed: {stale}" in r.stdout
+        code, out = run_tools_on(monkeypatch, name, "gc")
+        assert code == 0 and f"removed: {stale}" in out
         names = shmlimit.list_names()
         assert stale not in names and used in names
     finally:

@@ -14,6 +14,7 @@ from shmlimit.window_table import WindowTable
 from support.clock import FakeClock
 from support.procs import kill_all, read_exactly
 from support.procs import run_cli as cli
+from support.segments import run_tools_on
 
 
 @pytest.fixture
@@ -146,15 +147,15 @@ def test_forked_users_are_listed_on_first_use_and_a_killed_one_as_dead(table, na
             os.close(fd)
 
 
-def test_gc_and_doctor_say_what_they_do_with_unused_keyed_tables(name):
+def test_gc_and_doctor_say_what_they_do_with_unused_keyed_tables(name, monkeypatch):
     from shmlimit import doctor
 
     windows, keyed = name + "-w", name + "-k"
     WindowTable(windows, keys=64).close()  # no process uses either now
     shmlimit.KeyedLimiter(keyed, rate=10, keys=64).close()
     try:
-        for args in (("gc", "--dry-run"), ("gc",)):
-            out = cli(*args).stdout
+        for args in (("gc", "--dry-run"), ("gc",)):  # over this test's segments only (see test_top)
+            out = run_tools_on(monkeypatch, name, *args)[1]
             assert f"stale: {windows}" not in out and f"removed: {windows}" not in out
             assert f"left alone (a table of window counters, no live process: 'shmlimit unlink {windows}' removes it)" in out
             assert f"left alone (a keyed limiter, no live process: 'shmlimit unlink {keyed}' removes it)" in out
