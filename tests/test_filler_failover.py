@@ -21,12 +21,18 @@ from support.windows import max_excess, max_gap, tag
 
 pytestmark = pytest.mark.slow  # real processes measured in real (wall-clock) time
 
+# KEEP: the test's own process creates the limiter and stays registered in it, never using it (so it
+# runs no filler thread, never holds the lease and grants nothing), until the test ends.  The test's
+# other processes come and go -- killed, replaced -- and between one's death and the next one's
+# attach nobody else would use the segment: a collector (`shmlimit gc`, say another test run's) may
+# rightly remove it then, and the next process would find no limiter to attach to.
 
-def test_stopped_filler_loses_the_lease_and_nothing_is_double_filled(name):
+
+def test_stopped_filler_loses_the_lease_and_nothing_is_double_filled(name, cleanup):
     rate, seconds = 500, 4.0
     lim = shmlimit.Limiter(name, rate=rate)
+    cleanup.append(lim)  # this process stays registered, unused (see KEEP)
     cap = lim.capacity
-    lim.close()
     filler = start_idle(name)  # attached first: it takes the lease and does nothing else
     wait_for(lambda: shmlimit.inspect(name).filler_pid == filler.pid)
     procs = start_workers(name, 3, seconds)
@@ -66,11 +72,11 @@ def test_stopped_filler_loses_the_lease_and_nothing_is_double_filled(name):
     assert lost <= total(delays) + (filler1 - filler0 if filler0 is not None and filler1 is not None else 0)
 
 
-def test_killed_filler_is_replaced_and_grants_continue(name):
+def test_killed_filler_is_replaced_and_grants_continue(name, cleanup):
     rate, seconds = 500, 3.0
     lim = shmlimit.Limiter(name, rate=rate)
+    cleanup.append(lim)  # this process stays registered, unused (see KEEP)
     cap = lim.capacity
-    lim.close()
     procs = start_workers(name, 3, seconds)
     by_pid = {p.pid: p for p in procs}
     go(procs)
@@ -102,7 +108,7 @@ def test_killed_filler_is_replaced_and_grants_continue(name):
     assert all(not p.alive for p in dead)
 
 
-def test_filler_killed_20_times_while_4_workers_hammer(name):
+def test_filler_killed_20_times_while_4_workers_hammer(name, cleanup):
     """Whoever holds the filler lease is SIGKILLed, 20 times, 20-150 ms apart.
 
     It may be a dedicated idle process or one of the workers (then a new
@@ -111,8 +117,8 @@ def test_filler_killed_20_times_while_4_workers_hammer(name):
     """
     rate = 1000
     lim = shmlimit.Limiter(name, rate=rate)
+    cleanup.append(lim)  # this process stays registered, unused (see KEEP)
     cap = lim.capacity
-    lim.close()
     rng = random.Random(20)
     idle = []
     w = Stampers(name)
@@ -172,10 +178,10 @@ while True:  # pure-Python CPU work in the main thread: the filler thread fights
 """
 
 
-def test_a_starved_filler_thread_still_holds_the_rate(name):
+def test_a_starved_filler_thread_still_holds_the_rate(name, cleanup):
     rate = 500
     lim = shmlimit.Limiter(name, rate=rate)
-    lim.close()
+    cleanup.append(lim)  # this process stays registered, unused (see KEEP)
     busy = subprocess.Popen([sys.executable, "-c", BUSY, name], stdout=subprocess.PIPE, text=True, cwd=WORKDIR)
     others = []
     try:
