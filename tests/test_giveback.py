@@ -59,8 +59,14 @@ def native_wait_replaced(name):
 
 
 def no_backlog(lim, n=1, within=0.5):
-    """A timed acquire decides at once from the queue ahead: True only if no long ticket is in it."""
-    return lim.acquire(n, timeout=within)
+    """True only if no long ticket is queued ahead: ``n`` ops are promised within ``within`` seconds
+    and granted by a timed acquire, which decides at once from the queue ahead.
+
+    A ticket given back is skipped by this process's returns thread once the head reaches it, so
+    that is waited for first (on a busy machine the thread may not have run yet: the range would
+    still look queued); nothing here depends on how fast the machine is."""
+    wait_for(lambda: not lim._att.returns.pending())
+    return lim.retry_after(n) <= within and lim.acquire(n, timeout=within)
 
 
 # ---- the skip itself, on a fake clock --------------------------------------------------------------
