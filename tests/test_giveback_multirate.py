@@ -225,13 +225,20 @@ def _racing_claims(monkeypatch, lim, key, before):
     monkeypatch.setattr(b, "take_within", racing)
 
 
-def test_a_reservation_refused_on_a_later_rate_gives_back_its_earlier_claims(name, cleanup, monkeypatch):
+def with_another_caller_of_b(name, cleanup):
+    """Rates a (10/s) and b (1/s) on a fake clock, emptied (a's next slot in 0.1 s, b's in 1 s), and
+    another caller of b: ``(the limiter of both, the other)``."""
     clock = FakeClock()
     lim = make(name, {"a": ("10/s", 1), "b": ("1/s", 1)}, clock)
     cleanup.append(lim)
-    other = shmlimit.Limiter(name + ".b", clock=clock)  # another caller of b
+    other = shmlimit.Limiter(name + ".b", clock=clock)
     cleanup.insert(0, other)  # closed (unlinking the rate) before the limiter of both
-    empty(lim)  # a's next slot in 0.1 s, b's in 1 s
+    empty(lim)
+    return lim, other
+
+
+def test_a_reservation_refused_on_a_later_rate_gives_back_its_earlier_claims(name, cleanup, monkeypatch):
+    lim, other = with_another_caller_of_b(name, cleanup)
     a = lim._live()[0]
     # between the reservation's look and its claim on b, the other caller takes b's next slot
     _racing_claims(monkeypatch, lim, "b", lambda: other.reserve())
@@ -273,12 +280,7 @@ def test_a_reservation_interrupted_part_way_gives_back_its_claims(name, cleanup,
 def test_a_reservation_whose_later_rate_takes_all_records_still_gives_back(name, cleanup, monkeypatch):
     # every record of this process's slot on a is in use: the claim there is taken unrecorded,
     # and given back on the refusal all the same
-    clock = FakeClock()
-    lim = make(name, {"a": ("10/s", 1), "b": ("1/s", 1)}, clock)
-    cleanup.append(lim)
-    other = shmlimit.Limiter(name + ".b", clock=clock)
-    cleanup.insert(0, other)
-    empty(lim)
+    lim, other = with_another_caller_of_b(name, cleanup)
     a = lim._live()[0]
     cells = a.cells
     far = (cells.load(L.TAIL) - 10**12) % 2**64

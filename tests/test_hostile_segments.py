@@ -8,7 +8,7 @@ from hypothesis import strategies as st
 import shmlimit
 import shmlimit.layout as L
 import shmlimit.header as header
-from support.segments import captured, no_opener_waits, planted
+from support.segments import captured, no_opener_waits, planted, with_words
 
 
 VALID_HEADER = struct.pack("<QQQQQQ", L.MAGIC, L.VERSION, L.segment_size(1), L.STATE_READY, 1, 1)
@@ -18,9 +18,7 @@ SIZE = L.segment_size(1)
 
 
 def _header_with(word, value):
-    h = bytearray(VALID_HEADER + bytes(SIZE - len(VALID_HEADER)))
-    h[word * 8 : word * 8 + 8] = value.to_bytes(8, "little")
-    return bytes(h)
+    return bytes(with_words(VALID_HEADER + bytes(SIZE - len(VALID_HEADER)), [(word, value)]))
 
 
 def _used(name):
@@ -37,10 +35,7 @@ def _real_segment():
 
 def _mutated(changes):
     """A real segment with some words (rovers, lease, slots, anything past the header line) set at random."""
-    data = bytearray(_real_segment())
-    for word, value in changes:
-        data[word * 8 : word * 8 + 8] = value.to_bytes(8, "little")
-    return bytes(data)
+    return bytes(with_words(_real_segment(), changes))
 
 
 segment_bytes = st.one_of(

@@ -15,7 +15,7 @@ from shmlimit import header
 from shmlimit import keyed_layout as K
 from shmlimit import keyed_segment
 from shmlimit.keyed_stats import sample_keys
-from support.segments import captured, no_opener_waits, planted
+from support.segments import captured, no_opener_waits, planted, with_words
 
 KEYS, OVR = 64, 4
 SIZE = K.segment_size(KEYS, OVR)
@@ -53,10 +53,7 @@ def _no_live_inserter(data):
 
 
 def _mutated(changes):
-    data = bytearray(_template())
-    for word, value in changes:
-        data[word * 8: word * 8 + 8] = value.to_bytes(8, "little")
-    return _no_live_inserter(data)
+    return _no_live_inserter(with_words(_template(), changes))
 
 
 def _slot_words():

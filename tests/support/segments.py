@@ -5,7 +5,7 @@ import io
 import os
 import uuid
 from contextlib import contextmanager, redirect_stderr, redirect_stdout
-from typing import Any, Callable, Iterator, Tuple
+from typing import Any, Callable, Iterable, Iterator, Tuple
 
 
 def shm_path(name: str) -> str:
@@ -36,6 +36,14 @@ def captured(create: Callable[[str], Any], prefix: str = "test-template") -> byt
         opened.close()
         shmlimit.unlink(name)
     return data
+
+
+def with_words(data: bytes, changes: Iterable[Tuple[int, int]]) -> bytearray:
+    """A copy of a segment's bytes with each ``(word index, 64-bit value)`` of ``changes`` written."""
+    out = bytearray(data)
+    for word, value in changes:
+        out[word * 8 : word * 8 + 8] = value.to_bytes(8, "little")
+    return out
 
 
 @contextmanager
