@@ -2419,6 +2419,26 @@ waiter_atfork_child(void)
     wait_slice_tried = 0; /* the kernel reset the slice of the child's thread (reset-on-fork) */
 }
 
+/* One more caller inside a loop that runs without the GIL (a wait, a fill): the mapping must
+ * outlive it, and close() waits while `busy` counts any (it wakes them first).  After fork the
+ * count is the parent's, whose other threads do not exist here: a process starts its own count.
+ * The GIL held; the caller leaves with cells_leave. */
+static void
+cells_enter(NativeCells *c)
+{
+    if (c->busy_gen != waiter_fork_gen) {
+        c->busy_gen = waiter_fork_gen;
+        __atomic_store_n(&c->busy, 0, __ATOMIC_SEQ_CST);
+    }
+    __atomic_fetch_add(&c->busy, 1, __ATOMIC_SEQ_CST);
+}
+
+static void
+cells_leave(NativeCells *c)
+{
+    __atomic_fetch_sub(&c->busy, 1, __ATOMIC_SEQ_CST);
+}
+
 /* A waiter type's loop, run without the GIL: the flags wait() answers.  *old_slack is the
  * thread's timer slack to restore after it (0: untouched; a loop that never lowers it leaves 0). */
 typedef int (*wait_loop_fn)(WaitBase *w, uint64_t ticket, uint64_t ops, uint64_t tokens, uint64_t until,
@@ -2442,15 +2462,8 @@ wait_run(WaitBase *self, uint64_t ticket, uint64_t ops, uint64_t until, uint64_t
     }
     int rc;
     long old_slack = 0;
-    /* The mapping must outlive the loop, which runs without the GIL: close() waits while `busy`
-     * counts callers in here (it wakes them first).  After fork the count is the parent's, whose
-     * other threads do not exist here: a process starts its own count. */
     NativeCells *c = self->cells;
-    if (c->busy_gen != waiter_fork_gen) {
-        c->busy_gen = waiter_fork_gen;
-        __atomic_store_n(&c->busy, 0, __ATOMIC_SEQ_CST);
-    }
-    __atomic_fetch_add(&c->busy, 1, __ATOMIC_SEQ_CST);
+    cells_enter(c); /* the mapping outlives the loop */
     Py_INCREF(self);
     if (waiting) /* while it waits, the caller counts among its process's queued callers */
         __atomic_fetch_add(waiting, 1, __ATOMIC_SEQ_CST);
@@ -2464,7 +2477,7 @@ wait_run(WaitBase *self, uint64_t ticket, uint64_t ops, uint64_t until, uint64_t
     if (old_slack > 0)
         prctl(PR_SET_TIMERSLACK, (unsigned long)old_slack, 0, 0, 0);
 #endif
-    __atomic_fetch_sub(&c->busy, 1, __ATOMIC_SEQ_CST);
+    cells_leave(c);
     Py_END_ALLOW_THREADS
     Py_DECREF(self);
     return rc;
@@ -2640,15 +2653,11 @@ waiter_fill(Waiter *self, PyObject *const *args, Py_ssize_t n)
     }
     int rc;
     NativeCells *c = self->cells;
-    if (c->busy_gen != waiter_fork_gen) {
-        c->busy_gen = waiter_fork_gen;
-        __atomic_store_n(&c->busy, 0, __ATOMIC_SEQ_CST);
-    }
-    __atomic_fetch_add(&c->busy, 1, __ATOMIC_SEQ_CST);
+    cells_enter(c);
     Py_INCREF(self);
     Py_BEGIN_ALLOW_THREADS
     rc = waiter_fill_loop(self, &f);
-    __atomic_fetch_sub(&c->busy, 1, __ATOMIC_SEQ_CST);
+    cells_leave(c);
     Py_END_ALLOW_THREADS
     Py_DECREF(self);
     return Py_BuildValue("(iKKKKK)", rc, (unsigned long long)f.fills, (unsigned long long)f.lease_word,
