@@ -100,14 +100,14 @@ def count_between(stamps, a, b):
 
 def pause(lim, cons, seconds):
     """Stop the consumers for ``seconds`` (asleep: longer on a busy machine) and say what the waiting
-    pool gained meanwhile: ``(behind before, behind after, the pause, when go was cleared)``, the
-    pause being the shortest and the longest time the pool can have seen it last: from the
-    consumers' stop (after ``go`` is cleared) to the second read, each between the clock readings
+    pool gained meanwhile: ``(behind before, behind after, the pause, a time after go was
+    cleared)``, the pause being the shortest and the longest time the pool can have seen it last:
+    from the consumers' stop (``go`` cleared) to the second read, each between the clock readings
     around it."""
     t0 = time.monotonic()
     before = lim.stats().behind_seconds  # consumers that fell behind already (a slow backend)
-    t1 = time.monotonic()
     cons.go.clear()
+    t1 = time.monotonic()
     time.sleep(seconds)  # the pause being measured
     t2 = time.monotonic()
     after = lim.stats().behind_seconds
@@ -141,9 +141,13 @@ def test_catch_up_after_a_pause(name, ratio):
     resumed = time.monotonic()  # before go: the capacity's burst is granted at once
     cons.go.set()
     wait_for(lambda: time.monotonic() > resumed + 2.2, timeout=5)
+    behind_end = lim.stats().behind_seconds  # read while the consumers still run: once they stop, the pool grows again
     stamps = cons.finish()
     starved = lim.stats().starved_seconds - starved0
-    assert count_between(stamps, paused_at + 0.05, resumed) == 0
+    # paused: each consumer finished at most the acquire it was in when go was cleared (a loaded
+    # machine may finish it late: a consumer off the CPU in it for 50 ms was seen to)
+    paused_by = [w for t, w in cons.tagged if paused_at <= t < resumed]
+    assert len(paused_by) == len(set(paused_by)), paused_by
     got = count_between(stamps, resumed + 0.1, resumed + 2.1)  # after the capacity's burst
     bound_window = max_excess([(t, w) for t, w in cons.tagged if t > resumed], 1.0)
     cap = lim.capacity
@@ -159,7 +163,9 @@ def test_catch_up_after_a_pause(name, ratio):
         assert_pool_gained(behind, paused)
         assert_rate(got, rate * ratio, 2.0, 0.03, starved, cons.delays)
         assert bound_window <= ratio * (rate + cap)
-        assert lim.stats().behind_seconds < before + behind  # being paid back
+        # being paid back (at 0.1 s a second), but for the time neither consumer ran: unused, it
+        # went to the pool (support.starvation; ~0 on a quiet machine)
+        assert behind_end < before + behind + least(cons.delays)
     lim.close()
 
 
