@@ -98,6 +98,15 @@ def count_between(stamps, a, b):
     return sum(1 for t in stamps if a <= t < b)
 
 
+def running_then_paused(lim, seconds=0.5):
+    """Two consumers at work (past the first 300 grants), then paused for ``seconds``: the
+    consumers and what ``pause`` says."""
+    cons = Consumers(lim)
+    cons.go.set()
+    wait_for(lambda: lim.stats().grants >= 300)
+    return (cons, *pause(lim, cons, seconds))
+
+
 def pause(lim, cons, seconds):
     """Stop the consumers for ``seconds`` (asleep: longer on a busy machine) and say what the waiting
     pool gained meanwhile: ``(behind before, behind after, the pause, a time after go was
@@ -132,10 +141,7 @@ def test_catch_up_after_a_pause(name, ratio):
     (never faster); with ratio 1.0 it is gone."""
     rate = 1000
     lim = shmlimit.Limiter(name, rate=rate, ratio=ratio)
-    cons = Consumers(lim)
-    cons.go.set()
-    wait_for(lambda: lim.stats().grants >= 300)
-    before, after, paused, paused_at = pause(lim, cons, 0.5)
+    cons, before, after, paused, paused_at = running_then_paused(lim)
     behind = after - before
     starved0 = lim.stats().starved_seconds
     resumed = time.monotonic()  # before go: the capacity's burst is granted at once
@@ -609,10 +615,7 @@ def test_catch_up_ends_when_the_backlog_is_paid(name):
     """Ratio 2: a 0.5 s backlog is paid back at 2000/s in ~0.5 s, then the rate is 1000/s again."""
     rate = 1000
     lim = shmlimit.Limiter(name, rate=rate, ratio=2.0)
-    cons = Consumers(lim)
-    cons.go.set()
-    wait_for(lambda: lim.stats().grants >= 300)
-    before, total_behind, paused, _ = pause(lim, cons, 0.5)
+    cons, before, total_behind, paused, _ = running_then_paused(lim)
     behind = total_behind - before
     starved0 = lim.stats().starved_seconds
     resumed = time.monotonic()
