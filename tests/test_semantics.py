@@ -7,6 +7,7 @@ import multiprocessing as mp
 import os
 import threading
 import time
+import uuid
 
 import pytest
 
@@ -515,7 +516,13 @@ def test_throttle_on_async_functions(name):
     assert out == [0, 1, 2, 3, 4] and took >= 4 / 20 * 0.9 and skipped is None
 
 
-@shmlimit.throttle("test-throttle-pool", rate=100, burst=1)
+# The pool's limiter is named once per test run: a spawned worker imports this module afresh and
+# finds the name in the environment it inherited.  (A fixed name was shared by test runs going on
+# at once: one's unlink took the segment from under the other's workers.)
+POOL_LIMITER = os.environ.setdefault("SHMLIMIT_TEST_POOL_LIMITER", f"test-throttle-pool-{os.getpid()}-{uuid.uuid4().hex[:8]}")
+
+
+@shmlimit.throttle(POOL_LIMITER, rate=100, burst=1)
 def _throttled(i):
     return time.monotonic(), os.getpid()
 
@@ -523,7 +530,7 @@ def _throttled(i):
 @pytest.mark.slow
 def test_throttle_across_spawned_pool_workers():
     try:
-        shmlimit.unlink("test-throttle-pool")
+        shmlimit.unlink(POOL_LIMITER)
     except FileNotFoundError:
         pass
     try:
@@ -533,7 +540,7 @@ def test_throttle_across_spawned_pool_workers():
         stamps = [t for t, _ in stamped]
         assert max(stamps) - min(stamps) >= 149 / 100 * 0.95
     finally:
-        shmlimit.unlink("test-throttle-pool")
+        shmlimit.unlink(POOL_LIMITER)
 
 
 # ---- asyncio ----------------------------------------------------------------------------------------
