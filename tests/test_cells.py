@@ -132,7 +132,7 @@ def test_every_records_argument_is_checked_before_any_word_is_touched(cells, rec
     waiter_args = [seq, 25, tail, head, 48, 56, 64, 72, grants, None, 1, 10, 1000, 80, 88, 96, 104]
     calls = [
         lambda: cells.grabber(seq, 25, tail, head, 1, grants, 1, records),
-        lambda: cells.clamp_words(head, 9, 1, records),
+        lambda: cells.clamp_words(head, 1, 9, records),  # callers queued (head before tail): records read
     ]
     if cells.waiter(*waiter_args, (40,)) is not None:  # the backend waits in one call
         calls.append(lambda: cells.waiter(*waiter_args, records))
