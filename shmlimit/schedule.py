@@ -156,7 +156,10 @@ class Schedule:
         short = max(0, diff(ticket, head))
         room = max(0, diff(limit, head))
         if short <= room:
-            return ts + short / snap.tpn
+            # one replenish at that moment could reach the ticket, but the filler's, sooner, take
+            # snapshots that stop the head before it: two replenishes' time for each such stop
+            stops = count_stops(c, self._record_lens(), head, ticket, snap.cap) if short > 0 else 0
+            return ts + short / snap.tpn + stops * stop_ns(snap)
         # the next replenish claims some time: not before now, nor before REPL_TS + 1 ns; the rest
         # then comes at the pace the head can keep (estimate_wait_ns: slower for a capacity under
         # two fill intervals, where each replenish may add only half a capacity), and each stop
