@@ -45,6 +45,7 @@ from .acquisition import drive, drive_async
 from .attachment import Attachment, gate_all, open_attachment, release
 from .config import NS_PER_S, Config, validate_n, validate_timeout
 from .header import Creation
+from .giveback import NO_RECORD, record_nap
 from .multirate_request import REFUSED, Claim, MultiRequest, claim, give_back_claims, take_all, wait_ns
 from .rate_group import RateGroup, parse_rates, rates_from_text
 from .segment import validate_mode, validate_name, validate_slots, validate_trusted_uids
@@ -314,9 +315,23 @@ class MultiLimiter(RateGroup):
         claims: List[Claim] = []
         due = 0.0
         made = False
+        rest = order
+        missed = 0  # rates in a row that found every record in use (a whole round: wait for one)
+        waited_since: Optional[int] = None
         try:
-            for i in order:
-                c = claim(atts[i], toks[i], max_ns)
+            while rest:
+                i = rest[0]
+                c = claim(atts[i], toks[i], max_ns, last=len(rest) == 1)
+                if c[2] is NO_RECORD:  # five waiters of this process queue on that rate: claim it later
+                    rest = rest[1:] + [i]
+                    missed += 1
+                    if missed >= len(rest):
+                        waited_since = self._wait_for_record(atts[i], waited_since, max_ns)
+                        if waited_since is None:
+                            return None  # no record freed within max_wait: refused (the finally gives back)
+                        missed = 0
+                    continue
+                rest, missed = rest[1:], 0
                 if c[2] is REFUSED:
                     return None
                 claims.append(c)
@@ -334,6 +349,18 @@ class MultiLimiter(RateGroup):
             if o:
                 att.count(o)
         return max(0.0, due) / NS_PER_S
+
+    @staticmethod
+    def _wait_for_record(att: Attachment, since: Optional[int], max_ns: float) -> Optional[int]:
+        """Every rate still to claim found its records all in use: nap until one may be free (one is
+        freed as each waiter of this process is granted), the claims already taken held, recorded.
+        Answers when the waiting began (``att``'s clock), None once it has lasted ``max_ns``."""
+        now = att.clock()
+        since = now if since is None else since
+        if now - since > max_ns:
+            return None
+        time.sleep(record_nap(att.bucket, 0, True, acquisition.MAX_NAP))
+        return since
 
     def retry_after(self, n: int = 1, **costs: int) -> float:
         """Seconds until the ops could be granted on every rate to a new caller (0.0: now)."""

@@ -71,7 +71,7 @@ def take_all(atts: Sequence[Attachment], ops: Sequence[int], toks: Sequence[int]
 Claim = Tuple[Attachment, int, Any, int, Optional[int]]
 
 
-def claim(att: Attachment, tokens: int, max_ns: float) -> Claim:
+def claim(att: Attachment, tokens: int, max_ns: float, last: bool = True) -> Claim:
     """One rate's claim of a reservation over several rates (``MultiLimiter.reserve``), within
     ``max_ns``, replenishing once if refused; ``REFUSED`` as its ticket when refused, taking nothing.
 
@@ -79,9 +79,13 @@ def claim(att: Attachment, tokens: int, max_ns: float) -> Claim:
     the CAS that takes it (``Bucket.take_within``'s protocol, as a waiter's ticket): until the
     reservation is made (every rate claimed, the records freed) the claim is a waiter's ticket,
     and should the reservation be refused on a later rate, or this process die or be interrupted
-    first, it is given back (``give_back_claims``; a dead process's by the filler's ``reap``).  With
-    every record in use (five waiters of this process queue there) it is taken unrecorded: given
-    back on a refusal or an exception all the same, lost (its schedule, once) only to a death.
+    first, it is given back (``give_back_claims``; a dead process's by the filler's ``reap``).
+    With every record in use (five waiters of this process queue there) a claim that is not the
+    ``last`` takes nothing: ``NO_RECORD`` as its ticket (the reservation claims another rate first,
+    or waits for a record: ``MultiLimiter.reserve``).  The last claim makes the reservation, so it
+    needs no record to be given back by: with none free it is taken unrecorded.  (A process beyond
+    the table has no records at all: its claims are taken unrecorded, lost -- their schedule, once
+    -- only to a death part-way.)
     """
     b = att.bucket
     for attempt in range(2):
@@ -89,6 +93,8 @@ def claim(att: Attachment, tokens: int, max_ns: float) -> Claim:
         got, rec = NO_RECORD, None
         if att.rec_lens:
             got, rec = b.take_within(tokens, max_ns, att.rec_lens, att.grants_off, 0)
+            if got is NO_RECORD and not last:
+                return att, tokens, NO_RECORD, h, None
         if got is NO_RECORD:
             got, rec = b.take_within(tokens, max_ns)
         if got is not REFUSED or attempt or b.replenish() <= 0:

@@ -332,3 +332,108 @@ def test_a_process_killed_part_way_through_a_reservation_leaves_no_claim_queued(
         p.stdin.close()
     # the claim was recorded in the child's slot on a: this process's filler reaps it, the head skips it
     wait_for(lambda: diff(cells.load(L.TAIL), cells.load(L.HEAD)) <= 0, timeout=10)
+
+
+RESERVES_WITH_EVERY_RECORD_IN_USE_AND_IS_KILLED = textwrap.dedent(
+    """
+    import sys
+    import shmlimit
+    from shmlimit import layout as L
+    from shmlimit.bucket import diff
+    from shmlimit.giveback import record
+    lim = shmlimit.Limiter(sys.argv[1], rates={"a": ("1/min", 1), "b": ("1/h", 1)})
+    atts = lim._live()
+    a = atts[0]
+    far = (a.cells.load(L.TAIL) - 10**12) % 2**64  # long passed: no range of the queue
+    for _ in range(L.TICKET_RECORDS):  # every record of this process's slot on a is in use
+        assert record(a.cells, a.records, far, 1) is not None
+
+    def queued():
+        return any(diff(t.cells.load(L.TAIL), t.cells.load(L.HEAD)) > 0 for t in atts)
+
+    def hooked(b):
+        real = b.take_within
+
+        def take_within(*args, **kwargs):  # once a claim is queued on some rate: killed here
+            if queued():
+                print("claimed", flush=True)
+                sys.stdin.readline()
+            return real(*args, **kwargs)
+
+        b.take_within = take_within
+
+    for t in atts:
+        hooked(t.bucket)
+    lim.reserve()
+    """
+)
+
+
+@pytest.mark.slow
+def test_a_process_killed_between_two_claims_with_every_record_in_use_leaves_no_claim_queued(name, cleanup):
+    # a (the shorter wait, claimed first) finds all five of the child's records in use: its claim
+    # must not be taken unrecorded while another rate is still to claim, or a death there leaves a
+    # minute of a's schedule queued that no reap can see
+    lim = make(name, {"a": ("1/min", 1), "b": ("1/h", 1)})
+    cleanup.append(lim)
+    empty(lim)
+    atts = lim._live()
+    p = subprocess.Popen([sys.executable, "-c", RESERVES_WITH_EVERY_RECORD_IN_USE_AND_IS_KILLED, name],
+                         stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, cwd=WORKDIR)
+    try:
+        assert p.stdout.readline().strip() == "claimed"
+        assert any(diff(t.cells.load(L.TAIL), t.cells.load(L.HEAD)) > 0 for t in atts)  # one claim queued
+    finally:
+        p.kill()
+        p.wait()
+        p.stdout.close()
+        p.stdin.close()
+    # every queued claim was recorded in the child's slot: this process's filler reaps it, the head skips it
+    wait_for(lambda: all(diff(t.cells.load(L.TAIL), t.cells.load(L.HEAD)) <= 0 for t in atts), timeout=10)
+    assert lim.reserve(a=1) < 61  # a's next slot, not one behind a dead claim
+
+
+def test_a_reservation_finding_every_record_in_use_on_two_rates_waits_for_one(name, cleanup, monkeypatch):
+    # a claim other than the last needs a record: with none free on any rate still to claim, the
+    # reservation waits for one (a waiter of this process is granted), or refuses at max_wait
+    clock = FakeClock()
+    lim = make(name, {"a": ("10/s", 1), "b": ("1/s", 1)}, clock)
+    cleanup.append(lim)
+    empty(lim)
+    a, b = lim._live()
+    for att in (a, b):
+        far = (att.cells.load(L.TAIL) - 10**12) % 2**64
+        for _ in range(L.TICKET_RECORDS):
+            assert record(att.cells, att.records, far, 1) is not None
+    tails = [a.cells.load(L.TAIL), b.cells.load(L.TAIL)]
+    naps = []
+
+    def nap(seconds):  # the wait for a record: the fake clock moves past max_wait
+        naps.append(seconds)
+        clock.advance(round(0.2e9))
+
+    monkeypatch.setattr("shmlimit.multirate.time.sleep", nap)
+    assert lim.reserve(max_wait=1.5) is None
+    assert naps and [a.cells.load(L.TAIL), b.cells.load(L.TAIL)] == tails  # took nothing on either rate
+    empty(lim)  # what accrued meanwhile: the next reservation queues on both rates again
+
+    def freeing(seconds):  # a waiter of this process on b is granted: its record is free
+        naps.append(seconds)
+        b.cells.store(b.records[0][1], 0)
+
+    naps.clear()
+    monkeypatch.setattr("shmlimit.multirate.time.sleep", freeing)
+    real = a.bucket.take_within
+    seen = []
+
+    def claim_a(*args, **kwargs):  # a is claimed last, b's claim held in the freed record meanwhile
+        seen.append(b.cells.load(b.records[0][1]))
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(a.bucket, "take_within", claim_a)
+    assert lim.reserve() == pytest.approx(1.0, abs=1e-3)
+    assert len(naps) == 1 and seen and seen[-1] == b.bucket.cost
+    assert b.cells.load(b.records[0][1]) == 0  # made: no longer a waiter's ticket
+    for att in (a, b):
+        for _, off in att.records:
+            att.cells.store(off, 0)
