@@ -45,8 +45,7 @@ from .acquisition import drive, drive_async
 from .attachment import Attachment, gate_all, open_attachment, release
 from .config import NS_PER_S, Config, validate_n, validate_timeout
 from .header import Creation
-from .giveback import NO_RECORD, record_nap
-from .multirate_request import REFUSED, Claim, MultiRequest, claim, give_back_claims, take_all, wait_ns
+from .multirate_request import NO_RECORD, REFUSED, Claim, MultiRequest, claim, give_back_claims, record_nap, take_all, wait_ns
 from .rate_group import RateGroup, parse_rates, rates_from_text
 from .segment import validate_mode, validate_name, validate_slots, validate_trusted_uids
 from .stats import Stats, snapshot
