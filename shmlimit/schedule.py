@@ -16,6 +16,9 @@ from .words import SPAN_MAX, clamp_limit, diff
 
 #: The filler replenishes this often (ns): the pace a queued head can count on (see estimate_wait_ns).
 FILL_NS = 1_000_000
+#: The filler's longest pause while callers queue (ns; ``filler.MAX_FILL_PERIOD``): a replenish
+#: comes at least this often, however slow the rate, while the filler gets the CPU.
+LONGEST_FILL_NS = 20_000_000
 
 
 def stop_ns(snap: Snapshot) -> float:
@@ -165,5 +168,14 @@ class Schedule:
         # two fill intervals, where each replenish may add only half a capacity), and each stop
         # on the way costs two replenishes' time more
         stops = count_stops(c, self._record_lens(), head, ticket, snap.cap)
-        return (max(self.clock(), ts + max(1.0, room / snap.tpn)) + self.estimate_wait_ns(short - room, snap)
+        lost = 0
+        if room == 0:
+            # Words that leave no room predate the head (it moved past their limit since they were
+            # taken: a skip, an add, a drain of a full bucket, and no claim since -- no time had
+            # passed, or another's claim read the rovers before): the next replenish adds nothing,
+            # whenever it comes, and only then leaves words at the head.  Its whole interval is
+            # lost: counted from now, a promise would be early by as long as that replenish is in
+            # coming (the filler's next tick), so it counts the filler's longest pause.
+            lost = LONGEST_FILL_NS
+        return (max(self.clock(), ts + max(1.0, room / snap.tpn)) + lost + self.estimate_wait_ns(short - room, snap)
                 + stops * stop_ns(snap))

@@ -153,3 +153,10 @@ def test_the_filler_refills_in_one_native_call_bound_to_the_config_in_force(name
         assert feed.refill() == 0 and feed.native is None and F._refilled(b)[1] == head0
     finally:
         lim.close()
+
+
+def test_promises_count_the_fillers_longest_pause():
+    # promised_ns counts the filler's longest pause for a replenish that adds nothing: the two agree
+    from shmlimit import filler, schedule
+
+    assert schedule.LONGEST_FILL_NS == round(filler.MAX_FILL_PERIOD * 1e9)
