@@ -210,7 +210,7 @@ class Request:
             wait = _INF
         else:
             wait = _INF if self.deadline is None else min(max(0, self.deadline - att.clock()), b.max_reserved_ns)
-        got, rec = take_ticket(b, self.tokens, att.grants_off, self.n, att.rec_lens, wait)  # granted: counted
+        got, rec = take_ticket(b, self.tokens, att.grants_off, self.n, att.writers, wait)  # granted: counted
         if got is None:  # granted at once, counted
             return self._done()
         if got is REFUSED:
@@ -227,7 +227,7 @@ class Request:
         left = _INF if self.deadline is None else (self.deadline - self.att.clock()) / NS_PER_S
         if left <= 0:  # hierarchical mode's timed request: not in the queue by its deadline
             return self._refuse()
-        got, rec = take_ticket(b, self.tokens, self.att.grants_off, self.n, self.att.rec_lens, b.max_reserved_ns)
+        got, rec = take_ticket(b, self.tokens, self.att.grants_off, self.n, self.att.writers, b.max_reserved_ns)
         if got is None:
             return self._done()
         if got is NO_RECORD:

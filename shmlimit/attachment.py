@@ -31,8 +31,8 @@ from .cells import MASK64, Cells, multi_gate
 from .words import plain_seconds
 from .errors import ConfigMismatchError, LimiterNotFoundError, SegmentError
 from .filler import FillerThread, Lease, takeover_ns
-from .giveback import REAP_EVERY, Records, Returns, ReturnsThread, clear, interrupted, keep_on_leave, mark_given, reap, record
-from .giveback import take_over
+from .giveback import REAP_EVERY, Records, Returns, ReturnsThread, Writers, clear, interrupted, keep_on_leave, mark_given
+from .giveback import reap, record, take_over
 from .header import Creation, open_segment
 from .registry import Registry
 from .segment import Segment, check_trust, current_inode, validate_name
@@ -115,8 +115,9 @@ class Attachment:
         #: the slot owners the reap looks at, each watched through a pidfd (closed on detach)
         self.owners = OwnerWatch()
         self._returns_thread: Optional[ReturnsThread] = None
-        #: the ticket records of this process's slot (none while it has no slot)
+        #: the ticket records of this process's slot (none while it has no slot), and its threads writing them
         self.records: Records = ()
+        self.writers = Writers(lambda: self.records)
         # The fast paths: [grabber, try, grab within a timeout], shared by reference with every
         # handle and updated in place.  A grabber does one grab_if priced under the config it was
         # made for; it answers False (nothing touched) once the config changed, and _no_fast always
@@ -202,8 +203,9 @@ class Attachment:
 
     def record_ticket(self, ticket: int, tokens: int) -> Optional[int]:
         """Record a waiter's ticket in a free record of this process's slot, to be given back should
-        the process die; the record's LEN offset (None: none was free)."""
-        return record(self.cells, self.records, ticket, tokens)
+        the process die; the record's LEN offset (None: none was free, or the slot is being left)."""
+        with self.writers.writing() as lens:
+            return record(self.cells, self.records if lens else (), ticket, tokens)
 
     def clear_ticket(self, rec: Optional[int], tokens: int) -> None:
         """The waiter that recorded its ticket at ``rec`` leaves, granted."""
@@ -217,7 +219,8 @@ class Attachment:
         this process exit or die before the head gets there.
         """
         if not mark_given(self.cells, rec, tokens):
-            rec = record(self.cells, self.records, ticket, tokens, given=True)
+            with self.writers.writing() as lens:  # (none once the slot is being left: close)
+                rec = record(self.cells, self.records if lens else (), ticket, tokens, given=True)
         self.returns.give_back(ticket, tokens, rec)
         if self.returns.step() is not None:  # at once if the head is there already, else when it gets there
             self._skipper()
@@ -316,7 +319,7 @@ class Attachment:
     def _leave(self) -> None:
         """Give this process's slot back, keeping the mapping (it registers again on its next use)."""
         if self.slot is not None and self.pid == os.getpid():
-            self._keep_given_back()
+            keep_on_leave(self.cells, self.records, self.returns, False)  # given-back ranges stay recorded
             self.table.unregister(self.slot, self.pid)
         self.records = ()
         self.slot, self.lease, self.filler, self.waiting_off = None, None, None, None
@@ -324,12 +327,6 @@ class Attachment:
         self.grants_off = L.UNREG_GRANTS
         self.joined = self.in_use = False
         self.update_fast()
-
-    def _keep_given_back(self, waiters_out: bool = False) -> None:
-        """Before a clean leave: every range this process gave back, and (``waiters_out``: closing,
-        its waiters out, see ``detach``) every ticket its waiters still queue, stays recorded for the
-        next filler (``giveback.keep_on_leave``)."""
-        keep_on_leave(self.cells, self.records, self.returns, waiters_out)
 
     def _chores(self) -> Optional[float]:
         """What the elected filler does now and then: give back dead processes' tickets."""
@@ -374,8 +371,9 @@ class Attachment:
         if self._returns_thread is not None:
             self._returns_thread.stop()
         self.cells.leave_waiters()  # no waiter of ours is granted now: its queued ticket may be given back
+        self.writers.settle()  # a grab of another thread between its record's claim and length store ends first
         if self.slot is not None and self.pid == os.getpid():
-            self._keep_given_back(waiters_out=True)
+            keep_on_leave(self.cells, self.records, self.returns, True)  # its waiters' records: given
             self.table.unregister(self.slot, self.pid)
             self.records = ()
 
@@ -389,6 +387,7 @@ class Attachment:
         # the parent skips the ranges it gave back; the child starts afresh (its lock may be held)
         self.returns = Returns(self.bucket)
         self._returns_thread = None
+        self.writers = Writers(lambda: self.records)  # (the parent's threads are not here)
         self.owners = self.owners.forked()  # the parent's pidfds, closed here; its lock may be held
         self.slot, self.lease, self.filler, self.waiting_off = None, None, None, None
         self.bucket.own_inflight = None

@@ -54,7 +54,8 @@ import functools
 import itertools
 import threading
 import weakref
-from typing import TYPE_CHECKING, Any, Callable, List, Optional, Tuple
+from contextlib import contextmanager
+from typing import TYPE_CHECKING, Any, Callable, Dict, Iterator, List, Optional, Tuple, Union
 
 from . import layout as L
 from .bucket import NO_RECORD, REFUSED, diff
@@ -144,13 +145,69 @@ def overlapped(b: "Bucket", start: int, end: int) -> bool:
 # ---- the records in the process slot -------------------------------------------------------------
 
 
+#: ``close`` waits at most this long (seconds) for the record writes of its process's other threads.
+SETTLE_MAX = 1.0
+
+
+class Writers:
+    """The threads of this process writing its slot's ticket records now (a grab between its
+    record's claim and its length store, a range recorded as given), so that leaving the slot
+    waits for them: a write that ended after the slot was left would land in a slot nobody owns
+    or in another process's (see ``settle``)."""
+
+    def __init__(self, records: Callable[[], Records]) -> None:
+        self._records = records
+        self._cv = threading.Condition()
+        self._held: Dict[int, int] = {}  # thread ident -> writes it has under way
+        self.shut = False
+
+    @contextmanager
+    def writing(self) -> Iterator[Tuple[int, ...]]:
+        """The slot's records' LEN offsets, held for one write of them; none once ``settle`` began."""
+        me = threading.get_ident()
+        with self._cv:
+            lens = () if self.shut else tuple(len_off for _, len_off in self._records())
+            if lens:
+                self._held[me] = self._held.get(me, 0) + 1
+        try:
+            yield lens
+        finally:
+            if lens:
+                with self._cv:
+                    left = self._held.pop(me) - 1
+                    if left:
+                        self._held[me] = left
+                    self._cv.notify_all()
+
+    def settle(self, timeout: float = SETTLE_MAX) -> bool:
+        """No write of the records begins from now on; wait until those of other threads ended
+        (each is a few atomic operations; one of this thread's own, a close run by a signal handler
+        in the middle of a grab, cannot end first, nor can one stalled past ``timeout``: those are
+        left as they are).  True if none was left under way."""
+        me = threading.get_ident()
+        with self._cv:
+            self.shut = True
+            return self._cv.wait_for(lambda: not any(t != me for t in self._held), timeout)
+
+
+@contextmanager
+def _lens(recs: Union[Tuple[int, ...], Writers]) -> Iterator[Tuple[int, ...]]:
+    if isinstance(recs, Writers):
+        with recs.writing() as lens:
+            yield lens
+    else:
+        yield recs
+
+
 def take_ticket(
-    b: "Bucket", tokens: int, grants: int, ops: int, recs: Tuple[int, ...], max_wait_ns: float = _INF
+    b: "Bucket", tokens: int, grants: int, ops: int, recs: Union[Tuple[int, ...], Writers], max_wait_ns: float = _INF
 ) -> Tuple[Any, Optional[int]]:
-    """``take_once``, and once more after a replenish that added tokens if it took nothing."""
-    got = take_once(b, tokens, grants, ops, recs, max_wait_ns)
-    if (got[0] is REFUSED or got[0] is NO_RECORD) and b.replenish() > 0:
-        got = take_once(b, tokens, grants, ops, recs, max_wait_ns)
+    """``take_once``, and once more after a replenish that added tokens if it took nothing.  ``recs``:
+    records' LEN offsets, or a process's ``Writers`` (its slot's, held for the take)."""
+    with _lens(recs) as lens:
+        got = take_once(b, tokens, grants, ops, lens, max_wait_ns)
+        if (got[0] is REFUSED or got[0] is NO_RECORD) and b.replenish() > 0:
+            got = take_once(b, tokens, grants, ops, lens, max_wait_ns)
     return got
 
 
@@ -274,8 +331,10 @@ def keep_waiting(cells: "Cells", records: Records) -> None:
     a waiter still mid-call outlives the slot, for the next filler's ``reap`` to skip.
 
     A record still being written (``TICKET_BUSY``: a grab between its claim and its length store)
-    is left as it is: its grab either fails (and frees it) or stores the length over it, a waiter's
-    record in a slot left cleanly, which no ``reap`` takes (see the design page's "Not given back").
+    is left as it is; ``close`` waits for such writes of its other threads first (``Writers.settle``),
+    so only one it could not wait for (its own thread's, under a signal handler; one stalled past
+    ``SETTLE_MAX``) stays: its grab either fails (and frees it) or stores the length over it, a
+    waiter's record in a slot left cleanly, which no ``reap`` takes (the design page's "Not given back").
     """
     for _, len_off in records:
         v = cells.load(len_off)

@@ -91,10 +91,11 @@ def claim(att: Attachment, tokens: int, max_ns: float, last: bool = True) -> Cla
     for attempt in range(2):
         h = b.head()
         got, rec = NO_RECORD, None
-        if att.rec_lens:
-            got, rec = b.take_within(tokens, max_ns, att.rec_lens, att.grants_off, 0)
-            if got is NO_RECORD and not last:
-                return att, tokens, NO_RECORD, h, None
+        with att.writers.writing() as lens:  # (none once the process leaves its slot: close)
+            if lens:
+                got, rec = b.take_within(tokens, max_ns, lens, att.grants_off, 0)
+        if lens and got is NO_RECORD and not last:
+            return att, tokens, NO_RECORD, h, None
         if got is NO_RECORD:
             got, rec = b.take_within(tokens, max_ns)
         if got is not REFUSED or attempt or b.replenish() <= 0:
@@ -175,7 +176,7 @@ class MultiRequest:
             att, t = self.atts[i], self.toks[i]
             b = att.bucket
             h = b.head()
-            got, rec = take_ticket(b, t, att.grants_off, 0, att.rec_lens, left)  # counted once all are granted
+            got, rec = take_ticket(b, t, att.grants_off, 0, att.writers, left)  # counted once all are granted
             if got is REFUSED:
                 return self._refuse()
             if got is NO_RECORD:

@@ -25,6 +25,7 @@ from support.aio import until
 from support.buckets import make_bucket
 from support.clock import FakeClock
 from support.procs import WORKDIR, interrupted_after, wait_for
+from support.segments import shm_bytes
 from support.starvation import floor, run_delay
 
 BACKENDS = ["atomics"] + (["native"] if native_available() else [])
@@ -1074,3 +1075,101 @@ def test_the_native_and_python_waits_leave_the_same_record_words(name, monkeypat
     assert held == [(fourth, cost), (2 * q * cost, 0)] + free
     assert given == [(fourth, cost | L.TICKET_GIVEN), (2 * q * cost, 0)] + free
     assert skipped == [(fourth, 0), (2 * q * cost, 0)] + free
+
+
+# ---- close meets a grab whose record is half-written --------------------------------------------
+
+OPENS_AND_WAITS = textwrap.dedent(
+    """
+    import os, sys
+    import shmlimit
+    lim = shmlimit.attach(sys.argv[1])
+    lim.try_acquire()  # registered (taking over whatever its slot held), its filler started
+    print(lim._att.slot, flush=True)
+    sys.stdin.readline()
+    """
+)
+
+
+@pytest.mark.slow
+def test_close_waits_for_a_grab_between_its_records_claim_and_its_length_store(name, monkeypatch):
+    # A waiter's grab (the Python slow path) is switched out between the claim of its record and
+    # the store of its length while another thread closes the limiter, and another process
+    # registers meanwhile.  Were the slot left under the half-written record, that process could
+    # take the slot (clearing the record as a dead writer's) and the grab's length would land in
+    # its record: a range no reap takes (its owner lives) held the queue for its schedule, and a
+    # length stored over another ticket's record would make its skip cover tickets ahead of it.
+    import shmlimit.bucket as bucket_module
+
+    lim = shmlimit.Limiter(name, rate=1, per=60, burst=1)  # one op: a minute
+    paused, resume, progress, go_on = (threading.Event() for _ in range(4))
+    p = None
+    try:
+        empty(lim)
+        att = lim._att
+        cells = att.cells
+        real_claim = bucket_module.claim_record
+
+        def claim(c, recs, ticket):  # the injected thread switch, in the waiter's thread only
+            off = real_claim(c, recs, ticket)
+            if threading.current_thread() is waiter:
+                paused.set()
+                assert resume.wait(30)
+            return off
+
+        monkeypatch.setattr(bucket_module, "claim_record", claim)
+        real_unregister = att.table.unregister
+
+        def unregister(*args):  # close has left the slot; the mapping is still open
+            real_unregister(*args)
+            progress.set()
+            assert go_on.wait(30)
+
+        monkeypatch.setattr(att.table, "unregister", unregister)
+        writers = getattr(att, "writers", None)
+        if writers is not None:  # ... or it waits for the grab first
+            real_wait = writers._cv.wait_for
+
+            def wait_for_writers(predicate, timeout=None):
+                progress.set()
+                return real_wait(predicate, timeout)
+
+            monkeypatch.setattr(writers._cv, "wait_for", wait_for_writers)
+        req = Request(att, 10, None)  # ten minutes of schedule
+        steps = []
+        waiter = threading.Thread(target=lambda: steps.append(req.begin()))
+        waiter.start()
+        assert paused.wait(30)  # its record claimed (BUSY), the tail not yet taken
+        closer = threading.Thread(target=lim.close)
+        closer.start()
+        assert progress.wait(30)
+        p = subprocess.Popen([sys.executable, "-c", OPENS_AND_WAITS, name], stdin=subprocess.PIPE,
+                             stdout=subprocess.PIPE, text=True, cwd=WORKDIR)
+        slot = int(p.stdout.readline())
+        resume.set()
+        waiter.join(30)
+        go_on.set()
+        closer.join(30)
+        assert not waiter.is_alive() and not closer.is_alive()
+        assert steps and steps[0] is not True  # queued: never granted after its limiter closed
+        def word(off, raw=None):  # read from outside: opening the limiter here would register
+            raw = shm_bytes(name) if raw is None else raw
+            return int.from_bytes(raw[off:off + 8], "little")
+
+        raw = shm_bytes(name)
+        records = L.ticket_records(word(L.SLOTS_OFF, raw), slot)
+        lens = [word(off, raw) for _, off in records]
+        # the other process's slot holds only what it put there itself: nothing
+        assert lens == [0] * L.TICKET_RECORDS, f"the other process's slot holds another's ticket: {lens}"
+        # the closed limiter's ticket is given back: that process's filler reaps it, the head skips it
+        wait_for(lambda: diff(word(L.TAIL), word(L.HEAD)) <= 0, timeout=10)
+    finally:
+        resume.set()
+        go_on.set()
+        if p is not None:
+            p.kill()
+            p.wait()
+            p.stdout.close()
+            p.stdin.close()
+        if not lim.closed:
+            lim.close()
