@@ -31,8 +31,8 @@ from .cells import MASK64, Cells, multi_gate
 from .words import plain_seconds
 from .errors import ConfigMismatchError, LimiterNotFoundError, SegmentError
 from .filler import FillerThread, Lease, takeover_ns
-from .giveback import REAP_EVERY, Records, Returns, ReturnsThread, Writers, clear, interrupted, keep_on_leave, mark_given
-from .giveback import reap, record, take_over
+from .giveback import REAP_EVERY, Records, Returns, ReturnsThread, clear, interrupted, keep_on_leave, mark_given
+from .giveback import Writers, reap, record, take_over
 from .header import Creation, open_segment
 from .registry import Registry
 from .segment import Segment, check_trust, current_inode, validate_name
@@ -294,27 +294,28 @@ class Attachment:
     def use(self) -> None:
         """This process uses the limiter: register it if it is not yet, start its filler thread (once).
 
-        Raises ``SegmentError`` when a forked child's first use finds the
-        segment collected (``gc``) since it was inherited: no live process was
-        registered then, so its name may already be another segment's.
+        Raises ``SegmentError`` when a forked child's first use finds the segment collected (``gc``) or its
+        name unlinked (perhaps another's now) since it was inherited; seen before registering, nothing is touched.
         """
         with self._use_lock:
             if self.in_use or self.closed or self.pid != os.getpid():
                 return
             if not self.joined:
-                self._join_process()
-                # registered, then STATE: a collector that claimed the segment before it saw us
-                # unlinks it (see _still_ready), so a claim seen now means it is gone or going
-                if self.cells.load(L.STATE_OFF) != L.STATE_READY:
-                    self._leave()
-                    raise SegmentError(
-                        f"limiter {self.name!r} was collected while this process held it unused "
-                        "(no live process was registered); open it again"
-                    )
+                gone = self._gone()
+                if not gone:  # registered, then STATE: a collector that claimed the segment before
+                    self._join_process()  # it saw us unlinks it (see _still_ready): a claim seen now
+                    if gone := self._gone():  # means it is gone or going
+                        self._leave()
+                if gone:
+                    raise SegmentError(f"limiter {self.name!r} was collected or removed while this process held "
+                                       "it unused (no live process was registered); open it again")
             if self.filler is not None:
                 self.filler.start()
             self.in_use = True
         self.update_fast()
+
+    def _gone(self) -> bool:  # collected (or going), or its name unlinked or another segment's now
+        return self.cells.load(L.STATE_OFF) != L.STATE_READY or current_inode(self.name) != self.seg.inode
 
     def _leave(self) -> None:
         """Give this process's slot back, keeping the mapping (it registers again on its next use)."""

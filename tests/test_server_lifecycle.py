@@ -156,6 +156,68 @@ def test_child_using_a_limiter_collected_meanwhile_gets_a_clear_error(name):
     assert name in msg and "collected" in msg, msg
 
 
+@pytest.mark.parametrize("how", ["collected", "unlinked and re-created"])
+def test_a_child_whose_inherited_limiter_is_gone_touches_nothing_of_it(name, how):
+    # A forked child's first use of a limiter inherited unused, once the segment was collected
+    # (`shmlimit gc`) or its name unlinked and re-created, must neither register nor record a
+    # waiter's ticket there: the segment is nobody's (or no longer the name's), so its limit
+    # would silently double, and what it left there no filler would ever look at.
+    import mmap
+
+    from shmlimit import layout as L
+    from shmlimit.attachment import collect
+    from shmlimit.segment import unlink
+
+    lim = shmlimit.Limiter(name, rate=100, burst=1)
+    lim.try_acquire()  # the next acquire queues: a waiter's ticket would be recorded
+    with open(f"/dev/shm/shmlimit.{name}", "rb") as f:  # the old segment, as it stays mapped
+        old = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ)
+    r, w = os.pipe()
+    go_r, go_w = os.pipe()
+    pid = os.fork()
+    if pid == 0:
+        try:
+            os.read(go_r, 1)
+            try:
+                lim.acquire(3)
+                os.write(w, b"granted")
+            except shmlimit.SegmentError as e:
+                os.write(w, str(e).encode()[:500])
+        finally:
+            os._exit(0)  # no exit hook: whatever its use left stays as it left it
+    again = None
+    try:
+        lim.close()  # the only registered process leaves: nothing keeps the segment
+        if how == "collected":
+            assert collect(name)  # what `shmlimit gc` does
+        else:
+            unlink(name)  # what `shmlimit unlink` does
+            again = shmlimit.Limiter(name, rate=100, burst=1)  # another segment under the name
+            again.try_acquire()
+        os.write(go_w, b"g")
+        msg = os.read(r, 600).decode()
+    finally:
+        os.waitpid(pid, 0)
+        for fd in (r, w, go_r, go_w):
+            os.close(fd)
+    try:
+        assert name in msg and "open it again" in msg, msg
+
+        def word(off):
+            return int.from_bytes(old[off:off + 8], "little")
+
+        slots = word(L.SLOTS_OFF)
+        pids = [word(L.slot_offset(i) + L.SLOT_PID) for i in range(slots)]
+        lens = [word(off) for i in range(slots) for _, off in L.ticket_records(slots, i)]
+        assert pid not in pids and lens == [0] * len(lens), (pids, lens)  # nothing of the child there
+        if again is not None:
+            assert _listed(name) == {os.getpid()}
+    finally:
+        old.close()
+        if again is not None:
+            again.close()
+
+
 # ---- a new configuration: redeploys, and live changes ------------------------------------------
 
 OPENER = """
