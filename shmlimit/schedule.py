@@ -92,8 +92,10 @@ class Schedule:
         return diff(self.cells.load(L.REPL_TS), since_ns) >= 0
 
     def next_promised_ns(self, tokens: int) -> float:
-        """When (CLOCK_MONOTONIC ns) a ticket of ``tokens`` taken now would be due (``promised_ns``)."""
-        return self.promised_ns((self.cells.load(L.TAIL) + tokens) & MASK64)
+        """When (CLOCK_MONOTONIC ns) a ticket of ``tokens`` taken now would be due (``promised_ns``): advice
+        (``retry_after``), not a grant, so without the pause a replenish that adds nothing may take
+        (a caller that comes then replenishes itself, and is refused if that one added nothing)."""
+        return self.promised_ns((self.cells.load(L.TAIL) + tokens) & MASK64, pause=False)
 
     def due_ns(self, ticket: int) -> float:
         """The earliest instant (CLOCK_MONOTONIC ns) a replenish could cover ``ticket``: when its waiter looks.
@@ -128,7 +130,7 @@ class Schedule:
         base, end, nxt = c.load(L.SNAP_BASE), c.load(L.SNAP_END), c.load(L.SNAP_NEXT)
         return clamp_limit(base, end, nxt, self.snap.cap, head, c.load(L.TAIL)) == ticket  # the tail after the words
 
-    def promised_ns(self, ticket: int) -> float:
+    def promised_ns(self, ticket: int, pause: bool = True) -> float:
         """When (CLOCK_MONOTONIC ns) the head reaches ``ticket`` at the current rate, if replenished
         as often as needed from now on: the moment a reservation owns its slot, never earlier than
         the head can get there.
@@ -169,7 +171,7 @@ class Schedule:
         # on the way costs two replenishes' time more
         stops = count_stops(c, self._record_lens(), head, ticket, snap.cap)
         lost = 0
-        if room == 0:
+        if room == 0 and pause:
             # Words that leave no room predate the head (it moved past their limit since they were
             # taken: a skip, an add, a drain of a full bucket, and no claim since -- no time had
             # passed, or another's claim read the rovers before): the next replenish adds nothing,
