@@ -4,6 +4,7 @@ is interrupted, cancelled or killed.  Each test fails on a limiter that leaves t
 whoever comes next on that rate waits for the abandoned request's whole schedule.
 """
 import asyncio
+import contextlib
 import subprocess
 import sys
 import textwrap
@@ -300,6 +301,22 @@ def test_a_reservation_whose_later_rate_takes_all_records_still_gives_back(name,
         cells.store(off, 0)
 
 
+@contextlib.contextmanager
+def killed_once_claimed(script, name):
+    """Run ``script`` (a reservation that prints "claimed" and blocks part-way) on limiter ``name``;
+    the body runs while it is blocked there, and the process is killed (SIGKILL) and reaped after."""
+    p = subprocess.Popen([sys.executable, "-c", script, name], stdin=subprocess.PIPE,
+                         stdout=subprocess.PIPE, text=True, cwd=WORKDIR)
+    try:
+        assert p.stdout.readline().strip() == "claimed"
+        yield
+    finally:
+        p.kill()
+        p.wait()
+        p.stdout.close()
+        p.stdin.close()
+
+
 RESERVES_AND_IS_KILLED = textwrap.dedent(
     """
     import sys
@@ -326,16 +343,8 @@ def test_a_process_killed_part_way_through_a_reservation_leaves_no_claim_queued(
     empty(lim)
     a = lim._live()[0]
     cells = a.cells
-    p = subprocess.Popen([sys.executable, "-c", RESERVES_AND_IS_KILLED, name], stdin=subprocess.PIPE,
-                         stdout=subprocess.PIPE, text=True, cwd=WORKDIR)
-    try:
-        assert p.stdout.readline().strip() == "claimed"
+    with killed_once_claimed(RESERVES_AND_IS_KILLED, name):
         assert diff(cells.load(L.TAIL), cells.load(L.HEAD)) > 0  # a minute of a's schedule queued
-    finally:
-        p.kill()
-        p.wait()
-        p.stdout.close()
-        p.stdin.close()
     # the claim was recorded in the child's slot on a: this process's filler reaps it, the head skips it
     wait_for(lambda: diff(cells.load(L.TAIL), cells.load(L.HEAD)) <= 0, timeout=10)
 
@@ -384,16 +393,8 @@ def test_a_process_killed_between_two_claims_with_every_record_in_use_leaves_no_
     cleanup.append(lim)
     empty(lim)
     atts = lim._live()
-    p = subprocess.Popen([sys.executable, "-c", RESERVES_WITH_EVERY_RECORD_IN_USE_AND_IS_KILLED, name],
-                         stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, cwd=WORKDIR)
-    try:
-        assert p.stdout.readline().strip() == "claimed"
+    with killed_once_claimed(RESERVES_WITH_EVERY_RECORD_IN_USE_AND_IS_KILLED, name):
         assert any(diff(t.cells.load(L.TAIL), t.cells.load(L.HEAD)) > 0 for t in atts)  # one claim queued
-    finally:
-        p.kill()
-        p.wait()
-        p.stdout.close()
-        p.stdin.close()
     # every queued claim was recorded in the child's slot: this process's filler reaps it, the head skips it
     wait_for(lambda: all(diff(t.cells.load(L.TAIL), t.cells.load(L.HEAD)) <= 0 for t in atts), timeout=10)
     assert lim.reserve(a=1) < 61  # a's next slot, not one behind a dead claim

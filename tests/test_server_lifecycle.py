@@ -1,5 +1,6 @@
 """How limiters live in servers: a pre-fork master that only opened a limiter forks without threads
 (the filler starts on first use), and workers share the limit.  Real gunicorn on 127.0.0.1."""
+import contextlib
 import multiprocessing as mp
 import os
 import signal
@@ -129,10 +130,12 @@ def test_children_that_leave_with_os_exit_unused_leave_no_entry(name):
     lim.close()
 
 
-def test_child_using_a_limiter_collected_meanwhile_gets_a_clear_error(name):
-    from shmlimit.attachment import collect
-
-    lim = shmlimit.Limiter(name, rate=100)
+@contextlib.contextmanager
+def forked_user(use):
+    """A forked child that calls ``use()`` once told to: yields ``(pid, go)``; ``go()`` lets it run and
+    returns what it reports ("granted", or its ``SegmentError``'s message).  The child leaves with
+    ``os._exit``: no exit hook, so whatever its use left stays as it left it.  Never told, it is
+    killed."""
     r, w = os.pipe()
     go_r, go_w = os.pipe()
     pid = os.fork()
@@ -140,19 +143,37 @@ def test_child_using_a_limiter_collected_meanwhile_gets_a_clear_error(name):
         try:
             os.read(go_r, 1)
             try:
-                lim.try_acquire()
+                use()
                 os.write(w, b"granted")
             except shmlimit.SegmentError as e:
                 os.write(w, str(e).encode()[:500])
         finally:
             os._exit(0)
-    lim.close()  # the only registered process leaves: nothing keeps the segment
-    assert collect(name)  # what `shmlimit gc` does: no live process is listed, so it goes
-    os.write(go_w, b"g")
-    msg = os.read(r, 600).decode()
-    os.waitpid(pid, 0)
-    for fd in (r, w, go_r, go_w):
-        os.close(fd)
+    told = []
+
+    def go():
+        told.append(True)
+        os.write(go_w, b"g")
+        return os.read(r, 600).decode()
+
+    try:
+        yield pid, go
+    finally:
+        if not told:
+            os.kill(pid, signal.SIGKILL)
+        os.waitpid(pid, 0)
+        for fd in (r, w, go_r, go_w):
+            os.close(fd)
+
+
+def test_child_using_a_limiter_collected_meanwhile_gets_a_clear_error(name):
+    from shmlimit.attachment import collect
+
+    lim = shmlimit.Limiter(name, rate=100)
+    with forked_user(lim.try_acquire) as (_, go):
+        lim.close()  # the only registered process leaves: nothing keeps the segment
+        assert collect(name)  # what `shmlimit gc` does: no live process is listed, so it goes
+        msg = go()
     assert name in msg and "collected" in msg, msg
 
 
@@ -172,21 +193,8 @@ def test_a_child_whose_inherited_limiter_is_gone_touches_nothing_of_it(name, how
     lim.try_acquire()  # the next acquire queues: a waiter's ticket would be recorded
     with open(f"/dev/shm/shmlimit.{name}", "rb") as f:  # the old segment, as it stays mapped
         old = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ)
-    r, w = os.pipe()
-    go_r, go_w = os.pipe()
-    pid = os.fork()
-    if pid == 0:
-        try:
-            os.read(go_r, 1)
-            try:
-                lim.acquire(3)
-                os.write(w, b"granted")
-            except shmlimit.SegmentError as e:
-                os.write(w, str(e).encode()[:500])
-        finally:
-            os._exit(0)  # no exit hook: whatever its use left stays as it left it
     again = None
-    try:
+    with forked_user(lambda: lim.acquire(3)) as (pid, go):
         lim.close()  # the only registered process leaves: nothing keeps the segment
         if how == "collected":
             assert collect(name)  # what `shmlimit gc` does
@@ -194,12 +202,7 @@ def test_a_child_whose_inherited_limiter_is_gone_touches_nothing_of_it(name, how
             unlink(name)  # what `shmlimit unlink` does
             again = shmlimit.Limiter(name, rate=100, burst=1)  # another segment under the name
             again.try_acquire()
-        os.write(go_w, b"g")
-        msg = os.read(r, 600).decode()
-    finally:
-        os.waitpid(pid, 0)
-        for fd in (r, w, go_r, go_w):
-            os.close(fd)
+        msg = go()
     try:
         assert name in msg and "open it again" in msg, msg
 
