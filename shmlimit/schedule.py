@@ -113,6 +113,13 @@ class Schedule:
         head = c.load(L.HEAD)
         return c.load(L.REPL_TS) + max(0, diff(ticket, head)) / self.tpn
 
+    def clamp_limit_at(self, head: int, cap: int) -> int:
+        """Where the next replenish may bring the head from ``head``: the limit the clamp words
+        left by the last claim give (``words.clamp_limit``), the tail read after the words."""
+        c = self.cells
+        base, end, nxt = c.load(L.SNAP_BASE), c.load(L.SNAP_END), c.load(L.SNAP_NEXT)
+        return clamp_limit(base, end, nxt, cap, head, c.load(L.TAIL))
+
     def stops_at(self, ticket: int, tokens: int) -> bool:
         """Does the head stop at ``ticket`` (the end of a request ``tokens`` long; 0: not known)?
 
@@ -125,10 +132,7 @@ class Schedule:
         """
         if tokens >= self.snap.cap:
             return True
-        c = self.cells
-        head = c.load(L.HEAD)
-        base, end, nxt = c.load(L.SNAP_BASE), c.load(L.SNAP_END), c.load(L.SNAP_NEXT)
-        return clamp_limit(base, end, nxt, self.snap.cap, head, c.load(L.TAIL)) == ticket  # the tail after the words
+        return self.clamp_limit_at(self.cells.load(L.HEAD), self.snap.cap) == ticket
 
     def promised_ns(self, ticket: int, pause: bool = True) -> float:
         """When (CLOCK_MONOTONIC ns) the head reaches ``ticket`` at the current rate, if replenished
@@ -155,8 +159,7 @@ class Schedule:
         c = self.cells
         snap = self.snap
         head = c.load(L.HEAD)
-        base, end, nxt = c.load(L.SNAP_BASE), c.load(L.SNAP_END), c.load(L.SNAP_NEXT)
-        limit = clamp_limit(base, end, nxt, snap.cap, head, c.load(L.TAIL))
+        limit = self.clamp_limit_at(head, snap.cap)
         ts = c.load(L.REPL_TS)
         short = max(0, diff(ticket, head))
         room = max(0, diff(limit, head))
