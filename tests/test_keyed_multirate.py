@@ -301,7 +301,13 @@ class KeyedRates(RuleBasedStateMachine):
                 self.grants[(k, which)].append((self.clock.now, n))
             return out
 
-        lim._waits = racing_peek
+        self._try_with_peek(key, costs, racing_peek)
+
+    def _try_with_peek(self, key, costs, peek):
+        """A try whose peek is ``peek`` (it calls the real one): recorded when granted."""
+        lim = self.lim
+        real = lim._waits
+        lim._waits = peek
         try:
             if lim.try_acquire(key, **costs):
                 self._record(key, costs)
@@ -319,12 +325,7 @@ class KeyedRates(RuleBasedStateMachine):
             self.clock.advance(ms * 1_000_000)
             return out
 
-        lim._waits = preempted_peek
-        try:
-            if lim.try_acquire(key, **costs):
-                self._record(key, costs)
-        finally:
-            lim._waits = real
+        self._try_with_peek(key, costs, preempted_peek)
 
     @rule(ms=st.integers(1, 400))
     def advance(self, ms):
