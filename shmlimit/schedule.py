@@ -6,13 +6,12 @@ can get there (see docs/design.md, "When a reservation is due").
 """
 from __future__ import annotations
 
-import itertools
 from typing import Callable, Optional, Tuple
 
 from . import layout as L
 from .cells import MASK64, Cells
 from .config_banks import Snapshot
-from .words import SPAN_MAX, clamp_limit, diff
+from .words import clamp_limit, diff, recorded_ranges
 
 #: The filler replenishes this often (ns): the pace a queued head can count on (see estimate_wait_ns).
 FILL_NS = 1_000_000
@@ -43,17 +42,8 @@ def count_stops(c: Cells, lens: Tuple[int, ...], head: int, ticket: int, cap: in
         return 0
     span = diff(ticket, head)
     starts, ends, big = set(), set(), set()
-    vals = c.load_many(lens)
-    for k in itertools.compress(range(len(vals)), vals):
-        v = vals[k]
-        e = c.load(lens[k] - 8)  # the record's TICKET: the word before its LEN
-        if v & L.TICKET_BUSY:
-            continue
-        n = v & ~L.TICKET_GIVEN
-        if not 0 < n <= SPAN_MAX:
-            continue
+    for st, e, n in recorded_ranges(c, lens):
         ends.add(e)
-        st = (e - n) & MASK64
         if 0 < diff(st, head) < span:
             starts.add(st)
         if 2 * n >= cap and 0 < diff(e, head) < span:

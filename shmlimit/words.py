@@ -9,7 +9,7 @@ face of the layer (cells.py); the native backend has the same constants.
 from __future__ import annotations
 
 import itertools
-from typing import Optional, Tuple, Union
+from typing import Iterator, Optional, Tuple, Union
 
 MASK64 = (1 << 64) - 1
 #: Tokens the queue (TAIL - HEAD) may hold at most: far below 2**63, so every signed comparison
@@ -167,6 +167,22 @@ def clamp_limit(base: int, end: int, nxt: int, room: int, head: int, tail: int) 
     return limit
 
 
+def recorded_ranges(cells, records: Tuple[int, ...]) -> Iterator[Tuple[int, int, int]]:
+    """``(start, end, length)`` of each range the ticket records ``records`` (their LEN offsets, each
+    with its TICKET word before it) tell: a record being written, changed under the read, or whose
+    length is corrupt tells none.  The native backend reads records the same way (``_native.c``)."""
+    vals = cells.load_many(records) if records else ()
+    for k in itertools.compress(range(len(vals)), vals):
+        len_off, v = records[k], vals[k]
+        e = cells.load(len_off - WORD)
+        if v & REC_BUSY or cells.load(len_off) != v:
+            continue  # being written, or changed under the read: its range is told by no record
+        n = v & ~REC_GIVEN
+        if not 0 < n <= SPAN_MAX:
+            continue  # corrupt: no range
+        yield (e - n) & MASK64, e, n
+
+
 def clamp_words(cells, head_off: int, head: int, tail: int, records: Tuple[int, ...]) -> Optional[Tuple[int, int, int]]:
     """The clamp the snapshot ``(head, tail)`` leaves the next replenish: ``(base, end, next)``, or
     None when the word at ``head_off`` (HEAD) moved during the read.  ``records``: ticket records'
@@ -184,16 +200,7 @@ def clamp_words(cells, head_off: int, head: int, tail: int, records: Tuple[int, 
         return tail, tail, (tail + FAR) & MASK64
     base = end = head
     nxt = tail
-    vals = cells.load_many(records) if records else ()
-    for k in itertools.compress(range(len(vals)), vals):
-        len_off, v = records[k], vals[k]
-        e = cells.load(len_off - WORD)
-        if v & REC_BUSY or cells.load(len_off) != v:
-            continue  # being written, or changed under the read: its range is told by no record
-        n = v & ~REC_GIVEN
-        if not 0 < n <= SPAN_MAX:
-            continue  # corrupt: no range
-        s = (e - n) & MASK64
+    for s, e, _ in recorded_ranges(cells, records):
         if signed(head - s) >= 0 and signed(e - head) > 0:
             base, end = s, e
         elif 0 < signed(s - head) and signed(e - head) <= signed(nxt - head):
