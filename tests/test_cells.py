@@ -201,3 +201,21 @@ def test_racing_try_grabs_never_over_grant(backend, segment, method):
     got = run_processes(mp.get_context(method), _taker, [(name, backend)] * 4)
     assert sum(got) == 500 and c.load(192) == 500 and c.load(64) == 1500
     c.close()
+
+
+def test_grabs_bound_to_records_take_nothing_once_leave_waiters_began(cells):
+    # close's first half (leave_waiters) comes before its process leaves the slot whose records
+    # the fast paths are bound to: a grab called after it (its fast path loaded before) must take
+    # no ticket and write no record, on every backend (the atomics one's reference grab too).
+    seq, tail, head, grants, repl_ts = 0, 8, 16, 24, 32
+    records = (56, 72)  # LEN offsets, each with its TICKET word before it
+    cells.store(tail, 100)
+    cells.store(head, 100)  # nothing available: a grab of one would queue
+    cells.store(repl_ts, 1 << 62)  # a replenish time far ahead: no pending tokens counted
+    grab = cells.grabber(seq, 0, tail, head, 1, grants, 1, records)
+    gate = cells.gate(seq, 0, tail, head, head, repl_ts, grants, 1, 1, 1, 1, False, float("inf"), records)
+    cells.leave_waiters()
+    assert grab() is False
+    assert gate.grab_within(3600.0) is None
+    assert (cells.load(tail), cells.load(grants)) == (100, 0)
+    assert [cells.load(off) for off in (48, 56, 64, 72)] == [0, 0, 0, 0]
