@@ -354,6 +354,16 @@ records_from_tuple(NativeCells *self, PyObject *arg, const char *what, Py_ssize_
     return 1;
 }
 
+/* close() began (leave_waiters): a grab bound to its process slot's records takes nothing from now
+ * on, so none writes a record once the slot is left.  Such a grab runs whole under the GIL, and
+ * close sets `closing` under it before it leaves the slot: one that loaded its fast path before and
+ * calls it after is the only one that could come late, and it sees the flag. */
+static inline int
+records_left(NativeCells *c)
+{
+    return __atomic_load_n(&c->closing, __ATOMIC_SEQ_CST) != 0;
+}
+
 /* The records of a grab (Grabber, Gate): at most MAX_RECS, into the caller's array. */
 static int
 parse_records(NativeCells *self, PyObject *arg, const char *what, uint64_t **recs, int *nrec)
@@ -491,9 +501,12 @@ grabber_call(Grabber *self, PyObject *args, PyObject *kwds)
         return NULL;
     if (__atomic_load_n(self->seq, __ATOMIC_SEQ_CST) != self->expected)
         Py_RETURN_FALSE;
-    if (self->recorded)
+    if (self->recorded) {
+        if (records_left(self->cells))
+            Py_RETURN_FALSE; /* the slot is being left (close): taking nothing, the slow path refuses */
         return do_grab_recorded(self->tail, self->head, self->grants, self->amount, self->ops, self->recs,
                                 self->nrec);
+    }
     return do_grab(self->tail, self->head, self->grants, self->amount, self->ops);
 }
 
@@ -1333,8 +1346,8 @@ gate_grab_within(Gate *self, PyObject *arg)
             if (self->capped && (int64_t)(want - __atomic_load_n(self->ceil, __ATOMIC_SEQ_CST)) > 0)
                 goto refuse;
             if (self->recorded) { /* no queued ticket without a record: see claim_record */
-                if (!rec && !(rec = claim_record(self->recs, self->nrec, want)))
-                    Py_RETURN_NONE;
+                if (!rec && (records_left(self->cells) || !(rec = claim_record(self->recs, self->nrec, want))))
+                    Py_RETURN_NONE; /* all in use, or the slot is being left (close): the slow path */
                 __atomic_store_n(rec - 1, want, __ATOMIC_SEQ_CST);
             }
             if (gate_take(self, &t, want)) {
@@ -2726,7 +2739,7 @@ acquirer_call(Acquirer *self, PyObject *args, PyObject *kwds)
     if (!check_open(self->cells))
         return NULL;
     Grabber *g = self->grab;
-    if (wld(g->seq) != g->expected)
+    if (wld(g->seq) != g->expected || records_left(self->cells))
         Py_RETURN_FALSE;
     uint64_t ticket = 0, *rec = NULL;
     int got = grab_recorded(g->tail, g->head, g->grants, g->amount, g->ops, g->recs, g->nrec, &ticket, &rec);

@@ -26,6 +26,8 @@ _PLAIN_LOADS_ATOMIC = platform.machine().lower() in ("x86_64", "amd64", "aarch64
 #: sequentially consistent store is a locked instruction there: a plain load is what C11's
 #: seq_cst load compiles to), so ``load`` itself may be one, without a call into the package.
 _PLAIN_LOADS_SEQ_CST = platform.machine().lower() in ("x86_64", "amd64")
+#: ``leave_waiters`` waits at most this long (seconds) for other threads' grabs bound to records.
+SETTLE_S = 1.0
 _SEQ_CST = 5  # the atomics package's (patomic's) number for memory_order_seq_cst
 
 
@@ -170,6 +172,11 @@ class AtomicsCells(CompositesFromPrimitives):
         self._idle = threading.Condition(self._lock)
         self._active = 0
         self._closed = False
+        #: grabs bound to ticket records under way (every thread's; ``_mine``: this thread's), and
+        #: ``leave_waiters`` begun: such a grab then takes nothing (see ``_enter``)
+        self._recording = 0
+        self._mine = threading.local()
+        self._closing = False
         self._p: Optional[_Patomic] = None
         self._words: Any = None
         self._addr: Optional[int] = None
@@ -194,19 +201,44 @@ class AtomicsCells(CompositesFromPrimitives):
         """True when operations call the package's native library directly (the fast way)."""
         return self._p is not None
 
-    def _enter(self) -> None:
+    def _enter(self, recorded: bool = False) -> bool:
+        """One operation begins (``close`` waits for it); ``recorded``: a grab bound to its process
+        slot's ticket records, which answers False (nothing entered: it takes nothing) once
+        ``leave_waiters`` began.  Such a grab is Python here, so a thread switch can come between its
+        record's claim and its length store: ``leave_waiters`` waits for those under way and none
+        begins after it, so the slot is never left under a half-written record, nor written once left."""
         with self._lock:
-            closed = self._closed
-            if not closed:
+            closed, closing = self._closed, recorded and self._closing
+            if not (closed or closing):
                 self._active += 1
+                self._recording += recorded
         if closed:
             raise ValueError("cells are closed")
+        if recorded and not closing:
+            self._mine.n = getattr(self._mine, "n", 0) + 1
+        return not closing
 
-    def _exit(self) -> None:
+    def _exit(self, recorded: bool = False) -> None:
+        if recorded:
+            self._mine.n -= 1
         with self._lock:
             self._active -= 1
-            if self._closed and not self._active:
+            self._recording -= recorded
+            if (self._closed and not self._active) or (recorded and self._closing):
                 self._idle.notify_all()
+
+    def _recorded(self, fn: Any, closing: Any) -> Any:
+        """``fn``, a reference grab bound to records, entered as one (``closing``: its answer then)."""
+
+        def call(*args: Any) -> Any:
+            if not self._enter(True):
+                return closing
+            try:
+                return fn(*args)
+            finally:
+                self._exit(True)
+
+        return call
 
     def _view(self, off: int):
         view = self._views.get(off)
@@ -277,7 +309,8 @@ class AtomicsCells(CompositesFromPrimitives):
     def grabber(self, seq: int, expected: int, tail: int, head: int, amount: int, grants: int, ops: int,
                 recs: Optional[tuple] = None):
         if self._p is None:
-            return super().grabber(seq, expected, tail, head, amount, grants, ops, recs)
+            grab = super().grabber(seq, expected, tail, head, amount, grants, ops, recs)
+            return grab if recs is None else self._recorded(grab, False)
         self._check(seq, tail, head, grants)
         check_value(expected), check_value(amount), check_value(ops)
         if recs is not None:
@@ -287,8 +320,11 @@ class AtomicsCells(CompositesFromPrimitives):
     def gate(self, seq, expected, tail, head, ceil, repl_ts, grants, amount, ops, tpn, pend_mul, capped,
              max_reserved_ns, recs=None):
         if self._p is None:
-            return super().gate(seq, expected, tail, head, ceil, repl_ts, grants, amount, ops, tpn, pend_mul,
-                                capped, max_reserved_ns, recs)
+            g = super().gate(seq, expected, tail, head, ceil, repl_ts, grants, amount, ops, tpn, pend_mul,
+                             capped, max_reserved_ns, recs)
+            if recs is not None:
+                g.grab_within = self._recorded(g.grab_within, None)  # type: ignore[method-assign]
+            return g
         self._check(seq, tail, head, ceil, repl_ts, grants)
         if recs is not None:
             check_records(recs, self.size)
@@ -324,9 +360,16 @@ class AtomicsCells(CompositesFromPrimitives):
             self._addr = self._base if self._p is not None else futex.address_of(self._buf)
         return self._addr
 
-    def leave_waiters(self) -> None:
-        """Nothing to do: this backend has no native wait (its waiters decide in Python, where a
-        closed attachment grants nothing)."""
+    def leave_waiters(self, timeout: float = SETTLE_S) -> None:
+        """Close's first half: no grab bound to records takes anything from now on, and those of other
+        threads under way end first (each is a few atomic operations; one of this thread's own, a
+        close run by a signal handler inside a grab, cannot, nor can one stalled past ``timeout``
+        seconds).  This backend has no native wait: its waiters decide in Python, where a closed
+        attachment grants nothing."""
+        mine = getattr(self._mine, "n", 0)
+        with self._lock:
+            self._closing = True
+            self._idle.wait_for(lambda: self._recording <= mine, timeout)
 
     def close(self) -> None:
         with self._lock:
@@ -374,7 +417,8 @@ class _AtomicsGrabber:
         self.recs = recs  # ticket records: it queues only holding one (see words.claim_record)
 
     def __call__(self) -> GrabResult:
-        self.c._enter()
+        if not self.c._enter(self.recs is not None):
+            return False  # the slot is being left (close): the slow path refuses
         try:
             w = self.w
             if w[self.i_seq] != self.expected:
@@ -409,7 +453,7 @@ class _AtomicsGrabber:
             self.p.fetch_add(self.a_grants, self.ops)
             return None
         finally:
-            self.c._exit()
+            self.c._exit(self.recs is not None)
 
 
 class _AtomicsGate(Gate):
@@ -456,7 +500,8 @@ class _AtomicsGate(Gate):
         if t is None:
             return None
         rec = None  # the record claimed for the ticket, once it would queue
-        self.c._enter()
+        if not self.c._enter(self.recs is not None):
+            return None  # the slot is being left (close): undecided, the slow path refuses
         try:
             w = self.w
             if w[self.i_seq] != self.expected:
@@ -494,7 +539,7 @@ class _AtomicsGate(Gate):
         finally:
             if rec is not None:  # claimed and not used: free again
                 self.c.store(rec, 0)
-            self.c._exit()
+            self.c._exit(self.recs is not None)
 
     # -- a MultiGate's steps on raw words, under one enter/exit (see Gate's reference steps)
 
