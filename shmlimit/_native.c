@@ -2261,7 +2261,12 @@ waiter_replenish_once(Waiter *w, uint64_t now, int *burn, int *cut_short)
     }
     /* Bucket.apply's cut_short: the head moved to the clamp's limit (the add cut short there, or
      * just filling it: a crossing at its due instant), which only a snapshot taken there passes */
-    *cut_short = total > 0 && head + total == limit;
+    /* or past the end of the request the words name (clamp.left_named): words of a granted
+     * request would stop the next one inside it when it is the longer */
+    uint64_t named_base = wld(w->snap_base), named_end = wld(w->snap_end);
+    *cut_short = total > 0
+                 && (head + total == limit
+                     || ((int64_t)(named_end - named_base) > 0 && (int64_t)(head + total - named_end) >= 0));
     if (total < extra && (int64_t)(snap_tail - snap_head) > 0) {
         /* Bucket.apply: clamped time that callers queued from the interval's start were owed
          * (the head, after our add, still short of the tail), in whole ns rounded down */
@@ -2281,6 +2286,7 @@ waiter_replenish_once(Waiter *w, uint64_t now, int *burn, int *cut_short)
 
 /* Bucket.replenish: one that added over a quarter of the capacity, or whose add the clamp cut short
  * (the head stopped at a boundary, which only a snapshot taken at it lets the next replenish pass),
+ * or that left the request the clamp words name,
  * claims again at once, so that the next replenish clamps against the head it left.  At a given
  * clock reading (tests) the second claim is skipped: it would find nothing elapsed, as
  * Bucket.replenish on a fake clock does. */

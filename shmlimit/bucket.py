@@ -52,7 +52,7 @@ from .config import MAX_QUEUE_TOKENS as MAX_QUEUE
 from .config import Config
 from .config_banks import NO_SNAPSHOT, Snapshot, config_words, published_values, read_snapshot, write_banks, write_under_lock
 from .errors import ConfigWriterTakenOver, QueueFullError, SegmentError
-from .clamp import leave_words
+from .clamp import leave_words, left_named
 from .schedule import Schedule
 from .words import behind, clamp_kept, clamp_limit, diff  # rover arithmetic, re-exported: the bucket's vocabulary
 
@@ -68,7 +68,9 @@ class Bucket(Schedule):
         self.cells = cells
         self.clock = clock
         self.snap = NO_SNAPSHOT
-        self.cut_short = False  # the last apply's add was cut short by the clamp (replenish claims again)
+        #: the last apply's add was cut short by the clamp, or left the request the clamp words
+        #: name (replenish claims again)
+        self.cut_short = False
         self.load_config()
         #: capped mode: this process's slot's count of ops in flight, and every slot's (see ``inflight``)
         self.own_inflight: Optional[int] = None
@@ -259,7 +261,11 @@ class Bucket(Schedule):
         capacity claims again at once (a few ns), so the next clamps against the head it left
         (invariant 3) and may come a capacity late, not a capacity less this interval, unharmed.
         So does one that brought the head to the clamp's limit (``cut_short``): it stays at that
-        boundary (a request's end, the tail) until a snapshot is taken there.
+        boundary (a request's end, the tail) until a snapshot is taken there.  And one that
+        brought the head to or past the end of the request the clamp words name: words of a
+        request already granted would count the next one's capacity from a start behind it, and
+        stop the head inside it (a request longer than the one before, as after a ``set_rate``
+        that raised the cost of an op), losing that replenish's time past the stop.
         """
         if (claim := self.claim()) is None:
             return 0
@@ -339,7 +345,9 @@ class Bucket(Schedule):
             if total <= 0 or c.cas(L.HEAD, head, (head + total) & MASK64):
                 break
             head = c.load(L.HEAD)  # another interval landed first: add ours on top, same clamp
-        self.cut_short = 0 < add and diff(limit, head + add) == 0  # at the clamp's limit: claim again
+        # at the clamp's limit, or past the end of the request the words name: claim again
+        after = (head + add) & MASK64
+        self.cut_short = 0 < add and (diff(limit, after) == 0 or left_named(c, after))
         owed = min(extra - add, diff(c.load(L.TAIL), (head + add) & MASK64)) if queued and add < extra else 0
         if owed >= snap.tpn:  # clamped while callers queued throughout: time owed them, starved (lost
             c.fetch_add(L.STARVED_NS, owed // snap.tpn)  # or deferred); whole ns, never over-counted

@@ -65,3 +65,16 @@ def leave_words(c: Cells, lens: Tuple[int, ...], head: int, tail: int) -> None:
     if words is not None:
         for off, value in zip(CLAMP_WORDS, words):
             c.store(off, value)
+
+
+def left_named(c: Cells, head: int) -> bool:
+    """Whether ``head`` is at or past the end of the recorded request the clamp words name.
+
+    The words count the capacity from that request's start; once it is granted, the next
+    request's capacity would count from a start behind it, and a next request longer than the
+    room left (a cost raised by ``set_rate``, a larger ``n``) would stop inside it, its time past
+    the stop lost.  A claim then takes a snapshot at the head (``Bucket.replenish``): always
+    safe, whatever the words hold.
+    """
+    base, end = c.load(L.SNAP_BASE), c.load(L.SNAP_END)
+    return diff(end, base) > 0 and diff(head, end) >= 0

@@ -276,6 +276,26 @@ def test_a_late_add_never_passes_a_partly_accrued_request_with_a_capacity_more(b
     assert not any(b.covered(t) for t in ones)
 
 
+def test_a_longer_request_after_a_granted_one_gets_its_whole_capacity_on_time(backend):
+    """acquire(1) then acquire(5) at 1000/s, burst 5 (what a ``set_rate`` that raises an op's cost
+    leaves in the queue too).  The add that grants the first leaves clamp words naming it: counted
+    from its start, a capacity would stop the head an op inside the second, and the second's own
+    replenish at its due instant would lose that op's time (starved, granted 1 ms late).  An add
+    that leaves the named request claims again: the second is granted at its due instant."""
+    b, clock = _recorded_bucket(Config.make(1000, burst=5), backend)
+    c = b.cells
+    clock.tick_ns = 1  # a real clock moves between two readings: a claim right after an add has time
+    one = _queue(b, 1, 0)
+    five = _queue(b, 5, 1)
+    b.replenish()  # a snapshot with both queued: the words name the first request
+    clock.advance(1_000_000)  # under a quarter of the capacity: no second claim for its size
+    b.replenish()
+    assert b.covered(one) and not b.covered(five)
+    clock.advance(5_000_000)  # the second's due instant
+    b.replenish()
+    assert b.covered(five) and c.load(L.STARVED_NS) == 0
+
+
 def test_a_record_being_written_is_granted_alone_and_never_stalls_the_queue(backend):
     """A waiter between its CAS on the tail and the store of its record's length (BUSY): the clamp
     cannot tell where its request starts, but lets the head no further than a token short of the

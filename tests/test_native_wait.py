@@ -19,6 +19,7 @@ from hypothesis import strategies as st
 
 import shmlimit
 from shmlimit import layout as L
+from shmlimit.acquisition import Request
 from shmlimit.cells import MASK64, native_available, selected_backend
 from shmlimit.sleep import SLACK_NS
 from support.clock import FakeClock
@@ -326,3 +327,32 @@ def test_a_signal_during_a_one_call_acquire(name, sig):
         if p.poll() is None:
             p.kill()
         p.wait()
+
+
+def test_the_native_replenish_claims_again_past_the_request_its_words_name(name):
+    """The native twin of test_bucket's longer-request case, on the real clock (``refill``: both
+    claims, as a waiter's and the filler's): one op, then five, at 100/s, burst 5.  The refill
+    that grants the first claims again, so the refill at the second's due instant covers it; with
+    words still naming the first, the head would stop an op (10 ms) inside the second."""
+    with closing(quiet_limiter(name, None, rate=100, burst=5)) as lim:
+        att = lim._att
+        b, c = att.bucket, att.cells
+        while lim.try_acquire():
+            pass
+        one, five = Request(att, 1, None), Request(att, 5, None)
+        try:
+            assert one.begin() is not True and five.begin() is not True  # both queued, recorded
+            w = waiter_of(lim)
+            w.refill()  # a snapshot with both queued: the words name the first request
+            wait_for(lambda: time.monotonic_ns() > b.due_ns(one.ticket))
+            w.refill()
+            assert b.covered(one.ticket)
+            if b.covered(five.ticket):  # this process was off the CPU for the second's whole due time
+                pytest.skip("descheduled past the second request's due instant: nothing to tell")
+            starved = c.load(L.STARVED_NS)
+            wait_for(lambda: time.monotonic_ns() > b.due_ns(five.ticket))
+            w.refill()
+            assert b.covered(five.ticket) and c.load(L.STARVED_NS) == starved
+        finally:
+            one.end()
+            five.end()
