@@ -68,9 +68,7 @@ class Bucket(Schedule):
         self.cells = cells
         self.clock = clock
         self.snap = NO_SNAPSHOT
-        #: the last apply's add was cut short by the clamp, or left the request the clamp words
-        #: name (replenish claims again)
-        self.cut_short = False
+        self.cut_short = False  # the last apply's add was cut short, or left the named request: claim again
         self.load_config()
         #: capped mode: this process's slot's count of ops in flight, and every slot's (see ``inflight``)
         self.own_inflight: Optional[int] = None
@@ -261,11 +259,8 @@ class Bucket(Schedule):
         capacity claims again at once (a few ns), so the next clamps against the head it left
         (invariant 3) and may come a capacity late, not a capacity less this interval, unharmed.
         So does one that brought the head to the clamp's limit (``cut_short``): it stays at that
-        boundary (a request's end, the tail) until a snapshot is taken there.  And one that
-        brought the head to or past the end of the request the clamp words name: words of a
-        request already granted would count the next one's capacity from a start behind it, and
-        stop the head inside it (a request longer than the one before, as after a ``set_rate``
-        that raised the cost of an op), losing that replenish's time past the stop.
+        boundary (a request's end, the tail) until a snapshot is taken there; and one that
+        granted the request the clamp words name (``clamp.left_named``).
         """
         if (claim := self.claim()) is None:
             return 0
@@ -345,8 +340,7 @@ class Bucket(Schedule):
             if total <= 0 or c.cas(L.HEAD, head, (head + total) & MASK64):
                 break
             head = c.load(L.HEAD)  # another interval landed first: add ours on top, same clamp
-        # at the clamp's limit, or past the end of the request the words name: claim again
-        after = (head + add) & MASK64
+        after = (head + add) & MASK64  # at the clamp's limit, or past the named request: claim again
         self.cut_short = 0 < add and (diff(limit, after) == 0 or left_named(c, after))
         owed = min(extra - add, diff(c.load(L.TAIL), (head + add) & MASK64)) if queued and add < extra else 0
         if owed >= snap.tpn:  # clamped while callers queued throughout: time owed them, starved (lost
