@@ -579,8 +579,10 @@ cells_grabber(NativeCells *self, PyObject *const *args, Py_ssize_t n)
 #define KW_V1 4
 #define KW_DISP 5 /* V2..V4: the key's first bytes, for display only */
 /* override entry: CTRL(0 empty, 1 live, 2 tomb) D0 D1 T TAU RATE PER BURST */
-#define KO_T 3
-#define KO_TAU 4
+#define KO_LINES 3 /* an override entry: CTRL D0 D1, then its banks A and B (keyed_layout) */
+#define KO_EMPTY 0u
+#define KO_LIVE 1u
+#define KT_DEFAULT_BACKUP_LINES 7 /* the default's bank B, lines after CFG_SEQ's */
 
 static inline uint64_t kt_state(uint64_t c) { return c & 0xff; }
 static inline uint64_t kt_pid(uint64_t c) { return (c >> 8) & 0xffffffffu; }
@@ -634,9 +636,9 @@ siphash128(const unsigned char *in, size_t len, uint64_t k0, uint64_t k1, uint64
 
 typedef struct {
     BOUND_FIELDS
-    uint64_t *cfg;        /* CFG_SEQ, then (at +4, +5 words) the default T and TAU */
+    uint64_t *cfg;        /* CFG_SEQ, then the default's bank A; its bank B 7 lines on */
     uint64_t *ovr_live;   /* live overrides: the override table is probed only when nonzero */
-    uint64_t *ovr;        /* override table: novr lines */
+    uint64_t *ovr;        /* override table: novr entries of KO_LINES lines */
     uint64_t *slots;      /* key slots: nslots lines */
     uint64_t *keys_live, *evicted, *refused, *grants;
     uint64_t novr, nslots, probe, k0, k1, pid;
@@ -692,13 +694,77 @@ kt_yield(KeyedTable *t)
     return check_open(t->cells);
 }
 
-/* The GCRA parameters for digest d under a consistent config.  A writer holds CFG_SEQ odd for
- * microseconds; one that stays odd for KT_LOCK_NS (its writer died) is closed by CAS to the next
- * even value, as keyed_gcra.ConfigLock would take it over. */
+/* The checksum of one config bank (layout.config_sum over GEN and D0 D1 T TAU RATE PER BURST). */
+static uint64_t
+kt_bank_sum(uint64_t gen, const uint64_t v[7])
+{
+    uint64_t h = gen * UINT64_C(0x9E3779B97F4A7C15) + UINT64_C(0x632BE59BD9B4E019);
+    for (int i = 0; i < 7; i++) {
+        h ^= v[i];
+        h *= UINT64_C(0xFF51AFD7ED558CCD);
+        h ^= h >> 33;
+    }
+    return h;
+}
+
+/* One config bank, words 1..7 of `line`: RATE PER BURST T TAU GEN SUM (keyed_gcra).  Its age
+ * (CFG_SEQ s1 less its generation, modulo 2**64), T and TAU; 0 if its checksum does not hold. */
+static int
+kt_bank(const uint64_t *line, const uint64_t d[2], uint64_t s1, uint64_t *age, uint64_t *T, uint64_t *tau)
+{
+    uint64_t rate = ld((uint64_t *)line + 1), per = ld((uint64_t *)line + 2), burst = ld((uint64_t *)line + 3);
+    uint64_t tt = ld((uint64_t *)line + 4), ta = ld((uint64_t *)line + 5);
+    uint64_t gen = ld((uint64_t *)line + 6), sum = ld((uint64_t *)line + 7);
+    const uint64_t v[7] = {d[0], d[1], tt, ta, rate, per, burst};
+    if (sum != kt_bank_sum(gen, v))
+        return 0;
+    *age = s1 - gen;
+    *T = tt;
+    *tau = ta;
+    return 1;
+}
+
+/* (T, TAU) of the valid bank of the newest generation of the two; 0 if neither is valid. */
+static int
+kt_pick(const uint64_t *a, const uint64_t *b, const uint64_t d[2], uint64_t s1, uint64_t *T, uint64_t *tau)
+{
+    uint64_t aa, at, atau, ba, bt, btau;
+    int va = kt_bank(a, d, s1, &aa, &at, &atau), vb = kt_bank(b, d, s1, &ba, &bt, &btau);
+    if (va && (!vb || aa <= ba)) {
+        *T = at;
+        *tau = atau;
+    } else if (vb) {
+        *T = bt;
+        *tau = btau;
+    }
+    return va || vb;
+}
+
+/* SegmentError (shmlimit.errors) with msg; 0 */
+static int
+kt_segment_error(const char *msg)
+{
+    PyObject *m = PyImport_ImportModule("shmlimit.errors");
+    PyObject *exc = m ? PyObject_GetAttrString(m, "SegmentError") : NULL;
+    Py_XDECREF(m);
+    if (exc) {
+        PyErr_SetString(exc, msg);
+        Py_DECREF(exc);
+    }
+    return 0;
+}
+
+/* The GCRA parameters for digest d under a consistent config: the key's override if it has one
+ * (LIVE, its newest valid bank's T nonzero), else the default, each from its valid bank of the
+ * newest generation (keyed_gcra: a config writer taken over writes at most one bank, older than
+ * the newer writer's).  A writer holds CFG_SEQ odd for microseconds; one that stays odd for
+ * KT_LOCK_NS (its writer died) is closed by CAS to the next even value, as keyed_gcra.ConfigLock
+ * would take it over.  No valid bank under a CFG_SEQ that stayed even: SegmentError, 0. */
 #define KT_LOCK_NS 200000000u
 static int
 kt_params(KeyedTable *t, const uint64_t d[2], uint64_t *T, uint64_t *tau)
 {
+    static const uint64_t none[2] = {0, 0};
     uint64_t seen = 0, since = 0;
     for (;;) {
         uint64_t s1 = ld(t->cfg);
@@ -714,7 +780,8 @@ kt_params(KeyedTable *t, const uint64_t d[2], uint64_t *T, uint64_t *tau)
                 return 0;
             continue;
         }
-        uint64_t tt = ld(t->cfg + 4), ta = ld(t->cfg + 5);
+        uint64_t tt = 0, ta = 0;
+        int found = 0, corrupt = 0;
         if (t->novr && ld(t->ovr_live)) {
             uint64_t home = (uint64_t)(((unsigned __int128)d[1] * t->novr) >> 64);
             uint64_t lim = t->probe < t->novr ? t->probe : t->novr;
@@ -722,18 +789,22 @@ kt_params(KeyedTable *t, const uint64_t d[2], uint64_t *T, uint64_t *tau)
                 uint64_t idx = home + i;
                 if (idx >= t->novr)
                     idx -= t->novr;
-                uint64_t *e = t->ovr + idx * LINEW;
+                uint64_t *e = t->ovr + idx * KO_LINES * LINEW;
                 uint64_t c = ld(e);
-                if (c == 0)
+                if (c == KO_EMPTY)
                     break;
-                if (c == 1 && ld(e + 1) == d[0] && ld(e + 2) == d[1]) {
-                    tt = ld(e + KO_T);
-                    ta = ld(e + KO_TAU);
+                if (c == KO_LIVE && ld(e + 1) == d[0] && ld(e + 2) == d[1]) {
+                    corrupt = !kt_pick(e + LINEW, e + 2 * LINEW, d, s1, &tt, &ta);
+                    found = !corrupt && tt != 0; /* T == 0: the override was removed */
                     break;
                 }
             }
         }
+        if (!found && !corrupt)
+            corrupt = !kt_pick(t->cfg, t->cfg + KT_DEFAULT_BACKUP_LINES * LINEW, none, s1, &tt, &ta);
         if (ld(t->cfg) == s1) {
+            if (corrupt)
+                return kt_segment_error("keyed segment is corrupt: no copy of its config passes its checksum");
             *T = tt ? tt : 1;
             *tau = ta;
             return 1;
@@ -1187,7 +1258,8 @@ cells_keyed_table(NativeCells *self, PyObject *const *args, Py_ssize_t n)
     uint64_t size = (uint64_t)self->size;
     /* a region of `lines` 64-byte lines at offset off must lie inside the mapping */
 #define REGION_OK(off, lines) ((off) % 8 == 0 && (lines) <= size / 64 && (off) <= size - (lines) * 64)
-    if (!REGION_OK(v[0], 1) || !REGION_OK(v[1], 0) || v[1] > size - 8 || !REGION_OK(v[2], v[3]) ||
+    if (!REGION_OK(v[0], KT_DEFAULT_BACKUP_LINES + 1) || !REGION_OK(v[1], 0) || v[1] > size - 8 ||
+        v[3] > size / (64 * KO_LINES) || !REGION_OK(v[2], v[3] * KO_LINES) ||
         !REGION_OK(v[4], v[5]) || v[5] == 0 || v[6] == 0 || v[6] > v[5] || v[9] > size - 8 ||
         v[10] > size - 8 || v[11] > size - 8 || v[12] > size - 8 || (v[9] | v[10] | v[11] | v[12]) % 8) {
         PyErr_SetString(PyExc_IndexError, "keyed_table: a region lies outside the mapping");

@@ -47,6 +47,8 @@ import time
 from typing import Callable, Optional, Tuple
 
 from . import keyed_layout as K
+from .errors import SegmentError
+from .layout import config_sum as _config_sum
 
 MASK64 = (1 << 64) - 1
 REFUSED = -1  #: the wait exceeds max_wait: nothing written
@@ -309,7 +311,7 @@ class KeyedTable(SlotTable):
     def __init__(self, cells, cfg: int, ovr_live: int, ovr: int, novr: int, slots: int, nslots: int, probe: int,
                  k0: int, k1: int, keys_live: int, evicted: int, refused: int, grants: int, pid: int) -> None:
         super().__init__(cells, slots, nslots, probe, keys_live, evicted, pid)
-        for off, lines in ((cfg, 1), (ovr, novr)):
+        for off, lines in ((cfg, K.DEFAULT_BACKUP_LINES + 1), (ovr, novr * K.OVR_LINES)):
             if off % 8 or off + lines * K.LINE > cells.size:
                 raise IndexError("keyed_table: a region lies outside the mapping")
         cells._check(ovr_live, refused, grants)
@@ -321,11 +323,29 @@ class KeyedTable(SlotTable):
     def digest(self, key: object) -> Tuple[int, int]:
         return siphash128(key_bytes(key), self.k0, self.k1)
 
+    def _bank(self, line: int, d: Tuple[int, int], seq: int):
+        """``(age, T, TAU)`` of one config bank (see ``keyed_gcra``), or None if its checksum fails."""
+        c = self.c
+        rate, per, burst, t, tau = (c.load(line + off) for off in K.B_VALUES)
+        gen = c.load(line + K.B_GEN)
+        if c.load(line + K.B_SUM) != _config_sum(gen, (d[0], d[1], t, tau, rate, per, burst)):
+            return None
+        return (seq - gen) & MASK64, t, tau
+
+    def _pick(self, lines: Tuple[int, int], d: Tuple[int, int], seq: int):
+        """``(T, TAU)`` of the valid bank of the newest generation, or None."""
+        a, b = self._bank(lines[0], d, seq), self._bank(lines[1], d, seq)
+        best = a if b is None or (a is not None and a[0] <= b[0]) else b
+        return None if best is None else best[1:]
+
     def params(self, d: Tuple[int, int]) -> Tuple[int, int]:
-        """(T, TAU) for digest d under a consistent config.
+        """(T, TAU) for digest d under a consistent config: the key's override if it has one, else
+        the default, each from its valid bank of the newest generation.
 
         A writer holds ``CFG_SEQ`` odd for microseconds; one that stays odd for
         ``LOCK_NS`` (its writer died) is closed by CAS to the next even value.
+        No valid bank under a ``CFG_SEQ`` that stayed even is a corrupt segment:
+        ``SegmentError`` (a writer leaves one bank of each config whole).
         """
         c = self.c
         seen, since = 0, 0
@@ -339,18 +359,27 @@ class KeyedTable(SlotTable):
                     c.cas(self.cfg, s1, (s1 + 1) & MASK64)  # modulo 2**64, as the native one
                 os.sched_yield()
                 continue
-            t, tau = c.load(self.cfg + 32), c.load(self.cfg + 40)
+            pair, corrupt = None, False
             if self.novr and c.load(self.ovr_live):
                 home = (d[1] * self.novr) >> 64
                 for i in range(min(self.probe, self.novr)):
-                    e = self.ovr + ((home + i) % self.novr) * K.LINE
+                    e = self.ovr + ((home + i) % self.novr) * K.OVR_LINES * K.LINE
                     ctl = c.load(e)
                     if ctl == K.O_EMPTY:
                         break
                     if ctl == K.O_LIVE and c.load(e + K.O_D0) == d[0] and c.load(e + K.O_D1) == d[1]:
-                        t, tau = c.load(e + K.O_T), c.load(e + K.O_TAU)
+                        pair = self._pick((e + K.O_BANKS[0], e + K.O_BANKS[1]), d, s1)
+                        corrupt = pair is None
+                        if pair is not None and not pair[0]:
+                            pair = None  # removed (T == 0): the default
                         break
+            if pair is None and not corrupt:
+                pair = self._pick((self.cfg, self.cfg + K.DEFAULT_BACKUP_LINES * K.LINE), (0, 0), s1)
+                corrupt = pair is None
             if c.load(self.cfg) == s1:
+                if corrupt:
+                    raise SegmentError("keyed segment is corrupt: no copy of its config passes its checksum")
+                t, tau = pair
                 return (t or 1), tau
 
     def acquire(self, key: object, n: int, max_wait: int, now: "int | None" = None) -> int:

@@ -3,13 +3,34 @@
 A key's state is one word, its TAT (``V0`` of its slot, in ticks of 1/16 ns of
 CLOCK_MONOTONIC); the GCRA step itself is part of the atomic layer's keyed
 composite (``keyed_cells``).  This module holds what prices it: the default
-``(T, TAU)`` in the header and the per-key overrides in a bounded table of
-their own, both published under one sequence lock (``CFG_SEQ``, odd while a
-writer works) so that a reader never prices a grant with a torn pair.
+``(T, TAU)`` and the per-key overrides in a bounded table of their own.
+
+**Publication** (the plain limiter's rule, ``config_banks``, per config).
+Writers take ``CFG_SEQ`` as a lock (even -> odd by CAS; one silent for
+``LOCK_TIMEOUT`` is taken over, odd -> odd + 2, or closed by a reader, odd
+-> even) and publish by one CAS from their lock value to the next even
+value, the generation they wrote.  Every config (the default, each override)
+has two banks, each stamped with the generation that wrote it and a checksum
+over that generation, the key's digest and the values.  A writer writes bank
+B, checks that ``CFG_SEQ`` still holds its lock, then writes bank A.  Readers
+wait for an even ``CFG_SEQ``, take the valid bank of the newest generation
+(counted back from ``CFG_SEQ``, modulo 2**64) and check ``CFG_SEQ`` again.
+
+So a writer stalled past the timeout and taken over that resumes can write at
+most one bank (it checks the lock between the two), stamped with its own,
+older generation: whoever took over wrote both banks of what it changed with a
+newer one, so readers never take the late words over newer ones, and a
+torn bank never passes its checksum.  Its publishing CAS fails
+(``ConfigWriterTakenOver``).  A writer killed while it writes leaves its
+config's other bank whole: readers take the old config or, if bank B was
+complete, the new one -- never words of both.
 
 Overrides are found by the key's digest, not through its slot, so they apply
-from the next call in every process, survive the key's eviction, and are
-removed by marking their entry TOMB.
+from the next call in every process and survive the key's eviction.  An entry
+is claimed by CAS (CLAIM | owner) before its digest is written and made LIVE
+by CAS after its writer published, so a late writer never writes into an
+entry another writer took; removal publishes a bank with ``T == 0``, so it is
+ordered by generation like any other change, and a removed entry is reused.
 """
 from __future__ import annotations
 
@@ -22,6 +43,8 @@ from typing import Optional, Tuple
 from . import keyed_layout as K
 from . import layout as L
 from .cells import Cells
+from .errors import ConfigWriterTakenOver, SegmentError
+from .keyed_cells import alive
 
 #: Ticks of schedule arithmetic stay below this (2**60 ticks = 2.3 years).
 MAX_TICKS = 1 << 60
@@ -93,17 +116,72 @@ def make_rate(rate: object, per: object, burst: object) -> Rate:
     return r
 
 
-def read_rate(c: Cells, base: int = K.CFG_RATE) -> Rate:
-    return Rate(L.u2f(c.load(base)), L.u2f(c.load(base + 8)), L.u2f(c.load(base + 16)))
+def bank_values(rate: Optional[Rate]) -> Tuple[int, int, int, int, int]:
+    """A bank's five values (RATE PER BURST T TAU) for ``rate``; all zero (T == 0: removed) for None."""
+    if rate is None:
+        return (0, 0, 0, 0, 0)
+    return (L.f2u(rate.rate), L.f2u(rate.per), L.f2u(rate.burst), rate.t, rate.tau)
+
+
+def bank_sum(gen: int, d: Tuple[int, int], vals) -> int:
+    """The checksum of one bank: over its generation, the key's digest (0, 0 for the default) and its
+    values ``(RATE, PER, BURST, T, TAU)``, in the order ``(D0, D1, T, TAU, RATE, PER, BURST)``."""
+    rate, per, burst, t, tau = vals
+    return L.config_sum(gen, (d[0], d[1], t, tau, rate, per, burst))
+
+
+def write_bank(c: Cells, line: int, d: Tuple[int, int], vals, gen: int) -> None:
+    """Store one bank: the values, then its generation, then its checksum."""
+    for off, v in zip(K.B_VALUES, vals):
+        c.store(line + off, v)
+    c.store(line + K.B_GEN, gen)
+    c.store(line + K.B_SUM, bank_sum(gen, d, vals))
+
+
+def read_bank(c: Cells, line: int, d: Tuple[int, int]) -> Optional[Tuple[int, Tuple[int, ...]]]:
+    """``(generation, values)`` of one bank, or None if its checksum does not hold for digest ``d``."""
+    vals = tuple(c.load(line + off) for off in K.B_VALUES)
+    gen = c.load(line + K.B_GEN)
+    return (gen, vals) if c.load(line + K.B_SUM) == bank_sum(gen, d, vals) else None
+
+
+def pick(c: Cells, lines: Tuple[int, int], d: Tuple[int, int], seq: int) -> Optional[Tuple[int, ...]]:
+    """The values of the valid bank of the newest generation (counted back from ``seq``), or None."""
+    best, age = None, None
+    for line in lines:
+        b = read_bank(c, line, d)
+        if b is not None and (age is None or (seq - b[0]) & _MASK64 < age):
+            best, age = b[1], (seq - b[0]) & _MASK64
+    return best
+
+
+def rate_of(vals: Tuple[int, ...]) -> Rate:
+    return Rate(L.u2f(vals[0]), L.u2f(vals[1]), L.u2f(vals[2]))
+
+
+def peek_default(c: Cells) -> Rate:
+    """The default rate for display, without waiting for a writer (all zero if no bank is valid)."""
+    vals = pick(c, K.DEFAULT_BANKS, (0, 0), c.load(K.CFG_SEQ) & ~1)
+    return rate_of(vals or (0, 0, 0, 0, 0))
+
+
+def _corrupt(what: str) -> SegmentError:
+    return SegmentError(f"keyed segment is corrupt: no copy of {what} passes its checksum")
 
 
 class ConfigLock:
-    """The writers' side of ``CFG_SEQ``: CAS even -> odd, write, store even; a dead holder is taken over."""
+    """The writers' side of ``CFG_SEQ``: CAS even -> odd, write banks, publish by CAS odd -> even.
+
+    A holder silent for ``LOCK_TIMEOUT`` is taken over (odd -> odd + 2).  Leaving the ``with``
+    publishes; a writer that was taken over meanwhile raises ``ConfigWriterTakenOver`` there
+    (unless another exception is on its way).
+    """
 
     def __init__(self, c: Cells) -> None:
         self.c = c
+        self.published = False
 
-    def __enter__(self) -> int:
+    def __enter__(self) -> "ConfigLock":
         c = self.c
         seen, since = None, time.monotonic()
         while True:
@@ -111,52 +189,62 @@ class ConfigLock:
             if not s & 1:
                 if c.cas(K.CFG_SEQ, s, _next(s)):
                     self.seq = _next(s)
-                    return self.seq
+                    return self
                 continue
             if s != seen:
                 seen, since = s, time.monotonic()
             elif time.monotonic() - since > LOCK_TIMEOUT and c.cas(K.CFG_SEQ, s, _next(s, 2)):
                 self.seq = _next(s, 2)  # still odd: ours now; we rewrite what we came to write
-                return self.seq
+                return self
             os.sched_yield()
 
-    def __exit__(self, *exc: object) -> None:
-        self.c.store(K.CFG_SEQ, _next(self.seq))
+    @property
+    def gen(self) -> int:
+        """The generation this writer publishes: the even value after its lock."""
+        return _next(self.seq)
+
+    def held(self) -> bool:
+        return self.c.load(K.CFG_SEQ) == self.seq
+
+    def write_banks(self, lines: Tuple[int, int], d: Tuple[int, int], vals) -> None:
+        """Bank B, then (if the lock is still ours) bank A: a late writer writes at most one bank."""
+        write_bank(self.c, lines[1], d, vals, self.gen)
+        if not self.held():
+            raise _taken_over()
+        write_bank(self.c, lines[0], d, vals, self.gen)
+
+    def __exit__(self, exc_type, exc, tb) -> None:
+        # Interrupted half-way we publish too: readers then take the old config or the new one.
+        self.published = published = self.c.cas(K.CFG_SEQ, self.seq, self.gen)
+        if exc_type is None and not published:
+            raise _taken_over()
 
 
-def _write_pair(c: Cells, t_off: int, tau_off: int, t: int, tau: int) -> None:
-    """Move (T, TAU) to (t, tau) so that every intermediate pair is no more permissive than the old
-    or the new one: first the slower T and the smaller TAU of the two, then the new values.
-
-    Readers never use a pair read while the lock is held, but a writer killed here leaves the
-    lock to be closed by readers after LOCK_TIMEOUT, and then its last pair is the one in force.
-    """
-    old_t, old_tau = c.load(t_off), c.load(tau_off)
-    c.store(t_off, max(old_t, t))
-    c.store(tau_off, min(old_tau, tau))
-    c.store(t_off, t)
-    c.store(tau_off, tau)
+def _taken_over() -> ConfigWriterTakenOver:
+    return ConfigWriterTakenOver(
+        "this keyed config change was abandoned: the writer stalled longer than the lock's "
+        f"{LOCK_TIMEOUT * 1000:.0f} ms and another took over; apply it again"
+    )
 
 
 def publish_default(c: Cells, rate: Rate) -> None:
-    with ConfigLock(c):
-        _write_pair(c, K.CFG_T, K.CFG_TAU, rate.t, rate.tau)
-        c.store(K.CFG_RATE, L.f2u(rate.rate))
-        c.store(K.CFG_PER, L.f2u(rate.per))
-        c.store(K.CFG_BURST, L.f2u(rate.burst))
+    with ConfigLock(c) as lock:
+        lock.write_banks(K.DEFAULT_BANKS, (0, 0), bank_values(rate))
 
 
 def read_default(c: Cells) -> Rate:
     while True:
         s = wait_unlocked(c)
-        r = read_rate(c)
+        vals = pick(c, K.DEFAULT_BANKS, (0, 0), s)
         if c.load(K.CFG_SEQ) == s:
-            return r
+            if vals is None:
+                raise _corrupt("the default rate")
+            return rate_of(vals)
         os.sched_yield()
 
 
 class Overrides:
-    """The bounded override table: ``novr`` entries probed from the digest's home (``D1``)."""
+    """The bounded override table: ``novr`` entries of three lines, probed from the digest's home (``D1``)."""
 
     def __init__(self, c: Cells, novr: int) -> None:
         self.c = c
@@ -166,65 +254,123 @@ class Overrides:
     def _entries(self, d: Tuple[int, int]):
         home = (d[1] * self.novr) >> 64
         for i in range(min(K.PROBE, self.novr)):
-            yield self.base + ((home + i) % self.novr) * K.LINE
+            yield self.base + ((home + i) % self.novr) * K.OVR_LINES * K.LINE
 
-    def _find(self, d: Tuple[int, int]) -> Optional[int]:
+    @staticmethod
+    def _banks(e: int) -> Tuple[int, int]:
+        return (e + K.O_BANKS[0], e + K.O_BANKS[1])
+
+    def _is(self, e: int, d: Tuple[int, int]) -> bool:
+        return self.c.load(e + K.O_D0) == d[0] and self.c.load(e + K.O_D1) == d[1]
+
+    def _find(self, d: Tuple[int, int], claimed: bool = False) -> Optional[int]:
+        """The LIVE entry of digest ``d`` (or, with ``claimed``, one a writer claimed for it)."""
         c = self.c
         for e in self._entries(d):
-            state = c.load(e + K.O_CTRL)
-            if state == K.O_EMPTY:
+            ctl = c.load(e + K.O_CTRL)
+            if ctl == K.O_EMPTY:
                 return None
-            if state == K.O_LIVE and c.load(e + K.O_D0) == d[0] and c.load(e + K.O_D1) == d[1]:
+            if (ctl == K.O_LIVE or (claimed and ctl & 0xFF == K.O_CLAIM)) and self._is(e, d):
                 return e
         return None
 
+    def _vals(self, e: int, seq: int) -> Optional[Tuple[int, ...]]:
+        return pick(self.c, self._banks(e), (self.c.load(e + K.O_D0), self.c.load(e + K.O_D1)), seq)
+
     def get(self, d: Tuple[int, int]) -> Optional[Rate]:
+        c = self.c
         while True:
-            s = wait_unlocked(self.c)
+            s = wait_unlocked(c)
             e = self._find(d) if self.novr else None
-            r = read_rate(self.c, e + K.O_RATE) if e is not None else None
-            if self.c.load(K.CFG_SEQ) == s:
-                return r
+            vals = self._vals(e, s) if e is not None else None
+            if c.load(K.CFG_SEQ) == s:
+                if e is not None and vals is None:
+                    raise _corrupt("this key's override")
+                return None if vals is None or not vals[3] else rate_of(vals)
             os.sched_yield()
 
+    def _free(self, e: int, ctl: int, seq: int, mine: int) -> bool:
+        """Whether entry ``e`` (CTRL ``ctl``) may be claimed: empty, freed, claimed by a writer that
+        is gone, or LIVE with its override removed (or no bank valid)."""
+        state = ctl & 0xFF
+        if ctl in (K.O_EMPTY, K.O_TOMB):
+            return True
+        if state == K.O_CLAIM:
+            return not alive(ctl >> 8, mine)
+        if ctl == K.O_LIVE:
+            vals = self._vals(e, seq)
+            return vals is None or not vals[3]
+        return False
+
+    def _claim(self, d: Tuple[int, int], lock: ConfigLock) -> Tuple[int, int]:
+        """Claim an entry for digest ``d`` (CAS to CLAIM | us), its digest written: ``(entry, ctrl)``."""
+        c = self.c
+        mine = K.owner(os.getpid())
+        claim = K.O_CLAIM | mine << 8
+        for e in self._entries(d):
+            ctl = c.load(e + K.O_CTRL)
+            if not self._free(e, ctl, lock.seq, mine):
+                continue
+            if not c.cas(e + K.O_CTRL, ctl, claim):
+                if not lock.held():
+                    raise _taken_over()
+                continue
+            c.store(e + K.O_D0, d[0])
+            c.store(e + K.O_D1, d[1])
+            return e, claim
+        raise ValueError(
+            f"the override table is full near this key ({self.novr} entries): remove overrides, "
+            f"or create the keyed limiter with a larger overrides="
+        )
+
     def set(self, d: Tuple[int, int], rate: Rate) -> None:
+        """Give digest ``d`` the rate ``rate``.  ``OVR_LIVE`` may count too many (the composite then
+        probes for nothing) but never too few: it counts an override before it can be in force,
+        and takes the count back only where it never was."""
         if not self.novr:
             raise ValueError("this keyed limiter was created with overrides=0: it has no room for per-key rates")
         c = self.c
-        with ConfigLock(c):
-            e = self._find(d)
-            if e is None:
-                for cand in self._entries(d):
-                    if c.load(cand + K.O_CTRL) != K.O_LIVE:
-                        e = cand
-                        break
+        lock = ConfigLock(c)
+        e, claimed, counted = 0, 0, False
+        try:
+            with lock:
+                e = self._find(d, claimed=True)
                 if e is None:
-                    raise ValueError(
-                        f"the override table is full near this key ({self.novr} entries): remove overrides, "
-                        f"or create the keyed limiter with a larger overrides="
-                    )
-                # a new entry is complete before it is LIVE: a writer killed here leaves no half override
-                c.store(e + K.O_T, rate.t)
-                c.store(e + K.O_TAU, rate.tau)
-                c.store(e + K.O_D0, d[0])
-                c.store(e + K.O_D1, d[1])
-                c.store(e + K.O_CTRL, K.O_LIVE)
-                c.fetch_add(K.OVR_LIVE, 1)
-            else:
-                _write_pair(c, e + K.O_T, e + K.O_TAU, rate.t, rate.tau)
-            c.store(e + K.O_RATE, L.f2u(rate.rate))
-            c.store(e + K.O_PER, L.f2u(rate.per))
-            c.store(e + K.O_BURST, L.f2u(rate.burst))
+                    e, claimed = self._claim(d, lock)
+                    counted = True
+                elif c.load(e + K.O_CTRL) != K.O_LIVE:
+                    claimed = c.load(e + K.O_CTRL)  # claimed for this key, never made LIVE: ours now
+                    counted = True
+                else:
+                    vals = self._vals(e, lock.seq)
+                    counted = vals is None or not vals[3]  # it was removed
+                if counted:
+                    c.fetch_add(K.OVR_LIVE, 1)
+                lock.write_banks(self._banks(e), d, bank_values(rate))
+        finally:
+            if lock.published and claimed and self._vals(e, lock.gen) is None:
+                lock.published = False  # interrupted before a bank was whole: this entry never goes LIVE
+            if not lock.published:
+                if counted:
+                    c.fetch_add(K.OVR_LIVE, _MASK64)  # -1
+                if claimed and claimed >> 8 == K.owner(os.getpid()):  # our own claim goes back
+                    c.cas(e + K.O_CTRL, claimed, K.O_TOMB)
+            elif claimed and not c.cas(e + K.O_CTRL, claimed, K.O_LIVE):
+                c.fetch_add(K.OVR_LIVE, _MASK64)  # another made it LIVE, and counted it
 
     def remove(self, d: Tuple[int, int]) -> bool:
         c = self.c
-        with ConfigLock(c):
+        with ConfigLock(c) as lock:
             e = self._find(d) if self.novr else None
             if e is None:
                 return False
-            c.store(e + K.O_CTRL, K.O_TOMB)
+            vals = self._vals(e, lock.seq)
+            if vals is not None and not vals[3]:
+                return False
+            lock.write_banks(self._banks(e), d, bank_values(None))
+        if vals is not None:
             c.fetch_add(K.OVR_LIVE, (1 << 64) - 1)
-            return True
+        return True
 
     def count(self) -> int:
         return self.c.load(K.OVR_LIVE)

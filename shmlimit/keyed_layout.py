@@ -4,25 +4,33 @@ A keyed segment holds many independent limits, one per key, in a table of
 64-byte slots.  Every word is an unsigned 64-bit cell (see ``cells``).
 
     line  0  header     MAGIC VERSION SIZE STATE PSLOTS CREATOR_PID CREATED_NS KIND (1 GCRA, 2 windows)
-    line  1  config     CFG_SEQ RATE PER BURST T TAU - -   (RATE PER BURST: IEEE-754 bits)
+    line  1  config     CFG_SEQ, then the default rate's bank A: RATE PER BURST T TAU GEN SUM
     line  2  geometry   NKEYS NOVR PROBE SECRET0 SECRET1 - - -
     line  3  KEYS_LIVE  keys in LIVE slots
     line  4  EVICTED    keys given up (their bucket was full again)
     line  5  REFUSED    new keys refused: every slot of their window held a limited key
     line  6  OVR_LIVE   live overrides (the override table is probed only when nonzero)
     line  7  UNREG_GRANTS: grants of processes beyond the process table
-    lines 8..15  reserved (zero)
+    line  8  -, then the default rate's bank B: RATE PER BURST T TAU GEN SUM
+    lines 9..15 reserved (zero)
     then PSLOTS process slots of one line each: PID START GRANTS WAITING BASE - - -
          (the format of ``table.ProcessTable``, at the same offset as in a Limiter segment)
-    then NOVR override entries:  CTRL D0 D1 T TAU RATE PER BURST   (CTRL 0 empty, 1 live, 2 tomb)
+    then NOVR override entries of three lines: CTRL D0 D1 - - - - -, then its bank A, then its bank B
+         (CTRL 0 empty, 1 live, 2 tomb, 3 | owner << 8 claimed by a writer)
     then NKEYS key slots:        CTRL D0 D1 V0 V1 V2 V3 V4
 
-``T`` is the emission interval (ticks per op) and ``TAU`` the burst tolerance
-(ticks); a tick is 1/16 ns of CLOCK_MONOTONIC.  A slot's words: ``CTRL`` =
-state | owner pid << 8 | generation << 40, ``D0 D1`` the key's 128-bit keyed
-digest (SipHash-2-4-128 under the segment's secret), ``V0..V4`` the value
-kind's words.  The slot protocol (``keyed_cells``) knows one thing about
-values: ``V0`` is the expiry word (see there).
+A *bank* is words 1..7 of a line: ``RATE PER BURST`` (IEEE-754 bits, for
+display), ``T`` the emission interval (ticks per op), ``TAU`` the burst
+tolerance (ticks), ``GEN`` the even ``CFG_SEQ`` its writer publishes as, and
+``SUM`` a checksum over GEN, the key's digest (zero for the default) and the
+five values.  Every config (the default, each override) has two banks; readers
+take the valid bank of the newest generation (``keyed_gcra``).  An override
+whose newest bank has ``T == 0`` was removed.  A tick is 1/16 ns of
+CLOCK_MONOTONIC.  A slot's words: ``CTRL`` = state | owner pid << 8 |
+generation << 40, ``D0 D1`` the key's 128-bit keyed digest (SipHash-2-4-128
+under the segment's secret), ``V0..V4`` the value kind's words.  The slot
+protocol (``keyed_cells``) knows one thing about values: ``V0`` is the expiry
+word (see there).
 """
 from __future__ import annotations
 
@@ -39,7 +47,8 @@ from .layout import SLOTS_OFF as PSLOTS_OFF
 from .layout import words
 
 MAGIC = int.from_bytes(b"SHMLKEYS", "little")
-VERSION = 1
+#: 2: every config in two checksummed banks (a config writer taken over cannot publish late)
+VERSION = 2
 
 KIND_OFF = words(0, 8)[7]
 
@@ -50,8 +59,15 @@ KIND_GCRA = 1
 KIND_WINDOWS = 2
 KINDS = (KIND_GCRA, KIND_WINDOWS)
 
-# line 1 after the rate: the GCRA's emission interval and burst tolerance (ticks)
-CFG_T, CFG_TAU = words(1, 6)[4:]
+# a bank: words 1..7 of its line (byte offsets within the line)
+B_RATE, B_PER, B_BURST, B_T, B_TAU, B_GEN, B_SUM = words(0, 8)[1:]
+B_VALUES = (B_RATE, B_PER, B_BURST, B_T, B_TAU)
+
+# line 1 after CFG_SEQ is the default's bank A; its backup, bank B, is line 8
+CFG_T, CFG_TAU, CFG_GEN, CFG_SUM = words(1, 8)[4:]
+DEFAULT_BANKS = (1 * LINE, 8 * LINE)
+#: The default's bank B lies this many lines after CFG_SEQ's (the composite is given CFG_SEQ's offset).
+DEFAULT_BACKUP_LINES = 7
 
 # line 2: the geometry and the keyed hash's secret
 NKEYS_OFF, NOVR_OFF, PROBE_OFF, SECRET0_OFF, SECRET1_OFF = words(2, 5)
@@ -76,9 +92,13 @@ PEND = 2  #: digest valid; the owner checks for a concurrent insert of the same 
 LIVE = 3
 TOMB = 4
 
-# an override entry (word offsets within its line)
-O_CTRL, O_D0, O_D1, O_T, O_TAU, O_RATE, O_PER, O_BURST = words(0, 8)
-O_EMPTY, O_LIVE, O_TOMB = 0, 1, 2
+# an override entry: three lines (CTRL D0 D1 in the first, then bank A, then bank B)
+OVR_LINES = 3
+O_CTRL, O_D0, O_D1 = words(0, 3)
+O_BANKS = (1 * LINE, 2 * LINE)
+#: CTRL: EMPTY ends a probe; LIVE an entry in use; TOMB one a former layout freed;
+#: CLAIM | owner << 8 taken by a writer that has not published it yet.
+O_EMPTY, O_LIVE, O_TOMB, O_CLAIM = 0, 1, 2, 3
 
 DEFAULT_OVERRIDES = 1024
 
@@ -104,7 +124,7 @@ def overrides_offset(pslots: int = PSLOTS) -> int:
 
 
 def slots_offset(novr: int, pslots: int = PSLOTS) -> int:
-    return overrides_offset(pslots) + novr * LINE
+    return overrides_offset(pslots) + novr * OVR_LINES * LINE
 
 
 def segment_size(nkeys: int, novr: int, pslots: int = PSLOTS) -> int:

@@ -23,7 +23,7 @@ from typing import AbstractSet, Optional, Tuple
 from . import keyed_layout as K
 from . import layout as L
 from .cells import Cells, open_cells, warm_backend
-from .keyed_gcra import MAX_TICKS, Rate, read_rate
+from .keyed_gcra import MAX_TICKS, Rate, bank_values, pick, rate_of, write_bank
 from .errors import AbandonedSegmentError, LimiterNotFoundError, SegmentError, SharedMemoryFullError
 from .segment import (
     INIT_WAIT, LIVE_CREATOR_WAIT, PREFIX, SHM_DIR, Segment, check_trust, current_inode, open_shm,
@@ -76,11 +76,8 @@ def _initialise(seg: Segment, geo: Geometry, rate: Optional[Rate]) -> Cells:
     c = start_header(seg, K.VERSION, K.PSLOTS)
     c.store(K.KIND_OFF, geo.kind)
     if rate is not None:  # a table of window counters has no rate: its config line stays zero
-        c.store(K.CFG_RATE, L.f2u(rate.rate))
-        c.store(K.CFG_PER, L.f2u(rate.per))
-        c.store(K.CFG_BURST, L.f2u(rate.burst))
-        c.store(K.CFG_T, rate.t)
-        c.store(K.CFG_TAU, rate.tau)
+        for line in K.DEFAULT_BANKS:  # both banks, generation 0 (CFG_SEQ's first value)
+            write_bank(c, line, (0, 0), bank_values(rate), 0)
     c.store(K.NKEYS_OFF, geo.keys)
     c.store(K.NOVR_OFF, geo.overrides)
     c.store(K.PROBE_OFF, geo.probe)
@@ -113,8 +110,10 @@ def validate_header(name: str, c: Cells, mapped: int) -> Geometry:
         )
     if kind == K.KIND_WINDOWS:
         return Geometry(keys, novr, kind)
-    r = read_rate(c)
-    t, tau = c.load(K.CFG_T), c.load(K.CFG_TAU)
+    vals = pick(c, K.DEFAULT_BANKS, (0, 0), c.load(K.CFG_SEQ) & ~1)
+    if vals is None:
+        raise SegmentError(f"segment {name!r} is corrupt: no copy of its configuration passes its checksum")
+    r, t, tau = rate_of(vals), vals[3], vals[4]
     if not all(math.isfinite(x) and x > 0 for x in (r.rate, r.per, r.burst)) or not 1 <= t <= tau < MAX_TICKS:
         raise SegmentError(f"segment {name!r} is corrupt: its configuration is out of range")
     return Geometry(keys, novr)

@@ -17,7 +17,7 @@ from . import keyed_cells as KC
 from . import keyed_layout as K
 from .cells import Cells, open_cells
 from .errors import SegmentError
-from .keyed_gcra import TICKS_PER_S, read_rate
+from .keyed_gcra import TICKS_PER_S, peek_default
 from .keyed_segment import Geometry, read_copy, validate_header
 from .keyed_windows import FLAG, unpack
 from .segment import validate_name
@@ -61,7 +61,7 @@ class KeyedStats:
 
 def snapshot_of(name: str, c: Cells, geo: Geometry, size: int) -> KeyedStats:
     """A snapshot from the header and process table in ``c`` (a mapping or a private copy)."""
-    r = read_rate(c)  # no wait: a copy taken while a writer worked would never change (display only)
+    r = peek_default(c)  # no wait: a copy taken while a writer worked would never change (display only)
     table = ProcessTable(c, K.PSLOTS)
     procs = tuple(KeyedProcess(e.pid, is_alive(e.pid, e.start), e.grants) for e in table.entries())
     keys = c.load(K.KEYS_LIVE)

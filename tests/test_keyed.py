@@ -11,6 +11,8 @@ import time
 import pytest
 
 import shmlimit
+from shmlimit import keyed_cells as KC
+from shmlimit.keyed_gcra import bank_sum, bank_values, make_rate
 from shmlimit import keyed_layout as K
 from shmlimit.keyed import KeyedStats
 
@@ -216,10 +218,18 @@ def test_hostile_headers_are_refused(name):
     lim.close()
     path = f"/dev/shm/shmlimit.{name}"
     good = open(path, "rb").read()
-    for off, value in ((K.NKEYS_OFF, 10**9), (K.PROBE_OFF, 99), (K.CFG_T, 0), (K.VERSION_OFF, 9), (K.KIND_OFF, 7),
-                       (K.SIZE_OFF, 1 << 40), (K.NOVR_OFF, 1 << 20)):
+    def both_banks(vals, gen=0, sum_of=bank_sum):
+        return [(line + off, v) for line in K.DEFAULT_BANKS
+                for off, v in zip(K.B_VALUES + (K.B_GEN, K.B_SUM), (*vals, gen, sum_of(gen, (0, 0), vals)))]
+
+    rate = bank_values(make_rate(1, 1, 1))
+    for changes in ([(K.NKEYS_OFF, 10**9)], [(K.PROBE_OFF, 99)], [(K.VERSION_OFF, 9)], [(K.KIND_OFF, 7)],
+                    [(K.SIZE_OFF, 1 << 40)], [(K.NOVR_OFF, 1 << 20)],
+                    both_banks((*rate[:3], 0, rate[4])),  # T == 0, checksums that hold
+                    both_banks(rate, sum_of=lambda *a: bank_sum(*a) ^ 1)):  # no bank passes its checksum
         bad = bytearray(good)
-        bad[off:off + 8] = value.to_bytes(8, "little")
+        for off, value in changes:
+            bad[off:off + 8] = value.to_bytes(8, "little")
         with open(path, "r+b") as f:
             f.write(bad)
         with pytest.raises(shmlimit.SegmentError):
@@ -255,7 +265,7 @@ def test_a_table_larger_than_dev_shm_is_a_clear_error(name):
         pytest.skip(f"cannot make a private /dev/shm here: {out.stderr.strip()}")
     assert out.returncode == 0, out.stderr
     lines = out.stdout.splitlines()
-    assert lines[0].startswith("refused:") and "6.2 MiB" in lines[0] and "--shm-size" in lines[0]
+    assert lines[0].startswith("refused:") and "6.3 MiB" in lines[0] and "--shm-size" in lines[0]
     assert lines[1] == f"fits True ['shmlimit.{name}']"
     assert name not in shmlimit.list_names()  # the real /dev/shm was never touched
 
@@ -349,40 +359,77 @@ def test_a_handle_inherited_through_fork_counts_as_the_child(name):
         lim.close()
 
 
-@pytest.mark.parametrize("old, new", [((1, 5), (3, 2)), ((3, 2), (1, 5)), ((2, 8), (1, 1)), ((1, 1), (4, 40))])
-def test_a_writer_killed_midway_leaves_a_pair_no_more_permissive_than_old_or_new(name, old, new):
-    """(T, TAU) after any prefix of a config write: T at least one side's, TAU at most that side's."""
-    from shmlimit.keyed_gcra import Rate, _write_pair
+def test_a_config_writer_killed_at_any_write_leaves_the_old_config_or_the_new(name, monkeypatch):
+    """Killed before each of its writes in turn (a default rate, an override added, changed or removed),
+    a writer leaves each config's other bank whole: once its lock is closed, the Python readers and
+    the keyed composite price by the old config or by the new one, never by words of both."""
+    from shmlimit import keyed_gcra
+    from shmlimit.keyed_gcra import Overrides, publish_default, read_default
 
-    lim = shmlimit.KeyedLimiter(name, rate=1, keys=64)
+    monkeypatch.setattr(keyed_gcra, "LOCK_TIMEOUT", 0.0)
+    monkeypatch.setattr(KC, "LOCK_NS", 0)
+    lim = shmlimit.KeyedLimiter(name, rate=10, burst=2, keys=64, overrides=16)
     cells = lim._live().cells
+    novr = lim._att.geo.overrides
+    new = make_rate(1000, 1, 50)
 
     class Killed(Exception):
         pass
 
-    class DiesAfter:
-        def __init__(self, stores):
-            self.left = stores
+    class DiesAt:
+        def __init__(self, writes):
+            self.left = writes
 
         def load(self, off):
             return cells.load(off)
 
-        def store(self, off, value):
+        def _write(self):
             if not self.left:
                 raise Killed
             self.left -= 1
+
+        def store(self, off, value):
+            self._write()
             cells.store(off, value)
 
-    for stores in range(5):
-        cells.store(K.CFG_T, old[0])
-        cells.store(K.CFG_TAU, old[1])
-        try:
-            _write_pair(DiesAfter(stores), K.CFG_T, K.CFG_TAU, *new)
-        except Killed:
-            pass
-        t, tau = cells.load(K.CFG_T), cells.load(K.CFG_TAU)
-        assert (t >= old[0] and tau <= old[1]) or (t >= new[0] and tau <= new[1]), (stores, t, tau)
-    assert Rate(10, 1, 2).t == 1_600_000_000 and Rate(10, 1, 2).tau == 3_200_000_000  # ticks of 1/16 ns
+        def cas(self, off, expected, desired):
+            self._write()
+            return cells.cas(off, expected, desired)
+
+        def fetch_add(self, off, delta):
+            self._write()
+            return cells.fetch_add(off, delta)
+
+    def burst(key):  # the largest request the composite would grant at once (a peek)
+        return max(n for n in (1, 2, 50) if lim._att.kt.acquire(key, n, -1) != KC.NEVER)
+
+    d = lim._att.kt.digest("k")
+    cases = [  # (set up the old config, the writer, what the config is: (a rate or an override, "k"'s burst))
+        (lambda: None, lambda c: publish_default(c, new), lambda: (read_default(cells), 50)),
+        (lambda: lim.remove_override("k"), lambda c: Overrides(c, novr).set(d, new), lambda: (lim.override("k"), 50)),
+        (lambda: lim.set_rate(10, burst=2, key="k"), lambda c: Overrides(c, novr).set(d, new),
+         lambda: (lim.override("k"), 50)),
+        (lambda: lim.set_rate(1000, burst=50, key="k"), lambda c: Overrides(c, novr).remove(d),
+         lambda: (lim.override("k"), 2)),
+    ]
+    for case, (setup, write, seen) in enumerate(cases):
+        for writes in range(40):
+            lim.set_rate(10, burst=2)
+            setup()
+            before = (seen()[0], burst("k"))
+            try:
+                write(DiesAt(writes))
+                done = True
+            except Killed:
+                done = False
+            after = (seen()[0], burst("k"))  # (the Python reader closes the dead writer's lock first)
+            newer = {0: (new, 50), 1: ((1000.0, 1.0, 50.0), 50), 2: ((1000.0, 1.0, 50.0), 50), 3: (None, 2)}[case]
+            assert after in (before, newer), (case, writes, before, after)
+            if done:
+                assert after == newer, (case, writes)
+                break
+        else:
+            raise AssertionError(f"case {case}: the writer never finished")
     lim.close()
 
 

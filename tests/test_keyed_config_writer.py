@@ -1,10 +1,11 @@
 """A keyed limiter's config writer stalled past the lock's timeout, taken over, then resumed.
 
-The plain limiter's config is double-buffered and switched by one CAS, so a writer that was taken
-over publishes nothing (tests/test_promises.py, "a stalled config writer").  The keyed limiter's
-default rate and overrides are still written in place under ``CFG_SEQ``: a writer that resumes
-after another took its lock over finishes its stores over the newer config, and its release
-moves ``CFG_SEQ`` back.
+As the plain limiter's (tests/test_promises.py, "a stalled config writer"), the keyed limiter's
+default rate and overrides are double-buffered: two checksummed banks per config, stamped with
+the generation that wrote them, and publication by one CAS of ``CFG_SEQ`` (keyed_gcra).  A writer
+taken over writes at most one bank, with a generation older than the newer writer's, and its
+publication fails.  (Written in place, the late stores landed over the newer config, and the
+late release moved ``CFG_SEQ`` back.)
 
 Each test stalls one writer before each of its writes in turn (every store, CAS and add after it
 took the lock), lets another writer take the lock over and publish there, then lets the stalled
@@ -12,7 +13,6 @@ one resume; the config in force must be the newer one, read the same by the Pyth
 by the keyed composite (native or atomics, as ``SHMLIMIT_BACKEND`` selects).
 """
 import contextlib
-import sys
 
 import pytest
 
@@ -22,11 +22,6 @@ from shmlimit import keyed_gcra
 from shmlimit import keyed_layout as K
 from shmlimit.errors import ConfigWriterTakenOver
 from shmlimit.keyed_gcra import Overrides, make_rate, publish_default, read_default
-
-KNOWN_DEFECT = pytest.mark.xfail(strict=True, raises=AssertionError, reason=(
-    "known defect: the keyed config (default rate, overrides) is written in place; a writer taken "
-    "over after LOCK_TIMEOUT that resumes overwrites the newer set_rate and moves CFG_SEQ back "
-    "(the plain limiter's double-buffered banks are not yet used by the keyed one)"))
 
 LATE = make_rate(1000, 1.0, 50)  # what the stalled writer came to write
 NEWER = (10, 1.0, 2)  # what the writer that took over publishes meanwhile
@@ -102,7 +97,6 @@ def _run_stalled(lim, write, newer, check, prepare=lambda: None):
         check(at)
 
 
-@KNOWN_DEFECT
 def test_a_stalled_keyed_config_writer_that_resumes_publishes_nothing(name, monkeypatch):
     monkeypatch.setattr(keyed_gcra, "LOCK_TIMEOUT", 0.0)  # taken over at the second look
     lim = shmlimit.KeyedLimiter(name, rate=1000, keys=64)
@@ -116,7 +110,6 @@ def test_a_stalled_keyed_config_writer_that_resumes_publishes_nothing(name, monk
         lim.close()
 
 
-@KNOWN_DEFECT
 @pytest.mark.parametrize("existing", [True, False], ids=["override-changed", "override-added"])
 def test_a_stalled_override_writer_that_resumes_publishes_nothing(name, monkeypatch, existing):
     monkeypatch.setattr(keyed_gcra, "LOCK_TIMEOUT", 0.0)
@@ -143,13 +136,13 @@ def test_a_stalled_override_writer_that_resumes_publishes_nothing(name, monkeypa
             k = current[0]
             assert lim.override(k) == NEWER, at
             assert _bursts_seen(lim, k) == NEWER_SEEN, at
+            assert lim.remove_override(k) and lim.override(k) is None, at  # its entry is reused
 
         _run_stalled(lim, write, lambda: lim.set_rate(*NEWER, key=current[0]), check, prepare)
     finally:
         lim.close()
 
 
-@KNOWN_DEFECT
 def test_a_stalled_override_remover_that_resumes_removes_nothing(name, monkeypatch):
     monkeypatch.setattr(keyed_gcra, "LOCK_TIMEOUT", 0.0)
     lim = shmlimit.KeyedLimiter(name, rate=1000, burst=50, keys=64, overrides=16)
@@ -167,7 +160,6 @@ def test_a_stalled_override_remover_that_resumes_removes_nothing(name, monkeypat
         lim.close()
 
 
-@KNOWN_DEFECT
 def test_a_reader_that_meets_a_stalled_writer_prices_by_one_config(name, monkeypatch):
     """A writer stopped before any of its writes: a reader closes its lock after the timeout and sees
     the old config or the new one, never a pair of words from both (Python readers and the composite)."""

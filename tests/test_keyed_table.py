@@ -20,11 +20,18 @@ from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, ru
 from shmlimit import keyed_cells as KC
 from shmlimit import keyed_layout as K
 from shmlimit.cells import native_available, open_cells
+from shmlimit.keyed_gcra import write_bank
 from support.models import on_each_backend
 
 BACKENDS = ["atomics"] + (["native"] if native_available() else [])
 T = 100  # ticks per op
 DEAD_PID = (1 << K.PID_BITS) - 7  # above this machine's pid_max (checked below): never a live process
+
+
+def set_params(c, t, tau):
+    """The default (T, TAU) in both of its banks, as a config writer publishes it (keyed_gcra)."""
+    for line in K.DEFAULT_BANKS:
+        write_bank(c, line, (0, 0), (0, 0, 0, t, tau), c.load(K.CFG_SEQ) & ~1)
 
 
 def dead_pid():
@@ -41,8 +48,7 @@ class Table:
         self.size = K.segment_size(nkeys, novr)
         self.mm = mmap.mmap(-1, self.size)
         self.c = open_cells(self.mm, self.size, backend)
-        self.c.store(K.CFG_T, T)
-        self.c.store(K.CFG_TAU, burst * T)
+        set_params(self.c, T, burst * T)
         self.probe = probe or min(K.PROBE, nkeys)
         self.kt = self.c.keyed_table(
             K.CFG_SEQ, K.OVR_LIVE, K.overrides_offset(), novr, K.slots_offset(novr), nkeys, self.probe,
@@ -270,8 +276,7 @@ def test_a_config_lock_left_by_a_dead_writer_is_closed(backend):
 @pytest.mark.parametrize("backend", BACKENDS)
 def test_try_acquire_and_rebind(backend):
     t = Table(backend, 16, 1)
-    t.c.store(K.CFG_T, 10**13)  # ~10 minutes per op on the real clock
-    t.c.store(K.CFG_TAU, 10**13)
+    set_params(t.c, 10**13, 10**13)  # ~10 minutes per op on the real clock
     assert t.kt.try_acquire("k") is True and t.kt.try_acquire("k") is False
     assert t.kt.try_acquire("j", 2) is False  # above the burst
     assert t.c.load(K.UNREG_GRANTS) == 1
