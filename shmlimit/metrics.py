@@ -102,7 +102,7 @@ _UPSTREAM_METRICS = (
     ("shmlimit_upstream_round_trips", "counter", "Redis round trips by this host's fillers.", "round_trips"),
     ("shmlimit_upstream_leases", "counter", "Successful lease requests to the global Redis limiter.", "leases"),
     ("shmlimit_upstream_leased_ops", "counter", "Ops leased from the global Redis limiter.", "leased"),
-    ("shmlimit_upstream_expired_ops", "counter", "Leased ops never used (expired or not fitting).", "expired"),
+    ("shmlimit_upstream_expired_ops", "counter", "Leased ops never used (void after their ttl, or reserved by a process that closed).", "expired"),
     ("shmlimit_upstream_refused_ops", "counter", "Ops asked for that the global limiter had not available.", "refused"),
     ("shmlimit_upstream_errors", "counter", "Redis calls that failed.", "errors"),
     ("shmlimit_upstream_fallbacks", "counter", "Times a fallback was entered while Redis was unreachable.", "fallbacks"),

@@ -44,7 +44,7 @@ class UpstreamStats:
     round_trips: int  #: Redis round trips by this host's fillers
     leased: int  #: ops leased from Redis
     leases: int  #: successful lease requests (``leased / leases`` is the average batch)
-    expired: int  #: leased ops never used (void after ``lease_ttl``, or not fitting the bucket)
+    expired: int  #: leased ops never used (void after ``lease_ttl``, or still reserved when the process that leased them closed)
     refused: int  #: lease requests that found nothing available globally
     errors: int  #: Redis calls that failed
     fallbacks: int  #: times a fallback was entered

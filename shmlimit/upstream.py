@@ -247,6 +247,10 @@ class Feeder:
         return 2 * self.rtt_ns + int(MIN_LEAD * 1e9)
 
     def close(self) -> None:
+        """The filler stops (its process closes): the batches still reserved here, which nobody else
+        knows, are leased ops never used, so counted expired (a SIGKILL leaves them uncounted)."""
+        self.cells.fetch_add(L.UP_EXPIRED, sum(bt.left for bt in self.pending))
+        self.pending.clear()
         if self.redis is not None:
             self.redis.close()
 
@@ -590,11 +594,6 @@ class Feeder:
             b.forgive()
 
     def _recover(self, state: int) -> None:
-        b = self.bucket
         if state in (STATE_LOCAL, STATE_OPEN):
-            b.set_upstream_flags(L.FLAG_UPSTREAM)
-        if state == STATE_LOCAL:
-            b.burn()  # tokens of the local clock are not the global limit's
-        elif state == STATE_OPEN:
-            b.forgive()
+            self._end_fallback(state)
         self.cells.store(L.UP_STATE, STATE_OK)

@@ -100,6 +100,7 @@ def test_one_saturated_host_gets_the_global_rate_within_one_percent(R, redis_ser
         start = clock.now
         run([host], clock, seconds)
         up = host.lim.stats().upstream
+        ahead = len(host.feeder.pending)  # (before close, which counts them expired)
     finally:
         host.close()
     got = sum(1 for t in host.grants if t >= start + 10**9)  # after the first second
@@ -108,11 +109,30 @@ def test_one_saturated_host_gets_the_global_rate_within_one_percent(R, redis_ser
     assert up.expired == 0  # nothing reserved was lost to a late delivery
     # one round trip per batch (and the script's first load): at most one per op, far fewer when busy,
     # counting the batches reserved ahead that were not due yet at the end (the lead)
-    ahead = len(host.feeder.pending)
     print(f"rate {rate}: {len(host.grants)} grants, {up.round_trips} round trips, {up.refused} refused, {ahead} ahead")
     assert up.round_trips <= len(host.grants) + ahead + up.refused + 4
     if rate >= 1000:
         assert up.round_trips <= 0.2 * len(host.grants)
+
+
+def test_a_closing_feeder_counts_what_it_still_had_reserved_as_expired(R, redis_server, name, clock):
+    """A process whose filler stops (it closes, or exits) takes its reservations not yet delivered
+    with it: nobody else knows them.  They are leased ops never used, so ``expired`` counts them,
+    and every leased op stays accounted for: granted, expired, or in the bucket."""
+    host = Host(R, name, redis_server.url, clock, 1000, lease_ttl=0.1)
+    try:
+        run([host], clock, 0.5)
+        left = sum(bt.left for bt in host.feeder.pending)
+        before = host.lim.stats().upstream
+        host.feeder.close()
+        s = host.lim.stats()
+        host.feeder.close()  # (a second close counts nothing more)
+        again = host.lim.stats().upstream
+    finally:
+        host.close()
+    assert left > 0  # saturated: batches were reserved ahead of need, not due yet
+    assert s.upstream.expired == before.expired + left == again.expired
+    assert s.upstream.leased - s.upstream.expired == s.grants + s.available
 
 
 @pytest.mark.parametrize("rate", [50, 1000])
