@@ -69,6 +69,74 @@ def test_the_slack_is_lowered_for_the_sleep_only(kind):
         p.join(10)
 
 
+def _thread_slack() -> int:
+    """The calling thread's timer slack (prctl PR_GET_TIMERSLACK)."""
+    import ctypes
+
+    return ctypes.CDLL(None).prctl(30, 0, 0, 0, 0)
+
+
+def _set_thread_slack(ns: int) -> None:
+    import ctypes
+
+    assert ctypes.CDLL(None).prctl(29, ns, 0, 0, 0) == 0
+
+
+def _native_waits_in_a_thread(name, conn):
+    """In a fresh thread: its slack before and after natively waited turns; then the slack of a
+    second thread, which never waited."""
+    out = {}
+
+    def run():
+        _set_thread_slack(50_000)
+        out["before"] = _thread_slack()
+        lim = shmlimit.attach(name)
+        try:
+            naps = lim._att.fast[3].naps if lim._att.fast[3] is not None else None
+            for _ in range(25):  # the capacity (10), then turns waited for natively
+                lim.acquire()
+            out["slept"] = lim._att.fast[3].naps - naps if naps is not None else None
+            out["after"] = _thread_slack()
+        finally:
+            lim.close()
+
+    t = threading.Thread(target=run)
+    t.start()
+    t.join()
+    seen = []
+    other = threading.Thread(target=lambda: seen.append(_thread_slack()))
+    other.start()
+    other.join()
+    out["other"] = seen[0]
+    conn.send(out)
+
+
+@pytest.mark.skipif(not LINUX or not native_available(), reason="the native wait's timer slack (Linux)")
+def test_the_native_wait_lowers_its_thread_slack_once_and_keeps_it(name):
+    from shmlimit.cells import selected_backend
+
+    if selected_backend() != "native":
+        pytest.skip("the native wait is the native backend's")
+    lim = shmlimit.Limiter(name, rate=1000)  # capacity 10: the 11th acquire waits for its turn
+    lim.close()
+    ctx = mp.get_context("fork")
+    ours, theirs = ctx.Pipe()
+    p = ctx.Process(target=_native_waits_in_a_thread, args=(name, theirs))
+    p.start()
+    try:
+        assert ours.poll(60), "the child did not answer"
+        out = ours.recv()
+    finally:
+        p.join(10)
+        if p.is_alive():
+            p.kill()
+            p.join()
+    assert out["before"] == 50_000, out
+    assert out["slept"], out  # the waits slept (natively): the slack is theirs to set
+    assert out["after"] == S.SLACK_NS, out  # kept after the wait: no prctl per wait to restore it
+    assert out["other"] != S.SLACK_NS, out  # per thread: one that never waited keeps its own
+
+
 def _counting_worker(name, seconds, q):
     """Acquire for a while; count every time the waiting loop sleeps or yields, per grant."""
     counts = {"wakes": 0}
