@@ -2404,11 +2404,12 @@ waiter_sleep(Waiter *w, uint64_t at)
  * per wait (about 1.5 µs of CPU a grant, measured: 5-6 % of a grant's CPU at 10 000/s), and a
  * thread that waits once usually waits again.  The cost of keeping it: the thread's other timed
  * sleeps and timeouts end within 1 µs of their deadline instead of the default 50 µs (the kernel
- * batches fewer of its wake-ups), and the threads and processes it starts afterwards begin with it
- * (the kernel copies the slack; unlike the slice there is no reset-on-fork for it).  A thread whose
- * slack cannot be read (a seccomp filter) is not tried again.  A forked child's thread keeps the
- * mark, as the kernel copied the slack itself. */
-static __thread long wait_slack_kept;
+ * batches fewer of its wake-ups), and the threads it starts afterwards begin with it (the kernel
+ * copies the slack).  A forked child's thread gets the slack it had before back (the at-fork
+ * handler: there is no reset-on-fork for the slack as there is for the slice), and lowers it
+ * again at its own first wait.  A thread whose slack cannot be read (a seccomp filter) is not
+ * tried again.  `wait_slack_orig`: the slack it had before (0: none to give back). */
+static __thread long wait_slack_kept, wait_slack_orig;
 
 static void
 wait_low_slack(long slack)
@@ -2417,8 +2418,10 @@ wait_low_slack(long slack)
     if (wait_slack_kept == slack)
         return;
     long old = prctl(PR_GET_TIMERSLACK, 0, 0, 0, 0);
-    if (old > 0 && old != slack)
-        prctl(PR_SET_TIMERSLACK, (unsigned long)slack, 0, 0, 0);
+    if (!wait_slack_kept)
+        wait_slack_orig = 0;
+    if (old > 0 && old != slack && prctl(PR_SET_TIMERSLACK, (unsigned long)slack, 0, 0, 0) == 0 && !wait_slack_orig)
+        wait_slack_orig = old; /* (a second waiter's other slack: the first one's original stays) */
     wait_slack_kept = slack;
 #else
     (void)slack;
@@ -2523,6 +2526,13 @@ waiter_atfork_child(void)
 {
     waiter_fork_gen++;
     wait_slice_tried = 0; /* the kernel reset the slice of the child's thread (reset-on-fork) */
+#ifdef __linux__
+    /* the slack the forking thread had before its first wait (wait_low_slack), unless it is no
+     * longer the one the wait set (the thread set its own since: that one stays) */
+    if (wait_slack_orig > 0 && prctl(PR_GET_TIMERSLACK, 0, 0, 0, 0) == wait_slack_kept)
+        prctl(PR_SET_TIMERSLACK, (unsigned long)wait_slack_orig, 0, 0, 0);
+#endif
+    wait_slack_kept = wait_slack_orig = 0;
 }
 
 /* One more caller inside a loop that runs without the GIL (a wait, a fill): the mapping must

@@ -83,8 +83,8 @@ def _set_thread_slack(ns: int) -> None:
 
 
 def _native_waits_in_a_thread(name, conn):
-    """In a fresh thread: its slack before and after natively waited turns; then the slack of a
-    second thread, which never waited."""
+    """In a fresh thread: its slack before and after natively waited turns, and that of a process
+    it forks then; then the slack of a second thread, which never waited."""
     out = {}
 
     def run():
@@ -99,6 +99,17 @@ def _native_waits_in_a_thread(name, conn):
             out["after"] = _thread_slack()
         finally:
             lim.close()
+        r, w = os.pipe()
+        pid = os.fork()
+        if pid == 0:  # the child's thread: the slack from before the wait
+            try:
+                os.write(w, str(_thread_slack()).encode())
+            finally:
+                os._exit(0)
+        os.close(w)
+        with os.fdopen(r) as f:
+            out["child"] = int(f.read())
+        os.waitpid(pid, 0)
 
     t = threading.Thread(target=run)
     t.start()
@@ -134,6 +145,7 @@ def test_the_native_wait_lowers_its_thread_slack_once_and_keeps_it(name):
     assert out["before"] == 50_000, out
     assert out["slept"], out  # the waits slept (natively): the slack is theirs to set
     assert out["after"] == S.SLACK_NS, out  # kept after the wait: no prctl per wait to restore it
+    assert out["child"] == 50_000, out  # a process forked afterwards begins with the slack from before
     assert out["other"] != S.SLACK_NS, out  # per thread: one that never waited keeps its own
 
 
