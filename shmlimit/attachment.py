@@ -234,9 +234,9 @@ class Attachment:
     def reap(self) -> int:
         """Give back the tickets recorded by dead processes; return how many (the filler's chore).
         Capped mode: release the ops in flight of processes gone holding them, too (``inflight``)."""
-        if self.bucket.capped:
-            inflight.reap(self.cells, self.table, self.owners.alive)
-        found = reap(self.cells, self.table, self.adopt, self.owners.alive)
+        if self.bucket.capped:  # (each pass polls the owners' descriptors once: OwnerWatch.round)
+            inflight.reap(self.cells, self.table, self.owners.round())
+        found = reap(self.cells, self.table, self.adopt, self.owners.round())
         if found:
             self._skipper()
         return found

@@ -19,7 +19,7 @@ from __future__ import annotations
 import os
 import threading
 from dataclasses import dataclass
-from typing import List, Optional, Tuple
+from typing import Callable, List, Optional, Set, Tuple
 
 from . import layout as L
 from .cells import Cells
@@ -118,7 +118,24 @@ class OwnerWatch:
         with self._lock:
             return self._alive(index, pid, start)
 
-    def _alive(self, index: int, pid: int, start: int) -> bool:
+    def round(self) -> Callable[[int, int, int, int], bool]:
+        """``alive`` for one pass over the owners (a reap): the descriptors are polled once, at the
+        first owner already watched, instead of once per owner (a reap with eight waiting owners
+        made eight polls, about half its CPU).  An owner that exits after that poll is judged alive
+        until the next pass, so its records wait for the next reap: never taken from a live owner.
+        A descriptor seen readable stays so (an exit is for good), and one opened during the pass
+        answers from the start time read after opening it, as ``alive`` does."""
+        seen: List[Set[int]] = []  # the readable descriptors, once polled
+
+        def alive(index: int, pid: int, start: int, pidns: int) -> bool:
+            if pidns and pidns != pid_namespace():
+                return pid > 0
+            with self._lock:
+                return self._alive(index, pid, start, seen)
+
+        return alive
+
+    def _alive(self, index: int, pid: int, start: int, seen: Optional[List[Set[int]]] = None) -> bool:
         held = self._fds.get(index)
         if held is not None and held[:2] != (pid, start):
             self._drop(index)
@@ -138,6 +155,17 @@ class OwnerWatch:
                 self._poll = select.poll()
             self._poll.register(fd, 1)  # type: ignore[attr-defined]  # POLLIN: the process exited
             self._fds[index] = held = (pid, start, fd)
+            if seen is not None:  # alive when its start was read, after opening: not from the pass's poll
+                if seen:
+                    seen[0].discard(fd)  # (a number closed earlier in the pass, taken again)
+                return True
+        if seen is not None:
+            if not seen:
+                seen.append({fd for fd, _ in self._poll.poll(0)})  # type: ignore[attr-defined]
+            if held[2] in seen[0]:
+                self._drop(index)
+                return False
+            return True
         ready = self._poll.poll(0)  # type: ignore[attr-defined]  # one syscall, every owner watched
         if ready and any(fd == held[2] for fd, _ in ready):
             self._drop(index)

@@ -188,3 +188,54 @@ def test_the_owner_watch_answers_as_slot_alive_does_and_leaks_no_descriptor():
         child.kill()
         child.wait()
         w.close()
+
+
+class _CountingPoll:
+    """A ``select.poll`` that counts its polls (the watch's own, wrapped)."""
+
+    def __init__(self, inner):
+        self.inner, self.polls = inner, 0
+
+    def register(self, fd, mask):
+        self.inner.register(fd, mask)
+
+    def unregister(self, fd):
+        self.inner.unregister(fd)
+
+    def poll(self, timeout):
+        self.polls += 1
+        return self.inner.poll(timeout)
+
+
+def test_a_reaps_pass_polls_the_owners_once_and_judges_as_slot_alive_does():
+    """``OwnerWatch.round``: one poll for every owner already watched in a pass (a reap), not one
+    per owner; an owner gone before the pass is dead in it, one that exits after the pass's poll
+    is alive in that pass (its records wait for the next one) and dead in the next."""
+    from shmlimit.table import OwnerWatch, proc_start, slot_alive
+
+    w = OwnerWatch()
+    kids = [subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"]) for _ in range(3)]
+    try:
+        owners = [(k.pid, wait_for(lambda k=k: proc_start(k.pid))) for k in kids]
+        first = w.round()  # opens a descriptor per owner: alive from the start read after opening
+        assert all(first(i, pid, st, 0) for i, (pid, st) in enumerate(owners))
+        if not w._fds:
+            pytest.skip("no pidfd here: the watch answers as slot_alive does, polling nothing")
+        w._poll = counting = _CountingPoll(w._poll)
+        kids[0].kill()
+        wait_for(lambda: proc_start(kids[0].pid) is None)  # a zombie: dead to slot_alive too
+        alive = w.round()
+        answers = [alive(i, pid, st, 0) for i, (pid, st) in enumerate(owners)]
+        assert answers == [slot_alive(pid, st, 0) for pid, st in owners] == [False, True, True]
+        assert counting.polls == 1  # one poll for the pass, however many owners it asked about
+        late = w.round()
+        assert late(2, *owners[2], 0)  # this pass's poll is taken now ...
+        kids[1].kill()
+        wait_for(lambda: proc_start(kids[1].pid) is None)
+        assert late(1, *owners[1], 0)  # ... so an exit after it is seen by the next pass only
+        assert not w.round()(1, *owners[1], 0) and not slot_alive(*owners[1], 0)
+    finally:
+        for k in kids:
+            k.kill()
+            k.wait()
+        w.close()
