@@ -285,3 +285,128 @@ def test_try_acquire_and_rebind(backend):
     assert t.c.load(K.EVICTED + 8) == 1 and t.c.load(K.UNREG_GRANTS) == 1
     with pytest.raises(IndexError):
         t.kt.rebind(t.size, 1)
+
+
+class Stopped(Exception):
+    pass
+
+
+class StopsAt:
+    """The cells as an inserter sees them that stops for good before its ``left``-th write (a CAS, an
+    add or a store), or (``left`` None) at its first write after it made its slot PEND: it dies
+    there, or (under an owner that counts as alive) stalls there forever."""
+
+    def __init__(self, c, left):
+        self.c, self.left, self.size, self.pending = c, left, c.size, False
+
+    def load(self, off):
+        return self.c.load(off)
+
+    def _write(self):
+        if self.left == 0 or (self.left is None and self.pending):
+            raise Stopped
+        if self.left is not None:
+            self.left -= 1
+
+    def store(self, off, value):
+        self._write()
+        self.c.store(off, value)
+
+    def cas(self, off, expected, desired):
+        self._write()
+        done = self.c.cas(off, expected, desired)
+        self.pending = self.pending or (done and desired & 0xFF == K.PEND and expected & 0xFF == K.BUSY)
+        return done
+
+    def fetch_add(self, off, delta):
+        self._write()
+        return self.c.fetch_add(off, delta)
+
+
+#: An inserter of another PID namespace: it counts as alive, so its slot is never taken for dead.
+STALLED = K.owner(os.getpid()) ^ (1 << K.PID_BITS)
+
+
+class InsertMachine(TableMachine):
+    """TableMachine, with inserts of other processes stopped before each of their steps in turn: dead
+    there (their slot reclaimed), or stalled there for good under an owner that counts as alive (a
+    stopped process).  A stalled PEND of a key, nearer its home slot than the free slot a new insert
+    takes or farther, makes that insert give way and answer BUSY within PEND_NS, taking nothing:
+    never a second slot for the key (two buckets: twice the rate), never a wait without end."""
+
+    @initialize(nkeys=st.sampled_from([4, 8]), burst=st.integers(1, 2), probe=st.just(None))
+    def setup(self, nkeys, burst, probe):
+        self._pend_ns = KC.PEND_NS
+        KC.PEND_NS = 2_000_000  # the reference composite's bound (the native one keeps its 0.2 s)
+        super().setup(nkeys, burst, probe)
+
+    def teardown(self):
+        if hasattr(self, "_pend_ns"):
+            KC.PEND_NS = self._pend_ns
+
+    def _window(self, k):
+        t = self.t
+        d = t.kt.digest(k)
+        home = (d[0] * t.nkeys) >> 64
+        return d, home, [t.slot((home + i) % t.nkeys) for i in range(t.probe)]
+
+    def _stalled_pend(self, k):
+        d, _, window = self._window(k)
+        c = self.t.c
+        return any(c.load(s) & 0xFF == K.PEND and (c.load(s) >> 8) & 0xFFFFFFFF == STALLED
+                   and (c.load(s + K.S_D0), c.load(s + K.S_D1)) == d for s in window)
+
+    def _holds(self, k):
+        try:
+            self.real_tat(k)
+            return True
+        except AssertionError:
+            return False
+
+    @rule(key=st.integers(0, 5), stop=st.one_of(st.integers(0, 16), st.none()),
+          stalls=st.sampled_from([False, False, True]))
+    def other_insert_stopped(self, key, stop, stalls):
+        """Another process inserts ``key`` (absent or idle: nobody inserts a key it finds) and stops before
+        its ``stop``-th write (None: right after its PEND); dead there, or stalled for good."""
+        k = f"key-{key}"
+        if self.tat.get(k, 0) > self.now or self._holds(k):
+            return
+        t = self.t
+        d, home, _ = self._window(k)
+        owner = STALLED if stalls else dead_pid()
+        other = KC.SlotTable(StopsAt(t.c, stop), K.slots_offset(t.novr), t.nkeys, t.probe, K.KEYS_LIVE,
+                             K.EVICTED, owner)
+        try:
+            other.insert(d, home, self.now, self.now + T, (1, 0, 0, 0))
+        except Stopped:
+            event(f"other insert {'stalled' if stalls else 'died'} at write {stop}")
+        if self._holds(k):  # it published: a grant of one op, now
+            self.tat[k] = self.real_tat(k)
+            self.grants.setdefault(k, []).append(self.now)
+
+    @rule(key=st.integers(0, 5), n=st.integers(1, 2), mode=st.sampled_from(["try", "reserve"]))
+    def acquire_a_key_others_insert(self, key, n, mode):
+        self.acquire(key, n, mode)
+
+    @rule(i=st.integers(0, 7))
+    def stalled_inserter_dies(self, i):
+        t = self.t
+        s = t.slot(i % t.nkeys)
+        ctl = t.c.load(s)
+        if ctl & 0xFF in (K.BUSY, K.PEND) and (ctl >> 8) & 0xFFFFFFFF == STALLED:
+            t.c.cas(s, ctl, K.ctrl(ctl & 0xFF, dead_pid(), ctl >> 40))
+
+    @rule(key=st.integers(0, 30), n=st.integers(1, 4), mode=st.sampled_from(["try", "reserve", "peek"]))
+    def acquire(self, key, n, mode):
+        k = f"key-{key}"
+        if mode == "peek" or not self._stalled_pend(k) or self._holds(k):
+            return super().acquire(key, n, mode)
+        r = self.t.kt.acquire(k, n, {"try": 0, "reserve": 2 * T}[mode], self.now)
+        event(f"beside a stalled insert of the key: {'busy' if r == KC.BUSY else r}")
+        assert r in (KC.BUSY, KC.NEVER, KC.FULL), r  # given way to within PEND_NS (or no slot), taking nothing
+        assert not self._holds(k), "a second slot for a key whose insert is stalled"
+
+
+TestAtomicsInserts, TestNativeInserts = on_each_backend(
+    InsertMachine, settings(max_examples=200, stateful_step_count=50, deadline=None),
+    settings(max_examples=120, stateful_step_count=40, deadline=None))
