@@ -914,8 +914,27 @@ kt_insert(KeyedTable *t, const uint64_t d[2], uint64_t home, uint64_t now, uint6
                     break;
                 goto abort;
             }
-            if (i < pos)
-                goto abort; /* PEND nearer the home slot wins */
+            if (i < pos) { /* PEND nearer the home slot wins: ours gives way */
+                st(cand + KW_V0, fresh | KT_DEAD);
+                cas(cand + KW_CTRL, pend, kt_ctrl(KS_TOMB, 0, gen));
+                if (!kt_alive(t, kt_pid(c)))
+                    return cand; /* the next attempt takes the dead one's slot */
+                /* wait, holding nothing, until it moves (its owner publishes within microseconds),
+                 * but at most KT_PEND_NS: an owner that never runs again would have every insert of
+                 * the key give way and try again without end (keyed_cells._await_move) */
+                uint64_t from = kt_now() >> KT_TICK_SHIFT;
+                while (ld(s + KW_CTRL) == c) {
+                    if ((kt_now() >> KT_TICK_SHIFT) - from > KT_PEND_NS) {
+                        *err = 2;
+                        return NULL;
+                    }
+                    if (!kt_yield(t)) {
+                        *err = 1;
+                        return NULL;
+                    }
+                }
+                return cand;
+            }
             if (!kt_alive(t, kt_pid(c))) {
                 cas(s + KW_CTRL, c, kt_ctrl(KS_TOMB, 0, kt_gen(c)));
                 continue;

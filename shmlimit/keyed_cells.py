@@ -274,8 +274,11 @@ class SlotTable:
                     if c.load(s + K.S_V0) & K.DEAD:
                         break
                     return self._abort(cand, pend, gen, fresh)
-                if i < pos:
-                    return self._abort(cand, pend, gen, fresh)
+                if i < pos:  # a PEND nearer the home slot wins: ours gives way
+                    self._abort(cand, pend, gen, fresh)
+                    if not alive((ctl >> 8) & 0xFFFFFFFF, self.pid):
+                        return cand, 0  # the next attempt takes the dead one's slot
+                    return self._await_move(s, ctl)
                 if not alive((ctl >> 8) & 0xFFFFFFFF, self.pid):
                     c.cas(s, ctl, K.ctrl(K.TOMB, 0, ctl >> 40))
                     continue
@@ -288,6 +291,18 @@ class SlotTable:
                     return None, BUSY
                 os.sched_yield()
         return self._publish(cand, pend, gen)
+
+    def _await_move(self, s: int, ctl: int):
+        """After giving way to a nearer PEND of the same key under a live owner: wait, holding
+        nothing, until it moves (LIVE, or given way) -- its owner publishes within microseconds --
+        but at most ``PEND_NS``: an owner that never runs again would have every insert of the key
+        give way and try again without end.  ``(s, 0)``: look again; ``(None, BUSY)``: it did not move."""
+        since = time.monotonic_ns()
+        while self.c.load(s) == ctl:
+            if time.monotonic_ns() - since > PEND_NS:
+                return None, BUSY
+            os.sched_yield()
+        return s, 0
 
     def _publish(self, cand: int, pend: int, gen: int):
         live = K.ctrl(K.LIVE, 0, gen)

@@ -233,10 +233,6 @@ lim.close()
 """
 
 
-@pytest.mark.xfail(strict=True, raises=subprocess.TimeoutExpired, reason=(
-    "known gap: a PEND of the same key *nearer* its home than the free slot a new insert takes wins, "
-    "so the insert gives way and tries again; under an owner that never moves it tries without end "
-    "(the bound covers only a farther PEND)"))
 @pytest.mark.parametrize("backend", BACKENDS)
 def test_a_stalled_insert_nearer_the_home_is_not_waited_for(name, backend, stopped):
     lim = shmlimit.KeyedLimiter(name, rate=1, keys=KEYS)

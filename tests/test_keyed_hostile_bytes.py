@@ -39,9 +39,9 @@ DEAD_OWNER = K.owner((1 << K.PID_BITS) - 7)  # above any pid_max: never a live p
 
 def _no_live_inserter(data):
     """Every BUSY or PEND slot under a dead owner.  A slot of a key left PEND by an owner that is
-    alive and never moves (a stopped process) is test_keyed_hostile's subject: one farther than a
-    new insert is given way to after 0.2 s, but one *nearer* the key's home still makes every insert
-    of that key give way and try again without end (a known gap, held there as a strict xfail)."""
+    alive and never moves (a stopped process) is test_keyed_hostile's subject: nearer the key's home
+    than a new insert's slot or farther, it is given way to after 0.2 s, which here would be paid by
+    every call on that key."""
     data = bytearray(data)
     first = K.slots_offset(OVR)
     for off in range(first, len(data) - 7, K.LINE):

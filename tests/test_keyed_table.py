@@ -343,6 +343,8 @@ class InsertMachine(TableMachine):
     def teardown(self):
         if hasattr(self, "_pend_ns"):
             KC.PEND_NS = self._pend_ns
+        if hasattr(self, "t"):
+            self.t.c.close()
 
     def _window(self, k):
         t = self.t
