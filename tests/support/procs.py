@@ -152,17 +152,20 @@ ATTACH = "lim = shmlimit.attach(sys.argv[1])"
 TESTS = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
-def configured(script: str, gname: str, url: str, rate: float, burst: Any = None, **options: Any) -> str:
+def configured(script: str, gname: str, url: str, rate: float, burst: Any = None, redis_timeout: Optional[float] = None,
+               **options: Any) -> str:
     """``script`` (WORKER or a variant) whose process configures the hierarchical limiter itself
-    (argv[1] is the host's name), leasing from the RedisLimiter ``gname`` at ``url``.
+    (argv[1] is the host's name), leasing from the RedisLimiter ``gname`` at ``url`` (with the
+    client timeout ``redis_timeout``, seconds, when given).
 
     Only a process that configured the upstream feeds the bucket from Redis:
     one that merely attaches by name never connects anywhere.
     """
     assert ATTACH in script
+    timeout = "" if redis_timeout is None else f", timeout={redis_timeout!r}"
     make = (f"from shmlimit.redis import RedisLimiter\n"
             f"lim = shmlimit.Limiter(sys.argv[1], upstream=RedisLimiter({gname!r}, rate={rate}, burst={burst}, "
-            f"url={url!r}), **{options!r})")
+            f"url={url!r}{timeout}), **{options!r})")
     return script.replace(ATTACH, make)
 
 
