@@ -13,10 +13,12 @@ filler and the process table never false-share.
                        backup config bank (continued in line 7; line 2 ends with the live GEN, SUM)
     line  6  REPL_TS SNAP_HEAD SNAP_TAIL: last replenish time and the rovers read just before it;
                        STARVED_NS: schedule time the clamp could not credit while callers queued;
-                       SNAP_BASE SNAP_END SNAP_NEXT: the next replenish's clamp, from that snapshot
+                       SNAP_BASE SNAP_END SNAP_NEXT: the next replenish's clamp, from that snapshot;
+                       FENCE: the promise fence, the line reservations hold the head below
     line  7  LEASE     filler lease: (expiry_us << 12) | (slot + 1), 0 = free
     line  8  UNREG_GRANTS: grants of processes beyond the table; UP_WANTING: since when callers of
-                       hierarchical mode have wanted tokens (the fillers' view, for the starved count)
+                       hierarchical mode have wanted tokens (the fillers' view, for the starved count);
+                       FENCE_TICKET: the latest fenced reservation's ticket
     line  9  WAIT      the waiting pool: schedule time not used while the bucket was full (catch-up);
                        UP_WAKE: the futex word hierarchical mode's waiters sleep on
     line 10  UP_*      upstream (hierarchical mode) state and counters, written by the filler
@@ -37,7 +39,8 @@ MAGIC = int.from_bytes(b"SHMLIMIT", "little")
 #: is published in two checksummed banks (a stalled writer that resumes cannot corrupt it).
 #: 3: every process slot has five ticket records (one in its line, four in its ticket line).
 #: 4: every process slot has a third line: its owner's ops in flight in capped mode (``SLOT_INFLIGHT``).
-VERSION = 4
+#: 5: the promise fence (``FENCE``), which every mover of the head keeps.
+VERSION = 5
 LINE = 64
 
 
@@ -115,6 +118,10 @@ STARVED_NS = 6 * LINE + 24
 SNAP_BASE = 6 * LINE + 32
 SNAP_END = 6 * LINE + 40
 SNAP_NEXT = 6 * LINE + 48
+#: The promise fence (``fence``): the lowest line a reservation left, as the rover the line stands
+#: at at clock reading 0 (``ticket + slack - promised_ns * TPN``, mod 2**64): the head gains no
+#: more than the line allows.  Written free (far above the head) by the creator.
+FENCE = 6 * LINE + 56
 
 # filler lease
 LEASE = 7 * LINE
@@ -128,6 +135,10 @@ UNREG_GRANTS = 8 * LINE
 #: them.  Zero in a segment written before it existed: such gaps are then counted from the
 #: new filler's first look only.
 UP_WANTING = 8 * LINE + 8
+#: The ticket of the latest reservation that left or kept a line in ``FENCE`` (the greatest: moved
+#: only forward).  A skip of a range given back at or after it may take the line up with the head
+#: (``fence.skip_limit``): the range is nobody's grant, and no fenced reservation is behind it.
+FENCE_TICKET = 8 * LINE + 16
 
 # catch-up
 WAIT = 9 * LINE
