@@ -179,7 +179,7 @@ class Bucket(Schedule):
         c.store(L.SNAP_TAIL, base & MASK64)
         leave_words(c, (), head, base & MASK64)  # no queue: no record read
         c.store(L.REPL_TS, now_ns)
-        fence.start(c, head, base & MASK64, now_ns, tpn)  # no reservation yet: nothing held back
+        fence.start(c, head, now_ns, tpn)  # no reservation yet: nothing held back
         c.store(L.WAIT, 0)
 
     # -- the four Seastar operations -----------------------------------------------
@@ -470,7 +470,6 @@ class Bucket(Schedule):
         holds): None while the head is before ``start``, else the tokens skipped (0: none to skip)."""
         c = self.cells
         while True:
-            ts = c.load(L.REPL_TS)
             head = c.load(L.HEAD)
             if diff(head, end) >= 0:
                 return 0
@@ -478,15 +477,9 @@ class Bucket(Schedule):
                 return 0  # no ticket ever handed out (the tail only grows): a corrupt record
             if diff(head, start) < 0:
                 return None
-            now = self.clock()
-            to, behind = fence.skip_to(c, start, end, head, ts, now, self.tpn)  # a late promise behind: kept
-            if to == head:
-                return 0
-            if c.cas(L.HEAD, head, to):
-                if behind:  # behind every fenced reservation: the line goes up with the head (no grant)
-                    fence.lift(c, start, diff(to, head), ts, now, self.tpn)
+            if c.cas(L.HEAD, head, end):
                 self.replenish()  # the next one then clamps against a head past the range (see giveback)
-                return diff(to, head)
+                return diff(end, head)
 
     def hold(self, ticket: int, promised_ns: float, tokens: int) -> None:
         """A reservation of ``tokens`` at ``ticket`` is used at ``promised_ns``: its line in the promise fence."""

@@ -1,12 +1,10 @@
-"""The promise fence: no reservation, skip or refund behind a reservation before its promised moment.
+"""The promise fence: no reservation, and no refund, behind a reservation before its promised moment.
 
 A reservation (``reserve()``) is used by its holder at the moment promised to it
 (``Schedule.promised_ns``), which may come later than the head's arrival at its
-ticket: the promise allows for stops and a pause the head may not make, and a
-range ahead given back (skipped) or a refund would move the head ahead of the
-queue the promise counted.  A reservation behind it promised from the head, or a
-waiter behind it granted from the head, would then fall together with the late
-slot: ``rate * (T + L) + capacity`` in a window ``T`` (``L`` the lateness).
+ticket: the promise allows for stops and a pause the head may not make.  A
+reservation behind it promised from the head would then fall together with the
+late slot: ``rate * (T + L) + capacity`` in a window ``T`` (``L`` the lateness).
 
 So every reservation leaves a line in one shared word, ``FENCE`` (``layout``):
 the head may be at most ``ticket + slack`` at its promised moment, and gain at
@@ -15,20 +13,12 @@ less the reservation's own tokens, the burst the bucket may hand out at once
 anyway.  Lines of different reservations have the same slope, so the lowest
 of them is the only one that matters: one word holds the line's position at
 clock reading 0, ``ticket + slack - promised * TPN`` (mod 2**64), and a new
-line replaces it only when it is lower (``hold``).  What keeps it:
-
-* a promise is never before the line reaches its ticket (``arrival_ns``): the
-  reservations behind a late one are promised one op after it each, the grid;
-* a skip of a range given back goes no further than the line allows
-  (``skip_to``; the head crosses the rest at the rate, its time lost), unless
-  every fenced reservation is before the range (``FENCE_TICKET``, the latest
-  fenced ticket): the range is then nobody's grant and the line goes up with
-  the head (``lift``);
-* a refund or a leased batch (``Bucket.add``) fits under the line.
-
-A replenish does not keep it (docs/design.md, "The promise fence"): a waiter
-behind a promise that counted a stop or a pause the head did not make is
-granted when the head gets there, up to that slack before the slot ahead.
+line replaces it only when it is lower (``hold``).  A promise is never before
+the line reaches its ticket (``arrival_ns``): the reservations behind a late
+one are promised after it, each its own tokens' time later.  A refund or a
+leased batch (``Bucket.add``) fits under the line.  Replenishes and the skips
+of ranges given back do not keep it (docs/design.md, "The promise fence"):
+waiters behind a late promise may still be granted beside it.
 
 The word means something only relative to the head and the clock: its *room*
 (``room``), the tokens the line allows above the head now, is read as
@@ -37,23 +27,23 @@ room at ``REPL_TS`` is within ``2**63`` of the head.  Each claim that finds the
 room above ``REFRESH_AT`` (the line far above anything the head could reach)
 writes a free line again (``free_word``: ``FREE_AT`` above the head), so the
 room at ``REPL_TS`` never exceeds that.  A room of ``FREE_AT`` (2**62, more
-than a skip or an add can ever move the head at once) or more holds nothing
-back; a room below ``-FREE_AT`` no reservation leaves (``hold`` writes no
-lower) and is corrupt: it holds nothing back and the next claim writes a free
-line.  Any other value only makes promises later and skips shorter: lost time,
-never a grant.
+than an add can ever move the head at once) or more holds nothing back; a room
+below ``-FREE_AT`` no reservation leaves (``hold`` writes no lower) and is
+corrupt: it holds nothing back and the next claim writes a free line.  Any
+other value only makes promises later and adds smaller: lost time, never a
+grant.
 """
 from __future__ import annotations
 
 import math
-from typing import Callable, Optional, Tuple
+from typing import Callable, Optional
 
 from . import layout as L
 from .cells import Cells
 from .words import MASK64, diff
 
-#: A room (tokens) at or above which the fence holds nothing back: no skip (at most the queue,
-#: 2**62) or add (at most a capacity, 2**60) moves the head that far at once.
+#: A room (tokens) at or above which the fence holds nothing back: no add (at most a capacity,
+#: 2**60) moves the head that far at once.
 FREE_AT = 1 << 62
 #: A claim that finds the room above this writes a free line again (``free_word``).
 REFRESH_AT = FREE_AT + (FREE_AT >> 1)
@@ -85,20 +75,9 @@ def limit(word: int, ts: int, now_ns: int, head: int, tpn: int, upto: int) -> in
     return (head + max(0, r)) & MASK64
 
 
-def skip_to(c: Cells, start: int, end: int, head: int, ts: int, now_ns: int, tpn: int) -> Tuple[int, bool]:
-    """Where a skip of ``[start, end)`` (given back; the head at ``head``, inside it) may move the
-    head, and whether the line goes up with it (``lift``): to ``end`` when every fenced reservation
-    is before ``start``, else as far as the line allows (a reservation behind the range was
-    promised counting it)."""
-    if diff(c.load(L.FENCE_TICKET), start) <= 0:
-        return end, True
-    return limit(c.load(L.FENCE), ts, now_ns, head, tpn, end), False
-
-
-def start(c: Cells, head: int, tail: int, now_ns: int, tpn: int) -> None:
-    """A new segment's fence: free (``head`` at ``now_ns``), no ticket fenced (the ``tail``)."""
+def start(c: Cells, head: int, now_ns: int, tpn: int) -> None:
+    """A new segment's fence: free (``head`` at ``now_ns``)."""
     c.store(L.FENCE, free_word(head, now_ns, tpn))
-    c.store(L.FENCE_TICKET, tail)
 
 
 def keep_free(c: Cells, word: int, ts: int, now_ns: int, head: int, tpn: int) -> None:
@@ -115,10 +94,6 @@ def hold(c: Cells, ticket: int, slack: int, promised_ns: float, tpn: int, clock:
     head (over 2**62 tokens of schedule time behind it) is held at ``-FREE_AT``: the word cannot
     say more."""
     at = max(0, math.ceil(promised_ns))
-    while True:  # first the latest fenced ticket (a skip reads the line, then it: see ``lift``)
-        last = c.load(L.FENCE_TICKET)
-        if (diff(ticket, last) <= 0 and diff(last, c.load(L.TAIL)) <= 0) or c.cas(L.FENCE_TICKET, last, ticket):
-            break  # (one past the tail is none a grab handed out: stale, replaced)
     while True:
         word = c.load(L.FENCE)
         ts = c.load(L.REPL_TS)
@@ -130,24 +105,6 @@ def hold(c: Cells, ticket: int, slack: int, promised_ns: float, tpn: int, clock:
             return
         want = line_word(ticket, slack, at, tpn) if new >= -FREE_AT else (head - FREE_AT - now * tpn) & MASK64
         if c.cas(L.FENCE, word, want):
-            return
-
-
-def lift(c: Cells, start: int, by: int, ts: int, now_ns: int, tpn: int) -> None:
-    """A skip moved the head ``by`` tokens over a range given back from ``start``: no grant, so the
-    line goes up as much, when every fenced reservation's ticket is at or before ``start`` (the range
-    is behind them all: none was promised counting it).  The line is read before ``FENCE_TICKET``,
-    which a reservation writes before its line: a newer line makes the CAS fail, and is read again."""
-    while True:
-        word = c.load(L.FENCE)
-        if diff(c.load(L.FENCE_TICKET), start) > 0:
-            return
-        head = c.load(L.HEAD)
-        r = room(word, ts, now_ns, head, tpn)
-        if r is None:
-            return
-        new = free_word(head, now_ns, tpn) if r + by >= FREE_AT else (word + by) & MASK64
-        if c.cas(L.FENCE, word, new):
             return
 
 

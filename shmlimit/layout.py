@@ -17,8 +17,7 @@ filler and the process table never false-share.
                        FENCE: the promise fence, the line reservations hold the head below
     line  7  LEASE     filler lease: (expiry_us << 12) | (slot + 1), 0 = free
     line  8  UNREG_GRANTS: grants of processes beyond the table; UP_WANTING: since when callers of
-                       hierarchical mode have wanted tokens (the fillers' view, for the starved count);
-                       FENCE_TICKET: the latest fenced reservation's ticket
+                       hierarchical mode have wanted tokens (the fillers' view, for the starved count)
     line  9  WAIT      the waiting pool: schedule time not used while the bucket was full (catch-up);
                        UP_WAKE: the futex word hierarchical mode's waiters sleep on
     line 10  UP_*      upstream (hierarchical mode) state and counters, written by the filler
@@ -135,10 +134,6 @@ UNREG_GRANTS = 8 * LINE
 #: them.  Zero in a segment written before it existed: such gaps are then counted from the
 #: new filler's first look only.
 UP_WANTING = 8 * LINE + 8
-#: The ticket of the latest reservation that left or kept a line in ``FENCE`` (the greatest: moved
-#: only forward).  A skip of a range given back at or after it may take the line up with the head
-#: (``fence.skip_limit``): the range is nobody's grant, and no fenced reservation is behind it.
-FENCE_TICKET = 8 * LINE + 16
 
 # catch-up
 WAIT = 9 * LINE
