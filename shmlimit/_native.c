@@ -1887,7 +1887,7 @@ static PyMethodDef cells_methods[] = {
      "clamp_words(head_off, head, tail, records) -> (base, end, next) or None (bucket.clamp_words)"},
     {"waiter", (PyCFunction)(void (*)(void))cells_waiter, METH_FASTCALL,
      "waiter(seq, expected, tail, head, repl_ts, snap_head, snap_tail, lease, grants, waiting, tpn, cap, "
-     "slack_ns, lost, snap_base, snap_end, snap_next, records, fence) -> Waiter"},
+     "slack_ns, lost, snap_base, snap_end, snap_next, records) -> Waiter"},
     {"futex_wait", (PyCFunction)(void (*)(void))cells_futex_wait, METH_FASTCALL,
      "futex_wait(off, expected, bitset, deadline_ns) -> False once the deadline passed, else True (look again)"},
     {"futex_wake", (PyCFunction)(void (*)(void))cells_futex_wake, METH_FASTCALL,
@@ -2127,7 +2127,6 @@ typedef struct {
     WAIT_FIELDS
     uint64_t *tail, *repl_ts, *snap_head, *snap_tail, *lease, *lost;
     uint64_t *snap_base, *snap_end, *snap_next; /* the clamp words (layout.SNAP_BASE) */
-    uint64_t *fence; /* the promise fence (layout.FENCE) */
     uint64_t **recs; /* every ticket record's LEN word in the segment (PyMem), nrecs of them */
     Py_ssize_t nrecs;
     uint64_t tpn, cap;
@@ -2296,26 +2295,6 @@ cells_clamp_words(NativeCells *self, PyObject *const *args, Py_ssize_t n)
                          (unsigned long long)out[2]);
 }
 
-/* The promise fence (fence.py, word for word): the room (tokens) the line `word` leaves above `head`
- * at clock reading `now` (REPL_TS `ts` <= now), exact while the room at `ts` is within 2**63. */
-#define FENCE_FREE_AT ((__int128)1 << 62)
-static inline __int128
-fence_room(uint64_t word, uint64_t ts, uint64_t now, uint64_t head, uint64_t tpn)
-{
-    int64_t at_ts = (int64_t)(word + ts * tpn - head);
-    return (__int128)at_ts + (__int128)(now > ts ? now - ts : 0) * (__int128)tpn;
-}
-
-/* fence.keep_free: a line far above the head (room 1.5 * 2**62 or more), or a corrupt one, is written
- * free again: 2**62 above the head (one CAS, lost to a reservation's newer line: kept). */
-static inline void
-fence_keep_free(uint64_t *fence, uint64_t word, uint64_t ts, uint64_t now, uint64_t head, uint64_t tpn)
-{
-    __int128 r = fence_room(word, ts, now, head, tpn);
-    if (r >= FENCE_FREE_AT + FENCE_FREE_AT / 2 || r < -FENCE_FREE_AT)
-        wcas(fence, word, head + ((uint64_t)1 << 62) - now * tpn);
-}
-
 /* One claim and add of Bucket.replenish at clock reading `now` (0: read here), for a Waiter's
  * config: the tokens added.  *burn is set when the config changed between the claim and the add
  * (Bucket.apply then burns). */
@@ -2351,9 +2330,6 @@ waiter_replenish_once(Waiter *w, uint64_t now, int *burn, int *cut_short)
     /* invariant 1 (bucket.py): a capacity from the start of the request the previous snapshot's
      * head stood in, never past the next boundary the records told */
     uint64_t limit = clamp_limit(base, end, next, w->cap, head, tail);
-    /* the promise fence (fence.py): a line far above the head is written free again, so that its
-     * room stays within reach of the 64-bit word however long the limiter runs */
-    fence_keep_free(w->fence, wld(w->fence), ts, now, head, w->tpn);
     /* new words (Bucket.claim), unless the older ones name a recorded request the head still
      * stands in: the records would name it again (never words no snapshot leaves) */
     if ((int64_t)(head - tail) >= 0 || base == end || (int64_t)(head - base) < 0 || (int64_t)(end - head) <= 0
@@ -3049,14 +3025,14 @@ wait_new(NativeCells *self, PyTypeObject *type, uint64_t *seq, uint64_t *head, u
 }
 
 /* waiter(seq, expected, tail, head, repl_ts, snap_head, snap_tail, lease, grants, waiting, tpn,
- * cap, slack_ns, lost, snap_base, snap_end, snap_next, records, fence) -> a Waiter (see above);
- * `waiting` is a word offset or None; `records` every ticket record's LEN offset (a tuple). */
+ * cap, slack_ns, lost, snap_base, snap_end, snap_next, records) -> a Waiter (see above); `waiting`
+ * is a word offset or None; `records` every ticket record's LEN offset (a tuple). */
 static PyObject *
 cells_waiter(NativeCells *self, PyObject *const *args, Py_ssize_t n)
 {
-    uint64_t *w[13], *waiting, expected, tpn, cap, slack;
-    const int at[13] = {0, 2, 3, 4, 5, 6, 7, 8, 13, 14, 15, 16, 18};
-    if (!wait_bind(self, args, n, 19, "waiter", 9, at, 13, w, &waiting, &expected))
+    uint64_t *w[12], *waiting, expected, tpn, cap, slack;
+    const int at[12] = {0, 2, 3, 4, 5, 6, 7, 8, 13, 14, 15, 16};
+    if (!wait_bind(self, args, n, 18, "waiter", 9, at, 12, w, &waiting, &expected))
         return NULL;
     if (!u64(args[10], &tpn) || !u64(args[11], &cap) || !u64(args[12], &slack))
         return NULL;
@@ -3076,7 +3052,6 @@ cells_waiter(NativeCells *self, PyObject *const *args, Py_ssize_t n)
     g->snap_base = w[9];
     g->snap_end = w[10];
     g->snap_next = w[11];
-    g->fence = w[12];
     g->recs = recs;
     g->nrecs = nrecs;
     g->tail = w[1];

@@ -579,15 +579,15 @@ def reserve(att: "Attachment", n: int, max_wait: Optional[float]) -> Optional[fl
     att.count(n)
     if b.deficiency(ticket) and b.stopped:
         return _INF
-    # Replenish with a claim of our own (again, a few times at most, while an older one preempted before its CAS
-    # wins): the next replenish clamps against a snapshot after our grab, so the head reaches the ticket by the promise.
+    # Replenish with a claim of our own (again, a few times at most, while an older one preempted
+    # before its CAS wins): the next replenish then clamps against a snapshot taken after our grab
+    # and the head reaches the ticket when promised_ns says (never early without it: only later).
     for _ in range(3):
         since = att.clock()
         refill(att)
         if b.refilled_since(since):
             break
-    b.hold(ticket, promised := max(b.promised_ns(ticket), att.clock()), tokens)
-    return max(0.0, promised - att.clock()) / NS_PER_S
+    return max(0.0, b.promised_ns(ticket) - att.clock()) / NS_PER_S
 
 
 def retry_after(att: "Attachment", n: int) -> float:

@@ -45,7 +45,7 @@ import math
 import time
 from typing import Any, Callable, List, Optional, Tuple
 
-from . import fed_wait, fence, inflight
+from . import fed_wait, inflight
 from . import layout as L
 from .cells import FED_ALL, MASK64, Cells, GrabResult, claim_record, fed_mask
 from .config import MAX_QUEUE_TOKENS as MAX_QUEUE
@@ -131,9 +131,12 @@ class Bucket(Schedule):
         self.burn(keep=self.cap)
 
     def set_upstream_flags(self, upstream_flags: int) -> None:
-        """Hierarchical mode: switch the fallback flags, and nothing else. Every other word stays as the
-        segment holds it under the lock, so a ``set_rate`` by any process while the filler was talking to
-        Redis is never undone by a config the filler read before."""
+        """Hierarchical mode: switch the fallback flags, and nothing else.
+
+        Every other word stays as the segment holds it under the lock, so a
+        ``set_rate`` by any process while the filler was talking to Redis is
+        never undone by a config the filler read before.
+        """
 
         def words(c: Cells) -> List[Tuple[int, int]]:
             vals = published_values(c, c.load(L.CFG_SEQ))
@@ -179,7 +182,6 @@ class Bucket(Schedule):
         c.store(L.SNAP_TAIL, base & MASK64)
         leave_words(c, (), head, base & MASK64)  # no queue: no record read
         c.store(L.REPL_TS, now_ns)
-        fence.start(c, head, now_ns, tpn)  # no reservation yet: nothing held back
         c.store(L.WAIT, 0)
 
     # -- the four Seastar operations -----------------------------------------------
@@ -198,17 +200,21 @@ class Bucket(Schedule):
         return ticket  # type: ignore[return-value]
 
     def grabber(self, snap: Snapshot, grants: int, recs: Optional[Tuple[int, ...]] = None) -> Callable[[], GrabResult]:
-        """The acquire fast path for one op, bound once: ``grab`` priced under ``snap``.  The callable
-        answers False, touching nothing, once the config is no longer ``snap``'s (or the queue is
-        full): the caller then takes the slow path; bound to ``recs`` (records' LEN offsets) also
-        when it would queue with all in use."""
+        """The acquire fast path for one op, bound once: ``grab`` priced under ``snap``.
+
+        The callable answers False, touching nothing, once the config is no
+        longer ``snap``'s (or the queue is full): the caller then takes the
+        slow path; bound to ``recs`` (records' LEN offsets) also when it would queue with all in use.
+        """
         return self.cells.grabber(L.CFG_SEQ, snap.seq, L.TAIL, L.HEAD, snap.cost, grants, 1, *([] if recs is None else [recs]))
 
     def gate(self, snap: Snapshot, grants: int, ops: int = 1, recs: Optional[Tuple[int, ...]] = None) -> Any:
         """The try and timed-grab fast paths for one op, bound once under ``snap`` (see ``composites.Gate``).
-        Its calls answer None, touching nothing, once the config is no longer ``snap``'s or when they
-        cannot decide: the caller takes the slow path.  A grant adds ``ops`` to ``grants`` (0: the
-        caller counts it later)."""
+
+        Its calls answer None, touching nothing, once the config is no longer
+        ``snap``'s or when they cannot decide: the caller takes the slow path.
+        A grant adds ``ops`` to ``grants`` (0: the caller counts it later).
+        """
         assert snap.config is not None
         # (no ceiling word to bound: a capped limiter has no gate, so HEAD stands in for it); with
         # recs, grab_within queues only holding one of them (else it answers None: undecided)
@@ -218,6 +224,7 @@ class Bucket(Schedule):
 
     def waiter(self, snap: Snapshot, grants: int, waiting: Optional[int], slack_ns: int) -> Any:
         """A ticket's whole wait as one native call, bound once under ``snap`` (None: wait in Python).
+
         Only the native backend has one (``_native.c``, WAITER): it loops without the GIL over
         what ``acquisition.Request`` does for a ticket -- covered? else sleep to ``due_ns``,
         ``replenish`` and look again -- for the configs whose replenish it mirrors: fed by the
@@ -234,7 +241,8 @@ class Bucket(Schedule):
             return None
         return self.cells.waiter(  # None on the atomics backend
             L.CFG_SEQ, snap.seq, L.TAIL, L.HEAD, L.REPL_TS, L.SNAP_HEAD, L.SNAP_TAIL, L.LEASE, grants, waiting,
-            snap.tpn, snap.cap, slack_ns, L.STARVED_NS, L.SNAP_BASE, L.SNAP_END, L.SNAP_NEXT, self._record_lens(), L.FENCE)
+            snap.tpn, snap.cap, slack_ns, L.STARVED_NS, L.SNAP_BASE, L.SNAP_END, L.SNAP_NEXT, self._record_lens(),
+        )
 
     def covered(self, ticket: int) -> bool:
         """True once the head has reached ``ticket``: its grab may proceed."""
@@ -293,7 +301,6 @@ class Bucket(Schedule):
         c.store(L.SNAP_HEAD, head)
         c.store(L.SNAP_TAIL, tail)
         extra = elapsed * snap.tpn
-        fence.keep_free(c, c.load(L.FENCE), ts, now, head, snap.tpn)  # a line far above the head: free again
         limit = clamp_limit(base, end, nxt, snap.cap, head, tail)
         if not clamp_kept(base, end, nxt, head, tail):
             leave_words(c, self._record_lens(), head, tail)  # the records are read only with callers queued
@@ -366,7 +373,10 @@ class Bucket(Schedule):
 
     def burn(self, keep: int = 0) -> int:
         """Take every available token beyond ``keep`` (CAS on the tail); return how many were taken.
-        Never touches queued tickets: when the tail is ahead of the head there is nothing available."""
+
+        Never touches queued tickets: when the tail is ahead of the head there is
+        nothing available and nothing is done.
+        """
         c = self.cells
         while True:
             tail = c.load(L.TAIL)
@@ -377,9 +387,12 @@ class Bucket(Schedule):
                 return excess
 
     def set_stopped(self, stopped: bool, reset: bool = False) -> None:
-        """``stop``: no time accrues and no token is granted until ``start``. Both restart the clock at now, so
-        the paused time is neither granted at once nor counted as behind schedule; ``reset`` also empties the
-        bucket and the waiting pool (``restart``)."""
+        """``stop``: no time accrues and no token is granted until ``start``.
+
+        Both restart the clock at now, so the paused time is neither granted at
+        once nor counted as behind schedule; ``reset`` also empties the bucket
+        and the waiting pool (``restart``).
+        """
         self.publish(self.config, stopped=stopped)
         c = self.cells
         if stopped or reset:
@@ -393,17 +406,17 @@ class Bucket(Schedule):
                 break
 
     def add(self, tokens: int) -> int:
-        """Add tokens to the head (leased: hierarchical mode; refunded: several rates), never beyond
-        ``tail + capacity`` nor the promise fence's line: how many were added (the rest are dropped).
-        The tail only grows, so a clamp against a tail read before the CAS is never looser than the
-        true one."""
+        """Hierarchical mode: add leased tokens to the head, never beyond ``tail + capacity``.
+
+        Returns how many were added (the rest do not fit and are dropped).
+        The tail only grows, so a clamp against a tail read before the CAS is
+        never looser than the true one.
+        """
         c = self.cells
         while True:
-            ts = c.load(L.REPL_TS)
             head = c.load(L.HEAD)
             tail = c.load(L.TAIL)
-            upto = fence.limit(c.load(L.FENCE), ts, self.clock(), head, self.tpn, (tail + self.cap) & MASK64)
-            add = max(0, min(tokens, diff(upto, head)))
+            add = max(0, min(tokens, diff((tail + self.cap) & MASK64, head)))
             if add <= 0:
                 return 0
             if c.cas(L.HEAD, head, (head + add) & MASK64):
@@ -411,11 +424,15 @@ class Bucket(Schedule):
                 return add
 
     def forgive(self) -> int:
-        """After the "open" fallback: drop the tickets left by callers it let through untaxed. While open, queued
-        callers stop waiting and proceed; their tickets stay ahead of the head, and would make later callers
-        wait for ops already granted. Moving the head up to the tail covers them, and leaves nothing
-        available. (The head moves, never the tail: the tail never moves backwards, so no ticket range is ever
-        handed out twice and the replenish snapshots stay lower bounds.) Returns the tokens forgiven."""
+        """After the "open" fallback: drop the tickets left by callers it let through untaxed.
+
+        While open, queued callers stop waiting and proceed; their tickets stay
+        ahead of the head, and would make later callers wait for ops already
+        granted.  Moving the head up to the tail covers them, and leaves
+        nothing available.  (The head moves, never the tail: the tail never
+        moves backwards, so no ticket range is ever handed out twice and the
+        replenish snapshots stay lower bounds.)  Returns the tokens forgiven.
+        """
         c = self.cells
         while True:
             tail = c.load(L.TAIL)
@@ -481,12 +498,9 @@ class Bucket(Schedule):
                 self.replenish()  # the next one then clamps against a head past the range (see giveback)
                 return diff(end, head)
 
-    def hold(self, ticket: int, promised_ns: float, tokens: int) -> None:
-        """A reservation of ``tokens`` at ``ticket`` is used at ``promised_ns``: its line in the promise fence."""
-        fence.hold(self.cells, ticket, max(0, self.snap.cap - tokens), promised_ns, self.snap.tpn, self.clock)
-
     def give_back(self, tokens: int, head_then: int) -> int:
         """Return ``tokens`` taken (and covered) when the head was at most ``head_then``, unused.
+
         Had they never been taken, every replenish since would have been
         clamped ``tokens`` lower, so what the head has gained since may be
         time that would have been dropped: only ``tokens`` minus that gain is
@@ -499,9 +513,11 @@ class Bucket(Schedule):
         return self.add(back) if back > 0 else 0
 
     def take_available(self, grants: int) -> int:
-        """Take every whole op available now (``drain``), counted in ``grants``; return how many. Queued tickets
-        are untouched. Capped mode takes no more than the room among the ops in flight, and admits what it
-        takes."""
+        """Take every whole op available now (``drain``), counted in ``grants``; return how many.
+
+        Queued tickets are untouched.  Capped mode takes no more than the room
+        among the ops in flight, and admits what it takes.
+        """
         c = self.cells
         snap = self.snap
         while True:
@@ -577,10 +593,6 @@ class Bucket(Schedule):
         """``HEAD - TAIL`` in tokens: available when positive, owed to waiters when negative."""
         tail = self.cells.load(L.TAIL)
         return diff(self.cells.load(L.HEAD), tail)
-
-    def next_ticket(self, tokens: int) -> int:
-        """The ticket a grab of ``tokens`` would take now: no later than that of any grab of them after."""
-        return (self.cells.load(L.TAIL) + tokens) & MASK64
 
     def taken(self) -> int:
         """The tail rover: every token ever taken or queued for (wrapping at 2**64; compare with ``diff``).

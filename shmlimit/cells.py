@@ -117,7 +117,7 @@ class Cells(Protocol):
     def waiter(
         self, seq: int, expected: int, tail: int, head: int, repl_ts: int, snap_head: int, snap_tail: int,
         lease: int, grants: int, waiting: Optional[int], tpn: int, cap: int, slack_ns: int, lost: int,
-        snap_base: int, snap_end: int, snap_next: int, records: Tuple[int, ...], fence: int,
+        snap_base: int, snap_end: int, snap_next: int, records: Tuple[int, ...],
     ) -> Any:
         """A ticket's whole wait in one call without the GIL (see ``Bucket.waiter``), or None when
         the backend has none: its callers wait in Python (``acquisition.Request``)."""

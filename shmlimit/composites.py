@@ -201,12 +201,12 @@ class CompositesFromPrimitives:
     def waiter(
         self, seq: int, expected: int, tail: int, head: int, repl_ts: int, snap_head: int, snap_tail: int,
         lease: int, grants: int, waiting: Optional[int], tpn: int, cap: int, slack_ns: int, lost: int,
-        snap_base: int, snap_end: int, snap_next: int, records: Tuple[int, ...], fence: int,
+        snap_base: int, snap_end: int, snap_next: int, records: Tuple[int, ...],
     ) -> None:
         """None: a wait loop is worth having only natively, where it sleeps without the GIL and
         without returning to Python between naps; here waiters wait in Python."""
         self._check(seq, tail, head, repl_ts, snap_head, snap_tail, lease, grants, snap_base, snap_end, snap_next,
-                    fence, *records, *([] if waiting is None else [waiting]))
+                    *records, *([] if waiting is None else [waiting]))
         return None
 
     def fed_waiter(

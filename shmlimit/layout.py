@@ -13,8 +13,7 @@ filler and the process table never false-share.
                        backup config bank (continued in line 7; line 2 ends with the live GEN, SUM)
     line  6  REPL_TS SNAP_HEAD SNAP_TAIL: last replenish time and the rovers read just before it;
                        STARVED_NS: schedule time the clamp could not credit while callers queued;
-                       SNAP_BASE SNAP_END SNAP_NEXT: the next replenish's clamp, from that snapshot;
-                       FENCE: the promise fence, the line reservations hold the head below
+                       SNAP_BASE SNAP_END SNAP_NEXT: the next replenish's clamp, from that snapshot
     line  7  LEASE     filler lease: (expiry_us << 12) | (slot + 1), 0 = free
     line  8  UNREG_GRANTS: grants of processes beyond the table; UP_WANTING: since when callers of
                        hierarchical mode have wanted tokens (the fillers' view, for the starved count)
@@ -38,8 +37,7 @@ MAGIC = int.from_bytes(b"SHMLIMIT", "little")
 #: is published in two checksummed banks (a stalled writer that resumes cannot corrupt it).
 #: 3: every process slot has five ticket records (one in its line, four in its ticket line).
 #: 4: every process slot has a third line: its owner's ops in flight in capped mode (``SLOT_INFLIGHT``).
-#: 5: the promise fence (``FENCE``), which every mover of the head keeps.
-VERSION = 5
+VERSION = 4
 LINE = 64
 
 
@@ -117,10 +115,6 @@ STARVED_NS = 6 * LINE + 24
 SNAP_BASE = 6 * LINE + 32
 SNAP_END = 6 * LINE + 40
 SNAP_NEXT = 6 * LINE + 48
-#: The promise fence (``fence``): the lowest line a reservation left, as the rover the line stands
-#: at at clock reading 0 (``ticket + slack - promised_ns * TPN``, mod 2**64): the head gains no
-#: more than the line allows.  Written free (far above the head) by the creator.
-FENCE = 6 * LINE + 56
 
 # filler lease
 LEASE = 7 * LINE

@@ -316,12 +316,10 @@ class MultiLimiter(RateGroup):
         made = False
         rest = order
         missed = 0  # rates in a row that found every record in use (a whole round: wait for one)
-        least: Dict[int, int] = {}  # per rate: a rover no later than its claim's ticket (the tail before, plus it)
         waited_since: Optional[int] = None
         try:
             while rest:
                 i = rest[0]
-                least[i] = atts[i].bucket.next_ticket(toks[i])  # its ticket, or before it
                 c = claim(atts[i], toks[i], max_ns, last=len(rest) == 1)
                 if c[2] is NO_RECORD:  # five waiters of this process queue on that rate: claim it later
                     rest = rest[1:] + [i]
@@ -339,21 +337,17 @@ class MultiLimiter(RateGroup):
                 att, ticket = c[0], c[2]
                 att.bucket.replenish()
                 if ticket is not None:
-                    due = max(due, att.bucket.promised_ns(ticket), att.clock())  # never earlier than the head
+                    due = max(due, att.bucket.promised_ns(ticket) - att.clock())  # never earlier than the head
             made = True
         finally:
             if not made:  # refused part-way, or an exception (QueueFullError, an interrupt): give every claim back
                 give_back_claims(claims)
-        firsts = {id(atts[i]): least[i] for i in least}
-        for att, tokens, ticket, _, rec in claims:  # made: the claims are a grant, no longer waiters' tickets
-            # used when the last rate allows: no grant behind it on any rate before then (a claim
-            # covered at once fences from the lowest its ticket can be: sooner, never later)
-            att.bucket.hold(firsts[id(att)] if ticket is None else ticket, due, tokens)
+        for att, tokens, _, _, rec in claims:  # made: the claims are a grant, no longer waiters' tickets
             att.clear_ticket(rec, tokens)
         for att, o in zip(atts, ops):
             if o:
                 att.count(o)
-        return max(0.0, due - atts[order[0]].clock()) / NS_PER_S if order else 0.0
+        return max(0.0, due) / NS_PER_S
 
     @staticmethod
     def _wait_for_record(att: Attachment, since: Optional[int], max_ns: float) -> Optional[int]:

@@ -8,7 +8,6 @@ from __future__ import annotations
 
 from typing import Callable, Optional, Tuple
 
-from . import fence
 from . import layout as L
 from .cells import MASK64, Cells
 from .config_banks import Snapshot
@@ -126,15 +125,6 @@ class Schedule:
         return self.clamp_limit_at(self.cells.load(L.HEAD), self.snap.cap) == ticket
 
     def promised_ns(self, ticket: int, pause: bool = True) -> float:
-        """When (CLOCK_MONOTONIC ns) a reservation of ``ticket`` is due: when the head reaches it
-        (``head_ns``), and never before the promise fence's line passes it (``fence.arrival_ns``: an
-        earlier reservation, promised late, is used then, and the slots behind it come after)."""
-        head = self.cells.load(L.HEAD)
-        due = self.head_ns(ticket, pause)
-        line = fence.arrival_ns(self.cells, ticket, head, self.tpn, self.clock())
-        return due if line is None else max(due, line)
-
-    def head_ns(self, ticket: int, pause: bool = True) -> float:
         """When (CLOCK_MONOTONIC ns) the head reaches ``ticket`` at the current rate, if replenished
         as often as needed from now on: the moment a reservation owns its slot, never earlier than
         the head can get there.

@@ -371,12 +371,25 @@ def test_a_reservation_right_after_a_skip_is_never_promised_before_the_head_gets
         lim.close()
 
 
-def _late_promise(lim, clock, behind=11):
+# Open defect: a promise is computed once, from the queue ahead as it stands then.  When the head
+# later reaches the ticket sooner -- a range ahead given back and skipped (or, over several rates,
+# tokens refunded) -- the promise is late, and a holder that uses its slot at its promise uses it
+# together with the slots of those behind it.  The strict mark goes once every grant behind a late
+# promise respects it (see docs/design.md, "When a reservation is due": late promises).
+LATE_PROMISE = pytest.mark.xfail(
+    strict=True,
+    raises=AssertionError,
+    reason="open defect: a promise is not moved earlier when the head reaches its ticket sooner",
+)
+
+
+def _late_promise(lim, clock):
     """At 10/s, burst 1: 1 s of schedule queues (a waiter), a reservation behind it is promised at
     1.17 s (its op, the head's stop at the waiter's end, and the filler's longest pause: the clock
-    stood still since the drain, so the next replenish adds nothing), the waiter leaves (its range
-    is given back: the head is at its start), and ``behind`` more reservations follow.  Their
-    promised moments (ns, the first one's first) and the first one's ticket."""
+    stood still since the drain, so the next replenish adds nothing), the waiter leaves (its range is given back and skipped at once: the head is at its
+    start), and reservations follow until one is promised as late as the first.  Their promised
+    moments (ns, the first one's first) and the first one's lateness (ns): its promise less the
+    head's arrival at its ticket, filled continuously from now on."""
     att = lim._att
     b = att.bucket
     lim.drain()
@@ -385,7 +398,11 @@ def _late_promise(lim, clock, behind=11):
     first = clock.now + lim.reserve() * 1e9
     ticket = b.taken()
     ahead.end()  # interrupted: its range is given back
-    return [first] + [clock.now + lim.reserve() * 1e9 for _ in range(behind)], ticket
+    arrival = clock.now + max(0, diff(ticket, b.head())) / b.tpn
+    promises = [first]
+    while len(promises) == 1 or promises[-1] < first - 1:
+        promises.append(clock.now + lim.reserve() * 1e9)
+    return promises, first - arrival
 
 
 def _excess(moments, rate, slack_ops):
@@ -398,25 +415,30 @@ def _excess(moments, rate, slack_ops):
     )
 
 
-def test_a_late_promise_holds_back_every_promise_behind_it(name, clock):
-    """The promise fence: the first reservation is promised 1.17 s (its op, a stop, a pause), and
-    the waiter's 1 s ahead of it is then given back: the head gets there far sooner.  Each
-    reservation behind it is promised one op after the one before, from its line: the grid.
-    (Without the fence eleven reservations were promised 0.22 s to 1.22 s around the late one:
-    three slots in 0.1 s.)"""
+def test_a_late_promise_costs_the_bound_exactly_its_lateness(name, clock):
+    """The bound that holds: a promise is never early (the model checks it) and late only by what
+    moved the head ahead of its ticket after it was made: here the 1 s given back ahead of it.
+    Slots used at their promises stay within ``rate * (T + L) + capacity``, L the lateness, and
+    exceed ``rate * T + capacity``: the late slot and those promised after the skip."""
     lim = open_limiter(name, clock, rate=10, burst=1)
     try:
-        t0 = clock.now
-        promises, _ = _late_promise(lim, clock)
-        assert promises[0] - t0 == pytest.approx(1.17e9, abs=1e3)
-        assert [p - promises[0] for p in promises] == [pytest.approx(k * 1e8, abs=2) for k in range(12)]
+        promises, late = _late_promise(lim, clock)
+        # promised behind the waiter, and the stop of the head at its end (a request of a capacity or
+        # more: the clamp from a snapshot inside it allows no further, promised_ns counts stop_ns)
+        assert promises[0] - clock.now == pytest.approx(1.17e9, abs=1e3)
+        assert late == pytest.approx(1.07e9, abs=1e3)  # the head gets there 1.07 s sooner
+        assert len(promises) == 12  # eleven more promised, 0.22 s to 1.22 s
+        assert _excess(promises, 10, 1 + 10 * late / 1e9) <= 1e-6
+        assert _excess(promises, 10, 1) == pytest.approx(1, abs=1e-6)
     finally:
         lim.close()
 
 
+@LATE_PROMISE
 def test_slots_used_at_their_promises_stay_within_rate_times_t_plus_capacity(name, clock):
-    """The same sequence held to the bound: the first reservation's slot, used at its promise
-    (1.17 s), and every one behind it, promised from the fence's line: ``rate*T + capacity``."""
+    """The same sequence held to the bound without the lateness: the first reservation's slot,
+    used at its promise (1.17 s), falls together with the last one promised (1.22 s) and the one
+    before it (1.12 s): three ops in 0.1 s where ``rate*T + capacity`` allows two."""
     lim = open_limiter(name, clock, rate=10, burst=1)
     try:
         promises, _ = _late_promise(lim, clock)

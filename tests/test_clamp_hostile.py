@@ -160,30 +160,3 @@ def test_a_hostile_given_record_over_live_waiters_is_not_skipped(backend):
     before = c.load(L.HEAD)
     assert giveback.skip(b, start, first) == diff(first, before) > 0
     assert c.load(L.HEAD) == first  # skipped to its end, and the second waiter not granted
-
-
-@pytest.mark.parametrize("backend", BACKENDS)
-@settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
-@given(line=st.integers(0, MASK64), offset=st.sampled_from([0, 1, -1, 1 << 62, -(1 << 62)]))
-def test_any_promise_fence_word_grants_nothing_early(backend, line, offset):
-    """Any 64-bit value in FENCE (at random, and at the edges of the room the word is read with): an
-    add never fills past ``tail + capacity``, a promise is never before the head's arrival at the
-    rate, a reservation's line goes in over it, and the queue still moves.  A hostile line only makes
-    promises later and adds smaller (lost time)."""
-    b, clock = _bucket(backend)
-    c = b.cells
-    clock.advance(MS)
-    b.replenish()
-    end = _queue(b, 2, 1)  # a waiter
-    if offset:
-        line = (c.load(L.HEAD) + offset - clock.now * b.tpn) & MASK64  # a room of exactly `offset` tokens
-    c.store(L.FENCE, line)
-    promised = b.promised_ns(end)
-    assert promised >= c.load(L.REPL_TS) + diff(end, c.load(L.HEAD)) / b.tpn - 1
-    b.add(10**6 * b.cost)
-    assert _free(b) <= b.cap
-    b.hold(end, promised, 2 * b.cost)  # a reservation's line over whatever was there: no error
-    for _ in range(20):  # and the queue still moves: at worst lost time
-        clock.advance(MS)
-        b.replenish()
-        assert _free(b) <= b.cap

@@ -96,7 +96,6 @@ class LimiterModel(RuleBasedStateMachine):
         self.must_reap = set()
         self.grants = []  # (time_ns, tokens) of every grant observed; a reservation's at its promised moment if sooner
         self.promised = {}  # ticket -> the moment (ns) its reserve() promised
-        self.reservations = []  # (promised moment ns, tokens) of every reservation made
         self.precas = None  # a replenisher stopped between reading the clock and its CAS on REPL_TS
         self.released = 0
         self.granted_ops = 0  # capped mode: ops granted or queued (counted once taken)
@@ -322,7 +321,6 @@ class LimiterModel(RuleBasedStateMachine):
             # seconds from its last clock reading (time may pass inside: a config lock's wait)
             promise = self.clock.now + result * NS_PER_S  # (float seconds: rounded, well below 1 ns)
             self._promise_kept(lim, diff(self.cells.load(L.TAIL), tail), promise)
-            self.reservations.append((promise, diff(self.cells.load(L.TAIL), tail)))
         self._note_taken(tail, n, req, lim=lim, promise=promise)
         return True
 
@@ -755,22 +753,6 @@ class LimiterModel(RuleBasedStateMachine):
                 window = grants[b][0] - grants[a][0] + 1  # (1 ns: a reservation's moment is a float, rounded)
                 assert total <= self.max_ratio * window * self.tpn + bound_cap, (
                     f"{total} tokens granted in {window} ns: more than ratio*(T*tpn + cap)"
-                )
-
-    @invariant()
-    def reservations_kept_apart(self):
-        """The promise fence: slots used at their promised moments, late ones included, never exceed
-        ``rate*T + capacity`` in any window among themselves (no promise beside another's slot:
-        one promised late holds back every promise behind it)."""
-        moments = sorted(self.reservations)
-        bound_cap = max(self.max_ratio * self.max_cap, self.max_request)
-        for a in range(len(moments)):
-            total = 0
-            for b in range(a, len(moments)):
-                total += moments[b][1]
-                window = moments[b][0] - moments[a][0] + 1  # (1 ns: float moments, rounded)
-                assert total <= window * self.tpn + bound_cap, (
-                    f"{total} tokens of reservations promised within {window} ns: more than T*tpn + cap"
                 )
 
     @invariant()

@@ -15,10 +15,6 @@ the end every untimed request has been granted once the schedule allowed it.
 A parked request may leave (an interrupt, a cancellation: its ``end``), giving back what it
 holds, and every ticket a parked request holds on any rate is recorded in that rate's process
 slot with its exact length (so that a death at any step leaves it to the filler's reap).
-Reservations over several rates are slots used at their promised moments: on every rate they
-never fall within ``rate*T + capacity`` of each other's beyond the bound, however late a promise
-came out (the promise fence: a refund, a range given back, a claim covered at once on one rate
-while another rate makes it wait).
 """
 import os
 import uuid
@@ -45,7 +41,6 @@ class MultiRateModel(RuleBasedStateMachine):
         self.pending = []  # (request, costs by key)
         self.took = {}  # id(request) -> {key: fake ns when that rate's tokens were taken}
         self.events = {}  # key -> [(time_ns, signed tokens)]: grants +, refunds -
-        self.reserved = {}  # key -> [(promised ns, tokens)]: reservations, at their promised moments
 
     @initialize(rates=st.lists(st.tuples(RATE, BURST), min_size=2, max_size=3))
     def create(self, rates):
@@ -55,7 +50,6 @@ class MultiRateModel(RuleBasedStateMachine):
         self.keys = self.lim.keys
         self.atts = dict(zip(self.keys, self.lim._live()))
         self.events = {k: [] for k in self.keys}
-        self.reserved = {k: [] for k in self.keys}
 
     def teardown(self) -> None:
         if self.lim is not None:
@@ -138,32 +132,6 @@ class MultiRateModel(RuleBasedStateMachine):
         if delta < 0:
             self.events[k].append((self.clock.now, delta * self.atts[k].bucket.cost))
             self._step_all()  # a refund may serve the waiters now
-
-    @rule(data=st.data(), max_wait=st.one_of(st.none(), st.sampled_from([0.0, 0.05, 1.0])))
-    def reserve(self, data, max_wait):
-        costs = self._costs(data)
-        wait = self.lim.reserve(max_wait=max_wait, **costs)
-        if wait is None or wait == float("inf"):
-            return
-        for k, o in costs.items():
-            if o:
-                self.reserved[k].append((self.clock.now + wait * 1e9, o * self.atts[k].bucket.cost))
-        self._step_all()  # the waiters look, as their drivers would
-
-    @invariant()
-    def reservations_kept_apart(self):
-        for k, moments in self.reserved.items():
-            b = self.atts[k].bucket
-            moments = sorted(moments)
-            term = max([b.cap] + [t for _, t in moments])
-            for i in range(len(moments)):
-                total = 0
-                for j in range(i, len(moments)):
-                    total += moments[j][1]
-                    allowed = (moments[j][0] - moments[i][0] + 1) * b.tpn + term  # (1 ns: float moments)
-                    assert total <= allowed, (
-                        f"rate {k}: {total / b.cost:g} ops of reservations in {(moments[j][0] - moments[i][0]) / 1e6:g} ms"
-                    )
 
     @precondition(lambda self: self.pending)
     @rule(data=st.data())
