@@ -82,7 +82,9 @@ class Cells(Protocol):
 
     def leave_waiters(self) -> None:
         """Every native wait of this process returns, and any later one at once, the mapping kept
-        (``close``'s first half): from then on no native loop grants a ticket."""
+        (``close``'s first half): from then on no native loop grants a ticket, and no grab bound to
+        ticket records (a ``grabber``'s, a ``gate``'s ``grab_within``) takes anything: it answers as
+        when every record is in use, so nothing is written into a slot its process is leaving."""
         ...
 
     def close(self) -> None: ...
