@@ -8,6 +8,7 @@ import contextlib
 import subprocess
 import sys
 import textwrap
+import threading
 import time
 
 import pytest
@@ -414,12 +415,16 @@ def test_a_reservation_finding_every_record_in_use_on_two_rates_waits_for_one(na
             assert record(att.cells, att.records, far, 1) is not None
     tails = [a.cells.load(L.TAIL), b.cells.load(L.TAIL)]
     naps = []
+    real_sleep, me = time.sleep, threading.current_thread()
+
+    def ours(fake):  # time.sleep is the time module's: this process's filler and skipper threads sleep as before
+        return lambda seconds: fake(seconds) if threading.current_thread() is me else real_sleep(seconds)
 
     def nap(seconds):  # the wait for a record: the fake clock moves past max_wait
         naps.append(seconds)
         clock.advance(round(0.2e9))
 
-    monkeypatch.setattr("shmlimit.multirate.time.sleep", nap)
+    monkeypatch.setattr("shmlimit.multirate.time.sleep", ours(nap))
     assert lim.reserve(max_wait=1.5) is None
     assert naps and [a.cells.load(L.TAIL), b.cells.load(L.TAIL)] == tails  # took nothing on either rate
     empty(lim)  # what accrued meanwhile: the next reservation queues on both rates again
@@ -429,7 +434,7 @@ def test_a_reservation_finding_every_record_in_use_on_two_rates_waits_for_one(na
         b.cells.store(b.records[0][1], 0)
 
     naps.clear()
-    monkeypatch.setattr("shmlimit.multirate.time.sleep", freeing)
+    monkeypatch.setattr("shmlimit.multirate.time.sleep", ours(freeing))
     real = a.bucket.take_within
     seen = []
 
