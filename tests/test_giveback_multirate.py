@@ -22,6 +22,7 @@ from shmlimit.schedule import LONGEST_FILL_NS
 from support.aio import until
 from support.clock import FakeClock
 from support.procs import WORKDIR, interrupted_after, wait_for
+from support.segments import shm_bytes
 
 #: a promise after a skip on a clock that stood still counts the filler's longest pause (s)
 LOST = LONGEST_FILL_NS / 1e9
@@ -449,3 +450,69 @@ def test_a_reservation_finding_every_record_in_use_on_two_rates_waits_for_one(na
     for att in (a, b):
         for _, off in att.records:
             att.cells.store(off, 0)
+
+
+def test_a_reservation_claiming_on_a_rate_being_closed_takes_nothing_there(name, monkeypatch):
+    # One thread reserves over two rates while another closes the limiter.  The first claim comes
+    # while its rate's attachment is leaving its slot (its records no longer handed out): taken
+    # unrecorded, it would be a range in no record once the reservation fails on the next rate
+    # (closed by then), so no one would ever skip it -- every other process waiting on that rate
+    # would wait out its schedule.  A claim on a closing rate takes nothing: the call fails.
+    import shmlimit.multirate as multirate_module
+
+    lim = make(name, {"a": ("1000/s", 1), "b": ("1/s", 1)})  # a has the shorter wait: claimed first
+    empty(lim)
+    a, b = lim._live()
+    a_name = a.name
+    at_claim, go_a, stepped, b_closed = (threading.Event() for _ in range(4))
+    outcome = []
+    real_claim = multirate_module.claim
+
+    def claim(att, tokens, max_ns, last=True):
+        if threading.current_thread() is reserver:
+            if att is a:
+                at_claim.set()
+                assert go_a.wait(30)  # ... until a's close has left its slot
+            else:
+                stepped.set()
+                assert b_closed.wait(30)  # ... until the whole limiter is closed
+        return real_claim(att, tokens, max_ns, last)
+
+    def reserve():
+        try:
+            outcome.append(lim.reserve())
+        except ValueError as e:  # closed under the call
+            outcome.append(e)
+        finally:
+            stepped.set()
+
+    def a_tail():
+        raw = shm_bytes(a_name)
+        return int.from_bytes(raw[L.TAIL:L.TAIL + 8], "little")
+
+    monkeypatch.setattr(multirate_module, "claim", claim)
+    real_unregister = a.table.unregister
+
+    def unregister(*args):  # a's close: past waiting for its record writers, leaving the slot
+        real_unregister(*args)
+        go_a.set()
+        assert stepped.wait(30)
+
+    monkeypatch.setattr(a.table, "unregister", unregister)
+    reserver = threading.Thread(target=reserve)
+    try:
+        reserver.start()
+        assert at_claim.wait(30)
+        tail = a_tail()
+        lim.close()
+        b_closed.set()
+        reserver.join(30)
+        assert not reserver.is_alive() and outcome
+        assert isinstance(outcome[0], ValueError), outcome
+        assert a_tail() == tail, "a claim on a closing rate was taken into no record"
+    finally:
+        go_a.set()
+        b_closed.set()
+        reserver.join(30)
+        if not lim.closed:
+            lim.close()
