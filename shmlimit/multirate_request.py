@@ -85,7 +85,9 @@ def claim(att: Attachment, tokens: int, max_ns: float, last: bool = True) -> Cla
     or waits for a record: ``MultiLimiter.reserve``).  The last claim makes the reservation, so it
     needs no record to be given back by: with none free it is taken unrecorded.  (A process beyond
     the table has no records at all: its claims are taken unrecorded, lost -- their schedule, once
-    -- only to a death part-way.)
+    -- only to a death part-way.)  On a rate whose attachment is closing (its records no longer
+    handed out) it takes nothing and raises ``ValueError``: taken unrecorded there, a claim given
+    back when the reservation fails would be held in no record, skipped by no one.
     """
     b = att.bucket
     for attempt in range(2):
@@ -96,6 +98,8 @@ def claim(att: Attachment, tokens: int, max_ns: float, last: bool = True) -> Cla
                 got, rec = b.take_within(tokens, max_ns, lens, att.grants_off, 0)
         if lens and got is NO_RECORD and not last:
             return att, tokens, NO_RECORD, h, None
+        if not lens and att.closed:  # its slot is being left: a claim taken now would be in no record
+            raise ValueError(f"limiter {att.name!r} was closed while this call ran")
         if got is NO_RECORD:
             got, rec = b.take_within(tokens, max_ns)
         if got is not REFUSED or attempt or b.replenish() <= 0:
