@@ -1,4 +1,5 @@
 """Every Python example in the README runs as written (in a fresh interpreter, as a script)."""
+import fcntl
 import os
 import re
 import subprocess
@@ -9,6 +10,10 @@ import pytest
 
 README = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "README.md")
 BLOCKS = re.findall(r"```python\n(.*?)```", open(README).read(), re.S)
+#: The examples name their limiters as a user would ("api", "per-domain"), so two runs of this file
+#: at once on one machine would share those segments.  Each example runs holding this lock: runs
+#: on one machine take their turns, and every example starts from the segments the last one left.
+LOCK = os.path.join(tempfile.gettempdir(), "shmlimit-readme-examples.lock")
 
 
 def test_readme_has_examples():
@@ -20,7 +25,8 @@ def test_readme_example_runs(index, request):
     env = dict(os.environ)
     if "REDIS_URL" in BLOCKS[index]:  # the Redis examples run against a real server of the tests'
         env["REDIS_URL"] = request.getfixturevalue("redis_server").url
-    with tempfile.TemporaryDirectory() as d:
+    with open(LOCK, "a") as lock, tempfile.TemporaryDirectory() as d:
+        fcntl.flock(lock, fcntl.LOCK_EX)  # released when the file closes, whatever happens
         path = os.path.join(d, f"example_{index}.py")
         with open(path, "w") as f:
             f.write(BLOCKS[index])
