@@ -1,0 +1,183 @@
+"""Two keyed config writers late at once: each stalled past the lock's timeout, taken over, resumed.
+
+tests/test_keyed_config_writer.py stalls one writer; here a first writer stops before one of its
+writes, a second takes its lock over and stops before one of its own, a third takes the lock over
+and publishes the newest rate, then the two late ones resume, in either order, each running to its
+end before the other goes on.  Every pair of stopping points and both orders are tried.  After the
+newest publication and after each resumption the config in force must be the newest one, whole:
+read the same by the Python readers and by the keyed composite (native or atomics), never refused
+as corrupt, and ``CFG_SEQ`` even and never moved back.
+"""
+import threading
+
+import pytest
+
+import shmlimit
+from shmlimit import keyed_cells as KC
+from shmlimit import keyed_gcra
+from shmlimit import keyed_layout as K
+from shmlimit.errors import ConfigWriterTakenOver
+from shmlimit.keyed_gcra import Overrides, make_rate, publish_default, read_default
+
+FIRST = make_rate(1000, 1.0, 50)  # what the first late writer came to write
+SECOND = make_rate(500, 1.0, 20)  # what the second late writer came to write
+NEWER = (10, 1.0, 2)  # the newest set_rate, published while both are stopped
+NEWER_SEEN = (True, True, False, False, False)
+
+
+class Gate:
+    """Cells whose ``at``-th write (store, CAS or add; the 0th takes the lock) waits for ``go``."""
+
+    def __init__(self, cells, at):
+        self.c, self.at, self.writes = cells, at, 0
+        self.stopped, self.go = threading.Event(), threading.Event()
+
+    def _write(self):
+        if self.writes == self.at:
+            self.stopped.set()
+            assert self.go.wait(30), "the test never let this writer go on"
+        self.writes += 1
+
+    def load(self, off):
+        return self.c.load(off)
+
+    def store(self, off, value):
+        self._write()
+        self.c.store(off, value)
+
+    def cas(self, off, expected, desired):
+        self._write()
+        return self.c.cas(off, expected, desired)
+
+    def fetch_add(self, off, delta):
+        self._write()
+        return self.c.fetch_add(off, delta)
+
+
+class Writer:
+    """``write(cells)`` in a thread of its own, stopped before its ``at``-th write."""
+
+    def __init__(self, write, cells, at):
+        self.gate, self.errors = Gate(cells, at), []
+        self.thread = threading.Thread(target=self._run, args=(write,), daemon=True)
+        self.thread.start()
+        self.gate.stopped.wait(30)
+        self.late = self.thread.is_alive()  # stopped before write ``at``, not ended before it
+
+    def _run(self, write):
+        try:
+            write(self.gate)
+        except ConfigWriterTakenOver:
+            pass  # the right answer for a writer taken over
+        except BaseException as e:  # noqa: BLE001 - reported by the test
+            self.errors.append(e)
+        finally:
+            self.gate.stopped.set()
+
+    def resume(self):
+        self.gate.go.set()
+        self.thread.join(30)
+        assert not self.thread.is_alive() and not self.errors, self.errors
+
+
+def _writes(write, cells):
+    """How many writes ``write`` makes when nothing stops it."""
+    gate = Gate(cells, -1)
+    write(gate)
+    return gate.writes
+
+
+def _bursts_seen(lim, key):
+    """Which request sizes the keyed composite grants ``key`` at once (a peek: nothing taken)."""
+    return tuple(lim._att.kt.acquire(key, n, -1) != KC.NEVER for n in (1, 2, 3, 50, 51))
+
+
+def _two_late(lim, write_first, write_second, newer, check, prepare):
+    """Every pair of stopping points, both orders of resumption; ``check(where)`` after the newest
+    publication and after each resumption."""
+    c = lim._att.cells
+    prepare()
+    n1, n2 = _writes(write_first, c), _writes(write_second, c)
+    cases = 0
+    for i in range(1, n1):
+        for j in range(1, n2):
+            for order in ("first-resumes-first", "second-resumes-first"):
+                prepare()
+                seq0 = c.load(K.CFG_SEQ)
+                w1 = Writer(write_first, c, i)
+                w2 = Writer(write_second, c, j) if w1.late else None
+                try:
+                    if not (w1.late and w2.late):
+                        continue
+                    newer()
+                    where = (i, j, order)
+                    check(where + ("published",))
+                    late = (w1, w2) if order == "first-resumes-first" else (w2, w1)
+                    for k, w in enumerate(late):
+                        w.resume()
+                        check(where + (f"resumed {k + 1}",))
+                    seq = c.load(K.CFG_SEQ)
+                    assert seq % 2 == 0 and 0 < (seq - seq0) % 2**64 < 2**63, (where, seq0, seq)
+                    cases += 1
+                finally:
+                    for w in (w1, w2):
+                        if w is not None:
+                            w.gate.go.set()
+                            w.thread.join(30)
+    assert cases > 100, cases  # the stopping points were reached
+
+
+def test_two_late_default_writers_leave_the_newest_rate_whole(name, monkeypatch):
+    monkeypatch.setattr(keyed_gcra, "LOCK_TIMEOUT", 0.0)  # taken over at the second look
+    lim = shmlimit.KeyedLimiter(name, rate=1000, keys=64)
+    keys = iter(range(10**6))
+    try:
+        def check(where):
+            assert read_default(lim._att.cells) == make_rate(*NEWER), where
+            assert _bursts_seen(lim, f"new-{next(keys)}") == NEWER_SEEN, where
+
+        _two_late(
+            lim,
+            lambda cells: publish_default(cells, FIRST),
+            lambda cells: publish_default(cells, SECOND),
+            lambda: lim.set_rate(*NEWER),
+            check,
+            lambda: lim.set_rate(5, 1.0, 5),
+        )
+    finally:
+        lim.close()
+
+
+@pytest.mark.parametrize("existing", [True, False], ids=["override-changed", "override-added"])
+def test_two_late_override_writers_leave_the_newest_rate_whole(name, monkeypatch, existing):
+    monkeypatch.setattr(keyed_gcra, "LOCK_TIMEOUT", 0.0)
+    lim = shmlimit.KeyedLimiter(name, rate=1000, burst=50, keys=64, overrides=64)
+    try:
+        novr = lim._att.geo.overrides
+        keys = iter(range(10**6))
+        current = [None]
+
+        def prepare():
+            k = current[0] = f"k{next(keys)}"
+            if existing:
+                lim.set_rate(5, key=k)
+
+        def writer(rate):
+            return lambda cells: Overrides(cells, novr).set(lim._att.kt.digest(current[0]), rate)
+
+        def check(where):
+            k = current[0]
+            assert lim.override(k) == NEWER, where
+            assert _bursts_seen(lim, k) == NEWER_SEEN, where
+
+        def newer():
+            lim.set_rate(*NEWER, key=current[0])
+
+        def prepare_and_free():
+            if current[0] is not None:
+                lim.remove_override(current[0])  # its entry is reused: the table never fills
+            prepare()
+
+        _two_late(lim, writer(FIRST), writer(SECOND), newer, check, prepare_and_free)
+    finally:
+        lim.close()
