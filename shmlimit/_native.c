@@ -578,10 +578,10 @@ cells_grabber(NativeCells *self, PyObject *const *args, Py_ssize_t n)
 #define KW_V0 3
 #define KW_V1 4
 #define KW_DISP 5 /* V2..V4: the key's first bytes, for display only */
-/* override entry: CTRL(0 empty, 1 live, 2 tomb) D0 D1 T TAU RATE PER BURST */
+/* override entry: CTRL (state in its low byte: 0 empty, 1 live, 2 tomb, 3 claimed), D0 D1 */
 #define KO_LINES 3 /* an override entry: CTRL D0 D1, then its banks A and B (keyed_layout) */
 #define KO_EMPTY 0u
-#define KO_LIVE 1u
+#define KO_LIVE 1u /* in CTRL's low byte; the rest is an owner and a tag (keyed_layout.o_ctrl) */
 #define KT_DEFAULT_BACKUP_LINES 7 /* the default's bank B, lines after CFG_SEQ's */
 
 static inline uint64_t kt_state(uint64_t c) { return c & 0xff; }
@@ -707,14 +707,29 @@ kt_bank_sum(uint64_t gen, const uint64_t v[7])
     return h;
 }
 
-/* One config bank, words 1..7 of `line`: RATE PER BURST T TAU GEN SUM (keyed_gcra).  Its age
- * (CFG_SEQ s1 less its generation, modulo 2**64), T and TAU; 0 if its checksum does not hold. */
+/* What the i-th value word of a bank of generation gen is stored XOR-ed with (keyed_layout.bank_mask:
+ * layout.config_sum over gen and the one value i). */
+static uint64_t
+kt_bank_mask(uint64_t gen, uint64_t i)
+{
+    uint64_t h = gen * UINT64_C(0x9E3779B97F4A7C15) + UINT64_C(0x632BE59BD9B4E019);
+    h ^= i;
+    h *= UINT64_C(0xFF51AFD7ED558CCD);
+    h ^= h >> 33;
+    return h;
+}
+
+/* One config bank, words 1..7 of `line`: RATE PER BURST T TAU (each stored masked by its generation),
+ * GEN, SUM (keyed_gcra).  Its age (CFG_SEQ s1 less its generation, modulo 2**64), T and TAU; 0 if
+ * its checksum does not hold. */
 static int
 kt_bank(const uint64_t *line, const uint64_t d[2], uint64_t s1, uint64_t *age, uint64_t *T, uint64_t *tau)
 {
-    uint64_t rate = ld((uint64_t *)line + 1), per = ld((uint64_t *)line + 2), burst = ld((uint64_t *)line + 3);
-    uint64_t tt = ld((uint64_t *)line + 4), ta = ld((uint64_t *)line + 5);
-    uint64_t gen = ld((uint64_t *)line + 6), sum = ld((uint64_t *)line + 7);
+    uint64_t gen = ld((uint64_t *)line + 6);
+    uint64_t rate = ld((uint64_t *)line + 1) ^ kt_bank_mask(gen, 0), per = ld((uint64_t *)line + 2) ^ kt_bank_mask(gen, 1);
+    uint64_t burst = ld((uint64_t *)line + 3) ^ kt_bank_mask(gen, 2);
+    uint64_t tt = ld((uint64_t *)line + 4) ^ kt_bank_mask(gen, 3), ta = ld((uint64_t *)line + 5) ^ kt_bank_mask(gen, 4);
+    uint64_t sum = ld((uint64_t *)line + 7);
     const uint64_t v[7] = {d[0], d[1], tt, ta, rate, per, burst};
     if (sum != kt_bank_sum(gen, v))
         return 0;
@@ -793,7 +808,7 @@ kt_params(KeyedTable *t, const uint64_t d[2], uint64_t *T, uint64_t *tau)
                 uint64_t c = ld(e);
                 if (c == KO_EMPTY)
                     break;
-                if (c == KO_LIVE && ld(e + 1) == d[0] && ld(e + 2) == d[1]) {
+                if ((c & 0xFF) == KO_LIVE && ld(e + 1) == d[0] && ld(e + 2) == d[1]) {
                     corrupt = !kt_pick(e + LINEW, e + 2 * LINEW, d, s1, &tt, &ta);
                     found = !corrupt && tt != 0; /* T == 0: the override was removed */
                     break;

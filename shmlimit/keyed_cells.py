@@ -341,8 +341,9 @@ class KeyedTable(SlotTable):
     def _bank(self, line: int, d: Tuple[int, int], seq: int):
         """``(age, T, TAU)`` of one config bank (see ``keyed_gcra``), or None if its checksum fails."""
         c = self.c
-        rate, per, burst, t, tau = (c.load(line + off) for off in K.B_VALUES)
+        raw = [c.load(line + off) for off in K.B_VALUES]
         gen = c.load(line + K.B_GEN)
+        rate, per, burst, t, tau = (w ^ K.bank_mask(gen, i) for i, w in enumerate(raw))  # stored masked
         if c.load(line + K.B_SUM) != _config_sum(gen, (d[0], d[1], t, tau, rate, per, burst)):
             return None
         return (seq - gen) & MASK64, t, tau
@@ -382,7 +383,7 @@ class KeyedTable(SlotTable):
                     ctl = c.load(e)
                     if ctl == K.O_EMPTY:
                         break
-                    if ctl == K.O_LIVE and c.load(e + K.O_D0) == d[0] and c.load(e + K.O_D1) == d[1]:
+                    if ctl & 0xFF == K.O_LIVE and c.load(e + K.O_D0) == d[0] and c.load(e + K.O_D1) == d[1]:
                         pair = self._pick((e + K.O_BANKS[0], e + K.O_BANKS[1]), d, s1)
                         corrupt = pair is None
                         if pair is not None and not pair[0]:

@@ -5,30 +5,35 @@ CLOCK_MONOTONIC); the GCRA step itself is part of the atomic layer's keyed
 composite (``keyed_cells``).  This module holds what prices it: the default
 ``(T, TAU)`` and the per-key overrides in a bounded table of their own.
 
-**Publication** (the plain limiter's rule, ``config_banks``, per config).
+**Publication** (built on the plain limiter's, ``config_banks``, per config).
 Writers take ``CFG_SEQ`` as a lock (even -> odd by CAS; one silent for
 ``LOCK_TIMEOUT`` is taken over, odd -> odd + 2, or closed by a reader, odd
 -> even) and publish by one CAS from their lock value to the next even
 value, the generation they wrote.  Every config (the default, each override)
 has two banks, each stamped with the generation that wrote it and a checksum
-over that generation, the key's digest and the values.  A writer writes bank
-B, checks that ``CFG_SEQ`` still holds its lock, then writes bank A.  Readers
-wait for an even ``CFG_SEQ``, take the valid bank of the newest generation
-(counted back from ``CFG_SEQ``, modulo 2**64) and check ``CFG_SEQ`` again.
+over that generation, the key's digest and the values (stored masked by the
+generation: ``keyed_layout.bank_mask``).  A writer writes first the bank that
+does not hold the config's newest valid copy, then the other, each word by
+load, check that ``CFG_SEQ`` still holds its lock, CAS from the loaded word.
+Readers wait for an even ``CFG_SEQ``, take the valid bank of the newest
+generation (counted back from ``CFG_SEQ``, modulo 2**64) and check
+``CFG_SEQ`` again.
 
-So a writer stalled past the timeout and taken over that resumes can write at
-most one bank (it checks the lock between the two), stamped with its own,
-older generation: whoever took over wrote both banks of what it changed with a
-newer one, so readers never take the late words over newer ones, and a
-torn bank never passes its checksum.  Its publishing CAS fails
+So a writer stalled past the timeout and taken over resumes with at most one
+CAS in hand, expecting a word loaded before any newer writer took the lock; no
+newer writer ever stores that word again (masks and tags are per generation),
+so the CAS misses every word a newer writer wrote.  However many writers are
+late, a bank completed by a writer is never touched by an older one, each
+config keeps a whole bank of its newest completed write, and whoever
+publishes completed both; the late writers' publishing CAS fails
 (``ConfigWriterTakenOver``).  A writer killed while it writes leaves its
-config's other bank whole: readers take the old config or, if bank B was
-complete, the new one -- never words of both.
+config's newest bank whole: readers take the old config or the new one --
+never words of both.
 
 Overrides are found by the key's digest, not through its slot, so they apply
 from the next call in every process and survive the key's eviction.  An entry
-is claimed by CAS (CLAIM | owner) before its digest is written and made LIVE
-by CAS after its writer published, so a late writer never writes into an
+is claimed by CAS (CLAIM | owner | tag) before its digest is written and made
+LIVE by CAS after its writer published, so a late writer never writes into an
 entry another writer took; removal publishes a bank with ``T == 0``, so it is
 ordered by generation like any other change, and a removed entry is reused.
 """
@@ -130,29 +135,46 @@ def bank_sum(gen: int, d: Tuple[int, int], vals) -> int:
     return L.config_sum(gen, (d[0], d[1], t, tau, rate, per, burst))
 
 
+def bank_words(gen: int, d: Tuple[int, int], vals) -> Tuple[Tuple[int, int], ...]:
+    """A bank's seven words as stored, ``(offset in its line, word)``: the values masked by
+    ``gen`` (``keyed_layout.bank_mask``), then ``GEN``, then ``SUM`` last."""
+    out = [(off, v ^ K.bank_mask(gen, i)) for i, (off, v) in enumerate(zip(K.B_VALUES, vals))]
+    return (*out, (K.B_GEN, gen), (K.B_SUM, bank_sum(gen, d, vals)))
+
+
 def write_bank(c: Cells, line: int, d: Tuple[int, int], vals, gen: int) -> None:
-    """Store one bank: the values, then its generation, then its checksum."""
-    for off, v in zip(K.B_VALUES, vals):
-        c.store(line + off, v)
-    c.store(line + K.B_GEN, gen)
-    c.store(line + K.B_SUM, bank_sum(gen, d, vals))
+    """Store one bank with plain stores: only for a segment no other process sees yet."""
+    for off, w in bank_words(gen, d, vals):
+        c.store(line + off, w)
 
 
 def read_bank(c: Cells, line: int, d: Tuple[int, int]) -> Optional[Tuple[int, Tuple[int, ...]]]:
     """``(generation, values)`` of one bank, or None if its checksum does not hold for digest ``d``."""
-    vals = tuple(c.load(line + off) for off in K.B_VALUES)
+    raw = tuple(c.load(line + off) for off in K.B_VALUES)
     gen = c.load(line + K.B_GEN)
+    vals = tuple(w ^ K.bank_mask(gen, i) for i, w in enumerate(raw))
     return (gen, vals) if c.load(line + K.B_SUM) == bank_sum(gen, d, vals) else None
+
+
+def _newest(c: Cells, lines: Tuple[int, int], d: Tuple[int, int], seq: int):
+    """``(line, values)`` of the valid bank of the newest generation (counted back from ``seq``),
+    or ``(None, None)``."""
+    best, age = (None, None), None
+    for line in lines:
+        b = read_bank(c, line, d)
+        if b is not None and (age is None or (seq - b[0]) & _MASK64 < age):
+            best, age = (line, b[1]), (seq - b[0]) & _MASK64
+    return best
 
 
 def pick(c: Cells, lines: Tuple[int, int], d: Tuple[int, int], seq: int) -> Optional[Tuple[int, ...]]:
     """The values of the valid bank of the newest generation (counted back from ``seq``), or None."""
-    best, age = None, None
-    for line in lines:
-        b = read_bank(c, line, d)
-        if b is not None and (age is None or (seq - b[0]) & _MASK64 < age):
-            best, age = b[1], (seq - b[0]) & _MASK64
-    return best
+    return _newest(c, lines, d, seq)[1]
+
+
+def pick_line(c: Cells, lines: Tuple[int, int], d: Tuple[int, int], seq: int) -> Optional[int]:
+    """Which of ``lines`` holds the valid bank of the newest generation, or None."""
+    return _newest(c, lines, d, seq)[0]
 
 
 def rate_of(vals: Tuple[int, ...]) -> Rate:
@@ -207,11 +229,30 @@ class ConfigLock:
         return self.c.load(K.CFG_SEQ) == self.seq
 
     def write_banks(self, lines: Tuple[int, int], d: Tuple[int, int], vals) -> None:
-        """Bank B, then (if the lock is still ours) bank A: a late writer writes at most one bank."""
-        write_bank(self.c, lines[1], d, vals, self.gen)
-        if not self.held():
-            raise _taken_over()
-        write_bank(self.c, lines[0], d, vals, self.gen)
+        """Both banks of one config, the one that does not hold its newest valid copy first.
+
+        Every word is written by load, check that the lock is still ours, CAS from
+        the loaded word (retried only while the lock is ours).  A writer stopped
+        between its check and its CAS, taken over, resumes with one CAS in hand,
+        which expects a word loaded before any newer writer took the lock: it
+        misses every word a newer writer stored (their masks are per generation,
+        so no newer writer stores that word again), and its next check stops it.
+        So a bank a writer completed is never touched by an older writer, and
+        the bank a writer keeps while it writes the other is never one an older
+        writer may still reach: the older ones that came after its writer chose
+        the other bank first too.  However many writers are late, each config
+        keeps a whole bank of its newest completed write, and whoever publishes
+        completed both.
+        """
+        keep = pick_line(self.c, lines, d, self.seq)
+        for line in (lines[0], lines[1]) if keep == lines[1] else (lines[1], lines[0]):
+            for off, want in bank_words(self.gen, d, vals):
+                while True:
+                    seen = self.c.load(line + off)
+                    if not self.held():
+                        raise _taken_over()
+                    if seen == want or self.c.cas(line + off, seen, want):
+                        break
 
     def __exit__(self, exc_type, exc, tb) -> None:
         # Interrupted half-way we publish too: readers then take the old config or the new one.
@@ -270,7 +311,8 @@ class Overrides:
             ctl = c.load(e + K.O_CTRL)
             if ctl == K.O_EMPTY:
                 return None
-            if (ctl == K.O_LIVE or (claimed and ctl & 0xFF == K.O_CLAIM)) and self._is(e, d):
+            state = K.o_state(ctl)
+            if (state == K.O_LIVE or (claimed and state == K.O_CLAIM)) and self._is(e, d):
                 return e
         return None
 
@@ -292,29 +334,40 @@ class Overrides:
     def _free(self, e: int, ctl: int, seq: int, mine: int) -> bool:
         """Whether entry ``e`` (CTRL ``ctl``) may be claimed: empty, freed, claimed by a writer that
         is gone, or LIVE with its override removed (or no bank valid)."""
-        state = ctl & 0xFF
-        if ctl in (K.O_EMPTY, K.O_TOMB):
+        state = K.o_state(ctl)
+        if ctl == K.O_EMPTY or state == K.O_TOMB:
             return True
         if state == K.O_CLAIM:
-            return not alive(ctl >> 8, mine)
-        if ctl == K.O_LIVE:
+            return not alive(K.o_owner(ctl), mine)
+        if state == K.O_LIVE:
             vals = self._vals(e, seq)
             return vals is None or not vals[3]
         return False
+
+    def _take(self, e: int, ctl: int, lock: ConfigLock) -> Optional[int]:
+        """CAS entry ``e``'s CTRL from ``ctl`` (loaded before this call) to a claim of ours: that
+        claim, or None if the word moved.  The lock is checked between the load and the CAS, and
+        every CTRL a writer stores carries its generation's tag: a writer taken over that resumes
+        with this CAS in hand misses, since the word it expects was loaded before any newer writer
+        took the lock and never comes back (before, LIVE -> CLAIM -> LIVE came back, and a late
+        claim took over, then gave back, an override a newer writer had just published)."""
+        if not lock.held():
+            raise _taken_over()
+        claim = K.o_ctrl(K.O_CLAIM, K.owner(os.getpid()), lock.gen)
+        return claim if self.c.cas(e + K.O_CTRL, ctl, claim) else None
 
     def _claim(self, d: Tuple[int, int], lock: ConfigLock) -> Tuple[int, int]:
         """Claim an entry for digest ``d`` (CAS to CLAIM | us), its digest written: ``(entry, ctrl)``."""
         c = self.c
         mine = K.owner(os.getpid())
-        claim = K.O_CLAIM | mine << 8
         for e in self._entries(d):
             ctl = c.load(e + K.O_CTRL)
             if not self._free(e, ctl, lock.seq, mine):
                 continue
-            if not c.cas(e + K.O_CTRL, ctl, claim):
-                if not lock.held():
-                    raise _taken_over()
+            claim = self._take(e, ctl, lock)
+            if claim is None:
                 continue
+            # Our claim, which no one else takes while we live: a late store of ours lands only here.
             c.store(e + K.O_D0, d[0])
             c.store(e + K.O_D1, d[1])
             return e, claim
@@ -334,16 +387,25 @@ class Overrides:
         e, claimed, counted = 0, 0, False
         try:
             with lock:
-                e = self._find(d, claimed=True)
-                if e is None:
-                    e, claimed = self._claim(d, lock)
-                    counted = True
-                elif c.load(e + K.O_CTRL) != K.O_LIVE:
-                    claimed = c.load(e + K.O_CTRL)  # claimed for this key, never made LIVE: ours now
-                    counted = True
-                else:
-                    vals = self._vals(e, lock.seq)
-                    counted = vals is None or not vals[3]  # it was removed
+                while True:
+                    e = self._find(d, claimed=True)
+                    if e is None:
+                        e, claimed = self._claim(d, lock)
+                        counted = True
+                        break
+                    ctl = c.load(e + K.O_CTRL)
+                    if K.o_state(ctl) == K.O_CLAIM:
+                        # claimed for this key, never made LIVE: ours now, by CAS (its claimer, if it
+                        # is late, then neither publishes it nor gives it back)
+                        claimed = self._take(e, ctl, lock) or 0
+                        if not claimed:
+                            continue
+                        counted = True
+                        break
+                    if K.o_state(ctl) == K.O_LIVE:
+                        vals = self._vals(e, lock.seq)
+                        counted = vals is None or not vals[3]  # it was removed
+                        break
                 if counted:
                     c.fetch_add(K.OVR_LIVE, 1)
                 lock.write_banks(self._banks(e), d, bank_values(rate))
@@ -353,9 +415,9 @@ class Overrides:
             if not lock.published:
                 if counted:
                     c.fetch_add(K.OVR_LIVE, _MASK64)  # -1
-                if claimed and claimed >> 8 == K.owner(os.getpid()):  # our own claim goes back
-                    c.cas(e + K.O_CTRL, claimed, K.O_TOMB)
-            elif claimed and not c.cas(e + K.O_CTRL, claimed, K.O_LIVE):
+                if claimed:  # our own claim goes back (unless a newer writer took it)
+                    c.cas(e + K.O_CTRL, claimed, K.o_ctrl(K.O_TOMB, 0, lock.gen))
+            elif claimed and not c.cas(e + K.O_CTRL, claimed, K.o_ctrl(K.O_LIVE, 0, lock.gen)):
                 c.fetch_add(K.OVR_LIVE, _MASK64)  # another made it LIVE, and counted it
 
     def remove(self, d: Tuple[int, int]) -> bool:

@@ -21,9 +21,9 @@ A keyed segment holds many independent limits, one per key, in a table of
 
 A *bank* is words 1..7 of a line: ``RATE PER BURST`` (IEEE-754 bits, for
 display), ``T`` the emission interval (ticks per op), ``TAU`` the burst
-tolerance (ticks), ``GEN`` the even ``CFG_SEQ`` its writer publishes as, and
-``SUM`` a checksum over GEN, the key's digest (zero for the default) and the
-five values.  Every config (the default, each override) has two banks; readers
+tolerance (ticks), each stored XOR-ed with ``bank_mask(GEN, i)``, ``GEN`` the
+even ``CFG_SEQ`` its writer publishes as, and ``SUM`` a checksum over GEN, the
+key's digest (zero for the default) and the five (unmasked) values.  Every config (the default, each override) has two banks; readers
 take the valid bank of the newest generation (``keyed_gcra``).  An override
 whose newest bank has ``T == 0`` was removed.  A tick is 1/16 ns of
 CLOCK_MONOTONIC.  A slot's words: ``CTRL`` = state | owner pid << 8 |
@@ -44,11 +44,12 @@ from .layout import (  # noqa: F401 (this layout's names too)
     STATE_INIT, STATE_OFF, STATE_READY, VERSION_OFF,
 )
 from .layout import SLOTS_OFF as PSLOTS_OFF
-from .layout import words
+from .layout import config_sum, words
 
 MAGIC = int.from_bytes(b"SHMLKEYS", "little")
-#: 2: every config in two checksummed banks (a config writer taken over cannot publish late)
-VERSION = 2
+#: 2: every config in two checksummed banks (a config writer taken over cannot publish late);
+#: 3: a bank's values stored masked by their generation and written by CAS (late writers miss)
+VERSION = 3
 
 KIND_OFF = words(0, 8)[7]
 
@@ -62,6 +63,17 @@ KINDS = (KIND_GCRA, KIND_WINDOWS)
 # a bank: words 1..7 of its line (byte offsets within the line)
 B_RATE, B_PER, B_BURST, B_T, B_TAU, B_GEN, B_SUM = words(0, 8)[1:]
 B_VALUES = (B_RATE, B_PER, B_BURST, B_T, B_TAU)
+
+
+def bank_mask(gen: int, i: int) -> int:
+    """What the ``i``-th value word of a bank of generation ``gen`` is stored XOR-ed with.
+
+    Every writer has a generation of its own, so no two writers store the same
+    word (bar a 2**-64 collision) even for the same value: a late writer's CAS,
+    which expects a word it loaded before a newer writer took the lock, can
+    never land on a word that newer writer stored (``keyed_gcra``).
+    """
+    return config_sum(gen, (i,))
 
 # line 1 after CFG_SEQ is the default's bank A; its backup, bank B, is line 8
 CFG_T, CFG_TAU, CFG_GEN, CFG_SUM = words(1, 8)[4:]
@@ -96,9 +108,24 @@ TOMB = 4
 OVR_LINES = 3
 O_CTRL, O_D0, O_D1 = words(0, 3)
 O_BANKS = (1 * LINE, 2 * LINE)
-#: CTRL: EMPTY ends a probe; LIVE an entry in use; TOMB one a former layout freed;
-#: CLAIM | owner << 8 taken by a writer that has not published it yet.
+#: CTRL: ``state | owner << 8 | tag << 40``, the state in its low byte: EMPTY (the whole word zero)
+#: ends a probe; LIVE an entry in use; TOMB one a writer gave back; CLAIM taken by the writer
+#: ``owner`` that has not published it yet.  ``tag`` is the low 24 bits of the generation of the
+#: writer that stored the word, so the word never comes back to a value a late writer loaded.
 O_EMPTY, O_LIVE, O_TOMB, O_CLAIM = 0, 1, 2, 3
+
+
+def o_ctrl(state: int, owner: int, gen: int) -> int:
+    """An override entry's CTRL word, stored by the writer of generation ``gen``."""
+    return state | (owner & 0xFFFFFFFF) << 8 | (gen >> 1 & 0xFFFFFF) << 40
+
+
+def o_state(ctl: int) -> int:
+    return ctl & 0xFF
+
+
+def o_owner(ctl: int) -> int:
+    return ctl >> 8 & 0xFFFFFFFF
 
 DEFAULT_OVERRIDES = 1024
 

@@ -12,7 +12,7 @@ import pytest
 
 import shmlimit
 from shmlimit import keyed_cells as KC
-from shmlimit.keyed_gcra import bank_sum, bank_values, make_rate
+from shmlimit.keyed_gcra import bank_sum, bank_values, bank_words, make_rate
 from shmlimit import keyed_layout as K
 from shmlimit.keyed import KeyedStats
 
@@ -219,8 +219,9 @@ def test_hostile_headers_are_refused(name):
     path = f"/dev/shm/shmlimit.{name}"
     good = open(path, "rb").read()
     def both_banks(vals, gen=0, sum_of=bank_sum):
-        return [(line + off, v) for line in K.DEFAULT_BANKS
-                for off, v in zip(K.B_VALUES + (K.B_GEN, K.B_SUM), (*vals, gen, sum_of(gen, (0, 0), vals)))]
+        words = dict(bank_words(gen, (0, 0), vals))
+        words[K.B_SUM] = sum_of(gen, (0, 0), vals)
+        return [(line + off, v) for line in K.DEFAULT_BANKS for off, v in words.items()]
 
     rate = bank_values(make_rate(1, 1, 1))
     for changes in ([(K.NKEYS_OFF, 10**9)], [(K.PROBE_OFF, 99)], [(K.VERSION_OFF, 9)], [(K.KIND_OFF, 7)],

@@ -11,6 +11,8 @@ as corrupt, and ``CFG_SEQ`` even and never moved back.
 import threading
 
 import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 
 import shmlimit
 from shmlimit import keyed_cells as KC
@@ -180,4 +182,73 @@ def test_two_late_override_writers_leave_the_newest_rate_whole(name, monkeypatch
 
         _two_late(lim, writer(FIRST), writer(SECOND), newer, check, prepare_and_free)
     finally:
+        lim.close()
+
+
+# -- any number of late writers, on any of three configs -------------------------------------------
+
+RATES = [make_rate(1000, 1.0, 50), make_rate(500, 1.0, 20), make_rate(200, 1.0, 8), make_rate(100, 1.0, 4)]
+SIZES = (1, 2, 3, 4, 5, 8, 9, 20, 21, 50, 51)
+TARGETS = (None, "a", "b")  # the default, a key with an override, a key without one at first
+
+
+def _sizes_granted(lim, key):
+    return tuple(lim._att.kt.acquire(key, n, -1) != KC.NEVER for n in SIZES)
+
+
+@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(
+    late=st.lists(st.tuples(st.sampled_from(TARGETS), st.integers(0, len(RATES) - 1), st.integers(1, 24)),
+                  min_size=2, max_size=4),
+    newest=st.sampled_from(TARGETS),
+    order=st.randoms(use_true_random=False),
+)
+def test_any_number_of_late_writers_leave_every_config_whole(name, monkeypatch, late, newest, order):
+    """Writers one after another, each stopped before one of its writes (or run to its end when it
+    has fewer) and taken over by the next; then the newest set_rate; then the stopped ones resume
+    in a random order.  After each step every config reads as one rate that was written to it,
+    the same for the composite, never refused as corrupt; the newest set_rate's config reads as
+    that rate."""
+    monkeypatch.setattr(keyed_gcra, "LOCK_TIMEOUT", 0.0)
+    lim = shmlimit.KeyedLimiter(f"{name}-{order.getrandbits(32)}", rate=5, burst=5, keys=64, overrides=16)
+    writers = []
+    try:
+        c, novr = lim._att.cells, lim._att.geo.overrides
+        lim.set_rate(3, 1.0, 3, key="a")
+        written = {None: {make_rate(5, 1.0, 5)}, "a": {make_rate(3, 1.0, 3)}, "b": {None}}
+        fresh = iter(range(10**6))
+
+        def writer(target, rate):
+            if target is None:
+                return lambda cells: publish_default(cells, rate)
+            return lambda cells: Overrides(cells, novr).set(lim._att.kt.digest(target), rate)
+
+        for target, r, at in late:
+            written[target].add(RATES[r])
+            writers.append(Writer(writer(target, RATES[r]), c, at))
+        lim.set_rate(10, 1.0, 2, key=newest)
+        written[newest] = {make_rate(10, 1.0, 2)}
+
+        def check(where):
+            default = read_default(c)
+            assert default in written[None], where
+            for key in ("a", "b"):
+                own = lim._att.overrides.get(lim._att.kt.digest(key))
+                assert own in written[key], (where, key, own)
+                rate = own or default
+                assert _sizes_granted(lim, key) == tuple(n <= rate.burst for n in SIZES), (where, key, rate)
+            assert _sizes_granted(lim, f"fresh-{next(fresh)}") == tuple(n <= default.burst for n in SIZES), where
+            assert c.load(K.CFG_SEQ) % 2 == 0, where
+
+        check("published")
+        stopped = [w for w in writers if w.late]
+        order.shuffle(stopped)
+        for k, w in enumerate(stopped):
+            w.resume()
+            check(f"resumed {k + 1} of {len(stopped)}")
+    finally:
+        for w in writers:
+            w.gate.go.set()
+            w.thread.join(30)
+        lim.unlink()
         lim.close()
