@@ -10,7 +10,7 @@ from __future__ import annotations
 import mmap
 import platform
 import threading
-from typing import Any, Dict, List, Optional, Tuple, Union
+from typing import Any, Callable, Dict, List, Optional, Tuple, Union
 
 from .composites import CompositesFromPrimitives, Gate
 from . import futex
@@ -177,6 +177,8 @@ class AtomicsCells(CompositesFromPrimitives):
         self._recording = 0
         self._mine = threading.local()
         self._closing = False
+        #: Run (by the grabbing thread) when its last grab bound to records ends (see ``Writers.after``).
+        self._after_recording: Optional[Callable[[], None]] = None
         self._p: Optional[_Patomic] = None
         self._words: Any = None
         self._addr: Optional[int] = None
@@ -226,6 +228,13 @@ class AtomicsCells(CompositesFromPrimitives):
             self._recording -= recorded
             if (self._closed and not self._active) or (recorded and self._closing):
                 self._idle.notify_all()
+        if recorded and not self._mine.n and self._after_recording is not None:
+            self._after_recording()
+
+    def _recording_here(self) -> bool:
+        """Whether this thread is inside a grab bound to records (a close run by a signal handler
+        that interrupted it: the grab is between its record's claim and its length store)."""
+        return getattr(self._mine, "n", 0) > 0
 
     def _recorded(self, fn: Any, closing: Any) -> Any:
         """``fn``, a reference grab bound to records, entered as one (``closing``: its answer then)."""

@@ -48,11 +48,7 @@ def _no_fast() -> GrabResult:
     return False
 
 
-def _undecided() -> None:
-    return None
-
-
-def _undecided_within(timeout: object) -> None:
+def _undecided(timeout: object = None) -> None:  # a try's and a timed acquire's: the slow path decides
     return None
 
 
@@ -76,7 +72,7 @@ def _fed_within(grab: Callable[[], GrabResult]) -> Callable[[object], Union[bool
 
 #: The fast path when there is none: [grab for acquire, try for try_acquire, grab within a timeout,
 #: the native wait for a ticket (None: waiters wait in Python)].
-NO_FAST = (_no_fast, _undecided, _undecided_within, None)
+NO_FAST = (_no_fast, _undecided, _undecided, None)
 
 
 class Attachment:
@@ -117,7 +113,7 @@ class Attachment:
         self._returns_thread: Optional[ReturnsThread] = None
         #: the ticket records of this process's slot (none while it has no slot), and its threads writing them
         self.records: Records = ()
-        self.writers = Writers(lambda: self.records)
+        self.writers = Writers(lambda: self.records, self.cells)
         # The fast paths: [grabber, try, grab within a timeout], shared by reference with every
         # handle and updated in place.  A grabber does one grab_if priced under the config it was
         # made for; it answers False (nothing touched) once the config changed, and _no_fast always
@@ -388,7 +384,7 @@ class Attachment:
         # the parent skips the ranges it gave back; the child starts afresh (its lock may be held)
         self.returns = Returns(self.bucket)
         self._returns_thread = None
-        self.writers = Writers(lambda: self.records)  # (the parent's threads are not here)
+        self.writers = Writers(lambda: self.records, self.cells)  # (the parent's threads are not here)
         self.owners = self.owners.forked()  # the parent's pidfds, closed here; its lock may be held
         self.slot, self.lease, self.filler, self.waiting_off = None, None, None, None
         self.bucket.own_inflight = None
@@ -398,7 +394,8 @@ class Attachment:
         self.update_fast()
 
     def detach(self) -> None:
-        if self.closed:
+        if self.closed or self.writers.defer(self.detach):  # (inside its own thread's record write: after it)
+            self.fast[:] = NO_FAST
             return
         self.shut()
         self.owners.close()

@@ -155,11 +155,41 @@ class Writers:
     waits for them: a write that ended after the slot was left would land in a slot nobody owns
     or in another process's (see ``settle``)."""
 
-    def __init__(self, records: Callable[[], Records]) -> None:
+    def __init__(self, records: Callable[[], Records], cells: Any = None) -> None:
         self._records = records
+        # this thread inside a grab bound to the records, and the hook run when it ends: the atomics
+        # backend's own (its grab is Python; the native grab runs no Python inside: not in Cells)
+        self._here: Callable[[], bool] = getattr(cells, "_recording_here", lambda: False)
+        if hasattr(cells, "_after_recording"):
+            cells._after_recording = self.ended
         self._cv = threading.Condition()
         self._held: Dict[int, int] = {}  # thread ident -> writes it has under way
         self.shut = False
+        self._deferred: Tuple[int, Optional[Callable[[], None]]] = (0, None)
+
+    def mine(self) -> bool:
+        """Whether this thread is inside its own write of the records (its grab between a record's
+        claim and its length store): a close run by a signal handler that interrupted it."""
+        with self._cv:
+            return threading.get_ident() in self._held or self._here()
+
+    def defer(self, leave: Callable[[], None]) -> bool:
+        """Run on a thread inside its own write of the records (``mine``), a close can neither
+        wait for that write (it waits for the close) nor leave the slot under it (the record
+        would be written into a slot another process may take, or stay claimed for good): True,
+        and ``leave`` runs on this thread when the write ends (``ended``).  Else False."""
+        if not self.mine():
+            return False
+        self._deferred = (threading.get_ident(), leave)
+        return True
+
+    def ended(self) -> None:
+        """One write of this thread ended (a ``writing`` block, a grab bound to records): the leave
+        deferred by its close, if any, runs once none of its writes is under way."""
+        me, leave = self._deferred
+        if leave is not None and me == threading.get_ident() and not self.mine():
+            self._deferred = (0, None)
+            leave()
 
     @contextmanager
     def writing(self) -> Iterator[Tuple[int, ...]]:
@@ -178,6 +208,7 @@ class Writers:
                     if left:
                         self._held[me] = left
                     self._cv.notify_all()
+                self.ended()
 
     def settle(self, timeout: float = SETTLE_MAX) -> bool:
         """No write of the records begins from now on; wait until those of other threads ended
