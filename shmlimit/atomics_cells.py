@@ -371,9 +371,9 @@ class AtomicsCells(CompositesFromPrimitives):
 
     def leave_waiters(self, timeout: float = SETTLE_S) -> None:
         """Close's first half: no grab bound to records takes anything from now on, and those of other
-        threads under way end first (each is a few atomic operations; one of this thread's own, a
-        close run by a signal handler inside a grab, cannot, nor can one stalled past ``timeout``
-        seconds).  This backend has no native wait: its waiters decide in Python, where a closed
+        threads under way end first (each is a few atomic operations; one stalled past ``timeout``
+        seconds cannot; this thread's own, under a signal handler, has ended: the close ran after
+        it, ``Writers.defer``).  This backend has no native wait: its waiters decide in Python, where a closed
         attachment grants nothing."""
         mine = getattr(self._mine, "n", 0)
         with self._lock:

@@ -212,9 +212,9 @@ class Writers:
 
     def settle(self, timeout: float = SETTLE_MAX) -> bool:
         """No write of the records begins from now on; wait until those of other threads ended
-        (each is a few atomic operations; one of this thread's own, a close run by a signal handler
-        in the middle of a grab, cannot end first, nor can one stalled past ``timeout``: those are
-        left as they are).  True if none was left under way."""
+        (each is a few atomic operations; one stalled past ``timeout`` is left as it is; this
+        thread has none: a close inside its own write waits for it to end, ``defer``).  True if
+        none was left under way."""
         me = threading.get_ident()
         with self._cv:
             self.shut = True
@@ -363,8 +363,8 @@ def keep_waiting(cells: "Cells", records: Records) -> None:
 
     A record still being written (``TICKET_BUSY``: a grab between its claim and its length store)
     is left as it is; ``close`` waits for such writes of its other threads first (``Writers.settle``),
-    so only one it could not wait for (its own thread's, under a signal handler; one stalled past
-    ``SETTLE_MAX``) stays: its grab either fails (and frees it) or stores the length over it, a
+    and for its own thread's (under a signal handler) by running after it (``Writers.defer``), so
+    only one it could not wait for (stalled past ``SETTLE_MAX``) stays: its grab either fails (and frees it) or stores the length over it, a
     waiter's record in a slot left cleanly, which no ``reap`` takes (the design page's "Not given back").
     """
     for _, len_off in records:
