@@ -160,3 +160,26 @@ def test_promises_count_the_fillers_longest_pause():
     from shmlimit import filler, schedule
 
     assert schedule.LONGEST_FILL_NS == round(filler.MAX_FILL_PERIOD * 1e9)
+
+
+def test_a_watchers_wake_sets_waits_and_clears_as_an_event():
+    """The watcher's wait (``filler._Wake``, one lock held while not set): a set before the wait
+    ends it at once; two sets make one wake, not two; a clear after a set leaves the next wait to
+    its timeout, as does a clear of nothing; a set from another thread ends a wait in progress."""
+    import threading
+
+    w = F._Wake()
+    assert w.wait(0) is False
+    w.set()
+    w.set()
+    assert w.wait(0) is True
+    assert w.wait(0) is False  # not counted: one wake for both
+    w.set()
+    w.clear()
+    assert w.wait(0) is False
+    w.clear()
+    assert w.wait(0) is False
+    t = threading.Thread(target=w.set)
+    t.start()
+    assert w.wait(60) is True  # the set ended it (a timeout answers False)
+    t.join(10)
