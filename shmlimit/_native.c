@@ -2393,16 +2393,18 @@ waiter_replenish_once(Waiter *w, uint64_t now, int *burn, int *cut_short)
 /* Bucket.replenish: one that added over a quarter of the capacity, or whose add the clamp cut short
  * (the head stopped at a boundary, which only a snapshot taken at it lets the next replenish pass),
  * or that left the request the clamp words name,
- * claims again at once, so that the next replenish clamps against the head it left.  At a given
- * clock reading (tests) the second claim is skipped: it would find nothing elapsed, as
- * Bucket.replenish on a fake clock does. */
+ * claims again at once, so that the next replenish clamps against the head it left.  `now` 0: the
+ * clock, read at each claim.  At a given clock reading (tests) the second claim is made at the
+ * reading `again` (an injected clock that moves between readings, as Bucket.replenish's does), or
+ * skipped when `again` is 0: it would find nothing elapsed, as Bucket.replenish on a still fake
+ * clock does. */
 static uint64_t
-waiter_replenish(Waiter *w, uint64_t now, int *burn)
+waiter_replenish(Waiter *w, uint64_t now, uint64_t again, int *burn)
 {
     int cut_short;
     uint64_t added = waiter_replenish_once(w, now, burn, &cut_short);
-    if (now == 0 && (added > w->cap / 4 || cut_short) && !*burn)
-        added += waiter_replenish_once(w, 0, burn, &cut_short);
+    if ((now == 0 || again != 0) && (added > w->cap / 4 || cut_short) && !*burn)
+        added += waiter_replenish_once(w, again, burn, &cut_short);
     return added;
 }
 
@@ -2528,7 +2530,7 @@ waiter_loop(WaitBase *base, uint64_t ticket, uint64_t ops, uint64_t tokens, uint
             at = wait_deadline(wake, until, 1); /* the ns after `wake`: never before it */
         } else {
             /* our turn: replenishing adds whatever time has passed */
-            if (waiter_replenish(w, 0, &burn) > 0) {
+            if (waiter_replenish(w, 0, 0, &burn) > 0) {
                 if (burn)
                     return flags | WAIT_BURN;
                 if (waiter_lease_lapsed(w, now))
@@ -2657,18 +2659,28 @@ replenish_result(uint64_t added, int burn)
     return Py_BuildValue("(KO)", (unsigned long long)added, burn ? Py_True : Py_False);
 }
 
+/* replenish(now_ns[, again_ns]): the first claim at the reading now_ns; the second, if the first
+ * asks for it, at again_ns (after now_ns), else none. */
 static PyObject *
-waiter_replenish_at(Waiter *self, PyObject *arg)
+waiter_replenish_at(Waiter *self, PyObject *const *args, Py_ssize_t n)
 {
-    uint64_t now;
-    if (!check_open(self->cells) || !u64(arg, &now))
+    uint64_t now, again = 0;
+    if (n < 1 || n > 2) {
+        PyErr_SetString(PyExc_TypeError, "replenish(now_ns[, again_ns]) takes one or two arguments");
+        return NULL;
+    }
+    if (!check_open(self->cells) || !u64(args[0], &now) || (n == 2 && !u64(args[1], &again)))
         return NULL;
     if (now == 0) {
         PyErr_SetString(PyExc_ValueError, "replenish: now_ns must be >= 1");
         return NULL;
     }
+    if (n == 2 && (int64_t)(again - now) <= 0) {
+        PyErr_SetString(PyExc_ValueError, "replenish: again_ns must be after now_ns");
+        return NULL;
+    }
     int burn = 0;
-    return replenish_result(waiter_replenish(self, now, &burn), burn);
+    return replenish_result(waiter_replenish(self, now, again, &burn), burn);
 }
 
 /* refill() -> (tokens added, burn): Bucket.replenish now, the clock read after the words as in
@@ -2680,7 +2692,7 @@ waiter_refill(Waiter *self, PyObject *unused)
     if (!check_open(self->cells))
         return NULL;
     int burn = 0;
-    return replenish_result(waiter_replenish(self, 0, &burn), burn);
+    return replenish_result(waiter_replenish(self, 0, 0, &burn), burn);
 }
 
 /* fill(period_ns, until_ns, lease_word, renewed_ns, renew_every_ns, lease_us, mark_ts, mark_head,
@@ -2763,7 +2775,7 @@ waiter_fill_loop(Waiter *w, FillSpan *f)
                 return FILL_PACE;
         }
         int burn = 0;
-        waiter_replenish(w, 0, &burn);
+        waiter_replenish(w, 0, 0, &burn);
         f->fills++;
         if (burn)
             return FILL_BURN;
@@ -2960,8 +2972,9 @@ waiter_acquirer(Waiter *self, PyObject *const *args, Py_ssize_t n)
 static PyMethodDef waiter_methods[] = {
     {"wait", (PyCFunction)(void (*)(void))waiter_wait, METH_FASTCALL,
      "wait(ticket, ops, until_ns, count_waiting[, tokens]) -> flags: 1 granted (ops counted), 2 nudge the filler, 4 burn"},
-    {"replenish", (PyCFunction)waiter_replenish_at, METH_O,
-     "replenish(now_ns) -> (tokens added, burn): Bucket.replenish at that clock reading"},
+    {"replenish", (PyCFunction)(void (*)(void))waiter_replenish_at, METH_FASTCALL,
+     "replenish(now_ns[, again_ns]) -> (tokens added, burn): Bucket.replenish at that clock reading "
+     "(its second claim, if any, at again_ns)"},
     {"acquirer", (PyCFunction)(void (*)(void))waiter_acquirer, METH_FASTCALL,
      "acquirer(grabber, give, max_nap_ns) -> an Acquirer: grabber's grab, then this wait, in one call"},
     {"refill", (PyCFunction)waiter_refill, METH_NOARGS,

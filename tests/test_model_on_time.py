@@ -5,7 +5,10 @@ dead actor; its "no request waits longer than its schedule plus the queue ahead"
 purpose there.  This model asks the opposite question, sharply: when every replenish comes on
 time, is every queued request served exactly on schedule?  It reuses that model's simulated
 processes (``LimiterModel``: real ``Limiter`` handles on their own attachments over one shared
-mapping, both cell backends, an injected clock, production ``Request`` steps) and runs:
+mapping, both cell backends, an injected clock, production ``Request`` steps); in half the
+examples every replenish is the native waiter's (``replenish(now_ns, again_ns)``: the native
+backend's refill at given clock readings, its refresh included), in the others
+``Bucket.replenish``.  It runs:
 
 * ``acquire(n)`` of any ``n`` from one op to two ops above the capacity (a waiter that queues
   holds a recorded ticket), ``try_acquire``, and ``set_rate`` between them (rates whose op is a
@@ -53,6 +56,9 @@ import hypothesis.strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, rule
 
 from shmlimit import layout as L
+from shmlimit.bucket import WAIT_BURN, Bucket
+from shmlimit.cells import native_available, open_cells
+from shmlimit.sleep import SLACK_NS
 from shmlimit.words import diff
 
 from support.models import model_settings
@@ -72,6 +78,9 @@ BURSTS = st.sampled_from([None, 1.0, 1.125, 1.5, 2.0, 2.125, 3.125, 5.0])
 #: anywhere between the waiters' turns.
 FRACTIONS = st.sampled_from([0.97, 0.75, 0.5, 0.25])
 SEEDS = st.integers(0, 2**32 - 1)
+#: Whose replenish every process runs: ``Bucket.replenish`` (over its own cells, of either backend),
+#: or the native waiter's (``acquisition.refill`` on the native backend), word for word the same.
+REFILLS = ["python", "native"] if native_available() else ["python"]
 
 
 class OnTimeModel(RuleBasedStateMachine):
@@ -86,9 +95,11 @@ class OnTimeModel(RuleBasedStateMachine):
         self.lost = 0
         self.steps = 0
         self.longest_step = 0
+        self.native = {}  # (attachment, config seq) -> its native waiter, or None (the atomics backend)
 
-    @initialize(rate=RATES, burst=BURSTS)
-    def create(self, rate, burst):
+    @initialize(rate=RATES, burst=BURSTS, refills=st.sampled_from(REFILLS))
+    def create(self, rate, burst, refills):
+        self.refills = refills
         self.m = LimiterModel()
         self.m.create(rate=rate, burst=burst, capped=False, ratio=1.0)
         self.m.clock.tick_ns = 1  # a real clock moves between two readings: the refresh finds time to claim
@@ -109,15 +120,15 @@ class OnTimeModel(RuleBasedStateMachine):
         op_ns, half_cap_ns = b.snap.cost / b.tpn, b.snap.cap / b.tpn / 2
         return max(1, int(min(op_ns, half_cap_ns) * fraction))
 
-    def _replenish_at(self, bucket, at, who):
-        """``bucket`` replenishes with its first clock reading at ``at`` (later if the clock is
-        already there); then the checks."""
+    def _replenish_at(self, att, at, who):
+        """``att``'s process replenishes with its first clock reading at ``at`` (later if the clock
+        is already there); then the checks."""
         clock = self.m.clock
         clock.now = max(clock.now, at - clock.tick_ns)
         reading = clock.now + clock.tick_ns
         c = self.m.cells
         starved = c.load(L.STARVED_NS)
-        bucket.replenish()
+        self._replenish(att, reading)
         # a second claim (the refresh) converts the ns since the first one's reading under the words
         # the first one read: at a stop they hold the head where the first add left it, and those
         # ns are lost, counted starved.  Nothing else may be.
@@ -129,6 +140,27 @@ class OnTimeModel(RuleBasedStateMachine):
         )
         self.lost += lost
         self._check(reading, who)
+
+    def _replenish(self, att, reading):
+        """As the process does: on the native backend one call of its native waiter (the waiters'
+        and the filler's refill, ``acquisition.refill``), at ``reading`` and its second claim, if
+        any, a tick later; else ``Bucket.replenish`` (the clock read at each claim)."""
+        b = att.bucket
+        b.refresh()
+        key = (id(att), b.snap.seq)  # a native waiter is bound to one config: a new one after a set_rate
+        if self.refills == "native" and key not in self.native:
+            if att.cells.backend != "native":
+                b = Bucket(open_cells(self.m.mm, len(self.m.mm), "native"), self.m.clock)
+            self.native[key] = b.waiter(b.snap, att.grants_off, att.waiting_off, SLACK_NS)
+        waiter = self.native.get(key)
+        if waiter is None:
+            att.bucket.replenish()
+            return
+        clock = self.m.clock
+        _, burn = waiter.replenish(reading, reading + clock.tick_ns)
+        clock.now = max(clock.now, self.m.cells.load(L.REPL_TS))  # its readings, as the clock's
+        if burn:
+            att.after_native_wait(WAIT_BURN)
 
     def _check(self, reading, who):
         m = self.m
@@ -155,8 +187,8 @@ class OnTimeModel(RuleBasedStateMachine):
         return ts + max(0, -(-diff(ticket, head) // self.m.tpn))
 
     def _waiters(self):
-        """(turn, bucket) of each queued live waiter: the first whole ns at or after its due instant."""
-        return [(self._turn(t), req.att.bucket) for t, _, req in self.m.pending if req is not None]
+        """(turn, attachment) of each queued live waiter: the first whole ns at or after its due instant."""
+        return [(self._turn(t), req.att) for t, _, req in self.m.pending if req is not None]
 
     def _advance(self, fraction, filler, rng):
         """One step of the clock, of a share drawn by ``rng`` below ``fraction``: every waiter whose
@@ -166,12 +198,12 @@ class OnTimeModel(RuleBasedStateMachine):
         self.longest_step = max(self.longest_step, step)
         end = clock.now + step
         while True:
-            turns = [(turn, b) for turn, b in self._waiters() if clock.now < turn <= end]
+            turns = [(turn, att) for turn, att in self._waiters() if clock.now < turn <= end]
             if not turns:
                 break
-            turn, b = min(turns, key=lambda w: w[0])
-            self._replenish_at(b, turn, "waiter")
-        self._replenish_at(self.m._proc(filler)._att.bucket, end, "filler")
+            turn, att = min(turns, key=lambda w: w[0])
+            self._replenish_at(att, turn, "waiter")
+        self._replenish_at(self.m._proc(filler)._att, end, "filler")
         self.steps += 1
 
     # -- rules ------------------------------------------------------------------------
@@ -223,5 +255,5 @@ class OnTimeModel(RuleBasedStateMachine):
             assert self.m.cells.load(L.STARVED_NS) == self.lost, "time counted starved, not by a refresh at a stop"
 
 
-OnTimeModel.TestCase.settings = model_settings(300)
+OnTimeModel.TestCase.settings = model_settings(600)
 TestOnTimeModel = OnTimeModel.TestCase
