@@ -325,7 +325,7 @@ class MultiLimiter(RateGroup):
                     rest = rest[1:] + [i]
                     missed += 1
                     if missed >= len(rest):
-                        waited_since = self._wait_for_record(atts[i], waited_since, max_ns)
+                        waited_since = self._wait_for_record(atts[i], toks[i], waited_since, max_ns)
                         if waited_since is None:
                             return None  # no record freed within max_wait: refused (the finally gives back)
                         missed = 0
@@ -350,15 +350,16 @@ class MultiLimiter(RateGroup):
         return max(0.0, due) / NS_PER_S
 
     @staticmethod
-    def _wait_for_record(att: Attachment, since: Optional[int], max_ns: float) -> Optional[int]:
-        """Every rate still to claim found its records all in use: nap until one may be free (one is
-        freed as each waiter of this process is granted), the claims already taken held, recorded.
+    def _wait_for_record(att: Attachment, tokens: int, since: Optional[int], max_ns: float) -> Optional[int]:
+        """Every rate still to claim found its records all in use, or has none (beyond its table):
+        nap until one may be free (one is freed as each waiter of this process is granted), or
+        without records until ``tokens`` could be there, the claims already taken held, recorded.
         Answers when the waiting began (``att``'s clock), None once it has lasted ``max_ns``."""
         now = att.clock()
         since = now if since is None else since
         if now - since > max_ns:
             return None
-        time.sleep(record_nap(att.bucket, 0, True, acquisition.MAX_NAP))
+        time.sleep(record_nap(att.bucket, tokens if not att.records else 0, bool(att.records), acquisition.MAX_NAP))
         return since
 
     def retry_after(self, n: int = 1, **costs: int) -> float:

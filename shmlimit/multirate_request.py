@@ -83,11 +83,14 @@ def claim(att: Attachment, tokens: int, max_ns: float, last: bool = True) -> Cla
     With every record in use (five waiters of this process queue there) a claim that is not the
     ``last`` takes nothing: ``NO_RECORD`` as its ticket (the reservation claims another rate first,
     or waits for a record: ``MultiLimiter.reserve``).  The last claim makes the reservation, so it
-    needs no record to be given back by: with none free it is taken unrecorded.  (A process beyond
-    the table has no records at all: its claims are taken unrecorded, lost -- their schedule, once
-    -- only to a death part-way.)  On a rate whose attachment is closing (its records no longer
-    handed out) it takes nothing and raises ``ValueError``: taken unrecorded there, a claim given
-    back when the reservation fails would be held in no record, skipped by no one.
+    needs no record to be given back by: with none free it is taken unrecorded.  A process beyond
+    the rate's table has no records at all: a claim there that is not the ``last`` is taken only
+    if covered now (``(None, None)``: tokens, which a death part-way loses, stalling no one), else
+    nothing (``NO_RECORD``, as with every record in use: the reservation claims the other rates
+    first, then polls); never queued, where a death part-way would leave it, in no record, for its
+    whole schedule.  On a rate whose attachment is closing (its records no longer handed out) it
+    takes nothing and raises ``ValueError``: taken unrecorded there, a claim given back when the
+    reservation fails would be held in no record, skipped by no one.
     """
     b = att.bucket
     for attempt in range(2):
@@ -100,6 +103,12 @@ def claim(att: Attachment, tokens: int, max_ns: float, last: bool = True) -> Cla
             return att, tokens, NO_RECORD, h, None
         if not lens and att.closed:  # its slot is being left: a claim taken now would be in no record
             raise ValueError(f"limiter {att.name!r} was closed while this call ran")
+        if got is NO_RECORD and not last:  # no records here: covered now, or nothing (no record to queue in)
+            got, rec = b.take_within(tokens, max_ns, (), att.grants_off, 0)
+            if got is NO_RECORD and (attempt or b.replenish() <= 0):
+                return att, tokens, NO_RECORD, h, None
+            if got is NO_RECORD:
+                continue
         if got is NO_RECORD:
             got, rec = b.take_within(tokens, max_ns)
         if got is not REFUSED or attempt or b.replenish() <= 0:
