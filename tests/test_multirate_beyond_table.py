@@ -81,3 +81,32 @@ def test_a_process_beyond_the_table_killed_part_way_through_a_reservation_leaves
         p.stdin.close()
     wait_for(lambda: all(diff(t.cells.load(L.TAIL), t.cells.load(L.HEAD)) <= 0 for t in atts), timeout=5)
     assert lim.reserve(a=1) < 61  # a's next slot, not one behind a dead claim
+
+
+RESERVES_TWICE_BEYOND_THE_TABLE = textwrap.dedent(
+    """
+    import sys, time
+    import shmlimit
+    lim = shmlimit.Limiter(sys.argv[1], rates={"a": ("20/s", 1), "b": ("10/s", 1)}, slots=1)
+    assert not any(t.records for t in lim._live()), "the child has a slot"
+    while lim.try_acquire():
+        pass
+    t0 = time.monotonic()
+    first = lim.reserve()  # a covered at once only (it polls for it), b (the last) queued
+    print(first, time.monotonic() - t0, flush=True)
+    lim.close()
+    """
+)
+
+
+@pytest.mark.slow
+def test_a_process_beyond_the_table_still_makes_its_reservations(name, cleanup):
+    lim = shmlimit.Limiter(name, rates={"a": ("20/s", 1), "b": ("10/s", 1)}, slots=1)
+    cleanup.append(lim)
+    lim.try_acquire()  # this process holds the one slot of each rate's table
+    out = subprocess.run([sys.executable, "-c", RESERVES_TWICE_BEYOND_THE_TABLE, name], capture_output=True,
+                         text=True, cwd=WORKDIR, timeout=60)
+    assert out.returncode == 0, out.stderr
+    first, took = out.stdout.split()
+    assert 0.0 <= float(first) <= 0.2, out.stdout  # at most b's one slot (0.1 s) ahead
+    assert float(took) < 30, took  # it polled for a's tokens, and got them
