@@ -20,6 +20,7 @@ from shmlimit import keyed_gcra
 from shmlimit import keyed_layout as K
 from shmlimit.errors import ConfigWriterTakenOver
 from shmlimit.keyed_gcra import Overrides, make_rate, publish_default, read_default
+from support.cells import BeforeWrite
 
 FIRST = make_rate(1000, 1.0, 50)  # what the first late writer came to write
 SECOND = make_rate(500, 1.0, 20)  # what the second late writer came to write
@@ -27,33 +28,16 @@ NEWER = (10, 1.0, 2)  # the newest set_rate, published while both are stopped
 NEWER_SEEN = (True, True, False, False, False)
 
 
-class Gate:
+class Gate(BeforeWrite):
     """Cells whose ``at``-th write (store, CAS or add; the 0th takes the lock) waits for ``go``."""
 
     def __init__(self, cells, at):
-        self.c, self.at, self.writes = cells, at, 0
         self.stopped, self.go = threading.Event(), threading.Event()
+        super().__init__(cells, at, self._stop)
 
-    def _write(self):
-        if self.writes == self.at:
-            self.stopped.set()
-            assert self.go.wait(30), "the test never let this writer go on"
-        self.writes += 1
-
-    def load(self, off):
-        return self.c.load(off)
-
-    def store(self, off, value):
-        self._write()
-        self.c.store(off, value)
-
-    def cas(self, off, expected, desired):
-        self._write()
-        return self.c.cas(off, expected, desired)
-
-    def fetch_add(self, off, delta):
-        self._write()
-        return self.c.fetch_add(off, delta)
+    def _stop(self):
+        self.stopped.set()
+        assert self.go.wait(30), "the test never let this writer go on"
 
 
 class Writer:

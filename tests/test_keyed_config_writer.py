@@ -22,38 +22,15 @@ from shmlimit import keyed_gcra
 from shmlimit import keyed_layout as K
 from shmlimit.errors import ConfigWriterTakenOver
 from shmlimit.keyed_gcra import Overrides, make_rate, publish_default, read_default
+from support.cells import BeforeWrite
 
 LATE = make_rate(1000, 1.0, 50)  # what the stalled writer came to write
 NEWER = (10, 1.0, 2)  # what the writer that took over publishes meanwhile
 
 
-class Stalls:
-    """Cells whose ``at``-th write (store, CAS or add; the 0th takes the lock) first runs ``meanwhile``:
-    the writer stops there for longer than the lock's timeout."""
-
-    def __init__(self, cells, at, meanwhile):
-        self.c, self.at, self.meanwhile, self.writes, self.reached = cells, at, meanwhile, 0, False
-
-    def _write(self):
-        if self.writes == self.at and not self.reached:
-            self.reached = True
-            self.meanwhile()
-        self.writes += 1
-
-    def load(self, off):
-        return self.c.load(off)
-
-    def store(self, off, value):
-        self._write()
-        self.c.store(off, value)
-
-    def cas(self, off, expected, desired):
-        self._write()
-        return self.c.cas(off, expected, desired)
-
-    def fetch_add(self, off, delta):
-        self._write()
-        return self.c.fetch_add(off, delta)
+#: Cells whose ``at``-th write (the 0th takes the lock) first runs ``meanwhile``: the writer stops
+#: there for longer than the lock's timeout.
+Stalls = BeforeWrite
 
 
 def _writes(write, cells):

@@ -69,3 +69,33 @@ def cells(backend, segment):
         c.close()
     except ValueError:
         pass
+
+
+class BeforeWrite:
+    """Cells (a config writer's) that run ``before()`` once, before their ``at``-th write (store, CAS
+    or add; counted from 0, -1: never) -- a writer stopped or stalled at that write -- and count
+    every write in ``writes``.  Loads pass through."""
+
+    def __init__(self, cells, at, before):
+        self.c, self.at, self.before, self.writes, self.reached = cells, at, before, 0, False
+
+    def _write(self):
+        if self.writes == self.at and not self.reached:
+            self.reached = True
+            self.before()
+        self.writes += 1
+
+    def load(self, off):
+        return self.c.load(off)
+
+    def store(self, off, value):
+        self._write()
+        self.c.store(off, value)
+
+    def cas(self, off, expected, desired):
+        self._write()
+        return self.c.cas(off, expected, desired)
+
+    def fetch_add(self, off, delta):
+        self._write()
+        return self.c.fetch_add(off, delta)
