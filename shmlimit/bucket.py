@@ -50,7 +50,7 @@ from . import layout as L
 from .cells import FED_ALL, MASK64, Cells, GrabResult, claim_record, fed_mask
 from .config import MAX_QUEUE_TOKENS as MAX_QUEUE
 from .config import Config
-from .config_banks import NO_SNAPSHOT, Snapshot, config_words, published_values, read_snapshot, write_banks, write_under_lock
+from .config_banks import NO_SNAPSHOT, Snapshot, config_words, flags_in_force, published_values, read_snapshot, write_banks, write_under_lock
 from .errors import ConfigWriterTakenOver, QueueFullError, SegmentError
 from .clamp import leave_words, left_named
 from .schedule import Schedule
@@ -120,7 +120,7 @@ class Bucket(Schedule):
         tpn = self.tpn
 
         def words(c: Cells) -> List[Tuple[int, int]]:
-            flags = c.load(L.CFG_FLAGS)
+            flags = flags_in_force(c, (L.FLAG_STOPPED if self.snap.stopped else 0) | self.snap.upstream_flags)
             st = bool(flags & L.FLAG_STOPPED) if stopped is None else stopped
             up = flags & L.UPSTREAM_FLAGS if upstream_flags is None else upstream_flags
             return config_words(cfg, tpn, st, up)

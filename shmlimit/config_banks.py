@@ -3,15 +3,18 @@
 The config is published under a sequence lock (``CFG_SEQ`` odd while a writer
 works, and a writer silent for ``CONFIG_LOCK_TIMEOUT_NS`` is taken over) into
 two banks, each stamped with the generation it is published as (the even
-``CFG_SEQ``) and a checksum over both.  A writer writes the backup bank,
-checks that it still holds the lock, then writes the live bank, and publishes
-by one CAS of ``CFG_SEQ`` from its lock value: a writer that was taken over
-fails there.  A stalled writer that resumes can scribble over at most one bank
-(it checks the lock between the two), and its words can never pass the
-checksum for the generation in force, so readers take the other.  Readers take
-the first bank valid for the even ``CFG_SEQ`` they saw before and after; with
-none (an interrupted writer published nothing new) or while a writer is
-presumed dead, the valid bank of the highest generation not above it.
+``CFG_SEQ``) and a checksum over both, its values stored masked by that
+generation (``layout.bank_mask``).  A writer writes first the bank that does
+not hold the newest valid config, then the other, each word by load, check
+that it still holds the lock, CAS from the loaded word (``write_banks``), and
+publishes by one CAS of ``CFG_SEQ`` from its lock value: a writer that was
+taken over fails there.  Resumed, such a writer has at most one CAS in hand,
+and it misses every word a newer writer stored, so however many writers are
+late, the newest completed write keeps a whole bank.  Readers take the first
+bank valid for the even ``CFG_SEQ`` they saw before and after; with none (an
+interrupted writer published nothing new) or while a writer is presumed dead,
+the valid bank of the highest generation not above it (or, under a presumed
+dead writer, that writer's own generation).
 
 A reader turns the words into one immutable ``Snapshot``: a thread that reads
 a snapshot once never combines a new sequence number with an old price.
@@ -127,18 +130,34 @@ def published_values(cells: Cells, seq: int) -> Optional[List[int]]:
         _read_bank(cells, L.CFG_BANK, L.CFG_GEN, L.CFG_SUM),
         _read_bank(cells, L.CFG_BACKUP_BANK, L.CFG_BACKUP_GEN, L.CFG_BACKUP_SUM),
     ]
-    valid = [(gen, vals) for gen, vals in banks if vals is not None and gen <= seq]
+    # Under a writer presumed dead (``seq`` odd), a bank it completed (its generation, seq + 1) is
+    # whole too: it may be the only one (it wrote the other first, and stopped in this one).
+    valid = [(gen, vals) for gen, vals in banks if vals is not None and gen <= seq + (seq & 1)]
     exact = [vals for gen, vals in valid if gen == seq]
     if exact:
         return exact[0]
     return max(valid, key=lambda b: b[0])[1] if valid else None
 
+def flags_in_force(cells: Cells, fallback: int) -> int:
+    """``FLAGS`` of the config in force (read through its bank: the words are stored masked);
+    ``fallback`` (what the caller last read) if no bank is valid."""
+    vals = published_values(cells, cells.load(L.CFG_SEQ))
+    return fallback if vals is None else vals[L.CFG_BANK.index(L.CFG_FLAGS)]
+
+
 def _read_bank(cells: Cells, offsets: Tuple[int, ...], gen_off: int, sum_off: int) -> Tuple[int, Optional[List[int]]]:
-    """``(generation, values)`` of one bank; values None if its checksum does not hold."""
+    """``(generation, values)`` of one bank, unmasked; values None if its checksum does not hold."""
     c = cells
     gen = c.load(gen_off)
-    vals = [c.load(off) for off in offsets]
+    vals = [c.load(off) ^ L.bank_mask(gen, i) for i, off in enumerate(offsets)]
     return gen, (vals if c.load(sum_off) == L.config_sum(gen, vals) else None)
+
+
+def bank_words(gen: int, vals: List[int]) -> List[Tuple[int, int]]:
+    """``(index, word)`` of one bank for generation ``gen`` as stored: each value masked by
+    ``bank_mask(gen, i)``, then GEN, then SUM (index 10 and 11, after the ten values)."""
+    words = [(i, v ^ L.bank_mask(gen, i)) for i, v in enumerate(vals)]
+    return words + [(len(vals), gen), (len(vals) + 1, L.config_sum(gen, vals))]
 
 
 def config_words(cfg: Config, tpn: int, stopped: bool, upstream_flags: int) -> List[Tuple[int, int]]:
@@ -163,23 +182,46 @@ def config_words(cfg: Config, tpn: int, stopped: bool, upstream_flags: int) -> L
         (L.CFG_MAX_BEHIND, _opt(cfg.max_behind)),
     ]
 
-def write_banks(cells: Cells, words: List[Tuple[int, int]], gen: int, lock: Optional[int] = None) -> bool:
-    """Write the backup bank, then (if CFG_SEQ still holds ``lock``) the live bank, both for ``gen``.
+BANKS = (
+    (L.CFG_BANK + (L.CFG_GEN, L.CFG_SUM)),
+    (L.CFG_BACKUP_BANK + (L.CFG_BACKUP_GEN, L.CFG_BACKUP_SUM)),
+)
 
-    Returns False, leaving the live bank alone, if the lock was taken over.
+
+def write_banks(cells: Cells, words: List[Tuple[int, int]], gen: int, lock: Optional[int] = None) -> bool:
+    """Write both banks for ``gen``, first the one that does not hold the newest valid config.
+
+    Every word is written by load, check that ``CFG_SEQ`` still holds ``lock``,
+    CAS from the loaded word (retried only while the lock is ours; ``lock``
+    None: a creator alone with its segment, no check).  A writer stopped
+    between its check and its CAS, taken over, resumes with that one CAS in
+    hand, which expects a word loaded before any newer writer took the lock:
+    it misses every word a newer writer stored (values are stored masked by
+    their generation, so no newer writer stores that word again), and its
+    next check stops it.  So a bank a writer completed is never touched by an
+    older writer, and the bank a writer keeps while it writes the other is
+    never one an older writer may still reach: the older writers that came
+    after its own writer chose the other bank first too.  However many
+    writers are late, a whole bank of the newest completed write survives.
+
+    Returns False, having stopped at that check, if the lock was taken over.
     """
-    vals = [v for _, v in words]
-    total = L.config_sum(gen, vals)
-    for off, v in zip(L.CFG_BACKUP_BANK, vals):
-        cells.store(off, v)
-    cells.store(L.CFG_BACKUP_GEN, gen)
-    cells.store(L.CFG_BACKUP_SUM, total)
-    if lock is not None and cells.load(L.CFG_SEQ) != lock:
-        return False
-    for off, v in words:
-        cells.store(off, v)
-    cells.store(L.CFG_GEN, gen)
-    cells.store(L.CFG_SUM, total)
+    c = cells
+    stored = bank_words(gen, [v for _, v in words])
+    live = _read_bank(c, L.CFG_BANK, L.CFG_GEN, L.CFG_SUM)
+    backup = _read_bank(c, L.CFG_BACKUP_BANK, L.CFG_BACKUP_GEN, L.CFG_BACKUP_SUM)
+    bound = c.load(L.CFG_SEQ) if lock is None else lock
+    valid = [(g, k) for k, (g, vals) in enumerate((live, backup)) if vals is not None and g <= bound]
+    keep = max(valid, key=lambda b: (b[0], -b[1]))[1] if valid else 0  # newest valid copy (tie: live bank): last
+    for bank in (BANKS[1 - keep], BANKS[keep]):
+        for i, want in stored:
+            off = bank[i]
+            while True:
+                seen = c.load(off)
+                if lock is not None and c.load(L.CFG_SEQ) != lock:
+                    return False
+                if seen == want or c.cas(off, seen, want):
+                    break
     return True
 
 

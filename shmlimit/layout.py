@@ -27,6 +27,8 @@ filler and the process table never false-share.
     then SLOTS in-flight lines, one per slot: SLOT_INFLIGHT, capped mode's ops in flight of its owner
 
 Values that are not integers (rate, per, burst) are stored as IEEE-754 bits.
+The ten config values of each bank are stored XOR-ed with ``bank_mask(GEN, i)``:
+read them only through ``config_banks``.
 """
 from __future__ import annotations
 
@@ -37,7 +39,9 @@ MAGIC = int.from_bytes(b"SHMLIMIT", "little")
 #: is published in two checksummed banks (a stalled writer that resumes cannot corrupt it).
 #: 3: every process slot has five ticket records (one in its line, four in its ticket line).
 #: 4: every process slot has a third line: its owner's ops in flight in capped mode (``SLOT_INFLIGHT``).
-VERSION = 4
+#: 5: a config bank's values are stored masked by their generation (``bank_mask``) and written
+#: word by word by CAS under a lock check, so late config writers, however many, miss newer words.
+VERSION = 5
 LINE = 64
 
 
@@ -159,9 +163,10 @@ UP_DESC_MAX = 4 * LINE - 8
 
 # The backup config bank: the same ten words, then its generation and checksum, in the spare
 # words of lines 5 and 7 (read and written only when the config changes, so sharing those lines
-# with INFLIGHT and LEASE costs nothing on the hot path).  A writer writes the backup, then (if it
-# still holds the lock) the live bank; readers take the first bank whose checksum holds for the
-# generation in force (see Bucket.load_config).
+# with INFLIGHT and LEASE costs nothing on the hot path).  Both banks store their values masked by
+# their generation (``bank_mask``); a writer writes first the bank not holding the newest valid
+# config, each word by CAS under a lock check; readers take the first bank whose checksum holds for
+# the generation in force (see config_banks).
 _SPARE = tuple(5 * LINE + 8 * i for i in range(1, 8)) + tuple(7 * LINE + 8 * i for i in range(1, 6))
 CFG_BACKUP_BANK = _SPARE[:10]
 CFG_BACKUP_GEN = _SPARE[10]
@@ -242,3 +247,14 @@ def config_sum(gen: int, values) -> int:
         h = (h * 0xFF51AFD7ED558CCD) & 0xFFFFFFFFFFFFFFFF
         h ^= h >> 33
     return h
+
+
+def bank_mask(gen: int, i: int) -> int:
+    """What the ``i``-th value word of a config bank of generation ``gen`` is stored XOR-ed with.
+
+    Every writer has a generation of its own, so no two writers store the same
+    word (bar a 2**-64 collision) even for the same value: a late writer's CAS,
+    which expects a word it loaded before a newer writer took the lock, can
+    never land on a word that newer writer stored (``config_banks``).
+    """
+    return config_sum(gen, (i,))

@@ -70,6 +70,11 @@ WORDS = [L.CFG_SEQ, L.CFG_RATE, L.CFG_PER, L.CFG_BURST, L.CFG_TPN, L.CFG_COST, L
          5 * L.LINE]  # line 5: capped mode's word
 
 
+def cfg_word(cells, off):
+    """Config word ``off`` as readers find it (bank words are stored masked by their generation)."""
+    return config_banks.published_values(cells, cells.load(L.CFG_SEQ))[L.CFG_BANK.index(off)]
+
+
 #: Seconds (real ones: a thread's) a stalled config writer may take to park holding the lock.
 WRITER_PARKS_WITHIN = 60
 
@@ -119,11 +124,11 @@ class LimiterModel(RuleBasedStateMachine):
         c.store(L.MAGIC_OFF, L.MAGIC)
         c.store(L.STATE_OFF, L.STATE_READY)
         self.cells = c
-        self.tpn = c.load(L.CFG_TPN)
-        self.max_cap = c.load(L.CFG_CAP)
+        self.tpn = cfg_word(c, L.CFG_TPN)
+        self.max_cap = cfg_word(c, L.CFG_CAP)
         self.max_request = 0  # tokens of the largest single request taken
         self.max_ratio = ratio
-        self.cap_ops = max(1, c.load(L.CFG_CAP) // c.load(L.CFG_COST))
+        self.cap_ops = max(1, cfg_word(c, L.CFG_CAP) // cfg_word(c, L.CFG_COST))
         self.capped = capped
         time_module.sleep = self._no_sleep  # nothing in the model may wait ...
         # ... except for the config lock, whose waits are time passing on the model's clock
@@ -295,12 +300,12 @@ class LimiterModel(RuleBasedStateMachine):
         return {e for e in self.must_reap if diff(head, e) < 0 and e not in held and e not in found}
 
     def _cost(self):
-        return self.cells.load(L.CFG_COST)
+        return cfg_word(self.cells, L.CFG_COST)
 
     def _track_config(self):
-        self.max_cap = max(self.max_cap, self.cells.load(L.CFG_CAP))
-        self.max_ratio = max(self.max_ratio, L.u2f(self.cells.load(L.CFG_RATIO)))
-        self.cap_ops = max(self.cap_ops, self.cells.load(L.CFG_CAP) // self._cost())
+        self.max_cap = max(self.max_cap, cfg_word(self.cells, L.CFG_CAP))
+        self.max_ratio = max(self.max_ratio, L.u2f(cfg_word(self.cells, L.CFG_RATIO)))
+        self.cap_ops = max(self.cap_ops, cfg_word(self.cells, L.CFG_CAP) // self._cost())
 
     def _taking(self, call, n, lim, capped_refusal=True, reservation=False):
         """``call()`` takes ``n`` ops, answering (result, tail before, its waiting request or None):
@@ -335,9 +340,9 @@ class LimiterModel(RuleBasedStateMachine):
             return
         c = self.cells
         ticket = c.load(L.TAIL)  # the reservation's: no other call ran since
-        if diff(ticket, c.load(L.HEAD)) <= 0 or c.load(L.CFG_FLAGS) & L.FLAG_STOPPED:
+        if diff(ticket, c.load(L.HEAD)) <= 0 or cfg_word(c, L.CFG_FLAGS) & L.FLAG_STOPPED:
             return
-        step = max(1, c.load(L.CFG_CAP) // 4 // self.tpn)
+        step = max(1, cfg_word(c, L.CFG_CAP) // 4 // self.tpn)
         end = int(math.ceil(promise)) + 1  # (1 ns for the rounding of a float moment)
         if (end - self.clock.now) // step > 4000:
             return  # too far to simulate fill by fill; the window bound still counts it at its promise
@@ -828,11 +833,11 @@ class LimiterModel(RuleBasedStateMachine):
     @invariant()
     def no_deadlock(self):
         """Let the clock run as long as the queue ahead needs: every ticket is served, and a new op can be had."""
-        if not self.procs or self.cells.load(L.CFG_FLAGS) & L.FLAG_STOPPED:
+        if not self.procs or cfg_word(self.cells, L.CFG_FLAGS) & L.FLAG_STOPPED:
             return
         c = self.cells
         depth = diff(c.load(L.TAIL), c.load(L.HEAD))
-        cap = c.load(L.CFG_CAP)
+        cap = cfg_word(c, L.CFG_CAP)
         if depth > 50 * cap:
             return  # too deep to simulate fill by fill; the window bound still holds for it
         if self.capped and self.granted_ops - self.released >= max(1, cap // self._cost()):

@@ -300,7 +300,7 @@ def test_config_snapshot_is_never_torn_by_a_thread_switch(name):
     c = att.cells
     other = Bucket(c)
     other.publish(other.config.replace(rate=10, burst=1000))
-    new_seq, new_cost = c.load(L.CFG_SEQ), c.load(L.CFG_COST)
+    new_seq, new_cost = c.load(L.CFG_SEQ), other.cost
     torn = []
 
     def switch(frame, event, arg):
