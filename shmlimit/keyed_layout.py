@@ -44,7 +44,7 @@ from .layout import (  # noqa: F401 (this layout's names too)
     STATE_INIT, STATE_OFF, STATE_READY, VERSION_OFF,
 )
 from .layout import SLOTS_OFF as PSLOTS_OFF
-from .layout import config_sum, words
+from .layout import bank_mask, config_sum, words  # bank_mask: the keyed banks are masked alike
 
 MAGIC = int.from_bytes(b"SHMLKEYS", "little")
 #: 2: every config in two checksummed banks (a config writer taken over cannot publish late);
@@ -63,17 +63,6 @@ KINDS = (KIND_GCRA, KIND_WINDOWS)
 # a bank: words 1..7 of its line (byte offsets within the line)
 B_RATE, B_PER, B_BURST, B_T, B_TAU, B_GEN, B_SUM = words(0, 8)[1:]
 B_VALUES = (B_RATE, B_PER, B_BURST, B_T, B_TAU)
-
-
-def bank_mask(gen: int, i: int) -> int:
-    """What the ``i``-th value word of a bank of generation ``gen`` is stored XOR-ed with.
-
-    Every writer has a generation of its own, so no two writers store the same
-    word (bar a 2**-64 collision) even for the same value: a late writer's CAS,
-    which expects a word it loaded before a newer writer took the lock, can
-    never land on a word that newer writer stored (``keyed_gcra``).
-    """
-    return config_sum(gen, (i,))
 
 # line 1 after CFG_SEQ is the default's bank A; its backup, bank B, is line 8
 CFG_T, CFG_TAU, CFG_GEN, CFG_SUM = words(1, 8)[4:]

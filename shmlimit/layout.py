@@ -255,6 +255,7 @@ def bank_mask(gen: int, i: int) -> int:
     Every writer has a generation of its own, so no two writers store the same
     word (bar a 2**-64 collision) even for the same value: a late writer's CAS,
     which expects a word it loaded before a newer writer took the lock, can
-    never land on a word that newer writer stored (``config_banks``).
+    never land on a word that newer writer stored (``config_banks``, and the keyed
+    banks alike: ``keyed_gcra``).
     """
     return config_sum(gen, (i,))

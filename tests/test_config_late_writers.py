@@ -8,7 +8,6 @@ after each resumption the config in force must be the newest one, whole: read th
 Python reader and accepted by the backend's fast path (which prices by the snapshot whose
 ``CFG_SEQ`` it checks), never refused as corrupt, and ``CFG_SEQ`` even and never moved back.
 """
-import threading
 
 import pytest
 
@@ -18,9 +17,8 @@ from shmlimit.bucket import Bucket
 from shmlimit.cells import native_available
 from shmlimit.config import Config
 from shmlimit.config_banks import config_words, read_snapshot, write_under_lock
-from shmlimit.errors import ConfigWriterTakenOver
 from support.buckets import private_cells
-from support.cells import BeforeWrite
+from support.cells import Gate, Writer
 from support.clock import FakeClock
 
 START = Config.make(1000, burst=10)
@@ -34,44 +32,6 @@ def backend(request):
     if request.param == "native" and not native_available():
         pytest.skip("the native extension is not built here")
     return request.param
-
-
-class Gate(BeforeWrite):
-    """Cells whose ``at``-th write (store, CAS or add; the 0th takes the lock) waits for ``go``."""
-
-    def __init__(self, cells, at):
-        self.stopped, self.go = threading.Event(), threading.Event()
-        super().__init__(cells, at, self._stop)
-
-    def _stop(self):
-        self.stopped.set()
-        assert self.go.wait(30), "the test never let this writer go on"
-
-
-class Writer:
-    """``write(cells)`` in a thread of its own, stopped before its ``at``-th write."""
-
-    def __init__(self, write, cells, at):
-        self.gate, self.errors = Gate(cells, at), []
-        self.thread = threading.Thread(target=self._run, args=(write,), daemon=True)
-        self.thread.start()
-        self.gate.stopped.wait(30)
-        self.late = self.thread.is_alive()  # stopped before write ``at``, not ended before it
-
-    def _run(self, write):
-        try:
-            write(self.gate)
-        except ConfigWriterTakenOver:
-            pass  # the right answer for a writer taken over
-        except BaseException as e:  # noqa: BLE001 - reported by the test
-            self.errors.append(e)
-        finally:
-            self.gate.stopped.set()
-
-    def resume(self):
-        self.gate.go.set()
-        self.thread.join(30)
-        assert not self.thread.is_alive() and not self.errors, self.errors
 
 
 def writer(cfg, tpn):

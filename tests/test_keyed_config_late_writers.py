@@ -8,7 +8,6 @@ newest publication and after each resumption the config in force must be the new
 read the same by the Python readers and by the keyed composite (native or atomics), never refused
 as corrupt, and ``CFG_SEQ`` even and never moved back.
 """
-import threading
 
 import pytest
 from hypothesis import HealthCheck, given, settings
@@ -18,52 +17,13 @@ import shmlimit
 from shmlimit import keyed_cells as KC
 from shmlimit import keyed_gcra
 from shmlimit import keyed_layout as K
-from shmlimit.errors import ConfigWriterTakenOver
 from shmlimit.keyed_gcra import Overrides, make_rate, publish_default, read_default
-from support.cells import BeforeWrite
+from support.cells import Gate, Writer
 
 FIRST = make_rate(1000, 1.0, 50)  # what the first late writer came to write
 SECOND = make_rate(500, 1.0, 20)  # what the second late writer came to write
 NEWER = (10, 1.0, 2)  # the newest set_rate, published while both are stopped
 NEWER_SEEN = (True, True, False, False, False)
-
-
-class Gate(BeforeWrite):
-    """Cells whose ``at``-th write (store, CAS or add; the 0th takes the lock) waits for ``go``."""
-
-    def __init__(self, cells, at):
-        self.stopped, self.go = threading.Event(), threading.Event()
-        super().__init__(cells, at, self._stop)
-
-    def _stop(self):
-        self.stopped.set()
-        assert self.go.wait(30), "the test never let this writer go on"
-
-
-class Writer:
-    """``write(cells)`` in a thread of its own, stopped before its ``at``-th write."""
-
-    def __init__(self, write, cells, at):
-        self.gate, self.errors = Gate(cells, at), []
-        self.thread = threading.Thread(target=self._run, args=(write,), daemon=True)
-        self.thread.start()
-        self.gate.stopped.wait(30)
-        self.late = self.thread.is_alive()  # stopped before write ``at``, not ended before it
-
-    def _run(self, write):
-        try:
-            write(self.gate)
-        except ConfigWriterTakenOver:
-            pass  # the right answer for a writer taken over
-        except BaseException as e:  # noqa: BLE001 - reported by the test
-            self.errors.append(e)
-        finally:
-            self.gate.stopped.set()
-
-    def resume(self):
-        self.gate.go.set()
-        self.thread.join(30)
-        assert not self.thread.is_alive() and not self.errors, self.errors
 
 
 def _writes(write, cells):

@@ -1,6 +1,7 @@
 """The atomic layer's test fixtures: every backend over a real POSIX shared-memory segment."""
 import mmap
 import os
+import threading
 import uuid
 from contextlib import contextmanager
 
@@ -9,6 +10,7 @@ import pytest
 
 from shmlimit.atomics_cells import AtomicsCells
 from shmlimit.cells import native_available, open_cells
+from shmlimit.errors import ConfigWriterTakenOver
 
 REQUIRE_NATIVE = os.environ.get("SHMLIMIT_REQUIRE_NATIVE") == "1"
 #: "atomics-api": the atomics backend on the package's public API (where its internals are not found)
@@ -99,3 +101,41 @@ class BeforeWrite:
     def fetch_add(self, off, delta):
         self._write()
         return self.c.fetch_add(off, delta)
+
+
+class Gate(BeforeWrite):
+    """Cells whose ``at``-th write (store, CAS or add; the 0th takes the lock) waits for ``go``."""
+
+    def __init__(self, cells, at):
+        self.stopped, self.go = threading.Event(), threading.Event()
+        super().__init__(cells, at, self._stop)
+
+    def _stop(self):
+        self.stopped.set()
+        assert self.go.wait(30), "the test never let this writer go on"
+
+
+class Writer:
+    """``write(cells)`` in a thread of its own, stopped before its ``at``-th write."""
+
+    def __init__(self, write, cells, at):
+        self.gate, self.errors = Gate(cells, at), []
+        self.thread = threading.Thread(target=self._run, args=(write,), daemon=True)
+        self.thread.start()
+        self.gate.stopped.wait(30)
+        self.late = self.thread.is_alive()  # stopped before write ``at``, not ended before it
+
+    def _run(self, write):
+        try:
+            write(self.gate)
+        except ConfigWriterTakenOver:
+            pass  # the right answer for a writer taken over
+        except BaseException as e:  # noqa: BLE001 - reported by the test
+            self.errors.append(e)
+        finally:
+            self.gate.stopped.set()
+
+    def resume(self):
+        self.gate.go.set()
+        self.thread.join(30)
+        assert not self.thread.is_alive() and not self.errors, self.errors
