@@ -7,9 +7,13 @@ stopping points and both orders are tried, on each backend.  After the newest pu
 after each resumption the config in force must be the newest one, whole: read the same by the
 Python reader and accepted by the backend's fast path (which prices by the snapshot whose
 ``CFG_SEQ`` it checks), never refused as corrupt, and ``CFG_SEQ`` even and never moved back.
+A stateful search then runs the same check with two to four late writers, newer publications
+among them.
 """
 
 import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 
 from shmlimit import config_banks
 from shmlimit import layout as L
@@ -45,6 +49,26 @@ def _writes(write, cells):
     return gate.writes
 
 
+def check_in_force(c, clock, cfg, tpn, where, seq_before):
+    """``cfg`` is the config in force, whole, at the segment's token unit ``tpn``, and ``CFG_SEQ`` is
+    even and not behind ``seq_before``; returns ``CFG_SEQ``."""
+    seq = c.load(L.CFG_SEQ)
+    assert seq % 2 == 0 and 0 <= (seq - seq_before) % 2**64 < 2**63, (where, seq_before, seq)
+    snap = read_snapshot(c)  # SegmentError here: the limiter refused fleet-wide
+    assert snap.config == cfg, (where, snap.config)
+    assert (snap.cost, snap.cap, snap.tpn) == (cfg.cost_at(tpn), cfg.cap_at(tpn), tpn), where
+    assert read_snapshot(c) == snap, where
+    fresh = Bucket(c, clock)  # what a process attaching now prices by
+    assert fresh.snap == snap, where
+    # the fast path takes the snapshot's CFG_SEQ as current (False: stale, back to the reader) and
+    # takes one op at the snapshot's price (granted, or queued for it)
+    tail = c.load(L.TAIL)
+    grab = c.grabber(L.CFG_SEQ, snap.seq, L.TAIL, L.HEAD, snap.cost, L.UNREG_GRANTS, 1)
+    assert grab() is not False, where
+    assert (c.load(L.TAIL) - tail) % 2**64 == snap.cost, where
+    return seq
+
+
 def test_two_late_config_writers_leave_the_newest_config_whole(backend, monkeypatch):
     monkeypatch.setattr(config_banks, "CONFIG_LOCK_TIMEOUT_NS", 0)  # taken over at the first look
     clock = FakeClock()
@@ -61,22 +85,7 @@ def test_two_late_config_writers_leave_the_newest_config_whole(backend, monkeypa
     n1, n2 = _writes(write_first, prepare()), _writes(write_second, prepare())
 
     def check(where, seq_before):
-        c = cells
-        seq = c.load(L.CFG_SEQ)
-        assert seq % 2 == 0 and 0 <= (seq - seq_before) % 2**64 < 2**63, (where, seq_before, seq)
-        snap = read_snapshot(c)  # SegmentError here: the limiter refused fleet-wide
-        assert snap.config == NEWEST, (where, snap.config)
-        assert (snap.cost, snap.cap, snap.tpn) == (NEWEST.cost_at(tpn), NEWEST.cap_at(tpn), tpn), where
-        assert read_snapshot(c) == snap, where
-        fresh = Bucket(c, clock)  # what a process attaching now prices by
-        assert fresh.snap == snap, where
-        # the fast path takes the snapshot's CFG_SEQ as current (False: stale, back to the reader) and
-        # takes one op at the snapshot's price (granted, or queued for it)
-        tail = c.load(L.TAIL)
-        grab = c.grabber(L.CFG_SEQ, snap.seq, L.TAIL, L.HEAD, snap.cost, L.UNREG_GRANTS, 1)
-        assert grab() is not False, where
-        assert (c.load(L.TAIL) - tail) % 2**64 == snap.cost, where
-        return seq
+        return check_in_force(cells, clock, NEWEST, tpn, where, seq_before)
 
     cases = 0
     for i in range(1, n1):
@@ -102,3 +111,63 @@ def test_two_late_config_writers_leave_the_newest_config_whole(backend, monkeypa
                             w.gate.go.set()
                             w.thread.join(30)
     assert cases > 100, cases  # the stopping points were reached
+
+
+# -- any number of late writers, newer publications among them -------------------------------------
+
+CONFIGS = [FIRST, SECOND, Config.make(200, burst=8), Config.make(100, per=2.0, burst=4), NEWEST,
+           Config.make(50, burst=3, ratio=2.0)]
+#: ``at`` beyond a writer's writes (about 26: the lock, two banks of twelve words, the publication)
+#: lets it run to its end: a publication of its own
+MAX_AT = 30
+
+
+@settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(
+    late=st.lists(st.tuples(st.integers(0, len(CONFIGS) - 1), st.integers(1, MAX_AT), st.booleans()),
+                  min_size=2, max_size=4),
+    newest=st.integers(0, len(CONFIGS) - 1),
+    also=st.none() | st.tuples(st.integers(0, 3), st.integers(0, len(CONFIGS) - 1)),
+    order=st.randoms(use_true_random=False),
+)
+def test_any_number_of_late_config_writers_leave_the_newest_config_whole(backend, monkeypatch, late, newest,
+                                                                         also, order):
+    """Writers one after another, each stopped before one of its writes (or run to its end when it
+    has fewer) and taken over by the next, a set_rate after any of them (``True``) and always one
+    after the last; then the stopped ones resume in a random order, ``also`` another set_rate
+    among them.  After every publication and every resumption the config in force is the one the
+    newest completed publication wrote, whole (the pairwise test's check)."""
+    monkeypatch.setattr(config_banks, "CONFIG_LOCK_TIMEOUT_NS", 0)  # taken over at the first look
+    clock = FakeClock()
+    c = private_cells(backend)
+    Bucket.initialise(c, START, clock())
+    tpn = Bucket(c, clock).tpn
+    writers = []
+    try:
+        newest_cfg, seq = START, c.load(L.CFG_SEQ)
+
+        def publish(cfg, where):
+            nonlocal newest_cfg, seq
+            Bucket(c, clock).publish(cfg)
+            newest_cfg = cfg
+            seq = check_in_force(c, clock, newest_cfg, tpn, where, seq)
+
+        for k, (i, at, then_publish) in enumerate(late):
+            w = Writer(writer(CONFIGS[i], tpn), c, at)
+            writers.append(w)
+            if not w.late:  # it ran to its end: its config is published
+                assert not w.errors, w.errors
+                newest_cfg = CONFIGS[i]
+            if then_publish or k == len(late) - 1:
+                publish(CONFIGS[newest], f"published after writer {k + 1}")
+        stopped = [w for w in writers if w.late]
+        order.shuffle(stopped)
+        for k, w in enumerate(stopped):
+            if also is not None and also[0] == k:
+                publish(CONFIGS[also[1]], f"published before resumption {k + 1}")
+            w.resume()  # taken over: it fails, and must damage nothing
+            seq = check_in_force(c, clock, newest_cfg, tpn, f"resumed {k + 1} of {len(stopped)}", seq)
+    finally:
+        for w in writers:
+            w.gate.go.set()
+            w.thread.join(30)
