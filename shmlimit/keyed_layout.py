@@ -16,7 +16,8 @@ A keyed segment holds many independent limits, one per key, in a table of
     then PSLOTS process slots of one line each: PID START GRANTS WAITING BASE - - -
          (the format of ``table.ProcessTable``, at the same offset as in a Limiter segment)
     then NOVR override entries of three lines: CTRL D0 D1 - - - - -, then its bank A, then its bank B
-         (CTRL 0 empty, 1 live, 2 tomb, 3 | owner << 8 claimed by a writer)
+         (CTRL state | owner << 8 | tag << 40: state 0 empty, 1 live, 2 tomb, 3 claimed by the writer
+         owner; tag the low 24 bits of the storing writer's generation: see ``o_ctrl``)
     then NKEYS key slots:        CTRL D0 D1 V0 V1 V2 V3 V4
 
 A *bank* is words 1..7 of a line: ``RATE PER BURST`` (IEEE-754 bits, for

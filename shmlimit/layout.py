@@ -20,7 +20,7 @@ filler and the process table never false-share.
     line  9  WAIT      the waiting pool: schedule time not used while the bucket was full (catch-up);
                        UP_WAKE: the futex word hierarchical mode's waiters sleep on
     line 10  UP_*      upstream (hierarchical mode) state and counters, written by the filler
-    line 11  UP_RECORD the ring of lease records, UP_LEASES, UP_NEXT_NS, UP_LINE_TAIL/HEAD
+    line 11  UP_RECORD the ring of lease records, UP_LEASES, UP_NEXT_NS; UP_LINE_TAIL/HEAD (unused: zero)
     lines 12..15 UP_DESC   the upstream's description (JSON), written once by the creator
     then SLOTS process slots of one line each: PID START GRANTS WAITING BASE PIDNS TICKET TICKET_LEN
     then SLOTS ticket lines, one per slot: four more (TICKET, TICKET_LEN) records of its owner's
@@ -155,8 +155,10 @@ UP_RECORD = 11 * LINE
 UP_RECORDS = 4
 UP_LEASES = 11 * LINE + 32  # leases delivered (UP_LEASED / UP_LEASES = the average batch); the ring's index
 UP_NEXT_NS = 11 * LINE + 40  # CLOCK_MONOTONIC ns when the filler next expects tokens (0: unknown)
-UP_LINE_TAIL = 11 * LINE + 48  # ops of timed waiters that joined the line (hierarchical mode) ...
-UP_LINE_HEAD = 11 * LINE + 56  # ... and of those that left it: the difference is the line ahead of a joiner
+#: Unused (zero) since hierarchical mode's timed waiters hold tickets: they counted the ops of the
+#: timed waiters that joined its line and of those that left it.
+UP_LINE_TAIL = 11 * LINE + 48
+UP_LINE_HEAD = 11 * LINE + 56
 UP_DESC_LEN = 12 * LINE  # bytes of JSON that follow
 UP_DESC = 12 * LINE + 8
 UP_DESC_MAX = 4 * LINE - 8

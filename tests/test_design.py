@@ -1,5 +1,7 @@
-"""docs/design.md stays true: every constant it quotes as `NAME = <number>` has that value in the code."""
+"""docs/design.md stays true: every constant it quotes as `NAME = <number>` has that value in the code,
+and every layout version it states (`(layout.py, version 5)`) is the module's `VERSION`."""
 import ast
+import importlib
 import os
 import re
 
@@ -36,3 +38,17 @@ def test_every_quoted_constant_matches_the_code(const, value):
     values = module_constants().get(const)
     assert values, f"design.md quotes {const}, which no module defines"
     assert ast.literal_eval(value) in values, f"design.md says {const} = {value}; the code says {values}"
+
+
+#: "(layout.py, version 5)": a section that states a module's layout version
+STATED_VERSIONS = re.findall(r"\((\w+)\.py, version (\d+)\)", DESIGN)
+
+
+def test_the_design_states_both_layout_versions():
+    assert {m for m, _ in STATED_VERSIONS} >= {"layout", "keyed_layout"}, STATED_VERSIONS
+
+
+@pytest.mark.parametrize("module, version", STATED_VERSIONS)
+def test_every_stated_layout_version_matches_the_code(module, version):
+    code = importlib.import_module(f"shmlimit.{module}").VERSION
+    assert int(version) == code, f"design.md says {module}.py is version {version}; the code says {code}"
