@@ -22,7 +22,7 @@ from shmlimit.cells import native_available
 from shmlimit.config import Config
 from shmlimit.config_banks import config_words, read_snapshot, write_under_lock
 from support.buckets import private_cells
-from support.cells import Gate, Writer
+from support.cells import Writer, every_two_late, release
 from support.clock import FakeClock
 
 START = Config.make(1000, burst=10)
@@ -41,12 +41,6 @@ def backend(request):
 def writer(cfg, tpn):
     """A config writer as ``Bucket.publish`` runs one: every word computed, then the locked write."""
     return lambda cells: write_under_lock(cells, lambda c: config_words(cfg, tpn, False, 0))
-
-
-def _writes(write, cells):
-    gate = Gate(cells, -1)
-    write(gate)
-    return gate.writes
 
 
 def check_in_force(c, clock, cfg, tpn, where, seq_before):
@@ -72,7 +66,7 @@ def check_in_force(c, clock, cfg, tpn, where, seq_before):
 def test_two_late_config_writers_leave_the_newest_config_whole(backend, monkeypatch):
     monkeypatch.setattr(config_banks, "CONFIG_LOCK_TIMEOUT_NS", 0)  # taken over at the first look
     clock = FakeClock()
-    cells = None
+    cells = seq = None
 
     def prepare():
         nonlocal cells
@@ -80,36 +74,17 @@ def test_two_late_config_writers_leave_the_newest_config_whole(backend, monkeypa
         Bucket.initialise(cells, START, clock())
         return cells
 
+    def newer():
+        nonlocal seq
+        Bucket(cells, clock).publish(NEWEST)
+        seq = cells.load(L.CFG_SEQ)
+
+    def check(where):
+        nonlocal seq
+        seq = check_in_force(cells, clock, NEWEST, tpn, where, seq)
+
     tpn = Bucket(prepare(), clock).tpn
-    write_first, write_second = writer(FIRST, tpn), writer(SECOND, tpn)
-    n1, n2 = _writes(write_first, prepare()), _writes(write_second, prepare())
-
-    def check(where, seq_before):
-        return check_in_force(cells, clock, NEWEST, tpn, where, seq_before)
-
-    cases = 0
-    for i in range(1, n1):
-        for j in range(1, n2):
-            for order in ("first-resumes-first", "second-resumes-first"):
-                c = prepare()
-                w1 = Writer(write_first, c, i)
-                w2 = Writer(write_second, c, j) if w1.late else None
-                try:
-                    if not (w1.late and w2.late):
-                        continue
-                    Bucket(c, clock).publish(NEWEST)
-                    where = (i, j, order)
-                    seq = check(where + ("published",), c.load(L.CFG_SEQ))
-                    late = (w1, w2) if order == "first-resumes-first" else (w2, w1)
-                    for k, w in enumerate(late):
-                        w.resume()
-                        seq = check(where + (f"resumed {k + 1}",), seq)
-                    cases += 1
-                finally:
-                    for w in (w1, w2):
-                        if w is not None:
-                            w.gate.go.set()
-                            w.thread.join(30)
+    cases = every_two_late(writer(FIRST, tpn), writer(SECOND, tpn), prepare, newer, check)
     assert cases > 100, cases  # the stopping points were reached
 
 
@@ -168,6 +143,4 @@ def test_any_number_of_late_config_writers_leave_the_newest_config_whole(backend
             w.resume()  # taken over: it fails, and must damage nothing
             seq = check_in_force(c, clock, newest_cfg, tpn, f"resumed {k + 1} of {len(stopped)}", seq)
     finally:
-        for w in writers:
-            w.gate.go.set()
-            w.thread.join(30)
+        release(*writers)

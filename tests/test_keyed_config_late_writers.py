@@ -18,19 +18,12 @@ from shmlimit import keyed_cells as KC
 from shmlimit import keyed_gcra
 from shmlimit import keyed_layout as K
 from shmlimit.keyed_gcra import Overrides, make_rate, publish_default, read_default
-from support.cells import Gate, Writer
+from support.cells import Writer, every_two_late, release
 
 FIRST = make_rate(1000, 1.0, 50)  # what the first late writer came to write
 SECOND = make_rate(500, 1.0, 20)  # what the second late writer came to write
 NEWER = (10, 1.0, 2)  # the newest set_rate, published while both are stopped
 NEWER_SEEN = (True, True, False, False, False)
-
-
-def _writes(write, cells):
-    """How many writes ``write`` makes when nothing stops it."""
-    gate = Gate(cells, -1)
-    write(gate)
-    return gate.writes
 
 
 def _bursts_seen(lim, key):
@@ -39,37 +32,23 @@ def _bursts_seen(lim, key):
 
 
 def _two_late(lim, write_first, write_second, newer, check, prepare):
-    """Every pair of stopping points, both orders of resumption; ``check(where)`` after the newest
-    publication and after each resumption."""
+    """``support.cells.every_two_late`` on the limiter's cells, ``prepare()`` setting the config up
+    again; ``check(where)`` after each step, with ``CFG_SEQ`` even and moved on."""
     c = lim._att.cells
-    prepare()
-    n1, n2 = _writes(write_first, c), _writes(write_second, c)
-    cases = 0
-    for i in range(1, n1):
-        for j in range(1, n2):
-            for order in ("first-resumes-first", "second-resumes-first"):
-                prepare()
-                seq0 = c.load(K.CFG_SEQ)
-                w1 = Writer(write_first, c, i)
-                w2 = Writer(write_second, c, j) if w1.late else None
-                try:
-                    if not (w1.late and w2.late):
-                        continue
-                    newer()
-                    where = (i, j, order)
-                    check(where + ("published",))
-                    late = (w1, w2) if order == "first-resumes-first" else (w2, w1)
-                    for k, w in enumerate(late):
-                        w.resume()
-                        check(where + (f"resumed {k + 1}",))
-                    seq = c.load(K.CFG_SEQ)
-                    assert seq % 2 == 0 and 0 < (seq - seq0) % 2**64 < 2**63, (where, seq0, seq)
-                    cases += 1
-                finally:
-                    for w in (w1, w2):
-                        if w is not None:
-                            w.gate.go.set()
-                            w.thread.join(30)
+    seq0 = None
+
+    def prepared():
+        nonlocal seq0
+        prepare()
+        seq0 = c.load(K.CFG_SEQ)
+        return c
+
+    def checked(where):
+        check(where)
+        seq = c.load(K.CFG_SEQ)
+        assert seq % 2 == 0 and 0 < (seq - seq0) % 2**64 < 2**63, (where, seq0, seq)
+
+    cases = every_two_late(write_first, write_second, prepared, newer, checked)
     assert cases > 100, cases  # the stopping points were reached
 
 
@@ -191,8 +170,6 @@ def test_any_number_of_late_writers_leave_every_config_whole(name, monkeypatch, 
             w.resume()
             check(f"resumed {k + 1} of {len(stopped)}")
     finally:
-        for w in writers:
-            w.gate.go.set()
-            w.thread.join(30)
+        release(*writers)
         lim.unlink()
         lim.close()

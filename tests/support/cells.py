@@ -136,6 +136,59 @@ class Writer:
             self.gate.stopped.set()
 
     def resume(self):
+        """Let it go on and run to its end, which must raise nothing but ``ConfigWriterTakenOver``."""
+        self.release()
+        assert not self.thread.is_alive() and not self.errors, self.errors
+
+    def release(self):
+        """Let it go on, wherever it stopped, and wait for its end (a test's clean-up: nothing checked)."""
         self.gate.go.set()
         self.thread.join(30)
-        assert not self.thread.is_alive() and not self.errors, self.errors
+
+
+def release(*writers):
+    """``Writer.release`` each of ``writers`` (None: a writer never started)."""
+    for w in writers:
+        if w is not None:
+            w.release()
+
+
+def writes(write, cells):
+    """How many writes (store, CAS or add) ``write(cells)`` makes when nothing stops it."""
+    gate = Gate(cells, -1)
+    write(gate)
+    return gate.writes
+
+
+def every_two_late(write_first, write_second, prepare, newer, check):
+    """Two config writers late at once, at every pair of their stopping points, resumed in either order.
+
+    ``prepare()`` sets the config up again and returns the cells to write; ``write_first(cells)``
+    is stopped before one of its writes and taken over by ``write_second(cells)``, stopped before
+    one of its own and taken over by ``newer()``, the newest publication; then the two late ones
+    resume, each running to its end before the other goes on.  ``check(where)`` runs after the
+    newest publication and after each resumption.  Returns how many cases ran (pairs where both
+    writers stopped, times two orders).
+    """
+    n1, n2 = writes(write_first, prepare()), writes(write_second, prepare())
+    cases = 0
+    for i in range(1, n1):  # 0: not late, it has not taken the lock yet
+        for j in range(1, n2):
+            for order in ("first-resumes-first", "second-resumes-first"):
+                c = prepare()
+                w1 = Writer(write_first, c, i)
+                w2 = Writer(write_second, c, j) if w1.late else None
+                try:
+                    if not (w1.late and w2.late):
+                        continue
+                    newer()
+                    where = (i, j, order)
+                    check(where + ("published",))
+                    late = (w1, w2) if order == "first-resumes-first" else (w2, w1)
+                    for k, w in enumerate(late):
+                        w.resume()
+                        check(where + (f"resumed {k + 1}",))
+                    cases += 1
+                finally:
+                    release(w1, w2)
+    return cases
