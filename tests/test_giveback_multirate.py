@@ -4,7 +4,6 @@ is interrupted, cancelled or killed.  Each test fails on a limiter that leaves t
 whoever comes next on that rate waits for the abandoned request's whole schedule.
 """
 import asyncio
-import contextlib
 import subprocess
 import sys
 import textwrap
@@ -22,6 +21,7 @@ from shmlimit.schedule import LONGEST_FILL_NS
 from support.aio import until
 from support.clock import FakeClock
 from support.procs import WORKDIR, interrupted_after, wait_for
+from support.reservations import PREAMBLE, killed_part_way, queued
 from support.segments import shm_bytes
 
 #: a promise after a skip on a clock that stood still counts the filler's longest pause (s)
@@ -303,36 +303,11 @@ def test_a_reservation_whose_later_rate_takes_all_records_still_gives_back(name,
         cells.store(off, 0)
 
 
-@contextlib.contextmanager
-def killed_once_claimed(script, name):
-    """Run ``script`` (a reservation that prints "claimed" and blocks part-way) on limiter ``name``;
-    the body runs while it is blocked there, and the process is killed (SIGKILL) and reaped after."""
-    p = subprocess.Popen([sys.executable, "-c", script, name], stdin=subprocess.PIPE,
-                         stdout=subprocess.PIPE, text=True, cwd=WORKDIR)
-    try:
-        assert p.stdout.readline().strip() == "claimed"
-        yield
-    finally:
-        p.kill()
-        p.wait()
-        p.stdout.close()
-        p.stdin.close()
-
-
-RESERVES_AND_IS_KILLED = textwrap.dedent(
+RESERVES_AND_IS_KILLED = PREAMBLE + textwrap.dedent(
     """
-    import sys
-    import shmlimit
     lim = shmlimit.Limiter(sys.argv[1], rates={"a": ("1/min", 1), "b": ("1/h", 1)})
-    b = lim._live()[1].bucket
-    real = b.take_within
-
-    def claim(*args, **kwargs):  # a is claimed (queued: a minute), b not yet: killed here
-        print("claimed", flush=True)
-        sys.stdin.readline()
-        return real(*args, **kwargs)
-
-    b.take_within = claim
+    atts = lim._live()
+    stop_part_way(lim, lambda looks: "claimed" if queued(atts) else None)  # a claimed (a minute), b not yet
     lim.reserve()
     """
 )
@@ -345,18 +320,16 @@ def test_a_process_killed_part_way_through_a_reservation_leaves_no_claim_queued(
     empty(lim)
     a = lim._live()[0]
     cells = a.cells
-    with killed_once_claimed(RESERVES_AND_IS_KILLED, name):
+    with killed_part_way(RESERVES_AND_IS_KILLED, name) as said:
+        assert said == "claimed"
         assert diff(cells.load(L.TAIL), cells.load(L.HEAD)) > 0  # a minute of a's schedule queued
     # the claim was recorded in the child's slot on a: this process's filler reaps it, the head skips it
     wait_for(lambda: diff(cells.load(L.TAIL), cells.load(L.HEAD)) <= 0, timeout=10)
 
 
-RESERVES_WITH_EVERY_RECORD_IN_USE_AND_IS_KILLED = textwrap.dedent(
+RESERVES_WITH_EVERY_RECORD_IN_USE_AND_IS_KILLED = PREAMBLE + textwrap.dedent(
     """
-    import sys
-    import shmlimit
     from shmlimit import layout as L
-    from shmlimit.bucket import diff
     from shmlimit.giveback import record
     lim = shmlimit.Limiter(sys.argv[1], rates={"a": ("1/min", 1), "b": ("1/h", 1)})
     atts = lim._live()
@@ -364,23 +337,7 @@ RESERVES_WITH_EVERY_RECORD_IN_USE_AND_IS_KILLED = textwrap.dedent(
     far = (a.cells.load(L.TAIL) - 10**12) % 2**64  # long passed: no range of the queue
     for _ in range(L.TICKET_RECORDS):  # every record of this process's slot on a is in use
         assert record(a.cells, a.records, far, 1) is not None
-
-    def queued():
-        return any(diff(t.cells.load(L.TAIL), t.cells.load(L.HEAD)) > 0 for t in atts)
-
-    def hooked(b):
-        real = b.take_within
-
-        def take_within(*args, **kwargs):  # once a claim is queued on some rate: killed here
-            if queued():
-                print("claimed", flush=True)
-                sys.stdin.readline()
-            return real(*args, **kwargs)
-
-        b.take_within = take_within
-
-    for t in atts:
-        hooked(t.bucket)
+    stop_part_way(lim, lambda looks: "claimed" if queued(atts) else None)  # a claim queued on some rate
     lim.reserve()
     """
 )
@@ -395,8 +352,8 @@ def test_a_process_killed_between_two_claims_with_every_record_in_use_leaves_no_
     cleanup.append(lim)
     empty(lim)
     atts = lim._live()
-    with killed_once_claimed(RESERVES_WITH_EVERY_RECORD_IN_USE_AND_IS_KILLED, name):
-        assert any(diff(t.cells.load(L.TAIL), t.cells.load(L.HEAD)) > 0 for t in atts)  # one claim queued
+    with killed_part_way(RESERVES_WITH_EVERY_RECORD_IN_USE_AND_IS_KILLED, name) as said:
+        assert said == "claimed" and queued(atts)  # one claim queued
     # every queued claim was recorded in the child's slot: this process's filler reaps it, the head skips it
     wait_for(lambda: all(diff(t.cells.load(L.TAIL), t.cells.load(L.HEAD)) <= 0 for t in atts), timeout=10)
     assert lim.reserve(a=1) < 61  # a's next slot, not one behind a dead claim

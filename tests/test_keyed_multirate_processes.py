@@ -10,12 +10,14 @@ from support.windows import max_excess, tag
 
 pytestmark = pytest.mark.slow
 
-#: A worker: tries, timed and untimed acquires in turn over two keys for ``seconds``; prints each
-#: key's grant stamps (monotonic seconds).
+#: A worker: tries, timed and untimed acquires (support.procs.take_in_mode) in turn over two keys
+#: for ``seconds``; prints each key's grant stamps (monotonic seconds).
 WORKER = textwrap.dedent(
     """
     import json, sys, time
     import shmlimit
+    sys.path.insert(0, sys.argv[3])  # the tests' folder, for support (shmlimit stays the installed one)
+    from support.procs import MODES, take_in_mode
     name, seconds = sys.argv[1], float(sys.argv[2])
     lim = shmlimit.KeyedLimiter(name, rates={rates!r}, keys=64)
     print("ready", flush=True)
@@ -25,16 +27,8 @@ WORKER = textwrap.dedent(
     i = 0
     while True:
         key = "ab"[i % 2]
-        mode = (i // 2) % 3
+        ok = take_in_mode(lim, MODES[(i // 2) % 3], key)
         i += 1
-        if mode == 0:
-            ok = lim.try_acquire(key)
-            if not ok:
-                time.sleep(0.001)
-        elif mode == 1:
-            ok = lim.acquire(key, timeout=0.05)
-        else:
-            ok = lim.acquire(key)
         t = time.monotonic()
         if t > end:
             break

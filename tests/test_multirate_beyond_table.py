@@ -15,40 +15,18 @@ import textwrap
 import pytest
 
 import shmlimit
-from shmlimit import layout as L
-from shmlimit.bucket import diff
 from support.procs import WORKDIR, wait_for
+from support.reservations import PREAMBLE, killed_part_way, queued
 
 RATES = {"a": ("1/min", 1), "b": ("1/h", 1)}
 
-RESERVES_BEYOND_THE_TABLE = textwrap.dedent(
+RESERVES_BEYOND_THE_TABLE = PREAMBLE + textwrap.dedent(
     """
-    import sys
-    import shmlimit
-    from shmlimit.bucket import diff
-    from shmlimit import layout as L
     lim = shmlimit.Limiter(sys.argv[1], rates={"a": ("1/min", 1), "b": ("1/h", 1)}, slots=1)
     atts = lim._live()
     assert all(not t.records for t in atts), "the child has a slot"
-    looks = [0]
-
-    def queued():
-        return any(diff(t.cells.load(L.TAIL), t.cells.load(L.HEAD)) > 0 for t in atts)
-
-    def hooked(b):
-        real = b.take_within
-
-        def take_within(*args, **kwargs):  # a claim queued on some rate, or many looks: killed here
-            looks[0] += 1
-            if queued() or looks[0] == 20:
-                print("claimed" if queued() else "looked", flush=True)
-                sys.stdin.readline()
-            return real(*args, **kwargs)
-
-        b.take_within = take_within
-
-    for t in atts:
-        hooked(t.bucket)
+    # a claim queued on some rate, or many looks: killed there
+    stop_part_way(lim, lambda looks: "claimed" if queued(atts) else "looked" if looks == 20 else None)
     lim.reserve()
     """
 )
@@ -66,20 +44,12 @@ def test_a_process_beyond_the_table_killed_part_way_through_a_reservation_leaves
     empty(lim)  # this process holds the one slot of each rate's table
     atts = lim._live()
     assert all(t.records for t in atts)
-    p = subprocess.Popen([sys.executable, "-c", RESERVES_BEYOND_THE_TABLE, name], stdin=subprocess.PIPE,
-                         stdout=subprocess.PIPE, text=True, cwd=WORKDIR)
-    try:
-        said = p.stdout.readline().strip()
+    with killed_part_way(RESERVES_BEYOND_THE_TABLE, name) as said:
         assert said in ("claimed", "looked"), said
         # part-way (one rate looked at many times, or claimed): nothing queued on a rate where the
         # child could record nothing
-        assert not any(diff(t.cells.load(L.TAIL), t.cells.load(L.HEAD)) > 0 for t in atts), said
-    finally:
-        p.kill()
-        p.wait()
-        p.stdout.close()
-        p.stdin.close()
-    wait_for(lambda: all(diff(t.cells.load(L.TAIL), t.cells.load(L.HEAD)) <= 0 for t in atts), timeout=5)
+        assert not queued(atts), said
+    wait_for(lambda: not queued(atts), timeout=5)
     assert lim.reserve(a=1) < 61  # a's next slot, not one behind a dead claim
 
 

@@ -13,14 +13,15 @@ from support.windows import max_excess, tag
 
 pytestmark = pytest.mark.slow
 
-#: A worker: ``mode`` (untimed, timed, try) acquires with ``costs`` for ``seconds``, settling
+#: A worker: ``mode`` (support.procs.take_in_mode's) acquires with ``costs`` for ``seconds``, settling
 #: ``settle`` after each grant; prints its grant stamps (monotonic seconds), then how long the
 #: machine kept it off the CPU meanwhile (the starvation witness).
 WORKER = textwrap.dedent(
     """
     import json, sys, time
     import shmlimit
-    sys.path.insert(0, sys.argv[3])  # the tests' folder, for support.starvation (shmlimit stays the installed one)
+    sys.path.insert(0, sys.argv[3])  # the tests' folder, for support (shmlimit stays the installed one)
+    from support.procs import take_in_mode
     from support.starvation import run_delay
     name, seconds = sys.argv[1], float(sys.argv[2])
     rates, mode, costs, settle = json.loads({spec!r})
@@ -35,14 +36,7 @@ WORKER = textwrap.dedent(
     end = time.monotonic() + seconds
     stamps = []
     while True:
-        if mode == "try":
-            ok = lim.try_acquire(**costs)
-            if not ok:
-                time.sleep(0.001)
-        elif mode == "timed":
-            ok = lim.acquire(timeout=0.05, **costs)
-        else:
-            ok = lim.acquire(**costs)
+        ok = take_in_mode(lim, mode, **costs)
         t = time.monotonic()
         if t > end:
             break

@@ -115,6 +115,24 @@ def stamp_until(acquire: Callable[[], object], end: float, clock: Callable[[], A
         stamps.append(t)
 
 
+#: The ways a worker may call: ``take_in_mode``'s modes.
+MODES = ("try", "timed", "untimed")
+
+
+def take_in_mode(lim: Any, mode: str, *key: str, **costs: int) -> bool:
+    """One call as a worker of ``mode`` makes it (``key``: a keyed limiter's): "try" (a refusal naps
+    1 ms: a caller that polls), "timed" (50 ms at most) or "untimed"; whether it was granted."""
+    if mode == "try":
+        ok = lim.try_acquire(*key, **costs)
+        if not ok:
+            time.sleep(0.001)
+        return ok
+    if mode == "timed":
+        return lim.acquire(*key, timeout=0.05, **costs)
+    assert mode == "untimed", mode
+    return lim.acquire(*key, **costs)
+
+
 def acquire_for(acquire: Callable[[], object], seconds: float) -> int:
     """Call ``acquire`` until ``seconds`` have passed on the monotonic clock; how many calls returned."""
     grants = 0
