@@ -147,8 +147,11 @@ class Attachment:
             self.fast[0] = self.bucket.grabber(s, self.grants_off, recs)
         # tries and timed acquires: not in hierarchical mode (a refusal there is demand the filler
         # must see, and a timed acquire polls), nor while stopped (no wait is computable), nor
-        # capped (every grant must be admitted against the in-flight bound first)
-        if self.closed or unused or s.upstream or s.stopped or s.capped or s.config is None:
+        # capped (every grant must be admitted against the in-flight bound first), nor with an
+        # injected clock: the gate's certain refusal counts the time since REPL_TS on the real
+        # clock, and REPL_TS written by a clock ahead of it would look like no time at all
+        real_clock = self.clock is time.monotonic_ns
+        if self.closed or unused or s.upstream or s.stopped or s.capped or s.config is None or not real_clock:
             self.fast[1:] = NO_FAST[1:]
         else:
             gate = self.bucket.gate(s, self.grants_off, 1, recs)
@@ -158,7 +161,6 @@ class Attachment:
             self.fast[2] = _fed_within(self.fast[0])
         # a ticket's whole wait in one native call, for the configs it handles (Bucket.waiter); it
         # reads the real clock, so an attachment with an injected clock waits in Python
-        real_clock = self.clock is time.monotonic_ns
         self.fast[3] = waiter = None if self.closed or not real_clock else self.bucket.waiter(
             s, self.grants_off, self.waiting_off, SLACK_NS
         )
