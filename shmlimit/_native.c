@@ -2707,8 +2707,9 @@ waiter_refill(Waiter *self, PyObject *unused)
  * pace only while it sees what the Python tick needs to keep it: someone else refilled since the
  * mark, and the head gained every token of the time refilled since (nothing lost to the clamp);
  * otherwise it leaves, before refilling when the others' refills already tell, the mark as it was
- * (FILL_PACE), so that the Python tick that follows judges the same interval.  It also ends at
- * `until_ns` (a sleep that would pass it ends there: FILL_UNTIL), when the queue is gone after a
+ * (FILL_PACE), so that the Python tick that follows judges the same interval.  It also ends at the
+ * first of its instants at or past `until_ns` (that sleep is a whole pace too, and it leaves without
+ * refilling: the Python tick that follows refills at the pace: FILL_UNTIL), when the queue is gone after a
  * refill (FILL_IDLE), when a renewal fails (FILL_LOST: lease_word answers 0), when our add raced a
  * config change (FILL_BURN: the caller burns, as after refill()), when the config it is bound to
  * changed, at close() or interrupt(), or on a signal (FILL_LEFT).  `fills` counts its refills.  It
@@ -2743,15 +2744,18 @@ waiter_fill_loop(Waiter *w, FillSpan *f)
         if (__atomic_load_n(&w->fill_stop, __ATOMIC_SEQ_CST))
             return FILL_LEFT;
         uint64_t at = monotonic_ns() + f->period;
-        int last = at > f->until; /* sleep to `until` only, and leave: Python's turn */
+        /* past `until`: a whole pace still, and leave before refilling, so the Python tick that
+         * follows refills at the pace and judges a whole interval (a shorter one, at a pace of an
+         * op or less, often holds no refill of the waiters', who keep the pace only once per op) */
+        int last = at > f->until;
 #ifdef __linux__
-        struct timespec ts = ns_timespec(last ? f->until : at);
+        struct timespec ts = ns_timespec(at);
         long r = syscall(SYS_futex, &w->cells->closing, FUTEX_WAIT_BITSET | FUTEX_PRIVATE_FLAG, 0, &ts, NULL,
                          FUTEX_BITSET_MATCH_ANY);
         if (r != 0 && errno == EINTR)
             return FILL_LEFT;
 #else
-        if (!wait_plain_sleep(last ? f->until : at))
+        if (!wait_plain_sleep(at))
             return FILL_LEFT;
 #endif
         if (__atomic_load_n(&w->fill_stop, __ATOMIC_SEQ_CST) || wait_leaving((WaitBase *)w))

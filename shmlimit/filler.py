@@ -40,8 +40,9 @@ MAX_FILL_PERIOD = 0.020
 #: filler that sees the head keep the rate without it backs off to ``MAX_FILL_PERIOD``; after
 #: a refill that lost time to the capacity clamp it backs off at most half as far this long (seconds).
 PACE_HOLD = 1.0
-#: A pace kept natively (``ClockFeed.span``) runs without returning to Python at most this long
-#: (seconds): the filler thread's loop, chores and stop requests come back at least this often.
+#: A pace kept natively (``ClockFeed.span``) runs without returning to Python about this long
+#: (seconds; at most one pace more, its last sleep being a whole one): the filler thread's loop,
+#: chores and stop requests come back at least that often.
 SPAN_MAX = 0.1
 #: Watchers look at the lease this often (seconds).  They need not hurry: a waiter that finds
 #: the filler late replenishes for itself and nudges its own process's watcher (``nudge``).
@@ -259,7 +260,9 @@ class ClockFeed:
         """Sleep ``nap`` seconds after a tick, as the filler thread does; while the pace stays what
         ``queued`` would answer at every tick (``pace``: fixed under a capacity of less than three
         ops; or backed off as far as it goes, kept while someone else refills and nothing is lost
-        to the clamp), go on ticking at it natively until ``until`` (``time.monotonic`` seconds):
+        to the clamp), go on ticking at it natively until ``until`` (``time.monotonic`` seconds;
+        the tick due at or past it is left to the thread's Python tick, at the pace, so that it
+        judges a whole interval, as every tick of the span does):
         one call without the GIL that renews the lease (every ``RENEW_EVERY`` since ``renewed``),
         refills, leaves the mark and sleeps (``Waiter.fill``), so the thread's Python runs about
         ten times a second instead of at every tick (a tick's wake in Python cost about twice a

@@ -66,6 +66,9 @@ def test_a_span_refills_at_its_pace_renews_the_lease_and_ends_at_until(name):
         assert 1 <= fills <= 10  # one refill per 4 ms slept, at most
         ts1, head1 = c.load(L.REPL_TS), c.load(L.HEAD)
         assert start <= ts1 <= end and head1 != head0 and ts1 > ts0
+        # its last sleep, the one past `until`, is a whole pace and no refill follows it: the Python
+        # tick after the span refills at the pace, and judges a whole interval
+        assert end - ts1 >= 4 * MS
         # renewed: the same slot, a later expiry, written in the segment, and when
         assert new_word != word and c.load(L.LEASE) == new_word
         assert F.lease_slot(new_word) == lim._att.slot
