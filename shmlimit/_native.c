@@ -2705,7 +2705,8 @@ waiter_refill(Waiter *self, PyObject *unused)
  * (REPL_TS, HEAD) after it as the mark, as a tick does.  With `backed_off` (the pace is the one the
  * filler backs off to while queued waiters refill at their turns: ClockFeed.queued) it keeps the
  * pace only while it sees what the Python tick needs to keep it: someone else refilled since the
- * mark, and the head gained every token of the time refilled since (nothing lost to the clamp);
+ * mark, and the head gained every token of the time refilled since but `slack_ns` (default 0; the
+ * stops' own ns: filler.slack_ns, a share of the usual pace; more is time lost to the clamp);
  * otherwise it leaves, before refilling when the others' refills already tell, the mark as it was
  * (FILL_PACE), so that the Python tick that follows judges the same interval.  It also ends at the
  * first of its instants at or past `until_ns` (that sleep is a whole pace too, and it leaves without
@@ -2721,19 +2722,23 @@ waiter_refill(Waiter *self, PyObject *unused)
 #define FILL_LEFT 16
 #define FILL_PACE 32
 
-/* Did the refills from the mark (ts0, head0) to (ts, head) lose time to the clamp (filler.ClockFeed.lost)? */
+/* Did the refills from the mark (ts0, head0) to (ts, head) lose more than `slack` ns of their time to
+ * the clamp (filler.ClockFeed.lost: the stops' own ns, filler.slack_ns, are no loss)? */
 static inline int
-fill_lost(Waiter *w, uint64_t ts0, uint64_t head0, uint64_t ts, uint64_t head)
+fill_lost(Waiter *w, uint64_t ts0, uint64_t head0, uint64_t ts, uint64_t head, uint64_t slack)
 {
     uint64_t owed;
     int64_t gained = (int64_t)(head - head0);
-    if (__builtin_mul_overflow(ts - ts0, w->tpn, &owed) || owed > (uint64_t)INT64_MAX)
+    int64_t elapsed = (int64_t)(ts - ts0);
+    if (elapsed <= (int64_t)slack)
+        return gained < 0;
+    if (__builtin_mul_overflow((uint64_t)elapsed - slack, w->tpn, &owed) || owed > (uint64_t)INT64_MAX)
         return 1;
     return gained < (int64_t)owed;
 }
 
 typedef struct {
-    uint64_t period, until, lease_word, renewed, renew_every, lease_us, mark_ts, mark_head, fills;
+    uint64_t period, until, lease_word, renewed, renew_every, lease_us, mark_ts, mark_head, fills, slack;
     int backed_off;
 } FillSpan;
 
@@ -2775,7 +2780,7 @@ waiter_fill_loop(Waiter *w, FillSpan *f)
         }
         if (f->backed_off) { /* the others' refills since the mark, as the tick would see them */
             uint64_t head0 = wld(w->head), before = wld(w->repl_ts);
-            if (before == f->mark_ts || fill_lost(w, f->mark_ts, f->mark_head, before, head0))
+            if (before == f->mark_ts || fill_lost(w, f->mark_ts, f->mark_head, before, head0, f->slack))
                 return FILL_PACE;
         }
         int burn = 0;
@@ -2784,7 +2789,7 @@ waiter_fill_loop(Waiter *w, FillSpan *f)
         if (burn)
             return FILL_BURN;
         uint64_t ts_after = wld(w->repl_ts), head = wld(w->head);
-        if (f->backed_off && fill_lost(w, f->mark_ts, f->mark_head, ts_after, head))
+        if (f->backed_off && fill_lost(w, f->mark_ts, f->mark_head, ts_after, head, f->slack))
             return FILL_PACE;
         if ((int64_t)(wld(w->tail) - head) <= 0)
             return FILL_IDLE;
@@ -2797,7 +2802,11 @@ static PyObject *
 waiter_fill(Waiter *self, PyObject *const *args, Py_ssize_t n)
 {
     FillSpan f = {0};
-    if (!nargs(n, 9, "fill") || !check_open(self->cells))
+    if (n != 9 && n != 10) {
+        PyErr_Format(PyExc_TypeError, "fill() takes 9 or 10 arguments (%zd given)", n);
+        return NULL;
+    }
+    if (!check_open(self->cells) || (n == 10 && !u64(args[9], &f.slack)))
         return NULL;
     if (!u64(args[0], &f.period) || !u64(args[1], &f.until) || !u64(args[2], &f.lease_word) ||
         !u64(args[3], &f.renewed) || !u64(args[4], &f.renew_every) || !u64(args[5], &f.lease_us) ||
@@ -2806,8 +2815,9 @@ waiter_fill(Waiter *self, PyObject *const *args, Py_ssize_t n)
     f.backed_off = PyObject_IsTrue(args[8]);
     if (f.backed_off < 0)
         return NULL;
-    if (f.period < 1 || f.lease_word == 0 || f.lease_us >= ((uint64_t)1 << 40)) {
-        PyErr_SetString(PyExc_ValueError, "fill: period_ns >= 1, a lease word held (not 0), lease_us < 2**40");
+    if (f.period < 1 || f.lease_word == 0 || f.lease_us >= ((uint64_t)1 << 40) || f.slack >= ((uint64_t)1 << 62)) {
+        PyErr_SetString(PyExc_ValueError,
+                        "fill: period_ns >= 1, a lease word held (not 0), lease_us < 2**40, slack_ns < 2**62");
         return NULL;
     }
     int rc;
@@ -2984,7 +2994,8 @@ static PyMethodDef waiter_methods[] = {
     {"refill", (PyCFunction)waiter_refill, METH_NOARGS,
      "refill() -> (tokens added, burn): Bucket.replenish now (the clock read after the words)"},
     {"fill", (PyCFunction)(void (*)(void))waiter_fill, METH_FASTCALL,
-     "fill(period_ns, until_ns, lease_word, renewed_ns, renew_every_ns, lease_us, mark_ts, mark_head, backed_off) -> "
+     "fill(period_ns, until_ns, lease_word, renewed_ns, renew_every_ns, lease_us, mark_ts, mark_head, backed_off"
+     "[, slack_ns]) -> "
      "(flags, fills, lease_word, renewed_ns, mark_ts, mark_head): the filler's ticks at its pace without the GIL "
      "(1 until, 2 idle, 4 lease lost, 8 burn, 16 left, 32 the pace ends)"},
     {"interrupt", (PyCFunction)waiter_interrupt, METH_NOARGS,

@@ -40,6 +40,14 @@ MAX_FILL_PERIOD = 0.020
 #: filler that sees the head keep the rate without it backs off to ``MAX_FILL_PERIOD``; after
 #: a refill that lost time to the capacity clamp it backs off at most half as far this long (seconds).
 PACE_HOLD = 1.0
+#: The share of the usual pace that the refills between two ticks may lose to the capacity clamp
+#: and still count as the waiters keeping the pace (``ClockFeed.lost``).  A waiter whose ticket the
+#: head stops at refills at its turn itself (``sleep.STOP_LEAD_NS``), and the clamp drops what that
+#: refill is late by and its second claim's own ns: a few hundred ns natively, tens of us in Python,
+#: more when a wake comes later than its lead.  A filler at its usual pace ``p`` would have saved
+#: some of a loss ``d`` only by ticking inside it: ``d**2 / 2p`` on average, at most a sixteenth of
+#: ``d`` for ``d`` up to ``p / 8``; going back to that pace for such a loss buys next to nothing.
+LOSS_SLACK = 1 / 8
 #: A pace kept natively (``ClockFeed.span``) runs without returning to Python about this long
 #: (seconds; at most one pace more, its last sleep being a whole one): the filler thread's loop,
 #: chores and stop requests come back at least that often.
@@ -56,6 +64,12 @@ FILL_BURN = 8
 #: ``ClockFeed.pace``: the paces a span keeps
 FIXED = 0
 BACKED_OFF = 1
+
+
+def slack_ns(period: float) -> int:
+    """The time (ns) the refills between two ticks may lose at the usual pace ``period`` (seconds)
+    and still count as the waiters keeping it: ``LOSS_SLACK`` of it."""
+    return int(period * LOSS_SLACK * 1e9)
 
 
 def lease_word(expiry_us: int, slot: int) -> int:
@@ -168,9 +182,10 @@ class ClockFeed:
         self.native: Any = None  # the native refill bound to the config numbered native_seq
         self.native_seq: Optional[int] = None
         #: what our last tick's pace was (``span``): None, one to judge again at the next tick;
-        #: FIXED, the usual pace because callers queue under a capacity of less than three ops (it
-        #: stays until the queue is gone or the config changes); BACKED_OFF, the longest pause while
-        #: queued waiters keep the pace (it stays while they do, as ``queued`` sees it)
+        #: FIXED, the usual pace while callers queue under a capacity of less than three ops and
+        #: nothing lets us back off (it stays until the span's end, the queue gone or the config
+        #: changed); BACKED_OFF, the longest pause while queued waiters keep the pace (it stays
+        #: while they do, as ``queued`` sees it)
         self.pace: Optional[int] = None
 
     def refill(self) -> int:
@@ -192,9 +207,14 @@ class ClockFeed:
             b.burn(keep=b.cap + b.burst_pool)
         return added
 
+    def usual(self) -> float:
+        """The usual pace (seconds): half an op, at least ``FILL_PERIOD``, at most ``MAX_FILL_PERIOD``."""
+        b = self.bucket
+        return min(MAX_FILL_PERIOD, max(FILL_PERIOD, b.cost / b.tpn / 2e9))
+
     def tick(self) -> float:
         b = self.bucket
-        period = min(MAX_FILL_PERIOD, max(FILL_PERIOD, b.cost / b.tpn / 2e9))
+        period = self.usual()
         before = _refilled(b)[0]
         added = self.refill()
         balance = b.balance()
@@ -214,12 +234,15 @@ class ClockFeed:
     def lost(self, period: float, mark: Optional[Tuple[int, int, bool]], balance: int) -> bool:
         """Did the refills since our last tick, made under a queue, lose time to the capacity clamp?
 
-        The head then gained fewer tokens than the time refilled since.  (A bucket
-        that filled up meanwhile drops time by design: not a loss.)  A loss while we
-        had backed off halves the longest pause for ``PACE_HOLD`` seconds."""
+        The head then gained fewer tokens than the time refilled since, by more than
+        ``LOSS_SLACK`` of ``period`` (the stops' own ns).  (A bucket that filled up meanwhile drops
+        time by design: not a loss.)  A loss while we had backed off halves the longest
+        pause for ``PACE_HOLD`` seconds."""
         b = self.bucket
         ts, head, _ = self.mark  # type: ignore[misc]
-        if mark is None or not mark[2] or balance >= b.cap or diff(head, mark[1]) >= (ts - mark[0]) * b.tpn:
+        if mark is None or not mark[2] or balance >= b.cap:
+            return False
+        if diff(head, mark[1]) >= max(0, ts - mark[0] - slack_ns(period)) * b.tpn:
             return False
         if self.idle > period:  # we had backed off (at our pace, it is a drained burst's)
             self.ceiling = max(period, self.idle / 2)
@@ -230,41 +253,50 @@ class ClockFeed:
         """The pause while callers queue (the head behind the tail after our refill).
 
         A waiter refills when its ticket is due, so one-op tickets refill the
-        bucket once per op.  The clamp lets two consecutive refills add at most
-        one capacity; with a capacity of three ops or more (two, and a third to
-        spare for late waiters), the waiters' own refills then turn every
-        nanosecond into tokens and ours add nothing they need, so we back off (doubling up to ``MAX_FILL_PERIOD``) while
-        we see exactly that: someone else refilled since our last tick, and the
-        head gained every token of the time refilled since.  Anything else
-        (reservations or debt nobody refills for, a capacity under three ops,
-        time lost to the clamp, a stop) keeps the usual pace, which alone keeps
-        the rate: at most half an op, and at most a millisecond for fast limits.
-        Pacing only decides when the filler looks: the bound is the refill's.
+        bucket once per op, and the waiters' own refills turn every nanosecond
+        into tokens: the clamp counts a capacity from the start of the recorded
+        request the head stands in, so a refill at a turn reaches that ticket
+        whatever the capacity (a waiter whose ticket the head stops at refills at the
+        instant itself, and its refill claims again at once from there, so the
+        next waiter's refill counts from its own request's start).  Ours then
+        add nothing they need, so we back off (doubling up to
+        ``MAX_FILL_PERIOD``) while we see exactly that: someone else refilled
+        since our last tick, and the head gained every token of the time
+        refilled since but the stops' own ns (``LOSS_SLACK``).  Anything else
+        (reservations or debt nobody refills for, time lost to the clamp: a
+        waiter late at its stop) keeps the usual pace, which alone keeps the
+        rate: at most half an op, and at most a millisecond for fast limits;
+        under a capacity of three ops a native span keeps it (``FIXED``), and
+        the tick at the span's end judges again.  Pacing only decides when the
+        filler looks: the bound is the refill's.
         """
         b = self.bucket
         ts = self.mark[0]  # type: ignore[index]
         if ts >= self.hold_until:
             self.ceiling = MAX_FILL_PERIOD
-        if b.cap < 3 * b.cost:  # the waiters could not keep the rate alone: the usual pace, always
-            self.lost(period, mark, -1)
-            self.pace = FIXED
-            return period
         if self.lost(period, mark, -1) or mark is None or not mark[2] or before == mark[0]:
-            return period  # (before == mark[0]: nobody else refilled since our last tick)
+            # (before == mark[0]: nobody else refilled since our last tick)
+            if b.cap < 3 * b.cost:  # kept natively until the span's end, as it always was here
+                self.pace = FIXED
+            return period
         pause = min(self.ceiling, max(period, self.idle * 2))
-        if pause == self.ceiling:
+        if pause <= period and b.cap < 3 * b.cost:
+            # the ceiling, halved after a loss, is down to the usual pace: half an op, so some of our
+            # ticks see no refill of the waiters' (once per op); kept as the usual pace, not watched
+            self.pace = FIXED
+        elif pause == self.ceiling:
             self.pace = BACKED_OFF
         return pause
 
     def span(self, nap: float, until: float, lease: Lease, renewed: float) -> Tuple[int, float]:
         """Sleep ``nap`` seconds after a tick, as the filler thread does; while the pace stays what
         ``queued`` would answer at every tick (``pace``: fixed under a capacity of less than three
-        ops; or backed off as far as it goes, kept while someone else refills and nothing is lost
-        to the clamp), go on ticking at it natively until ``until`` (``time.monotonic`` seconds;
-        the tick due at or past it is left to the thread's Python tick, at the pace, so that it
-        judges a whole interval, as every tick of the span does):
-        one call without the GIL that renews the lease (every ``RENEW_EVERY`` since ``renewed``),
-        refills, leaves the mark and sleeps (``Waiter.fill``), so the thread's Python runs about
+        ops, until the span's end; or backed off as far as it goes, kept while someone else refills
+        and nothing but the stops' own ns, ``slack_ns``, is lost to the clamp), go on ticking at it
+        natively until ``until`` (``time.monotonic`` seconds; the tick due at or past it is left to
+        the thread's Python tick, at the pace, so that it judges a whole interval, as every tick of
+        the span does): one call without the GIL that renews the lease (every ``RENEW_EVERY`` since
+        ``renewed``), refills, leaves the mark and sleeps (``Waiter.fill``), so the thread's Python runs about
         ten times a second instead of at every tick (a tick's wake in Python cost about twice a
         bare sleep's).  It leaves as soon as anything could change the pace: the queue gone, the
         config changed, what the backed-off pace needs no longer seen, the lease lost, a stop.
@@ -277,6 +309,7 @@ class ClockFeed:
         flags, fills, new_word, renewed_ns, mark_ts, mark_head = native.fill(
             int(nap * 1e9), int(until * 1e9), word, int(renewed * 1e9), int(RENEW_EVERY * 1e9),
             int(LEASE_TIMEOUT * 1e6), self.mark[0], self.mark[1], self.pace == BACKED_OFF,
+            slack_ns(self.usual()),
         )
         self.mark = (mark_ts, mark_head, True)  # after its last tick that kept the pace (as ours)
         if flags & FILL_LOST:

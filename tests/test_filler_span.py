@@ -1,12 +1,14 @@
-"""The elected filler's fixed pace, run natively (``Waiter.fill``, ``ClockFeed.span``).
+"""The elected filler's pace, run natively (``Waiter.fill``, ``ClockFeed.span``).
 
-Under a capacity of less than three ops the filler refills at its usual pace
-(half an op) for as long as callers queue.  Its thread then stays in one
-native call between its Python passes (chores, pacing), renewing the lease,
-refilling and sleeping there; these tests check that the call does exactly
-what the Python loop's ticks did, and that it leaves whenever anything could
-change the pace: the time given, the queue gone, the lease lost, a config
-change, a stop.
+While callers queue the filler keeps a pace its Python tick chose: the one it
+backs off to while the waiters refill at their turns, or, under a capacity of
+less than three ops, its usual pace (half an op) when it may not back off.
+Its thread then stays in one native call between its Python passes (chores,
+pacing), renewing the lease, refilling and sleeping there; these tests check
+that the call does exactly what the Python loop's ticks did, and that it
+leaves whenever anything could change the pace: the time given, the queue
+gone, the lease lost, a config change, a stop, what the backed-off pace needs
+no longer seen.
 """
 import threading
 import time
@@ -18,6 +20,7 @@ import shmlimit
 from shmlimit import filler as F
 from shmlimit import layout as L
 from shmlimit.cells import native_available, selected_backend
+from shmlimit.words import diff
 from support.limiters import quiet_limiter
 from support.procs import wait_for
 
@@ -168,6 +171,33 @@ def test_a_backed_off_span_keeps_its_pace_while_others_refill_and_lose_nothing(n
             assert flags == UNTIL and 1 <= fills <= 10 and ts > m[0] and head != m[1], (flags, fills)
 
 
+def test_a_backed_off_span_forgives_the_stops_own_ns_and_no_more(name):
+    # the others' refills since the mark: a loss to the clamp of at most slack_ns keeps the pace
+    # (the span refills, and goes on to `until`); one more ns ends it before its refill (PACE)
+    with closing(quiet_limiter(name, rate=1000)) as lim:
+        c = lim._att.cells
+        b = lim._att.bucket
+        w, lease = filling(lim)
+        queue(lim, 50)
+        ts, head = mark(lim)
+        others = b.waiter(b.snap, L.UNREG_GRANTS, None, 1)
+        added, _ = others.refill()  # someone else refilled since the mark, and lost nothing
+        assert added > 0
+        ts1 = c.load(L.REPL_TS)
+        gained = diff(c.load(L.HEAD), head) // b.tpn
+        elapsed = ts1 - ts
+        assert gained == elapsed
+        for mark_head, slack, kept in [(head, 0, True), (head + 400 * b.tpn, 400, True),
+                                       (head + 400 * b.tpn, 399, False), (head + 400 * b.tpn, None, False)]:
+            args = (2 * MS, time.monotonic_ns() + 3 * MS, lease.word, time.monotonic_ns(), NEVER, 50_000, ts, mark_head, True)
+            out = w.fill(*args) if slack is None else w.fill(*args, slack)
+            if kept:  # (its first interval judged: ours since)
+                assert out[0] in (UNTIL, PACE) and out[1] >= 1 and out[4] > ts1, out
+            else:
+                assert out[:2] == (PACE, 0) and out[4:] == (ts, mark_head), out  # the mark as it was
+            lease.word = out[2] or lease.word
+
+
 def test_a_span_refuses_what_it_cannot_do(name):
     with closing(quiet_limiter(name, rate=50)) as lim:
         w, lease = filling(lim)
@@ -176,6 +206,10 @@ def test_a_span_refuses_what_it_cannot_do(name):
             args += (*mark(lim), False)
             with pytest.raises(ValueError, match="fill"):
                 w.fill(*args)
+        with pytest.raises(ValueError, match="slack_ns"):
+            w.fill(MS, now, lease.word, now, 1, 1, *mark(lim), True, 1 << 62)
+        with pytest.raises(TypeError, match="fill"):
+            w.fill(MS, now, lease.word, now, 1, 1, *mark(lim), True, 0, 0)
 
 
 class _Recorded:
@@ -196,10 +230,11 @@ class _Recorded:
 @pytest.mark.slow
 @pytest.mark.parametrize("rate, half_ops", [(50, 1.0), (1000, None)])
 def test_the_filler_thread_keeps_its_pace_in_native_spans(name, monkeypatch, rate, half_ops):
-    """Waiters queued at 50/s (capacity one op: the usual pace, fixed) and at 1000/s (the pace the
-    filler backs off to while they refill at their turns): most of the filler thread's refills are
-    made in native spans, not by its Python ticks; never more than one per pace slept; and the
-    waiters are served within the rate's bound.
+    """Waiters queued at 50/s (capacity one op) and at 1000/s: the filler backs off while they refill
+    at their turns (under a capacity of three ops, its usual pace, half an op, until it sees them
+    do so): most of the filler thread's refills are made in native spans, not by its Python ticks;
+    never more than one per half op slept at 50/s (per FILL_PERIOD at 1000/s); and the waiters are
+    served within the rate's bound.
 
     The pace holds only while the waiters keep the queue (and, backed off, refill at their
     turns).  When the machine keeps them off the CPU the queue empties, and the span rightly ends
