@@ -40,6 +40,9 @@ MAX_FILL_PERIOD = 0.020
 #: filler that sees the head keep the rate without it backs off to ``MAX_FILL_PERIOD``; after
 #: a refill that lost time to the capacity clamp it backs off at most half as far this long (seconds).
 PACE_HOLD = 1.0
+#: A loss within one hold after the last one ended doubles the hold, up to this (seconds): where
+#: waiters keep waking late (a busy machine), every try at the longer pause costs a late wake's time.
+PACE_HOLD_MAX = 16.0
 #: The share of the usual pace that the refills between two ticks may lose to the capacity clamp
 #: and still count as the waiters keeping the pace (``ClockFeed.lost``).  A waiter whose ticket the
 #: head stops at refills at its turn itself (``sleep.STOP_LEAD_NS``), and the clamp drops what that
@@ -178,7 +181,8 @@ class ClockFeed:
         self.idle = FILL_PERIOD
         self.mark: Optional[Tuple[int, int, bool]] = None  # (REPL_TS, HEAD, queued) after our last tick
         self.ceiling = MAX_FILL_PERIOD  # the longest pause under a queue, halved after a loss ...
-        self.hold_until = 0  # ... until this instant (clock ns)
+        self.hold_until = 0  # ... until this instant (clock ns) ...
+        self.hold = PACE_HOLD  # ... so long after the last loss (seconds)
         self.native: Any = None  # the native refill bound to the config numbered native_seq
         self.native_seq: Optional[int] = None
         #: what our last tick's pace was (``span``): None, one to judge again at the next tick;
@@ -236,17 +240,24 @@ class ClockFeed:
 
         The head then gained fewer tokens than the time refilled since, by more than
         ``LOSS_SLACK`` of ``period`` (the stops' own ns).  (A bucket that filled up meanwhile drops
-        time by design: not a loss.)  A loss while we had backed off halves the longest
-        pause for ``PACE_HOLD`` seconds."""
+        time by design: not a loss.)  A loss while we had backed off (under a capacity of
+        three ops, any loss) halves the longest pause for ``PACE_HOLD`` seconds, twice as long
+        as the last hold (up to ``PACE_HOLD_MAX``) when it comes within one hold after that one
+        ended."""
         b = self.bucket
         ts, head, _ = self.mark  # type: ignore[misc]
         if mark is None or not mark[2] or balance >= b.cap:
             return False
         if diff(head, mark[1]) >= max(0, ts - mark[0] - slack_ns(period)) * b.tpn:
             return False
-        if self.idle > period:  # we had backed off (at our pace, it is a drained burst's)
+        if self.idle > period or b.cap < 3 * b.cost:
+            # we had backed off (at our pace, above three ops, it is a drained burst's); under three
+            # ops a loss at our pace too, a waiter later than its lead at its stop: waiters that keep
+            # waking late would lose more of it to a longer pause
             self.ceiling = max(period, self.idle / 2)
-            self.hold_until = ts + int(PACE_HOLD * 1e9)
+            again = self.hold_until and ts - self.hold_until < self.hold * 1e9
+            self.hold = min(PACE_HOLD_MAX, self.hold * 2) if again else PACE_HOLD
+            self.hold_until = ts + int(self.hold * 1e9)
         return True
 
     def queued(self, period: float, before: int, mark: Optional[Tuple[int, int, bool]]) -> float:

@@ -155,6 +155,64 @@ def test_a_loss_beyond_the_slack_sends_the_backed_off_filler_back_to_its_pace(na
         lim.close()
 
 
+@pytest.mark.parametrize("rate, burst, held", [(50, None, True), (200, None, True), (1000, None, False)])
+def test_a_loss_at_the_usual_pace_holds_it_only_under_three_ops(name, rate, burst, held):
+    # under three ops every ticket is a stop, and a loss at the usual pace is a waiter later than
+    # its lead: backing off then would lose more of such wakes, so the pace is held; above, the loss
+    # of a drained burst (by design) holds nothing
+    kw = {} if burst is None else {"burst": burst}
+    lim = shmlimit.Limiter(name, rate=rate, clock=FakeClock(), **kw)
+    try:
+        feed = F.ClockFeed(lim._att.bucket, None)
+        b = feed.bucket
+        assert (b.cap < 3 * b.cost) is held
+        period = feed.usual()
+        feed.idle = period  # at the usual pace
+        ts0, head0, interval = 10**12, 5 * b.cost, int(period * 1e9)
+        feed.mark = (ts0 + interval, head0 + (interval - F.slack_ns(period) - 1) * b.tpn, True)
+        assert feed.lost(period, (ts0, head0, True), -1)
+        assert (feed.hold_until > 0) is held and feed.ceiling == (period if held else F.MAX_FILL_PERIOD)
+    finally:
+        lim.close()
+
+
+def test_a_pace_lost_again_soon_after_a_hold_is_held_twice_as_long(name):
+    # where waiters keep waking late (a busy machine) every try at the longer pause costs a late
+    # wake's time: a loss within one hold after the last one ended doubles the hold, up to
+    # PACE_HOLD_MAX; a loss long after starts again from PACE_HOLD
+    clock = FakeClock()
+    lim = shmlimit.Limiter(name, rate=50, clock=clock)
+    try:
+        feed = F.ClockFeed(lim._att.bucket, None)
+        b = feed.bucket
+        period = feed.usual()
+        s = 10**9
+        head = 5 * b.cost
+
+        def loss_at(ts):
+            nonlocal head
+            feed.idle = F.MAX_FILL_PERIOD  # backed off again (the hold over)
+            feed.mark = (ts, head + 10_000_000 * b.tpn, True)  # 20 ms refilled, 10 ms of it lost
+            assert feed.lost(period, (ts - 20_000_000, head, True), -1)
+            head = feed.mark[1]
+            return (feed.hold_until - ts) / s
+
+        t = 10**12
+        assert loss_at(t) == F.PACE_HOLD
+        t += int(1.5 * s)  # 0.5 s after that hold ended: within one hold
+        assert loss_at(t) == 2 * F.PACE_HOLD
+        t += int(3.9 * s)  # 1.9 s after: within the 2 s hold
+        assert loss_at(t) == 4 * F.PACE_HOLD
+        for _ in range(4):
+            t = feed.hold_until + s
+            loss_at(t)
+        assert feed.hold == F.PACE_HOLD_MAX
+        t = feed.hold_until + int(F.PACE_HOLD_MAX * s)  # a whole hold after it ended: a fresh start
+        assert loss_at(t) == F.PACE_HOLD
+    finally:
+        lim.close()
+
+
 def test_the_loss_slack_is_a_share_of_the_usual_pace():
     assert F.slack_ns(0.01) == 1_250_000 and F.slack_ns(F.FILL_PERIOD) == 125_000
 
