@@ -34,6 +34,7 @@ After every step the invariants are checked:
   skip (recorded in its slot), skips it if the head is there, or leaves it where it is only
   while the reaper has no free record.
 """
+import functools
 import math
 import mmap
 import os
@@ -85,6 +86,31 @@ class WouldBlock(Exception):
 
 RATES = st.sampled_from([1000.0, 10.0, 333.0, 1e9 / 3, 9.9e8, 1e6, 100_000.0, 2.5, 7e6])
 BURSTS = st.one_of(st.none(), st.sampled_from([1.0, 2.0, 3.0, 14.0, 250.0]))
+
+
+def at_rest(check):
+    """An invariant that only looks: the model's clock stands still while it runs.
+
+    A reader of the config waits out a stalled writer's lock, which passes the model's time
+    (``LimiterModel._pass_time``); an invariant's reader waits on a clock of its own instead.
+    Time passed in an invariant would date the grants seen after it (``_observe``) later than
+    the head covered them, and a grant dated late makes the grants after it look early.
+    """
+
+    @functools.wraps(check)
+    def looking(self):
+        saved = config_banks.time
+        own = FakeClock(self.clock.now)  # (looks again after 50 ms, as _pass_time)
+        config_banks.time = types.SimpleNamespace(
+            monotonic_ns=own, sleep=lambda seconds: own.advance(max(50_000_000, int(seconds * NS_PER_S)))
+        )
+        try:
+            return check(self)
+        finally:
+            config_banks.time = saved
+
+    looking.at_rest = True
+    return looking
 
 
 class LimiterModel(RuleBasedStateMachine):
@@ -743,6 +769,7 @@ class LimiterModel(RuleBasedStateMachine):
     # -- invariants ------------------------------------------------------------------
 
     @invariant()
+    @at_rest
     def window_bound(self):
         if not self.procs:
             return
@@ -761,11 +788,13 @@ class LimiterModel(RuleBasedStateMachine):
                 )
 
     @invariant()
+    @at_rest
     def starved_time_is_time(self):
         # what the clamp could not credit while callers queued: never more than the time passed
         assert 0 <= self.cells.load(L.STARVED_NS) <= self.clock.now - self.created_ns
 
     @invariant()
+    @at_rest
     def dead_ranges_recorded(self):
         """Every range a dead process left is recorded where the next filler's reap finds it, or
         held (recorded) by a live process that took it, or passed by the head."""
@@ -784,6 +813,7 @@ class LimiterModel(RuleBasedStateMachine):
         return found
 
     @invariant()
+    @at_rest
     def no_range_held_unrecorded(self):
         """A range a live process holds to skip is in one of its slot's records, marked given: should
         it die before the head gets there, the next reap finds it."""
@@ -791,6 +821,7 @@ class LimiterModel(RuleBasedStateMachine):
             assert p._att.returns.unrecorded() == [], "a range given back or taken is held in no record"
 
     @invariant()
+    @at_rest
     def every_queued_ticket_recorded(self):
         """No ticket without a record: every live waiter's ticket is in one of its process slot's
         records, with the exact tokens it took (so a death at any step leaves it to the reap)."""
@@ -802,11 +833,13 @@ class LimiterModel(RuleBasedStateMachine):
             assert self.cells.load(req.record) == tokens and self.cells.load(req.record - 8) == ticket
 
     @invariant()
+    @at_rest
     def capped_in_flight(self):
         if self.capped and self.procs:
             assert self.granted_ops - self.released <= self.cap_ops
 
     @invariant()
+    @at_rest
     def capped_in_flight_per_process(self):
         """Capped mode: INFLIGHT is exactly what live processes hold plus what dead ones held until
         a reap (or their slot's next owner) releases it; each slot counts its owner's share."""
@@ -823,6 +856,7 @@ class LimiterModel(RuleBasedStateMachine):
             assert c.load(L.inflight_offset(SLOTS, slot)) == ops
 
     @invariant()
+    @at_rest
     def config_consistent(self):
         if not self.procs:
             return
@@ -831,6 +865,7 @@ class LimiterModel(RuleBasedStateMachine):
         assert b.cost == cfg.cost_at(b.tpn) and b.cap == cfg.cap_at(b.tpn) and b.tpn == self.tpn
 
     @invariant()
+    @at_rest
     def no_deadlock(self):
         """Let the clock run as long as the queue ahead needs: every ticket is served, and a new op can be had."""
         if not self.procs or cfg_word(self.cells, L.CFG_FLAGS) & L.FLAG_STOPPED:
@@ -1122,5 +1157,41 @@ def test_a_promise_counts_the_stops_within_the_next_replenishs_room():
         m.claimer_reads(i=0)
         m.set_rate(burst=None, i=0, rate=1000.0, ratio=None)  # capacity 1 -> 10 ops
         m.reserve(data=_Draw(), i=0, max_wait=None)  # promised at 3 ms; the head gets there later
+    finally:
+        m.teardown()
+
+
+def _check_all(m):
+    """Every invariant, as the search runs them after each step."""
+    names = [n for n, f in vars(LimiterModel).items() if getattr(f, "at_rest", False)]
+    assert len(names) >= 9, names
+    for n in sorted(names):
+        getattr(m, n)()
+
+
+def test_the_invariants_pass_no_time_while_a_config_writer_is_stalled():
+    """Found by the search: a waiter's ticket, a config writer stalled holding the lock, a fill,
+    a drain.  The invariants read the config, and each read waited out the lock on the model's
+    clock, so a ticket the head covered was seen -- and dated -- only after that wait, at the
+    drain's instant: 1 + 10 ops "in 1 ns" against a capacity of 10, though the head had covered
+    the ticket hundreds of ms before the drain took the bucket's ten."""
+    m = LimiterModel()
+    m.create(rate=1000.0, burst=None, capped=False, ratio=1.0)
+    try:
+        _check_all(m)
+        m.drain(0)
+        _check_all(m)
+        m.acquire(0, _Draws(1), None)  # queued: one op's ticket
+        _check_all(m)
+        m.stall_config_writer(0, 10.0, None)
+        before = m.clock.now
+        _check_all(m)
+        assert m.clock.now == before  # the invariants only look
+        m.try_acquire(0, _Draws(MAX_SPAN_TOKENS // m._cost()))  # refused
+        _check_all(m)
+        m.fill_on_a_running_clock(10**5, 0)
+        _check_all(m)
+        m.drain(0)
+        _check_all(m)  # window_bound: no more than the capacity plus the time's ops in any window
     finally:
         m.teardown()
