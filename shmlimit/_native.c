@@ -1805,6 +1805,7 @@ release_view(NativeCells *self)
 static void waiters_leave(NativeCells *self);
 static PyObject *cells_waiter(NativeCells *self, PyObject *const *args, Py_ssize_t n);
 static PyObject *cells_clamp_words(NativeCells *self, PyObject *const *args, Py_ssize_t n);
+static PyObject *cells_fence_scan(NativeCells *self, PyObject *const *args, Py_ssize_t n);
 /* defined in FED WAIT below */
 static PyObject *cells_futex_wait(NativeCells *self, PyObject *const *args, Py_ssize_t n);
 static PyObject *cells_futex_wake(NativeCells *self, PyObject *const *args, Py_ssize_t n);
@@ -1900,9 +1901,11 @@ static PyMethodDef cells_methods[] = {
      "keyed_table(cfg, ovr_live, ovr, novr, slots, nslots, probe, k0, k1, keys_live, evicted, refused, grants, pid)"},
     {"clamp_words", (PyCFunction)(void (*)(void))cells_clamp_words, METH_FASTCALL,
      "clamp_words(head_off, head, tail, records) -> (base, end, next) or None (bucket.clamp_words)"},
+    {"fence_scan", (PyCFunction)(void (*)(void))cells_fence_scan, METH_FASTCALL,
+     "fence_scan(hint_off, first, count, ts, now, tpn, head, ticket) -> (room, due) or None (words.fence_scan)"},
     {"waiter", (PyCFunction)(void (*)(void))cells_waiter, METH_FASTCALL,
      "waiter(seq, expected, tail, head, repl_ts, snap_head, snap_tail, lease, grants, waiting, tpn, cap, "
-     "slack_ns, lost, snap_base, snap_end, snap_next, records) -> Waiter"},
+     "slack_ns, lost, snap_base, snap_end, snap_next, records, fence_hint, fence_first, fence_count) -> Waiter"},
     {"futex_wait", (PyCFunction)(void (*)(void))cells_futex_wait, METH_FASTCALL,
      "futex_wait(off, expected, bitset, deadline_ns) -> False once the deadline passed, else True (look again)"},
     {"futex_wake", (PyCFunction)(void (*)(void))cells_futex_wake, METH_FASTCALL,
@@ -2144,6 +2147,8 @@ typedef struct {
     uint64_t *snap_base, *snap_end, *snap_next; /* the clamp words (layout.SNAP_BASE) */
     uint64_t **recs; /* every ticket record's LEN word in the segment (PyMem), nrecs of them */
     Py_ssize_t nrecs;
+    uint64_t *fence_hint, *fence_first; /* the reservation fences (layout.fence_offset): FENCE_HINT, the first record */
+    Py_ssize_t fence_count;
     uint64_t tpn, cap;
     long slack_ns;
     uint32_t fill_stop; /* set by interrupt(): a fill() in progress ends at once, and every later one */
@@ -2310,6 +2315,86 @@ cells_clamp_words(NativeCells *self, PyObject *const *args, Py_ssize_t n)
                          (unsigned long long)out[2]);
 }
 
+/* words.fence_scan, word for word, in one loop: the reservation fences in force for a claim of
+ * [ts, now] (a record whose DUE is after ts), read only when FENCE_HINT (`hint`, the latest DUE ever
+ * stored) is after ts.  `first`: the first record's OWNER word, `count` records FENCE_STRIDE bytes
+ * apart (OWNER, LIMIT, DUE).  *room: the least LIMIT + max(0, now - DUE) * tpn less `head` (at most
+ * FENCE_NONE; negative: the head is past it); *due: the latest DUE + (ticket - LIMIT) / tpn over
+ * those whose LIMIT is before `ticket` (0: none).  A LIMIT more than CLAMP_FAR from the head, or a
+ * DUE beyond fence_horizon_ns from now, no reservation left: ignored.  Answers whether one is in
+ * force.  Invariant: `first` .. the last record's DUE are inside the mapping (checked by callers). */
+#define FENCE_STRIDE_W 4 /* words.FENCE_STRIDE / 8 */
+#define FENCE_NONE ((int64_t)1 << 62)
+static inline uint64_t
+fence_horizon_ns(uint64_t tpn)
+{
+    return 2 * (((uint64_t)1 << 62) / (tpn ? tpn : 1)) + 10000000000ull;
+}
+
+static int
+fence_scan(uint64_t *hint, uint64_t *first, Py_ssize_t count, uint64_t ts, uint64_t now, uint64_t tpn,
+           uint64_t head, uint64_t ticket, int64_t *room, double *due)
+{
+    *room = FENCE_NONE;
+    *due = 0;
+    if (__atomic_load_n(hint, __ATOMIC_SEQ_CST) <= ts)
+        return 0;
+    uint64_t horizon = now + fence_horizon_ns(tpn);
+    int found = 0;
+    for (Py_ssize_t k = 0; k < count; k++) {
+        uint64_t *rec = first + k * FENCE_STRIDE_W;
+        uint64_t d = __atomic_load_n(rec + 2, __ATOMIC_SEQ_CST);
+        if (d <= ts || d > horizon)
+            continue;
+        uint64_t lim = __atomic_load_n(rec + 1, __ATOMIC_SEQ_CST);
+        int64_t rel = (int64_t)(lim - head);
+        if (rel < -(int64_t)CLAMP_FAR || rel > (int64_t)CLAMP_FAR)
+            continue;
+        found = 1;
+        uint64_t late = now > d ? now - d : 0, gain;
+        if (__builtin_mul_overflow(late, tpn, &gain) || gain > (uint64_t)FENCE_NONE)
+            gain = (uint64_t)FENCE_NONE;
+        int64_t r = rel + (int64_t)gain;
+        if (r < *room)
+            *room = r;
+        int64_t ahead = (int64_t)(ticket - lim);
+        if (ahead > 0) {
+            double at = (double)d + (double)ahead / (double)tpn;
+            if (at > *due)
+                *due = at;
+        }
+    }
+    return found;
+}
+
+/* cells.fence_scan(hint_off, first, count, ts, now, tpn, head, ticket) -> (room, due) or None:
+ * words.fence_scan for the Python replenish and schedule on this backend (one call). */
+static PyObject *
+cells_fence_scan(NativeCells *self, PyObject *const *args, Py_ssize_t n)
+{
+    uint64_t cnt, ts, now, tpn, head, ticket;
+    if (!nargs(n, 8, "fence_scan") || !check_open(self))
+        return NULL;
+    uint64_t *hint = word(self, args[0]);
+    uint64_t *first = hint ? word(self, args[1]) : NULL;
+    if (!first || !u64(args[2], &cnt) || !u64(args[3], &ts) || !u64(args[4], &now) || !u64(args[5], &tpn)
+        || !u64(args[6], &head) || !u64(args[7], &ticket))
+        return NULL;
+    if (tpn == 0 || cnt > 4096) {
+        PyErr_SetString(PyExc_ValueError, "fence_scan: tpn must be >= 1 and count at most 4096");
+        return NULL;
+    }
+    if (cnt > 0 && (Py_ssize_t)((char *)first - self->base) + (Py_ssize_t)((cnt - 1) * 32 + 16) > self->size - 8) {
+        PyErr_SetString(PyExc_IndexError, "fence_scan: the records run past the mapping");
+        return NULL;
+    }
+    int64_t room;
+    double due;
+    if (!fence_scan(hint, first, (Py_ssize_t)cnt, ts, now, tpn, head, ticket, &room, &due))
+        Py_RETURN_NONE;
+    return Py_BuildValue("(Ld)", (long long)room, due);
+}
+
 /* One claim and add of Bucket.replenish at clock reading `now` (0: read here), for a Waiter's
  * config: the tokens added.  *burn is set when the config changed between the claim and the add
  * (Bucket.apply then burns). */
@@ -2335,7 +2420,15 @@ waiter_replenish_once(Waiter *w, uint64_t now, int *burn, int *cut_short)
         wcas(w->repl_ts, ts, now);
         return 0;
     }
-    if (elapsed == 0 || !wcas(w->repl_ts, ts, now))
+    if (elapsed == 0)
+        return 0;
+    /* the reservation fences in force for [ts, now] (Bucket.claim: read after the clamp words and
+     * before the claim's CAS), in the same pass as the clamp */
+    int64_t fence_room;
+    double fence_due;
+    int fenced = fence_scan(w->fence_hint, w->fence_first, w->fence_count, ts, now, w->tpn, head, head, &fence_room,
+                            &fence_due);
+    if (!wcas(w->repl_ts, ts, now))
         return 0;
     __atomic_store_n(w->snap_head, head, __ATOMIC_SEQ_CST);
     __atomic_store_n(w->snap_tail, tail, __ATOMIC_SEQ_CST);
@@ -2345,6 +2438,8 @@ waiter_replenish_once(Waiter *w, uint64_t now, int *burn, int *cut_short)
     /* invariant 1 (bucket.py): a capacity from the start of the request the previous snapshot's
      * head stood in, never past the next boundary the records told */
     uint64_t limit = clamp_limit(base, end, next, w->cap, head, tail);
+    if (fenced && fence_room < (int64_t)(limit - head)) /* no further than a reservation's fence */
+        limit = head + (uint64_t)fence_room;
     /* new words (Bucket.claim), unless the older ones name a recorded request the head still
      * stands in: the records would name it again (never words no snapshot leaves) */
     if ((int64_t)(head - tail) >= 0 || base == end || (int64_t)(head - base) < 0 || (int64_t)(end - head) <= 0
@@ -2512,6 +2607,13 @@ waiter_loop(WaitBase *base, uint64_t ticket, uint64_t ops, uint64_t tokens, uint
         uint64_t ts = wld(w->repl_ts);
         uint64_t now = monotonic_ns();
         double due = (double)ts + (double)short_ / tpn;
+        int64_t fence_room;
+        double fence_due;
+        /* a reservation's fence before the ticket: the head gets there no sooner than its DUE and the
+         * time from its LIMIT on at the rate (Bucket.due_ns); woken before, it would replenish in vain */
+        if (fence_scan(w->fence_hint, w->fence_first, w->fence_count, ts, ts, w->tpn, wld(w->head), ticket, &fence_room,
+                       &fence_due) && fence_due > due)
+            due = fence_due;
         uint64_t at;
         if (due > (double)now) { /* not our turn yet: no replenish can help, sleep until it */
             double wake = due;
@@ -3068,17 +3170,23 @@ wait_new(NativeCells *self, PyTypeObject *type, uint64_t *seq, uint64_t *head, u
 }
 
 /* waiter(seq, expected, tail, head, repl_ts, snap_head, snap_tail, lease, grants, waiting, tpn,
- * cap, slack_ns, lost, snap_base, snap_end, snap_next, records) -> a Waiter (see above); `waiting`
- * is a word offset or None; `records` every ticket record's LEN offset (a tuple). */
+ * cap, slack_ns, lost, snap_base, snap_end, snap_next, records, fence_hint, fence_first, fence_count) -> a
+ * Waiter (see above); `waiting` is a word offset or None; `records` every ticket record's LEN offset (a
+ * tuple); the fences: FENCE_HINT, the first record's OWNER, how many records. */
 static PyObject *
 cells_waiter(NativeCells *self, PyObject *const *args, Py_ssize_t n)
 {
-    uint64_t *w[12], *waiting, expected, tpn, cap, slack;
-    const int at[12] = {0, 2, 3, 4, 5, 6, 7, 8, 13, 14, 15, 16};
-    if (!wait_bind(self, args, n, 18, "waiter", 9, at, 12, w, &waiting, &expected))
+    uint64_t *w[14], *waiting, expected, tpn, cap, slack, fcount;
+    const int at[14] = {0, 2, 3, 4, 5, 6, 7, 8, 13, 14, 15, 16, 18, 19};
+    if (!wait_bind(self, args, n, 21, "waiter", 9, at, 14, w, &waiting, &expected))
         return NULL;
-    if (!u64(args[10], &tpn) || !u64(args[11], &cap) || !u64(args[12], &slack))
+    if (!u64(args[10], &tpn) || !u64(args[11], &cap) || !u64(args[12], &slack) || !u64(args[20], &fcount))
         return NULL;
+    if (fcount > 4096 || (fcount > 0 && (Py_ssize_t)((char *)w[13] - self->base) + (Py_ssize_t)((fcount - 1) * 32 + 16)
+                                            > self->size - 8)) {
+        PyErr_SetString(PyExc_IndexError, "waiter: the fence records run past the mapping");
+        return NULL;
+    }
     if (tpn < 1 || cap < 1 || cap > ((uint64_t)1 << 62) || slack < 1 || slack > 1000000000u) {
         PyErr_SetString(PyExc_ValueError, "waiter: tpn >= 1, 1 <= cap <= 2**62, 1 <= slack_ns <= 1e9");
         return NULL;
@@ -3092,6 +3200,9 @@ cells_waiter(NativeCells *self, PyObject *const *args, Py_ssize_t n)
         PyMem_Free(recs);
         return NULL;
     }
+    g->fence_hint = w[12];
+    g->fence_first = w[13];
+    g->fence_count = (Py_ssize_t)fcount;
     g->snap_base = w[9];
     g->snap_end = w[10];
     g->snap_next = w[11];

@@ -45,6 +45,7 @@ from typing import TYPE_CHECKING, Callable, Optional, Protocol, Tuple, Union
 from . import fed_wait
 from .bucket import WAIT_BURN, WAIT_GRANTED
 from .config import MAX_NAP, NS_PER_S, validate_n, validate_timeout
+from .fences import fenced_ticket
 from .giveback import NO_RECORD, REFUSED, record_nap, take_ticket
 from .sleep import at_stop, sleep_until_async
 
@@ -522,14 +523,6 @@ def take_now(att: "Attachment", n: int, tokens: int) -> bool:
     return refill(att) > 0 and b.try_grab(tokens, att.grants_off, n)
 
 
-def ticket_within(b: "Bucket", tokens: int, max_wait_ns: float) -> Optional[int]:
-    """A ticket whose wait fits ``max_wait_ns``, replenishing once if it does not; None having taken nothing."""
-    ticket, _ = b.take_within(tokens, max_wait_ns)
-    if ticket is REFUSED and b.replenish() > 0:
-        ticket, _ = b.take_within(tokens, max_wait_ns)
-    return None if ticket is REFUSED else ticket
-
-
 def try_acquire(att: "Attachment", n: int) -> bool:
     """``Limiter.try_acquire``: granted now, or refused having taken nothing (and the filler told)."""
     b = att.bucket
@@ -568,9 +561,17 @@ def reserve(att: "Attachment", n: int, max_wait: Optional[float]) -> Optional[fl
         return 0.0
     if b.capped and not b.admit(n):
         return None  # no room among the ops in flight: nothing taken
-    ticket = None
+    # Replenish with a claim of our own first (again, a few times at most, while an older one
+    # preempted before its CAS wins): the promise stored in the fence counts from a fresh REPL_TS.
+    for _ in range(3):
+        since = att.clock()
+        refill(att)
+        if b.refilled_since(since):
+            break
+    ticket = due = None
     try:
-        ticket = ticket_within(b, tokens, min(_INF if limit is None else limit * NS_PER_S, b.max_reserved_ns))
+        bound = min(_INF if limit is None else limit * NS_PER_S, b.max_reserved_ns)
+        ticket, due = fenced_ticket(b, att.clock, lambda: refill(att), tokens, bound)
     finally:
         if ticket is None and b.capped:
             b.unadmit(n)
@@ -579,15 +580,9 @@ def reserve(att: "Attachment", n: int, max_wait: Optional[float]) -> Optional[fl
     att.count(n)
     if b.deficiency(ticket) and b.stopped:
         return _INF
-    # Replenish with a claim of our own (again, a few times at most, while an older one preempted
-    # before its CAS wins): the next replenish then clamps against a snapshot taken after our grab
-    # and the head reaches the ticket when promised_ns says (never early without it: only later).
-    for _ in range(3):
-        since = att.clock()
-        refill(att)
-        if b.refilled_since(since):
-            break
-    return max(0.0, b.promised_ns(ticket) - att.clock()) / NS_PER_S
+    # the fence holds every grant behind the ticket to its promise (``fences``): a late promise costs
+    # time, never a slot used together with those behind it
+    return 0.0 if due is None else max(0.0, due - att.clock()) / NS_PER_S
 
 
 def retry_after(att: "Attachment", n: int) -> float:

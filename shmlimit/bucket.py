@@ -53,8 +53,9 @@ from .config import Config
 from .config_banks import NO_SNAPSHOT, Snapshot, config_words, flags_in_force, published_values, read_snapshot, write_banks, write_under_lock
 from .errors import ConfigWriterTakenOver, QueueFullError, SegmentError
 from .clamp import leave_words, left_named
+from .fences import NO_FENCE
 from .schedule import Schedule
-from .words import behind, clamp_kept, clamp_limit, diff  # rover arithmetic, re-exported: the bucket's vocabulary
+from .words import behind, clamp_kept, clamp_limit, diff, fence_horizon_ns  # rover arithmetic, re-exported: the bucket's vocabulary
 
 
 REFUSED, NO_RECORD = "refused", "no record"  #: ``take_within`` took nothing: wait over its bound; no free record
@@ -242,15 +243,7 @@ class Bucket(Schedule):
         return self.cells.waiter(  # None on the atomics backend
             L.CFG_SEQ, snap.seq, L.TAIL, L.HEAD, L.REPL_TS, L.SNAP_HEAD, L.SNAP_TAIL, L.LEASE, grants, waiting,
             snap.tpn, snap.cap, slack_ns, L.STARVED_NS, L.SNAP_BASE, L.SNAP_END, L.SNAP_NEXT, self._record_lens(),
-        )
-
-    def covered(self, ticket: int) -> bool:
-        """True once the head has reached ``ticket``: its grab may proceed."""
-        return diff(ticket, self.cells.load(L.HEAD)) <= 0
-
-    def deficiency(self, ticket: int) -> int:
-        """Tokens the grab holding ``ticket`` is still owed (0 once it may proceed)."""
-        return max(0, diff(ticket, self.cells.load(L.HEAD)))
+            *self.fences.args)
 
     def replenish(self) -> int:
         """Convert the time since the last replenish into tokens; return how many were added.
@@ -296,6 +289,8 @@ class Bucket(Schedule):
             # clock at now, granting nothing for the unknown past, instead of waiting for it.
             c.cas(L.REPL_TS, ts, now)
             return None
+        # the reservations' fences in force for [ts, now], read after the words, before the claim
+        fence = self.fences.scan(ts, now, snap.tpn, head) if elapsed > 0 else None
         if elapsed == 0 or not c.cas(L.REPL_TS, ts, now):
             return None
         c.store(L.SNAP_HEAD, head)
@@ -305,6 +300,9 @@ class Bucket(Schedule):
         if not clamp_kept(base, end, nxt, head, tail):
             leave_words(c, self._record_lens(), head, tail)  # the records are read only with callers queued
         catch_limit = clamp_limit(base, end, nxt, snap.cap + snap.burst_pool, head, tail) if snap.catch_up else limit
+        if fence is not None:  # no further than a fence (the time it stops is lost: counted starved)
+            at = (head + fence[0]) & MASK64
+            limit, catch_limit = behind(limit, at), behind(catch_limit, at)
         return head, limit, extra, snap, diff(snap_tail, snap_head) > 0, catch_limit
 
     def _record_lens(self) -> Tuple[int, ...]:
@@ -416,7 +414,7 @@ class Bucket(Schedule):
         while True:
             head = c.load(L.HEAD)
             tail = c.load(L.TAIL)
-            add = max(0, min(tokens, diff((tail + self.cap) & MASK64, head)))
+            add = max(0, min(tokens, diff(self.fenced(head, (tail + self.cap) & MASK64), head)))
             if add <= 0:
                 return 0
             if c.cas(L.HEAD, head, (head + add) & MASK64):
@@ -478,10 +476,6 @@ class Bucket(Schedule):
         """
         return self.cells.try_grab(L.TAIL, L.HEAD, tokens, grants, ops)
 
-    def head(self) -> int:
-        """The head rover now (for ``give_back``)."""
-        return self.cells.load(L.HEAD)
-
     def skip(self, start: int, end: int) -> Optional[int]:
         """The head jumps over ``[start, end)``, a range given back (``giveback.skip`` says why the bound
         holds): None while the head is before ``start``, else the tokens skipped (0: none to skip)."""
@@ -494,9 +488,12 @@ class Bucket(Schedule):
                 return 0  # no ticket ever handed out (the tail only grows): a corrupt record
             if diff(head, start) < 0:
                 return None
-            if c.cas(L.HEAD, head, end):
+            to = self.fenced(head, end)  # up to a reservation's fence; the rest once it lifts (None till then)
+            if diff(to, head) <= 0:
+                return None
+            if c.cas(L.HEAD, head, to):
                 self.replenish()  # the next one then clamps against a head past the range (see giveback)
-                return diff(end, head)
+                return diff(to, head) if to == end else None
 
     def give_back(self, tokens: int, head_then: int) -> int:
         """Return ``tokens`` taken (and covered) when the head was at most ``head_then``, unused.
@@ -546,7 +543,7 @@ class Bucket(Schedule):
         return self.cells.load(L.UP_NEXT_NS)
 
     def take_within(self, tokens: int, max_wait_ns: float, recs: Optional[Tuple[int, ...]] = None,
-                    grants: int = 0, ops: int = 0) -> Tuple[Any, Optional[int]]:
+                    grants: int = 0, ops: int = 0, fence: bool = False) -> Tuple[Any, Optional[int]]:
         """Take ``tokens`` if their wait (``estimate_wait_ns``) is <= ``max_wait_ns``: the one CAS loop on the tail that may queue.
 
         Taking nothing: ``(REFUSED, None)`` when the wait exceeds a finite bound (not computable while stopped);
@@ -556,9 +553,13 @@ class Bucket(Schedule):
         holds recorded but for one killed between that CAS and the next store): ``(NO_RECORD, None)``, taking nothing,
         when all are in use; ``(ticket, rec)`` queued, recorded at ``rec`` with its exact length; ``(None, None)``
         covered after all, ``ops`` added to ``grants``.  A record claimed and not needed is freed again.
+        With ``fence`` (a reservation, no ``recs``): ``(ticket, promise)`` (None: covered), its fence stored
+        before the CAS (``fences``); ``(NO_FENCE, None)``, taking nothing, with every fence record in use.
         """
         c, snap = self.cells, self.snap
         rec: Optional[int] = None
+        fen: Optional[int] = None
+        due = short = promise = 0
         try:
             while True:
                 tail = c.load(L.TAIL)
@@ -567,8 +568,14 @@ class Bucket(Schedule):
                 if short > MAX_QUEUE:
                     raise QueueFullError(tokens, snap.tpn)
                 if short > 0:
-                    if max_wait_ns != float("inf") and (snap.stopped or self.estimate_wait_ns(short, snap) > max_wait_ns):
+                    if max_wait_ns != float("inf") and (snap.stopped or self.wait_ns(new, short, snap) > max_wait_ns):
                         return REFUSED, None
+                    if fence:  # LIMIT, then DUE (the promise for this ticket), before the CAS
+                        if (fen := self.fences.take(c.load(L.REPL_TS)) if fen is None else fen) is None:
+                            return NO_FENCE, None
+                        promise = math.ceil(self.promised_ns(new))  # (fenced up to the scan's horizon)
+                        due = min(promise, self.clock() + fence_horizon_ns(snap.tpn) - 10**9)
+                        self.fences.store(fen, (new + max(0, snap.cap + snap.burst_pool - tokens)) & MASK64, due)
                     if recs is not None:
                         rec = claim_record(c, recs, new) if rec is None else rec
                         if rec is None:
@@ -581,20 +588,13 @@ class Bucket(Schedule):
                 return None, None
             if rec is not None:  # uncovered now, so at the last look too: recorded, its exact length
                 c.store(rec, tokens)
+            if fence:  # queued: the fence stays (covered: freed)
+                held_fence, fen = (fen, None) if short > 0 else (None, fen)
+                return new, (promise if held_fence is not None else None)
             held, rec = rec, None
             return new, held
         finally:
             if rec is not None:  # claimed and not needed (granted, refused): free again
                 c.store(rec, 0)
-
-    # -- observation -----------------------------------------------------------------
-
-    def balance(self) -> int:
-        """``HEAD - TAIL`` in tokens: available when positive, owed to waiters when negative."""
-        tail = self.cells.load(L.TAIL)
-        return diff(self.cells.load(L.HEAD), tail)
-
-    def taken(self) -> int:
-        """The tail rover: every token ever taken or queued for (wrapping at 2**64; compare with ``diff``).
-        Its advance over a period is that period's demand (grants, tickets, burned tokens alike)."""
-        return self.cells.load(L.TAIL)
+            if fen is not None:  # a fence stored and not needed (covered, refused): free again
+                self.fences.free(fen, due)

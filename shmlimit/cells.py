@@ -72,6 +72,11 @@ class Cells(Protocol):
         ``records`` (LEN offsets); None when HEAD moved during the read (``words.clamp_words``)."""
         ...
 
+    def fence_scan(self, hint_off: int, first: int, count: int, ts: int, now: int, tpn: int, head: int,
+                   ticket: int) -> Optional[Tuple[int, float]]:
+        """The reservation fences in force for a claim of ``[ts, now]`` (``words.fence_scan``)."""
+        ...
+
     def fetch_add(self, off: int, delta: int) -> int:
         """Add ``delta`` (0 <= delta < 2**64) modulo 2**64; return the previous value."""
         ...
@@ -119,7 +124,8 @@ class Cells(Protocol):
     def waiter(
         self, seq: int, expected: int, tail: int, head: int, repl_ts: int, snap_head: int, snap_tail: int,
         lease: int, grants: int, waiting: Optional[int], tpn: int, cap: int, slack_ns: int, lost: int,
-        snap_base: int, snap_end: int, snap_next: int, records: Tuple[int, ...],
+        snap_base: int, snap_end: int, snap_next: int, records: Tuple[int, ...], fence_hint: int = 0,
+        fence_first: int = 0, fence_count: int = 0,
     ) -> Any:
         """A ticket's whole wait in one call without the GIL (see ``Bucket.waiter``), or None when
         the backend has none: its callers wait in Python (``acquisition.Request``)."""

@@ -12,7 +12,7 @@ import functools
 import time
 from typing import Callable, List, Optional, Protocol, Sequence, Tuple, Union
 
-from .words import (MASK64, MAX_QUEUE, WORD, GrabResult, check_offset, check_records, claim_record, clamp_words,
+from .words import (FENCE_DUE_W, FENCE_STRIDE, fence_scan, MASK64, MAX_QUEUE, WORD, GrabResult, check_offset, check_records, claim_record, clamp_words,
                     plain_seconds, signed)
 
 
@@ -69,6 +69,15 @@ class CompositesFromPrimitives:
             self._check(*records, *(off - WORD for off in records))  # the same tuple: checked once
             self._clamp_checked = records
         return clamp_words(self, head_off, head, tail, records)
+
+    def fence_scan(self, hint_off: int, first: int, count: int, ts: int, now: int, tpn: int, head: int,
+                   ticket: int) -> Optional[Tuple[int, float]]:
+        """The reservation fences in force for a claim of ``[ts, now]``: ``(room above head, due of
+        ticket)`` or None (``words.fence_scan``)."""
+        if count < 0 or tpn <= 0:
+            raise ValueError("fence_scan: count must be >= 0 and tpn >= 1")
+        self._check(hint_off, first, first + max(0, count - 1) * FENCE_STRIDE + FENCE_DUE_W)
+        return fence_scan(self, hint_off, first, count, ts, now, tpn, head, ticket)
 
     def grab(self, tail: int, head: int, amount: int, grants: int, ops: int) -> GrabResult:
         """Advance the tail rover by ``amount`` (CAS), unless the queue would exceed ``MAX_QUEUE``.
@@ -201,12 +210,14 @@ class CompositesFromPrimitives:
     def waiter(
         self, seq: int, expected: int, tail: int, head: int, repl_ts: int, snap_head: int, snap_tail: int,
         lease: int, grants: int, waiting: Optional[int], tpn: int, cap: int, slack_ns: int, lost: int,
-        snap_base: int, snap_end: int, snap_next: int, records: Tuple[int, ...],
+        snap_base: int, snap_end: int, snap_next: int, records: Tuple[int, ...], fence_hint: int = 0,
+        fence_first: int = 0, fence_count: int = 0,
     ) -> None:
         """None: a wait loop is worth having only natively, where it sleeps without the GIL and
         without returning to Python between naps; here waiters wait in Python."""
         self._check(seq, tail, head, repl_ts, snap_head, snap_tail, lease, grants, snap_base, snap_end, snap_next,
-                    *records, *([] if waiting is None else [waiting]))
+                    *records, *([] if waiting is None else [waiting]), fence_hint,
+                    fence_first + max(0, fence_count - 1) * FENCE_STRIDE + FENCE_DUE_W)
         return None
 
     def fed_waiter(

@@ -570,8 +570,8 @@ class Returns:
             return LOOK_AT_LEAST  # no time accrues: nothing to skip before a start
         if not b.time_fed:
             return LOOK_EVERY
-        now = b.clock()
-        return max(0.0, (b.due_ns(start) - now) / 1e9)
+        head = b.head()  # past the start, a fence holds the skip: due once it lets the head on
+        return max(0.0, (b.due_ns(start if diff(head, start) < 0 else (head + 1) & MASK64) - b.clock()) / 1e9)
 
 
 class ReturnsThread(threading.Thread):

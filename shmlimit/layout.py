@@ -25,6 +25,9 @@ filler and the process table never false-share.
     then SLOTS process slots of one line each: PID START GRANTS WAITING BASE PIDNS TICKET TICKET_LEN
     then SLOTS ticket lines, one per slot: four more (TICKET, TICKET_LEN) records of its owner's
     then SLOTS in-flight lines, one per slot: SLOT_INFLIGHT, capped mode's ops in flight of its owner
+    then the reservation fences: one line (FENCE_HINT: the latest DUE ever stored; FENCE_GEN: the
+                       owners' generations), then FENCE_RECORDS records of four words, two a line:
+                       OWNER LIMIT DUE (and one unused): the head stays at most at LIMIT until DUE
 
 Values that are not integers (rate, per, burst) are stored as IEEE-754 bits.
 The ten config values of each bank are stored XOR-ed with ``bank_mask(GEN, i)``:
@@ -41,7 +44,9 @@ MAGIC = int.from_bytes(b"SHMLIMIT", "little")
 #: 4: every process slot has a third line: its owner's ops in flight in capped mode (``SLOT_INFLIGHT``).
 #: 5: a config bank's values are stored masked by their generation (``bank_mask``) and written
 #: word by word by CAS under a lock check, so late config writers, however many, miss newer words.
-VERSION = 5
+#: 6: a table of reservation fences after the in-flight lines (``fence_offset``): a reservation
+#: holds the head at most at ``t + C - n`` until its promise (docs/design.md, "Reservation fences").
+VERSION = 6
 LINE = 64
 
 
@@ -209,8 +214,33 @@ def slot_offset(index: int) -> int:
     return HEADER_BYTES + index * SLOT_BYTES
 
 
+#: Reservation fences (``fences``): records of (OWNER, LIMIT, DUE), one per reservation not yet
+#: due.  OWNER is the taker's pid << 32 | a generation drawn from FENCE_GEN (taken by CAS, so two
+#: takers never share a record); LIMIT the rover the head may not pass before DUE (CLOCK_MONOTONIC
+#: ns), after which it gains on LIMIT only at the rate; DUE 0 or before the last replenish's time
+#: (REPL_TS): free.  FENCE_HINT is the largest DUE ever stored (raised by CAS): a claim whose
+#: interval starts at or after it reads no record.
+FENCE_RECORDS = 64
+FENCE_RECORD_BYTES = 32
+FENCE_OWNER = 0
+FENCE_LIMIT = 8
+FENCE_DUE = 16
+FENCE_LINES = 1 + FENCE_RECORDS * FENCE_RECORD_BYTES // LINE
+
+
 def segment_size(slots: int) -> int:
+    return HEADER_BYTES + slots * (SLOT_BYTES + 2 * LINE) + FENCE_LINES * LINE
+
+
+def fence_offset(slots: int) -> int:
+    """The fence table's first line (FENCE_HINT, FENCE_GEN) in a table of ``slots``; its records follow."""
     return HEADER_BYTES + slots * (SLOT_BYTES + 2 * LINE)
+
+
+def fence_records(slots: int) -> tuple:
+    """Every fence record's first word (OWNER; LIMIT and DUE follow) in a table of ``slots``."""
+    first = fence_offset(slots) + LINE
+    return tuple(first + k * FENCE_RECORD_BYTES for k in range(FENCE_RECORDS))
 
 
 def inflight_offset(slots: int, index: int) -> int:

@@ -11,7 +11,8 @@ from typing import Callable, Optional, Tuple
 from . import layout as L
 from .cells import MASK64, Cells
 from .config_banks import Snapshot
-from .words import clamp_limit, diff, recorded_ranges
+from .fences import Fences
+from .words import behind, clamp_limit, diff, recorded_ranges
 
 #: The filler replenishes this often (ns): the pace a queued head can count on (see estimate_wait_ns).
 FILL_NS = 1_000_000
@@ -60,6 +61,53 @@ class Schedule:
     tpn: int
     _record_lens: Callable[[], Tuple[int, ...]]
 
+    @property
+    def fences(self) -> Fences:
+        """This segment's reservation fences (``fences``; its table's size read once)."""
+        f = getattr(self, "_fences", None)
+        if f is None:
+            f = self._fences = Fences(self.cells, self.cells.load(L.SLOTS_OFF))
+        return f
+
+    def fenced(self, head: int, to: int) -> int:
+        """``to``, or the fence before it that a move of the head from ``head`` now must keep."""
+        ts = self.cells.load(L.REPL_TS)
+        f = self.fences.scan(ts, max(ts, self.clock()), self.snap.tpn, head)
+        return to if f is None else behind(to, (head + f[0]) & MASK64)
+
+    def covered(self, ticket: int) -> bool:
+        """True once the head has reached ``ticket``: its grab may proceed."""
+        return diff(ticket, self.cells.load(L.HEAD)) <= 0
+
+    def deficiency(self, ticket: int) -> int:
+        """Tokens the grab holding ``ticket`` is still owed (0 once it may proceed)."""
+        return max(0, diff(ticket, self.cells.load(L.HEAD)))
+
+    def head(self) -> int:
+        """The head rover now (for ``give_back``)."""
+        return self.cells.load(L.HEAD)
+
+
+    def balance(self) -> int:
+        """``HEAD - TAIL`` in tokens: available when positive, owed to waiters when negative."""
+        tail = self.cells.load(L.TAIL)
+        return diff(self.cells.load(L.HEAD), tail)
+
+    def taken(self) -> int:
+        """The tail rover: every token ever taken or queued for (wrapping at 2**64; compare with ``diff``).
+        Its advance over a period is that period's demand (grants, tickets, burned tokens alike)."""
+        return self.cells.load(L.TAIL)
+    def wait_ns(self, ticket: int, short: int, snap: Snapshot) -> float:
+        """The wait (ns) of ``ticket``, ``short`` tokens away: at the pace the head can keep
+        (``estimate_wait_ns``), and no sooner than the fences before it let the head get there."""
+        wait = self.estimate_wait_ns(short, snap)
+        c = self.cells
+        ts = c.load(L.REPL_TS)
+        f = self.fences.scan(ts, ts, snap.tpn, c.load(L.HEAD), ticket)
+        if f is not None and f[1] > 0:
+            wait = max(wait, f[1] - self.clock())
+        return wait
+
     def estimate_wait_ns(self, short: int, snap: Optional[Snapshot] = None) -> float:
         """Nanoseconds until ``short`` more tokens reach the head, at the speed the head can really move.
 
@@ -101,7 +149,12 @@ class Schedule:
         """
         c = self.cells
         head = c.load(L.HEAD)
-        return c.load(L.REPL_TS) + max(0, diff(ticket, head)) / self.tpn
+        ts = c.load(L.REPL_TS)
+        due = ts + max(0, diff(ticket, head)) / self.tpn
+        # a reservation's fence before the ticket holds the head there until its DUE, then lets it
+        # gain at the rate: woken sooner, the waiter would replenish in vain until then
+        f = self.fences.scan(ts, ts, self.tpn, head, ticket)
+        return due if f is None else max(due, f[1])
 
     def clamp_limit_at(self, head: int, cap: int) -> int:
         """Where the next replenish may bring the head from ``head``: the limit the clamp words
@@ -157,7 +210,7 @@ class Schedule:
             # one replenish at that moment could reach the ticket, but the filler's, sooner, take
             # snapshots that stop the head before it: two replenishes' time for each such stop
             stops = count_stops(c, self._record_lens(), head, ticket, snap.cap) if short > 0 else 0
-            return ts + short / snap.tpn + stops * stop_ns(snap)
+            return max(ts + short / snap.tpn + stops * stop_ns(snap), self._fenced_ns(ticket, ts, head, snap))
         # the next replenish claims some time: not before now, nor before REPL_TS + 1 ns; the rest
         # then comes at the pace the head can keep (estimate_wait_ns: slower for a capacity under
         # two fill intervals, where each replenish may add only half a capacity), and each stop
@@ -172,5 +225,20 @@ class Schedule:
             # lost: counted from now, a promise would be early by as long as that replenish is in
             # coming (the filler's next tick), so it counts the filler's longest pause.
             lost = LONGEST_FILL_NS
-        return (max(self.clock(), ts + max(1.0, room / snap.tpn)) + lost + self.estimate_wait_ns(short - room, snap)
-                + stops * stop_ns(snap))
+        return max(self._fenced_ns(ticket, ts, head, snap),
+                   max(self.clock(), ts + max(1.0, room / snap.tpn)) + lost + self.estimate_wait_ns(short - room, snap)
+                   + stops * stop_ns(snap))
+
+    def _fenced_ns(self, ticket: int, ts: int, head: int, snap: Snapshot) -> float:
+        """The soonest the head reaches ``ticket`` under the reservations' fences before it: each holds
+        the head at its LIMIT until its DUE, after which it moves at the pace it can keep, stopping on
+        the way (``count_stops``): 0 when none is in force."""
+        at = 0.0
+        if diff(ticket, head) <= 0:
+            return at
+        for limit, due in self.fences.in_force(ts, snap.tpn, head):
+            ahead = diff(ticket, limit)
+            if ahead > 0:
+                stops = count_stops(self.cells, self._record_lens(), limit, ticket, snap.cap)
+                at = max(at, due + self.estimate_wait_ns(ahead, snap) + stops * stop_ns(snap))
+        return at

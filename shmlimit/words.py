@@ -210,3 +210,53 @@ def clamp_words(cells, head_off: int, head: int, tail: int, records: Tuple[int, 
     if base != end:  # in a recorded request: it alone decides
         nxt = (head + FAR) & MASK64
     return base, end, nxt
+
+
+#: A fence record's words after its OWNER (layout.FENCE_LIMIT, FENCE_DUE) and its size.
+FENCE_LIMIT_W, FENCE_DUE_W, FENCE_STRIDE = 8, 16, 32
+#: Where no fence holds the head: as far above it as the queue may reach.
+NO_FENCE = FAR
+
+
+def fence_horizon_ns(tpn: int) -> int:
+    """How far ahead of now a fence's DUE can be: twice the longest queue's schedule and 10 s.
+    A DUE beyond it no reservation stored (a corrupt or hostile segment): that record is ignored,
+    so a hostile table stalls the head no longer than a full queue would."""
+    return 2 * (MAX_QUEUE // max(1, tpn)) + 10_000_000_000
+
+
+def fence_scan(cells, hint_off: int, first: int, count: int, ts: int, now: int, tpn: int, head: int,
+               ticket: int) -> Optional[Tuple[int, float]]:
+    """The reservation fences in force for a claim whose interval is ``[ts, now]``, read from the
+    ``count`` records from ``first`` (each ``FENCE_STRIDE`` bytes: OWNER, LIMIT, DUE): ``(room,
+    due)``, or None when none is (FENCE_HINT at ``hint_off``, the latest DUE ever stored, is not
+    after ``ts``: one load, no record read).
+
+    A record is in force when its DUE is after ``ts``: the head may then stand at most at
+    ``LIMIT + max(0, now - DUE) * tpn``.  ``room`` is the least such bound over the records in
+    force, less ``head`` (negative: the head is past it, add nothing; ``NO_FENCE`` at most).
+    ``due`` is when the head can reach ``ticket`` at the soonest under them: the latest
+    ``DUE + (ticket - LIMIT) / tpn`` over those whose LIMIT is before ``ticket`` (0.0: none).
+    A record whose LIMIT is more than ``FAR`` from the head, or whose DUE is beyond
+    ``fence_horizon_ns`` from ``now``, no reservation left: ignored.  The native backend does the
+    same in one C loop.
+    """
+    if cells.load(hint_off) <= ts:
+        return None
+    dues = cells.load_many(tuple(first + k * FENCE_STRIDE + FENCE_DUE_W for k in range(count)))
+    horizon = now + fence_horizon_ns(tpn)
+    room, due, found = NO_FENCE, 0.0, False
+    for k in range(count):
+        d = dues[k]
+        if d <= ts or d > horizon:
+            continue
+        lim = cells.load(first + k * FENCE_STRIDE + FENCE_LIMIT_W)
+        rel = signed(lim - head)
+        if not -FAR <= rel <= FAR:
+            continue
+        found = True
+        room = min(room, rel + max(0, now - d) * tpn)
+        ahead = signed(ticket - lim)
+        if ahead > 0:
+            due = max(due, d + ahead / tpn)
+    return (min(room, NO_FENCE), due) if found else None

@@ -134,8 +134,9 @@ def test_every_records_argument_is_checked_before_any_word_is_touched(cells, rec
         lambda: cells.grabber(seq, 25, tail, head, 1, grants, 1, records),
         lambda: cells.clamp_words(head, 1, 9, records),  # callers queued (head before tail): records read
     ]
-    if cells.waiter(*waiter_args, (40,)) is not None:  # the backend waits in one call
-        calls.append(lambda: cells.waiter(*waiter_args, records))
+    fences = (112, 120, 1)  # FENCE_HINT, one fence record
+    if cells.waiter(*waiter_args, (40,), *fences) is not None:  # the backend waits in one call
+        calls.append(lambda: cells.waiter(*waiter_args, records, *fences))
     for call in calls:
         with pytest.raises(error):
             call()

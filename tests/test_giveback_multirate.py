@@ -90,15 +90,18 @@ def test_a_ticket_queued_on_another_rate_is_recorded_and_given_back(name, cleanu
     r = request(lim, a=1, b=1)
     assert r.begin() is not True and r.state == "lead"  # a leads
     b = lim._live()[1]
-    assert shmlimit.multirate.acquisition.reserve(b, 15, None) is not None  # 1.5 s of b's schedule
+    promised = shmlimit.multirate.acquisition.reserve(b, 15, None)  # 1.5 s of b's schedule ...
+    assert promised >= 1.5  # ... its fence holding those behind it until its promise
     advance(lim, clock, 1.002)
     assert r.next() is not True and r.state == "others"  # a is due: it queues on b behind the reservation
     assert [i for i, _ in r.waits] == [1]
     assert_recorded(r.waits[0][1])
     bystander = request(lim, b=1)
-    assert bystander.begin() is not True  # behind it on b: due at 1.7 s with it, 1.6 s without
-    r.end()  # interrupted: its ticket on b is given back (and a's op it held)
-    advance(lim, clock, 1.6 - 1.002 + 0.002)
+    assert bystander.begin() is not True  # behind it on b: due an op after the promise without it, two with it
+    r.end()  # interrupted: its ticket on b is given back (and a's op it held), skipped once the fence lifts
+    advance(lim, clock, promised + 0.1 - 1.002 - 0.004)
+    assert bystander.next() is not True
+    advance(lim, clock, 0.006)
     assert bystander.next() is True
     bystander.end()
 

@@ -170,7 +170,9 @@ def _queue_on(lim, key, seconds):
     """Someone reserves ``seconds`` of ``key``'s schedule: a queue there."""
     att = lim._live()[lim.keys.index(key)]
     ops = round(seconds * att.bucket.config.rate / att.bucket.config.per)
-    assert shmlimit.multirate.acquisition.reserve(att, ops, None) is not None
+    wait = shmlimit.multirate.acquisition.reserve(att, ops, None)
+    assert wait is not None and wait >= seconds - 0.1  # (one op of the schedule was in the bucket)
+    return wait  # its promise: the fence holds those behind it until then
 
 
 def test_once_its_lead_rate_is_due_a_waiter_holds_it_only_for_the_others_queue(name, clock, cleanup):
@@ -180,17 +182,17 @@ def test_once_its_lead_rate_is_due_a_waiter_holds_it_only_for_the_others_queue(n
     r = request(lim, a=1, b=1)
     assert r.begin() is not True
     assert r.state == "lead" and [i for i, _ in r.waits] == [0]  # a is the lead
-    _queue_on(lim, "b", 1.5)  # meanwhile a queue forms on b
+    promised = _queue_on(lim, "b", 1.5)  # meanwhile a queue forms on b, held until its promise
     advance(lim, clock, 1.002)
     assert r.next() is not True  # a is due: it joins b's queue, holding a's op
     assert r.state == "others"
     a = lim._live()[0]
     assert [att for att, _, _ in r.held] == [a]  # it holds a's op (taken, not yet used) ...
     assert [i for i, _ in r.waits] == [1]  # ... while it queues on b
-    advance(lim, clock, 0.58)
-    assert r.next() is not True  # b's queue, 1.5 s from the start, then its own op on b (0.1 s)
+    advance(lim, clock, promised + 0.1 - 1.002 - 0.02)
+    assert r.next() is not True  # b's queue, up to its promise, then its own op on b (0.1 s)
     assert [att for att, _, _ in r.held] == [a]  # still held: for b's queue, no longer
-    advance(lim, clock, 0.02)
+    advance(lim, clock, 0.022)
     assert r.next() is True
     r.end()
 
