@@ -53,9 +53,9 @@ from .config import Config
 from .config_banks import NO_SNAPSHOT, Snapshot, config_words, flags_in_force, published_values, read_snapshot, write_banks, write_under_lock
 from .errors import ConfigWriterTakenOver, QueueFullError, SegmentError
 from .clamp import leave_words, left_named
-from .fences import NO_FENCE
+from .fences import NO_FENCE, FenceHold
 from .schedule import Schedule
-from .words import behind, clamp_kept, clamp_limit, diff, fence_horizon_ns  # rover arithmetic, re-exported: the bucket's vocabulary
+from .words import behind, clamp_kept, clamp_limit, diff  # rover arithmetic, re-exported: the bucket's vocabulary
 
 
 REFUSED, NO_RECORD = "refused", "no record"  #: ``take_within`` took nothing: wait over its bound; no free record
@@ -543,7 +543,7 @@ class Bucket(Schedule):
         return self.cells.load(L.UP_NEXT_NS)
 
     def take_within(self, tokens: int, max_wait_ns: float, recs: Optional[Tuple[int, ...]] = None,
-                    grants: int = 0, ops: int = 0, fence: bool = False) -> Tuple[Any, Optional[int]]:
+                    grants: int = 0, ops: int = 0, fence: Optional[FenceHold] = None) -> Tuple[Any, Optional[int]]:
         """Take ``tokens`` if their wait (``estimate_wait_ns``) is <= ``max_wait_ns``: the one CAS loop on the tail that may queue.
 
         Taking nothing: ``(REFUSED, None)`` when the wait exceeds a finite bound (not computable while stopped);
@@ -553,13 +553,12 @@ class Bucket(Schedule):
         holds recorded but for one killed between that CAS and the next store): ``(NO_RECORD, None)``, taking nothing,
         when all are in use; ``(ticket, rec)`` queued, recorded at ``rec`` with its exact length; ``(None, None)``
         covered after all, ``ops`` added to ``grants``.  A record claimed and not needed is freed again.
-        With ``fence`` (a reservation, no ``recs``): ``(ticket, promise)`` (None: covered), its fence stored
-        before the CAS (``fences``); ``(NO_FENCE, None)``, taking nothing, with every fence record in use.
+        With ``fence`` (a reservation's ``fences.FenceHold``) its fence is stored before the CAS, or ``(NO_FENCE,
+        None)`` with every fence record in use, taking nothing (``FenceHold.put``).
         """
         c, snap = self.cells, self.snap
         rec: Optional[int] = None
-        fen: Optional[int] = None
-        due = short = promise = 0
+        taken = False
         try:
             while True:
                 tail = c.load(L.TAIL)
@@ -567,34 +566,32 @@ class Bucket(Schedule):
                 short = diff(new, c.load(L.HEAD))
                 if short > MAX_QUEUE:
                     raise QueueFullError(tokens, snap.tpn)
-                if short > 0:
-                    if max_wait_ns != float("inf") and (snap.stopped or self.wait_ns(new, short, snap) > max_wait_ns):
-                        return REFUSED, None
-                    if fence:  # LIMIT, then DUE (the promise for this ticket), before the CAS
-                        if (fen := self.fences.take(c.load(L.REPL_TS)) if fen is None else fen) is None:
-                            return NO_FENCE, None
-                        promise = math.ceil(self.promised_ns(new))  # (fenced up to the scan's horizon)
-                        due = min(promise, self.clock() + fence_horizon_ns(snap.tpn) - 10**9)
-                        self.fences.store(fen, (new + max(0, snap.cap + snap.burst_pool - tokens)) & MASK64, due)
-                    if recs is not None:
-                        rec = claim_record(c, recs, new) if rec is None else rec
-                        if rec is None:
-                            return NO_RECORD, None
-                        c.store(rec - 8, new)  # the record's TICKET: the word before its LEN
+                if short > 0 and max_wait_ns != float("inf") and (
+                        snap.stopped or self.wait_ns(new, short, snap) > max_wait_ns):
+                    return REFUSED, None
+                if fence is not None and (short > 0 or fence.want is not None) and not fence.put(self, new, tokens, snap):
+                    return NO_FENCE, None  # (its LIMIT, then DUE, stored before the CAS)
+                if short > 0 and recs is not None:
+                    rec = claim_record(c, recs, new) if rec is None else rec
+                    if rec is None:
+                        return NO_RECORD, None
+                    c.store(rec - 8, new)  # the record's TICKET: the word before its LEN
                 if c.cas(L.TAIL, tail, new):
                     break
+            taken = True
+            if fence is not None:
+                fence.ticket = new
+                if short <= 0 and fence.want is None:
+                    fence.release(self.fences)  # a reservation covered at once: used now, fenced by nothing
             if recs is not None and diff(new, c.load(L.HEAD)) <= 0:  # covered after all: granted
                 c.fetch_add(grants, ops)
                 return None, None
             if rec is not None:  # uncovered now, so at the last look too: recorded, its exact length
                 c.store(rec, tokens)
-            if fence:  # queued: the fence stays (covered: freed)
-                held_fence, fen = (fen, None) if short > 0 else (None, fen)
-                return new, (promise if held_fence is not None else None)
             held, rec = rec, None
             return new, held
         finally:
             if rec is not None:  # claimed and not needed (granted, refused): free again
                 c.store(rec, 0)
-            if fen is not None:  # a fence stored and not needed (covered, refused): free again
-                self.fences.free(fen, due)
+            if fence is not None and not taken:  # a fence stored and not needed (refused): free again
+                fence.release(self.fences)

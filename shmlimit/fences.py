@@ -23,13 +23,14 @@ stops at most a capacity past ``t - n``, which is ``LIMIT``.
 """
 from __future__ import annotations
 
+import math
 import os
 import time
 from typing import Callable, List, Optional, Tuple
 
 from . import layout as L
 from .cells import Cells
-from .words import fence_horizon_ns, signed
+from .words import MASK64, fence_horizon_ns, signed
 
 #: ``Bucket.take_within`` for a reservation took nothing: every fence record in use.
 NO_FENCE = "no fence"
@@ -128,6 +129,49 @@ class Fences:
         return freed
 
 
+class FenceHold:
+    """A reservation's fence while its ticket is taken (``Bucket.take_within``): the record it holds
+    (``rec``), its DUE (``due``), the promise (``promise``, None: covered at once) and the ticket.
+    ``want``: the DUE to store (a reservation over several rates, whose promise is known only once
+    every rate is claimed: ``multirate``), else the promise for the ticket about to be taken."""
+
+    __slots__ = ("rec", "want", "due", "promise", "ticket")
+
+    def __init__(self, want: Optional[int] = None) -> None:
+        self.rec: Optional[int] = None
+        self.want = want
+        self.due = 0
+        self.promise: Optional[int] = None
+        self.ticket: Optional[int] = None
+
+    def put(self, b, new: int, tokens: int, snap) -> bool:
+        """Store the fence of the ticket ``new`` (``tokens`` long) before the CAS that takes it: a free
+        record (taken once), LIMIT ``new + max(0, C - tokens)`` (``C`` with catch-up's room), then DUE;
+        False, storing nothing, when every record is in use.  A DUE beyond the scan's horizon is
+        fenced up to it only (twice the longest queue's schedule: a promise that far is never used)."""
+        f = b.fences
+        if self.rec is None and (rec := f.take(b.cells.load(L.REPL_TS))) is None:
+            return False
+        self.rec = rec if self.rec is None else self.rec
+        self.promise = math.ceil(b.promised_ns(new)) if self.want is None else self.want
+        self.due = min(self.promise, b.clock() + fence_horizon_ns(snap.tpn) - 10**9)
+        f.store(self.rec, (new + max(0, snap.cap + snap.burst_pool - tokens)) & MASK64, self.due)
+        return True
+
+    def settle(self, f: "Fences", due: int) -> None:
+        """The reservation over several rates is made: its DUE becomes ``due``, its promise (lowered,
+        or raised while the stored one is still ahead: no claim has yet read it past its DUE)."""
+        if self.rec is not None:
+            f.store(self.rec, f.cells.load(self.rec + L.FENCE_LIMIT), due)
+            self.due = due
+
+    def release(self, f: "Fences") -> None:
+        """No longer held (refused, given back, or covered at once): the record is free again."""
+        if self.rec is not None:
+            f.free(self.rec, self.due)
+        self.rec, self.promise = None, None
+
+
 def fenced_ticket(b, clock: Callable[[], int], refill: Callable[[], object], tokens: int,
                   max_wait_ns: float) -> Tuple[Optional[int], Optional[int]]:
     """A reservation's ticket whose wait fits ``max_wait_ns`` (replenishing once if it does not) and
@@ -137,11 +181,12 @@ def fenced_ticket(b, clock: Callable[[], int], refill: Callable[[], object], tok
     when that DUE is beyond it.  (A promise is rarely sooner than the soonest DUE of 64 before it.)"""
     since = clock()
     while True:
-        ticket, due = b.take_within(tokens, max_wait_ns, fence=True)
+        hold = FenceHold()
+        ticket, _ = b.take_within(tokens, max_wait_ns, fence=hold)
         if not isinstance(ticket, int) and ticket != NO_FENCE and b.replenish() > 0:
-            ticket, due = b.take_within(tokens, max_wait_ns, fence=True)
+            ticket, _ = b.take_within(tokens, max_wait_ns, fence=hold)
         if ticket != NO_FENCE:
-            return (ticket, due) if isinstance(ticket, int) else (None, None)
+            return (ticket, hold.promise) if isinstance(ticket, int) else (None, None)
         free_at = b.fences.earliest_due()
         if free_at - since > max_wait_ns:
             return None, None

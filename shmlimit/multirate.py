@@ -33,6 +33,7 @@ rate's ``Bucket`` and cells.
 """
 from __future__ import annotations
 
+import math
 import os
 import time
 import weakref
@@ -45,6 +46,7 @@ from .acquisition import drive, drive_async
 from .attachment import Attachment, gate_all, open_attachment, release
 from .config import NS_PER_S, Config, validate_n, validate_timeout
 from .header import Creation
+from .fences import FenceHold
 from .multirate_request import NO_RECORD, REFUSED, Claim, MultiRequest, claim, give_back_claims, record_nap, take_all, wait_ns
 from .rate_group import RateGroup, parse_rates, rates_from_text
 from .segment import validate_mode, validate_name, validate_slots, validate_trusted_uids
@@ -311,7 +313,27 @@ class MultiLimiter(RateGroup):
         order = sorted((i for i, o in enumerate(ops) if o), key=lambda i: wait_ns(atts[i], toks[i]))
         if any(atts[i].bucket.stopped or wait_ns(atts[i], toks[i]) > max_ns for i in order) and limit is not None:
             return None
+        while True:
+            got = self._reserve_once(atts, toks, order, max_ns)
+            if got is not False:
+                break  # (False: the claims outlasted their provisional fences: given back, claimed again)
+        if got is None:
+            return None
+        for att, o in zip(atts, ops):
+            if o:
+                att.count(o)
+        return got
+
+    def _reserve_once(self, atts: List[Attachment], toks: List[int], order: List[int], max_ns: float) -> Any:
+        """One try of ``reserve``: the seconds until due, None refused, False to try again.  Each claim's
+        fence (``fences``) is stored before its CAS with a provisional DUE well past any promise it may
+        get (twice the longest wait estimated, and a second), set to the promise once every rate is
+        claimed: lowered, or raised while the provisional one is still ahead (no claim has read it past
+        its DUE yet); else everything is given back and claimed again.  A process killed part-way
+        leaves fences that hold the head no longer than their provisional DUE."""
+        ahead = min(2 * max(wait_ns(atts[i], toks[i]) for i in order) + NS_PER_S, float(1 << 62))
         claims: List[Claim] = []
+        holds: List[FenceHold] = []
         due = 0.0
         made = False
         rest = order
@@ -320,7 +342,8 @@ class MultiLimiter(RateGroup):
         try:
             while rest:
                 i = rest[0]
-                c = claim(atts[i], toks[i], max_ns, last=len(rest) == 1)
+                hold = FenceHold(want=int(atts[i].clock() + ahead))
+                c = claim(atts[i], toks[i], max_ns, last=len(rest) == 1, fence=hold)
                 if c[2] is NO_RECORD:  # five waiters of this process queue on that rate: claim it later
                     rest = rest[1:] + [i]
                     missed += 1
@@ -334,19 +357,26 @@ class MultiLimiter(RateGroup):
                 if c[2] is REFUSED:
                     return None
                 claims.append(c)
+                holds.append(hold)
                 att, ticket = c[0], c[2]
                 att.bucket.replenish()
                 if ticket is not None:
                     due = max(due, att.bucket.promised_ns(ticket) - att.clock())  # never earlier than the head
-            made = True
+            # every fence to the promise, unless one's provisional DUE has passed (it may have been
+            # read past it: raised now, the head might have gained on it early)
+            if all(h.rec is None or c[0].clock() < h.due for c, h in zip(claims, holds)):
+                for (att, *_), h in zip(claims, holds):
+                    h.settle(att.bucket.fences, math.ceil(att.clock() + max(0.0, due)))
+                made = True
         finally:
             if not made:  # refused part-way, or an exception (QueueFullError, an interrupt): give every claim back
                 give_back_claims(claims)
+                for (att, *_), h in zip(claims, holds):
+                    h.release(att.bucket.fences)
+        if not made:
+            return False
         for att, tokens, _, _, rec in claims:  # made: the claims are a grant, no longer waiters' tickets
             att.clear_ticket(rec, tokens)
-        for att, o in zip(atts, ops):
-            if o:
-                att.count(o)
         return max(0.0, due) / NS_PER_S
 
     @staticmethod

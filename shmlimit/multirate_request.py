@@ -10,6 +10,7 @@ from . import acquisition
 from .acquisition import Request
 from .attachment import Attachment
 from .bucket import diff
+from .fences import NO_FENCE, FenceHold
 from .config import NS_PER_S, validate_timeout
 from .giveback import NO_RECORD, REFUSED, record_nap, take_ticket
 
@@ -71,7 +72,7 @@ def take_all(atts: Sequence[Attachment], ops: Sequence[int], toks: Sequence[int]
 Claim = Tuple[Attachment, int, Any, int, Optional[int]]
 
 
-def claim(att: Attachment, tokens: int, max_ns: float, last: bool = True) -> Claim:
+def claim(att: Attachment, tokens: int, max_ns: float, last: bool = True, fence: Optional[FenceHold] = None) -> Claim:
     """One rate's claim of a reservation over several rates (``MultiLimiter.reserve``), within
     ``max_ns``, replenishing once if refused; ``REFUSED`` as its ticket when refused, taking nothing.
 
@@ -91,6 +92,10 @@ def claim(att: Attachment, tokens: int, max_ns: float, last: bool = True) -> Cla
     whole schedule.  On a rate whose attachment is closing (its records no longer handed out) it
     takes nothing and raises ``ValueError``: taken unrecorded there, a claim given back when the
     reservation fails would be held in no record, skipped by no one.
+    With ``fence`` the claim's fence is stored
+    before its CAS, covered or not (its tokens are used at the reservation's promise); with every
+    fence record in use it takes nothing (``NO_RECORD``: the reservation claims another rate first,
+    or waits).
     """
     b = att.bucket
     for attempt in range(2):
@@ -98,22 +103,22 @@ def claim(att: Attachment, tokens: int, max_ns: float, last: bool = True) -> Cla
         got, rec = NO_RECORD, None
         with att.writers.writing() as lens:  # (none once the process leaves its slot: close)
             if lens:
-                got, rec = b.take_within(tokens, max_ns, lens, att.grants_off, 0)
+                got, rec = b.take_within(tokens, max_ns, lens, att.grants_off, 0, fence)
         if lens and got is NO_RECORD and not last:
             return att, tokens, NO_RECORD, h, None
         if not lens and att.closed:  # its slot is being left: a claim taken now would be in no record
             raise ValueError(f"limiter {att.name!r} was closed while this call ran")
         if got is NO_RECORD and not last:  # no records here: covered now, or nothing (no record to queue in)
-            got, rec = b.take_within(tokens, max_ns, (), att.grants_off, 0)
+            got, rec = b.take_within(tokens, max_ns, (), att.grants_off, 0, fence)
             if got is NO_RECORD and (attempt or b.replenish() <= 0):
                 return att, tokens, NO_RECORD, h, None
             if got is NO_RECORD:
                 continue
         if got is NO_RECORD:
-            got, rec = b.take_within(tokens, max_ns)
+            got, rec = b.take_within(tokens, max_ns, fence=fence)
         if got is not REFUSED or attempt or b.replenish() <= 0:
             break
-    return att, tokens, got, h, rec
+    return att, tokens, NO_RECORD if got == NO_FENCE else got, h, rec
 
 
 def give_back_claims(claims: Sequence[Claim]) -> None:

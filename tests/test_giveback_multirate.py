@@ -428,7 +428,7 @@ def test_a_reservation_claiming_on_a_rate_being_closed_takes_nothing_there(name,
     outcome = []
     real_claim = multirate_module.claim
 
-    def claim(att, tokens, max_ns, last=True):
+    def claim(att, tokens, max_ns, last=True, fence=None):
         if threading.current_thread() is reserver:
             if att is a:
                 at_claim.set()
@@ -436,7 +436,7 @@ def test_a_reservation_claiming_on_a_rate_being_closed_takes_nothing_there(name,
             else:
                 stepped.set()
                 assert b_closed.wait(30)  # ... until the whole limiter is closed
-        return real_claim(att, tokens, max_ns, last)
+        return real_claim(att, tokens, max_ns, last, fence)
 
     def reserve():
         try:

@@ -354,3 +354,25 @@ def test_bad_rate_strings_are_refused(name, clock, text):
     with pytest.raises(ValueError, match="rates"):
         shmlimit.Limiter(name, rates=text, clock=clock)
     assert not [n for n in shmlimit.list_names() if n.startswith(name)]
+
+
+def test_a_reservation_over_several_rates_holds_each_rate_to_its_promise(name, clock, cleanup):
+    """A reservation covered at once on its fast rate and due a second later on its slow one uses
+    its fast op at the promise: the fast rate's fence (stored before that claim, covered or not)
+    holds the waiters behind it there until the promise, then lets them on at the rate.  Without
+    it, a waiter behind on the fast rate was granted 0.1 s on, and the held op with the next one
+    at the promise: two fast ops at one instant where the capacity allows one."""
+    lim = make(name, {"fast": ("10/s", 1), "slow": ("1/s", 1)}, clock)
+    cleanup.append(lim)
+    fast = lim._live()[0]
+    lim._live()[1].bucket.burn()  # the slow rate empty: its op a second away
+    promised = lim.reserve(fast=1, slow=1)
+    assert promised >= 1.0
+    assert fast.bucket.balance() <= 0  # the fast op taken at once
+    behind = request(lim, fast=1)
+    assert behind.begin() is not True
+    advance(lim, clock, promised + 0.1 - 0.003)
+    assert behind.next() is not True  # held: the fence until the promise, then an op at the rate
+    advance(lim, clock, 0.005)
+    assert behind.next() is True
+    behind.end()
