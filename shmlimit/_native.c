@@ -1346,6 +1346,8 @@ typedef struct {
     uint64_t tpn, pend_mul;
     double max_reserved_ns; /* +inf when the limiter has no max_reserved */
     int capped;
+    uint64_t *fence_hint; /* FENCE_HINT (layout.fence_offset), or NULL: a queued grab is undecided while a
+                           * reservation's fence may be in force (the slow path counts it: Schedule.wait_ns) */
 } Gate;
 
 /* At most how many tokens a replenish starting now could add (saturating). */
@@ -1448,6 +1450,12 @@ gate_grab_within(Gate *self, PyObject *arg)
                     Py_RETURN_FALSE;
                 Py_RETURN_NONE;
             }
+            if (self->fence_hint && __atomic_load_n(self->fence_hint, __ATOMIC_SEQ_CST)
+                                        > __atomic_load_n(self->repl_ts, __ATOMIC_SEQ_CST)) {
+                if (rec)
+                    __atomic_store_n(rec, 0, __ATOMIC_SEQ_CST);
+                Py_RETURN_NONE;
+            }
             /* beyond the released budget a wait is not computable, and no replenish moves CEIL */
             if (self->capped && (int64_t)(want - __atomic_load_n(self->ceil, __ATOMIC_SEQ_CST)) > 0)
                 goto refuse;
@@ -1496,10 +1504,18 @@ cells_gate(NativeCells *self, PyObject *const *args, Py_ssize_t n)
 {
     uint64_t *w[6], v[5]; /* seq, tail, head, ceil, repl_ts, grants; expected, amount, ops, tpn, pend_mul */
     uint64_t *recs[MAX_RECS];
-    int nrec = 0, recorded = n == 14; /* a 14th argument: the records a queued ticket must hold one of */
-    if (!parse_args(self, args, recorded ? 13 : n, "gate", "wuwwwwwuuuu..", w, v))
+    /* a 14th argument: the records a queued ticket must hold one of (None: none); a 15th: FENCE_HINT */
+    int nrec = 0, recorded = n >= 14 && args[13] != Py_None;
+    uint64_t *fence_hint = NULL;
+    if (n > 15) {
+        PyErr_SetString(PyExc_TypeError, "gate() takes 13 to 15 arguments");
+        return NULL;
+    }
+    if (!parse_args(self, args, n > 13 ? 13 : n, "gate", "wuwwwwwuuuu..", w, v))
         return NULL;
     if (recorded && !parse_records(self, args[13], "gate", recs, &nrec))
+        return NULL;
+    if (n == 15 && !(fence_hint = word(self, args[14])))
         return NULL;
     uint64_t amount = v[1], tpn = v[3], pend_mul = v[4];
     int capped = PyObject_IsTrue(args[11]);
@@ -1520,6 +1536,7 @@ cells_gate(NativeCells *self, PyObject *const *args, Py_ssize_t n)
     g->pend_mul = pend_mul;
     g->capped = capped;
     g->max_reserved_ns = max_reserved_ns;
+    g->fence_hint = fence_hint;
     if (recorded) {
         g->recorded = 1;
         g->nrec = nrec;
@@ -1894,7 +1911,7 @@ static PyMethodDef cells_methods[] = {
      "(with records, a tuple of LEN offsets: it queues only holding one of them)"},
     {"gate", (PyCFunction)(void (*)(void))cells_gate, METH_FASTCALL,
      "gate(seq, expected, tail, head, ceil, repl_ts, grants, amount, ops, tpn, pend_mul, capped, max_reserved_ns"
-     "[, records]) -> try_grab() and grab_within(timeout) bound to these"},
+     "[, records or None[, fence_hint]]) -> try_grab() and grab_within(timeout) bound to these"},
     {"try_grab", (PyCFunction)(void (*)(void))cells_try_grab, METH_FASTCALL,
      "try_grab(tail, head, amount, grants, ops) -> True if taken; False changes nothing"},
     {"keyed_table", (PyCFunction)(void (*)(void))cells_keyed_table, METH_FASTCALL,

@@ -327,18 +327,18 @@ class AtomicsCells(CompositesFromPrimitives):
         return _AtomicsGrabber(self, seq, expected, tail, head, amount, grants, ops, recs)
 
     def gate(self, seq, expected, tail, head, ceil, repl_ts, grants, amount, ops, tpn, pend_mul, capped,
-             max_reserved_ns, recs=None):
+             max_reserved_ns, recs=None, fence_hint=None):
         if self._p is None:
             g = super().gate(seq, expected, tail, head, ceil, repl_ts, grants, amount, ops, tpn, pend_mul,
-                             capped, max_reserved_ns, recs)
+                             capped, max_reserved_ns, recs, fence_hint)
             if recs is not None:
                 g.grab_within = self._recorded(g.grab_within, None)  # type: ignore[method-assign]
             return g
-        self._check(seq, tail, head, ceil, repl_ts, grants)
+        self._check(seq, tail, head, ceil, repl_ts, grants, *([] if fence_hint is None else [fence_hint]))
         if recs is not None:
             check_records(recs, self.size)
         return _AtomicsGate(self, seq, expected, tail, head, ceil, repl_ts, grants, amount, ops, tpn, pend_mul,
-                            capped, max_reserved_ns, recs=recs)
+                            capped, max_reserved_ns, recs=recs, fence_hint=fence_hint)
 
     # -- the fed wait's futex (hierarchical mode): see futex.py
 
@@ -471,8 +471,8 @@ class _AtomicsGate(Gate):
     Each call counts as one operation of its cells, as ``_AtomicsGrabber``'s.
     """
 
-    def __init__(self, c: AtomicsCells, *args: Any, recs: Optional[tuple] = None) -> None:
-        super().__init__(c, *args, recs=recs)
+    def __init__(self, c: AtomicsCells, *args: Any, recs: Optional[tuple] = None, fence_hint: Optional[int] = None) -> None:
+        super().__init__(c, *args, recs=recs, fence_hint=fence_hint)
         base = c._base
         self.c, self.w, self.p = c, c._words, c._p
         self.i_seq, self.i_tail, self.i_head = self.seq // WORD, self.tail // WORD, self.head // WORD
@@ -525,6 +525,8 @@ class _AtomicsGate(Gate):
                     if short / self.tpn > max_wait_ns:
                         pend = self.pending()
                         return False if short > pend and (short - pend) / self.tpn > max_wait_ns else None
+                    if self.fence_hint is not None and w[self.fence_hint // WORD] > w[self.i_ts]:
+                        return None  # a reservation's fence may hold it: the slow path's wait counts it
                     if self.capped and signed(want - w[self.i_ceil]) > 0:
                         return False
                     if self.recs is not None:  # no queued ticket without a record (claim_record)

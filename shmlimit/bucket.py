@@ -221,7 +221,7 @@ class Bucket(Schedule):
         # recs, grab_within queues only holding one of them (else it answers None: undecided)
         args = (L.CFG_SEQ, snap.seq, L.TAIL, L.HEAD, L.HEAD, L.REPL_TS, grants, snap.cost, ops, snap.tpn,
                 math.ceil(snap.config.ratio), False, snap.max_reserved_ns)
-        return self.cells.gate(*args) if recs is None else self.cells.gate(*args, recs)
+        return self.cells.gate(*args, recs, self.fences.hint)  # (queued behind a fence: undecided)
 
     def waiter(self, snap: Snapshot, grants: int, waiting: Optional[int], slack_ns: int) -> Any:
         """A ticket's whole wait as one native call, bound once under ``snap`` (None: wait in Python).

@@ -115,10 +115,12 @@ class Cells(Protocol):
 
     def gate(
         self, seq: int, expected: int, tail: int, head: int, ceil: int, repl_ts: int, grants: int, amount: int,
-        ops: int, tpn: int, pend_mul: int, capped: bool, max_reserved_ns: float, *recs: tuple,
+        ops: int, tpn: int, pend_mul: int, capped: bool, max_reserved_ns: float, *recs: Any,
     ) -> Any:
         """``try_grab()`` and ``grab_within(timeout)`` of one config, bound once (see ``Gate``); with
-        ticket records (``recs``) ``grab_within`` queues only holding one, else answers None."""
+        ticket records (``recs``: the records, or None, then FENCE_HINT) ``grab_within`` queues only
+        holding one, else answers None; with FENCE_HINT it answers None rather than queue while a
+        reservation's fence may be in force."""
         ...
 
     def waiter(

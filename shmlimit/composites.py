@@ -199,13 +199,14 @@ class CompositesFromPrimitives:
         capped: bool,
         max_reserved_ns: float,
         recs: Optional[tuple] = None,
+        fence_hint: Optional[int] = None,
     ) -> "Gate":
         """``try_acquire`` and a timed ``acquire`` of one config, each in one call (see ``Gate``)."""
-        self._check(seq, tail, head, ceil, repl_ts, grants)
+        self._check(seq, tail, head, ceil, repl_ts, grants, *([] if fence_hint is None else [fence_hint]))
         if recs is not None:
             check_records(recs, self.size)
         return Gate(self, seq, expected, tail, head, ceil, repl_ts, grants, amount, ops, tpn, pend_mul, capped,
-                    max_reserved_ns, recs=recs)
+                    max_reserved_ns, recs=recs, fence_hint=fence_hint)
 
     def waiter(
         self, seq: int, expected: int, tail: int, head: int, repl_ts: int, snap_head: int, snap_tail: int,
@@ -260,7 +261,7 @@ class Gate:
     def __init__(
         self, cells: Primitives, seq: int, expected: int, tail: int, head: int, ceil: int, repl_ts: int, grants: int,
         amount: int, ops: int, tpn: int, pend_mul: int, capped: bool, max_reserved_ns: float,
-        clock: Callable[[], int] = time.monotonic_ns, recs: Optional[tuple] = None,
+        clock: Callable[[], int] = time.monotonic_ns, recs: Optional[tuple] = None, fence_hint: Optional[int] = None,
     ) -> None:
         if tpn < 1 or pend_mul < 1 or not 1 <= amount <= 1 << 62 or not max_reserved_ns >= 0:
             raise ValueError("gate: tpn, pend_mul and amount must be >= 1 (amount < 2**62), max_reserved_ns >= 0")
@@ -271,6 +272,13 @@ class Gate:
         self.clock = clock
         #: the ticket records a queued ticket must hold one of (None: it queues unrecorded)
         self.recs = recs
+        #: FENCE_HINT (None: none): a grab that would queue is undecided while a reservation's fence
+        #: may be in force (the slow path counts it in the wait: ``Schedule.wait_ns``)
+        self.fence_hint = fence_hint
+
+    def fenced(self) -> bool:
+        """May a reservation's fence be in force (its DUE after the last replenish)?"""
+        return self.fence_hint is not None and self.cells.load(self.fence_hint) > self.cells.load(self.repl_ts)
 
     def pending(self) -> int:
         """At most how many tokens a replenish starting now could add."""
@@ -307,6 +315,8 @@ class Gate:
                     if short / self.tpn > max_wait_ns:
                         pend = self.pending()
                         return False if short > pend and (short - pend) / self.tpn > max_wait_ns else None
+                    if self.fenced():
+                        return None  # the slow path's wait counts the fences
                     if self.capped and signed(want - c.load(self.ceil)) > 0:
                         return False  # beyond the released budget: no computable wait, no replenish helps
                     if self.recs is not None:  # no queued ticket without a record (claim_record)

@@ -136,3 +136,24 @@ def test_any_fence_words_leave_every_call_working(name, words):
         lim.stats()
     finally:
         lim.close()
+
+
+def test_a_timed_acquire_behind_a_fence_takes_nothing_when_it_would_outwait_its_timeout(name):
+    """The gate of the timed fast path does not queue while a fence may be in force (undecided), and
+    the slow path's wait counts the fence: 50 ms behind a fence that lifts in about 0.5 s, a timed
+    acquire of 0.1 s is refused at once, its ticket never taken (the head's linear time said 10 ms)."""
+    clock = FakeClock()
+    lim = shmlimit.Limiter(name, rate=100, burst=1, clock=clock)
+    try:
+        att = lim._att
+        b = att.bucket
+        _late_fence(lim)
+        clock.advance(20 * MS)
+        b.replenish()
+        gate = b.gate(b.snap, att.grants_off)
+        tail = b.taken()
+        assert gate.grab_within(0.1) is None  # undecided: the slow path decides
+        assert lim.acquire(timeout=0.1) is False
+        assert b.taken() == tail  # nothing taken
+    finally:
+        lim.close()
