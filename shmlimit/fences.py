@@ -30,13 +30,14 @@ from typing import Callable, List, Optional, Tuple
 
 from . import layout as L
 from .cells import Cells
+from .config import MAX_NAP
 from .words import MASK64, fence_horizon_ns, signed
 
 #: ``Bucket.take_within`` for a reservation took nothing: every fence record in use.
 NO_FENCE = "no fence"
-#: A ``reserve()`` that finds every fence record in use looks again this often at most (s).
+#: A ``reserve()`` that finds every fence record in use naps until the soonest DUE, at least this
+#: long (s) and at most ``MAX_NAP`` at a time.
 FENCE_NAP = 0.001
-MAX_NAP = 0.25
 
 
 class Fences:
@@ -112,21 +113,6 @@ class Fences:
         """The soonest DUE of the records in use (0: none): when one is free again."""
         dues = [d for d in self.cells.load_many(tuple(off + L.FENCE_DUE for off in self.recs)) if d]
         return min(dues) if dues else 0
-
-    def reap(self, dead: Callable[[int], bool]) -> int:
-        """Free the records of reservers ``dead(pid)`` says are dead (a dead holder uses nothing, so its
-        fence holds no one); the number freed.  Each by one CAS of its DUE, kept only if its OWNER
-        did not change while judged."""
-        c = self.cells
-        freed = 0
-        for off in self.recs:
-            due = c.load(off + L.FENCE_DUE)
-            if not due:
-                continue
-            owner = c.load(off + L.FENCE_OWNER)
-            if dead(owner >> 32) and c.load(off + L.FENCE_OWNER) == owner and c.cas(off + L.FENCE_DUE, due, 0):
-                freed += 1
-        return freed
 
 
 class FenceHold:

@@ -370,9 +370,9 @@ class MultiLimiter(RateGroup):
                 made = True
         finally:
             if not made:  # refused part-way, or an exception (QueueFullError, an interrupt): give every claim back
-                give_back_claims(claims)
-                for (att, *_), h in zip(claims, holds):
+                for (att, *_), h in zip(claims, holds):  # (its fences first: they would hold its own give-back)
                     h.release(att.bucket.fences)
+                give_back_claims(claims)
         if not made:
             return False
         for att, tokens, _, _, rec in claims:  # made: the claims are a grant, no longer waiters' tickets

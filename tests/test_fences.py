@@ -1,5 +1,6 @@
 """Reservation fences (shmlimit/fences.py): what the waiters behind one do, and hostile fence words."""
 import time
+import types
 
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
@@ -155,5 +156,39 @@ def test_a_timed_acquire_behind_a_fence_takes_nothing_when_it_would_outwait_its_
         assert gate.grab_within(0.1) is None  # undecided: the slow path decides
         assert lim.acquire(timeout=0.1) is False
         assert b.taken() == tail  # nothing taken
+    finally:
+        lim.close()
+
+
+def test_a_reservation_with_every_fence_record_in_use_waits_for_the_soonest_due(name, monkeypatch):
+    """64 reservations pending hold every record: a 65th with a ``max_wait`` shorter than the soonest
+    DUE is refused at once, taking nothing; without one it waits (naps, the clock moving with them)
+    until that DUE has passed and a claim after it frees the record, and is promised after it."""
+    import shmlimit.fences as fences
+
+    clock = FakeClock()
+    lim = shmlimit.Limiter(name, rate=1000, burst=1, clock=clock)
+    try:
+        b = lim._att.bucket
+        lim.drain()
+        promises = [clock.now + lim.reserve() * 1e9 for _ in range(L.FENCE_RECORDS)]
+        assert b.fences.take(b.cells.load(L.REPL_TS)) is None  # every record in use
+        soonest = b.fences.earliest_due()
+        assert soonest == pytest.approx(min(promises), abs=2)
+        tail = b.taken()
+        assert lim.reserve(max_wait=(soonest - clock.now) / 1e9 / 2) is None
+        assert b.taken() == tail
+        naps = []
+
+        def nap(seconds):  # the reserving thread sleeps: the clock moves, the filler ticks
+            naps.append(seconds)
+            clock.advance(max(1, int(seconds * 1e9)))
+            b.replenish()
+
+        monkeypatch.setattr(fences, "time", types.SimpleNamespace(sleep=nap))  # (this module's naps only)
+        wait = lim.reserve()
+        at = clock.now + wait * 1e9
+        assert naps and clock.now > soonest
+        assert at >= max(promises) + MS  # its ticket is an op behind all 64
     finally:
         lim.close()
