@@ -36,6 +36,8 @@ Invariants (D = ``HEAD - TAIL``; D < 0 means -D tokens are owed to queued grabs)
    the clamp is always relative to the oldest state the interval could have
    seen.  Snapshots only ever under-estimate, which can lose a little time
    (never over-grant).
+4. Every move of the head keeps ``HEAD <= LIMIT + max(0, now - DUE) * TPN`` for each
+   reservation fence in force (``fences``): held there until the reservation's promise.
 
 Pure arithmetic on cells and an injected clock: tested with a fake clock over simulated hours.
 """
@@ -478,7 +480,7 @@ class Bucket(Schedule):
 
     def skip(self, start: int, end: int) -> Optional[int]:
         """The head jumps over ``[start, end)``, a range given back (``giveback.skip`` says why the bound
-        holds): None while the head is before ``start``, else the tokens skipped (0: none to skip)."""
+        holds): None while the head is before ``start`` or a fence holds it, else the tokens skipped (0: none)."""
         c = self.cells
         while True:
             head = c.load(L.HEAD)

@@ -2,7 +2,8 @@
 
 ``due_ns`` is a waiter's wake time, the earliest a replenish could cover a
 ticket; ``promised_ns`` is a reservation's moment, never earlier than the head
-can get there (see docs/design.md, "When a reservation is due").
+can get there (see docs/design.md, "When a reservation is due"); both count
+the reservations' fences before the ticket (``fences``).
 """
 from __future__ import annotations
 
@@ -87,7 +88,6 @@ class Schedule:
         """The head rover now (for ``give_back``)."""
         return self.cells.load(L.HEAD)
 
-
     def balance(self) -> int:
         """``HEAD - TAIL`` in tokens: available when positive, owed to waiters when negative."""
         tail = self.cells.load(L.TAIL)
@@ -97,6 +97,7 @@ class Schedule:
         """The tail rover: every token ever taken or queued for (wrapping at 2**64; compare with ``diff``).
         Its advance over a period is that period's demand (grants, tickets, burned tokens alike)."""
         return self.cells.load(L.TAIL)
+
     def wait_ns(self, ticket: int, short: int, snap: Snapshot) -> float:
         """The wait (ns) of ``ticket``, ``short`` tokens away: at the pace the head can keep
         (``estimate_wait_ns``), and no sooner than the fences before it let the head get there."""
