@@ -561,13 +561,9 @@ def reserve(att: "Attachment", n: int, max_wait: Optional[float]) -> Optional[fl
         return 0.0
     if b.capped and not b.admit(n):
         return None  # no room among the ops in flight: nothing taken
-    # Replenish with a claim of our own first (again, a few times at most, while an older one
-    # preempted before its CAS wins): the promise stored in the fence counts from a fresh REPL_TS.
-    for _ in range(3):
-        since = att.clock()
-        refill(att)
-        if b.refilled_since(since):
-            break
+    # A claim of our own before the grab (the promise in the fence counts from a fresh REPL_TS) and
+    # after it: a snapshot from before a grab that emptied a full bucket makes the next claim add nothing
+    _claim_now(att)
     ticket = due = None
     try:
         bound = min(_INF if limit is None else limit * NS_PER_S, b.max_reserved_ns)
@@ -578,11 +574,20 @@ def reserve(att: "Attachment", n: int, max_wait: Optional[float]) -> Optional[fl
     if ticket is None:
         return None
     att.count(n)
+    _claim_now(att)
     if b.deficiency(ticket) and b.stopped:
         return _INF
-    # the fence holds every grant behind the ticket to its promise (``fences``): a late promise costs
-    # time, never a slot used together with those behind it
+    # its fence holds those behind it to its promise (``fences``): a late promise costs time, never a slot
     return 0.0 if due is None else max(0.0, due - att.clock()) / NS_PER_S
+
+
+def _claim_now(att: "Attachment") -> None:
+    """A claim of our own, again (a few times at most) while an older one preempted before its CAS wins."""
+    for _ in range(3):
+        since = att.clock()
+        refill(att)
+        if att.bucket.refilled_since(since):
+            return
 
 
 def retry_after(att: "Attachment", n: int) -> float:
