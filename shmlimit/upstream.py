@@ -44,14 +44,16 @@ one word, (the earliest moment it could be due, in ms) << 24 | its ops, in a
 ring of four slots chosen by a fetch-add, so racing fillers never mix one
 batch's time with another's size.  At every wake, before the Redis call and
 after the deliveries, the filler burns whatever the bucket holds beyond the
-ops of records younger than ``lease_ttl``, and it plans a wake for the end
-of a record while the bucket holds more than the younger ones cover.  An op
-used at time u was therefore due after ``u - lease_ttl - d``, where d is how
-late a check comes after a record ends: the sleep's lateness, plus one
-Redis call of at most ``timeout``.  A filler stopped in the middle of a
-delivery (SIGSTOP) and resumed much later never adds a batch older than its
-ttl; one it adds late carries its old record, and it checks right after the
-add and, no longer the filler, at its records' ends (``orphan_tick``).
+ops of records younger than ``lease_ttl`` (``MIN_TICK`` from now: it naps no
+shorter), and it plans a wake ``MIN_TICK`` before the end of a record while
+the bucket holds more than the younger ones cover, never floored past that
+end.  An op used at time u was therefore due after ``u - lease_ttl - d``,
+where d is how late a check comes after a record ends: the sleep's lateness
+past its plan, plus one Redis call of at most ``timeout``.  A filler stopped
+in the middle of a delivery (SIGSTOP) and resumed much later never adds a
+batch older than its ttl; one it adds late carries its old record, and it
+checks right after the add and, no longer the filler, at its records' ends
+(``orphan_tick``).
 Stopped again between the add and that check, the excess waits for the
 running filler's next wake: then d is at most ``IDLE_TICK`` plus one call.  Since Redis grants at most
 ``rate*T + burst`` in any window T, all hosts together grant at most
@@ -116,7 +118,9 @@ _FALLBACK = {"local": (STATE_LOCAL, L.FLAG_UPSTREAM | L.FLAG_FALLBACK_LOCAL),
 #: a lease record expires with tokens in the bucket), and no longer than this (seconds): how soon
 #: an idle host notices a caller's first refusal, and the lease is renewed at the latest ...
 IDLE_TICK = 0.02
-#: ... and no shorter than this (seconds).
+#: ... and no shorter than this (seconds).  So a check burns, with the records that ended, those
+#: that end within this long (``Feeder.expire``), and the wake for a record's end is planned this
+#: long before it (``Feeder.nap_for_end``): the floor never carries a wake past a record's end.
 MIN_TICK = 0.0002
 #: While the "local" fallback feeds the bucket from the clock, or a due batch waits for room,
 #: the feeder looks this often (seconds).
@@ -265,18 +269,21 @@ class Feeder:
         state = c.load(L.UP_STATE)
         if state in (STATE_OK, STATE_CLOSED, STATE_ERROR):  # leased tokens expire, Redis or not
             self.expire(now)
-        self.mine = [w for w in self.mine if self._end(w) > now]  # the ended ones were checked just now
+        self.mine = [w for w in self.mine if not self._ends_by(w, now)]  # those were checked just now
         self._deliver(now)
         if not b.stopped and now >= self.next_try:
             self._lease(now, state)
             self._deliver(self.clock())  # a batch due at once goes in without waiting a tick
+        # the next wake is planned from the instant of the last check (a record ending just after
+        # a check that counted it young, within MIN_TICK of a later reading, is planned from there)
+        now = self.clock()
         if c.load(L.UP_STATE) in (STATE_OK, STATE_CLOSED, STATE_ERROR):
             # and once more: the rest of a batch that waited for room went in after the check, and
             # its record counted all its ops already; the next wake may be far
-            self.expire(self.clock())
+            self.expire(now)
         if b.time_fed:  # the "local" fallback: the clock feeds the bucket meanwhile
             b.replenish()
-        return self._publish_next(self.clock())
+        return self._publish_next(now)
 
     def orphan_tick(self) -> Optional[float]:
         """No longer the filler: deliver the batches this process reserved, when due (they are slots
@@ -286,18 +293,21 @@ class Feeder:
             return None
         now = self.clock()
         self._deliver(now)
-        live = [w for w in self.mine if self._end(w) > now]
-        if len(live) < len(self.mine):  # a record of ours ended: the filler may not have seen it
+        live = [w for w in self.mine if not self._ends_by(w, now)]
+        if len(live) < len(self.mine):  # a record of ours ends (within MIN_TICK): the filler may not see it
             self.mine = live
             if self.cells.load(L.UP_STATE) in (STATE_OK, STATE_CLOSED, STATE_ERROR):
                 self.expire(now)
-        if not self.pending:
-            return max(MIN_TICK, (min(map(self._end, live)) - now) / 1e9) if live else None
-        due = self.pending[0].due
-        cur = self.cells.load(L.UP_NEXT_NS)
-        if cur <= now or cur > due:
-            self.cells.cas(L.UP_NEXT_NS, cur, due)
-        return max(MIN_TICK, (min(due, min(map(self._end, live), default=due)) - now) / 1e9)
+        nap = _NEVER
+        if live:
+            nap = self.nap_for_end(now, min(map(self._end, live)))
+        if self.pending:
+            due = self.pending[0].due
+            cur = self.cells.load(L.UP_NEXT_NS)
+            if cur <= now or cur > due:
+                self.cells.cas(L.UP_NEXT_NS, cur, due)
+            nap = min(nap, max(int(MIN_TICK * 1e9), due - now))
+        return None if nap == _NEVER else nap / 1e9
 
     def _publish_next(self, now: int) -> float:
         """Tell timed waiters when tokens are next expected (``UP_NEXT_NS``); return the nap until the next event."""
@@ -305,8 +315,28 @@ class Feeder:
         self.cells.store(L.UP_NEXT_NS, nxt)
         if self.bucket.time_fed:  # the "local" fallback refills from the clock: tick as a clock feed does
             return TICK
-        at = min(self._next_delivery(now), self._next_request(now), self.next_expiry(now), now + int(IDLE_TICK * 1e9))
-        return max(MIN_TICK, (at - now) / 1e9)
+        at = min(self._next_delivery(now), self._next_request(now), now + int(IDLE_TICK * 1e9))
+        nap = max(int(MIN_TICK * 1e9), at - now)
+        end = self.next_expiry(now)
+        if end != _NEVER:
+            nap = min(nap, self.nap_for_end(now, end))
+        return nap / 1e9
+
+    @staticmethod
+    def nap_for_end(now: int, end: int) -> int:
+        """How long (ns) to sleep at ``now`` for the check that burns the tokens of a record ending at
+        ``end`` (later than ``now``).
+
+        A check burns what ends within ``MIN_TICK`` (``expire``), so the wake
+        is planned ``MIN_TICK`` before the end: one that comes up to that much
+        late still checks in time.  The nap is no shorter than ``MIN_TICK``
+        unless the end itself is nearer (tokens added since the last check,
+        whose record ends within ``MIN_TICK`` of it: rare, and once per such
+        record): flooring it would carry the wake past the end, and tokens
+        would outlive their record by up to ``MIN_TICK``.
+        """
+        tick = int(MIN_TICK * 1e9)
+        return min(end - now, max(tick, end - tick - now))
 
     def _next_delivery(self, now: int) -> int:
         """When the first reserved batch goes into the bucket: when due, or, when it is due but waits
@@ -351,7 +381,8 @@ class Feeder:
         return low if low > now else _NEVER
 
     def next_expiry(self, now: int) -> int:
-        """The first instant a check would burn tokens the bucket holds now: a lease record's end.
+        """When the bucket first holds more than the lease records young then cover: a record's end
+        (the check for it is planned ``MIN_TICK`` before: ``nap_for_end``).
 
         Tokens enter the bucket only with a record (``_deliver``), so only a
         record ending while the bucket holds more than the younger records
@@ -383,8 +414,12 @@ class Feeder:
         self._burned = 0
 
     def expire(self, now: int) -> int:
-        """Burn the tokens beyond those of leases younger than the time to live; return ops burned.
+        """Burn the tokens beyond those of leases still younger than the time to live ``MIN_TICK``
+        after ``now``; return ops burned.
 
+        Those ending sooner are burned now, a little early rather than late:
+        the feeder naps at least ``MIN_TICK`` (``nap_for_end``), so a record
+        ending within it would otherwise outlive its end until the next wake.
         Each record is one word written with one store, into a slot of a ring
         chosen by a fetch-add: fillers racing (a Redis call slower than the
         filler lease) never mix one lease's time with another's amount.
@@ -393,7 +428,7 @@ class Feeder:
         keep = 0
         for i in range(L.UP_RECORDS):
             word = c.load(L.UP_RECORD + 8 * i)
-            if word and now - (word >> RECORD_OPS_BITS) * 1_000_000 < self.ttl_ns:
+            if word and not self._ends_by(word, now):
                 keep += word & RECORD_MAX_OPS
         burned = self.bucket.burn(keep * self.bucket.cost)
         self._burned += burned
@@ -404,6 +439,11 @@ class Feeder:
     def _end(self, word: int) -> int:
         """When the lease record ``word`` ends (monotonic ns)."""
         return (word >> RECORD_OPS_BITS) * 1_000_000 + self.ttl_ns
+
+    def _ends_by(self, word: int, now: int) -> bool:
+        """Does the lease record ``word`` end within ``MIN_TICK`` of ``now`` (or before): a check at
+        ``now`` counts it ended (``expire``)?"""
+        return self._end(word) <= now + int(MIN_TICK * 1e9)
 
     def _deliver(self, now: int) -> None:
         """Put the batches that are due into the bucket, as far as they fit; drop those past their ttl.

@@ -7,6 +7,8 @@ GCRA in Redis sees exactly the same times.  The filler thread of the
 limiter is stopped: the test runs the feeder itself.
 """
 import pytest
+from hypothesis import HealthCheck, example, given, settings
+from hypothesis import strategies as st
 
 import shmlimit
 import shmlimit.layout as L
@@ -309,31 +311,52 @@ def keep_at(cells, ttl_ns, at, mine):
                if w and at - (w >> RECORD_OPS_BITS) * 1_000_000 < ttl_ns)
 
 
-@pytest.mark.parametrize("idle_after", [0.02, 0.05, 0.2])
-def test_a_sleeping_feeder_never_lets_tokens_outlive_their_records(R, redis_server, name, clock, idle_after):
+@settings(max_examples=100, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@example(phase=497_000, idle_after_us=200_000, ttl_ms=50)  # (a wake 0.08 ms before a record's end: a nap of 0.2 ms)
+@given(phase=st.integers(0, 999_999), idle_after_us=st.integers(10_000, 250_000), ttl_ms=st.integers(10, 100))
+def test_a_sleeping_feeder_never_lets_tokens_outlive_their_records(R, redis_server, name, monkeypatch, phase,
+                                                                    idle_after_us, ttl_ms):
     """Busy, then nobody takes: the feeder sleeps, yet at no instant between two of its wakes does
-    the bucket hold more than the records young at that instant cover (it wakes when one ends)."""
-    ttl = 0.05
-    host = Host(R, name, redis_server.url, clock, 1000, burst=50, lease_ttl=ttl)
-    b, cells = host.att.bucket, host.att.cells
-    try:
-        end = clock.now + int(idle_after * 1e9)
-        while clock.now < end:  # a busy host: leases flow
-            host.take_all()
-            clock.advance(max(1000, int(host.feeder.tick() * 1e9)))
-        held_max = 0
-        end = clock.now + int(4 * ttl * 1e9)
-        while clock.now < end:  # nobody takes any more: only the feeder changes the bucket
-            nap = max(1000, int(host.feeder.tick() * 1e9))
-            held = b.balance() // b.cost
-            held_max = max(held_max, held)
-            # the bucket stays as it is until the next wake: every instant of the nap is covered
-            assert held <= keep_at(cells, int(ttl * 1e9), clock.now + nap - 1, host.feeder.mine), (held, nap)
-            clock.advance(nap)
-        assert held_max > 0  # the test saw tokens held across naps
-        assert host.lim.stats().upstream.expired > 0  # and the feeder's wakes burned some at their end
-    finally:
-        host.close()
+    the bucket hold more than the records young at that instant cover (it wakes for a record's end,
+    and burns what ends before it could wake again), and it never naps less than ``MIN_TICK`` (a
+    wake per record's end, not a loop of tiny naps).
+
+    Searched over the clock's sub-ms phase against the records' whole-ms stamps, how long the host
+    was busy, and the ttl.  With every nap floored to ``MIN_TICK``, a wake less than that before a
+    record's end slept past it (tokens held up to ``MIN_TICK`` past their record); the three fixed
+    cases tried before, on a clock starting on a whole second, happened to have no such wake."""
+    import random
+
+    import shmlimit.upstream as U
+
+    ttl = ttl_ms / 1000
+    with monkeypatch.context() as mp:
+        clock = FakeClock(FakeClock().now + phase)  # (its default start is on a whole second)
+        mp.setattr(R.time, "time_ns", clock)
+        mp.setattr(U, "random", random.Random(17))
+        host = Host(R, f"{name}-{phase}-{idle_after_us}-{ttl_ms}", redis_server.url, clock, 1000,
+                    burst=50, lease_ttl=ttl)
+        b, cells, f = host.att.bucket, host.att.cells, host.feeder
+        try:
+            end = clock.now + idle_after_us * 1000
+            while clock.now < end:  # a busy host: leases flow
+                host.take_all()
+                clock.advance(max(1000, round(f.tick() * 1e9)))
+            held_max = 0
+            end = clock.now + int(4 * ttl * 1e9)
+            while clock.now < end:  # nobody takes any more: only the feeder changes the bucket
+                nap = round(f.tick() * 1e9)  # (exact: a nap in seconds is far within a float's ns)
+                assert nap >= U.MIN_TICK * 1e9, nap
+                held = b.balance() // b.cost
+                held_max = max(held_max, held)
+                # the bucket stays as it is until the next wake: every instant of the nap is covered
+                keep = keep_at(cells, int(ttl * 1e9), clock.now + nap - 1, f.mine)
+                assert held <= keep, (held, keep, nap)
+                clock.advance(nap)
+            assert held_max > 0  # the test saw tokens held across naps
+            assert host.lim.stats().upstream.expired > 0  # and the feeder's wakes burned some at their end
+        finally:
+            host.close()
 
 
 def test_a_new_filler_with_few_queued_callers_reaches_the_rate_at_once(R, redis_server, name, clock):
