@@ -52,8 +52,8 @@ where d is how late a check comes after a record ends: the sleep's lateness
 past its plan, plus one Redis call of at most ``timeout``.  A filler stopped
 in the middle of a delivery (SIGSTOP) and resumed much later never adds a
 batch older than its ttl; one it adds late carries its old record, and it
-checks right after the add and, no longer the filler, at its records' ends
-(``orphan_tick``).
+checks right after the add and, no longer the filler, after its deliveries
+and at its records' ends (``orphan_tick``).
 Stopped again between the add and that check, the excess waits for the
 running filler's next wake: then d is at most ``IDLE_TICK`` plus one call.  Since Redis grants at most
 ``rate*T + burst`` in any window T, all hosts together grant at most
@@ -292,9 +292,12 @@ class Feeder:
         if not self.pending and not self.mine:
             return None
         now = self.clock()
-        self._deliver(now)
+        added = self._deliver(now)
         live = [w for w in self.mine if not self._ends_by(w, now)]
-        if len(live) < len(self.mine):  # a record of ours ends (within MIN_TICK): the filler may not see it
+        # a record of ours ends (within MIN_TICK): the filler may not see it; or we delivered: the
+        # rest of a batch that waited for room went in after the last check, its record counting
+        # all its ops already (as a tick checks once more after its deliveries)
+        if len(live) < len(self.mine) or added:
             self.mine = live
             if self.cells.load(L.UP_STATE) in (STATE_OK, STATE_CLOSED, STATE_ERROR):
                 self.expire(now)
@@ -445,8 +448,9 @@ class Feeder:
         ``now`` counts it ended (``expire``)?"""
         return self._end(word) <= now + int(MIN_TICK * 1e9)
 
-    def _deliver(self, now: int) -> None:
+    def _deliver(self, now: int) -> int:
         """Put the batches that are due into the bucket, as far as they fit; drop those past their ttl.
+        Returns the ops put in.
 
         Ordered so that a filler stopped anywhere in here and resumed much
         later can do no harm: a batch older than its ttl is never added, and
@@ -455,6 +459,7 @@ class Feeder:
         """
         b = self.bucket
         c = self.cells
+        added = 0
         while self.pending and self.pending[0].due <= now:
             bt = self.pending[0]
             if now - bt.stamp >= self.ttl_ns:
@@ -475,13 +480,16 @@ class Feeder:
                 c.store(L.UP_RECORD + 8 * slot, word)
                 bt.recorded = True
                 self.mine.append(word)
-            bt.left -= b.add(bt.left * b.cost) // b.cost
+            put = b.add(bt.left * b.cost) // b.cost
+            bt.left -= put
+            added += put
             if self.clock() - bt.stamp >= self.ttl_ns:
                 # stopped between the age check and the add: what we added is already past its ttl
                 self.expire(self.clock())
             if bt.left > 0:
-                return  # no room: the rest waits for the next tick (or its ttl)
+                return added  # no room: the rest waits for the next tick (or its ttl)
             self.pending.popleft()
+        return added
 
     def want(self, now: int, early: int = 0) -> int:
         """Ops to reserve now (0: none needed), or up to ``early`` ns before they would be.

@@ -312,14 +312,19 @@ def keep_at(cells, ttl_ns, at, mine):
 
 
 @settings(max_examples=100, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
-@example(phase=497_000, idle_after_us=200_000, ttl_ms=50)  # (a wake 0.08 ms before a record's end: a nap of 0.2 ms)
-@given(phase=st.integers(0, 999_999), idle_after_us=st.integers(10_000, 250_000), ttl_ms=st.integers(10, 100))
+@example(phase=497_000, idle_after_us=200_000, ttl_ms=50, orphan=False)  # (a wake 0.08 ms before a record's end: a nap of 0.2 ms)
+@example(phase=0, idle_after_us=169_001, ttl_ms=41, orphan=True)  # (the rest of a batch in after the orphan's burn)
+@given(phase=st.integers(0, 999_999), idle_after_us=st.integers(10_000, 250_000), ttl_ms=st.integers(10, 100),
+       orphan=st.booleans())
 def test_a_sleeping_feeder_never_lets_tokens_outlive_their_records(R, redis_server, name, monkeypatch, phase,
-                                                                    idle_after_us, ttl_ms):
+                                                                    idle_after_us, ttl_ms, orphan):
     """Busy, then nobody takes: the feeder sleeps, yet at no instant between two of its wakes does
     the bucket hold more than the records young at that instant cover (it wakes for a record's end,
     and burns what ends before it could wake again), and it never naps less than ``MIN_TICK`` (a
-    wake per record's end, not a loop of tiny naps).
+    wake per record's end, not a loop of tiny naps).  ``orphan``: it is no longer the filler when
+    the host goes idle, and nobody else fills (its process lost the election to one that died): it
+    delivers what it had reserved and checks at its own records' ends (``orphan_tick``), which
+    are all the records there are.
 
     Searched over the clock's sub-ms phase against the records' whole-ms stamps, how long the host
     was busy, and the ttl.  With every nap floored to ``MIN_TICK``, a wake less than that before a
@@ -334,7 +339,7 @@ def test_a_sleeping_feeder_never_lets_tokens_outlive_their_records(R, redis_serv
         clock = FakeClock(FakeClock().now + phase)  # (its default start is on a whole second)
         mp.setattr(R.time, "time_ns", clock)
         mp.setattr(U, "random", random.Random(17))
-        host = Host(R, f"{name}-{phase}-{idle_after_us}-{ttl_ms}", redis_server.url, clock, 1000,
+        host = Host(R, f"{name}-{phase}-{idle_after_us}-{ttl_ms}-{orphan:d}", redis_server.url, clock, 1000,
                     burst=50, lease_ttl=ttl)
         b, cells, f = host.att.bucket, host.att.cells, host.feeder
         try:
@@ -345,8 +350,12 @@ def test_a_sleeping_feeder_never_lets_tokens_outlive_their_records(R, redis_serv
             held_max = 0
             end = clock.now + int(4 * ttl * 1e9)
             while clock.now < end:  # nobody takes any more: only the feeder changes the bucket
-                nap = round(f.tick() * 1e9)  # (exact: a nap in seconds is far within a float's ns)
-                assert nap >= U.MIN_TICK * 1e9, nap
+                nap = f.orphan_tick() if orphan else f.tick()
+                if nap is None:  # the orphan owes nothing more: no record of its own is young
+                    nap = end - clock.now
+                else:
+                    nap = round(nap * 1e9)  # (exact: a nap in seconds is far within a float's ns)
+                    assert nap >= U.MIN_TICK * 1e9, nap
                 held = b.balance() // b.cost
                 held_max = max(held_max, held)
                 # the bucket stays as it is until the next wake: every instant of the nap is covered
