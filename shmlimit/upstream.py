@@ -305,11 +305,15 @@ class Feeder:
         if live:
             nap = self.nap_for_end(now, min(map(self._end, live)))
         if self.pending:
-            due = self.pending[0].due
+            bt = self.pending[0]
+            due = bt.due
             cur = self.cells.load(L.UP_NEXT_NS)
             if cur <= now or cur > due:
                 self.cells.cas(L.UP_NEXT_NS, cur, due)
-            nap = min(nap, max(int(MIN_TICK * 1e9), due - now))
+            # due but waiting for room: look again every TICK, as a filler does (MIN_TICK was five
+            # thousand wakes a second), until its ttl ends and it is dropped
+            at = due if due > now else min(bt.stamp + self.ttl_ns, now + int(TICK * 1e9))
+            nap = min(nap, max(int(MIN_TICK * 1e9), at - now))
         return None if nap == _NEVER else nap / 1e9
 
     def _publish_next(self, now: int) -> float:

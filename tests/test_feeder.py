@@ -368,6 +368,37 @@ def test_a_sleeping_feeder_never_lets_tokens_outlive_their_records(R, redis_serv
             host.close()
 
 
+def test_an_orphans_batch_waiting_for_room_is_looked_at_every_tick_not_every_min_tick(R, redis_server, name, clock):
+    """A feeder no longer elected delivers what it reserved when due; a due batch that does not fit
+    (the bucket full, nobody taking) waits for room, and the orphan looks again every ``TICK``, as a
+    filler does, not every ``MIN_TICK`` (five thousand wakes a second for up to the batch's ttl).
+    Room made, the next look delivers the rest."""
+    from collections import deque
+
+    from shmlimit.upstream import TICK, _Batch
+
+    host = Host(R, name, redis_server.url, clock, 1000, burst=50, lease_ttl=0.05)
+    b, f = host.att.bucket, host.feeder
+    try:
+        full = b.cap // b.cost
+        f.pending = deque([_Batch(due=clock.now, stamp=clock.now, ops=full, left=full),
+                           _Batch(due=clock.now, stamp=clock.now, ops=5, left=5)])
+        start, wakes = clock.now, 0
+        while clock.now < start + 10_000_000:  # 10 ms, the second batch waiting for room
+            nap = round(f.orphan_tick() * 1e9)
+            wakes += 1
+            assert b.balance() // b.cost == full and f.pending[0].left == 5
+            assert nap <= TICK * 1e9  # it looks again within a tick (not at the batch's ttl)
+            clock.advance(nap)
+        assert wakes <= 0.01 / TICK + 1, wakes
+        for _ in range(5):  # room for it, between two looks
+            assert host.lim.try_acquire()
+        f.orphan_tick()  # the next look delivers the rest
+        assert not f.pending and b.balance() // b.cost == full
+    finally:
+        host.close()
+
+
 def test_a_new_filler_with_few_queued_callers_reaches_the_rate_at_once(R, redis_server, name, clock):
     """Four callers, each queued for one op at a time, on a fresh feeder (as after a take-over): it
     knows no demand, and the tail (its measure) advances only as fast as it supplies them.  Sized by
