@@ -97,6 +97,8 @@ from typing import TYPE_CHECKING, Callable, Deque, List, Optional
 from . import layout as L
 from .bucket import diff
 from .errors import RedisDataError, RedisUnavailableError
+from .lease_records import RECORD_MAX_OPS, RECORD_OPS_BITS, LeaseRecords  # noqa: F401 (RECORD_OPS_BITS: the tests read records)
+from .lease_records import record as _record  # noqa: F401 (the tests write records with it)
 from .redis import MODE_RESERVE, RedisLimiter
 from .upstream_spec import (
     ON_ERROR, STATE_CLOSED, STATE_ERROR, STATE_LOCAL, STATE_NAMES, STATE_OK, STATE_OPEN, UpstreamSpec,
@@ -119,8 +121,8 @@ _FALLBACK = {"local": (STATE_LOCAL, L.FLAG_UPSTREAM | L.FLAG_FALLBACK_LOCAL),
 #: an idle host notices a caller's first refusal, and the lease is renewed at the latest ...
 IDLE_TICK = 0.02
 #: ... and no shorter than this (seconds).  So a check burns, with the records that ended, those
-#: that end within this long (``Feeder.expire``), and the wake for a record's end is planned this
-#: long before it (``Feeder.nap_for_end``): the floor never carries a wake past a record's end.
+#: that end within this long, and the wake for a record's end is planned this long before it: the
+#: floor never carries a wake past a record's end (``lease_records``).
 MIN_TICK = 0.0002
 #: While the "local" fallback feeds the bucket from the clock, or a due batch waits for room,
 #: the feeder looks this often (seconds).
@@ -131,9 +133,6 @@ EARLY = 0.01
 #: Batches are reserved at least this far ahead of need (seconds; ``Feeder.lead_ns``): longer than
 #: a filler (or Redis) is kept off the CPU on a busy VM (at 15 ms, 64-81 ms pauses lost 2 % at 1 000/s).
 MIN_LEAD = 0.075
-#: A lease record: (stamp in ms << RECORD_OPS_BITS) | ops; a batch holds at most RECORD_MAX_OPS.
-RECORD_OPS_BITS = 24
-RECORD_MAX_OPS = (1 << RECORD_OPS_BITS) - 1
 #: While Redis is unreachable, it is tried again this often (seconds).
 RETRY_EVERY = 0.25
 #: After a lease request found nothing available upstream, wait at least this long (seconds) ...
@@ -163,11 +162,6 @@ class _Batch:
     ops: int  #: ops reserved
     left: int  #: ops not yet in the bucket (a batch waits for room rather than be lost)
     recorded: bool = False
-
-
-def _record(stamp_ns: int, ops: int) -> int:
-    """One lease record word: the stamp in whole ms (rounded down: expiry only earlier) and the ops."""
-    return ((stamp_ns // 1_000_000) << RECORD_OPS_BITS) | ops
 
 
 _NEVER = 1 << 62  # an instant later than any event (monotonic ns)
@@ -203,6 +197,7 @@ class Feeder:
         self.redis: Optional[RedisLimiter] = None  # connected at the first lease: a cluster client connects at once
         self.on_error = spec.on_error
         self.ttl_ns = int(spec.lease_ttl * 1e9)
+        self.records = LeaseRecords(bucket, self.ttl_ns, int(MIN_TICK * 1e9))
         self.batch_seconds = spec.batch_seconds
         self.interval_ns = math.ceil(spec.per * 1e9 / spec.rate)  # one op of the global schedule
         self.demand = 0.0  # ops per second
@@ -269,7 +264,7 @@ class Feeder:
         state = c.load(L.UP_STATE)
         if state in (STATE_OK, STATE_CLOSED, STATE_ERROR):  # leased tokens expire, Redis or not
             self.expire(now)
-        self.mine = [w for w in self.mine if not self._ends_by(w, now)]  # those were checked just now
+        self.mine = [w for w in self.mine if not self.records.ends_by(w, now)]  # those were checked just now
         self._deliver(now)
         if not b.stopped and now >= self.next_try:
             self._lease(now, state)
@@ -293,7 +288,7 @@ class Feeder:
             return None
         now = self.clock()
         added = self._deliver(now)
-        live = [w for w in self.mine if not self._ends_by(w, now)]
+        live = [w for w in self.mine if not self.records.ends_by(w, now)]
         # a record of ours ends (within MIN_TICK): the filler may not see it; or we delivered: the
         # rest of a batch that waited for room went in after the last check, its record counting
         # all its ops already (as a tick checks once more after its deliveries)
@@ -303,7 +298,7 @@ class Feeder:
                 self.expire(now)
         nap = _NEVER
         if live:
-            nap = self.nap_for_end(now, min(map(self._end, live)))
+            nap = self.records.nap_for_end(now, min(map(self.records.end, live)))
         if self.pending:
             bt = self.pending[0]
             due = bt.due
@@ -324,26 +319,10 @@ class Feeder:
             return TICK
         at = min(self._next_delivery(now), self._next_request(now), now + int(IDLE_TICK * 1e9))
         nap = max(int(MIN_TICK * 1e9), at - now)
-        end = self.next_expiry(now)
-        if end != _NEVER:
-            nap = min(nap, self.nap_for_end(now, end))
+        end = self.records.next_expiry(now, self.mine)
+        if end is not None:
+            nap = min(nap, self.records.nap_for_end(now, end))
         return nap / 1e9
-
-    @staticmethod
-    def nap_for_end(now: int, end: int) -> int:
-        """How long (ns) to sleep at ``now`` for the check that burns the tokens of a record ending at
-        ``end`` (later than ``now``).
-
-        A check burns what ends within ``MIN_TICK`` (``expire``), so the wake
-        is planned ``MIN_TICK`` before the end: one that comes up to that much
-        late still checks in time.  The nap is no shorter than ``MIN_TICK``
-        unless the end itself is nearer (tokens added since the last check,
-        whose record ends within ``MIN_TICK`` of it: rare, and once per such
-        record): flooring it would carry the wake past the end, and tokens
-        would outlive their record by up to ``MIN_TICK``.
-        """
-        tick = int(MIN_TICK * 1e9)
-        return min(end - now, max(tick, end - tick - now))
 
     def _next_delivery(self, now: int) -> int:
         """When the first reserved batch goes into the bucket: when due, or, when it is due but waits
@@ -387,28 +366,6 @@ class Feeder:
         low = now + int(have * 1e9 / self.demand) - (self.lead_ns + batch * self.interval_ns)
         return low if low > now else _NEVER
 
-    def next_expiry(self, now: int) -> int:
-        """When the bucket first holds more than the lease records young then cover: a record's end
-        (the check for it is planned ``MIN_TICK`` before: ``nap_for_end``).
-
-        Tokens enter the bucket only with a record (``_deliver``), so only a
-        record ending while the bucket holds more than the younger records
-        cover needs a wake; a delivery after this plans the next one.  The
-        records are the ring's and this process's own (one pushed out of the
-        ring still covers its tokens until it ends: the check at its end burns
-        them, as the ring no longer covers them).
-        """
-        c = self.cells
-        words = {c.load(L.UP_RECORD + 8 * i) for i in range(L.UP_RECORDS)} | set(self.mine)
-        live = [(self._end(w), w & RECORD_MAX_OPS) for w in words if w and self._end(w) > now]
-        held = self.bucket.balance()
-        keep = sum(ops for _, ops in live)
-        for end, ops in sorted(live):
-            keep -= ops
-            if held > keep * self.bucket.cost:
-                return end
-        return _NEVER
-
     def _measure(self, now: int) -> None:
         tail = self.bucket.taken()
         if self._last is not None:
@@ -421,36 +378,11 @@ class Feeder:
         self._burned = 0
 
     def expire(self, now: int) -> int:
-        """Burn the tokens beyond those of leases still younger than the time to live ``MIN_TICK``
-        after ``now``; return ops burned.
-
-        Those ending sooner are burned now, a little early rather than late:
-        the feeder naps at least ``MIN_TICK`` (``nap_for_end``), so a record
-        ending within it would otherwise outlive its end until the next wake.
-        Each record is one word written with one store, into a slot of a ring
-        chosen by a fetch-add: fillers racing (a Redis call slower than the
-        filler lease) never mix one lease's time with another's amount.
-        """
-        c = self.cells
-        keep = 0
-        for i in range(L.UP_RECORDS):
-            word = c.load(L.UP_RECORD + 8 * i)
-            if word and not self._ends_by(word, now):
-                keep += word & RECORD_MAX_OPS
-        burned = self.bucket.burn(keep * self.bucket.cost)
+        """Burn the tokens beyond those of the lease records still young ``MIN_TICK`` after ``now``
+        (``LeaseRecords.expire``); return the ops burned."""
+        burned = self.records.expire(now)
         self._burned += burned
-        if burned:
-            c.fetch_add(L.UP_EXPIRED, burned // self.bucket.cost)
-        return burned
-
-    def _end(self, word: int) -> int:
-        """When the lease record ``word`` ends (monotonic ns)."""
-        return (word >> RECORD_OPS_BITS) * 1_000_000 + self.ttl_ns
-
-    def _ends_by(self, word: int, now: int) -> bool:
-        """Does the lease record ``word`` end within ``MIN_TICK`` of ``now`` (or before): a check at
-        ``now`` counts it ended (``expire``)?"""
-        return self._end(word) <= now + int(MIN_TICK * 1e9)
+        return burned // self.bucket.cost
 
     def _deliver(self, now: int) -> int:
         """Put the batches that are due into the bucket, as far as they fit; drop those past their ttl.
@@ -479,11 +411,8 @@ class Feeder:
                 self.pending.popleft()
                 continue
             if not bt.recorded:
-                slot = c.fetch_add(L.UP_LEASES, 1) % L.UP_RECORDS
-                word = _record(bt.stamp, bt.ops)
-                c.store(L.UP_RECORD + 8 * slot, word)
+                self.mine.append(self.records.write(bt.stamp, bt.ops))
                 bt.recorded = True
-                self.mine.append(word)
             put = b.add(bt.left * b.cost) // b.cost
             bt.left -= put
             added += put
