@@ -2371,7 +2371,8 @@ fence_scan(uint64_t *hint, uint64_t *first, Py_ssize_t count, uint64_t ts, uint6
         uint64_t late = now > d ? now - d : 0, gain;
         if (__builtin_mul_overflow(late, tpn, &gain) || gain > (uint64_t)FENCE_NONE)
             gain = (uint64_t)FENCE_NONE;
-        int64_t r = rel + (int64_t)gain;
+        /* min(rel + gain, FENCE_NONE) without overflow: both are at most 2**62 */
+        int64_t r = rel >= FENCE_NONE - (int64_t)gain ? FENCE_NONE : rel + (int64_t)gain;
         if (r < *room)
             *room = r;
         int64_t ahead = (int64_t)(ticket - lim);

@@ -72,42 +72,54 @@ class Fences:
                     out.append((limit, due))
         return out
 
-    def take(self, repl_ts: int) -> Optional[int]:
-        """A free record (DUE 0, or before ``repl_ts``, the last claim's time: no claim still to come
-        can have it in force), made this process's by one CAS of its OWNER to a new generation (two
-        takers never share it); its offset, or None when every record is in use."""
+    def take(self, repl_ts: int, horizon: int = 1 << 63) -> Optional[Tuple[int, int]]:
+        """A free record, claimed by one CAS of its DUE: ``(offset, pending)``, or None when every
+        record is in use.
+
+        Free: DUE 0, before ``repl_ts`` (the last claim's time: no claim still to come can have it in
+        force), or beyond ``horizon`` (no reservation stored it: every scan ignores it).  The claim
+        stores ``pending`` there, ``repl_ts`` itself (1 for 0): in force for no claim, and free again
+        once a replenish moves ``REPL_TS`` past it.  So two takers never both own a record: a second
+        CAS from the free value fails; and a taker whose pending record was claimed again
+        meanwhile learns it from its own CAS of LIMIT or DUE (``put``), which then fails.  OWNER
+        (pid and a generation) only tells whose it was."""
         c = self.cells
+        pending = max(1, repl_ts)
         owner = None
         for off in self.recs:
             due = c.load(off + L.FENCE_DUE)
-            if due != 0 and due >= repl_ts:
+            if due != 0 and repl_ts <= due <= horizon:
                 continue
-            was = c.load(off + L.FENCE_OWNER)
-            if c.load(off + L.FENCE_DUE) != due:
+            if due == pending or not c.cas(off + L.FENCE_DUE, due, pending):
                 continue
             if owner is None:
                 owner = (os.getpid() & 0xFFFFFFFF) << 32 | (c.fetch_add(self.gen, 1) + 1) & 0xFFFFFFFF
-            if c.cas(off + L.FENCE_OWNER, was, owner):
-                return off
+            c.store(off + L.FENCE_OWNER, owner)
+            return off, pending
         return None
 
-    def store(self, rec: int, limit: int, due: int) -> None:
-        """The fence ``(limit, due)`` in ``rec``: LIMIT first, then DUE (a reader that sees the new DUE
-        sees the new LIMIT), then FENCE_HINT raised to ``due`` (every claim before it reads the records)."""
+    def store(self, rec: int, limit: tuple, due: tuple) -> bool:
+        """The fence in ``rec``: LIMIT, then DUE, each by one CAS from the value this owner last saw
+        there (``limit``, ``due``: ``(expected, new)``), then FENCE_HINT raised to the new DUE (every
+        claim before it reads the records).  False when a CAS failed: the record was claimed again
+        since (its DUE had passed ``REPL_TS``), and is no longer this owner's; what it wrote is then
+        in force for no claim (the new owner's pending DUE stands, or its own CAS fails in turn).
+        A reader that sees the new DUE sees the new LIMIT."""
         c = self.cells
-        c.store(rec + L.FENCE_LIMIT, limit)
-        c.store(rec + L.FENCE_DUE, due)
+        if limit[0] != limit[1] and not c.cas(rec + L.FENCE_LIMIT, limit[0], limit[1]):
+            return False
+        if not (c.cas(rec + L.FENCE_DUE, due[0], due[1]) if due[0] != due[1] else c.load(rec + L.FENCE_DUE) == due[0]):
+            return False  # (a record claimed again holds a DUE other than this owner's: a newer REPL_TS)
         while True:
             hint = c.load(self.hint)
-            if hint >= due or c.cas(self.hint, hint, due):
-                return
+            if hint >= due[1] or c.cas(self.hint, hint, due[1]):
+                return True
 
     def free(self, rec: int, due: int) -> None:
-        """``rec`` no longer fences (a reservation refused after storing it): DUE 0, unless taken since."""
-        c = self.cells
-        d = c.load(rec + L.FENCE_DUE)
-        if d == due and due != 0:
-            c.cas(rec + L.FENCE_DUE, due, 0)
+        """``rec`` no longer fences (a reservation refused after storing it): DUE 0, by one CAS from
+        the DUE this owner stored (taken since by another: left as it is)."""
+        if due != 0:
+            self.cells.cas(rec + L.FENCE_DUE, due, 0)
 
     def earliest_due(self) -> int:
         """The soonest DUE of the records in use (0: none): when one is free again."""
@@ -121,35 +133,53 @@ class FenceHold:
     ``want``: the DUE to store (a reservation over several rates, whose promise is known only once
     every rate is claimed: ``multirate``), else the promise for the ticket about to be taken."""
 
-    __slots__ = ("rec", "want", "due", "promise", "ticket")
+    __slots__ = ("rec", "want", "due", "limit", "promise", "ticket")
 
     def __init__(self, want: Optional[int] = None) -> None:
         self.rec: Optional[int] = None
         self.want = want
-        self.due = 0
+        self.due = 0  # the DUE this owner last stored in ``rec`` (its pending claim at first)
+        self.limit = 0  # the LIMIT it last saw or stored there
         self.promise: Optional[int] = None
         self.ticket: Optional[int] = None
 
     def put(self, b, new: int, tokens: int, snap) -> bool:
         """Store the fence of the ticket ``new`` (``tokens`` long) before the CAS that takes it: a free
-        record (taken once), LIMIT ``new + max(0, C - tokens)`` (``C`` with catch-up's room), then DUE;
-        False, storing nothing, when every record is in use.  A DUE beyond the scan's horizon is
-        fenced up to it only (twice the longest queue's schedule: a promise that far is never used)."""
+        record (taken once, ``Fences.take``), LIMIT ``new + max(0, C - tokens)`` (``C`` with catch-up's
+        room), then DUE, each by a CAS from what this owner saw (a record claimed again meanwhile is
+        left, and another taken); False, storing nothing, when every record is in use.  A DUE beyond
+        the scan's horizon is fenced up to it only (twice the longest queue's schedule: a promise that
+        far is never used)."""
         f = b.fences
-        if self.rec is None and (rec := f.take(b.cells.load(L.REPL_TS))) is None:
-            return False
-        self.rec = rec if self.rec is None else self.rec
-        self.promise = math.ceil(b.promised_ns(new)) if self.want is None else self.want
-        self.due = min(self.promise, b.clock() + fence_horizon_ns(snap.tpn) - 10**9)
-        f.store(self.rec, (new + max(0, snap.cap + snap.burst_pool - tokens)) & MASK64, self.due)
-        return True
+        while True:
+            now = b.clock()
+            horizon = now + fence_horizon_ns(snap.tpn)
+            if self.rec is None:
+                got = f.take(b.cells.load(L.REPL_TS), horizon)
+                if got is None:
+                    return False
+                self.rec, self.due = got
+                self.limit = b.cells.load(self.rec + L.FENCE_LIMIT)
+            promise = math.ceil(b.promised_ns(new)) if self.want is None else self.want
+            due = min(promise, horizon - 10**9)
+            limit = (new + max(0, snap.cap + snap.burst_pool - tokens)) & MASK64
+            if f.store(self.rec, (self.limit, limit), (self.due, due)):
+                self.limit, self.due, self.promise = limit, due, promise
+                return True
+            self.rec = None  # claimed again by another while this owner was off the CPU: take another
 
-    def settle(self, f: "Fences", due: int) -> None:
+    def settle(self, f: "Fences", due: int) -> bool:
         """The reservation over several rates is made: its DUE becomes ``due``, its promise (lowered,
-        or raised while the stored one is still ahead: no claim has yet read it past its DUE)."""
-        if self.rec is not None:
-            f.store(self.rec, f.cells.load(self.rec + L.FENCE_LIMIT), due)
-            self.due = due
+        or raised while the stored one is still ahead: no claim has yet read it past its DUE).  False
+        when the record was claimed again by another meanwhile (its provisional DUE had passed): the
+        reservation then holds no fence there, and must be made again."""
+        if self.rec is None:
+            return True
+        if not f.store(self.rec, (self.limit, self.limit), (self.due, due)):
+            self.rec = None
+            return False
+        self.due = due
+        return True
 
     def release(self, f: "Fences") -> None:
         """No longer held (refused, given back, or covered at once): the record is free again."""

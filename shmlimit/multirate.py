@@ -364,10 +364,11 @@ class MultiLimiter(RateGroup):
                     due = max(due, att.bucket.promised_ns(ticket) - att.clock())  # never earlier than the head
             # every fence to the promise, unless one's provisional DUE has passed (it may have been
             # read past it: raised now, the head might have gained on it early)
+            # (a settle that finds its record claimed again -- preempted past its provisional DUE
+            # after the check -- makes the reservation again, as a passed DUE does)
             if all(h.rec is None or c[0].clock() < h.due for c, h in zip(claims, holds)):
-                for (att, *_), h in zip(claims, holds):
-                    h.settle(att.bucket.fences, math.ceil(att.clock() + max(0.0, due)))
-                made = True
+                made = all([h.settle(att.bucket.fences, math.ceil(att.clock() + max(0.0, due)))
+                            for (att, *_), h in zip(claims, holds)])
         finally:
             if not made:  # refused part-way, or an exception (QueueFullError, an interrupt): give every claim back
                 for (att, *_), h in zip(claims, holds):  # (its fences first: they would hold its own give-back)
