@@ -19,6 +19,7 @@ from shmlimit.acquisition import CAPPED_NAP, MAX_NAP, Request
 from shmlimit.bucket import Bucket, diff
 from shmlimit.schedule import LONGEST_FILL_NS, stop_ns
 from support.clock import FakeClock
+from support.windows import excess_over_rate
 
 MS = 1_000_000  # ns
 
@@ -399,16 +400,6 @@ def _late_promise(lim, clock):
     return promises, first - arrival
 
 
-def _excess(moments, rate, slack_ops):
-    """The largest excess, over ``rate * T + slack_ops``, of the ops used at ``moments`` (ns) in any window."""
-    moments = sorted(moments)
-    return max(
-        (b - a + 1) - (rate * (moments[b] - moments[a]) / 1e9 + slack_ops)
-        for a in range(len(moments))
-        for b in range(a, len(moments))
-    )
-
-
 def test_a_late_promise_holds_those_behind_it_to_its_promise(name, clock):
     """A promise is never early (the model checks it) and late by what moved the head ahead of its
     ticket after it was made: here the 1 s given back ahead of it.  The fence holds the head at the
@@ -436,7 +427,7 @@ def test_a_late_promise_holds_those_behind_it_to_its_promise(name, clock):
         assert granted is not None
         # the head reaches the waiter an op after the second promise (and a tick of 1 ms): not sooner
         assert promises[1] + 1e8 <= granted <= promises[1] + 1e8 + 2 * MS
-        assert _excess(promises + [granted], 10, 1) <= 1e-6
+        assert excess_over_rate(promises + [granted], 10, 1) <= 1e-6
     finally:
         lim.close()
 
@@ -450,6 +441,6 @@ def test_slots_used_at_their_promises_stay_within_rate_times_t_plus_capacity(nam
         promises, _ = _late_promise(lim, clock)
         while len(promises) < 12:
             promises.append(clock.now + lim.reserve() * 1e9)
-        assert _excess(promises, 10, 1) <= 1e-6
+        assert excess_over_rate(promises, 10, 1) <= 1e-6
     finally:
         lim.close()

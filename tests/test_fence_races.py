@@ -11,17 +11,9 @@ from shmlimit.acquisition import Request
 from shmlimit.bucket import diff
 from shmlimit.words import MASK64
 from support.clock import FakeClock
+from support.windows import excess_over_rate
 
 MS = 1_000_000
-
-
-def _excess(moments, rate, slack_ops):
-    moments = sorted(moments)
-    return max(
-        (b - a + 1) - (rate * (moments[b] - moments[a]) / 1e9 + slack_ops)
-        for a in range(len(moments))
-        for b in range(a, len(moments))
-    )
 
 
 def test_two_takers_never_share_a_fence_record(name):
@@ -83,7 +75,7 @@ def test_a_refused_reserver_sharing_the_record_does_not_free_anothers_fence(name
         while len(promises) == 1 or promises[-1] < promise_a[0] - 1:  # until one is promised at A's
             promises.append(clock.now + lim.reserve() * 1e9)
         assert diff(ticket_a, b.cells.load(L.TAIL)) < 0  # (they are all behind A's ticket)
-        excess = _excess(promises, 100, 1)
+        excess = excess_over_rate(promises, 100, 1)
         assert excess <= 1e-6, (
             f"{len(promises) - 1} reservations behind A promised from "
             f"{(promises[1] - promise_a[0]) / 1e6:+.0f} ms of A's promise: {excess:.2f} ops over "
@@ -91,7 +83,6 @@ def test_a_refused_reserver_sharing_the_record_does_not_free_anothers_fence(name
     finally:
         other.close()
         lim.close()
-
 
 
 def _far_dues(lim, clock):
@@ -295,7 +286,7 @@ def test_a_reservation_over_several_rates_settles_only_its_own_fence(name, monke
         promises = [x["promise"], clock.now + again * 1e9]
         while len(promises) == 1 or promises[-1] < x["promise"] - 1:  # until one is promised at X's
             promises.append(clock.now + acquisition.reserve(att, 1, None) * 1e9)
-        excess = _excess(promises, 100, 1)
+        excess = excess_over_rate(promises, 100, 1)
         assert excess <= 1e-6, (
             f"{len(promises) - 1} reservations behind X promised from "
             f"{(promises[1] - x['promise']) / 1e6:+.0f} ms of X's promise: {excess:.2f} ops over "

@@ -85,3 +85,14 @@ def check_windows(grants: Sequence[Tuple[int, int]], tpn: int, cost: int, cap: i
             ops = cum[j + 1] - cum[i]
             allowed = (times[j] - times[i]) * tpn + cap
             assert ops * cost <= allowed, f"{ops} ops in {(times[j] - times[i]) / 1e6:.3f} ms (bound {allowed / cost:g})"
+
+
+def excess_over_rate(moments: Sequence[float], rate: float, slack_ops: float) -> float:
+    """The largest excess, over ``rate * T + slack_ops``, of the ops used at ``moments`` (ns, one op
+    each) in any window ``T``: at most 0 when they keep that bound."""
+    moments = sorted(moments)
+    return max(
+        (b - a + 1) - (rate * (moments[b] - moments[a]) / 1e9 + slack_ops)
+        for a in range(len(moments))
+        for b in range(a, len(moments))
+    )
