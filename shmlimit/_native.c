@@ -1574,23 +1574,28 @@ typedef struct {
     uint64_t cap[MULTI_MAX]; /* each rate's capacity in tokens (the give-back clamp) */
 } MultiGate;
 
-/* Return `amount` tokens taken from g when its head was `head_then`, unused (Bucket.give_back). */
+/* Return `amount` tokens taken from g when its head was `head_then`, unused (Bucket.give_back):
+ * `amount` less what the head gained since, never beyond tail + cap.  The gain is computed again
+ * from the head every failed CAS leaves in `head`: a replenish that landed meanwhile counts
+ * against what goes back, so the head ends at most at max(head, head_then + amount), never the
+ * tokens taken on top of what the replenish added (past a fence it kept: design.md, "Reservation
+ * fences").  composites.Gate.give_back is the same loop. */
 static void
 multi_give_back(Gate *g, uint64_t cap, uint64_t amount, uint64_t head_then)
 {
     uint64_t head = __atomic_load_n(g->head, __ATOMIC_SEQ_CST);
-    int64_t gained = (int64_t)(head - head_then);
-    if (gained > 0 && (uint64_t)gained >= amount)
-        return;
-    uint64_t back = gained > 0 ? amount - (uint64_t)gained : amount;
     for (;;) {
+        int64_t gained = (int64_t)(head - head_then);
+        if (gained > 0 && (uint64_t)gained >= amount)
+            return;
+        uint64_t back = gained > 0 ? amount - (uint64_t)gained : amount;
         uint64_t tail = __atomic_load_n(g->tail, __ATOMIC_SEQ_CST);
         int64_t room = (int64_t)(tail + cap - head);
         if (room <= 0)
             return;
         uint64_t add = (uint64_t)room < back ? (uint64_t)room : back;
         if (__atomic_compare_exchange_n(g->head, &head, head + add, 0, __ATOMIC_SEQ_CST, __ATOMIC_SEQ_CST))
-            return; /* on failure `head` holds the current head: clamp again from there */
+            return; /* on failure `head` holds the current head: its gain and clamp again */
     }
 }
 

@@ -373,15 +373,24 @@ class Gate:
 
     def give_back(self, amount: int, head_then: int, cap: int) -> None:
         """Return ``amount`` tokens taken when the head was ``head_then``, unused, less what the
-        head gained since, never beyond ``tail + cap`` (as ``Bucket.give_back``)."""
+        head gained since, never beyond ``tail + cap`` (as ``Bucket.give_back``).
+
+        The gain is read again with the head after every failed CAS: a replenish that landed
+        meanwhile added time the taken tokens may have kept out of a full bucket, so it counts
+        against what goes back.  The head then ends at most at ``max(head, head_then + amount)``
+        (the head as others left it, or as it stood before the take plus the tokens taken),
+        never the tokens on top of a replenish that landed meanwhile (past a fence that
+        replenish kept: design.md, "Reservation fences").
+        """
         c = self.cells
-        head = c.load(self.head)
-        back = amount - max(0, signed(head - head_then))
-        while back > 0:
+        while True:
+            head = c.load(self.head)
+            back = amount - max(0, signed(head - head_then))
+            if back <= 0:
+                return
             add = min(back, signed(c.load(self.tail) + cap - head))
             if add <= 0 or c.cas(self.head, head, (head + add) & MASK64):
                 return
-            head = c.load(self.head)
 
 
 #: Rates a ``MultiGate`` takes at most (``rates=`` holds at most as many).

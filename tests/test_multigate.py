@@ -217,6 +217,45 @@ def test_racing_processes_keep_every_rate_exact(backend, segment):  # noqa: F811
         c.close()
 
 
+# ---- a give-back whose CAS a replenish beat recomputes what it returns from the new head -------------
+
+
+class _RacedWords:
+    """Cells of a few words (a dict) whose first CAS on ``raced`` finds another move landed first:
+    ``land`` is stored there just before that CAS (a replenish's add, up to a fence)."""
+
+    def __init__(self, words, raced, land):
+        self.words, self.raced, self.land = dict(words), raced, land
+
+    def load(self, off):
+        return self.words[off]
+
+    def cas(self, off, expected, new):
+        if off == self.raced and self.land is not None:
+            self.words[off], self.land = self.land, None
+        if self.words[off] != expected:
+            return False
+        self.words[off] = new
+        return True
+
+
+@pytest.mark.parametrize("land", [108, 103, 100])
+def test_the_race_give_back_never_returns_what_the_head_gained_meanwhile(land):
+    """The race give-back of a try over several rates (``Gate.give_back``; natively
+    ``multi_give_back``, the same loop) returns ``amount`` less what the head gained since the
+    take, and a replenish landing between its read and its CAS is such a gain: the retry counts
+    it.  5 taken at head 100, the replenish lands the head at ``land``: the head ends at
+    ``max(land, 105)``, never 5 past the replenish (with the old retry, 113 from 108: past a
+    reservation's fence the replenish kept).  Tail 200 (a queue) so ``tail + cap`` is no clamp."""
+    TAIL, HEAD = 8, 16
+    cells = _RacedWords({0: 0, TAIL: 200, HEAD: 100, 24: 0, 32: 0}, HEAD, land=land)
+    gate = Gate(cells, 0, 0, TAIL, HEAD, HEAD, 24, 32, 1, 1, 1, 1, False, INF)
+    gate.give_back(5, 100, 10)  # taken when the head was at 100; no gain at its first look
+    assert cells.land is None  # the replenish did land between the read and the CAS
+    assert cells.words[HEAD] == max(land, 100 + 5)
+    assert cells.words[TAIL] == 200  # the tail is never touched
+
+
 # ---- the native gate and the reference agree on any state of the words --------------------------
 
 
