@@ -405,18 +405,20 @@ class Bucket(Schedule):
             if ts >= now or c.cas(L.REPL_TS, ts, now):
                 break
 
-    def add(self, tokens: int) -> int:
+    def add(self, tokens: int, head_then: Optional[int] = None) -> int:
         """Hierarchical mode: add leased tokens to the head, never beyond ``tail + capacity``.
 
         Returns how many were added (the rest do not fit and are dropped).
         The tail only grows, so a clamp against a tail read before the CAS is
-        never looser than the true one.
+        never looser than the true one.  With ``head_then`` (``give_back``),
+        the head's gain since, read with it each try, counts against ``tokens``.
         """
         c = self.cells
         while True:
             head = c.load(L.HEAD)
             tail = c.load(L.TAIL)
-            add = max(0, min(tokens, diff(self.fenced(head, (tail + self.cap) & MASK64), head)))
+            want = tokens if head_then is None else tokens - max(0, diff(head, head_then))
+            add = max(0, min(want, diff(self.fenced(head, (tail + self.cap) & MASK64), head)))
             if add <= 0:
                 return 0
             if c.cas(L.HEAD, head, (head + add) & MASK64):
@@ -503,13 +505,12 @@ class Bucket(Schedule):
         Had they never been taken, every replenish since would have been
         clamped ``tokens`` lower, so what the head has gained since may be
         time that would have been dropped: only ``tokens`` minus that gain is
-        returned (all of it when no replenish came between, as after a
-        refused all-or-nothing try), and never beyond ``tail + capacity``.
-        The bucket is then never fuller than had they never been taken.
-        Returns the tokens returned.
+        returned (all if no replenish came between), never beyond ``tail +
+        capacity``, the gain read again before every CAS (``add``): the head
+        ends at most at ``max(head, head_then + tokens)``, a replenish landing
+        meanwhile counted, never fuller than had they never been taken.
         """
-        back = tokens - max(0, diff(self.cells.load(L.HEAD), head_then))
-        return self.add(back) if back > 0 else 0
+        return self.add(tokens, head_then)
 
     def take_available(self, grants: int) -> int:
         """Take every whole op available now (``drain``), counted in ``grants``; return how many.

@@ -5,6 +5,9 @@ import pickle
 import pytest
 
 import shmlimit
+import shmlimit.layout as L
+from shmlimit.bucket import diff
+from shmlimit.cells import MASK64
 from shmlimit.multirate import MultiLimiter, MultiRequest
 from shmlimit.schedule import LONGEST_FILL_NS
 from support.clock import FakeClock
@@ -376,3 +379,52 @@ def test_a_reservation_over_several_rates_holds_each_rate_to_its_promise(name, c
     advance(lim, clock, 0.005)
     assert behind.next() is True
     behind.end()
+
+
+class _ReplenishAtFirstHeadCas:
+    """A bucket's cells whose first CAS of the head finds a replenish landed first: ``gain``
+    tokens are added to the head just before it (everything else goes to the real cells)."""
+
+    def __init__(self, cells, gain):
+        self._cells, self.gain = cells, gain
+
+    def __getattr__(self, attr):
+        return getattr(self._cells, attr)
+
+    def cas(self, off, expected, new):
+        if off == L.HEAD and self.gain:
+            self._cells.store(L.HEAD, (self._cells.load(L.HEAD) + self.gain) & MASK64)
+            self.gain = 0
+        return self._cells.cas(off, expected, new)
+
+
+@pytest.mark.parametrize("landed_ops", [3, 8])
+def test_a_give_back_counts_a_replenish_that_beat_its_cas(name, clock, landed_ops):
+    """``Bucket.give_back`` (the protocol's ``give_back`` of tokens a refused or interrupted
+    request held) returns ``tokens`` less what the head gained since they were taken, and a
+    replenish landing between its read of the head and its CAS is such a gain: the head ends at
+    ``max(where the replenish left it, head_then + tokens)``.  Read once, the give-back put all
+    5 ops back on top of the replenish: the head 8 ops past ``head_then`` where 5 is the most, or
+    13 where 8 is (the bucket's room, 15 ops, no clamp on either)."""
+    lim = shmlimit.Limiter(name, rate=1, burst=15, clock=clock)
+    try:
+        att = lim._att
+        b = att.bucket
+        lim.drain()
+        for _ in range(6000):  # 6 s as the filler sees it: six ops' time
+            clock.advance(S // 1000)
+            b.replenish()
+        c = b.cost
+        assert diff(b.head(), b.taken()) >= 5 * c  # (a little under 6: the replenishes' rounding)
+        head_then = b.head()
+        assert b.try_grab(5 * c, att.grants_off, 0)  # taken, covered, and then not used
+        cells = b.cells
+        b.cells = raced = _ReplenishAtFirstHeadCas(cells, landed_ops * c)
+        try:
+            b.give_back(5 * c, head_then)
+        finally:
+            b.cells = cells
+        assert raced.gain == 0  # the replenish did land between the give-back's read and its CAS
+        assert diff(b.head(), head_then) == max(landed_ops, 5) * c
+    finally:
+        lim.close()
