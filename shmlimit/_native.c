@@ -2143,7 +2143,7 @@ native_timerfd_arm(PyObject *mod, PyObject *const *args, Py_ssize_t n)
 #define WAIT_NUDGE 2
 #define WAIT_BURN 4
 #define WAIT_RETRY_NS 20000u /* acquisition.RETRY_NS */
-#define WAIT_STOP_LEAD_NS 50000u /* sleep.STOP_LEAD_NS */
+#define WAIT_STOP_LEAD_NS 100000u /* sleep.STOP_LEAD_NS */
 #define WAIT_LEASE_SLOT_BITS 12 /* layout.LEASE_SLOT_BITS */
 
 /* Both waiter types (Waiter, FedWaiter below) begin with these fields, so that one constructor

@@ -42,10 +42,8 @@ from .cells import native_available, selected_backend
 SLACK_NS = 1_000
 #: A waiter at whose ticket the head stops wakes this long before its turn and stays awake for the
 #: rest (ns): a sleep ends tens of microseconds late, and at a stop that lateness is lost to every
-#: request behind (``Bucket.stops_at``; the native waiter's WAIT_STOP_LEAD_NS).  Nine wakes in ten
-#: end within it here (the median ~38 us late); the one that does not loses a few us, and every
-#: microsecond of lead is a microsecond spun at each stop.
-STOP_LEAD_NS = 50_000
+#: request behind (``Bucket.stops_at``; the native waiter's WAIT_STOP_LEAD_NS).
+STOP_LEAD_NS = 100_000
 _PR_SET_TIMERSLACK = 29
 _PR_GET_TIMERSLACK = 30
 
