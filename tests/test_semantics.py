@@ -389,7 +389,12 @@ def test_set_rate_reaches_running_processes_without_over_grant(name):
     spans = [(200, t1, t2, 0.05), (500, t2 + 0.05, t3, 0.05), (100, t3 + 0.05, t3 + 1.0, 0.06)]
     for (rate, a, b, rel), s0, s1 in zip(spans, starved, starved[1:]):
         assert_rate(count_between(stamps, a, b), rate, b - a, rel, s1 - s0, cons.delays)
-    assert starved[-1] - starved[0] <= total(cons.delays)
+    # What was counted starved is what the machine withheld: the consumers' run delays, and, in the
+    # last span (a capacity of one op: every grant is a stop, and the filler backs off while the
+    # waiters keep the pace), each turn's wake lateness beyond the stop lead, which no run delay
+    # counts (a timer's wake on an idle CPU: up to ~150 us here on a quiet VM): 100 grants, 150 us
+    # each at most, lost time and never a grant (the rate's floor above holds it to that).
+    assert starved[-1] - starved[0] <= total(cons.delays) + 100 * 150e-6
     assert max_excess([(t, w) for t, w in cons.tagged if t > t3], 0.5) <= 100 * 0.5 + 5  # old capacity once at most
     assert lim.stats().rate == 100 and shmlimit.attach(name).capacity == 1
     lim.close()
