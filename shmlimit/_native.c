@@ -2633,8 +2633,9 @@ waiter_loop(WaitBase *base, uint64_t ticket, uint64_t ops, uint64_t tokens, uint
         int64_t fence_room;
         double fence_due;
         /* a reservation's fence before the ticket: the head gets there no sooner than its DUE and the
-         * time from its LIMIT on at the rate (Bucket.due_ns); woken before, it would replenish in vain */
-        if (fence_scan(w->fence_hint, w->fence_first, w->fence_count, ts, ts, w->tpn, wld(w->head), ticket, &fence_room,
+         * time from its LIMIT on at the rate (Bucket.due_ns); woken before, it would replenish in vain.
+         * The horizon from now, as a claim counts it (only the due is used here) */
+        if (fence_scan(w->fence_hint, w->fence_first, w->fence_count, ts, now > ts ? now : ts, w->tpn, wld(w->head), ticket, &fence_room,
                        &fence_due) && fence_due > due)
             due = fence_due;
         uint64_t at;

@@ -31,7 +31,7 @@ from typing import Callable, List, Optional, Tuple
 from . import layout as L
 from .cells import Cells
 from .config import MAX_NAP
-from .words import MASK64, fence_horizon_ns, signed
+from .words import MASK64, fence_due_counts, fence_horizon_ns, fence_limit_counts, signed
 
 #: ``Bucket.take_within`` for a reservation took nothing: every fence record in use.
 NO_FENCE = "no fence"
@@ -57,18 +57,20 @@ class Fences:
         return self.cells.fence_scan(self.hint, self.recs[0], len(self.recs), ts, now, tpn, head,
                                      head if ticket is None else ticket)
 
-    def in_force(self, ts: int, tpn: int, head: int) -> List[Tuple[int, int]]:
-        """``(LIMIT, DUE)`` of every record in force after ``ts`` (for a promise: ``Schedule.promised_ns``)."""
+    def in_force(self, ts: int, now: int, tpn: int, head: int) -> List[Tuple[int, int]]:
+        """``(LIMIT, DUE)`` of every record in force for a claim of ``[ts, now]``, by the scan's own
+        tests (``words.fence_due_counts``, ``fence_limit_counts``: the horizon counted from ``now``, as
+        the scan counts it; for a promise, ``Schedule.promised_ns``)."""
         c = self.cells
         if c.load(self.hint) <= ts:
             return []
         out = []
-        horizon = ts + fence_horizon_ns(tpn)
+        horizon = now + fence_horizon_ns(tpn)
         for off in self.recs:
             due = c.load(off + L.FENCE_DUE)
-            if ts < due <= horizon:
+            if fence_due_counts(due, ts, horizon):
                 limit = c.load(off + L.FENCE_LIMIT)
-                if abs(signed(limit - head)) <= 1 << 62:
+                if fence_limit_counts(signed(limit - head)):
                     out.append((limit, due))
         return out
 

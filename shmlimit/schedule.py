@@ -104,7 +104,8 @@ class Schedule:
         wait = self.estimate_wait_ns(short, snap)
         c = self.cells
         ts = c.load(L.REPL_TS)
-        f = self.fences.scan(ts, ts, snap.tpn, c.load(L.HEAD), ticket)
+        # (now for the horizon, as a claim counts it: only the due it answers is used here)
+        f = self.fences.scan(ts, max(ts, self.clock()), snap.tpn, c.load(L.HEAD), ticket)
         if f is not None and f[1] > 0:
             wait = max(wait, f[1] - self.clock())
         return wait
@@ -154,7 +155,7 @@ class Schedule:
         due = ts + max(0, diff(ticket, head)) / self.tpn
         # a reservation's fence before the ticket holds the head there until its DUE, then lets it
         # gain at the rate: woken sooner, the waiter would replenish in vain until then
-        f = self.fences.scan(ts, ts, self.tpn, head, ticket)
+        f = self.fences.scan(ts, max(ts, self.clock()), self.tpn, head, ticket)  # (the horizon from now)
         return due if f is None else max(due, f[1])
 
     def clamp_limit_at(self, head: int, cap: int) -> int:
@@ -237,7 +238,7 @@ class Schedule:
         at = 0.0
         if diff(ticket, head) <= 0:
             return at
-        for limit, due in self.fences.in_force(ts, snap.tpn, head):
+        for limit, due in self.fences.in_force(ts, max(ts, self.clock()), snap.tpn, head):
             ahead = diff(ticket, limit)
             if ahead > 0:
                 stops = count_stops(self.cells, self._record_lens(), limit, ticket, snap.cap)

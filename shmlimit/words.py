@@ -225,6 +225,18 @@ def fence_horizon_ns(tpn: int) -> int:
     return 2 * (MAX_QUEUE // max(1, tpn)) + 10_000_000_000
 
 
+def fence_due_counts(due: int, ts: int, horizon: int) -> bool:
+    """Is a record with this DUE in force for a claim whose interval starts at ``ts``: after ``ts``,
+    and not beyond ``horizon`` (``now + fence_horizon_ns``: no reservation stores a DUE that far)?
+    Every reader of the fences asks this (the scan, natively too, and ``Fences.in_force``)."""
+    return ts < due <= horizon
+
+
+def fence_limit_counts(rel: int) -> bool:
+    """Is a LIMIT ``rel`` tokens from the head one a reservation left (within ``FAR`` of it)?"""
+    return -FAR <= rel <= FAR
+
+
 def fence_scan(cells, hint_off: int, first: int, count: int, ts: int, now: int, tpn: int, head: int,
                ticket: int) -> Optional[Tuple[int, float]]:
     """The reservation fences in force for a claim whose interval is ``[ts, now]``, read from the
@@ -248,11 +260,11 @@ def fence_scan(cells, hint_off: int, first: int, count: int, ts: int, now: int, 
     room, due, found = NO_FENCE, 0.0, False
     for k in range(count):
         d = dues[k]
-        if d <= ts or d > horizon:
+        if not fence_due_counts(d, ts, horizon):
             continue
         lim = cells.load(first + k * FENCE_STRIDE + FENCE_LIMIT_W)
         rel = signed(lim - head)
-        if not -FAR <= rel <= FAR:
+        if not fence_limit_counts(rel):
             continue
         found = True
         room = min(room, rel + max(0, now - d) * tpn)

@@ -230,7 +230,7 @@ def test_a_claim_taken_before_the_fence_and_added_after_it_keeps_the_fence(name,
         wait = lim.reserve()
         promise = clock.now + wait * 1e9
         ticket = b.taken()
-        [(limit, due)] = b.fences.in_force(b.cells.load(L.REPL_TS) - 1, b.tpn, b.head()) or [(None, None)]
+        [(limit, due)] = b.fences.in_force(b.cells.load(L.REPL_TS) - 1, clock.now, b.tpn, b.head()) or [(None, None)]
         if limit is None:
             pytest.skip("covered at once: no fence")
         if ahead is not None:
@@ -329,5 +329,36 @@ def test_a_reserver_killed_between_its_fence_and_its_tail_cas_holds_no_one_past_
         assert granted is not None
         assert granted <= due + 10 * MS + 2 * MS, f"granted {(granted - due) / 1e6:.1f} ms after the dead DUE"
         assert b.fences.take(b.cells.load(L.REPL_TS)) is not None  # free again
+    finally:
+        lim.close()
+
+
+def test_a_promise_counts_every_fence_the_scan_holds_the_head_to(name):
+    """A promise and the scan ask one question of each record (``words.fence_due_counts``): a DUE
+    within the horizon of now.  ``Fences.in_force`` once counted its horizon from ``REPL_TS``, so
+    on a limiter with no claim for a while (here 2 s) a fence whose DUE lay less than that before
+    the scan's horizon held the head (``due_ns`` waits for it) while ``promised_ns`` ignored it:
+    a promise before the head could get there, a slot used early."""
+    from shmlimit.words import fence_horizon_ns
+
+    clock = FakeClock()
+    lim = shmlimit.Limiter(name, rate=1000, burst=1, clock=clock)
+    try:
+        lim.retry_after()  # its filler thread starts, to be stopped: no claim but the test's
+        lim._att.filler.stop()
+        lim._att.filler.join(10)
+        b = lim._att.bucket
+        c = b.cells
+        b.replenish()
+        clock.advance_seconds(2.0)  # no claim since: REPL_TS 2 s old
+        head = b.head()
+        due = clock.now + fence_horizon_ns(b.tpn) - 500_000_000  # within the scan's horizon
+        rec = b.fences.recs[0]
+        c.store(rec + L.FENCE_LIMIT, head)
+        c.store(rec + L.FENCE_DUE, due)
+        c.store(b.fences.hint, due)
+        ticket = (c.load(L.TAIL) + b.cost * 5) & MASK64
+        assert b.due_ns(ticket) >= due  # the waiters' wake time counts it ...
+        assert b.promised_ns(ticket) >= due  # ... and so does the promise
     finally:
         lim.close()
