@@ -13,8 +13,8 @@ from setuptools import Extension, setup
 setup(
     ext_modules=[
         Extension(
-            "shmlimit._native",
-            ["shmlimit/_native.c"],
+            "shmlimit.shm._native",
+            ["shmlimit/shm/_native.c"],
             optional=os.environ.get("SHMLIMIT_REQUIRE_NATIVE_BUILD") != "1",
             extra_compile_args=["-O2", "-std=gnu11"],
         )

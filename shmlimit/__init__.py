@@ -4,8 +4,8 @@
     lim = shmlimit.Limiter("api", rate=1000)   # 1000 ops per second, shared by every process
     lim.acquire()                              # blocks until granted
 """
-from .config import Config, RateSpec, parse_spec
-from .errors import (
+from shmlimit.config import Config, RateSpec, parse_spec
+from shmlimit.errors import (
     ConfigMismatchError,
     ConfigWriterTakenOver,
     KeyTableFullError,
@@ -17,12 +17,12 @@ from .errors import (
     ShmlimitError,
     UntrustedSegmentError,
 )
-from .keyed import KeyedLimiter, KeyedStats
-from .kinds import attach, inspect
-from .limiter import Limiter, unlink
-from .segment import list_names
-from .stats import ProcessStats, Stats, UpstreamStats
-from .throttle import throttle
+from shmlimit.keyed.limiter import KeyedLimiter, KeyedStats
+from shmlimit.kinds import attach, inspect
+from shmlimit.limiter import Limiter, unlink
+from shmlimit.shm.segment import list_names
+from shmlimit.stats import ProcessStats, Stats, UpstreamStats
+from shmlimit.throttle import throttle
 
 __version__ = "0.1.0"
 

@@ -23,23 +23,23 @@ import threading
 import time
 from typing import Any, Callable, Optional, Sequence, Tuple, Union
 
-from . import inflight
-from . import layout as L
-from .bucket import WAIT_BURN, WAIT_NUDGE, Bucket, GrabResult
-from .config import MAX_NAP, NS_PER_S
-from .cells import MASK64, Cells, multi_gate
-from .words import plain_seconds
-from .errors import ConfigMismatchError, LimiterNotFoundError, SegmentError
-from .filler import FillerThread, Lease, takeover_ns
-from .giveback import REAP_EVERY, Records, Returns, ReturnsThread, clear, interrupted, keep_on_leave, mark_given
-from .giveback import Writers, reap, record, take_over
-from .header import Creation, open_segment
-from .registry import Registry
-from .segment import Segment, check_trust, current_inode, validate_name
-from .segment import unlink as unlink_name
-from .sleep import SLACK_NS
-from .table import OwnerWatch, ProcessTable, is_alive, pid_namespace, proc_start, slot_alive
-from .upstream_spec import UpstreamSpec
+from shmlimit.shm import inflight
+from shmlimit.shm import layout as L
+from shmlimit.bucket.rovers import WAIT_BURN, WAIT_NUDGE, Bucket, GrabResult
+from shmlimit.config import MAX_NAP, NS_PER_S
+from shmlimit.shm.cells import MASK64, Cells, multi_gate
+from shmlimit.shm.words import plain_seconds
+from shmlimit.errors import ConfigMismatchError, LimiterNotFoundError, SegmentError
+from shmlimit.bucket.filler import FillerThread, Lease, takeover_ns
+from shmlimit.bucket.giveback import REAP_EVERY, Records, Returns, ReturnsThread, clear, interrupted, keep_on_leave, mark_given
+from shmlimit.bucket.giveback import Writers, reap, record, take_over
+from shmlimit.header import Creation, open_segment
+from shmlimit.registry import Registry
+from shmlimit.shm.segment import Segment, check_trust, current_inode, validate_name
+from shmlimit.shm.segment import unlink as unlink_name
+from shmlimit.acquire.sleep import SLACK_NS
+from shmlimit.shm.table import OwnerWatch, ProcessTable, is_alive, pid_namespace, proc_start, slot_alive
+from shmlimit.redis.spec import UpstreamSpec
 
 _INF = float("inf")
 
@@ -335,7 +335,7 @@ class Attachment:
     def _feed(self) -> Any:
         if self.feed_spec is None:
             return None
-        from .upstream import feed_for  # the Redis tier: only processes that configured it get here
+        from shmlimit.redis.feeder import feed_for  # the Redis tier: only processes that configured it get here
 
         return feed_for(self.feed_spec)
 

@@ -119,7 +119,7 @@ class QueueFullError(ShmlimitError):
     """
 
     def __init__(self, tokens: int, tpn: int) -> None:
-        from .config import MAX_QUEUE_TOKENS, NS_PER_S
+        from shmlimit.config import MAX_QUEUE_TOKENS, NS_PER_S
 
         super().__init__(
             f"the queue is full: this request ({tokens / tpn / NS_PER_S:.6g} s of schedule) would put more than "

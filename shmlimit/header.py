@@ -18,15 +18,15 @@ import time
 from dataclasses import dataclass
 from typing import Callable, Optional, Tuple
 
-from . import layout as L
-from .bucket import Bucket
-from .cells import Cells, open_cells, warm_backend
-from .config import Config
-from .errors import AbandonedSegmentError, LimiterNotFoundError, SegmentError
-from .segment import INIT_WAIT, LIVE_CREATOR_WAIT, Segment, current_inode, publish, start_header
-from .segment import unlink as unlink_name
-from .table import is_alive
-from .upstream_spec import UpstreamSpec
+from shmlimit.shm import layout as L
+from shmlimit.bucket.rovers import Bucket
+from shmlimit.shm.cells import Cells, open_cells, warm_backend
+from shmlimit.config import Config
+from shmlimit.errors import AbandonedSegmentError, LimiterNotFoundError, SegmentError
+from shmlimit.shm.segment import INIT_WAIT, LIVE_CREATOR_WAIT, Segment, current_inode, publish, start_header
+from shmlimit.shm.segment import unlink as unlink_name
+from shmlimit.shm.table import is_alive
+from shmlimit.redis.spec import UpstreamSpec
 
 #: A segment left claimed by a garbage collector this long (seconds) lost its collector.
 DOOMED_WAIT = 2.0

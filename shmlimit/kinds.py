@@ -8,13 +8,13 @@ from __future__ import annotations
 
 from typing import Iterable, Union
 
-from .keyed import KeyedLimiter, KeyedStats, inspect_keyed
-from .keyed_segment import is_keyed
-from .limiter import Limiter
-from .limiter import attach as attach_limiter
-from .stats import Stats
-from .stats import inspect as inspect_limiter
-from .segment import validate_name
+from shmlimit.keyed.limiter import KeyedLimiter, KeyedStats, inspect_keyed
+from shmlimit.keyed.segment import is_keyed
+from shmlimit.limiter import Limiter
+from shmlimit.limiter import attach as attach_limiter
+from shmlimit.stats import Stats
+from shmlimit.stats import inspect as inspect_limiter
+from shmlimit.shm.segment import validate_name
 
 
 def attach(name: str, *, mode: int = 0o600, trusted_uids: Iterable[int] = ()) -> Union[Limiter, KeyedLimiter]:

@@ -12,23 +12,24 @@ import random
 import time
 from typing import TYPE_CHECKING, Any, Callable, Dict, Iterable, Optional, Tuple, Union
 
-from . import layout as L
-from . import acquisition, live_changes
-from .acquisition import MAX_NAP, Request, drive, drive_async, wait_for_ticket
-from .attachment import NO_FAST, Attachment, open_attachment, release, show
-from .config import Config, parse_spec, validate_n, validate_reconfigure, validate_timeout
-from .errors import ConfigMismatchError
-from .header import Creation
-from .rate_group import RatesSwitch, group_options
-from .registry import release_on_gc
-from .segment import unlink as _unlink_name
-from .segment import validate_mode, validate_name, validate_slots, validate_trusted_uids
-from .upstream_option import resolve_upstream
-from .upstream_spec import DEFAULT_BATCH_SECONDS, DEFAULT_LEASE_TTL, UpstreamSpec
-from .stats import Stats, snapshot
+from shmlimit.shm import layout as L
+from shmlimit import live_changes
+from shmlimit.acquire import single as acquisition
+from shmlimit.acquire.single import MAX_NAP, Request, drive, drive_async, wait_for_ticket
+from shmlimit.attachment import NO_FAST, Attachment, open_attachment, release, show
+from shmlimit.config import Config, parse_spec, validate_n, validate_reconfigure, validate_timeout
+from shmlimit.errors import ConfigMismatchError
+from shmlimit.header import Creation
+from shmlimit.rate_group import RatesSwitch, group_options
+from shmlimit.registry import release_on_gc
+from shmlimit.shm.segment import unlink as _unlink_name
+from shmlimit.shm.segment import validate_mode, validate_name, validate_slots, validate_trusted_uids
+from shmlimit.redis.option import resolve_upstream
+from shmlimit.redis.spec import DEFAULT_BATCH_SECONDS, DEFAULT_LEASE_TTL, UpstreamSpec
+from shmlimit.stats import Stats, snapshot
 
 if TYPE_CHECKING:  # pragma: no cover
-    from .redis import RedisLimiter
+    from shmlimit.redis.direct import RedisLimiter
 
 _INF = float("inf")
 _ONE = 1  # `n is _ONE`: the cheapest test that n is the int 1 (True is not)
@@ -64,12 +65,12 @@ class Limiter(RatesSwitch):
 
     Hierarchical mode (one limit across hosts): ``upstream`` is a Redis URL
     (the global limit then has this limiter's name, rate, per and burst) or
-    a ``shmlimit.redis.RedisLimiter`` (whose config is the default for this
+    a ``shmlimit.redis.direct.RedisLimiter`` (whose config is the default for this
     one's).  The elected filler leases batches from it; ``lease_ttl``
     (seconds a leased token stays usable, default 0.1), ``batch_seconds``
     (the demand a batch covers, default 0.02) and ``on_redis_error``
     (``"closed"``, the default, ``"local"`` or ``"open"``) are described in
-    ``shmlimit.upstream`` and the README.
+    ``shmlimit.redis.feeder`` and the README.
 
     A new configuration for an existing segment: if no live process uses
     it (a redeploy after the old fleet stopped, killed or not), it takes the
@@ -94,7 +95,7 @@ class Limiter(RatesSwitch):
     def _several(cls, name: str, rates: Any, rate: Any, per: Any, burst: Any, args: Tuple[Any, ...],
                  kwargs: Dict[str, Any]) -> Any:
         """``Limiter(name, rates=...)``: a limiter of several rates (multirate.py), one segment per rate."""
-        from .multirate import MultiLimiter
+        from shmlimit.multirate import MultiLimiter
 
         return MultiLimiter(name, rates, **group_options(
             rate, per, burst, args, kwargs, ("mode", "slots", "trusted_uids", "clock"), one="one rate",

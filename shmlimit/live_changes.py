@@ -13,10 +13,10 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Optional, Union
 
-from .config import Config, RateSpec, parse_spec
+from shmlimit.config import Config, RateSpec, parse_spec
 
 if TYPE_CHECKING:  # pragma: no cover
-    from .attachment import Attachment
+    from shmlimit.attachment import Attachment
 
 
 def requested(

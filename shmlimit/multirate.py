@@ -40,17 +40,18 @@ import weakref
 from dataclasses import dataclass
 from typing import Any, Callable, Dict, Iterable, List, Optional, Sequence, Tuple, Union
 
-from . import acquisition, live_changes
-from . import layout as L
-from .acquisition import drive, drive_async
-from .attachment import Attachment, gate_all, open_attachment, release
-from .config import NS_PER_S, Config, validate_n, validate_timeout
-from .header import Creation
-from .fences import FenceHold
-from .multirate_request import NO_RECORD, REFUSED, Claim, MultiRequest, claim, give_back_claims, record_nap, take_all, wait_ns
-from .rate_group import RateGroup, parse_rates, rates_from_text
-from .segment import validate_mode, validate_name, validate_slots, validate_trusted_uids
-from .stats import Stats, snapshot
+from shmlimit import live_changes
+from shmlimit.acquire import single as acquisition
+from shmlimit.shm import layout as L
+from shmlimit.acquire.single import drive, drive_async
+from shmlimit.attachment import Attachment, gate_all, open_attachment, release
+from shmlimit.config import NS_PER_S, Config, validate_n, validate_timeout
+from shmlimit.header import Creation
+from shmlimit.bucket.fences import FenceHold
+from shmlimit.acquire.multi import NO_RECORD, REFUSED, Claim, MultiRequest, claim, give_back_claims, record_nap, take_all, wait_ns
+from shmlimit.rate_group import RateGroup, parse_rates, rates_from_text
+from shmlimit.shm.segment import validate_mode, validate_name, validate_slots, validate_trusted_uids
+from shmlimit.stats import Stats, snapshot
 
 _INF = float("inf")
 _ONE = 1

@@ -12,9 +12,9 @@ from __future__ import annotations
 import re
 from typing import Any, Dict, Iterable, List, Mapping, Tuple, Type, Union
 
-from .config import Config, parse_rate
-from .segment import NAME_MAX
-from .segment import unlink as _unlink_name
+from shmlimit.config import Config, parse_rate
+from shmlimit.shm.segment import NAME_MAX
+from shmlimit.shm.segment import unlink as _unlink_name
 
 _KEY = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")
 #: Keys that would collide with the calls' own parameters.

@@ -14,7 +14,7 @@ import os
 import threading
 from typing import Any, Callable, Dict, Generic, Protocol, TypeVar
 
-from .segment import Segment, current_inode
+from shmlimit.shm.segment import Segment, current_inode
 
 class Attached(Protocol):
     """What a registry needs of an attachment."""

@@ -9,16 +9,16 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Optional, Tuple
 
-from . import layout as L
-from .attachment import Attachment
-from .cells import open_cells
-from .config import NS_PER_S
-from .filler import LEASE_TIMEOUT, lease_expiry_us, lease_slot, now_us
-from .errors import SegmentError
-from .header import DOOMED, cells_size, ready_creator
-from .segment import Segment, validate_name
-from .table import slot_alive
-from .upstream_spec import STATE_NAMES
+from shmlimit.shm import layout as L
+from shmlimit.attachment import Attachment
+from shmlimit.shm.cells import open_cells
+from shmlimit.config import NS_PER_S
+from shmlimit.bucket.filler import LEASE_TIMEOUT, lease_expiry_us, lease_slot, now_us
+from shmlimit.errors import SegmentError
+from shmlimit.header import DOOMED, cells_size, ready_creator
+from shmlimit.shm.segment import Segment, validate_name
+from shmlimit.shm.table import slot_alive
+from shmlimit.redis.spec import STATE_NAMES
 
 
 @dataclass(frozen=True)

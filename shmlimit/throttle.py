@@ -17,11 +17,11 @@ import inspect
 import threading
 from typing import Any, Callable, Optional, TypeVar, Union
 
-from .config import Config, validate_n, validate_timeout
-from .errors import RateLimited
-from .keyed import KeyedLimiter
-from .limiter import Limiter
-from .segment import validate_name
+from shmlimit.config import Config, validate_n, validate_timeout
+from shmlimit.errors import RateLimited
+from shmlimit.keyed.limiter import KeyedLimiter
+from shmlimit.limiter import Limiter
+from shmlimit.shm.segment import validate_name
 
 F = TypeVar("F", bound=Callable[..., Any])
 ON_LIMIT = ("wait", "skip", "raise")
@@ -54,7 +54,7 @@ def throttle(
 
     ``limiter`` is a limiter name (created with ``rate``/``per``/``burst``
     and ``limiter_options`` on first use, or attached when ``rate`` is None),
-    or an existing ``Limiter`` or ``shmlimit.redis.RedisLimiter``.
+    or an existing ``Limiter`` or ``shmlimit.redis.direct.RedisLimiter``.
 
     ``on_limit`` says what a call does when its ops are not available:
 

@@ -15,9 +15,9 @@ import threading
 import pytest
 
 import shmlimit
-from shmlimit.acquisition import CAPPED_NAP, MAX_NAP, Request
-from shmlimit.bucket import Bucket, diff
-from shmlimit.schedule import LONGEST_FILL_NS, stop_ns
+from shmlimit.acquire.single import CAPPED_NAP, MAX_NAP, Request
+from shmlimit.bucket.rovers import Bucket, diff
+from shmlimit.bucket.schedule import LONGEST_FILL_NS, stop_ns
 from support.clock import FakeClock
 from support.windows import excess_over_rate
 
@@ -317,7 +317,7 @@ class _BusyClock(FakeClock):
 def test_an_async_ticket_wait_sleeps_to_its_instant_without_a_floor(name, monkeypatch):
     """acquire_async parks a ticket until exactly its due instant, measured when the sleep
     starts (time spent before the await is not added), even when that is under MIN_NAP away."""
-    from shmlimit import acquisition as A
+    from shmlimit.acquire import single as A
 
     clock = _BusyClock()
     lim = open_limiter(name, clock, rate=20_000, burst=1)  # an op is 50 us: less than MIN_NAP
@@ -374,7 +374,7 @@ def test_a_reservation_right_after_a_skip_is_never_promised_before_the_head_gets
 
 # A promise is computed once, from the queue ahead as it stands then.  When the head could later
 # reach the ticket sooner -- a range ahead given back and skipped (or, over several rates, tokens
-# refunded) -- the reservation's fence (``shmlimit.fences``) holds the head at ``t + C - n`` until the
+# refunded) -- the reservation's fence (``shmlimit.bucket.fences``) holds the head at ``t + C - n`` until the
 # promise: the holder's slot, used at its promise, never falls together with those behind it.
 
 

@@ -8,8 +8,8 @@ import threading
 import pytest
 
 import shmlimit
-from shmlimit import layout as L
-from shmlimit.window_table import WindowTable
+from shmlimit.shm import layout as L
+from shmlimit.keyed.window_table import WindowTable
 from support.segments import shm_bytes
 
 
@@ -267,7 +267,7 @@ def test_abandoned_segment_is_refused_on_attach_and_replaced_on_create(name, cre
 
 def test_create_retries_when_the_name_vanishes_between_create_and_open(name, monkeypatch):
     from shmlimit import header as limmod
-    from shmlimit.segment import Segment
+    from shmlimit.shm.segment import Segment
 
     real_create = Segment.create
     calls = []

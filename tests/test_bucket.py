@@ -6,10 +6,10 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from shmlimit import layout as L
-from shmlimit.bucket import NO_RECORD, REFUSED, diff
-from shmlimit.cells import MASK64
-from shmlimit.cells import native_available
+from shmlimit.shm import layout as L
+from shmlimit.bucket.rovers import NO_RECORD, REFUSED, diff
+from shmlimit.shm.cells import MASK64
+from shmlimit.shm.cells import native_available
 from shmlimit.config import NS_PER_S, Config
 from support.buckets import make_bucket
 from support.windows import check_windows
@@ -329,8 +329,8 @@ def test_a_record_being_written_is_granted_alone_and_never_stalls_the_queue(back
 def test_the_clamp_keeps_the_older_words_when_the_head_moves_while_it_reads_the_records(backend):
     """A request around the snapshot's head may be granted (its record freed) while the records are
     read: the words are then not written (None), and the older ones, which allow less, stay."""
-    from shmlimit.clamp import clamp_words
-    from shmlimit.words import clamp_words as reference  # the atomic layer's steps, on any cells
+    from shmlimit.bucket.clamp import clamp_words
+    from shmlimit.shm.words import clamp_words as reference  # the atomic layer's steps, on any cells
 
     b, clock = _recorded_bucket(Config.make(1000, burst=2), backend)
     c = b.cells

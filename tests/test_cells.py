@@ -4,14 +4,14 @@ import os
 
 import pytest
 
-from shmlimit.cells import MASK64, Cells, native_available, selected_backend
+from shmlimit.shm.cells import MASK64, Cells, native_available, selected_backend
 from support.procs import run_processes
 from support.cells import BACKENDS, REQUIRE_NATIVE, SIZE, backend, cells, cells_for, opened, segment  # noqa: F401 (fixtures)
 
 
 def test_native_backend_is_built_when_required():
     if REQUIRE_NATIVE:
-        assert native_available(), "SHMLIMIT_REQUIRE_NATIVE=1 but shmlimit._native did not build"
+        assert native_available(), "SHMLIMIT_REQUIRE_NATIVE=1 but shmlimit.shm._native did not build"
         assert selected_backend() == os.environ.get("SHMLIMIT_BACKEND", "native")
     elif not native_available():
         pytest.skip("the native extension is not built here")

@@ -12,10 +12,10 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from shmlimit import layout as L
-from shmlimit.cells import MASK64, native_available
+from shmlimit.shm import layout as L
+from shmlimit.shm.cells import MASK64, native_available
 from shmlimit.config import Config
-from shmlimit.words import SPAN_MAX, diff
+from shmlimit.shm.words import SPAN_MAX, diff
 from support.buckets import make_bucket
 
 BACKENDS = ["atomics"] + (["native"] if native_available() else [])
@@ -136,7 +136,7 @@ def test_a_hostile_given_record_over_live_waiters_is_not_skipped(backend):
     into a slot by hand): skipping it moved the head past both, granting 20 ops at once on an
     empty bucket.  Ranges of tickets never overlap, so a range another record holds part of is
     corrupt: not skipped (its time is lost instead), and the waiters are served at the rate."""
-    from shmlimit import giveback
+    from shmlimit.bucket import giveback
 
     b, clock = _bucket(backend)
     c = b.cells

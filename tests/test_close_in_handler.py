@@ -23,9 +23,9 @@ from contextlib import contextmanager
 import pytest
 
 import shmlimit
-import shmlimit.atomics_cells as atomics_cells
-from shmlimit import layout as L
-from shmlimit.cells import selected_backend
+import shmlimit.shm.atomics_cells as atomics_cells
+from shmlimit.shm import layout as L
+from shmlimit.shm.cells import selected_backend
 
 MINUTE = dict(rate=1, per=60, burst=1)  # one op a minute: the next grab after the first queues
 

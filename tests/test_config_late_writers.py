@@ -15,12 +15,12 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from shmlimit import config_banks
-from shmlimit import layout as L
-from shmlimit.bucket import Bucket
-from shmlimit.cells import native_available
+from shmlimit.shm import banks as config_banks
+from shmlimit.shm import layout as L
+from shmlimit.bucket.rovers import Bucket
+from shmlimit.shm.cells import native_available
 from shmlimit.config import Config
-from shmlimit.config_banks import config_words, read_snapshot, write_under_lock
+from shmlimit.shm.banks import config_words, read_snapshot, write_under_lock
 from support.buckets import private_cells
 from support.cells import Writer, every_two_late, release
 from support.clock import FakeClock

@@ -18,14 +18,14 @@ PACKAGE = os.path.dirname(shmlimit.__file__)
 def module_constants():
     """NAME -> value for every module-level ``NAME = <literal>`` in the package."""
     found = {}
-    for f in sorted(os.listdir(PACKAGE)):
-        if f.endswith(".py"):
-            for node in ast.parse(open(os.path.join(PACKAGE, f)).read()).body:
-                if isinstance(node, ast.Assign) and len(node.targets) == 1 and isinstance(node.targets[0], ast.Name):
-                    try:
-                        found.setdefault(node.targets[0].id, []).append(ast.literal_eval(node.value))
-                    except ValueError:
-                        pass
+    paths = [os.path.join(d, f) for d, _, fs in os.walk(PACKAGE) for f in fs if f.endswith(".py")]
+    for path in sorted(paths):
+        for node in ast.parse(open(path).read()).body:
+            if isinstance(node, ast.Assign) and len(node.targets) == 1 and isinstance(node.targets[0], ast.Name):
+                try:
+                    found.setdefault(node.targets[0].id, []).append(ast.literal_eval(node.value))
+                except ValueError:
+                    pass
     return found
 
 
@@ -40,15 +40,15 @@ def test_every_quoted_constant_matches_the_code(const, value):
     assert ast.literal_eval(value) in values, f"design.md says {const} = {value}; the code says {values}"
 
 
-#: "(layout.py, version 5)": a section that states a module's layout version
-STATED_VERSIONS = re.findall(r"\((\w+)\.py, version (\d+)\)", DESIGN)
+#: "(shm/layout.py, version 5)": a section that states a module's layout version
+STATED_VERSIONS = re.findall(r"\(([\w/]+)\.py, version (\d+)\)", DESIGN)
 
 
 def test_the_design_states_both_layout_versions():
-    assert {m for m, _ in STATED_VERSIONS} >= {"layout", "keyed_layout"}, STATED_VERSIONS
+    assert {m for m, _ in STATED_VERSIONS} >= {"shm/layout", "keyed/layout"}, STATED_VERSIONS
 
 
 @pytest.mark.parametrize("module, version", STATED_VERSIONS)
 def test_every_stated_layout_version_matches_the_code(module, version):
-    code = importlib.import_module(f"shmlimit.{module}").VERSION
+    code = importlib.import_module("shmlimit." + module.replace("/", ".")).VERSION
     assert int(version) == code, f"design.md says {module}.py is version {version}; the code says {code}"

@@ -6,9 +6,9 @@ import sys
 
 import pytest
 
-from shmlimit import doctor
-from shmlimit import layout as L
-from shmlimit.cells import native_available
+from shmlimit.cli import doctor
+from shmlimit.shm import layout as L
+from shmlimit.shm.cells import native_available
 
 MiB = 1 << 20
 
@@ -35,7 +35,7 @@ def test_backend_says_which_and_why(monkeypatch):
 
 
 def test_a_missing_extension_is_a_warning_that_says_how_to_get_it(monkeypatch):
-    monkeypatch.setitem(sys.modules, "shmlimit._native", None)  # import fails, as without a compiler
+    monkeypatch.setitem(sys.modules, "shmlimit.shm._native", None)  # import fails, as without a compiler
     f = doctor.check_backend({})
     assert f[0].level == "warn" and f[0].message.startswith("atomics:")
     assert "without a C compiler" in f[0].message and "wheel" in f[0].message
@@ -113,11 +113,11 @@ def test_stale_limiters_are_pointed_out(name):
 
 
 def test_cli_doctor_prints_and_exits_by_the_worst_finding():
-    r = subprocess.run([sys.executable, "-m", "shmlimit.cli", "doctor", "--json"], capture_output=True, text=True,
+    r = subprocess.run([sys.executable, "-m", "shmlimit.cli.main", "doctor", "--json"], capture_output=True, text=True,
                        timeout=120)
     found = json.loads(r.stdout)
     assert {x["level"] for x in found} <= {"ok", "warn", "fail"}
     assert any(x["topic"] == "backend" for x in found) and any(x["topic"] == "/dev/shm" for x in found)
     assert r.returncode == (1 if any(x["level"] == "fail" for x in found) else 0)
-    r = subprocess.run([sys.executable, "-m", "shmlimit.cli", "doctor"], capture_output=True, text=True, timeout=120)
+    r = subprocess.run([sys.executable, "-m", "shmlimit.cli.main", "doctor"], capture_output=True, text=True, timeout=120)
     assert "backend" in r.stdout and "/dev/shm" in r.stdout

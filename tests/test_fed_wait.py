@@ -12,8 +12,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import shmlimit
-import shmlimit.layout as L
-from shmlimit.cells import FED_ALL, MASK64, fed_bit, fed_mask
+import shmlimit.shm.layout as L
+from shmlimit.shm.cells import FED_ALL, MASK64, fed_bit, fed_mask
 from support.procs import WORKDIR, wait_for
 
 linux = pytest.mark.skipif(not sys.platform.startswith("linux"), reason="futexes and /proc are Linux's")
@@ -50,7 +50,7 @@ def asleep_on(pid, cells, bit):
 SLEEPER = textwrap.dedent(
     """
     import sys, time
-    import shmlimit, shmlimit.layout as L
+    import shmlimit, shmlimit.shm.layout as L
     lim = shmlimit.attach(sys.argv[1])
     cells = lim._att.cells
     seen = cells.load(L.UP_WAKE)
@@ -103,7 +103,7 @@ def test_a_sleep_on_a_word_that_moved_returns_at_once_and_one_past_its_deadline_
 #: once, prints whether it was granted and how many times it slept, and closes.
 COUNTED_WAITER = textwrap.dedent(
     """
-    import shmlimit.acquisition as A, shmlimit.attachment as T, shmlimit.fed_wait as F
+    import shmlimit.acquire.single as A, shmlimit.attachment as T, shmlimit.bucket.fed_wait as F
     A.MAX_NAP_NS = 60_000_000_000  # no look but the wake's (nor a deadline's) within the test
     T.MAX_NAP = 60.0  # the same for the native one-call acquire (Acquirer), bound when the fast paths are
     sleeps = [0]
@@ -137,8 +137,8 @@ def fed(redis_server, name):
     from support.redis_server import require
 
     require()
-    from shmlimit.filler import Lease, now_us
-    from shmlimit.redis import RedisLimiter
+    from shmlimit.bucket.filler import Lease, now_us
+    from shmlimit.redis.direct import RedisLimiter
 
     glob = RedisLimiter(f"{name}-g", rate=1, per=100, url=redis_server.url)
     lim = shmlimit.Limiter(name, upstream=glob)
@@ -167,7 +167,7 @@ def start_waiter(name, timeout="-"):
 @linux
 @pytest.mark.parametrize("timeout", ["-", "60"])
 def test_a_queued_caller_sleeps_once_and_is_woken_by_the_batch_that_covers_it(fed, timeout, monkeypatch):
-    import shmlimit.fed_wait as F
+    import shmlimit.bucket.fed_wait as F
 
     woken = []
     wake = F.wake
@@ -200,9 +200,9 @@ def test_a_timed_caller_not_served_gives_its_ticket_back_and_the_next_batch_serv
 LATE_FILLER_WAITER = COUNTED_WAITER + textwrap.dedent(
     """
     import sys
-    import shmlimit, shmlimit.layout as L
-    from shmlimit.filler import lease_word, now_us
-    from shmlimit.redis import RedisLimiter
+    import shmlimit, shmlimit.shm.layout as L
+    from shmlimit.bucket.filler import lease_word, now_us
+    from shmlimit.redis.direct import RedisLimiter
     name, glob, url, other = sys.argv[1], sys.argv[2], sys.argv[3], int(sys.argv[4])
     lim = shmlimit.Limiter(name, upstream=RedisLimiter(glob, rate=1, per=100, url=url))  # a filler candidate
     att = lim._att
@@ -247,7 +247,7 @@ def test_a_waiter_that_cannot_take_the_lapsed_lease_sleeps_until_the_take_over(f
     lapsed sleeps until the lease's expiry plus the take-over (a watcher's period), not one look every
     few ms that changes nothing: at most three sleeps in 0.3 s (~150 before), and the batch still
     wakes it."""
-    from shmlimit.filler import lease_word, now_us
+    from shmlimit.bucket.filler import lease_word, now_us
 
     b = fed._att.bucket
     tail = b.cells.load(L.TAIL)
@@ -275,7 +275,7 @@ def test_an_untimed_acquire_in_hierarchical_mode_is_one_native_call_woken_by_the
     ``wait_for_ticket`` in Python; a wait that ends unserved hands back its ticket, still recorded."""
     import threading
 
-    from shmlimit.cells import native_available
+    from shmlimit.shm.cells import native_available
 
     if not native_available() or fed._att.cells.__class__.__name__ != "NativeCells":
         pytest.skip("the one-call acquire is the native backend's")

@@ -11,7 +11,7 @@ from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 
 import shmlimit
-import shmlimit.layout as L
+import shmlimit.shm.layout as L
 from support.clock import FakeClock
 from support.procs import run_cli
 from support.windows import check_windows, max_in_window
@@ -22,7 +22,7 @@ def R():
     from support.redis_server import require
 
     require()
-    import shmlimit.redis as R
+    import shmlimit.redis.direct as R
 
     return R
 
@@ -38,7 +38,7 @@ class Host:
     """One host: a hierarchical limiter on the fake clock whose feeder the test ticks."""
 
     def __init__(self, R, name, url, clock, rate, burst=None, glob=None, **up):
-        from shmlimit.upstream import Feeder
+        from shmlimit.redis.feeder import Feeder
 
         self.clock = clock
         self.glob = R.RedisLimiter(glob or f"{name}-g", rate=rate, burst=burst, url=url, clock="client")
@@ -70,7 +70,7 @@ def seeded(monkeypatch):
     """The feeder's jitter from a seeded generator: a failure here replays."""
     import random
 
-    import shmlimit.upstream as U
+    import shmlimit.redis.feeder as U
 
     monkeypatch.setattr(U, "random", random.Random(17))
 
@@ -212,7 +212,7 @@ class SlowRedis:
 
 
 def test_a_fallback_keeps_a_set_rate_made_during_the_redis_call(R, redis_server, name, clock):
-    from shmlimit.upstream import Feeder
+    from shmlimit.redis.feeder import Feeder
 
     host = Host(R, name, redis_server.url, clock, 100, on_redis_error="local", lease_ttl=0.1)
     try:
@@ -264,7 +264,7 @@ def ticking(host, clock):
 def test_the_feeder_wakes_for_its_events_not_on_a_tick(R, redis_server, name, clock, rate):
     """Saturated, it wakes about once per batch (the delivery, and the request for the next batch
     with it); a 2 ms tick woke it 500 times a second whatever the rate."""
-    from shmlimit.upstream import IDLE_TICK
+    from shmlimit.redis.feeder import IDLE_TICK
 
     host = Host(R, name, redis_server.url, clock, rate, lease_ttl=0.1)
     ticks = ticking(host, clock)
@@ -282,7 +282,7 @@ def test_the_feeder_wakes_for_its_events_not_on_a_tick(R, redis_server, name, cl
 
 
 def test_an_idle_feeder_wakes_rarely_and_leases_nothing(R, redis_server, name, clock):
-    from shmlimit.upstream import IDLE_TICK
+    from shmlimit.redis.feeder import IDLE_TICK
 
     host = Host(R, name, redis_server.url, clock, 1000, lease_ttl=0.1)
     ticks = ticking(host, clock)
@@ -300,7 +300,7 @@ def test_an_idle_feeder_wakes_rarely_and_leases_nothing(R, redis_server, name, c
 def keep_at(cells, ttl_ns, at, mine):
     """Ops of the lease records still young at ``at`` (the ring's and those the feeder wrote, which
     may have left the ring of four before their end): what the bucket may hold then."""
-    from shmlimit.upstream import RECORD_MAX_OPS, RECORD_OPS_BITS
+    from shmlimit.redis.feeder import RECORD_MAX_OPS, RECORD_OPS_BITS
 
     from collections import Counter
 
@@ -332,7 +332,7 @@ def test_a_sleeping_feeder_never_lets_tokens_outlive_their_records(R, redis_serv
     cases tried before, on a clock starting on a whole second, happened to have no such wake."""
     import random
 
-    import shmlimit.upstream as U
+    import shmlimit.redis.feeder as U
 
     ttl = ttl_ms / 1000
     with monkeypatch.context() as mp:
@@ -375,7 +375,7 @@ def test_an_orphans_batch_waiting_for_room_is_looked_at_every_tick_not_every_min
     Room made, the next look delivers the rest."""
     from collections import deque
 
-    from shmlimit.upstream import TICK, _Batch
+    from shmlimit.redis.feeder import TICK, _Batch
 
     host = Host(R, name, redis_server.url, clock, 1000, burst=50, lease_ttl=0.05)
     b, f = host.att.bucket, host.feeder
@@ -497,7 +497,7 @@ def test_a_filler_that_takes_over_counts_the_gap_its_predecessor_left(R, redis_s
     counts that gap (Redis measures it; since when callers wanted is in the segment), whether it is
     a new one (a waiter's process) or one elected before, whose own earlier stint counts nothing
     (a stale end of its own counted 3 s of a 5 s run once)."""
-    from shmlimit.upstream import Feeder
+    from shmlimit.redis.feeder import Feeder
 
     rate, gap = 1000, 0.2  # longer than the schedule reserved ahead (the lead, ~0.1 s here)
     host = Host(R, name, redis_server.url, clock, rate, lease_ttl=0.1)
@@ -563,7 +563,7 @@ def test_a_request_redis_runs_late_counts_the_gap_it_left(R, redis_server, name,
     """The filler asks in time, but Redis runs the request 0.2 s later: the schedule reserved ahead ran
     out meanwhile, and the gap Redis found is counted as starved, though the request was sent before
     the reserved schedule ended."""
-    from shmlimit.upstream import EARLY
+    from shmlimit.redis.feeder import EARLY
 
     rate, late = 1000, 0.2
     host = Host(R, name, redis_server.url, clock, rate, lease_ttl=0.5)

@@ -6,10 +6,10 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 import shmlimit
-import shmlimit.layout as L
-from shmlimit.acquisition import Request
-from shmlimit.bucket import diff
-from shmlimit.words import MASK64
+import shmlimit.shm.layout as L
+from shmlimit.acquire.single import Request
+from shmlimit.bucket.rovers import diff
+from shmlimit.shm.words import MASK64
 from support.clock import FakeClock
 from support.windows import excess_over_rate
 
@@ -87,7 +87,7 @@ def test_a_refused_reserver_sharing_the_record_does_not_free_anothers_fence(name
 
 def _far_dues(lim, clock):
     """Every fence record's DUE 1000 s beyond the scan's horizon (a hostile table); answers that DUE."""
-    from shmlimit.words import fence_horizon_ns
+    from shmlimit.shm.words import fence_horizon_ns
 
     b = lim._att.bucket
     far = clock.now + fence_horizon_ns(b.tpn) + 10**12
@@ -118,7 +118,7 @@ def test_fence_records_with_a_due_beyond_the_horizon_do_not_block_reserve(name, 
     (the clock moves with them, the filler ticks after each)."""
     import types
 
-    import shmlimit.fences as fences
+    import shmlimit.bucket.fences as fences
 
     clock = FakeClock()
     lim = shmlimit.Limiter(name, rate=1000, burst=1, clock=clock)
@@ -150,7 +150,7 @@ def test_the_native_fence_scan_answers_as_words_fence_scan_at_the_edge_of_far(na
     signed overflow, undefined, in practice -2**63: 'the head is past the fence, add nothing'),
     where ``words.fence_scan`` (Python ints) answers a room of NO_FENCE.  A hostile record then
     stopped a claim the Python code let through.  Both answer NO_FENCE now."""
-    from shmlimit.words import FAR, fence_scan
+    from shmlimit.shm.words import FAR, fence_scan
 
     clock = FakeClock()
     lim = shmlimit.Limiter(name, rate=1000, burst=1, clock=clock)
@@ -180,7 +180,7 @@ def test_every_backends_fence_scan_answers_as_words_fence_scan(name, recs, late,
     """The scan each backend uses (``cells.fence_scan``: native C, or words.fence_scan on atomics)
     answers as ``words.fence_scan`` for any records: LIMIT anywhere around the head, DUE around the
     claim's interval, any rate."""
-    from shmlimit.words import fence_scan
+    from shmlimit.shm.words import fence_scan
 
     clock = FakeClock()
     lim = shmlimit.Limiter(name, rate=1000, burst=1, clock=clock)
@@ -250,8 +250,8 @@ def test_a_reservation_over_several_rates_settles_only_its_own_fence(name, monke
     stored its DUE (now) over X's: X's fence lifted at once, the waiter ahead left, and the
     reservations behind X were promised before X's promise.  Now the settle is a CAS from its own
     DUE: it fails, and the reservation is made again (behind X)."""
-    from shmlimit import acquisition
-    from shmlimit.fences import FenceHold
+    from shmlimit.acquire import single as acquisition
+    from shmlimit.bucket.fences import FenceHold
 
     clock = FakeClock()
     lim = shmlimit.Limiter(name, rates=[("100/s", 1), ("100/s", 1)], clock=clock)
@@ -300,7 +300,7 @@ def test_a_reserver_killed_between_its_fence_and_its_tail_cas_holds_no_one_past_
     for a ticket nobody holds.  Those queued behind the point are held at most until its DUE, then
     move at the rate: a waiter an op behind it is covered an op after the DUE (and a tick), no later,
     and the record is free again once a claim passes the DUE."""
-    from shmlimit.fences import FenceHold
+    from shmlimit.bucket.fences import FenceHold
 
     clock = FakeClock()
     lim = shmlimit.Limiter(name, rate=100, burst=1, clock=clock)
@@ -339,7 +339,7 @@ def test_a_promise_counts_every_fence_the_scan_holds_the_head_to(name):
     on a limiter with no claim for a while (here 2 s) a fence whose DUE lay less than that before
     the scan's horizon held the head (``due_ns`` waits for it) while ``promised_ns`` ignored it:
     a promise before the head could get there, a slot used early."""
-    from shmlimit.words import fence_horizon_ns
+    from shmlimit.shm.words import fence_horizon_ns
 
     clock = FakeClock()
     lim = shmlimit.Limiter(name, rate=1000, burst=1, clock=clock)

@@ -1,4 +1,4 @@
-"""Reservation fences (shmlimit/fences.py): what the waiters behind one do, and hostile fence words."""
+"""Reservation fences (shmlimit/bucket/fences.py): what the waiters behind one do, and hostile fence words."""
 import time
 import types
 
@@ -7,10 +7,10 @@ from hypothesis import strategies as st
 import pytest
 
 import shmlimit
-import shmlimit.layout as L
-from shmlimit.acquisition import Request
-from shmlimit.bucket import diff
-from shmlimit.words import fence_horizon_ns
+import shmlimit.shm.layout as L
+from shmlimit.acquire.single import Request
+from shmlimit.bucket.rovers import diff
+from shmlimit.shm.words import fence_horizon_ns
 from support.clock import FakeClock
 
 MS = 1_000_000
@@ -164,7 +164,7 @@ def test_a_reservation_with_every_fence_record_in_use_waits_for_the_soonest_due(
     """64 reservations pending hold every record: a 65th with a ``max_wait`` shorter than the soonest
     DUE is refused at once, taking nothing; without one it waits (naps, the clock moving with them)
     until that DUE has passed and a claim after it frees the record, and is promised after it."""
-    import shmlimit.fences as fences
+    import shmlimit.bucket.fences as fences
 
     clock = FakeClock()
     lim = shmlimit.Limiter(name, rate=1000, burst=1, clock=clock)

@@ -12,8 +12,8 @@ import heapq
 import pytest
 
 import shmlimit
-from shmlimit import filler as F
-from shmlimit import layout as L
+from shmlimit.bucket import filler as F
+from shmlimit.shm import layout as L
 from support.clock import FakeClock
 
 RETRY_NS = 20_000  # a due waiter still short looks again this much later (acquisition.RETRY_NS)
@@ -263,7 +263,8 @@ def test_the_filler_refills_in_one_native_call_bound_to_the_config_in_force(name
 
 def test_promises_count_the_fillers_longest_pause():
     # promised_ns counts the filler's longest pause for a replenish that adds nothing: the two agree
-    from shmlimit import filler, schedule
+    from shmlimit.bucket import filler
+    from shmlimit.bucket import schedule
 
     assert schedule.LONGEST_FILL_NS == round(filler.MAX_FILL_PERIOD * 1e9)
 

@@ -17,10 +17,10 @@ from contextlib import closing
 import pytest
 
 import shmlimit
-from shmlimit import filler as F
-from shmlimit import layout as L
-from shmlimit.cells import native_available, selected_backend
-from shmlimit.words import diff
+from shmlimit.bucket import filler as F
+from shmlimit.shm import layout as L
+from shmlimit.shm.cells import native_available, selected_backend
+from shmlimit.shm.words import diff
 from support.limiters import quiet_limiter
 from support.procs import wait_for
 

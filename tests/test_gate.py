@@ -15,8 +15,8 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 
 import shmlimit
-from shmlimit.cells import MASK64, open_cells
-from shmlimit.composites import Gate
+from shmlimit.shm.cells import MASK64, open_cells
+from shmlimit.shm.composites import Gate
 
 from support.procs import run_processes
 from support.cells import BACKENDS, backend, cells, cells_for, opened, segment  # noqa: F401 (fixtures)

@@ -1,7 +1,7 @@
 """Abandoned tickets are given back: a waiter interrupted, cancelled or killed while queued stalls nobody.
 
 A waiter that leaves before its turn gives its ticket's range back and the head skips it (see
-``shmlimit.giveback``); a killed process's recorded ticket is given back by the filler.  Each
+``shmlimit.bucket.giveback``); a killed process's recorded ticket is given back by the filler.  Each
 test here fails on a limiter that leaves the range queued: whoever comes next waits for it.
 """
 import asyncio
@@ -15,12 +15,12 @@ from contextlib import contextmanager
 import pytest
 
 import shmlimit
-from shmlimit import layout as L
-from shmlimit.acquisition import Request
-from shmlimit.bucket import diff
-from shmlimit.cells import MASK64, native_available
+from shmlimit.shm import layout as L
+from shmlimit.acquire.single import Request
+from shmlimit.bucket.rovers import diff
+from shmlimit.shm.cells import MASK64, native_available
 from shmlimit.config import MAX_NAP, Config
-from shmlimit.giveback import Returns, reap, skip, take_ticket
+from shmlimit.bucket.giveback import Returns, reap, skip, take_ticket
 from support.aio import until
 from support.buckets import make_bucket
 from support.clock import FakeClock
@@ -448,7 +448,7 @@ def test_a_filler_with_every_record_in_use_never_holds_a_dead_range_in_no_record
     # filler die too; waiting for a record of its own, it would wait for the range itself (its
     # waiters are behind it).  It leaves the range recorded where it is until the head reaches it,
     # then skips it there; with a record free, it records the range in its own slot first.
-    from shmlimit.giveback import record
+    from shmlimit.bucket.giveback import record
 
     clock = FakeClock()
     lim = shmlimit.Limiter(name, rate=1000, burst=1, clock=clock)
@@ -503,7 +503,7 @@ def test_a_filler_with_every_record_in_use_never_holds_a_dead_range_in_no_record
 
 
 def test_a_process_that_takes_a_dead_owners_slot_gives_back_its_recorded_ticket():
-    from shmlimit.giveback import record, take_over
+    from shmlimit.bucket.giveback import record, take_over
 
     b, clock = make_bucket(Config.make(1000, burst=1), BACKENDS[-1], initial=0, slots=2)
     cells = b.cells
@@ -547,7 +547,7 @@ def test_every_waiter_of_a_process_has_a_record_up_to_the_slots_five(name):
 
 
 def test_the_fast_paths_ticket_is_recorded_during_its_native_wait(name):
-    from shmlimit.acquisition import wait_for_ticket
+    from shmlimit.acquire.single import wait_for_ticket
 
     with native_wait_replaced(name) as (lim, att, clock):
         b = att.bucket
@@ -718,7 +718,7 @@ def test_a_range_given_back_is_skipped_after_its_process_exits(name):
 
 
 def test_a_skipped_range_frees_only_its_own_record():
-    from shmlimit.giveback import record
+    from shmlimit.bucket.giveback import record
 
     b, clock = make_bucket(Config.make(1000, burst=1), BACKENDS[-1], initial=0)
     cells = b.cells
@@ -743,7 +743,8 @@ CROWD = textwrap.dedent(
     """
     import asyncio, sys, threading
     import shmlimit
-    from shmlimit import acquisition, giveback
+    from shmlimit.acquire import single as acquisition
+    from shmlimit.bucket import giveback
 
     lim = shmlimit.attach(sys.argv[1])
     lim.try_acquire()  # registered if the table has room: its waiters record their tickets in its slot
@@ -885,7 +886,7 @@ def test_a_grab_bound_to_records_queues_only_holding_one(backend):
 def test_a_fast_paths_ticket_keeps_its_own_price_under_a_concurrent_set_rate(name):
     # A grab priced under one config, and a set_rate (another thread's) before its waiter looks:
     # the record the grab made holds exactly what it took, so giving it back skips exactly that.
-    from shmlimit.acquisition import wait_for_ticket
+    from shmlimit.acquire.single import wait_for_ticket
 
     with native_wait_replaced(name) as (lim, att, clock):
         b = att.bucket
@@ -1105,7 +1106,7 @@ def test_close_waits_for_a_grab_between_its_records_claim_and_its_length_store(n
     # take the slot (clearing the record as a dead writer's) and the grab's length would land in
     # its record: a range no reap takes (its owner lives) held the queue for its schedule, and a
     # length stored over another ticket's record would make its skip cover tickets ahead of it.
-    import shmlimit.bucket as bucket_module
+    import shmlimit.bucket.rovers as bucket_module
 
     lim = shmlimit.Limiter(name, rate=1, per=60, burst=1)  # one op: a minute
     paused, resume, progress, go_on = (threading.Event() for _ in range(4))

@@ -13,11 +13,11 @@ import time
 import pytest
 
 import shmlimit
-from shmlimit import layout as L
-from shmlimit.bucket import diff
-from shmlimit.giveback import record
+from shmlimit.shm import layout as L
+from shmlimit.bucket.rovers import diff
+from shmlimit.bucket.giveback import record
 from shmlimit.multirate import MultiLimiter, MultiRequest
-from shmlimit.schedule import LONGEST_FILL_NS
+from shmlimit.bucket.schedule import LONGEST_FILL_NS
 from support.aio import until
 from support.clock import FakeClock
 from support.procs import WORKDIR, interrupted_after, wait_for
@@ -332,8 +332,8 @@ def test_a_process_killed_part_way_through_a_reservation_leaves_no_claim_queued(
 
 RESERVES_WITH_EVERY_RECORD_IN_USE_AND_IS_KILLED = PREAMBLE + textwrap.dedent(
     """
-    from shmlimit import layout as L
-    from shmlimit.giveback import record
+    from shmlimit.shm import layout as L
+    from shmlimit.bucket.giveback import record
     lim = shmlimit.Limiter(sys.argv[1], rates={"a": ("1/min", 1), "b": ("1/h", 1)})
     atts = lim._live()
     a = atts[0]

@@ -6,7 +6,7 @@ from hypothesis import HealthCheck, event, given, settings
 from hypothesis import strategies as st
 
 import shmlimit
-import shmlimit.layout as L
+import shmlimit.shm.layout as L
 import shmlimit.header as header
 from support.segments import captured, no_opener_waits, planted, with_words
 

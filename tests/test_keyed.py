@@ -11,10 +11,10 @@ import time
 import pytest
 
 import shmlimit
-from shmlimit import keyed_cells as KC
-from shmlimit.keyed_gcra import bank_sum, bank_values, bank_words, make_rate
-from shmlimit import keyed_layout as K
-from shmlimit.keyed import KeyedStats
+from shmlimit.keyed import cells as KC
+from shmlimit.keyed.gcra import bank_sum, bank_values, bank_words, make_rate
+from shmlimit.keyed import layout as K
+from shmlimit.keyed.limiter import KeyedStats
 
 WORKDIR = tempfile.gettempdir()
 
@@ -304,7 +304,8 @@ def test_throttle_async_with_a_key(name):
 
 
 def test_cli_and_top_show_keyed_limiters(name, capsys):
-    from shmlimit import cli, top
+    from shmlimit.cli import main as cli
+    from shmlimit.cli import top
 
     lim = shmlimit.KeyedLimiter(name, rate=1, per=60, keys=100)
     for i in range(30):
@@ -364,8 +365,8 @@ def test_a_config_writer_killed_at_any_write_leaves_the_old_config_or_the_new(na
     """Killed before each of its writes in turn (a default rate, an override added, changed or removed),
     a writer leaves each config's other bank whole: once its lock is closed, the Python readers and
     the keyed composite price by the old config or by the new one, never by words of both."""
-    from shmlimit import keyed_gcra
-    from shmlimit.keyed_gcra import Overrides, publish_default, read_default
+    from shmlimit.keyed import gcra as keyed_gcra
+    from shmlimit.keyed.gcra import Overrides, publish_default, read_default
 
     monkeypatch.setattr(keyed_gcra, "LOCK_TIMEOUT", 0.0)
     monkeypatch.setattr(KC, "LOCK_NS", 0)

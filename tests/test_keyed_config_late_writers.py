@@ -14,10 +14,10 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 import shmlimit
-from shmlimit import keyed_cells as KC
-from shmlimit import keyed_gcra
-from shmlimit import keyed_layout as K
-from shmlimit.keyed_gcra import Overrides, make_rate, publish_default, read_default
+from shmlimit.keyed import cells as KC
+from shmlimit.keyed import gcra as keyed_gcra
+from shmlimit.keyed import layout as K
+from shmlimit.keyed.gcra import Overrides, make_rate, publish_default, read_default
 from support.cells import Writer, every_two_late, release
 
 FIRST = make_rate(1000, 1.0, 50)  # what the first late writer came to write

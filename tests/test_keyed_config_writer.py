@@ -17,11 +17,11 @@ import contextlib
 import pytest
 
 import shmlimit
-from shmlimit import keyed_cells as KC
-from shmlimit import keyed_gcra
-from shmlimit import keyed_layout as K
+from shmlimit.keyed import cells as KC
+from shmlimit.keyed import gcra as keyed_gcra
+from shmlimit.keyed import layout as K
 from shmlimit.errors import ConfigWriterTakenOver
-from shmlimit.keyed_gcra import Overrides, make_rate, publish_default, read_default
+from shmlimit.keyed.gcra import Overrides, make_rate, publish_default, read_default
 from support.cells import BeforeWrite
 
 LATE = make_rate(1000, 1.0, 50)  # what the stalled writer came to write

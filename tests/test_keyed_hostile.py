@@ -25,10 +25,10 @@ import sys
 import pytest
 
 import shmlimit
-from shmlimit import keyed_cells as KC
-from shmlimit import keyed_layout as K
-from shmlimit.cells import native_available
-from shmlimit.window_table import WindowTable
+from shmlimit.keyed import cells as KC
+from shmlimit.keyed import layout as K
+from shmlimit.shm.cells import native_available
+from shmlimit.keyed.window_table import WindowTable
 from support.procs import WORKDIR
 
 BACKENDS = ["atomics"] + (["native"] if native_available() else [])
@@ -37,7 +37,7 @@ KEYS = 64
 CALLS = r"""
 import json, sys, time
 import shmlimit
-from shmlimit.window_table import WindowTable
+from shmlimit.keyed.window_table import WindowTable
 name, kind = sys.argv[1], sys.argv[2]
 out = {}
 def timed(label, call):

@@ -10,11 +10,11 @@ from hypothesis import HealthCheck, event, given, settings
 from hypothesis import strategies as st
 
 import shmlimit
-from shmlimit import cli
+from shmlimit.cli import main as cli
 from shmlimit import header
-from shmlimit import keyed_layout as K
-from shmlimit import keyed_segment
-from shmlimit.keyed_stats import sample_keys
+from shmlimit.keyed import layout as K
+from shmlimit.keyed import segment as keyed_segment
+from shmlimit.keyed.stats import sample_keys
 from support.segments import captured, no_opener_waits, planted, with_words
 
 KEYS, OVR = 64, 4

@@ -9,8 +9,8 @@ from hypothesis import settings
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
 
 import shmlimit
-from shmlimit import keyed_cells as KC
-from shmlimit.keyed_multi import MultiKeyedLimiter
+from shmlimit.keyed import cells as KC
+from shmlimit.keyed.multi import MultiKeyedLimiter
 from support.clock import FakeClock
 from support.windows import check_windows
 
@@ -163,7 +163,7 @@ def test_set_rate_by_name_stats_repr_and_pickle(name, clock, cleanup):
 
 @pytest.fixture(params=["native", "atomics"])
 def table(request, name, monkeypatch):
-    from shmlimit.cells import native_available
+    from shmlimit.shm.cells import native_available
 
     if request.param == "native" and not native_available():
         pytest.skip("the native extension is not built here")

@@ -10,7 +10,7 @@ import time
 import pytest
 
 import shmlimit
-from shmlimit import keyed_layout as K
+from shmlimit.keyed import layout as K
 from support.procs import kill_all, read_exactly, run_processes
 
 RATE, BURST, KEYS, WORKERS, SECONDS = 20.0, 2, 200, 4, 1.0

@@ -17,10 +17,10 @@ from hypothesis import event, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, rule
 
-from shmlimit import keyed_cells as KC
-from shmlimit import keyed_layout as K
-from shmlimit.cells import native_available, open_cells
-from shmlimit.keyed_gcra import write_bank
+from shmlimit.keyed import cells as KC
+from shmlimit.keyed import layout as K
+from shmlimit.shm.cells import native_available, open_cells
+from shmlimit.keyed.gcra import write_bank
 from support.models import on_each_backend
 
 BACKENDS = ["atomics"] + (["native"] if native_available() else [])

@@ -18,7 +18,7 @@ import pytest
 import shmlimit
 
 parser = pytest.importorskip("prometheus_client.parser")
-CLI = [sys.executable, "-m", "shmlimit.cli"]
+CLI = [sys.executable, "-m", "shmlimit.cli.main"]
 
 
 def parse(text):
@@ -163,7 +163,7 @@ def test_collector_upstream_counters(name, redis_server):
     from prometheus_client import CollectorRegistry, generate_latest
 
     from shmlimit.integrations.prometheus import ShmlimitCollector
-    from shmlimit.redis import RedisLimiter
+    from shmlimit.redis.direct import RedisLimiter
 
     up = RedisLimiter(name, rate=1000, burst=100, url=redis_server.url)
     lim = shmlimit.Limiter(name, upstream=up)

@@ -47,19 +47,20 @@ import pytest
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
 
 import shmlimit
-from shmlimit import bucket as bucket_module
-from shmlimit import config_banks, inflight
-from shmlimit import layout as L
-from shmlimit.bucket import Bucket, diff
-from shmlimit.cells import MASK64, native_available, open_cells
+from shmlimit.bucket import rovers as bucket_module
+from shmlimit.shm import banks as config_banks
+from shmlimit.shm import inflight
+from shmlimit.shm import layout as L
+from shmlimit.bucket.rovers import Bucket, diff
+from shmlimit.shm.cells import MASK64, native_available, open_cells
 from shmlimit.config import MAX_SPAN_TOKENS, NS_PER_S, Config
-from shmlimit.acquisition import TICKET, Request
+from shmlimit.acquire.single import TICKET, Request
 from shmlimit.attachment import Attachment
-from shmlimit.giveback import Returns, reap, take_over
-from shmlimit.table import ProcessTable, proc_start
+from shmlimit.bucket.giveback import Returns, reap, take_over
+from shmlimit.shm.table import ProcessTable, proc_start
 from shmlimit.limiter import Limiter
-from shmlimit.schedule import count_stops
-from shmlimit.segment import Segment
+from shmlimit.bucket.schedule import count_stops
+from shmlimit.shm.segment import Segment
 
 from support.clock import FakeClock
 from support.models import model_settings

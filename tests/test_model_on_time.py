@@ -55,11 +55,11 @@ import random
 import hypothesis.strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, rule
 
-from shmlimit import layout as L
-from shmlimit.bucket import WAIT_BURN, Bucket
-from shmlimit.cells import native_available, open_cells
-from shmlimit.sleep import SLACK_NS
-from shmlimit.words import diff
+from shmlimit.shm import layout as L
+from shmlimit.bucket.rovers import WAIT_BURN, Bucket
+from shmlimit.shm.cells import native_available, open_cells
+from shmlimit.acquire.sleep import SLACK_NS
+from shmlimit.shm.words import diff
 
 from support.models import model_settings
 from test_model import LimiterModel

@@ -15,8 +15,8 @@ import hypothesis.strategies as st
 import pytest
 from hypothesis import HealthCheck, given, settings
 
-from shmlimit.cells import MASK64, multi_gate, native_available, open_cells
-from shmlimit.composites import Gate, MultiGate
+from shmlimit.shm.cells import MASK64, multi_gate, native_available, open_cells
+from shmlimit.shm.composites import Gate, MultiGate
 
 from support.cells import BACKENDS, backend, cells, cells_for, opened, segment  # noqa: F401 (fixtures)
 
@@ -295,7 +295,7 @@ def test_native_and_reference_agree(base, room, amount, cap_ops, pending, seq_ch
                 gates.append(c.gate(*args) if kind == "native" else Gate(c, *args))
             caps = [a * k for a, k in zip(amount, cap_ops)]
             m = multi_gate(gates, caps, decide, ("r", "t")) if kind == "native" else MultiGate(gates, caps, decide, ("r", "t"))
-            assert type(m).__module__ == ("shmlimit._native" if kind == "native" else "shmlimit.composites")
+            assert type(m).__module__ == ("shmlimit.shm._native" if kind == "native" else "shmlimit.shm.composites")
             r = m.try_grab() if ops is None else m.try_grab_ops(ops)
             results.append((r, [c.load(off) for off in A + B]))
         finally:

@@ -5,11 +5,11 @@ import pickle
 import pytest
 
 import shmlimit
-import shmlimit.layout as L
-from shmlimit.bucket import diff
-from shmlimit.cells import MASK64
+import shmlimit.shm.layout as L
+from shmlimit.bucket.rovers import diff
+from shmlimit.shm.cells import MASK64
 from shmlimit.multirate import MultiLimiter, MultiRequest
-from shmlimit.schedule import LONGEST_FILL_NS
+from shmlimit.bucket.schedule import LONGEST_FILL_NS
 from support.clock import FakeClock
 
 S = 1_000_000_000

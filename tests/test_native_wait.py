@@ -18,10 +18,10 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 import shmlimit
-from shmlimit import layout as L
-from shmlimit.acquisition import Request
-from shmlimit.cells import MASK64, native_available, selected_backend
-from shmlimit.sleep import SLACK_NS
+from shmlimit.shm import layout as L
+from shmlimit.acquire.single import Request
+from shmlimit.shm.cells import MASK64, native_available, selected_backend
+from shmlimit.acquire.sleep import SLACK_NS
 from support.clock import FakeClock
 from support.limiters import quiet_limiter
 from support.procs import WORKDIR, acquire_for, run_processes, wait_for
@@ -274,8 +274,8 @@ def test_a_signal_reaches_a_native_waiter_at_once(name):
 
 _INTERRUPTED_ONE = """
 import signal, sys, time, shmlimit
-from shmlimit import layout as L
-from shmlimit.bucket import diff
+from shmlimit.shm import layout as L
+from shmlimit.bucket.rovers import diff
 name = sys.argv[1]
 t0 = time.monotonic()  # before the limiter: its third op is due 2 s after its creation at least
 lim = shmlimit.Limiter(name, rate=1, burst=1)

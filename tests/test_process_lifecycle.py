@@ -161,7 +161,7 @@ def test_the_owner_watch_answers_as_slot_alive_does_and_leaks_no_descriptor():
     """One pidfd per owner, kept only for the process the slot names: a recycled pid (another
     start), a start not yet known, a zombie, a reaped process and another namespace's owner are
     judged as ``slot_alive`` judges them, and ``close`` (or a fork's ``forked``) leaves no descriptor."""
-    from shmlimit.table import OwnerWatch, proc_start, slot_alive
+    from shmlimit.shm.table import OwnerWatch, proc_start, slot_alive
 
     fds0 = _open_fds()
     w = OwnerWatch()
@@ -211,7 +211,7 @@ def test_a_reaps_pass_polls_the_owners_once_and_judges_as_slot_alive_does():
     """``OwnerWatch.round``: one poll for every owner already watched in a pass (a reap), not one
     per owner; an owner gone before the pass is dead in it, one that exits after the pass's poll
     is alive in that pass (its records wait for the next one) and dead in the next."""
-    from shmlimit.table import OwnerWatch, proc_start, slot_alive
+    from shmlimit.shm.table import OwnerWatch, proc_start, slot_alive
 
     w = OwnerWatch()
     kids = [subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"]) for _ in range(3)]

@@ -9,7 +9,7 @@ import time
 import pytest
 
 import shmlimit
-from shmlimit.filler import lease_slot
+from shmlimit.bucket.filler import lease_slot
 from support.procs import WORKDIR, collect_witnessed, go, run_processes, stamp_until, start_workers, wait_for
 from support.starvation import floor, least, run_delay, total
 from support.windows import max_excess, max_gap, tag

@@ -10,12 +10,12 @@ from fractions import Fraction
 import pytest
 
 import shmlimit
-from shmlimit import layout as L
-from shmlimit.bucket import Bucket, diff
-from shmlimit.cells import native_available
+from shmlimit.shm import layout as L
+from shmlimit.bucket.rovers import Bucket, diff
+from shmlimit.shm.cells import native_available
 from shmlimit.config import MAX_QUEUE_TOKENS, MAX_SPAN_TOKENS, NS_PER_S, Config
 from shmlimit.errors import QueueFullError
-from shmlimit.filler import FILL_PERIOD, ClockFeed
+from shmlimit.bucket.filler import FILL_PERIOD, ClockFeed
 from support.buckets import private_cells
 from support.clock import FakeClock
 from support.procs import WORKDIR
@@ -385,8 +385,8 @@ def _attach_and_hold(name, attached, done):
 
 
 def test_gc_keeps_a_segment_a_process_attached_to_meanwhile(name, monkeypatch, capsys):
-    from shmlimit import cli
-    from shmlimit.segment import current_inode
+    from shmlimit.cli import main as cli
+    from shmlimit.shm.segment import current_inode
 
     shmlimit.Limiter(name, rate=100).close()  # a stale segment: nobody attached
     inode = current_inode(name)
@@ -425,7 +425,7 @@ def test_gc_between_a_creators_ready_and_its_registration_orphans_nothing(name, 
     import subprocess
 
     from shmlimit.attachment import Attachment
-    from shmlimit.segment import current_inode
+    from shmlimit.shm.segment import current_inode
 
     join = Attachment._join_process
     collected = []
@@ -451,8 +451,8 @@ def test_gc_between_a_creators_ready_and_its_registration_orphans_nothing(name, 
 
 
 def test_gc_removes_a_stale_segment(name, capsys, monkeypatch):
-    from shmlimit import cli
-    from shmlimit.segment import current_inode
+    from shmlimit.cli import main as cli
+    from shmlimit.shm.segment import current_inode
 
     monkeypatch.setattr(cli, "scan", lambda: ([name], []))
     shmlimit.Limiter(name, rate=100).close()
@@ -466,7 +466,7 @@ def test_gc_removes_a_stale_segment(name, capsys, monkeypatch):
 
 @pytest.mark.parametrize("stall_at", range(0, 40, 3))
 def test_stalled_config_writer_cannot_corrupt_the_config(backend, monkeypatch, stall_at):
-    import shmlimit.config_banks as config_banks
+    import shmlimit.shm.banks as config_banks
 
     monkeypatch.setattr(config_banks, "CONFIG_LOCK_TIMEOUT_NS", 1_000_000)  # take over after 1 ms
     cells = private_cells(backend)

@@ -22,7 +22,7 @@ def R():
     from support.redis_server import require
 
     require()
-    import shmlimit.redis as R
+    import shmlimit.redis.direct as R
 
     return R
 
@@ -229,7 +229,7 @@ def direct_worker(rate, burst, url):
     """The WORKER of support.procs, on a RedisLimiter instead of a shared-memory limiter."""
     make = f"lim = RedisLimiter(sys.argv[1], rate={rate}, burst={burst}, url={url!r}); lim.retry_after()"
     assert ATTACH in WORKER
-    return WORKER.replace(ATTACH, "from shmlimit.redis import RedisLimiter\n" + make)
+    return WORKER.replace(ATTACH, "from shmlimit.redis.direct import RedisLimiter\n" + make)
 
 
 def run_workers(name, count, seconds, script=WORKER):
@@ -518,8 +518,8 @@ def test_reserve_is_refused_in_hierarchical_mode(R, redis_server, name):
 def test_a_stale_filler_cannot_add_an_old_batch(R, redis_server, name):
     """A filler stopped in a delivery and resumed after the batch's ttl: the batch is not added; one
     it added late anyway (its record is old) is burned by the running filler within a tick."""
-    import shmlimit.layout as L
-    from shmlimit.upstream import Feeder, _Batch, _record
+    import shmlimit.shm.layout as L
+    from shmlimit.redis.feeder import Feeder, _Batch, _record
 
     ttl = 0.1
     lim = shmlimit.Limiter(name, rate=1000, burst=100, upstream=redis_server.url, lease_ttl=ttl)
@@ -546,7 +546,7 @@ def test_a_stale_filler_cannot_add_an_old_batch(R, redis_server, name):
 
 
 def test_keyed_redis_limiter_one_gcra_per_key(R, redis_server, name, fake_time):
-    from shmlimit.redis_keyed import RedisKeyedLimiter
+    from shmlimit.redis.keyed import RedisKeyedLimiter
 
     lim = RedisKeyedLimiter(name, rate=10, burst=2, url=redis_server.url, clock="client")
     # each key has its own schedule: two at once, then one per 100 ms
@@ -575,7 +575,7 @@ def test_keyed_redis_limiter_one_gcra_per_key(R, redis_server, name, fake_time):
 def test_keyed_redis_limiter_holds_each_key_across_processes(R, redis_server, name):
     rate, burst, seconds = 40, 4, 2.0
     keys = ["a", "b"]
-    make = (f"from shmlimit.redis_keyed import RedisKeyedLimiter\n"
+    make = (f"from shmlimit.redis.keyed import RedisKeyedLimiter\n"
             f"k = RedisKeyedLimiter(sys.argv[1], rate={rate}, burst={burst}, url={redis_server.url!r})\n"
             f"key = 'a' if os.getpid() % 2 else 'b'\n"
             f"class L:\n"

@@ -37,7 +37,7 @@ def sentinel():
 def test_cluster_url_direct_and_async(cluster, name):
     import asyncio
 
-    from shmlimit.redis import RedisLimiter
+    from shmlimit.redis.direct import RedisLimiter
 
     lim = RedisLimiter(name, rate=10, burst=3, url=cluster.url)
     assert [lim.reserve() for _ in range(4)] == pytest.approx([0.0, 0.0, 0.0, 0.1], abs=0.01)
@@ -95,7 +95,7 @@ def test_sentinel_url_and_a_failover_mid_run(sentinel, name):
     promotes the replica.  The host stays within the bound (plus what replication had not copied:
     at most the reserved lead and the burst) and is fed again by the new master."""
     rate, burst, ttl = 100, 10, 0.1
-    from shmlimit.upstream import EARLY, MIN_LEAD
+    from shmlimit.redis.feeder import EARLY, MIN_LEAD
 
     # the feeder's reserve-ahead, lost at most once by a failover: MIN_LEAD, EARLY, a batch (one op
     # of 10 ms here) and two round trips (15 ms)
@@ -128,7 +128,7 @@ def test_sentinel_url_and_a_failover_mid_run(sentinel, name):
 
 
 def test_keyed_limits_spread_over_the_cluster_slots(cluster, name):
-    from shmlimit.redis_keyed import RedisKeyedLimiter
+    from shmlimit.redis.keyed import RedisKeyedLimiter
 
     # 5 per minute: a key's next op accrues 12 s after its first, far beyond the 60 round trips
     # here even on a busy machine (at 5/s, 200 ms, a loaded run's round trips took longer)

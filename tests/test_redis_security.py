@@ -21,7 +21,7 @@ SECRET = "s3cr3t-pw"
 @pytest.fixture
 def R():
     require()
-    import shmlimit.redis as R
+    import shmlimit.redis.direct as R
 
     return R
 
@@ -37,7 +37,7 @@ def locked_redis():
 
 
 def test_redact_hides_every_form_and_never_raises():
-    from shmlimit.urls import redact, split_secrets
+    from shmlimit.redis.urls import redact, split_secrets
 
     cases = {
         "redis://user:secret@host:6379/0": "redis://user:***@host:6379/0",
@@ -81,7 +81,7 @@ def test_a_password_holding_a_question_mark_is_hidden_and_refused(R, name):
     the password whole, and ``admin:123?abc@host`` passed the check as host ``admin`` port 123, so
     the upstream description kept it in the segment and every message showed it.  Hidden when
     shown; refused (naming the parameter) when used, since no reading of it is sure."""
-    from shmlimit.urls import redact
+    from shmlimit.redis.urls import redact
 
     cases = {
         "redis://admin:123?abc@127.0.0.1:6379/0": ("123?abc", "redis://admin:***@127.0.0.1:6379/0"),
@@ -130,7 +130,7 @@ def test_the_password_stays_out_of_the_segment_and_every_output(R, locked_redis,
     with pytest.raises(shmlimit.errors.RedisDataError) as e:
         wrong.acquire()
     assert SECRET not in str(e.value)
-    with caplog.at_level(logging.ERROR, logger="shmlimit.upstream"):
+    with caplog.at_level(logging.ERROR, logger="shmlimit.redis.feeder"):
         lim = shmlimit.Limiter(name, rate=50, upstream=f"redis://:nope@127.0.0.1:{locked_redis.port}/0",
                                on_redis_error="open")
         try:

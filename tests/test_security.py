@@ -19,9 +19,9 @@ from hypothesis import HealthCheck, event, given, settings
 from hypothesis import strategies as st
 
 import shmlimit
-from shmlimit import layout as L
+from shmlimit.shm import layout as L
 from shmlimit import header
-from shmlimit.top import printable
+from shmlimit.cli.top import printable
 
 ROOT = os.geteuid() == 0
 needs_root = pytest.mark.skipif(not ROOT, reason="playing another user needs root")
@@ -46,7 +46,7 @@ def _as_nobody(fn, *args):
         code = 1
         try:
             # imported while still root: the interpreter's own files may not be readable by nobody
-            from shmlimit.cells import warm_backend
+            from shmlimit.shm.cells import warm_backend
 
             warm_backend()
             os.setgroups([])
@@ -177,7 +177,7 @@ def test_inspect_and_list_survive_a_segment_truncated_under_them():
     r = _private_shm(
         """
         import os, subprocess, sys, time, shmlimit
-        from shmlimit import cli
+        from shmlimit.cli import main as cli
         shmlimit.Limiter("victim", rate=1000).close()
         path = "/dev/shm/shmlimit.victim"
         size = os.path.getsize(path)
@@ -227,7 +227,7 @@ def test_a_badly_named_entry_is_skipped_and_reported_and_gc_goes_on():
         # a stale limiter, listed after the bad entries: its creator has exited
         subprocess.run([sys.executable, "-c", "import shmlimit; shmlimit.Limiter('stale', rate=5)"], check=True)
         def cli(*args):
-            return subprocess.run([sys.executable, "-m", "shmlimit.cli", *args], capture_output=True, text=True)
+            return subprocess.run([sys.executable, "-m", "shmlimit.cli.main", *args], capture_output=True, text=True)
         ls = cli("list")
         js = cli("list", "--json")
         top = cli("top", "--once", "--interval", "0.01")
@@ -370,7 +370,7 @@ def test_a_forged_header_with_a_live_creator_costs_no_wait(name):
     with pytest.raises(shmlimit.SegmentError, match="still being initialised"):
         shmlimit.inspect(name)
     assert time.monotonic() - t0 < 2  # today: 30 s for each open
-    from shmlimit import cli
+    from shmlimit.cli import main as cli
 
     assert cli.main(["gc", "--dry-run"]) == 0
     assert time.monotonic() - t0 < 5
@@ -392,7 +392,7 @@ def test_a_process_in_another_pid_namespace_counts_as_alive(name, capsys):
         procs = shmlimit.inspect(name).processes
         assert len(procs) == 1 and procs[0].pid == 1  # its pid in its own namespace
         assert procs[0].alive  # today: pid 1 here is another process, so "dead"
-        from shmlimit import cli
+        from shmlimit.cli import main as cli
 
         # (a dry run: a real gc here would collect other tests' idle segments too)
         assert cli.main(["gc", "--dry-run"]) == 0
@@ -428,7 +428,7 @@ def test_top_escapes_control_characters_from_segments_and_process_names(name, tm
     try:
         assert p.stdout.readline().strip() == "ready"
         r = subprocess.run(
-            [sys.executable, "-m", "shmlimit.cli", "top", "--once", "--interval", "0.01"],  # every limiter
+            [sys.executable, "-m", "shmlimit.cli.main", "top", "--once", "--interval", "0.01"],  # every limiter
             capture_output=True, text=True, timeout=60,
         )
     finally:
@@ -449,7 +449,7 @@ def test_printable():
 
 
 def test_native_cells_cannot_be_reinitialised():
-    native = pytest.importorskip("shmlimit._native")
+    native = pytest.importorskip("shmlimit.shm._native")
     buf = bytearray(64)
     c = native.NativeCells(buf, 64)
     g = c.grabber(0, 0, 8, 16, 1, 24, 1)

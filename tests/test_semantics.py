@@ -12,10 +12,10 @@ import uuid
 import pytest
 
 import shmlimit
-from shmlimit import layout as L
-from shmlimit.acquisition import JOIN, Request
-from shmlimit.filler import ClockFeed
-from shmlimit.schedule import LONGEST_FILL_NS
+from shmlimit.shm import layout as L
+from shmlimit.acquire.single import JOIN, Request
+from shmlimit.bucket.filler import ClockFeed
+from shmlimit.bucket.schedule import LONGEST_FILL_NS
 from support.aio import LoopTicker
 from support.clock import FakeClock
 from support.procs import run_processes, wait_for

@@ -185,9 +185,9 @@ def test_a_child_whose_inherited_limiter_is_gone_touches_nothing_of_it(name, how
     # would silently double, and what it left there no filler would ever look at.
     import mmap
 
-    from shmlimit import layout as L
+    from shmlimit.shm import layout as L
     from shmlimit.attachment import collect
-    from shmlimit.segment import unlink
+    from shmlimit.shm.segment import unlink
 
     lim = shmlimit.Limiter(name, rate=100, burst=1)
     lim.try_acquire()  # the next acquire queues: a waiter's ticket would be recorded

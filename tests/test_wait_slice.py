@@ -68,7 +68,7 @@ def _in_fresh_thread(mode: str, name: str, conn) -> None:
                 return
             out["before"] = get_attr()
             if mode == "sleep":  # the precise sleep of this backend (native, or Python's on atomics)
-                from shmlimit.sleep import sleeper
+                from shmlimit.acquire.sleep import sleeper
 
                 sleeper()(time.monotonic_ns() + 2_000_000)
             else:
@@ -90,7 +90,7 @@ def _in_fresh_thread(mode: str, name: str, conn) -> None:
                 if pid == 0:  # the child's thread: the default, then its own first sleep shortens it
                     try:
                         first = get_attr()
-                        from shmlimit.sleep import sleeper
+                        from shmlimit.acquire.sleep import sleeper
 
                         sleeper()(time.monotonic_ns() + 1_000_000)
                         os.write(w, repr((first, get_attr())).encode())

@@ -11,10 +11,10 @@ import time
 import pytest
 
 import shmlimit
-from shmlimit import acquisition as LM
-from shmlimit import layout as L
-from shmlimit import sleep as S
-from shmlimit.cells import native_available
+from shmlimit.acquire import single as LM
+from shmlimit.shm import layout as L
+from shmlimit.acquire import sleep as S
+from shmlimit.shm.cells import native_available
 from support.procs import acquire_for, run_processes, wait_for
 from support.starvation import floor, run_delay
 
@@ -24,7 +24,7 @@ LINUX = sys.platform.startswith("linux")
 def sleepers():
     out = [("python", S._sleep_until_py)]
     if native_available():
-        from shmlimit._native import sleep_until
+        from shmlimit.shm._native import sleep_until
 
         out.append(("native", lambda deadline, slack=S.SLACK_NS: sleep_until(deadline, slack)))
     return out
@@ -124,7 +124,7 @@ def _native_waits_in_a_thread(name, conn):
 
 @pytest.mark.skipif(not LINUX or not native_available(), reason="the native wait's timer slack (Linux)")
 def test_the_native_wait_lowers_its_thread_slack_once_and_keeps_it(name):
-    from shmlimit.cells import selected_backend
+    from shmlimit.shm.cells import selected_backend
 
     if selected_backend() != "native":
         pytest.skip("the native wait is the native backend's")

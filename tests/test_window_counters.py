@@ -17,12 +17,12 @@ from hypothesis import settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, rule
 
-from shmlimit import keyed_cells as KC
-from shmlimit import keyed_layout as K
-from shmlimit import keyed_windows as W
-from shmlimit.cells import native_available, open_cells
+from shmlimit.keyed import cells as KC
+from shmlimit.keyed import layout as K
+from shmlimit.keyed import windows as W
+from shmlimit.shm.cells import native_available, open_cells
 from shmlimit.errors import KeyTableFullError, SegmentError
-from shmlimit.window_table import WindowTable
+from shmlimit.keyed.window_table import WindowTable
 from support.clock import FakeClock
 from support.models import on_each_backend
 from support.procs import run_processes

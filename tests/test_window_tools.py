@@ -9,8 +9,8 @@ import time
 import pytest
 
 import shmlimit
-from shmlimit.keyed_stats import sample_windows
-from shmlimit.window_table import WindowTable
+from shmlimit.keyed.stats import sample_windows
+from shmlimit.keyed.window_table import WindowTable
 from support.clock import FakeClock
 from support.procs import kill_all, read_exactly
 from support.procs import run_cli as cli
@@ -98,7 +98,7 @@ def test_sampled_windows_follow_the_clock(name):
 
 
 def test_metrics_give_a_window_table_no_rate(table, name):
-    from shmlimit.metrics import families
+    from shmlimit.cli.metrics import families
 
     hits = _fill(table)
     fams = {f.name: {dict(labels).get("limiter"): v for labels, v in f.samples} for f in families([name])}
@@ -148,7 +148,7 @@ def test_forked_users_are_listed_on_first_use_and_a_killed_one_as_dead(table, na
 
 
 def test_gc_and_doctor_say_what_they_do_with_unused_keyed_tables(name, monkeypatch):
-    from shmlimit import doctor
+    from shmlimit.cli import doctor
 
     windows, keyed = name + "-w", name + "-k"
     WindowTable(windows, keys=64).close()  # no process uses either now

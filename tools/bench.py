@@ -58,7 +58,7 @@ import uuid
 from typing import Callable, Dict, Iterator, List, Optional
 
 import shmlimit
-from shmlimit.cells import native_available
+from shmlimit.shm.cells import native_available
 
 # The window check and the process helpers are the test suite's own, so the benchmark and the
 # tests run and judge processes the same way.
@@ -204,7 +204,7 @@ def bench_tries(n: int) -> Dict[str, Dict[str, float]]:
 def bench_single(n: int) -> Dict[str, float]:
     out: Dict[str, float] = {}
     if native_available():
-        from shmlimit._native import NativeCells
+        from shmlimit.shm._native import NativeCells
 
         mm = mmap.mmap(-1, 4096)
         cells = NativeCells(mm, 4096)
@@ -403,7 +403,7 @@ def _grid_start(t0) -> None:
 
 
 def _sleep_stamped(rate: float, index: int, procs: int, t0, barrier, seconds: float, q) -> None:
-    """The floor: no limiter, a bare precise sleep (``shmlimit.sleep``'s: an absolute deadline, the
+    """The floor: no limiter, a bare precise sleep (``shmlimit.acquire.sleep``'s: an absolute deadline, the
     waiters' timer slack) to every ``procs``-th instant of one grid ``1/rate`` apart that every
     process of the floor shares (it begins at ``t0``, fixed once all of them are up), as the
     waiters' grants fall on one grid; the wake times (monotonic ns), which ``bench_sleep_floor``
@@ -412,7 +412,7 @@ def _sleep_stamped(rate: float, index: int, procs: int, t0, barrier, seconds: fl
     The grid begins once every process is through the barrier, so every process sleeps for the
     whole measured time: a grid fixed before the processes were up had them idle until it began,
     and the floor counted fewer wakes than the rows it is read against."""
-    from shmlimit.sleep import sleeper
+    from shmlimit.acquire.sleep import sleeper
 
     sleep_until = sleeper()
 
@@ -563,7 +563,7 @@ def bench_filler_under_load(seconds: float) -> dict:
 
 def _redis_worker(kind: str, name: str, url: str, rate: float, burst: float, barrier, seconds: float, q) -> None:
     if kind == "direct":
-        from shmlimit.redis import RedisLimiter
+        from shmlimit.redis.direct import RedisLimiter
 
         lim = RedisLimiter(name, rate=rate, burst=burst, url=url)
         lim.retry_after()  # connected and the script loaded before the clock starts
@@ -579,7 +579,7 @@ def _redis_worker(kind: str, name: str, url: str, rate: float, burst: float, bar
 
 
 def bench_redis(url: str, seconds: float, procs: int = 4) -> List[dict]:
-    from shmlimit.redis import RedisLimiter
+    from shmlimit.redis.direct import RedisLimiter
 
     rows = []
     ctx = mp.get_context("fork")
@@ -682,7 +682,7 @@ def run_fed(url: Optional[str], rate: float, procs: int, seconds: float, timed: 
     (last - first)); from counts above.  ``net_error_pct`` is the error net
     of the starved time (the witness), beside the plain one.
     """
-    from shmlimit.redis import RedisLimiter
+    from shmlimit.redis.direct import RedisLimiter
 
     ctx = mp.get_context("fork")
     name = f"bench-{uuid.uuid4().hex[:8]}"
@@ -885,7 +885,7 @@ def bench_latency(redis_port: int, seconds: float, rate: float = 1000.0, per_hos
     latency of acquire() at 70 % load."""
     sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "tests"))
     from support.proxy import DelayProxy
-    from shmlimit.redis import RedisLimiter
+    from shmlimit.redis.direct import RedisLimiter
 
     ctx = mp.get_context("fork")
     out: Dict[str, dict] = {}

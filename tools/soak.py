@@ -73,7 +73,7 @@ class Soak:
         self.name = f"soak-{os.getpid()}-{uuid.uuid4().hex[:6]}"
         self.slack = 0.0  # seconds of rate allowed beyond rate*T + capacity
         if redis_url:
-            from shmlimit.redis import RedisLimiter
+            from shmlimit.redis.direct import RedisLimiter
 
             upstream = RedisLimiter(self.name, rate=rate, url=redis_url)
             self.lim = shmlimit.Limiter(self.name, upstream=upstream, lease_ttl=LEASE_TTL)

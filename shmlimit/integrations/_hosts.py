@@ -19,8 +19,8 @@ import time
 from typing import Any, Awaitable, Callable, Iterable, Optional, Tuple, TypeVar
 from urllib.parse import urlsplit
 
-from .. import KeyedLimiter
-from ..errors import RateLimited
+from shmlimit import KeyedLimiter
+from shmlimit.errors import RateLimited
 
 _DEFAULT_PORTS = {"http": 80, "https": 443}
 R = TypeVar("R")

@@ -20,7 +20,7 @@ import math
 import re
 from typing import Any, Callable, List, Optional, Tuple, Union
 
-from .. import KeyedLimiter
+from shmlimit import KeyedLimiter
 
 #: What a refusal answers: the status, and a short plain-text body.
 STATUS = 429

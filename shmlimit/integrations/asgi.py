@@ -21,7 +21,7 @@ from __future__ import annotations
 
 from typing import Any, Awaitable, Callable, MutableMapping
 
-from ._http import BODY, STATUS, Middleware, ascii_headers
+from shmlimit.integrations._http import BODY, STATUS, Middleware, ascii_headers
 
 __all__ = ["RateLimitMiddleware", "client_host"]
 

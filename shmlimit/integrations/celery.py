@@ -48,7 +48,7 @@ SPREAD_CAP_RETRIES = 8
 
 def _check_limiter(limiter: Any, keyed: bool) -> None:
     """A limiter (``Limiter``, ``KeyedLimiter``, ``RedisLimiter``) and ``key=`` given exactly for a keyed one."""
-    from .. import KeyedLimiter
+    from shmlimit import KeyedLimiter
 
     if not all(callable(getattr(limiter, a, None)) for a in ("try_acquire", "acquire", "retry_after")):
         raise TypeError(f"limiter must be a shmlimit Limiter, KeyedLimiter or RedisLimiter, got {type(limiter).__name__}")

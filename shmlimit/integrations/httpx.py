@@ -18,7 +18,7 @@ from typing import Any, Optional, Tuple
 
 import httpx
 
-from ._hosts import HostThrottle
+from shmlimit.integrations._hosts import HostThrottle
 
 __all__ = ["AsyncThrottledTransport", "ThrottledTransport"]
 

@@ -14,7 +14,7 @@ only ``reset`` (a scan of every slot) runs in a worker thread.
 
 Strategies: ``fixed-window`` and ``sliding-window-counter`` (limits >= 4.1)
 hold exactly across processes: each hit is one compare-and-swap on the key's
-counter word (``shmlimit.keyed_windows``).  ``moving-window`` is not
+counter word (``shmlimit.keyed.windows``).  ``moving-window`` is not
 supported: limits refuses it when the rate limiter is built (at configuration
 time), with ``NotImplementedError``.  Tested with limits 5.8; written for
 limits >= 3 (the fixed window; the sliding window counter exists from 4.1).
@@ -28,8 +28,8 @@ from typing import Any, Dict, Tuple, Type, Union
 
 from limits.storage import Storage
 
-from ..errors import ShmlimitError
-from ..window_table import WindowTable
+from shmlimit.errors import ShmlimitError
+from shmlimit.keyed.window_table import WindowTable
 
 try:  # limits >= 4.1
     from limits.storage import SlidingWindowCounterSupport as _Sliding

@@ -8,7 +8,7 @@
 
 Each scrape reads the segments with ``shmlimit.inspect``: the scraping process
 never joins a limiter (no process slot, no filler thread, nothing written).
-The metrics are those of ``shmlimit metrics`` (see ``shmlimit.metrics``).
+The metrics are those of ``shmlimit metrics`` (see ``shmlimit.cli.metrics``).
 """
 from __future__ import annotations
 
@@ -17,7 +17,7 @@ from typing import Iterator, Optional, Sequence
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
-from ..metrics import families
+from shmlimit.cli.metrics import families
 
 __all__ = ["ShmlimitCollector"]
 

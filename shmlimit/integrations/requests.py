@@ -19,7 +19,7 @@ from typing import Any, Optional, Tuple
 
 from requests.adapters import HTTPAdapter
 
-from ._hosts import HostThrottle
+from shmlimit.integrations._hosts import HostThrottle
 
 __all__ = ["ThrottledAdapter"]
 

@@ -16,7 +16,7 @@ from __future__ import annotations
 
 from typing import Any, Callable, Dict, Iterable
 
-from ._http import BODY, Middleware
+from shmlimit.integrations._http import BODY, Middleware
 
 __all__ = ["RateLimitMiddleware", "remote_addr"]
 

@@ -2,9 +2,9 @@
 import mmap
 from typing import Optional, Tuple
 
-from shmlimit import layout as L
-from shmlimit.bucket import Bucket
-from shmlimit.cells import Cells, open_cells
+from shmlimit.shm import layout as L
+from shmlimit.bucket.rovers import Bucket
+from shmlimit.shm.cells import Cells, open_cells
 from shmlimit.config import Config
 
 from .clock import FakeClock

@@ -8,8 +8,8 @@ from contextlib import contextmanager
 import posix_ipc
 import pytest
 
-from shmlimit.atomics_cells import AtomicsCells
-from shmlimit.cells import native_available, open_cells
+from shmlimit.shm.atomics_cells import AtomicsCells
+from shmlimit.shm.cells import native_available, open_cells
 from shmlimit.errors import ConfigWriterTakenOver
 
 REQUIRE_NATIVE = os.environ.get("SHMLIMIT_REQUIRE_NATIVE") == "1"
@@ -47,7 +47,7 @@ def opened(name, backend):
 def backend(request):
     if request.param == "native" and not native_available():
         if REQUIRE_NATIVE:
-            pytest.fail("SHMLIMIT_REQUIRE_NATIVE=1 but shmlimit._native did not build")
+            pytest.fail("SHMLIMIT_REQUIRE_NATIVE=1 but shmlimit.shm._native did not build")
         pytest.skip("the native extension is not built here")
     return request.param
 

@@ -8,7 +8,7 @@ from typing import Optional, Tuple
 
 from hypothesis import HealthCheck, settings
 
-from shmlimit.cells import native_available
+from shmlimit.shm.cells import native_available
 
 
 def model_settings(default_examples: int) -> settings:

@@ -21,7 +21,7 @@ from typing import Any, Callable, Dict, Iterator, List, Optional, Sequence, Tupl
 
 WORKDIR = tempfile.gettempdir()
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-CLI = [sys.executable, "-m", "shmlimit.cli"]
+CLI = [sys.executable, "-m", "shmlimit.cli.main"]
 
 
 def wait_for(predicate: Callable[[], Any], timeout: float = 10.0, every: float = 0.005) -> Any:
@@ -181,7 +181,7 @@ def configured(script: str, gname: str, url: str, rate: float, burst: Any = None
     """
     assert ATTACH in script
     timeout = "" if redis_timeout is None else f", timeout={redis_timeout!r}"
-    make = (f"from shmlimit.redis import RedisLimiter\n"
+    make = (f"from shmlimit.redis.direct import RedisLimiter\n"
             f"lim = shmlimit.Limiter(sys.argv[1], upstream=RedisLimiter({gname!r}, rate={rate}, burst={burst}, "
             f"url={url!r}{timeout}), **{options!r})")
     return script.replace(ATTACH, make)

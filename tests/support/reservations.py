@@ -11,8 +11,8 @@ import subprocess
 import sys
 from typing import Any, Callable, Iterator, Optional
 
-from shmlimit import layout as L
-from shmlimit.bucket import diff
+from shmlimit.shm import layout as L
+from shmlimit.bucket.rovers import diff
 
 from .procs import TESTS, WORKDIR
 

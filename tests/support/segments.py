@@ -74,7 +74,7 @@ def run_tools_on(monkeypatch: Any, prefix: str, *argv: str) -> Tuple[int, str]:
     """``shmlimit argv...`` run in this process as if the segments named ``prefix``... were the only
     ones on the machine: ``(exit code, stdout)``.  A test's ``gc`` then never collects a segment of
     another test run (one whose processes are between a close and the next attach, say)."""
-    from shmlimit import cli
+    from shmlimit.cli import main as cli
 
     real = cli.scan
 

@@ -1,0 +1,1 @@
+"""Acquisition: one non-blocking step per kind and the drivers that run it."""

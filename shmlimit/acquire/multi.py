@@ -1,0 +1,289 @@
+"""The acquisition protocol over several rates (``rates=``; see ``multirate``): all or nothing
+now (``take_all``), giving back (``give_back``), and ``MultiRequest``, one acquire as steps that
+never sleep, run by the acquisition core's drivers (``acquisition.drive``, ``drive_async``).
+Every word is touched through each rate's ``Bucket``."""
+from __future__ import annotations
+
+from typing import Any, List, Optional, Sequence, Tuple
+
+from shmlimit.acquire import single as acquisition
+from shmlimit.acquire.single import Request
+from shmlimit.attachment import Attachment
+from shmlimit.bucket.rovers import diff
+from shmlimit.bucket.fences import NO_FENCE, FenceHold
+from shmlimit.config import NS_PER_S, validate_timeout
+from shmlimit.bucket.giveback import NO_RECORD, REFUSED, record_nap, take_ticket
+
+_INF = float("inf")
+
+
+# ---- the protocol ----------------------------------------------------------------------------
+
+
+#: Tokens taken and covered, not yet used: (attachment, tokens, the head when they were taken at
+#: the latest -- for a ticket, the ticket itself).
+Held = Tuple[Attachment, int, int]
+
+
+def give_back(held: Sequence[Held]) -> None:
+    """Return tokens taken and not used (a refusal, a timeout, an interruption), less what the
+    head gained since they were taken (``Bucket.give_back``): the bucket is never left fuller
+    than had they never been taken."""
+    for att, tokens, head_then in held:
+        att.bucket.give_back(tokens, head_then)
+
+
+def take_all(atts: Sequence[Attachment], ops: Sequence[int], toks: Sequence[int]) -> bool:
+    """All or nothing, now: each rate by CAS (replenishing once if short); on a refusal the rates
+    already taken get their tokens back.  Counted only once every rate has granted.
+
+    It looks before it takes: a rate short even after a replenish refuses with nothing written
+    on any rate.  Only a race (another caller took the room between the look and the take) makes
+    it give back, which costs those rates' next replenish up to what it gave back (the snapshot
+    clamp counts it as tokens already in the bucket): time lost, never an extra grant."""
+    for att, o, t in zip(atts, ops, toks):
+        if o:
+            b = att.bucket
+            if b.balance() < t and (b.replenish() <= 0 or b.balance() < t):
+                return False
+    held: List[Held] = []
+    for att, o, t in zip(atts, ops, toks):
+        if not o:
+            continue
+        b = att.bucket
+        h = b.head()
+        if not b.try_grab(t, att.grants_off, 0):
+            if b.replenish() <= 0:
+                give_back(held)
+                return False
+            h = b.head()
+            if not b.try_grab(t, att.grants_off, 0):
+                give_back(held)
+                return False
+        held.append((att, t, h))
+    for att, o in zip(atts, ops):
+        if o:
+            att.count(o)
+    return True
+
+
+#: A reservation's claim on one rate: (attachment, tokens, its ticket -- None: covered when taken --,
+#: the head read just before the take, the LEN offset of the record holding it -- None: none).
+Claim = Tuple[Attachment, int, Any, int, Optional[int]]
+
+
+def claim(att: Attachment, tokens: int, max_ns: float, last: bool = True, fence: Optional[FenceHold] = None) -> Claim:
+    """One rate's claim of a reservation over several rates (``MultiLimiter.reserve``), within
+    ``max_ns``, replenishing once if refused; ``REFUSED`` as its ticket when refused, taking nothing.
+
+    Queued, it is recorded in a free record of this process's slot on that rate, claimed before
+    the CAS that takes it (``Bucket.take_within``'s protocol, as a waiter's ticket): until the
+    reservation is made (every rate claimed, the records freed) the claim is a waiter's ticket,
+    and should the reservation be refused on a later rate, or this process die or be interrupted
+    first, it is given back (``give_back_claims``; a dead process's by the filler's ``reap``).
+    With every record in use (five waiters of this process queue there) a claim that is not the
+    ``last`` takes nothing: ``NO_RECORD`` as its ticket (the reservation claims another rate first,
+    or waits for a record: ``MultiLimiter.reserve``).  The last claim makes the reservation, so it
+    needs no record to be given back by: with none free it is taken unrecorded.  A process beyond
+    the rate's table has no records at all: a claim there that is not the ``last`` is taken only
+    if covered now (``(None, None)``: tokens, which a death part-way loses, stalling no one), else
+    nothing (``NO_RECORD``, as with every record in use: the reservation claims the other rates
+    first, then polls); never queued, where a death part-way would leave it, in no record, for its
+    whole schedule.  On a rate whose attachment is closing (its records no longer handed out) it
+    takes nothing and raises ``ValueError``: taken unrecorded there, a claim given back when the
+    reservation fails would be held in no record, skipped by no one.
+    With ``fence`` the claim's fence is stored
+    before its CAS, covered or not (its tokens are used at the reservation's promise); with every
+    fence record in use it takes nothing (``NO_RECORD``: the reservation claims another rate first,
+    or waits).
+    """
+    b = att.bucket
+    for attempt in range(2):
+        h = b.head()
+        got, rec = NO_RECORD, None
+        with att.writers.writing() as lens:  # (none once the process leaves its slot: close)
+            if lens:
+                got, rec = b.take_within(tokens, max_ns, lens, att.grants_off, 0, fence)
+        if lens and got is NO_RECORD and not last:
+            return att, tokens, NO_RECORD, h, None
+        if not lens and att.closed:  # its slot is being left: a claim taken now would be in no record
+            raise ValueError(f"limiter {att.name!r} was closed while this call ran")
+        if got is NO_RECORD and not last:  # no records here: covered now, or nothing (no record to queue in)
+            got, rec = b.take_within(tokens, max_ns, (), att.grants_off, 0, fence)
+            if got is NO_RECORD and (attempt or b.replenish() <= 0):
+                return att, tokens, NO_RECORD, h, None
+            if got is NO_RECORD:
+                continue
+        if got is NO_RECORD:
+            got, rec = b.take_within(tokens, max_ns, fence=fence)
+        if got is not REFUSED or attempt or b.replenish() <= 0:
+            break
+    return att, tokens, NO_RECORD if got == NO_FENCE else got, h, rec
+
+
+def give_back_claims(claims: Sequence[Claim]) -> None:
+    """A reservation over several rates refused part-way (or interrupted): every claim it took goes
+    back through the give-back mechanism.  A covered one to the head (``give_back``: less the
+    head's gain since the take, so the bucket is never fuller than had it never been taken); a
+    queued one by the skip (``Attachment.give_back``: its record marked given, the head skips its
+    range once every ticket ahead is served), never by moving the head, which would serve the
+    tickets ahead of it early.  A claim covered between the look and the skip is lost (time, never
+    a grant)."""
+    covered: List[Held] = []
+    for att, tokens, ticket, h, rec in claims:
+        if ticket is not None and not att.bucket.covered(ticket):
+            att.give_back(ticket, tokens, rec)
+            continue
+        att.clear_ticket(rec, tokens)
+        covered.append((att, tokens, h if ticket is None or diff(ticket, h) <= 0 else ticket))
+    give_back(covered)
+
+
+def wait_ns(att: Attachment, tokens: int) -> float:
+    """The wait (ns) a ticket of ``tokens`` taken now would have on this rate (0: none)."""
+    b = att.bucket
+    short = -b.balance() + tokens - min(b.pending(), b.cap)
+    return b.estimate_wait_ns(short) if short > 0 else 0.0
+
+
+LEAD, OTHERS, DONE = "lead", "others", "done"
+
+
+class MultiRequest:
+    """One acquire over several rates, as steps that never sleep (``begin``/``next``/``end``, as
+    ``acquisition.Request``; run by the same drivers, ``acquisition.drive`` and ``drive_async``)."""
+
+    def __init__(self, atts: Sequence[Attachment], ops: Sequence[int], toks: Sequence[int], timeout: Optional[float]) -> None:
+        timeout = validate_timeout(timeout)
+        self.atts = atts
+        self.ops = ops
+        self.toks = toks
+        self.clock = atts[0].clock
+        self.deadline: Optional[int] = None if timeout is None else self.clock() + int(timeout * NS_PER_S)
+        self.state = DONE
+        self.waits: List[Tuple[int, Request]] = []  # (rate index, the request waiting for its ticket)
+        self.held: List[Held] = []  # tokens granted and not yet used
+        self.lead = -1
+        self.joining: List[int] = []  # rates still to join, whose records were all in use (RECORD)
+        self.granted = False
+        self.wake_ns: Optional[int] = None
+
+    def _left_ns(self) -> float:
+        return _INF if self.deadline is None else max(0, self.deadline - self.clock())
+
+    def begin(self) -> acquisition.Step:
+        if take_all(self.atts, self.ops, self.toks):
+            return self._granted(count=False)
+        active = [i for i, o in enumerate(self.ops) if o]
+        waits = {i: wait_ns(self.atts[i], self.toks[i]) for i in active}
+        left = self._left_ns()
+        if any(w > left for w in waits.values()):
+            return False  # fails fast: the wait on some rate exceeds the timeout
+        self.lead = max(active, key=lambda i: waits[i])
+        self.state = LEAD
+        return self._join([self.lead])
+
+    def _join(self, which: Sequence[int]) -> acquisition.Step:
+        """Take a ticket on each rate of ``which`` (within the time left), each recorded in its rate's
+        process slot as a single rate's is (``giveback.take_ticket``): a rate whose records are all in
+        use takes nothing, and it and the rest are joined later (``joining``); one that refuses ends
+        the request, giving back what it holds (``end``: its queued tickets too)."""
+        left = self._left_ns()
+        self.joining = []
+        for k, i in enumerate(which):
+            att, t = self.atts[i], self.toks[i]
+            b = att.bucket
+            h = b.head()
+            got, rec = take_ticket(b, t, att.grants_off, 0, att.writers, left)  # counted once all are granted
+            if got is REFUSED:
+                return self._refuse()
+            if got is NO_RECORD:
+                self.joining = list(which[k:])
+                break
+            if got is None:
+                self.held.append((att, t, h))
+            else:
+                self.waits.append((i, Request.holding(att, 0, got, t, rec)))
+        return self._step()
+
+    def _step(self) -> acquisition.Step:
+        naps = []
+        wakes = []
+        still = []
+        for i, req in self.waits:
+            s = req.next()
+            if s is True:
+                ticket = req.ticket  # ending the request forgets it
+                req.end()
+                self.held.append((self.atts[i], self.toks[i], ticket))  # covered once the head passed it
+                continue
+            still.append((i, req))
+            naps.append(s)
+            wakes.append(req.wake_ns)
+        self.waits = still
+        if self.joining:  # a rate found no free record: look again soon, holding what it holds
+            return self._record_nap(naps)
+        if still:
+            self.wake_ns = min(wakes) if all(w is not None for w in wakes) else None
+            return min(naps)  # type: ignore[type-var]
+        self.wake_ns = None
+        if self.state == LEAD:  # the lead rate's ticket is due: now join the others' queues
+            self.state = OTHERS
+            rest = [i for i, o in enumerate(self.ops) if o and i != self.lead]
+            if rest:
+                return self._join(rest)
+        return self._granted(count=True)
+
+    def _record_nap(self, naps: List[acquisition.Step]) -> acquisition.Step:
+        """``joining``: park as a single rate's request does in ``RECORD`` (``giveback.record_nap``;
+        roughly: ``wake_ns`` None), at most until a ticket's turn; refused at the deadline."""
+        i = self.joining[0]
+        att = self.atts[i]
+        nap = record_nap(att.bucket, self.toks[i], bool(att.records), acquisition.MAX_NAP)
+        self.wake_ns = None
+        if self.deadline is not None:
+            left = (self.deadline - self.clock()) / NS_PER_S
+            if left <= 0:
+                return self._refuse()
+            nap = min(nap, left)
+        return min([nap, *naps])  # type: ignore[type-var]
+
+    def wait_native(self) -> None:
+        """No native wait: a request over several rates waits on each rate's turn in Python, each
+        looked at once it is due (the driver sleeps to the earliest, ``wake_ns``)."""
+        return None
+
+    def next(self) -> acquisition.Step:
+        if self.state == DONE:
+            raise RuntimeError("request is done: nothing to wait for")
+        if self.joining:  # the rates that found no free record: try them again
+            for i in self.joining:
+                self.atts[i].bucket.refresh()
+            return self._join(self.joining)
+        return self._step()
+
+    def _granted(self, count: bool) -> bool:
+        if count:
+            for att, o in zip(self.atts, self.ops):
+                if o:
+                    att.count(o)
+        self.held = []
+        self.granted = True
+        self.state = DONE
+        return True
+
+    def _refuse(self) -> bool:
+        self.end()
+        return False
+
+    def end(self) -> None:
+        """Leave: a request not granted gives back the tokens it was granted and did not use,
+        and its tickets still queued, as a single rate's are (each ``Request.end``: the head
+        skips their ranges, so no later caller waits for them and none jumps the queue)."""
+        for _, req in self.waits:
+            req.end()
+        self.waits = []
+        if not self.granted:
+            held, self.held = self.held, []
+            give_back(held)
+        self.state = DONE

@@ -1,0 +1,600 @@
+"""The acquisition core: every way of taking ops, as step functions that never sleep.
+
+``Request(att, n, timeout)`` is one call of ``acquire``.  ``begin()`` answers
+True (granted), False (refused, having taken nothing) or a number of seconds
+to park before asking again with ``next()``, which answers the same way;
+``end()`` must follow, whatever happened (it clears the WAITING flag and gives
+back what a request that was not granted still holds).  The two drivers only
+park: ``drive`` (``Limiter.acquire``) sleeps, to a ticket's turn precisely
+(``wake_ns``, ``sleep.sleep_until``), ``drive_async``
+(``Limiter.acquire_async``) awaits ``asyncio.sleep``.  This is the shape trio
+uses (``acquire_nowait`` plus parking): the decisions are made once, here,
+for both.
+
+A request moves through these states, each a step that never blocks:
+
+* ``ADMIT``  -- capped mode: waiting for a place among the ops in flight
+  (``Bucket.admit``), holding no ticket, so nobody queues behind it;
+* ``JOIN``   -- ``max_reserved`` is set and the queue is too long to join: an
+  untimed request (or, in hierarchical mode, a timed one until its deadline)
+  waits, taking nothing, until it may take its ticket;
+* ``RECORD`` -- it would queue, but every ticket record of its process's slot
+  is in use, or it has none (beyond the table): no ticket is taken without a
+  record (``giveback.take_ticket``), so it naps and tries again, holding nothing;
+* ``TICKET`` -- it holds a ticket: it waits for the head to reach it,
+  replenishing by itself (the lazy refill: nothing waits for the filler) and
+  nudging its process's filler when it had to.  While here, its process slot's
+  WAITING word counts it (``stats().processes[i].waiting``), and its ticket is
+  recorded in one of the slot's records (given back should the process die).
+  Leaving unserved (an interrupt, a cancellation) it gives its ticket back: the head
+  skips its range (see ``giveback``), so no one waits for it.  In hierarchical
+  mode tokens come with leases, so no wait is computable: a timed request
+  takes its ticket all the same, and gives it back at its deadline; its waiter
+  sleeps on ``UP_WAKE`` until the batch that covers it wakes it
+  (``fed_wait``).
+
+Every deadline and nap is measured on the attachment's clock (CLOCK_MONOTONIC
+ns, injected in tests), so a request can be driven step by step on a fake clock.
+"""
+from __future__ import annotations
+
+import asyncio
+import time
+from typing import TYPE_CHECKING, Callable, Optional, Protocol, Tuple, Union
+
+from shmlimit.bucket import fed_wait
+from shmlimit.bucket.rovers import WAIT_BURN, WAIT_GRANTED
+from shmlimit.config import MAX_NAP, NS_PER_S, validate_n, validate_timeout
+from shmlimit.bucket.fences import fenced_ticket
+from shmlimit.bucket.giveback import NO_RECORD, REFUSED, record_nap, take_ticket
+from shmlimit.acquire.sleep import at_stop, sleep_until_async
+
+if TYPE_CHECKING:  # pragma: no cover
+    from shmlimit.attachment import Attachment
+    from shmlimit.bucket.rovers import Bucket
+
+#: A waiter whose ticket is due but not yet covered looks again after this long at least (ns).
+RETRY_NS = 20_000
+MAX_NAP_NS = int(MAX_NAP * NS_PER_S)
+#: ... and never sooner than this, unless it is about to be served (seconds).
+MIN_NAP = 1e-4
+#: Hierarchical mode: a request that does not know when tokens come looks this often (seconds) ...
+POLL = 0.002
+#: ... and one that knows wakes this long after they are due, once the filler has added them (seconds).
+ARRIVAL_SLACK = 0.001
+#: Capped mode: a request waiting for a release looks again this often (seconds).
+CAPPED_NAP = 0.001
+_INF = float("inf")
+
+ADMIT, JOIN, RECORD, TICKET, DONE = "admit", "join", "record", "ticket", "done"
+
+Step = Union[bool, float]
+
+
+class Request:
+    """One acquire of ``n`` ops, with ``timeout`` seconds (None: as long as it takes)."""
+
+    __slots__ = (
+        "att", "bucket", "n", "tokens", "deadline", "state", "ticket", "admitted", "granted", "wake_ns",
+        "_waiting", "record", "fed",
+    )
+
+    def __init__(self, att: "Attachment", n: int, timeout: Optional[float]) -> None:
+        b = att.bucket
+        if b.refresh() or att.fast_seq != b.seq:
+            att.update_fast()
+        validate_n(n, b.cost)
+        timeout = validate_timeout(timeout)
+        self.att = att
+        self.bucket = b
+        self.n = n
+        self.tokens = n * b.cost
+        self.deadline: Optional[int] = None if timeout is None else att.clock() + int(timeout * NS_PER_S)
+        self.state = DONE
+        self.ticket: Optional[int] = None
+        self.admitted = False
+        self.granted = False
+        #: the last nap ends at this CLOCK_MONOTONIC instant, to sleep to precisely (None: roughly)
+        self.wake_ns: Optional[int] = None
+        self._waiting = False
+        self.record: Optional[int] = None  # the record of our ticket in our process slot (its LEN offset)
+        #: hierarchical mode: the nap to ``wake_ns`` is a sleep on ``UP_WAKE`` (the value read before
+        #: the head, the ticket's bit), ended early by the batch that covers the ticket
+        self.fed: Optional[Tuple[int, int]] = None
+
+    @classmethod
+    def holding(
+        cls, att: "Attachment", n: int, ticket: int, tokens: int = 0, rec: Optional[int] = None,
+        deadline: Optional[int] = None,
+    ) -> "Request":
+        """A request that already holds ``ticket``, ``tokens`` long (the fast path's grab): it only waits.
+
+        ``tokens`` 0: the length is not known for sure (the config changed
+        under the grab), and the ticket can then never be given back.
+        ``rec``: the record the grab's first wait made of it already.  ``deadline``: hierarchical
+        mode's timed grab, given back when not served by then (CLOCK_MONOTONIC ns).
+        """
+        r = cls.__new__(cls)
+        r.att, r.bucket, r.n, r.tokens, r.deadline = att, att.bucket, n, tokens, deadline
+        r.admitted = r.granted = r._waiting = False
+        r.wake_ns = None
+        r.fed = None
+        r.ticket = ticket
+        r.state = TICKET
+        r._waiting = True
+        att.waiting(+1)
+        r.record = rec if rec is not None or tokens <= 0 else att.record_ticket(ticket, tokens)
+        return r
+
+    def clock(self) -> int:
+        """Now on the attachment's clock (CLOCK_MONOTONIC ns; injected in tests)."""
+        return self.att.clock()
+
+    # -- the steps ---------------------------------------------------------------------
+
+    def begin(self) -> Step:
+        """Try at once: True (granted), False (refused, nothing taken) or seconds to park before ``next``."""
+        if self.state == TICKET:  # made ``holding`` its ticket already
+            return self._wait_ticket()
+        b = self.bucket
+        if b.capped:
+            if not b.admit(self.n):
+                if self.n > b.cap_ops:
+                    raise ValueError(f"n must be at most the capacity of {b.cap_ops} ops in capped mode, got {self.n}")
+                self.state = ADMIT
+                return self._admit_nap()
+            self.admitted = True
+        return self._take()
+
+    def next(self) -> Step:
+        """After a park: True (granted), False (refused, nothing taken) or seconds to park again."""
+        state = self.state
+        if state == TICKET:
+            return self._wait_ticket()
+        if state == ADMIT:
+            b = self.bucket
+            b.refresh()
+            if not b.admit(self.n):
+                return self._admit_nap()
+            self.admitted = True
+            return self._take()
+        if state == JOIN:
+            return self._join()
+        if state == RECORD:
+            self.bucket.refresh()
+            return self._take()
+        raise RuntimeError(f"request is {state}: nothing to wait for")
+
+    def end(self) -> None:
+        """Leave: clear the WAITING count, and give back what a request not granted holds.
+
+        That is its place in flight (capped mode) and its ticket: a request
+        that holds one and was not granted left early (an interrupt, a
+        cancellation), and the head will skip its range.  Safe to call more
+        than once, and after any exception at any step.
+        """
+        ticket, self.ticket = self.ticket, None
+        rec, self.record = self.record, None
+        if ticket is not None and self.state == TICKET and not self.granted and self.tokens > 0:
+            self.att.give_back(ticket, self.tokens, rec)  # its record stays, marked given
+        elif rec is not None:
+            self.att.clear_ticket(rec, self.tokens)
+        if self._waiting:
+            self._waiting = False
+            self.att.waiting(-1)
+        if self.admitted and not self.granted:
+            self.admitted = False
+            self.bucket.unadmit(self.n)
+        self.state = DONE
+
+    # -- states --------------------------------------------------------------------------
+
+    def _take(self) -> Step:
+        """Admitted (or not capped): take the tokens now, or a ticket, or start waiting to take one."""
+        b = self.bucket
+        att = self.att
+        if att.opened():  # hierarchical mode, upstream unreachable, on_redis_error="open": no limit
+            return self._grant()
+        if self.deadline is None and b.max_reserved_ns != _INF:
+            self.state = JOIN
+            return self._join()
+        if self.deadline is not None and b.upstream and not b.time_fed:
+            # no wait is computable (tokens come with leases): hold a ticket until the deadline, given
+            # back then if not served (``end``); with max_reserved, join once the queue is short enough
+            if take_now(att, self.n, self.tokens):
+                return self._done()
+            if self.deadline - att.clock() <= 0:
+                return self._refuse()
+            if b.max_reserved_ns != _INF:
+                self.state = JOIN
+                return self._join()
+            wait = _INF
+        else:
+            wait = _INF if self.deadline is None else min(max(0, self.deadline - att.clock()), b.max_reserved_ns)
+        got, rec = take_ticket(b, self.tokens, att.grants_off, self.n, att.writers, wait)  # granted: counted
+        if got is None:  # granted at once, counted
+            return self._done()
+        if got is REFUSED:
+            return self._refuse()
+        return self._record_nap() if got is NO_RECORD else self._hold(got, rec)
+
+    def _record_nap(self) -> Step:  # no free record to hold a ticket: take nothing, look again
+        self.state = RECORD
+        return self._admit_nap(record_nap(self.bucket, self.tokens, bool(self.att.records), MAX_NAP))
+
+    def _join(self) -> Step:
+        """``max_reserved``: take a ticket once the queue is short enough, else park (taking nothing)."""
+        b = self.bucket
+        left = _INF if self.deadline is None else (self.deadline - self.att.clock()) / NS_PER_S
+        if left <= 0:  # hierarchical mode's timed request: not in the queue by its deadline
+            return self._refuse()
+        got, rec = take_ticket(b, self.tokens, self.att.grants_off, self.n, self.att.writers, b.max_reserved_ns)
+        if got is None:
+            return self._done()
+        if got is NO_RECORD:
+            return self._record_nap()  # (RECORD goes back to _take, which joins again)
+        if got is not REFUSED:
+            return self._hold(got, rec)
+        b.refresh()
+        over = -b.balance() + self.tokens - b.max_reserved_ns * b.tpn
+        return min(MAX_NAP, left, max(MIN_NAP, over / b.tpn / NS_PER_S))
+
+    def _hold(self, ticket: int, rec: Optional[int]) -> Step:
+        self.ticket = ticket
+        self.record = rec
+        self.state = TICKET
+        if not self._waiting:
+            self._waiting = True
+            self.att.waiting(+1)
+        return self._wait_ticket()
+
+    def _wait_ticket(self) -> Step:
+        """Granted once the head covers the ticket.  Its due time at the rate is exact
+        (``Bucket.due_ns``), so a waiter parks once, until then (``wake_ns``, to sleep to
+        precisely), replenishes and is granted; only when the head still falls short (another
+        process's replenish in flight, or tokens that come from leases, releases or a start)
+        does it look again soon.  Each waiter wakes for its own turn only, or every ``MAX_NAP``."""
+        b = self.bucket
+        att = self.att
+        ticket = self.ticket
+        assert ticket is not None
+        self.wake_ns = None
+        self.fed = None
+        # hierarchical mode, on the real clock: the wake word is read before the head, so a batch
+        # added after this look makes the sleep on it return at once (no wake is lost)
+        fed = b.upstream and not b.time_fed and att.clock is time.monotonic_ns
+        seen = fed_wait.seen(b.cells) if fed else 0
+        if b.covered(ticket):
+            return self._grant_ticket()
+        b.refresh()
+        if att.opened():  # the "open" fallback lets queued callers through too
+            return self._grant()
+        now = att.clock()
+        until = now + MAX_NAP_NS if self.deadline is None or not b.upstream else min(now + MAX_NAP_NS, self.deadline)
+        if until <= now:  # a timed ticket of hierarchical mode, not served by its deadline: given back (end)
+            return False
+        due = b.due_ns(ticket) if b.time_fed and not b.stopped else now
+        if due > now and att.clock is time.monotonic_ns and b.stops_at(ticket, self.tokens):
+            due, now = at_stop(due, now)  # the head stops at our ticket: replenish at its instant
+        if due > now:  # not our turn yet: no replenish can help, park until it
+            self.wake_ns = min(int(due) + 1, now + MAX_NAP_NS)  # now and then, to notice changes
+            return (self.wake_ns - now) / NS_PER_S
+        # our turn (or no clock to tell): replenishing adds whatever time has passed (lazily)
+        if refill(att) > 0:
+            att.nudge_filler()  # we did the filler's work: make sure a filler runs
+            if b.covered(ticket):
+                return self._grant_ticket()
+        short = b.deficiency(ticket) / b.tpn
+        if b.upstream:
+            att.nudge_filler()  # only a filler leases: make sure one runs
+            if not b.time_fed:  # tokens come with leases: park until a batch is due; a blocking driver
+                if fed and fed_wait.wakes_work():  # until the batch that covers us wakes it (wake_ns: at most)
+                    self.fed = (seen, fed_wait.fed_bit(ticket, b.cost))
+                    self.wake_ns = fed_wait.deadline(b.cells, b.tpn, now, b.deficiency(ticket), until)
+                return min(self._fed_nap(short / NS_PER_S), (until - now) / NS_PER_S)
+        # due, yet short: look again soon, or when the shortfall could have arrived
+        self.wake_ns = now + int(min(max(short, RETRY_NS), MAX_NAP_NS))
+        return (self.wake_ns - now) / NS_PER_S
+
+    def wait_native(self) -> Optional[Step]:
+        """``TICKET``: the wait itself, in one native call that sleeps (``Bucket.waiter``), then the
+        next step; None if the backend has no native waiter (the driver sleeps to ``wake_ns``).
+
+        The native loop decides only what ``_wait_ticket`` would, without returning to
+        Python between its naps; it returns when granted (already counted), when the
+        config changed, on a signal, or after ``MAX_NAP``, and the Python step takes over.
+        """
+        att = self.att
+        if att.fast_seq != self.bucket.seq:  # the config changed: a waiter bound to the new one
+            att.update_fast()
+        waiter = att.fast[3]
+        fed, self.fed = self.fed, None
+        if waiter is None and fed is not None and self.wake_ns is not None:
+            # hierarchical mode without a native waiter: the same sleep on the wake word, from Python
+            fed_wait.sleep(self.bucket.cells, fed[0], fed[1], self.wake_ns)
+            return self.next()
+        if waiter is None:
+            return None
+        ticket = self.ticket
+        assert ticket is not None
+        self.wake_ns = None
+        until = min(time.monotonic_ns() + MAX_NAP_NS, self.deadline or _INF)  # a timed one's: the real clock too
+        rc = waiter.wait(ticket, self.n, int(until), False, self.tokens)  # counted by the request
+        if rc != WAIT_GRANTED:
+            att.after_native_wait(rc)
+        if rc & WAIT_GRANTED:
+            return self._done()
+        return self.next()
+
+    def _fed_nap(self, estimate: float) -> float:
+        """Hierarchical mode: how long a queued waiter parks, ``estimate`` being the local rate's guess.
+
+        Tokens come only when a reserved batch falls due: never sooner than
+        that, and for a ticket far back not before the local rate would reach
+        it.  Unknown, look again after ``POLL``.
+        """
+        now = self.att.clock()
+        nxt = self.bucket.next_lease_ns()
+        if nxt <= now:  # not known: a batch may come at any moment (a burst available upstream)
+            return POLL
+        return min(max((nxt - now) / NS_PER_S, estimate) + ARRIVAL_SLACK, MAX_NAP)
+
+    def _admit_nap(self, nap: float = CAPPED_NAP) -> Step:
+        """Park ``nap`` seconds, holding nothing (``ADMIT``, ``RECORD``), or refuse past the deadline."""
+        if self.deadline is None:
+            return nap
+        left = (self.deadline - self.att.clock()) / NS_PER_S
+        if left <= 0:
+            return self._refuse()
+        return min(nap, left)
+
+    # -- outcomes ------------------------------------------------------------------------
+
+    def _grant_ticket(self) -> bool:
+        """The head covers our ticket.
+
+        A closed attachment grants nothing: closing unregisters the slot, and
+        a ticket recorded there may then be given back by another process
+        (whose head skip covers it): it is no longer ours.
+        """
+        if self.att.closed:
+            raise ValueError(f"limiter {self.att.name!r} was closed while this call waited")
+        return self._grant()
+
+    def _grant(self) -> bool:
+        """Granted: counted in this process's slot."""
+        self.att.count(self.n)
+        return self._done()
+
+    def _done(self) -> bool:
+        self.granted = True
+        self.state = DONE
+        return True
+
+    def _refuse(self) -> bool:
+        self.state = DONE
+        return False
+
+
+# ---- the two drivers: they only park ------------------------------------------------------------
+
+
+class Steps(Protocol):
+    """What the drivers run: ``Request``, and ``multirate_request.MultiRequest`` over several rates."""
+
+    #: the current nap ends at this CLOCK_MONOTONIC instant, to sleep to precisely (None: roughly)
+    wake_ns: Optional[int]
+
+    def clock(self) -> int: ...
+    def begin(self) -> Step: ...
+    def next(self) -> Step: ...
+    def end(self) -> None: ...
+    def wait_native(self) -> Optional[Step]: ...
+
+
+def drive(req: Steps) -> bool:
+    """Run ``req`` to its end in this thread, sleeping between steps.
+
+    A wait for a turn (``wake_ns`` set) is the request's native wait when it
+    has one (``Request.wait_native``: the whole wait without returning to
+    Python), else a sleep to its instant with a low timer slack
+    (``sleep.sleep_until``); every other wait sleeps its nap.
+    """
+    try:
+        step = req.begin()
+        while step is not True and step is not False:
+            if req.wake_ns is not None:
+                native = req.wait_native()
+                if native is not None:
+                    step = native
+                    continue
+                sleep_until()(req.wake_ns)
+            else:
+                time.sleep(step)
+            step = req.next()
+        return step
+    finally:
+        req.end()
+
+
+def refill(att: "Attachment") -> int:
+    """``Bucket.replenish``; as one native call where the native wait has one for the config in
+    force (its refill, word for word).  One call leaves no gap between claiming an interval and
+    adding its tokens: a Python refill preempted there, while other processes refill, finds its
+    add clamped against their tokens and loses its time.  The tokens added."""
+    b = att.bucket
+    waiter = att.fast[3] if att.fast_seq == b.seq else None
+    if waiter is None:
+        return b.replenish()
+    added, burn = waiter.refill()
+    if burn:
+        att.after_native_wait(WAIT_BURN)
+    return added
+
+
+def wait_for_ticket(att: "Attachment", ticket: Union[int, Tuple[int, int]], timeout: Optional[float] = None) -> bool:
+    """The fast path's one-op ticket, recorded by its grab with its own price (``find_record``): the
+    native wait at once, a ``Request`` only if it hands the wait back; given back if interrupted.
+    ``timeout`` (seconds): hierarchical mode's timed grab, given back when not served by then.
+    ``(flags, ticket)``: an ``Acquirer``'s wait returned flags to act on (granted with ``WAIT_GRANTED``)."""
+    flags = 0
+    if isinstance(ticket, tuple):
+        flags, ticket = ticket
+    waiter = att.fast[3]
+    rec, tokens = att.find_record(ticket) if not flags & WAIT_GRANTED else (None, 0)
+    now = time.monotonic_ns()
+    deadline = now + int(timeout * NS_PER_S) if timeout is not None and att.bucket.upstream else None
+    if waiter is not None or flags:
+        try:
+            if flags:  # an Acquirer's: counted and its record freed if granted
+                att.after_native_wait(flags)
+                if flags & WAIT_GRANTED:
+                    return True
+            if waiter is not None:
+                rc = waiter.wait(ticket, 1, min(now + MAX_NAP_NS, deadline or _INF), True, tokens)
+                if rc & WAIT_GRANTED:
+                    if rc != WAIT_GRANTED:
+                        att.after_native_wait(rc)
+                    if rec is not None:
+                        att.clear_ticket(rec, tokens)
+                    return True
+                att.after_native_wait(rc)
+        except BaseException:
+            if tokens:
+                att.give_back(ticket, tokens, rec)
+            elif rec is not None:
+                att.clear_ticket(rec, tokens)
+            raise
+    return drive(Request.holding(att, 1, ticket, tokens, rec, deadline))
+
+
+_sleeper: list = []
+
+
+def sleep_until() -> Callable[[int], None]:
+    """This process's precise sleeper (chosen once: the backend does not change in a process)."""
+    if not _sleeper:
+        from shmlimit.acquire.sleep import sleeper
+
+        _sleeper.append(sleeper())
+    return _sleeper[0]
+
+
+async def drive_async(req: Steps) -> bool:
+    """Run ``req`` to its end on the event loop, awaiting between steps (never spinning).
+
+    A wait for a turn (``wake_ns`` set) awaits that instant on the loop's timerfd
+    (``sleep.sleep_until_async``): ``asyncio.sleep`` would end up to a millisecond
+    late, the selector's timeout being whole milliseconds.  With an injected
+    clock it is ``asyncio.sleep`` of the time left, as is every other nap.
+    """
+    att = getattr(req, "att", None)  # a Request's; a MultiRequest's clock is its attachments'
+    real = (att.clock if att is not None else req.clock) is time.monotonic_ns
+    try:
+        step = req.begin()
+        while step is not True and step is not False:
+            if getattr(req, "fed", None) is not None:  # no futex on a loop: the fed wait's estimate
+                req.fed = None  # type: ignore[attr-defined]
+                await asyncio.sleep(max(step, MIN_NAP))
+            elif req.wake_ns is not None and real:
+                await sleep_until_async(req.wake_ns)  # to its instant, not the selector's next ms
+            elif req.wake_ns is not None:
+                await asyncio.sleep(max(0, req.wake_ns - req.clock()) / NS_PER_S)
+            else:
+                await asyncio.sleep(max(step, MIN_NAP))
+            step = req.next()
+        return step
+    finally:
+        req.end()
+
+
+# ---- the calls that never wait ------------------------------------------------------------------
+
+
+def take_now(att: "Attachment", n: int, tokens: int) -> bool:
+    """``n`` ops (``tokens``) if the head covers them now, replenishing once if it does not; counted."""
+    b = att.bucket
+    if b.try_grab(tokens, att.grants_off, n):
+        return True
+    b.refresh()
+    if att.opened():  # the "open" fallback: no limit
+        att.count(n)
+        return True
+    return refill(att) > 0 and b.try_grab(tokens, att.grants_off, n)
+
+
+def try_acquire(att: "Attachment", n: int) -> bool:
+    """``Limiter.try_acquire``: granted now, or refused having taken nothing (and the filler told)."""
+    b = att.bucket
+    if b.refresh() or att.fast_seq != b.seq:
+        att.update_fast()
+    tokens = validate_n(n, b.cost) * b.cost
+    if b.capped and not b.admit(n):
+        return False
+    granted = False
+    try:
+        granted = take_now(att, n, tokens)
+    finally:
+        if b.capped and not granted:
+            b.unadmit(n)
+    if not granted and b.upstream:
+        b.mark_hungry(att.clock())  # a refused try is demand the filler should see ...
+        att.nudge_filler()  # ... and one must run: a dead one's lease is taken here, not by a watcher
+    return granted
+
+
+def reserve(att: "Attachment", n: int, max_wait: Optional[float]) -> Optional[float]:
+    """``Limiter.reserve``: a ticket counted as granted, and the seconds until it is due; None takes nothing."""
+    b = att.bucket
+    b.refresh()
+    if b.upstream:
+        # Paced by the local rate, each host would promise slots of the global rate: two hosts
+        # of a global 100/s handed out 200 usable slots in 1 s.  Leases have no known time.
+        raise ValueError(
+            f"reserve() is not available on the hierarchical limiter {att.name!r}: its tokens come "
+            f"from leases, whose time is not known in advance; use acquire(timeout=...) or try_acquire()"
+        )
+    tokens = validate_n(n, b.cost) * b.cost
+    limit = validate_timeout(max_wait, "max_wait")
+    if att.opened():
+        att.count(n)
+        return 0.0
+    if b.capped and not b.admit(n):
+        return None  # no room among the ops in flight: nothing taken
+    # A claim of our own before the grab (the promise in the fence counts from a fresh REPL_TS) and
+    # after it: a snapshot from before a grab that emptied a full bucket makes the next claim add nothing
+    _claim_now(att)
+    ticket = due = None
+    try:
+        bound = min(_INF if limit is None else limit * NS_PER_S, b.max_reserved_ns)
+        ticket, due = fenced_ticket(b, att.clock, lambda: refill(att), tokens, bound)
+    finally:
+        if ticket is None and b.capped:
+            b.unadmit(n)
+    if ticket is None:
+        return None
+    att.count(n)
+    _claim_now(att)
+    if b.deficiency(ticket) and b.stopped:
+        return _INF
+    # its fence holds those behind it to its promise (``fences``): a late promise costs time, never a slot
+    return 0.0 if due is None else max(0.0, due - att.clock()) / NS_PER_S
+
+
+def _claim_now(att: "Attachment") -> None:
+    """A claim of our own, again (a few times at most) while an older one preempted before its CAS wins."""
+    for _ in range(3):
+        since = att.clock()
+        refill(att)
+        if att.bucket.refilled_since(since):
+            return
+
+
+def retry_after(att: "Attachment", n: int) -> float:
+    """Seconds until ``n`` ops could be granted to a new caller at the current rate (0.0: now)."""
+    b = att.bucket
+    b.refresh()
+    tokens = validate_n(n, b.cost) * b.cost
+    if b.stopped:
+        return _INF
+    return max(0.0, b.next_promised_ns(tokens) - att.clock()) / NS_PER_S

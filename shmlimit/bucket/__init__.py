@@ -1,0 +1,1 @@
+"""The token bucket: rovers, their schedule, give-back, fences and the filler."""

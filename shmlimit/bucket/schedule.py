@@ -1,0 +1,246 @@
+"""When tickets are due: the bucket's clock arithmetic, read from its rovers (a base of ``Bucket``).
+
+``due_ns`` is a waiter's wake time, the earliest a replenish could cover a
+ticket; ``promised_ns`` is a reservation's moment, never earlier than the head
+can get there (see docs/design.md, "When a reservation is due"); both count
+the reservations' fences before the ticket (``fences``).
+"""
+from __future__ import annotations
+
+from typing import Callable, Optional, Tuple
+
+from shmlimit.shm import layout as L
+from shmlimit.shm.cells import MASK64, Cells
+from shmlimit.shm.banks import Snapshot
+from shmlimit.bucket.fences import Fences
+from shmlimit.shm.words import behind, clamp_limit, diff, recorded_ranges
+
+#: The filler replenishes this often (ns): the pace a queued head can count on (see estimate_wait_ns).
+FILL_NS = 1_000_000
+#: The filler's longest pause while callers queue (ns; ``filler.MAX_FILL_PERIOD``): a replenish
+#: comes at least this often, however slow the rate, while the filler gets the CPU.
+LONGEST_FILL_NS = 20_000_000
+
+
+def stop_ns(snap: Snapshot) -> float:
+    """What a stop (``count_stops``) may cost the head, in ns: two replenishes, at the filler's
+    pace or every half capacity, whichever is longer."""
+    return max(2.0 * FILL_NS, snap.cap / snap.tpn / 2)
+
+
+def count_stops(c: Cells, lens: Tuple[int, ...], head: int, ticket: int, cap: int) -> int:
+    """How many times the head may stop between ``head`` and ``ticket`` (``bucket.clamp_words``).
+
+    Where a snapshot's head stands in a range no record tells (a reservation), the clamp lets the
+    head go no further than a token short of the end of the first recorded request after it (or
+    the tail): each recorded request that follows no recorded one.  The head stops there
+    until a snapshot taken there: up to two replenishes.  So may it at the end of a recorded
+    request of half the capacity ``cap`` or more (the clamp of a snapshot inside it allows
+    ``max(cap, its length)`` from its start, which a replenish may reach within it or just after
+    it).  Counted from the ticket records (``lens`` their LEN offsets): each such boundary strictly
+    between ``head`` and ``ticket``.
+    """
+    if diff(ticket, head) <= 0 or not lens:
+        return 0
+    span = diff(ticket, head)
+    starts, ends, big = set(), set(), set()
+    for st, e, n in recorded_ranges(c, lens):
+        ends.add(e)
+        if 0 < diff(st, head) < span:
+            starts.add(st)
+        if 2 * n >= cap and 0 < diff(e, head) < span:
+            big.add(e)
+    return len(starts - ends) + len(big)
+
+
+class Schedule:
+    """Reads only: ``Bucket`` provides the cells, its config snapshot, its clock and its records."""
+
+    cells: Cells
+    snap: Snapshot
+    clock: Callable[[], int]
+    tpn: int
+    _record_lens: Callable[[], Tuple[int, ...]]
+
+    @property
+    def fences(self) -> Fences:
+        """This segment's reservation fences (``fences``; its table's size read once)."""
+        f = getattr(self, "_fences", None)
+        if f is None:
+            f = self._fences = Fences(self.cells, self.cells.load(L.SLOTS_OFF))
+        return f
+
+    def fenced(self, head: int, to: int) -> int:
+        """``to``, or the fence before it that a move of the head from ``head`` now must keep."""
+        ts = self.cells.load(L.REPL_TS)
+        f = self.fences.scan(ts, max(ts, self.clock()), self.snap.tpn, head)
+        return to if f is None else behind(to, (head + f[0]) & MASK64)
+
+    def covered(self, ticket: int) -> bool:
+        """True once the head has reached ``ticket``: its grab may proceed."""
+        return diff(ticket, self.cells.load(L.HEAD)) <= 0
+
+    def deficiency(self, ticket: int) -> int:
+        """Tokens the grab holding ``ticket`` is still owed (0 once it may proceed)."""
+        return max(0, diff(ticket, self.cells.load(L.HEAD)))
+
+    def head(self) -> int:
+        """The head rover now (for ``give_back``)."""
+        return self.cells.load(L.HEAD)
+
+    def balance(self) -> int:
+        """``HEAD - TAIL`` in tokens: available when positive, owed to waiters when negative."""
+        tail = self.cells.load(L.TAIL)
+        return diff(self.cells.load(L.HEAD), tail)
+
+    def taken(self) -> int:
+        """The tail rover: every token ever taken or queued for (wrapping at 2**64; compare with ``diff``).
+        Its advance over a period is that period's demand (grants, tickets, burned tokens alike)."""
+        return self.cells.load(L.TAIL)
+
+    def wait_ns(self, ticket: int, short: int, snap: Snapshot) -> float:
+        """The wait (ns) of ``ticket``, ``short`` tokens away: at the pace the head can keep
+        (``estimate_wait_ns``), and no sooner than the fences before it let the head get there."""
+        wait = self.estimate_wait_ns(short, snap)
+        c = self.cells
+        ts = c.load(L.REPL_TS)
+        # (now for the horizon, as a claim counts it: only the due it answers is used here)
+        f = self.fences.scan(ts, max(ts, self.clock()), snap.tpn, c.load(L.HEAD), ticket)
+        if f is not None and f[1] > 0:
+            wait = max(wait, f[1] - self.clock())
+        return wait
+
+    def estimate_wait_ns(self, short: int, snap: Optional[Snapshot] = None) -> float:
+        """Nanoseconds until ``short`` more tokens reach the head, at the speed the head can really move.
+
+        The clamp lets one replenish add at most a capacity minus the previous
+        interval's tokens, so under a queue the head gains at most about half a
+        capacity per replenish.  With replenishes every ``FILL_NS`` (the
+        filler), a capacity smaller than two fill intervals moves the head
+        slower than the rate, and the wait is that much longer.
+        """
+        s = snap or self.snap
+        return max(short / s.tpn, short / max(1, s.cap // 2) * FILL_NS)
+
+    def pending(self, now: Optional[int] = None) -> int:
+        """Tokens a replenish at ``now`` would add at most (before the capacity clamp)."""
+        now = self.clock() if now is None else now
+        return max(0, now - self.cells.load(L.REPL_TS)) * self.tpn
+
+    def refilled_since(self, since_ns: int) -> bool:
+        """Has a replenish claimed time up to ``since_ns`` (CLOCK_MONOTONIC ns) or later?"""
+        return diff(self.cells.load(L.REPL_TS), since_ns) >= 0
+
+    def next_promised_ns(self, tokens: int) -> float:
+        """When (CLOCK_MONOTONIC ns) a ticket of ``tokens`` taken now would be due (``promised_ns``): advice
+        (``retry_after``), not a grant, so without the pause a replenish that adds nothing may take
+        (a caller that comes then replenishes itself, and is refused if that one added nothing)."""
+        return self.promised_ns((self.cells.load(L.TAIL) + tokens) & MASK64, pause=False)
+
+    def due_ns(self, ticket: int) -> float:
+        """The earliest instant (CLOCK_MONOTONIC ns) a replenish could cover ``ticket``: when its waiter looks.
+
+        The head holds every token up to the last replenish time, so the
+        ticket is due that long after it.  A replenish claims its time
+        before it adds its tokens, so the head is read first: a pair read
+        across a replenish then has the newer time and the older head, and
+        can only make the answer later, never earlier.  A wake time, never a
+        promise: the next replenish's clamp may leave less room than that
+        (``promised_ns``), and a waiter that finds its ticket still short
+        after replenishing simply looks again.
+        """
+        c = self.cells
+        head = c.load(L.HEAD)
+        ts = c.load(L.REPL_TS)
+        due = ts + max(0, diff(ticket, head)) / self.tpn
+        # a reservation's fence before the ticket holds the head there until its DUE, then lets it
+        # gain at the rate: woken sooner, the waiter would replenish in vain until then
+        f = self.fences.scan(ts, max(ts, self.clock()), self.tpn, head, ticket)  # (the horizon from now)
+        return due if f is None else max(due, f[1])
+
+    def clamp_limit_at(self, head: int, cap: int) -> int:
+        """Where the next replenish may bring the head from ``head``: the limit the clamp words
+        left by the last claim give (``words.clamp_limit``), the tail read after the words."""
+        c = self.cells
+        base, end, nxt = c.load(L.SNAP_BASE), c.load(L.SNAP_END), c.load(L.SNAP_NEXT)
+        return clamp_limit(base, end, nxt, cap, head, c.load(L.TAIL))
+
+    def stops_at(self, ticket: int, tokens: int) -> bool:
+        """Does the head stop at ``ticket`` (the end of a request ``tokens`` long; 0: not known)?
+
+        There the clamp cuts short a replenish that covers the ticket late: the time since it
+        fell due is lost, to it and to every request behind (``Bucket.apply`` counts it starved).
+        Always so when the request alone fills the capacity: no snapshot taken at its start or
+        before lets the head past its end (``min(max(base + cap, end), next)`` is at most its end);
+        else when the clamp words now name the ticket as the limit.  A waiter whose head stops at
+        its ticket replenishes at the due instant itself, not a wake's lateness after it.
+        """
+        if tokens >= self.snap.cap:
+            return True
+        return self.clamp_limit_at(self.cells.load(L.HEAD), self.snap.cap) == ticket
+
+    def promised_ns(self, ticket: int, pause: bool = True) -> float:
+        """When (CLOCK_MONOTONIC ns) the head reaches ``ticket`` at the current rate, if replenished
+        as often as needed from now on: the moment a reservation owns its slot, never earlier than
+        the head can get there.
+
+        The head holds every token up to the last replenish time (``REPL_TS``),
+        and the time since then becomes tokens only up to what the next
+        replenish's clamp allows: the room below the limit its clamp words give
+        (``bucket.clamp_limit``: a capacity from the start of the request the
+        snapshot's head stood in, invariants 1 and 3).  Up to that room the ticket is due that long
+        after ``REPL_TS``; beyond it the next replenish drops the rest of its
+        interval, and the tokens still short accrue only from then: from now at
+        the earliest (and 1 ns after ``REPL_TS``: a claim needs time elapsed),
+        at the pace the head can keep (``estimate_wait_ns``).  (A snapshot older than the last grab -- a full bucket
+        taken by a grab that did not replenish, whose next claim was lost to a
+        replenisher that read the rovers before that grab -- leaves no room:
+        counting from ``REPL_TS`` there would promise time the bucket spent
+        full, a slot up to a fill interval early.)  The head is read first and
+        the snapshot before ``REPL_TS``: read across a replenish, an older head
+        and an older snapshot (lower rovers: less room) can only make the
+        answer later, never earlier.
+        """
+        c = self.cells
+        snap = self.snap
+        head = c.load(L.HEAD)
+        limit = self.clamp_limit_at(head, snap.cap)
+        ts = c.load(L.REPL_TS)
+        short = max(0, diff(ticket, head))
+        room = max(0, diff(limit, head))
+        if short <= room:
+            # one replenish at that moment could reach the ticket, but the filler's, sooner, take
+            # snapshots that stop the head before it: two replenishes' time for each such stop
+            stops = count_stops(c, self._record_lens(), head, ticket, snap.cap) if short > 0 else 0
+            return max(ts + short / snap.tpn + stops * stop_ns(snap), self._fenced_ns(ticket, ts, head, snap))
+        # the next replenish claims some time: not before now, nor before REPL_TS + 1 ns; the rest
+        # then comes at the pace the head can keep (estimate_wait_ns: slower for a capacity under
+        # two fill intervals, where each replenish may add only half a capacity), and each stop
+        # on the way costs two replenishes' time more
+        stops = count_stops(c, self._record_lens(), head, ticket, snap.cap)
+        lost = 0
+        if room == 0 and pause:
+            # Words that leave no room predate the head (it moved past their limit since they were
+            # taken: a skip, an add, a drain of a full bucket, and no claim since -- no time had
+            # passed, or another's claim read the rovers before): the next replenish adds nothing,
+            # whenever it comes, and only then leaves words at the head.  Its whole interval is
+            # lost: counted from now, a promise would be early by as long as that replenish is in
+            # coming (the filler's next tick), so it counts the filler's longest pause.
+            lost = LONGEST_FILL_NS
+        return max(self._fenced_ns(ticket, ts, head, snap),
+                   max(self.clock(), ts + max(1.0, room / snap.tpn)) + lost + self.estimate_wait_ns(short - room, snap)
+                   + stops * stop_ns(snap))
+
+    def _fenced_ns(self, ticket: int, ts: int, head: int, snap: Snapshot) -> float:
+        """The soonest the head reaches ``ticket`` under the reservations' fences before it: each holds
+        the head at its LIMIT until its DUE, after which it moves at the pace it can keep, stopping on
+        the way (``count_stops``): 0 when none is in force."""
+        at = 0.0
+        if diff(ticket, head) <= 0:
+            return at
+        for limit, due in self.fences.in_force(ts, max(ts, self.clock()), snap.tpn, head):
+            ahead = diff(ticket, limit)
+            if ahead > 0:
+                stops = count_stops(self.cells, self._record_lens(), limit, ticket, snap.cap)
+                at = max(at, due + self.estimate_wait_ns(ahead, snap) + stops * stop_ns(snap))
+        return at

@@ -1,0 +1,1 @@
+"""The command-line tools: the `shmlimit` command, top, doctor, metrics."""

@@ -1,0 +1,260 @@
+"""``shmlimit doctor``: what on this machine would make shmlimit slow or fail, and why.
+
+Each check returns ``Finding``s: ``ok``, ``warn`` (works, but slower or at
+risk) or ``fail`` (shmlimit will not work as it should).  The checks read the
+machine only; they create nothing in shared memory and attach to no limiter.
+Their inputs (environment, paths, the file-system statistics) are parameters,
+so the tests drive them with any machine they like.
+"""
+from __future__ import annotations
+
+import importlib
+import os
+import platform
+import sys
+from dataclasses import asdict, dataclass
+from typing import Callable, Dict, Iterable, List, Mapping, Optional
+
+from shmlimit.shm import layout as L
+from shmlimit.shm.segment import PREFIX, SHM_DIR
+
+MiB = 1 << 20
+#: Docker gives a container a /dev/shm of this size unless told otherwise (--shm-size).
+DOCKER_DEFAULT_SHM = 64 * MiB
+#: Room asked for beyond what the limiters present need: this many more limiters of the default size.
+SPARE_LIMITERS = 16
+#: Clock sources whose reads are system calls (no vDSO): every clock read costs microseconds.
+SLOW_CLOCKSOURCES = ("hpet", "acpi_pm", "jiffies", "pit")
+
+OK, WARN, FAIL = "ok", "warn", "fail"
+
+
+@dataclass(frozen=True)
+class Finding:
+    level: str  #: "ok", "warn" or "fail"
+    topic: str  #: what was checked ("backend", "/dev/shm", ...)
+    message: str  #: what was found, and for warn/fail what to do
+
+
+def check_backend(env: Mapping[str, str] = os.environ) -> List[Finding]:
+    """Which atomic backend new attachments use, and why."""
+    from shmlimit.shm.cells import BACKENDS
+
+    forced = env.get("SHMLIMIT_BACKEND", "").strip().lower()
+    native_error: Optional[str] = None
+    try:
+        importlib.import_module("shmlimit.shm._native")
+    except ImportError as e:
+        native_error = str(e)
+    out: List[Finding] = []
+    if forced and forced not in BACKENDS:
+        return [Finding(FAIL, "backend", f"SHMLIMIT_BACKEND={forced!r} is not one of {', '.join(BACKENDS)}: "
+                                         "every limiter will raise ValueError")]
+    if forced == "native" and native_error:
+        return [Finding(FAIL, "backend", f"SHMLIMIT_BACKEND=native but the C extension does not import "
+                                         f"({native_error}): every limiter will raise ImportError")]
+    if native_error is None and forced != "atomics":
+        why = "forced by SHMLIMIT_BACKEND=native" if forced else "the C extension shmlimit.shm._native is built"
+        out.append(Finding(OK, "backend", f"native ({why}): an acquire is one C call"))
+        return out
+    if forced == "atomics":
+        why = "forced by SHMLIMIT_BACKEND=atomics" + ("" if native_error else " (native is built: unset it)")
+    else:
+        why = (f"the C extension is missing ({native_error}); shmlimit was installed from source without a "
+               f"C compiler. Install a wheel (pip install --only-binary shmlimit shmlimit) or install a "
+               f"compiler and reinstall")
+    level = OK if forced == "atomics" else WARN
+    out.append(Finding(level, "backend", f"atomics: {why}"))
+    out.extend(_check_atomics_speed())
+    return out
+
+
+def _check_atomics_speed() -> List[Finding]:
+    import mmap
+
+    from shmlimit.shm.atomics_cells import AtomicsCells
+
+    mm = mmap.mmap(-1, mmap.PAGESIZE)
+    try:
+        c = AtomicsCells(mm, mmap.PAGESIZE)
+        direct = c._direct
+        c.close()
+    except Exception as e:  # the package itself is broken
+        return [Finding(FAIL, "backend", f"the atomics package does not work here: {e}")]
+    finally:
+        try:
+            mm.close()
+        except BufferError:  # pragma: no cover
+            pass
+    if direct:
+        return [Finding(OK, "backend", "atomics: its native operations are called directly (~1 us each)")]
+    return [Finding(WARN, "backend", "atomics: its internals were not found, so every operation goes through its "
+                                     "Python wrapper (8-20 us each): an acquire costs ~50 us")]
+
+
+def _mounts(path: str = "/proc/mounts") -> Dict[str, str]:
+    """Mount point -> file-system type."""
+    out: Dict[str, str] = {}
+    try:
+        with open(path) as f:
+            for line in f:
+                parts = line.split()
+                if len(parts) >= 3:
+                    out[parts[1].replace("\\040", " ")] = parts[2]
+    except OSError:
+        pass
+    return out
+
+
+def segments_need(shm_dir: str = SHM_DIR, names: Optional[Iterable[str]] = None) -> tuple:
+    """(limiters present, bytes they may still claim): a segment's pages are allocated when first touched."""
+    count = unbacked = 0
+    try:
+        entries = list(names) if names is not None else [e for e in os.listdir(shm_dir) if e.startswith(PREFIX)]
+    except OSError:
+        return 0, 0
+    for e in entries:
+        try:
+            st = os.stat(os.path.join(shm_dir, e))
+        except OSError:
+            continue
+        count += 1
+        unbacked += max(0, st.st_size - st.st_blocks * 512)
+    return count, unbacked
+
+
+def check_shm(
+    shm_dir: str = SHM_DIR,
+    mounts: Optional[Mapping[str, str]] = None,
+    statvfs: Callable[[str], os.statvfs_result] = os.statvfs,
+    in_container: Optional[bool] = None,
+) -> List[Finding]:
+    """Is the shared-memory file system there, writable, and big enough for the limiters?"""
+    if not sys.platform.startswith("linux"):
+        return [Finding(OK, "/dev/shm", f"{sys.platform}: POSIX shared memory has no file system to check here")]
+    mounts = _mounts() if mounts is None else mounts
+    if not os.path.isdir(shm_dir):
+        return [Finding(FAIL, "/dev/shm", f"{shm_dir} does not exist: no limiter can be created "
+                                          f"(mount a tmpfs there: mount -t tmpfs tmpfs {shm_dir})")]
+    out: List[Finding] = []
+    fstype = mounts.get(shm_dir)
+    if fstype is None:
+        out.append(Finding(WARN, "/dev/shm", f"{shm_dir} is not a mount point: segments live on whatever "
+                                             f"file system holds it (a tmpfs there is expected)"))
+    elif fstype != "tmpfs":
+        out.append(Finding(WARN, "/dev/shm", f"{shm_dir} is a {fstype}, not a tmpfs: segments may be written to disk"))
+    if not os.access(shm_dir, os.W_OK | os.X_OK):
+        out.append(Finding(FAIL, "/dev/shm", f"{shm_dir} is not writable by this user (uid {os.getuid()}): "
+                                             "no limiter can be created"))
+    st = statvfs(shm_dir)
+    total = st.f_blocks * st.f_frsize
+    free = st.f_bavail * st.f_frsize
+    count, unbacked = segments_need(shm_dir)
+    spare = SPARE_LIMITERS * L.segment_size(L.DEFAULT_SLOTS)
+    need = unbacked + spare
+    summary = (f"{shm_dir}: {fstype or 'mounted'}, {free / MiB:.1f} MiB free of {total / MiB:.1f} MiB; "
+               f"{count} limiter(s) present")
+    if free < unbacked:
+        out.append(Finding(FAIL, "/dev/shm", f"{summary}, whose pages not yet allocated need {unbacked} bytes: "
+                                             f"a process touching one may be killed by SIGBUS. Free space there"))
+    elif free < need:
+        out.append(Finding(WARN, "/dev/shm", f"{summary}: less than the {need} bytes they and "
+                                             f"{SPARE_LIMITERS} more limiters of the default size need"))
+    else:
+        out.append(Finding(OK, "/dev/shm", summary))
+    if in_container is None:
+        in_container = os.path.exists("/.dockerenv") or os.path.exists("/run/.containerenv")
+    if total <= DOCKER_DEFAULT_SHM:
+        where = "this container's" if in_container else "this"
+        out.append(Finding(WARN, "/dev/shm", f"{where} /dev/shm is {total / MiB:.0f} MiB, Docker's default size: "
+                                             "other programs (browsers, PyTorch DataLoader, Postgres) share it; "
+                                             "run the container with --shm-size=256m or more"))
+    return out
+
+
+def check_machine(
+    clocksource_path: str = "/sys/devices/system/clocksource/clocksource0/current_clocksource",
+    cpus: Optional[int] = None,
+    timerslack_path: str = "/proc/self/timerslack_ns",
+) -> List[Finding]:
+    """Clock, cores and timer slack: what makes waiting slow or late."""
+    out: List[Finding] = []
+    try:
+        with open(clocksource_path) as f:
+            source = f.read().strip()
+    except OSError:
+        source = None
+    if source in SLOW_CLOCKSOURCES:
+        out.append(Finding(WARN, "clock", f"clock source {source}: every clock read is a system call, so "
+                                          "replenishing and waiting cost microseconds more (tsc is the fast one)"))
+    elif source:
+        out.append(Finding(OK, "clock", f"clock source {source}"))
+    cpus = os.cpu_count() if cpus is None else cpus
+    if cpus is not None and cpus < 2:
+        out.append(Finding(WARN, "cpu", "one CPU: the filler thread and the waiters take turns with the work; "
+                                        "expect more lateness"))
+    try:
+        with open(timerslack_path) as f:
+            slack = int(f.read().strip())
+        level = OK if slack <= 50_000 else WARN
+        out.append(Finding(level, "timers", f"timer slack {slack / 1000:g} us: sleeps may end that much late"))
+    except (OSError, ValueError):
+        pass
+    return out
+
+
+def check_segments(shm_dir: str = SHM_DIR, names: Optional[List[str]] = None) -> List[Finding]:
+    """Limiters no live process uses, and segments this user cannot read (all of them, or ``names``)."""
+    from shmlimit.errors import ShmlimitError
+    from shmlimit.kinds import inspect  # every kind: a Limiter's segment, a keyed one
+    from shmlimit.shm.segment import list_names
+
+    if names is None:
+        try:
+            names = list_names()
+        except (ShmlimitError, OSError):
+            return []
+    stale, unused, unreadable = [], [], []
+    for n in names:
+        try:
+            s = inspect(n)
+        except (ShmlimitError, OSError, ValueError):
+            unreadable.append(n)
+            continue
+        if not any(p.alive for p in s.processes):
+            # gc removes only a Limiter's segment; a keyed one (a KeyedLimiter's, or the window
+            # counters of the limits storage) is removed by unlink
+            (unused if getattr(s, "kind", "") in ("keyed", "windows") else stale).append(n)
+    out = []
+    if stale:
+        out.append(Finding(WARN, "limiters", f"{len(stale)} limiter(s) no live process uses "
+                                             f"({', '.join(stale[:5])}{', ...' if len(stale) > 5 else ''}): "
+                                             "'shmlimit gc' removes them"))
+    if unused:
+        out.append(Finding(WARN, "limiters", f"{len(unused)} keyed table(s) no live process uses "
+                                             f"({', '.join(unused[:5])}{', ...' if len(unused) > 5 else ''}): "
+                                             "'shmlimit unlink NAME' removes one"))
+    if unreadable:
+        out.append(Finding(WARN, "limiters", f"{len(unreadable)} segment(s) this user cannot read or that are "
+                                             f"not valid limiters: {', '.join(unreadable[:5])}"))
+    if not out:
+        out.append(Finding(OK, "limiters", f"{len(names)} limiter(s), all in use"))
+    return out
+
+
+def run_all() -> List[Finding]:
+    return [
+        Finding(OK, "python", f"Python {platform.python_version()} on {platform.machine()} {platform.system()}"),
+        *check_backend(),
+        *check_shm(),
+        *check_machine(),
+        *check_segments(),
+    ]
+
+
+def report(findings: List[Finding]) -> str:
+    return "\n".join(f"{f.level:4}  {f.topic:9} {f.message}" for f in findings)
+
+
+def as_json(findings: List[Finding]) -> List[dict]:
+    return [asdict(f) for f in findings]

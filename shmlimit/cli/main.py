@@ -1,0 +1,510 @@
+"""The ``shmlimit`` command line.
+
+User mistakes (an unknown name, a bad rate) print one clear line on stderr and
+exit with status 2; they never print a traceback.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import multiprocessing as mp
+import os
+import sys
+import time
+from dataclasses import asdict
+from typing import Callable, Iterator, Optional, Sequence, Tuple
+
+from shmlimit.config import parse_spec
+from shmlimit.errors import ShmlimitError
+from shmlimit.keyed.stats import KeyedStats
+from shmlimit.kinds import inspect
+from shmlimit.attachment import collect
+from shmlimit.limiter import Limiter, unlink
+from shmlimit.rate_group import parse_rates
+from shmlimit.shm.segment import scan
+from shmlimit.stats import Stats
+from shmlimit.cli.top import printable
+from shmlimit.cli.top import run as run_top
+
+
+class UserError(Exception):
+    """A mistake in the command line, reported as one line."""
+
+
+# ---- demo --------------------------------------------------------------------------
+
+
+_demo_limiter: Optional[Limiter] = None
+
+
+def _demo_ready(barrier, lim: Limiter) -> None:
+    global _demo_limiter
+    _demo_limiter = lim  # attached here, before the clock starts
+    barrier.wait(timeout=120)  # the clock starts when every worker is up
+
+
+def _run_delay() -> float:
+    """Seconds this process's threads have waited runnable for a CPU so far (the kernel's
+    schedstat; 0.0 where it does not say)."""
+    total = 0
+    try:
+        for tid in os.listdir("/proc/self/task"):
+            with open(f"/proc/self/task/{tid}/schedstat") as f:
+                total += int(f.read().split()[1])
+    except (OSError, ValueError, IndexError):
+        return 0.0
+    return total / 1e9
+
+
+def _demo_worker(end: float) -> tuple:
+    lim = _demo_limiter
+    assert lim is not None
+    n = 0
+    began, held0 = time.monotonic(), _run_delay()
+    while True:
+        lim.acquire()
+        if time.monotonic() > end:  # granted after the run: not counted
+            return os.getpid(), n, _run_delay() - held0, began
+        n += 1
+
+
+def cmd_demo(args: argparse.Namespace) -> int:
+    """W pool workers share one rate for S seconds; print progress, then achieved vs target."""
+    name = f"demo-{os.getpid()}"
+    lim = Limiter(name, rate=args.rate, burst=args.burst)
+    cfg = lim.config
+    ctx = mp.get_context(args.start_method)
+    out = sys.stdout
+    out.write(
+        f"shmlimit demo: {args.workers} {args.start_method} workers share {lim.rate:g} ops/s "
+        f"(capacity {lim.capacity:g}) for {args.seconds:g} s, backend {lim.backend}\n"
+    )
+    try:
+        barrier = ctx.Barrier(args.workers + 1)
+        with ctx.Pool(args.workers, initializer=_demo_ready, initargs=(barrier, lim)) as pool:
+            barrier.wait(timeout=120)
+            starved0 = inspect(name).starved_seconds
+            start = time.monotonic()
+            end = start + args.seconds
+            jobs = [pool.apply_async(_demo_worker, (end,)) for _ in range(args.workers)]
+            first = inspect(name).grants
+            last_t, last_g = start, first
+            while time.monotonic() < end:
+                time.sleep(min(0.5, max(0.0, end - time.monotonic())))
+                s = inspect(name)
+                now = time.monotonic()
+                rate = (s.grants - last_g) / (now - last_t) if now > last_t else 0.0
+                out.write(
+                    f"  t={now - start:5.1f}s  grants={s.grants:8d}  rate={rate:10.1f}/s  "
+                    f"waiting={sum(p.waiting for p in s.processes):2d}  filler={s.filler_pid}\n"
+                )
+                out.flush()
+                last_t, last_g = now, s.grants
+            results = [j.get(timeout=args.seconds + 60) for j in jobs]
+            starved = inspect(name).starved_seconds - starved0
+        elapsed = end - start
+    finally:
+        lim.close()
+        lim.unlink()
+    total = sum(r[1] for r in results)
+    out.write(f"\n  {'worker pid':>10}  {'grants':>8}  {'share':>6}\n")
+    for pid, n, *_ in sorted(results):
+        out.write(f"  {pid:>10}  {n:>8}  {100.0 * n / max(total, 1):5.1f}%\n")
+    target = cfg.ops_per_second
+    bound = target * elapsed + cfg.burst
+    out.write(
+        f"\n  total {total} grants in {elapsed:.2f} s: {total / elapsed:.1f} ops/s, target {target:g} ops/s "
+        f"({100.0 * total / elapsed / target:.1f}%); never more than rate*T + capacity = {bound:.0f}: "
+        f"{'yes' if total <= bound else 'NO'}\n"
+    )
+    # What a busy machine withheld: no worker takes a grant before the pool hands the first one its
+    # job, nor while none of them runs (the least of their run-queue waits); and the time the
+    # limiter could not credit while they queued
+    late = max(0.0, min(r[3] for r in results) - start) if results else 0.0
+    least = min(r[2] for r in results) if results else 0.0
+    out.write(
+        f"  held up: the first worker started {late:.3f} s late, every worker was off the CPU at most "
+        f"{least:.3f} s; the limiter starved {starved:.3f} s\n"
+    )
+    return 0 if total <= bound else 1
+
+
+# ---- list / inspect / create / unlink --------------------------------------------------
+
+
+def _stats_dict(s: "Stats | KeyedStats") -> dict:
+    d = asdict(s)
+    d["processes"] = [asdict(p) for p in s.processes]
+    return d
+
+
+def _inspect(name: str) -> "Stats | KeyedStats":
+    try:
+        return inspect(name)
+    except FileNotFoundError:
+        raise UserError(f"no limiter named {name!r} (see 'shmlimit list')") from None
+
+
+BAD_NAME = "not a valid limiter name: skipped"
+
+
+def _inspected(
+    names: Sequence[str], unreadable: Callable[[str, Exception], None]
+) -> Iterator[Tuple[str, "Stats | KeyedStats"]]:
+    """Each limiter's name and snapshot; one that cannot be read is given to ``unreadable`` (never fatal)."""
+    for n in names:
+        try:
+            s = inspect(n)
+        except (ShmlimitError, OSError) as e:
+            unreadable(n, e)
+            continue
+        yield n, s
+
+
+def cmd_list(args: argparse.Namespace) -> int:
+    names, bad = scan()
+    if args.json:
+        out: list = []
+        for _, s in _inspected(names, lambda n, e: out.append({"name": n, "error": str(e)})):
+            out.append(_stats_dict(s))
+        out.extend({"name": n, "error": BAD_NAME} for n in bad)
+        print(json.dumps(out))
+        return 0
+    for n in bad:
+        print(printable(f"{n!r}: {BAD_NAME}"))
+    if not names:
+        print("no shmlimit limiters on this machine")
+        return 0
+    print(f"{'name':24} {'rate':>12} {'capacity':>9} {'available':>10} {'grants':>10} {'procs':>5}")
+    for n, s in _inspected(names, lambda n, e: print(printable(f"{n:24} unreadable: {e}"))):
+        alive = sum(p.alive for p in s.processes)
+        if isinstance(s, KeyedStats) and s.kind == "windows":  # a limits storage: no rate of its own
+            keys = f"{s.keys}/{s.slots} keys"
+            print(f"{n:24} {'windows':>12} {'-':>9} {keys:>10} {s.grants:>10} {alive:>5}  limits storage (grants: hits)")
+            continue
+        if isinstance(s, KeyedStats):  # per key: the table's fill instead of one bucket's level
+            keys = f"{s.keys}/{s.slots} keys"
+            print(f"{n:24} {s.rate:>8g}/{s.per:g}s {s.capacity:>9g} {keys:>10} {s.grants:>10} {alive:>5}  keyed")
+            continue
+        print(f"{n:24} {s.rate:>8g}/{s.per:g}s {s.capacity:>9g} {s.available:>10.1f} {s.grants:>10} {alive:>5}")
+    return 0
+
+
+def cmd_inspect(args: argparse.Namespace) -> int:
+    s = _inspect(args.name)
+    if args.json:
+        print(json.dumps(_stats_dict(s)))
+        return 0
+    # a table of window counters has no rate, capacity or overrides of its own: not shown as zeros
+    hidden = {"processes"} | ({"rate", "per", "capacity", "overrides", "override_slots"} if getattr(s, "kind", "") == "windows" else set())
+    for k, v in _stats_dict(s).items():
+        if k not in hidden:
+            print(printable(f"{k:20} {v}"))
+    print(f"{'processes':20} {len(s.processes)}")
+    for p in s.processes:
+        if isinstance(s, KeyedStats):
+            print(f"  pid {p.pid:>8}  grants {p.grants:>10}  {'alive' if p.alive else 'dead'}")
+            continue
+        flags = ("alive" if p.alive else "dead") + (" filler" if p.filler else "") + (" waiting" if p.waiting else "")
+        print(f"  pid {p.pid:>8}  grants {p.grants:>10}  {flags}")
+    return 0
+
+
+def cmd_create(args: argparse.Namespace) -> int:
+    if args.rates is not None:  # several rates: one segment each, NAME.KEY (see multirate)
+        if args.per != 1.0 or args.burst is not None:
+            raise UserError("--per and --burst go with --rate; with --rates each item carries its window "
+                            "and its burst: 'requests=500/min; tokens=200K/min burst=20K'")
+        multi = Limiter(args.name, rates=args.rates, mode=int(args.mode, 8), trusted_uids=args.trust_uid)
+        try:
+            created, configs = multi.created, multi.configs
+            for key in multi.keys:
+                print(printable(f"{'created' if created[key] else 'exists'}: {args.name}.{key} {configs[key].describe()}"))
+        finally:
+            multi.close()
+        return 0
+    lim = Limiter(
+        args.name, rate=args.rate, per=args.per, burst=args.burst, mode=int(args.mode, 8), trusted_uids=args.trust_uid
+    )
+    print(f"{'created' if lim.created else 'exists'}: {args.name} {lim.config.describe()}")
+    lim.close()
+    return 0
+
+
+def cmd_set_rate(args: argparse.Namespace) -> int:
+    """Change a live limiter for every attached process: a spec rate[,ratio][,verb]."""
+    spec = parse_spec(args.spec)
+    try:
+        lim = Limiter(args.name, mode=int(args.mode, 8), trusted_uids=args.trust_uid)
+    except FileNotFoundError:
+        raise UserError(f"no limiter named {args.name!r} (see 'shmlimit list')") from None
+    try:
+        if spec.verb == "stop":
+            lim.stop()
+        else:
+            lim.set_rate(spec.rate, per=spec.per_with(args.per, "--per"), burst=args.burst, ratio=spec.ratio)
+            if spec.verb == "start":
+                lim.start()
+            elif spec.verb == "restart":
+                lim.restart()
+        state = "stopped" if lim.stopped else "running"
+        print(f"{args.name}: {lim.config.describe()} ({state})")
+    finally:
+        lim.close()
+    return 0
+
+
+def cmd_top(args: argparse.Namespace) -> int:
+    """The live view (see shmlimit.cli.top)."""
+    for n in args.names:
+        _inspect(n)  # an unknown name is a user error, reported before the first refresh
+    return run_top(args.names or None, args.interval, args.once, args.json)
+
+
+def cmd_metrics(args: argparse.Namespace) -> int:
+    """The Prometheus text exposition of the limiters (read without joining): printed, or served on /metrics."""
+    from shmlimit.shm.segment import validate_name
+
+    for n in args.names:
+        validate_name(n)
+    names = args.names or None
+    if args.port is None:
+        for n in args.names:
+            _inspect(n)  # an unknown name is a user error when printing once
+        sys.stdout.write(_exposition(names))
+        return 0
+    return _serve_metrics(names, args.bind, args.port)
+
+
+def _exposition(names) -> str:
+    from shmlimit.cli.metrics import exposition, families
+
+    return exposition(families(names))
+
+
+def _serve_metrics(names, host: str, port: int) -> int:
+    """Serve /metrics until interrupted; a missing limiter has no samples (it may be created later)."""
+    from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+    from shmlimit.cli.metrics import CONTENT_TYPE
+
+    class Handler(BaseHTTPRequestHandler):
+        def do_GET(self) -> None:  # noqa: N802 (the http.server interface)
+            path = self.path.split("?", 1)[0]
+            if path == "/metrics":
+                body, ctype, code = _exposition(names).encode(), CONTENT_TYPE, 200
+            elif path == "/":
+                body, ctype, code = b"shmlimit metrics: see /metrics\n", "text/plain; charset=utf-8", 200
+            else:
+                body, ctype, code = b"not found\n", "text/plain; charset=utf-8", 404
+            self.send_response(code)
+            self.send_header("Content-Type", ctype)
+            self.send_header("Content-Length", str(len(body)))
+            self.end_headers()
+            self.wfile.write(body)
+
+        def log_message(self, format: str, *args) -> None:  # noqa: A002 -- a scrape per interval is not news
+            pass
+
+    try:
+        server = ThreadingHTTPServer((host, port), Handler)
+    except OSError as e:
+        raise UserError(f"cannot listen on {host}:{port}: {e.strerror or e}") from None
+    server.daemon_threads = True
+    bound_host, bound_port = server.server_address[:2]
+    print(f"serving http://{bound_host}:{bound_port}/metrics", file=sys.stderr, flush=True)
+    try:
+        server.serve_forever()
+    except KeyboardInterrupt:
+        pass
+    finally:
+        server.server_close()
+    return 0
+
+
+def cmd_gc(args: argparse.Namespace) -> int:
+    """Remove segments no live process is attached to (--dry-run: only list them)."""
+    removed = kept = 0
+    names, bad = scan()
+    for n in bad:
+        print(printable(f"left alone ({BAD_NAME}): {n!r}"))
+    for n, s in _inspected(names, lambda n, e: print(printable(f"left alone (unreadable): {n}: {e}"))):
+        if any(p.alive for p in s.processes):
+            kept += 1
+            continue
+        if isinstance(s, KeyedStats):  # its openers do not check for a collector: removing it could orphan one
+            what = "a table of window counters" if s.kind == "windows" else "a keyed limiter"
+            print(printable(f"left alone ({what}, no live process: 'shmlimit unlink {n}' removes it): {n}"))
+            kept += 1
+            continue
+        if args.dry_run:
+            print(f"stale: {n}")
+        else:
+            try:
+                # claims the segment, checks again, then unlinks: a process attaching meanwhile is kept
+                if not collect(n):
+                    kept += 1
+                    continue
+                print(f"removed: {n}")
+            except (ShmlimitError, OSError):
+                continue
+        removed += 1
+    verb = "stale" if args.dry_run else "removed"
+    print(f"{removed} {verb}, {kept} in use")
+    return 0
+
+
+def cmd_unlink(args: argparse.Namespace) -> int:
+    try:
+        unlink(args.name)
+    except FileNotFoundError:
+        raise UserError(f"no limiter named {args.name!r} (see 'shmlimit list')") from None
+    print(f"unlinked {args.name}")
+    return 0
+
+
+def cmd_doctor(args: argparse.Namespace) -> int:
+    """What on this machine would make shmlimit slow or fail: exit 1 when anything fails."""
+    from shmlimit.cli import doctor
+
+    findings = doctor.run_all()
+    if args.json:
+        print(json.dumps(doctor.as_json(findings)))
+    else:
+        print(doctor.report(findings))
+    return 1 if any(f.level == doctor.FAIL for f in findings) else 0
+
+
+# ---- argument parsing ------------------------------------------------------------------
+
+
+def _positive(kind):
+    def parse(text: str):
+        try:
+            v = kind(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"must be a positive number, got {text!r}") from None
+        if not v > 0:
+            raise argparse.ArgumentTypeError(f"must be a positive number, got {text!r}")
+        return v
+
+    return parse
+
+
+def _spec(text: str) -> str:
+    """A rate spec, checked at parse time so a bad one is a usage error."""
+    if text.strip().lower() in ("stop", "0,stop"):
+        return "1,stop"  # the rate of a stop is not used
+    try:
+        parse_spec(text)
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
+    return text
+
+
+def _rates(text: str) -> str:
+    """Several rates in one string, checked at parse time so a bad one is a usage error."""
+    try:
+        parse_rates("x", text)
+    except (TypeError, ValueError) as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
+    return text
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="shmlimit", description="Rate limits shared by processes through shared memory.")
+    sub = p.add_subparsers(dest="command", metavar="COMMAND")
+    sub.required = True
+
+    d = sub.add_parser("demo", help="pool workers sharing one rate: live progress, then achieved vs target")
+    d.add_argument("--workers", type=_positive(int), default=4, help="worker processes (default 4)")
+    d.add_argument("--rate", type=_positive(float), default=200.0, help="shared ops per second (default 200)")
+    d.add_argument("--burst", type=_positive(float), default=None, help="capacity in ops (default: 10 ms of rate)")
+    d.add_argument("--seconds", type=_positive(float), default=5.0, help="how long to run (default 5)")
+    d.add_argument("--start-method", choices=["fork", "spawn", "forkserver"], default="fork")
+    d.set_defaults(func=cmd_demo)
+
+    ls = sub.add_parser("list", help="every limiter on this machine")
+    ls.add_argument("--json", action="store_true", help="one JSON array of snapshots")
+    ls.set_defaults(func=cmd_list)
+
+    i = sub.add_parser("inspect", help="one limiter's live state")
+    i.add_argument("name")
+    i.add_argument("--json", action="store_true", help="one JSON object (the fields of shmlimit.Stats)")
+    i.set_defaults(func=cmd_inspect)
+
+    c = sub.add_parser("create", help="create a limiter (or check that it exists with this config)")
+    c.add_argument("name")
+    which = c.add_mutually_exclusive_group(required=True)
+    which.add_argument("--rate", type=_spec, help="ops per --per seconds, a rate string like 10/s, 50/5s or 200K/min, or a spec like 12K,1.1")
+    which.add_argument("--rates", type=_rates, metavar="'R1; R2'",
+                       help="several rates taken together, one segment each (NAME.0, NAME.1 or NAME.KEY): "
+                            "'5000/h; 100/min' or 'requests=500/min; tokens=200K/min burst=20K'")
+    c.add_argument("--per", type=_positive(float), default=1.0, help="seconds (default 1)")
+    c.add_argument("--burst", type=_positive(float), default=None, help="capacity in ops")
+    c.add_argument("--mode", default="600", help="permission bits in octal (default 600)")
+    c.add_argument("--trust-uid", type=int, action="append", default=[], metavar="UID",
+                   help="accept an existing segment owned by this uid (repeatable)")
+    c.set_defaults(func=cmd_create)
+
+    r = sub.add_parser(
+        "set-rate",
+        help="change a live limiter in every process: rate[,ratio][,verb] with verb configure|start|restart|stop",
+    )
+    r.add_argument("name")
+    r.add_argument("spec", type=_spec, help="e.g. 12000, 200K/min, 12K,1.1 or 12K,1.1,restart or 0,stop")
+    r.add_argument("--per", type=_positive(float), default=None, help="seconds (default: unchanged)")
+    r.add_argument("--burst", type=_positive(float), default=None, help="capacity in ops (default: 10 ms of the rate)")
+    r.add_argument("--mode", default="600", help="the group/other write bits the segment may have, octal (default 600)")
+    r.add_argument("--trust-uid", type=int, action="append", default=[], metavar="UID",
+                   help="accept a segment owned by this uid (repeatable)")
+    r.set_defaults(func=cmd_set_rate)
+
+    t = sub.add_parser("top", help="the live view of every limiter (or the ones named), refreshing in place")
+    t.add_argument("names", nargs="*", metavar="NAME")
+    t.add_argument("--interval", type=_positive(float), default=1.0, help="seconds between refreshes (default 1)")
+    t.add_argument("--once", action="store_true", help="print one snapshot (rates over one interval) and exit")
+    t.add_argument("--json", action="store_true", help="one JSON object per refresh, one per line")
+    t.set_defaults(func=cmd_top)
+
+    m = sub.add_parser("metrics", help="Prometheus text exposition of every limiter (or the ones named)")
+    m.add_argument("names", nargs="*", metavar="NAME")
+    m.add_argument("--port", type=int, default=None, help="serve /metrics on this port instead of printing (0: any free port)")
+    m.add_argument("--bind", default="127.0.0.1", help="address to serve on (default 127.0.0.1; 0.0.0.0 for every interface)")
+    m.set_defaults(func=cmd_metrics)
+
+    g = sub.add_parser("gc", help="remove segments that no live process is attached to")
+    g.add_argument("--dry-run", action="store_true", help="only list them")
+    g.set_defaults(func=cmd_gc)
+
+    dr = sub.add_parser(
+        "doctor", help="which backend is in use and why, /dev/shm's space, and what else would make shmlimit slow or fail"
+    )
+    dr.add_argument("--json", action="store_true", help="one JSON array of findings")
+    dr.set_defaults(func=cmd_doctor)
+
+    u = sub.add_parser("unlink", help="remove a limiter's segment")
+    u.add_argument("name")
+    u.set_defaults(func=cmd_unlink)
+    return p
+
+
+def main(argv: Optional[Sequence[str]] = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    try:
+        return args.func(args)
+    except UserError as e:
+        print(printable(f"shmlimit: {e}"), file=sys.stderr)
+    except (ShmlimitError, ValueError, TypeError, PermissionError) as e:
+        print(printable(f"shmlimit: {e}"), file=sys.stderr)
+    except KeyboardInterrupt:
+        return 130
+    except BrokenPipeError:  # the reader (head, less) went away: not an error of ours
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return 0
+    return 2
+
+
+if __name__ == "__main__":  # pragma: no cover
+    sys.exit(main())

@@ -1,0 +1,220 @@
+"""Prometheus metrics for the limiters of this machine, read without joining any of them.
+
+Every figure comes from ``shmlimit.inspect``, which reads a copy of a segment (pread, never a mapping) without
+registering in its process table, never takes part in the filler election and
+writes nothing: scraping a limiter cannot change it, start a thread in it or
+hold one of its 128 process slots.
+
+``families(names)`` gathers the metric families as plain data; ``exposition``
+renders them in the Prometheus text format (version 0.0.4), which is what
+``shmlimit metrics`` prints and serves.  ``shmlimit.integrations.prometheus``
+turns the same families into ``prometheus_client`` metrics.  This module itself
+needs nothing beyond the standard library.
+
+Cardinality is bounded: one label, ``limiter``, whose values are the limiter
+names; no label per process or per key.  Keyed limiters share the families
+that apply to them (grants, rate, capacity, processes) and have their own
+(``shmlimit_keyed_*``: live keys, slots, evictions, refusals of new keys).
+A table of window counters (the ``limits`` storage ``shm://``) has no rate of
+its own: it gets grants (the hits its users counted), processes and the
+``shmlimit_keyed_*`` families but overrides, never a rate or capacity of 0.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from typing import Iterable, List, Optional, Sequence, Tuple, Union
+
+from shmlimit.errors import ShmlimitError
+from shmlimit.keyed.stats import KeyedStats
+from shmlimit.kinds import inspect
+from shmlimit.stats import Stats
+from shmlimit.shm.segment import list_names
+
+#: ``Content-Type`` of the text exposition format.
+CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
+
+Labels = Tuple[Tuple[str, str], ...]
+
+
+@dataclass
+class Family:
+    """One metric family: a name (counters without their ``_total``), a type, help and samples."""
+
+    name: str
+    type: str  #: "counter" or "gauge"
+    help: str
+    samples: List[Tuple[Labels, float]] = field(default_factory=list)
+
+    @property
+    def sample_name(self) -> str:
+        return self.name + "_total" if self.type == "counter" else self.name
+
+
+# (name, type, help, value of a Stats or None to leave the sample out)
+_LIMITER_METRICS = (
+    ("shmlimit_grants", "counter", "Ops granted by every process that ever attached.", lambda s: s.grants),
+    ("shmlimit_rate_ops_per_second", "gauge", "The configured rate, in ops per second.", lambda s: s.rate / s.per),
+    ("shmlimit_capacity_ops", "gauge", "The bucket's capacity (burst), in ops.", lambda s: s.capacity),
+    ("shmlimit_available_ops", "gauge", "Ops that could be granted at once.", lambda s: s.available),
+    ("shmlimit_deficiency_ops", "gauge", "Ops owed to queued callers.", lambda s: s.deficiency),
+    (
+        "shmlimit_deficiency_seconds",
+        "gauge",
+        "Schedule time until the queued callers are served, in seconds.",
+        lambda s: s.deficiency_seconds,
+    ),
+    (
+        "shmlimit_behind_seconds",
+        "gauge",
+        "Schedule time owed back through catch-up (the waiting pool), in seconds.",
+        lambda s: s.behind_seconds,
+    ),
+    (
+        "shmlimit_starved_seconds",
+        "counter",
+        "Schedule time the limiter could not credit while callers were queued (its filler and waiters starved of CPU): lost, or with catch-up deferred, in seconds.",
+        lambda s: s.starved_seconds,
+    ),
+    (
+        "shmlimit_processes",
+        "gauge",
+        "Live processes attached (listed in the process table).",
+        lambda s: sum(p.alive for p in s.processes),
+    ),
+    (
+        "shmlimit_waiting_processes",
+        "gauge",
+        "Live attached processes queued for tokens right now.",
+        lambda s: sum(p.alive and p.waiting for p in s.processes),
+    ),
+    (
+        "shmlimit_filler_heartbeat_age_seconds",
+        "gauge",
+        "Seconds since the filler last renewed its lease; absent while no process holds a live lease.",
+        lambda s: s.heartbeat_age,
+    ),
+    ("shmlimit_stopped", "gauge", "1 while the limiter is paused by stop().", lambda s: int(s.stopped)),
+)
+
+# hierarchical limiters only: (name, type, help, UpstreamStats attribute)
+_UPSTREAM_METRICS = (
+    ("shmlimit_upstream_round_trips", "counter", "Redis round trips by this host's fillers.", "round_trips"),
+    ("shmlimit_upstream_leases", "counter", "Successful lease requests to the global Redis limiter.", "leases"),
+    ("shmlimit_upstream_leased_ops", "counter", "Ops leased from the global Redis limiter.", "leased"),
+    ("shmlimit_upstream_expired_ops", "counter", "Leased ops never used (void after their ttl, or reserved by a process that closed).", "expired"),
+    ("shmlimit_upstream_refused_ops", "counter", "Ops asked for that the global limiter had not available.", "refused"),
+    ("shmlimit_upstream_errors", "counter", "Redis calls that failed.", "errors"),
+    ("shmlimit_upstream_fallbacks", "counter", "Times a fallback was entered while Redis was unreachable.", "fallbacks"),
+)
+
+
+AnyStats = Union[Stats, KeyedStats]
+
+# keyed limiters only: (name, type, help, KeyedStats attribute)
+_KEYED_METRICS = (
+    ("shmlimit_keyed_keys", "gauge", "Keys live in the table now.", "keys"),
+    ("shmlimit_keyed_slots", "gauge", "Key slots in the table.", "slots"),
+    ("shmlimit_keyed_evictions", "counter", "Keys whose slot was reused after their bucket was full again.", "evicted"),
+    (
+        "shmlimit_keyed_refusals",
+        "counter",
+        "New keys refused because every slot of their window held a limited key.",
+        "refused_full",
+    ),
+    ("shmlimit_keyed_overrides", "gauge", "Keys with a rate of their own.", "overrides"),
+)
+# the families keyed limiters share with the others; tables of window counters share fewer
+_SHARED = {"shmlimit_grants", "shmlimit_rate_ops_per_second", "shmlimit_capacity_ops", "shmlimit_processes"}
+_SHARED_WINDOWS = {"shmlimit_grants", "shmlimit_processes"}
+_NOT_WINDOWS = {"shmlimit_keyed_overrides"}
+
+
+def snapshots(names: Optional[Sequence[str]] = None) -> Tuple[List[AnyStats], List[str]]:
+    """Snapshots of the named limiters (all of the machine's by default), and the names that could not be read."""
+    stats: List[AnyStats] = []
+    unreadable: List[str] = []
+    for name in list_names() if names is None else names:
+        try:
+            stats.append(inspect(name))
+        except FileNotFoundError:  # unlinked since listed, or named and not (yet) created: no samples
+            continue
+        except (ShmlimitError, OSError):  # gone since listed, foreign, corrupt, not ours: counted, never fatal
+            unreadable.append(name)
+    return stats, unreadable
+
+
+def families(names: Optional[Sequence[str]] = None) -> List[Family]:
+    """The metric families for the named limiters (all of this machine's by default)."""
+    stats, unreadable = snapshots(names)
+    return families_of(stats, unreadable)
+
+
+def families_of(stats: Iterable[AnyStats], unreadable: Sequence[str] = ()) -> List[Family]:
+    everything = list(stats)
+    keyed = [s for s in everything if isinstance(s, KeyedStats)]
+    stats = [s for s in everything if not isinstance(s, KeyedStats)]
+    limiters = [k for k in keyed if k.kind != "windows"]
+    out = []
+    for name, kind, help_, get in _LIMITER_METRICS:
+        fam = Family(name, kind, help_)
+        shared = keyed if name in _SHARED_WINDOWS else limiters if name in _SHARED else []
+        for s in [*stats, *shared]:
+            v = get(s)
+            if v is not None:
+                fam.samples.append(((("limiter", s.name),), float(v)))
+        out.append(fam)
+    hier = [s for s in stats if s.upstream is not None]
+    state = Family(
+        "shmlimit_upstream_fallback",
+        "gauge",
+        "Hierarchical limiters: 1 while a fallback is in force because Redis is unreachable.",
+    )
+    for s in hier:
+        assert s.upstream is not None
+        state.samples.append(((("limiter", s.name),), float(s.upstream.state != "ok")))
+    out.append(state)
+    for name, kind, help_, attr in _UPSTREAM_METRICS:
+        fam = Family(name, kind, help_)
+        for s in hier:
+            fam.samples.append(((("limiter", s.name),), float(getattr(s.upstream, attr))))
+        out.append(fam)
+    for name, kind, help_, attr in _KEYED_METRICS:
+        fam = Family(name, kind, help_)
+        for k in limiters if name in _NOT_WINDOWS else keyed:
+            fam.samples.append(((("limiter", k.name),), float(getattr(k, attr))))
+        out.append(fam)
+    out.append(
+        Family(
+            "shmlimit_unreadable_segments",
+            "gauge",
+            "Segments named like limiters that could not be read (foreign, corrupt or not ours).",
+            [((), float(len(unreadable)))],
+        )
+    )
+    return out
+
+
+def _escape_label(value: str) -> str:
+    return value.replace("\\", "\\\\").replace("\n", "\\n").replace('"', '\\"')
+
+
+def _value(v: float) -> str:
+    if math.isnan(v):
+        return "NaN"
+    if math.isinf(v):
+        return "+Inf" if v > 0 else "-Inf"
+    return repr(float(v))
+
+
+def exposition(fams: Iterable[Family]) -> str:
+    """The Prometheus text exposition format (0.0.4) of ``fams``."""
+    lines = []
+    for fam in fams:
+        sample = fam.sample_name
+        lines.append(f"# HELP {sample} {fam.help}")
+        lines.append(f"# TYPE {sample} {fam.type}")
+        for labels, v in fam.samples:
+            text = ",".join(f'{k}="{_escape_label(val)}"' for k, val in labels)
+            lines.append(f"{sample}{{{text}}} {_value(v)}" if text else f"{sample} {_value(v)}")
+    return "\n".join(lines) + "\n"

@@ -1,0 +1,266 @@
+"""The live inspector behind ``shmlimit top`` and ``tools/shmtop``.
+
+It only reads: every snapshot comes from ``shmlimit.inspect``, which reads a copy of a
+segment without registering, never joins the filler election and writes
+nothing.  Grants per second are measured between two snapshots, so the first
+figures appear after one interval.
+
+``--json`` prints one JSON object per refresh, on one line:
+
+    {"time": <unix seconds>, "interval": <seconds>, "limiters": [<limiter>, ...]}
+
+where each <limiter> has every field of ``shmlimit.Stats`` (``processes`` as a
+list of objects with ``pid``, ``alive``, ``grants``, ``waiting``, ``filler``
+and ``command``), plus ``grants_per_second`` (over the last interval),
+``history`` (the recent grants per second, oldest first) and ``stale`` (no
+live process attached); or, for a segment that cannot be read, just
+``name`` and ``error``.
+"""
+from __future__ import annotations
+
+import json
+import sys
+import time
+from collections import deque
+from dataclasses import asdict
+from typing import Deque, Dict, List, Optional, Sequence, Tuple
+
+from shmlimit.errors import ShmlimitError
+from shmlimit.keyed.stats import KeyedStats, sample_keys, sample_windows
+from shmlimit.kinds import inspect
+from shmlimit.shm.segment import scan
+from shmlimit.stats import Stats
+
+SPARKS = "▁▂▃▄▅▆▇█"
+#: Key slots a refresh reads from each keyed limiter: the busiest keys are found over several
+#: refreshes by a rotating cursor, never by a scan of the whole table at once.
+KEY_SAMPLE = 4096
+BUSIEST = 5
+HISTORY = 30
+CLEAR = "\x1b[H\x1b[2J"
+
+
+def printable(text: str) -> str:
+    """``text`` with every control character escaped (``\\x1b``), so no stored string can drive a terminal.
+
+    URLs, keys, error messages and process names come from segments and from
+    other users' processes: printed raw, an escape sequence in one could
+    rewrite the operator's screen or title, or hide a line.
+    """
+    if text.isprintable():
+        return text
+    return "".join(ch if ch.isprintable() else ch.encode("unicode_escape").decode("ascii") for ch in text)
+
+
+def sparkline(values: Sequence[float]) -> str:
+    """Unicode blocks scaled from 0 to the largest value."""
+    if not values:
+        return ""
+    top = max(values)
+    if top <= 0:
+        return SPARKS[0] * len(values)
+    return "".join(SPARKS[min(len(SPARKS) - 1, int(v / top * (len(SPARKS) - 1) + 0.5))] for v in values)
+
+
+_commands: Dict[Tuple[int, bool], str] = {}
+
+
+def command_of(pid: int, alive: bool) -> str:
+    """The process's command name (psutil), cached; '?' when it cannot be read (or it is gone)."""
+    key = (pid, alive)
+    if key not in _commands:
+        name = "?"
+        if alive:
+            try:
+                import psutil
+
+                name = psutil.Process(pid).name()
+            except Exception:  # gone or not ours to read
+                name = "?"
+        _commands[key] = name
+    return _commands[key]
+
+
+class Inspector:
+    """Successive snapshots of some (or all) limiters, with rates and history."""
+
+    def __init__(self, names: Optional[List[str]] = None) -> None:
+        self.names = names
+        self.prev: Dict[str, Tuple[float, int]] = {}
+        self.history: Dict[str, Deque[float]] = {}
+        self.cursor: Dict[str, int] = {}
+        self.seen_keys: Dict[str, Dict[str, Tuple[int, float]]] = {}
+
+    def sample(self) -> List[dict]:
+        names, bad = (self.names, []) if self.names is not None else scan()
+        now = time.monotonic()
+        out: List[dict] = [{"name": n, "error": "not a valid limiter name: skipped"} for n in bad]
+        for name in names:
+            try:
+                s = inspect(name)
+            except (ShmlimitError, OSError) as e:
+                out.append({"name": name, "error": str(e)})
+                continue
+            out.append(self._record(name, s, now))
+        return out
+
+    def _busiest(self, name: str, s: KeyedStats) -> List[dict]:
+        """The busiest keys seen so far, refreshed KEY_SAMPLE slots at a time."""
+        found, self.cursor[name] = sample_keys(name, self.cursor.get(name, 0), KEY_SAMPLE)
+        seen = self.seen_keys.setdefault(name, {})
+        for k in found:
+            seen[k.key] = (k.grants, k.wait)
+        if len(seen) > 4 * KEY_SAMPLE:  # bounded memory: keep the busiest
+            for k in sorted(seen, key=lambda k: seen[k][0])[: len(seen) - 2 * KEY_SAMPLE]:
+                del seen[k]
+        top = sorted(seen.items(), key=lambda kv: -kv[1][0])[:BUSIEST]
+        return [{"key": k, "grants": g, "wait": w} for k, (g, w) in top]
+
+    def _windows(self, name: str) -> List[dict]:
+        """The fullest windows (by count) among the next KEY_SAMPLE slots: those now counting."""
+        found, self.cursor[name] = sample_windows(name, self.cursor.get(name, 0), KEY_SAMPLE)
+        return [asdict(w) for w in sorted(found, key=lambda w: (-w.count, -w.previous, w.key))[:BUSIEST]]
+
+    def _record(self, name: str, s: "Stats | KeyedStats", now: float) -> dict:
+        d = asdict(s)
+        d["processes"] = [dict(asdict(p), command=command_of(p.pid, p.alive)) for p in s.processes]
+        if isinstance(s, KeyedStats):
+            try:
+                if s.kind == "windows":
+                    d["windows"] = self._windows(name)
+                else:
+                    d["busiest"] = self._busiest(name, s)
+            except (ShmlimitError, OSError):
+                d["windows" if s.kind == "windows" else "busiest"] = []
+        last = self.prev.get(name)
+        gps = None
+        if last is not None and now > last[0]:
+            gps = max(0.0, (s.grants - last[1]) / (now - last[0]))
+            self.history.setdefault(name, deque(maxlen=HISTORY)).append(gps)
+        self.prev[name] = (now, s.grants)
+        d["grants_per_second"] = gps
+        d["history"] = list(self.history.get(name, ()))
+        d["stale"] = not any(p.alive for p in s.processes)
+        return d
+
+
+def render(records: List[dict], interval: float) -> str:
+    """The live view as text."""
+    lines = [f"shmlimit top — {time.strftime('%H:%M:%S')}, every {interval:g} s, {len(records)} limiter(s)", ""]
+    if not records:
+        lines.append("no shmlimit limiters on this machine")
+    for r in records:
+        if "error" in r:
+            lines.append(f"{r['name']}: unreadable: {r['error']}")
+            lines.append("")
+            continue
+        if r.get("kind") == "keyed":
+            lines.extend(_render_keyed(r))
+            continue
+        if r.get("kind") == "windows":
+            lines.extend(_render_windows(r))
+            continue
+        rate = f"{r['rate']:g}/{r['per']:g}s" + (f" ratio {r['ratio']:g}" if r["ratio"] != 1.0 else "")
+        flags = " STOPPED" if r["stopped"] else ""
+        flags += " STALE (no live process)" if r["stale"] else ""
+        gps = r["grants_per_second"]
+        lines.append(f"{r['name']}  rate {rate}  capacity {r['capacity']:g}{flags}")
+        lines.append(
+            f"  available {r['available']:.1f}  deficiency {r['deficiency']:.1f} ops / {r['deficiency_seconds']:.4f} s"
+            f"  behind {r['behind_seconds']:.3f} s  starved {r['starved_seconds']:.3f} s  grants {r['grants']}"
+        )
+        hb = "-" if r["heartbeat_age"] is None else f"{r['heartbeat_age'] * 1000:.0f} ms"
+        lines.append(
+            f"  grants/s {'-' if gps is None else f'{gps:,.1f}'}  {sparkline(r['history'])}"
+            f"  filler {r['filler_pid'] or '-'} (heartbeat {hb})"
+        )
+        up = r.get("upstream")
+        if up:
+            lines.append(
+                f"  upstream {up['url']} {up['key']}  state {up['state'].upper() if up['state'] != 'ok' else 'ok'}"
+                f"  round trips {up['round_trips']}  leased {up['leased']}  expired {up['expired']}"
+                f"  errors {up['errors']}  fallbacks {up['fallbacks']}"
+            )
+        lines.append(f"  {'pid':>8} {'command':16} {'state':6} {'grants':>10}  waiting")
+        for p in r["processes"]:
+            state = "alive" if p["alive"] else "DEAD"
+            role = " filler" if p["filler"] else ""
+            lines.append(
+                f"  {p['pid']:>8} {p['command'][:16]:16} {state:6} {p['grants']:>10}  {'yes' if p['waiting'] else 'no'}{role}"
+            )
+        lines.append("")
+    return "\n".join(printable(line) for line in lines) + "\n"
+
+
+def _printable(text: str) -> str:
+    """Keys come from the segment: never let one put control sequences on the operator's terminal."""
+    return "".join(ch if ch.isprintable() else f"\\x{ord(ch):02x}" for ch in text)
+
+
+def _render_keyed(r: dict) -> List[str]:
+    out = _keyed_head(
+        r, f"keyed: rate {r['rate']:g}/{r['per']:g}s capacity {r['capacity']:g} per key",
+        f"overrides {r['overrides']}/{r['override_slots']}  grants {r['grants']}", "grants/s",
+    )
+    if r.get("busiest"):
+        out.append(f"  {'busiest keys':28} {'grants':>10}  limited for")
+        for k in r["busiest"]:
+            out.append(f"  {_printable(k['key'])[:28]:28} {k['grants']:>10}  {k['wait']:.3f} s")
+    return out + _process_lines(r, "grants")
+
+
+def _render_windows(r: dict) -> List[str]:
+    """A table of window counters (the ``limits`` storage ``shm://``): it has no rate of its own."""
+    out = _keyed_head(
+        r, f"windows: a limits storage (shm://{r['name']}), the limits are its users'", f"hits {r['grants']}", "hits/s"
+    )
+    if r.get("windows"):
+        out.append(f"  {'fullest windows':40} {'strategy':8} {'count':>8} {'previous':>8}  ends in")
+        for w in r["windows"]:
+            out.append(
+                f"  {_printable(w['key'])[:40]:40} {w['strategy']:8} {w['count']:>8} "
+                f"{w['previous'] if w['strategy'] == 'sliding' else '-':>8}  {w['ends_in']:.3f} s"
+            )
+    return out + _process_lines(r, "hits")
+
+
+def _keyed_head(r: dict, title: str, counts: str, per_second: str) -> List[str]:
+    """The first lines of a keyed segment (either value kind): what it is, its table, its rate of use."""
+    gps = r["grants_per_second"]
+    stale = " STALE (no live process)" if r["stale"] else ""
+    return [
+        f"{r['name']}  {title}{stale}",
+        f"  keys {r['keys']}/{r['slots']}  evicted {r['evicted']}  refused (table full) {r['refused_full']}  {counts}",
+        f"  {per_second} {'-' if gps is None else f'{gps:,.1f}'}  {sparkline(r['history'])}",
+    ]
+
+
+def _process_lines(r: dict, counted: str) -> List[str]:
+    """A keyed segment's process table: each user's pid, command, liveness and ops (``counted``)."""
+    out = [f"  {'pid':>8} {'command':16} {'state':6} {counted:>10}"]
+    for p in r["processes"]:
+        out.append(f"  {p['pid']:>8} {p['command'][:16]:16} {'alive' if p['alive'] else 'DEAD':6} {p['grants']:>10}")
+    out.append("")
+    return out
+
+
+def run(names: Optional[List[str]], interval: float, once: bool, as_json: bool, out=None) -> int:
+    """Refresh until interrupted (or once).  Returns the exit status."""
+    out = out or sys.stdout
+    tty = out.isatty() and not as_json
+    insp = Inspector(names)
+    insp.sample()  # the baseline the first rates are measured from
+    try:
+        while True:
+            time.sleep(interval)
+            records = insp.sample()
+            if as_json:
+                out.write(json.dumps({"time": time.time(), "interval": interval, "limiters": records}) + "\n")
+            else:
+                out.write((CLEAR if tty else "") + render(records, interval))
+            out.flush()
+            if once:
+                return 0
+    except KeyboardInterrupt:
+        return 0
+

@@ -1,0 +1,1 @@
+"""Keyed tables: one value per key in one segment (GCRA, window counters)."""

@@ -1,0 +1,507 @@
+"""The atomic layer's keyed composite: find, insert or evict a key's slot, then one GCRA step.
+
+This is the reference version, built from the four primitives of ``cells``;
+the native backend does the same steps in one C call (the "KEYED TABLE" block
+of ``_native.c``).  The two must stay step-for-step equivalent: the property
+tests run against both.
+
+**The slot protocol** (insert, lookup, evict, reuse) is independent of what
+the value words mean, with one contract: ``V0`` is the value's *expiry word*.
+
+1. A slot whose ``V0 <= now`` holds no information (for GCRA: the key's bucket
+   is full again) and may be evicted; ``V0``'s top bit (``DEAD``) marks it
+   evicted and keeps the value below it.  The values ``V0`` takes over a
+   slot's whole life only ever increase: an inserter stores its first grant's
+   value, which is above ``now`` (the previous values were all ``<= now`` when
+   evicted; only a dead inserter may have left more, and then the new value
+   goes above that), and a value kind only moves it forward -- but for GCRA's
+   ``undo``, which moves it back to where its own take found it, and only while
+   no one has taken since (all above what the slot held before).  So a CAS on
+   ``V0`` from a value read under one tenant can never succeed under a later
+   one: no ABA.
+2. **Lookup**: probe at most ``probe`` slots from the key's home slot
+   (``D0 * nslots >> 64``); an EMPTY slot ends the chain (a slot never becomes
+   EMPTY again, and an inserter takes the first free slot it sees).
+3. **Insert**: take the first EMPTY, TOMB, expired LIVE (CAS ``V0 -> V0|DEAD``
+   first, then CAS ``CTRL``) or dead inserter's slot; ``CTRL -> BUSY(me)``,
+   write the digest and the fresh values, ``-> PEND(me)``, then re-scan the
+   window: another PEND or LIVE slot with the same digest means a concurrent
+   insert of the same key.  Of two PENDs, the one nearer the home slot wins and
+   the farther one gives way (TOMB); a later PEND always sees an earlier one,
+   so exactly one survives.  Then ``-> LIVE``.  An inserter that dies leaves a
+   BUSY/PEND slot with its pid, which any later inserter reclaims.
+4. **Eviction is exact**: only a slot whose ``V0 <= now`` is ever taken, so a
+   key that is still limited is never lost; when every slot of a key's window
+   holds a limited key (or a live insert), the new key is refused (``FULL``).
+
+**The value kind GCRA**: ``V0`` = TAT (theoretical arrival time, ticks),
+``V1`` = grants for that key, ``V2..V4`` = the key's first bytes for display.
+A request of ``n`` ops at ``now`` is granted iff
+``max(TAT, now) + n*T - now <= TAU + max_wait``; the TAT then moves there by
+CAS.  Grants in any window of length W are at most ``W/T + TAU/T``.
+"""
+from __future__ import annotations
+
+import os
+import time
+from typing import Callable, Optional, Tuple
+
+from shmlimit.keyed import layout as K
+from shmlimit.errors import SegmentError
+from shmlimit.shm.layout import config_sum as _config_sum
+
+MASK64 = (1 << 64) - 1
+REFUSED = -1  #: the wait exceeds max_wait: nothing written
+NEVER = -(1 << 62)  #: n exceeds the burst: never grantable
+FULL = NEVER - 1  #: no slot for a new key (every slot of its window holds a limited key)
+#: Another live process's insert of the same key has not moved for ``PEND_NS``: nothing taken.
+BUSY = NEVER - 2
+#: A config lock held this long (ns) was left by a dead writer: readers close it.
+LOCK_NS = 200_000_000
+#: An inserter waits this long (ns) at most for a farther PEND of the same key to give way.  Its
+#: owner normally does within microseconds; one that is alive but never runs (stopped by SIGSTOP,
+#: a frozen container) or a PEND written into the segment by hand would hold every insert of that
+#: key forever -- ``try_acquire`` included, uninterruptibly in the native call.  So past this
+#: the waiter gives way itself (TOMB) and answers ``BUSY``: no insert survives twice, nothing is
+#: taken, and the caller decides (a try or a timed call refuses, an untimed one tries again).
+PEND_NS = 200_000_000
+MAX_WAIT = 1 << 60
+KEY_MAX = 4096
+
+
+def _rotl(x: int, b: int) -> int:
+    return ((x << b) | (x >> (64 - b))) & MASK64
+
+
+def siphash128(data: bytes, k0: int, k1: int) -> Tuple[int, int]:
+    """SipHash-2-4 with a 128-bit output: the same function as the native backend's."""
+    v0 = 0x736F6D6570736575 ^ k0
+    v1 = 0x646F72616E646F6D ^ k1
+    v2 = 0x6C7967656E657261 ^ k0
+    v3 = 0x7465646279746573 ^ k1
+    v1 ^= 0xEE
+
+    def rounds(v0: int, v1: int, v2: int, v3: int, r: int):
+        for _ in range(r):
+            v0 = (v0 + v1) & MASK64; v1 = _rotl(v1, 13); v1 ^= v0; v0 = _rotl(v0, 32)
+            v2 = (v2 + v3) & MASK64; v3 = _rotl(v3, 16); v3 ^= v2
+            v0 = (v0 + v3) & MASK64; v3 = _rotl(v3, 21); v3 ^= v0
+            v2 = (v2 + v1) & MASK64; v1 = _rotl(v1, 17); v1 ^= v2; v2 = _rotl(v2, 32)
+        return v0, v1, v2, v3
+
+    n = len(data)
+    end = n - n % 8
+    for i in range(0, end, 8):
+        m = int.from_bytes(data[i:i + 8], "little")
+        v3 ^= m
+        v0, v1, v2, v3 = rounds(v0, v1, v2, v3, 2)
+        v0 ^= m
+    b = ((n & 0xFF) << 56) | int.from_bytes(data[end:], "little")
+    v3 ^= b
+    v0, v1, v2, v3 = rounds(v0, v1, v2, v3, 2)
+    v0 ^= b
+    v2 ^= 0xEE
+    v0, v1, v2, v3 = rounds(v0, v1, v2, v3, 4)
+    d0 = v0 ^ v1 ^ v2 ^ v3
+    v1 ^= 0xDD
+    v0, v1, v2, v3 = rounds(v0, v1, v2, v3, 4)
+    return d0, v0 ^ v1 ^ v2 ^ v3
+
+
+def key_bytes(key: object) -> bytes:
+    """A key's bytes: a str is its UTF-8, bytes are themselves; anything else is a TypeError."""
+    if isinstance(key, str):
+        data = key.encode("utf-8")
+    elif isinstance(key, bytes):
+        data = key
+    else:
+        raise TypeError(f"key must be a str or bytes, not {type(key).__name__}")
+    if len(data) > KEY_MAX:
+        raise ValueError(f"key must be at most {KEY_MAX} bytes (UTF-8), got {len(data)}")
+    return data
+
+
+def display_words(data: bytes) -> Tuple[int, int, int]:
+    b = bytes([min(len(data), 255)]) + data[:K.DISPLAY_BYTES]
+    b = b.ljust(24, b"\0")
+    return tuple(int.from_bytes(b[i:i + 8], "little") for i in (0, 8, 16))  # type: ignore[return-value]
+
+
+def display_key(words: Tuple[int, int, int]) -> str:
+    """The key as stored for display (its first bytes; '...' when it was longer)."""
+    b = b"".join(w.to_bytes(8, "little") for w in words)
+    n = b[0]
+    text = b[1:1 + min(n, K.DISPLAY_BYTES)].decode("utf-8", "replace")
+    return text + ("..." if n > K.DISPLAY_BYTES else "")
+
+
+def alive(owner: int, mine: int) -> bool:
+    """Whether an inserter may still be running (the native backend decides alike).
+
+    An owner field is ``pid | namespace tag << 22`` (see ``keyed_layout.owner``):
+    an inserter of another PID namespace cannot be asked about, so it counts as
+    alive -- taking a live inserter's slot would let its late stores land on
+    the next tenant.
+    """
+    if owner >> K.PID_BITS != mine >> K.PID_BITS:
+        return True
+    pid = owner & ((1 << K.PID_BITS) - 1)
+    if not pid:
+        return False
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+def check_offsets(cells, *offsets: int) -> None:
+    """Refuse an offset that is not an aligned word of the mapping (IndexError), whatever the backend."""
+    for off in offsets:
+        if isinstance(off, bool) or not isinstance(off, int) or off % 8 or not 0 <= off <= cells.size - 8:
+            raise IndexError(f"offset {off!r} is not an aligned word inside the mapping of {cells.size} bytes")
+
+
+class SlotTable:
+    """The slot protocol alone (lookup, insert, exact eviction, reuse), for any value kind.
+
+    A value kind (GCRA here; fixed-window or sliding-window counters for a
+    ``limits`` storage) uses ``find`` and ``insert`` and defines what
+    ``V0..V4`` mean, under the one contract above: ``V0`` is the expiry word,
+    its values only ever increase, and a slot whose ``V0 <= now`` may be
+    evicted.  Updates of the values go through CAS on ``V0`` after checking
+    that ``CTRL`` still holds the LIVE word ``find`` returned.
+    """
+
+    def __init__(self, cells, slots: int, nslots: int, probe: int, keys_live: int, evicted: int, pid: int) -> None:
+        if slots % 8 or slots + nslots * K.LINE > cells.size or not nslots or not probe or probe > nslots:
+            raise IndexError("keyed_table: a region lies outside the mapping")
+        check_offsets(cells, keys_live, evicted)
+        self.c = cells
+        self.slots, self.nslots, self.probe = slots, nslots, probe
+        self.keys_live, self.evicted, self.pid = keys_live, evicted, pid
+
+    def _slot(self, home: int, i: int) -> int:
+        return self.slots + ((home + i) % self.nslots) * K.LINE
+
+    def find(self, d: Tuple[int, int], home: int):
+        c = self.c
+        for i in range(self.probe):
+            s = self._slot(home, i)
+            ctl = c.load(s)
+            state = ctl & 0xFF
+            if state == K.EMPTY:
+                return None, 0
+            if (state == K.LIVE and c.load(s + K.S_D0) == d[0] and c.load(s + K.S_D1) == d[1]
+                    and not c.load(s + K.S_V0) & K.DEAD):
+                return s, ctl
+        return None, 0
+
+    def insert(self, d: Tuple[int, int], home: int, now: int, v0: int, rest: Tuple[int, int, int, int],
+               above: Optional[Callable[[int], int]] = None):
+        """Insert digest d with its first values (V0 = v0, raised above the slot's past; V1..V4 = rest).
+
+        When the slot's past value ``prior`` is not below ``v0`` (a dead inserter
+        left a later one), V0 becomes ``above(prior)``, which must exceed it;
+        by default ``prior + 1``.
+
+        Returns (slot, ctrl): ctrl is the LIVE word when we published (the
+        grant is made), 0 means "look again"; slot None means the window is full
+        (ctrl 0), or (ctrl ``BUSY``) that a farther PEND of the same key stayed
+        unchanged under a live owner for ``PEND_NS`` and we gave way.
+        """
+        c = self.c
+        cand, cc, pos = None, 0, 0
+        for i in range(self.probe):
+            s = self._slot(home, i)
+            ctl = c.load(s)
+            state = ctl & 0xFF
+            if (state == K.LIVE and c.load(s + K.S_D0) == d[0] and c.load(s + K.S_D1) == d[1]
+                    and not c.load(s + K.S_V0) & K.DEAD):
+                return s, 0
+            if state == K.EMPTY:
+                if cand is None:
+                    cand, cc, pos = s, ctl, i
+                break
+            if cand is not None:
+                continue
+            if state == K.TOMB:
+                cand, cc, pos = s, ctl, i
+            elif state == K.LIVE:
+                v = c.load(s + K.S_V0)
+                if v & K.DEAD or v <= now:
+                    cand, cc, pos = s, ctl, i
+            elif not alive((ctl >> 8) & 0xFFFFFFFF, self.pid):
+                cand, cc, pos = s, ctl, i
+        if cand is None:
+            return None, 0
+        state, gen = cc & 0xFF, (cc >> 40) + 1
+        if state == K.LIVE:
+            v = c.load(cand + K.S_V0)
+            if not v & K.DEAD and (v > now or not c.cas(cand + K.S_V0, v, v | K.DEAD)):
+                return cand, 0
+        mine = K.ctrl(K.BUSY, self.pid, gen)
+        if not c.cas(cand, cc, mine):
+            return cand, 0
+        if state == K.LIVE:
+            c.fetch_add(self.keys_live, MASK64)  # -1
+            c.fetch_add(self.evicted, 1)
+        c.store(cand + K.S_D0, d[0])
+        c.store(cand + K.S_D1, d[1])
+        for k in range(4):
+            c.store(cand + K.S_V1 + 8 * k, rest[k])
+        prior = c.load(cand + K.S_V0) & ~K.DEAD
+        fresh = v0 if prior < v0 else (prior + 1 if above is None else above(prior))
+        c.store(cand + K.S_V0, fresh)
+        pend = K.ctrl(K.PEND, self.pid, gen)
+        if not c.cas(cand, mine, pend):
+            return cand, 0
+        for i in range(self.probe):
+            if i == pos:
+                continue
+            s = self._slot(home, i)
+            seen, since = 0, 0
+            while True:
+                ctl = c.load(s)
+                st = ctl & 0xFF
+                if st == K.EMPTY:
+                    return self._publish(cand, pend, gen)
+                if st not in (K.LIVE, K.PEND) or c.load(s + K.S_D0) != d[0] or c.load(s + K.S_D1) != d[1]:
+                    break
+                if st == K.LIVE:
+                    if c.load(s + K.S_V0) & K.DEAD:
+                        break
+                    return self._abort(cand, pend, gen, fresh)
+                if i < pos:  # a PEND nearer the home slot wins: ours gives way
+                    self._abort(cand, pend, gen, fresh)
+                    if not alive((ctl >> 8) & 0xFFFFFFFF, self.pid):
+                        return cand, 0  # the next attempt takes the dead one's slot
+                    return self._await_move(s, ctl)
+                if not alive((ctl >> 8) & 0xFFFFFFFF, self.pid):
+                    c.cas(s, ctl, K.ctrl(K.TOMB, 0, ctl >> 40))
+                    continue
+                # it will see ours and give way -- unless its owner never runs again: bounded
+                t_ns = time.monotonic_ns()
+                if ctl != seen:
+                    seen, since = ctl, t_ns
+                elif t_ns - since > PEND_NS:
+                    self._abort(cand, pend, gen, fresh)
+                    return None, BUSY
+                os.sched_yield()
+        return self._publish(cand, pend, gen)
+
+    def _await_move(self, s: int, ctl: int):
+        """After giving way to a nearer PEND of the same key under a live owner: wait, holding
+        nothing, until it moves (LIVE, or given way) -- its owner publishes within microseconds --
+        but at most ``PEND_NS``: an owner that never runs again would have every insert of the key
+        give way and try again without end.  ``(s, 0)``: look again; ``(None, BUSY)``: it did not move."""
+        since = time.monotonic_ns()
+        while self.c.load(s) == ctl:
+            if time.monotonic_ns() - since > PEND_NS:
+                return None, BUSY
+            os.sched_yield()
+        return s, 0
+
+    def _publish(self, cand: int, pend: int, gen: int):
+        live = K.ctrl(K.LIVE, 0, gen)
+        if not self.c.cas(cand, pend, live):
+            return cand, 0
+        self.c.fetch_add(self.keys_live, 1)
+        return cand, live
+
+    def _abort(self, cand: int, pend: int, gen: int, fresh: int):
+        self.c.store(cand + K.S_V0, fresh | K.DEAD)
+        self.c.cas(cand, pend, K.ctrl(K.TOMB, 0, gen))
+        return cand, 0
+
+class KeyedTable(SlotTable):
+    """The value kind GCRA on the slot protocol: the reference version of the native ``KeyedTable``.
+
+    ``V0`` = the key's TAT, ``V1`` = its grants, ``V2..V4`` = its first bytes for display.
+    The same arguments and the same answers as the native one.
+    """
+
+    def __init__(self, cells, cfg: int, ovr_live: int, ovr: int, novr: int, slots: int, nslots: int, probe: int,
+                 k0: int, k1: int, keys_live: int, evicted: int, refused: int, grants: int, pid: int) -> None:
+        super().__init__(cells, slots, nslots, probe, keys_live, evicted, pid)
+        for off, lines in ((cfg, K.DEFAULT_BACKUP_LINES + 1), (ovr, novr * K.OVR_LINES)):
+            if off % 8 or off + lines * K.LINE > cells.size:
+                raise IndexError("keyed_table: a region lies outside the mapping")
+        cells._check(ovr_live, refused, grants)
+        self.cfg, self.ovr_live, self.ovr, self.novr = cfg, ovr_live, ovr, novr
+        self.k0, self.k1 = k0, k1
+        self.refused, self.grants = refused, grants
+
+
+    def digest(self, key: object) -> Tuple[int, int]:
+        return siphash128(key_bytes(key), self.k0, self.k1)
+
+    def _bank(self, line: int, d: Tuple[int, int], seq: int):
+        """``(age, T, TAU)`` of one config bank (see ``keyed_gcra``), or None if its checksum fails."""
+        c = self.c
+        raw = [c.load(line + off) for off in K.B_VALUES]
+        gen = c.load(line + K.B_GEN)
+        rate, per, burst, t, tau = (w ^ K.bank_mask(gen, i) for i, w in enumerate(raw))  # stored masked
+        if c.load(line + K.B_SUM) != _config_sum(gen, (d[0], d[1], t, tau, rate, per, burst)):
+            return None
+        return (seq - gen) & MASK64, t, tau
+
+    def _pick(self, lines: Tuple[int, int], d: Tuple[int, int], seq: int):
+        """``(T, TAU)`` of the valid bank of the newest generation, or None."""
+        a, b = self._bank(lines[0], d, seq), self._bank(lines[1], d, seq)
+        best = a if b is None or (a is not None and a[0] <= b[0]) else b
+        return None if best is None else best[1:]
+
+    def params(self, d: Tuple[int, int]) -> Tuple[int, int]:
+        """(T, TAU) for digest d under a consistent config: the key's override if it has one, else
+        the default, each from its valid bank of the newest generation.
+
+        A writer holds ``CFG_SEQ`` odd for microseconds; one that stays odd for
+        ``LOCK_NS`` (its writer died) is closed by CAS to the next even value.
+        No valid bank under a ``CFG_SEQ`` that stayed even is a corrupt segment:
+        ``SegmentError`` (a writer leaves one bank of each config whole).
+        """
+        c = self.c
+        seen, since = 0, 0
+        while True:
+            s1 = c.load(self.cfg)
+            if s1 & 1:
+                now = time.monotonic_ns()
+                if s1 != seen:
+                    seen, since = s1, now
+                elif now - since > LOCK_NS:
+                    c.cas(self.cfg, s1, (s1 + 1) & MASK64)  # modulo 2**64, as the native one
+                os.sched_yield()
+                continue
+            pair, corrupt = None, False
+            if self.novr and c.load(self.ovr_live):
+                home = (d[1] * self.novr) >> 64
+                for i in range(min(self.probe, self.novr)):
+                    e = self.ovr + ((home + i) % self.novr) * K.OVR_LINES * K.LINE
+                    ctl = c.load(e)
+                    if ctl == K.O_EMPTY:
+                        break
+                    if ctl & 0xFF == K.O_LIVE and c.load(e + K.O_D0) == d[0] and c.load(e + K.O_D1) == d[1]:
+                        pair = self._pick((e + K.O_BANKS[0], e + K.O_BANKS[1]), d, s1)
+                        corrupt = pair is None
+                        if pair is not None and not pair[0]:
+                            pair = None  # removed (T == 0): the default
+                        break
+            if pair is None and not corrupt:
+                pair = self._pick((self.cfg, self.cfg + K.DEFAULT_BACKUP_LINES * K.LINE), (0, 0), s1)
+                corrupt = pair is None
+            if c.load(self.cfg) == s1:
+                if corrupt:
+                    raise SegmentError("keyed segment is corrupt: no copy of its config passes its checksum")
+                t, tau = pair
+                return (t or 1), tau
+
+    def acquire(self, key: object, n: int, max_wait: int, now: "int | None" = None) -> int:
+        """Find or insert ``key``'s slot and take ``n`` ops if they fit ``max_wait`` ticks.
+
+        Returns the wait in ticks (>= 0) after taking, ``REFUSED`` when the
+        wait would exceed ``max_wait`` (nothing written), ``NEVER``, ``FULL`` or ``BUSY``.
+        ``max_wait < 0`` peeks: the wait, taking and inserting nothing.
+        """
+        return self._step(key, n, max_wait, now, None)
+
+    def take(self, key: object, n: int, max_wait: int, now: "int | None" = None):
+        """``acquire`` (never a peek), answering also what ``undo`` needs when taken:
+        ``(wait, slot, ctrl, tat, cost)``; a refusal is acquire's code (an int < 0)."""
+        if max_wait < 0:
+            raise ValueError("take: max_wait must be >= 0 ticks (a peek is acquire's)")
+        taken: list = []
+        r = self._step(key, n, max_wait, now, taken)
+        return r if r < 0 else (r, *taken)
+
+    def undo(self, slot: int, ctrl: int, tat: int, cost: int, n: int) -> bool:
+        """Give a take back exactly if no one took the key since: its TAT still the one the take
+        set, its slot still the take's tenant.  The TAT goes back to where the take found it
+        (``max(TAT, now)`` then, which serves every later call as the TAT before it did), the
+        counts lose ``n``.  False changes nothing: the take stays spent (time lost, never an
+        extra grant).  A later tenant never holds ``tat`` (its values start above the instant
+        the take's TAT had expired), so a stale undo never lands on it."""
+        if not 0 <= slot < self.nslots or not 0 < cost <= tat:
+            raise ValueError("undo: slot must be below the table's slots, 0 < cost <= tat")
+        c = self.c
+        s = self.slots + slot * K.LINE
+        if c.load(s) != ctrl or not c.cas(s + K.S_V0, tat, tat - cost):
+            return False
+        c.fetch_add(s + K.S_V1, (-n) & MASK64)
+        c.fetch_add(self.grants, (-n) & MASK64)
+        return True
+
+    def _step(self, key: object, n: int, max_wait: int, now: "int | None", taken: "list | None") -> int:
+        data = key_bytes(key)
+        if isinstance(n, bool) or not isinstance(n, int):
+            raise TypeError(f"n must be a positive int (ops), not {type(n).__name__}")
+        if n < 1:
+            raise ValueError(f"n must be a positive int (ops), got {n}")
+        # A clock read here may go stale while this thread is preempted: keys inserted meanwhile by
+        # others look in use against it.  Before refusing a new key for a full table it is read
+        # once more (a later ``now`` only ever makes a grant later, never earlier).
+        reread = now is not None
+        if now is None:
+            now = time.monotonic_ns() << K.TICK_SHIFT
+        d = siphash128(data, self.k0, self.k1)
+        t, tau = self.params(d)
+        if n > tau // t:
+            return NEVER
+        cost = n * t
+        maxw = 0 if max_wait < 0 else min(max_wait, MAX_WAIT)
+        home = (d[0] * self.nslots) >> 64
+        c = self.c
+        disp = None
+        while True:
+            s, ctl = self.find(d, home)
+            if s is None:
+                if max_wait < 0:
+                    return 0
+                if disp is None:
+                    disp = display_words(data)
+                # a new key's bucket is full: n <= burst is granted at once, by the insert itself
+                s, ctl = self.insert(d, home, now, now + cost, (n, *disp))
+                if s is None and ctl == BUSY:
+                    return BUSY
+                if s is None:
+                    later = time.monotonic_ns() << K.TICK_SHIFT
+                    if not reread and later > now:
+                        reread, now = True, later
+                        continue
+                    c.fetch_add(self.refused, 1)
+                    return FULL
+                if ctl:
+                    c.fetch_add(self.grants, n)
+                    if taken is not None:
+                        taken.extend(((s - self.slots) // K.LINE, ctl, now + cost, cost))
+                    return 0
+                os.sched_yield()  # lost a race (often to an insert of the same key): let it finish
+                continue
+            while True:
+                tat = c.load(s + K.S_V0)
+                if tat & K.DEAD or c.load(s) != ctl:
+                    break
+                base = max(tat, now)
+                wait = base + cost - now
+                wait = wait - tau if wait > tau else 0
+                if max_wait < 0:
+                    return wait
+                if wait > maxw:
+                    return REFUSED
+                if c.cas(s + K.S_V0, tat, base + cost):
+                    c.fetch_add(s + K.S_V1, n)
+                    c.fetch_add(self.grants, n)
+                    if taken is not None:
+                        taken.extend(((s - self.slots) // K.LINE, ctl, base + cost, cost))
+                    return wait
+
+    def try_acquire(self, key: object, n: int = 1) -> bool:
+        """True if ``n`` ops were taken now for ``key``; False changes nothing."""
+        return self.acquire(key, n, 0) >= 0
+
+    def rebind(self, grants: int, pid: int) -> None:
+        """After fork: count this process's grants in its own word, and insert as itself."""
+        self.c._check(grants)
+        self.grants, self.pid = grants, pid

@@ -1,0 +1,438 @@
+"""The value kind GCRA: one theoretical-arrival-time word per key, and the config it is priced by.
+
+A key's state is one word, its TAT (``V0`` of its slot, in ticks of 1/16 ns of
+CLOCK_MONOTONIC); the GCRA step itself is part of the atomic layer's keyed
+composite (``keyed_cells``).  This module holds what prices it: the default
+``(T, TAU)`` and the per-key overrides in a bounded table of their own.
+
+**Publication** (built on the plain limiter's, ``config_banks``, per config).
+Writers take ``CFG_SEQ`` as a lock (even -> odd by CAS; one silent for
+``LOCK_TIMEOUT`` is taken over, odd -> odd + 2, or closed by a reader, odd
+-> even) and publish by one CAS from their lock value to the next even
+value, the generation they wrote.  Every config (the default, each override)
+has two banks, each stamped with the generation that wrote it and a checksum
+over that generation, the key's digest and the values (stored masked by the
+generation: ``keyed_layout.bank_mask``).  A writer writes first the bank that
+does not hold the config's newest valid copy, then the other, each word by
+load, check that ``CFG_SEQ`` still holds its lock, CAS from the loaded word.
+Readers wait for an even ``CFG_SEQ``, take the valid bank of the newest
+generation (counted back from ``CFG_SEQ``, modulo 2**64) and check
+``CFG_SEQ`` again.
+
+So a writer stalled past the timeout and taken over resumes with at most one
+CAS in hand, expecting a word loaded before any newer writer took the lock; no
+newer writer ever stores that word again (masks and tags are per generation),
+so the CAS misses every word a newer writer wrote.  However many writers are
+late, a bank completed by a writer is never touched by an older one, each
+config keeps a whole bank of its newest completed write, and whoever
+publishes completed both; the late writers' publishing CAS fails
+(``ConfigWriterTakenOver``).  A writer killed while it writes leaves its
+config's newest bank whole: readers take the old config or the new one --
+never words of both.
+
+Overrides are found by the key's digest, not through its slot, so they apply
+from the next call in every process and survive the key's eviction.  An entry
+is claimed by CAS (CLAIM | owner | tag) before its digest is written and made
+LIVE by CAS after its writer published, so a late writer never writes into an
+entry another writer took; removal publishes a bank with ``T == 0``, so it is
+ordered by generation like any other change, and a removed entry is reused.
+"""
+from __future__ import annotations
+
+import math
+import os
+import time
+from dataclasses import dataclass
+from typing import Optional, Tuple
+
+from shmlimit.keyed import layout as K
+from shmlimit.shm import layout as L
+from shmlimit.shm.cells import Cells
+from shmlimit.errors import ConfigWriterTakenOver, SegmentError
+from shmlimit.keyed.cells import alive
+
+#: Ticks of schedule arithmetic stay below this (2**60 ticks = 2.3 years).
+MAX_TICKS = 1 << 60
+TICKS_PER_S = 1e9 * (1 << K.TICK_SHIFT)
+#: A config lock held longer than this (seconds) was left by a dead writer and is taken over.
+LOCK_TIMEOUT = 0.2
+_MASK64 = (1 << 64) - 1  # CFG_SEQ counts modulo 2**64, as the native composite's does
+
+
+def _next(seq: int, by: int = 1) -> int:
+    return (seq + by) & _MASK64
+
+
+def wait_unlocked(c: Cells) -> int:
+    """``CFG_SEQ`` once no writer holds it: an even value.
+
+    A writer holds it for microseconds; one that held it for ``LOCK_TIMEOUT``
+    died there (killed in ``set_rate``), and the lock is closed by CAS to the
+    next even value, as the keyed composite's readers close it.  Without this
+    the Python readers (the default rate, an override, ``_adopt`` when a
+    process opens with ``rate=``) waited for that writer forever: after a
+    writer was killed in a set_rate, every process opening the limiter with
+    its rate hung until some other process acquired through it.
+    """
+    seen, since = None, 0.0
+    while True:
+        s = c.load(K.CFG_SEQ)
+        if not s & 1:
+            return s
+        now = time.monotonic()
+        if s != seen:
+            seen, since = s, now
+        elif now - since > LOCK_TIMEOUT:
+            c.cas(K.CFG_SEQ, s, _next(s))
+            continue
+        os.sched_yield()
+
+
+@dataclass(frozen=True)
+class Rate:
+    """One GCRA configuration: ``rate`` ops per ``per`` seconds, ``burst`` ops at once."""
+
+    rate: float
+    per: float
+    burst: float
+
+    @property
+    def t(self) -> int:
+        """Emission interval in ticks per op, rounded up: never faster than asked."""
+        return max(1, math.ceil(self.per * TICKS_PER_S / self.rate))
+
+    @property
+    def tau(self) -> int:
+        """Burst tolerance in ticks: the bucket holds ``burst`` ops."""
+        return int(self.burst * self.t)
+
+    def describe(self) -> str:
+        return f"rate={self.rate:g}/{self.per:g}s burst={self.burst:g}"
+
+
+def make_rate(rate: object, per: object, burst: object) -> Rate:
+    """Validate as ``Config.make`` does (same messages, same ranges), then check the tick arithmetic."""
+    from shmlimit.config import Config
+
+    cfg = Config.make(rate, per, burst)
+    r = Rate(cfg.rate, cfg.per, cfg.burst)
+    if r.tau >= MAX_TICKS:
+        raise ValueError(f"burst * per / rate must be below {MAX_TICKS / TICKS_PER_S:.0f} seconds, got {r.describe()}")
+    return r
+
+
+def bank_values(rate: Optional[Rate]) -> Tuple[int, int, int, int, int]:
+    """A bank's five values (RATE PER BURST T TAU) for ``rate``; all zero (T == 0: removed) for None."""
+    if rate is None:
+        return (0, 0, 0, 0, 0)
+    return (L.f2u(rate.rate), L.f2u(rate.per), L.f2u(rate.burst), rate.t, rate.tau)
+
+
+def bank_sum(gen: int, d: Tuple[int, int], vals) -> int:
+    """The checksum of one bank: over its generation, the key's digest (0, 0 for the default) and its
+    values ``(RATE, PER, BURST, T, TAU)``, in the order ``(D0, D1, T, TAU, RATE, PER, BURST)``."""
+    rate, per, burst, t, tau = vals
+    return L.config_sum(gen, (d[0], d[1], t, tau, rate, per, burst))
+
+
+def bank_words(gen: int, d: Tuple[int, int], vals) -> Tuple[Tuple[int, int], ...]:
+    """A bank's seven words as stored, ``(offset in its line, word)``: the values masked by
+    ``gen`` (``keyed_layout.bank_mask``), then ``GEN``, then ``SUM`` last."""
+    out = [(off, v ^ K.bank_mask(gen, i)) for i, (off, v) in enumerate(zip(K.B_VALUES, vals))]
+    return (*out, (K.B_GEN, gen), (K.B_SUM, bank_sum(gen, d, vals)))
+
+
+def write_bank(c: Cells, line: int, d: Tuple[int, int], vals, gen: int) -> None:
+    """Store one bank with plain stores: only for a segment no other process sees yet."""
+    for off, w in bank_words(gen, d, vals):
+        c.store(line + off, w)
+
+
+def read_bank(c: Cells, line: int, d: Tuple[int, int]) -> Optional[Tuple[int, Tuple[int, ...]]]:
+    """``(generation, values)`` of one bank, or None if its checksum does not hold for digest ``d``."""
+    raw = tuple(c.load(line + off) for off in K.B_VALUES)
+    gen = c.load(line + K.B_GEN)
+    vals = tuple(w ^ K.bank_mask(gen, i) for i, w in enumerate(raw))
+    return (gen, vals) if c.load(line + K.B_SUM) == bank_sum(gen, d, vals) else None
+
+
+def _newest(c: Cells, lines: Tuple[int, int], d: Tuple[int, int], seq: int):
+    """``(line, values)`` of the valid bank of the newest generation (counted back from ``seq``),
+    or ``(None, None)``."""
+    best, age = (None, None), None
+    for line in lines:
+        b = read_bank(c, line, d)
+        if b is not None and (age is None or (seq - b[0]) & _MASK64 < age):
+            best, age = (line, b[1]), (seq - b[0]) & _MASK64
+    return best
+
+
+def pick(c: Cells, lines: Tuple[int, int], d: Tuple[int, int], seq: int) -> Optional[Tuple[int, ...]]:
+    """The values of the valid bank of the newest generation (counted back from ``seq``), or None."""
+    return _newest(c, lines, d, seq)[1]
+
+
+def pick_line(c: Cells, lines: Tuple[int, int], d: Tuple[int, int], seq: int) -> Optional[int]:
+    """Which of ``lines`` holds the valid bank of the newest generation, or None."""
+    return _newest(c, lines, d, seq)[0]
+
+
+def rate_of(vals: Tuple[int, ...]) -> Rate:
+    return Rate(L.u2f(vals[0]), L.u2f(vals[1]), L.u2f(vals[2]))
+
+
+def peek_default(c: Cells) -> Rate:
+    """The default rate for display, without waiting for a writer (all zero if no bank is valid)."""
+    vals = pick(c, K.DEFAULT_BANKS, (0, 0), c.load(K.CFG_SEQ) & ~1)
+    return rate_of(vals or (0, 0, 0, 0, 0))
+
+
+def _corrupt(what: str) -> SegmentError:
+    return SegmentError(f"keyed segment is corrupt: no copy of {what} passes its checksum")
+
+
+class ConfigLock:
+    """The writers' side of ``CFG_SEQ``: CAS even -> odd, write banks, publish by CAS odd -> even.
+
+    A holder silent for ``LOCK_TIMEOUT`` is taken over (odd -> odd + 2).  Leaving the ``with``
+    publishes; a writer that was taken over meanwhile raises ``ConfigWriterTakenOver`` there
+    (unless another exception is on its way).
+    """
+
+    def __init__(self, c: Cells) -> None:
+        self.c = c
+        self.published = False
+
+    def __enter__(self) -> "ConfigLock":
+        c = self.c
+        seen, since = None, time.monotonic()
+        while True:
+            s = c.load(K.CFG_SEQ)
+            if not s & 1:
+                if c.cas(K.CFG_SEQ, s, _next(s)):
+                    self.seq = _next(s)
+                    return self
+                continue
+            if s != seen:
+                seen, since = s, time.monotonic()
+            elif time.monotonic() - since > LOCK_TIMEOUT and c.cas(K.CFG_SEQ, s, _next(s, 2)):
+                self.seq = _next(s, 2)  # still odd: ours now; we rewrite what we came to write
+                return self
+            os.sched_yield()
+
+    @property
+    def gen(self) -> int:
+        """The generation this writer publishes: the even value after its lock."""
+        return _next(self.seq)
+
+    def held(self) -> bool:
+        return self.c.load(K.CFG_SEQ) == self.seq
+
+    def write_banks(self, lines: Tuple[int, int], d: Tuple[int, int], vals) -> None:
+        """Both banks of one config, the one that does not hold its newest valid copy first.
+
+        Every word is written by load, check that the lock is still ours, CAS from
+        the loaded word (retried only while the lock is ours).  A writer stopped
+        between its check and its CAS, taken over, resumes with one CAS in hand,
+        which expects a word loaded before any newer writer took the lock: it
+        misses every word a newer writer stored (their masks are per generation,
+        so no newer writer stores that word again), and its next check stops it.
+        So a bank a writer completed is never touched by an older writer, and
+        the bank a writer keeps while it writes the other is never one an older
+        writer may still reach: the older ones that came after its writer chose
+        the other bank first too.  However many writers are late, each config
+        keeps a whole bank of its newest completed write, and whoever publishes
+        completed both.
+        """
+        keep = pick_line(self.c, lines, d, self.seq)
+        for line in (lines[0], lines[1]) if keep == lines[1] else (lines[1], lines[0]):
+            for off, want in bank_words(self.gen, d, vals):
+                while True:
+                    seen = self.c.load(line + off)
+                    if not self.held():
+                        raise _taken_over()
+                    if seen == want or self.c.cas(line + off, seen, want):
+                        break
+
+    def __exit__(self, exc_type, exc, tb) -> None:
+        # Interrupted half-way we publish too: readers then take the old config or the new one.
+        self.published = published = self.c.cas(K.CFG_SEQ, self.seq, self.gen)
+        if exc_type is None and not published:
+            raise _taken_over()
+
+
+def _taken_over() -> ConfigWriterTakenOver:
+    return ConfigWriterTakenOver(
+        "this keyed config change was abandoned: the writer stalled longer than the lock's "
+        f"{LOCK_TIMEOUT * 1000:.0f} ms and another took over; apply it again"
+    )
+
+
+def publish_default(c: Cells, rate: Rate) -> None:
+    with ConfigLock(c) as lock:
+        lock.write_banks(K.DEFAULT_BANKS, (0, 0), bank_values(rate))
+
+
+def read_default(c: Cells) -> Rate:
+    while True:
+        s = wait_unlocked(c)
+        vals = pick(c, K.DEFAULT_BANKS, (0, 0), s)
+        if c.load(K.CFG_SEQ) == s:
+            if vals is None:
+                raise _corrupt("the default rate")
+            return rate_of(vals)
+        os.sched_yield()
+
+
+class Overrides:
+    """The bounded override table: ``novr`` entries of three lines, probed from the digest's home (``D1``)."""
+
+    def __init__(self, c: Cells, novr: int) -> None:
+        self.c = c
+        self.novr = novr
+        self.base = K.overrides_offset()
+
+    def _entries(self, d: Tuple[int, int]):
+        home = (d[1] * self.novr) >> 64
+        for i in range(min(K.PROBE, self.novr)):
+            yield self.base + ((home + i) % self.novr) * K.OVR_LINES * K.LINE
+
+    @staticmethod
+    def _banks(e: int) -> Tuple[int, int]:
+        return (e + K.O_BANKS[0], e + K.O_BANKS[1])
+
+    def _is(self, e: int, d: Tuple[int, int]) -> bool:
+        return self.c.load(e + K.O_D0) == d[0] and self.c.load(e + K.O_D1) == d[1]
+
+    def _find(self, d: Tuple[int, int], claimed: bool = False) -> Optional[int]:
+        """The LIVE entry of digest ``d`` (or, with ``claimed``, one a writer claimed for it)."""
+        c = self.c
+        for e in self._entries(d):
+            ctl = c.load(e + K.O_CTRL)
+            if ctl == K.O_EMPTY:
+                return None
+            state = K.o_state(ctl)
+            if (state == K.O_LIVE or (claimed and state == K.O_CLAIM)) and self._is(e, d):
+                return e
+        return None
+
+    def _vals(self, e: int, seq: int) -> Optional[Tuple[int, ...]]:
+        return pick(self.c, self._banks(e), (self.c.load(e + K.O_D0), self.c.load(e + K.O_D1)), seq)
+
+    def get(self, d: Tuple[int, int]) -> Optional[Rate]:
+        c = self.c
+        while True:
+            s = wait_unlocked(c)
+            e = self._find(d) if self.novr else None
+            vals = self._vals(e, s) if e is not None else None
+            if c.load(K.CFG_SEQ) == s:
+                if e is not None and vals is None:
+                    raise _corrupt("this key's override")
+                return None if vals is None or not vals[3] else rate_of(vals)
+            os.sched_yield()
+
+    def _free(self, e: int, ctl: int, seq: int, mine: int) -> bool:
+        """Whether entry ``e`` (CTRL ``ctl``) may be claimed: empty, freed, claimed by a writer that
+        is gone, or LIVE with its override removed (or no bank valid)."""
+        state = K.o_state(ctl)
+        if ctl == K.O_EMPTY or state == K.O_TOMB:
+            return True
+        if state == K.O_CLAIM:
+            return not alive(K.o_owner(ctl), mine)
+        if state == K.O_LIVE:
+            vals = self._vals(e, seq)
+            return vals is None or not vals[3]
+        return False
+
+    def _take(self, e: int, ctl: int, lock: ConfigLock) -> Optional[int]:
+        """CAS entry ``e``'s CTRL from ``ctl`` (loaded before this call) to a claim of ours: that
+        claim, or None if the word moved.  The lock is checked between the load and the CAS, and
+        every CTRL a writer stores carries its generation's tag: a writer taken over that resumes
+        with this CAS in hand misses, since the word it expects was loaded before any newer writer
+        took the lock and never comes back (before, LIVE -> CLAIM -> LIVE came back, and a late
+        claim took over, then gave back, an override a newer writer had just published)."""
+        if not lock.held():
+            raise _taken_over()
+        claim = K.o_ctrl(K.O_CLAIM, K.owner(os.getpid()), lock.gen)
+        return claim if self.c.cas(e + K.O_CTRL, ctl, claim) else None
+
+    def _claim(self, d: Tuple[int, int], lock: ConfigLock) -> Tuple[int, int]:
+        """Claim an entry for digest ``d`` (CAS to CLAIM | us), its digest written: ``(entry, ctrl)``."""
+        c = self.c
+        mine = K.owner(os.getpid())
+        for e in self._entries(d):
+            ctl = c.load(e + K.O_CTRL)
+            if not self._free(e, ctl, lock.seq, mine):
+                continue
+            claim = self._take(e, ctl, lock)
+            if claim is None:
+                continue
+            # Our claim, which no one else takes while we live: a late store of ours lands only here.
+            c.store(e + K.O_D0, d[0])
+            c.store(e + K.O_D1, d[1])
+            return e, claim
+        raise ValueError(
+            f"the override table is full near this key ({self.novr} entries): remove overrides, "
+            f"or create the keyed limiter with a larger overrides="
+        )
+
+    def set(self, d: Tuple[int, int], rate: Rate) -> None:
+        """Give digest ``d`` the rate ``rate``.  ``OVR_LIVE`` may count too many (the composite then
+        probes for nothing) but never too few: it counts an override before it can be in force,
+        and takes the count back only where it never was."""
+        if not self.novr:
+            raise ValueError("this keyed limiter was created with overrides=0: it has no room for per-key rates")
+        c = self.c
+        lock = ConfigLock(c)
+        e, claimed, counted = 0, 0, False
+        try:
+            with lock:
+                while True:
+                    e = self._find(d, claimed=True)
+                    if e is None:
+                        e, claimed = self._claim(d, lock)
+                        counted = True
+                        break
+                    ctl = c.load(e + K.O_CTRL)
+                    if K.o_state(ctl) == K.O_CLAIM:
+                        # claimed for this key, never made LIVE: ours now, by CAS (its claimer, if it
+                        # is late, then neither publishes it nor gives it back)
+                        claimed = self._take(e, ctl, lock) or 0
+                        if not claimed:
+                            continue
+                        counted = True
+                        break
+                    if K.o_state(ctl) == K.O_LIVE:
+                        vals = self._vals(e, lock.seq)
+                        counted = vals is None or not vals[3]  # it was removed
+                        break
+                if counted:
+                    c.fetch_add(K.OVR_LIVE, 1)
+                lock.write_banks(self._banks(e), d, bank_values(rate))
+        finally:
+            if lock.published and claimed and self._vals(e, lock.gen) is None:
+                lock.published = False  # interrupted before a bank was whole: this entry never goes LIVE
+            if not lock.published:
+                if counted:
+                    c.fetch_add(K.OVR_LIVE, _MASK64)  # -1
+                if claimed:  # our own claim goes back (unless a newer writer took it)
+                    c.cas(e + K.O_CTRL, claimed, K.o_ctrl(K.O_TOMB, 0, lock.gen))
+            elif claimed and not c.cas(e + K.O_CTRL, claimed, K.o_ctrl(K.O_LIVE, 0, lock.gen)):
+                c.fetch_add(K.OVR_LIVE, _MASK64)  # another made it LIVE, and counted it
+
+    def remove(self, d: Tuple[int, int]) -> bool:
+        c = self.c
+        with ConfigLock(c) as lock:
+            e = self._find(d) if self.novr else None
+            if e is None:
+                return False
+            vals = self._vals(e, lock.seq)
+            if vals is not None and not vals[3]:
+                return False
+            lock.write_banks(self._banks(e), d, bank_values(None))
+        if vals is not None:
+            c.fetch_add(K.OVR_LIVE, (1 << 64) - 1)
+        return True
+
+    def count(self) -> int:
+        return self.c.load(K.OVR_LIVE)

@@ -1,0 +1,167 @@
+"""The keyed segment's fixed, versioned layout: byte offsets of every word.
+
+A keyed segment holds many independent limits, one per key, in a table of
+64-byte slots.  Every word is an unsigned 64-bit cell (see ``cells``).
+
+    line  0  header     MAGIC VERSION SIZE STATE PSLOTS CREATOR_PID CREATED_NS KIND (1 GCRA, 2 windows)
+    line  1  config     CFG_SEQ, then the default rate's bank A: RATE PER BURST T TAU GEN SUM
+    line  2  geometry   NKEYS NOVR PROBE SECRET0 SECRET1 - - -
+    line  3  KEYS_LIVE  keys in LIVE slots
+    line  4  EVICTED    keys given up (their bucket was full again)
+    line  5  REFUSED    new keys refused: every slot of their window held a limited key
+    line  6  OVR_LIVE   live overrides (the override table is probed only when nonzero)
+    line  7  UNREG_GRANTS: grants of processes beyond the process table
+    line  8  -, then the default rate's bank B: RATE PER BURST T TAU GEN SUM
+    lines 9..15 reserved (zero)
+    then PSLOTS process slots of one line each: PID START GRANTS WAITING BASE - - -
+         (the format of ``table.ProcessTable``, at the same offset as in a Limiter segment)
+    then NOVR override entries of three lines: CTRL D0 D1 - - - - -, then its bank A, then its bank B
+         (CTRL state | owner << 8 | tag << 40: state 0 empty, 1 live, 2 tomb, 3 claimed by the writer
+         owner; tag the low 24 bits of the storing writer's generation: see ``o_ctrl``)
+    then NKEYS key slots:        CTRL D0 D1 V0 V1 V2 V3 V4
+
+A *bank* is words 1..7 of a line: ``RATE PER BURST`` (IEEE-754 bits, for
+display), ``T`` the emission interval (ticks per op), ``TAU`` the burst
+tolerance (ticks), each stored XOR-ed with ``bank_mask(GEN, i)``, ``GEN`` the
+even ``CFG_SEQ`` its writer publishes as, and ``SUM`` a checksum over GEN, the
+key's digest (zero for the default) and the five (unmasked) values.  Every config (the default, each override) has two banks; readers
+take the valid bank of the newest generation (``keyed_gcra``).  An override
+whose newest bank has ``T == 0`` was removed.  A tick is 1/16 ns of
+CLOCK_MONOTONIC.  A slot's words: ``CTRL`` = state | owner pid << 8 |
+generation << 40, ``D0 D1`` the key's 128-bit keyed digest (SipHash-2-4-128
+under the segment's secret), ``V0..V4`` the value kind's words.  The slot
+protocol (``keyed_cells``) knows one thing about values: ``V0`` is the expiry
+word (see there).
+"""
+from __future__ import annotations
+
+import os
+
+# Line 0 is the header every kind of segment shares (see layout), with the process slots' count
+# in its SLOTS word and the value kind in its last one; line 1 begins, as in every kind, with the
+# config's sequence word and the rate (IEEE-754 bits).
+from shmlimit.shm.layout import (  # noqa: F401 (this layout's names too)
+    CFG_BURST, CFG_PER, CFG_RATE, CFG_SEQ, CREATED_NS_OFF, CREATOR_PID_OFF, LINE, MAGIC_OFF, SIZE_OFF,
+    STATE_INIT, STATE_OFF, STATE_READY, VERSION_OFF,
+)
+from shmlimit.shm.layout import SLOTS_OFF as PSLOTS_OFF
+from shmlimit.shm.layout import bank_mask, config_sum, words  # bank_mask: the keyed banks are masked alike
+
+MAGIC = int.from_bytes(b"SHMLKEYS", "little")
+#: 2: every config in two checksummed banks (a config writer taken over cannot publish late);
+#: 3: a bank's values stored masked by their generation and written by CAS (late writers miss)
+VERSION = 3
+
+KIND_OFF = words(0, 8)[7]
+
+#: Value kinds a keyed table may hold.  The slot protocol is the same for all of them.
+KIND_GCRA = 1
+#: Window counters (fixed window, sliding window counter: ``keyed_windows``), the ``limits`` storage's
+#: table; its config line is zero and it has no override entries.
+KIND_WINDOWS = 2
+KINDS = (KIND_GCRA, KIND_WINDOWS)
+
+# a bank: words 1..7 of its line (byte offsets within the line)
+B_RATE, B_PER, B_BURST, B_T, B_TAU, B_GEN, B_SUM = words(0, 8)[1:]
+B_VALUES = (B_RATE, B_PER, B_BURST, B_T, B_TAU)
+
+# line 1 after CFG_SEQ is the default's bank A; its backup, bank B, is line 8
+CFG_T, CFG_TAU, CFG_GEN, CFG_SUM = words(1, 8)[4:]
+DEFAULT_BANKS = (1 * LINE, 8 * LINE)
+#: The default's bank B lies this many lines after CFG_SEQ's (the composite is given CFG_SEQ's offset).
+DEFAULT_BACKUP_LINES = 7
+
+# line 2: the geometry and the keyed hash's secret
+NKEYS_OFF, NOVR_OFF, PROBE_OFF, SECRET0_OFF, SECRET1_OFF = words(2, 5)
+
+KEYS_LIVE = 3 * LINE
+EVICTED = 4 * LINE
+REFUSED = 5 * LINE
+OVR_LIVE = 6 * LINE
+UNREG_GRANTS = 7 * LINE
+
+HEADER_BYTES = 16 * LINE
+PSLOTS = 128
+
+# a key slot (word offsets within its line)
+S_CTRL, S_D0, S_D1, S_V0, S_V1, S_V2, S_V3, S_V4 = words(0, 8)
+SLOT_BYTES = LINE
+
+# slot states (CTRL & 0xff)
+EMPTY = 0
+BUSY = 1  #: claimed by its owner; the digest is not valid yet
+PEND = 2  #: digest valid; the owner checks for a concurrent insert of the same key
+LIVE = 3
+TOMB = 4
+
+# an override entry: three lines (CTRL D0 D1 in the first, then bank A, then bank B)
+OVR_LINES = 3
+O_CTRL, O_D0, O_D1 = words(0, 3)
+O_BANKS = (1 * LINE, 2 * LINE)
+#: CTRL: ``state | owner << 8 | tag << 40``, the state in its low byte: EMPTY (the whole word zero)
+#: ends a probe; LIVE an entry in use; TOMB one a writer gave back; CLAIM taken by the writer
+#: ``owner`` that has not published it yet.  ``tag`` is the low 24 bits of the generation of the
+#: writer that stored the word, so the word never comes back to a value a late writer loaded.
+O_EMPTY, O_LIVE, O_TOMB, O_CLAIM = 0, 1, 2, 3
+
+
+def o_ctrl(state: int, owner: int, gen: int) -> int:
+    """An override entry's CTRL word, stored by the writer of generation ``gen``."""
+    return state | (owner & 0xFFFFFFFF) << 8 | (gen >> 1 & 0xFFFFFF) << 40
+
+
+def o_state(ctl: int) -> int:
+    return ctl & 0xFF
+
+
+def o_owner(ctl: int) -> int:
+    return ctl >> 8 & 0xFFFFFFFF
+
+DEFAULT_OVERRIDES = 1024
+
+
+def default_overrides(keys: int) -> int:
+    """Override entries when none are asked for: one per 16 key slots, from 16 up to 1024."""
+    return max(16, min(DEFAULT_OVERRIDES, keys // 16))
+
+MAX_KEYS = 1 << 26
+MAX_OVERRIDES = 1 << 16
+#: Slots a key may sit from its home slot (and the most a lookup ever reads).
+PROBE = 32
+
+TICK_SHIFT = 4  #: ticks per ns = 1 << TICK_SHIFT
+DEAD = 1 << 63  #: V0's eviction flag (the value below it is kept)
+
+# the value kind GCRA: V0 = theoretical arrival time (ticks), V1 = grants, V2..V4 = display
+DISPLAY_BYTES = 23
+
+
+def overrides_offset(pslots: int = PSLOTS) -> int:
+    return HEADER_BYTES + pslots * LINE
+
+
+def slots_offset(novr: int, pslots: int = PSLOTS) -> int:
+    return overrides_offset(pslots) + novr * OVR_LINES * LINE
+
+
+def segment_size(nkeys: int, novr: int, pslots: int = PSLOTS) -> int:
+    return slots_offset(novr, pslots) + nkeys * SLOT_BYTES
+
+
+def ctrl(state: int, pid: int, gen: int) -> int:
+    return state | (pid & 0xFFFFFFFF) << 8 | (gen & 0xFFFFFF) << 40
+
+
+#: An inserter's owner field in CTRL: its pid (below 2**22, Linux's PID_MAX_LIMIT) and above it a
+#: 10-bit tag of its PID namespace, so that processes of another namespace sharing /dev/shm are
+#: never judged by a pid that means nothing here.
+PID_BITS = 22
+
+
+def owner(pid: int) -> int:
+    """This process's owner field: ``pid | namespace tag << PID_BITS``."""
+    try:
+        tag = os.stat("/proc/self/ns/pid").st_ino & 0x3FF
+    except OSError:  # pragma: no cover - no /proc
+        tag = 0
+    return (pid & ((1 << PID_BITS) - 1)) | tag << PID_BITS

@@ -1,0 +1,526 @@
+"""``KeyedLimiter``: thousands of independent limits, one per key, in one shared-memory segment.
+
+Each key (a str or bytes: a client IP, an API key, a domain) has its own GCRA
+state -- one theoretical-arrival-time word in a 64-byte slot -- so there is no
+filler thread per key.  Slots are found by a keyed 128-bit digest of the key
+under a per-segment random secret, within a bounded window of slots; a key
+whose bucket is full again holds no information and its slot may be reused,
+while a key that is still limited is never evicted (see ``keyed_cells``).
+
+Data flows one way: KeyedLimiter -> keyed_gcra (config, overrides) and the
+atomic layer's keyed composite (``keyed_cells`` / the native ``KeyedTable``)
+-> cells -> segment.
+"""
+from __future__ import annotations
+
+import asyncio
+import math
+import mmap
+import os
+import threading
+import time
+import weakref
+from typing import Any, Dict, Optional, Tuple
+
+from shmlimit.keyed import cells as KC
+from shmlimit.keyed import layout as K
+from shmlimit.shm.cells import Cells
+from shmlimit.config import carried_per, validate_reconfigure, validate_timeout
+from shmlimit.errors import ConfigMismatchError, KeyTableFullError, SegmentError
+from shmlimit.keyed.gcra import TICKS_PER_S, Overrides, Rate, make_rate, publish_default, read_default
+from shmlimit.keyed.segment import Geometry, check_geometry, open_segment
+from shmlimit.keyed.stats import KeyedProcess, KeyedStats, KeySample, inspect_keyed, sample_keys, snapshot_of
+from shmlimit.rate_group import RatesSwitch, group_options
+from shmlimit.registry import Registry, release_on_gc
+from shmlimit.shm.segment import Segment, validate_mode, validate_name, validate_trusted_uids
+from shmlimit.shm.segment import unlink as _unlink_name
+from shmlimit.shm.table import ProcessTable, is_alive, proc_start, slot_alive
+
+__all__ = ["KeyedLimiter", "KeyedProcess", "KeyedStats", "KeySample", "attach_keyed", "inspect_keyed", "sample_keys"]
+
+
+
+class _Closed:
+    def acquire(self, *a: Any) -> int:
+        raise ValueError("keyed limiter is closed in this process")
+
+    def try_acquire(self, *a: Any) -> bool:
+        raise ValueError("keyed limiter is closed in this process")
+
+    def digest(self, key: object) -> Tuple[int, int]:
+        raise ValueError("keyed limiter is closed in this process")
+
+
+_CLOSED = _Closed()
+
+
+class _Attachment:
+    """One process's mapping of one keyed segment, shared by all its handles."""
+
+    def __init__(self, name: str, seg: Segment, cells: Cells, geo: Geometry, join: bool = True) -> None:
+        self.name, self.seg, self.cells, self.geo = name, seg, cells, geo
+        self.created = seg.created
+        self.table = ProcessTable(cells, K.PSLOTS)
+        self.overrides = Overrides(cells, geo.overrides)
+        self.secret = (cells.load(K.SECRET0_OFF), cells.load(K.SECRET1_OFF))
+        self.refs = 0
+        self.closed = False
+        self.slot: Optional[int] = None
+        self.kt: Any = _CLOSED
+        self.pid = os.getpid()
+        #: This process is registered in the process table (or found it full).  Opening
+        #: registers; a forked child is not, until its first use (``use``), so a child that never
+        #: uses an inherited limiter is never listed and one that leaves with ``os._exit`` leaves
+        #: no dead entry.  Until then its handles take the slow path (``KeyedLimiter._slow``).
+        self.joined = False
+        #: Every handle on this attachment in this process: after fork, the child points their
+        #: ``try_acquire`` back at the slow path, which registers on the first call.
+        self.handles: "weakref.WeakSet[KeyedLimiter]" = weakref.WeakSet()
+        self._use_lock = threading.Lock()
+        if join:
+            self.join()
+
+    def join(self) -> None:
+        """Register this process in the process table and bind the keyed composite to its slot."""
+        if self.kt is _CLOSED:
+            _prefault(self.seg)
+        self.pid = os.getpid()
+        start = proc_start(self.pid)
+        self.slot = self.table.register(self.pid, start if start and start > 0 else 0)
+        self.joined = True
+        grants = K.UNREG_GRANTS if self.slot is None else K.HEADER_BYTES + self.slot * K.LINE + 16
+        if self.kt is not _CLOSED:  # after fork: the same object, so every handle's bound calls follow
+            self.kt.rebind(grants, K.owner(self.pid))
+            return
+        self.kt = self.cells.keyed_table(
+            K.CFG_SEQ, K.OVR_LIVE, K.overrides_offset(), self.geo.overrides, K.slots_offset(self.geo.overrides),
+            self.geo.keys, self.geo.probe, self.secret[0], self.secret[1],
+            K.KEYS_LIVE, K.EVICTED, K.REFUSED, grants, K.owner(self.pid),
+        )
+
+    def use(self) -> None:
+        """This process uses the limiter: register it if it is not yet (a forked child's first use)."""
+        with self._use_lock:
+            if not self.joined and not self.closed and self.pid == os.getpid():
+                self.join()
+
+    def after_fork_in_child(self) -> None:
+        """The parent's process slot is not ours: count as unregistered until the first use.
+
+        The composite is rebound at once, not at the first use: it must insert
+        keys as *this* pid, so that an insert this child dies in the middle of
+        is reclaimed by the next inserter (the parent, still alive, would make
+        the slot look held forever); and its grants must not land in the
+        parent's slot.
+        """
+        self._use_lock = threading.Lock()  # the parent's may have been held by a thread not copied
+        self.pid = os.getpid()
+        self.slot = None
+        self.joined = False
+        if self.kt is not _CLOSED:
+            self.kt.rebind(K.UNREG_GRANTS, K.owner(self.pid))
+        for h in list(self.handles):
+            h.__dict__.pop("try_acquire", None)  # back to the class's method: the slow path
+
+    def detach(self) -> None:
+        if self.closed:
+            return
+        self.closed = True
+        self.kt = _CLOSED
+        if self.slot is not None and self.pid == os.getpid():
+            self.table.unregister(self.slot, self.pid)
+        self.cells.close()
+        self.seg.close()
+
+
+#: madvise(MADV_POPULATE_WRITE), Linux 5.14+: map every page of the table now (about 12 ms per
+#: 50 MB), so that a new key's first use pays no page fault (about a third of its cost).
+_POPULATE_WRITE = getattr(mmap, "MADV_POPULATE_WRITE", 23)
+
+
+def _prefault(seg: Segment) -> None:
+    try:
+        seg.mm.madvise(_POPULATE_WRITE)
+    except (OSError, ValueError, AttributeError):  # an older kernel: pages fault in on first use
+        pass
+
+
+_registry: Registry[_Attachment] = Registry(after_fork=lambda att: att.after_fork_in_child())
+
+
+def _open(
+    name: str, rate: Optional[Rate], geo: Optional[Geometry], mode: int, trusted: frozenset, reconfigure: bool = False
+) -> _Attachment:
+    def make() -> _Attachment:
+        seg, cells, real = open_segment(name, geo, rate, mode, trusted)
+        if real.kind != K.KIND_GCRA:
+            cells.close()
+            seg.close()
+            raise SegmentError(f"segment {name!r} holds window counters (a limits storage), not a KeyedLimiter")
+        att = _Attachment(name, seg, cells, real, join=False)
+        try:
+            if rate is not None and not seg.created:
+                _adopt(att, rate, geo, reconfigure)  # before registering, as attachment.adopt_config
+            att.join()
+            _check(name, att, rate, geo)
+        except BaseException:
+            att.detach()
+            raise
+        return att
+
+    def check(att: _Attachment) -> None:
+        if reconfigure and rate is not None:
+            _adopt(att, rate, geo, True)
+        _check(name, att, rate, geo)
+
+    return _registry.open(name, make, check)
+
+
+def _adopt(att: _Attachment, rate: Rate, geo: Optional[Geometry], reconfigure: bool) -> None:
+    """Publish ``rate`` as the default if no live process uses the segment (or ``reconfigure``).
+
+    The same rule as a ``Limiter``'s (``attachment.adopt_config``): a
+    redeploy with a changed rate boots.  The geometry (keys, overrides) is
+    the segment's size and never changes: a different one stays a mismatch.
+    """
+    if read_default(att.cells) == rate or (geo is not None and geo != att.geo):
+        return
+    creator = att.cells.load(K.CREATOR_PID_OFF)
+    live = any(slot_alive(e.pid, e.start, e.pidns) for e in att.table.entries())
+    if reconfigure or not (live or (0 < creator <= 0xFFFFFFFF and is_alive(creator, 0))):
+        publish_default(att.cells, rate)
+
+
+def _check(name: str, att: _Attachment, rate: Optional[Rate], geo: Optional[Geometry]) -> None:
+    if rate is None:
+        return
+    cur = read_default(att.cells)
+    if cur != rate or (geo is not None and geo != att.geo):
+        raise ConfigMismatchError(
+            name,
+            f"{cur.describe()} keys={att.geo.keys} overrides={att.geo.overrides}",
+            f"{rate.describe()} keys={geo.keys if geo else att.geo.keys} overrides={geo.overrides if geo else att.geo.overrides}",
+            live=geo is None or geo == att.geo,  # only the rate can be reconfigured
+        )
+
+
+def _release(att: _Attachment, detach: bool) -> None:
+    _registry.release(att, detach)
+
+
+#: An untimed call whose key's insert is held by a stalled inserter (``keyed_cells.BUSY``, after
+#: ``PEND_NS`` of waiting inside the call) tries again after this nap (seconds), back in Python
+#: each time so that a signal can interrupt it.
+BUSY_NAP = 0.001
+
+
+def _ticks(seconds: float) -> int:
+    """A wait in ticks, at most ``MAX_WAIT``: a finite wait past about 1e298 s is infinite in ticks
+    (its float product), which ``int`` refuses, so the product is compared before converting."""
+    ticks = seconds * TICKS_PER_S
+    return KC.MAX_WAIT if ticks >= KC.MAX_WAIT else int(ticks)
+
+
+def _sleep_until(deadline_ns: int) -> None:
+    while True:
+        left = deadline_ns - time.monotonic_ns()
+        if left <= 0:
+            return
+        time.sleep(left / 1e9)
+
+
+class KeyedLimiter(RatesSwitch):
+    """One rate limit per key -- ``rate`` ops per ``per`` seconds for each -- shared by every process.
+
+    ``KeyedLimiter(name, rate=10, per=1.0, burst=None, keys=100_000)``
+    creates the segment, or attaches if it exists with the same configuration
+    (a different one raises ``ConfigMismatchError``; without ``rate`` it
+    attaches to whatever is there).  ``rate`` may be a rate string such as
+    ``"10/s"`` or ``"600/min"`` (it sets ``per`` too).  A different default
+    rate is taken when no live process uses the segment (a redeploy), or with
+    ``reconfigure=True`` (every attached process at once, as ``set_rate``).
+    ``burst`` is each key's capacity in ops
+    (default: 10 ms of schedule, at least one op).  ``keys`` is the number of
+    64-byte key slots: size it for the keys that may be *limited at the same
+    time*; a key whose bucket is full again gives its slot up.  ``overrides``
+    bounds the per-key rates set with ``set_rate(..., key=)``; ``mode`` is the
+    segment's permission bits.
+
+    A key is a ``str`` (its UTF-8 bytes) or ``bytes``, at most 4096 bytes.
+    Per key, grants in any window of T seconds never exceed
+    ``rate*T/per + capacity``, across every attached process.
+
+    ``KeyedLimiter(name, rates=["10/s", "600/h"])`` (or a dict of named
+    rates, each call naming its costs) holds every key to several rates at
+    once, all or nothing: see ``keyed_multi``.
+    """
+
+    @classmethod
+    def _several(cls, name: str, rates: Any, rate: Any, per: Any, burst: Any, args: Tuple[Any, ...],
+                 kwargs: Dict[str, Any]) -> Any:
+        """``KeyedLimiter(name, rates=...)``: several rates per key (keyed_multi.py), one segment per rate."""
+        from shmlimit.keyed.multi import MultiKeyedLimiter
+
+        return MultiKeyedLimiter(cls, name, rates, **group_options(
+            rate, per, burst, args, kwargs, ("keys", "overrides", "mode", "trusted_uids", "reconfigure", "clock"),
+            one="one rate per key", example="['10/s', ('600/min', 20)]",
+        ))
+
+    def __init__(
+        self,
+        name: str,
+        rate: Any = None,
+        per: float = 1.0,
+        burst: Optional[float] = None,
+        keys: int = 100_000,
+        *,
+        overrides: Optional[int] = None,
+        mode: int = 0o600,
+        trusted_uids: Any = (),
+        reconfigure: bool = False,
+        rates: None = None,
+    ) -> None:
+        validate_name(name)
+        validate_reconfigure(reconfigure, rate is not None, "the default rate to apply")
+        geo = check_geometry(keys, K.default_overrides(keys) if overrides is None and isinstance(keys, int) else overrides)
+        r = None if rate is None else make_rate(rate, per, burst)
+        validate_mode(mode)
+        self._name = name
+        self._att: Optional[_Attachment] = None
+        trusted = validate_trusted_uids(trusted_uids)
+        self._att = att = _open(name, r, geo if r is not None else None, mode, trusted, reconfigure)
+        att.handles.add(self)
+        if att.joined:
+            self._bind_fast(att)
+
+    def _bind_fast(self, att: _Attachment) -> None:
+        # The hot path without a Python frame: the native composite's own try_acquire, bound to
+        # this attachment (rebound in place after fork; it refuses to run once the cells are
+        # closed).  A forked child's handles lose it until the child registers (``_use``).
+        self.try_acquire = att.kt.try_acquire  # type: ignore[method-assign]
+
+    def _use(self) -> _Attachment:
+        """The live attachment, this process registered in it (a forked child's first use registers)."""
+        att = self._live()
+        if not att.joined:
+            att.use()
+        if att.joined and "try_acquire" not in self.__dict__ and self._att is att:
+            self._bind_fast(att)
+        return att
+
+    # -- identity and lifecycle ----------------------------------------------------
+
+    @property
+    def name(self) -> str:
+        return self._name
+
+    @property
+    def closed(self) -> bool:
+        return self._att is None
+
+    @property
+    def created(self) -> bool:
+        """True if this process created (and initialised) the segment."""
+        return self._live().created
+
+    @property
+    def backend(self) -> str:
+        return self._live().cells.backend
+
+    @property
+    def slots(self) -> int:
+        """Key slots in the table."""
+        return self._live().geo.keys
+
+    def _live(self) -> _Attachment:
+        att = self._att
+        if att is None:
+            raise ValueError(f"keyed limiter {self._name!r} is closed in this process")
+        return att
+
+    def _rate(self) -> Rate:
+        return read_default(self._live().cells)
+
+    @property
+    def rate(self) -> float:
+        """The default rate: ops per ``per`` seconds, for every key without an override."""
+        return self._rate().rate
+
+    @property
+    def per(self) -> float:
+        """Seconds."""
+        return self._rate().per
+
+    @property
+    def capacity(self) -> float:
+        """Each key's default burst (ops)."""
+        return self._rate().burst
+
+    def close(self) -> None:
+        """Detach this handle.  The segment stays (use ``unlink``); other processes are unaffected."""
+        att, self._att = self._att, None
+        self.__dict__.pop("try_acquire", None)
+        if att is not None:
+            _release(att, detach=True)
+
+    def unlink(self) -> None:
+        """Remove the segment's name.  Processes still attached keep working on their mapping."""
+        _unlink_name(self._name)
+
+    def __reduce__(self):
+        return (attach_keyed, (self._name,))
+
+    def __del__(self) -> None:
+        release_on_gc(self, _release)
+
+    # -- acquiring ---------------------------------------------------------------------
+
+    def _call(self, key: object, n: int, max_wait: int) -> int:
+        return self._use().kt.acquire(key, n, max_wait)
+
+    def _call_untimed(self, key: object, n: int) -> int:
+        """An untimed call: a key whose insert another live process has stalled (``KC.BUSY``) is
+        tried again until that process moves on or dies (a try or a timed call refuses instead)."""
+        while (r := self._call(key, n, KC.MAX_WAIT)) == KC.BUSY:
+            time.sleep(BUSY_NAP)
+        return r
+
+    def try_acquire(self, key: object, n: int = 1) -> bool:
+        """Take ``n`` ops for ``key`` only if they are available now; never waits.
+
+        False (taking nothing) when the key is limited, when ``n`` exceeds the
+        key's capacity, or when the key is new and the table has no slot for it
+        (counted in ``stats().refused_full``).  A new key whose insert another
+        live process has left half-done (stopped mid-insert) is refused after
+        0.2 s of waiting for it, not waited for without end.
+        """
+        # (a handle of a registered process calls the native one directly: this is the slow path)
+        return self._use().kt.try_acquire(key, n)
+
+    def reserve(self, key: object, n: int = 1, max_wait: Optional[float] = None) -> Optional[float]:
+        """Claim ``n`` ops for ``key`` and return the seconds to wait before using them (0.0: now).
+
+        None, taking nothing, when the wait would exceed ``max_wait`` (seconds)
+        or the table has no slot for a new key; untimed, a full table raises
+        ``KeyTableFullError`` and an ``n`` above the capacity ``ValueError``.
+        """
+        mw = validate_timeout(max_wait, "max_wait")
+        r = self._call_untimed(key, n) if mw is None else self._call(key, n, _ticks(mw))
+        if r >= 0:
+            return r / TICKS_PER_S
+        if mw is None:
+            self._untimed_failure(r, n)
+        return None
+
+    def _untimed_failure(self, r: int, n: int) -> None:
+        if r == KC.FULL:
+            raise KeyTableFullError(self._name, self.slots)
+        if r == KC.NEVER:
+            raise ValueError(f"n must be at most this key's capacity ({self._cap_for_error()} ops), got {n}")
+        raise ValueError(f"the wait for n={n} exceeds {KC.MAX_WAIT / TICKS_PER_S:.0f} s")
+
+    def _cap_for_error(self) -> str:
+        return f"{self.capacity:g} by default"
+
+    def acquire(self, key: object, n: int = 1, timeout: Optional[float] = None) -> bool:
+        """Take ``n`` ops for ``key``, waiting as needed; True once granted.
+
+        With ``timeout`` (seconds) it returns False at once, taking nothing,
+        when the wait the key's schedule implies exceeds it, or when the key is
+        new and the table is full (or its insert is held by a process stopped
+        midway, for 0.2 s).  Untimed, a full table raises ``KeyTableFullError``
+        and ``n`` above the key's capacity ``ValueError``; a stalled insert of the
+        same key is waited for, interruptibly.
+        """
+        t = validate_timeout(timeout)
+        r = self._call_untimed(key, n) if t is None else self._call(key, n, _ticks(t))
+        if r >= 0:
+            if r:
+                _sleep_until(time.monotonic_ns() + (r >> K.TICK_SHIFT) + 1)
+            return True
+        if t is None:
+            self._untimed_failure(r, n)
+        return False
+
+    async def acquire_async(self, key: object, n: int = 1, timeout: Optional[float] = None) -> bool:
+        """``acquire`` for asyncio: waits with ``asyncio.sleep``, never blocking the event loop.
+
+        A waiter cancelled after its ops were taken spends them unused (giving
+        them back could let a later caller exceed the key's rate).
+        """
+        t = validate_timeout(timeout)
+        r = self._call(key, n, KC.MAX_WAIT if t is None else _ticks(t))
+        while r == KC.BUSY and t is None:  # as _call_untimed, sleeping on the loop
+            await asyncio.sleep(BUSY_NAP)
+            r = self._call(key, n, KC.MAX_WAIT)
+        if r >= 0:
+            deadline = time.monotonic_ns() + (r >> K.TICK_SHIFT) + 1
+            while (left := deadline - time.monotonic_ns()) > 0:
+                await asyncio.sleep(left / 1e9)
+            return True
+        if t is None:
+            self._untimed_failure(r, n)
+        return False
+
+    def retry_after(self, key: object, n: int = 1) -> float:
+        """Seconds until ``n`` ops could be granted for ``key`` (0.0 if now; inf if never).  Takes nothing."""
+        r = self._call(key, n, -1)
+        return math.inf if r == KC.NEVER else r / TICKS_PER_S
+
+    # -- configuration -------------------------------------------------------------------
+
+    def set_rate(self, rate: Any, per: Optional[float] = None, burst: Optional[float] = None, key: object = None) -> None:
+        """Change the default rate of every key, or (with ``key``) give one key a rate of its own.
+
+        Applies from the next call in every attached process.  ``rate`` may be
+        a rate string (``"10/s"``, ``"600/min"``: it sets ``per`` too).  ``per``
+        defaults to the current value, ``burst`` to the default for the new
+        rate.  A key's override lives in a table of its own (``overrides=``
+        entries), so it survives the key's eviction; ``remove_override``
+        drops it.  A key's schedule so far is kept: only new grants are priced
+        by the new rate.
+        """
+        att = self._live()
+        cur = read_default(att.cells)
+        if per is None:  # a rate string "N/unit" carries its window
+            per = carried_per(rate)
+        if key is None:
+            publish_default(att.cells, make_rate(rate, cur.per if per is None else per, burst))
+            return
+        d = att.kt.digest(key)
+        old = att.overrides.get(d)
+        new = make_rate(rate, (old or cur).per if per is None else per, burst)
+        att.overrides.set(d, new)
+
+    def override(self, key: object) -> Optional[Tuple[float, float, float]]:
+        """``(rate, per, burst)`` of ``key``'s own rate, or None when it follows the default."""
+        att = self._live()
+        r = att.overrides.get(att.kt.digest(key))
+        return None if r is None else (r.rate, r.per, r.burst)
+
+    def remove_override(self, key: object) -> bool:
+        """Make ``key`` follow the default rate again; False if it had no override."""
+        att = self._live()
+        return att.overrides.remove(att.kt.digest(key))
+
+    # -- observation ---------------------------------------------------------------------
+
+    def stats(self) -> KeyedStats:
+        """A snapshot of the table and its counters (reads only; never a scan of the key slots)."""
+        att = self._live()
+        return snapshot_of(self._name, att.cells, att.geo, att.seg.size)
+
+    def __repr__(self) -> str:
+        if self._att is None:
+            return f"<shmlimit.KeyedLimiter {self._name!r} closed>"
+        s = self.stats()
+        return (
+            f"<shmlimit.KeyedLimiter {s.name!r} rate={s.rate:g}/{s.per:g}s capacity={s.capacity:g} per key "
+            f"keys={s.keys}/{s.slots} evicted={s.evicted} refused_full={s.refused_full} grants={s.grants} "
+            f"overrides={s.overrides} processes={len(s.processes)} backend={s.backend}>"
+        )
+
+
+def attach_keyed(name: str) -> KeyedLimiter:
+    """Attach to an existing keyed limiter by name, whatever its configuration."""
+    return KeyedLimiter(name)

@@ -1,0 +1,258 @@
+"""Several rates per key: ``KeyedLimiter(name, rates=[...])`` and ``KeyedLimiter(name, rates={...})``.
+
+A keyed limiter of several rates is a group of ordinary keyed limiters, one
+segment per rate, named ``<name>.<rate key>`` (``api.0``, ``llm.tokens``), as
+``multirate`` groups ``Limiter`` segments.  Each keeps its own GCRA word per
+key, so each holds every key to its rate (``rate*T/per + burst`` in any window
+of T seconds), across every process, and every tool shows each as a keyed
+limiter of its own.  This module only takes them together:
+
+* **All or nothing, now.**  A try first *peeks* at every rate (what a take
+  would wait, taking and inserting nothing) and takes nothing unless every
+  rate would grant at once; then it takes each rate, in order, each at the
+  instant of its own take (the peek's reading may be stale by then).
+  If a race (another caller took a later rate's room between the peek and the
+  take) refuses a later rate, the earlier takes are undone (``undo``: exact,
+  when no one took that key on that rate since; otherwise the take stays
+  spent -- time lost, never an extra grant).
+* **What a waiter holds: nothing.**  An ``acquire`` that cannot be granted now
+  sleeps until the longest of its rates' waits is over, holding nothing on any
+  rate (no GCRA reservation: reserving one rate's slot while sleeping for
+  another's would let that slot be used late, bunched with later ones), then
+  tries again.  A timed acquire returns False at once when the wait on any
+  rate exceeds what is left of its timeout.  There is no queue across rates:
+  under contention for one key a waiter may be overtaken (it is never granted
+  early).
+"""
+from __future__ import annotations
+
+import asyncio
+import math
+import time
+from typing import Any, Callable, Dict, Iterable, List, Optional, Tuple, Union
+
+from shmlimit.keyed import cells as KC
+from shmlimit.keyed import layout as K
+from shmlimit.config import validate_timeout
+from shmlimit.errors import KeyTableFullError
+from shmlimit.keyed.gcra import TICKS_PER_S
+from shmlimit.rate_group import RateGroup, parse_rates, rates_from_text
+from shmlimit.shm.segment import validate_name
+
+#: A take of the fast path: (the rate's table, what ``take`` answered, ops).
+_Taken = Tuple[Any, Tuple[int, int, int, int, int], int]
+
+
+class MultiKeyedLimiter(RateGroup):
+    """Several rates per key, taken together; made by ``KeyedLimiter(name, rates=...)`` (see the module).
+
+    ``rates=["10/s", "100/min"]``: every op of a key must fit every rate; ``n``
+    ops cost ``n`` on each.  ``rates={"requests": "60/min", "tokens": "10K/min"}``:
+    each call says its cost per rate by keyword (``acquire(key, requests=1,
+    tokens=500)``; rates not named cost nothing).  ``keys``, ``overrides``,
+    ``mode``, ``trusted_uids`` and ``reconfigure`` apply to every rate's
+    segment.  ``clock`` (CLOCK_MONOTONIC nanoseconds) is for tests.
+    ``keyed`` is the class of each rate's limiter (``KeyedLimiter``: given
+    by it, so that this module never imports it back).
+    """
+
+    _what = "keyed limiter"
+
+    def __init__(
+        self,
+        keyed: Any,
+        name: str,
+        rates: object,
+        keys: int = 100_000,
+        *,
+        overrides: Optional[int] = None,
+        mode: int = 0o600,
+        trusted_uids: Iterable[int] = (),
+        reconfigure: bool = False,
+        clock: Optional[Callable[[], int]] = None,
+    ) -> None:
+        validate_name(name)
+        if isinstance(rates, str):
+            rates = rates_from_text(rates)
+        rkeys, _, named = parse_rates(name, rates)  # names and values checked as a Limiter's rates=
+        values = list(rates.values()) if named else list(rates)  # type: ignore[union-attr, call-overload]
+        self._name = name
+        self._keys = rkeys
+        self._named = named
+        self._clock = clock
+        self._keyed = keyed
+        self._lims: List[Any] = []  # each rate's KeyedLimiter
+        try:
+            for k, v in zip(rkeys, values):
+                rate, burst = v if isinstance(v, tuple) else (v, None)
+                self._lims.append(keyed(
+                    f"{name}.{k}", rate, 1.0, burst, keys, overrides=overrides, mode=mode,
+                    trusted_uids=trusted_uids, reconfigure=reconfigure,
+                ))
+        except BaseException:
+            self.close()
+            raise
+
+    # -- identity and lifecycle ----------------------------------------------------------
+
+    @property
+    def closed(self) -> bool:
+        return not self._lims
+
+    def _live(self) -> List[Any]:
+        if not self._lims:
+            raise ValueError(f"keyed limiter {self._name!r} is closed in this process")
+        return self._lims
+
+    def close(self) -> None:
+        """Detach this handle from every rate.  The segments stay (use ``unlink``)."""
+        lims, self._lims = self._lims, []
+        for lim in lims:
+            lim.close()
+
+    def __reduce__(self):
+        return (_unpickle, (self._keyed, self._name, self._keys, self._named))
+
+    def _now(self) -> int:
+        """Now in the tables' ticks."""
+        return (self._clock or time.monotonic_ns)() << K.TICK_SHIFT
+
+    # -- the protocol ----------------------------------------------------------------------
+
+    def _waits(self, key: object, ops: Tuple[int, ...], now: int) -> List[int]:
+        """Each rate's wait (ticks) for ``ops`` of ``key`` at ``now`` (a peek: nothing written);
+        ``KC.NEVER`` for a rate whose burst is below its ops."""
+        return [lim._live().kt.acquire(key, o, -1, now) if o else 0 for lim, o in zip(self._live(), ops)]
+
+    def _attempt(self, key: object, ops: Tuple[int, ...]) -> Tuple[bool, int]:
+        """One try: (True, 0) granted on every rate; (False, w) nothing taken, where
+        ``w`` is the longest wait a peek found (ticks; 0 after a lost race, ``KC.NEVER``, ``KC.FULL``)."""
+        now = self._now()
+        waits = self._waits(key, ops, now)
+        if KC.NEVER in waits:
+            return False, KC.NEVER
+        longest = max(waits)
+        if longest > 0:
+            return False, longest
+        taken: List[_Taken] = []
+        for lim, o in zip(self._lims, ops):
+            if not o:
+                continue
+            kt = lim._use().kt  # a use: a forked child registers on its first
+            # Each take reads the clock itself (on the real clock, inside the native call): the
+            # peek's reading may be long past (the GIL given to another thread, the process off the
+            # CPU), and a take priced then would record a grant made now as made then, handing the
+            # key's room back early by that much.  A later reading never refuses what the peek
+            # allowed, but for another caller's take since (a race, undone as any).
+            r = kt.take(key, o, 0, None if self._clock is None else self._now())
+            if isinstance(r, int):  # refused: a race since the peek, or no slot for a new key
+                for tkt, t, tn in reversed(taken):
+                    tkt.undo(t[1], t[2], t[3], t[4], tn)
+                return False, KC.FULL if r == KC.FULL else 0
+            taken.append((kt, r, o))
+        return True, 0
+
+    def try_acquire(self, key: object, n: int = 1, **costs: int) -> bool:
+        """Take the ops of ``key`` from every rate only if all have them now; never waits.
+
+        False takes nothing (a race's earlier takes are undone, or stay spent
+        when another caller took that key since): when any rate is short, when
+        a cost exceeds a rate's burst, or when the key is new and a table has
+        no slot for it.
+        """
+        return self._attempt(key, self._ops(n, costs))[0]
+
+    def _failed(self, w: int, ops: Tuple[int, ...], timed: bool) -> bool:
+        """An attempt that can never succeed: False when timed, else raise."""
+        if timed:
+            return False
+        if w == KC.FULL:
+            raise KeyTableFullError(self._name, self._lims[0].slots)
+        bursts = {k: lim.capacity for k, lim in zip(self._keys, self._lims)}
+        raise ValueError(f"the ops {dict(zip(self._keys, ops))} exceed a rate's burst ({bursts})")
+
+    def _deadline(self, timeout: Optional[float]) -> Optional[int]:
+        t = validate_timeout(timeout)
+        if t is None:
+            return None
+        ticks = t * TICKS_PER_S  # inf for a finite timeout past about 1e298 s: compared, never converted
+        return self._now() + (KC.MAX_WAIT if ticks >= KC.MAX_WAIT else int(ticks))
+
+    def _step(self, key: object, ops: Tuple[int, ...], deadline: Optional[int]) -> Union[bool, float]:
+        """One non-blocking try for ``acquire``'s drivers: True (granted) or False (refused for
+        good), else the seconds to sleep before the next try."""
+        ok, w = self._attempt(key, ops)
+        if ok:
+            return True
+        if w in (KC.NEVER, KC.FULL):
+            return self._failed(w, ops, deadline is not None)
+        if deadline is not None and self._now() + w > deadline:
+            return False
+        return max(w, 1) / TICKS_PER_S
+
+    def acquire(self, key: object, n: int = 1, timeout: Optional[float] = None, **costs: int) -> bool:
+        """Take the ops of ``key`` from every rate, waiting until all allow them; True once granted.
+
+        While it waits it holds nothing.  With ``timeout`` (seconds): False,
+        taking nothing, as soon as the wait on any rate exceeds what is left of
+        it.  Untimed, a cost above a rate's burst raises ``ValueError`` and a
+        full table ``KeyTableFullError``; timed, both return False.
+        """
+        ops, deadline = self._ops(n, costs), self._deadline(timeout)
+        while not isinstance(step := self._step(key, ops, deadline), bool):
+            self._sleep(step)
+        return step
+
+    async def acquire_async(self, key: object, n: int = 1, timeout: Optional[float] = None, **costs: int) -> bool:
+        """``acquire`` for asyncio: waits with ``asyncio.sleep``, never blocking the event loop."""
+        ops, deadline = self._ops(n, costs), self._deadline(timeout)
+        while not isinstance(step := self._step(key, ops, deadline), bool):
+            await asyncio.sleep(step)
+        return step
+
+    def _sleep(self, seconds: float) -> None:
+        """Sleep the wait a peek found, on the real clock (tests with a clock replace this)."""
+        end = time.monotonic() + seconds
+        while (left := end - time.monotonic()) > 0:
+            time.sleep(left)
+
+    def retry_after(self, key: object, n: int = 1, **costs: int) -> float:
+        """Seconds until the ops of ``key`` could be granted on every rate (0.0: now; inf: never).  Takes nothing."""
+        waits = self._waits(key, self._ops(n, costs), self._now())
+        return math.inf if KC.NEVER in waits else max(waits) / TICKS_PER_S
+
+    # -- live changes and observation ------------------------------------------------------
+
+    def set_rate(self, which: Union[str, int], rate: Any, per: Optional[float] = None, burst: Optional[float] = None,
+                 key: object = None) -> None:
+        """Change one rate (by name or index) for every key, or with ``key`` for that key only
+        (see ``KeyedLimiter.set_rate``); every attached process, at once."""
+        self._live()[self._index(which)].set_rate(rate, per, burst, key=key)
+
+    def stats(self) -> Dict[str, Any]:
+        """Every rate's ``KeyedStats``, by its key (reads only)."""
+        return {k: lim.stats() for k, lim in zip(self._keys, self._live())}
+
+    def __repr__(self) -> str:
+        if not self._lims:
+            return f"<shmlimit.KeyedLimiter {self._name!r} rates={list(self._keys)} closed>"
+        parts = " ".join(
+            f"{k}={s.rate:g}/{s.per:g}s(burst={s.capacity:g} keys={s.keys}/{s.slots} grants={s.grants})"
+            for k, s in self.stats().items()
+        )
+        return f"<shmlimit.KeyedLimiter {self._name!r} {parts} per key backend={self._lims[0].backend}>"
+
+
+def _unpickle(keyed: Any, name: str, keys: Tuple[str, ...], named: bool) -> MultiKeyedLimiter:
+    """A pickled handle: attached to every rate's segment as it is (as ``KeyedLimiter``'s is)."""
+    self = MultiKeyedLimiter.__new__(MultiKeyedLimiter)
+    self._keyed, self._name, self._keys, self._named, self._clock = keyed, name, tuple(keys), named, None
+    self._lims = []
+    try:
+        for k in keys:
+            self._lims.append(keyed(f"{name}.{k}"))
+    except BaseException:
+        self.close()
+        raise
+    return self
+

@@ -1,0 +1,253 @@
+"""A keyed segment's header protocol: create and initialise, or open and validate, never half-made.
+
+The same protocol as a ``Limiter`` segment (see docs/design.md, "Creation"):
+exclusive creation, the creator's pid first, the header, then ``MAGIC`` and
+``STATE = READY`` last; openers wait for a live creator and refuse an
+abandoned, truncated, foreign or corrupt segment with ``SegmentError``.  A
+keyed segment is also allocated in full at creation (``posix_fallocate``), so
+a full ``/dev/shm`` is a clear error at once rather than a bus error later
+(``Segment.create``, after ``_check_space`` says how large the table is and
+how to enlarge ``/dev/shm``).  An existing one is mapped only if
+``segment.check_trust`` accepts its owner and mode, as a ``Limiter``'s.
+"""
+from __future__ import annotations
+
+import math
+import mmap
+import os
+import stat
+import time
+from dataclasses import dataclass
+from typing import AbstractSet, Optional, Tuple
+
+from shmlimit.keyed import layout as K
+from shmlimit.shm import layout as L
+from shmlimit.shm.cells import Cells, open_cells, warm_backend
+from shmlimit.keyed.gcra import MAX_TICKS, Rate, bank_values, pick, rate_of, write_bank
+from shmlimit.errors import AbandonedSegmentError, LimiterNotFoundError, SegmentError, SharedMemoryFullError
+from shmlimit.shm.segment import (
+    INIT_WAIT, LIVE_CREATOR_WAIT, PREFIX, SHM_DIR, Segment, check_trust, current_inode, open_shm,
+    pread_file, publish, start_header,
+)
+from shmlimit.shm.segment import unlink as _unlink_name
+from shmlimit.shm.table import is_alive
+
+assert K.HEADER_BYTES == L.HEADER_BYTES and K.LINE == L.SLOT_BYTES  # ProcessTable reads the same offsets
+
+
+@dataclass(frozen=True)
+class Geometry:
+    keys: int
+    overrides: int
+    kind: int = K.KIND_GCRA  #: the value kind of the slots (``keyed_layout.KINDS``)
+
+    @property
+    def size(self) -> int:
+        return K.segment_size(self.keys, self.overrides)
+
+    @property
+    def probe(self) -> int:
+        return min(K.PROBE, self.keys)
+
+
+def check_geometry(keys: object, overrides: object) -> Geometry:
+    for param, v, hi in (("keys", keys, K.MAX_KEYS), ("overrides", overrides, K.MAX_OVERRIDES)):
+        if isinstance(v, bool) or not isinstance(v, int) or not (1 if param == "keys" else 0) <= v <= hi:
+            lo = 1 if param == "keys" else 0
+            raise ValueError(f"{param} must be an int from {lo} to {hi}, got {v!r}")
+    return Geometry(keys, overrides)  # type: ignore[arg-type]
+
+
+def _check_space(name: str, size: int) -> None:
+    try:
+        st = os.statvfs(SHM_DIR)
+    except OSError:  # pragma: no cover - no /dev/shm to ask
+        return
+    free = st.f_bavail * st.f_frsize
+    if size > free:
+        raise SharedMemoryFullError(
+            f"keyed limiter {name!r} needs {size / 2**20:.1f} MiB of shared memory, but {SHM_DIR} has "
+            f"{free / 2**20:.1f} MiB free (of {st.f_blocks * st.f_frsize / 2**20:.0f} MiB): use fewer keys=, "
+            f"or enlarge {SHM_DIR} (Docker: --shm-size=256m; Kubernetes: an emptyDir with medium Memory)"
+        )
+
+
+def _initialise(seg: Segment, geo: Geometry, rate: Optional[Rate]) -> Cells:
+    c = start_header(seg, K.VERSION, K.PSLOTS)
+    c.store(K.KIND_OFF, geo.kind)
+    if rate is not None:  # a table of window counters has no rate: its config line stays zero
+        for line in K.DEFAULT_BANKS:  # both banks, generation 0 (CFG_SEQ's first value)
+            write_bank(c, line, (0, 0), bank_values(rate), 0)
+    c.store(K.NKEYS_OFF, geo.keys)
+    c.store(K.NOVR_OFF, geo.overrides)
+    c.store(K.PROBE_OFF, geo.probe)
+    secret = os.urandom(16)  # the keyed hash's secret: chosen keys cannot pile onto one window
+    c.store(K.SECRET0_OFF, int.from_bytes(secret[:8], "little"))
+    c.store(K.SECRET1_OFF, int.from_bytes(secret[8:], "little"))
+    publish(c, K.MAGIC)
+    return c
+
+
+def validate_header(name: str, c: Cells, mapped: int) -> Geometry:
+    """Refuse a corrupt or hostile header before any region is used (SegmentError)."""
+    version, size, pslots = c.load(K.VERSION_OFF), c.load(K.SIZE_OFF), c.load(K.PSLOTS_OFF)
+    if version != K.VERSION:
+        raise SegmentError(f"segment {name!r} has keyed layout version {version}; this shmlimit reads {K.VERSION}")
+    keys, novr, probe, kind = c.load(K.NKEYS_OFF), c.load(K.NOVR_OFF), c.load(K.PROBE_OFF), c.load(K.KIND_OFF)
+    if (
+        pslots != K.PSLOTS
+        or not 1 <= keys <= K.MAX_KEYS
+        or novr > K.MAX_OVERRIDES
+        or probe != min(K.PROBE, keys)
+        or size != K.segment_size(keys, novr)
+        or mapped < size
+        or kind not in K.KINDS
+        or (kind == K.KIND_WINDOWS and novr)
+    ):
+        raise SegmentError(
+            f"segment {name!r} is corrupt: header says {size} bytes, {keys} keys, {novr} overrides, "
+            f"probe {probe}, kind {kind}; the mapping has {mapped} bytes"
+        )
+    if kind == K.KIND_WINDOWS:
+        return Geometry(keys, novr, kind)
+    vals = pick(c, K.DEFAULT_BANKS, (0, 0), c.load(K.CFG_SEQ) & ~1)
+    if vals is None:
+        raise SegmentError(f"segment {name!r} is corrupt: no copy of its configuration passes its checksum")
+    r, t, tau = rate_of(vals), vals[3], vals[4]
+    if not all(math.isfinite(x) and x > 0 for x in (r.rate, r.per, r.burst)) or not 1 <= t <= tau < MAX_TICKS:
+        raise SegmentError(f"segment {name!r} is corrupt: its configuration is out of range")
+    return Geometry(keys, novr)
+
+
+#: No keyed segment is larger than this (bytes): a bigger file is neither read nor mapped.
+MAX_BYTES = K.segment_size(K.MAX_KEYS, K.MAX_OVERRIDES)
+def _open_checked(name: str, mode: int, trusted_uids: AbstractSet[int]) -> Segment:
+    """Map an existing segment only after checking who may write it and that its header fits the file.
+
+    A mapping longer than its file raises SIGBUS on the first access past its
+    end, so the header's SIZE is read with ``pread`` and checked first.
+    """
+    shm = open_shm(name)
+    try:
+        st = os.fstat(shm.fd)
+        if not stat.S_ISREG(st.st_mode):
+            raise SegmentError(f"segment {name!r} is not a regular file")
+        check_trust(name, st, mode, trusted_uids)  # the same rule as a Limiter's segment
+        size = st.st_size
+        if size > MAX_BYTES:
+            raise SegmentError(f"segment {name!r} is {size} bytes; no keyed limiter is larger than {MAX_BYTES}")
+        head = os.pread(shm.fd, K.LINE, 0) if size >= K.LINE else b""
+        if len(head) == K.LINE:
+            magic, state, declared = (int.from_bytes(head[o:o + 8], "little") for o in (K.MAGIC_OFF, K.STATE_OFF, K.SIZE_OFF))
+            if magic == K.MAGIC and state == K.STATE_READY and declared > size:
+                raise SegmentError(f"segment {name!r} is truncated: its header says {declared} bytes, the file has {size}")
+        mm = mmap.mmap(shm.fd, size) if size else None
+    finally:
+        shm.close_fd()
+    return Segment(name, mm, size, False, st.st_ino, st.st_ctime_ns)  # type: ignore[arg-type]
+
+
+def read_copy(name: str, offset: int, length: int) -> Tuple[bytearray, int]:
+    """``length`` bytes from ``offset`` (fewer at the end of the file) with ``pread``, and the file's size.
+
+    For the tools that only look (inspect, top): nothing is mapped, so a
+    segment truncated under them cannot raise SIGBUS, and a FIFO or directory
+    under a limiter's name is refused, never waited on.
+    """
+    data, st = pread_file(name, offset, length, max_bytes=None)
+    buf = bytearray(max(8, len(data) + 7 & ~7))  # whole, 8-aligned words for the atomic layer
+    buf[: len(data)] = data
+    return buf, st.st_size
+
+
+def _wait_ready(name: str, seg: Segment, mode: int, trusted_uids: AbstractSet[int]) -> Segment:
+    start = time.monotonic()
+    while True:
+        if 0 < seg.size < K.HEADER_BYTES:
+            raise SegmentError(f"segment {name!r} is truncated: {seg.size} bytes")
+        age = (time.time_ns() - seg.ctime_ns) / 1e9
+        if seg.size:
+            c = open_cells(seg.mm, K.HEADER_BYTES)
+            try:
+                magic, state, creator = c.load(K.MAGIC_OFF), c.load(K.STATE_OFF), c.load(K.CREATOR_PID_OFF)
+            finally:
+                c.close()
+            if magic == L.MAGIC:
+                raise SegmentError(f"segment {name!r} is a Limiter, not a KeyedLimiter: use shmlimit.Limiter or attach")
+            if magic not in (0, K.MAGIC):
+                raise SegmentError(f"segment {name!r} is not a shmlimit limiter (bad magic {magic:#018x})")
+            if magic == K.MAGIC and state == K.STATE_READY:
+                return seg
+            if creator > 0xFFFFFFFF or (creator and not is_alive(creator, 0)) or (not creator and age > INIT_WAIT):
+                raise AbandonedSegmentError(name, seg.inode, creator, "keyed limiter")
+        elif age > INIT_WAIT:
+            raise AbandonedSegmentError(name, seg.inode, 0, "keyed limiter")
+        if time.monotonic() - start > LIVE_CREATOR_WAIT:
+            raise SegmentError(f"segment {name!r} is still being initialised after {LIVE_CREATOR_WAIT:.0f} s")
+        time.sleep(0.001)
+        seg.close()
+        seg = _open_checked(name, mode, trusted_uids)
+
+
+def open_segment(
+    name: str, geo: Optional[Geometry], rate: Optional[Rate], mode: int, trusted_uids: AbstractSet[int] = frozenset()
+) -> Tuple[Segment, Cells, Geometry]:
+    """Create (when ``rate`` is given, or ``geo`` is a table of window counters, and the name is free)
+    or open a keyed segment.
+
+    Returns the mapping, cells over the whole segment, and its geometry.  With
+    create intent an abandoned segment is replaced (only if the name still
+    points at the same inode); without, every problem raises.
+    """
+    warm_backend()
+    create = geo is not None and (rate is not None or geo.kind == K.KIND_WINDOWS)
+    for _ in range(16):
+        if create:
+            _check_space(name, geo.size)
+            seg = Segment.create(name, geo.size, mode)  # allocates every page: ENOSPC is an error now
+            if seg is not None:
+                return seg, _initialise(seg, geo, rate), geo
+        try:
+            seg = _wait_ready(name, _open_checked(name, mode, trusted_uids), mode, trusted_uids)
+        except LimiterNotFoundError:
+            if not create:
+                raise
+            continue
+        except AbandonedSegmentError as e:
+            if not create:
+                raise
+            time.sleep(0.05)
+            if current_inode(name) == e.inode:
+                try:
+                    _unlink_name(name)
+                except LimiterNotFoundError:
+                    pass
+            continue
+        c = open_cells(seg.mm, seg.size)
+        try:
+            return seg, c, validate_header(name, c, seg.size)
+        except BaseException:
+            c.close()
+            seg.close()
+            raise
+    raise SegmentError(f"could not create or open keyed limiter {name!r}: it kept being unlinked and re-created")
+
+
+def peek_magic(name: str) -> int:
+    """The first word of a segment, read with os.pread (no mapping): which kind of limiter it is."""
+    try:
+        fd = os.open(os.path.join(SHM_DIR, PREFIX + name), os.O_RDONLY)
+    except FileNotFoundError:
+        raise LimiterNotFoundError(name) from None
+    try:
+        data = os.pread(fd, 8, 0)
+    finally:
+        os.close(fd)
+    return int.from_bytes(data.ljust(8, b"\0"), "little")
+
+
+def is_keyed(name: str) -> bool:
+    try:
+        return peek_magic(name) == K.MAGIC
+    except OSError:
+        return False

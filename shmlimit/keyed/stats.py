@@ -1,0 +1,206 @@
+"""What a keyed segment holds, read without joining: ``KeyedStats`` snapshots and key samples.
+
+For ``inspect``, ``list``, ``top`` and the metrics: every figure comes from a
+private copy read with ``pread`` (the header and process table, and a bounded
+run of key slots per call), never a mapping, so looking never registers,
+writes or faults on a truncated segment.  Both kinds of keyed segment are
+read here: a ``KeyedLimiter``'s GCRA keys, and the window counters of the
+``limits`` storage (``kind`` "windows"; ``sample_windows``).
+"""
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+from typing import List, Optional, Tuple
+
+from shmlimit.keyed import cells as KC
+from shmlimit.keyed import layout as K
+from shmlimit.shm.cells import Cells, open_cells
+from shmlimit.errors import SegmentError
+from shmlimit.keyed.gcra import TICKS_PER_S, peek_default
+from shmlimit.keyed.segment import Geometry, read_copy, validate_header
+from shmlimit.keyed.windows import FLAG, unpack
+from shmlimit.shm.segment import validate_name
+from shmlimit.shm.table import ProcessTable, is_alive
+
+
+@dataclass(frozen=True)
+class KeyedProcess:
+    pid: int
+    alive: bool
+    grants: int
+
+
+@dataclass(frozen=True)
+class KeyedStats:
+    """A snapshot of a keyed limiter.  Rates are ops per ``per`` seconds; counts are ops or keys."""
+
+    name: str
+    rate: float
+    per: float
+    capacity: float
+    slots: int  #: key slots in the table
+    keys: int  #: keys live now (a key whose bucket refilled may still hold its slot until reused)
+    evicted: int  #: keys whose slot was reused after their bucket was full again
+    refused_full: int  #: new keys refused because every slot of their window held a limited key
+    grants: int  #: ops granted for all keys by every process that ever attached
+    overrides: int  #: keys with a rate of their own
+    override_slots: int
+    segment_bytes: int
+    processes: Tuple[KeyedProcess, ...]
+    backend: str
+    #: "keyed" (a KeyedLimiter), or "windows": a table of window counters (the ``limits`` storage
+    #: ``shm://``), with no rate of its own (rate, per, capacity 0); its ``grants`` are the hits
+    #: its users counted (each fixed-window hit, each granted sliding-window hit)
+    kind: str = "keyed"
+
+    @property
+    def bytes_per_key(self) -> float:
+        return self.segment_bytes / self.slots
+
+
+def snapshot_of(name: str, c: Cells, geo: Geometry, size: int) -> KeyedStats:
+    """A snapshot from the header and process table in ``c`` (a mapping or a private copy)."""
+    r = peek_default(c)  # no wait: a copy taken while a writer worked would never change (display only)
+    table = ProcessTable(c, K.PSLOTS)
+    procs = tuple(KeyedProcess(e.pid, is_alive(e.pid, e.start), e.grants) for e in table.entries())
+    keys = c.load(K.KEYS_LIVE)
+    return KeyedStats(
+        name=name,
+        rate=r.rate,
+        per=r.per,
+        capacity=r.burst,
+        slots=geo.keys,
+        keys=keys if keys < 1 << 63 else 0,
+        evicted=c.load(K.EVICTED),
+        refused_full=c.load(K.REFUSED),
+        grants=c.load(K.UNREG_GRANTS) + table.total_grants(),
+        overrides=c.load(K.OVR_LIVE),
+        override_slots=geo.overrides,
+        segment_bytes=size,
+        processes=procs,
+        backend=c.backend,
+        kind="windows" if geo.kind == K.KIND_WINDOWS else "keyed",
+    )
+
+
+@dataclass(frozen=True)
+class KeySample:
+    key: str  #: the key's first bytes, as stored for display
+    grants: int  #: ops granted to this key since it took its slot
+    wait: float  #: seconds until the key's bucket is full again (0.0: idle)
+
+
+def sample_keys(name: str, start: int, count: int) -> Tuple[List[KeySample], int]:
+    """Read ``count`` key slots from ``start`` (wrapping) without joining: the live keys found there.
+
+    Returns them with the next start, so a caller (``shmlimit top``) covers the
+    whole table over several refreshes at a bounded cost per refresh.  The
+    slots are read with ``pread`` into a private copy: nothing is mapped.
+    """
+    now = time.monotonic_ns() << K.TICK_SHIFT
+    out = []
+    slots, nxt = _live_slots(name, K.KIND_GCRA, start, count)
+    for words in slots:
+        tat = words[K.S_V0 // 8]
+        out.append(KeySample(KC.display_key(words[K.S_V2 // 8:]), words[K.S_V1 // 8], max(0, tat - now) / TICKS_PER_S))
+    return out, nxt
+
+
+def _live_slots(name: str, kind: int, start: int, count: int) -> Tuple[List[Tuple[int, ...]], int]:
+    """``count`` key slots from ``start`` (wrapping), read with ``pread`` into a private copy (nothing
+    mapped): the words of each LIVE slot whose value is not evicted, and the next start.  A segment
+    of another value kind than ``kind`` is refused with ``SegmentError``."""
+    cells, geo, _ = _header_copy(name)
+    cells.close()
+    if geo.kind != kind:
+        what = "holds window counters, not a KeyedLimiter's keys" if kind == K.KIND_GCRA else \
+            "is a KeyedLimiter, not a table of window counters"
+        raise SegmentError(f"segment {name!r} {what}")
+    base = K.slots_offset(geo.overrides)
+    count = min(count, geo.keys)
+    start %= geo.keys
+    first = min(count, geo.keys - start)
+    out = []
+    for off, n in ((base + start * K.LINE, first), (base, count - first)):
+        if not n:
+            continue
+        data, _ = read_copy(name, off, n * K.LINE)
+        c = open_cells(data, len(data))  # type: ignore[arg-type]  # a private copy, not a mapping
+        try:
+            for i in range(min(n, len(data) // K.LINE)):
+                s = i * K.LINE
+                if c.load(s) & 0xFF != K.LIVE:
+                    continue
+                words = tuple(c.load(s + o) for o in range(0, K.LINE, 8))
+                if not words[K.S_V0 // 8] & K.DEAD:
+                    out.append(words)
+        finally:
+            c.close()
+    return out, (start + count) % geo.keys
+
+
+def _header_copy(name: str) -> Tuple[Cells, Geometry, int]:
+    """A private, validated copy of the header and the process table: (cells over it, geometry, file size)."""
+    validate_name(name)
+    data, size = read_copy(name, 0, K.overrides_offset())
+    c = open_cells(data, len(data))  # type: ignore[arg-type]  # a private copy, not a mapping
+    try:
+        if len(data) < K.overrides_offset() or c.load(K.MAGIC_OFF) != K.MAGIC or c.load(K.STATE_OFF) != K.STATE_READY:
+            raise SegmentError(f"segment {name!r} is not a ready keyed limiter")
+        return c, validate_header(name, c, size), size
+    except BaseException:
+        c.close()
+        raise
+
+
+def inspect_keyed(name: str) -> KeyedStats:
+    """A snapshot of a keyed limiter, read without joining it: a private copy of its header, nothing mapped."""
+    c, geo, size = _header_copy(name)
+    try:
+        return snapshot_of(name, c, geo, size)
+    finally:
+        c.close()
+
+
+@dataclass(frozen=True)
+class WindowSample:
+    """One key of a table of window counters (the ``limits`` storage), as read at one instant."""
+
+    key: str  #: the key's first bytes, as stored for display (``limits`` puts the limit in it)
+    strategy: str  #: "fixed" (fixed window) or "sliding" (sliding window counter)
+    count: int  #: hits counted in the current window
+    previous: int  #: the previous window's final count (sliding; 0 for a fixed window)
+    window: Optional[float]  #: the window's length in seconds (sliding; None for a fixed window)
+    ends_in: float  #: seconds until the current window ends
+
+
+def sample_windows(name: str, start: int, count: int, now_ns: Optional[int] = None) -> Tuple[List[WindowSample], int]:
+    """``sample_keys`` for a table of window counters: the keys with a window still counting.
+
+    A fixed-window slot holds ``V0 = end << 25 | count`` and ``V1 = 0``; a
+    sliding one ``V0 = X << 25 | ROLLING << 24 | count`` (its window is
+    ``[X - 2W, X - W)``) and ``V1 = E << 25 | 1 << 24 | previous``, the
+    phase bit telling the kinds apart (``keyed_windows``).  A key whose
+    windows are over is left out: it holds nothing any more.  ``now_ns``
+    (CLOCK_MONOTONIC ns, default now) is for tests with an injected clock.
+    """
+    now_ms = (time.monotonic_ns() if now_ns is None else now_ns) / 1e6
+    out = []
+    slots, nxt = _live_slots(name, K.KIND_WINDOWS, start, count)
+    for words in slots:
+        (t, rolling, cnt), v1 = unpack(words[K.S_V0 // 8]), words[K.S_V1 // 8]
+        key = KC.display_key(words[K.S_V2 // 8:])
+        if not v1 & FLAG:  # a fixed window ending at t
+            if t > now_ms:
+                out.append(WindowSample(key, "fixed", cnt, 0, None, (t - now_ms) / 1000))
+            continue
+        tag, _, prev = unpack(v1)
+        w = (t - tag) / 2  # V1's tag is the current window's start, V0's t is two windows on
+        if rolling or w <= 0 or now_ms >= t:
+            continue  # mid-move (look next time), or both windows over
+        end = t - w
+        if now_ms >= end:  # the window ended without a hit since: what it counted is the previous
+            prev, cnt, end = cnt, 0, t
+        out.append(WindowSample(key, "sliding", cnt, prev, w / 1000, (end - now_ms) / 1000))
+    return out, nxt

@@ -1,0 +1,209 @@
+"""``WindowTable``: fixed-window and sliding-window counters for many keys in one shared-memory segment.
+
+The table behind the ``limits`` storage ``shm://NAME``
+(``shmlimit.integrations.limits``): a keyed segment (``keyed_segment``, the
+same header protocol and trust checks as a ``KeyedLimiter``'s) whose slots
+hold the window-counter kinds of ``keyed_windows`` instead of GCRA.  Every
+process that opens the same name shares every key's counts.
+
+Data flows one way: WindowTable -> keyed_windows -> keyed_cells.SlotTable ->
+cells -> segment.
+"""
+from __future__ import annotations
+
+import atexit
+import os
+import threading
+import weakref
+from typing import Any, Callable, Optional
+
+from shmlimit.keyed import layout as K
+from shmlimit.shm.cells import Cells
+from shmlimit.errors import SegmentError
+from shmlimit.keyed.cells import SlotTable
+from shmlimit.keyed.segment import Geometry, check_geometry, open_segment
+from shmlimit.keyed.windows import CMAX, OVER, WindowCounters
+from shmlimit.shm.segment import Segment, validate_mode, validate_name, validate_trusted_uids
+from shmlimit.shm.segment import unlink as _unlink_name
+from shmlimit.shm.table import ProcessTable, proc_start
+
+__all__ = ["WindowTable", "CMAX", "OVER"]
+
+
+class WindowTable:
+    """Window counters per key, shared by every process that opens ``name``.
+
+    ``keys`` is the number of 64-byte slots, used when this call creates the
+    segment (an existing table keeps its size).  A key holds its slot while a
+    window it was counted in still matters (a fixed window until it ends; a
+    sliding one until the window after it ends) and gives it up afterwards;
+    a new key that finds every slot near its home held by such keys raises
+    ``KeyTableFullError`` (counted in ``refused``), never evicting one.
+    ``clock`` returns CLOCK_MONOTONIC nanoseconds (for tests).
+    """
+
+    def __init__(self, name: str, keys: int = 100_000, *, mode: int = 0o600, trusted_uids: Any = (),
+                 clock: Optional[Callable[[], int]] = None) -> None:
+        validate_name(name)
+        geo = check_geometry(keys, 0)
+        validate_mode(mode)
+        trusted = validate_trusted_uids(trusted_uids)
+        self._name = name
+        self._seg: Optional[Segment] = None
+        seg, cells, real = open_segment(name, Geometry(geo.keys, 0, K.KIND_WINDOWS), None, mode, trusted)
+        if real.kind != K.KIND_WINDOWS:
+            cells.close()
+            seg.close()
+            raise SegmentError(f"segment {name!r} is a KeyedLimiter, not a table of window counters")
+        self._seg, self._cells, self._geo = seg, cells, real
+        table = SlotTable(cells, K.slots_offset(0), real.keys, real.probe, K.KEYS_LIVE, K.EVICTED,
+                          K.owner(os.getpid()))
+        self.counters = WindowCounters(table, cells.load(K.SECRET0_OFF), cells.load(K.SECRET1_OFF), K.REFUSED,
+                                       clock, name)
+        # This process in the segment's process table, as a KeyedLimiter's user: listed (alive or
+        # dead) by `shmlimit list`/`top`, with the hits it counted.  Registered on opening; a forked
+        # child on its first call (``_live``), so a child that never counts is never listed.
+        self._procs = ProcessTable(cells, K.PSLOTS)
+        self._slot: Optional[int] = None
+        self._hits = K.UNREG_GRANTS
+        self._pid = 0
+        self._lock = threading.Lock()
+        self._register()
+        _open_tables.add(self)
+
+    def _register(self) -> None:
+        with self._lock:
+            pid = os.getpid()
+            if self._pid == pid:
+                return
+            start = proc_start(pid)
+            self._slot = self._procs.register(pid, start if start and start > 0 else 0)
+            self._hits = K.UNREG_GRANTS if self._slot is None else K.HEADER_BYTES + self._slot * K.LINE + 16
+            self._pid = pid
+
+    def _count(self, hits: int) -> None:
+        if hits:
+            self._cells.fetch_add(self._hits, hits)
+
+    @property
+    def name(self) -> str:
+        return self._name
+
+    @property
+    def slots(self) -> int:
+        """Key slots in the table."""
+        return self._geo.keys
+
+    @property
+    def closed(self) -> bool:
+        return self._seg is None
+
+    def _live(self) -> Cells:
+        if self._seg is None:
+            raise ValueError(f"window table {self._name!r} is closed in this process")
+        if self._pid != os.getpid():  # a forked child's first use: it registers as itself
+            self._register()
+        return self._cells
+
+    # The counters (see keyed_windows.WindowCounters for the exact semantics).
+
+    def incr(self, key: object, expiry: float, amount: int = 1) -> int:
+        """Add ``amount`` hits to ``key``'s fixed window of ``expiry`` seconds; its count after that."""
+        self._live()
+        count = self.counters.incr(key, expiry, amount)
+        self._count(amount)
+        return count
+
+    def get(self, key: object) -> int:
+        """Hits in ``key``'s current fixed window (0 if none)."""
+        self._live()
+        return self.counters.get(key)
+
+    def expires_in(self, key: object) -> float:
+        """Seconds until ``key``'s fixed window ends (0.0 if it has none)."""
+        self._live()
+        return self.counters.expiry_ms(key) / 1000
+
+    def clear(self, key: object) -> bool:
+        """Forget ``key``'s fixed window; True if it had one."""
+        self._live()
+        return self.counters.clear(key)
+
+    def acquire_sliding(self, key: object, limit: int, expiry: float, amount: int = 1) -> bool:
+        """Count ``amount`` hits in ``key``'s sliding window of ``expiry`` seconds iff the estimate stays <= limit."""
+        self._live()
+        granted = self.counters.acquire_sliding(key, limit, expiry, amount)
+        if granted:
+            self._count(amount)
+        return granted
+
+    def sliding(self, key: object, expiry: float):
+        """``(previous count, its weight in seconds, current count, seconds until it expires)``."""
+        self._live()
+        return self.counters.sliding(key, expiry)
+
+    def clear_sliding(self, key: object, expiry: float) -> bool:
+        self._live()
+        return self.counters.clear_sliding(key, expiry)
+
+    def reset(self) -> int:
+        """Forget every key; how many were forgotten."""
+        self._live()
+        return self.counters.reset()
+
+    @property
+    def keys_live(self) -> int:
+        """Slots holding a key now (a key whose windows ended may hold its slot until reused)."""
+        v = self._live().load(K.KEYS_LIVE)
+        return v if v < 1 << 63 else 0
+
+    @property
+    def evicted(self) -> int:
+        """Keys whose slot was reused after their windows ended."""
+        return self._live().load(K.EVICTED)
+
+    @property
+    def refused(self) -> int:
+        """New keys refused because every slot near their home held a key still counted."""
+        return self._live().load(K.REFUSED)
+
+    def close(self) -> None:
+        """Unmap the segment in this process; the table stays for the others (``unlink`` removes it)."""
+        seg, self._seg = self._seg, None
+        if seg is not None:
+            if self._slot is not None and self._pid == os.getpid():
+                self._procs.unregister(self._slot, self._pid)
+            self._cells.close()
+            seg.close()
+
+    def __del__(self) -> None:
+        try:
+            self.close()
+        except Exception:  # pragma: no cover - interpreter shutdown
+            pass
+
+    def unlink(self) -> None:
+        """Remove the segment's name; processes still attached keep working on their mapping."""
+        _unlink_name(self._name)
+
+    def __reduce__(self):
+        return (WindowTable, (self._name,))
+
+    def __repr__(self) -> str:
+        if self._seg is None:
+            return f"<shmlimit.WindowTable {self._name!r} closed>"
+        return (f"<shmlimit.WindowTable {self._name!r} keys={self.keys_live}/{self.slots} "
+                f"evicted={self.evicted} refused={self.refused} backend={self._cells.backend}>")
+
+
+#: Every table open in this process: at exit each gives its process slot back.
+_open_tables: "weakref.WeakSet[WindowTable]" = weakref.WeakSet()
+
+
+@atexit.register
+def _close_all() -> None:
+    for t in list(_open_tables):
+        try:
+            t.close()
+        except Exception:  # pragma: no cover - best effort at exit
+            pass

@@ -1,0 +1,377 @@
+"""The window-counter value kinds of the keyed slot table: fixed window and sliding window counter.
+
+These are the counters of the ``limits`` library's two counter strategies,
+kept per key in the slot protocol of ``keyed_cells.SlotTable`` (lookup,
+insert, exact eviction, reuse), and changed only by CAS through the atomic
+layer (either backend).  Time is CLOCK_MONOTONIC in milliseconds, which every
+process of the host shares; ``clock`` (nanoseconds) can be injected.
+
+**Fixed window** (key ``F`` + key): ``V0 = end << 25 | count``.  ``incr``
+moves ``V0`` by one CAS: within the window it adds to the count; once
+``end <= now`` (or on a new key) a new window starts with ``end = now + W + 1 ms``
+(the window is never shorter than asked).  So the count of a window is exactly
+the number of increments linearized in it, whichever processes made them.
+
+**Sliding window counter** (key ``S`` + W + key): a key's first hit starts
+its first window; windows of length W follow on from it, and a key with no
+hit for two windows starts afresh at its next hit (as ``limits``' Redis
+storage keeps it).  The estimate is ``prev * (time left) / W + cur``.
+``V0 = X << 25 | ROLLING << 24 | cur`` where the current window is
+``[X - 2W, X - W)`` (the slot holds information until the *next* window
+ends, so that is its expiry), and ``V1 = E << 25 | 1 << 24 | n`` records the
+final count ``n`` of the window ending at ``E``.  A grant is one CAS of
+``V0`` within its window, after reading ``V1`` between two equal reads of
+``V0``; ``V1`` is never written while ``V0`` is in the same window and not
+ROLLING, so the check and the increment are one atomic step.
+
+Moving on takes three steps that anyone may complete: CAS ``V0`` to ROLLING
+(this freezes the count), raise ``V1`` to the snapshot of the window being
+left (``(X - W, 1, count)``; ``(now, 1, 0)`` for a fresh start), then CAS
+``V0`` to the next window with count 0.  A process killed between them
+stalls nobody: the next caller sees ROLLING and finishes the move from ``V0``
+alone.  ``V1`` only ever *rises* (a CAS loop to the maximum), and its tag is
+an absolute time: a late helper, or a stale write from a previous tenant of
+the slot, can only leave a smaller value, which changes nothing, or (in a
+fresh key's first window) an over-estimate.  A reader that finds a ``V1``
+tag later than its window read the clock before a helper did: it reads the
+clock again (it is then at least as late).
+
+Both kinds keep the slot protocol's contract: ``V0`` only ever increases
+over a slot's life (``clear``/``reset`` evict a key -- ``V0 | DEAD``, then
+TOMB -- instead of lowering it, and a re-insert starts above the old value),
+and ``V0 <= now`` (as ``now << 25 | 2**25 - 1``) exactly when the key holds
+no information.  So a key counted in a live window is never evicted: when
+every slot of a new key's window holds a live key, the new key is refused
+with ``KeyTableFullError`` (and counted), never placed by evicting one.
+
+Limits: counts up to ``CMAX`` (16 777 215) per window -- a fixed window's
+count saturates there and ``incr`` then answers ``OVER`` (above every
+limit); a sliding-window limit above ``CMAX`` is a ``ValueError`` --,
+windows up to ``MAX_WINDOW_MS`` (about 1.1 years), and a monotonic clock
+below 2**38 ms (8.7 years of uptime).
+"""
+from __future__ import annotations
+
+import math
+import os
+import time
+from typing import Callable, Optional, Tuple
+
+from shmlimit.keyed import cells as KC
+from shmlimit.keyed import layout as K
+from shmlimit.errors import KeyTableFullError
+
+CB = 24  #: count bits
+CMAX = (1 << CB) - 1  #: the largest count a window holds
+FLAG = 1 << CB  #: ROLLING in V0, the phase (1 = a window's final count) in V1
+TSHIFT = CB + 1
+TMAX = (1 << (63 - TSHIFT)) - 1  #: the largest time (ms) a word holds: V0's top bit is DEAD
+OVER = 1 << 62  #: what ``incr`` answers once a window's count is saturated (above every limit)
+MAX_WINDOW_MS = 1 << 35
+LOW = FLAG | CMAX
+
+
+def pack(t_ms: int, count: int, flag: bool = False) -> int:
+    return t_ms << TSHIFT | (FLAG if flag else 0) | count
+
+
+def unpack(v: int) -> Tuple[int, bool, int]:
+    return (v & ~K.DEAD) >> TSHIFT, bool(v & FLAG), v & CMAX
+
+
+def window_ms(expiry: object) -> int:
+    """A window's length in whole milliseconds (rounded up), from seconds; ValueError names the range."""
+    if isinstance(expiry, bool) or not isinstance(expiry, (int, float)) or not 0 < expiry < math.inf:
+        raise ValueError(f"expiry must be a number of seconds > 0, got {expiry!r}")
+    w = math.ceil(expiry * 1000)
+    if w > MAX_WINDOW_MS:
+        raise ValueError(f"expiry must be at most {MAX_WINDOW_MS / 1000:.0f} seconds, got {expiry!r}")
+    return w
+
+
+def _amount(amount: object) -> int:
+    if isinstance(amount, bool) or not isinstance(amount, int) or not 0 <= amount <= CMAX:
+        raise ValueError(f"amount must be an int from 0 to {CMAX}, got {amount!r}")
+    return amount
+
+
+class WindowCounters:
+    """Both kinds over one ``SlotTable``: ``incr``/``get``/``expiry_ms``/``clear`` (fixed window) and
+    ``acquire_sliding``/``sliding``/``clear_sliding`` (sliding window counter), ``reset``.
+
+    ``clock()`` returns CLOCK_MONOTONIC nanoseconds (injectable for tests).
+    """
+
+    def __init__(self, table: KC.SlotTable, k0: int, k1: int, refused: int,
+                 clock: Optional[Callable[[], int]] = None, name: str = "window counters") -> None:
+        KC.check_offsets(table.c, refused)
+        self.name = name
+        self.t, self.c = table, table.c
+        self.k0, self.k1, self.refused = k0, k1, refused
+        self.clock = clock or time.monotonic_ns
+        self._pid = os.getpid()
+
+    # -- plumbing -------------------------------------------------------------------------
+
+    def _now(self) -> Tuple[int, int]:
+        ns = self.clock()
+        ms = ns // 1_000_000
+        if not 0 <= ms <= TMAX - 2 * MAX_WINDOW_MS - 2:
+            raise OverflowError(f"CLOCK_MONOTONIC ({ms} ms) is beyond what a window counter holds")
+        return ns, ms
+
+    def _key(self, prefix: bytes, key: object) -> Tuple[Tuple[int, int], int, bytes]:
+        if os.getpid() != self._pid:  # after fork: insert as ourselves, so a dead inserter is judged right
+            self._pid = os.getpid()
+            self.t.pid = K.owner(self._pid)
+        data = KC.key_bytes(key)
+        d = KC.siphash128(prefix + data, self.k0, self.k1)
+        return d, (d[0] * self.t.nslots) >> 64, data
+
+    def _live_v0(self, s: int, ctl: int) -> Optional[int]:
+        """V0 of slot s while it still holds the key found (CTRL == ctl, not DEAD); else None."""
+        v = self.c.load(s + K.S_V0)
+        if v & K.DEAD or self.c.load(s) != ctl:
+            return None
+        return v
+
+    def _insert(self, d, home: int, now_ms: int, v0: int, v1: int, data: bytes, above: Callable[[int], int]):
+        s, ctl = self.t.insert(d, home, pack(now_ms, CMAX, True), v0, (v1, *KC.display_words(data)), above)
+        if s is None and ctl == KC.BUSY:  # a stalled insert of this key by a live process: nothing counted
+            raise KeyTableFullError(self.name, self.t.nslots, busy=True)
+        if s is None:
+            self.c.fetch_add(self.refused, 1)
+            raise KeyTableFullError(self.name, self.t.nslots)
+        return ctl
+
+    def _evict(self, d, home: int) -> bool:
+        """Forget a key now (``clear``): ``V0 | DEAD`` by CAS, then TOMB.  True if one was there."""
+        c = self.c
+        while True:
+            s, ctl = self.t.find(d, home)
+            if s is None:
+                return False
+            v = self._live_v0(s, ctl)
+            if v is not None and c.cas(s + K.S_V0, v, v | K.DEAD):
+                if c.cas(s, ctl, K.ctrl(K.TOMB, 0, ctl >> 40)):
+                    c.fetch_add(self.t.keys_live, KC.MASK64)  # -1
+                return True
+
+    # -- fixed window ---------------------------------------------------------------------
+
+    def incr(self, key: object, expiry: float, amount: int = 1) -> int:
+        """Add ``amount`` to ``key``'s current window of ``expiry`` seconds; the count after it.
+
+        A window starts at the first increment after the previous one ended.
+        Answers ``OVER`` once the window's count would pass ``CMAX``.
+        """
+        w, amount = window_ms(expiry), _amount(amount)
+        _, now = self._now()
+        d, home, data = self._key(b"F", key)
+        c = self.c
+        while True:
+            s, ctl = self.t.find(d, home)
+            if s is None:
+                ctl = self._insert(d, home, now, pack(now + w + 1, amount), 0, data,
+                                   lambda prior: pack(max(now + w + 1, unpack(prior)[0] + 1), amount))
+                if ctl:
+                    return amount
+                os.sched_yield()  # lost a race, often to an insert of the same key: let it finish
+                continue
+            while True:
+                v = self._live_v0(s, ctl)
+                if v is None:
+                    break
+                end, _, cnt = unpack(v)
+                if end <= now:
+                    new, ret = pack(max(now + w + 1, end + 1), amount), amount
+                elif cnt + amount > CMAX:
+                    new, ret = pack(end, CMAX), OVER
+                else:
+                    new, ret = pack(end, cnt + amount), cnt + amount
+                if c.cas(s + K.S_V0, v, new):
+                    return ret
+
+    def _fixed(self, key: object) -> Tuple[int, int, int]:
+        """(count, end ms, now ms) of ``key``'s current fixed window; (0, 0, now) when it has none."""
+        _, now = self._now()
+        d, home, _ = self._key(b"F", key)
+        while True:
+            s, ctl = self.t.find(d, home)
+            if s is None:
+                return 0, 0, now
+            v = self._live_v0(s, ctl)
+            if v is None:
+                continue
+            end, _, cnt = unpack(v)
+            return (cnt, end, now) if end > now else (0, 0, now)
+
+    def get(self, key: object) -> int:
+        """The count of ``key``'s current fixed window (0 if none).  Reads only."""
+        return self._fixed(key)[0]
+
+    def expiry_ms(self, key: object) -> int:
+        """Milliseconds until ``key``'s fixed window ends (0 if it has none).  Reads only."""
+        _, end, now = self._fixed(key)
+        return max(0, end - now)
+
+    def clear(self, key: object) -> bool:
+        """Forget ``key``'s fixed window: its next increment starts a new one."""
+        d, home, _ = self._key(b"F", key)
+        return self._evict(d, home)
+
+    # -- sliding window counter --------------------------------------------------------------
+
+    def _sliding_key(self, key: object, w: int):
+        return self._key(b"S" + w.to_bytes(8, "little"), key)
+
+    def _roll(self, s: int, v: int, w: int, now: int) -> None:
+        """Finish moving slot s (V0 = v, ROLLING) on from its window; anyone may do it.
+
+        To the next window while ``now`` is before the slot's expiry (the count
+        becomes the previous one), else to a fresh window starting at ``now``
+        (both windows ended: the key holds nothing, as a new key).
+        """
+        c = self.c
+        x, _, cnt = unpack(v)
+        start = x - 2 * w
+        if now < x:
+            nxt, snap = start + w, pack(start + w, cnt, True)
+        else:
+            nxt, snap = now, pack(now, 0, True)
+        while True:
+            cur = c.load(s + K.S_V1)
+            if cur >= snap or c.cas(s + K.S_V1, cur, snap):
+                break
+        c.cas(s + K.S_V0, v, pack(nxt + 2 * w, 0))
+
+    def _state(self, s: int, ctl: int, w: int, ns: int, write: bool):
+        """Slot s's counts now: (v, start, prev, cur, ns), or None to look again.
+
+        With ``write`` the slot is first moved on to the window holding ``now``
+        (``v`` is the V0 the answer was read under); without, the answer for a
+        slot left in an earlier window is computed (``v`` None).  ``start`` is
+        the current window's start (ms).
+        """
+        c = self.c
+        refreshed = False
+        now = ns // 1_000_000
+        while True:
+            v = self._live_v0(s, ctl)
+            if v is None:
+                return None
+            x, rolling, cnt = unpack(v)
+            start = x - 2 * w
+            if now < start + (w if rolling else 0):
+                if not refreshed:  # another process read the clock after us: so do we, once
+                    refreshed = True
+                    ns, now = self._now()
+                    continue
+                # only a slot re-inserted above a dead inserter's value starts in the future: count there
+                now = start + (w if rolling else 0)
+            if now >= start + w or rolling:
+                if not write:
+                    if now >= start + 2 * w:
+                        return None, now, 0, 0, ns
+                    return None, start + w, cnt, 0, ns
+                if rolling or c.cas(s + K.S_V0, v, v | FLAG):
+                    self._roll(s, v | FLAG, w, now)
+                continue
+            v1 = c.load(s + K.S_V1)
+            if c.load(s + K.S_V0) != v:
+                continue
+            tag, phase, n = unpack(v1)
+            if tag == start and phase:
+                prev = n  # the final count of the window before
+            elif tag < start:
+                prev = 0  # a key whose first window this is (inserted above a dead inserter's value)
+            elif not refreshed:  # a helper moved on with a later clock than ours
+                refreshed = True
+                ns, now = self._now()
+                continue
+            else:
+                prev = n  # a stale write from a previous tenant, in a fresh key's first window: over-counts
+            return v, start, prev, cnt, ns
+
+    @staticmethod
+    def _weight(start: int, w: int, ns: int) -> float:
+        """The previous window's weight: the time left in the current one over its length (at most 1)."""
+        left = (start + w) * 1_000_000 - ns
+        return min(1.0, max(0.0, left / (w * 1_000_000)))
+
+    def acquire_sliding(self, key: object, limit: int, expiry: float, amount: int = 1) -> bool:
+        """Count ``amount`` hits for ``key`` iff ``floor(prev * left / W + cur) + amount <= limit``.
+
+        ``cur`` counts the current window of ``expiry`` seconds and ``prev`` the
+        one before; ``left`` is the time left in the current one.  A key's
+        first hit starts its first window; when two windows pass without a
+        hit it starts afresh (the ``limits`` sliding window counter, as its
+        Redis storage keeps it).  Check and count are one CAS.
+        """
+        w, amount = window_ms(expiry), _amount(amount)
+        if isinstance(limit, bool) or not isinstance(limit, int) or not 0 <= limit <= CMAX:
+            raise ValueError(f"limit must be an int from 0 to {CMAX} (hits per window), got {limit!r}")
+        if amount > limit:
+            return False
+        ns, now = self._now()
+        d, home, data = self._sliding_key(key, w)
+        c = self.c
+        while True:
+            s, ctl = self.t.find(d, home)
+            if s is None:
+                # a new key's windows are empty: amount <= limit is granted by the insert itself
+                ctl = self._insert(d, home, now, pack(now + 2 * w, amount), pack(now, 0, True), data,
+                                   lambda prior: pack(unpack(prior)[0] + 1, amount))
+                if ctl:
+                    return True
+                os.sched_yield()
+                continue
+            while True:
+                st = self._state(s, ctl, w, ns, True)
+                if st is None:
+                    break
+                v, start, prev, cur, ns = st
+                if math.floor(prev * self._weight(start, w, ns) + cur) + amount > limit:
+                    return False
+                if c.cas(s + K.S_V0, v, pack(start + 2 * w, cur + amount)):
+                    return True
+
+    def sliding(self, key: object, expiry: float) -> Tuple[int, float, int, float]:
+        """``(prev, prev_ttl, cur, cur_ttl)`` for ``key`` now (seconds; prev_ttl 0.0 when prev is 0).  Reads only."""
+        w = window_ms(expiry)
+        ns, now = self._now()
+        d, home, _ = self._sliding_key(key, w)
+        prev = cur = 0
+        start = now
+        while True:
+            s, ctl = self.t.find(d, home)
+            if s is None:
+                break
+            st = self._state(s, ctl, w, ns, False)
+            if st is not None:
+                _, start, prev, cur, ns = st
+                break
+        left = max(0, (start + w) * 1_000_000 - ns) / 1e9
+        return prev, (left if prev else 0.0), cur, left + w / 1000
+
+    def clear_sliding(self, key: object, expiry: float) -> bool:
+        """Forget ``key``'s sliding windows of ``expiry`` seconds: its next hit starts afresh."""
+        d, home, _ = self._sliding_key(key, window_ms(expiry))
+        return self._evict(d, home)
+
+    # -- every key ----------------------------------------------------------------------------
+
+    def reset(self) -> int:
+        """Forget every key of the table; the number forgotten.  A scan of every slot."""
+        c, n = self.c, 0
+        for i in range(self.t.nslots):
+            s = self.t.slots + i * K.LINE
+            ctl = c.load(s)
+            if ctl & 0xFF != K.LIVE:
+                continue
+            v = c.load(s + K.S_V0)
+            if not v & K.DEAD and c.cas(s + K.S_V0, v, v | K.DEAD):
+                n += 1
+                if c.cas(s, ctl, K.ctrl(K.TOMB, 0, ctl >> 40)):
+                    c.fetch_add(self.t.keys_live, KC.MASK64)
+        return n

@@ -1,0 +1,1 @@
+"""The Redis tier: direct limiters across hosts, and hierarchical mode's feeder."""

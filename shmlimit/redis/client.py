@@ -1,0 +1,141 @@
+"""Connecting to Redis and naming what went wrong: the redis-py side of the Redis tier.
+
+``connect`` builds a client for a server, a cluster or a sentinel-managed
+master from one URL syntax (the ``limits`` library's); ``classify`` turns a
+redis-py error into ``RedisUnavailableError`` (no answer in time: fallbacks
+apply) or ``RedisDataError`` (an answer that is an error: never a reason to
+let calls through).  Needs redis-py (the ``redis`` extra).
+"""
+from __future__ import annotations
+
+from typing import Any, Dict, Tuple, Type
+from urllib.parse import parse_qsl, unquote
+
+import redis as _redis
+import redis.asyncio as _aredis
+from redis import exceptions as _rx
+from redis.asyncio.retry import Retry as _ARetry
+from redis.backoff import NoBackoff
+from redis.retry import Retry
+
+from shmlimit.redis import urls
+from shmlimit.errors import RedisDataError, RedisUnavailableError
+from shmlimit.redis.urls import redact
+
+# ---------------------------------------------------------------------------------
+# errors: only a connection error or a timeout is "unavailable"
+
+
+def _unavailable_types() -> Tuple[type, ...]:
+    """redis-py's errors that mean "no answer in time": the server is down, unreachable, loading,
+    failing over (``READONLY`` from a demoted master, ``CLUSTERDOWN``, ``TRYAGAIN`` while a slot
+    migrates) -- never an answer about the data.  Credentials refused are not among them: a
+    wrong password is a configuration error, and fails closed like a data error."""
+    found = [_rx.ConnectionError, _rx.TimeoutError, _rx.ReadOnlyError, _rx.TryAgainError, _rx.ClusterDownError]
+    for n in ("MasterNotFoundError", "SlaveNotFoundError"):  # in redis.sentinel, ConnectionErrors already
+        t = getattr(_rx, n, None)
+        if t is not None:
+            found.append(t)
+    return tuple(found)
+
+
+def _refused_types() -> Tuple[type, ...]:
+    return tuple(t for t in (_rx.AuthenticationError, getattr(_rx, "AuthorizationError", None)) if t is not None)
+
+
+def classify(e: BaseException, where: str) -> Exception:
+    """The shmlimit error for a redis-py error ``e``: ``RedisUnavailableError`` or ``RedisDataError``.
+
+    ``where`` (already redacted) names the server and the limiter.  redis-py's
+    own message is kept, with any URL in it redacted.
+    """
+    text = redact(str(e)) if "://" in str(e) else str(e)
+    if isinstance(e, _UNAVAILABLE) and not isinstance(e, _REFUSED):
+        err: Exception = RedisUnavailableError(f"{where} unavailable: {type(e).__name__}: {text}")
+    else:
+        err = RedisDataError(f"{where} answered with an error: {type(e).__name__}: {text}")
+    err.__cause__ = e
+    return err
+
+
+_UNAVAILABLE = _unavailable_types()
+_REFUSED = _refused_types()
+#: Errors that could come from the server or the connection, as opposed to our own bugs.
+_REDIS_ERRORS: Tuple[Type[BaseException], ...] = (_rx.RedisError, _rx.RedisClusterException, OSError)
+
+
+# ---------------------------------------------------------------------------------
+# connecting: one URL syntax for a server, a cluster and a sentinel-managed master
+
+
+def connect(url: str, secrets: Dict[str, str], timeout: float, is_async: bool = False) -> Any:
+    """A redis-py client for ``url`` (without secrets; they come in ``secrets``).
+
+    ``redis://``, ``rediss://``, ``unix://`` (and ``redis+unix://``): one
+    server, as redis-py reads them.  ``redis+cluster://host:port[,host:port]``:
+    a Redis Cluster found from any of those nodes.
+    ``redis+sentinel://host:port[,host:port]/service[/db]``: the master the
+    sentinels name for ``service``.  The URL's password is used for the
+    servers and for the sentinels (the ``limits`` library's convention);
+    ``?sentinel_password=`` gives the sentinels their own.  ``valkey``
+    schemes are the same.  TLS (``rediss``) always verifies the server's
+    certificate and host name (``?ssl_ca_certs=/path/ca.pem`` names the CA).
+    """
+    scheme = urls.scheme_of(url)
+    tls = scheme in urls.TLS_SCHEMES
+    opts: Dict[str, Any] = dict(socket_timeout=timeout, socket_connect_timeout=timeout)
+    # one immediate reconnect (a restarted server), never a back-off: callers must learn fast
+    opts["retry"] = (_ARetry if is_async else Retry)(NoBackoff(), 1)
+    opts.update(secrets)
+    if tls:
+        opts.update(ssl_cert_reqs="required", ssl_check_hostname=True)
+    lib = _aredis if is_async else _redis
+    rest = url[len(scheme) + 3 :]
+    if scheme in urls.SINGLE_SCHEMES:
+        base = {"redis": "redis", "valkey": "redis", "rediss": "rediss", "valkeys": "rediss"}.get(scheme, "unix")
+        return lib.Redis.from_url(f"{base}://{rest}", **opts)
+    netloc, _, tail = rest.partition("/")
+    tail, _, query = tail.partition("?")
+    if "?" in netloc:
+        netloc, _, query = netloc.partition("?")
+    if "@" in netloc:
+        info, _, netloc = netloc.rpartition("@")
+        if info.partition(":")[0]:
+            opts["username"] = unquote(info.partition(":")[0])
+    for k, v in parse_qsl(query):
+        if k in ("db",):
+            opts[k] = int(v)
+        elif k in ("socket_timeout", "socket_connect_timeout"):
+            opts[k] = float(v)
+        elif k not in ("ssl_cert_reqs", "ssl_check_hostname"):  # TLS is always verified (urls.check)
+            opts[k] = v
+    if tls:
+        opts["ssl"] = True
+    if scheme in urls.CLUSTER_SCHEMES:
+        if tail.strip("/"):
+            raise ValueError(f"url: a cluster has one database, so no path: {redact(url)}")
+        if is_async:
+            from redis.asyncio.cluster import ClusterNode as ANode
+            from redis.asyncio.cluster import RedisCluster as ACluster
+
+            return ACluster(startup_nodes=[ANode(h, p) for h, p in urls.hosts(netloc, 6379)], **opts)
+        from redis.cluster import ClusterNode, RedisCluster
+
+        return RedisCluster(startup_nodes=[ClusterNode(h, p) for h, p in urls.hosts(netloc, 6379)], **opts)
+    # sentinel
+    service, _, db = tail.partition("/")
+    if not service:
+        raise ValueError(f"url: a sentinel URL names the service: redis+sentinel://host:port/service; "
+                         f"got {redact(url)}")
+    if db:
+        opts["db"] = int(db)
+    sentinel_opts = {k: v for k, v in opts.items() if k not in ("db", "sentinel_password")}
+    if "sentinel_password" in opts:
+        sentinel_opts["password"] = opts.pop("sentinel_password")
+    if is_async:
+        from redis.asyncio.sentinel import Sentinel as ASentinel
+
+        return ASentinel(urls.hosts(netloc, 26379), sentinel_kwargs=sentinel_opts, **opts).master_for(service)
+    from redis.sentinel import Sentinel
+
+    return Sentinel(urls.hosts(netloc, 26379), sentinel_kwargs=sentinel_opts, **opts).master_for(service)

@@ -1,0 +1,573 @@
+"""``RedisLimiter``: the same limit shared across hosts, decided by one Lua script in Redis.
+
+    from shmlimit.redis.direct import RedisLimiter
+    lim = RedisLimiter("partner-api", rate=100, url="redis://redis.internal:6379/0")
+    lim.acquire()
+
+Each decision is one round trip: an ``EVALSHA`` of the script below, which runs
+GCRA (the theoretical arrival time, TAT) atomically inside Redis:
+
+* The state is one hash, ``shmlimit:{name}:gcra`` -- the hash tag puts every
+  key of a limiter in one Redis Cluster slot -- holding an epoch ``e`` (whole
+  seconds of the clock) and ``t``, the TAT in integer nanoseconds after the
+  epoch.  Times stay integers far below 2**53 (the script moves the epoch
+  forward every ~11 days of continuous use), so nothing is lost to doubles.
+* One clock: Redis ``TIME`` by default.  ``clock="client"`` sends the caller's
+  wall clock instead, for managed services that refuse ``TIME`` in scripts;
+  the hosts' clocks must then agree (their skew adds to the burst).
+* An op costs ``interval = ceil(per/rate)`` ns and the burst is a tolerance of
+  ``burst * interval``: a request for ``n`` ops is due at
+  ``max(TAT, now) + n*interval - tolerance``.  Due now: granted.  Due later:
+  granted as a reservation (the caller sleeps until it is due) unless the wait
+  exceeds the caller's ``max_wait``/``timeout`` or the limiter's
+  ``max_reserved``; then it is refused, the script writes nothing and answers
+  how long to back off.
+* The key expires once the bucket would be full again (``TAT`` passed, plus a
+  second), which is the same as no key at all: idle limiters leave nothing.
+
+Permit expiry (the distributed-throttle seed's point): ``acquire`` sleeps until
+its reservation is due; if the process wakes more than ``grace`` seconds late
+(an overloaded scheduler), the permit is void -- it stays counted, unused -- and
+``acquire`` asks again.  So calls actually start within ``grace`` of their slot,
+and in any window T at most ``rate*(T + grace) + burst`` calls start.
+"""
+from __future__ import annotations
+
+import asyncio
+import hashlib
+import math
+import random
+import threading
+import time
+from dataclasses import dataclass
+from typing import Any, Dict, Generator, Optional, Tuple
+
+from shmlimit.redis import urls
+from shmlimit.config import NS_PER_S, Config, validate_n, validate_timeout
+from shmlimit.errors import RedisDataError, RedisUnavailableError
+from shmlimit.shm.segment import validate_name
+from shmlimit.redis.spec import DEFAULT_TIMEOUT, DEFAULT_URL, UpstreamSpec, redis_key
+from shmlimit.redis.urls import redact
+
+try:  # the redis extra: pip install 'shmlimit[redis]'
+    import redis as _redis
+    from redis import exceptions as _rx
+
+    from shmlimit.redis.client import _REDIS_ERRORS, classify, connect
+except ImportError:  # pragma: no cover - exercised only without the extra
+    _redis = None  # type: ignore[assignment]
+
+__all__ = ["RedisLimiter", "RedisStats", "RedisUnavailableError", "RedisDataError", "redact", "connect", "classify"]
+
+#: A reservation used more than this late is void (seconds).
+DEFAULT_GRACE = 0.05
+#: Longest single sleep while backing off from a full queue (seconds).
+MAX_NAP = 0.25
+#: Schedule an op or a reservation may span at most (ns): keeps every time in the script exact.
+MAX_SCHEDULE_NS = 10**15
+
+MODE_RESERVE, MODE_UPTO, MODE_PEEK = 0, 1, 2
+
+LUA = r"""
+-- KEYS[1]: hash {e = epoch (whole seconds), t = theoretical arrival time (ns after e)}
+-- ARGV: mode (0 reserve n, 1 take up to n available now but at least m, 2 peek), n, interval_ns,
+--       tolerance_ns, max_wait_ns (-1 = none), clock seconds and microseconds ('' = Redis TIME), m
+-- Returns {ops granted, wait_ns, backlog_ns, dry_ns}: a refusal grants 0 ops, writes nothing, and its
+-- wait is how long until the request could be granted; dry_ns is how long the schedule had run dry
+-- (now past the stored tat: time the GCRA did not bank beyond its tolerance), 0 when it had not or
+-- the key was gone.
+local mode = tonumber(ARGV[1])
+local n = tonumber(ARGV[2])
+local iv = tonumber(ARGV[3])
+local tau = tonumber(ARGV[4])
+local max_wait = tonumber(ARGV[5])
+local sec, usec
+if ARGV[6] == '' then
+  local t = redis.call('TIME')
+  sec = tonumber(t[1]); usec = tonumber(t[2])
+else
+  sec = tonumber(ARGV[6]); usec = tonumber(ARGV[7])
+end
+local st = redis.call('HMGET', KEYS[1], 'e', 't')
+local e = tonumber(st[1]) or sec
+local now = (sec - e) * 1000000000 + usec * 1000
+local tat = tonumber(st[2]) or now
+local dry = 0
+if tat < now then dry = now - tat; tat = now end
+local backlog = tat - now
+if mode == 2 then
+  local avail = math.floor((tau - backlog) / iv)
+  if avail < 0 then avail = 0 end
+  return {avail, math.max(0, backlog + n * iv - tau), backlog, dry}
+end
+local grant = n
+if mode == 1 then
+  local m = tonumber(ARGV[8])
+  grant = math.min(n, math.floor((tau - backlog) / iv))
+  if grant < m then return {0, backlog + m * iv - tau, backlog, dry} end
+else
+  local wait = backlog + n * iv - tau
+  if wait > 0 and max_wait >= 0 and wait > max_wait then return {0, wait, backlog, dry} end
+end
+tat = tat + grant * iv
+if now > 1000000000000000 then
+  -- move the epoch forward so every time stays an exact integer in a double
+  local s = math.floor(now / 1000000000) - 1
+  e = e + s; now = now - s * 1000000000; tat = tat - s * 1000000000
+end
+redis.call('HSET', KEYS[1], 'e', string.format('%.0f', e), 't', string.format('%.0f', tat))
+redis.call('PEXPIRE', KEYS[1], math.ceil((tat - now) / 1000000) + 1000)
+return {grant, math.max(0, tat - tau - now), tat - now, dry}
+"""
+#: What EVALSHA names the script by (redis-py computes the same).
+LUA_SHA = hashlib.sha1(LUA.encode()).hexdigest()
+
+
+@dataclass(frozen=True)
+class RedisStats:
+    """A snapshot of a Redis limiter: the shared state read from Redis, and this client's counters."""
+
+    name: str
+    key: str
+    rate: float  #: ops per ``per`` seconds
+    per: float  #: seconds
+    capacity: float  #: ops at most at once (the burst)
+    available: float  #: ops that could be granted now (whole ops)
+    backlog_seconds: float  #: schedule already reserved beyond now, by every client
+    round_trips: int  #: script calls by this client (a NOSCRIPT recovery counts its extra two)
+    grants: int  #: ops granted to this client (reservations included, voided ones too)
+    refusals: int  #: requests refused (timeout, ``max_reserved``, ``try_acquire``)
+    expired: int  #: reservations voided because they were used more than ``grace`` late
+    script_loads: int  #: times the script had to be loaded again (NOSCRIPT)
+    errors: int  #: calls that failed to reach Redis
+
+    @property
+    def ops_per_second(self) -> float:
+        return self.rate / self.per
+
+
+
+# ---------------------------------------------------------------------------------
+# the limiter: steps that never block, driven by a sync and an async loop
+
+#: What a step asks its driver to do: run the script, load the script, or sleep; or the steps are done.
+_EVAL, _LOAD, _SLEEP, _DONE = "eval", "load", "sleep", object()
+Step = Generator[Tuple[Any, ...], Any, Any]
+
+
+def _resume(steps: Step, value: Any = None, error: Optional[BaseException] = None) -> Tuple[Any, ...]:
+    """Run ``steps`` on to what it asks next, given the last answer (or error): an op or (_DONE, result)."""
+    try:
+        return steps.throw(error) if error is not None else steps.send(value)
+    except StopIteration as done:
+        return (_DONE, done.value)
+
+
+def _outcome(do: Any, op: Tuple[Any, ...]) -> Tuple[Any, Optional[BaseException]]:
+    """``(answer, None)`` of a sync op, or ``(None, the error)`` for the steps to classify or let through."""
+    try:
+        return do(op), None
+    except Exception as e:
+        return None, e
+
+
+class _GcraClient:
+    """What ``RedisLimiter`` and ``RedisKeyedLimiter`` share: the validated configuration, the
+    connections, the identity, and the script's steps with their sync and async drivers."""
+
+    def __init__(
+        self,
+        name: str,
+        rate: float,
+        per: float = 1.0,
+        burst: Optional[float] = None,
+        *,
+        url: str = DEFAULT_URL,
+        max_reserved: Optional[float] = None,
+        grace: Optional[float] = DEFAULT_GRACE,
+        clock: str = "server",
+        timeout: float = DEFAULT_TIMEOUT,
+        client: Any = None,
+    ) -> None:
+        if _redis is None:  # pragma: no cover
+            raise ImportError("shmlimit.redis.direct needs redis-py: pip install 'shmlimit[redis]'")
+        validate_name(name)
+        cfg = Config.make(rate, per, burst, False, None, max_reserved, None)
+        interval = math.ceil(cfg.per * NS_PER_S / cfg.rate)
+        if interval * max(1.0, cfg.burst) > MAX_SCHEDULE_NS:
+            raise ValueError(
+                f"burst*per/rate must be at most {MAX_SCHEDULE_NS / NS_PER_S:g} s on Redis, "
+                f"got {cfg.burst * cfg.per / cfg.rate:g} s"
+            )
+        if clock not in ("server", "client"):
+            raise ValueError(f"clock must be 'server' or 'client', got {clock!r}")
+        self._grace = validate_timeout(grace, "grace")
+        t = validate_timeout(timeout, "timeout")
+        if t is None or t == 0:
+            raise ValueError(f"timeout must be a finite number of seconds > 0, got {timeout!r}")
+        urls.check(url)
+        self._url, self._secrets = urls.split_secrets(url)
+        self._name = name
+        self._config = cfg
+        self._clock = clock
+        self._timeout = t
+        self.key = redis_key(name)
+        self._interval = interval  # ns per op, rounded up: never faster than asked
+        self._tolerance = int(cfg.burst * interval)  # rounded down: never more burst than asked
+        self._max_reserved_ns = None if cfg.max_reserved is None else int(cfg.max_reserved * NS_PER_S)
+        self._own_client = client is None
+        self._client = client if client is not None else connect(self._url, self._secrets, t)
+        self._sha = LUA_SHA
+        self._aclients: Dict[int, Any] = {}
+        self._lock = threading.Lock()
+        self._counts = {"round_trips": 0, "grants": 0, "refusals": 0, "expired": 0, "script_loads": 0, "errors": 0}
+
+    # -- identity --------------------------------------------------------------------
+
+    @property
+    def name(self) -> str:
+        return self._name
+
+    @property
+    def config(self) -> Config:
+        return self._config
+
+    @property
+    def rate(self) -> float:
+        """Ops per ``per`` seconds."""
+        return self._config.rate
+
+    @property
+    def per(self) -> float:
+        """Seconds."""
+        return self._config.per
+
+    @property
+    def capacity(self) -> float:
+        """Ops granted at most at once (the burst)."""
+        return self._config.burst
+
+    @property
+    def url(self) -> str:
+        """The server's URL, without its password."""
+        return self._url
+
+    @property
+    def round_trips(self) -> int:
+        """Script calls made by this client so far (a NOSCRIPT recovery counts its extra two)."""
+        with self._lock:
+            return self._counts["round_trips"]
+
+    def close(self) -> None:
+        """Close this limiter's connections (the shared state in Redis stays)."""
+        if self._own_client:
+            self._client.close()
+
+    def __reduce__(self) -> Any:
+        if not self._own_client:
+            raise TypeError(f"a {type(self).__name__} built on a caller's client cannot be pickled; pass url= instead")
+        c = self._config
+        kw = dict(url=self._url, max_reserved=c.max_reserved, grace=self._grace, clock=self._clock, timeout=self._timeout)
+        return (_unpickle, (type(self), tuple(self._secrets.items()), (self._name, c.rate, c.per, c.burst), kw))
+
+    # -- the script: one step core, two drivers ------------------------------------------
+
+    def _args(self, mode: int, n: int, max_wait_ns: Optional[int], least: int = 1) -> Tuple[Any, ...]:
+        if self._clock == "server":
+            sec, usec = "", ""
+        else:
+            ns = time.time_ns()
+            sec, usec = str(ns // NS_PER_S), str(ns % NS_PER_S // 1000)
+        mw = -1 if max_wait_ns is None else max_wait_ns
+        return (mode, n, self._interval, self._tolerance, mw, sec, usec, least)
+
+    def _count(self, **deltas: int) -> None:
+        with self._lock:
+            for k, v in deltas.items():
+                self._counts[k] += v
+
+    def _script(self, mode: int, n: int, max_wait_ns: Optional[int] = None, least: int = 1,
+                key: Optional[str] = None) -> Step:
+        """Steps of one script call; returns ``(ops granted, wait_ns, backlog_ns, dry_ns)``.
+
+        A NOSCRIPT answer (the scripts were flushed, or a failover or slot
+        migration reached a server that never saw ours) loads it and asks
+        again.  redis-py's errors are classified (``classify``).
+        """
+        args = self._args(mode, n, max_wait_ns, least)
+        key = self.key if key is None else key
+        trips = 1
+        try:
+            try:
+                r = yield (_EVAL, key, args)
+            except _rx.NoScriptError:
+                trips += 2
+                self._count(script_loads=1)
+                yield (_LOAD,)
+                r = yield (_EVAL, key, args)
+            granted, wait, backlog, dry = int(r[0]), int(r[1]), int(r[2]), int(r[3])
+        except _REDIS_ERRORS as e:
+            self._count(round_trips=trips, errors=1)
+            raise classify(e, f"redis at {self.url} for limiter {self._name!r}") from e
+        except (TypeError, ValueError, IndexError) as e:  # an answer that is not the script's
+            self._count(round_trips=trips, errors=1)
+            raise RedisDataError(f"redis at {self.url} for limiter {self._name!r} answered {r!r}") from e
+        self._count(round_trips=trips)
+        return granted, wait, backlog, dry
+
+    def _run(self, steps: Step) -> Any:
+        """The sync driver: run ``steps`` to completion on this thread's connection."""
+        op = _resume(steps)
+        while op[0] is not _DONE:
+            op = _resume(steps, *_outcome(self._do, op))
+        return op[1]
+
+    def _do(self, op: Tuple[Any, ...]) -> Any:
+        if op[0] == _EVAL:
+            return self._client.evalsha(self._sha, 1, op[1], *op[2])
+        return self._client.script_load(LUA) if op[0] == _LOAD else time.sleep(op[1])
+
+    async def _run_async(self, steps: Step) -> Any:
+        """The async driver: the same steps on this event loop's own connection."""
+        client = self._aclient()
+        op = _resume(steps)
+        while op[0] is not _DONE:
+            try:
+                if op[0] == _EVAL:
+                    value = await client.evalsha(self._sha, 1, op[1], *op[2])
+                else:
+                    value = await (client.script_load(LUA) if op[0] == _LOAD else asyncio.sleep(op[1]))
+            except Exception as e:  # handed to the steps, which classify it or let it through
+                op = _resume(steps, None, e)
+            else:
+                op = _resume(steps, value)
+        return op[1]
+
+    def _aclient(self) -> Any:
+        loop = asyncio.get_running_loop()
+        client = self._aclients.get(id(loop))
+        if client is None:
+            if not self._own_client:
+                raise TypeError("acquire_async needs a RedisLimiter built with url=, not client=")
+            # connections of a dead loop are useless: keep only this loop's
+            self._aclients = {id(loop): connect(self._url, self._secrets, self._timeout, is_async=True)}
+            client = self._aclients[id(loop)]
+        return client
+
+    # -- the steps of acquiring ----------------------------------------------------------
+
+    def _bound(self, n: int, limit_s: Optional[float]) -> Optional[int]:
+        """The script's max_wait for ``n`` ops: the caller's limit and ``max_reserved``, in ns."""
+        if n * self._interval > MAX_SCHEDULE_NS:
+            raise ValueError(f"n must be at most {MAX_SCHEDULE_NS // self._interval} ops for this limiter, got {n}")
+        bounds = [b for b in (None if limit_s is None else int(limit_s * NS_PER_S), self._max_reserved_ns) if b is not None]
+        return min(bounds) if bounds else None
+
+    def _reserve_steps(self, n: int, max_wait: Optional[float], key: Optional[str] = None) -> Step:
+        validate_n(n, 1)
+        bound = self._bound(n, validate_timeout(max_wait, "max_wait"))
+        granted, wait, _, _ = yield from self._script(MODE_RESERVE, n, bound, key=key)
+        if not granted:
+            self._count(refusals=1)
+            return None
+        self._count(grants=n)
+        return wait / NS_PER_S
+
+    def _acquire_steps(self, n: int, timeout: Optional[float], key: Optional[str] = None) -> Step:
+        """Steps of ``acquire``: reserve, sleep until due, void a slot woken too late, back off."""
+        validate_n(n, 1)
+        timeout = validate_timeout(timeout)
+        deadline = None if timeout is None else time.monotonic() + timeout
+        while True:
+            left = None if deadline is None else max(0.0, deadline - time.monotonic())
+            granted, wait, _, _ = yield from self._script(MODE_RESERVE, n, self._bound(n, left), key=key)
+            received = time.monotonic()
+            if granted:
+                self._count(grants=n)
+                due = received + wait / NS_PER_S
+                if wait:
+                    yield (_SLEEP, wait / NS_PER_S)
+                if self._grace is None or time.monotonic() - due <= self._grace:
+                    return True
+                self._count(expired=1)  # woke too late: the slot is void, ask for a new one
+                continue
+            self._count(refusals=1)
+            nap = self._backoff(wait, left)
+            if nap is None:
+                return False
+            yield (_SLEEP, nap)
+
+    def _backoff(self, wait_ns: int, left: Optional[float]) -> Optional[float]:
+        """After a refusal: None when the caller's own limit refused it, else how long to back off.
+
+        Refused by ``max_reserved`` only, the caller sleeps until the queue
+        should have room, jittered in [0.5, 1.5] so refused callers spread out.
+        """
+        wait = wait_ns / NS_PER_S
+        if left is not None and wait > left:
+            return None
+        over = wait - (self._max_reserved_ns or 0) / NS_PER_S
+        nap = min(MAX_NAP, max(1e-4, over)) * random.uniform(0.5, 1.5)
+        return nap if left is None else min(nap, left)
+
+
+class RedisLimiter(_GcraClient):
+    """A rate limit of ``rate`` ops per ``per`` seconds shared through Redis by every client of ``name``.
+
+    The same interface and semantics as ``shmlimit.Limiter``: ``acquire``,
+    ``try_acquire``, ``reserve``, ``retry_after``, ``acquire_async``,
+    ``stats``, usable by ``shmlimit.throttle``.  Every client of one name must
+    pass the same ``rate``, ``per`` and ``burst`` (the script trusts them).
+
+    ``url``: a Redis server, cluster or sentinel-managed master (see
+    ``connect``); its password never leaves this object (``url`` shows it
+    redacted, and a segment stores the URL without it).  ``burst`` (ops,
+    default 10 ms of rate and at least one); ``max_reserved`` (seconds of
+    schedule callers may reserve ahead; default unbounded); ``grace``
+    (seconds a reservation may be used late before it is void; None = never
+    void); ``clock`` (``"server"``: Redis ``TIME``, or ``"client"``: this
+    host's wall clock); ``timeout`` (connect and socket timeout, seconds).
+    ``client`` may be an existing redis-py client to use instead of ``url``
+    (the limiter then cannot be pickled nor be an ``upstream=``).
+
+    Errors: ``RedisUnavailableError`` when Redis cannot be reached in time
+    (a connection error or timeout: callers may fall back), and
+    ``RedisDataError`` when it answers with an error (the key holds another
+    type, the credentials are refused): never a reason to let calls through.
+    """
+
+    def upstream_spec(self, **options: Any) -> UpstreamSpec:
+        """This limiter as the upstream of a hierarchical ``Limiter`` (``options``: ``on_error``,
+        ``lease_ttl``, ``batch_seconds``).  Refused for a limiter built on a caller's ``client``:
+        its endpoint is unknown, and the default URL would silently lease from another server."""
+        if not self._own_client:
+            raise ValueError(
+                "a RedisLimiter built on a caller's client= cannot be an upstream (its endpoint is unknown "
+                "to the filler); build it with url="
+            )
+        c = self._config
+        return UpstreamSpec(self._name, self._url, c.rate, c.per, c.burst, clock=self._clock, timeout=self._timeout,
+                            secrets=tuple(sorted(self._secrets.items())), **options)
+
+    @classmethod
+    def from_spec(cls, spec: UpstreamSpec) -> "RedisLimiter":
+        """The global limiter of a hierarchical limiter, with the secrets its configuring process gave."""
+        return _connected(cls, spec.secrets, spec.name, spec.rate, spec.per, spec.burst, url=spec.url,
+                          clock=spec.clock, timeout=spec.timeout)
+
+    def call(self, mode: int, n: int, max_wait_ns: Optional[int] = None, least: int = 1) -> Tuple[int, int, int, int]:
+        """One script call: ``(ops granted, wait_ns, backlog_ns, dry_ns)``: ``dry_ns`` is how long the
+        global schedule had run dry before it (schedule the GCRA did not bank), 0 if it had not.
+
+        Raises ``RedisUnavailableError`` or ``RedisDataError``.
+        """
+        return self._run(self._script(mode, n, max_wait_ns, least))
+
+    async def call_async(self, mode: int, n: int, max_wait_ns: Optional[int] = None, least: int = 1) -> Tuple[int, int, int, int]:
+        """``call`` on this event loop's own connection."""
+        return await self._run_async(self._script(mode, n, max_wait_ns, least))
+
+    # -- acquiring ---------------------------------------------------------------------
+
+    def reserve(self, n: int = 1, max_wait: Optional[float] = None) -> Optional[float]:
+        """Reserve the next slot for ``n`` ops; return the seconds until it is due (0.0: now).
+
+        None, having reserved nothing, when the wait would exceed ``max_wait``
+        (seconds) or ``max_reserved``.  A reservation is counted whether or
+        not the caller uses it.
+        """
+        return self._run(self._reserve_steps(n, max_wait))
+
+    def try_acquire(self, n: int = 1) -> bool:
+        """Take ``n`` ops only if they are available now (one round trip).  False takes nothing."""
+        return self.reserve(n, 0.0) == 0.0
+
+    def retry_after(self, n: int = 1) -> float:
+        """Seconds until ``n`` ops could be granted to a new caller (0.0: now).  One round trip."""
+        validate_n(n, 1)
+        return self.call(MODE_PEEK, n)[1] / NS_PER_S
+
+    def take_up_to(self, n: int, least: int = 1) -> Tuple[int, float]:
+        """Take as many of ``n`` ops as are available now, if at least ``least`` are (one round trip).
+
+        Returns ``(ops taken, 0.0)``, or ``(0, seconds until least would be
+        available)``.  The hierarchical mode's filler leases its batches so.
+        """
+        validate_n(n, 1)
+        if isinstance(least, bool) or not isinstance(least, int) or not 1 <= least <= n:
+            raise ValueError(f"least must be an int from 1 to n={n}, got {least!r}")
+        granted, wait, _, _ = self.call(MODE_UPTO, n, 0, least)
+        if granted:
+            self._count(grants=granted)
+        return granted, (0.0 if granted else wait / NS_PER_S)
+
+    def acquire(self, n: int = 1, timeout: Optional[float] = None) -> bool:
+        """Take ``n`` ops, sleeping until their reservation is due; True once granted.
+
+        With ``timeout`` (seconds), return False, having taken nothing, when the
+        wait would exceed it.  With ``max_reserved``, an acquire that finds the
+        queue full backs off (with jitter) and asks again until ``timeout``.
+        Raises ``RedisUnavailableError`` when Redis cannot be reached in time,
+        ``RedisDataError`` when it answers with an error.
+        """
+        return self._run(self._acquire_steps(n, timeout))
+
+    async def acquire_async(self, n: int = 1, timeout: Optional[float] = None) -> bool:
+        """``acquire`` for asyncio (its own connection per event loop; never blocks the loop)."""
+        return await self._run_async(self._acquire_steps(n, timeout))
+
+    async def __aenter__(self) -> "RedisLimiter":
+        await self.acquire_async()
+        return self
+
+    async def __aexit__(self, *exc: Any) -> None:
+        return None
+
+    def __enter__(self) -> "RedisLimiter":
+        self.acquire()
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        return None
+
+    # -- observation -------------------------------------------------------------------
+
+    def stats(self) -> RedisStats:
+        """The shared state (one round trip, writes nothing) and this client's counters."""
+        avail, _, backlog, _ = self.call(MODE_PEEK, 1)
+        with self._lock:
+            counts = dict(self._counts)
+        c = self._config
+        return RedisStats(
+            name=self._name, key=self.key, rate=c.rate, per=c.per, capacity=c.burst, available=float(avail),
+            backlog_seconds=backlog / NS_PER_S, **counts,
+        )
+
+    def __repr__(self) -> str:
+        c = self._config
+        head = f"<shmlimit.redis.direct.RedisLimiter {self._name!r} rate={c.rate:g}/{c.per:g}s capacity={c.burst:g} url={self.url}"
+        try:
+            s = self.stats()
+        except (RedisUnavailableError, RedisDataError) as e:
+            return f"{head} {e}>"
+        return (
+            f"{head} available={s.available:g} backlog={s.backlog_seconds:.3f}s round_trips={s.round_trips} "
+            f"grants={s.grants} refusals={s.refusals} expired={s.expired}>"
+        )
+
+
+#: ``client=`` while ``from_spec``/unpickling build a limiter that then connects with its secrets.
+_Deferred = object()
+
+
+def _connected(cls: Any, secrets: Tuple[Tuple[str, str], ...], *args: Any, **kw: Any) -> Any:
+    """A limiter of ``cls`` connected with ``secrets`` (kept out of its URL, as ``url=`` would)."""
+    lim = cls(*args, client=_Deferred, **kw)
+    lim._secrets = dict(secrets)
+    lim._own_client = True
+    lim._client = connect(lim._url, lim._secrets, lim._timeout)
+    return lim
+
+
+def _unpickle(cls: Any, secrets: Tuple[Tuple[str, str], ...], args: Tuple[Any, ...], kw: Dict[str, Any]) -> Any:
+    return _connected(cls, secrets, *args, **kw)

@@ -1,0 +1,580 @@
+"""Hierarchical mode: the host's shared-memory bucket, fed by batches leased from a global Redis limiter.
+
+Workers keep the shared-memory fast path; only the elected filler talks to
+Redis, one round trip per batch.  The segment is created with
+``FLAG_UPSTREAM``: replenishing from the clock is off, and the head advances
+only by ``Bucket.add`` of leased tokens.
+
+Batches are reservations.  The filler measures the host's demand (the tail's
+advance, queued grabs included) as an average over ~0.2 s.  While callers
+wait (a negative balance, or ``UP_HUNGRY`` set by a refused caller in the
+last 20 ms), or while the host is busy and what it holds would run out
+soon, it *reserves* ``demand * batch_seconds`` ops (at least one, at most
+what the local bucket holds) in the global GCRA (``MODE_RESERVE``), due
+when their slots are.  It asks for the next batch when the last reserved one
+falls due within ``lead`` (two round trips plus ``MIN_LEAD``), so under
+saturation the global schedule never runs dry between two requests: no slot
+is lost to the latency of asking, at any rate.  (Leasing only what was
+available *now* and retrying blindly after a refusal lost a fifth of the
+rate at 50/s.)  A reservation is never refused: it takes the next slots
+of the global schedule, however far ahead, so saturated hosts are served in
+the order they asked, each about one batch per round of the queue (equal
+shares).  Refusing reservations beyond a horizon starved the host that asked
+last (2 % of the rate for one of three equal hosts at 50/s; the host nearest
+Redis got 7 % at 1000/s through 1/3/5 ms proxies).  Nobody hoards: a host
+asks only while it has demand and only when its own reserved schedule ends
+within the lead, so all hosts together hold at most ``hosts * (lead +
+batch)`` of schedule ahead.  A batch falls due at ``reply + wait`` (never
+early: Redis ran the script before the reply) and goes into the bucket as
+far as it fits; the rest waits for room, not longer than its ttl.
+
+Batch size, round trips and the bound.  Redis grants at most
+``rate*T + burst`` of schedule in any window T, however it is cut into
+batches, and a reserved batch is due only when all its slots are.  So the
+batch size does not enter the window bound below; it sets the round trips
+(one per batch: ``1 / (demand * batch_seconds)`` per op, bounded below by
+one per local capacity) against how lumpy a host's supply is (its tokens come
+``batch`` at a time) and how much reserved schedule a host whose demand stops
+leaves unused (at most the lead, ``EARLY`` and one batch).  The default,
+``batch_seconds=0.02`` capped by the local capacity (default 10 ms of rate),
+gives one round trip per 10 ms of schedule per busy host at high rates.
+
+Leased tokens expire.  Each delivered batch leaves a record in the segment:
+one word, (the earliest moment it could be due, in ms) << 24 | its ops, in a
+ring of four slots chosen by a fetch-add, so racing fillers never mix one
+batch's time with another's size.  At every wake, before the Redis call and
+after the deliveries, the filler burns whatever the bucket holds beyond the
+ops of records younger than ``lease_ttl`` (``MIN_TICK`` from now: it naps no
+shorter), and it plans a wake ``MIN_TICK`` before the end of a record while
+the bucket holds more than the younger ones cover, never floored past that
+end.  An op used at time u was therefore due after ``u - lease_ttl - d``,
+where d is how late a check comes after a record ends: the sleep's lateness
+past its plan, plus one Redis call of at most ``timeout``.  A filler stopped
+in the middle of a delivery (SIGSTOP) and resumed much later never adds a
+batch older than its ttl; one it adds late carries its old record, and it
+checks right after the add and, no longer the filler, after its deliveries
+and at its records' ends (``orphan_tick``).
+Stopped again between the add and that check, the excess waits for the
+running filler's next wake: then d is at most ``IDLE_TICK`` plus one call.  Since Redis grants at most
+``rate*T + burst`` in any window T, all hosts together grant at most
+``rate*(T + lease_ttl + d) + burst`` in any window T.
+
+Redis unreachable (``on_redis_error``):
+
+* ``"closed"`` (default, fails safe): no new tokens; callers wait (their
+  timeouts apply) until Redis answers again.
+* ``"local"``: the host's bucket refills from its own clock at the local rate
+  until Redis answers again; with H hosts the global rate may reach H times
+  the local rate meanwhile.
+* ``"open"``: no limit at all until Redis answers again.
+
+Only a connection error or a timeout is "unreachable".  Redis answering with
+an error (``WRONGTYPE`` because someone wrote the key, a failing script,
+refused credentials: ``RedisDataError``) is state ``"error"``: closed,
+whatever ``on_redis_error`` says, and logged -- whoever can write the key
+must not be able to open the gates.
+
+The filler retries every ``RETRY_EVERY`` seconds; the first answer ends the
+fallback (local tokens are burned, tickets let through by "open" are
+forgotten).  Every error and fallback is counted in the segment, so
+``stats()`` of any process shows them.  Fallbacks switch only the flag bits
+of the config (``Bucket.set_upstream_flags``): a ``set_rate`` made while the
+filler was talking to Redis stays.
+
+The feeder runs only in processes that configured the upstream themselves
+(see ``upstream_spec``): its endpoint and credentials are theirs, never read
+from the segment.
+"""
+from __future__ import annotations
+
+import logging
+import math
+import random
+from collections import deque
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Callable, Deque, List, Optional
+
+from shmlimit.shm import layout as L
+from shmlimit.bucket.rovers import diff
+from shmlimit.errors import RedisDataError, RedisUnavailableError
+from shmlimit.redis.lease_records import RECORD_MAX_OPS, RECORD_OPS_BITS, LeaseRecords  # noqa: F401 (RECORD_OPS_BITS: the tests read records)
+from shmlimit.redis.lease_records import record as _record  # noqa: F401 (the tests write records with it)
+from shmlimit.redis.direct import MODE_RESERVE, RedisLimiter
+from shmlimit.redis.spec import (
+    ON_ERROR, STATE_CLOSED, STATE_ERROR, STATE_LOCAL, STATE_NAMES, STATE_OK, STATE_OPEN, UpstreamSpec,
+)
+
+if TYPE_CHECKING:  # pragma: no cover
+    from shmlimit.bucket.rovers import Bucket
+    from shmlimit.bucket.filler import FeedFactory, Lease
+
+__all__ = ["Feeder", "feed_for", "ON_ERROR", "STATE_NAMES"]
+
+log = logging.getLogger("shmlimit.redis.feeder")
+
+_FALLBACK = {"local": (STATE_LOCAL, L.FLAG_UPSTREAM | L.FLAG_FALLBACK_LOCAL),
+             "open": (STATE_OPEN, L.FLAG_UPSTREAM | L.FLAG_FALLBACK_OPEN),
+             "closed": (STATE_CLOSED, L.FLAG_UPSTREAM)}
+
+#: The feeder sleeps until its next event (a batch falls due, the next batch is to be asked for,
+#: a lease record expires with tokens in the bucket), and no longer than this (seconds): how soon
+#: an idle host notices a caller's first refusal, and the lease is renewed at the latest ...
+IDLE_TICK = 0.02
+#: ... and no shorter than this (seconds).  So a check burns, with the records that ended, those
+#: that end within this long, and the wake for a record's end is planned this long before it: the
+#: floor never carries a wake past a record's end (``lease_records``).
+MIN_TICK = 0.0002
+#: While the "local" fallback feeds the bucket from the clock, or a due batch waits for room,
+#: the feeder looks this often (seconds).
+TICK = 0.002
+#: A feeder awake anyway asks for the next batch up to this much earlier than the lead requires,
+#: rather than wake again for it alone (seconds).
+EARLY = 0.01
+#: Batches are reserved at least this far ahead of need (seconds; ``Feeder.lead_ns``): longer than
+#: a filler (or Redis) is kept off the CPU on a busy VM (at 15 ms, 64-81 ms pauses lost 2 % at 1 000/s).
+MIN_LEAD = 0.075
+#: While Redis is unreachable, it is tried again this often (seconds).
+RETRY_EVERY = 0.25
+#: After a lease request found nothing available upstream, wait at least this long (seconds) ...
+MIN_RETRY = 0.002
+#: A caller refused this recently (ns) still wants a token: longer than the feeder's longest
+#: sleep, so that a refusal is never missed between two of its wakes.
+HUNGRY_NS = 2 * int(IDLE_TICK * 1e9)
+#: Demand is averaged over about this long (seconds).
+DEMAND_WINDOW = 0.2
+
+
+def feed_for(spec: UpstreamSpec) -> "FeedFactory":
+    """The filler's feed for a process that configured ``spec`` itself."""
+
+    def make(bucket: "Bucket", lease: "Lease") -> "Feeder":
+        return Feeder(bucket, lease, spec)
+
+    return make
+
+
+@dataclass
+class _Batch:
+    """Ops reserved in Redis, due at ``due`` (monotonic ns, never early) and void after ``stamp + ttl``."""
+
+    due: int  #: when the reply came, plus the wait Redis named: not before the slots are due
+    stamp: int  #: when we asked, plus that wait: not after they are due (expiry counts from here)
+    ops: int  #: ops reserved
+    left: int  #: ops not yet in the bucket (a batch waits for room rather than be lost)
+    recorded: bool = False
+
+
+_NEVER = 1 << 62  # an instant later than any event (monotonic ns)
+
+
+class Feeder:
+    """The filler's half of hierarchical mode: reserve, deliver, expire, fall back, recover.  Filler thread only.
+
+    Leases are *reservations* in the global GCRA (``MODE_RESERVE``): a batch
+    reserved before the global schedule reaches it is due exactly when its
+    slots are, so the schedule stays continuous while this host has demand
+    and no slot is lost to the latency of asking.  Blind retries after a
+    refusal lost up to half of every interval at low rates.  The feeder
+    keeps the chain ``lead`` ahead (two round trips and ``MIN_LEAD``): it asks
+    for the next batch when the last reserved one is due sooner than that.
+    """
+
+    def __init__(
+        self,
+        bucket: "Bucket",
+        lease: "Lease",
+        spec: UpstreamSpec,
+        clock: Optional[Callable[[], int]] = None,
+        connect: Callable[[UpstreamSpec], RedisLimiter] = RedisLimiter.from_spec,
+    ) -> None:
+        self.bucket = bucket
+        #: CLOCK_MONOTONIC ns: the bucket's clock unless a test gives another
+        self.clock = bucket.clock if clock is None else clock
+        self._connect = connect
+        self.cells = bucket.cells
+        self.lease = lease
+        self.spec = spec
+        self.redis: Optional[RedisLimiter] = None  # connected at the first lease: a cluster client connects at once
+        self.on_error = spec.on_error
+        self.ttl_ns = int(spec.lease_ttl * 1e9)
+        self.records = LeaseRecords(bucket, self.ttl_ns, int(MIN_TICK * 1e9))
+        self.batch_seconds = spec.batch_seconds
+        self.interval_ns = math.ceil(spec.per * 1e9 / spec.rate)  # one op of the global schedule
+        self.demand = 0.0  # ops per second
+        self._last: Optional[tuple] = None  # (ns, tail) at the previous tick
+        self._burned = 0  # tokens burned since then: they moved the tail but are not demand
+        self.next_try = 0
+        self.rtt_ns = 1_000_000  # round trip time, an average; starts at 1 ms
+        self.pending: Deque[_Batch] = deque()
+        #: ops a request asks at least while callers stay queued: doubled by each request that finds
+        #: them queued, 1 again at one that does not.  Demand is measured from the tail, which
+        #: queued callers advance only as fast as they are supplied: a filler that takes over at
+        #: 1 000 000/s knows no demand, and sized by it alone its batches grew 10 % per round trip
+        #: (~150 ms of the global schedule mostly lost); doubling reaches ``max_grow`` in ~14.
+        self.grow = 1
+        self._queued_at = -HUNGRY_NS  # when ``want`` last found callers queued (ns)
+        #: the lease records this process wrote that have not ended: a record may leave the ring of
+        #: four before it ends (racing fillers, many small batches), and the wake for its end is
+        #: planned from here; a former filler checks its own at their ends (the filler plans from
+        #: the records it saw)
+        self.mine: List[int] = []
+
+    @property
+    def max_batch(self) -> int:
+        """Ops per lease at most: what the local bucket holds (and a record can count)."""
+        b = self.bucket
+        return max(1, min(b.cap // b.cost, RECORD_MAX_OPS))
+
+    @property
+    def max_grow(self) -> int:
+        """The most ``grow`` reaches: a batch for the global rate itself (no host's demand is
+        higher), so a saturated host's batches are what its measured demand makes them."""
+        return min(self.max_batch, max(1, math.ceil(self.batch_seconds * 1e9 / self.interval_ns)))
+
+    @property
+    def lead_ns(self) -> int:
+        """How far ahead of need the next batch is asked for: two round trips and ``MIN_LEAD``.
+
+        A request that reaches Redis after the global schedule ran dry loses
+        the gap for good (GCRA does not bank it).  Under saturation the
+        reserved schedule reaches at least the lead and the GCRA's tolerance
+        ahead, so a filler (or Redis) kept off the CPU for less loses nothing.
+        Costs, none a grant beyond the bound: a host whose demand stops, or a
+        filler killed, leaves this much schedule (plus ``EARLY`` and a batch)
+        unused; a sentinel failover may grant it twice (design page).
+        """
+        return 2 * self.rtt_ns + int(MIN_LEAD * 1e9)
+
+    def close(self) -> None:
+        """The filler stops (its process closes): the batches still reserved here, which nobody else
+        knows, are leased ops never used, so counted expired (a SIGKILL leaves them uncounted)."""
+        self.cells.fetch_add(L.UP_EXPIRED, sum(bt.left for bt in self.pending))
+        self.pending.clear()
+        if self.redis is not None:
+            self.redis.close()
+
+    # -- one tick -----------------------------------------------------------------------
+
+    def tick(self) -> float:
+        b = self.bucket
+        c = self.cells
+        now = self.clock()
+        self._measure(now)
+        self._note_wanting(now)
+        state = c.load(L.UP_STATE)
+        if state in (STATE_OK, STATE_CLOSED, STATE_ERROR):  # leased tokens expire, Redis or not
+            self.expire(now)
+        self.mine = [w for w in self.mine if not self.records.ends_by(w, now)]  # those were checked just now
+        self._deliver(now)
+        if not b.stopped and now >= self.next_try:
+            self._lease(now, state)
+            self._deliver(self.clock())  # a batch due at once goes in without waiting a tick
+        # the next wake is planned from the instant of the last check (a record ending just after
+        # a check that counted it young, within MIN_TICK of a later reading, is planned from there)
+        now = self.clock()
+        if c.load(L.UP_STATE) in (STATE_OK, STATE_CLOSED, STATE_ERROR):
+            # and once more: the rest of a batch that waited for room went in after the check, and
+            # its record counted all its ops already; the next wake may be far
+            self.expire(now)
+        if b.time_fed:  # the "local" fallback: the clock feeds the bucket meanwhile
+            b.replenish()
+        return self._publish_next(now)
+
+    def orphan_tick(self) -> Optional[float]:
+        """No longer the filler: deliver the batches this process reserved, when due (they are slots
+        of the global schedule that nobody else will deliver); tell waiters when, unless another
+        filler expects tokens sooner."""
+        if not self.pending and not self.mine:
+            return None
+        now = self.clock()
+        added = self._deliver(now)
+        live = [w for w in self.mine if not self.records.ends_by(w, now)]
+        # a record of ours ends (within MIN_TICK): the filler may not see it; or we delivered: the
+        # rest of a batch that waited for room went in after the last check, its record counting
+        # all its ops already (as a tick checks once more after its deliveries)
+        if len(live) < len(self.mine) or added:
+            self.mine = live
+            if self.cells.load(L.UP_STATE) in (STATE_OK, STATE_CLOSED, STATE_ERROR):
+                self.expire(now)
+        nap = _NEVER
+        if live:
+            nap = self.records.nap_for_end(now, min(map(self.records.end, live)))
+        if self.pending:
+            bt = self.pending[0]
+            due = bt.due
+            cur = self.cells.load(L.UP_NEXT_NS)
+            if cur <= now or cur > due:
+                self.cells.cas(L.UP_NEXT_NS, cur, due)
+            # due but waiting for room: look again every TICK, as a filler does (MIN_TICK was five
+            # thousand wakes a second), until its ttl ends and it is dropped
+            at = due if due > now else min(bt.stamp + self.ttl_ns, now + int(TICK * 1e9))
+            nap = min(nap, max(int(MIN_TICK * 1e9), at - now))
+        return None if nap == _NEVER else nap / 1e9
+
+    def _publish_next(self, now: int) -> float:
+        """Tell timed waiters when tokens are next expected (``UP_NEXT_NS``); return the nap until the next event."""
+        nxt = self.pending[0].due if self.pending else (self.next_try if self.next_try > now else 0)
+        self.cells.store(L.UP_NEXT_NS, nxt)
+        if self.bucket.time_fed:  # the "local" fallback refills from the clock: tick as a clock feed does
+            return TICK
+        at = min(self._next_delivery(now), self._next_request(now), now + int(IDLE_TICK * 1e9))
+        nap = max(int(MIN_TICK * 1e9), at - now)
+        end = self.records.next_expiry(now, self.mine)
+        if end is not None:
+            nap = min(nap, self.records.nap_for_end(now, end))
+        return nap / 1e9
+
+    def _next_delivery(self, now: int) -> int:
+        """When the first reserved batch goes into the bucket: when due, or, when it is due but waits
+        for room, when the host's demand has made room for it (or its ttl ends: it is dropped then)."""
+        if not self.pending:
+            return _NEVER
+        bt = self.pending[0]
+        if bt.due > now:
+            return bt.due
+        room = now + int(bt.left * 1e9 / self.demand) if self.demand > 0 else _NEVER
+        return min(bt.stamp + self.ttl_ns, max(now + int(TICK * 1e9), room))
+
+    def _next_request(self, now: int) -> int:
+        """When ``want`` could next ask for a batch, as far as the feeder knows now.
+
+        A caller's first refusal on an idle host is news it learns at its next
+        wake (``UP_HUNGRY`` outlives the longest sleep); everything else is a
+        time it computes: a retry, the reserved schedule ending within the
+        lead, or a busy host's supply running low at its demand.
+        """
+        if self.bucket.stopped:
+            return _NEVER
+        if self.next_try > now or self.cells.load(L.UP_STATE) != STATE_OK:
+            return max(self.next_try, now + int(MIN_TICK * 1e9))
+        if self.want(now):  # the batch just reserved is due within the lead: the next one at once
+            return now
+        if not self.pending and (now - self._queued_at < HUNGRY_NS or now - self.cells.load(L.UP_HUNGRY) < HUNGRY_NS):
+            # callers waited a moment ago and nothing is reserved for them: a batch due at once went
+            # to them, and they come back at once (their demand is not measured yet, after a start
+            # or a take-over): look again soon, as a clock feed would
+            return now + int(TICK * 1e9)
+        if self.pending:
+            reach = self.pending[-1].due - self.lead_ns
+            if reach > now:
+                return reach
+        if self.demand <= 0:
+            return _NEVER
+        b = self.bucket
+        batch = min(self.max_batch, max(1, math.ceil(self.demand * self.batch_seconds)))
+        have = b.balance() / b.cost + sum(bt.left for bt in self.pending)
+        low = now + int(have * 1e9 / self.demand) - (self.lead_ns + batch * self.interval_ns)
+        return low if low > now else _NEVER
+
+    def _measure(self, now: int) -> None:
+        tail = self.bucket.taken()
+        if self._last is not None:
+            dt = now - self._last[0]
+            if dt > 0:
+                ops = (diff(tail, self._last[1]) - self._burned) / self.bucket.cost
+                alpha = min(1.0, dt / (DEMAND_WINDOW * 1e9))
+                self.demand += alpha * (ops * 1e9 / dt - self.demand)
+        self._last = (now, tail)
+        self._burned = 0
+
+    def expire(self, now: int) -> int:
+        """Burn the tokens beyond those of the lease records still young ``MIN_TICK`` after ``now``
+        (``LeaseRecords.expire``); return the ops burned."""
+        burned = self.records.expire(now)
+        self._burned += burned
+        return burned // self.bucket.cost
+
+    def _deliver(self, now: int) -> int:
+        """Put the batches that are due into the bucket, as far as they fit; drop those past their ttl.
+        Returns the ops put in.
+
+        Ordered so that a filler stopped anywhere in here and resumed much
+        later can do no harm: a batch older than its ttl is never added, and
+        one added late carries its old record, so the next expiry check (by
+        whichever filler runs) burns it.
+        """
+        b = self.bucket
+        c = self.cells
+        added = 0
+        while self.pending and self.pending[0].due <= now:
+            bt = self.pending[0]
+            if now - bt.stamp >= self.ttl_ns:
+                c.fetch_add(L.UP_EXPIRED, bt.left)
+                # delivered too late to be used (the filler, or this process as an orphan, off the
+                # CPU since it fell due): schedule lost as surely as a gap, if callers want it (the
+                # ops queued callers are owed, or all of it for callers refused just now)
+                owed = -b.balance() // b.cost
+                if owed <= 0 and now - c.load(L.UP_HUNGRY) < HUNGRY_NS:
+                    owed = bt.left
+                if owed > 0:
+                    c.fetch_add(L.STARVED_NS, min(owed, bt.left) * self.interval_ns)
+                self.pending.popleft()
+                continue
+            if not bt.recorded:
+                self.mine.append(self.records.write(bt.stamp, bt.ops))
+                bt.recorded = True
+            put = b.add(bt.left * b.cost) // b.cost
+            bt.left -= put
+            added += put
+            if self.clock() - bt.stamp >= self.ttl_ns:
+                # stopped between the age check and the add: what we added is already past its ttl
+                self.expire(self.clock())
+            if bt.left > 0:
+                return added  # no room: the rest waits for the next tick (or its ttl)
+            self.pending.popleft()
+        return added
+
+    def want(self, now: int, early: int = 0) -> int:
+        """Ops to reserve now (0: none needed), or up to ``early`` ns before they would be.
+
+        Only for a host with demand: callers queued (a negative balance) or
+        refused without queueing (``UP_HUNGRY``, recent), or busy enough to
+        use a token within its time to live.  And only when the reserved
+        schedule ends within ``lead`` and, unless callers wait, what the host
+        holds and has reserved runs out at its demand within the lead plus
+        one batch of the global schedule.  A batch is ``batch_seconds`` of demand or
+        what queued callers are owed, at least one op, at most ``max_batch``.
+        A tick asks ``EARLY`` before the lead requires it (``_lease``): the
+        feeder, awake to deliver, saves a wake of its own for the request.
+        """
+        b = self.bucket
+        lead = self.lead_ns + early
+        avail = b.balance() / b.cost  # negative: owed to queued callers
+        # what queued callers are owed counts too: a filler that just took over knows no demand yet
+        batch = min(self.max_batch, max(1, math.ceil(self.demand * self.batch_seconds), math.ceil(-avail),
+                                        self.grow if avail < 0 else 1))
+        if avail < 0:
+            self._queued_at = now
+        hungry = avail < 0 or now - self.cells.load(L.UP_HUNGRY) < HUNGRY_NS
+        if not hungry and self.demand * self.ttl_ns / 1e9 < 1:
+            return 0
+        if self.pending and self.pending[-1].due - now >= lead:
+            return 0  # the reserved schedule reaches far enough
+        if avail < 0 or hungry:
+            return batch  # callers wait: keep the schedule continuous
+        # busy, nobody waiting: lease when what we hold and have reserved runs out within the lead
+        # and one batch's worth of the global schedule
+        have = avail + sum(bt.left for bt in self.pending)
+        if have * 1e9 >= self.demand * (lead + batch * self.interval_ns):
+            return 0
+        return batch
+
+    def _lease(self, now: int, state: int) -> None:
+        c = self.cells
+        want = self.want(now, int(EARLY * 1e9))
+        if state == STATE_OK and want == 0:
+            return
+        # Renewed just before the call: we still hold it (or learn we do not).  Not extended over
+        # the call: the lease word is nearly always fresh from the last call, and a filler killed
+        # or stopped then must be replaced within the usual lease timeout, not the Redis timeout.
+        # A call slower than that may let a second filler lease meanwhile, which costs only
+        # slots of the global schedule: Redis counts every reservation.
+        if not self.lease.renew():
+            return
+        want = max(1, want)
+        queued = self.bucket.balance() < 0
+        # No max_wait: the next slots of the global schedule, however far ahead (a FIFO of the
+        # hosts' batches: equal shares under saturation; see the module's docstring).
+        sent = self.clock()
+        trips = 0
+        try:
+            if self.redis is None:
+                self.redis = self._connect(self.spec)
+            trips = self.redis.round_trips
+            granted, wait, backlog, dry = self.redis.call(MODE_RESERVE, want, None)
+        except RedisUnavailableError as e:
+            self._count_trips(trips)
+            self._fail(state, e)
+            return
+        except RedisDataError as e:
+            self._count_trips(trips)
+            self._error(state, e)
+            return
+        received = self.clock()
+        self._count_trips(trips)
+        self.rtt_ns += (received - sent - self.rtt_ns) // 4
+        if state != STATE_OK:
+            self._recover(state)
+        if granted:
+            if state == STATE_OK:  # (after an outage the gap is the outage's: counted as errors)
+                self._note_dry(sent, dry)
+            self.pending.append(_Batch(due=received + wait, stamp=sent + wait, ops=granted, left=granted))
+            c.fetch_add(L.UP_LEASED, granted)
+            self.next_try = 0
+            self.grow = min(self.max_grow, 2 * max(self.grow, granted)) if queued else 1
+        else:
+            # not an answer a reservation without max_wait gets: count it, ask again a little later
+            c.fetch_add(L.UP_REFUSED, 1)
+            self.next_try = received + int(MIN_RETRY * 1e9) + random.randrange(min(self.interval_ns, 1_000_000) + 1)
+
+    def _note_wanting(self, now: int) -> None:
+        """Keep ``UP_WANTING``: since when callers have wanted tokens (queued, or refused without
+        queueing in the last ``HUNGRY_NS``), as every filler in turn saw it; 0 when they do not."""
+        c = self.cells
+        wanting = self.bucket.balance() < 0 or now - c.load(L.UP_HUNGRY) < HUNGRY_NS
+        since = c.load(L.UP_WANTING)
+        if wanting and not since:
+            c.store(L.UP_WANTING, max(1, now))
+        elif since and not wanting:
+            c.store(L.UP_WANTING, 0)
+
+    def _note_dry(self, sent: int, dry: int) -> None:
+        """The global schedule had run dry for ``dry`` ns (Redis's own measure: from the end of the
+        last reservation, anyone's, to when it ran this one) while callers wanted tokens: the GCRA
+        does not bank the gap, so that schedule time is lost.  Counted in ``STARVED_NS``
+        (``Stats.starved_seconds``, as the clamp's losses are in clock-fed mode): the part of the
+        gap since callers began to want tokens (``UP_WANTING``, kept by whichever filler ran), up to
+        our request; a lower bound, as Redis ran it after we sent it.  Either the filler asked late
+        (its thread, or the process that should have taken over from it, off the CPU for longer
+        than the lead) or Redis ran the request late (off the CPU itself).  A filler that takes
+        over counts a gap its predecessor left, and never one of its own earlier stint that
+        someone else's reservations closed."""
+        since = self.cells.load(L.UP_WANTING)
+        if dry <= 0 or not since:
+            return
+        lost = min(dry, sent - since)
+        if lost > 0:
+            self.cells.fetch_add(L.STARVED_NS, lost)
+
+    def _count_trips(self, before: int) -> None:
+        if self.redis is not None:
+            self.cells.fetch_add(L.UP_ROUND_TRIPS, self.redis.round_trips - before)
+
+    def _fail(self, state: int, e: RedisUnavailableError) -> None:
+        """Redis unavailable: enter the configured fallback (from "ok" only; "error" stays closed)."""
+        c = self.cells
+        c.fetch_add(L.UP_ERRORS, 1)
+        if state == STATE_OK:
+            log.warning("%s; fallback %r until it answers", e, self.on_error)
+            code, flags = _FALLBACK[self.on_error]
+            c.fetch_add(L.UP_FALLBACKS, 1)
+            c.store(L.UP_STATE, code)
+            if flags != L.FLAG_UPSTREAM:
+                self.bucket.set_upstream_flags(flags)
+        self.next_try = self.clock() + int(RETRY_EVERY * 1e9)
+
+    def _error(self, state: int, e: RedisDataError) -> None:
+        """Redis answered with an error: closed, whatever the fallback, until it answers correctly."""
+        c = self.cells
+        c.fetch_add(L.UP_ERRORS, 1)
+        if state != STATE_ERROR:
+            log.error("%s; no tokens until it answers correctly", e)
+            if state == STATE_OK:
+                c.fetch_add(L.UP_FALLBACKS, 1)
+            c.store(L.UP_STATE, STATE_ERROR)
+            if state in (STATE_LOCAL, STATE_OPEN):
+                self._end_fallback(state)
+        self.next_try = self.clock() + int(RETRY_EVERY * 1e9)
+
+    def _end_fallback(self, state: int) -> None:
+        b = self.bucket
+        b.set_upstream_flags(L.FLAG_UPSTREAM)
+        if state == STATE_LOCAL:
+            b.burn()  # tokens of the local clock are not the global limit's
+        elif state == STATE_OPEN:
+            b.forgive()
+
+    def _recover(self, state: int) -> None:
+        if state in (STATE_LOCAL, STATE_OPEN):
+            self._end_fallback(state)
+        self.cells.store(L.UP_STATE, STATE_OK)

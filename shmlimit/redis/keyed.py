@@ -1,0 +1,90 @@
+"""``RedisKeyedLimiter``: one rate limit per key across hosts, with ``KeyedLimiter``'s interface.
+
+    from shmlimit.redis.keyed import RedisKeyedLimiter
+    per_user = RedisKeyedLimiter("login", rate=5, per=60, url="redis+cluster://redis-1:7000")
+    per_user.try_acquire("alice")
+
+Each key is one GCRA in Redis, decided by the same script as ``RedisLimiter``
+(one round trip per call).  Its Redis key is ``shmlimit:{<name>/<digest>}:gcra``
+where the digest is the first 128 bits of the key's SHA-256: the hash tag
+differs per key, so keys spread over a cluster's slots, a key of any bytes
+(up to 4096) is safe in a Redis key, and a key that was never asked for is
+never stored.  A key's hash expires one second after its bucket would be full
+again, so idle keys leave nothing (the TTL the script sets on every write).
+
+Per key, grants in any window of T seconds never exceed
+``rate*T/per + burst`` across every client (``grace`` adds to T for
+``acquire``, as for ``RedisLimiter``).  Every client of one name must pass
+the same ``rate``, ``per`` and ``burst``.
+
+No hierarchical keyed mode: a per-key lease would have to be held by every
+host for every hot key, so a key's bound would grow by one lease per host
+that saw it (``hosts * (lease_ttl * rate + batch)``), and the local table
+would have to track leases per key.  That bound is not a useful limit for
+per-user or per-tenant keys, whose rates are low; the direct mode's single
+round trip is the honest design here.
+"""
+from __future__ import annotations
+
+import hashlib
+from typing import Optional
+
+from shmlimit.config import NS_PER_S, validate_n
+from shmlimit.redis.direct import MODE_PEEK, _GcraClient
+
+#: Longest key, in bytes (as ``KeyedLimiter``).
+MAX_KEY_BYTES = 4096
+
+
+def key_digest(key: object) -> str:
+    """The hex digest naming ``key`` in Redis; TypeError/ValueError for a key that is not one."""
+    if isinstance(key, str):
+        raw = key.encode("utf-8")
+    elif isinstance(key, (bytes, bytearray, memoryview)):
+        raw = bytes(key)
+    else:
+        raise TypeError(f"key must be str or bytes, not {type(key).__name__}")
+    if len(raw) > MAX_KEY_BYTES:
+        raise ValueError(f"key must be at most {MAX_KEY_BYTES} bytes, got {len(raw)}")
+    return hashlib.sha256(raw).hexdigest()[:32]
+
+
+class RedisKeyedLimiter(_GcraClient):
+    """``rate`` ops per ``per`` seconds for each key, shared through Redis by every client of ``name``.
+
+    Methods as ``KeyedLimiter``: ``try_acquire(key, n)``, ``acquire(key, n,
+    timeout)``, ``acquire_async``, ``reserve(key, n, max_wait)`` (seconds
+    until the slot is due), ``retry_after(key, n)`` (seconds).  Options as
+    ``RedisLimiter`` (``url``, ``burst``, ``grace``, ``clock``, ``timeout``,
+    ``max_reserved``, ``client``); errors too (``RedisUnavailableError``,
+    ``RedisDataError``).  ``rate``, ``per`` and ``capacity`` are each key's.
+    """
+
+    def redis_key(self, key: object) -> str:
+        """The Redis key holding ``key``'s GCRA state (its own cluster slot, by its hash tag)."""
+        return f"shmlimit:{{{self._name}/{key_digest(key)}}}:gcra"
+
+    def reserve(self, key: object, n: int = 1, max_wait: Optional[float] = None) -> Optional[float]:
+        """Reserve ``key``'s next slot for ``n`` ops; seconds until it is due, or None (nothing taken)."""
+        return self._run(self._reserve_steps(n, max_wait, key=self.redis_key(key)))
+
+    def try_acquire(self, key: object, n: int = 1) -> bool:
+        """Take ``n`` ops of ``key`` only if they are available now (one round trip)."""
+        return self.reserve(key, n, 0.0) == 0.0
+
+    def acquire(self, key: object, n: int = 1, timeout: Optional[float] = None) -> bool:
+        """Take ``n`` ops of ``key``, sleeping until due; False (nothing taken) past ``timeout`` seconds."""
+        return self._run(self._acquire_steps(n, timeout, key=self.redis_key(key)))
+
+    async def acquire_async(self, key: object, n: int = 1, timeout: Optional[float] = None) -> bool:
+        """``acquire`` for asyncio (its own connection per event loop)."""
+        return await self._run_async(self._acquire_steps(n, timeout, key=self.redis_key(key)))
+
+    def retry_after(self, key: object, n: int = 1) -> float:
+        """Seconds until ``n`` ops of ``key`` could be granted (0.0: now).  One round trip, writes nothing."""
+        validate_n(n, 1)
+        return self._run(self._script(MODE_PEEK, n, key=self.redis_key(key)))[1] / NS_PER_S
+
+    def __repr__(self) -> str:
+        return (f"<shmlimit.redis.keyed.RedisKeyedLimiter {self.name!r} rate={self.rate:g}/{self.per:g}s "
+                f"capacity={self.capacity:g} per key url={self.url} round_trips={self.round_trips}>")

@@ -1,0 +1,1 @@
+"""The shared-memory substrate: layout, atomic cells, segments, the process table."""

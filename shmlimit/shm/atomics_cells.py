@@ -1,0 +1,596 @@
+"""The ``atomics`` backend of the atomic layer: the portable reference, and the fallback
+when the native extension is missing (``SHMLIMIT_BACKEND=atomics`` forces it).
+
+It inherits the reference composites (composites.py) and overrides the hot
+ones with versions that need at most two atomic operations for an
+uncontended grant.
+"""
+from __future__ import annotations
+
+import mmap
+import platform
+import threading
+from typing import Any, Callable, Dict, List, Optional, Tuple, Union
+
+from shmlimit.shm.composites import CompositesFromPrimitives, Gate
+from shmlimit.shm import futex
+from shmlimit.shm.words import (
+    MASK64, MAX_QUEUE, WORD, GrabResult, check_bitset, check_offset, check_records, check_value, claim_record, plain_seconds,
+    signed,
+)
+
+
+#: An aligned 8-byte load compiles to one instruction, single-copy atomic, on these machines.
+_PLAIN_LOADS_ATOMIC = platform.machine().lower() in ("x86_64", "amd64", "aarch64", "arm64")
+#: ... and on these it is also a sequentially consistent load (x86-64 orders every load, and a
+#: sequentially consistent store is a locked instruction there: a plain load is what C11's
+#: seq_cst load compiles to), so ``load`` itself may be one, without a call into the package.
+_PLAIN_LOADS_SEQ_CST = platform.machine().lower() in ("x86_64", "amd64")
+#: ``leave_waiters`` waits at most this long (seconds) for other threads' grabs bound to records.
+SETTLE_S = 1.0
+_SEQ_CST = 5  # the atomics package's (patomic's) number for memory_order_seq_cst
+
+
+class _Scratch:
+    """Per-thread argument and result words for direct calls (another thread may run between
+    a call and the read of its result, so two threads never share these)."""
+
+    __slots__ = ("a", "b", "pa", "pb")
+
+    def __init__(self) -> None:
+        import ctypes
+
+        self.a = ctypes.c_uint64()
+        self.b = ctypes.c_uint64()
+        self.pa = ctypes.addressof(self.a)
+        self.pb = ctypes.addressof(self.b)
+
+
+class _Patomic:
+    """The ``atomics`` package's own native operations on 8-byte words, called directly.
+
+    Its public wrapper spends 8-20 us per operation building buffers and
+    checking arguments; the operation itself is one call into its patomic
+    library.  This takes the function pointers the package resolved for an
+    8-byte word and calls them (holding the GIL, as the wrapper's own calls
+    hardly last) at the word's address: about 0.6 us each.  It reaches into
+    the package's internals, so any failure to find them makes the backend use
+    the public API instead (``AtomicsCells`` tests both).
+    """
+
+    def __init__(self, buf: memoryview) -> None:
+        import ctypes
+        import threading
+
+        import atomics
+        from atomics._impl.enums import OpType
+
+        ctx = atomics.atomicview(buffer=buf[:WORD], atype=atomics.UINT)
+        view = ctx.__enter__()
+        try:
+            core = view._core
+            base = core.address
+
+            def raw(op: Any, *sig: Any) -> Any:
+                fp = core.get_op_func(op)
+                if fp is None:
+                    raise LookupError(f"atomics has no native {op.name} for 8-byte words here")
+                return ctypes.PYFUNCTYPE(*sig)(ctypes.cast(fp, ctypes.c_void_p).value)
+
+            vp, i = ctypes.c_void_p, ctypes.c_int
+            self._ld = raw(OpType.LOAD, None, vp, i, vp)
+            self._st = raw(OpType.STORE, None, vp, vp, i)
+            self._fa = raw(OpType.FETCH_ADD, None, vp, vp, i, vp)
+            self._cx = raw(OpType.CMPXCHG_STRONG, i, vp, vp, vp, i, i)
+        except BaseException:
+            ctx.__exit__(None, None, None)
+            raise
+        self.base = base
+        self._ctx = ctx  # keeps the buffer exported (the mapping cannot be closed) until close()
+        self._tls = threading.local()
+
+    def _scratch(self) -> _Scratch:
+        try:
+            return self._tls.s
+        except AttributeError:
+            s = self._tls.s = _Scratch()
+            return s
+
+    def load(self, addr: int) -> int:
+        s = self._scratch()
+        self._ld(addr, _SEQ_CST, s.pa)
+        return s.a.value
+
+    def store(self, addr: int, value: int) -> None:
+        s = self._scratch()
+        s.a.value = value
+        self._st(addr, s.pa, _SEQ_CST)
+
+    def fetch_add(self, addr: int, delta: int) -> int:
+        s = self._scratch()
+        s.a.value = delta
+        self._fa(addr, s.pa, _SEQ_CST, s.pb)
+        return s.b.value
+
+    def cas(self, addr: int, expected: int, desired: int) -> int:
+        """Compare-and-swap; returns the value found (``expected`` exactly when it succeeded)."""
+        s = self._scratch()
+        s.a.value = expected
+        s.b.value = desired
+        self._cx(addr, s.pa, s.pb, _SEQ_CST, _SEQ_CST)
+        return s.a.value
+
+    def close(self) -> None:
+        self._ctx.__exit__(None, None, None)
+
+
+class _Words:
+    """Index -> value of the mapping's words by atomic load: the peek when plain loads are not atomic."""
+
+    def __init__(self, p: _Patomic, cells: "AtomicsCells") -> None:
+        self.p = p
+        self.cells = cells
+
+    def __getitem__(self, i: int) -> int:
+        if self.cells._closed:
+            raise ValueError("cells are closed")
+        return self.p.load(self.p.base + i * WORD)
+
+
+class AtomicsCells(CompositesFromPrimitives):
+    """Backend on the ``atomics`` package.
+
+    Each operation is one call into the package's native library (see
+    ``_Patomic``), or, where its internals are not found, one call of its
+    public API on a view of the word.  The hot-path composites need at most
+    two atomic operations for an uncontended grant (the tail's CAS and the
+    grant count): every other word they read only grows (the rovers,
+    ``REPL_TS``) or is re-checked by the protocol (``CFG_SEQ``), so a plain
+    load, which may be stale, is safe -- a stale rover only makes a grant look
+    further away, never nearer.
+
+    Operations work on raw pointers, so a ``close`` (which unmaps) racing
+    another thread's operation would touch freed memory.  Every operation (a
+    composite counts as one) therefore counts itself in ``_active`` while it
+    runs, and ``close`` waits until none is running: every later operation
+    raises ValueError, as on the native backend.  The lock guards only the
+    count (no allocation that could run the garbage collector, and with it a
+    ``__del__`` taking other locks, happens under it).
+    """
+
+    backend = "atomics"
+
+    def __init__(self, mm: mmap.mmap, size: int, direct: bool = True) -> None:
+        import atomics  # imported here so the native path never pays for it
+
+        self._atomics = atomics
+        self.size = size
+        self._buf = memoryview(mm)[:size]
+        self._views: Dict[int, object] = {}
+        self._contexts: List[Tuple[Any, memoryview]] = []
+        self._lock = threading.Lock()
+        self._idle = threading.Condition(self._lock)
+        self._active = 0
+        self._closed = False
+        #: grabs bound to ticket records under way (every thread's; ``_mine``: this thread's), and
+        #: ``leave_waiters`` begun: such a grab then takes nothing (see ``_enter``)
+        self._recording = 0
+        self._mine = threading.local()
+        self._closing = False
+        #: Run (by the grabbing thread) when its last grab bound to records ends (see ``Writers.after``).
+        self._after_recording: Optional[Callable[[], None]] = None
+        self._p: Optional[_Patomic] = None
+        self._words: Any = None
+        self._addr: Optional[int] = None
+        if direct and size >= WORD:
+            try:
+                self._p = _Patomic(self._buf)
+            except Exception:  # another version of the package: its public API still works
+                self._p = None
+        if self._p is not None:
+            self._base = self._p.base
+            if _PLAIN_LOADS_ATOMIC and size % WORD == 0:
+                self._words = self._buf.cast("Q")
+            else:
+                self._words = _Words(self._p, self)
+        #: the words, read by ``load`` itself where a plain load is a sequentially consistent one
+        self._plain: Optional[memoryview] = (
+            self._words if _PLAIN_LOADS_SEQ_CST and isinstance(self._words, memoryview) else None
+        )
+
+    @property
+    def _direct(self) -> bool:
+        """True when operations call the package's native library directly (the fast way)."""
+        return self._p is not None
+
+    def _enter(self, recorded: bool = False) -> bool:
+        """One operation begins (``close`` waits for it); ``recorded``: a grab bound to its process
+        slot's ticket records, which answers False (nothing entered: it takes nothing) once
+        ``leave_waiters`` began.  Such a grab is Python here, so a thread switch can come between its
+        record's claim and its length store: ``leave_waiters`` waits for those under way and none
+        begins after it, so the slot is never left under a half-written record, nor written once left."""
+        with self._lock:
+            closed, closing = self._closed, recorded and self._closing
+            if not (closed or closing):
+                self._active += 1
+                self._recording += recorded
+        if closed:
+            raise ValueError("cells are closed")
+        if recorded and not closing:
+            self._mine.n = getattr(self._mine, "n", 0) + 1
+        return not closing
+
+    def _exit(self, recorded: bool = False) -> None:
+        if recorded:
+            self._mine.n -= 1
+        with self._lock:
+            self._active -= 1
+            self._recording -= recorded
+            if (self._closed and not self._active) or (recorded and self._closing):
+                self._idle.notify_all()
+        if recorded and not self._mine.n and self._after_recording is not None:
+            self._after_recording()
+
+    def _recording_here(self) -> bool:
+        """Whether this thread is inside a grab bound to records (a close run by a signal handler
+        that interrupted it: the grab is between its record's claim and its length store)."""
+        return getattr(self._mine, "n", 0) > 0
+
+    def _recorded(self, fn: Any, closing: Any) -> Any:
+        """``fn``, a reference grab bound to records, entered as one (``closing``: its answer then)."""
+
+        def call(*args: Any) -> Any:
+            if not self._enter(True):
+                return closing
+            try:
+                return fn(*args)
+            finally:
+                self._exit(True)
+
+        return call
+
+    def _view(self, off: int):
+        view = self._views.get(off)
+        if view is None:
+            check_offset(off, self.size)
+            sub = self._buf[off:off + WORD]
+            ctx = self._atomics.atomicview(buffer=sub, atype=self._atomics.UINT)
+            view = ctx.__enter__()
+            self._contexts.append((ctx, sub))
+            self._views[off] = view
+        return view
+
+    def load(self, off: int) -> int:
+        if self._plain is not None:
+            # one plain read under the GIL: close() releases the view under the GIL too, so the
+            # read either sees the mapping or raises ValueError (released), as a closed load must
+            check_offset(off, self.size)
+            try:
+                return self._plain[off >> 3]
+            except ValueError:
+                raise ValueError("cells are closed") from None
+        self._enter()
+        try:
+            if self._p is None:
+                return self._view(off).load()
+            check_offset(off, self.size)
+            return self._p.load(self._base + off)
+        finally:
+            self._exit()
+
+    def store(self, off: int, value: int) -> None:
+        check_value(value)
+        self._enter()
+        try:
+            if self._p is None:
+                self._view(off).store(value)
+            else:
+                check_offset(off, self.size)
+                self._p.store(self._base + off, value)
+        finally:
+            self._exit()
+
+    def fetch_add(self, off: int, delta: int) -> int:
+        check_value(delta)
+        self._enter()
+        try:
+            if self._p is None:
+                return self._view(off).fetch_add(delta)
+            check_offset(off, self.size)
+            return self._p.fetch_add(self._base + off, delta)
+        finally:
+            self._exit()
+
+    def cas(self, off: int, expected: int, desired: int) -> bool:
+        check_value(expected)
+        check_value(desired)
+        self._enter()
+        try:
+            if self._p is None:
+                return self._view(off).cmpxchg_strong(expected, desired).success
+            check_offset(off, self.size)
+            return self._p.cas(self._base + off, expected, desired) == expected
+        finally:
+            self._exit()
+
+    # -- the hot-path composites: at most two atomic operations for an uncontended grant
+
+    def grabber(self, seq: int, expected: int, tail: int, head: int, amount: int, grants: int, ops: int,
+                recs: Optional[tuple] = None):
+        if self._p is None:
+            grab = super().grabber(seq, expected, tail, head, amount, grants, ops, recs)
+            return grab if recs is None else self._recorded(grab, False)
+        self._check(seq, tail, head, grants)
+        check_value(expected), check_value(amount), check_value(ops)
+        if recs is not None:
+            check_records(recs, self.size)
+        return _AtomicsGrabber(self, seq, expected, tail, head, amount, grants, ops, recs)
+
+    def gate(self, seq, expected, tail, head, ceil, repl_ts, grants, amount, ops, tpn, pend_mul, capped,
+             max_reserved_ns, recs=None, fence_hint=None):
+        if self._p is None:
+            g = super().gate(seq, expected, tail, head, ceil, repl_ts, grants, amount, ops, tpn, pend_mul,
+                             capped, max_reserved_ns, recs, fence_hint)
+            if recs is not None:
+                g.grab_within = self._recorded(g.grab_within, None)  # type: ignore[method-assign]
+            return g
+        self._check(seq, tail, head, ceil, repl_ts, grants, *([] if fence_hint is None else [fence_hint]))
+        if recs is not None:
+            check_records(recs, self.size)
+        return _AtomicsGate(self, seq, expected, tail, head, ceil, repl_ts, grants, amount, ops, tpn, pend_mul,
+                            capped, max_reserved_ns, recs=recs, fence_hint=fence_hint)
+
+    # -- the fed wait's futex (hierarchical mode): see futex.py
+
+    def futex_wait(self, off: int, expected: int, bitset: int, deadline_ns: int) -> bool:
+        """Sleep while the word's low 32 bits hold ``expected``'s, until ``deadline_ns`` (CLOCK_MONOTONIC);
+        False once the deadline passed, else True (woken: look again)."""
+        check_bitset(bitset)
+        check_value(expected), check_value(deadline_ns)
+        self._enter()  # close() waits for the sleep to end: it is bounded by its deadline
+        try:
+            check_offset(off, self.size)
+            return futex.wait(self._address() + off + futex.LOW_HALF, expected, bitset, deadline_ns)
+        finally:
+            self._exit()
+
+    def futex_wake(self, off: int, bitset: int) -> int:
+        """Wake the sleepers on the word (any process) whose bitset meets ``bitset``; how many."""
+        check_bitset(bitset)
+        self._enter()
+        try:
+            check_offset(off, self.size)
+            return futex.wake(self._address() + off + futex.LOW_HALF, bitset)
+        finally:
+            self._exit()
+
+    def _address(self) -> int:
+        if self._addr is None:
+            self._addr = self._base if self._p is not None else futex.address_of(self._buf)
+        return self._addr
+
+    def leave_waiters(self, timeout: float = SETTLE_S) -> None:
+        """Close's first half: no grab bound to records takes anything from now on, and those of other
+        threads under way end first (each is a few atomic operations; one stalled past ``timeout``
+        seconds cannot; this thread's own, under a signal handler, has ended: the close ran after
+        it, ``Writers.defer``).  This backend has no native wait: its waiters decide in Python, where a closed
+        attachment grants nothing."""
+        mine = getattr(self._mine, "n", 0)
+        with self._lock:
+            self._closing = True
+            self._idle.wait_for(lambda: self._recording <= mine, timeout)
+
+    def close(self) -> None:
+        with self._lock:
+            if self._closed:
+                return
+            self._closed = True
+            while self._active:  # an operation in progress in another thread: let it finish
+                self._idle.wait()
+        # closed, and no operation runs: nobody touches the words any more
+        if isinstance(self._words, memoryview):
+            self._words.release()
+        if self._p is not None:
+            self._p.close()
+        for ctx, sub in self._contexts:
+            ctx.__exit__(None, None, None)
+            sub.release()
+        self._contexts.clear()
+        self._views.clear()
+        self._buf.release()
+
+    def __del__(self) -> None:
+        # the atomics package complains when a view is collected while still entered
+        try:
+            self.close()
+        except Exception:
+            pass
+
+
+class _AtomicsGrabber:
+    """``grab_if`` bound to its words on the atomics backend: plain loads, the tail's CAS, the count.
+
+    Tickets come from the tail in CAS order, as from a fetch-add: FIFO holds.  Each call counts
+    as one operation of its cells (``close`` waits for it; a call after ``close`` raises).
+    """
+
+    __slots__ = ("c", "w", "p", "i_seq", "i_tail", "i_head", "a_tail", "a_grants", "expected", "amount", "ops",
+                 "recs")
+
+    def __init__(self, c: AtomicsCells, seq: int, expected: int, tail: int, head: int, amount: int, grants: int,
+                 ops: int, recs: Optional[tuple] = None) -> None:
+        self.c, self.w, self.p = c, c._words, c._p
+        self.i_seq, self.i_tail, self.i_head = seq // WORD, tail // WORD, head // WORD
+        self.a_tail, self.a_grants = c._base + tail, c._base + grants
+        self.expected, self.amount, self.ops = expected, amount, ops
+        self.recs = recs  # ticket records: it queues only holding one (see words.claim_record)
+
+    def __call__(self) -> GrabResult:
+        if not self.c._enter(self.recs is not None):
+            return False  # the slot is being left (close): the slow path refuses
+        try:
+            w = self.w
+            if w[self.i_seq] != self.expected:
+                return False
+            cas = self.p.cas
+            t = w[self.i_tail]
+            rec = None
+            while True:
+                ticket = (t + self.amount) & MASK64
+                depth = (ticket - w[self.i_head]) & MASK64
+                if depth < 1 << 63 and depth:
+                    if depth > MAX_QUEUE:
+                        if rec is not None:
+                            self.c.store(rec, 0)
+                        return False  # the queue is full: the slow path raises, nothing touched
+                    if self.recs is not None:  # it would queue: not without a record (claim_record)
+                        if rec is None:
+                            rec = claim_record(self.c, self.recs, ticket)
+                            if rec is None:
+                                return False
+                        self.c.store(rec - WORD, ticket)
+                found = cas(self.a_tail, t, ticket)
+                if found == t:
+                    break
+                t = found
+            if ((w[self.i_head] - ticket) & MASK64) >> 63:
+                if rec is not None:  # (uncovered now, so it was at the last look: recorded if bound to records)
+                    self.c.store(rec, self.amount)
+                return ticket  # (a stale head only sends the caller to wait, where it loads it again)
+            if rec is not None:
+                self.c.store(rec, 0)
+            self.p.fetch_add(self.a_grants, self.ops)
+            return None
+        finally:
+            self.c._exit(self.recs is not None)
+
+
+class _AtomicsGate(Gate):
+    """The ``Gate`` on the atomics backend: plain loads; a grant is the tail's CAS and the count.
+
+    Each call counts as one operation of its cells, as ``_AtomicsGrabber``'s.
+    """
+
+    def __init__(self, c: AtomicsCells, *args: Any, recs: Optional[tuple] = None, fence_hint: Optional[int] = None) -> None:
+        super().__init__(c, *args, recs=recs, fence_hint=fence_hint)
+        base = c._base
+        self.c, self.w, self.p = c, c._words, c._p
+        self.i_seq, self.i_tail, self.i_head = self.seq // WORD, self.tail // WORD, self.head // WORD
+        self.i_ceil, self.i_ts = self.ceil // WORD, self.repl_ts // WORD
+        self.a_tail, self.a_grants = base + self.tail, base + self.grants
+
+    def pending(self) -> int:
+        elapsed = self.clock() - self.w[self.i_ts]  # a stale REPL_TS only over-estimates
+        return max(0, elapsed) * self.tpn * self.pend_mul
+
+    def try_grab(self) -> Optional[bool]:
+        self.c._enter()
+        try:
+            w = self.w
+            if w[self.i_seq] != self.expected:
+                return None
+            cas = self.p.cas
+            t = w[self.i_tail]
+            while True:
+                want = (t + self.amount) & MASK64
+                short = signed(want - w[self.i_head])
+                if short > 0:
+                    return False if short > self.pending() else None
+                found = cas(self.a_tail, t, want)
+                if found == t:
+                    self.p.fetch_add(self.a_grants, self.ops)
+                    return True
+                t = found
+        finally:
+            self.c._exit()
+
+    def grab_within(self, timeout: object) -> Union[bool, int, None]:
+        t = plain_seconds(timeout)
+        if t is None:
+            return None
+        rec = None  # the record claimed for the ticket, once it would queue
+        if not self.c._enter(self.recs is not None):
+            return None  # the slot is being left (close): undecided, the slow path refuses
+        try:
+            w = self.w
+            if w[self.i_seq] != self.expected:
+                return None
+            max_wait_ns = min(t * 1e9, self.max_reserved_ns)
+            cas = self.p.cas
+            tail = w[self.i_tail]
+            while True:
+                want = (tail + self.amount) & MASK64
+                short = signed(want - w[self.i_head])
+                if short > 0:
+                    if short / self.tpn > max_wait_ns:
+                        pend = self.pending()
+                        return False if short > pend and (short - pend) / self.tpn > max_wait_ns else None
+                    if self.fence_hint is not None and w[self.fence_hint // WORD] > w[self.i_ts]:
+                        return None  # a reservation's fence may hold it: the slow path's wait counts it
+                    if self.capped and signed(want - w[self.i_ceil]) > 0:
+                        return False
+                    if self.recs is not None:  # no queued ticket without a record (claim_record)
+                        if rec is None:
+                            rec = claim_record(self.c, self.recs, want)
+                            if rec is None:
+                                return None
+                        self.c.store(rec - WORD, want)
+                    found = cas(self.a_tail, tail, want)
+                    if found == tail:
+                        if rec is not None:
+                            self.c.store(rec, self.amount)
+                            rec = None
+                        return want
+                else:
+                    found = cas(self.a_tail, tail, want)
+                    if found == tail:
+                        self.p.fetch_add(self.a_grants, self.ops)
+                        return True
+                tail = found
+        finally:
+            if rec is not None:  # claimed and not used: free again
+                self.c.store(rec, 0)
+            self.c._exit(self.recs is not None)
+
+    # -- a MultiGate's steps on raw words, under one enter/exit (see Gate's reference steps)
+
+    def enter(self) -> None:
+        self.c._enter()
+
+    def exit(self) -> None:
+        self.c._exit()
+
+    def short(self, amount: int) -> Optional[int]:
+        w = self.w
+        if w[self.i_seq] != self.expected:
+            return None
+        return signed(w[self.i_tail] + amount - w[self.i_head])
+
+    def take(self, amount: int) -> Optional[int]:
+        w, cas = self.w, self.p.cas
+        head_then = w[self.i_head]
+        t = w[self.i_tail]
+        while True:
+            want = (t + amount) & MASK64
+            if signed(want - w[self.i_head]) > 0:
+                return None
+            found = cas(self.a_tail, t, want)
+            if found == t:
+                return head_then
+            t = found
+
+    def count(self, mult: int) -> None:
+        self.p.fetch_add(self.a_grants, self.ops * mult)
+
+    def give_back(self, amount: int, head_then: int, cap: int) -> None:
+        w, cas = self.w, self.p.cas
+        head = w[self.i_head]
+        back = amount - max(0, signed(head - head_then))
+        while back > 0:
+            add = min(back, signed(w[self.i_tail] + cap - head))
+            if add <= 0:
+                return
+            found = cas(self.c._base + self.head, head, (head + add) & MASK64)
+            if found == head:
+                return
+            head = found

@@ -1,0 +1,256 @@
+"""The config as the segment publishes it: two checksummed banks under a sequence lock.
+
+The config is published under a sequence lock (``CFG_SEQ`` odd while a writer
+works, and a writer silent for ``CONFIG_LOCK_TIMEOUT_NS`` is taken over) into
+two banks, each stamped with the generation it is published as (the even
+``CFG_SEQ``) and a checksum over both, its values stored masked by that
+generation (``layout.bank_mask``).  A writer writes first the bank that does
+not hold the newest valid config, then the other, each word by load, check
+that it still holds the lock, CAS from the loaded word (``write_banks``), and
+publishes by one CAS of ``CFG_SEQ`` from its lock value: a writer that was
+taken over fails there.  Resumed, such a writer has at most one CAS in hand,
+and it misses every word a newer writer stored, so however many writers are
+late, the newest completed write keeps a whole bank.  Readers take the first
+bank valid for the even ``CFG_SEQ`` they saw before and after; with none (an
+interrupted writer published nothing new) or while a writer is presumed dead,
+the valid bank of the highest generation not above it (or, under a presumed
+dead writer, that writer's own generation).
+
+A reader turns the words into one immutable ``Snapshot``: a thread that reads
+a snapshot once never combines a new sequence number with an old price.
+"""
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+from typing import Callable, List, Optional, Tuple
+
+from shmlimit.shm import layout as L
+from shmlimit.shm.cells import Cells
+from shmlimit.config import MAX_SPAN_TOKENS as MAX_SPAN
+from shmlimit.config import MAX_TPN, NS_PER_S, Config
+from shmlimit.errors import ConfigWriterTakenOver, SegmentError
+
+INF_BITS = L.f2u(float("inf"))
+_KNOWN_FLAGS = L.FLAG_CAPPED | L.FLAG_STOPPED | L.UPSTREAM_FLAGS
+
+
+#: A config writer that holds the sequence lock longer than this is presumed dead (ns).
+CONFIG_LOCK_TIMEOUT_NS = 200_000_000
+
+
+def _opt(x: Optional[float]) -> int:
+    return INF_BITS if x is None else L.f2u(x)
+
+
+def _unopt(u: int) -> Optional[float]:
+    v = L.u2f(u)
+    return None if v == float("inf") else v
+
+
+@dataclass(frozen=True)
+class Snapshot:
+    """One process's view of the live config, derived once per change and never mutated."""
+
+    seq: int
+    tpn: int  #: tokens per nanosecond (fixed at creation)
+    cost: int  #: tokens per op
+    cap: int  #: capacity, tokens
+    cap_ops: int  #: capacity, whole ops (the capped-mode in-flight bound)
+    capped: bool
+    stopped: bool
+    upstream_flags: int
+    upstream: bool
+    time_fed: bool
+    open: bool
+    config: Optional[Config]
+    burst_pool: int
+    catch_up: bool
+    wait_cap: int
+    max_reserved_ns: float
+
+
+NO_SNAPSHOT = Snapshot(-1, 1, 1, 1, 1, False, False, 0, False, True, False, None, 0, False, 0, 0.0)
+
+
+def read_snapshot(cells: Cells) -> Snapshot:
+    """The config in force, read under the sequence lock and checked; ``SegmentError`` if corrupt."""
+    c = cells
+    deadline = None
+    while True:
+        seq = c.load(L.CFG_SEQ)
+        if seq & 1:
+            now = time.monotonic_ns()
+            deadline = deadline or now + CONFIG_LOCK_TIMEOUT_NS
+            if now < deadline:
+                time.sleep(0.0005)
+                continue
+        vals = published_values(c, seq)
+        if c.load(L.CFG_SEQ) == seq or deadline is not None:
+            break
+    if vals is None:
+        raise SegmentError("segment is corrupt: no copy of its configuration passes its checksum")
+    rate, per, burst, tpn, cost, cap, flags, ratio, max_reserved, max_behind = vals
+    try:  # words from a corrupt or foreign segment must not reach the arithmetic
+        cfg = Config.make(
+            L.u2f(rate), L.u2f(per), L.u2f(burst), bool(flags & L.FLAG_CAPPED), L.u2f(ratio),
+            _unopt(max_reserved), _unopt(max_behind),
+        )
+    except (TypeError, ValueError) as e:
+        raise SegmentError(f"segment is corrupt: its configuration is invalid ({e})") from None
+    if not 1 <= tpn <= MAX_TPN or not 1 <= cost <= MAX_SPAN or not 1 <= cap <= MAX_SPAN or flags & ~_KNOWN_FLAGS:
+        raise SegmentError(
+            f"segment is corrupt: token unit {tpn}, op cost {cost}, capacity {cap} or flags {flags:#x} out of range"
+        )
+    mb = cfg.max_behind
+    mr = cfg.max_reserved
+    return Snapshot(
+        seq=seq,
+        tpn=tpn,
+        cost=cost,
+        cap=cap,
+        cap_ops=max(1, cap // cost),
+        capped=bool(flags & L.FLAG_CAPPED),
+        stopped=bool(flags & L.FLAG_STOPPED),
+        upstream_flags=flags & L.UPSTREAM_FLAGS,
+        upstream=bool(flags & L.FLAG_UPSTREAM),
+        time_fed=not flags & L.FLAG_UPSTREAM or bool(flags & L.FLAG_FALLBACK_LOCAL),
+        open=bool(flags & L.FLAG_UPSTREAM) and bool(flags & L.FLAG_FALLBACK_OPEN),
+        config=cfg,
+        burst_pool=cfg.burst_pool_at(tpn),
+        catch_up=cfg.ratio > 1.0,
+        wait_cap=MAX_SPAN if mb is None else int(mb * NS_PER_S * tpn),
+        max_reserved_ns=float("inf") if mr is None else mr * NS_PER_S,
+    )
+
+
+def published_values(cells: Cells, seq: int) -> Optional[List[int]]:
+    """The config words published as of ``seq``: the first bank valid for it, else the newest older one."""
+    banks = [
+        _read_bank(cells, L.CFG_BANK, L.CFG_GEN, L.CFG_SUM),
+        _read_bank(cells, L.CFG_BACKUP_BANK, L.CFG_BACKUP_GEN, L.CFG_BACKUP_SUM),
+    ]
+    # Under a writer presumed dead (``seq`` odd), a bank it completed (its generation, seq + 1) is
+    # whole too: it may be the only one (it wrote the other first, and stopped in this one).
+    valid = [(gen, vals) for gen, vals in banks if vals is not None and gen <= seq + (seq & 1)]
+    exact = [vals for gen, vals in valid if gen == seq]
+    if exact:
+        return exact[0]
+    return max(valid, key=lambda b: b[0])[1] if valid else None
+
+def flags_in_force(cells: Cells, fallback: int) -> int:
+    """``FLAGS`` of the config in force (read through its bank: the words are stored masked);
+    ``fallback`` (what the caller last read) if no bank is valid."""
+    vals = published_values(cells, cells.load(L.CFG_SEQ))
+    return fallback if vals is None else vals[L.CFG_BANK.index(L.CFG_FLAGS)]
+
+
+def _read_bank(cells: Cells, offsets: Tuple[int, ...], gen_off: int, sum_off: int) -> Tuple[int, Optional[List[int]]]:
+    """``(generation, values)`` of one bank, unmasked; values None if its checksum does not hold."""
+    c = cells
+    gen = c.load(gen_off)
+    vals = [c.load(off) ^ L.bank_mask(gen, i) for i, off in enumerate(offsets)]
+    return gen, (vals if c.load(sum_off) == L.config_sum(gen, vals) else None)
+
+
+def bank_words(gen: int, vals: List[int]) -> List[Tuple[int, int]]:
+    """``(index, word)`` of one bank for generation ``gen`` as stored: each value masked by
+    ``bank_mask(gen, i)``, then GEN, then SUM (index 10 and 11, after the ten values)."""
+    words = [(i, v ^ L.bank_mask(gen, i)) for i, v in enumerate(vals)]
+    return words + [(len(vals), gen), (len(vals) + 1, L.config_sum(gen, vals))]
+
+
+def config_words(cfg: Config, tpn: int, stopped: bool, upstream_flags: int) -> List[Tuple[int, int]]:
+    """Every config word of ``cfg`` at the segment's token unit ``tpn``, computed before any is written.
+
+    Raises ValueError (naming the parameter) if a quantity does not fit at
+    ``tpn``: a config is validated at the unit it will be stored in, never
+    at the unit it would have chosen for itself.
+    """
+    cfg.check_at(tpn)
+    flags = (L.FLAG_CAPPED if cfg.capped else 0) | (L.FLAG_STOPPED if stopped else 0) | upstream_flags
+    return [
+        (L.CFG_RATE, L.f2u(cfg.rate)),
+        (L.CFG_PER, L.f2u(cfg.per)),
+        (L.CFG_BURST, L.f2u(cfg.burst)),
+        (L.CFG_TPN, tpn),
+        (L.CFG_COST, cfg.cost_at(tpn)),
+        (L.CFG_CAP, cfg.cap_at(tpn)),
+        (L.CFG_FLAGS, flags),
+        (L.CFG_RATIO, L.f2u(cfg.ratio)),
+        (L.CFG_MAX_RESERVED, _opt(cfg.max_reserved)),
+        (L.CFG_MAX_BEHIND, _opt(cfg.max_behind)),
+    ]
+
+BANKS = (
+    (L.CFG_BANK + (L.CFG_GEN, L.CFG_SUM)),
+    (L.CFG_BACKUP_BANK + (L.CFG_BACKUP_GEN, L.CFG_BACKUP_SUM)),
+)
+
+
+def write_banks(cells: Cells, words: List[Tuple[int, int]], gen: int, lock: Optional[int] = None) -> bool:
+    """Write both banks for ``gen``, first the one that does not hold the newest valid config.
+
+    Every word is written by load, check that ``CFG_SEQ`` still holds ``lock``,
+    CAS from the loaded word (retried only while the lock is ours; ``lock``
+    None: a creator alone with its segment, no check).  A writer stopped
+    between its check and its CAS, taken over, resumes with that one CAS in
+    hand, which expects a word loaded before any newer writer took the lock:
+    it misses every word a newer writer stored (values are stored masked by
+    their generation, so no newer writer stores that word again), and its
+    next check stops it.  So a bank a writer completed is never touched by an
+    older writer, and the bank a writer keeps while it writes the other is
+    never one an older writer may still reach: the older writers that came
+    after its own writer chose the other bank first too.  However many
+    writers are late, a whole bank of the newest completed write survives.
+
+    Returns False, having stopped at that check, if the lock was taken over.
+    """
+    c = cells
+    stored = bank_words(gen, [v for _, v in words])
+    live = _read_bank(c, L.CFG_BANK, L.CFG_GEN, L.CFG_SUM)
+    backup = _read_bank(c, L.CFG_BACKUP_BANK, L.CFG_BACKUP_GEN, L.CFG_BACKUP_SUM)
+    bound = c.load(L.CFG_SEQ) if lock is None else lock
+    valid = [(g, k) for k, (g, vals) in enumerate((live, backup)) if vals is not None and g <= bound]
+    keep = max(valid, key=lambda b: (b[0], -b[1]))[1] if valid else 0  # newest valid copy (tie: live bank): last
+    for bank in (BANKS[1 - keep], BANKS[keep]):
+        for i, want in stored:
+            off = bank[i]
+            while True:
+                seen = c.load(off)
+                if lock is not None and c.load(L.CFG_SEQ) != lock:
+                    return False
+                if seen == want or c.cas(off, seen, want):
+                    break
+    return True
+
+
+def write_under_lock(cells: Cells, words: Callable[[Cells], List[Tuple[int, int]]]) -> None:
+    """Take the config seqlock (CFG_SEQ odd), write ``words(cells)`` into both banks, publish by CAS.
+
+    Raises ``ConfigWriterTakenOver`` if this writer stalled past the lock's
+    timeout and another took over: then nothing of ours is published.
+    """
+    c = cells
+    since = time.monotonic_ns()
+    while True:
+        seq = c.load(L.CFG_SEQ)
+        if seq & 1 and time.monotonic_ns() - since < CONFIG_LOCK_TIMEOUT_NS:
+            time.sleep(0.0005)
+            continue
+        # even: take the lock; odd for too long: its writer is presumed dead, take it over
+        lock = seq + 1 if not seq & 1 else seq + 2
+        if c.cas(L.CFG_SEQ, seq, lock):
+            break
+    written = False
+    try:
+        written = write_banks(c, words(c), lock + 1, lock)
+    finally:
+        # Publish by CAS from our lock value: if we were taken over, ours is not the config.
+        # (Interrupted half-way, we publish anyway: readers then find the old config valid.)
+        published = c.cas(L.CFG_SEQ, lock, lock + 1)
+    if not (written and published):
+        raise ConfigWriterTakenOver(
+            "this config change was abandoned: the writer stalled longer than the lock's "
+            f"{CONFIG_LOCK_TIMEOUT_NS // 1_000_000} ms and another took over; apply it again"
+        )

@@ -1,0 +1,352 @@
+"""Named POSIX shared-memory segments: names, creation, opening, unlinking, listing.
+
+Lifecycle rules (as in ``multiprocessing.shared_memory``): a segment lives until
+it is unlinked, even when no process has it mapped; unlinking removes the name
+at once, while processes that still have it mapped keep using their mapping.
+Creation is exclusive (``O_CREAT | O_EXCL``), so of many processes racing to
+create one name exactly one creates and initialises it; the others open it.
+"""
+from __future__ import annotations
+
+import errno
+import mmap
+import os
+import re
+import stat
+import time
+from typing import AbstractSet, Iterable, List, Optional, Tuple, Union
+
+import posix_ipc
+
+from shmlimit.shm import layout as L
+from shmlimit.shm.cells import Cells, open_cells
+from shmlimit.errors import LimiterNotFoundError, SegmentError, SharedMemoryFullError, UntrustedSegmentError
+
+PREFIX = "shmlimit."
+NAME_MAX = 64
+_NAME_RE = re.compile(r"[A-Za-z0-9_][A-Za-z0-9_.\-]*")
+SHM_DIR = "/dev/shm"
+
+
+def validate_name(name: object) -> str:
+    """Names are 1-64 characters of ASCII letters, digits, ``_``, ``.`` and ``-``, not starting with ``.`` or ``-``."""
+    if not isinstance(name, str):
+        raise TypeError(f"name must be a str, not {type(name).__name__}")
+    if not 1 <= len(name) <= NAME_MAX or not _NAME_RE.fullmatch(name) or not name.isascii():
+        raise ValueError(
+            f"name must be 1-{NAME_MAX} ASCII letters, digits, '_', '.' or '-', "
+            f"not starting with '.' or '-'; got {name!r}"
+        )
+    return name
+
+
+def posix_name(name: str) -> str:
+    return "/" + PREFIX + name
+
+
+#: A segment this old (seconds) with no creator pid in its header was abandoned by its creator
+#: (both kinds of segment: one header protocol).
+INIT_WAIT = 2.0
+#: How long an opener waits for a live creator to finish initialising (seconds); a creator is
+#: never replaced while it lives, however slow, but an opener gives up with an error after this.
+LIVE_CREATOR_WAIT = 30.0
+#: No limiter is larger than this (bytes): a bigger file is not read or mapped.
+MAX_BYTES = L.segment_size(L.MAX_SLOTS)
+#: Write bits another user could hold.
+_WRITE_BITS = 0o022
+
+
+def validate_trusted_uids(uids: Iterable[int]) -> frozenset:
+    """``trusted_uids`` as a frozenset, each a uid from 0 to 2**32-1; TypeError/ValueError naming it otherwise."""
+    if isinstance(uids, (str, bytes, int)):
+        raise TypeError(f"trusted_uids must be an iterable of uids (ints), not {type(uids).__name__}")
+    out = []
+    for u in uids:
+        if isinstance(u, bool) or not isinstance(u, int) or not 0 <= u <= 0xFFFFFFFF:
+            raise ValueError(f"trusted_uids must hold uids from 0 to 4294967295, got {u!r}")
+        out.append(u)
+    return frozenset(out)
+
+
+def validate_mode(mode: object) -> int:
+    """A segment's ``mode``: permission bits from 0 to 0o777; ValueError naming it otherwise."""
+    if isinstance(mode, bool) or not isinstance(mode, int) or not 0 <= mode <= 0o777:
+        raise ValueError(f"mode must be permission bits between 0 and 0o777, got {mode!r}")
+    return mode
+
+
+def validate_slots(slots: object) -> int:
+    """A limiter's process table size, ``slots``: an int from 1 to ``MAX_SLOTS``; ValueError naming it otherwise."""
+    if isinstance(slots, bool) or not isinstance(slots, int) or not 1 <= slots <= L.MAX_SLOTS:
+        raise ValueError(f"slots must be an int from 1 to {L.MAX_SLOTS}, got {slots!r}")
+    return slots
+
+
+def open_shm(name: str) -> "posix_ipc.SharedMemory":
+    """``shm_open`` an existing segment, its absence and every refusal as one of our clear errors."""
+    try:
+        return posix_ipc.SharedMemory(posix_name(name))
+    except posix_ipc.ExistentialError:
+        raise LimiterNotFoundError(name) from None
+    except posix_ipc.PermissionsError as e:
+        raise PermissionError(f"not allowed to open limiter {name!r}: {e}") from None
+    except OSError as e:  # a symlink (shm_open refuses to follow it) or another oddity
+        raise SegmentError(f"segment {name!r} cannot be opened: {e}") from None
+
+
+def check_trust(name: str, st: os.stat_result, mode: int, trusted_uids: AbstractSet[int]) -> None:
+    """Refuse a segment that someone this process does not trust could have written.
+
+    Trusted owners: this process's effective uid, root (who can write any
+    segment anyway) and ``trusted_uids``.  Whatever the owner, the segment may
+    not be writable by group or others beyond what ``mode`` asks for: a 0666
+    segment is writable by every local user, so attaching to it would hand
+    them the limit.  Checked on the descriptor that is then mapped, so the
+    answer holds for the mapping (a name replaced afterwards is another segment).
+    """
+    owner = st.st_uid
+    bits = st.st_mode & 0o7777
+    if owner not in (os.geteuid(), 0) and owner not in trusted_uids:
+        raise UntrustedSegmentError(
+            name, owner, bits, f"another user owns it; pass trusted_uids=[{owner}] only if you trust that user"
+        )
+    extra = bits & _WRITE_BITS & ~mode
+    if extra:
+        raise UntrustedSegmentError(
+            name, owner, bits,
+            f"it is writable by {'group and others' if extra == _WRITE_BITS else 'group' if extra & 0o020 else 'others'}"
+            f" beyond the mode asked for ({mode:#o}); pass mode={bits & 0o777:#o} only if that is intended",
+        )
+
+
+def _check_header_size(name: str, fd: int, size: int) -> None:
+    """Before mapping: a ready header must not claim more bytes than the file has.
+
+    A mapping longer than its file raises SIGBUS on the first access past the
+    end; reading the header with ``pread`` first keeps that from ever happening
+    to a segment that was truncated (or forged) before we opened it.
+    """
+    if size < L.LINE:
+        return
+    head = os.pread(fd, L.LINE, 0)
+    if len(head) < L.LINE:
+        raise SegmentError(f"segment {name!r} shrank while it was being opened")
+    magic, state, declared = (int.from_bytes(head[o : o + 8], "little") for o in (L.MAGIC_OFF, L.STATE_OFF, L.SIZE_OFF))
+    if magic == L.MAGIC and size > MAX_BYTES:  # (other kinds of segment check their own sizes)
+        raise SegmentError(f"segment {name!r} is {size} bytes; no limiter is larger than {MAX_BYTES}")
+    if magic == L.MAGIC and state == L.STATE_READY and declared > size:
+        raise SegmentError(f"segment {name!r} is truncated: its header says {declared} bytes, the file has {size}")
+
+
+class Segment:
+    """One mapping of a named segment.  ``created`` says whether this call made it."""
+
+    def __init__(
+        self,
+        name: str,
+        mm: Union[mmap.mmap, bytearray],
+        size: int,
+        created: bool,
+        inode: int,
+        ctime_ns: int = 0,
+        owner: int = -1,
+        mode: int = 0,
+    ) -> None:
+        self.name = name
+        self.mm = mm
+        self.size = size
+        self.created = created
+        self.inode = inode
+        self.ctime_ns = ctime_ns  #: when the segment was created and sized (CLOCK_REALTIME ns)
+        self.owner = owner  #: uid owning the segment when it was opened
+        self.mode = mode  #: its permission bits then
+
+    @classmethod
+    def create(cls, name: str, size: int, mode: int) -> Optional["Segment"]:
+        """Create and map a new zero-filled segment; None if the name exists already.
+
+        Its pages are allocated here (``posix_fallocate``): a full ``/dev/shm``
+        raises ``SharedMemoryFullError`` now, instead of SIGBUS at the first write.
+        """
+        try:
+            shm = posix_ipc.SharedMemory(posix_name(name), posix_ipc.O_CREX, mode=mode, size=0)
+        except posix_ipc.ExistentialError:
+            return None
+        try:
+            os.fchmod(shm.fd, mode)  # the umask must not narrow an explicit mode
+            st = os.fstat(shm.fd)
+            try:
+                os.posix_fallocate(shm.fd, 0, size)
+            except OSError as e:
+                if current_inode(name) == st.st_ino:  # ours, never initialised: take the name back
+                    try:
+                        posix_ipc.unlink_shared_memory(posix_name(name))
+                    except posix_ipc.ExistentialError:  # pragma: no cover - removed meanwhile
+                        pass
+                if e.errno == errno.ENOSPC:
+                    raise SharedMemoryFullError(
+                        errno.ENOSPC, f"cannot create limiter {name!r}: shared memory ({SHM_DIR}) has no room for {size} bytes"
+                    ) from None
+                raise
+            mm = mmap.mmap(shm.fd, size)
+        finally:
+            shm.close_fd()
+        return cls(name, mm, size, True, st.st_ino, st.st_ctime_ns, st.st_uid, st.st_mode & 0o7777)
+
+    @classmethod
+    def open(cls, name: str, mode: Optional[int] = None, trusted_uids: AbstractSet[int] = frozenset()) -> "Segment":
+        """Map an existing segment at its current size (which may still be 0 while its creator sizes it).
+
+        With ``mode``, the segment must pass ``check_trust`` first: nothing of
+        an untrusted segment is read or mapped.
+        """
+        shm = open_shm(name)
+        try:
+            st = os.fstat(shm.fd)
+            if not stat.S_ISREG(st.st_mode):
+                raise SegmentError(f"segment {name!r} is not a regular file")
+            if mode is not None:
+                check_trust(name, st, mode, trusted_uids)
+            size = st.st_size
+            _check_header_size(name, shm.fd, size)
+            mm = mmap.mmap(shm.fd, size) if size else None
+        finally:
+            shm.close_fd()
+        return cls(name, mm, size, False, st.st_ino, st.st_ctime_ns, st.st_uid, st.st_mode & 0o7777)  # type: ignore[arg-type]
+
+    @classmethod
+    def copy(cls, name: str) -> "Segment":
+        """A private copy of the segment's bytes, read with ``pread``: nothing is mapped.
+
+        For the tools that only look (``inspect``, ``list``, ``top``, ``gc``): a
+        segment truncated or replaced under them cannot raise SIGBUS, and a
+        FIFO, symlink or directory under a limiter's name is refused, never
+        waited on.
+        """
+        data, st = pread_file(name, 0, None)
+        size = len(data) & ~7  # whole words only
+        buf = bytearray(max(size, 8))  # a fresh, 8-aligned buffer for the atomic layer
+        buf[:size] = data[:size]
+        return cls(name, buf, size, False, st.st_ino, st.st_ctime_ns, st.st_uid, st.st_mode & 0o7777)
+
+    def close(self) -> None:
+        if isinstance(self.mm, mmap.mmap):
+            self.mm.close()
+        self.mm = None  # type: ignore[assignment]
+
+
+def pread_file(
+    name: str, offset: int, length: Optional[int], max_bytes: Optional[int] = MAX_BYTES
+) -> Tuple[bytearray, os.stat_result]:
+    """``length`` bytes (None: to the end) from ``offset`` of the segment, read with ``pread``; and its stat.
+
+    Nothing is mapped, so a segment truncated under the reader cannot raise
+    SIGBUS (it is judged on what is there), and a FIFO, symlink or directory
+    under a limiter's name is refused, never waited on.  A file larger than
+    ``max_bytes`` (a ``Limiter``'s largest by default; None: any) is refused.
+    """
+    try:
+        fd = os.open(os.path.join(SHM_DIR, PREFIX + name), os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC)
+    except FileNotFoundError:
+        raise LimiterNotFoundError(name) from None
+    except PermissionError as e:
+        raise PermissionError(f"not allowed to open limiter {name!r}: {e}") from None
+    except OSError as e:
+        raise SegmentError(f"segment {name!r} cannot be opened: {e}") from None
+    try:
+        st = os.fstat(fd)
+        if not stat.S_ISREG(st.st_mode):
+            raise SegmentError(f"segment {name!r} is not a regular file")
+        if max_bytes is not None and st.st_size > max_bytes:
+            raise SegmentError(f"segment {name!r} is {st.st_size} bytes; no limiter is larger than {max_bytes}")
+        want = st.st_size - offset if length is None else length
+        data = bytearray()
+        while len(data) < want:
+            chunk = os.pread(fd, want - len(data), offset + len(data))
+            if not chunk:
+                break  # truncated while we read: judged on what is there
+            data += chunk
+    finally:
+        os.close(fd)
+    return data, st
+
+
+def unlink(name: str) -> None:
+    """Remove the segment's name.  Raises LimiterNotFoundError when there is none."""
+    validate_name(name)
+    try:
+        posix_ipc.unlink_shared_memory(posix_name(name))
+    except posix_ipc.ExistentialError:
+        raise LimiterNotFoundError(name) from None
+
+
+def current_inode(name: str) -> Optional[int]:
+    try:
+        return os.stat(os.path.join(SHM_DIR, PREFIX + name)).st_ino
+    except OSError:
+        return None
+
+
+def scan() -> Tuple[List[str], List[str]]:
+    """(valid limiter names, other entries named ``shmlimit.*``), both sorted.
+
+    Any user can create ``/dev/shm/shmlimit.-x``: such an entry is reported by
+    the tools and skipped, never allowed to stop them.
+    """
+    try:
+        entries = os.listdir(SHM_DIR)
+    except OSError as e:  # pragma: no cover - non-Linux
+        raise SegmentError(f"cannot list shared-memory segments: {e}") from None
+    good, bad = [], []
+    for e in entries:
+        if e.startswith(PREFIX):
+            n = e[len(PREFIX):]
+            (good if _valid(n) else bad).append(n)
+    return sorted(good), sorted(bad)
+
+
+def _valid(name: str) -> bool:
+    try:
+        validate_name(name)
+        return True
+    except ValueError:
+        return False
+
+
+def list_names() -> List[str]:
+    """Names of every shmlimit segment on this machine (Linux: read from /dev/shm), sorted.
+
+    Entries whose names are not valid limiter names are left out (see ``scan``).
+    """
+    return scan()[0]
+
+
+def describe_mode(name: str) -> Tuple[int, int]:
+    st = os.stat(os.path.join(SHM_DIR, PREFIX + name))
+    return st.st_mode & 0o777, st.st_uid
+
+
+# ---- the header line every kind of segment begins with (layout's line 0)
+
+
+def start_header(seg: Segment, version: int, slots: int) -> Cells:
+    """Open a new segment's cells and write its header line, all but MAGIC and STATE (``publish``).
+
+    The creator's pid goes first: an opener tells a working creator from a dead one by it.
+    """
+    c = open_cells(seg.mm, seg.size)
+    c.store(L.CREATOR_PID_OFF, os.getpid())
+    c.store(L.VERSION_OFF, version)
+    c.store(L.SIZE_OFF, seg.size)
+    c.store(L.SLOTS_OFF, slots)
+    c.store(L.CREATED_NS_OFF, time.time_ns())
+    return c
+
+
+def publish(c: Cells, magic: int) -> None:
+    """The creator's last writes, once every other word is in place: ``MAGIC``, then ``STATE = READY``.
+
+    Openers wait for ``READY``, so nothing written before it is ever seen half-done.
+    """
+    c.store(L.MAGIC_OFF, magic)
+    c.store(L.STATE_OFF, L.STATE_READY)
