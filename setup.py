@@ -6,6 +6,7 @@ portable ``atomics`` backend.  Wheel builds set ``SHMLIMIT_REQUIRE_NATIVE_BUILD=
 (see ``[tool.cibuildwheel]``): a wheel without the extension must fail to
 build, never ship.
 """
+
 import os
 
 from setuptools import Extension, setup

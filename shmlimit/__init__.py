@@ -1,9 +1,10 @@
 """shmlimit: one rate limit shared by many processes, through a token bucket in POSIX shared memory.
 
-    import shmlimit
-    lim = shmlimit.Limiter("api", rate=1000)   # 1000 ops per second, shared by every process
-    lim.acquire()                              # blocks until granted
+import shmlimit
+lim = shmlimit.Limiter("api", rate=1000)   # 1000 ops per second, shared by every process
+lim.acquire()                              # blocks until granted
 """
+
 from shmlimit.config import Config, RateSpec, parse_spec
 from shmlimit.errors import (
     ConfigMismatchError,

@@ -16,6 +16,7 @@ counter it adds to (``count``), the WAITING count of its queued callers
 the ticket ranges this process gives back (``give_back``, see ``giveback``).
 Everything else goes through the bucket.
 """
+
 from __future__ import annotations
 
 import os
@@ -23,23 +24,42 @@ import threading
 import time
 from typing import Any, Callable, Optional, Sequence, Tuple, Union
 
-from shmlimit.shm import inflight
-from shmlimit.shm import layout as L
+from shmlimit.acquire.sleep import SLACK_NS
+from shmlimit.bucket.filler import FillerThread, Lease, takeover_ns
+from shmlimit.bucket.giveback import (
+    REAP_EVERY,
+    Records,
+    Returns,
+    ReturnsThread,
+    Writers,
+    clear,
+    interrupted,
+    keep_on_leave,
+    mark_given,
+    reap,
+    record,
+    take_over,
+)
 from shmlimit.bucket.rovers import WAIT_BURN, WAIT_NUDGE, Bucket, GrabResult
 from shmlimit.config import MAX_NAP, NS_PER_S
-from shmlimit.shm.cells import MASK64, Cells, multi_gate
-from shmlimit.shm.words import plain_seconds
 from shmlimit.errors import ConfigMismatchError, LimiterNotFoundError, SegmentError
-from shmlimit.bucket.filler import FillerThread, Lease, takeover_ns
-from shmlimit.bucket.giveback import REAP_EVERY, Records, Returns, ReturnsThread, clear, interrupted, keep_on_leave, mark_given
-from shmlimit.bucket.giveback import Writers, reap, record, take_over
 from shmlimit.header import Creation, open_segment
+from shmlimit.redis.spec import UpstreamSpec
 from shmlimit.registry import Registry
+from shmlimit.shm import inflight
+from shmlimit.shm import layout as L
+from shmlimit.shm.cells import MASK64, Cells, multi_gate
 from shmlimit.shm.segment import Segment, check_trust, current_inode, validate_name
 from shmlimit.shm.segment import unlink as unlink_name
-from shmlimit.acquire.sleep import SLACK_NS
-from shmlimit.shm.table import OwnerWatch, ProcessTable, is_alive, pid_namespace, proc_start, slot_alive
-from shmlimit.redis.spec import UpstreamSpec
+from shmlimit.shm.table import (
+    OwnerWatch,
+    ProcessTable,
+    is_alive,
+    pid_namespace,
+    proc_start,
+    slot_alive,
+)
+from shmlimit.shm.words import plain_seconds
 
 _INF = float("inf")
 
@@ -48,7 +68,9 @@ def _no_fast() -> GrabResult:
     return False
 
 
-def _undecided(timeout: object = None) -> None:  # a try's and a timed acquire's: the slow path decides
+def _undecided(
+    timeout: object = None,
+) -> None:  # a try's and a timed acquire's: the slow path decides
     return None
 
 
@@ -84,7 +106,12 @@ class Attachment:
     """
 
     def __init__(
-        self, name: str, seg: Segment, cells: Cells, join: bool = True, clock: Callable[[], int] = time.monotonic_ns
+        self,
+        name: str,
+        seg: Segment,
+        cells: Cells,
+        join: bool = True,
+        clock: Callable[[], int] = time.monotonic_ns,
     ) -> None:
         self.name = name
         self.seg = seg
@@ -141,7 +168,9 @@ class Attachment:
         # every ticket a fast path hands out is recorded in one of this process's records (none:
         # beyond the table, it never queues), so a ticket is never queued unrecorded (see giveback)
         recs = self.rec_lens
-        if self.closed or unused or s.max_reserved_ns != _INF or s.open or s.capped:  # the slow path
+        if (
+            self.closed or unused or s.max_reserved_ns != _INF or s.open or s.capped
+        ):  # the slow path
             self.fast[0] = _no_fast
         else:
             self.fast[0] = self.bucket.grabber(s, self.grants_off, recs)
@@ -151,20 +180,37 @@ class Attachment:
         # injected clock: the gate's certain refusal counts the time since REPL_TS on the real
         # clock, and REPL_TS written by a clock ahead of it would look like no time at all
         real_clock = self.clock is time.monotonic_ns
-        if self.closed or unused or s.upstream or s.stopped or s.capped or s.config is None or not real_clock:
+        if (
+            self.closed
+            or unused
+            or s.upstream
+            or s.stopped
+            or s.capped
+            or s.config is None
+            or not real_clock
+        ):
             self.fast[1:] = NO_FAST[1:]
         else:
             gate = self.bucket.gate(s, self.grants_off, 1, recs)
             self.fast[1:3] = (gate.try_grab, gate.grab_within)
-        if (self.fast[0] is not _no_fast and s.upstream and not s.time_fed and not s.stopped
-                and self.clock is time.monotonic_ns):
+        if (
+            self.fast[0] is not _no_fast
+            and s.upstream
+            and not s.time_fed
+            and not s.stopped
+            and self.clock is time.monotonic_ns
+        ):
             self.fast[2] = _fed_within(self.fast[0])
         # a ticket's whole wait in one native call, for the configs it handles (Bucket.waiter); it
         # reads the real clock, so an attachment with an injected clock waits in Python
-        self.fast[3] = waiter = None if self.closed or not real_clock else self.bucket.waiter(
-            s, self.grants_off, self.waiting_off, SLACK_NS
+        self.fast[3] = waiter = (
+            None
+            if self.closed or not real_clock
+            else self.bucket.waiter(s, self.grants_off, self.waiting_off, SLACK_NS)
         )
-        if hasattr(waiter, "takeover_ns"):  # may this process take a lapsed filler lease? (filler.takeover_ns)
+        if hasattr(
+            waiter, "takeover_ns"
+        ):  # may this process take a lapsed filler lease? (filler.takeover_ns)
             waiter.takeover_ns = takeover_ns(self.filler)
         if recs and self.fast[0] is not _no_fast and hasattr(waiter, "acquirer"):
             # an untimed acquire of one op as one native call: the grab (record claimed before its
@@ -220,7 +266,9 @@ class Attachment:
             with self.writers.writing() as lens:  # (none once the slot is being left: close)
                 rec = record(self.cells, self.records if lens else (), ticket, tokens, given=True)
         self.returns.give_back(ticket, tokens, rec)
-        if self.returns.step() is not None:  # at once if the head is there already, else when it gets there
+        if (
+            self.returns.step() is not None
+        ):  # at once if the head is there already, else when it gets there
             self._skipper()
 
     def adopt(self, ticket: int, tokens: int, take: Callable[[], bool]) -> bool:
@@ -242,8 +290,11 @@ class Attachment:
     def _skipper(self) -> None:
         t = self._returns_thread
         # a process that runs threads for this limiter (its filler; or it is beyond the table)
-        if self.joined and not self.closed and (self.filler is not None or self.slot is None) and (
-            t is None or not t.is_alive()
+        if (
+            self.joined
+            and not self.closed
+            and (self.filler is not None or self.slot is None)
+            and (t is None or not t.is_alive())
         ):
             self._returns_thread = t = ReturnsThread(self.returns, self.name)
             t.start()
@@ -269,8 +320,12 @@ class Attachment:
         self.pid = os.getpid()
         self.joined = True
         start = proc_start(self.pid)
-        self.slot = self.table.register(self.pid, start if start and start > 0 else 0, pid_namespace())
-        self.bucket.inflights = tuple(L.inflight_offset(self.table.slots, i) for i in range(self.table.slots))
+        self.slot = self.table.register(
+            self.pid, start if start and start > 0 else 0, pid_namespace()
+        )
+        self.bucket.inflights = tuple(
+            L.inflight_offset(self.table.slots, i) for i in range(self.table.slots)
+        )
         if self.slot is None:
             self.grants_off = L.UNREG_GRANTS
             self.waiting_off = None
@@ -281,12 +336,18 @@ class Attachment:
             self.grants_off = base + L.SLOT_GRANTS
             self.waiting_off = base + L.SLOT_WAITING
             self.records = L.ticket_records(self.table.slots, self.slot)
-            inflight.take_over(self.cells, self.table.slots, self.slot)  # a predecessor's ops in flight
+            inflight.take_over(
+                self.cells, self.table.slots, self.slot
+            )  # a predecessor's ops in flight
             self.bucket.own_inflight = L.inflight_offset(self.table.slots, self.slot)
-            if take_over(self.cells, self.records, self.returns.give_back):  # a predecessor's tickets
+            if take_over(
+                self.cells, self.records, self.returns.give_back
+            ):  # a predecessor's tickets
                 self._skipper()
             self.lease = Lease(self.cells, self.slot)
-            self.filler = FillerThread(self.bucket, self.lease, self.name, self._feed(), chores=self._chores)
+            self.filler = FillerThread(
+                self.bucket, self.lease, self.name, self._feed(), chores=self._chores
+            )
         self.update_fast()
 
     def use(self) -> None:
@@ -305,20 +366,27 @@ class Attachment:
                     if gone := self._gone():  # means it is gone or going
                         self._leave()
                 if gone:
-                    raise SegmentError(f"limiter {self.name!r} was collected or removed while this process held "
-                                       "it unused (no live process was registered); open it again")
+                    raise SegmentError(
+                        f"limiter {self.name!r} was collected or removed while this process held "
+                        "it unused (no live process was registered); open it again"
+                    )
             if self.filler is not None:
                 self.filler.start()
             self.in_use = True
         self.update_fast()
 
     def _gone(self) -> bool:  # collected (or going), or its name unlinked or another segment's now
-        return self.cells.load(L.STATE_OFF) != L.STATE_READY or current_inode(self.name) != self.seg.inode
+        return (
+            self.cells.load(L.STATE_OFF) != L.STATE_READY
+            or current_inode(self.name) != self.seg.inode
+        )
 
     def _leave(self) -> None:
         """Give this process's slot back, keeping the mapping (it registers again on its next use)."""
         if self.slot is not None and self.pid == os.getpid():
-            keep_on_leave(self.cells, self.records, self.returns, False)  # given-back ranges stay recorded
+            keep_on_leave(
+                self.cells, self.records, self.returns, False
+            )  # given-back ranges stay recorded
             self.table.unregister(self.slot, self.pid)
         self.records = ()
         self.slot, self.lease, self.filler, self.waiting_off = None, None, None, None
@@ -335,7 +403,9 @@ class Attachment:
     def _feed(self) -> Any:
         if self.feed_spec is None:
             return None
-        from shmlimit.redis.feeder import feed_for  # the Redis tier: only processes that configured it get here
+        from shmlimit.redis.feeder import (
+            feed_for,  # the Redis tier: only processes that configured it get here
+        )
 
         return feed_for(self.feed_spec)
 
@@ -372,7 +442,9 @@ class Attachment:
         self.cells.leave_waiters()  # no waiter of ours is granted now: its queued ticket may be given back
         self.writers.settle()  # a grab of another thread between its record's claim and length store ends first
         if self.slot is not None and self.pid == os.getpid():
-            keep_on_leave(self.cells, self.records, self.returns, True)  # its waiters' records: given
+            keep_on_leave(
+                self.cells, self.records, self.returns, True
+            )  # its waiters' records: given
             self.table.unregister(self.slot, self.pid)
             self.records = ()
 
@@ -386,7 +458,9 @@ class Attachment:
         # the parent skips the ranges it gave back; the child starts afresh (its lock may be held)
         self.returns = Returns(self.bucket)
         self._returns_thread = None
-        self.writers = Writers(lambda: self.records, self.cells)  # (the parent's threads are not here)
+        self.writers = Writers(
+            lambda: self.records, self.cells
+        )  # (the parent's threads are not here)
         self.owners = self.owners.forked()  # the parent's pidfds, closed here; its lock may be held
         self.slot, self.lease, self.filler, self.waiting_off = None, None, None, None
         self.bucket.own_inflight = None
@@ -396,7 +470,9 @@ class Attachment:
         self.update_fast()
 
     def detach(self) -> None:
-        if self.closed or self.writers.defer(self.detach):  # (inside its own thread's record write: after it)
+        if self.closed or self.writers.defer(
+            self.detach
+        ):  # (inside its own thread's record write: after it)
             self.fast[:] = NO_FAST
             return
         self.shut()
@@ -481,7 +557,9 @@ def collect(name: str) -> bool:
     Never orphans a process that attaches meanwhile (see ``_still_ready``).
     """
     validate_name(name)
-    att = map_attachment(name, None, None, join=False)  # no trust check: it only unlinks, as the filesystem allows
+    att = map_attachment(
+        name, None, None, join=False
+    )  # no trust check: it only unlinks, as the filesystem allows
     try:
         c = att.cells
 
@@ -580,12 +658,16 @@ def open_attachment(
             raise ValueError(f"limiter {name!r} is attached in this process with another clock")
         # vetted when this process first opened it, but perhaps under a wider trust than this call's
         check_trust(name, _owner_stat(att.seg), mode, trusted)
-        if reconfigure and create is not None:  # this process uses it: only an explicit reconfigure applies
+        if (
+            reconfigure and create is not None
+        ):  # this process uses it: only an explicit reconfigure applies
             adopt_config(att, create, True)
         check_matches(name, att, create)
 
     return _registry.open(
-        name, lambda: map_attachment(name, create, mode, trusted, clock=clock, reconfigure=reconfigure), check
+        name,
+        lambda: map_attachment(name, create, mode, trusted, clock=clock, reconfigure=reconfigure),
+        check,
     )
 
 

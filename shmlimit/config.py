@@ -15,6 +15,7 @@ never faster.
 Replenishing adds exactly ``elapsed_ns * tpn`` tokens, so no fraction of time is
 ever dropped and nothing drifts over hours.
 """
+
 from __future__ import annotations
 
 import math
@@ -106,22 +107,30 @@ class Config:
         if isinstance(rate, str):
             spec = parse_spec(rate)
             if spec.verb not in (None, "configure", "start"):
-                raise ValueError(f"rate spec verb {spec.verb!r} is not allowed when creating a limiter")
+                raise ValueError(
+                    f"rate spec verb {spec.verb!r} is not allowed when creating a limiter"
+                )
             if ratio is not None and spec.ratio is not None and float(ratio) != spec.ratio:  # type: ignore[arg-type]
-                raise ValueError(f"ratio given twice: {ratio!r} and {spec.ratio!r} in the rate spec")
+                raise ValueError(
+                    f"ratio given twice: {ratio!r} and {spec.ratio!r} in the rate spec"
+                )
             rate, ratio = spec.rate, (spec.ratio if spec.ratio is not None else ratio)
             per = spec.per_with(per)
         r = _positive_finite("rate", rate)
         p = _positive_finite("per", per)
         ops = r / p
         if ops > MAX_OPS_PER_S:
-            raise ValueError(f"rate/per must be at most {MAX_OPS_PER_S:.0e} ops per second, got {ops:.6g}")
+            raise ValueError(
+                f"rate/per must be at most {MAX_OPS_PER_S:.0e} ops per second, got {ops:.6g}"
+            )
         if burst is None:
             b = default_burst(r, p)
         else:
             b = _positive_finite("burst", burst)
             if b < 1:
-                raise ValueError(f"burst must be >= 1 op (the capacity must hold one op), got {burst!r}")
+                raise ValueError(
+                    f"burst must be >= 1 op (the capacity must hold one op), got {burst!r}"
+                )
         if not isinstance(capped, bool):
             raise TypeError(f"capped must be True or False, not {capped!r}")
         q = 1.0 if ratio is None else _positive_finite("ratio", ratio)
@@ -144,7 +153,9 @@ class Config:
             )
         for param, v in (("max_reserved", self.max_reserved), ("max_behind", self.max_behind)):
             if v is not None and v * NS_PER_S * tpn > MAX_SPAN_TOKENS:
-                return f"{param} must be at most {MAX_SPAN_TOKENS / tpn / NS_PER_S:.6g} s, got {v:g}"
+                return (
+                    f"{param} must be at most {MAX_SPAN_TOKENS / tpn / NS_PER_S:.6g} s, got {v:g}"
+                )
         return None
 
     def check_at(self, tpn: int) -> None:
@@ -270,7 +281,11 @@ class RateSpec:
         """The window to use with a ``per`` also passed: the string's, which ``per`` may not contradict."""
         if self.per is None:
             return per
-        if per is not None and not (isinstance(per, (int, float)) and not isinstance(per, bool) and float(per) in (1.0, self.per)):
+        if per is not None and not (
+            isinstance(per, (int, float))
+            and not isinstance(per, bool)
+            and float(per) in (1.0, self.per)
+        ):
             raise ValueError(
                 f"{param} given twice: {per!r} and {self.per:g} s in the rate string; "
                 f"leave {param} out (or 1.0) when the rate is written {RATE_FORMS}"
@@ -291,17 +306,23 @@ def parse_rate(text: str, param: str = "rate") -> Tuple[float, float]:
     raises ValueError naming ``param`` and the allowed forms.
     """
     if not isinstance(text, str):
-        raise TypeError(f"{param} must be a number or a string {RATE_FORMS}, not {type(text).__name__}")
+        raise TypeError(
+            f"{param} must be a number or a string {RATE_FORMS}, not {type(text).__name__}"
+        )
     count, sep, window = text.partition("/")
     try:
         n = _spec_number(count, "the count", text)
     except ValueError:
-        raise ValueError(f"{param} must be a positive number or {RATE_FORMS}; got {text!r}") from None
+        raise ValueError(
+            f"{param} must be a positive number or {RATE_FORMS}; got {text!r}"
+        ) from None
     if not sep:
         return n, 1.0
     m = _WINDOW.match(window)
     if m is None or m.group(2) not in UNITS:
-        raise ValueError(f"{param} {text!r}: the window must be {RATE_FORMS}; got {window.strip()!r}")
+        raise ValueError(
+            f"{param} {text!r}: the window must be {RATE_FORMS}; got {window.strip()!r}"
+        )
     k = 1.0 if m.group(1) is None else float(m.group(1))
     if not math.isfinite(k) or k <= 0:
         raise ValueError(f"{param} {text!r}: the window's count must be > 0, got {m.group(1)!r}")
@@ -318,7 +339,9 @@ def _spec_number(text: str, what: str, spec: str) -> float:
         v = float(t) * mult
     except ValueError:
         forms = f", or {RATE_FORMS}" if what == "rate" else ""
-        raise ValueError(f"rate spec {spec!r}: {what} must be a number (K/M/G suffixes allowed){forms}; got {text!r}") from None
+        raise ValueError(
+            f"rate spec {spec!r}: {what} must be a number (K/M/G suffixes allowed){forms}; got {text!r}"
+        ) from None
     if not math.isfinite(v) or v <= 0:
         raise ValueError(f"rate spec {spec!r}: {what} must be finite and > 0, got {text!r}")
     return v
@@ -339,7 +362,9 @@ def parse_spec(spec: str) -> RateSpec:
     if parts and parts[-1].lower() in VERBS:
         verb = parts.pop().lower()
     if not 1 <= len(parts) <= 2 or not parts[0]:
-        raise ValueError(f"rate spec must look like 'rate[,ratio][,verb]' with verb one of {', '.join(VERBS)}; got {spec!r}")
+        raise ValueError(
+            f"rate spec must look like 'rate[,ratio][,verb]' with verb one of {', '.join(VERBS)}; got {spec!r}"
+        )
     per = None
     if "/" in parts[0]:
         rate, per = parse_rate(parts[0])
@@ -347,7 +372,9 @@ def parse_spec(spec: str) -> RateSpec:
         rate = _spec_number(parts[0], "rate", spec)
     ratio = _spec_number(parts[1], "ratio", spec) if len(parts) == 2 else None
     if ratio is not None and not 1.0 <= ratio <= MAX_RATIO:
-        raise ValueError(f"rate spec {spec!r}: ratio must be between 1.0 and {MAX_RATIO:g}, got {ratio:g}")
+        raise ValueError(
+            f"rate spec {spec!r}: ratio must be between 1.0 and {MAX_RATIO:g}, got {ratio:g}"
+        )
     return RateSpec(rate, ratio, verb, per)
 
 
@@ -357,8 +384,12 @@ def validate_n(n: object, cost: int) -> int:
         raise TypeError(f"n must be a positive int (ops), not {type(n).__name__}")
     if n < 1:
         raise ValueError(f"n must be a positive int (ops), got {n}")
-    if n * cost > MAX_SPAN_TOKENS:  # one request; the queue as a whole is bounded by MAX_QUEUE_TOKENS
-        raise ValueError(f"n must be at most {MAX_SPAN_TOKENS // cost} ops for this limiter, got {n}")
+    if (
+        n * cost > MAX_SPAN_TOKENS
+    ):  # one request; the queue as a whole is bounded by MAX_QUEUE_TOKENS
+        raise ValueError(
+            f"n must be at most {MAX_SPAN_TOKENS // cost} ops for this limiter, got {n}"
+        )
     return n
 
 
@@ -367,7 +398,9 @@ def validate_timeout(timeout: object, param: str = "timeout") -> Optional[float]
     if timeout is None:
         return None
     if isinstance(timeout, bool) or not isinstance(timeout, (int, float)):
-        raise TypeError(f"{param} must be None or a number of seconds >= 0, not {type(timeout).__name__}")
+        raise TypeError(
+            f"{param} must be None or a number of seconds >= 0, not {type(timeout).__name__}"
+        )
     t = float(timeout)
     if math.isnan(t) or t < 0:
         raise ValueError(f"{param} must be None or a number of seconds >= 0, got {timeout!r}")

@@ -1,4 +1,5 @@
 """Exceptions raised by shmlimit.  Every one names what was wrong and what is allowed."""
+
 from __future__ import annotations
 
 
@@ -24,7 +25,9 @@ class ConfigMismatchError(ShmlimitError, ValueError):
             if live
             else f"Attach with shmlimit.attach({name!r}) to use it as it is, or unlink it first."
         )
-        super().__init__(f"limiter {name!r} already exists with {existing}; this call asked for {requested}. {advice}")
+        super().__init__(
+            f"limiter {name!r} already exists with {existing}; this call asked for {requested}. {advice}"
+        )
         self.name = name
         self.existing = existing
         self.requested = requested
@@ -43,7 +46,9 @@ class UntrustedSegmentError(SegmentError, PermissionError):
     """
 
     def __init__(self, name: str, owner: int, mode: int, reason: str) -> None:
-        super().__init__(f"refusing limiter {name!r}: owned by uid {owner}, mode {mode:#o}: {reason}")
+        super().__init__(
+            f"refusing limiter {name!r}: owned by uid {owner}, mode {mode:#o}: {reason}"
+        )
         self.name = name
         self.owner = owner
         self.mode = mode
@@ -95,11 +100,15 @@ class KeyTableFullError(ShmlimitError):
 
     def __init__(self, name: str, slots: int, busy: bool = False) -> None:
         if busy:
-            msg = (f"keyed limiter {name!r}: no slot for this key now: another live process has been inserting "
-                   f"it for over 0.2 s (a stopped process, or a segment written by hand); nothing was counted")
+            msg = (
+                f"keyed limiter {name!r}: no slot for this key now: another live process has been inserting "
+                f"it for over 0.2 s (a stopped process, or a segment written by hand); nothing was counted"
+            )
         else:
-            msg = (f"keyed limiter {name!r}: no free slot for a new key (the table of {slots} slots is full of keys "
-                   f"that are still limited near this key's home slot); create it with more keys= or wait")
+            msg = (
+                f"keyed limiter {name!r}: no free slot for a new key (the table of {slots} slots is full of keys "
+                f"that are still limited near this key's home slot); create it with more keys= or wait"
+            )
         super().__init__(msg)
         self.name = name
         self.slots = slots

@@ -11,6 +11,7 @@ mid-initialisation is refused when attaching, and replaced when creating.
 The upstream's description (hierarchical mode, without secrets) is written
 by the creator too (``UpstreamSpec.write``), before ``READY``.
 """
+
 from __future__ import annotations
 
 import os
@@ -18,15 +19,22 @@ import time
 from dataclasses import dataclass
 from typing import Callable, Optional, Tuple
 
-from shmlimit.shm import layout as L
 from shmlimit.bucket.rovers import Bucket
-from shmlimit.shm.cells import Cells, open_cells, warm_backend
 from shmlimit.config import Config
 from shmlimit.errors import AbandonedSegmentError, LimiterNotFoundError, SegmentError
-from shmlimit.shm.segment import INIT_WAIT, LIVE_CREATOR_WAIT, Segment, current_inode, publish, start_header
+from shmlimit.redis.spec import UpstreamSpec
+from shmlimit.shm import layout as L
+from shmlimit.shm.cells import Cells, open_cells, warm_backend
+from shmlimit.shm.segment import (
+    INIT_WAIT,
+    LIVE_CREATOR_WAIT,
+    Segment,
+    current_inode,
+    publish,
+    start_header,
+)
 from shmlimit.shm.segment import unlink as unlink_name
 from shmlimit.shm.table import is_alive
-from shmlimit.redis.spec import UpstreamSpec
 
 #: A segment left claimed by a garbage collector this long (seconds) lost its collector.
 DOOMED_WAIT = 2.0
@@ -40,7 +48,9 @@ class Creation:
     mode: int = 0o600
     initial: Optional[float] = None  #: ops in the bucket at creation (None: full)
     slots: int = L.DEFAULT_SLOTS
-    upstream: Optional[UpstreamSpec] = None  #: hierarchical mode: the upstream, as stored (no secrets)
+    upstream: Optional[UpstreamSpec] = (
+        None  #: hierarchical mode: the upstream, as stored (no secrets)
+    )
 
 
 #: ready_creator's answer for a segment a collector has claimed (STATE_DOOMED).
@@ -63,12 +73,21 @@ def ready_creator(name: str, seg: Segment, waited: float) -> int:
             raise AbandonedSegmentError(name, seg.inode, 0)
         return -1
     if seg.size < L.HEADER_BYTES:
-        raise SegmentError(f"segment {name!r} is truncated: {seg.size} bytes, a limiter needs {L.HEADER_BYTES}")
+        raise SegmentError(
+            f"segment {name!r} is truncated: {seg.size} bytes, a limiter needs {L.HEADER_BYTES}"
+        )
     cells = open_cells(seg.mm, L.HEADER_BYTES)
     try:
         magic, state, version, size, slots, creator = (
             cells.load(off)
-            for off in (L.MAGIC_OFF, L.STATE_OFF, L.VERSION_OFF, L.SIZE_OFF, L.SLOTS_OFF, L.CREATOR_PID_OFF)
+            for off in (
+                L.MAGIC_OFF,
+                L.STATE_OFF,
+                L.VERSION_OFF,
+                L.SIZE_OFF,
+                L.SLOTS_OFF,
+                L.CREATOR_PID_OFF,
+            )
         )
     finally:
         cells.close()
@@ -80,7 +99,9 @@ def ready_creator(name: str, seg: Segment, waited: float) -> int:
                 f"segment {name!r} has layout version {version}; this shmlimit reads version {L.VERSION}"
             )
         if 1 <= slots <= L.MAX_SLOTS and size == L.segment_size(slots) and seg.size < size:
-            raise SegmentError(f"segment {name!r} is truncated: its header says {size} bytes, the file has {seg.size}")
+            raise SegmentError(
+                f"segment {name!r} is truncated: its header says {size} bytes, the file has {seg.size}"
+            )
         if not 1 <= slots <= L.MAX_SLOTS or size != L.segment_size(slots) or seg.size < size:
             raise SegmentError(
                 f"segment {name!r} is corrupt: header says {size} bytes and {slots} slots, "
@@ -92,14 +113,18 @@ def ready_creator(name: str, seg: Segment, waited: float) -> int:
     if magic == L.MAGIC and state != L.STATE_INIT:
         raise SegmentError(f"segment {name!r} is corrupt: unknown state {state}")
     age = (time.time_ns() - seg.ctime_ns) / 1e9
-    if creator > 0xFFFFFFFF or (creator and not is_alive(creator, 0)) or (
-        not creator and (age > INIT_WAIT or waited > INIT_WAIT)
+    if (
+        creator > 0xFFFFFFFF
+        or (creator and not is_alive(creator, 0))
+        or (not creator and (age > INIT_WAIT or waited > INIT_WAIT))
     ):
         raise AbandonedSegmentError(name, seg.inode, creator)
     return creator or -1
 
 
-def wait_ready(name: str, seg: Segment, mode: Optional[int] = None, trusted: frozenset = frozenset()) -> Segment:
+def wait_ready(
+    name: str, seg: Segment, mode: Optional[int] = None, trusted: frozenset = frozenset()
+) -> Segment:
     """Return a mapping of a fully initialised segment, re-opening while its creator works.
 
     A live creator is waited for (up to ``LIVE_CREATOR_WAIT``, by the
@@ -127,7 +152,9 @@ def wait_ready(name: str, seg: Segment, mode: Optional[int] = None, trusted: fro
                     c.close()
         elif waited > LIVE_CREATOR_WAIT:
             seg.close()
-            raise SegmentError(f"segment {name!r} is still being initialised by pid {creator} after {waited:.0f} s")
+            raise SegmentError(
+                f"segment {name!r} is still being initialised by pid {creator} after {waited:.0f} s"
+            )
         time.sleep(0.001)
         seg.close()
         seg = Segment.open(name, mode, trusted)
@@ -180,7 +207,9 @@ def open_segment(
                     pass
             continue
         return seg, open_cells(seg.mm, cells_size(seg))
-    raise SegmentError(f"could not create or open limiter {name!r}: it kept being unlinked and re-created")
+    raise SegmentError(
+        f"could not create or open limiter {name!r}: it kept being unlinked and re-created"
+    )
 
 
 def initialise(seg: Segment, create: Creation, now_ns: int) -> Cells:

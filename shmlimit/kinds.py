@@ -4,6 +4,7 @@ A segment's first word says its kind (``layout.MAGIC`` for a ``Limiter``,
 ``keyed_layout.MAGIC`` for a ``KeyedLimiter``); it is read with ``pread``,
 without mapping, and each kind's own module then opens and validates it.
 """
+
 from __future__ import annotations
 
 from typing import Iterable, Union
@@ -12,12 +13,14 @@ from shmlimit.keyed.limiter import KeyedLimiter, KeyedStats, inspect_keyed
 from shmlimit.keyed.segment import is_keyed
 from shmlimit.limiter import Limiter
 from shmlimit.limiter import attach as attach_limiter
+from shmlimit.shm.segment import validate_name
 from shmlimit.stats import Stats
 from shmlimit.stats import inspect as inspect_limiter
-from shmlimit.shm.segment import validate_name
 
 
-def attach(name: str, *, mode: int = 0o600, trusted_uids: Iterable[int] = ()) -> Union[Limiter, KeyedLimiter]:
+def attach(
+    name: str, *, mode: int = 0o600, trusted_uids: Iterable[int] = ()
+) -> Union[Limiter, KeyedLimiter]:
     """Attach to an existing limiter by name, whatever its kind and configuration.
 
     Returns a ``KeyedLimiter`` for a keyed segment, else a ``Limiter``.  Raises

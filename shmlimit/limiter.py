@@ -5,6 +5,7 @@ name (shared by all its handles), whose ``Bucket`` is the only code that
 touches the rovers.  Acquiring is a ``Request`` of the acquisition core, run
 by its sync driver (``acquire``) or its asyncio driver (``acquire_async``).
 """
+
 from __future__ import annotations
 
 import os
@@ -12,7 +13,6 @@ import random
 import time
 from typing import TYPE_CHECKING, Any, Callable, Dict, Iterable, Optional, Tuple, Union
 
-from shmlimit.shm import layout as L
 from shmlimit import live_changes
 from shmlimit.acquire import single as acquisition
 from shmlimit.acquire.single import MAX_NAP, Request, drive, drive_async, wait_for_ticket
@@ -21,11 +21,12 @@ from shmlimit.config import Config, parse_spec, validate_n, validate_reconfigure
 from shmlimit.errors import ConfigMismatchError
 from shmlimit.header import Creation
 from shmlimit.rate_group import RatesSwitch, group_options
-from shmlimit.registry import release_on_gc
-from shmlimit.shm.segment import unlink as _unlink_name
-from shmlimit.shm.segment import validate_mode, validate_name, validate_slots, validate_trusted_uids
 from shmlimit.redis.option import resolve_upstream
 from shmlimit.redis.spec import DEFAULT_BATCH_SECONDS, DEFAULT_LEASE_TTL, UpstreamSpec
+from shmlimit.registry import release_on_gc
+from shmlimit.shm import layout as L
+from shmlimit.shm.segment import unlink as _unlink_name
+from shmlimit.shm.segment import validate_mode, validate_name, validate_slots, validate_trusted_uids
 from shmlimit.stats import Stats, snapshot
 
 if TYPE_CHECKING:  # pragma: no cover
@@ -92,15 +93,35 @@ class Limiter(RatesSwitch):
     """
 
     @classmethod
-    def _several(cls, name: str, rates: Any, rate: Any, per: Any, burst: Any, args: Tuple[Any, ...],
-                 kwargs: Dict[str, Any]) -> Any:
+    def _several(
+        cls,
+        name: str,
+        rates: Any,
+        rate: Any,
+        per: Any,
+        burst: Any,
+        args: Tuple[Any, ...],
+        kwargs: Dict[str, Any],
+    ) -> Any:
         """``Limiter(name, rates=...)``: a limiter of several rates (multirate.py), one segment per rate."""
         from shmlimit.multirate import MultiLimiter
 
-        return MultiLimiter(name, rates, **group_options(
-            rate, per, burst, args, kwargs, ("mode", "slots", "trusted_uids", "clock"), one="one rate",
-            example="['5000/h', ('100/min', 20)]", error=ValueError, drop_none=True,
-        ))
+        return MultiLimiter(
+            name,
+            rates,
+            **group_options(
+                rate,
+                per,
+                burst,
+                args,
+                kwargs,
+                ("mode", "slots", "trusted_uids", "clock"),
+                one="one rate",
+                example="['5000/h', ('100/min', 20)]",
+                error=ValueError,
+                drop_none=True,
+            ),
+        )
 
     def __init__(
         self,
@@ -126,17 +147,31 @@ class Limiter(RatesSwitch):
         rates: None = None,
     ) -> None:
         validate_name(name)
-        validate_reconfigure(reconfigure, rate is not None or upstream is not None, "the configuration to apply")
+        validate_reconfigure(
+            reconfigure, rate is not None or upstream is not None, "the configuration to apply"
+        )
         trusted = validate_trusted_uids(trusted_uids)
         desc = None
         if upstream is not None:
-            rate, per, burst, desc = resolve_upstream(name, rate, per, burst, upstream, on_redis_error, lease_ttl, batch_seconds)
+            rate, per, burst, desc = resolve_upstream(
+                name, rate, per, burst, upstream, on_redis_error, lease_ttl, batch_seconds
+            )
             if capped or (ratio is not None and ratio != 1.0):
-                raise ValueError("capped and ratio are not supported with upstream= (hierarchical mode)")
-        cfg = None if rate is None else Config.make(rate, per, burst, capped, ratio, max_reserved, max_behind)
+                raise ValueError(
+                    "capped and ratio are not supported with upstream= (hierarchical mode)"
+                )
+        cfg = (
+            None
+            if rate is None
+            else Config.make(rate, per, burst, capped, ratio, max_reserved, max_behind)
+        )
         validate_mode(mode)
         if initial is not None:
-            if isinstance(initial, bool) or not isinstance(initial, (int, float)) or not 0 <= initial < float("inf"):
+            if (
+                isinstance(initial, bool)
+                or not isinstance(initial, (int, float))
+                or not 0 <= initial < float("inf")
+            ):
                 raise ValueError(f"initial must be a finite number of ops >= 0, got {initial!r}")
         validate_slots(slots)
         self._name = name
@@ -145,7 +180,9 @@ class Limiter(RatesSwitch):
         self._att: Optional[Attachment] = None
         self._fast: list = list(NO_FAST)
         create = None if cfg is None else Creation(cfg, mode, initial, slots, desc)
-        self._att = open_attachment(name, create, mode, trusted, clock or time.monotonic_ns, reconfigure)
+        self._att = open_attachment(
+            name, create, mode, trusted, clock or time.monotonic_ns, reconfigure
+        )
         self._fast = self._att.fast
 
     # -- identity and lifecycle ----------------------------------------------------
@@ -269,7 +306,9 @@ class Limiter(RatesSwitch):
                 ticket = grab(timeout)
                 if ticket is False or ticket is True:  # refused first: a flood is mostly refusals
                     return ticket
-            if ticket is not False and ticket is not None:  # a fast path exists only for a live attachment
+            if (
+                ticket is not False and ticket is not None
+            ):  # a fast path exists only for a live attachment
                 att = self._att
                 return wait_for_ticket(att if att is not None else self._live(), ticket, timeout)
         return drive(Request(self._live(), n, timeout))
@@ -351,7 +390,9 @@ class Limiter(RatesSwitch):
         b = att.bucket
         b.refresh()
         if not b.capped:
-            raise ValueError(f"release() needs a limiter created with capped=True; {self._name!r} is not capped")
+            raise ValueError(
+                f"release() needs a limiter created with capped=True; {self._name!r} is not capped"
+            )
         b.release(validate_n(n, b.cost))
 
     # -- live changes ------------------------------------------------------------------
@@ -466,7 +507,9 @@ def unlink(name: str) -> None:
     _unlink_name(name)
 
 
-def _attach_configured(name: str, spec: UpstreamSpec, mode: int = 0o600, trusted: Tuple[int, ...] = ()) -> Limiter:
+def _attach_configured(
+    name: str, spec: UpstreamSpec, mode: int = 0o600, trusted: Tuple[int, ...] = ()
+) -> Limiter:
     """Unpickling a hierarchical handle: attach, and feed with the upstream its sender configured."""
     lim = Limiter(name, mode=mode, trusted_uids=trusted)
     att = lim._peek()

@@ -9,6 +9,7 @@ serves the ``Limiter`` facade and each rate of a ``MultiLimiter``: what
 ``set_rate``'s arguments ask for (``requested``), the stop/start/restart
 verbs, and ``apply`` of a rate spec.
 """
+
 from __future__ import annotations
 
 from typing import TYPE_CHECKING, Optional, Union
@@ -20,7 +21,11 @@ if TYPE_CHECKING:  # pragma: no cover
 
 
 def requested(
-    cur: Config, rate: Union[float, str], per: Optional[float], burst: Optional[float], ratio: Optional[float],
+    cur: Config,
+    rate: Union[float, str],
+    per: Optional[float],
+    burst: Optional[float],
+    ratio: Optional[float],
     specs: bool = True,
 ) -> Config:
     """The config ``set_rate(rate, per, burst, ratio=...)`` asks for, validated (``cur``: the one in force).
@@ -33,7 +38,9 @@ def requested(
     if isinstance(rate, str):
         spec = parse_spec(rate)
         if not specs and (spec.verb is not None or spec.ratio is not None):
-            raise ValueError(f"rate must be a number or a rate string such as '200K/min', got {rate!r}")
+            raise ValueError(
+                f"rate must be a number or a rate string such as '200K/min', got {rate!r}"
+            )
         if spec.verb not in (None, "configure"):
             raise ValueError(f"rate spec verb {spec.verb!r} is not allowed in set_rate (use apply)")
         if spec.ratio is not None and ratio is not None and float(ratio) != spec.ratio:
@@ -49,7 +56,11 @@ def requested(
 
 
 def set_rate(
-    att: "Attachment", rate: Union[float, str], per: Optional[float], burst: Optional[float], ratio: Optional[float],
+    att: "Attachment",
+    rate: Union[float, str],
+    per: Optional[float],
+    burst: Optional[float],
+    ratio: Optional[float],
     specs: bool = True,
 ) -> None:
     """Publish the config ``requested`` asks for; re-applying the config in force changes nothing."""

@@ -31,6 +31,7 @@ The protocol itself (``take_all``, ``give_back``, ``MultiRequest``) is in
 rates shares with this one (``rates=``, costs per rate, a rate named by key) is ``rate_group``'s.  Every word is touched through each
 rate's ``Bucket`` and cells.
 """
+
 from __future__ import annotations
 
 import math
@@ -42,14 +43,24 @@ from typing import Any, Callable, Dict, Iterable, List, Optional, Sequence, Tupl
 
 from shmlimit import live_changes
 from shmlimit.acquire import single as acquisition
-from shmlimit.shm import layout as L
+from shmlimit.acquire.multi import (
+    NO_RECORD,
+    REFUSED,
+    Claim,
+    MultiRequest,
+    claim,
+    give_back_claims,
+    record_nap,
+    take_all,
+    wait_ns,
+)
 from shmlimit.acquire.single import drive, drive_async
 from shmlimit.attachment import Attachment, gate_all, open_attachment, release
+from shmlimit.bucket.fences import FenceHold
 from shmlimit.config import NS_PER_S, Config, validate_n, validate_timeout
 from shmlimit.header import Creation
-from shmlimit.bucket.fences import FenceHold
-from shmlimit.acquire.multi import NO_RECORD, REFUSED, Claim, MultiRequest, claim, give_back_claims, record_nap, take_all, wait_ns
 from shmlimit.rate_group import RateGroup, parse_rates, rates_from_text
+from shmlimit.shm import layout as L
 from shmlimit.shm.segment import validate_mode, validate_name, validate_slots, validate_trusted_uids
 from shmlimit.stats import Stats, snapshot
 
@@ -109,14 +120,23 @@ class MultiLimiter(RateGroup):
         self._mode = mode
         self._trusted = trusted
         self._atts: List[Attachment] = []
-        self._fast: Optional[Callable[[], Optional[bool]]] = None  # one op on every rate (see _bind_fast)
-        self._fast_ops: Optional[Callable[[object], Optional[bool]]] = None  # ops per rate, or n on all
+        self._fast: Optional[Callable[[], Optional[bool]]] = (
+            None  # one op on every rate (see _bind_fast)
+        )
+        self._fast_ops: Optional[Callable[[object], Optional[bool]]] = (
+            None  # ops per rate, or n on all
+        )
         self._seqs: Tuple[int, ...] = ()
         _handles.add(self)
         try:
             for key, cfg in zip(keys, cfgs):
-                att = open_attachment(f"{name}.{key}", Creation(cfg, mode, None, slots, None), mode, trusted,
-                                      clock or time.monotonic_ns)
+                att = open_attachment(
+                    f"{name}.{key}",
+                    Creation(cfg, mode, None, slots, None),
+                    mode,
+                    trusted,
+                    clock or time.monotonic_ns,
+                )
                 self._atts.append(att)
         except BaseException:
             self.close()
@@ -222,7 +242,9 @@ class MultiLimiter(RateGroup):
         atts = self._live()
         gates = gate_all(atts, self._keys if self._named else None)
         self._seqs = tuple(att.bucket.seq for att in atts)
-        self._fast, self._fast_ops = (None, None) if gates is None else (gates.try_grab, gates.try_grab_ops)
+        self._fast, self._fast_ops = (
+            (None, None) if gates is None else (gates.try_grab, gates.try_grab_ops)
+        )
 
     def _try_fast(self, n: object, costs: Dict[str, object]) -> Optional[bool]:
         """``n`` ops on every rate, or the costs by name, now, by the bound gates: True (granted),
@@ -251,7 +273,9 @@ class MultiLimiter(RateGroup):
         """Take the ops from every rate only if all have them now; never waits.  False takes nothing."""
         fast = self._fast
         if fast is not None:
-            got = fast() if n is _ONE and not costs else self._try_fast(n, costs)  # `is`: the int 1 (True is not)
+            got = (
+                fast() if n is _ONE and not costs else self._try_fast(n, costs)
+            )  # `is`: the int 1 (True is not)
             if got is not None:
                 return got
         self._refresh_fast()
@@ -273,9 +297,13 @@ class MultiLimiter(RateGroup):
                 return True
         return drive(self._request(n, timeout, costs))
 
-    async def acquire_async(self, n: int = 1, timeout: Optional[float] = None, **costs: int) -> bool:
+    async def acquire_async(
+        self, n: int = 1, timeout: Optional[float] = None, **costs: int
+    ) -> bool:
         """``acquire`` for asyncio: parks with ``asyncio.sleep``, never blocking the event loop."""
-        return self._granted_now(n, timeout, costs) or await drive_async(self._request(n, timeout, costs))
+        return self._granted_now(n, timeout, costs) or await drive_async(
+            self._request(n, timeout, costs)
+        )
 
     def _granted_now(self, n: object, timeout: object, costs: Dict[str, object]) -> bool:
         """The fast path (``acquire`` inlines it): granted now by the bound gates, which is within
@@ -291,7 +319,9 @@ class MultiLimiter(RateGroup):
         ops = self._ops(n, costs)
         return MultiRequest(self._live(), ops, self._tokens(ops), timeout)
 
-    def reserve(self, n: int = 1, max_wait: Optional[float] = None, **costs: int) -> Optional[float]:
+    def reserve(
+        self, n: int = 1, max_wait: Optional[float] = None, **costs: int
+    ) -> Optional[float]:
         """Claim the next slot on every rate; the seconds until all are due (0.0: now).
 
         None, taking nothing, when any rate's wait would exceed ``max_wait``
@@ -312,7 +342,10 @@ class MultiLimiter(RateGroup):
         limit = validate_timeout(max_wait, "max_wait")
         max_ns = _INF if limit is None else limit * NS_PER_S
         order = sorted((i for i, o in enumerate(ops) if o), key=lambda i: wait_ns(atts[i], toks[i]))
-        if any(atts[i].bucket.stopped or wait_ns(atts[i], toks[i]) > max_ns for i in order) and limit is not None:
+        if (
+            any(atts[i].bucket.stopped or wait_ns(atts[i], toks[i]) > max_ns for i in order)
+            and limit is not None
+        ):
             return None
         while True:
             got = self._reserve_once(atts, toks, order, max_ns)
@@ -325,7 +358,9 @@ class MultiLimiter(RateGroup):
                 att.count(o)
         return got
 
-    def _reserve_once(self, atts: List[Attachment], toks: List[int], order: List[int], max_ns: float) -> Any:
+    def _reserve_once(
+        self, atts: List[Attachment], toks: List[int], order: List[int], max_ns: float
+    ) -> Any:
         """One try of ``reserve``: the seconds until due, None refused, False to try again.  Each claim's
         fence (``fences``) is stored before its CAS with a provisional DUE well past any promise it may
         get (twice the longest wait estimated, and a second), set to the promise once every rate is
@@ -345,7 +380,9 @@ class MultiLimiter(RateGroup):
                 i = rest[0]
                 hold = FenceHold(want=int(atts[i].clock() + ahead))
                 c = claim(atts[i], toks[i], max_ns, last=len(rest) == 1, fence=hold)
-                if c[2] is NO_RECORD:  # five waiters of this process queue on that rate: claim it later
+                if (
+                    c[2] is NO_RECORD
+                ):  # five waiters of this process queue on that rate: claim it later
                     rest = rest[1:] + [i]
                     missed += 1
                     if missed >= len(rest):
@@ -362,27 +399,43 @@ class MultiLimiter(RateGroup):
                 att, ticket = c[0], c[2]
                 att.bucket.replenish()
                 if ticket is not None:
-                    due = max(due, att.bucket.promised_ns(ticket) - att.clock())  # never earlier than the head
+                    due = max(
+                        due, att.bucket.promised_ns(ticket) - att.clock()
+                    )  # never earlier than the head
             # every fence to the promise, unless one's provisional DUE has passed (it may have been
             # read past it: raised now, the head might have gained on it early)
             # (a settle that finds its record claimed again -- preempted past its provisional DUE
             # after the check -- makes the reservation again, as a passed DUE does)
             if all(h.rec is None or c[0].clock() < h.due for c, h in zip(claims, holds)):
-                made = all([h.settle(att.bucket.fences, math.ceil(att.clock() + max(0.0, due)))
-                            for (att, *_), h in zip(claims, holds)])
+                made = all(
+                    [
+                        h.settle(att.bucket.fences, math.ceil(att.clock() + max(0.0, due)))
+                        for (att, *_), h in zip(claims, holds)
+                    ]
+                )
         finally:
             if not made:  # refused part-way, or an exception (QueueFullError, an interrupt): give every claim back
-                for (att, *_), h in zip(claims, holds):  # (its fences first: they would hold its own give-back)
+                for (att, *_), h in zip(
+                    claims, holds
+                ):  # (its fences first: they would hold its own give-back)
                     h.release(att.bucket.fences)
                 give_back_claims(claims)
         if not made:
             return False
-        for att, tokens, _, _, rec in claims:  # made: the claims are a grant, no longer waiters' tickets
+        for (
+            att,
+            tokens,
+            _,
+            _,
+            rec,
+        ) in claims:  # made: the claims are a grant, no longer waiters' tickets
             att.clear_ticket(rec, tokens)
         return max(0.0, due) / NS_PER_S
 
     @staticmethod
-    def _wait_for_record(att: Attachment, tokens: int, since: Optional[int], max_ns: float) -> Optional[int]:
+    def _wait_for_record(
+        att: Attachment, tokens: int, since: Optional[int], max_ns: float
+    ) -> Optional[int]:
         """Every rate still to claim found its records all in use, or has none (beyond its table):
         nap until one may be free (one is freed as each waiter of this process is granted), or
         without records until ``tokens`` could be there, the claims already taken held, recorded.
@@ -391,7 +444,11 @@ class MultiLimiter(RateGroup):
         since = now if since is None else since
         if now - since > max_ns:
             return None
-        time.sleep(record_nap(att.bucket, tokens if not att.records else 0, bool(att.records), acquisition.MAX_NAP))
+        time.sleep(
+            record_nap(
+                att.bucket, tokens if not att.records else 0, bool(att.records), acquisition.MAX_NAP
+            )
+        )
         return since
 
     def retry_after(self, n: int = 1, **costs: int) -> float:
@@ -417,7 +474,9 @@ class MultiLimiter(RateGroup):
             per = [n for _ in self._keys]
         for k, d in zip(self._keys, per):
             if isinstance(d, bool) or not isinstance(d, int):
-                raise TypeError(f"{k if deltas else 'n'} must be an int (ops; negative refunds), not {type(d).__name__}")
+                raise TypeError(
+                    f"{k if deltas else 'n'} must be an int (ops; negative refunds), not {type(d).__name__}"
+                )
         checked = []
         for k, att, d in zip(self._keys, atts, per):
             b = att.bucket
@@ -439,7 +498,11 @@ class MultiLimiter(RateGroup):
     # -- live changes ------------------------------------------------------------------
 
     def set_rate(
-        self, which: Union[str, int], rate: Union[float, str], per: Optional[float] = None, burst: Optional[float] = None
+        self,
+        which: Union[str, int],
+        rate: Union[float, str],
+        per: Optional[float] = None,
+        burst: Optional[float] = None,
     ) -> None:
         """Change one rate (by name or index) for every attached process, at once (see ``Limiter.set_rate``)."""
         live_changes.set_rate(self._live()[self._index(which)], rate, per, burst, None, specs=False)
@@ -449,7 +512,9 @@ class MultiLimiter(RateGroup):
     def stats(self) -> MultiStats:
         """A snapshot of every rate's live state (reads only)."""
         atts = self._peek()
-        return MultiStats(self._name, {k: snapshot(f"{self._name}.{k}", att) for k, att in zip(self._keys, atts)})
+        return MultiStats(
+            self._name, {k: snapshot(f"{self._name}.{k}", att) for k, att in zip(self._keys, atts)}
+        )
 
     def __repr__(self) -> str:
         if not self._atts:

@@ -7,6 +7,7 @@ for a list), each rate's segment is ``<name>.<key>``; a call costs ``n`` ops on 
 its keyword costs by name; a live change names one rate by key or index.  How the rates are
 taken together is each kind's own.
 """
+
 from __future__ import annotations
 
 import re
@@ -39,9 +40,11 @@ def rates_from_text(text: str) -> Union[List[RateValue], Dict[str, RateValue]]:
         key, sep, rate = words[0].rpartition("=")
         value: RateValue = rate
         if len(words) == 2:
-            burst, per = parse_rate(words[1][len("burst="):], "burst")
+            burst, per = parse_rate(words[1][len("burst=") :], "burst")
             if per != 1.0:
-                raise ValueError(f"rates: a burst is a number of ops (e.g. burst=20K), got {words[1]!r}")
+                raise ValueError(
+                    f"rates: a burst is a number of ops (e.g. burst=20K), got {words[1]!r}"
+                )
             value = (rate, burst)
         if sep:
             if key in named:
@@ -70,7 +73,9 @@ def parse_rates(name: str, rates: object) -> Tuple[Tuple[str, ...], Tuple[Config
         items = [(str(i), v) for i, v in enumerate(rates)]
         named = False
     else:
-        raise TypeError(f"rates must be a list of rates or a dict of name -> rate, not {type(rates).__name__}")
+        raise TypeError(
+            f"rates must be a list of rates or a dict of name -> rate, not {type(rates).__name__}"
+        )
     if not 1 <= len(items) <= MAX_RATES:
         raise ValueError(f"rates must hold 1 to {MAX_RATES} rates, got {len(items)}")
     keys: List[str] = []
@@ -82,7 +87,9 @@ def parse_rates(name: str, rates: object) -> Tuple[Tuple[str, ...], Tuple[Config
                 f"and not one of {', '.join(_RESERVED)}; got {key!r}"
             )
         if len(name) + 1 + len(key) > NAME_MAX:
-            raise ValueError(f"rates: name {name!r} plus '.{key}' must be at most {NAME_MAX} characters")
+            raise ValueError(
+                f"rates: name {name!r} plus '.{key}' must be at most {NAME_MAX} characters"
+            )
         rate, burst = value if isinstance(value, tuple) else (value, None)
         try:
             cfgs.append(Config.make(rate, 1.0, burst))
@@ -93,8 +100,17 @@ def parse_rates(name: str, rates: object) -> Tuple[Tuple[str, ...], Tuple[Config
 
 
 def group_options(
-    rate: Any, per: Any, burst: Any, args: Tuple[Any, ...], kwargs: Dict[str, Any], allowed: Iterable[str], *,
-    one: str, example: str, error: Type[Exception] = TypeError, drop_none: bool = False,
+    rate: Any,
+    per: Any,
+    burst: Any,
+    args: Tuple[Any, ...],
+    kwargs: Dict[str, Any],
+    allowed: Iterable[str],
+    *,
+    one: str,
+    example: str,
+    error: Type[Exception] = TypeError,
+    drop_none: bool = False,
 ) -> Dict[str, Any]:
     """The options of a constructor called with ``rates=``: no single rate (``rate``, ``per``,
     ``burst`` or more positional arguments: TypeError, naming ``one`` rate's kind and an
@@ -109,7 +125,9 @@ def group_options(
     given = {k: v for k, v in kwargs.items() if not (drop_none and v is None and k not in allowed)}
     extra = sorted(k for k in given if k not in allowed)
     if extra:
-        raise error(f"{', '.join(extra)} not supported with rates= (allowed: {', '.join(sorted(allowed))})")
+        raise error(
+            f"{', '.join(extra)} not supported with rates= (allowed: {', '.join(sorted(allowed))})"
+        )
     return given
 
 
@@ -141,7 +159,9 @@ class RateGroup:
             except FileNotFoundError:
                 pass
 
-    def _by_name(self, values: Dict[str, object], n: object, n_default: int, what: str) -> List[object]:
+    def _by_name(
+        self, values: Dict[str, object], n: object, n_default: int, what: str
+    ) -> List[object]:
         """``values`` given per rate by name, in the rates' order (0 for a rate not named); refused
         on a list of rates, with ``n`` given too (not ``n_default``), or with a name not a rate's."""
         if not self._named:
@@ -149,10 +169,14 @@ class RateGroup:
                 f"{self._what} {self._name!r} has a list of rates: give n (ops on every rate), not {sorted(values)}"
             )
         if n != n_default:
-            raise TypeError(f"give either n (ops on every rate) or a {what} per rate by name, not both")
+            raise TypeError(
+                f"give either n (ops on every rate) or a {what} per rate by name, not both"
+            )
         unknown = sorted(set(values) - set(self._keys))
         if unknown:
-            raise TypeError(f"unknown rate(s) {unknown}: the rates of {self._name!r} are {', '.join(self._keys)}")
+            raise TypeError(
+                f"unknown rate(s) {unknown}: the rates of {self._name!r} are {', '.join(self._keys)}"
+            )
         return [values.get(k, 0) for k in self._keys]
 
     def _ops(self, n: object, costs: Dict[str, object]) -> Tuple[int, ...]:
@@ -176,7 +200,9 @@ class RateGroup:
             raise TypeError(f"which must be a rate's name or index, not {type(which).__name__}")
         if isinstance(which, int):
             if not -len(self._keys) <= which < len(self._keys):
-                raise ValueError(f"which must be an index from 0 to {len(self._keys) - 1}, got {which}")
+                raise ValueError(
+                    f"which must be an index from 0 to {len(self._keys) - 1}, got {which}"
+                )
             return which % len(self._keys)
         if which not in self._keys:
             raise ValueError(f"which must be one of {', '.join(self._keys)}, got {which!r}")
@@ -189,7 +215,13 @@ class RatesSwitch:
     paths carry no test for it)."""
 
     def __new__(
-        cls, name: str = "", rate: Any = None, per: Any = 1.0, burst: Any = None, *args: Any, rates: Any = None,
+        cls,
+        name: str = "",
+        rate: Any = None,
+        per: Any = 1.0,
+        burst: Any = None,
+        *args: Any,
+        rates: Any = None,
         **kwargs: Any,
     ) -> Any:
         if rates is None:

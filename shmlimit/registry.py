@@ -7,6 +7,7 @@ forked child for every attachment inherited (``after_fork``), and detaches
 every attachment at exit, so a held filler lease is dropped and a successor
 fills at once.
 """
+
 from __future__ import annotations
 
 import atexit
@@ -15,6 +16,7 @@ import threading
 from typing import Any, Callable, Dict, Generic, Protocol, TypeVar
 
 from shmlimit.shm.segment import Segment, current_inode
+
 
 class Attached(Protocol):
     """What a registry needs of an attachment."""

@@ -4,21 +4,22 @@ Reading only: a snapshot loads words and writes none.  ``inspect`` maps a
 segment without registering, never joins the filler election and writes
 nothing to the segment.
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass
 from typing import Optional, Tuple
 
-from shmlimit.shm import layout as L
 from shmlimit.attachment import Attachment
-from shmlimit.shm.cells import open_cells
-from shmlimit.config import NS_PER_S
 from shmlimit.bucket.filler import LEASE_TIMEOUT, lease_expiry_us, lease_slot, now_us
+from shmlimit.config import NS_PER_S
 from shmlimit.errors import SegmentError
 from shmlimit.header import DOOMED, cells_size, ready_creator
+from shmlimit.redis.spec import STATE_NAMES
+from shmlimit.shm import layout as L
+from shmlimit.shm.cells import open_cells
 from shmlimit.shm.segment import Segment, validate_name
 from shmlimit.shm.table import slot_alive
-from shmlimit.redis.spec import STATE_NAMES
 
 
 @dataclass(frozen=True)
@@ -104,7 +105,15 @@ def snapshot(name: str, att: Attachment) -> Stats:
     procs = []
     total = c.load(L.UNREG_GRANTS) + att.table.total_grants()
     for e in att.table.entries():
-        procs.append(ProcessStats(e.pid, slot_alive(e.pid, e.start, e.pidns), e.grants, e.waiting, e.index == slot and filler_pid is not None))
+        procs.append(
+            ProcessStats(
+                e.pid,
+                slot_alive(e.pid, e.start, e.pidns),
+                e.grants,
+                e.waiting,
+                e.index == slot and filler_pid is not None,
+            )
+        )
     short = max(0, -balance)
     return Stats(
         name=name,

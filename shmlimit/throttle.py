@@ -10,6 +10,7 @@ The limiter is created (or attached) on the first call, not at import, so
 decorating a function at module level has no side effect until it runs, and
 ``fork``/``spawn`` children attach on their own first call.
 """
+
 from __future__ import annotations
 
 import functools
@@ -27,15 +28,21 @@ F = TypeVar("F", bound=Callable[..., Any])
 ON_LIMIT = ("wait", "skip", "raise")
 
 
-def _check_options(make: type, rate: Any, per: float, burst: Optional[float], options: dict) -> None:
+def _check_options(
+    make: type, rate: Any, per: float, burst: Optional[float], options: dict
+) -> None:
     """Refuse now what the first call's ``make(name, rate, per, burst, **options)`` would: an
     unknown option, or a bad rate, per or burst (the limiter itself is made only on that call)."""
     known = inspect.signature(make.__init__).parameters
-    unknown = sorted(k for k in options if k not in known or k in ("self", "name", "rate", "per", "burst"))
+    unknown = sorted(
+        k for k in options if k not in known or k in ("self", "name", "rate", "per", "burst")
+    )
     if unknown:
         raise TypeError(f"{', '.join(unknown)}: not an option of {make.__name__}")
     if make is Limiter and rate is not None and options.get("upstream") is None:
-        Config.make(rate, per, burst)  # raises naming the parameter; capped, ratio and the rest add their own checks
+        Config.make(
+            rate, per, burst
+        )  # raises naming the parameter; capped, ratio and the rest add their own checks
 
 
 def throttle(
@@ -75,22 +82,32 @@ def throttle(
     max_wait = validate_timeout(max_wait, "max_wait")
     validate_n(n, 1)
     if key is not None and not callable(key):
-        raise TypeError(f"key must be a callable taking the function's arguments, not {type(key).__name__}")
+        raise TypeError(
+            f"key must be a callable taking the function's arguments, not {type(key).__name__}"
+        )
     keyed = key is not None
     if isinstance(limiter, str):
         validate_name(limiter)
         name = limiter
         _check_options(KeyedLimiter if keyed else Limiter, rate, per, burst, limiter_options)
     elif rate is not None or per != 1.0 or burst is not None or limiter_options:
-        given = [p for p, v in (("rate", rate), ("per", per != 1.0 or None), ("burst", burst)) if v is not None]
-        raise TypeError(f"{', '.join(given + sorted(limiter_options))}: these configure a limiter made by name; "
-                        f"the {type(limiter).__name__} given is configured already (see its set_rate)")
+        given = [
+            p
+            for p, v in (("rate", rate), ("per", per != 1.0 or None), ("burst", burst))
+            if v is not None
+        ]
+        raise TypeError(
+            f"{', '.join(given + sorted(limiter_options))}: these configure a limiter made by name; "
+            f"the {type(limiter).__name__} given is configured already (see its set_rate)"
+        )
     elif keyed != isinstance(limiter, KeyedLimiter):
         raise TypeError("a KeyedLimiter needs key=, and key= needs a KeyedLimiter (or a name)")
     elif all(hasattr(limiter, a) for a in ("acquire", "acquire_async", "name")):
         name = limiter.name
     else:
-        raise TypeError(f"limiter must be a name or a Limiter/RedisLimiter, not {type(limiter).__name__}")
+        raise TypeError(
+            f"limiter must be a name or a Limiter/RedisLimiter, not {type(limiter).__name__}"
+        )
     timeout = max_wait if (on_limit == "wait" or max_wait is not None) else 0.0
     lock = threading.Lock()
     holder: list = [None if isinstance(limiter, str) else limiter]

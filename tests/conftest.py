@@ -84,7 +84,11 @@ def _marked_processes():
     found = {}
     for p in psutil.process_iter(["uids", "status"]):
         try:
-            if p.pid == me or p.info["status"] == psutil.STATUS_ZOMBIE or p.info["uids"].real != uid:
+            if (
+                p.pid == me
+                or p.info["status"] == psutil.STATUS_ZOMBIE
+                or p.info["uids"].real != uid
+            ):
                 continue
             if p.environ().get(_RUN_MARK) == mark:
                 found[p.pid] = " ".join(p.cmdline())
@@ -101,7 +105,9 @@ def _filler_threads():
 def pytest_runtest_makereport(item, call):
     report = yield
     if report.when == "call":
-        item.call_failed = report.failed  # a failed test's leftovers are cleaned, not reported twice
+        item.call_failed = (
+            report.failed
+        )  # a failed test's leftovers are cleaned, not reported twice
     return report
 
 
@@ -123,4 +129,6 @@ def _leaves_no_process_behind(request):
         return
     assert not left, f"the test left processes running: {left}"
     fillers = _filler_threads() - threads
-    assert not fillers, f"the test left limiters open (their filler threads run): {sorted(t.name for t in fillers)}"
+    assert not fillers, (
+        f"the test left limiters open (their filler threads run): {sorted(t.name for t in fillers)}"
+    )

@@ -8,18 +8,19 @@ change) is checked exactly.  (The clock jumping far in one step with nobody
 replenishing would lose that interval: the documented price of the
 replenish clamp after a drained bucket.)
 """
+
 import asyncio
 import os
 import threading
 
 import pytest
-
-import shmlimit
-from shmlimit.acquire.single import CAPPED_NAP, MAX_NAP, Request
-from shmlimit.bucket.rovers import Bucket, diff
-from shmlimit.bucket.schedule import LONGEST_FILL_NS, stop_ns
 from support.clock import FakeClock
 from support.windows import excess_over_rate
+
+import shmlimit
+from shmlimit.acquire.single import CAPPED_NAP, Request
+from shmlimit.bucket.rovers import Bucket, diff
+from shmlimit.bucket.schedule import LONGEST_FILL_NS, stop_ns
 
 MS = 1_000_000  # ns
 
@@ -95,7 +96,9 @@ def test_a_timed_request_that_cannot_fit_takes_nothing(name, clock):
         tail = att.bucket.balance()
         assert drive(lim, Request(att, 5, 0.0035), clock) == (False, 0)  # 4 ms short > 3.5 ms
         assert att.bucket.balance() == tail and me(lim).grants == 0
-        ok, parked = drive(lim, Request(att, 5, 0.004), clock)  # exactly fits: a ticket, then the wait
+        ok, parked = drive(
+            lim, Request(att, 5, 0.004), clock
+        )  # exactly fits: a ticket, then the wait
         assert ok and on_time(parked, 4 * MS) and me(lim).grants == 5
     finally:
         lim.close()
@@ -112,7 +115,9 @@ def test_max_reserved_waits_to_join_taking_nothing(name, clock):
         assert nap == pytest.approx(0.001) and req.ticket is None  # backpressure: no ticket yet
         assert me(lim).waiting is False  # not queued while it waits to join
         ok, parked = drive(lim, req, clock)
-        assert ok and on_time(parked, 3 * MS)  # joins after 1 ms (the queue is 2 ms deep again), served at 3 ms
+        assert ok and on_time(
+            parked, 3 * MS
+        )  # joins after 1 ms (the queue is 2 ms deep again), served at 3 ms
     finally:
         lim.close()
 
@@ -184,7 +189,9 @@ class PreemptedReplenisher:
 
         self.bucket = Bucket(lim._att.cells, parked_clock)
         self.claim = None
-        self.thread = threading.Thread(target=lambda: setattr(self, "claim", self.bucket.claim()), daemon=True)
+        self.thread = threading.Thread(
+            target=lambda: setattr(self, "claim", self.bucket.claim()), daemon=True
+        )
         self.thread.start()
         assert self.read.wait(10)
 
@@ -338,8 +345,12 @@ def test_an_async_ticket_wait_sleeps_to_its_instant_without_a_floor(name, monkey
     lim.close()
 
 
-@pytest.mark.parametrize("rate, burst, ahead", [(5000, 5, 1), (5000, 5, 50), (1000, 10, 3), (100_000, 1, 400)])
-def test_a_reservation_right_after_a_skip_is_never_promised_before_the_head_gets_there(name, clock, rate, burst, ahead):
+@pytest.mark.parametrize(
+    "rate, burst, ahead", [(5000, 5, 1), (5000, 5, 50), (1000, 10, 3), (100_000, 1, 400)]
+)
+def test_a_reservation_right_after_a_skip_is_never_promised_before_the_head_gets_there(
+    name, clock, rate, burst, ahead
+):
     """A waiter leaves with the head at its start: the head skips its range at once, and the skip's
     own replenish claims nothing (the clock stood still), so the replenish words still name a head
     before the range and the next replenish adds nothing, whenever it comes.  A reservation made
@@ -363,7 +374,9 @@ def test_a_reservation_right_after_a_skip_is_never_promised_before_the_head_gets
             tick += MS
             clock.now = tick
             b.replenish()
-        clock.now = int(promise) + 1  # ... and a replenish at it (1 ns for the float moment's rounding)
+        clock.now = (
+            int(promise) + 1
+        )  # ... and a replenish at it (1 ns for the float moment's rounding)
         b.replenish()
         assert diff(b.head(), ticket) >= 0, f"promised {promise - t0:.0f} ns after the skip: early"
         # later than from now by the filler's longest pause and a stop at most: lost time, nothing more

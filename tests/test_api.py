@@ -1,4 +1,5 @@
 """The public surface in one process: creation, attach, errors, stats, pickling, lifecycle."""
+
 import math
 import os
 import pickle
@@ -6,11 +7,11 @@ import struct
 import threading
 
 import pytest
+from support.segments import shm_bytes
 
 import shmlimit
-from shmlimit.shm import layout as L
 from shmlimit.keyed.window_table import WindowTable
-from support.segments import shm_bytes
+from shmlimit.shm import layout as L
 
 
 def test_create_attach_and_unlink(name):
@@ -142,7 +143,9 @@ def test_bad_config_is_refused_and_creates_nothing(name, kwargs, param):
     assert name not in shmlimit.list_names()
 
 
-@pytest.mark.parametrize("bad", ["", "a/b", "../x", ".hidden", "-x", "x" * 65, "naïve", "sp ace", None, 3])
+@pytest.mark.parametrize(
+    "bad", ["", "a/b", "../x", ".hidden", "-x", "x" * 65, "naïve", "sp ace", None, 3]
+)
 def test_bad_names_are_refused(bad):
     with pytest.raises((ValueError, TypeError), match="name"):
         shmlimit.Limiter(bad, rate=1)
@@ -154,7 +157,7 @@ GUARDED = [(L.CFG_SEQ, L.CFG_FLAGS + 8), (L.TAIL, L.TAIL + 8), (L.UNREG_GRANTS, 
 
 def guarded(name):
     raw = shm_bytes(name)
-    return [raw[a:b] for a, b in GUARDED] + [raw[L.HEADER_BYTES:]]
+    return [raw[a:b] for a, b in GUARDED] + [raw[L.HEADER_BYTES :]]
 
 
 @pytest.mark.parametrize(
@@ -330,8 +333,13 @@ KINDS = {
 @pytest.mark.parametrize("kind", sorted(KINDS))
 @pytest.mark.parametrize(
     "kwargs,param",
-    [(dict(mode=0o1000), "mode"), (dict(mode=True), "mode"), (dict(trusted_uids="0"), "trusted_uids"),
-     (dict(trusted_uids=[-1]), "trusted_uids"), (dict(trusted_uids=[2**32]), "trusted_uids")],
+    [
+        (dict(mode=0o1000), "mode"),
+        (dict(mode=True), "mode"),
+        (dict(trusted_uids="0"), "trusted_uids"),
+        (dict(trusted_uids=[-1]), "trusted_uids"),
+        (dict(trusted_uids=[2**32]), "trusted_uids"),
+    ],
 )
 def test_every_kind_refuses_bad_segment_options_and_creates_nothing(name, kind, kwargs, param):
     with pytest.raises((ValueError, TypeError), match=param):

@@ -1,18 +1,18 @@
 """Rover arithmetic with an injected clock: exact, capped, FIFO, and never over-granting."""
+
 import os
 import random
 
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
-
-from shmlimit.shm import layout as L
-from shmlimit.bucket.rovers import NO_RECORD, REFUSED, diff
-from shmlimit.shm.cells import MASK64
-from shmlimit.shm.cells import native_available
-from shmlimit.config import NS_PER_S, Config
 from support.buckets import make_bucket
 from support.windows import check_windows
+
+from shmlimit.bucket.rovers import NO_RECORD, REFUSED, diff
+from shmlimit.config import NS_PER_S, Config
+from shmlimit.shm import layout as L
+from shmlimit.shm.cells import MASK64, native_available
 
 BACKENDS = ["atomics"] + (["native"] if native_available() else [])
 
@@ -68,7 +68,9 @@ def test_time_the_clamp_drops_while_callers_queue_is_counted_as_starved(backend)
     assert b.replenish() == 0 and c.load(L.STARVED_NS) == 0
     clock.advance(1_000_000)  # on time: all of it credited
     assert b.replenish() == 1_000_000 * b.tpn and c.load(L.STARVED_NS) == 0
-    clock.advance(20_000_000)  # no replenish for 20 ms, more than a capacity: the clamp drops the rest
+    clock.advance(
+        20_000_000
+    )  # no replenish for 20 ms, more than a capacity: the clamp drops the rest
     added = b.replenish()
     assert 0 < added < 20_000_000 * b.tpn
     lost = c.load(L.STARVED_NS)
@@ -114,11 +116,16 @@ def test_try_grab_respects_queue_and_changes_nothing_on_refusal(backend):
 
 
 def test_take_within_takes_only_when_the_wait_fits(backend):
-    b, clock = make_bucket(Config.make(1000, burst=2), backend, initial=0)  # covers two fill intervals
+    b, clock = make_bucket(
+        Config.make(1000, burst=2), backend, initial=0
+    )  # covers two fill intervals
     tail = b.cells.load(L.TAIL)
     assert b.take_within(5 * b.cost, 4.9e6) == (REFUSED, None)  # 5 ms of wait > 4.9 ms
     assert b.cells.load(L.TAIL) == tail
-    assert b.take_within(5 * b.cost, 5e6, recs=()) == (NO_RECORD, None)  # would queue, no record to hold it
+    assert b.take_within(5 * b.cost, 5e6, recs=()) == (
+        NO_RECORD,
+        None,
+    )  # would queue, no record to hold it
     assert b.cells.load(L.TAIL) == tail
     ticket, rec = b.take_within(5 * b.cost, 5e6)
     assert rec is None and b.deficiency(ticket) == 5 * b.cost
@@ -195,7 +202,9 @@ def test_no_interleaving_of_replenishers_and_grabbers_over_grants(ops, burst):
                 grants.append((clock.now, arg))
         elif op == "queue":
             for _ in range(arg):
-                ticket = b.grab(b.cost, L.UNREG_GRANTS, 1)  # the acquire path: granted now, or queued
+                ticket = b.grab(
+                    b.cost, L.UNREG_GRANTS, 1
+                )  # the acquire path: granted now, or queued
                 if ticket is None:
                     grants.append((clock.now, 1))
                 else:
@@ -284,7 +293,9 @@ def test_a_longer_request_after_a_granted_one_gets_its_whole_capacity_on_time(ba
     that leaves the named request claims again: the second is granted at its due instant."""
     b, clock = _recorded_bucket(Config.make(1000, burst=5), backend)
     c = b.cells
-    clock.tick_ns = 1  # a real clock moves between two readings: a claim right after an add has time
+    clock.tick_ns = (
+        1  # a real clock moves between two readings: a claim right after an add has time
+    )
     one = _queue(b, 1, 0)
     five = _queue(b, 5, 1)
     b.replenish()  # a snapshot with both queued: the words name the first request
@@ -307,7 +318,9 @@ def test_a_record_being_written_is_granted_alone_and_never_stalls_the_queue(back
     rec = _lens(0)[0]
     tail = c.load(L.TAIL)
     end = (tail + 2 * b.cost) & MASK64
-    c.store(rec, L.TICKET_BUSY)  # claimed, its ticket written, the tail taken: its length never stored
+    c.store(
+        rec, L.TICKET_BUSY
+    )  # claimed, its ticket written, the tail taken: its length never stored
     c.store(rec - 8, end)
     assert c.cas(L.TAIL, tail, end)
     behind = _queue(b, 1, 1)
@@ -330,14 +343,19 @@ def test_the_clamp_keeps_the_older_words_when_the_head_moves_while_it_reads_the_
     """A request around the snapshot's head may be granted (its record freed) while the records are
     read: the words are then not written (None), and the older ones, which allow less, stay."""
     from shmlimit.bucket.clamp import clamp_words
-    from shmlimit.shm.words import clamp_words as reference  # the atomic layer's steps, on any cells
+    from shmlimit.shm.words import (
+        clamp_words as reference,  # the atomic layer's steps, on any cells
+    )
 
     b, clock = _recorded_bucket(Config.make(1000, burst=2), backend)
     c = b.cells
     _queue(b, 3, 0)
     head, tail = c.load(L.HEAD), c.load(L.TAIL)
-    assert clamp_words(c, b._record_lens(), head, tail) == (head, (head + 3 * b.cost) & MASK64,
-                                                           (head + (1 << 62)) & MASK64)
+    assert clamp_words(c, b._record_lens(), head, tail) == (
+        head,
+        (head + 3 * b.cost) & MASK64,
+        (head + (1 << 62)) & MASK64,
+    )
 
     class Moving:
         def __init__(self, cells):
@@ -345,14 +363,18 @@ def test_the_clamp_keeps_the_older_words_when_the_head_moves_while_it_reads_the_
 
         def load_many(self, offs):
             out = self.cells.load_many(offs)
-            self.cells.store(L.HEAD, (self.cells.load(L.HEAD) + 1) & MASK64)  # an add lands meanwhile
+            self.cells.store(
+                L.HEAD, (self.cells.load(L.HEAD) + 1) & MASK64
+            )  # an add lands meanwhile
             return out
 
         def __getattr__(self, attr):
             return getattr(self.cells, attr)
 
     assert reference(Moving(c), L.HEAD, head, tail, b._record_lens()) is None
-    assert reference(c, L.HEAD, head, tail, b._record_lens()) == clamp_words(c, b._record_lens(), head, tail)
+    assert reference(c, L.HEAD, head, tail, b._record_lens()) == clamp_words(
+        c, b._record_lens(), head, tail
+    )
 
 
 @pytest.mark.parametrize("base", [0, (1 << 64) - 5 * 10**12])

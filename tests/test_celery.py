@@ -1,14 +1,15 @@
 """Celery: a real prefork worker pool (3 processes) with a real redis-server broker shares one
 Limiter through ``rate_limited``: tasks refused are retried with a countdown, never held in a slot,
 and the runs of the whole pool stay within the limiter's window bound."""
+
 import sys
 import textwrap
 
 import pytest
-
-import shmlimit
 from support.servers import Server
 from support.windows import max_excess
+
+import shmlimit
 
 celery = pytest.importorskip("celery")
 
@@ -43,10 +44,28 @@ def test_prefork_pool_shares_one_rate(name, own_redis, tmp_path, monkeypatch):
     monkeypatch.syspath_prepend(str(tmp_path))
     import celery_tasks
 
-    argv = [sys.executable, "-m", "celery", "-A", "celery_tasks", "worker", "--pool", "prefork",
-            "--concurrency", str(CONCURRENCY), "--loglevel", "warning", "--without-gossip", "--without-mingle",
-            "--without-heartbeat", "-n", f"{name}@localhost"]
-    worker = Server(argv, str(tmp_path), env=env)  # no HTTP: the queue holds the tasks until it is up
+    argv = [
+        sys.executable,
+        "-m",
+        "celery",
+        "-A",
+        "celery_tasks",
+        "worker",
+        "--pool",
+        "prefork",
+        "--concurrency",
+        str(CONCURRENCY),
+        "--loglevel",
+        "warning",
+        "--without-gossip",
+        "--without-mingle",
+        "--without-heartbeat",
+        "-n",
+        f"{name}@localhost",
+    ]
+    worker = Server(
+        argv, str(tmp_path), env=env
+    )  # no HTTP: the queue holds the tasks until it is up
     try:
         # half of each kind, interleaved: both share the one rate
         kinds = (celery_tasks.stamp, celery_tasks.stamp_blocking)
@@ -59,8 +78,10 @@ def test_prefork_pool_shares_one_rate(name, own_redis, tmp_path, monkeypatch):
     assert len(runs) == TASKS_N
     stamps = sorted(t for t, _, _ in runs)
     elapsed = stamps[-1] - stamps[0]
-    print(f"{TASKS_N} runs in {elapsed:.2f} s: {(TASKS_N - 1) / elapsed:.1f}/s of {RATE}/s, "
-          f"{sum(r for _, _, r in runs)} retries")
+    print(
+        f"{TASKS_N} runs in {elapsed:.2f} s: {(TASKS_N - 1) / elapsed:.1f}/s of {RATE}/s, "
+        f"{sum(r for _, _, r in runs)} retries"
+    )
     assert shmlimit.inspect(name).grants == TASKS_N  # one op per run, none lost, none twice
     assert len({pid for _, pid, _ in runs}) >= 2  # the pool's processes shared the work
     assert sum(r for _, _, r in runs[0::2]) > 0  # refused tasks left their slot and came back
@@ -94,8 +115,16 @@ def test_called_directly_waits_and_bad_parameters(name):
         return x * 2
 
     assert [job(i) for i in range(3)] == [0, 2, 4]  # no worker to retry with: each waits its turn
-    assert lim.stats().grants == 3 and job.run.limiter is lim  # the limiter, for close() at shutdown
-    for bad in (dict(n=0), dict(max_block=-1), dict(max_countdown=0), dict(max_retries=-1), dict(key=3)):
+    assert (
+        lim.stats().grants == 3 and job.run.limiter is lim
+    )  # the limiter, for close() at shutdown
+    for bad in (
+        dict(n=0),
+        dict(max_block=-1),
+        dict(max_countdown=0),
+        dict(max_retries=-1),
+        dict(key=3),
+    ):
         with pytest.raises((ValueError, TypeError)):
             rate_limited(lim, **bad)
     lim.close()
@@ -110,10 +139,16 @@ def test_a_wrong_limiter_or_key_is_refused_when_decorating(name):
     lim = shmlimit.Limiter(name, rate=20, burst=1)
     keyed = shmlimit.KeyedLimiter(name + "-k", rate=20, burst=1, keys=16)
     try:
-        for args, kw, param in [((name,), {}, "limiter"), ((None,), {}, "limiter"), ((keyed,), {}, "key"),
-                                ((lim,), dict(key=lambda x: x), "key"), ((lim,), dict(n=0), "n"),
-                                ((lim,), dict(max_block=-1), "max_block"), ((lim,), dict(max_retries=-1), "max_retries"),
-                                ((lim,), dict(max_countdown=0), "max_countdown")]:
+        for args, kw, param in [
+            ((name,), {}, "limiter"),
+            ((None,), {}, "limiter"),
+            ((keyed,), {}, "key"),
+            ((lim,), dict(key=lambda x: x), "key"),
+            ((lim,), dict(n=0), "n"),
+            ((lim,), dict(max_block=-1), "max_block"),
+            ((lim,), dict(max_retries=-1), "max_retries"),
+            ((lim,), dict(max_countdown=0), "max_countdown"),
+        ]:
             with pytest.raises((ValueError, TypeError), match=rf"^{param}\b"):
                 rate_limited(*args, **kw)
         rate_limited(keyed, key=lambda x: x)  # the right pairs pass

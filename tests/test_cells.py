@@ -1,17 +1,20 @@
 """The atomic layer: both backends behave identically, stay in bounds, and are atomic across processes."""
+
 import multiprocessing as mp
 import os
 
 import pytest
+from support.cells import BACKENDS, REQUIRE_NATIVE, SIZE, backend, cells, cells_for, opened, segment  # noqa: F401 (fixtures)
+from support.procs import run_processes
 
 from shmlimit.shm.cells import MASK64, Cells, native_available, selected_backend
-from support.procs import run_processes
-from support.cells import BACKENDS, REQUIRE_NATIVE, SIZE, backend, cells, cells_for, opened, segment  # noqa: F401 (fixtures)
 
 
 def test_native_backend_is_built_when_required():
     if REQUIRE_NATIVE:
-        assert native_available(), "SHMLIMIT_REQUIRE_NATIVE=1 but shmlimit.shm._native did not build"
+        assert native_available(), (
+            "SHMLIMIT_REQUIRE_NATIVE=1 but shmlimit.shm._native did not build"
+        )
         assert selected_backend() == os.environ.get("SHMLIMIT_BACKEND", "native")
     elif not native_available():
         pytest.skip("the native extension is not built here")
@@ -29,7 +32,17 @@ def test_load_store_fetch_add_wrap(cells):
 def test_both_backends_satisfy_the_cells_protocol(cells):
     """Every module above the atomic layer is typed against ``Cells``: each backend offers all of it."""
     members = {k for k in vars(Cells) if not k.startswith("_")}
-    assert {"load", "store", "fetch_add", "cas", "grab", "grab_if", "grabber", "try_grab", "close"} <= members
+    assert {
+        "load",
+        "store",
+        "fetch_add",
+        "cas",
+        "grab",
+        "grab_if",
+        "grabber",
+        "try_grab",
+        "close",
+    } <= members
     assert isinstance(cells, Cells)
     for m in members - {"backend", "size"}:
         assert callable(getattr(cells, m)), m
@@ -66,7 +79,9 @@ def test_grab_if_and_bound_grabber(cells):
     seq, tail, head, grants = 8, 0, 64, 128
     cells.store(seq, 4)
     cells.store(head, 10)
-    assert cells.grab_if(seq, 3, tail, head, 4, grants, 1) is False  # config changed: nothing touched
+    assert (
+        cells.grab_if(seq, 3, tail, head, 4, grants, 1) is False
+    )  # config changed: nothing touched
     assert cells.load(tail) == 0 and cells.load(grants) == 0
     g = cells.grabber(seq, 4, tail, head, 4, grants, 1)
     assert g() is None and g() is None and g() == 12  # 4, 8 granted; 12 > 10 queues
@@ -119,12 +134,15 @@ def test_out_of_bounds_and_misaligned_offsets_touch_nothing(cells, off):
     assert all(cells.load(i) == i + 1 for i in range(0, SIZE, 8))
 
 
-@pytest.mark.parametrize("records, error", [
-    ((0,), IndexError),  # a LEN word with no TICKET word before it
-    ((40, SIZE), IndexError),
-    ((40, 44), IndexError),
-    ([40], TypeError),
-])
+@pytest.mark.parametrize(
+    "records, error",
+    [
+        ((0,), IndexError),  # a LEN word with no TICKET word before it
+        ((40, SIZE), IndexError),
+        ((40, 44), IndexError),
+        ([40], TypeError),
+    ],
+)
 def test_every_records_argument_is_checked_before_any_word_is_touched(cells, records, error):
     for i in range(0, SIZE, 8):
         cells.store(i, i + 1)
@@ -132,7 +150,9 @@ def test_every_records_argument_is_checked_before_any_word_is_touched(cells, rec
     waiter_args = [seq, 25, tail, head, 48, 56, 64, 72, grants, None, 1, 10, 1000, 80, 88, 96, 104]
     calls = [
         lambda: cells.grabber(seq, 25, tail, head, 1, grants, 1, records),
-        lambda: cells.clamp_words(head, 1, 9, records),  # callers queued (head before tail): records read
+        lambda: cells.clamp_words(
+            head, 1, 9, records
+        ),  # callers queued (head before tail): records read
     ]
     fences = (112, 120, 1)  # FENCE_HINT, one fence record
     if cells.waiter(*waiter_args, (40,), *fences) is not None:  # the backend waits in one call
@@ -148,7 +168,11 @@ def test_every_records_argument_is_checked_before_any_word_is_touched(cells, rec
 @pytest.mark.parametrize("value", [-1, 1 << 64])
 def test_values_outside_64_bits_are_refused(cells, value):
     cells.store(0, 7)
-    for call in (lambda: cells.store(0, value), lambda: cells.fetch_add(0, value), lambda: cells.cas(0, 7, value)):
+    for call in (
+        lambda: cells.store(0, value),
+        lambda: cells.fetch_add(0, value),
+        lambda: cells.cas(0, 7, value),
+    ):
         with pytest.raises(OverflowError):
             call()
     assert cells.load(0) == 7
@@ -214,7 +238,9 @@ def test_grabs_bound_to_records_take_nothing_once_leave_waiters_began(cells):
     cells.store(head, 100)  # nothing available: a grab of one would queue
     cells.store(repl_ts, 1 << 62)  # a replenish time far ahead: no pending tokens counted
     grab = cells.grabber(seq, 0, tail, head, 1, grants, 1, records)
-    gate = cells.gate(seq, 0, tail, head, head, repl_ts, grants, 1, 1, 1, 1, False, float("inf"), records)
+    gate = cells.gate(
+        seq, 0, tail, head, head, repl_ts, grants, 1, 1, 1, 1, False, float("inf"), records
+    )
     cells.leave_waiters()
     assert grab() is False
     assert gate.grab_within(3600.0) is None

@@ -6,17 +6,18 @@ past the tail (an over-grant), nor stops the head for good (a hang): at worst it
 The native waiter's replenish is the reference one word for word (tests/test_native_wait.py), so
 the Python replenish on both backends' cells stands for all three.
 """
+
 import os
 
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
+from support.buckets import make_bucket
 
+from shmlimit.config import Config
 from shmlimit.shm import layout as L
 from shmlimit.shm.cells import MASK64, native_available
-from shmlimit.config import Config
 from shmlimit.shm.words import SPAN_MAX, diff
-from support.buckets import make_bucket
 
 BACKENDS = ["atomics"] + (["native"] if native_available() else [])
 MS = 1_000_000
@@ -88,16 +89,26 @@ def _word(ref):
     """Any 64-bit value, or one near a rover (where a check is most likely to be off by one)."""
     return st.one_of(
         st.integers(0, MASK64),
-        st.builds(lambda k, d: (k + d) & MASK64, st.just(ref),
-                  st.one_of(st.integers(-(2**12), 2**12).map(lambda d: d * 2**16),
-                            st.sampled_from([-1, 0, 1, SPAN_MAX, SPAN_MAX + 1, 1 << 62, 1 << 63]))),
+        st.builds(
+            lambda k, d: (k + d) & MASK64,
+            st.just(ref),
+            st.one_of(
+                st.integers(-(2**12), 2**12).map(lambda d: d * 2**16),
+                st.sampled_from([-1, 0, 1, SPAN_MAX, SPAN_MAX + 1, 1 << 62, 1 << 63]),
+            ),
+        ),
     )
 
 
-@settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@settings(
+    max_examples=150, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture]
+)
 @pytest.mark.parametrize("backend", BACKENDS)
-@given(data=st.data(), queue=st.lists(st.integers(1, 12), max_size=4),
-       gap=st.one_of(st.integers(1, 5 * MS), st.integers(1, 10**10)))
+@given(
+    data=st.data(),
+    queue=st.lists(st.integers(1, 12), max_size=4),
+    gap=st.one_of(st.integers(1, 5 * MS), st.integers(1, 10**10)),
+)
 def test_any_clamp_or_record_words_lose_time_never_grant_or_hang(backend, data, queue, gap):
     """Queued requests (recorded), then arbitrary clamp words and one arbitrary ticket record, then a
     replenish after ``gap`` ns: never more than the capacity free past the tail; then, replenished
@@ -115,15 +126,22 @@ def test_any_clamp_or_record_words_lose_time_never_grant_or_hang(backend, data, 
     if data.draw(st.booleans(), label="hostile record"):
         ticket_off, len_off = L.ticket_records(SLOTS, 1)[-1]  # a slot's last record: free here
         c.store(ticket_off, data.draw(_word(ref), label="record ticket"))
-        c.store(len_off, data.draw(st.one_of(st.integers(0, MASK64), st.integers(1, 2 * SPAN_MAX)), label="record len"))
+        c.store(
+            len_off,
+            data.draw(
+                st.one_of(st.integers(0, MASK64), st.integers(1, 2 * SPAN_MAX)), label="record len"
+            ),
+        )
     clock.advance(gap)
     b.replenish()
     assert _free(b) <= b.cap
-    for off in (L.ticket_records(SLOTS, 1)[-1]):
+    for off in L.ticket_records(SLOTS, 1)[-1]:
         c.store(off, 0)  # the hostile record is gone: the queue's own schedule from here
     start = c.load(L.HEAD)
     owed = max([0] + [diff(t, start) for t in tickets])
-    for _ in range(owed // (b.tpn * MS) + 10):  # the queue's schedule, and 10 ms for stops and the lost interval
+    for _ in range(
+        owed // (b.tpn * MS) + 10
+    ):  # the queue's schedule, and 10 ms for stops and the lost interval
         clock.advance(MS)
         b.replenish()
         assert _free(b) <= b.cap

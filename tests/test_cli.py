@@ -1,12 +1,13 @@
 """The shmlimit command, run as a real subprocess against live limiters."""
+
 import json
 import os
 
 import pytest
-
-import shmlimit
 from support.procs import run_cli as run
 from support.starvation import steal_seconds
+
+import shmlimit
 
 
 def test_create_inspect_set_rate_unlink(name):
@@ -65,8 +66,10 @@ def test_demo_reports_achieved_rate_within_the_bound():
     # start, the workers' run-queue waits, the limiter's starved time) and the hypervisor's steal
     # (support.starvation): on a quiet machine all are ~0 and the floor is the old one
     held = [line for line in r.stdout.splitlines() if line.strip().startswith("held up:")][0]
-    late, workers, starved = (float(x.split(" s")[0]) for x in (
-        held.split("started ")[1], held.split("at most ")[1], held.split("starved ")[1]))
+    late, workers, starved = (
+        float(x.split(" s")[0])
+        for x in (held.split("started ")[1], held.split("at most ")[1], held.split("starved ")[1])
+    )
     stolen = steal_seconds() - stolen0
     assert achieved >= 300 * 0.95 - 300 * (late + workers + starved + stolen) / elapsed
 
@@ -102,7 +105,10 @@ def test_create_several_rates(name):
         finally:
             lim.close()
         r = run("create", name, "--rates", "requests=500/min; tokens=200K/min burst=20K")
-        assert r.returncode == 0 and [line.split(":")[0] for line in r.stdout.splitlines()] == ["exists", "exists"]
+        assert r.returncode == 0 and [line.split(":")[0] for line in r.stdout.splitlines()] == [
+            "exists",
+            "exists",
+        ]
         listing = {s["name"] for s in json.loads(run("list", "--json").stdout)}
         assert {f"{name}.requests", f"{name}.tokens"} <= listing
     finally:
@@ -110,19 +116,25 @@ def test_create_several_rates(name):
             run("unlink", f"{name}.{key}")
     r = run("create", name, "--rates", "5000/h; 100/min")  # a list: NAME.0, NAME.1
     try:
-        assert r.returncode == 0 and [line.split()[1] for line in r.stdout.splitlines()] == [f"{name}.0", f"{name}.1"]
+        assert r.returncode == 0 and [line.split()[1] for line in r.stdout.splitlines()] == [
+            f"{name}.0",
+            f"{name}.1",
+        ]
     finally:
         for key in ("0", "1"):
             run("unlink", f"{name}.{key}")
 
 
-@pytest.mark.parametrize("args", [
-    ["--rates", "1/s; x"],
-    ["--rates", "a=1/s; 2/s"],
-    ["--rates", "1/s", "--burst", "3"],
-    ["--rates", "1/s", "--rate", "1/s"],
-    ["--rates", ""],
-])
+@pytest.mark.parametrize(
+    "args",
+    [
+        ["--rates", "1/s; x"],
+        ["--rates", "a=1/s; 2/s"],
+        ["--rates", "1/s", "--burst", "3"],
+        ["--rates", "1/s", "--rate", "1/s"],
+        ["--rates", ""],
+    ],
+)
 def test_create_several_rates_mistakes(name, args):
     r = run("create", name, *args)
     assert r.returncode == 2 and "Traceback" not in r.stderr and r.stderr.strip()

@@ -10,6 +10,7 @@ taken since): a range no reap takes while that process lives, queued for its who
 
 Both tests fail on a close that only waits for the slow path's record writes.
 """
+
 import threading
 
 import pytest
@@ -25,7 +26,9 @@ MINUTE = dict(rate=1, per=60, burst=1)  # one op a minute: the next grab after t
 def queued_limiter(name):
     """A limiter in use (its fast paths bound to its slot's records) with an empty bucket."""
     lim = shmlimit.Limiter(name, **MINUTE)
-    assert lim.try_acquire()  # the first use registers and binds the fast paths; the bucket is empty
+    assert (
+        lim.try_acquire()
+    )  # the first use registers and binds the fast paths; the bucket is empty
     att = lim._att
     assert att.records and att.slot is not None
     return lim, att
@@ -36,7 +39,9 @@ def slot_words(att, records):
 
 
 @pytest.mark.parametrize("path", ["untimed", "timed"])
-def test_a_fast_path_loaded_before_close_and_called_after_its_slot_was_left_takes_nothing(name, monkeypatch, path):
+def test_a_fast_path_loaded_before_close_and_called_after_its_slot_was_left_takes_nothing(
+    name, monkeypatch, path
+):
     # A thread loads the fast path (as Limiter.acquire does) and is switched out; another thread
     # closes the limiter; the first then calls what it loaded, while the mapping is still open.
     lim, att = queued_limiter(name)
@@ -73,16 +78,22 @@ def test_a_fast_path_loaded_before_close_and_called_after_its_slot_was_left_take
         tail, words = seen["after"]
         assert tail == seen["tail"], f"a grab after the slot was left took a ticket: {answers}"
         assert words == [(0, 0)] * len(records), f"the left slot's records were written: {words}"
-        assert answers[0] is False or answers[0] is None or isinstance(answers[0], ValueError), answers
+        assert answers[0] is False or answers[0] is None or isinstance(answers[0], ValueError), (
+            answers
+        )
     finally:
         loaded.set()
         if not lim.closed:
             lim.close()
 
 
-@pytest.mark.skipif(selected_backend() != "atomics",
-                    reason="the native grab runs whole under the GIL: no thread switch inside it")
-def test_close_waits_for_a_fast_grab_between_its_records_claim_and_its_length_store(name, monkeypatch):
+@pytest.mark.skipif(
+    selected_backend() != "atomics",
+    reason="the native grab runs whole under the GIL: no thread switch inside it",
+)
+def test_close_waits_for_a_fast_grab_between_its_records_claim_and_its_length_store(
+    name, monkeypatch
+):
     # The atomics backend's grab is Python: a thread switch can come between its record's claim
     # (LEN = BUSY) and its length store.  Were the slot left meanwhile, the length would land in a
     # slot nobody owns; close waits for the grab instead, and then marks its record given.
@@ -119,6 +130,7 @@ def test_close_waits_for_a_fast_grab_between_its_records_claim_and_its_length_st
             return real_wait_for(predicate, timeout)
 
         monkeypatch.setattr(idle, "wait_for", wait_for, raising=False)
+
         def grab_and_tell():
             try:
                 answers.append(grab())
@@ -138,7 +150,9 @@ def test_close_waits_for_a_fast_grab_between_its_records_claim_and_its_length_st
         ticket = answers[0]
         assert isinstance(ticket, int) and ticket is not True, answers  # queued before close began
         (words,) = at_leave
-        assert not any(v & L.TICKET_BUSY for _, v in words), f"the slot was left under a half-written record: {words}"
+        assert not any(v & L.TICKET_BUSY for _, v in words), (
+            f"the slot was left under a half-written record: {words}"
+        )
         # its ticket stays recorded, given back, for the next filler's reap to skip
         assert (ticket, att.bucket.cost | L.TICKET_GIVEN) in words, words
     finally:

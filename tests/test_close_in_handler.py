@@ -13,6 +13,7 @@ Now the close returns at once, the handle closed, and the slot is left when the 
 ends: its record whole, marked given (a queued ticket is skipped by the head, as any a close
 leaves behind).  A real signal (``os.kill`` to this process) is sent at that exact point.
 """
+
 import mmap
 import os
 import signal
@@ -51,8 +52,11 @@ def handler(fn, watchdog=10.0):
 
 def segment_words(name, offsets):
     """Words of the segment as any process sees them (read from its file: this handle is closed)."""
-    with open(f"/dev/shm/shmlimit.{name}", "rb") as f, mmap.mmap(f.fileno(), 0, prot=mmap.PROT_READ) as m:
-        return [int.from_bytes(m[o:o + 8], "little") for o in offsets]
+    with (
+        open(f"/dev/shm/shmlimit.{name}", "rb") as f,
+        mmap.mmap(f.fileno(), 0, prot=mmap.PROT_READ) as m,
+    ):
+        return [int.from_bytes(m[o : o + 8], "little") for o in offsets]
 
 
 class Interrupting:
@@ -67,7 +71,13 @@ class Interrupting:
 
     def cas(self, off, expected, desired):
         done = self._c.cas(off, expected, desired)
-        if done and off in self._lens and expected == 0 and desired == L.TICKET_BUSY and not self.sent:
+        if (
+            done
+            and off in self._lens
+            and expected == 0
+            and desired == L.TICKET_BUSY
+            and not self.sent
+        ):
             self.sent += 1
             os.kill(os.getpid(), signal.SIGUSR1)
         return done
@@ -103,7 +113,9 @@ def test_a_signal_handlers_close_inside_its_threads_record_write_leaves_the_slot
         assert att.cells.sent == 1 and len(inside) == 1, inside
         took, pid_then, lens_then = inside[0]
         assert lim.closed
-        assert took < 0.5, f"close in the handler took {took:.3f} s"  # it waited for nothing (1 s before)
+        assert took < 0.5, (
+            f"close in the handler took {took:.3f} s"
+        )  # it waited for nothing (1 s before)
         assert pid_then == os.getpid(), "the slot was left under the record being written"
         assert L.TICKET_BUSY in lens_then  # the interrupted write had not ended yet
         assert att.closed and rec is not None  # the write ended whole; the close happened then
@@ -111,7 +123,9 @@ def test_a_signal_handlers_close_inside_its_threads_record_write_leaves_the_slot
         pid_after, pairs = words[-1], list(zip(words[:-1:2], words[1:-1:2]))
         assert pid_after == 0, "the slot was not left after the interrupted write ended"
         assert not any(v & L.TICKET_BUSY for _, v in pairs), f"a record left claimed: {pairs}"
-        assert (ticket, tokens | L.TICKET_GIVEN) in pairs, pairs  # recorded, given: the head skips it
+        assert (ticket, tokens | L.TICKET_GIVEN) in pairs, (
+            pairs
+        )  # recorded, given: the head skips it
     finally:
         if not lim.closed:
             lim.close()
@@ -119,10 +133,13 @@ def test_a_signal_handlers_close_inside_its_threads_record_write_leaves_the_slot
             att.detach()
 
 
-@pytest.mark.skipif(selected_backend() != "atomics",
-                    reason="the native grab runs whole under the GIL: no signal handler runs inside it")
+@pytest.mark.skipif(
+    selected_backend() != "atomics",
+    reason="the native grab runs whole under the GIL: no signal handler runs inside it",
+)
 def test_a_signal_handlers_close_inside_its_threads_fast_grab_neither_hangs_nor_leaves_it_half_written(
-        name, monkeypatch):
+    name, monkeypatch
+):
     lim, att = queued_limiter(name)
     records, slot = att.records, att.slot
     pid_off = L.slot_offset(slot) + L.SLOT_PID
@@ -130,7 +147,9 @@ def test_a_signal_handlers_close_inside_its_threads_fast_grab_neither_hangs_nor_
     real_claim = atomics_cells.claim_record
     inside = []
 
-    def claim(c, recs, ticket):  # the record claimed (LEN = BUSY), its ticket not yet taken: a signal
+    def claim(
+        c, recs, ticket
+    ):  # the record claimed (LEN = BUSY), its ticket not yet taken: a signal
         off = real_claim(c, recs, ticket)
         if threading.current_thread() is threading.main_thread() and not inside:
             os.kill(os.getpid(), signal.SIGUSR1)
@@ -149,7 +168,9 @@ def test_a_signal_handlers_close_inside_its_threads_fast_grab_neither_hangs_nor_
         took, pid_then = inside[0]
         assert took < 0.5, f"close in the handler took {took:.3f} s"
         assert pid_then == os.getpid(), "the slot was left under the grab"
-        assert isinstance(ticket, int) and ticket is not True, ticket  # queued: its record written whole
+        assert isinstance(ticket, int) and ticket is not True, (
+            ticket
+        )  # queued: its record written whole
         assert att.closed
         words = segment_words(name, [w for pair in records for w in pair] + [pid_off])
         pid_after, pairs = words[-1], list(zip(words[:-1:2], words[1:-1:2]))

@@ -14,16 +14,16 @@ among them.
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
-
-from shmlimit.shm import banks as config_banks
-from shmlimit.shm import layout as L
-from shmlimit.bucket.rovers import Bucket
-from shmlimit.shm.cells import native_available
-from shmlimit.config import Config
-from shmlimit.shm.banks import config_words, read_snapshot, write_under_lock
 from support.buckets import private_cells
 from support.cells import Writer, every_two_late, release
 from support.clock import FakeClock
+
+from shmlimit.bucket.rovers import Bucket
+from shmlimit.config import Config
+from shmlimit.shm import banks as config_banks
+from shmlimit.shm import layout as L
+from shmlimit.shm.banks import config_words, read_snapshot, write_under_lock
+from shmlimit.shm.cells import native_available
 
 START = Config.make(1000, burst=10)
 FIRST = Config.make(1000, burst=50)  # what the first late writer came to write
@@ -90,23 +90,35 @@ def test_two_late_config_writers_leave_the_newest_config_whole(backend, monkeypa
 
 # -- any number of late writers, newer publications among them -------------------------------------
 
-CONFIGS = [FIRST, SECOND, Config.make(200, burst=8), Config.make(100, per=2.0, burst=4), NEWEST,
-           Config.make(50, burst=3, ratio=2.0)]
+CONFIGS = [
+    FIRST,
+    SECOND,
+    Config.make(200, burst=8),
+    Config.make(100, per=2.0, burst=4),
+    NEWEST,
+    Config.make(50, burst=3, ratio=2.0),
+]
 #: ``at`` beyond a writer's writes (about 26: the lock, two banks of twelve words, the publication)
 #: lets it run to its end: a publication of its own
 MAX_AT = 30
 
 
-@settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@settings(
+    max_examples=300, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture]
+)
 @given(
-    late=st.lists(st.tuples(st.integers(0, len(CONFIGS) - 1), st.integers(1, MAX_AT), st.booleans()),
-                  min_size=2, max_size=4),
+    late=st.lists(
+        st.tuples(st.integers(0, len(CONFIGS) - 1), st.integers(1, MAX_AT), st.booleans()),
+        min_size=2,
+        max_size=4,
+    ),
     newest=st.integers(0, len(CONFIGS) - 1),
     also=st.none() | st.tuples(st.integers(0, 3), st.integers(0, len(CONFIGS) - 1)),
     order=st.randoms(use_true_random=False),
 )
-def test_any_number_of_late_config_writers_leave_the_newest_config_whole(backend, monkeypatch, late, newest,
-                                                                         also, order):
+def test_any_number_of_late_config_writers_leave_the_newest_config_whole(
+    backend, monkeypatch, late, newest, also, order
+):
     """Writers one after another, each stopped before one of its writes (or run to its end when it
     has fewer) and taken over by the next, a set_rate after any of them (``True``) and always one
     after the last; then the stopped ones resume in a random order, ``also`` another set_rate
@@ -141,6 +153,8 @@ def test_any_number_of_late_config_writers_leave_the_newest_config_whole(backend
             if also is not None and also[0] == k:
                 publish(CONFIGS[also[1]], f"published before resumption {k + 1}")
             w.resume()  # taken over: it fails, and must damage nothing
-            seq = check_in_force(c, clock, newest_cfg, tpn, f"resumed {k + 1} of {len(stopped)}", seq)
+            seq = check_in_force(
+                c, clock, newest_cfg, tpn, f"resumed {k + 1} of {len(stopped)}", seq
+            )
     finally:
         release(*writers)

@@ -1,5 +1,6 @@
 """docs/design.md stays true: every constant it quotes as `NAME = <number>` has that value in the code,
 and every layout version it states (`(layout.py, version 5)`) is the module's `VERSION`."""
+
 import ast
 import importlib
 import os
@@ -21,7 +22,11 @@ def module_constants():
     paths = [os.path.join(d, f) for d, _, fs in os.walk(PACKAGE) for f in fs if f.endswith(".py")]
     for path in sorted(paths):
         for node in ast.parse(open(path).read()).body:
-            if isinstance(node, ast.Assign) and len(node.targets) == 1 and isinstance(node.targets[0], ast.Name):
+            if (
+                isinstance(node, ast.Assign)
+                and len(node.targets) == 1
+                and isinstance(node.targets[0], ast.Name)
+            ):
                 try:
                     found.setdefault(node.targets[0].id, []).append(ast.literal_eval(node.value))
                 except ValueError:
@@ -37,7 +42,9 @@ def test_the_design_quotes_constants():
 def test_every_quoted_constant_matches_the_code(const, value):
     values = module_constants().get(const)
     assert values, f"design.md quotes {const}, which no module defines"
-    assert ast.literal_eval(value) in values, f"design.md says {const} = {value}; the code says {values}"
+    assert ast.literal_eval(value) in values, (
+        f"design.md says {const} = {value}; the code says {values}"
+    )
 
 
 #: "(shm/layout.py, version 5)": a section that states a module's layout version
@@ -51,4 +58,6 @@ def test_the_design_states_both_layout_versions():
 @pytest.mark.parametrize("module, version", STATED_VERSIONS)
 def test_every_stated_layout_version_matches_the_code(module, version):
     code = importlib.import_module("shmlimit." + module.replace("/", ".")).VERSION
-    assert int(version) == code, f"design.md says {module}.py is version {version}; the code says {code}"
+    assert int(version) == code, (
+        f"design.md says {module}.py is version {version}; the code says {code}"
+    )

@@ -1,4 +1,5 @@
 """The public surface: exactly these names, each documented.  A change here is a change of the API."""
+
 import inspect
 
 import shmlimit

@@ -2,6 +2,7 @@
 that covers their tickets.  Asserted by counts (who was woken, how often a waiter slept), never by
 how long anything took; both backends (CI runs this file under each).
 """
+
 import subprocess
 import sys
 import textwrap
@@ -10,18 +11,24 @@ import time
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from support.procs import WORKDIR, wait_for
 
 import shmlimit
 import shmlimit.shm.layout as L
 from shmlimit.shm.cells import FED_ALL, MASK64, fed_bit, fed_mask
-from support.procs import WORKDIR, wait_for
 
-linux = pytest.mark.skipif(not sys.platform.startswith("linux"), reason="futexes and /proc are Linux's")
+linux = pytest.mark.skipif(
+    not sys.platform.startswith("linux"), reason="futexes and /proc are Linux's"
+)
 
 
 @settings(max_examples=200, deadline=None)
-@given(old=st.one_of(st.integers(0, 1000), st.integers(MASK64 - 1000, MASK64)), ops=st.integers(0, 40),
-       cost=st.integers(1, 7), extra=st.integers(0, 6))
+@given(
+    old=st.one_of(st.integers(0, 1000), st.integers(MASK64 - 1000, MASK64)),
+    ops=st.integers(0, 40),
+    cost=st.integers(1, 7),
+    extra=st.integers(0, 6),
+)
 def test_a_move_of_the_head_wakes_the_bit_of_every_ticket_it_covered(old, ops, cost, extra):
     new = (old + ops * cost + extra) & MASK64
     mask = fed_mask(old, new, cost)
@@ -42,7 +49,12 @@ def asleep_on(pid, cells, bit):
         except OSError:
             continue
         # nr, uaddr, op, val, timeout, uaddr2, val3 (the bitset): FUTEX_WAIT_BITSET (9), not private
-        if len(fields) >= 7 and fields[0] != "running" and int(fields[2], 16) == 9 and int(fields[6], 16) == bit:
+        if (
+            len(fields) >= 7
+            and fields[0] != "running"
+            and int(fields[2], 16) == 9
+            and int(fields[6], 16) == bit
+        ):
             return True
     return False
 
@@ -65,14 +77,20 @@ SLEEPER = textwrap.dedent(
 def test_a_wake_reaches_a_sleeper_in_another_process_by_its_bit_only(name):
     lim = shmlimit.Limiter(name, rate=10)
     cells = lim._att.cells
-    p = subprocess.Popen([sys.executable, "-c", SLEEPER, name, str(1 << 5)], stdout=subprocess.PIPE, text=True,
-                         cwd=WORKDIR)
+    p = subprocess.Popen(
+        [sys.executable, "-c", SLEEPER, name, str(1 << 5)],
+        stdout=subprocess.PIPE,
+        text=True,
+        cwd=WORKDIR,
+    )
     try:
         assert p.stdout.readline().strip() == "ready"
         wait_for(lambda: asleep_on(p.pid, cells, 1 << 5), timeout=30)
         assert cells.futex_wake(L.UP_WAKE, 1 << 6) == 0  # another ticket's bit: it sleeps on
         assert asleep_on(p.pid, cells, 1 << 5)
-        assert cells.futex_wake(L.UP_WAKE, (1 << 5) | (1 << 9)) == 1  # its own: woken, across processes
+        assert (
+            cells.futex_wake(L.UP_WAKE, (1 << 5) | (1 << 9)) == 1
+        )  # its own: woken, across processes
         assert p.stdout.readline().strip() == "True"
         assert p.wait(timeout=30) == 0
     finally:
@@ -147,10 +165,14 @@ def fed(redis_server, name):
     att.filler.stop()
     att.filler.join()
     att.lease.drop()
-    lease = Lease(att.cells, att.lease.slot, clock_us=lambda: now_us() + 60_000_000)  # held through the test
+    lease = Lease(
+        att.cells, att.lease.slot, clock_us=lambda: now_us() + 60_000_000
+    )  # held through the test
     assert lease.try_take()
     att.bucket.burn()
-    att.cells.store(L.UP_NEXT_NS, 0)  # no batch expected: a sleeper's deadline is its turn, 100 s away
+    att.cells.store(
+        L.UP_NEXT_NS, 0
+    )  # no batch expected: a sleeper's deadline is its turn, 100 s away
     yield lim
     lease.drop()
     lim.close()
@@ -158,15 +180,21 @@ def fed(redis_server, name):
 
 
 def start_waiter(name, timeout="-"):
-    p = subprocess.Popen([sys.executable, "-c", WAITER, name, timeout], stdout=subprocess.PIPE, text=True,
-                         cwd=WORKDIR)
+    p = subprocess.Popen(
+        [sys.executable, "-c", WAITER, name, timeout],
+        stdout=subprocess.PIPE,
+        text=True,
+        cwd=WORKDIR,
+    )
     assert p.stdout.readline().strip() == "ready"
     return p
 
 
 @linux
 @pytest.mark.parametrize("timeout", ["-", "60"])
-def test_a_queued_caller_sleeps_once_and_is_woken_by_the_batch_that_covers_it(fed, timeout, monkeypatch):
+def test_a_queued_caller_sleeps_once_and_is_woken_by_the_batch_that_covers_it(
+    fed, timeout, monkeypatch
+):
     import shmlimit.bucket.fed_wait as F
 
     woken = []
@@ -218,15 +246,29 @@ LATE_FILLER_WAITER = COUNTED_WAITER + textwrap.dedent(
 
 
 @linux
-def test_a_waiter_whose_filler_thread_is_late_takes_the_lapsed_lease_and_sleeps_until_the_batch(fed, redis_server):
+def test_a_waiter_whose_filler_thread_is_late_takes_the_lapsed_lease_and_sleeps_until_the_batch(
+    fed, redis_server
+):
     """A waiter that finds the filler lease lapsed, held (as its own process's filler thread believes) by
     that late thread, takes the lease and sleeps until the batch, rather than look again every few ms
     until the thread runs: it slept at most three times in 0.3 s (one short look at the lapse)."""
     b = fed._att.bucket
     tail = b.cells.load(L.TAIL)
     glob = fed.stats().upstream.key.split("{")[1].split("}")[0]
-    p = subprocess.Popen([sys.executable, "-c", LATE_FILLER_WAITER, fed.name, glob, redis_server.url,
-                          str(fed._att.lease.slot)], stdout=subprocess.PIPE, text=True, cwd=WORKDIR)
+    p = subprocess.Popen(
+        [
+            sys.executable,
+            "-c",
+            LATE_FILLER_WAITER,
+            fed.name,
+            glob,
+            redis_server.url,
+            str(fed._att.lease.slot),
+        ],
+        stdout=subprocess.PIPE,
+        text=True,
+        cwd=WORKDIR,
+    )
     try:
         assert p.stdout.readline().strip() == "ready"
         ticket = wait_for(lambda: b.cells.load(L.TAIL) != tail and b.cells.load(L.TAIL))
@@ -269,7 +311,9 @@ def test_a_waiter_that_cannot_take_the_lapsed_lease_sleeps_until_the_take_over(f
 
 
 @linux
-def test_an_untimed_acquire_in_hierarchical_mode_is_one_native_call_woken_by_the_batch(fed, monkeypatch):
+def test_an_untimed_acquire_in_hierarchical_mode_is_one_native_call_woken_by_the_batch(
+    fed, monkeypatch
+):
     """The native backend's untimed one-op acquire is one call here too (an ``Acquirer`` over the fed
     wait: the grab, the sleep on the wake word, the record freed at the grant), not a grab then
     ``wait_for_ticket`` in Python; a wait that ends unserved hands back its ticket, still recorded."""
@@ -280,7 +324,9 @@ def test_an_untimed_acquire_in_hierarchical_mode_is_one_native_call_woken_by_the
     if not native_available() or fed._att.cells.__class__.__name__ != "NativeCells":
         pytest.skip("the one-call acquire is the native backend's")
     att, b = fed._att, fed._att.bucket
-    monkeypatch.setattr("shmlimit.attachment.MAX_NAP", 60.0)  # no look but the wake's within the test
+    monkeypatch.setattr(
+        "shmlimit.attachment.MAX_NAP", 60.0
+    )  # no look but the wake's within the test
     att.update_fast()
     acq, waiter = att.fast[0], att.fast[3]
     assert type(acq).__name__ == "Acquirer" and type(waiter).__name__ == "FedWaiter", (acq, waiter)

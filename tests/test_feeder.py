@@ -6,15 +6,16 @@ lease, delivery and expiry happens at a time the test chose, and the global
 GCRA in Redis sees exactly the same times.  The filler thread of the
 limiter is stopped: the test runs the feeder itself.
 """
+
 import pytest
 from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
+from support.clock import FakeClock
+from support.procs import run_cli
+from support.windows import max_in_window
 
 import shmlimit
 import shmlimit.shm.layout as L
-from support.clock import FakeClock
-from support.procs import run_cli
-from support.windows import check_windows, max_in_window
 
 
 @pytest.fixture
@@ -29,7 +30,9 @@ def R():
 
 @pytest.fixture
 def clock(R, monkeypatch):
-    clock = FakeClock()  # 1000 s: a lease record holds the monotonic ms of ~34 years, not an epoch's
+    clock = (
+        FakeClock()
+    )  # 1000 s: a lease record holds the monotonic ms of ~34 years, not an epoch's
     monkeypatch.setattr(R.time, "time_ns", clock)
     return clock
 
@@ -41,7 +44,9 @@ class Host:
         from shmlimit.redis.feeder import Feeder
 
         self.clock = clock
-        self.glob = R.RedisLimiter(glob or f"{name}-g", rate=rate, burst=burst, url=url, clock="client")
+        self.glob = R.RedisLimiter(
+            glob or f"{name}-g", rate=rate, burst=burst, url=url, clock="client"
+        )
         self.lim = shmlimit.Limiter(name, upstream=self.glob, clock=clock, **up)
         att = self.lim._att
         self.lim.retry_after()  # a first use (taking nothing): this process's filler thread runs...
@@ -91,11 +96,15 @@ def run(hosts, clock, seconds, orphans=()):
             if owed[i] <= clock.now:
                 nap = f.orphan_tick()
                 owed[i] = end if nap is None else clock.now + max(1000, int(nap * 1e9))
-        clock.advance(max(0, min(due + owed) - clock.now))  # (a call may have taken time: LateRedis)
+        clock.advance(
+            max(0, min(due + owed) - clock.now)
+        )  # (a call may have taken time: LateRedis)
 
 
 @pytest.mark.parametrize("rate", [1, 50, 1000, 20000])
-def test_one_saturated_host_gets_the_global_rate_within_one_percent(R, redis_server, name, clock, rate):
+def test_one_saturated_host_gets_the_global_rate_within_one_percent(
+    R, redis_server, name, clock, rate
+):
     seconds = 4.0 if rate >= 50 else 20.0
     host = Host(R, name, redis_server.url, clock, rate, lease_ttl=0.1)
     try:
@@ -111,13 +120,17 @@ def test_one_saturated_host_gets_the_global_rate_within_one_percent(R, redis_ser
     assert up.expired == 0  # nothing reserved was lost to a late delivery
     # one round trip per batch (and the script's first load): at most one per op, far fewer when busy,
     # counting the batches reserved ahead that were not due yet at the end (the lead)
-    print(f"rate {rate}: {len(host.grants)} grants, {up.round_trips} round trips, {up.refused} refused, {ahead} ahead")
+    print(
+        f"rate {rate}: {len(host.grants)} grants, {up.round_trips} round trips, {up.refused} refused, {ahead} ahead"
+    )
     assert up.round_trips <= len(host.grants) + ahead + up.refused + 4
     if rate >= 1000:
         assert up.round_trips <= 0.2 * len(host.grants)
 
 
-def test_a_closing_feeder_counts_what_it_still_had_reserved_as_expired(R, redis_server, name, clock):
+def test_a_closing_feeder_counts_what_it_still_had_reserved_as_expired(
+    R, redis_server, name, clock
+):
     """A process whose filler stops (it closes, or exits) takes its reservations not yet delivered
     with it: nobody else knows them.  They are leased ops never used, so ``expired`` counts them,
     and every leased op stays accounted for: granted, expired, or in the bucket."""
@@ -138,9 +151,14 @@ def test_a_closing_feeder_counts_what_it_still_had_reserved_as_expired(R, redis_
 
 
 @pytest.mark.parametrize("rate", [50, 1000])
-def test_three_hosts_share_the_rate_equally_and_the_window_bound_holds(R, redis_server, name, clock, rate):
+def test_three_hosts_share_the_rate_equally_and_the_window_bound_holds(
+    R, redis_server, name, clock, rate
+):
     seconds, ttl = 4.0, 0.1
-    hosts = [Host(R, f"{name}-{i}", redis_server.url, clock, rate, glob=f"{name}-g", lease_ttl=ttl) for i in range(3)]
+    hosts = [
+        Host(R, f"{name}-{i}", redis_server.url, clock, rate, glob=f"{name}-g", lease_ttl=ttl)
+        for i in range(3)
+    ]
     try:
         start = clock.now
         run(hosts, clock, seconds)
@@ -222,8 +240,13 @@ def test_a_fallback_keeps_a_set_rate_made_during_the_redis_call(R, redis_server,
             r = run_cli("set-rate", name, "40")
             assert r.returncode == 0, r.stderr
 
-        host.feeder = Feeder(host.att.bucket, host.att.lease, host.att.feed_spec, clock=clock,
-                             connect=lambda spec: SlowRedis(R, operator))
+        host.feeder = Feeder(
+            host.att.bucket,
+            host.att.lease,
+            host.att.feed_spec,
+            clock=clock,
+            connect=lambda spec: SlowRedis(R, operator),
+        )
         host.feeder.tick()
         up = host.lim.stats().upstream
         assert up.state == "local" and up.fallbacks == 1
@@ -300,24 +323,38 @@ def test_an_idle_feeder_wakes_rarely_and_leases_nothing(R, redis_server, name, c
 def keep_at(cells, ttl_ns, at, mine):
     """Ops of the lease records still young at ``at`` (the ring's and those the feeder wrote, which
     may have left the ring of four before their end): what the bucket may hold then."""
-    from shmlimit.redis.feeder import RECORD_MAX_OPS, RECORD_OPS_BITS
-
     from collections import Counter
+
+    from shmlimit.redis.feeder import RECORD_MAX_OPS, RECORD_OPS_BITS
 
     # as multisets: two batches of one size stamped in one ms are two records of one word (the
     # ring's slots and the feeder's list are each one record per entry; one in both is one record)
     words = Counter(cells.load(L.UP_RECORD + 8 * i) for i in range(L.UP_RECORDS)) | Counter(mine)
-    return sum(k * (w & RECORD_MAX_OPS) for w, k in words.items()
-               if w and at - (w >> RECORD_OPS_BITS) * 1_000_000 < ttl_ns)
+    return sum(
+        k * (w & RECORD_MAX_OPS)
+        for w, k in words.items()
+        if w and at - (w >> RECORD_OPS_BITS) * 1_000_000 < ttl_ns
+    )
 
 
-@settings(max_examples=100, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
-@example(phase=497_000, idle_after_us=200_000, ttl_ms=50, orphan=False)  # (a wake 0.08 ms before a record's end: a nap of 0.2 ms)
-@example(phase=0, idle_after_us=169_001, ttl_ms=41, orphan=True)  # (the rest of a batch in after the orphan's burn)
-@given(phase=st.integers(0, 999_999), idle_after_us=st.integers(10_000, 250_000), ttl_ms=st.integers(10, 100),
-       orphan=st.booleans())
-def test_a_sleeping_feeder_never_lets_tokens_outlive_their_records(R, redis_server, name, monkeypatch, phase,
-                                                                    idle_after_us, ttl_ms, orphan):
+@settings(
+    max_examples=100, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture]
+)
+@example(
+    phase=497_000, idle_after_us=200_000, ttl_ms=50, orphan=False
+)  # (a wake 0.08 ms before a record's end: a nap of 0.2 ms)
+@example(
+    phase=0, idle_after_us=169_001, ttl_ms=41, orphan=True
+)  # (the rest of a batch in after the orphan's burn)
+@given(
+    phase=st.integers(0, 999_999),
+    idle_after_us=st.integers(10_000, 250_000),
+    ttl_ms=st.integers(10, 100),
+    orphan=st.booleans(),
+)
+def test_a_sleeping_feeder_never_lets_tokens_outlive_their_records(
+    R, redis_server, name, monkeypatch, phase, idle_after_us, ttl_ms, orphan
+):
     """Busy, then nobody takes: the feeder sleeps, yet at no instant between two of its wakes does
     the bucket hold more than the records young at that instant cover (it wakes for a record's end,
     and burns what ends before it could wake again), and it never naps less than ``MIN_TICK`` (a
@@ -339,8 +376,15 @@ def test_a_sleeping_feeder_never_lets_tokens_outlive_their_records(R, redis_serv
         clock = FakeClock(FakeClock().now + phase)  # (its default start is on a whole second)
         mp.setattr(R.time, "time_ns", clock)
         mp.setattr(U, "random", random.Random(17))
-        host = Host(R, f"{name}-{phase}-{idle_after_us}-{ttl_ms}-{orphan:d}", redis_server.url, clock, 1000,
-                    burst=50, lease_ttl=ttl)
+        host = Host(
+            R,
+            f"{name}-{phase}-{idle_after_us}-{ttl_ms}-{orphan:d}",
+            redis_server.url,
+            clock,
+            1000,
+            burst=50,
+            lease_ttl=ttl,
+        )
         b, cells, f = host.att.bucket, host.att.cells, host.feeder
         try:
             end = clock.now + idle_after_us * 1000
@@ -363,12 +407,16 @@ def test_a_sleeping_feeder_never_lets_tokens_outlive_their_records(R, redis_serv
                 assert held <= keep, (held, keep, nap)
                 clock.advance(nap)
             assert held_max > 0  # the test saw tokens held across naps
-            assert host.lim.stats().upstream.expired > 0  # and the feeder's wakes burned some at their end
+            assert (
+                host.lim.stats().upstream.expired > 0
+            )  # and the feeder's wakes burned some at their end
         finally:
             host.close()
 
 
-def test_an_orphans_batch_waiting_for_room_is_looked_at_every_tick_not_every_min_tick(R, redis_server, name, clock):
+def test_an_orphans_batch_waiting_for_room_is_looked_at_every_tick_not_every_min_tick(
+    R, redis_server, name, clock
+):
     """A feeder no longer elected delivers what it reserved when due; a due batch that does not fit
     (the bucket full, nobody taking) waits for room, and the orphan looks again every ``TICK``, as a
     filler does, not every ``MIN_TICK`` (five thousand wakes a second for up to the batch's ttl).
@@ -381,8 +429,12 @@ def test_an_orphans_batch_waiting_for_room_is_looked_at_every_tick_not_every_min
     b, f = host.att.bucket, host.feeder
     try:
         full = b.cap // b.cost
-        f.pending = deque([_Batch(due=clock.now, stamp=clock.now, ops=full, left=full),
-                           _Batch(due=clock.now, stamp=clock.now, ops=5, left=5)])
+        f.pending = deque(
+            [
+                _Batch(due=clock.now, stamp=clock.now, ops=full, left=full),
+                _Batch(due=clock.now, stamp=clock.now, ops=5, left=5),
+            ]
+        )
         start, wakes = clock.now, 0
         while clock.now < start + 10_000_000:  # 10 ms, the second batch waiting for room
             nap = round(f.orphan_tick() * 1e9)
@@ -399,7 +451,9 @@ def test_an_orphans_batch_waiting_for_room_is_looked_at_every_tick_not_every_min
         host.close()
 
 
-def test_a_new_filler_with_few_queued_callers_reaches_the_rate_at_once(R, redis_server, name, clock):
+def test_a_new_filler_with_few_queued_callers_reaches_the_rate_at_once(
+    R, redis_server, name, clock
+):
     """Four callers, each queued for one op at a time, on a fresh feeder (as after a take-over): it
     knows no demand, and the tail (its measure) advances only as fast as it supplies them.  Sized by
     demand and what is owed alone, its batches were ~4 ops per round trip for the first ~150 ms; each
@@ -420,7 +474,15 @@ def test_a_new_filler_with_few_queued_callers_reaches_the_rate_at_once(R, redis_
             clock.advance(max(1000, int(host.feeder.tick() * 1e9)))
         up = host.lim.stats().upstream
         f = host.feeder
-        info = (up.leased, f.pending, f.grow, f.next_try - clock.now, f.demand, b.balance() / b.cost, len(tickets))
+        info = (
+            up.leased,
+            f.pending,
+            f.grow,
+            f.next_try - clock.now,
+            f.demand,
+            b.balance() / b.cost,
+            len(tickets),
+        )
     finally:
         host.close()
     assert up.leased >= rate * 0.1, info  # the whole global schedule of the 100 ms, from the start
@@ -428,7 +490,9 @@ def test_a_new_filler_with_few_queued_callers_reaches_the_rate_at_once(R, redis_
     assert up.round_trips <= up.leased / host.feeder.max_batch + 16, up.round_trips
 
 
-def test_a_filler_that_asks_late_counts_the_schedule_lost_and_an_idle_host_counts_none(R, redis_server, name, clock):
+def test_a_filler_that_asks_late_counts_the_schedule_lost_and_an_idle_host_counts_none(
+    R, redis_server, name, clock
+):
     """The global GCRA does not bank a gap: when the filler asks only after the reserved schedule ran
     out while callers waited (its thread off the CPU), that time is lost, and counted as starved, and
     so are the batches it reserved ahead and delivers only past their ttl: the whole gap.  The
@@ -461,7 +525,9 @@ def test_a_filler_that_asks_late_counts_the_schedule_lost_and_an_idle_host_count
 
 
 @pytest.mark.parametrize("rate", [50, 1000])
-def test_a_filler_off_the_cpu_for_less_than_its_lead_loses_nothing(R, redis_server, name, clock, rate):
+def test_a_filler_off_the_cpu_for_less_than_its_lead_loses_nothing(
+    R, redis_server, name, clock, rate
+):
     """Under saturation the reserved schedule reaches at least the lead (and the GCRA's tolerance)
     ahead of now, whenever the filler stops.  So a filler kept off the CPU for 80 ms (on the
     development machine, quiet by its load average, the longest pauses between grants at 1 000/s were
@@ -491,7 +557,9 @@ def test_a_filler_off_the_cpu_for_less_than_its_lead_loses_nothing(R, redis_serv
 
 
 @pytest.mark.parametrize("again", [False, True])
-def test_a_filler_that_takes_over_counts_the_gap_its_predecessor_left(R, redis_server, name, clock, again):
+def test_a_filler_that_takes_over_counts_the_gap_its_predecessor_left(
+    R, redis_server, name, clock, again
+):
     """The filler dies (its reservations ahead never delivered) and callers keep asking for 0.2 s before
     another process's filler takes over: the global schedule ran dry meanwhile, and the new filler
     counts that gap (Redis measures it; since when callers wanted is in the segment), whether it is
@@ -518,22 +586,35 @@ def test_a_filler_that_takes_over_counts_the_gap_its_predecessor_left(R, redis_s
             clock.advance(1_000_000)
             host.take_all()
         dead.close()
-        host.feeder = first if again else Feeder(host.att.bucket, host.att.lease, host.att.feed_spec, clock=clock)
+        host.feeder = (
+            first
+            if again
+            else Feeder(host.att.bucket, host.att.lease, host.att.feed_spec, clock=clock)
+        )
         run([host], clock, 0.5)
         s = host.lim.stats()
     finally:
         host.close()
     starved = s.starved_seconds - s0.starved_seconds
     got = sum(1 for t in host.grants if t > start)
-    print(f"starved {starved:.4f} s, ahead {ahead / 1e9:.4f} s, undelivered {undelivered}, got {got}")
-    assert gap - ahead / 1e9 - 0.002 <= starved <= gap - ahead / 1e9 + 0.001  # the gap after the reserved schedule
+    print(
+        f"starved {starved:.4f} s, ahead {ahead / 1e9:.4f} s, undelivered {undelivered}, got {got}"
+    )
+    assert (
+        gap - ahead / 1e9 - 0.002 <= starved <= gap - ahead / 1e9 + 0.001
+    )  # the gap after the reserved schedule
     # and the rest was delivered, within 1 % and a batch at each end: the window's end cuts the
     # schedule, whose ops are due a tolerance early, in the middle of one, and the first batch after
     # the gap is due when its last op is (a filler elected before asks its old demand's batch, ten
     # ops due 10 ms on; a new one asks one op at a time at first)
     span = gap + 0.5  # the callers' pause and the new filler's run
     expected = rate * (span - starved) - undelivered + capacity
-    assert abs(got - expected) <= 2 * batch + 0.01 * rate * span, (got, expected, starved, undelivered)
+    assert abs(got - expected) <= 2 * batch + 0.01 * rate * span, (
+        got,
+        expected,
+        starved,
+        undelivered,
+    )
 
 
 class LateRedis:
@@ -574,7 +655,9 @@ def test_a_request_redis_runs_late_counts_the_gap_it_left(R, redis_server, name,
         f = host.feeder
         # the schedule reserved before the call reaches at most the lead, EARLY, one batch and the
         # GCRA's tolerance ahead
-        ahead = (f.lead_ns + EARLY * 1e9 + f.max_grow * f.interval_ns) / 1e9 + host.glob.capacity / rate
+        ahead = (
+            f.lead_ns + EARLY * 1e9 + f.max_grow * f.interval_ns
+        ) / 1e9 + host.glob.capacity / rate
         assert ahead < late
         f.redis = LateRedis(f.redis, clock, int(late * 1e9), host.take_all)
         start = clock.now
@@ -585,5 +668,10 @@ def test_a_request_redis_runs_late_counts_the_gap_it_left(R, redis_server, name,
     starved = s.starved_seconds - s0.starved_seconds
     got = sum(1 for t in host.grants if t > start)
     print(f"starved {starved:.4f} s, got {got}")
-    assert late - ahead <= starved <= late  # the late run, less the schedule reserved before the call
-    assert abs(got - rate * (1.0 - starved)) <= 0.01 * rate * 1.0, (got, starved)  # the loss, all counted
+    assert (
+        late - ahead <= starved <= late
+    )  # the late run, less the schedule reserved before the call
+    assert abs(got - rate * (1.0 - starved)) <= 0.01 * rate * 1.0, (
+        got,
+        starved,
+    )  # the loss, all counted

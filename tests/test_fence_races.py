@@ -1,17 +1,18 @@
 """Races on the reservation fences: takers of one record, late owners, hostile tables, the native
 scan at its edges, claims that straddle a fence's store.  Each once broke the fences' promise (or
 was tried and held): a reservation holds the waiters behind it to its promise."""
+
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
+from support.clock import FakeClock
+from support.windows import excess_over_rate
 
 import shmlimit
 import shmlimit.shm.layout as L
 from shmlimit.acquire.single import Request
 from shmlimit.bucket.rovers import diff
 from shmlimit.shm.words import MASK64
-from support.clock import FakeClock
-from support.windows import excess_over_rate
 
 MS = 1_000_000
 
@@ -79,7 +80,8 @@ def test_a_refused_reserver_sharing_the_record_does_not_free_anothers_fence(name
         assert excess <= 1e-6, (
             f"{len(promises) - 1} reservations behind A promised from "
             f"{(promises[1] - promise_a[0]) / 1e6:+.0f} ms of A's promise: {excess:.2f} ops over "
-            f"rate*T + capacity (A's fence is gone)")
+            f"rate*T + capacity (A's fence is gone)"
+        )
     finally:
         other.close()
         lim.close()
@@ -105,7 +107,9 @@ def test_fence_records_with_a_due_beyond_the_horizon_do_not_refuse_reserve(name)
     lim = shmlimit.Limiter(name, rate=1000, burst=1, clock=clock)
     try:
         _far_dues(lim, clock)
-        assert lim.reserve(max_wait=1.0) is not None, "refused: every (ignored) record counted in use"
+        assert lim.reserve(max_wait=1.0) is not None, (
+            "refused: every (ignored) record counted in use"
+        )
     finally:
         lim.close()
 
@@ -172,10 +176,19 @@ def test_the_native_fence_scan_answers_as_words_fence_scan_at_the_edge_of_far(na
         lim.close()
 
 
-@settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
-@given(recs=st.lists(st.tuples(st.integers(-(1 << 63), (1 << 63) - 1), st.integers(-(1 << 40), 1 << 40)),
-                     min_size=1, max_size=4),
-       late=st.integers(0, 1 << 50), tpn=st.integers(1, 1 << 40), ahead=st.integers(-(1 << 63), (1 << 63) - 1))
+@settings(
+    max_examples=300, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture]
+)
+@given(
+    recs=st.lists(
+        st.tuples(st.integers(-(1 << 63), (1 << 63) - 1), st.integers(-(1 << 40), 1 << 40)),
+        min_size=1,
+        max_size=4,
+    ),
+    late=st.integers(0, 1 << 50),
+    tpn=st.integers(1, 1 << 40),
+    ahead=st.integers(-(1 << 63), (1 << 63) - 1),
+)
 def test_every_backends_fence_scan_answers_as_words_fence_scan(name, recs, late, tpn, ahead):
     """The scan each backend uses (``cells.fence_scan``: native C, or words.fence_scan on atomics)
     answers as ``words.fence_scan`` for any records: LIMIT anywhere around the head, DUE around the
@@ -209,8 +222,12 @@ def test_every_backends_fence_scan_answers_as_words_fence_scan(name, recs, late,
         lim.close()
 
 
-@pytest.mark.parametrize("burst,idle_ms,ahead_ops", [(1, 30, 50), (5, 30, 50), (5, 200, 3), (10, 500, 2), (3, 1000, 0)])
-def test_a_claim_taken_before_the_fence_and_added_after_it_keeps_the_fence(name, burst, idle_ms, ahead_ops):
+@pytest.mark.parametrize(
+    "burst,idle_ms,ahead_ops", [(1, 30, 50), (5, 30, 50), (5, 200, 3), (10, 500, 2), (3, 1000, 0)]
+)
+def test_a_claim_taken_before_the_fence_and_added_after_it_keeps_the_fence(
+    name, burst, idle_ms, ahead_ops
+):
     """A replenisher preempted between its claim (no fence stored yet: it read none) and its add:
     meanwhile a reservation stores its fence and queues behind a waiter that then leaves (skipped).
     The claim's add, clamped against its snapshot from before the reservation's CAS, must keep
@@ -225,19 +242,25 @@ def test_a_claim_taken_before_the_fence_and_added_after_it_keeps_the_fence(name,
         if ahead is not None:
             assert ahead.begin() is not True
         clock.advance(idle_ms * MS)
-        claim = b.claim()  # the replenisher reads the clock and the words, claims ... and is preempted
+        claim = (
+            b.claim()
+        )  # the replenisher reads the clock and the words, claims ... and is preempted
         assert claim is not None
         wait = lim.reserve()
         promise = clock.now + wait * 1e9
         ticket = b.taken()
-        [(limit, due)] = b.fences.in_force(b.cells.load(L.REPL_TS) - 1, clock.now, b.tpn, b.head()) or [(None, None)]
+        [(limit, due)] = b.fences.in_force(
+            b.cells.load(L.REPL_TS) - 1, clock.now, b.tpn, b.head()
+        ) or [(None, None)]
         if limit is None:
             pytest.skip("covered at once: no fence")
         if ahead is not None:
             ahead.end()
         b.apply(claim)  # ... and lands now
         assert clock.now < promise
-        assert diff(b.head(), limit) <= 0, f"head {diff(b.head(), ticket) / b.cost:+.2f} ops from the ticket, past LIMIT"
+        assert diff(b.head(), limit) <= 0, (
+            f"head {diff(b.head(), ticket) / b.cost:+.2f} ops from the ticket, past LIMIT"
+        )
     finally:
         lim.close()
 
@@ -264,7 +287,9 @@ def test_a_reservation_over_several_rates_settles_only_its_own_fence(name, monke
         def preempted_settle(hold, f, due):
             if not x and f is b.fences:
                 x["hold"] = hold
-                clock.advance(1500 * MS)  # past the provisional DUE (twice the wait, 0, and a second)
+                clock.advance(
+                    1500 * MS
+                )  # past the provisional DUE (twice the wait, 0, and a second)
                 b.replenish()
                 b.take_available(att.grants_off)
                 x["ahead"] = Request(att, 50, None)
@@ -290,7 +315,8 @@ def test_a_reservation_over_several_rates_settles_only_its_own_fence(name, monke
         assert excess <= 1e-6, (
             f"{len(promises) - 1} reservations behind X promised from "
             f"{(promises[1] - x['promise']) / 1e6:+.0f} ms of X's promise: {excess:.2f} ops over "
-            f"rate*T + capacity (its fence was settled by another reservation)")
+            f"rate*T + capacity (its fence was settled by another reservation)"
+        )
     finally:
         lim.close()
 
@@ -327,7 +353,9 @@ def test_a_reserver_killed_between_its_fence_and_its_tail_cas_holds_no_one_past_
             step = waiter.next()
         waiter.end()
         assert granted is not None
-        assert granted <= due + 10 * MS + 2 * MS, f"granted {(granted - due) / 1e6:.1f} ms after the dead DUE"
+        assert granted <= due + 10 * MS + 2 * MS, (
+            f"granted {(granted - due) / 1e6:.1f} ms after the dead DUE"
+        )
         assert b.fences.take(b.cells.load(L.REPL_TS)) is not None  # free again
     finally:
         lim.close()

@@ -1,17 +1,18 @@
 """Reservation fences (shmlimit/bucket/fences.py): what the waiters behind one do, and hostile fence words."""
+
 import time
 import types
 
+import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
-import pytest
+from support.clock import FakeClock
 
 import shmlimit
 import shmlimit.shm.layout as L
 from shmlimit.acquire.single import Request
 from shmlimit.bucket.rovers import diff
 from shmlimit.shm.words import fence_horizon_ns
-from support.clock import FakeClock
 
 MS = 1_000_000
 
@@ -43,11 +44,15 @@ def test_a_python_waiter_behind_a_fence_is_due_when_it_lifts(name):
         ticket, promise = _late_fence(lim)
         mine = b.grab(b.cost, lim._att.grants_off, 1)
         assert mine == (ticket + b.cost) & (2**64 - 1)
-        clock.advance(20 * MS)  # the head could be at the reservation's ticket and past it by now ...
+        clock.advance(
+            20 * MS
+        )  # the head could be at the reservation's ticket and past it by now ...
         b.replenish()
         assert diff(b.head(), ticket) <= 0  # ... the fence holds it at the ticket
         assert b.due_ns(mine) >= promise + 10 * MS - 1  # due an op after the promise
-        while clock.now < promise + 9 * MS:  # the filler's ticks: held at the ticket until the promise
+        while (
+            clock.now < promise + 9 * MS
+        ):  # the filler's ticks: held at the ticket until the promise
             clock.advance(MS)
             b.replenish()
             assert diff(b.head(), mine) < 0
@@ -84,7 +89,11 @@ def test_a_native_waiter_behind_a_fence_sleeps_until_it_lifts(name):
 
 def _fence_words(slots):
     base = L.fence_offset(slots)
-    return [base, base + 8] + [off + w for off in L.fence_records(slots) for w in (L.FENCE_OWNER, L.FENCE_LIMIT, L.FENCE_DUE)]
+    return [base, base + 8] + [
+        off + w
+        for off in L.fence_records(slots)
+        for w in (L.FENCE_OWNER, L.FENCE_LIMIT, L.FENCE_DUE)
+    ]
 
 
 def test_a_fence_no_reservation_left_is_ignored(name):
@@ -105,7 +114,9 @@ def test_a_fence_no_reservation_left_is_ignored(name):
         c.store(rec0 + L.FENCE_DUE, clock.now + fence_horizon_ns(b.tpn) + 10**9)
         c.store(rec1 + L.FENCE_LIMIT, (b.head() + (1 << 63)) & (2**64 - 1))
         c.store(rec1 + L.FENCE_DUE, clock.now + 10**9)
-        c.store(L.fence_offset(L.DEFAULT_SLOTS), 2**64 - 1)  # the hint: every claim reads the records
+        c.store(
+            L.fence_offset(L.DEFAULT_SLOTS), 2**64 - 1
+        )  # the hint: every claim reads the records
         head = b.head()
         clock.advance(MS)
         assert b.replenish() > 0 and diff(b.head(), head) == b.cost
@@ -113,8 +124,12 @@ def test_a_fence_no_reservation_left_is_ignored(name):
         lim.close()
 
 
-@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
-@given(words=st.lists(st.tuples(st.integers(0, 2 + 3 * 64 - 1), st.integers(0, 2**64 - 1)), max_size=8))
+@settings(
+    max_examples=60, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture]
+)
+@given(
+    words=st.lists(st.tuples(st.integers(0, 2 + 3 * 64 - 1), st.integers(0, 2**64 - 1)), max_size=8)
+)
 def test_any_fence_words_leave_every_call_working(name, words):
     """Any 64-bit values in the fence table (hint, owners, limits, dues): every call answers (no
     crash, no hang, nothing outside the mapping); a bogus fence holds the head, never moves it."""
@@ -185,7 +200,9 @@ def test_a_reservation_with_every_fence_record_in_use_waits_for_the_soonest_due(
             clock.advance(max(1, int(seconds * 1e9)))
             b.replenish()
 
-        monkeypatch.setattr(fences, "time", types.SimpleNamespace(sleep=nap))  # (this module's naps only)
+        monkeypatch.setattr(
+            fences, "time", types.SimpleNamespace(sleep=nap)
+        )  # (this module's naps only)
         wait = lim.reserve()
         at = clock.now + wait * 1e9
         assert naps and clock.now > soonest

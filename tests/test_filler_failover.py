@@ -3,6 +3,7 @@
 Nothing waits for the filler (waiters refill for themselves), so in every case
 the promise is the same: never more than the bound, never a stall, the rate kept.
 """
+
 import os
 import random
 import signal
@@ -11,13 +12,20 @@ import sys
 import time
 
 import pytest
-
-import shmlimit
 from support.procs import (
-    WORKDIR, Stampers, collect, collect_witnessed, go, start_acquirer, start_idle, start_workers, wait_for,
+    WORKDIR,
+    Stampers,
+    collect_witnessed,
+    go,
+    start_acquirer,
+    start_idle,
+    start_workers,
+    wait_for,
 )
 from support.starvation import Stalls, floor, least, run_delay, total
 from support.windows import max_excess, max_gap, tag
+
+import shmlimit
 
 pytestmark = pytest.mark.slow  # real processes measured in real (wall-clock) time
 
@@ -40,18 +48,25 @@ def test_stopped_filler_loses_the_lease_and_nothing_is_double_filled(name, clean
     wait_for(lambda: shmlimit.inspect(name).grants >= rate // 2)
     filler.send_signal(signal.SIGSTOP)
     stopped = time.monotonic()
+
     def new_filler():
         pid = shmlimit.inspect(name).filler_pid
         return pid if pid not in (None, filler.pid) else None
 
-    assert wait_for(new_filler) in {p.pid for p in procs}  # another process took over while it was stopped
+    assert wait_for(new_filler) in {
+        p.pid for p in procs
+    }  # another process took over while it was stopped
     wait_for(lambda: time.monotonic() > stopped + 2.0)
     filler.send_signal(signal.SIGCONT)
     resumed = time.monotonic()
     # The rate after the resume is measured from here: the resumed filler's add of the interval
     # it claimed before its stop (clamped: the waiters refilled meanwhile) lands before it
     wait_for(lambda: time.monotonic() > resumed + 0.05)
-    starved0, filler0, since = shmlimit.inspect(name).starved_seconds, run_delay(filler.pid), time.monotonic()
+    starved0, filler0, since = (
+        shmlimit.inspect(name).starved_seconds,
+        run_delay(filler.pid),
+        time.monotonic(),
+    )
     results, delays = collect_witnessed(procs)
     lost = shmlimit.inspect(name).starved_seconds - starved0
     filler1 = run_delay(filler.pid)
@@ -69,7 +84,9 @@ def test_stopped_filler_loses_the_lease_and_nothing_is_double_filled(name, clean
     assert len(after) - 1 <= rate * span * 1.03
     # the rate, less what the machine withheld (support.starvation): ~0 on a quiet machine
     assert len(after) - 1 >= floor(rate * span * 0.97, rate, lost, delays)
-    assert lost <= total(delays) + (filler1 - filler0 if filler0 is not None and filler1 is not None else 0)
+    assert lost <= total(delays) + (
+        filler1 - filler0 if filler0 is not None and filler1 is not None else 0
+    )
 
 
 def test_killed_filler_is_replaced_and_grants_continue(name, cleanup):
@@ -95,7 +112,9 @@ def test_killed_filler_is_replaced_and_grants_continue(name, cleanup):
     after = sorted(t for r in results for t in r if t > killed_at)
     after_tagged = [(t, w) for t, w in tag(results) if t > killed_at]
     assert after and after[-1] > killed_at + 1.0
-    assert max_gap([killed_at] + after) < 0.100 + least(delays)  # and no more while both survivors were off the CPU
+    assert max_gap([killed_at] + after) < 0.100 + least(
+        delays
+    )  # and no more while both survivors were off the CPU
     # the survivors alone kept the rate after the kill: never more; no less than the rate but for
     # the time the limiter lost and the time neither survivor ran (support.starvation), ~0 when
     # the machine is quiet, and the limiter loses only while the machine withholds the CPU
@@ -132,7 +151,9 @@ def test_filler_killed_20_times_while_4_workers_hammer(name, cleanup):
         stalls.sample(w.live())
         kills = 0
         while kills < 20:
-            time.sleep(rng.uniform(0.02, 0.15))  # a random moment in the filler's life, not a synchronisation
+            time.sleep(
+                rng.uniform(0.02, 0.15)
+            )  # a random moment in the filler's life, not a synchronisation
             pid = wait_for(lambda: shmlimit.inspect(name).filler_pid)
             stalls.sample(w.live())
             os.kill(pid, signal.SIGKILL)
@@ -154,7 +175,9 @@ def test_filler_killed_20_times_while_4_workers_hammer(name, cleanup):
     results = [r for r in w.results() if r]
     stamps = sorted(t for r in results for t in r)
     stamps = [t for t in stamps if t_start + 0.2 < t < t_end]
-    held_up = stalls.spans()  # per span between kills: every surviving worker off the CPU at most this long
+    held_up = (
+        stalls.spans()
+    )  # per span between kills: every surviving worker off the CPU at most this long
     # never a stall longer than the lease timeout (50 ms) would allow: waiters refill for
     # themselves -- but for the time the machine kept every worker off the CPU
     assert max_gap(stamps) < 0.1 + max(held_up)
@@ -182,11 +205,15 @@ def test_a_starved_filler_thread_still_holds_the_rate(name, cleanup):
     rate = 500
     lim = shmlimit.Limiter(name, rate=rate)
     cleanup.append(lim)  # this process stays registered, unused (see KEEP)
-    busy = subprocess.Popen([sys.executable, "-c", BUSY, name], stdout=subprocess.PIPE, text=True, cwd=WORKDIR)
+    busy = subprocess.Popen(
+        [sys.executable, "-c", BUSY, name], stdout=subprocess.PIPE, text=True, cwd=WORKDIR
+    )
     others = []
     try:
         assert busy.stdout.readline().strip() == "ready"
-        wait_for(lambda: shmlimit.inspect(name).filler_pid == busy.pid)  # the starved process is the filler
+        wait_for(
+            lambda: shmlimit.inspect(name).filler_pid == busy.pid
+        )  # the starved process is the filler
         others = [start_acquirer(name) for _ in range(2)]
         g = shmlimit.inspect(name).grants
         wait_for(lambda: shmlimit.inspect(name).grants > g + rate // 2)  # past the initial burst
@@ -197,7 +224,13 @@ def test_a_starved_filler_thread_still_holds_the_rate(name, cleanup):
             them (this process may stall in between), and the processes' run delays."""
             before = time.monotonic()
             s = shmlimit.inspect(name)
-            return s.grants, s.starved_seconds, before, time.monotonic(), [run_delay(p) for p in pids]
+            return (
+                s.grants,
+                s.starved_seconds,
+                before,
+                time.monotonic(),
+                [run_delay(p) for p in pids],
+            )
 
         g0, lost0, t0a, t0b, d0 = sample()
         wait_for(lambda: time.monotonic() - t0b >= 5.0, timeout=30)

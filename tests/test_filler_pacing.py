@@ -7,19 +7,30 @@ check the two sides of that: it does back off when waiters keep the pace, and
 no schedule it backs off on loses more than a sliver of time to the capacity
 clamp -- tickets nobody refills for, tickets of many ops, a capacity under three ops.
 """
+
 import heapq
 
 import pytest
+from support.clock import FakeClock
 
 import shmlimit
 from shmlimit.bucket import filler as F
 from shmlimit.shm import layout as L
-from support.clock import FakeClock
 
 RETRY_NS = 20_000  # a due waiter still short looks again this much later (acquisition.RETRY_NS)
 
 
-def simulate(name, rate, seconds, waiters=8, ops=1, burst=None, refill=True, late_ns=30_000, stop_refilling=None):
+def simulate(
+    name,
+    rate,
+    seconds,
+    waiters=8,
+    ops=1,
+    burst=None,
+    refill=True,
+    late_ns=30_000,
+    stop_refilling=None,
+):
     """Run ``waiters`` callers saturating ``rate`` with the filler's ClockFeed for ``seconds`` of fake time.
 
     Each waiter holds one ticket of ``ops`` ops, wakes 1 ns after its due instant
@@ -30,7 +41,9 @@ def simulate(name, rate, seconds, waiters=8, ops=1, burst=None, refill=True, lat
     pauses in seconds, the feed).
     """
     clock = FakeClock()
-    clock.tick_ns = 1  # a real clock moves between readings: a refill's second claim (the refresh) has its ns
+    clock.tick_ns = (
+        1  # a real clock moves between readings: a refill's second claim (the refresh) has its ns
+    )
     kw = {} if burst is None else {"burst": burst}
     lim = shmlimit.Limiter(name, rate=rate, clock=clock, **kw)  # opening starts no filler thread
     try:
@@ -116,11 +129,15 @@ def test_under_three_ops_too_the_filler_backs_off_while_waiters_keep_the_pace(na
     grants, pauses, feed = simulate(name, rate=rate, seconds=seconds, burst=burst)
     b = feed.bucket
     assert b.cap < 3 * b.cost
-    assert pauses[-1] == F.MAX_FILL_PERIOD and sum(p == F.MAX_FILL_PERIOD for p in pauses) >= 0.9 * len(pauses)
+    assert pauses[-1] == F.MAX_FILL_PERIOD and sum(
+        p == F.MAX_FILL_PERIOD for p in pauses
+    ) >= 0.9 * len(pauses)
     assert len(pauses) <= seconds / F.MAX_FILL_PERIOD + 5
     assert feed.hold_until == 0  # it never saw time lost
     # the rate kept: everything owed but the tickets still held at the end
-    assert owed(rate, seconds, b.cap / b.cost) - 8 - 2 <= grants <= owed(rate, seconds, b.cap / b.cost)
+    assert (
+        owed(rate, seconds, b.cap / b.cost) - 8 - 2 <= grants <= owed(rate, seconds, b.cap / b.cost)
+    )
 
 
 @pytest.mark.parametrize("rate, burst", [(50, None), (200, None)])
@@ -145,17 +162,26 @@ def test_a_loss_beyond_the_slack_sends_the_backed_off_filler_back_to_its_pace(na
         assert period == 0.01 and b.cap == b.cost
         ts0, head0 = 10**12, 5 * b.cost
         interval = 20_000_000  # backed off: a pause of MAX_FILL_PERIOD since our last tick
-        for lost_ns, seen in [(0, False), (400, False), (F.slack_ns(period), False), (F.slack_ns(period) + 1, True),
-                              (8_000_000, True)]:
+        for lost_ns, seen in [
+            (0, False),
+            (400, False),
+            (F.slack_ns(period), False),
+            (F.slack_ns(period) + 1, True),
+            (8_000_000, True),
+        ]:
             feed.idle, feed.ceiling, feed.hold_until = F.MAX_FILL_PERIOD, F.MAX_FILL_PERIOD, 0
             feed.mark = (ts0 + interval, head0 + (interval - lost_ns) * b.tpn, True)
             assert feed.lost(period, (ts0, head0, True), -1) is seen, lost_ns
-            assert (feed.hold_until > 0, feed.ceiling) == ((True, period) if seen else (False, F.MAX_FILL_PERIOD))
+            assert (feed.hold_until > 0, feed.ceiling) == (
+                (True, period) if seen else (False, F.MAX_FILL_PERIOD)
+            )
     finally:
         lim.close()
 
 
-@pytest.mark.parametrize("rate, burst, held", [(50, None, True), (200, None, True), (1000, None, False)])
+@pytest.mark.parametrize(
+    "rate, burst, held", [(50, None, True), (200, None, True), (1000, None, False)]
+)
 def test_a_loss_at_the_usual_pace_holds_it_only_under_three_ops(name, rate, burst, held):
     # under three ops every ticket is a stop, and a loss at the usual pace is a waiter later than
     # its lead: backing off then would lose more of such wakes, so the pace is held; above, the loss
@@ -171,7 +197,9 @@ def test_a_loss_at_the_usual_pace_holds_it_only_under_three_ops(name, rate, burs
         ts0, head0, interval = 10**12, 5 * b.cost, int(period * 1e9)
         feed.mark = (ts0 + interval, head0 + (interval - F.slack_ns(period) - 1) * b.tpn, True)
         assert feed.lost(period, (ts0, head0, True), -1)
-        assert (feed.hold_until > 0) is held and feed.ceiling == (period if held else F.MAX_FILL_PERIOD)
+        assert (feed.hold_until > 0) is held and feed.ceiling == (
+            period if held else F.MAX_FILL_PERIOD
+        )
     finally:
         lim.close()
 
@@ -263,8 +291,7 @@ def test_the_filler_refills_in_one_native_call_bound_to_the_config_in_force(name
 
 def test_promises_count_the_fillers_longest_pause():
     # promised_ns counts the filler's longest pause for a replenish that adds nothing: the two agree
-    from shmlimit.bucket import filler
-    from shmlimit.bucket import schedule
+    from shmlimit.bucket import filler, schedule
 
     assert schedule.LONGEST_FILL_NS == round(filler.MAX_FILL_PERIOD * 1e9)
 

@@ -10,22 +10,24 @@ leaves whenever anything could change the pace: the time given, the queue
 gone, the lease lost, a config change, a stop, what the backed-off pace needs
 no longer seen.
 """
+
 import threading
 import time
 from contextlib import closing
 
 import pytest
+from support.limiters import quiet_limiter
+from support.procs import wait_for
 
 import shmlimit
 from shmlimit.bucket import filler as F
 from shmlimit.shm import layout as L
 from shmlimit.shm.cells import native_available, selected_backend
 from shmlimit.shm.words import diff
-from support.limiters import quiet_limiter
-from support.procs import wait_for
 
 pytestmark = pytest.mark.skipif(
-    not native_available() or selected_backend() != "native", reason="the native fill is the native backend's"
+    not native_available() or selected_backend() != "native",
+    reason="the native fill is the native backend's",
 )
 
 UNTIL, IDLE, LOST, BURN, LEFT, PACE = 1, 2, 4, 8, 16, 32
@@ -63,9 +65,13 @@ def test_a_span_refills_at_its_pace_renews_the_lease_and_ends_at_until(name):
         ts0, head0, word = c.load(L.REPL_TS), c.load(L.HEAD), lease.word
         start = time.monotonic_ns()
         until = start + 40 * MS
-        flags, fills, new_word, renewed, *_ = w.fill(4 * MS, until, word, start, 10 * MS, 50_000, *mark(lim), False)
+        flags, fills, new_word, renewed, *_ = w.fill(
+            4 * MS, until, word, start, 10 * MS, 50_000, *mark(lim), False
+        )
         end = time.monotonic_ns()
-        assert flags == UNTIL and end >= until  # never back before the time given (nothing else ended it)
+        assert (
+            flags == UNTIL and end >= until
+        )  # never back before the time given (nothing else ended it)
         assert 1 <= fills <= 10  # one refill per 4 ms slept, at most
         ts1, head1 = c.load(L.REPL_TS), c.load(L.HEAD)
         assert start <= ts1 <= end and head1 != head0 and ts1 > ts0
@@ -83,7 +89,9 @@ def test_a_span_ends_when_the_queue_is_gone(name):
     with closing(quiet_limiter(name, rate=50)) as lim:
         w, lease = filling(lim)
         start = time.monotonic_ns()
-        flags, fills, new_word, *_ = w.fill(2 * MS, start + 10**9, lease.word, start, NEVER, 50_000, *mark(lim), False)
+        flags, fills, new_word, *_ = w.fill(
+            2 * MS, start + 10**9, lease.word, start, NEVER, 50_000, *mark(lim), False
+        )
         assert (flags, fills, new_word) == (IDLE, 1, lease.word)  # one refill, then Python's pacing
         assert time.monotonic_ns() - start < 10**9
 
@@ -96,7 +104,9 @@ def test_a_span_ends_when_another_process_holds_the_lease(name):
         other = F.lease_word(F.now_us() + 50_000, lim._att.slot + 1)
         assert c.cas(L.LEASE, lease.word, other)  # taken over (ours had lapsed, say)
         start = time.monotonic_ns()
-        flags, fills, new_word, renewed, *_ = w.fill(2 * MS, start + 10**9, lease.word, start - 10 * MS, 10 * MS, 50_000, *mark(lim), False)
+        flags, fills, new_word, renewed, *_ = w.fill(
+            2 * MS, start + 10**9, lease.word, start - 10 * MS, 10 * MS, 50_000, *mark(lim), False
+        )
         assert (flags, fills, new_word, renewed) == (LOST, 0, 0, start - 10 * MS)
         assert c.load(L.LEASE) == other  # untouched
 
@@ -107,9 +117,17 @@ def test_a_span_ends_at_a_config_change_and_at_an_interrupt(name):
         queue(lim, 20)
         start = time.monotonic_ns()
         out = []
-        t = threading.Thread(target=lambda: out.append(w.fill(5 * MS, start + 60 * 10**9, lease.word, start, NEVER, 50_000, *mark(lim), False)))
+        t = threading.Thread(
+            target=lambda: out.append(
+                w.fill(
+                    5 * MS, start + 60 * 10**9, lease.word, start, NEVER, 50_000, *mark(lim), False
+                )
+            )
+        )
         t.start()
-        time.sleep(0.05)  # (a span in progress or not: either way it must end below, not at its until)
+        time.sleep(
+            0.05
+        )  # (a span in progress or not: either way it must end below, not at its until)
         lim.set_rate(40)
         t.join(10)
         assert not t.is_alive() and out[0][0] == LEFT
@@ -118,13 +136,21 @@ def test_a_span_ends_at_a_config_change_and_at_an_interrupt(name):
         b.refresh()
         w = b.waiter(b.snap, L.UNREG_GRANTS, None, 1)
         out.clear()
-        t = threading.Thread(target=lambda: out.append(w.fill(5 * MS, start + 60 * 10**9, lease.word, start, NEVER, 50_000, *mark(lim), False)))
+        t = threading.Thread(
+            target=lambda: out.append(
+                w.fill(
+                    5 * MS, start + 60 * 10**9, lease.word, start, NEVER, 50_000, *mark(lim), False
+                )
+            )
+        )
         t.start()
         time.sleep(0.05)
         w.interrupt()
         t.join(10)
         assert not t.is_alive() and out[0][0] == LEFT
-        assert w.fill(5 * MS, start + 60 * 10**9, lease.word, start, NEVER, 50_000, *mark(lim), False)[:2] == (LEFT, 0)
+        assert w.fill(
+            5 * MS, start + 60 * 10**9, lease.word, start, NEVER, 50_000, *mark(lim), False
+        )[:2] == (LEFT, 0)
 
 
 def test_a_backed_off_span_ends_before_refilling_when_nobody_else_refilled(name):
@@ -161,14 +187,21 @@ def test_a_backed_off_span_keeps_its_pace_while_others_refill_and_lose_nothing(n
             time.sleep(0.002)
             m = mark(lim)
             start = time.monotonic_ns()
-            flags, fills, _, _, ts, head = w.fill(4 * MS, start + 40 * MS, lease.word, start, NEVER, 50_000, *m, True)
+            flags, fills, _, _, ts, head = w.fill(
+                4 * MS, start + 40 * MS, lease.word, start, NEVER, 50_000, *m, True
+            )
         finally:
             stop.append(1)
             t.join(10)
-        if flags == PACE:  # (a refill of theirs lost time to the clamp, or came late: possible on a busy machine)
+        if (
+            flags == PACE
+        ):  # (a refill of theirs lost time to the clamp, or came late: possible on a busy machine)
             assert (ts, head) == m or ts > m[0]
         else:
-            assert flags == UNTIL and 1 <= fills <= 10 and ts > m[0] and head != m[1], (flags, fills)
+            assert flags == UNTIL and 1 <= fills <= 10 and ts > m[0] and head != m[1], (
+                flags,
+                fills,
+            )
 
 
 def test_a_backed_off_span_forgives_the_stops_own_ns_and_no_more(name):
@@ -187,14 +220,30 @@ def test_a_backed_off_span_forgives_the_stops_own_ns_and_no_more(name):
         gained = diff(c.load(L.HEAD), head) // b.tpn
         elapsed = ts1 - ts
         assert gained == elapsed
-        for mark_head, slack, kept in [(head, 0, True), (head + 400 * b.tpn, 400, True),
-                                       (head + 400 * b.tpn, 399, False), (head + 400 * b.tpn, None, False)]:
-            args = (2 * MS, time.monotonic_ns() + 3 * MS, lease.word, time.monotonic_ns(), NEVER, 50_000, ts, mark_head, True)
+        for mark_head, slack, kept in [
+            (head, 0, True),
+            (head + 400 * b.tpn, 400, True),
+            (head + 400 * b.tpn, 399, False),
+            (head + 400 * b.tpn, None, False),
+        ]:
+            args = (
+                2 * MS,
+                time.monotonic_ns() + 3 * MS,
+                lease.word,
+                time.monotonic_ns(),
+                NEVER,
+                50_000,
+                ts,
+                mark_head,
+                True,
+            )
             out = w.fill(*args) if slack is None else w.fill(*args, slack)
             if kept:  # (its first interval judged: ours since)
                 assert out[0] in (UNTIL, PACE) and out[1] >= 1 and out[4] > ts1, out
             else:
-                assert out[:2] == (PACE, 0) and out[4:] == (ts, mark_head), out  # the mark as it was
+                assert out[:2] == (PACE, 0) and out[4:] == (ts, mark_head), (
+                    out
+                )  # the mark as it was
             lease.word = out[2] or lease.word
 
 
@@ -202,7 +251,11 @@ def test_a_span_refuses_what_it_cannot_do(name):
     with closing(quiet_limiter(name, rate=50)) as lim:
         w, lease = filling(lim)
         now = time.monotonic_ns()
-        for args in [(0, now, lease.word, now, 1, 1), (MS, now, 0, now, 1, 1), (MS, now, lease.word, now, 1, 1 << 40)]:
+        for args in [
+            (0, now, lease.word, now, 1, 1),
+            (MS, now, 0, now, 1, 1),
+            (MS, now, lease.word, now, 1, 1 << 40),
+        ]:
             args += (*mark(lim), False)
             with pytest.raises(ValueError, match="fill"):
                 w.fill(*args)
@@ -291,7 +344,9 @@ def test_the_filler_thread_keeps_its_pace_in_native_spans(name, monkeypatch, rat
             fills, seen = f.fills - fills0, log[at:]
             assert fills <= most, fills
             python = sum(1 for e in seen if e[0] == "python")
-            if all(e[1] is not None for e in seen if e[0] == "tick") and all(e[1] == UNTIL for e in seen if e[0] == "span"):
+            if all(e[1] is not None for e in seen if e[0] == "tick") and all(
+                e[1] == UNTIL for e in seen if e[0] == "span"
+            ):
                 kept.append((python, fills))
     finally:
         done.append(1)

@@ -7,19 +7,19 @@ never one a replenish could have turned into a grant (a stateful search
 against the slow path's arithmetic, with an injected clock), and that the
 Limiter's public calls take the gate and keep their meaning.
 """
+
 import mmap
 import time
 
 import hypothesis.strategies as st
 import pytest
 from hypothesis import HealthCheck, given, settings
+from support.cells import BACKENDS, backend, cells, cells_for, opened, segment  # noqa: F401 (fixtures)
+from support.procs import run_processes
 
 import shmlimit
 from shmlimit.shm.cells import MASK64, open_cells
 from shmlimit.shm.composites import Gate
-
-from support.procs import run_processes
-from support.cells import BACKENDS, backend, cells, cells_for, opened, segment  # noqa: F401 (fixtures)
 
 SEQ, TAIL, HEAD, CEIL, TS, GRANTS = 8, 64, 128, 192, 256, 320
 INF = float("inf")
@@ -27,7 +27,21 @@ INF = float("inf")
 
 def make_gate(c, amount=10, tpn=1, pend_mul=1, capped=False, max_reserved_ns=INF, expected=2):
     c.store(SEQ, 2)
-    return c.gate(SEQ, expected, TAIL, HEAD, CEIL, TS, GRANTS, amount, 1, tpn, pend_mul, capped, max_reserved_ns)
+    return c.gate(
+        SEQ,
+        expected,
+        TAIL,
+        HEAD,
+        CEIL,
+        TS,
+        GRANTS,
+        amount,
+        1,
+        tpn,
+        pend_mul,
+        capped,
+        max_reserved_ns,
+    )
 
 
 def now_ns():
@@ -105,7 +119,9 @@ def test_grab_within_respects_max_reserved(cells):
     g = make_gate(cells, amount=1000, max_reserved_ns=500.0)
     cells.store(TS, now_ns() + 10**12)
     cells.store(HEAD, 0)
-    assert g.grab_within(10.0) is False  # 1000 ns of wait > max_reserved 500 ns, whatever the timeout
+    assert (
+        g.grab_within(10.0) is False
+    )  # 1000 ns of wait > max_reserved 500 ns, whatever the timeout
     g = make_gate(cells, amount=400, max_reserved_ns=500.0)
     assert g.grab_within(10.0) == 400
 
@@ -161,14 +177,16 @@ def test_gate_refuses_to_run_once_closed(backend, segment):  # noqa: F811
 def slow_path_could_grant(tail, head, ts, now, amount, tpn, mul, max_wait_ns):
     """Could a replenish at ``now`` make this grab fit ``max_wait_ns`` (None: granted at once)?"""
     most = max(0, now - ts) * tpn * mul  # the most a replenish adds, before its clamps
-    short = ((tail + amount - head - most) & MASK64)
+    short = (tail + amount - head - most) & MASK64
     short = short - (1 << 64) if short >> 63 else short
     if max_wait_ns is None:
         return short <= 0
     return short <= 0 or short / tpn <= max_wait_ns
 
 
-@settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@settings(
+    max_examples=300, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture]
+)
 @given(
     base=st.integers(0, MASK64),
     avail=st.integers(-(1 << 40), 1 << 40),
@@ -178,7 +196,9 @@ def slow_path_could_grant(tail, head, ts, now, amount, tpn, mul, max_wait_ns):
     idle=st.integers(0, 1 << 30),
     timeout=st.one_of(st.none(), st.floats(0, 10, allow_nan=False)),
 )
-def test_a_certain_refusal_is_never_one_a_replenish_could_grant(base, avail, amount, tpn, mul, idle, timeout):
+def test_a_certain_refusal_is_never_one_a_replenish_could_grant(
+    base, avail, amount, tpn, mul, idle, timeout
+):
     mm = mmap.mmap(-1, 4096)
     c = open_cells(mm, 4096, "atomics")
     try:
@@ -187,21 +207,55 @@ def test_a_certain_refusal_is_never_one_a_replenish_could_grant(base, avail, amo
         c.store(TAIL, base)
         c.store(HEAD, (base + avail) & MASK64)
         c.store(TS, clock[0] - idle)
-        g = Gate(c, SEQ, 2, TAIL, HEAD, CEIL, TS, GRANTS, amount, 1, tpn, mul, False, INF, clock=lambda: clock[0])
+        g = Gate(
+            c,
+            SEQ,
+            2,
+            TAIL,
+            HEAD,
+            CEIL,
+            TS,
+            GRANTS,
+            amount,
+            1,
+            tpn,
+            mul,
+            False,
+            INF,
+            clock=lambda: clock[0],
+        )
         before = state(c)
         r = g.try_grab() if timeout is None else g.grab_within(timeout)
         if r is False:
             assert state(c) == before
-            assert not slow_path_could_grant(base, (base + avail) & MASK64, clock[0] - idle, clock[0], amount, tpn,
-                                             mul, None if timeout is None else timeout * 1e9)
+            assert not slow_path_could_grant(
+                base,
+                (base + avail) & MASK64,
+                clock[0] - idle,
+                clock[0],
+                amount,
+                tpn,
+                mul,
+                None if timeout is None else timeout * 1e9,
+            )
         elif r is True:
-            assert avail >= amount and c.load(TAIL) == (base + amount) & MASK64 and c.load(GRANTS) == 1
+            assert (
+                avail >= amount and c.load(TAIL) == (base + amount) & MASK64 and c.load(GRANTS) == 1
+            )
         elif r is not None:  # a ticket: queued, within the timeout
             assert timeout is not None and r == (base + amount) & MASK64
             assert (amount - avail) / tpn <= timeout * 1e9
         else:  # undecided: only when a replenish could change the answer
-            assert slow_path_could_grant(base, (base + avail) & MASK64, clock[0] - idle, clock[0], amount, tpn, mul,
-                                         None if timeout is None else timeout * 1e9)
+            assert slow_path_could_grant(
+                base,
+                (base + avail) & MASK64,
+                clock[0] - idle,
+                clock[0],
+                amount,
+                tpn,
+                mul,
+                None if timeout is None else timeout * 1e9,
+            )
             assert state(c) == before
     finally:
         c.close()
@@ -214,7 +268,9 @@ def test_a_certain_refusal_is_never_one_a_replenish_could_grant(base, avail, amo
 def test_try_acquire_and_timed_acquire_take_the_gate(name):
     lim = shmlimit.Limiter(name, rate=10, burst=2)
     try:
-        assert lim._fast[1].__name__ == "_undecided"  # unused yet: the first call takes the slow path
+        assert (
+            lim._fast[1].__name__ == "_undecided"
+        )  # unused yet: the first call takes the slow path
         lim.retry_after()  # a first use (taking nothing) starts the filler and binds the fast paths
         assert lim._fast[1].__name__ == "try_grab" and lim._fast[2].__name__ == "grab_within"
         assert [lim.try_acquire() for _ in range(3)] == [True, True, False]

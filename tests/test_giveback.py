@@ -4,6 +4,7 @@ A waiter that leaves before its turn gives its ticket's range back and the head 
 ``shmlimit.bucket.giveback``); a killed process's recorded ticket is given back by the filler.  Each
 test here fails on a limiter that leaves the range queued: whoever comes next waits for it.
 """
+
 import asyncio
 import subprocess
 import sys
@@ -13,20 +14,20 @@ import time
 from contextlib import contextmanager
 
 import pytest
-
-import shmlimit
-from shmlimit.shm import layout as L
-from shmlimit.acquire.single import Request
-from shmlimit.bucket.rovers import diff
-from shmlimit.shm.cells import MASK64, native_available
-from shmlimit.config import MAX_NAP, Config
-from shmlimit.bucket.giveback import Returns, reap, skip, take_ticket
 from support.aio import until
 from support.buckets import make_bucket
 from support.clock import FakeClock
 from support.procs import WORKDIR, interrupted_after, wait_for
 from support.segments import shm_bytes
 from support.starvation import floor, run_delay
+
+import shmlimit
+from shmlimit.acquire.single import Request
+from shmlimit.bucket.giveback import Returns, reap, skip, take_ticket
+from shmlimit.bucket.rovers import diff
+from shmlimit.config import MAX_NAP, Config
+from shmlimit.shm import layout as L
+from shmlimit.shm.cells import MASK64, native_available
 
 BACKENDS = ["atomics"] + (["native"] if native_available() else [])
 
@@ -109,8 +110,12 @@ def test_a_late_skip_loses_the_tokens_that_reached_the_range_never_passes_them_o
         b.replenish()
     head = cells.load(L.HEAD)
     assert diff(head, gone - 100 * cost) > 0  # some time reached the range
-    assert skip(b, gone - 100 * cost, gone) == diff(gone, head)  # only what it had not reached is skipped
-    assert not any(b.covered(t) for t in tickets)  # no burst: the five behind are still owed their schedule
+    assert skip(b, gone - 100 * cost, gone) == diff(
+        gone, head
+    )  # only what it had not reached is skipped
+    assert not any(
+        b.covered(t) for t in tickets
+    )  # no burst: the five behind are still owed their schedule
 
 
 def test_returns_skip_each_range_when_the_head_reaches_it():
@@ -161,7 +166,9 @@ def test_a_cancelled_async_waiter_gives_its_ticket_back(name):
     async def main():
         empty(lim)
         task = asyncio.ensure_future(lim.acquire_async(600))
-        await until(lambda: lim.stats().processes[0].waiting == 1)  # queued, holding its ticket (waited for, not slept on)
+        await until(
+            lambda: lim.stats().processes[0].waiting == 1
+        )  # queued, holding its ticket (waited for, not slept on)
         task.cancel()
         with pytest.raises(asyncio.CancelledError):
             await task
@@ -185,7 +192,9 @@ def test_wait_for_in_a_retry_loop_lets_others_through(name):
         timeouts = 0
         while not stop.is_set():
             try:
-                await asyncio.wait_for(lim.acquire_async(10), 0.02)  # half a second of schedule, 20 ms patience
+                await asyncio.wait_for(
+                    lim.acquire_async(10), 0.02
+                )  # half a second of schedule, 20 ms patience
             except asyncio.TimeoutError:
                 timeouts += 1
         return timeouts
@@ -201,7 +210,10 @@ def test_wait_for_in_a_retry_loop_lets_others_through(name):
         empty(lim)
         stop = asyncio.Event()
         calls = []
-        tasks = [asyncio.ensure_future(retrier(stop)), asyncio.ensure_future(bystander(stop, calls))]
+        tasks = [
+            asyncio.ensure_future(retrier(stop)),
+            asyncio.ensure_future(bystander(stop, calls)),
+        ]
         await asyncio.sleep(seconds)
         stop.set()
         timeouts = await tasks[0]
@@ -222,7 +234,9 @@ def test_wait_for_in_a_retry_loop_lets_others_through(name):
     # limiter starved (support.starvation; ~0 on a quiet machine)
     delays = [None if delay0 is None or delay1 is None else delay1 - delay0]
     low = floor(4, 1 / MAX_NAP, starved, delays)
-    assert len(calls) >= low, f"only {len(calls)} ops in {seconds} s at {rate}/s: fewer than {low:.1f}"
+    assert len(calls) >= low, (
+        f"only {len(calls)} ops in {seconds} s at {rate}/s: fewer than {low:.1f}"
+    )
     # ... and never more than the window bound (rate*T + capacity) in any window.  A call returns
     # after its grant, not at it: the head covers a waiter whose turn a give-back moved up, but the
     # waiter notices at its next look (up to MAX_NAP later; ~0.2 s here), and its process may be
@@ -245,7 +259,9 @@ def test_a_request_that_leaves_on_a_fake_clock_gives_back_and_clears_its_record(
         assert att.cells.load(slot + L.SLOT_TICKET_LEN) == 100 * att.bucket.cost
         req.end()  # left without being granted (an exception in the driver)
         assert att.cells.load(slot + L.SLOT_TICKET_LEN) == 0  # given back and skipped at once: free
-        assert diff(att.cells.load(L.HEAD), att.cells.load(L.TAIL)) == 0  # skipped at once: it was at the head
+        assert (
+            diff(att.cells.load(L.HEAD), att.cells.load(L.TAIL)) == 0
+        )  # skipped at once: it was at the head
         assert att.returns.pending() == []
         # The first replenish after a skip adds nothing (its clamp is relative to a head read before
         # the skip: lost time, never a grant); the skip's own replenish makes that interval as short
@@ -276,8 +292,12 @@ KILLED_WAITER = textwrap.dedent(
 
 def queue_and_kill(name, lim, ops):
     """An interpreter queues ``ops`` (its ticket recorded in its slot), then is killed with SIGKILL."""
-    p = subprocess.Popen([sys.executable, "-c", KILLED_WAITER, name, str(ops)], stdout=subprocess.PIPE, text=True,
-                         cwd=WORKDIR)
+    p = subprocess.Popen(
+        [sys.executable, "-c", KILLED_WAITER, name, str(ops)],
+        stdout=subprocess.PIPE,
+        text=True,
+        cwd=WORKDIR,
+    )
     try:
         assert p.stdout.readline().strip() == "ready"
         cells = lim._att.cells
@@ -287,7 +307,11 @@ def queue_and_kill(name, lim, ops):
                 base = L.slot_offset(i)
                 if cells.load(base + L.SLOT_PID) == p.pid and cells.load(base + L.SLOT_WAITING):
                     # queued: its ticket is recorded just after it counts itself waiting
-                    return cells.load(base + L.SLOT_TICKET_LEN) if hasattr(L, "SLOT_TICKET_LEN") else True
+                    return (
+                        cells.load(base + L.SLOT_TICKET_LEN)
+                        if hasattr(L, "SLOT_TICKET_LEN")
+                        else True
+                    )
             return False
 
         wait_for(recorded, timeout=30)
@@ -332,8 +356,12 @@ def test_reap_gives_back_only_a_dead_owners_record(name):
         req = Request(att, 100, None)
         assert req.begin() > 0
         assert ahead.record is not None and req.record is not None  # each waiter its own record
-        behind = att.bucket.grab(att.bucket.cost, L.UNREG_GRANTS, 1)  # another process's, queued behind both
-        filler = Returns(att.bucket)  # another (live) process's filler reaps, into its own slot's records
+        behind = att.bucket.grab(
+            att.bucket.cost, L.UNREG_GRANTS, 1
+        )  # another process's, queued behind both
+        filler = Returns(
+            att.bucket
+        )  # another (live) process's filler reaps, into its own slot's records
         other = L.slot_offset((att.slot + 1) % att.table.slots)
         for word in (L.SLOT_PID, L.SLOT_START):
             att.cells.store(other + word, att.cells.load(L.slot_offset(att.slot) + word))
@@ -344,7 +372,9 @@ def test_reap_gives_back_only_a_dead_owners_record(name):
 
         assert reap(att.cells, att.table, adopt) == 0  # their owner (this process) is alive
         base = L.slot_offset(att.slot)
-        att.cells.store(base + L.SLOT_START, att.cells.load(base + L.SLOT_START) + 1)  # "dead": another start
+        att.cells.store(
+            base + L.SLOT_START, att.cells.load(base + L.SLOT_START) + 1
+        )  # "dead": another start
         assert reap(att.cells, att.table, adopt) == 2  # both waiters' tickets, given back
         assert all(att.cells.load(rec) == 0 for _, rec in att.records)
         assert reap(att.cells, att.table, adopt) == 0  # once
@@ -373,8 +403,9 @@ def test_reap_gives_back_only_a_dead_owners_record(name):
         lim.close()
 
 
-
-def test_a_death_between_the_ticket_cas_and_its_length_store_costs_that_requests_schedule_once(name):
+def test_a_death_between_the_ticket_cas_and_its_length_store_costs_that_requests_schedule_once(
+    name,
+):
     """The one queued range never given back (design.md, "Not given back"): its taker killed after
     the CAS that took it and before the store of its length, its record reads busy, which a reap
     cannot tell from a taker whose CAS failed while another took the same range from the same tail
@@ -382,7 +413,9 @@ def test_a_death_between_the_ticket_cas_and_its_length_store_costs_that_requests
     wait that request's schedule, n / rate, once, and one fill interval (the head's stop after a
     range no record tells): never longer, and never granted early."""
     clock = FakeClock()
-    lim = shmlimit.Limiter(name, rate=1000, burst=10, clock=clock)  # a capacity of ten fill intervals
+    lim = shmlimit.Limiter(
+        name, rate=1000, burst=10, clock=clock
+    )  # a capacity of ten fill intervals
     try:
         att = lim._att
         empty(lim)
@@ -428,7 +461,12 @@ def test_a_death_between_the_ticket_cas_and_its_length_store_costs_that_requests
         base = L.slot_offset(att.slot)
         cells.store(base + L.SLOT_START, cells.load(base + L.SLOT_START) + 1)  # the owner is "dead"
         head = cells.load(L.HEAD)
-        assert reap(cells, att.table, lambda end, tokens, take: pytest.fail("a busy record given back")) == 0
+        assert (
+            reap(
+                cells, att.table, lambda end, tokens, take: pytest.fail("a busy record given back")
+            )
+            == 0
+        )
         assert cells.load(L.HEAD) == head  # nothing skipped
         # the lost request's 100 ms, once, then its own op, and one fill more: the clamp of a snapshot in
         # the range no record tells lets the head only a token short of the recorded op's end, until a
@@ -462,19 +500,27 @@ def test_a_filler_with_every_record_in_use_never_holds_a_dead_range_in_no_record
         b.replenish()  # a snapshot after the drain: the next replenish adds its whole interval
         ahead = Request(att, 1, None)
         assert ahead.begin() > 0
-        other = (att.slot + 1) % att.table.slots  # a dead process's slot: its waiter's ticket recorded there
+        other = (
+            att.slot + 1
+        ) % att.table.slots  # a dead process's slot: its waiter's ticket recorded there
         base = L.slot_offset(other)
         cells.store(base + L.SLOT_PID, cells.load(L.slot_offset(att.slot) + L.SLOT_PID))
-        cells.store(base + L.SLOT_START, cells.load(L.slot_offset(att.slot) + L.SLOT_START) + 1)  # not alive
+        cells.store(
+            base + L.SLOT_START, cells.load(L.slot_offset(att.slot) + L.SLOT_START) + 1
+        )  # not alive
         dead_recs = L.ticket_records(att.table.slots, other)
         dead = b.grab(100 * b.cost, L.UNREG_GRANTS, 100)
         assert record(cells, dead_recs, dead, 100 * b.cost) is not None
         behind = [Request(att, 1, None) for _ in range(L.TICKET_RECORDS - 1)]
         assert all(r.begin() > 0 for r in behind)
-        assert all(cells.load(off) for _, off in att.records)  # every record of the filler's slot in use
+        assert all(
+            cells.load(off) for _, off in att.records
+        )  # every record of the filler's slot in use
         att.reap()  # the head is not at the dead range yet, and no record is free
         assert att.returns.unrecorded() == []  # never held in no record ...
-        assert cells.load(dead_recs[0][1]) == 100 * b.cost  # ... it stays where it was, for the next reap
+        assert (
+            cells.load(dead_recs[0][1]) == 100 * b.cost
+        )  # ... it stays where it was, for the next reap
         clock.now += 1_000_000
         b.replenish()
         assert b.covered(ahead.ticket)  # the head reaches the dead range
@@ -493,7 +539,10 @@ def test_a_filler_with_every_record_in_use_never_holds_a_dead_range_in_no_record
         assert att.reap() == 1
         assert cells.load(dead_recs[0][1]) == 0
         mine = [(cells.load(off - 8), cells.load(off)) for _, off in att.records]
-        assert (dead2, 50 * b.cost | L.TICKET_GIVEN) in mine  # should the filler die now, the next reap finds it
+        assert (
+            dead2,
+            50 * b.cost | L.TICKET_GIVEN,
+        ) in mine  # should the filler die now, the next reap finds it
         assert att.returns.unrecorded() == []
         for r in behind[1:]:
             r.end()
@@ -514,9 +563,15 @@ def test_a_process_that_takes_a_dead_owners_slot_gives_back_its_recorded_ticket(
     assert record(cells, recs, second, 7 * b.cost, given=True) == recs[1][1]  # (one it gave back)
     r = Returns(b)
     assert take_over(cells, recs, r.give_back) == 2  # its successor finds them ...
-    assert r.pending() == [((ticket - 50 * b.cost) % 2**64, ticket), ((second - 7 * b.cost) % 2**64, second)]
+    assert r.pending() == [
+        ((ticket - 50 * b.cost) % 2**64, ticket),
+        ((second - 7 * b.cost) % 2**64, second),
+    ]
     # ... and keeps them recorded where they are, marked given (never held in no record)
-    assert [cells.load(rec) for _, rec in recs[:2]] == [50 * b.cost | L.TICKET_GIVEN, 7 * b.cost | L.TICKET_GIVEN]
+    assert [cells.load(rec) for _, rec in recs[:2]] == [
+        50 * b.cost | L.TICKET_GIVEN,
+        7 * b.cost | L.TICKET_GIVEN,
+    ]
     assert r.step() is None  # both skipped (the first was at the head): their records are free
     assert all(cells.load(rec) == 0 for _, rec in recs)
     assert take_over(cells, recs, r.give_back) == 0  # once
@@ -536,14 +591,18 @@ def test_every_waiter_of_a_process_has_a_record_up_to_the_slots_five(name):
             assert r.begin() > 0
         recs = [len_off for _, len_off in att.records]
         assert [r.record for r in reqs] == recs + [None]  # one record each, while there is one
-        assert [att.cells.load(off) for off in recs] == [(1 + i) * att.bucket.cost for i in range(len(recs))]
+        assert [att.cells.load(off) for off in recs] == [
+            (1 + i) * att.bucket.cost for i in range(len(recs))
+        ]
         reqs[1].end()  # interrupted: its record stays, marked given, until the head skips its range
         assert att.cells.load(recs[1]) == 2 * att.bucket.cost | L.TICKET_GIVEN
         for r in reqs:
             r.end()
         assert att.returns.step() is None  # all skipped: the head is at the tail ...
         assert diff(att.cells.load(L.HEAD), att.cells.load(L.TAIL)) == 0
-        assert [att.cells.load(off) for off in recs] == [0] * len(recs)  # ... and every record is free
+        assert [att.cells.load(off) for off in recs] == [0] * len(
+            recs
+        )  # ... and every record is free
 
 
 def test_the_fast_paths_ticket_is_recorded_during_its_native_wait(name):
@@ -566,7 +625,9 @@ def test_the_fast_paths_ticket_is_recorded_during_its_native_wait(name):
         with pytest.raises(KeyboardInterrupt):
             wait_for_ticket(att, ticket)
         assert seen == [[b.cost] + [0] * (L.TICKET_RECORDS - 1)]  # recorded before the wait
-        assert diff(att.cells.load(L.HEAD), ticket) == 0  # given back: skipped at once (it was at the head)
+        assert (
+            diff(att.cells.load(L.HEAD), ticket) == 0
+        )  # given back: skipped at once (it was at the head)
         assert [att.cells.load(off) for _, off in att.records] == [0] * L.TICKET_RECORDS
 
         class Granted:
@@ -580,7 +641,9 @@ def test_the_fast_paths_ticket_is_recorded_during_its_native_wait(name):
         att.fast[3] = Granted()
         assert wait_for_ticket(att, ticket) is True
         assert seen[-1] == [b.cost] + [0] * (L.TICKET_RECORDS - 1)
-        assert [att.cells.load(off) for _, off in att.records] == [0] * L.TICKET_RECORDS  # granted: freed
+        assert [att.cells.load(off) for _, off in att.records] == [
+            0
+        ] * L.TICKET_RECORDS  # granted: freed
 
 
 KILLED_THREADS = textwrap.dedent(
@@ -612,11 +675,17 @@ def test_every_waiter_of_a_killed_process_is_given_back(name):
     # One op is a minute's schedule: two waiters of the killed process hold two minutes of queue.
     with queued(name, rate=1, per=60, burst=1) as lim:
         cells = lim._att.cells
-        p = subprocess.Popen([sys.executable, "-c", KILLED_THREADS, name, "2"], stdout=subprocess.PIPE, text=True,
-                             cwd=WORKDIR)
+        p = subprocess.Popen(
+            [sys.executable, "-c", KILLED_THREADS, name, "2"],
+            stdout=subprocess.PIPE,
+            text=True,
+            cwd=WORKDIR,
+        )
         try:
             assert p.stdout.readline().strip() == "ready"
-            wait_for(lambda: len(queued_records(cells, p.pid)) == 2, timeout=30)  # both are queued, recorded
+            wait_for(
+                lambda: len(queued_records(cells, p.pid)) == 2, timeout=30
+            )  # both are queued, recorded
             # queued until the kill (after it, the filler may reap them before this thread looks)
             assert diff(cells.load(L.TAIL), cells.load(L.HEAD)) > 0
         finally:
@@ -651,8 +720,14 @@ def test_a_waiter_whose_process_closes_the_limiter_under_it_is_given_back(name, 
     # then lives on or is killed; left in no record, it held the queue for its minute.
     with queued(name, rate=1, per=60, burst=1) as lim:
         cells = lim._att.cells
-        p = subprocess.Popen([sys.executable, "-c", CLOSES_UNDER_ITS_WAITER, name], stdin=subprocess.PIPE,
-                             stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True, cwd=WORKDIR)
+        p = subprocess.Popen(
+            [sys.executable, "-c", CLOSES_UNDER_ITS_WAITER, name],
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.DEVNULL,
+            text=True,
+            cwd=WORKDIR,
+        )
         try:
             assert p.stdout.readline().strip() == "ready"
             wait_for(lambda: len(queued_records(cells, p.pid)) == 1, timeout=30)  # queued, recorded
@@ -697,15 +772,22 @@ def test_a_range_given_back_is_skipped_after_its_process_exits(name):
     with queued(name, rate=10, burst=1) as lim:
         att = lim._att
         cells = att.cells
-        p = subprocess.Popen([sys.executable, "-c", GIVES_BACK_AND_EXITS, name, "600"], stdin=subprocess.PIPE,
-                             stdout=subprocess.PIPE, text=True, cwd=WORKDIR)
+        p = subprocess.Popen(
+            [sys.executable, "-c", GIVES_BACK_AND_EXITS, name, "600"],
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            text=True,
+            cwd=WORKDIR,
+        )
         try:
             assert p.stdout.readline().strip() == "ready"
             ahead = Request(att, 50, None)  # five seconds of schedule, ahead of the child's minute
             assert ahead.begin() > 0
             p.stdin.write("go\n")
             p.stdin.flush()
-            assert p.stdout.readline().strip() == "1"  # it gave back a range the head had not reached ...
+            assert (
+                p.stdout.readline().strip() == "1"
+            )  # it gave back a range the head had not reached ...
             assert p.wait(timeout=30) == 0  # ... and exited cleanly
         finally:
             p.kill()
@@ -793,8 +875,12 @@ def slot_records(cells, pid):
 
 def run_crowd(name, callers, recorded):
     """Start CROWD with ``callers`` waiters of which at most ``recorded`` may hold tickets; the process."""
-    p = subprocess.Popen([sys.executable, "-c", CROWD, name, str(callers), str(recorded)], stdout=subprocess.PIPE,
-                         text=True, cwd=WORKDIR)
+    p = subprocess.Popen(
+        [sys.executable, "-c", CROWD, name, str(callers), str(recorded)],
+        stdout=subprocess.PIPE,
+        text=True,
+        cwd=WORKDIR,
+    )
     return p
 
 
@@ -839,7 +925,9 @@ def test_a_process_beyond_the_table_never_queues(name):
         try:
             line = p.stdout.readline().split()
             assert line == ["ready", "13", "None"], line
-            assert diff(cells.load(L.TAIL), cells.load(L.HEAD)) <= 0  # nothing queued by any of them
+            assert (
+                diff(cells.load(L.TAIL), cells.load(L.HEAD)) <= 0
+            )  # nothing queued by any of them
         finally:
             p.kill()
             p.wait()
@@ -868,7 +956,9 @@ def test_a_grab_bound_to_records_queues_only_holding_one(backend):
     before = [cells.load(off) for off in range(0, size, 8)]
     assert grab() is False and within(3600) is None  # all in use: nothing taken, the slow path naps
     assert [cells.load(off) for off in range(0, size, 8)] == before
-    none = b.grabber(b.snap, L.UNREG_GRANTS, ())  # no records at all (beyond the table): never queues
+    none = b.grabber(
+        b.snap, L.UNREG_GRANTS, ()
+    )  # no records at all (beyond the table): never queues
     assert none() is False and b.gate(b.snap, L.UNREG_GRANTS, 1, ()).grab_within(3600) is None
     assert [cells.load(off) for off in range(0, size, 8)] == before
     cells.store(recs[0], 0)  # one freed: the next grab takes a ticket again, recorded there
@@ -930,8 +1020,12 @@ def test_a_killed_processs_ops_in_flight_are_released_for_it(name):
     try:
         assert lim.acquire(1, timeout=5)  # this process uses it (its filler reaps) and holds one op
         b = lim._att.bucket
-        p = subprocess.Popen([sys.executable, "-c", HOLDS_OPS, name, "2"], stdout=subprocess.PIPE, text=True,
-                             cwd=WORKDIR)
+        p = subprocess.Popen(
+            [sys.executable, "-c", HOLDS_OPS, name, "2"],
+            stdout=subprocess.PIPE,
+            text=True,
+            cwd=WORKDIR,
+        )
         try:
             assert p.stdout.readline().strip() == "ready"
             assert b.in_flight() == 3
@@ -940,7 +1034,9 @@ def test_a_killed_processs_ops_in_flight_are_released_for_it(name):
             p.kill()
             p.wait()
             p.stdout.close()
-        wait_for(lambda: b.in_flight() == 1, timeout=10)  # the child's two released for it; ours stays
+        wait_for(
+            lambda: b.in_flight() == 1, timeout=10
+        )  # the child's two released for it; ours stays
         assert lim.acquire(2, timeout=5)  # the whole capacity again
         assert b.in_flight() == 3
         lim.release(3)
@@ -983,7 +1079,11 @@ def _released_when_recorded(att, rng, ticket):
 
     def release():
         try:
-            seen.append(wait_for(lambda: any(c.load(t) == ticket and c.load(n) == cost for t, n in att.records)))
+            seen.append(
+                wait_for(
+                    lambda: any(c.load(t) == ticket and c.load(n) == cost for t, n in att.records)
+                )
+            )
         finally:
             _unblock(att, rng)  # never leave the waiter queued behind an hour
 
@@ -1054,18 +1154,25 @@ def _record_sequence(lim, python_wait):
     return [cost] + seen
 
 
-@pytest.mark.skipif(not native_available(), reason="compares the native backend's paths with the atomics one")
+@pytest.mark.skipif(
+    not native_available(), reason="compares the native backend's paths with the atomics one"
+)
 def test_the_native_and_python_waits_leave_the_same_record_words(name, monkeypatch):
     # the same sequence three ways: the native one-call acquire (grab, wait, record freed), the
     # native grab with the wait in Python, and the atomics backend (its grab, the wait in Python)
     out = {}
-    for path, backend, python_wait in (("native", "native", False), ("python", "native", True),
-                                       ("atomics", "atomics", False)):
+    for path, backend, python_wait in (
+        ("native", "native", False),
+        ("python", "native", True),
+        ("atomics", "atomics", False),
+    ):
         monkeypatch.setenv("SHMLIMIT_BACKEND", backend)
         lim = shmlimit.Limiter(f"{name}-{path}", rate=RECORD_RATE, burst=1)
         try:
             out[path] = _record_sequence(lim, python_wait)
-            assert (type(lim._att.fast[0]).__name__ == "Acquirer") == (path == "native")  # one call per acquire
+            assert (type(lim._att.fast[0]).__name__ == "Acquirer") == (
+                path == "native"
+            )  # one call per acquire
         finally:
             lim.close()
             shmlimit.unlink(f"{name}-{path}")
@@ -1150,8 +1257,13 @@ def test_close_waits_for_a_grab_between_its_records_claim_and_its_length_store(n
         closer = threading.Thread(target=lim.close)
         closer.start()
         assert progress.wait(30)
-        p = subprocess.Popen([sys.executable, "-c", OPENS_AND_WAITS, name], stdin=subprocess.PIPE,
-                             stdout=subprocess.PIPE, text=True, cwd=WORKDIR)
+        p = subprocess.Popen(
+            [sys.executable, "-c", OPENS_AND_WAITS, name],
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            text=True,
+            cwd=WORKDIR,
+        )
         slot = int(p.stdout.readline())
         resume.set()
         waiter.join(30)
@@ -1159,15 +1271,18 @@ def test_close_waits_for_a_grab_between_its_records_claim_and_its_length_store(n
         closer.join(30)
         assert not waiter.is_alive() and not closer.is_alive()
         assert steps and steps[0] is not True  # queued: never granted after its limiter closed
+
         def word(off, raw=None):  # read from outside: opening the limiter here would register
             raw = shm_bytes(name) if raw is None else raw
-            return int.from_bytes(raw[off:off + 8], "little")
+            return int.from_bytes(raw[off : off + 8], "little")
 
         raw = shm_bytes(name)
         records = L.ticket_records(word(L.SLOTS_OFF, raw), slot)
         lens = [word(off, raw) for _, off in records]
         # the other process's slot holds only what it put there itself: nothing
-        assert lens == [0] * L.TICKET_RECORDS, f"the other process's slot holds another's ticket: {lens}"
+        assert lens == [0] * L.TICKET_RECORDS, (
+            f"the other process's slot holds another's ticket: {lens}"
+        )
         # the closed limiter's ticket is given back: that process's filler reaps it, the head skips it
         wait_for(lambda: diff(word(L.TAIL), word(L.HEAD)) <= 0, timeout=10)
     finally:

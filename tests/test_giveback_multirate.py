@@ -3,6 +3,7 @@ rates is recorded in its rate's process slot, as a single rate's is, and given b
 is interrupted, cancelled or killed.  Each test fails on a limiter that leaves the range queued:
 whoever comes next on that rate waits for the abandoned request's whole schedule.
 """
+
 import asyncio
 import subprocess
 import sys
@@ -11,18 +12,18 @@ import threading
 import time
 
 import pytest
-
-import shmlimit
-from shmlimit.shm import layout as L
-from shmlimit.bucket.rovers import diff
-from shmlimit.bucket.giveback import record
-from shmlimit.multirate import MultiLimiter, MultiRequest
-from shmlimit.bucket.schedule import LONGEST_FILL_NS
 from support.aio import until
 from support.clock import FakeClock
 from support.procs import WORKDIR, interrupted_after, wait_for
 from support.reservations import PREAMBLE, killed_part_way, queued
 from support.segments import shm_bytes
+
+import shmlimit
+from shmlimit.bucket.giveback import record
+from shmlimit.bucket.rovers import diff
+from shmlimit.bucket.schedule import LONGEST_FILL_NS
+from shmlimit.multirate import MultiLimiter, MultiRequest
+from shmlimit.shm import layout as L
 
 #: a promise after a skip on a clock that stood still counts the filler's longest pause (s)
 LOST = LONGEST_FILL_NS / 1e9
@@ -76,7 +77,9 @@ def test_an_interrupted_lead_ticket_is_recorded_and_given_back(name, cleanup):
     behind = request(lim, a=1)
     assert behind.begin() is not True  # queued behind it on a
     r.end()  # interrupted (the driver's finally): its ticket is given back, the head skips it
-    assert [a.cells.load(off) for _, off in a.records].count(0) == L.TICKET_RECORDS - 1  # behind's only
+    assert [a.cells.load(off) for _, off in a.records].count(
+        0
+    ) == L.TICKET_RECORDS - 1  # behind's only
     advance(lim, clock, 1.001)
     assert behind.next() is True  # one op's schedule, not six
     behind.end()
@@ -93,11 +96,15 @@ def test_a_ticket_queued_on_another_rate_is_recorded_and_given_back(name, cleanu
     promised = shmlimit.multirate.acquisition.reserve(b, 15, None)  # 1.5 s of b's schedule ...
     assert promised >= 1.5  # ... its fence holding those behind it until its promise
     advance(lim, clock, 1.002)
-    assert r.next() is not True and r.state == "others"  # a is due: it queues on b behind the reservation
+    assert (
+        r.next() is not True and r.state == "others"
+    )  # a is due: it queues on b behind the reservation
     assert [i for i, _ in r.waits] == [1]
     assert_recorded(r.waits[0][1])
     bystander = request(lim, b=1)
-    assert bystander.begin() is not True  # behind it on b: due an op after the promise without it, two with it
+    assert (
+        bystander.begin() is not True
+    )  # behind it on b: due an op after the promise without it, two with it
     r.end()  # interrupted: its ticket on b is given back (and a's op it held), skipped once the fence lifts
     advance(lim, clock, promised + 0.1 - 1.002 - 0.004)
     assert bystander.next() is not True
@@ -165,7 +172,9 @@ def test_a_cancelled_async_multirate_waiter_gives_its_tickets_back(name, cleanup
     async def main():
         empty(lim)
         task = asyncio.ensure_future(lim.acquire_async(600))
-        await until(lambda: lim.stats().rates["0"].processes[0].waiting == 1)  # queued on the lead rate (waited for, not slept on)
+        await until(
+            lambda: lim.stats().rates["0"].processes[0].waiting == 1
+        )  # queued on the lead rate (waited for, not slept on)
         task.cancel()
         with pytest.raises(asyncio.CancelledError):
             await task
@@ -191,13 +200,21 @@ def test_a_killed_multirate_waiter_does_not_stall_those_behind_it(name, cleanup)
     lim = make(name, RATES)
     cleanup.append(lim)
     empty(lim)
-    p = subprocess.Popen([sys.executable, "-c", KILLED_MULTI_WAITER, name, "600"], stdout=subprocess.PIPE,
-                         text=True, cwd=WORKDIR)
+    p = subprocess.Popen(
+        [sys.executable, "-c", KILLED_MULTI_WAITER, name, "600"],
+        stdout=subprocess.PIPE,
+        text=True,
+        cwd=WORKDIR,
+    )
     try:
         assert p.stdout.readline().strip() == "ready"
 
         def queued():  # the child waits on some rate: its ticket is taken (a minute of the first rate's)
-            return any(pr.pid == p.pid and pr.waiting for s in lim.stats().rates.values() for pr in s.processes)
+            return any(
+                pr.pid == p.pid and pr.waiting
+                for s in lim.stats().rates.values()
+                for pr in s.processes
+            )
 
         wait_for(queued, timeout=30)
         cells = lim._live()[0].cells
@@ -247,7 +264,9 @@ def with_another_caller_of_b(name, cleanup):
     return lim, other
 
 
-def test_a_reservation_refused_on_a_later_rate_gives_back_its_earlier_claims(name, cleanup, monkeypatch):
+def test_a_reservation_refused_on_a_later_rate_gives_back_its_earlier_claims(
+    name, cleanup, monkeypatch
+):
     lim, other = with_another_caller_of_b(name, cleanup)
     a = lim._live()[0]
     # between the reservation's look and its claim on b, the other caller takes b's next slot
@@ -256,7 +275,10 @@ def test_a_reservation_refused_on_a_later_rate_gives_back_its_earlier_claims(nam
     monkeypatch.undo()
     # a's claim, queued, went back by the skip: nothing queued on a, its record free again
     assert diff(a.cells.load(L.TAIL), a.cells.load(L.HEAD)) <= 0
-    assert a.returns.pending() == [] and [a.cells.load(off) for _, off in a.records] == [0] * L.TICKET_RECORDS
+    assert (
+        a.returns.pending() == []
+        and [a.cells.load(off) for _, off in a.records] == [0] * L.TICKET_RECORDS
+    )
     # so a's next caller is promised a's next slot, not one behind a dead claim (0.2 s) ... (and
     # the replenish after the skip, which adds nothing: the clock stood still since the last one)
     assert lim.reserve(a=1) == pytest.approx(0.1 + LOST, abs=1e-6)
@@ -289,7 +311,9 @@ def test_a_reservation_interrupted_part_way_gives_back_its_claims(name, cleanup,
     assert lim.stats().grants == {"a": 2, "b": 1}
 
 
-def test_a_reservation_whose_later_rate_takes_all_records_still_gives_back(name, cleanup, monkeypatch):
+def test_a_reservation_whose_later_rate_takes_all_records_still_gives_back(
+    name, cleanup, monkeypatch
+):
     # every record of this process's slot on a is in use: the claim there is taken unrecorded,
     # and given back on the refusal all the same
     lim, other = with_another_caller_of_b(name, cleanup)
@@ -347,7 +371,9 @@ RESERVES_WITH_EVERY_RECORD_IN_USE_AND_IS_KILLED = PREAMBLE + textwrap.dedent(
 
 
 @pytest.mark.slow
-def test_a_process_killed_between_two_claims_with_every_record_in_use_leaves_no_claim_queued(name, cleanup):
+def test_a_process_killed_between_two_claims_with_every_record_in_use_leaves_no_claim_queued(
+    name, cleanup
+):
     # a (the shorter wait, claimed first) finds all five of the child's records in use: its claim
     # must not be taken unrecorded while another rate is still to claim, or a death there leaves a
     # minute of a's schedule queued that no reap can see
@@ -358,11 +384,15 @@ def test_a_process_killed_between_two_claims_with_every_record_in_use_leaves_no_
     with killed_part_way(RESERVES_WITH_EVERY_RECORD_IN_USE_AND_IS_KILLED, name) as said:
         assert said == "claimed" and queued(atts)  # one claim queued
     # every queued claim was recorded in the child's slot: this process's filler reaps it, the head skips it
-    wait_for(lambda: all(diff(t.cells.load(L.TAIL), t.cells.load(L.HEAD)) <= 0 for t in atts), timeout=10)
+    wait_for(
+        lambda: all(diff(t.cells.load(L.TAIL), t.cells.load(L.HEAD)) <= 0 for t in atts), timeout=10
+    )
     assert lim.reserve(a=1) < 61  # a's next slot, not one behind a dead claim
 
 
-def test_a_reservation_finding_every_record_in_use_on_two_rates_waits_for_one(name, cleanup, monkeypatch):
+def test_a_reservation_finding_every_record_in_use_on_two_rates_waits_for_one(
+    name, cleanup, monkeypatch
+):
     # a claim other than the last needs a record: with none free on any rate still to claim, the
     # reservation waits for one (a waiter of this process is granted), or refuses at max_wait
     clock = FakeClock()
@@ -378,8 +408,12 @@ def test_a_reservation_finding_every_record_in_use_on_two_rates_waits_for_one(na
     naps = []
     real_sleep, me = time.sleep, threading.current_thread()
 
-    def ours(fake):  # time.sleep is the time module's: this process's filler and skipper threads sleep as before
-        return lambda seconds: fake(seconds) if threading.current_thread() is me else real_sleep(seconds)
+    def ours(
+        fake,
+    ):  # time.sleep is the time module's: this process's filler and skipper threads sleep as before
+        return lambda seconds: (
+            fake(seconds) if threading.current_thread() is me else real_sleep(seconds)
+        )
 
     def nap(seconds):  # the wait for a record: the fake clock moves past max_wait
         naps.append(seconds)
@@ -387,7 +421,9 @@ def test_a_reservation_finding_every_record_in_use_on_two_rates_waits_for_one(na
 
     monkeypatch.setattr("shmlimit.multirate.time.sleep", ours(nap))
     assert lim.reserve(max_wait=1.5) is None
-    assert naps and [a.cells.load(L.TAIL), b.cells.load(L.TAIL)] == tails  # took nothing on either rate
+    assert (
+        naps and [a.cells.load(L.TAIL), b.cells.load(L.TAIL)] == tails
+    )  # took nothing on either rate
     empty(lim)  # what accrued meanwhile: the next reservation queues on both rates again
 
     def freeing(seconds):  # a waiter of this process on b is granted: its record is free
@@ -448,7 +484,7 @@ def test_a_reservation_claiming_on_a_rate_being_closed_takes_nothing_there(name,
 
     def a_tail():
         raw = shm_bytes(a_name)
-        return int.from_bytes(raw[L.TAIL:L.TAIL + 8], "little")
+        return int.from_bytes(raw[L.TAIL : L.TAIL + 8], "little")
 
     monkeypatch.setattr(multirate_module, "claim", claim)
     real_unregister = a.table.unregister

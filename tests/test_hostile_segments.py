@@ -1,15 +1,15 @@
 """Random bytes where a segment should be: refused with a clear error, never a crash or a hang."""
+
 import functools
 import struct
 
 from hypothesis import HealthCheck, event, given, settings
 from hypothesis import strategies as st
-
-import shmlimit
-import shmlimit.shm.layout as L
-import shmlimit.header as header
 from support.segments import captured, no_opener_waits, planted, with_words
 
+import shmlimit
+import shmlimit.header as header
+import shmlimit.shm.layout as L
 
 VALID_HEADER = struct.pack("<QQQQQQ", L.MAGIC, L.VERSION, L.segment_size(1), L.STATE_READY, 1, 1)
 
@@ -39,17 +39,25 @@ def _mutated(changes):
 
 
 segment_bytes = st.one_of(
-    st.builds(_mutated, st.lists(st.tuples(st.integers(8, SIZE // 8 - 1), st.integers(0, 2**64 - 1)), max_size=6)),
+    st.builds(
+        _mutated,
+        st.lists(st.tuples(st.integers(8, SIZE // 8 - 1), st.integers(0, 2**64 - 1)), max_size=6),
+    ),
     st.binary(max_size=4096),  # mostly too short
     st.binary(min_size=SIZE, max_size=SIZE),  # the right size, garbage throughout
     # a valid header over garbage: config, rovers, lease and process table all random
-    st.builds(lambda tail: VALID_HEADER + tail, st.binary(min_size=SIZE - len(VALID_HEADER), max_size=SIZE)),
+    st.builds(
+        lambda tail: VALID_HEADER + tail,
+        st.binary(min_size=SIZE - len(VALID_HEADER), max_size=SIZE),
+    ),
     # a valid header with one header word replaced by any 64-bit value, the rest zero
     st.builds(_header_with, st.integers(0, 5), st.integers(0, 2**64 - 1)),
 )
 
 
-@settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@settings(
+    max_examples=300, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture]
+)
 @given(data=segment_bytes)
 def test_random_bytes_are_refused_cleanly(data, monkeypatch):
     no_opener_waits(monkeypatch, header)
@@ -61,7 +69,9 @@ def test_random_bytes_are_refused_cleanly(data, monkeypatch):
                 event(f"refused: {type(e).__name__}")
                 continue  # refused with one of our clear errors (LimiterNotFoundError included)
             event("accepted")
-            if isinstance(r, shmlimit.Limiter):  # a valid header over garbage: calls that cannot wait must work
+            if isinstance(
+                r, shmlimit.Limiter
+            ):  # a valid header over garbage: calls that cannot wait must work
                 try:
                     r.try_acquire()
                     r.acquire(timeout=0)

@@ -1,5 +1,6 @@
 """HTTP clients: the httpx transports (sync, async) and the requests adapter throttle through one
 limiter, and a 429 with Retry-After seen by one process pauses that host for every process."""
+
 import asyncio
 import email.utils
 import multiprocessing as mp
@@ -8,9 +9,9 @@ import time
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 import pytest
+from support.windows import max_excess
 
 import shmlimit
-from support.windows import max_excess
 
 httpx = pytest.importorskip("httpx")
 requests = pytest.importorskip("requests")
@@ -104,7 +105,11 @@ def test_retry_after_pauses_every_process(name):
 
 def test_parse_retry_after_and_host_keys():
     assert parse_retry_after("120") == 120.0
-    assert parse_retry_after(None) is None and parse_retry_after("soon") is None and parse_retry_after("-3") is None
+    assert (
+        parse_retry_after(None) is None
+        and parse_retry_after("soon") is None
+        and parse_retry_after("-3") is None
+    )
     date = email.utils.formatdate(1_000_030, usegmt=True)
     assert parse_retry_after(date, now=1_000_000) == pytest.approx(30)
     assert parse_retry_after(date, now=1_000_100) == 0.0  # already past
@@ -119,8 +124,12 @@ def test_pause_pushes_the_schedule_once_and_is_capped(name):
     assert t.after((), 200, "5") is None and t.after((), 429, None) is None  # nothing to react to
     assert t.after((), 503, "30") == 2.0  # capped at max_pause
     ra = lim.retry_after()
-    assert 1.99 <= ra <= 2.0 + 0.01 + 1e-3  # the next op is max_pause away, overshooting by under one op
-    t.after((), 429, "1")  # a shorter pause, told by another process meanwhile: pushes nothing further
+    assert (
+        1.99 <= ra <= 2.0 + 0.01 + 1e-3
+    )  # the next op is max_pause away, overshooting by under one op
+    t.after(
+        (), 429, "1"
+    )  # a shorter pause, told by another process meanwhile: pushes nothing further
     assert lim.retry_after() <= ra
     with pytest.raises(shmlimit.RateLimited) as e:
         HostThrottle(lim, max_wait=0.1).before(())
@@ -130,9 +139,15 @@ def test_pause_pushes_the_schedule_once_and_is_capped(name):
 
 @pytest.mark.parametrize(
     "kwargs, err",
-    [(dict(max_wait=-1), ValueError), (dict(max_pause=float("inf")), ValueError), (dict(key=5), TypeError),
-     # pause_on: a bare status raised "'int' object is not iterable", a word int()'s own message
-     (dict(pause_on=429), TypeError), (dict(pause_on=["soon"]), ValueError), (dict(pause_on=[4290]), ValueError)],
+    [
+        (dict(max_wait=-1), ValueError),
+        (dict(max_pause=float("inf")), ValueError),
+        (dict(key=5), TypeError),
+        # pause_on: a bare status raised "'int' object is not iterable", a word int()'s own message
+        (dict(pause_on=429), TypeError),
+        (dict(pause_on=["soon"]), ValueError),
+        (dict(pause_on=[4290]), ValueError),
+    ],
 )
 def test_bad_parameters(name, kwargs, err):
     """Each refused with an error naming the parameter."""
@@ -155,14 +170,20 @@ def test_keyed_limiter_throttles_and_pauses_per_host(name):
             return httpx.Response(429, headers={"Retry-After": "30"})
         return httpx.Response(200)
 
-    with httpx.Client(transport=ThrottledTransport(lim, transport=httpx.MockTransport(remote), max_wait=0.5)) as c:
+    with httpx.Client(
+        transport=ThrottledTransport(lim, transport=httpx.MockTransport(remote), max_wait=0.5)
+    ) as c:
         assert c.get("https://busy.example/").status_code == 429
-        assert 30 <= lim.retry_after("busy.example") <= 30.2  # that host is paused for every process...
+        assert (
+            30 <= lim.retry_after("busy.example") <= 30.2
+        )  # that host is paused for every process...
         with pytest.raises(shmlimit.RateLimited) as e:
             c.get("https://busy.example/again")  # ...so this one is not even sent
         assert e.value.retry_after >= 29
         t0 = time.monotonic()
-        assert [c.get("http://calm.example:8080/").status_code for _ in range(3)] == [200] * 3  # other hosts go on
+        assert [c.get("http://calm.example:8080/").status_code for _ in range(3)] == [
+            200
+        ] * 3  # other hosts go on
         assert time.monotonic() - t0 < 1.0
     assert lim.retry_after("calm.example:8080") > 0  # keyed by host:port
     assert lim.stats().keys == 2

@@ -5,12 +5,10 @@ an edge too), and the graph must have no cycle.  The shared-memory core never im
 Redis tier, the design page's map lists every module with the modules it imports, and no
 module is longer than a reader can hold (``MAX_LINES``; the ``Limiter`` facade, ``FACADE_LINES``).
 """
+
 import ast
 import os
 import re
-
-import pytest
-
 
 # the source tree beside this test file (the installed copy has no docs/ beside it)
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -39,7 +37,9 @@ def modules():
         for f in files:
             if f.endswith(".py"):
                 rel = os.path.relpath(os.path.join(dirpath, f), PACKAGE)[:-3].replace(os.sep, ".")
-                out[rel[: -len(".__init__")] if rel.endswith(".__init__") else rel] = os.path.join(dirpath, f)
+                out[rel[: -len(".__init__")] if rel.endswith(".__init__") else rel] = os.path.join(
+                    dirpath, f
+                )
     return out
 
 
@@ -51,22 +51,33 @@ def imports_of(name, path, known):
     found = set()
 
     def add(target, names):
-        for alias in names:  # ``from target import alias``: a module of its own, or a name of target
+        for (
+            alias
+        ) in names:  # ``from target import alias``: a module of its own, or a name of target
             sub = f"{target}.{alias}".lstrip(".")
-            if sub not in EXTENSIONS:  # the C extension is below the atomic layer, not a module here
+            if (
+                sub not in EXTENSIONS
+            ):  # the C extension is below the atomic layer, not a module here
                 found.add(sub if sub in known else (target or "__init__"))
 
     for node in ast.walk(ast.parse(open(path).read())):
         if isinstance(node, ast.ImportFrom) and node.level:
             base = pkg.split(".") if pkg else []
             base = base[: len(base) - (node.level - 1)] if node.level > 1 else base
-            add(".".join(base + ([node.module] if node.module else [])), [a.name for a in node.names])
-        elif isinstance(node, ast.ImportFrom) and node.module and node.module.split(".")[0] == "shmlimit":
-            add(node.module[len("shmlimit."):], [a.name for a in node.names])
+            add(
+                ".".join(base + ([node.module] if node.module else [])),
+                [a.name for a in node.names],
+            )
+        elif (
+            isinstance(node, ast.ImportFrom)
+            and node.module
+            and node.module.split(".")[0] == "shmlimit"
+        ):
+            add(node.module[len("shmlimit.") :], [a.name for a in node.names])
         elif isinstance(node, ast.Import):
             for a in node.names:
                 if a.name.split(".")[0] == "shmlimit":
-                    found.add(a.name[len("shmlimit."):] or "__init__")
+                    found.add(a.name[len("shmlimit.") :] or "__init__")
     found.discard(name)
     return {m for m in found if m in known}
 
@@ -83,7 +94,7 @@ def test_no_import_cycles_lazy_ones_included():
     def visit(m, path):
         if state.get(m) == "done":
             return
-        assert state.get(m) != "open", "import cycle: " + " -> ".join(path[path.index(m):] + [m])
+        assert state.get(m) != "open", "import cycle: " + " -> ".join(path[path.index(m) :] + [m])
         state[m] = "open"
         for d in sorted(g.get(m, ())):
             visit(d, path + [m])
@@ -119,12 +130,18 @@ def design_map():
 
 
 def test_the_design_page_maps_every_module_and_its_imports():
-    g = {("shmlimit" if m == "__init__" else m): {"shmlimit" if d == "__init__" else d for d in deps}
-         for m, deps in graph().items()}
+    g = {
+        ("shmlimit" if m == "__init__" else m): {"shmlimit" if d == "__init__" else d for d in deps}
+        for m, deps in graph().items()
+    }
     shown = design_map()
-    assert set(shown) == set(g), f"missing from the map: {set(g) - set(shown)}; not modules: {set(shown) - set(g)}"
+    assert set(shown) == set(g), (
+        f"missing from the map: {set(g) - set(shown)}; not modules: {set(shown) - set(g)}"
+    )
     for m, deps in g.items():
-        assert shown[m] == deps, f"design.md says {m} imports {sorted(shown[m])}; it imports {sorted(deps)}"
+        assert shown[m] == deps, (
+            f"design.md says {m} imports {sorted(shown[m])}; it imports {sorted(deps)}"
+        )
 
 
 def test_the_top_of_the_package_shows_its_layers():

@@ -8,12 +8,13 @@ injected clock's schedule granted.  The tests' own clocks start at 1000 s, so th
 a machine up for less than that (a fresh CI machine); here the clock is put far ahead of the real
 one, and behind it, whatever the uptime.
 """
+
 import time
 
 import pytest
+from support.clock import FakeClock
 
 import shmlimit
-from support.clock import FakeClock
 
 #: far ahead of the real clock (a day), and behind it (as far as the real clock allows)
 OFFSETS = [86_400 * 10**9, -min(10**12, time.monotonic_ns() // 2)]

@@ -1,4 +1,5 @@
 """KeyedLimiter's interface: per-key limits, bad input, overrides, a full table, attach and pickle."""
+
 import asyncio
 import os
 import pickle
@@ -12,8 +13,8 @@ import pytest
 
 import shmlimit
 from shmlimit.keyed import cells as KC
-from shmlimit.keyed.gcra import bank_sum, bank_values, bank_words, make_rate
 from shmlimit.keyed import layout as K
+from shmlimit.keyed.gcra import bank_sum, bank_values, bank_words, make_rate
 from shmlimit.keyed.limiter import KeyedStats
 
 WORKDIR = tempfile.gettempdir()
@@ -35,7 +36,9 @@ def test_each_key_has_its_own_bucket(lim):
     assert isinstance(s, KeyedStats)
     assert (s.keys, s.grants, s.slots, s.refused_full) == (3, 6, 1000, 0)
     assert K.SLOT_BYTES == 64 and s.segment_bytes == K.segment_size(1000, K.default_overrides(1000))
-    assert K.segment_size(10**6, K.default_overrides(10**6)) <= 64 * 2**20  # a million keys in Docker's /dev/shm
+    assert (
+        K.segment_size(10**6, K.default_overrides(10**6)) <= 64 * 2**20
+    )  # a million keys in Docker's /dev/shm
     assert "keys=3/1000" in repr(lim)
 
 
@@ -46,7 +49,9 @@ def test_exhausting_one_key_never_refuses_another(lim):
 
 
 def test_retry_after_reserve_and_timed_acquire(name):
-    lim = shmlimit.KeyedLimiter(name, rate=1, per=10, burst=1, keys=100)  # waits of ~10 s: load cannot blur them
+    lim = shmlimit.KeyedLimiter(
+        name, rate=1, per=10, burst=1, keys=100
+    )  # waits of ~10 s: load cannot blur them
     assert lim.retry_after("k") == 0.0
     assert lim.reserve("k") == 0.0
     assert 9 < lim.retry_after("k") <= 10
@@ -88,7 +93,13 @@ def test_bad_keys_raise_type_error_and_change_nothing(lim, key):
 
 
 def test_bad_n_and_oversized_keys(lim):
-    for n, exc in ((0, ValueError), (-1, ValueError), (1.0, TypeError), (True, TypeError), ("1", TypeError)):
+    for n, exc in (
+        (0, ValueError),
+        (-1, ValueError),
+        (1.0, TypeError),
+        (True, TypeError),
+        ("1", TypeError),
+    ):
         with pytest.raises(exc, match="n must be a positive int"):
             lim.try_acquire("k", n)
     with pytest.raises(ValueError, match="at most 4096 bytes"):
@@ -207,7 +218,9 @@ def test_attach_by_name_from_an_unrelated_interpreter(name):
               lim.try_acquire("vip", 2), lim.stats().grants)
         """
     )
-    out = subprocess.run([sys.executable, "-c", code], cwd=WORKDIR, capture_output=True, text=True, timeout=60)
+    out = subprocess.run(
+        [sys.executable, "-c", code], cwd=WORKDIR, capture_output=True, text=True, timeout=60
+    )
     assert out.returncode == 0, out.stderr
     assert out.stdout.split() == ["KeyedLimiter", "False", "True", "True", "4"]
     lim.close()
@@ -218,19 +231,26 @@ def test_hostile_headers_are_refused(name):
     lim.close()
     path = f"/dev/shm/shmlimit.{name}"
     good = open(path, "rb").read()
+
     def both_banks(vals, gen=0, sum_of=bank_sum):
         words = dict(bank_words(gen, (0, 0), vals))
         words[K.B_SUM] = sum_of(gen, (0, 0), vals)
         return [(line + off, v) for line in K.DEFAULT_BANKS for off, v in words.items()]
 
     rate = bank_values(make_rate(1, 1, 1))
-    for changes in ([(K.NKEYS_OFF, 10**9)], [(K.PROBE_OFF, 99)], [(K.VERSION_OFF, 9)], [(K.KIND_OFF, 7)],
-                    [(K.SIZE_OFF, 1 << 40)], [(K.NOVR_OFF, 1 << 20)],
-                    both_banks((*rate[:3], 0, rate[4])),  # T == 0, checksums that hold
-                    both_banks(rate, sum_of=lambda *a: bank_sum(*a) ^ 1)):  # no bank passes its checksum
+    for changes in (
+        [(K.NKEYS_OFF, 10**9)],
+        [(K.PROBE_OFF, 99)],
+        [(K.VERSION_OFF, 9)],
+        [(K.KIND_OFF, 7)],
+        [(K.SIZE_OFF, 1 << 40)],
+        [(K.NOVR_OFF, 1 << 20)],
+        both_banks((*rate[:3], 0, rate[4])),  # T == 0, checksums that hold
+        both_banks(rate, sum_of=lambda *a: bank_sum(*a) ^ 1),
+    ):  # no bank passes its checksum
         bad = bytearray(good)
         for off, value in changes:
-            bad[off:off + 8] = value.to_bytes(8, "little")
+            bad[off : off + 8] = value.to_bytes(8, "little")
         with open(path, "r+b") as f:
             f.write(bad)
         with pytest.raises(shmlimit.SegmentError):
@@ -258,7 +278,11 @@ def test_a_table_larger_than_dev_shm_is_a_clear_error(name):
     script = 'mount -t tmpfs -o size=4m tmpfs /dev/shm && exec "$0" -c "$1"'
     try:
         out = subprocess.run(
-            ["unshare", "-m", "sh", "-c", script, sys.executable, code], cwd=WORKDIR, capture_output=True, text=True, timeout=60
+            ["unshare", "-m", "sh", "-c", script, sys.executable, code],
+            cwd=WORKDIR,
+            capture_output=True,
+            text=True,
+            timeout=60,
         )
     except FileNotFoundError:
         pytest.skip("no unshare(1)")
@@ -272,7 +296,9 @@ def test_a_table_larger_than_dev_shm_is_a_clear_error(name):
 
 
 def test_throttle_with_a_key(name):
-    @shmlimit.throttle(name, rate=1, per=60, burst=1, on_limit="raise", key=lambda user, **kw: user, keys=100)
+    @shmlimit.throttle(
+        name, rate=1, per=60, burst=1, on_limit="raise", key=lambda user, **kw: user, keys=100
+    )
     def fetch(user, page=1):
         return (user, page)
 
@@ -293,7 +319,9 @@ def test_throttle_with_a_key(name):
 
 
 def test_throttle_async_with_a_key(name):
-    @shmlimit.throttle(name, rate=1, per=60, burst=1, on_limit="skip", key=lambda host: host, keys=100)
+    @shmlimit.throttle(
+        name, rate=1, per=60, burst=1, on_limit="skip", key=lambda host: host, keys=100
+    )
     async def get(host):
         return host
 
@@ -319,7 +347,12 @@ def test_cli_and_top_show_keyed_limiters(name, capsys):
     ins = top.Inspector([name])
     ins.sample()
     text = top.render(ins.sample(), 1.0)
-    assert "keys 4/100" in text and "client-0" in text and "\x1b[2J" not in text and "evil\\x1b[2J" in text
+    assert (
+        "keys 4/100" in text
+        and "client-0" in text
+        and "\x1b[2J" not in text
+        and "evil\\x1b[2J" in text
+    )
     lim.close()
 
 
@@ -408,11 +441,21 @@ def test_a_config_writer_killed_at_any_write_leaves_the_old_config_or_the_new(na
     d = lim._att.kt.digest("k")
     cases = [  # (set up the old config, the writer, what the config is: (a rate or an override, "k"'s burst))
         (lambda: None, lambda c: publish_default(c, new), lambda: (read_default(cells), 50)),
-        (lambda: lim.remove_override("k"), lambda c: Overrides(c, novr).set(d, new), lambda: (lim.override("k"), 50)),
-        (lambda: lim.set_rate(10, burst=2, key="k"), lambda c: Overrides(c, novr).set(d, new),
-         lambda: (lim.override("k"), 50)),
-        (lambda: lim.set_rate(1000, burst=50, key="k"), lambda c: Overrides(c, novr).remove(d),
-         lambda: (lim.override("k"), 2)),
+        (
+            lambda: lim.remove_override("k"),
+            lambda c: Overrides(c, novr).set(d, new),
+            lambda: (lim.override("k"), 50),
+        ),
+        (
+            lambda: lim.set_rate(10, burst=2, key="k"),
+            lambda c: Overrides(c, novr).set(d, new),
+            lambda: (lim.override("k"), 50),
+        ),
+        (
+            lambda: lim.set_rate(1000, burst=50, key="k"),
+            lambda c: Overrides(c, novr).remove(d),
+            lambda: (lim.override("k"), 2),
+        ),
     ]
     for case, (setup, write, seen) in enumerate(cases):
         for writes in range(40):
@@ -424,8 +467,16 @@ def test_a_config_writer_killed_at_any_write_leaves_the_old_config_or_the_new(na
                 done = True
             except Killed:
                 done = False
-            after = (seen()[0], burst("k"))  # (the Python reader closes the dead writer's lock first)
-            newer = {0: (new, 50), 1: ((1000.0, 1.0, 50.0), 50), 2: ((1000.0, 1.0, 50.0), 50), 3: (None, 2)}[case]
+            after = (
+                seen()[0],
+                burst("k"),
+            )  # (the Python reader closes the dead writer's lock first)
+            newer = {
+                0: (new, 50),
+                1: ((1000.0, 1.0, 50.0), 50),
+                2: ((1000.0, 1.0, 50.0), 50),
+                3: (None, 2),
+            }[case]
             assert after in (before, newer), (case, writes, before, after)
             if done:
                 assert after == newer, (case, writes)

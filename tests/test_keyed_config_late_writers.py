@@ -12,13 +12,13 @@ as corrupt, and ``CFG_SEQ`` even and never moved back.
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
+from support.cells import Writer, every_two_late, release
 
 import shmlimit
 from shmlimit.keyed import cells as KC
 from shmlimit.keyed import gcra as keyed_gcra
 from shmlimit.keyed import layout as K
 from shmlimit.keyed.gcra import Overrides, make_rate, publish_default, read_default
-from support.cells import Writer, every_two_late, release
 
 FIRST = make_rate(1000, 1.0, 50)  # what the first late writer came to write
 SECOND = make_rate(500, 1.0, 20)  # what the second late writer came to write
@@ -57,6 +57,7 @@ def test_two_late_default_writers_leave_the_newest_rate_whole(name, monkeypatch)
     lim = shmlimit.KeyedLimiter(name, rate=1000, keys=64)
     keys = iter(range(10**6))
     try:
+
         def check(where):
             assert read_default(lim._att.cells) == make_rate(*NEWER), where
             assert _bursts_seen(lim, f"new-{next(keys)}") == NEWER_SEEN, where
@@ -110,7 +111,12 @@ def test_two_late_override_writers_leave_the_newest_rate_whole(name, monkeypatch
 
 # -- any number of late writers, on any of three configs -------------------------------------------
 
-RATES = [make_rate(1000, 1.0, 50), make_rate(500, 1.0, 20), make_rate(200, 1.0, 8), make_rate(100, 1.0, 4)]
+RATES = [
+    make_rate(1000, 1.0, 50),
+    make_rate(500, 1.0, 20),
+    make_rate(200, 1.0, 8),
+    make_rate(100, 1.0, 4),
+]
 SIZES = (1, 2, 3, 4, 5, 8, 9, 20, 21, 50, 51)
 TARGETS = (None, "a", "b")  # the default, a key with an override, a key without one at first
 
@@ -119,21 +125,30 @@ def _sizes_granted(lim, key):
     return tuple(lim._att.kt.acquire(key, n, -1) != KC.NEVER for n in SIZES)
 
 
-@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@settings(
+    max_examples=60, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture]
+)
 @given(
-    late=st.lists(st.tuples(st.sampled_from(TARGETS), st.integers(0, len(RATES) - 1), st.integers(1, 24)),
-                  min_size=2, max_size=4),
+    late=st.lists(
+        st.tuples(st.sampled_from(TARGETS), st.integers(0, len(RATES) - 1), st.integers(1, 24)),
+        min_size=2,
+        max_size=4,
+    ),
     newest=st.sampled_from(TARGETS),
     order=st.randoms(use_true_random=False),
 )
-def test_any_number_of_late_writers_leave_every_config_whole(name, monkeypatch, late, newest, order):
+def test_any_number_of_late_writers_leave_every_config_whole(
+    name, monkeypatch, late, newest, order
+):
     """Writers one after another, each stopped before one of its writes (or run to its end when it
     has fewer) and taken over by the next; then the newest set_rate; then the stopped ones resume
     in a random order.  After each step every config reads as one rate that was written to it,
     the same for the composite, never refused as corrupt; the newest set_rate's config reads as
     that rate."""
     monkeypatch.setattr(keyed_gcra, "LOCK_TIMEOUT", 0.0)
-    lim = shmlimit.KeyedLimiter(f"{name}-{order.getrandbits(32)}", rate=5, burst=5, keys=64, overrides=16)
+    lim = shmlimit.KeyedLimiter(
+        f"{name}-{order.getrandbits(32)}", rate=5, burst=5, keys=64, overrides=16
+    )
     writers = []
     try:
         c, novr = lim._att.cells, lim._att.geo.overrides
@@ -159,8 +174,14 @@ def test_any_number_of_late_writers_leave_every_config_whole(name, monkeypatch, 
                 own = lim._att.overrides.get(lim._att.kt.digest(key))
                 assert own in written[key], (where, key, own)
                 rate = own or default
-                assert _sizes_granted(lim, key) == tuple(n <= rate.burst for n in SIZES), (where, key, rate)
-            assert _sizes_granted(lim, f"fresh-{next(fresh)}") == tuple(n <= default.burst for n in SIZES), where
+                assert _sizes_granted(lim, key) == tuple(n <= rate.burst for n in SIZES), (
+                    where,
+                    key,
+                    rate,
+                )
+            assert _sizes_granted(lim, f"fresh-{next(fresh)}") == tuple(
+                n <= default.burst for n in SIZES
+            ), where
             assert c.load(K.CFG_SEQ) % 2 == 0, where
 
         check("published")

@@ -12,17 +12,18 @@ took the lock), lets another writer take the lock over and publish there, then l
 one resume; the config in force must be the newer one, read the same by the Python readers and
 by the keyed composite (native or atomics, as ``SHMLIMIT_BACKEND`` selects).
 """
+
 import contextlib
 
 import pytest
+from support.cells import BeforeWrite
 
 import shmlimit
+from shmlimit.errors import ConfigWriterTakenOver
 from shmlimit.keyed import cells as KC
 from shmlimit.keyed import gcra as keyed_gcra
 from shmlimit.keyed import layout as K
-from shmlimit.errors import ConfigWriterTakenOver
 from shmlimit.keyed.gcra import Overrides, make_rate, publish_default, read_default
-from support.cells import BeforeWrite
 
 LATE = make_rate(1000, 1.0, 50)  # what the stalled writer came to write
 NEWER = (10, 1.0, 2)  # what the writer that took over publishes meanwhile
@@ -78,11 +79,14 @@ def test_a_stalled_keyed_config_writer_that_resumes_publishes_nothing(name, monk
     monkeypatch.setattr(keyed_gcra, "LOCK_TIMEOUT", 0.0)  # taken over at the second look
     lim = shmlimit.KeyedLimiter(name, rate=1000, keys=64)
     try:
+
         def check(at):
             assert read_default(lim._att.cells) == make_rate(*NEWER), at
             assert _bursts_seen(lim, f"new-{at}") == NEWER_SEEN, at
 
-        _run_stalled(lim, lambda cells: publish_default(cells, LATE), lambda: lim.set_rate(*NEWER), check)
+        _run_stalled(
+            lim, lambda cells: publish_default(cells, LATE), lambda: lim.set_rate(*NEWER), check
+        )
     finally:
         lim.close()
 
@@ -125,6 +129,7 @@ def test_a_stalled_override_remover_that_resumes_removes_nothing(name, monkeypat
     lim = shmlimit.KeyedLimiter(name, rate=1000, burst=50, keys=64, overrides=16)
     try:
         novr = lim._att.geo.overrides
+
         def write(cells):
             Overrides(cells, novr).remove(lim._att.kt.digest("k"))
 
@@ -132,7 +137,13 @@ def test_a_stalled_override_remover_that_resumes_removes_nothing(name, monkeypat
             assert lim.override("k") == NEWER, at
             assert _bursts_seen(lim, "k") == NEWER_SEEN, at
 
-        _run_stalled(lim, write, lambda: lim.set_rate(*NEWER, key="k"), check, lambda: lim.set_rate(5, key="k"))
+        _run_stalled(
+            lim,
+            write,
+            lambda: lim.set_rate(*NEWER, key="k"),
+            check,
+            lambda: lim.set_rate(5, key="k"),
+        )
     finally:
         lim.close()
 
@@ -141,7 +152,9 @@ def test_a_reader_that_meets_a_stalled_writer_prices_by_one_config(name, monkeyp
     """A writer stopped before any of its writes: a reader closes its lock after the timeout and sees
     the old config or the new one, never a pair of words from both (Python readers and the composite)."""
     monkeypatch.setattr(keyed_gcra, "LOCK_TIMEOUT", 0.0)
-    monkeypatch.setattr(KC, "LOCK_NS", 0)  # the reference composite closes a held lock at its second look
+    monkeypatch.setattr(
+        KC, "LOCK_NS", 0
+    )  # the reference composite closes a held lock at its second look
     lim = shmlimit.KeyedLimiter(name, rate=10, burst=2, keys=64)
     c = lim._att.cells
     try:

@@ -15,6 +15,7 @@ process dies or moves on.
 The calls run in fresh interpreters with a time limit, so that a hang fails
 the test instead of the run.
 """
+
 import json
 import os
 import select
@@ -23,13 +24,13 @@ import subprocess
 import sys
 
 import pytest
+from support.procs import WORKDIR
 
 import shmlimit
 from shmlimit.keyed import cells as KC
 from shmlimit.keyed import layout as K
-from shmlimit.shm.cells import native_available
 from shmlimit.keyed.window_table import WindowTable
-from support.procs import WORKDIR
+from shmlimit.shm.cells import native_available
 
 BACKENDS = ["atomics"] + (["native"] if native_available() else [])
 KEYS = 64
@@ -108,8 +109,14 @@ def _window_slots(name, digest, novr):
 def _run(script, name, kind, backend):
     """``script`` in a fresh interpreter on ``backend``: its JSON answer (a hang fails after 60 s)."""
     env = dict(os.environ, SHMLIMIT_BACKEND=backend)
-    out = subprocess.run([sys.executable, "-c", script, name, kind], cwd=WORKDIR, env=env, capture_output=True,
-                         text=True, timeout=60)
+    out = subprocess.run(
+        [sys.executable, "-c", script, name, kind],
+        cwd=WORKDIR,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
     assert out.returncode == 0, out.stderr
     return json.loads(out.stdout)
 
@@ -125,13 +132,17 @@ def stopped():
 
 
 def _owners(stopped):
-    other_ns = K.owner(stopped.pid) ^ (1 << K.PID_BITS)  # another PID namespace's tag: counts as alive
+    other_ns = K.owner(stopped.pid) ^ (
+        1 << K.PID_BITS
+    )  # another PID namespace's tag: counts as alive
     return {"stopped": K.owner(stopped.pid), "other-namespace": other_ns}
 
 
 @pytest.mark.parametrize("owner_kind", ["stopped", "other-namespace"])
 @pytest.mark.parametrize("backend", BACKENDS)
-def test_a_stalled_insert_of_the_key_is_given_way_to_not_waited_for(name, backend, stopped, owner_kind):
+def test_a_stalled_insert_of_the_key_is_given_way_to_not_waited_for(
+    name, backend, stopped, owner_kind
+):
     lim = shmlimit.KeyedLimiter(name, rate=1, keys=KEYS)
     try:
         novr = lim._att.geo.overrides
@@ -144,8 +155,12 @@ def test_a_stalled_insert_of_the_key_is_given_way_to_not_waited_for(name, backen
         assert out["other"] is True  # other keys are not held up
         # the stalled slot is as it was, and nothing of the waiters' inserts is left: no grant for "k"
         assert _word(name, s) == ctrl
-        live = [o for o in _window_slots(name, d, novr) if _word(name, o) & 0xFF == K.LIVE
-                and (_word(name, o + K.S_D0), _word(name, o + K.S_D1)) == d]
+        live = [
+            o
+            for o in _window_slots(name, d, novr)
+            if _word(name, o) & 0xFF == K.LIVE
+            and (_word(name, o + K.S_D0), _word(name, o + K.S_D1)) == d
+        ]
         assert live == []
         assert lim.stats().keys == 1 and lim.stats().grants == 1  # "other" alone
     finally:
@@ -153,15 +168,22 @@ def test_a_stalled_insert_of_the_key_is_given_way_to_not_waited_for(name, backen
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
-def test_an_untimed_acquire_waits_for_a_stalled_insert_until_its_process_dies(name, backend, stopped):
+def test_an_untimed_acquire_waits_for_a_stalled_insert_until_its_process_dies(
+    name, backend, stopped
+):
     lim = shmlimit.KeyedLimiter(name, rate=1, keys=KEYS)
     p = None
     try:
         d = lim._att.kt.digest("k")
         _stall(name, d, lim._att.geo.overrides, K.owner(stopped.pid))
         env = dict(os.environ, SHMLIMIT_BACKEND=backend)
-        p = subprocess.Popen([sys.executable, "-c", UNTIMED, name], cwd=WORKDIR, env=env, stdout=subprocess.PIPE,
-                             text=True)
+        p = subprocess.Popen(
+            [sys.executable, "-c", UNTIMED, name],
+            cwd=WORKDIR,
+            env=env,
+            stdout=subprocess.PIPE,
+            text=True,
+        )
         assert p.stdout.readline().strip() == "calling"
         # it neither returns nor fails while the stalled inserter lives (several PEND_NS)
         ready, _, _ = select.select([p.stdout], [], [], 3 * KC.PEND_NS / 1e9)
@@ -188,7 +210,10 @@ def test_a_window_counter_on_a_stalled_insert_is_a_clear_error(name, backend, st
         d = KC.siphash128(b"F" + b"k", k0, k1)  # the fixed window's digest of "k"
         _stall(name, d, 0, K.owner(stopped.pid))
         out = _run(CALLS, name, "windows", backend)
-        assert out["incr"].startswith("KeyTableFullError") and "inserting it for over 0.2 s" in out["incr"]
+        assert (
+            out["incr"].startswith("KeyTableFullError")
+            and "inserting it for over 0.2 s" in out["incr"]
+        )
         assert KC.PEND_NS / 1e9 <= out["incr_s"] < 30
         assert out["other"] == 1
     finally:
@@ -238,10 +263,18 @@ def test_a_stalled_insert_nearer_the_home_is_not_waited_for(name, backend, stopp
     lim = shmlimit.KeyedLimiter(name, rate=1, keys=KEYS)
     try:
         d = lim._att.kt.digest("k")
-        _stall(name, d, lim._att.geo.overrides, K.owner(stopped.pid), at=0)  # the home slot; the next is EMPTY
+        _stall(
+            name, d, lim._att.geo.overrides, K.owner(stopped.pid), at=0
+        )  # the home slot; the next is EMPTY
         env = dict(os.environ, SHMLIMIT_BACKEND=backend)
-        out = subprocess.run([sys.executable, "-c", TRY_ONCE, name], cwd=WORKDIR, env=env, capture_output=True,
-                             text=True, timeout=5)  # given way to within 0.2 s, were it bounded
+        out = subprocess.run(
+            [sys.executable, "-c", TRY_ONCE, name],
+            cwd=WORKDIR,
+            env=env,
+            capture_output=True,
+            text=True,
+            timeout=5,
+        )  # given way to within 0.2 s, were it bounded
         assert out.stdout.split() == ["False", "True"]
     finally:
         lim.close()

@@ -1,6 +1,7 @@
 """Random words in a keyed segment (header, config, process table, overrides, key slots): every call
 and every tool answers or refuses with one of shmlimit's errors, never a crash, a hang or another
 exception."""
+
 import contextlib
 import functools
 import io
@@ -8,18 +9,20 @@ import os
 
 from hypothesis import HealthCheck, event, given, settings
 from hypothesis import strategies as st
+from support.segments import captured, no_opener_waits, planted, with_words
 
 import shmlimit
-from shmlimit.cli import main as cli
 from shmlimit import header
+from shmlimit.cli import main as cli
 from shmlimit.keyed import layout as K
 from shmlimit.keyed import segment as keyed_segment
 from shmlimit.keyed.stats import sample_keys
-from support.segments import captured, no_opener_waits, planted, with_words
 
 KEYS, OVR = 64, 4
 SIZE = K.segment_size(KEYS, OVR)
 WORDS = SIZE // 8
+
+
 def _used(name):
     lim = shmlimit.KeyedLimiter(name, rate=10, burst=3, keys=KEYS, overrides=OVR)
     for k in ("a", "b", "c", "d" * 40):
@@ -45,10 +48,10 @@ def _no_live_inserter(data):
     data = bytearray(data)
     first = K.slots_offset(OVR)
     for off in range(first, len(data) - 7, K.LINE):
-        ctrl = int.from_bytes(data[off:off + 8], "little")
+        ctrl = int.from_bytes(data[off : off + 8], "little")
         if ctrl & 0xFF in (K.BUSY, K.PEND):
             ctrl = K.ctrl(ctrl & 0xFF, DEAD_OWNER, ctrl >> 40)
-            data[off:off + 8] = ctrl.to_bytes(8, "little")
+            data[off : off + 8] = ctrl.to_bytes(8, "little")
     return bytes(data)
 
 
@@ -65,14 +68,23 @@ interesting = st.one_of(
     st.integers(0, 2**64 - 1),
     st.sampled_from([0, 1, 2, 3, 4, 5, 2**63, 2**63 - 1, 2**64 - 1, 2**62]),
     # control words: any state, any owner (this process, init, none), any generation
-    st.builds(K.ctrl, st.integers(0, 255), st.sampled_from([0, 1, K.owner(os.getpid()), 2**22 - 7]),
-              st.integers(0, 2**24 - 1)),
+    st.builds(
+        K.ctrl,
+        st.integers(0, 255),
+        st.sampled_from([0, 1, K.owner(os.getpid()), 2**22 - 7]),
+        st.integers(0, 2**24 - 1),
+    ),
 )
 segment_bytes = st.one_of(
     st.builds(_mutated, st.lists(st.tuples(st.integers(1, WORDS - 1), interesting), max_size=8)),
     st.builds(_mutated, st.lists(st.tuples(_slot_words(), interesting), min_size=1, max_size=24)),
-    st.builds(_mutated, st.lists(st.tuples(st.integers(8, 47), interesting), min_size=1, max_size=4)),  # config lines
-    st.builds(lambda tail: _no_live_inserter(_template()[:64] + tail), st.binary(min_size=SIZE - 64, max_size=SIZE - 64)),
+    st.builds(
+        _mutated, st.lists(st.tuples(st.integers(8, 47), interesting), min_size=1, max_size=4)
+    ),  # config lines
+    st.builds(
+        lambda tail: _no_live_inserter(_template()[:64] + tail),
+        st.binary(min_size=SIZE - 64, max_size=SIZE - 64),
+    ),
     st.binary(max_size=2048),
 )
 
@@ -85,13 +97,19 @@ def _quiet_cli(*argv):
     return code
 
 
-@settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@settings(
+    max_examples=150, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture]
+)
 @given(data=segment_bytes)
 def test_random_words_in_a_keyed_segment_are_refused_or_served_cleanly(data, monkeypatch):
     no_opener_waits(monkeypatch, header, keyed_segment)
     with planted(data, "test-khostile") as name:
-        for argv in (("inspect", name), ("inspect", "--json", name), ("top", "--once", "--interval", "0.001", name),
-                     ("metrics", name)):
+        for argv in (
+            ("inspect", name),
+            ("inspect", "--json", name),
+            ("top", "--once", "--interval", "0.001", name),
+            ("metrics", name),
+        ):
             _quiet_cli(*argv)
         try:
             sample_keys(name, 0, KEYS)
@@ -106,9 +124,13 @@ def test_random_words_in_a_keyed_segment_are_refused_or_served_cleanly(data, mon
         try:
             if isinstance(lim, shmlimit.KeyedLimiter):
                 for k in ("a", "b", "c", "d" * 40, "new"):
-                    for what, call in (("try", lambda: lim.try_acquire(k)), ("timed", lambda: lim.acquire(k, timeout=0)),
-                                       ("reserve", lambda: lim.reserve(k, max_wait=0)),
-                                       ("retry_after", lambda: lim.retry_after(k)), ("override", lambda: lim.override(k))):
+                    for what, call in (
+                        ("try", lambda: lim.try_acquire(k)),
+                        ("timed", lambda: lim.acquire(k, timeout=0)),
+                        ("reserve", lambda: lim.reserve(k, max_wait=0)),
+                        ("retry_after", lambda: lim.retry_after(k)),
+                        ("override", lambda: lim.override(k)),
+                    ):
                         try:
                             call()
                         except shmlimit.ShmlimitError as e:

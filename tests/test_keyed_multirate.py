@@ -1,18 +1,19 @@
 """Several rates per key (KeyedLimiter(rates=)), step by step on an injected clock, and the
 GCRA take/undo pair it is built on, on every backend."""
+
 import asyncio
 import pickle
 
 import hypothesis.strategies as st
 import pytest
 from hypothesis import settings
-from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
+from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, rule
+from support.clock import FakeClock
+from support.windows import check_windows
 
 import shmlimit
 from shmlimit.keyed import cells as KC
 from shmlimit.keyed.multi import MultiKeyedLimiter
-from support.clock import FakeClock
-from support.windows import check_windows
 
 S = 1_000_000_000
 
@@ -26,7 +27,9 @@ def make(name, rates, clock, cleanup, **kw):
     lim = shmlimit.KeyedLimiter(name, rates=rates, keys=256, clock=clock, **kw)
     assert isinstance(lim, MultiKeyedLimiter)
     cleanup.append(lim)
-    lim._sleep = lambda seconds: clock.advance(max(1, round(seconds * S)))  # sleeping moves the clock
+    lim._sleep = lambda seconds: clock.advance(
+        max(1, round(seconds * S))
+    )  # sleeping moves the clock
     return lim
 
 
@@ -47,7 +50,10 @@ def peek(lim, i, key, n=1):
 def test_every_key_is_held_to_every_rate(name, clock, cleanup):
     lim = make(name, [("10/s", 2), ("1/s", 1)], clock, cleanup)
     assert [s.rate for s in lim.stats().values()] == [10, 1]
-    assert sorted(n for n in shmlimit.list_names() if n.startswith(name)) == [f"{name}.0", f"{name}.1"]
+    assert sorted(n for n in shmlimit.list_names() if n.startswith(name)) == [
+        f"{name}.0",
+        f"{name}.1",
+    ]
     assert lim.try_acquire("a")
     assert not lim.try_acquire("a")  # the second rate (1/s, burst 1) refuses: all or nothing
     assert lim.try_acquire("b")  # another key: its own buckets
@@ -190,7 +196,9 @@ def test_undo_restores_a_take_exactly(table):
     r2 = kt.take("k", 1, 0, now)
     assert not kt.undo(*r1[1:], 2)  # someone took since: the first take stays spent
     assert kt.undo(*r2[1:], 1)  # the last one can go back
-    assert kt.acquire("k", 2, -1, now) == TICK // 10  # two more need 0.1 s: only the first take is spent
+    assert (
+        kt.acquire("k", 2, -1, now) == TICK // 10
+    )  # two more need 0.1 s: only the first take is spent
     assert kt.take("k", 1, 0, now)[0] == 0 and kt.take("k", 1, 0, now) == KC.REFUSED
     with pytest.raises(ValueError):
         kt.undo(10**9, r2[2], r2[3], r2[4], 1)
@@ -266,8 +274,9 @@ class KeyedRates(RuleBasedStateMachine):
             if ops:
                 self.grants[(key, rate)].append((self.clock.now, ops))
 
-    costs = st.fixed_dictionaries({"requests": st.integers(0, 2), "tokens": st.integers(0, 400)}).filter(
-        lambda c: any(c.values()))
+    costs = st.fixed_dictionaries(
+        {"requests": st.integers(0, 2), "tokens": st.integers(0, 400)}
+    ).filter(lambda c: any(c.values()))
 
     @rule(key=st.sampled_from("ab"), costs=costs)
     def try_acquire(self, key, costs):
@@ -340,8 +349,13 @@ class KeyedRates(RuleBasedStateMachine):
             # GCRA: ops in a window of T ns <= T / interval + burst, with the interval rounded up
             interval = -(-S * 16 // per_s)  # ticks per op, as the table computes it
             check_windows(gs, 16, interval, burst * interval)
-        counted = {r: sum(n for (k, rr), gs in self.grants.items() if rr == r for _, n in gs) for r in self.RATES}
-        assert {k: s.grants for k, s in self.lim.stats().items()} == counted  # undone takes are not counted
+        counted = {
+            r: sum(n for (k, rr), gs in self.grants.items() if rr == r for _, n in gs)
+            for r in self.RATES
+        }
+        assert {
+            k: s.grants for k, s in self.lim.stats().items()
+        } == counted  # undone takes are not counted
 
 
 TestKeyedRates = KeyedRates.TestCase

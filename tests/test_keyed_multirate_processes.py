@@ -1,12 +1,12 @@
 """Several rates per key (KeyedLimiter(rates=)), hammered by real processes on real shared memory."""
-import json
+
 import textwrap
 
 import pytest
-
-import shmlimit
 from support.procs import collect, go, start_workers
 from support.windows import max_excess, tag
+
+import shmlimit
 
 pytestmark = pytest.mark.slow
 

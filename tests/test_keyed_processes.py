@@ -1,6 +1,7 @@
 """KeyedLimiter across real processes: the per-key window bound (fork and spawn), churn through
 20x more keys than slots, overrides seen everywhere and surviving eviction, and inserters
 SIGKILLed midway."""
+
 import multiprocessing as mp
 import os
 import random
@@ -8,10 +9,10 @@ import signal
 import time
 
 import pytest
+from support.procs import kill_all, read_exactly, run_processes
 
 import shmlimit
 from shmlimit.keyed import layout as K
-from support.procs import kill_all, read_exactly, run_processes
 
 RATE, BURST, KEYS, WORKERS, SECONDS = 20.0, 2, 200, 4, 1.0
 
@@ -52,7 +53,9 @@ def check_window_bound(grants, rate, burst):
                 hi = max(hi, stamps[j][1])
                 allowed = rate * (hi - stamps[i][0]) + burst
                 worst = max(worst, (j - i + 1) - allowed)
-                assert j - i + 1 <= allowed + 1e-9, f"{key}: {j - i + 1} grants within {hi - stamps[i][0]:.4f} s"
+                assert j - i + 1 <= allowed + 1e-9, (
+                    f"{key}: {j - i + 1} grants within {hi - stamps[i][0]:.4f} s"
+                )
     return by_key
 
 
@@ -78,7 +81,9 @@ def test_per_key_window_bound_while_keys_are_evicted_and_reused(name):
     lim = shmlimit.KeyedLimiter(name, rate=50, burst=1, keys=64)
     ctx = mp.get_context("fork")
     with ctx.Pool(WORKERS) as pool:
-        results = pool.starmap(hammer, [(lim, seed, SECONDS, 400, 50_000) for seed in range(WORKERS)])
+        results = pool.starmap(
+            hammer, [(lim, seed, SECONDS, 400, 50_000) for seed in range(WORKERS)]
+        )
     check_window_bound([g for r in results for g in r], 50, 1)
     assert lim.stats().evicted > 64  # tenants did change
     lim.close()
@@ -91,7 +96,9 @@ def churn(name, start, count):
 
 def test_churn_fast_rate_admits_every_new_key(name):
     slots = 64
-    lim = shmlimit.KeyedLimiter(name, rate=1_000_000, keys=slots)  # a key is idle again 1 us after use
+    lim = shmlimit.KeyedLimiter(
+        name, rate=1_000_000, keys=slots
+    )  # a key is idle again 1 us after use
     ctx = mp.get_context("fork")
     with ctx.Pool(2) as pool:
         results = pool.starmap(churn, [(name, 0, 10 * slots), (name, 10 * slots, 10 * slots)])
@@ -238,12 +245,16 @@ def test_prefork_workers_register_on_first_use_and_one_killed_mid_insert_stalls_
     # fresh keys as live through a clock read before a preemption, and refuse rightly; what is
     # looked for here is a slot held by a dead one
     gos, done, q = [ctx.Event(), ctx.Event()], ctx.Event(), ctx.Queue()
-    survivors = [ctx.Process(target=_worker_churning, args=(lim, go, done, q, 50 * slots)) for go in gos]
+    survivors = [
+        ctx.Process(target=_worker_churning, args=(lim, go, done, q, 50 * slots)) for go in gos
+    ]
     victims = []
     try:
         for p in survivors:
             p.start()
-        assert _listed(name) == {os.getpid(): True}  # forked workers that have not used it are not listed
+        assert _listed(name) == {
+            os.getpid(): True
+        }  # forked workers that have not used it are not listed
         rnd = random.Random(16)
         left_midway = 0
         for round in range(30):
@@ -253,7 +264,9 @@ def test_prefork_workers_register_on_first_use_and_one_killed_mid_insert_stalls_
             p.start()
             assert started.wait(60)
             assert _listed(name).get(p.pid) is True  # its first use registered it
-            time.sleep(rnd.uniform(0.001, 0.02))  # a random moment of its inserts, not a synchronisation
+            time.sleep(
+                rnd.uniform(0.001, 0.02)
+            )  # a random moment of its inserts, not a synchronisation
             os.kill(p.pid, signal.SIGKILL)
             p.join()
             left_midway += sum(s in (K.BUSY, K.PEND) for s in _slot_states(name, slots))
@@ -261,7 +274,9 @@ def test_prefork_workers_register_on_first_use_and_one_killed_mid_insert_stalls_
         # pid, never the master's (alive), which would hold the slot for as long as the master runs
         assert left_midway >= 1
         listed = _listed(name)
-        assert all(listed[p.pid] is False for p in victims)  # tracked: each killed worker shows dead
+        assert all(
+            listed[p.pid] is False for p in victims
+        )  # tracked: each killed worker shows dead
         results = {}
         for go in gos:
             go.set()

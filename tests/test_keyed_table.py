@@ -8,6 +8,7 @@ the same as an absent one -- the table must answer exactly as the model does,
 except that a key refused for want of a slot must be one the model holds nothing
 for, and a fresh slot may start one tick late.
 """
+
 import mmap
 import os
 import time
@@ -16,16 +17,18 @@ import pytest
 from hypothesis import event, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, rule
+from support.models import on_each_backend
 
 from shmlimit.keyed import cells as KC
 from shmlimit.keyed import layout as K
-from shmlimit.shm.cells import native_available, open_cells
 from shmlimit.keyed.gcra import write_bank
-from support.models import on_each_backend
+from shmlimit.shm.cells import native_available, open_cells
 
 BACKENDS = ["atomics"] + (["native"] if native_available() else [])
 T = 100  # ticks per op
-DEAD_PID = (1 << K.PID_BITS) - 7  # above this machine's pid_max (checked below): never a live process
+DEAD_PID = (
+    1 << K.PID_BITS
+) - 7  # above this machine's pid_max (checked below): never a live process
 
 
 def set_params(c, t, tau):
@@ -51,8 +54,20 @@ class Table:
         set_params(self.c, T, burst * T)
         self.probe = probe or min(K.PROBE, nkeys)
         self.kt = self.c.keyed_table(
-            K.CFG_SEQ, K.OVR_LIVE, K.overrides_offset(), novr, K.slots_offset(novr), nkeys, self.probe,
-            0x0123456789ABCDEF, 0x0FEDCBA987654321, K.KEYS_LIVE, K.EVICTED, K.REFUSED, K.UNREG_GRANTS, K.owner(os.getpid()),
+            K.CFG_SEQ,
+            K.OVR_LIVE,
+            K.overrides_offset(),
+            novr,
+            K.slots_offset(novr),
+            nkeys,
+            self.probe,
+            0x0123456789ABCDEF,
+            0x0FEDCBA987654321,
+            K.KEYS_LIVE,
+            K.EVICTED,
+            K.REFUSED,
+            K.UNREG_GRANTS,
+            K.owner(os.getpid()),
         )
 
     def slot(self, i):
@@ -73,7 +88,9 @@ def test_both_backends_hash_alike(backend):
 def test_siphash_reference_vector():
     k = bytes(range(16))
     d = KC.siphash128(b"", int.from_bytes(k[:8], "little"), int.from_bytes(k[8:], "little"))
-    assert (d[0].to_bytes(8, "little") + d[1].to_bytes(8, "little")).hex() == "a3817f04ba25a8e66df67214c7550293"
+    assert (
+        d[0].to_bytes(8, "little") + d[1].to_bytes(8, "little")
+    ).hex() == "a3817f04ba25a8e66df67214c7550293"
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
@@ -106,11 +123,17 @@ def test_a_clock_read_before_a_preemption_is_read_again_before_a_new_key_is_refu
     native step does the same with its own clock; the churn test across processes exercises it.)"""
     t = Table("atomics", 16, 1)
     then = 1_000_000  # ns
-    assert all(t.kt.acquire(f"k{k}", 1, 0, then << K.TICK_SHIFT) >= 0 for k in range(16))  # every slot limited
+    assert all(
+        t.kt.acquire(f"k{k}", 1, 0, then << K.TICK_SHIFT) >= 0 for k in range(16)
+    )  # every slot limited
     monkeypatch.setattr(KC, "time", _Clock(then, then + T))  # preempted after the first reading
-    assert t.kt.acquire("new", 1, 0) >= 0  # admitted: every bucket is full again by the second reading
+    assert (
+        t.kt.acquire("new", 1, 0) >= 0
+    )  # admitted: every bucket is full again by the second reading
     assert t.c.load(K.REFUSED) == 0 and t.c.load(K.EVICTED) == 1
-    monkeypatch.setattr(KC, "time", _Clock(then))  # a clock that has not moved: still full, refused at once
+    monkeypatch.setattr(
+        KC, "time", _Clock(then)
+    )  # a clock that has not moved: still full, refused at once
     assert t.kt.acquire("other", 1, 0) == KC.FULL
     assert t.c.load(K.REFUSED) == 1
 
@@ -156,7 +179,11 @@ def test_peek_and_reserve(backend):
 class TableMachine(RuleBasedStateMachine):
     backend = "atomics"
 
-    @initialize(nkeys=st.sampled_from([4, 8, 24]), burst=st.integers(1, 3), probe=st.sampled_from([None, 3, 6]))
+    @initialize(
+        nkeys=st.sampled_from([4, 8, 24]),
+        burst=st.integers(1, 3),
+        probe=st.sampled_from([None, 3, 6]),
+    )
     def setup(self, nkeys, burst, probe):
         self.t = Table(self.backend, nkeys, burst, probe=probe and min(probe, nkeys))
         self.burst = burst
@@ -168,7 +195,11 @@ class TableMachine(RuleBasedStateMachine):
     def tick(self, dt):
         self.now += dt
 
-    @rule(key=st.integers(0, 30), n=st.integers(1, 4), mode=st.sampled_from(["try", "reserve", "peek"]))
+    @rule(
+        key=st.integers(0, 30),
+        n=st.integers(1, 4),
+        mode=st.sampled_from(["try", "reserve", "peek"]),
+    )
     def acquire(self, key, n, mode):
         k = f"key-{key}"
         max_wait = {"try": 0, "reserve": 2 * T, "peek": -1}[mode]
@@ -176,7 +207,9 @@ class TableMachine(RuleBasedStateMachine):
         tau = self.burst * T
         old = self.tat.get(k, 0)
         idle = old <= self.now
-        event(f"answer {'full' if r == KC.FULL else 'never' if r == KC.NEVER else 'granted' if r >= 0 else 'refused'}")
+        event(
+            f"answer {'full' if r == KC.FULL else 'never' if r == KC.NEVER else 'granted' if r >= 0 else 'refused'}"
+        )
         if self.t.c.load(K.EVICTED):
             event("some key was evicted")
         if r == KC.FULL:
@@ -196,7 +229,9 @@ class TableMachine(RuleBasedStateMachine):
             return
         assert r == wait, (r, wait)
         new_tat = base + n * T
-        if idle:  # maybe a new slot: later than the model only if a dead inserter left a later value
+        if (
+            idle
+        ):  # maybe a new slot: later than the model only if a dead inserter left a later value
             real = self.real_tat(k)
             assert real >= new_tat
             new_tat = real
@@ -208,12 +243,19 @@ class TableMachine(RuleBasedStateMachine):
         d = t.kt.digest(k)
         for i in range(t.nkeys):
             s = t.slot(i)
-            if (t.c.load(s) & 0xFF == K.LIVE and (t.c.load(s + K.S_D0), t.c.load(s + K.S_D1)) == d
-                    and not t.c.load(s + K.S_V0) & K.DEAD):
+            if (
+                t.c.load(s) & 0xFF == K.LIVE
+                and (t.c.load(s + K.S_D0), t.c.load(s + K.S_D1)) == d
+                and not t.c.load(s + K.S_V0) & K.DEAD
+            ):
                 return t.c.load(s + K.S_V0)
         raise AssertionError(f"{k} was granted but holds no slot")
 
-    @rule(i=st.integers(0, 23), state=st.sampled_from([K.BUSY, K.PEND]), left=st.sampled_from([1, T, 3 * T]))
+    @rule(
+        i=st.integers(0, 23),
+        state=st.sampled_from([K.BUSY, K.PEND]),
+        left=st.sampled_from([1, T, 3 * T]),
+    )
     def insert_killed_midway(self, i, state, left):
         """What a dead inserter leaves: a slot claimed (an idle key's slot evicted first) and never published."""
         t = self.t
@@ -259,8 +301,10 @@ class TableMachine(RuleBasedStateMachine):
 
 
 TestAtomicsTable, TestNativeTable = on_each_backend(
-    TableMachine, settings(max_examples=60, stateful_step_count=60, deadline=None),
-    settings(max_examples=150, stateful_step_count=80, deadline=None))
+    TableMachine,
+    settings(max_examples=60, stateful_step_count=60, deadline=None),
+    settings(max_examples=150, stateful_step_count=80, deadline=None),
+)
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
@@ -315,7 +359,9 @@ class StopsAt:
     def cas(self, off, expected, desired):
         self._write()
         done = self.c.cas(off, expected, desired)
-        self.pending = self.pending or (done and desired & 0xFF == K.PEND and expected & 0xFF == K.BUSY)
+        self.pending = self.pending or (
+            done and desired & 0xFF == K.PEND and expected & 0xFF == K.BUSY
+        )
         return done
 
     def fetch_add(self, off, delta):
@@ -355,8 +401,12 @@ class InsertMachine(TableMachine):
     def _stalled_pend(self, k):
         d, _, window = self._window(k)
         c = self.t.c
-        return any(c.load(s) & 0xFF == K.PEND and (c.load(s) >> 8) & 0xFFFFFFFF == STALLED
-                   and (c.load(s + K.S_D0), c.load(s + K.S_D1)) == d for s in window)
+        return any(
+            c.load(s) & 0xFF == K.PEND
+            and (c.load(s) >> 8) & 0xFFFFFFFF == STALLED
+            and (c.load(s + K.S_D0), c.load(s + K.S_D1)) == d
+            for s in window
+        )
 
     def _holds(self, k):
         try:
@@ -365,8 +415,11 @@ class InsertMachine(TableMachine):
         except AssertionError:
             return False
 
-    @rule(key=st.integers(0, 5), stop=st.one_of(st.integers(0, 16), st.none()),
-          stalls=st.sampled_from([False, False, True]))
+    @rule(
+        key=st.integers(0, 5),
+        stop=st.one_of(st.integers(0, 16), st.none()),
+        stalls=st.sampled_from([False, False, True]),
+    )
     def other_insert_stopped(self, key, stop, stalls):
         """Another process inserts ``key`` (absent or idle: nobody inserts a key it finds) and stops before
         its ``stop``-th write (None: right after its PEND); dead there, or stalled for good."""
@@ -376,8 +429,15 @@ class InsertMachine(TableMachine):
         t = self.t
         d, home, _ = self._window(k)
         owner = STALLED if stalls else dead_pid()
-        other = KC.SlotTable(StopsAt(t.c, stop), K.slots_offset(t.novr), t.nkeys, t.probe, K.KEYS_LIVE,
-                             K.EVICTED, owner)
+        other = KC.SlotTable(
+            StopsAt(t.c, stop),
+            K.slots_offset(t.novr),
+            t.nkeys,
+            t.probe,
+            K.KEYS_LIVE,
+            K.EVICTED,
+            owner,
+        )
         try:
             other.insert(d, home, self.now, self.now + T, (1, 0, 0, 0))
         except Stopped:
@@ -398,17 +458,25 @@ class InsertMachine(TableMachine):
         if ctl & 0xFF in (K.BUSY, K.PEND) and (ctl >> 8) & 0xFFFFFFFF == STALLED:
             t.c.cas(s, ctl, K.ctrl(ctl & 0xFF, dead_pid(), ctl >> 40))
 
-    @rule(key=st.integers(0, 30), n=st.integers(1, 4), mode=st.sampled_from(["try", "reserve", "peek"]))
+    @rule(
+        key=st.integers(0, 30),
+        n=st.integers(1, 4),
+        mode=st.sampled_from(["try", "reserve", "peek"]),
+    )
     def acquire(self, key, n, mode):
         k = f"key-{key}"
         if mode == "peek" or not self._stalled_pend(k) or self._holds(k):
             return super().acquire(key, n, mode)
         r = self.t.kt.acquire(k, n, {"try": 0, "reserve": 2 * T}[mode], self.now)
         event(f"beside a stalled insert of the key: {'busy' if r == KC.BUSY else r}")
-        assert r in (KC.BUSY, KC.NEVER, KC.FULL), r  # given way to within PEND_NS (or no slot), taking nothing
+        assert r in (KC.BUSY, KC.NEVER, KC.FULL), (
+            r
+        )  # given way to within PEND_NS (or no slot), taking nothing
         assert not self._holds(k), "a second slot for a key whose insert is stalled"
 
 
 TestAtomicsInserts, TestNativeInserts = on_each_backend(
-    InsertMachine, settings(max_examples=200, stateful_step_count=50, deadline=None),
-    settings(max_examples=120, stateful_step_count=40, deadline=None))
+    InsertMachine,
+    settings(max_examples=200, stateful_step_count=50, deadline=None),
+    settings(max_examples=120, stateful_step_count=40, deadline=None),
+)

@@ -1,8 +1,8 @@
 """``async+shm://``: the ``shm://`` table for ``limits.aio``, through its own async strategies and
 then under a real ``uvicorn --workers 2`` on 127.0.0.1 (a Starlette app limiting each client with
 ``limits.aio``): both workers share one count per window and client."""
+
 import asyncio
-import re
 import sys
 import textwrap
 from concurrent.futures import ThreadPoolExecutor
@@ -13,11 +13,11 @@ pytest.importorskip("limits.aio")
 from limits import parse, storage  # noqa: E402
 from limits.aio import strategies  # noqa: E402
 from limits.errors import StorageError  # noqa: E402
+from support.clock import FakeClock  # noqa: E402
+from support.servers import Server, get  # noqa: E402
 
 import shmlimit  # noqa: E402
 import shmlimit.integrations.limits as shm_limits  # noqa: E402
-from support.clock import FakeClock  # noqa: E402
-from support.servers import Server, get  # noqa: E402
 
 
 def test_the_async_scheme_is_registered_and_shares_the_sync_table(name):
@@ -30,14 +30,21 @@ def test_the_async_scheme_is_registered_and_shares_the_sync_table(name):
         async def scenario():
             lim = strategies.FixedWindowRateLimiter(store)
             hits = [await lim.hit(item, "a") for _ in range(2)]
-            return hits, await lim.test(item, "a"), (await lim.get_window_stats(item, "a")).remaining
+            return (
+                hits,
+                await lim.test(item, "a"),
+                (await lim.get_window_stats(item, "a")).remaining,
+            )
 
         assert asyncio.run(scenario()) == ([True, True], True, 1)
         assert sync.get(item.key_for("a")) == 2  # one table, whichever API counted
         assert sync.incr(item.key_for("a"), 60) == 3
         assert asyncio.run(strategies.FixedWindowRateLimiter(store).hit(item, "a")) is False
         assert asyncio.run(store.check()) and asyncio.run(store.reset()) == 1
-        for bad, msg in [("async+shm://", "name the table"), (f"async+shm://{name}?size=3", "unknown option")]:
+        for bad, msg in [
+            ("async+shm://", "name the table"),
+            (f"async+shm://{name}?size=3", "unknown option"),
+        ]:
             with pytest.raises(ValueError, match=msg):
                 storage.storage_from_string(bad)
     finally:
@@ -69,8 +76,11 @@ def test_async_errors_are_wrapped_on_request(name):
     store = storage.storage_from_string(f"async+shm://{name}?keys=32", wrap_exceptions=True)
     raw = storage.storage_from_string(f"async+shm://{name}?keys=32")
     try:
+
         async def fill(s, prefix):
-            for i in range(64):  # more keys than slots, each counted in a live window: the table fills
+            for i in range(
+                64
+            ):  # more keys than slots, each counted in a live window: the table fills
                 await s.incr(f"{prefix}-{i}", 600)
 
         with pytest.raises(StorageError) as e:
@@ -122,8 +132,20 @@ def test_limits_aio_under_uvicorn_two_workers(name, tmp_path, strategy):
     pytest.importorskip("starlette")
     pytest.importorskip("uvicorn")
     (tmp_path / "aio_app.py").write_text(textwrap.dedent(APP))
-    argv = [sys.executable, "-m", "uvicorn", "aio_app:app", "--host", "127.0.0.1", "--port", "{port}",
-            "--workers", "2", "--log-level", "warning"]
+    argv = [
+        sys.executable,
+        "-m",
+        "uvicorn",
+        "aio_app:app",
+        "--host",
+        "127.0.0.1",
+        "--port",
+        "{port}",
+        "--workers",
+        "2",
+        "--log-level",
+        "warning",
+    ]
     env = {"LIM": name, "STRATEGY": strategy, "LIMIT": "15 per 10 minutes"}
     alice, bob = {"X-Client": "alice"}, {"X-Client": "bob"}
     a = []
@@ -136,12 +158,18 @@ def test_limits_aio_under_uvicorn_two_workers(name, tmp_path, strategy):
                 held = pool.submit(get, srv.url + "/busy")
                 a += pool.map(lambda _: get(srv.url + "/", headers=alice), range(8))
                 held.result()
-                if len({body for _, _, body in a}) == 2 and len(a) >= 40:  # past alice's 15, from both
+                if (
+                    len({body for _, _, body in a}) == 2 and len(a) >= 40
+                ):  # past alice's 15, from both
                     break
             b = list(pool.map(lambda _: get(srv.url + "/", headers=bob), range(30)))
-        assert all(get(srv.url + "/health")[0] == 200 for _ in range(5))  # answers while both are saturated
+        assert all(
+            get(srv.url + "/health")[0] == 200 for _ in range(5)
+        )  # answers while both are saturated
         live = shmlimit.inspect(name)
-        assert srv.proc.pid not in {p.pid for p in live.processes if p.alive}  # the master never counted
+        assert srv.proc.pid not in {
+            p.pid for p in live.processes if p.alive
+        }  # the master never counted
     # both workers answered alice: with a count per process, each would have granted her up to 15
     assert len({body for _, _, body in a}) == 2, "one worker answered every request"
     # one window for the whole run (10 minutes): exactly each client's limit, shared by the workers

@@ -9,6 +9,7 @@ wrapped on request, and the fixed-window and sliding-window-counter strategies' 
 never crosses one during a test; what happens when windows end is checked on ``shm://`` with an
 injected clock, where it can be made to happen at an exact instant.
 """
+
 import asyncio
 import inspect
 import time
@@ -19,10 +20,10 @@ pytest.importorskip("limits")
 from limits import RateLimitItemPerHour, RateLimitItemPerMinute, parse, storage, strategies  # noqa: E402
 from limits.aio import strategies as aio_strategies  # noqa: E402
 from limits.errors import StorageError  # noqa: E402
+from support.clock import FakeClock  # noqa: E402
 
 import shmlimit  # noqa: E402
 import shmlimit.integrations.limits  # noqa: E402,F401  (registers shm:// and async+shm://)
-from support.clock import FakeClock  # noqa: E402
 
 SCHEMES = ["memory", "shm", "async+memory", "async+shm"]
 
@@ -38,7 +39,9 @@ class Subject:
     def __init__(self, scheme, name, **options):
         self.scheme = scheme
         if scheme.endswith("shm"):
-            self.store = storage.storage_from_string(f"{scheme}://{name}", **{"keys": 4096, **options})
+            self.store = storage.storage_from_string(
+                f"{scheme}://{name}", **{"keys": 4096, **options}
+            )
         else:
             self.store = storage.storage_from_string(f"{scheme}://", **options)
         api = aio_strategies if scheme.startswith("async+") else strategies
@@ -72,7 +75,9 @@ def test_expiry_is_the_end_of_the_window(subject):
     assert subject("get_expiry", "k") <= time.time() + 0.01  # no window: now
     subject("incr", "k", 60)
     exp = subject("get_expiry", "k")
-    assert before + 60 - 0.01 <= exp <= time.time() + 60 + 0.01  # (shm's window is 1 ms longer: never shorter)
+    assert (
+        before + 60 - 0.01 <= exp <= time.time() + 60 + 0.01
+    )  # (shm's window is 1 ms longer: never shorter)
 
 
 def test_clear_forgets_one_key(subject):
@@ -99,13 +104,17 @@ def test_check_says_healthy(subject):
 def test_fixed_window_hit_test_and_stats(subject):
     item = RateLimitItemPerHour(10)
     stats = run(subject.fixed.get_window_stats(item))
-    assert stats.remaining == 10 and stats.reset_time <= time.time() + 0.01  # no window yet: resets now
+    assert (
+        stats.remaining == 10 and stats.reset_time <= time.time() + 0.01
+    )  # no window yet: resets now
     assert all([run(subject.fixed.hit(item)) for _ in range(10)])
     assert not run(subject.fixed.hit(item)) and not run(subject.fixed.test(item))
     stats = run(subject.fixed.get_window_stats(item))
     assert stats.remaining == 0 and time.time() < stats.reset_time <= time.time() + 3600 + 0.01
     run(subject.fixed.clear(item))
-    assert run(subject.fixed.test(item)) and run(subject.fixed.get_window_stats(item)).remaining == 10
+    assert (
+        run(subject.fixed.test(item)) and run(subject.fixed.get_window_stats(item)).remaining == 10
+    )
 
 
 def test_fixed_window_costs(subject):
@@ -113,10 +122,15 @@ def test_fixed_window_costs(subject):
     assert not run(subject.fixed.hit(item, "k1", cost=11))
     assert run(subject.fixed.hit(item, "k2", cost=5))
     assert run(subject.fixed.get_window_stats(item, "k2")).remaining == 5
-    assert run(subject.fixed.test(item, "k2", cost=5)) and not run(subject.fixed.test(item, "k2", cost=6))
+    assert run(subject.fixed.test(item, "k2", cost=5)) and not run(
+        subject.fixed.test(item, "k2", cost=6)
+    )
     # a refused hit of a fixed window is counted all the same (limits increments, then compares)
     assert not run(subject.fixed.hit(item, "k2", cost=6))
-    assert run(subject.fixed.get_window_stats(item, "k2")).remaining == 0 and subject("get", item.key_for("k2")) == 11
+    assert (
+        run(subject.fixed.get_window_stats(item, "k2")).remaining == 0
+        and subject("get", item.key_for("k2")) == 11
+    )
 
 
 def test_test_takes_nothing(subject):
@@ -130,7 +144,12 @@ def test_test_takes_nothing(subject):
 def test_sliding_window_counter_hit_costs_stats_and_clear(subject):
     item = parse("10/hour")
     assert run(subject.sliding.get_window_stats(item, "s")).remaining == 10
-    assert [run(subject.sliding.hit(item, "s", cost=3)) for _ in range(4)] == [True, True, True, False]
+    assert [run(subject.sliding.hit(item, "s", cost=3)) for _ in range(4)] == [
+        True,
+        True,
+        True,
+        False,
+    ]
     stats = run(subject.sliding.get_window_stats(item, "s"))
     assert stats.remaining == 1 and time.time() < stats.reset_time <= time.time() + 3600 + 0.01
     assert not run(subject.sliding.test(item, "s", cost=2)) and run(subject.sliding.test(item, "s"))
@@ -172,7 +191,9 @@ def test_storage_errors_are_wrapped_on_request_and_change_nothing(scheme, wrap, 
         if wrap:
             assert isinstance(e.value.storage_error, shmlimit.KeyTableFullError)
         assert 16 <= counted < 64
-        assert [s("get", f"k{i}") for i in range(counted)] == [1] * counted  # the refusal touched nothing
+        assert [s("get", f"k{i}") for i in range(counted)] == [
+            1
+        ] * counted  # the refusal touched nothing
     finally:
         s.close()
 
@@ -191,7 +212,9 @@ def timed(request, name):
 
 def test_a_fixed_window_ends_and_the_next_starts_empty(timed):
     item = RateLimitItemPerMinute(2)
-    assert run(timed.fixed.hit(item)) and run(timed.fixed.hit(item)) and not run(timed.fixed.hit(item))
+    assert (
+        run(timed.fixed.hit(item)) and run(timed.fixed.hit(item)) and not run(timed.fixed.hit(item))
+    )
     timed.clock.advance_seconds(60.0)  # the window lasts 60 s and 1 ms: still counted
     assert not run(timed.fixed.hit(item))
     timed.clock.advance_seconds(0.001)
@@ -209,7 +232,9 @@ def test_the_sliding_window_counts_the_previous_window_by_the_time_left(timed):
     assert run(timed.sliding.get_window_stats(item, "k")).remaining == 0
     timed.clock.advance_seconds(5.0)  # the next window begins: the 5 hits are the previous window's
     prev, prev_ttl, cur, cur_ttl = timed("get_sliding_window", item.key_for("k"), 10)
-    assert (prev, cur) == (5, 0) and prev_ttl == pytest.approx(10.0) and cur_ttl == pytest.approx(20.0)
+    assert (
+        (prev, cur) == (5, 0) and prev_ttl == pytest.approx(10.0) and cur_ttl == pytest.approx(20.0)
+    )
     timed.clock.advance_seconds(20.0)  # two windows without a hit: the key starts afresh
     assert timed("get_sliding_window", item.key_for("k"), 10)[:3] == (0, 0, 0)
     assert sum(run(timed.sliding.hit(item, "k")) for _ in range(12)) == 10

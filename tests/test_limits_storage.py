@@ -1,5 +1,6 @@
 """The ``shm://`` storage through ``limits``' own strategies and Flask-Limiter, then under a real
 ``gunicorn -w 4`` on 127.0.0.1: the four workers share one count per window."""
+
 import os
 import textwrap
 from concurrent.futures import ThreadPoolExecutor
@@ -8,12 +9,12 @@ import pytest
 
 pytest.importorskip("limits")
 from limits import parse, storage, strategies  # noqa: E402
-
-import shmlimit  # noqa: E402
-import shmlimit.integrations.limits as shm_limits  # noqa: E402
 from support.clock import FakeClock  # noqa: E402
 from support.procs import wait_for  # noqa: E402
 from support.servers import BIN, Server, get  # noqa: E402
+
+import shmlimit  # noqa: E402
+import shmlimit.integrations.limits as shm_limits  # noqa: E402
 
 
 @pytest.fixture
@@ -27,8 +28,12 @@ def test_the_scheme_is_registered_and_options_are_checked(name):
     s = storage.storage_from_string(f"shm://{name}?keys=512")
     assert isinstance(s, shm_limits.ShmStorage) and s.table.slots == 512 and s.check()
     s.table.close()
-    for bad, msg in [("shm://", "name the table"), (f"shm://{name}?size=3", "unknown option"),
-                     (f"shm://{name}?keys=many", "keys must be an integer"), ("shm://bad name", "name must be")]:
+    for bad, msg in [
+        ("shm://", "name the table"),
+        (f"shm://{name}?size=3", "unknown option"),
+        (f"shm://{name}?keys=many", "keys must be an integer"),
+        ("shm://bad name", "name must be"),
+    ]:
         with pytest.raises(ValueError, match=msg):
             storage.storage_from_string(bad)
 
@@ -37,8 +42,10 @@ def test_an_unknown_storage_option_is_refused(name):
     """An option the shm:// storage does not know (``key=`` for ``keys=``, as Flask-Limiter's
     ``storage_options`` pass it) was silently dropped: the table got 100 000 slots.  Refused,
     naming it, before any table is made; sync and asyncio alike."""
-    for make in (lambda **kw: storage.storage_from_string(f"shm://{name}", **kw),
-                 lambda **kw: storage.storage_from_string(f"async+shm://{name}", **kw)):
+    for make in (
+        lambda **kw: storage.storage_from_string(f"shm://{name}", **kw),
+        lambda **kw: storage.storage_from_string(f"async+shm://{name}", **kw),
+    ):
         with pytest.raises(TypeError, match=r"^key\b.*keys"):
             make(key=512)
     assert name not in shmlimit.list_names()
@@ -75,7 +82,9 @@ def test_sliding_window_weights_the_previous_window(name):
         assert sum(s.acquire_sliding_window_entry("k", 10, 10) for _ in range(12)) == 10
         clock.advance_seconds(12.5)  # a quarter into the next window: the previous counts 3/4
         assert s.get_sliding_window("k", 10)[:3:2] == (10, 0)
-        assert sum(s.acquire_sliding_window_entry("k", 10, 10) for _ in range(5)) == 3  # floor(7.5)+n <= 10
+        assert (
+            sum(s.acquire_sliding_window_entry("k", 10, 10) for _ in range(5)) == 3
+        )  # floor(7.5)+n <= 10
     finally:
         s.table.close()
 
@@ -89,7 +98,9 @@ def test_moving_window_is_refused_at_configuration_time(name):
     flask_limiter = pytest.importorskip("flask_limiter")
     app = flask.Flask(__name__)
     with pytest.raises(NotImplementedError, match="MovingWindow"):
-        flask_limiter.Limiter(lambda: "x", app=app, storage_uri=f"shm://{name}", strategy="moving-window")
+        flask_limiter.Limiter(
+            lambda: "x", app=app, storage_uri=f"shm://{name}", strategy="moving-window"
+        )
 
 
 APP = """
@@ -126,7 +137,16 @@ def health():
 def test_flask_limiter_under_gunicorn_four_workers(name, tmp_path, strategy):
     pytest.importorskip("flask_limiter")
     (tmp_path / "limits_app.py").write_text(textwrap.dedent(APP))
-    argv = [f"{BIN}/gunicorn", "-w", "4", "-b", "127.0.0.1:{port}", "--log-level", "warning", "limits_app:app"]
+    argv = [
+        f"{BIN}/gunicorn",
+        "-w",
+        "4",
+        "-b",
+        "127.0.0.1:{port}",
+        "--log-level",
+        "warning",
+        "limits_app:app",
+    ]
     booted = tmp_path / "booted"
     booted.mkdir()
     env = {"LIM": name, "STRATEGY": strategy, "LIMIT": "25 per 10 minutes", "BOOTED": str(booted)}
@@ -156,8 +176,19 @@ def test_flask_limiter_short_windows_under_gunicorn(name, tmp_path):
     """Windows of one second over about three seconds: no window grants more than the limit."""
     pytest.importorskip("flask_limiter")
     (tmp_path / "limits_app.py").write_text(textwrap.dedent(APP))
-    argv = [f"{BIN}/gunicorn", "-w", "4", "-b", "127.0.0.1:{port}", "--log-level", "warning", "limits_app:app"]
-    with Server(argv, str(tmp_path), env={"LIM": name, "STRATEGY": "fixed-window", "LIMIT": "5 per second"}) as srv:
+    argv = [
+        f"{BIN}/gunicorn",
+        "-w",
+        "4",
+        "-b",
+        "127.0.0.1:{port}",
+        "--log-level",
+        "warning",
+        "limits_app:app",
+    ]
+    with Server(
+        argv, str(tmp_path), env={"LIM": name, "STRATEGY": "fixed-window", "LIMIT": "5 per second"}
+    ) as srv:
         with ThreadPoolExecutor(6) as pool:
             results = list(pool.map(lambda _: get(srv.url + "/"), range(300)))
     windows = {}

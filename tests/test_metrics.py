@@ -3,6 +3,7 @@
 Every exposition is parsed with prometheus_client's own parser, and reading must never join a
 limiter: the reading process is never listed in the process table and never runs the filler.
 """
+
 import multiprocessing as mp
 import os
 import re
@@ -86,10 +87,14 @@ def check(values, types, name, child_pid):
     assert values[("shmlimit_waiting_processes", name)] == 1
     assert values[("shmlimit_processes", name)] == 2
     assert 0 < values[("shmlimit_deficiency_seconds", name)] <= 60
-    assert 0.9 < values[("shmlimit_deficiency_ops", name)] <= 1  # one op owed, shrinking as time passes
+    assert (
+        0.9 < values[("shmlimit_deficiency_ops", name)] <= 1
+    )  # one op owed, shrinking as time passes
     assert 0 <= values[("shmlimit_filler_heartbeat_age_seconds", name)] < 5
     assert values[("shmlimit_stopped", name)] == 0
-    assert values[("shmlimit_starved_seconds_total", name)] == live.starved_seconds == 0  # a healthy host
+    assert (
+        values[("shmlimit_starved_seconds_total", name)] == live.starved_seconds == 0
+    )  # a healthy host
     assert types["shmlimit_starved_seconds"] == "counter"
     # reading never joined: only this process and the queued child are listed
     assert sorted(p.pid for p in live.processes) == sorted([os.getpid(), child_pid])
@@ -98,8 +103,15 @@ def check(values, types, name, child_pid):
 
 def test_cli_prints_exposition_and_never_joins(busy, name):
     lim, child = busy
+
     def scrape():
-        r = subprocess.run([*CLI, "metrics", name], capture_output=True, text=True, timeout=60, cwd=tempfile.gettempdir())
+        r = subprocess.run(
+            [*CLI, "metrics", name],
+            capture_output=True,
+            text=True,
+            timeout=60,
+            cwd=tempfile.gettempdir(),
+        )
         assert r.returncode == 0, r.stderr
         return r.stdout
 
@@ -115,7 +127,10 @@ def test_cli_serves_metrics_on_a_port(busy, name, tmp_path):
     with open(f"/dev/shm/shmlimit.{junk}", "wb") as f:  # a foreign segment: counted, never fatal
         f.write(b"\x01" * 4096)
     proc = subprocess.Popen(
-        [*CLI, "metrics", "--port", "0"], stderr=subprocess.PIPE, stdout=subprocess.DEVNULL, text=True,
+        [*CLI, "metrics", "--port", "0"],
+        stderr=subprocess.PIPE,
+        stdout=subprocess.DEVNULL,
+        text=True,
         cwd=tempfile.gettempdir(),
     )
     try:
@@ -123,6 +138,7 @@ def test_cli_serves_metrics_on_a_port(busy, name, tmp_path):
         m = re.search(r"http://([\d.]+):(\d+)/metrics", line)
         assert m, line
         url = f"http://{m.group(1)}:{m.group(2)}"
+
         def scrape():
             with urllib.request.urlopen(url + "/metrics", timeout=30) as resp:
                 assert resp.status == 200
@@ -143,7 +159,9 @@ def test_cli_serves_metrics_on_a_port(busy, name, tmp_path):
 
 
 def test_cli_unknown_name_is_a_user_error():
-    r = subprocess.run([*CLI, "metrics", "no-such-limiter-here"], capture_output=True, text=True, timeout=60)
+    r = subprocess.run(
+        [*CLI, "metrics", "no-such-limiter-here"], capture_output=True, text=True, timeout=60
+    )
     assert r.returncode == 2 and "no limiter named" in r.stderr
 
 
@@ -189,7 +207,13 @@ def test_keyed_limiter_metrics_never_join(name):
     for key in ("alice", "bob", "carol"):
         assert lim.try_acquire(key)
     assert lim.try_acquire("alice") and not lim.try_acquire("alice")
-    r = subprocess.run([*CLI, "metrics", name], capture_output=True, text=True, timeout=60, cwd=tempfile.gettempdir())
+    r = subprocess.run(
+        [*CLI, "metrics", name],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        cwd=tempfile.gettempdir(),
+    )
     assert r.returncode == 0, r.stderr
     values, types = parse(r.stdout)
     live = shmlimit.inspect(name)
@@ -201,7 +225,10 @@ def test_keyed_limiter_metrics_never_join(name):
     assert values[("shmlimit_keyed_evictions_total", name)] == live.evicted
     assert values[("shmlimit_keyed_refusals_total", name)] == live.refused_full == 0
     assert types["shmlimit_keyed_evictions"] == "counter"
-    assert ("shmlimit_available_ops", name) not in values  # no per-key figures, no bucket of its own
+    assert (
+        "shmlimit_available_ops",
+        name,
+    ) not in values  # no per-key figures, no bucket of its own
     assert values[("shmlimit_unreadable_segments", None)] == 0
     assert [p.pid for p in live.processes if p.alive] == [os.getpid()]
     lim.close()

@@ -1,5 +1,6 @@
 """ASGI and WSGI middleware: headers and modes in process, then real servers with several workers
 (Starlette under ``uvicorn --workers 2``, a WSGI app under ``gunicorn -w 2``) sharing one limit."""
+
 import asyncio
 import re
 import sys
@@ -8,18 +9,24 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 
 import pytest
+from support.aio import LoopTicker
+from support.servers import BIN, Server, get
 
 import shmlimit
 from shmlimit.integrations.asgi import RateLimitMiddleware as ASGILimit
 from shmlimit.integrations.wsgi import RateLimitMiddleware as WSGILimit
-from support.aio import LoopTicker
-from support.servers import BIN, Server, get
 
 RATELIMIT = re.compile(r'^"default";r=(\d+);t=(\d+)$')
 
 
 async def _hello(scope, receive, send):
-    await send({"type": "http.response.start", "status": 200, "headers": [(b"content-type", b"text/plain")]})
+    await send(
+        {
+            "type": "http.response.start",
+            "status": 200,
+            "headers": [(b"content-type", b"text/plain")],
+        }
+    )
     await send({"type": "http.response.body", "body": b"hello"})
 
 
@@ -41,7 +48,9 @@ async def call(app, path="/", client="127.0.0.1"):
 
 def test_asgi_headers_remaining_and_refusal(name):
     lim = shmlimit.Limiter(name, rate=1, per=60, burst=5)
-    app = ASGILimit(_hello, limiter=lim, key=lambda scope: None if scope["path"] == "/health" else "")
+    app = ASGILimit(
+        _hello, limiter=lim, key=lambda scope: None if scope["path"] == "/health" else ""
+    )
 
     async def main():
         seen = []
@@ -144,7 +153,9 @@ def test_wsgi_in_process(name):
         start_response("200 OK", [("Content-Type", "text/plain")])
         return [b"hello"]
 
-    app = WSGILimit(hello, limiter=lim, cost=lambda environ: 2 if environ["PATH_INFO"] == "/big" else 1)
+    app = WSGILimit(
+        hello, limiter=lim, cost=lambda environ: 2 if environ["PATH_INFO"] == "/big" else 1
+    )
     got = []
 
     def start_response(status, headers, exc_info=None):
@@ -152,7 +163,10 @@ def test_wsgi_in_process(name):
 
     assert b"".join(app({"PATH_INFO": "/big", "REMOTE_ADDR": "x"}, start_response)) == b"hello"
     assert got[-1][0] == "200 OK" and got[-1][1]["RateLimit"].startswith('"default";r=0;')
-    assert b"".join(app({"PATH_INFO": "/", "REMOTE_ADDR": "x"}, start_response)) == b"Too Many Requests\n"
+    assert (
+        b"".join(app({"PATH_INFO": "/", "REMOTE_ADDR": "x"}, start_response))
+        == b"Too Many Requests\n"
+    )
     assert got[-1][0].startswith("429") and 1 <= int(got[-1][1]["Retry-After"]) <= 60
     assert lim.stats().grants == 2
     lim.close()
@@ -187,8 +201,20 @@ def test_starlette_under_uvicorn_two_workers_per_client(name, tmp_path):
     pytest.importorskip("starlette")
     pytest.importorskip("uvicorn")
     (tmp_path / "asgi_app.py").write_text(textwrap.dedent(ASGI_APP))
-    argv = [sys.executable, "-m", "uvicorn", "asgi_app:app", "--host", "127.0.0.1", "--port", "{port}",
-            "--workers", "2", "--log-level", "warning"]
+    argv = [
+        sys.executable,
+        "-m",
+        "uvicorn",
+        "asgi_app:app",
+        "--host",
+        "127.0.0.1",
+        "--port",
+        "{port}",
+        "--workers",
+        "2",
+        "--log-level",
+        "warning",
+    ]
     alice, bob = {"X-Client": "alice"}, {"X-Client": "bob"}
     with Server(argv, str(tmp_path), env={"LIM": name}) as srv:
         # alice, one request at a time: 5 granted with her quota counting down, then refused
@@ -236,7 +262,16 @@ app = RateLimitMiddleware(hello, limiter=LIM, key=lambda environ: None if enviro
 def test_wsgi_under_gunicorn_two_workers(name, tmp_path):
     pytest.importorskip("gunicorn")
     (tmp_path / "wsgi_app.py").write_text(textwrap.dedent(WSGI_APP))
-    argv = [f"{BIN}/gunicorn", "-w", "2", "-b", "127.0.0.1:{port}", "--log-level", "warning", "wsgi_app:app"]
+    argv = [
+        f"{BIN}/gunicorn",
+        "-w",
+        "2",
+        "-b",
+        "127.0.0.1:{port}",
+        "--log-level",
+        "warning",
+        "wsgi_app:app",
+    ]
     with Server(argv, str(tmp_path), env={"LIM": name}) as srv:
         with ThreadPoolExecutor(8) as pool:
             results = list(pool.map(lambda _: get(srv.url + "/"), range(30)))

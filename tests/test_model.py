@@ -34,6 +34,7 @@ After every step the invariants are checked:
   skip (recorded in its slot), skips it if the head is there, or leaves it where it is only
   while the reaper has no free record.
 """
+
 import functools
 import math
 import mmap
@@ -45,31 +46,47 @@ import types
 import hypothesis.strategies as st
 import pytest
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
-
-import shmlimit
-from shmlimit.bucket import rovers as bucket_module
-from shmlimit.shm import banks as config_banks
-from shmlimit.shm import inflight
-from shmlimit.shm import layout as L
-from shmlimit.bucket.rovers import Bucket, diff
-from shmlimit.shm.cells import MASK64, native_available, open_cells
-from shmlimit.config import MAX_SPAN_TOKENS, NS_PER_S, Config
-from shmlimit.acquire.single import TICKET, Request
-from shmlimit.attachment import Attachment
-from shmlimit.bucket.giveback import Returns, reap, take_over
-from shmlimit.shm.table import ProcessTable, proc_start
-from shmlimit.limiter import Limiter
-from shmlimit.bucket.schedule import count_stops
-from shmlimit.shm.segment import Segment
-
 from support.clock import FakeClock
 from support.models import model_settings
 
+import shmlimit
+from shmlimit.acquire.single import TICKET, Request
+from shmlimit.attachment import Attachment
+from shmlimit.bucket import rovers as bucket_module
+from shmlimit.bucket.giveback import Returns, reap, take_over
+from shmlimit.bucket.rovers import Bucket, diff
+from shmlimit.bucket.schedule import count_stops
+from shmlimit.config import MAX_SPAN_TOKENS, NS_PER_S, Config
+from shmlimit.limiter import Limiter
+from shmlimit.shm import banks as config_banks
+from shmlimit.shm import inflight
+from shmlimit.shm import layout as L
+from shmlimit.shm.cells import MASK64, native_available, open_cells
+from shmlimit.shm.segment import Segment
+from shmlimit.shm.table import ProcessTable, proc_start
+
 BACKENDS = ["atomics"] + (["native"] if native_available() else [])
 SLOTS = 4
-WORDS = [L.CFG_SEQ, L.CFG_RATE, L.CFG_PER, L.CFG_BURST, L.CFG_TPN, L.CFG_COST, L.CFG_CAP, L.CFG_FLAGS, L.CFG_RATIO,
-         L.CFG_MAX_RESERVED, L.CFG_MAX_BEHIND, L.TAIL, L.HEAD, L.REPL_TS, L.SNAP_HEAD, L.SNAP_TAIL, L.WAIT,
-         5 * L.LINE]  # line 5: capped mode's word
+WORDS = [
+    L.CFG_SEQ,
+    L.CFG_RATE,
+    L.CFG_PER,
+    L.CFG_BURST,
+    L.CFG_TPN,
+    L.CFG_COST,
+    L.CFG_CAP,
+    L.CFG_FLAGS,
+    L.CFG_RATIO,
+    L.CFG_MAX_RESERVED,
+    L.CFG_MAX_BEHIND,
+    L.TAIL,
+    L.HEAD,
+    L.REPL_TS,
+    L.SNAP_HEAD,
+    L.SNAP_TAIL,
+    L.WAIT,
+    5 * L.LINE,
+]  # line 5: capped mode's word
 
 
 def cfg_word(cells, off):
@@ -103,7 +120,8 @@ def at_rest(check):
         saved = config_banks.time
         own = FakeClock(self.clock.now)  # (looks again after 50 ms, as _pass_time)
         config_banks.time = types.SimpleNamespace(
-            monotonic_ns=own, sleep=lambda seconds: own.advance(max(50_000_000, int(seconds * NS_PER_S)))
+            monotonic_ns=own,
+            sleep=lambda seconds: own.advance(max(50_000_000, int(seconds * NS_PER_S))),
         )
         try:
             return check(self)
@@ -135,9 +153,13 @@ class LimiterModel(RuleBasedStateMachine):
         self.dead_ops = {}  # ... and each dead process's, by slot, until a reap or a new owner releases them
         self.stalled = []  # claims of replenishers stopped between their claim and their add
         self.saved_sleep = time_module.sleep
-        self.writer = None  # a config writer stalled holding the lock: (thread, resume event, outcome)
+        self.writer = (
+            None  # a config writer stalled holding the lock: (thread, resume event, outcome)
+        )
 
-    @initialize(rate=RATES, burst=BURSTS, capped=st.booleans(), ratio=st.sampled_from([1.0, 1.0, 3.0]))
+    @initialize(
+        rate=RATES, burst=BURSTS, capped=st.booleans(), ratio=st.sampled_from([1.0, 1.0, 3.0])
+    )
     def create(self, rate, burst, capped, ratio):
         self.cfg0 = Config.make(rate, 1.0, burst, capped, ratio)
         size = L.segment_size(SLOTS)
@@ -199,10 +221,13 @@ class LimiterModel(RuleBasedStateMachine):
                 w["locked"].set()
                 w["resume"].wait(60)
         return words
+
     def _spawn(self, backend):
         size = L.segment_size(SLOTS)
         seg = Segment("model", self.mm, size, False, 0)
-        att = Attachment("model", seg, open_cells(self.mm, size, backend), join=False, clock=self.clock)
+        att = Attachment(
+            "model", seg, open_cells(self.mm, size, backend), join=False, clock=self.clock
+        )
         # a slot of its own (this pid, its real start time: alive until the model kills it), so
         # that its waiters record their tickets there; no filler thread and no skipper thread
         att.slot = self.table.register(os.getpid(), proc_start(os.getpid()) or 0)
@@ -211,12 +236,16 @@ class LimiterModel(RuleBasedStateMachine):
         att.update_fast()
         give_back = att.returns.give_back
 
-        def noted(ticket, tokens, rec=None):  # every range given back, skipped at once or later: never a grant
+        def noted(
+            ticket, tokens, rec=None
+        ):  # every range given back, skipped at once or later: never a grant
             self.given_back.add(ticket)
             give_back(ticket, tokens, rec)
 
         att.returns.give_back = noted
-        take_over(att.cells, att.records, att.returns.give_back)  # as a join does: a dead predecessor's records ...
+        take_over(
+            att.cells, att.records, att.returns.give_back
+        )  # as a join does: a dead predecessor's records ...
         att.bucket.inflights = tuple(L.inflight_offset(SLOTS, k) for k in range(SLOTS))
         inflight.take_over(att.cells, SLOTS, att.slot)  # ... and its ops in flight
         self.released += self.dead_ops.pop(att.slot, 0)
@@ -315,7 +344,11 @@ class LimiterModel(RuleBasedStateMachine):
         """The ends of the ranges ``att``'s process holds: its waiters' tickets and what it gave back
         (or took from a dead process) and the head has not passed (``every``: or not yet skipped)."""
         head = self.cells.load(L.HEAD)
-        ends = {t for t, _, r in self.pending if r is not None and r.att is att and t not in self.given_back}
+        ends = {
+            t
+            for t, _, r in self.pending
+            if r is not None and r.att is att and t not in self.given_back
+        }
         ends = {e for e in ends if diff(head, e) < 0}
         ranges = {end for _, end in att.returns.pending()}
         return ends | (ranges if every else {e for e in ranges if diff(head, e) < 0})
@@ -352,7 +385,9 @@ class LimiterModel(RuleBasedStateMachine):
         promise = None
         if reservation and isinstance(result, float) and result != float("inf"):
             # seconds from its last clock reading (time may pass inside: a config lock's wait)
-            promise = self.clock.now + result * NS_PER_S  # (float seconds: rounded, well below 1 ns)
+            promise = (
+                self.clock.now + result * NS_PER_S
+            )  # (float seconds: rounded, well below 1 ns)
             self._promise_kept(lim, diff(self.cells.load(L.TAIL), tail), promise)
         self._note_taken(tail, n, req, lim=lim, promise=promise)
         return True
@@ -382,7 +417,9 @@ class LimiterModel(RuleBasedStateMachine):
         for _, claim in self.stalled:
             b.apply(claim)
         b.replenish()
-        clock.now += 1  # a replenish 1 ns later: a snapshot older than the reservation costs only that ns
+        clock.now += (
+            1  # a replenish 1 ns later: a snapshot older than the reservation costs only that ns
+        )
         b.replenish()
         while clock.now < end and diff(ticket, cells.load(L.HEAD)) > 0:
             clock.now = min(end, clock.now + step)
@@ -395,7 +432,9 @@ class LimiterModel(RuleBasedStateMachine):
     def _n(self, data, proc):
         """Any valid n, the largest included."""
         most = MAX_SPAN_TOKENS // self._cost()
-        return data.draw(st.one_of(st.integers(1, 3), st.just(most), st.integers(1, most)), label="n")
+        return data.draw(
+            st.one_of(st.integers(1, 3), st.just(most), st.integers(1, most)), label="n"
+        )
 
     procs_idx = st.integers(0, 2)
 
@@ -411,19 +450,40 @@ class LimiterModel(RuleBasedStateMachine):
         result, tail, _ = self._call(lim.try_acquire, n)
         self._note_taken(tail, n, now=True, lim=lim)
 
-    @rule(i=procs_idx, data=st.data(), timeout=st.one_of(st.none(), st.sampled_from([0.0, 0.001, 0.05, 2.0])))
+    @rule(
+        i=procs_idx,
+        data=st.data(),
+        timeout=st.one_of(st.none(), st.sampled_from([0.0, 0.001, 0.05, 2.0])),
+    )
     def acquire(self, i, data, timeout):
         lim = self._proc(i)
-        n = data.draw(st.one_of(st.just(1), st.integers(1, 3), st.just(MAX_SPAN_TOKENS // self._cost())), label="n")
+        n = data.draw(
+            st.one_of(st.just(1), st.integers(1, 3), st.just(MAX_SPAN_TOKENS // self._cost())),
+            label="n",
+        )
         self._taking(lambda: self._acquire(lim, n, timeout), n, lim)
 
-    @rule(i=procs_idx, data=st.data(), max_wait=st.one_of(st.none(), st.sampled_from([0.0, 0.01, 1.0, 3600.0])))
+    @rule(
+        i=procs_idx,
+        data=st.data(),
+        max_wait=st.one_of(st.none(), st.sampled_from([0.0, 0.01, 1.0, 3600.0])),
+    )
     def reserve(self, i, data, max_wait):
         lim = self._proc(i)
         n = self._n(data, lim)
-        self._taking(lambda: self._call(lim.reserve, n, max_wait), n, lim, capped_refusal=False, reservation=True)
+        self._taking(
+            lambda: self._call(lim.reserve, n, max_wait),
+            n,
+            lim,
+            capped_refusal=False,
+            reservation=True,
+        )
 
-    @rule(i=procs_idx, k=st.integers(1, 10), how=st.sampled_from(["reserve", "reserve_bounded", "acquire"]))
+    @rule(
+        i=procs_idx,
+        k=st.integers(1, 10),
+        how=st.sampled_from(["reserve", "reserve_bounded", "acquire"]),
+    )
     def flood(self, i, k, how):
         """Queue the largest valid request ``k`` times in a row (any path that queues)."""
         lim = self._proc(i)
@@ -464,7 +524,11 @@ class LimiterModel(RuleBasedStateMachine):
         lim = self._proc(data.draw(st.integers(0, 2), label="i"))
         # a process releases ops it acquired: granted, not those its waiters still queue for (a
         # waiter that leaves un-admits its own; released as well, they were counted off twice)
-        queued = sum(r.n for _, _, r in self.pending if r is not None and r.att is lim._att and r.state == TICKET)
+        queued = sum(
+            r.n
+            for _, _, r in self.pending
+            if r is not None and r.att is lim._att and r.state == TICKET
+        )
         own = self.held_ops.get(id(lim._att), 0) - queued
         if own <= 0:
             return
@@ -512,8 +576,12 @@ class LimiterModel(RuleBasedStateMachine):
             w["locked"].wait(0.01)
             if time_module.monotonic() > give_up:
                 w["resume"].set()  # if it parks after all, it resumes at once
-                raise AssertionError(f"set_rate neither took the config lock nor ended in {WRITER_PARKS_WITHIN} s")
-        if not w["locked"].is_set():  # refused before the lock (bad at this unit) or no change: no stall
+                raise AssertionError(
+                    f"set_rate neither took the config lock nor ended in {WRITER_PARKS_WITHIN} s"
+                )
+        if not w[
+            "locked"
+        ].is_set():  # refused before the lock (bad at this unit) or no change: no stall
             w["thread"].join(WRITER_PARKS_WITHIN)
             self.writer = None
             assert w["outcome"] in ("refused", "published"), w["outcome"]
@@ -532,7 +600,9 @@ class LimiterModel(RuleBasedStateMachine):
     @rule(i=procs_idx, verb=st.sampled_from(["stop", "start", "restart"]))
     def lifecycle(self, i, verb):
         getattr(self._proc(i), verb)()
-        if verb != "stop":  # start and restart reap at once: a dead process's ops in flight are released
+        if (
+            verb != "stop"
+        ):  # start and restart reap at once: a dead process's ops in flight are released
             self._dead_ops_released()
 
     def _dead_ops_released(self):
@@ -622,7 +692,13 @@ class LimiterModel(RuleBasedStateMachine):
         thread parked in its clock reading."""
         att = self._proc(i)._att
         at = self.clock.now
-        w = {"read": threading.Event(), "go": threading.Event(), "dead": False, "claim": None, "att": att}
+        w = {
+            "read": threading.Event(),
+            "go": threading.Event(),
+            "dead": False,
+            "claim": None,
+            "att": att,
+        }
 
         def clock():
             w["read"].set()
@@ -677,7 +753,13 @@ class LimiterModel(RuleBasedStateMachine):
 
         bucket.clock = landing
         try:
-            self._taking(lambda: self._call(lim.reserve, n, max_wait), n, lim, capped_refusal=False, reservation=True)
+            self._taking(
+                lambda: self._call(lim.reserve, n, max_wait),
+                n,
+                lim,
+                capped_refusal=False,
+                reservation=True,
+            )
         finally:
             bucket.clock = clock
 
@@ -685,7 +767,11 @@ class LimiterModel(RuleBasedStateMachine):
     def waiter_leaves(self, data):
         """A waiting request is interrupted or cancelled: its driver ends it, and it gives its ticket back."""
         self._observe()
-        waiting = [p for p in self.pending if p[2] is not None and any(p[2].att is q._att for q in self.procs)]
+        waiting = [
+            p
+            for p in self.pending
+            if p[2] is not None and any(p[2].att is q._att for q in self.procs)
+        ]
         if not waiting:
             return
         ticket, tokens, req = data.draw(st.sampled_from(waiting), label="waiter")
@@ -712,9 +798,13 @@ class LimiterModel(RuleBasedStateMachine):
         # or the head has passed it, or -- only while the reaper had no free record to take it into,
         # and the head had not reached it -- it is still recorded where it was found
         left = self._left_recorded()
-        assert not self._lost(left), "a range a dead process left was not given back by the filler's reap"
+        assert not self._lost(left), (
+            "a range a dead process left was not given back by the filler's reap"
+        )
         if left & self.must_reap:
-            assert all(self.cells.load(off) for _, off in att.records), "a range left behind with a record free"
+            assert all(self.cells.load(off) for _, off in att.records), (
+                "a range left behind with a record free"
+            )
         self.must_reap &= left
 
     @precondition(lambda self: len(self.procs) > 1)
@@ -733,11 +823,17 @@ class LimiterModel(RuleBasedStateMachine):
         self._note_given_back()
         base = L.slot_offset(dead._att.slot)
         self.cells.store(base + L.SLOT_START, self.cells.load(base + L.SLOT_START) + 1)
-        self.stalled = [(b, c) for b, c in self.stalled if b is not dead._att.bucket]  # it never resumes
-        if self.precas is not None and self.precas["att"] is dead._att:  # nor does its preempted replenisher
+        self.stalled = [
+            (b, c) for b, c in self.stalled if b is not dead._att.bucket
+        ]  # it never resumes
+        if (
+            self.precas is not None and self.precas["att"] is dead._att
+        ):  # nor does its preempted replenisher
             self.precas["dead"] = True
             self._claimer_lands()
-        self.pending = [(t, k, None if r is not None and r.att is dead._att else r) for t, k, r in self.pending]
+        self.pending = [
+            (t, k, None if r is not None and r.att is dead._att else r) for t, k, r in self.pending
+        ]
 
     @precondition(lambda self: len(self.procs) > 1)
     @rule(i=procs_idx)
@@ -754,18 +850,25 @@ class LimiterModel(RuleBasedStateMachine):
             self.dead_ops[slot] = self.held_ops.pop(id(gone._att), 0)
         self._note_given_back()
         gone._att.shut()  # close() but the unmapping: the model's processes share one mapping
-        self.stalled = [(b, c) for b, c in self.stalled if b is not gone._att.bucket]  # its threads end
+        self.stalled = [
+            (b, c) for b, c in self.stalled if b is not gone._att.bucket
+        ]  # its threads end
         if self.precas is not None and self.precas["att"] is gone._att:
             self.precas["dead"] = True
             self._claimer_lands()
-        self.pending = [(t, k, None if r is not None and r.att is gone._att else r) for t, k, r in self.pending]
+        self.pending = [
+            (t, k, None if r is not None and r.att is gone._att else r) for t, k, r in self.pending
+        ]
 
     @precondition(lambda self: len(self.procs) < 3)
     @rule(backend=st.sampled_from(BACKENDS))
     def process_starts(self, backend):
         self._spawn(backend)
 
-    @rule(i=procs_idx, bad=st.sampled_from(["n0", "nbig", "timeout", "burst", "rate", "ratio", "release"]))
+    @rule(
+        i=procs_idx,
+        bad=st.sampled_from(["n0", "nbig", "timeout", "burst", "rate", "ratio", "release"]),
+    )
     def bad_input(self, i, bad):
         lim = self._proc(i)
         before = self._words()
@@ -798,7 +901,9 @@ class LimiterModel(RuleBasedStateMachine):
             total = 0
             for b in range(a, len(grants)):
                 total += grants[b][1]
-                window = grants[b][0] - grants[a][0] + 1  # (1 ns: a reservation's moment is a float, rounded)
+                window = (
+                    grants[b][0] - grants[a][0] + 1
+                )  # (1 ns: a reservation's moment is a float, rounded)
                 assert total <= self.max_ratio * window * self.tpn + bound_cap, (
                     f"{total} tokens granted in {window} ns: more than ratio*(T*tpn + cap)"
                 )
@@ -816,7 +921,9 @@ class LimiterModel(RuleBasedStateMachine):
         held (recorded) by a live process that took it, or passed by the head."""
         if not self.must_reap or not self.procs:
             return
-        assert not self._lost(self._left_recorded()), "a range a dead process left is recorded nowhere: it stays queued"
+        assert not self._lost(self._left_recorded()), (
+            "a range a dead process left is recorded nowhere: it stays queued"
+        )
 
     def _left_recorded(self):
         """The ends of the ranges recorded in the slots of dead or departed processes, where the next
@@ -834,7 +941,9 @@ class LimiterModel(RuleBasedStateMachine):
         """A range a live process holds to skip is in one of its slot's records, marked given: should
         it die before the head gets there, the next reap finds it."""
         for p in self.procs:
-            assert p._att.returns.unrecorded() == [], "a range given back or taken is held in no record"
+            assert p._att.returns.unrecorded() == [], (
+                "a range given back or taken is held in no record"
+            )
 
     @invariant()
     @at_rest
@@ -846,7 +955,9 @@ class LimiterModel(RuleBasedStateMachine):
                 continue
             assert req.record is not None, "a waiter holds a ticket no record holds"
             assert req.record in {off for _, off in req.att.records}
-            assert self.cells.load(req.record) == tokens and self.cells.load(req.record - 8) == ticket
+            assert (
+                self.cells.load(req.record) == tokens and self.cells.load(req.record - 8) == ticket
+            )
 
     @invariant()
     @at_rest
@@ -876,7 +987,9 @@ class LimiterModel(RuleBasedStateMachine):
     def config_consistent(self):
         if not self.procs:
             return
-        b = Bucket(open_cells(self.mm, L.segment_size(SLOTS), BACKENDS[-1]), self.clock)  # raises if corrupt
+        b = Bucket(
+            open_cells(self.mm, L.segment_size(SLOTS), BACKENDS[-1]), self.clock
+        )  # raises if corrupt
         cfg = b.config
         assert b.cost == cfg.cost_at(b.tpn) and b.cap == cfg.cap_at(b.tpn) and b.tpn == self.tpn
 
@@ -913,8 +1026,15 @@ class LimiterModel(RuleBasedStateMachine):
         # drain or a skip); the queue less what is given back, then one op for the probe; and two
         # replenishes for each stop of the head on the way (the clamp counts from a request's
         # start: schedule.count_stops, which promised_ns counts too), the tail's included
-        stops = 1 + count_stops(cells, b._record_lens(), head0, (c.load(L.TAIL) + self._cost()) & MASK64, cap)
-        fills = (max(0, depth - back) + self._cost()) * 2 // cap + 4 + 2 * len(returns.pending()) + 2 * stops
+        stops = 1 + count_stops(
+            cells, b._record_lens(), head0, (c.load(L.TAIL) + self._cost()) & MASK64, cap
+        )
+        fills = (
+            (max(0, depth - back) + self._cost()) * 2 // cap
+            + 4
+            + 2 * len(returns.pending())
+            + 2 * stops
+        )
         # the reservations' fences hold the head until their promises (each promise may be late by
         # its margins: the filler's longest pause, the stops): the clock runs to the latest first
         held = max((cells.load(off + L.FENCE_DUE) for off in b.fences.recs), default=0)
@@ -932,15 +1052,25 @@ class LimiterModel(RuleBasedStateMachine):
             returns.step()
         head = cells.load(L.HEAD)
         for ticket, _, _ in self.pending:
-            assert diff(head, ticket) >= 0, "a queued ticket was not served after its schedule less what was given back"
-        att = Attachment("scratch", Segment("scratch", scratch, len(scratch), False, 0), cells, join=False, clock=clock)
+            assert diff(head, ticket) >= 0, (
+                "a queued ticket was not served after its schedule less what was given back"
+            )
+        att = Attachment(
+            "scratch",
+            Segment("scratch", scratch, len(scratch), False, 0),
+            cells,
+            join=False,
+            clock=clock,
+        )
         att.joined = att.in_use = True  # a probe: it registers nothing and starts no thread
         att.update_fast()
         probe = Limiter.__new__(Limiter)
         probe._name, probe._att, probe._fast = "scratch", att, att.fast
         ok = probe.try_acquire(1)
         probe._att = None
-        assert ok, "nothing in flight, nothing queued beyond the schedule, and still no op can be had"
+        assert ok, (
+            "nothing in flight, nothing queued beyond the schedule, and still no op can be had"
+        )
 
 
 LimiterModel.TestCase.settings = model_settings(60)
@@ -1031,7 +1161,9 @@ def test_a_request_over_the_capacity_and_the_next_op_within_the_bound():
         # an op's time (3 ns) after the promise at the soonest; the head, held at the reservation's
         # end, stops a token short of the op's end (the clamp: a recorded request after a range no
         # record tells) and crosses it at its waiter's next look: a few ns more
-        assert len(got) == 3 and got[2][1] == 1 and 3 <= got[2][0] - (promise - m.created_ns) <= 100, got
+        assert (
+            len(got) == 3 and got[2][1] == 1 and 3 <= got[2][0] - (promise - m.created_ns) <= 100
+        ), got
         assert not _over_the_bound(m), _over_the_bound(m)
     finally:
         m.teardown()
@@ -1130,7 +1262,6 @@ def test_a_reservation_behind_a_request_over_the_capacity_is_promised_after_its_
         m.teardown()
 
 
-
 def test_the_head_passes_its_stops_within_the_schedule_after_a_rate_change():
     """Sequences the random search found once the head stopped at the end of each request of a
     capacity or more (until a snapshot is taken past it): at 1000/s, the bucket drained, two
@@ -1187,7 +1318,9 @@ def test_a_promise_counts_the_stops_within_the_next_replenishs_room():
     try:
         m.create(rate=1000.0, burst=1.0, capped=False, ratio=1.0)
         m.drain(i=0)
-        m.reserve(data=_Draw(), i=0, max_wait=None)  # the head stands in this range: no record tells it
+        m.reserve(
+            data=_Draw(), i=0, max_wait=None
+        )  # the head stands in this range: no record tells it
         m.acquire(data=_Draw(), i=0, timeout=None)  # a recorded waiter behind it
         m.claimer_reads(i=0)
         m.claimer_lands()

@@ -50,19 +50,19 @@ Checked after every replenish:
   add stopped the head inside the next, longer request at ``base + CAP``: that step's time past
   the stop was lost and counted starved, and the request covered late.
 """
+
 import random
 
 import hypothesis.strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, rule
-
-from shmlimit.shm import layout as L
-from shmlimit.bucket.rovers import WAIT_BURN, Bucket
-from shmlimit.shm.cells import native_available, open_cells
-from shmlimit.acquire.sleep import SLACK_NS
-from shmlimit.shm.words import diff
-
 from support.models import model_settings
 from test_model import LimiterModel
+
+from shmlimit.acquire.sleep import SLACK_NS
+from shmlimit.bucket.rovers import WAIT_BURN, Bucket
+from shmlimit.shm import layout as L
+from shmlimit.shm.cells import native_available, open_cells
+from shmlimit.shm.words import diff
 
 #: Rates whose op is a whole number of ns (so every rover boundary is a whole ns of schedule, and
 #: a waiter's replenish at its turn lands exactly on it), within a factor of 10 of each other:
@@ -102,7 +102,9 @@ class OnTimeModel(RuleBasedStateMachine):
         self.refills = refills
         self.m = LimiterModel()
         self.m.create(rate=rate, burst=burst, capped=False, ratio=1.0)
-        self.m.clock.tick_ns = 1  # a real clock moves between two readings: the refresh finds time to claim
+        self.m.clock.tick_ns = (
+            1  # a real clock moves between two readings: the refresh finds time to claim
+        )
 
     def teardown(self):
         if self.m is not None:
@@ -147,7 +149,10 @@ class OnTimeModel(RuleBasedStateMachine):
         any, a tick later; else ``Bucket.replenish`` (the clock read at each claim)."""
         b = att.bucket
         b.refresh()
-        key = (id(att), b.snap.seq)  # a native waiter is bound to one config: a new one after a set_rate
+        key = (
+            id(att),
+            b.snap.seq,
+        )  # a native waiter is bound to one config: a new one after a set_rate
         if self.refills == "native" and key not in self.native:
             if att.cells.backend != "native":
                 b = Bucket(open_cells(self.m.mm, len(self.m.mm), "native"), self.m.clock)
@@ -244,15 +249,23 @@ class OnTimeModel(RuleBasedStateMachine):
         rng = random.Random(seed)
         last, lost = max(self._turn(t) for t, _, _ in m.pending), self.lost
         for _ in range(100_000):
-            if not m.pending or m.clock.now > last + self.lost - lost + self.longest_step + self._step_ns(fraction):
+            if (
+                not m.pending
+                or m.clock.now
+                > last + self.lost - lost + self.longest_step + self._step_ns(fraction)
+            ):
                 break
             self._advance(fraction, filler, rng)
-        assert not m.pending, f"{len(m.pending)} requests still queued a step after the last one's due instant"
+        assert not m.pending, (
+            f"{len(m.pending)} requests still queued a step after the last one's due instant"
+        )
 
     @invariant()
     def nothing_starved(self):
         if self.m is not None:
-            assert self.m.cells.load(L.STARVED_NS) == self.lost, "time counted starved, not by a refresh at a stop"
+            assert self.m.cells.load(L.STARVED_NS) == self.lost, (
+                "time counted starved, not by a refresh at a stop"
+            )
 
 
 OnTimeModel.TestCase.settings = model_settings(600)

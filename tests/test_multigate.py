@@ -7,6 +7,7 @@ that a rate's queued ticket is never passed, that a race gives the earlier
 rates back exactly (real processes), and that the native gate and the
 reference built from the four primitives agree on any state of the words.
 """
+
 import mmap
 import multiprocessing as mp
 import time
@@ -14,11 +15,10 @@ import time
 import hypothesis.strategies as st
 import pytest
 from hypothesis import HealthCheck, given, settings
+from support.cells import BACKENDS, backend, cells, cells_for, opened, segment  # noqa: F401 (fixtures)
 
 from shmlimit.shm.cells import MASK64, multi_gate, native_available, open_cells
 from shmlimit.shm.composites import Gate, MultiGate
-
-from support.cells import BACKENDS, backend, cells, cells_for, opened, segment  # noqa: F401 (fixtures)
 
 INF = float("inf")
 # two rates' words in one segment: (seq, tail, head, ceil, repl_ts, grants)
@@ -33,12 +33,34 @@ def now_ns():
 
 def gate(c, words, amount, tpn=1):
     c.store(words[SEQ], 2)
-    return c.gate(words[SEQ], 2, words[TAIL], words[HEAD], words[CEIL], words[TS], words[GRANTS], amount, 1, tpn, 1,
-                  False, INF)
+    return c.gate(
+        words[SEQ],
+        2,
+        words[TAIL],
+        words[HEAD],
+        words[CEIL],
+        words[TS],
+        words[GRANTS],
+        amount,
+        1,
+        tpn,
+        1,
+        False,
+        INF,
+    )
 
 
-def setup(c, a_room, b_room, amount_a=10, amount_b=1, caps=(1000, 1000), decide=True, names=("requests", "tokens"),
-          pending=False):
+def setup(
+    c,
+    a_room,
+    b_room,
+    amount_a=10,
+    amount_b=1,
+    caps=(1000, 1000),
+    decide=True,
+    names=("requests", "tokens"),
+    pending=False,
+):
     """Two rates with ``a_room`` and ``b_room`` tokens in their buckets; nothing pending unless asked."""
     ts = now_ns() - 10**9 if pending else now_ns() + 10**12
     for words, room in ((A, a_room), (B, b_room)):
@@ -106,14 +128,37 @@ def test_ops_per_rate_as_a_tuple_a_dict_or_one_int(cells):
     assert [cells.load(A[TAIL]), cells.load(B[TAIL])] == [1020, 1080]
     assert m.try_grab_ops(3) is True  # 3 ops on every rate
     assert [cells.load(A[TAIL]), cells.load(B[TAIL])] == [1050, 1083]
-    assert m.try_grab_ops({"requests": 1, "tokens": 18}) is False  # 17 left on B: refused, nothing taken
+    assert (
+        m.try_grab_ops({"requests": 1, "tokens": 18}) is False
+    )  # 17 left on B: refused, nothing taken
     assert [cells.load(A[TAIL]), cells.load(B[TAIL])] == [1050, 1083]
 
 
-@pytest.mark.parametrize("ops", [
-    (1,), (1, 1, 1), (True, 1), (1, -1), (1.0, 1), (0, 0), 0, -1, True, 1.5, "1", None, [1, 1],
-    {"requests": 1, "other": 1}, {"requests": True}, {"requests": 0}, {}, (101, 1), (1, 2**70), (1, 1001),
-])
+@pytest.mark.parametrize(
+    "ops",
+    [
+        (1,),
+        (1, 1, 1),
+        (True, 1),
+        (1, -1),
+        (1.0, 1),
+        (0, 0),
+        0,
+        -1,
+        True,
+        1.5,
+        "1",
+        None,
+        [1, 1],
+        {"requests": 1, "other": 1},
+        {"requests": True},
+        {"requests": 0},
+        {},
+        (101, 1),
+        (1, 2**70),
+        (1, 1001),
+    ],
+)
 def test_anything_but_plain_counts_within_the_capacities_is_left_to_the_slow_path(cells, ops):
     m = setup(cells, 1000, 1000)
     before = words(cells)
@@ -127,13 +172,16 @@ def test_costs_by_name_need_the_names(cells):
     assert m.try_grab_ops((1, 1)) is True
 
 
-@pytest.mark.parametrize("args, error", [
-    (((), (), True, None), ValueError),
-    (((0,), (10, 10), True, None), ValueError),  # one capacity per gate
-    (((0, 1), (10, 10), True, ("a",)), ValueError),  # one name per gate
-    (((0, 1), (5, 10), True, None), ValueError),  # a capacity below its gate's amount
-    (((0, 1), (10, 1 << 62), True, None), ValueError),
-])
+@pytest.mark.parametrize(
+    "args, error",
+    [
+        (((), (), True, None), ValueError),
+        (((0,), (10, 10), True, None), ValueError),  # one capacity per gate
+        (((0, 1), (10, 10), True, ("a",)), ValueError),  # one name per gate
+        (((0, 1), (5, 10), True, None), ValueError),  # a capacity below its gate's amount
+        (((0, 1), (10, 1 << 62), True, None), ValueError),
+    ],
+)
 def test_bad_bindings_are_refused(cells, args, error):
     gates = (gate(cells, A, 10), gate(cells, B, 1))
     bound = (tuple(gates[i] for i in args[0]),) + args[1:]
@@ -260,7 +308,9 @@ def test_the_race_give_back_never_returns_what_the_head_gained_meanwhile(land):
 
 
 @pytest.mark.skipif(not native_available(), reason="the native extension is not built here")
-@settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@settings(
+    max_examples=300, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture]
+)
 @given(
     base=st.tuples(st.integers(0, MASK64), st.integers(0, MASK64)),
     room=st.tuples(st.integers(-(1 << 20), 1 << 20), st.integers(-(1 << 20), 1 << 20)),
@@ -290,12 +340,31 @@ def test_native_and_reference_agree(base, room, amount, cap_ops, pending, seq_ch
                 c.store(words_[HEAD], (base[i] + room[i]) & MASK64)
                 # pending: every ns since boot is a token (far more than any shortfall here); else none
                 c.store(words_[TS], 0 if pending[i] else far + 10**12)
-                args = (words_[SEQ], 2, words_[TAIL], words_[HEAD], words_[CEIL], words_[TS], words_[GRANTS],
-                        amount[i], 1, 1, 1, False, INF)
+                args = (
+                    words_[SEQ],
+                    2,
+                    words_[TAIL],
+                    words_[HEAD],
+                    words_[CEIL],
+                    words_[TS],
+                    words_[GRANTS],
+                    amount[i],
+                    1,
+                    1,
+                    1,
+                    False,
+                    INF,
+                )
                 gates.append(c.gate(*args) if kind == "native" else Gate(c, *args))
             caps = [a * k for a, k in zip(amount, cap_ops)]
-            m = multi_gate(gates, caps, decide, ("r", "t")) if kind == "native" else MultiGate(gates, caps, decide, ("r", "t"))
-            assert type(m).__module__ == ("shmlimit.shm._native" if kind == "native" else "shmlimit.shm.composites")
+            m = (
+                multi_gate(gates, caps, decide, ("r", "t"))
+                if kind == "native"
+                else MultiGate(gates, caps, decide, ("r", "t"))
+            )
+            assert type(m).__module__ == (
+                "shmlimit.shm._native" if kind == "native" else "shmlimit.shm.composites"
+            )
             r = m.try_grab() if ops is None else m.try_grab_ops(ops)
             results.append((r, [c.load(off) for off in A + B]))
         finally:

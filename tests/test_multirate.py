@@ -1,16 +1,17 @@
 """Several rates at once (rates=), step by step on an injected clock."""
+
 import asyncio
 import pickle
 
 import pytest
+from support.clock import FakeClock
 
 import shmlimit
 import shmlimit.shm.layout as L
 from shmlimit.bucket.rovers import diff
-from shmlimit.shm.cells import MASK64
-from shmlimit.multirate import MultiLimiter, MultiRequest
 from shmlimit.bucket.schedule import LONGEST_FILL_NS
-from support.clock import FakeClock
+from shmlimit.multirate import MultiLimiter, MultiRequest
+from shmlimit.shm.cells import MASK64
 
 S = 1_000_000_000
 
@@ -49,7 +50,6 @@ def balance(lim, key):
     return att.bucket.balance() / att.bucket.cost
 
 
-
 def request(lim, timeout=None, n=1, **costs):
     ops = lim._ops(n, costs)
     return MultiRequest(lim._live(), ops, lim._tokens(ops), timeout)
@@ -61,7 +61,13 @@ def test_one_segment_per_rate_with_its_own_config(name, clock, cleanup):
     assert lim.keys == ("0", "1")
     assert {name + ".0", name + ".1"} <= set(shmlimit.list_names())
     cfg = lim.configs
-    assert (cfg["0"].rate, cfg["0"].per, cfg["1"].rate, cfg["1"].per, cfg["1"].burst) == (5000, 3600, 100, 60, 10)
+    assert (cfg["0"].rate, cfg["0"].per, cfg["1"].rate, cfg["1"].per, cfg["1"].burst) == (
+        5000,
+        3600,
+        100,
+        60,
+        10,
+    )
     st = lim.stats()
     assert set(st.rates) == {"0", "1"} and st.rates["1"].capacity == 10
     assert "0=5000/3600s" in repr(lim) and "1=100/60s" in repr(lim)
@@ -133,7 +139,9 @@ def test_a_refused_try_leaves_every_rate_as_it_was(name, clock, cleanup):
     advance(lim, clock, 0.5)
     assert not lim.try_acquire()
     assert balance(lim, "0") == pytest.approx(3)  # full again: nothing was held away from it
-    advance(lim, clock, 0.501)  # (the first replenish after a drain loses its tick: the snapshot clamp)
+    advance(
+        lim, clock, 0.501
+    )  # (the first replenish after a drain loses its tick: the snapshot clamp)
     assert lim.try_acquire()
     assert lim.stats().grants == {"0": 2, "1": 2}
 
@@ -178,7 +186,9 @@ def _queue_on(lim, key, seconds):
     return wait  # its promise: the fence holds those behind it until then
 
 
-def test_once_its_lead_rate_is_due_a_waiter_holds_it_only_for_the_others_queue(name, clock, cleanup):
+def test_once_its_lead_rate_is_due_a_waiter_holds_it_only_for_the_others_queue(
+    name, clock, cleanup
+):
     lim = make(name, {"a": ("1/s", 1), "b": ("10/s", 1)}, clock)
     cleanup.append(lim)
     assert lim.try_acquire(a=1, b=1)
@@ -228,7 +238,9 @@ def test_settle_refunds_and_charges(name, clock, cleanup):
     assert lim.acquire(tokens=1000, timeout=0)
     lim.settle(tokens=500)  # used 500 more than estimated: debt, never refused
     assert balance(lim, "tokens") == pytest.approx(-500)
-    assert lim.retry_after(tokens=100) == pytest.approx(0.6, abs=0.002)  # the debt delays the next caller
+    assert lim.retry_after(tokens=100) == pytest.approx(
+        0.6, abs=0.002
+    )  # the debt delays the next caller
     assert not lim.acquire(tokens=100, timeout=0.59)
     with pytest.raises(TypeError):
         lim.settle(tokenz=1)
@@ -323,36 +335,54 @@ def test_the_fast_path_decides_costs_and_leaves_bad_calls_to_the_slow_path(name,
         (lambda: lim.acquire(tokens=0), ValueError),  # nothing to take
         (lambda: lim.acquire(tokens=-1), ValueError),
         (lambda: lim.acquire(tokens=True), ValueError),
-        (lambda: lim.acquire(requests=1, timeout=-1), ValueError),  # grantable now, but a bad timeout
+        (
+            lambda: lim.acquire(requests=1, timeout=-1),
+            ValueError,
+        ),  # grantable now, but a bad timeout
         (lambda: lim.acquire(requests=1, timeout=float("nan")), ValueError),
         (lambda: lim.try_acquire(0), ValueError),
     ]:
         with pytest.raises(error):
             call()
     assert lim.try_acquire(tokens=400) and lim._fast is fast  # granted by the gate
-    assert not lim.try_acquire(requests=1, tokens=1)  # tokens are gone for an hour: refused, all or nothing
+    assert not lim.try_acquire(
+        requests=1, tokens=1
+    )  # tokens are gone for an hour: refused, all or nothing
     assert not lim.acquire(requests=1, tokens=1, timeout=0.01)
     assert lim.stats().grants == {"requests": 1, "tokens": 1000}
     assert lim.try_acquire(requests=1)  # the request the refusals looked at is still there
     assert lim.stats().grants == {"requests": 2, "tokens": 1000}
 
 
-@pytest.mark.parametrize("text, expected", [
-    ("5000/h; 100/min", ["5000/h", "100/min"]),
-    ("requests=500/min; tokens=200K/min burst=20K", {"requests": "500/min", "tokens": ("200K/min", 20000.0)}),
-    (" 10/s ;50/5s burst=3 ", ["10/s", ("50/5s", 3.0)]),
-])
+@pytest.mark.parametrize(
+    "text, expected",
+    [
+        ("5000/h; 100/min", ["5000/h", "100/min"]),
+        (
+            "requests=500/min; tokens=200K/min burst=20K",
+            {"requests": "500/min", "tokens": ("200K/min", 20000.0)},
+        ),
+        (" 10/s ;50/5s burst=3 ", ["10/s", ("50/5s", 3.0)]),
+    ],
+)
 def test_rates_as_one_string(name, clock, cleanup, text, expected):
     from shmlimit.rate_group import rates_from_text
 
     assert rates_from_text(text) == expected
     lim = make(name, text, clock)
     cleanup.append(lim)
-    assert lim.keys == (tuple(expected) if isinstance(expected, dict) else tuple(str(i) for i in range(len(expected))))
+    assert lim.keys == (
+        tuple(expected)
+        if isinstance(expected, dict)
+        else tuple(str(i) for i in range(len(expected)))
+    )
     assert lim.__reduce__()[1][1] == expected  # a string's rates pickle as the rates they stand for
 
 
-@pytest.mark.parametrize("text", ["a=1/s; 2/s", "1/s;;2/s", "1/s burst", "a=1/s; a=2/s", "1/s burst=1/min", "1/s x=2", ""])
+@pytest.mark.parametrize(
+    "text",
+    ["a=1/s; 2/s", "1/s;;2/s", "1/s burst", "a=1/s; a=2/s", "1/s burst=1/min", "1/s x=2", ""],
+)
 def test_bad_rate_strings_are_refused(name, clock, text):
     with pytest.raises(ValueError, match="rates"):
         shmlimit.Limiter(name, rates=text, clock=clock)

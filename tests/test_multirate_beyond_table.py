@@ -8,15 +8,16 @@ only when covered at once (tokens: a death loses them, stalling no one), and the
 
 The table of each rate has one slot, this process's; a child is beyond it on both rates.
 """
+
 import subprocess
 import sys
 import textwrap
 
 import pytest
-
-import shmlimit
 from support.procs import WORKDIR, wait_for
 from support.reservations import PREAMBLE, killed_part_way, queued
+
+import shmlimit
 
 RATES = {"a": ("1/min", 1), "b": ("1/h", 1)}
 
@@ -38,7 +39,9 @@ def empty(lim):
 
 
 @pytest.mark.slow
-def test_a_process_beyond_the_table_killed_part_way_through_a_reservation_leaves_no_claim_queued(name, cleanup):
+def test_a_process_beyond_the_table_killed_part_way_through_a_reservation_leaves_no_claim_queued(
+    name, cleanup
+):
     lim = shmlimit.Limiter(name, rates=RATES, slots=1)
     cleanup.append(lim)
     empty(lim)  # this process holds the one slot of each rate's table
@@ -74,8 +77,13 @@ def test_a_process_beyond_the_table_still_makes_its_reservations(name, cleanup):
     lim = shmlimit.Limiter(name, rates={"a": ("20/s", 1), "b": ("10/s", 1)}, slots=1)
     cleanup.append(lim)
     lim.try_acquire()  # this process holds the one slot of each rate's table
-    out = subprocess.run([sys.executable, "-c", RESERVES_TWICE_BEYOND_THE_TABLE, name], capture_output=True,
-                         text=True, cwd=WORKDIR, timeout=60)
+    out = subprocess.run(
+        [sys.executable, "-c", RESERVES_TWICE_BEYOND_THE_TABLE, name],
+        capture_output=True,
+        text=True,
+        cwd=WORKDIR,
+        timeout=60,
+    )
     assert out.returncode == 0, out.stderr
     first, took = out.stdout.split()
     assert 0.0 <= float(first) <= 0.2, out.stdout  # at most b's one slot (0.1 s) ahead

@@ -16,16 +16,17 @@ A parked request may leave (an interrupt, a cancellation: its ``end``), giving b
 holds, and every ticket a parked request holds on any rate is recorded in that rate's process
 slot with its exact length (so that a death at any step leaves it to the filler's reap).
 """
+
 import os
 import uuid
 
 import hypothesis.strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
+from support.clock import FakeClock
+from support.models import model_settings
 
 import shmlimit
 from shmlimit.multirate import MultiRequest
-from support.clock import FakeClock
-from support.models import model_settings
 
 RATE = st.sampled_from(["10/s", "50/s", "200/s", "30/2s", "1000/min"])
 BURST = st.integers(min_value=1, max_value=4)
@@ -73,7 +74,9 @@ class MultiRateModel(RuleBasedStateMachine):
         for k, o in costs.items():
             if o:
                 self.events[k].append((took.get(k, self.clock.now), o * self.atts[k].bucket.cost))
-                self.events[k].sort(key=lambda e: e[0])  # stable: same-instant events keep their order
+                self.events[k].sort(
+                    key=lambda e: e[0]
+                )  # stable: same-instant events keep their order
 
     def _saw(self, r):
         """Note when each of ``r``'s rates was taken (its ``held`` entries), as of now."""
@@ -89,7 +92,9 @@ class MultiRateModel(RuleBasedStateMachine):
         if self.lim.try_acquire(**costs):
             self._granted(costs)
 
-    @rule(data=st.data(), timeout=st.one_of(st.none(), st.sampled_from([0.0, 0.01, 0.05, 0.3, 2.0])))
+    @rule(
+        data=st.data(), timeout=st.one_of(st.none(), st.sampled_from([0.0, 0.01, 0.05, 0.3, 2.0]))
+    )
     def start(self, data, timeout):
         costs = self._costs(data)
         ops = self.lim._ops(1, costs)
@@ -149,7 +154,9 @@ class MultiRateModel(RuleBasedStateMachine):
         for r, _ in self.pending:
             for _, req in r.waits:
                 att = req.att
-                assert req.record is not None, "a request over several rates holds a ticket no record holds"
+                assert req.record is not None, (
+                    "a request over several rates holds a ticket no record holds"
+                )
                 assert req.record in {off for _, off in att.records}
                 assert att.cells.load(req.record) == req.tokens > 0
                 assert att.cells.load(req.record - 8) == req.ticket
@@ -191,7 +198,11 @@ class MultiRateModel(RuleBasedStateMachine):
             # the drivers do: its grant is then seen when the head covers it, not up to a filler's
             # tick later (a grant dated late makes the next one look early).
             while True:
-                wakes = [r.wake_ns for r, _ in self.pending if r.wake_ns is not None and self.clock.now < r.wake_ns < end]
+                wakes = [
+                    r.wake_ns
+                    for r, _ in self.pending
+                    if r.wake_ns is not None and self.clock.now < r.wake_ns < end
+                ]
                 if not wakes:
                     break
                 self._replenish_at(min(wakes))

@@ -1,15 +1,16 @@
 """Several rates at once, hammered by real processes on real shared memory."""
+
 import json
 import subprocess
 import sys
 import textwrap
 
 import pytest
-
-import shmlimit
 from support.procs import WORKDIR, collect_witnessed, go, start_workers
 from support.starvation import floor
 from support.windows import max_excess, tag
+
+import shmlimit
 
 pytestmark = pytest.mark.slow
 
@@ -92,7 +93,9 @@ def test_two_windows_hold_both_bounds_under_four_processes(name):
         # starved time and the time none of the workers ran, ~0 on a quiet machine
         assert total >= floor(0.75 * 30, 10, lim.stats().rates["1"].starved_seconds, delays)
         g = lim.stats().grants
-        assert g["0"] == g["1"] and total <= g["0"] <= total + 4  # each worker's last grant is not stamped
+        assert (
+            g["0"] == g["1"] and total <= g["0"] <= total + 4
+        )  # each worker's last grant is not stamped
     finally:
         lim.unlink()
         lim.close()
@@ -102,7 +105,9 @@ def test_requests_and_tokens_bind_on_tokens(name):
     rates = {"requests": "100/s", "tokens": ["1000/s", 50]}
     lim = shmlimit.Limiter(name, rates={"requests": "100/s", "tokens": ("1000/s", 50)})
     try:
-        stamps, delays = run_witnessed(name, rates, 2.5, ["untimed"] * 3, costs={"requests": 1, "tokens": 50})
+        stamps, delays = run_witnessed(
+            name, rates, 2.5, ["untimed"] * 3, costs={"requests": 1, "tokens": 50}
+        )
         calls = sum(map(len, stamps))
         assert calls <= 50 + 1  # 1000 tokens/s at 50 a call: ~20 calls/s, not 100
         # ... and no fewer but for what the machine withheld (support.starvation)
@@ -121,11 +126,15 @@ def test_refunds_let_more_calls_through(name):
         plain = sum(map(len, run(name, rates, 2.0, ["untimed"] * 2, costs={"tokens": 500})))
         lim.settle(tokens=-500)  # start the second phase from a full bucket too
         starved0 = lim.stats().rates["tokens"].starved_seconds
-        settled, delays = run_witnessed(name, rates, 2.0, ["untimed"] * 2, costs={"tokens": 500}, settle={"tokens": -400})
+        settled, delays = run_witnessed(
+            name, rates, 2.0, ["untimed"] * 2, costs={"tokens": 500}, settle={"tokens": -400}
+        )
         starved = lim.stats().rates["tokens"].starved_seconds - starved0
         calls = sum(map(len, settled))
         assert plain <= 2 * 2 + 1
-        assert calls >= floor(0.7 * 20, 10, starved, delays)  # ~10 calls/s, but for what the machine withheld
+        assert calls >= floor(
+            0.7 * 20, 10, starved, delays
+        )  # ~10 calls/s, but for what the machine withheld
         # net usage (100 a call) never exceeds the rate: 1000*T + 500 tokens in any window
         check_bound(settled, 10, 5, (0.2, 0.5, 1.0))
     finally:
@@ -144,11 +153,15 @@ def test_a_charge_from_another_process_delays_the_next_callers(name):
     lim = shmlimit.Limiter(name, rates={"requests": "10/s", "tokens": ("1000/min", 1000)})
     try:
         assert lim.acquire(requests=1, tokens=1000, timeout=0)
-        subprocess.run([sys.executable, "-c", SETTLER, name, "600"], cwd=WORKDIR, check=True, timeout=60)
+        subprocess.run(
+            [sys.executable, "-c", SETTLER, name, "600"], cwd=WORKDIR, check=True, timeout=60
+        )
         # 600 tokens of debt, then 100 of its own: 42 s at 1000/min, less the time since the take
         assert 42 - 15 <= lim.retry_after(tokens=100) <= 42.001
         assert not lim.acquire(tokens=100, timeout=5)  # fails at once, taking nothing
-        subprocess.run([sys.executable, "-c", SETTLER, name, "-1000"], cwd=WORKDIR, check=True, timeout=60)
+        subprocess.run(
+            [sys.executable, "-c", SETTLER, name, "-1000"], cwd=WORKDIR, check=True, timeout=60
+        )
         assert lim.retry_after(tokens=100) <= 0.1  # the refund paid the debt off
     finally:
         lim.unlink()
@@ -159,11 +172,15 @@ def test_mixed_try_timed_and_untimed_callers_never_over_grant_any_rate(name):
     rates = {"a": ["20/s", 2], "b": ["50/5s", 1]}
     lim = shmlimit.Limiter(name, rates={"a": ("20/s", 2), "b": ("50/5s", 1)})
     try:
-        stamps, delays = run_witnessed(name, rates, 2.5, ["try", "timed", "untimed", "untimed"], costs={"a": 1, "b": 1})
+        stamps, delays = run_witnessed(
+            name, rates, 2.5, ["try", "timed", "untimed", "untimed"], costs={"a": 1, "b": 1}
+        )
         check_bound(stamps, 20, 2, (0.05, 0.2, 1.0))
         check_bound(stamps, 10, 1, (0.05, 0.2, 1.0, 2.0))
         # no fewer but for what the machine withheld (support.starvation)
-        assert sum(map(len, stamps)) >= floor(0.75 * 25, 10, lim.stats().rates["b"].starved_seconds, delays)
+        assert sum(map(len, stamps)) >= floor(
+            0.75 * 25, 10, lim.stats().rates["b"].starved_seconds, delays
+        )
     finally:
         lim.unlink()
         lim.close()

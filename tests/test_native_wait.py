@@ -5,6 +5,7 @@ it must give way to Python whenever the config changes, on a signal and on
 ``close()``; and waiters must use it, waking about once per turn.
 (How cheap and how late is measured by tools/bench.py.)
 """
+
 import multiprocessing as mp
 import signal
 import subprocess
@@ -16,23 +17,33 @@ from contextlib import closing
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
-
-import shmlimit
-from shmlimit.shm import layout as L
-from shmlimit.acquire.single import Request
-from shmlimit.shm.cells import MASK64, native_available, selected_backend
-from shmlimit.acquire.sleep import SLACK_NS
 from support.clock import FakeClock
 from support.limiters import quiet_limiter
 from support.procs import WORKDIR, acquire_for, run_processes, wait_for
 from support.starvation import floor, run_delay
 
+import shmlimit
+from shmlimit.acquire.single import Request
+from shmlimit.acquire.sleep import SLACK_NS
+from shmlimit.shm import layout as L
+from shmlimit.shm.cells import MASK64, native_available, selected_backend
+
 pytestmark = pytest.mark.skipif(
-    not native_available() or selected_backend() != "native", reason="the native wait is the native backend's"
+    not native_available() or selected_backend() != "native",
+    reason="the native wait is the native backend's",
 )
 
-ROVERS = (L.REPL_TS, L.SNAP_HEAD, L.SNAP_TAIL, L.HEAD, L.TAIL, L.STARVED_NS,  # and the count of time lost
-          L.SNAP_BASE, L.SNAP_END, L.SNAP_NEXT)  # and the clamp left for the next replenish
+ROVERS = (
+    L.REPL_TS,
+    L.SNAP_HEAD,
+    L.SNAP_TAIL,
+    L.HEAD,
+    L.TAIL,
+    L.STARVED_NS,  # and the count of time lost
+    L.SNAP_BASE,
+    L.SNAP_END,
+    L.SNAP_NEXT,
+)  # and the clamp left for the next replenish
 
 
 def waiter_of(lim):
@@ -60,7 +71,9 @@ def limiters():
         shmlimit.unlink(lim.name)
 
 
-@settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@settings(
+    max_examples=300, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture]
+)
 @given(
     which=st.integers(0, 2),
     base=st.one_of(st.integers(0, MASK64), st.integers(MASK64 - 2**40, MASK64)),
@@ -68,9 +81,17 @@ def limiters():
     snap_back=st.integers(0, 2**44),
     snap_q=st.integers(-(2**44), 2**44),
     elapsed=st.one_of(st.integers(-(10**6), 10**4), st.integers(0, 10**13)),
-    clamp=st.tuples(st.integers(-(2**44), 2**44), st.integers(0, 2**45), st.integers(-(2**44), 2**46)),
-    record=st.one_of(st.none(), st.tuples(st.integers(-(2**44), 2**44), st.integers(0, 2**45),
-                                          st.sampled_from([0, L.TICKET_GIVEN, L.TICKET_BUSY]))),
+    clamp=st.tuples(
+        st.integers(-(2**44), 2**44), st.integers(0, 2**45), st.integers(-(2**44), 2**46)
+    ),
+    record=st.one_of(
+        st.none(),
+        st.tuples(
+            st.integers(-(2**44), 2**44),
+            st.integers(0, 2**45),
+            st.sampled_from([0, L.TICKET_GIVEN, L.TICKET_BUSY]),
+        ),
+    ),
 )
 def test_the_native_replenish_is_the_reference_one(
     limiters, which, base, queued, snap_back, snap_q, elapsed, clamp, record
@@ -132,7 +153,13 @@ def _counting_worker(name, seconds, q):
     grants = acquire_for(lim.acquire, seconds)
     delay1 = run_delay()
     w = lim._att.fast[3]
-    q.put((grants, w.naps if w is not None else None, None if delay0 is None or delay1 is None else delay1 - delay0))
+    q.put(
+        (
+            grants,
+            w.naps if w is not None else None,
+            None if delay0 is None or delay1 is None else delay1 - delay0,
+        )
+    )
 
 
 @pytest.mark.slow
@@ -149,7 +176,10 @@ def test_waiters_wait_natively_about_once_per_turn(name):
     # they were saturating: a second's worth of the rate at least, less what the machine withheld
     # (support.starvation; ~0 on a quiet machine)
     assert grants >= floor(400, 400, starved, [d for _, _, d in out]), (grants, starved, out)
-    assert grants / 2 <= naps <= 2 * grants, (naps, grants)  # they did wait, natively, once per turn
+    assert grants / 2 <= naps <= 2 * grants, (
+        naps,
+        grants,
+    )  # they did wait, natively, once per turn
 
 
 @pytest.mark.slow
@@ -165,7 +195,9 @@ def test_a_native_waiter_counts_as_waiting_until_granted(name):
     t.start()
     try:
         wait_for(lambda: w.naps >= 1)  # asleep in the native loop
-        assert att.cells.load(att.waiting_off) == 1 and [p.waiting for p in lim.stats().processes] == [True]
+        assert att.cells.load(att.waiting_off) == 1 and [
+            p.waiting for p in lim.stats().processes
+        ] == [True]
         t.join(10)
         assert done == [True] and att.cells.load(att.waiting_off) == 0
     finally:
@@ -183,7 +215,9 @@ def test_a_config_change_hands_a_native_waiter_back_to_python_on_schedule(name):
     first = att.fast[3]
     done = []
     t0 = time.monotonic()
-    t = threading.Thread(target=lambda: done.append((lim.acquire(3), time.monotonic() - t0)))  # 1.5 s away
+    t = threading.Thread(
+        target=lambda: done.append((lim.acquire(3), time.monotonic() - t0))
+    )  # 1.5 s away
     t.start()
     try:
         wait_for(lambda: first.naps >= 1)  # asleep in the native loop
@@ -231,7 +265,11 @@ print("ok")
 @pytest.mark.slow
 def test_close_wakes_the_native_waiters_before_the_mapping_goes(name):
     r = subprocess.run(
-        [sys.executable, "-c", _CLOSE_WHILE_WAITING, name], capture_output=True, text=True, timeout=120, cwd=WORKDIR
+        [sys.executable, "-c", _CLOSE_WHILE_WAITING, name],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        cwd=WORKDIR,
     )
     assert r.returncode == 0 and r.stdout.strip() == "ok", (r.returncode, r.stderr[-2000:])
 
@@ -254,7 +292,10 @@ def test_a_signal_reaches_a_native_waiter_at_once(name):
     # SIGINT's default disposition back in the child: a run started with SIGINT ignored (a
     # background job of a non-interactive shell) hands that on, and Python keeps it ignored
     p = subprocess.Popen(
-        [sys.executable, "-c", _INTERRUPTED, name], stdout=subprocess.PIPE, text=True, cwd=WORKDIR,
+        [sys.executable, "-c", _INTERRUPTED, name],
+        stdout=subprocess.PIPE,
+        text=True,
+        cwd=WORKDIR,
         preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL),
     )
     try:
@@ -269,7 +310,6 @@ def test_a_signal_reaches_a_native_waiter_at_once(name):
         if p.poll() is None:
             p.kill()
         p.wait()
-
 
 
 _INTERRUPTED_ONE = """
@@ -308,8 +348,12 @@ def test_a_signal_during_a_one_call_acquire(name, sig):
     """SIGINT in an untimed acquire() of one op (grab and wait in one native call): the ticket is
     given back before KeyboardInterrupt leaves; a handler that raises nothing: it waits on, to its turn."""
     p = subprocess.Popen(
-        [sys.executable, "-c", _INTERRUPTED_ONE, name, sig], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-        text=True, cwd=WORKDIR, preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL),
+        [sys.executable, "-c", _INTERRUPTED_ONE, name, sig],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        cwd=WORKDIR,
+        preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL),
     )
     try:
         assert p.stdout.readline().strip() == "waiting"
@@ -347,7 +391,9 @@ def test_the_native_replenish_claims_again_past_the_request_its_words_name(name)
             wait_for(lambda: time.monotonic_ns() > b.due_ns(one.ticket))
             w.refill()
             assert b.covered(one.ticket)
-            if b.covered(five.ticket):  # this process was off the CPU for the second's whole due time
+            if b.covered(
+                five.ticket
+            ):  # this process was off the CPU for the second's whole due time
                 pytest.skip("descheduled past the second request's due instant: nothing to tell")
             starved = c.load(L.STARVED_NS)
             wait_for(lambda: time.monotonic_ns() > b.due_ns(five.ticket))

@@ -1,4 +1,5 @@
 """Other users' processes: a limiter is opened only as its mode allows."""
+
 import multiprocessing as mp
 import os
 import pwd

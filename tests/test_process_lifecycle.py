@@ -1,5 +1,6 @@
 """Processes coming and going with real interpreters: killed while waiting, killed while
 registering, a whole fleet that died, and creators, attachers and unlinkers racing."""
+
 import multiprocessing as mp
 import os
 import random
@@ -9,9 +10,9 @@ import sys
 import time
 
 import pytest
+from support.procs import WORKDIR, start_acquirer, wait_for
 
 import shmlimit
-from support.procs import WORKDIR, start_acquirer, wait_for
 
 pytestmark = pytest.mark.slow  # real processes measured in real (wall-clock) time
 
@@ -31,7 +32,9 @@ def test_killed_waiters_leave_no_stuck_queue_and_their_slots_are_reclaimed(name)
         assert {p.pid for p in s.processes} == {p.pid for p in second}  # every dead slot reclaimed
         g0 = s.grants
         t0 = time.monotonic()
-        wait_for(lambda: shmlimit.inspect(name).grants >= g0 + 20)  # the dead tickets held nobody up
+        wait_for(
+            lambda: shmlimit.inspect(name).grants >= g0 + 20
+        )  # the dead tickets held nobody up
         assert time.monotonic() - t0 < 2.0
     finally:
         for p in second:
@@ -83,7 +86,9 @@ while True:
 def test_every_process_dies_and_a_new_limiter_reattaches(name):
     procs = []
     for _ in range(4):  # the first creates the segment, the others attach with the same config
-        p = subprocess.Popen([sys.executable, "-c", FLEET, name], stdout=subprocess.PIPE, text=True, cwd=WORKDIR)
+        p = subprocess.Popen(
+            [sys.executable, "-c", FLEET, name], stdout=subprocess.PIPE, text=True, cwd=WORKDIR
+        )
         assert p.stdout.readline().strip() == "ready"
         procs.append(p)
     wait_for(lambda: shmlimit.inspect(name).filler_pid in {p.pid for p in procs})
@@ -168,8 +173,13 @@ def test_the_owner_watch_answers_as_slot_alive_does_and_leaks_no_descriptor():
     child = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
     try:
         start = wait_for(lambda: proc_start(child.pid))
-        cases = [(child.pid, start, 0), (child.pid, start + 1, 0), (child.pid, 0, 0), (os.getpid(), proc_start(os.getpid()), 0),
-                 (child.pid, start, 1)]  # the last: recorded in another PID namespace (inode 1: not ours)
+        cases = [
+            (child.pid, start, 0),
+            (child.pid, start + 1, 0),
+            (child.pid, 0, 0),
+            (os.getpid(), proc_start(os.getpid()), 0),
+            (child.pid, start, 1),
+        ]  # the last: recorded in another PID namespace (inode 1: not ours)
         for _ in range(2):  # the second time from the descriptors kept
             for i, (pid, st, ns) in enumerate(cases):
                 assert w.alive(i, pid, st, ns) == slot_alive(pid, st, ns), (pid, st, ns)
@@ -214,7 +224,9 @@ def test_a_reaps_pass_polls_the_owners_once_and_judges_as_slot_alive_does():
     from shmlimit.shm.table import OwnerWatch, proc_start, slot_alive
 
     w = OwnerWatch()
-    kids = [subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"]) for _ in range(3)]
+    kids = [
+        subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"]) for _ in range(3)
+    ]
     try:
         owners = [(k.pid, wait_for(lambda k=k: proc_start(k.pid))) for k in kids]
         first = w.round()  # opens a descriptor per owner: alive from the start read after opening

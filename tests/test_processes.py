@@ -1,5 +1,6 @@
 """Real processes sharing one limit: pools (fork and spawn), fork inheritance,
 independent interpreters, rovers wrapping mid-run, and racing creators."""
+
 import multiprocessing as mp
 import os
 import subprocess
@@ -7,12 +8,20 @@ import sys
 import time
 
 import pytest
+from support.procs import (
+    WORKDIR,
+    collect_witnessed,
+    go,
+    run_processes,
+    stamp_until,
+    start_workers,
+    wait_for,
+)
+from support.starvation import floor, least, run_delay, total
+from support.windows import max_excess, max_gap, tag
 
 import shmlimit
 from shmlimit.bucket.filler import lease_slot
-from support.procs import WORKDIR, collect_witnessed, go, run_processes, stamp_until, start_workers, wait_for
-from support.starvation import floor, least, run_delay, total
-from support.windows import max_excess, max_gap, tag
 
 pytestmark = pytest.mark.slow  # real processes measured in real (wall-clock) time
 
@@ -96,7 +105,9 @@ def test_limiter_inherited_through_fork_registers_the_child(name):
     word, child_slot, pids = q.get(timeout=30)
     p.join(30)
     assert p.exitcode == 0
-    assert att_pid == child_pid and lease_before is None and slot_before is None  # registers on first use
+    assert (
+        att_pid == child_pid and lease_before is None and slot_before is None
+    )  # registers on first use
     assert child_slot is not None and child_slot != parent_slot
     # Never believes it holds the parent's lease: a lease it holds is one it took itself, in its
     # own slot (a busy machine may keep the parent's filler thread from renewing in time, and
@@ -120,7 +131,9 @@ def test_independent_interpreters_share_the_rate(name):
     procs = start_workers(name, 3, seconds)
     go(procs)
     results, delays = collect_witnessed(procs)
-    lost = shmlimit.inspect(name).starved_seconds  # time the limiter could not credit (as in the pool test)
+    lost = shmlimit.inspect(
+        name
+    ).starved_seconds  # time the limiter could not credit (as in the pool test)
     stamps = [t for r in results for t in r]
     assert all(results)
     assert max_excess(tag(results), 1.0) <= rate + cap
@@ -136,7 +149,9 @@ def test_rovers_wrapping_mid_run_change_nothing(name, base):
     env = dict(os.environ, SHMLIMIT_TEST_ROVER_BASE=str(base))
     subprocess.run(
         [sys.executable, "-c", f"import shmlimit; shmlimit.Limiter({name!r}, rate={rate}).close()"],
-        env=env, check=True, cwd=WORKDIR,
+        env=env,
+        check=True,
+        cwd=WORKDIR,
     )
     lim = shmlimit.attach(name)
     assert lim._att.cells.load(192) >= base - 10**8  # the tail really starts near the boundary
@@ -145,7 +160,9 @@ def test_rovers_wrapping_mid_run_change_nothing(name, base):
     procs = start_workers(name, 3, seconds)
     go(procs)
     results, delays = collect_witnessed(procs)
-    lost = shmlimit.inspect(name).starved_seconds  # time the limiter could not credit (as in the pool test)
+    lost = shmlimit.inspect(
+        name
+    ).starved_seconds  # time the limiter could not credit (as in the pool test)
     stamps = sorted(t for r in results for t in r)
     assert max_excess(tag(results), 1.0) <= rate + cap
     assert len(stamps) <= rate * seconds * 1.03
@@ -192,7 +209,9 @@ def test_concurrent_creators_with_different_configs_get_a_clear_error(name):
     ctx = mp.get_context("fork")
     n = 6
     barrier = ctx.Barrier(n)
-    results = run_processes(ctx, _create, [(name, barrier, 100 if i % 2 else 200) for i in range(n)], timeout=60)
+    results = run_processes(
+        ctx, _create, [(name, barrier, 100 if i % 2 else 200) for i in range(n)], timeout=60
+    )
     oks = [r for r in results if r[0] == "ok"]
     bad = [r for r in results if r[0] == "mismatch"]
     assert len(oks) == 3 and len(bad) == 3 and sum(r[1] for r in oks) == 1

@@ -1,4 +1,5 @@
 """Regression tests: every promise holds off the well-trodden paths too (unusual but valid sequences)."""
+
 import multiprocessing as mp
 import os
 import random
@@ -8,24 +9,35 @@ import time
 from fractions import Fraction
 
 import pytest
-
-import shmlimit
-from shmlimit.shm import layout as L
-from shmlimit.bucket.rovers import Bucket, diff
-from shmlimit.shm.cells import native_available
-from shmlimit.config import MAX_QUEUE_TOKENS, MAX_SPAN_TOKENS, NS_PER_S, Config
-from shmlimit.errors import QueueFullError
-from shmlimit.bucket.filler import FILL_PERIOD, ClockFeed
 from support.buckets import private_cells
 from support.clock import FakeClock
 from support.procs import WORKDIR
 from support.starvation import run_delay
 
+import shmlimit
+from shmlimit.bucket.filler import FILL_PERIOD, ClockFeed
+from shmlimit.bucket.rovers import Bucket, diff
+from shmlimit.config import MAX_QUEUE_TOKENS, MAX_SPAN_TOKENS, NS_PER_S, Config
+from shmlimit.errors import QueueFullError
+from shmlimit.shm import layout as L
+from shmlimit.shm.cells import native_available
+
 FILL_PERIOD_NS = round(FILL_PERIOD * NS_PER_S)
 
 BACKENDS = ["atomics"] + (["native"] if native_available() else [])
-CONFIG_WORDS = [L.CFG_SEQ, L.CFG_RATE, L.CFG_PER, L.CFG_BURST, L.CFG_TPN, L.CFG_COST, L.CFG_CAP, L.CFG_FLAGS,
-                L.CFG_RATIO, L.CFG_MAX_RESERVED, L.CFG_MAX_BEHIND]
+CONFIG_WORDS = [
+    L.CFG_SEQ,
+    L.CFG_RATE,
+    L.CFG_PER,
+    L.CFG_BURST,
+    L.CFG_TPN,
+    L.CFG_COST,
+    L.CFG_CAP,
+    L.CFG_FLAGS,
+    L.CFG_RATIO,
+    L.CFG_MAX_RESERVED,
+    L.CFG_MAX_BEHIND,
+]
 
 
 @pytest.fixture(params=BACKENDS)
@@ -61,7 +73,9 @@ def test_queue_never_wraps_past_2_63(name):
     assert c.grab(L.TAIL, L.HEAD, biggest * b.cost, L.UNREG_GRANTS, 1) is False
     assert c.load(L.TAIL) == tail
     # the bound grabber of each backend (the acquire fast path) refuses as well
-    grab = c.grabber(L.CFG_SEQ, c.load(L.CFG_SEQ), L.TAIL, L.HEAD, biggest * b.cost, L.UNREG_GRANTS, 1)
+    grab = c.grabber(
+        L.CFG_SEQ, c.load(L.CFG_SEQ), L.TAIL, L.HEAD, biggest * b.cost, L.UNREG_GRANTS, 1
+    )
     assert grab() is False
     assert c.load(L.TAIL) == tail
     # the limit still holds: nothing is available to anyone
@@ -116,7 +130,9 @@ def _in_flight_after_burst(lim, seconds):
 
 
 def test_capped_rate_up_keeps_capacity_in_ops(name):
-    lim = shmlimit.Limiter(name, rate=10, burst=2, capped=True, initial=0)  # 0.2 s of tokens to come
+    lim = shmlimit.Limiter(
+        name, rate=10, burst=2, capped=True, initial=0
+    )  # 0.2 s of tokens to come
     lim.set_rate(1000, burst=2)  # ... are 200 ops now
     assert _in_flight_after_burst(lim, 0.3) == 2
     lim.close()
@@ -167,7 +183,9 @@ def test_set_rate_validated_at_the_segments_unit(name, burst):
 
 def test_op_cost_error_bound_over_random_rates():
     rng = random.Random(11)
-    rates = [1e9 / 3, 9.9e8, 1e9, 7e6, 1234.567, 1 / 3] + [10 ** rng.uniform(-3, 9) for _ in range(300)]
+    rates = [1e9 / 3, 9.9e8, 1e9, 7e6, 1234.567, 1 / 3] + [
+        10 ** rng.uniform(-3, 9) for _ in range(300)
+    ]
     for first in rates:
         cfg = Config.make(first)
         for r in [first] + [10 ** rng.uniform(-3, 9) for _ in range(3)]:
@@ -221,7 +239,6 @@ def test_repl_ts_in_the_future_does_not_stop_replenishment(backend):
     assert b.replenish() == 2_000_000 * b.tpn  # and time counts again from now
 
 
-
 def test_a_limiter_whose_repl_ts_is_in_the_future_grants_again_at_its_rate(name):
     """End to end, through the facade and the fast paths: the filler's replenish repairs the word.
     On an injected clock: the filler thread is stopped and its feed ticked here at its period (1 ms),
@@ -255,6 +272,7 @@ def test_a_limiter_whose_repl_ts_is_in_the_future_grants_again_at_its_rate(name)
         assert len(gaps) >= NS_PER_S // (10**7 + FILL_PERIOD_NS)
     finally:
         lim.close()
+
 
 # ---- 11. Limiter(name, rate=...) compares against the live config ------------------------------
 
@@ -326,10 +344,14 @@ def test_config_snapshot_is_never_torn_by_a_thread_switch(name):
 
 @pytest.mark.slow
 def test_timed_acquire_counts_the_real_refill_speed(name):
-    lim = shmlimit.Limiter(name, rate=100_000, burst=1)  # capacity 10 us: far below two fill intervals
+    lim = shmlimit.Limiter(
+        name, rate=100_000, burst=1
+    )  # capacity 10 us: far below two fill intervals
     for _ in range(5):
         d0, t0 = run_delay(), time.monotonic()
-        lim.acquire(400, timeout=0.01)  # 4 ms of schedule at the rate, ~0.8 s at the real refill speed
+        lim.acquire(
+            400, timeout=0.01
+        )  # 4 ms of schedule at the rate, ~0.8 s at the real refill speed
         elapsed, held = time.monotonic() - t0, run_delay()
         # the timeout plus an honest margin, plus the time the machine kept this process off the CPU
         assert elapsed < 0.01 + 0.1 + (held - d0 if held is not None and d0 is not None else 0.0)
@@ -369,7 +391,12 @@ def test_close_while_another_thread_is_mid_call(name, backend_name):
 
     env = dict(os.environ, SHMLIMIT_BACKEND=backend_name)
     r = subprocess.run(
-        [sys.executable, "-c", _CLOSE_MID_CALL, name], env=env, capture_output=True, text=True, timeout=120, cwd=WORKDIR
+        [sys.executable, "-c", _CLOSE_MID_CALL, name],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=120,
+        cwd=WORKDIR,
     )
     assert r.returncode == 0 and r.stdout.strip() == "ok", (r.returncode, r.stderr[-2000:])
 
@@ -403,7 +430,9 @@ def test_gc_keeps_a_segment_a_process_attached_to_meanwhile(name, monkeypatch, c
         return stats
 
     monkeypatch.setattr(cli, "inspect", inspect_then_attach)
-    monkeypatch.setattr(cli, "scan", lambda: ([name], []))  # leave every other segment on the machine alone
+    monkeypatch.setattr(
+        cli, "scan", lambda: ([name], [])
+    )  # leave every other segment on the machine alone
     try:
         cli.main(["gc"])
         assert current_inode(name) == inode  # still the segment the child uses: nothing orphaned
@@ -431,10 +460,17 @@ def test_gc_between_a_creators_ready_and_its_registration_orphans_nothing(name, 
     collected = []
 
     def collector_in_the_gap(att):
-        if not collected:  # the creator's first registration: READY is published, no one is registered
+        if (
+            not collected
+        ):  # the creator's first registration: READY is published, no one is registered
             assert att.cells.load(L.STATE_OFF) == L.STATE_READY and not att.table.entries()
-            r = subprocess.run([sys.executable, "-c", COLLECT, name], capture_output=True, text=True, cwd=WORKDIR,
-                               timeout=60)
+            r = subprocess.run(
+                [sys.executable, "-c", COLLECT, name],
+                capture_output=True,
+                text=True,
+                cwd=WORKDIR,
+                timeout=60,
+            )
             collected.append(r.stdout.strip())
         join(att)
 
@@ -442,9 +478,19 @@ def test_gc_between_a_creators_ready_and_its_registration_orphans_nothing(name, 
     lim = shmlimit.Limiter(name, rate=100)
     try:
         assert collected == ["True"]  # the collector did unlink the segment in the gap
-        assert current_inode(name) == lim._att.seg.inode  # the creator holds the segment at the name ...
-        r = subprocess.run([sys.executable, "-c", INODE, name], capture_output=True, text=True, cwd=WORKDIR, timeout=60)
-        assert r.stdout.strip() == str(lim._att.seg.inode), r.stderr[-2000:]  # ... the one others attach to
+        assert (
+            current_inode(name) == lim._att.seg.inode
+        )  # the creator holds the segment at the name ...
+        r = subprocess.run(
+            [sys.executable, "-c", INODE, name],
+            capture_output=True,
+            text=True,
+            cwd=WORKDIR,
+            timeout=60,
+        )
+        assert r.stdout.strip() == str(lim._att.seg.inode), r.stderr[
+            -2000:
+        ]  # ... the one others attach to
         assert [e.pid for e in lim._att.table.entries()] == [os.getpid()]
     finally:
         lim.close()
@@ -479,7 +525,9 @@ def test_stalled_config_writer_cannot_corrupt_the_config(backend, monkeypatch, s
     def stall(frame, event, arg):
         if frame.f_code.co_name == "write_banks" and event == "line":
             lines[0] += 1
-            if lines[0] == stall_at + 1:  # the writer stops here for longer than the lock's timeout ...
+            if (
+                lines[0] == stall_at + 1
+            ):  # the writer stops here for longer than the lock's timeout ...
                 sys.settrace(None)
                 other.publish(winner)  # ... and another writer takes over and publishes
         return stall

@@ -1,10 +1,11 @@
 """Rate strings "N/unit": parsed exactly, accepted wherever a rate is, refused clearly."""
+
 import pytest
+from support.clock import FakeClock
+from support.procs import run_cli as run
 
 import shmlimit
 from shmlimit.config import Config, parse_rate
-from support.clock import FakeClock
-from support.procs import run_cli as run
 
 
 @pytest.mark.parametrize(
@@ -30,7 +31,9 @@ def test_rate_strings_parse_to_rate_and_window(text, expected):
     assert parse_rate(text) == expected
 
 
-@pytest.mark.parametrize("bad", ["10/x", "/s", "10/0s", "abc", "10/-1s", "10//s", "10/S", "inf/s", "0/s", "10/1e3s", ""])
+@pytest.mark.parametrize(
+    "bad", ["10/x", "/s", "10/0s", "abc", "10/-1s", "10//s", "10/S", "inf/s", "0/s", "10/1e3s", ""]
+)
 def test_bad_rate_strings_name_the_parameter_and_the_forms(bad):
     with pytest.raises(ValueError) as e:
         Config.make(bad)

@@ -1,4 +1,5 @@
 """Every Python example in the README runs as written (in a fresh interpreter, as a script)."""
+
 import fcntl
 import os
 import re
@@ -30,5 +31,7 @@ def test_readme_example_runs(index, request):
         path = os.path.join(d, f"example_{index}.py")
         with open(path, "w") as f:
             f.write(BLOCKS[index])
-        proc = subprocess.run([sys.executable, path], cwd=d, capture_output=True, text=True, timeout=120, env=env)
+        proc = subprocess.run(
+            [sys.executable, path], cwd=d, capture_output=True, text=True, timeout=120, env=env
+        )
     assert proc.returncode == 0, proc.stderr

@@ -1,4 +1,5 @@
 """The Redis tier against a real redis-server: the direct RedisLimiter and the hierarchical mode."""
+
 import asyncio
 import json
 import os
@@ -9,12 +10,24 @@ import time
 import types
 
 import pytest
-
-import shmlimit
 from support.clock import FakeClock
-from support.procs import ATTACH, STAMPER, WORKER, Stampers, collect, collect_witnessed, configured, go, run_cli, start_workers, wait_for
+from support.procs import (
+    ATTACH,
+    STAMPER,
+    WORKER,
+    Stampers,
+    collect,
+    collect_witnessed,
+    configured,
+    go,
+    run_cli,
+    start_workers,
+    wait_for,
+)
 from support.starvation import Stalls, least, run_delay, total
 from support.windows import max_excess, max_gap, tag
+
+import shmlimit
 
 
 @pytest.fixture
@@ -75,7 +88,9 @@ def test_times_are_integers_and_the_epoch_moves_forward(R, redis_server, name, f
 
 
 def test_max_reserved_backpressure_and_timeouts(R, redis_server, name, fake_time):
-    lim = R.RedisLimiter(name, rate=10, burst=1, url=redis_server.url, clock="client", max_reserved=0.25)
+    lim = R.RedisLimiter(
+        name, rate=10, burst=1, url=redis_server.url, clock="client", max_reserved=0.25
+    )
     assert [lim.reserve() for _ in range(4)] == [0.0, 0.1, 0.2, None]  # 0.3 s ahead > 0.25 s
     assert lim.acquire(timeout=0.0) is False  # a timed acquire that cannot fit takes nothing
     assert lim.stats().grants == 3
@@ -122,8 +137,16 @@ def test_acquire_async_and_throttle(R, redis_server, name, monkeypatch):
         clock.advance_seconds(s)
         await asyncio.sleep(0)
 
-    monkeypatch.setattr(R, "time", types.SimpleNamespace(monotonic=lambda: clock.now / 1e9, sleep=sleep, time_ns=clock))
-    monkeypatch.setattr(R, "asyncio", types.SimpleNamespace(sleep=loop_sleep, get_running_loop=asyncio.get_running_loop))
+    monkeypatch.setattr(
+        R,
+        "time",
+        types.SimpleNamespace(monotonic=lambda: clock.now / 1e9, sleep=sleep, time_ns=clock),
+    )
+    monkeypatch.setattr(
+        R,
+        "asyncio",
+        types.SimpleNamespace(sleep=loop_sleep, get_running_loop=asyncio.get_running_loop),
+    )
     lim = R.RedisLimiter(name, rate=20, burst=1, url=redis_server.url, clock="client")
 
     async def main():
@@ -135,7 +158,9 @@ def test_acquire_async_and_throttle(R, redis_server, name, monkeypatch):
         return t0, clock.now
 
     t0, end1 = asyncio.run(main())
-    assert (end1 - t0) / 1e9 == pytest.approx(5 / 20, abs=1e-5)  # one op at once, then one every 50 ms
+    assert (end1 - t0) / 1e9 == pytest.approx(
+        5 / 20, abs=1e-5
+    )  # one op at once, then one every 50 ms
     # A second event loop gets its own connection, and its six grants come 50 ms apart after the
     # first loop's last
     _, end2 = asyncio.run(main())
@@ -149,7 +174,9 @@ def test_acquire_async_and_throttle(R, redis_server, name, monkeypatch):
         calls.append(x)
         return x
 
-    assert [f(i) for i in range(3)] == [None] * 3  # the last op was granted just now: 50 ms to the next
+    assert [f(i) for i in range(3)] == [
+        None
+    ] * 3  # the last op was granted just now: 50 ms to the next
     clock.advance_seconds(0.05)
     assert [f(i) for i in range(3, 6)] == [3, None, None]  # one op per 50 ms, never more
     assert calls == [3]
@@ -179,11 +206,15 @@ def test_restart_mid_run_fails_fast_then_recovers(R, own_redis, name):
     with pytest.raises(R.RedisUnavailableError, match="unavailable") as e:
         lim.acquire()
     assert isinstance(e.value, ConnectionError)
-    assert time.monotonic() - t0 < 2.0  # short timeouts: redis-py's defaults would retry for seconds
+    assert (
+        time.monotonic() - t0 < 2.0
+    )  # short timeouts: redis-py's defaults would retry for seconds
     own_redis.start()  # same port, empty: the script must be loaded again too
     assert lim.acquire()
     s = lim.stats()
-    assert s.errors == 1 and s.script_loads == 2  # loaded on the fresh server, and again after the restart
+    assert (
+        s.errors == 1 and s.script_loads == 2
+    )  # loaded on the fresh server, and again after the restart
 
 
 def test_bad_input_is_refused(R, redis_server, name):
@@ -225,6 +256,7 @@ def test_password_is_never_shown(R):
 
 # ---- several processes ------------------------------------------------------------------
 
+
 def direct_worker(rate, burst, url):
     """The WORKER of support.procs, on a RedisLimiter instead of a shared-memory limiter."""
     make = f"lim = RedisLimiter(sys.argv[1], rate={rate}, burst={burst}, url={url!r}); lim.retry_after()"
@@ -242,7 +274,10 @@ def test_four_processes_on_the_direct_limiter_keep_the_rate(R, redis_server, nam
     rate, burst, seconds = 100, 5, 3.0
     grace = R.DEFAULT_GRACE
     # each worker also tells how many of its permits it voided, woken more than ``grace`` late
-    script = direct_worker(rate, burst, redis_server.url) + "print(json.dumps(lim.stats().expired), flush=True)\n"
+    script = (
+        direct_worker(rate, burst, redis_server.url)
+        + "print(json.dumps(lim.stats().expired), flush=True)\n"
+    )
     procs = start_workers(name, 4, seconds, script)
     server0 = run_delay(redis_server.proc.pid)
     go(procs)
@@ -267,11 +302,21 @@ def test_two_hosts_share_one_global_rate(R, redis_server, name):
     hosts = [f"{name}-a", f"{name}-b"]
     glob = R.RedisLimiter(name, rate=rate, burst=burst, url=redis_server.url)
     for h in hosts:
-        shmlimit.Limiter(h, upstream=glob, lease_ttl=ttl).close()  # created, then left to the workers
+        shmlimit.Limiter(
+            h, upstream=glob, lease_ttl=ttl
+        ).close()  # created, then left to the workers
     try:
         # each worker configures the upstream itself: whichever is elected leases with its own config
-        procs = [p for h in hosts for p in start_workers(h, 2, seconds, configured(WORKER, name, redis_server.url,
-                                                                                    rate, burst, lease_ttl=ttl))]
+        procs = [
+            p
+            for h in hosts
+            for p in start_workers(
+                h,
+                2,
+                seconds,
+                configured(WORKER, name, redis_server.url, rate, burst, lease_ttl=ttl),
+            )
+        ]
         server0 = run_delay(redis_server.proc.pid)
         go(procs)
         # mid-run, Redis forgets the script: the fillers load it again and carry on
@@ -289,7 +334,7 @@ def test_two_hosts_share_one_global_rate(R, redis_server, name):
     # the rate, but for the time the machine kept a host's filler (in one of its two workers: off
     # the CPU at most the longer of their delays; each host leases half the rate) or the server
     # off the CPU (support.starvation); on a quiet machine both are ~0
-    held_up = [max([d for d in delays[i:i + 2] if d is not None], default=0.0) for i in (0, 2)]
+    held_up = [max([d for d in delays[i : i + 2] if d is not None], default=0.0) for i in (0, 2)]
     server = server1 - server0 if server0 is not None and server1 is not None else 0.0
     assert len(stamps) >= 0.9 * rate * seconds - rate / 2 * sum(held_up) - rate * server
     per_host = [len(results[0]) + len(results[1]), len(results[2]) + len(results[3])]
@@ -297,13 +342,17 @@ def test_two_hosts_share_one_global_rate(R, redis_server, name):
     for s in stats:
         up = s.upstream
         assert up.state == "ok" and up.errors == 0 and up.round_trips >= 1
-        assert up.leased >= s.grants  # every grant came from a lease (some leased ops expire unused)
+        assert (
+            up.leased >= s.grants
+        )  # every grant came from a lease (some leased ops expire unused)
         # every leased op is accounted for: granted, expired (void after its ttl, or still reserved
         # when its filler's process exited), or still in the bucket, which no filler empties once
         # the workers are gone.  (Bounded by grants + burst instead, this failed once the batches
         # reserved ahead by the fillers that exited, up to the lead and a batch each, exceeded it.)
         assert up.leased - up.expired == s.grants + s.available
-    assert sum(s.upstream.round_trips for s in stats) > sum(s.upstream.leases + s.upstream.refused for s in stats)
+    assert sum(s.upstream.round_trips for s in stats) > sum(
+        s.upstream.leases + s.upstream.refused for s in stats
+    )
     total_leased = sum(s.upstream.leased for s in stats)
     assert total_leased <= rate * (seconds + 2) + burst  # Redis never handed out more than the rate
 
@@ -313,7 +362,9 @@ def test_hierarchical_mode_validates_and_matches_its_upstream(R, redis_server, n
     lim = shmlimit.Limiter(name, rate=50, upstream=url)
     try:
         assert lim.stats().upstream.url == url
-        assert shmlimit.Limiter(name, rate=50, upstream=url)._att is lim._att  # same upstream: attaches
+        assert (
+            shmlimit.Limiter(name, rate=50, upstream=url)._att is lim._att
+        )  # same upstream: attaches
         with pytest.raises(shmlimit.ConfigMismatchError, match="upstream"):
             shmlimit.Limiter(name, rate=50)  # asked for a plain limiter, found a hierarchical one
         with pytest.raises(shmlimit.ConfigMismatchError, match="on_redis_error=local"):
@@ -342,7 +393,9 @@ def _grants_in(lim, seconds):
 @pytest.mark.parametrize("mode", ["closed", "local", "open"])
 def test_on_redis_error_modes(R, own_redis, name, mode):
     rate = 100
-    lim = shmlimit.Limiter(name, rate=rate, burst=10, upstream=own_redis.url, on_redis_error=mode, lease_ttl=0.1)
+    lim = shmlimit.Limiter(
+        name, rate=rate, burst=10, upstream=own_redis.url, on_redis_error=mode, lease_ttl=0.1
+    )
     try:
         assert lim.acquire(timeout=2.0)  # fed from Redis
         wait_for(lambda: lim.stats().upstream.round_trips >= 1)
@@ -386,6 +439,7 @@ def test_leased_tokens_expire_and_every_leased_op_is_accounted_for(R, redis_serv
         # idle now: whatever was leased ahead is void after lease_ttl (plus a tick and some noise)
         wait_for(lambda: lim.stats().available == 0)
         assert time.monotonic() - stopped < ttl + 1.0
+
         def settled():  # one snapshot: empty, and every leased op was either granted or expired
             t = lim.stats()
             return t.available == 0 and t.upstream.leased == t.grants + t.upstream.expired and t
@@ -397,7 +451,9 @@ def test_leased_tokens_expire_and_every_leased_op_is_accounted_for(R, redis_serv
 
 
 # a quiet host: about 50 ops/s
-SLOW = WORKER.replace("stamp_until(lim.acquire,", "stamp_until(lambda: lim.acquire() and time.sleep(0.02),")
+SLOW = WORKER.replace(
+    "stamp_until(lim.acquire,", "stamp_until(lambda: lim.acquire() and time.sleep(0.02),"
+)
 
 
 def test_busy_hosts_lease_bigger_batches(R, redis_server, name):
@@ -408,8 +464,9 @@ def test_busy_hosts_lease_bigger_batches(R, redis_server, name):
         shmlimit.Limiter(h, upstream=glob).close()
     try:
         assert SLOW != WORKER
-        procs = (start_workers(busy, 3, seconds, configured(WORKER, name, redis_server.url, rate, burst))
-                 + start_workers(quiet, 1, seconds, configured(SLOW, name, redis_server.url, rate, burst)))
+        procs = start_workers(
+            busy, 3, seconds, configured(WORKER, name, redis_server.url, rate, burst)
+        ) + start_workers(quiet, 1, seconds, configured(SLOW, name, redis_server.url, rate, burst))
         go(procs)
         collect(procs)
         b, q = shmlimit.inspect(busy).upstream, shmlimit.inspect(quiet).upstream
@@ -458,7 +515,9 @@ def test_hierarchical_filler_killed_repeatedly(R, redis_server, name):
         w.stop_all()
     results = [r for r in w.results() if r]
     stamps = sorted(t for r in results for t in r if t_start < t < t_end)
-    held_up = stalls.spans()  # per span between kills: all the survivors, or the server, off the CPU
+    held_up = (
+        stalls.spans()
+    )  # per span between kills: all the survivors, or the server, off the CPU
     # the lease times out in 50 ms, and waiters that expect no batch look every 2 ms and take over;
     # the new filler's first batch is due after the schedule the killed one had reserved ahead (its
     # lead and a batch: ~0.1 s, lost with it), and 0.1 s covers the take-over's first round trip
@@ -481,7 +540,9 @@ def test_low_rate_is_delivered_in_full_by_reservations(R, redis_server, name):
     glob = R.RedisLimiter(name, rate=rate, url=redis_server.url)
     lim = shmlimit.Limiter(f"{name}-h", upstream=glob)
     try:
-        procs = start_workers(f"{name}-h", 3, seconds, configured(WORKER, name, redis_server.url, rate, glob.capacity))
+        procs = start_workers(
+            f"{name}-h", 3, seconds, configured(WORKER, name, redis_server.url, rate, glob.capacity)
+        )
         server0 = run_delay(redis_server.proc.pid)
         go(procs)
         results, delays = collect_witnessed(procs)
@@ -496,7 +557,8 @@ def test_low_rate_is_delivered_in_full_by_reservations(R, redis_server, name):
     # the rate, but for the time the machine kept the filler (in one of the workers: off the CPU
     # at most the longest of their delays) or the server off the CPU (support.starvation)
     held_up = max([d for d in delays if d is not None], default=0.0) + (
-        server1 - server0 if server0 is not None and server1 is not None else 0.0)
+        server1 - server0 if server0 is not None and server1 is not None else 0.0
+    )
     assert len(steady) - 1 >= 0.95 * rate * span - rate * held_up
     # above, the promise is the window bound (the rate from stamps is jittered by late wake-ups)
     assert max_excess(tag(results), 1.0) <= rate * (1.0 + 0.1 + 0.05) + glob.capacity
@@ -556,8 +618,12 @@ def test_keyed_redis_limiter_one_gcra_per_key(R, redis_server, name, fake_time):
     assert lim.try_acquire("carol", 2) and not lim.try_acquire("carol")
     client = redis_server.client()
     ka, kb = lim.redis_key("alice"), lim.redis_key(b"bob")
-    assert ka != kb and "alice" not in ka and lim.redis_key("bob") == kb  # str and bytes name the same key
-    assert 0 < client.pttl(ka) <= 1000 + 300  # expires a second after the bucket would be full again
+    assert (
+        ka != kb and "alice" not in ka and lim.redis_key("bob") == kb
+    )  # str and bytes name the same key
+    assert (
+        0 < client.pttl(ka) <= 1000 + 300
+    )  # expires a second after the bucket would be full again
     fake_time.advance_seconds(0.3)
     assert lim.try_acquire("alice")
     with pytest.raises(TypeError, match="key"):
@@ -568,21 +634,27 @@ def test_keyed_redis_limiter_one_gcra_per_key(R, redis_server, name, fake_time):
     assert copy.redis_key("alice") == ka
     assert copy.try_acquire("erin", 2) and not lim.try_acquire("erin")  # the same state in Redis
     # the async driver runs the same steps: dave's burst of two, then his next slot is 100 ms away
-    assert asyncio.run(lim.acquire_async("dave", 2)) and not asyncio.run(lim.acquire_async("dave", timeout=0.05))
+    assert asyncio.run(lim.acquire_async("dave", 2)) and not asyncio.run(
+        lim.acquire_async("dave", timeout=0.05)
+    )
     assert lim.retry_after("dave") == pytest.approx(0.1)
 
 
 def test_keyed_redis_limiter_holds_each_key_across_processes(R, redis_server, name):
     rate, burst, seconds = 40, 4, 2.0
     keys = ["a", "b"]
-    make = (f"from shmlimit.redis.keyed import RedisKeyedLimiter\n"
-            f"k = RedisKeyedLimiter(sys.argv[1], rate={rate}, burst={burst}, url={redis_server.url!r})\n"
-            f"key = 'a' if os.getpid() % 2 else 'b'\n"
-            f"class L:\n"
-            f"    def acquire(self):\n"
-            f"        return k.acquire(key)\n"
-            f"lim = L()\n")
-    script = WORKER.replace(ATTACH, "import os\n" + make).replace("print(json.dumps(stamps)", "print(json.dumps([key] + stamps)")
+    make = (
+        f"from shmlimit.redis.keyed import RedisKeyedLimiter\n"
+        f"k = RedisKeyedLimiter(sys.argv[1], rate={rate}, burst={burst}, url={redis_server.url!r})\n"
+        f"key = 'a' if os.getpid() % 2 else 'b'\n"
+        f"class L:\n"
+        f"    def acquire(self):\n"
+        f"        return k.acquire(key)\n"
+        f"lim = L()\n"
+    )
+    script = WORKER.replace(ATTACH, "import os\n" + make).replace(
+        "print(json.dumps(stamps)", "print(json.dumps([key] + stamps)"
+    )
     # each worker also tells how many of its permits it voided, woken more than the grace late
     script += "print(json.dumps(k._counts['expired']), flush=True)\n"
     procs = start_workers(name, 4, seconds, script)
@@ -592,7 +664,9 @@ def test_keyed_redis_limiter_holds_each_key_across_processes(R, redis_server, na
     server1 = run_delay(redis_server.proc.pid)
     expired = [json.loads(p.stdout.readline()) for p in procs]
     server = server1 - server0 if server0 is not None and server1 is not None else 0.0
-    assert sum(expired) * R.DEFAULT_GRACE <= total(delays)  # voided only when the machine made a wake late
+    assert sum(expired) * R.DEFAULT_GRACE <= total(
+        delays
+    )  # voided only when the machine made a wake late
     for k in keys:
         mine = [i for i, r in enumerate(results) if r[0] == k]
         if mine:

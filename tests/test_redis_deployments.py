@@ -4,12 +4,21 @@ master, each started by the test, with a slot migration and a failover in the mi
 import time
 
 import pytest
-
-import shmlimit
-from support.procs import STAMPER, WORKER, Stampers, collect_witnessed, configured, go, start_workers, wait_for
+from support.procs import (
+    STAMPER,
+    WORKER,
+    Stampers,
+    collect_witnessed,
+    configured,
+    go,
+    start_workers,
+    wait_for,
+)
 from support.redis_server import RedisClusterServers, SentinelServers, require
 from support.starvation import run_delay
 from support.windows import max_excess, tag
+
+import shmlimit
 
 
 @pytest.fixture(scope="module")
@@ -41,7 +50,9 @@ def test_cluster_url_direct_and_async(cluster, name):
 
     lim = RedisLimiter(name, rate=10, burst=3, url=cluster.url)
     assert [lim.reserve() for _ in range(4)] == pytest.approx([0.0, 0.0, 0.0, 0.1], abs=0.01)
-    assert cluster.owner(lim.key).client().exists(lim.key) == 1  # the key lives on its slot's master
+    assert (
+        cluster.owner(lim.key).client().exists(lim.key) == 1
+    )  # the key lives on its slot's master
 
     async def main():
         return await lim.acquire_async(timeout=1.0)
@@ -84,7 +95,7 @@ def test_cluster_hierarchical_survives_a_slot_migration_within_the_bound(cluster
     # machine kept a host's filler (in one of its two workers: off the CPU at most the longer of
     # their delays; each host leases half the rate) or the cluster's servers off the CPU
     # (support.starvation), as in the two-hosts test.  On a quiet machine both are ~0.
-    held_up = [max([d for d in delays[i:i + 2] if d is not None], default=0.0) for i in (0, 2)]
+    held_up = [max([d for d in delays[i : i + 2] if d is not None], default=0.0) for i in (0, 2)]
     server = sum(b - a for a, b in zip(servers0, servers1) if a is not None and b is not None)
     assert len(stamps) >= 0.85 * rate * seconds - rate / 2 * sum(held_up) - rate * server
     assert all(s.state == "ok" for s in stats)

@@ -1,12 +1,14 @@
 """Hosts that reach Redis through a network with latency: three process groups, each with a segment
 of its own, each through a delaying TCP proxy (1, 3 and 5 ms each way), one of them cut off for 2 s."""
+
 import time
 
-import shmlimit
 from support.procs import WORKER, collect_witnessed, configured, go, start_workers, wait_for
 from support.proxy import DelayProxy
 from support.starvation import run_delay
 from support.windows import max_excess, tag
+
+import shmlimit
 
 
 def test_three_hosts_behind_latency_hold_the_global_rate_and_survive_a_cut(redis_server, name):
@@ -20,14 +22,18 @@ def test_three_hosts_behind_latency_hold_the_global_rate_and_survive_a_cut(redis
             # trip through them took over the client's default timeout of 0.25 s ("Timeout reading
             # from socket" on both proxies not cut), and the hosts meant to keep Redis lost it.  Their
             # 1-5 ms are the latency under test; a cut is seen at once (the proxy closes), not by timeout.
-            script = configured(WORKER, name, p.url(), rate, burst, redis_timeout=2.0, lease_ttl=ttl)
+            script = configured(
+                WORKER, name, p.url(), rate, burst, redis_timeout=2.0, lease_ttl=ttl
+            )
             procs.append(start_workers(h, 2, seconds, script))
         # the server, and this process, whose threads are the proxies: both must run
         servers0 = [run_delay(redis_server.proc.pid), run_delay()]
         go([w for ws in procs for w in ws])
         t0 = time.monotonic()
         wait_for(lambda: all(shmlimit.inspect(h).upstream.leased > 0 for h in hosts))
-        time.sleep(max(0.0, t0 + 1.0 - time.monotonic()))  # a moment of the run, not a synchronisation
+        time.sleep(
+            max(0.0, t0 + 1.0 - time.monotonic())
+        )  # a moment of the run, not a synchronisation
         cut = time.monotonic()
         proxies[0].drop(2.0)
         witnessed = [collect_witnessed(ws) for ws in procs]
@@ -55,7 +61,10 @@ def test_three_hosts_behind_latency_hold_the_global_rate_and_survive_a_cut(redis
     # (support.starvation), as in the two-hosts test.  On a quiet machine both are ~0.
     held_up = [max([x for x in d if x is not None], default=0.0) for _, d in witnessed]
     server = sum(b - a for a, b in zip(servers0, servers1) if a is not None and b is not None)
-    assert len([t for r in every for t in r]) >= 0.85 * rate * seconds - rate / 3 * sum(held_up) - rate * server
+    assert (
+        len([t for r in every for t in r])
+        >= 0.85 * rate * seconds - rate / 3 * sum(held_up) - rate * server
+    )
     cut_off = sorted(t for r in results[0] for t in r if cut + 0.3 < t < cut + 1.9)
     assert len(cut_off) <= 1  # closed while cut off: its leased tokens expired, no new ones came
     assert stats[0].errors >= 1 and stats[0].fallbacks >= 1 and stats[0].state == "ok"

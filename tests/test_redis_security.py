@@ -1,5 +1,6 @@
 """The Redis tier on a host with other users: secrets never shown or stored, TLS verified, the key's
 contents never open the gates, and a segment never chooses anyone's Redis endpoint or fallback."""
+
 import json
 import logging
 import pickle
@@ -9,11 +10,11 @@ import sys
 import time
 
 import pytest
-
-import shmlimit
 from support.procs import WORKDIR, run_cli, wait_for
 from support.redis_server import CertAuthority, RedisServer, require
 from support.segments import shm_bytes
+
+import shmlimit
 
 SECRET = "s3cr3t-pw"
 
@@ -57,18 +58,29 @@ def test_redact_hides_every_form_and_never_raises():
         assert redact(url) == shown
         assert "secret" not in redact(url) and "ret@" not in redact(url)
     assert redact(12) == "<int>" and redact(None) == "<NoneType>"
-    assert split_secrets("redis://u:p%40w@h:1/0?password=x&db=2") == ("redis://u@h:1/0?db=2", {"password": "x"})
+    assert split_secrets("redis://u:p%40w@h:1/0?password=x&db=2") == (
+        "redis://u@h:1/0?db=2",
+        {"password": "x"},
+    )
     assert split_secrets("redis://:pw@[::1]:7/0") == ("redis://[::1]:7/0", {"password": "pw"})
 
 
 def test_errors_about_urls_never_echo_the_password(R, name):
-    for bad in ("http://:secret@host/0", "redis://:secret@host:99999/0", "redis://:secret@/0",
-                "redis://:secret@h1:1,h2:2/0", "rediss://:secret@h/0?ssl_cert_reqs=none", 12):
+    for bad in (
+        "http://:secret@host/0",
+        "redis://:secret@host:99999/0",
+        "redis://:secret@/0",
+        "redis://:secret@h1:1,h2:2/0",
+        "rediss://:secret@h/0?ssl_cert_reqs=none",
+        12,
+    ):
         with pytest.raises(ValueError) as e:
             R.RedisLimiter(name, rate=1, url=bad)
         assert "secret" not in str(e.value)
         with pytest.raises(ValueError) as e:
-            shmlimit.Limiter(name, rate=1, upstream=bad) if isinstance(bad, str) else R.RedisLimiter(name, 1, url=bad)
+            shmlimit.Limiter(name, rate=1, upstream=bad) if isinstance(
+                bad, str
+            ) else R.RedisLimiter(name, 1, url=bad)
         assert "secret" not in str(e.value)
     with pytest.raises(ValueError, match="fit the segment header") as e:
         shmlimit.Limiter(name, rate=10, upstream="redis://:secret@" + "h" * 300 + ":6379/0")
@@ -113,26 +125,39 @@ def test_the_password_stays_out_of_the_segment_and_every_output(R, locked_redis,
     for form in (url, f"{clean}?password={SECRET}"):  # both URL forms
         lim = shmlimit.Limiter(name, rate=50, upstream=form)
         try:
-            assert lim.acquire(timeout=2.0)  # the filler authenticated with the password it was given
+            assert lim.acquire(
+                timeout=2.0
+            )  # the filler authenticated with the password it was given
             up = lim.stats().upstream
             assert up.url == clean and up.state == "ok"
             assert SECRET.encode() not in shm_bytes(name)
-            outputs = [repr(lim), str(lim.stats()), str(shmlimit.inspect(name)),
-                       run("inspect", "--json", name).stdout, run("top", "--once", name).stdout,
-                       run("list", "--json").stdout]
+            outputs = [
+                repr(lim),
+                str(lim.stats()),
+                str(shmlimit.inspect(name)),
+                run("inspect", "--json", name).stdout,
+                run("top", "--once", name).stdout,
+                run("list", "--json").stdout,
+            ]
             assert all(SECRET not in o for o in outputs)
             assert json.loads(outputs[3])["upstream"]["url"] == clean
         finally:
             lim.close()
             shmlimit.unlink(name)
     # the wrong password is refused by Redis: an error answer, never "unavailable", never open
-    wrong = R.RedisLimiter(f"{name}-wrong", rate=100, url=f"redis://:nope-{SECRET}@127.0.0.1:{locked_redis.port}/0")
+    wrong = R.RedisLimiter(
+        f"{name}-wrong", rate=100, url=f"redis://:nope-{SECRET}@127.0.0.1:{locked_redis.port}/0"
+    )
     with pytest.raises(shmlimit.errors.RedisDataError) as e:
         wrong.acquire()
     assert SECRET not in str(e.value)
     with caplog.at_level(logging.ERROR, logger="shmlimit.redis.feeder"):
-        lim = shmlimit.Limiter(name, rate=50, upstream=f"redis://:nope@127.0.0.1:{locked_redis.port}/0",
-                               on_redis_error="open")
+        lim = shmlimit.Limiter(
+            name,
+            rate=50,
+            upstream=f"redis://:nope@127.0.0.1:{locked_redis.port}/0",
+            on_redis_error="open",
+        )
         try:
             assert not lim.acquire(timeout=0.5) and not lim.try_acquire()
             assert lim.stats().upstream.state == "error"
@@ -154,7 +179,9 @@ def test_a_value_of_another_type_under_the_key_fails_closed(R, redis_server, nam
     redis_server.client().delete(direct.key)
 
     rate = 100
-    lim = shmlimit.Limiter(name, rate=rate, burst=10, upstream=redis_server.url, on_redis_error="open", lease_ttl=0.1)
+    lim = shmlimit.Limiter(
+        name, rate=rate, burst=10, upstream=redis_server.url, on_redis_error="open", lease_ttl=0.1
+    )
     try:
         assert lim.acquire(timeout=2.0)
         redis_server.client().delete(direct.key)
@@ -190,8 +217,13 @@ def test_a_segment_never_chooses_the_endpoint_or_the_fallback_of_who_merely_atta
     lure.listen(64)  # accepts at the TCP level, never answers: Redis "times out" for its creator
     lure.setblocking(False)
     url = f"redis://127.0.0.1:{lure.getsockname()[1]}/0"
-    creator = subprocess.Popen([sys.executable, "-c", CREATOR, name, url], stdin=subprocess.PIPE,
-                               stdout=subprocess.PIPE, text=True, cwd=WORKDIR)
+    creator = subprocess.Popen(
+        [sys.executable, "-c", CREATOR, name, url],
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        text=True,
+        cwd=WORKDIR,
+    )
     try:
         assert creator.stdout.readline().strip() == "ready"
         # the creator configured "open" itself: its filler fell back to it when the lure timed out
@@ -232,11 +264,17 @@ def tls_redis():
 
 def test_tls_verifies_the_certificate_and_the_host_name(R, tls_redis, name):
     ca = tls_redis.tls.ca
-    good = R.RedisLimiter(name, rate=100, url=f"rediss://localhost:{tls_redis.port}/0?ssl_ca_certs={ca}")
+    good = R.RedisLimiter(
+        name, rate=100, url=f"rediss://localhost:{tls_redis.port}/0?ssl_ca_certs={ca}"
+    )
     assert good.acquire() and good.stats().round_trips >= 1
     # the certificate names localhost only: the same server reached as 127.0.0.1 is refused
-    other_name = R.RedisLimiter(name, rate=100, url=f"rediss://127.0.0.1:{tls_redis.port}/0?ssl_ca_certs={ca}")
-    with pytest.raises(shmlimit.errors.RedisUnavailableError, match="(?i)hostname|certificate|IP address"):
+    other_name = R.RedisLimiter(
+        name, rate=100, url=f"rediss://127.0.0.1:{tls_redis.port}/0?ssl_ca_certs={ca}"
+    )
+    with pytest.raises(
+        shmlimit.errors.RedisUnavailableError, match="(?i)hostname|certificate|IP address"
+    ):
         other_name.acquire()
     unknown_ca = R.RedisLimiter(name, rate=100, url=f"rediss://localhost:{tls_redis.port}/0")
     with pytest.raises(shmlimit.errors.RedisUnavailableError, match="(?i)certificate"):
@@ -245,7 +283,9 @@ def test_tls_verifies_the_certificate_and_the_host_name(R, tls_redis, name):
         with pytest.raises(ValueError, match="TLS must verify"):
             R.RedisLimiter(name, rate=100, url=f"rediss://localhost:{tls_redis.port}/0?{opt_out}")
     # hierarchical over TLS
-    lim = shmlimit.Limiter(f"{name}-h", rate=100, upstream=f"rediss://localhost:{tls_redis.port}/0?ssl_ca_certs={ca}")
+    lim = shmlimit.Limiter(
+        f"{name}-h", rate=100, upstream=f"rediss://localhost:{tls_redis.port}/0?ssl_ca_certs={ca}"
+    )
     try:
         assert lim.acquire(timeout=2.0) and lim.stats().upstream.state == "ok"
     finally:

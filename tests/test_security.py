@@ -4,6 +4,7 @@ Tests run as root; "the other user" is ``nobody`` (a forked child that drops to 
 chowned to it).  Tests that put odd files in /dev/shm, or fill it, do so in a private mount
 namespace with a tmpfs of its own, so no real segment (and no other test) ever sees them.
 """
+
 import json
 import os
 import pwd
@@ -19,9 +20,9 @@ from hypothesis import HealthCheck, event, given, settings
 from hypothesis import strategies as st
 
 import shmlimit
-from shmlimit.shm import layout as L
 from shmlimit import header
 from shmlimit.cli.top import printable
+from shmlimit.shm import layout as L
 
 ROOT = os.geteuid() == 0
 needs_root = pytest.mark.skipif(not ROOT, reason="playing another user needs root")
@@ -70,10 +71,19 @@ def _private_shm(script, size="4m", timeout=60):
         pytest.skip("a private mount namespace needs root")
     body = textwrap.dedent(script)
     cmd = [
-        "unshare", "-m", "--propagation", "private", "sh", "-c",
-        f'mount -t tmpfs -o size={size} tmpfs /dev/shm && exec "$0" -c "$1"', sys.executable, body,
+        "unshare",
+        "-m",
+        "--propagation",
+        "private",
+        "sh",
+        "-c",
+        f'mount -t tmpfs -o size={size} tmpfs /dev/shm && exec "$0" -c "$1"',
+        sys.executable,
+        body,
     ]
-    env = dict(os.environ, PYTHONPATH=os.path.dirname(os.path.dirname(os.path.abspath(shmlimit.__file__))))
+    env = dict(
+        os.environ, PYTHONPATH=os.path.dirname(os.path.dirname(os.path.abspath(shmlimit.__file__)))
+    )
     return subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=env)
 
 
@@ -139,8 +149,14 @@ def test_a_pickled_handle_carries_its_trust(name, tmp_path):
     # a fresh interpreter unpickles it with the same mode: the group bit is accepted
     out = tmp_path / "rate"
     code = subprocess.run(
-        [sys.executable, "-c", "import pickle,sys; l=pickle.loads(sys.stdin.buffer.read()); open(sys.argv[1],'w').write(str(l.rate)); l.close()", str(out)],
-        input=payload, timeout=60,
+        [
+            sys.executable,
+            "-c",
+            "import pickle,sys; l=pickle.loads(sys.stdin.buffer.read()); open(sys.argv[1],'w').write(str(l.rate)); l.close()",
+            str(out),
+        ],
+        input=payload,
+        timeout=60,
     ).returncode
     assert code == 0 and out.read_text() == "7.0"
 
@@ -274,7 +290,9 @@ def _upstream_segment(name, desc_bytes):
     """A hierarchical segment whose stored upstream description is ``desc_bytes``."""
     data = bytearray(_upstream_template()[0])
     data[L.UP_DESC_LEN : L.UP_DESC_LEN + 8] = len(desc_bytes).to_bytes(8, "little")
-    data[L.UP_DESC : L.UP_DESC + L.UP_DESC_MAX] = desc_bytes[: L.UP_DESC_MAX].ljust(L.UP_DESC_MAX, b"\0")
+    data[L.UP_DESC : L.UP_DESC + L.UP_DESC_MAX] = desc_bytes[: L.UP_DESC_MAX].ljust(
+        L.UP_DESC_MAX, b"\0"
+    )
     fd = os.open(_path(name), os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o600)
     try:
         os.write(fd, data)
@@ -295,16 +313,29 @@ def _with(**changes):
 _DROP = object()
 
 
-@pytest.mark.parametrize("make", [
-    lambda: {"redis": {"url": 1}},
-    lambda: _with(on_error=_DROP),
-    lambda: _with(lease_ttl="0.1"),
-    lambda: _with(on_error="sometimes"),
-    lambda: _with(rate=float("nan")),
-    lambda: _with(url=1),
-    lambda: _with(evil=1),
-    lambda: [1, 2],
-], ids=["old-format", "no-on_error", "ttl-str", "on_error-bad", "rate-nan", "url-int", "unknown", "list"])
+@pytest.mark.parametrize(
+    "make",
+    [
+        lambda: {"redis": {"url": 1}},
+        lambda: _with(on_error=_DROP),
+        lambda: _with(lease_ttl="0.1"),
+        lambda: _with(on_error="sometimes"),
+        lambda: _with(rate=float("nan")),
+        lambda: _with(url=1),
+        lambda: _with(evil=1),
+        lambda: [1, 2],
+    ],
+    ids=[
+        "old-format",
+        "no-on_error",
+        "ttl-str",
+        "on_error-bad",
+        "rate-nan",
+        "url-int",
+        "unknown",
+        "list",
+    ],
+)
 def test_an_invalid_stored_upstream_description_is_a_segment_error(name, make):
     _upstream_segment(name, json.dumps(make()).encode())
     for call in (shmlimit.inspect, shmlimit.attach):
@@ -385,7 +416,9 @@ def test_a_process_in_another_pid_namespace_counts_as_alive(name, capsys):
     code = f"import shmlimit,sys,time; l=shmlimit.attach({name!r}); print('ready', flush=True); time.sleep(60)"
     # its own /proc as well, as in a container: there it is pid 1, with its own start time
     p = subprocess.Popen(
-        ["unshare", "--pid", "--fork", "--kill-child", "--mount-proc", sys.executable, "-c", code], stdout=subprocess.PIPE, text=True
+        ["unshare", "--pid", "--fork", "--kill-child", "--mount-proc", sys.executable, "-c", code],
+        stdout=subprocess.PIPE,
+        text=True,
     )
     try:
         assert p.stdout.readline().strip() == "ready"
@@ -428,8 +461,18 @@ def test_top_escapes_control_characters_from_segments_and_process_names(name, tm
     try:
         assert p.stdout.readline().strip() == "ready"
         r = subprocess.run(
-            [sys.executable, "-m", "shmlimit.cli.main", "top", "--once", "--interval", "0.01"],  # every limiter
-            capture_output=True, text=True, timeout=60,
+            [
+                sys.executable,
+                "-m",
+                "shmlimit.cli.main",
+                "top",
+                "--once",
+                "--interval",
+                "0.01",
+            ],  # every limiter
+            capture_output=True,
+            text=True,
+            timeout=60,
         )
     finally:
         p.kill()
@@ -465,7 +508,9 @@ def test_native_cells_cannot_be_reinitialised():
 
 json_values = st.recursive(
     st.none() | st.booleans() | st.integers() | st.floats() | st.text(max_size=20),
-    lambda kids: st.lists(kids, max_size=4) | st.dictionaries(st.text(max_size=10), kids, max_size=4),
+    lambda kids: (
+        st.lists(kids, max_size=4) | st.dictionaries(st.text(max_size=10), kids, max_size=4)
+    ),
     max_leaves=12,
 )
 
@@ -502,7 +547,9 @@ def descriptions(draw):
     return draw(st.binary(max_size=L.UP_DESC_MAX))  # not even JSON
 
 
-@settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@settings(
+    max_examples=150, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture]
+)
 @given(data=descriptions(), claimed=st.one_of(st.none(), st.integers(0, 2**64 - 1)))
 def test_fuzzed_upstream_descriptions_raise_only_segment_errors(data, claimed, monkeypatch):
     monkeypatch.setattr(header, "LIVE_CREATOR_WAIT", 0.0)

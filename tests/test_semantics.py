@@ -1,5 +1,6 @@
 """Every seed's semantics: rate specs, catch-up, capped release, reservations, back-off,
 the throttle decorator, live changes (set_rate, stop/start), drain, asyncio."""
+
 import asyncio
 import itertools
 import math
@@ -10,17 +11,17 @@ import time
 import uuid
 
 import pytest
-
-import shmlimit
-from shmlimit.shm import layout as L
-from shmlimit.acquire.single import JOIN, Request
-from shmlimit.bucket.filler import ClockFeed
-from shmlimit.bucket.schedule import LONGEST_FILL_NS
 from support.aio import LoopTicker
 from support.clock import FakeClock
 from support.procs import run_processes, wait_for
 from support.starvation import assert_rate, floor, least, run_delay, total
 from support.windows import max_excess, tag
+
+import shmlimit
+from shmlimit.acquire.single import JOIN, Request
+from shmlimit.bucket.filler import ClockFeed
+from shmlimit.bucket.schedule import LONGEST_FILL_NS
+from shmlimit.shm import layout as L
 
 # ---- rate specs ----------------------------------------------------------------------
 
@@ -41,7 +42,9 @@ def test_parse_spec(spec, expected):
     assert (s.rate, s.ratio, s.verb) == expected
 
 
-@pytest.mark.parametrize("bad", ["", ",1.1", "fast", "10,0.9", "10,1.1,jump", "10,1.1,2", "-5", "inf", "10,nan"])
+@pytest.mark.parametrize(
+    "bad", ["", ",1.1", "fast", "10,0.9", "10,1.1,jump", "10,1.1,2", "-5", "inf", "10,nan"]
+)
 def test_bad_specs_name_the_problem(bad):
     with pytest.raises(ValueError, match="rate spec"):
         shmlimit.parse_spec(bad)
@@ -75,7 +78,8 @@ class Consumers:
         ctx = mp.get_context(method)
         self.go, self.stop, self.q = ctx.Event(), ctx.Event(), ctx.Queue()
         self.procs = [
-            ctx.Process(target=_consume, args=(lim, self.go, self.stop, self.q), daemon=True) for _ in range(count)
+            ctx.Process(target=_consume, args=(lim, self.go, self.stop, self.q), daemon=True)
+            for _ in range(count)
         ]
         for p in self.procs:
             p.start()
@@ -149,7 +153,9 @@ def test_catch_up_after_a_pause(name, ratio):
     resumed = time.monotonic()  # before go: the capacity's burst is granted at once
     cons.go.set()
     wait_for(lambda: time.monotonic() > resumed + 2.2, timeout=5)
-    behind_end = lim.stats().behind_seconds  # read while the consumers still run: once they stop, the pool grows again
+    behind_end = (
+        lim.stats().behind_seconds
+    )  # read while the consumers still run: once they stop, the pool grows again
     stamps = cons.finish()
     starved = lim.stats().starved_seconds - starved0
     # paused: each consumer finished at most the acquire it was in when go was cleared (a loaded
@@ -395,7 +401,9 @@ def test_set_rate_reaches_running_processes_without_over_grant(name):
     # counts (a timer's wake on an idle CPU: up to ~150 us here on a quiet VM): 100 grants, 150 us
     # each at most, lost time and never a grant (the rate's floor above holds it to that).
     assert starved[-1] - starved[0] <= total(cons.delays) + 100 * 150e-6
-    assert max_excess([(t, w) for t, w in cons.tagged if t > t3], 0.5) <= 100 * 0.5 + 5  # old capacity once at most
+    assert (
+        max_excess([(t, w) for t, w in cons.tagged if t > t3], 0.5) <= 100 * 0.5 + 5
+    )  # old capacity once at most
     assert lim.stats().rate == 100 and shmlimit.attach(name).capacity == 1
     lim.close()
 
@@ -484,16 +492,25 @@ def test_throttle_refuses_wrong_parameters_when_decorating(name):
     decorator said 1000), and a bad rate, per, burst or an unknown option passed the decorator and
     failed only at the first call.  Each is refused at decoration, naming the parameter, and
     nothing is created."""
-    bad = [(dict(rate=-1), "rate"), (dict(rate=10, per=0), "per"), (dict(rate=10, burst=-3), "burst"),
-           (dict(rate=10, bogus=3), "bogus"), (dict(rate=1, per=60, key=str, keyz=5), "keyz")]
+    bad = [
+        (dict(rate=-1), "rate"),
+        (dict(rate=10, per=0), "per"),
+        (dict(rate=10, burst=-3), "burst"),
+        (dict(rate=10, bogus=3), "bogus"),
+        (dict(rate=1, per=60, key=str, keyz=5), "keyz"),
+    ]
     for kw, param in bad:
         with pytest.raises((TypeError, ValueError), match=param):
             shmlimit.throttle(name, **kw)
     assert name not in shmlimit.list_names()
     lim = shmlimit.Limiter(name, rate=10)
     try:
-        for kw, param in [(dict(rate=1000), "rate"), (dict(per=60), "per"), (dict(burst=5), "burst"),
-                          (dict(capped=True), "capped")]:
+        for kw, param in [
+            (dict(rate=1000), "rate"),
+            (dict(per=60), "per"),
+            (dict(burst=5), "burst"),
+            (dict(capped=True), "capped"),
+        ]:
             with pytest.raises(TypeError, match=param):
                 shmlimit.throttle(lim, **kw)
         assert lim.rate == 10
@@ -525,7 +542,9 @@ def test_throttle_on_async_functions(name):
 # The pool's limiter is named once per test run: a spawned worker imports this module afresh and
 # finds the name in the environment it inherited.  (A fixed name was shared by test runs going on
 # at once: one's unlink took the segment from under the other's workers.)
-POOL_LIMITER = os.environ.setdefault("SHMLIMIT_TEST_POOL_LIMITER", f"test-throttle-pool-{os.getpid()}-{uuid.uuid4().hex[:8]}")
+POOL_LIMITER = os.environ.setdefault(
+    "SHMLIMIT_TEST_POOL_LIMITER", f"test-throttle-pool-{os.getpid()}-{uuid.uuid4().hex[:8]}"
+)
 
 
 @shmlimit.throttle(POOL_LIMITER, rate=100, burst=1)
@@ -554,7 +573,9 @@ def test_throttle_across_spawned_pool_workers():
 
 @pytest.mark.slow
 def test_acquire_async_never_blocks_the_loop(name):
-    t0 = time.monotonic()  # the schedule starts at the limiter's creation: the first op is 20 ms from it
+    t0 = (
+        time.monotonic()
+    )  # the schedule starts at the limiter's creation: the first op is 20 ms from it
     lim = shmlimit.Limiter(name, rate=50, burst=1, initial=0)
 
     async def main():
@@ -600,7 +621,9 @@ def test_cancelled_before_its_ticket_takes_nothing(name, monkeypatch):
     async def main():
         assert lim.reserve() == pytest.approx(0.1, abs=1e-6)  # the queue is now exactly 0.1 s deep
         tail = lim._att.cells.load(L.TAIL)
-        task = asyncio.create_task(lim.acquire_async())  # 0.2 s > max_reserved: waits for room, holding nothing
+        task = asyncio.create_task(
+            lim.acquire_async()
+        )  # 0.2 s > max_reserved: waits for room, holding nothing
         await parked.wait()
         assert not task.done()
         task.cancel()
@@ -617,7 +640,9 @@ def test_cancelled_before_its_ticket_takes_nothing(name, monkeypatch):
         assert lim._att.cells.load(L.TAIL) == tail  # nothing taken, nothing given back
         assert lim.stats().grants == 1  # the reservation alone
         assert not [p for p in lim.stats().processes if p.waiting]
-        clock.advance_seconds(0.1)  # the reservation's turn: the next slot is the one right after it
+        clock.advance_seconds(
+            0.1
+        )  # the reservation's turn: the next slot is the one right after it
         # (and the filler's pause a replenish that adds nothing may take: this reserve's own replenish
         # reached the reservation, and the clock stands still, so its words predate that head)
         assert lim.reserve() == pytest.approx(0.1 + LONGEST_FILL_NS / 1e9, abs=1e-6)
@@ -651,9 +676,18 @@ def test_catch_up_ends_when_the_backlog_is_paid(name):
     assert paid - resumed <= total_behind * 1.25 + starved_paying + least(cons.delays)
     during = count_between(stamps, resumed + 0.05, paid)
     assert_rate(during, 2 * rate, paid - resumed - 0.05, 0.1, starved_paying, cons.delays)
-    assert_rate(count_between(stamps, paid + 0.05, paid + 1.05), rate, 1.0, 0.03, starved2 - starved1, cons.delays)
+    assert_rate(
+        count_between(stamps, paid + 0.05, paid + 1.05),
+        rate,
+        1.0,
+        0.03,
+        starved2 - starved1,
+        cons.delays,
+    )
     assert starved2 - starved0 <= total(cons.delays)
-    assert max_excess([(t, w) for t, w in cons.tagged if t > resumed], 1.0) <= 2 * (rate + lim.capacity)
+    assert max_excess([(t, w) for t, w in cons.tagged if t > resumed], 1.0) <= 2 * (
+        rate + lim.capacity
+    )
     lim.close()
 
 
@@ -682,7 +716,9 @@ def test_acquire_async_in_several_processes_shares_one_rate(name):
     rate, seconds = 200, 2.0
     lim = shmlimit.Limiter(name, rate=rate)
     starved0 = lim.stats().starved_seconds
-    witnessed = run_processes(mp.get_context("spawn"), _async_consumer, [(lim, seconds)] * 3, timeout=120)
+    witnessed = run_processes(
+        mp.get_context("spawn"), _async_consumer, [(lim, seconds)] * 3, timeout=120
+    )
     starved = lim.stats().starved_seconds - starved0
     results, delays = [r for r, _ in witnessed], [d for _, d in witnessed]
     stamps = sorted(t for r in results for t in r)
@@ -718,9 +754,13 @@ def test_drain_in_one_process_never_cancels_another_process_reservation(name):
         lost = LONGEST_FILL_NS / 1e9
         assert wait == pytest.approx(0.3 + lost, abs=1e-6)
         assert lim.drain() == 0 and not lim.try_acquire()  # nothing extra for anyone
-        assert lim.reserve(1) == pytest.approx(0.4 + lost, abs=1e-6)  # behind the reservation, not beside it
+        assert lim.reserve(1) == pytest.approx(
+            0.4 + lost, abs=1e-6
+        )  # behind the reservation, not beside it
         clock.advance_seconds(0.35)
-        ClockFeed(lim._att.bucket, None).tick()  # the filler's tick: the reservation is due, and paid
+        ClockFeed(
+            lim._att.bucket, None
+        ).tick()  # the filler's tick: the reservation is due, and paid
         assert lim._att.cells.load(L.REPL_TS) == clock.now
         assert lim.drain() == 0 and not lim.try_acquire()  # ... to the other process, not to us
     finally:

@@ -1,5 +1,6 @@
 """How limiters live in servers: a pre-fork master that only opened a limiter forks without threads
 (the filler starts on first use), and workers share the limit.  Real gunicorn on 127.0.0.1."""
+
 import contextlib
 import multiprocessing as mp
 import os
@@ -10,10 +11,10 @@ import textwrap
 import threading
 
 import pytest
-
-import shmlimit
 from support.procs import WORKDIR, run_processes, wait_for
 from support.servers import BIN, Server, get
+
+import shmlimit
 
 
 def test_opening_starts_no_thread_until_first_use(name):
@@ -33,7 +34,9 @@ def test_opening_starts_no_thread_until_first_use(name):
     got = os.read(r, 100).split()
     os.waitpid(pid, 0)
     os.close(r)
-    assert got[0] == b"1" and int(got[1]) == 2  # granted, and its own filler thread started on that use
+    assert (
+        got[0] == b"1" and int(got[1]) == 2
+    )  # granted, and its own filler thread started on that use
     assert threading.active_count() == before  # the parent still has none
     assert lim.acquire(timeout=5)
     assert threading.active_count() == before + 1  # first use here: this process's filler
@@ -66,8 +69,17 @@ app = RateLimitMiddleware(hello, limiter=LIM, key=lambda e: None if e["PATH_INFO
 def test_gunicorn_preload_master_forks_without_threads(name, tmp_path):
     pytest.importorskip("gunicorn")
     (tmp_path / "preload_app.py").write_text(textwrap.dedent(PRELOAD_APP))
-    argv = [f"{BIN}/gunicorn", "--preload", "-w", "2", "-b", "127.0.0.1:{port}", "--log-level", "warning",
-            "preload_app:app"]
+    argv = [
+        f"{BIN}/gunicorn",
+        "--preload",
+        "-w",
+        "2",
+        "-b",
+        "127.0.0.1:{port}",
+        "--log-level",
+        "warning",
+        "preload_app:app",
+    ]
     forks = tmp_path / "forks.txt"
     with Server(argv, str(tmp_path), env={"LIM": name, "FORKS": str(forks)}) as srv:
         statuses = sorted(get(srv.url + "/")[0] for _ in range(10))
@@ -185,8 +197,8 @@ def test_a_child_whose_inherited_limiter_is_gone_touches_nothing_of_it(name, how
     # would silently double, and what it left there no filler would ever look at.
     import mmap
 
-    from shmlimit.shm import layout as L
     from shmlimit.attachment import collect
+    from shmlimit.shm import layout as L
     from shmlimit.shm.segment import unlink
 
     lim = shmlimit.Limiter(name, rate=100, burst=1)
@@ -207,12 +219,15 @@ def test_a_child_whose_inherited_limiter_is_gone_touches_nothing_of_it(name, how
         assert name in msg and "open it again" in msg, msg
 
         def word(off):
-            return int.from_bytes(old[off:off + 8], "little")
+            return int.from_bytes(old[off : off + 8], "little")
 
         slots = word(L.SLOTS_OFF)
         pids = [word(L.slot_offset(i) + L.SLOT_PID) for i in range(slots)]
         lens = [word(off) for i in range(slots) for _, off in L.ticket_records(slots, i)]
-        assert pid not in pids and lens == [0] * len(lens), (pids, lens)  # nothing of the child there
+        assert pid not in pids and lens == [0] * len(lens), (
+            pids,
+            lens,
+        )  # nothing of the child there
         if again is not None:
             assert _listed(name) == {os.getpid()}
     finally:
@@ -233,8 +248,13 @@ sys.stdin.readline()
 
 
 def _start_opener(name, rate):
-    p = subprocess.Popen([sys.executable, "-c", OPENER, name, str(rate)], stdin=subprocess.PIPE,
-                         stdout=subprocess.PIPE, text=True, cwd=WORKDIR)
+    p = subprocess.Popen(
+        [sys.executable, "-c", OPENER, name, str(rate)],
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        text=True,
+        cwd=WORKDIR,
+    )
     assert p.stdout.readline().strip() == "ready"
     return p
 
@@ -265,7 +285,9 @@ def test_live_processes_keep_their_config_unless_reconfigure(name):
         assert shmlimit.inspect(name).rate == 10
         lim = shmlimit.Limiter(name, rate=20, reconfigure=True)  # fleet-wide, as set_rate
         assert lim.rate == 20 and shmlimit.inspect(name).rate == 20
-        again = shmlimit.Limiter(name, rate=30, reconfigure=True)  # through this process's own attachment
+        again = shmlimit.Limiter(
+            name, rate=30, reconfigure=True
+        )  # through this process's own attachment
         assert lim.rate == again.rate == 30
         with pytest.raises(shmlimit.ConfigMismatchError):
             shmlimit.Limiter(name, rate=40)  # this process and the other one use it
@@ -292,7 +314,9 @@ def test_workers_booting_together_on_an_old_config_all_boot(name):
     ctx = mp.get_context("fork")
     create = f"import shmlimit; shmlimit.Limiter({name!r}, rate=10).close()"
     subprocess.run([sys.executable, "-c", create], check=True, cwd=WORKDIR)  # its creator is gone
-    for rnd in range(6):  # the workers of a redeploy start at once: none may see another as an old user
+    for rnd in range(
+        6
+    ):  # the workers of a redeploy start at once: none may see another as an old user
         old = shmlimit.attach(name)
         old.set_rate(10)
         old.close()
@@ -320,7 +344,16 @@ app = RateLimitMiddleware(hello, limiter=LIM, key=lambda e: None if e["PATH_INFO
 def test_gunicorn_redeploy_with_a_changed_rate_boots(name, tmp_path):
     pytest.importorskip("gunicorn")
     (tmp_path / "redeploy_app.py").write_text(textwrap.dedent(REDEPLOY_APP))
-    argv = [f"{BIN}/gunicorn", "-w", "2", "-b", "127.0.0.1:{port}", "--log-level", "warning", "redeploy_app:app"]
+    argv = [
+        f"{BIN}/gunicorn",
+        "-w",
+        "2",
+        "-b",
+        "127.0.0.1:{port}",
+        "--log-level",
+        "warning",
+        "redeploy_app:app",
+    ]
     with Server(argv, str(tmp_path), env={"LIM": name, "RATE": "2"}) as srv:
         assert get(srv.url + "/")[1]["ratelimit-policy"] == '"default";q=2;w=60'
         os.killpg(srv.proc.pid, signal.SIGKILL)  # gone without a word: its entries stay, dead
@@ -328,7 +361,9 @@ def test_gunicorn_redeploy_with_a_changed_rate_boots(name, tmp_path):
     # the killed workers are gone once reaped (their new parent does it)
     wait_for(lambda: not any(p.alive for p in shmlimit.inspect(name).processes), timeout=30)
     assert shmlimit.inspect(name).processes  # their entries stay, dead
-    with Server(argv, str(tmp_path), env={"LIM": name, "RATE": "5"}) as srv:  # boots: no ConfigMismatchError
+    with Server(
+        argv, str(tmp_path), env={"LIM": name, "RATE": "5"}
+    ) as srv:  # boots: no ConfigMismatchError
         policies = {get(srv.url + "/")[1]["ratelimit-policy"] for _ in range(8)}
         assert policies == {'"default";q=5;w=60'}  # every worker runs the new rate
         assert "Worker failed to boot" not in srv.output()
@@ -345,8 +380,13 @@ sys.stdin.readline()
 
 
 def test_keyed_redeploy_takes_the_new_rate_and_live_users_need_reconfigure(name):
-    p = subprocess.Popen([sys.executable, "-c", KEYED_OPENER, name, "10"], stdin=subprocess.PIPE,
-                         stdout=subprocess.PIPE, text=True, cwd=WORKDIR)
+    p = subprocess.Popen(
+        [sys.executable, "-c", KEYED_OPENER, name, "10"],
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        text=True,
+        cwd=WORKDIR,
+    )
     assert p.stdout.readline().strip() == "ready"
     try:
         with pytest.raises(shmlimit.ConfigMismatchError, match="reconfigure=True"):
@@ -360,6 +400,8 @@ def test_keyed_redeploy_takes_the_new_rate_and_live_users_need_reconfigure(name)
     finally:
         p.kill()
         p.wait()
-    lim = shmlimit.KeyedLimiter(name, rate=30, keys=64)  # every user gone (one killed): a redeploy boots
+    lim = shmlimit.KeyedLimiter(
+        name, rate=30, keys=64
+    )  # every user gone (one killed): a redeploy boots
     assert lim.rate == 30 and not lim.created
     lim.close()

@@ -1,4 +1,5 @@
 """The live inspector and gc, run as real subprocesses against limiters used by other processes."""
+
 import json
 import os
 import select
@@ -7,11 +8,13 @@ import sys
 import time
 
 import pytest
-
-import shmlimit
-from support.procs import ROOT, run_cli as cli, start_acquirer as start_worker, start_on_terminal, wait_exit
+from support.procs import ROOT, start_on_terminal, wait_exit
+from support.procs import run_cli as cli
+from support.procs import start_acquirer as start_worker
 from support.segments import run_tools_on
 from support.starvation import assert_rate, run_delay
+
+import shmlimit
 
 
 def test_once_json_matches_inspect_and_measures_the_rate(name):
@@ -20,10 +23,16 @@ def test_once_json_matches_inspect_and_measures_the_rate(name):
     try:
         # what the machine withheld from the workers, read around top's whole run (its 1 s interval
         # lies inside): the rate's floor drops by it only (support.starvation), ~0 on a quiet machine
-        starved0, delays0 = shmlimit.inspect(name).starved_seconds, [run_delay(w.pid) for w in workers]
+        starved0, delays0 = (
+            shmlimit.inspect(name).starved_seconds,
+            [run_delay(w.pid) for w in workers],
+        )
         r = cli("top", name, "--once", "--json", "--interval", "1.0")
         starved = shmlimit.inspect(name).starved_seconds - starved0
-        delays = [None if a is None or b is None else b - a for a, b in zip(delays0, (run_delay(w.pid) for w in workers))]
+        delays = [
+            None if a is None or b is None else b - a
+            for a, b in zip(delays0, (run_delay(w.pid) for w in workers))
+        ]
         assert r.returncode == 0, r.stderr
         snap = json.loads(r.stdout.strip())
         [rec] = snap["limiters"]
@@ -51,9 +60,13 @@ def test_live_view_refreshes_in_place_under_a_terminal(name, sigint):
     """
     shmlimit.Limiter(name, rate=100).close()
     worker = start_worker(name)
-    previous = signal.signal(signal.SIGINT, signal.SIG_IGN if sigint == "ignored" else signal.SIG_DFL)
+    previous = signal.signal(
+        signal.SIGINT, signal.SIG_IGN if sigint == "ignored" else signal.SIG_DFL
+    )
     try:
-        pid, fd = start_on_terminal([sys.executable, os.path.join(ROOT, "tools", "shmtop"), name, "--interval", "0.2"])
+        pid, fd = start_on_terminal(
+            [sys.executable, os.path.join(ROOT, "tools", "shmtop"), name, "--interval", "0.2"]
+        )
     finally:
         signal.signal(signal.SIGINT, previous)
     out = b""
@@ -124,7 +137,9 @@ def test_inspecting_never_registers_or_changes_anything(name):
     lim.close()
 
 
-@pytest.mark.parametrize("args", [["top", "no-such-limiter"], ["top", "--interval", "0"], ["top", "--interval", "x"]])
+@pytest.mark.parametrize(
+    "args", [["top", "no-such-limiter"], ["top", "--interval", "0"], ["top", "--interval", "x"]]
+)
 def test_top_mistakes_exit_2_without_traceback(args):
     r = cli(*args)
     assert r.returncode == 2 and "Traceback" not in r.stderr and r.stderr.strip()

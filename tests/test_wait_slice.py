@@ -7,6 +7,7 @@ the policy and the nice value stay as they were, a thread of another policy is l
 the threads and processes the waiting thread starts afterwards begin with the default slice.
 On the ``atomics`` backend the Python wait's sleep does the same through libc.
 """
+
 import ast
 import ctypes
 import multiprocessing as mp
@@ -29,8 +30,10 @@ WAIT_SLICE_NS = 100_000
 LONG_SLICE_NS = 3_000_000
 
 pytestmark = [
-    pytest.mark.skipif(not sys.platform.startswith("linux") or platform.machine() not in _NR,
-                       reason="sched_setattr of Linux on a known machine"),
+    pytest.mark.skipif(
+        not sys.platform.startswith("linux") or platform.machine() not in _NR,
+        reason="sched_setattr of Linux on a known machine",
+    ),
 ]
 
 
@@ -48,7 +51,9 @@ def get_attr():
 
 
 def set_attr(policy: int, nice: int, slice_ns: int) -> None:
-    buf = ctypes.create_string_buffer(struct.pack(_ATTR, 56, policy, 0, nice, 0, slice_ns, 0, 0, 0, 0), 56)
+    buf = ctypes.create_string_buffer(
+        struct.pack(_ATTR, 56, policy, 0, nice, 0, slice_ns, 0, 0, 0, 0), 56
+    )
     if _libc().syscall(_NR[platform.machine()][0], 0, buf, 0) != 0:
         raise OSError(ctypes.get_errno(), "sched_setattr")
 
@@ -60,14 +65,18 @@ def _in_fresh_thread(mode: str, name: str, conn) -> None:
 
     def run():
         try:
-            policy, nice = (SCHED_BATCH, 0) if mode == "batch" else (SCHED_OTHER, 5 if mode == "nice" else 0)
+            policy, nice = (
+                (SCHED_BATCH, 0) if mode == "batch" else (SCHED_OTHER, 5 if mode == "nice" else 0)
+            )
             try:
                 set_attr(policy, nice, LONG_SLICE_NS)
             except OSError as e:  # a seccomp filter, say: the wait's own call is refused alike
                 out["refused"] = repr(e)
                 return
             out["before"] = get_attr()
-            if mode == "sleep":  # the precise sleep of this backend (native, or Python's on atomics)
+            if (
+                mode == "sleep"
+            ):  # the precise sleep of this backend (native, or Python's on atomics)
                 from shmlimit.acquire.sleep import sleeper
 
                 sleeper()(time.monotonic_ns() + 2_000_000)
@@ -87,7 +96,9 @@ def _in_fresh_thread(mode: str, name: str, conn) -> None:
                 out["thread"] = seen["thread"]
                 r, w = os.pipe()
                 pid = os.fork()
-                if pid == 0:  # the child's thread: the default, then its own first sleep shortens it
+                if (
+                    pid == 0
+                ):  # the child's thread: the default, then its own first sleep shortens it
                     try:
                         first = get_attr()
                         from shmlimit.acquire.sleep import sleeper

@@ -1,5 +1,6 @@
 """Waiting for a ticket: a precise sleep to the moment it is due, and one wake-up per turn.
 (How cheap and how late is measured by tools/bench.py.)"""
+
 import asyncio
 import gc
 import multiprocessing as mp
@@ -9,14 +10,14 @@ import threading
 import time
 
 import pytest
+from support.procs import acquire_for, run_processes, wait_for
+from support.starvation import floor, run_delay
 
 import shmlimit
 from shmlimit.acquire import single as LM
-from shmlimit.shm import layout as L
 from shmlimit.acquire import sleep as S
+from shmlimit.shm import layout as L
 from shmlimit.shm.cells import native_available
-from support.procs import acquire_for, run_processes, wait_for
-from support.starvation import floor, run_delay
 
 LINUX = sys.platform.startswith("linux")
 
@@ -122,7 +123,9 @@ def _native_waits_in_a_thread(name, conn):
     conn.send(out)
 
 
-@pytest.mark.skipif(not LINUX or not native_available(), reason="the native wait's timer slack (Linux)")
+@pytest.mark.skipif(
+    not LINUX or not native_available(), reason="the native wait's timer slack (Linux)"
+)
 def test_the_native_wait_lowers_its_thread_slack_once_and_keeps_it(name):
     from shmlimit.shm.cells import selected_backend
 
@@ -145,7 +148,9 @@ def test_the_native_wait_lowers_its_thread_slack_once_and_keeps_it(name):
     assert out["before"] == 50_000, out
     assert out["slept"], out  # the waits slept (natively): the slack is theirs to set
     assert out["after"] == S.SLACK_NS, out  # kept after the wait: no prctl per wait to restore it
-    assert out["child"] == 50_000, out  # a process forked afterwards begins with the slack from before
+    assert out["child"] == 50_000, (
+        out
+    )  # a process forked afterwards begins with the slack from before
     assert out["other"] != S.SLACK_NS, out  # per thread: one that never waited keeps its own
 
 
@@ -207,7 +212,9 @@ def test_a_waiter_at_a_stop_replenishes_at_its_turn_not_a_wake_later(name):
     def waiter():
         for _ in range(25):
             lim.acquire()
-            stamps.append(c.load(L.REPL_TS))  # the claim taken where the head stopped, right after it
+            stamps.append(
+                c.load(L.REPL_TS)
+            )  # the claim taken where the head stopped, right after it
 
     lim.acquire()  # the bucket's one op: from here on every grant is a stop
     threads = [threading.Thread(target=waiter) for _ in range(2)]
@@ -236,7 +243,9 @@ def test_sleep_until_async_never_returns_early():
             deadline = time.monotonic_ns() + delay
             await S.sleep_until_async(deadline)
             assert time.monotonic_ns() >= deadline
-        await S.sleep_until_async(time.monotonic_ns() - 10**9)  # a deadline in the past returns at once
+        await S.sleep_until_async(
+            time.monotonic_ns() - 10**9
+        )  # a deadline in the past returns at once
 
     asyncio.run(run())
 
@@ -256,7 +265,9 @@ def test_a_loop_waits_on_one_timerfd_armed_at_the_earliest_deadline():
         assert timer.armed == now + 300_000_000
         await late
         assert time.monotonic_ns() >= now + 300_000_000
-        assert S._timers[loop] is timer and timer.armed == 0 and timer.heap == []  # disarmed, drained
+        assert (
+            S._timers[loop] is timer and timer.armed == 0 and timer.heap == []
+        )  # disarmed, drained
         with pytest.raises(BlockingIOError):
             os.read(timer.fd, 8)  # nothing pending: the next waiter will not wake early
         return timer.fd
@@ -307,11 +318,14 @@ def test_without_a_timerfd_the_async_sleep_is_asyncio_sleep(monkeypatch):
 def test_an_async_waiter_waits_for_its_turn_on_a_timerfd(name, monkeypatch):
     lim = shmlimit.Limiter(name, rate=200)
     try:
+
         async def run():
             for _ in range(int(lim.capacity)):  # the burst
                 assert await lim.acquire_async()
 
-            async def no_coarse_sleep(*a):  # a ticket's wait must not take the selector's granularity
+            async def no_coarse_sleep(
+                *a,
+            ):  # a ticket's wait must not take the selector's granularity
                 raise AssertionError("asyncio.sleep used for a ticket's wait")
 
             monkeypatch.setattr(asyncio, "sleep", no_coarse_sleep)
@@ -321,6 +335,8 @@ def test_an_async_waiter_waits_for_its_turn_on_a_timerfd(name, monkeypatch):
             return time.monotonic_ns() - before
 
         took = asyncio.run(run())
-        assert took >= 2 * 5_000_000 - 1_000_000  # three turns 5 ms apart, the first one maybe partly past
+        assert (
+            took >= 2 * 5_000_000 - 1_000_000
+        )  # three turns 5 ms apart, the first one maybe partly past
     finally:
         lim.close()

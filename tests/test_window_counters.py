@@ -7,8 +7,9 @@ middle of a window roll (V0 left ROLLING, with or without the snapshot
 written) and inserts left BUSY by a dead pid.  Then real processes (fork) hit
 one key at once: every increment is counted exactly once.
 """
-import mmap
+
 import math
+import mmap
 import multiprocessing as mp
 import os
 
@@ -16,16 +17,16 @@ import pytest
 from hypothesis import settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, rule
-
-from shmlimit.keyed import cells as KC
-from shmlimit.keyed import layout as K
-from shmlimit.keyed import windows as W
-from shmlimit.shm.cells import native_available, open_cells
-from shmlimit.errors import KeyTableFullError, SegmentError
-from shmlimit.keyed.window_table import WindowTable
 from support.clock import FakeClock
 from support.models import on_each_backend
 from support.procs import run_processes
+
+from shmlimit.errors import KeyTableFullError, SegmentError
+from shmlimit.keyed import cells as KC
+from shmlimit.keyed import layout as K
+from shmlimit.keyed import windows as W
+from shmlimit.keyed.window_table import WindowTable
+from shmlimit.shm.cells import native_available, open_cells
 
 BACKENDS = ["atomics"] + (["native"] if native_available() else [])
 DEAD_PID = (1 << K.PID_BITS) - 7  # above pid_max: never a live process
@@ -42,8 +43,15 @@ class Mapping:
 
     def process(self, backend, clock, pid=None):
         c = open_cells(self.mm, self.size, backend)
-        t = KC.SlotTable(c, K.slots_offset(0), self.nkeys, min(K.PROBE, self.nkeys), K.KEYS_LIVE, K.EVICTED,
-                         K.owner(pid or os.getpid()))
+        t = KC.SlotTable(
+            c,
+            K.slots_offset(0),
+            self.nkeys,
+            min(K.PROBE, self.nkeys),
+            K.KEYS_LIVE,
+            K.EVICTED,
+            K.owner(pid or os.getpid()),
+        )
         return W.WindowCounters(t, *SECRET, K.REFUSED, clock)
 
 
@@ -101,7 +109,9 @@ class SlidingModel:
             return False
         start, prev, cur = self.state(key, w, ns)
         if (key, w) not in self.keys and (key, w) in self.floor:
-            start = actual_start()  # re-inserted above its cleared slot's value (at most 2W + 1 ms on)
+            start = (
+                actual_start()
+            )  # re-inserted above its cleared slot's value (at most 2W + 1 ms on)
             assert ns // 1_000_000 <= start <= max(ns // 1_000_000, self.floor.pop((key, w)))
         if math.floor(prev * self.weight(start, w, ns) + cur) + amount > limit:
             self.keys[(key, w)] = [start, prev, cur]
@@ -116,7 +126,9 @@ class SlidingModel:
 
 
 KEYS = st.sampled_from(["a", "b", "c", "client-7", "é"])
-SKEYS = st.sampled_from(["a", "é"])  # few keys for the sliding windows, so that their counts carry over
+SKEYS = st.sampled_from(
+    ["a", "é"]
+)  # few keys for the sliding windows, so that their counts carry over
 SLIDE = st.sampled_from([1000, 3000])  # window lengths (ms)
 
 
@@ -163,11 +175,15 @@ class Counters(RuleBasedStateMachine):
         s, _ = proc.t.find(d, home)
         return W.unpack(proc.c.load(s + K.S_V0))[0] - 2 * w
 
-    @rule(p=st.integers(0, 3), key=SKEYS, w=SLIDE, limit=st.integers(0, 5), amount=st.integers(1, 2))
+    @rule(
+        p=st.integers(0, 3), key=SKEYS, w=SLIDE, limit=st.integers(0, 5), amount=st.integers(1, 2)
+    )
     def acquire_sliding(self, p, key, w, limit, amount):
         proc = self.procs[p % len(self.procs)]
         got = proc.acquire_sliding(key, limit, w / 1000, amount)
-        assert got == self.sliding.acquire(key, w, self.clock(), limit, amount, lambda: self.slot_start(proc, key, w))
+        assert got == self.sliding.acquire(
+            key, w, self.clock(), limit, amount, lambda: self.slot_start(proc, key, w)
+        )
 
     @rule(p=st.integers(0, 3), key=SKEYS, w=SLIDE)
     def read_sliding(self, p, key, w):
@@ -175,7 +191,9 @@ class Counters(RuleBasedStateMachine):
         start, mprev, mcur = self.sliding.state(key, w, self.clock())
         assert (prev, cur) == (mprev, mcur)
         left = ((start + w) * 1_000_000 - self.clock()) / 1e9
-        assert prev_ttl == pytest.approx(left if mprev else 0.0) and cur_ttl == pytest.approx(left + w / 1000)
+        assert prev_ttl == pytest.approx(left if mprev else 0.0) and cur_ttl == pytest.approx(
+            left + w / 1000
+        )
 
     @rule(p=st.integers(0, 3), key=SKEYS, w=SLIDE)
     def clear_sliding(self, p, key, w):
@@ -219,7 +237,8 @@ class Counters(RuleBasedStateMachine):
 
 
 TestCountersAtomics, TestCountersNative = on_each_backend(
-    Counters, settings(max_examples=40, stateful_step_count=50, deadline=None))
+    Counters, settings(max_examples=40, stateful_step_count=50, deadline=None)
+)
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
@@ -254,7 +273,7 @@ def test_bad_arguments_name_the_range_and_change_nothing(backend):
             call()
     with pytest.raises(TypeError):
         p.incr(3, 1)
-    assert bytes(m.mm[K.slots_offset(0):]) == bytes(m.size - K.slots_offset(0))
+    assert bytes(m.mm[K.slots_offset(0) :]) == bytes(m.size - K.slots_offset(0))
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
@@ -266,7 +285,12 @@ def test_a_saturated_window_refuses(backend):
 
 def _hammer(name, n, out):
     t = WindowTable(name)
-    out.put(([t.incr("shared", 600) for _ in range(n)], sum(t.acquire_sliding("slide", 777, 600) for _ in range(n))))
+    out.put(
+        (
+            [t.incr("shared", 600) for _ in range(n)],
+            sum(t.acquire_sliding("slide", 777, 600) for _ in range(n)),
+        )
+    )
     t.close()
 
 
@@ -275,7 +299,9 @@ def test_real_processes_count_every_hit_exactly_once(name, start):
     table = WindowTable(name, keys=1024)
     results = run_processes(mp.get_context(start), _hammer, [(name, 1500)] * 4)
     counts = sorted(c for r, _ in results for c in r)
-    assert counts == list(range(1, 6001))  # every increment linearized once: no lost or doubled update
+    assert counts == list(
+        range(1, 6001)
+    )  # every increment linearized once: no lost or doubled update
     assert sum(g for _, g in results) == 777  # the sliding limit, exactly, across the processes
     assert table.get("shared") == 6000
     table.close()

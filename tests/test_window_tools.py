@@ -1,20 +1,21 @@
 """A table of window counters (the ``limits`` storage ``shm://``) as the tools show it: what it is
 (windows, keys, counts, the processes counting), never a limiter with a rate of 0; and its users
 listed as a keyed limiter's are (a forked child on its first hit, a killed one as dead)."""
+
 import json
 import os
 import signal
 import time
 
 import pytest
-
-import shmlimit
-from shmlimit.keyed.stats import sample_windows
-from shmlimit.keyed.window_table import WindowTable
 from support.clock import FakeClock
 from support.procs import kill_all, read_exactly
 from support.procs import run_cli as cli
 from support.segments import run_tools_on
+
+import shmlimit
+from shmlimit.keyed.stats import sample_windows
+from shmlimit.keyed.window_table import WindowTable
 
 
 @pytest.fixture
@@ -47,7 +48,9 @@ def test_inspect_shows_windows_keys_and_the_hits_counted(table, name):
 def test_list_shows_a_window_table_as_one(table, name):
     hits = _fill(table)
     [row] = [line for line in cli("list").stdout.splitlines() if line.startswith(name)]
-    assert row.split()[1:6] == ["windows", "-", "2/512", "keys", str(hits)] and "limits storage" in row
+    assert (
+        row.split()[1:6] == ["windows", "-", "2/512", "keys", str(hits)] and "limits storage" in row
+    )
     assert "0/0s" not in row
     [rec] = [r for r in json.loads(cli("list", "--json").stdout) if r["name"] == name]
     assert rec["kind"] == "windows" and rec["keys"] == 2 and rec["grants"] == hits
@@ -58,38 +61,62 @@ def test_top_shows_the_fullest_windows_and_their_counts(table, name):
     r = cli("top", name, "--once", "--interval", "0.05")
     assert r.returncode == 0, r.stderr
     assert "rate 0" not in r.stdout and f"windows: a limits storage (shm://{name})" in r.stdout
-    assert f"keys 2/512" in r.stdout and f"hits {hits}" in r.stdout and "STALE" not in r.stdout
+    assert "keys 2/512" in r.stdout and f"hits {hits}" in r.stdout and "STALE" not in r.stdout
     fixed = next(line for line in r.stdout.splitlines() if "LIMITER/a/3/1/minute" in line).split()
-    sliding = next(line for line in r.stdout.splitlines() if "LIMITER/b/5/10/second" in line).split()
+    sliding = next(
+        line for line in r.stdout.splitlines() if "LIMITER/b/5/10/second" in line
+    ).split()
     assert fixed[1:4] == ["fixed", "5", "-"] and sliding[1:4] == ["sliding", "5", "0"]
     assert 0 < float(fixed[4]) <= 60.001 and 0 < float(sliding[4]) <= 10.001
     snap = json.loads(cli("top", name, "--once", "--json", "--interval", "0.05").stdout)
     [rec] = snap["limiters"]
     assert rec["kind"] == "windows" and rec["stale"] is False
     assert {(w["key"], w["strategy"], w["count"]) for w in rec["windows"]} == {
-        ("LIMITER/a/3/1/minute", "fixed", 5), ("LIMITER/b/5/10/second", "sliding", 5)}
+        ("LIMITER/a/3/1/minute", "fixed", 5),
+        ("LIMITER/b/5/10/second", "sliding", 5),
+    }
 
 
 def test_sampled_windows_follow_the_clock(name):
     """The sample reads the counters as the strategies do: a sliding window that ended is the
     previous one; a fixed window that ended, or a sliding key two windows old, is not listed."""
-    clock = FakeClock(time.monotonic_ns() // 10**6 * 10**6)  # on a whole millisecond, as the counters count
+    clock = FakeClock(
+        time.monotonic_ns() // 10**6 * 10**6
+    )  # on a whole millisecond, as the counters count
     t = WindowTable(name, keys=64, clock=clock)
 
     def sample():
-        return {w.key: (w.strategy, w.count, w.previous, w.window, round(w.ends_in, 3))
-                for w in sample_windows(name, 0, 64, now_ns=clock())[0]}
+        return {
+            w.key: (w.strategy, w.count, w.previous, w.window, round(w.ends_in, 3))
+            for w in sample_windows(name, 0, 64, now_ns=clock())[0]
+        }
 
     try:
         assert t.incr("f", 1) == 1 and t.acquire_sliding("s", 10, 2, 3)
         first = sample()
-        assert first["f"] == ("fixed", 1, 0, None, 1.001)  # a fixed window lasts 1 ms more than asked
+        assert first["f"] == (
+            "fixed",
+            1,
+            0,
+            None,
+            1.001,
+        )  # a fixed window lasts 1 ms more than asked
         assert first["s"] == ("sliding", 3, 0, 2.0, 2.0)
         clock.advance_seconds(1.5)
-        assert set(sample()) == {"s"} and sample()["s"] == ("sliding", 3, 0, 2.0, 0.5)  # f's window ended
-        clock.advance_seconds(1.0)  # the sliding window ended without another hit: it is the previous
+        assert set(sample()) == {"s"} and sample()["s"] == (
+            "sliding",
+            3,
+            0,
+            2.0,
+            0.5,
+        )  # f's window ended
+        clock.advance_seconds(
+            1.0
+        )  # the sliding window ended without another hit: it is the previous
         assert sample()["s"] == ("sliding", 0, 3, 2.0, 1.5)
-        assert t.acquire_sliding("s", 10, 2, 1)  # a hit moves the slot on: the same counts, now stored
+        assert t.acquire_sliding(
+            "s", 10, 2, 1
+        )  # a hit moves the slot on: the same counts, now stored
         assert sample()["s"] == ("sliding", 1, 3, 2.0, 1.5)
         clock.advance_seconds(4.0)  # two windows without a hit: nothing left to show
         assert sample() == {}
@@ -101,10 +128,16 @@ def test_metrics_give_a_window_table_no_rate(table, name):
     from shmlimit.cli.metrics import families
 
     hits = _fill(table)
-    fams = {f.name: {dict(labels).get("limiter"): v for labels, v in f.samples} for f in families([name])}
+    fams = {
+        f.name: {dict(labels).get("limiter"): v for labels, v in f.samples}
+        for f in families([name])
+    }
     assert fams["shmlimit_grants"][name] == hits and fams["shmlimit_processes"][name] == 1
     assert fams["shmlimit_keyed_keys"][name] == 2
-    assert name not in fams["shmlimit_rate_ops_per_second"] and name not in fams["shmlimit_capacity_ops"]
+    assert (
+        name not in fams["shmlimit_rate_ops_per_second"]
+        and name not in fams["shmlimit_capacity_ops"]
+    )
     assert name not in fams["shmlimit_keyed_overrides"]
 
 
@@ -157,12 +190,19 @@ def test_gc_and_doctor_say_what_they_do_with_unused_keyed_tables(name, monkeypat
         for args in (("gc", "--dry-run"), ("gc",)):  # over this test's segments only (see test_top)
             out = run_tools_on(monkeypatch, name, *args)[1]
             assert f"stale: {windows}" not in out and f"removed: {windows}" not in out
-            assert f"left alone (a table of window counters, no live process: 'shmlimit unlink {windows}' removes it)" in out
-            assert f"left alone (a keyed limiter, no live process: 'shmlimit unlink {keyed}' removes it)" in out
+            assert (
+                f"left alone (a table of window counters, no live process: 'shmlimit unlink {windows}' removes it)"
+                in out
+            )
+            assert (
+                f"left alone (a keyed limiter, no live process: 'shmlimit unlink {keyed}' removes it)"
+                in out
+            )
             assert {windows, keyed} <= set(shmlimit.list_names())
         [found] = doctor.check_segments(names=[windows, keyed])  # neither unreadable nor for gc
         assert found.level == "warn" and found.message == (
-            f"2 keyed table(s) no live process uses ({windows}, {keyed}): 'shmlimit unlink NAME' removes one")
+            f"2 keyed table(s) no live process uses ({windows}, {keyed}): 'shmlimit unlink NAME' removes one"
+        )
     finally:
         shmlimit.unlink(windows)
         shmlimit.unlink(keyed)

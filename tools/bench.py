@@ -39,6 +39,7 @@
     against the window bound, round trips per op, acquire() latency at 70 % load, and one host
     cut off for 2 s (needs a redis-server on 127.0.0.1: the one started for the run, or --redis).
 """
+
 from __future__ import annotations
 
 import argparse
@@ -62,12 +63,16 @@ from shmlimit.shm.cells import native_available
 
 # The window check and the process helpers are the test suite's own, so the benchmark and the
 # tests run and judge processes the same way.
-sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "tests"))
+sys.path.insert(
+    0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "tests")
+)
 from support.procs import acquire_for, run_processes, stamp_until  # noqa: E402
 from support.starvation import steal_seconds  # noqa: E402
 from support.windows import max_in_window  # noqa: E402
 
-UNLIMITED = dict(rate=1e9, burst=1e9)  # 1e9 ops/s with a second of burst: never waits in a benchmark
+UNLIMITED = dict(
+    rate=1e9, burst=1e9
+)  # 1e9 ops/s with a second of burst: never waits in a benchmark
 
 
 # ---- baselines ---------------------------------------------------------------------------------
@@ -197,7 +202,9 @@ def bench_tries(n: int) -> Dict[str, Dict[str, float]]:
     out: Dict[str, Dict[str, float]] = {}
     ctx = mp.get_context("spawn")
     for backend in ["native", "atomics"] if native_available() else ["atomics"]:
-        out[backend] = run_processes(ctx, _try_costs, [(backend, n if backend == "native" else max(2000, n // 50))], 300)[0]
+        out[backend] = run_processes(
+            ctx, _try_costs, [(backend, n if backend == "native" else max(2000, n // 50))], 300
+        )[0]
     return out
 
 
@@ -266,7 +273,9 @@ def _stamp(lim, barrier, seconds: float, q) -> None:
     q.put((start, stamp_until(lim.acquire, start + int(seconds * 1e9), time.monotonic_ns)))
 
 
-def run_stamped(rate: float, procs: int, seconds: float, burst: Optional[float] = None, method: str = "fork"):
+def run_stamped(
+    rate: float, procs: int, seconds: float, burst: Optional[float] = None, method: str = "fork"
+):
     ctx = mp.get_context(method)
     name = f"bench-{uuid.uuid4().hex[:8]}"
     lim = shmlimit.Limiter(name, rate=rate, burst=burst)
@@ -338,7 +347,9 @@ def bench_cpu(seconds: float) -> dict:
     lim = shmlimit.Limiter(name, rate=50)
     lim.close()  # the measuring process takes no part
     barrier = ctx.Barrier(8)
-    res = run_processes(ctx, _wait_cpu, [(shmlimit.attach(name), barrier, seconds) for _ in range(8)], 300)
+    res = run_processes(
+        ctx, _wait_cpu, [(shmlimit.attach(name), barrier, seconds) for _ in range(8)], 300
+    )
     shmlimit.unlink(name)
     cpu = sum(r[0] for r in res)
     return dict(processes=8, rate=50, cpu_s_per_wall_s=cpu / seconds, grants=sum(r[1] for r in res))
@@ -373,7 +384,9 @@ def _stamped_with_cpu(barrier, seconds: float, q, stamp: Callable[[int], list], 
 
 def _wait_stamped(lim, barrier, seconds: float, q) -> None:
     """Acquire until the end, recording grant times and this process's CPU (its filler's apart)."""
-    _stamped_with_cpu(barrier, seconds, q, lambda end: stamp_until(lim.acquire, end, time.monotonic_ns), lim)
+    _stamped_with_cpu(
+        barrier, seconds, q, lambda end: stamp_until(lim.acquire, end, time.monotonic_ns), lim
+    )
 
 
 def _wait_stamped_async(lim, barrier, seconds: float, q) -> None:
@@ -440,22 +453,37 @@ def bench_sleep_floor(rate: float, seconds: float, procs: int = 8) -> dict:
     ctx = mp.get_context("fork")
     t0 = ctx.Value("q", 0)
     barrier = ctx.Barrier(procs, action=functools.partial(_grid_start, t0))
-    res = run_processes(ctx, _sleep_stamped, [(rate, i, procs, t0, barrier, seconds) for i in range(procs)], 300)
+    res = run_processes(
+        ctx, _sleep_stamped, [(rate, i, procs, t0, barrier, seconds) for i in range(procs)], 300
+    )
     stamps = [t for r in res for t in r[1]]
-    return dict(processes=procs, rate=rate, driver="bare sleep", cpu_s_per_wall_s=sum(r[2] for r in res) / seconds,
-                grants=len(stamps), load=os.getloadavg()[0], **lateness_ms(stamps, t0.value, rate, 0))
+    return dict(
+        processes=procs,
+        rate=rate,
+        driver="bare sleep",
+        cpu_s_per_wall_s=sum(r[2] for r in res) / seconds,
+        grants=len(stamps),
+        load=os.getloadavg()[0],
+        **lateness_ms(stamps, t0.value, rate, 0),
+    )
 
 
-def bench_waiting(rate: float, seconds: float, procs: int = 8, driver: str = "sync", backend: str = "native") -> dict:
+def bench_waiting(
+    rate: float, seconds: float, procs: int = 8, driver: str = "sync", backend: str = "native"
+) -> dict:
     """Section 5: procs processes saturating ``rate``: CPU per wall second together, and lateness.
 
     ``driver``: "sync" (``acquire``) or "async" (``acquire_async``, one task per process's loop).
     ``backend``: the waiters' atomic layer ("atomics": no native wait, as without a compiler)."""
     if backend != "native":
         saved = os.environ.get("SHMLIMIT_BACKEND")
-        os.environ["SHMLIMIT_BACKEND"] = backend  # the waiters attach and choose their sleep with it
+        os.environ["SHMLIMIT_BACKEND"] = (
+            backend  # the waiters attach and choose their sleep with it
+        )
         try:
-            return bench_waiting(rate, seconds, procs, driver, "native") | {"driver": f"{driver}, {backend}"}
+            return bench_waiting(rate, seconds, procs, driver, "native") | {
+                "driver": f"{driver}, {backend}"
+            }
         finally:
             if saved is None:
                 del os.environ["SHMLIMIT_BACKEND"]
@@ -468,17 +496,30 @@ def bench_waiting(rate: float, seconds: float, procs: int = 8, driver: str = "sy
     lim.close()  # the measuring process takes no part
     barrier = ctx.Barrier(procs)
     target = _wait_stamped_async if driver == "async" else _wait_stamped
-    res = run_processes(ctx, target, [(shmlimit.attach(name), barrier, seconds) for _ in range(procs)], 300)
+    res = run_processes(
+        ctx, target, [(shmlimit.attach(name), barrier, seconds) for _ in range(procs)], 300
+    )
     shmlimit.unlink(name)
     start = max(r[0] for r in res)
     stamps = [t for r in res for t in r[1]]
     split = {}
-    if driver == "sync":  # apart: the filler threads' share, and the waiting threads' wakes per grant
-        split = dict(filler_cpu_s_per_wall_s=sum(r[3] for r in res) / seconds,
-                     wakes_per_grant=sum(r[4] for r in res) / max(1, len(stamps)))
-    return dict(processes=procs, rate=rate, driver=driver, cpu_s_per_wall_s=sum(r[2] for r in res) / seconds,
-                grants=len(stamps), load=os.getloadavg()[0], **split,
-                **lateness_ms(stamps, start, rate, cap))  # as in section 4
+    if (
+        driver == "sync"
+    ):  # apart: the filler threads' share, and the waiting threads' wakes per grant
+        split = dict(
+            filler_cpu_s_per_wall_s=sum(r[3] for r in res) / seconds,
+            wakes_per_grant=sum(r[4] for r in res) / max(1, len(stamps)),
+        )
+    return dict(
+        processes=procs,
+        rate=rate,
+        driver=driver,
+        cpu_s_per_wall_s=sum(r[2] for r in res) / seconds,
+        grants=len(stamps),
+        load=os.getloadavg()[0],
+        **split,
+        **lateness_ms(stamps, start, rate, cap),
+    )  # as in section 4
 
 
 def waiting_rows(seconds: float) -> List[dict]:
@@ -487,8 +528,13 @@ def waiting_rows(seconds: float) -> List[dict]:
     limiter (the same wakes, to the same absolute deadlines, with the same timer slack, in the same
     number of Python processes: what this machine charges for them now)."""
     rows = [bench_waiting(r, seconds) for r in (50.0, 1000.0, 10_000.0)]
-    rows += [bench_waiting(1000.0, seconds, driver="async"), bench_waiting(1000.0, seconds, backend="atomics")]
-    return rows + [bench_sleep_floor(r, seconds) for r in (1000.0, 10_000.0)]  # the machine's own, right after
+    rows += [
+        bench_waiting(1000.0, seconds, driver="async"),
+        bench_waiting(1000.0, seconds, backend="atomics"),
+    ]
+    return rows + [
+        bench_sleep_floor(r, seconds) for r in (1000.0, 10_000.0)
+    ]  # the machine's own, right after
 
 
 def floor_ratios(rows: List[dict]) -> Dict[str, Dict[float, float]]:
@@ -538,7 +584,9 @@ def bench_filler_under_load(seconds: float) -> dict:
     busy.start()
     ready.wait(60)
     barrier = ctx.Barrier(3)
-    results = run_processes(ctx, _stamp, [(shmlimit.attach(name), barrier, seconds) for _ in range(3)], 300)
+    results = run_processes(
+        ctx, _stamp, [(shmlimit.attach(name), barrier, seconds) for _ in range(3)], 300
+    )
     filler = shmlimit.inspect(name).filler_pid  # the busy process is alive until ``stop``
     stop.set()
     busy.join()
@@ -561,7 +609,9 @@ def bench_filler_under_load(seconds: float) -> dict:
 # ---- 7. Redis: direct and hierarchical ---------------------------------------------------------
 
 
-def _redis_worker(kind: str, name: str, url: str, rate: float, burst: float, barrier, seconds: float, q) -> None:
+def _redis_worker(
+    kind: str, name: str, url: str, rate: float, burst: float, barrier, seconds: float, q
+) -> None:
     if kind == "direct":
         from shmlimit.redis.direct import RedisLimiter
 
@@ -588,12 +638,18 @@ def bench_redis(url: str, seconds: float, procs: int = 4) -> List[dict]:
             gname = f"bench-{uuid.uuid4().hex[:8]}"
             host = None
             if kind == "hierarchical":
-                host = shmlimit.Limiter(gname + "-host", upstream=RedisLimiter(gname, rate=rate, burst=burst, url=url))
+                host = shmlimit.Limiter(
+                    gname + "-host", upstream=RedisLimiter(gname, rate=rate, burst=burst, url=url)
+                )
             barrier = ctx.Barrier(procs + 1)
             q = ctx.Queue()
             name = gname if kind == "direct" else gname + "-host"
-            ps = [ctx.Process(target=_redis_worker, args=(kind, name, url, rate, burst, barrier, seconds, q))
-                  for _ in range(procs)]
+            ps = [
+                ctx.Process(
+                    target=_redis_worker, args=(kind, name, url, rate, burst, barrier, seconds, q)
+                )
+                for _ in range(procs)
+            ]
             for p in ps:
                 p.start()
             trips0 = host.stats().upstream.round_trips if host else 0
@@ -604,19 +660,32 @@ def bench_redis(url: str, seconds: float, procs: int = 4) -> List[dict]:
             for p in ps:
                 p.join()
             ops = sum(n for n, _ in out)
-            trips = sum(t for _, t in out) if host is None else host.stats().upstream.round_trips - trips0
+            trips = (
+                sum(t for _, t in out)
+                if host is None
+                else host.stats().upstream.round_trips - trips0
+            )
             if host is not None:
                 host.close()
                 shmlimit.unlink(name)
-            rows.append(dict(kind=kind, target=rate, ops_per_s=ops / wall, round_trips=trips,
-                             round_trips_per_op=trips / max(1, ops)))
+            rows.append(
+                dict(
+                    kind=kind,
+                    target=rate,
+                    ops_per_s=ops / wall,
+                    round_trips=trips,
+                    round_trips_per_op=trips / max(1, ops),
+                )
+            )
     return rows
 
 
 # ---- 8. the hierarchical mode at every rate ----------------------------------------------------------
 
 
-def _fed_worker(lim, timed: bool, barrier, seconds: float, skip: float, stamp: bool, q, done=None) -> None:
+def _fed_worker(
+    lim, timed: bool, barrier, seconds: float, skip: float, stamp: bool, q, done=None
+) -> None:
     """Acquire (timed: acquire(timeout=0.5)) until the end; count and maybe stamp grants after ``skip``.
 
     The CPU is read when this worker's loop ends; it then waits (``done``) until every worker's
@@ -652,11 +721,25 @@ def _fed_worker(lim, timed: bool, barrier, seconds: float, skip: float, stamp: b
     r1 = resource.getrusage(resource.RUSAGE_SELF)
     wakes = _sleeps(threading.get_native_id()) - w0
     delay = _run_delay(threading.get_native_id()) - d0
-    filler = _thread_cpu(lim._att.filler)  # started by this worker's first use: all of it is in the run
+    filler = _thread_cpu(
+        lim._att.filler
+    )  # started by this worker's first use: all of it is in the run
     if done is not None:
         done.wait(timeout=120)
-    q.put((start, n, stamps, r1.ru_utime - r0.ru_utime + r1.ru_stime - r0.ru_stime - filler, total, filler, wakes,
-           refused, delay, own))
+    q.put(
+        (
+            start,
+            n,
+            stamps,
+            r1.ru_utime - r0.ru_utime + r1.ru_stime - r0.ru_stime - filler,
+            total,
+            filler,
+            wakes,
+            refused,
+            delay,
+            own,
+        )
+    )
 
 
 def _thread_cpu(thread) -> float:
@@ -669,7 +752,9 @@ def _thread_cpu(thread) -> float:
         return 0.0
 
 
-def run_fed(url: Optional[str], rate: float, procs: int, seconds: float, timed: bool = False) -> dict:
+def run_fed(
+    url: Optional[str], rate: float, procs: int, seconds: float, timed: bool = False
+) -> dict:
     """``procs`` forked processes on one limiter -- local, or hierarchical through Redis at ``url``.
 
     The limiter's creator (this process) uses it first and holds the filler
@@ -698,8 +783,10 @@ def run_fed(url: Optional[str], rate: float, procs: int, seconds: float, timed: 
     skip = 1.0
     stamp = rate < 20_000
     barrier, done, q = ctx.Barrier(procs + 1), ctx.Barrier(procs), ctx.Queue()
-    ps = [ctx.Process(target=_fed_worker, args=(lim, timed, barrier, seconds, skip, stamp, q, done))
-          for _ in range(procs)]
+    ps = [
+        ctx.Process(target=_fed_worker, args=(lim, timed, barrier, seconds, skip, stamp, q, done))
+        for _ in range(procs)
+    ]
     for p in ps:
         p.start()
     s0 = lim.stats()
@@ -707,7 +794,9 @@ def run_fed(url: Optional[str], rate: float, procs: int, seconds: float, timed: 
     filler = lim._att.filler
     r0 = resource.getrusage(resource.RUSAGE_SELF)
     barrier.wait(timeout=120)
-    time.sleep(skip)  # the witnesses over the span the rate is measured in (the start's burst is not)
+    time.sleep(
+        skip
+    )  # the witnesses over the span the rate is measured in (the start's burst is not)
     d0, st0 = _run_delay(filler.native_id), steal_seconds()
     s1 = lim.stats()
     res = [q.get(timeout=seconds + 120) for _ in ps]
@@ -724,7 +813,9 @@ def run_fed(url: Optional[str], rate: float, procs: int, seconds: float, timed: 
     stamps = sorted(t for r in res for t in r[2])
     grants = sum(r[1] for r in res)
     starved = s.starved_seconds - s1.starved_seconds
-    lo = max(r[0] for r in res) + int(skip * 1e9)  # every worker measuring: from the last's skip ...
+    lo = max(r[0] for r in res) + int(
+        skip * 1e9
+    )  # every worker measuring: from the last's skip ...
     hi = min(r[0] for r in res) + int(seconds * 1e9)  # ... to the first's end
     if stamp and rate * (hi - lo) / 1e9 >= 200:
         # the grants in a fixed window: a grant that comes late at either end (its waiter off the CPU)
@@ -742,33 +833,48 @@ def run_fed(url: Optional[str], rate: float, procs: int, seconds: float, timed: 
     # shortfall the witness explains is the machine's, one it does not is the limiter's
     net = ops / (span - starved) if span > starved else float("nan")
     return dict(
-        mode="hierarchical" if url else "local", rate=rate, timed=timed, achieved=achieved,
-        error_pct=100.0 * (achieved - rate) / rate, net_error_pct=100.0 * (net - rate) / rate,
+        mode="hierarchical" if url else "local",
+        rate=rate,
+        timed=timed,
+        achieved=achieved,
+        error_pct=100.0 * (achieved - rate) / rate,
+        net_error_pct=100.0 * (net - rate) / rate,
         waiters_cpu=sum(r[3] for r in res) / seconds,
         # of that, what the workers' other threads used (not the waiting thread, nor the filler's: a
         # giveback thread skipping a timed-out caller's range, say), apart so a difference is placed
         others_cpu=sum(r[3] - r[9] for r in res) / seconds,
         # the filler's thread, wherever it ran: this process (which does nothing else) and the
         # filler threads of workers that took the lease over
-        filler_cpu=(r1.ru_utime - r0.ru_utime + r1.ru_stime - r0.ru_stime + sum(r[5] for r in res)) / seconds,
+        filler_cpu=(r1.ru_utime - r0.ru_utime + r1.ru_stime - r0.ru_stime + sum(r[5] for r in res))
+        / seconds,
         round_trips_per_op=trips / max(1, sum(r[4] for r in res)) if url else None,
         # the waiting threads' sleeps per grant, all processes together (1.0: one wake per grant)
         wakes_per_grant=sum(r[6] for r in res) / max(1, sum(r[4] for r in res)),
         refused=sum(r[7] for r in res),  # timed: acquires that timed out
-        leases=s.upstream.leases if url else None, leased=s.upstream.leased if url else None,
-        expired=s.upstream.expired - s1.upstream.expired if url else None,  # leased ops void, in the span
+        leases=s.upstream.leases if url else None,
+        leased=s.upstream.leased if url else None,
+        expired=s.upstream.expired - s1.upstream.expired
+        if url
+        else None,  # leased ops void, in the span
         # the starvation witnesses: what the limiter could not credit while callers queued, how long
         # this process's filler thread waited runnable for a CPU, the longest pause between grants,
         # and Redis calls that failed (each closes the host until a retry)
-        starved=starved, filler_delay=d1 - d0,
+        starved=starved,
+        filler_delay=d1 - d0,
         # the hypervisor's: the time it ran something else on this machine's CPUs (steal, summed
         # over the CPUs), which no run queue sees; every thread here may have been held up by it
         steal=st1 - st0,
-        workers_delay=min(r[8] for r in res),  # every waiting thread was off the CPU at most this long
+        workers_delay=min(
+            r[8] for r in res
+        ),  # every waiting thread was off the CPU at most this long
         max_gap=max((b - a for a, b in zip(stamps, stamps[1:])), default=0) / 1e9,
         # the three longest pauses: (seconds after the first measured grant, length in seconds)
-        gaps=[((a - stamps[0]) / 1e9, (b - a) / 1e9) for a, b in sorted(zip(stamps, stamps[1:]), key=lambda p: p[0] - p[1])[:3]],
-        errors=s.upstream.errors - s0.upstream.errors if url else 0, load=os.getloadavg()[0],
+        gaps=[
+            ((a - stamps[0]) / 1e9, (b - a) / 1e9)
+            for a, b in sorted(zip(stamps, stamps[1:]), key=lambda p: p[0] - p[1])[:3]
+        ],
+        errors=s.upstream.errors - s0.upstream.errors if url else 0,
+        load=os.getloadavg()[0],
     )
 
 
@@ -787,14 +893,22 @@ def hierarchy_ratios(h: dict) -> Dict[str, tuple]:
     for r in h["table"]:
         if r["mode"] != "hierarchical":
             continue
-        base = next(x for x in h["table"] if x["mode"] == "local" and x["rate"] == r["rate"] and x["timed"] == r["timed"])
+        base = next(
+            x
+            for x in h["table"]
+            if x["mode"] == "local" and x["rate"] == r["rate"] and x["timed"] == r["timed"]
+        )
         label = f"{r['rate']:,.0f}/s {'timed' if r['timed'] else 'untimed'}"
-        out[label] = (r["waiters_cpu"] / base["waiters_cpu"],
-                      (r["waiters_cpu"] + r["filler_cpu"]) / (base["waiters_cpu"] + base["filler_cpu"]))
+        out[label] = (
+            r["waiters_cpu"] / base["waiters_cpu"],
+            (r["waiters_cpu"] + r["filler_cpu"]) / (base["waiters_cpu"] + base["filler_cpu"]),
+        )
     return out
 
 
-def bench_hierarchy(url: str, seconds: float, sweep: bool = True, table_seconds: Optional[float] = None) -> dict:
+def bench_hierarchy(
+    url: str, seconds: float, sweep: bool = True, table_seconds: Optional[float] = None
+) -> dict:
     """The issue's table (8 processes: 50/s untimed and timed, 1000/s), local vs hierarchical, and a sweep.
 
     The table's rows run ``table_seconds`` (default ``seconds``): at 50/s one op is 0.5 % of 4 s."""
@@ -806,7 +920,10 @@ def bench_hierarchy(url: str, seconds: float, sweep: bool = True, table_seconds:
         table.append(run_fed(u, 1000, 8, ts))
     if not sweep:
         return dict(table=table, sweep=[], local_1m=None)
-    sweep = [run_fed(url, rate, 4, max(seconds, 4.0)) for rate in (1, 10, 100, 1000, 10_000, 100_000, 1_000_000)]
+    sweep = [
+        run_fed(url, rate, 4, max(seconds, 4.0))
+        for rate in (1, 10, 100, 1000, 10_000, 100_000, 1_000_000)
+    ]
     # at 1 000 000/s four Python processes on a busy machine may not keep up: the local limiter,
     # right after, says how much of a shortfall is theirs
     local = run_fed(None, 1_000_000, 4, max(seconds, 4.0))
@@ -814,40 +931,72 @@ def bench_hierarchy(url: str, seconds: float, sweep: bool = True, table_seconds:
 
 
 def print_hierarchy(h: dict) -> None:
-    print("\n9. hierarchical vs local, 8 processes: achieved rate (after 1 s), CPU of the waiting callers and of")
-    print("   the filler threads (every process's, watching or filling: in hierarchical mode the Redis round trips),")
-    print("   the waiting threads' sleeps per grant, and what the machine withheld: the schedule the limiter could")
-    print("   not credit while callers waited (starved; from the second second on, as the rate), leased ops void")
-    print("   unused (expired), how long the filler thread and every waiter (the least of them) waited runnable")
-    print("   for a CPU, the longest pause between two grants; of the waiters' CPU, what their processes' other")
-    print("   threads used (others: neither the waiting thread nor the filler's), and the timed acquires refused;")
-    print("   net: the error over the measured span less the starved time (a shortfall the witness explains);")
-    print("   steal: the time the hypervisor ran something else on this machine's CPUs, summed over them")
-    print(f"   {'mode':>13} {'target/s':>9} {'waiters':>8} {'achieved/s':>11} {'error':>8} {'net':>8} {'waiters CPU-s/s':>16} "
-          f"{'others':>7} {'refused':>7} {'filler CPU-s/s':>15} {'sleeps/grant':>13} {'starved s':>10} {'expired':>8} {'filler off s':>13} "
-          f"{'waiters off s':>14} {'steal s':>8} {'max gap ms':>11} {'load':>5}")
+    print(
+        "\n9. hierarchical vs local, 8 processes: achieved rate (after 1 s), CPU of the waiting callers and of"
+    )
+    print(
+        "   the filler threads (every process's, watching or filling: in hierarchical mode the Redis round trips),"
+    )
+    print(
+        "   the waiting threads' sleeps per grant, and what the machine withheld: the schedule the limiter could"
+    )
+    print(
+        "   not credit while callers waited (starved; from the second second on, as the rate), leased ops void"
+    )
+    print(
+        "   unused (expired), how long the filler thread and every waiter (the least of them) waited runnable"
+    )
+    print(
+        "   for a CPU, the longest pause between two grants; of the waiters' CPU, what their processes' other"
+    )
+    print(
+        "   threads used (others: neither the waiting thread nor the filler's), and the timed acquires refused;"
+    )
+    print(
+        "   net: the error over the measured span less the starved time (a shortfall the witness explains);"
+    )
+    print(
+        "   steal: the time the hypervisor ran something else on this machine's CPUs, summed over them"
+    )
+    print(
+        f"   {'mode':>13} {'target/s':>9} {'waiters':>8} {'achieved/s':>11} {'error':>8} {'net':>8} {'waiters CPU-s/s':>16} "
+        f"{'others':>7} {'refused':>7} {'filler CPU-s/s':>15} {'sleeps/grant':>13} {'starved s':>10} {'expired':>8} {'filler off s':>13} "
+        f"{'waiters off s':>14} {'steal s':>8} {'max gap ms':>11} {'load':>5}"
+    )
     for r in h["table"]:
-        print(f"   {r['mode']:>13} {r['rate']:>9,.0f} {'timed' if r['timed'] else 'untimed':>8} {r['achieved']:>11,.1f} "
-              f"{r['error_pct']:>7.2f}% {r['net_error_pct']:>7.2f}% {r['waiters_cpu']:>16.4f} {r['others_cpu']:>7.4f} {r['refused']:>7,} {r['filler_cpu']:>15.4f} {r['wakes_per_grant']:>13.2f} "
-              f"{r['starved']:>10.3f} {r['expired'] or 0:>8,} {r['filler_delay']:>13.3f} {r['workers_delay']:>14.3f} "
-              f"{r['steal']:>8.3f} {r['max_gap'] * 1e3:>11.1f} "
-              f"{r['load']:>5.1f}")
+        print(
+            f"   {r['mode']:>13} {r['rate']:>9,.0f} {'timed' if r['timed'] else 'untimed':>8} {r['achieved']:>11,.1f} "
+            f"{r['error_pct']:>7.2f}% {r['net_error_pct']:>7.2f}% {r['waiters_cpu']:>16.4f} {r['others_cpu']:>7.4f} {r['refused']:>7,} {r['filler_cpu']:>15.4f} {r['wakes_per_grant']:>13.2f} "
+            f"{r['starved']:>10.3f} {r['expired'] or 0:>8,} {r['filler_delay']:>13.3f} {r['workers_delay']:>14.3f} "
+            f"{r['steal']:>8.3f} {r['max_gap'] * 1e3:>11.1f} "
+            f"{r['load']:>5.1f}"
+        )
     for label, (w, t) in hierarchy_ratios(h).items():
-        print(f"   hierarchical / local, {label}: waiters' CPU {w:.2f}x, with the filler threads {t:.2f}x")
+        print(
+            f"   hierarchical / local, {label}: waiters' CPU {w:.2f}x, with the filler threads {t:.2f}x"
+        )
     if not h["sweep"]:
         return
-    print("\n   hierarchical, 4 processes, untimed: fidelity and Redis round trips per op across rates, with the")
+    print(
+        "\n   hierarchical, 4 processes, untimed: fidelity and Redis round trips per op across rates, with the"
+    )
     print("   witnesses as above")
-    print(f"   {'target/s':>10} {'achieved/s':>12} {'error':>8} {'net':>8} {'trips/op':>9} {'ops/lease':>10} {'expired':>8} "
-          f"{'starved s':>10} {'filler off s':>13} {'waiters off s':>14} {'steal s':>8} {'load':>5}")
+    print(
+        f"   {'target/s':>10} {'achieved/s':>12} {'error':>8} {'net':>8} {'trips/op':>9} {'ops/lease':>10} {'expired':>8} "
+        f"{'starved s':>10} {'filler off s':>13} {'waiters off s':>14} {'steal s':>8} {'load':>5}"
+    )
     for r in h["sweep"]:
         per = r["leased"] / r["leases"] if r["leases"] else 0
-        print(f"   {r['rate']:>10,.0f} {r['achieved']:>12,.2f} {r['error_pct']:>7.2f}% {r['net_error_pct']:>7.2f}% "
-              f"{r['round_trips_per_op']:>9.4f} {per:>10.1f} {r['expired']:>8,} {r['starved']:>10.3f} {r['filler_delay']:>13.3f} "
-              f"{r['workers_delay']:>14.3f} {r['steal']:>8.3f} {r['load']:>5.1f}")
+        print(
+            f"   {r['rate']:>10,.0f} {r['achieved']:>12,.2f} {r['error_pct']:>7.2f}% {r['net_error_pct']:>7.2f}% "
+            f"{r['round_trips_per_op']:>9.4f} {per:>10.1f} {r['expired']:>8,} {r['starved']:>10.3f} {r['filler_delay']:>13.3f} "
+            f"{r['workers_delay']:>14.3f} {r['steal']:>8.3f} {r['load']:>5.1f}"
+        )
     if h.get("local_1m"):
         r = h["local_1m"]
-        print(f"   local, 4 processes, right after: {r['rate']:,.0f}/s achieved {r['achieved']:,.2f} ({r['error_pct']:.2f}%)")
+        print(
+            f"   local, 4 processes, right after: {r['rate']:,.0f}/s achieved {r['achieved']:,.2f} ({r['error_pct']:.2f}%)"
+        )
 
 
 # ---- 9. hosts behind latency ----------------------------------------------------------------------
@@ -883,23 +1032,34 @@ def bench_latency(redis_port: int, seconds: float, rate: float = 1000.0, per_hos
     (1, 3 and 5 ms each way): saturated, paced at 70 % of the rate, and saturated with host 0 cut
     off for 2 s.  Global rate, the worst 1 s window against the bound, round trips per op, and the
     latency of acquire() at 70 % load."""
-    sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "tests"))
+    sys.path.insert(
+        0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "tests")
+    )
     from support.proxy import DelayProxy
+
     from shmlimit.redis.direct import RedisLimiter
 
     ctx = mp.get_context("fork")
     out: Dict[str, dict] = {}
-    for label, paced, cut in (("saturated", 0.0, False), ("70% load", 0.7 * rate / (3 * per_host), False),
-                              ("saturated, host 0 cut 2 s", 0.0, True)):
+    for label, paced, cut in (
+        ("saturated", 0.0, False),
+        ("70% load", 0.7 * rate / (3 * per_host), False),
+        ("saturated, host 0 cut 2 s", 0.0, True),
+    ):
         gname = f"bench-{uuid.uuid4().hex[:8]}"
         proxies = [DelayProxy(redis_port, d) for d in (0.001, 0.003, 0.005)]
-        hosts = [shmlimit.Limiter(f"{gname}-{i}", upstream=RedisLimiter(gname, rate=rate, url=p.url()))
-                 for i, p in enumerate(proxies)]
+        hosts = [
+            shmlimit.Limiter(f"{gname}-{i}", upstream=RedisLimiter(gname, rate=rate, url=p.url()))
+            for i, p in enumerate(proxies)
+        ]
         ttl = hosts[0].stats().upstream.lease_ttl
         cap = hosts[0].capacity
         barrier, q = ctx.Barrier(3 * per_host + 1), ctx.Queue()
-        ps = [ctx.Process(target=_latency_worker, args=(h, i, paced, barrier, seconds, q))
-              for i, h in enumerate(hosts) for _ in range(per_host)]
+        ps = [
+            ctx.Process(target=_latency_worker, args=(h, i, paced, barrier, seconds, q))
+            for i, h in enumerate(hosts)
+            for _ in range(per_host)
+        ]
         for p in ps:
             p.start()
         trips0 = [h.stats().upstream.round_trips for h in hosts]
@@ -924,22 +1084,33 @@ def bench_latency(redis_port: int, seconds: float, rate: float = 1000.0, per_hos
         pick = lambda f: lat[min(len(lat) - 1, int(f * len(lat)))] / 1e6  # noqa: E731
         host0 = sorted(t for r in res if r[2] == 0 for t in r[0])
         out[label] = dict(
-            achieved=grants / span, max_1s=max_in_window(stamps, 1_000_000_000),
-            bound=rate * (1 + ttl + 0.05) + cap, round_trips_per_op=trips / max(1, grants),
-            p50_ms=pick(0.5), p99_ms=pick(0.99),
-            host0_share=len(host0) / max(1, grants), host0_errors=ups[0].errors, host0_state=ups[0].state,
+            achieved=grants / span,
+            max_1s=max_in_window(stamps, 1_000_000_000),
+            bound=rate * (1 + ttl + 0.05) + cap,
+            round_trips_per_op=trips / max(1, grants),
+            p50_ms=pick(0.5),
+            p99_ms=pick(0.99),
+            host0_share=len(host0) / max(1, grants),
+            host0_errors=ups[0].errors,
+            host0_state=ups[0].state,
         )
     return dict(rate=rate, hosts=3, per_host=per_host, delays_ms=[1, 3, 5], runs=out)
 
 
 def print_latency(lt: dict) -> None:
-    print(f"\n10. three hosts x {lt['per_host']} processes through proxies adding 1/3/5 ms each way, "
-          f"global {lt['rate']:,.0f}/s")
-    print(f"   {'run':>27} {'achieved/s':>11} {'max 1s':>7} {'bound':>7} {'trips/op':>9} {'p50 ms':>7} "
-          f"{'p99 ms':>7} {'host 0':>7}")
+    print(
+        f"\n10. three hosts x {lt['per_host']} processes through proxies adding 1/3/5 ms each way, "
+        f"global {lt['rate']:,.0f}/s"
+    )
+    print(
+        f"   {'run':>27} {'achieved/s':>11} {'max 1s':>7} {'bound':>7} {'trips/op':>9} {'p50 ms':>7} "
+        f"{'p99 ms':>7} {'host 0':>7}"
+    )
     for label, r in lt["runs"].items():
-        print(f"   {label:>27} {r['achieved']:>11,.1f} {r['max_1s']:>7,} {r['bound']:>7,.0f} "
-              f"{r['round_trips_per_op']:>9.4f} {r['p50_ms']:>7.2f} {r['p99_ms']:>7.2f} {r['host0_share']:>6.0%}")
+        print(
+            f"   {label:>27} {r['achieved']:>11,.1f} {r['max_1s']:>7,} {r['bound']:>7,.0f} "
+            f"{r['round_trips_per_op']:>9.4f} {r['p50_ms']:>7.2f} {r['p99_ms']:>7.2f} {r['host0_share']:>6.0%}"
+        )
 
 
 def start_redis():
@@ -958,8 +1129,10 @@ def start_redis():
     with socket.socket() as sk:
         sk.bind(("127.0.0.1", 0))
         port = sk.getsockname()[1]
-    proc = subprocess.Popen([binary, "--port", str(port), "--bind", "127.0.0.1", "--save", "", "--appendonly", "no"],
-                            stdout=subprocess.DEVNULL)
+    proc = subprocess.Popen(
+        [binary, "--port", str(port), "--bind", "127.0.0.1", "--save", "", "--appendonly", "no"],
+        stdout=subprocess.DEVNULL,
+    )
     client = redis.Redis(port=port)
     for _ in range(1000):
         try:
@@ -989,9 +1162,13 @@ def _keyed_costs(backend: str, n: int, q) -> None:
         out["keyed try_acquire, live key (granted)"] = best_ns_per_call(lambda: t("client-42"), n)
         fast.reserve("client-43", int(1e9))  # two seconds of schedule ahead (one beyond the burst):
         fast.reserve("client-43", int(1e9))  # refused for the next second
-        out["keyed try_acquire, live key (refused)"] = best_ns_per_call(lambda: t("client-43"), min(n, 100_000))
+        out["keyed try_acquire, live key (refused)"] = best_ns_per_call(
+            lambda: t("client-43"), min(n, 100_000)
+        )
         s = slow.try_acquire
-        keys = [f"203.0.{i >> 8 & 255}.{i & 255}:{i}" for i in range(n)]  # new keys, a quarter of the slots
+        keys = [
+            f"203.0.{i >> 8 & 255}.{i & 255}:{i}" for i in range(n)
+        ]  # new keys, a quarter of the slots
         t0 = time.perf_counter_ns()
         for k in keys:
             s(k)
@@ -1013,7 +1190,9 @@ def _keyed_costs(backend: str, n: int, q) -> None:
             lim.unlink()
 
 
-def _keyed_worker(kind: str, name: str, nkeys: int, barrier, seconds: float, q, shared=None) -> None:
+def _keyed_worker(
+    kind: str, name: str, nkeys: int, barrier, seconds: float, q, shared=None
+) -> None:
     import random
 
     rnd = random.Random(os.getpid())
@@ -1053,7 +1232,9 @@ def _keyed_worker(kind: str, name: str, nkeys: int, barrier, seconds: float, q, 
     q.put(n / seconds)
 
 
-def bench_keyed_aggregate(seconds: float, redis_url: Optional[str], procs: int = 4, nkeys: int = 100_000) -> dict:
+def bench_keyed_aggregate(
+    seconds: float, redis_url: Optional[str], procs: int = 4, nkeys: int = 100_000
+) -> dict:
     ctx = mp.get_context("fork")
     out: dict = {}
     kinds = ["shmlimit", "Manager dict+Lock"] + (["limits+redis"] if redis_url else [])
@@ -1072,7 +1253,10 @@ def bench_keyed_aggregate(seconds: float, redis_url: Optional[str], procs: int =
         else:
             manager = ctx.Manager()
             shared = (manager.dict(), manager.Lock())
-        ps = [ctx.Process(target=_keyed_worker, args=(kind, name, nkeys, barrier, seconds, q, shared)) for _ in range(procs)]
+        ps = [
+            ctx.Process(target=_keyed_worker, args=(kind, name, nkeys, barrier, seconds, q, shared))
+            for _ in range(procs)
+        ]
         for p in ps:
             p.start()
         out[kind] = sum(q.get(timeout=300) for _ in ps)
@@ -1090,13 +1274,17 @@ def bench_keyed(n: int, seconds: float, redis_url: Optional[str]) -> dict:
     res: dict = {}
     ctx = mp.get_context("spawn")
     for backend in ["native", "atomics"] if native_available() else ["atomics"]:
-        res[backend] = run_processes(ctx, _keyed_costs, [(backend, n if backend == "native" else max(1000, n // 100))], 600)[0]
+        res[backend] = run_processes(
+            ctx, _keyed_costs, [(backend, n if backend == "native" else max(1000, n // 100))], 600
+        )[0]
     res["aggregate_per_s"] = bench_keyed_aggregate(seconds, redis_url)
     return res
 
 
 def print_keyed(k: dict) -> None:
-    print("\n8. keyed limits: one process, per call (ratios to the single Limiter.try_acquire of the same run)")
+    print(
+        "\n8. keyed limits: one process, per call (ratios to the single Limiter.try_acquire of the same run)"
+    )
     for backend in ("native", "atomics"):
         if backend not in k:
             continue
@@ -1108,11 +1296,15 @@ def print_keyed(k: dict) -> None:
                 continue
             print(f"   {name:42} {v:10.0f} {v / base:14.2f}")
         grant = r["keyed try_acquire, live key (granted)"]
-        print(f"   refusal / grant: {r['keyed try_acquire, live key (refused)'] / grant:.2f}x;"
-              f" churn: {1e9 / r['keyed churn: new key through a full table']:,.0f} new keys/s"
-              f" ({r['evictions during churn']:,} evictions); {r['bytes of segment per key slot']:.1f} bytes per key slot")
+        print(
+            f"   refusal / grant: {r['keyed try_acquire, live key (refused)'] / grant:.2f}x;"
+            f" churn: {1e9 / r['keyed churn: new key through a full table']:,.0f} new keys/s"
+            f" ({r['evictions during churn']:,} evictions); {r['bytes of segment per key slot']:.1f} bytes per key slot"
+        )
     agg = k["aggregate_per_s"]
-    print("\n   4 processes over 100 000 keys, try_acquire at an unlimited per-key rate: aggregate calls/s")
+    print(
+        "\n   4 processes over 100 000 keys, try_acquire at an unlimited per-key rate: aggregate calls/s"
+    )
     ours = agg["shmlimit"]
     for name, v in agg.items():
         if v is None:
@@ -1156,7 +1348,9 @@ def bench_rates(n: int) -> Dict[str, Dict[str, float]]:
     ctx = mp.get_context("spawn")
     for backend in ["native", "atomics"] if native_available() else ["atomics"]:
         q = ctx.Queue()
-        p = ctx.Process(target=_rates_costs, args=(backend, n if backend == "native" else max(2000, n // 50), q))
+        p = ctx.Process(
+            target=_rates_costs, args=(backend, n if backend == "native" else max(2000, n // 50), q)
+        )
         p.start()
         res[backend] = q.get(timeout=300)
         p.join()
@@ -1164,7 +1358,9 @@ def bench_rates(n: int) -> Dict[str, Dict[str, float]]:
 
 
 def print_rates(r: Dict[str, Dict[str, float]]) -> None:
-    print("\n11. several rates at once, one process, unlimited: ns per call and ratio to one rate's acquire()")
+    print(
+        "\n11. several rates at once, one process, unlimited: ns per call and ratio to one rate's acquire()"
+    )
     for backend, rows in r.items():
         base = rows["one rate: acquire()"]
         for k, v in rows.items():
@@ -1173,12 +1369,22 @@ def print_rates(r: Dict[str, Dict[str, float]]) -> None:
 
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--json", action="store_true", help="print one JSON object instead of the table")
-    ap.add_argument("--quick", action="store_true", help="shorter runs (a smoke test, not a measurement)")
-    ap.add_argument("--redis", metavar="URL", help="Redis server for section 7 (default: start one if possible)")
+    ap.add_argument(
+        "--json", action="store_true", help="print one JSON object instead of the table"
+    )
+    ap.add_argument(
+        "--quick", action="store_true", help="shorter runs (a smoke test, not a measurement)"
+    )
+    ap.add_argument(
+        "--redis", metavar="URL", help="Redis server for section 7 (default: start one if possible)"
+    )
     ap.add_argument("--only-redis", action="store_true", help="run sections 7, 9 and 10 only")
     ap.add_argument("--only-keyed", action="store_true", help="run section 8 only")
-    ap.add_argument("--only-hierarchy", action="store_true", help="run section 9's table only (local vs hierarchical)")
+    ap.add_argument(
+        "--only-hierarchy",
+        action="store_true",
+        help="run section 9's table only (local vs hierarchical)",
+    )
     ap.add_argument("--only-waiting", action="store_true", help="run section 5 only")
     ap.add_argument("--only-rates", action="store_true", help="run section 11 only")
     args = ap.parse_args(argv)
@@ -1198,13 +1404,20 @@ def main(argv=None) -> int:
             print(json.dumps(res, indent=None))
         else:
             m = res["machine"]
-            print(f"shmlimit benchmark — Python {m['python']}, {m['cpus']} CPUs, {m['platform']}, native={m['native']}\n")
+            print(
+                f"shmlimit benchmark — Python {m['python']}, {m['cpus']} CPUs, {m['platform']}, native={m['native']}\n"
+            )
             print_waiting(res)
         return 0
     if args.only_hierarchy:
         with redis_url(args.redis) as url:
-            res["hierarchy"] = bench_hierarchy(url, 2.0 if quick else 5.0, sweep=False,
-                                               table_seconds=2.0 if quick else 9.0) if url else None
+            res["hierarchy"] = (
+                bench_hierarchy(
+                    url, 2.0 if quick else 5.0, sweep=False, table_seconds=2.0 if quick else 9.0
+                )
+                if url
+                else None
+            )
         return emit(res, args.json)
     if args.only_rates:
         res["rates"] = bench_rates(20_000 if quick else 200_000)
@@ -1222,7 +1435,11 @@ def main(argv=None) -> int:
     with redis_url(args.redis) as url:
         if not args.only_keyed:
             res["redis"] = bench_redis(url, 1.0 if quick else 3.0) if url else None
-            res["hierarchy"] = bench_hierarchy(url, 2.0 if quick else 5.0, table_seconds=2.0 if quick else 9.0) if url else None
+            res["hierarchy"] = (
+                bench_hierarchy(url, 2.0 if quick else 5.0, table_seconds=2.0 if quick else 9.0)
+                if url
+                else None
+            )
             local = url and url.startswith("redis://127.0.0.1:")
             port = int(url.rsplit(":", 1)[1].split("/")[0]) if local else None
             res["latency"] = bench_latency(port, 3.0 if quick else 5.0) if port else None
@@ -1254,7 +1471,9 @@ def emit(res: dict, as_json: bool) -> int:
 
 def print_table(res: dict) -> None:
     m = res["machine"]
-    print(f"shmlimit benchmark — Python {m['python']}, {m['cpus']} CPUs, {m['platform']}, native={m['native']}\n")
+    print(
+        f"shmlimit benchmark — Python {m['python']}, {m['cpus']} CPUs, {m['platform']}, native={m['native']}\n"
+    )
     if "single_ns" in res:
         print_local(res)
     if "redis" in res:
@@ -1270,14 +1489,18 @@ def print_table(res: dict) -> None:
 
 
 def print_redis(res: dict) -> None:
-    print("\n7. Redis, 4 processes: direct RedisLimiter vs hierarchical (shared memory fed from Redis)")
+    print(
+        "\n7. Redis, 4 processes: direct RedisLimiter vs hierarchical (shared memory fed from Redis)"
+    )
     if not res.get("redis"):
         print("   skipped: no redis-server on the PATH and no --redis URL")
         return
     print(f"   {'target/s':>10} {'mode':>13} {'ops/s':>12} {'round trips':>12} {'trips/op':>9}")
     for r in res["redis"]:
-        print(f"   {r['target']:>10,.0f} {r['kind']:>13} {r['ops_per_s']:>12,.0f} {r['round_trips']:>12,} "
-              f"{r['round_trips_per_op']:>9.4f}")
+        print(
+            f"   {r['target']:>10,.0f} {r['kind']:>13} {r['ops_per_s']:>12,.0f} {r['round_trips']:>12,} "
+            f"{r['round_trips_per_op']:>9.4f}"
+        )
 
 
 def print_local(res: dict) -> None:
@@ -1305,7 +1528,9 @@ def print_local(res: dict) -> None:
     for k in agg["shmlimit"]:
         a, b = agg["shmlimit"][k], agg["Value+Lock"][k]
         print(f"   {k:>9} {a:14,.0f} {b:14,.0f} {a / b:8.1f}x")
-    print("\n3. rate fidelity, 4 processes (achieved after the first second; worst 1 s window vs rate + capacity)")
+    print(
+        "\n3. rate fidelity, 4 processes (achieved after the first second; worst 1 s window vs rate + capacity)"
+    )
     print(f"   {'target/s':>10} {'achieved/s':>12} {'error':>8} {'max 1s':>10} {'bound':>10}")
     for r in res["fidelity"]:
         print(
@@ -1313,7 +1538,9 @@ def print_local(res: dict) -> None:
             f"{r['bound']:>10,.0f} {'ok' if r['within_bound'] else 'OVER'}"
         )
     la = res["lateness"]
-    print(f"\n4. lateness at 1000/s, 4 processes: p50 {la['p50_ms']:.3f} ms, p99 {la['p99_ms']:.3f} ms, max {la['max_ms']:.3f} ms")
+    print(
+        f"\n4. lateness at 1000/s, 4 processes: p50 {la['p50_ms']:.3f} ms, p99 {la['p99_ms']:.3f} ms, max {la['max_ms']:.3f} ms"
+    )
     print()
     print_waiting(res)
     fl = res["filler_under_load"]
@@ -1325,21 +1552,39 @@ def print_local(res: dict) -> None:
 
 def print_waiting(res: dict) -> None:
     cw = res["cpu_waiting"]
-    print(f"5. CPU while waiting: 8 processes on 50/s use {cw['cpu_s_per_wall_s']:.4f} CPU-s per wall-s together")
+    print(
+        f"5. CPU while waiting: 8 processes on 50/s use {cw['cpu_s_per_wall_s']:.4f} CPU-s per wall-s together"
+    )
     if "waiting" in res:
-        print("   8 processes saturating a rate: CPU-s per wall-s together, and each grant's lateness after its turn")
-        print("   (filler: the filler threads' share of the CPU; wakes: the waiting threads' per grant; load: the")
+        print(
+            "   8 processes saturating a rate: CPU-s per wall-s together, and each grant's lateness after its turn"
+        )
+        print(
+            "   (filler: the filler threads' share of the CPU; wakes: the waiting threads' per grant; load: the"
+        )
         print("   machine's load average as the row ended)")
-        print(f"   {'rate/s':>8} {'waiters':>15} {'CPU-s/s':>9} {'filler':>8} {'wakes':>6} {'p50 ms':>8} {'p99 ms':>8} "
-              f"{'max ms':>8} {'grants':>8} {'load':>5}")
+        print(
+            f"   {'rate/s':>8} {'waiters':>15} {'CPU-s/s':>9} {'filler':>8} {'wakes':>6} {'p50 ms':>8} {'p99 ms':>8} "
+            f"{'max ms':>8} {'grants':>8} {'load':>5}"
+        )
         for w in res["waiting"]:
-            fl = f"{w['filler_cpu_s_per_wall_s']:>8.4f}" if "filler_cpu_s_per_wall_s" in w else f"{'-':>8}"
+            fl = (
+                f"{w['filler_cpu_s_per_wall_s']:>8.4f}"
+                if "filler_cpu_s_per_wall_s" in w
+                else f"{'-':>8}"
+            )
             wk = f"{w['wakes_per_grant']:>6.2f}" if "wakes_per_grant" in w else f"{'-':>6}"
-            print(f"   {w['rate']:>8,.0f} {w.get('driver', 'sync'):>15} {w['cpu_s_per_wall_s']:>9.4f} {fl} {wk} "
-                  f"{w['p50_ms']:>8.3f} {w['p99_ms']:>8.3f} {w['max_ms']:>8.3f} {w['grants']:>8,} {w.get('load', 0):>5.1f}")
+            print(
+                f"   {w['rate']:>8,.0f} {w.get('driver', 'sync'):>15} {w['cpu_s_per_wall_s']:>9.4f} {fl} {wk} "
+                f"{w['p50_ms']:>8.3f} {w['p99_ms']:>8.3f} {w['max_ms']:>8.3f} {w['grants']:>8,} {w.get('load', 0):>5.1f}"
+            )
         ratios = floor_ratios(res["waiting"])
         if ratios:
-            parts = [f"{rate:,.0f}/s {driver} {x:.2f}" for driver, by in ratios.items() for rate, x in by.items()]
+            parts = [
+                f"{rate:,.0f}/s {driver} {x:.2f}"
+                for driver, by in ratios.items()
+                for rate, x in by.items()
+            ]
             print(f"   CPU as a multiple of the bare sleeps' at the same rate: {', '.join(parts)}")
 
 

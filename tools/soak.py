@@ -28,6 +28,7 @@ RedisLimiter of the same rate and burst), and the promise checked is the
 documented one for that mode: ``rate*(T + lease_ttl + d) + capacity``, with d
 the 50 ms allowed for a tick and a Redis round trip.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -46,7 +47,9 @@ from typing import Dict, List, Optional, Tuple
 import shmlimit
 
 # The window check is the test suite's own, so a soak and the tests judge a run the same way.
-sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "tests"))
+sys.path.insert(
+    0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "tests")
+)
 from support.windows import max_excess  # noqa: E402
 
 #: Hierarchical mode (--redis): leased tokens live this long, and the bound allows this much more.
@@ -68,7 +71,9 @@ while True:
 
 
 class Soak:
-    def __init__(self, rate: float, workers: int, seed: int, redis_url: Optional[str] = None) -> None:
+    def __init__(
+        self, rate: float, workers: int, seed: int, redis_url: Optional[str] = None
+    ) -> None:
         self.rng = random.Random(seed)
         self.name = f"soak-{os.getpid()}-{uuid.uuid4().hex[:6]}"
         self.slack = 0.0  # seconds of rate allowed beyond rate*T + capacity
@@ -94,7 +99,10 @@ class Soak:
     def start_worker(self) -> None:
         path = os.path.join(self.dir, f"w{len(os.listdir(self.dir))}-{uuid.uuid4().hex[:6]}.bin")
         p = subprocess.Popen(
-            [sys.executable, "-c", WORKER, self.name, path], stdout=subprocess.PIPE, text=True, cwd=self.dir
+            [sys.executable, "-c", WORKER, self.name, path],
+            stdout=subprocess.PIPE,
+            text=True,
+            cwd=self.dir,
         )
         p.stdout.readline()  # "ready": attached
         self.procs[p.pid] = (p, path)
@@ -120,7 +128,9 @@ class Soak:
         return pid if pid in self.procs else self.rng.choice(list(self.procs))
 
     def inject(self) -> None:
-        kind = self.rng.choice(["kill worker", "kill filler", "stop worker", "stop filler", "restart worker"])
+        kind = self.rng.choice(
+            ["kill worker", "kill filler", "stop worker", "stop filler", "restart worker"]
+        )
         if kind == "kill worker":
             self.kill(self.rng.choice(list(self.procs)))
         elif kind == "kill filler":
@@ -147,7 +157,10 @@ class Soak:
                 data = fh.read()
             # a record cut short by a kill is dropped: it is one grant at most, never invented
             pid = self.pid_of[f]
-            grants.extend(struct.unpack_from("<qq", data, i) + (pid,) for i in range(0, len(data) - len(data) % 16, 16))
+            grants.extend(
+                struct.unpack_from("<qq", data, i) + (pid,)
+                for i in range(0, len(data) - len(data) % 16, 16)
+            )
             os.unlink(os.path.join(self.dir, f))
         os.rmdir(self.dir)
         shmlimit.unlink(self.name)
@@ -157,10 +170,16 @@ class Soak:
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--seconds", type=float, default=600.0, help="how long to run (default 600)")
-    ap.add_argument("--rate", type=float, default=2000.0, help="shared ops per second (default 2000)")
-    ap.add_argument("--workers", type=int, default=4, help="worker processes kept running (default 4)")
+    ap.add_argument(
+        "--rate", type=float, default=2000.0, help="shared ops per second (default 2000)"
+    )
+    ap.add_argument(
+        "--workers", type=int, default=4, help="worker processes kept running (default 4)"
+    )
     ap.add_argument("--seed", type=int, default=None, help="random seed (default: from the clock)")
-    ap.add_argument("--redis", metavar="URL", help="hierarchical mode: lease from a RedisLimiter at this URL")
+    ap.add_argument(
+        "--redis", metavar="URL", help="hierarchical mode: lease from a RedisLimiter at this URL"
+    )
     args = ap.parse_args(argv)
     seed = args.seed if args.seed is not None else time.time_ns() % 2**32
     soak = Soak(args.rate, args.workers, seed, args.redis)
@@ -184,10 +203,21 @@ def main(argv=None) -> int:
     over_100ms = max_excess(certain, 100_000_000) - (soak.rate * (0.1 + soak.slack) + soak.capacity)
     stall = max((b - a for a, b in zip(all_after, all_after[1:])), default=0) / 1e6
     elapsed = (time.monotonic_ns() - start) / 1e9
-    mode = f", hierarchical via {args.redis}, bound rate*(T + {soak.slack:g} s) + capacity" if args.redis else ""
-    print(f"soak: {elapsed:.0f} s at {soak.rate:g} ops/s (capacity {soak.capacity:g}){mode}, seed {seed}")
-    print(f"  grants: {len(grants)} ({len(grants) / elapsed:.1f}/s), of which {uncertain} overlapped a SIGSTOP of their own process (not window-checked)")
-    print(f"  faults: {sum(soak.faults.values())} — " + ", ".join(f"{k} {v}" for k, v in sorted(soak.faults.items())))
+    mode = (
+        f", hierarchical via {args.redis}, bound rate*(T + {soak.slack:g} s) + capacity"
+        if args.redis
+        else ""
+    )
+    print(
+        f"soak: {elapsed:.0f} s at {soak.rate:g} ops/s (capacity {soak.capacity:g}){mode}, seed {seed}"
+    )
+    print(
+        f"  grants: {len(grants)} ({len(grants) / elapsed:.1f}/s), of which {uncertain} overlapped a SIGSTOP of their own process (not window-checked)"
+    )
+    print(
+        f"  faults: {sum(soak.faults.values())} — "
+        + ", ".join(f"{k} {v}" for k, v in sorted(soak.faults.items()))
+    )
     print(
         f"  max window overshoot: {over_1s:+.1f} ops over 1 s windows, {over_100ms:+.1f} ops over 0.1 s windows "
         f"(must be <= 0; stamps taken after acquire, less one per worker stamping in the window)"

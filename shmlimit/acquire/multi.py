@@ -2,6 +2,7 @@
 now (``take_all``), giving back (``give_back``), and ``MultiRequest``, one acquire as steps that
 never sleep, run by the acquisition core's drivers (``acquisition.drive``, ``drive_async``).
 Every word is touched through each rate's ``Bucket``."""
+
 from __future__ import annotations
 
 from typing import Any, List, Optional, Sequence, Tuple
@@ -9,10 +10,10 @@ from typing import Any, List, Optional, Sequence, Tuple
 from shmlimit.acquire import single as acquisition
 from shmlimit.acquire.single import Request
 from shmlimit.attachment import Attachment
-from shmlimit.bucket.rovers import diff
 from shmlimit.bucket.fences import NO_FENCE, FenceHold
-from shmlimit.config import NS_PER_S, validate_timeout
 from shmlimit.bucket.giveback import NO_RECORD, REFUSED, record_nap, take_ticket
+from shmlimit.bucket.rovers import diff
+from shmlimit.config import NS_PER_S, validate_timeout
 
 _INF = float("inf")
 
@@ -72,7 +73,13 @@ def take_all(atts: Sequence[Attachment], ops: Sequence[int], toks: Sequence[int]
 Claim = Tuple[Attachment, int, Any, int, Optional[int]]
 
 
-def claim(att: Attachment, tokens: int, max_ns: float, last: bool = True, fence: Optional[FenceHold] = None) -> Claim:
+def claim(
+    att: Attachment,
+    tokens: int,
+    max_ns: float,
+    last: bool = True,
+    fence: Optional[FenceHold] = None,
+) -> Claim:
     """One rate's claim of a reservation over several rates (``MultiLimiter.reserve``), within
     ``max_ns``, replenishing once if refused; ``REFUSED`` as its ticket when refused, taking nothing.
 
@@ -106,9 +113,13 @@ def claim(att: Attachment, tokens: int, max_ns: float, last: bool = True, fence:
                 got, rec = b.take_within(tokens, max_ns, lens, att.grants_off, 0, fence)
         if lens and got is NO_RECORD and not last:
             return att, tokens, NO_RECORD, h, None
-        if not lens and att.closed:  # its slot is being left: a claim taken now would be in no record
+        if (
+            not lens and att.closed
+        ):  # its slot is being left: a claim taken now would be in no record
             raise ValueError(f"limiter {att.name!r} was closed while this call ran")
-        if got is NO_RECORD and not last:  # no records here: covered now, or nothing (no record to queue in)
+        if (
+            got is NO_RECORD and not last
+        ):  # no records here: covered now, or nothing (no record to queue in)
             got, rec = b.take_within(tokens, max_ns, (), att.grants_off, 0, fence)
             if got is NO_RECORD and (attempt or b.replenish() <= 0):
                 return att, tokens, NO_RECORD, h, None
@@ -153,15 +164,25 @@ class MultiRequest:
     """One acquire over several rates, as steps that never sleep (``begin``/``next``/``end``, as
     ``acquisition.Request``; run by the same drivers, ``acquisition.drive`` and ``drive_async``)."""
 
-    def __init__(self, atts: Sequence[Attachment], ops: Sequence[int], toks: Sequence[int], timeout: Optional[float]) -> None:
+    def __init__(
+        self,
+        atts: Sequence[Attachment],
+        ops: Sequence[int],
+        toks: Sequence[int],
+        timeout: Optional[float],
+    ) -> None:
         timeout = validate_timeout(timeout)
         self.atts = atts
         self.ops = ops
         self.toks = toks
         self.clock = atts[0].clock
-        self.deadline: Optional[int] = None if timeout is None else self.clock() + int(timeout * NS_PER_S)
+        self.deadline: Optional[int] = (
+            None if timeout is None else self.clock() + int(timeout * NS_PER_S)
+        )
         self.state = DONE
-        self.waits: List[Tuple[int, Request]] = []  # (rate index, the request waiting for its ticket)
+        self.waits: List[
+            Tuple[int, Request]
+        ] = []  # (rate index, the request waiting for its ticket)
         self.held: List[Held] = []  # tokens granted and not yet used
         self.lead = -1
         self.joining: List[int] = []  # rates still to join, whose records were all in use (RECORD)
@@ -194,7 +215,9 @@ class MultiRequest:
             att, t = self.atts[i], self.toks[i]
             b = att.bucket
             h = b.head()
-            got, rec = take_ticket(b, t, att.grants_off, 0, att.writers, left)  # counted once all are granted
+            got, rec = take_ticket(
+                b, t, att.grants_off, 0, att.writers, left
+            )  # counted once all are granted
             if got is REFUSED:
                 return self._refuse()
             if got is NO_RECORD:
@@ -215,7 +238,9 @@ class MultiRequest:
             if s is True:
                 ticket = req.ticket  # ending the request forgets it
                 req.end()
-                self.held.append((self.atts[i], self.toks[i], ticket))  # covered once the head passed it
+                self.held.append(
+                    (self.atts[i], self.toks[i], ticket)
+                )  # covered once the head passed it
                 continue
             still.append((i, req))
             naps.append(s)

@@ -36,22 +36,22 @@ A request moves through these states, each a step that never blocks:
 Every deadline and nap is measured on the attachment's clock (CLOCK_MONOTONIC
 ns, injected in tests), so a request can be driven step by step on a fake clock.
 """
+
 from __future__ import annotations
 
 import asyncio
 import time
 from typing import TYPE_CHECKING, Callable, Optional, Protocol, Tuple, Union
 
+from shmlimit.acquire.sleep import at_stop, sleep_until_async
 from shmlimit.bucket import fed_wait
-from shmlimit.bucket.rovers import WAIT_BURN, WAIT_GRANTED
-from shmlimit.config import MAX_NAP, NS_PER_S, validate_n, validate_timeout
 from shmlimit.bucket.fences import fenced_ticket
 from shmlimit.bucket.giveback import NO_RECORD, REFUSED, record_nap, take_ticket
-from shmlimit.acquire.sleep import at_stop, sleep_until_async
+from shmlimit.bucket.rovers import WAIT_BURN, WAIT_GRANTED
+from shmlimit.config import MAX_NAP, NS_PER_S, validate_n, validate_timeout
 
 if TYPE_CHECKING:  # pragma: no cover
     from shmlimit.attachment import Attachment
-    from shmlimit.bucket.rovers import Bucket
 
 #: A waiter whose ticket is due but not yet covered looks again after this long at least (ns).
 RETRY_NS = 20_000
@@ -75,8 +75,19 @@ class Request:
     """One acquire of ``n`` ops, with ``timeout`` seconds (None: as long as it takes)."""
 
     __slots__ = (
-        "att", "bucket", "n", "tokens", "deadline", "state", "ticket", "admitted", "granted", "wake_ns",
-        "_waiting", "record", "fed",
+        "att",
+        "bucket",
+        "n",
+        "tokens",
+        "deadline",
+        "state",
+        "ticket",
+        "admitted",
+        "granted",
+        "wake_ns",
+        "_waiting",
+        "record",
+        "fed",
     )
 
     def __init__(self, att: "Attachment", n: int, timeout: Optional[float]) -> None:
@@ -89,7 +100,9 @@ class Request:
         self.bucket = b
         self.n = n
         self.tokens = n * b.cost
-        self.deadline: Optional[int] = None if timeout is None else att.clock() + int(timeout * NS_PER_S)
+        self.deadline: Optional[int] = (
+            None if timeout is None else att.clock() + int(timeout * NS_PER_S)
+        )
         self.state = DONE
         self.ticket: Optional[int] = None
         self.admitted = False
@@ -97,14 +110,21 @@ class Request:
         #: the last nap ends at this CLOCK_MONOTONIC instant, to sleep to precisely (None: roughly)
         self.wake_ns: Optional[int] = None
         self._waiting = False
-        self.record: Optional[int] = None  # the record of our ticket in our process slot (its LEN offset)
+        self.record: Optional[int] = (
+            None  # the record of our ticket in our process slot (its LEN offset)
+        )
         #: hierarchical mode: the nap to ``wake_ns`` is a sleep on ``UP_WAKE`` (the value read before
         #: the head, the ticket's bit), ended early by the batch that covers the ticket
         self.fed: Optional[Tuple[int, int]] = None
 
     @classmethod
     def holding(
-        cls, att: "Attachment", n: int, ticket: int, tokens: int = 0, rec: Optional[int] = None,
+        cls,
+        att: "Attachment",
+        n: int,
+        ticket: int,
+        tokens: int = 0,
+        rec: Optional[int] = None,
         deadline: Optional[int] = None,
     ) -> "Request":
         """A request that already holds ``ticket``, ``tokens`` long (the fast path's grab): it only waits.
@@ -140,7 +160,9 @@ class Request:
         if b.capped:
             if not b.admit(self.n):
                 if self.n > b.cap_ops:
-                    raise ValueError(f"n must be at most the capacity of {b.cap_ops} ops in capped mode, got {self.n}")
+                    raise ValueError(
+                        f"n must be at most the capacity of {b.cap_ops} ops in capped mode, got {self.n}"
+                    )
                 self.state = ADMIT
                 return self._admit_nap()
             self.admitted = True
@@ -210,8 +232,14 @@ class Request:
                 return self._join()
             wait = _INF
         else:
-            wait = _INF if self.deadline is None else min(max(0, self.deadline - att.clock()), b.max_reserved_ns)
-        got, rec = take_ticket(b, self.tokens, att.grants_off, self.n, att.writers, wait)  # granted: counted
+            wait = (
+                _INF
+                if self.deadline is None
+                else min(max(0, self.deadline - att.clock()), b.max_reserved_ns)
+            )
+        got, rec = take_ticket(
+            b, self.tokens, att.grants_off, self.n, att.writers, wait
+        )  # granted: counted
         if got is None:  # granted at once, counted
             return self._done()
         if got is REFUSED:
@@ -220,7 +248,9 @@ class Request:
 
     def _record_nap(self) -> Step:  # no free record to hold a ticket: take nothing, look again
         self.state = RECORD
-        return self._admit_nap(record_nap(self.bucket, self.tokens, bool(self.att.records), MAX_NAP))
+        return self._admit_nap(
+            record_nap(self.bucket, self.tokens, bool(self.att.records), MAX_NAP)
+        )
 
     def _join(self) -> Step:
         """``max_reserved``: take a ticket once the queue is short enough, else park (taking nothing)."""
@@ -228,7 +258,9 @@ class Request:
         left = _INF if self.deadline is None else (self.deadline - self.att.clock()) / NS_PER_S
         if left <= 0:  # hierarchical mode's timed request: not in the queue by its deadline
             return self._refuse()
-        got, rec = take_ticket(b, self.tokens, self.att.grants_off, self.n, self.att.writers, b.max_reserved_ns)
+        got, rec = take_ticket(
+            b, self.tokens, self.att.grants_off, self.n, self.att.writers, b.max_reserved_ns
+        )
         if got is None:
             return self._done()
         if got is NO_RECORD:
@@ -270,8 +302,14 @@ class Request:
         if att.opened():  # the "open" fallback lets queued callers through too
             return self._grant()
         now = att.clock()
-        until = now + MAX_NAP_NS if self.deadline is None or not b.upstream else min(now + MAX_NAP_NS, self.deadline)
-        if until <= now:  # a timed ticket of hierarchical mode, not served by its deadline: given back (end)
+        until = (
+            now + MAX_NAP_NS
+            if self.deadline is None or not b.upstream
+            else min(now + MAX_NAP_NS, self.deadline)
+        )
+        if (
+            until <= now
+        ):  # a timed ticket of hierarchical mode, not served by its deadline: given back (end)
             return False
         due = b.due_ns(ticket) if b.time_fed and not b.stopped else now
         if due > now and att.clock is time.monotonic_ns and b.stops_at(ticket, self.tokens):
@@ -287,10 +325,16 @@ class Request:
         short = b.deficiency(ticket) / b.tpn
         if b.upstream:
             att.nudge_filler()  # only a filler leases: make sure one runs
-            if not b.time_fed:  # tokens come with leases: park until a batch is due; a blocking driver
-                if fed and fed_wait.wakes_work():  # until the batch that covers us wakes it (wake_ns: at most)
+            if (
+                not b.time_fed
+            ):  # tokens come with leases: park until a batch is due; a blocking driver
+                if (
+                    fed and fed_wait.wakes_work()
+                ):  # until the batch that covers us wakes it (wake_ns: at most)
                     self.fed = (seen, fed_wait.fed_bit(ticket, b.cost))
-                    self.wake_ns = fed_wait.deadline(b.cells, b.tpn, now, b.deficiency(ticket), until)
+                    self.wake_ns = fed_wait.deadline(
+                        b.cells, b.tpn, now, b.deficiency(ticket), until
+                    )
                 return min(self._fed_nap(short / NS_PER_S), (until - now) / NS_PER_S)
         # due, yet short: look again soon, or when the shortfall could have arrived
         self.wake_ns = now + int(min(max(short, RETRY_NS), MAX_NAP_NS))
@@ -318,7 +362,9 @@ class Request:
         ticket = self.ticket
         assert ticket is not None
         self.wake_ns = None
-        until = min(time.monotonic_ns() + MAX_NAP_NS, self.deadline or _INF)  # a timed one's: the real clock too
+        until = min(
+            time.monotonic_ns() + MAX_NAP_NS, self.deadline or _INF
+        )  # a timed one's: the real clock too
         rc = waiter.wait(ticket, self.n, int(until), False, self.tokens)  # counted by the request
         if rc != WAIT_GRANTED:
             att.after_native_wait(rc)
@@ -432,7 +478,9 @@ def refill(att: "Attachment") -> int:
     return added
 
 
-def wait_for_ticket(att: "Attachment", ticket: Union[int, Tuple[int, int]], timeout: Optional[float] = None) -> bool:
+def wait_for_ticket(
+    att: "Attachment", ticket: Union[int, Tuple[int, int]], timeout: Optional[float] = None
+) -> bool:
     """The fast path's one-op ticket, recorded by its grab with its own price (``find_record``): the
     native wait at once, a ``Request`` only if it hands the wait back; given back if interrupted.
     ``timeout`` (seconds): hierarchical mode's timed grab, given back when not served by then.
@@ -443,7 +491,9 @@ def wait_for_ticket(att: "Attachment", ticket: Union[int, Tuple[int, int]], time
     waiter = att.fast[3]
     rec, tokens = att.find_record(ticket) if not flags & WAIT_GRANTED else (None, 0)
     now = time.monotonic_ns()
-    deadline = now + int(timeout * NS_PER_S) if timeout is not None and att.bucket.upstream else None
+    deadline = (
+        now + int(timeout * NS_PER_S) if timeout is not None and att.bucket.upstream else None
+    )
     if waiter is not None or flags:
         try:
             if flags:  # an Acquirer's: counted and its record freed if granted

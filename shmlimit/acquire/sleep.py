@@ -22,6 +22,7 @@ timerfd has no slack.  One timerfd per loop, watched once, armed at the
 earliest deadline of the coroutines waiting on it.  Elsewhere, or on a loop
 without ``add_reader``, it is ``asyncio.sleep``.
 """
+
 from __future__ import annotations
 
 import asyncio
@@ -61,7 +62,13 @@ def _load_prctl() -> Optional[Any]:
             libc = ctypes.PyDLL(None, use_errno=True)
             fn = libc.prctl
             fn.restype = ctypes.c_int
-            fn.argtypes = [ctypes.c_int, ctypes.c_ulong, ctypes.c_ulong, ctypes.c_ulong, ctypes.c_ulong]
+            fn.argtypes = [
+                ctypes.c_int,
+                ctypes.c_ulong,
+                ctypes.c_ulong,
+                ctypes.c_ulong,
+                ctypes.c_ulong,
+            ]
             _prctl = fn
         except (OSError, AttributeError):  # pragma: no cover - no libc prctl
             _prctl = False
@@ -75,8 +82,13 @@ def _load_prctl() -> Optional[Any]:
 #: wait does (``WAIT_SLICE_NS`` in ``_native.c``, which says why).
 SLICE_NS = 100_000
 #: (sched_setattr, sched_getattr) by machine (Linux)
-_SYS_SCHED_ATTR = {"x86_64": (314, 315), "amd64": (314, 315), "aarch64": (274, 275), "arm64": (274, 275),
-                   "riscv64": (274, 275)}
+_SYS_SCHED_ATTR = {
+    "x86_64": (314, 315),
+    "amd64": (314, 315),
+    "aarch64": (274, 275),
+    "arm64": (274, 275),
+    "riscv64": (274, 275),
+}
 _SCHED_ATTR = "IIQiIQQQII"  # struct sched_attr, its first version (56 bytes)
 _SCHED_OTHER = 0
 _SCHED_RESET_ON_FORK = 1
@@ -91,7 +103,11 @@ def _short_slice() -> None:
     if getattr(_sliced, "tried", False):
         return
     _sliced.tried = True
-    nrs = _SYS_SCHED_ATTR.get(platform.machine().lower()) if sys.platform.startswith("linux") else None
+    nrs = (
+        _SYS_SCHED_ATTR.get(platform.machine().lower())
+        if sys.platform.startswith("linux")
+        else None
+    )
     if nrs is None:
         return
     try:
@@ -106,7 +122,9 @@ def _short_slice() -> None:
         _, policy, flags, nice, prio, runtime, *_ = struct.unpack(_SCHED_ATTR, buf.raw)
         if policy != _SCHED_OTHER or nice < 0 or runtime <= SLICE_NS:
             return
-        attr = struct.pack(_SCHED_ATTR, 56, policy, _SCHED_RESET_ON_FORK, nice, prio, SLICE_NS, 0, 0, 0, 0)
+        attr = struct.pack(
+            _SCHED_ATTR, 56, policy, _SCHED_RESET_ON_FORK, nice, prio, SLICE_NS, 0, 0, 0, 0
+        )
         call(L(nrs[0]), L(0), ctypes.create_string_buffer(attr, 56), L(0))
     except (OSError, AttributeError):  # pragma: no cover - no libc syscall
         return
@@ -206,7 +224,9 @@ class _LoopTimer:
     """One event loop's timerfd, watched by that loop once: it wakes every coroutine whose
     deadline has come, then is armed at the earliest deadline left (ours alone call it)."""
 
-    def __init__(self, loop: asyncio.AbstractEventLoop, fd: int, arm: Callable[[int, int], None]) -> None:
+    def __init__(
+        self, loop: asyncio.AbstractEventLoop, fd: int, arm: Callable[[int, int], None]
+    ) -> None:
         self.fd = fd
         self.arm = arm
         self.armed = 0  # the deadline the timerfd is armed at (0: not armed)
@@ -249,7 +269,9 @@ def _close_fd(fd: int, pid: int) -> None:
 
 
 #: Each event loop's timer, made at its first precise wait (weakly: a closed loop takes it along).
-_timers: "weakref.WeakKeyDictionary[asyncio.AbstractEventLoop, Optional[_LoopTimer]]" = weakref.WeakKeyDictionary()
+_timers: "weakref.WeakKeyDictionary[asyncio.AbstractEventLoop, Optional[_LoopTimer]]" = (
+    weakref.WeakKeyDictionary()
+)
 
 
 def _loop_timer(loop: asyncio.AbstractEventLoop) -> Optional[_LoopTimer]:

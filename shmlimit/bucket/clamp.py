@@ -8,6 +8,7 @@ Invariant 1 of the bucket: a capacity counted from the start of the request
 the head stands in, never from the head (docs/design.md, "The clamp counts
 from the request's start").
 """
+
 from __future__ import annotations
 
 import itertools
@@ -21,7 +22,9 @@ from shmlimit.shm.words import diff
 CLAMP_WORDS = (L.SNAP_BASE, L.SNAP_END, L.SNAP_NEXT)
 
 
-def clamp_words(c: Cells, lens: Tuple[int, ...], head: int, tail: int) -> Optional[Tuple[int, int, int]]:
+def clamp_words(
+    c: Cells, lens: Tuple[int, ...], head: int, tail: int
+) -> Optional[Tuple[int, int, int]]:
     """The clamp the snapshot ``(head, tail)`` allows the next interval: ``(base, end, next)``.
 
     ``base`` is the start of the waiter's request the head stands in, read from the ticket
@@ -48,7 +51,9 @@ def held_records(c: Cells, lens: Tuple[int, ...]) -> Tuple[int, ...]:
     per = L.TICKET_RECORDS
     slots = len(lens) // per
     pids = c.load_many(tuple(L.slot_offset(i) + L.SLOT_PID for i in range(slots)))
-    return tuple(off for i in itertools.compress(range(slots), pids) for off in lens[i * per:(i + 1) * per])
+    return tuple(
+        off for i in itertools.compress(range(slots), pids) for off in lens[i * per : (i + 1) * per]
+    )
 
 
 def leave_words(c: Cells, lens: Tuple[int, ...], head: int, tail: int) -> None:

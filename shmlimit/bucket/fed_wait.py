@@ -18,6 +18,7 @@ waiters notice a dead filler).  The native backend runs the same loop without
 the GIL (``_native.c``, FED WAIT); the ``atomics`` backend's waiters sleep
 through ``futex.py``.
 """
+
 from __future__ import annotations
 
 from shmlimit.shm import futex

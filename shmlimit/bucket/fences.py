@@ -21,6 +21,7 @@ before it: a replenish that read the records before they were stored clamps
 against words from a snapshot whose tail was read before that CAS, so it
 stops at most a capacity past ``t - n``, which is ``LIMIT``.
 """
+
 from __future__ import annotations
 
 import math
@@ -28,10 +29,16 @@ import os
 import time
 from typing import Callable, List, Optional, Tuple
 
+from shmlimit.config import MAX_NAP
 from shmlimit.shm import layout as L
 from shmlimit.shm.cells import Cells
-from shmlimit.config import MAX_NAP
-from shmlimit.shm.words import MASK64, fence_due_counts, fence_horizon_ns, fence_limit_counts, signed
+from shmlimit.shm.words import (
+    MASK64,
+    fence_due_counts,
+    fence_horizon_ns,
+    fence_limit_counts,
+    signed,
+)
 
 #: ``Bucket.take_within`` for a reservation took nothing: every fence record in use.
 NO_FENCE = "no fence"
@@ -51,11 +58,21 @@ class Fences:
         #: what a native waiter is bound to: FENCE_HINT, the first record, how many
         self.args = (self.hint, self.recs[0], len(self.recs))
 
-    def scan(self, ts: int, now: int, tpn: int, head: int, ticket: Optional[int] = None) -> Optional[Tuple[int, float]]:
+    def scan(
+        self, ts: int, now: int, tpn: int, head: int, ticket: Optional[int] = None
+    ) -> Optional[Tuple[int, float]]:
         """``(room above head, due of ticket)`` under the fences in force for a claim of ``[ts, now]``,
         None when none is (one load: FENCE_HINT not after ``ts``).  ``words.fence_scan``."""
-        return self.cells.fence_scan(self.hint, self.recs[0], len(self.recs), ts, now, tpn, head,
-                                     head if ticket is None else ticket)
+        return self.cells.fence_scan(
+            self.hint,
+            self.recs[0],
+            len(self.recs),
+            ts,
+            now,
+            tpn,
+            head,
+            head if ticket is None else ticket,
+        )
 
     def in_force(self, ts: int, now: int, tpn: int, head: int) -> List[Tuple[int, int]]:
         """``(LIMIT, DUE)`` of every record in force for a claim of ``[ts, now]``, by the scan's own
@@ -95,7 +112,9 @@ class Fences:
             if due == pending or not c.cas(off + L.FENCE_DUE, due, pending):
                 continue
             if owner is None:
-                owner = (os.getpid() & 0xFFFFFFFF) << 32 | (c.fetch_add(self.gen, 1) + 1) & 0xFFFFFFFF
+                owner = (os.getpid() & 0xFFFFFFFF) << 32 | (
+                    c.fetch_add(self.gen, 1) + 1
+                ) & 0xFFFFFFFF
             c.store(off + L.FENCE_OWNER, owner)
             return off, pending
         return None
@@ -110,7 +129,11 @@ class Fences:
         c = self.cells
         if limit[0] != limit[1] and not c.cas(rec + L.FENCE_LIMIT, limit[0], limit[1]):
             return False
-        if not (c.cas(rec + L.FENCE_DUE, due[0], due[1]) if due[0] != due[1] else c.load(rec + L.FENCE_DUE) == due[0]):
+        if not (
+            c.cas(rec + L.FENCE_DUE, due[0], due[1])
+            if due[0] != due[1]
+            else c.load(rec + L.FENCE_DUE) == due[0]
+        ):
             return False  # (a record claimed again holds a DUE other than this owner's: a newer REPL_TS)
         while True:
             hint = c.load(self.hint)
@@ -168,7 +191,9 @@ class FenceHold:
             if f.store(self.rec, (self.limit, limit), (self.due, due)):
                 self.limit, self.due, self.promise = limit, due, promise
                 return True
-            self.rec = None  # claimed again by another while this owner was off the CPU: take another
+            self.rec = (
+                None  # claimed again by another while this owner was off the CPU: take another
+            )
 
     def settle(self, f: "Fences", due: int) -> bool:
         """The reservation over several rates is made: its DUE becomes ``due``, its promise (lowered,
@@ -190,8 +215,9 @@ class FenceHold:
         self.rec, self.promise = None, None
 
 
-def fenced_ticket(b, clock: Callable[[], int], refill: Callable[[], object], tokens: int,
-                  max_wait_ns: float) -> Tuple[Optional[int], Optional[int]]:
+def fenced_ticket(
+    b, clock: Callable[[], int], refill: Callable[[], object], tokens: int, max_wait_ns: float
+) -> Tuple[Optional[int], Optional[int]]:
     """A reservation's ticket whose wait fits ``max_wait_ns`` (replenishing once if it does not) and
     its promise, its fence stored (``Bucket.take_within``); ``(None, None)`` having taken nothing.
     With every fence record in use it waits until the soonest DUE has passed and a claim after it

@@ -14,14 +14,15 @@ would be double-counted: every replenish claims its interval by CAS (see
 grant waits for the filler: waiters replenish for themselves when they find
 the head short (the lazy backstop).
 """
+
 from __future__ import annotations
 
 import threading
 import time
 from typing import TYPE_CHECKING, Any, Callable, Optional, Protocol, Tuple
 
-from shmlimit.shm import layout as L
 from shmlimit.bucket.rovers import diff
+from shmlimit.shm import layout as L
 
 if TYPE_CHECKING:  # pragma: no cover
     from shmlimit.bucket.rovers import Bucket
@@ -179,7 +180,9 @@ class ClockFeed:
     def __init__(self, bucket: "Bucket", lease: Lease) -> None:
         self.bucket = bucket
         self.idle = FILL_PERIOD
-        self.mark: Optional[Tuple[int, int, bool]] = None  # (REPL_TS, HEAD, queued) after our last tick
+        self.mark: Optional[Tuple[int, int, bool]] = (
+            None  # (REPL_TS, HEAD, queued) after our last tick
+        )
         self.ceiling = MAX_FILL_PERIOD  # the longest pause under a queue, halved after a loss ...
         self.hold_until = 0  # ... until this instant (clock ns) ...
         self.hold = PACE_HOLD  # ... so long after the last loss (seconds)
@@ -318,8 +321,15 @@ class ClockFeed:
             time.sleep(max(0.0, nap))
             return 0, renewed
         flags, fills, new_word, renewed_ns, mark_ts, mark_head = native.fill(
-            int(nap * 1e9), int(until * 1e9), word, int(renewed * 1e9), int(RENEW_EVERY * 1e9),
-            int(LEASE_TIMEOUT * 1e6), self.mark[0], self.mark[1], self.pace == BACKED_OFF,
+            int(nap * 1e9),
+            int(until * 1e9),
+            word,
+            int(renewed * 1e9),
+            int(RENEW_EVERY * 1e9),
+            int(LEASE_TIMEOUT * 1e6),
+            self.mark[0],
+            self.mark[1],
+            self.pace == BACKED_OFF,
             slack_ns(self.usual()),
         )
         self.mark = (mark_ts, mark_head, True)  # after its last tick that kept the pace (as ours)
@@ -400,13 +410,19 @@ class FillerThread(threading.Thread):
     """
 
     def __init__(
-        self, bucket: "Bucket", lease: Lease, name: str, feed: Optional[FeedFactory] = None,
+        self,
+        bucket: "Bucket",
+        lease: Lease,
+        name: str,
+        feed: Optional[FeedFactory] = None,
         chores: Optional[Callable[[], Optional[float]]] = None,
     ) -> None:
         super().__init__(name=f"shmlimit-filler-{name}", daemon=True)
         self.bucket = bucket
         self.lease = lease
-        self.make_feed: Optional[FeedFactory] = feed if feed is not None or bucket.upstream else ClockFeed
+        self.make_feed: Optional[FeedFactory] = (
+            feed if feed is not None or bucket.upstream else ClockFeed
+        )
         self.feed: Optional[Feed] = None
         self._stopping = False
         self._wake = _Wake()
@@ -501,7 +517,9 @@ class FillerThread(threading.Thread):
                 if bucket.upstream:
                     last_renew = self._nap_renewing(nap, last_renew)
                 elif isinstance(self.feed, ClockFeed) and not self._stopping:
-                    until = min(now + SPAN_MAX, chores_at if self.chores is not None else now + SPAN_MAX)
+                    until = min(
+                        now + SPAN_MAX, chores_at if self.chores is not None else now + SPAN_MAX
+                    )
                     ticks, last_renew = self.feed.span(nap, until, lease, last_renew)
                     self.fills += ticks
                 else:

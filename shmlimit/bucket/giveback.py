@@ -48,6 +48,7 @@ into the schedule this way).  Until it is made, though, a reservation over
 several rates holds its claims as waiters' tickets (recorded), and gives them
 back if refused part-way, interrupted or killed (``multirate_request.claim``).
 """
+
 from __future__ import annotations
 
 import functools
@@ -57,10 +58,10 @@ import weakref
 from contextlib import contextmanager
 from typing import TYPE_CHECKING, Any, Callable, Dict, Iterator, List, Optional, Tuple, Union
 
-from shmlimit.shm import layout as L
 from shmlimit.bucket.rovers import NO_RECORD, REFUSED, diff
-from shmlimit.shm.cells import MASK64
 from shmlimit.config import MAX_SPAN_TOKENS
+from shmlimit.shm import layout as L
+from shmlimit.shm.cells import MASK64
 from shmlimit.shm.table import slot_alive
 
 if TYPE_CHECKING:  # pragma: no cover
@@ -231,7 +232,12 @@ def _lens(recs: Union[Tuple[int, ...], Writers]) -> Iterator[Tuple[int, ...]]:
 
 
 def take_ticket(
-    b: "Bucket", tokens: int, grants: int, ops: int, recs: Union[Tuple[int, ...], Writers], max_wait_ns: float = _INF
+    b: "Bucket",
+    tokens: int,
+    grants: int,
+    ops: int,
+    recs: Union[Tuple[int, ...], Writers],
+    max_wait_ns: float = _INF,
 ) -> Tuple[Any, Optional[int]]:
     """``take_once``, and once more after a replenish that added tokens if it took nothing.  ``recs``:
     records' LEN offsets, or a process's ``Writers`` (its slot's, held for the take)."""
@@ -243,7 +249,12 @@ def take_ticket(
 
 
 def take_once(
-    b: "Bucket", tokens: int, grants: int, ops: int, recs: Tuple[int, ...], max_wait_ns: float = _INF
+    b: "Bucket",
+    tokens: int,
+    grants: int,
+    ops: int,
+    recs: Tuple[int, ...],
+    max_wait_ns: float = _INF,
 ) -> Tuple[Any, Optional[int]]:
     """Take ``tokens`` now, or a ticket recorded in one of ``recs`` (ticket records' LEN offsets).
 
@@ -264,7 +275,9 @@ def take_once(
 RECORD_NAP = 0.001
 
 
-def record_nap(b: "Bucket", tokens: int, has_records: bool, longest: float, nap: float = RECORD_NAP) -> float:
+def record_nap(
+    b: "Bucket", tokens: int, has_records: bool, longest: float, nap: float = RECORD_NAP
+) -> float:
     """How long a request that found no free record naps (seconds): ``nap`` while its process has
     records (one is freed as each of its waiters is granted); without any (beyond the table) until
     ``tokens`` could be there, the queue ahead served, within ``[nap, longest]``."""
@@ -274,7 +287,9 @@ def record_nap(b: "Bucket", tokens: int, has_records: bool, longest: float, nap:
     return min(longest, max(nap, short / b.tpn / 1e9))
 
 
-def record(cells: "Cells", records: Records, ticket: int, tokens: int, given: bool = False) -> Optional[int]:
+def record(
+    cells: "Cells", records: Records, ticket: int, tokens: int, given: bool = False
+) -> Optional[int]:
     """Record ``ticket`` (``tokens`` long) in the first free one of ``records``; its LEN offset, None if none is free.
 
     The pair is written under ``TICKET_BUSY``, so a reader never combines one
@@ -379,7 +394,10 @@ def slot_alive_at(index: int, pid: int, start: int, pidns: int) -> bool:
 
 
 def reap(
-    cells: "Cells", table: "ProcessTable", give: Give, alive: Callable[[int, int, int, int], bool] = slot_alive_at
+    cells: "Cells",
+    table: "ProcessTable",
+    give: Give,
+    alive: Callable[[int, int, int, int], bool] = slot_alive_at,
 ) -> int:
     """Give back (``give(end, tokens, take)``) the ranges recorded by processes that are gone; return how many.
 
@@ -458,7 +476,9 @@ def take_over(cells: "Cells", records: Records, give: Callable[[int, int, int], 
         end = cells.load(end_off)
         tokens = v & ~L.TICKET_GIVEN
         if v & L.TICKET_BUSY or tokens > MAX_SPAN_TOKENS:
-            cells.cas(len_off, v, 0)  # killed while writing its record, or corrupt: nothing to give back
+            cells.cas(
+                len_off, v, 0
+            )  # killed while writing its record, or corrupt: nothing to give back
             continue
         if cells.cas(len_off, v, tokens | L.TICKET_GIVEN):
             give(end, tokens, len_off)
@@ -479,7 +499,9 @@ class Returns:
     def __init__(self, bucket: "Bucket") -> None:
         self.bucket = bucket
         self._lock = threading.Lock()
-        self._ranges: List[Tuple[int, int, Optional[int], int]] = []  # (start, end, its record's LEN offset, tokens)
+        self._ranges: List[
+            Tuple[int, int, Optional[int], int]
+        ] = []  # (start, end, its record's LEN offset, tokens)
         self.skipped = 0  # tokens skipped by this process (shown in tests)
         self._wake = threading.Event()
 
@@ -571,7 +593,10 @@ class Returns:
         if not b.time_fed:
             return LOOK_EVERY
         head = b.head()  # past the start, a fence holds the skip: due once it lets the head on
-        return max(0.0, (b.due_ns(start if diff(head, start) < 0 else (head + 1) & MASK64) - b.clock()) / 1e9)
+        return max(
+            0.0,
+            (b.due_ns(start if diff(head, start) < 0 else (head + 1) & MASK64) - b.clock()) / 1e9,
+        )
 
 
 class ReturnsThread(threading.Thread):

@@ -41,6 +41,7 @@ Invariants (D = ``HEAD - TAIL``; D < 0 means -D tokens are owed to queued grabs)
 
 Pure arithmetic on cells and an injected clock: tested with a fake clock over simulated hours.
 """
+
 from __future__ import annotations
 
 import math
@@ -48,21 +49,41 @@ import time
 from typing import Any, Callable, List, Optional, Tuple
 
 from shmlimit.bucket import fed_wait
-from shmlimit.shm import inflight
-from shmlimit.shm import layout as L
-from shmlimit.shm.cells import FED_ALL, MASK64, Cells, GrabResult, claim_record, fed_mask
-from shmlimit.config import MAX_QUEUE_TOKENS as MAX_QUEUE
-from shmlimit.config import Config
-from shmlimit.shm.banks import NO_SNAPSHOT, Snapshot, config_words, flags_in_force, published_values, read_snapshot, write_banks, write_under_lock
-from shmlimit.errors import ConfigWriterTakenOver, QueueFullError, SegmentError
 from shmlimit.bucket.clamp import leave_words, left_named
 from shmlimit.bucket.fences import NO_FENCE, FenceHold
 from shmlimit.bucket.schedule import Schedule
-from shmlimit.shm.words import behind, clamp_kept, clamp_limit, diff  # rover arithmetic, re-exported: the bucket's vocabulary
+from shmlimit.config import MAX_QUEUE_TOKENS as MAX_QUEUE
+from shmlimit.config import Config
+from shmlimit.errors import ConfigWriterTakenOver, QueueFullError, SegmentError
+from shmlimit.shm import inflight
+from shmlimit.shm import layout as L
+from shmlimit.shm.banks import (
+    NO_SNAPSHOT,
+    Snapshot,
+    config_words,
+    flags_in_force,
+    published_values,
+    read_snapshot,
+    write_banks,
+    write_under_lock,
+)
+from shmlimit.shm.cells import FED_ALL, MASK64, Cells, GrabResult, claim_record, fed_mask
+from shmlimit.shm.words import (  # rover arithmetic, re-exported: the bucket's vocabulary
+    behind,
+    clamp_kept,
+    clamp_limit,
+    diff,
+)
 
-
-REFUSED, NO_RECORD = "refused", "no record"  #: ``take_within`` took nothing: wait over its bound; no free record
-WAIT_GRANTED, WAIT_NUDGE, WAIT_BURN = 1, 2, 4  #: a native wait's flags (``waiter``): granted (counted), nudge the filler, burn
+REFUSED, NO_RECORD = (
+    "refused",
+    "no record",
+)  #: ``take_within`` took nothing: wait over its bound; no free record
+WAIT_GRANTED, WAIT_NUDGE, WAIT_BURN = (
+    1,
+    2,
+    4,
+)  #: a native wait's flags (``waiter``): granted (counted), nudge the filler, burn
 
 
 class Bucket(Schedule):
@@ -72,7 +93,9 @@ class Bucket(Schedule):
         self.cells = cells
         self.clock = clock
         self.snap = NO_SNAPSHOT
-        self.cut_short = False  # the last apply's add was cut short, or left the named request: claim again
+        self.cut_short = (
+            False  # the last apply's add was cut short, or left the named request: claim again
+        )
         self.load_config()
         #: capped mode: this process's slot's count of ops in flight, and every slot's (see ``inflight``)
         self.own_inflight: Optional[int] = None
@@ -110,7 +133,9 @@ class Bucket(Schedule):
             return True
         return False
 
-    def publish(self, cfg: Config, stopped: Optional[bool] = None, upstream_flags: Optional[int] = None) -> None:
+    def publish(
+        self, cfg: Config, stopped: Optional[bool] = None, upstream_flags: Optional[int] = None
+    ) -> None:
         """Replace the live config (seen by every attached process at its next operation).
 
         The token unit (tpn) stays the one chosen at creation: rovers and the
@@ -124,7 +149,9 @@ class Bucket(Schedule):
         tpn = self.tpn
 
         def words(c: Cells) -> List[Tuple[int, int]]:
-            flags = flags_in_force(c, (L.FLAG_STOPPED if self.snap.stopped else 0) | self.snap.upstream_flags)
+            flags = flags_in_force(
+                c, (L.FLAG_STOPPED if self.snap.stopped else 0) | self.snap.upstream_flags
+            )
             st = bool(flags & L.FLAG_STOPPED) if stopped is None else stopped
             up = flags & L.UPSTREAM_FLAGS if upstream_flags is None else upstream_flags
             return config_words(cfg, tpn, st, up)
@@ -145,7 +172,9 @@ class Bucket(Schedule):
         def words(c: Cells) -> List[Tuple[int, int]]:
             vals = published_values(c, c.load(L.CFG_SEQ))
             if vals is None:
-                raise SegmentError("segment is corrupt: no copy of its configuration passes its checksum")
+                raise SegmentError(
+                    "segment is corrupt: no copy of its configuration passes its checksum"
+                )
             out = list(zip(L.CFG_BANK, vals))
             i = L.CFG_BANK.index(L.CFG_FLAGS)
             out[i] = (L.CFG_FLAGS, (vals[i] & ~L.UPSTREAM_FLAGS) | upstream_flags)
@@ -160,11 +189,18 @@ class Bucket(Schedule):
         except ConfigWriterTakenOver:
             self.load_config()
             raise
-        fed_wait.wake(self.cells, FED_ALL)  # fed waiters asleep on the old config go back to rebind to the new one
+        fed_wait.wake(
+            self.cells, FED_ALL
+        )  # fed waiters asleep on the old config go back to rebind to the new one
 
     @staticmethod
     def initialise(
-        cells: Cells, cfg: Config, now_ns: int, initial_ops: Optional[float] = None, base: int = 0, upstream: bool = False
+        cells: Cells,
+        cfg: Config,
+        now_ns: int,
+        initial_ops: Optional[float] = None,
+        base: int = 0,
+        upstream: bool = False,
     ) -> None:
         """Write the config and the starting rovers of a new segment (called by its creator only).
 
@@ -176,8 +212,16 @@ class Bucket(Schedule):
         c = cells
         tpn = cfg.tpn
         cap = cfg.cap_at(tpn)
-        write_banks(c, config_words(cfg, tpn, False, L.FLAG_UPSTREAM if upstream else 0), c.load(L.CFG_SEQ))
-        initial = 0 if upstream else cap if initial_ops is None else min(cap, int(initial_ops * cfg.cost_at(tpn)))
+        write_banks(
+            c, config_words(cfg, tpn, False, L.FLAG_UPSTREAM if upstream else 0), c.load(L.CFG_SEQ)
+        )
+        initial = (
+            0
+            if upstream
+            else cap
+            if initial_ops is None
+            else min(cap, int(initial_ops * cfg.cost_at(tpn)))
+        )
         head = (base + initial) & MASK64
         c.store(L.TAIL, base & MASK64)
         c.store(L.HEAD, head)
@@ -203,16 +247,29 @@ class Bucket(Schedule):
             raise QueueFullError(tokens, self.tpn)
         return ticket  # type: ignore[return-value]
 
-    def grabber(self, snap: Snapshot, grants: int, recs: Optional[Tuple[int, ...]] = None) -> Callable[[], GrabResult]:
+    def grabber(
+        self, snap: Snapshot, grants: int, recs: Optional[Tuple[int, ...]] = None
+    ) -> Callable[[], GrabResult]:
         """The acquire fast path for one op, bound once: ``grab`` priced under ``snap``.
 
         The callable answers False, touching nothing, once the config is no
         longer ``snap``'s (or the queue is full): the caller then takes the
         slow path; bound to ``recs`` (records' LEN offsets) also when it would queue with all in use.
         """
-        return self.cells.grabber(L.CFG_SEQ, snap.seq, L.TAIL, L.HEAD, snap.cost, grants, 1, *([] if recs is None else [recs]))
+        return self.cells.grabber(
+            L.CFG_SEQ,
+            snap.seq,
+            L.TAIL,
+            L.HEAD,
+            snap.cost,
+            grants,
+            1,
+            *([] if recs is None else [recs]),
+        )
 
-    def gate(self, snap: Snapshot, grants: int, ops: int = 1, recs: Optional[Tuple[int, ...]] = None) -> Any:
+    def gate(
+        self, snap: Snapshot, grants: int, ops: int = 1, recs: Optional[Tuple[int, ...]] = None
+    ) -> Any:
         """The try and timed-grab fast paths for one op, bound once under ``snap`` (see ``composites.Gate``).
 
         Its calls answer None, touching nothing, once the config is no longer
@@ -222,8 +279,21 @@ class Bucket(Schedule):
         assert snap.config is not None
         # (no ceiling word to bound: a capped limiter has no gate, so HEAD stands in for it); with
         # recs, grab_within queues only holding one of them (else it answers None: undecided)
-        args = (L.CFG_SEQ, snap.seq, L.TAIL, L.HEAD, L.HEAD, L.REPL_TS, grants, snap.cost, ops, snap.tpn,
-                math.ceil(snap.config.ratio), False, snap.max_reserved_ns)
+        args = (
+            L.CFG_SEQ,
+            snap.seq,
+            L.TAIL,
+            L.HEAD,
+            L.HEAD,
+            L.REPL_TS,
+            grants,
+            snap.cost,
+            ops,
+            snap.tpn,
+            math.ceil(snap.config.ratio),
+            False,
+            snap.max_reserved_ns,
+        )
         return self.cells.gate(*args, recs, self.fences.hint)  # (queued behind a fence: undecided)
 
     def waiter(self, snap: Snapshot, grants: int, waiting: Optional[int], slack_ns: int) -> Any:
@@ -236,17 +306,56 @@ class Bucket(Schedule):
         count_waiting)`` (counting the caller in the word ``waiting`` meanwhile, if asked) answers flags (``WAIT_GRANTED``, ``WAIT_NUDGE``, ``WAIT_BURN``), and returns at once
         when the config is no longer ``snap``'s.
         """
-        if snap.config and snap.upstream and not (snap.time_fed or snap.stopped or snap.capped or snap.open):
-            return self.cells.fed_waiter(  # hierarchical mode (fed_wait); None on the atomics backend
-                L.CFG_SEQ, snap.seq, L.HEAD, L.LEASE, grants, waiting, L.UP_WAKE, L.UP_NEXT_NS, snap.cost, snap.tpn,
-                fed_wait.GRACE_NS)
-        if (snap.config is None or snap.stopped or not snap.time_fed or snap.upstream or snap.catch_up
-                or snap.capped):
+        if (
+            snap.config
+            and snap.upstream
+            and not (snap.time_fed or snap.stopped or snap.capped or snap.open)
+        ):
+            return (
+                self.cells.fed_waiter(  # hierarchical mode (fed_wait); None on the atomics backend
+                    L.CFG_SEQ,
+                    snap.seq,
+                    L.HEAD,
+                    L.LEASE,
+                    grants,
+                    waiting,
+                    L.UP_WAKE,
+                    L.UP_NEXT_NS,
+                    snap.cost,
+                    snap.tpn,
+                    fed_wait.GRACE_NS,
+                )
+            )
+        if (
+            snap.config is None
+            or snap.stopped
+            or not snap.time_fed
+            or snap.upstream
+            or snap.catch_up
+            or snap.capped
+        ):
             return None
         return self.cells.waiter(  # None on the atomics backend
-            L.CFG_SEQ, snap.seq, L.TAIL, L.HEAD, L.REPL_TS, L.SNAP_HEAD, L.SNAP_TAIL, L.LEASE, grants, waiting,
-            snap.tpn, snap.cap, slack_ns, L.STARVED_NS, L.SNAP_BASE, L.SNAP_END, L.SNAP_NEXT, self._record_lens(),
-            *self.fences.args)
+            L.CFG_SEQ,
+            snap.seq,
+            L.TAIL,
+            L.HEAD,
+            L.REPL_TS,
+            L.SNAP_HEAD,
+            L.SNAP_TAIL,
+            L.LEASE,
+            grants,
+            waiting,
+            snap.tpn,
+            snap.cap,
+            slack_ns,
+            L.STARVED_NS,
+            L.SNAP_BASE,
+            L.SNAP_END,
+            L.SNAP_NEXT,
+            self._record_lens(),
+            *self.fences.args,
+        )
 
     def replenish(self) -> int:
         """Convert the time since the last replenish into tokens; return how many were added.
@@ -301,9 +410,17 @@ class Bucket(Schedule):
         extra = elapsed * snap.tpn
         limit = clamp_limit(base, end, nxt, snap.cap, head, tail)
         if not clamp_kept(base, end, nxt, head, tail):
-            leave_words(c, self._record_lens(), head, tail)  # the records are read only with callers queued
-        catch_limit = clamp_limit(base, end, nxt, snap.cap + snap.burst_pool, head, tail) if snap.catch_up else limit
-        if fence is not None:  # no further than a fence (the time it stops is lost: counted starved)
+            leave_words(
+                c, self._record_lens(), head, tail
+            )  # the records are read only with callers queued
+        catch_limit = (
+            clamp_limit(base, end, nxt, snap.cap + snap.burst_pool, head, tail)
+            if snap.catch_up
+            else limit
+        )
+        if (
+            fence is not None
+        ):  # no further than a fence (the time it stops is lost: counted starved)
             at = (head + fence[0]) & MASK64
             limit, catch_limit = behind(limit, at), behind(catch_limit, at)
         return head, limit, extra, snap, diff(snap_tail, snap_head) > 0, catch_limit
@@ -333,7 +450,9 @@ class Bucket(Schedule):
         if snap.stopped or not snap.time_fed:
             return 0
         c = self.cells
-        taken = self._take_wait(int(extra * (snap.config.ratio - 1.0)), snap) if snap.catch_up else 0
+        taken = (
+            self._take_wait(int(extra * (snap.config.ratio - 1.0)), snap) if snap.catch_up else 0
+        )
         while True:
             add = max(0, min(extra, diff(limit, head)))
             catch = max(0, min(taken, diff(catch_limit, (head + add) & MASK64)))
@@ -341,11 +460,21 @@ class Bucket(Schedule):
             if total <= 0 or c.cas(L.HEAD, head, (head + total) & MASK64):
                 break
             head = c.load(L.HEAD)  # another interval landed first: add ours on top, same clamp
-        after = (head + add) & MASK64  # at the clamp's limit, or past the named request: claim again
+        after = (
+            head + add
+        ) & MASK64  # at the clamp's limit, or past the named request: claim again
         self.cut_short = 0 < add and (diff(limit, after) == 0 or left_named(c, after))
-        owed = min(extra - add, diff(c.load(L.TAIL), (head + add) & MASK64)) if queued and add < extra else 0
-        if owed >= snap.tpn:  # clamped while callers queued throughout: time owed them, starved (lost
-            c.fetch_add(L.STARVED_NS, owed // snap.tpn)  # or deferred); whole ns, never over-counted
+        owed = (
+            min(extra - add, diff(c.load(L.TAIL), (head + add) & MASK64))
+            if queued and add < extra
+            else 0
+        )
+        if (
+            owed >= snap.tpn
+        ):  # clamped while callers queued throughout: time owed them, starved (lost
+            c.fetch_add(
+                L.STARVED_NS, owed // snap.tpn
+            )  # or deferred); whole ns, never over-counted
         if snap.catch_up:
             self._put_wait(extra - add + taken - catch, snap)  # unusable time now: behind schedule
         if total > 0 and c.load(L.CFG_SEQ) != snap.seq:
@@ -423,7 +552,9 @@ class Bucket(Schedule):
             if add <= 0:
                 return 0
             if c.cas(L.HEAD, head, (head + add) & MASK64):
-                fed_wait.wake(c, fed_mask(head, (head + add) & MASK64, self.snap.cost))  # the waiters it serves
+                fed_wait.wake(
+                    c, fed_mask(head, (head + add) & MASK64, self.snap.cost)
+                )  # the waiters it serves
                 return add
 
     def forgive(self) -> int:
@@ -493,7 +624,9 @@ class Bucket(Schedule):
                 return 0  # no ticket ever handed out (the tail only grows): a corrupt record
             if diff(head, start) < 0:
                 return None
-            to = self.fenced(head, end)  # up to a reservation's fence; the rest once it lifts (None till then)
+            to = self.fenced(
+                head, end
+            )  # up to a reservation's fence; the rest once it lifts (None till then)
             if diff(to, head) <= 0:
                 return None
             if c.cas(L.HEAD, head, to):
@@ -546,8 +679,15 @@ class Bucket(Schedule):
         """When (CLOCK_MONOTONIC ns) the filler next expects tokens; 0 when it does not know."""
         return self.cells.load(L.UP_NEXT_NS)
 
-    def take_within(self, tokens: int, max_wait_ns: float, recs: Optional[Tuple[int, ...]] = None,
-                    grants: int = 0, ops: int = 0, fence: Optional[FenceHold] = None) -> Tuple[Any, Optional[int]]:
+    def take_within(
+        self,
+        tokens: int,
+        max_wait_ns: float,
+        recs: Optional[Tuple[int, ...]] = None,
+        grants: int = 0,
+        ops: int = 0,
+        fence: Optional[FenceHold] = None,
+    ) -> Tuple[Any, Optional[int]]:
         """Take ``tokens`` if their wait (``estimate_wait_ns``) is <= ``max_wait_ns``: the one CAS loop on the tail that may queue.
 
         Taking nothing: ``(REFUSED, None)`` when the wait exceeds a finite bound (not computable while stopped);
@@ -570,10 +710,17 @@ class Bucket(Schedule):
                 short = diff(new, c.load(L.HEAD))
                 if short > MAX_QUEUE:
                     raise QueueFullError(tokens, snap.tpn)
-                if short > 0 and max_wait_ns != float("inf") and (
-                        snap.stopped or self.wait_ns(new, short, snap) > max_wait_ns):
+                if (
+                    short > 0
+                    and max_wait_ns != float("inf")
+                    and (snap.stopped or self.wait_ns(new, short, snap) > max_wait_ns)
+                ):
                     return REFUSED, None
-                if fence is not None and (short > 0 or fence.want is not None) and not fence.put(self, new, tokens, snap):
+                if (
+                    fence is not None
+                    and (short > 0 or fence.want is not None)
+                    and not fence.put(self, new, tokens, snap)
+                ):
                     return NO_FENCE, None  # (its LIMIT, then DUE, stored before the CAS)
                 if short > 0 and recs is not None:
                     rec = claim_record(c, recs, new) if rec is None else rec
@@ -586,16 +733,22 @@ class Bucket(Schedule):
             if fence is not None:
                 fence.ticket = new
                 if short <= 0 and fence.want is None:
-                    fence.release(self.fences)  # a reservation covered at once: used now, fenced by nothing
+                    fence.release(
+                        self.fences
+                    )  # a reservation covered at once: used now, fenced by nothing
             if recs is not None and diff(new, c.load(L.HEAD)) <= 0:  # covered after all: granted
                 c.fetch_add(grants, ops)
                 return None, None
-            if rec is not None:  # uncovered now, so at the last look too: recorded, its exact length
+            if (
+                rec is not None
+            ):  # uncovered now, so at the last look too: recorded, its exact length
                 c.store(rec, tokens)
             held, rec = rec, None
             return new, held
         finally:
             if rec is not None:  # claimed and not needed (granted, refused): free again
                 c.store(rec, 0)
-            if fence is not None and not taken:  # a fence stored and not needed (refused): free again
+            if (
+                fence is not None and not taken
+            ):  # a fence stored and not needed (refused): free again
                 fence.release(self.fences)

@@ -5,14 +5,15 @@ ticket; ``promised_ns`` is a reservation's moment, never earlier than the head
 can get there (see docs/design.md, "When a reservation is due"); both count
 the reservations' fences before the ticket (``fences``).
 """
+
 from __future__ import annotations
 
 from typing import Callable, Optional, Tuple
 
-from shmlimit.shm import layout as L
-from shmlimit.shm.cells import MASK64, Cells
-from shmlimit.shm.banks import Snapshot
 from shmlimit.bucket.fences import Fences
+from shmlimit.shm import layout as L
+from shmlimit.shm.banks import Snapshot
+from shmlimit.shm.cells import MASK64, Cells
 from shmlimit.shm.words import behind, clamp_limit, diff, recorded_ranges
 
 #: The filler replenishes this often (ns): the pace a queued head can count on (see estimate_wait_ns).
@@ -155,7 +156,9 @@ class Schedule:
         due = ts + max(0, diff(ticket, head)) / self.tpn
         # a reservation's fence before the ticket holds the head there until its DUE, then lets it
         # gain at the rate: woken sooner, the waiter would replenish in vain until then
-        f = self.fences.scan(ts, max(ts, self.clock()), self.tpn, head, ticket)  # (the horizon from now)
+        f = self.fences.scan(
+            ts, max(ts, self.clock()), self.tpn, head, ticket
+        )  # (the horizon from now)
         return due if f is None else max(due, f[1])
 
     def clamp_limit_at(self, head: int, cap: int) -> int:
@@ -212,7 +215,10 @@ class Schedule:
             # one replenish at that moment could reach the ticket, but the filler's, sooner, take
             # snapshots that stop the head before it: two replenishes' time for each such stop
             stops = count_stops(c, self._record_lens(), head, ticket, snap.cap) if short > 0 else 0
-            return max(ts + short / snap.tpn + stops * stop_ns(snap), self._fenced_ns(ticket, ts, head, snap))
+            return max(
+                ts + short / snap.tpn + stops * stop_ns(snap),
+                self._fenced_ns(ticket, ts, head, snap),
+            )
         # the next replenish claims some time: not before now, nor before REPL_TS + 1 ns; the rest
         # then comes at the pace the head can keep (estimate_wait_ns: slower for a capacity under
         # two fill intervals, where each replenish may add only half a capacity), and each stop
@@ -227,9 +233,13 @@ class Schedule:
             # lost: counted from now, a promise would be early by as long as that replenish is in
             # coming (the filler's next tick), so it counts the filler's longest pause.
             lost = LONGEST_FILL_NS
-        return max(self._fenced_ns(ticket, ts, head, snap),
-                   max(self.clock(), ts + max(1.0, room / snap.tpn)) + lost + self.estimate_wait_ns(short - room, snap)
-                   + stops * stop_ns(snap))
+        return max(
+            self._fenced_ns(ticket, ts, head, snap),
+            max(self.clock(), ts + max(1.0, room / snap.tpn))
+            + lost
+            + self.estimate_wait_ns(short - room, snap)
+            + stops * stop_ns(snap),
+        )
 
     def _fenced_ns(self, ticket: int, ts: int, head: int, snap: Snapshot) -> float:
         """The soonest the head reaches ``ticket`` under the reservations' fences before it: each holds

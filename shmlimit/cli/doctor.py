@@ -6,6 +6,7 @@ machine only; they create nothing in shared memory and attach to no limiter.
 Their inputs (environment, paths, the file-system statistics) are parameters,
 so the tests drive them with any machine they like.
 """
+
 from __future__ import annotations
 
 import importlib
@@ -48,21 +49,41 @@ def check_backend(env: Mapping[str, str] = os.environ) -> List[Finding]:
         native_error = str(e)
     out: List[Finding] = []
     if forced and forced not in BACKENDS:
-        return [Finding(FAIL, "backend", f"SHMLIMIT_BACKEND={forced!r} is not one of {', '.join(BACKENDS)}: "
-                                         "every limiter will raise ValueError")]
+        return [
+            Finding(
+                FAIL,
+                "backend",
+                f"SHMLIMIT_BACKEND={forced!r} is not one of {', '.join(BACKENDS)}: "
+                "every limiter will raise ValueError",
+            )
+        ]
     if forced == "native" and native_error:
-        return [Finding(FAIL, "backend", f"SHMLIMIT_BACKEND=native but the C extension does not import "
-                                         f"({native_error}): every limiter will raise ImportError")]
+        return [
+            Finding(
+                FAIL,
+                "backend",
+                f"SHMLIMIT_BACKEND=native but the C extension does not import "
+                f"({native_error}): every limiter will raise ImportError",
+            )
+        ]
     if native_error is None and forced != "atomics":
-        why = "forced by SHMLIMIT_BACKEND=native" if forced else "the C extension shmlimit.shm._native is built"
+        why = (
+            "forced by SHMLIMIT_BACKEND=native"
+            if forced
+            else "the C extension shmlimit.shm._native is built"
+        )
         out.append(Finding(OK, "backend", f"native ({why}): an acquire is one C call"))
         return out
     if forced == "atomics":
-        why = "forced by SHMLIMIT_BACKEND=atomics" + ("" if native_error else " (native is built: unset it)")
+        why = "forced by SHMLIMIT_BACKEND=atomics" + (
+            "" if native_error else " (native is built: unset it)"
+        )
     else:
-        why = (f"the C extension is missing ({native_error}); shmlimit was installed from source without a "
-               f"C compiler. Install a wheel (pip install --only-binary shmlimit shmlimit) or install a "
-               f"compiler and reinstall")
+        why = (
+            f"the C extension is missing ({native_error}); shmlimit was installed from source without a "
+            f"C compiler. Install a wheel (pip install --only-binary shmlimit shmlimit) or install a "
+            f"compiler and reinstall"
+        )
     level = OK if forced == "atomics" else WARN
     out.append(Finding(level, "backend", f"atomics: {why}"))
     out.extend(_check_atomics_speed())
@@ -87,9 +108,19 @@ def _check_atomics_speed() -> List[Finding]:
         except BufferError:  # pragma: no cover
             pass
     if direct:
-        return [Finding(OK, "backend", "atomics: its native operations are called directly (~1 us each)")]
-    return [Finding(WARN, "backend", "atomics: its internals were not found, so every operation goes through its "
-                                     "Python wrapper (8-20 us each): an acquire costs ~50 us")]
+        return [
+            Finding(
+                OK, "backend", "atomics: its native operations are called directly (~1 us each)"
+            )
+        ]
+    return [
+        Finding(
+            WARN,
+            "backend",
+            "atomics: its internals were not found, so every operation goes through its "
+            "Python wrapper (8-20 us each): an acquire costs ~50 us",
+        )
+    ]
 
 
 def _mounts(path: str = "/proc/mounts") -> Dict[str, str]:
@@ -110,7 +141,11 @@ def segments_need(shm_dir: str = SHM_DIR, names: Optional[Iterable[str]] = None)
     """(limiters present, bytes they may still claim): a segment's pages are allocated when first touched."""
     count = unbacked = 0
     try:
-        entries = list(names) if names is not None else [e for e in os.listdir(shm_dir) if e.startswith(PREFIX)]
+        entries = (
+            list(names)
+            if names is not None
+            else [e for e in os.listdir(shm_dir) if e.startswith(PREFIX)]
+        )
     except OSError:
         return 0, 0
     for e in entries:
@@ -131,44 +166,94 @@ def check_shm(
 ) -> List[Finding]:
     """Is the shared-memory file system there, writable, and big enough for the limiters?"""
     if not sys.platform.startswith("linux"):
-        return [Finding(OK, "/dev/shm", f"{sys.platform}: POSIX shared memory has no file system to check here")]
+        return [
+            Finding(
+                OK,
+                "/dev/shm",
+                f"{sys.platform}: POSIX shared memory has no file system to check here",
+            )
+        ]
     mounts = _mounts() if mounts is None else mounts
     if not os.path.isdir(shm_dir):
-        return [Finding(FAIL, "/dev/shm", f"{shm_dir} does not exist: no limiter can be created "
-                                          f"(mount a tmpfs there: mount -t tmpfs tmpfs {shm_dir})")]
+        return [
+            Finding(
+                FAIL,
+                "/dev/shm",
+                f"{shm_dir} does not exist: no limiter can be created "
+                f"(mount a tmpfs there: mount -t tmpfs tmpfs {shm_dir})",
+            )
+        ]
     out: List[Finding] = []
     fstype = mounts.get(shm_dir)
     if fstype is None:
-        out.append(Finding(WARN, "/dev/shm", f"{shm_dir} is not a mount point: segments live on whatever "
-                                             f"file system holds it (a tmpfs there is expected)"))
+        out.append(
+            Finding(
+                WARN,
+                "/dev/shm",
+                f"{shm_dir} is not a mount point: segments live on whatever "
+                f"file system holds it (a tmpfs there is expected)",
+            )
+        )
     elif fstype != "tmpfs":
-        out.append(Finding(WARN, "/dev/shm", f"{shm_dir} is a {fstype}, not a tmpfs: segments may be written to disk"))
+        out.append(
+            Finding(
+                WARN,
+                "/dev/shm",
+                f"{shm_dir} is a {fstype}, not a tmpfs: segments may be written to disk",
+            )
+        )
     if not os.access(shm_dir, os.W_OK | os.X_OK):
-        out.append(Finding(FAIL, "/dev/shm", f"{shm_dir} is not writable by this user (uid {os.getuid()}): "
-                                             "no limiter can be created"))
+        out.append(
+            Finding(
+                FAIL,
+                "/dev/shm",
+                f"{shm_dir} is not writable by this user (uid {os.getuid()}): "
+                "no limiter can be created",
+            )
+        )
     st = statvfs(shm_dir)
     total = st.f_blocks * st.f_frsize
     free = st.f_bavail * st.f_frsize
     count, unbacked = segments_need(shm_dir)
     spare = SPARE_LIMITERS * L.segment_size(L.DEFAULT_SLOTS)
     need = unbacked + spare
-    summary = (f"{shm_dir}: {fstype or 'mounted'}, {free / MiB:.1f} MiB free of {total / MiB:.1f} MiB; "
-               f"{count} limiter(s) present")
+    summary = (
+        f"{shm_dir}: {fstype or 'mounted'}, {free / MiB:.1f} MiB free of {total / MiB:.1f} MiB; "
+        f"{count} limiter(s) present"
+    )
     if free < unbacked:
-        out.append(Finding(FAIL, "/dev/shm", f"{summary}, whose pages not yet allocated need {unbacked} bytes: "
-                                             f"a process touching one may be killed by SIGBUS. Free space there"))
+        out.append(
+            Finding(
+                FAIL,
+                "/dev/shm",
+                f"{summary}, whose pages not yet allocated need {unbacked} bytes: "
+                f"a process touching one may be killed by SIGBUS. Free space there",
+            )
+        )
     elif free < need:
-        out.append(Finding(WARN, "/dev/shm", f"{summary}: less than the {need} bytes they and "
-                                             f"{SPARE_LIMITERS} more limiters of the default size need"))
+        out.append(
+            Finding(
+                WARN,
+                "/dev/shm",
+                f"{summary}: less than the {need} bytes they and "
+                f"{SPARE_LIMITERS} more limiters of the default size need",
+            )
+        )
     else:
         out.append(Finding(OK, "/dev/shm", summary))
     if in_container is None:
         in_container = os.path.exists("/.dockerenv") or os.path.exists("/run/.containerenv")
     if total <= DOCKER_DEFAULT_SHM:
         where = "this container's" if in_container else "this"
-        out.append(Finding(WARN, "/dev/shm", f"{where} /dev/shm is {total / MiB:.0f} MiB, Docker's default size: "
-                                             "other programs (browsers, PyTorch DataLoader, Postgres) share it; "
-                                             "run the container with --shm-size=256m or more"))
+        out.append(
+            Finding(
+                WARN,
+                "/dev/shm",
+                f"{where} /dev/shm is {total / MiB:.0f} MiB, Docker's default size: "
+                "other programs (browsers, PyTorch DataLoader, Postgres) share it; "
+                "run the container with --shm-size=256m or more",
+            )
+        )
     return out
 
 
@@ -185,19 +270,35 @@ def check_machine(
     except OSError:
         source = None
     if source in SLOW_CLOCKSOURCES:
-        out.append(Finding(WARN, "clock", f"clock source {source}: every clock read is a system call, so "
-                                          "replenishing and waiting cost microseconds more (tsc is the fast one)"))
+        out.append(
+            Finding(
+                WARN,
+                "clock",
+                f"clock source {source}: every clock read is a system call, so "
+                "replenishing and waiting cost microseconds more (tsc is the fast one)",
+            )
+        )
     elif source:
         out.append(Finding(OK, "clock", f"clock source {source}"))
     cpus = os.cpu_count() if cpus is None else cpus
     if cpus is not None and cpus < 2:
-        out.append(Finding(WARN, "cpu", "one CPU: the filler thread and the waiters take turns with the work; "
-                                        "expect more lateness"))
+        out.append(
+            Finding(
+                WARN,
+                "cpu",
+                "one CPU: the filler thread and the waiters take turns with the work; "
+                "expect more lateness",
+            )
+        )
     try:
         with open(timerslack_path) as f:
             slack = int(f.read().strip())
         level = OK if slack <= 50_000 else WARN
-        out.append(Finding(level, "timers", f"timer slack {slack / 1000:g} us: sleeps may end that much late"))
+        out.append(
+            Finding(
+                level, "timers", f"timer slack {slack / 1000:g} us: sleeps may end that much late"
+            )
+        )
     except (OSError, ValueError):
         pass
     return out
@@ -227,16 +328,34 @@ def check_segments(shm_dir: str = SHM_DIR, names: Optional[List[str]] = None) ->
             (unused if getattr(s, "kind", "") in ("keyed", "windows") else stale).append(n)
     out = []
     if stale:
-        out.append(Finding(WARN, "limiters", f"{len(stale)} limiter(s) no live process uses "
-                                             f"({', '.join(stale[:5])}{', ...' if len(stale) > 5 else ''}): "
-                                             "'shmlimit gc' removes them"))
+        out.append(
+            Finding(
+                WARN,
+                "limiters",
+                f"{len(stale)} limiter(s) no live process uses "
+                f"({', '.join(stale[:5])}{', ...' if len(stale) > 5 else ''}): "
+                "'shmlimit gc' removes them",
+            )
+        )
     if unused:
-        out.append(Finding(WARN, "limiters", f"{len(unused)} keyed table(s) no live process uses "
-                                             f"({', '.join(unused[:5])}{', ...' if len(unused) > 5 else ''}): "
-                                             "'shmlimit unlink NAME' removes one"))
+        out.append(
+            Finding(
+                WARN,
+                "limiters",
+                f"{len(unused)} keyed table(s) no live process uses "
+                f"({', '.join(unused[:5])}{', ...' if len(unused) > 5 else ''}): "
+                "'shmlimit unlink NAME' removes one",
+            )
+        )
     if unreadable:
-        out.append(Finding(WARN, "limiters", f"{len(unreadable)} segment(s) this user cannot read or that are "
-                                             f"not valid limiters: {', '.join(unreadable[:5])}"))
+        out.append(
+            Finding(
+                WARN,
+                "limiters",
+                f"{len(unreadable)} segment(s) this user cannot read or that are "
+                f"not valid limiters: {', '.join(unreadable[:5])}",
+            )
+        )
     if not out:
         out.append(Finding(OK, "limiters", f"{len(names)} limiter(s), all in use"))
     return out
@@ -244,7 +363,11 @@ def check_segments(shm_dir: str = SHM_DIR, names: Optional[List[str]] = None) ->
 
 def run_all() -> List[Finding]:
     return [
-        Finding(OK, "python", f"Python {platform.python_version()} on {platform.machine()} {platform.system()}"),
+        Finding(
+            OK,
+            "python",
+            f"Python {platform.python_version()} on {platform.machine()} {platform.system()}",
+        ),
         *check_backend(),
         *check_shm(),
         *check_machine(),

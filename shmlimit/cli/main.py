@@ -3,6 +3,7 @@
 User mistakes (an unknown name, a bad rate) print one clear line on stderr and
 exit with status 2; they never print a traceback.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -14,17 +15,17 @@ import time
 from dataclasses import asdict
 from typing import Callable, Iterator, Optional, Sequence, Tuple
 
+from shmlimit.attachment import collect
+from shmlimit.cli.top import printable
+from shmlimit.cli.top import run as run_top
 from shmlimit.config import parse_spec
 from shmlimit.errors import ShmlimitError
 from shmlimit.keyed.stats import KeyedStats
 from shmlimit.kinds import inspect
-from shmlimit.attachment import collect
 from shmlimit.limiter import Limiter, unlink
 from shmlimit.rate_group import parse_rates
 from shmlimit.shm.segment import scan
 from shmlimit.stats import Stats
-from shmlimit.cli.top import printable
-from shmlimit.cli.top import run as run_top
 
 
 class UserError(Exception):
@@ -178,15 +179,23 @@ def cmd_list(args: argparse.Namespace) -> int:
     print(f"{'name':24} {'rate':>12} {'capacity':>9} {'available':>10} {'grants':>10} {'procs':>5}")
     for n, s in _inspected(names, lambda n, e: print(printable(f"{n:24} unreadable: {e}"))):
         alive = sum(p.alive for p in s.processes)
-        if isinstance(s, KeyedStats) and s.kind == "windows":  # a limits storage: no rate of its own
+        if (
+            isinstance(s, KeyedStats) and s.kind == "windows"
+        ):  # a limits storage: no rate of its own
             keys = f"{s.keys}/{s.slots} keys"
-            print(f"{n:24} {'windows':>12} {'-':>9} {keys:>10} {s.grants:>10} {alive:>5}  limits storage (grants: hits)")
+            print(
+                f"{n:24} {'windows':>12} {'-':>9} {keys:>10} {s.grants:>10} {alive:>5}  limits storage (grants: hits)"
+            )
             continue
         if isinstance(s, KeyedStats):  # per key: the table's fill instead of one bucket's level
             keys = f"{s.keys}/{s.slots} keys"
-            print(f"{n:24} {s.rate:>8g}/{s.per:g}s {s.capacity:>9g} {keys:>10} {s.grants:>10} {alive:>5}  keyed")
+            print(
+                f"{n:24} {s.rate:>8g}/{s.per:g}s {s.capacity:>9g} {keys:>10} {s.grants:>10} {alive:>5}  keyed"
+            )
             continue
-        print(f"{n:24} {s.rate:>8g}/{s.per:g}s {s.capacity:>9g} {s.available:>10.1f} {s.grants:>10} {alive:>5}")
+        print(
+            f"{n:24} {s.rate:>8g}/{s.per:g}s {s.capacity:>9g} {s.available:>10.1f} {s.grants:>10} {alive:>5}"
+        )
     return 0
 
 
@@ -196,7 +205,11 @@ def cmd_inspect(args: argparse.Namespace) -> int:
         print(json.dumps(_stats_dict(s)))
         return 0
     # a table of window counters has no rate, capacity or overrides of its own: not shown as zeros
-    hidden = {"processes"} | ({"rate", "per", "capacity", "overrides", "override_slots"} if getattr(s, "kind", "") == "windows" else set())
+    hidden = {"processes"} | (
+        {"rate", "per", "capacity", "overrides", "override_slots"}
+        if getattr(s, "kind", "") == "windows"
+        else set()
+    )
     for k, v in _stats_dict(s).items():
         if k not in hidden:
             print(printable(f"{k:20} {v}"))
@@ -205,7 +218,11 @@ def cmd_inspect(args: argparse.Namespace) -> int:
         if isinstance(s, KeyedStats):
             print(f"  pid {p.pid:>8}  grants {p.grants:>10}  {'alive' if p.alive else 'dead'}")
             continue
-        flags = ("alive" if p.alive else "dead") + (" filler" if p.filler else "") + (" waiting" if p.waiting else "")
+        flags = (
+            ("alive" if p.alive else "dead")
+            + (" filler" if p.filler else "")
+            + (" waiting" if p.waiting else "")
+        )
         print(f"  pid {p.pid:>8}  grants {p.grants:>10}  {flags}")
     return 0
 
@@ -213,18 +230,31 @@ def cmd_inspect(args: argparse.Namespace) -> int:
 def cmd_create(args: argparse.Namespace) -> int:
     if args.rates is not None:  # several rates: one segment each, NAME.KEY (see multirate)
         if args.per != 1.0 or args.burst is not None:
-            raise UserError("--per and --burst go with --rate; with --rates each item carries its window "
-                            "and its burst: 'requests=500/min; tokens=200K/min burst=20K'")
-        multi = Limiter(args.name, rates=args.rates, mode=int(args.mode, 8), trusted_uids=args.trust_uid)
+            raise UserError(
+                "--per and --burst go with --rate; with --rates each item carries its window "
+                "and its burst: 'requests=500/min; tokens=200K/min burst=20K'"
+            )
+        multi = Limiter(
+            args.name, rates=args.rates, mode=int(args.mode, 8), trusted_uids=args.trust_uid
+        )
         try:
             created, configs = multi.created, multi.configs
             for key in multi.keys:
-                print(printable(f"{'created' if created[key] else 'exists'}: {args.name}.{key} {configs[key].describe()}"))
+                print(
+                    printable(
+                        f"{'created' if created[key] else 'exists'}: {args.name}.{key} {configs[key].describe()}"
+                    )
+                )
         finally:
             multi.close()
         return 0
     lim = Limiter(
-        args.name, rate=args.rate, per=args.per, burst=args.burst, mode=int(args.mode, 8), trusted_uids=args.trust_uid
+        args.name,
+        rate=args.rate,
+        per=args.per,
+        burst=args.burst,
+        mode=int(args.mode, 8),
+        trusted_uids=args.trust_uid,
     )
     print(f"{'created' if lim.created else 'exists'}: {args.name} {lim.config.describe()}")
     lim.close()
@@ -242,7 +272,9 @@ def cmd_set_rate(args: argparse.Namespace) -> int:
         if spec.verb == "stop":
             lim.stop()
         else:
-            lim.set_rate(spec.rate, per=spec.per_with(args.per, "--per"), burst=args.burst, ratio=spec.ratio)
+            lim.set_rate(
+                spec.rate, per=spec.per_with(args.per, "--per"), burst=args.burst, ratio=spec.ratio
+            )
             if spec.verb == "start":
                 lim.start()
             elif spec.verb == "restart":
@@ -294,7 +326,11 @@ def _serve_metrics(names, host: str, port: int) -> int:
             if path == "/metrics":
                 body, ctype, code = _exposition(names).encode(), CONTENT_TYPE, 200
             elif path == "/":
-                body, ctype, code = b"shmlimit metrics: see /metrics\n", "text/plain; charset=utf-8", 200
+                body, ctype, code = (
+                    b"shmlimit metrics: see /metrics\n",
+                    "text/plain; charset=utf-8",
+                    200,
+                )
             else:
                 body, ctype, code = b"not found\n", "text/plain; charset=utf-8", 404
             self.send_response(code)
@@ -328,13 +364,21 @@ def cmd_gc(args: argparse.Namespace) -> int:
     names, bad = scan()
     for n in bad:
         print(printable(f"left alone ({BAD_NAME}): {n!r}"))
-    for n, s in _inspected(names, lambda n, e: print(printable(f"left alone (unreadable): {n}: {e}"))):
+    for n, s in _inspected(
+        names, lambda n, e: print(printable(f"left alone (unreadable): {n}: {e}"))
+    ):
         if any(p.alive for p in s.processes):
             kept += 1
             continue
-        if isinstance(s, KeyedStats):  # its openers do not check for a collector: removing it could orphan one
+        if isinstance(
+            s, KeyedStats
+        ):  # its openers do not check for a collector: removing it could orphan one
             what = "a table of window counters" if s.kind == "windows" else "a keyed limiter"
-            print(printable(f"left alone ({what}, no live process: 'shmlimit unlink {n}' removes it): {n}"))
+            print(
+                printable(
+                    f"left alone ({what}, no live process: 'shmlimit unlink {n}' removes it): {n}"
+                )
+            )
             kept += 1
             continue
         if args.dry_run:
@@ -412,15 +456,28 @@ def _rates(text: str) -> str:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="shmlimit", description="Rate limits shared by processes through shared memory.")
+    p = argparse.ArgumentParser(
+        prog="shmlimit", description="Rate limits shared by processes through shared memory."
+    )
     sub = p.add_subparsers(dest="command", metavar="COMMAND")
     sub.required = True
 
-    d = sub.add_parser("demo", help="pool workers sharing one rate: live progress, then achieved vs target")
+    d = sub.add_parser(
+        "demo", help="pool workers sharing one rate: live progress, then achieved vs target"
+    )
     d.add_argument("--workers", type=_positive(int), default=4, help="worker processes (default 4)")
-    d.add_argument("--rate", type=_positive(float), default=200.0, help="shared ops per second (default 200)")
-    d.add_argument("--burst", type=_positive(float), default=None, help="capacity in ops (default: 10 ms of rate)")
-    d.add_argument("--seconds", type=_positive(float), default=5.0, help="how long to run (default 5)")
+    d.add_argument(
+        "--rate", type=_positive(float), default=200.0, help="shared ops per second (default 200)"
+    )
+    d.add_argument(
+        "--burst",
+        type=_positive(float),
+        default=None,
+        help="capacity in ops (default: 10 ms of rate)",
+    )
+    d.add_argument(
+        "--seconds", type=_positive(float), default=5.0, help="how long to run (default 5)"
+    )
     d.add_argument("--start-method", choices=["fork", "spawn", "forkserver"], default="fork")
     d.set_defaults(func=cmd_demo)
 
@@ -430,21 +487,37 @@ def build_parser() -> argparse.ArgumentParser:
 
     i = sub.add_parser("inspect", help="one limiter's live state")
     i.add_argument("name")
-    i.add_argument("--json", action="store_true", help="one JSON object (the fields of shmlimit.Stats)")
+    i.add_argument(
+        "--json", action="store_true", help="one JSON object (the fields of shmlimit.Stats)"
+    )
     i.set_defaults(func=cmd_inspect)
 
     c = sub.add_parser("create", help="create a limiter (or check that it exists with this config)")
     c.add_argument("name")
     which = c.add_mutually_exclusive_group(required=True)
-    which.add_argument("--rate", type=_spec, help="ops per --per seconds, a rate string like 10/s, 50/5s or 200K/min, or a spec like 12K,1.1")
-    which.add_argument("--rates", type=_rates, metavar="'R1; R2'",
-                       help="several rates taken together, one segment each (NAME.0, NAME.1 or NAME.KEY): "
-                            "'5000/h; 100/min' or 'requests=500/min; tokens=200K/min burst=20K'")
+    which.add_argument(
+        "--rate",
+        type=_spec,
+        help="ops per --per seconds, a rate string like 10/s, 50/5s or 200K/min, or a spec like 12K,1.1",
+    )
+    which.add_argument(
+        "--rates",
+        type=_rates,
+        metavar="'R1; R2'",
+        help="several rates taken together, one segment each (NAME.0, NAME.1 or NAME.KEY): "
+        "'5000/h; 100/min' or 'requests=500/min; tokens=200K/min burst=20K'",
+    )
     c.add_argument("--per", type=_positive(float), default=1.0, help="seconds (default 1)")
     c.add_argument("--burst", type=_positive(float), default=None, help="capacity in ops")
     c.add_argument("--mode", default="600", help="permission bits in octal (default 600)")
-    c.add_argument("--trust-uid", type=int, action="append", default=[], metavar="UID",
-                   help="accept an existing segment owned by this uid (repeatable)")
+    c.add_argument(
+        "--trust-uid",
+        type=int,
+        action="append",
+        default=[],
+        metavar="UID",
+        help="accept an existing segment owned by this uid (repeatable)",
+    )
     c.set_defaults(func=cmd_create)
 
     r = sub.add_parser(
@@ -452,25 +525,64 @@ def build_parser() -> argparse.ArgumentParser:
         help="change a live limiter in every process: rate[,ratio][,verb] with verb configure|start|restart|stop",
     )
     r.add_argument("name")
-    r.add_argument("spec", type=_spec, help="e.g. 12000, 200K/min, 12K,1.1 or 12K,1.1,restart or 0,stop")
-    r.add_argument("--per", type=_positive(float), default=None, help="seconds (default: unchanged)")
-    r.add_argument("--burst", type=_positive(float), default=None, help="capacity in ops (default: 10 ms of the rate)")
-    r.add_argument("--mode", default="600", help="the group/other write bits the segment may have, octal (default 600)")
-    r.add_argument("--trust-uid", type=int, action="append", default=[], metavar="UID",
-                   help="accept a segment owned by this uid (repeatable)")
+    r.add_argument(
+        "spec", type=_spec, help="e.g. 12000, 200K/min, 12K,1.1 or 12K,1.1,restart or 0,stop"
+    )
+    r.add_argument(
+        "--per", type=_positive(float), default=None, help="seconds (default: unchanged)"
+    )
+    r.add_argument(
+        "--burst",
+        type=_positive(float),
+        default=None,
+        help="capacity in ops (default: 10 ms of the rate)",
+    )
+    r.add_argument(
+        "--mode",
+        default="600",
+        help="the group/other write bits the segment may have, octal (default 600)",
+    )
+    r.add_argument(
+        "--trust-uid",
+        type=int,
+        action="append",
+        default=[],
+        metavar="UID",
+        help="accept a segment owned by this uid (repeatable)",
+    )
     r.set_defaults(func=cmd_set_rate)
 
-    t = sub.add_parser("top", help="the live view of every limiter (or the ones named), refreshing in place")
+    t = sub.add_parser(
+        "top", help="the live view of every limiter (or the ones named), refreshing in place"
+    )
     t.add_argument("names", nargs="*", metavar="NAME")
-    t.add_argument("--interval", type=_positive(float), default=1.0, help="seconds between refreshes (default 1)")
-    t.add_argument("--once", action="store_true", help="print one snapshot (rates over one interval) and exit")
+    t.add_argument(
+        "--interval",
+        type=_positive(float),
+        default=1.0,
+        help="seconds between refreshes (default 1)",
+    )
+    t.add_argument(
+        "--once", action="store_true", help="print one snapshot (rates over one interval) and exit"
+    )
     t.add_argument("--json", action="store_true", help="one JSON object per refresh, one per line")
     t.set_defaults(func=cmd_top)
 
-    m = sub.add_parser("metrics", help="Prometheus text exposition of every limiter (or the ones named)")
+    m = sub.add_parser(
+        "metrics", help="Prometheus text exposition of every limiter (or the ones named)"
+    )
     m.add_argument("names", nargs="*", metavar="NAME")
-    m.add_argument("--port", type=int, default=None, help="serve /metrics on this port instead of printing (0: any free port)")
-    m.add_argument("--bind", default="127.0.0.1", help="address to serve on (default 127.0.0.1; 0.0.0.0 for every interface)")
+    m.add_argument(
+        "--port",
+        type=int,
+        default=None,
+        help="serve /metrics on this port instead of printing (0: any free port)",
+    )
+    m.add_argument(
+        "--bind",
+        default="127.0.0.1",
+        help="address to serve on (default 127.0.0.1; 0.0.0.0 for every interface)",
+    )
     m.set_defaults(func=cmd_metrics)
 
     g = sub.add_parser("gc", help="remove segments that no live process is attached to")
@@ -478,7 +590,8 @@ def build_parser() -> argparse.ArgumentParser:
     g.set_defaults(func=cmd_gc)
 
     dr = sub.add_parser(
-        "doctor", help="which backend is in use and why, /dev/shm's space, and what else would make shmlimit slow or fail"
+        "doctor",
+        help="which backend is in use and why, /dev/shm's space, and what else would make shmlimit slow or fail",
     )
     dr.add_argument("--json", action="store_true", help="one JSON array of findings")
     dr.set_defaults(func=cmd_doctor)

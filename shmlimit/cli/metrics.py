@@ -19,6 +19,7 @@ A table of window counters (the ``limits`` storage ``shm://``) has no rate of
 its own: it gets grants (the hits its users counted), processes and the
 ``shmlimit_keyed_*`` families but overrides, never a rate or capacity of 0.
 """
+
 from __future__ import annotations
 
 import math
@@ -28,8 +29,8 @@ from typing import Iterable, List, Optional, Sequence, Tuple, Union
 from shmlimit.errors import ShmlimitError
 from shmlimit.keyed.stats import KeyedStats
 from shmlimit.kinds import inspect
-from shmlimit.stats import Stats
 from shmlimit.shm.segment import list_names
+from shmlimit.stats import Stats
 
 #: ``Content-Type`` of the text exposition format.
 CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
@@ -53,10 +54,30 @@ class Family:
 
 # (name, type, help, value of a Stats or None to leave the sample out)
 _LIMITER_METRICS = (
-    ("shmlimit_grants", "counter", "Ops granted by every process that ever attached.", lambda s: s.grants),
-    ("shmlimit_rate_ops_per_second", "gauge", "The configured rate, in ops per second.", lambda s: s.rate / s.per),
-    ("shmlimit_capacity_ops", "gauge", "The bucket's capacity (burst), in ops.", lambda s: s.capacity),
-    ("shmlimit_available_ops", "gauge", "Ops that could be granted at once.", lambda s: s.available),
+    (
+        "shmlimit_grants",
+        "counter",
+        "Ops granted by every process that ever attached.",
+        lambda s: s.grants,
+    ),
+    (
+        "shmlimit_rate_ops_per_second",
+        "gauge",
+        "The configured rate, in ops per second.",
+        lambda s: s.rate / s.per,
+    ),
+    (
+        "shmlimit_capacity_ops",
+        "gauge",
+        "The bucket's capacity (burst), in ops.",
+        lambda s: s.capacity,
+    ),
+    (
+        "shmlimit_available_ops",
+        "gauge",
+        "Ops that could be granted at once.",
+        lambda s: s.available,
+    ),
     ("shmlimit_deficiency_ops", "gauge", "Ops owed to queued callers.", lambda s: s.deficiency),
     (
         "shmlimit_deficiency_seconds",
@@ -94,18 +115,53 @@ _LIMITER_METRICS = (
         "Seconds since the filler last renewed its lease; absent while no process holds a live lease.",
         lambda s: s.heartbeat_age,
     ),
-    ("shmlimit_stopped", "gauge", "1 while the limiter is paused by stop().", lambda s: int(s.stopped)),
+    (
+        "shmlimit_stopped",
+        "gauge",
+        "1 while the limiter is paused by stop().",
+        lambda s: int(s.stopped),
+    ),
 )
 
 # hierarchical limiters only: (name, type, help, UpstreamStats attribute)
 _UPSTREAM_METRICS = (
-    ("shmlimit_upstream_round_trips", "counter", "Redis round trips by this host's fillers.", "round_trips"),
-    ("shmlimit_upstream_leases", "counter", "Successful lease requests to the global Redis limiter.", "leases"),
-    ("shmlimit_upstream_leased_ops", "counter", "Ops leased from the global Redis limiter.", "leased"),
-    ("shmlimit_upstream_expired_ops", "counter", "Leased ops never used (void after their ttl, or reserved by a process that closed).", "expired"),
-    ("shmlimit_upstream_refused_ops", "counter", "Ops asked for that the global limiter had not available.", "refused"),
+    (
+        "shmlimit_upstream_round_trips",
+        "counter",
+        "Redis round trips by this host's fillers.",
+        "round_trips",
+    ),
+    (
+        "shmlimit_upstream_leases",
+        "counter",
+        "Successful lease requests to the global Redis limiter.",
+        "leases",
+    ),
+    (
+        "shmlimit_upstream_leased_ops",
+        "counter",
+        "Ops leased from the global Redis limiter.",
+        "leased",
+    ),
+    (
+        "shmlimit_upstream_expired_ops",
+        "counter",
+        "Leased ops never used (void after their ttl, or reserved by a process that closed).",
+        "expired",
+    ),
+    (
+        "shmlimit_upstream_refused_ops",
+        "counter",
+        "Ops asked for that the global limiter had not available.",
+        "refused",
+    ),
     ("shmlimit_upstream_errors", "counter", "Redis calls that failed.", "errors"),
-    ("shmlimit_upstream_fallbacks", "counter", "Times a fallback was entered while Redis was unreachable.", "fallbacks"),
+    (
+        "shmlimit_upstream_fallbacks",
+        "counter",
+        "Times a fallback was entered while Redis was unreachable.",
+        "fallbacks",
+    ),
 )
 
 
@@ -115,7 +171,12 @@ AnyStats = Union[Stats, KeyedStats]
 _KEYED_METRICS = (
     ("shmlimit_keyed_keys", "gauge", "Keys live in the table now.", "keys"),
     ("shmlimit_keyed_slots", "gauge", "Key slots in the table.", "slots"),
-    ("shmlimit_keyed_evictions", "counter", "Keys whose slot was reused after their bucket was full again.", "evicted"),
+    (
+        "shmlimit_keyed_evictions",
+        "counter",
+        "Keys whose slot was reused after their bucket was full again.",
+        "evicted",
+    ),
     (
         "shmlimit_keyed_refusals",
         "counter",
@@ -125,7 +186,12 @@ _KEYED_METRICS = (
     ("shmlimit_keyed_overrides", "gauge", "Keys with a rate of their own.", "overrides"),
 )
 # the families keyed limiters share with the others; tables of window counters share fewer
-_SHARED = {"shmlimit_grants", "shmlimit_rate_ops_per_second", "shmlimit_capacity_ops", "shmlimit_processes"}
+_SHARED = {
+    "shmlimit_grants",
+    "shmlimit_rate_ops_per_second",
+    "shmlimit_capacity_ops",
+    "shmlimit_processes",
+}
 _SHARED_WINDOWS = {"shmlimit_grants", "shmlimit_processes"}
 _NOT_WINDOWS = {"shmlimit_keyed_overrides"}
 
@@ -137,9 +203,14 @@ def snapshots(names: Optional[Sequence[str]] = None) -> Tuple[List[AnyStats], Li
     for name in list_names() if names is None else names:
         try:
             stats.append(inspect(name))
-        except FileNotFoundError:  # unlinked since listed, or named and not (yet) created: no samples
+        except (
+            FileNotFoundError
+        ):  # unlinked since listed, or named and not (yet) created: no samples
             continue
-        except (ShmlimitError, OSError):  # gone since listed, foreign, corrupt, not ours: counted, never fatal
+        except (
+            ShmlimitError,
+            OSError,
+        ):  # gone since listed, foreign, corrupt, not ours: counted, never fatal
             unreadable.append(name)
     return stats, unreadable
 

@@ -16,6 +16,7 @@ and ``command``), plus ``grants_per_second`` (over the last interval),
 live process attached); or, for a segment that cannot be read, just
 ``name`` and ``error``.
 """
+
 from __future__ import annotations
 
 import json
@@ -49,7 +50,9 @@ def printable(text: str) -> str:
     """
     if text.isprintable():
         return text
-    return "".join(ch if ch.isprintable() else ch.encode("unicode_escape").decode("ascii") for ch in text)
+    return "".join(
+        ch if ch.isprintable() else ch.encode("unicode_escape").decode("ascii") for ch in text
+    )
 
 
 def sparkline(values: Sequence[float]) -> str:
@@ -59,7 +62,9 @@ def sparkline(values: Sequence[float]) -> str:
     top = max(values)
     if top <= 0:
         return SPARKS[0] * len(values)
-    return "".join(SPARKS[min(len(SPARKS) - 1, int(v / top * (len(SPARKS) - 1) + 0.5))] for v in values)
+    return "".join(
+        SPARKS[min(len(SPARKS) - 1, int(v / top * (len(SPARKS) - 1) + 0.5))] for v in values
+    )
 
 
 _commands: Dict[Tuple[int, bool], str] = {}
@@ -119,7 +124,9 @@ class Inspector:
     def _windows(self, name: str) -> List[dict]:
         """The fullest windows (by count) among the next KEY_SAMPLE slots: those now counting."""
         found, self.cursor[name] = sample_windows(name, self.cursor.get(name, 0), KEY_SAMPLE)
-        return [asdict(w) for w in sorted(found, key=lambda w: (-w.count, -w.previous, w.key))[:BUSIEST]]
+        return [
+            asdict(w) for w in sorted(found, key=lambda w: (-w.count, -w.previous, w.key))[:BUSIEST]
+        ]
 
     def _record(self, name: str, s: "Stats | KeyedStats", now: float) -> dict:
         d = asdict(s)
@@ -146,7 +153,10 @@ class Inspector:
 
 def render(records: List[dict], interval: float) -> str:
     """The live view as text."""
-    lines = [f"shmlimit top — {time.strftime('%H:%M:%S')}, every {interval:g} s, {len(records)} limiter(s)", ""]
+    lines = [
+        f"shmlimit top — {time.strftime('%H:%M:%S')}, every {interval:g} s, {len(records)} limiter(s)",
+        "",
+    ]
     if not records:
         lines.append("no shmlimit limiters on this machine")
     for r in records:
@@ -160,7 +170,9 @@ def render(records: List[dict], interval: float) -> str:
         if r.get("kind") == "windows":
             lines.extend(_render_windows(r))
             continue
-        rate = f"{r['rate']:g}/{r['per']:g}s" + (f" ratio {r['ratio']:g}" if r["ratio"] != 1.0 else "")
+        rate = f"{r['rate']:g}/{r['per']:g}s" + (
+            f" ratio {r['ratio']:g}" if r["ratio"] != 1.0 else ""
+        )
         flags = " STOPPED" if r["stopped"] else ""
         flags += " STALE (no live process)" if r["stale"] else ""
         gps = r["grants_per_second"]
@@ -199,8 +211,10 @@ def _printable(text: str) -> str:
 
 def _render_keyed(r: dict) -> List[str]:
     out = _keyed_head(
-        r, f"keyed: rate {r['rate']:g}/{r['per']:g}s capacity {r['capacity']:g} per key",
-        f"overrides {r['overrides']}/{r['override_slots']}  grants {r['grants']}", "grants/s",
+        r,
+        f"keyed: rate {r['rate']:g}/{r['per']:g}s capacity {r['capacity']:g} per key",
+        f"overrides {r['overrides']}/{r['override_slots']}  grants {r['grants']}",
+        "grants/s",
     )
     if r.get("busiest"):
         out.append(f"  {'busiest keys':28} {'grants':>10}  limited for")
@@ -212,7 +226,10 @@ def _render_keyed(r: dict) -> List[str]:
 def _render_windows(r: dict) -> List[str]:
     """A table of window counters (the ``limits`` storage ``shm://``): it has no rate of its own."""
     out = _keyed_head(
-        r, f"windows: a limits storage (shm://{r['name']}), the limits are its users'", f"hits {r['grants']}", "hits/s"
+        r,
+        f"windows: a limits storage (shm://{r['name']}), the limits are its users'",
+        f"hits {r['grants']}",
+        "hits/s",
     )
     if r.get("windows"):
         out.append(f"  {'fullest windows':40} {'strategy':8} {'count':>8} {'previous':>8}  ends in")
@@ -239,7 +256,9 @@ def _process_lines(r: dict, counted: str) -> List[str]:
     """A keyed segment's process table: each user's pid, command, liveness and ops (``counted``)."""
     out = [f"  {'pid':>8} {'command':16} {'state':6} {counted:>10}"]
     for p in r["processes"]:
-        out.append(f"  {p['pid']:>8} {p['command'][:16]:16} {'alive' if p['alive'] else 'DEAD':6} {p['grants']:>10}")
+        out.append(
+            f"  {p['pid']:>8} {p['command'][:16]:16} {'alive' if p['alive'] else 'DEAD':6} {p['grants']:>10}"
+        )
     out.append("")
     return out
 
@@ -255,7 +274,10 @@ def run(names: Optional[List[str]], interval: float, once: bool, as_json: bool, 
             time.sleep(interval)
             records = insp.sample()
             if as_json:
-                out.write(json.dumps({"time": time.time(), "interval": interval, "limiters": records}) + "\n")
+                out.write(
+                    json.dumps({"time": time.time(), "interval": interval, "limiters": records})
+                    + "\n"
+                )
             else:
                 out.write((CLEAR if tty else "") + render(records, interval))
             out.flush()
@@ -263,4 +285,3 @@ def run(names: Optional[List[str]], interval: float, once: bool, as_json: bool, 
                 return 0
     except KeyboardInterrupt:
         return 0
-

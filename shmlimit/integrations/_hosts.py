@@ -11,6 +11,7 @@ undo afterwards (a process that dies while paused leaves nothing stuck).  The
 reserved ops count as grants.  Several processes told at once push together
 only up to the longest ``Retry-After`` (plus at most one capacity each).
 """
+
 from __future__ import annotations
 
 import email.utils
@@ -60,7 +61,9 @@ def parse_retry_after(value: Optional[str], now: Optional[float] = None) -> Opti
 def _statuses(pause_on: Any) -> frozenset:
     """``pause_on`` as a set of HTTP statuses (ints 100-599), or an error naming it."""
     if isinstance(pause_on, (str, bytes)) or not hasattr(pause_on, "__iter__"):
-        raise TypeError(f"pause_on must be an iterable of HTTP statuses (ints 100-599), got {pause_on!r}")
+        raise TypeError(
+            f"pause_on must be an iterable of HTTP statuses (ints 100-599), got {pause_on!r}"
+        )
     out = frozenset(pause_on)
     for s in out:
         if isinstance(s, bool) or not isinstance(s, int) or not 100 <= s <= 599:
@@ -90,15 +93,27 @@ class HostThrottle:
     ) -> None:
         for attr in ("acquire", "reserve", "retry_after", "capacity", "rate", "per"):
             if not hasattr(limiter, attr):
-                raise TypeError(f"limiter must be a shmlimit Limiter or KeyedLimiter, got {limiter!r}")
+                raise TypeError(
+                    f"limiter must be a shmlimit Limiter or KeyedLimiter, got {limiter!r}"
+                )
         if key is not None and not callable(key):
             raise TypeError(f"key must be a callable (url) -> str or None, got {key!r}")
         if max_wait is not None and (
-            isinstance(max_wait, bool) or not isinstance(max_wait, (int, float)) or not 0 <= max_wait
+            isinstance(max_wait, bool)
+            or not isinstance(max_wait, (int, float))
+            or not 0 <= max_wait
         ):
-            raise ValueError(f"max_wait must be None (wait as long as needed) or seconds >= 0, got {max_wait!r}")
-        if isinstance(max_pause, bool) or not isinstance(max_pause, (int, float)) or not 0 <= max_pause < math.inf:
-            raise ValueError(f"max_pause must be a finite number of seconds >= 0, got {max_pause!r}")
+            raise ValueError(
+                f"max_wait must be None (wait as long as needed) or seconds >= 0, got {max_wait!r}"
+            )
+        if (
+            isinstance(max_pause, bool)
+            or not isinstance(max_pause, (int, float))
+            or not 0 <= max_pause < math.inf
+        ):
+            raise ValueError(
+                f"max_pause must be a finite number of seconds >= 0, got {max_pause!r}"
+            )
         self.limiter = limiter
         self.keyed = isinstance(limiter, KeyedLimiter)
         self.key = key
@@ -135,7 +150,9 @@ class HostThrottle:
 
     def _refused(self, args: Tuple[Any, ...]) -> RateLimited:
         name = getattr(self.limiter, "name", "?")
-        return RateLimited(name if not args else f"{name}[{args[0]}]", self.limiter.retry_after(*args, 1))
+        return RateLimited(
+            name if not args else f"{name}[{args[0]}]", self.limiter.retry_after(*args, 1)
+        )
 
     def before(self, args: Tuple[Any, ...]) -> None:
         """Take the request's op, waiting (blocking) at most ``max_wait``; raise ``RateLimited`` past it."""
@@ -146,7 +163,9 @@ class HostThrottle:
         if not await self.limiter.acquire_async(*args, 1, timeout=self.max_wait):
             raise self._refused(args)
 
-    def after(self, args: Tuple[Any, ...], status: int, retry_after: Optional[str]) -> Optional[float]:
+    def after(
+        self, args: Tuple[Any, ...], status: int, retry_after: Optional[str]
+    ) -> Optional[float]:
         """React to a response: on a pausing status with ``Retry-After``, pause the host; the pause (s) or None."""
         if status not in self.pause_on:
             return None

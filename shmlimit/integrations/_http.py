@@ -14,6 +14,7 @@ seconds with ``w`` the smallest whole window at least ``per`` in which at least
 one op fits, and ``q`` rounded down, so the policy never promises more than
 the limiter grants.
 """
+
 from __future__ import annotations
 
 import math
@@ -65,23 +66,41 @@ def ascii_headers(headers: List[Tuple[str, str]]) -> List[Tuple[bytes, bytes]]:
 class Policy:
     """One limiter seen through HTTP: grant, refuse, and the header values of either."""
 
-    def __init__(self, limiter: Any, key: Optional[KeyFunc], cost: CostArg, max_wait: float, name: str) -> None:
+    def __init__(
+        self, limiter: Any, key: Optional[KeyFunc], cost: CostArg, max_wait: float, name: str
+    ) -> None:
         if not _POLICY_RE.fullmatch(name):
-            raise ValueError(f"policy must be 1-64 letters, digits or _.:/+- (a header token), got {name!r}")
-        if isinstance(max_wait, bool) or not isinstance(max_wait, (int, float)) or not 0 <= max_wait < math.inf:
+            raise ValueError(
+                f"policy must be 1-64 letters, digits or _.:/+- (a header token), got {name!r}"
+            )
+        if (
+            isinstance(max_wait, bool)
+            or not isinstance(max_wait, (int, float))
+            or not 0 <= max_wait < math.inf
+        ):
             raise ValueError(f"max_wait must be a finite number of seconds >= 0, got {max_wait!r}")
         if not callable(cost) and (isinstance(cost, bool) or not isinstance(cost, int) or cost < 1):
             raise ValueError(f"cost must be an int >= 1 or a callable returning one, got {cost!r}")
         if key is not None and not callable(key):
-            raise TypeError(f"key must be a callable (scope or environ) -> str or None, got {key!r}")
+            raise TypeError(
+                f"key must be a callable (scope or environ) -> str or None, got {key!r}"
+            )
         for attr in ("try_acquire", "retry_after", "capacity", "rate", "per"):
             if not hasattr(limiter, attr):
-                raise TypeError(f"limiter must be a shmlimit Limiter or KeyedLimiter, got {limiter!r}")
+                raise TypeError(
+                    f"limiter must be a shmlimit Limiter or KeyedLimiter, got {limiter!r}"
+                )
         # (a keyed limiter's capacity is its default: a key's override may hold more)
-        if (not callable(cost) and max_wait == 0 and not isinstance(limiter, KeyedLimiter)
-                and cost > float(limiter.capacity)):
-            raise ValueError(f"cost must be at most the limiter's capacity ({float(limiter.capacity):g} ops) when "
-                             f"max_wait is 0, else no request ever passes; got {cost}")
+        if (
+            not callable(cost)
+            and max_wait == 0
+            and not isinstance(limiter, KeyedLimiter)
+            and cost > float(limiter.capacity)
+        ):
+            raise ValueError(
+                f"cost must be at most the limiter's capacity ({float(limiter.capacity):g} ops) when "
+                f"max_wait is 0, else no request ever passes; got {cost}"
+            )
         self.limiter = limiter
         self.keyed = isinstance(limiter, KeyedLimiter)
         self.key = key
@@ -89,9 +108,15 @@ class Policy:
         self.max_wait = float(max_wait)
         self.name = name
 
-    def request(self, request: Any, default_key: Callable[[Any], str]) -> Optional[Tuple[Tuple[Any, ...], int]]:
+    def request(
+        self, request: Any, default_key: Callable[[Any], str]
+    ) -> Optional[Tuple[Tuple[Any, ...], int]]:
         """The limiter arguments (``(key,)`` or ``()``) and ops for a request, or None if it is exempt."""
-        key = self.key(request) if self.key is not None else (default_key(request) if self.keyed else "")
+        key = (
+            self.key(request)
+            if self.key is not None
+            else (default_key(request) if self.keyed else "")
+        )
         if key is None:
             return None
         n = self.cost(request) if callable(self.cost) else self.cost
@@ -120,7 +145,10 @@ class Policy:
 
     def granted_headers(self, args: Tuple[Any, ...]) -> List[Tuple[str, str]]:
         remaining, reset = self.state(args)
-        return [("RateLimit-Policy", self.policy_header()), ("RateLimit", f'"{self.name}";r={remaining};t={reset}')]
+        return [
+            ("RateLimit-Policy", self.policy_header()),
+            ("RateLimit", f'"{self.name}";r={remaining};t={reset}'),
+        ]
 
     def refused_headers(self, args: Tuple[Any, ...], n: int) -> List[Tuple[str, str]]:
         wait = self.limiter.retry_after(*args, n)

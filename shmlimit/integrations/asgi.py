@@ -17,6 +17,7 @@ The event loop is never blocked: a grant or refusal is a few atomic
 operations on shared memory, and the wait-up-to mode (``max_wait`` seconds)
 waits with ``asyncio.sleep`` through ``acquire_async``.
 """
+
 from __future__ import annotations
 
 from typing import Any, Awaitable, Callable, MutableMapping
@@ -69,7 +70,13 @@ class RateLimitMiddleware(Middleware):
         else:
             granted = lim.try_acquire(*args, n)
         if not granted:
-            await send({"type": "http.response.start", "status": STATUS, "headers": ascii_headers(self.policy.refused_headers(args, n))})
+            await send(
+                {
+                    "type": "http.response.start",
+                    "status": STATUS,
+                    "headers": ascii_headers(self.policy.refused_headers(args, n)),
+                }
+            )
             await send({"type": "http.response.body", "body": BODY})
             return
         if not self.headers:
@@ -80,7 +87,10 @@ class RateLimitMiddleware(Middleware):
         async def send_with_quota(message: Message) -> None:
             if message["type"] == "http.response.start":
                 message = dict(message)
-                message["headers"] = [*message.get("headers", ()), *ascii_headers(policy.granted_headers(args))]
+                message["headers"] = [
+                    *message.get("headers", ()),
+                    *ascii_headers(policy.granted_headers(args)),
+                ]
             await send(message)
 
         await self.app(scope, receive, send_with_quota)

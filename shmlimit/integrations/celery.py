@@ -31,6 +31,7 @@ Throttling retries count in ``self.request.retries`` like any retry, but not
 against the task's ``max_retries``: they use their own ``max_retries``
 (default: no limit).
 """
+
 from __future__ import annotations
 
 import functools
@@ -50,20 +51,38 @@ def _check_limiter(limiter: Any, keyed: bool) -> None:
     """A limiter (``Limiter``, ``KeyedLimiter``, ``RedisLimiter``) and ``key=`` given exactly for a keyed one."""
     from shmlimit import KeyedLimiter
 
-    if not all(callable(getattr(limiter, a, None)) for a in ("try_acquire", "acquire", "retry_after")):
-        raise TypeError(f"limiter must be a shmlimit Limiter, KeyedLimiter or RedisLimiter, got {type(limiter).__name__}")
+    if not all(
+        callable(getattr(limiter, a, None)) for a in ("try_acquire", "acquire", "retry_after")
+    ):
+        raise TypeError(
+            f"limiter must be a shmlimit Limiter, KeyedLimiter or RedisLimiter, got {type(limiter).__name__}"
+        )
     if keyed != isinstance(limiter, KeyedLimiter):
-        raise TypeError("key is needed with a KeyedLimiter (it picks each run's key), and only with one")
+        raise TypeError(
+            "key is needed with a KeyedLimiter (it picks each run's key), and only with one"
+        )
 
 
 def _check(n: int, max_block: float, max_countdown: float, max_retries: Optional[int]) -> None:
     if isinstance(n, bool) or not isinstance(n, int) or n < 1:
         raise ValueError(f"n must be an int >= 1, got {n!r}")
-    if isinstance(max_block, bool) or not isinstance(max_block, (int, float)) or not 0 <= max_block < math.inf:
+    if (
+        isinstance(max_block, bool)
+        or not isinstance(max_block, (int, float))
+        or not 0 <= max_block < math.inf
+    ):
         raise ValueError(f"max_block must be a finite number of seconds >= 0, got {max_block!r}")
-    if isinstance(max_countdown, bool) or not isinstance(max_countdown, (int, float)) or not 0 < max_countdown < math.inf:
-        raise ValueError(f"max_countdown must be a finite number of seconds > 0, got {max_countdown!r}")
-    if max_retries is not None and (isinstance(max_retries, bool) or not isinstance(max_retries, int) or max_retries < 0):
+    if (
+        isinstance(max_countdown, bool)
+        or not isinstance(max_countdown, (int, float))
+        or not 0 < max_countdown < math.inf
+    ):
+        raise ValueError(
+            f"max_countdown must be a finite number of seconds > 0, got {max_countdown!r}"
+        )
+    if max_retries is not None and (
+        isinstance(max_retries, bool) or not isinstance(max_retries, int) or max_retries < 0
+    ):
         raise ValueError(f"max_retries must be None (no limit) or an int >= 0, got {max_retries!r}")
 
 
@@ -102,7 +121,9 @@ def acquire_or_retry(
     if limiter.try_acquire(*args, n):
         return
     request = task.request
-    if getattr(request, "called_directly", False):  # no worker to retry with: wait, as a plain call would
+    if getattr(
+        request, "called_directly", False
+    ):  # no worker to retry with: wait, as a plain call would
         limiter.acquire(*args, n)
         return
     if max_block > 0 and limiter.acquire(*args, n, timeout=max_block):

@@ -12,6 +12,7 @@ Each request first takes one op of the limiter, under its host's key for a
 waits with ``asyncio.sleep``.  A response 429 or 503 with ``Retry-After``
 pushes that host's schedule that far ahead for every process on the machine.
 """
+
 from __future__ import annotations
 
 from typing import Any, Optional, Tuple
@@ -34,12 +35,16 @@ class ThrottledTransport(httpx.BaseTransport):
     are those of ``shmlimit.integrations._hosts.HostThrottle``.
     """
 
-    def __init__(self, limiter: Any, transport: Optional[httpx.BaseTransport] = None, **options: Any) -> None:
+    def __init__(
+        self, limiter: Any, transport: Optional[httpx.BaseTransport] = None, **options: Any
+    ) -> None:
         self.throttle = HostThrottle(limiter, **options)
         self.transport = transport if transport is not None else httpx.HTTPTransport()
 
     def handle_request(self, request: httpx.Request) -> httpx.Response:
-        return self.throttle.around(str(request.url), lambda: self.transport.handle_request(request), _answer)
+        return self.throttle.around(
+            str(request.url), lambda: self.transport.handle_request(request), _answer
+        )
 
     def close(self) -> None:
         self.transport.close()
@@ -48,7 +53,9 @@ class ThrottledTransport(httpx.BaseTransport):
 class AsyncThrottledTransport(httpx.AsyncBaseTransport):
     """The asyncio form of ``ThrottledTransport`` (default inner transport ``httpx.AsyncHTTPTransport()``)."""
 
-    def __init__(self, limiter: Any, transport: Optional[httpx.AsyncBaseTransport] = None, **options: Any) -> None:
+    def __init__(
+        self, limiter: Any, transport: Optional[httpx.AsyncBaseTransport] = None, **options: Any
+    ) -> None:
         self.throttle = HostThrottle(limiter, **options)
         self.transport = transport if transport is not None else httpx.AsyncHTTPTransport()
 

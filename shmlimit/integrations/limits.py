@@ -19,6 +19,7 @@ supported: limits refuses it when the rate limiter is built (at configuration
 time), with ``NotImplementedError``.  Tested with limits 5.8; written for
 limits >= 3 (the fixed window; the sliding window counter exists from 4.1).
 """
+
 from __future__ import annotations
 
 import asyncio
@@ -50,11 +51,15 @@ def parse_uri(uri: str, scheme: str = "shm") -> Tuple[str, Dict[str, Any]]:
     opts: Dict[str, Any] = {}
     for k, vs in urllib.parse.parse_qs(parts.query, keep_blank_values=True).items():
         if k not in ("keys", "mode"):
-            raise ValueError(f"unknown option {k!r} in storage uri {uri!r}: allowed are keys and mode")
+            raise ValueError(
+                f"unknown option {k!r} in storage uri {uri!r}: allowed are keys and mode"
+            )
         try:
             opts[k] = int(vs[-1], 0)
         except ValueError:
-            raise ValueError(f"{k} must be an integer in storage uri {uri!r}, got {vs[-1]!r}") from None
+            raise ValueError(
+                f"{k} must be an integer in storage uri {uri!r}, got {vs[-1]!r}"
+            ) from None
     return name, opts
 
 
@@ -65,8 +70,10 @@ def _table(uri: str, scheme: str, options: Dict[str, Any]) -> WindowTable:
         if k in options:
             opts[k] = options.pop(k)
     if options:  # a typo (key= for keys=) would otherwise be dropped in silence
-        raise TypeError(f"{', '.join(sorted(options))}: not an option of the {scheme}:// storage "
-                        f"(allowed are keys, mode, trusted_uids and clock)")
+        raise TypeError(
+            f"{', '.join(sorted(options))}: not an option of the {scheme}:// storage "
+            f"(allowed are keys, mode, trusted_uids and clock)"
+        )
     return WindowTable(name, **opts)
 
 
@@ -80,7 +87,9 @@ class ShmStorage(Storage, _Sliding):  # type: ignore[misc,valid-type]
 
     STORAGE_SCHEME = ["shm"]
 
-    def __init__(self, uri: str = "shm://limits", wrap_exceptions: bool = False, **options: Any) -> None:
+    def __init__(
+        self, uri: str = "shm://limits", wrap_exceptions: bool = False, **options: Any
+    ) -> None:
         self.table = _table(uri, "shm", options)
         super().__init__(uri, wrap_exceptions=wrap_exceptions, **options)
 
@@ -114,7 +123,9 @@ class ShmStorage(Storage, _Sliding):  # type: ignore[misc,valid-type]
 
     # -- sliding window counter (limits >= 4.1) ------------------------------------------------
 
-    def acquire_sliding_window_entry(self, key: str, limit: int, expiry: int, amount: int = 1) -> bool:
+    def acquire_sliding_window_entry(
+        self, key: str, limit: int, expiry: int, amount: int = 1
+    ) -> bool:
         return self.table.acquire_sliding(key, limit, expiry, amount)
 
     def get_sliding_window(self, key: str, expiry: int) -> Tuple[int, float, int, float]:
@@ -147,7 +158,9 @@ if _AsyncStorage is not None:
 
         STORAGE_SCHEME = ["async+shm"]
 
-        def __init__(self, uri: str = "async+shm://limits", wrap_exceptions: bool = False, **options: Any) -> None:
+        def __init__(
+            self, uri: str = "async+shm://limits", wrap_exceptions: bool = False, **options: Any
+        ) -> None:
             self.table = _table(uri, "async+shm", options)
             super().__init__(uri, wrap_exceptions=wrap_exceptions, **options)
 
@@ -175,7 +188,9 @@ if _AsyncStorage is not None:
         async def reset(self) -> int:
             return await asyncio.to_thread(self.table.reset)
 
-        async def acquire_sliding_window_entry(self, key: str, limit: int, expiry: int, amount: int = 1) -> bool:
+        async def acquire_sliding_window_entry(
+            self, key: str, limit: int, expiry: int, amount: int = 1
+        ) -> bool:
             return self.table.acquire_sliding(key, limit, expiry, amount)
 
         async def get_sliding_window(self, key: str, expiry: int) -> Tuple[int, float, int, float]:

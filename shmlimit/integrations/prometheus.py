@@ -10,6 +10,7 @@ Each scrape reads the segments with ``shmlimit.inspect``: the scraping process
 never joins a limiter (no process slot, no filler thread, nothing written).
 The metrics are those of ``shmlimit metrics`` (see ``shmlimit.cli.metrics``).
 """
+
 from __future__ import annotations
 
 from typing import Iterator, Optional, Sequence

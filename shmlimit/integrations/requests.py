@@ -13,6 +13,7 @@ The throttle's keyword options (``key``, ``max_wait``, ``pause_on``,
 ``shmlimit.integrations.httpx.ThrottledTransport``; the other keyword
 arguments go to ``requests.adapters.HTTPAdapter`` (pool sizes, retries).
 """
+
 from __future__ import annotations
 
 from typing import Any, Optional, Tuple
@@ -35,8 +36,12 @@ class ThrottledAdapter(HTTPAdapter):
     """An ``HTTPAdapter`` that takes one op per request and pauses a host on 429/503 ``Retry-After``."""
 
     def __init__(self, limiter: Any, **options: Any) -> None:
-        self.throttle = HostThrottle(limiter, **{k: options.pop(k) for k in THROTTLE_OPTIONS if k in options})
+        self.throttle = HostThrottle(
+            limiter, **{k: options.pop(k) for k in THROTTLE_OPTIONS if k in options}
+        )
         super().__init__(**options)
 
     def send(self, request: Any, *args: Any, **kwargs: Any) -> Any:
-        return self.throttle.around(request.url, lambda: HTTPAdapter.send(self, request, *args, **kwargs), _answer)
+        return self.throttle.around(
+            request.url, lambda: HTTPAdapter.send(self, request, *args, **kwargs), _answer
+        )

@@ -12,6 +12,7 @@ Requests`` with an integer ``Retry-After`` and the IETF
 same two headers with the quota remaining.  With ``max_wait`` a request waits
 (blocking its worker thread, as WSGI does) up to that many seconds for its ops.
 """
+
 from __future__ import annotations
 
 from typing import Any, Callable, Dict, Iterable
@@ -57,6 +58,10 @@ class RateLimitMiddleware(Middleware):
 
         def start_with_quota(status: str, headers: list, exc_info: Any = None) -> Any:
             headers = [*headers, *policy.granted_headers(args)]
-            return start_response(status, headers) if exc_info is None else start_response(status, headers, exc_info)
+            return (
+                start_response(status, headers)
+                if exc_info is None
+                else start_response(status, headers, exc_info)
+            )
 
         return self.app(environ, start_with_quota)

@@ -40,14 +40,15 @@ A request of ``n`` ops at ``now`` is granted iff
 ``max(TAT, now) + n*T - now <= TAU + max_wait``; the TAT then moves there by
 CAS.  Grants in any window of length W are at most ``W/T + TAU/T``.
 """
+
 from __future__ import annotations
 
 import os
 import time
 from typing import Callable, Optional, Tuple
 
-from shmlimit.keyed import layout as K
 from shmlimit.errors import SegmentError
+from shmlimit.keyed import layout as K
 from shmlimit.shm.layout import config_sum as _config_sum
 
 MASK64 = (1 << 64) - 1
@@ -83,16 +84,26 @@ def siphash128(data: bytes, k0: int, k1: int) -> Tuple[int, int]:
 
     def rounds(v0: int, v1: int, v2: int, v3: int, r: int):
         for _ in range(r):
-            v0 = (v0 + v1) & MASK64; v1 = _rotl(v1, 13); v1 ^= v0; v0 = _rotl(v0, 32)
-            v2 = (v2 + v3) & MASK64; v3 = _rotl(v3, 16); v3 ^= v2
-            v0 = (v0 + v3) & MASK64; v3 = _rotl(v3, 21); v3 ^= v0
-            v2 = (v2 + v1) & MASK64; v1 = _rotl(v1, 17); v1 ^= v2; v2 = _rotl(v2, 32)
+            v0 = (v0 + v1) & MASK64
+            v1 = _rotl(v1, 13)
+            v1 ^= v0
+            v0 = _rotl(v0, 32)
+            v2 = (v2 + v3) & MASK64
+            v3 = _rotl(v3, 16)
+            v3 ^= v2
+            v0 = (v0 + v3) & MASK64
+            v3 = _rotl(v3, 21)
+            v3 ^= v0
+            v2 = (v2 + v1) & MASK64
+            v1 = _rotl(v1, 17)
+            v1 ^= v2
+            v2 = _rotl(v2, 32)
         return v0, v1, v2, v3
 
     n = len(data)
     end = n - n % 8
     for i in range(0, end, 8):
-        m = int.from_bytes(data[i:i + 8], "little")
+        m = int.from_bytes(data[i : i + 8], "little")
         v3 ^= m
         v0, v1, v2, v3 = rounds(v0, v1, v2, v3, 2)
         v0 ^= m
@@ -122,16 +133,16 @@ def key_bytes(key: object) -> bytes:
 
 
 def display_words(data: bytes) -> Tuple[int, int, int]:
-    b = bytes([min(len(data), 255)]) + data[:K.DISPLAY_BYTES]
+    b = bytes([min(len(data), 255)]) + data[: K.DISPLAY_BYTES]
     b = b.ljust(24, b"\0")
-    return tuple(int.from_bytes(b[i:i + 8], "little") for i in (0, 8, 16))  # type: ignore[return-value]
+    return tuple(int.from_bytes(b[i : i + 8], "little") for i in (0, 8, 16))  # type: ignore[return-value]
 
 
 def display_key(words: Tuple[int, int, int]) -> str:
     """The key as stored for display (its first bytes; '...' when it was longer)."""
     b = b"".join(w.to_bytes(8, "little") for w in words)
     n = b[0]
-    text = b[1:1 + min(n, K.DISPLAY_BYTES)].decode("utf-8", "replace")
+    text = b[1 : 1 + min(n, K.DISPLAY_BYTES)].decode("utf-8", "replace")
     return text + ("..." if n > K.DISPLAY_BYTES else "")
 
 
@@ -160,8 +171,15 @@ def alive(owner: int, mine: int) -> bool:
 def check_offsets(cells, *offsets: int) -> None:
     """Refuse an offset that is not an aligned word of the mapping (IndexError), whatever the backend."""
     for off in offsets:
-        if isinstance(off, bool) or not isinstance(off, int) or off % 8 or not 0 <= off <= cells.size - 8:
-            raise IndexError(f"offset {off!r} is not an aligned word inside the mapping of {cells.size} bytes")
+        if (
+            isinstance(off, bool)
+            or not isinstance(off, int)
+            or off % 8
+            or not 0 <= off <= cells.size - 8
+        ):
+            raise IndexError(
+                f"offset {off!r} is not an aligned word inside the mapping of {cells.size} bytes"
+            )
 
 
 class SlotTable:
@@ -175,8 +193,16 @@ class SlotTable:
     that ``CTRL`` still holds the LIVE word ``find`` returned.
     """
 
-    def __init__(self, cells, slots: int, nslots: int, probe: int, keys_live: int, evicted: int, pid: int) -> None:
-        if slots % 8 or slots + nslots * K.LINE > cells.size or not nslots or not probe or probe > nslots:
+    def __init__(
+        self, cells, slots: int, nslots: int, probe: int, keys_live: int, evicted: int, pid: int
+    ) -> None:
+        if (
+            slots % 8
+            or slots + nslots * K.LINE > cells.size
+            or not nslots
+            or not probe
+            or probe > nslots
+        ):
             raise IndexError("keyed_table: a region lies outside the mapping")
         check_offsets(cells, keys_live, evicted)
         self.c = cells
@@ -194,13 +220,24 @@ class SlotTable:
             state = ctl & 0xFF
             if state == K.EMPTY:
                 return None, 0
-            if (state == K.LIVE and c.load(s + K.S_D0) == d[0] and c.load(s + K.S_D1) == d[1]
-                    and not c.load(s + K.S_V0) & K.DEAD):
+            if (
+                state == K.LIVE
+                and c.load(s + K.S_D0) == d[0]
+                and c.load(s + K.S_D1) == d[1]
+                and not c.load(s + K.S_V0) & K.DEAD
+            ):
                 return s, ctl
         return None, 0
 
-    def insert(self, d: Tuple[int, int], home: int, now: int, v0: int, rest: Tuple[int, int, int, int],
-               above: Optional[Callable[[int], int]] = None):
+    def insert(
+        self,
+        d: Tuple[int, int],
+        home: int,
+        now: int,
+        v0: int,
+        rest: Tuple[int, int, int, int],
+        above: Optional[Callable[[int], int]] = None,
+    ):
         """Insert digest d with its first values (V0 = v0, raised above the slot's past; V1..V4 = rest).
 
         When the slot's past value ``prior`` is not below ``v0`` (a dead inserter
@@ -218,8 +255,12 @@ class SlotTable:
             s = self._slot(home, i)
             ctl = c.load(s)
             state = ctl & 0xFF
-            if (state == K.LIVE and c.load(s + K.S_D0) == d[0] and c.load(s + K.S_D1) == d[1]
-                    and not c.load(s + K.S_V0) & K.DEAD):
+            if (
+                state == K.LIVE
+                and c.load(s + K.S_D0) == d[0]
+                and c.load(s + K.S_D1) == d[1]
+                and not c.load(s + K.S_V0) & K.DEAD
+            ):
                 return s, 0
             if state == K.EMPTY:
                 if cand is None:
@@ -268,7 +309,11 @@ class SlotTable:
                 st = ctl & 0xFF
                 if st == K.EMPTY:
                     return self._publish(cand, pend, gen)
-                if st not in (K.LIVE, K.PEND) or c.load(s + K.S_D0) != d[0] or c.load(s + K.S_D1) != d[1]:
+                if (
+                    st not in (K.LIVE, K.PEND)
+                    or c.load(s + K.S_D0) != d[0]
+                    or c.load(s + K.S_D1) != d[1]
+                ):
                     break
                 if st == K.LIVE:
                     if c.load(s + K.S_V0) & K.DEAD:
@@ -316,6 +361,7 @@ class SlotTable:
         self.c.cas(cand, pend, K.ctrl(K.TOMB, 0, gen))
         return cand, 0
 
+
 class KeyedTable(SlotTable):
     """The value kind GCRA on the slot protocol: the reference version of the native ``KeyedTable``.
 
@@ -323,8 +369,24 @@ class KeyedTable(SlotTable):
     The same arguments and the same answers as the native one.
     """
 
-    def __init__(self, cells, cfg: int, ovr_live: int, ovr: int, novr: int, slots: int, nslots: int, probe: int,
-                 k0: int, k1: int, keys_live: int, evicted: int, refused: int, grants: int, pid: int) -> None:
+    def __init__(
+        self,
+        cells,
+        cfg: int,
+        ovr_live: int,
+        ovr: int,
+        novr: int,
+        slots: int,
+        nslots: int,
+        probe: int,
+        k0: int,
+        k1: int,
+        keys_live: int,
+        evicted: int,
+        refused: int,
+        grants: int,
+        pid: int,
+    ) -> None:
         super().__init__(cells, slots, nslots, probe, keys_live, evicted, pid)
         for off, lines in ((cfg, K.DEFAULT_BACKUP_LINES + 1), (ovr, novr * K.OVR_LINES)):
             if off % 8 or off + lines * K.LINE > cells.size:
@@ -334,7 +396,6 @@ class KeyedTable(SlotTable):
         self.k0, self.k1 = k0, k1
         self.refused, self.grants = refused, grants
 
-
     def digest(self, key: object) -> Tuple[int, int]:
         return siphash128(key_bytes(key), self.k0, self.k1)
 
@@ -343,7 +404,9 @@ class KeyedTable(SlotTable):
         c = self.c
         raw = [c.load(line + off) for off in K.B_VALUES]
         gen = c.load(line + K.B_GEN)
-        rate, per, burst, t, tau = (w ^ K.bank_mask(gen, i) for i, w in enumerate(raw))  # stored masked
+        rate, per, burst, t, tau = (
+            w ^ K.bank_mask(gen, i) for i, w in enumerate(raw)
+        )  # stored masked
         if c.load(line + K.B_SUM) != _config_sum(gen, (d[0], d[1], t, tau, rate, per, burst)):
             return None
         return (seq - gen) & MASK64, t, tau
@@ -383,18 +446,26 @@ class KeyedTable(SlotTable):
                     ctl = c.load(e)
                     if ctl == K.O_EMPTY:
                         break
-                    if ctl & 0xFF == K.O_LIVE and c.load(e + K.O_D0) == d[0] and c.load(e + K.O_D1) == d[1]:
+                    if (
+                        ctl & 0xFF == K.O_LIVE
+                        and c.load(e + K.O_D0) == d[0]
+                        and c.load(e + K.O_D1) == d[1]
+                    ):
                         pair = self._pick((e + K.O_BANKS[0], e + K.O_BANKS[1]), d, s1)
                         corrupt = pair is None
                         if pair is not None and not pair[0]:
                             pair = None  # removed (T == 0): the default
                         break
             if pair is None and not corrupt:
-                pair = self._pick((self.cfg, self.cfg + K.DEFAULT_BACKUP_LINES * K.LINE), (0, 0), s1)
+                pair = self._pick(
+                    (self.cfg, self.cfg + K.DEFAULT_BACKUP_LINES * K.LINE), (0, 0), s1
+                )
                 corrupt = pair is None
             if c.load(self.cfg) == s1:
                 if corrupt:
-                    raise SegmentError("keyed segment is corrupt: no copy of its config passes its checksum")
+                    raise SegmentError(
+                        "keyed segment is corrupt: no copy of its config passes its checksum"
+                    )
                 t, tau = pair
                 return (t or 1), tau
 
@@ -433,7 +504,9 @@ class KeyedTable(SlotTable):
         c.fetch_add(self.grants, (-n) & MASK64)
         return True
 
-    def _step(self, key: object, n: int, max_wait: int, now: "int | None", taken: "list | None") -> int:
+    def _step(
+        self, key: object, n: int, max_wait: int, now: "int | None", taken: "list | None"
+    ) -> int:
         data = key_bytes(key)
         if isinstance(n, bool) or not isinstance(n, int):
             raise TypeError(f"n must be a positive int (ops), not {type(n).__name__}")

@@ -37,6 +37,7 @@ LIVE by CAS after its writer published, so a late writer never writes into an
 entry another writer took; removal publishes a bank with ``T == 0``, so it is
 ordered by generation like any other change, and a removed entry is reused.
 """
+
 from __future__ import annotations
 
 import math
@@ -45,11 +46,11 @@ import time
 from dataclasses import dataclass
 from typing import Optional, Tuple
 
+from shmlimit.errors import ConfigWriterTakenOver, SegmentError
 from shmlimit.keyed import layout as K
+from shmlimit.keyed.cells import alive
 from shmlimit.shm import layout as L
 from shmlimit.shm.cells import Cells
-from shmlimit.errors import ConfigWriterTakenOver, SegmentError
-from shmlimit.keyed.cells import alive
 
 #: Ticks of schedule arithmetic stay below this (2**60 ticks = 2.3 years).
 MAX_TICKS = 1 << 60
@@ -117,7 +118,9 @@ def make_rate(rate: object, per: object, burst: object) -> Rate:
     cfg = Config.make(rate, per, burst)
     r = Rate(cfg.rate, cfg.per, cfg.burst)
     if r.tau >= MAX_TICKS:
-        raise ValueError(f"burst * per / rate must be below {MAX_TICKS / TICKS_PER_S:.0f} seconds, got {r.describe()}")
+        raise ValueError(
+            f"burst * per / rate must be below {MAX_TICKS / TICKS_PER_S:.0f} seconds, got {r.describe()}"
+        )
     return r
 
 
@@ -167,7 +170,9 @@ def _newest(c: Cells, lines: Tuple[int, int], d: Tuple[int, int], seq: int):
     return best
 
 
-def pick(c: Cells, lines: Tuple[int, int], d: Tuple[int, int], seq: int) -> Optional[Tuple[int, ...]]:
+def pick(
+    c: Cells, lines: Tuple[int, int], d: Tuple[int, int], seq: int
+) -> Optional[Tuple[int, ...]]:
     """The values of the valid bank of the newest generation (counted back from ``seq``), or None."""
     return _newest(c, lines, d, seq)[1]
 
@@ -381,7 +386,9 @@ class Overrides:
         probes for nothing) but never too few: it counts an override before it can be in force,
         and takes the count back only where it never was."""
         if not self.novr:
-            raise ValueError("this keyed limiter was created with overrides=0: it has no room for per-key rates")
+            raise ValueError(
+                "this keyed limiter was created with overrides=0: it has no room for per-key rates"
+            )
         c = self.c
         lock = ConfigLock(c)
         e, claimed, counted = 0, 0, False
@@ -411,7 +418,9 @@ class Overrides:
                 lock.write_banks(self._banks(e), d, bank_values(rate))
         finally:
             if lock.published and claimed and self._vals(e, lock.gen) is None:
-                lock.published = False  # interrupted before a bank was whole: this entry never goes LIVE
+                lock.published = (
+                    False  # interrupted before a bank was whole: this entry never goes LIVE
+                )
             if not lock.published:
                 if counted:
                     c.fetch_add(K.OVR_LIVE, _MASK64)  # -1

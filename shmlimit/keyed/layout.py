@@ -33,6 +33,7 @@ under the segment's secret), ``V0..V4`` the value kind's words.  The slot
 protocol (``keyed_cells``) knows one thing about values: ``V0`` is the expiry
 word (see there).
 """
+
 from __future__ import annotations
 
 import os
@@ -40,12 +41,25 @@ import os
 # Line 0 is the header every kind of segment shares (see layout), with the process slots' count
 # in its SLOTS word and the value kind in its last one; line 1 begins, as in every kind, with the
 # config's sequence word and the rate (IEEE-754 bits).
-from shmlimit.shm.layout import (  # noqa: F401 (this layout's names too)
-    CFG_BURST, CFG_PER, CFG_RATE, CFG_SEQ, CREATED_NS_OFF, CREATOR_PID_OFF, LINE, MAGIC_OFF, SIZE_OFF,
-    STATE_INIT, STATE_OFF, STATE_READY, VERSION_OFF,
+from shmlimit.shm.layout import (  # noqa: F401 (this layout's names too)  # bank_mask: the keyed banks are masked alike
+    CFG_BURST,
+    CFG_PER,
+    CFG_RATE,
+    CFG_SEQ,
+    CREATED_NS_OFF,
+    CREATOR_PID_OFF,
+    LINE,
+    MAGIC_OFF,
+    SIZE_OFF,
+    STATE_INIT,
+    STATE_OFF,
+    STATE_READY,
+    VERSION_OFF,
+    bank_mask,
+    config_sum,
+    words,
 )
-from shmlimit.shm.layout import SLOTS_OFF as PSLOTS_OFF
-from shmlimit.shm.layout import bank_mask, config_sum, words  # bank_mask: the keyed banks are masked alike
+from shmlimit.shm.layout import SLOTS_OFF as PSLOTS_OFF  # noqa: F401 (for the layers above)
 
 MAGIC = int.from_bytes(b"SHMLKEYS", "little")
 #: 2: every config in two checksummed banks (a config writer taken over cannot publish late);
@@ -117,12 +131,14 @@ def o_state(ctl: int) -> int:
 def o_owner(ctl: int) -> int:
     return ctl >> 8 & 0xFFFFFFFF
 
+
 DEFAULT_OVERRIDES = 1024
 
 
 def default_overrides(keys: int) -> int:
     """Override entries when none are asked for: one per 16 key slots, from 16 up to 1024."""
     return max(16, min(DEFAULT_OVERRIDES, keys // 16))
+
 
 MAX_KEYS = 1 << 26
 MAX_OVERRIDES = 1 << 16

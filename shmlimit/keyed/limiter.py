@@ -11,6 +11,7 @@ Data flows one way: KeyedLimiter -> keyed_gcra (config, overrides) and the
 atomic layer's keyed composite (``keyed_cells`` / the native ``KeyedTable``)
 -> cells -> segment.
 """
+
 from __future__ import annotations
 
 import asyncio
@@ -22,22 +23,43 @@ import time
 import weakref
 from typing import Any, Dict, Optional, Tuple
 
-from shmlimit.keyed import cells as KC
-from shmlimit.keyed import layout as K
-from shmlimit.shm.cells import Cells
 from shmlimit.config import carried_per, validate_reconfigure, validate_timeout
 from shmlimit.errors import ConfigMismatchError, KeyTableFullError, SegmentError
-from shmlimit.keyed.gcra import TICKS_PER_S, Overrides, Rate, make_rate, publish_default, read_default
+from shmlimit.keyed import cells as KC
+from shmlimit.keyed import layout as K
+from shmlimit.keyed.gcra import (
+    TICKS_PER_S,
+    Overrides,
+    Rate,
+    make_rate,
+    publish_default,
+    read_default,
+)
 from shmlimit.keyed.segment import Geometry, check_geometry, open_segment
-from shmlimit.keyed.stats import KeyedProcess, KeyedStats, KeySample, inspect_keyed, sample_keys, snapshot_of
+from shmlimit.keyed.stats import (
+    KeyedProcess,
+    KeyedStats,
+    KeySample,
+    inspect_keyed,
+    sample_keys,
+    snapshot_of,
+)
 from shmlimit.rate_group import RatesSwitch, group_options
 from shmlimit.registry import Registry, release_on_gc
+from shmlimit.shm.cells import Cells
 from shmlimit.shm.segment import Segment, validate_mode, validate_name, validate_trusted_uids
 from shmlimit.shm.segment import unlink as _unlink_name
 from shmlimit.shm.table import ProcessTable, is_alive, proc_start, slot_alive
 
-__all__ = ["KeyedLimiter", "KeyedProcess", "KeyedStats", "KeySample", "attach_keyed", "inspect_keyed", "sample_keys"]
-
+__all__ = [
+    "KeyedLimiter",
+    "KeyedProcess",
+    "KeyedStats",
+    "KeySample",
+    "attach_keyed",
+    "inspect_keyed",
+    "sample_keys",
+]
 
 
 class _Closed:
@@ -57,7 +79,9 @@ _CLOSED = _Closed()
 class _Attachment:
     """One process's mapping of one keyed segment, shared by all its handles."""
 
-    def __init__(self, name: str, seg: Segment, cells: Cells, geo: Geometry, join: bool = True) -> None:
+    def __init__(
+        self, name: str, seg: Segment, cells: Cells, geo: Geometry, join: bool = True
+    ) -> None:
         self.name, self.seg, self.cells, self.geo = name, seg, cells, geo
         self.created = seg.created
         self.table = ProcessTable(cells, K.PSLOTS)
@@ -89,13 +113,26 @@ class _Attachment:
         self.slot = self.table.register(self.pid, start if start and start > 0 else 0)
         self.joined = True
         grants = K.UNREG_GRANTS if self.slot is None else K.HEADER_BYTES + self.slot * K.LINE + 16
-        if self.kt is not _CLOSED:  # after fork: the same object, so every handle's bound calls follow
+        if (
+            self.kt is not _CLOSED
+        ):  # after fork: the same object, so every handle's bound calls follow
             self.kt.rebind(grants, K.owner(self.pid))
             return
         self.kt = self.cells.keyed_table(
-            K.CFG_SEQ, K.OVR_LIVE, K.overrides_offset(), self.geo.overrides, K.slots_offset(self.geo.overrides),
-            self.geo.keys, self.geo.probe, self.secret[0], self.secret[1],
-            K.KEYS_LIVE, K.EVICTED, K.REFUSED, grants, K.owner(self.pid),
+            K.CFG_SEQ,
+            K.OVR_LIVE,
+            K.overrides_offset(),
+            self.geo.overrides,
+            K.slots_offset(self.geo.overrides),
+            self.geo.keys,
+            self.geo.probe,
+            self.secret[0],
+            self.secret[1],
+            K.KEYS_LIVE,
+            K.EVICTED,
+            K.REFUSED,
+            grants,
+            K.owner(self.pid),
         )
 
     def use(self) -> None:
@@ -149,18 +186,27 @@ _registry: Registry[_Attachment] = Registry(after_fork=lambda att: att.after_for
 
 
 def _open(
-    name: str, rate: Optional[Rate], geo: Optional[Geometry], mode: int, trusted: frozenset, reconfigure: bool = False
+    name: str,
+    rate: Optional[Rate],
+    geo: Optional[Geometry],
+    mode: int,
+    trusted: frozenset,
+    reconfigure: bool = False,
 ) -> _Attachment:
     def make() -> _Attachment:
         seg, cells, real = open_segment(name, geo, rate, mode, trusted)
         if real.kind != K.KIND_GCRA:
             cells.close()
             seg.close()
-            raise SegmentError(f"segment {name!r} holds window counters (a limits storage), not a KeyedLimiter")
+            raise SegmentError(
+                f"segment {name!r} holds window counters (a limits storage), not a KeyedLimiter"
+            )
         att = _Attachment(name, seg, cells, real, join=False)
         try:
             if rate is not None and not seg.created:
-                _adopt(att, rate, geo, reconfigure)  # before registering, as attachment.adopt_config
+                _adopt(
+                    att, rate, geo, reconfigure
+                )  # before registering, as attachment.adopt_config
             att.join()
             _check(name, att, rate, geo)
         except BaseException:
@@ -256,15 +302,34 @@ class KeyedLimiter(RatesSwitch):
     """
 
     @classmethod
-    def _several(cls, name: str, rates: Any, rate: Any, per: Any, burst: Any, args: Tuple[Any, ...],
-                 kwargs: Dict[str, Any]) -> Any:
+    def _several(
+        cls,
+        name: str,
+        rates: Any,
+        rate: Any,
+        per: Any,
+        burst: Any,
+        args: Tuple[Any, ...],
+        kwargs: Dict[str, Any],
+    ) -> Any:
         """``KeyedLimiter(name, rates=...)``: several rates per key (keyed_multi.py), one segment per rate."""
         from shmlimit.keyed.multi import MultiKeyedLimiter
 
-        return MultiKeyedLimiter(cls, name, rates, **group_options(
-            rate, per, burst, args, kwargs, ("keys", "overrides", "mode", "trusted_uids", "reconfigure", "clock"),
-            one="one rate per key", example="['10/s', ('600/min', 20)]",
-        ))
+        return MultiKeyedLimiter(
+            cls,
+            name,
+            rates,
+            **group_options(
+                rate,
+                per,
+                burst,
+                args,
+                kwargs,
+                ("keys", "overrides", "mode", "trusted_uids", "reconfigure", "clock"),
+                one="one rate per key",
+                example="['10/s', ('600/min', 20)]",
+            ),
+        )
 
     def __init__(
         self,
@@ -282,7 +347,10 @@ class KeyedLimiter(RatesSwitch):
     ) -> None:
         validate_name(name)
         validate_reconfigure(reconfigure, rate is not None, "the default rate to apply")
-        geo = check_geometry(keys, K.default_overrides(keys) if overrides is None and isinstance(keys, int) else overrides)
+        geo = check_geometry(
+            keys,
+            K.default_overrides(keys) if overrides is None and isinstance(keys, int) else overrides,
+        )
         r = None if rate is None else make_rate(rate, per, burst)
         validate_mode(mode)
         self._name = name
@@ -416,7 +484,9 @@ class KeyedLimiter(RatesSwitch):
         if r == KC.FULL:
             raise KeyTableFullError(self._name, self.slots)
         if r == KC.NEVER:
-            raise ValueError(f"n must be at most this key's capacity ({self._cap_for_error()} ops), got {n}")
+            raise ValueError(
+                f"n must be at most this key's capacity ({self._cap_for_error()} ops), got {n}"
+            )
         raise ValueError(f"the wait for n={n} exceeds {KC.MAX_WAIT / TICKS_PER_S:.0f} s")
 
     def _cap_for_error(self) -> str:
@@ -469,7 +539,13 @@ class KeyedLimiter(RatesSwitch):
 
     # -- configuration -------------------------------------------------------------------
 
-    def set_rate(self, rate: Any, per: Optional[float] = None, burst: Optional[float] = None, key: object = None) -> None:
+    def set_rate(
+        self,
+        rate: Any,
+        per: Optional[float] = None,
+        burst: Optional[float] = None,
+        key: object = None,
+    ) -> None:
         """Change the default rate of every key, or (with ``key``) give one key a rate of its own.
 
         Applies from the next call in every attached process.  ``rate`` may be

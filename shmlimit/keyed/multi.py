@@ -24,6 +24,7 @@ limiter of its own.  This module only takes them together:
   under contention for one key a waiter may be overtaken (it is never granted
   early).
 """
+
 from __future__ import annotations
 
 import asyncio
@@ -31,10 +32,10 @@ import math
 import time
 from typing import Any, Callable, Dict, Iterable, List, Optional, Tuple, Union
 
-from shmlimit.keyed import cells as KC
-from shmlimit.keyed import layout as K
 from shmlimit.config import validate_timeout
 from shmlimit.errors import KeyTableFullError
+from shmlimit.keyed import cells as KC
+from shmlimit.keyed import layout as K
 from shmlimit.keyed.gcra import TICKS_PER_S
 from shmlimit.rate_group import RateGroup, parse_rates, rates_from_text
 from shmlimit.shm.segment import validate_name
@@ -85,10 +86,19 @@ class MultiKeyedLimiter(RateGroup):
         try:
             for k, v in zip(rkeys, values):
                 rate, burst = v if isinstance(v, tuple) else (v, None)
-                self._lims.append(keyed(
-                    f"{name}.{k}", rate, 1.0, burst, keys, overrides=overrides, mode=mode,
-                    trusted_uids=trusted_uids, reconfigure=reconfigure,
-                ))
+                self._lims.append(
+                    keyed(
+                        f"{name}.{k}",
+                        rate,
+                        1.0,
+                        burst,
+                        keys,
+                        overrides=overrides,
+                        mode=mode,
+                        trusted_uids=trusted_uids,
+                        reconfigure=reconfigure,
+                    )
+                )
         except BaseException:
             self.close()
             raise
@@ -122,7 +132,9 @@ class MultiKeyedLimiter(RateGroup):
     def _waits(self, key: object, ops: Tuple[int, ...], now: int) -> List[int]:
         """Each rate's wait (ticks) for ``ops`` of ``key`` at ``now`` (a peek: nothing written);
         ``KC.NEVER`` for a rate whose burst is below its ops."""
-        return [lim._live().kt.acquire(key, o, -1, now) if o else 0 for lim, o in zip(self._live(), ops)]
+        return [
+            lim._live().kt.acquire(key, o, -1, now) if o else 0 for lim, o in zip(self._live(), ops)
+        ]
 
     def _attempt(self, key: object, ops: Tuple[int, ...]) -> Tuple[bool, int]:
         """One try: (True, 0) granted on every rate; (False, w) nothing taken, where
@@ -175,10 +187,14 @@ class MultiKeyedLimiter(RateGroup):
         t = validate_timeout(timeout)
         if t is None:
             return None
-        ticks = t * TICKS_PER_S  # inf for a finite timeout past about 1e298 s: compared, never converted
+        ticks = (
+            t * TICKS_PER_S
+        )  # inf for a finite timeout past about 1e298 s: compared, never converted
         return self._now() + (KC.MAX_WAIT if ticks >= KC.MAX_WAIT else int(ticks))
 
-    def _step(self, key: object, ops: Tuple[int, ...], deadline: Optional[int]) -> Union[bool, float]:
+    def _step(
+        self, key: object, ops: Tuple[int, ...], deadline: Optional[int]
+    ) -> Union[bool, float]:
         """One non-blocking try for ``acquire``'s drivers: True (granted) or False (refused for
         good), else the seconds to sleep before the next try."""
         ok, w = self._attempt(key, ops)
@@ -190,7 +206,9 @@ class MultiKeyedLimiter(RateGroup):
             return False
         return max(w, 1) / TICKS_PER_S
 
-    def acquire(self, key: object, n: int = 1, timeout: Optional[float] = None, **costs: int) -> bool:
+    def acquire(
+        self, key: object, n: int = 1, timeout: Optional[float] = None, **costs: int
+    ) -> bool:
         """Take the ops of ``key`` from every rate, waiting until all allow them; True once granted.
 
         While it waits it holds nothing.  With ``timeout`` (seconds): False,
@@ -203,7 +221,9 @@ class MultiKeyedLimiter(RateGroup):
             self._sleep(step)
         return step
 
-    async def acquire_async(self, key: object, n: int = 1, timeout: Optional[float] = None, **costs: int) -> bool:
+    async def acquire_async(
+        self, key: object, n: int = 1, timeout: Optional[float] = None, **costs: int
+    ) -> bool:
         """``acquire`` for asyncio: waits with ``asyncio.sleep``, never blocking the event loop."""
         ops, deadline = self._ops(n, costs), self._deadline(timeout)
         while not isinstance(step := self._step(key, ops, deadline), bool):
@@ -223,8 +243,14 @@ class MultiKeyedLimiter(RateGroup):
 
     # -- live changes and observation ------------------------------------------------------
 
-    def set_rate(self, which: Union[str, int], rate: Any, per: Optional[float] = None, burst: Optional[float] = None,
-                 key: object = None) -> None:
+    def set_rate(
+        self,
+        which: Union[str, int],
+        rate: Any,
+        per: Optional[float] = None,
+        burst: Optional[float] = None,
+        key: object = None,
+    ) -> None:
         """Change one rate (by name or index) for every key, or with ``key`` for that key only
         (see ``KeyedLimiter.set_rate``); every attached process, at once."""
         self._live()[self._index(which)].set_rate(rate, per, burst, key=key)
@@ -246,7 +272,13 @@ class MultiKeyedLimiter(RateGroup):
 def _unpickle(keyed: Any, name: str, keys: Tuple[str, ...], named: bool) -> MultiKeyedLimiter:
     """A pickled handle: attached to every rate's segment as it is (as ``KeyedLimiter``'s is)."""
     self = MultiKeyedLimiter.__new__(MultiKeyedLimiter)
-    self._keyed, self._name, self._keys, self._named, self._clock = keyed, name, tuple(keys), named, None
+    self._keyed, self._name, self._keys, self._named, self._clock = (
+        keyed,
+        name,
+        tuple(keys),
+        named,
+        None,
+    )
     self._lims = []
     try:
         for k in keys:
@@ -255,4 +287,3 @@ def _unpickle(keyed: Any, name: str, keys: Tuple[str, ...], named: bool) -> Mult
         self.close()
         raise
     return self
-

@@ -10,6 +10,7 @@ a full ``/dev/shm`` is a clear error at once rather than a bus error later
 how to enlarge ``/dev/shm``).  An existing one is mapped only if
 ``segment.check_trust`` accepts its owner and mode, as a ``Limiter``'s.
 """
+
 from __future__ import annotations
 
 import math
@@ -20,19 +21,35 @@ import time
 from dataclasses import dataclass
 from typing import AbstractSet, Optional, Tuple
 
+from shmlimit.errors import (
+    AbandonedSegmentError,
+    LimiterNotFoundError,
+    SegmentError,
+    SharedMemoryFullError,
+)
 from shmlimit.keyed import layout as K
+from shmlimit.keyed.gcra import MAX_TICKS, Rate, bank_values, pick, rate_of, write_bank
 from shmlimit.shm import layout as L
 from shmlimit.shm.cells import Cells, open_cells, warm_backend
-from shmlimit.keyed.gcra import MAX_TICKS, Rate, bank_values, pick, rate_of, write_bank
-from shmlimit.errors import AbandonedSegmentError, LimiterNotFoundError, SegmentError, SharedMemoryFullError
 from shmlimit.shm.segment import (
-    INIT_WAIT, LIVE_CREATOR_WAIT, PREFIX, SHM_DIR, Segment, check_trust, current_inode, open_shm,
-    pread_file, publish, start_header,
+    INIT_WAIT,
+    LIVE_CREATOR_WAIT,
+    PREFIX,
+    SHM_DIR,
+    Segment,
+    check_trust,
+    current_inode,
+    open_shm,
+    pread_file,
+    publish,
+    start_header,
 )
 from shmlimit.shm.segment import unlink as _unlink_name
 from shmlimit.shm.table import is_alive
 
-assert K.HEADER_BYTES == L.HEADER_BYTES and K.LINE == L.SLOT_BYTES  # ProcessTable reads the same offsets
+assert (
+    K.HEADER_BYTES == L.HEADER_BYTES and K.LINE == L.SLOT_BYTES
+)  # ProcessTable reads the same offsets
 
 
 @dataclass(frozen=True)
@@ -52,7 +69,11 @@ class Geometry:
 
 def check_geometry(keys: object, overrides: object) -> Geometry:
     for param, v, hi in (("keys", keys, K.MAX_KEYS), ("overrides", overrides, K.MAX_OVERRIDES)):
-        if isinstance(v, bool) or not isinstance(v, int) or not (1 if param == "keys" else 0) <= v <= hi:
+        if (
+            isinstance(v, bool)
+            or not isinstance(v, int)
+            or not (1 if param == "keys" else 0) <= v <= hi
+        ):
             lo = 1 if param == "keys" else 0
             raise ValueError(f"{param} must be an int from {lo} to {hi}, got {v!r}")
     return Geometry(keys, overrides)  # type: ignore[arg-type]
@@ -92,8 +113,15 @@ def validate_header(name: str, c: Cells, mapped: int) -> Geometry:
     """Refuse a corrupt or hostile header before any region is used (SegmentError)."""
     version, size, pslots = c.load(K.VERSION_OFF), c.load(K.SIZE_OFF), c.load(K.PSLOTS_OFF)
     if version != K.VERSION:
-        raise SegmentError(f"segment {name!r} has keyed layout version {version}; this shmlimit reads {K.VERSION}")
-    keys, novr, probe, kind = c.load(K.NKEYS_OFF), c.load(K.NOVR_OFF), c.load(K.PROBE_OFF), c.load(K.KIND_OFF)
+        raise SegmentError(
+            f"segment {name!r} has keyed layout version {version}; this shmlimit reads {K.VERSION}"
+        )
+    keys, novr, probe, kind = (
+        c.load(K.NKEYS_OFF),
+        c.load(K.NOVR_OFF),
+        c.load(K.PROBE_OFF),
+        c.load(K.KIND_OFF),
+    )
     if (
         pslots != K.PSLOTS
         or not 1 <= keys <= K.MAX_KEYS
@@ -112,15 +140,22 @@ def validate_header(name: str, c: Cells, mapped: int) -> Geometry:
         return Geometry(keys, novr, kind)
     vals = pick(c, K.DEFAULT_BANKS, (0, 0), c.load(K.CFG_SEQ) & ~1)
     if vals is None:
-        raise SegmentError(f"segment {name!r} is corrupt: no copy of its configuration passes its checksum")
+        raise SegmentError(
+            f"segment {name!r} is corrupt: no copy of its configuration passes its checksum"
+        )
     r, t, tau = rate_of(vals), vals[3], vals[4]
-    if not all(math.isfinite(x) and x > 0 for x in (r.rate, r.per, r.burst)) or not 1 <= t <= tau < MAX_TICKS:
+    if (
+        not all(math.isfinite(x) and x > 0 for x in (r.rate, r.per, r.burst))
+        or not 1 <= t <= tau < MAX_TICKS
+    ):
         raise SegmentError(f"segment {name!r} is corrupt: its configuration is out of range")
     return Geometry(keys, novr)
 
 
 #: No keyed segment is larger than this (bytes): a bigger file is neither read nor mapped.
 MAX_BYTES = K.segment_size(K.MAX_KEYS, K.MAX_OVERRIDES)
+
+
 def _open_checked(name: str, mode: int, trusted_uids: AbstractSet[int]) -> Segment:
     """Map an existing segment only after checking who may write it and that its header fits the file.
 
@@ -135,12 +170,19 @@ def _open_checked(name: str, mode: int, trusted_uids: AbstractSet[int]) -> Segme
         check_trust(name, st, mode, trusted_uids)  # the same rule as a Limiter's segment
         size = st.st_size
         if size > MAX_BYTES:
-            raise SegmentError(f"segment {name!r} is {size} bytes; no keyed limiter is larger than {MAX_BYTES}")
+            raise SegmentError(
+                f"segment {name!r} is {size} bytes; no keyed limiter is larger than {MAX_BYTES}"
+            )
         head = os.pread(shm.fd, K.LINE, 0) if size >= K.LINE else b""
         if len(head) == K.LINE:
-            magic, state, declared = (int.from_bytes(head[o:o + 8], "little") for o in (K.MAGIC_OFF, K.STATE_OFF, K.SIZE_OFF))
+            magic, state, declared = (
+                int.from_bytes(head[o : o + 8], "little")
+                for o in (K.MAGIC_OFF, K.STATE_OFF, K.SIZE_OFF)
+            )
             if magic == K.MAGIC and state == K.STATE_READY and declared > size:
-                raise SegmentError(f"segment {name!r} is truncated: its header says {declared} bytes, the file has {size}")
+                raise SegmentError(
+                    f"segment {name!r} is truncated: its header says {declared} bytes, the file has {size}"
+                )
         mm = mmap.mmap(shm.fd, size) if size else None
     finally:
         shm.close_fd()
@@ -169,28 +211,46 @@ def _wait_ready(name: str, seg: Segment, mode: int, trusted_uids: AbstractSet[in
         if seg.size:
             c = open_cells(seg.mm, K.HEADER_BYTES)
             try:
-                magic, state, creator = c.load(K.MAGIC_OFF), c.load(K.STATE_OFF), c.load(K.CREATOR_PID_OFF)
+                magic, state, creator = (
+                    c.load(K.MAGIC_OFF),
+                    c.load(K.STATE_OFF),
+                    c.load(K.CREATOR_PID_OFF),
+                )
             finally:
                 c.close()
             if magic == L.MAGIC:
-                raise SegmentError(f"segment {name!r} is a Limiter, not a KeyedLimiter: use shmlimit.Limiter or attach")
+                raise SegmentError(
+                    f"segment {name!r} is a Limiter, not a KeyedLimiter: use shmlimit.Limiter or attach"
+                )
             if magic not in (0, K.MAGIC):
-                raise SegmentError(f"segment {name!r} is not a shmlimit limiter (bad magic {magic:#018x})")
+                raise SegmentError(
+                    f"segment {name!r} is not a shmlimit limiter (bad magic {magic:#018x})"
+                )
             if magic == K.MAGIC and state == K.STATE_READY:
                 return seg
-            if creator > 0xFFFFFFFF or (creator and not is_alive(creator, 0)) or (not creator and age > INIT_WAIT):
+            if (
+                creator > 0xFFFFFFFF
+                or (creator and not is_alive(creator, 0))
+                or (not creator and age > INIT_WAIT)
+            ):
                 raise AbandonedSegmentError(name, seg.inode, creator, "keyed limiter")
         elif age > INIT_WAIT:
             raise AbandonedSegmentError(name, seg.inode, 0, "keyed limiter")
         if time.monotonic() - start > LIVE_CREATOR_WAIT:
-            raise SegmentError(f"segment {name!r} is still being initialised after {LIVE_CREATOR_WAIT:.0f} s")
+            raise SegmentError(
+                f"segment {name!r} is still being initialised after {LIVE_CREATOR_WAIT:.0f} s"
+            )
         time.sleep(0.001)
         seg.close()
         seg = _open_checked(name, mode, trusted_uids)
 
 
 def open_segment(
-    name: str, geo: Optional[Geometry], rate: Optional[Rate], mode: int, trusted_uids: AbstractSet[int] = frozenset()
+    name: str,
+    geo: Optional[Geometry],
+    rate: Optional[Rate],
+    mode: int,
+    trusted_uids: AbstractSet[int] = frozenset(),
 ) -> Tuple[Segment, Cells, Geometry]:
     """Create (when ``rate`` is given, or ``geo`` is a table of window counters, and the name is free)
     or open a keyed segment.
@@ -204,7 +264,9 @@ def open_segment(
     for _ in range(16):
         if create:
             _check_space(name, geo.size)
-            seg = Segment.create(name, geo.size, mode)  # allocates every page: ENOSPC is an error now
+            seg = Segment.create(
+                name, geo.size, mode
+            )  # allocates every page: ENOSPC is an error now
             if seg is not None:
                 return seg, _initialise(seg, geo, rate), geo
         try:
@@ -230,7 +292,9 @@ def open_segment(
             c.close()
             seg.close()
             raise
-    raise SegmentError(f"could not create or open keyed limiter {name!r}: it kept being unlinked and re-created")
+    raise SegmentError(
+        f"could not create or open keyed limiter {name!r}: it kept being unlinked and re-created"
+    )
 
 
 def peek_magic(name: str) -> int:

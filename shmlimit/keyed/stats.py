@@ -7,19 +7,20 @@ writes or faults on a truncated segment.  Both kinds of keyed segment are
 read here: a ``KeyedLimiter``'s GCRA keys, and the window counters of the
 ``limits`` storage (``kind`` "windows"; ``sample_windows``).
 """
+
 from __future__ import annotations
 
 import time
 from dataclasses import dataclass
 from typing import List, Optional, Tuple
 
+from shmlimit.errors import SegmentError
 from shmlimit.keyed import cells as KC
 from shmlimit.keyed import layout as K
-from shmlimit.shm.cells import Cells, open_cells
-from shmlimit.errors import SegmentError
 from shmlimit.keyed.gcra import TICKS_PER_S, peek_default
 from shmlimit.keyed.segment import Geometry, read_copy, validate_header
 from shmlimit.keyed.windows import FLAG, unpack
+from shmlimit.shm.cells import Cells, open_cells
 from shmlimit.shm.segment import validate_name
 from shmlimit.shm.table import ProcessTable, is_alive
 
@@ -61,7 +62,9 @@ class KeyedStats:
 
 def snapshot_of(name: str, c: Cells, geo: Geometry, size: int) -> KeyedStats:
     """A snapshot from the header and process table in ``c`` (a mapping or a private copy)."""
-    r = peek_default(c)  # no wait: a copy taken while a writer worked would never change (display only)
+    r = peek_default(
+        c
+    )  # no wait: a copy taken while a writer worked would never change (display only)
     table = ProcessTable(c, K.PSLOTS)
     procs = tuple(KeyedProcess(e.pid, is_alive(e.pid, e.start), e.grants) for e in table.entries())
     keys = c.load(K.KEYS_LIVE)
@@ -103,7 +106,13 @@ def sample_keys(name: str, start: int, count: int) -> Tuple[List[KeySample], int
     slots, nxt = _live_slots(name, K.KIND_GCRA, start, count)
     for words in slots:
         tat = words[K.S_V0 // 8]
-        out.append(KeySample(KC.display_key(words[K.S_V2 // 8:]), words[K.S_V1 // 8], max(0, tat - now) / TICKS_PER_S))
+        out.append(
+            KeySample(
+                KC.display_key(words[K.S_V2 // 8 :]),
+                words[K.S_V1 // 8],
+                max(0, tat - now) / TICKS_PER_S,
+            )
+        )
     return out, nxt
 
 
@@ -114,8 +123,11 @@ def _live_slots(name: str, kind: int, start: int, count: int) -> Tuple[List[Tupl
     cells, geo, _ = _header_copy(name)
     cells.close()
     if geo.kind != kind:
-        what = "holds window counters, not a KeyedLimiter's keys" if kind == K.KIND_GCRA else \
-            "is a KeyedLimiter, not a table of window counters"
+        what = (
+            "holds window counters, not a KeyedLimiter's keys"
+            if kind == K.KIND_GCRA
+            else "is a KeyedLimiter, not a table of window counters"
+        )
         raise SegmentError(f"segment {name!r} {what}")
     base = K.slots_offset(geo.overrides)
     count = min(count, geo.keys)
@@ -146,7 +158,11 @@ def _header_copy(name: str) -> Tuple[Cells, Geometry, int]:
     data, size = read_copy(name, 0, K.overrides_offset())
     c = open_cells(data, len(data))  # type: ignore[arg-type]  # a private copy, not a mapping
     try:
-        if len(data) < K.overrides_offset() or c.load(K.MAGIC_OFF) != K.MAGIC or c.load(K.STATE_OFF) != K.STATE_READY:
+        if (
+            len(data) < K.overrides_offset()
+            or c.load(K.MAGIC_OFF) != K.MAGIC
+            or c.load(K.STATE_OFF) != K.STATE_READY
+        ):
             raise SegmentError(f"segment {name!r} is not a ready keyed limiter")
         return c, validate_header(name, c, size), size
     except BaseException:
@@ -175,7 +191,9 @@ class WindowSample:
     ends_in: float  #: seconds until the current window ends
 
 
-def sample_windows(name: str, start: int, count: int, now_ns: Optional[int] = None) -> Tuple[List[WindowSample], int]:
+def sample_windows(
+    name: str, start: int, count: int, now_ns: Optional[int] = None
+) -> Tuple[List[WindowSample], int]:
     """``sample_keys`` for a table of window counters: the keys with a window still counting.
 
     A fixed-window slot holds ``V0 = end << 25 | count`` and ``V1 = 0``; a
@@ -190,7 +208,7 @@ def sample_windows(name: str, start: int, count: int, now_ns: Optional[int] = No
     slots, nxt = _live_slots(name, K.KIND_WINDOWS, start, count)
     for words in slots:
         (t, rolling, cnt), v1 = unpack(words[K.S_V0 // 8]), words[K.S_V1 // 8]
-        key = KC.display_key(words[K.S_V2 // 8:])
+        key = KC.display_key(words[K.S_V2 // 8 :])
         if not v1 & FLAG:  # a fixed window ending at t
             if t > now_ms:
                 out.append(WindowSample(key, "fixed", cnt, 0, None, (t - now_ms) / 1000))

@@ -9,6 +9,7 @@ process that opens the same name shares every key's counts.
 Data flows one way: WindowTable -> keyed_windows -> keyed_cells.SlotTable ->
 cells -> segment.
 """
+
 from __future__ import annotations
 
 import atexit
@@ -17,12 +18,12 @@ import threading
 import weakref
 from typing import Any, Callable, Optional
 
-from shmlimit.keyed import layout as K
-from shmlimit.shm.cells import Cells
 from shmlimit.errors import SegmentError
+from shmlimit.keyed import layout as K
 from shmlimit.keyed.cells import SlotTable
 from shmlimit.keyed.segment import Geometry, check_geometry, open_segment
 from shmlimit.keyed.windows import CMAX, OVER, WindowCounters
+from shmlimit.shm.cells import Cells
 from shmlimit.shm.segment import Segment, validate_mode, validate_name, validate_trusted_uids
 from shmlimit.shm.segment import unlink as _unlink_name
 from shmlimit.shm.table import ProcessTable, proc_start
@@ -42,24 +43,43 @@ class WindowTable:
     ``clock`` returns CLOCK_MONOTONIC nanoseconds (for tests).
     """
 
-    def __init__(self, name: str, keys: int = 100_000, *, mode: int = 0o600, trusted_uids: Any = (),
-                 clock: Optional[Callable[[], int]] = None) -> None:
+    def __init__(
+        self,
+        name: str,
+        keys: int = 100_000,
+        *,
+        mode: int = 0o600,
+        trusted_uids: Any = (),
+        clock: Optional[Callable[[], int]] = None,
+    ) -> None:
         validate_name(name)
         geo = check_geometry(keys, 0)
         validate_mode(mode)
         trusted = validate_trusted_uids(trusted_uids)
         self._name = name
         self._seg: Optional[Segment] = None
-        seg, cells, real = open_segment(name, Geometry(geo.keys, 0, K.KIND_WINDOWS), None, mode, trusted)
+        seg, cells, real = open_segment(
+            name, Geometry(geo.keys, 0, K.KIND_WINDOWS), None, mode, trusted
+        )
         if real.kind != K.KIND_WINDOWS:
             cells.close()
             seg.close()
-            raise SegmentError(f"segment {name!r} is a KeyedLimiter, not a table of window counters")
+            raise SegmentError(
+                f"segment {name!r} is a KeyedLimiter, not a table of window counters"
+            )
         self._seg, self._cells, self._geo = seg, cells, real
-        table = SlotTable(cells, K.slots_offset(0), real.keys, real.probe, K.KEYS_LIVE, K.EVICTED,
-                          K.owner(os.getpid()))
-        self.counters = WindowCounters(table, cells.load(K.SECRET0_OFF), cells.load(K.SECRET1_OFF), K.REFUSED,
-                                       clock, name)
+        table = SlotTable(
+            cells,
+            K.slots_offset(0),
+            real.keys,
+            real.probe,
+            K.KEYS_LIVE,
+            K.EVICTED,
+            K.owner(os.getpid()),
+        )
+        self.counters = WindowCounters(
+            table, cells.load(K.SECRET0_OFF), cells.load(K.SECRET1_OFF), K.REFUSED, clock, name
+        )
         # This process in the segment's process table, as a KeyedLimiter's user: listed (alive or
         # dead) by `shmlimit list`/`top`, with the hits it counted.  Registered on opening; a forked
         # child on its first call (``_live``), so a child that never counts is never listed.
@@ -78,7 +98,9 @@ class WindowTable:
                 return
             start = proc_start(pid)
             self._slot = self._procs.register(pid, start if start and start > 0 else 0)
-            self._hits = K.UNREG_GRANTS if self._slot is None else K.HEADER_BYTES + self._slot * K.LINE + 16
+            self._hits = (
+                K.UNREG_GRANTS if self._slot is None else K.HEADER_BYTES + self._slot * K.LINE + 16
+            )
             self._pid = pid
 
     def _count(self, hits: int) -> None:
@@ -192,8 +214,10 @@ class WindowTable:
     def __repr__(self) -> str:
         if self._seg is None:
             return f"<shmlimit.WindowTable {self._name!r} closed>"
-        return (f"<shmlimit.WindowTable {self._name!r} keys={self.keys_live}/{self.slots} "
-                f"evicted={self.evicted} refused={self.refused} backend={self._cells.backend}>")
+        return (
+            f"<shmlimit.WindowTable {self._name!r} keys={self.keys_live}/{self.slots} "
+            f"evicted={self.evicted} refused={self.refused} backend={self._cells.backend}>"
+        )
 
 
 #: Every table open in this process: at exit each gives its process slot back.

@@ -50,6 +50,7 @@ limit); a sliding-window limit above ``CMAX`` is a ``ValueError`` --,
 windows up to ``MAX_WINDOW_MS`` (about 1.1 years), and a monotonic clock
 below 2**38 ms (8.7 years of uptime).
 """
+
 from __future__ import annotations
 
 import math
@@ -57,9 +58,9 @@ import os
 import time
 from typing import Callable, Optional, Tuple
 
+from shmlimit.errors import KeyTableFullError
 from shmlimit.keyed import cells as KC
 from shmlimit.keyed import layout as K
-from shmlimit.errors import KeyTableFullError
 
 CB = 24  #: count bits
 CMAX = (1 << CB) - 1  #: the largest count a window holds
@@ -81,11 +82,17 @@ def unpack(v: int) -> Tuple[int, bool, int]:
 
 def window_ms(expiry: object) -> int:
     """A window's length in whole milliseconds (rounded up), from seconds; ValueError names the range."""
-    if isinstance(expiry, bool) or not isinstance(expiry, (int, float)) or not 0 < expiry < math.inf:
+    if (
+        isinstance(expiry, bool)
+        or not isinstance(expiry, (int, float))
+        or not 0 < expiry < math.inf
+    ):
         raise ValueError(f"expiry must be a number of seconds > 0, got {expiry!r}")
     w = math.ceil(expiry * 1000)
     if w > MAX_WINDOW_MS:
-        raise ValueError(f"expiry must be at most {MAX_WINDOW_MS / 1000:.0f} seconds, got {expiry!r}")
+        raise ValueError(
+            f"expiry must be at most {MAX_WINDOW_MS / 1000:.0f} seconds, got {expiry!r}"
+        )
     return w
 
 
@@ -102,8 +109,15 @@ class WindowCounters:
     ``clock()`` returns CLOCK_MONOTONIC nanoseconds (injectable for tests).
     """
 
-    def __init__(self, table: KC.SlotTable, k0: int, k1: int, refused: int,
-                 clock: Optional[Callable[[], int]] = None, name: str = "window counters") -> None:
+    def __init__(
+        self,
+        table: KC.SlotTable,
+        k0: int,
+        k1: int,
+        refused: int,
+        clock: Optional[Callable[[], int]] = None,
+        name: str = "window counters",
+    ) -> None:
         KC.check_offsets(table.c, refused)
         self.name = name
         self.t, self.c = table, table.c
@@ -121,7 +135,9 @@ class WindowCounters:
         return ns, ms
 
     def _key(self, prefix: bytes, key: object) -> Tuple[Tuple[int, int], int, bytes]:
-        if os.getpid() != self._pid:  # after fork: insert as ourselves, so a dead inserter is judged right
+        if (
+            os.getpid() != self._pid
+        ):  # after fork: insert as ourselves, so a dead inserter is judged right
             self._pid = os.getpid()
             self.t.pid = K.owner(self._pid)
         data = KC.key_bytes(key)
@@ -135,9 +151,15 @@ class WindowCounters:
             return None
         return v
 
-    def _insert(self, d, home: int, now_ms: int, v0: int, v1: int, data: bytes, above: Callable[[int], int]):
-        s, ctl = self.t.insert(d, home, pack(now_ms, CMAX, True), v0, (v1, *KC.display_words(data)), above)
-        if s is None and ctl == KC.BUSY:  # a stalled insert of this key by a live process: nothing counted
+    def _insert(
+        self, d, home: int, now_ms: int, v0: int, v1: int, data: bytes, above: Callable[[int], int]
+    ):
+        s, ctl = self.t.insert(
+            d, home, pack(now_ms, CMAX, True), v0, (v1, *KC.display_words(data)), above
+        )
+        if (
+            s is None and ctl == KC.BUSY
+        ):  # a stalled insert of this key by a live process: nothing counted
             raise KeyTableFullError(self.name, self.t.nslots, busy=True)
         if s is None:
             self.c.fetch_add(self.refused, 1)
@@ -172,8 +194,15 @@ class WindowCounters:
         while True:
             s, ctl = self.t.find(d, home)
             if s is None:
-                ctl = self._insert(d, home, now, pack(now + w + 1, amount), 0, data,
-                                   lambda prior: pack(max(now + w + 1, unpack(prior)[0] + 1), amount))
+                ctl = self._insert(
+                    d,
+                    home,
+                    now,
+                    pack(now + w + 1, amount),
+                    0,
+                    data,
+                    lambda prior: pack(max(now + w + 1, unpack(prior)[0] + 1), amount),
+                )
                 if ctl:
                     return amount
                 os.sched_yield()  # lost a race, often to an insert of the same key: let it finish
@@ -284,7 +313,9 @@ class WindowCounters:
             if tag == start and phase:
                 prev = n  # the final count of the window before
             elif tag < start:
-                prev = 0  # a key whose first window this is (inserted above a dead inserter's value)
+                prev = (
+                    0  # a key whose first window this is (inserted above a dead inserter's value)
+                )
             elif not refreshed:  # a helper moved on with a later clock than ours
                 refreshed = True
                 ns, now = self._now()
@@ -310,7 +341,9 @@ class WindowCounters:
         """
         w, amount = window_ms(expiry), _amount(amount)
         if isinstance(limit, bool) or not isinstance(limit, int) or not 0 <= limit <= CMAX:
-            raise ValueError(f"limit must be an int from 0 to {CMAX} (hits per window), got {limit!r}")
+            raise ValueError(
+                f"limit must be an int from 0 to {CMAX} (hits per window), got {limit!r}"
+            )
         if amount > limit:
             return False
         ns, now = self._now()
@@ -320,8 +353,15 @@ class WindowCounters:
             s, ctl = self.t.find(d, home)
             if s is None:
                 # a new key's windows are empty: amount <= limit is granted by the insert itself
-                ctl = self._insert(d, home, now, pack(now + 2 * w, amount), pack(now, 0, True), data,
-                                   lambda prior: pack(unpack(prior)[0] + 1, amount))
+                ctl = self._insert(
+                    d,
+                    home,
+                    now,
+                    pack(now + 2 * w, amount),
+                    pack(now, 0, True),
+                    data,
+                    lambda prior: pack(unpack(prior)[0] + 1, amount),
+                )
                 if ctl:
                     return True
                 os.sched_yield()

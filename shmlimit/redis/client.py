@@ -6,6 +6,7 @@ redis-py error into ``RedisUnavailableError`` (no answer in time: fallbacks
 apply) or ``RedisDataError`` (an answer that is an error: never a reason to
 let calls through).  Needs redis-py (the ``redis`` extra).
 """
+
 from __future__ import annotations
 
 from typing import Any, Dict, Tuple, Type
@@ -18,8 +19,8 @@ from redis.asyncio.retry import Retry as _ARetry
 from redis.backoff import NoBackoff
 from redis.retry import Retry
 
-from shmlimit.redis import urls
 from shmlimit.errors import RedisDataError, RedisUnavailableError
+from shmlimit.redis import urls
 from shmlimit.redis.urls import redact
 
 # ---------------------------------------------------------------------------------
@@ -31,8 +32,17 @@ def _unavailable_types() -> Tuple[type, ...]:
     failing over (``READONLY`` from a demoted master, ``CLUSTERDOWN``, ``TRYAGAIN`` while a slot
     migrates) -- never an answer about the data.  Credentials refused are not among them: a
     wrong password is a configuration error, and fails closed like a data error."""
-    found = [_rx.ConnectionError, _rx.TimeoutError, _rx.ReadOnlyError, _rx.TryAgainError, _rx.ClusterDownError]
-    for n in ("MasterNotFoundError", "SlaveNotFoundError"):  # in redis.sentinel, ConnectionErrors already
+    found = [
+        _rx.ConnectionError,
+        _rx.TimeoutError,
+        _rx.ReadOnlyError,
+        _rx.TryAgainError,
+        _rx.ClusterDownError,
+    ]
+    for n in (
+        "MasterNotFoundError",
+        "SlaveNotFoundError",
+    ):  # in redis.sentinel, ConnectionErrors already
         t = getattr(_rx, n, None)
         if t is not None:
             found.append(t)
@@ -40,7 +50,11 @@ def _unavailable_types() -> Tuple[type, ...]:
 
 
 def _refused_types() -> Tuple[type, ...]:
-    return tuple(t for t in (_rx.AuthenticationError, getattr(_rx, "AuthorizationError", None)) if t is not None)
+    return tuple(
+        t
+        for t in (_rx.AuthenticationError, getattr(_rx, "AuthorizationError", None))
+        if t is not None
+    )
 
 
 def classify(e: BaseException, where: str) -> Exception:
@@ -61,7 +75,11 @@ def classify(e: BaseException, where: str) -> Exception:
 _UNAVAILABLE = _unavailable_types()
 _REFUSED = _refused_types()
 #: Errors that could come from the server or the connection, as opposed to our own bugs.
-_REDIS_ERRORS: Tuple[Type[BaseException], ...] = (_rx.RedisError, _rx.RedisClusterException, OSError)
+_REDIS_ERRORS: Tuple[Type[BaseException], ...] = (
+    _rx.RedisError,
+    _rx.RedisClusterException,
+    OSError,
+)
 
 
 # ---------------------------------------------------------------------------------
@@ -92,7 +110,9 @@ def connect(url: str, secrets: Dict[str, str], timeout: float, is_async: bool = 
     lib = _aredis if is_async else _redis
     rest = url[len(scheme) + 3 :]
     if scheme in urls.SINGLE_SCHEMES:
-        base = {"redis": "redis", "valkey": "redis", "rediss": "rediss", "valkeys": "rediss"}.get(scheme, "unix")
+        base = {"redis": "redis", "valkey": "redis", "rediss": "rediss", "valkeys": "rediss"}.get(
+            scheme, "unix"
+        )
         return lib.Redis.from_url(f"{base}://{rest}", **opts)
     netloc, _, tail = rest.partition("/")
     tail, _, query = tail.partition("?")
@@ -107,7 +127,10 @@ def connect(url: str, secrets: Dict[str, str], timeout: float, is_async: bool = 
             opts[k] = int(v)
         elif k in ("socket_timeout", "socket_connect_timeout"):
             opts[k] = float(v)
-        elif k not in ("ssl_cert_reqs", "ssl_check_hostname"):  # TLS is always verified (urls.check)
+        elif k not in (
+            "ssl_cert_reqs",
+            "ssl_check_hostname",
+        ):  # TLS is always verified (urls.check)
             opts[k] = v
     if tls:
         opts["ssl"] = True
@@ -118,15 +141,21 @@ def connect(url: str, secrets: Dict[str, str], timeout: float, is_async: bool = 
             from redis.asyncio.cluster import ClusterNode as ANode
             from redis.asyncio.cluster import RedisCluster as ACluster
 
-            return ACluster(startup_nodes=[ANode(h, p) for h, p in urls.hosts(netloc, 6379)], **opts)
+            return ACluster(
+                startup_nodes=[ANode(h, p) for h, p in urls.hosts(netloc, 6379)], **opts
+            )
         from redis.cluster import ClusterNode, RedisCluster
 
-        return RedisCluster(startup_nodes=[ClusterNode(h, p) for h, p in urls.hosts(netloc, 6379)], **opts)
+        return RedisCluster(
+            startup_nodes=[ClusterNode(h, p) for h, p in urls.hosts(netloc, 6379)], **opts
+        )
     # sentinel
     service, _, db = tail.partition("/")
     if not service:
-        raise ValueError(f"url: a sentinel URL names the service: redis+sentinel://host:port/service; "
-                         f"got {redact(url)}")
+        raise ValueError(
+            f"url: a sentinel URL names the service: redis+sentinel://host:port/service; "
+            f"got {redact(url)}"
+        )
     if db:
         opts["db"] = int(db)
     sentinel_opts = {k: v for k, v in opts.items() if k not in ("db", "sentinel_password")}
@@ -135,7 +164,11 @@ def connect(url: str, secrets: Dict[str, str], timeout: float, is_async: bool = 
     if is_async:
         from redis.asyncio.sentinel import Sentinel as ASentinel
 
-        return ASentinel(urls.hosts(netloc, 26379), sentinel_kwargs=sentinel_opts, **opts).master_for(service)
+        return ASentinel(
+            urls.hosts(netloc, 26379), sentinel_kwargs=sentinel_opts, **opts
+        ).master_for(service)
     from redis.sentinel import Sentinel
 
-    return Sentinel(urls.hosts(netloc, 26379), sentinel_kwargs=sentinel_opts, **opts).master_for(service)
+    return Sentinel(urls.hosts(netloc, 26379), sentinel_kwargs=sentinel_opts, **opts).master_for(
+        service
+    )

@@ -31,6 +31,7 @@ its reservation is due; if the process wakes more than ``grace`` seconds late
 ``acquire`` asks again.  So calls actually start within ``grace`` of their slot,
 and in any window T at most ``rate*(T + grace) + burst`` calls start.
 """
+
 from __future__ import annotations
 
 import asyncio
@@ -42,12 +43,12 @@ import time
 from dataclasses import dataclass
 from typing import Any, Dict, Generator, Optional, Tuple
 
-from shmlimit.redis import urls
 from shmlimit.config import NS_PER_S, Config, validate_n, validate_timeout
 from shmlimit.errors import RedisDataError, RedisUnavailableError
-from shmlimit.shm.segment import validate_name
+from shmlimit.redis import urls
 from shmlimit.redis.spec import DEFAULT_TIMEOUT, DEFAULT_URL, UpstreamSpec, redis_key
 from shmlimit.redis.urls import redact
+from shmlimit.shm.segment import validate_name
 
 try:  # the redis extra: pip install 'shmlimit[redis]'
     import redis as _redis
@@ -57,7 +58,15 @@ try:  # the redis extra: pip install 'shmlimit[redis]'
 except ImportError:  # pragma: no cover - exercised only without the extra
     _redis = None  # type: ignore[assignment]
 
-__all__ = ["RedisLimiter", "RedisStats", "RedisUnavailableError", "RedisDataError", "redact", "connect", "classify"]
+__all__ = [
+    "RedisLimiter",
+    "RedisStats",
+    "RedisUnavailableError",
+    "RedisDataError",
+    "redact",
+    "connect",
+    "classify",
+]
 
 #: A reservation used more than this late is void (seconds).
 DEFAULT_GRACE = 0.05
@@ -146,7 +155,6 @@ class RedisStats:
         return self.rate / self.per
 
 
-
 # ---------------------------------------------------------------------------------
 # the limiter: steps that never block, driven by a sync and an async loop
 
@@ -155,7 +163,9 @@ _EVAL, _LOAD, _SLEEP, _DONE = "eval", "load", "sleep", object()
 Step = Generator[Tuple[Any, ...], Any, Any]
 
 
-def _resume(steps: Step, value: Any = None, error: Optional[BaseException] = None) -> Tuple[Any, ...]:
+def _resume(
+    steps: Step, value: Any = None, error: Optional[BaseException] = None
+) -> Tuple[Any, ...]:
     """Run ``steps`` on to what it asks next, given the last answer (or error): an op or (_DONE, result)."""
     try:
         return steps.throw(error) if error is not None else steps.send(value)
@@ -214,13 +224,22 @@ class _GcraClient:
         self.key = redis_key(name)
         self._interval = interval  # ns per op, rounded up: never faster than asked
         self._tolerance = int(cfg.burst * interval)  # rounded down: never more burst than asked
-        self._max_reserved_ns = None if cfg.max_reserved is None else int(cfg.max_reserved * NS_PER_S)
+        self._max_reserved_ns = (
+            None if cfg.max_reserved is None else int(cfg.max_reserved * NS_PER_S)
+        )
         self._own_client = client is None
         self._client = client if client is not None else connect(self._url, self._secrets, t)
         self._sha = LUA_SHA
         self._aclients: Dict[int, Any] = {}
         self._lock = threading.Lock()
-        self._counts = {"round_trips": 0, "grants": 0, "refusals": 0, "expired": 0, "script_loads": 0, "errors": 0}
+        self._counts = {
+            "round_trips": 0,
+            "grants": 0,
+            "refusals": 0,
+            "expired": 0,
+            "script_loads": 0,
+            "errors": 0,
+        }
 
     # -- identity --------------------------------------------------------------------
 
@@ -265,14 +284,27 @@ class _GcraClient:
 
     def __reduce__(self) -> Any:
         if not self._own_client:
-            raise TypeError(f"a {type(self).__name__} built on a caller's client cannot be pickled; pass url= instead")
+            raise TypeError(
+                f"a {type(self).__name__} built on a caller's client cannot be pickled; pass url= instead"
+            )
         c = self._config
-        kw = dict(url=self._url, max_reserved=c.max_reserved, grace=self._grace, clock=self._clock, timeout=self._timeout)
-        return (_unpickle, (type(self), tuple(self._secrets.items()), (self._name, c.rate, c.per, c.burst), kw))
+        kw = dict(
+            url=self._url,
+            max_reserved=c.max_reserved,
+            grace=self._grace,
+            clock=self._clock,
+            timeout=self._timeout,
+        )
+        return (
+            _unpickle,
+            (type(self), tuple(self._secrets.items()), (self._name, c.rate, c.per, c.burst), kw),
+        )
 
     # -- the script: one step core, two drivers ------------------------------------------
 
-    def _args(self, mode: int, n: int, max_wait_ns: Optional[int], least: int = 1) -> Tuple[Any, ...]:
+    def _args(
+        self, mode: int, n: int, max_wait_ns: Optional[int], least: int = 1
+    ) -> Tuple[Any, ...]:
         if self._clock == "server":
             sec, usec = "", ""
         else:
@@ -286,8 +318,14 @@ class _GcraClient:
             for k, v in deltas.items():
                 self._counts[k] += v
 
-    def _script(self, mode: int, n: int, max_wait_ns: Optional[int] = None, least: int = 1,
-                key: Optional[str] = None) -> Step:
+    def _script(
+        self,
+        mode: int,
+        n: int,
+        max_wait_ns: Optional[int] = None,
+        least: int = 1,
+        key: Optional[str] = None,
+    ) -> Step:
         """Steps of one script call; returns ``(ops granted, wait_ns, backlog_ns, dry_ns)``.
 
         A NOSCRIPT answer (the scripts were flushed, or a failover or slot
@@ -311,7 +349,9 @@ class _GcraClient:
             raise classify(e, f"redis at {self.url} for limiter {self._name!r}") from e
         except (TypeError, ValueError, IndexError) as e:  # an answer that is not the script's
             self._count(round_trips=trips, errors=1)
-            raise RedisDataError(f"redis at {self.url} for limiter {self._name!r} answered {r!r}") from e
+            raise RedisDataError(
+                f"redis at {self.url} for limiter {self._name!r} answered {r!r}"
+            ) from e
         self._count(round_trips=trips)
         return granted, wait, backlog, dry
 
@@ -336,7 +376,9 @@ class _GcraClient:
                 if op[0] == _EVAL:
                     value = await client.evalsha(self._sha, 1, op[1], *op[2])
                 else:
-                    value = await (client.script_load(LUA) if op[0] == _LOAD else asyncio.sleep(op[1]))
+                    value = await (
+                        client.script_load(LUA) if op[0] == _LOAD else asyncio.sleep(op[1])
+                    )
             except Exception as e:  # handed to the steps, which classify it or let it through
                 op = _resume(steps, None, e)
             else:
@@ -350,7 +392,9 @@ class _GcraClient:
             if not self._own_client:
                 raise TypeError("acquire_async needs a RedisLimiter built with url=, not client=")
             # connections of a dead loop are useless: keep only this loop's
-            self._aclients = {id(loop): connect(self._url, self._secrets, self._timeout, is_async=True)}
+            self._aclients = {
+                id(loop): connect(self._url, self._secrets, self._timeout, is_async=True)
+            }
             client = self._aclients[id(loop)]
         return client
 
@@ -359,8 +403,14 @@ class _GcraClient:
     def _bound(self, n: int, limit_s: Optional[float]) -> Optional[int]:
         """The script's max_wait for ``n`` ops: the caller's limit and ``max_reserved``, in ns."""
         if n * self._interval > MAX_SCHEDULE_NS:
-            raise ValueError(f"n must be at most {MAX_SCHEDULE_NS // self._interval} ops for this limiter, got {n}")
-        bounds = [b for b in (None if limit_s is None else int(limit_s * NS_PER_S), self._max_reserved_ns) if b is not None]
+            raise ValueError(
+                f"n must be at most {MAX_SCHEDULE_NS // self._interval} ops for this limiter, got {n}"
+            )
+        bounds = [
+            b
+            for b in (None if limit_s is None else int(limit_s * NS_PER_S), self._max_reserved_ns)
+            if b is not None
+        ]
         return min(bounds) if bounds else None
 
     def _reserve_steps(self, n: int, max_wait: Optional[float], key: Optional[str] = None) -> Step:
@@ -380,7 +430,9 @@ class _GcraClient:
         deadline = None if timeout is None else time.monotonic() + timeout
         while True:
             left = None if deadline is None else max(0.0, deadline - time.monotonic())
-            granted, wait, _, _ = yield from self._script(MODE_RESERVE, n, self._bound(n, left), key=key)
+            granted, wait, _, _ = yield from self._script(
+                MODE_RESERVE, n, self._bound(n, left), key=key
+            )
             received = time.monotonic()
             if granted:
                 self._count(grants=n)
@@ -446,16 +498,36 @@ class RedisLimiter(_GcraClient):
                 "to the filler); build it with url="
             )
         c = self._config
-        return UpstreamSpec(self._name, self._url, c.rate, c.per, c.burst, clock=self._clock, timeout=self._timeout,
-                            secrets=tuple(sorted(self._secrets.items())), **options)
+        return UpstreamSpec(
+            self._name,
+            self._url,
+            c.rate,
+            c.per,
+            c.burst,
+            clock=self._clock,
+            timeout=self._timeout,
+            secrets=tuple(sorted(self._secrets.items())),
+            **options,
+        )
 
     @classmethod
     def from_spec(cls, spec: UpstreamSpec) -> "RedisLimiter":
         """The global limiter of a hierarchical limiter, with the secrets its configuring process gave."""
-        return _connected(cls, spec.secrets, spec.name, spec.rate, spec.per, spec.burst, url=spec.url,
-                          clock=spec.clock, timeout=spec.timeout)
+        return _connected(
+            cls,
+            spec.secrets,
+            spec.name,
+            spec.rate,
+            spec.per,
+            spec.burst,
+            url=spec.url,
+            clock=spec.clock,
+            timeout=spec.timeout,
+        )
 
-    def call(self, mode: int, n: int, max_wait_ns: Optional[int] = None, least: int = 1) -> Tuple[int, int, int, int]:
+    def call(
+        self, mode: int, n: int, max_wait_ns: Optional[int] = None, least: int = 1
+    ) -> Tuple[int, int, int, int]:
         """One script call: ``(ops granted, wait_ns, backlog_ns, dry_ns)``: ``dry_ns`` is how long the
         global schedule had run dry before it (schedule the GCRA did not bank), 0 if it had not.
 
@@ -463,7 +535,9 @@ class RedisLimiter(_GcraClient):
         """
         return self._run(self._script(mode, n, max_wait_ns, least))
 
-    async def call_async(self, mode: int, n: int, max_wait_ns: Optional[int] = None, least: int = 1) -> Tuple[int, int, int, int]:
+    async def call_async(
+        self, mode: int, n: int, max_wait_ns: Optional[int] = None, least: int = 1
+    ) -> Tuple[int, int, int, int]:
         """``call`` on this event loop's own connection."""
         return await self._run_async(self._script(mode, n, max_wait_ns, least))
 
@@ -539,8 +613,14 @@ class RedisLimiter(_GcraClient):
             counts = dict(self._counts)
         c = self._config
         return RedisStats(
-            name=self._name, key=self.key, rate=c.rate, per=c.per, capacity=c.burst, available=float(avail),
-            backlog_seconds=backlog / NS_PER_S, **counts,
+            name=self._name,
+            key=self.key,
+            rate=c.rate,
+            per=c.per,
+            capacity=c.burst,
+            available=float(avail),
+            backlog_seconds=backlog / NS_PER_S,
+            **counts,
         )
 
     def __repr__(self) -> str:
@@ -569,5 +649,7 @@ def _connected(cls: Any, secrets: Tuple[Tuple[str, str], ...], *args: Any, **kw:
     return lim
 
 
-def _unpickle(cls: Any, secrets: Tuple[Tuple[str, str], ...], args: Tuple[Any, ...], kw: Dict[str, Any]) -> Any:
+def _unpickle(
+    cls: Any, secrets: Tuple[Tuple[str, str], ...], args: Tuple[Any, ...], kw: Dict[str, Any]
+) -> Any:
     return _connected(cls, secrets, *args, **kw)

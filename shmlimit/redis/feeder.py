@@ -85,6 +85,7 @@ The feeder runs only in processes that configured the upstream themselves
 (see ``upstream_spec``): its endpoint and credentials are theirs, never read
 from the segment.
 """
+
 from __future__ import annotations
 
 import logging
@@ -94,27 +95,36 @@ from collections import deque
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Callable, Deque, List, Optional
 
-from shmlimit.shm import layout as L
 from shmlimit.bucket.rovers import diff
 from shmlimit.errors import RedisDataError, RedisUnavailableError
+from shmlimit.redis.direct import MODE_RESERVE, RedisLimiter
 from shmlimit.redis.lease_records import RECORD_MAX_OPS, RECORD_OPS_BITS, LeaseRecords  # noqa: F401 (RECORD_OPS_BITS: the tests read records)
 from shmlimit.redis.lease_records import record as _record  # noqa: F401 (the tests write records with it)
-from shmlimit.redis.direct import MODE_RESERVE, RedisLimiter
 from shmlimit.redis.spec import (
-    ON_ERROR, STATE_CLOSED, STATE_ERROR, STATE_LOCAL, STATE_NAMES, STATE_OK, STATE_OPEN, UpstreamSpec,
+    ON_ERROR,
+    STATE_CLOSED,
+    STATE_ERROR,
+    STATE_LOCAL,
+    STATE_NAMES,
+    STATE_OK,
+    STATE_OPEN,
+    UpstreamSpec,
 )
+from shmlimit.shm import layout as L
 
 if TYPE_CHECKING:  # pragma: no cover
-    from shmlimit.bucket.rovers import Bucket
     from shmlimit.bucket.filler import FeedFactory, Lease
+    from shmlimit.bucket.rovers import Bucket
 
 __all__ = ["Feeder", "feed_for", "ON_ERROR", "STATE_NAMES"]
 
 log = logging.getLogger("shmlimit.redis.feeder")
 
-_FALLBACK = {"local": (STATE_LOCAL, L.FLAG_UPSTREAM | L.FLAG_FALLBACK_LOCAL),
-             "open": (STATE_OPEN, L.FLAG_UPSTREAM | L.FLAG_FALLBACK_OPEN),
-             "closed": (STATE_CLOSED, L.FLAG_UPSTREAM)}
+_FALLBACK = {
+    "local": (STATE_LOCAL, L.FLAG_UPSTREAM | L.FLAG_FALLBACK_LOCAL),
+    "open": (STATE_OPEN, L.FLAG_UPSTREAM | L.FLAG_FALLBACK_OPEN),
+    "closed": (STATE_CLOSED, L.FLAG_UPSTREAM),
+}
 
 #: The feeder sleeps until its next event (a batch falls due, the next batch is to be asked for,
 #: a lease record expires with tokens in the bucket), and no longer than this (seconds): how soon
@@ -194,7 +204,9 @@ class Feeder:
         self.cells = bucket.cells
         self.lease = lease
         self.spec = spec
-        self.redis: Optional[RedisLimiter] = None  # connected at the first lease: a cluster client connects at once
+        self.redis: Optional[RedisLimiter] = (
+            None  # connected at the first lease: a cluster client connects at once
+        )
         self.on_error = spec.on_error
         self.ttl_ns = int(spec.lease_ttl * 1e9)
         self.records = LeaseRecords(bucket, self.ttl_ns, int(MIN_TICK * 1e9))
@@ -264,7 +276,9 @@ class Feeder:
         state = c.load(L.UP_STATE)
         if state in (STATE_OK, STATE_CLOSED, STATE_ERROR):  # leased tokens expire, Redis or not
             self.expire(now)
-        self.mine = [w for w in self.mine if not self.records.ends_by(w, now)]  # those were checked just now
+        self.mine = [
+            w for w in self.mine if not self.records.ends_by(w, now)
+        ]  # those were checked just now
         self._deliver(now)
         if not b.stopped and now >= self.next_try:
             self._lease(now, state)
@@ -315,7 +329,9 @@ class Feeder:
         """Tell timed waiters when tokens are next expected (``UP_NEXT_NS``); return the nap until the next event."""
         nxt = self.pending[0].due if self.pending else (self.next_try if self.next_try > now else 0)
         self.cells.store(L.UP_NEXT_NS, nxt)
-        if self.bucket.time_fed:  # the "local" fallback refills from the clock: tick as a clock feed does
+        if (
+            self.bucket.time_fed
+        ):  # the "local" fallback refills from the clock: tick as a clock feed does
             return TICK
         at = min(self._next_delivery(now), self._next_request(now), now + int(IDLE_TICK * 1e9))
         nap = max(int(MIN_TICK * 1e9), at - now)
@@ -349,7 +365,9 @@ class Feeder:
             return max(self.next_try, now + int(MIN_TICK * 1e9))
         if self.want(now):  # the batch just reserved is due within the lead: the next one at once
             return now
-        if not self.pending and (now - self._queued_at < HUNGRY_NS or now - self.cells.load(L.UP_HUNGRY) < HUNGRY_NS):
+        if not self.pending and (
+            now - self._queued_at < HUNGRY_NS or now - self.cells.load(L.UP_HUNGRY) < HUNGRY_NS
+        ):
             # callers waited a moment ago and nothing is reserved for them: a batch due at once went
             # to them, and they come back at once (their demand is not measured yet, after a start
             # or a take-over): look again soon, as a clock feed would
@@ -441,8 +459,15 @@ class Feeder:
         lead = self.lead_ns + early
         avail = b.balance() / b.cost  # negative: owed to queued callers
         # what queued callers are owed counts too: a filler that just took over knows no demand yet
-        batch = min(self.max_batch, max(1, math.ceil(self.demand * self.batch_seconds), math.ceil(-avail),
-                                        self.grow if avail < 0 else 1))
+        batch = min(
+            self.max_batch,
+            max(
+                1,
+                math.ceil(self.demand * self.batch_seconds),
+                math.ceil(-avail),
+                self.grow if avail < 0 else 1,
+            ),
+        )
         if avail < 0:
             self._queued_at = now
         hungry = avail < 0 or now - self.cells.load(L.UP_HUNGRY) < HUNGRY_NS
@@ -498,14 +523,20 @@ class Feeder:
         if granted:
             if state == STATE_OK:  # (after an outage the gap is the outage's: counted as errors)
                 self._note_dry(sent, dry)
-            self.pending.append(_Batch(due=received + wait, stamp=sent + wait, ops=granted, left=granted))
+            self.pending.append(
+                _Batch(due=received + wait, stamp=sent + wait, ops=granted, left=granted)
+            )
             c.fetch_add(L.UP_LEASED, granted)
             self.next_try = 0
             self.grow = min(self.max_grow, 2 * max(self.grow, granted)) if queued else 1
         else:
             # not an answer a reservation without max_wait gets: count it, ask again a little later
             c.fetch_add(L.UP_REFUSED, 1)
-            self.next_try = received + int(MIN_RETRY * 1e9) + random.randrange(min(self.interval_ns, 1_000_000) + 1)
+            self.next_try = (
+                received
+                + int(MIN_RETRY * 1e9)
+                + random.randrange(min(self.interval_ns, 1_000_000) + 1)
+            )
 
     def _note_wanting(self, now: int) -> None:
         """Keep ``UP_WANTING``: since when callers have wanted tokens (queued, or refused without

@@ -24,6 +24,7 @@ would have to track leases per key.  That bound is not a useful limit for
 per-user or per-tenant keys, whose rates are low; the direct mode's single
 round trip is the honest design here.
 """
+
 from __future__ import annotations
 
 import hashlib
@@ -86,5 +87,7 @@ class RedisKeyedLimiter(_GcraClient):
         return self._run(self._script(MODE_PEEK, n, key=self.redis_key(key)))[1] / NS_PER_S
 
     def __repr__(self) -> str:
-        return (f"<shmlimit.redis.keyed.RedisKeyedLimiter {self.name!r} rate={self.rate:g}/{self.per:g}s "
-                f"capacity={self.capacity:g} per key url={self.url} round_trips={self.round_trips}>")
+        return (
+            f"<shmlimit.redis.keyed.RedisKeyedLimiter {self.name!r} rate={self.rate:g}/{self.per:g}s "
+            f"capacity={self.capacity:g} per key url={self.url} round_trips={self.round_trips}>"
+        )

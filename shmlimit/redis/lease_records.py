@@ -16,6 +16,7 @@ planned that long before it and is never floored past it: with every nap
 floored, a record ending less than the floor after a wake outlived its end
 until the next one.
 """
+
 from __future__ import annotations
 
 from typing import TYPE_CHECKING, Iterable, Optional

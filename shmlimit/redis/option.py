@@ -3,6 +3,7 @@
 
 Only a process that configures an upstream imports the Redis tier (here, lazily).
 """
+
 from __future__ import annotations
 
 from typing import Any, Optional, Tuple
@@ -13,7 +14,14 @@ from shmlimit.redis.spec import ON_ERROR, UpstreamSpec
 
 
 def resolve_upstream(
-    name: str, rate: Any, per: float, burst: Optional[float], upstream: Any, on_error: str, ttl: Any, batch: Any
+    name: str,
+    rate: Any,
+    per: float,
+    burst: Optional[float],
+    upstream: Any,
+    on_error: str,
+    ttl: Any,
+    batch: Any,
 ) -> Tuple[Any, float, Optional[float], UpstreamSpec]:
     """Resolve ``upstream=``: the local config to use and the upstream this process leases from."""
     if on_error not in ON_ERROR:
@@ -22,12 +30,16 @@ def resolve_upstream(
         t = validate_timeout(v, param)
         if t is None or not 0.001 <= t <= 60:
             raise ValueError(f"{param} must be between 0.001 and 60 seconds, got {v!r}")
-    from shmlimit.redis.direct import RedisLimiter  # the Redis tier: only a process that configures it imports it
+    from shmlimit.redis.direct import (
+        RedisLimiter,  # the Redis tier: only a process that configures it imports it
+    )
 
     options = dict(on_error=on_error, lease_ttl=float(ttl), batch_seconds=float(batch))
     if isinstance(upstream, str):
         if rate is None:
-            raise ValueError("upstream= as a URL needs rate= (the global limit); or pass a RedisLimiter")
+            raise ValueError(
+                "upstream= as a URL needs rate= (the global limit); or pass a RedisLimiter"
+            )
         urls.check(upstream, "upstream")  # its errors name the parameter the caller passed
         cfg = Config.make(rate, per, burst)
         redis = RedisLimiter(name, cfg.rate, cfg.per, cfg.burst, url=upstream)
@@ -37,7 +49,9 @@ def resolve_upstream(
         if rate is None:
             rate, per, burst = redis.rate, redis.per, redis.capacity
     else:
-        raise TypeError(f"upstream must be a Redis URL or a RedisLimiter, not {type(upstream).__name__}")
+        raise TypeError(
+            f"upstream must be a Redis URL or a RedisLimiter, not {type(upstream).__name__}"
+        )
     spec = redis.upstream_spec(**options)
     spec.encode()  # too long for the header: refused before anything is created
     return rate, per, burst, spec

@@ -21,6 +21,7 @@ by the creator before the segment becomes ready.  ``decode`` validates every
 field (type and range) and raises ``ValueError`` naming it; ``read`` turns
 that into ``SegmentError``.
 """
+
 from __future__ import annotations
 
 import json
@@ -28,9 +29,9 @@ import math
 from dataclasses import dataclass, field, fields
 from typing import TYPE_CHECKING, Any, Dict, Tuple
 
-from shmlimit.shm import layout as L
-from shmlimit.redis import urls
 from shmlimit.errors import SegmentError
+from shmlimit.redis import urls
+from shmlimit.shm import layout as L
 from shmlimit.shm.segment import validate_name
 
 if TYPE_CHECKING:  # pragma: no cover
@@ -52,8 +53,13 @@ CLOCKS = ("server", "client")
 
 #: ``UP_STATE``: 0 leasing normally, else the fallback in force, or "error" (a data error: closed).
 STATE_OK, STATE_LOCAL, STATE_OPEN, STATE_CLOSED, STATE_ERROR = 0, 1, 2, 3, 4
-STATE_NAMES = {STATE_OK: "ok", STATE_LOCAL: "local", STATE_OPEN: "open", STATE_CLOSED: "closed",
-               STATE_ERROR: "error"}
+STATE_NAMES = {
+    STATE_OK: "ok",
+    STATE_LOCAL: "local",
+    STATE_OPEN: "open",
+    STATE_CLOSED: "closed",
+    STATE_ERROR: "error",
+}
 
 
 def redis_key(name: str) -> str:
@@ -101,7 +107,9 @@ class UpstreamSpec:
         urls.check(self.url)
         clean, secrets = urls.split_secrets(self.url)
         if secrets:
-            raise ValueError(f"url must not hold a secret here (pass it in secrets): {urls.redact(self.url)}")
+            raise ValueError(
+                f"url must not hold a secret here (pass it in secrets): {urls.redact(self.url)}"
+            )
         _number(self.rate, "rate", 1e-9, 1e15)
         _number(self.per, "per", 1e-9, 1e9)
         _number(self.burst, "burst", 1.0, 1e15)
@@ -109,11 +117,14 @@ class UpstreamSpec:
             raise ValueError(f"clock must be one of {', '.join(CLOCKS)}, got {self.clock!r}")
         _number(self.timeout, "timeout", 1e-6, 3600.0)
         if self.on_error not in ON_ERROR:
-            raise ValueError(f"on_redis_error must be one of {', '.join(ON_ERROR)}, got {self.on_error!r}")
+            raise ValueError(
+                f"on_redis_error must be one of {', '.join(ON_ERROR)}, got {self.on_error!r}"
+            )
         _number(self.lease_ttl, "lease_ttl", MIN_SECONDS, MAX_SECONDS)
         _number(self.batch_seconds, "batch_seconds", MIN_SECONDS, MAX_SECONDS)
         if not isinstance(self.secrets, tuple) or not all(
-            isinstance(s, tuple) and len(s) == 2 and all(isinstance(x, str) for x in s) for s in self.secrets
+            isinstance(s, tuple) and len(s) == 2 and all(isinstance(x, str) for x in s)
+            for s in self.secrets
         ):
             raise ValueError("secrets must be a tuple of (keyword, value) string pairs")
 
@@ -159,7 +170,9 @@ class UpstreamSpec:
         unknown = sorted(set(d) - set(names))
         missing = [n for n in names if n not in d]
         if unknown or missing:
-            raise ValueError(f"upstream description has unknown fields {unknown} or misses {missing}")
+            raise ValueError(
+                f"upstream description has unknown fields {unknown} or misses {missing}"
+            )
         return cls(**{n: d[n] for n in names})
 
     def write(self, cells: "Cells") -> None:
@@ -176,18 +189,26 @@ class UpstreamSpec:
         size = cells.load(L.UP_DESC_LEN)
         if size > L.UP_DESC_MAX:
             raise SegmentError(f"segment is corrupt: its upstream description claims {size} bytes")
-        raw = b"".join(cells.load(L.UP_DESC + i).to_bytes(8, "little") for i in range(0, size, 8))[:size]
+        raw = b"".join(cells.load(L.UP_DESC + i).to_bytes(8, "little") for i in range(0, size, 8))[
+            :size
+        ]
         try:
             return cls.decode(raw)
         except ValueError as e:
-            raise SegmentError(f"segment is corrupt: its upstream description is invalid: {e}") from None
+            raise SegmentError(
+                f"segment is corrupt: its upstream description is invalid: {e}"
+            ) from None
 
 
-def make_spec(url: str, name: str, rate: float, per: float, burst: float, **options: Any) -> UpstreamSpec:
+def make_spec(
+    url: str, name: str, rate: float, per: float, burst: float, **options: Any
+) -> UpstreamSpec:
     """An ``UpstreamSpec`` from a URL that may hold secrets: they move to ``secrets``."""
     urls.check(url)
     clean, secrets = urls.split_secrets(url)
-    return UpstreamSpec(name, clean, rate, per, burst, secrets=tuple(sorted(secrets.items())), **options)
+    return UpstreamSpec(
+        name, clean, rate, per, burst, secrets=tuple(sorted(secrets.items())), **options
+    )
 
 
 def secrets_of(spec: UpstreamSpec) -> Dict[str, str]:

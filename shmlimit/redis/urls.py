@@ -11,6 +11,7 @@ are taken apart as strings, not by ``urllib.parse``: parsing must never fail
 on the way to hiding a secret (a port of 99999, a malformed IPv6 literal) and
 must keep what it does not understand exactly as written (``[::1]``).
 """
+
 from __future__ import annotations
 
 from typing import Dict, List, Optional, Tuple
@@ -22,7 +23,14 @@ CLUSTER_SCHEMES = ("redis+cluster", "rediss+cluster", "valkey+cluster", "valkeys
 SENTINEL_SCHEMES = ("redis+sentinel", "rediss+sentinel", "valkey+sentinel", "valkeys+sentinel")
 SCHEMES = SINGLE_SCHEMES + CLUSTER_SCHEMES + SENTINEL_SCHEMES
 #: Schemes that connect with TLS (the server's certificate and host name are always verified).
-TLS_SCHEMES = ("rediss", "valkeys", "rediss+cluster", "valkeys+cluster", "rediss+sentinel", "valkeys+sentinel")
+TLS_SCHEMES = (
+    "rediss",
+    "valkeys",
+    "rediss+cluster",
+    "valkeys+cluster",
+    "rediss+sentinel",
+    "valkeys+sentinel",
+)
 
 HIDDEN = "***"
 
@@ -42,7 +50,9 @@ def _parts(url: str) -> Tuple[str, Optional[str], Optional[str], str, Optional[s
     head, rest = (url[: i + 3], url[i + 3 :]) if i >= 0 else ("", url)
     q = rest.find("?")
     if _ambiguous(rest):
-        q = rest.find("?", rest.rfind("@"))  # the password holds the "?": hide it (check refuses the URL)
+        q = rest.find(
+            "?", rest.rfind("@")
+        )  # the password holds the "?": hide it (check refuses the URL)
     body, query = (rest, None) if q < 0 else (rest[:q], rest[q + 1 :])
     at = body.rfind("@")
     user = password = None
@@ -64,7 +74,9 @@ def _ambiguous(rest: str) -> bool:
     return 0 <= q < rest.rfind("@") and "@" not in rest[:q]
 
 
-def _join(head: str, user: Optional[str], password: Optional[str], body: str, query: Optional[str]) -> str:
+def _join(
+    head: str, user: Optional[str], password: Optional[str], body: str, query: Optional[str]
+) -> str:
     info = ""
     if password is not None:
         info = f"{user or ''}:{password}@"
@@ -132,11 +144,15 @@ def check(url: object, param: str = "url") -> str:
         raise ValueError(f"{param} must be a Redis URL string, got {redact(url)}")
     scheme = scheme_of(url)
     if scheme not in SCHEMES:
-        raise ValueError(f"{param} must be a URL with one of the schemes {', '.join(s + '://' for s in SCHEMES)}; "
-                         f"got {redact(url)}")
-    if _ambiguous(url[url.find("://") + 3:]):
-        raise ValueError(f"{param}: an '@' after the '?' is ambiguous; percent-encode a '?' in the password "
-                         f"as %3F (or an '@' in a query value as %40): {redact(url)}")
+        raise ValueError(
+            f"{param} must be a URL with one of the schemes {', '.join(s + '://' for s in SCHEMES)}; "
+            f"got {redact(url)}"
+        )
+    if _ambiguous(url[url.find("://") + 3 :]):
+        raise ValueError(
+            f"{param}: an '@' after the '?' is ambiguous; percent-encode a '?' in the password "
+            f"as %3F (or an '@' in a query value as %40): {redact(url)}"
+        )
     _, _, _, body, query = _parts(url)
     for p in (query or "").split("&"):
         key, _, value = p.partition("=")
@@ -144,14 +160,18 @@ def check(url: object, param: str = "url") -> str:
         if (key == "ssl_cert_reqs" and unquote(value).lower() not in ("required", "")) or (
             key == "ssl_check_hostname" and unquote(value).lower() in ("false", "no", "0", "n", "f")
         ):
-            raise ValueError(f"{param}: TLS must verify the server's certificate and host name; "
-                             f"drop {key}= from {redact(url)}")
+            raise ValueError(
+                f"{param}: TLS must verify the server's certificate and host name; "
+                f"drop {key}= from {redact(url)}"
+            )
     if scheme not in ("unix", "redis+unix", "valkey+unix"):
         netloc = body.split("/", 1)[0]
         if not netloc:
             raise ValueError(f"{param} names no host: {redact(url)}")
         if "," in netloc and scheme in SINGLE_SCHEMES:
-            raise ValueError(f"{param}: several hosts need redis+cluster:// or redis+sentinel://; got {redact(url)}")
+            raise ValueError(
+                f"{param}: several hosts need redis+cluster:// or redis+sentinel://; got {redact(url)}"
+            )
         hosts(netloc, 6379, param)
     return url
 

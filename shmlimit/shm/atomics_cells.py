@@ -5,6 +5,7 @@ It inherits the reference composites (composites.py) and overrides the hot
 ones with versions that need at most two atomic operations for an
 uncontended grant.
 """
+
 from __future__ import annotations
 
 import mmap
@@ -12,13 +13,21 @@ import platform
 import threading
 from typing import Any, Callable, Dict, List, Optional, Tuple, Union
 
-from shmlimit.shm.composites import CompositesFromPrimitives, Gate
 from shmlimit.shm import futex
+from shmlimit.shm.composites import CompositesFromPrimitives, Gate
 from shmlimit.shm.words import (
-    MASK64, MAX_QUEUE, WORD, GrabResult, check_bitset, check_offset, check_records, check_value, claim_record, plain_seconds,
+    MASK64,
+    MAX_QUEUE,
+    WORD,
+    GrabResult,
+    check_bitset,
+    check_offset,
+    check_records,
+    check_value,
+    claim_record,
+    plain_seconds,
     signed,
 )
-
 
 #: An aligned 8-byte load compiles to one instruction, single-copy atomic, on these machines.
 _PLAIN_LOADS_ATOMIC = platform.machine().lower() in ("x86_64", "amd64", "aarch64", "arm64")
@@ -253,7 +262,7 @@ class AtomicsCells(CompositesFromPrimitives):
         view = self._views.get(off)
         if view is None:
             check_offset(off, self.size)
-            sub = self._buf[off:off + WORD]
+            sub = self._buf[off : off + WORD]
             ctx = self._atomics.atomicview(buffer=sub, atype=self._atomics.UINT)
             view = ctx.__enter__()
             self._contexts.append((ctx, sub))
@@ -315,8 +324,17 @@ class AtomicsCells(CompositesFromPrimitives):
 
     # -- the hot-path composites: at most two atomic operations for an uncontended grant
 
-    def grabber(self, seq: int, expected: int, tail: int, head: int, amount: int, grants: int, ops: int,
-                recs: Optional[tuple] = None):
+    def grabber(
+        self,
+        seq: int,
+        expected: int,
+        tail: int,
+        head: int,
+        amount: int,
+        grants: int,
+        ops: int,
+        recs: Optional[tuple] = None,
+    ):
         if self._p is None:
             grab = super().grabber(seq, expected, tail, head, amount, grants, ops, recs)
             return grab if recs is None else self._recorded(grab, False)
@@ -326,19 +344,68 @@ class AtomicsCells(CompositesFromPrimitives):
             check_records(recs, self.size)
         return _AtomicsGrabber(self, seq, expected, tail, head, amount, grants, ops, recs)
 
-    def gate(self, seq, expected, tail, head, ceil, repl_ts, grants, amount, ops, tpn, pend_mul, capped,
-             max_reserved_ns, recs=None, fence_hint=None):
+    def gate(
+        self,
+        seq,
+        expected,
+        tail,
+        head,
+        ceil,
+        repl_ts,
+        grants,
+        amount,
+        ops,
+        tpn,
+        pend_mul,
+        capped,
+        max_reserved_ns,
+        recs=None,
+        fence_hint=None,
+    ):
         if self._p is None:
-            g = super().gate(seq, expected, tail, head, ceil, repl_ts, grants, amount, ops, tpn, pend_mul,
-                             capped, max_reserved_ns, recs, fence_hint)
+            g = super().gate(
+                seq,
+                expected,
+                tail,
+                head,
+                ceil,
+                repl_ts,
+                grants,
+                amount,
+                ops,
+                tpn,
+                pend_mul,
+                capped,
+                max_reserved_ns,
+                recs,
+                fence_hint,
+            )
             if recs is not None:
                 g.grab_within = self._recorded(g.grab_within, None)  # type: ignore[method-assign]
             return g
-        self._check(seq, tail, head, ceil, repl_ts, grants, *([] if fence_hint is None else [fence_hint]))
+        self._check(
+            seq, tail, head, ceil, repl_ts, grants, *([] if fence_hint is None else [fence_hint])
+        )
         if recs is not None:
             check_records(recs, self.size)
-        return _AtomicsGate(self, seq, expected, tail, head, ceil, repl_ts, grants, amount, ops, tpn, pend_mul,
-                            capped, max_reserved_ns, recs=recs, fence_hint=fence_hint)
+        return _AtomicsGate(
+            self,
+            seq,
+            expected,
+            tail,
+            head,
+            ceil,
+            repl_ts,
+            grants,
+            amount,
+            ops,
+            tpn,
+            pend_mul,
+            capped,
+            max_reserved_ns,
+            recs=recs,
+            fence_hint=fence_hint,
+        )
 
     # -- the fed wait's futex (hierarchical mode): see futex.py
 
@@ -414,11 +481,33 @@ class _AtomicsGrabber:
     as one operation of its cells (``close`` waits for it; a call after ``close`` raises).
     """
 
-    __slots__ = ("c", "w", "p", "i_seq", "i_tail", "i_head", "a_tail", "a_grants", "expected", "amount", "ops",
-                 "recs")
+    __slots__ = (
+        "c",
+        "w",
+        "p",
+        "i_seq",
+        "i_tail",
+        "i_head",
+        "a_tail",
+        "a_grants",
+        "expected",
+        "amount",
+        "ops",
+        "recs",
+    )
 
-    def __init__(self, c: AtomicsCells, seq: int, expected: int, tail: int, head: int, amount: int, grants: int,
-                 ops: int, recs: Optional[tuple] = None) -> None:
+    def __init__(
+        self,
+        c: AtomicsCells,
+        seq: int,
+        expected: int,
+        tail: int,
+        head: int,
+        amount: int,
+        grants: int,
+        ops: int,
+        recs: Optional[tuple] = None,
+    ) -> None:
         self.c, self.w, self.p = c, c._words, c._p
         self.i_seq, self.i_tail, self.i_head = seq // WORD, tail // WORD, head // WORD
         self.a_tail, self.a_grants = c._base + tail, c._base + grants
@@ -454,9 +543,13 @@ class _AtomicsGrabber:
                     break
                 t = found
             if ((w[self.i_head] - ticket) & MASK64) >> 63:
-                if rec is not None:  # (uncovered now, so it was at the last look: recorded if bound to records)
+                if (
+                    rec is not None
+                ):  # (uncovered now, so it was at the last look: recorded if bound to records)
                     self.c.store(rec, self.amount)
-                return ticket  # (a stale head only sends the caller to wait, where it loads it again)
+                return (
+                    ticket  # (a stale head only sends the caller to wait, where it loads it again)
+                )
             if rec is not None:
                 self.c.store(rec, 0)
             self.p.fetch_add(self.a_grants, self.ops)
@@ -471,11 +564,21 @@ class _AtomicsGate(Gate):
     Each call counts as one operation of its cells, as ``_AtomicsGrabber``'s.
     """
 
-    def __init__(self, c: AtomicsCells, *args: Any, recs: Optional[tuple] = None, fence_hint: Optional[int] = None) -> None:
+    def __init__(
+        self,
+        c: AtomicsCells,
+        *args: Any,
+        recs: Optional[tuple] = None,
+        fence_hint: Optional[int] = None,
+    ) -> None:
         super().__init__(c, *args, recs=recs, fence_hint=fence_hint)
         base = c._base
         self.c, self.w, self.p = c, c._words, c._p
-        self.i_seq, self.i_tail, self.i_head = self.seq // WORD, self.tail // WORD, self.head // WORD
+        self.i_seq, self.i_tail, self.i_head = (
+            self.seq // WORD,
+            self.tail // WORD,
+            self.head // WORD,
+        )
         self.i_ceil, self.i_ts = self.ceil // WORD, self.repl_ts // WORD
         self.a_tail, self.a_grants = base + self.tail, base + self.grants
 
@@ -524,7 +627,11 @@ class _AtomicsGate(Gate):
                 if short > 0:
                     if short / self.tpn > max_wait_ns:
                         pend = self.pending()
-                        return False if short > pend and (short - pend) / self.tpn > max_wait_ns else None
+                        return (
+                            False
+                            if short > pend and (short - pend) / self.tpn > max_wait_ns
+                            else None
+                        )
                     if self.fence_hint is not None and w[self.fence_hint // WORD] > w[self.i_ts]:
                         return None  # a reservation's fence may hold it: the slow path's wait counts it
                     if self.capped and signed(want - w[self.i_ceil]) > 0:

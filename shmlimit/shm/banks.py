@@ -19,17 +19,18 @@ dead writer, that writer's own generation).
 A reader turns the words into one immutable ``Snapshot``: a thread that reads
 a snapshot once never combines a new sequence number with an old price.
 """
+
 from __future__ import annotations
 
 import time
 from dataclasses import dataclass
 from typing import Callable, List, Optional, Tuple
 
-from shmlimit.shm import layout as L
-from shmlimit.shm.cells import Cells
 from shmlimit.config import MAX_SPAN_TOKENS as MAX_SPAN
 from shmlimit.config import MAX_TPN, NS_PER_S, Config
 from shmlimit.errors import ConfigWriterTakenOver, SegmentError
+from shmlimit.shm import layout as L
+from shmlimit.shm.cells import Cells
 
 INF_BITS = L.f2u(float("inf"))
 _KNOWN_FLAGS = L.FLAG_CAPPED | L.FLAG_STOPPED | L.UPSTREAM_FLAGS
@@ -93,12 +94,22 @@ def read_snapshot(cells: Cells) -> Snapshot:
     rate, per, burst, tpn, cost, cap, flags, ratio, max_reserved, max_behind = vals
     try:  # words from a corrupt or foreign segment must not reach the arithmetic
         cfg = Config.make(
-            L.u2f(rate), L.u2f(per), L.u2f(burst), bool(flags & L.FLAG_CAPPED), L.u2f(ratio),
-            _unopt(max_reserved), _unopt(max_behind),
+            L.u2f(rate),
+            L.u2f(per),
+            L.u2f(burst),
+            bool(flags & L.FLAG_CAPPED),
+            L.u2f(ratio),
+            _unopt(max_reserved),
+            _unopt(max_behind),
         )
     except (TypeError, ValueError) as e:
         raise SegmentError(f"segment is corrupt: its configuration is invalid ({e})") from None
-    if not 1 <= tpn <= MAX_TPN or not 1 <= cost <= MAX_SPAN or not 1 <= cap <= MAX_SPAN or flags & ~_KNOWN_FLAGS:
+    if (
+        not 1 <= tpn <= MAX_TPN
+        or not 1 <= cost <= MAX_SPAN
+        or not 1 <= cap <= MAX_SPAN
+        or flags & ~_KNOWN_FLAGS
+    ):
         raise SegmentError(
             f"segment is corrupt: token unit {tpn}, op cost {cost}, capacity {cap} or flags {flags:#x} out of range"
         )
@@ -138,6 +149,7 @@ def published_values(cells: Cells, seq: int) -> Optional[List[int]]:
         return exact[0]
     return max(valid, key=lambda b: b[0])[1] if valid else None
 
+
 def flags_in_force(cells: Cells, fallback: int) -> int:
     """``FLAGS`` of the config in force (read through its bank: the words are stored masked);
     ``fallback`` (what the caller last read) if no bank is valid."""
@@ -145,7 +157,9 @@ def flags_in_force(cells: Cells, fallback: int) -> int:
     return fallback if vals is None else vals[L.CFG_BANK.index(L.CFG_FLAGS)]
 
 
-def _read_bank(cells: Cells, offsets: Tuple[int, ...], gen_off: int, sum_off: int) -> Tuple[int, Optional[List[int]]]:
+def _read_bank(
+    cells: Cells, offsets: Tuple[int, ...], gen_off: int, sum_off: int
+) -> Tuple[int, Optional[List[int]]]:
     """``(generation, values)`` of one bank, unmasked; values None if its checksum does not hold."""
     c = cells
     gen = c.load(gen_off)
@@ -160,7 +174,9 @@ def bank_words(gen: int, vals: List[int]) -> List[Tuple[int, int]]:
     return words + [(len(vals), gen), (len(vals) + 1, L.config_sum(gen, vals))]
 
 
-def config_words(cfg: Config, tpn: int, stopped: bool, upstream_flags: int) -> List[Tuple[int, int]]:
+def config_words(
+    cfg: Config, tpn: int, stopped: bool, upstream_flags: int
+) -> List[Tuple[int, int]]:
     """Every config word of ``cfg`` at the segment's token unit ``tpn``, computed before any is written.
 
     Raises ValueError (naming the parameter) if a quantity does not fit at
@@ -168,7 +184,9 @@ def config_words(cfg: Config, tpn: int, stopped: bool, upstream_flags: int) -> L
     at the unit it would have chosen for itself.
     """
     cfg.check_at(tpn)
-    flags = (L.FLAG_CAPPED if cfg.capped else 0) | (L.FLAG_STOPPED if stopped else 0) | upstream_flags
+    flags = (
+        (L.FLAG_CAPPED if cfg.capped else 0) | (L.FLAG_STOPPED if stopped else 0) | upstream_flags
+    )
     return [
         (L.CFG_RATE, L.f2u(cfg.rate)),
         (L.CFG_PER, L.f2u(cfg.per)),
@@ -182,13 +200,16 @@ def config_words(cfg: Config, tpn: int, stopped: bool, upstream_flags: int) -> L
         (L.CFG_MAX_BEHIND, _opt(cfg.max_behind)),
     ]
 
+
 BANKS = (
     (L.CFG_BANK + (L.CFG_GEN, L.CFG_SUM)),
     (L.CFG_BACKUP_BANK + (L.CFG_BACKUP_GEN, L.CFG_BACKUP_SUM)),
 )
 
 
-def write_banks(cells: Cells, words: List[Tuple[int, int]], gen: int, lock: Optional[int] = None) -> bool:
+def write_banks(
+    cells: Cells, words: List[Tuple[int, int]], gen: int, lock: Optional[int] = None
+) -> bool:
     """Write both banks for ``gen``, first the one that does not hold the newest valid config.
 
     Every word is written by load, check that ``CFG_SEQ`` still holds ``lock``,
@@ -211,8 +232,12 @@ def write_banks(cells: Cells, words: List[Tuple[int, int]], gen: int, lock: Opti
     live = _read_bank(c, L.CFG_BANK, L.CFG_GEN, L.CFG_SUM)
     backup = _read_bank(c, L.CFG_BACKUP_BANK, L.CFG_BACKUP_GEN, L.CFG_BACKUP_SUM)
     bound = c.load(L.CFG_SEQ) if lock is None else lock
-    valid = [(g, k) for k, (g, vals) in enumerate((live, backup)) if vals is not None and g <= bound]
-    keep = max(valid, key=lambda b: (b[0], -b[1]))[1] if valid else 0  # newest valid copy (tie: live bank): last
+    valid = [
+        (g, k) for k, (g, vals) in enumerate((live, backup)) if vals is not None and g <= bound
+    ]
+    keep = (
+        max(valid, key=lambda b: (b[0], -b[1]))[1] if valid else 0
+    )  # newest valid copy (tie: live bank): last
     for bank in (BANKS[1 - keep], BANKS[keep]):
         for i, want in stored:
             off = bank[i]

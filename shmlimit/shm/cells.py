@@ -22,6 +22,7 @@ backend.  The word's constants and checks live in words.py, the reference
 composites (and ``Gate``, ``MultiGate``) in composites.py, the ``atomics`` backend in
 atomics_cells.py; the native one is ``_native.c``.
 """
+
 from __future__ import annotations
 
 import mmap
@@ -29,11 +30,32 @@ import os
 from typing import Any, Callable, Optional, Protocol, Sequence, Tuple, runtime_checkable
 
 # The words' constants are part of this layer's face: modules above import them from here.
-from shmlimit.shm.words import FED_ALL, MASK64, MAX_QUEUE, WORD, GrabResult, claim_record, fed_bit, fed_mask
+from shmlimit.shm.words import (
+    FED_ALL,
+    MASK64,
+    MAX_QUEUE,
+    WORD,
+    GrabResult,
+    claim_record,  # noqa: F401 (for the layers above)
+    fed_bit,
+    fed_mask,
+)
 
 __all__ = [
-    "BACKENDS", "Cells", "FED_ALL", "GrabResult", "MASK64", "MAX_QUEUE", "WORD", "fed_bit", "fed_mask",
-    "multi_gate", "native_available", "open_cells", "selected_backend", "warm_backend",
+    "BACKENDS",
+    "Cells",
+    "FED_ALL",
+    "GrabResult",
+    "MASK64",
+    "MAX_QUEUE",
+    "WORD",
+    "fed_bit",
+    "fed_mask",
+    "multi_gate",
+    "native_available",
+    "open_cells",
+    "selected_backend",
+    "warm_backend",
 ]
 
 BACKENDS = ("native", "atomics")
@@ -67,13 +89,24 @@ class Cells(Protocol):
 
     def store(self, off: int, value: int) -> None: ...
 
-    def clamp_words(self, head_off: int, head: int, tail: int, records: Tuple[int, ...]) -> Optional[Tuple[int, int, int]]:
+    def clamp_words(
+        self, head_off: int, head: int, tail: int, records: Tuple[int, ...]
+    ) -> Optional[Tuple[int, int, int]]:
         """The clamp words a replenish leaves for the snapshot ``(head, tail)``, from the ticket
         ``records`` (LEN offsets); None when HEAD moved during the read (``words.clamp_words``)."""
         ...
 
-    def fence_scan(self, hint_off: int, first: int, count: int, ts: int, now: int, tpn: int, head: int,
-                   ticket: int) -> Optional[Tuple[int, float]]:
+    def fence_scan(
+        self,
+        hint_off: int,
+        first: int,
+        count: int,
+        ts: int,
+        now: int,
+        tpn: int,
+        head: int,
+        ticket: int,
+    ) -> Optional[Tuple[int, float]]:
         """The reservation fences in force for a claim of ``[ts, now]`` (``words.fence_scan``)."""
         ...
 
@@ -101,7 +134,15 @@ class Cells(Protocol):
     ) -> GrabResult: ...
 
     def grabber(
-        self, seq: int, expected: int, tail: int, head: int, amount: int, grants: int, ops: int, *recs: tuple
+        self,
+        seq: int,
+        expected: int,
+        tail: int,
+        head: int,
+        amount: int,
+        grants: int,
+        ops: int,
+        *recs: tuple,
     ) -> Callable[[], GrabResult]:
         """``grab_if`` bound once; with a tuple of ticket records' LEN offsets (``recs``) it queues only
         holding one of them (``words.claim_record``), and answers False when all are in use."""
@@ -114,8 +155,21 @@ class Cells(Protocol):
         ...
 
     def gate(
-        self, seq: int, expected: int, tail: int, head: int, ceil: int, repl_ts: int, grants: int, amount: int,
-        ops: int, tpn: int, pend_mul: int, capped: bool, max_reserved_ns: float, *recs: Any,
+        self,
+        seq: int,
+        expected: int,
+        tail: int,
+        head: int,
+        ceil: int,
+        repl_ts: int,
+        grants: int,
+        amount: int,
+        ops: int,
+        tpn: int,
+        pend_mul: int,
+        capped: bool,
+        max_reserved_ns: float,
+        *recs: Any,
     ) -> Any:
         """``try_grab()`` and ``grab_within(timeout)`` of one config, bound once (see ``Gate``); with
         ticket records (``recs``: the records, or None, then FENCE_HINT) ``grab_within`` queues only
@@ -124,18 +178,46 @@ class Cells(Protocol):
         ...
 
     def waiter(
-        self, seq: int, expected: int, tail: int, head: int, repl_ts: int, snap_head: int, snap_tail: int,
-        lease: int, grants: int, waiting: Optional[int], tpn: int, cap: int, slack_ns: int, lost: int,
-        snap_base: int, snap_end: int, snap_next: int, records: Tuple[int, ...], fence_hint: int = 0,
-        fence_first: int = 0, fence_count: int = 0,
+        self,
+        seq: int,
+        expected: int,
+        tail: int,
+        head: int,
+        repl_ts: int,
+        snap_head: int,
+        snap_tail: int,
+        lease: int,
+        grants: int,
+        waiting: Optional[int],
+        tpn: int,
+        cap: int,
+        slack_ns: int,
+        lost: int,
+        snap_base: int,
+        snap_end: int,
+        snap_next: int,
+        records: Tuple[int, ...],
+        fence_hint: int = 0,
+        fence_first: int = 0,
+        fence_count: int = 0,
     ) -> Any:
         """A ticket's whole wait in one call without the GIL (see ``Bucket.waiter``), or None when
         the backend has none: its callers wait in Python (``acquisition.Request``)."""
         ...
 
     def fed_waiter(
-        self, seq: int, expected: int, head: int, lease: int, grants: int, waiting: Optional[int], wake: int,
-        next_ns: int, cost: int, tpn: int, grace_ns: int,
+        self,
+        seq: int,
+        expected: int,
+        head: int,
+        lease: int,
+        grants: int,
+        waiting: Optional[int],
+        wake: int,
+        next_ns: int,
+        cost: int,
+        tpn: int,
+        grace_ns: int,
     ) -> Any:
         """Hierarchical mode's wait for a ticket in one call without the GIL, asleep on the futex word
         ``wake`` (see ``Bucket.waiter``), or None when the backend has none (``Request`` waits in
@@ -166,9 +248,13 @@ def selected_backend() -> str:
     forced = os.environ.get("SHMLIMIT_BACKEND", "").strip().lower()
     if forced:
         if forced not in BACKENDS:
-            raise ValueError(f"SHMLIMIT_BACKEND must be one of {', '.join(BACKENDS)}, not {forced!r}")
+            raise ValueError(
+                f"SHMLIMIT_BACKEND must be one of {', '.join(BACKENDS)}, not {forced!r}"
+            )
         if forced == "native" and not native_available():
-            raise ImportError("SHMLIMIT_BACKEND=native but the extension shmlimit.shm._native is not built")
+            raise ImportError(
+                "SHMLIMIT_BACKEND=native but the extension shmlimit.shm._native is not built"
+            )
         return forced
     return "native" if native_available() else "atomics"
 
@@ -181,15 +267,22 @@ def warm_backend(backend: str | None = None) -> None:
         from shmlimit.shm import atomics_cells  # noqa: F401
 
 
-def multi_gate(gates: Sequence[Any], caps: Sequence[int], decide: bool, names: Optional[Sequence[str]] = None) -> Any:
+def multi_gate(
+    gates: Sequence[Any], caps: Sequence[int], decide: bool, names: Optional[Sequence[str]] = None
+) -> Any:
     """One try over several rates' gates, all or nothing, in one call (see ``composites.MultiGate``):
     the native one when every gate is native, else the reference built from the gates' steps.
     ``names`` (one per gate) lets ``try_grab_ops`` take the ops per rate as a dict by name."""
     if native_available():
         from shmlimit.shm import _native
 
-        if gates and all(type(g).__name__ == "Gate" and type(g).__module__ == "shmlimit.shm._native" for g in gates):
-            return _native.multi_gate(tuple(gates), tuple(caps), decide, None if names is None else tuple(names))
+        if gates and all(
+            type(g).__name__ == "Gate" and type(g).__module__ == "shmlimit.shm._native"
+            for g in gates
+        ):
+            return _native.multi_gate(
+                tuple(gates), tuple(caps), decide, None if names is None else tuple(names)
+            )
     from shmlimit.shm.composites import MultiGate
 
     return MultiGate(gates, caps, decide, names)

@@ -6,14 +6,28 @@ same steps in C.  ``Gate`` binds the fast paths of ``try_acquire`` and of a
 timed ``acquire`` to one config; ``MultiGate`` takes several rates' gates
 together, all or nothing, in one call.
 """
+
 from __future__ import annotations
 
 import functools
 import time
 from typing import Callable, List, Optional, Protocol, Sequence, Tuple, Union
 
-from shmlimit.shm.words import (FENCE_DUE_W, FENCE_STRIDE, fence_scan, MASK64, MAX_QUEUE, WORD, GrabResult, check_offset, check_records, claim_record, clamp_words,
-                    plain_seconds, signed)
+from shmlimit.shm.words import (
+    FENCE_DUE_W,
+    FENCE_STRIDE,
+    MASK64,
+    MAX_QUEUE,
+    WORD,
+    GrabResult,
+    check_offset,
+    check_records,
+    claim_record,
+    clamp_words,
+    fence_scan,
+    plain_seconds,
+    signed,
+)
 
 
 class Primitives(Protocol):
@@ -56,10 +70,14 @@ class CompositesFromPrimitives:
             raise TypeError("load_many: offsets must be a tuple of ints")
         return tuple(self.load(off) for off in offsets)
 
-    def cas(self, off: int, expected: int, desired: int) -> bool:  # pragma: no cover - provided by the backend
+    def cas(
+        self, off: int, expected: int, desired: int
+    ) -> bool:  # pragma: no cover - provided by the backend
         raise NotImplementedError
 
-    def clamp_words(self, head_off: int, head: int, tail: int, records: Tuple[int, ...]) -> Optional[Tuple[int, int, int]]:
+    def clamp_words(
+        self, head_off: int, head: int, tail: int, records: Tuple[int, ...]
+    ) -> Optional[Tuple[int, int, int]]:
         """The clamp words a replenish leaves for the snapshot ``(head, tail)``, read from the ticket
         ``records`` (LEN offsets), or None when HEAD (at ``head_off``) moved: ``words.clamp_words``."""
         if not isinstance(records, tuple):
@@ -70,8 +88,17 @@ class CompositesFromPrimitives:
             self._clamp_checked = records
         return clamp_words(self, head_off, head, tail, records)
 
-    def fence_scan(self, hint_off: int, first: int, count: int, ts: int, now: int, tpn: int, head: int,
-                   ticket: int) -> Optional[Tuple[int, float]]:
+    def fence_scan(
+        self,
+        hint_off: int,
+        first: int,
+        count: int,
+        ts: int,
+        now: int,
+        tpn: int,
+        head: int,
+        ticket: int,
+    ) -> Optional[Tuple[int, float]]:
         """The reservation fences in force for a claim of ``[ts, now]``: ``(room above head, due of
         ticket)`` or None (``words.fence_scan``)."""
         if count < 0 or tpn <= 0:
@@ -103,7 +130,9 @@ class CompositesFromPrimitives:
         self.fetch_add(grants, ops)
         return None
 
-    def grab_if(self, seq: int, expected: int, tail: int, head: int, amount: int, grants: int, ops: int) -> GrabResult:
+    def grab_if(
+        self, seq: int, expected: int, tail: int, head: int, amount: int, grants: int, ops: int
+    ) -> GrabResult:
         """``grab``, unless the word ``seq`` no longer holds ``expected``: then False, nothing touched
         (as when the queue is full: either way the caller takes the slow path).
 
@@ -116,7 +145,15 @@ class CompositesFromPrimitives:
         return self.grab(tail, head, amount, grants, ops)
 
     def _grab_recorded(
-        self, seq: int, expected: int, tail: int, head: int, amount: int, grants: int, ops: int, recs: tuple
+        self,
+        seq: int,
+        expected: int,
+        tail: int,
+        head: int,
+        amount: int,
+        grants: int,
+        ops: int,
+        recs: tuple,
     ) -> GrabResult:
         """``grab_if`` that queues only holding one of the ticket records ``recs`` (LEN offsets):
         False, taking nothing, also when it would queue and every record is in use.
@@ -153,7 +190,14 @@ class CompositesFromPrimitives:
         return None
 
     def grabber(
-        self, seq: int, expected: int, tail: int, head: int, amount: int, grants: int, ops: int,
+        self,
+        seq: int,
+        expected: int,
+        tail: int,
+        head: int,
+        amount: int,
+        grants: int,
+        ops: int,
         recs: Optional[tuple] = None,
     ) -> Callable[[], GrabResult]:
         """``grab_if`` with its arguments bound (and checked) once: a callable taking none.
@@ -164,7 +208,9 @@ class CompositesFromPrimitives:
         self._check(seq, tail, head, grants)
         if recs is not None:
             check_records(recs, self.size)
-            return functools.partial(self._grab_recorded, seq, expected, tail, head, amount, grants, ops, recs)
+            return functools.partial(
+                self._grab_recorded, seq, expected, tail, head, amount, grants, ops, recs
+            )
         return functools.partial(self.grab_if, seq, expected, tail, head, amount, grants, ops)
 
     def try_grab(self, tail: int, head: int, amount: int, grants: int, ops: int) -> bool:
@@ -202,31 +248,93 @@ class CompositesFromPrimitives:
         fence_hint: Optional[int] = None,
     ) -> "Gate":
         """``try_acquire`` and a timed ``acquire`` of one config, each in one call (see ``Gate``)."""
-        self._check(seq, tail, head, ceil, repl_ts, grants, *([] if fence_hint is None else [fence_hint]))
+        self._check(
+            seq, tail, head, ceil, repl_ts, grants, *([] if fence_hint is None else [fence_hint])
+        )
         if recs is not None:
             check_records(recs, self.size)
-        return Gate(self, seq, expected, tail, head, ceil, repl_ts, grants, amount, ops, tpn, pend_mul, capped,
-                    max_reserved_ns, recs=recs, fence_hint=fence_hint)
+        return Gate(
+            self,
+            seq,
+            expected,
+            tail,
+            head,
+            ceil,
+            repl_ts,
+            grants,
+            amount,
+            ops,
+            tpn,
+            pend_mul,
+            capped,
+            max_reserved_ns,
+            recs=recs,
+            fence_hint=fence_hint,
+        )
 
     def waiter(
-        self, seq: int, expected: int, tail: int, head: int, repl_ts: int, snap_head: int, snap_tail: int,
-        lease: int, grants: int, waiting: Optional[int], tpn: int, cap: int, slack_ns: int, lost: int,
-        snap_base: int, snap_end: int, snap_next: int, records: Tuple[int, ...], fence_hint: int = 0,
-        fence_first: int = 0, fence_count: int = 0,
+        self,
+        seq: int,
+        expected: int,
+        tail: int,
+        head: int,
+        repl_ts: int,
+        snap_head: int,
+        snap_tail: int,
+        lease: int,
+        grants: int,
+        waiting: Optional[int],
+        tpn: int,
+        cap: int,
+        slack_ns: int,
+        lost: int,
+        snap_base: int,
+        snap_end: int,
+        snap_next: int,
+        records: Tuple[int, ...],
+        fence_hint: int = 0,
+        fence_first: int = 0,
+        fence_count: int = 0,
     ) -> None:
         """None: a wait loop is worth having only natively, where it sleeps without the GIL and
         without returning to Python between naps; here waiters wait in Python."""
-        self._check(seq, tail, head, repl_ts, snap_head, snap_tail, lease, grants, snap_base, snap_end, snap_next,
-                    *records, *([] if waiting is None else [waiting]), fence_hint,
-                    fence_first + max(0, fence_count - 1) * FENCE_STRIDE + FENCE_DUE_W)
+        self._check(
+            seq,
+            tail,
+            head,
+            repl_ts,
+            snap_head,
+            snap_tail,
+            lease,
+            grants,
+            snap_base,
+            snap_end,
+            snap_next,
+            *records,
+            *([] if waiting is None else [waiting]),
+            fence_hint,
+            fence_first + max(0, fence_count - 1) * FENCE_STRIDE + FENCE_DUE_W,
+        )
         return None
 
     def fed_waiter(
-        self, seq: int, expected: int, head: int, lease: int, grants: int, waiting: Optional[int], wake: int,
-        next_ns: int, cost: int, tpn: int, grace_ns: int,
+        self,
+        seq: int,
+        expected: int,
+        head: int,
+        lease: int,
+        grants: int,
+        waiting: Optional[int],
+        wake: int,
+        next_ns: int,
+        cost: int,
+        tpn: int,
+        grace_ns: int,
     ) -> None:
         """None: here a fed waiter waits in Python, on the same futex word (``futex_wait``)."""
-        self._check(seq, head, lease, grants, wake, next_ns, *([] if waiting is None else [waiting]))
+        self._check(
+            seq, head, lease, grants, wake, next_ns, *([] if waiting is None else [waiting])
+        )
         return None
 
     def keyed_table(self, *args: int):
@@ -259,16 +367,38 @@ class Gate:
     """
 
     def __init__(
-        self, cells: Primitives, seq: int, expected: int, tail: int, head: int, ceil: int, repl_ts: int, grants: int,
-        amount: int, ops: int, tpn: int, pend_mul: int, capped: bool, max_reserved_ns: float,
-        clock: Callable[[], int] = time.monotonic_ns, recs: Optional[tuple] = None, fence_hint: Optional[int] = None,
+        self,
+        cells: Primitives,
+        seq: int,
+        expected: int,
+        tail: int,
+        head: int,
+        ceil: int,
+        repl_ts: int,
+        grants: int,
+        amount: int,
+        ops: int,
+        tpn: int,
+        pend_mul: int,
+        capped: bool,
+        max_reserved_ns: float,
+        clock: Callable[[], int] = time.monotonic_ns,
+        recs: Optional[tuple] = None,
+        fence_hint: Optional[int] = None,
     ) -> None:
         if tpn < 1 or pend_mul < 1 or not 1 <= amount <= 1 << 62 or not max_reserved_ns >= 0:
-            raise ValueError("gate: tpn, pend_mul and amount must be >= 1 (amount < 2**62), max_reserved_ns >= 0")
+            raise ValueError(
+                "gate: tpn, pend_mul and amount must be >= 1 (amount < 2**62), max_reserved_ns >= 0"
+            )
         self.cells = cells
         self.seq, self.expected, self.tail, self.head, self.ceil = seq, expected, tail, head, ceil
         self.repl_ts, self.grants, self.amount, self.ops = repl_ts, grants, amount, ops
-        self.tpn, self.pend_mul, self.capped, self.max_reserved_ns = tpn, pend_mul, bool(capped), max_reserved_ns
+        self.tpn, self.pend_mul, self.capped, self.max_reserved_ns = (
+            tpn,
+            pend_mul,
+            bool(capped),
+            max_reserved_ns,
+        )
         self.clock = clock
         #: the ticket records a queued ticket must hold one of (None: it queues unrecorded)
         self.recs = recs
@@ -278,7 +408,9 @@ class Gate:
 
     def fenced(self) -> bool:
         """May a reservation's fence be in force (its DUE after the last replenish)?"""
-        return self.fence_hint is not None and self.cells.load(self.fence_hint) > self.cells.load(self.repl_ts)
+        return self.fence_hint is not None and self.cells.load(self.fence_hint) > self.cells.load(
+            self.repl_ts
+        )
 
     def pending(self) -> int:
         """At most how many tokens a replenish starting now could add."""
@@ -314,7 +446,11 @@ class Gate:
                 if short > 0:
                     if short / self.tpn > max_wait_ns:
                         pend = self.pending()
-                        return False if short > pend and (short - pend) / self.tpn > max_wait_ns else None
+                        return (
+                            False
+                            if short > pend and (short - pend) / self.tpn > max_wait_ns
+                            else None
+                        )
                     if self.fenced():
                         return None  # the slow path's wait counts the fences
                     if self.capped and signed(want - c.load(self.ceil)) > 0:
@@ -417,13 +553,25 @@ class MultiGate:
     """
 
     def __init__(
-        self, gates: Sequence[Gate], caps: Sequence[int], decide: bool, names: Optional[Sequence[str]] = None
+        self,
+        gates: Sequence[Gate],
+        caps: Sequence[int],
+        decide: bool,
+        names: Optional[Sequence[str]] = None,
     ) -> None:
-        if not 1 <= len(gates) <= MULTI_MAX or len(caps) != len(gates) or (names is not None and len(names) != len(gates)):
-            raise ValueError(f"multi_gate: 1 to {MULTI_MAX} gates, and one capacity (and name) per gate")
+        if (
+            not 1 <= len(gates) <= MULTI_MAX
+            or len(caps) != len(gates)
+            or (names is not None and len(names) != len(gates))
+        ):
+            raise ValueError(
+                f"multi_gate: 1 to {MULTI_MAX} gates, and one capacity (and name) per gate"
+            )
         for g, cap in zip(gates, caps):
             if not g.amount <= cap < 1 << 62:
-                raise ValueError("multi_gate: each capacity must be >= its gate's amount and < 2**62")
+                raise ValueError(
+                    "multi_gate: each capacity must be >= its gate's amount and < 2**62"
+                )
         self.gates = tuple(gates)
         self.caps = tuple(caps)
         self.decide = bool(decide)

@@ -9,6 +9,7 @@ unknown (not Linux, or an architecture not listed) a wait is a plain sleep to
 its deadline and a wake does nothing: callers bound every wait by a deadline
 that is correct without the wake.
 """
+
 from __future__ import annotations
 
 import ctypes
@@ -18,8 +19,20 @@ import time
 from typing import Any, Optional
 
 #: SYS_futex by machine (Linux)
-_SYS_FUTEX = {"x86_64": 202, "amd64": 202, "aarch64": 98, "arm64": 98, "riscv64": 98, "i386": 240, "i686": 240,
-              "armv7l": 240, "armv6l": 240, "ppc64le": 221, "ppc64": 221, "s390x": 238}
+_SYS_FUTEX = {
+    "x86_64": 202,
+    "amd64": 202,
+    "aarch64": 98,
+    "arm64": 98,
+    "riscv64": 98,
+    "i386": 240,
+    "i686": 240,
+    "armv7l": 240,
+    "armv6l": 240,
+    "ppc64le": 221,
+    "ppc64": 221,
+    "s390x": 238,
+}
 _FUTEX_WAIT_BITSET = 9
 _FUTEX_WAKE_BITSET = 10
 _ETIMEDOUT = 110
@@ -37,7 +50,9 @@ _calls: list = []
 
 def _load() -> Optional[tuple]:
     if not _calls:
-        nr = _SYS_FUTEX.get(platform.machine().lower()) if sys.platform.startswith("linux") else None
+        nr = (
+            _SYS_FUTEX.get(platform.machine().lower()) if sys.platform.startswith("linux") else None
+        )
         fns: Optional[tuple] = None
         if nr is not None:
             try:
@@ -74,8 +89,15 @@ def wait(addr: int, expected: int, bitset: int, deadline_ns: int) -> bool:
     nr, fn, _ = fns
     ts = _Timespec(deadline_ns // 1_000_000_000, deadline_ns % 1_000_000_000)
     # syscall() is variadic: every argument goes as a whole register (the kernel reads its low 32 bits)
-    r = fn(ctypes.c_long(nr), ctypes.c_void_p(addr), ctypes.c_long(_FUTEX_WAIT_BITSET),
-           ctypes.c_ulong(expected & 0xFFFFFFFF), ctypes.byref(ts), ctypes.c_void_p(None), ctypes.c_ulong(bitset))
+    r = fn(
+        ctypes.c_long(nr),
+        ctypes.c_void_p(addr),
+        ctypes.c_long(_FUTEX_WAIT_BITSET),
+        ctypes.c_ulong(expected & 0xFFFFFFFF),
+        ctypes.byref(ts),
+        ctypes.c_void_p(None),
+        ctypes.c_ulong(bitset),
+    )
     return not (r != 0 and ctypes.get_errno() == _ETIMEDOUT)
 
 
@@ -85,8 +107,15 @@ def wake(addr: int, bitset: int) -> int:
     if fns is None:
         return 0
     nr, _, fn = fns
-    r = fn(ctypes.c_long(nr), ctypes.c_void_p(addr), ctypes.c_long(_FUTEX_WAKE_BITSET), ctypes.c_long(_INT_MAX),
-           ctypes.c_void_p(None), ctypes.c_void_p(None), ctypes.c_ulong(bitset))
+    r = fn(
+        ctypes.c_long(nr),
+        ctypes.c_void_p(addr),
+        ctypes.c_long(_FUTEX_WAKE_BITSET),
+        ctypes.c_long(_INT_MAX),
+        ctypes.c_void_p(None),
+        ctypes.c_void_p(None),
+        ctypes.c_ulong(bitset),
+    )
     return max(0, r)
 
 

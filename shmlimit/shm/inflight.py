@@ -26,6 +26,7 @@ The ops a process held are the process's: ops released by another process after 
 was killed and reaped are released twice (the count cannot tell), so in capped mode the process
 that acquired ops releases them (or another does so while it still runs).
 """
+
 from __future__ import annotations
 
 from typing import TYPE_CHECKING, Callable, Optional, Sequence
@@ -76,7 +77,9 @@ def release(c: "Cells", ops: int, own: Optional[int], slots: Sequence[int], chec
         if check and ops > cur:
             for off, k in taken:
                 c.fetch_add(off, k)
-            raise ValueError(f"n must be at most the {cur} ops in flight (granted and not released), got {ops}")
+            raise ValueError(
+                f"n must be at most the {cur} ops in flight (granted and not released), got {ops}"
+            )
         if c.cas(L.INFLIGHT, cur, max(0, cur - ops)):
             return
 
@@ -117,5 +120,13 @@ def reap(c: "Cells", table: "ProcessTable", alive: Callable[[int, int, int, int]
         pid, start = c.load(base + L.SLOT_PID), c.load(base + L.SLOT_START)
         if pid and alive(i, pid, start, c.load(base + L.SLOT_PIDNS)):
             continue
-        done += _give_up(c, offs[i], v, lambda: (c.load(base + L.SLOT_PID), c.load(base + L.SLOT_START)) == (pid, start))
+        done += _give_up(
+            c,
+            offs[i],
+            v,
+            # called at once, for this slot: the owner it judged gone still holds the slot
+            lambda base=base, owner=(pid, start): (
+                (c.load(base + L.SLOT_PID), c.load(base + L.SLOT_START)) == owner
+            ),
+        )
     return done

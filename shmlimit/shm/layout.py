@@ -33,6 +33,7 @@ Values that are not integers (rate, per, burst) are stored as IEEE-754 bits.
 The ten config values of each bank are stored XOR-ed with ``bank_mask(GEN, i)``:
 read them only through ``config_banks``.
 """
+
 from __future__ import annotations
 
 import struct
@@ -99,7 +100,18 @@ CFG_MAX_BEHIND = 144
 CFG_GEN = 152
 CFG_SUM = 160
 #: The live bank's ten words, in checksum order.
-CFG_BANK = (CFG_RATE, CFG_PER, CFG_BURST, CFG_TPN, CFG_COST, CFG_CAP, CFG_FLAGS, CFG_RATIO, CFG_MAX_RESERVED, CFG_MAX_BEHIND)
+CFG_BANK = (
+    CFG_RATE,
+    CFG_PER,
+    CFG_BURST,
+    CFG_TPN,
+    CFG_COST,
+    CFG_CAP,
+    CFG_FLAGS,
+    CFG_RATIO,
+    CFG_MAX_RESERVED,
+    CFG_MAX_BEHIND,
+)
 
 # rovers and the replenish record
 TAIL = 3 * LINE
@@ -158,7 +170,9 @@ UP_HUNGRY = 10 * LINE + 56  # CLOCK_MONOTONIC ns when a caller last found no tok
 #: earliest) << 24 | its ops; written with one store into slot UP_LEASES % UP_RECORDS.
 UP_RECORD = 11 * LINE
 UP_RECORDS = 4
-UP_LEASES = 11 * LINE + 32  # leases delivered (UP_LEASED / UP_LEASES = the average batch); the ring's index
+UP_LEASES = (
+    11 * LINE + 32
+)  # leases delivered (UP_LEASED / UP_LEASES = the average batch); the ring's index
 UP_NEXT_NS = 11 * LINE + 40  # CLOCK_MONOTONIC ns when the filler next expects tokens (0: unknown)
 #: Unused (zero) since hierarchical mode's timed waiters hold tickets: they counted the ops of the
 #: timed waiters that joined its line and of those that left it.

@@ -6,6 +6,7 @@ at once, while processes that still have it mapped keep using their mapping.
 Creation is exclusive (``O_CREAT | O_EXCL``), so of many processes racing to
 create one name exactly one creates and initialises it; the others open it.
 """
+
 from __future__ import annotations
 
 import errno
@@ -18,9 +19,14 @@ from typing import AbstractSet, Iterable, List, Optional, Tuple, Union
 
 import posix_ipc
 
+from shmlimit.errors import (
+    LimiterNotFoundError,
+    SegmentError,
+    SharedMemoryFullError,
+    UntrustedSegmentError,
+)
 from shmlimit.shm import layout as L
 from shmlimit.shm.cells import Cells, open_cells
-from shmlimit.errors import LimiterNotFoundError, SegmentError, SharedMemoryFullError, UntrustedSegmentError
 
 PREFIX = "shmlimit."
 NAME_MAX = 64
@@ -59,7 +65,9 @@ _WRITE_BITS = 0o022
 def validate_trusted_uids(uids: Iterable[int]) -> frozenset:
     """``trusted_uids`` as a frozenset, each a uid from 0 to 2**32-1; TypeError/ValueError naming it otherwise."""
     if isinstance(uids, (str, bytes, int)):
-        raise TypeError(f"trusted_uids must be an iterable of uids (ints), not {type(uids).__name__}")
+        raise TypeError(
+            f"trusted_uids must be an iterable of uids (ints), not {type(uids).__name__}"
+        )
     out = []
     for u in uids:
         if isinstance(u, bool) or not isinstance(u, int) or not 0 <= u <= 0xFFFFFFFF:
@@ -108,12 +116,17 @@ def check_trust(name: str, st: os.stat_result, mode: int, trusted_uids: Abstract
     bits = st.st_mode & 0o7777
     if owner not in (os.geteuid(), 0) and owner not in trusted_uids:
         raise UntrustedSegmentError(
-            name, owner, bits, f"another user owns it; pass trusted_uids=[{owner}] only if you trust that user"
+            name,
+            owner,
+            bits,
+            f"another user owns it; pass trusted_uids=[{owner}] only if you trust that user",
         )
     extra = bits & _WRITE_BITS & ~mode
     if extra:
         raise UntrustedSegmentError(
-            name, owner, bits,
+            name,
+            owner,
+            bits,
             f"it is writable by {'group and others' if extra == _WRITE_BITS else 'group' if extra & 0o020 else 'others'}"
             f" beyond the mode asked for ({mode:#o}); pass mode={bits & 0o777:#o} only if that is intended",
         )
@@ -131,11 +144,17 @@ def _check_header_size(name: str, fd: int, size: int) -> None:
     head = os.pread(fd, L.LINE, 0)
     if len(head) < L.LINE:
         raise SegmentError(f"segment {name!r} shrank while it was being opened")
-    magic, state, declared = (int.from_bytes(head[o : o + 8], "little") for o in (L.MAGIC_OFF, L.STATE_OFF, L.SIZE_OFF))
+    magic, state, declared = (
+        int.from_bytes(head[o : o + 8], "little") for o in (L.MAGIC_OFF, L.STATE_OFF, L.SIZE_OFF)
+    )
     if magic == L.MAGIC and size > MAX_BYTES:  # (other kinds of segment check their own sizes)
-        raise SegmentError(f"segment {name!r} is {size} bytes; no limiter is larger than {MAX_BYTES}")
+        raise SegmentError(
+            f"segment {name!r} is {size} bytes; no limiter is larger than {MAX_BYTES}"
+        )
     if magic == L.MAGIC and state == L.STATE_READY and declared > size:
-        raise SegmentError(f"segment {name!r} is truncated: its header says {declared} bytes, the file has {size}")
+        raise SegmentError(
+            f"segment {name!r} is truncated: its header says {declared} bytes, the file has {size}"
+        )
 
 
 class Segment:
@@ -185,7 +204,8 @@ class Segment:
                         pass
                 if e.errno == errno.ENOSPC:
                     raise SharedMemoryFullError(
-                        errno.ENOSPC, f"cannot create limiter {name!r}: shared memory ({SHM_DIR}) has no room for {size} bytes"
+                        errno.ENOSPC,
+                        f"cannot create limiter {name!r}: shared memory ({SHM_DIR}) has no room for {size} bytes",
                     ) from None
                 raise
             mm = mmap.mmap(shm.fd, size)
@@ -194,7 +214,9 @@ class Segment:
         return cls(name, mm, size, True, st.st_ino, st.st_ctime_ns, st.st_uid, st.st_mode & 0o7777)
 
     @classmethod
-    def open(cls, name: str, mode: Optional[int] = None, trusted_uids: AbstractSet[int] = frozenset()) -> "Segment":
+    def open(
+        cls, name: str, mode: Optional[int] = None, trusted_uids: AbstractSet[int] = frozenset()
+    ) -> "Segment":
         """Map an existing segment at its current size (which may still be 0 while its creator sizes it).
 
         With ``mode``, the segment must pass ``check_trust`` first: nothing of
@@ -227,7 +249,9 @@ class Segment:
         size = len(data) & ~7  # whole words only
         buf = bytearray(max(size, 8))  # a fresh, 8-aligned buffer for the atomic layer
         buf[:size] = data[:size]
-        return cls(name, buf, size, False, st.st_ino, st.st_ctime_ns, st.st_uid, st.st_mode & 0o7777)
+        return cls(
+            name, buf, size, False, st.st_ino, st.st_ctime_ns, st.st_uid, st.st_mode & 0o7777
+        )
 
     def close(self) -> None:
         if isinstance(self.mm, mmap.mmap):
@@ -246,7 +270,10 @@ def pread_file(
     ``max_bytes`` (a ``Limiter``'s largest by default; None: any) is refused.
     """
     try:
-        fd = os.open(os.path.join(SHM_DIR, PREFIX + name), os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC)
+        fd = os.open(
+            os.path.join(SHM_DIR, PREFIX + name),
+            os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC,
+        )
     except FileNotFoundError:
         raise LimiterNotFoundError(name) from None
     except PermissionError as e:
@@ -258,7 +285,9 @@ def pread_file(
         if not stat.S_ISREG(st.st_mode):
             raise SegmentError(f"segment {name!r} is not a regular file")
         if max_bytes is not None and st.st_size > max_bytes:
-            raise SegmentError(f"segment {name!r} is {st.st_size} bytes; no limiter is larger than {max_bytes}")
+            raise SegmentError(
+                f"segment {name!r} is {st.st_size} bytes; no limiter is larger than {max_bytes}"
+            )
         want = st.st_size - offset if length is None else length
         data = bytearray()
         while len(data) < want:
@@ -300,7 +329,7 @@ def scan() -> Tuple[List[str], List[str]]:
     good, bad = [], []
     for e in entries:
         if e.startswith(PREFIX):
-            n = e[len(PREFIX):]
+            n = e[len(PREFIX) :]
             (good if _valid(n) else bad).append(n)
     return sorted(good), sorted(bad)
 

@@ -14,6 +14,7 @@ slot is held by a live process still shares the limit exactly -- the rovers are
 global -- but it is not listed, cannot be elected filler, and its grants are
 counted in UNREG_GRANTS.
 """
+
 from __future__ import annotations
 
 import os
@@ -23,7 +24,6 @@ from typing import Callable, List, Optional, Set, Tuple
 
 from shmlimit.shm import layout as L
 from shmlimit.shm.cells import Cells
-
 
 #: proc_start's answer when /proc cannot tell (a read error other than "no such process").
 UNKNOWN = -1
@@ -46,7 +46,7 @@ def proc_start(pid: int) -> Optional[int]:
         return UNKNOWN
     # the command name may contain spaces and parentheses: fields resume after the last ')'
     try:
-        fields = data[data.rindex(b")") + 2:].split()
+        fields = data[data.rindex(b")") + 2 :].split()
         if fields[0] in (b"Z", b"X"):  # zombie or dead: it will never grab again
             return None
         return int(fields[19])
@@ -135,7 +135,9 @@ class OwnerWatch:
 
         return alive
 
-    def _alive(self, index: int, pid: int, start: int, seen: Optional[List[Set[int]]] = None) -> bool:
+    def _alive(
+        self, index: int, pid: int, start: int, seen: Optional[List[Set[int]]] = None
+    ) -> bool:
         held = self._fds.get(index)
         if held is not None and held[:2] != (pid, start):
             self._drop(index)
@@ -155,7 +157,9 @@ class OwnerWatch:
                 self._poll = select.poll()
             self._poll.register(fd, 1)  # type: ignore[attr-defined]  # POLLIN: the process exited
             self._fds[index] = held = (pid, start, fd)
-            if seen is not None:  # alive when its start was read, after opening: not from the pass's poll
+            if (
+                seen is not None
+            ):  # alive when its start was read, after opening: not from the pass's poll
                 if seen:
                     seen[0].discard(fd)  # (a number closed earlier in the pass, taken again)
                 return True
@@ -269,7 +273,11 @@ class ProcessTable:
                 own = c.load(base + L.SLOT_GRANTS) - c.load(base + L.SLOT_BASE)
                 out.append(
                     SlotInfo(
-                        i, pid, c.load(base + L.SLOT_START), max(0, own), bool(c.load(base + L.SLOT_WAITING)),
+                        i,
+                        pid,
+                        c.load(base + L.SLOT_START),
+                        max(0, own),
+                        bool(c.load(base + L.SLOT_WAITING)),
                         c.load(base + L.SLOT_PIDNS),
                     )
                 )

@@ -6,6 +6,7 @@ Seastar's do).  These constants and checks are shared by the reference
 composites (composites.py), the ``atomics`` backend (atomics_cells.py) and the
 face of the layer (cells.py); the native backend has the same constants.
 """
+
 from __future__ import annotations
 
 import itertools
@@ -72,7 +73,9 @@ def check_value(value: int) -> int:
 def check_offset(off: int, size: int) -> None:
     """Refuse any offset that would touch memory outside the mapping."""
     if off % WORD or off < 0 or off + WORD > size:
-        raise IndexError(f"cell offset {off} outside the mapping of {size} bytes (must be 8-aligned, < {size - WORD + 1})")
+        raise IndexError(
+            f"cell offset {off} outside the mapping of {size} bytes (must be 8-aligned, < {size - WORD + 1})"
+        )
 
 
 #: A futex bitset has 32 bits: a waiter of the fed wait sleeps with the bit of its ticket's op index.
@@ -149,8 +152,13 @@ def clamp_kept(base: int, end: int, nxt: int, head: int, tail: int) -> bool:
     name a recorded request the head still stands in, callers queued (the records would name it
     again), and could have been left by a snapshot (``clamp_sane``: others, kept, could stop the
     head for good)."""
-    return (diff(head, tail) < 0 and base != end and diff(head, base) >= 0 and diff(end, head) > 0
-            and clamp_sane(base, end, nxt, head, tail))
+    return (
+        diff(head, tail) < 0
+        and base != end
+        and diff(head, base) >= 0
+        and diff(end, head) > 0
+        and clamp_sane(base, end, nxt, head, tail)
+    )
 
 
 def clamp_limit(base: int, end: int, nxt: int, room: int, head: int, tail: int) -> int:
@@ -183,7 +191,9 @@ def recorded_ranges(cells, records: Tuple[int, ...]) -> Iterator[Tuple[int, int,
         yield (e - n) & MASK64, e, n
 
 
-def clamp_words(cells, head_off: int, head: int, tail: int, records: Tuple[int, ...]) -> Optional[Tuple[int, int, int]]:
+def clamp_words(
+    cells, head_off: int, head: int, tail: int, records: Tuple[int, ...]
+) -> Optional[Tuple[int, int, int]]:
     """The clamp the snapshot ``(head, tail)`` leaves the next replenish: ``(base, end, next)``, or
     None when the word at ``head_off`` (HEAD) moved during the read.  ``records``: ticket records'
     LEN offsets, each with its TICKET word before it.  See ``Bucket.claim`` and docs/design.md
@@ -237,8 +247,17 @@ def fence_limit_counts(rel: int) -> bool:
     return -FAR <= rel <= FAR
 
 
-def fence_scan(cells, hint_off: int, first: int, count: int, ts: int, now: int, tpn: int, head: int,
-               ticket: int) -> Optional[Tuple[int, float]]:
+def fence_scan(
+    cells,
+    hint_off: int,
+    first: int,
+    count: int,
+    ts: int,
+    now: int,
+    tpn: int,
+    head: int,
+    ticket: int,
+) -> Optional[Tuple[int, float]]:
     """The reservation fences in force for a claim whose interval is ``[ts, now]``, read from the
     ``count`` records from ``first`` (each ``FENCE_STRIDE`` bytes: OWNER, LIMIT, DUE): ``(room,
     due)``, or None when none is (FENCE_HINT at ``hint_off``, the latest DUE ever stored, is not

@@ -1,4 +1,5 @@
 """Watching an event loop from inside: is it free while a call waits?"""
+
 from __future__ import annotations
 
 import asyncio

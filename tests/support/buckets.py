@@ -1,11 +1,12 @@
 """A bucket of its own for a test: a private anonymous mapping, the segment's layout, a fake clock."""
+
 import mmap
 from typing import Optional, Tuple
 
-from shmlimit.shm import layout as L
 from shmlimit.bucket.rovers import Bucket
-from shmlimit.shm.cells import Cells, open_cells
 from shmlimit.config import Config
+from shmlimit.shm import layout as L
+from shmlimit.shm.cells import Cells, open_cells
 
 from .clock import FakeClock
 
@@ -16,8 +17,13 @@ def private_cells(backend: str = "atomics", slots: int = 1) -> Cells:
     return open_cells(mmap.mmap(-1, size), size, backend)
 
 
-def make_bucket(cfg: Config, backend: str = "atomics", initial: Optional[int] = None, base: int = 0,
-                slots: int = 1) -> Tuple[Bucket, FakeClock]:
+def make_bucket(
+    cfg: Config,
+    backend: str = "atomics",
+    initial: Optional[int] = None,
+    base: int = 0,
+    slots: int = 1,
+) -> Tuple[Bucket, FakeClock]:
     """A bucket initialised with ``cfg`` (``initial`` ops in it; the rovers start at ``base``) on
     private cells, and the fake clock it reads."""
     cells = private_cells(backend, slots)

@@ -1,4 +1,5 @@
 """The atomic layer's test fixtures: every backend over a real POSIX shared-memory segment."""
+
 import mmap
 import os
 import threading
@@ -8,9 +9,9 @@ from contextlib import contextmanager
 import posix_ipc
 import pytest
 
+from shmlimit.errors import ConfigWriterTakenOver
 from shmlimit.shm.atomics_cells import AtomicsCells
 from shmlimit.shm.cells import native_available, open_cells
-from shmlimit.errors import ConfigWriterTakenOver
 
 REQUIRE_NATIVE = os.environ.get("SHMLIMIT_REQUIRE_NATIVE") == "1"
 #: "atomics-api": the atomics backend on the package's public API (where its internals are not found)

@@ -1,4 +1,5 @@
 """The one injected clock of the test suite."""
+
 from __future__ import annotations
 
 import time

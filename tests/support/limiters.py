@@ -1,4 +1,5 @@
 """Limiters set up the way several test modules need them."""
+
 from typing import Any, Optional
 
 import shmlimit
@@ -16,4 +17,3 @@ def quiet_limiter(name: str, clock: Optional[FakeClock] = None, **options: Any) 
     f.join(10)
     assert not f.is_alive()
     return lim
-

@@ -1,5 +1,6 @@
 """What the stateful models (tests/test_model.py, tests/test_multirate_model.py, and the
 tables' machines run on every backend) share."""
+
 from __future__ import annotations
 
 import os
@@ -22,7 +23,9 @@ def model_settings(default_examples: int) -> settings:
     )
 
 
-def on_each_backend(machine: type, atomics: settings, native: Optional[settings] = None) -> Tuple[type, type]:
+def on_each_backend(
+    machine: type, atomics: settings, native: Optional[settings] = None
+) -> Tuple[type, type]:
     """The TestCases of the stateful ``machine`` (its ``backend`` attribute picks the cells) on the
     atomics backend and on the native one (with ``native`` settings, else ``atomics``'; skipped
     where the extension is not built)."""

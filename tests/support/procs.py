@@ -3,6 +3,7 @@
 Every interpreter runs outside the source tree (``WORKDIR``), so it imports
 the installed package, as a user's program would.
 """
+
 from __future__ import annotations
 
 import json
@@ -54,13 +55,17 @@ def interrupted_after(seconds: float) -> Iterator[None]:
 
 def run_cli(*args: str, timeout: float = 120) -> subprocess.CompletedProcess:
     """The ``shmlimit`` command, run to completion in a fresh interpreter."""
-    return subprocess.run([*CLI, *args], capture_output=True, text=True, timeout=timeout, cwd=WORKDIR)
+    return subprocess.run(
+        [*CLI, *args], capture_output=True, text=True, timeout=timeout, cwd=WORKDIR
+    )
 
 
 # ---- forked (or spawned) workers that report one result each ------------------------------------
 
 
-def run_processes(ctx: Any, target: Callable[..., None], argss: Sequence[Tuple[Any, ...]], timeout: float = 120.0) -> List[Any]:
+def run_processes(
+    ctx: Any, target: Callable[..., None], argss: Sequence[Tuple[Any, ...]], timeout: float = 120.0
+) -> List[Any]:
     """One process of ``ctx`` (a multiprocessing context) per ``args`` in ``argss``, running
     ``target(*args, q)``, which puts one result on the queue ``q``; the results, in the order they
     came.  Every process is joined, and killed if it outlives its result by 30 s, even on failure."""
@@ -103,7 +108,9 @@ def read_exactly(fd: int, n: int) -> bytes:
     return got
 
 
-def stamp_until(acquire: Callable[[], object], end: float, clock: Callable[[], Any] = time.monotonic) -> List[Any]:
+def stamp_until(
+    acquire: Callable[[], object], end: float, clock: Callable[[], Any] = time.monotonic
+) -> List[Any]:
     """Call ``acquire`` until ``clock`` passes ``end``; the clock read just after each grant (the
     grant that returned after ``end`` is not kept).  The evidence ``windows.max_excess`` judges."""
     stamps = []
@@ -170,8 +177,15 @@ ATTACH = "lim = shmlimit.attach(sys.argv[1])"
 TESTS = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
-def configured(script: str, gname: str, url: str, rate: float, burst: Any = None, redis_timeout: Optional[float] = None,
-               **options: Any) -> str:
+def configured(
+    script: str,
+    gname: str,
+    url: str,
+    rate: float,
+    burst: Any = None,
+    redis_timeout: Optional[float] = None,
+    **options: Any,
+) -> str:
     """``script`` (WORKER or a variant) whose process configures the hierarchical limiter itself
     (argv[1] is the host's name), leasing from the RedisLimiter ``gname`` at ``url`` (with the
     client timeout ``redis_timeout``, seconds, when given).
@@ -181,13 +195,17 @@ def configured(script: str, gname: str, url: str, rate: float, burst: Any = None
     """
     assert ATTACH in script
     timeout = "" if redis_timeout is None else f", timeout={redis_timeout!r}"
-    make = (f"from shmlimit.redis.direct import RedisLimiter\n"
-            f"lim = shmlimit.Limiter(sys.argv[1], upstream=RedisLimiter({gname!r}, rate={rate}, burst={burst}, "
-            f"url={url!r}{timeout}), **{options!r})")
+    make = (
+        f"from shmlimit.redis.direct import RedisLimiter\n"
+        f"lim = shmlimit.Limiter(sys.argv[1], upstream=RedisLimiter({gname!r}, rate={rate}, burst={burst}, "
+        f"url={url!r}{timeout}), **{options!r})"
+    )
     return script.replace(ATTACH, make)
 
 
-def start_workers(name: str, count: int, seconds: float, script: str = WORKER) -> List[subprocess.Popen]:
+def start_workers(
+    name: str, count: int, seconds: float, script: str = WORKER
+) -> List[subprocess.Popen]:
     """``count`` interpreters running ``script`` (argv: name, seconds, the tests' folder), each once it printed "ready"."""
     procs = [
         subprocess.Popen(
@@ -216,7 +234,9 @@ def collect(procs: Sequence[subprocess.Popen]) -> List[List[float]]:
     return collect_witnessed(procs)[0]
 
 
-def collect_witnessed(procs: Sequence[subprocess.Popen]) -> Tuple[List[List[float]], List[Optional[float]]]:
+def collect_witnessed(
+    procs: Sequence[subprocess.Popen],
+) -> Tuple[List[List[float]], List[Optional[float]]]:
     """Each WORKER's grant times, and the seconds its threads waited runnable for a CPU
     meanwhile (``support.starvation``; None where unknown, or for another script)."""
     out, delays = [], []
@@ -250,7 +270,9 @@ sys.stdin.readline()
 
 def start_acquirer(name: str) -> subprocess.Popen:
     """An interpreter attached to ``name``, acquiring forever (kill it when done)."""
-    p = subprocess.Popen([sys.executable, "-c", ACQUIRER, name], stdout=subprocess.PIPE, text=True, cwd=WORKDIR)
+    p = subprocess.Popen(
+        [sys.executable, "-c", ACQUIRER, name], stdout=subprocess.PIPE, text=True, cwd=WORKDIR
+    )
     assert p.stdout.readline().strip() == "ready"
     return p
 
@@ -258,7 +280,11 @@ def start_acquirer(name: str) -> subprocess.Popen:
 def start_idle(name: str) -> subprocess.Popen:
     """An interpreter attached to ``name`` doing nothing (its filler thread runs) until a line on its stdin."""
     p = subprocess.Popen(
-        [sys.executable, "-c", IDLE, name], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, cwd=WORKDIR
+        [sys.executable, "-c", IDLE, name],
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        text=True,
+        cwd=WORKDIR,
     )
     assert p.stdout.readline().strip() == "ready"
     return p
@@ -292,7 +318,10 @@ class Stampers:
     def start(self) -> subprocess.Popen:
         path = os.path.join(self.dir, f"{uuid.uuid4().hex}.bin")
         p = subprocess.Popen(
-            [sys.executable, "-c", self.script, self.name, path], stdout=subprocess.PIPE, text=True, cwd=WORKDIR
+            [sys.executable, "-c", self.script, self.name, path],
+            stdout=subprocess.PIPE,
+            text=True,
+            cwd=WORKDIR,
         )
         assert p.stdout.readline().strip() == "ready"
         self.procs[p.pid] = (p, path)

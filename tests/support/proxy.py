@@ -5,6 +5,7 @@ chunk read from one side is written to the other ``delay`` seconds after it
 arrived, in order, in both directions.  ``drop(seconds)`` closes every
 connection and refuses new ones for that long (a host cut off from Redis).
 """
+
 from __future__ import annotations
 
 import collections

@@ -1,4 +1,5 @@
 """A real redis-server for the tests: started on a free port, no persistence, stopped by pid."""
+
 from __future__ import annotations
 
 import os
@@ -38,7 +39,9 @@ class RedisServer:
     """``password``: the server requires it (``requirepass``).  ``tls``: a ``CertAuthority``; the server then
     listens with TLS only, with a certificate for ``localhost`` signed by that CA."""
 
-    def __init__(self, password: "str | None" = None, tls: "CertAuthority | None" = None, args: tuple = ()) -> None:
+    def __init__(
+        self, password: "str | None" = None, tls: "CertAuthority | None" = None, args: tuple = ()
+    ) -> None:
         self.port = free_port()
         self.dir = tempfile.mkdtemp(prefix="shmlimit-redis-")
         self.proc: "subprocess.Popen | None" = None
@@ -55,11 +58,25 @@ class RedisServer:
         if self.tls is None:
             cmd += ["--port", str(self.port)]
         else:
-            cmd += ["--port", "0", "--tls-port", str(self.port), "--tls-cert-file", self.tls.cert,
-                    "--tls-key-file", self.tls.key, "--tls-ca-cert-file", self.tls.ca, "--tls-auth-clients", "no"]
+            cmd += [
+                "--port",
+                "0",
+                "--tls-port",
+                str(self.port),
+                "--tls-cert-file",
+                self.tls.cert,
+                "--tls-key-file",
+                self.tls.key,
+                "--tls-ca-cert-file",
+                self.tls.ca,
+                "--tls-auth-clients",
+                "no",
+            ]
         if self.password is not None:
             cmd += ["--requirepass", self.password]
-        self.proc = subprocess.Popen(cmd + list(self.args), stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        self.proc = subprocess.Popen(
+            cmd + list(self.args), stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL
+        )
         import redis
 
         client = self.client(timeout=0.5)
@@ -84,10 +101,21 @@ class RedisServer:
         import redis
 
         if self.tls is None:
-            return redis.Redis(port=self.port, socket_timeout=timeout, socket_connect_timeout=timeout,
-                               password=self.password)
-        return redis.Redis(host="localhost", port=self.port, socket_timeout=timeout, socket_connect_timeout=timeout,
-                           password=self.password, ssl=True, ssl_ca_certs=self.tls.ca)
+            return redis.Redis(
+                port=self.port,
+                socket_timeout=timeout,
+                socket_connect_timeout=timeout,
+                password=self.password,
+            )
+        return redis.Redis(
+            host="localhost",
+            port=self.port,
+            socket_timeout=timeout,
+            socket_connect_timeout=timeout,
+            password=self.password,
+            ssl=True,
+            ssl_ca_certs=self.tls.ca,
+        )
 
 
 class CertAuthority:
@@ -97,19 +125,48 @@ class CertAuthority:
         openssl = shutil.which("openssl")
         if openssl is None:
             if REQUIRED:
-                pytest.fail("SHMLIMIT_REQUIRE_REDIS=1 but openssl is missing (apt-get install openssl)")
+                pytest.fail(
+                    "SHMLIMIT_REQUIRE_REDIS=1 but openssl is missing (apt-get install openssl)"
+                )
             pytest.skip("openssl is missing")
         self.dir = tempfile.mkdtemp(prefix="shmlimit-ca-")
         p = lambda f: os.path.join(self.dir, f)  # noqa: E731
         self.ca, self.cert, self.key = p("ca.crt"), p("server.crt"), p("server.key")
         ec = ["-newkey", "ec", "-pkeyopt", "ec_paramgen_curve:prime256v1", "-nodes"]
         run = lambda *a: subprocess.run([openssl, *a], check=True, capture_output=True)  # noqa: E731
-        run("req", "-x509", *ec, "-keyout", p("ca.key"), "-out", self.ca, "-days", "2", "-subj", "/CN=shmlimit test CA")
+        run(
+            "req",
+            "-x509",
+            *ec,
+            "-keyout",
+            p("ca.key"),
+            "-out",
+            self.ca,
+            "-days",
+            "2",
+            "-subj",
+            "/CN=shmlimit test CA",
+        )
         run("req", *ec, "-keyout", self.key, "-out", p("server.csr"), "-subj", "/CN=localhost")
         with open(p("ext"), "w") as f:
             f.write("subjectAltName=DNS:localhost\n")
-        run("x509", "-req", "-in", p("server.csr"), "-CA", self.ca, "-CAkey", p("ca.key"), "-CAcreateserial",
-            "-out", self.cert, "-days", "2", "-extfile", p("ext"))
+        run(
+            "x509",
+            "-req",
+            "-in",
+            p("server.csr"),
+            "-CA",
+            self.ca,
+            "-CAkey",
+            p("ca.key"),
+            "-CAcreateserial",
+            "-out",
+            self.cert,
+            "-days",
+            "2",
+            "-extfile",
+            p("ext"),
+        )
 
 
 class RedisClusterServers:
@@ -117,9 +174,21 @@ class RedisClusterServers:
 
     def __init__(self, masters: int = 3) -> None:
         # the cluster bus port defaults to port + 10000, which may be taken or beyond 65535: pick one
-        self.nodes = [RedisServer(args=("--cluster-enabled", "yes", "--cluster-config-file", "nodes.conf",
-                                        "--cluster-node-timeout", "2000", "--cluster-port", str(free_port())))
-                      for _ in range(masters)]
+        self.nodes = [
+            RedisServer(
+                args=(
+                    "--cluster-enabled",
+                    "yes",
+                    "--cluster-config-file",
+                    "nodes.conf",
+                    "--cluster-node-timeout",
+                    "2000",
+                    "--cluster-port",
+                    str(free_port()),
+                )
+            )
+            for _ in range(masters)
+        ]
 
     @property
     def url(self) -> str:
@@ -129,12 +198,26 @@ class RedisClusterServers:
         cli = shutil.which("redis-cli")
         if cli is None:
             if REQUIRED:
-                pytest.fail("SHMLIMIT_REQUIRE_REDIS=1 but redis-cli is missing (apt-get install redis-tools)")
+                pytest.fail(
+                    "SHMLIMIT_REQUIRE_REDIS=1 but redis-cli is missing (apt-get install redis-tools)"
+                )
             pytest.skip("redis-cli is missing")
         for n in self.nodes:
             n.start()
-        subprocess.run([cli, "--cluster", "create", *(f"127.0.0.1:{n.port}" for n in self.nodes),
-                        "--cluster-replicas", "0", "--cluster-yes"], check=True, capture_output=True, timeout=60)
+        subprocess.run(
+            [
+                cli,
+                "--cluster",
+                "create",
+                *(f"127.0.0.1:{n.port}" for n in self.nodes),
+                "--cluster-replicas",
+                "0",
+                "--cluster-yes",
+            ],
+            check=True,
+            capture_output=True,
+            timeout=60,
+        )
         deadline = time.monotonic() + 30
         while not all(self._state(n) == "ok" for n in self.nodes):
             if time.monotonic() > deadline:
@@ -175,7 +258,9 @@ class RedisClusterServers:
             keys = src.client().execute_command("CLUSTER GETKEYSINSLOT", slot, 100)
             if not keys:
                 break
-            src.client().execute_command("MIGRATE", "127.0.0.1", dst.port, "", 0, 5000, "KEYS", *keys)
+            src.client().execute_command(
+                "MIGRATE", "127.0.0.1", dst.port, "", 0, 5000, "KEYS", *keys
+            )
         for n in self.nodes:
             n.client().execute_command("CLUSTER SETSLOT", slot, "NODE", dst_id)
 
@@ -201,11 +286,15 @@ class SentinelServers:
         self.replica.start()
         conf = os.path.join(self.dir, "sentinel.conf")
         with open(conf, "w") as f:
-            f.write(f"port {self.port}\nbind 127.0.0.1\ndir {self.dir}\n"
-                    f"sentinel monitor {self.service} 127.0.0.1 {self.master.port} 1\n"
-                    f"sentinel down-after-milliseconds {self.service} 300\n"
-                    f"sentinel failover-timeout {self.service} 3000\n")
-        self.proc = subprocess.Popen([BINARY, conf, "--sentinel"], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+            f.write(
+                f"port {self.port}\nbind 127.0.0.1\ndir {self.dir}\n"
+                f"sentinel monitor {self.service} 127.0.0.1 {self.master.port} 1\n"
+                f"sentinel down-after-milliseconds {self.service} 300\n"
+                f"sentinel failover-timeout {self.service} 3000\n"
+            )
+        self.proc = subprocess.Popen(
+            [BINARY, conf, "--sentinel"], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL
+        )
         import redis
 
         s = redis.Redis(port=self.port, socket_timeout=0.5, socket_connect_timeout=0.5)

@@ -4,6 +4,7 @@ The child script makes a ``MultiLimiter``, calls ``stop_part_way`` and reserves;
 with ``killed_part_way``, looks at the rates while the child is stopped, and finds after its death
 what it left queued.
 """
+
 from __future__ import annotations
 
 import contextlib
@@ -11,8 +12,8 @@ import subprocess
 import sys
 from typing import Any, Callable, Iterator, Optional
 
-from shmlimit.shm import layout as L
 from shmlimit.bucket.rovers import diff
+from shmlimit.shm import layout as L
 
 from .procs import TESTS, WORKDIR
 
@@ -55,8 +56,13 @@ def killed_part_way(script: str, name: str) -> Iterator[str]:
     """Run ``script`` (PREAMBLE, then a reservation that ``stop_part_way`` stops) on limiter
     ``name``; the body runs while it is stopped, given what it printed there, and the child is
     killed (SIGKILL) and reaped after."""
-    p = subprocess.Popen([sys.executable, "-c", script, name, TESTS], stdin=subprocess.PIPE,
-                         stdout=subprocess.PIPE, text=True, cwd=WORKDIR)
+    p = subprocess.Popen(
+        [sys.executable, "-c", script, name, TESTS],
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        text=True,
+        cwd=WORKDIR,
+    )
     try:
         yield p.stdout.readline().strip()
     finally:

@@ -1,4 +1,5 @@
 """Segments seen from outside the atomic layer: raw bytes, hostile files, and the tools' view of them."""
+
 from __future__ import annotations
 
 import io

@@ -1,5 +1,6 @@
 """Real servers for the integration tests: started on a free 127.0.0.1 port in a session of their own,
 stopped by their process group (only ever the processes the test started)."""
+
 from __future__ import annotations
 
 import os
@@ -24,7 +25,9 @@ def free_port() -> int:
 def get(url: str, timeout: float = 30.0, headers: Optional[Dict[str, str]] = None):
     """(status, headers as a dict with lower-case names, body) -- 4xx/5xx included, never raised."""
     try:
-        with urllib.request.urlopen(urllib.request.Request(url, headers=headers or {}), timeout=timeout) as r:
+        with urllib.request.urlopen(
+            urllib.request.Request(url, headers=headers or {}), timeout=timeout
+        ) as r:
             return r.status, {k.lower(): v for k, v in r.headers.items()}, r.read().decode()
     except urllib.error.HTTPError as e:
         return e.code, {k.lower(): v for k, v in e.headers.items()}, e.read().decode()
@@ -33,13 +36,27 @@ def get(url: str, timeout: float = 30.0, headers: Optional[Dict[str, str]] = Non
 class Server:
     """``argv`` run with ``{port}`` filled in; ready once ``ready_path`` answers 200."""
 
-    def __init__(self, argv: List[str], cwd: str, env: Optional[Dict[str, str]] = None, ready_path: str = "/health"):
+    def __init__(
+        self,
+        argv: List[str],
+        cwd: str,
+        env: Optional[Dict[str, str]] = None,
+        ready_path: str = "/health",
+    ):
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self.log = open(os.path.join(cwd, f"server-{self.port}.log"), "w+")
-        full_env = dict(os.environ, PYTHONPATH=cwd + os.pathsep + os.environ.get("PYTHONPATH", ""), **(env or {}))
+        full_env = dict(
+            os.environ,
+            PYTHONPATH=cwd + os.pathsep + os.environ.get("PYTHONPATH", ""),
+            **(env or {}),
+        )
         self.proc = subprocess.Popen(
-            [a.format(port=self.port) for a in argv], cwd=cwd, env=full_env, stdout=self.log, stderr=subprocess.STDOUT,
+            [a.format(port=self.port) for a in argv],
+            cwd=cwd,
+            env=full_env,
+            stdout=self.log,
+            stderr=subprocess.STDOUT,
             start_new_session=True,
         )
         self.ready_path = ready_path

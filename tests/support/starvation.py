@@ -14,6 +14,7 @@ its lower bound relative to both, and that the limiter was starved no longer
 than the machine withheld the CPU from its processes: on a quiet machine both
 are ~0 and the bound is as tight as ever.
 """
+
 from __future__ import annotations
 
 from typing import Iterable, Optional
@@ -80,7 +81,12 @@ def floor(full: float, rate: float, starved: float, delays: Iterable[Optional[fl
 
 
 def assert_rate(
-    count: int, rate: float, span: float, rel: float, starved: float, delays: Iterable[Optional[float]]
+    count: int,
+    rate: float,
+    span: float,
+    rel: float,
+    starved: float,
+    delays: Iterable[Optional[float]],
 ) -> None:
     """``count`` grants in ``span`` seconds at ``rate`` ops/s, within ``rel`` of it: never more than
     ``rate*span*(1+rel)``; no fewer than ``rate*span*(1-rel)`` less what the machine took (``floor``)."""
@@ -108,13 +114,15 @@ class Stalls:
 
     def sample(self, candidates: Iterable[int]) -> None:
         pids = list(candidates)
-        self.samples.append(({p: run_delay(p) for p in pids}, [run_delay(p) for p in self.servers]))
+        self.samples.append(({p: run_delay(p) for p in pids}, [run_delay(p) for p in self.servers]))  # noqa: F821 (exec above)
 
     def spans(self) -> list:
         """For each span between two samples, the seconds the machine may have held the work up."""
         out = []
         for (c0, s0), (c1, s1) in zip(self.samples, self.samples[1:]):
-            both = [c1[p] - c0[p] for p in c0 if p in c1 and c0[p] is not None and c1[p] is not None]
+            both = [
+                c1[p] - c0[p] for p in c0 if p in c1 and c0[p] is not None and c1[p] is not None
+            ]
             servers = [b - a for a, b in zip(s0, s1) if a is not None and b is not None]
             out.append(least(both) + sum(servers))
         return out

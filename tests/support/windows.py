@@ -14,6 +14,7 @@ Two kinds of evidence:
   ``max_excess(...) <= bound`` can never fail for a correct limiter, however
   the workers were scheduled.
 """
+
 from __future__ import annotations
 
 from collections import Counter
@@ -84,7 +85,9 @@ def check_windows(grants: Sequence[Tuple[int, int]], tpn: int, cost: int, cap: i
         for j in range(i, len(grants)):
             ops = cum[j + 1] - cum[i]
             allowed = (times[j] - times[i]) * tpn + cap
-            assert ops * cost <= allowed, f"{ops} ops in {(times[j] - times[i]) / 1e6:.3f} ms (bound {allowed / cost:g})"
+            assert ops * cost <= allowed, (
+                f"{ops} ops in {(times[j] - times[i]) / 1e6:.3f} ms (bound {allowed / cost:g})"
+            )
 
 
 def excess_over_rate(moments: Sequence[float], rate: float, slack_ops: float) -> float:
