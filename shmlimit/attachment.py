@@ -43,6 +43,7 @@ from shmlimit.bucket.giveback import (
 from shmlimit.bucket.rovers import WAIT_BURN, WAIT_NUDGE, Bucket, GrabResult
 from shmlimit.config import MAX_NAP, NS_PER_S
 from shmlimit.errors import ConfigMismatchError, LimiterNotFoundError, SegmentError
+from shmlimit.group import Collected, is_group, open_group, region_opener
 from shmlimit.header import Creation, open_segment
 from shmlimit.redis.spec import UpstreamSpec
 from shmlimit.registry import Registry
@@ -378,7 +379,7 @@ class Attachment:
     def _gone(self) -> bool:  # collected (or going), or its name unlinked or another segment's now
         return (
             self.cells.load(L.STATE_OFF) != L.STATE_READY
-            or current_inode(self.name) != self.seg.inode
+            or current_inode(self.seg.name) != self.seg.inode
         )
 
     def _leave(self) -> None:
@@ -508,14 +509,20 @@ def map_attachment(
     join: bool = True,
     clock: Callable[[], int] = time.monotonic_ns,
     reconfigure: bool = False,
+    opener: Optional[Callable[[], Tuple[Segment, Cells]]] = None,
 ) -> Attachment:
     """A new attachment to ``name`` (created with ``create`` if it does not exist), checked against ``create``.
 
     ``mode`` and ``trusted`` are the trust check of an existing segment (see ``open_segment``).
     An existing segment takes ``create``'s config if no live process uses it, or if ``reconfigure``.
+    ``opener`` maps something else than the segment ``name`` (a rate's region of a group, whose
+    ``name`` then only labels it).
     """
     for _ in range(16):
-        seg, cells = open_segment(name, create, mode, trusted, clock)
+        if opener is None:
+            seg, cells = open_segment(name, create, mode, trusted, clock)
+        else:
+            seg, cells = opener()
         att = None
         try:
             att = Attachment(name, seg, cells, False, clock)
@@ -554,9 +561,12 @@ def _still_ready(att: Attachment) -> bool:
 def collect(name: str) -> bool:
     """Unlink the segment if no live process is attached to it; True if it did.
 
-    Never orphans a process that attaches meanwhile (see ``_still_ready``).
+    Never orphans a process that attaches meanwhile (see ``_still_ready``).  A group of several
+    rates is unlinked when no live process is attached to any of its rates.
     """
     validate_name(name)
+    if is_group(name):
+        return _collect_group(name)
     att = map_attachment(
         name, None, None, join=False
     )  # no trust check: it only unlinks, as the filesystem allows
@@ -577,6 +587,46 @@ def collect(name: str) -> bool:
         return False
     finally:
         att.detach()
+
+
+def _collect_group(name: str) -> bool:
+    """``collect`` for a group: every rate's region claimed (STATE READY -> DOOMED), then checked
+    unused, then the name unlinked; any rate in use gives every claim back.  A process attaching
+    to a rate meanwhile registers, then reads that rate's STATE (``_still_ready``): it sees the
+    claim, or the claim's check sees it, as for one rate."""
+    try:
+        seg, geo = open_group(name, None, None, frozenset(), time.monotonic_ns)
+    except (LimiterNotFoundError, Collected):
+        return False
+    atts: list = []
+    claimed: list = []
+    try:
+        for i, key in enumerate(geo.keys):
+            atts.append(
+                map_attachment(
+                    f"{name}[{key}]", None, None, join=False, opener=region_opener(seg, geo, i)
+                )
+            )
+        for att in atts:
+            if in_use(att) or not att.cells.cas(L.STATE_OFF, L.STATE_READY, L.STATE_DOOMED):
+                break
+            claimed.append(att)
+        else:
+            if not any(in_use(att) for att in atts) and current_inode(name) == seg.inode:
+                try:
+                    unlink_name(name)
+                except LimiterNotFoundError:
+                    return False
+                return True
+        for att in claimed:
+            att.cells.cas(L.STATE_OFF, L.STATE_DOOMED, L.STATE_READY)
+        return False
+    except Collected:
+        return False
+    finally:
+        for att in atts:
+            att.detach()
+        seg.close()
 
 
 def in_use(att: Attachment) -> bool:
@@ -650,8 +700,11 @@ def open_attachment(
     trusted: frozenset = frozenset(),
     clock: Callable[[], int] = time.monotonic_ns,
     reconfigure: bool = False,
+    opener: Optional[Callable[[], Tuple[Segment, Cells]]] = None,
 ) -> Attachment:
-    """This process's attachment to ``name`` (made on first use), with one more handle counted."""
+    """This process's attachment to ``name`` (made on first use), with one more handle counted.
+
+    With ``opener`` (a rate of a group), ``name`` is the rate's label (``group[key]``)."""
 
     def check(att: Attachment) -> None:
         if clock is not att.clock:
@@ -666,7 +719,9 @@ def open_attachment(
 
     return _registry.open(
         name,
-        lambda: map_attachment(name, create, mode, trusted, clock=clock, reconfigure=reconfigure),
+        lambda: map_attachment(
+            name, create, mode, trusted, clock=clock, reconfigure=reconfigure, opener=opener
+        ),
         check,
     )
 

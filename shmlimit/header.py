@@ -17,7 +17,7 @@ from __future__ import annotations
 import os
 import time
 from dataclasses import dataclass
-from typing import Callable, Optional, Tuple
+from typing import Any, Callable, Optional, Tuple
 
 from shmlimit.bucket.rovers import Bucket
 from shmlimit.config import Config
@@ -57,7 +57,28 @@ class Creation:
 DOOMED = -2
 
 
-def ready_creator(name: str, seg: Segment, waited: float) -> int:
+@dataclass(frozen=True)
+class Kind:
+    """What the start-up protocol needs of one kind of segment: its magic and version, the size
+    its header's words declare (None if they make no sense), and how a creator sizes and
+    initialises one (READY last)."""
+
+    what: str
+    magic: int
+    version: int
+    header_bytes: int
+    declared_size: Callable[[Cells], Optional[int]]
+    size_of: Callable[[Any], int]
+    initialise: Callable[[Segment, Any, int], Cells]
+    cells_bytes: Callable[[Segment], int]
+
+
+def _limiter_size(c: Cells) -> Optional[int]:
+    slots = c.load(L.SLOTS_OFF)
+    return L.segment_size(slots) if 1 <= slots <= L.MAX_SLOTS else None
+
+
+def ready_creator(name: str, seg: Segment, waited: float, kind: Optional[Kind] = None) -> int:
     """0 if the segment is fully initialised (and its header sound), ``DOOMED`` if a collector
     claimed it, else the pid of its live creator (-1: not yet known).
 
@@ -72,11 +93,12 @@ def ready_creator(name: str, seg: Segment, waited: float) -> int:
         if (time.time_ns() - seg.ctime_ns) / 1e9 > INIT_WAIT or waited > INIT_WAIT:
             raise AbandonedSegmentError(name, seg.inode, 0)
         return -1
-    if seg.size < L.HEADER_BYTES:
+    kind = kind or LIMITER
+    if seg.size < kind.header_bytes:
         raise SegmentError(
-            f"segment {name!r} is truncated: {seg.size} bytes, a limiter needs {L.HEADER_BYTES}"
+            f"segment {name!r} is truncated: {seg.size} bytes, {kind.what} needs {kind.header_bytes}"
         )
-    cells = open_cells(seg.mm, L.HEADER_BYTES)
+    cells = open_cells(seg.mm, kind.header_bytes)
     try:
         magic, state, version, size, slots, creator = (
             cells.load(off)
@@ -89,28 +111,32 @@ def ready_creator(name: str, seg: Segment, waited: float) -> int:
                 L.CREATOR_PID_OFF,
             )
         )
+        declared = kind.declared_size(cells) if magic == kind.magic else None
     finally:
         cells.close()
-    if magic not in (0, L.MAGIC):
+    if magic not in (0, kind.magic):
+        other = KINDS_BY_MAGIC.get(magic)
+        if other is not None:
+            raise SegmentError(f"segment {name!r} is {other.what}, not {kind.what}")
         raise SegmentError(f"segment {name!r} is not a shmlimit limiter (bad magic {magic:#018x})")
-    if magic == L.MAGIC and state == L.STATE_READY:
-        if version != L.VERSION:
+    if magic == kind.magic and state == L.STATE_READY:
+        if version != kind.version:
             raise SegmentError(
-                f"segment {name!r} has layout version {version}; this shmlimit reads version {L.VERSION}"
+                f"segment {name!r} has layout version {version}; this shmlimit reads version {kind.version}"
             )
-        if 1 <= slots <= L.MAX_SLOTS and size == L.segment_size(slots) and seg.size < size:
+        if declared is not None and size == declared and seg.size < size:
             raise SegmentError(
                 f"segment {name!r} is truncated: its header says {size} bytes, the file has {seg.size}"
             )
-        if not 1 <= slots <= L.MAX_SLOTS or size != L.segment_size(slots) or seg.size < size:
+        if declared is None or size != declared or seg.size < size:
             raise SegmentError(
                 f"segment {name!r} is corrupt: header says {size} bytes and {slots} slots, "
                 f"the mapping has {seg.size} bytes"
             )
         return 0
-    if magic == L.MAGIC and state == L.STATE_DOOMED:
+    if magic == kind.magic and state == L.STATE_DOOMED:
         return DOOMED  # a collector is unlinking it (or it restores READY)
-    if magic == L.MAGIC and state != L.STATE_INIT:
+    if magic == kind.magic and state != L.STATE_INIT:
         raise SegmentError(f"segment {name!r} is corrupt: unknown state {state}")
     age = (time.time_ns() - seg.ctime_ns) / 1e9
     if (
@@ -123,7 +149,11 @@ def ready_creator(name: str, seg: Segment, waited: float) -> int:
 
 
 def wait_ready(
-    name: str, seg: Segment, mode: Optional[int] = None, trusted: frozenset = frozenset()
+    name: str,
+    seg: Segment,
+    mode: Optional[int] = None,
+    trusted: frozenset = frozenset(),
+    kind: Optional[Kind] = None,
 ) -> Segment:
     """Return a mapping of a fully initialised segment, re-opening while its creator works.
 
@@ -135,7 +165,7 @@ def wait_ready(
     while True:
         waited = time.monotonic() - start
         try:
-            creator = ready_creator(name, seg, waited)
+            creator = ready_creator(name, seg, waited, kind)
         except BaseException:
             seg.close()
             raise
@@ -166,6 +196,7 @@ def open_segment(
     mode: Optional[int],
     trusted: frozenset = frozenset(),
     clock: Callable[[], int] = time.monotonic_ns,
+    kind: Optional[Kind] = None,
 ) -> Tuple[Segment, Cells]:
     """Create and initialise the segment, or map the existing one; never a half-initialised header.
 
@@ -174,16 +205,18 @@ def open_segment(
     created again.  Without it, both raise.  An existing segment is opened
     only if it passes the trust check for ``mode`` and ``trusted`` (uids);
     ``mode`` None skips it (``collect``, which only unlinks, as the filesystem
-    allows).  ``clock`` (CLOCK_MONOTONIC ns) starts a new bucket's schedule.
+    allows).  ``clock`` (CLOCK_MONOTONIC ns) starts a new bucket's schedule.  ``kind`` is the
+    kind of segment (a limiter's by default; ``group.GROUP`` for several rates).
     """
+    kind = kind or LIMITER
     warm_backend()  # a creator's first store must not wait for an import
     for _ in range(16):
         if create is not None:
-            seg = Segment.create(name, L.segment_size(create.slots), create.mode)
+            seg = Segment.create(name, kind.size_of(create), create.mode)
             if seg is not None:
-                return seg, initialise(seg, create, clock())
+                return seg, kind.initialise(seg, create, clock())
         try:
-            seg = wait_ready(name, Segment.open(name, mode, trusted), mode, trusted)
+            seg = wait_ready(name, Segment.open(name, mode, trusted), mode, trusted, kind)
         except LimiterNotFoundError:
             if create is None:
                 raise
@@ -193,7 +226,7 @@ def open_segment(
                 raise
             time.sleep(0.05)  # replacing destroys a segment: confirm the verdict once more first
             try:
-                wait_ready(name, Segment.open(name, mode, trusted), mode, trusted).close()
+                wait_ready(name, Segment.open(name, mode, trusted), mode, trusted, kind).close()
                 continue  # it became ready (or another took its place): attach normally
             except AbandonedSegmentError as again:
                 if again.inode != e.inode:
@@ -206,7 +239,7 @@ def open_segment(
                 except LimiterNotFoundError:
                     pass
             continue
-        return seg, open_cells(seg.mm, cells_size(seg))
+        return seg, open_cells(seg.mm, kind.cells_bytes(seg))
     raise SegmentError(
         f"could not create or open limiter {name!r}: it kept being unlinked and re-created"
     )
@@ -233,3 +266,17 @@ def _peek_slots(seg: Segment) -> int:
         return c.load(L.SLOTS_OFF)
     finally:
         c.close()
+
+
+LIMITER = Kind(
+    "a limiter",
+    L.MAGIC,
+    L.VERSION,
+    L.HEADER_BYTES,
+    _limiter_size,
+    lambda create: L.segment_size(create.slots),
+    initialise,
+    cells_size,
+)
+#: Every kind the start-up protocol knows, by magic (another kind's segment is named in errors).
+KINDS_BY_MAGIC = {LIMITER.magic: LIMITER}

@@ -103,7 +103,7 @@ class Limiter(RatesSwitch):
         args: Tuple[Any, ...],
         kwargs: Dict[str, Any],
     ) -> Any:
-        """``Limiter(name, rates=...)``: a limiter of several rates (multirate.py), one segment per rate."""
+        """``Limiter(name, rates=...)``: a limiter of several rates (multirate.py), one segment."""
         from shmlimit.multirate import MultiLimiter
 
         return MultiLimiter(

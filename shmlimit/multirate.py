@@ -1,12 +1,12 @@
 """Several rates at once: ``Limiter(name, rates=[...])`` and ``Limiter(name, rates={...})``.
 
-A limiter of several rates is a group of ordinary limiters, one segment per
-rate, named ``<name>.<key>`` (``github.0``, ``llm.tokens``).  Each keeps its
-own bucket, filler and process table, so each rate keeps every promise of a
-single one (``rate*T + capacity`` in any window, FIFO, nothing lost or stalled
-by a killed process), and every tool (``list``, ``top``, ``set-rate``, the
-metrics) shows and changes each rate as a limiter of its own.  This module only
-takes them together:
+A limiter of several rates is one segment under its one name (``group``): a
+header naming the rates, then one region per rate, each an ordinary limiter's
+layout with its own bucket, filler and process table, so each rate keeps every
+promise of a single one (``rate*T + capacity`` in any window, FIFO, nothing
+lost or stalled by a killed process).  ``shmlimit.attach(name)`` returns it,
+and every tool shows it as one entry (its rates labelled ``name[key]``).  This
+module only takes the rates together:
 
 * **All or nothing.**  A try takes from every rate by CAS, and if one refuses,
   gives back (``Bucket.add``: head forward, never beyond ``tail + capacity``)
@@ -38,7 +38,7 @@ import math
 import os
 import time
 import weakref
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any, Callable, Dict, Iterable, List, Optional, Sequence, Tuple, Union
 
 from shmlimit import live_changes
@@ -58,11 +58,15 @@ from shmlimit.acquire.single import drive, drive_async
 from shmlimit.attachment import Attachment, gate_all, open_attachment, release
 from shmlimit.bucket.fences import FenceHold
 from shmlimit.config import NS_PER_S, Config, validate_n, validate_timeout
-from shmlimit.header import Creation
+from shmlimit.errors import ConfigMismatchError, SegmentError
+from shmlimit.group import Collected, GroupCreation, copy_regions, open_group, region_opener
+from shmlimit.header import Creation, ready_creator
 from shmlimit.rate_group import RateGroup, parse_rates, rates_from_text
 from shmlimit.shm import layout as L
+from shmlimit.shm.cells import open_cells
+from shmlimit.shm.segment import unlink as unlink_name
 from shmlimit.shm.segment import validate_mode, validate_name, validate_slots, validate_trusted_uids
-from shmlimit.stats import Stats, snapshot
+from shmlimit.stats import ProcessStats, Stats, snapshot
 
 _INF = float("inf")
 _ONE = 1
@@ -84,6 +88,27 @@ class MultiStats:
     def grants(self) -> Dict[str, int]:
         """Ops granted on each rate (charges included; refunds are not subtracted)."""
         return {k: s.grants for k, s in self.rates.items()}
+
+    @property
+    def processes(self) -> Tuple[ProcessStats, ...]:
+        """The processes registered in any rate, once each (alive if alive in any; grants: the
+        most it was granted on one rate)."""
+        by_pid: Dict[int, ProcessStats] = {}
+        for s in self.rates.values():
+            for p in s.processes:
+                q = by_pid.get(p.pid)
+                by_pid[p.pid] = (
+                    p
+                    if q is None
+                    else replace(
+                        q,
+                        alive=q.alive or p.alive,
+                        grants=max(q.grants, p.grants),
+                        waiting=q.waiting or p.waiting,
+                        filler=q.filler or p.filler,
+                    )
+                )
+        return tuple(by_pid.values())
 
 
 class MultiLimiter(RateGroup):
@@ -108,15 +133,25 @@ class MultiLimiter(RateGroup):
     ) -> None:
         validate_name(name)
         trusted = validate_trusted_uids(trusted_uids)
-        if isinstance(rates, str):
-            rates = rates_from_text(rates)
-        keys, cfgs, named = parse_rates(name, rates)
         validate_mode(mode)
         validate_slots(slots)
+        create: Optional[GroupCreation] = None
+        self._rates_arg: object = None  # what a pickled handle re-opens with (None: by name)
+        if rates is not None:  # None: attach to the group by its name, its rates as it holds them
+            if isinstance(rates, str):
+                rates = rates_from_text(rates)
+            keys, cfgs, named = parse_rates(name, rates)
+            self._rates_arg = dict(rates) if named else list(rates)  # type: ignore[call-overload]
+            create = GroupCreation(
+                tuple(Creation(cfg, mode, None, slots, None) for cfg in cfgs),
+                keys,
+                named,
+                mode,
+                slots,
+            )
         self._name = name
-        self._keys = keys
-        self._named = named
-        self._rates_arg = dict(rates) if named else list(rates)  # type: ignore[call-overload]
+        self._keys: Tuple[str, ...] = ()
+        self._named = False
         self._mode = mode
         self._trusted = trusted
         self._atts: List[Attachment] = []
@@ -128,19 +163,42 @@ class MultiLimiter(RateGroup):
         )
         self._seqs: Tuple[int, ...] = ()
         _handles.add(self)
-        try:
-            for key, cfg in zip(keys, cfgs):
-                att = open_attachment(
-                    f"{name}.{key}",
-                    Creation(cfg, mode, None, slots, None),
-                    mode,
-                    trusted,
-                    clock or time.monotonic_ns,
-                )
-                self._atts.append(att)
-        except BaseException:
-            self.close()
-            raise
+        self._open(create, clock or time.monotonic_ns)
+
+    def _open(self, create: Optional[GroupCreation], clock: Callable[[], int]) -> None:
+        """Create the group or open it, then attach to every rate (again, if a collector took it
+        meanwhile: ``Collected``)."""
+        name = self._name
+        for _ in range(16):
+            seg, geo = open_group(name, create, self._mode, self._trusted, clock)
+            try:
+                if create is not None and (geo.keys, geo.named) != (create.keys, create.named):
+                    raise ConfigMismatchError(
+                        name,
+                        f"rates {_shown(geo.keys, geo.named)}",
+                        f"rates {_shown(create.keys, create.named)}",
+                    )
+                self._keys, self._named = geo.keys, geo.named
+                for i, key in enumerate(geo.keys):
+                    self._atts.append(
+                        open_attachment(
+                            f"{name}[{key}]",
+                            None if create is None else create.rates[i],
+                            self._mode,
+                            self._trusted,
+                            clock,
+                            opener=region_opener(seg, geo, i),
+                        )
+                    )
+                return
+            except Collected:
+                self.close()
+            except BaseException:
+                self.close()
+                raise
+            finally:
+                seg.close()
+        raise SegmentError(f"could not create or open limiter {name!r}: it kept being collected")
 
     # -- identity and lifecycle ----------------------------------------------------
 
@@ -509,11 +567,15 @@ class MultiLimiter(RateGroup):
 
     # -- observation -------------------------------------------------------------------
 
+    def unlink(self) -> None:
+        """Remove the limiter's segment (every rate's).  Raises ``LimiterNotFoundError`` when none."""
+        unlink_name(self._name)
+
     def stats(self) -> MultiStats:
         """A snapshot of every rate's live state (reads only)."""
         atts = self._peek()
         return MultiStats(
-            self._name, {k: snapshot(f"{self._name}.{k}", att) for k, att in zip(self._keys, atts)}
+            self._name, {k: snapshot(f"{self._name}[{k}]", att) for k, att in zip(self._keys, atts)}
         )
 
     def __repr__(self) -> str:
@@ -540,6 +602,28 @@ def _forget_fast_paths() -> None:
 
 if hasattr(os, "register_at_fork"):
     os.register_at_fork(after_in_child=_forget_fast_paths)
+
+
+def _shown(keys: Tuple[str, ...], named: bool) -> str:
+    return "{" + ", ".join(keys) + "}" if named else f"[{len(keys)} rates]"
+
+
+def inspect_group(name: str) -> MultiStats:
+    """A snapshot of every rate of the group ``name``, read without joining it (nothing written)."""
+    geo, regions = copy_regions(name)
+    out = {}
+    for key, seg in zip(geo.keys, regions):
+        label = f"{name}[{key}]"
+        verdict = ready_creator(label, seg, 0.0)
+        if verdict != 0:
+            seg.close()
+            raise SegmentError(f"segment {name!r} is being removed")
+        att = Attachment(label, seg, open_cells(seg.mm, seg.size), join=False)
+        try:
+            out[key] = snapshot(label, att)
+        finally:
+            att.detach()
+    return MultiStats(name, out)
 
 
 def _unpickle(name: str, rates: object, mode: int, trusted: Tuple[int, ...]) -> MultiLimiter:

@@ -1,9 +1,9 @@
 """Several rates taken together: what both kinds share, ``Limiter(rates=)`` (``multirate``: one
-limiter segment per rate) and ``KeyedLimiter(rates=)`` (``keyed_multi``: one keyed segment per
-rate).
+segment, a region per rate) and ``KeyedLimiter(rates=)`` (``keyed_multi``: still one keyed
+segment per rate, ``<name>.<key>``).
 
 ``rates=`` is a list, a dict or one string; its rates are named by key (``"0"``, ``"1"``, ...
-for a list), each rate's segment is ``<name>.<key>``; a call costs ``n`` ops on every rate or
+for a list); a call costs ``n`` ops on every rate or
 its keyword costs by name; a live change names one rate by key or index.  How the rates are
 taken together is each kind's own.
 """

@@ -49,7 +49,7 @@ class Registry(Generic[A]):
         with self._lock:
             att = self._atts.get(name)
             # a name unlinked and re-created since we mapped it is a different limiter
-            if att is not None and (att.closed or current_inode(name) != att.seg.inode):
+            if att is not None and (att.closed or current_inode(att.seg.name) != att.seg.inode):
                 self._atts.pop(name, None)
                 att = None
             if att is None:

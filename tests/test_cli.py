@@ -95,8 +95,8 @@ def test_create_several_rates(name):
     r = run("create", name, "--rates", "requests=500/min; tokens=200K/min burst=20K")
     assert r.returncode == 0, r.stderr
     assert r.stdout.splitlines() == [
-        f"created: {name}.requests rate=500 per=60s burst=1",
-        f"created: {name}.tokens rate=200000 per=60s burst=20000",
+        f"created: {name}[requests] rate=500 per=60s burst=1",
+        f"created: {name}[tokens] rate=200000 per=60s burst=20000",
     ]
     try:
         lim = shmlimit.Limiter(name, rates={"requests": "500/min", "tokens": ("200K/min", 20_000)})
@@ -109,20 +109,23 @@ def test_create_several_rates(name):
             "exists",
             "exists",
         ]
-        listing = {s["name"] for s in json.loads(run("list", "--json").stdout)}
-        assert {f"{name}.requests", f"{name}.tokens"} <= listing
+        # one limiter, one entry: the rates are the group's, under its one name
+        listing = [s for s in json.loads(run("list", "--json").stdout) if name in s["name"]]
+        assert [s["name"] for s in listing] == [name]
+        assert set(listing[0]["rates"]) == {"requests", "tokens"}
+        assert listing[0]["rates"]["tokens"]["capacity"] == 20_000
+        text = [line for line in run("list").stdout.splitlines() if name in line]
+        assert len(text) == 1 and "2 rates" in text[0] and "tokens=200000/60s" in text[0]
     finally:
-        for key in ("requests", "tokens"):
-            run("unlink", f"{name}.{key}")
-    r = run("create", name, "--rates", "5000/h; 100/min")  # a list: NAME.0, NAME.1
+        run("unlink", name)
+    r = run("create", name, "--rates", "5000/h; 100/min")  # a list: NAME[0], NAME[1]
     try:
         assert r.returncode == 0 and [line.split()[1] for line in r.stdout.splitlines()] == [
-            f"{name}.0",
-            f"{name}.1",
+            f"{name}[0]",
+            f"{name}[1]",
         ]
     finally:
-        for key in ("0", "1"):
-            run("unlink", f"{name}.{key}")
+        run("unlink", name)
 
 
 @pytest.mark.parametrize(

@@ -5,6 +5,7 @@ whoever comes next on that rate waits for the abandoned request's whole schedule
 """
 
 import asyncio
+import mmap
 import subprocess
 import sys
 import textwrap
@@ -258,8 +259,8 @@ def with_another_caller_of_b(name, cleanup):
     clock = FakeClock()
     lim = make(name, {"a": ("10/s", 1), "b": ("1/s", 1)}, clock)
     cleanup.append(lim)
-    other = shmlimit.Limiter(name + ".b", clock=clock)
-    cleanup.insert(0, other)  # closed (unlinking the rate) before the limiter of both
+    other = make(name, {"a": ("10/s", 1), "b": ("1/s", 1)}, clock)  # a caller of b alone
+    cleanup.insert(0, other)  # closed before the limiter of both
     empty(lim)
     return lim, other
 
@@ -270,7 +271,7 @@ def test_a_reservation_refused_on_a_later_rate_gives_back_its_earlier_claims(
     lim, other = with_another_caller_of_b(name, cleanup)
     a = lim._live()[0]
     # between the reservation's look and its claim on b, the other caller takes b's next slot
-    _racing_claims(monkeypatch, lim, "b", lambda: other.reserve())
+    _racing_claims(monkeypatch, lim, "b", lambda: other.reserve(b=1))
     assert lim.reserve(max_wait=1.5) is None  # a claimed (queued: 0.1 s), then b 2 s away: refused
     monkeypatch.undo()
     # a's claim, queued, went back by the skip: nothing queued on a, its record free again
@@ -322,7 +323,7 @@ def test_a_reservation_whose_later_rate_takes_all_records_still_gives_back(
     far = (cells.load(L.TAIL) - 10**12) % 2**64
     for _ in range(L.TICKET_RECORDS):
         assert record(cells, a.records, far, 1) is not None
-    _racing_claims(monkeypatch, lim, "b", lambda: other.reserve())
+    _racing_claims(monkeypatch, lim, "b", lambda: other.reserve(b=1))
     assert lim.reserve(max_wait=1.5) is None
     monkeypatch.undo()
     assert diff(cells.load(L.TAIL), cells.load(L.HEAD)) <= 0 and a.returns.pending() == []
@@ -459,7 +460,8 @@ def test_a_reservation_claiming_on_a_rate_being_closed_takes_nothing_there(name,
     lim = make(name, {"a": ("1000/s", 1), "b": ("1/s", 1)})  # a has the shorter wait: claimed first
     empty(lim)
     a, b = lim._live()
-    a_name = a.name
+    # a's region of the group's one segment, read through the filesystem once a is closed
+    a_file, (a_off, _) = a.seg.name, L.group_geometry(a.slots, mmap.ALLOCATIONGRANULARITY)
     at_claim, go_a, stepped, b_closed = (threading.Event() for _ in range(4))
     outcome = []
     real_claim = multirate_module.claim
@@ -483,8 +485,8 @@ def test_a_reservation_claiming_on_a_rate_being_closed_takes_nothing_there(name,
             stepped.set()
 
     def a_tail():
-        raw = shm_bytes(a_name)
-        return int.from_bytes(raw[L.TAIL : L.TAIL + 8], "little")
+        raw = shm_bytes(a_file)
+        return int.from_bytes(raw[a_off + L.TAIL : a_off + L.TAIL + 8], "little")
 
     monkeypatch.setattr(multirate_module, "claim", claim)
     real_unregister = a.table.unregister

@@ -55,11 +55,12 @@ def request(lim, timeout=None, n=1, **costs):
     return MultiRequest(lim._live(), ops, lim._tokens(ops), timeout)
 
 
-def test_one_segment_per_rate_with_its_own_config(name, clock, cleanup):
+def test_one_segment_for_every_rate_each_with_its_own_config(name, clock, cleanup):
     lim = make(name, ["5000/h", ("100/min", 10)], clock)
     cleanup.append(lim)
     assert lim.keys == ("0", "1")
-    assert {name + ".0", name + ".1"} <= set(shmlimit.list_names())
+    names = set(shmlimit.list_names())
+    assert name in names and not {n for n in names if n.startswith(name + ".")}
     cfg = lim.configs
     assert (cfg["0"].rate, cfg["0"].per, cfg["1"].rate, cfg["1"].per, cfg["1"].burst) == (
         5000,
@@ -71,10 +72,14 @@ def test_one_segment_per_rate_with_its_own_config(name, clock, cleanup):
     st = lim.stats()
     assert set(st.rates) == {"0", "1"} and st.rates["1"].capacity == 10
     assert "0=5000/3600s" in repr(lim) and "1=100/60s" in repr(lim)
-    # another process's view of one rate is an ordinary limiter
-    one = shmlimit.Limiter(name + ".1", clock=clock)
-    assert one.rate == 100
-    one.close()
+    # the name holds the group: attaching by name gives its rates as created, and a plain
+    # Limiter of that name is refused, naming what the segment is
+    again = MultiLimiter(name, None, clock=clock)  # by name (shmlimit.attach: test_kinds.py)
+    assert again.keys == ("0", "1")
+    assert again.configs["1"].rate == 100
+    again.close()
+    with pytest.raises(shmlimit.SegmentError, match="several rates"):
+        shmlimit.Limiter(name, clock=clock)
     # the same rates attach; different ones are refused, naming the rate
     same = make(name, ["5000/h", ("100/min", 10)], clock)
     same.close()

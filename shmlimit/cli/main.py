@@ -23,6 +23,7 @@ from shmlimit.errors import ShmlimitError
 from shmlimit.keyed.stats import KeyedStats
 from shmlimit.kinds import inspect
 from shmlimit.limiter import Limiter, unlink
+from shmlimit.multirate import MultiStats
 from shmlimit.rate_group import parse_rates
 from shmlimit.shm.segment import scan
 from shmlimit.stats import Stats
@@ -133,7 +134,9 @@ def cmd_demo(args: argparse.Namespace) -> int:
 # ---- list / inspect / create / unlink --------------------------------------------------
 
 
-def _stats_dict(s: "Stats | KeyedStats") -> dict:
+def _stats_dict(s: "Stats | KeyedStats | MultiStats") -> dict:
+    if isinstance(s, MultiStats):
+        return {"name": s.name, "rates": {k: _stats_dict(r) for k, r in s.rates.items()}}
     d = asdict(s)
     d["processes"] = [asdict(p) for p in s.processes]
     return d
@@ -179,6 +182,10 @@ def cmd_list(args: argparse.Namespace) -> int:
     print(f"{'name':24} {'rate':>12} {'capacity':>9} {'available':>10} {'grants':>10} {'procs':>5}")
     for n, s in _inspected(names, lambda n, e: print(printable(f"{n:24} unreadable: {e}"))):
         alive = sum(p.alive for p in s.processes)
+        if isinstance(s, MultiStats):  # several rates, one limiter: its rates on one line
+            rates = ", ".join(f"{k}={r.rate:g}/{r.per:g}s" for k, r in s.rates.items())
+            print(printable(f"{n:24} {len(s.rates):>8} rates {rates}  procs {alive}"))
+            continue
         if (
             isinstance(s, KeyedStats) and s.kind == "windows"
         ):  # a limits storage: no rate of its own
@@ -204,6 +211,14 @@ def cmd_inspect(args: argparse.Namespace) -> int:
     if args.json:
         print(json.dumps(_stats_dict(s)))
         return 0
+    if isinstance(s, MultiStats):  # each rate as a limiter of its own, under the one name
+        for key, r in s.rates.items():
+            print(printable(f"rate {key}"))
+            for k, v in _stats_dict(r).items():
+                if k != "processes":
+                    print(printable(f"  {k:20} {v}"))
+        print(f"{'processes':20} {len(s.processes)}")
+        return 0
     # a table of window counters has no rate, capacity or overrides of its own: not shown as zeros
     hidden = {"processes"} | (
         {"rate", "per", "capacity", "overrides", "override_slots"}
@@ -228,7 +243,7 @@ def cmd_inspect(args: argparse.Namespace) -> int:
 
 
 def cmd_create(args: argparse.Namespace) -> int:
-    if args.rates is not None:  # several rates: one segment each, NAME.KEY (see multirate)
+    if args.rates is not None:  # several rates: one segment, each rate NAME[KEY] (see multirate)
         if args.per != 1.0 or args.burst is not None:
             raise UserError(
                 "--per and --burst go with --rate; with --rates each item carries its window "
@@ -242,7 +257,7 @@ def cmd_create(args: argparse.Namespace) -> int:
             for key in multi.keys:
                 print(
                     printable(
-                        f"{'created' if created[key] else 'exists'}: {args.name}.{key} {configs[key].describe()}"
+                        f"{'created' if created[key] else 'exists'}: {args.name}[{key}] {configs[key].describe()}"
                     )
                 )
         finally:
@@ -504,7 +519,7 @@ def build_parser() -> argparse.ArgumentParser:
         "--rates",
         type=_rates,
         metavar="'R1; R2'",
-        help="several rates taken together, one segment each (NAME.0, NAME.1 or NAME.KEY): "
+        help="several rates taken together in one segment (rates NAME[0], NAME[1] or NAME[KEY]): "
         "'5000/h; 100/min' or 'requests=500/min; tokens=200K/min burst=20K'",
     )
     c.add_argument("--per", type=_positive(float), default=1.0, help="seconds (default 1)")

@@ -29,6 +29,7 @@ from typing import Iterable, List, Optional, Sequence, Tuple, Union
 from shmlimit.errors import ShmlimitError
 from shmlimit.keyed.stats import KeyedStats
 from shmlimit.kinds import inspect
+from shmlimit.multirate import MultiStats
 from shmlimit.shm.segment import list_names
 from shmlimit.stats import Stats
 
@@ -202,7 +203,9 @@ def snapshots(names: Optional[Sequence[str]] = None) -> Tuple[List[AnyStats], Li
     unreadable: List[str] = []
     for name in list_names() if names is None else names:
         try:
-            stats.append(inspect(name))
+            s = inspect(name)
+            # several rates: each rate's series, named NAME[KEY]
+            stats.extend(s.rates.values() if isinstance(s, MultiStats) else (s,))
         except (
             FileNotFoundError
         ):  # unlinked since listed, or named and not (yet) created: no samples

@@ -29,6 +29,7 @@ from typing import Deque, Dict, List, Optional, Sequence, Tuple
 from shmlimit.errors import ShmlimitError
 from shmlimit.keyed.stats import KeyedStats, sample_keys, sample_windows
 from shmlimit.kinds import inspect
+from shmlimit.multirate import MultiStats
 from shmlimit.shm.segment import scan
 from shmlimit.stats import Stats
 
@@ -105,6 +106,9 @@ class Inspector:
                 s = inspect(name)
             except (ShmlimitError, OSError) as e:
                 out.append({"name": name, "error": str(e)})
+                continue
+            if isinstance(s, MultiStats):  # several rates: a row per rate, NAME[KEY]
+                out.extend(self._record(r.name, r, now) for r in s.rates.values())
                 continue
             out.append(self._record(name, s, now))
         return out

@@ -305,3 +305,39 @@ def bank_mask(gen: int, i: int) -> int:
     banks alike: ``keyed_gcra``).
     """
     return config_sum(gen, (i,))
+
+
+# ---- a limiter of several rates: one segment, a header, then one whole limiter layout per rate
+#
+#     offset 0        line 0 as every kind's (MAGIC = GROUP_MAGIC, VERSION = GROUP_VERSION, SIZE,
+#                     STATE, SLOTS, CREATOR_PID, CREATED_NS), then GROUP_COUNT GROUP_NAMED
+#                     GROUP_FIRST GROUP_STRIDE, then the rates' keys (ASCII, NUL-separated)
+#     GROUP_FIRST + i * GROUP_STRIDE
+#                     rate i: a limiter's layout (line 0 with MAGIC, its own STATE, table, fences)
+#
+# Each rate's region starts on an mmap boundary, so that a process maps it alone and every
+# module below the limiters reads it as it reads a limiter's own segment.  The group's STATE says
+# whether the regions are ready (READY is stored after every region's); each region's own STATE
+# is the one a collector claims (``attachment.collect``), as for a single rate.
+GROUP_MAGIC = int.from_bytes(b"SHMLRATE", "little")
+GROUP_VERSION = 1
+GROUP_COUNT = 64
+GROUP_NAMED = 72
+GROUP_FIRST = 80
+GROUP_STRIDE = 88
+GROUP_KEYS = 2 * LINE
+#: The keys' bytes: every rate's key and a NUL after it.
+GROUP_KEYS_BYTES = 14 * LINE
+GROUP_HEADER_BYTES = GROUP_KEYS + GROUP_KEYS_BYTES
+
+
+def group_geometry(slots: int, granularity: int) -> tuple:
+    """(first, stride): where a group's first region starts and the distance between regions, in
+    bytes, for a table of ``slots`` on a machine whose mappings start on ``granularity``."""
+    first = -(-GROUP_HEADER_BYTES // granularity) * granularity
+    stride = -(-segment_size(slots) // granularity) * granularity
+    return first, stride
+
+
+def group_size(first: int, stride: int, count: int) -> int:
+    return first + count * stride
