@@ -1,7 +1,10 @@
-"""docs/design.md stays true: every constant it quotes as `NAME = <number>` has that value in the code,
-and every layout version it states (`(layout.py, version 5)`) is the module's `VERSION`."""
+"""The design pages stay true: every constant they quote as `NAME = <number>` has that value in the
+code, and every layout version they state (`(shm/layout.py, version 5)`) is the module's `VERSION`.
+
+The pages are docs/design.md (the map) and docs/design/*.md (one page per mechanism)."""
 
 import ast
+import glob
 import importlib
 import os
 import re
@@ -11,7 +14,10 @@ import pytest
 import shmlimit
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-DESIGN = open(os.path.join(ROOT, "docs", "design.md")).read()
+PAGES = [os.path.join(ROOT, "docs", "design.md")] + sorted(
+    glob.glob(os.path.join(ROOT, "docs", "design", "*.md"))
+)
+DESIGN = "\n".join(open(p).read() for p in PAGES)
 QUOTED = re.findall(r"`([A-Z][A-Z0-9_]+) = ([0-9][0-9_.eE+-]*)`", DESIGN)
 PACKAGE = os.path.dirname(shmlimit.__file__)
 
@@ -41,9 +47,9 @@ def test_the_design_quotes_constants():
 @pytest.mark.parametrize("const, value", QUOTED)
 def test_every_quoted_constant_matches_the_code(const, value):
     values = module_constants().get(const)
-    assert values, f"design.md quotes {const}, which no module defines"
+    assert values, f"the design pages quote {const}, which no module defines"
     assert ast.literal_eval(value) in values, (
-        f"design.md says {const} = {value}; the code says {values}"
+        f"the design pages say {const} = {value}; the code says {values}"
     )
 
 
@@ -59,5 +65,5 @@ def test_the_design_states_both_layout_versions():
 def test_every_stated_layout_version_matches_the_code(module, version):
     code = importlib.import_module("shmlimit." + module.replace("/", ".")).VERSION
     assert int(version) == code, (
-        f"design.md says {module}.py is version {version}; the code says {code}"
+        f"the design pages say {module}.py is version {version}; the code says {code}"
     )
