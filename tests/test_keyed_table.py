@@ -6,7 +6,7 @@ PEND by a dead pid), against an exact model of per-key GCRA.  Because eviction i
 exact -- only a key whose bucket is full again is ever forgotten, and such a key is
 the same as an absent one -- the table must answer exactly as the model does,
 except that a key refused for want of a slot must be one the model holds nothing
-for, and a fresh slot may start one tick late.
+for; a new key's state is its own, whatever a dead inserter left in its slot.
 """
 
 import mmap
@@ -17,11 +17,14 @@ import pytest
 from hypothesis import event, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, rule
+from support.keyed import Stopped, StopsAfterValue, StopsAt
 from support.models import on_each_backend
 
 from shmlimit.keyed import cells as KC
 from shmlimit.keyed import layout as K
 from shmlimit.keyed.gcra import write_bank
+from shmlimit.keyed.window_table import WindowTable
+from shmlimit.keyed.windows import CMAX, pack
 from shmlimit.shm.cells import native_available, open_cells
 
 BACKENDS = ["atomics"] + (["native"] if native_available() else [])
@@ -229,12 +232,8 @@ class TableMachine(RuleBasedStateMachine):
             return
         assert r == wait, (r, wait)
         new_tat = base + n * T
-        if (
-            idle
-        ):  # maybe a new slot: later than the model only if a dead inserter left a later value
-            real = self.real_tat(k)
-            assert real >= new_tat
-            new_tat = real
+        # exactly the model's, in a new slot too: never a value a dead inserter left there
+        assert self.real_tat(k) == new_tat
         self.tat[k] = new_tat
         self.grants.setdefault(k, []).extend([self.now + r] * n)
 
@@ -331,42 +330,66 @@ def test_try_acquire_and_rebind(backend):
         t.kt.rebind(t.size, 1)
 
 
-class Stopped(Exception):
-    pass
+def _dead_inserter(c, slots, nslots):
+    """An inserter under a dead pid that dies right after storing its slot's value word."""
+    return KC.SlotTable(
+        StopsAfterValue(c, slots), slots, nslots, nslots, K.KEYS_LIVE, K.EVICTED, dead_pid()
+    )
 
 
-class StopsAt:
-    """The cells as an inserter sees them that stops for good before its ``left``-th write (a CAS, an
-    add or a store), or (``left`` None) at its first write after it made its slot PEND: it dies
-    there, or (under an owner that counts as alive) stalls there forever."""
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_a_new_key_never_starts_from_a_dead_inserters_value(backend):
+    """A keyed inserter that died right after writing its slot's value word left that value to the
+    next key placed there: a fresh key got 1 of its burst of 60 ops (its TAT was the dead one's)."""
+    t = Table(backend, 1, 60)  # one slot: the next key is placed in the dead inserter's
+    now = 1 << 30
+    dead = _dead_inserter(t.c, K.slots_offset(t.novr), 1)
+    with pytest.raises(Stopped):  # its first grant: the whole burst of a key "a"
+        dead.insert(t.kt.digest("a"), 0, now, now + 60 * T, (60, 0, 0, 0))
+    s = t.slot(0)
+    assert t.c.load(s) & 0xFF == K.BUSY and t.c.load(s + K.S_V0) == now + 60 * T
+    assert [t.kt.acquire("b", 1, 0, now) for _ in range(60)] == [0] * 60  # b's whole burst
+    assert t.kt.acquire("b", 1, 0, now) == KC.REFUSED
+    assert t.c.load(s) & 0xFF == K.LIVE and t.c.load(s + K.S_V0) == now + 60 * T  # b's own
 
-    def __init__(self, c, left):
-        self.c, self.left, self.size, self.pending = c, left, c.size, False
 
-    def load(self, off):
-        return self.c.load(off)
-
-    def _write(self):
-        if self.left == 0 or (self.left is None and self.pending):
-            raise Stopped
-        if self.left is not None:
-            self.left -= 1
-
-    def store(self, off, value):
-        self._write()
-        self.c.store(off, value)
-
-    def cas(self, off, expected, desired):
-        self._write()
-        done = self.c.cas(off, expected, desired)
-        self.pending = self.pending or (
-            done and desired & 0xFF == K.PEND and expected & 0xFF == K.BUSY
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_a_new_key_never_starts_from_a_dead_inserters_value_on_the_real_clock(backend):
+    t = Table(backend, 1, 60)
+    per_op = 10**13  # ticks: about ten minutes per op on the real clock
+    set_params(t.c, per_op, 60 * per_op)
+    now = time.monotonic_ns() << K.TICK_SHIFT
+    with pytest.raises(Stopped):
+        _dead_inserter(t.c, K.slots_offset(t.novr), 1).insert(
+            t.kt.digest("a"), 0, now, now + 60 * per_op, (60, 0, 0, 0)
         )
-        return done
+    assert (
+        sum(t.kt.try_acquire("b") for _ in range(61)) == 60
+    )  # before: 1, then refused for an hour
+    after = time.monotonic_ns() << K.TICK_SHIFT
+    assert now + 60 * per_op < t.c.load(t.slot(0) + K.S_V0) <= after + 60 * per_op
 
-    def fetch_add(self, off, delta):
-        self._write()
-        return self.c.fetch_add(off, delta)
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_a_window_client_never_inherits_a_dead_inserters_window(name, backend, monkeypatch):
+    """In a window table (``shm://``), a ``10/second`` client placed in the slot of an inserter that
+    died right after writing a one-day window had its reset 86 398 s away."""
+    monkeypatch.setenv("SHMLIMIT_BACKEND", backend)
+    wt = WindowTable(name, keys=1)
+    try:
+        table = wt.counters.t
+        assert table.c.backend == backend
+        day = 86_400_000
+        now = time.monotonic_ns() // 1_000_000
+        d = KC.siphash128(b"F" + b"daily", wt.counters.k0, wt.counters.k1)
+        with pytest.raises(Stopped):
+            _dead_inserter(table.c, table.slots, table.nslots).insert(
+                d, 0, pack(now, CMAX, True), pack(now + day + 1, 1), (0, 0, 0, 0)
+            )
+        assert [wt.incr("client", 1) for _ in range(3)] == [1, 2, 3]
+        assert 0 < wt.counters.expiry_ms("client") <= 1001  # its own one-second window
+    finally:
+        wt.close()
 
 
 #: An inserter of another PID namespace: it counts as alive, so its slot is never taken for dead.

@@ -10,15 +10,18 @@ the value words mean, with one contract: ``V0`` is the value's *expiry word*.
 
 1. A slot whose ``V0 <= now`` holds no information (for GCRA: the key's bucket
    is full again) and may be evicted; ``V0``'s top bit (``DEAD``) marks it
-   evicted and keeps the value below it.  The values ``V0`` takes over a
-   slot's whole life only ever increase: an inserter stores its first grant's
-   value, which is above ``now`` (the previous values were all ``<= now`` when
-   evicted; only a dead inserter may have left more, and then the new value
-   goes above that), and a value kind only moves it forward -- but for GCRA's
-   ``undo``, which moves it back to where its own take found it, and only while
-   no one has taken since (all above what the slot held before).  So a CAS on
-   ``V0`` from a value read under one tenant can never succeed under a later
-   one: no ABA.
+   evicted and keeps the value below it.  The values a reader may act on --
+   those ``V0`` held under a LIVE ``CTRL`` -- only ever increase over a slot's
+   whole life: an inserter stores its first grant's value above the slot's
+   *floor*, and a value kind only moves it forward -- but for GCRA's ``undo``,
+   which moves it back to where its own take found it, and only while no one
+   has taken since.  So a CAS on ``V0`` from a value read under one tenant
+   never succeeds under a later one: no ABA.  The floor is the slot's value
+   when it carries ``DEAD`` (an evicted key's, or what an abandoned insert
+   stood above), but a value an inserter stored and never published (it
+   died) is no key's: no reader holds it, and it is capped by the clock read
+   after the claim (every key evicted before was expired by then).  So a new
+   key never starts from a dead inserter's value: keys never share state.
 2. **Lookup**: probe at most ``probe`` slots from the key's home slot
    (``D0 * nslots >> 64``); an EMPTY slot ends the chain (a slot never becomes
    EMPTY again, and an inserter takes the first free slot it sees).
@@ -29,7 +32,9 @@ the value words mean, with one contract: ``V0`` is the value's *expiry word*.
    insert of the same key.  Of two PENDs, the one nearer the home slot wins and
    the farther one gives way (TOMB); a later PEND always sees an earlier one,
    so exactly one survives.  Then ``-> LIVE``.  An inserter that dies leaves a
-   BUSY/PEND slot with its pid, which any later inserter reclaims.
+   BUSY/PEND slot with its pid, which any later inserter reclaims once the pid
+   is dead (``alive``: gone or a zombie).  One that gives way leaves TOMB with
+   its floor, flagged ``DEAD``.
 4. **Eviction is exact**: only a slot whose ``V0 <= now`` is ever taken, so a
    key that is still limited is never lost; when every slot of a key's window
    holds a limited key (or a live insert), the new key is refused (``FULL``).
@@ -50,6 +55,7 @@ from typing import Callable, Optional, Tuple
 from shmlimit.errors import SegmentError
 from shmlimit.keyed import layout as K
 from shmlimit.shm.layout import config_sum as _config_sum
+from shmlimit.shm.table import is_alive
 
 MASK64 = (1 << 64) - 1
 REFUSED = -1  #: the wait exceeds max_wait: nothing written
@@ -147,25 +153,24 @@ def display_key(words: Tuple[int, int, int]) -> str:
 
 
 def alive(owner: int, mine: int) -> bool:
-    """Whether an inserter may still be running (the native backend decides alike).
+    """Whether an inserter may still be running: ``shm.table.is_alive`` (a zombie is dead), for an
+    owner field.  The native backend calls this very function.
 
-    An owner field is ``pid | namespace tag << 22`` (see ``keyed_layout.owner``):
+    An owner field is ``pid | namespace tag << 22`` (see ``keyed.layout.owner``):
     an inserter of another PID namespace cannot be asked about, so it counts as
     alive -- taking a live inserter's slot would let its late stores land on
-    the next tenant.
+    the next tenant.  The field holds no start time: a pid reused since the
+    inserter died counts as alive (its slot waits for that process to end).
     """
     if owner >> K.PID_BITS != mine >> K.PID_BITS:
         return True
     pid = owner & ((1 << K.PID_BITS) - 1)
-    if not pid:
-        return False
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
+    return is_alive(pid, 0)
+
+
+def _ticks_now() -> int:
+    """CLOCK_MONOTONIC in ticks."""
+    return time.monotonic_ns() << K.TICK_SHIFT
 
 
 def check_offsets(cells, *offsets: int) -> None:
@@ -237,12 +242,13 @@ class SlotTable:
         v0: int,
         rest: Tuple[int, int, int, int],
         above: Optional[Callable[[int], int]] = None,
+        clock: Optional[Callable[[], int]] = None,
     ):
         """Insert digest d with its first values (V0 = v0, raised above the slot's past; V1..V4 = rest).
 
-        When the slot's past value ``prior`` is not below ``v0`` (a dead inserter
-        left a later one), V0 becomes ``above(prior)``, which must exceed it;
-        by default ``prior + 1``.
+        When the slot's past value ``floor`` (see ``_floor``; ``clock`` reads
+        now in V0's units, None when ``now`` is injected) is not below ``v0``,
+        V0 becomes ``above(floor)``, which must exceed it; by default ``floor + 1``.
 
         Returns (slot, ctrl): ctrl is the LIVE word when we published (the
         grant is made), 0 means "look again"; slot None means the window is full
@@ -293,8 +299,8 @@ class SlotTable:
         c.store(cand + K.S_D1, d[1])
         for k in range(4):
             c.store(cand + K.S_V1 + 8 * k, rest[k])
-        prior = c.load(cand + K.S_V0) & ~K.DEAD
-        fresh = v0 if prior < v0 else (prior + 1 if above is None else above(prior))
+        floor = self._floor(c.load(cand + K.S_V0), now, clock)
+        fresh = v0 if floor < v0 else (floor + 1 if above is None else above(floor))
         c.store(cand + K.S_V0, fresh)
         pend = K.ctrl(K.PEND, self.pid, gen)
         if not c.cas(cand, mine, pend):
@@ -318,9 +324,9 @@ class SlotTable:
                 if st == K.LIVE:
                     if c.load(s + K.S_V0) & K.DEAD:
                         break
-                    return self._abort(cand, pend, gen, fresh)
+                    return self._abort(cand, pend, gen, floor)
                 if i < pos:  # a PEND nearer the home slot wins: ours gives way
-                    self._abort(cand, pend, gen, fresh)
+                    self._abort(cand, pend, gen, floor)
                     if not alive((ctl >> 8) & 0xFFFFFFFF, self.pid):
                         return cand, 0  # the next attempt takes the dead one's slot
                     return self._await_move(s, ctl)
@@ -332,7 +338,7 @@ class SlotTable:
                 if ctl != seen:
                     seen, since = ctl, t_ns
                 elif t_ns - since > PEND_NS:
-                    self._abort(cand, pend, gen, fresh)
+                    self._abort(cand, pend, gen, floor)
                     return None, BUSY
                 os.sched_yield()
         return self._publish(cand, pend, gen)
@@ -356,8 +362,24 @@ class SlotTable:
         self.c.fetch_add(self.keys_live, 1)
         return cand, live
 
-    def _abort(self, cand: int, pend: int, gen: int, fresh: int):
-        self.c.store(cand + K.S_V0, fresh | K.DEAD)
+    @staticmethod
+    def _floor(prior: int, now: int, clock: Optional[Callable[[], int]]) -> int:
+        """What a new tenant's first value must exceed, from the V0 its slot held (``prior``).
+
+        A value flagged ``DEAD`` was a key's, which a reader may still hold: kept whole.  One
+        without the flag was stored by an inserter that never published (it died): no reader
+        holds it, and it is the dead key's state, never the new key's -- only what it stood
+        above counts, and that was at most the clock when the dead inserter took the slot
+        (its own candidate had expired by then).  So it is capped by the clock read now, after
+        our claim (``clock``; without one, the injected ``now``).
+        """
+        if prior & K.DEAD:
+            return prior & ~K.DEAD
+        return min(prior, now if clock is None else max(now, clock()))
+
+    def _abort(self, cand: int, pend: int, gen: int, floor: int):
+        # never published: no reader holds our value, and the next tenant needs only the floor
+        self.c.store(cand + K.S_V0, floor | K.DEAD)
         self.c.cas(cand, pend, K.ctrl(K.TOMB, 0, gen))
         return cand, 0
 
@@ -516,8 +538,9 @@ class KeyedTable(SlotTable):
         # others look in use against it.  Before refusing a new key for a full table it is read
         # once more (a later ``now`` only ever makes a grant later, never earlier).
         reread = now is not None
+        clock = None if reread else _ticks_now
         if now is None:
-            now = time.monotonic_ns() << K.TICK_SHIFT
+            now = _ticks_now()
         d = siphash128(data, self.k0, self.k1)
         t, tau = self.params(d)
         if n > tau // t:
@@ -535,11 +558,11 @@ class KeyedTable(SlotTable):
                 if disp is None:
                     disp = display_words(data)
                 # a new key's bucket is full: n <= burst is granted at once, by the insert itself
-                s, ctl = self.insert(d, home, now, now + cost, (n, *disp))
+                s, ctl = self.insert(d, home, now, now + cost, (n, *disp), None, clock)
                 if s is None and ctl == BUSY:
                     return BUSY
                 if s is None:
-                    later = time.monotonic_ns() << K.TICK_SHIFT
+                    later = _ticks_now()
                     if not reread and later > now:
                         reread, now = True, later
                         continue

@@ -36,8 +36,6 @@ word (see there).
 
 from __future__ import annotations
 
-import os
-
 # Line 0 is the header every kind of segment shares (see layout), with the process slots' count
 # in its SLOTS word and the value kind in its last one; line 1 begins, as in every kind, with the
 # config's sequence word and the rate (IEEE-754 bits).
@@ -60,6 +58,7 @@ from shmlimit.shm.layout import (  # noqa: F401 (this layout's names too)  # ban
     words,
 )
 from shmlimit.shm.layout import SLOTS_OFF as PSLOTS_OFF  # noqa: F401 (for the layers above)
+from shmlimit.shm.table import pid_namespace
 
 MAGIC = int.from_bytes(b"SHMLKEYS", "little")
 #: 2: every config in two checksummed banks (a config writer taken over cannot publish late);
@@ -176,8 +175,5 @@ PID_BITS = 22
 
 def owner(pid: int) -> int:
     """This process's owner field: ``pid | namespace tag << PID_BITS``."""
-    try:
-        tag = os.stat("/proc/self/ns/pid").st_ino & 0x3FF
-    except OSError:  # pragma: no cover - no /proc
-        tag = 0
+    tag = pid_namespace() & 0x3FF  # 0 when /proc cannot tell
     return (pid & ((1 << PID_BITS) - 1)) | tag << PID_BITS

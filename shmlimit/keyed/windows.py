@@ -155,7 +155,13 @@ class WindowCounters:
         self, d, home: int, now_ms: int, v0: int, v1: int, data: bytes, above: Callable[[int], int]
     ):
         s, ctl = self.t.insert(
-            d, home, pack(now_ms, CMAX, True), v0, (v1, *KC.display_words(data)), above
+            d,
+            home,
+            pack(now_ms, CMAX, True),
+            v0,
+            (v1, *KC.display_words(data)),
+            above,
+            lambda: pack(self._now()[1], CMAX, True),  # a dead inserter's value is capped by it
         )
         if (
             s is None and ctl == KC.BUSY

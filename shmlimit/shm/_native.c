@@ -660,18 +660,32 @@ kt_now(void)
     return monotonic_ns() << KT_TICK_SHIFT;
 }
 
-/* Whether an inserter may still be running.  An owner field is pid | namespace tag << 22 (pids
- * are below 2**22): an inserter of another PID namespace cannot be asked about, so it counts as
- * alive -- taking a live inserter's slot would let its late stores land on the next tenant. */
+/* Whether an inserter may still be running: keyed.cells.alive(owner, mine), called back -- the
+ * package decides liveness in one place (shm.table: a zombie is dead, another PID namespace's
+ * inserter counts as alive), and this is no copy of it.  It is asked only about a slot another
+ * process left BUSY or PEND, never on a grant's path.  The call may release the GIL (it reads
+ * /proc), so the cells are checked still open after it.  1 alive, 0 dead, -1 with an exception. */
 static int
 kt_alive(KeyedTable *t, uint64_t owner)
 {
-    if ((owner >> 22) != (t->pid >> 22))
-        return 1;
-    uint64_t pid = owner & 0x3fffff;
-    if (pid == 0)
-        return 0;
-    return !(kill((pid_t)pid, 0) == -1 && errno == ESRCH);
+    static PyObject *alive = NULL;
+    if (!alive) {
+        PyObject *m = PyImport_ImportModule("shmlimit.keyed.cells");
+        if (!m)
+            return -1;
+        alive = PyObject_GetAttrString(m, "alive");
+        Py_DECREF(m);
+        if (!alive)
+            return -1;
+    }
+    PyObject *r = PyObject_CallFunction(alive, "KK", (unsigned long long)owner, (unsigned long long)t->pid);
+    if (!r)
+        return -1;
+    int a = PyObject_IsTrue(r);
+    Py_DECREF(r);
+    if (a >= 0 && !check_open(t->cells))
+        return -1;
+    return a;
 }
 
 static inline uint64_t *kt_slot(KeyedTable *t, uint64_t home, uint64_t i)
@@ -853,8 +867,8 @@ kt_find(KeyedTable *t, const uint64_t d[2], uint64_t home, uint64_t *ctrl)
  * NULL with *err 1 on an error (set), with *err 2 when a farther PEND of the same key stayed
  * unchanged under a live owner for KT_PEND_NS (we gave way: nothing of ours is left). */
 static uint64_t *
-kt_insert(KeyedTable *t, const uint64_t d[2], uint64_t home, uint64_t now, uint64_t v0, uint64_t v1,
-          const uint64_t disp[3], uint64_t *ctrl, int *err)
+kt_insert(KeyedTable *t, const uint64_t d[2], uint64_t home, uint64_t now, int own_clock, uint64_t v0,
+          uint64_t v1, const uint64_t disp[3], uint64_t *ctrl, int *err)
 {
     *ctrl = 0;
     *err = 0;
@@ -880,8 +894,15 @@ kt_insert(KeyedTable *t, const uint64_t d[2], uint64_t home, uint64_t now, uint6
             if (v & KT_DEAD || v <= now) {
                 cand = s; cc = c; pos = i;
             }
-        } else if (!kt_alive(t, kt_pid(c))) { /* BUSY or PEND of a dead inserter */
-            cand = s; cc = c; pos = i;
+        } else { /* BUSY or PEND: a candidate if its inserter is dead */
+            int a = kt_alive(t, kt_pid(c));
+            if (a < 0) {
+                *err = 1;
+                return NULL;
+            }
+            if (!a) {
+                cand = s; cc = c; pos = i;
+            }
         }
     }
     if (!cand)
@@ -905,9 +926,20 @@ kt_insert(KeyedTable *t, const uint64_t d[2], uint64_t home, uint64_t now, uint6
     st(cand + KW_V1, v1);
     for (int k = 0; k < 3; k++)
         st(cand + KW_DISP + k, disp[k]);
-    /* above every value this slot ever held: they were <= now when evicted (v0 > now), unless
-     * a dead inserter left more -- then later still, which only delays this key */
-    uint64_t prior = ld(cand + KW_V0) & ~KT_DEAD, fresh = prior < v0 ? v0 : prior + 1;
+    /* above the slot's floor (keyed_cells.SlotTable._floor): a value flagged DEAD was a key's,
+     * which a reader may still hold; one without was stored by an inserter that died before
+     * publishing -- no key's, so capped by the clock read now, after our claim (the injected
+     * `now` when the caller gave one): a new key never starts from a dead inserter's state */
+    uint64_t prior = ld(cand + KW_V0), floor = prior & ~KT_DEAD;
+    if (!(prior & KT_DEAD)) {
+        uint64_t bound = now;
+        if (own_clock) {
+            uint64_t later = kt_now();
+            bound = later > now ? later : now;
+        }
+        floor = floor < bound ? floor : bound;
+    }
+    uint64_t fresh = floor < v0 ? v0 : floor + 1;
     st(cand + KW_V0, fresh);
     uint64_t pend = kt_ctrl(KS_PEND, t->pid, gen);
     if (!cas(cand + KW_CTRL, mine, pend))
@@ -930,9 +962,14 @@ kt_insert(KeyedTable *t, const uint64_t d[2], uint64_t home, uint64_t now, uint6
                 goto abort;
             }
             if (i < pos) { /* PEND nearer the home slot wins: ours gives way */
-                st(cand + KW_V0, fresh | KT_DEAD);
+                st(cand + KW_V0, floor | KT_DEAD); /* never published: the floor is enough */
                 cas(cand + KW_CTRL, pend, kt_ctrl(KS_TOMB, 0, gen));
-                if (!kt_alive(t, kt_pid(c)))
+                int a = kt_alive(t, kt_pid(c));
+                if (a < 0) {
+                    *err = 1;
+                    return NULL;
+                }
+                if (!a)
                     return cand; /* the next attempt takes the dead one's slot */
                 /* wait, holding nothing, until it moves (its owner publishes within microseconds),
                  * but at most KT_PEND_NS: an owner that never runs again would have every insert of
@@ -950,7 +987,14 @@ kt_insert(KeyedTable *t, const uint64_t d[2], uint64_t home, uint64_t now, uint6
                 }
                 return cand;
             }
-            if (!kt_alive(t, kt_pid(c))) {
+            int a = kt_alive(t, kt_pid(c));
+            if (a < 0) {
+                *err = 1;
+                if (!t->cells->open)
+                    return NULL; /* unmapped under us: nothing to write to */
+                goto abort;      /* nothing of ours left behind */
+            }
+            if (!a) {
                 cas(s + KW_CTRL, c, kt_ctrl(KS_TOMB, 0, kt_gen(c)));
                 continue;
             }
@@ -961,7 +1005,7 @@ kt_insert(KeyedTable *t, const uint64_t d[2], uint64_t home, uint64_t now, uint6
                 since = t_ns;
             } else if (t_ns - since > KT_PEND_NS) {
                 *err = 2;
-                st(cand + KW_V0, fresh | KT_DEAD);
+                st(cand + KW_V0, floor | KT_DEAD); /* never published: the floor is enough */
                 cas(cand + KW_CTRL, pend, kt_ctrl(KS_TOMB, 0, gen));
                 return NULL;
             }
@@ -978,7 +1022,7 @@ publish:
     *ctrl = kt_ctrl(KS_LIVE, 0, gen);
     return cand;
 abort:
-    st(cand + KW_V0, fresh | KT_DEAD);
+    st(cand + KW_V0, floor | KT_DEAD); /* never published: the floor is enough */
     cas(cand + KW_CTRL, pend, kt_ctrl(KS_TOMB, 0, gen));
     return cand;
 }
@@ -1081,7 +1125,7 @@ kt_step(KeyedTable *t, PyObject *key, PyObject *nobj, long long mw, uint64_t now
             }
             /* a new key's bucket is full: n <= burst is granted at once, by the insert itself */
             int err;
-            s = kt_insert(t, d, home, now, now + cost, (uint64_t)n, disp, &c, &err);
+            s = kt_insert(t, d, home, now, own_clock, now + cost, (uint64_t)n, disp, &c, &err);
             if (err)
                 return err == 2 ? KT_BUSY : KT_ERROR;
             if (!s) {

@@ -13,6 +13,13 @@ The table has ``SLOTS`` entries (128 by default).  A process arriving when every
 slot is held by a live process still shares the limit exactly -- the rovers are
 global -- but it is not listed, cannot be elected filler, and its grants are
 counted in UNREG_GRANTS.
+
+This module alone decides whether a process is alive, for every kind (the
+process table, the keyed slots' inserters, a segment's creator, ``gc``): a
+process is dead when it is gone or a zombie (it never runs again); a pid
+recorded with its start time is dead when another process holds that pid
+now; an owner recorded in another PID namespace counts as alive.  The native
+keyed composite asks ``keyed.cells.alive``, which asks ``is_alive`` here.
 """
 
 from __future__ import annotations
@@ -20,10 +27,12 @@ from __future__ import annotations
 import os
 import threading
 from dataclasses import dataclass
-from typing import Callable, List, Optional, Set, Tuple
+from typing import Any, Callable, List, Optional, Set, Tuple
 
 from shmlimit.shm import layout as L
-from shmlimit.shm.cells import Cells
+
+#: The largest pid Linux ever gives (``PID_MAX_LIMIT``): a larger one, read from a segment, is none.
+PID_MAX_LIMIT = 1 << 22
 
 #: proc_start's answer when /proc cannot tell (a read error other than "no such process").
 UNKNOWN = -1
@@ -33,15 +42,24 @@ def proc_start(pid: int) -> Optional[int]:
     """Start time of a live (non-zombie) process in clock ticks since boot; None if there is none.
 
     UNKNOWN when /proc could not be read for another reason (too many open
-    files, a torn read): callers must then treat the process as alive, since
-    taking a live process for dead would let its slot, lease or segment be
-    taken from under it.
+    files, a torn read, a /proc mounted ``hidepid=2`` hiding another user's
+    process that ``kill(pid, 0)`` still finds): callers must then treat the
+    process as alive, since taking a live process for dead would let its slot,
+    lease or segment be taken from under it.
     """
     try:
         with open(f"/proc/{pid}/stat", "rb") as f:
             data = f.read()
     except (FileNotFoundError, ProcessLookupError):
-        return None
+        if not 0 < pid <= PID_MAX_LIMIT:  # no such pid (and kill() would signal a group)
+            return None
+        try:
+            os.kill(pid, 0)  # signal 0: only asks whether the pid exists
+        except ProcessLookupError:
+            return None
+        except OSError:
+            return UNKNOWN  # it exists, but is not ours to see
+        return UNKNOWN  # it exists (hidden from /proc, or born since the open)
     except OSError:
         return UNKNOWN
     # the command name may contain spaces and parentheses: fields resume after the last ')'
@@ -216,7 +234,9 @@ class SlotInfo:
 
 
 class ProcessTable:
-    def __init__(self, cells: Cells, slots: int) -> None:
+    # ``cells`` is a ``shm.cells.Cells``, not imported: the keyed composite (``keyed.cells``, which
+    # ``shm.cells`` imports) asks this module about liveness, and the imports go one way.
+    def __init__(self, cells: Any, slots: int) -> None:
         self.cells = cells
         self.slots = slots
 
