@@ -12,6 +12,7 @@ from __future__ import annotations
 import importlib
 import os
 import platform
+import stat
 import sys
 from dataclasses import asdict, dataclass
 from typing import Callable, Dict, Iterable, List, Mapping, Optional
@@ -150,8 +151,10 @@ def segments_need(shm_dir: str = SHM_DIR, names: Optional[Iterable[str]] = None)
         return 0, 0
     for e in entries:
         try:
-            st = os.stat(os.path.join(shm_dir, e))
+            st = os.lstat(os.path.join(shm_dir, e))  # the entry itself: a symlink leads elsewhere
         except OSError:
+            continue
+        if not stat.S_ISREG(st.st_mode):  # a FIFO, link or directory another user planted
             continue
         count += 1
         unbacked += max(0, st.st_size - st.st_blocks * 512)

@@ -16,7 +16,6 @@ from __future__ import annotations
 import math
 import mmap
 import os
-import stat
 import time
 from dataclasses import dataclass
 from typing import AbstractSet, Optional, Tuple
@@ -34,12 +33,10 @@ from shmlimit.shm.cells import Cells, open_cells, warm_backend
 from shmlimit.shm.segment import (
     INIT_WAIT,
     LIVE_CREATOR_WAIT,
-    PREFIX,
     SHM_DIR,
     Segment,
-    check_trust,
     current_inode,
-    open_shm,
+    opened,
     pread_file,
     publish,
     start_header,
@@ -162,18 +159,10 @@ def _open_checked(name: str, mode: int, trusted_uids: AbstractSet[int]) -> Segme
     A mapping longer than its file raises SIGBUS on the first access past its
     end, so the header's SIZE is read with ``pread`` and checked first.
     """
-    shm = open_shm(name)
-    try:
-        st = os.fstat(shm.fd)
-        if not stat.S_ISREG(st.st_mode):
-            raise SegmentError(f"segment {name!r} is not a regular file")
-        check_trust(name, st, mode, trusted_uids)  # the same rule as a Limiter's segment
+    checked = opened(name, write=True, mode=mode, trusted_uids=trusted_uids, max_bytes=MAX_BYTES)
+    with checked as (fd, st):  # the same opener and trust rule as a Limiter's segment
         size = st.st_size
-        if size > MAX_BYTES:
-            raise SegmentError(
-                f"segment {name!r} is {size} bytes; no keyed limiter is larger than {MAX_BYTES}"
-            )
-        head = os.pread(shm.fd, K.LINE, 0) if size >= K.LINE else b""
+        head = os.pread(fd, K.LINE, 0) if size >= K.LINE else b""
         if len(head) == K.LINE:
             magic, state, declared = (
                 int.from_bytes(head[o : o + 8], "little")
@@ -183,9 +172,7 @@ def _open_checked(name: str, mode: int, trusted_uids: AbstractSet[int]) -> Segme
                 raise SegmentError(
                     f"segment {name!r} is truncated: its header says {declared} bytes, the file has {size}"
                 )
-        mm = mmap.mmap(shm.fd, size) if size else None
-    finally:
-        shm.close_fd()
+        mm = mmap.mmap(fd, size) if size else None
     return Segment(name, mm, size, False, st.st_ino, st.st_ctime_ns)  # type: ignore[arg-type]
 
 
@@ -299,14 +286,7 @@ def open_segment(
 
 def peek_magic(name: str) -> int:
     """The first word of a segment, read with os.pread (no mapping): which kind of limiter it is."""
-    try:
-        fd = os.open(os.path.join(SHM_DIR, PREFIX + name), os.O_RDONLY)
-    except FileNotFoundError:
-        raise LimiterNotFoundError(name) from None
-    try:
-        data = os.pread(fd, 8, 0)
-    finally:
-        os.close(fd)
+    data, _ = pread_file(name, 0, 8, max_bytes=None)  # never waits on a FIFO, never follows a link
     return int.from_bytes(data.ljust(8, b"\0"), "little")
 
 

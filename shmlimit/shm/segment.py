@@ -15,9 +15,10 @@ import os
 import re
 import stat
 import time
-from typing import AbstractSet, Iterable, List, Optional, Tuple, Union
+from contextlib import contextmanager
+from typing import AbstractSet, Iterable, Iterator, List, Optional, Tuple, Union
 
-import posix_ipc
+import posix_ipc  # creation and unlinking; opening is ``opened``
 
 from shmlimit.errors import (
     LimiterNotFoundError,
@@ -90,16 +91,75 @@ def validate_slots(slots: object) -> int:
     return slots
 
 
-def open_shm(name: str) -> "posix_ipc.SharedMemory":
-    """``shm_open`` an existing segment, its absence and every refusal as one of our clear errors."""
+#: How every existing segment is opened: never through a symlink, never waiting on a FIFO or a
+#: device (a FIFO opened for reading blocks until a writer comes: forever, if planted), never
+#: inherited by a child that execs.
+_OPEN_FLAGS = os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC
+#: What an open refused with these errors found under the name.
+_NOT_REGULAR = {
+    errno.ELOOP: "a symbolic link",
+    errno.EISDIR: "a directory",
+    errno.ENXIO: "a device or socket",
+}
+
+
+@contextmanager
+def opened(
+    name: str,
+    *,
+    write: bool = False,
+    mode: Optional[int] = None,
+    trusted_uids: AbstractSet[int] = frozenset(),
+    max_bytes: Optional[int] = None,
+) -> Iterator[Tuple[int, os.stat_result]]:
+    """The one way an existing segment is opened, by every kind and every tool: ``(fd, fstat)``.
+
+    Whatever another local user planted under the name (a FIFO, a symlink, a
+    directory, a device) is refused with ``SegmentError`` at once, never waited
+    on or followed.  The checks run on the descriptor the caller then reads or
+    maps, so they hold for what it reads: a regular file, at most ``max_bytes``
+    (None: any size), and with ``mode``, one ``check_trust`` accepts.  The
+    descriptor is closed on leaving (a mapping made from it stays valid).
+    """
+    path = os.path.join(SHM_DIR, PREFIX + name)
     try:
-        return posix_ipc.SharedMemory(posix_name(name))
-    except posix_ipc.ExistentialError:
+        fd = os.open(path, (os.O_RDWR if write else os.O_RDONLY) | _OPEN_FLAGS)
+    except FileNotFoundError:
         raise LimiterNotFoundError(name) from None
-    except posix_ipc.PermissionsError as e:
-        raise PermissionError(f"not allowed to open limiter {name!r}: {e}") from None
-    except OSError as e:  # a symlink (shm_open refuses to follow it) or another oddity
-        raise SegmentError(f"segment {name!r} cannot be opened: {e}") from None
+    except PermissionError as e:
+        raise PermissionError(f"not allowed to open limiter {name!r}: {e.strerror}") from None
+    except OSError as e:
+        what = _NOT_REGULAR.get(e.errno)
+        if what:
+            raise SegmentError(f"segment {name!r} is not a regular file: {what}") from None
+        raise SegmentError(f"segment {name!r} cannot be opened: {e.strerror or e}") from None
+    try:
+        st = os.fstat(fd)
+        if not stat.S_ISREG(st.st_mode):
+            what = (
+                "a FIFO"
+                if stat.S_ISFIFO(st.st_mode)
+                else "a directory"
+                if stat.S_ISDIR(st.st_mode)
+                else "a device or socket"
+            )
+            raise SegmentError(f"segment {name!r} is not a regular file: {what}")
+        if mode is not None:
+            check_trust(name, st, mode, trusted_uids)
+        if max_bytes is not None and st.st_size > max_bytes:
+            raise SegmentError(
+                f"segment {name!r} is {st.st_size} bytes; no limiter of its kind is larger "
+                f"than {max_bytes}"
+            )
+        yield fd, st
+    finally:
+        os.close(fd)
+
+
+def trusted_owner(uid: int, trusted_uids: AbstractSet[int]) -> bool:
+    """Whether a segment owned by ``uid`` is trusted: this process's effective uid, root (who can
+    write any segment anyway) or one of ``trusted_uids``."""
+    return uid in (os.geteuid(), 0) or uid in trusted_uids
 
 
 def check_trust(name: str, st: os.stat_result, mode: int, trusted_uids: AbstractSet[int]) -> None:
@@ -114,7 +174,7 @@ def check_trust(name: str, st: os.stat_result, mode: int, trusted_uids: Abstract
     """
     owner = st.st_uid
     bits = st.st_mode & 0o7777
-    if owner not in (os.geteuid(), 0) and owner not in trusted_uids:
+    if not trusted_owner(owner, trusted_uids):
         raise UntrustedSegmentError(
             name,
             owner,
@@ -222,18 +282,10 @@ class Segment:
         With ``mode``, the segment must pass ``check_trust`` first: nothing of
         an untrusted segment is read or mapped.
         """
-        shm = open_shm(name)
-        try:
-            st = os.fstat(shm.fd)
-            if not stat.S_ISREG(st.st_mode):
-                raise SegmentError(f"segment {name!r} is not a regular file")
-            if mode is not None:
-                check_trust(name, st, mode, trusted_uids)
+        with opened(name, write=True, mode=mode, trusted_uids=trusted_uids) as (fd, st):
             size = st.st_size
-            _check_header_size(name, shm.fd, size)
-            mm = mmap.mmap(shm.fd, size) if size else None
-        finally:
-            shm.close_fd()
+            _check_header_size(name, fd, size)
+            mm = mmap.mmap(fd, size) if size else None
         return cls(name, mm, size, False, st.st_ino, st.st_ctime_ns, st.st_uid, st.st_mode & 0o7777)  # type: ignore[arg-type]
 
     @classmethod
@@ -269,25 +321,7 @@ def pread_file(
     under a limiter's name is refused, never waited on.  A file larger than
     ``max_bytes`` (a ``Limiter``'s largest by default; None: any) is refused.
     """
-    try:
-        fd = os.open(
-            os.path.join(SHM_DIR, PREFIX + name),
-            os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC,
-        )
-    except FileNotFoundError:
-        raise LimiterNotFoundError(name) from None
-    except PermissionError as e:
-        raise PermissionError(f"not allowed to open limiter {name!r}: {e}") from None
-    except OSError as e:
-        raise SegmentError(f"segment {name!r} cannot be opened: {e}") from None
-    try:
-        st = os.fstat(fd)
-        if not stat.S_ISREG(st.st_mode):
-            raise SegmentError(f"segment {name!r} is not a regular file")
-        if max_bytes is not None and st.st_size > max_bytes:
-            raise SegmentError(
-                f"segment {name!r} is {st.st_size} bytes; no limiter is larger than {max_bytes}"
-            )
+    with opened(name, max_bytes=max_bytes) as (fd, st):
         want = st.st_size - offset if length is None else length
         data = bytearray()
         while len(data) < want:
@@ -295,8 +329,6 @@ def pread_file(
             if not chunk:
                 break  # truncated while we read: judged on what is there
             data += chunk
-    finally:
-        os.close(fd)
     return data, st
 
 
@@ -310,8 +342,9 @@ def unlink(name: str) -> None:
 
 
 def current_inode(name: str) -> Optional[int]:
+    """The inode the name holds now (None: no entry): the entry itself, never a link's target."""
     try:
-        return os.stat(os.path.join(SHM_DIR, PREFIX + name)).st_ino
+        return os.lstat(os.path.join(SHM_DIR, PREFIX + name)).st_ino
     except OSError:
         return None
 
@@ -351,7 +384,7 @@ def list_names() -> List[str]:
 
 
 def describe_mode(name: str) -> Tuple[int, int]:
-    st = os.stat(os.path.join(SHM_DIR, PREFIX + name))
+    st = os.lstat(os.path.join(SHM_DIR, PREFIX + name))
     return st.st_mode & 0o777, st.st_uid
 
 
