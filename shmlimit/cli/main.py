@@ -16,6 +16,7 @@ from dataclasses import asdict
 from typing import Callable, Iterator, Optional, Sequence, Tuple
 
 from shmlimit.attachment import collect
+from shmlimit.cli.metrics import MAX_SEGMENTS
 from shmlimit.cli.top import printable
 from shmlimit.cli.top import run as run_top
 from shmlimit.config import parse_spec
@@ -315,21 +316,32 @@ def cmd_metrics(args: argparse.Namespace) -> int:
     for n in args.names:
         validate_name(n)
     names = args.names or None
+    scope = dict(
+        trusted_uids=args.trust_uid, all_users=args.all_users, max_segments=args.max_segments
+    )
     if args.port is None:
+        from shmlimit.cli.metrics import exposition, families, omitted_note
+
         for n in args.names:
             _inspect(n)  # an unknown name is a user error when printing once
-        sys.stdout.write(_exposition(names))
+        fams = families(names, **scope)
+        sys.stdout.write(exposition(fams))
+        note = omitted_note(fams)
+        if note:
+            print(f"shmlimit metrics: {note}", file=sys.stderr)
         return 0
-    return _serve_metrics(names, args.bind, args.port)
+    if not 0 <= args.port <= 65535:
+        raise UserError(f"--port must be from 0 to 65535 (0: any free port), got {args.port}")
+    return _serve_metrics(names, args.bind, args.port, scope)
 
 
-def _exposition(names) -> str:
+def _exposition(names, scope) -> str:
     from shmlimit.cli.metrics import exposition, families
 
-    return exposition(families(names))
+    return exposition(families(names, **scope))
 
 
-def _serve_metrics(names, host: str, port: int) -> int:
+def _serve_metrics(names, host: str, port: int, scope) -> int:
     """Serve /metrics until interrupted; a missing limiter has no samples (it may be created later)."""
     from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
@@ -339,7 +351,7 @@ def _serve_metrics(names, host: str, port: int) -> int:
         def do_GET(self) -> None:  # noqa: N802 (the http.server interface)
             path = self.path.split("?", 1)[0]
             if path == "/metrics":
-                body, ctype, code = _exposition(names).encode(), CONTENT_TYPE, 200
+                body, ctype, code = _exposition(names, scope).encode(), CONTENT_TYPE, 200
             elif path == "/":
                 body, ctype, code = (
                     b"shmlimit metrics: see /metrics\n",
@@ -359,8 +371,10 @@ def _serve_metrics(names, host: str, port: int) -> int:
 
     try:
         server = ThreadingHTTPServer((host, port), Handler)
-    except OSError as e:
-        raise UserError(f"cannot listen on {host}:{port}: {e.strerror or e}") from None
+    except (OSError, OverflowError, ValueError) as e:  # in use, not ours, no such address
+        raise UserError(
+            f"cannot listen on --bind {host} --port {port}: {getattr(e, 'strerror', None) or e}"
+        ) from None
     server.daemon_threads = True
     bound_host, bound_port = server.server_address[:2]
     print(f"serving http://{bound_host}:{bound_port}/metrics", file=sys.stderr, flush=True)
@@ -591,12 +605,29 @@ def build_parser() -> argparse.ArgumentParser:
         "--port",
         type=int,
         default=None,
-        help="serve /metrics on this port instead of printing (0: any free port)",
+        help="serve /metrics on this port instead of printing (0 to 65535; 0: any free port)",
     )
     m.add_argument(
         "--bind",
         default="127.0.0.1",
         help="address to serve on (default 127.0.0.1; 0.0.0.0 for every interface)",
+    )
+    m.add_argument(
+        "--trust-uid",
+        type=int,
+        action="append",
+        default=[],
+        metavar="UID",
+        help="also export the segments this uid owns (repeatable; default: only this user's and root's)",
+    )
+    m.add_argument("--all-users", action="store_true", help="export the segments of every owner")
+    m.add_argument(
+        "--max-segments",
+        type=_positive(int),
+        default=MAX_SEGMENTS,
+        metavar="N",
+        help=f"export at most N segments, the first by name (default {MAX_SEGMENTS}); "
+        "the rest are counted",
     )
     m.set_defaults(func=cmd_metrics)
 

@@ -12,7 +12,12 @@ turns the same families into ``prometheus_client`` metrics.  This module itself
 needs nothing beyond the standard library.
 
 Cardinality is bounded: one label, ``limiter``, whose values are the limiter
-names; no label per process or per key.  Keyed limiters share the families
+names; no label per process or per key.  Which segments are exported is
+bounded too (``select``): by default only those owned by this user, root or
+``trusted_uids`` (another local user can create any number of segments, with
+any values in them), and at most ``max_segments`` of them (``MAX_SEGMENTS``),
+the first by name; what is left out is counted in
+``shmlimit_omitted_segments{reason="untrusted_owner"|"over_cap"}``.  Keyed limiters share the families
 that apply to them (grants, rate, capacity, processes) and have their own
 (``shmlimit_keyed_*``: live keys, slots, evictions, refusals of new keys).
 A table of window counters (the ``limits`` storage ``shm://``) has no rate of
@@ -24,17 +29,21 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
-from typing import Iterable, List, Optional, Sequence, Tuple, Union
+from typing import Dict, Iterable, List, Optional, Sequence, Tuple, Union
 
 from shmlimit.errors import ShmlimitError
 from shmlimit.keyed.stats import KeyedStats
 from shmlimit.kinds import inspect
 from shmlimit.multirate import MultiStats
-from shmlimit.shm.segment import list_names
+from shmlimit.shm.segment import list_names, owner, trusted_owner, validate_trusted_uids
 from shmlimit.stats import Stats
 
 #: ``Content-Type`` of the text exposition format.
 CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
+#: Segments one scrape exports at most (some 15 series each), unless told otherwise.
+MAX_SEGMENTS = 100
+#: The reasons a segment is left out of a scrape (``shmlimit_omitted_segments``'s label).
+UNTRUSTED, OVER_CAP = "untrusted_owner", "over_cap"
 
 Labels = Tuple[Tuple[str, str], ...]
 
@@ -218,13 +227,80 @@ def snapshots(names: Optional[Sequence[str]] = None) -> Tuple[List[AnyStats], Li
     return stats, unreadable
 
 
-def families(names: Optional[Sequence[str]] = None) -> List[Family]:
-    """The metric families for the named limiters (all of this machine's by default)."""
-    stats, unreadable = snapshots(names)
-    return families_of(stats, unreadable)
+def select(
+    names: Optional[Sequence[str]] = None,
+    *,
+    trusted_uids: Iterable[int] = (),
+    all_users: bool = False,
+    max_segments: int = MAX_SEGMENTS,
+) -> Tuple[List[str], Dict[str, int]]:
+    """The names a scrape exports (of ``names``, or all of the machine's) and how many it leaves out, by reason.
+
+    Kept: the segments owned by this process's user, root or ``trusted_uids``
+    (every owner with ``all_users``), the first ``max_segments`` of them in
+    the order given (by name when listed).  Another user's segments, and
+    whatever they planted, would otherwise be exported with the values they
+    chose, in any number.
+    """
+    trusted = validate_trusted_uids(trusted_uids)
+    if isinstance(max_segments, bool) or not isinstance(max_segments, int) or max_segments < 1:
+        raise ValueError(f"max_segments must be an int of at least 1, got {max_segments!r}")
+    kept: List[str] = []
+    omitted = {UNTRUSTED: 0, OVER_CAP: 0}
+    for name in list_names() if names is None else names:
+        # The owner of the entry itself (lstat): in /dev/shm (sticky, like /tmp) only its owner
+        # can replace it, so the segment read next has the owner seen here, or is gone.
+        uid = owner(name)
+        if uid is None:  # gone since listed, or named and not (yet) created: no samples
+            continue
+        if not all_users and not trusted_owner(uid, trusted):
+            omitted[UNTRUSTED] += 1
+        elif len(kept) >= max_segments:
+            omitted[OVER_CAP] += 1
+        else:
+            kept.append(name)
+    return kept, omitted
 
 
-def families_of(stats: Iterable[AnyStats], unreadable: Sequence[str] = ()) -> List[Family]:
+def families(
+    names: Optional[Sequence[str]] = None,
+    *,
+    trusted_uids: Iterable[int] = (),
+    all_users: bool = False,
+    max_segments: int = MAX_SEGMENTS,
+) -> List[Family]:
+    """The metric families for the named limiters (all of this machine's by default), as ``select`` picks them."""
+    kept, omitted = select(
+        names, trusted_uids=trusted_uids, all_users=all_users, max_segments=max_segments
+    )
+    stats, unreadable = snapshots(kept)
+    return families_of(stats, unreadable, omitted)
+
+
+def omitted_note(fams: Iterable[Family]) -> Optional[str]:
+    """One line saying what a scrape left out (None: nothing), with the options that include it."""
+    counts = {
+        dict(labels)["reason"]: int(v)
+        for fam in fams
+        if fam.name == "shmlimit_omitted_segments"
+        for labels, v in fam.samples
+    }
+    parts = []
+    if counts.get(UNTRUSTED):
+        parts.append(
+            f"{counts[UNTRUSTED]} segment(s) of other users (--trust-uid UID or --all-users "
+            "exports them)"
+        )
+    if counts.get(OVER_CAP):
+        parts.append(f"{counts[OVER_CAP]} segment(s) beyond --max-segments")
+    return "left out " + " and ".join(parts) if parts else None
+
+
+def families_of(
+    stats: Iterable[AnyStats],
+    unreadable: Sequence[str] = (),
+    omitted: Optional[Dict[str, int]] = None,
+) -> List[Family]:
     everything = list(stats)
     keyed = [s for s in everything if isinstance(s, KeyedStats)]
     stats = [s for s in everything if not isinstance(s, KeyedStats)]
@@ -264,6 +340,14 @@ def families_of(stats: Iterable[AnyStats], unreadable: Sequence[str] = ()) -> Li
             "gauge",
             "Segments named like limiters that could not be read (foreign, corrupt or not ours).",
             [((), float(len(unreadable)))],
+        )
+    )
+    out.append(
+        Family(
+            "shmlimit_omitted_segments",
+            "gauge",
+            "Segments left out of this scrape: owned by an untrusted user, or beyond the cap.",
+            [((("reason", r),), float((omitted or {}).get(r, 0))) for r in (UNTRUSTED, OVER_CAP)],
         )
     )
     return out

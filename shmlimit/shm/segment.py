@@ -383,6 +383,14 @@ def list_names() -> List[str]:
     return scan()[0]
 
 
+def owner(name: str) -> Optional[int]:
+    """The uid owning the name's entry (None: no entry), never a link's target; nothing is opened."""
+    try:
+        return os.lstat(os.path.join(SHM_DIR, PREFIX + name)).st_uid
+    except OSError:
+        return None
+
+
 def describe_mode(name: str) -> Tuple[int, int]:
     st = os.lstat(os.path.join(SHM_DIR, PREFIX + name))
     return st.st_mode & 0o777, st.st_uid
