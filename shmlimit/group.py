@@ -18,7 +18,6 @@ finds a region claimed opens the whole group again (``Collected``).
 from __future__ import annotations
 
 import mmap
-import os
 import re
 from dataclasses import dataclass
 from typing import Callable, List, Optional, Tuple
@@ -37,7 +36,7 @@ from shmlimit.shm import layout as L
 from shmlimit.shm.cells import Cells, open_cells
 from shmlimit.shm.segment import (
     Segment,
-    open_shm,
+    opened,
     pread_file,
     publish,
     start_header,
@@ -172,22 +171,18 @@ def map_region(group: Segment, geo: Geometry, index: int) -> Segment:
     """Map rate ``index``'s region of ``group`` on its own (the same file: ``Collected`` if the name
     now holds another)."""
     try:
-        shm = open_shm(group.name)
+        with opened(group.name, write=True) as (fd, st):
+            if st.st_ino != group.inode:
+                raise Collected()
+            off, size = geo.offset(index), geo.region_bytes
+            if st.st_size < off + size:
+                raise SegmentError(
+                    f"segment {group.name!r} is truncated: rate {geo.keys[index]!r} needs "
+                    f"{off + size} bytes, the file has {st.st_size}"
+                )
+            mm = mmap.mmap(fd, size, offset=off)
     except LimiterNotFoundError:
         raise Collected() from None
-    try:
-        st = os.fstat(shm.fd)
-        if st.st_ino != group.inode:
-            raise Collected()
-        off, size = geo.offset(index), geo.region_bytes
-        if st.st_size < off + size:
-            raise SegmentError(
-                f"segment {group.name!r} is truncated: rate {geo.keys[index]!r} needs "
-                f"{off + size} bytes, the file has {st.st_size}"
-            )
-        mm = mmap.mmap(shm.fd, size, offset=off)
-    finally:
-        shm.close_fd()
     return Segment(
         group.name, mm, size, group.created, group.inode, group.ctime_ns, group.owner, group.mode
     )
