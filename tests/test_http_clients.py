@@ -15,11 +15,26 @@ import shmlimit
 
 httpx = pytest.importorskip("httpx")
 requests = pytest.importorskip("requests")
-from shmlimit.integrations._hosts import HostThrottle, host_key, parse_retry_after  # noqa: E402
+from shmlimit.integrations._hosts import (  # noqa: E402
+    HostThrottle,
+    host_key,
+    parse_retry_after,
+    pause_table_name,
+)
 from shmlimit.integrations.httpx import AsyncThrottledTransport, ThrottledTransport  # noqa: E402
 from shmlimit.integrations.requests import ThrottledAdapter  # noqa: E402
 
 RATE, CAPACITY, RETRY_AFTER = 20, 1, 1
+
+
+@pytest.fixture
+def name(name):
+    """The test's limiter name; the pause table a plain limiter's throttle makes beside it goes too."""
+    yield name
+    try:
+        shmlimit.unlink(pause_table_name(name))
+    except FileNotFoundError:
+        pass
 
 
 class Recorder(BaseHTTPRequestHandler):
@@ -118,22 +133,25 @@ def test_parse_retry_after_and_host_keys():
     assert host_key("http://example.com:8080/") == "example.com:8080"
 
 
-def test_pause_pushes_the_schedule_once_and_is_capped(name):
+def test_pause_moves_the_host_once_and_is_capped(name):
+    """Under a plain Limiter a pause is the host's, in the pause table: the shared rate is untouched."""
     lim = shmlimit.Limiter(name, rate=100, burst=5)
     t = HostThrottle(lim, max_pause=2.0)
-    assert t.after((), 200, "5") is None and t.after((), 429, None) is None  # nothing to react to
-    assert t.after((), 503, "30") == 2.0  # capped at max_pause
-    ra = lim.retry_after()
-    assert (
-        1.99 <= ra <= 2.0 + 0.01 + 1e-3
-    )  # the next op is max_pause away, overshooting by under one op
-    t.after(
-        (), 429, "1"
-    )  # a shorter pause, told by another process meanwhile: pushes nothing further
-    assert lim.retry_after() <= ra
+    host = "partner.example"
+    assert t.after(host, 200, "5") is None and t.after(host, 429, None) is None  # nothing to do
+    assert t.after(host, 503, "30") == 2.0  # capped at max_pause
+    ra = t.pauses.retry_after(host)
+    assert 1.99 <= ra <= 2.0  # the host's next op is max_pause away
+    assert lim.retry_after() == 0.0  # and nobody else's
+    t.after(host, 429, "1")  # a shorter pause, told by another process meanwhile: shortens nothing
+    assert ra - 0.05 <= t.pauses.retry_after(host) <= ra
     with pytest.raises(shmlimit.RateLimited) as e:
-        HostThrottle(lim, max_wait=0.1).before(())
-    assert e.value.retry_after > 1.5
+        HostThrottle(lim, max_wait=0.1).before((), host)
+    assert e.value.retry_after > 1.5 and e.value.name == f"{name}[{host}]"
+    assert lim.stats().grants == 0  # refused before taking the shared rate's op
+    HostThrottle(lim, max_wait=0.1).before((), "other.example")  # another host goes on
+    assert lim.stats().grants == 1
+    t.pauses.close()
     lim.close()
 
 
@@ -147,6 +165,8 @@ def test_pause_pushes_the_schedule_once_and_is_capped(name):
         (dict(pause_on=429), TypeError),
         (dict(pause_on=["soon"]), ValueError),
         (dict(pause_on=[4290]), ValueError),
+        (dict(max_pause=86_401), ValueError),
+        (dict(pauses=5), TypeError),
     ],
 )
 def test_bad_parameters(name, kwargs, err):
@@ -175,7 +195,7 @@ def test_keyed_limiter_throttles_and_pauses_per_host(name):
     ) as c:
         assert c.get("https://busy.example/").status_code == 429
         assert (
-            30 <= lim.retry_after("busy.example") <= 30.2
+            29.9 <= lim.retry_after("busy.example") <= 30
         )  # that host is paused for every process...
         with pytest.raises(shmlimit.RateLimited) as e:
             c.get("https://busy.example/again")  # ...so this one is not even sent

@@ -1,32 +1,54 @@
-"""What the HTTP client integrations share: throttling per host, and the fleet-wide pause.
+"""What the HTTP client integrations share: throttling per host, and the fleet-wide pause per host.
 
 A ``HostThrottle`` takes one op of its limiter before each request: of a
 ``KeyedLimiter`` under the request's host (``host`` or ``host:port``), so every
 host has a limit of its own, or of a plain ``Limiter``, one limit for every
 host.  When a response is 429 or 503 with a ``Retry-After`` (seconds or an
-HTTP date), the host's schedule is pushed that far ahead: ops are reserved
-until the next free one is ``Retry-After`` seconds away, so every process
-throttled by that limiter pauses that host for that long, with nothing to
-undo afterwards (a process that dies while paused leaves nothing stuck).  The
-reserved ops count as grants.  Several processes told at once push together
-only up to the longest ``Retry-After`` (plus at most one capacity each).
+HTTP date), *that host* is paused that long for every process, and no other:
+
+* under a ``KeyedLimiter`` the host's own schedule is moved (``KeyedLimiter.pause``);
+* under any other limiter the pause is kept per host in a keyed table of its
+  own, ``<limiter name>.pauses`` (``pause_table``), which every process of the
+  limiter shares; the shared rate itself is not touched.
+
+A pause is one constant-time move of a schedule, whatever the rate; it ends on
+its own (a process that dies while paused leaves nothing stuck), counts no
+grant, and is never lengthened by adding: several processes told at once, or a
+host answering several requests in flight, pause it until the latest end
+asked, at most ``max_pause`` from now.  No request is sent to a paused host,
+so it cannot renew its pause without being asked again.
+
+A ``Retry-After`` that cannot be parsed (not ASCII digits nor an HTTP date) is
+treated as absent, as urllib3 does; one above ``MAX_RETRY_AFTER`` counts as that.
 """
 
 from __future__ import annotations
 
+import asyncio
 import email.utils
+import hashlib
 import math
+import re
 import time
 from typing import Any, Awaitable, Callable, Iterable, Optional, Tuple, TypeVar
 from urllib.parse import urlsplit
 
 from shmlimit import KeyedLimiter
 from shmlimit.errors import RateLimited
+from shmlimit.shm.segment import NAME_MAX
 
 _DEFAULT_PORTS = {"http": 80, "https": 443}
 R = TypeVar("R")
 #: A response's status and ``Retry-After`` header (None when absent).
 Answer = Callable[[Any], Tuple[int, Optional[str]]]
+
+#: The longest ``Retry-After`` taken from a response (seconds, a day): longer ones count as this.
+MAX_RETRY_AFTER = 86_400.0
+#: Key slots of a ``pause_table``: hosts paused at the same time (a slot frees when its pause ends).
+PAUSE_SLOTS = 4096
+_DIGITS = re.compile(r"[0-9]+", re.ASCII)
+#: An HTTP date is 29 characters (IMF-fixdate); the obsolete forms are no longer.
+_DATE_MAX = 64
 
 
 def host_key(url: str) -> str:
@@ -42,20 +64,56 @@ def host_key(url: str) -> str:
     return host
 
 
-def parse_retry_after(value: Optional[str], now: Optional[float] = None) -> Optional[float]:
-    """``Retry-After`` in seconds from now: an integer of seconds or an HTTP date; None if absent or invalid."""
-    if value is None:
+def parse_retry_after(value: Any, now: Optional[float] = None) -> Optional[float]:
+    """``Retry-After`` in seconds from now, at most ``MAX_RETRY_AFTER``; None if absent or unparseable.
+
+    Delta-seconds are ASCII digits only (however many: a long run is capped,
+    never converted whole); an HTTP date is counted from ``now`` (seconds of
+    the epoch, default the current time).  Anything else -- a sign, a
+    fraction, non-ASCII characters, an impossible date -- is None.
+    """
+    if isinstance(value, (bytes, bytearray)):
+        value = bytes(value).decode("latin-1")
+    if not isinstance(value, str):
         return None
-    value = value.strip()
-    if value.isdigit():
-        return float(int(value))
+    value = value.strip(" \t")
+    if _DIGITS.fullmatch(value):
+        digits = value.lstrip("0")
+        if len(digits) > len(str(int(MAX_RETRY_AFTER))):
+            return MAX_RETRY_AFTER
+        return min(float(int(digits or "0")), MAX_RETRY_AFTER)
+    if not value or len(value) > _DATE_MAX or not value.isascii() or not value.isprintable():
+        return None
     try:
         when = email.utils.parsedate_to_datetime(value)
-    except (TypeError, ValueError, IndexError):
+        if when is None or when.tzinfo is None:
+            return None
+        left = when.timestamp() - (time.time() if now is None else now)
+    except (TypeError, ValueError, IndexError, OverflowError):
         return None
-    if when is None or when.tzinfo is None:
-        return None
-    return max(0.0, when.timestamp() - (time.time() if now is None else now))
+    return min(max(0.0, left), MAX_RETRY_AFTER)
+
+
+def pause_table_name(name: str) -> str:
+    """The name of the pause table of the limiter ``name``: ``<name>.pauses`` (shortened to fit)."""
+    full = f"{name}.pauses"
+    if len(full) <= NAME_MAX:
+        return full
+    tag = hashlib.blake2b(name.encode(), digest_size=4).hexdigest()
+    return f"{name[: NAME_MAX - len(tag) - 8]}.{tag}.pauses"
+
+
+def pause_table(limiter: Any) -> KeyedLimiter:
+    """The keyed table, keyed by host, that holds the pauses of the hosts throttled by ``limiter``.
+
+    Created (or attached) beside the limiter with its segment's mode; each
+    host's entry is a schedule of one op at a time, moved by ``KeyedLimiter.pause``.
+    """
+    seg = getattr(getattr(limiter, "_att", None), "seg", None)
+    mode = getattr(seg, "mode", 0o600) & 0o777
+    return KeyedLimiter(
+        pause_table_name(limiter.name), rate=1, per=1.0, burst=1, keys=PAUSE_SLOTS, mode=mode
+    )
 
 
 def _statuses(pause_on: Any) -> frozenset:
@@ -76,10 +134,13 @@ class HostThrottle:
 
     The options of every HTTP client integration: ``key(url) -> str | None``
     overrides the key (default: the host; None: not throttled); ``max_wait``
-    (seconds, default None: as long as needed) bounds the wait, beyond which
-    ``shmlimit.RateLimited`` is raised without sending; ``pause_on`` are the
-    statuses whose ``Retry-After`` pauses the host (default 429 and 503), for
-    at most ``max_pause`` seconds (default 300).
+    (seconds, default None: as long as needed) bounds the wait, a host's pause
+    included, beyond which ``shmlimit.RateLimited`` is raised without sending;
+    ``pause_on`` are the statuses whose ``Retry-After`` pauses the host
+    (default 429 and 503), for at most ``max_pause`` seconds (default 300, at
+    most ``MAX_RETRY_AFTER``); ``pauses`` is the ``KeyedLimiter`` that keeps the
+    pauses by host (default: the limiter itself if it is keyed, else its
+    ``pause_table``).
     """
 
     def __init__(
@@ -90,8 +151,9 @@ class HostThrottle:
         max_wait: Optional[float] = None,
         pause_on: Iterable[int] = (429, 503),
         max_pause: float = 300.0,
+        pauses: Optional[KeyedLimiter] = None,
     ) -> None:
-        for attr in ("acquire", "reserve", "retry_after", "capacity", "rate", "per"):
+        for attr in ("acquire", "retry_after", "capacity", "rate", "per", "name"):
             if not hasattr(limiter, attr):
                 raise TypeError(
                     f"limiter must be a shmlimit Limiter or KeyedLimiter, got {limiter!r}"
@@ -109,10 +171,14 @@ class HostThrottle:
         if (
             isinstance(max_pause, bool)
             or not isinstance(max_pause, (int, float))
-            or not 0 <= max_pause < math.inf
+            or not 0 <= max_pause <= MAX_RETRY_AFTER
         ):
             raise ValueError(
-                f"max_pause must be a finite number of seconds >= 0, got {max_pause!r}"
+                f"max_pause must be seconds from 0 to {MAX_RETRY_AFTER:.0f}, got {max_pause!r}"
+            )
+        if pauses is not None and not isinstance(pauses, KeyedLimiter):
+            raise TypeError(
+                f"pauses must be a shmlimit.KeyedLimiter (keyed by host), got {pauses!r}"
             )
         self.limiter = limiter
         self.keyed = isinstance(limiter, KeyedLimiter)
@@ -120,80 +186,90 @@ class HostThrottle:
         self.max_wait = None if max_wait is None or max_wait == math.inf else float(max_wait)
         self.pause_on = _statuses(pause_on)
         self.max_pause = float(max_pause)
+        if pauses is None:
+            pauses = limiter if self.keyed else pause_table(limiter)
+        self.pauses = pauses
+        #: the pauses are the limiter's own schedule: its acquire waits them out
+        self.own = pauses is limiter
 
-    def args(self, url: str) -> Optional[Tuple[Any, ...]]:
-        """The limiter's arguments for a request to ``url``; None: not throttled."""
+    def args(self, url: str) -> Optional[Tuple[Tuple[Any, ...], str]]:
+        """The limiter's arguments for a request to ``url`` and the key its pause is kept under;
+        None: not throttled."""
         key = self.key(url) if self.key is not None else (host_key(url) if self.keyed else "")
         if key is None:
             return None
-        return (key,) if self.keyed else ()
+        if self.keyed:
+            return (key,), (key if self.own else host_key(url))
+        return (), host_key(url)
 
     def around(self, url: str, send: Callable[[], R], answer: Answer) -> R:
         """Send a request to ``url`` (``send()``) under the throttle, and react to its response."""
-        args = self.args(url)
-        if args is None:
+        req = self.args(url)
+        if req is None:
             return send()
-        self.before(args)
+        self.before(*req)
         response = send()
-        self.after(args, *answer(response))
+        self.after(req[1], *answer(response))
         return response
 
     async def around_async(self, url: str, send: Callable[[], Awaitable[R]], answer: Answer) -> R:
-        """``around`` for asyncio: the wait is an ``asyncio.sleep``."""
-        args = self.args(url)
-        if args is None:
+        """``around`` for asyncio: every wait is an ``asyncio.sleep``."""
+        req = self.args(url)
+        if req is None:
             return await send()
-        await self.before_async(args)
+        await self.before_async(*req)
         response = await send()
-        self.after(args, *answer(response))
+        self.after(req[1], *answer(response))
         return response
 
-    def _refused(self, args: Tuple[Any, ...]) -> RateLimited:
-        name = getattr(self.limiter, "name", "?")
-        return RateLimited(
-            name if not args else f"{name}[{args[0]}]", self.limiter.retry_after(*args, 1)
-        )
+    def _refused(self, key: object, retry_after: float) -> RateLimited:
+        name = self.limiter.name
+        return RateLimited(name if key is None else f"{name}[{key}]", retry_after)
 
-    def before(self, args: Tuple[Any, ...]) -> None:
-        """Take the request's op, waiting (blocking) at most ``max_wait``; raise ``RateLimited`` past it."""
-        if not self.limiter.acquire(*args, 1, timeout=self.max_wait):
-            raise self._refused(args)
+    def _deadline(self) -> Optional[float]:
+        return None if self.max_wait is None else time.monotonic() + self.max_wait
 
-    async def before_async(self, args: Tuple[Any, ...]) -> None:
-        if not await self.limiter.acquire_async(*args, 1, timeout=self.max_wait):
-            raise self._refused(args)
+    def _paused(self, host: str, deadline: Optional[float]) -> float:
+        """Seconds ``host`` stays paused (0.0: not); ``RateLimited`` if that ends past ``deadline``."""
+        if self.own:
+            return 0.0  # the limiter's acquire waits it out
+        left = self.pauses.retry_after(host)
+        if left > 0 and deadline is not None and time.monotonic() + left > deadline:
+            raise self._refused(host, left)
+        return left
 
-    def after(
-        self, args: Tuple[Any, ...], status: int, retry_after: Optional[str]
-    ) -> Optional[float]:
-        """React to a response: on a pausing status with ``Retry-After``, pause the host; the pause (s) or None."""
+    def _timeout(self, deadline: Optional[float]) -> Optional[float]:
+        return None if deadline is None else max(0.0, deadline - time.monotonic())
+
+    def before(self, args: Tuple[Any, ...], host: str) -> None:
+        """Wait out the host's pause, then take the request's op (and any pause told meanwhile),
+        blocking at most ``max_wait`` in all; ``RateLimited`` past it."""
+        deadline = self._deadline()
+        while (left := self._paused(host, deadline)) > 0:
+            time.sleep(left)
+        if not self.limiter.acquire(*args, 1, timeout=self._timeout(deadline)):
+            raise self._refused(args[0] if args else None, self.limiter.retry_after(*args, 1))
+        while (left := self._paused(host, deadline)) > 0:
+            time.sleep(left)
+
+    async def before_async(self, args: Tuple[Any, ...], host: str) -> None:
+        """``before`` for asyncio."""
+        deadline = self._deadline()
+        while (left := self._paused(host, deadline)) > 0:
+            await asyncio.sleep(left)
+        if not await self.limiter.acquire_async(*args, 1, timeout=self._timeout(deadline)):
+            raise self._refused(args[0] if args else None, self.limiter.retry_after(*args, 1))
+        while (left := self._paused(host, deadline)) > 0:
+            await asyncio.sleep(left)
+
+    def after(self, host: str, status: int, retry_after: Any) -> Optional[float]:
+        """React to a response: on a pausing status with ``Retry-After``, pause ``host`` (its pause
+        key); the pause (seconds) or None."""
         if status not in self.pause_on:
             return None
         seconds = parse_retry_after(retry_after)
         if seconds is None or seconds <= 0:
             return None
         seconds = min(seconds, self.max_pause)
-        self.pause(args, seconds)
-        return seconds
-
-    def pause(self, args: Tuple[Any, ...], seconds: float) -> None:
-        """Push the schedule so that the next op is at least ``seconds`` away, for every process.
-
-        Reserves the ops between the next free one and that point (at most a
-        capacity at a time for a keyed limiter), so the pushes of processes
-        told together overlap instead of adding up.  A
-        limiter whose ``max_reserved`` refuses the reservation is pushed as far
-        as it allows.  Never waits.
-        """
-        lim = self.limiter
-        interval = float(lim.per) / float(lim.rate)
-        cap = max(1, math.floor(float(lim.capacity)))
-        while True:
-            short = seconds - lim.retry_after(*args, 1)
-            if short <= 0:  # paused long enough (by another process, or by the rate itself)
-                return
-            chunk = max(1, math.ceil(short / interval))
-            if self.keyed:
-                chunk = min(chunk, cap)  # a key never grants more than its capacity at once
-            if lim.reserve(*args, chunk, max_wait=seconds + chunk * interval) is None:
-                return  # refused (max_reserved): pushed as far as the limiter allows
+        # one move of the host's schedule, in every process; False: no slot for it (not paused)
+        return seconds if self.pauses.pause(host, seconds) else None

@@ -10,7 +10,7 @@
 Each request first takes one op of the limiter, under its host's key for a
 ``KeyedLimiter`` (see ``shmlimit.integrations._hosts``).  The async transport
 waits with ``asyncio.sleep``.  A response 429 or 503 with ``Retry-After``
-pushes that host's schedule that far ahead for every process on the machine.
+pauses that host, and no other, for every process on the machine.
 """
 
 from __future__ import annotations
@@ -31,8 +31,8 @@ def _answer(response: httpx.Response) -> Tuple[int, Optional[str]]:
 class ThrottledTransport(httpx.BaseTransport):
     """Wraps ``transport`` (default ``httpx.HTTPTransport()``): one op per request, a pause on Retry-After.
 
-    The keyword options (``key``, ``max_wait``, ``pause_on``, ``max_pause``)
-    are those of ``shmlimit.integrations._hosts.HostThrottle``.
+    The keyword options (``key``, ``max_wait``, ``pause_on``, ``max_pause``,
+    ``pauses``) are those of ``shmlimit.integrations._hosts.HostThrottle``.
     """
 
     def __init__(

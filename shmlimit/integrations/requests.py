@@ -9,7 +9,7 @@
     session.mount("https://", adapter)
 
 The throttle's keyword options (``key``, ``max_wait``, ``pause_on``,
-``max_pause``) and its behaviour are those of
+``max_pause``, ``pauses``) and its behaviour are those of
 ``shmlimit.integrations.httpx.ThrottledTransport``; the other keyword
 arguments go to ``requests.adapters.HTTPAdapter`` (pool sizes, retries).
 """
@@ -25,7 +25,7 @@ from shmlimit.integrations._hosts import HostThrottle
 __all__ = ["ThrottledAdapter"]
 
 #: HostThrottle's options; every other keyword argument is HTTPAdapter's
-THROTTLE_OPTIONS = ("key", "max_wait", "pause_on", "max_pause")
+THROTTLE_OPTIONS = ("key", "max_wait", "pause_on", "max_pause", "pauses")
 
 
 def _answer(response: Any) -> Tuple[int, Optional[str]]:

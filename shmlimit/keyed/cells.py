@@ -43,7 +43,9 @@ the value words mean, with one contract: ``V0`` is the value's *expiry word*.
 ``V1`` = grants for that key, ``V2..V4`` = the key's first bytes for display.
 A request of ``n`` ops at ``now`` is granted iff
 ``max(TAT, now) + n*T - now <= TAU + max_wait``; the TAT then moves there by
-CAS.  Grants in any window of length W are at most ``W/T + TAU/T``.
+CAS.  Grants in any window of length W are at most ``W/T + TAU/T``.  ``push``
+(a pause) raises a key's TAT in one CAS; it has no native twin and runs here
+over either backend's cells, on the same words.
 """
 
 from __future__ import annotations
@@ -413,7 +415,7 @@ class KeyedTable(SlotTable):
         for off, lines in ((cfg, K.DEFAULT_BACKUP_LINES + 1), (ovr, novr * K.OVR_LINES)):
             if off % 8 or off + lines * K.LINE > cells.size:
                 raise IndexError("keyed_table: a region lies outside the mapping")
-        cells._check(ovr_live, refused, grants)
+        check_offsets(cells, ovr_live, refused, grants)  # any backend's cells (``push``)
         self.cfg, self.ovr_live, self.ovr, self.novr = cfg, ovr_live, ovr, novr
         self.k0, self.k1 = k0, k1
         self.refused, self.grants = refused, grants
@@ -593,11 +595,48 @@ class KeyedTable(SlotTable):
                         taken.extend(((s - self.slots) // K.LINE, ctl, base + cost, cost))
                     return wait
 
+    def push(self, key: object, until: int, now: "int | None" = None) -> int:
+        """Hold ``key``'s next op until ``until`` (ticks): one move of its TAT, whatever the rate.
+
+        The TAT is raised to ``until + TAU - T`` (never lowered): no op is granted
+        before ``until``, one is at ``until``, and the key's rate follows, without
+        a burst.  A new key is inserted holding it (no grant counted).  Constant
+        work: a loop only on a lost race.  0 when done (or ``until <= now``),
+        ``FULL`` or ``BUSY`` as ``acquire`` (nothing written).
+        """
+        data = key_bytes(key)
+        if now is None:
+            now = time.monotonic_ns() << K.TICK_SHIFT
+        if until <= now:
+            return 0
+        d = siphash128(data, self.k0, self.k1)
+        t, tau = self.params(d)
+        target = until + tau - t
+        home = (d[0] * self.nslots) >> 64
+        c = self.c
+        while True:
+            s, ctl = self.find(d, home)
+            if s is None:
+                s, ctl = self.insert(d, home, now, target, (0, *display_words(data)))
+                if s is None:
+                    if ctl != BUSY:
+                        c.fetch_add(self.refused, 1)
+                    return BUSY if ctl == BUSY else FULL
+                if ctl:
+                    return 0
+                os.sched_yield()  # lost a race (often to an insert of the same key): let it finish
+                continue
+            tat = c.load(s + K.S_V0)
+            if tat & K.DEAD or c.load(s) != ctl:
+                continue
+            if tat >= target or c.cas(s + K.S_V0, tat, target):
+                return 0
+
     def try_acquire(self, key: object, n: int = 1) -> bool:
         """True if ``n`` ops were taken now for ``key``; False changes nothing."""
         return self.acquire(key, n, 0) >= 0
 
     def rebind(self, grants: int, pid: int) -> None:
         """After fork: count this process's grants in its own word, and insert as itself."""
-        self.c._check(grants)
+        check_offsets(self.c, grants)
         self.grants, self.pid = grants, pid

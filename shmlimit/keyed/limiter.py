@@ -135,6 +135,27 @@ class _Attachment:
             K.owner(self.pid),
         )
 
+    def reference(self) -> KC.KeyedTable:
+        """The keyed composite in Python over this mapping (either backend's cells), inserting as
+        this process: for the step the native one does not have (``push``)."""
+        return KC.KeyedTable(
+            self.cells,
+            K.CFG_SEQ,
+            K.OVR_LIVE,
+            K.overrides_offset(),
+            self.geo.overrides,
+            K.slots_offset(self.geo.overrides),
+            self.geo.keys,
+            self.geo.probe,
+            self.secret[0],
+            self.secret[1],
+            K.KEYS_LIVE,
+            K.EVICTED,
+            K.REFUSED,
+            K.UNREG_GRANTS,  # a push grants nothing
+            K.owner(os.getpid()),
+        )
+
     def use(self) -> None:
         """This process uses the limiter: register it if it is not yet (a forked child's first use)."""
         with self._use_lock:
@@ -265,6 +286,10 @@ def _ticks(seconds: float) -> int:
     (its float product), which ``int`` refuses, so the product is compared before converting."""
     ticks = seconds * TICKS_PER_S
     return KC.MAX_WAIT if ticks >= KC.MAX_WAIT else int(ticks)
+
+
+#: The longest pause (seconds): a wait the keyed schedule can hold (``MAX_WAIT`` ticks, 2.3 years).
+MAX_PAUSE = KC.MAX_WAIT / TICKS_PER_S
 
 
 def _sleep_until(deadline_ns: int) -> None:
@@ -536,6 +561,27 @@ class KeyedLimiter(RatesSwitch):
         """Seconds until ``n`` ops could be granted for ``key`` (0.0 if now; inf if never).  Takes nothing."""
         r = self._call(key, n, -1)
         return math.inf if r == KC.NEVER else r / TICKS_PER_S
+
+    def pause(self, key: object, seconds: float) -> bool:
+        """Grant ``key`` nothing for ``seconds`` from now, in every process: one move of its schedule.
+
+        Constant work whatever the rate, burst and pause.  A later end already
+        set stays (pauses told at once do not add up, and none is shortened);
+        after the pause the key's ops resume at its rate, without a burst.
+        Nothing counts as a grant.  False (nothing written) when the key is new
+        and the table has no slot for it, or its insert is held by a stalled process.
+        """
+        if (
+            isinstance(seconds, bool)
+            or not isinstance(seconds, (int, float))
+            or not 0 <= seconds <= MAX_PAUSE
+        ):
+            raise ValueError(
+                f"seconds must be a number of seconds from 0 to {MAX_PAUSE:.0f}, got {seconds!r}"
+            )
+        att = self._use()
+        now = time.monotonic_ns() << K.TICK_SHIFT
+        return att.reference().push(key, now + _ticks(seconds), now) == 0
 
     # -- configuration -------------------------------------------------------------------
 

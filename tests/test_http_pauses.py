@@ -1,0 +1,293 @@
+"""HTTP client pauses: a hostile ``Retry-After`` never loses the response, a pause is one move of a
+schedule whatever the rate, and one host's 429 pauses that host only, under one shared rate too."""
+
+import asyncio
+import email.utils
+import math
+import threading
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+import pytest
+
+import shmlimit
+from shmlimit.keyed import cells as KC
+from shmlimit.keyed.gcra import TICKS_PER_S
+
+httpx = pytest.importorskip("httpx")
+requests = pytest.importorskip("requests")
+from shmlimit.integrations._hosts import (  # noqa: E402
+    MAX_RETRY_AFTER,
+    HostThrottle,
+    parse_retry_after,
+    pause_table_name,
+)
+from shmlimit.integrations.httpx import AsyncThrottledTransport, ThrottledTransport  # noqa: E402
+from shmlimit.integrations.requests import ThrottledAdapter  # noqa: E402
+
+
+@pytest.fixture
+def name(name):
+    """The test's limiter name; the pause table a plain limiter's throttle makes beside it goes too."""
+    yield name
+    try:
+        shmlimit.unlink(pause_table_name(name))
+    except FileNotFoundError:
+        pass
+
+
+class Remote(BaseHTTPRequestHandler):
+    """Answers every request with the server's ``status`` and raw ``Retry-After`` bytes; counts hits."""
+
+    def do_GET(self):  # noqa: N802
+        srv = self.server
+        srv.hits += 1
+        head = f"HTTP/1.1 {srv.status} X\r\nContent-Length: 2\r\nConnection: close\r\n".encode()
+        if srv.retry_after is not None:
+            head += b"Retry-After: " + srv.retry_after + b"\r\n"
+        self.wfile.write(head + b"\r\nok")
+        self.close_connection = True
+
+    def log_message(self, *args):
+        pass
+
+
+@pytest.fixture
+def serve():
+    """serve(status, retry_after bytes or None) -> a real HTTP server on 127.0.0.1 (its own port)."""
+    servers = []
+
+    def start(status, retry_after=None):
+        srv = ThreadingHTTPServer(("127.0.0.1", 0), Remote)
+        srv.status, srv.retry_after, srv.hits = status, retry_after, 0
+        srv.url = f"http://127.0.0.1:{srv.server_address[1]}"
+        srv.host = f"127.0.0.1:{srv.server_address[1]}"
+        threading.Thread(target=srv.serve_forever, args=(0.05,), daemon=True).start()
+        servers.append(srv)
+        return srv
+
+    yield start
+    for srv in servers:
+        srv.shutdown()
+        srv.server_close()
+
+
+def _get(client, limiter, url, **options):
+    """One GET through ``client`` ("httpx", "httpx-async" or "requests") throttled by ``limiter``;
+    the response's status."""
+    if client == "httpx":
+        with httpx.Client(transport=ThrottledTransport(limiter, **options)) as c:
+            return c.get(url).status_code
+    if client == "requests":
+        with requests.Session() as s:
+            s.mount("http://", ThrottledAdapter(limiter, **options))
+            return s.get(url, timeout=10).status_code
+
+    async def main():
+        async with httpx.AsyncClient(transport=AsyncThrottledTransport(limiter, **options)) as c:
+            return (await c.get(url)).status_code
+
+    return asyncio.run(main())
+
+
+CLIENTS = ["httpx", "httpx-async", "requests"]
+
+# -- item: a hostile Retry-After ---------------------------------------------------------------
+
+
+def test_retry_after_parses_digits_and_dates_and_nothing_else():
+    day = MAX_RETRY_AFTER
+    assert parse_retry_after("120") == 120.0 and parse_retry_after(" 7\t") == 7.0
+    assert parse_retry_after(b"15") == 15.0
+    assert parse_retry_after("0" * 400 + "5") == 5.0  # leading zeros: still 5
+    # huge delta-seconds are capped, never converted whole (float(int(400 digits)) overflowed;
+    # int() of 5000 digits raised ValueError)
+    for huge in ("9" * 400, "9" * 5000, "1" + "0" * 399, "86401", "99999999999999999999"):
+        assert parse_retry_after(huge) == day
+    assert parse_retry_after("86400") == day and parse_retry_after("86399") == day - 1
+    # unparseable: absent
+    for bad in (
+        "-3",
+        "+3",
+        "1.5",
+        "1e3",
+        "",
+        "soon",
+        "\u0661\u0662\u0663",  # Arabic-Indic digits: int() took them as 123
+        "\u00b2",  # a superscript two: str.isdigit(), int() raised ValueError
+        "12\u00a0",
+        b"\xff\xfe12",
+        "x" * 100_000,
+        "Mon, 99 Foo 99999999 99:99:99 GMT",
+        "Fri, 31 Dec 99999 23:59:59 GMT",
+        None,
+        12,
+    ):
+        assert parse_retry_after(bad) is None, bad
+    date = email.utils.formatdate(1_000_030, usegmt=True)
+    assert parse_retry_after(date, now=1_000_000) == pytest.approx(30)
+    assert parse_retry_after(date, now=1_000_100) == 0.0  # already past
+    far = email.utils.formatdate(4_000_000_000, usegmt=True)  # year 2096
+    assert parse_retry_after(far, now=1_000_000) == day
+
+
+HOSTILE = {
+    "400 digits": (b"9" * 400, "capped"),
+    "5000 digits": (b"9" * 5000, "capped"),
+    "non-ASCII digits": ("\u0661\u0662\u0663".encode(), None),
+    "latin-1 bytes": (b"\xff\xfe12", None),
+    "negative": (b"-5", None),
+    "a bad date": (b"Mon, 99 Foo 99999999 99:99:99 GMT", None),
+}
+
+
+@pytest.mark.parametrize("client", CLIENTS)
+@pytest.mark.parametrize("hostile", list(HOSTILE))
+def test_a_hostile_retry_after_keeps_the_response(name, serve, client, hostile):
+    """The 429 reaches the caller (it raised OverflowError or ValueError and was lost); a huge value
+    pauses the host for max_pause, an unparseable one not at all."""
+    value, pause = HOSTILE[hostile]
+    srv = serve(429, value)
+    lim = shmlimit.KeyedLimiter(name, rate=100, burst=5, keys=64)
+    assert _get(client, lim, srv.url + "/x", max_pause=2.0) == 429
+    paused = lim.retry_after(srv.host)
+    if pause == "capped":
+        assert 1.9 <= paused <= 2.0
+    else:
+        assert paused == 0.0
+    lim.close()
+
+
+# -- item: a pause costs time in proportion to rate --------------------------------------------
+
+
+class Counted:
+    """Counts the calls to a limiter's methods (instance attributes over the class's); fails fast."""
+
+    def __init__(self, lim, limit=1000):
+        self.calls, self.limit = 0, limit
+        for attr in ("acquire", "try_acquire", "reserve", "retry_after", "pause"):
+            if hasattr(lim, attr):
+                setattr(lim, attr, self.wrap(getattr(lim, attr)))
+
+    def wrap(self, method):
+        def counted(*args, **kwargs):
+            self.calls += 1
+            assert self.calls <= self.limit, "a pause made more calls than a constant"
+            return method(*args, **kwargs)
+
+        return counted
+
+
+class CountedCells:
+    """A cells object counting its atomic operations."""
+
+    def __init__(self, cells):
+        self.cells, self.ops = cells, 0
+        self.size = cells.size
+
+    def __getattr__(self, attr):
+        op = getattr(self.cells, attr)
+
+        def counted(*args):
+            self.ops += 1
+            return op(*args)
+
+        return counted
+
+
+@pytest.mark.parametrize("rate", [5000, 20000])
+def test_a_pause_is_one_move_whatever_the_rate(name, rate):
+    """One 429 with Retry-After 300 at 5 000/s with a burst of one reserved 1.5 million times (3.6 s
+    of an event loop); at 20 000/s, 6 million: now one call, a bounded count of atomic operations."""
+    lim = shmlimit.KeyedLimiter(name, rate=rate, burst=1, keys=64)
+    throttle = HostThrottle(lim)
+    counted = Counted(lim)
+    assert throttle.after("busy.example", 429, "300") == 300.0
+    assert counted.calls <= 2
+    assert 299.9 <= lim.retry_after("busy.example") <= 300.0
+    # the move itself: a handful of atomic operations, the same at any rate and any pause
+    ref = lim._live().reference()
+    ref.c = CountedCells(ref.c)
+    now = 10**6 * int(TICKS_PER_S)  # any instant: the clock is injected
+    assert ref.push("other.example", now + 300 * int(TICKS_PER_S), now) == 0
+    new_key = ref.c.ops
+    ref.c.ops = 0
+    assert ref.push("other.example", now + 3000 * int(TICKS_PER_S), now) == 0
+    assert new_key <= 40 and ref.c.ops <= 40, (new_key, ref.c.ops)
+    lim.close()
+
+
+def test_a_pause_holds_then_resumes_at_the_rate(name):
+    """On an injected clock: no grant before the pause's end, one at its end, then the key's rate
+    (5 000/s with a burst of one), without a burst; a shorter pause shortens nothing, a longer one
+    extends to its own end (pauses never add up)."""
+    rate = 5000
+    lim = shmlimit.KeyedLimiter(name, rate=rate, burst=1, keys=64)
+    att = lim._live()
+    kt, ref = att.kt, att.reference()  # the backend's composite, and the push over the same words
+    t = math.ceil(TICKS_PER_S / rate)  # one op of schedule, in ticks
+    s = int(TICKS_PER_S)
+    now = 10**6 * s  # any instant: the clock is injected
+    assert kt.acquire("h", 1, 0, now) == 0
+    end = now + 300 * s
+    assert ref.push("h", end, now) == 0
+    assert kt.acquire("h", 1, -1, now) == end - now  # a peek: the wait is the pause, exactly
+    for x in (now + 1, now + t, now + 150 * s, end - t, end - 1):
+        assert kt.acquire("h", 1, 0, x) == KC.REFUSED
+    assert ref.push("h", now + 10 * s, now) == 0  # shorter: changes nothing
+    assert kt.acquire("h", 1, -1, now) == end - now
+    assert kt.acquire("h", 1, 0, end) == 0  # granted at the end
+    grants, x = 1, end + 1
+    while x < end + s:  # the next second, tried every quarter op: the rate, no more
+        grants += kt.acquire("h", 1, 0, x) == 0
+        x += t // 4
+    assert rate - 1 <= grants <= rate + 1
+    later = end + 2 * s
+    assert ref.push("h", later + 5 * s, later) == 0  # a new pause from `later`: 5 s, not added
+    assert kt.acquire("h", 1, -1, later) == 5 * s
+    assert lim.stats().grants == grants + 1  # a pause grants nothing
+    lim.close()
+
+
+def test_pause_refuses_bad_seconds(name):
+    lim = shmlimit.KeyedLimiter(name, rate=10, keys=64)
+    for bad in (-1, float("nan"), float("inf"), True, "5", 10**9):
+        with pytest.raises(ValueError, match=r"^seconds\b"):
+            lim.pause("k", bad)
+    assert lim.stats().keys == 0
+    lim.close()
+
+
+# -- item: one host's 429 pauses every host ----------------------------------------------------
+
+
+@pytest.mark.parametrize("client", CLIENTS)
+def test_one_hosts_429_pauses_that_host_only(name, serve, client):
+    """Under one shared Limiter (the README's HTTP example), host A's 429 with Retry-After 300
+    paused every host for 300 s; now A alone is paused (not even sent to), B goes on at once."""
+    a, b = serve(429, b"300"), serve(200)
+    lim = shmlimit.Limiter(name, rate=50, burst=5)
+    opts = dict(max_wait=0.5)
+    assert _get(client, lim, a.url + "/", **opts) == 429
+    assert [_get(client, lim, b.url + "/", **opts) for _ in range(3)] == [200] * 3
+    assert b.hits == 3
+    with pytest.raises(shmlimit.RateLimited) as e:
+        _get(client, lim, a.url + "/again", **opts)
+    assert 299 <= e.value.retry_after <= 300 and a.hits == 1  # refused before it was sent
+    assert lim.stats().grants == 4  # A's refused request took none of the shared rate
+    lim.close()
+
+
+def test_a_host_cannot_renew_its_pause_beyond_what_it_asked(name, serve):
+    """Answers in flight, each asking more, pause the host until the latest end asked (capped at
+    max_pause from now): they never add up."""
+    a = serve(429, b"100000")
+    lim = shmlimit.Limiter(name, rate=1000, burst=10)
+    throttle = HostThrottle(lim, max_pause=30.0)
+    for _ in range(20):
+        assert throttle.after(a.host, 429, "100000") == 30.0
+        assert throttle.after(a.host, 429, "20") == 20.0
+    assert 29.9 <= throttle.pauses.retry_after(a.host) <= 30.0
+    assert throttle.pauses.stats().grants == 0
+    throttle.pauses.close()
+    lim.close()
