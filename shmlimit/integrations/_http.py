@@ -58,6 +58,35 @@ class Middleware:
         return f"<{cls.__module__}.{cls.__qualname__} limiter={self.policy.limiter!r} max_wait={self.policy.max_wait:g}>"
 
 
+def client_ip(request: Any, trusted_hops: int = 1) -> str:
+    """The client's address behind ``trusted_hops`` proxies, from an ASGI scope or a WSGI environ.
+
+    Each trusted proxy appends the address it received the request from to
+    ``X-Forwarded-For``, so the client is the entry ``trusted_hops`` from the
+    *right* (as nginx ``real_ip_recursive``, Envoy ``xff_num_trusted_hops`` and
+    werkzeug's ``ProxyFix(x_for=N)`` count): the entries to its left are the
+    client's own writing and never count.  ``trusted_hops=0`` (no proxy), or
+    fewer entries than hops, gives the address the server saw.  Set it to the
+    number of proxies in front of the server, no more.
+    """
+    if isinstance(trusted_hops, bool) or not isinstance(trusted_hops, int) or trusted_hops < 0:
+        raise ValueError(
+            f"trusted_hops must be an int >= 0 (proxies in front), got {trusted_hops!r}"
+        )
+    if "headers" in request and "type" in request:  # an ASGI scope
+        peer = request.get("client")
+        seen = str(peer[0]) if peer else ""
+        raw = b",".join(v for k, v in request["headers"] if k.lower() == b"x-forwarded-for")
+        forwarded = raw.decode("latin-1")
+    else:  # a WSGI environ: the server joined repeated headers with commas
+        seen = str(request.get("REMOTE_ADDR", ""))
+        forwarded = str(request.get("HTTP_X_FORWARDED_FOR", ""))
+    if not trusted_hops:
+        return seen
+    hops = [h.strip() for h in forwarded.split(",")] if forwarded else []
+    return hops[-trusted_hops] if len(hops) >= trusted_hops and hops[-trusted_hops] else seen
+
+
 def ascii_headers(headers: List[Tuple[str, str]]) -> List[Tuple[bytes, bytes]]:
     """ASGI's form: lower-case names, bytes."""
     return [(k.lower().encode("latin-1"), v.encode("latin-1")) for k, v in headers]
@@ -126,39 +155,54 @@ class Policy:
 
     # -- headers ---------------------------------------------------------------------
 
-    def policy_header(self) -> str:
-        rate, per = float(self.limiter.rate), float(self.limiter.per)
+    def rate_of(self, args: Tuple[Any, ...]) -> Tuple[float, float, float]:
+        """``(rate, per, capacity)`` that prices the request's key: its override if it has one."""
+        lim = self.limiter
+        own = lim.override(args[0]) if self.keyed and args else None
+        return own if own is not None else (float(lim.rate), float(lim.per), float(lim.capacity))
+
+    def policy_header(self, args: Tuple[Any, ...] = ()) -> str:
+        rate, per, _ = self.rate_of(args)
         window = max(math.ceil(per - 1e-9), math.ceil(per / rate - 1e-9), 1)
         quota = max(1, math.floor(rate * window / per + 1e-9))
         return f'"{self.name}";q={quota};w={window}'
 
     def state(self, args: Tuple[Any, ...]) -> Tuple[int, int]:
-        """(remaining ops now, whole seconds until the bucket is full again), from the public API only."""
+        """(remaining ops now, whole seconds until the bucket is full again), from the public API only.
+
+        Ops are promised only if the next one would be granted now: a key waiting
+        for a slot of a full table, or whose next op is due later, has none left.
+        """
         lim = self.limiter
-        full = max(1, math.floor(float(lim.capacity)))
+        rate, per, capacity = self.rate_of(args)
+        full = max(1, math.floor(capacity))
         short = lim.retry_after(*args, full)  # seconds until a full bucket's worth could be granted
         if not math.isfinite(short):  # stopped: nothing until someone starts it again
             return 0, 0
-        missing = short * float(lim.rate) / float(lim.per)  # ops the bucket lacks for `full`
-        remaining = max(0, math.floor(full - missing + 1e-9))
-        return remaining, math.ceil(short - 1e-9) if short > 0 else 0
+        reset = math.ceil(short - 1e-9) if short > 0 else 0
+        if lim.retry_after(*args, 1) > 0:
+            return 0, reset
+        missing = short * rate / per  # ops the bucket lacks for `full`
+        return max(0, math.floor(full - missing + 1e-9)), reset
 
     def granted_headers(self, args: Tuple[Any, ...]) -> List[Tuple[str, str]]:
         remaining, reset = self.state(args)
         return [
-            ("RateLimit-Policy", self.policy_header()),
+            ("RateLimit-Policy", self.policy_header(args)),
             ("RateLimit", f'"{self.name}";r={remaining};t={reset}'),
         ]
 
     def refused_headers(self, args: Tuple[Any, ...], n: int) -> List[Tuple[str, str]]:
+        # seconds until the request could pass: its key's schedule, or (a new key refused by a
+        # full table) until a slot frees
         wait = self.limiter.retry_after(*args, n)
         # an integer, at least 1: the request was refused, so "now" would invite a retry storm
         retry = max(1, math.ceil(wait - 1e-9)) if math.isfinite(wait) else 60
-        remaining, _ = self.state(args)
+        remaining, _ = self.state(args)  # (a smaller request may still pass)
         return [
             ("Content-Type", "text/plain; charset=utf-8"),
             ("Content-Length", str(len(BODY))),
             ("Retry-After", str(retry)),
-            ("RateLimit-Policy", self.policy_header()),
+            ("RateLimit-Policy", self.policy_header(args)),
             ("RateLimit", f'"{self.name}";r={remaining};t={retry}'),
         ]

@@ -22,9 +22,9 @@ from __future__ import annotations
 
 from typing import Any, Awaitable, Callable, MutableMapping
 
-from shmlimit.integrations._http import BODY, STATUS, Middleware, ascii_headers
+from shmlimit.integrations._http import BODY, STATUS, Middleware, ascii_headers, client_ip
 
-__all__ = ["RateLimitMiddleware", "client_host"]
+__all__ = ["RateLimitMiddleware", "client_host", "client_ip"]
 
 Scope = MutableMapping[str, Any]
 Message = MutableMapping[str, Any]

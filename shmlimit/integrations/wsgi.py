@@ -17,9 +17,9 @@ from __future__ import annotations
 
 from typing import Any, Callable, Dict, Iterable
 
-from shmlimit.integrations._http import BODY, Middleware
+from shmlimit.integrations._http import BODY, Middleware, client_ip
 
-__all__ = ["RateLimitMiddleware", "remote_addr"]
+__all__ = ["RateLimitMiddleware", "client_ip", "remote_addr"]
 
 Environ = Dict[str, Any]
 WSGIApp = Callable[[Environ, Callable[..., Any]], Iterable[bytes]]

@@ -236,6 +236,27 @@ class SlotTable:
                 return s, ctl
         return None, 0
 
+    def vacancy(self, d: Tuple[int, int], now: int) -> int:
+        """How long (in ``V0``'s units) until a slot of digest ``d``'s window can be had: 0 when
+        ``d`` holds one or one is free now, else the earliest expiry among its LIVE keys (0 as
+        well when inserts in flight are all it holds: they resolve within ``PEND_NS``).  Reads only."""
+        c, home, soonest = self.c, (d[0] * self.nslots) >> 64, None
+        for i in range(self.probe):
+            s = self._slot(home, i)
+            ctl = c.load(s)
+            state = ctl & 0xFF
+            if state in (K.EMPTY, K.TOMB):
+                return 0
+            if state != K.LIVE:
+                if not alive((ctl >> 8) & 0xFFFFFFFF, self.pid):
+                    return 0
+                continue
+            v = c.load(s + K.S_V0)
+            if v & K.DEAD or v <= now or (c.load(s + K.S_D0), c.load(s + K.S_D1)) == d:
+                return 0
+            soonest = v - now if soonest is None else min(soonest, v - now)
+        return soonest or 0
+
     def insert(
         self,
         d: Tuple[int, int],
