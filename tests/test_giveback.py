@@ -605,6 +605,41 @@ def test_every_waiter_of_a_process_has_a_record_up_to_the_slots_five(name):
         )  # ... and every record is free
 
 
+def test_a_process_with_every_record_in_use_still_queues_in_order_and_refuses_at_once(name):
+    # Twenty timed waiters of one process at 100/s: five hold the slot's records, and the other
+    # fifteen queue all the same, unrecorded, in their order of arrival.  A caller whose turn
+    # (the 21st op, 210 ms away) is beyond its 100 ms is refused at once, without a nap: the
+    # decision reads the whole queue.  (Were the fifteen napping without a ticket, the queue would
+    # show five ops, 60 ms: the caller would nap until its deadline, and its place would be lost.)
+    clock = FakeClock()
+    with queued(name, rate=100, burst=1, clock=clock) as lim:
+        att, cost = lim._att, lim._att.bucket.cost
+        reqs = [Request(att, 1, 1.0) for _ in range(20)]
+        for r in reqs:
+            assert r.begin() > 0
+        assert [r.record for r in reqs[: L.TICKET_RECORDS]] == list(att.rec_lens)
+        assert all(r.state == "ticket" and r.record is None for r in reqs[L.TICKET_RECORDS :])
+        assert all(diff(b.ticket, a.ticket) == cost for a, b in zip(reqs, reqs[1:]))  # FIFO
+        late = Request(att, 1, 0.1)
+        assert late.begin() is False and late.ticket is None  # refused at once, taking nothing
+        late.end()
+        assert diff(att.cells.load(L.TAIL), reqs[-1].ticket) == 0
+        step = reqs[0].next()
+        for _ in range(10):  # to the first's turn: granted, its record freed ...
+            if step is True:
+                break
+            clock.now += int(step * 1e9)
+            step = reqs[0].next()
+        assert step is True
+        reqs[0].end()
+        assert reqs[L.TICKET_RECORDS].next() > 0  # ... and taken by a waiter queued without one
+        assert att.cells.load(reqs[L.TICKET_RECORDS].record) == cost
+        for r in reqs:
+            r.end()
+        assert att.returns.step() is None  # every ticket given back was skipped
+        assert [att.cells.load(off) for off in att.rec_lens] == [0] * L.TICKET_RECORDS
+
+
 def test_the_fast_paths_ticket_is_recorded_during_its_native_wait(name):
     from shmlimit.acquire.single import wait_for_ticket
 
@@ -885,30 +920,33 @@ def run_crowd(name, callers, recorded):
 
 
 @pytest.mark.slow
-def test_a_process_with_more_waiters_than_records_queues_only_recorded_tickets(name):
+def test_a_process_with_more_waiters_than_records_queues_every_caller_in_order(name):
     # Thirteen callers in one process -- fast-path threads, timed ones, one of two ops, asyncio
-    # tasks -- and five records: five queue (each ticket recorded), the rest wait without a ticket.
-    # Killed, it leaves nothing queued: every range it held was recorded, and the filler reaps them.
+    # tasks -- and five records: all thirteen queue (their FIFO places, and a timed one's at-once
+    # refusal, never wait for a record), five of them recorded.  Killed, the process leaves only
+    # its unrecorded tickets queued: the filler gives back the five recorded ranges, and each other
+    # ticket costs those behind it its own schedule, once (lost time, never a grant).
     lim = shmlimit.Limiter(name, rate=1, per=60, burst=1)
     try:
         empty(lim)
-        cells = lim._att.cells
-        p = run_crowd(name, 13, L.TICKET_RECORDS)
+        cells, cost = lim._att.cells, lim._att.bucket.cost
+        p = run_crowd(name, 13, 13)
         try:
             line = p.stdout.readline().split()
             assert line[0] == "ready" and line[2] != "None", line
+            # 12 callers of one op and one of two: 14 ops queued (the head covers less than one of
+            # the first meanwhile: a minute's schedule)
+            wait_for(lambda: diff(cells.load(L.TAIL), cells.load(L.HEAD)) > 13 * cost, timeout=30)
             recs = wait_for(lambda: (r := slot_records(cells, p.pid)) and all(r) and r, timeout=30)
             assert not any(v & (L.TICKET_BUSY | L.TICKET_GIVEN) for v in recs)
-            # every queued token is in one of the five records: no ticket was taken without one (the
-            # head has covered less than an op of the first since: a minute's schedule)
-            depth = diff(cells.load(L.TAIL), cells.load(L.HEAD))
-            assert slot_records(cells, p.pid) == recs
-            assert sum(recs) - lim._att.bucket.cost < depth <= sum(recs)
         finally:
             p.kill()
             p.wait()
             p.stdout.close()
-        wait_for(lambda: diff(cells.load(L.TAIL), cells.load(L.HEAD)) <= 0, timeout=10)
+        tail = cells.load(L.TAIL)
+        unrecorded = 14 * cost - sum(recs)  # ... and the eight tickets held in no record
+        wait_for(lambda: diff(tail, cells.load(L.HEAD)) <= unrecorded, timeout=10)
+        assert diff(tail, cells.load(L.HEAD)) > unrecorded - cost  # never more than the recorded
     finally:
         lim.close()
 

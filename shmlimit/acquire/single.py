@@ -18,9 +18,10 @@ A request moves through these states, each a step that never blocks:
 * ``JOIN``   -- ``max_reserved`` is set and the queue is too long to join: an
   untimed request (or, in hierarchical mode, a timed one until its deadline)
   waits, taking nothing, until it may take its ticket;
-* ``RECORD`` -- it would queue, but every ticket record of its process's slot
-  is in use, or it has none (beyond the table): no ticket is taken without a
-  record (``giveback.take_ticket``), so it naps and tries again, holding nothing;
+* ``RECORD`` -- it would queue, but its process has no ticket record (beyond
+  the table): it naps and tries again, holding nothing.  (A process whose five
+  records are all in use queues its caller unrecorded instead, and records the
+  ticket once one is free: its FIFO place and at-once refusal never wait for one);
 * ``TICKET`` -- it holds a ticket: it waits for the head to reach it,
   replenishing by itself (the lazy refill: nothing waits for the filler) and
   nudging its process's filler when it had to.  While here, its process slot's
@@ -237,8 +238,10 @@ class Request:
                 if self.deadline is None
                 else min(max(0, self.deadline - att.clock()), b.max_reserved_ns)
             )
+        # with every record in use, queue unrecorded (``overflow``): the FIFO place and the at-once
+        # refusal never depend on a free record (a process with no slot has none, and polls)
         got, rec = take_ticket(
-            b, self.tokens, att.grants_off, self.n, att.writers, wait
+            b, self.tokens, att.grants_off, self.n, att.writers, wait, bool(att.records)
         )  # granted: counted
         if got is None:  # granted at once, counted
             return self._done()
@@ -258,8 +261,15 @@ class Request:
         left = _INF if self.deadline is None else (self.deadline - self.att.clock()) / NS_PER_S
         if left <= 0:  # hierarchical mode's timed request: not in the queue by its deadline
             return self._refuse()
+        att = self.att
         got, rec = take_ticket(
-            b, self.tokens, self.att.grants_off, self.n, self.att.writers, b.max_reserved_ns
+            b,
+            self.tokens,
+            att.grants_off,
+            self.n,
+            att.writers,
+            b.max_reserved_ns,
+            bool(att.records),
         )
         if got is None:
             return self._done()
@@ -298,6 +308,9 @@ class Request:
         seen = fed_wait.seen(b.cells) if fed else 0
         if b.covered(ticket):
             return self._grant_ticket()
+        if self.record is None and self.tokens > 0 and att.records:
+            # queued unrecorded (every record was in use): recorded once one is free again
+            self.record = att.record_ticket(ticket, self.tokens)
         b.refresh()
         if att.opened():  # the "open" fallback lets queued callers through too
             return self._grant()

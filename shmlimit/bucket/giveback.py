@@ -238,13 +238,20 @@ def take_ticket(
     ops: int,
     recs: Union[Tuple[int, ...], Writers],
     max_wait_ns: float = _INF,
+    overflow: bool = False,
 ) -> Tuple[Any, Optional[int]]:
     """``take_once``, and once more after a replenish that added tokens if it took nothing.  ``recs``:
-    records' LEN offsets, or a process's ``Writers`` (its slot's, held for the take)."""
+    records' LEN offsets, or a process's ``Writers`` (its slot's, held for the take).
+
+    ``overflow``: with every record in use, queue unrecorded rather than answer ``NO_RECORD``: the
+    caller keeps its FIFO place and its at-once refusal, and should its process die, the ticket
+    costs those behind it its own schedule (``tokens / rate``), once (see the design page)."""
     with _lens(recs) as lens:
         got = take_once(b, tokens, grants, ops, lens, max_wait_ns)
         if (got[0] is REFUSED or got[0] is NO_RECORD) and b.replenish() > 0:
             got = take_once(b, tokens, grants, ops, lens, max_wait_ns)
+    if got[0] is NO_RECORD and overflow:
+        got = take_once(b, tokens, grants, ops, None, max_wait_ns)
     return got
 
 
@@ -253,7 +260,7 @@ def take_once(
     tokens: int,
     grants: int,
     ops: int,
-    recs: Tuple[int, ...],
+    recs: Optional[Tuple[int, ...]],
     max_wait_ns: float = _INF,
 ) -> Tuple[Any, Optional[int]]:
     """Take ``tokens`` now, or a ticket recorded in one of ``recs`` (ticket records' LEN offsets).
