@@ -583,7 +583,13 @@ def take_now(att: "Attachment", n: int, tokens: int) -> bool:
     if att.opened():  # the "open" fallback: no limit
         att.count(n)
         return True
-    return refill(att) > 0 and b.try_grab(tokens, att.grants_off, n)
+    if refill(att) <= 0:
+        return False
+    # we did the filler's work: make sure one runs (a filler that left drops its lease, and a
+    # watcher looks only every WATCH_PERIOD; without one, tries that replenish only for themselves
+    # lose time to the clamp, its snapshots as old as the last refused try: 12-18 % at 200/s)
+    att.nudge_filler()
+    return b.try_grab(tokens, att.grants_off, n)
 
 
 def try_acquire(att: "Attachment", n: int) -> bool:
