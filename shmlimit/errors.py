@@ -155,3 +155,18 @@ class AbandonedSegmentError(SegmentError):
             f"or remove it with shmlimit.unlink({name!r})"
         )
         self.inode = inode
+
+
+class UnsupportedError(ShmlimitError, NotImplementedError, ValueError):
+    """A verb of the common interface (``shmlimit.RateLimit``) that this kind cannot keep.
+
+    The message names the kind, the verb and why; nothing was taken or
+    changed.  A ``NotImplementedError`` (the kind does not implement the verb),
+    and a ``ValueError`` as ``io.UnsupportedOperation`` is, so that code
+    written for the ``ValueError`` such a call raised before keeps working.
+    """
+
+    def __init__(self, kind: str, verb: str, why: str) -> None:
+        super().__init__(f"{kind}.{verb} is not supported: {why}")
+        self.kind = kind
+        self.verb = verb

@@ -50,6 +50,7 @@ from shmlimit.bucket.fences import fenced_ticket
 from shmlimit.bucket.giveback import NO_RECORD, REFUSED, record_nap, take_ticket
 from shmlimit.bucket.rovers import WAIT_BURN, WAIT_GRANTED
 from shmlimit.config import MAX_NAP, NS_PER_S, validate_n, validate_timeout
+from shmlimit.errors import UnsupportedError
 
 if TYPE_CHECKING:  # pragma: no cover
     from shmlimit.attachment import Attachment
@@ -619,9 +620,11 @@ def reserve(att: "Attachment", n: int, max_wait: Optional[float]) -> Optional[fl
     if b.upstream:
         # Paced by the local rate, each host would promise slots of the global rate: two hosts
         # of a global 100/s handed out 200 usable slots in 1 s.  Leases have no known time.
-        raise ValueError(
-            f"reserve() is not available on the hierarchical limiter {att.name!r}: its tokens come "
-            f"from leases, whose time is not known in advance; use acquire(timeout=...) or try_acquire()"
+        raise UnsupportedError(
+            "Limiter",
+            "reserve",
+            f"{att.name!r} is a hierarchical limiter: its tokens come from leases, whose time is "
+            "not known in advance; use acquire(timeout=...) or try_acquire()",
         )
     tokens = validate_n(n, b.cost) * b.cost
     limit = validate_timeout(max_wait, "max_wait")
