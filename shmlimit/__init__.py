@@ -16,11 +16,13 @@ from shmlimit.errors import (
     SegmentError,
     SharedMemoryFullError,
     ShmlimitError,
+    UnsupportedError,
     UntrustedSegmentError,
 )
 from shmlimit.keyed.limiter import KeyedLimiter, KeyedStats
 from shmlimit.kinds import attach, inspect
 from shmlimit.limiter import Limiter, unlink
+from shmlimit.protocol import KeyedRateLimit, RateLimit
 from shmlimit.shm.segment import list_names
 from shmlimit.stats import ProcessStats, Stats, UpstreamStats
 from shmlimit.throttle import throttle
@@ -33,11 +35,13 @@ __all__ = [
     "ConfigWriterTakenOver",
     "KeyTableFullError",
     "KeyedLimiter",
+    "KeyedRateLimit",
     "KeyedStats",
     "Limiter",
     "LimiterNotFoundError",
     "ProcessStats",
     "QueueFullError",
+    "RateLimit",
     "RateLimited",
     "RateSpec",
     "SegmentError",
@@ -50,6 +54,7 @@ __all__ = [
     "parse_spec",
     "throttle",
     "unlink",
+    "UnsupportedError",
     "UpstreamStats",
     "UntrustedSegmentError",
 ]

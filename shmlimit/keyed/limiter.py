@@ -44,6 +44,7 @@ from shmlimit.keyed.stats import (
     sample_keys,
     snapshot_of,
 )
+from shmlimit.protocol import Keyed
 from shmlimit.rate_group import RatesSwitch, group_options
 from shmlimit.registry import Registry, release_on_gc
 from shmlimit.shm.cells import Cells
@@ -300,7 +301,7 @@ def _sleep_until(deadline_ns: int) -> None:
         time.sleep(left / 1e9)
 
 
-class KeyedLimiter(RatesSwitch):
+class KeyedLimiter(RatesSwitch, Keyed):
     """One rate limit per key -- ``rate`` ops per ``per`` seconds for each -- shared by every process.
 
     ``KeyedLimiter(name, rate=10, per=1.0, burst=None, keys=100_000)``
@@ -324,6 +325,8 @@ class KeyedLimiter(RatesSwitch):
     ``KeyedLimiter(name, rates=["10/s", "600/h"])`` (or a dict of named
     rates, each call naming its costs) holds every key to several rates at
     once, all or nothing: see ``keyed_multi``.
+
+    ``lim[key]`` is one key's limit as a ``shmlimit.RateLimit`` (``shmlimit.protocol``).
     """
 
     @classmethod

@@ -33,10 +33,11 @@ import time
 from typing import Any, Callable, Dict, Iterable, List, Optional, Tuple, Union
 
 from shmlimit.config import validate_timeout
-from shmlimit.errors import KeyTableFullError
+from shmlimit.errors import KeyTableFullError, UnsupportedError
 from shmlimit.keyed import cells as KC
 from shmlimit.keyed import layout as K
 from shmlimit.keyed.gcra import TICKS_PER_S
+from shmlimit.protocol import Keyed
 from shmlimit.rate_group import RateGroup, parse_rates, rates_from_text
 from shmlimit.shm.segment import validate_name
 
@@ -44,7 +45,7 @@ from shmlimit.shm.segment import validate_name
 _Taken = Tuple[Any, Tuple[int, int, int, int, int], int]
 
 
-class MultiKeyedLimiter(RateGroup):
+class MultiKeyedLimiter(RateGroup, Keyed):
     """Several rates per key, taken together; made by ``KeyedLimiter(name, rates=...)`` (see the module).
 
     ``rates=["10/s", "100/min"]``: every op of a key must fit every rate; ``n``
@@ -235,6 +236,18 @@ class MultiKeyedLimiter(RateGroup):
         end = time.monotonic() + seconds
         while (left := end - time.monotonic()) > 0:
             time.sleep(left)
+
+    def reserve(
+        self, key: object, n: int = 1, max_wait: Optional[float] = None, **costs: int
+    ) -> Optional[float]:
+        """Not supported (``UnsupportedError``): a slot claimed on each rate at once would be used
+        late on every rate but the slowest, bunched with later ones (see the module)."""
+        raise UnsupportedError(
+            "KeyedLimiter(rates=...)",
+            "reserve",
+            "a key's rates cannot promise one slot together: a slot reserved on a rate while "
+            "waiting for another's is used late, bunched with later ones; use acquire(timeout=...)",
+        )
 
     def retry_after(self, key: object, n: int = 1, **costs: int) -> float:
         """Seconds until the ops of ``key`` could be granted on every rate (0.0: now; inf: never).  Takes nothing."""

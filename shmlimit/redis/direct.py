@@ -44,7 +44,7 @@ from dataclasses import dataclass
 from typing import Any, Dict, Generator, Optional, Tuple
 
 from shmlimit.config import NS_PER_S, Config, validate_n, validate_timeout
-from shmlimit.errors import RedisDataError, RedisUnavailableError
+from shmlimit.errors import RedisDataError, RedisUnavailableError, UnsupportedError
 from shmlimit.redis import urls
 from shmlimit.redis.spec import DEFAULT_TIMEOUT, DEFAULT_URL, UpstreamSpec, redis_key
 from shmlimit.redis.urls import redact
@@ -60,6 +60,7 @@ except ImportError:  # pragma: no cover - exercised only without the extra
 
 __all__ = [
     "RedisLimiter",
+    "ClientStats",
     "RedisStats",
     "RedisUnavailableError",
     "RedisDataError",
@@ -133,16 +134,13 @@ LUA_SHA = hashlib.sha1(LUA.encode()).hexdigest()
 
 
 @dataclass(frozen=True)
-class RedisStats:
-    """A snapshot of a Redis limiter: the shared state read from Redis, and this client's counters."""
+class ClientStats:
+    """A Redis limiter's configuration and this client's counters (``RedisKeyedLimiter.stats``)."""
 
     name: str
-    key: str
-    rate: float  #: ops per ``per`` seconds
+    rate: float  #: ops per ``per`` seconds (each key's, for a keyed limiter)
     per: float  #: seconds
     capacity: float  #: ops at most at once (the burst)
-    available: float  #: ops that could be granted now (whole ops)
-    backlog_seconds: float  #: schedule already reserved beyond now, by every client
     round_trips: int  #: script calls by this client (a NOSCRIPT recovery counts its extra two)
     grants: int  #: ops granted to this client (reservations included, voided ones too)
     refusals: int  #: requests refused (timeout, ``max_reserved``, ``try_acquire``)
@@ -153,6 +151,15 @@ class RedisStats:
     @property
     def ops_per_second(self) -> float:
         return self.rate / self.per
+
+
+@dataclass(frozen=True)
+class RedisStats(ClientStats):
+    """A snapshot of a Redis limiter: the shared state read from Redis, and this client's counters."""
+
+    key: str
+    available: float  #: ops that could be granted now (whole ops)
+    backlog_seconds: float  #: schedule already reserved beyond now, by every client
 
 
 # ---------------------------------------------------------------------------------
@@ -228,6 +235,7 @@ class _GcraClient:
             None if cfg.max_reserved is None else int(cfg.max_reserved * NS_PER_S)
         )
         self._own_client = client is None
+        self._closed = False
         self._client = client if client is not None else connect(self._url, self._secrets, t)
         self._sha = LUA_SHA
         self._aclients: Dict[int, Any] = {}
@@ -277,10 +285,47 @@ class _GcraClient:
         with self._lock:
             return self._counts["round_trips"]
 
+    @property
+    def closed(self) -> bool:
+        return self._closed
+
     def close(self) -> None:
-        """Close this limiter's connections (the shared state in Redis stays)."""
+        """Close this limiter's connections (the shared state in Redis stays); a caller's
+        ``client=`` stays open.  Every later call raises ``ValueError``."""
+        self._closed = True
         if self._own_client:
             self._client.close()
+
+    def _open(self) -> None:
+        if self._closed:  # redis-py would reconnect a closed client silently
+            raise ValueError(f"limiter {self._name!r} is closed in this process")
+
+    def unlink(self) -> None:
+        """Delete the shared state in Redis (every client's): the next call finds a full bucket,
+        as a new limiter would.  Clients go on with their configuration."""
+        self._open()
+        try:
+            for key in self._stored_keys():
+                self._client.delete(key)
+        except _REDIS_ERRORS as e:
+            raise classify(e, f"redis at {self.url} for limiter {self._name!r}") from e
+
+    def _stored_keys(self) -> Any:
+        return (self.key,)
+
+    def set_rate(self, *args: Any, **kwargs: Any) -> None:
+        """Not supported (``UnsupportedError``): the rate is not stored in Redis."""
+        raise UnsupportedError(
+            type(self).__name__,
+            "set_rate",
+            "the rate is not stored in Redis: every client passes its own to the script, and they "
+            "must agree; create the limiter again with the new rate in every client",
+        )
+
+    def _counters(self) -> Dict[str, int]:
+        """This client's counters, by name (``ClientStats``'s fields)."""
+        with self._lock:
+            return dict(self._counts)
 
     def __reduce__(self) -> Any:
         if not self._own_client:
@@ -357,6 +402,7 @@ class _GcraClient:
 
     def _run(self, steps: Step) -> Any:
         """The sync driver: run ``steps`` to completion on this thread's connection."""
+        self._open()
         op = _resume(steps)
         while op[0] is not _DONE:
             op = _resume(steps, *_outcome(self._do, op))
@@ -369,6 +415,7 @@ class _GcraClient:
 
     async def _run_async(self, steps: Step) -> Any:
         """The async driver: the same steps on this event loop's own connection."""
+        self._open()
         client = self._aclient()
         op = _resume(steps)
         while op[0] is not _DONE:
@@ -609,8 +656,7 @@ class RedisLimiter(_GcraClient):
     def stats(self) -> RedisStats:
         """The shared state (one round trip, writes nothing) and this client's counters."""
         avail, _, backlog, _ = self.call(MODE_PEEK, 1)
-        with self._lock:
-            counts = dict(self._counts)
+        counts = self._counters()
         c = self._config
         return RedisStats(
             name=self._name,

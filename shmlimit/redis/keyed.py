@@ -28,10 +28,11 @@ round trip is the honest design here.
 from __future__ import annotations
 
 import hashlib
-from typing import Optional
+from typing import Any, Optional
 
 from shmlimit.config import NS_PER_S, validate_n
-from shmlimit.redis.direct import MODE_PEEK, _GcraClient
+from shmlimit.protocol import Keyed
+from shmlimit.redis.direct import MODE_PEEK, ClientStats, _GcraClient
 
 #: Longest key, in bytes (as ``KeyedLimiter``).
 MAX_KEY_BYTES = 4096
@@ -50,7 +51,7 @@ def key_digest(key: object) -> str:
     return hashlib.sha256(raw).hexdigest()[:32]
 
 
-class RedisKeyedLimiter(_GcraClient):
+class RedisKeyedLimiter(_GcraClient, Keyed):
     """``rate`` ops per ``per`` seconds for each key, shared through Redis by every client of ``name``.
 
     Methods as ``KeyedLimiter``: ``try_acquire(key, n)``, ``acquire(key, n,
@@ -59,6 +60,7 @@ class RedisKeyedLimiter(_GcraClient):
     ``RedisLimiter`` (``url``, ``burst``, ``grace``, ``clock``, ``timeout``,
     ``max_reserved``, ``client``); errors too (``RedisUnavailableError``,
     ``RedisDataError``).  ``rate``, ``per`` and ``capacity`` are each key's.
+    ``lim[key]`` is one key's limit as a ``shmlimit.RateLimit``.
     """
 
     def redis_key(self, key: object) -> str:
@@ -85,6 +87,18 @@ class RedisKeyedLimiter(_GcraClient):
         """Seconds until ``n`` ops of ``key`` could be granted (0.0: now).  One round trip, writes nothing."""
         validate_n(n, 1)
         return self._run(self._script(MODE_PEEK, n, key=self.redis_key(key)))[1] / NS_PER_S
+
+    def stats(self) -> ClientStats:
+        """Each key's configuration and this client's counters (no round trip: per key, the
+        shared state is ``retry_after``'s)."""
+        self._open()
+        c = self._config
+        return ClientStats(self._name, c.rate, c.per, c.burst, **self._counters())
+
+    def _stored_keys(self) -> Any:
+        """Every key's hash in Redis (``unlink``): a SCAN of the keyspace, on every primary of a
+        cluster, for the keys of this name (its characters are never glob patterns)."""
+        return self._client.scan_iter(match=f"shmlimit:{{{self._name}/*}}:gcra", count=1000)
 
     def __repr__(self) -> str:
         return (
