@@ -253,15 +253,28 @@ VERBS = ("configure", "start", "restart", "stop")
 _SUFFIX = {"K": 1e3, "M": 1e6, "G": 1e9}
 
 
-#: The units of a rate string's window, in seconds ("N/unit", "N/<count>unit").
+#: The units of a rate string's window, in seconds ("N/unit", "N/<count>unit", "N per unit").
+#: ``limits``' own units (second, minute, hour, day, month, year and their plurals) are also
+#: accepted in any case, with its lengths: a month is 30 days, a year 360.
 UNITS = {
     "s": 1.0, "sec": 1.0, "second": 1.0, "seconds": 1.0,
     "m": 60.0, "min": 60.0, "minute": 60.0, "minutes": 60.0,
     "h": 3600.0, "hour": 3600.0, "hours": 3600.0,
     "d": 86400.0, "day": 86400.0, "days": 86400.0,
+    "month": 2_592_000.0, "months": 2_592_000.0,
+    "year": 31_104_000.0, "years": 31_104_000.0,
 }  # fmt: skip
-RATE_FORMS = "'N/unit' or 'N/<count>unit' (e.g. '10/s', '50/5s', '200K/min'; N may end in K, M or G; unit one of s, sec, second, m, min, minute, h, hour, d, day)"
-_WINDOW = re.compile(r"^\s*(\d+(?:\.\d*)?|\.\d+)?\s*([a-z]+)\s*$")
+_LIMITS_UNITS = frozenset(
+    u + plural for u in ("second", "minute", "hour", "day", "month", "year") for plural in ("", "s")
+)
+RATE_FORMS = (
+    "'N/unit', 'N/<count>unit' or 'N per <count> unit' (e.g. '10/s', '50/5s', '200K/min', "
+    "'10 per second', '5 per 2 seconds'; N may end in K, M or G; unit one of s, sec, second, "
+    "m, min, minute, h, hour, d, day, month, year, plurals allowed)"
+)
+_WINDOW = re.compile(r"^\s*(\d+(?:\.\d*)?|\.\d+)?\s*([A-Za-z]+)\s*$")
+#: Between a rate string's count and its window: "/" or the word "per" (``limits``' syntax).
+_PER = re.compile(r"\s*(?:/|per)\s*", re.IGNORECASE)
 
 
 @dataclass(frozen=True)
@@ -299,34 +312,54 @@ def carried_per(rate: object) -> Optional[float]:
 
 
 def parse_rate(text: str, param: str = "rate") -> Tuple[float, float]:
-    """Parse a rate string ``"N/unit"`` into ``(rate, per)``: ``"10/s"`` is (10, 1.0),
-    ``"50/5s"`` (50, 5.0), ``"200K/min"`` (200000, 60.0), ``"5000/h"`` (5000, 3600.0).
+    """Parse a rate string into ``(rate, per)``: ``"10/s"`` is (10, 1.0), ``"50/5s"`` (50, 5.0),
+    ``"200K/min"`` (200000, 60.0), ``"5000/h"`` (5000, 3600.0); and ``limits``' syntax, as
+    Flask-Limiter users write it: ``"10 per second"`` (10, 1.0), ``"5 per 2 seconds"`` (5, 2.0),
+    ``"10/minute"`` (10, 60.0).
 
-    A bare number (``"12K"``) is ops per second: (12000, 1.0).  Anything else
-    raises ValueError naming ``param`` and the allowed forms.
+    A bare number (``"12K"``) is ops per second: (12000, 1.0).  Anything else raises ValueError
+    naming ``param`` and the allowed forms.
+
+    Every string ``limits.parse`` also accepts gives the same amount and window (tested).  What
+    differs: ``limits`` allows ``amount`` hits in each window (its strategies count them), while a
+    ``Limiter`` spreads them evenly, ``amount / window`` ops per second, with a burst of 10 ms of
+    schedule (at least one op) unless ``burst=`` says more: ``burst=10`` for ``"10/minute"``
+    gives its 10 at once.  Here the count may be fractional or end in K, M or G, the window may
+    be fractional and the short units (s, m, h, d) are accepted; a count or window of 0 is
+    refused (``limits`` reads a window of 0 as 1).  Several rates (``limits.parse_many``) go in
+    ``rates=`` (``rate_group.rates_from_text``).
     """
     if not isinstance(text, str):
         raise TypeError(
             f"{param} must be a number or a string {RATE_FORMS}, not {type(text).__name__}"
         )
-    count, sep, window = text.partition("/")
+    if any(sep in text for sep in ";|"):
+        raise ValueError(
+            f"{param} holds one rate, got {text!r}: several rates taken together go in rates= "
+            "(e.g. rates='10/minute; 100/hour')"
+        )
+    count, *rest = _PER.split(text, maxsplit=1)
     try:
         n = _spec_number(count, "the count", text)
     except ValueError:
         raise ValueError(
             f"{param} must be a positive number or {RATE_FORMS}; got {text!r}"
         ) from None
-    if not sep:
+    if not rest:
         return n, 1.0
+    window = rest[0]
     m = _WINDOW.match(window)
-    if m is None or m.group(2) not in UNITS:
+    unit = None if m is None else m.group(2)
+    if unit is not None and unit not in UNITS and unit.lower() in _LIMITS_UNITS:
+        unit = unit.lower()  # limits' units in any case: "10/Minute"; the short ones as written
+    if unit not in UNITS:
         raise ValueError(
             f"{param} {text!r}: the window must be {RATE_FORMS}; got {window.strip()!r}"
         )
     k = 1.0 if m.group(1) is None else float(m.group(1))
     if not math.isfinite(k) or k <= 0:
         raise ValueError(f"{param} {text!r}: the window's count must be > 0, got {m.group(1)!r}")
-    return n, k * UNITS[m.group(2)]
+    return n, k * UNITS[unit]
 
 
 def _spec_number(text: str, what: str, spec: str) -> float:
@@ -366,7 +399,7 @@ def parse_spec(spec: str) -> RateSpec:
             f"rate spec must look like 'rate[,ratio][,verb]' with verb one of {', '.join(VERBS)}; got {spec!r}"
         )
     per = None
-    if "/" in parts[0]:
+    if _PER.search(parts[0]):
         rate, per = parse_rate(parts[0])
     else:
         rate = _spec_number(parts[0], "rate", spec)

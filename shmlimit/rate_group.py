@@ -24,26 +24,35 @@ MAX_RATES = 16
 RateValue = Union[str, float, int, Tuple[Any, Any]]
 
 
+#: Between the items of ``rates=`` written as one string: ``limits``' separators.
+_SEPARATORS = re.compile(r"[;,|]")
+
+
 def rates_from_text(text: str) -> Union[List[RateValue], Dict[str, RateValue]]:
-    """``rates=`` written as one string, items separated by ``;``: ``"5000/h; 100/min"`` (a list),
+    """``rates=`` written as one string, items separated by ``;`` (or ``,`` or ``|``, as
+    ``limits.parse_many`` reads them): ``"5000/h; 100/min"`` and ``"10/minute;100/hour"`` (a list),
     ``"requests=500/min; tokens=200K/min burst=20K"`` (a dict: every item named, or none).  Each
-    item is a rate string, with an optional ``burst=N`` (ops; K/M/G suffixes)."""
-    items = [part.strip() for part in text.split(";")]
+    item is a rate string (``config.parse_rate``: ``"10 per second"`` too), with an optional
+    ``burst=N`` (ops; K/M/G suffixes)."""
+    items = [part.strip() for part in _SEPARATORS.split(text)]
     if not all(items):
         raise ValueError(f"rates: items are separated by ';' and none may be empty, got {text!r}")
     named: Dict[str, RateValue] = {}
     listed: List[RateValue] = []
     for item in items:
-        words = item.split()
-        if len(words) > 2 or (len(words) == 2 and not words[1].startswith("burst=")):
+        body, _, last = item.rpartition(" ")
+        if not last.startswith("burst="):
+            body, last = item, ""
+        key, sep, rate = body.rpartition("=")
+        key, rate = key.strip(), rate.strip()
+        if "burst=" in body or not rate:
             raise ValueError(f"rates: each item is [name=]RATE [burst=N], got {item!r}")
-        key, sep, rate = words[0].rpartition("=")
         value: RateValue = rate
-        if len(words) == 2:
-            burst, per = parse_rate(words[1][len("burst=") :], "burst")
+        if last:
+            burst, per = parse_rate(last[len("burst=") :], "burst")
             if per != 1.0:
                 raise ValueError(
-                    f"rates: a burst is a number of ops (e.g. burst=20K), got {words[1]!r}"
+                    f"rates: a burst is a number of ops (e.g. burst=20K), got {last!r}"
                 )
             value = (rate, burst)
         if sep:

@@ -6,6 +6,7 @@ from support.procs import run_cli as run
 
 import shmlimit
 from shmlimit.config import Config, parse_rate
+from shmlimit.rate_group import parse_rates
 
 
 @pytest.mark.parametrize(
@@ -117,3 +118,102 @@ def test_cli_create_and_set_rate_take_rate_strings(name):
         lim.close()
     r = run("set-rate", name, "10/fortnight")
     assert r.returncode == 2 and "N/unit" in r.stderr and "Traceback" not in r.stderr
+
+
+# ---- limits' syntax: "10 per second", "5 per 2 seconds", "10/minute;100/hour" -------------------
+
+
+def _limits_strings():
+    """Many strings in limits' notation, and near misses: every unit (singular, plural, any
+    case), '/' and 'per' with and without spaces, with and without a count of units."""
+    out = []
+    for amount in ("1", "5", "10", "2500", "0"):
+        for sep in ("/", " / ", " per ", "per", " PER ", "  per  "):
+            for multiple in ("", "1 ", "2 ", "30 ", "0 ", "2"):
+                for unit in ("second", "seconds", "Minute", "minutes", "HOUR", "hours", "day",
+                             "Days", "DAY", "month", "months", "year", "years", "s", "min", "fortnight"):  # fmt: skip
+                    out.append(f"{amount}{sep}{multiple}{unit}")
+    return out
+
+
+def test_every_string_both_parsers_accept_gives_limits_amount_and_window():
+    limits = pytest.importorskip("limits")
+    from limits.util import SINGLE_EXPR
+
+    both = 0
+    for text in _limits_strings():
+        try:
+            item = limits.parse(text)
+        except ValueError:
+            continue
+        try:
+            got = parse_rate(text)
+        except ValueError:
+            # refused here only where parse_rate's docstring says: a count or a window of 0
+            amount, _, multiples, _ = SINGLE_EXPR.match(text).groups()
+            assert int(amount) == 0 or (multiples is not None and int(multiples) == 0), text
+            continue
+        assert got == (float(item.amount), float(item.get_expiry())), text
+        assert Config.make(text).ops_per_second == item.amount / item.get_expiry(), text
+        both += 1
+    assert both > 1000  # the strings above exercise both parsers
+
+
+@pytest.mark.parametrize(
+    "text",
+    ["10/minute;100/hour", "10 per second; 5 per 2 seconds", "1/second,5/minute|100/day",
+     "2 per 3 hours;1/Day"],
+)  # fmt: skip
+def test_several_rates_parse_as_limits_parse_many(text):
+    limits = pytest.importorskip("limits")
+    keys, cfgs, named = parse_rates("x", text)
+    want = [(float(i.amount), float(i.get_expiry())) for i in limits.parse_many(text)]
+    assert [(c.rate, c.per) for c in cfgs] == want and not named
+
+
+def test_limits_syntax_wherever_a_rate_is_accepted(name, cleanup):
+    lim = shmlimit.Limiter(name, rate="10 per second")
+    cleanup.append(lim)
+    assert (lim.rate, lim.per) == (10, 1.0)
+    lim2 = shmlimit.Limiter(name + "-2", rate="5 per 2 seconds")
+    cleanup.append(lim2)
+    assert (lim2.rate, lim2.per) == (5, 2.0)
+    multi = shmlimit.Limiter(name + "-m", rates="10/minute;100/hour")
+    cleanup.append(multi)
+    assert [(c.rate, c.per) for c in multi.configs.values()] == [(10, 60.0), (100, 3600.0)]
+    keyed = shmlimit.KeyedLimiter(name + "-k", rate="3 per 2 minutes", keys=100)
+    cleanup.append(keyed)
+    assert (keyed.rate, keyed.per) == (3, 120.0)
+
+    @shmlimit.throttle(name + "-t", rate="2 per Hour", on_limit="skip")
+    def call():
+        return "ran"
+
+    try:
+        assert [call(), call()] == ["ran", None]  # a burst of one op: the second waits 30 min
+        assert (call.limiter().rate, call.limiter().per) == (2, 3600.0)
+    finally:
+        call.limiter().close()
+        shmlimit.unlink(name + "-t")
+    with pytest.raises(ValueError, match="rates="):
+        shmlimit.Limiter(name + "-x", rate="10/minute;100/hour")
+    assert name + "-x" not in shmlimit.list_names()
+
+
+def test_cli_takes_limits_syntax(name):
+    r = run("create", name, "--rate", "5 per 2 seconds")
+    try:
+        assert r.returncode == 0, r.stderr
+        assert "rate=5 per=2s" in r.stdout
+    finally:
+        shmlimit.unlink(name)
+    r = run("create", name, "--rates", "10/minute;100/hour")
+    try:
+        assert r.returncode == 0, r.stderr
+        assert [line.split()[2:4] for line in r.stdout.splitlines()] == [
+            ["rate=10", "per=60s"],
+            ["rate=100", "per=3600s"],
+        ]
+    finally:
+        for key in ("0", "1"):
+            shmlimit.unlink(f"{name}.{key}")
