@@ -50,8 +50,13 @@ from shmlimit.registry import Registry
 from shmlimit.shm import inflight
 from shmlimit.shm import layout as L
 from shmlimit.shm.cells import MASK64, Cells, multi_gate
-from shmlimit.shm.segment import Segment, check_trust, current_inode, validate_name
-from shmlimit.shm.segment import unlink as unlink_name
+from shmlimit.shm.segment import (
+    Segment,
+    check_trust,
+    claim_and_unlink,
+    gone,
+    validate_name,
+)
 from shmlimit.shm.table import (
     OwnerWatch,
     ProcessTable,
@@ -377,10 +382,7 @@ class Attachment:
         self.update_fast()
 
     def _gone(self) -> bool:  # collected (or going), or its name unlinked or another segment's now
-        return (
-            self.cells.load(L.STATE_OFF) != L.STATE_READY
-            or current_inode(self.seg.name) != self.seg.inode
-        )
+        return gone(self.seg.name, self.seg.inode, self.cells)
 
     def _leave(self) -> None:
         """Give this process's slot back, keeping the mapping (it registers again on its next use)."""
@@ -571,20 +573,7 @@ def collect(name: str) -> bool:
         name, None, None, join=False
     )  # no trust check: it only unlinks, as the filesystem allows
     try:
-        c = att.cells
-
-        if in_use(att) or not c.cas(L.STATE_OFF, L.STATE_READY, L.STATE_DOOMED):
-            return False
-        if in_use(att):
-            c.cas(L.STATE_OFF, L.STATE_DOOMED, L.STATE_READY)
-            return False
-        if current_inode(name) == att.seg.inode:
-            try:
-                unlink_name(name)
-            except LimiterNotFoundError:
-                return False
-            return True
-        return False
+        return claim_and_unlink(name, att.seg.inode, att.cells, lambda: in_use(att))
     finally:
         att.detach()
 

@@ -26,6 +26,7 @@ from shmlimit.redis.spec import UpstreamSpec
 from shmlimit.shm import layout as L
 from shmlimit.shm.cells import Cells, open_cells, warm_backend
 from shmlimit.shm.segment import (
+    DOOMED_WAIT,
     INIT_WAIT,
     LIVE_CREATOR_WAIT,
     Segment,
@@ -35,9 +36,6 @@ from shmlimit.shm.segment import (
 )
 from shmlimit.shm.segment import unlink as unlink_name
 from shmlimit.shm.table import is_alive
-
-#: A segment left claimed by a garbage collector this long (seconds) lost its collector.
-DOOMED_WAIT = 2.0
 
 
 @dataclass(frozen=True)

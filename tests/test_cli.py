@@ -142,3 +142,68 @@ def test_create_several_rates_mistakes(name, args):
     r = run("create", name, *args)
     assert r.returncode == 2 and "Traceback" not in r.stderr and r.stderr.strip()
     assert not [n for n in shmlimit.list_names() if n.startswith(name)]
+
+
+def test_version_is_the_packages_one_and_python_m_shmlimit_runs_the_command():
+    import subprocess
+    import sys
+
+    from support.procs import WORKDIR
+
+    r = run("--version")
+    assert r.returncode == 0 and r.stdout.strip() == f"shmlimit {shmlimit.__version__}"
+    m = subprocess.run(
+        [sys.executable, "-m", "shmlimit", "--help"], capture_output=True, text=True, cwd=WORKDIR
+    )
+    assert m.returncode == 0 and m.stdout.startswith("usage: shmlimit ")
+    assert "create" in m.stdout and "gc" in m.stdout
+    v = subprocess.run(
+        [sys.executable, "-m", "shmlimit", "--version"], capture_output=True, text=True, cwd=WORKDIR
+    )
+    assert v.stdout == r.stdout
+
+
+def test_create_says_what_it_changed_old_then_new(name):
+    assert (
+        run("create", name, "--rate", "10/s").stdout == f"created: {name} rate=10 per=1s burst=1\n"
+    )
+    assert (
+        run("create", name, "--rate", "10/s").stdout == f"exists: {name} rate=10 per=1s burst=1\n"
+    )
+    r = run("create", name, "--rate", "50/s", "--burst", "5")
+    assert r.returncode == 0 and r.stdout == (
+        f"changed: {name} rate=10 per=1s burst=1 -> rate=50 per=1s burst=5 (no live process used it)\n"
+    )
+    assert (shmlimit.inspect(name).rate, shmlimit.inspect(name).capacity) == (50, 5)
+    lim = shmlimit.attach(name)  # a live user: its settings are never changed by create
+    try:
+        r = run("create", name, "--rate", "70/s")
+        assert r.returncode == 2 and "rate=50" in r.stderr and "Traceback" not in r.stderr
+        assert shmlimit.inspect(name).rate == 50
+    finally:
+        lim.close()
+
+
+def test_create_keys_makes_a_keyed_limiter(name):
+    r = run("create", name, "--rate", "5 per minute", "--keys", "1000")
+    assert r.returncode == 0, r.stderr
+    assert r.stdout == f"created: {name} rate=5 per=60s burst=1 keys=1000\n"
+    s = shmlimit.inspect(name)
+    assert s.kind == "keyed" and s.slots == 1000 and (s.rate, s.per) == (5, 60.0)
+    r = run("create", name, "--rate", "6/min", "--keys", "1000")
+    assert r.stdout == (
+        f"changed: {name} rate=5 per=60s burst=1 keys=1000 -> rate=6 per=60s burst=1 keys=1000"
+        " (no live process used it)\n"
+    )
+    r = run("create", name, "--rate", "6/min", "--keys", "2000")  # the size is fixed: refused
+    assert r.returncode == 2 and "keys=1000" in r.stderr and "Traceback" not in r.stderr
+    r = run("create", name + "-m", "--rates", "a=1/s; b=2/min", "--keys", "100")
+    try:
+        assert r.returncode == 0, r.stderr
+        assert r.stdout.splitlines() == [
+            f"created: {name}-m.a rate=1 per=1s burst=1 keys=100",
+            f"created: {name}-m.b rate=2 per=60s burst=1 keys=100",
+        ]
+    finally:
+        for key in ("a", "b"):
+            shmlimit.unlink(f"{name}-m.{key}")

@@ -4,11 +4,12 @@ import json
 import os
 import select
 import signal
+import subprocess
 import sys
 import time
 
 import pytest
-from support.procs import ROOT, start_on_terminal, wait_exit
+from support.procs import CLI, ROOT, WORKDIR, start_on_terminal, wait_exit
 from support.procs import run_cli as cli
 from support.procs import start_acquirer as start_worker
 from support.segments import run_tools_on
@@ -143,3 +144,60 @@ def test_inspecting_never_registers_or_changes_anything(name):
 def test_top_mistakes_exit_2_without_traceback(args):
     r = cli(*args)
     assert r.returncode == 2 and "Traceback" not in r.stderr and r.stderr.strip()
+
+
+def _records(n_live, n_stale):
+    """Snapshots as the Inspector makes them: ``n_live`` limiters in use, the i-th at i grants per
+    second, and ``n_stale`` that no live process uses."""
+    out = []
+    for i in range(n_live + n_stale):
+        stale = i >= n_live
+        out.append(
+            {"name": f"lim-{i:03d}-" + "x" * 40, "kind": "", "rate": 100.0, "per": 1.0,
+             "grants": i, "grants_per_second": float(i) if not stale else 0.0, "history": [1.0, 2.0],
+             "stale": stale, "stopped": False,
+             "processes": [] if stale else [{"alive": True, "pid": 1, "grants": i}]}
+        )  # fmt: skip
+    return out
+
+
+def test_table_fits_sorts_by_activity_and_hides_the_stale():
+    from shmlimit.cli.top import table
+
+    text = table(_records(50, 10), 1.0, width=80, height=24)
+    lines = text.splitlines()
+    assert len(lines) == 24 and max(map(len, lines)) <= 80
+    assert lines[1].split()[:3] == ["NAME", "KIND", "RATE"]  # the header
+    rows = lines[2:-1]
+    assert [r.split()[0][:7] for r in rows] == [f"lim-{i:03d}" for i in range(49, 28, -1)]
+    assert lines[-1] == "... 29 more below, 10 stale hidden (--all shows them)"
+    shown = table(_records(50, 10), 1.0, width=80, height=None, show_stale=True).splitlines()
+    assert len(shown) == 62 and sum("STALE" in line for line in shown) == 10
+    assert max(map(len, table(_records(3, 0), 1.0, width=40).splitlines())) <= 40
+
+
+def test_top_once_fits_80_by_24_with_60_limiters(name):
+    """Whatever else the machine holds, the view is at most LINES lines of COLUMNS characters;
+    the busiest limiter (this test's one in use) comes first."""
+    lims = [
+        shmlimit.Limiter(f"{name}-{i:02d}-a-long-descriptive-name", rate=100) for i in range(60)
+    ]
+    worker = start_worker(lims[37].name)
+    env = dict(os.environ, COLUMNS="80", LINES="24")
+    try:
+        for extra in ([], ["--all"]):
+            r = subprocess.run(
+                [*CLI, "top", "--once", "--interval", "1.0", *extra],
+                env=env, capture_output=True, text=True, timeout=120, cwd=WORKDIR,
+            )  # fmt: skip
+            lines = r.stdout.splitlines()
+            assert r.returncode == 0, r.stderr
+            assert len(lines) <= 24 and max(map(len, lines)) <= 80, r.stdout
+            assert lines[1].startswith("NAME") and lines[-1].startswith("... ")
+            assert lines[2].startswith(f"{name}-37"[:19]), r.stdout  # the busiest first
+    finally:
+        worker.kill()
+        worker.wait()
+        for lim in lims:
+            lim.close()
+            lim.unlink()

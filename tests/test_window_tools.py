@@ -180,29 +180,19 @@ def test_forked_users_are_listed_on_first_use_and_a_killed_one_as_dead(table, na
             os.close(fd)
 
 
-def test_gc_and_doctor_say_what_they_do_with_unused_keyed_tables(name, monkeypatch):
+def test_gc_and_doctor_count_unused_keyed_tables_as_stale(name, monkeypatch):
     from shmlimit.cli import doctor
 
     windows, keyed = name + "-w", name + "-k"
     WindowTable(windows, keys=64).close()  # no process uses either now
     shmlimit.KeyedLimiter(keyed, rate=10, keys=64).close()
-    try:
-        for args in (("gc", "--dry-run"), ("gc",)):  # over this test's segments only (see test_top)
-            out = run_tools_on(monkeypatch, name, *args)[1]
-            assert f"stale: {windows}" not in out and f"removed: {windows}" not in out
-            assert (
-                f"left alone (a table of window counters, no live process: 'shmlimit unlink {windows}' removes it)"
-                in out
-            )
-            assert (
-                f"left alone (a keyed limiter, no live process: 'shmlimit unlink {keyed}' removes it)"
-                in out
-            )
-            assert {windows, keyed} <= set(shmlimit.list_names())
-        [found] = doctor.check_segments(names=[windows, keyed])  # neither unreadable nor for gc
-        assert found.level == "warn" and found.message == (
-            f"2 keyed table(s) no live process uses ({windows}, {keyed}): 'shmlimit unlink NAME' removes one"
-        )
-    finally:
-        shmlimit.unlink(windows)
-        shmlimit.unlink(keyed)
+    [found] = doctor.check_segments(names=[windows, keyed])  # neither unreadable
+    assert found.level == "warn" and found.message == (
+        f"2 limiter(s) no live process uses ({windows}, {keyed}): 'shmlimit gc' removes them"
+    )
+    out = run_tools_on(monkeypatch, name, "gc", "--dry-run")[1]  # this test's segments only
+    assert f"stale: {windows}" in out and f"stale: {keyed}" in out and "2 stale, 0 in use" in out
+    assert {windows, keyed} <= set(shmlimit.list_names())
+    out = run_tools_on(monkeypatch, name, "gc")[1]
+    assert f"removed: {windows}" in out and f"removed: {keyed}" in out
+    assert not {windows, keyed} & set(shmlimit.list_names())

@@ -318,17 +318,15 @@ def check_segments(shm_dir: str = SHM_DIR, names: Optional[List[str]] = None) ->
             names = list_names()
         except (ShmlimitError, OSError):
             return []
-    stale, unused, unreadable = [], [], []
+    stale, unreadable = [], []
     for n in names:
         try:
             s = inspect(n)
         except (ShmlimitError, OSError, ValueError):
             unreadable.append(n)
             continue
-        if not any(p.alive for p in s.processes):
-            # gc removes only a Limiter's segment; a keyed one (a KeyedLimiter's, or the window
-            # counters of the limits storage) is removed by unlink
-            (unused if getattr(s, "kind", "") in ("keyed", "windows") else stale).append(n)
+        if not any(p.alive for p in s.processes):  # gc removes it, whatever its kind
+            stale.append(n)
     out = []
     if stale:
         out.append(
@@ -338,16 +336,6 @@ def check_segments(shm_dir: str = SHM_DIR, names: Optional[List[str]] = None) ->
                 f"{len(stale)} limiter(s) no live process uses "
                 f"({', '.join(stale[:5])}{', ...' if len(stale) > 5 else ''}): "
                 "'shmlimit gc' removes them",
-            )
-        )
-    if unused:
-        out.append(
-            Finding(
-                WARN,
-                "limiters",
-                f"{len(unused)} keyed table(s) no live process uses "
-                f"({', '.join(unused[:5])}{', ...' if len(unused) > 5 else ''}): "
-                "'shmlimit unlink NAME' removes one",
             )
         )
     if unreadable:

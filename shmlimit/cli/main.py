@@ -15,12 +15,15 @@ import time
 from dataclasses import asdict
 from typing import Callable, Iterator, Optional, Sequence, Tuple
 
+from shmlimit import __version__
 from shmlimit.attachment import collect
 from shmlimit.cli.metrics import MAX_SEGMENTS
 from shmlimit.cli.top import printable
 from shmlimit.cli.top import run as run_top
 from shmlimit.config import parse_spec
 from shmlimit.errors import ShmlimitError
+from shmlimit.keyed.limiter import KeyedLimiter
+from shmlimit.keyed.segment import collect as collect_keyed
 from shmlimit.keyed.stats import KeyedStats
 from shmlimit.kinds import inspect
 from shmlimit.limiter import Limiter, unlink
@@ -243,37 +246,81 @@ def cmd_inspect(args: argparse.Namespace) -> int:
     return 0
 
 
+def _settings(s: "Stats | KeyedStats") -> str:
+    """What ``create`` sets on a limiter, as ``Config.describe`` words it (a keyed one: per key)."""
+    out = f"rate={s.rate:g} per={s.per:g}s burst={s.capacity:g}"
+    if isinstance(s, KeyedStats):
+        return out + f" keys={s.slots}"
+    return out + (f" ratio={s.ratio:g}" if s.ratio != 1.0 else "") + (" capped" if s.capped else "")
+
+
+def _before(name: str) -> "Optional[Stats | KeyedStats]":
+    """The limiter's settings before ``create`` opens it (None: there is none, or it is unreadable,
+    which opening it reports)."""
+    try:
+        return inspect(name)
+    except (ShmlimitError, OSError):
+        return None
+
+
+def _created(
+    name: str, before: "Optional[Stats | KeyedStats]", after: "Optional[Stats | KeyedStats]" = None
+) -> str:
+    """One line: created, exists (unchanged), or changed (old settings, then new); ``after`` is
+    what the limiter holds now (read when not given)."""
+    now = _settings(inspect(name) if after is None else after)
+    if before is None:
+        return printable(f"created: {name} {now}")
+    if _settings(before) == now:
+        return printable(f"exists: {name} {now}")
+    return printable(f"changed: {name} {_settings(before)} -> {now} (no live process used it)")
+
+
 def cmd_create(args: argparse.Namespace) -> int:
-    if args.rates is not None:  # several rates: one segment, each rate NAME[KEY] (see multirate)
+    """Create a limiter, or open the existing one: unchanged, or changed to these settings when no
+    live process uses it (a live one's settings are never changed here: a mismatch exits 2)."""
+    mode = int(args.mode, 8)
+    kind = KeyedLimiter if args.keys is not None else Limiter
+    extra = {} if args.keys is None else {"keys": args.keys}
+    if (
+        args.rates is not None
+    ):  # several rates: a group (one segment), or one keyed segment per rate
         if args.per != 1.0 or args.burst is not None:
             raise UserError(
                 "--per and --burst go with --rate; with --rates each item carries its window "
                 "and its burst: 'requests=500/min; tokens=200K/min burst=20K'"
             )
-        multi = Limiter(
-            args.name, rates=args.rates, mode=int(args.mode, 8), trusted_uids=args.trust_uid
-        )
+        keys = parse_rates(args.name, args.rates)[0]
+        if kind is KeyedLimiter:  # one keyed segment per rate: NAME.KEY
+            labels = {k: f"{args.name}.{k}" for k in keys}
+            before = {k: _before(labels[k]) for k in keys}
+        else:  # one segment, its rates NAME[KEY]
+            labels = {k: f"{args.name}[{k}]" for k in keys}
+            group = _before(args.name)
+            rates = group.rates if isinstance(group, MultiStats) else {}
+            before = {k: rates.get(k) for k in keys}
+        multi = kind(args.name, rates=args.rates, mode=mode, trusted_uids=args.trust_uid, **extra)
         try:
-            created, configs = multi.created, multi.configs
-            for key in multi.keys:
-                print(
-                    printable(
-                        f"{'created' if created[key] else 'exists'}: {args.name}[{key}] {configs[key].describe()}"
-                    )
-                )
+            now = None if kind is KeyedLimiter else inspect(args.name).rates
+            for k in keys:
+                print(_created(labels[k], before[k], None if now is None else now[k]))
         finally:
             multi.close()
         return 0
-    lim = Limiter(
+    before1 = _before(args.name)
+    lim = kind(
         args.name,
         rate=args.rate,
         per=args.per,
         burst=args.burst,
-        mode=int(args.mode, 8),
+        mode=mode,
         trusted_uids=args.trust_uid,
+        **extra,
     )
-    print(f"{'created' if lim.created else 'exists'}: {args.name} {lim.config.describe()}")
-    lim.close()
+    try:
+        print(_created(args.name, before1))
+    finally:
+        lim.close()
     return 0
 
 
@@ -306,7 +353,7 @@ def cmd_top(args: argparse.Namespace) -> int:
     """The live view (see shmlimit.cli.top)."""
     for n in args.names:
         _inspect(n)  # an unknown name is a user error, reported before the first refresh
-    return run_top(args.names or None, args.interval, args.once, args.json)
+    return run_top(args.names or None, args.interval, args.once, args.json, show_stale=args.all)
 
 
 def cmd_metrics(args: argparse.Namespace) -> int:
@@ -399,28 +446,19 @@ def cmd_gc(args: argparse.Namespace) -> int:
         if any(p.alive for p in s.processes):
             kept += 1
             continue
-        if isinstance(
-            s, KeyedStats
-        ):  # its openers do not check for a collector: removing it could orphan one
-            what = "a table of window counters" if s.kind == "windows" else "a keyed limiter"
-            print(
-                printable(
-                    f"left alone ({what}, no live process: 'shmlimit unlink {n}' removes it): {n}"
-                )
-            )
-            kept += 1
-            continue
         if args.dry_run:
             print(f"stale: {n}")
         else:
+            # every kind: claims the segment, checks again, then unlinks, so that a process
+            # attaching meanwhile is kept (shm.segment.claim_and_unlink)
             try:
-                # claims the segment, checks again, then unlinks: a process attaching meanwhile is kept
-                if not collect(n):
+                if not (collect_keyed if isinstance(s, KeyedStats) else collect)(n):
                     kept += 1
                     continue
-                print(f"removed: {n}")
-            except (ShmlimitError, OSError):
+            except (ShmlimitError, OSError) as e:
+                print(printable(f"left alone (unreadable): {n}: {e}"))
                 continue
+            print(f"removed: {n}")
         removed += 1
     verb = "stale" if args.dry_run else "removed"
     print(f"{removed} {verb}, {kept} in use")
@@ -488,6 +526,7 @@ def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         prog="shmlimit", description="Rate limits shared by processes through shared memory."
     )
+    p.add_argument("--version", action="version", version=f"shmlimit {__version__}")
     sub = p.add_subparsers(dest="command", metavar="COMMAND")
     sub.required = True
 
@@ -521,7 +560,11 @@ def build_parser() -> argparse.ArgumentParser:
     )
     i.set_defaults(func=cmd_inspect)
 
-    c = sub.add_parser("create", help="create a limiter (or check that it exists with this config)")
+    c = sub.add_parser(
+        "create",
+        help="create a limiter; an existing one no live process uses takes these settings "
+        "(printed: old -> new)",
+    )
     c.add_argument("name")
     which = c.add_mutually_exclusive_group(required=True)
     which.add_argument(
@@ -538,6 +581,13 @@ def build_parser() -> argparse.ArgumentParser:
     )
     c.add_argument("--per", type=_positive(float), default=1.0, help="seconds (default 1)")
     c.add_argument("--burst", type=_positive(float), default=None, help="capacity in ops")
+    c.add_argument(
+        "--keys",
+        type=_positive(int),
+        default=None,
+        metavar="N",
+        help="a keyed limiter: the rate for each key, in a table of N key slots",
+    )
     c.add_argument("--mode", default="600", help="permission bits in octal (default 600)")
     c.add_argument(
         "--trust-uid",
@@ -582,7 +632,9 @@ def build_parser() -> argparse.ArgumentParser:
     r.set_defaults(func=cmd_set_rate)
 
     t = sub.add_parser(
-        "top", help="the live view of every limiter (or the ones named), refreshing in place"
+        "top",
+        help="the live view, refreshing in place: every limiter, busiest first, in one table "
+        "that fits the terminal (COLUMNS and LINES when set); or the ones named, in detail",
     )
     t.add_argument("names", nargs="*", metavar="NAME")
     t.add_argument(
@@ -595,6 +647,11 @@ def build_parser() -> argparse.ArgumentParser:
         "--once", action="store_true", help="print one snapshot (rates over one interval) and exit"
     )
     t.add_argument("--json", action="store_true", help="one JSON object per refresh, one per line")
+    t.add_argument(
+        "--all",
+        action="store_true",
+        help="also the stale limiters (no live process), hidden from the table by default",
+    )
     t.set_defaults(func=cmd_top)
 
     m = sub.add_parser(

@@ -20,6 +20,7 @@ live process attached); or, for a segment that cannot be read, just
 from __future__ import annotations
 
 import json
+import os
 import sys
 import time
 from collections import deque
@@ -155,8 +156,116 @@ class Inspector:
         return d
 
 
-def render(records: List[dict], interval: float) -> str:
-    """The live view as text."""
+def terminal_size(out) -> Tuple[Optional[int], Optional[int]]:
+    """(columns, lines) to fit the view to: ``COLUMNS``/``LINES`` when set, else the terminal's
+    when ``out`` is one; None for a dimension not known (a pipe: nothing is cut)."""
+    size = None
+    try:
+        if out.isatty():
+            size = os.get_terminal_size(out.fileno())
+    except (AttributeError, OSError, ValueError):
+        size = None
+    dims: List[Optional[int]] = []
+    for var, i in (("COLUMNS", 0), ("LINES", 1)):
+        try:
+            v = int(os.environ.get(var, ""))
+        except ValueError:
+            v = 0
+        dims.append(v if v > 0 else (size[i] if size is not None else None))
+    return dims[0], dims[1]
+
+
+def _activity(r: dict) -> Tuple[int, float, int, str]:
+    """The sort key of the table: the busiest first (grants per second, then grants), unreadable
+    segments last."""
+    if "error" in r:
+        return (1, 0.0, 0, r["name"])
+    return (0, -(r.get("grants_per_second") or 0.0), -r.get("grants", 0), r["name"])
+
+
+def _rate_of(r: dict) -> str:
+    if r.get("kind") == "windows":
+        return "(limits)"
+    return f"{r['rate']:g}/{r['per']:g}s"
+
+
+def _state_of(r: dict) -> str:
+    if "error" in r:
+        return "UNREADABLE"
+    dead = sum(not p["alive"] for p in r["processes"])
+    state = "STALE" if r["stale"] else "STOPPED" if r.get("stopped") else "ok"
+    return state + (f" {dead} dead" if dead else "")
+
+
+def table(
+    records: List[dict],
+    interval: float,
+    width: Optional[int] = None,
+    height: Optional[int] = None,
+    show_stale: bool = False,
+) -> str:
+    """The whole machine's view: a title, a header, one line per limiter, busiest first; stale
+    limiters hidden unless ``show_stale``; cut to ``width`` columns and ``height`` lines, with a
+    count of the limiters not shown."""
+    shown = sorted(
+        (r for r in records if show_stale or "error" in r or not r["stale"]), key=_activity
+    )
+    stale = len(records) - len(shown)
+    room = len(shown) if height is None else max(0, height - 3)  # title, header, what is left
+    rows, rest = shown[:room], len(shown) - min(room, len(shown))
+    title = (
+        f"shmlimit top {time.strftime('%H:%M:%S')}, every {interval:g} s: {len(records)} limiter(s)"
+    )
+    kinds = {"keyed": "keyed", "windows": "shm://"}
+    fixed = 7 + 13 + 11 + 6 + 14  # kind, rate, grants/s, procs and state, with their spaces
+    name_w = max(12, (width or 80) - fixed - 1 - 8)  # 8 columns of history when room allows
+    spark_w = max(0, (width or 80) - fixed - 1 - name_w)
+    lines = [
+        title,
+        f"{'NAME':{name_w}} {'KIND':6} {'RATE':>12} {'GRANTS/S':>10} {'PROCS':>5} {'STATE':13} "
+        + ("HISTORY" if spark_w >= 7 else ""),
+    ]
+    for r in rows:
+        name = r["name"] if len(r["name"]) <= name_w else r["name"][: name_w - 1] + "~"
+        if "error" in r:
+            lines.append(f"{name:{name_w}} {'?':6} {'-':>12} {'-':>10} {'-':>5} {_state_of(r):13}")
+            continue
+        gps = r["grants_per_second"]
+        alive = sum(p["alive"] for p in r["processes"])
+        lines.append(
+            f"{name:{name_w}} {kinds.get(r.get('kind', ''), 'plain'):6} {_rate_of(r)[:12]:>12} "
+            f"{'-' if gps is None else f'{gps:,.1f}':>10} {alive:>5} {_state_of(r)[:13]:13} "
+            f"{sparkline(r['history'][-spark_w:]) if spark_w else ''}"
+        )
+    if not records:
+        lines.append("no shmlimit limiters on this machine")
+    hidden = []
+    if rest:
+        hidden.append(f"{rest} more below")
+    if stale:
+        hidden.append(f"{stale} stale hidden (--all shows them)")
+    if hidden:
+        lines.append("... " + ", ".join(hidden))
+    return "".join(_fit(printable(line.rstrip()), width) + "\n" for line in lines)
+
+
+def _fit(line: str, width: Optional[int]) -> str:
+    return line if width is None or len(line) <= width else line[: max(0, width - 1)] + "~"
+
+
+def render(
+    records: List[dict], interval: float, width: Optional[int] = None, height: Optional[int] = None
+) -> str:
+    """The detailed view of the limiters named, cut to ``width`` columns and ``height`` lines."""
+    text = _details(records, interval)
+    lines = [_fit(line, width) for line in text.splitlines()]
+    if height is not None and len(lines) > height:
+        cut = len(lines) - (height - 1)
+        lines = lines[: height - 1] + [f"... {cut} more line(s): a taller terminal shows them"]
+    return "".join(line + "\n" for line in lines)
+
+
+def _details(records: List[dict], interval: float) -> str:
     lines = [
         f"shmlimit top — {time.strftime('%H:%M:%S')}, every {interval:g} s, {len(records)} limiter(s)",
         "",
@@ -267,8 +376,18 @@ def _process_lines(r: dict, counted: str) -> List[str]:
     return out
 
 
-def run(names: Optional[List[str]], interval: float, once: bool, as_json: bool, out=None) -> int:
-    """Refresh until interrupted (or once).  Returns the exit status."""
+def run(
+    names: Optional[List[str]],
+    interval: float,
+    once: bool,
+    as_json: bool,
+    out=None,
+    show_stale: bool = False,
+) -> int:
+    """Refresh until interrupted (or once).  Returns the exit status.
+
+    Without ``names``, every limiter on the machine in one table (``table``); with them, the
+    detailed view of those (``render``).  Both fit the terminal (``terminal_size``)."""
     out = out or sys.stdout
     tty = out.isatty() and not as_json
     insp = Inspector(names)
@@ -283,7 +402,13 @@ def run(names: Optional[List[str]], interval: float, once: bool, as_json: bool, 
                     + "\n"
                 )
             else:
-                out.write((CLEAR if tty else "") + render(records, interval))
+                width, height = terminal_size(out)
+                view = (
+                    render(records, interval, width, height)
+                    if names
+                    else table(records, interval, width, height, show_stale)
+                )
+                out.write((CLEAR if tty else "") + view)
             out.flush()
             if once:
                 return 0

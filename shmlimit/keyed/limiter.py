@@ -48,7 +48,13 @@ from shmlimit.protocol import Keyed
 from shmlimit.rate_group import RatesSwitch, group_options
 from shmlimit.registry import Registry, release_on_gc
 from shmlimit.shm.cells import Cells
-from shmlimit.shm.segment import Segment, validate_mode, validate_name, validate_trusted_uids
+from shmlimit.shm.segment import (
+    Segment,
+    gone,
+    validate_mode,
+    validate_name,
+    validate_trusted_uids,
+)
 from shmlimit.shm.segment import unlink as _unlink_name
 from shmlimit.shm.table import ProcessTable, is_alive, proc_start, slot_alive
 
@@ -161,7 +167,18 @@ class _Attachment:
         """This process uses the limiter: register it if it is not yet (a forked child's first use)."""
         with self._use_lock:
             if not self.joined and not self.closed and self.pid == os.getpid():
-                self.join()
+                if not gone(self.name, self.seg.inode, self.cells):
+                    self.join()  # registered, then STATE: see claim_and_unlink
+                    if not gone(self.name, self.seg.inode, self.cells):
+                        return
+                    if self.slot is not None:
+                        self.table.unregister(self.slot, self.pid)
+                    self.slot, self.joined = None, False
+                    self.kt.rebind(K.UNREG_GRANTS, K.owner(self.pid))
+                raise SegmentError(
+                    f"keyed limiter {self.name!r} was collected or removed while this process held "
+                    "it unused (no live process was registered); open it again"
+                )
 
     def after_fork_in_child(self) -> None:
         """The parent's process slot is not ours: count as unregistered until the first use.
@@ -216,25 +233,30 @@ def _open(
     reconfigure: bool = False,
 ) -> _Attachment:
     def make() -> _Attachment:
-        seg, cells, real = open_segment(name, geo, rate, mode, trusted)
-        if real.kind != K.KIND_GCRA:
-            cells.close()
-            seg.close()
-            raise SegmentError(
-                f"segment {name!r} holds window counters (a limits storage), not a KeyedLimiter"
-            )
-        att = _Attachment(name, seg, cells, real, join=False)
-        try:
-            if rate is not None and not seg.created:
-                _adopt(
-                    att, rate, geo, reconfigure
-                )  # before registering, as attachment.adopt_config
-            att.join()
-            _check(name, att, rate, geo)
-        except BaseException:
-            att.detach()
-            raise
-        return att
+        for _ in range(16):
+            seg, cells, real = open_segment(name, geo, rate, mode, trusted)
+            if real.kind != K.KIND_GCRA:
+                cells.close()
+                seg.close()
+                raise SegmentError(
+                    f"segment {name!r} holds window counters (a limits storage), not a KeyedLimiter"
+                )
+            att = _Attachment(name, seg, cells, real, join=False)
+            try:
+                if rate is not None and not seg.created:
+                    _adopt(
+                        att, rate, geo, reconfigure
+                    )  # before registering, as attachment.adopt_config
+                att.join()
+                if gone(name, seg.inode, cells):  # registered, then STATE: see claim_and_unlink
+                    att.detach()
+                    continue  # a collector took it while we registered: open the name again
+                _check(name, att, rate, geo)
+            except BaseException:
+                att.detach()
+                raise
+            return att
+        raise SegmentError(f"could not open keyed limiter {name!r}: it kept being collected")
 
     def check(att: _Attachment) -> None:
         if reconfigure and rate is not None:

@@ -31,10 +31,12 @@ from shmlimit.keyed.gcra import MAX_TICKS, Rate, bank_values, pick, rate_of, wri
 from shmlimit.shm import layout as L
 from shmlimit.shm.cells import Cells, open_cells, warm_backend
 from shmlimit.shm.segment import (
+    DOOMED_WAIT,
     INIT_WAIT,
     LIVE_CREATOR_WAIT,
     SHM_DIR,
     Segment,
+    claim_and_unlink,
     current_inode,
     opened,
     pread_file,
@@ -42,7 +44,7 @@ from shmlimit.shm.segment import (
     start_header,
 )
 from shmlimit.shm.segment import unlink as _unlink_name
-from shmlimit.shm.table import is_alive
+from shmlimit.shm.table import ProcessTable, is_alive, slot_alive
 
 assert (
     K.HEADER_BYTES == L.HEADER_BYTES and K.LINE == L.SLOT_BYTES
@@ -153,7 +155,7 @@ def validate_header(name: str, c: Cells, mapped: int) -> Geometry:
 MAX_BYTES = K.segment_size(K.MAX_KEYS, K.MAX_OVERRIDES)
 
 
-def _open_checked(name: str, mode: int, trusted_uids: AbstractSet[int]) -> Segment:
+def _open_checked(name: str, mode: Optional[int], trusted_uids: AbstractSet[int]) -> Segment:
     """Map an existing segment only after checking who may write it and that its header fits the file.
 
     A mapping longer than its file raises SIGBUS on the first access past its
@@ -215,7 +217,16 @@ def _wait_ready(name: str, seg: Segment, mode: int, trusted_uids: AbstractSet[in
                 )
             if magic == K.MAGIC and state == K.STATE_READY:
                 return seg
-            if (
+            if magic == K.MAGIC and state == L.STATE_DOOMED:
+                # a collector is unlinking it (or gives it back): wait, then open the name again;
+                # one that died between its claim and its unlink left the segment whole
+                if time.monotonic() - start > DOOMED_WAIT:
+                    c = open_cells(seg.mm, K.HEADER_BYTES)
+                    try:
+                        c.cas(K.STATE_OFF, L.STATE_DOOMED, K.STATE_READY)
+                    finally:
+                        c.close()
+            elif (
                 creator > 0xFFFFFFFF
                 or (creator and not is_alive(creator, 0))
                 or (not creator and age > INIT_WAIT)
@@ -282,6 +293,31 @@ def open_segment(
     raise SegmentError(
         f"could not create or open keyed limiter {name!r}: it kept being unlinked and re-created"
     )
+
+
+def collect(name: str) -> bool:
+    """Unlink the keyed segment (either value kind) if no live process is attached to it; True if
+    it did.  The same claim-check-unlink as a ``Limiter``'s (``claim_and_unlink``): an opener
+    registers, then sees the claim and opens the name again (``reopen_if_collected``)."""
+    seg = _open_checked(name, None, frozenset())
+    try:
+        if seg.size < K.HEADER_BYTES + K.PSLOTS * K.LINE:
+            return False
+        c = open_cells(seg.mm, K.HEADER_BYTES + K.PSLOTS * K.LINE)
+        try:
+            if c.load(K.MAGIC_OFF) != K.MAGIC:
+                return False
+            table = ProcessTable(c, K.PSLOTS)
+            return claim_and_unlink(
+                name,
+                seg.inode,
+                c,
+                lambda: any(slot_alive(e.pid, e.start, e.pidns) for e in table.entries()),
+            )
+        finally:
+            c.close()
+    finally:
+        seg.close()
 
 
 def peek_magic(name: str) -> int:

@@ -24,7 +24,13 @@ from shmlimit.keyed.cells import SlotTable
 from shmlimit.keyed.segment import Geometry, check_geometry, open_segment
 from shmlimit.keyed.windows import CMAX, OVER, WindowCounters
 from shmlimit.shm.cells import Cells
-from shmlimit.shm.segment import Segment, validate_mode, validate_name, validate_trusted_uids
+from shmlimit.shm.segment import (
+    Segment,
+    gone,
+    validate_mode,
+    validate_name,
+    validate_trusted_uids,
+)
 from shmlimit.shm.segment import unlink as _unlink_name
 from shmlimit.shm.table import ProcessTable, proc_start
 
@@ -58,15 +64,30 @@ class WindowTable:
         trusted = validate_trusted_uids(trusted_uids)
         self._name = name
         self._seg: Optional[Segment] = None
-        seg, cells, real = open_segment(
-            name, Geometry(geo.keys, 0, K.KIND_WINDOWS), None, mode, trusted
-        )
-        if real.kind != K.KIND_WINDOWS:
+        for _ in range(16):
+            seg, cells, real = open_segment(
+                name, Geometry(geo.keys, 0, K.KIND_WINDOWS), None, mode, trusted
+            )
+            if real.kind != K.KIND_WINDOWS:
+                cells.close()
+                seg.close()
+                raise SegmentError(
+                    f"segment {name!r} is a KeyedLimiter, not a table of window counters"
+                )
+            # registered, then STATE (see shm.segment.claim_and_unlink): a table a collector
+            # claimed meanwhile is left, and the name opened again
+            procs = ProcessTable(cells, K.PSLOTS)
+            pid = os.getpid()
+            start = proc_start(pid)
+            slot = procs.register(pid, start if start and start > 0 else 0)
+            if not gone(name, seg.inode, cells):
+                break
+            if slot is not None:
+                procs.unregister(slot, pid)
             cells.close()
             seg.close()
-            raise SegmentError(
-                f"segment {name!r} is a KeyedLimiter, not a table of window counters"
-            )
+        else:
+            raise SegmentError(f"could not open window table {name!r}: it kept being collected")
         self._seg, self._cells, self._geo = seg, cells, real
         table = SlotTable(
             cells,
@@ -83,25 +104,35 @@ class WindowTable:
         # This process in the segment's process table, as a KeyedLimiter's user: listed (alive or
         # dead) by `shmlimit list`/`top`, with the hits it counted.  Registered on opening; a forked
         # child on its first call (``_live``), so a child that never counts is never listed.
-        self._procs = ProcessTable(cells, K.PSLOTS)
-        self._slot: Optional[int] = None
-        self._hits = K.UNREG_GRANTS
-        self._pid = 0
+        self._procs = procs
         self._lock = threading.Lock()
-        self._register()
+        self._joined(pid, slot)
         _open_tables.add(self)
 
+    def _joined(self, pid: int, slot: Optional[int]) -> None:
+        self._slot, self._pid = slot, pid
+        self._hits = K.UNREG_GRANTS if slot is None else K.HEADER_BYTES + slot * K.LINE + 16
+
     def _register(self) -> None:
+        """A forked child's first use: it registers as itself, in the table still under the name."""
         with self._lock:
             pid = os.getpid()
             if self._pid == pid:
                 return
-            start = proc_start(pid)
-            self._slot = self._procs.register(pid, start if start and start > 0 else 0)
-            self._hits = (
-                K.UNREG_GRANTS if self._slot is None else K.HEADER_BYTES + self._slot * K.LINE + 16
+            self._slot, self._hits = None, K.UNREG_GRANTS  # the parent's slot is not ours
+            seg = self._seg
+            if seg is not None and not gone(self._name, seg.inode, self._cells):
+                start = proc_start(pid)
+                slot = self._procs.register(pid, start if start and start > 0 else 0)
+                if not gone(self._name, seg.inode, self._cells):
+                    self._joined(pid, slot)
+                    return
+                if slot is not None:
+                    self._procs.unregister(slot, pid)
+            raise SegmentError(
+                f"window table {self._name!r} was collected or removed while this process held "
+                "it unused (no live process was registered); open it again"
             )
-            self._pid = pid
 
     def _count(self, hits: int) -> None:
         if hits:

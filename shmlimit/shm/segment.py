@@ -16,7 +16,7 @@ import re
 import stat
 import time
 from contextlib import contextmanager
-from typing import AbstractSet, Iterable, Iterator, List, Optional, Tuple, Union
+from typing import AbstractSet, Callable, Iterable, Iterator, List, Optional, Tuple, Union
 
 import posix_ipc  # creation and unlinking; opening is ``opened``
 
@@ -347,6 +347,39 @@ def current_inode(name: str) -> Optional[int]:
         return os.lstat(os.path.join(SHM_DIR, PREFIX + name)).st_ino
     except OSError:
         return None
+
+
+#: A segment left claimed by a garbage collector this long (seconds) lost its collector.
+DOOMED_WAIT = 2.0
+
+
+def claim_and_unlink(name: str, inode: int, c: Cells, in_use: Callable[[], bool]) -> bool:
+    """The collector's half of gc, for a segment of any kind mapped as ``c`` (its file ``inode``):
+    claim it (STATE READY -> DOOMED), look for a live process (``in_use``), then unlink the name
+    if it is still this segment's; True if it did.
+
+    An opener registers, then looks at STATE (``gone``): with sequentially consistent words one
+    of the two sees the other, so either the collector sees the opener and gives the segment back
+    (DOOMED -> READY), or the opener sees the claim and opens the name again.
+    """
+    if in_use() or not c.cas(L.STATE_OFF, L.STATE_READY, L.STATE_DOOMED):
+        return False
+    if in_use():
+        c.cas(L.STATE_OFF, L.STATE_DOOMED, L.STATE_READY)
+        return False
+    if current_inode(name) != inode:
+        return False
+    try:
+        unlink(name)
+    except LimiterNotFoundError:
+        return False
+    return True
+
+
+def gone(name: str, inode: int, c: Cells) -> bool:
+    """The opener's half of gc, after it registered: the segment was claimed by a collector (or
+    is not READY), or its name was unlinked or now names another segment."""
+    return c.load(L.STATE_OFF) != L.STATE_READY or current_inode(name) != inode
 
 
 def scan() -> Tuple[List[str], List[str]]:

@@ -1,0 +1,129 @@
+"""gc on every kind of segment: the same claim-check-unlink, and openers that see a claim."""
+
+import os
+
+import pytest
+from support.procs import run_cli as cli
+from support.procs import start_acquirer as start_worker
+from support.segments import run_tools_on, shm_path
+
+import shmlimit
+from shmlimit.keyed import limiter as keyed_limiter
+from shmlimit.keyed import segment as keyed_segment
+from shmlimit.keyed import window_table
+from shmlimit.keyed.window_table import WindowTable
+from shmlimit.shm import layout as L
+from shmlimit.shm.segment import current_inode
+
+
+def _state(name):
+    with open(shm_path(name), "rb") as f:
+        return int.from_bytes(os.pread(f.fileno(), 8, L.STATE_OFF), "little")
+
+
+def test_gc_removes_idle_keyed_window_and_plain_tables_and_keeps_used_ones(name, monkeypatch):
+    idle_plain, used_plain = name + "-plain", name + "-plain-used"
+    idle_keyed, used_keyed, idle_windows = name + "-keyed", name + "-keyed-used", name + "-win"
+    shmlimit.Limiter(idle_plain, rate=10).close()
+    shmlimit.Limiter(used_plain, rate=10).close()
+    shmlimit.KeyedLimiter(idle_keyed, rate=10, keys=100).close()
+    WindowTable(idle_windows, keys=100).close()
+    held = shmlimit.KeyedLimiter(used_keyed, rate=10, keys=100)  # this live process uses it
+    worker = start_worker(used_plain)  # and another one uses this
+    try:
+        code, out = run_tools_on(monkeypatch, name, "gc", "--dry-run")
+        assert code == 0
+        assert {line for line in out.splitlines() if line.startswith("stale: ")} == {
+            f"stale: {n}" for n in (idle_plain, idle_keyed, idle_windows)
+        }
+        assert out.splitlines()[-1] == "3 stale, 2 in use"
+        code, out = run_tools_on(monkeypatch, name, "gc")
+        assert code == 0 and out.splitlines()[-1] == "3 removed, 2 in use", out
+        left = {n for n in shmlimit.list_names() if n.startswith(name)}
+        assert left == {used_plain, used_keyed}
+        assert held.try_acquire("k")  # the one in use still works, on the segment named
+    finally:
+        held.close()
+        worker.kill()
+        worker.wait()
+        for n in (used_plain, used_keyed):
+            shmlimit.unlink(n)
+
+
+def test_gc_command_lists_an_idle_keyed_table_as_stale(name):
+    shmlimit.KeyedLimiter(name, rate=10, keys=100).close()
+    r = cli("gc", "--dry-run")
+    assert r.returncode == 0 and f"stale: {name}" in r.stdout.splitlines()
+    assert "left alone" not in "".join(line for line in r.stdout.splitlines() if name in line)
+
+
+@pytest.mark.parametrize("kind", ["keyed", "windows"])
+def test_an_opener_that_registers_after_a_claim_opens_the_name_again(name, monkeypatch, kind):
+    """A collector claims (READY -> DOOMED) and unlinks between an opener's open and its register:
+    the opener sees the claim after registering, leaves, and opens the name again (a new table),
+    never staying on the one unlinked."""
+    real = keyed_segment.open_segment
+    orphans = []
+
+    def collected_once(nm, *args):
+        seg, cells, geo = real(nm, *args)
+        if not orphans:  # the collector's whole run, between this open and the register
+            orphans.append(seg.inode)
+            assert cells.cas(L.STATE_OFF, L.STATE_READY, L.STATE_DOOMED)
+            shmlimit.unlink(nm)
+        return seg, cells, geo
+
+    (
+        shmlimit.KeyedLimiter(name, rate=10, keys=100)
+        if kind == "keyed"
+        else WindowTable(name, keys=100)
+    ).close()
+    module = keyed_limiter if kind == "keyed" else window_table
+    monkeypatch.setattr(module, "open_segment", collected_once)
+    opened = (
+        shmlimit.KeyedLimiter(name, rate=10, keys=100) if kind == "keyed" else WindowTable(name)
+    )
+    try:
+        assert orphans and current_inode(name) not in (None, orphans[0])
+        s = shmlimit.inspect(name)
+        assert [p.pid for p in s.processes if p.alive] == [os.getpid()]
+        if kind == "keyed":
+            assert opened.try_acquire("k")
+            assert shmlimit.inspect(name).grants == 1  # counted in the table under the name
+        else:
+            assert opened.incr("k", 60) == 1
+    finally:
+        opened.close()
+
+
+@pytest.mark.parametrize("kind", ["keyed", "windows"])
+def test_a_claim_whose_collector_died_is_given_back(name, monkeypatch, kind):
+    """A keyed table left DOOMED (its collector died between the claim and the unlink) is whole:
+    an opener waits ``DOOMED_WAIT``, restores READY and uses it (it waited 30 s, then failed)."""
+    (
+        shmlimit.KeyedLimiter(name, rate=10, keys=100)
+        if kind == "keyed"
+        else WindowTable(name, keys=100)
+    ).close()
+    with open(shm_path(name), "r+b") as f:
+        os.pwrite(f.fileno(), L.STATE_DOOMED.to_bytes(8, "little"), L.STATE_OFF)
+    monkeypatch.setattr(keyed_segment, "DOOMED_WAIT", 0.05)
+    opened = shmlimit.KeyedLimiter(name) if kind == "keyed" else WindowTable(name)
+    try:
+        assert _state(name) == L.STATE_READY
+        assert opened.try_acquire("k") if kind == "keyed" else opened.incr("k", 60) == 1
+    finally:
+        opened.close()
+
+
+def test_a_fifo_under_a_limiters_name_never_hangs_the_tools(name):
+    """Reading which kind a segment is opened it for reading without O_NONBLOCK: a FIFO there
+    (left by anyone who can write /dev/shm) hung list, top, gc and inspect, waiting for a writer."""
+    os.mkfifo(shm_path(name), 0o600)
+    try:
+        for args in (("inspect", name), ("list",), ("gc", "--dry-run")):
+            r = cli(*args, timeout=30)
+            assert "Traceback" not in r.stderr, r.stderr
+        assert cli("inspect", name, timeout=30).returncode == 2
+    finally:
+        os.unlink(shm_path(name))
