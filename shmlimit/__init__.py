@@ -5,6 +5,8 @@ lim = shmlimit.Limiter("api", rate=1000)   # 1000 ops per second, shared by ever
 lim.acquire()                              # blocks until granted
 """
 
+from importlib.util import find_spec as _find_spec
+
 from shmlimit.config import Config, RateSpec, parse_spec
 from shmlimit.errors import (
     ConfigMismatchError,
@@ -27,7 +29,17 @@ from shmlimit.shm.segment import list_names
 from shmlimit.stats import ProcessStats, Stats, UpstreamStats
 from shmlimit.throttle import throttle
 
+#: The one version: pyproject.toml reads it from here, ``shmlimit --version`` prints it.
 __version__ = "0.1.0"
+
+# The limits storages shm:// and async+shm:// (Flask-Limiter, slowapi) exist once their module is
+# imported: limits has no entry points, only the registration a Storage subclass makes when it is
+# defined.  So `import shmlimit` registers them wherever limits is installed.
+if _find_spec("limits") is not None:
+    try:
+        import shmlimit.integrations.limits  # noqa: F401
+    except ImportError:  # a limits this integration cannot use: importing it directly says why
+        pass
 
 __all__ = [
     "Config",

@@ -54,9 +54,11 @@ from shmlimit.shm.segment import (
     Segment,
     check_trust,
     claim_and_unlink,
+    current_inode,
     gone,
     validate_name,
 )
+from shmlimit.shm.segment import unlink as unlink_name
 from shmlimit.shm.table import (
     OwnerWatch,
     ProcessTable,

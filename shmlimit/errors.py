@@ -170,3 +170,17 @@ class UnsupportedError(ShmlimitError, NotImplementedError, ValueError):
         super().__init__(f"{kind}.{verb} is not supported: {why}")
         self.kind = kind
         self.verb = verb
+
+
+class MissingExtraError(ImportError):
+    """An optional dependency is not installed: the message names the extra that installs it,
+    ``pip install 'shmlimit[<extra>]'``."""
+
+    def __init__(self, module: str, extra: str, cause: ImportError) -> None:
+        missing = (cause.name or extra).split(".")[0]  # the package to install, not a module of it
+        super().__init__(
+            f"{module} needs {missing!r}, which is not installed ({cause}); "
+            f"install the {extra} extra: pip install 'shmlimit[{extra}]'",
+            name=missing,
+        )
+        self.extra = extra

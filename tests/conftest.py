@@ -1,5 +1,6 @@
 import gc
 import os
+import re
 import threading
 import uuid
 
@@ -8,16 +9,66 @@ import pytest
 
 import shmlimit
 
+_SHM_DIR = "/dev/shm"
+_PREFIX = "shmlimit."
+
+
+def _segments(startswith=""):
+    try:
+        return {
+            f[len(_PREFIX) :] for f in os.listdir(_SHM_DIR) if f.startswith(_PREFIX + startswith)
+        }
+    except OSError:
+        return set()
+
 
 @pytest.fixture
 def name():
-    """A fresh limiter name, unlinked after the test whatever happened."""
+    """A fresh limiter name, unlinked after the test whatever happened, with every segment named
+    after it (``NAME.KEY`` of several rates, ``NAME-used``, a throttle's ``NAME.pauses``)."""
     n = f"test-{os.getpid()}-{uuid.uuid4().hex[:10]}"
     yield n
-    try:
-        shmlimit.unlink(n)
-    except FileNotFoundError:
-        pass
+    for seg in _segments(n):
+        if seg == n or seg[len(n)] in ".-":
+            try:
+                shmlimit.unlink(seg)
+            except (FileNotFoundError, ValueError):
+                pass
+
+
+# ---- the run leaves nothing in /dev/shm ----------------------------------------------------------
+# A segment is this run's when its name holds the run's pid as a word ("test-<pid>-...",
+# "model-<pid>-...", "top-<pid>-..."): other runs on the machine, which create and remove their
+# own segments meanwhile, are never counted.  Each one left is reported with the test that made it.
+_THIS_RUN = re.compile(rf"(?:^|[-_.]){os.getpid()}(?:$|[-_.])")
+_made_by = {}
+
+
+def _this_runs_segments():
+    return {n for n in _segments() if _THIS_RUN.search(n)}
+
+
+@pytest.fixture(autouse=True)
+def _segments_made(request):
+    before = _this_runs_segments()
+    yield
+    for seg in _this_runs_segments() - before:
+        _made_by.setdefault(seg, request.node.nodeid)
+
+
+@pytest.fixture(scope="session", autouse=True)
+def _leaves_nothing_in_dev_shm():
+    before = _this_runs_segments()
+    yield
+    left = sorted(_this_runs_segments() - before)
+    for seg in left:  # removed, so that a failed run does not fill /dev/shm either
+        try:
+            shmlimit.unlink(seg)
+        except (FileNotFoundError, ValueError):
+            pass
+    assert not left, "the run left segments in /dev/shm: " + ", ".join(
+        f"{seg} (made by {_made_by.get(seg, '?')})" for seg in left
+    )
 
 
 @pytest.fixture

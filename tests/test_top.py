@@ -9,7 +9,7 @@ import sys
 import time
 
 import pytest
-from support.procs import CLI, ROOT, WORKDIR, start_on_terminal, wait_exit
+from support.procs import CLI, ROOT, WORKDIR, start_on_terminal, wait_exit, wait_for
 from support.procs import run_cli as cli
 from support.procs import start_acquirer as start_worker
 from support.segments import run_tools_on
@@ -176,13 +176,13 @@ def test_table_fits_sorts_by_activity_and_hides_the_stale():
     assert max(map(len, table(_records(3, 0), 1.0, width=40).splitlines())) <= 40
 
 
-def test_top_once_fits_80_by_24_with_60_limiters(name):
+def test_top_once_fits_80_by_24_with_60_limiters():
     """Whatever else the machine holds, the view is at most LINES lines of COLUMNS characters;
-    the busiest limiter (this test's one in use) comes first."""
-    lims = [
-        shmlimit.Limiter(f"{name}-{i:02d}-a-long-descriptive-name", rate=100) for i in range(60)
-    ]
+    of this test's limiters, the busiest (the one a worker uses) comes first."""
+    prefix = f"top-{os.getpid()}-"  # short: the 80-column table shows it whole
+    lims = [shmlimit.Limiter(f"{prefix}{i:02d}", rate=100) for i in range(60)]
     worker = start_worker(lims[37].name)
+    wait_for(lambda: shmlimit.inspect(lims[37].name).grants > 0, timeout=60)  # it is busy now
     env = dict(os.environ, COLUMNS="80", LINES="24")
     try:
         for extra in ([], ["--all"]):
@@ -194,7 +194,8 @@ def test_top_once_fits_80_by_24_with_60_limiters(name):
             assert r.returncode == 0, r.stderr
             assert len(lines) <= 24 and max(map(len, lines)) <= 80, r.stdout
             assert lines[1].startswith("NAME") and lines[-1].startswith("... ")
-            assert lines[2].startswith(f"{name}-37"[:19]), r.stdout  # the busiest first
+            ours = [line.split()[0] for line in lines[2:] if line.startswith(prefix)]
+            assert ours and ours[0] == f"{prefix}37", r.stdout  # the busiest first
     finally:
         worker.kill()
         worker.wait()

@@ -253,19 +253,8 @@ def _fit(line: str, width: Optional[int]) -> str:
     return line if width is None or len(line) <= width else line[: max(0, width - 1)] + "~"
 
 
-def render(
-    records: List[dict], interval: float, width: Optional[int] = None, height: Optional[int] = None
-) -> str:
-    """The detailed view of the limiters named, cut to ``width`` columns and ``height`` lines."""
-    text = _details(records, interval)
-    lines = [_fit(line, width) for line in text.splitlines()]
-    if height is not None and len(lines) > height:
-        cut = len(lines) - (height - 1)
-        lines = lines[: height - 1] + [f"... {cut} more line(s): a taller terminal shows them"]
-    return "".join(line + "\n" for line in lines)
-
-
-def _details(records: List[dict], interval: float) -> str:
+def render(records: List[dict], interval: float) -> str:
+    """The detailed view of the limiters named (not cut to the terminal: a line per fact)."""
     lines = [
         f"shmlimit top — {time.strftime('%H:%M:%S')}, every {interval:g} s, {len(records)} limiter(s)",
         "",
@@ -386,8 +375,8 @@ def run(
 ) -> int:
     """Refresh until interrupted (or once).  Returns the exit status.
 
-    Without ``names``, every limiter on the machine in one table (``table``); with them, the
-    detailed view of those (``render``).  Both fit the terminal (``terminal_size``)."""
+    Without ``names``, every limiter on the machine in one table (``table``) that fits the
+    terminal (``terminal_size``); with them, the detailed view of those (``render``)."""
     out = out or sys.stdout
     tty = out.isatty() and not as_json
     insp = Inspector(names)
@@ -404,7 +393,7 @@ def run(
             else:
                 width, height = terminal_size(out)
                 view = (
-                    render(records, interval, width, height)
+                    render(records, interval)
                     if names
                     else table(records, interval, width, height, show_stale)
                 )

@@ -40,6 +40,13 @@ import random
 import sys
 from typing import Any, Callable, Optional, TypeVar
 
+from shmlimit.errors import MissingExtraError
+
+try:  # the helper drives Celery's task API (retry, request): checked here, with a hint
+    import celery  # noqa: F401
+except ImportError as e:  # without the celery extra: say what installs it
+    raise MissingExtraError(__name__, "celery", e) from e
+
 __all__ = ["acquire_or_retry", "rate_limited"]
 
 F = TypeVar("F", bound=Callable[..., Any])

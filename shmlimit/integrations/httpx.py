@@ -17,9 +17,13 @@ from __future__ import annotations
 
 from typing import Any, Optional, Tuple
 
-import httpx
-
+from shmlimit.errors import MissingExtraError
 from shmlimit.integrations._hosts import HostThrottle
+
+try:
+    import httpx
+except ImportError as e:  # without the httpx extra: say what installs it
+    raise MissingExtraError(__name__, "httpx", e) from e
 
 __all__ = ["AsyncThrottledTransport", "ThrottledTransport"]
 

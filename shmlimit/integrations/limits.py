@@ -27,9 +27,12 @@ import time
 import urllib.parse
 from typing import Any, Dict, Tuple, Type, Union
 
-from limits.storage import Storage
+from shmlimit.errors import MissingExtraError, ShmlimitError
 
-from shmlimit.errors import ShmlimitError
+try:
+    from limits.storage import Storage
+except ImportError as e:  # without the limits extra: say what installs it
+    raise MissingExtraError(__name__, "limits", e) from e
 from shmlimit.keyed.window_table import WindowTable
 
 try:  # limits >= 4.1

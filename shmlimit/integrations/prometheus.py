@@ -18,11 +18,15 @@ from __future__ import annotations
 
 from typing import Iterable, Iterator, Optional, Sequence
 
-from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
-from prometheus_client.registry import Collector
-
 from shmlimit.cli.metrics import MAX_SEGMENTS, families, select
+from shmlimit.errors import MissingExtraError
 from shmlimit.shm.segment import validate_trusted_uids
+
+try:
+    from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+    from prometheus_client.registry import Collector
+except ImportError as e:  # without the prometheus extra: say what installs it
+    raise MissingExtraError(__name__, "prometheus", e) from e
 
 __all__ = ["ShmlimitCollector"]
 

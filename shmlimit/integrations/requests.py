@@ -18,9 +18,13 @@ from __future__ import annotations
 
 from typing import Any, Optional, Tuple
 
-from requests.adapters import HTTPAdapter
-
+from shmlimit.errors import MissingExtraError
 from shmlimit.integrations._hosts import HostThrottle
+
+try:
+    from requests.adapters import HTTPAdapter
+except ImportError as e:  # without the requests extra: say what installs it
+    raise MissingExtraError(__name__, "requests", e) from e
 
 __all__ = ["ThrottledAdapter"]
 

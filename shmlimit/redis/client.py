@@ -12,16 +12,19 @@ from __future__ import annotations
 from typing import Any, Dict, Tuple, Type
 from urllib.parse import parse_qsl, unquote
 
-import redis as _redis
-import redis.asyncio as _aredis
-from redis import exceptions as _rx
-from redis.asyncio.retry import Retry as _ARetry
-from redis.backoff import NoBackoff
-from redis.retry import Retry
-
-from shmlimit.errors import RedisDataError, RedisUnavailableError
+from shmlimit.errors import MissingExtraError, RedisDataError, RedisUnavailableError
 from shmlimit.redis import urls
 from shmlimit.redis.urls import redact
+
+try:
+    import redis as _redis
+    import redis.asyncio as _aredis
+    from redis import exceptions as _rx
+    from redis.asyncio.retry import Retry as _ARetry
+    from redis.backoff import NoBackoff
+    from redis.retry import Retry
+except ImportError as e:  # without the redis extra: say what installs it
+    raise MissingExtraError(__name__, "redis", e) from e
 
 # ---------------------------------------------------------------------------------
 # errors: only a connection error or a timeout is "unavailable"
