@@ -144,7 +144,7 @@ def test_bad_config(name):
 
 
 def test_full_table_try_timed_untimed(name):
-    lim = shmlimit.KeyedLimiter(name, rate=1, per=3600, burst=1, keys=16)
+    lim = shmlimit.KeyedLimiter(name, rate=1, per=3600, burst=1, keys=16, when_full="refuse")
     admitted = [k for k in range(64) if lim.try_acquire(f"k{k}")]
     assert len(admitted) == 16  # 16 slots, each with a key limited for an hour
     refused = 64 - 16
@@ -335,7 +335,7 @@ def test_cli_and_top_show_keyed_limiters(name, capsys):
     from shmlimit.cli import main as cli
     from shmlimit.cli import top
 
-    lim = shmlimit.KeyedLimiter(name, rate=1, per=60, keys=100)
+    lim = shmlimit.KeyedLimiter(name, rate=1, per=60, keys=100, store_keys=True)
     for i in range(30):
         lim.try_acquire(f"client-{i % 3}")
     lim.try_acquire("evil\x1b[2J")

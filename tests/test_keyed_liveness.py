@@ -54,7 +54,7 @@ def _zombie_inserting(lim, keys):
                     K.owner(os.getpid()),
                 )
                 try:
-                    inserter.insert(d, (d[0] * KEYS) >> 64, now, now + 1, (1, 0, 0, 0))
+                    inserter.insert(d, (d[0] * KEYS) >> 64, now, now + 1, (1, 0, 0))
                 except Stopped:
                     pass
             code = 0

@@ -49,7 +49,7 @@ def dead_pid():
 class Table:
     """A keyed table in an anonymous mapping, laid out as in a segment."""
 
-    def __init__(self, backend, nkeys, burst, novr=4, probe=None):
+    def __init__(self, backend, nkeys, burst, novr=4, probe=None, flags=0):
         self.nkeys, self.novr = nkeys, novr
         self.size = K.segment_size(nkeys, novr)
         self.mm = mmap.mmap(-1, self.size)
@@ -71,6 +71,8 @@ class Table:
             K.REFUSED,
             K.UNREG_GRANTS,
             K.owner(os.getpid()),
+            K.CUT,
+            flags,  # refuse when full unless asked (the exact model below needs it)
         )
 
     def slot(self, i):
@@ -186,13 +188,18 @@ class TableMachine(RuleBasedStateMachine):
         nkeys=st.sampled_from([4, 8, 24]),
         burst=st.integers(1, 3),
         probe=st.sampled_from([None, 3, 6]),
+        evict=st.booleans(),
     )
-    def setup(self, nkeys, burst, probe):
-        self.t = Table(self.backend, nkeys, burst, probe=probe and min(probe, nkeys))
+    def setup(self, nkeys, burst, probe, evict):
+        self.probe = min(probe or K.PROBE, nkeys)
+        flags = KC.FLAG_EVICT if evict else 0
+        self.t = Table(self.backend, nkeys, burst, probe=self.probe, flags=flags)
         self.burst = burst
+        self.evict = evict
         self.now = 1 << 20
         self.tat = {}  # the model: key -> TAT (absent = a full bucket)
         self.grants = {}  # key -> [use time of each op]
+        self.forgiven = {}  # key -> ops of debt forgotten when it was evicted while limited
 
     @rule(dt=st.sampled_from([0, 1, T // 2, T, 3 * T, 20 * T]))
     def tick(self, dt):
@@ -206,7 +213,9 @@ class TableMachine(RuleBasedStateMachine):
     def acquire(self, key, n, mode):
         k = f"key-{key}"
         max_wait = {"try": 0, "reserve": 2 * T, "peek": -1}[mode]
+        before = self.holders()
         r = self.t.kt.acquire(k, n, max_wait, self.now)
+        self.check_evictions(k, before)
         tau = self.burst * T
         old = self.tat.get(k, 0)
         idle = old <= self.now
@@ -218,6 +227,10 @@ class TableMachine(RuleBasedStateMachine):
         if r == KC.FULL:
             assert idle, "a limited key was refused as new: it was lost"
             assert mode != "peek"
+            # evicting, a window is full only of inserts in flight (dead inserters' slots are taken)
+            assert not self.evict or any(
+                self.t.c.load(self.t.slot(i)) & 0xFF in (K.BUSY, K.PEND) for i in self.window(k)
+            )
             return
         if n > self.burst:
             assert r == KC.NEVER
@@ -247,8 +260,45 @@ class TableMachine(RuleBasedStateMachine):
                 and (t.c.load(s + K.S_D0), t.c.load(s + K.S_D1)) == d
                 and not t.c.load(s + K.S_V0) & K.DEAD
             ):
-                return t.c.load(s + K.S_V0)
+                return t.c.load(s + K.S_V0) - t.c.load(s + K.S_BASE)
         raise AssertionError(f"{k} was granted but holds no slot")
+
+    def window(self, k):
+        home = (self.t.kt.digest(k)[0] * self.t.nkeys) >> 64
+        return [(home + i) % self.t.nkeys for i in range(self.probe)]
+
+    def holders(self):
+        """slot -> (model key, its TAT) for every live key of the table."""
+        t, out = self.t, {}
+        digests = {t.kt.digest(f"key-{i}"): f"key-{i}" for i in range(31)}
+        for i in range(t.nkeys):
+            s = t.slot(i)
+            d = (t.c.load(s + K.S_D0), t.c.load(s + K.S_D1))
+            if t.c.load(s) & 0xFF == K.LIVE and not t.c.load(s + K.S_V0) & K.DEAD:
+                out[i] = (digests[d], t.c.load(s + K.S_V0) - t.c.load(s + K.S_BASE))
+        return out
+
+    def check_evictions(self, k, before):
+        """A limited key lost its slot only to make room for ``k`` (evicting), in ``k``'s window,
+        and only as the live key of that window nearest to a full bucket; it is then as absent
+        (a full bucket), having gained at most the debt its entry held."""
+        after = {v[0] for v in self.holders().values()}
+        lost = [
+            (i, key, tat)
+            for i, (key, tat) in before.items()
+            if key not in after and tat > self.now and key != k
+        ]
+        if not lost:
+            return
+        assert self.evict, "a limited key was lost"
+        assert len(lost) == 1, lost
+        i, key, tat = lost[0]
+        window = self.window(k)
+        assert i in window, "a key outside the new key's window was evicted"
+        assert all(tat <= before[j][1] for j in window if j in before), "not the least valuable"
+        event("a limited key was evicted")
+        self.forgiven[key] = self.forgiven.get(key, 0) + -(-(tat - self.now) // T)
+        self.tat.pop(key, None)
 
     @rule(
         i=st.integers(0, 23),
@@ -262,8 +312,8 @@ class TableMachine(RuleBasedStateMachine):
         ctl = t.c.load(s)
         if ctl & 0xFF == K.LIVE:
             v = t.c.load(s + K.S_V0)
-            if v & K.DEAD or v > self.now:
-                return  # a limited key's slot is never taken
+            if v & K.DEAD or v - t.c.load(s + K.S_BASE) > self.now:
+                return  # a dead inserter of ours took only an expired key's slot
             if not t.c.cas(s + K.S_V0, v, v | K.DEAD):
                 return
         elif ctl & 0xFF not in (K.EMPTY, K.TOMB):
@@ -279,11 +329,12 @@ class TableMachine(RuleBasedStateMachine):
     def window_bound(self):
         if not hasattr(self, "grants"):
             return
-        for times in self.grants.values():
+        for key, times in self.grants.items():
             times = sorted(times)
+            extra = self.forgiven.get(key, 0)  # the documented bound of eviction
             for a in range(len(times)):
                 for b in range(a, len(times)):
-                    assert b - a + 1 <= (times[b] - times[a]) / T + self.burst
+                    assert b - a + 1 <= (times[b] - times[a]) / T + self.burst + extra
 
     @invariant()
     def live_keys_are_distinct(self):
@@ -345,12 +396,15 @@ def test_a_new_key_never_starts_from_a_dead_inserters_value(backend):
     now = 1 << 30
     dead = _dead_inserter(t.c, K.slots_offset(t.novr), 1)
     with pytest.raises(Stopped):  # its first grant: the whole burst of a key "a"
-        dead.insert(t.kt.digest("a"), 0, now, now + 60 * T, (60, 0, 0, 0))
+        dead.insert(t.kt.digest("a"), 0, now, now + 60 * T, (60, 0, 0))
     s = t.slot(0)
     assert t.c.load(s) & 0xFF == K.BUSY and t.c.load(s + K.S_V0) == now + 60 * T
     assert [t.kt.acquire("b", 1, 0, now) for _ in range(60)] == [0] * 60  # b's whole burst
     assert t.kt.acquire("b", 1, 0, now) == KC.REFUSED
-    assert t.c.load(s) & 0xFF == K.LIVE and t.c.load(s + K.S_V0) == now + 60 * T  # b's own
+    assert (
+        t.c.load(s) & 0xFF == K.LIVE
+        and t.c.load(s + K.S_V0) - t.c.load(s + K.S_BASE) == now + 60 * T
+    )
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
@@ -361,13 +415,15 @@ def test_a_new_key_never_starts_from_a_dead_inserters_value_on_the_real_clock(ba
     now = time.monotonic_ns() << K.TICK_SHIFT
     with pytest.raises(Stopped):
         _dead_inserter(t.c, K.slots_offset(t.novr), 1).insert(
-            t.kt.digest("a"), 0, now, now + 60 * per_op, (60, 0, 0, 0)
+            t.kt.digest("a"), 0, now, now + 60 * per_op, (60, 0, 0)
         )
     assert (
         sum(t.kt.try_acquire("b") for _ in range(61)) == 60
     )  # before: 1, then refused for an hour
     after = time.monotonic_ns() << K.TICK_SHIFT
-    assert now + 60 * per_op < t.c.load(t.slot(0) + K.S_V0) <= after + 60 * per_op
+    raw, base = t.c.load(t.slot(0) + K.S_V0), t.c.load(t.slot(0) + K.S_BASE)
+    assert raw > now + 60 * per_op  # the stored word rose above the dead inserter's
+    assert raw - base <= after + 60 * per_op  # and the key's TAT is its own
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
@@ -384,7 +440,7 @@ def test_a_window_client_never_inherits_a_dead_inserters_window(name, backend, m
         d = KC.siphash128(b"F" + b"daily", wt.counters.k0, wt.counters.k1)
         with pytest.raises(Stopped):
             _dead_inserter(table.c, table.slots, table.nslots).insert(
-                d, 0, pack(now, CMAX, True), pack(now + day + 1, 1), (0, 0, 0, 0)
+                d, 0, pack(now, CMAX, True), pack(now + day + 1, 1), (0, 0, 0)
             )
         assert [wt.incr("client", 1) for _ in range(3)] == [1, 2, 3]
         assert 0 < wt.counters.expiry_ms("client") <= 1001  # its own one-second window
@@ -403,11 +459,16 @@ class InsertMachine(TableMachine):
     takes or farther, makes that insert give way and answer BUSY within PEND_NS, taking nothing:
     never a second slot for the key (two buckets: twice the rate), never a wait without end."""
 
-    @initialize(nkeys=st.sampled_from([4, 8]), burst=st.integers(1, 2), probe=st.just(None))
-    def setup(self, nkeys, burst, probe):
+    @initialize(
+        nkeys=st.sampled_from([4, 8]),
+        burst=st.integers(1, 2),
+        probe=st.just(None),
+        evict=st.booleans(),
+    )
+    def setup(self, nkeys, burst, probe, evict):
         self._pend_ns = KC.PEND_NS
         KC.PEND_NS = 2_000_000  # the reference composite's bound (the native one keeps its 0.2 s)
-        super().setup(nkeys, burst, probe)
+        super().setup(nkeys, burst, probe, evict)
 
     def teardown(self):
         if hasattr(self, "_pend_ns"):
@@ -460,11 +521,15 @@ class InsertMachine(TableMachine):
             K.KEYS_LIVE,
             K.EVICTED,
             owner,
+            K.CUT,
+            self.evict,
         )
+        before = self.holders()
         try:
-            other.insert(d, home, self.now, self.now + T, (1, 0, 0, 0))
+            other.insert(d, home, self.now, self.now + T, (1, 0, 0))
         except Stopped:
             event(f"other insert {'stalled' if stalls else 'died'} at write {stop}")
+        self.check_evictions(k, before)
         if self._holds(k):  # it published: a grant of one op, now
             self.tat[k] = self.real_tat(k)
             self.grants.setdefault(k, []).append(self.now)
@@ -490,7 +555,9 @@ class InsertMachine(TableMachine):
         k = f"key-{key}"
         if mode == "peek" or not self._stalled_pend(k) or self._holds(k):
             return super().acquire(key, n, mode)
+        before = self.holders()
         r = self.t.kt.acquire(k, n, {"try": 0, "reserve": 2 * T}[mode], self.now)
+        self.check_evictions(k, before)
         event(f"beside a stalled insert of the key: {'busy' if r == KC.BUSY else r}")
         assert r in (KC.BUSY, KC.NEVER, KC.FULL), (
             r

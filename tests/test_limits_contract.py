@@ -181,7 +181,7 @@ def test_moving_window_is_refused_when_the_strategy_is_built(scheme, name):
 @pytest.mark.parametrize("scheme", ["shm", "async+shm"])
 @pytest.mark.parametrize("wrap", [True, False])
 def test_storage_errors_are_wrapped_on_request_and_change_nothing(scheme, wrap, name):
-    s = Subject(scheme, name, keys=32, wrap_exceptions=wrap)
+    s = Subject(scheme, name, keys=32, wrap_exceptions=wrap, when_full="refuse")
     try:
         counted = 0
         with pytest.raises(StorageError if wrap else shmlimit.KeyTableFullError) as e:

@@ -51,6 +51,8 @@ class Mapping:
             K.KEYS_LIVE,
             K.EVICTED,
             K.owner(pid or os.getpid()),
+            K.CUT,
+            False,  # refuse when full: the exact models below keep every live window
         )
         return W.WindowCounters(t, *SECRET, K.REFUSED, clock)
 
@@ -173,7 +175,7 @@ class Counters(RuleBasedStateMachine):
     def slot_start(self, proc, key, w):
         d, home, _ = proc._sliding_key(key, w)
         s, _ = proc.t.find(d, home)
-        return W.unpack(proc.c.load(s + K.S_V0))[0] - 2 * w
+        return W.unpack(proc.c.load(s + K.S_V0) - proc.c.load(s + K.S_BASE))[0] - 2 * w
 
     @rule(
         p=st.integers(0, 3), key=SKEYS, w=SLIDE, limit=st.integers(0, 5), amount=st.integers(1, 2)
@@ -208,12 +210,12 @@ class Counters(RuleBasedStateMachine):
         s, ctl = proc.t.find(d, home)
         if s is None:
             return
-        v = proc.c.load(s + K.S_V0)
-        x, rolling, cnt = W.unpack(v)
+        v, base = proc.c.load(s + K.S_V0), proc.c.load(s + K.S_BASE)
+        x, rolling, cnt = W.unpack(v - base)
         now = self.now_ms()
         if rolling or now < x - w:
             return
-        assert proc.c.cas(s + K.S_V0, v, v | W.FLAG)
+        assert proc.c.cas(s + K.S_V0, v, ((v - base) | W.FLAG) + base)
         if snapshot:  # it even wrote the snapshot: everything but the last CAS
             snap = W.pack(x - w, cnt, True) if now < x else W.pack(now, 0, True)
             if proc.c.load(s + K.S_V1) < snap:

@@ -44,7 +44,8 @@ __all__ = ["AsyncShmStorage", "ShmStorage", "parse_uri"]
 
 
 def parse_uri(uri: str, scheme: str = "shm") -> Tuple[str, Dict[str, Any]]:
-    """``shm://NAME[?keys=N&mode=0o600]`` -> (name, WindowTable options); ValueError names what is wrong."""
+    """``shm://NAME[?keys=N&mode=0o600&when_full=evict&store_keys=false]`` -> (name, WindowTable
+    options); ValueError names what is wrong."""
     parts = urllib.parse.urlparse(uri)
     if parts.scheme != scheme:
         raise ValueError(f"storage uri must start with {scheme}://, got {uri!r}")
@@ -53,10 +54,19 @@ def parse_uri(uri: str, scheme: str = "shm") -> Tuple[str, Dict[str, Any]]:
         raise ValueError(f"storage uri must name the table, as shm://NAME; got {uri!r}")
     opts: Dict[str, Any] = {}
     for k, vs in urllib.parse.parse_qs(parts.query, keep_blank_values=True).items():
-        if k not in ("keys", "mode"):
+        if k not in ("keys", "mode", "when_full", "store_keys"):
             raise ValueError(
-                f"unknown option {k!r} in storage uri {uri!r}: allowed are keys and mode"
+                f"unknown option {k!r} in storage uri {uri!r}: allowed are keys, mode, when_full"
+                " and store_keys"
             )
+        if k == "when_full":
+            opts[k] = vs[-1]  # checked by WindowTable
+            continue
+        if k == "store_keys":
+            if vs[-1].lower() not in ("true", "false", "1", "0"):
+                raise ValueError(f"store_keys must be true or false in storage uri {uri!r}")
+            opts[k] = vs[-1].lower() in ("true", "1")
+            continue
         try:
             opts[k] = int(vs[-1], 0)
         except ValueError:
@@ -69,13 +79,13 @@ def parse_uri(uri: str, scheme: str = "shm") -> Tuple[str, Dict[str, Any]]:
 def _table(uri: str, scheme: str, options: Dict[str, Any]) -> WindowTable:
     """The ``WindowTable`` a storage uri names; its options are taken out of ``options``."""
     name, opts = parse_uri(uri, scheme)
-    for k in ("keys", "mode", "trusted_uids", "clock"):
+    for k in ("keys", "mode", "trusted_uids", "clock", "when_full", "store_keys"):
         if k in options:
             opts[k] = options.pop(k)
     if options:  # a typo (key= for keys=) would otherwise be dropped in silence
         raise TypeError(
             f"{', '.join(sorted(options))}: not an option of the {scheme}:// storage "
-            f"(allowed are keys, mode, trusted_uids and clock)"
+            f"(allowed are keys, mode, trusted_uids, clock, when_full and store_keys)"
         )
     return WindowTable(name, **opts)
 
@@ -85,7 +95,10 @@ class ShmStorage(Storage, _Sliding):  # type: ignore[misc,valid-type]
 
     Options (URI query or keyword arguments, e.g. Flask-Limiter's
     ``storage_options``): ``keys`` (slots, default 100 000), ``mode``
-    (permission bits of the segment, default 0o600), ``trusted_uids``.
+    (permission bits of the segment, default 0o600), ``trusted_uids``,
+    ``when_full`` ("evict", the default: a new key takes the slot of the
+    window ending first when none is free; "refuse": it is refused), and
+    ``store_keys`` (keep keys' first bytes for ``top``; default false).
     """
 
     STORAGE_SCHEME = ["shm"]

@@ -10,24 +10,28 @@ the value words mean, with one contract: ``V0`` is the value's *expiry word*.
 
 1. A slot whose ``V0 <= now`` holds no information (for GCRA: the key's bucket
    is full again) and may be evicted; ``V0``'s top bit (``DEAD``) marks it
-   evicted and keeps the value below it.  The values a reader may act on --
-   those ``V0`` held under a LIVE ``CTRL`` -- only ever increase over a slot's
-   whole life: an inserter stores its first grant's value above the slot's
-   *floor*, and a value kind only moves it forward -- but for GCRA's ``undo``,
-   which moves it back to where its own take found it, and only while no one
-   has taken since.  So a CAS on ``V0`` from a value read under one tenant
-   never succeeds under a later one: no ABA.  The floor is the slot's value
-   when it carries ``DEAD`` (an evicted key's, or what an abandoned insert
-   stood above), but a value an inserter stored and never published (it
-   died) is no key's: no reader holds it, and it is capped by the clock read
-   after the claim (every key evicted before was expired by then).  So a new
-   key never starts from a dead inserter's value: keys never share state.
+   evicted and keeps the stored word below it.  ``V0`` is stored plus the
+   slot's ``BASE``, fixed for as long as one tenant holds the slot; a value kind
+   reads and CASes the stored word and works on the word less ``BASE``.  The
+   stored words a reader may act on -- those ``V0`` held under a LIVE ``CTRL``
+   -- only ever increase over a slot's whole life: an inserter chooses its
+   ``BASE`` so that the stored word of every value its key may take (all at or
+   after the ``now`` it inserts at) lies above the slot's *floor*, the last word
+   the slot held (``DEAD`` stripped), and a value kind only moves it forward --
+   but for GCRA's ``undo``, which moves it back to where its own take found it
+   (never below that ``now``), and only while no one has taken since.  So a CAS
+   on ``V0`` from a word read under one tenant never succeeds under a later one:
+   no ABA.  And since the new tenant's *values* start from the clock, not from
+   the floor, a new key never starts from another key's state -- an evicted
+   key's or a dead inserter's: keys never share state.  ``BASE`` grows only by
+   the remaining debt of a key evicted while limited, and shrinks again as the
+   clock passes what the slot held.
 2. **Lookup**: probe at most ``probe`` slots from the key's home slot
    (``D0 * nslots >> 64``); an EMPTY slot ends the chain (a slot never becomes
    EMPTY again, and an inserter takes the first free slot it sees).
 3. **Insert**: take the first EMPTY, TOMB, expired LIVE (CAS ``V0 -> V0|DEAD``
    first, then CAS ``CTRL``) or dead inserter's slot; ``CTRL -> BUSY(me)``,
-   write the digest and the fresh values, ``-> PEND(me)``, then re-scan the
+   write the digest, ``BASE`` and the fresh values, ``-> PEND(me)``, then re-scan the
    window: another PEND or LIVE slot with the same digest means a concurrent
    insert of the same key.  Of two PENDs, the one nearer the home slot wins and
    the farther one gives way (TOMB); a later PEND always sees an earlier one,
@@ -35,12 +39,21 @@ the value words mean, with one contract: ``V0`` is the value's *expiry word*.
    BUSY/PEND slot with its pid, which any later inserter reclaims once the pid
    is dead (``alive``: gone or a zombie).  One that gives way leaves TOMB with
    its floor, flagged ``DEAD``.
-4. **Eviction is exact**: only a slot whose ``V0 <= now`` is ever taken, so a
-   key that is still limited is never lost; when every slot of a key's window
-   holds a limited key (or a live insert), the new key is refused (``FULL``).
+4. **A full window** (no free or expired slot among the ``probe`` slots):
+   with ``evict`` (``when_full="evict"``, the default) the live key whose
+   ``V0`` less ``BASE`` is least -- the one nearest to holding no information,
+   for GCRA the one nearest to a full bucket -- is evicted through the same
+   door (CAS of the very stored word that was compared, so a key used
+   meanwhile is not evicted: the insert looks again), and counted in ``CUT``.
+   Without it, only a slot whose ``V0 <= now`` is ever taken, so a key that is
+   still limited is never lost, and the new key is refused (``FULL``).
 
 **The value kind GCRA**: ``V0`` = TAT (theoretical arrival time, ticks),
-``V1`` = grants for that key, ``V2..V4`` = the key's first bytes for display.
+``V1`` = grants for that key, ``V3 V4`` = the key's first bytes for display
+(only with ``store_keys``).  An evicted key is as absent: its next request
+finds a full bucket.  So eviction grants a key at most the debt its entry
+still held (``(TAT - now) / T`` ops), and only a key whose entry held the least
+debt of its window; ``when_full="refuse"`` never grants that.
 A request of ``n`` ops at ``now`` is granted iff
 ``max(TAT, now) + n*T - now <= TAU + max_wait``; the TAT then moves there by
 CAS.  Grants in any window of length W are at most ``W/T + TAU/T``.  ``push``
@@ -52,7 +65,7 @@ from __future__ import annotations
 
 import os
 import time
-from typing import Callable, Optional, Tuple
+from typing import Optional, Tuple
 
 from shmlimit.errors import SegmentError
 from shmlimit.keyed import layout as K
@@ -76,6 +89,26 @@ LOCK_NS = 200_000_000
 PEND_NS = 200_000_000
 MAX_WAIT = 1 << 60
 KEY_MAX = 4096
+#: keyed_table's flags: when a key's window is full, evict its least valuable key (else refuse)...
+FLAG_EVICT = 1
+#: ... and keep each key's first bytes in its slot, for ``top`` and ``inspect`` (else none).
+FLAG_STORE_KEYS = 2
+WHEN_FULL = ("evict", "refuse")
+
+
+def table_flags(when_full: object = "evict", store_keys: object = False) -> int:
+    """A table's flags from its users' options; ValueError names a bad one.
+
+    ``when_full``: "evict" (a new key takes the slot of the least valuable key of
+    its window when none is free) or "refuse" (the new key is refused, as
+    ``KeyTableFullError``, until a slot of its window frees).  ``store_keys``:
+    keep each key's first bytes in its slot for ``top`` and ``inspect``.
+    """
+    if when_full not in WHEN_FULL:
+        raise ValueError(f'when_full must be "evict" or "refuse", got {when_full!r}')
+    if not isinstance(store_keys, bool):
+        raise ValueError(f"store_keys must be True or False, got {store_keys!r}")
+    return (FLAG_EVICT if when_full == "evict" else 0) | (FLAG_STORE_KEYS if store_keys else 0)
 
 
 def _rotl(x: int, b: int) -> int:
@@ -140,16 +173,22 @@ def key_bytes(key: object) -> bytes:
     return data
 
 
-def display_words(data: bytes) -> Tuple[int, int, int]:
-    b = bytes([min(len(data), 255)]) + data[: K.DISPLAY_BYTES]
-    b = b.ljust(24, b"\0")
-    return tuple(int.from_bytes(b[i : i + 8], "little") for i in (0, 8, 16))  # type: ignore[return-value]
+def display_words(data: bytes) -> Tuple[int, int]:
+    """V3 V4 of a key stored for display (``store_keys``): its length + 1 (at most 255), then its
+    first ``DISPLAY_BYTES`` bytes.  A slot without them holds zeros."""
+    b = bytes([min(len(data), 254) + 1]) + data[: K.DISPLAY_BYTES]
+    b = b.ljust(16, b"\0")
+    return int.from_bytes(b[:8], "little"), int.from_bytes(b[8:], "little")
 
 
-def display_key(words: Tuple[int, int, int]) -> str:
-    """The key as stored for display (its first bytes; '...' when it was longer)."""
-    b = b"".join(w.to_bytes(8, "little") for w in words)
-    n = b[0]
+def display_key(words: Tuple[int, ...], digest: int = 0) -> str:
+    """The key as stored for display (its first bytes; '...' when it was longer); a key stored
+    without them (the default) shows as ``#`` and the first 8 hex digits of its keyed digest,
+    which tells keys apart without revealing them."""
+    b = b"".join(w.to_bytes(8, "little") for w in words[:2])
+    if not b[0]:
+        return f"#{digest >> 32:08x}"
+    n = b[0] - 1
     text = b[1 : 1 + min(n, K.DISPLAY_BYTES)].decode("utf-8", "replace")
     return text + ("..." if n > K.DISPLAY_BYTES else "")
 
@@ -190,18 +229,32 @@ def check_offsets(cells, *offsets: int) -> None:
 
 
 class SlotTable:
-    """The slot protocol alone (lookup, insert, exact eviction, reuse), for any value kind.
+    """The slot protocol alone (lookup, insert, eviction, reuse), for any value kind.
 
     A value kind (GCRA here; fixed-window or sliding-window counters for a
     ``limits`` storage) uses ``find`` and ``insert`` and defines what
-    ``V0..V4`` mean, under the one contract above: ``V0`` is the expiry word,
-    its values only ever increase, and a slot whose ``V0 <= now`` may be
-    evicted.  Updates of the values go through CAS on ``V0`` after checking
-    that ``CTRL`` still holds the LIVE word ``find`` returned.
+    ``V0 V1 V3 V4`` mean, under the one contract above: ``V0`` is the expiry
+    word, stored plus the slot's ``BASE``, its values only ever increase, and a
+    slot whose ``V0 <= now`` may be evicted.  Updates of the values go through
+    CAS on the stored ``V0`` (``BASE`` + the value) after checking that ``CTRL``
+    still holds the LIVE word ``find`` returned.
+
+    ``evict``: when no slot of a new key's window is free or expired, evict the
+    live key whose ``V0`` is least (nearest to holding no information) instead
+    of refusing the new key (``when_full="evict"``, the default).
     """
 
     def __init__(
-        self, cells, slots: int, nslots: int, probe: int, keys_live: int, evicted: int, pid: int
+        self,
+        cells,
+        slots: int,
+        nslots: int,
+        probe: int,
+        keys_live: int,
+        evicted: int,
+        pid: int,
+        cut: Optional[int] = None,
+        evict: bool = True,
     ) -> None:
         if (
             slots % 8
@@ -211,10 +264,11 @@ class SlotTable:
             or probe > nslots
         ):
             raise IndexError("keyed_table: a region lies outside the mapping")
-        check_offsets(cells, keys_live, evicted)
+        check_offsets(cells, keys_live, evicted, *(() if cut is None else (cut,)))
         self.c = cells
         self.slots, self.nslots, self.probe = slots, nslots, probe
         self.keys_live, self.evicted, self.pid = keys_live, evicted, pid
+        self.cut, self.evict = (evicted if cut is None else cut), bool(evict)
 
     def _slot(self, home: int, i: int) -> int:
         return self.slots + ((home + i) % self.nslots) * K.LINE
@@ -251,11 +305,24 @@ class SlotTable:
                 if not alive((ctl >> 8) & 0xFFFFFFFF, self.pid):
                     return 0
                 continue
-            v = c.load(s + K.S_V0)
-            if v & K.DEAD or v <= now or (c.load(s + K.S_D0), c.load(s + K.S_D1)) == d:
+            got = self.value(s, ctl)
+            if got is None:
+                return 0  # evicted or gone since: its slot is being had now
+            v = got[0]
+            if v <= now or (c.load(s + K.S_D0), c.load(s + K.S_D1)) == d:
                 return 0
             soonest = v - now if soonest is None else min(soonest, v - now)
         return soonest or 0
+
+    def value(self, s: int, ctl: int) -> Optional[Tuple[int, int]]:
+        """``(V0, BASE)`` of slot s while it holds the tenant of LIVE word ``ctl``: the value is the
+        stored word less BASE; None when the tenant is evicted or gone (look again)."""
+        c = self.c
+        base = c.load(s + K.S_BASE)
+        raw = c.load(s + K.S_V0)
+        if raw & K.DEAD or c.load(s) != ctl:
+            return None
+        return raw - base, base
 
     def insert(
         self,
@@ -263,23 +330,20 @@ class SlotTable:
         home: int,
         now: int,
         v0: int,
-        rest: Tuple[int, int, int, int],
-        above: Optional[Callable[[int], int]] = None,
-        clock: Optional[Callable[[], int]] = None,
+        rest: Tuple[int, int, int],
     ):
-        """Insert digest d with its first values (V0 = v0, raised above the slot's past; V1..V4 = rest).
+        """Insert digest d with its first values: V0 = v0 (>= ``now``), V1 V3 V4 = rest.
 
-        When the slot's past value ``floor`` (see ``_floor``; ``clock`` reads
-        now in V0's units, None when ``now`` is injected) is not below ``v0``,
-        V0 becomes ``above(floor)``, which must exceed it; by default ``floor + 1``.
-
-        Returns (slot, ctrl): ctrl is the LIVE word when we published (the
+        The new tenant's BASE is what lifts its stored V0 above every word the
+        slot held before (``floor``), so it never starts from another key's
+        values.  Returns (slot, ctrl): ctrl is the LIVE word when we published (the
         grant is made), 0 means "look again"; slot None means the window is full
         (ctrl 0), or (ctrl ``BUSY``) that a farther PEND of the same key stayed
         unchanged under a live owner for ``PEND_NS`` and we gave way.
         """
         c = self.c
-        cand, cc, pos = None, 0, 0
+        cand, cc, pos, cv = None, 0, 0, 0
+        victim, least = None, 0
         for i in range(self.probe):
             s = self._slot(home, i)
             ctl = c.load(s)
@@ -300,31 +364,47 @@ class SlotTable:
             if state == K.TOMB:
                 cand, cc, pos = s, ctl, i
             elif state == K.LIVE:
+                base = c.load(s + K.S_BASE)
                 v = c.load(s + K.S_V0)
-                if v & K.DEAD or v <= now:
-                    cand, cc, pos = s, ctl, i
+                if c.load(s) != ctl:
+                    return s, 0  # it changed tenant while we read it: look again
+                if v & K.DEAD or v - base <= now:
+                    cand, cc, pos, cv = s, ctl, i, v
+                elif self.evict and (victim is None or v - base < least):
+                    victim, least = (s, ctl, i, v), v - base
             elif not alive((ctl >> 8) & 0xFFFFFFFF, self.pid):
                 cand, cc, pos = s, ctl, i
+        limited = False
         if cand is None:
-            return None, 0
+            # Full: the least valuable live key (its V0 least, so nearest to holding nothing) gives
+            # up its slot -- unless that would lift the slot's BASE past BASE_MAX.
+            if victim is None or (victim[3] + 1 - now) > K.BASE_MAX:
+                return None, 0
+            cand, cc, pos, cv = victim
+            limited = True
         state, gen = cc & 0xFF, (cc >> 40) + 1
-        if state == K.LIVE:
-            v = c.load(cand + K.S_V0)
-            if not v & K.DEAD and (v > now or not c.cas(cand + K.S_V0, v, v | K.DEAD)):
-                return cand, 0
+        if state == K.LIVE and not cv & K.DEAD and not c.cas(cand + K.S_V0, cv, cv | K.DEAD):
+            return cand, 0  # it was used meanwhile: look again
         mine = K.ctrl(K.BUSY, self.pid, gen)
         if not c.cas(cand, cc, mine):
             return cand, 0
         if state == K.LIVE:
             c.fetch_add(self.keys_live, MASK64)  # -1
             c.fetch_add(self.evicted, 1)
+            if limited:
+                c.fetch_add(self.cut, 1)
         c.store(cand + K.S_D0, d[0])
         c.store(cand + K.S_D1, d[1])
-        for k in range(4):
-            c.store(cand + K.S_V1 + 8 * k, rest[k])
-        floor = self._floor(c.load(cand + K.S_V0), now, clock)
-        fresh = v0 if floor < v0 else (floor + 1 if above is None else above(floor))
-        c.store(cand + K.S_V0, fresh)
+        c.store(cand + K.S_V1, rest[0])
+        c.store(cand + K.S_V3, rest[1])
+        c.store(cand + K.S_V4, rest[2])
+        floor = c.load(cand + K.S_V0) & ~K.DEAD
+        base = floor + 1 - now if floor >= now else 0
+        if base > K.BASE_MAX:  # only a segment written by hand: this slot takes no key
+            self._abort(cand, mine, gen, floor)
+            return None, 0
+        c.store(cand + K.S_BASE, base)
+        c.store(cand + K.S_V0, v0 + base)
         pend = K.ctrl(K.PEND, self.pid, gen)
         if not c.cas(cand, mine, pend):
             return cand, 0
@@ -385,33 +465,19 @@ class SlotTable:
         self.c.fetch_add(self.keys_live, 1)
         return cand, live
 
-    @staticmethod
-    def _floor(prior: int, now: int, clock: Optional[Callable[[], int]]) -> int:
-        """What a new tenant's first value must exceed, from the V0 its slot held (``prior``).
-
-        A value flagged ``DEAD`` was a key's, which a reader may still hold: kept whole.  One
-        without the flag was stored by an inserter that never published (it died): no reader
-        holds it, and it is the dead key's state, never the new key's -- only what it stood
-        above counts, and that was at most the clock when the dead inserter took the slot
-        (its own candidate had expired by then).  So it is capped by the clock read now, after
-        our claim (``clock``; without one, the injected ``now``).
-        """
-        if prior & K.DEAD:
-            return prior & ~K.DEAD
-        return min(prior, now if clock is None else max(now, clock()))
-
-    def _abort(self, cand: int, pend: int, gen: int, floor: int):
+    def _abort(self, cand: int, held: int, gen: int, floor: int):
         # never published: no reader holds our value, and the next tenant needs only the floor
         self.c.store(cand + K.S_V0, floor | K.DEAD)
-        self.c.cas(cand, pend, K.ctrl(K.TOMB, 0, gen))
+        self.c.cas(cand, held, K.ctrl(K.TOMB, 0, gen))
         return cand, 0
 
 
 class KeyedTable(SlotTable):
     """The value kind GCRA on the slot protocol: the reference version of the native ``KeyedTable``.
 
-    ``V0`` = the key's TAT, ``V1`` = its grants, ``V2..V4`` = its first bytes for display.
-    The same arguments and the same answers as the native one.
+    ``V0`` = the key's TAT, ``V1`` = its grants, ``V3 V4`` = its first bytes for display when
+    ``store_keys``.  The same arguments and the same answers as the native one; ``flags`` is
+    ``FLAG_EVICT`` (when full, evict the least valuable key) | ``FLAG_STORE_KEYS``.
     """
 
     def __init__(
@@ -431,8 +497,13 @@ class KeyedTable(SlotTable):
         refused: int,
         grants: int,
         pid: int,
+        cut: int,
+        flags: int,
     ) -> None:
-        super().__init__(cells, slots, nslots, probe, keys_live, evicted, pid)
+        super().__init__(
+            cells, slots, nslots, probe, keys_live, evicted, pid, cut, bool(flags & FLAG_EVICT)
+        )
+        self.store_keys = bool(flags & FLAG_STORE_KEYS)
         for off, lines in ((cfg, K.DEFAULT_BACKUP_LINES + 1), (ovr, novr * K.OVR_LINES)):
             if off % 8 or off + lines * K.LINE > cells.size:
                 raise IndexError("keyed_table: a region lies outside the mapping")
@@ -561,7 +632,6 @@ class KeyedTable(SlotTable):
         # others look in use against it.  Before refusing a new key for a full table it is read
         # once more (a later ``now`` only ever makes a grant later, never earlier).
         reread = now is not None
-        clock = None if reread else _ticks_now
         if now is None:
             now = _ticks_now()
         d = siphash128(data, self.k0, self.k1)
@@ -579,9 +649,9 @@ class KeyedTable(SlotTable):
                 if max_wait < 0:
                     return 0
                 if disp is None:
-                    disp = display_words(data)
+                    disp = display_words(data) if self.store_keys else (0, 0)
                 # a new key's bucket is full: n <= burst is granted at once, by the insert itself
-                s, ctl = self.insert(d, home, now, now + cost, (n, *disp), None, clock)
+                s, ctl = self.insert(d, home, now, now + cost, (n, *disp))
                 if s is None and ctl == BUSY:
                     return BUSY
                 if s is None:
@@ -594,14 +664,16 @@ class KeyedTable(SlotTable):
                 if ctl:
                     c.fetch_add(self.grants, n)
                     if taken is not None:
-                        taken.extend(((s - self.slots) // K.LINE, ctl, now + cost, cost))
+                        base = c.load(s + K.S_BASE)  # the tenant's, fixed while it holds the slot
+                        taken.extend(((s - self.slots) // K.LINE, ctl, now + cost + base, cost))
                     return 0
                 os.sched_yield()  # lost a race (often to an insert of the same key): let it finish
                 continue
             while True:
-                tat = c.load(s + K.S_V0)
-                if tat & K.DEAD or c.load(s) != ctl:
+                got = self.value(s, ctl)
+                if got is None:
                     break
+                tat, off = got
                 base = max(tat, now)
                 wait = base + cost - now
                 wait = wait - tau if wait > tau else 0
@@ -609,11 +681,11 @@ class KeyedTable(SlotTable):
                     return wait
                 if wait > maxw:
                     return REFUSED
-                if c.cas(s + K.S_V0, tat, base + cost):
+                if c.cas(s + K.S_V0, tat + off, base + cost + off):
                     c.fetch_add(s + K.S_V1, n)
                     c.fetch_add(self.grants, n)
                     if taken is not None:
-                        taken.extend(((s - self.slots) // K.LINE, ctl, base + cost, cost))
+                        taken.extend(((s - self.slots) // K.LINE, ctl, base + cost + off, cost))
                     return wait
 
     def push(self, key: object, until: int, now: "int | None" = None) -> int:
@@ -638,7 +710,8 @@ class KeyedTable(SlotTable):
         while True:
             s, ctl = self.find(d, home)
             if s is None:
-                s, ctl = self.insert(d, home, now, target, (0, *display_words(data)))
+                disp = display_words(data) if self.store_keys else (0, 0)
+                s, ctl = self.insert(d, home, now, target, (0, *disp))
                 if s is None:
                     if ctl != BUSY:
                         c.fetch_add(self.refused, 1)
@@ -647,10 +720,11 @@ class KeyedTable(SlotTable):
                     return 0
                 os.sched_yield()  # lost a race (often to an insert of the same key): let it finish
                 continue
-            tat = c.load(s + K.S_V0)
-            if tat & K.DEAD or c.load(s) != ctl:
+            got = self.value(s, ctl)
+            if got is None:
                 continue
-            if tat >= target or c.cas(s + K.S_V0, tat, target):
+            tat, off = got
+            if tat >= target or c.cas(s + K.S_V0, tat + off, target + off):
                 return 0
 
     def try_acquire(self, key: object, n: int = 1) -> bool:

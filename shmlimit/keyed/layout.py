@@ -7,18 +7,19 @@ A keyed segment holds many independent limits, one per key, in a table of
     line  1  config     CFG_SEQ, then the default rate's bank A: RATE PER BURST T TAU GEN SUM
     line  2  geometry   NKEYS NOVR PROBE SECRET0 SECRET1 - - -
     line  3  KEYS_LIVE  keys in LIVE slots
-    line  4  EVICTED    keys given up (their bucket was full again)
+    line  4  EVICTED    keys given up to make room (expired, or the least valuable: see CUT)
     line  5  REFUSED    new keys refused: every slot of their window held a limited key
     line  6  OVR_LIVE   live overrides (the override table is probed only when nonzero)
     line  7  UNREG_GRANTS: grants of processes beyond the process table
     line  8  -, then the default rate's bank B: RATE PER BURST T TAU GEN SUM
-    lines 9..15 reserved (zero)
+    line  9  CUT        of EVICTED, keys still limited when given up (each lost its remaining debt)
+    lines 10..15 reserved (zero)
     then PSLOTS process slots of one line each: PID START GRANTS WAITING BASE - - -
          (the format of ``table.ProcessTable``, at the same offset as in a Limiter segment)
     then NOVR override entries of three lines: CTRL D0 D1 - - - - -, then its bank A, then its bank B
          (CTRL state | owner << 8 | tag << 40: state 0 empty, 1 live, 2 tomb, 3 claimed by the writer
          owner; tag the low 24 bits of the storing writer's generation: see ``o_ctrl``)
-    then NKEYS key slots:        CTRL D0 D1 V0 V1 V2 V3 V4
+    then NKEYS key slots:        CTRL D0 D1 V0 V1 BASE V3 V4
 
 A *bank* is words 1..7 of a line: ``RATE PER BURST`` (IEEE-754 bits, for
 display), ``T`` the emission interval (ticks per op), ``TAU`` the burst
@@ -29,9 +30,13 @@ take the valid bank of the newest generation (``keyed_gcra``).  An override
 whose newest bank has ``T == 0`` was removed.  A tick is 1/16 ns of
 CLOCK_MONOTONIC.  A slot's words: ``CTRL`` = state | owner pid << 8 |
 generation << 40, ``D0 D1`` the key's 128-bit keyed digest (SipHash-2-4-128
-under the segment's secret), ``V0..V4`` the value kind's words.  The slot
-protocol (``keyed_cells``) knows one thing about values: ``V0`` is the expiry
-word (see there).
+under the segment's secret), ``V0 V1 V3 V4`` the value kind's words, ``BASE``
+the slot protocol's: ``V0`` is stored plus ``BASE`` (the tenant's offset,
+fixed while it holds the slot), so the stored word rises over the slot's whole
+life while each tenant's own values start from the clock.  The slot protocol
+(``keyed_cells``) knows one thing about values: ``V0`` is the expiry word (see
+there).  ``V3 V4`` hold the key's first bytes only when the table's users ask
+(``store_keys``); by default they are zero.
 """
 
 from __future__ import annotations
@@ -62,8 +67,9 @@ from shmlimit.shm.table import pid_namespace
 
 MAGIC = int.from_bytes(b"SHMLKEYS", "little")
 #: 2: every config in two checksummed banks (a config writer taken over cannot publish late);
-#: 3: a bank's values stored masked by their generation and written by CAS (late writers miss)
-VERSION = 3
+#: 3: a bank's values stored masked by their generation and written by CAS (late writers miss);
+#: 4: a slot's BASE word (a still-limited key may be evicted), key bytes only when asked
+VERSION = 4
 
 KIND_OFF = words(0, 8)[7]
 
@@ -90,6 +96,8 @@ NKEYS_OFF, NOVR_OFF, PROBE_OFF, SECRET0_OFF, SECRET1_OFF = words(2, 5)
 KEYS_LIVE = 3 * LINE
 EVICTED = 4 * LINE
 REFUSED = 5 * LINE
+#: Of EVICTED: keys evicted while still limited, to make room for a new key (``when_full="evict"``).
+CUT = 9 * LINE
 OVR_LIVE = 6 * LINE
 UNREG_GRANTS = 7 * LINE
 
@@ -97,7 +105,7 @@ HEADER_BYTES = 16 * LINE
 PSLOTS = 128
 
 # a key slot (word offsets within its line)
-S_CTRL, S_D0, S_D1, S_V0, S_V1, S_V2, S_V3, S_V4 = words(0, 8)
+S_CTRL, S_D0, S_D1, S_V0, S_V1, S_BASE, S_V3, S_V4 = words(0, 8)
 SLOT_BYTES = LINE
 
 # slot states (CTRL & 0xff)
@@ -146,9 +154,14 @@ PROBE = 32
 
 TICK_SHIFT = 4  #: ticks per ns = 1 << TICK_SHIFT
 DEAD = 1 << 63  #: V0's eviction flag (the value below it is kept)
+#: The largest BASE a slot takes.  BASE grows only by the remaining debt of a limited key evicted
+#: from the slot (and shrinks as the clock passes what a slot held), so it stays far below this;
+#: a slot that would pass it is not evicted while limited (its window refuses, as when_full="refuse").
+BASE_MAX = 1 << 61
 
-# the value kind GCRA: V0 = theoretical arrival time (ticks), V1 = grants, V2..V4 = display
-DISPLAY_BYTES = 23
+# the value kind GCRA: V0 = theoretical arrival time (ticks), V1 = grants, V3..V4 = display
+#: Key bytes kept for display when a table's users ask (``store_keys``): V3..V4 less a length byte.
+DISPLAY_BYTES = 15
 
 
 def overrides_offset(pslots: int = PSLOTS) -> int:

@@ -87,9 +87,16 @@ class _Attachment:
     """One process's mapping of one keyed segment, shared by all its handles."""
 
     def __init__(
-        self, name: str, seg: Segment, cells: Cells, geo: Geometry, join: bool = True
+        self,
+        name: str,
+        seg: Segment,
+        cells: Cells,
+        geo: Geometry,
+        join: bool = True,
+        flags: int = KC.FLAG_EVICT,
     ) -> None:
         self.name, self.seg, self.cells, self.geo = name, seg, cells, geo
+        self.flags = flags  #: ``keyed_cells.table_flags``: this process's when_full and store_keys
         self.created = seg.created
         self.table = ProcessTable(cells, K.PSLOTS)
         self.overrides = Overrides(cells, geo.overrides)
@@ -140,6 +147,8 @@ class _Attachment:
             K.REFUSED,
             grants,
             K.owner(self.pid),
+            K.CUT,
+            self.flags,
         )
 
     def reference(self) -> KC.KeyedTable:
@@ -161,6 +170,8 @@ class _Attachment:
             K.REFUSED,
             K.UNREG_GRANTS,  # a push grants nothing
             K.owner(os.getpid()),
+            K.CUT,
+            self.flags,
         )
 
     def use(self) -> None:
@@ -231,6 +242,7 @@ def _open(
     mode: int,
     trusted: frozenset,
     reconfigure: bool = False,
+    flags: int = KC.FLAG_EVICT,
 ) -> _Attachment:
     def make() -> _Attachment:
         for _ in range(16):
@@ -241,7 +253,7 @@ def _open(
                 raise SegmentError(
                     f"segment {name!r} holds window counters (a limits storage), not a KeyedLimiter"
                 )
-            att = _Attachment(name, seg, cells, real, join=False)
+            att = _Attachment(name, seg, cells, real, join=False, flags=flags)
             try:
                 if rate is not None and not seg.created:
                     _adopt(
@@ -259,6 +271,10 @@ def _open(
         raise SegmentError(f"could not open keyed limiter {name!r}: it kept being collected")
 
     def check(att: _Attachment) -> None:
+        if att.flags != flags:
+            raise ValueError(
+                f"keyed limiter {name!r} is open in this process with other when_full/store_keys"
+            )
         if reconfigure and rate is not None:
             _adopt(att, rate, geo, True)
         _check(name, att, rate, geo)
@@ -338,7 +354,12 @@ class KeyedLimiter(RatesSwitch, Keyed):
     64-byte key slots: size it for the keys that may be *limited at the same
     time*; a key whose bucket is full again gives its slot up.  ``overrides``
     bounds the per-key rates set with ``set_rate(..., key=)``; ``mode`` is the
-    segment's permission bits.
+    segment's permission bits.  ``when_full``: "evict" (default) lets a new key
+    take the slot of its window's least valuable key when none is free (that key
+    is then as new: it gains at most the debt its entry held, the least of its
+    window); "refuse" refuses the new key (``KeyTableFullError``) instead.
+    ``store_keys`` keeps each key's first 15 bytes for ``top``; by default no
+    key bytes are stored.  Both are this process's: give the same everywhere.
 
     A key is a ``str`` (its UTF-8 bytes) or ``bytes``, at most 4096 bytes.
     Per key, grants in any window of T seconds never exceed
@@ -394,6 +415,8 @@ class KeyedLimiter(RatesSwitch, Keyed):
         trusted_uids: Any = (),
         reconfigure: bool = False,
         rates: None = None,
+        when_full: str = "evict",
+        store_keys: bool = False,
     ) -> None:
         validate_name(name)
         validate_reconfigure(reconfigure, rate is not None, "the default rate to apply")
@@ -403,10 +426,13 @@ class KeyedLimiter(RatesSwitch, Keyed):
         )
         r = None if rate is None else make_rate(rate, per, burst)
         validate_mode(mode)
+        flags = KC.table_flags(when_full, store_keys)
         self._name = name
         self._att: Optional[_Attachment] = None
         trusted = validate_trusted_uids(trusted_uids)
-        self._att = att = _open(name, r, geo if r is not None else None, mode, trusted, reconfigure)
+        self._att = att = _open(
+            name, r, geo if r is not None else None, mode, trusted, reconfigure, flags
+        )
         att.handles.add(self)
         if att.joined:
             self._bind_fast(att)

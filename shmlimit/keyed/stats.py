@@ -42,8 +42,8 @@ class KeyedStats:
     capacity: float
     slots: int  #: key slots in the table
     keys: int  #: keys live now (a key whose bucket refilled may still hold its slot until reused)
-    evicted: int  #: keys whose slot was reused after their bucket was full again
-    refused_full: int  #: new keys refused because every slot of their window held a limited key
+    evicted: int  #: keys whose slot a new key took (their bucket full again, or see ``cut``)
+    refused_full: int  #: new keys refused: no slot of their window could be taken
     grants: int  #: ops granted for all keys by every process that ever attached
     overrides: int  #: keys with a rate of their own
     override_slots: int
@@ -54,6 +54,9 @@ class KeyedStats:
     #: ``shm://``), with no rate of its own (rate, per, capacity 0); its ``grants`` are the hits
     #: its users counted (each fixed-window hit, each granted sliding-window hit)
     kind: str = "keyed"
+    #: of ``evicted``, keys still limited when a new key took their slot (the table was full
+    #: there: each lost its remaining debt; a nonzero count says the table is too small)
+    cut: int = 0
 
     @property
     def bytes_per_key(self) -> float:
@@ -84,12 +87,13 @@ def snapshot_of(name: str, c: Cells, geo: Geometry, size: int) -> KeyedStats:
         processes=procs,
         backend=c.backend,
         kind="windows" if geo.kind == K.KIND_WINDOWS else "keyed",
+        cut=c.load(K.CUT),
     )
 
 
 @dataclass(frozen=True)
 class KeySample:
-    key: str  #: the key's first bytes, as stored for display
+    key: str  #: the key's first bytes if stored (``store_keys``), else ``#`` and its digest's first hex
     grants: int  #: ops granted to this key since it took its slot
     wait: float  #: seconds until the key's bucket is full again (0.0: idle)
 
@@ -105,10 +109,10 @@ def sample_keys(name: str, start: int, count: int) -> Tuple[List[KeySample], int
     out = []
     slots, nxt = _live_slots(name, K.KIND_GCRA, start, count)
     for words in slots:
-        tat = words[K.S_V0 // 8]
+        tat = words[K.S_V0 // 8] - words[K.S_BASE // 8]
         out.append(
             KeySample(
-                KC.display_key(words[K.S_V2 // 8 :]),
+                KC.display_key(words[K.S_V3 // 8 :], words[K.S_D0 // 8]),
                 words[K.S_V1 // 8],
                 max(0, tat - now) / TICKS_PER_S,
             )
@@ -183,7 +187,7 @@ def inspect_keyed(name: str) -> KeyedStats:
 class WindowSample:
     """One key of a table of window counters (the ``limits`` storage), as read at one instant."""
 
-    key: str  #: the key's first bytes, as stored for display (``limits`` puts the limit in it)
+    key: str  #: as ``KeySample.key`` (``limits`` puts the limit in a key's first bytes)
     strategy: str  #: "fixed" (fixed window) or "sliding" (sliding window counter)
     count: int  #: hits counted in the current window
     previous: int  #: the previous window's final count (sliding; 0 for a fixed window)
@@ -207,8 +211,9 @@ def sample_windows(
     out = []
     slots, nxt = _live_slots(name, K.KIND_WINDOWS, start, count)
     for words in slots:
-        (t, rolling, cnt), v1 = unpack(words[K.S_V0 // 8]), words[K.S_V1 // 8]
-        key = KC.display_key(words[K.S_V2 // 8 :])
+        (t, rolling, cnt) = unpack(words[K.S_V0 // 8] - words[K.S_BASE // 8])
+        v1 = words[K.S_V1 // 8]
+        key = KC.display_key(words[K.S_V3 // 8 :], words[K.S_D0 // 8])
         if not v1 & FLAG:  # a fixed window ending at t
             if t > now_ms:
                 out.append(WindowSample(key, "fixed", cnt, 0, None, (t - now_ms) / 1000))

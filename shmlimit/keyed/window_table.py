@@ -19,6 +19,7 @@ import weakref
 from typing import Any, Callable, Optional
 
 from shmlimit.errors import SegmentError
+from shmlimit.keyed import cells as KC
 from shmlimit.keyed import layout as K
 from shmlimit.keyed.cells import SlotTable
 from shmlimit.keyed.segment import Geometry, check_geometry, open_segment
@@ -44,9 +45,12 @@ class WindowTable:
     segment (an existing table keeps its size).  A key holds its slot while a
     window it was counted in still matters (a fixed window until it ends; a
     sliding one until the window after it ends) and gives it up afterwards;
-    a new key that finds every slot near its home held by such keys raises
-    ``KeyTableFullError`` (counted in ``refused``), never evicting one.
-    ``clock`` returns CLOCK_MONOTONIC nanoseconds (for tests).
+    a new key that finds every slot near its home held by such keys takes the
+    slot of the one whose window ends first (``when_full="evict"``, the
+    default: that key starts afresh at its next hit), or with
+    ``when_full="refuse"`` raises ``KeyTableFullError`` (counted in
+    ``refused``).  ``store_keys`` keeps each key's first 15 bytes for ``top``
+    (by default none).  ``clock`` returns CLOCK_MONOTONIC nanoseconds (for tests).
     """
 
     def __init__(
@@ -57,10 +61,13 @@ class WindowTable:
         mode: int = 0o600,
         trusted_uids: Any = (),
         clock: Optional[Callable[[], int]] = None,
+        when_full: str = "evict",
+        store_keys: bool = False,
     ) -> None:
         validate_name(name)
         geo = check_geometry(keys, 0)
         validate_mode(mode)
+        flags = KC.table_flags(when_full, store_keys)
         trusted = validate_trusted_uids(trusted_uids)
         self._name = name
         self._seg: Optional[Segment] = None
@@ -97,9 +104,17 @@ class WindowTable:
             K.KEYS_LIVE,
             K.EVICTED,
             K.owner(os.getpid()),
+            K.CUT,
+            bool(flags & KC.FLAG_EVICT),
         )
         self.counters = WindowCounters(
-            table, cells.load(K.SECRET0_OFF), cells.load(K.SECRET1_OFF), K.REFUSED, clock, name
+            table,
+            cells.load(K.SECRET0_OFF),
+            cells.load(K.SECRET1_OFF),
+            K.REFUSED,
+            clock,
+            name,
+            bool(flags & KC.FLAG_STORE_KEYS),
         )
         # This process in the segment's process table, as a KeyedLimiter's user: listed (alive or
         # dead) by `shmlimit list`/`top`, with the hits it counted.  Registered on opening; a forked

@@ -36,13 +36,19 @@ fresh key's first window) an over-estimate.  A reader that finds a ``V1``
 tag later than its window read the clock before a helper did: it reads the
 clock again (it is then at least as late).
 
-Both kinds keep the slot protocol's contract: ``V0`` only ever increases
-over a slot's life (``clear``/``reset`` evict a key -- ``V0 | DEAD``, then
-TOMB -- instead of lowering it, and a re-insert starts above the old value),
-and ``V0 <= now`` (as ``now << 25 | 2**25 - 1``) exactly when the key holds
-no information.  So a key counted in a live window is never evicted: when
-every slot of a new key's window holds a live key, the new key is refused
-with ``KeyTableFullError`` (and counted), never placed by evicting one.
+Both kinds keep the slot protocol's contract: ``V0`` (stored plus the slot's
+``BASE``: every word below is the value, the stored word less ``BASE``) only
+ever increases over a slot's life (``clear``/``reset`` evict a key -- ``V0 |
+DEAD``, then TOMB -- instead of lowering it, and a re-insert's ``BASE`` lifts it
+above the old word), and ``V0 <= now`` (as ``now << 25 | 2**25 - 1``) exactly
+when the key holds no information.  When every slot of a new key's window
+holds a key counted in a live window, the table (``evict``, the default)
+evicts the one whose ``V0`` is least: the window that ends first (the table
+is not told the limits, so "furthest from its limit" cannot be judged).  That
+key then starts a fresh window at its next hit: it gains at most the hits its
+window had counted, and only as the window ending first of its 32 probed
+slots.  With ``when_full="refuse"`` the new key is refused with
+``KeyTableFullError`` (and counted) instead.
 
 Limits: counts up to ``CMAX`` (16 777 215) per window -- a fixed window's
 count saturates there and ``incr`` then answers ``OVER`` (above every
@@ -117,9 +123,11 @@ class WindowCounters:
         refused: int,
         clock: Optional[Callable[[], int]] = None,
         name: str = "window counters",
+        store_keys: bool = False,
     ) -> None:
         KC.check_offsets(table.c, refused)
         self.name = name
+        self.store_keys = store_keys
         self.t, self.c = table, table.c
         self.k0, self.k1, self.refused = k0, k1, refused
         self.clock = clock or time.monotonic_ns
@@ -144,25 +152,9 @@ class WindowCounters:
         d = KC.siphash128(prefix + data, self.k0, self.k1)
         return d, (d[0] * self.t.nslots) >> 64, data
 
-    def _live_v0(self, s: int, ctl: int) -> Optional[int]:
-        """V0 of slot s while it still holds the key found (CTRL == ctl, not DEAD); else None."""
-        v = self.c.load(s + K.S_V0)
-        if v & K.DEAD or self.c.load(s) != ctl:
-            return None
-        return v
-
-    def _insert(
-        self, d, home: int, now_ms: int, v0: int, v1: int, data: bytes, above: Callable[[int], int]
-    ):
-        s, ctl = self.t.insert(
-            d,
-            home,
-            pack(now_ms, CMAX, True),
-            v0,
-            (v1, *KC.display_words(data)),
-            above,
-            lambda: pack(self._now()[1], CMAX, True),  # a dead inserter's value is capped by it
-        )
+    def _insert(self, d, home: int, now_ms: int, v0: int, v1: int, data: bytes):
+        disp = KC.display_words(data) if self.store_keys else (0, 0)
+        s, ctl = self.t.insert(d, home, pack(now_ms, CMAX, True), v0, (v1, *disp))
         if (
             s is None and ctl == KC.BUSY
         ):  # a stalled insert of this key by a live process: nothing counted
@@ -179,8 +171,8 @@ class WindowCounters:
             s, ctl = self.t.find(d, home)
             if s is None:
                 return False
-            v = self._live_v0(s, ctl)
-            if v is not None and c.cas(s + K.S_V0, v, v | K.DEAD):
+            got = self.t.value(s, ctl)
+            if got is not None and c.cas(s + K.S_V0, sum(got), sum(got) | K.DEAD):
                 if c.cas(s, ctl, K.ctrl(K.TOMB, 0, ctl >> 40)):
                     c.fetch_add(self.t.keys_live, KC.MASK64)  # -1
                 return True
@@ -207,16 +199,16 @@ class WindowCounters:
                     pack(now + w + 1, amount),
                     0,
                     data,
-                    lambda prior: pack(max(now + w + 1, unpack(prior)[0] + 1), amount),
                 )
                 if ctl:
                     return amount
                 os.sched_yield()  # lost a race, often to an insert of the same key: let it finish
                 continue
             while True:
-                v = self._live_v0(s, ctl)
-                if v is None:
+                got = self.t.value(s, ctl)
+                if got is None:
                     break
+                v, base = got
                 end, _, cnt = unpack(v)
                 if end <= now:
                     new, ret = pack(max(now + w + 1, end + 1), amount), amount
@@ -224,7 +216,7 @@ class WindowCounters:
                     new, ret = pack(end, CMAX), OVER
                 else:
                     new, ret = pack(end, cnt + amount), cnt + amount
-                if c.cas(s + K.S_V0, v, new):
+                if c.cas(s + K.S_V0, v + base, new + base):
                     return ret
 
     def _fixed(self, key: object) -> Tuple[int, int, int]:
@@ -235,10 +227,10 @@ class WindowCounters:
             s, ctl = self.t.find(d, home)
             if s is None:
                 return 0, 0, now
-            v = self._live_v0(s, ctl)
-            if v is None:
+            got = self.t.value(s, ctl)
+            if got is None:
                 continue
-            end, _, cnt = unpack(v)
+            end, _, cnt = unpack(got[0])
             return (cnt, end, now) if end > now else (0, 0, now)
 
     def get(self, key: object) -> int:
@@ -260,8 +252,8 @@ class WindowCounters:
     def _sliding_key(self, key: object, w: int):
         return self._key(b"S" + w.to_bytes(8, "little"), key)
 
-    def _roll(self, s: int, v: int, w: int, now: int) -> None:
-        """Finish moving slot s (V0 = v, ROLLING) on from its window; anyone may do it.
+    def _roll(self, s: int, v: int, base: int, w: int, now: int) -> None:
+        """Finish moving slot s (V0 = v, ROLLING, stored plus ``base``) on from its window; anyone may.
 
         To the next window while ``now`` is before the slot's expiry (the count
         becomes the previous one), else to a fresh window starting at ``now``
@@ -278,13 +270,13 @@ class WindowCounters:
             cur = c.load(s + K.S_V1)
             if cur >= snap or c.cas(s + K.S_V1, cur, snap):
                 break
-        c.cas(s + K.S_V0, v, pack(nxt + 2 * w, 0))
+        c.cas(s + K.S_V0, v + base, pack(nxt + 2 * w, 0) + base)
 
     def _state(self, s: int, ctl: int, w: int, ns: int, write: bool):
-        """Slot s's counts now: (v, start, prev, cur, ns), or None to look again.
+        """Slot s's counts now: (v, start, prev, cur, ns, base), or None to look again.
 
         With ``write`` the slot is first moved on to the window holding ``now``
-        (``v`` is the V0 the answer was read under); without, the answer for a
+        (``v`` is the V0 the answer was read under, less ``base``); without, the answer for a
         slot left in an earlier window is computed (``v`` None).  ``start`` is
         the current window's start (ms).
         """
@@ -292,9 +284,10 @@ class WindowCounters:
         refreshed = False
         now = ns // 1_000_000
         while True:
-            v = self._live_v0(s, ctl)
-            if v is None:
+            got = self.t.value(s, ctl)
+            if got is None:
                 return None
+            v, base = got
             x, rolling, cnt = unpack(v)
             start = x - 2 * w
             if now < start + (w if rolling else 0):
@@ -307,13 +300,13 @@ class WindowCounters:
             if now >= start + w or rolling:
                 if not write:
                     if now >= start + 2 * w:
-                        return None, now, 0, 0, ns
-                    return None, start + w, cnt, 0, ns
-                if rolling or c.cas(s + K.S_V0, v, v | FLAG):
-                    self._roll(s, v | FLAG, w, now)
+                        return None, now, 0, 0, ns, base
+                    return None, start + w, cnt, 0, ns, base
+                if rolling or c.cas(s + K.S_V0, v + base, (v | FLAG) + base):
+                    self._roll(s, v | FLAG, base, w, now)
                 continue
             v1 = c.load(s + K.S_V1)
-            if c.load(s + K.S_V0) != v:
+            if c.load(s + K.S_V0) != v + base:
                 continue
             tag, phase, n = unpack(v1)
             if tag == start and phase:
@@ -328,7 +321,7 @@ class WindowCounters:
                 continue
             else:
                 prev = n  # a stale write from a previous tenant, in a fresh key's first window: over-counts
-            return v, start, prev, cnt, ns
+            return v, start, prev, cnt, ns, base
 
     @staticmethod
     def _weight(start: int, w: int, ns: int) -> float:
@@ -366,7 +359,6 @@ class WindowCounters:
                     pack(now + 2 * w, amount),
                     pack(now, 0, True),
                     data,
-                    lambda prior: pack(unpack(prior)[0] + 1, amount),
                 )
                 if ctl:
                     return True
@@ -376,10 +368,10 @@ class WindowCounters:
                 st = self._state(s, ctl, w, ns, True)
                 if st is None:
                     break
-                v, start, prev, cur, ns = st
+                v, start, prev, cur, ns, base = st
                 if math.floor(prev * self._weight(start, w, ns) + cur) + amount > limit:
                     return False
-                if c.cas(s + K.S_V0, v, pack(start + 2 * w, cur + amount)):
+                if c.cas(s + K.S_V0, v + base, pack(start + 2 * w, cur + amount) + base):
                     return True
 
     def sliding(self, key: object, expiry: float) -> Tuple[int, float, int, float]:
@@ -395,7 +387,7 @@ class WindowCounters:
                 break
             st = self._state(s, ctl, w, ns, False)
             if st is not None:
-                _, start, prev, cur, ns = st
+                _, start, prev, cur, ns, _ = st
                 break
         left = max(0, (start + w) * 1_000_000 - ns) / 1e9
         return prev, (left if prev else 0.0), cur, left + w / 1000

@@ -577,7 +577,11 @@ cells_grabber(NativeCells *self, PyObject *const *args, Py_ssize_t n)
 #define KW_D1 2
 #define KW_V0 3
 #define KW_V1 4
-#define KW_DISP 5 /* V2..V4: the key's first bytes, for display only */
+#define KW_BASE 5 /* the tenant's offset: V0 is stored plus BASE (keyed_cells.SlotTable) */
+#define KW_DISP 6 /* V3 V4: the key's first bytes, for display only, when stored (store_keys) */
+#define KT_BASE_MAX (UINT64_C(1) << 61) /* keyed_layout.BASE_MAX */
+#define KT_FLAG_EVICT 1u /* when a window is full, evict its least valuable key (keyed_cells) */
+#define KT_FLAG_STORE_KEYS 2u
 /* override entry: CTRL (state in its low byte: 0 empty, 1 live, 2 tomb, 3 claimed), D0 D1 */
 #define KO_LINES 3 /* an override entry: CTRL D0 D1, then its banks A and B (keyed_layout) */
 #define KO_EMPTY 0u
@@ -640,8 +644,8 @@ typedef struct {
     uint64_t *ovr_live;   /* live overrides: the override table is probed only when nonzero */
     uint64_t *ovr;        /* override table: novr entries of KO_LINES lines */
     uint64_t *slots;      /* key slots: nslots lines */
-    uint64_t *keys_live, *evicted, *refused, *grants;
-    uint64_t novr, nslots, probe, k0, k1, pid;
+    uint64_t *keys_live, *evicted, *refused, *grants, *cut;
+    uint64_t novr, nslots, probe, k0, k1, pid, flags;
 } KeyedTable;
 
 #define LINEW 8 /* words per line */
@@ -860,19 +864,21 @@ kt_find(KeyedTable *t, const uint64_t d[2], uint64_t home, uint64_t *ctrl)
 }
 
 /* Insert digest d (absent when we looked) with its first grant already in its values: V0 =
- * v0 (the TAT after the grant; raised above every value the slot held before if need be),
- * V1 = v1.  Returns the slot with *ctrl its LIVE word when we published it (the grant is made),
- * *ctrl 0 when the caller must look again (another inserter or evictor won a race), or NULL
- * when every slot of the window holds a limited key or a live insert (the table is full there);
+ * v0 (the TAT after the grant, >= now), stored plus the BASE that lifts it above every word the
+ * slot held before (keyed_cells.SlotTable.insert), V1 = v1.  Returns the slot with *ctrl its LIVE
+ * word when we published it (the grant is made), *ctrl 0 when the caller must look again (another
+ * inserter or evictor won a race), or NULL when the window has no free or expired slot and
+ * eviction is off, or its least valuable key may not be evicted (the table is full there);
  * NULL with *err 1 on an error (set), with *err 2 when a farther PEND of the same key stayed
  * unchanged under a live owner for KT_PEND_NS (we gave way: nothing of ours is left). */
 static uint64_t *
-kt_insert(KeyedTable *t, const uint64_t d[2], uint64_t home, uint64_t now, int own_clock, uint64_t v0,
-          uint64_t v1, const uint64_t disp[3], uint64_t *ctrl, int *err)
+kt_insert(KeyedTable *t, const uint64_t d[2], uint64_t home, uint64_t now, uint64_t v0,
+          uint64_t v1, const uint64_t disp[2], uint64_t *ctrl, int *err)
 {
     *ctrl = 0;
     *err = 0;
-    uint64_t *cand = NULL, cc = 0, pos = 0;
+    uint64_t *cand = NULL, cc = 0, pos = 0, cv = 0;
+    uint64_t *victim = NULL, vc = 0, vpos = 0, vv = 0, least = 0;
     for (uint64_t i = 0; i < t->probe; i++) {
         uint64_t *s = kt_slot(t, home, i);
         uint64_t c = ld(s + KW_CTRL);
@@ -890,9 +896,13 @@ kt_insert(KeyedTable *t, const uint64_t d[2], uint64_t home, uint64_t now, int o
         if (state == KS_TOMB) {
             cand = s; cc = c; pos = i;
         } else if (state == KS_LIVE) {
-            uint64_t v = ld(s + KW_V0);
-            if (v & KT_DEAD || v <= now) {
-                cand = s; cc = c; pos = i;
+            uint64_t base = ld(s + KW_BASE), v = ld(s + KW_V0);
+            if (ld(s + KW_CTRL) != c)
+                return s; /* it changed tenant while we read it: look again */
+            if (v & KT_DEAD || v - base <= now) {
+                cand = s; cc = c; pos = i; cv = v;
+            } else if ((t->flags & KT_FLAG_EVICT) && (!victim || v - base < least)) {
+                victim = s; vc = c; vpos = i; vv = v; least = v - base;
             }
         } else { /* BUSY or PEND: a candidate if its inserter is dead */
             int a = kt_alive(t, kt_pid(c));
@@ -905,42 +915,43 @@ kt_insert(KeyedTable *t, const uint64_t d[2], uint64_t home, uint64_t now, int o
             }
         }
     }
-    if (!cand)
-        return NULL;
-    uint64_t state = kt_state(cc), gen = kt_gen(cc) + 1;
-    if (state == KS_LIVE) {
-        /* exact eviction: only a key whose bucket is full again (V0 <= now) is given up */
-        uint64_t v = ld(cand + KW_V0);
-        if (!(v & KT_DEAD) && (v > now || !cas(cand + KW_V0, v, v | KT_DEAD)))
-            return cand; /* it was used meanwhile: retry */
+    int limited = 0;
+    if (!cand) {
+        /* full: the least valuable live key gives up its slot, unless that lifts BASE too far */
+        if (!victim || vv + 1 - now > KT_BASE_MAX)
+            return NULL;
+        cand = victim; cc = vc; pos = vpos; cv = vv;
+        limited = 1;
     }
+    uint64_t state = kt_state(cc), gen = kt_gen(cc) + 1;
+    if (state == KS_LIVE && !(cv & KT_DEAD) && !cas(cand + KW_V0, cv, cv | KT_DEAD))
+        return cand; /* it was used meanwhile: look again */
     uint64_t mine = kt_ctrl(KS_BUSY, t->pid, gen);
     if (!cas(cand + KW_CTRL, cc, mine))
         return cand; /* another inserter took it: retry */
     if (state == KS_LIVE) {
         __atomic_fetch_sub(t->keys_live, 1, __ATOMIC_SEQ_CST);
         add(t->evicted, 1);
+        if (limited)
+            add(t->cut, 1);
     }
     st(cand + KW_D0, d[0]);
     st(cand + KW_D1, d[1]);
     st(cand + KW_V1, v1);
-    for (int k = 0; k < 3; k++)
+    for (int k = 0; k < 2; k++)
         st(cand + KW_DISP + k, disp[k]);
-    /* above the slot's floor (keyed_cells.SlotTable._floor): a value flagged DEAD was a key's,
-     * which a reader may still hold; one without was stored by an inserter that died before
-     * publishing -- no key's, so capped by the clock read now, after our claim (the injected
-     * `now` when the caller gave one): a new key never starts from a dead inserter's state */
-    uint64_t prior = ld(cand + KW_V0), floor = prior & ~KT_DEAD;
-    if (!(prior & KT_DEAD)) {
-        uint64_t bound = now;
-        if (own_clock) {
-            uint64_t later = kt_now();
-            bound = later > now ? later : now;
-        }
-        floor = floor < bound ? floor : bound;
+    /* BASE lifts every stored word of the new tenant (its values are >= now) above the slot's
+     * floor, the last word it held; the values themselves start from the clock, so a new key
+     * never starts from an evicted key's or a dead inserter's state (keyed_cells.SlotTable) */
+    uint64_t floor = ld(cand + KW_V0) & ~KT_DEAD;
+    uint64_t base = floor >= now ? floor + 1 - now : 0;
+    if (base > KT_BASE_MAX) { /* only a segment written by hand: this slot takes no key */
+        st(cand + KW_V0, floor | KT_DEAD);
+        cas(cand + KW_CTRL, mine, kt_ctrl(KS_TOMB, 0, gen));
+        return NULL;
     }
-    uint64_t fresh = floor < v0 ? v0 : floor + 1;
-    st(cand + KW_V0, fresh);
+    st(cand + KW_BASE, base);
+    st(cand + KW_V0, v0 + base);
     uint64_t pend = kt_ctrl(KS_PEND, t->pid, gen);
     if (!cas(cand + KW_CTRL, mine, pend))
         return cand; /* taken for dead */
@@ -1048,14 +1059,16 @@ kt_key(PyObject *key, const char **buf, Py_ssize_t *len)
     return 1;
 }
 
+/* V3 V4 of a key stored for display (keyed_cells.display_words): its length + 1 (at most 255),
+ * then its first 15 bytes. */
 static void
-kt_display(const char *buf, Py_ssize_t len, uint64_t disp[3])
+kt_display(const char *buf, Py_ssize_t len, uint64_t disp[2])
 {
-    unsigned char b[24] = {0};
-    size_t k = len > 23 ? 23 : (size_t)len;
-    b[0] = (unsigned char)(len > 255 ? 255 : len);
+    unsigned char b[16] = {0};
+    size_t k = len > 15 ? 15 : (size_t)len;
+    b[0] = (unsigned char)((len > 254 ? 254 : len) + 1);
     memcpy(b + 1, buf, k);
-    memcpy(disp, b, 24);
+    memcpy(disp, b, 16);
 }
 
 /* The keyed composite: find or insert key's slot, then one GCRA step.  Returns the wait in ticks
@@ -1112,20 +1125,20 @@ kt_step(KeyedTable *t, PyObject *key, PyObject *nobj, long long mw, uint64_t now
     uint64_t cost = (uint64_t)n * T;
     uint64_t maxw = mw < 0 ? 0 : ((uint64_t)mw > KT_MAX_WAIT ? KT_MAX_WAIT : (uint64_t)mw);
     uint64_t home = (uint64_t)(((unsigned __int128)d[0] * t->nslots) >> 64);
-    uint64_t disp[3];
+    uint64_t disp[2] = {0, 0};
     int displayed = 0;
     for (;;) {
         uint64_t c, *s = kt_find(t, d, home, &c);
         if (!s) {
             if (mw < 0)
                 return 0; /* absent: a full bucket */
-            if (!displayed) {
+            if (!displayed && (t->flags & KT_FLAG_STORE_KEYS)) {
                 kt_display(buf, len, disp);
                 displayed = 1;
             }
             /* a new key's bucket is full: n <= burst is granted at once, by the insert itself */
             int err;
-            s = kt_insert(t, d, home, now, own_clock, now + cost, (uint64_t)n, disp, &c, &err);
+            s = kt_insert(t, d, home, now, now + cost, (uint64_t)n, disp, &c, &err);
             if (err)
                 return err == 2 ? KT_BUSY : KT_ERROR;
             if (!s) {
@@ -1142,8 +1155,8 @@ kt_step(KeyedTable *t, PyObject *key, PyObject *nobj, long long mw, uint64_t now
             }
             if (c) {
                 add(t->grants, (uint64_t)n);
-                if (taken)
-                    kt_taken(t, taken, s, now + cost, cost);
+                if (taken) /* BASE is the tenant's, fixed while it holds the slot */
+                    kt_taken(t, taken, s, now + cost + ld(s + KW_BASE), cost);
                 return 0;
             }
             if (!kt_yield(t)) /* lost a race (often to an insert of the same key): let it finish */
@@ -1151,9 +1164,10 @@ kt_step(KeyedTable *t, PyObject *key, PyObject *nobj, long long mw, uint64_t now
             continue;
         }
         for (;;) {
-            uint64_t tat = ld(s + KW_V0);
-            if (tat & KT_DEAD || ld(s + KW_CTRL) != c)
+            uint64_t off = ld(s + KW_BASE), raw = ld(s + KW_V0);
+            if (raw & KT_DEAD || ld(s + KW_CTRL) != c)
                 break; /* evicted or reused: look again */
+            uint64_t tat = raw - off;
             uint64_t base = tat > now ? tat : now;
             uint64_t wait = base + cost - now; /* > 0 */
             wait = wait > tau ? wait - tau : 0;
@@ -1161,11 +1175,11 @@ kt_step(KeyedTable *t, PyObject *key, PyObject *nobj, long long mw, uint64_t now
                 return (int64_t)wait;
             if (wait > maxw)
                 return KT_REFUSED;
-            if (cas(s + KW_V0, tat, base + cost)) {
+            if (cas(s + KW_V0, raw, base + cost + off)) {
                 add(s + KW_V1, (uint64_t)n);
                 add(t->grants, (uint64_t)n);
                 if (taken)
-                    kt_taken(t, taken, s, base + cost, cost);
+                    kt_taken(t, taken, s, base + cost + off, cost);
                 return (int64_t)wait;
             }
         }
@@ -1323,14 +1337,14 @@ static PyTypeObject KeyedTableType = {
 };
 
 /* keyed_table(cfg, ovr_live, ovr, novr, slots, nslots, probe, k0, k1, keys_live, evicted,
- *             refused, grants, pid): every region checked against the mapping once, here. */
+ *             refused, grants, pid, cut, flags): every region checked against the mapping once, here. */
 static PyObject *
 cells_keyed_table(NativeCells *self, PyObject *const *args, Py_ssize_t n)
 {
-    if (!nargs(n, 14, "keyed_table") || !check_open(self))
+    if (!nargs(n, 16, "keyed_table") || !check_open(self))
         return NULL;
-    uint64_t v[14];
-    for (int i = 0; i < 14; i++)
+    uint64_t v[16];
+    for (int i = 0; i < 16; i++)
         if (!u64(args[i], &v[i]))
             return NULL;
     uint64_t size = (uint64_t)self->size;
@@ -1339,7 +1353,8 @@ cells_keyed_table(NativeCells *self, PyObject *const *args, Py_ssize_t n)
     if (!REGION_OK(v[0], KT_DEFAULT_BACKUP_LINES + 1) || !REGION_OK(v[1], 0) || v[1] > size - 8 ||
         v[3] > size / (64 * KO_LINES) || !REGION_OK(v[2], v[3] * KO_LINES) ||
         !REGION_OK(v[4], v[5]) || v[5] == 0 || v[6] == 0 || v[6] > v[5] || v[9] > size - 8 ||
-        v[10] > size - 8 || v[11] > size - 8 || v[12] > size - 8 || (v[9] | v[10] | v[11] | v[12]) % 8) {
+        v[10] > size - 8 || v[11] > size - 8 || v[12] > size - 8 || v[14] > size - 8 ||
+        (v[9] | v[10] | v[11] | v[12] | v[14]) % 8) {
         PyErr_SetString(PyExc_IndexError, "keyed_table: a region lies outside the mapping");
         return NULL;
     }
@@ -1364,6 +1379,8 @@ cells_keyed_table(NativeCells *self, PyObject *const *args, Py_ssize_t n)
     t->refused = (uint64_t *)(b + v[11]);
     t->grants = (uint64_t *)(b + v[12]);
     t->pid = v[13];
+    t->cut = (uint64_t *)(b + v[14]);
+    t->flags = v[15];
     return (PyObject *)t;
 }
 /* ======================================================================================
