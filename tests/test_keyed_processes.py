@@ -78,7 +78,7 @@ def test_per_key_window_bound_across_processes(name, method):
 def test_per_key_window_bound_while_keys_are_evicted_and_reused(name):
     """50 000 keys through 64 slots: each key is used less often than its rate, so slots change
     tenant all the time -- and no key, evicted or not, ever gets more than its rate."""
-    lim = shmlimit.KeyedLimiter(name, rate=50, burst=1, keys=64)
+    lim = shmlimit.KeyedLimiter(name, rate=50, burst=1, keys=64, when_full="refuse")
     ctx = mp.get_context("fork")
     with ctx.Pool(WORKERS) as pool:
         results = pool.starmap(
@@ -110,7 +110,7 @@ def test_churn_fast_rate_admits_every_new_key(name):
 
 def test_churn_slow_rate_never_resets_a_limited_key(name):
     slots = 64
-    lim = shmlimit.KeyedLimiter(name, rate=1, per=3600, burst=1, keys=slots)
+    lim = shmlimit.KeyedLimiter(name, rate=1, per=3600, burst=1, keys=slots, when_full="refuse")
     answers = churn(name, 0, 20 * slots)
     admitted = [i for i, ok in enumerate(answers) if ok]
     refused = len(answers) - len(admitted)

@@ -242,7 +242,7 @@ def _open(
     mode: int,
     trusted: frozenset,
     reconfigure: bool = False,
-    flags: int = KC.FLAG_EVICT,
+    flags: Optional[int] = None,
 ) -> _Attachment:
     def make() -> _Attachment:
         for _ in range(16):
@@ -253,7 +253,9 @@ def _open(
                 raise SegmentError(
                     f"segment {name!r} holds window counters (a limits storage), not a KeyedLimiter"
                 )
-            att = _Attachment(name, seg, cells, real, join=False, flags=flags)
+            att = _Attachment(
+                name, seg, cells, real, join=False, flags=KC.FLAG_EVICT if flags is None else flags
+            )
             try:
                 if rate is not None and not seg.created:
                     _adopt(
@@ -271,7 +273,7 @@ def _open(
         raise SegmentError(f"could not open keyed limiter {name!r}: it kept being collected")
 
     def check(att: _Attachment) -> None:
-        if att.flags != flags:
+        if flags is not None and att.flags != flags:
             raise ValueError(
                 f"keyed limiter {name!r} is open in this process with other when_full/store_keys"
             )
@@ -359,7 +361,8 @@ class KeyedLimiter(RatesSwitch, Keyed):
     is then as new: it gains at most the debt its entry held, the least of its
     window); "refuse" refuses the new key (``KeyTableFullError``) instead.
     ``store_keys`` keeps each key's first 15 bytes for ``top``; by default no
-    key bytes are stored.  Both are this process's: give the same everywhere.
+    key bytes are stored.  Both are this process's (unset: as this process already has the
+    table open, else "evict" and no keys): give the same in every process.
 
     A key is a ``str`` (its UTF-8 bytes) or ``bytes``, at most 4096 bytes.
     Per key, grants in any window of T seconds never exceed
@@ -415,8 +418,8 @@ class KeyedLimiter(RatesSwitch, Keyed):
         trusted_uids: Any = (),
         reconfigure: bool = False,
         rates: None = None,
-        when_full: str = "evict",
-        store_keys: bool = False,
+        when_full: Optional[str] = None,
+        store_keys: Optional[bool] = None,
     ) -> None:
         validate_name(name)
         validate_reconfigure(reconfigure, rate is not None, "the default rate to apply")
@@ -426,7 +429,11 @@ class KeyedLimiter(RatesSwitch, Keyed):
         )
         r = None if rate is None else make_rate(rate, per, burst)
         validate_mode(mode)
-        flags = KC.table_flags(when_full, store_keys)
+        flags = (  # None: as this process already has the table open, else "evict", no keys
+            None
+            if when_full is None and store_keys is None
+            else KC.table_flags(when_full or "evict", False if store_keys is None else store_keys)
+        )
         self._name = name
         self._att: Optional[_Attachment] = None
         trusted = validate_trusted_uids(trusted_uids)
