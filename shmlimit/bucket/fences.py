@@ -78,6 +78,10 @@ class Fences:
         """``(LIMIT, DUE)`` of every record in force for a claim of ``[ts, now]``, by the scan's own
         tests (``words.fence_due_counts``, ``fence_limit_counts``: the horizon counted from ``now``, as
         the scan counts it; for a promise, ``Schedule.promised_ns``)."""
+        return [(limit, due) for _, limit, due in self.held(ts, now, tpn, head)]
+
+    def held(self, ts: int, now: int, tpn: int, head: int) -> List[Tuple[int, int, int]]:
+        """``(record, LIMIT, DUE)`` of every record in force for a claim of ``[ts, now]`` (``in_force``)."""
         c = self.cells
         if c.load(self.hint) <= ts:
             return []
@@ -88,8 +92,16 @@ class Fences:
             if fence_due_counts(due, ts, horizon):
                 limit = c.load(off + L.FENCE_LIMIT)
                 if fence_limit_counts(signed(limit - head)):
-                    out.append((limit, due))
+                    out.append((off, limit, due))
         return out
+
+    def pass_over(self, rec: int, limit: int, to: int) -> bool:
+        """The fence in ``rec`` moves from ``limit`` to ``to`` (one CAS; False when its LIMIT changed
+        meanwhile): the tokens between were found granted to no one by the head's reaching them
+        (``Schedule.refund_to``), so the grants behind the reservation before its promise stay
+        within ``C - n``.  Valid whoever owns the record: it says where those tokens lie, not whose
+        the fence is."""
+        return self.cells.cas(rec + L.FENCE_LIMIT, limit, to)
 
     def take(self, repl_ts: int, horizon: int = 1 << 63) -> Optional[Tuple[int, int]]:
         """A free record, claimed by one CAS of its DUE: ``(offset, pending)``, or None when every
@@ -191,9 +203,11 @@ class FenceHold:
             if f.store(self.rec, (self.limit, limit), (self.due, due)):
                 self.limit, self.due, self.promise = limit, due, promise
                 return True
-            self.rec = (
-                None  # claimed again by another while this owner was off the CPU: take another
-            )
+            # claimed again by another while this owner was off the CPU (its DUE then differs: left
+            # as it is), or its LIMIT passed over by a refund (``Fences.pass_over``: a fence for a
+            # ticket this owner never took, freed): take another
+            f.free(self.rec, self.due)
+            self.rec = None
 
     def settle(self, f: "Fences", due: int) -> bool:
         """The reservation over several rates is made: its DUE becomes ``due``, its promise (lowered,

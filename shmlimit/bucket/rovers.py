@@ -536,25 +536,44 @@ class Bucket(Schedule):
                 break
 
     def add(self, tokens: int, head_then: Optional[int] = None) -> int:
-        """Hierarchical mode: add leased tokens to the head, never beyond ``tail + capacity``.
+        """Give tokens to the head (a lease, a ``settle`` refund, ``give_back``), never beyond
+        ``tail + capacity``, nor past what a reservation's fence protects (``Schedule.refund_to``).
 
         Returns how many were added (the rest do not fit and are dropped).
         The tail only grows, so a clamp against a tail read before the CAS is
         never looser than the true one.  With ``head_then`` (``give_back``),
         the head's gain since, read with it each try, counts against ``tokens``.
+        A fence whose promise has passed is lifted first by a claim (one whose
+        interval starts after its DUE reads it no more), so it cuts nothing.
         """
         c = self.cells
+        for _ in range(3):
+            ts = c.load(L.REPL_TS)
+            now = self.clock()
+            if not any(
+                due <= now
+                for _, _, due in self.fences.held(ts, max(ts, now), self.snap.tpn, c.load(L.HEAD))
+            ):
+                break
+            self.replenish()
         while True:
             head = c.load(L.HEAD)
             tail = c.load(L.TAIL)
             want = tokens if head_then is None else tokens - max(0, diff(head, head_then))
-            add = max(0, min(want, diff(self.fenced(head, (tail + self.cap) & MASK64), head)))
+            if want <= 0:
+                return 0
+            to = behind((tail + self.cap) & MASK64, (head + want) & MASK64)
+            if diff(to, head) <= 0:
+                return 0
+            to, passes = self.refund_to(head, tail, to)
+            add = diff(to, head)
             if add <= 0:
                 return 0
-            if c.cas(L.HEAD, head, (head + add) & MASK64):
-                fed_wait.wake(
-                    c, fed_mask(head, (head + add) & MASK64, self.snap.cost)
-                )  # the waiters it serves
+            # each fence passed moves first: the head never stands past a LIMIT a claim reads
+            if not all(self.fences.pass_over(*p) for p in passes):
+                continue
+            if c.cas(L.HEAD, head, to):
+                fed_wait.wake(c, fed_mask(head, to, self.snap.cost))  # the waiters it serves
                 return add
 
     def forgive(self) -> int:

@@ -8,13 +8,21 @@ the reservations' fences before the ticket (``fences``).
 
 from __future__ import annotations
 
-from typing import Callable, Optional, Tuple
+from typing import Callable, List, Optional, Tuple
 
 from shmlimit.bucket.fences import Fences
 from shmlimit.shm import layout as L
 from shmlimit.shm.banks import Snapshot
 from shmlimit.shm.cells import MASK64, Cells
-from shmlimit.shm.words import behind, clamp_limit, diff, recorded_ranges
+from shmlimit.shm.words import (
+    REC_BUSY,
+    REC_GIVEN,
+    SPAN_MAX,
+    behind,
+    clamp_limit,
+    diff,
+    recorded_ranges,
+)
 
 #: The filler replenishes this often (ns): the pace a queued head can count on (see estimate_wait_ns).
 FILL_NS = 1_000_000
@@ -76,6 +84,59 @@ class Schedule:
         ts = self.cells.load(L.REPL_TS)
         f = self.fences.scan(ts, max(ts, self.clock()), self.snap.tpn, head)
         return to if f is None else behind(to, (head + f[0]) & MASK64)
+
+    def refund_to(self, head: int, tail: int, to: int) -> Tuple[int, List[Tuple[int, int, int]]]:
+        """Where tokens given back (``Bucket.add``: a refund, a lease) may bring the head from ``head``
+        towards ``to`` (``tail`` read before), and the fences it passes: ``(record, LIMIT, new LIMIT)``.
+
+        A fence protects the grants behind its reservation before the promise: the ranges the head
+        grants by reaching them (a waiter's ticket, recorded; the tail, beyond which a grab is
+        granted at once).  A range no one is granted that way -- the debt of a charge, another
+        reservation (used at its own promise), a range given back -- it need not hold the head
+        before: tokens given back go over those to the start of the first recorded range ending
+        past the fence (or the tail), and the fence's LIMIT moves as far (``Fences.pass_over``), so
+        its ``C - n`` still counts only grants and the head stands at no LIMIT it passed.  A fence
+        whose DUE has passed holds the head at its slope, as every move keeps it (``fenced``)."""
+        c = self.cells
+        ts = c.load(L.REPL_TS)
+        now = max(ts, self.clock())
+        passes = []
+        for rec, limit, due in self.fences.held(ts, now, self.snap.tpn, head):
+            at = (limit + max(0, now - due) * self.snap.tpn) & MASK64
+            if diff(to, at) <= 0:
+                continue
+            if due <= now:
+                to = at  # (its slope: claims after its DUE lift it, ``Bucket.add``)
+                continue
+            stop = self.granted_from(limit, tail)
+            if diff(stop, limit) <= 0:
+                to = limit
+                continue
+            to = behind(to, stop)
+            passes.append((rec, limit))
+        return to, [(rec, limit, to) for rec, limit in passes if diff(to, limit) > 0]
+
+    def granted_from(self, after: int, tail: int) -> int:
+        """The first rover past ``after`` the head may not pass before a reservation's promise: the
+        start of the first recorded range that ends past it (``after`` itself if one straddles it, or
+        is being written: its start not known), else ``tail``.  The tail is read before the records:
+        every ticket up to it holds its record's TICKET word (stored before the grab's CAS)."""
+        c = self.cells
+        stop = tail
+        for len_off in self._record_lens():
+            v = c.load(len_off)
+            if v == 0:
+                continue
+            end = c.load(len_off - 8)
+            if diff(end, after) <= 0 or diff(end, tail) > 0:
+                continue
+            if v & REC_BUSY or c.load(len_off) != v or not 0 < (v & ~REC_GIVEN) <= SPAN_MAX:
+                return after  # being written, changed under the read, or corrupt
+            if v & REC_GIVEN:
+                continue  # given back: no one is granted it
+            start = (end - (v & ~REC_GIVEN)) & MASK64
+            stop = behind(stop, start if diff(start, after) > 0 else after)
+        return stop
 
     def covered(self, ticket: int) -> bool:
         """True once the head has reached ``ticket``: its grab may proceed."""

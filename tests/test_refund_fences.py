@@ -1,0 +1,66 @@
+"""Refunds and reservation fences: a refund (``settle`` of a negative delta, a give-back) is cut by
+a reservation's fence only where giving it back would let the head grant someone before the
+reservation's promise; over ranges no one is granted by the head's reaching them (debt, other
+reservations) it lands whole.  On an injected clock, on the backend the suite runs."""
+
+from support.clock import FakeClock
+
+import shmlimit
+from shmlimit.acquire.single import Request
+from shmlimit.bucket.rovers import diff
+
+MS = 1_000_000
+
+
+def _balance(b):
+    """HEAD - TAIL in tokens (negative: owed to the queue)."""
+    return diff(b.head(), b.taken())
+
+
+def test_a_charge_then_its_refund_lose_nothing_behind_a_reservation(name, cleanup):
+    """``settle(+1000)`` then ``settle(-1000)`` while a ``reserve()`` is outstanding leave the rovers
+    where they were: the refund goes back over the debt the charge queued behind the reservation,
+    which no one is granted.  It was cut at the reservation's fence (``t + C - n``): 800 of the
+    1000 tokens lost, the schedule of everyone after 0.8 s late."""
+    clock = FakeClock()
+    lim = shmlimit.Limiter(name, rates=[(1000, 500)], clock=clock)
+    cleanup.append(lim)
+    b = lim._live()[0].bucket
+    clock.advance(200 * MS)
+    wait = lim.reserve(700)  # 200 ops short of a full bucket: a fence until its promise
+    assert wait and wait > 0
+    before = _balance(b)
+    tail = b.taken()
+    lim.settle(1000)
+    assert diff(b.taken(), tail) == 1000 * b.cost
+    lim.settle(-1000)
+    assert _balance(b) == before, (
+        f"{(before - _balance(b)) / b.cost:g} ops of the refund lost behind the reservation's fence"
+    )
+
+
+def test_a_refund_never_grants_a_waiter_behind_a_reservation_before_its_promise(name, cleanup):
+    """What the fence protects stays protected: a waiter queued behind a reservation is not granted
+    by a refund before the reservation's promise, however large the refund; the refund goes back up
+    to the fence (and over the debt before the waiter), and the waiter comes after the promise."""
+    clock = FakeClock()
+    lim = shmlimit.Limiter(name, rates=[(1000, 500)], clock=clock)
+    cleanup.append(lim)
+    att = lim._live()[0]
+    b = att.bucket
+    clock.advance(200 * MS)
+    promise = clock.now + lim.reserve(700) * 1e9
+    lim.settle(300)  # debt behind the reservation
+    w = Request(att, 1, None)
+    assert w.begin() is not True  # a waiter queued behind the debt
+    lim.settle(-5000)  # a refund far beyond what the bucket could ever hold
+    assert not b.covered(w.ticket), (
+        "a refund granted a waiter behind a reservation before its promise"
+    )
+    assert diff(b.head(), w.ticket) == -b.cost  # it stands at the waiter's start: the debt covered
+    while not b.covered(w.ticket):
+        clock.advance(MS // 10)
+        b.replenish()
+    assert clock.now >= promise  # not before the reservation's slot
+    assert w.next() is True
+    w.end()
