@@ -3,9 +3,12 @@ a reservation's fence only where giving it back would let the head grant someone
 reservation's promise; over ranges no one is granted by the head's reaching them (debt, other
 reservations) it lands whole.  On an injected clock, on the backend the suite runs."""
 
+import pytest
 from support.clock import FakeClock
+from test_feeder import Host, R, clock  # noqa: F401  (fixtures: a hierarchical host on a fake clock)
 
 import shmlimit
+import shmlimit.shm.layout as L
 from shmlimit.acquire.single import Request
 from shmlimit.bucket.rovers import diff
 
@@ -64,3 +67,22 @@ def test_a_refund_never_grants_a_waiter_behind_a_reservation_before_its_promise(
     assert clock.now >= promise  # not before the reservation's slot
     assert w.next() is True
     w.end()
+
+
+def test_lease_deliveries_are_never_cut_by_a_fence(R, redis_server, name, clock):  # noqa: F811
+    """Hierarchical mode delivers leased tokens through the same ``Bucket.add`` as refunds, and no
+    reservation fence can be in force there: ``reserve()`` is refused (a lease's time is not known
+    in advance) and stores no record, so a delivery lands whole up to the capacity."""
+    host = Host(R, name, redis_server.url, clock, rate=1000, burst=50)
+    try:
+        b = host.att.bucket
+        f = b.fences
+        with pytest.raises(ValueError, match="reserve"):
+            host.lim.reserve(5)
+        assert b.cells.load(f.hint) == 0
+        assert all(b.cells.load(off + L.FENCE_DUE) == 0 for off in f.recs)
+        head = b.head()
+        assert b.add(30 * b.cost) == 30 * b.cost  # the feeder's delivery (feeder.py)
+        assert diff(b.head(), head) == 30 * b.cost
+    finally:
+        host.close()
