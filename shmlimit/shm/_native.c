@@ -2434,11 +2434,12 @@ fence_scan(uint64_t *hint, uint64_t *first, Py_ssize_t count, uint64_t ts, uint6
         if (rel < -(int64_t)CLAMP_FAR || rel > (int64_t)CLAMP_FAR)
             continue;
         found = 1;
-        uint64_t late = now > d ? now - d : 0, gain;
-        if (__builtin_mul_overflow(late, tpn, &gain) || gain > (uint64_t)FENCE_NONE)
-            gain = (uint64_t)FENCE_NONE;
-        /* min(rel + gain, FENCE_NONE) without overflow: both are at most 2**62 */
-        int64_t r = rel >= FENCE_NONE - (int64_t)gain ? FENCE_NONE : rel + (int64_t)gain;
+        uint64_t late = now > d ? now - d : 0;
+        /* min(rel + late * tpn, FENCE_NONE), exact as words.fence_scan's: the gain is not clamped
+         * before it is added (a LIMIT 2**62 behind the head with a gain past 2**62 has room left) */
+        unsigned __int128 gain = (unsigned __int128)late * tpn; /* < 2**128: no overflow */
+        /* rel is within CLAMP_FAR of 0, so FENCE_NONE - rel is positive and below 2**63 */
+        int64_t r = gain >= (unsigned __int128)(FENCE_NONE - rel) ? FENCE_NONE : rel + (int64_t)gain;
         if (r < *room)
             *room = r;
         int64_t ahead = (int64_t)(ticket - lim);
