@@ -7,6 +7,7 @@ lim.acquire()                              # blocks until granted
 
 from importlib.util import find_spec as _find_spec
 
+from shmlimit.adapt import Adapt, AdaptStats
 from shmlimit.config import Config, RateSpec, parse_spec
 from shmlimit.errors import (
     ConfigMismatchError,
@@ -42,6 +43,8 @@ if _find_spec("limits") is not None:
         pass
 
 __all__ = [
+    "Adapt",
+    "AdaptStats",
     "Config",
     "ConfigMismatchError",
     "ConfigWriterTakenOver",

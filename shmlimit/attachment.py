@@ -25,6 +25,11 @@ import time
 from typing import Any, Callable, Optional, Sequence, Tuple, Union
 
 from shmlimit.acquire.sleep import SLACK_NS
+from shmlimit.adapt import describe as describe_adapt
+from shmlimit.adapt import expected
+from shmlimit.adapt import read as read_adapt
+from shmlimit.adapt import step as adapt_step
+from shmlimit.adapt import write as write_adapt
 from shmlimit.bucket.filler import FillerThread, Lease, takeover_ns
 from shmlimit.bucket.giveback import (
     REAP_EVERY,
@@ -354,7 +359,12 @@ class Attachment:
                 self._skipper()
             self.lease = Lease(self.cells, self.slot)
             self.filler = FillerThread(
-                self.bucket, self.lease, self.name, self._feed(), chores=self._chores
+                self.bucket,
+                self.lease,
+                self.name,
+                self._feed(),
+                chores=self._chores,
+                adapt=self._adapt,
             )
         self.update_fast()
 
@@ -404,6 +414,10 @@ class Attachment:
         """What the elected filler does now and then: give back dead processes' tickets."""
         self.reap()
         return REAP_EVERY
+
+    def _adapt(self) -> Optional[float]:
+        """What the elected filler does once per window of an adaptive rate: decide (``adapt.step``)."""
+        return adapt_step(self.bucket, self.clock())
 
     def _feed(self) -> Any:
         if self.feed_spec is None:
@@ -646,10 +660,15 @@ def adopt_config(att: Attachment, create: Creation, reconfigure: bool) -> None:
     """
     b = att.bucket
     b.refresh()
-    if b.config == create.config or b.config is None or b.config.capped != create.config.capped:
+    if b.config is None or b.config.capped != create.config.capped:
         return  # capped is fixed at creation: that mismatch stays one
+    want = expected(create.config, create.adapt, att.cells, b.config)
+    if b.config == want and read_adapt(att.cells) == create.adapt:
+        return
     if reconfigure or not (in_use(att) or creator_alive(att)):
-        b.publish(create.config)
+        write_adapt(att.cells, create.adapt)  # (a rate learned before is kept: ``expected``)
+        if b.config != want:
+            b.publish(want)
         att.update_fast()
 
 
@@ -662,7 +681,12 @@ def check_matches(name: str, att: Attachment, create: Optional[Creation]) -> Non
         return
     b = att.bucket
     b.refresh()  # another process may have changed it since this one last looked
-    if b.config != create.config:
+    have = read_adapt(att.cells)
+    if have != create.adapt:
+        raise ConfigMismatchError(
+            name, describe_adapt(have), describe_adapt(create.adapt), live=True
+        )
+    if b.config != expected(create.config, create.adapt, att.cells, b.config):
         raise ConfigMismatchError(name, b.config.describe(), create.config.describe(), live=True)
     check_upstream(name, att, create.upstream)
 

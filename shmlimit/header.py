@@ -19,6 +19,8 @@ import time
 from dataclasses import dataclass
 from typing import Any, Callable, Optional, Tuple
 
+from shmlimit.adapt import Adapt
+from shmlimit.adapt import write as write_adapt
 from shmlimit.bucket.rovers import Bucket
 from shmlimit.config import Config
 from shmlimit.errors import AbandonedSegmentError, LimiterNotFoundError, SegmentError
@@ -49,6 +51,7 @@ class Creation:
     upstream: Optional[UpstreamSpec] = (
         None  #: hierarchical mode: the upstream, as stored (no secrets)
     )
+    adapt: Optional[Adapt] = None  #: the adaptive rate's parameters (``adapt``)
 
 
 #: ready_creator's answer for a segment a collector has claimed (STATE_DOOMED).
@@ -244,11 +247,13 @@ def open_segment(
 
 
 def initialise(seg: Segment, create: Creation, now_ns: int) -> Cells:
-    """Write a new segment's header, upstream description, config and rovers; READY last."""
+    """Write a new segment's header, upstream description, adapt's parameters, config and rovers;
+    READY last."""
     c = start_header(seg, L.VERSION, create.slots)
     base = int(os.environ.get("SHMLIMIT_TEST_ROVER_BASE", "0"))  # tests: start the rovers anywhere
     if create.upstream is not None:
         create.upstream.write(c)
+    write_adapt(c, create.adapt)
     Bucket.initialise(c, create.config, now_ns, create.initial, base, create.upstream is not None)
     publish(c, L.MAGIC)
     return c

@@ -16,6 +16,8 @@ from typing import TYPE_CHECKING, Any, Callable, Dict, Iterable, Optional, Tuple
 from shmlimit import live_changes
 from shmlimit.acquire import single as acquisition
 from shmlimit.acquire.single import MAX_NAP, Request, drive, drive_async, wait_for_ticket
+from shmlimit.adapt import Adapt
+from shmlimit.adapt import feedback as adapt_feedback
 from shmlimit.attachment import NO_FAST, Attachment, open_attachment, release, show
 from shmlimit.config import Config, parse_spec, validate_n, validate_reconfigure, validate_timeout
 from shmlimit.errors import ConfigMismatchError
@@ -83,6 +85,11 @@ class Limiter(RatesSwitch):
     (default ``time.monotonic_ns``): tests inject a fake one to drive every
     schedule step by step.  All the handles of a name in a process share it.
 
+    ``adapt=shmlimit.Adapt(min_rate=..., max_rate=...)`` makes the rate adaptive: ``rate`` is
+    where it starts (a limiter created again on the name starts from the rate learned), outcomes
+    reported by ``feedback`` (the HTTP transports report theirs) move it, once per window for the
+    whole fleet, within the bounds (``shmlimit.adapt``).
+
     ``rates=["5000/h", "100/min"]`` or ``rates={"requests": "500/min",
     "tokens": "200K/min"}`` (instead of ``rate``) makes a limiter of several
     rates taken together, all or nothing (``shmlimit.multirate.MultiLimiter``).
@@ -144,6 +151,7 @@ class Limiter(RatesSwitch):
         trusted_uids: Iterable[int] = (),
         clock: Optional[Callable[[], int]] = None,
         reconfigure: bool = False,
+        adapt: Optional[Adapt] = None,
         rates: None = None,
     ) -> None:
         validate_name(name)
@@ -165,6 +173,21 @@ class Limiter(RatesSwitch):
             if rate is None
             else Config.make(rate, per, burst, capped, ratio, max_reserved, max_behind)
         )
+        if adapt is not None:
+            if not isinstance(adapt, Adapt):
+                raise TypeError(f"adapt must be a shmlimit.Adapt or None, got {adapt!r}")
+            if cfg is None:
+                raise ValueError("adapt needs rate= (the rate it starts from)")
+            if upstream is not None:
+                raise ValueError(
+                    "adapt is not supported with upstream= (the upstream sets the rate)"
+                )
+            if burst is not None:
+                raise ValueError(
+                    "burst cannot be combined with adapt: the capacity follows the rate "
+                    "(10 ms of schedule, at least one op)"
+                )
+            adapt.check(cfg)
         validate_mode(mode)
         if initial is not None:
             if (
@@ -179,7 +202,7 @@ class Limiter(RatesSwitch):
         self._trusted = trusted
         self._att: Optional[Attachment] = None
         self._fast: list = list(NO_FAST)
-        create = None if cfg is None else Creation(cfg, mode, initial, slots, desc)
+        create = None if cfg is None else Creation(cfg, mode, initial, slots, desc, adapt)
         self._att = open_attachment(
             name, create, mode, trusted, clock or time.monotonic_ns, reconfigure
         )
@@ -394,6 +417,28 @@ class Limiter(RatesSwitch):
                 f"release() needs a limiter created with capped=True; {self._name!r} is not capped"
             )
         b.release(validate_n(n, b.cost))
+
+    # -- the adaptive rate ---------------------------------------------------------------
+
+    def feedback(self, throttled: bool) -> None:
+        """Report one outcome of an op to an adaptive limiter (``adapt=``), for every process.
+
+        ``throttled=True``: the upstream refused it for its rate (an HTTP 429 or 503); False:
+        it answered.  One atomic add in the segment; the elected filler decides once per window.
+        """
+        if not isinstance(throttled, bool):
+            raise TypeError(f"throttled must be True or False, got {throttled!r}")
+        att = self._peek()
+        if att.cells.load(L.ADAPT_MAX) == 0:
+            raise ValueError(
+                f"feedback() needs a limiter created with adapt=; {self._name!r} does not adapt"
+            )
+        adapt_feedback(att.cells, throttled)
+
+    @property
+    def adaptive(self) -> bool:
+        """The limiter adapts its rate (created with ``adapt=``)."""
+        return self._peek().cells.load(L.ADAPT_MAX) != 0
 
     # -- live changes ------------------------------------------------------------------
 

@@ -14,6 +14,8 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Optional, Union
 
+from shmlimit.adapt import adapted
+from shmlimit.adapt import read as read_adapt
 from shmlimit.config import Config, RateSpec, parse_spec
 
 if TYPE_CHECKING:  # pragma: no cover
@@ -63,11 +65,28 @@ def set_rate(
     ratio: Optional[float],
     specs: bool = True,
 ) -> None:
-    """Publish the config ``requested`` asks for; re-applying the config in force changes nothing."""
+    """Publish the config ``requested`` asks for; re-applying the config in force changes nothing.
+
+    An adaptive limiter's rate must be within its bounds (its controller goes on from there),
+    and its capacity follows the rate: ``burst`` is refused unless it is the rate's default.
+    """
     b = att.bucket
     b.refresh()
     cur = b.config
     new = requested(cur, rate, per, burst, ratio, specs)
+    bounds = read_adapt(att.cells)
+    if bounds is not None:
+        if new.per != cur.per:
+            raise ValueError(
+                f"per cannot change on an adaptive limiter (its bounds are ops per {cur.per:g} s), "
+                f"got {new.per:g}"
+            )
+        bounds.check(new)
+        if new != adapted(new, new.rate):
+            raise ValueError(
+                f"burst cannot be set on an adaptive limiter: its capacity follows the rate "
+                f"(the default, {adapted(new, new.rate).burst:g} ops at {new.rate:g}), got {burst!r}"
+            )
     if new != cur:
         b.publish(new)
 

@@ -10,6 +10,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Optional, Tuple
 
+from shmlimit.adapt import AdaptStats
+from shmlimit.adapt import stats as adapt_stats
 from shmlimit.attachment import Attachment
 from shmlimit.bucket.filler import LEASE_TIMEOUT, lease_expiry_us, lease_slot, now_us
 from shmlimit.config import NS_PER_S
@@ -79,6 +81,8 @@ class Stats:
     #: asked for it late, Redis ran the request late, or a reserved batch was delivered past its ttl.
     starved_seconds: float = 0.0
     upstream: Optional[UpstreamStats] = None  #: hierarchical mode only
+    #: an adaptive rate's parameters, outcomes and decisions (``rate`` is the one in force)
+    adapt: Optional[AdaptStats] = None
 
     @property
     def ops_per_second(self) -> float:
@@ -134,6 +138,7 @@ def snapshot(name: str, att: Attachment) -> Stats:
         stopped=b.stopped,
         starved_seconds=c.load(L.STARVED_NS) / NS_PER_S,
         upstream=_upstream_stats(att),
+        adapt=adapt_stats(c),
     )
 
 

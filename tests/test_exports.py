@@ -5,6 +5,8 @@ import inspect
 import shmlimit
 
 PUBLIC = [
+    "Adapt",
+    "AdaptStats",
     "Config",
     "ConfigMismatchError",
     "ConfigWriterTakenOver",

@@ -416,6 +416,7 @@ class FillerThread(threading.Thread):
         name: str,
         feed: Optional[FeedFactory] = None,
         chores: Optional[Callable[[], Optional[float]]] = None,
+        adapt: Optional[Callable[[], Optional[float]]] = None,
     ) -> None:
         super().__init__(name=f"shmlimit-filler-{name}", daemon=True)
         self.bucket = bucket
@@ -427,9 +428,12 @@ class FillerThread(threading.Thread):
         self._stopping = False
         self._wake = _Wake()
         self.fills = 0
-        #: run by the elected filler now and then (giving back dead processes' tickets); it answers
-        #: the seconds until it wants to run again
-        self.chores = chores
+        #: run by the elected filler now and then, each on its own schedule: giving back dead
+        #: processes' tickets; the adaptive rate's decision (``adapt.step``).  Each answers the
+        #: seconds until it wants to run again (None: a second)
+        self.chores: Tuple[Callable[[], Optional[float]], ...] = tuple(
+            f for f in (chores, adapt) if f is not None
+        )
 
     def set_feed(self, feed: FeedFactory) -> None:
         """Give a watcher the feed it may run once elected (the first one given stays)."""
@@ -485,7 +489,7 @@ class FillerThread(threading.Thread):
         lease = self.lease
         bucket = self.bucket
         last_renew = 0.0
-        chores_at = 0.0
+        chores_at = [0.0] * len(self.chores)
         try:
             while not self._stopping:
                 if not lease.held:
@@ -509,17 +513,17 @@ class FillerThread(threading.Thread):
                     self.feed = self.make_feed(bucket, lease)  # type: ignore[misc]
                 nap = self.feed.tick()
                 self.fills += 1
-                if self.chores is not None and now >= chores_at:
-                    try:
-                        chores_at = now + (self.chores() or 0.0)
-                    except Exception:  # pragma: no cover - a chore never stops the filling
-                        chores_at = now + 1.0
+                for i, chore in enumerate(self.chores):
+                    if now >= chores_at[i]:
+                        try:
+                            wait = chore()
+                            chores_at[i] = now + (1.0 if wait is None else wait)
+                        except Exception:  # pragma: no cover - a chore never stops the filling
+                            chores_at[i] = now + 1.0
                 if bucket.upstream:
                     last_renew = self._nap_renewing(nap, last_renew)
                 elif isinstance(self.feed, ClockFeed) and not self._stopping:
-                    until = min(
-                        now + SPAN_MAX, chores_at if self.chores is not None else now + SPAN_MAX
-                    )
+                    until = min([now + SPAN_MAX, *chores_at])
                     ticks, last_renew = self.feed.span(nap, until, lease, last_renew)
                     self.fills += ticks
                 else:

@@ -16,9 +16,13 @@ filler and the process table never false-share.
                        SNAP_BASE SNAP_END SNAP_NEXT: the next replenish's clamp, from that snapshot
     line  7  LEASE     filler lease: (expiry_us << 12) | (slot + 1), 0 = free
     line  8  UNREG_GRANTS: grants of processes beyond the table; UP_WANTING: since when callers of
-                       hierarchical mode have wanted tokens (the fillers' view, for the starved count)
+                       hierarchical mode have wanted tokens (the fillers' view, for the starved count);
+                       ADAPT_THROTTLED ADAPT_OK: outcomes reported; ADAPT_START ADAPT_SEEN_*: the
+                       adaptive rate's window (its start, the counters and the tail then)
     line  9  WAIT      the waiting pool: schedule time not used while the bucket was full (catch-up);
-                       UP_WAKE: the futex word hierarchical mode's waiters sleep on
+                       UP_WAKE: the futex word hierarchical mode's waiters sleep on; ADAPT_MIN
+                       ADAPT_MAX ADAPT_DECREASE ADAPT_INCREASE ADAPT_WINDOW: the adaptive rate's
+                       parameters (written by the creator); ADAPT_DECISIONS: its cuts and raises
     line 10  UP_*      upstream (hierarchical mode) state and counters, written by the filler
     line 11  UP_RECORD the ring of lease records, UP_LEASES, UP_NEXT_NS; UP_LINE_TAIL/HEAD (unused: zero)
     lines 12..15 UP_DESC   the upstream's description (JSON), written once by the creator
@@ -47,7 +51,9 @@ MAGIC = int.from_bytes(b"SHMLIMIT", "little")
 #: word by word by CAS under a lock check, so late config writers, however many, miss newer words.
 #: 6: a table of reservation fences after the in-flight lines (``fence_offset``): a reservation
 #: holds the head at most at ``t + C - n`` until its promise (docs/design.md, "Reservation fences").
-VERSION = 6
+#: 7: the adaptive rate's words (``ADAPT_*``) in the spare words of lines 8 and 9: a process of
+#: version 6 would neither count outcomes nor decide, and must not join a fleet that adapts.
+VERSION = 7
 LINE = 64
 
 
@@ -156,6 +162,25 @@ WAIT = 9 * LINE
 #: which then wakes the waiters asleep on its low 32 bits (a futex) whose tickets it covered.
 #: Zero in a segment written before it existed: a wait on it is still bounded by its deadline.
 UP_WAKE = 9 * LINE + 8
+
+# The adaptive rate (``adapt``); all zero for a limiter without ``adapt=``.  Every process counts
+# the outcomes it is told of (one fetch-add); the elected filler decides once per window, claiming
+# it by a CAS on ADAPT_START, and publishes the rate through the config banks.
+ADAPT_THROTTLED = 8 * LINE + 16  #: outcomes reported as throttled (429, 503), ever
+ADAPT_OK = 8 * LINE + 24  #: outcomes reported as not throttled, ever
+ADAPT_START = 8 * LINE + 32  #: CLOCK_MONOTONIC ns the current window began (0: none yet)
+ADAPT_SEEN_THROTTLED = 8 * LINE + 40  #: ADAPT_THROTTLED when the current window began
+ADAPT_SEEN_OK = 8 * LINE + 48  #: ADAPT_OK when the current window began
+ADAPT_SEEN_TAIL = 8 * LINE + 56  #: TAIL when the current window began
+#: The parameters (IEEE-754 bits), written by the creator before READY; ADAPT_MAX 0: no adapt.
+ADAPT_MIN = 9 * LINE + 16
+ADAPT_MAX = 9 * LINE + 24
+ADAPT_DECREASE = 9 * LINE + 32
+ADAPT_INCREASE = 9 * LINE + 40
+ADAPT_WINDOW = 9 * LINE + 48
+#: The decisions made: cuts << 32 | raises (each wrapping at 2**32).
+ADAPT_DECISIONS = 9 * LINE + 56
+ADAPT_PARAMS = (ADAPT_MIN, ADAPT_MAX, ADAPT_DECREASE, ADAPT_INCREASE, ADAPT_WINDOW)
 
 # upstream (hierarchical mode); all zero otherwise
 UP_STATE = 10 * LINE  # 0 ok, else the fallback in force: 1 local, 2 open, 3 closed

@@ -1,0 +1,303 @@
+"""The adaptive rate: the whole fleet finds the rate its upstream allows, as one client.
+
+Additive increase, multiplicative decrease, decided once per window for every
+process at once.  Every process reports outcomes (``Limiter.feedback``, the
+HTTP transports on their own): one fetch-add on a counter of the segment.  The
+elected filler looks once per ``window`` (``step``): a window in which any
+outcome was throttled cuts the rate once (times ``decrease``), however many
+were; a window with outcomes, none throttled, in which callers took nearly
+all the schedule (``DEMAND`` of it: they queued for tokens) raises it by
+``increase``; anything else (an idle fleet, callers that never reach the
+rate, no outcome reported) keeps it.  The rate stays within ``[min_rate,
+max_rate]`` and is published as ``set_rate`` publishes it, so the window bound
+holds for the rate in force at each instant.
+
+``decide`` is the controller itself, pure: the state and the window's counts
+in, the next state out, on whatever clock its caller reads.  The segment
+holds everything else (the parameters, the counters, the window's start and
+the counts then), so a filler that takes over continues the window where
+its predecessor left it.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Optional
+
+from shmlimit.bucket.rovers import diff
+from shmlimit.config import MAX_OPS_PER_S, NS_PER_S, Config
+from shmlimit.errors import SegmentError
+from shmlimit.shm import layout as L
+from shmlimit.shm.words import MASK64
+
+if TYPE_CHECKING:  # pragma: no cover
+    from shmlimit.bucket.rovers import Bucket
+    from shmlimit.shm.cells import Cells
+
+#: A window is "busy" (callers waited for tokens) when they took at least this share of its
+#: schedule: the tail's advance over the window, in schedule time, against the window's length.
+DEMAND = 0.9
+#: The defaults: a cut keeps this share of the rate ...
+DEFAULT_DECREASE = 0.8
+#: ... a raise adds this share of ``max_rate`` ...
+DEFAULT_INCREASE_SHARE = 0.01
+#: ... and the fleet decides this often (seconds).
+DEFAULT_WINDOW = 0.25
+#: The bounds of ``window`` (seconds).
+MIN_WINDOW = 0.01
+MAX_WINDOW = 3600.0
+
+#: ``State.verdict``: what the last decision did.
+CUT = "cut"
+RAISE = "raise"
+HOLD = "hold"
+
+
+def _number(param: str, value: object) -> float:
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise TypeError(f"{param} must be a number (int or float), not {type(value).__name__}")
+    return float(value)
+
+
+@dataclass(frozen=True)
+class Adapt:
+    """An adaptive rate: ``Limiter(name, rate=1000, adapt=Adapt(min_rate=10, max_rate=2000))``.
+
+    ``min_rate`` and ``max_rate`` bound the rate (ops per the limiter's ``per``
+    seconds); ``decrease`` is the share of the rate a throttled window keeps
+    (0 < decrease < 1, default 0.8); ``increase`` the ops per ``per`` a busy,
+    clean window adds (default 1 % of ``max_rate``); ``window`` the seconds
+    between two decisions (default 0.25, from 0.01 to 3600).
+    """
+
+    min_rate: float
+    max_rate: float
+    decrease: float = DEFAULT_DECREASE
+    increase: Optional[float] = None
+    window: float = DEFAULT_WINDOW
+
+    def __post_init__(self) -> None:
+        lo = _number("min_rate", self.min_rate)
+        hi = _number("max_rate", self.max_rate)
+        if not math.isfinite(lo) or lo <= 0:
+            raise ValueError(f"min_rate must be finite and > 0 ops, got {self.min_rate!r}")
+        if not math.isfinite(hi) or not lo <= hi:
+            raise ValueError(
+                f"max_rate must be finite and >= min_rate ({lo:g}), got {self.max_rate!r}"
+            )
+        dec = _number("decrease", self.decrease)
+        if not 0 < dec < 1:
+            raise ValueError(f"decrease must be between 0 and 1 (exclusive), got {self.decrease!r}")
+        inc = hi * DEFAULT_INCREASE_SHARE if self.increase is None else self.increase
+        inc = _number("increase", inc)
+        if not math.isfinite(inc) or inc <= 0:
+            raise ValueError(f"increase must be finite and > 0 ops, got {self.increase!r}")
+        win = _number("window", self.window)
+        if not MIN_WINDOW <= win <= MAX_WINDOW:
+            raise ValueError(
+                f"window must be from {MIN_WINDOW:g} to {MAX_WINDOW:g} seconds, got {self.window!r}"
+            )
+        for field, v in (
+            ("min_rate", lo),
+            ("max_rate", hi),
+            ("decrease", dec),
+            ("increase", inc),
+            ("window", win),
+        ):
+            object.__setattr__(self, field, v)
+
+    def clamp(self, rate: float) -> float:
+        """``rate`` within ``[min_rate, max_rate]``."""
+        return min(self.max_rate, max(self.min_rate, rate))
+
+    def check(self, cfg: Config) -> None:
+        """Raise ValueError unless ``cfg`` (a limiter's config) can adapt within these bounds."""
+        if not self.min_rate <= cfg.rate <= self.max_rate:
+            raise ValueError(
+                f"rate must be within adapt's bounds, from {self.min_rate:g} to "
+                f"{self.max_rate:g} ops per {cfg.per:g} s, got {cfg.rate:g}"
+            )
+        if self.max_rate / cfg.per > MAX_OPS_PER_S:
+            raise ValueError(
+                f"max_rate/per must be at most {MAX_OPS_PER_S:.0e} ops per second, "
+                f"got {self.max_rate / cfg.per:.6g}"
+            )
+
+
+@dataclass(frozen=True)
+class State:
+    """The controller's state: the rate in force, when the current window began (ns, the caller's
+    clock) and what the last decision did (None: none yet)."""
+
+    rate: float
+    start_ns: int
+    verdict: Optional[str] = None
+
+
+@dataclass(frozen=True)
+class Window:
+    """What one window saw: outcomes reported throttled and not, and the schedule callers took (ns)."""
+
+    throttled: int
+    ok: int
+    taken_ns: float
+
+
+def decide(adapt: Adapt, state: State, seen: Window, now_ns: int) -> State:
+    """The next state: ``state`` itself while its window runs, else the window's decision.
+
+    One cut per window, however many throttled outcomes; a raise only for a clean window
+    (outcomes, none throttled) in which callers took ``DEMAND`` of the schedule or more.
+    """
+    elapsed = now_ns - state.start_ns
+    if elapsed < adapt.window * NS_PER_S:
+        return state
+    if seen.throttled > 0:
+        rate, verdict = adapt.clamp(state.rate * adapt.decrease), CUT
+    elif seen.ok > 0 and seen.taken_ns >= DEMAND * elapsed:
+        rate, verdict = adapt.clamp(state.rate + adapt.increase), RAISE
+    else:
+        rate, verdict = adapt.clamp(state.rate), HOLD
+    return State(rate, now_ns, verdict)
+
+
+# ---- the segment's words -----------------------------------------------------------------------
+
+
+def write(cells: "Cells", adapt: Optional[Adapt]) -> None:
+    """Store ``adapt``'s parameters, or none (the creator, before READY; a redeploy nobody uses)."""
+    if adapt is None:
+        cells.store(L.ADAPT_MAX, 0)  # first: a reader sees "no adapt", never half of the old
+        for off in L.ADAPT_PARAMS:
+            cells.store(off, 0)
+        return
+    cells.store(L.ADAPT_MAX, 0)
+    values = (adapt.min_rate, adapt.max_rate, adapt.decrease, adapt.increase, adapt.window)
+    for off, v in sorted(zip(L.ADAPT_PARAMS, values), key=lambda p: p[0] == L.ADAPT_MAX):
+        cells.store(off, L.f2u(v))  # type: ignore[arg-type]  (ADAPT_MAX last: whole when seen)
+
+
+def describe(adapt: Optional[Adapt]) -> str:
+    """``adapt`` as an error message shows it."""
+    if adapt is None:
+        return "no adaptive rate"
+    return (
+        f"adapt(min_rate={adapt.min_rate:g}, max_rate={adapt.max_rate:g}, "
+        f"decrease={adapt.decrease:g}, increase={adapt.increase:g}, window={adapt.window:g}s)"
+    )
+
+
+def expected(cfg: Config, adapt: Optional[Adapt], cells: "Cells", current: Config) -> Config:
+    """The config a creating call with ``cfg`` and ``adapt`` finds acceptable in a segment whose
+    config is ``current``: with adapt, on a segment that adapts, at the rate it learned (within
+    ``adapt``'s bounds); otherwise ``cfg`` itself."""
+    if adapt is None or read(cells) is None:
+        return cfg
+    return adapted(cfg, adapt.clamp(current.rate))
+
+
+def read(cells: "Cells") -> Optional[Adapt]:
+    """The segment's parameters (None: it does not adapt); ``SegmentError`` if they are not valid."""
+    words = [cells.load(off) for off in L.ADAPT_PARAMS]
+    if words[1] == 0:
+        return None
+    lo, hi, dec, inc, win = (L.u2f(w) for w in words)
+    try:
+        return Adapt(lo, hi, dec, inc, win)
+    except (TypeError, ValueError) as e:
+        raise SegmentError(
+            f"segment is corrupt: its adaptive rate's parameters are not valid ({e})"
+        ) from None
+
+
+def feedback(cells: "Cells", throttled: bool) -> None:
+    """Count one outcome in the segment: one fetch-add."""
+    cells.fetch_add(L.ADAPT_THROTTLED if throttled else L.ADAPT_OK, 1)
+
+
+def step(bucket: "Bucket", now_ns: int) -> Optional[float]:
+    """The elected filler's look: decide if the window ended, publish a changed rate.
+
+    Seconds until it should look again; None when the limiter does not adapt.  The
+    window is claimed by a CAS on ``ADAPT_START``, so a window is decided once even by
+    two processes that both believe they are the filler.
+    """
+    c = bucket.cells
+    adapt = read(c)
+    if adapt is None:
+        return None
+    bucket.refresh()
+    cfg = bucket.config
+    start = c.load(L.ADAPT_START)
+    thr, ok, tail = c.load(L.ADAPT_THROTTLED), c.load(L.ADAPT_OK), c.load(L.TAIL)
+    if start == 0 or bucket.stopped or cfg is None or now_ns < start:
+        # the first look, a stopped limiter (nothing it sees says anything) or a clock behind the
+        # window's start (an injected one): a new window from now
+        if c.cas(L.ADAPT_START, start, now_ns):
+            _mark(c, thr, ok, tail)
+        return adapt.window
+    seen = Window(
+        (thr - c.load(L.ADAPT_SEEN_THROTTLED)) & MASK64,
+        (ok - c.load(L.ADAPT_SEEN_OK)) & MASK64,
+        max(0, diff(tail, c.load(L.ADAPT_SEEN_TAIL))) / bucket.tpn,
+    )
+    state = State(cfg.rate, start)
+    new = decide(adapt, state, seen, now_ns)
+    if new is state:
+        return (start - now_ns) / NS_PER_S + adapt.window
+    if not c.cas(L.ADAPT_START, start, now_ns):
+        return adapt.window  # another process decided this window
+    # (a decider that dies here leaves the old marks: the next window counts this one's outcomes
+    # too, at most one cut more; never a decision twice for one claimed window)
+    _mark(c, thr, ok, tail)
+    if new.verdict in (CUT, RAISE):
+        c.fetch_add(L.ADAPT_DECISIONS, (1 << 32) if new.verdict == CUT else 1)
+    if new.rate != cfg.rate:
+        bucket.publish(adapted(cfg, new.rate))
+    return adapt.window
+
+
+def _mark(c: "Cells", thr: int, ok: int, tail: int) -> None:
+    c.store(L.ADAPT_SEEN_THROTTLED, thr)
+    c.store(L.ADAPT_SEEN_OK, ok)
+    c.store(L.ADAPT_SEEN_TAIL, tail)
+
+
+def adapted(cfg: Config, rate: float) -> Config:
+    """``cfg`` at ``rate``: an adaptive limiter's capacity follows its rate (the default burst)."""
+    return cfg.replace(rate=rate, burst=None)
+
+
+@dataclass(frozen=True)
+class AdaptStats:
+    """An adaptive limiter's parameters and what its controller saw and did."""
+
+    min_rate: float  #: ops per ``per`` seconds
+    max_rate: float  #: ops per ``per`` seconds
+    decrease: float  #: the share of the rate a throttled window keeps
+    increase: float  #: ops per ``per`` seconds a busy, clean window adds
+    window: float  #: seconds between two decisions
+    throttled: int  #: outcomes reported as throttled, by every process
+    ok: int  #: outcomes reported as not throttled, by every process
+    cuts: int  #: windows that cut the rate
+    raises: int  #: windows that raised it
+
+
+def stats(cells: "Cells") -> Optional[AdaptStats]:
+    """What ``stats()`` and ``inspect`` show of the adaptive rate (None: the limiter does not adapt)."""
+    adapt = read(cells)
+    if adapt is None:
+        return None
+    decisions = cells.load(L.ADAPT_DECISIONS)
+    return AdaptStats(
+        adapt.min_rate,
+        adapt.max_rate,
+        adapt.decrease,
+        adapt.increase,  # type: ignore[arg-type]
+        adapt.window,
+        cells.load(L.ADAPT_THROTTLED),
+        cells.load(L.ADAPT_OK),
+        decisions >> 32,
+        decisions & 0xFFFFFFFF,
+    )
