@@ -18,6 +18,10 @@ host answering several requests in flight, pause it until the latest end
 asked, at most ``max_pause`` from now.  No request is sent to a paused host,
 so it cannot renew its pause without being asked again.
 
+Under a limiter with an adaptive rate (``Limiter(adapt=...)``) every answer is
+also reported (``Limiter.feedback``): 429 and 503 as throttled, any other as
+not, with or without ``Retry-After``; the fleet's rate follows (``shmlimit.adapt``).
+
 A ``Retry-After`` that cannot be parsed (not ASCII digits nor an HTTP date) is
 treated as absent, as urllib3 does; one above ``MAX_RETRY_AFTER`` counts as that.
 """
@@ -42,6 +46,8 @@ R = TypeVar("R")
 #: A response's status and ``Retry-After`` header (None when absent).
 Answer = Callable[[Any], Tuple[int, Optional[str]]]
 
+#: The statuses reported to an adaptive limiter as throttled (every other answer is reported ok).
+THROTTLED = frozenset({429, 503})
 #: The longest ``Retry-After`` taken from a response (seconds, a day): longer ones count as this.
 MAX_RETRY_AFTER = 86_400.0
 #: Key slots of a ``pause_table``: hosts paused at the same time (a slot frees when its pause ends).
@@ -191,6 +197,8 @@ class HostThrottle:
         self.pauses = pauses
         #: the pauses are the limiter's own schedule: its acquire waits them out
         self.own = pauses is limiter
+        #: every answer is reported to the limiter's adaptive rate (``Limiter(adapt=...)``)
+        self.adaptive = bool(getattr(limiter, "adaptive", False))
 
     def args(self, url: str) -> Optional[Tuple[Tuple[Any, ...], str]]:
         """The limiter's arguments for a request to ``url`` and the key its pause is kept under;
@@ -263,8 +271,11 @@ class HostThrottle:
             await asyncio.sleep(left)
 
     def after(self, host: str, status: int, retry_after: Any) -> Optional[float]:
-        """React to a response: on a pausing status with ``Retry-After``, pause ``host`` (its pause
-        key); the pause (seconds) or None."""
+        """React to a response: report its outcome to an adaptive limiter (``THROTTLED`` statuses
+        are throttled, any other answer is not); on a pausing status with ``Retry-After``, pause
+        ``host`` (its pause key); the pause (seconds) or None."""
+        if self.adaptive:
+            self.limiter.feedback(throttled=status in THROTTLED)
         if status not in self.pause_on:
             return None
         seconds = parse_retry_after(retry_after)
