@@ -5,6 +5,7 @@ segment, so a process that takes over (here a real other process, on the same fa
 continues the window its predecessor began.  Run on both backends (``SHMLIMIT_BACKEND``).
 """
 
+import json
 import subprocess
 import sys
 import textwrap
@@ -14,6 +15,7 @@ from support.clock import FakeClock
 
 import shmlimit
 from shmlimit import adapt as A
+from shmlimit.bucket.rovers import diff
 from shmlimit.shm import layout as L
 
 S = 10**9
@@ -308,3 +310,58 @@ def test_a_successor_continues_the_window_its_predecessor_began(name, cleanup):
     assert successor(later) == 800.0
     assert successor(later) == 800.0  # decided once: another look at that instant cuts nothing
     assert lim.rate == 800.0 and lim.stats().adapt.cuts == 1
+
+
+def test_top_and_metrics_show_the_rate_in_force(name, cleanup):
+    from support.procs import run_cli as cli
+
+    clock = FakeClock()
+    lim = _lim(name, clock)
+    cleanup.append(lim)
+    b = lim._peek().bucket
+    A.step(b, clock.now)
+    lim.feedback(throttled=True)
+    clock.advance(int(0.25 * S))
+    A.step(b, clock.now)  # cut: 800
+    r = cli("top", name, "--once", "--json", "--interval", "0.1")
+    [rec] = json.loads(r.stdout)["limiters"]
+    assert rec["rate"] == 800.0
+    assert (rec["adapt"]["cuts"], rec["adapt"]["throttled"]) == (1, 1)
+    r = cli("metrics", name)
+    assert f'shmlimit_rate_ops_per_second{{limiter="{name}"}} 800.0' in r.stdout.splitlines()
+
+
+def test_grants_stay_within_the_rate_in_force_while_it_adapts(name, cleanup):
+    """Cuts and raises every 50 ms for 2 s, ops tried faster than any rate, idle now and then (a
+    full bucket): in every window, the tokens
+    taken (each op at the price in force when it was granted) stay within ``T * tpn + capacity``,
+    the bound ``set_rate`` keeps, at the largest capacity the run had."""
+    clock = FakeClock()
+    fast = shmlimit.Adapt(min_rate=100, max_rate=2000, increase=300, window=0.05)
+    lim = shmlimit.Limiter(name, rate=1000, adapt=fast, clock=clock, initial=0)
+    cleanup.append(lim)
+    att = lim._peek()
+    b, c = att.bucket, att.cells
+    A.step(b, clock.now)
+    grants, caps, rates = [], set(), set()
+    for k in range(4000):
+        clock.advance(500_000)
+        for _ in range(3 if k % 300 >= 40 else 0):  # up to 6000/s, idle 20 ms in every 150
+            before = c.load(L.TAIL)
+            if not lim.try_acquire():
+                break
+            grants.append((clock.now, diff(c.load(L.TAIL), before)))
+        lim.feedback(throttled=(k // 300) % 2 == 1)  # 150 ms throttled, 150 ms not, in turn
+        A.step(b, clock.now)
+        b.refresh()
+        caps.add(b.cap)
+        rates.add(b.config.rate)
+    st = lim.stats().adapt
+    assert st.cuts >= 5 and st.raises >= 5 and len(rates) >= 8, (st, sorted(rates))
+    # the largest (tokens in [t_i, t_j]) - (t_j - t_i) * tpn over every pair i <= j, in one pass
+    worst, best_start, taken = -(1 << 62), -(1 << 62), 0
+    for t, tokens in grants:
+        best_start = max(best_start, t * b.tpn - taken)
+        taken += tokens
+        worst = max(worst, taken - t * b.tpn + best_start)
+    assert worst <= max(caps), (worst, max(caps))
