@@ -6,12 +6,15 @@ continues the window its predecessor began.  Run on both backends (``SHMLIMIT_BA
 """
 
 import json
+import signal
 import subprocess
 import sys
 import textwrap
+import time
 
 import pytest
 from support.clock import FakeClock
+from support.procs import start_idle, wait_for
 
 import shmlimit
 from shmlimit import adapt as A
@@ -365,3 +368,33 @@ def test_grants_stay_within_the_rate_in_force_while_it_adapts(name, cleanup):
         taken += tokens
         worst = max(worst, taken - t * b.tpn + best_start)
     assert worst <= max(caps), (worst, max(caps))
+
+
+@pytest.mark.slow
+def test_a_killed_fillers_window_is_decided_by_its_successor(name, cleanup):
+    """Real processes on the real clock: the filler that began a window is killed mid-window; the
+    process that takes its lease decides that window from the segment, once."""
+    slow = shmlimit.Adapt(min_rate=10, max_rate=2000, window=2.0)
+    lim = shmlimit.Limiter(name, rate=1000, adapt=slow)  # registered, never used: no filler here
+    cleanup.append(lim)
+    cells = lim._peek().cells
+    first = start_idle(name)
+    wait_for(lambda: shmlimit.inspect(name).filler_pid == first.pid)
+    start = wait_for(lambda: cells.load(L.ADAPT_START))
+    lim.feedback(throttled=True)
+    first.send_signal(signal.SIGKILL)
+    first.wait()
+    assert time.monotonic_ns() < start + 2 * 10**9  # it died mid-window, before deciding it
+    assert lim.stats().adapt.cuts == 0
+    second = start_idle(name)
+    try:
+        wait_for(lambda: shmlimit.inspect(name).filler_pid == second.pid)
+        wait_for(lambda: lim.stats().adapt.cuts == 1, timeout=10)
+        assert cells.load(L.ADAPT_START) != start and lim.rate == 800.0
+        later = cells.load(L.ADAPT_START)
+        wait_for(lambda: cells.load(L.ADAPT_START) != later, timeout=10)  # one window more
+        assert lim.stats().adapt.cuts == 1 and lim.rate == 800.0  # nothing new: no second cut
+    finally:
+        second.stdin.write("\n")
+        second.stdin.flush()
+        second.wait(timeout=30)
