@@ -123,6 +123,8 @@ class Adapt:
                 f"max_rate/per must be at most {MAX_OPS_PER_S:.0e} ops per second, "
                 f"got {self.max_rate / cfg.per:.6g}"
             )
+        for bound in (self.min_rate, self.max_rate):  # every rate decided must be publishable
+            adapted(cfg, bound).check_at(cfg.tpn)
 
 
 @dataclass(frozen=True)

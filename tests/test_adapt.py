@@ -74,6 +74,10 @@ def test_limiter_refuses_what_cannot_adapt(name):
         shmlimit.Limiter(name, rate=100, burst=5, adapt=ADAPT)
     with pytest.raises(TypeError, match="adapt must be a shmlimit.Adapt"):
         shmlimit.Limiter(name, rate=100, adapt={"min_rate": 1})
+    with pytest.raises(ValueError, match="burst\\*per/rate must be at most"):  # min_rate's capacity
+        shmlimit.Limiter(name, rate=100, adapt=shmlimit.Adapt(min_rate=1e-9, max_rate=200))
+    with pytest.raises(ValueError, match="adapt is not supported with upstream="):
+        shmlimit.Limiter(name, rate=100, upstream="redis://127.0.0.1:1/0", adapt=ADAPT)
     with pytest.raises(FileNotFoundError):  # nothing was created by the refused calls
         shmlimit.inspect(name)
 
