@@ -369,6 +369,7 @@ def main(argv: Optional[List[str]] = None) -> int:
     import shmlimit
 
     name = f"adapt-demo-{os.getpid()}"
+    os.makedirs(a.out, exist_ok=True)
     try:
         result = run(name, phases, a.procs, a.threads, a.settled, a.out)
     finally:
@@ -376,7 +377,6 @@ def main(argv: Optional[List[str]] = None) -> int:
             shmlimit.unlink(name)
         except FileNotFoundError:
             pass
-    os.makedirs(a.out, exist_ok=True)
     write_csv(result, phases, os.path.join(a.out, "adapt.csv"))
     write_svg(result, phases, os.path.join(a.out, "adapt.svg"))
     for p in result["phases"]:  # type: ignore[attr-defined]
