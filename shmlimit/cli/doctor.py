@@ -15,7 +15,7 @@ import platform
 import stat
 import sys
 from dataclasses import asdict, dataclass
-from typing import Callable, Dict, Iterable, List, Mapping, Optional
+from typing import Callable, Dict, Iterable, List, Mapping, Optional, Tuple
 
 from shmlimit.shm import layout as L
 from shmlimit.shm.segment import PREFIX, SHM_DIR
@@ -36,6 +36,8 @@ class Finding:
     level: str  #: "ok", "warn" or "fail"
     topic: str  #: what was checked ("backend", "/dev/shm", ...)
     message: str  #: what was found, and for warn/fail what to do
+    #: the segments it is about, every one (the message names the first five)
+    names: Tuple[str, ...] = ()
 
 
 def check_backend(env: Mapping[str, str] = os.environ) -> List[Finding]:
@@ -336,6 +338,7 @@ def check_segments(shm_dir: str = SHM_DIR, names: Optional[List[str]] = None) ->
                 f"{len(stale)} limiter(s) no live process uses "
                 f"({', '.join(stale[:5])}{', ...' if len(stale) > 5 else ''}): "
                 "'shmlimit gc' removes them",
+                tuple(stale),
             )
         )
     if unreadable:
@@ -344,7 +347,9 @@ def check_segments(shm_dir: str = SHM_DIR, names: Optional[List[str]] = None) ->
                 WARN,
                 "limiters",
                 f"{len(unreadable)} segment(s) this user cannot read or that are "
-                f"not valid limiters: {', '.join(unreadable[:5])}",
+                f"not valid limiters: {', '.join(unreadable[:5])}"
+                f"{', ...' if len(unreadable) > 5 else ''}",
+                tuple(unreadable),
             )
         )
     if not out:
