@@ -509,6 +509,12 @@ class Limiter(RatesSwitch):
         already holds (``asyncio.wait_for`` timing out included), it gives the
         ticket back: those queued behind it do not wait for its ``n`` ops.
         """
+        if n is _ONE and timeout is None:  # acquire's fast grab, then its ticket's wait on the loop
+            held = acquisition.grab_one_async(self._live())
+            if held is True:
+                return True
+            if held is not None:
+                return await drive_async(held)
         return await drive_async(Request(self._live(), n, timeout))
 
     # -- observation -------------------------------------------------------------------

@@ -340,3 +340,74 @@ def test_an_async_waiter_waits_for_its_turn_on_a_timerfd(name, monkeypatch):
         )  # three turns 5 ms apart, the first one maybe partly past
     finally:
         lim.close()
+
+
+@pytest.mark.skipif(not LINUX, reason="timerfd is Linux's")
+def test_a_loop_timer_makes_one_system_call_per_wake(monkeypatch):
+    """A one-shot timerfd that fired is disarmed: each wake re-arms it at the next deadline (which
+    also leaves it unreadable) or, none left, reads it; never both, and never a disarm."""
+    calls = []
+    real_read = os.read
+
+    def read(fd, n):
+        calls.append(("read", fd))
+        return real_read(fd, n)
+
+    async def run():
+        loop = asyncio.get_running_loop()
+        now = time.monotonic_ns()
+        await S.sleep_until_async(now + 1_000_000)  # makes the loop's timer
+        timer = S._timers[loop]
+        real_arm = timer.arm
+        timer.arm = lambda fd, at: (calls.append(("arm", at)), real_arm(fd, at))[1]
+        monkeypatch.setattr(os, "read", read)
+        now = time.monotonic_ns()
+        first, second = now + 10_000_000, now + 20_000_000
+        later = asyncio.ensure_future(S.sleep_until_async(second))
+        await S.sleep_until_async(first)
+        await later
+        monkeypatch.setattr(os, "read", real_read)
+        return timer, first, second
+
+    timer, first, second = asyncio.run(run())
+    # armed for the first wait (the second, later, needs no arming); at its wake, re-armed for the
+    # second; at that one's, read
+    assert calls == [("arm", first), ("arm", second), ("read", timer.fd)]
+    assert timer.armed == 0 and timer.heap == []
+
+
+@pytest.mark.slow
+def test_an_async_waiter_replenishes_at_its_turn_without_working_it_out_again(name, monkeypatch):
+    """``acquire_async()`` parks once per grant, working out its turn (``due_ns``) for the park
+    only: woken at that instant, it replenishes at once (``_ticket_step``).  Before, every wake
+    worked the turn out again, to find it reached: two ``due_ns`` per grant."""
+    from shmlimit.bucket.rovers import Bucket
+
+    lim = shmlimit.Limiter(name, rate=200, burst=5)
+    counts = {"due": 0, "sleeps": 0}
+    due_ns, sleep = Bucket.due_ns, LM.sleep_until_async
+
+    def counted_due(self, ticket):
+        counts["due"] += 1
+        return due_ns(self, ticket)
+
+    async def counted_sleep(deadline):
+        counts["sleeps"] += 1
+        await sleep(deadline)
+
+    async def run():
+        for _ in range(int(lim.capacity)):  # the burst
+            assert await lim.acquire_async()
+        monkeypatch.setattr(Bucket, "due_ns", counted_due)
+        monkeypatch.setattr(LM, "sleep_until_async", counted_sleep)
+        for _ in range(20):
+            assert await lim.acquire_async()
+
+    try:
+        asyncio.run(run())
+    finally:
+        lim.close()
+    assert 19 <= counts["sleeps"] <= 22  # one park per grant (a ticket short at its turn: one more)
+    # one turn worked out per park; a ticket short at its turn (a replenish in flight) works out
+    # its retry in next(), which parks again: still one per park
+    assert counts["due"] <= counts["sleeps"] + 1

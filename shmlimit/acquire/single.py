@@ -42,9 +42,11 @@ from __future__ import annotations
 
 import asyncio
 import time
+import weakref
 from typing import TYPE_CHECKING, Callable, Optional, Protocol, Tuple, Union
 
 from shmlimit.acquire.sleep import at_stop, sleep_until_async
+from shmlimit.attachment import _no_fast
 from shmlimit.bucket import fed_wait
 from shmlimit.bucket.fences import fenced_ticket
 from shmlimit.bucket.giveback import NO_RECORD, REFUSED, record_nap, take_ticket
@@ -544,6 +546,77 @@ def sleep_until() -> Callable[[int], None]:
     return _sleeper[0]
 
 
+#: Each attachment's fast grab for ``acquire_async``, without the native wait (``(fast[0], grab)``:
+#: made again whenever ``update_fast`` replaced ``fast[0]``, which decides when a fast grab is valid).
+_async_grabs: "weakref.WeakKeyDictionary[Attachment, Tuple[object, Callable[[], object]]]" = (
+    weakref.WeakKeyDictionary()
+)
+
+
+def _async_grab(att: "Attachment") -> Optional[Callable[[], object]]:
+    """``acquire``'s fast grab for one op, untimed (recorded, counted), but never waiting: with the
+    native wait ``fast[0]`` is an ``Acquirer``, whose wait would block the loop.  None: no fast path
+    for the config in force (the slow path's ``Request`` decides)."""
+    fast0 = att.fast[0]
+    hit = _async_grabs.get(att)
+    if hit is not None and hit[0] is fast0:
+        return hit[1]
+    b = att.bucket
+    if att.fast_seq != b.seq:  # fast[0] belongs to another config: the slow path rebinds it
+        return None
+    grab: Optional[Callable[[], object]] = None
+    if fast0 is not _no_fast and att.fast[3] is None:
+        grab = fast0  # no native wait: fast[0] is the grab itself
+    elif fast0 is not _no_fast:
+        grab = b.grabber(b.snap, att.grants_off, att.rec_lens)
+    _async_grabs[att] = (fast0, grab)  # type: ignore[assignment]
+    return grab
+
+
+def grab_one_async(att: "Attachment") -> Union[bool, Request, None]:
+    """``acquire_async()`` of one op, untimed: ``acquire``'s fast grab (one native call).  True:
+    granted (counted); a request holding its queued ticket, for ``drive_async``; None: no fast grab
+    now (the config changed, the queue is full, no record free): the slow path's ``Request``."""
+    grab = _async_grab(att)
+    ticket = grab() if grab is not None else False
+    if ticket is None:
+        return True
+    if ticket is False:
+        return None
+    rec, tokens = att.find_record(ticket)  # type: ignore[arg-type]
+    return Request.holding(att, 1, ticket, tokens, rec)  # type: ignore[arg-type]
+
+
+def _ticket_step(req: Request, woke: bool) -> Step:
+    """``next()`` of an untimed request holding a ticket on a local, clock-fed bucket (the async
+    driver's, on the real clock): the same outcome from the same words, without the branches that
+    case never takes (the fed wait, the open fallback, deadlines), and, ``woke`` at the instant it
+    parked for, without working out again the turn it has reached: it replenishes at once (a
+    replenish is never early: at a nap's end it adds what time has passed).  Anything else, and a
+    ticket still short at its turn, is ``next()``'s."""
+    b = req.bucket
+    ticket = req.ticket
+    assert ticket is not None
+    if b.covered(ticket):
+        return req._grant_ticket()
+    if req.deadline is not None or req.record is None or b.refresh() or b.upstream or b.stopped:
+        return req.next()
+    att = req.att
+    if not woke:
+        now = time.monotonic_ns()
+        due = b.due_ns(ticket) if b.time_fed else now
+        if due > now and b.stops_at(ticket, req.tokens):
+            due, now = at_stop(due, now)  # the head stops at our ticket: replenish at its instant
+        if due > now:  # not our turn yet: park until it (as next() would)
+            req.wake_ns = min(int(due) + 1, now + MAX_NAP_NS)
+            return (req.wake_ns - now) / NS_PER_S
+    if refill(att) > 0:
+        att.nudge_filler()  # we did the filler's work: make sure a filler runs
+        if b.covered(ticket):
+            return req._grant_ticket()
+    return req.next()
+
+
 async def drive_async(req: Steps) -> bool:
     """Run ``req`` to its end on the event loop, awaiting between steps (never spinning).
 
@@ -554,14 +627,21 @@ async def drive_async(req: Steps) -> bool:
     """
     att = getattr(req, "att", None)  # a Request's; a MultiRequest's clock is its attachments'
     real = (att.clock if att is not None else req.clock) is time.monotonic_ns
+    held = real and type(req) is Request  # a ticket's steps may be _ticket_step's
     try:
-        step = req.begin()
+        if held and req.state == TICKET:  # holding its ticket already (grab_one_async)
+            step = _ticket_step(req, False)  # type: ignore[arg-type]
+        else:
+            step = req.begin()
         while step is not True and step is not False:
             if getattr(req, "fed", None) is not None:  # no futex on a loop: the fed wait's estimate
                 req.fed = None  # type: ignore[attr-defined]
                 await asyncio.sleep(max(step, MIN_NAP))
             elif req.wake_ns is not None and real:
                 await sleep_until_async(req.wake_ns)  # to its instant, not the selector's next ms
+                if held and req.state == TICKET:
+                    step = _ticket_step(req, True)  # type: ignore[arg-type]
+                    continue
             elif req.wake_ns is not None:
                 await asyncio.sleep(max(0, req.wake_ns - req.clock()) / NS_PER_S)
             else:

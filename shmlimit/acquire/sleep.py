@@ -130,8 +130,15 @@ def _short_slice() -> None:
         return
 
 
+#: Bumped in a forked child: a loop's timer made before the fork is the parent's (``_loop_timer``),
+#: told apart without a ``getpid`` system call per wait.
+_fork_gen = 0
+
+
 def _forked() -> None:
+    global _fork_gen
     _sliced.tried = False  # the kernel reset the slice of the child's thread (reset-on-fork)
+    _fork_gen += 1
 
 
 if hasattr(os, "register_at_fork"):
@@ -233,6 +240,7 @@ class _LoopTimer:
         self.heap: List[Any] = []  # (deadline_ns, seq, future)
         self.seq = 0
         self.pid = os.getpid()
+        self.gen = _fork_gen
         loop.add_reader(fd, self.fired)
         weakref.finalize(loop, _close_fd, fd, self.pid)
 
@@ -246,18 +254,24 @@ class _LoopTimer:
         return fut
 
     def fired(self) -> None:
-        try:
-            os.read(self.fd, 8)
-        except BlockingIOError:  # re-armed later after it fired: nothing to read yet
-            pass
+        # One system call per wake: the timer is one-shot, so once it fired it is disarmed, and
+        # either re-arming it (which zeroes its count of expirations: no longer readable) or
+        # reading that count leaves the descriptor unreadable again for the selector.
         now = time.monotonic_ns()
         heap = self.heap
         while heap and (heap[0][0] <= now or heap[0][2].done()):
             fut = heapq.heappop(heap)[2]
             if not fut.done():
                 fut.set_result(None)
-        self.armed = heap[0][0] if heap else 0
-        self.arm(self.fd, self.armed)  # the next deadline, or 0: disarmed
+        if heap:
+            self.armed = heap[0][0]
+            self.arm(self.fd, self.armed)
+            return
+        self.armed = 0
+        try:
+            os.read(self.fd, 8)
+        except BlockingIOError:  # re-armed after it fired, and not due again yet
+            pass
 
 
 def _close_fd(fd: int, pid: int) -> None:
@@ -276,7 +290,7 @@ _timers: "weakref.WeakKeyDictionary[asyncio.AbstractEventLoop, Optional[_LoopTim
 
 def _loop_timer(loop: asyncio.AbstractEventLoop) -> Optional[_LoopTimer]:
     t = _timers.get(loop, False)
-    if t is not False and (t is None or t.pid == os.getpid()):
+    if t is not False and (t is None or t.gen == _fork_gen):
         return t
     timer = None
     timerfd = _load_timerfd()
