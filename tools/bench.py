@@ -6,6 +6,7 @@
     python tools/bench.py --quick    # shorter runs, for a smoke test
     python tools/bench.py --only-waiting   # section 5 only (waiting: CPU and lateness)
     python tools/bench.py --only-hierarchy # section 9's table only (local vs hierarchical, a Redis started for it)
+    python tools/bench.py --only-asyncio   # section 12 only (acquire_async against bare asyncio sleepers)
 
 1. cost of acquire() in one process at an effectively unlimited rate, per backend,
    against a bare native atomic fetch-add called from Python (the floor) and a
@@ -37,7 +38,11 @@
     backend (the target: a granted acquire() over two rates at most 2.5x one rate's, native);
 10. three hosts reaching Redis through delaying TCP proxies (1, 3, 5 ms each way): the global rate
     against the window bound, round trips per op, acquire() latency at 70 % load, and one host
-    cut off for 2 s (needs a redis-server on 127.0.0.1: the one started for the run, or --redis).
+    cut off for 2 s (needs a redis-server on 127.0.0.1: the one started for the run, or --redis);
+12. asyncio: 8 processes, each one event loop saturating 1000/s through acquire_async, against 8
+    bare asyncio sleepers waking at the same instants with the same precise sleep (the loop's
+    timerfd), and bare asyncio.sleep ones: CPU per wall second, wakes per grant, lateness, and the
+    waiters' CPU as a multiple of the precise sleepers' (the target: at most 1.25).
 """
 
 from __future__ import annotations
@@ -401,7 +406,7 @@ def _wait_stamped_async(lim, barrier, seconds: float, q) -> None:
                 return stamps
             stamps.append(t)
 
-    _stamped_with_cpu(barrier, seconds, q, lambda end: asyncio.run(run(end)))
+    _stamped_with_cpu(barrier, seconds, q, lambda end: asyncio.run(run(end)), lim)
 
 
 #: How far after the floor's processes are all through the barrier their shared grid begins (ns):
@@ -443,24 +448,61 @@ def _sleep_stamped(rate: float, index: int, procs: int, t0, barrier, seconds: fl
     _stamped_with_cpu(barrier, seconds, q, wakes)
 
 
-def bench_sleep_floor(rate: float, seconds: float, procs: int = 8) -> dict:
+def _sleep_stamped_async(
+    precise: bool, rate: float, index: int, procs: int, t0, barrier, seconds: float, q
+) -> None:
+    """``_sleep_stamped`` on an event loop: one task on this process's loop awaits each of its
+    instants of the shared grid, with the waiters' precise sleep (``sleep_until_async``: the loop's
+    timerfd) when ``precise``, else a plain ``asyncio.sleep`` of the time left (the selector's
+    whole milliseconds, rounded up)."""
+    from shmlimit.acquire.sleep import sleep_until_async
+
+    async def wakes() -> list:
+        clock, begin = time.monotonic_ns, t0.value
+        stamps, k, stop = [], index + 1, begin + int(seconds * 1e9)
+        while True:
+            at = begin + int(k * 1e9 / rate)
+            if at > stop:
+                return stamps
+            if precise:
+                await sleep_until_async(at)
+            else:
+                await asyncio.sleep(max(0, at - clock()) / 1e9)
+            stamps.append(clock())
+            k += procs
+
+    _stamped_with_cpu(barrier, seconds, q, lambda end: asyncio.run(wakes()))
+
+
+#: The floors: how each kind of bare sleeper waits (``bench_sleep_floor``'s ``driver``).
+FLOORS = {
+    "bare sleep": _sleep_stamped,
+    "bare asyncio": functools.partial(_sleep_stamped_async, True),
+    "bare asyncio.sleep": functools.partial(_sleep_stamped_async, False),
+}
+
+
+def bench_sleep_floor(
+    rate: float, seconds: float, procs: int = 8, driver: str = "bare sleep"
+) -> dict:
     """Section 5's floor: what ``procs`` processes waking once per op of ``rate`` cost and how late they
     wake on this machine now, without any limiter (the same sleep a waiter's is, minus the limiter).
 
     Their lateness is measured as the waiters' is, against the same kind of schedule: every wake
     of every process pooled and sorted, the k-th against the k-th instant of one grid ``1/rate``
-    apart, anchored on the earliest (``lateness_ms``)."""
+    apart, anchored on the earliest (``lateness_ms``).  ``driver``: one of ``FLOORS``, a blocking
+    sleep by default (section 12: an event loop's)."""
     ctx = mp.get_context("fork")
     t0 = ctx.Value("q", 0)
     barrier = ctx.Barrier(procs, action=functools.partial(_grid_start, t0))
     res = run_processes(
-        ctx, _sleep_stamped, [(rate, i, procs, t0, barrier, seconds) for i in range(procs)], 300
+        ctx, FLOORS[driver], [(rate, i, procs, t0, barrier, seconds) for i in range(procs)], 300
     )
     stamps = [t for r in res for t in r[1]]
     return dict(
         processes=procs,
         rate=rate,
-        driver="bare sleep",
+        driver=driver,
         cpu_s_per_wall_s=sum(r[2] for r in res) / seconds,
         grants=len(stamps),
         load=os.getloadavg()[0],
@@ -503,9 +545,7 @@ def bench_waiting(
     start = max(r[0] for r in res)
     stamps = [t for r in res for t in r[1]]
     split = {}
-    if (
-        driver == "sync"
-    ):  # apart: the filler threads' share, and the waiting threads' wakes per grant
+    if driver in ("sync", "async"):  # apart: the filler threads' share, the waiting threads' wakes
         split = dict(
             filler_cpu_s_per_wall_s=sum(r[3] for r in res) / seconds,
             wakes_per_grant=sum(r[4] for r in res) / max(1, len(stamps)),
@@ -1367,6 +1407,50 @@ def print_rates(r: Dict[str, Dict[str, float]]) -> None:
             print(f"   {backend:8} {k:40} {v:10.0f} {v / base:8.2f}x")
 
 
+# ---- 12. asyncio -----------------------------------------------------------------------------------
+
+
+def bench_asyncio(seconds: float, rate: float = 1000.0, procs: int = 8) -> dict:
+    """Section 12: ``procs`` processes, each one event loop with one task saturating ``rate``
+    through ``acquire_async``, against as many bare asyncio sleepers (no limiter) waking at the
+    same instants with the same precise sleep (``sleep_until_async``), measured right after in
+    the same run; and bare ``asyncio.sleep`` sleepers, for the lateness an event loop's own timer
+    gives.  ``ratio``: the waiters' CPU as a multiple of the precise sleepers' (the target: at
+    most 1.25)."""
+    rows = [
+        bench_waiting(rate, seconds, procs, driver="async"),
+        bench_sleep_floor(rate, seconds, procs, driver="bare asyncio"),
+        bench_sleep_floor(rate, seconds, procs, driver="bare asyncio.sleep"),
+    ]
+    return dict(
+        rows=rows,
+        ratio=rows[0]["cpu_s_per_wall_s"] / rows[1]["cpu_s_per_wall_s"],
+        load=os.getloadavg(),
+    )
+
+
+def print_asyncio(a: dict) -> None:
+    print(
+        f"\n12. asyncio: {a['rows'][0]['processes']} processes, one event loop each, saturating "
+        f"{a['rows'][0]['rate']:,.0f}/s through acquire_async,"
+    )
+    print("    against as many bare asyncio sleepers waking at the same instants (no limiter)")
+    print(
+        f"    {'waiters':>20} {'CPU-s/s':>9} {'wakes':>6} {'p50 ms':>8} {'p99 ms':>8} {'max ms':>8} "
+        f"{'grants':>8}"
+    )
+    for w in a["rows"]:
+        wk = f"{w['wakes_per_grant']:>6.2f}" if "wakes_per_grant" in w else f"{'-':>6}"
+        print(
+            f"    {w['driver']:>20} {w['cpu_s_per_wall_s']:>9.4f} {wk} {w['p50_ms']:>8.3f} "
+            f"{w['p99_ms']:>8.3f} {w['max_ms']:>8.3f} {w['grants']:>8,}"
+        )
+    print(
+        f"    acquire_async's CPU: {a['ratio']:.2f}x the bare asyncio sleepers' (target: at most 1.25); "
+        f"load average {a['load'][0]:.1f}, {a['load'][1]:.1f}, {a['load'][2]:.1f}"
+    )
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument(
@@ -1387,6 +1471,7 @@ def main(argv=None) -> int:
     )
     ap.add_argument("--only-waiting", action="store_true", help="run section 5 only")
     ap.add_argument("--only-rates", action="store_true", help="run section 11 only")
+    ap.add_argument("--only-asyncio", action="store_true", help="run section 12 only")
     args = ap.parse_args(argv)
     quick = args.quick
     res: dict = dict(
@@ -1422,6 +1507,9 @@ def main(argv=None) -> int:
     if args.only_rates:
         res["rates"] = bench_rates(20_000 if quick else 200_000)
         return emit(res, args.json)
+    if args.only_asyncio:
+        res["asyncio"] = bench_asyncio(2.0 if quick else 4.0)
+        return emit(res, args.json)
     if not (args.only_redis or args.only_keyed):
         res["rates"] = bench_rates(20_000 if quick else 200_000)
         res["single_ns"] = bench_single(20_000 if quick else 300_000)
@@ -1432,6 +1520,7 @@ def main(argv=None) -> int:
         res["cpu_waiting"] = bench_cpu(2.0 if quick else 4.0)
         res["waiting"] = waiting_rows(2.0 if quick else 4.0)
         res["filler_under_load"] = bench_filler_under_load(3.0 if quick else 5.0)
+        res["asyncio"] = bench_asyncio(2.0 if quick else 4.0)
     with redis_url(args.redis) as url:
         if not args.only_keyed:
             res["redis"] = bench_redis(url, 1.0 if quick else 3.0) if url else None
@@ -1486,6 +1575,8 @@ def print_table(res: dict) -> None:
         print_latency(res["latency"])
     if "rates" in res:
         print_rates(res["rates"])
+    if res.get("asyncio"):
+        print_asyncio(res["asyncio"])
 
 
 def print_redis(res: dict) -> None:
