@@ -181,6 +181,10 @@ class Request:
             b = self.bucket
             b.refresh()
             if not b.admit(self.n):
+                # the ops in flight of a dead holder come back by a filler's reap: if the holder
+                # ran the filler, its lease lapsed with it, and this takes it at once (a watcher
+                # would look only every WATCH_PERIOD)
+                self.att.nudge_filler()
                 return self._admit_nap()
             self.admitted = True
             return self._take()
