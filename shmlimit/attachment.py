@@ -47,8 +47,9 @@ from shmlimit.bucket.giveback import (
 )
 from shmlimit.bucket.rovers import WAIT_BURN, WAIT_NUDGE, Bucket, GrabResult
 from shmlimit.config import MAX_NAP, NS_PER_S
-from shmlimit.errors import ConfigMismatchError, LimiterNotFoundError, SegmentError
-from shmlimit.group import Collected, is_group, open_group, region_opener
+from shmlimit.errors import ConfigMismatchError, SegmentError
+from shmlimit.group import collect as collect_group
+from shmlimit.group import is_group
 from shmlimit.header import Creation, open_segment
 from shmlimit.redis.spec import UpstreamSpec
 from shmlimit.registry import Registry
@@ -59,11 +60,9 @@ from shmlimit.shm.segment import (
     Segment,
     check_trust,
     claim_and_unlink,
-    current_inode,
     gone,
     validate_name,
 )
-from shmlimit.shm.segment import unlink as unlink_name
 from shmlimit.shm.table import (
     OwnerWatch,
     ProcessTable,
@@ -580,11 +579,12 @@ def collect(name: str) -> bool:
     """Unlink the segment if no live process is attached to it; True if it did.
 
     Never orphans a process that attaches meanwhile (see ``_still_ready``).  A group of several
-    rates is unlinked when no live process is attached to any of its rates.
+    rates (plain or keyed) is unlinked when no live process is attached to any of its rates
+    (``group.collect``).
     """
     validate_name(name)
     if is_group(name):
-        return _collect_group(name)
+        return collect_group(name)
     att = map_attachment(
         name, None, None, join=False
     )  # no trust check: it only unlinks, as the filesystem allows
@@ -592,46 +592,6 @@ def collect(name: str) -> bool:
         return claim_and_unlink(name, att.seg.inode, att.cells, lambda: in_use(att))
     finally:
         att.detach()
-
-
-def _collect_group(name: str) -> bool:
-    """``collect`` for a group: every rate's region claimed (STATE READY -> DOOMED), then checked
-    unused, then the name unlinked; any rate in use gives every claim back.  A process attaching
-    to a rate meanwhile registers, then reads that rate's STATE (``_still_ready``): it sees the
-    claim, or the claim's check sees it, as for one rate."""
-    try:
-        seg, geo = open_group(name, None, None, frozenset(), time.monotonic_ns)
-    except (LimiterNotFoundError, Collected):
-        return False
-    atts: list = []
-    claimed: list = []
-    try:
-        for i, key in enumerate(geo.keys):
-            atts.append(
-                map_attachment(
-                    f"{name}[{key}]", None, None, join=False, opener=region_opener(seg, geo, i)
-                )
-            )
-        for att in atts:
-            if in_use(att) or not att.cells.cas(L.STATE_OFF, L.STATE_READY, L.STATE_DOOMED):
-                break
-            claimed.append(att)
-        else:
-            if not any(in_use(att) for att in atts) and current_inode(name) == seg.inode:
-                try:
-                    unlink_name(name)
-                except LimiterNotFoundError:
-                    return False
-                return True
-        for att in claimed:
-            att.cells.cas(L.STATE_OFF, L.STATE_DOOMED, L.STATE_READY)
-        return False
-    except Collected:
-        return False
-    finally:
-        for att in atts:
-            att.detach()
-        seg.close()
 
 
 def in_use(att: Attachment) -> bool:

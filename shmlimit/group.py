@@ -1,12 +1,15 @@
-"""A limiter of several rates is one segment, under its one name.
+"""A limiter of several rates, plain or keyed, is one segment, under its one name.
 
 The segment begins with a header (line 0 as every kind's, then the count of
-rates, whether they are named, where their regions are, and their keys), then
-holds one region per rate, each a whole limiter layout starting on an mmap
-boundary (``layout.group_geometry``).  A process maps each region on its own
-and attaches to it as to a single limiter's segment: every promise of one rate
-(its bucket, its filler, its process table, its fences) is the region's, and
-nothing below the limiters knows about groups.
+rates, whether they are named, where their regions are, which layout they hold,
+and their keys), then holds one region per rate, each a whole layout starting on
+an mmap boundary (``layout.group_geometry``): a limiter's (``Limiter(rates=)``)
+or a keyed table's (``KeyedLimiter(rates=)``), every region of a group the same.
+A process maps each region on its own and attaches to it as to a single
+limiter's segment (``attachment.map_attachment``, or the keyed ``_open``, given
+an opener): every promise of one rate (its bucket or its table, its process
+table, its fences) is the region's, and nothing below the limiters knows about
+groups.
 
 Start-up is the one protocol (``header.open_segment`` with ``GROUP``): the
 creator writes the group's header, initialises every region (each READY), and
@@ -19,32 +22,43 @@ from __future__ import annotations
 
 import mmap
 import re
+import time
 from dataclasses import dataclass
-from typing import Callable, List, Optional, Tuple
+from typing import Any, Callable, List, Optional, Tuple
 
-from shmlimit.errors import LimiterNotFoundError, SegmentError
+from shmlimit.errors import ConfigMismatchError, LimiterNotFoundError, SegmentError
 from shmlimit.header import (
     DOOMED,
     KINDS_BY_MAGIC,
-    Creation,
     Kind,
     initialise,
     open_segment,
     ready_creator,
 )
+from shmlimit.keyed import layout as K
+from shmlimit.keyed.segment import Geometry as TableGeometry
+from shmlimit.keyed.segment import initialise as initialise_table
 from shmlimit.shm import layout as L
 from shmlimit.shm.cells import Cells, open_cells
 from shmlimit.shm.segment import (
     Segment,
+    current_inode,
     opened,
     pread_file,
     publish,
     start_header,
+    unlink,
 )
+from shmlimit.shm.table import ProcessTable, slot_alive
 
 #: A group holds at most this many rates (``rates=``).
 MAX_RATES = 16
 _KEY = re.compile(rb"[A-Za-z0-9_]+")
+#: What each kind of region is called in errors.
+_REGIONS = {
+    L.REGIONS_LIMITER: "a limiter of several rates",
+    L.REGIONS_KEYED: "a keyed limiter of several rates",
+}
 
 
 class Collected(Exception):
@@ -54,36 +68,57 @@ class Collected(Exception):
 
 @dataclass(frozen=True)
 class GroupCreation:
-    """What a creating call asks for: one ``Creation`` per rate, in the order of ``keys``."""
+    """What a creating call asks for: one creation per rate, in the order of ``keys`` (a
+    ``header.Creation`` for limiter regions, a keyed ``Rate`` for keyed ones), the regions' layout
+    (``layout.REGIONS_*``), and a keyed table's ``(keys, overrides)``."""
 
-    rates: Tuple[Creation, ...]
+    rates: Tuple[Any, ...]
     keys: Tuple[str, ...]
     named: bool
     mode: int
     slots: int
+    regions: int = L.REGIONS_LIMITER
+    table: Tuple[int, int] = (0, 0)
 
 
 @dataclass(frozen=True)
 class Geometry:
-    """Where a group's regions are: ``count`` regions of a table of ``slots``, ``first`` and
-    ``stride`` in bytes; ``keys`` name the rates, in order."""
+    """Where a group's regions are and what they hold: ``count`` regions of ``regions`` layout
+    (a table of ``slots`` process slots; keyed: ``table`` = (key slots, override slots)),
+    ``first`` and ``stride`` in bytes; ``keys`` name the rates, in order."""
 
     keys: Tuple[str, ...]
     named: bool
     slots: int
     first: int
     stride: int
+    regions: int = L.REGIONS_LIMITER
+    table: Tuple[int, int] = (0, 0)
 
     def offset(self, index: int) -> int:
         return self.first + index * self.stride
 
     @property
     def region_bytes(self) -> int:
-        return L.segment_size(self.slots)
+        size = region_bytes(self.regions, self.slots, self.table)
+        assert size is not None  # a Geometry is made from a checked header
+        return size
 
 
-def _geometry(slots: int) -> Tuple[int, int]:
-    return L.group_geometry(slots, mmap.ALLOCATIONGRANULARITY)
+def region_bytes(regions: int, slots: int, table: Tuple[int, int]) -> Optional[int]:
+    """The bytes of one region of ``regions`` layout, or None if the words make no sense."""
+    keys, overrides = table
+    if regions == L.REGIONS_LIMITER:
+        ok = 1 <= slots <= L.MAX_SLOTS and keys == overrides == 0
+        return L.segment_size(slots) if ok else None
+    if regions == L.REGIONS_KEYED:
+        ok = slots == K.PSLOTS and 1 <= keys <= K.MAX_KEYS and 0 <= overrides <= K.MAX_OVERRIDES
+        return K.segment_size(keys, overrides) if ok else None
+    return None
+
+
+def _geometry(region: int) -> Tuple[int, int]:
+    return L.group_geometry(region, mmap.ALLOCATIONGRANULARITY)
 
 
 def _encode_keys(keys: Tuple[str, ...]) -> bytes:
@@ -95,42 +130,61 @@ def _encode_keys(keys: Tuple[str, ...]) -> bytes:
     return raw
 
 
+def _layout_words(c: Cells) -> Tuple[int, int, Tuple[int, int]]:
+    return (
+        c.load(L.GROUP_REGIONS),
+        c.load(L.SLOTS_OFF),
+        (c.load(L.GROUP_TABLE_KEYS), c.load(L.GROUP_TABLE_OVR)),
+    )
+
+
 def _declared_size(c: Cells) -> Optional[int]:
     """The size a group header's words declare, or None if they make no sense here."""
-    slots, count, first, stride = (
-        c.load(off) for off in (L.SLOTS_OFF, L.GROUP_COUNT, L.GROUP_FIRST, L.GROUP_STRIDE)
-    )
-    if not 1 <= slots <= L.MAX_SLOTS or not 1 <= count <= MAX_RATES:
+    count, first, stride = (c.load(off) for off in (L.GROUP_COUNT, L.GROUP_FIRST, L.GROUP_STRIDE))
+    region = region_bytes(*_layout_words(c))
+    if region is None or not 1 <= count <= MAX_RATES:
         return None
-    if (first, stride) != _geometry(slots):
+    if (first, stride) != _geometry(region):
         return None
     return L.group_size(first, stride, count)
 
 
 def _size_of(create: GroupCreation) -> int:
-    first, stride = _geometry(create.slots)
+    region = region_bytes(create.regions, create.slots, create.table)
+    assert region is not None  # the callers check the table's geometry first
+    first, stride = _geometry(region)
     return L.group_size(first, stride, len(create.rates))
 
 
 def _initialise(seg: Segment, create: GroupCreation, now_ns: int) -> Cells:
     """Write the group's header, initialise every region, then publish the group (READY last)."""
     c = start_header(seg, L.GROUP_VERSION, create.slots)
-    first, stride = _geometry(create.slots)
+    region = region_bytes(create.regions, create.slots, create.table)
+    assert region is not None
+    first, stride = _geometry(region)
     c.store(L.GROUP_COUNT, len(create.rates))
     c.store(L.GROUP_NAMED, int(create.named))
     c.store(L.GROUP_FIRST, first)
     c.store(L.GROUP_STRIDE, stride)
+    c.store(L.GROUP_REGIONS, create.regions)
+    c.store(L.GROUP_TABLE_KEYS, create.table[0])
+    c.store(L.GROUP_TABLE_OVR, create.table[1])
     raw = _encode_keys(create.keys)
     raw += bytes(-len(raw) % 8)
     for i in range(0, len(raw), 8):
         c.store(L.GROUP_KEYS + i, int.from_bytes(raw[i : i + 8], "little"))
-    geo = Geometry(create.keys, create.named, create.slots, first, stride)
+    geo = Geometry(
+        create.keys, create.named, create.slots, first, stride, create.regions, create.table
+    )
     for i, rate in enumerate(create.rates):
-        region = map_region(seg, geo, i)
+        mapped = map_region(seg, geo, i)
         try:
-            initialise(region, rate, now_ns).close()
+            if create.regions == L.REGIONS_KEYED:
+                initialise_table(mapped, TableGeometry(*create.table), rate).close()
+            else:
+                initialise(mapped, rate, now_ns).close()
         finally:
-            region.close()
+            mapped.close()
     publish(c, L.GROUP_MAGIC)
     return c
 
@@ -154,17 +208,19 @@ KINDS_BY_MAGIC[GROUP.magic] = GROUP
 
 def read_geometry(name: str, c: Cells) -> Geometry:
     """The geometry a ready group header states; ``SegmentError`` for keys that make no sense."""
-    slots, count, named, first, stride = (
-        c.load(off)
-        for off in (L.SLOTS_OFF, L.GROUP_COUNT, L.GROUP_NAMED, L.GROUP_FIRST, L.GROUP_STRIDE)
+    count, named, first, stride = (
+        c.load(off) for off in (L.GROUP_COUNT, L.GROUP_NAMED, L.GROUP_FIRST, L.GROUP_STRIDE)
     )
+    regions, slots, table = _layout_words(c)
     raw = b"".join(
         c.load(L.GROUP_KEYS + i).to_bytes(8, "little") for i in range(0, L.GROUP_KEYS_BYTES, 8)
     )
     keys = tuple(raw.split(b"\0")[:count])
     if named not in (0, 1) or len(keys) != count or not all(_KEY.fullmatch(k) for k in keys):
         raise SegmentError(f"segment {name!r} is corrupt: its rates' keys make no sense")
-    return Geometry(tuple(k.decode() for k in keys), bool(named), slots, first, stride)
+    return Geometry(
+        tuple(k.decode() for k in keys), bool(named), slots, first, stride, regions, table
+    )
 
 
 def map_region(group: Segment, geo: Geometry, index: int) -> Segment:
@@ -188,40 +244,76 @@ def map_region(group: Segment, geo: Geometry, index: int) -> Segment:
     )
 
 
+def shown(keys: Tuple[str, ...], named: bool) -> str:
+    """A group's rates as errors show them."""
+    return "{" + ", ".join(keys) + "}" if named else f"[{len(keys)} rates]"
+
+
 def open_group(
     name: str,
     create: Optional[GroupCreation],
     mode: Optional[int],
     trusted: frozenset,
     clock: Callable[[], int],
+    regions: Optional[int] = L.REGIONS_LIMITER,
 ) -> Tuple[Segment, Geometry]:
-    """Create the group, or open the ready one: its header segment and its geometry."""
+    """Create the group, or open the ready one: its header segment and its geometry.
+
+    ``regions`` is the layout the caller reads (None: any); a group of the other is refused
+    (``SegmentError``), and one created with other rates' keys is a ``ConfigMismatchError``."""
     seg, c = open_segment(name, create, mode, trusted, clock, GROUP)
     try:
         try:
             geo = read_geometry(name, c)
         finally:
             c.close()  # before the mapping it exports
+        if regions is not None and geo.regions != regions:
+            raise SegmentError(
+                f"segment {name!r} is {_REGIONS[geo.regions]}, not {_REGIONS[regions]}"
+            )
+        if create is not None and (geo.keys, geo.named) != (create.keys, create.named):
+            raise ConfigMismatchError(
+                name,
+                f"rates {shown(geo.keys, geo.named)}",
+                f"rates {shown(create.keys, create.named)}",
+            )
     except BaseException:
         seg.close()
         raise
     return seg, geo
 
 
+def region_ready(label: str, region: Segment, regions: int) -> int:
+    """0 if the region (mapped or copied) is ready, ``DOOMED`` if a collector claimed it, else
+    nonzero: its group was READY, so every region was, and only a forger leaves one otherwise.
+    A keyed region's header is validated by its reader (``keyed.segment.validate_header``)."""
+    if regions == L.REGIONS_LIMITER:
+        return ready_creator(label, region, 0.0)
+    c = open_cells(region.mm, K.HEADER_BYTES)
+    try:
+        magic, state = c.load(K.MAGIC_OFF), c.load(K.STATE_OFF)
+    finally:
+        c.close()
+    if magic == K.MAGIC and state == L.STATE_DOOMED:
+        return DOOMED
+    return 0 if (magic, state) == (K.MAGIC, K.STATE_READY) else -1
+
+
 def region_opener(group: Segment, geo: Geometry, index: int) -> Callable[[], Tuple[Segment, Cells]]:
-    """What ``attachment.map_attachment`` calls to open rate ``index``: its region, ready."""
+    """What a rate's attachment calls to open rate ``index`` (``attachment.map_attachment``, or the
+    keyed ``_open``): its region, ready."""
 
     def open_region() -> Tuple[Segment, Cells]:
         region = map_region(group, geo, index)
         try:
-            verdict = ready_creator(f"{group.name}[{geo.keys[index]}]", region, 0.0)
+            verdict = region_ready(f"{group.name}[{geo.keys[index]}]", region, geo.regions)
         except BaseException:
             region.close()
             raise
         if verdict == DOOMED:
             region.close()
             raise Collected()
-        if verdict != 0:  # the group was READY, so every region was: only a forger does this
+        if verdict != 0:
             region.close()
             raise SegmentError(f"segment {group.name!r} is corrupt: a rate's region is not ready")
         return region, open_cells(region.mm, region.size)
@@ -229,9 +321,61 @@ def region_opener(group: Segment, geo: Geometry, index: int) -> Callable[[], Tup
     return open_region
 
 
+def collect(name: str) -> bool:
+    """Unlink the group if no live process is registered in any of its rates; True if it did.
+
+    Every rate's region is claimed (STATE READY -> DOOMED), then checked unused, then the name
+    unlinked; any rate in use gives every claim back.  A process attaching to a rate meanwhile
+    registers, then reads that rate's STATE (``segment.gone``): it sees the claim, or the claim's
+    check sees it, as for one rate (``segment.claim_and_unlink``).  Either layout: a keyed
+    table's process table has a limiter's offsets."""
+    try:
+        seg, geo = open_group(name, None, None, frozenset(), time.monotonic_ns, None)
+    except (LimiterNotFoundError, Collected):
+        return False
+    regions: List[Tuple[Segment, Cells]] = []
+    claimed: List[Cells] = []
+    try:
+        for i in range(len(geo.keys)):
+            regions.append(region_opener(seg, geo, i)())
+        tables = [ProcessTable(c, geo.slots) for _, c in regions]
+
+        def in_use() -> bool:
+            return any(slot_alive(e.pid, e.start, e.pidns) for t in tables for e in t.entries())
+
+        for _, c in regions:
+            if in_use() or not c.cas(L.STATE_OFF, L.STATE_READY, L.STATE_DOOMED):
+                break
+            claimed.append(c)
+        else:
+            if not in_use() and current_inode(name) == seg.inode:
+                try:
+                    unlink(name)
+                except LimiterNotFoundError:
+                    return False
+                return True
+        for c in claimed:
+            c.cas(L.STATE_OFF, L.STATE_DOOMED, L.STATE_READY)
+        return False
+    except Collected:
+        return False
+    finally:
+        for region, c in regions:
+            c.close()
+            region.close()
+        seg.close()
+
+
 def peek_magic(name: str) -> int:
     """The first word of ``name``'s segment, read without mapping (0 if it is shorter)."""
     data, _ = pread_file(name, 0, 8, None)
+    return int.from_bytes(bytes(data[:8]).ljust(8, b"\0"), "little")
+
+
+def peek_regions(name: str) -> int:
+    """What a group's regions hold (``layout.REGIONS_*``), read without mapping; the group's
+    readers check it again against its whole header."""
+    data, _ = pread_file(name, L.GROUP_REGIONS, 8, None)
     return int.from_bytes(bytes(data[:8]).ljust(8, b"\0"), "little")
 
 
@@ -242,9 +386,12 @@ def is_group(name: str) -> bool:
         return False
 
 
-def copy_regions(name: str) -> Tuple[Geometry, List[Segment]]:
-    """A private copy of every region of a ready group, read with ``pread`` (nothing mapped), for
-    the tools that only look."""
+def copy_regions(
+    name: str, regions: int, length: Optional[int] = None
+) -> Tuple[Geometry, List[Segment]]:
+    """A private copy of every region of a ready group of ``regions`` layout (each region's first
+    ``length`` bytes; None: whole), read with ``pread`` (nothing mapped), for the tools that only
+    look."""
     head, st = pread_file(name, 0, L.GROUP_HEADER_BYTES, None)
     # the header's copy, judged against the file's whole size (the regions are read below)
     seg = Segment(name, bytearray(head.ljust(L.GROUP_HEADER_BYTES, b"\0")), st.st_size, False, 0)
@@ -258,13 +405,16 @@ def copy_regions(name: str) -> Tuple[Geometry, List[Segment]]:
         geo = read_geometry(name, c)
     finally:
         c.close()
-    regions = []
+    if geo.regions != regions:
+        raise SegmentError(f"segment {name!r} is {_REGIONS[geo.regions]}, not {_REGIONS[regions]}")
+    out = []
     for i in range(len(geo.keys)):
-        data, st = pread_file(name, geo.offset(i), geo.region_bytes, None)
+        want = geo.region_bytes if length is None else min(length, geo.region_bytes)
+        data, st = pread_file(name, geo.offset(i), want, None)
         size = len(data) & ~7
         buf = bytearray(max(size, 8))
         buf[:size] = data[:size]
-        regions.append(
+        out.append(
             Segment(name, buf, size, False, st.st_ino, st.st_ctime_ns, st.st_uid, st.st_mode)
         )
-    return geo, regions
+    return geo, out

@@ -2,7 +2,8 @@
 
 A segment's first word says its kind (``layout.MAGIC`` for a ``Limiter``,
 ``layout.GROUP_MAGIC`` for one of several rates, ``keyed_layout.MAGIC`` for a
-``KeyedLimiter``); it is read with ``pread``, without mapping, and each kind's
+``KeyedLimiter``), and a group's ``GROUP_REGIONS`` word whether its rates are
+plain or keyed; they are read with ``pread``, without mapping, and each kind's
 own module then opens and validates it.
 """
 
@@ -10,9 +11,10 @@ from __future__ import annotations
 
 from typing import Iterable, Union
 
-from shmlimit.group import peek_magic
+from shmlimit.group import peek_magic, peek_regions
 from shmlimit.keyed import layout as K
 from shmlimit.keyed.limiter import KeyedLimiter, KeyedStats, inspect_keyed
+from shmlimit.keyed.multi import MultiKeyedLimiter, inspect_keyed_group
 from shmlimit.limiter import Limiter
 from shmlimit.limiter import attach as attach_limiter
 from shmlimit.multirate import MultiLimiter, MultiStats, inspect_group
@@ -29,13 +31,20 @@ def _magic(name: str) -> int:
         return 0  # absent or unreadable: the limiter's own open says which, and why
 
 
+def _keyed_group(name: str) -> bool:
+    try:
+        return peek_regions(name) == L.REGIONS_KEYED
+    except OSError:
+        return False  # the group's own open says why
+
+
 def attach(
     name: str, *, mode: int = 0o600, trusted_uids: Iterable[int] = ()
-) -> Union[Limiter, MultiLimiter, KeyedLimiter]:
+) -> Union[Limiter, MultiLimiter, KeyedLimiter, MultiKeyedLimiter]:
     """Attach to an existing limiter by name, whatever its kind and configuration.
 
     Returns a ``KeyedLimiter`` for a keyed segment, the limiter of several rates for a group
-    (its rates a list or a dict, as created), else a ``Limiter``.  Raises
+    (plain or keyed; its rates a list or a dict, as created), else a ``Limiter``.  Raises
     ``LimiterNotFoundError`` (a ``FileNotFoundError``) naming it when none exists,
     and a ``SegmentError`` (``UntrustedSegmentError`` for a ``Limiter``) for a
     segment owned by another user (other than root and ``trusted_uids``) or
@@ -45,6 +54,8 @@ def attach(
     magic = _magic(name)
     if magic == K.MAGIC:
         return KeyedLimiter(name, mode=mode, trusted_uids=trusted_uids)
+    if magic == L.GROUP_MAGIC and _keyed_group(name):
+        return MultiKeyedLimiter(KeyedLimiter, name, None, mode=mode, trusted_uids=trusted_uids)
     if magic == L.GROUP_MAGIC:
         return MultiLimiter(name, None, mode=mode, trusted_uids=trusted_uids)
     return attach_limiter(name, mode=mode, trusted_uids=trusted_uids)
@@ -56,6 +67,8 @@ def inspect(name: str) -> Union[Stats, MultiStats, KeyedStats]:
     magic = _magic(name)
     if magic == K.MAGIC:
         return inspect_keyed(name)
+    if magic == L.GROUP_MAGIC and _keyed_group(name):
+        return inspect_keyed_group(name)
     if magic == L.GROUP_MAGIC:
         return inspect_group(name)
     return inspect_limiter(name)

@@ -38,7 +38,6 @@ import math
 import os
 import time
 import weakref
-from dataclasses import dataclass, replace
 from typing import Any, Callable, Dict, Iterable, List, Optional, Sequence, Tuple, Union
 
 from shmlimit import live_changes
@@ -58,15 +57,14 @@ from shmlimit.acquire.single import drive, drive_async
 from shmlimit.attachment import Attachment, gate_all, open_attachment, release
 from shmlimit.bucket.fences import FenceHold
 from shmlimit.config import NS_PER_S, Config, validate_n, validate_timeout
-from shmlimit.errors import ConfigMismatchError, SegmentError
+from shmlimit.errors import SegmentError
 from shmlimit.group import Collected, GroupCreation, copy_regions, open_group, region_opener
 from shmlimit.header import Creation, ready_creator
-from shmlimit.rate_group import RateGroup, parse_rates, rates_from_text
+from shmlimit.rate_group import MultiStats, RateGroup, parse_rates, rates_from_text
 from shmlimit.shm import layout as L
 from shmlimit.shm.cells import open_cells
-from shmlimit.shm.segment import unlink as unlink_name
 from shmlimit.shm.segment import validate_mode, validate_name, validate_slots, validate_trusted_uids
-from shmlimit.stats import ProcessStats, Stats, snapshot
+from shmlimit.stats import snapshot
 
 _INF = float("inf")
 _ONE = 1
@@ -75,40 +73,6 @@ _ONE = 1
 def _plain_timeout(timeout: object) -> bool:
     """None, or a number of seconds the fast path may take as valid (the slow path checks the rest)."""
     return timeout is None or (type(timeout) in (int, float) and 0 <= timeout < _INF)  # type: ignore[operator]
-
-
-@dataclass(frozen=True)
-class MultiStats:
-    """A snapshot of every rate of a limiter of several rates (``rates`` by key, in order)."""
-
-    name: str
-    rates: Dict[str, Stats]
-
-    @property
-    def grants(self) -> Dict[str, int]:
-        """Ops granted on each rate (charges included; refunds are not subtracted)."""
-        return {k: s.grants for k, s in self.rates.items()}
-
-    @property
-    def processes(self) -> Tuple[ProcessStats, ...]:
-        """The processes registered in any rate, once each (alive if alive in any; grants: the
-        most it was granted on one rate)."""
-        by_pid: Dict[int, ProcessStats] = {}
-        for s in self.rates.values():
-            for p in s.processes:
-                q = by_pid.get(p.pid)
-                by_pid[p.pid] = (
-                    p
-                    if q is None
-                    else replace(
-                        q,
-                        alive=q.alive or p.alive,
-                        grants=max(q.grants, p.grants),
-                        waiting=q.waiting or p.waiting,
-                        filler=q.filler or p.filler,
-                    )
-                )
-        return tuple(by_pid.values())
 
 
 class MultiLimiter(RateGroup):
@@ -172,12 +136,6 @@ class MultiLimiter(RateGroup):
         for _ in range(16):
             seg, geo = open_group(name, create, self._mode, self._trusted, clock)
             try:
-                if create is not None and (geo.keys, geo.named) != (create.keys, create.named):
-                    raise ConfigMismatchError(
-                        name,
-                        f"rates {_shown(geo.keys, geo.named)}",
-                        f"rates {_shown(create.keys, create.named)}",
-                    )
                 self._keys, self._named = geo.keys, geo.named
                 for i, key in enumerate(geo.keys):
                     self._atts.append(
@@ -567,10 +525,6 @@ class MultiLimiter(RateGroup):
 
     # -- observation -------------------------------------------------------------------
 
-    def unlink(self) -> None:
-        """Remove the limiter's segment (every rate's).  Raises ``LimiterNotFoundError`` when none."""
-        unlink_name(self._name)
-
     def stats(self) -> MultiStats:
         """A snapshot of every rate's live state (reads only)."""
         atts = self._peek()
@@ -604,13 +558,9 @@ if hasattr(os, "register_at_fork"):
     os.register_at_fork(after_in_child=_forget_fast_paths)
 
 
-def _shown(keys: Tuple[str, ...], named: bool) -> str:
-    return "{" + ", ".join(keys) + "}" if named else f"[{len(keys)} rates]"
-
-
 def inspect_group(name: str) -> MultiStats:
     """A snapshot of every rate of the group ``name``, read without joining it (nothing written)."""
-    geo, regions = copy_regions(name)
+    geo, regions = copy_regions(name, L.REGIONS_LIMITER)
     out = {}
     for key, seg in zip(geo.keys, regions):
         label = f"{name}[{key}]"

@@ -1,6 +1,6 @@
-"""Several rates taken together: what both kinds share, ``Limiter(rates=)`` (``multirate``: one
-segment, a region per rate) and ``KeyedLimiter(rates=)`` (``keyed_multi``: still one keyed
-segment per rate, ``<name>.<key>``).
+"""Several rates taken together: what both kinds share, ``Limiter(rates=)`` (``multirate``) and
+``KeyedLimiter(rates=)`` (``keyed.multi``), each one segment under its name with a region per rate
+(``group``).
 
 ``rates=`` is a list, a dict or one string; its rates are named by key (``"0"``, ``"1"``, ...
 for a list); a call costs ``n`` ops on every rate or
@@ -11,7 +11,8 @@ taken together is each kind's own.
 from __future__ import annotations
 
 import re
-from typing import Any, Dict, Iterable, List, Mapping, Tuple, Type, Union
+from dataclasses import dataclass, replace
+from typing import Any, Dict, Iterable, Iterator, List, Mapping, Tuple, Type, Union
 
 from shmlimit.config import Config, parse_rate
 from shmlimit.shm.segment import NAME_MAX
@@ -140,6 +141,56 @@ def group_options(
     return given
 
 
+@dataclass(frozen=True)
+class MultiStats:
+    """A snapshot of every rate of a limiter of several rates (``rates`` by key, in order): each
+    a ``Stats``, or a ``KeyedStats`` for a keyed one.  It reads as a mapping of ``rates`` too."""
+
+    name: str
+    rates: Dict[str, Any]
+
+    def __getitem__(self, key: str) -> Any:
+        return self.rates[key]
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self.rates)
+
+    def __len__(self) -> int:
+        return len(self.rates)
+
+    def items(self) -> Any:
+        return self.rates.items()
+
+    def values(self) -> Any:
+        return self.rates.values()
+
+    @property
+    def grants(self) -> Dict[str, int]:
+        """Ops granted on each rate (charges included; refunds are not subtracted)."""
+        return {k: s.grants for k, s in self.rates.items()}
+
+    @property
+    def processes(self) -> Tuple[Any, ...]:
+        """The processes registered in any rate, once each (alive if alive in any; grants: the
+        most it was granted on one rate; waiting or filler, where a rate says so, if in any)."""
+        by_pid: Dict[int, Any] = {}
+        for s in self.rates.values():
+            for p in s.processes:
+                q = by_pid.get(p.pid)
+                if q is None:
+                    by_pid[p.pid] = p
+                    continue
+                flags = {
+                    f: getattr(q, f) or getattr(p, f)
+                    for f in ("waiting", "filler")
+                    if hasattr(q, f)
+                }
+                by_pid[p.pid] = replace(
+                    q, alive=q.alive or p.alive, grants=max(q.grants, p.grants), **flags
+                )
+        return tuple(by_pid.values())
+
+
 class RateGroup:
     """A limiter of several rates, as far as its kind does not matter: its name and its rates'
     keys, a call's ops per rate, a rate named by key or index, its segments unlinked.  A subclass
@@ -161,12 +212,8 @@ class RateGroup:
         return self._keys
 
     def unlink(self) -> None:
-        """Remove every rate's segment (those already gone are skipped)."""
-        for key in self._keys:
-            try:
-                _unlink_name(f"{self._name}.{key}")
-            except FileNotFoundError:
-                pass
+        """Remove the limiter's segment (every rate's).  Raises ``LimiterNotFoundError`` when none."""
+        _unlink_name(self._name)
 
     def _by_name(
         self, values: Dict[str, object], n: object, n_default: int, what: str

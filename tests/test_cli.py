@@ -201,9 +201,10 @@ def test_create_keys_makes_a_keyed_limiter(name):
     try:
         assert r.returncode == 0, r.stderr
         assert r.stdout.splitlines() == [
-            f"created: {name}-m.a rate=1 per=1s burst=1 keys=100",
-            f"created: {name}-m.b rate=2 per=60s burst=1 keys=100",
+            f"created: {name}-m[a] rate=1 per=1s burst=1 keys=100",
+            f"created: {name}-m[b] rate=2 per=60s burst=1 keys=100",
         ]
+        r = run("create", name + "-m", "--rates", "a=1/s; b=2/min", "--keys", "100")
+        assert r.stdout.splitlines()[0] == f"exists: {name}-m[a] rate=1 per=1s burst=1 keys=100"
     finally:
-        for key in ("a", "b"):
-            shmlimit.unlink(f"{name}-m.{key}")
+        shmlimit.unlink(f"{name}-m")

@@ -461,7 +461,10 @@ def test_a_reservation_claiming_on_a_rate_being_closed_takes_nothing_there(name,
     empty(lim)
     a, b = lim._live()
     # a's region of the group's one segment, read through the filesystem once a is closed
-    a_file, (a_off, _) = a.seg.name, L.group_geometry(a.slots, mmap.ALLOCATIONGRANULARITY)
+    a_file, (a_off, _) = (
+        a.seg.name,
+        L.group_geometry(L.segment_size(a.slots), mmap.ALLOCATIONGRANULARITY),
+    )
     at_claim, go_a, stepped, b_closed = (threading.Event() for _ in range(4))
     outcome = []
     real_claim = multirate_module.claim

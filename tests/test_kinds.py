@@ -78,22 +78,7 @@ def listed(name: str) -> list:
     return [e["name"] for e in json.loads(r.stdout) if e["name"].startswith(name)]
 
 
-@pytest.mark.parametrize(
-    "kind",
-    [
-        k
-        if k != "keyed with several rates"
-        else pytest.param(
-            k,
-            marks=pytest.mark.xfail(
-                strict=True,
-                reason="a keyed limiter of several rates is still one keyed segment per rate "
-                "(NAME.KEY): it has no segment of its own name to attach to",
-            ),
-        )
-        for k in KINDS
-    ],
-)
+@pytest.mark.parametrize("kind", list(KINDS))
 def test_every_kind_is_attached_by_its_name_elsewhere_and_listed_once(name, kind):
     lim = KINDS[kind](name)
     try:

@@ -282,28 +282,21 @@ def cmd_create(args: argparse.Namespace) -> int:
     mode = int(args.mode, 8)
     kind = KeyedLimiter if args.keys is not None else Limiter
     extra = {} if args.keys is None else {"keys": args.keys}
-    if (
-        args.rates is not None
-    ):  # several rates: a group (one segment), or one keyed segment per rate
+    if args.rates is not None:  # several rates: one segment, its rates NAME[KEY]
         if args.per != 1.0 or args.burst is not None:
             raise UserError(
                 "--per and --burst go with --rate; with --rates each item carries its window "
                 "and its burst: 'requests=500/min; tokens=200K/min burst=20K'"
             )
         keys = parse_rates(args.name, args.rates)[0]
-        if kind is KeyedLimiter:  # one keyed segment per rate: NAME.KEY
-            labels = {k: f"{args.name}.{k}" for k in keys}
-            before = {k: _before(labels[k]) for k in keys}
-        else:  # one segment, its rates NAME[KEY]
-            labels = {k: f"{args.name}[{k}]" for k in keys}
-            group = _before(args.name)
-            rates = group.rates if isinstance(group, MultiStats) else {}
-            before = {k: rates.get(k) for k in keys}
+        group = _before(args.name)
+        rates = group.rates if isinstance(group, MultiStats) else {}
+        before = {k: rates.get(k) for k in keys}
         multi = kind(args.name, rates=args.rates, mode=mode, trusted_uids=args.trust_uid, **extra)
         try:
-            now = None if kind is KeyedLimiter else inspect(args.name).rates
+            now = inspect(args.name).rates
             for k in keys:
-                print(_created(labels[k], before[k], None if now is None else now[k]))
+                print(_created(f"{args.name}[{k}]", before[k], now[k]))
         finally:
             multi.close()
         return 0

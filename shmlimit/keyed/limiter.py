@@ -21,7 +21,7 @@ import os
 import threading
 import time
 import weakref
-from typing import Any, Dict, Optional, Tuple
+from typing import Any, Callable, Dict, Optional, Tuple
 
 from shmlimit.config import carried_per, validate_reconfigure, validate_timeout
 from shmlimit.errors import ConfigMismatchError, KeyTableFullError, SegmentError
@@ -35,7 +35,7 @@ from shmlimit.keyed.gcra import (
     publish_default,
     read_default,
 )
-from shmlimit.keyed.segment import Geometry, check_geometry, open_segment
+from shmlimit.keyed.segment import Geometry, check_geometry, open_segment, validate_header
 from shmlimit.keyed.stats import (
     KeyedProcess,
     KeyedStats,
@@ -178,9 +178,9 @@ class _Attachment:
         """This process uses the limiter: register it if it is not yet (a forked child's first use)."""
         with self._use_lock:
             if not self.joined and not self.closed and self.pid == os.getpid():
-                if not gone(self.name, self.seg.inode, self.cells):
+                if not gone(self.seg.name, self.seg.inode, self.cells):
                     self.join()  # registered, then STATE: see claim_and_unlink
-                    if not gone(self.name, self.seg.inode, self.cells):
+                    if not gone(self.seg.name, self.seg.inode, self.cells):
                         return
                     if self.slot is not None:
                         self.table.unregister(self.slot, self.pid)
@@ -243,10 +243,25 @@ def _open(
     trusted: frozenset,
     reconfigure: bool = False,
     flags: Optional[int] = None,
+    opener: Optional[Callable[[], Tuple[Segment, Cells]]] = None,
 ) -> _Attachment:
+    """This process's attachment to the keyed segment ``name``, with one more handle counted.
+
+    With ``opener`` (a rate's region of a group: ``group.region_opener``), ``name`` only labels
+    the table, and the region is validated as a keyed segment's header is."""
+
     def make() -> _Attachment:
         for _ in range(16):
-            seg, cells, real = open_segment(name, geo, rate, mode, trusted)
+            if opener is None:
+                seg, cells, real = open_segment(name, geo, rate, mode, trusted)
+            else:
+                seg, cells = opener()
+                try:
+                    real = validate_header(name, cells, seg.size)
+                except BaseException:
+                    cells.close()
+                    seg.close()
+                    raise
             if real.kind != K.KIND_GCRA:
                 cells.close()
                 seg.close()
@@ -262,7 +277,8 @@ def _open(
                         att, rate, geo, reconfigure
                     )  # before registering, as attachment.adopt_config
                 att.join()
-                if gone(name, seg.inode, cells):  # registered, then STATE: see claim_and_unlink
+                # registered, then STATE (see claim_and_unlink); a region's name is its group's
+                if gone(seg.name, seg.inode, cells):
                     att.detach()
                     continue  # a collector took it while we registered: open the name again
                 _check(name, att, rate, geo)
@@ -386,7 +402,7 @@ class KeyedLimiter(RatesSwitch, Keyed):
         args: Tuple[Any, ...],
         kwargs: Dict[str, Any],
     ) -> Any:
-        """``KeyedLimiter(name, rates=...)``: several rates per key (keyed_multi.py), one segment per rate."""
+        """``KeyedLimiter(name, rates=...)``: several rates per key (``keyed.multi``), one segment."""
         from shmlimit.keyed.multi import MultiKeyedLimiter
 
         return MultiKeyedLimiter(
@@ -434,15 +450,35 @@ class KeyedLimiter(RatesSwitch, Keyed):
             if when_full is None and store_keys is None
             else KC.table_flags(when_full or "evict", False if store_keys is None else store_keys)
         )
-        self._name = name
-        self._att: Optional[_Attachment] = None
         trusted = validate_trusted_uids(trusted_uids)
-        self._att = att = _open(
-            name, r, geo if r is not None else None, mode, trusted, reconfigure, flags
+        self._attach(
+            name, _open(name, r, geo if r is not None else None, mode, trusted, reconfigure, flags)
         )
+
+    def _attach(self, name: str, att: _Attachment) -> None:
+        self._name = name
+        self._att = att
         att.handles.add(self)
         if att.joined:
             self._bind_fast(att)
+
+    @classmethod
+    def _region(
+        cls,
+        label: str,
+        rate: Optional[Rate],
+        geo: Optional[Geometry],
+        mode: int,
+        trusted: frozenset,
+        reconfigure: bool,
+        opener: Callable[[], Tuple[Segment, Cells]],
+    ) -> "KeyedLimiter":
+        """A handle on one rate's table of a keyed limiter of several rates (``keyed.multi``):
+        its region of the group, opened by ``opener``, labelled ``label`` (``name[key]``)."""
+        self = super().__new__(cls)
+        self._att = None
+        self._attach(label, _open(label, rate, geo, mode, trusted, reconfigure, None, opener))
+        return self
 
     def _bind_fast(self, att: _Attachment) -> None:
         # The hot path without a Python frame: the native composite's own try_acquire, bound to

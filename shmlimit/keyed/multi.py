@@ -1,11 +1,12 @@
 """Several rates per key: ``KeyedLimiter(name, rates=[...])`` and ``KeyedLimiter(name, rates={...})``.
 
-A keyed limiter of several rates is a group of ordinary keyed limiters, one
-segment per rate, named ``<name>.<rate key>`` (``api.0``, ``llm.tokens``), as
-``multirate`` groups ``Limiter`` segments.  Each keeps its own GCRA word per
-key, so each holds every key to its rate (``rate*T/per + burst`` in any window
-of T seconds), across every process, and every tool shows each as a keyed
-limiter of its own.  This module only takes them together:
+A keyed limiter of several rates is one segment under its one name (``group``):
+a header naming the rates, then one region per rate, each an ordinary keyed
+table (its own GCRA word per key, its own process table), as ``multirate``
+holds a ``Limiter`` per rate.  Each region holds every key to its rate
+(``rate*T/per + burst`` in any window of T seconds), across every process.
+``shmlimit.attach(name)`` returns it, and every tool shows it as one entry (its
+rates labelled ``name[key]``).  This module only takes the rates together:
 
 * **All or nothing, now.**  A try first *peeks* at every rate (what a take
   would wait, taking and inserting nothing) and takes nothing unless every
@@ -30,16 +31,28 @@ from __future__ import annotations
 import asyncio
 import math
 import time
-from typing import Any, Callable, Dict, Iterable, List, Optional, Tuple, Union
+from typing import Any, Callable, Iterable, List, Optional, Tuple, Union
 
-from shmlimit.config import validate_timeout
-from shmlimit.errors import KeyTableFullError, UnsupportedError
+from shmlimit.config import validate_reconfigure, validate_timeout
+from shmlimit.errors import KeyTableFullError, SegmentError, UnsupportedError
+from shmlimit.group import (
+    Collected,
+    GroupCreation,
+    copy_regions,
+    open_group,
+    region_opener,
+    region_ready,
+)
 from shmlimit.keyed import cells as KC
 from shmlimit.keyed import layout as K
-from shmlimit.keyed.gcra import TICKS_PER_S
+from shmlimit.keyed.gcra import TICKS_PER_S, make_rate
+from shmlimit.keyed.segment import check_geometry, validate_header
+from shmlimit.keyed.stats import snapshot_of
 from shmlimit.protocol import Keyed
-from shmlimit.rate_group import RateGroup, parse_rates, rates_from_text
-from shmlimit.shm.segment import validate_name
+from shmlimit.rate_group import MultiStats, RateGroup, parse_rates, rates_from_text
+from shmlimit.shm import layout as L
+from shmlimit.shm.cells import open_cells
+from shmlimit.shm.segment import validate_mode, validate_name, validate_trusted_uids
 
 #: A take of the fast path: (the rate's table, what ``take`` answered, ops).
 _Taken = Tuple[Any, Tuple[int, int, int, int, int], int]
@@ -53,7 +66,8 @@ class MultiKeyedLimiter(RateGroup, Keyed):
     each call says its cost per rate by keyword (``acquire(key, requests=1,
     tokens=500)``; rates not named cost nothing).  ``keys``, ``overrides``,
     ``mode``, ``trusted_uids`` and ``reconfigure`` apply to every rate's
-    segment.  ``clock`` (CLOCK_MONOTONIC nanoseconds) is for tests.
+    table.  ``rates=None`` attaches to the limiter by its name, its rates as
+    it holds them.  ``clock`` (CLOCK_MONOTONIC nanoseconds) is for tests.
     ``keyed`` is the class of each rate's limiter (``KeyedLimiter``: given
     by it, so that this module never imports it back).
     """
@@ -74,35 +88,74 @@ class MultiKeyedLimiter(RateGroup, Keyed):
         clock: Optional[Callable[[], int]] = None,
     ) -> None:
         validate_name(name)
-        if isinstance(rates, str):
-            rates = rates_from_text(rates)
-        rkeys, _, named = parse_rates(name, rates)  # names and values checked as a Limiter's rates=
-        values = list(rates.values()) if named else list(rates)  # type: ignore[union-attr, call-overload]
+        validate_mode(mode)
+        trusted = validate_trusted_uids(trusted_uids)
         self._name = name
-        self._keys = rkeys
-        self._named = named
+        self._keys: Tuple[str, ...] = ()
+        self._named = False
         self._clock = clock
         self._keyed = keyed
-        self._lims: List[Any] = []  # each rate's KeyedLimiter
-        try:
-            for k, v in zip(rkeys, values):
+        self._lims: List[Any] = []  # each rate's KeyedLimiter, on its region of the group
+        create: Optional[GroupCreation] = None
+        validate_reconfigure(reconfigure, rates is not None, "the rates to apply")
+        if rates is not None:  # None: attach by name, the rates as the limiter holds them
+            if isinstance(rates, str):
+                rates = rates_from_text(rates)
+            rkeys, _, named = parse_rates(name, rates)  # names and values checked as a Limiter's
+            values = list(rates.values()) if named else list(rates)  # type: ignore[union-attr, call-overload]
+            geo = check_geometry(
+                keys,
+                K.default_overrides(keys)
+                if overrides is None and isinstance(keys, int)
+                else overrides,
+            )
+            made = []
+            for v in values:
                 rate, burst = v if isinstance(v, tuple) else (v, None)
-                self._lims.append(
-                    keyed(
-                        f"{name}.{k}",
-                        rate,
-                        1.0,
-                        burst,
-                        keys,
-                        overrides=overrides,
-                        mode=mode,
-                        trusted_uids=trusted_uids,
-                        reconfigure=reconfigure,
+                made.append(make_rate(rate, 1.0, burst))
+            create = GroupCreation(
+                tuple(made),
+                rkeys,
+                named,
+                mode,
+                K.PSLOTS,
+                L.REGIONS_KEYED,
+                (geo.keys, geo.overrides),
+            )
+        self._open(create, mode, trusted, reconfigure)
+
+    def _open(
+        self, create: Optional[GroupCreation], mode: int, trusted: frozenset, reconfigure: bool
+    ) -> None:
+        """Create the group or open it, then attach to every rate's table (again, if a collector
+        took it meanwhile: ``Collected``)."""
+        name = self._name
+        for _ in range(16):
+            seg, geo = open_group(name, create, mode, trusted, time.monotonic_ns, L.REGIONS_KEYED)
+            try:
+                self._keys, self._named = geo.keys, geo.named
+                table = check_geometry(*geo.table)
+                for i, key in enumerate(geo.keys):
+                    self._lims.append(
+                        self._keyed._region(
+                            f"{name}[{key}]",
+                            None if create is None else create.rates[i],
+                            None if create is None else table,
+                            mode,
+                            trusted,
+                            reconfigure,
+                            region_opener(seg, geo, i),
+                        )
                     )
-                )
-        except BaseException:
-            self.close()
-            raise
+                return
+            except Collected:
+                self.close()
+            except BaseException:
+                self.close()
+                raise
+            finally:
+                seg.close()
+        raise SegmentError(f"could not open keyed limiter {name!r}: it kept being collected")
 
     # -- identity and lifecycle ----------------------------------------------------------
 
@@ -116,13 +169,13 @@ class MultiKeyedLimiter(RateGroup, Keyed):
         return self._lims
 
     def close(self) -> None:
-        """Detach this handle from every rate.  The segments stay (use ``unlink``)."""
+        """Detach this handle from every rate.  The segment stays (use ``unlink``)."""
         lims, self._lims = self._lims, []
         for lim in lims:
             lim.close()
 
     def __reduce__(self):
-        return (_unpickle, (self._keyed, self._name, self._keys, self._named))
+        return (_unpickle, (self._keyed, self._name))
 
     def _now(self) -> int:
         """Now in the tables' ticks."""
@@ -268,9 +321,9 @@ class MultiKeyedLimiter(RateGroup, Keyed):
         (see ``KeyedLimiter.set_rate``); every attached process, at once."""
         self._live()[self._index(which)].set_rate(rate, per, burst, key=key)
 
-    def stats(self) -> Dict[str, Any]:
+    def stats(self) -> MultiStats:
         """Every rate's ``KeyedStats``, by its key (reads only)."""
-        return {k: lim.stats() for k, lim in zip(self._keys, self._live())}
+        return MultiStats(self._name, {k: lim.stats() for k, lim in zip(self._keys, self._live())})
 
     def __repr__(self) -> str:
         if not self._lims:
@@ -282,21 +335,26 @@ class MultiKeyedLimiter(RateGroup, Keyed):
         return f"<shmlimit.KeyedLimiter {self._name!r} {parts} per key backend={self._lims[0].backend}>"
 
 
-def _unpickle(keyed: Any, name: str, keys: Tuple[str, ...], named: bool) -> MultiKeyedLimiter:
-    """A pickled handle: attached to every rate's segment as it is (as ``KeyedLimiter``'s is)."""
-    self = MultiKeyedLimiter.__new__(MultiKeyedLimiter)
-    self._keyed, self._name, self._keys, self._named, self._clock = (
-        keyed,
-        name,
-        tuple(keys),
-        named,
-        None,
-    )
-    self._lims = []
-    try:
-        for k in keys:
-            self._lims.append(keyed(f"{name}.{k}"))
-    except BaseException:
-        self.close()
-        raise
-    return self
+def _unpickle(keyed: Any, name: str) -> MultiKeyedLimiter:
+    """A pickled handle: attached by name, the rates as the limiter holds them (as
+    ``KeyedLimiter``'s is)."""
+    return MultiKeyedLimiter(keyed, name, None)
+
+
+def inspect_keyed_group(name: str) -> MultiStats:
+    """A snapshot of every rate of the keyed group ``name``, read without joining it: a private
+    copy of each table's header and process table (nothing mapped, nothing written)."""
+    geo, regions = copy_regions(name, L.REGIONS_KEYED, K.overrides_offset())
+    out = {}
+    for key, seg in zip(geo.keys, regions):
+        label = f"{name}[{key}]"
+        c = open_cells(seg.mm, seg.size)
+        try:
+            if seg.size < K.overrides_offset() or region_ready(label, seg, geo.regions) != 0:
+                raise SegmentError(f"segment {name!r} is being removed, or corrupt: rate {key!r}")
+            out[key] = snapshot_of(
+                label, c, validate_header(label, c, geo.region_bytes), geo.region_bytes
+            )
+        finally:
+            c.close()
+    return MultiStats(name, out)

@@ -92,7 +92,8 @@ def _check_space(name: str, size: int) -> None:
         )
 
 
-def _initialise(seg: Segment, geo: Geometry, rate: Optional[Rate]) -> Cells:
+def initialise(seg: Segment, geo: Geometry, rate: Optional[Rate]) -> Cells:
+    """Write a new keyed header (the rate's banks, the geometry, the hash's secret); READY last."""
     c = start_header(seg, K.VERSION, K.PSLOTS)
     c.store(K.KIND_OFF, geo.kind)
     if rate is not None:  # a table of window counters has no rate: its config line stays zero
@@ -207,9 +208,10 @@ def _wait_ready(name: str, seg: Segment, mode: int, trusted_uids: AbstractSet[in
                 )
             finally:
                 c.close()
-            if magic == L.MAGIC:
+            if magic in (L.MAGIC, L.GROUP_MAGIC):
+                what = "a Limiter" if magic == L.MAGIC else "a limiter of several rates"
                 raise SegmentError(
-                    f"segment {name!r} is a Limiter, not a KeyedLimiter: use shmlimit.Limiter or attach"
+                    f"segment {name!r} is {what}, not a KeyedLimiter of one rate: use shmlimit.attach"
                 )
             if magic not in (0, K.MAGIC):
                 raise SegmentError(
@@ -266,7 +268,7 @@ def open_segment(
                 name, geo.size, mode
             )  # allocates every page: ENOSPC is an error now
             if seg is not None:
-                return seg, _initialise(seg, geo, rate), geo
+                return seg, initialise(seg, geo, rate), geo
         try:
             seg = _wait_ready(name, _open_checked(name, mode, trusted_uids), mode, trusted_uids)
         except LimiterNotFoundError:

@@ -332,35 +332,46 @@ def bank_mask(gen: int, i: int) -> int:
     return config_sum(gen, (i,))
 
 
-# ---- a limiter of several rates: one segment, a header, then one whole limiter layout per rate
+# ---- a limiter of several rates (plain or keyed): one segment, a header, then one whole layout
+#      per rate
 #
 #     offset 0        line 0 as every kind's (MAGIC = GROUP_MAGIC, VERSION = GROUP_VERSION, SIZE,
 #                     STATE, SLOTS, CREATOR_PID, CREATED_NS), then GROUP_COUNT GROUP_NAMED
-#                     GROUP_FIRST GROUP_STRIDE, then the rates' keys (ASCII, NUL-separated)
+#                     GROUP_FIRST GROUP_STRIDE GROUP_REGIONS GROUP_TABLE_KEYS GROUP_TABLE_OVR,
+#                     then the rates' keys (ASCII, NUL-separated)
 #     GROUP_FIRST + i * GROUP_STRIDE
-#                     rate i: a limiter's layout (line 0 with MAGIC, its own STATE, table, fences)
+#                     rate i: a limiter's layout (line 0 with MAGIC, its own STATE, table, fences),
+#                     or a keyed table's (GROUP_REGIONS = REGIONS_KEYED: line 0 with the keyed
+#                     MAGIC, GROUP_TABLE_KEYS key slots, GROUP_TABLE_OVR override slots; SLOTS is
+#                     then the keyed layout's process slots)
 #
 # Each rate's region starts on an mmap boundary, so that a process maps it alone and every
 # module below the limiters reads it as it reads a limiter's own segment.  The group's STATE says
 # whether the regions are ready (READY is stored after every region's); each region's own STATE
-# is the one a collector claims (``attachment.collect``), as for a single rate.
+# is the one a collector claims (``group.collect``), as for a single rate.
 GROUP_MAGIC = int.from_bytes(b"SHMLRATE", "little")
-GROUP_VERSION = 1
+GROUP_VERSION = 2  # 2: GROUP_REGIONS (a version 1 reader would take keyed regions for limiters)
 GROUP_COUNT = 64
 GROUP_NAMED = 72
 GROUP_FIRST = 80
 GROUP_STRIDE = 88
+GROUP_REGIONS = 96
+GROUP_TABLE_KEYS = 104
+GROUP_TABLE_OVR = 112
+#: GROUP_REGIONS: every region is a limiter's layout, or every region is a keyed table's.
+REGIONS_LIMITER = 0
+REGIONS_KEYED = 1
 GROUP_KEYS = 2 * LINE
 #: The keys' bytes: every rate's key and a NUL after it.
 GROUP_KEYS_BYTES = 14 * LINE
 GROUP_HEADER_BYTES = GROUP_KEYS + GROUP_KEYS_BYTES
 
 
-def group_geometry(slots: int, granularity: int) -> tuple:
+def group_geometry(region_bytes: int, granularity: int) -> tuple:
     """(first, stride): where a group's first region starts and the distance between regions, in
-    bytes, for a table of ``slots`` on a machine whose mappings start on ``granularity``."""
+    bytes, for regions of ``region_bytes`` on a machine whose mappings start on ``granularity``."""
     first = -(-GROUP_HEADER_BYTES // granularity) * granularity
-    stride = -(-segment_size(slots) // granularity) * granularity
+    stride = -(-region_bytes // granularity) * granularity
     return first, stride
 
 
