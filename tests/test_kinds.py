@@ -14,9 +14,13 @@ from support.segments import shm_path
 import shmlimit
 from shmlimit.attachment import collect
 from shmlimit.errors import SegmentError
+from shmlimit.keyed import layout as K
+from shmlimit.keyed.multi import MultiKeyedLimiter
+from shmlimit.keyed.stats import KeyedStats
 from shmlimit.kinds import inspect
-from shmlimit.multirate import MultiLimiter, MultiStats
+from shmlimit.multirate import MultiStats
 from shmlimit.shm import layout as L
+from shmlimit.stats import Stats
 
 KINDS = {
     "one rate": lambda n: shmlimit.Limiter(n, rate=50),
@@ -91,9 +95,18 @@ def test_every_kind_is_attached_by_its_name_elsewhere_and_listed_once(name, kind
         lim.close()
 
 
-def test_a_group_of_rates_is_collected_whole_when_idle_and_kept_while_used(name):
-    lim = shmlimit.Limiter(name, rates={"a": "10/s", "b": "1/s"})
-    lim.try_acquire()
+#: A group of two rates "a" and "b", of each layout; what a call passes to take from every rate.
+GROUPS = {
+    "plain": lambda n: shmlimit.Limiter(n, rates={"a": ("10/s", 5), "b": "1/s"}),
+    "keyed": lambda n: shmlimit.KeyedLimiter(n, rates={"a": ("10/s", 5), "b": "1/s"}, keys=64),
+}
+GROUP_ARGS = {"plain": [], "keyed": ["client-1"]}
+
+
+@pytest.mark.parametrize("kind", list(GROUPS))
+def test_a_group_of_rates_is_collected_whole_when_idle_and_kept_while_used(name, kind):
+    lim = GROUPS[kind](name)
+    assert lim.try_acquire(*GROUP_ARGS[kind], a=1)
     assert not collect(name)  # this process is registered in its rates: in use
     assert name in shmlimit.list_names()
     lim.close()
@@ -101,12 +114,52 @@ def test_a_group_of_rates_is_collected_whole_when_idle_and_kept_while_used(name)
     assert name not in shmlimit.list_names()
 
 
-def test_a_group_is_inspected_as_one_limiter_of_its_rates(name):
-    lim = shmlimit.Limiter(name, rates={"a": ("10/s", 5), "b": "1/s"})
+HOLDS = textwrap.dedent(
+    """
+    import sys
+    import shmlimit
+
+    lim = shmlimit.attach(sys.argv[1])
+    lim.try_acquire(*sys.argv[2:], a=1)  # a use: registered in every rate
+    print("ready", flush=True)
+    sys.stdin.read()  # held until the parent closes the pipe
+    """
+)
+
+
+@pytest.mark.parametrize("kind", list(GROUPS))
+def test_a_group_used_by_another_process_is_kept_then_collected_once_it_exits(name, kind):
+    GROUPS[kind](name).close()
+    p = subprocess.Popen(
+        [sys.executable, "-c", HOLDS, name, *GROUP_ARGS[kind]],
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        text=True,
+    )
     try:
-        assert lim.try_acquire(a=3, b=1)
+        assert p.stdout.readline() == "ready\n"
+        assert not collect(name)  # the other process is registered in its rates
+        assert isinstance(inspect(name), MultiStats)  # every region given back whole
+        mine = shmlimit.attach(name)
+        assert mine.try_acquire(*GROUP_ARGS[kind], b=1)
+        mine.close()
+    finally:
+        p.stdin.close()
+        assert p.wait(timeout=60) == 0
+    assert collect(name)  # its holder is dead, and this process's handle closed
+    assert name not in shmlimit.list_names()
+
+
+@pytest.mark.parametrize("kind", list(GROUPS))
+def test_a_group_is_inspected_as_one_limiter_of_its_rates(name, kind):
+    lim = GROUPS[kind](name)
+    try:
+        assert lim.try_acquire(*GROUP_ARGS[kind], a=3, b=1)
         s = inspect(name)
         assert isinstance(s, MultiStats) and list(s.rates) == ["a", "b"]
+        each = KeyedStats if kind == "keyed" else Stats
+        assert all(isinstance(r, each) for r in s.rates.values())
+        assert [r.name for r in s.rates.values()] == [f"{name}[a]", f"{name}[b]"]
         assert s.grants == {"a": 3, "b": 1} and s.rates["a"].capacity == 5
         assert [p.pid for p in s.processes] == [os.getpid()]
     finally:
@@ -123,6 +176,32 @@ def test_different_rates_under_a_group_name_are_refused(name):
             shmlimit.Limiter(name, rates=["10/s", "1/s"])
         with pytest.raises(SegmentError, match="several rates"):
             shmlimit.Limiter(name, rate=10)
+        with pytest.raises(SegmentError, match="not a keyed limiter of several rates"):
+            shmlimit.KeyedLimiter(name, rates={"a": "10/s", "b": "1/s"})
+    finally:
+        lim.unlink()
+        lim.close()
+
+
+def test_a_keyed_group_is_refused_to_other_kinds_and_other_tables(name):
+    lim = shmlimit.KeyedLimiter(name, rates={"a": "10/s", "b": "1/s"}, keys=64)
+    try:
+        assert isinstance(shmlimit.attach(name), MultiKeyedLimiter)
+        with pytest.raises(
+            SegmentError, match="is a keyed limiter of several rates, not a limiter"
+        ):
+            shmlimit.Limiter(name, rates={"a": "10/s", "b": "1/s"})
+        with pytest.raises(SegmentError, match="several rates, not a KeyedLimiter of one rate"):
+            shmlimit.KeyedLimiter(name, rate=10)
+        with pytest.raises(shmlimit.ConfigMismatchError, match="rates"):
+            shmlimit.KeyedLimiter(name, rates=["10/s", "1/s"], keys=64)
+        with pytest.raises(shmlimit.ConfigMismatchError, match="keys=64"):
+            shmlimit.KeyedLimiter(name, rates={"a": "10/s", "b": "1/s"}, keys=128)
+        same = shmlimit.KeyedLimiter(name, rates={"a": "10/s", "b": "1/s"}, keys=64)
+        assert (
+            same.keys == ("a", "b") and same._lims[0]._att is lim._lims[0]._att
+        )  # one per process
+        same.close()
     finally:
         lim.unlink()
         lim.close()
@@ -146,9 +225,9 @@ def _forge(name: str, offset: int, value: bytes) -> None:
         (L.VERSION_OFF, struct.pack("<Q", 99), "version"),
     ],
 )
-def test_a_forged_group_header_is_refused_by_every_reader(name, offset, value, match):
-    lim = shmlimit.Limiter(name, rates={"a": "10/s", "b": "1/s"})
-    lim.close()
+@pytest.mark.parametrize("kind", list(GROUPS))
+def test_a_forged_group_header_is_refused_by_every_reader(name, kind, offset, value, match):
+    GROUPS[kind](name).close()
     try:
         _forge(name, offset, value)
         with pytest.raises(SegmentError, match=match):
@@ -165,14 +244,84 @@ def test_a_forged_group_header_is_refused_by_every_reader(name, offset, value, m
             pass
 
 
-def test_a_truncated_group_is_refused(name):
-    lim = shmlimit.Limiter(name, rates={"a": "10/s", "b": "1/s"})
-    lim.close()
+@pytest.mark.parametrize("kind", list(GROUPS))
+def test_a_truncated_group_is_refused(name, kind):
+    GROUPS[kind](name).close()
     try:
         os.truncate(shm_path(name), L.GROUP_HEADER_BYTES + 64)
         with pytest.raises(SegmentError, match="truncated"):
-            MultiLimiter(name, None)
+            shmlimit.attach(name)
         with pytest.raises(SegmentError):
             inspect(name)
     finally:
         shmlimit.unlink(name)
+
+
+def _region_offset(name: str, index: int) -> int:
+    with open(shm_path(name), "rb") as f:
+        head = f.read(L.GROUP_HEADER_BYTES)
+    first, stride = (struct.unpack_from("<Q", head, o)[0] for o in (L.GROUP_FIRST, L.GROUP_STRIDE))
+    return first + index * stride
+
+
+@pytest.mark.parametrize(
+    "offset, value, match",
+    [
+        (L.GROUP_REGIONS, struct.pack("<Q", 7), "corrupt"),  # a layout no reader knows
+        (L.GROUP_REGIONS, struct.pack("<Q", L.REGIONS_LIMITER), "corrupt"),  # limiters' sizes
+        (L.GROUP_TABLE_KEYS, struct.pack("<Q", 0), "corrupt"),
+        (L.GROUP_TABLE_KEYS, struct.pack("<Q", 1 << 40), "corrupt"),
+        (L.GROUP_TABLE_KEYS, struct.pack("<Q", 128), "corrupt"),  # more than its regions hold
+        (L.GROUP_TABLE_OVR, struct.pack("<Q", 1 << 40), "corrupt"),
+        (L.SLOTS_OFF, struct.pack("<Q", 5), "corrupt"),  # a keyed table's process slots are fixed
+    ],
+)
+def test_a_forged_keyed_group_header_is_refused_by_every_reader(name, offset, value, match):
+    GROUPS["keyed"](name).close()
+    try:
+        _forge(name, offset, value)
+        with pytest.raises(SegmentError, match=match):
+            shmlimit.attach(name)
+        with pytest.raises(SegmentError, match=match):
+            inspect(name)
+        assert listed(name) == [name]  # shown as unreadable, never fatal
+        with pytest.raises(SegmentError, match=match):
+            collect(name)
+    finally:
+        shmlimit.unlink(name)
+
+
+@pytest.mark.parametrize(
+    "offset, value, match",
+    [
+        (K.NKEYS_OFF, struct.pack("<Q", 65), "corrupt"),  # another table than the group says
+        (K.VERSION_OFF, struct.pack("<Q", 99), "version"),
+        (K.MAGIC_OFF, struct.pack("<Q", L.MAGIC), "not ready|corrupt"),  # a limiter's region
+        (K.STATE_OFF, struct.pack("<Q", 9), "not ready|corrupt"),
+    ],
+)
+def test_a_forged_keyed_region_is_refused(name, offset, value, match):
+    GROUPS["keyed"](name).close()
+    try:
+        _forge(name, _region_offset(name, 1) + offset, value)
+        with pytest.raises(SegmentError, match=match):
+            shmlimit.attach(name)
+        with pytest.raises(SegmentError, match=match):
+            inspect(name)
+        assert listed(name) == [name]
+    finally:
+        shmlimit.unlink(name)
+
+
+def test_a_keyed_group_pickles_to_a_handle_on_the_same_tables(name):
+    import pickle
+
+    lim = GROUPS["keyed"](name)
+    try:
+        copy = pickle.loads(pickle.dumps(lim))
+        assert isinstance(copy, MultiKeyedLimiter) and copy.keys == ("a", "b")
+        assert copy.try_acquire("k", a=5) and not lim.try_acquire("k", a=1)  # one table
+        copy.close()
+    finally:
+        lim.unlink()
+        lim.close()

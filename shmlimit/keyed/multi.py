@@ -134,13 +134,14 @@ class MultiKeyedLimiter(RateGroup, Keyed):
             seg, geo = open_group(name, create, mode, trusted, time.monotonic_ns, L.REGIONS_KEYED)
             try:
                 self._keys, self._named = geo.keys, geo.named
-                table = check_geometry(*geo.table)
+                # the table asked for: another than the group's is each rate's ConfigMismatchError
+                table = None if create is None else check_geometry(*create.table)
                 for i, key in enumerate(geo.keys):
                     self._lims.append(
                         self._keyed._region(
                             f"{name}[{key}]",
                             None if create is None else create.rates[i],
-                            None if create is None else table,
+                            table,
                             mode,
                             trusted,
                             reconfigure,
