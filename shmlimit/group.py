@@ -283,7 +283,7 @@ def open_group(
     return seg, geo
 
 
-def region_ready(label: str, region: Segment, regions: int) -> int:
+def _region_ready(label: str, region: Segment, regions: int) -> int:
     """0 if the region (mapped or copied) is ready, ``DOOMED`` if a collector claimed it, else
     nonzero: its group was READY, so every region was, and only a forger leaves one otherwise.
     A keyed region's header is validated by its reader (``keyed.segment.validate_header``)."""
@@ -306,7 +306,7 @@ def region_opener(group: Segment, geo: Geometry, index: int) -> Callable[[], Tup
     def open_region() -> Tuple[Segment, Cells]:
         region = map_region(group, geo, index)
         try:
-            verdict = region_ready(f"{group.name}[{geo.keys[index]}]", region, geo.regions)
+            verdict = _region_ready(f"{group.name}[{geo.keys[index]}]", region, geo.regions)
         except BaseException:
             region.close()
             raise
@@ -386,12 +386,9 @@ def is_group(name: str) -> bool:
         return False
 
 
-def copy_regions(
-    name: str, regions: int, length: Optional[int] = None
-) -> Tuple[Geometry, List[Segment]]:
-    """A private copy of every region of a ready group of ``regions`` layout (each region's first
-    ``length`` bytes; None: whole), read with ``pread`` (nothing mapped), for the tools that only
-    look."""
+def copy_geometry(name: str, regions: int) -> Geometry:
+    """The geometry of a ready group of ``regions`` layout, from a private copy of its header read
+    with ``pread`` (nothing mapped), judged against the file's whole size."""
     head, st = pread_file(name, 0, L.GROUP_HEADER_BYTES, None)
     # the header's copy, judged against the file's whole size (the regions are read below)
     seg = Segment(name, bytearray(head.ljust(L.GROUP_HEADER_BYTES, b"\0")), st.st_size, False, 0)
@@ -407,10 +404,16 @@ def copy_regions(
         c.close()
     if geo.regions != regions:
         raise SegmentError(f"segment {name!r} is {_REGIONS[geo.regions]}, not {_REGIONS[regions]}")
+    return geo
+
+
+def copy_regions(name: str, regions: int) -> Tuple[Geometry, List[Segment]]:
+    """A private copy of every region of a ready group of ``regions`` layout, read with ``pread``
+    (nothing mapped), for the tools that only look."""
+    geo = copy_geometry(name, regions)
     out = []
     for i in range(len(geo.keys)):
-        want = geo.region_bytes if length is None else min(length, geo.region_bytes)
-        data, st = pread_file(name, geo.offset(i), want, None)
+        data, st = pread_file(name, geo.offset(i), geo.region_bytes, None)
         size = len(data) & ~7
         buf = bytearray(max(size, 8))
         buf[:size] = data[:size]

@@ -14,7 +14,8 @@ from typing import Iterable, Union
 from shmlimit.group import peek_magic, peek_regions
 from shmlimit.keyed import layout as K
 from shmlimit.keyed.limiter import KeyedLimiter, KeyedStats, inspect_keyed
-from shmlimit.keyed.multi import MultiKeyedLimiter, inspect_keyed_group
+from shmlimit.keyed.multi import MultiKeyedLimiter
+from shmlimit.keyed.stats import inspect_keyed_group
 from shmlimit.limiter import Limiter
 from shmlimit.limiter import attach as attach_limiter
 from shmlimit.multirate import MultiLimiter, MultiStats, inspect_group

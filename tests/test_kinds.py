@@ -296,8 +296,8 @@ def test_a_forged_keyed_group_header_is_refused_by_every_reader(name, offset, va
     [
         (K.NKEYS_OFF, struct.pack("<Q", 65), "corrupt"),  # another table than the group says
         (K.VERSION_OFF, struct.pack("<Q", 99), "version"),
-        (K.MAGIC_OFF, struct.pack("<Q", L.MAGIC), "not ready|corrupt"),  # a limiter's region
-        (K.STATE_OFF, struct.pack("<Q", 9), "not ready|corrupt"),
+        (K.MAGIC_OFF, struct.pack("<Q", L.MAGIC), "ready|corrupt"),  # a limiter's region
+        (K.STATE_OFF, struct.pack("<Q", 9), "ready|corrupt"),
     ],
 )
 def test_a_forged_keyed_region_is_refused(name, offset, value, match):
@@ -322,6 +322,24 @@ def test_a_keyed_group_pickles_to_a_handle_on_the_same_tables(name):
         assert isinstance(copy, MultiKeyedLimiter) and copy.keys == ("a", "b")
         assert copy.try_acquire("k", a=5) and not lim.try_acquire("k", a=1)  # one table
         copy.close()
+    finally:
+        lim.unlink()
+        lim.close()
+
+
+def test_top_shows_each_rate_of_a_keyed_group_with_its_busiest_keys(name):
+    from shmlimit.cli import top
+
+    lim = GROUPS["keyed"](name)
+    try:
+        for _ in range(3):
+            assert lim.try_acquire("client-1", a=1)
+        assert lim.try_acquire("client-2", a=1, b=1)
+        rows = {r["name"]: r for r in top.Inspector([name]).sample()}
+        assert list(rows) == [f"{name}[a]", f"{name}[b]"]
+        # each rate's keys, read from its own region of the group's segment
+        assert sorted(k["grants"] for k in rows[f"{name}[a]"]["busiest"]) == [1, 3]
+        assert [k["grants"] for k in rows[f"{name}[b]"]["busiest"]] == [1]
     finally:
         lim.unlink()
         lim.close()

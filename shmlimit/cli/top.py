@@ -109,7 +109,7 @@ class Inspector:
                 out.append({"name": name, "error": str(e)})
                 continue
             if isinstance(s, MultiStats):  # several rates: a row per rate, NAME[KEY]
-                out.extend(self._record(r.name, r, now, False) for r in s.rates.values())
+                out.extend(self._record(r.name, r, now) for r in s.rates.values())
                 continue
             out.append(self._record(name, s, now))
         return out
@@ -133,14 +133,11 @@ class Inspector:
             asdict(w) for w in sorted(found, key=lambda w: (-w.count, -w.previous, w.key))[:BUSIEST]
         ]
 
-    def _record(self, name: str, s: "Stats | KeyedStats", now: float, keys: bool = True) -> dict:
-        """One row; ``keys``: sample a keyed table's keys (not yet a keyed group's rates, whose
-        tables are regions of the group's segment, not segments of their own)."""
+    def _record(self, name: str, s: "Stats | KeyedStats", now: float) -> dict:
+        """One row (``name`` a rate's label, ``group[key]``, for a rate of a group)."""
         d = asdict(s)
         d["processes"] = [dict(asdict(p), command=command_of(p.pid, p.alive)) for p in s.processes]
-        if isinstance(s, KeyedStats) and not keys:
-            d["windows" if s.kind == "windows" else "busiest"] = []
-        elif isinstance(s, KeyedStats):
+        if isinstance(s, KeyedStats):
             try:
                 if s.kind == "windows":
                     d["windows"] = self._windows(name)

@@ -38,20 +38,16 @@ from shmlimit.errors import KeyTableFullError, SegmentError, UnsupportedError
 from shmlimit.group import (
     Collected,
     GroupCreation,
-    copy_regions,
     open_group,
     region_opener,
-    region_ready,
 )
 from shmlimit.keyed import cells as KC
 from shmlimit.keyed import layout as K
 from shmlimit.keyed.gcra import TICKS_PER_S, make_rate
-from shmlimit.keyed.segment import check_geometry, validate_header
-from shmlimit.keyed.stats import snapshot_of
+from shmlimit.keyed.segment import check_geometry
 from shmlimit.protocol import Keyed
 from shmlimit.rate_group import MultiStats, RateGroup, parse_rates, rates_from_text
 from shmlimit.shm import layout as L
-from shmlimit.shm.cells import open_cells
 from shmlimit.shm.segment import validate_mode, validate_name, validate_trusted_uids
 
 #: A take of the fast path: (the rate's table, what ``take`` answered, ops).
@@ -340,22 +336,3 @@ def _unpickle(keyed: Any, name: str) -> MultiKeyedLimiter:
     """A pickled handle: attached by name, the rates as the limiter holds them (as
     ``KeyedLimiter``'s is)."""
     return MultiKeyedLimiter(keyed, name, None)
-
-
-def inspect_keyed_group(name: str) -> MultiStats:
-    """A snapshot of every rate of the keyed group ``name``, read without joining it: a private
-    copy of each table's header and process table (nothing mapped, nothing written)."""
-    geo, regions = copy_regions(name, L.REGIONS_KEYED, K.overrides_offset())
-    out = {}
-    for key, seg in zip(geo.keys, regions):
-        label = f"{name}[{key}]"
-        c = open_cells(seg.mm, seg.size)
-        try:
-            if seg.size < K.overrides_offset() or region_ready(label, seg, geo.regions) != 0:
-                raise SegmentError(f"segment {name!r} is being removed, or corrupt: rate {key!r}")
-            out[key] = snapshot_of(
-                label, c, validate_header(label, c, geo.region_bytes), geo.region_bytes
-            )
-        finally:
-            c.close()
-    return MultiStats(name, out)

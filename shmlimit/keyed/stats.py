@@ -10,16 +10,20 @@ read here: a ``KeyedLimiter``'s GCRA keys, and the window counters of the
 
 from __future__ import annotations
 
+import re
 import time
 from dataclasses import dataclass
 from typing import List, Optional, Tuple
 
 from shmlimit.errors import SegmentError
+from shmlimit.group import copy_geometry
 from shmlimit.keyed import cells as KC
 from shmlimit.keyed import layout as K
 from shmlimit.keyed.gcra import TICKS_PER_S, peek_default
 from shmlimit.keyed.segment import Geometry, read_copy, validate_header
 from shmlimit.keyed.windows import FLAG, unpack
+from shmlimit.rate_group import MultiStats
+from shmlimit.shm import layout as L
 from shmlimit.shm.cells import Cells, open_cells
 from shmlimit.shm.segment import validate_name
 from shmlimit.shm.table import ProcessTable, is_alive
@@ -104,6 +108,7 @@ def sample_keys(name: str, start: int, count: int) -> Tuple[List[KeySample], int
     Returns them with the next start, so a caller (``shmlimit top``) covers the
     whole table over several refreshes at a bounded cost per refresh.  The
     slots are read with ``pread`` into a private copy: nothing is mapped.
+    ``name`` may be a rate's label (``group[key]``): that rate's table.
     """
     now = time.monotonic_ns() << K.TICK_SHIFT
     out = []
@@ -124,7 +129,8 @@ def _live_slots(name: str, kind: int, start: int, count: int) -> Tuple[List[Tupl
     """``count`` key slots from ``start`` (wrapping), read with ``pread`` into a private copy (nothing
     mapped): the words of each LIVE slot whose value is not evicted, and the next start.  A segment
     of another value kind than ``kind`` is refused with ``SegmentError``."""
-    cells, geo, _ = _header_copy(name)
+    name, at = _where(name)
+    cells, geo, _ = _header_copy(name, at)
     cells.close()
     if geo.kind != kind:
         what = (
@@ -141,7 +147,7 @@ def _live_slots(name: str, kind: int, start: int, count: int) -> Tuple[List[Tupl
     for off, n in ((base + start * K.LINE, first), (base, count - first)):
         if not n:
             continue
-        data, _ = read_copy(name, off, n * K.LINE)
+        data, _ = read_copy(name, at + off, n * K.LINE)
         c = open_cells(data, len(data))  # type: ignore[arg-type]  # a private copy, not a mapping
         try:
             for i in range(min(n, len(data) // K.LINE)):
@@ -156,10 +162,29 @@ def _live_slots(name: str, kind: int, start: int, count: int) -> Tuple[List[Tupl
     return out, (start + count) % geo.keys
 
 
-def _header_copy(name: str) -> Tuple[Cells, Geometry, int]:
-    """A private, validated copy of the header and the process table: (cells over it, geometry, file size)."""
+#: A rate of a keyed limiter of several rates, as the tools label it: ``group[key]``.
+_RATE_LABEL = re.compile(r"(.+)\[([A-Za-z0-9_]+)\]")
+
+
+def _where(name: str) -> Tuple[str, int]:
+    """The segment and the offset of the table ``name`` names: its own (at 0), or a rate's region
+    of a keyed group when ``name`` is a rate's label (``group[key]``)."""
+    m = _RATE_LABEL.fullmatch(name)
+    if m is None:
+        return name, 0
+    group, key = m.groups()
+    geo = copy_geometry(group, L.REGIONS_KEYED)
+    if key not in geo.keys:
+        raise SegmentError(f"limiter {group!r} has no rate {key!r}")
+    return group, geo.offset(geo.keys.index(key))
+
+
+def _header_copy(name: str, at: int = 0) -> Tuple[Cells, Geometry, int]:
+    """A private, validated copy of the header and the process table of the table at ``at`` in
+    segment ``name``: (cells over it, geometry, the bytes from ``at`` to the file's end)."""
     validate_name(name)
-    data, size = read_copy(name, 0, K.overrides_offset())
+    data, size = read_copy(name, at, K.overrides_offset())
+    size -= at
     c = open_cells(data, len(data))  # type: ignore[arg-type]  # a private copy, not a mapping
     try:
         if (
@@ -172,6 +197,20 @@ def _header_copy(name: str) -> Tuple[Cells, Geometry, int]:
     except BaseException:
         c.close()
         raise
+
+
+def inspect_keyed_group(name: str) -> MultiStats:
+    """A snapshot of every rate of the keyed limiter of several rates ``name``, read as
+    ``inspect_keyed`` reads one table: each region's header and process table, copied."""
+    geo = copy_geometry(name, L.REGIONS_KEYED)
+    out = {}
+    for i, key in enumerate(geo.keys):
+        c, table, _ = _header_copy(name, geo.offset(i))
+        try:
+            out[key] = snapshot_of(f"{name}[{key}]", c, table, geo.region_bytes)
+        finally:
+            c.close()
+    return MultiStats(name, out)
 
 
 def inspect_keyed(name: str) -> KeyedStats:
