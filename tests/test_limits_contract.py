@@ -4,8 +4,9 @@ reference storage (``memory://``, ``async+memory://``): the same calls, the same
 ``limits`` does not ship its test-suite in its wheel, so this is the contract its storage tests
 check, written against its public API (``limits.storage``, ``limits.strategies``,
 ``limits.aio.strategies``): counts and amounts, expiries, clear and reset, health checks, errors
-wrapped on request, and the fixed-window and sliding-window-counter strategies' answers
-(hit, test, cost, window stats, clear).  Windows are long (a minute, an hour) so that the wall clock
+wrapped on request, and the fixed-window, sliding-window-counter and moving-window strategies'
+answers (hit, test, cost, window stats, clear).  ``limits``' own tests, from its source
+distribution, run against ``shm://`` too: ``tools/limits_suite.py`` (in CI).  Windows are long (a minute, an hour) so that the wall clock
 never crosses one during a test; what happens when windows end is checked on ``shm://`` with an
 injected clock, where it can be made to happen at an exact instant.
 """
@@ -47,6 +48,7 @@ class Subject:
         api = aio_strategies if scheme.startswith("async+") else strategies
         self.fixed = api.FixedWindowRateLimiter(self.store)
         self.sliding = api.SlidingWindowCounterRateLimiter(self.store)
+        self.moving = api.MovingWindowRateLimiter(self.store)
 
     def __call__(self, method, *args, **kwargs):
         return run(getattr(self.store, method)(*args, **kwargs))
@@ -164,13 +166,51 @@ def test_sliding_window_of_an_unknown_key_is_empty(subject):
     assert (prev, prev_ttl, cur) == (0, 0, 0) and 60 <= cur_ttl <= 120 + 0.01
 
 
+def test_moving_window_hit_costs_stats_and_clear(subject):
+    """limits' own moving-window cases (TestMovingWindow) within one long window."""
+    item = RateLimitItemPerMinute(10)
+    stats = run(subject.moving.get_window_stats(item, "m"))
+    assert stats.remaining == 10 and stats.reset_time == pytest.approx(time.time() + 60, abs=0.05)
+    assert not run(subject.moving.hit(item, "m", cost=11))
+    assert run(subject.moving.hit(item, "m", cost=5))
+    before = time.time()
+    assert all([run(subject.moving.hit(item, "m")) for _ in range(4)])
+    assert not run(subject.moving.test(item, "m", cost=2))
+    assert not run(subject.moving.hit(item, "m", cost=2))
+    assert run(subject.moving.test(item, "m")) and run(subject.moving.hit(item, "m"))
+    assert not run(subject.moving.hit(item, "m"))
+    stats = run(subject.moving.get_window_stats(item, "m"))
+    # the window resets a minute after its oldest hit (the first, of cost 5)
+    assert stats.remaining == 0 and before - 0.05 + 60 <= stats.reset_time <= time.time() + 60
+    assert subject("get_moving_window", item.key_for("m"), 10, 60)[1] == 10
+    run(subject.moving.clear(item, "m"))
+    assert run(subject.moving.get_window_stats(item, "m")).remaining == 10
+    assert run(subject.moving.hit(item, "m", cost=10)) and not run(subject.moving.test(item, "m"))
+    huge = parse("1000000 per 2 seconds")
+    assert run(subject.moving.hit(huge, "h")) and run(subject.moving.hit(huge, "h", cost=999_999))
+    assert run(subject.moving.get_window_stats(huge, "h")).remaining == 0
+
+
+def test_moving_window_entries_and_expiry(subject):
+    """The storage calls of limits' moving-window tests (the end of a window: on an injected clock
+    in test_window_moving)."""
+    assert not subject("acquire_entry", "e", 10, 60, amount=11)
+    assert subject("acquire_entry", "e", 10, 60, amount=1)
+    assert not subject("acquire_entry", "e", 10, 60, amount=10)
+    assert subject("acquire_entry", "e", 10, 60, amount=9)
+    assert subject("get_moving_window", "e", 10, 60)[1] == 10
+    assert subject("get_moving_window", "nobody", 10, 60)[1] == 0
+
+
 @pytest.mark.parametrize("scheme", ["shm", "async+shm"])
-def test_moving_window_is_refused_when_the_strategy_is_built(scheme, name):
+def test_moving_window_limit_above_the_bound_is_refused_by_name(scheme, name):
+    from shmlimit.keyed.windows import MOVING_MAX
+
     s = Subject(scheme, name)
     try:
-        api = aio_strategies if scheme.startswith("async+") else strategies
-        with pytest.raises(NotImplementedError):
-            api.MovingWindowRateLimiter(s.store)
+        with pytest.raises(ValueError, match="limit must be an int from 0 to 1048575"):
+            s("acquire_entry", "k", MOVING_MAX + 1, 60)
+        assert s("acquire_entry", "k", MOVING_MAX, 60, amount=MOVING_MAX)
     finally:
         s.close()
 

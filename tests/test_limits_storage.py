@@ -89,18 +89,31 @@ def test_sliding_window_weights_the_previous_window(name):
         s.table.close()
 
 
-def test_moving_window_is_refused_at_configuration_time(name):
-    s = storage.storage_from_string(f"shm://{name}")
-    with pytest.raises(NotImplementedError, match="MovingWindow"):
-        strategies.MovingWindowRateLimiter(s)
-    s.table.close()
-    flask = pytest.importorskip("flask")
-    flask_limiter = pytest.importorskip("flask_limiter")
-    app = flask.Flask(__name__)
-    with pytest.raises(NotImplementedError, match="MovingWindow"):
-        flask_limiter.Limiter(
-            lambda: "x", app=app, storage_uri=f"shm://{name}", strategy="moving-window"
+def test_moving_window_is_shared_by_every_storage_of_a_table(name):
+    a = storage.storage_from_string(f"shm://{name}")
+    b = storage.storage_from_string(f"shm://{name}")
+    try:
+        limiter_a, limiter_b = (
+            strategies.MovingWindowRateLimiter(a),
+            strategies.MovingWindowRateLimiter(b),
         )
+        item = parse("3/minute")
+        assert limiter_a.hit(item, "k") and limiter_b.hit(item, "k") and limiter_a.hit(item, "k")
+        assert not limiter_b.hit(item, "k") and not limiter_a.test(item, "k")
+        assert b.get_moving_window(item.key_for("k"), 3, 60)[1] == 3
+    finally:
+        a.table.close()
+        b.table.close()
+
+
+def test_moving_window_sizes_come_from_the_uri(name):
+    s = storage.storage_from_string(f"shm://{name}?keys=64&moving_keys=16&moving_log=64")
+    try:
+        assert (s.table.slots, s.table.moving_slots, s.table.moving_log) == (64, 16, 64)
+    finally:
+        s.table.close()
+    with pytest.raises(ValueError, match="moving_log"):
+        storage.storage_from_string(f"shm://{name}-bad?moving_log=100")
 
 
 APP = """
@@ -133,7 +146,7 @@ def health():
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("strategy", ["fixed-window", "sliding-window-counter"])
+@pytest.mark.parametrize("strategy", ["fixed-window", "sliding-window-counter", "moving-window"])
 def test_flask_limiter_under_gunicorn_four_workers(name, tmp_path, strategy):
     pytest.importorskip("flask_limiter")
     (tmp_path / "limits_app.py").write_text(textwrap.dedent(APP))

@@ -12,12 +12,19 @@ an async Starlette, FastAPI or aiohttp app, whatever its workers): a hit is
 a few atomic operations, never a wait, so it runs on the event loop itself;
 only ``reset`` (a scan of every slot) runs in a worker thread.
 
-Strategies: ``fixed-window`` and ``sliding-window-counter`` (limits >= 4.1)
-hold exactly across processes: each hit is one compare-and-swap on the key's
-counter word (``shmlimit.keyed.windows``).  ``moving-window`` is not
-supported: limits refuses it when the rate limiter is built (at configuration
-time), with ``NotImplementedError``.  Tested with limits 5.8; written for
-limits >= 3 (the fixed window; the sliding window counter exists from 4.1).
+Strategies: ``fixed-window``, ``sliding-window-counter`` (limits >= 4.1) and
+``moving-window`` hold exactly across processes: each hit is one or two
+compare-and-swaps on the key's words (``shmlimit.keyed.windows``).  The moving
+window keeps a log per key in slots of its own: ``moving_keys`` of them
+(default 1024), each logging up to ``moving_log - 2`` grants in one window
+(default 256 words: 254 grants; 64 + 8 * moving_log bytes a key); a key with
+that many grants in its window is refused more until the oldest leaves, never
+granted more than its limit.  Bounds, beside ``limits``' own: a fixed window
+counts up to 16 777 215 hits (then answers "over"), a sliding-window-counter
+limit is at most 16 777 215 hits and a moving-window one at most 1 048 575
+(a larger one is a ``ValueError`` at its first hit), windows up to about 1.1 years.  Tested with
+limits 5.8; written for limits >= 3 (the fixed window; the sliding window
+counter exists from 4.1).
 """
 
 from __future__ import annotations
@@ -30,7 +37,7 @@ from typing import Any, Dict, Tuple, Type, Union
 from shmlimit.errors import MissingExtraError, ShmlimitError
 
 try:
-    from limits.storage import Storage
+    from limits.storage import MovingWindowSupport, Storage
 except ImportError as e:  # without the limits extra: say what installs it
     raise MissingExtraError(__name__, "limits", e) from e
 from shmlimit.keyed.window_table import WindowTable
@@ -40,12 +47,24 @@ try:  # limits >= 4.1
 except ImportError:  # pragma: no cover - older limits: fixed windows only
     _Sliding = object  # type: ignore[assignment,misc]
 
+
+def _window_start(table: WindowTable, key: str, expiry: float) -> Tuple[float, int]:
+    """``get_moving_window``'s answer: (when the oldest hit in the window was, as a
+    ``time.time()`` timestamp -- now if there is none --, hits in the window)."""
+    age, hits = table.moving_window(key, expiry)
+    now = time.time()
+    return (now if age is None else now - age), hits
+
+
 __all__ = ["AsyncShmStorage", "ShmStorage", "parse_uri"]
 
 
+_OPTIONS = ("keys", "mode", "when_full", "store_keys", "moving_keys", "moving_log")
+
+
 def parse_uri(uri: str, scheme: str = "shm") -> Tuple[str, Dict[str, Any]]:
-    """``shm://NAME[?keys=N&mode=0o600&when_full=evict&store_keys=false]`` -> (name, WindowTable
-    options); ValueError names what is wrong."""
+    """``shm://NAME[?keys=N&mode=0o600&when_full=evict&store_keys=false&moving_keys=N&moving_log=N]``
+    -> (name, WindowTable options); ValueError names what is wrong."""
     parts = urllib.parse.urlparse(uri)
     if parts.scheme != scheme:
         raise ValueError(f"storage uri must start with {scheme}://, got {uri!r}")
@@ -54,10 +73,9 @@ def parse_uri(uri: str, scheme: str = "shm") -> Tuple[str, Dict[str, Any]]:
         raise ValueError(f"storage uri must name the table, as shm://NAME; got {uri!r}")
     opts: Dict[str, Any] = {}
     for k, vs in urllib.parse.parse_qs(parts.query, keep_blank_values=True).items():
-        if k not in ("keys", "mode", "when_full", "store_keys"):
+        if k not in _OPTIONS:
             raise ValueError(
-                f"unknown option {k!r} in storage uri {uri!r}: allowed are keys, mode, when_full"
-                " and store_keys"
+                f"unknown option {k!r} in storage uri {uri!r}: allowed are {', '.join(_OPTIONS)}"
             )
         if k == "when_full":
             opts[k] = vs[-1]  # checked by WindowTable
@@ -79,26 +97,30 @@ def parse_uri(uri: str, scheme: str = "shm") -> Tuple[str, Dict[str, Any]]:
 def _table(uri: str, scheme: str, options: Dict[str, Any]) -> WindowTable:
     """The ``WindowTable`` a storage uri names; its options are taken out of ``options``."""
     name, opts = parse_uri(uri, scheme)
-    for k in ("keys", "mode", "trusted_uids", "clock", "when_full", "store_keys"):
+    for k in (*_OPTIONS, "trusted_uids", "clock"):
         if k in options:
             opts[k] = options.pop(k)
     if options:  # a typo (key= for keys=) would otherwise be dropped in silence
         raise TypeError(
             f"{', '.join(sorted(options))}: not an option of the {scheme}:// storage "
-            f"(allowed are keys, mode, trusted_uids, clock, when_full and store_keys)"
+            f"(allowed are {', '.join(_OPTIONS)}, trusted_uids and clock)"
         )
     return WindowTable(name, **opts)
 
 
-class ShmStorage(Storage, _Sliding):  # type: ignore[misc,valid-type]
-    """The ``shm://`` storage: fixed-window and sliding-window-counter counters in a ``WindowTable``.
+class ShmStorage(Storage, MovingWindowSupport, _Sliding):  # type: ignore[misc,valid-type]
+    """The ``shm://`` storage: fixed-window, sliding-window-counter and moving-window counters in
+    a ``WindowTable``.
 
     Options (URI query or keyword arguments, e.g. Flask-Limiter's
     ``storage_options``): ``keys`` (slots, default 100 000), ``mode``
     (permission bits of the segment, default 0o600), ``trusted_uids``,
     ``when_full`` ("evict", the default: a new key takes the slot of the
-    window ending first when none is free; "refuse": it is refused), and
-    ``store_keys`` (keep keys' first bytes for ``top``; default false).
+    window ending first when none is free; "refuse": it is refused),
+    ``store_keys`` (keep keys' first bytes for ``top``; default false),
+    ``moving_keys`` (moving-window slots, default 1024) and ``moving_log``
+    (words of each one's log, default 256); the sizes are used when the first
+    process creates the table.
     """
 
     STORAGE_SCHEME = ["shm"]
@@ -129,10 +151,21 @@ class ShmStorage(Storage, _Sliding):  # type: ignore[misc,valid-type]
         return time.time() + self.table.expires_in(key)
 
     def clear(self, key: str) -> None:
+        """Forget ``key``'s fixed window and moving window."""
         self.table.clear(key)
+        if self.table.moving_slots:
+            self.table.clear_moving(key)
 
     def check(self) -> bool:
         return not self.table.closed
+
+    # -- moving window --------------------------------------------------------------------------
+
+    def acquire_entry(self, key: str, limit: int, expiry: int, amount: int = 1) -> bool:
+        return self.table.acquire_entry(key, limit, expiry, amount)
+
+    def get_moving_window(self, key: str, limit: int, expiry: int) -> Tuple[float, int]:
+        return _window_start(self.table, key, expiry)
 
     def reset(self) -> int:
         return self.table.reset()
@@ -155,6 +188,7 @@ class ShmStorage(Storage, _Sliding):  # type: ignore[misc,valid-type]
 
 
 try:  # limits.aio (limits >= 2.1; its sliding window counter from 4.1)
+    from limits.aio.storage import MovingWindowSupport as _AsyncMoving
     from limits.aio.storage import SlidingWindowCounterSupport as _AsyncSliding
     from limits.aio.storage import Storage as _AsyncStorage
 except ImportError:  # pragma: no cover - a limits without the asyncio API
@@ -162,7 +196,7 @@ except ImportError:  # pragma: no cover - a limits without the asyncio API
 
 if _AsyncStorage is not None:
 
-    class AsyncShmStorage(_AsyncStorage, _AsyncSliding):  # type: ignore[misc,valid-type]
+    class AsyncShmStorage(_AsyncStorage, _AsyncMoving, _AsyncSliding):  # type: ignore[misc,valid-type]
         """The ``async+shm://NAME`` storage for ``limits.aio``: the table ``shm://NAME`` names, shared alike.
 
         Every method but ``reset`` works on the event loop: a hit is a few
@@ -196,7 +230,16 @@ if _AsyncStorage is not None:
             return time.time() + self.table.expires_in(key)
 
         async def clear(self, key: str) -> None:
+            """Forget ``key``'s fixed window and moving window."""
             self.table.clear(key)
+            if self.table.moving_slots:
+                self.table.clear_moving(key)
+
+        async def acquire_entry(self, key: str, limit: int, expiry: int, amount: int = 1) -> bool:
+            return self.table.acquire_entry(key, limit, expiry, amount)
+
+        async def get_moving_window(self, key: str, limit: int, expiry: int) -> Tuple[float, int]:
+            return _window_start(self.table, key, expiry)
 
         async def check(self) -> bool:
             return not self.table.closed

@@ -65,7 +65,7 @@ from __future__ import annotations
 
 import os
 import time
-from typing import Optional, Tuple
+from typing import Callable, Optional, Tuple
 
 from shmlimit.errors import SegmentError
 from shmlimit.keyed import layout as K
@@ -255,10 +255,15 @@ class SlotTable:
         pid: int,
         cut: Optional[int] = None,
         evict: bool = True,
+        stride: int = K.LINE,
     ) -> None:
+        # ``stride``: bytes from one slot to the next -- a slot's line, then (a moving-window log)
+        # words of its own that only its tenant uses
         if (
             slots % 8
-            or slots + nslots * K.LINE > cells.size
+            or stride % K.LINE
+            or stride < K.LINE
+            or slots + nslots * stride > cells.size
             or not nslots
             or not probe
             or probe > nslots
@@ -266,12 +271,12 @@ class SlotTable:
             raise IndexError("keyed_table: a region lies outside the mapping")
         check_offsets(cells, keys_live, evicted, *(() if cut is None else (cut,)))
         self.c = cells
-        self.slots, self.nslots, self.probe = slots, nslots, probe
+        self.slots, self.nslots, self.probe, self.stride = slots, nslots, probe, stride
         self.keys_live, self.evicted, self.pid = keys_live, evicted, pid
         self.cut, self.evict = (evicted if cut is None else cut), bool(evict)
 
     def _slot(self, home: int, i: int) -> int:
-        return self.slots + ((home + i) % self.nslots) * K.LINE
+        return self.slots + ((home + i) % self.nslots) * self.stride
 
     def find(self, d: Tuple[int, int], home: int):
         c = self.c
@@ -331,12 +336,15 @@ class SlotTable:
         now: int,
         v0: int,
         rest: Tuple[int, int, int],
+        fill: Optional[Callable[[int, int], None]] = None,
     ):
         """Insert digest d with its first values: V0 = v0 (>= ``now``), V1 V3 V4 = rest.
 
         The new tenant's BASE is what lifts its stored V0 above every word the
         slot held before (``floor``), so it never starts from another key's
-        values.  Returns (slot, ctrl): ctrl is the LIVE word when we published (the
+        values.  ``fill(slot, gen)``, if given, writes the slot's words beyond
+        its line (a stride above ``LINE``) while the slot is claimed (BUSY, its
+        new generation ``gen``): nobody reads them before it is published.  Returns (slot, ctrl): ctrl is the LIVE word when we published (the
         grant is made), 0 means "look again"; slot None means the window is full
         (ctrl 0), or (ctrl ``BUSY``) that a farther PEND of the same key stayed
         unchanged under a live owner for ``PEND_NS`` and we gave way.
@@ -398,6 +406,8 @@ class SlotTable:
         c.store(cand + K.S_V1, rest[0])
         c.store(cand + K.S_V3, rest[1])
         c.store(cand + K.S_V4, rest[2])
+        if fill is not None:
+            fill(cand, gen)
         floor = c.load(cand + K.S_V0) & ~K.DEAD
         base = floor + 1 - now if floor >= now else 0
         if base > K.BASE_MAX:  # only a segment written by hand: this slot takes no key

@@ -5,7 +5,7 @@ A keyed segment holds many independent limits, one per key, in a table of
 
     line  0  header     MAGIC VERSION SIZE STATE PSLOTS CREATOR_PID CREATED_NS KIND (1 GCRA, 2 windows)
     line  1  config     CFG_SEQ, then the default rate's bank A: RATE PER BURST T TAU GEN SUM
-    line  2  geometry   NKEYS NOVR PROBE SECRET0 SECRET1 - - -
+    line  2  geometry   NKEYS NOVR PROBE SECRET0 SECRET1 MKEYS MRING -
     line  3  KEYS_LIVE  keys in LIVE slots
     line  4  EVICTED    keys given up to make room (expired, or the least valuable: see CUT)
     line  5  REFUSED    new keys refused: every slot of their window held a limited key
@@ -20,6 +20,8 @@ A keyed segment holds many independent limits, one per key, in a table of
          (CTRL state | owner << 8 | tag << 40: state 0 empty, 1 live, 2 tomb, 3 claimed by the writer
          owner; tag the low 24 bits of the storing writer's generation: see ``o_ctrl``)
     then NKEYS key slots:        CTRL D0 D1 V0 V1 BASE V3 V4
+    then (a table of window counters only) MKEYS moving-window slots of ``1 + MRING/8`` lines each:
+         a key slot's line, then its log of MRING words (``keyed.windows``; MKEYS = MRING = 0: none)
 
 A *bank* is words 1..7 of a line: ``RATE PER BURST`` (IEEE-754 bits, for
 display), ``T`` the emission interval (ticks per op), ``TAU`` the burst
@@ -68,8 +70,9 @@ from shmlimit.shm.table import pid_namespace
 MAGIC = int.from_bytes(b"SHMLKEYS", "little")
 #: 2: every config in two checksummed banks (a config writer taken over cannot publish late);
 #: 3: a bank's values stored masked by their generation and written by CAS (late writers miss);
-#: 4: a slot's BASE word (a still-limited key may be evicted), key bytes only when asked
-VERSION = 4
+#: 4: a slot's BASE word (a still-limited key may be evicted), key bytes only when asked;
+#: 5: a window table's moving-window slots, each followed by its log (MKEYS, MRING)
+VERSION = 5
 
 KIND_OFF = words(0, 8)[7]
 
@@ -90,8 +93,8 @@ DEFAULT_BANKS = (1 * LINE, 8 * LINE)
 #: The default's bank B lies this many lines after CFG_SEQ's (the composite is given CFG_SEQ's offset).
 DEFAULT_BACKUP_LINES = 7
 
-# line 2: the geometry and the keyed hash's secret
-NKEYS_OFF, NOVR_OFF, PROBE_OFF, SECRET0_OFF, SECRET1_OFF = words(2, 5)
+# line 2: the geometry and the keyed hash's secret; MKEYS, MRING: a window table's moving-window logs
+NKEYS_OFF, NOVR_OFF, PROBE_OFF, SECRET0_OFF, SECRET1_OFF, MKEYS_OFF, MRING_OFF = words(2, 7)
 
 KEYS_LIVE = 3 * LINE
 EVICTED = 4 * LINE
@@ -172,8 +175,25 @@ def slots_offset(novr: int, pslots: int = PSLOTS) -> int:
     return overrides_offset(pslots) + novr * OVR_LINES * LINE
 
 
-def segment_size(nkeys: int, novr: int, pslots: int = PSLOTS) -> int:
+def moving_stride(ring: int) -> int:
+    """Bytes of one moving-window slot: its slot line, then its log of ``ring`` words."""
+    return LINE + ring * 8
+
+
+def moving_offset(nkeys: int, novr: int, pslots: int = PSLOTS) -> int:
     return slots_offset(novr, pslots) + nkeys * SLOT_BYTES
+
+
+def segment_size(nkeys: int, novr: int, pslots: int = PSLOTS, mkeys: int = 0, ring: int = 0) -> int:
+    return moving_offset(nkeys, novr, pslots) + mkeys * moving_stride(ring)
+
+
+#: A moving-window log holds at most this many words (a power of two, as every ring is): a key
+#: holds at most its ring less 2 grants in one window (``keyed.windows``).
+MAX_RING = 1 << 15
+MIN_RING = 8
+#: The moving-window region of a table is at most this many bytes.
+MAX_MOVING_BYTES = 1 << 32
 
 
 def ctrl(state: int, pid: int, gen: int) -> int:

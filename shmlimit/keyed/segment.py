@@ -56,10 +56,12 @@ class Geometry:
     keys: int
     overrides: int
     kind: int = K.KIND_GCRA  #: the value kind of the slots (``keyed_layout.KINDS``)
+    moving: int = 0  #: moving-window slots (a table of window counters only)
+    ring: int = 0  #: words of each moving-window log (a power of two; 0 with no moving slots)
 
     @property
     def size(self) -> int:
-        return K.segment_size(self.keys, self.overrides)
+        return K.segment_size(self.keys, self.overrides, K.PSLOTS, self.moving, self.ring)
 
     @property
     def probe(self) -> int:
@@ -102,6 +104,8 @@ def initialise(seg: Segment, geo: Geometry, rate: Optional[Rate]) -> Cells:
     c.store(K.NKEYS_OFF, geo.keys)
     c.store(K.NOVR_OFF, geo.overrides)
     c.store(K.PROBE_OFF, geo.probe)
+    c.store(K.MKEYS_OFF, geo.moving)
+    c.store(K.MRING_OFF, geo.ring)
     secret = os.urandom(16)  # the keyed hash's secret: chosen keys cannot pile onto one window
     c.store(K.SECRET0_OFF, int.from_bytes(secret[:8], "little"))
     c.store(K.SECRET1_OFF, int.from_bytes(secret[8:], "little"))
@@ -116,18 +120,24 @@ def validate_header(name: str, c: Cells, mapped: int) -> Geometry:
         raise SegmentError(
             f"segment {name!r} has keyed layout version {version}; this shmlimit reads {K.VERSION}"
         )
-    keys, novr, probe, kind = (
+    keys, novr, probe, kind, mkeys, ring = (
         c.load(K.NKEYS_OFF),
         c.load(K.NOVR_OFF),
         c.load(K.PROBE_OFF),
         c.load(K.KIND_OFF),
+        c.load(K.MKEYS_OFF),
+        c.load(K.MRING_OFF),
     )
+    if not check_moving(mkeys, ring, kind):
+        raise SegmentError(
+            f"segment {name!r} is corrupt: header says {mkeys} moving-window keys of {ring} words"
+        )
     if (
         pslots != K.PSLOTS
         or not 1 <= keys <= K.MAX_KEYS
         or novr > K.MAX_OVERRIDES
         or probe != min(K.PROBE, keys)
-        or size != K.segment_size(keys, novr)
+        or size != K.segment_size(keys, novr, K.PSLOTS, mkeys, ring)
         or mapped < size
         or kind not in K.KINDS
         or (kind == K.KIND_WINDOWS and novr)
@@ -137,7 +147,7 @@ def validate_header(name: str, c: Cells, mapped: int) -> Geometry:
             f"probe {probe}, kind {kind}; the mapping has {mapped} bytes"
         )
     if kind == K.KIND_WINDOWS:
-        return Geometry(keys, novr, kind)
+        return Geometry(keys, novr, kind, mkeys, ring)
     vals = pick(c, K.DEFAULT_BANKS, (0, 0), c.load(K.CFG_SEQ) & ~1)
     if vals is None:
         raise SegmentError(
@@ -152,8 +162,23 @@ def validate_header(name: str, c: Cells, mapped: int) -> Geometry:
     return Geometry(keys, novr)
 
 
+def check_moving(mkeys: int, ring: int, kind: int) -> bool:
+    """Whether a moving-window region is in range: none (both 0), or in a table of window
+    counters, 1 to ``MAX_KEYS`` logs of a power-of-two ``MIN_RING..MAX_RING`` words, all of them at
+    most ``MAX_MOVING_BYTES``."""
+    if not mkeys and not ring:
+        return True
+    return (
+        kind == K.KIND_WINDOWS
+        and 1 <= mkeys <= K.MAX_KEYS
+        and K.MIN_RING <= ring <= K.MAX_RING
+        and not ring & (ring - 1)
+        and mkeys * K.moving_stride(ring) <= K.MAX_MOVING_BYTES
+    )
+
+
 #: No keyed segment is larger than this (bytes): a bigger file is neither read nor mapped.
-MAX_BYTES = K.segment_size(K.MAX_KEYS, K.MAX_OVERRIDES)
+MAX_BYTES = K.segment_size(K.MAX_KEYS, K.MAX_OVERRIDES) + K.MAX_MOVING_BYTES
 
 
 def _open_checked(name: str, mode: Optional[int], trusted_uids: AbstractSet[int]) -> Segment:

@@ -1,4 +1,5 @@
-"""``WindowTable``: fixed-window and sliding-window counters for many keys in one shared-memory segment.
+"""``WindowTable``: fixed-window, sliding-window and moving-window counters for many keys in one
+shared-memory segment.
 
 The table behind the ``limits`` storage ``shm://NAME``
 (``shmlimit.integrations.limits``): a keyed segment (``keyed_segment``, the
@@ -16,14 +17,14 @@ import atexit
 import os
 import threading
 import weakref
-from typing import Any, Callable, Optional
+from typing import Any, Callable, Optional, Tuple
 
 from shmlimit.errors import SegmentError
 from shmlimit.keyed import cells as KC
 from shmlimit.keyed import layout as K
 from shmlimit.keyed.cells import SlotTable
-from shmlimit.keyed.segment import Geometry, check_geometry, open_segment
-from shmlimit.keyed.windows import CMAX, OVER, WindowCounters
+from shmlimit.keyed.segment import Geometry, check_geometry, check_moving, open_segment
+from shmlimit.keyed.windows import CMAX, MOVING_MAX, OVER, MovingWindows, WindowCounters
 from shmlimit.shm.cells import Cells
 from shmlimit.shm.segment import (
     Segment,
@@ -35,7 +36,7 @@ from shmlimit.shm.segment import (
 from shmlimit.shm.segment import unlink as _unlink_name
 from shmlimit.shm.table import ProcessTable, proc_start
 
-__all__ = ["WindowTable", "CMAX", "OVER"]
+__all__ = ["WindowTable", "CMAX", "MOVING_MAX", "OVER"]
 
 
 class WindowTable:
@@ -51,6 +52,13 @@ class WindowTable:
     ``when_full="refuse"`` raises ``KeyTableFullError`` (counted in
     ``refused``).  ``store_keys`` keeps each key's first 15 bytes for ``top``
     (by default none).  ``clock`` returns CLOCK_MONOTONIC nanoseconds (for tests).
+
+    Moving windows (``acquire_entry``) have slots of their own: ``moving_keys`` of them, each
+    with a log of ``moving_log`` words (a power of two from 8 to 32 768), 64 + 8 * moving_log
+    bytes a key.  A key is counted exactly while it has at most ``moving_log - 2`` grants in
+    one window (more are refused until the oldest leaves); its limit may be up to
+    ``MOVING_MAX`` hits.  ``when_full`` applies to them alike: the key evicted is the one whose
+    window ends first.  ``moving_keys=0`` makes a table without moving windows.
     """
 
     def __init__(
@@ -63,9 +71,21 @@ class WindowTable:
         clock: Optional[Callable[[], int]] = None,
         when_full: str = "evict",
         store_keys: bool = False,
+        moving_keys: int = 1024,
+        moving_log: int = 256,
     ) -> None:
         validate_name(name)
         geo = check_geometry(keys, 0)
+        for param, v in (("moving_keys", moving_keys), ("moving_log", moving_log)):
+            if isinstance(v, bool) or not isinstance(v, int):
+                raise ValueError(f"{param} must be an int, got {v!r}")
+        ring = moving_log if moving_keys else 0
+        if not check_moving(moving_keys, ring, K.KIND_WINDOWS):
+            raise ValueError(
+                f"moving_keys must be from 0 to {K.MAX_KEYS} and moving_log a power of two from "
+                f"{K.MIN_RING} to {K.MAX_RING} (words), at most {K.MAX_MOVING_BYTES} bytes in "
+                f"all; got moving_keys={moving_keys!r}, moving_log={moving_log!r}"
+            )
         validate_mode(mode)
         flags = KC.table_flags(when_full, store_keys)
         trusted = validate_trusted_uids(trusted_uids)
@@ -73,7 +93,11 @@ class WindowTable:
         self._seg: Optional[Segment] = None
         for _ in range(16):
             seg, cells, real = open_segment(
-                name, Geometry(geo.keys, 0, K.KIND_WINDOWS), None, mode, trusted
+                name,
+                Geometry(geo.keys, 0, K.KIND_WINDOWS, moving_keys, ring),
+                None,
+                mode,
+                trusted,
             )
             if real.kind != K.KIND_WINDOWS:
                 cells.close()
@@ -107,15 +131,25 @@ class WindowTable:
             K.CUT,
             bool(flags & KC.FLAG_EVICT),
         )
-        self.counters = WindowCounters(
-            table,
-            cells.load(K.SECRET0_OFF),
-            cells.load(K.SECRET1_OFF),
-            K.REFUSED,
-            clock,
-            name,
-            bool(flags & KC.FLAG_STORE_KEYS),
-        )
+        k0, k1 = cells.load(K.SECRET0_OFF), cells.load(K.SECRET1_OFF)
+        store = bool(flags & KC.FLAG_STORE_KEYS)
+        self.counters = WindowCounters(table, k0, k1, K.REFUSED, clock, name, store)
+        # the moving-window slots: the same protocol (and counts of keys) over their own region
+        self.moving: Optional[MovingWindows] = None
+        if real.moving:
+            mtable = SlotTable(
+                cells,
+                K.moving_offset(real.keys, 0),
+                real.moving,
+                min(K.PROBE, real.moving),
+                K.KEYS_LIVE,
+                K.EVICTED,
+                K.owner(os.getpid()),
+                K.CUT,
+                bool(flags & KC.FLAG_EVICT),
+                K.moving_stride(real.ring),
+            )
+            self.moving = MovingWindows(mtable, real.ring, k0, k1, K.REFUSED, clock, name, store)
         # This process in the segment's process table, as a KeyedLimiter's user: listed (alive or
         # dead) by `shmlimit list`/`top`, with the hits it counted.  Registered on opening; a forked
         # child on its first call (``_live``), so a child that never counts is never listed.
@@ -159,8 +193,18 @@ class WindowTable:
 
     @property
     def slots(self) -> int:
-        """Key slots in the table."""
+        """Key slots in the table (fixed and sliding windows)."""
         return self._geo.keys
+
+    @property
+    def moving_slots(self) -> int:
+        """Moving-window key slots in the table (0: it has no moving windows)."""
+        return self._geo.moving
+
+    @property
+    def moving_log(self) -> int:
+        """Words of each moving-window key's log (0: no moving windows)."""
+        return self._geo.ring
 
     @property
     def closed(self) -> bool:
@@ -214,10 +258,35 @@ class WindowTable:
         self._live()
         return self.counters.clear_sliding(key, expiry)
 
+    def _moving(self) -> MovingWindows:
+        self._live()
+        if self.moving is None:
+            raise ValueError(
+                f"window table {self._name!r} was made without moving windows (moving_keys=0): "
+                "unlink it and make it again with moving_keys > 0"
+            )
+        return self.moving
+
+    def acquire_entry(self, key: object, limit: int, expiry: float, amount: int = 1) -> bool:
+        """Count ``amount`` hits for ``key`` iff its hits in the last ``expiry`` seconds plus
+        ``amount`` stay within ``limit`` (at most ``MOVING_MAX``): the moving window."""
+        granted = self._moving().acquire_entry(key, limit, expiry, amount)
+        if granted:
+            self._count(amount)
+        return granted
+
+    def moving_window(self, key: object, expiry: float) -> Tuple[Optional[float], int]:
+        """``(seconds since the oldest hit in the window or None, hits in the window)``."""
+        return self._moving().moving_window(key, expiry)
+
+    def clear_moving(self, key: object) -> bool:
+        """Forget ``key``'s moving window; True if it had one."""
+        return self._moving().clear_moving(key)
+
     def reset(self) -> int:
         """Forget every key; how many were forgotten."""
         self._live()
-        return self.counters.reset()
+        return self.counters.reset() + (self.moving.reset() if self.moving else 0)
 
     @property
     def keys_live(self) -> int:

@@ -1,6 +1,7 @@
-"""The window-counter value kinds of the keyed slot table: fixed window and sliding window counter.
+"""The window-counter value kinds of the keyed slot table: fixed window, sliding window counter and
+moving window.
 
-These are the counters of the ``limits`` library's two counter strategies,
+These are the counters of the ``limits`` library's three strategies,
 kept per key in the slot protocol of ``keyed_cells.SlotTable`` (lookup,
 insert, exact eviction, reuse), and changed only by CAS through the atomic
 layer (either backend).  Time is CLOCK_MONOTONIC in milliseconds, which every
@@ -50,10 +51,41 @@ window had counted, and only as the window ending first of its 32 probed
 slots.  With ``when_full="refuse"`` the new key is refused with
 ``KeyTableFullError`` (and counted) instead.
 
+**Moving window** (key ``M`` + key; a slot of the table's moving-window region, each followed by
+its log of ``R`` words, ``R`` a power of two): the exact sliding log of ``limits``' moving
+window, one log entry per *grant* (its ``amount`` hits at one instant).  An entry is
+``LAP << 63 | t << 20 | cum``: the grant's time ``t`` (in 1/32 ms, so that a hit leaves the
+window within 31.25 us of its end, never before), the key's hits up to and including it
+(``cum``, modulo 2**20), and the parity of its lap of the ring.  ``V0 = X << 25 | FULL << 24 | g``
+(stored plus ``BASE``, as every kind's) holds the number of grants ``g`` (modulo 2**24; ``FULL``
+once it reached ``R``) and the expiry ``X``, the first millisecond at which the newest grant is
+out of the window.  The entries of grants ``g - R + 1 .. g - 1`` never change while ``V0`` says
+``g``: a grant reads them (a binary search finds the newest one out of the window; the hits in
+the window are the difference of two ``cum``), checks ``V0`` again, then writes entry ``g`` by
+CAS over the entry of grant ``g - R`` (only one writer can), then moves ``V0`` on by CAS.  Anyone
+who finds entry ``g`` written while ``V0`` still says ``g`` moves ``V0`` on for its writer, so a
+writer killed between its two CASes stalls nobody and its grant is counted.  Times never go back
+in a log (an entry's ``t`` is at least its predecessor's): counting a grant from a later instant
+only ever refuses, never grants more.  A key with ``R - 2`` grants in its window refuses the next
+one until the oldest leaves (the log holds no more): exact while a key's grants in one window stay
+within ``R - 2``, never above its limit.
+
+A new key's first grant is made by its insert, which writes the whole log while the slot is
+claimed (``SlotTable.insert``'s ``fill``): entry 0 is the grant, every other word a *wipe*,
+``LAP | TMAX << 20 | gen``, a time no grant has, tagged with the slot's new generation.  So no
+entry of a previous tenant is ever read, and a previous tenant's writer that read ``V0`` before
+the slot changed hands finds its ``V0`` CAS failing (``BASE`` lifted every stored word); its entry
+CAS, the step before, lands only on a word equal to the one it read in the old log: never a wipe
+(another generation), only a real entry of the same time unit, lap and count.  A full window
+evicts (``when_full="evict"``) as for the other kinds the key whose ``V0`` less ``BASE`` is least:
+the log whose newest grant is oldest, so whose window ends first.  That key starts a new log at
+its next hit: it gains at most the hits its window still held, and only as the window ending
+first of its probed slots; ``when_full="refuse"`` refuses the new key instead.
+
 Limits: counts up to ``CMAX`` (16 777 215) per window -- a fixed window's
 count saturates there and ``incr`` then answers ``OVER`` (above every
 limit); a sliding-window limit above ``CMAX`` is a ``ValueError`` --,
-windows up to ``MAX_WINDOW_MS`` (about 1.1 years), and a monotonic clock
+a moving-window limit above ``MOVING_MAX`` (1 048 575) is a ``ValueError``, windows up to ``MAX_WINDOW_MS`` (about 1.1 years), and a monotonic clock
 below 2**38 ms (8.7 years of uptime).
 """
 
@@ -76,6 +108,12 @@ TMAX = (1 << (63 - TSHIFT)) - 1  #: the largest time (ms) a word holds: V0's top
 OVER = 1 << 62  #: what ``incr`` answers once a window's count is saturated (above every limit)
 MAX_WINDOW_MS = 1 << 35
 LOW = FLAG | CMAX
+MOVING_MAX = (1 << 20) - 1  #: the largest moving-window limit (hits per window)
+E_TSHIFT = 20  #: a log entry: LAP << 63 | t << 20 | cum, t in units of 1/32 ms
+E_CUM = (1 << E_TSHIFT) - 1
+E_TMAX = (1 << (63 - E_TSHIFT)) - 1  #: above every grant's time (a clock below 2**38 ms): wipes
+E_LAP = 1 << 63
+E_NS = 31_250  #: ns per unit of a log entry's time (1/32 ms): 2**43 of them are 8.7 years
 
 
 def pack(t_ms: int, count: int, flag: bool = False) -> int:
@@ -152,9 +190,18 @@ class WindowCounters:
         d = KC.siphash128(prefix + data, self.k0, self.k1)
         return d, (d[0] * self.t.nslots) >> 64, data
 
-    def _insert(self, d, home: int, now_ms: int, v0: int, v1: int, data: bytes):
+    def _insert(
+        self,
+        d,
+        home: int,
+        now_ms: int,
+        v0: int,
+        v1: int,
+        data: bytes,
+        fill: Optional[Callable[[int, int], None]] = None,
+    ):
         disp = KC.display_words(data) if self.store_keys else (0, 0)
-        s, ctl = self.t.insert(d, home, pack(now_ms, CMAX, True), v0, (v1, *disp))
+        s, ctl = self.t.insert(d, home, pack(now_ms, CMAX, True), v0, (v1, *disp), fill)
         if (
             s is None and ctl == KC.BUSY
         ):  # a stalled insert of this key by a live process: nothing counted
@@ -403,7 +450,7 @@ class WindowCounters:
         """Forget every key of the table; the number forgotten.  A scan of every slot."""
         c, n = self.c, 0
         for i in range(self.t.nslots):
-            s = self.t.slots + i * K.LINE
+            s = self.t.slots + i * self.t.stride
             ctl = c.load(s)
             if ctl & 0xFF != K.LIVE:
                 continue
@@ -413,3 +460,177 @@ class WindowCounters:
                 if c.cas(s, ctl, K.ctrl(K.TOMB, 0, ctl >> 40)):
                     c.fetch_add(self.t.keys_live, KC.MASK64)
         return n
+
+
+def _entry(lap: int, t: int, cum: int) -> int:
+    return (E_LAP if lap & 1 else 0) | t << E_TSHIFT | (cum & E_CUM)
+
+
+class MovingWindows(WindowCounters):
+    """The moving window over the moving-window slots of a table (a ``SlotTable`` of stride
+    ``moving_stride(ring)``): ``acquire_entry``/``moving_window``/``clear_moving``, ``reset``.
+
+    ``ring`` is the words of each key's log (a power of two, at least 8): a key is counted exactly
+    while it has at most ``ring - 2`` grants in one window (see the module's docstring).
+    """
+
+    def __init__(
+        self,
+        table: KC.SlotTable,
+        ring: int,
+        k0: int,
+        k1: int,
+        refused: int,
+        clock: Optional[Callable[[], int]] = None,
+        name: str = "window counters",
+        store_keys: bool = False,
+    ) -> None:
+        if ring < K.MIN_RING or ring & (ring - 1) or table.stride != K.moving_stride(ring):
+            raise ValueError(f"ring must be a power of two >= {K.MIN_RING} matching the stride")
+        super().__init__(table, k0, k1, refused, clock, name, store_keys)
+        self.ring = ring
+
+    def _log(self, s: int, i: int) -> int:
+        return s + K.LINE + 8 * (i & (self.ring - 1))
+
+    def _lap(self, g: int) -> int:
+        return g // self.ring & 1  # 2**24 / ring is even: the parity of the true count's lap
+
+    def _advance(self, s: int, v: int, base: int, t: int, wu: int) -> None:
+        """Move V0 (the value ``v``, stored plus ``base``) on past the grant whose entry (at ``t``)
+        is written; anyone may do it."""
+        x, full, g = unpack(v)
+        g2 = (g + 1) & CMAX
+        x2 = max(x, -(-(t + wu + 1) // 32))  # the first ms when the entry is out of the window
+        if not g2:  # the grant count wraps: the expiry moves 1 ms on, so V0 still only increases
+            x2 = max(x2, x + 1)
+        self.c.cas(s + K.S_V0, v + base, pack(x2, g2, full or g + 1 >= self.ring) + base)
+
+    def _count(self, s: int, v: int, now: int, wu: int) -> Tuple[int, int, int, int]:
+        """The committed log under V0 = v at ``now`` (1/32 ms): (grants in the window, their hits,
+        the oldest one's time (0 with none), the newest entry).  At most ``ring - 2`` grants are
+        ever in a window (``acquire_entry`` refuses the next), so the newest entry out of it is
+        kept."""
+        c = self.c
+        _, full, g = unpack(v)
+        avail = self.ring - 1 if full else g
+        newest = c.load(self._log(s, g - 1))
+        # entries j = 0 (newest) .. avail - 1 (oldest); those in the window (now <= t + W) come first
+        lo, hi = 0, avail
+        while lo < hi:
+            mid = (lo + hi) // 2
+            if (c.load(self._log(s, g - 1 - mid)) >> E_TSHIFT & E_TMAX) + wu >= now:
+                lo = mid + 1
+            else:
+                hi = mid
+        k = lo
+        if k < avail:
+            base = c.load(self._log(s, g - 1 - k)) & E_CUM
+        elif full:  # only against a clock read before the newest grants: at least the kept ones
+            base = (c.load(self._log(s, g - avail)) - 1) & E_CUM
+        else:
+            base = 0  # every grant of the key is in the window
+        oldest = 0 if k == 0 else c.load(self._log(s, g - k)) >> E_TSHIFT & E_TMAX
+        return k, (newest - base) & E_CUM, oldest, newest
+
+    def _pending(self, s: int, v: int, base: int, wu: int) -> Optional[int]:
+        """The word of entry ``g`` (V0's) while grant ``g`` is not written; None if it is though
+        V0 does not say so yet, after moving V0 on for its writer (whoever that was: it may have
+        died between its two CASes).  A grant CASes over exactly this word: one read, so that a
+        grant written meanwhile is never overwritten."""
+        g = unpack(v)[2]
+        e = self.c.load(self._log(s, g))
+        if bool(e & E_LAP) != bool(self._lap(g)):
+            return e
+        self._advance(s, v, base, e >> E_TSHIFT & E_TMAX, wu)
+        return None
+
+    @staticmethod
+    def _check_limit(limit: object) -> int:
+        if isinstance(limit, bool) or not isinstance(limit, int) or not 0 <= limit <= MOVING_MAX:
+            raise ValueError(
+                f"limit must be an int from 0 to {MOVING_MAX} (hits per moving window), "
+                f"got {limit!r}"
+            )
+        return limit
+
+    def acquire_entry(self, key: object, limit: int, expiry: float, amount: int = 1) -> bool:
+        """Count ``amount`` hits for ``key`` now iff its hits in the last ``expiry`` seconds plus
+        ``amount`` stay within ``limit``; check and count are one step for every process."""
+        w, amount, limit = window_ms(expiry), _amount(amount), self._check_limit(limit)
+        if amount > limit:
+            return False
+        ns, now = self._now()
+        nu, wu = ns // E_NS, w * 32
+        d, home, data = self._key(b"M", key)
+        c = self.c
+
+        def fill(slot: int, gen: int) -> None:
+            # every word of the log: the first grant, then wipes tagged with this tenant's
+            # generation (a time no grant has), so no entry of a previous tenant is ever read
+            wipe = _entry(1, E_TMAX, gen)
+            for i in range(1, self.ring):
+                c.store(self._log(slot, i), wipe)
+            c.store(self._log(slot, 0), _entry(0, nu, amount))
+
+        while True:
+            s, ctl = self.t.find(d, home)
+            if s is None:
+                # a new key's log is empty: amount <= limit is granted by the insert itself
+                ctl = self._insert(d, home, now, pack(-(-(nu + wu + 1) // 32), 1), w, data, fill)
+                if ctl:
+                    return True
+                os.sched_yield()  # lost a race, often to an insert of the same key: let it finish
+                continue
+            while True:
+                got = self.t.value(s, ctl)
+                if got is None:
+                    break
+                v, base = got
+                e = self._pending(s, v, base, wu)
+                if e is None:
+                    continue
+                g = unpack(v)[2]
+                k, hits, _, newest = self._count(s, v, nu, wu)
+                if c.load(s + K.S_V0) != v + base:
+                    continue
+                # ring - 2 grants in the window: the log holds no more (the newest one out of the
+                # window must stay for the count), so the next is refused until the oldest leaves
+                if hits + amount > limit or k >= self.ring - 2:
+                    return False
+                t = max(nu, newest >> E_TSHIFT & E_TMAX)
+                if not c.cas(
+                    self._log(s, g), e, _entry(self._lap(g), t, (newest & E_CUM) + amount)
+                ):
+                    continue
+                self._advance(s, v, base, t, wu)
+                return True
+
+    def moving_window(self, key: object, expiry: float) -> Tuple[Optional[float], int]:
+        """``(seconds since the oldest hit in the window, hits in the window)`` for ``key`` now;
+        ``(None, 0)`` when it has none.  Writes only to finish a grant whose writer has not
+        moved V0 on yet (a grant counts from its entry on)."""
+        wu = window_ms(expiry) * 32
+        ns, _ = self._now()
+        d, home, _ = self._key(b"M", key)
+        while True:
+            s, ctl = self.t.find(d, home)
+            if s is None:
+                return None, 0
+            got = self.t.value(s, ctl)
+            if got is None:
+                continue
+            v, base = got
+            if self._pending(s, v, base, wu) is None:
+                continue
+            k, hits, oldest, _ = self._count(s, v, ns // E_NS, wu)
+            if self.c.load(s + K.S_V0) != v + base:
+                continue
+            if not k:
+                return None, 0
+            return max(0.0, (ns - oldest * E_NS) / 1e9), hits
+
+    def clear_moving(self, key: object) -> bool:
+        """Forget ``key``'s moving window: its next hit starts a new log."""
+        d, home, _ = self._key(b"M", key)
+        return self._evict(d, home)
