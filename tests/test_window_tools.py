@@ -27,16 +27,17 @@ def table(name):
 
 def _fill(t):
     for _ in range(5):
-        t.incr("LIMITER/a/3/1/minute", 60)
+        t.incr("LIMITER/a/3/1/minute", 60, limit=3)
     for _ in range(7):
         t.acquire_sliding("LIMITER/b/5/10/second", 5, 10)
-    return 5 + 5  # the fixed window's 5 hits, and the sliding window's 5 granted ones
+    return 3 + 5  # the hits granted: 3 of the fixed window's 5, 5 of the sliding window's 7
 
 
 def test_inspect_shows_windows_keys_and_the_hits_counted(table, name):
     hits = _fill(table)
     s = shmlimit.inspect(name)
     assert s.kind == "windows" and s.keys == 2 and s.slots == 512 and s.grants == hits
+    assert s.hits == 5 + 7  # every hit asked, granted or not
     assert [(p.pid, p.alive, p.grants) for p in s.processes] == [(os.getpid(), True, hits)]
     r = cli("inspect", name)
     assert r.returncode == 0, r.stderr
@@ -133,6 +134,7 @@ def test_metrics_give_a_window_table_no_rate(table, name):
         for f in families([name])
     }
     assert fams["shmlimit_grants"][name] == hits and fams["shmlimit_processes"][name] == 1
+    assert fams["shmlimit_window_hits"][name] == 12
     assert fams["shmlimit_keyed_keys"][name] == 2
     assert (
         name not in fams["shmlimit_rate_ops_per_second"]
@@ -172,7 +174,7 @@ def test_forked_users_are_listed_on_first_use_and_a_killed_one_as_dead(table, na
         os.kill(pids[1], signal.SIGKILL)
         os.waitpid(pids[1], 0)
         assert _listed(name) == {os.getpid(): True, pids[1]: False, pids[2]: True}
-        assert shmlimit.inspect(name).grants == 3  # the dead one's hit stays counted
+        assert shmlimit.inspect(name).hits == 3  # the dead one's hit stays counted
     finally:
         os.write(w_end, b"xxx")
         kill_all(pids)
@@ -196,3 +198,29 @@ def test_gc_and_doctor_count_unused_keyed_tables_as_stale(name, monkeypatch):
     out = run_tools_on(monkeypatch, name, "gc")[1]
     assert f"removed: {windows}" in out and f"removed: {keyed}" in out
     assert not {windows, keyed} & set(shmlimit.list_names())
+
+
+@pytest.mark.parametrize("strategy", ["fixed-window", "sliding-window-counter", "moving-window"])
+def test_metrics_count_grants_and_hits_apart(name, strategy):
+    """10 granted of 50 hits: shmlimit_grants_total says 10, shmlimit_window_hits_total 50."""
+    limits = pytest.importorskip("limits")
+    parser = pytest.importorskip("prometheus_client.parser")
+    import shmlimit.integrations.limits  # noqa: F401  (registers shm://)
+    from shmlimit.cli import metrics
+
+    store = limits.storage.storage_from_string(f"shm://{name}?keys=64&moving_keys=8")
+    try:
+        limiter = limits.strategies.STRATEGIES[strategy](store)
+        item = limits.parse("10/minute")
+        assert sum(limiter.hit(item, "client") for _ in range(50)) == 10
+        text = metrics.exposition(metrics.families([name]))
+    finally:
+        store.table.close()
+    values, helps = {}, {}
+    for fam in parser.text_string_to_metric_families(text):
+        helps[fam.name] = fam.documentation
+        for sample in fam.samples:
+            values[(sample.name, sample.labels.get("limiter"))] = sample.value
+    assert values[("shmlimit_grants_total", name)] == 10
+    assert values[("shmlimit_window_hits_total", name)] == 50
+    assert "granted" in helps["shmlimit_grants"] and "refused" in helps["shmlimit_window_hits"]

@@ -21,8 +21,9 @@ the first by name; what is left out is counted in
 that apply to them (grants, rate, capacity, processes) and have their own
 (``shmlimit_keyed_*``: live keys, slots, evictions, refusals of new keys).
 A table of window counters (the ``limits`` storage ``shm://``) has no rate of
-its own: it gets grants (the hits its users counted), processes and the
-``shmlimit_keyed_*`` families but overrides, never a rate or capacity of 0.
+its own: it gets grants (the hits it granted), ``shmlimit_window_hits`` (every
+hit asked, granted or refused), processes and the ``shmlimit_keyed_*`` families
+but overrides, never a rate or capacity of 0.
 """
 
 from __future__ import annotations
@@ -67,7 +68,7 @@ _LIMITER_METRICS = (
     (
         "shmlimit_grants",
         "counter",
-        "Ops granted by every process that ever attached.",
+        "Ops granted by every process that ever attached (a limits storage: hits granted).",
         lambda s: s.grants,
     ),
     (
@@ -334,6 +335,15 @@ def families_of(
         for k in limiters if name in _NOT_WINDOWS else keyed:
             fam.samples.append(((("limiter", k.name),), float(getattr(k, attr))))
         out.append(fam)
+    hits = Family(
+        "shmlimit_window_hits",
+        "counter",
+        "Hits asked of a limits storage (shm://), granted or refused.",
+    )
+    for k in keyed:
+        if k.hits is not None:
+            hits.samples.append(((("limiter", k.name),), float(k.hits)))
+    out.append(hits)
     out.append(
         Family(
             "shmlimit_unreadable_segments",

@@ -32,7 +32,7 @@ from __future__ import annotations
 import asyncio
 import time
 import urllib.parse
-from typing import Any, Dict, Tuple, Type, Union
+from typing import Any, Dict, Optional, Tuple, Type, Union
 
 from shmlimit.errors import MissingExtraError, ShmlimitError
 
@@ -48,6 +48,23 @@ except ImportError:  # pragma: no cover - older limits: fixed windows only
     _Sliding = object  # type: ignore[assignment,misc]
 
 
+#: The granularities' names ``RateLimitItem.key_for`` ends a key with.
+_GRANULARITIES = frozenset(("year", "month", "day", "hour", "minute", "second"))
+
+
+def limit_of(key: str) -> Optional[int]:
+    """The limit (hits per window) a ``limits`` key names: ``RateLimitItem.key_for`` ends its keys
+    with ``/amount/multiples/granularity``.  None for a key of another form.
+
+    A fixed window's storage is told the key and the hits only (the strategy compares the count
+    with the limit itself): this is how the table counts the hits it granted apart from those
+    it refused."""
+    parts = key.rsplit("/", 3)
+    if len(parts) == 4 and parts[1].isdigit() and parts[2].isdigit() and parts[3] in _GRANULARITIES:
+        return int(parts[1])
+    return None
+
+
 def _window_start(table: WindowTable, key: str, expiry: float) -> Tuple[float, int]:
     """``get_moving_window``'s answer: (when the oldest hit in the window was, as a
     ``time.time()`` timestamp -- now if there is none --, hits in the window)."""
@@ -56,7 +73,7 @@ def _window_start(table: WindowTable, key: str, expiry: float) -> Tuple[float, i
     return (now if age is None else now - age), hits
 
 
-__all__ = ["AsyncShmStorage", "ShmStorage", "parse_uri"]
+__all__ = ["AsyncShmStorage", "ShmStorage", "limit_of", "parse_uri"]
 
 
 _OPTIONS = ("keys", "mode", "when_full", "store_keys", "moving_keys", "moving_log")
@@ -141,7 +158,7 @@ class ShmStorage(Storage, MovingWindowSupport, _Sliding):  # type: ignore[misc,v
         """Add ``amount`` to ``key``'s window of ``expiry`` seconds; the count after it."""
         if elastic_expiry:
             raise NotImplementedError("the shm:// storage has no elastic expiry (use fixed-window)")
-        return self.table.incr(key, expiry, amount)
+        return self.table.incr(key, expiry, amount, limit_of(key))
 
     def get(self, key: str) -> int:
         return self.table.get(key)
@@ -220,7 +237,7 @@ if _AsyncStorage is not None:
 
         async def incr(self, key: str, expiry: float, amount: int = 1) -> int:
             """Add ``amount`` to ``key``'s window of ``expiry`` seconds; the count after it."""
-            return self.table.incr(key, expiry, amount)
+            return self.table.incr(key, expiry, amount, limit_of(key))
 
         async def get(self, key: str) -> int:
             return self.table.get(key)

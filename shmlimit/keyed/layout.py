@@ -10,7 +10,8 @@ A keyed segment holds many independent limits, one per key, in a table of
     line  4  EVICTED    keys given up to make room (expired, or the least valuable: see CUT)
     line  5  REFUSED    new keys refused: every slot of their window held a limited key
     line  6  OVR_LIVE   live overrides (the override table is probed only when nonzero)
-    line  7  UNREG_GRANTS: grants of processes beyond the process table
+    line  7  UNREG_GRANTS: grants of processes beyond the process table; UNREG_HITS: their hits
+             asked (a table of window counters: granted or not)
     line  8  -, then the default rate's bank B: RATE PER BURST T TAU GEN SUM
     line  9  CUT        of EVICTED, keys still limited when given up (each lost its remaining debt)
     lines 10..15 reserved (zero)
@@ -103,6 +104,11 @@ REFUSED = 5 * LINE
 CUT = 9 * LINE
 OVR_LIVE = 6 * LINE
 UNREG_GRANTS = 7 * LINE
+UNREG_HITS = 7 * LINE + 8
+#: A table of window counters counts each process's hits asked (granted or not) in this word of
+#: its process slot (a Limiter's ticket record, unused in a keyed segment), and its grants in
+#: GRANTS: each only ever grows, across the slot's owners, as GRANTS does.
+P_HITS = 48
 
 HEADER_BYTES = 16 * LINE
 PSLOTS = 128

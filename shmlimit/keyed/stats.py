@@ -56,11 +56,15 @@ class KeyedStats:
     backend: str
     #: "keyed" (a KeyedLimiter), or "windows": a table of window counters (the ``limits`` storage
     #: ``shm://``), with no rate of its own (rate, per, capacity 0); its ``grants`` are the hits
-    #: its users counted (each fixed-window hit, each granted sliding-window hit)
+    #: it granted (a fixed-window hit within the limit its ``limits`` key names, a granted
+    #: sliding- or moving-window hit)
     kind: str = "keyed"
     #: of ``evicted``, keys still limited when a new key took their slot (the table was full
     #: there: each lost its remaining debt; a nonzero count says the table is too small)
     cut: int = 0
+    #: a table of window counters: every hit asked of it, granted or refused (None for a
+    #: KeyedLimiter, whose refusals take nothing)
+    hits: Optional[int] = None
 
     @property
     def bytes_per_key(self) -> float:
@@ -92,6 +96,14 @@ def snapshot_of(name: str, c: Cells, geo: Geometry, size: int) -> KeyedStats:
         backend=c.backend,
         kind="windows" if geo.kind == K.KIND_WINDOWS else "keyed",
         cut=c.load(K.CUT),
+        hits=_hits(c) if geo.kind == K.KIND_WINDOWS else None,
+    )
+
+
+def _hits(c: Cells) -> int:
+    """A window table's hits: those of processes beyond the process table, and every slot's."""
+    return c.load(K.UNREG_HITS) + sum(
+        c.load(K.HEADER_BYTES + i * K.LINE + K.P_HITS) for i in range(K.PSLOTS)
     )
 
 

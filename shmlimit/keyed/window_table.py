@@ -160,7 +160,10 @@ class WindowTable:
 
     def _joined(self, pid: int, slot: Optional[int]) -> None:
         self._slot, self._pid = slot, pid
-        self._hits = K.UNREG_GRANTS if slot is None else K.HEADER_BYTES + slot * K.LINE + 16
+        line = None if slot is None else K.HEADER_BYTES + slot * K.LINE
+        # hits granted in the slot's GRANTS word, every hit asked in its P_HITS word
+        self._grants = K.UNREG_GRANTS if line is None else line + 16
+        self._hits = K.UNREG_HITS if line is None else line + K.P_HITS
 
     def _register(self) -> None:
         """A forked child's first use: it registers as itself, in the table still under the name."""
@@ -168,7 +171,7 @@ class WindowTable:
             pid = os.getpid()
             if self._pid == pid:
                 return
-            self._slot, self._hits = None, K.UNREG_GRANTS  # the parent's slot is not ours
+            self._joined(self._pid, None)  # the parent's slot is not ours
             seg = self._seg
             if seg is not None and not gone(self._name, seg.inode, self._cells):
                 start = proc_start(pid)
@@ -183,9 +186,12 @@ class WindowTable:
                 "it unused (no live process was registered); open it again"
             )
 
-    def _count(self, hits: int) -> None:
+    def _count(self, hits: int, granted: int) -> None:
+        """Count ``hits`` asked, ``granted`` of them granted, in this process's words."""
         if hits:
             self._cells.fetch_add(self._hits, hits)
+        if granted:
+            self._cells.fetch_add(self._grants, granted)
 
     @property
     def name(self) -> str:
@@ -219,11 +225,15 @@ class WindowTable:
 
     # The counters (see keyed_windows.WindowCounters for the exact semantics).
 
-    def incr(self, key: object, expiry: float, amount: int = 1) -> int:
-        """Add ``amount`` hits to ``key``'s fixed window of ``expiry`` seconds; its count after that."""
+    def incr(self, key: object, expiry: float, amount: int = 1, limit: Optional[int] = None) -> int:
+        """Add ``amount`` hits to ``key``'s fixed window of ``expiry`` seconds; its count after that.
+
+        With ``limit`` (hits per window, as the caller will compare the count with it), the
+        hits are counted as granted when the count stays within it (the table's ``grants``);
+        without, they are counted as hits only."""
         self._live()
         count = self.counters.incr(key, expiry, amount)
-        self._count(amount)
+        self._count(amount, amount if limit is not None and count <= limit else 0)
         return count
 
     def get(self, key: object) -> int:
@@ -245,8 +255,7 @@ class WindowTable:
         """Count ``amount`` hits in ``key``'s sliding window of ``expiry`` seconds iff the estimate stays <= limit."""
         self._live()
         granted = self.counters.acquire_sliding(key, limit, expiry, amount)
-        if granted:
-            self._count(amount)
+        self._count(amount, amount if granted else 0)
         return granted
 
     def sliding(self, key: object, expiry: float):
@@ -271,8 +280,7 @@ class WindowTable:
         """Count ``amount`` hits for ``key`` iff its hits in the last ``expiry`` seconds plus
         ``amount`` stay within ``limit`` (at most ``MOVING_MAX``): the moving window."""
         granted = self._moving().acquire_entry(key, limit, expiry, amount)
-        if granted:
-            self._count(amount)
+        self._count(amount, amount if granted else 0)
         return granted
 
     def moving_window(self, key: object, expiry: float) -> Tuple[Optional[float], int]:
