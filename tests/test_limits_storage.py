@@ -211,3 +211,20 @@ def test_flask_limiter_short_windows_under_gunicorn(name, tmp_path):
             windows[reset] = windows.get(reset, 0) + 1
     assert windows and max(windows.values()) <= 5
     assert sum(s == 429 for s, _, _ in results) >= 100
+
+
+@pytest.mark.parametrize("strategy", ["fixed-window", "sliding-window-counter", "moving-window"])
+@pytest.mark.parametrize("rate", ["20000000/day", f"{2**32}/day"])
+def test_a_limit_above_the_bound_is_refused_by_name(name, strategy, rate):
+    """Above its documented bound a limit is a ValueError naming the bound, never a silent cap
+    (a fixed window's count would have stopped at 2^24 - 1 and granted no more than that)."""
+    s = storage.storage_from_string(f"shm://{name}?keys=64&moving_keys=8")
+    try:
+        limiter = strategies.STRATEGIES[strategy](s)
+        bound = 2**20 - 1 if strategy == "moving-window" else 2**24 - 1
+        with pytest.raises(ValueError, match=f"at most {bound}|from 0 to {bound}"):
+            limiter.hit(parse(rate), "k")
+        assert limiter.hit(parse(f"{bound}/day"), "k", cost=bound)  # the bound itself holds
+        assert not limiter.hit(parse(f"{bound}/day"), "k")
+    finally:
+        s.table.close()

@@ -19,10 +19,12 @@ window keeps a log per key in slots of its own: ``moving_keys`` of them
 (default 1024), each logging up to ``moving_log - 2`` grants in one window
 (default 256 words: 254 grants; 64 + 8 * moving_log bytes a key); a key with
 that many grants in its window is refused more until the oldest leaves, never
-granted more than its limit.  Bounds, beside ``limits``' own: a fixed window
-counts up to 16 777 215 hits (then answers "over"), a sliding-window-counter
-limit is at most 16 777 215 hits and a moving-window one at most 1 048 575
-(a larger one is a ``ValueError`` at its first hit), windows up to about 1.1 years.  Tested with
+granted more than its limit.  Bounds, beside ``limits``' own: a fixed-window or
+sliding-window-counter limit is at most 16 777 215 hits per window (2^24 - 1:
+``20000000/day`` is refused) and a moving-window one at most 1 048 575 (2^20 - 1);
+a larger limit is a ``ValueError`` naming the bound at its first hit (a
+fixed window counted through ``WindowTable.incr`` directly stops at 16 777 215
+and answers "over"); windows up to about 1.1 years.  Tested with
 limits 5.8; written for limits >= 3 (the fixed window; the sliding window
 counter exists from 4.1).
 """
@@ -40,7 +42,7 @@ try:
     from limits.storage import MovingWindowSupport, Storage
 except ImportError as e:  # without the limits extra: say what installs it
     raise MissingExtraError(__name__, "limits", e) from e
-from shmlimit.keyed.window_table import WindowTable
+from shmlimit.keyed.window_table import CMAX, WindowTable
 
 try:  # limits >= 4.1
     from limits.storage import SlidingWindowCounterSupport as _Sliding
@@ -63,6 +65,17 @@ def limit_of(key: str) -> Optional[int]:
     if len(parts) == 4 and parts[1].isdigit() and parts[2].isdigit() and parts[3] in _GRANULARITIES:
         return int(parts[1])
     return None
+
+
+def _fixed_limit(key: str) -> Optional[int]:
+    """The limit of a fixed-window key, refused (ValueError) above what a window counts: its
+    count would stop at ``CMAX`` and grant no more than that, whatever the limit said."""
+    limit = limit_of(key)
+    if limit is not None and limit > CMAX:
+        raise ValueError(
+            f"limit must be at most {CMAX} hits per window on shm://, got {limit} (key {key!r})"
+        )
+    return limit
 
 
 def _window_start(table: WindowTable, key: str, expiry: float) -> Tuple[float, int]:
@@ -158,7 +171,7 @@ class ShmStorage(Storage, MovingWindowSupport, _Sliding):  # type: ignore[misc,v
         """Add ``amount`` to ``key``'s window of ``expiry`` seconds; the count after it."""
         if elastic_expiry:
             raise NotImplementedError("the shm:// storage has no elastic expiry (use fixed-window)")
-        return self.table.incr(key, expiry, amount, limit_of(key))
+        return self.table.incr(key, expiry, amount, _fixed_limit(key))
 
     def get(self, key: str) -> int:
         return self.table.get(key)
@@ -237,7 +250,7 @@ if _AsyncStorage is not None:
 
         async def incr(self, key: str, expiry: float, amount: int = 1) -> int:
             """Add ``amount`` to ``key``'s window of ``expiry`` seconds; the count after it."""
-            return self.table.incr(key, expiry, amount, limit_of(key))
+            return self.table.incr(key, expiry, amount, _fixed_limit(key))
 
         async def get(self, key: str) -> int:
             return self.table.get(key)
