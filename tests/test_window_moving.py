@@ -312,3 +312,20 @@ def test_a_writer_of_an_evicted_key_never_lands_on_the_next_tenant(backend):
     assert not done and before == after
     assert a.moving_window("old", 1.0) == (0.0, 1)  # a new log: the evicted one's hit is gone
     assert a.c.load(K.EVICTED) == 2  # "old" for "new", then "new" for "old" again
+
+
+@pytest.mark.parametrize(
+    "off, value",
+    [(K.MRING_OFF, 100), (K.MRING_OFF, 1 << 16), (K.MKEYS_OFF, 11), (K.MKEYS_OFF, 1 << 40)],
+)
+def test_a_hostile_moving_region_is_refused(name, off, value):
+    """A header whose moving-window region is not one we write (a ring that is no power of two
+    or too large, more logs than the file holds) is refused before anything is mapped on it."""
+    from shmlimit.errors import SegmentError
+
+    WindowTable(name, keys=64, moving_keys=10, moving_log=32).close()
+    with open(f"/dev/shm/shmlimit.{name}", "r+b") as f:
+        f.seek(off)
+        f.write(value.to_bytes(8, "little"))
+    with pytest.raises(SegmentError, match="corrupt"):
+        WindowTable(name)
