@@ -73,8 +73,10 @@ def test_async_sliding_window_counter_weights_the_previous_window(name):
 
 
 def test_async_errors_are_wrapped_on_request(name):
-    store = storage.storage_from_string(f"async+shm://{name}?keys=32", wrap_exceptions=True)
-    raw = storage.storage_from_string(f"async+shm://{name}?keys=32")
+    store = storage.storage_from_string(
+        f"async+shm://{name}?keys=32&when_full=refuse", wrap_exceptions=True
+    )
+    raw = storage.storage_from_string(f"async+shm://{name}?keys=32&when_full=refuse")
     try:
 
         async def fill(s, prefix):

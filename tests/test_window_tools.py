@@ -84,7 +84,7 @@ def test_sampled_windows_follow_the_clock(name):
     clock = FakeClock(
         time.monotonic_ns() // 10**6 * 10**6
     )  # on a whole millisecond, as the counters count
-    t = WindowTable(name, keys=64, clock=clock)
+    t = WindowTable(name, keys=64, clock=clock, store_keys=True)
 
     def sample():
         return {
