@@ -329,3 +329,48 @@ def test_a_hostile_moving_region_is_refused(name, off, value):
         f.write(value.to_bytes(8, "little"))
     with pytest.raises(SegmentError, match="corrupt"):
         WindowTable(name)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@settings(max_examples=60, deadline=None)
+@given(ops=OPS)
+def test_evicting_loses_only_the_log_whose_window_ends_first(backend, ops):
+    """Three keys over two slots (both in every key's window), evicting: each answer is the
+    exact sliding log's, where a key evicted starts a new log; and a key is only ever lost
+    when its window ended, or as the live key whose V0 (window end, then grants) is least."""
+    m = Mapping(2, 8)
+    clock = FakeClock()
+    p = m.process(backend, clock)
+    model = Model(8)
+    v0 = {}  # key -> the value its V0 holds: (window end in ms, FULL, grants since inserted)
+
+    def present(key):
+        d, home, _ = p._key(b"M", key)
+        return p.t.find(d, home)[0] is not None
+
+    for op, _, key, amount, limit, dt in ops:
+        clock.advance(dt * (1 if key != "a" else 25))
+        w = WINDOWS[key]
+        if op == "look":
+            assert p.moving_window(key, w / 1000) == model.moving_window(key, w, clock.now)
+            continue
+        if op == "clear":
+            p.clear_moving(key)
+            model.clear(key)
+            v0.pop(key, None)
+            continue
+        before = {k for k in KEYS if present(k)}
+        assert before == set(v0)
+        want = model.acquire(key, limit, w, amount, clock.now)
+        assert p.acquire_entry(key, limit, w / 1000, amount) == want, (key, amount, limit)
+        now_ms = clock.now // 1_000_000
+        for gone in before - {k for k in KEYS if present(k)}:
+            live = [v0[k] for k in before - {key} if v0[k][0] > now_ms]
+            assert v0[gone][0] <= now_ms or v0[gone] == min(live), (gone, v0)
+            model.clear(gone)
+            del v0[gone]
+        if want:
+            t = model.logs[key][-1][0]
+            end = -(-(t + w * 32 + 1) // 32)
+            x, _, g = v0.get(key, (0, False, 0))
+            v0[key] = (max(x, end), g + 1 >= 8, g + 1)
