@@ -83,8 +83,9 @@ def _fill(app, get, clients=4, each=3):
 @pytest.mark.parametrize("kind", ["asgi", "wsgi"])
 def test_a_full_tables_refusal_says_when_a_slot_frees(name, kind):
     """A new client refused by a full table got r=<capacity> and Retry-After: 1 while every slot
-    stayed held for 3 s (60 s in the issue's case); now r=0 and the seconds until a slot frees."""
-    lim = shmlimit.KeyedLimiter(name, rate=1, per=1.0, burst=3, keys=4)
+    stayed held for 3 s (60 s in the issue's case); now r=0 and the seconds until a slot frees.
+    (A table that refuses new keys when full: by default it evicts, and the new client is served.)"""
+    lim = shmlimit.KeyedLimiter(name, rate=1, per=1.0, burst=3, keys=4, when_full="refuse")
     app = (ASGILimit if kind == "asgi" else WSGILimit)(
         _hello_wsgi if kind == "wsgi" else _hello, lim
     )
@@ -132,7 +133,7 @@ def test_following_the_headers_is_always_granted(name):
     assert _follow(asgi_get, app, "10.0.0.1", 6).count(200) == 6
     lim.close()
     shmlimit.unlink(name)
-    lim = shmlimit.KeyedLimiter(name, rate=1, per=1.0, burst=3, keys=4)
+    lim = shmlimit.KeyedLimiter(name, rate=1, per=1.0, burst=3, keys=4, when_full="refuse")
     app = ASGILimit(_hello, lim)
     _fill(app, asgi_get)
     seen = _follow(asgi_get, app, "10.9.9.9", 3, promised=False)
