@@ -64,9 +64,7 @@ def test_top_shows_the_fullest_windows_and_their_counts(table, name):
     assert "rate 0" not in r.stdout and f"windows: a limits storage (shm://{name})" in r.stdout
     assert "keys 2/512" in r.stdout and f"hits {hits}" in r.stdout and "STALE" not in r.stdout
     fixed = next(line for line in r.stdout.splitlines() if "LIMITER/a/3/1/m..." in line).split()
-    sliding = next(
-        line for line in r.stdout.splitlines() if "LIMITER/b/5/10/..." in line
-    ).split()
+    sliding = next(line for line in r.stdout.splitlines() if "LIMITER/b/5/10/..." in line).split()
     assert fixed[1:4] == ["fixed", "5", "-"] and sliding[1:4] == ["sliding", "5", "0"]
     assert 0 < float(fixed[4]) <= 60.001 and 0 < float(sliding[4]) <= 10.001
     snap = json.loads(cli("top", name, "--once", "--json", "--interval", "0.05").stdout)
