@@ -86,6 +86,8 @@ def _stop(celery_tasks, worker):
     sys.modules.pop("celery_tasks", None)
 
 
+# the pool's run rate in real seconds: elapsed < 5 * TASKS_N / RATE
+@pytest.mark.slow
 def test_prefork_pool_shares_one_rate(name, own_redis, tmp_path, monkeypatch):
     celery_tasks, worker = _worker(name, own_redis, tmp_path, monkeypatch)
     try:

@@ -53,6 +53,8 @@ def test_user_mistakes_are_one_line_and_exit_2(args):
     assert len([line for line in r.stderr.splitlines() if line.startswith("shmlimit")]) >= 1
 
 
+# the demo's achieved rate over 1.5 real seconds
+@pytest.mark.slow
 def test_demo_reports_achieved_rate_within_the_bound():
     stolen0 = steal_seconds()
     r = run("demo", "--workers", "3", "--rate", "300", "--seconds", "1.5")

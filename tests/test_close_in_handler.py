@@ -91,6 +91,8 @@ def queued_limiter(name):
     return lim, att
 
 
+# how long close takes inside the handler, in real time (< 0.5 s)
+@pytest.mark.slow
 def test_a_signal_handlers_close_inside_its_threads_record_write_leaves_the_slot_when_it_ends(name):
     lim, att = queued_limiter(name)
     records, slot = att.records, att.slot
@@ -133,6 +135,8 @@ def test_a_signal_handlers_close_inside_its_threads_record_write_leaves_the_slot
             att.detach()
 
 
+# how long close takes inside the handler, in real time (< 0.5 s)
+@pytest.mark.slow
 @pytest.mark.skipif(
     selected_backend() != "atomics",
     reason="the native grab runs whole under the GIL: no signal handler runs inside it",

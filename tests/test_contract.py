@@ -181,6 +181,8 @@ def test_try_acquire_grants_the_burst_then_refuses_at_once(make):
     _empty(h, make.kind, BURST)
 
 
+# how long a refusal takes, in real time (< 0.5 s)
+@pytest.mark.slow
 def test_a_timed_acquire_returns_false_at_once_when_the_wait_exceeds_it(make):
     h = make()
     _empty(h, make.kind, BURST)

@@ -63,6 +63,8 @@ def test_a_python_waiter_behind_a_fence_is_due_when_it_lifts(name):
         lim.close()
 
 
+# the native wait's naps over 0.2 real seconds, ended before a promise ~0.5 s away
+@pytest.mark.slow
 def test_a_native_waiter_behind_a_fence_sleeps_until_it_lifts(name):
     """The native wait's deadline counts the fence too: waiting 0.2 s behind a fence that lifts in
     about 0.5 s, it sleeps once (or twice), where a deadline at the head's linear time had it wake

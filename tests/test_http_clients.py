@@ -182,6 +182,8 @@ def test_bad_parameters(name, kwargs, err):
     lim.close()
 
 
+# three requests at 10/s within 1 real second
+@pytest.mark.slow
 def test_keyed_limiter_throttles_and_pauses_per_host(name):
     lim = shmlimit.KeyedLimiter(name, rate=10, burst=1, keys=64)
 

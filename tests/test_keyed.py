@@ -72,6 +72,8 @@ def test_acquire_waits_for_its_turn_never_less(name):
     lim.close()
 
 
+# a 1 ms timeout against a turn 20 ms away, both real time
+@pytest.mark.slow
 def test_acquire_async(name):
     lim = shmlimit.KeyedLimiter(name, rate=50, burst=1, keys=100)
 

@@ -85,6 +85,8 @@ def test_asgi_keyed_by_client_address_by_default(name):
     lim.close()
 
 
+# the event loop's ticks per real second while requests wait
+@pytest.mark.slow
 def test_asgi_wait_mode_queues_without_blocking_the_loop(name):
     lim = shmlimit.Limiter(name, rate=20, burst=1)
     app = ASGILimit(_hello, limiter=lim, max_wait=2.0)

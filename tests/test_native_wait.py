@@ -373,6 +373,8 @@ def test_a_signal_during_a_one_call_acquire(name, sig):
         p.wait()
 
 
+# refills at real due instants: a late one counts starved time
+@pytest.mark.slow
 def test_the_native_replenish_claims_again_past_the_request_its_words_name(name):
     """The native twin of test_bucket's longer-request case, on the real clock (``refill``: both
     claims, as a waiter's and the filler's): one op, then five, at 100/s, burst 5.  The refill

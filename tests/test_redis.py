@@ -198,6 +198,8 @@ def test_script_flush_mid_run_is_survived(R, redis_server, name):
     assert s.script_loads == 1 and s.grants == 10 and s.errors == 0
 
 
+# how long a call to a stopped server takes to fail, in real time (< 2 s)
+@pytest.mark.slow
 def test_restart_mid_run_fails_fast_then_recovers(R, own_redis, name):
     lim = R.RedisLimiter(name, rate=1000, url=own_redis.url, timeout=0.25)
     assert lim.acquire()
@@ -270,6 +272,8 @@ def run_workers(name, count, seconds, script=WORKER):
     return collect(procs)
 
 
+# grants per real second of four processes
+@pytest.mark.slow
 def test_four_processes_on_the_direct_limiter_keep_the_rate(R, redis_server, name):
     rate, burst, seconds = 100, 5, 3.0
     grace = R.DEFAULT_GRACE
@@ -296,6 +300,8 @@ def test_four_processes_on_the_direct_limiter_keep_the_rate(R, redis_server, nam
     assert len(stamps) >= 0.95 * rate * seconds - expired - rate * (least(delays) + server)
 
 
+# grants per real second of two hosts
+@pytest.mark.slow
 def test_two_hosts_share_one_global_rate(R, redis_server, name):
     """Two shared-memory limiters (two "hosts"), two workers each, one Redis key."""
     rate, burst, seconds, ttl = 400, 40, 3.0, 0.1
@@ -356,6 +362,8 @@ def test_two_hosts_share_one_global_rate(R, redis_server, name):
     assert total_leased <= rate * (seconds + 2) + burst  # Redis never handed out more than the rate
 
 
+# the first lease from Redis within 1 real second
+@pytest.mark.slow
 def test_hierarchical_mode_validates_and_matches_its_upstream(R, redis_server, name):
     url = redis_server.url
     lim = shmlimit.Limiter(name, rate=50, upstream=url)
@@ -389,6 +397,8 @@ def _grants_in(lim, seconds):
     return n
 
 
+# grants per real second in each fallback, and leases expiring in real time
+@pytest.mark.slow
 @pytest.mark.parametrize("mode", ["closed", "local", "open"])
 def test_on_redis_error_modes(R, own_redis, name, mode):
     rate = 100
@@ -425,6 +435,8 @@ def test_on_redis_error_modes(R, own_redis, name, mode):
         lim.close()
 
 
+# leased tokens void within lease_ttl + 1 real second
+@pytest.mark.slow
 def test_leased_tokens_expire_and_every_leased_op_is_accounted_for(R, redis_server, name):
     rate, ttl = 1000, 0.1
     glob = R.RedisLimiter(name, rate=rate, burst=100, url=redis_server.url)
@@ -455,6 +467,8 @@ SLOW = WORKER.replace(
 )
 
 
+# batch sizes that follow each host's demand per real second
+@pytest.mark.slow
 def test_busy_hosts_lease_bigger_batches(R, redis_server, name):
     rate, burst, seconds = 1000, 200, 2.0
     glob = R.RedisLimiter(name, rate=rate, burst=burst, url=redis_server.url)
@@ -477,6 +491,8 @@ def test_busy_hosts_lease_bigger_batches(R, redis_server, name):
     assert b.leased / b.leases <= burst / 2
 
 
+# the real-time gap between grants across a filler's kill
+@pytest.mark.slow
 def test_hierarchical_filler_killed_repeatedly(R, redis_server, name):
     """The filler of a hierarchical limiter SIGKILLed 8 times: another leases within ~the lease timeout."""
     rate, ttl = 2000, 0.1
@@ -532,6 +548,8 @@ def test_hierarchical_filler_killed_repeatedly(R, redis_server, name):
 # ---- fidelity, reserve(), stale fillers -----------------------------------------------------------
 
 
+# grants per real second at 20/s
+@pytest.mark.slow
 def test_low_rate_is_delivered_in_full_by_reservations(R, redis_server, name):
     """At 20/s with one op per lease, blind retries lost a fifth of the rate; reserving the next
     slot ahead delivers it (the bench measures 1 %; the margin here is for a loaded machine)."""
@@ -568,6 +586,8 @@ def test_low_rate_is_delivered_in_full_by_reservations(R, redis_server, name):
     assert up.round_trips <= up.leases + 5
 
 
+# the first lease from Redis within 2 real seconds
+@pytest.mark.slow
 def test_reserve_is_refused_in_hierarchical_mode(R, redis_server, name):
     lim = shmlimit.Limiter(name, rate=100, upstream=redis_server.url)
     try:
@@ -578,6 +598,8 @@ def test_reserve_is_refused_in_hierarchical_mode(R, redis_server, name):
         lim.close()
 
 
+# the running filler burns the late batch within 1 real second
+@pytest.mark.slow
 def test_a_stale_filler_cannot_add_an_old_batch(R, redis_server, name):
     """A filler stopped in a delivery and resumed after the batch's ttl: the batch is not added; one
     it added late anyway (its record is old) is burned by the running filler within a tick."""
@@ -641,6 +663,8 @@ def test_keyed_redis_limiter_one_gcra_per_key(R, redis_server, name, fake_time):
     assert lim.retry_after("dave") == pytest.approx(0.1)
 
 
+# grants per real second of each key
+@pytest.mark.slow
 def test_keyed_redis_limiter_holds_each_key_across_processes(R, redis_server, name):
     rate, burst, seconds = 40, 4, 2.0
     keys = ["a", "b"]

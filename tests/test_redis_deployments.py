@@ -61,6 +61,8 @@ def test_cluster_url_direct_and_async(cluster, name):
     assert "127.0.0.1" in lim.url and lim.url.startswith("redis+cluster://")
 
 
+# grants per real second across a slot migration
+@pytest.mark.slow
 def test_cluster_hierarchical_survives_a_slot_migration_within_the_bound(cluster, name):
     """Two hosts on a 3-master cluster; mid-run the key's slot moves to another master."""
     rate, burst, seconds, ttl = 200, 20, 3.0, 0.1
@@ -101,6 +103,8 @@ def test_cluster_hierarchical_survives_a_slot_migration_within_the_bound(cluster
     assert all(s.state == "ok" for s in stats)
 
 
+# grants per real second across a failover
+@pytest.mark.slow
 def test_sentinel_url_and_a_failover_mid_run(sentinel, name):
     """A hierarchical host on redis+sentinel://; the master is killed mid-run and the sentinel
     promotes the replica.  The host stays within the bound (plus what replication had not copied:

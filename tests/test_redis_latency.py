@@ -3,6 +3,7 @@ of its own, each through a delaying TCP proxy (1, 3 and 5 ms each way), one of t
 
 import time
 
+import pytest
 from support.procs import WORKER, collect_witnessed, configured, go, start_workers, wait_for
 from support.proxy import DelayProxy
 from support.starvation import run_delay
@@ -11,6 +12,8 @@ from support.windows import max_excess, tag
 import shmlimit
 
 
+# grants per real second behind latency and across a cut
+@pytest.mark.slow
 def test_three_hosts_behind_latency_hold_the_global_rate_and_survive_a_cut(redis_server, name):
     rate, burst, seconds, ttl = 300, 30, 4.0, 0.1
     proxies = [DelayProxy(redis_server.port, d) for d in (0.001, 0.003, 0.005)]

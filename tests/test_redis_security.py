@@ -114,6 +114,8 @@ def test_a_password_holding_a_question_mark_is_hidden_and_refused(R, name):
     assert redact("redis://host:6379/0?client_name=a") == "redis://host:6379/0?client_name=a"
 
 
+# the first lease from Redis within 2 real seconds
+@pytest.mark.slow
 def test_the_password_stays_out_of_the_segment_and_every_output(R, locked_redis, name, caplog):
     run = run_cli
     url = f"redis://:{SECRET}@127.0.0.1:{locked_redis.port}/0"
@@ -167,6 +169,8 @@ def test_the_password_stays_out_of_the_segment_and_every_output(R, locked_redis,
     assert all("nope" not in r.getMessage() for r in caplog.records)
 
 
+# leases from Redis within 2 real seconds, before and after the bad value
+@pytest.mark.slow
 def test_a_value_of_another_type_under_the_key_fails_closed(R, redis_server, name):
     """Whoever can write the key (SET shmlimit:{name}:gcra x) must not unlimit anyone."""
     direct = R.RedisLimiter(name, rate=100, url=redis_server.url)
@@ -262,6 +266,8 @@ def tls_redis():
     server.stop()
 
 
+# the first lease over TLS within 2 real seconds
+@pytest.mark.slow
 def test_tls_verifies_the_certificate_and_the_host_name(R, tls_redis, name):
     ca = tls_redis.tls.ca
     good = R.RedisLimiter(

@@ -18,6 +18,8 @@ from support.starvation import assert_rate, run_delay
 import shmlimit
 
 
+# top's grants per real second
+@pytest.mark.slow
 def test_once_json_matches_inspect_and_measures_the_rate(name):
     shmlimit.Limiter(name, rate=200).close()
     workers = [start_worker(name) for _ in range(2)]

@@ -53,6 +53,8 @@ def _sleep_in_main_thread(kind, conn):
     conn.send(process_slack())
 
 
+# whether the parent looks within the child's 400 ms real sleep
+@pytest.mark.slow
 @pytest.mark.skipif(not LINUX, reason="timer slack is Linux's")
 @pytest.mark.parametrize("kind", [k for k, _ in sleepers()])
 def test_the_slack_is_lowered_for_the_sleep_only(kind):
@@ -177,6 +179,8 @@ def _counting_worker(name, seconds, q):
     q.put((grants, counts["wakes"], None if delay0 is None or delay1 is None else delay1 - delay0))
 
 
+# grants per real second of four saturating processes
+@pytest.mark.slow
 def test_a_waiter_wakes_about_once_per_turn(name):
     """4 processes saturating 400/s: each grant costs a sleep to its turn, not a spin before it."""
     lim = shmlimit.Limiter(name, rate=400)
@@ -250,6 +254,8 @@ def test_sleep_until_async_never_returns_early():
     asyncio.run(run())
 
 
+# whether a 20 ms real sleep ends before a 300 ms one fires
+@pytest.mark.slow
 @pytest.mark.skipif(not LINUX, reason="timerfd is Linux's")
 def test_a_loop_waits_on_one_timerfd_armed_at_the_earliest_deadline():
     async def run():
@@ -294,6 +300,8 @@ def test_a_cancelled_async_sleep_wakes_nobody_else_early():
     asyncio.run(run())
 
 
+# whether some of a 50 ms real deadline is left when the sleep starts
+@pytest.mark.slow
 def test_without_a_timerfd_the_async_sleep_is_asyncio_sleep(monkeypatch):
     monkeypatch.setattr(S, "_timerfd", False)
     slept = []
