@@ -133,6 +133,8 @@ def test_parse_retry_after_and_host_keys():
     assert host_key("http://example.com:8080/") == "example.com:8080"
 
 
+# the pause left after the 503: within 10 ms of real time of max_pause
+@pytest.mark.slow
 def test_pause_moves_the_host_once_and_is_capped(name):
     """Under a plain Limiter a pause is the host's, in the pause table: the shared rate is untouched."""
     lim = shmlimit.Limiter(name, rate=100, burst=5)

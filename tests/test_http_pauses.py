@@ -195,6 +195,8 @@ class CountedCells:
         return counted
 
 
+# the pause left after the 429: within 0.1 real second of 300 s
+@pytest.mark.slow
 @pytest.mark.parametrize("rate", [5000, 20000])
 def test_a_pause_is_one_move_whatever_the_rate(name, rate):
     """One 429 with Retry-After 300 at 5 000/s with a burst of one reserved 1.5 million times (3.6 s
@@ -261,6 +263,8 @@ def test_pause_refuses_bad_seconds(name):
 # -- item: one host's 429 pauses every host ----------------------------------------------------
 
 
+# the pause left after four real HTTP requests: within 1 real second of 300 s
+@pytest.mark.slow
 @pytest.mark.parametrize("client", CLIENTS)
 def test_one_hosts_429_pauses_that_host_only(name, serve, client):
     """Under one shared Limiter (the README's HTTP example), host A's 429 with Retry-After 300
@@ -278,6 +282,8 @@ def test_one_hosts_429_pauses_that_host_only(name, serve, client):
     lim.close()
 
 
+# the pause left after 40 answers: within 0.1 real second of 30 s
+@pytest.mark.slow
 def test_a_host_cannot_renew_its_pause_beyond_what_it_asked(name, serve):
     """Answers in flight, each asking more, pause the host until the latest end asked (capped at
     max_pause from now): they never add up."""

@@ -43,6 +43,8 @@ def sentinel():
         s.stop()
 
 
+# four reservations on the cluster within 10 ms of real time
+@pytest.mark.slow
 def test_cluster_url_direct_and_async(cluster, name):
     import asyncio
 

@@ -332,6 +332,8 @@ def test_pessimistic_backoff_shares_the_rate_without_starving_anyone(name):
 # ---- Resilience4j's and refill-rate-limiter's bugs, absent here ---------------------------------------
 
 
+# at 100/s on the real clock: a 5 ms stall moves the wait, 10 ms refills an op
+@pytest.mark.slow
 def test_drain_takes_what_is_available_and_never_cancels_reservations(name):
     lim = shmlimit.Limiter(name, rate=100, burst=5)
     assert lim.drain() == 5
