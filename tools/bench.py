@@ -64,7 +64,7 @@ import uuid
 from typing import Callable, Dict, Iterator, List, Optional
 
 import shmlimit
-from shmlimit.shm.cells import native_available
+from shmlimit.shm.cells import native_available, selected_backend
 
 # The window check and the process helpers are the test suite's own, so the benchmark and the
 # tests run and judge processes the same way.
@@ -1480,11 +1480,19 @@ def main(argv=None) -> int:
             cpus=os.cpu_count(),
             platform=platform.platform(),
             native=native_available(),
+            # what the page made from this run states beside the figures: the backend the
+            # measuring process selects, the version, when, how, and how busy the machine was
+            backend=selected_backend(),
+            shmlimit=shmlimit.__version__,
+            date=time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
+            args=sys.argv[1:] if argv is None else list(argv),
+            load_start=list(os.getloadavg()),
         )
     )
     if args.only_waiting:
         res["cpu_waiting"] = bench_cpu(2.0 if quick else 4.0)
         res["waiting"] = waiting_rows(2.0 if quick else 4.0)
+        res["machine"]["load_end"] = list(os.getloadavg())
         if args.json:
             print(json.dumps(res, indent=None))
         else:
@@ -1551,6 +1559,7 @@ def redis_url(given: Optional[str]) -> Iterator[Optional[str]]:
 
 def emit(res: dict, as_json: bool) -> int:
     """Print the results, as one JSON object or as the table; the exit status."""
+    res["machine"]["load_end"] = list(os.getloadavg())
     if as_json:
         print(json.dumps(res, indent=None))
     else:
