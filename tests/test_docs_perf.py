@@ -1,0 +1,92 @@
+"""docs/performance.md and its plots are what tools/perf_page.py makes of the committed run,
+docs/img/bench.json (the output of ``tools/bench.py --json``): the page cannot drift from the run
+whose figures it shows, and a run missing a section is refused, naming the key."""
+
+import copy
+import importlib.util
+import json
+import os
+import re
+
+import pytest
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+DOCS = os.path.join(ROOT, "docs")
+RUN = os.path.join(DOCS, "img", "bench.json")
+MADE = ["performance.md", "img/perf-cost.svg", "img/perf-waiting.svg"]
+
+
+@pytest.fixture(scope="module")
+def perf_page():
+    spec = importlib.util.spec_from_file_location(
+        "perf_page", os.path.join(ROOT, "tools", "perf_page.py")
+    )
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+@pytest.fixture(scope="module")
+def run():
+    with open(RUN) as f:
+        return json.load(f)
+
+
+def _read(path):
+    with open(path, encoding="utf-8") as f:
+        return f.read()
+
+
+def test_the_committed_page_and_plots_are_made_from_the_committed_run(perf_page, tmp_path):
+    assert perf_page.main([RUN, "--docs", str(tmp_path)]) == 0
+    made = sorted(
+        os.path.relpath(os.path.join(d, f), tmp_path) for d, _, fs in os.walk(tmp_path) for f in fs
+    )
+    assert made == sorted(MADE)
+    for rel in MADE:
+        assert _read(tmp_path / rel) == _read(os.path.join(DOCS, rel)), (
+            f"docs/{rel} is not what tools/perf_page.py makes of docs/img/bench.json: "
+            "run `python tools/perf_page.py`"
+        )
+
+
+def test_the_page_shows_its_plots_and_links_its_run():
+    page = _read(os.path.join(DOCS, "performance.md"))
+    for target in ["img/perf-cost.svg", "img/perf-waiting.svg", "img/bench.json"]:
+        assert f"]({target})" in page
+    assert "python tools/bench.py --json > docs/img/bench.json" in page
+    assert "python tools/perf_page.py" in page
+
+
+def test_a_figure_of_the_run_is_on_the_page_as_a_ratio(perf_page, run):
+    single = run["single_ns"]
+    x = single["shmlimit acquire (native)"] / single["floor: native fetch_add"]
+    row = f"| acquire() granted (native) | {perf_page.ns(single['shmlimit acquire (native)'])} | "
+    page = perf_page.render(run)["performance.md"]
+    assert row + perf_page.ratio(x) + " |" in page
+    changed = copy.deepcopy(run)
+    changed["single_ns"]["shmlimit acquire (native)"] *= 2
+    assert perf_page.render(changed)["performance.md"] != page
+
+
+@pytest.mark.parametrize("key", ["fidelity", "keyed", "machine.load_end", "machine.cpus"])
+def test_a_run_missing_a_section_is_refused_naming_the_key(perf_page, run, key, tmp_path, capsys):
+    broken = copy.deepcopy(run)
+    *parents, last = key.split(".")
+    node = broken
+    for p in parents:
+        node = node[p]
+    del node[last]
+    with pytest.raises(perf_page.RunError, match=re.escape(repr(key))):
+        perf_page.render(broken)
+    path = tmp_path / "run.json"
+    path.write_text(json.dumps(broken))
+    assert perf_page.main([str(path), "--docs", str(tmp_path / "docs")]) == 2
+    assert repr(key) in capsys.readouterr().err
+    assert not (tmp_path / "docs").exists()  # nothing half-written
+
+
+def test_an_only_section_run_is_refused(perf_page, run):
+    part = {"machine": run["machine"], "waiting": run["waiting"]}
+    with pytest.raises(perf_page.RunError, match="'single_ns'"):
+        perf_page.render(part)
