@@ -90,3 +90,11 @@ def test_an_only_section_run_is_refused(perf_page, run):
     part = {"machine": run["machine"], "waiting": run["waiting"]}
     with pytest.raises(perf_page.RunError, match="'single_ns'"):
         perf_page.render(part)
+
+
+def test_a_file_that_is_not_json_is_refused(perf_page, tmp_path, capsys):
+    path = tmp_path / "run.json"
+    path.write_text("shmlimit benchmark — Python 3.11 (the table, not --json)\n")
+    assert perf_page.main([str(path), "--docs", str(tmp_path / "docs")]) == 2
+    assert "not the JSON of tools/bench.py --json" in capsys.readouterr().err
+    assert not (tmp_path / "docs").exists()

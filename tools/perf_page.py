@@ -562,10 +562,12 @@ def main(argv: Optional[List[str]] = None) -> int:
     ap.add_argument("run", nargs="?", default=DEFAULT_RUN, help="the output of bench.py --json")
     ap.add_argument("--docs", default=os.path.join(ROOT, "docs"), help="the docs directory")
     a = ap.parse_args(argv)
-    with open(a.run) as f:
-        run = json.load(f)
     try:
-        files = render(run)
+        with open(a.run) as f:
+            files = render(json.load(f))
+    except json.JSONDecodeError as e:
+        print(f"perf_page: {a.run}: not the JSON of tools/bench.py --json: {e}", file=sys.stderr)
+        return 2
     except RunError as e:
         print(f"perf_page: {a.run}: {e}", file=sys.stderr)
         return 2
