@@ -111,53 +111,51 @@ def table_flags(when_full: object = "evict", store_keys: object = False) -> int:
     return (FLAG_EVICT if when_full == "evict" else 0) | (FLAG_STORE_KEYS if store_keys else 0)
 
 
-def _rotl(x: int, b: int) -> int:
-    return ((x << b) | (x >> (64 - b))) & MASK64
+def _sipround(v0: int, v1: int, v2: int, v3: int, r: int) -> Tuple[int, int, int, int]:
+    """``r`` SipRounds, the rotations written out (a call per rotation cost most of a hash)."""
+    m = MASK64
+    for _ in range(r):
+        v0 = (v0 + v1) & m
+        v1 = ((v1 << 13) | (v1 >> 51)) & m ^ v0
+        v0 = ((v0 << 32) | (v0 >> 32)) & m
+        v2 = (v2 + v3) & m
+        v3 = ((v3 << 16) | (v3 >> 48)) & m ^ v2
+        v0 = (v0 + v3) & m
+        v3 = ((v3 << 21) | (v3 >> 43)) & m ^ v0
+        v2 = (v2 + v1) & m
+        v1 = ((v1 << 17) | (v1 >> 47)) & m ^ v2
+        v2 = ((v2 << 32) | (v2 >> 32)) & m
+    return v0, v1, v2, v3
 
 
 def siphash128(data: bytes, k0: int, k1: int) -> Tuple[int, int]:
     """SipHash-2-4 with a 128-bit output: the same function as the native backend's."""
     v0 = 0x736F6D6570736575 ^ k0
-    v1 = 0x646F72616E646F6D ^ k1
+    v1 = 0x646F72616E646F6D ^ k1 ^ 0xEE
     v2 = 0x6C7967656E657261 ^ k0
     v3 = 0x7465646279746573 ^ k1
-    v1 ^= 0xEE
-
-    def rounds(v0: int, v1: int, v2: int, v3: int, r: int):
-        for _ in range(r):
-            v0 = (v0 + v1) & MASK64
-            v1 = _rotl(v1, 13)
-            v1 ^= v0
-            v0 = _rotl(v0, 32)
-            v2 = (v2 + v3) & MASK64
-            v3 = _rotl(v3, 16)
-            v3 ^= v2
-            v0 = (v0 + v3) & MASK64
-            v3 = _rotl(v3, 21)
-            v3 ^= v0
-            v2 = (v2 + v1) & MASK64
-            v1 = _rotl(v1, 17)
-            v1 ^= v2
-            v2 = _rotl(v2, 32)
-        return v0, v1, v2, v3
-
     n = len(data)
     end = n - n % 8
     for i in range(0, end, 8):
         m = int.from_bytes(data[i : i + 8], "little")
-        v3 ^= m
-        v0, v1, v2, v3 = rounds(v0, v1, v2, v3, 2)
+        v0, v1, v2, v3 = _sipround(v0, v1, v2, v3 ^ m, 2)
         v0 ^= m
     b = ((n & 0xFF) << 56) | int.from_bytes(data[end:], "little")
-    v3 ^= b
-    v0, v1, v2, v3 = rounds(v0, v1, v2, v3, 2)
-    v0 ^= b
-    v2 ^= 0xEE
-    v0, v1, v2, v3 = rounds(v0, v1, v2, v3, 4)
+    v0, v1, v2, v3 = _sipround(v0, v1, v2, v3 ^ b, 2)
+    v0, v1, v2, v3 = _sipround(v0 ^ b, v1, v2 ^ 0xEE, v3, 4)
     d0 = v0 ^ v1 ^ v2 ^ v3
-    v1 ^= 0xDD
-    v0, v1, v2, v3 = rounds(v0, v1, v2, v3, 4)
+    v0, v1, v2, v3 = _sipround(v0, v1 ^ 0xDD, v2, v3, 4)
     return d0, v0 ^ v1 ^ v2 ^ v3
+
+
+def hasher(cells: object) -> Callable[[bytes, int, int], Tuple[int, int]]:
+    """``siphash128`` for paths over ``cells``: the native extension's on the native backend (a
+    hash in Python costs a window table's hit most of its time), else the portable one."""
+    if getattr(cells, "backend", None) == "native":
+        from shmlimit.shm._native import siphash128 as native
+
+        return native
+    return siphash128
 
 
 def key_bytes(key: object) -> bytes:
@@ -520,10 +518,11 @@ class KeyedTable(SlotTable):
         check_offsets(cells, ovr_live, refused, grants)  # any backend's cells (``push``)
         self.cfg, self.ovr_live, self.ovr, self.novr = cfg, ovr_live, ovr, novr
         self.k0, self.k1 = k0, k1
+        self._hash = hasher(cells)
         self.refused, self.grants = refused, grants
 
     def digest(self, key: object) -> Tuple[int, int]:
-        return siphash128(key_bytes(key), self.k0, self.k1)
+        return self._hash(key_bytes(key), self.k0, self.k1)
 
     def _bank(self, line: int, d: Tuple[int, int], seq: int):
         """``(age, T, TAU)`` of one config bank (see ``keyed_gcra``), or None if its checksum fails."""
@@ -644,7 +643,7 @@ class KeyedTable(SlotTable):
         reread = now is not None
         if now is None:
             now = _ticks_now()
-        d = siphash128(data, self.k0, self.k1)
+        d = self._hash(data, self.k0, self.k1)
         t, tau = self.params(d)
         if n > tau // t:
             return NEVER
@@ -712,7 +711,7 @@ class KeyedTable(SlotTable):
             now = time.monotonic_ns() << K.TICK_SHIFT
         if until <= now:
             return 0
-        d = siphash128(data, self.k0, self.k1)
+        d = self._hash(data, self.k0, self.k1)
         t, tau = self.params(d)
         target = until + tau - t
         home = (d[0] * self.nslots) >> 64

@@ -170,6 +170,7 @@ class WindowCounters:
         self.k0, self.k1, self.refused = k0, k1, refused
         self.clock = clock or time.monotonic_ns
         self._pid = os.getpid()
+        self._hash = KC.hasher(self.c)
 
     # -- plumbing -------------------------------------------------------------------------
 
@@ -187,7 +188,7 @@ class WindowCounters:
             self._pid = os.getpid()
             self.t.pid = K.owner(self._pid)
         data = KC.key_bytes(key)
-        d = KC.siphash128(prefix + data, self.k0, self.k1)
+        d = self._hash(prefix + data, self.k0, self.k1)
         return d, (d[0] * self.t.nslots) >> 64, data
 
     def _insert(

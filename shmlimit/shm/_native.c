@@ -3597,7 +3597,35 @@ cells_fed_waiter(NativeCells *self, PyObject *const *args, Py_ssize_t n)
  * END FED WAIT
  * ====================================================================================== */
 
+/* siphash128(data, k0, k1) -> (d0, d1): the keyed tables' digest of any bytes (a window table's
+ * prefixed keys included), for the Python paths that hash without a KeyedTable. */
+static PyObject *
+native_siphash128(PyObject *mod, PyObject *const *args, Py_ssize_t nargs)
+{
+    (void)mod;
+    Py_buffer view;
+    unsigned long long k0, k1;
+    if (nargs != 3) {
+        PyErr_SetString(PyExc_TypeError, "siphash128(data, k0, k1) takes 3 arguments");
+        return NULL;
+    }
+    k0 = PyLong_AsUnsignedLongLong(args[1]);
+    if (k0 == (unsigned long long)-1 && PyErr_Occurred())
+        return NULL;
+    k1 = PyLong_AsUnsignedLongLong(args[2]);
+    if (k1 == (unsigned long long)-1 && PyErr_Occurred())
+        return NULL;
+    if (PyObject_GetBuffer(args[0], &view, PyBUF_SIMPLE) < 0)
+        return NULL;
+    uint64_t d[2];
+    siphash128((const unsigned char *)view.buf, (size_t)view.len, k0, k1, d);
+    PyBuffer_Release(&view);
+    return Py_BuildValue("(KK)", (unsigned long long)d[0], (unsigned long long)d[1]);
+}
+
 static PyMethodDef native_functions[] = {
+    {"siphash128", (PyCFunction)(void (*)(void))native_siphash128, METH_FASTCALL,
+     "siphash128(data, k0, k1) -> (d0, d1): SipHash-2-4 with a 128-bit output"},
     {"sleep_until", (PyCFunction)(void (*)(void))native_sleep_until, METH_FASTCALL,
      "sleep_until(deadline_ns, slack_ns): sleep to a CLOCK_MONOTONIC deadline with a low timer slack"},
     {"multi_gate", (PyCFunction)(void (*)(void))native_multi_gate, METH_FASTCALL,
