@@ -23,7 +23,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Optional
+from typing import TYPE_CHECKING, Mapping, Optional, Sequence, Tuple
 
 from shmlimit.bucket.rovers import diff
 from shmlimit.config import MAX_OPS_PER_S, NS_PER_S, Config
@@ -125,6 +125,57 @@ class Adapt:
             )
         for bound in (self.min_rate, self.max_rate):  # every rate decided must be publishable
             adapted(cfg, bound).check_at(cfg.tpn)
+
+
+def per_rate(
+    adapt: object, keys: Tuple[str, ...], named: bool, cfgs: Sequence[Config]
+) -> Tuple[Optional[Adapt], ...]:
+    """``adapt=`` of a limiter of several rates: one ``Adapt`` or None per rate, in the rates' order.
+
+    A dict by rate name for named rates (a rate it does not name keeps its rate), a list as long
+    as the rates for a list of them (None: that rate keeps its rate).  One ``Adapt`` for every
+    rate is refused: each rate's bounds are ops per its own window, in its own unit.
+    """
+    if isinstance(adapt, Adapt):
+        raise TypeError(
+            "adapt= of a limiter of several rates gives each rate its own bounds (ops per that "
+            "rate's window): a dict by rate name, or a list in the rates' order (None: a rate "
+            "that keeps its rate); got one Adapt"
+        )
+    if named:
+        if not isinstance(adapt, Mapping):
+            raise TypeError(
+                f"adapt must be a dict of rate name -> shmlimit.Adapt for named rates, "
+                f"got {type(adapt).__name__}"
+            )
+        unknown = sorted(str(k) for k in adapt if k not in keys)
+        if unknown:
+            raise ValueError(f"adapt: unknown rate(s) {unknown}; the rates are {', '.join(keys)}")
+        out = tuple(adapt.get(k) for k in keys)
+    else:
+        if not isinstance(adapt, (list, tuple)) or len(adapt) != len(keys):
+            raise TypeError(
+                f"adapt must be a list of {len(keys)} shmlimit.Adapt or None, one per rate, "
+                f"got {adapt!r}"
+            )
+        out = tuple(adapt)
+    for key, a, cfg in zip(keys, out, cfgs):
+        if a is None:
+            continue
+        if not isinstance(a, Adapt):
+            raise TypeError(f"adapt[{key!r}] must be a shmlimit.Adapt or None, got {a!r}")
+        if cfg != adapted(cfg, cfg.rate):
+            raise ValueError(
+                f"adapt[{key!r}]: burst cannot be combined with adapt: the capacity follows "
+                "the rate (10 ms of schedule, at least one op)"
+            )
+        try:
+            a.check(cfg)
+        except ValueError as e:
+            raise ValueError(f"adapt[{key!r}]: {e}") from None
+    if not any(out):
+        raise ValueError("adapt: no rate adapts (every entry is None); leave adapt= out")
+    return out
 
 
 @dataclass(frozen=True)

@@ -92,7 +92,9 @@ class Limiter(RatesSwitch):
 
     ``rates=["5000/h", "100/min"]`` or ``rates={"requests": "500/min",
     "tokens": "200K/min"}`` (instead of ``rate``) makes a limiter of several
-    rates taken together, all or nothing (``shmlimit.multirate.MultiLimiter``).
+    rates taken together, all or nothing (``shmlimit.multirate.MultiLimiter``); with
+    ``adapt={"requests": shmlimit.Adapt(...)}`` (a list for a list of rates) each rate named
+    adapts on its own, within its own bounds.
 
     A Limiter pickles as its name: a child process that unpickles it attaches
     to the same segment.  One inherited through ``fork`` works as well: the
@@ -122,7 +124,7 @@ class Limiter(RatesSwitch):
                 burst,
                 args,
                 kwargs,
-                ("mode", "slots", "trusted_uids", "clock"),
+                ("mode", "slots", "trusted_uids", "clock", "adapt"),
                 one="one rate",
                 example="['5000/h', ('100/min', 20)]",
                 error=ValueError,

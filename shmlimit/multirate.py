@@ -54,6 +54,8 @@ from shmlimit.acquire.multi import (
     wait_ns,
 )
 from shmlimit.acquire.single import drive, drive_async
+from shmlimit.adapt import feedback as adapt_feedback
+from shmlimit.adapt import per_rate
 from shmlimit.attachment import Attachment, gate_all, open_attachment, release
 from shmlimit.bucket.fences import FenceHold
 from shmlimit.config import NS_PER_S, Config, validate_n, validate_timeout
@@ -94,6 +96,7 @@ class MultiLimiter(RateGroup):
         slots: int = L.DEFAULT_SLOTS,
         trusted_uids: Iterable[int] = (),
         clock: Optional[Callable[[], int]] = None,
+        adapt: object = None,
     ) -> None:
         validate_name(name)
         trusted = validate_trusted_uids(trusted_uids)
@@ -101,13 +104,18 @@ class MultiLimiter(RateGroup):
         validate_slots(slots)
         create: Optional[GroupCreation] = None
         self._rates_arg: object = None  # what a pickled handle re-opens with (None: by name)
+        self._adapt_arg: object = None
+        if rates is None and adapt is not None:
+            raise ValueError("adapt needs rates= (the rates it starts from)")
         if rates is not None:  # None: attach to the group by its name, its rates as it holds them
             if isinstance(rates, str):
                 rates = rates_from_text(rates)
             keys, cfgs, named = parse_rates(name, rates)
             self._rates_arg = dict(rates) if named else list(rates)  # type: ignore[call-overload]
+            adapts = (None,) * len(keys) if adapt is None else per_rate(adapt, keys, named, cfgs)
+            self._adapt_arg = adapt
             create = GroupCreation(
-                tuple(Creation(cfg, mode, None, slots, None) for cfg in cfgs),
+                tuple(Creation(cfg, mode, None, slots, None, a) for cfg, a in zip(cfgs, adapts)),
                 keys,
                 named,
                 mode,
@@ -215,7 +223,16 @@ class MultiLimiter(RateGroup):
         return None
 
     def __reduce__(self):
-        return (_unpickle, (self._name, self._rates_arg, self._mode, tuple(sorted(self._trusted))))
+        return (
+            _unpickle,
+            (
+                self._name,
+                self._rates_arg,
+                self._mode,
+                tuple(sorted(self._trusted)),
+                self._adapt_arg,
+            ),
+        )
 
     def __del__(self) -> None:
         atts, self._atts = getattr(self, "_atts", []), []
@@ -511,6 +528,45 @@ class MultiLimiter(RateGroup):
             elif d < 0:
                 b.add(-d * b.cost)
 
+    # -- the adaptive rates ----------------------------------------------------------------
+
+    def feedback(
+        self, throttled: bool, which: Union[str, int, Sequence[Union[str, int]], None] = None
+    ) -> None:
+        """Report one outcome of an op to the adaptive rates (``adapt=``), for every process.
+
+        ``throttled=True``: the upstream refused it for its rate (an HTTP 429 or 503); False: it
+        answered.  The outcome goes to every rate that adapts, or with ``which`` (a rate's name
+        or index, or a list of them) to those only: when the upstream tells which of its limits
+        refused.  One atomic add per rate; each rate's elected filler decides once per window.
+        """
+        if not isinstance(throttled, bool):
+            raise TypeError(f"throttled must be True or False, got {throttled!r}")
+        atts = self._peek()
+        adaptive = [i for i, att in enumerate(atts) if att.cells.load(L.ADAPT_MAX) != 0]
+        if not adaptive:
+            raise ValueError(
+                f"feedback() needs a limiter created with adapt=; no rate of {self._name!r} adapts"
+            )
+        if which is None:
+            chosen = adaptive
+        else:
+            named = [which] if isinstance(which, (str, int)) else list(which)  # type: ignore[arg-type]
+            chosen = sorted({self._index(w) for w in named})
+            still = [self._keys[i] for i in chosen if i not in adaptive]
+            if still:
+                raise ValueError(
+                    f"which must name rates that adapt ({', '.join(self._keys[i] for i in adaptive)}), "
+                    f"got {', '.join(still)}"
+                )
+        for i in chosen:
+            adapt_feedback(atts[i].cells, throttled)
+
+    @property
+    def adaptive(self) -> bool:
+        """Some rate adapts (created with ``adapt=``)."""
+        return any(att.cells.load(L.ADAPT_MAX) != 0 for att in self._peek())
+
     # -- live changes ------------------------------------------------------------------
 
     def set_rate(
@@ -576,5 +632,7 @@ def inspect_group(name: str) -> MultiStats:
     return MultiStats(name, out)
 
 
-def _unpickle(name: str, rates: object, mode: int, trusted: Tuple[int, ...]) -> MultiLimiter:
-    return MultiLimiter(name, rates, mode=mode, trusted_uids=trusted)
+def _unpickle(
+    name: str, rates: object, mode: int, trusted: Tuple[int, ...], adapt: object = None
+) -> MultiLimiter:
+    return MultiLimiter(name, rates, mode=mode, trusted_uids=trusted, adapt=adapt)
