@@ -218,17 +218,19 @@ def decide(adapt: Adapt, state: State, seen: Window, now_ns: int) -> State:
 # ---- the segment's words -----------------------------------------------------------------------
 
 
-def write(cells: "Cells", adapt: Optional[Adapt]) -> None:
-    """Store ``adapt``'s parameters, or none (the creator, before READY; a redeploy nobody uses)."""
+def write(cells: "Cells", adapt: Optional[Adapt], params: Tuple[int, ...] = L.ADAPT_PARAMS) -> None:
+    """Store ``adapt``'s parameters, or none (the creator, before READY; a redeploy nobody uses),
+    in the words ``params`` (min, max, decrease, increase, window: a limiter's, or a keyed
+    table's)."""
+    top = params[1]  # max_rate: 0 is "no adapt"
+    cells.store(top, 0)  # first: a reader sees "no adapt", never half of the old
     if adapt is None:
-        cells.store(L.ADAPT_MAX, 0)  # first: a reader sees "no adapt", never half of the old
-        for off in L.ADAPT_PARAMS:
+        for off in params:
             cells.store(off, 0)
         return
-    cells.store(L.ADAPT_MAX, 0)
     values = (adapt.min_rate, adapt.max_rate, adapt.decrease, adapt.increase, adapt.window)
-    for off, v in sorted(zip(L.ADAPT_PARAMS, values), key=lambda p: p[0] == L.ADAPT_MAX):
-        cells.store(off, L.f2u(v))  # type: ignore[arg-type]  (ADAPT_MAX last: whole when seen)
+    for off, v in sorted(zip(params, values), key=lambda p: p[0] == top):
+        cells.store(off, L.f2u(v))  # type: ignore[arg-type]  (max_rate last: whole when seen)
 
 
 def describe(adapt: Optional[Adapt]) -> str:
@@ -250,9 +252,9 @@ def expected(cfg: Config, adapt: Optional[Adapt], cells: "Cells", current: Confi
     return adapted(cfg, adapt.clamp(current.rate))
 
 
-def read(cells: "Cells") -> Optional[Adapt]:
+def read(cells: "Cells", params: Tuple[int, ...] = L.ADAPT_PARAMS) -> Optional[Adapt]:
     """The segment's parameters (None: it does not adapt); ``SegmentError`` if they are not valid."""
-    words = [cells.load(off) for off in L.ADAPT_PARAMS]
+    words = [cells.load(off) for off in params]
     if words[1] == 0:
         return None
     lo, hi, dec, inc, win = (L.u2f(w) for w in words)

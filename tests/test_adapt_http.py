@@ -21,6 +21,7 @@ requests = pytest.importorskip("requests")
 from shmlimit.integrations._hosts import host_key, pause_table_name  # noqa: E402
 from shmlimit.integrations.httpx import ThrottledTransport  # noqa: E402
 from shmlimit.integrations.requests import ThrottledAdapter  # noqa: E402
+from shmlimit.keyed import layout as KL  # noqa: E402
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 ADAPT = shmlimit.Adapt(min_rate=10, max_rate=2000)
@@ -106,6 +107,32 @@ def test_a_limiter_that_does_not_adapt_is_told_nothing(name, server, cleanup):
     assert lim.stats().adapt is None
 
 
+def _key_outcomes(lim, key):
+    """(throttled, ok) reported for ``key`` (its override entry's outcome word)."""
+    att = lim._use()
+    e = att.overrides.entry(att.kt.digest(key))
+    out = att.cells.load(e + KL.A_OUT)
+    return out >> 32, out & 0xFFFFFFFF
+
+
+def test_keyed_transports_report_each_host_under_its_key(name, server, cleanup):
+    """Under a KeyedLimiter(adapt=) keyed by host, every answer is reported for its host only."""
+    lim = shmlimit.KeyedLimiter(name, rate=1000, keys=1000, adapt=ADAPT)
+    cleanup.append(lim)
+    other = server.replace("127.0.0.1", "localhost")  # the same server, another host key
+    with httpx.Client(transport=ThrottledTransport(lim)) as c:
+        for s in STATUSES:
+            assert c.get(f"{server}/{s}").status_code == s
+    with requests.Session() as sess:
+        sess.mount("http://", ThrottledAdapter(lim))
+        assert sess.get(f"{other}/429").status_code == 429
+        assert sess.get(f"{other}/200").status_code == 200
+    assert _key_outcomes(lim, host_key(server)) == (3, 4)
+    assert _key_outcomes(lim, host_key(other)) == (1, 1)
+    st = lim.stats().adapt
+    assert (st.throttled, st.ok) == (4, 5)
+
+
 def _demo():
     spec = importlib.util.spec_from_file_location(
         "adapt_demo", os.path.join(ROOT, "tools", "adapt_demo.py")
@@ -127,3 +154,19 @@ def test_four_processes_find_a_servers_capacity_as_it_changes(name, tmp_path):
     for p in result["phases"]:
         assert p["goodput_share"] >= 0.8, result["phases"]
         assert p["throttled_share"] <= 0.10, result["phases"]
+
+
+@pytest.mark.slow
+def test_one_keyed_limiter_finds_two_hosts_capacities_at_once(name, tmp_path):
+    """``KeyedLimiter(name, rate=500, adapt=Adapt(min_rate=5, max_rate=1000, increase=5))`` keyed
+    by host, in 4 processes of 8 threads spread over two local servers of 100/s and 300/s at
+    once (15 s); in the last 5 s, at each server: goodput >= 75 % of its capacity, <= 10 % of
+    the answers 429.  (Measured 82 to 92 % and under 1 % on a busy 2-core machine.)"""
+    demo = _demo()
+    result = demo.run_keyed(name, [100, 300], 15, procs=4, threads=8, settled=5.0,
+                            workdir=str(tmp_path))  # fmt: skip
+    for h in result["hosts"]:
+        figures = {k: v for k, v in h.items() if k != "rates"}
+        assert h["goodput_share"] >= 0.75, figures
+        assert h["throttled_share"] <= 0.10, figures
+        assert h["rates"][-1][1] < 2 * h["capacity"], figures  # each host's own rate

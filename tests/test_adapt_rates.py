@@ -110,15 +110,20 @@ def test_which_reports_to_the_rates_named_only(name, cleanup):
 
 def test_only_the_binding_rate_raises(name, cleanup):
     """Callers queue on requests (100/s) and take a tenth of tokens' schedule (1000/s): a clean
-    window raises requests, and holds tokens (it does not bind them)."""
+    window raises requests, and holds tokens (it does not bind them).  The window is 5 s of the
+    fake clock: the fillers started by the first op sleep that long in real time, so only this
+    test's look decides it."""
     clock = FakeClock()
-    lim = _lim(name, clock)
+    slow = {"requests": REQ, "tokens": TOK}
+    slow = {k: shmlimit.Adapt(a.min_rate, a.max_rate, increase=a.increase, window=5.0)
+            for k, a in slow.items()}  # fmt: skip
+    lim = _lim(name, clock, adapt=slow)
     cleanup.append(lim)
     _step_all(lim, clock.now)
-    for _ in range(250):
+    lim.feedback(throttled=False)
+    for _ in range(5000):
         clock.advance(10**6)
         lim.try_acquire()
-    lim.feedback(throttled=False)
     _step_all(lim, clock.now)
     assert _rates(lim) == {"requests": 110.0, "tokens": 1000.0, "hourly": 1000000.0}
     st = lim.stats()

@@ -3,6 +3,7 @@
 
     python tools/adapt_demo.py                       # 200/s for 10 s, then 400/s for 10 s
     python tools/adapt_demo.py --phases 200:10,400:10,150:10 --out docs/img
+    python tools/adapt_demo.py --keyed 100,300 --seconds 15   # two hosts, one KeyedLimiter
 
 A local HTTP server (127.0.0.1) has a hidden capacity: a token bucket that
 answers 429, without ``Retry-After``, beyond it.  Client processes share one
@@ -12,6 +13,11 @@ limiter lets them.  The server counts its answers per 100 ms; this process
 samples the limiter's rate (``shmlimit.inspect``) as often.  In the settled
 seconds of each phase (its last ``--settled`` seconds) it reports the goodput
 (answers 200 per second, against the capacity) and the share of 429s.
+
+With ``--keyed``, one server per capacity listed (each its own host, ``127.0.0.1:PORT``),
+and the clients share one ``KeyedLimiter(name, rate=500, adapt=...)`` keyed by host, their
+threads spread over the hosts: each host's rate adapts on its own (``keyed.adapt``).  It reports
+each host's goodput and share of 429s in the last ``--settled`` seconds, and writes nothing.
 
 It writes ``adapt.csv`` (per 100 ms: time, capacity, the limiter's rate,
 answers 200, answers 429) and ``adapt.svg`` (the rate and the goodput against
@@ -30,7 +36,7 @@ import subprocess
 import sys
 import threading
 import time
-from typing import Dict, List, Optional, Tuple
+from typing import Callable, Dict, List, Optional, Tuple
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 BIN = 0.1  #: seconds per bin of the server's counts and the rate's samples
@@ -134,17 +140,31 @@ def serve(port: int, phases: List[Tuple[float, float]], start: float, out: str) 
 # ---- the clients --------------------------------------------------------------------------------
 
 
-def client(name: str, url: str, threads: int, start: float, until: float) -> None:
-    """Send GETs to ``url`` from ``threads`` threads from ``start`` until ``until`` (epoch
-    seconds), each through the httpx transport under the shared adaptive limiter."""
+#: The keyed run's limiter: every host starts at KEYED_RATE and adapts within KEYED_ADAPT's bounds.
+KEYED_RATE = 500.0
+KEYED_ADAPT = dict(min_rate=5, max_rate=1000, increase=5)
+
+
+def client(
+    name: str, urls: List[str], threads: int, start: float, until: float, keyed: bool = False
+) -> None:
+    """Send GETs from ``threads`` threads (spread over ``urls``) from ``start`` until ``until``
+    (epoch seconds), each through the httpx transport under the shared adaptive limiter: a
+    ``Limiter``, or with ``keyed`` a ``KeyedLimiter`` keyed by host."""
     import httpx
 
     import shmlimit
     from shmlimit.integrations.httpx import ThrottledTransport
 
-    lim = shmlimit.Limiter(name, rate=1000, adapt=shmlimit.Adapt(min_rate=10, max_rate=2000))
+    lim: object
+    if keyed:
+        lim = shmlimit.KeyedLimiter(
+            name, rate=KEYED_RATE, keys=1000, adapt=shmlimit.Adapt(**KEYED_ADAPT)
+        )
+    else:
+        lim = shmlimit.Limiter(name, rate=1000, adapt=shmlimit.Adapt(min_rate=10, max_rate=2000))
 
-    def loop() -> None:
+    def loop(url: str) -> None:
         with httpx.Client(transport=ThrottledTransport(lim), timeout=10.0) as c:
             time.sleep(max(0.0, start - time.time()))
             while time.time() < until:
@@ -153,12 +173,12 @@ def client(name: str, url: str, threads: int, start: float, until: float) -> Non
                 except httpx.HTTPError:
                     pass
 
-    ts = [threading.Thread(target=loop) for _ in range(threads)]
+    ts = [threading.Thread(target=loop, args=(urls[i % len(urls)],)) for i in range(threads)]
     for t in ts:
         t.start()
     for t in ts:
         t.join()
-    lim.close()
+    lim.close()  # type: ignore[attr-defined]
 
 
 # ---- the run ------------------------------------------------------------------------------------
@@ -180,34 +200,49 @@ def _wait_listening(port: int, deadline: float) -> None:
     raise RuntimeError(f"the server did not listen on port {port}")
 
 
-def run(
+def _fleet(
     name: str,
-    phases: List[Tuple[float, float]],
-    procs: int = 4,
-    threads: int = 4,
-    settled: float = 5.0,
-    workdir: str = ".",
-) -> Dict[str, object]:
-    """Run the scenario; the server's counts, the rate's samples and each phase's settled figures."""
-    import shmlimit
-
+    hosts: List[List[Tuple[float, float]]],
+    procs: int,
+    threads: int,
+    workdir: str,
+    keyed: bool,
+    sample: Callable[[List[str]], Optional[List[float]]],
+) -> Tuple[List[Dict[str, list]], List[Tuple[float, List[float]]]]:
+    """One server per entry of ``hosts`` (its phases), ``procs`` client processes sending to all
+    of them; every server's counts, and ``sample(urls)`` (the rates) every ``BIN`` seconds."""
     env = dict(os.environ, PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""))
     me = os.path.abspath(__file__)
-    port = _free_port()
-    counts = os.path.join(workdir, f"adapt-server-{port}.json")
-    total = sum(s for _, s in phases)
+    ports = [_free_port() for _ in hosts]
+    counts = [os.path.join(workdir, f"adapt-server-{port}.json") for port in ports]
+    total = max(sum(s for _, s in phases) for phases in hosts)
     # every process starts its part at one instant, after its imports (slow on a busy machine)
     start = time.time() + STARTUP
     until = start + total
-    server = subprocess.Popen(
-        [sys.executable, me, "--role", "server", "--port", str(port), "--counts", counts,
-         "--phases", ",".join(f"{c:g}:{s:g}" for c, s in phases), "--start", repr(start)],
-        env=env,
-    )  # fmt: skip
+    servers = [
+        subprocess.Popen(
+            [
+                sys.executable,
+                me,
+                "--role",
+                "server",
+                "--port",
+                str(port),
+                "--counts",
+                out,
+                "--phases",
+                ",".join(f"{c:g}:{s:g}" for c, s in phases),
+                "--start",
+                repr(start),
+            ],
+            env=env,
+        )  # fmt: skip
+        for port, out, phases in zip(ports, counts, hosts)
+    ]
     clients: List[subprocess.Popen] = []
-    samples: List[Tuple[float, float]] = []
+    samples: List[Tuple[float, List[float]]] = []
+    urls = [f"http://127.0.0.1:{port}/" for port in ports]
     try:
-        url = f"http://127.0.0.1:{port}/"
         for _ in range(procs):
             clients.append(
                 subprocess.Popen(
@@ -219,48 +254,47 @@ def run(
                         "--name",
                         name,
                         "--url",
-                        url,
+                        ",".join(urls),
                         "--threads",
                         str(threads),
                         "--start",
                         repr(start),
                         "--until",
                         repr(until),
-                    ],
+                    ]
+                    + (["--keyed", "-"] if keyed else []),
                     env=env,
                 )  # fmt: skip
             )
-        _wait_listening(port, start + 10)
+        for port in ports:
+            _wait_listening(port, start + 10)
         while time.time() < until:
-            try:
-                samples.append((time.time(), shmlimit.inspect(name).rate))
-            except (FileNotFoundError, shmlimit.SegmentError):
-                pass
+            got = sample(urls)
+            if got is not None:
+                samples.append((time.time(), got))
             time.sleep(BIN)
-        for c in clients:
-            c.wait(timeout=60)
-        server.wait(timeout=60)
+        for p in clients + servers:
+            p.wait(timeout=60)
     finally:
-        for p in clients + [server]:
+        for p in clients + servers:
             if p.poll() is None:
                 p.kill()
                 p.wait()
-    with open(counts) as f:
-        seen = json.load(f)
-    os.unlink(counts)
-    t0 = seen["t0"]
-    result: Dict[str, object] = {
-        "t0": t0,
-        "ok": seen["ok"],
-        "refused": seen["refused"],
-        "rates": [(t - t0, r) for t, r in samples],
-        "phases": [],
-    }
-    start = 0.0
+    seen = []
+    for out in counts:
+        with open(out) as f:
+            seen.append(json.load(f))
+        os.unlink(out)
+    return seen, samples
+
+
+def _settled(seen: Dict[str, list], phases: List[Tuple[float, float]], settled: float) -> list:
+    """Each phase's goodput and share of 429s at the server, in its last ``settled`` seconds."""
+    out, start = [], 0.0
     for cap, secs in phases:
         lo, hi = int(round((start + secs - settled) / BIN)), int(round((start + secs) / BIN))
         ok, refused = sum(seen["ok"][lo:hi]), sum(seen["refused"][lo:hi])
-        result["phases"].append(  # type: ignore[attr-defined]
+        out.append(
             {
                 "capacity": cap,
                 "settled_seconds": settled,
@@ -270,7 +304,77 @@ def run(
             }
         )
         start += secs
-    return result
+    return out
+
+
+def run(
+    name: str,
+    phases: List[Tuple[float, float]],
+    procs: int = 4,
+    threads: int = 4,
+    settled: float = 5.0,
+    workdir: str = ".",
+) -> Dict[str, object]:
+    """Run the scenario; the server's counts, the rate's samples and each phase's settled figures."""
+    import shmlimit
+
+    def sample(urls: List[str]) -> Optional[List[float]]:
+        try:
+            return [shmlimit.inspect(name).rate]
+        except (FileNotFoundError, shmlimit.SegmentError):
+            return None
+
+    [seen], samples = _fleet(name, [phases], procs, threads, workdir, False, sample)
+    t0 = seen["t0"]
+    return {
+        "t0": t0,
+        "ok": seen["ok"],
+        "refused": seen["refused"],
+        "rates": [(t - t0, r[0]) for t, r in samples],
+        "phases": _settled(seen, phases, settled),
+    }
+
+
+def run_keyed(
+    name: str,
+    capacities: List[float],
+    seconds: float,
+    procs: int = 4,
+    threads: int = 8,
+    settled: float = 5.0,
+    workdir: str = ".",
+) -> Dict[str, object]:
+    """The keyed scenario: one server per capacity, all at once, under one KeyedLimiter keyed by
+    host; each host's settled figures and its rate's samples."""
+    import shmlimit
+    from shmlimit.integrations._hosts import host_key
+
+    watch: List[object] = []
+
+    def sample(urls: List[str]) -> Optional[List[float]]:
+        try:
+            if not watch:
+                watch.append(shmlimit.KeyedLimiter(name))
+            lim = watch[0]
+            return [(lim.override(host_key(u)) or (KEYED_RATE,))[0] for u in urls]  # type: ignore[attr-defined]
+        except (FileNotFoundError, shmlimit.SegmentError):
+            return None
+
+    hosts = [[(cap, seconds)] for cap in capacities]
+    try:
+        seen, samples = _fleet(name, hosts, procs, threads, workdir, True, sample)
+    finally:
+        for lim in watch:
+            lim.close()  # type: ignore[attr-defined]
+    return {
+        "hosts": [
+            {
+                **_settled(s, phases, settled)[0],
+                "rates": [(t - s["t0"], r[i]) for t, r in samples],
+            }
+            for i, (s, phases) in enumerate(zip(seen, hosts))
+        ]
+    }
 
 
 # ---- the plot -----------------------------------------------------------------------------------
@@ -358,17 +462,35 @@ def main(argv: Optional[List[str]] = None) -> int:
     ap.add_argument("--url")
     ap.add_argument("--start", type=float)
     ap.add_argument("--until", type=float)
+    ap.add_argument("--keyed", help="capacities per second, one host each: 100,300")
+    ap.add_argument("--seconds", type=float, default=15.0, help="the keyed run's length")
     a = ap.parse_args(argv)
     phases = parse_phases(a.phases)
     if a.role == "server":
         serve(a.port, phases, a.start, a.counts)
         return 0
     if a.role == "client":
-        client(a.name, a.url, a.threads, a.start, a.until)
+        client(a.name, a.url.split(","), a.threads, a.start, a.until, keyed=bool(a.keyed))
         return 0
     import shmlimit
 
     name = f"adapt-demo-{os.getpid()}"
+    if a.keyed:
+        try:
+            caps = [float(c) for c in a.keyed.split(",")]
+            keyed = run_keyed(name, caps, a.seconds, a.procs, 2 * a.threads, a.settled, a.out)
+        finally:
+            try:
+                shmlimit.unlink(name)
+            except FileNotFoundError:
+                pass
+        for h in keyed["hosts"]:  # type: ignore[attr-defined]
+            print(
+                f"host of capacity {h['capacity']:g}/s: goodput {h['goodput']:.1f}/s "
+                f"({h['goodput_share']:.0%}), {h['throttled_share']:.1%} answered 429, "
+                f"rate at the end {h['rates'][-1][1]:g} (the last {h['settled_seconds']:g} s)"
+            )
+        return 0
     os.makedirs(a.out, exist_ok=True)
     try:
         result = run(name, phases, a.procs, a.threads, a.settled, a.out)

@@ -21,6 +21,8 @@ so it cannot renew its pause without being asked again.
 Under a limiter with an adaptive rate (``Limiter(adapt=...)``) every answer is
 also reported (``Limiter.feedback``): 429 and 503 as throttled, any other as
 not, with or without ``Retry-After``; the fleet's rate follows (``shmlimit.adapt``).
+Under a ``KeyedLimiter(adapt=...)`` each answer is reported under its request's
+key (the host), and each host's rate follows its own answers (``keyed.adapt``).
 
 A ``Retry-After`` that cannot be parsed (not ASCII digits nor an HTTP date) is
 treated as absent, as urllib3 does; one above ``MAX_RETRY_AFTER`` counts as that.
@@ -197,7 +199,8 @@ class HostThrottle:
         self.pauses = pauses
         #: the pauses are the limiter's own schedule: its acquire waits them out
         self.own = pauses is limiter
-        #: every answer is reported to the limiter's adaptive rate (``Limiter(adapt=...)``)
+        #: every answer is reported to the limiter's adaptive rate (``Limiter(adapt=...)``; a
+        #: ``KeyedLimiter``'s, each key's own)
         self.adaptive = bool(getattr(limiter, "adaptive", False))
 
     def args(self, url: str) -> Optional[Tuple[Tuple[Any, ...], str]]:
@@ -217,7 +220,7 @@ class HostThrottle:
             return send()
         self.before(*req)
         response = send()
-        self.after(req[1], *answer(response))
+        self.after(req[1], *answer(response), args=req[0])
         return response
 
     async def around_async(self, url: str, send: Callable[[], Awaitable[R]], answer: Answer) -> R:
@@ -227,7 +230,7 @@ class HostThrottle:
             return await send()
         await self.before_async(*req)
         response = await send()
-        self.after(req[1], *answer(response))
+        self.after(req[1], *answer(response), args=req[0])
         return response
 
     def _refused(self, key: object, retry_after: float) -> RateLimited:
@@ -270,12 +273,15 @@ class HostThrottle:
         while (left := self._paused(host, deadline)) > 0:
             await asyncio.sleep(left)
 
-    def after(self, host: str, status: int, retry_after: Any) -> Optional[float]:
+    def after(
+        self, host: str, status: int, retry_after: Any, args: Tuple[Any, ...] = ()
+    ) -> Optional[float]:
         """React to a response: report its outcome to an adaptive limiter (``THROTTLED`` statuses
-        are throttled, any other answer is not); on a pausing status with ``Retry-After``, pause
-        ``host`` (its pause key); the pause (seconds) or None."""
+        are throttled, any other answer is not; a keyed one's under the request's key, ``args``);
+        on a pausing status with ``Retry-After``, pause ``host`` (its pause key); the pause
+        (seconds) or None."""
         if self.adaptive:
-            self.limiter.feedback(throttled=status in THROTTLED)
+            self.limiter.feedback(status in THROTTLED, *args)
         if status not in self.pause_on:
             return None
         seconds = parse_retry_after(retry_after)

@@ -445,3 +445,8 @@ class Overrides:
 
     def count(self) -> int:
         return self.c.load(K.OVR_LIVE)
+
+    def entry(self, d: Tuple[int, int]) -> Optional[int]:
+        """The offset of digest ``d``'s LIVE entry (its rate perhaps removed), None if it has
+        none: where a key's adaptive rate keeps its window (``keyed.adapt``)."""
+        return self._find(d) if self.novr else None

@@ -14,10 +14,14 @@ A keyed segment holds many independent limits, one per key, in a table of
              asked (a table of window counters: granted or not)
     line  8  -, then the default rate's bank B: RATE PER BURST T TAU GEN SUM
     line  9  CUT        of EVICTED, keys still limited when given up (each lost its remaining debt)
-    lines 10..15 reserved (zero)
+    line 10  ADAPT_MIN ADAPT_MAX ADAPT_DECREASE ADAPT_INCREASE ADAPT_WINDOW: each key's adaptive
+             rate's parameters (IEEE-754 bits, written by the creator; ADAPT_MAX 0: none)
+    line 11  ADAPT_THROTTLED ADAPT_OK ADAPT_DECISIONS: outcomes reported and decisions made, all keys
+    lines 12..15 reserved (zero)
     then PSLOTS process slots of one line each: PID START GRANTS WAITING BASE - - -
          (the format of ``table.ProcessTable``, at the same offset as in a Limiter segment)
-    then NOVR override entries of three lines: CTRL D0 D1 - - - - -, then its bank A, then its bank B
+    then NOVR override entries of three lines: CTRL D0 D1 A_OWNER A_OUT A_START A_SEEN_OUT
+         A_SEEN_GRANTS (the key's adaptive rate: ``keyed.adapt``), then its bank A, then its bank B
          (CTRL state | owner << 8 | tag << 40: state 0 empty, 1 live, 2 tomb, 3 claimed by the writer
          owner; tag the low 24 bits of the storing writer's generation: see ``o_ctrl``)
     then NKEYS key slots:        CTRL D0 D1 V0 V1 BASE V3 V4
@@ -97,6 +101,11 @@ DEFAULT_BACKUP_LINES = 7
 # line 2: the geometry and the keyed hash's secret; MKEYS, MRING: a window table's moving-window logs
 NKEYS_OFF, NOVR_OFF, PROBE_OFF, SECRET0_OFF, SECRET1_OFF, MKEYS_OFF, MRING_OFF = words(2, 7)
 
+#: Each key's adaptive rate (``keyed.adapt``): the parameters, as a Limiter's (``adapt.write``) ...
+ADAPT_PARAMS = tuple(words(10, 5))
+#: ... and, over every key, outcomes reported and decisions made (cuts << 32 | raises).
+ADAPT_THROTTLED, ADAPT_OK, ADAPT_DECISIONS = words(11, 3)
+
 KEYS_LIVE = 3 * LINE
 EVICTED = 4 * LINE
 REFUSED = 5 * LINE
@@ -127,6 +136,11 @@ TOMB = 4
 # an override entry: three lines (CTRL D0 D1 in the first, then bank A, then bank B)
 OVR_LINES = 3
 O_CTRL, O_D0, O_D1 = words(0, 3)
+#: The key's adaptive rate, in the entry's spare words (``keyed.adapt``): A_OWNER the D0 of the key
+#: the other four belong to (an entry given to another key starts afresh); A_OUT its outcomes
+#: (throttled << 32 + ok, one fetch-add each); A_START the window's start (ns, 0: none), claimed
+#: by CAS; A_SEEN_OUT and A_SEEN_GRANTS A_OUT and the key's grants when the window began.
+A_OWNER, A_OUT, A_START, A_SEEN_OUT, A_SEEN_GRANTS = words(0, 8)[3:]
 O_BANKS = (1 * LINE, 2 * LINE)
 #: CTRL: ``state | owner << 8 | tag << 40``, the state in its low byte: EMPTY (the whole word zero)
 #: ends a probe; LIVE an entry in use; TOMB one a writer gave back; CLAIM taken by the writer

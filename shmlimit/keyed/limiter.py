@@ -23,10 +23,17 @@ import time
 import weakref
 from typing import Any, Callable, Dict, Optional, Tuple
 
+from shmlimit.adapt import Adapt
+from shmlimit.adapt import describe as describe_adapt
+from shmlimit.adapt import write as write_adapt
 from shmlimit.config import carried_per, validate_reconfigure, validate_timeout
 from shmlimit.errors import ConfigMismatchError, KeyTableFullError, SegmentError
 from shmlimit.keyed import cells as KC
 from shmlimit.keyed import layout as K
+from shmlimit.keyed.adapt import check as check_keyed_adapt
+from shmlimit.keyed.adapt import check_rate
+from shmlimit.keyed.adapt import read as read_keyed_adapt
+from shmlimit.keyed.adapt import report as report_outcome
 from shmlimit.keyed.gcra import (
     TICKS_PER_S,
     Overrides,
@@ -244,6 +251,7 @@ def _open(
     reconfigure: bool = False,
     flags: Optional[int] = None,
     opener: Optional[Callable[[], Tuple[Segment, Cells]]] = None,
+    adapt: Optional[Adapt] = None,
 ) -> _Attachment:
     """This process's attachment to the keyed segment ``name``, with one more handle counted.
 
@@ -253,7 +261,7 @@ def _open(
     def make() -> _Attachment:
         for _ in range(16):
             if opener is None:
-                seg, cells, real = open_segment(name, geo, rate, mode, trusted)
+                seg, cells, real = open_segment(name, geo, rate, mode, trusted, adapt)
             else:
                 seg, cells = opener()
                 try:
@@ -274,14 +282,14 @@ def _open(
             try:
                 if rate is not None and not seg.created:
                     _adopt(
-                        att, rate, geo, reconfigure
+                        att, rate, geo, reconfigure, adapt
                     )  # before registering, as attachment.adopt_config
                 att.join()
                 # registered, then STATE (see claim_and_unlink); a region's name is its group's
                 if gone(seg.name, seg.inode, cells):
                     att.detach()
                     continue  # a collector took it while we registered: open the name again
-                _check(name, att, rate, geo)
+                _check(name, att, rate, geo, adapt)
             except BaseException:
                 att.detach()
                 raise
@@ -294,30 +302,49 @@ def _open(
                 f"keyed limiter {name!r} is open in this process with other when_full/store_keys"
             )
         if reconfigure and rate is not None:
-            _adopt(att, rate, geo, True)
-        _check(name, att, rate, geo)
+            _adopt(att, rate, geo, True, adapt)
+        _check(name, att, rate, geo, adapt)
 
     return _registry.open(name, make, check)
 
 
-def _adopt(att: _Attachment, rate: Rate, geo: Optional[Geometry], reconfigure: bool) -> None:
-    """Publish ``rate`` as the default if no live process uses the segment (or ``reconfigure``).
+def _adopt(
+    att: _Attachment,
+    rate: Rate,
+    geo: Optional[Geometry],
+    reconfigure: bool,
+    adapt: Optional[Adapt] = None,
+) -> None:
+    """Publish ``rate`` as the default, and ``adapt`` as the keys' parameters, if no live process
+    uses the segment (or ``reconfigure``).
 
     The same rule as a ``Limiter``'s (``attachment.adopt_config``): a
     redeploy with a changed rate boots.  The geometry (keys, overrides) is
     the segment's size and never changes: a different one stays a mismatch.
+    Keys keep the rates they learned (clamped to new bounds as they next decide).
     """
-    if read_default(att.cells) == rate or (geo is not None and geo != att.geo):
+    same = read_default(att.cells) == rate and read_keyed_adapt(att.cells) == adapt
+    if same or (geo is not None and geo != att.geo):
         return
     creator = att.cells.load(K.CREATOR_PID_OFF)
     live = any(slot_alive(e.pid, e.start, e.pidns) for e in att.table.entries())
     if reconfigure or not (live or (0 < creator <= 0xFFFFFFFF and is_alive(creator, 0))):
+        write_adapt(att.cells, adapt, K.ADAPT_PARAMS)
         publish_default(att.cells, rate)
 
 
-def _check(name: str, att: _Attachment, rate: Optional[Rate], geo: Optional[Geometry]) -> None:
+def _check(
+    name: str,
+    att: _Attachment,
+    rate: Optional[Rate],
+    geo: Optional[Geometry],
+    adapt: Optional[Adapt] = None,
+) -> None:
     if rate is None:
         return
+    have = read_keyed_adapt(att.cells)
+    if have != adapt:
+        raise ConfigMismatchError(name, describe_adapt(have), describe_adapt(adapt), live=True)
     cur = read_default(att.cells)
     if cur != rate or (geo is not None and geo != att.geo):
         raise ConfigMismatchError(
@@ -388,6 +415,11 @@ class KeyedLimiter(RatesSwitch, Keyed):
     rates, each call naming its costs) holds every key to several rates at
     once, all or nothing: see ``keyed_multi``.
 
+    ``adapt=shmlimit.Adapt(min_rate=..., max_rate=...)`` makes each key's rate adaptive on its
+    own (per host, for a crawler): ``rate`` is where every key starts, and outcomes reported by
+    ``feedback(throttled, key)`` (the HTTP transports report theirs) move that key's override,
+    once per window for every process (``keyed.adapt``).
+
     ``lim[key]`` is one key's limit as a ``shmlimit.RateLimit`` (``shmlimit.protocol``).
     """
 
@@ -436,6 +468,7 @@ class KeyedLimiter(RatesSwitch, Keyed):
         rates: None = None,
         when_full: Optional[str] = None,
         store_keys: Optional[bool] = None,
+        adapt: Optional[Adapt] = None,
     ) -> None:
         validate_name(name)
         validate_reconfigure(reconfigure, rate is not None, "the default rate to apply")
@@ -444,6 +477,21 @@ class KeyedLimiter(RatesSwitch, Keyed):
             K.default_overrides(keys) if overrides is None and isinstance(keys, int) else overrides,
         )
         r = None if rate is None else make_rate(rate, per, burst)
+        if adapt is not None:
+            if not isinstance(adapt, Adapt):
+                raise TypeError(f"adapt must be a shmlimit.Adapt or None, got {adapt!r}")
+            if r is None:
+                raise ValueError("adapt needs rate= (the rate every key starts from)")
+            if burst is not None:
+                raise ValueError(
+                    "burst cannot be combined with adapt: the capacity follows the rate "
+                    "(10 ms of schedule, at least one op)"
+                )
+            if not geo.overrides:
+                raise ValueError(
+                    "adapt needs overrides= > 0: each key's adapted rate is its override"
+                )
+            check_keyed_adapt(adapt, r)
         validate_mode(mode)
         flags = (  # None: as this process already has the table open, else "evict", no keys
             None
@@ -452,7 +500,17 @@ class KeyedLimiter(RatesSwitch, Keyed):
         )
         trusted = validate_trusted_uids(trusted_uids)
         self._attach(
-            name, _open(name, r, geo if r is not None else None, mode, trusted, reconfigure, flags)
+            name,
+            _open(
+                name,
+                r,
+                geo if r is not None else None,
+                mode,
+                trusted,
+                reconfigure,
+                flags,
+                adapt=adapt,
+            ),
         )
 
     def _attach(self, name: str, att: _Attachment) -> None:
@@ -705,15 +763,47 @@ class KeyedLimiter(RatesSwitch, Keyed):
         """
         att = self._live()
         cur = read_default(att.cells)
+        adapt = read_keyed_adapt(att.cells)
         if per is None:  # a rate string "N/unit" carries its window
             per = carried_per(rate)
         if key is None:
-            publish_default(att.cells, make_rate(rate, cur.per if per is None else per, burst))
+            new = make_rate(rate, cur.per if per is None else per, burst)
+            if adapt is not None:
+                check_rate(adapt, cur, new)
+            publish_default(att.cells, new)
             return
         d = att.kt.digest(key)
         old = att.overrides.get(d)
         new = make_rate(rate, (old or cur).per if per is None else per, burst)
+        if adapt is not None:
+            check_rate(adapt, old or cur, new)
         att.overrides.set(d, new)
+
+    # -- the adaptive rate, per key -------------------------------------------------------
+
+    def feedback(self, throttled: bool, key: object) -> bool:
+        """Report one outcome of an op on ``key`` to its adaptive rate (``adapt=``), for every
+        process: each key adapts on its own (``keyed.adapt``).
+
+        ``throttled=True``: the upstream refused it for its rate (an HTTP 429 or 503); False: it
+        answered.  A fetch-add in the key's override entry; the report that finds the key's
+        window over decides it, once.  False (nothing counted) when the key has no override and
+        the table has none free near it: it keeps its rate.
+        """
+        if not isinstance(throttled, bool):
+            raise TypeError(f"throttled must be True or False, got {throttled!r}")
+        att = self._use()
+        adapt = read_keyed_adapt(att.cells)
+        if adapt is None:
+            raise ValueError(
+                f"feedback() needs a keyed limiter created with adapt=; {self._name!r} does not adapt"
+            )
+        return report_outcome(att, adapt, att.kt.digest(key), throttled, time.monotonic_ns())
+
+    @property
+    def adaptive(self) -> bool:
+        """Each key adapts its rate (created with ``adapt=``)."""
+        return self._live().cells.load(K.ADAPT_PARAMS[1]) != 0
 
     def override(self, key: object) -> Optional[Tuple[float, float, float]]:
         """``(rate, per, burst)`` of ``key``'s own rate, or None when it follows the default."""

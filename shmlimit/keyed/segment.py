@@ -20,6 +20,8 @@ import time
 from dataclasses import dataclass
 from typing import AbstractSet, Optional, Tuple
 
+from shmlimit.adapt import Adapt
+from shmlimit.adapt import write as write_adapt
 from shmlimit.errors import (
     AbandonedSegmentError,
     LimiterNotFoundError,
@@ -94,9 +96,13 @@ def _check_space(name: str, size: int) -> None:
         )
 
 
-def initialise(seg: Segment, geo: Geometry, rate: Optional[Rate]) -> Cells:
-    """Write a new keyed header (the rate's banks, the geometry, the hash's secret); READY last."""
+def initialise(
+    seg: Segment, geo: Geometry, rate: Optional[Rate], adapt: Optional[Adapt] = None
+) -> Cells:
+    """Write a new keyed header (the rate's banks, the geometry, the hash's secret, each key's
+    adaptive rate's parameters); READY last."""
     c = start_header(seg, K.VERSION, K.PSLOTS)
+    write_adapt(c, adapt, K.ADAPT_PARAMS)
     c.store(K.KIND_OFF, geo.kind)
     if rate is not None:  # a table of window counters has no rate: its config line stays zero
         for line in K.DEFAULT_BANKS:  # both banks, generation 0 (CFG_SEQ's first value)
@@ -276,6 +282,7 @@ def open_segment(
     rate: Optional[Rate],
     mode: int,
     trusted_uids: AbstractSet[int] = frozenset(),
+    adapt: Optional[Adapt] = None,
 ) -> Tuple[Segment, Cells, Geometry]:
     """Create (when ``rate`` is given, or ``geo`` is a table of window counters, and the name is free)
     or open a keyed segment.
@@ -293,7 +300,7 @@ def open_segment(
                 name, geo.size, mode
             )  # allocates every page: ENOSPC is an error now
             if seg is not None:
-                return seg, initialise(seg, geo, rate), geo
+                return seg, initialise(seg, geo, rate, adapt), geo
         try:
             seg = _wait_ready(name, _open_checked(name, mode, trusted_uids), mode, trusted_uids)
         except LimiterNotFoundError:

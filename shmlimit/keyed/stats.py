@@ -15,10 +15,12 @@ import time
 from dataclasses import dataclass
 from typing import List, Optional, Tuple
 
+from shmlimit.adapt import AdaptStats
 from shmlimit.errors import SegmentError
 from shmlimit.group import copy_geometry
 from shmlimit.keyed import cells as KC
 from shmlimit.keyed import layout as K
+from shmlimit.keyed.adapt import stats as adapt_stats
 from shmlimit.keyed.gcra import TICKS_PER_S, peek_default
 from shmlimit.keyed.segment import Geometry, read_copy, validate_header
 from shmlimit.keyed.windows import FLAG, unpack
@@ -65,6 +67,9 @@ class KeyedStats:
     #: a table of window counters: every hit asked of it, granted or refused (None for a
     #: KeyedLimiter, whose refusals take nothing)
     hits: Optional[int] = None
+    #: each key's adaptive rate: its parameters, and every key's outcomes and decisions (None:
+    #: the keys do not adapt); a key's rate in force is its override (``override(key)``)
+    adapt: Optional[AdaptStats] = None
 
     @property
     def bytes_per_key(self) -> float:
@@ -97,6 +102,7 @@ def snapshot_of(name: str, c: Cells, geo: Geometry, size: int) -> KeyedStats:
         kind="windows" if geo.kind == K.KIND_WINDOWS else "keyed",
         cut=c.load(K.CUT),
         hits=_hits(c) if geo.kind == K.KIND_WINDOWS else None,
+        adapt=adapt_stats(c) if geo.kind == K.KIND_GCRA else None,
     )
 
 

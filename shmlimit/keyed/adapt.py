@@ -1,0 +1,167 @@
+"""Each key adapts on its own: a ``KeyedLimiter``'s adaptive rate, per key (a crawler's hosts).
+
+The controller is a Limiter's (``adapt.decide``: additive increase, multiplicative decrease,
+within ``[min_rate, max_rate]``); what is per key is where its state lives and who decides.
+
+* **Where.**  A key's rate is its override (``set_rate(key=)``'s entry), and its window lives in
+  the entry's spare words (``layout.A_*``): the outcomes reported for the key by every process
+  (one fetch-add), the window's start, and the outcomes and the key's grants then.  A key gets
+  its entry, at the default rate, on its first outcome; the default rate is where every key
+  starts and does not adapt itself.
+* **Who.**  The reporter: an outcome that finds its key's window over claims it by a CAS on its
+  start and decides it before counting itself in the next, so a window is decided once however
+  many processes report, and there is nothing to elect.  A key nobody reports on is never
+  decided: an idle key is never raised, and no process walks the keys.
+* **Busy.**  As a Limiter's, a clean window raises a key only if its callers took ``DEMAND`` of
+  the window's schedule: the key's grants (its slot's count) times its emission interval.  A
+  key whose slot was given up meanwhile counts as idle (no raise).
+
+The rate decided is published as ``set_rate(key=)`` publishes one, so the per-key window bound
+holds for the rate in force at each instant.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any, Optional, Tuple
+
+from shmlimit.adapt import CUT, RAISE, Adapt, AdaptStats, State, Window, decide
+from shmlimit.adapt import read as read_params
+from shmlimit.config import NS_PER_S
+from shmlimit.keyed import layout as K
+from shmlimit.keyed.gcra import Rate, make_rate, read_default
+from shmlimit.shm.words import MASK64
+
+if TYPE_CHECKING:  # pragma: no cover
+    from shmlimit.shm.cells import Cells
+
+#: A keyed limiter's attachment (``keyed.limiter``): its ``cells``, ``overrides`` and
+#: ``reference()`` (the table's Python composite).
+Attachment = Any
+
+_OK_BITS = 32  #: A_OUT: throttled outcomes above these bits, ok ones below (a window's < 2**32)
+
+
+def read(c: "Cells") -> Optional[Adapt]:
+    """The table's per-key parameters (None: its keys do not adapt)."""
+    return read_params(c, K.ADAPT_PARAMS)
+
+
+def check(adapt: Adapt, rate: Rate) -> None:
+    """Raise ValueError unless keys can start from ``rate`` (the default) and adapt within
+    ``adapt``'s bounds, each bound a rate a key can be given."""
+    if not adapt.min_rate <= rate.rate <= adapt.max_rate:
+        raise ValueError(
+            f"rate must be within adapt's bounds, from {adapt.min_rate:g} to "
+            f"{adapt.max_rate:g} ops per {rate.per:g} s, got {rate.rate:g}"
+        )
+    for bound in (adapt.min_rate, adapt.max_rate):
+        make_rate(bound, rate.per, None)
+
+
+def check_rate(adapt: Adapt, cur: Rate, new: Rate) -> None:
+    """A rate ``set_rate`` may set on a table whose keys adapt: within the bounds, per and the
+    capacity as the bounds assume."""
+    if new.per != cur.per:
+        raise ValueError(
+            f"per cannot change on an adaptive keyed limiter (its bounds are ops per "
+            f"{cur.per:g} s), got {new.per:g}"
+        )
+    if new != make_rate(new.rate, new.per, None):
+        raise ValueError(
+            "burst cannot be set on an adaptive keyed limiter: the capacity follows the rate "
+            "(10 ms of schedule, at least one op)"
+        )
+    check(adapt, new)
+
+
+def report(att: Attachment, adapt: Adapt, d: Tuple[int, int], throttled: bool, now: int) -> bool:
+    """Count one outcome for the key of digest ``d`` at ``now`` (ns), first deciding its window if
+    it is over.  False (nothing counted) when the key has no override entry and none is free near
+    it: it keeps the rate it has."""
+    e = _entry(att, d)
+    if e is None:
+        return False
+    c = att.cells
+    owner = c.load(e + K.A_OWNER)
+    if owner != d[0] and c.cas(e + K.A_OWNER, owner, d[0]):
+        # an entry another key held (or none): its window starts afresh (a reporter that read the
+        # words between the CAS and this store decides at most one window from the old ones,
+        # within the bounds)
+        c.store(e + K.A_START, 0)
+    _step(att, adapt, d, e, now)
+    c.fetch_add(e + K.A_OUT, 1 << _OK_BITS if throttled else 1)
+    c.fetch_add(K.ADAPT_THROTTLED if throttled else K.ADAPT_OK, 1)
+    return True
+
+
+def _entry(att: Attachment, d: Tuple[int, int]) -> Optional[int]:
+    """The key's override entry, given one at the default rate if it has none (None: no room)."""
+    e = att.overrides.entry(d)
+    if e is not None:
+        return e
+    cur = read_default(att.cells)
+    try:
+        att.overrides.set(d, make_rate(cur.rate, cur.per, None))
+    except ValueError:  # the override table is full near this key
+        return None
+    return att.overrides.entry(d)
+
+
+def _grants(att: Attachment, d: Tuple[int, int]) -> int:
+    """The grants the key's slot counts (0 when it holds none)."""
+    kt = att.reference()
+    s, _ = kt.find(d, (d[0] * kt.nslots) >> 64)  # (the slot's home, as every lookup computes it)
+    return 0 if s is None else att.cells.load(s + K.S_V1)
+
+
+def _step(att: Attachment, adapt: Adapt, d: Tuple[int, int], e: int, now: int) -> None:
+    """Decide the key's window if it is over (once: claimed by a CAS on A_START), and publish a
+    changed rate as ``set_rate(key=)`` does; begin one if there is none."""
+    c = att.cells
+    start, out, grants = c.load(e + K.A_START), c.load(e + K.A_OUT), _grants(att, d)
+    if start == 0 or now < start:  # none yet, or a clock behind it (an injected one)
+        if c.cas(e + K.A_START, start, now):
+            _mark(c, e, out, grants)
+        return
+    if now - start < adapt.window * NS_PER_S:
+        return
+    rate = att.overrides.get(d) or read_default(c)
+    seen = (out - c.load(e + K.A_SEEN_OUT)) & MASK64
+    took = (grants - c.load(e + K.A_SEEN_GRANTS)) & MASK64
+    if took >> 63:
+        took = 0  # the slot changed tenants: the key was idle long enough to give it up
+    window = Window(
+        seen >> _OK_BITS, seen & ((1 << _OK_BITS) - 1), took * rate.per / rate.rate * NS_PER_S
+    )
+    new = decide(adapt, State(rate.rate, start), window, now)
+    if not c.cas(e + K.A_START, start, now):
+        return  # another process decided this window
+    _mark(c, e, out, grants)
+    if new.verdict in (CUT, RAISE):
+        c.fetch_add(K.ADAPT_DECISIONS, (1 << 32) if new.verdict == CUT else 1)
+    if new.rate != rate.rate:
+        att.overrides.set(d, make_rate(new.rate, rate.per, None))
+
+
+def _mark(c: "Cells", e: int, out: int, grants: int) -> None:
+    c.store(e + K.A_SEEN_OUT, out)
+    c.store(e + K.A_SEEN_GRANTS, grants)
+
+
+def stats(c: "Cells") -> Optional[AdaptStats]:
+    """The per-key parameters, and the outcomes and decisions of every key (None: no adapt)."""
+    adapt = read(c)
+    if adapt is None:
+        return None
+    decisions = c.load(K.ADAPT_DECISIONS)
+    return AdaptStats(
+        adapt.min_rate,
+        adapt.max_rate,
+        adapt.decrease,
+        adapt.increase,  # type: ignore[arg-type]
+        adapt.window,
+        c.load(K.ADAPT_THROTTLED),
+        c.load(K.ADAPT_OK),
+        decisions >> 32,
+        decisions & 0xFFFFFFFF,
+    )

@@ -1,0 +1,231 @@
+"""Each key of a KeyedLimiter adapts on its own: the decisions on a fake clock, per key.
+
+``keyed.adapt.report`` is what ``feedback(throttled, key)`` runs, at an injected instant: the
+report that finds its key's window over decides it (a CAS on the window's start), then counts
+itself.  Grants are taken at fake instants through the table's Python composite.  Run on both
+backends (``SHMLIMIT_BACKEND``).
+"""
+
+import subprocess
+import sys
+
+import pytest
+from support.clock import FakeClock
+
+import shmlimit
+from shmlimit.keyed import adapt as KA
+from shmlimit.keyed import layout as K
+
+S = 10**9
+ADAPT = shmlimit.Adapt(min_rate=10, max_rate=1000, increase=10)
+
+
+def _lim(name, **kw):
+    kw.setdefault("keys", 1000)
+    return shmlimit.KeyedLimiter(name, rate=100, adapt=kw.pop("adapt", ADAPT), **kw)
+
+
+class Keys:
+    """Reports and grants for one keyed limiter at the instants of one fake clock."""
+
+    def __init__(self, lim):
+        self.lim = lim
+        self.att = lim._use()
+        self.clock = FakeClock()
+        self.adapt = KA.read(self.att.cells)
+
+    def report(self, key, throttled=False, times=1):
+        d = self.att.kt.digest(key)
+        return [KA.report(self.att, self.adapt, d, throttled, self.clock.now) for _ in range(times)]
+
+    def take(self, key):
+        """One op on ``key`` now, if its schedule has room (never waits)."""
+        r = self.att.reference().acquire(key, 1, 0, self.clock.now << K.TICK_SHIFT)
+        return r == 0
+
+    def advance(self, seconds):
+        self.clock.advance(int(seconds * S))
+
+    def rate(self, key):
+        over = self.lim.override(key)
+        return None if over is None else over[0]
+
+
+# ---- the option ---------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    "kwargs, error, match",
+    [
+        (dict(rate=100, adapt={"min_rate": 1}), TypeError, "adapt must be a shmlimit.Adapt"),
+        (dict(adapt=ADAPT), ValueError, "adapt needs rate="),
+        (dict(rate=100, burst=5, adapt=ADAPT), ValueError, "burst cannot be combined with adapt"),
+        (dict(rate=5000, adapt=ADAPT), ValueError, "rate must be within adapt's bounds"),
+        (dict(rate=100, overrides=0, adapt=ADAPT), ValueError, "adapt needs overrides= > 0"),
+    ],
+)
+def test_bad_adapt_is_refused_and_creates_nothing(name, kwargs, error, match):
+    with pytest.raises(error, match=match):
+        shmlimit.KeyedLimiter(name, keys=1000, **kwargs)
+    with pytest.raises(FileNotFoundError):
+        shmlimit.inspect(name)
+
+
+def test_a_table_without_adapt_takes_no_feedback(name, cleanup):
+    lim = shmlimit.KeyedLimiter(name, rate=100, keys=1000)
+    cleanup.append(lim)
+    assert not lim.adaptive and lim.stats().adapt is None
+    with pytest.raises(
+        ValueError, match="feedback\\(\\) needs a keyed limiter created with adapt="
+    ):
+        lim.feedback(True, "a.example")
+    with pytest.raises(TypeError, match="throttled must be True or False"):
+        _lim(name + "-x").feedback(1, "a.example")
+    shmlimit.unlink(name + "-x")
+
+
+def test_the_same_call_again_and_a_different_one(name, cleanup):
+    lim = _lim(name)
+    cleanup.append(lim)
+    again = _lim(name)
+    cleanup.append(again)
+    with pytest.raises(shmlimit.ConfigMismatchError, match="no adaptive rate"):
+        shmlimit.KeyedLimiter(name, rate=100, keys=1000)
+    with pytest.raises(shmlimit.ConfigMismatchError, match="max_rate=500"):
+        _lim(name, adapt=shmlimit.Adapt(min_rate=10, max_rate=500))
+
+
+# ---- each key decides on its own ----------------------------------------------------------------
+
+
+def test_each_key_is_cut_once_per_window_on_its_own(name, cleanup):
+    lim = _lim(name)
+    cleanup.append(lim)
+    k = Keys(lim)
+    assert k.report("slow.example", throttled=True) == [True]  # a key's first outcome: its entry
+    k.report("fast.example")
+    assert (k.rate("slow.example"), k.rate("fast.example")) == (100.0, 100.0)
+    k.advance(0.1)
+    k.report("slow.example", throttled=True, times=50)  # mid-window: nothing decided
+    assert k.rate("slow.example") == 100.0
+    k.advance(0.15)
+    k.report("slow.example", times=20)  # the first report after the window decides it, once
+    k.report("fast.example")
+    assert (k.rate("slow.example"), k.rate("fast.example")) == (80.0, 100.0)
+    assert k.rate("never.example") is None  # a key never reported has no entry
+    st = lim.stats().adapt
+    assert (st.throttled, st.ok, st.cuts, st.raises) == (51, 22, 1, 0)
+    k.advance(0.25)
+    k.report("slow.example")  # the window after: only ok outcomes, nobody queued: hold
+    assert k.rate("slow.example") == 80.0
+
+
+def test_a_busy_clean_key_rises_and_an_idle_one_never_does(name, cleanup):
+    lim = _lim(name)
+    cleanup.append(lim)
+    k = Keys(lim)
+    k.report("busy.example")
+    k.report("idle.example")
+    for _ in range(20):  # 20 windows
+        for _ in range(250):  # an op tried every ms: at 100/s the key's schedule is all taken
+            k.advance(0.001)
+            k.take("busy.example")
+        k.report("busy.example")
+        k.report("idle.example")  # answers, but nobody queues for it
+    assert k.rate("busy.example") == 100.0 + 20 * 10
+    assert k.rate("idle.example") == 100.0
+    k.advance(3600)  # an hour without a report: nothing is decided, nothing rises
+    assert k.rate("busy.example") == 300.0
+    k.report("busy.example")  # the window that ends now held ~no grants: hold
+    assert k.rate("busy.example") == 300.0
+
+
+def test_a_key_stays_within_the_bounds(name, cleanup):
+    lim = _lim(name)
+    cleanup.append(lim)
+    k = Keys(lim)
+    for _ in range(30):
+        k.report("a.example", throttled=True)
+        k.advance(0.25)
+    assert k.rate("a.example") == 10.0
+    lim.set_rate(1000, key="a.example")
+    with pytest.raises(ValueError, match="from 10 to 1000"):
+        lim.set_rate(1001, key="a.example")
+    with pytest.raises(ValueError, match="from 10 to 1000"):
+        lim.set_rate(5)
+    with pytest.raises(ValueError, match="burst cannot be set"):
+        lim.set_rate(50, burst=20, key="a.example")
+    with pytest.raises(ValueError, match="per cannot change"):
+        lim.set_rate("50/min", key="a.example")
+    assert k.rate("a.example") == 1000.0 and lim.rate == 100.0
+
+
+def test_outcomes_of_every_process_count_one_cut_per_window(name, cleanup):
+    """Another process reports for the key at the same instants; the window is decided once,
+    from every process's outcomes."""
+    lim = _lim(name)
+    cleanup.append(lim)
+    k = Keys(lim)
+    k.report("a.example")
+    code = (
+        "import sys, shmlimit\n"
+        "from shmlimit.keyed import adapt as KA\n"
+        "lim = shmlimit.KeyedLimiter(sys.argv[1])\n"
+        "att = lim._use()\n"
+        "d = att.kt.digest('a.example')\n"
+        "for _ in range(int(sys.argv[3])):\n"
+        "    KA.report(att, KA.read(att.cells), d, True, int(sys.argv[2]))\n"
+    )
+
+    def other(times):
+        subprocess.run([sys.executable, "-c", code, name, str(k.clock.now), str(times)], check=True)
+
+    other(5)  # mid-window, in the other process
+    k.advance(0.25)
+    other(3)  # the other process's first report after the window decides it ...
+    k.report("a.example", throttled=True)  # ... and this one's, at the same instant, does not
+    assert k.rate("a.example") == 80.0
+    st = lim.stats().adapt
+    assert (st.throttled, st.cuts) == (9, 1)
+
+
+def test_an_entry_another_key_held_starts_afresh(name, cleanup):
+    lim = _lim(name)
+    cleanup.append(lim)
+    k = Keys(lim)
+    k.report("a.example", throttled=True, times=3)
+    e = k.att.overrides.entry(k.att.kt.digest("a.example"))
+    k.att.cells.store(e + K.A_OWNER, 12345)  # as if the entry were another key's before
+    k.advance(0.25)
+    k.report("a.example")  # a new window begins: the old outcomes are not this key's
+    assert k.rate("a.example") == 100.0
+    assert lim.stats().adapt.cuts == 0
+
+
+def test_a_full_override_table_counts_nothing(name, cleanup):
+    lim = _lim(name, keys=64, overrides=1)
+    cleanup.append(lim)
+    k = Keys(lim)
+    assert k.report("a.example") == [True]
+    assert k.report("b.example") == [False]  # no entry free near it: keeps the default rate
+    assert lim.stats().adapt.ok == 1 and k.rate("b.example") is None
+
+
+def test_inspect_shows_the_parameters_and_the_counts(name, cleanup):
+    lim = _lim(name)
+    cleanup.append(lim)
+    k = Keys(lim)
+    k.report("a.example", throttled=True, times=2)
+    st = shmlimit.inspect(name).adapt
+    assert (st.min_rate, st.max_rate, st.increase, st.throttled, st.ok) == (10, 1000, 10, 2, 0)
+
+
+def test_hostile_parameters_are_refused(name, cleanup):
+    lim = _lim(name)
+    cleanup.append(lim)
+    lim._use().cells.store(K.ADAPT_PARAMS[2], 0x7FF8000000000000)  # decrease: NaN
+    with pytest.raises(shmlimit.SegmentError, match="adaptive rate's parameters are not valid"):
+        shmlimit.inspect(name)
+    with pytest.raises(shmlimit.SegmentError):
+        lim.feedback(True, "a.example")
+    assert lim.override("a.example") is None  # nothing written for the key
