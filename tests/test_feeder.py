@@ -675,3 +675,41 @@ def test_a_request_redis_runs_late_counts_the_gap_it_left(R, redis_server, name,
         got,
         starved,
     )  # the loss, all counted
+
+
+def test_a_feeders_nap_renews_the_lease_before_it_not_in_a_wake_of_its_own(monkeypatch):
+    """The feeder sleeps until its next event, at most ``IDLE_TICK``; the filler renewed the lease
+    every ``RENEW_EVERY`` (10 ms) meanwhile, a wake of its own twice per op at 50/s, each about a
+    third of a delivery's CPU.  It renews before sleeping instead, and sleeps at most twice that
+    after a renewal: a nap of up to ``IDLE_TICK`` is one sleep, and the lease outlives it by
+    ``LEASE_TIMEOUT - 2 * RENEW_EVERY`` (30 ms) of lateness."""
+    import types
+
+    import shmlimit.bucket.filler as F
+    from shmlimit.redis.feeder import IDLE_TICK
+
+    assert IDLE_TICK <= 2 * F.RENEW_EVERY < F.LEASE_TIMEOUT
+    now = [100.0]
+    sleeps, renewals = [], []
+
+    def sleep(s):
+        sleeps.append(s)
+        now[0] += s
+
+    monkeypatch.setattr(F, "time", types.SimpleNamespace(monotonic=lambda: now[0], sleep=sleep))
+    lease = types.SimpleNamespace(renew=lambda: renewals.append(now[0]) or True)
+    filler = types.SimpleNamespace(_stopping=False, lease=lease)
+
+    # renewed 5 ms ago, a nap of IDLE_TICK: renewed now, one sleep
+    last = F.FillerThread._nap_renewing(filler, IDLE_TICK, 100.0 - 0.005)
+    assert sleeps == [pytest.approx(IDLE_TICK)] and renewals == [100.0] and last == 100.0
+    # renewed just now, a short nap: no renewal, one sleep
+    sleeps.clear(), renewals.clear()
+    F.FillerThread._nap_renewing(filler, 0.004, now[0])
+    assert len(sleeps) == 1 and renewals == []
+    # a long nap (not a feeder's) is still renewed at most 2 * RENEW_EVERY apart
+    sleeps.clear(), renewals.clear()
+    t0 = now[0]
+    F.FillerThread._nap_renewing(filler, 0.1, t0)
+    marks = [t0] + renewals + [now[0]]
+    assert max(b - a for a, b in zip(marks, marks[1:])) <= 2 * F.RENEW_EVERY + 1e-9

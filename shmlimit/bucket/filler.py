@@ -470,18 +470,21 @@ class FillerThread(threading.Thread):
         A hierarchical feed sleeps until its next event, up to ``upstream.IDLE_TICK``;
         a thread that wakes late on a busy machine (tens of ms) would then let the
         lease lapse, and a waiter would take it: a new filler that starts knowing no
-        demand.  A renewal alone costs far less than a tick.
+        demand.  A renewal alone costs far less than a tick, but a wake only for it
+        cost a third of a delivery's CPU at 50/s: it renews before sleeping when
+        the nap would pass ``RENEW_EVERY`` after the last renewal, then sleeps up
+        to twice that (naps end within ``IDLE_TICK``: no wake for a renewal alone).
         """
         end = time.monotonic() + nap
         while not self._stopping:
             now = time.monotonic()
             if now >= end:
                 break
-            if now - last_renew >= RENEW_EVERY:
+            if now - last_renew >= RENEW_EVERY or end - last_renew > 2 * RENEW_EVERY:
                 if not self.lease.renew():
                     break
                 last_renew = now
-            time.sleep(min(end, last_renew + RENEW_EVERY) - now)
+            time.sleep(min(end, last_renew + 2 * RENEW_EVERY) - now)
         return last_renew
 
     def run(self) -> None:
