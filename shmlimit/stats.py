@@ -46,7 +46,7 @@ class UpstreamStats:
     lease_ttl: float  #: seconds a leased token stays usable
     round_trips: int  #: Redis round trips by this host's fillers
     leased: int  #: ops leased from Redis
-    leases: int  #: successful lease requests (``leased / leases`` is the average batch)
+    leases: int  #: batches delivered, each with its lease record (``leased / leases`` is the average batch; one request reserves several)
     expired: int  #: leased ops never used (void after ``lease_ttl``, or still reserved when the process that leased them closed)
     refused: int  #: lease requests that found nothing available globally
     errors: int  #: Redis calls that failed

@@ -677,6 +677,33 @@ def test_a_request_redis_runs_late_counts_the_gap_it_left(R, redis_server, name,
     )  # the loss, all counted
 
 
+def test_a_reservation_is_delivered_a_batch_at_a_time_as_its_slots_fall_due(
+    R, redis_server, name, clock
+):
+    """One round trip reserves ``lease_seconds`` of demand (ten ops at 50/s), cut into batches (one
+    op here: the local capacity) each delivered when its own slot is due.  A round trip per op cost
+    ~1 ms of CPU each at 50/s; and delivered at once, a reservation's ops would all come at its
+    last slot (ten at once where the limit allows one)."""
+    rate = 50
+    host = Host(R, name, redis_server.url, clock, rate, lease_ttl=0.1)
+    try:
+        assert host.feeder.lease_seconds == pytest.approx(0.2)  # LEASE_OPS at the global rate
+        start = clock.now
+        run([host], clock, 3.0)
+        up = host.lim.stats().upstream
+    finally:
+        host.close()
+    got = sum(1 for t in host.grants if t >= start + 10**9)
+    assert abs(got - rate * 2.0) <= 1
+    assert up.expired == 0
+    assert up.round_trips <= len(host.grants) / 5 + 4, (up.round_trips, len(host.grants))
+    assert up.leases >= len(host.grants)  # a record per batch delivered, each its own op
+    # never a slot early: Redis's own bound, without the ttl term (each op taken when delivered)
+    burst = host.glob.capacity
+    for width in (10**7, 2 * 10**7, 10**8, 10**9):
+        assert max_in_window(host.grants, width) <= rate * width / 1e9 + burst, width
+
+
 def test_a_feeders_nap_renews_the_lease_before_it_not_in_a_wake_of_its_own(monkeypatch):
     """The feeder sleeps until its next event, at most ``IDLE_TICK``; the filler renewed the lease
     every ``RENEW_EVERY`` (10 ms) meanwhile, a wake of its own twice per op at 50/s, each about a

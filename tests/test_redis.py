@@ -356,9 +356,8 @@ def test_two_hosts_share_one_global_rate(R, redis_server, name):
         # the workers are gone.  (Bounded by grants + burst instead, this failed once the batches
         # reserved ahead by the fillers that exited, up to the lead and a batch each, exceeded it.)
         assert up.leased - up.expired == s.grants + s.available
-    assert sum(s.upstream.round_trips for s in stats) > sum(
-        s.upstream.leases + s.upstream.refused for s in stats
-    )
+    # the script Redis forgot is there again: a filler loaded it (NOSCRIPT) and went on
+    assert redis_server.client().script_exists(R.LUA_SHA) == [True]
     total_leased = sum(s.upstream.leased for s in stats)
     assert total_leased <= rate * (seconds + 2) + burst  # Redis never handed out more than the rate
 
@@ -580,9 +579,11 @@ def test_low_rate_is_delivered_in_full_by_reservations(R, redis_server, name):
     assert len(steady) - 1 >= 0.95 * rate * span - rate * held_up
     # above, the promise is the window bound (the rate from stamps is jittered by late wake-ups)
     assert max_excess(tag(results), 1.0) <= rate * (1.0 + 0.1 + 0.05) + glob.capacity
-    # one round trip per batch reserved (at 20/s a batch is one op, so ``leased`` counts them):
-    # the last few, reserved ahead (the lead), are not delivered by the end
-    assert up.leases <= up.round_trips <= up.leased + up.refused + 5
+    # one round trip reserves ``LEASE_SECONDS`` of demand (two ops at 20/s), delivered a batch (one
+    # op here) at a time as its slots fall due: half a round trip per op, and fewer than batches
+    # (the last few reserved ahead, the lead, are not delivered by the end)
+    assert up.round_trips <= up.leased / 2 + up.refused + 5
+    assert up.round_trips <= up.leases + 5
 
 
 # the first lease from Redis within 2 real seconds

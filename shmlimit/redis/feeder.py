@@ -9,9 +9,11 @@ Batches are reservations.  The filler measures the host's demand (the tail's
 advance, queued grabs included) as an average over ~0.2 s.  While callers
 wait (a negative balance, or ``UP_HUNGRY`` set by a refused caller in the
 last 20 ms), or while the host is busy and what it holds would run out
-soon, it *reserves* ``demand * batch_seconds`` ops (at least one, at most
-what the local bucket holds) in the global GCRA (``MODE_RESERVE``), due
-when their slots are.  It asks for the next batch when the last reserved one
+soon, it *reserves* ``demand * lease_seconds`` ops (a lease: 0.1 s, or ten
+ops of the global rate up to 0.25 s) in the global GCRA (``MODE_RESERVE``),
+cut into batches of ``demand * batch_seconds`` ops (at least one, at most
+what the local bucket holds), each due when its own slots are.  It asks
+for the next lease when the last reserved batch
 falls due within ``lead`` (two round trips plus ``MIN_LEAD``), so under
 saturation the global schedule never runs dry between two requests: no slot
 is lost to the latency of asking, at any rate.  (Leasing only what was
@@ -24,20 +26,20 @@ last (2 % of the rate for one of three equal hosts at 50/s; the host nearest
 Redis got 7 % at 1000/s through 1/3/5 ms proxies).  Nobody hoards: a host
 asks only while it has demand and only when its own reserved schedule ends
 within the lead, so all hosts together hold at most ``hosts * (lead +
-batch)`` of schedule ahead.  A batch falls due at ``reply + wait`` (never
+lease)`` of schedule ahead.  A batch falls due at ``reply + wait`` (never
 early: Redis ran the script before the reply) and goes into the bucket as
 far as it fits; the rest waits for room, not longer than its ttl.
 
-Batch size, round trips and the bound.  Redis grants at most
-``rate*T + burst`` of schedule in any window T, however it is cut into
-batches, and a reserved batch is due only when all its slots are.  So the
-batch size does not enter the window bound below; it sets the round trips
-(one per batch: ``1 / (demand * batch_seconds)`` per op, bounded below by
-one per local capacity) against how lumpy a host's supply is (its tokens come
-``batch`` at a time) and how much reserved schedule a host whose demand stops
-leaves unused (at most the lead, ``EARLY`` and one batch).  The default,
-``batch_seconds=0.02`` capped by the local capacity (default 10 ms of rate),
-gives one round trip per 10 ms of schedule per busy host at high rates.
+Lease and batch sizes, round trips and the bound.  Redis grants at most
+``rate*T + burst`` of schedule in any window T, however it is cut, and a
+batch is due only when all its slots are.  So neither size enters the
+window bound below.  The batch sets how lumpy a host's supply is (its
+tokens come ``batch`` at a time; ``batch_seconds=0.02`` capped by the local
+capacity, default 10 ms of rate).  The lease sets the round trips: one per
+lease, 4 to 10 a second per busy host at any rate (one per batch cost about
+1 ms of CPU each, 0.05 CPU-s/s at 50/s), against how much reserved schedule a
+host whose demand stops leaves unused (at most the lead, ``EARLY`` and one
+lease).
 
 Leased tokens expire.  Each delivered batch leaves a record in the segment:
 one word, (the earliest moment it could be due, in ms) << 24 | its ops, in a
@@ -140,6 +142,15 @@ TICK = 0.002
 #: A feeder awake anyway asks for the next batch up to this much earlier than the lead requires,
 #: rather than wake again for it alone (seconds).
 EARLY = 0.01
+#: One reservation (a round trip) covers this much of the host's demand (seconds), cut into batches
+#: of ``batch_seconds`` delivered as their slots fall due ...
+LEASE_SECONDS = 0.1
+#: ... or, at low global rates, as long as ``LEASE_OPS`` ops of the global rate take, up to
+#: ``MAX_LEASE_SECONDS`` (``Feeder.lease_seconds``).  A round trip costs about as much CPU as five
+#: deliveries: at 50/s with 1-op batches, one per op cost ~1 ms of CPU each, 0.05 CPU-s/s, seven
+#: times a clock-fed filler's.
+LEASE_OPS = 10
+MAX_LEASE_SECONDS = 0.25
 #: Batches are reserved at least this far ahead of need (seconds; ``Feeder.lead_ns``): longer than
 #: a filler (or Redis) is kept off the CPU on a busy VM (at 15 ms, 64-81 ms pauses lost 2 % at 1 000/s).
 MIN_LEAD = 0.075
@@ -224,6 +235,13 @@ class Feeder:
         #: 1 000 000/s knows no demand, and sized by it alone its batches grew 10 % per round trip
         #: (~150 ms of the global schedule mostly lost); doubling reaches ``max_grow`` in ~14.
         self.grow = 1
+        #: ops a reservation asks at least while callers want more (queued, or refused just now),
+        #: doubled by each request that finds them so, up to ``max_lease``: saturated hosts then
+        #: all ask ``max_lease`` and the queue of their reservations gives equal shares (sized by
+        #: each one's demand, they kept whatever shares they had: 40/30/30 % for three at 1 000/s)
+        self.grow_lease = 1
+        #: ops per batch (a delivery), as ``want`` last sized it; a reservation is cut into batches
+        self.batch = 1
         self._queued_at = -HUNGRY_NS  # when ``want`` last found callers queued (ns)
         #: the lease records this process wrote that have not ended: a record may leave the ring of
         #: four before it ends (racing fillers, many small batches), and the wake for its end is
@@ -242,6 +260,18 @@ class Feeder:
         """The most ``grow`` reaches: a batch for the global rate itself (no host's demand is
         higher), so a saturated host's batches are what its measured demand makes them."""
         return min(self.max_batch, max(1, math.ceil(self.batch_seconds * 1e9 / self.interval_ns)))
+
+    @property
+    def max_lease(self) -> int:
+        """Ops per reservation at most: ``lease_seconds`` at the global rate (no host's demand is
+        higher)."""
+        return max(1, math.ceil(self.lease_seconds * 1e9 / self.interval_ns))
+
+    @property
+    def lease_seconds(self) -> float:
+        """How much of the host's demand one reservation covers (seconds): ``LEASE_SECONDS``, or
+        ``LEASE_OPS`` of the global rate where that is longer, up to ``MAX_LEASE_SECONDS``."""
+        return min(MAX_LEASE_SECONDS, max(LEASE_SECONDS, LEASE_OPS * self.interval_ns / 1e9))
 
     @property
     def lead_ns(self) -> int:
@@ -348,7 +378,12 @@ class Feeder:
         bt = self.pending[0]
         if bt.due > now:
             return bt.due
-        room = now + int(bt.left * 1e9 / self.demand) if self.demand > 0 else _NEVER
+        if now - self.cells.load(L.UP_HUNGRY) < HUNGRY_NS:
+            # callers were refused just now: they take what goes in at once (a late wake's backlog
+            # of batches, behind its lease's later ones, drains at this pace, not at their demand's)
+            room = now
+        else:
+            room = now + int(bt.left * 1e9 / self.demand) if self.demand > 0 else _NEVER
         return min(bt.stamp + self.ttl_ns, max(now + int(TICK * 1e9), room))
 
     def _next_request(self, now: int) -> int:
@@ -429,8 +464,7 @@ class Feeder:
                 self.pending.popleft()
                 continue
             if not bt.recorded:
-                self.mine.append(self.records.write(bt.stamp, bt.ops))
-                bt.recorded = True
+                self._record(now)
             put = b.add(bt.left * b.cost) // b.cost
             bt.left -= put
             added += put
@@ -441,6 +475,22 @@ class Feeder:
                 return added  # no room: the rest waits for the next tick (or its ttl)
             self.pending.popleft()
         return added
+
+    def _record(self, now: int) -> None:
+        """Write the lease record of the first batch and of every batch due behind it: one record,
+        their earliest stamp and all their ops.  The batches of one reservation due at once (within
+        the GCRA's tolerance), or a late wake's, would each push a record out of the ring of four,
+        and the bucket would hold more than the ring covers: tokens burned early, schedule lost."""
+        run: List[_Batch] = []
+        ops = 0
+        for bt in self.pending:
+            if bt.recorded or bt.due > now or ops + bt.ops > RECORD_MAX_OPS:
+                break
+            run.append(bt)
+            ops += bt.ops
+        self.mine.append(self.records.write(min(bt.stamp for bt in run), ops))
+        for bt in run:
+            bt.recorded = True
 
     def want(self, now: int, early: int = 0) -> int:
         """Ops to reserve now (0: none needed), or up to ``early`` ns before they would be.
@@ -470,19 +520,29 @@ class Feeder:
         )
         if avail < 0:
             self._queued_at = now
+        self.batch = batch
         hungry = avail < 0 or now - self.cells.load(L.UP_HUNGRY) < HUNGRY_NS
         if not hungry and self.demand * self.ttl_ns / 1e9 < 1:
             return 0
         if self.pending and self.pending[-1].due - now >= lead:
             return 0  # the reserved schedule reaches far enough
+        # one round trip reserves ``lease_seconds`` of demand (at most of the global rate), delivered
+        # a batch at a time (``_slice``)
+        lease = max(
+            batch,
+            min(
+                self.max_lease,
+                max(math.ceil(self.demand * self.lease_seconds), self.grow_lease if hungry else 1),
+            ),
+        )
         if avail < 0 or hungry:
-            return batch  # callers wait: keep the schedule continuous
+            return lease  # callers wait: keep the schedule continuous
         # busy, nobody waiting: lease when what we hold and have reserved runs out within the lead
         # and one batch's worth of the global schedule
         have = avail + sum(bt.left for bt in self.pending)
         if have * 1e9 >= self.demand * (lead + batch * self.interval_ns):
             return 0
-        return batch
+        return lease
 
     def _lease(self, now: int, state: int) -> None:
         c = self.cells
@@ -498,6 +558,7 @@ class Feeder:
             return
         want = max(1, want)
         queued = self.bucket.balance() < 0
+        hungry = queued or now - c.load(L.UP_HUNGRY) < HUNGRY_NS
         # No max_wait: the next slots of the global schedule, however far ahead (a FIFO of the
         # hosts' batches: equal shares under saturation; see the module's docstring).
         sent = self.clock()
@@ -523,12 +584,14 @@ class Feeder:
         if granted:
             if state == STATE_OK:  # (after an outage the gap is the outage's: counted as errors)
                 self._note_dry(sent, dry)
-            self.pending.append(
-                _Batch(due=received + wait, stamp=sent + wait, ops=granted, left=granted)
-            )
+            self._slice(sent, received, wait, granted)
             c.fetch_add(L.UP_LEASED, granted)
             self.next_try = 0
-            self.grow = min(self.max_grow, 2 * max(self.grow, granted)) if queued else 1
+            batch = min(granted, self.batch)
+            self.grow = min(self.max_grow, 2 * max(self.grow, batch)) if queued else 1
+            self.grow_lease = (
+                min(self.max_lease, 2 * max(self.grow_lease, granted)) if hungry else 1
+            )
         else:
             # not an answer a reservation without max_wait gets: count it, ask again a little later
             c.fetch_add(L.UP_REFUSED, 1)
@@ -537,6 +600,26 @@ class Feeder:
                 + int(MIN_RETRY * 1e9)
                 + random.randrange(min(self.interval_ns, 1_000_000) + 1)
             )
+
+    def _slice(self, sent: int, received: int, wait: int, granted: int) -> None:
+        """Queue a reservation of ``granted`` ops as batches of ``self.batch`` ops, each due when its
+        own last slot is.
+
+        Redis reserved consecutive slots, the last due ``wait`` after it ran
+        the script; the slot ``j`` ops before it is due ``j * interval``
+        sooner (or at once): what a reservation of the ops up to it would have
+        been told.  So each batch is due (``reply + its wait``) and stamped
+        (``request + its wait``) exactly as a reservation of its own, and
+        delivered and expired as one.
+        """
+        cut = max(1, self.batch)
+        iv = self.interval_ns
+        done = 0
+        while done < granted:
+            ops = min(cut, granted - done)
+            done += ops
+            w = max(0, wait - (granted - done) * iv)
+            self.pending.append(_Batch(due=received + w, stamp=sent + w, ops=ops, left=ops))
 
     def _note_wanting(self, now: int) -> None:
         """Keep ``UP_WANTING``: since when callers have wanted tokens (queued, or refused without

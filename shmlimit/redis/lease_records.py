@@ -74,13 +74,15 @@ class LeaseRecords:
         before its end no longer counts here (its tokens burn early); the
         feeder that wrote it still plans a wake for its end (``next_expiry``).
         """
+        b = self.bucket
+        if b.balance() <= 0:  # nothing held (callers queued: saturation): no ring to read
+            return 0
         c = self.cells
         keep = 0
         for i in range(L.UP_RECORDS):
             word = c.load(L.UP_RECORD + 8 * i)
             if word and not self.ends_by(word, now):
                 keep += word & RECORD_MAX_OPS
-        b = self.bucket
         burned = b.burn(keep * b.cost)
         if burned:
             c.fetch_add(L.UP_EXPIRED, burned // b.cost)
@@ -97,10 +99,12 @@ class LeaseRecords:
         ring still covers its tokens until it ends: the check at its end burns
         them, as the ring no longer covers them).
         """
+        held = self.bucket.balance()
+        if held <= 0:
+            return None  # nothing held: only a delivery puts tokens in, and it plans again
         c = self.cells
         words = {c.load(L.UP_RECORD + 8 * i) for i in range(L.UP_RECORDS)} | set(mine)
         live = [(self.end(w), w & RECORD_MAX_OPS) for w in words if w and self.end(w) > now]
-        held = self.bucket.balance()
         keep = sum(ops for _, ops in live)
         for end, ops in sorted(live):
             keep -= ops
