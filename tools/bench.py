@@ -7,6 +7,7 @@
     python tools/bench.py --only-waiting   # section 5 only (waiting: CPU and lateness)
     python tools/bench.py --only-hierarchy # section 9's table only (local vs hierarchical, a Redis started for it)
     python tools/bench.py --only-asyncio   # section 12 only (acquire_async against bare asyncio sleepers)
+    python tools/bench.py --only-hierarchy-cpu # section 9a only (hierarchical vs local CPU at 50/s)
 
 1. cost of acquire() in one process at an effectively unlimited rate, per backend,
    against a bare native atomic fetch-add called from Python (the floor) and a
@@ -32,6 +33,8 @@
    against `limits` with RedisStorage (when `limits` is installed: pip install '.[bench]').
 9. the hierarchical mode against the local one, 8 processes (50/s untimed and timed with their CPU,
    1000/s), and its fidelity and round trips per op from 1/s to 1 000 000/s;
+   9a. at 50/s with 8 untimed waiters, local and hierarchical runs alternating: the whole process
+   tree's CPU as a ratio (the target: at most 1.5x) and the filler threads' CPU per lease;
 11. several rates at once (rates=): acquire(), try_acquire(), acquire(timeout=1.0) and
     acquire(2) over two rates, and acquire(requests=1, tokens=50) over a dict of two, one process
     at an unlimited rate, as ratios to the single-rate acquire() of the same process and run, per
@@ -888,6 +891,7 @@ def run_fed(
         filler_cpu=(r1.ru_utime - r0.ru_utime + r1.ru_stime - r0.ru_stime + sum(r[5] for r in res))
         / seconds,
         round_trips_per_op=trips / max(1, sum(r[4] for r in res)) if url else None,
+        round_trips=trips if url else None,  # Redis round trips (leases asked) over the run
         # the waiting threads' sleeps per grant, all processes together (1.0: one wake per grant)
         wakes_per_grant=sum(r[6] for r in res) / max(1, sum(r[4] for r in res)),
         refused=sum(r[7] for r in res),  # timed: acquires that timed out
@@ -915,6 +919,66 @@ def run_fed(
         ],
         errors=s.upstream.errors - s0.upstream.errors if url else 0,
         load=os.getloadavg()[0],
+    )
+
+
+def bench_hierarchy_cpu(url: str, seconds: float, pairs: int = 2) -> dict:
+    """The hierarchical mode's CPU at a low rate: 50/s, 8 untimed waiters, local and hierarchical
+    runs alternating (``pairs`` of each), ``seconds`` each.  The whole process tree's CPU (the
+    waiters, and the filler threads: in hierarchical mode its Redis round trips) of the
+    hierarchical runs over the local ones', and the filler threads' CPU per Redis round trip (a
+    lease asked) and per op delivered."""
+    rows = []
+    for _ in range(pairs):
+        rows.append(run_fed(None, 50, 8, seconds))
+        rows.append(run_fed(url, 50, 8, seconds))
+    local = [r for r in rows if r["mode"] == "local"]
+    hier = [r for r in rows if r["mode"] == "hierarchical"]
+
+    def tree(rs: List[dict]) -> float:  # CPU-s/s of the whole process tree, over the runs
+        return sum(r["waiters_cpu"] + r["filler_cpu"] for r in rs) / len(rs)
+
+    filler_s = sum(r["filler_cpu"] * seconds for r in hier)
+    ops = sum(r["achieved"] * seconds for r in hier)
+    return dict(
+        rows=rows,
+        tree_ratio=tree(hier) / tree(local),
+        waiters_ratio=sum(r["waiters_cpu"] for r in hier) / sum(r["waiters_cpu"] for r in local),
+        filler_us_per_lease=1e6 * filler_s / max(1, sum(r["round_trips"] for r in hier)),
+        filler_us_per_op=1e6 * filler_s / max(1.0, ops),
+        local_filler_us_per_op=1e6
+        * sum(r["filler_cpu"] * seconds for r in local)
+        / max(1.0, sum(r["achieved"] * seconds for r in local)),
+        seconds=seconds,
+        load=os.getloadavg(),
+    )
+
+
+def print_hierarchy_cpu(h: dict) -> None:
+    print(
+        "\n9a. hierarchical vs local at 50/s, 8 untimed waiters, alternating runs: CPU-s/s of the whole"
+    )
+    print(
+        "    process tree (waiters and filler threads; in hierarchical mode the Redis round trips)"
+    )
+    print(
+        f"    {'mode':>13} {'achieved/s':>11} {'waiters CPU-s/s':>16} {'filler CPU-s/s':>15} "
+        f"{'tree CPU-s/s':>13} {'round trips/s':>14} {'ops/trip':>9} {'load':>5}"
+    )
+    for r in h["rows"]:
+        trips = r["round_trips"]
+        per_s = "" if trips is None else f"{trips / h['seconds']:.1f}"
+        per_trip = "" if not trips else f"{1 / r['round_trips_per_op']:.1f}"
+        print(
+            f"    {r['mode']:>13} {r['achieved']:>11.1f} {r['waiters_cpu']:>16.4f} {r['filler_cpu']:>15.4f} "
+            f"{r['waiters_cpu'] + r['filler_cpu']:>13.4f} {per_s:>14} {per_trip:>9} {r['load']:>5.1f}"
+        )
+    print(
+        f"    hierarchical / local: whole tree {h['tree_ratio']:.2f}x (target: at most 1.5x), waiters "
+        f"{h['waiters_ratio']:.2f}x; the filler threads' CPU per lease (one round trip) "
+        f"{h['filler_us_per_lease']:,.0f} us, per op {h['filler_us_per_op']:,.0f} us (local: "
+        f"{h['local_filler_us_per_op']:,.0f} us per op); load {h['load'][0]:.1f} {h['load'][1]:.1f} "
+        f"{h['load'][2]:.1f} on {os.cpu_count()} CPUs"
     )
 
 
@@ -1469,6 +1533,11 @@ def main(argv=None) -> int:
         action="store_true",
         help="run section 9's table only (local vs hierarchical)",
     )
+    ap.add_argument(
+        "--only-hierarchy-cpu",
+        action="store_true",
+        help="run section 9a only (hierarchical vs local CPU at 50/s, a Redis started for it)",
+    )
     ap.add_argument("--only-waiting", action="store_true", help="run section 5 only")
     ap.add_argument("--only-rates", action="store_true", help="run section 11 only")
     ap.add_argument("--only-asyncio", action="store_true", help="run section 12 only")
@@ -1512,6 +1581,10 @@ def main(argv=None) -> int:
                 else None
             )
         return emit(res, args.json)
+    if args.only_hierarchy_cpu:
+        with redis_url(args.redis) as url:
+            res["hierarchy_cpu"] = bench_hierarchy_cpu(url, 2.0 if quick else 5.0) if url else None
+        return emit(res, args.json)
     if args.only_rates:
         res["rates"] = bench_rates(20_000 if quick else 200_000)
         return emit(res, args.json)
@@ -1537,6 +1610,7 @@ def main(argv=None) -> int:
                 if url
                 else None
             )
+            res["hierarchy_cpu"] = bench_hierarchy_cpu(url, 2.0 if quick else 5.0) if url else None
             local = url and url.startswith("redis://127.0.0.1:")
             port = int(url.rsplit(":", 1)[1].split("/")[0]) if local else None
             res["latency"] = bench_latency(port, 3.0 if quick else 5.0) if port else None
@@ -1580,6 +1654,8 @@ def print_table(res: dict) -> None:
         print_keyed(res["keyed"])
     if res.get("hierarchy"):
         print_hierarchy(res["hierarchy"])
+    if res.get("hierarchy_cpu"):
+        print_hierarchy_cpu(res["hierarchy_cpu"])
     if res.get("latency"):
         print_latency(res["latency"])
     if "rates" in res:
