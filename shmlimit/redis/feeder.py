@@ -9,7 +9,7 @@ Batches are reservations.  The filler measures the host's demand (the tail's
 advance, queued grabs included) as an average over ~0.2 s.  While callers
 wait (a negative balance, or ``UP_HUNGRY`` set by a refused caller in the
 last 20 ms), or while the host is busy and what it holds would run out
-soon, it *reserves* ``demand * lease_seconds`` ops (a lease: 0.1 s, or ten
+soon, it *reserves* ``demand * lease_seconds`` ops (a lease: 0.05 s, or ten
 ops of the global rate up to 0.25 s) in the global GCRA (``MODE_RESERVE``),
 cut into batches of ``demand * batch_seconds`` ops (at least one, at most
 what the local bucket holds), each due when its own slots are.  It asks
@@ -36,7 +36,7 @@ batch is due only when all its slots are.  So neither size enters the
 window bound below.  The batch sets how lumpy a host's supply is (its
 tokens come ``batch`` at a time; ``batch_seconds=0.02`` capped by the local
 capacity, default 10 ms of rate).  The lease sets the round trips: one per
-lease, 4 to 10 a second per busy host at any rate (one per batch cost about
+lease, 4 to 20 a second per busy host at any rate (one per batch cost about
 1 ms of CPU each, 0.05 CPU-s/s at 50/s), against how much reserved schedule a
 host whose demand stops leaves unused (at most the lead, ``EARLY`` and one
 lease).
@@ -143,8 +143,10 @@ TICK = 0.002
 #: rather than wake again for it alone (seconds).
 EARLY = 0.01
 #: One reservation (a round trip) covers this much of the host's demand (seconds), cut into batches
-#: of ``batch_seconds`` delivered as their slots fall due ...
-LEASE_SECONDS = 0.1
+#: of ``batch_seconds`` delivered as their slots fall due (longer, a host keeps getting what it
+#: reserved for longer once its demand stops or Redis is cut off: at 0.1 s a host cut off at
+#: 300/s still granted 0.3 s after the cut) ...
+LEASE_SECONDS = 0.05
 #: ... or, at low global rates, as long as ``LEASE_OPS`` ops of the global rate take, up to
 #: ``MAX_LEASE_SECONDS`` (``Feeder.lease_seconds``).  A round trip costs about as much CPU as five
 #: deliveries: at 50/s with 1-op batches, one per op cost ~1 ms of CPU each, 0.05 CPU-s/s, seven
@@ -306,12 +308,10 @@ class Feeder:
         state = c.load(L.UP_STATE)
         if state in (STATE_OK, STATE_CLOSED, STATE_ERROR):  # leased tokens expire, Redis or not
             self.expire(now)
-        self.mine = [
-            w for w in self.mine if not self.records.ends_by(w, now)
-        ]  # those were checked just now
+        young = self.records.young_from(now)
+        self.mine = [w for w in self.mine if w >= young]  # the others were checked just now
         self._deliver(now)
-        if not b.stopped and now >= self.next_try:
-            self._lease(now, state)
+        if not b.stopped and now >= self.next_try and self._lease(now, state):
             self._deliver(self.clock())  # a batch due at once goes in without waiting a tick
         # the next wake is planned from the instant of the last check (a record ending just after
         # a check that counted it young, within MIN_TICK of a later reading, is planned from there)
@@ -332,7 +332,8 @@ class Feeder:
             return None
         now = self.clock()
         added = self._deliver(now)
-        live = [w for w in self.mine if not self.records.ends_by(w, now)]
+        young = self.records.young_from(now)
+        live = [w for w in self.mine if w >= young]
         # a record of ours ends (within MIN_TICK): the filler may not see it; or we delivered: the
         # rest of a batch that waited for room went in after the last check, its record counting
         # all its ops already (as a tick checks once more after its deliveries)
@@ -544,18 +545,20 @@ class Feeder:
             return 0
         return lease
 
-    def _lease(self, now: int, state: int) -> None:
+    def _lease(self, now: int, state: int) -> bool:
+        """Reserve the next lease if ``want`` says so (or retry after an outage); True if it asked
+        Redis (a batch may be due at once, or fell due during the call)."""
         c = self.cells
         want = self.want(now, int(EARLY * 1e9))
         if state == STATE_OK and want == 0:
-            return
+            return False
         # Renewed just before the call: we still hold it (or learn we do not).  Not extended over
         # the call: the lease word is nearly always fresh from the last call, and a filler killed
         # or stopped then must be replaced within the usual lease timeout, not the Redis timeout.
         # A call slower than that may let a second filler lease meanwhile, which costs only
         # slots of the global schedule: Redis counts every reservation.
         if not self.lease.renew():
-            return
+            return False
         want = max(1, want)
         queued = self.bucket.balance() < 0
         hungry = queued or now - c.load(L.UP_HUNGRY) < HUNGRY_NS
@@ -571,11 +574,11 @@ class Feeder:
         except RedisUnavailableError as e:
             self._count_trips(trips)
             self._fail(state, e)
-            return
+            return True
         except RedisDataError as e:
             self._count_trips(trips)
             self._error(state, e)
-            return
+            return True
         received = self.clock()
         self._count_trips(trips)
         self.rtt_ns += (received - sent - self.rtt_ns) // 4
@@ -600,6 +603,7 @@ class Feeder:
                 + int(MIN_RETRY * 1e9)
                 + random.randrange(min(self.interval_ns, 1_000_000) + 1)
             )
+        return True
 
     def _slice(self, sent: int, received: int, wait: int, granted: int) -> None:
         """Queue a reservation of ``granted`` ops as batches of ``self.batch`` ops, each due when its

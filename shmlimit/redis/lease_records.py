@@ -63,7 +63,12 @@ class LeaseRecords:
     def ends_by(self, word: int, now: int) -> bool:
         """Does the record ``word`` end within ``ahead_ns`` of ``now`` (or before): a check at ``now``
         counts it ended (``expire``)?"""
-        return self.end(word) <= now + self.ahead_ns
+        return word < self.young_from(now)
+
+    def young_from(self, now: int) -> int:
+        """The least record word a check at ``now`` counts young: one comparison per record (its end
+        is ``ms * 1e6 + ttl``, ended when at most ``now + ahead_ns``, its ops below the ms)."""
+        return ((now + self.ahead_ns - self.ttl_ns) // 1_000_000 + 1) << RECORD_OPS_BITS
 
     def expire(self, now: int) -> int:
         """Burn the tokens beyond those of the ring's records still young ``ahead_ns`` after ``now``,
@@ -79,9 +84,10 @@ class LeaseRecords:
             return 0
         c = self.cells
         keep = 0
+        young = self.young_from(now)
         for i in range(L.UP_RECORDS):
             word = c.load(L.UP_RECORD + 8 * i)
-            if word and not self.ends_by(word, now):
+            if word >= young:
                 keep += word & RECORD_MAX_OPS
         burned = b.burn(keep * b.cost)
         if burned:
