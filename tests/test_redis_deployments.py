@@ -144,6 +144,56 @@ def test_sentinel_url_and_a_failover_mid_run(sentinel, name):
     assert up.errors >= 1 and up.state == "ok"  # it noticed, and recovered
 
 
+@pytest.mark.parametrize("how", ["killed", "demoted"])
+def test_the_fillers_pinned_connection_follows_the_master_through_a_failover(sentinel, name, how):
+    """The hierarchical filler's limiter keeps one connection (``RedisLimiter.from_spec``).  When
+    the master dies, or is demoted alive (``SENTINEL FAILOVER``: it answers ``READONLY``), that
+    connection is dropped and taken again through the sentinel, as the pool's connections are.
+    Reconnected to the address it had, it knocked on the old master for ever: the host never
+    recovered from a failover."""
+    import redis
+
+    from shmlimit.redis import direct as R
+
+    glob = R.RedisLimiter(name, rate=1000, burst=10, url=sentinel.url)
+    try:
+        spec = glob.upstream_spec(on_error="closed", lease_ttl=0.1, batch_seconds=0.02)
+    finally:
+        glob.close()
+    lim = R.RedisLimiter.from_spec(spec)
+
+    def answered() -> bool:
+        try:
+            return lim.call(R.MODE_RESERVE, 1)[0] == 1
+        except R.RedisUnavailableError:  # until the sentinel names the new master
+            return False
+
+    try:
+        assert answered() and lim._conn.port == sentinel.master.port
+        if how == "killed":
+            sentinel.master.stop()
+        else:
+            s = redis.Redis(port=sentinel.port, socket_timeout=5)
+
+            def failover() -> bool:
+                try:
+                    return bool(s.execute_command("SENTINEL FAILOVER", sentinel.service))
+                except redis.ResponseError as e:  # NOGOODSLAVE until the sentinel vets the replica
+                    assert "NOGOODSLAVE" in str(e)
+                    return False
+
+            try:
+                wait_for(failover, timeout=20)
+            finally:
+                s.close()
+        wait_for(lambda: sentinel.current_master_port() == sentinel.replica.port, timeout=20)
+        # waited for, not timed: a demoted master answers as one until the sentinel tells it its role
+        wait_for(lambda: answered() and lim._conn.port == sentinel.replica.port, timeout=20)
+        assert sum(answered() for _ in range(5)) == 5  # and it stays there
+    finally:
+        lim.close()
+
+
 def test_keyed_limits_spread_over_the_cluster_slots(cluster, name):
     from shmlimit.redis.keyed import RedisKeyedLimiter
 

@@ -432,43 +432,58 @@ class _GcraClient:
         pool each call also took and returned a connection, polled it for stray
         data, checked the pid and recorded metrics: about 40 of the 60 us of CPU
         a call cost.  The command is packed again only when its arguments
-        change.  As the pool's clients do (``client.connect``), a connection
-        error or timeout reconnects and sends once more.  A child process takes
-        a connection of its own; a cluster client, which routes each call
-        itself, keeps the usual calls.
+        change.  As the pool's clients do, a connection error or timeout drops
+        the connection and sends once more on one taken from the pool again: the
+        pool connects it (``connect``), and a sentinel-managed connection asks the
+        sentinels where the master is then (a demoted master's ``READONLY`` is
+        such an error too).  A connection only reconnected went back to the
+        address it had: after a failover, the dead or demoted master for ever.
+        A child process takes a connection of its own; a cluster client, which
+        routes each call itself, keeps the usual calls.
         """
-        conn = self._conn
-        if (
-            conn is None or conn.pid != os.getpid()
-        ):  # (a connection's pid: the process that made it)
-            pool = getattr(self._client, "connection_pool", None)
-            if pool is None:
-                self._pinned = False
-                return self._do((_EVAL, key, args) if key is not None else (_LOAD,))
-            conn = self._conn = pool.get_connection()
-            self._packed = (None, None)
-        last, packed = self._packed
-        if key is None:
-            packed = conn.pack_command("SCRIPT", "LOAD", LUA)
-        elif last != (key, args):
-            packed = conn.pack_command("EVALSHA", self._sha, 1, key, *args)
-            self._packed = ((key, args), packed)
-        try:
-            conn.send_packed_command(packed, check_health=False)
-            return conn.read_response()
-        except (_rx.ConnectionError, _rx.TimeoutError):
-            conn.disconnect()
-        conn.send_packed_command(packed, check_health=False)
-        return conn.read_response()
-
-    def _unpin(self) -> None:
-        """Give the pinned connection back to its pool (which closes it with the client)."""
-        conn, self._conn = self._conn, None
-        if conn is not None:
+        for retry in (False, True):
+            conn = self._conn
+            if (
+                conn is None or conn.pid != os.getpid()
+            ):  # (a connection's pid: the process that made it)
+                pool = getattr(self._client, "connection_pool", None)
+                if pool is None:
+                    self._pinned = False
+                    return self._do((_EVAL, key, args) if key is not None else (_LOAD,))
+                conn = self._conn = pool.get_connection()
+                self._packed = (None, None)
+            last, packed = self._packed
+            if key is None:
+                packed = conn.pack_command("SCRIPT", "LOAD", LUA)
+            elif last != (key, args):
+                packed = conn.pack_command("EVALSHA", self._sha, 1, key, *args)
+                self._packed = ((key, args), packed)
             try:
-                self._client.connection_pool.release(conn)
-            except Exception:  # pragma: no cover - a pool already closed, or after a fork
-                conn.disconnect()
+                conn.send_packed_command(packed, check_health=False)
+                return conn.read_response()
+            except _rx.ResponseError:
+                raise  # an answer read whole: the connection is in step
+            except (_rx.ConnectionError, _rx.TimeoutError):
+                self._unpin(broken=True)
+                if retry:
+                    raise
+            except BaseException:
+                self._unpin(broken=True)  # (an answer may be left half read)
+                raise
+        raise AssertionError("unreachable")  # pragma: no cover
+
+    def _unpin(self, broken: bool = False) -> None:
+        """Give the pinned connection back to its pool (which closes it with the client); a
+        ``broken`` one closed first, so the pool connects it again, wherever the master is then."""
+        conn, self._conn = self._conn, None
+        if conn is None:
+            return
+        if broken:
+            conn.disconnect()
+        try:
+            self._client.connection_pool.release(conn)
+        except Exception:  # pragma: no cover - a pool already closed, or after a fork
+            conn.disconnect()
 
     async def _run_async(self, steps: Step) -> Any:
         """The async driver: the same steps on this event loop's own connection."""
