@@ -579,8 +579,9 @@ def test_low_rate_is_delivered_in_full_by_reservations(R, redis_server, name):
     assert len(steady) - 1 >= 0.95 * rate * span - rate * held_up
     # above, the promise is the window bound (the rate from stamps is jittered by late wake-ups)
     assert max_excess(tag(results), 1.0) <= rate * (1.0 + 0.1 + 0.05) + glob.capacity
-    # one round trip reserves ``LEASE_SECONDS`` of demand (two ops at 20/s), delivered a batch (one
-    # op here) at a time as its slots fall due: half a round trip per op, and fewer than batches
+    # one round trip reserves ``lease_seconds`` of demand (0.25 s: up to five ops at 20/s), delivered
+    # a batch (one op here) at a time as its slots fall due: at most half a round trip per op (the
+    # first requests, knowing no demand yet, are smaller), and fewer than batches
     # (the last few reserved ahead, the lead, are not delivered by the end)
     assert up.round_trips <= up.leased / 2 + up.refused + 5
     assert up.round_trips <= up.leases + 5

@@ -9,8 +9,8 @@ Batches are reservations.  The filler measures the host's demand (the tail's
 advance, queued grabs included) as an average over ~0.2 s.  While callers
 wait (a negative balance, or ``UP_HUNGRY`` set by a refused caller in the
 last 20 ms), or while the host is busy and what it holds would run out
-soon, it *reserves* ``demand * lease_seconds`` ops (a lease: 0.05 s, or ten
-ops of the global rate up to 0.25 s) in the global GCRA (``MODE_RESERVE``),
+soon, it *reserves* ``demand * lease_seconds`` ops (a lease: ten ops of the
+global rate, up to 0.25 s, at least one batch) in the global GCRA (``MODE_RESERVE``),
 cut into batches of ``demand * batch_seconds`` ops (at least one, at most
 what the local bucket holds), each due when its own slots are.  It asks
 for the next lease when the last reserved batch
@@ -36,10 +36,13 @@ batch is due only when all its slots are.  So neither size enters the
 window bound below.  The batch sets how lumpy a host's supply is (its
 tokens come ``batch`` at a time; ``batch_seconds=0.02`` capped by the local
 capacity, default 10 ms of rate).  The lease sets the round trips: one per
-lease, 4 to 20 a second per busy host at any rate (one per batch cost about
-1 ms of CPU each, 0.05 CPU-s/s at 50/s), against how much reserved schedule a
-host whose demand stops leaves unused (at most the lead, ``EARLY`` and one
-lease).
+lease, at least 4 a second per busy host (one per batch cost about 1 ms of
+CPU each, 0.05 CPU-s/s at 50/s), against how much reserved schedule a host
+whose demand stops, or whose filler is killed, leaves unused (at most the
+lead, ``EARLY`` and one lease: what it reserved lives in its process only).
+Where a batch is ten ops or more (1 000/s and up by default), a lease is one
+batch: a lease of 50 ms there lost ~15 ms more of the rate per filler killed
+at 2 000/s, and kept a host cut off from Redis granting longer.
 
 Leased tokens expire.  Each delivered batch leaves a record in the segment:
 one word, (the earliest moment it could be due, in ms) << 24 | its ops, in a
@@ -142,15 +145,13 @@ TICK = 0.002
 #: A feeder awake anyway asks for the next batch up to this much earlier than the lead requires,
 #: rather than wake again for it alone (seconds).
 EARLY = 0.01
-#: One reservation (a round trip) covers this much of the host's demand (seconds), cut into batches
-#: of ``batch_seconds`` delivered as their slots fall due (longer, a host keeps getting what it
-#: reserved for longer once its demand stops or Redis is cut off: at 0.1 s a host cut off at
-#: 300/s still granted 0.3 s after the cut) ...
-LEASE_SECONDS = 0.05
-#: ... or, at low global rates, as long as ``LEASE_OPS`` ops of the global rate take, up to
-#: ``MAX_LEASE_SECONDS`` (``Feeder.lease_seconds``).  A round trip costs about as much CPU as five
+#: One reservation (a round trip) covers as long as ``LEASE_OPS`` ops of the global rate take, up
+#: to ``MAX_LEASE_SECONDS``, at least one batch (``Feeder.lease_seconds``), cut into batches of
+#: ``batch_seconds`` delivered as their slots fall due.  A round trip costs about as much CPU as five
 #: deliveries: at 50/s with 1-op batches, one per op cost ~1 ms of CPU each, 0.05 CPU-s/s, seven
-#: times a clock-fed filler's.
+#: times a clock-fed filler's.  Longer, a host holds more schedule ahead: a killed filler takes it
+#: with it (a lease of 50 ms at 2 000/s, where a batch is 10 ms, lost ~15 ms more per kill), and
+#: a host cut off from Redis keeps granting it (at 0.1 s, still 0.3 s after the cut at 300/s).
 LEASE_OPS = 10
 MAX_LEASE_SECONDS = 0.25
 #: Batches are reserved at least this far ahead of need (seconds; ``Feeder.lead_ns``): longer than
@@ -271,9 +272,9 @@ class Feeder:
 
     @property
     def lease_seconds(self) -> float:
-        """How much of the host's demand one reservation covers (seconds): ``LEASE_SECONDS``, or
-        ``LEASE_OPS`` of the global rate where that is longer, up to ``MAX_LEASE_SECONDS``."""
-        return min(MAX_LEASE_SECONDS, max(LEASE_SECONDS, LEASE_OPS * self.interval_ns / 1e9))
+        """How much of the host's demand one reservation covers (seconds): ``LEASE_OPS`` of the
+        global rate, up to ``MAX_LEASE_SECONDS`` (``want`` makes it one batch at least)."""
+        return min(MAX_LEASE_SECONDS, LEASE_OPS * self.interval_ns / 1e9)
 
     @property
     def lead_ns(self) -> int:
