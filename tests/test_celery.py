@@ -342,6 +342,26 @@ def test_throttling_exceptions_report_to_an_adaptive_limiter(name):
                 job(exc)
         after = lim.stats().adapt
         assert after.ok - before.ok == 1 and after.throttled - before.throttled == 1
+        # a keyed limiter hears each outcome under the run's key
+        keyed = shmlimit.KeyedLimiter(
+            name + "-k", rate=100, keys=16, adapt=shmlimit.Adapt(min_rate=10, max_rate=200)
+        )
+        was = keyed.stats().adapt
+
+        @app.task(bind=True)
+        @rate_limited(keyed, key=lambda host, outcome: host, throttling=(Busy,))
+        def fetch(self, host, outcome):
+            if outcome:
+                raise outcome()
+            return host
+
+        assert fetch("a.example", None) == "a.example"
+        with pytest.raises(Busy):
+            fetch("b.example", Busy)
+        now = keyed.stats().adapt
+        assert (now.ok - was.ok, now.throttled - was.throttled) == (1, 1)
+        keyed.close()
+        keyed.unlink()
     finally:
         lim.close()
         plain.close()
