@@ -42,12 +42,11 @@ from shmlimit.shm import layout as L
 from shmlimit.shm.cells import Cells, open_cells
 from shmlimit.shm.segment import (
     Segment,
-    current_inode,
+    claim_and_unlink,
     opened,
     pread_file,
     publish,
     start_header,
-    unlink,
 )
 from shmlimit.shm.table import ProcessTable, slot_alive
 
@@ -334,7 +333,6 @@ def collect(name: str) -> bool:
     except (LimiterNotFoundError, Collected):
         return False
     regions: List[Tuple[Segment, Cells]] = []
-    claimed: List[Cells] = []
     try:
         for i in range(len(geo.keys)):
             regions.append(region_opener(seg, geo, i)())
@@ -343,20 +341,7 @@ def collect(name: str) -> bool:
         def in_use() -> bool:
             return any(slot_alive(e.pid, e.start, e.pidns) for t in tables for e in t.entries())
 
-        for _, c in regions:
-            if in_use() or not c.cas(L.STATE_OFF, L.STATE_READY, L.STATE_DOOMED):
-                break
-            claimed.append(c)
-        else:
-            if not in_use() and current_inode(name) == seg.inode:
-                try:
-                    unlink(name)
-                except LimiterNotFoundError:
-                    return False
-                return True
-        for c in claimed:
-            c.cas(L.STATE_OFF, L.STATE_DOOMED, L.STATE_READY)
-        return False
+        return claim_and_unlink(name, seg.inode, [c for _, c in regions], in_use)
     except Collected:
         return False
     finally:

@@ -16,7 +16,17 @@ import re
 import stat
 import time
 from contextlib import contextmanager
-from typing import AbstractSet, Callable, Iterable, Iterator, List, Optional, Tuple, Union
+from typing import (
+    AbstractSet,
+    Callable,
+    Iterable,
+    Iterator,
+    List,
+    Optional,
+    Sequence,
+    Tuple,
+    Union,
+)
 
 import posix_ipc  # creation and unlinking; opening is ``opened``
 
@@ -353,27 +363,38 @@ def current_inode(name: str) -> Optional[int]:
 DOOMED_WAIT = 2.0
 
 
-def claim_and_unlink(name: str, inode: int, c: Cells, in_use: Callable[[], bool]) -> bool:
-    """The collector's half of gc, for a segment of any kind mapped as ``c`` (its file ``inode``):
-    claim it (STATE READY -> DOOMED), look for a live process (``in_use``), then unlink the name
-    if it is still this segment's; True if it did.
+def claim_and_unlink(
+    name: str, inode: int, c: Union[Cells, Sequence[Cells]], in_use: Callable[[], bool]
+) -> bool:
+    """The collector's half of gc, for a segment of any kind mapped as ``c`` (its file ``inode``;
+    a sequence of cells for a group: each of its regions): claim it (STATE READY -> DOOMED), look
+    for a live process (``in_use``), then unlink the name if it is still this segment's; True if
+    it did.
 
     An opener registers, then looks at STATE (``gone``): with sequentially consistent words one
     of the two sees the other, so either the collector sees the opener and gives the segment back
-    (DOOMED -> READY), or the opener sees the claim and opens the name again.
+    (DOOMED -> READY), or the opener sees the claim and opens the name again.  A group's regions
+    are claimed one by one, looking for a live process before each: any in use gives every claim
+    back, so an opener of any one region is seen, or sees its region's claim.
     """
-    if in_use() or not c.cas(L.STATE_OFF, L.STATE_READY, L.STATE_DOOMED):
-        return False
-    if in_use():
-        c.cas(L.STATE_OFF, L.STATE_DOOMED, L.STATE_READY)
-        return False
-    if current_inode(name) != inode:
-        return False
+    regions = list(c) if isinstance(c, (list, tuple)) else [c]
+    claimed: List[Cells] = []
     try:
-        unlink(name)
-    except LimiterNotFoundError:
-        return False
-    return True
+        for r in regions:
+            if in_use() or not r.cas(L.STATE_OFF, L.STATE_READY, L.STATE_DOOMED):
+                return False
+            claimed.append(r)
+        if in_use() or current_inode(name) != inode:
+            return False
+        try:
+            unlink(name)
+        except LimiterNotFoundError:
+            return False
+        claimed.clear()  # the name is gone: the claims stay, so a late opener opens afresh
+        return True
+    finally:
+        for r in claimed:
+            r.cas(L.STATE_OFF, L.STATE_DOOMED, L.STATE_READY)
 
 
 def gone(name: str, inode: int, c: Cells) -> bool:
