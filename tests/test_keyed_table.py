@@ -23,7 +23,7 @@ from support.models import on_each_backend
 
 from shmlimit.keyed import cells as KC
 from shmlimit.keyed import layout as K
-from shmlimit.keyed.gcra import write_bank
+from shmlimit.keyed.gcra import Overrides, Rate, write_bank
 from shmlimit.keyed.window_table import WindowTable
 from shmlimit.keyed.windows import CMAX, pack
 from shmlimit.shm.cells import native_available, open_cells
@@ -41,6 +41,11 @@ def set_params(c, t, tau):
         write_bank(c, line, (0, 0), (0, 0, 0, t, tau), c.load(K.CFG_SEQ) & ~1)
 
 
+def slack(tau):
+    """What a key's V0 (less BASE) holds above its TAT under a burst of ``tau`` ticks (keyed_cells)."""
+    return K.MAX_TICKS - tau
+
+
 def dead_pid():
     with open("/proc/sys/kernel/pid_max") as f:
         assert int(f.read()) <= DEAD_PID
@@ -56,6 +61,7 @@ class Table:
         self.mm = mmap.mmap(-1, self.size)
         self.c = open_cells(self.mm, self.size, backend)
         set_params(self.c, T, burst * T)
+        self.slack = slack(burst * T)  # V0 less BASE less this is a key's TAT
         self.probe = probe or min(K.PROBE, nkeys)
         self.kt = self.c.keyed_table(
             K.CFG_SEQ,
@@ -278,7 +284,7 @@ class TableMachine(RuleBasedStateMachine):
                 and (t.c.load(s + K.S_D0), t.c.load(s + K.S_D1)) == d
                 and not t.c.load(s + K.S_V0) & K.DEAD
             ):
-                return t.c.load(s + K.S_V0) - t.c.load(s + K.S_BASE)
+                return t.c.load(s + K.S_V0) - t.c.load(s + K.S_BASE) - t.slack
         raise AssertionError(f"{k} was granted but holds no slot")
 
     def window(self, k):
@@ -293,7 +299,7 @@ class TableMachine(RuleBasedStateMachine):
             s = t.slot(i)
             d = (t.c.load(s + K.S_D0), t.c.load(s + K.S_D1))
             if t.c.load(s) & 0xFF == K.LIVE and not t.c.load(s + K.S_V0) & K.DEAD:
-                out[i] = (digests[d], t.c.load(s + K.S_V0) - t.c.load(s + K.S_BASE))
+                out[i] = (digests[d], t.c.load(s + K.S_V0) - t.c.load(s + K.S_BASE) - t.slack)
         return out
 
     def check_evictions(self, k, before):
@@ -330,14 +336,14 @@ class TableMachine(RuleBasedStateMachine):
         ctl = t.c.load(s)
         if ctl & 0xFF == K.LIVE:
             v = t.c.load(s + K.S_V0)
-            if v & K.DEAD or v - t.c.load(s + K.S_BASE) > self.now:
+            if v & K.DEAD or v - t.c.load(s + K.S_BASE) - t.slack > self.now:
                 return  # a dead inserter of ours took only an expired key's slot
             if not t.c.cas(s + K.S_V0, v, v | K.DEAD):
                 return
         elif ctl & 0xFF not in (K.EMPTY, K.TOMB):
             return
         t.c.store(s, K.ctrl(state, dead_pid(), (ctl >> 40) + 1))
-        t.c.store(s + K.S_V0, self.now + left)  # the first grant it was about to publish
+        t.c.store(s + K.S_V0, self.now + left + t.slack)  # the first grant it was about to publish
         if state == K.PEND:  # the digest was written: the key of some model key
             d = t.kt.digest(f"key-{i}")
             t.c.store(s + K.S_D0, d[0])
@@ -414,14 +420,14 @@ def test_a_new_key_never_starts_from_a_dead_inserters_value(backend):
     now = 1 << 30
     dead = _dead_inserter(t.c, K.slots_offset(t.novr), 1)
     with pytest.raises(Stopped):  # its first grant: the whole burst of a key "a"
-        dead.insert(t.kt.digest("a"), 0, now, now + 60 * T, (60, 0, 0))
+        dead.insert(t.kt.digest("a"), 0, now, now + 60 * T + t.slack, (60, 0, 0), low=now + t.slack)
     s = t.slot(0)
-    assert t.c.load(s) & 0xFF == K.BUSY and t.c.load(s + K.S_V0) == now + 60 * T
+    assert t.c.load(s) & 0xFF == K.BUSY and t.c.load(s + K.S_V0) == now + 60 * T + t.slack
     assert [t.kt.acquire("b", 1, 0, now) for _ in range(60)] == [0] * 60  # b's whole burst
     assert t.kt.acquire("b", 1, 0, now) == KC.REFUSED
     assert (
         t.c.load(s) & 0xFF == K.LIVE
-        and t.c.load(s + K.S_V0) - t.c.load(s + K.S_BASE) == now + 60 * T
+        and t.c.load(s + K.S_V0) - t.c.load(s + K.S_BASE) == now + 60 * T + t.slack
     )
 
 
@@ -430,18 +436,19 @@ def test_a_new_key_never_starts_from_a_dead_inserters_value_on_the_real_clock(ba
     t = Table(backend, 1, 60)
     per_op = 10**13  # ticks: about ten minutes per op on the real clock
     set_params(t.c, per_op, 60 * per_op)
+    up = slack(60 * per_op)
     now = time.monotonic_ns() << K.TICK_SHIFT
     with pytest.raises(Stopped):
         _dead_inserter(t.c, K.slots_offset(t.novr), 1).insert(
-            t.kt.digest("a"), 0, now, now + 60 * per_op, (60, 0, 0)
+            t.kt.digest("a"), 0, now, now + 60 * per_op + up, (60, 0, 0), low=now + up
         )
     assert (
         sum(t.kt.try_acquire("b") for _ in range(61)) == 60
     )  # before: 1, then refused for an hour
     after = time.monotonic_ns() << K.TICK_SHIFT
     raw, base = t.c.load(t.slot(0) + K.S_V0), t.c.load(t.slot(0) + K.S_BASE)
-    assert raw > now + 60 * per_op  # the stored word rose above the dead inserter's
-    assert raw - base <= after + 60 * per_op  # and the key's TAT is its own
+    assert raw > now + 60 * per_op + up  # the stored word rose above the dead inserter's
+    assert raw - base <= after + 60 * per_op + up  # and the key's TAT is its own
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
@@ -531,20 +538,32 @@ class InsertMachine(TableMachine):
         t = self.t
         d, home, _ = self._window(k)
         owner = STALLED if stalls else dead_pid()
-        other = KC.SlotTable(
-            StopsAt(t.c, stop),
-            K.slots_offset(t.novr),
-            t.nkeys,
-            t.probe,
-            K.KEYS_LIVE,
-            K.EVICTED,
-            owner,
-            K.CUT,
-            self.evict,
+        other = (
+            KC.KeyedTable(  # its slot protocol, judging keys idle by their price as the step does
+                StopsAt(t.c, stop),
+                K.CFG_SEQ,
+                K.OVR_LIVE,
+                K.overrides_offset(),
+                t.novr,
+                K.slots_offset(t.novr),
+                t.nkeys,
+                t.probe,
+                0x0123456789ABCDEF,
+                0x0FEDCBA987654321,
+                K.KEYS_LIVE,
+                K.EVICTED,
+                K.REFUSED,
+                K.UNREG_GRANTS,
+                owner,
+                K.CUT,
+                KC.FLAG_EVICT if self.evict else 0,
+            )
         )
         before = self.holders()
         try:
-            other.insert(d, home, self.now, self.now + T, (1, 0, 0))
+            other.insert(
+                d, home, self.now, self.now + T + t.slack, (1, 0, 0), low=self.now + t.slack
+            )
         except Stopped:
             event(f"other insert {'stalled' if stalls else 'died'} at write {stop}")
         self.check_evictions(k, before)
@@ -587,4 +606,151 @@ TestAtomicsInserts, TestNativeInserts = on_each_backend(
     InsertMachine,
     settings(max_examples=200, stateful_step_count=50, deadline=None),
     settings(max_examples=120, stateful_step_count=40, deadline=None),
+)
+
+
+class _StalePrice:
+    """``params`` of a process that read a key's price before the last change and steps after it:
+    the old price for its first read (its own key's), then the table's (the expiry of others)."""
+
+    def __init__(self, params, old):
+        self.params, self.old = params, old
+
+    def __call__(self, d):
+        old, self.old = self.old, None
+        return old if old is not None else self.params(d)
+
+
+#: Prices a key may be given, (T, burst in ops): lowered and raised in ops, in time, or both.
+PRICES = [(100, 2), (100, 5), (250, 2), (40, 10), (40, 1)]
+MAX_TICKS_PER_S = 1.6e10  # ticks per second (TICK_SHIFT 4): a rate of 1.6e10 / T per second
+
+
+class RepriceMachine(RuleBasedStateMachine):
+    """Steps of the backend's composite and of processes holding a price read before a change,
+    against an exact model of the price-free state: each key's instant of last empty bucket ``E``,
+    its level at ``now`` the time since, at most the TAU in force.  Prices change (the default, a
+    key's override, its removal) between any two steps.  Beside the model, the promise itself:
+    from a change on, a key's grants priced by it cost at most the level it kept plus the time
+    since -- never the new burst less old debt."""
+
+    backend = "atomics"
+
+    @initialize(price=st.sampled_from(PRICES))
+    def setup(self, price):
+        self.t = Table(self.backend, 16, 1, novr=16)  # refuse: nothing limited is ever evicted
+        self.ovr = Overrides(self.t.c, 16)
+        set_params(self.t.c, price[0], price[0] * price[1])
+        self.ref = self._reference()
+        self.now = 1 << 40
+        self.e = {}  # the model: key -> E (absent: a full bucket under any price)
+        self.mark = {}  # key -> [floor, spent, last use]: since the key's last change of price
+        self.stale = {}  # key -> the price in force for it before its last change
+
+    def _reference(self):
+        t = self.t
+        return KC.KeyedTable(
+            t.c, K.CFG_SEQ, K.OVR_LIVE, K.overrides_offset(), t.novr, K.slots_offset(t.novr),
+            t.nkeys, t.probe, 0x0123456789ABCDEF, 0x0FEDCBA987654321, K.KEYS_LIVE, K.EVICTED,
+            K.REFUSED, K.UNREG_GRANTS, K.owner(os.getpid()), K.CUT, 0,
+        )  # fmt: skip
+
+    def price(self, k):
+        return self.ref.params(self.ref.digest(k))
+
+    def real_e(self, k):
+        t, d = self.t, self.t.kt.digest(k)
+        for i in range(t.nkeys):
+            s = t.slot(i)
+            if (
+                t.c.load(s) & 0xFF == K.LIVE
+                and (t.c.load(s + K.S_D0), t.c.load(s + K.S_D1)) == d
+                and not t.c.load(s + K.S_V0) & K.DEAD
+            ):
+                return t.c.load(s + K.S_V0) - t.c.load(s + K.S_BASE) - K.MAX_TICKS
+        return None
+
+    def _changed(self, keys, before):
+        """A change of price for ``keys`` (``before``: each one's price until now)."""
+        for k in keys:
+            t_, tau = self.price(k)
+            e = self.e.get(k)
+            floor = self.now - tau if e is None else max(e, self.now - tau)
+            self.mark[k] = [floor, 0, floor]  # its level now: now - floor, at most TAU
+            if before[k] != (t_, tau):
+                self.stale[k] = before[k]
+
+    @rule(dt=st.sampled_from([0, 1, 40, 100, 250, 1000]))
+    def tick(self, dt):
+        self.now += dt
+
+    @rule(price=st.sampled_from(PRICES))
+    def set_default(self, price):
+        keys = [f"k{i}" for i in range(6)]
+        before = {k: self.price(k) for k in keys}
+        set_params(self.t.c, price[0], price[0] * price[1])
+        self._changed(keys, before)
+
+    @rule(key=st.integers(0, 5), price=st.one_of(st.none(), st.sampled_from(PRICES)))
+    def set_override(self, key, price):
+        k = f"k{key}"
+        before = {k: self.price(k)}
+        d = self.t.kt.digest(k)
+        if price is None:
+            self.ovr.remove(d)
+        else:
+            self.ovr.set(d, Rate(MAX_TICKS_PER_S / price[0], 1.0, price[1]))
+            assert self.price(k) == (price[0], price[0] * price[1])
+        self._changed([k], before)
+
+    @rule(
+        key=st.integers(0, 5),
+        n=st.integers(1, 5),
+        mode=st.sampled_from(["try", "reserve", "peek"]),
+        stale=st.booleans(),
+    )
+    def acquire(self, key, n, mode, stale):
+        k = f"k{key}"
+        max_wait = {"try": 0, "reserve": 300, "peek": -1}[mode]
+        price = self.price(k)
+        kt = self.t.kt
+        if stale and k in self.stale:  # a call that read the price before the key's last change
+            price = self.stale[k]
+            kt = self._reference()
+            kt.params = _StalePrice(kt.params, price)
+            event("a step priced before the last change")
+        before = {f"k{i}": self.real_e(f"k{i}") for i in range(6)}
+        r = kt.acquire(k, n, max_wait, self.now)
+        for other, e in before.items():  # an idle key's slot may be had by a new key's insert
+            if other != k and e is not None and self.real_e(other) is None:
+                assert e + self.price(other)[1] <= self.now, "a limited key was forgotten"
+                self.e.pop(other, None)
+        t_, tau = price
+        if n > tau // t_:
+            assert r == KC.NEVER
+            return
+        e = self.e.get(k)
+        base = self.now - tau if e is None else max(e, self.now - tau)
+        wait = max(0, base + n * t_ - self.now)
+        if mode == "peek" or wait > max_wait:
+            assert r == (wait if mode == "peek" else KC.REFUSED), (r, wait)
+            return
+        assert r == wait, (r, wait)
+        self.e[k] = base + n * t_
+        assert self.real_e(k) == self.e[k]  # the word holds E, whatever the price
+        if kt is self.t.kt and k in self.mark:
+            mark = self.mark[k]
+            mark[1] += n * t_
+            mark[2] = self.now + r
+        elif k in self.mark:  # a step under the old price: the promise counts from here on
+            self.mark[k] = [max(self.e[k], self.now - self.price(k)[1]), 0, self.now + r]
+
+    @invariant()
+    def grants_since_a_change_cost_at_most_the_level_kept_and_the_time_since(self):
+        for k, (floor, spent, last) in getattr(self, "mark", {}).items():
+            assert spent <= last - floor, (k, floor, spent, last)
+
+
+TestAtomicsReprice, TestNativeReprice = on_each_backend(
+    RepriceMachine, settings(max_examples=50, stateful_step_count=40, deadline=None)
 )

@@ -48,7 +48,18 @@ the value words mean, with one contract: ``V0`` is the value's *expiry word*.
    Without it, only a slot whose ``V0 <= now`` is ever taken, so a key that is
    still limited is never lost, and the new key is refused (``FULL``).
 
-**The value kind GCRA**: ``V0`` = TAT (theoretical arrival time, ticks),
+**The value kind GCRA**: ``V0`` = the key's TAT (theoretical arrival time,
+ticks) under a burst of ``MAX_TICKS``, whatever its price: under its own
+tolerance ``TAU`` its TAT is that less ``MAX_TICKS - TAU``.  So the word
+holds the instant the key's bucket was last empty (plus ``MAX_TICKS``, which
+keeps it positive), and its level at ``now`` is the time since, at most its
+``TAU``: it needs no price to be read, and a change of price (``set_rate``,
+an override set or removed) keeps each key's level in seconds of schedule,
+cut to the new burst, as a ``Limiter``'s bucket keeps its own.  A step
+priced by a config read before a change is a step under that config, on a
+word that means the same under both: no interleaving re-reads old debt under
+a new burst.  A key is expired once its TAT under its own price (read after
+``V0``: ``expiry``) is past.
 ``V1`` = grants for that key, ``V3 V4`` = the key's first bytes for display
 (only with ``store_keys``).  An evicted key is as absent: its next request
 finds a full bucket.  So eviction grants a key at most the debt its entry
@@ -311,11 +322,17 @@ class SlotTable:
             got = self.value(s, ctl)
             if got is None:
                 return 0  # evicted or gone since: its slot is being had now
-            v = got[0]
+            v = self.expiry(s, got[0])
             if v <= now or (c.load(s + K.S_D0), c.load(s + K.S_D1)) == d:
                 return 0
             soonest = v - now if soonest is None else min(soonest, v - now)
         return soonest or 0
+
+    def expiry(self, s: int, v: int) -> int:
+        """When slot ``s``'s value ``v`` (``V0`` less ``BASE``, just loaded) expires, in the units
+        of ``now``: ``v`` itself here.  A value kind whose expiry depends on its config reads
+        that config after loading ``v`` (so it is never older than the one ``v`` was written under)."""
+        return v
 
     def value(self, s: int, ctl: int) -> Optional[Tuple[int, int]]:
         """``(V0, BASE)`` of slot s while it holds the tenant of LIVE word ``ctl``: the value is the
@@ -335,8 +352,11 @@ class SlotTable:
         v0: int,
         rest: Tuple[int, int, int],
         fill: Optional[Callable[[int, int], None]] = None,
+        low: Optional[int] = None,
     ):
-        """Insert digest d with its first values: V0 = v0 (>= ``now``), V1 V3 V4 = rest.
+        """Insert digest d with its first values: V0 = v0 (>= ``low``), V1 V3 V4 = rest.
+
+        ``low`` (default ``now``) is the least value the new tenant's ``V0`` ever takes.
 
         The new tenant's BASE is what lifts its stored V0 above every word the
         slot held before (``floor``), so it never starts from another key's
@@ -348,6 +368,7 @@ class SlotTable:
         unchanged under a live owner for ``PEND_NS`` and we gave way.
         """
         c = self.c
+        low = now if low is None else low
         cand, cc, pos, cv = None, 0, 0, 0
         victim, least = None, 0
         for i in range(self.probe):
@@ -374,7 +395,7 @@ class SlotTable:
                 v = c.load(s + K.S_V0)
                 if c.load(s) != ctl:
                     return s, 0  # it changed tenant while we read it: look again
-                if v & K.DEAD or v - base <= now:
+                if v & K.DEAD or self.expiry(s, v - base) <= now:
                     cand, cc, pos, cv = s, ctl, i, v
                 elif self.evict and (victim is None or v - base < least):
                     victim, least = (s, ctl, i, v), v - base
@@ -384,7 +405,7 @@ class SlotTable:
         if cand is None:
             # Full: the least valuable live key (its V0 least, so nearest to holding nothing) gives
             # up its slot -- unless that would lift the slot's BASE past BASE_MAX.
-            if victim is None or (victim[3] + 1 - now) > K.BASE_MAX:
+            if victim is None or (victim[3] + 1 - low) > K.BASE_MAX:
                 return None, 0
             cand, cc, pos, cv = victim
             limited = True
@@ -407,7 +428,7 @@ class SlotTable:
         if fill is not None:
             fill(cand, gen)
         floor = c.load(cand + K.S_V0) & ~K.DEAD
-        base = floor + 1 - now if floor >= now else 0
+        base = floor + 1 - low if floor >= low else 0
         if base > K.BASE_MAX:  # only a segment written by hand: this slot takes no key
             self._abort(cand, mine, gen, floor)
             return None, 0
@@ -592,7 +613,15 @@ class KeyedTable(SlotTable):
                         "keyed segment is corrupt: no copy of its config passes its checksum"
                     )
                 t, tau = pair
-                return (t or 1), tau
+                return (t or 1), min(tau, K.MAX_TICKS)  # a segment written by hand: a smaller burst
+
+    def expiry(self, s: int, v: int) -> int:
+        """The TAT of slot ``s``'s key (value ``v``) under its own price, read after ``v``: the
+        key holds nothing once it is past.  (A price read before ``v`` could be older than the one
+        ``v`` was written under, and a raised burst would then make a limited key look idle.)"""
+        c = self.c
+        d = (c.load(s + K.S_D0), c.load(s + K.S_D1))
+        return v - (K.MAX_TICKS - self.params(d)[1])
 
     def acquire(self, key: object, n: int, max_wait: int, now: "int | None" = None) -> int:
         """Find or insert ``key``'s slot and take ``n`` ops if they fit ``max_wait`` ticks.
@@ -648,6 +677,7 @@ class KeyedTable(SlotTable):
         if n > tau // t:
             return NEVER
         cost = n * t
+        slack = K.MAX_TICKS - tau  # V0 less BASE is the TAT under a burst of MAX_TICKS: see there
         maxw = 0 if max_wait < 0 else min(max_wait, MAX_WAIT)
         home = (d[0] * self.nslots) >> 64
         c = self.c
@@ -660,7 +690,7 @@ class KeyedTable(SlotTable):
                 if disp is None:
                     disp = display_words(data) if self.store_keys else (0, 0)
                 # a new key's bucket is full: n <= burst is granted at once, by the insert itself
-                s, ctl = self.insert(d, home, now, now + cost, (n, *disp))
+                s, ctl = self.insert(d, home, now, now + cost + slack, (n, *disp), low=now + slack)
                 if s is None and ctl == BUSY:
                     return BUSY
                 if s is None:
@@ -674,7 +704,9 @@ class KeyedTable(SlotTable):
                     c.fetch_add(self.grants, n)
                     if taken is not None:
                         base = c.load(s + K.S_BASE)  # the tenant's, fixed while it holds the slot
-                        taken.extend(((s - self.slots) // K.LINE, ctl, now + cost + base, cost))
+                        taken.extend(
+                            ((s - self.slots) // K.LINE, ctl, now + cost + slack + base, cost)
+                        )
                     return 0
                 os.sched_yield()  # lost a race (often to an insert of the same key): let it finish
                 continue
@@ -682,7 +714,8 @@ class KeyedTable(SlotTable):
                 got = self.value(s, ctl)
                 if got is None:
                     break
-                tat, off = got
+                v, off = got
+                tat = v - slack
                 base = max(tat, now)
                 wait = base + cost - now
                 wait = wait - tau if wait > tau else 0
@@ -690,11 +723,12 @@ class KeyedTable(SlotTable):
                     return wait
                 if wait > maxw:
                     return REFUSED
-                if c.cas(s + K.S_V0, tat + off, base + cost + off):
+                new = base + cost + slack + off
+                if c.cas(s + K.S_V0, v + off, new):
                     c.fetch_add(s + K.S_V1, n)
                     c.fetch_add(self.grants, n)
                     if taken is not None:
-                        taken.extend(((s - self.slots) // K.LINE, ctl, base + cost + off, cost))
+                        taken.extend(((s - self.slots) // K.LINE, ctl, new, cost))
                     return wait
 
     def push(self, key: object, until: int, now: "int | None" = None) -> int:
@@ -713,14 +747,14 @@ class KeyedTable(SlotTable):
             return 0
         d = self._hash(data, self.k0, self.k1)
         t, tau = self.params(d)
-        target = until + tau - t
+        target = until - t + K.MAX_TICKS  # the TAT until + TAU - T, as V0 holds it
         home = (d[0] * self.nslots) >> 64
         c = self.c
         while True:
             s, ctl = self.find(d, home)
             if s is None:
                 disp = display_words(data) if self.store_keys else (0, 0)
-                s, ctl = self.insert(d, home, now, target, (0, *disp))
+                s, ctl = self.insert(d, home, now, target, (0, *disp), low=now + K.MAX_TICKS - tau)
                 if s is None:
                     if ctl != BUSY:
                         c.fetch_add(self.refused, 1)

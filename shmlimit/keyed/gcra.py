@@ -1,7 +1,8 @@
 """The value kind GCRA: one theoretical-arrival-time word per key, and the config it is priced by.
 
-A key's state is one word, its TAT (``V0`` of its slot, in ticks of 1/16 ns of
-CLOCK_MONOTONIC); the GCRA step itself is part of the atomic layer's keyed
+A key's state is one word, its TAT under a burst of ``MAX_TICKS`` (``V0`` of its
+slot, in ticks of 1/16 ns of CLOCK_MONOTONIC: no price is needed to read it, see
+``keyed_cells``); the GCRA step itself is part of the atomic layer's keyed
 composite (``keyed_cells``).  This module holds what prices it: the default
 ``(T, TAU)`` and the per-key overrides in a bounded table of their own.
 
@@ -53,7 +54,7 @@ from shmlimit.shm import layout as L
 from shmlimit.shm.cells import Cells
 
 #: Ticks of schedule arithmetic stay below this (2**60 ticks = 2.3 years).
-MAX_TICKS = 1 << 60
+MAX_TICKS = K.MAX_TICKS
 TICKS_PER_S = 1e9 * (1 << K.TICK_SHIFT)
 #: A config lock held longer than this (seconds) was left by a dead writer and is taken over.
 LOCK_TIMEOUT = 0.2
@@ -450,3 +451,10 @@ class Overrides:
         """The offset of digest ``d``'s LIVE entry (its rate perhaps removed), None if it has
         none: where a key's adaptive rate keeps its window (``keyed.adapt``)."""
         return self._find(d) if self.novr else None
+
+    def peek_tau(self, d: Tuple[int, int]) -> Optional[int]:
+        """TAU (ticks) of digest ``d``'s override for display, without waiting for a writer; None
+        when it has none (or none of its banks is valid)."""
+        e = self._find(d) if self.novr else None
+        vals = None if e is None else self._vals(e, self.c.load(K.CFG_SEQ) & ~1)
+        return vals[4] if vals and vals[3] else None

@@ -76,8 +76,9 @@ MAGIC = int.from_bytes(b"SHMLKEYS", "little")
 #: 2: every config in two checksummed banks (a config writer taken over cannot publish late);
 #: 3: a bank's values stored masked by their generation and written by CAS (late writers miss);
 #: 4: a slot's BASE word (a still-limited key may be evicted), key bytes only when asked;
-#: 5: a window table's moving-window slots, each followed by its log (MKEYS, MRING)
-VERSION = 5
+#: 5: a window table's moving-window slots, each followed by its log (MKEYS, MRING);
+#: 6: a GCRA key's V0 is its TAT under a burst of MAX_TICKS, whatever its price (was: its own)
+VERSION = 6
 
 KIND_OFF = words(0, 8)[7]
 
@@ -182,7 +183,11 @@ DEAD = 1 << 63  #: V0's eviction flag (the value below it is kept)
 #: a slot that would pass it is not evicted while limited (its window refuses, as when_full="refuse").
 BASE_MAX = 1 << 61
 
-# the value kind GCRA: V0 = theoretical arrival time (ticks), V1 = grants, V3..V4 = display
+# the value kind GCRA: V0 = the TAT under a burst of MAX_TICKS (ticks; see ``keyed_cells``),
+# V1 = grants, V3..V4 = display
+#: A burst's ticks stay below this (2**60 ticks = 2.3 years); a key's TAT under its own burst TAU
+#: is V0 less BASE less ``MAX_TICKS - TAU``.
+MAX_TICKS = 1 << 60
 #: Key bytes kept for display when a table's users ask (``store_keys``): V3..V4 less a length byte.
 DISPLAY_BYTES = 15
 

@@ -758,7 +758,8 @@ class KeyedLimiter(RatesSwitch, Keyed):
         defaults to the current value, ``burst`` to the default for the new
         rate.  A key's override lives in a table of its own (``overrides=``
         entries), so it survives the key's eviction; ``remove_override``
-        drops it.  A key's schedule so far is kept: only new grants are priced
+        drops it.  Each key keeps its level (seconds of schedule), cut to the
+        new burst, as a ``Limiter``'s bucket does: only new grants are priced
         by the new rate.
         """
         att = self._live()
@@ -812,7 +813,8 @@ class KeyedLimiter(RatesSwitch, Keyed):
         return None if r is None else (r.rate, r.per, r.burst)
 
     def remove_override(self, key: object) -> bool:
-        """Make ``key`` follow the default rate again; False if it had no override."""
+        """Make ``key`` follow the default rate again, keeping its level as ``set_rate`` does; False
+        if it had no override."""
         att = self._live()
         return att.overrides.remove(att.kt.digest(key))
 

@@ -21,7 +21,7 @@ from shmlimit.group import copy_geometry
 from shmlimit.keyed import cells as KC
 from shmlimit.keyed import layout as K
 from shmlimit.keyed.adapt import stats as adapt_stats
-from shmlimit.keyed.gcra import TICKS_PER_S, peek_default
+from shmlimit.keyed.gcra import TICKS_PER_S, Overrides, peek_default
 from shmlimit.keyed.segment import Geometry, read_copy, validate_header
 from shmlimit.keyed.windows import FLAG, unpack
 from shmlimit.rate_group import MultiStats
@@ -131,8 +131,10 @@ def sample_keys(name: str, start: int, count: int) -> Tuple[List[KeySample], int
     now = time.monotonic_ns() << K.TICK_SHIFT
     out = []
     slots, nxt = _live_slots(name, K.KIND_GCRA, start, count)
-    for words in slots:
-        tat = words[K.S_V0 // 8] - words[K.S_BASE // 8]
+    taus = _taus(name, [(w[K.S_D0 // 8], w[K.S_D1 // 8]) for w in slots]) if slots else []
+    for words, tau in zip(slots, taus):
+        # V0 less BASE is the key's TAT under a burst of MAX_TICKS (keyed_cells): under its own, less
+        tat = words[K.S_V0 // 8] - words[K.S_BASE // 8] - (K.MAX_TICKS - tau)
         out.append(
             KeySample(
                 KC.display_key(words[K.S_V3 // 8 :], words[K.S_D0 // 8]),
@@ -141,6 +143,26 @@ def sample_keys(name: str, start: int, count: int) -> Tuple[List[KeySample], int
             )
         )
     return out, nxt
+
+
+def _taus(name: str, digests: List[Tuple[int, int]]) -> List[int]:
+    """TAU (ticks) of each of table ``name``'s keys ``digests``, from a private copy of its config
+    and overrides: the key's override, else the default."""
+    seg, at = _where(name)
+    c, geo, _ = _header_copy(seg, at)
+    try:
+        default = peek_default(c).tau
+        if not geo.overrides or not c.load(K.OVR_LIVE):
+            return [default] * len(digests)
+    finally:
+        c.close()
+    data, _ = read_copy(seg, at, K.slots_offset(geo.overrides))
+    c = open_cells(data, len(data))  # type: ignore[arg-type]  # a private copy, not a mapping
+    try:
+        ovr = Overrides(c, geo.overrides)
+        return [default if (own := ovr.peek_tau(d)) is None else own for d in digests]
+    finally:
+        c.close()
 
 
 def _live_slots(name: str, kind: int, start: int, count: int) -> Tuple[List[Tuple[int, ...]], int]:

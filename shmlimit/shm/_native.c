@@ -580,6 +580,9 @@ cells_grabber(NativeCells *self, PyObject *const *args, Py_ssize_t n)
 #define KW_BASE 5 /* the tenant's offset: V0 is stored plus BASE (keyed_cells.SlotTable) */
 #define KW_DISP 6 /* V3 V4: the key's first bytes, for display only, when stored (store_keys) */
 #define KT_BASE_MAX (UINT64_C(1) << 61) /* keyed_layout.BASE_MAX */
+/* keyed_layout.MAX_TICKS: V0 less BASE is a key's TAT under this burst, whatever its price (its TAT
+ * under its own TAU is that less MAX_TICKS - TAU: keyed_cells) */
+#define KT_MAX_TICKS (UINT64_C(1) << 60)
 #define KT_FLAG_EVICT 1u /* when a window is full, evict its least valuable key (keyed_cells) */
 #define KT_FLAG_STORE_KEYS 2u
 /* override entry: CTRL (state in its low byte: 0 empty, 1 live, 2 tomb, 3 claimed), D0 D1 */
@@ -792,10 +795,11 @@ kt_segment_error(const char *msg)
  * newest generation (keyed_gcra: a config writer taken over writes at most one bank, older than
  * the newer writer's).  A writer holds CFG_SEQ odd for microseconds; one that stays odd for
  * KT_LOCK_NS (its writer died) is closed by CAS to the next even value, as keyed_gcra.ConfigLock
- * would take it over.  No valid bank under a CFG_SEQ that stayed even: SegmentError, 0. */
+ * would take it over.  No valid bank under a CFG_SEQ that stayed even: SegmentError, 0.  *seq: the
+ * CFG_SEQ they were read under; *dflt: 1 if they are the default's. */
 #define KT_LOCK_NS 200000000u
 static int
-kt_params(KeyedTable *t, const uint64_t d[2], uint64_t *T, uint64_t *tau)
+kt_params(KeyedTable *t, const uint64_t d[2], uint64_t *T, uint64_t *tau, uint64_t *seq, int *dflt)
 {
     static const uint64_t none[2] = {0, 0};
     uint64_t seen = 0, since = 0;
@@ -839,7 +843,9 @@ kt_params(KeyedTable *t, const uint64_t d[2], uint64_t *T, uint64_t *tau)
             if (corrupt)
                 return kt_segment_error("keyed segment is corrupt: no copy of its config passes its checksum");
             *T = tt ? tt : 1;
-            *tau = ta;
+            *tau = ta < KT_MAX_TICKS ? ta : KT_MAX_TICKS; /* a segment written by hand: a smaller burst */
+            *seq = s1;
+            *dflt = !found;
             return 1;
         }
     }
@@ -864,21 +870,41 @@ kt_find(KeyedTable *t, const uint64_t d[2], uint64_t home, uint64_t *ctrl)
 }
 
 /* Insert digest d (absent when we looked) with its first grant already in its values: V0 =
- * v0 (the TAT after the grant, >= now), stored plus the BASE that lifts it above every word the
+ * v0 (the TAT after the grant, as V0 holds it: >= low, the least value the key ever takes), stored plus the BASE that lifts it above every word the
  * slot held before (keyed_cells.SlotTable.insert), V1 = v1.  Returns the slot with *ctrl its LIVE
  * word when we published it (the grant is made), *ctrl 0 when the caller must look again (another
  * inserter or evictor won a race), or NULL when the window has no free or expired slot and
  * eviction is off, or its least valuable key may not be evicted (the table is full there);
  * NULL with *err 1 on an error (set), with *err 2 when a farther PEND of the same key stayed
  * unchanged under a live owner for KT_PEND_NS (we gave way: nothing of ours is left). */
+/* When slot s's key (value v, V0 less BASE, just loaded) expires: its TAT under its own price, read
+ * after v (keyed_cells.KeyedTable.expiry).  0 with an exception set on an error. */
+static int
+kt_expiry(KeyedTable *t, uint64_t *s, uint64_t v, uint64_t *at)
+{
+    uint64_t d[2] = {ld(s + KW_D0), ld(s + KW_D1)}, T, tau, seq;
+    int dflt;
+    if (!kt_params(t, d, &T, &tau, &seq, &dflt))
+        return 0;
+    *at = v - (KT_MAX_TICKS - tau);
+    return 1;
+}
+
 static uint64_t *
-kt_insert(KeyedTable *t, const uint64_t d[2], uint64_t home, uint64_t now, uint64_t v0,
-          uint64_t v1, const uint64_t disp[2], uint64_t *ctrl, int *err)
+kt_insert(KeyedTable *t, const uint64_t d[2], uint64_t home, uint64_t now, uint64_t v0, uint64_t low,
+          uint64_t v1, const uint64_t disp[2], uint64_t seq, uint64_t slack, uint64_t *ctrl, int *err)
 {
     *ctrl = 0;
     *err = 0;
-    uint64_t *cand = NULL, cc = 0, pos = 0, cv = 0;
-    uint64_t *victim = NULL, vc = 0, vpos = 0, vv = 0, least = 0;
+    uint64_t *cand, cc, pos, cv;
+    uint64_t *victim, vc, vpos, vv, least;
+    /* seq, slack: the default's price as the caller read it (slack 0: it did not).  It judges every
+     * slot's expiry if, after the scan (after every V0 was loaded), CFG_SEQ still holds seq and no
+     * override is live: the price of each key when its V0 was loaded, as kt_expiry would read it */
+    int quick = slack != 0;
+scan:
+    cand = NULL; cc = 0; pos = 0; cv = 0;
+    victim = NULL; vc = 0; vpos = 0; vv = 0; least = 0;
     for (uint64_t i = 0; i < t->probe; i++) {
         uint64_t *s = kt_slot(t, home, i);
         uint64_t c = ld(s + KW_CTRL);
@@ -896,10 +922,16 @@ kt_insert(KeyedTable *t, const uint64_t d[2], uint64_t home, uint64_t now, uint6
         if (state == KS_TOMB) {
             cand = s; cc = c; pos = i;
         } else if (state == KS_LIVE) {
-            uint64_t base = ld(s + KW_BASE), v = ld(s + KW_V0);
+            uint64_t base = ld(s + KW_BASE), v = ld(s + KW_V0), at = 0;
             if (ld(s + KW_CTRL) != c)
                 return s; /* it changed tenant while we read it: look again */
-            if (v & KT_DEAD || v - base <= now) {
+            if (quick)
+                at = v - base - slack;
+            else if (!(v & KT_DEAD) && !kt_expiry(t, s, v - base, &at)) {
+                *err = 1;
+                return NULL;
+            }
+            if (v & KT_DEAD || at <= now) {
                 cand = s; cc = c; pos = i; cv = v;
             } else if ((t->flags & KT_FLAG_EVICT) && (!victim || v - base < least)) {
                 victim = s; vc = c; vpos = i; vv = v; least = v - base;
@@ -915,10 +947,14 @@ kt_insert(KeyedTable *t, const uint64_t d[2], uint64_t home, uint64_t now, uint6
             }
         }
     }
+    if (quick && (ld(t->cfg) != seq || (t->novr && ld(t->ovr_live)))) {
+        quick = 0; /* a price changed, or some key has its own: each slot's, read after its V0 */
+        goto scan;
+    }
     int limited = 0;
     if (!cand) {
         /* full: the least valuable live key gives up its slot, unless that lifts BASE too far */
-        if (!victim || vv + 1 - now > KT_BASE_MAX)
+        if (!victim || vv + 1 - low > KT_BASE_MAX)
             return NULL;
         cand = victim; cc = vc; pos = vpos; cv = vv;
         limited = 1;
@@ -940,11 +976,11 @@ kt_insert(KeyedTable *t, const uint64_t d[2], uint64_t home, uint64_t now, uint6
     st(cand + KW_V1, v1);
     for (int k = 0; k < 2; k++)
         st(cand + KW_DISP + k, disp[k]);
-    /* BASE lifts every stored word of the new tenant (its values are >= now) above the slot's
+    /* BASE lifts every stored word of the new tenant (its values are >= low) above the slot's
      * floor, the last word it held; the values themselves start from the clock, so a new key
      * never starts from an evicted key's or a dead inserter's state (keyed_cells.SlotTable) */
     uint64_t floor = ld(cand + KW_V0) & ~KT_DEAD;
-    uint64_t base = floor >= now ? floor + 1 - now : 0;
+    uint64_t base = floor >= low ? floor + 1 - low : 0;
     if (base > KT_BASE_MAX) { /* only a segment written by hand: this slot takes no key */
         st(cand + KW_V0, floor | KT_DEAD);
         cas(cand + KW_CTRL, mine, kt_ctrl(KS_TOMB, 0, gen));
@@ -1116,13 +1152,15 @@ kt_step(KeyedTable *t, PyObject *key, PyObject *nobj, long long mw, uint64_t now
     int own_clock = !now, reread = 0;
     if (own_clock)
         now = kt_now();
-    uint64_t d[2], T, tau;
+    uint64_t d[2], T, tau, seq;
+    int dflt;
     siphash128((const unsigned char *)buf, (size_t)len, t->k0, t->k1, d);
-    if (!kt_params(t, d, &T, &tau))
+    if (!kt_params(t, d, &T, &tau, &seq, &dflt))
         return KT_ERROR;
     if ((uint64_t)n > tau / T) /* more than the burst: never grantable */
         return KT_NEVER;
     uint64_t cost = (uint64_t)n * T;
+    uint64_t slack = KT_MAX_TICKS - tau; /* V0 less BASE is the TAT under a burst of MAX_TICKS */
     uint64_t maxw = mw < 0 ? 0 : ((uint64_t)mw > KT_MAX_WAIT ? KT_MAX_WAIT : (uint64_t)mw);
     uint64_t home = (uint64_t)(((unsigned __int128)d[0] * t->nslots) >> 64);
     uint64_t disp[2] = {0, 0};
@@ -1138,7 +1176,8 @@ kt_step(KeyedTable *t, PyObject *key, PyObject *nobj, long long mw, uint64_t now
             }
             /* a new key's bucket is full: n <= burst is granted at once, by the insert itself */
             int err;
-            s = kt_insert(t, d, home, now, now + cost, (uint64_t)n, disp, &c, &err);
+            s = kt_insert(t, d, home, now, now + cost + slack, now + slack, (uint64_t)n, disp, seq,
+                          dflt ? slack : 0, &c, &err);
             if (err)
                 return err == 2 ? KT_BUSY : KT_ERROR;
             if (!s) {
@@ -1156,7 +1195,7 @@ kt_step(KeyedTable *t, PyObject *key, PyObject *nobj, long long mw, uint64_t now
             if (c) {
                 add(t->grants, (uint64_t)n);
                 if (taken) /* BASE is the tenant's, fixed while it holds the slot */
-                    kt_taken(t, taken, s, now + cost + ld(s + KW_BASE), cost);
+                    kt_taken(t, taken, s, now + cost + slack + ld(s + KW_BASE), cost);
                 return 0;
             }
             if (!kt_yield(t)) /* lost a race (often to an insert of the same key): let it finish */
@@ -1167,7 +1206,7 @@ kt_step(KeyedTable *t, PyObject *key, PyObject *nobj, long long mw, uint64_t now
             uint64_t off = ld(s + KW_BASE), raw = ld(s + KW_V0);
             if (raw & KT_DEAD || ld(s + KW_CTRL) != c)
                 break; /* evicted or reused: look again */
-            uint64_t tat = raw - off;
+            uint64_t tat = raw - off - slack;
             uint64_t base = tat > now ? tat : now;
             uint64_t wait = base + cost - now; /* > 0 */
             wait = wait > tau ? wait - tau : 0;
@@ -1175,11 +1214,11 @@ kt_step(KeyedTable *t, PyObject *key, PyObject *nobj, long long mw, uint64_t now
                 return (int64_t)wait;
             if (wait > maxw)
                 return KT_REFUSED;
-            if (cas(s + KW_V0, raw, base + cost + off)) {
+            if (cas(s + KW_V0, raw, base + cost + slack + off)) {
                 add(s + KW_V1, (uint64_t)n);
                 add(t->grants, (uint64_t)n);
                 if (taken)
-                    kt_taken(t, taken, s, base + cost + off, cost);
+                    kt_taken(t, taken, s, base + cost + slack + off, cost);
                 return (int64_t)wait;
             }
         }
