@@ -14,7 +14,6 @@ atomic layer's keyed composite (``keyed_cells`` / the native ``KeyedTable``)
 
 from __future__ import annotations
 
-import asyncio
 import math
 import mmap
 import os
@@ -23,6 +22,7 @@ import time
 import weakref
 from typing import Any, Callable, Dict, Optional, Tuple
 
+from shmlimit.acquire.single import Step, drive, drive_async
 from shmlimit.adapt import Adapt
 from shmlimit.adapt import describe as describe_adapt
 from shmlimit.adapt import write as write_adapt
@@ -376,12 +376,44 @@ def _ticks(seconds: float) -> int:
 MAX_PAUSE = KC.MAX_WAIT / TICKS_PER_S
 
 
-def _sleep_until(deadline_ns: int) -> None:
-    while True:
-        left = deadline_ns - time.monotonic_ns()
-        if left <= 0:
-            return
-        time.sleep(left / 1e9)
+class _Due:
+    """A keyed ``acquire`` as the drivers run it (``acquire.single.Steps``): one call that takes
+    the key's ops (reserving its slot) or refuses, then a wait to the instant they are due."""
+
+    wake_ns: Optional[int] = None
+    clock = staticmethod(time.monotonic_ns)
+
+    def __init__(self, lim: "KeyedLimiter", key: object, n: int, timeout: Optional[float]):
+        self.lim, self.key, self.n, self.timeout = lim, key, n, timeout
+
+    def begin(self) -> Step:
+        """Take the ops (True: now; seconds: due then, ``wake_ns`` set), or refuse (False; an
+        untimed call raises instead).  An insert of the key stalled by another live process
+        (``BUSY``) is looked at again after ``BUSY_NAP`` by an untimed call."""
+        t, lim = self.timeout, self.lim
+        r = lim._call(self.key, self.n, KC.MAX_WAIT if t is None else _ticks(t))
+        if r == KC.BUSY and t is None:
+            return BUSY_NAP
+        if r < 0:
+            if t is None:
+                lim._untimed_failure(r, self.n)
+            return False
+        if r == 0:
+            return True
+        self.wake_ns = time.monotonic_ns() + (r >> K.TICK_SHIFT) + 1
+        return (self.wake_ns - time.monotonic_ns()) / 1e9
+
+    def next(self) -> Step:
+        if self.wake_ns is None:  # a nap after BUSY: ask again
+            return self.begin()
+        left = self.wake_ns - time.monotonic_ns()
+        return True if left <= 0 else left / 1e9
+
+    def end(self) -> None:
+        pass
+
+    def wait_native(self) -> None:
+        return None
 
 
 class KeyedLimiter(RatesSwitch, Keyed):
@@ -679,35 +711,15 @@ class KeyedLimiter(RatesSwitch, Keyed):
         and ``n`` above the key's capacity ``ValueError``; a stalled insert of the
         same key is waited for, interruptibly.
         """
-        t = validate_timeout(timeout)
-        r = self._call_untimed(key, n) if t is None else self._call(key, n, _ticks(t))
-        if r >= 0:
-            if r:
-                _sleep_until(time.monotonic_ns() + (r >> K.TICK_SHIFT) + 1)
-            return True
-        if t is None:
-            self._untimed_failure(r, n)
-        return False
+        return drive(_Due(self, key, n, validate_timeout(timeout)))
 
     async def acquire_async(self, key: object, n: int = 1, timeout: Optional[float] = None) -> bool:
-        """``acquire`` for asyncio: waits with ``asyncio.sleep``, never blocking the event loop.
+        """``acquire`` for asyncio: waits on the event loop, never blocking it.
 
         A waiter cancelled after its ops were taken spends them unused (giving
         them back could let a later caller exceed the key's rate).
         """
-        t = validate_timeout(timeout)
-        r = self._call(key, n, KC.MAX_WAIT if t is None else _ticks(t))
-        while r == KC.BUSY and t is None:  # as _call_untimed, sleeping on the loop
-            await asyncio.sleep(BUSY_NAP)
-            r = self._call(key, n, KC.MAX_WAIT)
-        if r >= 0:
-            deadline = time.monotonic_ns() + (r >> K.TICK_SHIFT) + 1
-            while (left := deadline - time.monotonic_ns()) > 0:
-                await asyncio.sleep(left / 1e9)
-            return True
-        if t is None:
-            self._untimed_failure(r, n)
-        return False
+        return await drive_async(_Due(self, key, n, validate_timeout(timeout)))
 
     def retry_after(self, key: object, n: int = 1) -> float:
         """Seconds until ``n`` ops could be granted for ``key`` (0.0 if now; inf if never).  Takes nothing.
