@@ -76,7 +76,7 @@ from __future__ import annotations
 
 import os
 import time
-from typing import Callable, Optional, Tuple
+from typing import Callable, Dict, Optional, Tuple
 
 from shmlimit.errors import SegmentError
 from shmlimit.keyed import layout as K
@@ -159,14 +159,29 @@ def siphash128(data: bytes, k0: int, k1: int) -> Tuple[int, int]:
     return d0, v0 ^ v1 ^ v2 ^ v3
 
 
-def hasher(cells: object) -> Callable[[bytes, int, int], Tuple[int, int]]:
-    """``siphash128`` for paths over ``cells``: the native extension's on the native backend (a
-    hash in Python costs a window table's hit most of its time), else the portable one."""
+#: The digests a table's Python path keeps per process (its recent keys), at most.
+DIGESTS_KEPT = 4096
+
+
+def hasher(cells: object, k0: int, k1: int) -> Callable[[bytes], Tuple[int, int]]:
+    """The keyed digest of any bytes for paths over ``cells``: the native extension's SipHash on
+    the native backend; the portable one otherwise, remembering the digests of its last
+    ``DIGESTS_KEPT`` keys (a hash in Python cost 30 of a keyed try's 45 us on a live key)."""
     if getattr(cells, "backend", None) == "native":
         from shmlimit.shm._native import siphash128 as native
 
-        return native
-    return siphash128
+        return lambda data: native(data, k0, k1)
+    kept: Dict[bytes, Tuple[int, int]] = {}
+
+    def digest(data: bytes) -> Tuple[int, int]:
+        d = kept.get(data)
+        if d is None:
+            if len(kept) >= DIGESTS_KEPT:
+                kept.clear()  # a new generation: live keys come back at their next call
+            d = kept[data] = siphash128(data, k0, k1)
+        return d
+
+    return digest
 
 
 def key_bytes(key: object) -> bytes:
@@ -539,11 +554,11 @@ class KeyedTable(SlotTable):
         check_offsets(cells, ovr_live, refused, grants)  # any backend's cells (``push``)
         self.cfg, self.ovr_live, self.ovr, self.novr = cfg, ovr_live, ovr, novr
         self.k0, self.k1 = k0, k1
-        self._hash = hasher(cells)
+        self._hash = hasher(cells, k0, k1)
         self.refused, self.grants = refused, grants
 
     def digest(self, key: object) -> Tuple[int, int]:
-        return self._hash(key_bytes(key), self.k0, self.k1)
+        return self._hash(key_bytes(key))
 
     def _bank(self, line: int, d: Tuple[int, int], seq: int):
         """``(age, T, TAU)`` of one config bank (see ``keyed_gcra``), or None if its checksum fails."""
@@ -672,7 +687,7 @@ class KeyedTable(SlotTable):
         reread = now is not None
         if now is None:
             now = _ticks_now()
-        d = self._hash(data, self.k0, self.k1)
+        d = self._hash(data)
         t, tau = self.params(d)
         if n > tau // t:
             return NEVER
@@ -745,7 +760,7 @@ class KeyedTable(SlotTable):
             now = time.monotonic_ns() << K.TICK_SHIFT
         if until <= now:
             return 0
-        d = self._hash(data, self.k0, self.k1)
+        d = self._hash(data)
         t, tau = self.params(d)
         target = until - t + K.MAX_TICKS  # the TAT until + TAU - T, as V0 holds it
         home = (d[0] * self.nslots) >> 64

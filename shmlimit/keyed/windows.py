@@ -170,7 +170,7 @@ class WindowCounters:
         self.k0, self.k1, self.refused = k0, k1, refused
         self.clock = clock or time.monotonic_ns
         self._pid = os.getpid()
-        self._hash = KC.hasher(self.c)
+        self._hash = KC.hasher(self.c, k0, k1)
 
     # -- plumbing -------------------------------------------------------------------------
 
@@ -188,7 +188,7 @@ class WindowCounters:
             self._pid = os.getpid()
             self.t.pid = K.owner(self._pid)
         data = KC.key_bytes(key)
-        d = self._hash(prefix + data, self.k0, self.k1)
+        d = self._hash(prefix + data)
         return d, (d[0] * self.t.nslots) >> 64, data
 
     def _insert(
