@@ -8,6 +8,7 @@
     python tools/bench.py --only-hierarchy # section 9's table only (local vs hierarchical, a Redis started for it)
     python tools/bench.py --only-asyncio   # section 12 only (acquire_async against bare asyncio sleepers)
     python tools/bench.py --only-hierarchy-cpu # section 9a only (hierarchical vs local CPU at 50/s)
+    python tools/bench.py --only-limits-hits   # section 13 only (limits' hits on shm:// vs memory://)
 
 1. cost of acquire() in one process at an effectively unlimited rate, per backend,
    against a bare native atomic fetch-add called from Python (the floor) and a
@@ -45,7 +46,13 @@
 12. asyncio: 8 processes, each one event loop saturating 1000/s through acquire_async, against 8
     bare asyncio sleepers waking at the same instants with the same precise sleep (the loop's
     timerfd), and bare asyncio.sleep ones: CPU per wall second, wakes per grant, lateness, and the
-    waiters' CPU as a multiple of the precise sleepers' (the target: at most 1.25).
+    waiters' CPU as a multiple of the precise sleepers' (the target: at most 1.25);
+13. `limits` hits on shm:// (when `limits` is installed): one process hitting 64 keys at a limit
+    never reached, through limits' fixed window, sliding window counter and moving window, on
+    shm:// and on limits' own memory://, interleaved, best of: us per hit and the ratio shm/memory
+    (the target: at most 1.5x for the fixed window and the sliding window counter); then 4
+    processes hitting at once: aggregate hits/s on shm:// (one table, shared), memory:// (each
+    process its own, not shared) and limits' Redis storage (the redis-server of sections 7 and 9).
 """
 
 from __future__ import annotations
@@ -1515,6 +1522,166 @@ def print_asyncio(a: dict) -> None:
     )
 
 
+# ---- 13. limits' hits on shm:// -------------------------------------------------------------------
+
+#: ``limits``' strategies, by the names the tables give them.  The moving window is shown, with no
+#: target: on memory:// its cost grows with the hits in a key's window.
+LIMITS_STRATEGIES = {
+    "fixed window": "FixedWindowRateLimiter",
+    "sliding window counter": "SlidingWindowCounterRateLimiter",  # limits >= 4.1
+    "moving window": "MovingWindowRateLimiter",
+}
+LIMITS_KEYS = 64
+LIMITS_LIMIT = "1000000/minute"  # never reached in a run: every hit is granted
+# the moving window's limit fits a key's log on shm:// (4096 words: 4094 hits in a window), and a
+# run hits a key at most 200 times a repeat
+LIMITS_MOVING = "4000/minute"
+LIMITS_SHM_OPTIONS = "keys=1024&moving_keys=128&moving_log=4096"
+
+
+def _hits_ns(hit: Callable[..., bool], item, keys: List[str], rounds: int) -> float:
+    """ns per ``hit(item, key)``, ``rounds`` times through ``keys``."""
+    t0 = time.perf_counter_ns()
+    for _ in range(rounds):
+        for k in keys:
+            hit(item, k)
+    return (time.perf_counter_ns() - t0) / (rounds * len(keys))
+
+
+def _limits_costs(n: int, repeats: int, q) -> None:
+    """ns per hit in one process: each strategy on memory:// and on shm://, ``n`` hits each,
+    interleaved (the order alternating) and the best of ``repeats`` kept."""
+    import limits
+    import limits.strategies as ls
+    from limits.storage import storage_from_string
+
+    import shmlimit.integrations.limits  # noqa: F401  (registers shm://)
+
+    shm = storage_from_string(f"shm://bench-{uuid.uuid4().hex[:8]}?{LIMITS_SHM_OPTIONS}")
+    storages = {"memory": storage_from_string("memory://"), "shm": shm}
+    keys = [f"client-{i}" for i in range(LIMITS_KEYS)]
+    strategies = {k: getattr(ls, c) for k, c in LIMITS_STRATEGIES.items() if hasattr(ls, c)}
+    items = {
+        k: limits.parse(LIMITS_MOVING if k == "moving window" else LIMITS_LIMIT) for k in strategies
+    }
+    out: Dict[str, Dict[str, float]] = {k: {} for k in strategies}
+    try:
+        for i in range(repeats):
+            for label, cls in strategies.items():
+                for where in sorted(storages, reverse=i % 2 == 1):
+                    ns = _hits_ns(cls(storages[where]).hit, items[label], keys, n // LIMITS_KEYS)
+                    out[label][where] = min(out[label].get(where, float("inf")), ns)
+        for label, cls in strategies.items():  # every hit was granted: the figures are grants'
+            for where, st in storages.items():
+                left = cls(st).get_window_stats(items[label], keys[0]).remaining
+                if left <= 0:
+                    raise RuntimeError(f"{label} on {where}:// reached its limit: a longer run?")
+        q.put(out)
+    finally:
+        shm.table.close()
+        shm.table.unlink()
+
+
+def _limits_worker(strategy: str, uri: str, tag: str, barrier, seconds: float, q) -> None:
+    """One process hitting the 64 keys of ``tag`` through ``uri`` for ``seconds``: its hits/s."""
+    import limits
+    import limits.strategies as ls
+    from limits.storage import storage_from_string
+
+    import shmlimit.integrations.limits  # noqa: F401  (registers shm://)
+
+    hit = getattr(ls, LIMITS_STRATEGIES[strategy])(storage_from_string(uri)).hit
+    item = limits.parse(LIMITS_LIMIT)
+    keys = [f"{tag}-{i}" for i in range(LIMITS_KEYS)]
+    barrier.wait(timeout=120)
+    t0 = time.monotonic()
+    end, n = t0 + seconds, 0
+    while time.monotonic() < end:
+        for k in keys:
+            hit(item, k)
+        n += LIMITS_KEYS
+    q.put(n / (time.monotonic() - t0))
+
+
+def bench_limits_hits(
+    n: int, repeats: int, seconds: float, redis_url: Optional[str], procs: int = 4
+) -> Optional[dict]:
+    """Section 13: ``limits``' hits on shm:// against its memory://, one process (ns per hit) and
+    ``procs`` processes at once (aggregate hits/s: shm:// shared, memory:// each process its own,
+    Redis when ``redis_url``).  None without ``limits``."""
+    try:
+        import limits  # noqa: F401
+        from limits.storage import storage_from_string
+
+        import shmlimit.integrations.limits  # noqa: F401  (registers shm://)
+    except ImportError:
+        return None
+    one = run_processes(mp.get_context("spawn"), _limits_costs, [(n, repeats)], 600)[0]
+    ctx = mp.get_context("fork")
+    agg: Dict[str, Dict[str, Optional[float]]] = {}
+    for strategy in ("fixed window", "sliding window counter"):
+        if strategy not in one:
+            continue
+        agg[strategy] = {}
+        for where in ("shm", "memory", "redis"):
+            if where == "redis" and not redis_url:
+                agg[strategy][where] = None
+                continue
+            tag = f"bench-{uuid.uuid4().hex[:8]}"
+            uri = {"shm": f"shm://{tag}?keys=1024", "memory": "memory://", "redis": redis_url}[
+                where
+            ]
+            table = storage_from_string(uri).table if where == "shm" else None  # one, shared
+            try:
+                args = (strategy, uri, tag, ctx.Barrier(procs), seconds)
+                agg[strategy][where] = sum(run_processes(ctx, _limits_worker, [args] * procs, 300))
+            finally:
+                if table is not None:
+                    table.close()
+                    table.unlink()
+    return dict(
+        keys=LIMITS_KEYS,
+        limit=LIMITS_LIMIT,
+        moving_limit=LIMITS_MOVING,
+        repeats=repeats,
+        ns_per_hit=one,
+        processes=procs,
+        seconds=seconds,
+        aggregate_per_s=agg,
+        load=os.getloadavg(),
+    )
+
+
+def limits_ratios(h: dict) -> Dict[str, float]:
+    """Each strategy's hit on shm:// as a multiple of its hit on memory://, in the same process."""
+    return {k: r["shm"] / r["memory"] for k, r in h["ns_per_hit"].items()}
+
+
+def print_limits_hits(h: Optional[dict]) -> None:
+    if h is None:
+        print("\n13. limits' hits on shm://: skipped (pip install limits)")
+        return
+    print(
+        f"\n13. limits' hits, one process, {h['keys']} keys at {h['limit']} (the moving window at "
+        f"{h['moving_limit']}), never reached:"
+    )
+    print(f"    us per hit, interleaved, best of {h['repeats']}")
+    print(f"    {'strategy':>24} {'memory://':>10} {'shm://':>10} {'shm/memory':>11}")
+    ratios = limits_ratios(h)
+    for k, r in h["ns_per_hit"].items():
+        target = "" if k == "moving window" else "  (target: at most 1.5x)"
+        print(
+            f"    {k:>24} {r['memory'] / 1e3:>10.2f} {r['shm'] / 1e3:>10.2f} {ratios[k]:>10.2f}x{target}"
+        )
+    print(f"    {h['processes']} processes hitting at once: aggregate hits/s")
+    print(f"    {'strategy':>24} {'shm:// shared':>14} {'memory:// each':>15} {'Redis':>10}")
+    for k, r in h["aggregate_per_s"].items():
+        red = "skipped" if r["redis"] is None else f"{r['redis']:,.0f}"
+        print(f"    {k:>24} {r['shm']:>14,.0f} {r['memory']:>15,.0f} {red:>10}")
+    la = h["load"]
+    print(f"    load average {la[0]:.1f}, {la[1]:.1f}, {la[2]:.1f}")
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument(
@@ -1541,6 +1708,11 @@ def main(argv=None) -> int:
     ap.add_argument("--only-waiting", action="store_true", help="run section 5 only")
     ap.add_argument("--only-rates", action="store_true", help="run section 11 only")
     ap.add_argument("--only-asyncio", action="store_true", help="run section 12 only")
+    ap.add_argument(
+        "--only-limits-hits",
+        action="store_true",
+        help="run section 13 only (limits' hits on shm:// and memory://, a Redis started for it)",
+    )
     args = ap.parse_args(argv)
     quick = args.quick
     res: dict = dict(
@@ -1591,6 +1763,10 @@ def main(argv=None) -> int:
     if args.only_asyncio:
         res["asyncio"] = bench_asyncio(2.0 if quick else 4.0)
         return emit(res, args.json)
+    if args.only_limits_hits:
+        with redis_url(args.redis) as url:
+            res["limits_hits"] = limits_hits(quick, url)
+        return emit(res, args.json)
     if not (args.only_redis or args.only_keyed):
         res["rates"] = bench_rates(20_000 if quick else 200_000)
         res["single_ns"] = bench_single(20_000 if quick else 300_000)
@@ -1616,7 +1792,16 @@ def main(argv=None) -> int:
             res["latency"] = bench_latency(port, 3.0 if quick else 5.0) if port else None
         if not args.only_redis:
             res["keyed"] = bench_keyed(20_000 if quick else 200_000, 0.5 if quick else 1.5, url)
+        if not (args.only_redis or args.only_keyed):
+            res["limits_hits"] = limits_hits(quick, url)
     return emit(res, args.json)
+
+
+def limits_hits(quick: bool, url: Optional[str]) -> Optional[dict]:
+    """Section 13 at the run's length (about 15 s; 3 s with --quick)."""
+    return bench_limits_hits(
+        3200 if quick else 12800, 3 if quick else 7, 0.3 if quick else 1.5, url
+    )
 
 
 @contextlib.contextmanager
@@ -1662,6 +1847,8 @@ def print_table(res: dict) -> None:
         print_rates(res["rates"])
     if res.get("asyncio"):
         print_asyncio(res["asyncio"])
+    if "limits_hits" in res:
+        print_limits_hits(res["limits_hits"])
 
 
 def print_redis(res: dict) -> None:
