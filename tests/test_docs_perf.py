@@ -98,3 +98,61 @@ def test_a_file_that_is_not_json_is_refused(perf_page, tmp_path, capsys):
     assert perf_page.main([str(path), "--docs", str(tmp_path / "docs")]) == 2
     assert "not the JSON of tools/bench.py --json" in capsys.readouterr().err
     assert not (tmp_path / "docs").exists()
+
+
+def _section(page, title):
+    """The text under the page's heading that starts with ``title`` (the heading left out)."""
+    return page.split(f"\n## {title}", 1)[1].split("\n", 1)[1].split("\n## ", 1)[0]
+
+
+def test_limits_hits_on_shm_are_on_the_page_as_ratios_to_memory(perf_page, run):
+    hits = run["limits_hits"]["ns_per_hit"]
+
+    def row(r):
+        x = perf_page.ratio(r["fixed window"]["shm"] / r["fixed window"]["memory"])
+        mem, shm = (perf_page.ns(r["fixed window"][k]) for k in ("memory", "shm"))
+        return f"| fixed window | {mem} | {shm} | {x} | at most 1.5 |"
+
+    page = perf_page.render(run)["performance.md"]
+    assert row(hits) in _section(page, "`limits` on shared memory")
+    changed = copy.deepcopy(run)
+    changed["limits_hits"]["ns_per_hit"]["fixed window"]["shm"] *= 2
+    other = perf_page.render(changed)["performance.md"]
+    assert row(changed["limits_hits"]["ns_per_hit"]) in other and row(hits) not in other
+    agg = run["limits_hits"]["aggregate_per_s"]["sliding window counter"]
+    cells = " | ".join(perf_page.count(agg[k]) for k in ("shm", "memory", "redis"))
+    assert f"| sliding window counter | {cells} |" in page
+
+
+def test_the_hierarchical_cpu_and_the_keyed_atomics_ratio_are_on_the_page(perf_page, run):
+    page = perf_page.render(run)["performance.md"]
+    tree = perf_page.ratio(run["hierarchy_cpu"]["tree_ratio"])
+    assert f"burned {tree} times the local runs' (the target: at most 1.5)" in page
+    atomics = run["keyed"]["atomics"]
+    x = atomics["keyed try_acquire, live key (granted)"] / atomics["Limiter.try_acquire (granted)"]
+    sentence = f"costs {perf_page.ratio(x)} times this backend's `Limiter.try_acquire`"
+    assert sentence + " (the target: at most 5)" in page
+    changed = copy.deepcopy(run)
+    changed["hierarchy_cpu"]["tree_ratio"] *= 2
+    changed["keyed"]["atomics"]["keyed try_acquire, live key (granted)"] *= 2
+    other = perf_page.render(changed)["performance.md"]
+    assert f"burned {tree} times" not in other and sentence not in other
+
+
+@pytest.mark.parametrize(
+    "key, title, absent",
+    [
+        ("limits_hits", "`limits` on shared memory", "`limits` is not installed"),
+        ("hierarchy_cpu", "The hierarchical mode's CPU", "no `redis-server` on the PATH"),
+    ],
+)
+def test_a_run_without_an_optional_section_says_so(perf_page, run, key, title, absent):
+    assert key in run and run[key]  # the committed run measured it
+    older = copy.deepcopy(run)
+    del older[key]
+    section = _section(perf_page.render(older)["performance.md"], title)
+    assert section.strip() == perf_page.NOT_MEASURED.format(key=key)
+    skipped = copy.deepcopy(run)
+    skipped[key] = None  # the run could not measure it
+    assert absent in _section(perf_page.render(skipped)["performance.md"], title)
+    assert "Not measured" not in _section(perf_page.render(run)["performance.md"], title)

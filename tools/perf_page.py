@@ -1,12 +1,13 @@
 #!/usr/bin/env python3
 """The performance page and its plots, made from one run of the benchmark.
 
-    python tools/bench.py --json > docs/img/bench.json   # the run (about four minutes)
+    python tools/bench.py --json > docs/img/bench.json   # the run (about five minutes)
     python tools/perf_page.py                            # docs/performance.md, docs/img/perf-*.svg
 
 ``python tools/perf_page.py RUN.json --docs DIR`` writes ``DIR/performance.md`` and
 ``DIR/img/perf-*.svg`` instead.  Every figure on the page comes from the run; the prose around
-them is here.  A run missing a section (an ``--only-*`` run, say) is refused, naming the key.
+them is here.  A run missing a section (an ``--only-*`` run, say) is refused, naming the key;
+the sections in ``OPTIONAL`` (newer than some committed runs) are said not measured instead.
 """
 
 from __future__ import annotations
@@ -20,7 +21,11 @@ from typing import Callable, Dict, List, Optional, Sequence, Tuple
 from xml.sax.saxutils import escape
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from bench import floor_ratios, hierarchy_ratios  # noqa: E402  (the benchmark's own ratios)
+from bench import (  # noqa: E402  (the benchmark's own ratios)
+    floor_ratios,
+    hierarchy_ratios,
+    limits_ratios,
+)
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 DEFAULT_RUN = os.path.join(ROOT, "docs", "img", "bench.json")
@@ -32,6 +37,10 @@ REQUIRED = [
     "single_ns", "tries_ns", "aggregate_per_s", "fidelity", "lateness", "cpu_waiting", "waiting",
     "filler_under_load", "asyncio", "rates", "redis", "hierarchy", "latency", "keyed",
 ]  # fmt: skip
+
+#: Sections a run may lack (a run of an older bench.py): the page says they were not measured.
+OPTIONAL = ["hierarchy_cpu", "limits_hits"]
+NOT_MEASURED = "Not measured in this run (its JSON has no `{key}`)."
 
 FLOOR = "floor: native fetch_add"
 BUCKET = "baseline: Value+Lock bucket"
@@ -83,6 +92,13 @@ def ms(x: float) -> str:
 def pct(x: float) -> str:
     """An error given in per cent, signed."""
     return f"{x:+.2f} %".replace("-", "−")
+
+
+def us(x: float) -> str:
+    """A cost given in microseconds, in µs or ms."""
+    if x >= 1000:
+        return f"{x / 1e3:.1f} ms"
+    return f"{x:.0f} µs" if x >= 100 else f"{x:.1f} µs"
 
 
 def cpu(x: float) -> str:
@@ -409,6 +425,12 @@ def keyed(run: dict) -> str:
             f"On `{backend}`, a key slot takes {r['bytes of segment per key slot']:.0f} bytes of"
             f" the segment; the churn evicted {count(r['evictions during churn'])} idle keys."
         )
+        if backend == "atomics":
+            out[-1] += (
+                " A keyed `try_acquire` on a live key costs"
+                f" {ratio(r['keyed try_acquire, live key (granted)'] / base)} times this backend's"
+                " `Limiter.try_acquire` (the target: at most 5)."
+            )
     agg = k["aggregate_per_s"]
     ours = agg["shmlimit"]
     body = [
@@ -503,6 +525,79 @@ def hosts(run: dict) -> str:
     return "\n\n".join(out)
 
 
+def hierarchy_cpu(run: dict) -> str:
+    if "hierarchy_cpu" not in run:
+        return NOT_MEASURED.format(key="hierarchy_cpu")
+    h = run["hierarchy_cpu"]
+    if not h:
+        return "Skipped in this run: no `redis-server` on the PATH and no `--redis` URL."
+    body = [
+        [r["mode"], f"{r['achieved']:.1f}/s", cpu(r["waiters_cpu"]), cpu(r["filler_cpu"]),
+         cpu(r["waiters_cpu"] + r["filler_cpu"]),
+         "—" if r["round_trips"] is None else f"{r['round_trips'] / h['seconds']:.1f}",
+         f"{r['load']:.1f}"]
+        for r in h["rows"]
+    ]  # fmt: skip
+    head = (
+        "8 untimed waiters, 50/s | achieved | waiters' CPU-s/s | filler threads' CPU-s/s"
+        " | whole tree CPU-s/s | Redis round trips/s | load"
+    )
+    return "\n\n".join(
+        [
+            f"Local and hierarchical runs alternating, {h['seconds']:g} s each:",
+            table(head, body),
+            f"The hierarchical runs' whole process tree (the waiters, and the filler threads with"
+            f" their Redis round trips) burned {ratio(h['tree_ratio'])} times the local runs'"
+            f" (the target: at most 1.5), the waiters alone {ratio(h['waiters_ratio'])} times."
+            f" The filler threads' CPU per lease (one Redis round trip) was"
+            f" {us(h['filler_us_per_lease'])}: {us(h['filler_us_per_op'])} per op delivered,"
+            f" against {us(h['local_filler_us_per_op'])} per op in local mode. Load average"
+            f" {load(h['load'])} as the section ended.",
+        ]
+    )
+
+
+def limits_hits(run: dict) -> str:
+    if "limits_hits" not in run:
+        return NOT_MEASURED.format(key="limits_hits")
+    h = run["limits_hits"]
+    if h is None:
+        return "Skipped in this run: `limits` is not installed (`pip install '.[bench]'`)."
+    ratios = limits_ratios(h)
+    body = [
+        [k, ns(r["memory"]), ns(r["shm"]), ratio(ratios[k]),
+         "—" if k == "moving window" else "at most 1.5"]
+        for k, r in h["ns_per_hit"].items()
+    ]  # fmt: skip
+    head = "one process, a hit | `memory://` | `shm://` | `shm://` × `memory://` | the target"
+    n = h["processes"]
+    agg = [
+        [k, count(r["shm"]), count(r["memory"]),
+         "skipped (no Redis)" if r["redis"] is None else count(r["redis"])]
+        for k, r in h["aggregate_per_s"].items()
+    ]  # fmt: skip
+    agg_head = (
+        f"{n} processes at once | `shm://`, one table shared | `memory://`, each process its own"
+        " | `limits` on Redis"
+    )
+    return "\n\n".join(
+        [
+            f"`limits`' strategies hitting {h['keys']} keys at `{h['limit']}` (the moving window at"
+            f" `{h['moving_limit']}`), a limit never reached, on `shm://` and on `limits`' own"
+            f" `memory://` in one process, interleaved, the best of {h['repeats']} kept:",
+            table(head, body),
+            "A hit is `strategy.hit(item, key)`, the call Flask-Limiter and slowapi make per"
+            " request. The moving window is shown with no target: on `memory://` its cost grows"
+            " with the hits in a key's window.",
+            f"{n} processes hitting the same keys for {h['seconds']:g} s, hits/s all together:",
+            table(agg_head, agg),
+            "`memory://` is not shared: each process counts its own hits, so its figure is what"
+            " a limit per worker costs, not a limit across them. `shm://` and Redis count every"
+            f" process's hits in one place. Load average {load(h['load'])} as the section ended.",
+        ]
+    )
+
+
 INTRO = """\
 <!-- Made by tools/perf_page.py from img/bench.json: edit those, not this page. -->
 # Performance
@@ -516,13 +611,13 @@ libraries. Ratios travel between machines far better than nanoseconds do. From a
 made again with:
 
 ```sh
-python tools/bench.py --json > docs/img/bench.json   # the run: about four minutes
+python tools/bench.py --json > docs/img/bench.json   # the run: about five minutes
 python tools/perf_page.py                            # this page and its plots, from that run
 ```
 
 `python tools/bench.py` alone prints the same figures as a table; `--only-waiting`,
-`--only-redis`, `--only-hierarchy`, `--only-keyed`, `--only-rates` and `--only-asyncio` run one
-part (the page needs a whole run). A hypervisor moves single figures by several per cent between
+`--only-redis`, `--only-hierarchy`, `--only-hierarchy-cpu`, `--only-keyed`, `--only-rates`,
+`--only-asyncio` and `--only-limits-hits` run one part (the page needs a whole run). A hypervisor moves single figures by several per cent between
 runs: compare rows within a table.
 """
 
@@ -533,7 +628,9 @@ SECTIONS = [
     ("CPU while waiting (sections 5, 12)", waiting),
     ("Several rates at once (section 11)", several),
     ("Keyed limits (section 8)", keyed),
+    ("`limits` on shared memory (section 13)", limits_hits),
     ("Across hosts (sections 7, 9, 10)", hosts),
+    ("The hierarchical mode's CPU at a low rate (section 9a)", hierarchy_cpu),
 ]
 
 SOAK = """\
