@@ -38,7 +38,8 @@ def simulate(
     tickets are like reservations, which nobody refills for) and looks again at
     its new due instant; after ``stop_refilling`` seconds they stop refilling.  The filler ticks out of phase with the waiters and ``late_ns``
     after each pause it asks for, as a thread's sleeps end.  Returns (grants, the filler's
-    pauses in seconds, the feed).
+    pauses in seconds, the feed, the schedule time lost to the clamp under the queue in ns:
+    ``STARVED_NS``).
     """
     clock = FakeClock()
     clock.tick_ns = (
@@ -88,7 +89,7 @@ def simulate(
             else:
                 due = max(int(b.due_ns(tickets[who])) + 1, clock.now + RETRY_NS)
             heapq.heappush(events, (max(due, clock.now + 1), order, who))
-        return grants, pauses, feed
+        return grants, pauses, feed, b.cells.load(L.STARVED_NS)
     finally:
         lim.close()
 
@@ -99,18 +100,18 @@ def owed(rate, seconds, burst_ops):
 
 
 def test_the_filler_backs_off_while_waiters_keep_the_pace_and_no_time_is_lost(name):
-    grants, pauses, feed = simulate(name, rate=1000, seconds=5.0)
+    grants, pauses, feed, starved = simulate(name, rate=1000, seconds=5.0)
     # the head kept the rate (8 tickets still held at the end are not counted)
     assert owed(1000, 5.0, 10) - 8 - 1 <= grants <= owed(1000, 5.0, 10)
     # after a few doublings the filler looks only every MAX_FILL_PERIOD: ~250 ticks, not ~5000
     assert pauses[-1] == F.MAX_FILL_PERIOD
     assert len(pauses) < 400
-    assert feed.hold_until == 0  # it never saw time lost
+    assert starved == 0  # no time lost
 
 
 def test_tickets_nobody_refills_for_keep_the_filler_at_its_pace(name):
     # reservations, debt: only the filler refills, so it must keep every two refills within a capacity
-    grants, pauses, feed = simulate(name, rate=1000, seconds=2.0, refill=False)
+    grants, pauses, feed, starved = simulate(name, rate=1000, seconds=2.0, refill=False)
     assert owed(1000, 2.0, 10) - 8 - 1 <= grants <= owed(1000, 2.0, 10)
     assert max(pauses[5:]) <= F.FILL_PERIOD
 
@@ -126,14 +127,14 @@ def test_under_three_ops_too_the_filler_backs_off_while_waiters_keep_the_pace(na
     # waiters' records name their requests.  There the live filler goes back to its pace at the
     # first loss, which the test after next checks.)
     seconds = 4.0
-    grants, pauses, feed = simulate(name, rate=rate, seconds=seconds, burst=burst)
+    grants, pauses, feed, starved = simulate(name, rate=rate, seconds=seconds, burst=burst)
     b = feed.bucket
     assert b.cap < 3 * b.cost
     assert pauses[-1] == F.MAX_FILL_PERIOD and sum(
         p == F.MAX_FILL_PERIOD for p in pauses
     ) >= 0.9 * len(pauses)
     assert len(pauses) <= seconds / F.MAX_FILL_PERIOD + 5
-    assert feed.hold_until == 0  # it never saw time lost
+    assert starved == 0  # no time lost
     # the rate kept: everything owed but the tickets still held at the end
     assert (
         owed(rate, seconds, b.cap / b.cost) - 8 - 2 <= grants <= owed(rate, seconds, b.cap / b.cost)
@@ -142,7 +143,9 @@ def test_under_three_ops_too_the_filler_backs_off_while_waiters_keep_the_pace(na
 
 @pytest.mark.parametrize("rate, burst", [(50, None), (200, None)])
 def test_under_three_ops_tickets_nobody_refills_for_keep_the_filler_at_its_pace(name, rate, burst):
-    grants, pauses, feed = simulate(name, rate=rate, seconds=2.0, burst=burst, refill=False)
+    grants, pauses, feed, starved = simulate(
+        name, rate=rate, seconds=2.0, burst=burst, refill=False
+    )
     b = feed.bucket
     assert max(pauses[5:]) <= max(F.FILL_PERIOD, 0.5 / rate) + 1e-9  # the usual pace: half an op
     assert feed.pace == F.FIXED  # kept natively between the thread's Python passes
@@ -151,8 +154,8 @@ def test_under_three_ops_tickets_nobody_refills_for_keep_the_filler_at_its_pace(
 
 def test_a_loss_beyond_the_slack_sends_the_backed_off_filler_back_to_its_pace(name):
     # a capacity of one op (50/s): every ticket is a stop, and the clamp drops what a refill at a turn
-    # is late by.  A stop's own ns are no loss; a wake later than LOSS_SLACK of the usual pace is:
-    # the filler that had backed off halves its longest pause for PACE_HOLD (here: its usual pace)
+    # is late by.  A stop's own ns are no loss; a wake later than LOSS_SLACK of the usual pace is,
+    # and the filler that had backed off ticks at its usual pace next
     clock = FakeClock()
     lim = shmlimit.Limiter(name, rate=50, clock=clock)
     try:
@@ -169,74 +172,12 @@ def test_a_loss_beyond_the_slack_sends_the_backed_off_filler_back_to_its_pace(na
             (F.slack_ns(period) + 1, True),
             (8_000_000, True),
         ]:
-            feed.idle, feed.ceiling, feed.hold_until = F.MAX_FILL_PERIOD, F.MAX_FILL_PERIOD, 0
+            feed.idle = F.MAX_FILL_PERIOD
             feed.mark = (ts0 + interval, head0 + (interval - lost_ns) * b.tpn, True)
-            assert feed.lost(period, (ts0, head0, True), -1) is seen, lost_ns
-            assert (feed.hold_until > 0, feed.ceiling) == (
-                (True, period) if seen else (False, F.MAX_FILL_PERIOD)
-            )
-    finally:
-        lim.close()
-
-
-@pytest.mark.parametrize(
-    "rate, burst, held", [(50, None, True), (200, None, True), (1000, None, False)]
-)
-def test_a_loss_at_the_usual_pace_holds_it_only_under_three_ops(name, rate, burst, held):
-    # under three ops every ticket is a stop, and a loss at the usual pace is a waiter later than
-    # its lead: backing off then would lose more of such wakes, so the pace is held; above, the loss
-    # of a drained burst (by design) holds nothing
-    kw = {} if burst is None else {"burst": burst}
-    lim = shmlimit.Limiter(name, rate=rate, clock=FakeClock(), **kw)
-    try:
-        feed = F.ClockFeed(lim._att.bucket, None)
-        b = feed.bucket
-        assert (b.cap < 3 * b.cost) is held
-        period = feed.usual()
-        feed.idle = period  # at the usual pace
-        ts0, head0, interval = 10**12, 5 * b.cost, int(period * 1e9)
-        feed.mark = (ts0 + interval, head0 + (interval - F.slack_ns(period) - 1) * b.tpn, True)
-        assert feed.lost(period, (ts0, head0, True), -1)
-        assert (feed.hold_until > 0) is held and feed.ceiling == (
-            period if held else F.MAX_FILL_PERIOD
-        )
-    finally:
-        lim.close()
-
-
-def test_a_pace_lost_again_soon_after_a_hold_is_held_twice_as_long(name):
-    # where waiters keep waking late (a busy machine) every try at the longer pause costs a late
-    # wake's time: a loss within one hold after the last one ended doubles the hold, up to
-    # PACE_HOLD_MAX; a loss long after starts again from PACE_HOLD
-    clock = FakeClock()
-    lim = shmlimit.Limiter(name, rate=50, clock=clock)
-    try:
-        feed = F.ClockFeed(lim._att.bucket, None)
-        b = feed.bucket
-        period = feed.usual()
-        s = 10**9
-        head = 5 * b.cost
-
-        def loss_at(ts):
-            nonlocal head
-            feed.idle = F.MAX_FILL_PERIOD  # backed off again (the hold over)
-            feed.mark = (ts, head + 10_000_000 * b.tpn, True)  # 20 ms refilled, 10 ms of it lost
-            assert feed.lost(period, (ts - 20_000_000, head, True), -1)
-            head = feed.mark[1]
-            return (feed.hold_until - ts) / s
-
-        t = 10**12
-        assert loss_at(t) == F.PACE_HOLD
-        t += int(1.5 * s)  # 0.5 s after that hold ended: within one hold
-        assert loss_at(t) == 2 * F.PACE_HOLD
-        t += int(3.9 * s)  # 1.9 s after: within the 2 s hold
-        assert loss_at(t) == 4 * F.PACE_HOLD
-        for _ in range(4):
-            t = feed.hold_until + s
-            loss_at(t)
-        assert feed.hold == F.PACE_HOLD_MAX
-        t = feed.hold_until + int(F.PACE_HOLD_MAX * s)  # a whole hold after it ended: a fresh start
-        assert loss_at(t) == F.PACE_HOLD
+            assert feed.lost(period, (ts0, head0, True)) is seen, lost_ns
+            before = ts0 + interval - 1  # someone else refilled since our last tick
+            pause = feed.queued(period, before, (ts0, head0, True))
+            assert pause == (period if seen else F.MAX_FILL_PERIOD), lost_ns
     finally:
         lim.close()
 
@@ -248,16 +189,16 @@ def test_the_loss_slack_is_a_share_of_the_usual_pace():
 def test_tickets_of_many_ops_keep_their_pace(name):
     # 8-op tickets are 8 ms apart at 1000/s, more than half the 10 ms capacity: the waiters'
     # own refills could not keep the rate alone, and nothing is lost
-    grants, pauses, feed = simulate(name, rate=1000, seconds=5.0, ops=8)
+    grants, pauses, feed, starved = simulate(name, rate=1000, seconds=5.0, ops=8)
     assert owed(1000, 5.0, 10) - 8 * 8 - 8 <= grants <= owed(1000, 5.0, 10)
 
 
-def test_a_pace_lost_while_backed_off_costs_one_pause_and_is_not_tried_again_at_once(name):
+def test_a_pace_lost_while_backed_off_costs_at_most_one_pause(name):
     # waiters keep the pace, the filler backs off to 20 ms; then nobody else refills (the
     # callers became reservations): 20 ms pauses under a 10 ms capacity lose time, once
-    grants, pauses, feed = simulate(name, rate=1000, seconds=2.0, stop_refilling=1.5)
+    grants, pauses, feed, starved = simulate(name, rate=1000, seconds=2.0, stop_refilling=1.5)
     assert F.MAX_FILL_PERIOD in pauses
-    assert feed.ceiling <= F.MAX_FILL_PERIOD / 2 and feed.hold_until > 0
+    assert 0 < starved <= (F.MAX_FILL_PERIOD - 0.010) * 1e9  # one pause beyond the capacity
     assert max(pauses[-100:]) <= F.FILL_PERIOD  # back at its pace: only the filler refills now
     # the loss: at most one capacity of schedule (10 ops)
     assert owed(1000, 2.0, 10) - 10 - 8 - 1 <= grants <= owed(1000, 2.0, 10)

@@ -37,13 +37,6 @@ FILL_PERIOD = 0.001
 #: ... about twice per op for slower limits, and no less often than this (seconds).  A fill
 #: that finds nothing to do (bucket full, nobody grabbing) doubles the pause up to this too.
 MAX_FILL_PERIOD = 0.020
-#: While callers queue, each waiter refills at its own ticket's turn (the lazy refill), so a
-#: filler that sees the head keep the rate without it backs off to ``MAX_FILL_PERIOD``; after
-#: a refill that lost time to the capacity clamp it backs off at most half as far this long (seconds).
-PACE_HOLD = 1.0
-#: A loss within one hold after the last one ended doubles the hold, up to this (seconds): where
-#: waiters keep waking late (a busy machine), every try at the longer pause costs a late wake's time.
-PACE_HOLD_MAX = 16.0
 #: The share of the usual pace that the refills between two ticks may lose to the capacity clamp
 #: and still count as the waiters keeping the pace (``ClockFeed.lost``).  A waiter whose ticket the
 #: head stops at refills at its turn itself (``sleep.STOP_LEAD_NS``), and the clamp drops what that
@@ -183,9 +176,6 @@ class ClockFeed:
         self.mark: Optional[Tuple[int, int, bool]] = (
             None  # (REPL_TS, HEAD, queued) after our last tick
         )
-        self.ceiling = MAX_FILL_PERIOD  # the longest pause under a queue, halved after a loss ...
-        self.hold_until = 0  # ... until this instant (clock ns) ...
-        self.hold = PACE_HOLD  # ... so long after the last loss (seconds)
         self.native: Any = None  # the native refill bound to the config numbered native_seq
         self.native_seq: Optional[int] = None
         #: what our last tick's pace was (``span``): None, one to judge again at the next tick;
@@ -231,37 +221,22 @@ class ClockFeed:
         if balance < 0:
             self.idle = self.queued(period, before, mark)
         else:
-            self.lost(period, mark, balance)
             if added > 0 or balance < b.cap:
                 self.idle = period
             else:
                 self.idle = min(MAX_FILL_PERIOD, self.idle * 2)
         return self.idle
 
-    def lost(self, period: float, mark: Optional[Tuple[int, int, bool]], balance: int) -> bool:
+    def lost(self, period: float, mark: Optional[Tuple[int, int, bool]]) -> bool:
         """Did the refills since our last tick, made under a queue, lose time to the capacity clamp?
 
         The head then gained fewer tokens than the time refilled since, by more than
-        ``LOSS_SLACK`` of ``period`` (the stops' own ns).  (A bucket that filled up meanwhile drops
-        time by design: not a loss.)  A loss while we had backed off (under a capacity of
-        three ops, any loss) halves the longest pause for ``PACE_HOLD`` seconds, twice as long
-        as the last hold (up to ``PACE_HOLD_MAX``) when it comes within one hold after that one
-        ended."""
+        ``LOSS_SLACK`` of ``period`` (the stops' own ns)."""
         b = self.bucket
         ts, head, _ = self.mark  # type: ignore[misc]
-        if mark is None or not mark[2] or balance >= b.cap:
+        if mark is None or not mark[2]:
             return False
-        if diff(head, mark[1]) >= max(0, ts - mark[0] - slack_ns(period)) * b.tpn:
-            return False
-        if self.idle > period or b.cap < 3 * b.cost:
-            # we had backed off (at our pace, above three ops, it is a drained burst's); under three
-            # ops a loss at our pace too, a waiter later than its lead at its stop: waiters that keep
-            # waking late would lose more of it to a longer pause
-            self.ceiling = max(period, self.idle / 2)
-            again = self.hold_until and ts - self.hold_until < self.hold * 1e9
-            self.hold = min(PACE_HOLD_MAX, self.hold * 2) if again else PACE_HOLD
-            self.hold_until = ts + int(self.hold * 1e9)
-        return True
+        return diff(head, mark[1]) < max(0, ts - mark[0] - slack_ns(period)) * b.tpn
 
     def queued(self, period: float, before: int, mark: Optional[Tuple[int, int, bool]]) -> float:
         """The pause while callers queue (the head behind the tail after our refill).
@@ -285,20 +260,17 @@ class ClockFeed:
         filler looks: the bound is the refill's.
         """
         b = self.bucket
-        ts = self.mark[0]  # type: ignore[index]
-        if ts >= self.hold_until:
-            self.ceiling = MAX_FILL_PERIOD
-        if self.lost(period, mark, -1) or mark is None or not mark[2] or before == mark[0]:
+        if self.lost(period, mark) or mark is None or not mark[2] or before == mark[0]:
             # (before == mark[0]: nobody else refilled since our last tick)
             if b.cap < 3 * b.cost:  # kept natively until the span's end, as it always was here
                 self.pace = FIXED
             return period
-        pause = min(self.ceiling, max(period, self.idle * 2))
+        pause = min(MAX_FILL_PERIOD, max(period, self.idle * 2))
         if pause <= period and b.cap < 3 * b.cost:
-            # the ceiling, halved after a loss, is down to the usual pace: half an op, so some of our
-            # ticks see no refill of the waiters' (once per op); kept as the usual pace, not watched
+            # the usual pace is the longest pause (25 ops/s and slower): half an op or less, so some
+            # of our ticks see no refill of the waiters' (once per op); kept as the usual pace
             self.pace = FIXED
-        elif pause == self.ceiling:
+        elif pause == MAX_FILL_PERIOD:
             self.pace = BACKED_OFF
         return pause
 
