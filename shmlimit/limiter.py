@@ -512,6 +512,17 @@ class Limiter(RatesSwitch):
         ticket back: those queued behind it do not wait for its ``n`` ops.
         """
         if n is _ONE and timeout is None:  # acquire's fast grab, then its ticket's wait on the loop
+            acq = self._fast[0]
+            # the native Acquirer: its grab, then its wait a step at a time on the loop
+            take = getattr(acq, "take", None)
+            if take is not None:
+                ticket = take()
+                if ticket is None:
+                    return True
+                if ticket is not False:  # (a fast path exists only for a live attachment)
+                    att = self._att
+                    att = att if att is not None else self._live()
+                    return await acquisition.wait_ticket_async(att, acq, ticket)
             held = acquisition.grab_one_async(self._live())
             if held is True:
                 return True

@@ -330,6 +330,9 @@ def test_an_untimed_acquire_in_hierarchical_mode_is_one_native_call_woken_by_the
     att.update_fast()
     acq, waiter = att.fast[0], att.fast[3]
     assert type(acq).__name__ == "Acquirer" and type(waiter).__name__ == "FedWaiter", (acq, waiter)
+    # a fed wait has no steps (it sleeps on the wake word): acquire_async's take() takes nothing
+    tail = att.cells.load(L.TAIL)
+    assert acq.take() is False and att.cells.load(L.TAIL) == tail
     lens = [n for _, n in att.records]
     # a wait whose deadline has passed: the ticket comes back, recorded with its price; given back,
     # the head skips it and its record is freed

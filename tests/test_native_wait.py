@@ -6,6 +6,7 @@ it must give way to Python whenever the config changes, on a signal and on
 (How cheap and how late is measured by tools/bench.py.)
 """
 
+import asyncio
 import multiprocessing as mp
 import signal
 import subprocess
@@ -404,3 +405,181 @@ def test_the_native_replenish_claims_again_past_the_request_its_words_name(name)
         finally:
             one.end()
             five.end()
+
+
+# ---- on an event loop: the same wait, a step at a time ---------------------------------------------
+
+
+def _records_free(att):
+    return all(att.cells.load(len_off) == 0 for _, len_off in att.records)
+
+
+def test_an_acquirer_step_hands_its_ticket_to_python_when_the_config_changes(name):
+    """``take()`` queues a recorded ticket and counts its caller waiting; ``step()`` answers the
+    instant to sleep to, never sleeping itself, and once the config changed, False: the ticket is
+    still held, recorded and counted, for the Python steps, whose ``end`` gives it back."""
+    from shmlimit.acquire import single
+    from shmlimit.acquire.single import MAX_NAP_NS
+
+    lim = shmlimit.Limiter(name, rate=1, per=60, burst=1)
+    try:
+        assert lim.try_acquire()  # empty: the next op is a minute away
+        att = lim._att
+        acq = att.fast[0]
+        ticket = acq.take()
+        assert type(ticket) is int and att.cells.load(att.waiting_off) == 1
+        rec, tokens = att.find_record(ticket)
+        assert rec is not None and tokens == att.bucket.cost
+        t0 = time.monotonic_ns()
+        at = acq.step(ticket)
+        # its turn is a minute away: it looks again after MAX_NAP (a config change may come)
+        assert type(at) is int and t0 < at <= time.monotonic_ns() + MAX_NAP_NS
+        assert acq.step(ticket) is not None and lim.stats().grants == 1  # nothing granted early
+        lim.set_rate(1, per=30, burst=1)
+        assert acq.step(ticket) is False
+        assert att.find_record(ticket) == (rec, tokens) and att.cells.load(att.waiting_off) == 1
+        single._adopt(att, ticket).end()  # what a cancelled wait does
+        assert att.cells.load(att.waiting_off) == 0 and att.find_record(ticket) == (None, 0)
+        assert lim.stats().deficiency < 1.5  # its op given back: only the next op's time is owed
+    finally:
+        lim.close()
+
+
+@pytest.mark.slow
+def test_an_async_acquire_waits_by_the_native_steps_once_per_grant(name, monkeypatch):
+    """``acquire_async()`` of one op waits as ``acquire`` does, a native step per wake: no Python
+    step (``Request``) runs, one sleep per grant, every grant counted, and nothing left held."""
+    from shmlimit.acquire import single
+
+    lim = shmlimit.Limiter(name, rate=200, burst=1)
+    sleeps = []
+    sleep = single.sleep_until_async
+
+    async def counted(deadline):
+        sleeps.append(deadline)
+        await sleep(deadline)
+
+    def python_step(*args, **kwargs):
+        raise AssertionError("a Python step ran")
+
+    async def run():
+        assert await lim.acquire_async()  # binds the fast path
+        monkeypatch.setattr(single, "sleep_until_async", counted)
+        monkeypatch.setattr(single.Request, "holding", python_step)
+        monkeypatch.setattr(single.Request, "__init__", python_step)
+        for _ in range(20):
+            assert await lim.acquire_async()
+
+    try:
+        asyncio.run(run())
+        att = lim._att
+        assert 20 <= len(sleeps) <= 23  # one wake per grant (a ticket short at its turn: one more)
+        assert lim.stats().grants == 21 and att.cells.load(att.waiting_off) == 0
+        assert _records_free(att)
+    finally:
+        lim.close()
+
+
+@pytest.mark.slow
+def test_a_cancelled_async_waiter_gives_its_ticket_back_and_order_holds(name):
+    """Three tasks queue in order, half a second apart; the first is cancelled while it waits: its
+    ticket is given back (the next is served at its turn, not half a second later), the others are
+    granted in their order, and nothing stays counted or recorded."""
+    lim = shmlimit.Limiter(name, rate=2, burst=1)
+    att = lim._att
+    done = []
+
+    async def one(i):
+        await lim.acquire_async()
+        done.append((i, time.monotonic()))
+
+    async def run():
+        assert await lim.acquire_async()  # empty: the next op is half a second away
+        tasks = []
+        for i in range(3):  # each takes its ticket before the next is started
+            tasks.append(asyncio.ensure_future(one(i)))
+            while att.cells.load(att.waiting_off) < i + 1:
+                await asyncio.sleep(0.001)
+        t0 = time.monotonic()
+        tasks[0].cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+        return t0
+
+    try:
+        t0 = asyncio.run(run())
+        assert [i for i, _ in done] == [1, 2]
+        # the first's turn, when the second ticket's was a second away (late only by a loaded machine)
+        assert done[0][1] - t0 < 0.9, done
+        assert lim.stats().grants == 3 and att.cells.load(att.waiting_off) == 0
+    finally:
+        lim.close()
+
+
+@pytest.mark.slow
+def test_a_config_change_hands_an_async_waiter_to_python_on_schedule(name):
+    """Another handle's set_rate while a task waits in the native steps: the step hands the ticket
+    to a ``Request``, which serves it at its schedule time, and uncounts it once."""
+    lim = shmlimit.Limiter(name, rate=2, burst=1)
+    att = lim._att
+
+    async def run():
+        assert await lim.acquire_async()  # empty: the next op is half a second away
+        t0 = time.monotonic()
+        task = asyncio.ensure_future(lim.acquire_async())
+        while att.cells.load(att.waiting_off) < 1:
+            await asyncio.sleep(0.001)
+        other = shmlimit.attach(name)
+        other.set_rate(4, burst=1)  # tickets keep their schedule time
+        other.close()
+        assert await task
+        return time.monotonic() - t0
+
+    try:
+        took = asyncio.run(run())
+        assert 0.5 - 0.01 <= took < 0.5 + 1.0, took  # never early; late only by a loaded machine
+        assert lim.stats().grants == 2 and att.cells.load(att.waiting_off) == 0
+        assert _records_free(att)
+    finally:
+        lim.close()
+
+
+def _async_stamper(name, seconds, q):
+    lim = shmlimit.attach(name)
+
+    async def task(end, out):
+        while True:
+            await lim.acquire_async()
+            t = time.monotonic()
+            if t > end:
+                return
+            out.append(t)
+
+    async def run():
+        end = time.monotonic() + seconds
+        outs = [[], []]
+        await asyncio.gather(*(task(end, o) for o in outs))
+        return outs
+
+    outs = asyncio.run(run())
+    att = lim._att
+    q.put((outs, att.cells.load(att.waiting_off), _records_free(att)))
+
+
+@pytest.mark.slow
+def test_async_waiters_in_processes_share_one_rate_without_over_grant(name):
+    """4 processes, 2 tasks each, saturating 200/s through acquire_async: no window holds more than
+    the rate allows, every task gets a share, and each process leaves nothing counted or held."""
+    from support.windows import max_excess, tag
+
+    rate = 200
+    lim = shmlimit.Limiter(name, rate=rate)
+    cap = lim.capacity
+    lim.close()
+    out = run_processes(mp.get_context("fork"), _async_stamper, [(name, 1.5)] * 4, timeout=60)
+    results = [o for outs, _, _ in out for o in outs]
+    assert all(len(r) > 0 for r in results), [len(r) for r in results]
+    assert max_excess(tag(results), 1.0) <= rate + cap
+    stamps = [t for r in results for t in r]
+    span = max(stamps) - min(stamps)
+    assert max_excess(tag(results), span + 1e-9) <= rate * span + cap + 1
+    assert all(waiting == 0 and free for _, waiting, free in out), out

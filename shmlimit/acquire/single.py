@@ -43,7 +43,7 @@ from __future__ import annotations
 import asyncio
 import time
 import weakref
-from typing import TYPE_CHECKING, Callable, Optional, Protocol, Tuple, Union
+from typing import TYPE_CHECKING, Any, Callable, Optional, Protocol, Tuple, Union
 
 from shmlimit.acquire.sleep import at_stop, sleep_until_async
 from shmlimit.attachment import _no_fast
@@ -130,13 +130,15 @@ class Request:
         tokens: int = 0,
         rec: Optional[int] = None,
         deadline: Optional[int] = None,
+        counted: bool = False,
     ) -> "Request":
         """A request that already holds ``ticket``, ``tokens`` long (the fast path's grab): it only waits.
 
         ``tokens`` 0: the length is not known for sure (the config changed
         under the grab), and the ticket can then never be given back.
         ``rec``: the record the grab's first wait made of it already.  ``deadline``: hierarchical
-        mode's timed grab, given back when not served by then (CLOCK_MONOTONIC ns).
+        mode's timed grab, given back when not served by then (CLOCK_MONOTONIC ns).  ``counted``:
+        its caller is counted in WAITING already (``Acquirer.take``): ``end`` uncounts it.
         """
         r = cls.__new__(cls)
         r.att, r.bucket, r.n, r.tokens, r.deadline = att, att.bucket, n, tokens, deadline
@@ -146,7 +148,8 @@ class Request:
         r.ticket = ticket
         r.state = TICKET
         r._waiting = True
-        att.waiting(+1)
+        if not counted:
+            att.waiting(+1)
         r.record = rec if rec is not None or tokens <= 0 else att.record_ticket(ticket, tokens)
         return r
 
@@ -589,6 +592,46 @@ def grab_one_async(att: "Attachment") -> Union[bool, Request, None]:
         return None
     rec, tokens = att.find_record(ticket)  # type: ignore[arg-type]
     return Request.holding(att, 1, ticket, tokens, rec)  # type: ignore[arg-type]
+
+
+async def wait_ticket_async(att: "Attachment", acq: Any, ticket: int) -> bool:
+    """``acquire_async()``'s wait for the ticket the native ``Acquirer``'s ``take()`` queued (its
+    caller counted in WAITING): the wait's own steps (``acq.step``: one native call each, which
+    never sleeps) with the precise sleep on the loop between them, so a wake costs one call and
+    decides what ``acquire``'s native wait would.  A step that cannot decide (the config changed,
+    close began) hands the ticket to a ``Request``; leaving early (a cancellation) gives it back,
+    as ``Request.end`` does."""
+    step = acq.step
+    nxt: object = False
+    flags = 0
+    try:
+        nxt = step(ticket)
+        while True:
+            flags = 0
+            if nxt.__class__ is tuple:
+                flags, nxt = nxt  # type: ignore[misc]
+            if nxt is None:  # granted: counted, its record freed, no longer counted waiting
+                break
+            if flags:
+                att.after_native_wait(flags)
+            if nxt is False:
+                break
+            await sleep_until_async(nxt)  # type: ignore[arg-type]
+            nxt = step(ticket)
+    except BaseException:
+        _adopt(att, ticket).end()  # still held: given back
+        raise
+    if nxt is None:
+        if flags:
+            att.after_native_wait(flags)
+        return True
+    return await drive_async(_adopt(att, ticket))
+
+
+def _adopt(att: "Attachment", ticket: int) -> Request:
+    """A request holding the ticket ``Acquirer.take()`` queued and recorded, counted waiting."""
+    rec, tokens = att.find_record(ticket)
+    return Request.holding(att, 1, ticket, tokens, rec, counted=True)
 
 
 def _ticket_step(req: Request, woke: bool) -> Step:

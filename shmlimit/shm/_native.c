@@ -326,6 +326,21 @@ claim_record(uint64_t *const *recs, int nrec, uint64_t ticket)
     return NULL;
 }
 
+/* A granted ticket's record freed (LEN `amount` -> 0): the one whose TICKET word is `ticket`.  A
+ * ticket ends where no other range ends (the tail never moves backwards), so that record is the
+ * grab's own (Attachment.find_record); only its waiter frees it, so it cannot be reclaimed
+ * between the two loads (a claim needs LEN 0). */
+static void
+free_record(uint64_t *const *recs, int nrec, uint64_t ticket, uint64_t amount)
+{
+    for (int i = 0; i < nrec; i++) {
+        uint64_t len = amount;
+        if (__atomic_load_n(recs[i] - 1, __ATOMIC_SEQ_CST) == ticket &&
+            __atomic_compare_exchange_n(recs[i], &len, 0, 0, __ATOMIC_SEQ_CST, __ATOMIC_SEQ_CST))
+            return;
+    }
+}
+
 /* A records argument: a tuple of ticket records' LEN offsets, at most `max` of them, into
  * recs[0..*nrec).  Each offset is checked as any word's and must leave room for its TICKET word just
  * before it (claim_record writes recs[i] - 1); all are checked before the caller touches any.
@@ -2714,20 +2729,32 @@ waiter_spin(WaitBase *base, double due)
     }
 }
 
-static int
-waiter_loop(WaitBase *base, uint64_t ticket, uint64_t ops, uint64_t tokens, uint64_t until)
+/* What one step of a Waiter's wait decided: the wait is over (*flags says how: WAIT_GRANTED among
+ * them if granted and counted; without it the caller goes on in Python), or sleep to *at and step
+ * again. */
+#define STEP_DONE 0
+#define STEP_SLEEP 1
+
+/* One step of a Waiter's wait, never sleeping (at a stop it stays awake for the last
+ * WAIT_STOP_LEAD_NS at most): wait()'s loop (waiter_loop) is these steps with a sleep to *at
+ * between them, and an Acquirer's step() on an event loop is one of them, so both decide alike.
+ * *flags gathers what the caller must act on (WAIT_NUDGE, WAIT_BURN) and WAIT_GRANTED. */
+static inline int
+waiter_step(Waiter *w, uint64_t ticket, uint64_t ops, uint64_t tokens, uint64_t until, int *flags, uint64_t *at_out)
 {
-    Waiter *w = (Waiter *)base;
-    int flags = 0, burn = 0;
+    WaitBase *base = (WaitBase *)w;
+    int burn = 0;
     double tpn = (double)w->tpn;
     for (;;) {
         if (wait_leaving(base))
-            return flags;
+            return STEP_DONE;
         /* the head first, then REPL_TS: read across a replenish, the pair can only make the
          * due time later, never earlier (Bucket.due_ns) */
         int64_t short_ = wait_short(base, ticket);
-        if (short_ <= 0)
-            return wait_grant(base, ops, flags);
+        if (short_ <= 0) {
+            *flags = wait_grant(base, ops, *flags);
+            return STEP_DONE;
+        }
         uint64_t ts = wld(w->repl_ts);
         uint64_t now = monotonic_ns();
         double due = (double)ts + (double)short_ / tpn;
@@ -2758,10 +2785,12 @@ waiter_loop(WaitBase *base, uint64_t ticket, uint64_t ops, uint64_t tokens, uint
         } else {
             /* our turn: replenishing adds whatever time has passed */
             if (waiter_replenish(w, 0, 0, &burn) > 0) {
-                if (burn)
-                    return flags | WAIT_BURN;
+                if (burn) {
+                    *flags |= WAIT_BURN;
+                    return STEP_DONE;
+                }
                 if (waiter_lease_lapsed(w, now))
-                    flags |= WAIT_NUDGE;
+                    *flags |= WAIT_NUDGE;
                 if (wait_short(base, ticket) <= 0)
                     continue; /* covered: granted at the top (after the config check) */
             }
@@ -2773,12 +2802,25 @@ waiter_loop(WaitBase *base, uint64_t ticket, uint64_t ops, uint64_t tokens, uint
             if (at > until)
                 at = until;
         }
+        *at_out = at;
+        return STEP_SLEEP;
+    }
+}
+
+static int
+waiter_loop(WaitBase *base, uint64_t ticket, uint64_t ops, uint64_t tokens, uint64_t until)
+{
+    Waiter *w = (Waiter *)base;
+    int flags = 0;
+    uint64_t at;
+    while (waiter_step(w, ticket, ops, tokens, until, &flags, &at) == STEP_SLEEP) {
         wait_short_slice();
         wait_low_slack(w->slack_ns);
         __atomic_fetch_add(&w->naps, 1, __ATOMIC_RELAXED);
         if (!waiter_sleep(w, at) || at >= until)
-            return flags;
+            break;
     }
+    return flags;
 }
 
 /* Bumped in a forked child: the waiters counted in `busy` before the fork were the parent's
@@ -3108,6 +3150,18 @@ acquirer_dealloc(Acquirer *self)
     bound_dealloc((Bound *)self);
 }
 
+/* The grab of acq() and take(): grab_recorded, or GRAB_NONE once the config changed or close()
+ * began (taking nothing). */
+static int
+acquirer_grab(Acquirer *self, uint64_t *ticket, uint64_t **rec)
+{
+    Grabber *g = self->grab;
+    *rec = NULL;
+    if (wld(g->seq) != g->expected || records_left(self->cells))
+        return GRAB_NONE;
+    return grab_recorded(g->tail, g->head, g->grants, g->amount, g->ops, g->recs, g->nrec, ticket, rec);
+}
+
 static PyObject *
 acquirer_call(Acquirer *self, PyObject *args, PyObject *kwds)
 {
@@ -3122,10 +3176,8 @@ acquirer_call(Acquirer *self, PyObject *args, PyObject *kwds)
     if (!check_open(self->cells))
         return NULL;
     Grabber *g = self->grab;
-    if (wld(g->seq) != g->expected || records_left(self->cells))
-        Py_RETURN_FALSE;
     uint64_t ticket = 0, *rec = NULL;
-    int got = grab_recorded(g->tail, g->head, g->grants, g->amount, g->ops, g->recs, g->nrec, &ticket, &rec);
+    int got = acquirer_grab(self, &ticket, &rec);
     if (got == GRAB_GRANTED)
         Py_RETURN_NONE;
     if (got != GRAB_QUEUED)
@@ -3154,10 +3206,84 @@ acquirer_call(Acquirer *self, PyObject *args, PyObject *kwds)
     return Py_BuildValue("(iK)", rc, (unsigned long long)ticket);
 }
 
+/* The same grab and wait for a caller that must not block (an event loop): take() grabs; step()
+ * is one step of the wait (waiter_step: what acq()'s wait decides between two of its sleeps),
+ * and the caller sleeps where it waits, to the instant the step answers, then steps again.  So a
+ * wake on a loop costs one call, as the wait's own wake costs one look.  Only a Waiter's wait has
+ * steps (a FedWaiter's sleeps on the wake word: take() answers False, taking nothing).
+ *
+ * take() -> None (granted: counted), False (nothing taken, as acq()'s), or the ticket: queued,
+ * recorded, and its caller counted in WAITING until step() grants it; a caller that leaves
+ * otherwise gives the ticket back and uncounts itself (Request.end).
+ * step(ticket) -> None (granted: counted, its record freed, no longer counted in WAITING), the
+ * CLOCK_MONOTONIC ns to sleep to before the next step (at most max_nap_ns away, to look at the
+ * config now and then), False (the step cannot decide: the config changed or close() began; the
+ * ticket is still held, recorded and counted: the Python steps take over), or (flags, one of
+ * those) when the flags ask Python for more (WAIT_NUDGE; WAIT_BURN, with False). */
+static PyObject *
+acquirer_take(Acquirer *self, PyObject *unused)
+{
+    (void)unused;
+    if (!check_open(self->cells))
+        return NULL;
+    uint64_t ticket = 0, *rec;
+    int got = self->loop == waiter_loop ? acquirer_grab(self, &ticket, &rec) : GRAB_NONE;
+    if (got == GRAB_GRANTED)
+        Py_RETURN_NONE;
+    if (got != GRAB_QUEUED)
+        Py_RETURN_FALSE;
+    if (self->waiter->waiting) /* queued: counted among its process's queued callers until granted */
+        __atomic_fetch_add(self->waiter->waiting, 1, __ATOMIC_SEQ_CST);
+    return PyLong_FromUnsignedLongLong(ticket);
+}
+
+static PyObject *
+acquirer_step(Acquirer *self, PyObject *arg)
+{
+    uint64_t ticket, at = 0;
+    if (!check_open(self->cells) || !u64(arg, &ticket))
+        return NULL;
+    if (self->loop != waiter_loop) {
+        PyErr_SetString(PyExc_TypeError, "step: only a Waiter's wait has steps");
+        return NULL;
+    }
+    Grabber *g = self->grab;
+    Waiter *w = (Waiter *)self->waiter;
+    int flags = 0;
+    PyObject *next;
+    if (waiter_step(w, ticket, g->ops, g->amount, monotonic_ns() + self->max_nap_ns, &flags, &at) == STEP_SLEEP) {
+        next = PyLong_FromUnsignedLongLong(at);
+        if (!next)
+            return NULL;
+    } else if (flags & WAIT_GRANTED) {
+        free_record(g->recs, g->nrec, ticket, g->amount);
+        if (w->waiting)
+            __atomic_fetch_sub(w->waiting, 1, __ATOMIC_SEQ_CST);
+        Py_INCREF(Py_None);
+        next = Py_None;
+    } else {
+        Py_INCREF(Py_False);
+        next = Py_False;
+    }
+    flags &= ~WAIT_GRANTED;
+    if (!flags)
+        return next;
+    return Py_BuildValue("(iN)", flags, next);
+}
+
+static PyMethodDef acquirer_methods[] = {
+    {"take", (PyCFunction)acquirer_take, METH_NOARGS,
+     "take() -> None (granted), False (nothing taken) or the ticket, queued and counted waiting"},
+    {"step", (PyCFunction)acquirer_step, METH_O,
+     "step(ticket) -> None (granted), the ns to sleep to, False (Python takes over), or (flags, one of those)"},
+    {NULL, NULL, 0, NULL},
+};
+
 static PyTypeObject AcquirerType = {
     NATIVE_TYPE("Acquirer", Acquirer, "A Grabber's grab and a Waiter's wait as one call: acq([until_ns])."),
     .tp_call = (ternaryfunc)acquirer_call,
     .tp_dealloc = (destructor)acquirer_dealloc,
+    .tp_methods = acquirer_methods,
 };
 
 /* acquirer(grabber, give, max_nap_ns) -> an Acquirer: this waiter's wait after `grabber`'s grab,
