@@ -38,6 +38,7 @@ from shmlimit.header import (
 from shmlimit.keyed import layout as K
 from shmlimit.keyed.segment import Geometry as TableGeometry
 from shmlimit.keyed.segment import initialise as initialise_table
+from shmlimit.keyed.segment import new_secret
 from shmlimit.shm import layout as L
 from shmlimit.shm.cells import Cells, open_cells
 from shmlimit.shm.segment import (
@@ -175,11 +176,17 @@ def _initialise(seg: Segment, create: GroupCreation, now_ns: int) -> Cells:
     geo = Geometry(
         create.keys, create.named, create.slots, first, stride, create.regions, create.table
     )
+    if create.regions == L.REGIONS_KEYED:  # one secret file, every rate's table's
+        try:
+            new_secret(seg)
+        except BaseException:
+            c.close()
+            raise
     for i, rate in enumerate(create.rates):
         mapped = map_region(seg, geo, i)
         try:
             if create.regions == L.REGIONS_KEYED:
-                initialise_table(mapped, TableGeometry(*create.table), rate).close()
+                initialise_table(mapped, TableGeometry(*create.table), rate, secret=False).close()
             else:
                 initialise(mapped, rate, now_ns).close()
         finally:

@@ -274,7 +274,8 @@ def test_a_table_larger_than_dev_shm_is_a_clear_error(name):
         except shmlimit.SharedMemoryFullError as e:
             print("refused:", e)
         lim = shmlimit.KeyedLimiter({name!r}, rate=1, keys=10_000)  # 0.7 MiB fits
-        print("fits", lim.try_acquire("k"), os.listdir("/dev/shm"))
+        ino = os.stat("/dev/shm/shmlimit.{name}").st_ino
+        print("fits", lim.try_acquire("k"), ino, sorted(os.listdir("/dev/shm")))
         """
     )
     script = 'mount -t tmpfs -o size=4m tmpfs /dev/shm && exec "$0" -c "$1"'
@@ -293,7 +294,8 @@ def test_a_table_larger_than_dev_shm_is_a_clear_error(name):
     assert out.returncode == 0, out.stderr
     lines = out.stdout.splitlines()
     assert lines[0].startswith("refused:") and "6.3 MiB" in lines[0] and "--shm-size" in lines[0]
-    assert lines[1] == f"fits True ['shmlimit.{name}']"
+    ino = lines[1].split()[2]  # the table and its secret file, nothing else
+    assert lines[1] == f"fits True {ino} ['shmlimit.{name}', 'shmlimit.{name}~secret-{ino}']"
     assert name not in shmlimit.list_names()  # the real /dev/shm was never touched
 
 

@@ -206,7 +206,7 @@ def test_an_untimed_acquire_waits_for_a_stalled_insert_until_its_process_dies(
 def test_a_window_counter_on_a_stalled_insert_is_a_clear_error(name, backend, stopped):
     wt = WindowTable(name, keys=KEYS)
     try:
-        k0, k1 = _word(name, K.SECRET0_OFF), _word(name, K.SECRET1_OFF)
+        k0, k1 = wt.counters.k0, wt.counters.k1
         d = KC.siphash128(b"F" + b"k", k0, k1)  # the fixed window's digest of "k"
         _stall(name, d, 0, K.owner(stopped.pid))
         out = _run(CALLS, name, "windows", backend)

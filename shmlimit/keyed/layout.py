@@ -5,7 +5,7 @@ A keyed segment holds many independent limits, one per key, in a table of
 
     line  0  header     MAGIC VERSION SIZE STATE PSLOTS CREATOR_PID CREATED_NS KIND (1 GCRA, 2 windows)
     line  1  config     CFG_SEQ, then the default rate's bank A: RATE PER BURST T TAU GEN SUM
-    line  2  geometry   NKEYS NOVR PROBE SECRET0 SECRET1 MKEYS MRING -
+    line  2  geometry   NKEYS NOVR PROBE - - MKEYS MRING -
     line  3  KEYS_LIVE  keys in LIVE slots
     line  4  EVICTED    keys given up to make room (expired, or the least valuable: see CUT)
     line  5  REFUSED    new keys refused: every slot of their window held a limited key
@@ -37,7 +37,7 @@ take the valid bank of the newest generation (``keyed_gcra``).  An override
 whose newest bank has ``T == 0`` was removed.  A tick is 1/16 ns of
 CLOCK_MONOTONIC.  A slot's words: ``CTRL`` = state | owner pid << 8 |
 generation << 40, ``D0 D1`` the key's 128-bit keyed digest (SipHash-2-4-128
-under the segment's secret), ``V0 V1 V3 V4`` the value kind's words, ``BASE``
+under the segment's secret, kept in its secret file, never in the segment: ``keyed_segment``), ``V0 V1 V3 V4`` the value kind's words, ``BASE``
 the slot protocol's: ``V0`` is stored plus ``BASE`` (the tenant's offset,
 fixed while it holds the slot), so the stored word rises over the slot's whole
 life while each tenant's own values start from the clock.  The slot protocol
@@ -77,8 +77,9 @@ MAGIC = int.from_bytes(b"SHMLKEYS", "little")
 #: 3: a bank's values stored masked by their generation and written by CAS (late writers miss);
 #: 4: a slot's BASE word (a still-limited key may be evicted), key bytes only when asked;
 #: 5: a window table's moving-window slots, each followed by its log (MKEYS, MRING);
-#: 6: a GCRA key's V0 is its TAT under a burst of MAX_TICKS, whatever its price (was: its own)
-VERSION = 6
+#: 6: a GCRA key's V0 is its TAT under a burst of MAX_TICKS, whatever its price (was: its own);
+#: 7: the hash's secret in the segment's secret file, line 2's words 3 and 4 zero (were: it)
+VERSION = 7
 
 KIND_OFF = words(0, 8)[7]
 
@@ -99,8 +100,8 @@ DEFAULT_BANKS = (1 * LINE, 8 * LINE)
 #: The default's bank B lies this many lines after CFG_SEQ's (the composite is given CFG_SEQ's offset).
 DEFAULT_BACKUP_LINES = 7
 
-# line 2: the geometry and the keyed hash's secret; MKEYS, MRING: a window table's moving-window logs
-NKEYS_OFF, NOVR_OFF, PROBE_OFF, SECRET0_OFF, SECRET1_OFF, MKEYS_OFF, MRING_OFF = words(2, 7)
+# line 2: the geometry; MKEYS, MRING: a window table's moving-window logs (words 3, 4: zero)
+NKEYS_OFF, NOVR_OFF, PROBE_OFF, _, _, MKEYS_OFF, MRING_OFF = words(2, 7)
 
 #: Each key's adaptive rate (``keyed.adapt``): the parameters, as a Limiter's (``adapt.write``) ...
 ADAPT_PARAMS = tuple(words(10, 5))

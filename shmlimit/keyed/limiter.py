@@ -42,7 +42,13 @@ from shmlimit.keyed.gcra import (
     publish_default,
     read_default,
 )
-from shmlimit.keyed.segment import Geometry, check_geometry, open_segment, validate_header
+from shmlimit.keyed.segment import (
+    Geometry,
+    check_geometry,
+    open_segment,
+    read_key,
+    validate_header,
+)
 from shmlimit.keyed.stats import (
     KeyedProcess,
     KeyedStats,
@@ -99,6 +105,7 @@ class _Attachment:
         seg: Segment,
         cells: Cells,
         geo: Geometry,
+        secret: Tuple[int, int],
         join: bool = True,
         flags: int = KC.FLAG_EVICT,
     ) -> None:
@@ -107,7 +114,7 @@ class _Attachment:
         self.created = seg.created
         self.table = ProcessTable(cells, K.PSLOTS)
         self.overrides = Overrides(cells, geo.overrides)
-        self.secret = (cells.load(K.SECRET0_OFF), cells.load(K.SECRET1_OFF))
+        self.secret = secret  #: the hash's (k0, k1), from the segment's secret file
         self.refs = 0
         self.closed = False
         self.slot: Optional[int] = None
@@ -270,14 +277,28 @@ def _open(
                     cells.close()
                     seg.close()
                     raise
-            if real.kind != K.KIND_GCRA:
+            try:
+                if real.kind != K.KIND_GCRA:
+                    raise SegmentError(
+                        f"segment {name!r} holds window counters (a limits storage), not a KeyedLimiter"
+                    )
+                secret = read_key(seg, cells, mode, trusted)  # a region's is its group's
+            except BaseException:
                 cells.close()
                 seg.close()
-                raise SegmentError(
-                    f"segment {name!r} holds window counters (a limits storage), not a KeyedLimiter"
-                )
+                raise
+            if secret is None:  # collected since it was opened: open the name again
+                cells.close()
+                seg.close()
+                continue
             att = _Attachment(
-                name, seg, cells, real, join=False, flags=KC.FLAG_EVICT if flags is None else flags
+                name,
+                seg,
+                cells,
+                real,
+                secret,
+                join=False,
+                flags=KC.FLAG_EVICT if flags is None else flags,
             )
             try:
                 if rate is not None and not seg.created:

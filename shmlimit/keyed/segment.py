@@ -40,10 +40,13 @@ from shmlimit.shm.segment import (
     Segment,
     claim_and_unlink,
     current_inode,
+    gone,
     opened,
     pread_file,
     publish,
+    read_secret,
     start_header,
+    write_secret,
 )
 from shmlimit.shm.segment import unlink as _unlink_name
 from shmlimit.shm.table import ProcessTable, is_alive, slot_alive
@@ -96,12 +99,61 @@ def _check_space(name: str, size: int) -> None:
         )
 
 
+#: The keyed hash's secret: SipHash's k0 and k1, 16 bytes in the segment's secret file
+#: (``shm.segment.write_secret``), readable only by those who may write the segment: a reader of
+#: a 0o640 segment cannot compute keys that crowd one key's window of slots.
+SECRET_BYTES = 16
+
+
+def new_secret(seg: Segment) -> None:
+    """Draw the new segment's secret and write its secret file (before READY); a creator that
+    cannot gives its segment's name back and raises ``SegmentError``."""
+    try:
+        write_secret(seg, os.urandom(SECRET_BYTES))
+    except OSError as e:
+        if current_inode(seg.name) == seg.inode:  # ours, never published: take the name back
+            try:
+                _unlink_name(seg.name)
+            except LimiterNotFoundError:  # pragma: no cover - removed meanwhile
+                pass
+        raise SegmentError(
+            f"cannot create the secret file of keyed limiter {seg.name!r}: {e.strerror or e}"
+        ) from None
+
+
+def read_key(
+    seg: Segment, c: Cells, mode: Optional[int], trusted_uids: AbstractSet[int]
+) -> Optional[Tuple[int, int]]:
+    """The hash's secret ``(k0, k1)`` of the segment (or group) ``seg`` is mapped from, from its
+    secret file, under the trust check of ``mode`` (``shm.segment.read_secret``); None if a
+    collector took the segment (``c``, its table's cells) since it was opened: its secret file
+    goes after its name, so one missing while the name still holds a READY ``seg`` is lost."""
+    try:
+        data = read_secret(seg.name, seg.inode, SECRET_BYTES, mode, trusted_uids)
+    except SegmentError:
+        if gone(seg.name, seg.inode, c):
+            return None
+        raise
+    return int.from_bytes(data[:8], "little"), int.from_bytes(data[8:], "little")
+
+
 def initialise(
-    seg: Segment, geo: Geometry, rate: Optional[Rate], adapt: Optional[Adapt] = None
+    seg: Segment,
+    geo: Geometry,
+    rate: Optional[Rate],
+    adapt: Optional[Adapt] = None,
+    secret: bool = True,
 ) -> Cells:
-    """Write a new keyed header (the rate's banks, the geometry, the hash's secret, each key's
-    adaptive rate's parameters); READY last."""
-    c = start_header(seg, K.VERSION, K.PSLOTS)
+    """Write a new keyed header (the rate's banks, the geometry, each key's adaptive rate's
+    parameters) and, with ``secret``, the segment's secret file (a group's regions share the one
+    their group writes); READY last."""
+    c = start_header(seg, K.VERSION, K.PSLOTS)  # the creator's pid first, then the secret file
+    if secret:
+        try:
+            new_secret(seg)
+        except BaseException:
+            c.close()
+            raise
     write_adapt(c, adapt, K.ADAPT_PARAMS)
     c.store(K.KIND_OFF, geo.kind)
     if rate is not None:  # a table of window counters has no rate: its config line stays zero
@@ -112,9 +164,6 @@ def initialise(
     c.store(K.PROBE_OFF, geo.probe)
     c.store(K.MKEYS_OFF, geo.moving)
     c.store(K.MRING_OFF, geo.ring)
-    secret = os.urandom(16)  # the keyed hash's secret: chosen keys cannot pile onto one window
-    c.store(K.SECRET0_OFF, int.from_bytes(secret[:8], "little"))
-    c.store(K.SECRET1_OFF, int.from_bytes(secret[8:], "little"))
     publish(c, K.MAGIC)
     return c
 

@@ -23,7 +23,13 @@ from shmlimit.errors import SegmentError
 from shmlimit.keyed import cells as KC
 from shmlimit.keyed import layout as K
 from shmlimit.keyed.cells import SlotTable
-from shmlimit.keyed.segment import Geometry, check_geometry, check_moving, open_segment
+from shmlimit.keyed.segment import (
+    Geometry,
+    check_geometry,
+    check_moving,
+    open_segment,
+    read_key,
+)
 from shmlimit.keyed.windows import CMAX, MOVING_MAX, OVER, MovingWindows, WindowCounters
 from shmlimit.shm.cells import Cells
 from shmlimit.shm.segment import (
@@ -99,12 +105,21 @@ class WindowTable:
                 mode,
                 trusted,
             )
-            if real.kind != K.KIND_WINDOWS:
+            try:
+                if real.kind != K.KIND_WINDOWS:
+                    raise SegmentError(
+                        f"segment {name!r} is a KeyedLimiter, not a table of window counters"
+                    )
+                secret = read_key(seg, cells, mode, trusted)
+            except BaseException:
                 cells.close()
                 seg.close()
-                raise SegmentError(
-                    f"segment {name!r} is a KeyedLimiter, not a table of window counters"
-                )
+                raise
+            if secret is None:  # collected since it was opened: open the name again
+                cells.close()
+                seg.close()
+                continue
+            k0, k1 = secret
             # registered, then STATE (see shm.segment.claim_and_unlink): a table a collector
             # claimed meanwhile is left, and the name opened again
             procs = ProcessTable(cells, K.PSLOTS)
@@ -131,7 +146,6 @@ class WindowTable:
             K.CUT,
             bool(flags & KC.FLAG_EVICT),
         )
-        k0, k1 = cells.load(K.SECRET0_OFF), cells.load(K.SECRET1_OFF)
         store = bool(flags & KC.FLAG_STORE_KEYS)
         self.counters = WindowCounters(table, k0, k1, K.REFUSED, clock, name, store)
         # the moving-window slots: the same protocol (and counts of keys) over their own region

@@ -343,12 +343,126 @@ def pread_file(
 
 
 def unlink(name: str) -> None:
-    """Remove the segment's name.  Raises LimiterNotFoundError when there is none."""
+    """Remove the segment's name, and its secret file if it has one.  Raises
+    LimiterNotFoundError when there is none."""
     validate_name(name)
+    inode = current_inode(name)
     try:
         posix_ipc.unlink_shared_memory(posix_name(name))
     except posix_ipc.ExistentialError:
         raise LimiterNotFoundError(name) from None
+    if inode is not None:
+        drop_secret(name, inode)
+
+
+# ---- a segment's secret file: what its writers know and its readers must not
+#
+# A keyed table's hash secret is kept out of the segment, which a group may read (mode 0o640),
+# in a file beside it that only the classes that may write the segment can read
+# (``secret_mode``).  It is named by the segment's name and inode, ``shmlimit.<name>~secret-<ino>``
+# ('~' is in no limiter's name), so that it belongs to one segment: a segment created again
+# under the name has another inode, hence another file, and no remover of one can take the
+# other's.  Its creator writes it before the segment is READY; ``unlink`` removes it with the
+# name; ``orphan_secrets`` finds those whose segment is gone (``gc`` removes them).
+
+_SECRET_SEP = "~secret-"
+_SECRET_RE = re.compile(r"(.+)" + re.escape(_SECRET_SEP) + r"([0-9]+)")
+
+
+def secret_entry(name: str, inode: int) -> str:
+    """The secret file of segment ``name`` whose inode is ``inode``, as a name under ``PREFIX``."""
+    return f"{name}{_SECRET_SEP}{inode}"
+
+
+def _secret_of(entry: str) -> Optional[Tuple[str, int]]:
+    """``(name, inode)`` if ``entry`` (less ``PREFIX``) is a segment's secret file, else None."""
+    m = _SECRET_RE.fullmatch(entry)
+    return (m.group(1), int(m.group(2))) if m and _valid(m.group(1)) else None
+
+
+def secret_mode(mode: int) -> int:
+    """A secret file's mode: the segment's, less the read bit of each class that cannot write it
+    (0o640 -> 0o600, 0o660 -> 0o660, 0o644 -> 0o600)."""
+    mode &= 0o666
+    return mode & ~(0o444 & ~(mode << 1))
+
+
+def write_secret(seg: Segment, data: bytes) -> None:
+    """Create the secret file of the new segment ``seg`` (its creator's, before READY) holding ``data``."""
+    path = os.path.join(SHM_DIR, PREFIX + secret_entry(seg.name, seg.inode))
+    mode = secret_mode(seg.mode)
+    flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | _OPEN_FLAGS
+    try:
+        fd = os.open(path, flags, mode)
+    except FileExistsError:
+        # left by a removed segment whose inode this one reuses (the name is ours): that one is
+        # gone, and so is what its secret hashed; another user's file here is refused (EPERM)
+        os.unlink(path)
+        fd = os.open(path, flags, mode)
+    try:
+        os.fchmod(fd, mode)  # the umask must not narrow it, as a segment's
+        view = memoryview(data)
+        while view:
+            view = view[os.write(fd, view) :]
+    finally:
+        os.close(fd)
+
+
+def read_secret(
+    name: str,
+    inode: int,
+    size: int,
+    mode: Optional[int],
+    trusted_uids: AbstractSet[int] = frozenset(),
+) -> bytes:
+    """The ``size`` bytes of the secret file of segment ``name`` (inode ``inode``), opened as a
+    segment is (``opened``: the same trust check with ``mode``); ``PermissionError`` for a
+    process that may not read it, ``SegmentError`` when it is missing or not ``size`` bytes."""
+    entry = secret_entry(name, inode)
+    try:
+        with opened(entry, mode=mode, trusted_uids=trusted_uids, max_bytes=size) as (fd, _):
+            data = os.pread(fd, size, 0)
+    except LimiterNotFoundError:
+        raise SegmentError(
+            f"segment {name!r} has lost its secret file ({PREFIX}{entry}): "
+            "remove the segment (shmlimit unlink) to start afresh"
+        ) from None
+    except UntrustedSegmentError:
+        raise
+    except PermissionError:
+        raise PermissionError(
+            f"not allowed to read the secret of limiter {name!r} ({PREFIX}{entry}): only the "
+            "users who may write a keyed limiter may read its secret (chgrp it with the segment)"
+        ) from None
+    if len(data) != size:
+        raise SegmentError(f"segment {name!r} is corrupt: its secret file is not {size} bytes")
+    return data
+
+
+def drop_secret(name: str, inode: int) -> bool:
+    """Remove the secret file of segment ``name`` (inode ``inode``); False if there was none
+    (every kind but a keyed table has none) or it is another user's."""
+    try:
+        os.unlink(os.path.join(SHM_DIR, PREFIX + secret_entry(name, inode)))
+    except OSError:
+        return False
+    return True
+
+
+def orphan_secrets() -> List[Tuple[str, int]]:
+    """``(name, inode)`` of each secret file whose segment is gone (sorted).
+
+    Listed before each name is looked up: a segment is created before its secret file, so a
+    file listed while its segment is being made is seen with its segment.
+    """
+    try:
+        entries = os.listdir(SHM_DIR)
+    except OSError:  # pragma: no cover - non-Linux
+        return []
+    found = [
+        s for e in entries if e.startswith(PREFIX) for s in [_secret_of(e[len(PREFIX) :])] if s
+    ]
+    return sorted((n, ino) for n, ino in found if current_inode(n) != ino)
 
 
 def current_inode(name: str) -> Optional[int]:
@@ -404,7 +518,8 @@ def gone(name: str, inode: int, c: Cells) -> bool:
 
 
 def scan() -> Tuple[List[str], List[str]]:
-    """(valid limiter names, other entries named ``shmlimit.*``), both sorted.
+    """(valid limiter names, other entries named ``shmlimit.*``), both sorted; secret files
+    (``secret_entry``) are in neither.
 
     Any user can create ``/dev/shm/shmlimit.-x``: such an entry is reported by
     the tools and skipped, never allowed to stop them.
@@ -417,7 +532,8 @@ def scan() -> Tuple[List[str], List[str]]:
     for e in entries:
         if e.startswith(PREFIX):
             n = e[len(PREFIX) :]
-            (good if _valid(n) else bad).append(n)
+            if _secret_of(n) is None:  # a segment's secret file is its segment's (``gc``)
+                (good if _valid(n) else bad).append(n)
     return sorted(good), sorted(bad)
 
 
