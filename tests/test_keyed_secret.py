@@ -185,6 +185,38 @@ def test_a_group_writer_reads_the_secret_and_shares_the_table(name, backend, mon
         kl.close()
 
 
+def test_a_secret_file_left_by_a_removed_segment_is_found_and_collected(name):
+    """A segment removed behind shmlimit's back (``rm``) leaves its secret file: no tool calls it
+    foreign, ``doctor`` points at it, ``gc`` removes it; a table made afresh has its own."""
+    from support.procs import run_cli as cli
+
+    from shmlimit.cli import doctor
+
+    KeyedLimiter(name, rate=5, keys=64).close()
+    ino = os.stat(f"{S.SHM_DIR}/{S.PREFIX}{name}").st_ino
+    entry = f"{S.SHM_DIR}/{S.PREFIX}{S.secret_entry(name, ino)}"
+    os.unlink(f"{S.SHM_DIR}/{S.PREFIX}{name}")
+    assert os.path.exists(entry) and (name, ino) in S.orphan_secrets()
+    assert not any(name in n for ns in S.scan() for n in ns)
+    [f] = [x for x in doctor.check_segments() if name in x.message]
+    assert f.level == "warn" and "secret file" in f.message and "shmlimit gc" in f.message
+    kl = KeyedLimiter(name, rate=5, keys=64)  # a new table: its own secret, the old one still stale
+    try:
+        assert (name, ino) in S.orphan_secrets() and len(
+            [n for n, _ in S.orphan_secrets() if n == name]
+        ) == 1
+        r = cli("gc", "--dry-run")
+        assert f"stale: the secret file of {name} (its segment is gone)" in r.stdout.splitlines()
+        assert os.path.exists(entry)
+        r = cli("gc")
+        assert f"removed: the secret file of {name} (its segment is gone)" in r.stdout.splitlines()
+        assert not os.path.exists(entry) and kl.try_acquire("k")
+        assert f"removed: {name}" not in r.stdout  # the table in use is kept, with its secret
+        assert KeyedLimiter(name)._live().secret == kl._live().secret
+    finally:
+        kl.close()
+
+
 @pytest.mark.parametrize("kind", [KeyedLimiter, WindowTable])
 def test_a_lost_secret_file_is_a_clear_error(name, kind):
     kind(name, **({"rate": 5} if kind is KeyedLimiter else {}), keys=64).close()

@@ -310,11 +310,13 @@ def check_machine(
 
 
 def check_segments(shm_dir: str = SHM_DIR, names: Optional[List[str]] = None) -> List[Finding]:
-    """Limiters no live process uses, and segments this user cannot read (all of them, or ``names``)."""
+    """Limiters no live process uses, and segments this user cannot read (all of them, or
+    ``names``); of all of them, secret files whose segment is gone."""
     from shmlimit.errors import ShmlimitError
     from shmlimit.kinds import inspect  # every kind: a Limiter's segment, a keyed one
-    from shmlimit.shm.segment import list_names
+    from shmlimit.shm.segment import list_names, orphan_secrets
 
+    every = names is None
     if names is None:
         try:
             names = list_names()
@@ -350,6 +352,18 @@ def check_segments(shm_dir: str = SHM_DIR, names: Optional[List[str]] = None) ->
                 f"not valid limiters: {', '.join(unreadable[:5])}"
                 f"{', ...' if len(unreadable) > 5 else ''}",
                 tuple(unreadable),
+            )
+        )
+    orphans = sorted({n for n, _ in orphan_secrets()}) if every else []
+    if orphans:
+        out.append(
+            Finding(
+                WARN,
+                "limiters",
+                f"{len(orphans)} secret file(s) of keyed limiters whose segment is gone "
+                f"({', '.join(orphans[:5])}{', ...' if len(orphans) > 5 else ''}): "
+                "'shmlimit gc' removes them",
+                tuple(orphans),
             )
         )
     if not out:

@@ -29,7 +29,7 @@ from shmlimit.kinds import inspect
 from shmlimit.limiter import Limiter, unlink
 from shmlimit.multirate import MultiStats
 from shmlimit.rate_group import parse_rates
-from shmlimit.shm.segment import scan
+from shmlimit.shm.segment import drop_secret, orphan_secrets, scan
 from shmlimit.stats import Stats
 
 
@@ -453,6 +453,11 @@ def cmd_gc(args: argparse.Namespace) -> int:
                 continue
             print(f"removed: {n}")
         removed += 1
+    for n, ino in orphan_secrets():  # a keyed table's secret file left when its segment went
+        if args.dry_run:
+            print(printable(f"stale: the secret file of {n} (its segment is gone)"))
+        elif drop_secret(n, ino):
+            print(printable(f"removed: the secret file of {n} (its segment is gone)"))
     verb = "stale" if args.dry_run else "removed"
     print(f"{removed} {verb}, {kept} in use")
     return 0
