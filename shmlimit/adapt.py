@@ -23,7 +23,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Mapping, Optional, Sequence, Tuple
+from typing import TYPE_CHECKING, Callable, Mapping, Optional, Sequence, Tuple, TypeVar
 
 from shmlimit.bucket.rovers import diff
 from shmlimit.config import MAX_OPS_PER_S, NS_PER_S, Config
@@ -34,6 +34,8 @@ from shmlimit.shm.words import MASK64
 if TYPE_CHECKING:  # pragma: no cover
     from shmlimit.bucket.rovers import Bucket
     from shmlimit.shm.cells import Cells
+
+R = TypeVar("R")  #: a rate of a limiter of several rates, as ``per_rate``'s check reads it
 
 #: A window is "busy" (callers waited for tokens) when they took at least this share of its
 #: schedule: the tail's advance over the window, in schedule time, against the window's length.
@@ -128,13 +130,19 @@ class Adapt:
 
 
 def per_rate(
-    adapt: object, keys: Tuple[str, ...], named: bool, cfgs: Sequence[Config]
+    adapt: object,
+    keys: Tuple[str, ...],
+    named: bool,
+    rates: Sequence[R],
+    check: Callable[[Adapt, R], None],
 ) -> Tuple[Optional[Adapt], ...]:
     """``adapt=`` of a limiter of several rates: one ``Adapt`` or None per rate, in the rates' order.
 
     A dict by rate name for named rates (a rate it does not name keeps its rate), a list as long
     as the rates for a list of them (None: that rate keeps its rate).  One ``Adapt`` for every
-    rate is refused: each rate's bounds are ops per its own window, in its own unit.
+    rate is refused: each rate's bounds are ops per its own window, in its own unit.  ``check``
+    raises ValueError unless an ``Adapt`` fits its rate (a ``Config``, or a keyed ``Rate``): the
+    error is given the rate's name.
     """
     if isinstance(adapt, Adapt):
         raise TypeError(
@@ -159,23 +167,29 @@ def per_rate(
                 f"got {adapt!r}"
             )
         out = tuple(adapt)
-    for key, a, cfg in zip(keys, out, cfgs):
+    for key, a, rate in zip(keys, out, rates):
         if a is None:
             continue
         if not isinstance(a, Adapt):
             raise TypeError(f"adapt[{key!r}] must be a shmlimit.Adapt or None, got {a!r}")
-        if cfg != adapted(cfg, cfg.rate):
-            raise ValueError(
-                f"adapt[{key!r}]: burst cannot be combined with adapt: the capacity follows "
-                "the rate (10 ms of schedule, at least one op)"
-            )
         try:
-            a.check(cfg)
+            check(a, rate)
         except ValueError as e:
             raise ValueError(f"adapt[{key!r}]: {e}") from None
     if not any(out):
         raise ValueError("adapt: no rate adapts (every entry is None); leave adapt= out")
     return out
+
+
+def check_config(adapt: Adapt, cfg: Config) -> None:
+    """Raise ValueError unless a limiter's rate of ``cfg`` can adapt by ``adapt`` (``per_rate``'s
+    check for a ``Limiter``'s rates): no burst of its own, and within the bounds."""
+    if cfg != adapted(cfg, cfg.rate):
+        raise ValueError(
+            "burst cannot be combined with adapt: the capacity follows the rate "
+            "(10 ms of schedule, at least one op)"
+        )
+    adapt.check(cfg)
 
 
 @dataclass(frozen=True)

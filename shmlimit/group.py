@@ -70,7 +70,8 @@ class Collected(Exception):
 class GroupCreation:
     """What a creating call asks for: one creation per rate, in the order of ``keys`` (a
     ``header.Creation`` for limiter regions, a keyed ``Rate`` for keyed ones), the regions' layout
-    (``layout.REGIONS_*``), and a keyed table's ``(keys, overrides)``."""
+    (``layout.REGIONS_*``), a keyed table's ``(keys, overrides)``, and each keyed rate's
+    ``Adapt`` or None (empty: none adapts; a limiter region's is in its ``Creation``)."""
 
     rates: Tuple[Any, ...]
     keys: Tuple[str, ...]
@@ -79,6 +80,7 @@ class GroupCreation:
     slots: int
     regions: int = L.REGIONS_LIMITER
     table: Tuple[int, int] = (0, 0)
+    adapts: Tuple[Any, ...] = ()
 
 
 @dataclass(frozen=True)
@@ -186,7 +188,8 @@ def _initialise(seg: Segment, create: GroupCreation, now_ns: int) -> Cells:
         mapped = map_region(seg, geo, i)
         try:
             if create.regions == L.REGIONS_KEYED:
-                initialise_table(mapped, TableGeometry(*create.table), rate, secret=False).close()
+                adapt = create.adapts[i] if create.adapts else None
+                initialise_table(mapped, TableGeometry(*create.table), rate, adapt, secret=False).close()
             else:
                 initialise(mapped, rate, now_ns).close()
         finally:

@@ -54,8 +54,8 @@ from shmlimit.acquire.multi import (
     wait_ns,
 )
 from shmlimit.acquire.single import drive, drive_async
+from shmlimit.adapt import check_config, per_rate
 from shmlimit.adapt import feedback as adapt_feedback
-from shmlimit.adapt import per_rate
 from shmlimit.attachment import Attachment, gate_all, open_attachment, release
 from shmlimit.bucket.fences import FenceHold
 from shmlimit.config import NS_PER_S, Config, validate_n, validate_timeout
@@ -112,7 +112,11 @@ class MultiLimiter(RateGroup):
                 rates = rates_from_text(rates)
             keys, cfgs, named = parse_rates(name, rates)
             self._rates_arg = dict(rates) if named else list(rates)  # type: ignore[call-overload]
-            adapts = (None,) * len(keys) if adapt is None else per_rate(adapt, keys, named, cfgs)
+            adapts = (
+                (None,) * len(keys)
+                if adapt is None
+                else per_rate(adapt, keys, named, cfgs, check_config)
+            )
             self._adapt_arg = adapt
             create = GroupCreation(
                 tuple(Creation(cfg, mode, None, slots, None, a) for cfg, a in zip(cfgs, adapts)),
@@ -543,22 +547,7 @@ class MultiLimiter(RateGroup):
         if not isinstance(throttled, bool):
             raise TypeError(f"throttled must be True or False, got {throttled!r}")
         atts = self._peek()
-        adaptive = [i for i, att in enumerate(atts) if att.cells.load(L.ADAPT_MAX) != 0]
-        if not adaptive:
-            raise ValueError(
-                f"feedback() needs a limiter created with adapt=; no rate of {self._name!r} adapts"
-            )
-        if which is None:
-            chosen = adaptive
-        else:
-            named = [which] if isinstance(which, (str, int)) else list(which)  # type: ignore[arg-type]
-            chosen = sorted({self._index(w) for w in named})
-            still = [self._keys[i] for i in chosen if i not in adaptive]
-            if still:
-                raise ValueError(
-                    f"which must name rates that adapt ({', '.join(self._keys[i] for i in adaptive)}), "
-                    f"got {', '.join(still)}"
-                )
+        chosen = self._told(which, [i for i, a in enumerate(atts) if a.cells.load(L.ADAPT_MAX)])
         for i in chosen:
             adapt_feedback(atts[i].cells, throttled)
 

@@ -264,6 +264,27 @@ class RateGroup:
             raise ValueError(f"which must be one of {', '.join(self._keys)}, got {which!r}")
         return self._keys.index(which)
 
+    def _told(self, which: object, adaptive: List[int]) -> List[int]:
+        """The rates an outcome is reported to (``feedback``'s ``which``): every rate that adapts
+        (``adaptive``, their indices), or those ``which`` names (a rate's name or index, or a list
+        of them), each of which must adapt."""
+        if not adaptive:
+            raise ValueError(
+                f"feedback() needs a {self._what} created with adapt=; no rate of "
+                f"{self._name!r} adapts"
+            )
+        if which is None:
+            return adaptive
+        named = [which] if isinstance(which, (str, int)) else list(which)  # type: ignore[call-overload]
+        chosen = sorted({self._index(w) for w in named})
+        still = [self._keys[i] for i in chosen if i not in adaptive]
+        if still:
+            raise ValueError(
+                f"which must name rates that adapt ({', '.join(self._keys[i] for i in adaptive)}), "
+                f"got {', '.join(still)}"
+            )
+        return chosen
+
 
 class RatesSwitch:
     """The ``rates=`` switch of a limiter's constructor: called with it, the class makes a limiter

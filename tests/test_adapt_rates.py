@@ -66,11 +66,6 @@ def test_adapt_needs_rates_to_start_from(name):
         shmlimit.multirate.MultiLimiter(name, None, adapt={"requests": REQ})
 
 
-def test_a_keyed_limiter_of_several_rates_refuses_adapt(name):
-    with pytest.raises(TypeError, match="adapt not supported with rates="):
-        shmlimit.KeyedLimiter(name, rates=["10/s"], adapt=[REQ])
-
-
 # ---- each rate decides on its own ---------------------------------------------------------------
 
 

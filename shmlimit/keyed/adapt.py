@@ -58,6 +58,17 @@ def check(adapt: Adapt, rate: Rate) -> None:
         make_rate(bound, rate.per, None)
 
 
+def check_start(adapt: Adapt, rate: Rate) -> None:
+    """Raise ValueError unless a table created at ``rate`` (its default) can adapt by ``adapt``: a
+    burst of its own is refused (a key's capacity follows its rate), then as ``check``."""
+    if rate != make_rate(rate.rate, rate.per, None):
+        raise ValueError(
+            "burst cannot be combined with adapt: the capacity follows the rate "
+            "(10 ms of schedule, at least one op)"
+        )
+    check(adapt, rate)
+
+
 def check_rate(adapt: Adapt, cur: Rate, new: Rate) -> None:
     """A rate ``set_rate`` may set on a table whose keys adapt: within the bounds, per and the
     capacity as the bounds assume."""

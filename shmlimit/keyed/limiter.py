@@ -30,8 +30,8 @@ from shmlimit.config import carried_per, validate_reconfigure, validate_timeout
 from shmlimit.errors import ConfigMismatchError, KeyTableFullError, SegmentError
 from shmlimit.keyed import cells as KC
 from shmlimit.keyed import layout as K
-from shmlimit.keyed.adapt import check as check_keyed_adapt
 from shmlimit.keyed.adapt import check_rate
+from shmlimit.keyed.adapt import check_start as check_keyed_adapt
 from shmlimit.keyed.adapt import read as read_keyed_adapt
 from shmlimit.keyed.adapt import report as report_outcome
 from shmlimit.keyed.gcra import (
@@ -500,7 +500,7 @@ class KeyedLimiter(RatesSwitch, Keyed):
                 burst,
                 args,
                 kwargs,
-                ("keys", "overrides", "mode", "trusted_uids", "reconfigure", "clock"),
+                ("keys", "overrides", "mode", "trusted_uids", "reconfigure", "clock", "adapt"),
                 one="one rate per key",
                 example="['10/s', ('600/min', 20)]",
             ),
@@ -535,16 +535,11 @@ class KeyedLimiter(RatesSwitch, Keyed):
                 raise TypeError(f"adapt must be a shmlimit.Adapt or None, got {adapt!r}")
             if r is None:
                 raise ValueError("adapt needs rate= (the rate every key starts from)")
-            if burst is not None:
-                raise ValueError(
-                    "burst cannot be combined with adapt: the capacity follows the rate "
-                    "(10 ms of schedule, at least one op)"
-                )
+            check_keyed_adapt(adapt, r)
             if not geo.overrides:
                 raise ValueError(
                     "adapt needs overrides= > 0: each key's adapted rate is its override"
                 )
-            check_keyed_adapt(adapt, r)
         validate_mode(mode)
         flags = (  # None: as this process already has the table open, else "evict", no keys
             None
@@ -583,12 +578,16 @@ class KeyedLimiter(RatesSwitch, Keyed):
         trusted: frozenset,
         reconfigure: bool,
         opener: Callable[[], Tuple[Segment, Cells]],
+        adapt: Optional[Adapt] = None,
     ) -> "KeyedLimiter":
         """A handle on one rate's table of a keyed limiter of several rates (``keyed.multi``):
-        its region of the group, opened by ``opener``, labelled ``label`` (``name[key]``)."""
+        its region of the group, opened by ``opener``, labelled ``label`` (``name[key]``); with
+        ``rate``, ``adapt`` is the one its table must hold (its keys' adaptive rate, or None)."""
         self = super().__new__(cls)
         self._att = None
-        self._attach(label, _open(label, rate, geo, mode, trusted, reconfigure, None, opener))
+        self._attach(
+            label, _open(label, rate, geo, mode, trusted, reconfigure, None, opener, adapt)
+        )
         return self
 
     def _bind_fast(self, att: _Attachment) -> None:
@@ -826,13 +825,18 @@ class KeyedLimiter(RatesSwitch, Keyed):
         """
         if not isinstance(throttled, bool):
             raise TypeError(f"throttled must be True or False, got {throttled!r}")
+        return self._report(throttled, key, time.monotonic_ns())
+
+    def _report(self, throttled: bool, key: object, now_ns: int) -> bool:
+        """``feedback`` at ``now_ns`` (CLOCK_MONOTONIC ns; a keyed limiter of several rates may
+        run on an injected clock)."""
         att = self._use()
         adapt = read_keyed_adapt(att.cells)
         if adapt is None:
             raise ValueError(
                 f"feedback() needs a keyed limiter created with adapt=; {self._name!r} does not adapt"
             )
-        return report_outcome(att, adapt, att.kt.digest(key), throttled, time.monotonic_ns())
+        return report_outcome(att, adapt, att.kt.digest(key), throttled, now_ns)
 
     @property
     def adaptive(self) -> bool:

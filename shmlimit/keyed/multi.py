@@ -31,8 +31,9 @@ from __future__ import annotations
 import asyncio
 import math
 import time
-from typing import Any, Callable, Iterable, List, Optional, Tuple, Union
+from typing import Any, Callable, Iterable, List, Optional, Sequence, Tuple, Union
 
+from shmlimit.adapt import Adapt, per_rate
 from shmlimit.config import validate_reconfigure, validate_timeout
 from shmlimit.errors import KeyTableFullError, SegmentError, UnsupportedError
 from shmlimit.group import (
@@ -43,6 +44,7 @@ from shmlimit.group import (
 )
 from shmlimit.keyed import cells as KC
 from shmlimit.keyed import layout as K
+from shmlimit.keyed.adapt import check_start
 from shmlimit.keyed.gcra import TICKS_PER_S, make_rate
 from shmlimit.keyed.segment import check_geometry
 from shmlimit.protocol import Keyed
@@ -62,8 +64,11 @@ class MultiKeyedLimiter(RateGroup, Keyed):
     each call says its cost per rate by keyword (``acquire(key, requests=1,
     tokens=500)``; rates not named cost nothing).  ``keys``, ``overrides``,
     ``mode``, ``trusted_uids`` and ``reconfigure`` apply to every rate's
-    table.  ``rates=None`` attaches to the limiter by its name, its rates as
-    it holds them.  ``clock`` (CLOCK_MONOTONIC nanoseconds) is for tests.
+    table.  ``adapt=`` (a dict by rate name, or a list in the rates' order, of
+    ``shmlimit.Adapt`` or None) makes those rates adapt each key's rate on
+    its own, from the outcomes ``feedback(throttled, key, which=)`` reports to
+    them (``keyed.adapt``, in each rate's table).  ``rates=None`` attaches to
+    the limiter by its name, its rates as it holds them.  ``clock`` (CLOCK_MONOTONIC nanoseconds) is for tests.
     ``keyed`` is the class of each rate's limiter (``KeyedLimiter``: given
     by it, so that this module never imports it back).
     """
@@ -82,6 +87,7 @@ class MultiKeyedLimiter(RateGroup, Keyed):
         trusted_uids: Iterable[int] = (),
         reconfigure: bool = False,
         clock: Optional[Callable[[], int]] = None,
+        adapt: object = None,
     ) -> None:
         validate_name(name)
         validate_mode(mode)
@@ -94,6 +100,8 @@ class MultiKeyedLimiter(RateGroup, Keyed):
         self._lims: List[Any] = []  # each rate's KeyedLimiter, on its region of the group
         create: Optional[GroupCreation] = None
         validate_reconfigure(reconfigure, rates is not None, "the rates to apply")
+        if rates is None and adapt is not None:
+            raise ValueError("adapt needs rates= (the rates every key starts from)")
         if rates is not None:  # None: attach by name, the rates as the limiter holds them
             if isinstance(rates, str):
                 rates = rates_from_text(rates)
@@ -109,6 +117,13 @@ class MultiKeyedLimiter(RateGroup, Keyed):
             for v in values:
                 rate, burst = v if isinstance(v, tuple) else (v, None)
                 made.append(make_rate(rate, 1.0, burst))
+            adapts: Tuple[Optional[Adapt], ...] = ()
+            if adapt is not None:
+                adapts = per_rate(adapt, rkeys, named, made, check_start)
+                if not geo.overrides:
+                    raise ValueError(
+                        "adapt needs overrides= > 0: each key's adapted rate is its override"
+                    )
             create = GroupCreation(
                 tuple(made),
                 rkeys,
@@ -117,6 +132,7 @@ class MultiKeyedLimiter(RateGroup, Keyed):
                 K.PSLOTS,
                 L.REGIONS_KEYED,
                 (geo.keys, geo.overrides),
+                adapts,
             )
         self._open(create, mode, trusted, reconfigure)
 
@@ -142,6 +158,7 @@ class MultiKeyedLimiter(RateGroup, Keyed):
                             trusted,
                             reconfigure,
                             region_opener(seg, geo, i),
+                            create.adapts[i] if create is not None and create.adapts else None,
                         )
                     )
                 return
@@ -303,6 +320,40 @@ class MultiKeyedLimiter(RateGroup, Keyed):
         """Seconds until the ops of ``key`` could be granted on every rate (0.0: now; inf: never).  Takes nothing."""
         waits = self._waits(key, self._ops(n, costs), self._now())
         return math.inf if KC.NEVER in waits else max(waits) / TICKS_PER_S
+
+    # -- the adaptive rates, per key ---------------------------------------------------------
+
+    def feedback(
+        self,
+        throttled: bool,
+        key: object,
+        which: Union[str, int, Sequence[Union[str, int]], None] = None,
+    ) -> bool:
+        """Report one outcome of an op on ``key`` to the rates that adapt (``adapt=``), for every
+        process: each rate adapts each key on its own (``keyed.adapt``, in that rate's table).
+
+        ``throttled=True``: the upstream refused it for its rate (an HTTP 429 or 503); False: it
+        answered.  The outcome goes to every rate that adapts, or with ``which`` (a rate's name
+        or index, or a list of them) to those only.  False when a rate's table had no override
+        entry free for the key (that rate keeps its rate for it; the others counted).
+        """
+        if not isinstance(throttled, bool):
+            raise TypeError(f"throttled must be True or False, got {throttled!r}")
+        lims = self._live()
+        chosen = self._told(which, [i for i, lim in enumerate(lims) if lim.adaptive])
+        now = (self._clock or time.monotonic_ns)()
+        counted = [lims[i]._report(throttled, key, now) for i in chosen]
+        return all(counted)
+
+    @property
+    def adaptive(self) -> bool:
+        """Some rate adapts each key's rate (created with ``adapt=``)."""
+        return any(lim.adaptive for lim in self._live())
+
+    def override(self, which: Union[str, int], key: object) -> Optional[Tuple[float, float, float]]:
+        """``(rate, per, burst)`` of ``key``'s own rate on one rate (by name or index), or None
+        when it follows that rate's default: an adapting key's rate in force."""
+        return self._live()[self._index(which)].override(key)
 
     # -- live changes and observation ------------------------------------------------------
 
