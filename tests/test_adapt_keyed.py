@@ -229,3 +229,13 @@ def test_hostile_parameters_are_refused(name, cleanup):
     with pytest.raises(shmlimit.SegmentError):
         lim.feedback(True, "a.example")
     assert lim.override("a.example") is None  # nothing written for the key
+    # another process is refused at the door, not by its first stats() or repr()
+    code = (
+        "import shmlimit, sys\n"
+        "try:\n"
+        "    shmlimit.attach(sys.argv[1])\n"
+        "except shmlimit.SegmentError as e:\n"
+        "    print('refused:', e)\n"
+    )
+    r = subprocess.run([sys.executable, "-c", code, name], capture_output=True, text=True)
+    assert r.stdout.startswith("refused:") and "parameters are not valid" in r.stdout, r

@@ -21,6 +21,7 @@ from dataclasses import dataclass
 from typing import AbstractSet, Optional, Tuple
 
 from shmlimit.adapt import Adapt
+from shmlimit.adapt import read as read_adapt
 from shmlimit.adapt import write as write_adapt
 from shmlimit.errors import (
     AbandonedSegmentError,
@@ -214,6 +215,7 @@ def validate_header(name: str, c: Cells, mapped: int) -> Geometry:
         or not 1 <= t <= tau < MAX_TICKS
     ):
         raise SegmentError(f"segment {name!r} is corrupt: its configuration is out of range")
+    read_adapt(c, K.ADAPT_PARAMS)  # its keys' adaptive rate, if any: valid, or SegmentError
     return Geometry(keys, novr)
 
 
