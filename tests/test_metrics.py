@@ -232,3 +232,46 @@ def test_keyed_limiter_metrics_never_join(name):
     assert values[("shmlimit_unreadable_segments", None)] == 0
     assert [p.pid for p in live.processes if p.alive] == [os.getpid()]
     lim.close()
+
+
+def test_adaptive_keyed_limiters_export_their_fleet_wide_counters(name):
+    """A keyed limiter's adaptive counters (every key's, every process's) under its name, and each
+    rate's of a keyed group under NAME[KEY]; a limiter that does not adapt has none."""
+    adapt = shmlimit.Adapt(min_rate=10, max_rate=1000)
+    lim = shmlimit.KeyedLimiter(name, rate=100, keys=64, adapt=adapt)
+    group = shmlimit.KeyedLimiter(
+        name + "-g",
+        rates={"requests": 100, "daily": "100M/day"},
+        keys=64,
+        adapt={"requests": adapt},
+    )
+    plain = shmlimit.KeyedLimiter(name + "-p", rate=100, keys=64)
+    try:
+        t0 = time.monotonic_ns()
+        for key in ("a.example", "b.example"):
+            lim._report(True, key, t0)
+        lim._report(False, "a.example", t0)
+        lim._report(False, "a.example", t0 + 10**9)  # a's window is over: one cut
+        group.feedback(True, "a.example")
+        r = subprocess.run(
+            [*CLI, "metrics", name, name + "-g", name + "-p"],
+            capture_output=True,
+            text=True,
+            timeout=60,
+            cwd=tempfile.gettempdir(),
+        )
+        assert r.returncode == 0, r.stderr
+        values, types = parse(r.stdout)
+        assert values[("shmlimit_adapt_throttled_outcomes_total", name)] == 2
+        assert values[("shmlimit_adapt_ok_outcomes_total", name)] == 2
+        assert values[("shmlimit_adapt_cuts_total", name)] == 1
+        assert values[("shmlimit_adapt_raises_total", name)] == 0
+        assert types["shmlimit_adapt_cuts"] == "counter"
+        assert values[("shmlimit_adapt_throttled_outcomes_total", f"{name}-g[requests]")] == 1
+        for limiter in (f"{name}-g[daily]", name + "-p"):  # neither adapts: no series
+            assert ("shmlimit_adapt_throttled_outcomes_total", limiter) not in values
+        assert values[("shmlimit_keyed_overrides", name)] == 2  # each key's rate: its override
+    finally:
+        for lim_ in (lim, group, plain):
+            lim_.unlink()
+            lim_.close()

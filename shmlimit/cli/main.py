@@ -13,18 +13,18 @@ import os
 import sys
 import time
 from dataclasses import asdict
-from typing import Callable, Iterator, Optional, Sequence, Tuple
+from typing import Callable, Iterator, List, Optional, Sequence, Tuple
 
 from shmlimit import __version__
 from shmlimit.attachment import collect
 from shmlimit.cli.metrics import MAX_SEGMENTS
-from shmlimit.cli.top import printable
+from shmlimit.cli.top import adapt_line, printable
 from shmlimit.cli.top import run as run_top
 from shmlimit.config import parse_spec
 from shmlimit.errors import ShmlimitError
 from shmlimit.keyed.limiter import KeyedLimiter
 from shmlimit.keyed.segment import collect as collect_keyed
-from shmlimit.keyed.stats import KeyedStats
+from shmlimit.keyed.stats import KeyedStats, KeySample, adapted_keys
 from shmlimit.kinds import inspect
 from shmlimit.limiter import Limiter, unlink
 from shmlimit.multirate import MultiStats
@@ -210,17 +210,66 @@ def cmd_list(args: argparse.Namespace) -> int:
     return 0
 
 
+def _adapted(s: object) -> "Optional[List[KeySample]]":
+    """An adaptive keyed table's keys with their rate in force (``adapted_keys``, the lowest
+    first); None for any other limiter."""
+    if not isinstance(s, KeyedStats) or s.adapt is None:
+        return None
+    try:
+        return adapted_keys(s.name)
+    except (ShmlimitError, OSError):  # changed under us since its snapshot: none shown
+        return []
+
+
+def _inspect_json(s: "Stats | KeyedStats | MultiStats") -> dict:
+    """``inspect --json``: the snapshot, and an adaptive keyed table's ``adapted_keys``."""
+    d = _stats_dict(s)
+    for stats, out in (
+        zip(s.rates.values(), d["rates"].values()) if isinstance(s, MultiStats) else [(s, d)]
+    ):
+        keys = _adapted(stats)
+        if keys is not None:
+            out["adapted_keys"] = [asdict(k) for k in keys]
+    return d
+
+
+def _print_fields(s: "Stats | KeyedStats", hidden: set, indent: str = "") -> None:
+    """A snapshot's fields, a line each (``adapt``: its bounds and totals, then an adaptive
+    keyed table's keys at their rate in force)."""
+    for k, v in _stats_dict(s).items():
+        if k in hidden:
+            continue
+        if k == "adapt" and v is not None:
+            what = "each key's rate" if isinstance(s, KeyedStats) else "the rate"
+            print(printable(indent + adapt_line(v, what).strip()))
+            continue
+        print(printable(f"{indent}{k:20} {v}"))
+    keys = _adapted(s)
+    if keys:
+        assert isinstance(s, KeyedStats)
+        print(
+            printable(
+                f"{indent}keys at their own rate, lowest first ({len(keys)} of {s.overrides})"
+            )
+        )
+        for key in keys:
+            print(printable(f"{indent}  {_key_line(key)}"))
+
+
+def _key_line(k: KeySample) -> str:
+    rate = "default" if k.rate is None else f"{k.rate:g}/{k.per:g}s"
+    return f"{k.key:28} rate {rate:>14}  grants {k.grants:>10}  limited for {k.wait:.3f} s"
+
+
 def cmd_inspect(args: argparse.Namespace) -> int:
     s = _inspect(args.name)
     if args.json:
-        print(json.dumps(_stats_dict(s)))
+        print(json.dumps(_inspect_json(s)))
         return 0
     if isinstance(s, MultiStats):  # each rate as a limiter of its own, under the one name
         for key, r in s.rates.items():
             print(printable(f"rate {key}"))
-            for k, v in _stats_dict(r).items():
-                if k != "processes":
-                    print(printable(f"  {k:20} {v}"))
+            _print_fields(r, {"processes"}, "  ")
         print(f"{'processes':20} {len(s.processes)}")
         return 0
     # a table of window counters has no rate, capacity or overrides of its own: not shown as zeros
@@ -229,9 +278,7 @@ def cmd_inspect(args: argparse.Namespace) -> int:
         if getattr(s, "kind", "") == "windows"
         else set()
     )
-    for k, v in _stats_dict(s).items():
-        if k not in hidden:
-            print(printable(f"{k:20} {v}"))
+    _print_fields(s, hidden)
     print(f"{'processes':20} {len(s.processes)}")
     for p in s.processes:
         if isinstance(s, KeyedStats):

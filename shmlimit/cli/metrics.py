@@ -20,6 +20,9 @@ the first by name; what is left out is counted in
 ``shmlimit_omitted_segments{reason="untrusted_owner"|"over_cap"}``.  Keyed limiters share the families
 that apply to them (grants, rate, capacity, processes) and have their own
 (``shmlimit_keyed_*``: live keys, slots, evictions, refusals of new keys).
+An adaptive rate (``adapt=``) adds ``shmlimit_adapt_*``: the outcomes reported
+and the windows that cut or raised it (a keyed limiter's: of all its keys,
+each key's own rate being its override, never a label).
 A table of window counters (the ``limits`` storage ``shm://``) has no rate of
 its own: it gets grants (the hits it granted), ``shmlimit_window_hits`` (every
 hit asked, granted or refused), processes and the ``shmlimit_keyed_*`` families
@@ -196,6 +199,35 @@ _KEYED_METRICS = (
     ),
     ("shmlimit_keyed_overrides", "gauge", "Keys with a rate of their own.", "overrides"),
 )
+# adaptive rates only (``adapt=``): (name, type, help, AdaptStats attribute); a keyed limiter's
+# count every key's, a rate of several its own (NAME[KEY])
+_ADAPT_METRICS = (
+    (
+        "shmlimit_adapt_throttled_outcomes",
+        "counter",
+        "Outcomes reported throttled to an adaptive rate, by every process (keyed: of every key).",
+        "throttled",
+    ),
+    (
+        "shmlimit_adapt_ok_outcomes",
+        "counter",
+        "Outcomes reported not throttled to an adaptive rate, by every process (keyed: of every key).",
+        "ok",
+    ),
+    (
+        "shmlimit_adapt_cuts",
+        "counter",
+        "Windows that cut an adaptive rate (keyed: a key's rate).",
+        "cuts",
+    ),
+    (
+        "shmlimit_adapt_raises",
+        "counter",
+        "Windows that raised an adaptive rate (keyed: a key's rate).",
+        "raises",
+    ),
+)
+
 # the families keyed limiters share with the others; tables of window counters share fewer
 _SHARED = {
     "shmlimit_grants",
@@ -334,6 +366,12 @@ def families_of(
         fam = Family(name, kind, help_)
         for k in limiters if name in _NOT_WINDOWS else keyed:
             fam.samples.append(((("limiter", k.name),), float(getattr(k, attr))))
+        out.append(fam)
+    for name, kind, help_, attr in _ADAPT_METRICS:
+        fam = Family(name, kind, help_)
+        for s in everything:
+            if s.adapt is not None:
+                fam.samples.append(((("limiter", s.name),), float(getattr(s.adapt, attr))))
         out.append(fam)
     hits = Family(
         "shmlimit_window_hits",

@@ -28,7 +28,7 @@ from dataclasses import asdict
 from typing import Deque, Dict, List, Optional, Sequence, Tuple
 
 from shmlimit.errors import ShmlimitError
-from shmlimit.keyed.stats import KeyedStats, sample_keys, sample_windows
+from shmlimit.keyed.stats import KeyedStats, KeySample, sample_keys, sample_windows
 from shmlimit.kinds import inspect
 from shmlimit.multirate import MultiStats
 from shmlimit.shm.segment import scan
@@ -96,7 +96,7 @@ class Inspector:
         self.prev: Dict[str, Tuple[float, int]] = {}
         self.history: Dict[str, Deque[float]] = {}
         self.cursor: Dict[str, int] = {}
-        self.seen_keys: Dict[str, Dict[str, Tuple[int, float]]] = {}
+        self.seen_keys: Dict[str, Dict[str, KeySample]] = {}
 
     def sample(self) -> List[dict]:
         names, bad = (self.names, []) if self.names is not None else scan()
@@ -119,12 +119,12 @@ class Inspector:
         found, self.cursor[name] = sample_keys(name, self.cursor.get(name, 0), KEY_SAMPLE)
         seen = self.seen_keys.setdefault(name, {})
         for k in found:
-            seen[k.key] = (k.grants, k.wait)
+            seen[k.key] = k
         if len(seen) > 4 * KEY_SAMPLE:  # bounded memory: keep the busiest
-            for k in sorted(seen, key=lambda k: seen[k][0])[: len(seen) - 2 * KEY_SAMPLE]:
+            for k in sorted(seen, key=lambda k: seen[k].grants)[: len(seen) - 2 * KEY_SAMPLE]:
                 del seen[k]
-        top = sorted(seen.items(), key=lambda kv: -kv[1][0])[:BUSIEST]
-        return [{"key": k, "grants": g, "wait": w} for k, (g, w) in top]
+        # each key's rate is its own (an adaptive key's rate in force) as last read, or None
+        return [asdict(k) for k in sorted(seen.values(), key=lambda k: -k.grants)[:BUSIEST]]
 
     def _windows(self, name: str) -> List[dict]:
         """The fullest windows (by count) among the next KEY_SAMPLE slots: those now counting."""
@@ -289,6 +289,8 @@ def render(records: List[dict], interval: float) -> str:
             f"  grants/s {'-' if gps is None else f'{gps:,.1f}'}  {sparkline(r['history'])}"
             f"  filler {r['filler_pid'] or '-'} (heartbeat {hb})"
         )
+        if r.get("adapt"):
+            lines.append(adapt_line(r["adapt"], "the rate"))
         up = r.get("upstream")
         if up:
             lines.append(
@@ -319,11 +321,25 @@ def _render_keyed(r: dict) -> List[str]:
         f"overrides {r['overrides']}/{r['override_slots']}  grants {r['grants']}",
         "grants/s",
     )
+    if r.get("adapt"):
+        out.append(adapt_line(r["adapt"], "each key's rate"))
     if r.get("busiest"):
-        out.append(f"  {'busiest keys':28} {'grants':>10}  limited for")
+        out.append(f"  {'busiest keys':28} {'grants':>10}  {'limited for':>11}  rate")
         for k in r["busiest"]:
-            out.append(f"  {_printable(k['key'])[:28]:28} {k['grants']:>10}  {k['wait']:.3f} s")
+            out.append(
+                f"  {_printable(k['key'])[:28]:28} {k['grants']:>10}  {k['wait']:>9.3f} s  "
+                + ("default" if k["rate"] is None else f"{k['rate']:g}/{k['per']:g}s")
+            )
     return out + _process_lines(r, "grants")
+
+
+def adapt_line(a: dict, what: str) -> str:
+    """An adaptive rate's bounds and totals (``AdaptStats``, every process's): ``what`` adapts."""
+    return (
+        f"  adaptive: {what} from {a['min_rate']:g} to {a['max_rate']:g} every "
+        f"{a['window']:g} s  outcomes {a['throttled']} throttled, {a['ok']} ok  "
+        f"cuts {a['cuts']}  raises {a['raises']}"
+    )
 
 
 def _render_windows(r: dict) -> List[str]:

@@ -45,7 +45,7 @@ import math
 import os
 import time
 from dataclasses import dataclass
-from typing import Optional, Tuple
+from typing import Iterator, Optional, Tuple
 
 from shmlimit.errors import ConfigWriterTakenOver, SegmentError
 from shmlimit.keyed import layout as K
@@ -452,9 +452,24 @@ class Overrides:
         none: where a key's adaptive rate keeps its window (``keyed.adapt``)."""
         return self._find(d) if self.novr else None
 
-    def peek_tau(self, d: Tuple[int, int]) -> Optional[int]:
-        """TAU (ticks) of digest ``d``'s override for display, without waiting for a writer; None
-        when it has none (or none of its banks is valid)."""
+    def peek(self, d: Tuple[int, int]) -> Optional[Tuple[int, ...]]:
+        """The values (RATE PER BURST T TAU) of digest ``d``'s override for display, without
+        waiting for a writer; None when it has none (or none of its banks is valid)."""
         e = self._find(d) if self.novr else None
-        vals = None if e is None else self._vals(e, self.c.load(K.CFG_SEQ) & ~1)
-        return vals[4] if vals and vals[3] else None
+        return None if e is None else self._peek_entry(e)
+
+    def _peek_entry(self, e: int) -> Optional[Tuple[int, ...]]:
+        vals = self._vals(e, self.c.load(K.CFG_SEQ) & ~1)
+        return vals if vals and vals[3] else None
+
+    def peek_all(self) -> Iterator[Tuple[Tuple[int, int], Tuple[int, ...]]]:
+        """Every live override, for display (a private copy's: ``keyed.stats``): its digest and
+        its values (RATE PER BURST T TAU), without waiting for a writer."""
+        c = self.c
+        for i in range(self.novr):
+            e = self.base + i * K.OVR_LINES * K.LINE
+            if K.o_state(c.load(e + K.O_CTRL)) != K.O_LIVE:
+                continue
+            vals = self._peek_entry(e)
+            if vals is not None:
+                yield (c.load(e + K.O_D0), c.load(e + K.O_D1)), vals

@@ -10,6 +10,7 @@ read here: a ``KeyedLimiter``'s GCRA keys, and the window counters of the
 
 from __future__ import annotations
 
+import math
 import re
 import time
 from dataclasses import dataclass
@@ -21,7 +22,7 @@ from shmlimit.group import copy_geometry
 from shmlimit.keyed import cells as KC
 from shmlimit.keyed import layout as K
 from shmlimit.keyed.adapt import stats as adapt_stats
-from shmlimit.keyed.gcra import TICKS_PER_S, Overrides, peek_default
+from shmlimit.keyed.gcra import TICKS_PER_S, Overrides, Rate, peek_default, rate_of
 from shmlimit.keyed.segment import Geometry, read_copy, validate_header
 from shmlimit.keyed.windows import FLAG, unpack
 from shmlimit.rate_group import MultiStats
@@ -118,6 +119,10 @@ class KeySample:
     key: str  #: the key's first bytes if stored (``store_keys``), else ``#`` and its digest's first hex
     grants: int  #: ops granted to this key since it took its slot
     wait: float  #: seconds until the key's bucket is full again (0.0: idle)
+    #: the key's own rate (its override: an adaptive key's rate in force), ops per ``per``
+    #: seconds; None while it follows the default
+    rate: Optional[float] = None
+    per: Optional[float] = None
 
 
 def sample_keys(name: str, start: int, count: int) -> Tuple[List[KeySample], int]:
@@ -129,40 +134,95 @@ def sample_keys(name: str, start: int, count: int) -> Tuple[List[KeySample], int
     ``name`` may be a rate's label (``group[key]``): that rate's table.
     """
     now = time.monotonic_ns() << K.TICK_SHIFT
-    out = []
     slots, nxt = _live_slots(name, K.KIND_GCRA, start, count)
-    taus = _taus(name, [(w[K.S_D0 // 8], w[K.S_D1 // 8]) for w in slots]) if slots else []
-    for words, tau in zip(slots, taus):
-        # V0 less BASE is the key's TAT under a burst of MAX_TICKS (keyed_cells): under its own, less
-        tat = words[K.S_V0 // 8] - words[K.S_BASE // 8] - (K.MAX_TICKS - tau)
-        out.append(
-            KeySample(
-                KC.display_key(words[K.S_V3 // 8 :], words[K.S_D0 // 8]),
-                words[K.S_V1 // 8],
-                max(0, tat - now) / TICKS_PER_S,
-            )
-        )
-    return out, nxt
+    owns = _own(name, [(w[K.S_D0 // 8], w[K.S_D1 // 8]) for w in slots]) if slots else []
+    return [_sample(words, default, vals, now) for words, (default, vals) in zip(slots, owns)], nxt
 
 
-def _taus(name: str, digests: List[Tuple[int, int]]) -> List[int]:
-    """TAU (ticks) of each of table ``name``'s keys ``digests``, from a private copy of its config
-    and overrides: the key's override, else the default."""
+def _sample(
+    words: Tuple[int, ...], tau: int, own: Optional[Tuple[int, ...]], now: int
+) -> KeySample:
+    """The key in a LIVE slot's ``words`` at ``now`` (ticks): its own rate's values ``own`` (RATE
+    PER BURST T TAU; None: it follows the default, of burst tolerance ``tau`` ticks)."""
+    if own is not None:
+        tau = own[4]
+    # V0 less BASE is the key's TAT under a burst of MAX_TICKS (keyed_cells): under its own, less
+    tat = words[K.S_V0 // 8] - words[K.S_BASE // 8] - (K.MAX_TICKS - tau)
+    r = None if own is None else rate_of(own)
+    return KeySample(
+        KC.display_key(words[K.S_V3 // 8 :], words[K.S_D0 // 8]),
+        words[K.S_V1 // 8],
+        max(0, tat - now) / TICKS_PER_S,
+        None if r is None else r.rate,
+        None if r is None else r.per,
+    )
+
+
+def _overrides_copy(name: str) -> Tuple[Cells, Geometry]:
+    """A private copy of table ``name``'s header and process table, and of its override entries
+    when it has live ones (``OVR_LIVE``: read it before the entries; nothing mapped): cells over
+    it, and its geometry."""
     seg, at = _where(name)
     c, geo, _ = _header_copy(seg, at)
+    if not geo.overrides or not c.load(K.OVR_LIVE):
+        return c, geo
+    c.close()
+    data, _ = read_copy(seg, at, K.slots_offset(geo.overrides))
+    return open_cells(data, len(data)), geo  # type: ignore[arg-type]  # a private copy
+
+
+def _own(name: str, digests: List[Tuple[int, int]]) -> List[Tuple[int, Optional[Tuple[int, ...]]]]:
+    """For each of table ``name``'s keys ``digests``: the default's TAU (ticks) and the values of
+    the key's override (None: it has none), from a private copy of its config and overrides."""
+    c, geo = _overrides_copy(name)
     try:
         default = peek_default(c).tau
         if not geo.overrides or not c.load(K.OVR_LIVE):
-            return [default] * len(digests)
-    finally:
-        c.close()
-    data, _ = read_copy(seg, at, K.slots_offset(geo.overrides))
-    c = open_cells(data, len(data))  # type: ignore[arg-type]  # a private copy, not a mapping
-    try:
+            return [(default, None)] * len(digests)
         ovr = Overrides(c, geo.overrides)
-        return [default if (own := ovr.peek_tau(d)) is None else own for d in digests]
+        return [(default, ovr.peek(d)) for d in digests]
     finally:
         c.close()
+
+
+def _per_second(r: Rate) -> float:
+    """``r`` in ops per second; inf for values no writer stores (a forged entry sorts last)."""
+    ops = r.rate / r.per if r.per > 0 else math.inf
+    return ops if math.isfinite(ops) and ops > 0 else math.inf
+
+
+#: Keys ``adapted_keys`` gives at most: the lowest rates, the keys cut the most.
+ADAPTED_SHOWN = 20
+
+
+def adapted_keys(name: str, count: int = ADAPTED_SHOWN) -> List[KeySample]:
+    """The keys of table ``name`` with a rate of their own (an adaptive table's: every key that
+    adapts, at its rate in force), the ``count`` lowest rates (ops per second) first, read without
+    joining: a private copy of its override entries, then of each key's window of slots.
+
+    A key is named by its slot (its bytes when ``store_keys``, else ``#`` and its digest's first
+    hex), with its grants and wait; a key that holds no slot now shows as ``#`` and its digest,
+    idle.  ``name`` may be a rate's label (``group[key]``)."""
+    c, geo = _overrides_copy(name)
+    try:
+        if geo.kind != K.KIND_GCRA:
+            raise SegmentError(f"segment {name!r} holds window counters, not a KeyedLimiter's keys")
+        found = list(Overrides(c, geo.overrides).peek_all()) if c.load(K.OVR_LIVE) else []
+    finally:
+        c.close()
+    lowest = sorted(found, key=lambda dv: _per_second(rate_of(dv[1])))[:count]
+    now = time.monotonic_ns() << K.TICK_SHIFT
+    out = []
+    for d, vals in lowest:
+        # the key's window of slots, as every lookup probes it from its home
+        slots, _ = _live_slots(name, K.KIND_GCRA, (d[0] * geo.keys) >> 64, geo.probe)
+        words = next((w for w in slots if (w[K.S_D0 // 8], w[K.S_D1 // 8]) == d), None)
+        if words is not None:
+            out.append(_sample(words, vals[4], vals, now))
+            continue
+        r = rate_of(vals)
+        out.append(KeySample(KC.display_key((0, 0), d[0]), 0, 0.0, r.rate, r.per))
+    return out
 
 
 def _live_slots(name: str, kind: int, start: int, count: int) -> Tuple[List[Tuple[int, ...]], int]:
