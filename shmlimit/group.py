@@ -189,7 +189,9 @@ def _initialise(seg: Segment, create: GroupCreation, now_ns: int) -> Cells:
         try:
             if create.regions == L.REGIONS_KEYED:
                 adapt = create.adapts[i] if create.adapts else None
-                initialise_table(mapped, TableGeometry(*create.table), rate, adapt, secret=False).close()
+                initialise_table(
+                    mapped, TableGeometry(*create.table), rate, adapt, secret=False
+                ).close()
             else:
                 initialise(mapped, rate, now_ns).close()
         finally:

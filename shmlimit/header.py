@@ -1,4 +1,7 @@
-"""The segment header protocol: create and initialise a segment, or open one that is ready.
+"""The one segment start-up protocol: create and initialise a segment, or open one that is ready.
+
+Every kind of segment starts up by it (a ``Limiter``'s, a group's, a keyed table's), told what
+differs by its ``Kind``.
 
 Creation is ``shm_open(O_CREAT|O_EXCL)``, so of many racing creators exactly
 one initialises.  It writes its pid first (``CREATOR_PID``), then the header,
@@ -31,6 +34,7 @@ from shmlimit.shm.segment import (
     DOOMED_WAIT,
     INIT_WAIT,
     LIVE_CREATOR_WAIT,
+    MAX_BYTES,
     Segment,
     current_inode,
     publish,
@@ -62,9 +66,10 @@ DOOMED = -2
 class Kind:
     """What the start-up protocol needs of one kind of segment: its magic and version, the size
     its header's words declare (None if they make no sense), and how a creator sizes and
-    initialises one (READY last)."""
+    initialises one (READY last).  Every kind's line 0 is ``shm.layout``'s (MAGIC, VERSION, SIZE,
+    STATE, SLOTS, CREATOR_PID at the same offsets), so only these differ."""
 
-    what: str
+    what: str  #: what errors call a segment of this kind ("a Limiter")
     magic: int
     version: int
     header_bytes: int
@@ -72,6 +77,9 @@ class Kind:
     size_of: Callable[[Any], int]
     initialise: Callable[[Segment, Any, int], Cells]
     cells_bytes: Callable[[Segment], int]
+    noun: str = "limiter"  #: what creating one makes ("creating the keyed limiter again")
+    #: no segment of this kind is larger (bytes): a bigger one is refused before it is mapped
+    max_bytes: Optional[int] = None
 
 
 def _limiter_size(c: Cells) -> Optional[int]:
@@ -90,11 +98,11 @@ def ready_creator(name: str, seg: Segment, waited: float, kind: Optional[Kind] =
     ends first: a ctime anyone with write access can keep refreshing must not
     keep an opener waiting.
     """
+    kind = kind or LIMITER
     if seg.size == 0:
         if (time.time_ns() - seg.ctime_ns) / 1e9 > INIT_WAIT or waited > INIT_WAIT:
-            raise AbandonedSegmentError(name, seg.inode, 0)
+            raise AbandonedSegmentError(name, seg.inode, 0, kind.noun)
         return -1
-    kind = kind or LIMITER
     if seg.size < kind.header_bytes:
         raise SegmentError(
             f"segment {name!r} is truncated: {seg.size} bytes, {kind.what} needs {kind.header_bytes}"
@@ -118,7 +126,9 @@ def ready_creator(name: str, seg: Segment, waited: float, kind: Optional[Kind] =
     if magic not in (0, kind.magic):
         other = KINDS_BY_MAGIC.get(magic)
         if other is not None:
-            raise SegmentError(f"segment {name!r} is {other.what}, not {kind.what}")
+            raise SegmentError(
+                f"segment {name!r} is {other.what}, not {kind.what}: use shmlimit.attach"
+            )
         raise SegmentError(f"segment {name!r} is not a shmlimit limiter (bad magic {magic:#018x})")
     if magic == kind.magic and state == L.STATE_READY:
         if version != kind.version:
@@ -145,8 +155,18 @@ def ready_creator(name: str, seg: Segment, waited: float, kind: Optional[Kind] =
         or (creator and not is_alive(creator, 0))
         or (not creator and (age > INIT_WAIT or waited > INIT_WAIT))
     ):
-        raise AbandonedSegmentError(name, seg.inode, creator)
+        raise AbandonedSegmentError(name, seg.inode, creator, kind.noun)
     return creator or -1
+
+
+def open_existing(
+    name: str, mode: Optional[int], trusted: frozenset = frozenset(), kind: Optional[Kind] = None
+) -> Segment:
+    """Map the existing segment ``name`` (``Segment.open``) as one of ``kind``: one that says it
+    is ready and of this kind is refused before mapping if it claims more bytes than the file has
+    (no SIGBUS) or is larger than any of its kind."""
+    kind = kind or LIMITER
+    return Segment.open(name, mode, trusted, kind.magic, kind.max_bytes)
 
 
 def wait_ready(
@@ -162,6 +182,7 @@ def wait_ready(
     monotonic clock), never replaced; see ``ready_creator`` for the rest.
     Re-opening repeats the trust check of the first open.
     """
+    kind = kind or LIMITER
     start = time.monotonic()
     while True:
         waited = time.monotonic() - start
@@ -188,7 +209,7 @@ def wait_ready(
             )
         time.sleep(0.001)
         seg.close()
-        seg = Segment.open(name, mode, trusted)
+        seg = open_existing(name, mode, trusted, kind)
 
 
 def open_segment(
@@ -217,7 +238,7 @@ def open_segment(
             if seg is not None:
                 return seg, kind.initialise(seg, create, clock())
         try:
-            seg = wait_ready(name, Segment.open(name, mode, trusted), mode, trusted, kind)
+            seg = wait_ready(name, open_existing(name, mode, trusted, kind), mode, trusted, kind)
         except LimiterNotFoundError:
             if create is None:
                 raise
@@ -227,7 +248,9 @@ def open_segment(
                 raise
             time.sleep(0.05)  # replacing destroys a segment: confirm the verdict once more first
             try:
-                wait_ready(name, Segment.open(name, mode, trusted), mode, trusted, kind).close()
+                wait_ready(
+                    name, open_existing(name, mode, trusted, kind), mode, trusted, kind
+                ).close()
                 continue  # it became ready (or another took its place): attach normally
             except AbandonedSegmentError as again:
                 if again.inode != e.inode:
@@ -242,7 +265,7 @@ def open_segment(
             continue
         return seg, open_cells(seg.mm, kind.cells_bytes(seg))
     raise SegmentError(
-        f"could not create or open limiter {name!r}: it kept being unlinked and re-created"
+        f"could not create or open {kind.noun} {name!r}: it kept being unlinked and re-created"
     )
 
 
@@ -272,7 +295,7 @@ def _peek_slots(seg: Segment) -> int:
 
 
 LIMITER = Kind(
-    "a limiter",
+    "a Limiter",
     L.MAGIC,
     L.VERSION,
     L.HEADER_BYTES,
@@ -280,6 +303,7 @@ LIMITER = Kind(
     lambda create: L.segment_size(create.slots),
     initialise,
     cells_size,
+    max_bytes=MAX_BYTES,
 )
 #: Every kind the start-up protocol knows, by magic (another kind's segment is named in errors).
 KINDS_BY_MAGIC = {LIMITER.magic: LIMITER}

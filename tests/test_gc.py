@@ -8,6 +8,7 @@ from support.procs import start_acquirer as start_worker
 from support.segments import run_tools_on, shm_path
 
 import shmlimit
+from shmlimit import header
 from shmlimit.keyed import limiter as keyed_limiter
 from shmlimit.keyed import segment as keyed_segment
 from shmlimit.keyed import window_table
@@ -107,7 +108,7 @@ def test_a_claim_whose_collector_died_is_given_back(name, monkeypatch, kind):
     ).close()
     with open(shm_path(name), "r+b") as f:
         os.pwrite(f.fileno(), L.STATE_DOOMED.to_bytes(8, "little"), L.STATE_OFF)
-    monkeypatch.setattr(keyed_segment, "DOOMED_WAIT", 0.05)
+    monkeypatch.setattr(header, "DOOMED_WAIT", 0.05)  # the one start-up protocol's
     opened = shmlimit.KeyedLimiter(name) if kind == "keyed" else WindowTable(name)
     try:
         assert _state(name) == L.STATE_READY

@@ -15,7 +15,6 @@ import shmlimit
 from shmlimit import header
 from shmlimit.cli import main as cli
 from shmlimit.keyed import layout as K
-from shmlimit.keyed import segment as keyed_segment
 from shmlimit.keyed.stats import sample_keys
 
 KEYS, OVR = 64, 4
@@ -102,7 +101,7 @@ def _quiet_cli(*argv):
 )
 @given(data=segment_bytes)
 def test_random_words_in_a_keyed_segment_are_refused_or_served_cleanly(data, monkeypatch):
-    no_opener_waits(monkeypatch, header, keyed_segment)
+    no_opener_waits(monkeypatch, header)
     with planted(data, "test-khostile") as name:
         for argv in (
             ("inspect", name),

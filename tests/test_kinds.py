@@ -3,20 +3,24 @@ from an unrelated interpreter, listed as one entry, collected as one, refused wh
 
 import json
 import os
+import signal
 import struct
 import subprocess
 import sys
 import textwrap
+import time
 
 import pytest
 from support.segments import shm_path
 
 import shmlimit
+from shmlimit import header
 from shmlimit.attachment import collect
-from shmlimit.errors import SegmentError
+from shmlimit.errors import AbandonedSegmentError, SegmentError
 from shmlimit.keyed import layout as K
 from shmlimit.keyed.multi import MultiKeyedLimiter
 from shmlimit.keyed.stats import KeyedStats
+from shmlimit.keyed.window_table import WindowTable
 from shmlimit.kinds import inspect
 from shmlimit.multirate import MultiStats
 from shmlimit.shm import layout as L
@@ -343,3 +347,107 @@ def test_top_shows_each_rate_of_a_keyed_group_with_its_busiest_keys(name):
     finally:
         lim.unlink()
         lim.close()
+
+
+# ---- one start-up protocol for every kind (``header.open_segment``, each kind's ``Kind``)
+
+#: Each kind's opener without create intent, and with it (a table of window counters always has it).
+OPENERS = {
+    "Limiter": (lambda n: shmlimit.Limiter(n), lambda n: shmlimit.Limiter(n, rate=10)),
+    "KeyedLimiter": (
+        lambda n: shmlimit.KeyedLimiter(n),
+        lambda n: shmlimit.KeyedLimiter(n, rate=10, keys=64),
+    ),
+    "WindowTable": (None, lambda n: WindowTable(n, keys=64)),
+}
+
+
+def _initialising(name: str, creator: int) -> None:
+    """What a creator leaves while it works (or when killed at work): a sized file, its pid, no
+    magic, no READY."""
+    path = shm_path(name)
+    fd = os.open(path, os.O_CREAT | os.O_EXCL | os.O_RDWR, 0o600)
+    try:
+        os.pwrite(fd, bytes(K.segment_size(64, 16)), 0)
+        os.pwrite(fd, struct.pack("<Q", creator), L.CREATOR_PID_OFF)
+    finally:
+        os.close(fd)
+
+
+def test_a_limiter_opened_on_a_keyed_table_names_the_tables_kind(name):
+    """A plain opener knows the keyed kind (before: "not a shmlimit limiter (bad magic ...)")."""
+    shmlimit.KeyedLimiter(name, rate=10, keys=64).close()
+    with pytest.raises(SegmentError, match="is a KeyedLimiter of one rate, not a Limiter"):
+        shmlimit.Limiter(name, rate=10)
+    with pytest.raises(
+        SegmentError, match="is a KeyedLimiter of one rate, not a limiter of several rates"
+    ):
+        shmlimit.Limiter(name, rates=["10/s", "100/min"])
+    assert isinstance(shmlimit.attach(name), shmlimit.KeyedLimiter)  # as the error says
+
+
+@pytest.mark.parametrize(
+    "opener",
+    [o for pair in OPENERS.values() for o in pair if o is not None],
+    ids=[
+        f"{k}-{i}"
+        for k, pair in OPENERS.items()
+        for i, o in zip(("attach", "create"), pair)
+        if o is not None
+    ],
+)
+def test_every_kind_waits_for_a_live_creator_by_the_one_protocol(name, monkeypatch, opener):
+    """A live creator is waited for, ``header.LIVE_CREATOR_WAIT`` (cut to nothing here), never
+    replaced, and the error names it (before: a keyed table waited its own 30 s, unnamed)."""
+    monkeypatch.setattr(header, "LIVE_CREATOR_WAIT", 0.0)
+    _initialising(name, os.getpid())  # this process: alive
+    with pytest.raises(SegmentError, match=f"still being initialised by pid {os.getpid()}"):
+        opener(name)
+    assert os.path.exists(shm_path(name))  # never replaced while its creator lives
+
+
+@pytest.mark.parametrize("kind", list(OPENERS))
+def test_every_kind_refuses_an_abandoned_segment_and_replaces_it_when_creating(name, kind):
+    attach, create = OPENERS[kind]
+    child = os.fork()
+    if child == 0:  # pragma: no cover - a creator that dies before writing anything but its pid
+        os._exit(0)
+    os.waitpid(child, 0)
+    _initialising(name, child)
+    noun = "keyed limiter" if kind != "Limiter" else "limiter"
+    if attach is not None:
+        with pytest.raises(
+            AbandonedSegmentError, match=f"its creator \\(pid {child}\\) died; creating the {noun}"
+        ):
+            attach(name)
+    lim = create(name)
+    try:
+        assert lim.created if kind != "WindowTable" else lim.incr("k", 60) == 1
+    finally:
+        lim.close()
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("kind", ["KeyedLimiter", "Limiter"])
+def test_an_empty_file_with_a_refreshed_ctime_stalls_no_opener_of_any_kind(name, kind):
+    """A creator gets ``INIT_WAIT`` from the opener's first look too, not only from the file's
+    ctime, which anyone who can chmod it keeps young (before: a keyed opener waited 30 s)."""
+    path = shm_path(name)
+    os.close(os.open(path, os.O_CREAT | os.O_EXCL | os.O_RDWR, 0o600))
+    child = os.fork()
+    if child == 0:  # pragma: no cover - keeps the ctime young
+        try:
+            end = time.monotonic() + 20
+            while time.monotonic() < end:
+                os.chmod(path, 0o600)
+                time.sleep(0.1)
+        finally:
+            os._exit(0)
+    try:
+        t0 = time.monotonic()
+        with pytest.raises(AbandonedSegmentError, match="never initialised"):
+            OPENERS[kind][0](name)
+        assert time.monotonic() - t0 < header.INIT_WAIT + 5  # the margin: a loaded machine
+    finally:
+        os.kill(child, signal.SIGKILL)
+        os.waitpid(child, 0)

@@ -1,48 +1,41 @@
-"""A keyed segment's header protocol: create and initialise, or open and validate, never half-made.
+"""A keyed segment's header: its kind for the one start-up protocol, its initialisation and the
+validation of every header field, never half-made.
 
-The same protocol as a ``Limiter`` segment (see docs/design.md, "Creation"):
+Start-up is a ``Limiter`` segment's (``header.open_segment`` with ``KEYED``):
 exclusive creation, the creator's pid first, the header, then ``MAGIC`` and
 ``STATE = READY`` last; openers wait for a live creator and refuse an
-abandoned, truncated, foreign or corrupt segment with ``SegmentError``.  A
+abandoned, truncated, foreign or corrupt segment with ``SegmentError``; an
+existing one is mapped only if ``segment.check_trust`` accepts its owner and
+mode, and, once it says it is ready, only if its ``SIZE`` fits the file.  A
 keyed segment is also allocated in full at creation (``posix_fallocate``), so
 a full ``/dev/shm`` is a clear error at once rather than a bus error later
 (``Segment.create``, after ``_check_space`` says how large the table is and
-how to enlarge ``/dev/shm``).  An existing one is mapped only if
-``segment.check_trust`` accepts its owner and mode, as a ``Limiter``'s.
+how to enlarge ``/dev/shm``).
 """
 
 from __future__ import annotations
 
 import math
-import mmap
 import os
-import time
 from dataclasses import dataclass
 from typing import AbstractSet, Optional, Tuple
 
 from shmlimit.adapt import Adapt
 from shmlimit.adapt import read as read_adapt
 from shmlimit.adapt import write as write_adapt
-from shmlimit.errors import (
-    AbandonedSegmentError,
-    LimiterNotFoundError,
-    SegmentError,
-    SharedMemoryFullError,
-)
+from shmlimit.errors import LimiterNotFoundError, SegmentError, SharedMemoryFullError
+from shmlimit.header import KINDS_BY_MAGIC, Kind, open_existing
+from shmlimit.header import open_segment as open_header
 from shmlimit.keyed import layout as K
 from shmlimit.keyed.gcra import MAX_TICKS, Rate, bank_values, pick, rate_of, write_bank
 from shmlimit.shm import layout as L
-from shmlimit.shm.cells import Cells, open_cells, warm_backend
+from shmlimit.shm.cells import Cells, open_cells
 from shmlimit.shm.segment import (
-    DOOMED_WAIT,
-    INIT_WAIT,
-    LIVE_CREATOR_WAIT,
     SHM_DIR,
     Segment,
     claim_and_unlink,
     current_inode,
     gone,
-    opened,
     pread_file,
     publish,
     read_secret,
@@ -50,7 +43,7 @@ from shmlimit.shm.segment import (
     write_secret,
 )
 from shmlimit.shm.segment import unlink as _unlink_name
-from shmlimit.shm.table import ProcessTable, is_alive, slot_alive
+from shmlimit.shm.table import ProcessTable, slot_alive
 
 assert (
     K.HEADER_BYTES == L.HEADER_BYTES and K.LINE == L.SLOT_BYTES
@@ -238,29 +231,6 @@ def check_moving(mkeys: int, ring: int, kind: int) -> bool:
 MAX_BYTES = K.segment_size(K.MAX_KEYS, K.MAX_OVERRIDES) + K.MAX_MOVING_BYTES
 
 
-def _open_checked(name: str, mode: Optional[int], trusted_uids: AbstractSet[int]) -> Segment:
-    """Map an existing segment only after checking who may write it and that its header fits the file.
-
-    A mapping longer than its file raises SIGBUS on the first access past its
-    end, so the header's SIZE is read with ``pread`` and checked first.
-    """
-    checked = opened(name, write=True, mode=mode, trusted_uids=trusted_uids, max_bytes=MAX_BYTES)
-    with checked as (fd, st):  # the same opener and trust rule as a Limiter's segment
-        size = st.st_size
-        head = os.pread(fd, K.LINE, 0) if size >= K.LINE else b""
-        if len(head) == K.LINE:
-            magic, state, declared = (
-                int.from_bytes(head[o : o + 8], "little")
-                for o in (K.MAGIC_OFF, K.STATE_OFF, K.SIZE_OFF)
-            )
-            if magic == K.MAGIC and state == K.STATE_READY and declared > size:
-                raise SegmentError(
-                    f"segment {name!r} is truncated: its header says {declared} bytes, the file has {size}"
-                )
-        mm = mmap.mmap(fd, size) if size else None
-    return Segment(name, mm, size, False, st.st_ino, st.st_ctime_ns)  # type: ignore[arg-type]
-
-
 def read_copy(name: str, offset: int, length: int) -> Tuple[bytearray, int]:
     """``length`` bytes from ``offset`` (fewer at the end of the file) with ``pread``, and the file's size.
 
@@ -274,57 +244,38 @@ def read_copy(name: str, offset: int, length: int) -> Tuple[bytearray, int]:
     return buf, st.st_size
 
 
-def _wait_ready(name: str, seg: Segment, mode: int, trusted_uids: AbstractSet[int]) -> Segment:
-    start = time.monotonic()
-    while True:
-        if 0 < seg.size < K.HEADER_BYTES:
-            raise SegmentError(f"segment {name!r} is truncated: {seg.size} bytes")
-        age = (time.time_ns() - seg.ctime_ns) / 1e9
-        if seg.size:
-            c = open_cells(seg.mm, K.HEADER_BYTES)
-            try:
-                magic, state, creator = (
-                    c.load(K.MAGIC_OFF),
-                    c.load(K.STATE_OFF),
-                    c.load(K.CREATOR_PID_OFF),
-                )
-            finally:
-                c.close()
-            if magic in (L.MAGIC, L.GROUP_MAGIC):
-                what = "a Limiter" if magic == L.MAGIC else "a limiter of several rates"
-                raise SegmentError(
-                    f"segment {name!r} is {what}, not a KeyedLimiter of one rate: use shmlimit.attach"
-                )
-            if magic not in (0, K.MAGIC):
-                raise SegmentError(
-                    f"segment {name!r} is not a shmlimit limiter (bad magic {magic:#018x})"
-                )
-            if magic == K.MAGIC and state == K.STATE_READY:
-                return seg
-            if magic == K.MAGIC and state == L.STATE_DOOMED:
-                # a collector is unlinking it (or gives it back): wait, then open the name again;
-                # one that died between its claim and its unlink left the segment whole
-                if time.monotonic() - start > DOOMED_WAIT:
-                    c = open_cells(seg.mm, K.HEADER_BYTES)
-                    try:
-                        c.cas(K.STATE_OFF, L.STATE_DOOMED, K.STATE_READY)
-                    finally:
-                        c.close()
-            elif (
-                creator > 0xFFFFFFFF
-                or (creator and not is_alive(creator, 0))
-                or (not creator and age > INIT_WAIT)
-            ):
-                raise AbandonedSegmentError(name, seg.inode, creator, "keyed limiter")
-        elif age > INIT_WAIT:
-            raise AbandonedSegmentError(name, seg.inode, 0, "keyed limiter")
-        if time.monotonic() - start > LIVE_CREATOR_WAIT:
-            raise SegmentError(
-                f"segment {name!r} is still being initialised after {LIVE_CREATOR_WAIT:.0f} s"
-            )
-        time.sleep(0.001)
-        seg.close()
-        seg = _open_checked(name, mode, trusted_uids)
+@dataclass(frozen=True)
+class Creation:
+    """What a creating call asks for: a keyed segment of ``geo``, made with ``mode`` if none exists
+    (``rate``: a KeyedLimiter's default rate; None for a table of window counters)."""
+
+    geo: Geometry
+    rate: Optional[Rate]
+    adapt: Optional[Adapt]
+    mode: int
+
+
+def _declared_size(c: Cells) -> int:
+    # the geometry's words are checked against SIZE by validate_header, which every reader of a
+    # keyed table runs (a group's regions too); the start-up protocol only needs SIZE to fit the file
+    return c.load(K.SIZE_OFF)
+
+
+#: The keyed segment as the one start-up protocol (``header.open_segment``) knows it: both value
+#: kinds, a KeyedLimiter's table and a table of window counters, share its magic.
+KEYED = Kind(
+    "a KeyedLimiter of one rate",
+    K.MAGIC,
+    K.VERSION,
+    K.HEADER_BYTES,
+    _declared_size,
+    lambda create: create.geo.size,
+    lambda seg, create, now_ns: initialise(seg, create.geo, create.rate, create.adapt),
+    lambda seg: seg.size,
+    noun="keyed limiter",
+    max_bytes=MAX_BYTES,
+)
+KINDS_BY_MAGIC[KEYED.magic] = KEYED
 
 
 def open_segment(
@@ -336,55 +287,31 @@ def open_segment(
     adapt: Optional[Adapt] = None,
 ) -> Tuple[Segment, Cells, Geometry]:
     """Create (when ``rate`` is given, or ``geo`` is a table of window counters, and the name is free)
-    or open a keyed segment.
+    or open a keyed segment, by the one start-up protocol (``header.open_segment``).
 
-    Returns the mapping, cells over the whole segment, and its geometry.  With
-    create intent an abandoned segment is replaced (only if the name still
-    points at the same inode); without, every problem raises.
+    Returns the mapping, cells over the whole segment, and its geometry, validated.  With create
+    intent an abandoned segment is replaced; without, every problem raises.
     """
-    warm_backend()
-    create = geo is not None and (rate is not None or geo.kind == K.KIND_WINDOWS)
-    for _ in range(16):
-        if create:
-            _check_space(name, geo.size)
-            seg = Segment.create(
-                name, geo.size, mode
-            )  # allocates every page: ENOSPC is an error now
-            if seg is not None:
-                return seg, initialise(seg, geo, rate, adapt), geo
-        try:
-            seg = _wait_ready(name, _open_checked(name, mode, trusted_uids), mode, trusted_uids)
-        except LimiterNotFoundError:
-            if not create:
-                raise
-            continue
-        except AbandonedSegmentError as e:
-            if not create:
-                raise
-            time.sleep(0.05)
-            if current_inode(name) == e.inode:
-                try:
-                    _unlink_name(name)
-                except LimiterNotFoundError:
-                    pass
-            continue
-        c = open_cells(seg.mm, seg.size)
-        try:
-            return seg, c, validate_header(name, c, seg.size)
-        except BaseException:
-            c.close()
-            seg.close()
-            raise
-    raise SegmentError(
-        f"could not create or open keyed limiter {name!r}: it kept being unlinked and re-created"
-    )
+    create = None
+    if geo is not None and (rate is not None or geo.kind == K.KIND_WINDOWS):
+        _check_space(name, geo.size)  # Segment.create allocates every page: ENOSPC is an error now
+        create = Creation(geo, rate, adapt, mode)
+    seg, c = open_header(name, create, mode, frozenset(trusted_uids), kind=KEYED)
+    if seg.created:
+        return seg, c, geo  # type: ignore[return-value]
+    try:
+        return seg, c, validate_header(name, c, seg.size)
+    except BaseException:
+        c.close()
+        seg.close()
+        raise
 
 
 def collect(name: str) -> bool:
     """Unlink the keyed segment (either value kind) if no live process is attached to it; True if
     it did.  The same claim-check-unlink as a ``Limiter``'s (``claim_and_unlink``): an opener
     registers, then sees the claim and opens the name again (``reopen_if_collected``)."""
-    seg = _open_checked(name, None, frozenset())
+    seg = open_existing(name, None, frozenset(), KEYED)
     try:
         if seg.size < K.HEADER_BYTES + K.PSLOTS * K.LINE:
             return False

@@ -202,12 +202,16 @@ def check_trust(name: str, st: os.stat_result, mode: int, trusted_uids: Abstract
         )
 
 
-def _check_header_size(name: str, fd: int, size: int) -> None:
-    """Before mapping: a ready header must not claim more bytes than the file has.
+def _check_header_size(
+    name: str, fd: int, size: int, magic_of_kind: int, max_bytes: Optional[int]
+) -> None:
+    """Before mapping: a segment of the expected kind (``magic_of_kind``) must be at most
+    ``max_bytes`` (None: any), and a ready header must not claim more bytes than the file has.
 
     A mapping longer than its file raises SIGBUS on the first access past the
     end; reading the header with ``pread`` first keeps that from ever happening
-    to a segment that was truncated (or forged) before we opened it.
+    to a segment that was truncated (or forged) before we opened it.  A segment
+    of another kind is left to the opener, which names its kind.
     """
     if size < L.LINE:
         return
@@ -217,11 +221,13 @@ def _check_header_size(name: str, fd: int, size: int) -> None:
     magic, state, declared = (
         int.from_bytes(head[o : o + 8], "little") for o in (L.MAGIC_OFF, L.STATE_OFF, L.SIZE_OFF)
     )
-    if magic == L.MAGIC and size > MAX_BYTES:  # (other kinds of segment check their own sizes)
+    if magic != magic_of_kind:
+        return
+    if max_bytes is not None and size > max_bytes:
         raise SegmentError(
-            f"segment {name!r} is {size} bytes; no limiter is larger than {MAX_BYTES}"
+            f"segment {name!r} is {size} bytes; no limiter of its kind is larger than {max_bytes}"
         )
-    if magic == L.MAGIC and state == L.STATE_READY and declared > size:
+    if state == L.STATE_READY and declared > size:
         raise SegmentError(
             f"segment {name!r} is truncated: its header says {declared} bytes, the file has {size}"
         )
@@ -285,16 +291,22 @@ class Segment:
 
     @classmethod
     def open(
-        cls, name: str, mode: Optional[int] = None, trusted_uids: AbstractSet[int] = frozenset()
+        cls,
+        name: str,
+        mode: Optional[int] = None,
+        trusted_uids: AbstractSet[int] = frozenset(),
+        magic: int = L.MAGIC,
+        max_bytes: Optional[int] = MAX_BYTES,
     ) -> "Segment":
         """Map an existing segment at its current size (which may still be 0 while its creator sizes it).
 
         With ``mode``, the segment must pass ``check_trust`` first: nothing of
-        an untrusted segment is read or mapped.
+        an untrusted segment is read or mapped.  One whose first word is ``magic`` (the kind
+        the caller expects) is checked with ``pread`` before it is mapped (``_check_header_size``).
         """
         with opened(name, write=True, mode=mode, trusted_uids=trusted_uids) as (fd, st):
             size = st.st_size
-            _check_header_size(name, fd, size)
+            _check_header_size(name, fd, size, magic, max_bytes)
             mm = mmap.mmap(fd, size) if size else None
         return cls(name, mm, size, False, st.st_ino, st.st_ctime_ns, st.st_uid, st.st_mode & 0o7777)  # type: ignore[arg-type]
 
