@@ -228,3 +228,12 @@ def test_a_limit_above_the_bound_is_refused_by_name(name, strategy, rate):
         assert not limiter.hit(parse(f"{bound}/day"), "k")
     finally:
         s.table.close()
+
+
+def test_any_key_counts_even_one_ending_like_a_limit_with_other_digits(store):
+    """A key ending ``/²/1/second`` ("²" is a digit to ``str.isdigit``, not a number to ``int``) made
+    ``incr`` raise ValueError; any key is a key, its limit read only from decimal digits."""
+    assert [store.incr("a/²/1/second", 60) for _ in range(2)] == [1, 2]
+    assert shm_limits.limit_of("a/²/1/second") is None
+    assert shm_limits.limit_of("a/١٢/1/second") == 12  # decimal digits of any script are numbers
+    assert store.get("a/²/1/second") == 2

@@ -62,7 +62,13 @@ def limit_of(key: str) -> Optional[int]:
     with the limit itself): this is how the table counts the hits it granted apart from those
     it refused."""
     parts = key.rsplit("/", 3)
-    if len(parts) == 4 and parts[1].isdigit() and parts[2].isdigit() and parts[3] in _GRANULARITIES:
+    # isdecimal, not isdigit: "²" is a digit but no number ``int`` reads
+    if (
+        len(parts) == 4
+        and parts[3] in _GRANULARITIES
+        and parts[1].isdecimal()
+        and parts[2].isdecimal()
+    ):
         return int(parts[1])
     return None
 
