@@ -12,6 +12,7 @@ import math
 import mmap
 import multiprocessing as mp
 import os
+import unittest
 
 import pytest
 from hypothesis import settings
@@ -41,7 +42,7 @@ class Mapping:
         self.size = K.segment_size(nkeys, 0)
         self.mm = mmap.mmap(-1, self.size)
 
-    def process(self, backend, clock, pid=None):
+    def process(self, backend, clock, pid=None, evict=False, store_keys=False):
         c = open_cells(self.mm, self.size, backend)
         t = KC.SlotTable(
             c,
@@ -52,9 +53,9 @@ class Mapping:
             K.EVICTED,
             K.owner(pid or os.getpid()),
             K.CUT,
-            False,  # refuse when full: the exact models below keep every live window
+            evict,  # by default refuse when full: the exact models below keep every live window
         )
-        return W.WindowCounters(t, *SECRET, K.REFUSED, clock)
+        return W.WindowCounters(t, *SECRET, K.REFUSED, clock, store_keys=store_keys)
 
 
 class FixedModel:
@@ -241,6 +242,139 @@ class Counters(RuleBasedStateMachine):
 TestCountersAtomics, TestCountersNative = on_each_backend(
     Counters, settings(max_examples=40, stateful_step_count=50, deadline=None)
 )
+
+
+TWIN_KEYS = st.sampled_from(["a", "b", "c", "d", "e", "f", "é", b"raw", "k" * 40])
+
+
+class FixedTwins(RuleBasedStateMachine):
+    """The native fixed-window step (``FixedWindows`` in ``_native.c``) against its reference, the
+    portable backend's ``WindowCounters.incr``, on twin mappings driven alike: after every step
+    both gave the same answer and every word of both mappings is the same.  Small tables, more
+    keys than slots, eviction on or off, keys stored or not, saturated windows, cleared keys and
+    slots left BUSY or PEND (with a key's digest) by dead inserters."""
+
+    @initialize(evict=st.booleans(), store=st.booleans(), nkeys=st.sampled_from([2, 4, 8]))
+    def setup(self, evict, store, nkeys):
+        self.clock = FakeClock(10**12 + 123_456_789)
+        self.maps = [Mapping(nkeys), Mapping(nkeys)]
+        self.ref, self.nat = (
+            m.process(b, self.clock, evict=evict, store_keys=store)
+            for m, b in zip(self.maps, ("atomics", "native"))
+        )
+        assert self.ref._native is None and self.nat._native is not None
+
+    def both(self, step):
+        answers = []
+        for p in (self.ref, self.nat):
+            try:
+                answers.append(step(p))
+            except KeyTableFullError as e:
+                answers.append(("full", e.busy, str(e)))
+        assert answers[0] == answers[1]
+        assert bytes(self.maps[0].mm) == bytes(self.maps[1].mm)
+        return answers[0]
+
+    @rule(
+        key=TWIN_KEYS,
+        w=st.sampled_from([1, 1000, 1500, 60_000]),
+        amount=st.integers(0, 3) | st.just(W.CMAX - 1),
+    )
+    def incr(self, key, w, amount):
+        self.both(lambda p: p.incr(key, w / 1000, amount))
+
+    @rule(key=TWIN_KEYS)
+    def clear(self, key):
+        self.both(lambda p: p.clear(key))
+
+    @rule(ms=st.sampled_from([0, 1, 2, 999, 1000, 1501, 60_001]))
+    def tick(self, ms):
+        self.clock.advance(ms * 1_000_000 + 17)
+
+    @rule(key=TWIN_KEYS, pend=st.booleans(), skip=st.integers(0, 2))
+    def die_mid_insert(self, key, pend, skip):
+        """A dead inserter left the ``skip``-th free slot of ``key``'s window BUSY, or PEND with the
+        key's digest and a first window (it died in its re-scan)."""
+
+        def leave(p):
+            d, home, _ = p._key(b"F", key)
+            free = [
+                s
+                for s in (p.t._slot(home, i) for i in range(p.t.probe))
+                if p.c.load(s) & 0xFF in (K.EMPTY, K.TOMB)
+            ]
+            if len(free) <= skip:
+                return None
+            s = free[skip]
+            ctl = p.c.load(s)
+            gen = (ctl >> 40) + 1
+            if pend:
+                p.c.store(s + K.S_D0, d[0])
+                p.c.store(s + K.S_D1, d[1])
+                p.c.store(s + K.S_V0, p.c.load(s + K.S_V0) + W.pack(1, 1))
+            p.c.store(s, K.ctrl(K.PEND if pend else K.BUSY, K.owner(DEAD_PID), gen))
+            return s
+
+        self.both(leave)
+
+
+TestFixedTwins = unittest.skipUnless(native_available(), "the native extension is not built here")(
+    FixedTwins.TestCase
+)
+TestFixedTwins.settings = settings(max_examples=60, stateful_step_count=40, deadline=None)
+
+
+def test_the_native_step_refuses_bad_arguments_and_regions():
+    """Its caller validates; a direct call out of range is refused, nothing written."""
+    if not native_available():
+        pytest.skip("the native extension is not built here")
+    from shmlimit.shm._native import fixed_windows
+
+    m = Mapping(8)
+    p = m.process("native", FakeClock())
+    for args in [
+        ("k", 0, 1, 5),
+        ("k", W.MAX_WINDOW_MS + 1, 1, 5),
+        ("k", 1000, W.CMAX + 1, 5),
+        ("k", 1000, 1, W._MAX_NOW_MS + 1),
+    ]:
+        with pytest.raises(ValueError, match="window_ms"):
+            p._native.incr(*args)
+    with pytest.raises(TypeError, match="key must be a str or bytes"):
+        p._native.incr(3, 1000, 1, 5)
+    assert bytes(m.mm[K.slots_offset(0) :]) == bytes(m.size - K.slots_offset(0))
+    good = (K.slots_offset(0), 8, 8, *SECRET, K.KEYS_LIVE, K.EVICTED, K.REFUSED, 1, K.CUT, 0)
+    for i, bad in [(0, m.size), (1, m.size // 64), (2, 9), (5, m.size), (9, 4)]:
+        with pytest.raises(IndexError, match="outside the mapping"):
+            fixed_windows(p.c, *good[:i], bad, *good[i + 1 :])
+    with pytest.raises(TypeError, match="NativeCells"):
+        fixed_windows(open_cells(m.mm, m.size, "atomics"), *good)
+
+
+def _forked_hit(name, out):
+    t = _inherited[name]
+    t.incr("child", 60)
+    me = K.owner(os.getpid())
+    native = t.counters._native
+    out.put((t.counters.t.pid == me, native is None or native.pid == me, t.moving.t.pid == me))
+
+
+_inherited = {}
+
+
+def test_a_forked_child_inserts_as_itself(name):
+    """Its first use rebinds every inserter of the table (the reference's and the native one)
+    to its own pid: a slot it leaves mid-insert is judged by its own life, not its parent's."""
+    t = WindowTable(name, keys=64)
+    t.incr("parent", 60)
+    _inherited[name] = t
+    try:
+        [got] = run_processes(mp.get_context("fork"), _forked_hit, [(name,)])
+        assert got == (True, True, True)
+        assert t.get("child") == 1
+    finally:
+        _inherited.pop(name)
+        t.close()
 
 
 @pytest.mark.parametrize("backend", BACKENDS)

@@ -169,6 +169,9 @@ class WindowTable:
         # child on its first call (``_live``), so a child that never counts is never listed.
         self._procs = procs
         self._lock = threading.Lock()
+        #: A forked child's first use registers it (``_live``): set by the fork hook below, so that
+        #: no call pays a ``getpid`` system call to tell.
+        self._forked = False
         self._joined(pid, slot)
         _open_tables.add(self)
 
@@ -184,6 +187,7 @@ class WindowTable:
         with self._lock:
             pid = os.getpid()
             if self._pid == pid:
+                self._forked = False
                 return
             self._joined(self._pid, None)  # the parent's slot is not ours
             seg = self._seg
@@ -192,6 +196,10 @@ class WindowTable:
                 slot = self._procs.register(pid, start if start and start > 0 else 0)
                 if not gone(self._name, seg.inode, self._cells):
                     self._joined(pid, slot)
+                    for counters in (self.counters, self.moving):
+                        if counters is not None:  # insert as ourselves
+                            counters.rebind(pid)
+                    self._forked = False
                     return
                 if slot is not None:
                     self._procs.unregister(slot, pid)
@@ -233,7 +241,7 @@ class WindowTable:
     def _live(self) -> Cells:
         if self._seg is None:
             raise ValueError(f"window table {self._name!r} is closed in this process")
-        if self._pid != os.getpid():  # a forked child's first use: it registers as itself
+        if self._forked:  # a forked child's first use: it registers as itself
             self._register()
         return self._cells
 
@@ -357,8 +365,18 @@ class WindowTable:
         )
 
 
-#: Every table open in this process: at exit each gives its process slot back.
+#: Every table open in this process: at exit each gives its process slot back; in a forked child
+#: each registers as itself on its first use.
 _open_tables: "weakref.WeakSet[WindowTable]" = weakref.WeakSet()
+
+
+def _after_fork() -> None:
+    for t in list(_open_tables):
+        t._forked = True
+
+
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(after_in_child=_after_fork)
 
 
 @atexit.register

@@ -107,6 +107,8 @@ TSHIFT = CB + 1
 TMAX = (1 << (63 - TSHIFT)) - 1  #: the largest time (ms) a word holds: V0's top bit is DEAD
 OVER = 1 << 62  #: what ``incr`` answers once a window's count is saturated (above every limit)
 MAX_WINDOW_MS = 1 << 35
+_MAX_WINDOW_S = MAX_WINDOW_MS // 1000  #: the longest window a whole number of seconds gives
+_MAX_NOW_MS = TMAX - 2 * MAX_WINDOW_MS - 2  #: the latest clock (ms) every window's end fits after
 LOW = FLAG | CMAX
 MOVING_MAX = (1 << 20) - 1  #: the largest moving-window limit (hits per window)
 E_TSHIFT = 20  #: a log entry: LAP << 63 | t << 20 | cum, t in units of 1/32 ms
@@ -126,6 +128,8 @@ def unpack(v: int) -> Tuple[int, bool, int]:
 
 def window_ms(expiry: object) -> int:
     """A window's length in whole milliseconds (rounded up), from seconds; ValueError names the range."""
+    if type(expiry) is int and 0 < expiry <= _MAX_WINDOW_S:  # what ``limits`` passes: no rounding
+        return expiry * 1000
     if (
         isinstance(expiry, bool)
         or not isinstance(expiry, (int, float))
@@ -141,6 +145,8 @@ def window_ms(expiry: object) -> int:
 
 
 def _amount(amount: object) -> int:
+    if type(amount) is int and 0 <= amount <= CMAX:
+        return amount
     if isinstance(amount, bool) or not isinstance(amount, int) or not 0 <= amount <= CMAX:
         raise ValueError(f"amount must be an int from 0 to {CMAX}, got {amount!r}")
     return amount
@@ -150,7 +156,10 @@ class WindowCounters:
     """Both kinds over one ``SlotTable``: ``incr``/``get``/``expiry_ms``/``clear`` (fixed window) and
     ``acquire_sliding``/``sliding``/``clear_sliding`` (sliding window counter), ``reset``.
 
-    ``clock()`` returns CLOCK_MONOTONIC nanoseconds (injectable for tests).
+    ``clock()`` returns CLOCK_MONOTONIC nanoseconds (injectable for tests).  A forked child calls
+    ``rebind`` before its first use (``WindowTable`` does), so that it inserts as itself.  On the
+    native backend ``incr`` is one call of the extension's twin of the loop below (``FixedWindows``
+    in ``_native.c``); this one is the portable backend's and the reference they are tested against.
     """
 
     def __init__(
@@ -169,24 +178,36 @@ class WindowCounters:
         self.t, self.c = table, table.c
         self.k0, self.k1, self.refused = k0, k1, refused
         self.clock = clock or time.monotonic_ns
-        self._pid = os.getpid()
         self._hash = KC.hasher(self.c, k0, k1)
+        self._native = None
+        if getattr(self.c, "backend", None) == "native" and table.stride == K.LINE:
+            from shmlimit.shm._native import fixed_windows
+
+            flags = (KC.FLAG_EVICT if table.evict else 0) | (
+                KC.FLAG_STORE_KEYS if store_keys else 0
+            )
+            self._native = fixed_windows(
+                self.c,
+                *(table.slots, table.nslots, table.probe, k0, k1, table.keys_live),
+                *(table.evicted, refused, table.pid, table.cut, flags),
+            )
+
+    def rebind(self, pid: int) -> None:
+        """After fork: insert as process ``pid``, so that a dead inserter is judged right."""
+        self.t.pid = K.owner(pid)
+        if self._native is not None:
+            self._native.rebind(self.t.pid)
 
     # -- plumbing -------------------------------------------------------------------------
 
     def _now(self) -> Tuple[int, int]:
         ns = self.clock()
         ms = ns // 1_000_000
-        if not 0 <= ms <= TMAX - 2 * MAX_WINDOW_MS - 2:
+        if not 0 <= ms <= _MAX_NOW_MS:
             raise OverflowError(f"CLOCK_MONOTONIC ({ms} ms) is beyond what a window counter holds")
         return ns, ms
 
     def _key(self, prefix: bytes, key: object) -> Tuple[Tuple[int, int], int, bytes]:
-        if (
-            os.getpid() != self._pid
-        ):  # after fork: insert as ourselves, so a dead inserter is judged right
-            self._pid = os.getpid()
-            self.t.pid = K.owner(self._pid)
         data = KC.key_bytes(key)
         d = self._hash(prefix + data)
         return d, (d[0] * self.t.nslots) >> 64, data
@@ -235,6 +256,11 @@ class WindowCounters:
         """
         w, amount = window_ms(expiry), _amount(amount)
         _, now = self._now()
+        if self._native is not None:
+            got = self._native.incr(key, w, amount, now)
+            if got < 0:  # FULL (counted in ``refused``) or BUSY, as ``_insert`` raises them
+                raise KeyTableFullError(self.name, self.t.nslots, busy=got == KC.BUSY)
+            return got
         d, home, data = self._key(b"F", key)
         c = self.c
         while True:

@@ -664,6 +664,9 @@ typedef struct {
     uint64_t *slots;      /* key slots: nslots lines */
     uint64_t *keys_live, *evicted, *refused, *grants, *cut;
     uint64_t novr, nslots, probe, k0, k1, pid, flags;
+    /* 1: a window counter's slots (FIXED WINDOWS below), whose V0 less BASE is its own expiry; no
+     * config, no overrides, no grants word (cfg, ovr_live, ovr and grants are NULL) */
+    int windows;
 } KeyedTable;
 
 #define LINEW 8 /* words per line */
@@ -940,7 +943,9 @@ scan:
             uint64_t base = ld(s + KW_BASE), v = ld(s + KW_V0), at = 0;
             if (ld(s + KW_CTRL) != c)
                 return s; /* it changed tenant while we read it: look again */
-            if (quick)
+            if (t->windows)
+                at = v - base; /* a window counter's V0 is its own expiry (keyed.windows) */
+            else if (quick)
                 at = v - base - slack;
             else if (!(v & KT_DEAD) && !kt_expiry(t, s, v - base, &at)) {
                 *err = 1;
@@ -1435,8 +1440,133 @@ cells_keyed_table(NativeCells *self, PyObject *const *args, Py_ssize_t n)
     t->pid = v[13];
     t->cut = (uint64_t *)(b + v[14]);
     t->flags = v[15];
+    t->windows = 0;
     return (PyObject *)t;
 }
+
+/* ---- FIXED WINDOWS: keyed.windows' fixed-window step on the slot protocol -----------------------
+ *
+ * The reference is WindowCounters.incr in shmlimit/keyed/windows.py (the portable backend's path);
+ * the two must stay step-for-step equivalent: tests/test_window_counters.py runs them side by side
+ * on the same words.  A key's slot holds V0 = end << 25 | count (ms; stored plus BASE), changed
+ * only by CAS: within the window the count grows, once end <= now a new window starts with
+ * end = now + W + 1 ms.  Its digest is that of "F" + the key's bytes. */
+#define WC_TSHIFT 25
+#define WC_CMAX ((UINT64_C(1) << 24) - 1)                       /* keyed.windows.CMAX */
+#define WC_FLAG (UINT64_C(1) << 24)                              /* keyed.windows.FLAG */
+#define WC_OVER (UINT64_C(1) << 62)                              /* keyed.windows.OVER */
+#define WC_MAX_WINDOW_MS (UINT64_C(1) << 35)                     /* keyed.windows.MAX_WINDOW_MS */
+#define WC_MAX_NOW (((UINT64_C(1) << 38) - 1) - 2 * WC_MAX_WINDOW_MS - 2) /* keyed.windows._now's */
+
+/* incr(key, window_ms, amount, now_ms) -> the count after adding amount to key's window (OVER once
+ * it would pass CMAX), or KT_FULL (no slot: counted in refused) or KT_BUSY (a stalled insert of the
+ * key by a live process); nothing counted then.  The caller validated its arguments (ValueError
+ * here only for a call that skipped that). */
+static PyObject *
+fw_incr(KeyedTable *t, PyObject *const *args, Py_ssize_t n)
+{
+    const char *buf;
+    Py_ssize_t len;
+    uint64_t w, amount, now;
+    if (!nargs(n, 4, "incr") || !check_open(t->cells) || !kt_key(args[0], &buf, &len) ||
+        !u64(args[1], &w) || !u64(args[2], &amount) || !u64(args[3], &now))
+        return NULL;
+    if (!w || w > WC_MAX_WINDOW_MS || amount > WC_CMAX || now > WC_MAX_NOW) {
+        PyErr_SetString(PyExc_ValueError, "incr: window_ms must be from 1 to 2**35, amount at most "
+                                          "2**24 - 1, now_ms within what a window counter holds");
+        return NULL;
+    }
+    unsigned char kb[1 + KT_KEY_MAX];
+    kb[0] = 'F';
+    memcpy(kb + 1, buf, (size_t)len);
+    uint64_t d[2], disp[2] = {0, 0};
+    siphash128(kb, (size_t)len + 1, t->k0, t->k1, d);
+    uint64_t home = (uint64_t)(((unsigned __int128)d[0] * t->nslots) >> 64);
+    /* pack(now, CMAX, True): the insert's now and low, above no value a window at or after now takes */
+    uint64_t low = now << WC_TSHIFT | WC_FLAG | WC_CMAX;
+    int displayed = 0;
+    for (;;) {
+        uint64_t c, *s = kt_find(t, d, home, &c);
+        if (!s) {
+            if (!displayed && (t->flags & KT_FLAG_STORE_KEYS)) {
+                kt_display(buf, len, disp);
+                displayed = 1;
+            }
+            int err;
+            s = kt_insert(t, d, home, low, (now + w + 1) << WC_TSHIFT | amount, low, 0, disp, 0, 0, &c,
+                          &err);
+            if (err)
+                return err == 2 ? PyLong_FromLongLong(KT_BUSY) : NULL;
+            if (!s) {
+                add(t->refused, 1);
+                return PyLong_FromLongLong(KT_FULL);
+            }
+            if (c)
+                return PyLong_FromUnsignedLongLong(amount);
+            if (!kt_yield(t)) /* lost a race (often to an insert of the same key): let it finish */
+                return NULL;
+            continue;
+        }
+        for (;;) {
+            uint64_t off = ld(s + KW_BASE), raw = ld(s + KW_V0);
+            if (raw & KT_DEAD || ld(s + KW_CTRL) != c)
+                break; /* evicted or reused: look again */
+            uint64_t v = raw - off, end = (v & ~KT_DEAD) >> WC_TSHIFT, cnt = v & WC_CMAX, nw, ret;
+            if (end <= now) { /* a new window, never shorter than asked */
+                uint64_t e = now + w + 1 > end + 1 ? now + w + 1 : end + 1;
+                nw = e << WC_TSHIFT | amount;
+                ret = amount;
+            } else if (cnt + amount > WC_CMAX) { /* saturated: above every limit */
+                nw = end << WC_TSHIFT | WC_CMAX;
+                ret = WC_OVER;
+            } else {
+                nw = end << WC_TSHIFT | (cnt + amount);
+                ret = cnt + amount;
+            }
+            if (cas(s + KW_V0, raw, nw + off))
+                return PyLong_FromUnsignedLongLong(ret);
+        }
+    }
+}
+
+/* rebind(pid): after fork, insert as this process (its owner field: keyed.layout.owner). */
+static PyObject *
+fw_rebind(KeyedTable *t, PyObject *const *args, Py_ssize_t n)
+{
+    uint64_t pid;
+    if (!nargs(n, 1, "rebind") || !check_open(t->cells) || !u64(args[0], &pid))
+        return NULL;
+    t->pid = pid;
+    Py_RETURN_NONE;
+}
+
+static PyMethodDef fw_methods[] = {
+    {"incr", (PyCFunction)(void (*)(void))fw_incr, METH_FASTCALL,
+     "incr(key, window_ms, amount, now_ms) -> the window's count after it (OVER when saturated), or "
+     "keyed.cells.FULL / BUSY"},
+    {"rebind", (PyCFunction)(void (*)(void))fw_rebind, METH_FASTCALL, "rebind(pid_owner)"},
+    {NULL, NULL, 0, NULL},
+};
+
+static PyObject *
+fw_pid(KeyedTable *t, void *closure)
+{
+    (void)closure;
+    return PyLong_FromUnsignedLongLong(t->pid);
+}
+
+static PyGetSetDef fw_getset[] = {
+    {"pid", (getter)fw_pid, NULL, "the owner field this process inserts as (rebind sets it)", NULL},
+    {NULL, NULL, NULL, NULL, NULL},
+};
+
+static PyTypeObject FixedWindowsType = {
+    NATIVE_TYPE("FixedWindows", KeyedTable,
+                "The fixed-window step over a window table's slots (see keyed/windows.py)."),
+    .tp_methods = fw_methods,
+    .tp_getset = fw_getset,
+    .tp_dealloc = (destructor)bound_dealloc,
+};
 /* ======================================================================================
  * END KEYED TABLE
  * ====================================================================================== */
@@ -3788,7 +3918,61 @@ native_siphash128(PyObject *mod, PyObject *const *args, Py_ssize_t nargs)
     return Py_BuildValue("(KK)", (unsigned long long)d[0], (unsigned long long)d[1]);
 }
 
+/* fixed_windows(cells, slots, nslots, probe, k0, k1, keys_live, evicted, refused, pid, cut, flags):
+ * the fixed-window step over the slot table at `slots` (nslots lines, probed `probe` at a time);
+ * every region checked against the mapping once, here. */
+static PyObject *
+native_fixed_windows(PyObject *mod, PyObject *const *args, Py_ssize_t n)
+{
+    (void)mod;
+    if (!nargs(n, 12, "fixed_windows"))
+        return NULL;
+    if (!PyObject_TypeCheck(args[0], &NativeCellsType)) {
+        PyErr_Format(PyExc_TypeError, "fixed_windows: cells must be NativeCells, not %.100s",
+                     Py_TYPE(args[0])->tp_name);
+        return NULL;
+    }
+    NativeCells *cells = (NativeCells *)args[0];
+    uint64_t v[11];
+    if (!check_open(cells))
+        return NULL;
+    for (int i = 0; i < 11; i++)
+        if (!u64(args[i + 1], &v[i]))
+            return NULL;
+    uint64_t size = (uint64_t)cells->size;
+    if (v[0] % 8 || v[1] == 0 || v[1] > size / 64 || v[0] > size - v[1] * 64 || v[2] == 0 ||
+        v[2] > v[1] || v[5] > size - 8 || v[6] > size - 8 || v[7] > size - 8 || v[9] > size - 8 ||
+        (v[5] | v[6] | v[7] | v[9]) % 8) {
+        PyErr_SetString(PyExc_IndexError, "fixed_windows: a region lies outside the mapping");
+        return NULL;
+    }
+    KeyedTable *t = PyObject_New(KeyedTable, &FixedWindowsType);
+    if (!t)
+        return NULL;
+    Py_INCREF(cells);
+    t->cells = cells;
+    char *b = cells->base;
+    t->cfg = t->ovr_live = t->ovr = t->grants = NULL;
+    t->novr = 0;
+    t->slots = (uint64_t *)(b + v[0]);
+    t->nslots = v[1];
+    t->probe = v[2];
+    t->k0 = v[3];
+    t->k1 = v[4];
+    t->keys_live = (uint64_t *)(b + v[5]);
+    t->evicted = (uint64_t *)(b + v[6]);
+    t->refused = (uint64_t *)(b + v[7]);
+    t->pid = v[8];
+    t->cut = (uint64_t *)(b + v[9]);
+    t->flags = v[10];
+    t->windows = 1;
+    return (PyObject *)t;
+}
+
 static PyMethodDef native_functions[] = {
+    {"fixed_windows", (PyCFunction)(void (*)(void))native_fixed_windows, METH_FASTCALL,
+     "fixed_windows(cells, slots, nslots, probe, k0, k1, keys_live, evicted, refused, pid, cut, flags)"
+     " -> FixedWindows: keyed.windows' fixed-window step in one call"},
     {"siphash128", (PyCFunction)(void (*)(void))native_siphash128, METH_FASTCALL,
      "siphash128(data, k0, k1) -> (d0, d1): SipHash-2-4 with a 128-bit output"},
     {"sleep_until", (PyCFunction)(void (*)(void))native_sleep_until, METH_FASTCALL,
@@ -3813,7 +3997,8 @@ PyInit__native(void)
 {
     if (PyType_Ready(&NativeCellsType) < 0 || PyType_Ready(&GrabberType) < 0 || PyType_Ready(&KeyedTableType) < 0
         || PyType_Ready(&GateType) < 0 || PyType_Ready(&WaiterType) < 0 || PyType_Ready(&MultiGateType) < 0
-        || PyType_Ready(&FedWaiterType) < 0 || PyType_Ready(&AcquirerType) < 0)
+        || PyType_Ready(&FedWaiterType) < 0 || PyType_Ready(&AcquirerType) < 0
+        || PyType_Ready(&FixedWindowsType) < 0)
         return NULL;
     PyObject *m = PyModule_Create(&native_module);
     if (!m)
