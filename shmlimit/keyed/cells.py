@@ -74,6 +74,7 @@ over either backend's cells, on the same words.
 
 from __future__ import annotations
 
+import functools
 import os
 import time
 from typing import Callable, Dict, Optional, Tuple
@@ -182,6 +183,17 @@ def hasher(cells: object, k0: int, k1: int) -> Callable[[bytes], Tuple[int, int]
         return d
 
     return digest
+
+
+#: A bank's words in the order ``_bank`` reads them: its values, then its generation and sum.
+_BANK_WORDS = (*K.B_VALUES, K.B_GEN, K.B_SUM)
+
+
+@functools.lru_cache(maxsize=64)
+def _masks(gen: int) -> Tuple[int, ...]:
+    """The masks of a bank's value words for generation ``gen`` (a pure function of it: each
+    bank read computed five of them)."""
+    return tuple(K.bank_mask(gen, i) for i in range(len(K.B_VALUES)))
 
 
 def key_bytes(key: object) -> bytes:
@@ -562,13 +574,9 @@ class KeyedTable(SlotTable):
 
     def _bank(self, line: int, d: Tuple[int, int], seq: int):
         """``(age, T, TAU)`` of one config bank (see ``keyed_gcra``), or None if its checksum fails."""
-        c = self.c
-        raw = [c.load(line + off) for off in K.B_VALUES]
-        gen = c.load(line + K.B_GEN)
-        rate, per, burst, t, tau = (
-            w ^ K.bank_mask(gen, i) for i, w in enumerate(raw)
-        )  # stored masked
-        if c.load(line + K.B_SUM) != _config_sum(gen, (d[0], d[1], t, tau, rate, per, burst)):
+        *raw, gen, stored_sum = self.c.load_many(tuple(line + off for off in _BANK_WORDS))
+        rate, per, burst, t, tau = (w ^ m for w, m in zip(raw, _masks(gen)))  # stored masked
+        if stored_sum != _config_sum(gen, (d[0], d[1], t, tau, rate, per, burst)):
             return None
         return (seq - gen) & MASK64, t, tau
 

@@ -18,6 +18,9 @@ class StopsAt:
     def load(self, off):
         return self.c.load(off)
 
+    def load_many(self, offsets):
+        return self.c.load_many(offsets)  # reads only: never where an inserter stops
+
     def _write(self):
         if self.left == 0 or (self.left is None and self.pending):
             raise Stopped
