@@ -189,11 +189,17 @@ def hasher(cells: object, k0: int, k1: int) -> Callable[[bytes], Tuple[int, int]
 _BANK_WORDS = (*K.B_VALUES, K.B_GEN, K.B_SUM)
 
 
-@functools.lru_cache(maxsize=64)
-def _masks(gen: int) -> Tuple[int, ...]:
-    """The masks of a bank's value words for generation ``gen`` (a pure function of it: each
-    bank read computed five of them)."""
-    return tuple(K.bank_mask(gen, i) for i in range(len(K.B_VALUES)))
+@functools.lru_cache(maxsize=256)
+def _decode(words: Tuple[int, ...], d: Tuple[int, int]) -> Optional[Tuple[int, int, int]]:
+    """``(GEN, T, TAU)`` of a config bank whose words (``_BANK_WORDS``) were loaded as ``words``,
+    for digest ``d``; None if its checksum fails.  A pure function of what was loaded, so it is
+    kept for the last 256 banks read: unmasking and checking a bank cost two thirds of a keyed
+    try on the portable backend, where the words are read again every call."""
+    *raw, gen, stored_sum = words
+    rate, per, burst, t, tau = (w ^ K.bank_mask(gen, i) for i, w in enumerate(raw))
+    if stored_sum != _config_sum(gen, (d[0], d[1], t, tau, rate, per, burst)):
+        return None
+    return gen, t, tau
 
 
 def key_bytes(key: object) -> bytes:
@@ -574,11 +580,8 @@ class KeyedTable(SlotTable):
 
     def _bank(self, line: int, d: Tuple[int, int], seq: int):
         """``(age, T, TAU)`` of one config bank (see ``keyed_gcra``), or None if its checksum fails."""
-        *raw, gen, stored_sum = self.c.load_many(tuple(line + off for off in _BANK_WORDS))
-        rate, per, burst, t, tau = (w ^ m for w, m in zip(raw, _masks(gen)))  # stored masked
-        if stored_sum != _config_sum(gen, (d[0], d[1], t, tau, rate, per, burst)):
-            return None
-        return (seq - gen) & MASK64, t, tau
+        decoded = _decode(self.c.load_many(tuple(line + off for off in _BANK_WORDS)), d)
+        return None if decoded is None else ((seq - decoded[0]) & MASK64, *decoded[1:])
 
     def _pick(self, lines: Tuple[int, int], d: Tuple[int, int], seq: int):
         """``(T, TAU)`` of the valid bank of the newest generation, or None."""
