@@ -353,20 +353,26 @@ class AdaptStats:
     raises: int  #: windows that raised it
 
 
-def stats(cells: "Cells") -> Optional[AdaptStats]:
-    """What ``stats()`` and ``inspect`` show of the adaptive rate (None: the limiter does not adapt)."""
-    adapt = read(cells)
+def stats(
+    cells: "Cells",
+    params: Tuple[int, ...] = L.ADAPT_PARAMS,
+    counts: Tuple[int, int, int] = (L.ADAPT_THROTTLED, L.ADAPT_OK, L.ADAPT_DECISIONS),
+) -> Optional[AdaptStats]:
+    """What ``stats()`` and ``inspect`` show of the adaptive rate (None: the limiter does not
+    adapt), from its parameters' words and its counts' (throttled, ok, decisions): a limiter's by
+    default, a keyed table's for every key (``keyed.adapt``)."""
+    adapt = read(cells, params)
     if adapt is None:
         return None
-    decisions = cells.load(L.ADAPT_DECISIONS)
+    throttled, ok, decisions = (cells.load(off) for off in counts)
     return AdaptStats(
         adapt.min_rate,
         adapt.max_rate,
         adapt.decrease,
         adapt.increase,  # type: ignore[arg-type]
         adapt.window,
-        cells.load(L.ADAPT_THROTTLED),
-        cells.load(L.ADAPT_OK),
+        throttled,
+        ok,
         decisions >> 32,
         decisions & 0xFFFFFFFF,
     )

@@ -26,6 +26,7 @@ from typing import TYPE_CHECKING, Any, Optional, Tuple
 
 from shmlimit.adapt import CUT, RAISE, Adapt, AdaptStats, State, Window, decide
 from shmlimit.adapt import read as read_params
+from shmlimit.adapt import stats as fleet_stats
 from shmlimit.config import NS_PER_S
 from shmlimit.keyed import layout as K
 from shmlimit.keyed.gcra import Rate, make_rate, read_default
@@ -161,18 +162,4 @@ def _mark(c: "Cells", e: int, out: int, grants: int) -> None:
 
 def stats(c: "Cells") -> Optional[AdaptStats]:
     """The per-key parameters, and the outcomes and decisions of every key (None: no adapt)."""
-    adapt = read(c)
-    if adapt is None:
-        return None
-    decisions = c.load(K.ADAPT_DECISIONS)
-    return AdaptStats(
-        adapt.min_rate,
-        adapt.max_rate,
-        adapt.decrease,
-        adapt.increase,  # type: ignore[arg-type]
-        adapt.window,
-        c.load(K.ADAPT_THROTTLED),
-        c.load(K.ADAPT_OK),
-        decisions >> 32,
-        decisions & 0xFFFFFFFF,
-    )
+    return fleet_stats(c, K.ADAPT_PARAMS, (K.ADAPT_THROTTLED, K.ADAPT_OK, K.ADAPT_DECISIONS))
