@@ -23,6 +23,9 @@ from shmlimit.integrations.httpx import ThrottledTransport  # noqa: E402
 from shmlimit.integrations.requests import ThrottledAdapter  # noqa: E402
 from shmlimit.keyed import layout as KL  # noqa: E402
 
+# run once in CI: the HTTP clients' reports; the adaptive words are tests/test_adapt*.py's
+pytestmark = pytest.mark.backend_independent
+
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 ADAPT = shmlimit.Adapt(min_rate=10, max_rate=2000)
 

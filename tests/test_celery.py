@@ -15,6 +15,9 @@ import shmlimit
 celery = pytest.importorskip("celery")
 from shmlimit.integrations.celery import HEADER, MAX_SLOTS, acquire_or_retry  # noqa: E402
 
+# run once in CI: the Celery integration; the limiter beneath it is the core tests' subject
+pytestmark = pytest.mark.backend_independent
+
 TASKS = """
 import os, time
 import shmlimit

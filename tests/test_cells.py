@@ -9,6 +9,9 @@ from support.procs import run_processes
 
 from shmlimit.shm.cells import MASK64, Cells, native_available, selected_backend
 
+# run once in CI: names each backend it checks
+pytestmark = pytest.mark.backend_independent
+
 
 def test_native_backend_is_built_when_required():
     if REQUIRE_NATIVE:

@@ -19,6 +19,9 @@ from shmlimit.shm import layout as L
 from shmlimit.shm.cells import MASK64, native_available
 from shmlimit.shm.words import SPAN_MAX, diff
 
+# run once in CI: names each backend it checks
+pytestmark = pytest.mark.backend_independent
+
 BACKENDS = ["atomics"] + (["native"] if native_available() else [])
 MS = 1_000_000
 SLOTS = 2

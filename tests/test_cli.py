@@ -9,6 +9,9 @@ from support.starvation import steal_seconds
 
 import shmlimit
 
+# The tests of argument checks, help and version, which open no segment, are marked
+# backend_independent (run once in CI); those against live limiters run on each backend.
+
 
 def test_create_inspect_set_rate_unlink(name):
     r = run("create", name, "--rate", "12K,1.1")
@@ -32,6 +35,7 @@ def test_create_inspect_set_rate_unlink(name):
     assert r.returncode == 0 and name not in shmlimit.list_names()
 
 
+@pytest.mark.backend_independent
 @pytest.mark.parametrize(
     "args",
     [
@@ -76,6 +80,7 @@ def test_demo_reports_achieved_rate_within_the_bound():
     assert achieved >= 300 * 0.95 - 300 * (late + workers + starved + stolen) / elapsed
 
 
+@pytest.mark.backend_independent
 def test_help_on_every_command():
     for cmd in ("demo", "list", "inspect", "create", "set-rate", "unlink"):
         r = run(cmd, "--help")
@@ -130,6 +135,7 @@ def test_create_several_rates(name):
         run("unlink", name)
 
 
+@pytest.mark.backend_independent
 @pytest.mark.parametrize(
     "args",
     [
@@ -146,6 +152,7 @@ def test_create_several_rates_mistakes(name, args):
     assert not [n for n in shmlimit.list_names() if n.startswith(name)]
 
 
+@pytest.mark.backend_independent
 def test_version_is_the_packages_one_and_python_m_shmlimit_runs_the_command():
     import subprocess
     import sys

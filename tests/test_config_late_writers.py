@@ -25,6 +25,9 @@ from shmlimit.shm import layout as L
 from shmlimit.shm.banks import config_words, read_snapshot, write_under_lock
 from shmlimit.shm.cells import native_available
 
+# run once in CI: names each backend it checks
+pytestmark = pytest.mark.backend_independent
+
 START = Config.make(1000, burst=10)
 FIRST = Config.make(1000, burst=50)  # what the first late writer came to write
 SECOND = Config.make(500, burst=20)  # what the second late writer came to write

@@ -11,6 +11,9 @@ from shmlimit.cli import doctor
 from shmlimit.shm import layout as L
 from shmlimit.shm.cells import native_available
 
+# run once in CI: checks of machines made to order; the backend's on an environment it is given
+pytestmark = pytest.mark.backend_independent
+
 MiB = 1 << 20
 
 

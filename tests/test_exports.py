@@ -2,7 +2,12 @@
 
 import inspect
 
+import pytest
+
 import shmlimit
+
+# run once in CI: the public names and their docstrings: no segment
+pytestmark = pytest.mark.backend_independent
 
 PUBLIC = [
     "Adapt",

@@ -11,6 +11,9 @@ import uuid
 import pytest
 from support.procs import WORKDIR
 
+# run once in CI: hints for missing extras, and limits finding shm://
+pytestmark = pytest.mark.backend_independent
+
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 

@@ -24,6 +24,9 @@ from shmlimit.integrations._hosts import (  # noqa: E402
 from shmlimit.integrations.httpx import AsyncThrottledTransport, ThrottledTransport  # noqa: E402
 from shmlimit.integrations.requests import ThrottledAdapter  # noqa: E402
 
+# run once in CI: the HTTP clients' integration; the limiter beneath is the core tests'
+pytestmark = pytest.mark.backend_independent
+
 RATE, CAPACITY, RETRY_AFTER = 20, 1, 1
 
 

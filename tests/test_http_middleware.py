@@ -13,6 +13,9 @@ from shmlimit.integrations._http import client_ip
 from shmlimit.integrations.asgi import RateLimitMiddleware as ASGILimit
 from shmlimit.integrations.wsgi import RateLimitMiddleware as WSGILimit
 
+# run once in CI: the middleware's headers and client keys; the table is the keyed tests'
+pytestmark = pytest.mark.backend_independent
+
 RATELIMIT = re.compile(r'^"default";r=(\d+);t=(\d+)$')
 README = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "README.md")
 

@@ -24,6 +24,9 @@ from shmlimit.integrations._hosts import (  # noqa: E402
 from shmlimit.integrations.httpx import AsyncThrottledTransport, ThrottledTransport  # noqa: E402
 from shmlimit.integrations.requests import ThrottledAdapter  # noqa: E402
 
+# run once in CI: the HTTP clients' pauses; the tables beneath are the keyed tests' subject
+pytestmark = pytest.mark.backend_independent
+
 
 @pytest.fixture
 def name(name):

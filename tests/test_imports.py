@@ -10,6 +10,11 @@ import ast
 import os
 import re
 
+import pytest
+
+# run once in CI: the import graph, read from the source: no segment
+pytestmark = pytest.mark.backend_independent
+
 # the source tree beside this test file (the installed copy has no docs/ beside it)
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 PACKAGE = os.path.join(ROOT, "shmlimit")

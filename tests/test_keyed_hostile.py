@@ -32,6 +32,9 @@ from shmlimit.keyed import layout as K
 from shmlimit.keyed.window_table import WindowTable
 from shmlimit.shm.cells import native_available
 
+# run once in CI: names each backend it checks (the readers it runs)
+pytestmark = pytest.mark.backend_independent
+
 BACKENDS = ["atomics"] + (["native"] if native_available() else [])
 KEYS = 64
 

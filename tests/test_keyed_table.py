@@ -28,6 +28,9 @@ from shmlimit.keyed.window_table import WindowTable
 from shmlimit.keyed.windows import CMAX, pack
 from shmlimit.shm.cells import native_available, open_cells
 
+# run once in CI: names each backend it checks
+pytestmark = pytest.mark.backend_independent
+
 BACKENDS = ["atomics"] + (["native"] if native_available() else [])
 T = 100  # ticks per op
 DEAD_PID = (

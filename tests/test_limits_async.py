@@ -19,6 +19,9 @@ from support.servers import Server, get  # noqa: E402
 import shmlimit  # noqa: E402
 import shmlimit.integrations.limits as shm_limits  # noqa: E402
 
+# run once in CI: limits.aio over async+shm://; the windows are tests/test_window_*.py's
+pytestmark = pytest.mark.backend_independent
+
 
 def test_the_async_scheme_is_registered_and_shares_the_sync_table(name):
     sync = storage.storage_from_string(f"shm://{name}?keys=512")

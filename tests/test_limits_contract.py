@@ -26,6 +26,9 @@ from support.clock import FakeClock  # noqa: E402
 import shmlimit  # noqa: E402
 import shmlimit.integrations.limits  # noqa: E402,F401  (registers shm:// and async+shm://)
 
+# run once in CI: the limits storage contract; the windows are tests/test_window_*.py's
+pytestmark = pytest.mark.backend_independent
+
 SCHEMES = ["memory", "shm", "async+memory", "async+shm"]
 
 

@@ -16,6 +16,9 @@ from support.servers import BIN, Server, get  # noqa: E402
 import shmlimit  # noqa: E402
 import shmlimit.integrations.limits as shm_limits  # noqa: E402
 
+# run once in CI: limits and Flask-Limiter over shm://; the windows are test_window_*'s
+pytestmark = pytest.mark.backend_independent
+
 
 @pytest.fixture
 def store(name):

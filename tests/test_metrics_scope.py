@@ -74,6 +74,7 @@ def _limiter(made, stopped=False, owner=None):
     return name
 
 
+@pytest.mark.backend_independent  # names each backend it checks
 @pytest.mark.skipif(os.geteuid() != 0, reason="giving a segment to another uid needs root")
 @pytest.mark.parametrize("backend", ["native", "atomics"])
 def test_another_users_segments_are_left_out_unless_trusted(made, backend):
@@ -134,6 +135,7 @@ def test_a_scrape_exports_at_most_max_segments(made):
     assert read <= 1 and omitted(values, "over_cap") >= 4
 
 
+@pytest.mark.backend_independent  # argument checks
 def test_scope_options_are_checked():
     from shmlimit.cli.metrics import select
     from shmlimit.integrations.prometheus import ShmlimitCollector
@@ -152,11 +154,13 @@ def _one_line_error(r, *words):
     assert len(lines) == 1 and all(w in lines[0] for w in words), r.stderr
 
 
+@pytest.mark.backend_independent  # argument checks
 @pytest.mark.parametrize("port", ["99999", "-1", "65536"])
 def test_a_port_out_of_range_is_one_line(port):
     _one_line_error(metrics("--port", port), "--port", "0 to 65535", port)
 
 
+@pytest.mark.backend_independent  # argument checks
 def test_a_port_in_use_or_a_bad_address_is_one_line():
     with socket.socket() as taken:
         taken.bind(("127.0.0.1", 0))

@@ -16,6 +16,9 @@ import shmlimit
 from shmlimit.integrations.asgi import RateLimitMiddleware as ASGILimit
 from shmlimit.integrations.wsgi import RateLimitMiddleware as WSGILimit
 
+# run once in CI: ASGI and WSGI middleware under real servers; the limiter is the core tests'
+pytestmark = pytest.mark.backend_independent
+
 RATELIMIT = re.compile(r'^"default";r=(\d+);t=(\d+)$')
 
 

@@ -67,6 +67,9 @@ from shmlimit.shm.cells import MASK64, native_available, open_cells
 from shmlimit.shm.segment import Segment
 from shmlimit.shm.table import ProcessTable, proc_start
 
+# run once in CI: names each backend it checks (its simulated processes mix both)
+pytestmark = pytest.mark.backend_independent
+
 BACKENDS = ["atomics"] + (["native"] if native_available() else [])
 SLOTS = 4
 WORDS = [

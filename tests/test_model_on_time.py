@@ -54,6 +54,7 @@ Checked after every replenish:
 import random
 
 import hypothesis.strategies as st
+import pytest
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, rule
 from support.models import model_settings
 from test_model import LimiterModel
@@ -63,6 +64,9 @@ from shmlimit.bucket.rovers import WAIT_BURN, Bucket
 from shmlimit.shm import layout as L
 from shmlimit.shm.cells import native_available, open_cells
 from shmlimit.shm.words import diff
+
+# run once in CI: names each backend it checks (its simulated processes mix both)
+pytestmark = pytest.mark.backend_independent
 
 #: Rates whose op is a whole number of ns (so every rover boundary is a whole ns of schedule, and
 #: a waiter's replenish at its turn lands exactly on it), within a factor of 10 of each other:

@@ -20,6 +20,9 @@ from support.cells import BACKENDS, backend, cells, cells_for, opened, segment  
 from shmlimit.shm.cells import MASK64, multi_gate, native_available, open_cells
 from shmlimit.shm.composites import Gate, MultiGate
 
+# run once in CI: names each backend it checks
+pytestmark = pytest.mark.backend_independent
+
 INF = float("inf")
 # two rates' words in one segment: (seq, tail, head, ceil, repl_ts, grants)
 A = (8, 64, 128, 192, 256, 320)

@@ -16,6 +16,9 @@ import pytest
 from support.procs import WORKDIR, run_cli
 from support.segments import shm_path, unique_name
 
+# run once in CI: names each backend it checks
+pytestmark = pytest.mark.backend_independent
+
 #: Seconds any one tool may take on a machine shared with other test runs; a hang never ends.
 TIMEOUT = 30
 KINDS = ["fifo", "symlink", "directory", "device"]

@@ -8,6 +8,9 @@ import shmlimit
 from shmlimit.config import Config, parse_rate
 from shmlimit.rate_group import parse_rates
 
+# run once in CI: rate strings parsed; the grants they price are the core tests' subject
+pytestmark = pytest.mark.backend_independent
+
 
 @pytest.mark.parametrize(
     "text, expected",

@@ -17,6 +17,9 @@ import tempfile
 
 import pytest
 
+# run once in CI: the docs' examples run as written; the backends are the core tests' subject
+pytestmark = pytest.mark.backend_independent
+
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 PAGES = ["README.md"] + sorted(
     os.path.relpath(p, ROOT)

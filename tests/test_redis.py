@@ -29,6 +29,9 @@ from support.windows import max_excess, max_gap, tag
 
 import shmlimit
 
+# The direct limiters (RedisLimiter, RedisKeyedLimiter) hold no segment: their tests are marked
+# backend_independent (run once in CI); the hierarchical mode's, which feed a segment, run on each.
+
 
 @pytest.fixture
 def R():
@@ -48,6 +51,7 @@ def fake_time(R, monkeypatch):
     return clock
 
 
+@pytest.mark.backend_independent
 def test_deterministic_sequence_rate_10_burst_3(R, redis_server, name, fake_time):
     lim = R.RedisLimiter(name, rate=10, burst=3, url=redis_server.url, clock="client")
     # three at once (the burst), then one every 100 ms, reserved in order
@@ -75,6 +79,7 @@ def test_deterministic_sequence_rate_10_burst_3(R, redis_server, name, fake_time
     lim.close()
 
 
+@pytest.mark.backend_independent
 def test_times_are_integers_and_the_epoch_moves_forward(R, redis_server, name, fake_time):
     lim = R.RedisLimiter(name, rate=1000, burst=1, url=redis_server.url, clock="client")
     assert lim.reserve() == 0.0
@@ -87,6 +92,7 @@ def test_times_are_integers_and_the_epoch_moves_forward(R, redis_server, name, f
     lim.close()
 
 
+@pytest.mark.backend_independent
 def test_max_reserved_backpressure_and_timeouts(R, redis_server, name, fake_time):
     lim = R.RedisLimiter(
         name, rate=10, burst=1, url=redis_server.url, clock="client", max_reserved=0.25
@@ -96,6 +102,7 @@ def test_max_reserved_backpressure_and_timeouts(R, redis_server, name, fake_time
     assert lim.stats().grants == 3
 
 
+@pytest.mark.backend_independent
 def test_acquire_waits_and_a_late_permit_is_void(R, redis_server, name, monkeypatch):
     # One injected clock for the limiter's sleeps, its lateness check and the script's time
     # (clock="client"): a busy machine's late wakes cannot void permits the test does not mean to
@@ -122,6 +129,7 @@ def test_acquire_waits_and_a_late_permit_is_void(R, redis_server, name, monkeypa
     lim.close()
 
 
+@pytest.mark.backend_independent
 def test_acquire_async_and_throttle(R, redis_server, name, monkeypatch):
     # One injected clock for the waits (the loop's and a thread's), the lateness check and the
     # script's time (clock="client"): the spacing measured is the limiter's, never the machine's
@@ -187,6 +195,7 @@ def test_acquire_async_and_throttle(R, redis_server, name, monkeypatch):
     lim.close()
 
 
+@pytest.mark.backend_independent
 def test_script_flush_mid_run_is_survived(R, redis_server, name):
     lim = R.RedisLimiter(name, rate=1000, burst=10, url=redis_server.url)
     for _ in range(5):
@@ -199,6 +208,7 @@ def test_script_flush_mid_run_is_survived(R, redis_server, name):
 
 
 # how long a call to a stopped server takes to fail, in real time (< 2 s)
+@pytest.mark.backend_independent
 @pytest.mark.slow
 def test_restart_mid_run_fails_fast_then_recovers(R, own_redis, name):
     lim = R.RedisLimiter(name, rate=1000, url=own_redis.url, timeout=0.25)
@@ -250,6 +260,7 @@ def test_bad_input_is_refused(R, redis_server, name):
     assert name not in shmlimit.list_names()
 
 
+@pytest.mark.backend_independent
 def test_password_is_never_shown(R):
     assert R.redact("redis://user:secret@host:6379/0") == "redis://user:***@host:6379/0"
     assert R.redact("redis://:secret@host/1") == "redis://:***@host/1"
@@ -273,6 +284,7 @@ def run_workers(name, count, seconds, script=WORKER):
 
 
 # grants per real second of four processes
+@pytest.mark.backend_independent
 @pytest.mark.slow
 def test_four_processes_on_the_direct_limiter_keep_the_rate(R, redis_server, name):
     rate, burst, seconds = 100, 5, 3.0
@@ -631,6 +643,7 @@ def test_a_stale_filler_cannot_add_an_old_batch(R, redis_server, name):
 # ---- keyed limits across hosts ---------------------------------------------------------------------
 
 
+@pytest.mark.backend_independent
 def test_keyed_redis_limiter_one_gcra_per_key(R, redis_server, name, fake_time):
     from shmlimit.redis.keyed import RedisKeyedLimiter
 
@@ -665,6 +678,7 @@ def test_keyed_redis_limiter_one_gcra_per_key(R, redis_server, name, fake_time):
 
 
 # grants per real second of each key
+@pytest.mark.backend_independent
 @pytest.mark.slow
 def test_keyed_redis_limiter_holds_each_key_across_processes(R, redis_server, name):
     rate, burst, seconds = 40, 4, 2.0

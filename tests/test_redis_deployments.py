@@ -20,6 +20,9 @@ from support.windows import max_excess, tag
 
 import shmlimit
 
+# run once in CI: Redis Cluster and sentinel; the segment's side is tests/test_redis.py's
+pytestmark = pytest.mark.backend_independent
+
 
 @pytest.fixture(scope="module")
 def cluster():

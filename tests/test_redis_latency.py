@@ -11,6 +11,9 @@ from support.windows import max_excess, tag
 
 import shmlimit
 
+# run once in CI: Redis behind latency; the segment's side is tests/test_redis.py's
+pytestmark = pytest.mark.backend_independent
+
 
 # grants per real second behind latency and across a cut
 @pytest.mark.slow

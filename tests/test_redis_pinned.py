@@ -10,6 +10,9 @@ import time
 import pytest
 from support.procs import wait_for
 
+# run once in CI: the Redis tier's connections: no atomic word involved
+pytestmark = pytest.mark.backend_independent
+
 
 @pytest.fixture
 def R():

@@ -16,6 +16,9 @@ from support.segments import shm_bytes
 
 import shmlimit
 
+# run once in CI: secrets, TLS and endpoints of the Redis tier: no atomic word involved
+pytestmark = pytest.mark.backend_independent
+
 SECRET = "s3cr3t-pw"
 
 

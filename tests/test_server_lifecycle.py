@@ -16,6 +16,9 @@ from support.servers import BIN, Server, get
 
 import shmlimit
 
+# run once in CI: limiters under a pre-fork server; the limiter is the core tests' subject
+pytestmark = pytest.mark.backend_independent
+
 
 def test_opening_starts_no_thread_until_first_use(name):
     before = threading.active_count()
