@@ -133,19 +133,37 @@ os.environ[_RUN_MARK] = uuid.uuid4().hex
 _SESSION_HELPERS = ("multiprocessing.resource_tracker",)  # started once, lives as long as the run
 
 
+def _carrying_the_mark(mark):
+    """The pids whose environment holds ``_RUN_MARK=mark``, read straight from /proc: a superset of
+    the marked processes (psutil then checks each), found in a tenth of psutil's time -- this runs
+    twice a test.  Every pid where there is no /proc."""
+    try:
+        entries = os.listdir("/proc")
+    except OSError:
+        return psutil.pids()
+    needle = f"{_RUN_MARK}={mark}".encode()
+    pids = []
+    for entry in entries:
+        if entry.isdigit():
+            try:
+                with open(f"/proc/{entry}/environ", "rb") as f:
+                    if needle in f.read():
+                        pids.append(int(entry))
+            except OSError:
+                continue  # gone, or not ours to read
+    return pids
+
+
 def _marked_processes():
     me, mark, uid = os.getpid(), os.environ[_RUN_MARK], os.getuid()
     found = {}
-    for p in psutil.process_iter(["uids", "status"]):
+    for pid in _carrying_the_mark(mark):
         try:
-            if (
-                p.pid == me
-                or p.info["status"] == psutil.STATUS_ZOMBIE
-                or p.info["uids"].real != uid
-            ):
+            p = psutil.Process(pid)
+            if pid == me or p.status() == psutil.STATUS_ZOMBIE or p.uids().real != uid:
                 continue
             if p.environ().get(_RUN_MARK) == mark:
-                found[p.pid] = " ".join(p.cmdline())
+                found[pid] = " ".join(p.cmdline())
         except (psutil.Error, OSError):
             continue  # gone, or not ours to read
     return found
