@@ -374,7 +374,8 @@ class MultiLimiter(RateGroup):
         (``multirate_request.claim``); refused part-way, or interrupted, every
         claim is given back (``give_back_claims``: covered tokens to the head,
         a queued range skipped by the head), so no rate keeps a dead claim
-        queued, and none is given back beyond what it would have held.
+        queued, and none is given back beyond what it would have held.  With
+        one rate to claim it is that rate's reservation (``Limiter.reserve``).
         """
         ops = self._ops(n, costs)
         atts = self._live()
@@ -382,6 +383,14 @@ class MultiLimiter(RateGroup):
         limit = validate_timeout(max_wait, "max_wait")
         max_ns = _INF if limit is None else limit * NS_PER_S
         order = sorted((i for i, o in enumerate(ops) if o), key=lambda i: wait_ns(atts[i], toks[i]))
+        if len(order) == 1:
+            # One rate to claim: one rate's reservation, whose promise is known before its CAS.
+            # The claims below hold a provisional fence a second ahead and a waiter's record until
+            # every rate is claimed: for the few us that takes, the fence held the head and cut
+            # refunds, and the record counted as a stop (``count_stops``) in every promise made
+            # meanwhile, its own included: at 5 000/s, 3 processes reserving and settling lost
+            # 0.5 to 1.3 s of schedule in 6 s to slots promised that much late.
+            return acquisition.reserve(atts[order[0]], ops[order[0]], limit)
         if (
             any(atts[i].bucket.stopped or wait_ns(atts[i], toks[i]) > max_ns for i in order)
             and limit is not None
@@ -530,7 +539,7 @@ class MultiLimiter(RateGroup):
         for att, d in checked:  # every delta validated before any is applied
             b = att.bucket
             if d > 0:
-                b.grab(d * b.cost, att.grants_off, 0)  # a ticket no one waits for: debt
+                b.charge(d * b.cost, att.grants_off, 0)  # a ticket no one waits for: debt
                 att.count(d)
             elif d < 0:
                 b.add(-d * b.cost)

@@ -5,6 +5,7 @@ reservations) it lands whole.  On an injected clock, on the backend the suite ru
 
 import pytest
 from support.clock import FakeClock
+from support.windows import check_windows
 from test_feeder import Host, R, clock  # noqa: F401  (fixtures: a hierarchical host on a fake clock)
 
 import shmlimit
@@ -86,3 +87,69 @@ def test_lease_deliveries_are_never_cut_by_a_fence(R, redis_server, name, clock)
         assert diff(b.head(), head) == 30 * b.cost
     finally:
         host.close()
+
+
+def test_a_refund_never_lets_a_later_slot_be_promised_early(name, cleanup):
+    """A refund is owed to the windows that hold it: one landing ahead of reservations not yet due
+    stops at their fences, which anchor every slot promised behind them.  Passed over another
+    reservation's range (refunds went up to the tail), a 1-op refund let the next 1-op slot be
+    promised 300 ms early, with the 2-op and 3-op slots before it: 6 ops in 100 ms at 10/s with a
+    burst of 4 (the refund model's find)."""
+    clock = FakeClock()
+    lim = shmlimit.Limiter(name, rates={"a": ("10/s", 1), "b": ("10/s", 4)}, clock=clock)
+    cleanup.append(lim)
+    b = lim._live()[1].bucket
+    slots = []
+
+    def step():
+        for att in lim._live():
+            att.bucket.replenish()
+
+    for costs in ({"a": 2, "b": 2}, {"a": 0, "b": 3}):
+        slots.append((clock.now + round(lim.reserve(**costs) * 1e9), costs["b"]))
+        step()
+    step()
+    lim.settle(b=-1)
+    step()
+    slots.append((clock.now + round(lim.reserve(a=0, b=1) * 1e9), 1))
+    # the refund precedes every slot: no window of them holds it
+    check_windows(slots, b.tpn, b.cost, b.cap)
+
+
+def test_a_reservation_on_one_rate_is_promised_no_stop_late(name, cleanup):
+    """A limiter of several rates reserving on one rate makes one rate's reservation: promised when
+    the head gets there.  Its claim protocol (for several rates) held the ticket as a waiter's,
+    recorded, while the promise was computed, and the record counted as a stop on the way
+    (``count_stops``): every such slot was promised a stop late (half the capacity, 250 ms here),
+    and its fence held the head that long behind it."""
+    clock = FakeClock()
+    lim = shmlimit.Limiter(name, rates=[(1000, 500)], clock=clock)
+    cleanup.append(lim)
+    b = lim._live()[0].bucket
+    assert lim.reserve(500) == 0.0  # the full bucket
+    first = lim.reserve(100)
+    second = lim.reserve(100)  # its claim's start is between the head and its ticket
+    assert second - first == pytest.approx(0.1, abs=1e-6)  # 100 ops later, at 1 000/s
+    assert b.promised_ns(b.taken()) - clock.now == pytest.approx(second * 1e9, abs=1e3)
+
+
+def test_a_refund_past_the_clamp_loses_no_time(name, cleanup):
+    """Tokens given back that take the head more than a capacity past the last snapshot's head
+    claim the time so far first and take a snapshot after: the next claim adds its interval.
+    Left to it, that claim's words (a capacity from the head before the refund) let it add nothing:
+    the time since the last claim lost at every such refund (at 5 000/s, up to a filler interval
+    of 1 ms per refund of a charge)."""
+    clock = FakeClock()
+    clock.tick_ns = 1  # (a real clock moves between two readings)
+    lim = shmlimit.Limiter(name, rates=[(1000, 50)], clock=clock)
+    cleanup.append(lim)
+    b = lim._live()[0].bucket
+    lim.settle(450)  # debt: 450 ops queued, no one waiting
+    b.replenish()
+    head = b.head()
+    clock.advance(MS)
+    lim.settle(-300)  # over the debt: 250 ops past the words' limit
+    clock.advance(MS)
+    b.replenish()
+    gained = diff(b.head(), head) / b.cost
+    assert gained >= 300 + 2 - 0.01, f"the head gained {gained:g} ops: 300 + 2 ms expected"

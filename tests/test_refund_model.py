@@ -5,13 +5,15 @@ reservation's at its promise) less refunds stay within ``rate*T + capacity``; an
 lost to a refund beyond the stated tolerance:
 
     a refund lands whole, but for what would fill the bucket beyond ``tail + capacity``, and
-    before a reservation's promise what would grant someone behind it: reach a waiter's ticket,
-    or pass both its fence and the tail (a grab there is granted at once).  That, and only that,
-    is what a reservation's fence protects.
+    before a reservation's promise what would pass its fence: the schedule of everything behind
+    it, the slots promised since included, counts from there.  A charge is no grant: it moves
+    the fences before its debt past it, so a refund of it lands whole behind a reservation.
 
 Checked at each refund made while no waiter is queued on its rate: the head moves by exactly
-the refund, up to ``tail + capacity`` and, for each fence not yet due, ``max(LIMIT, tail)``.  (Refunds were cut at every fence in force: a refund
-over a charge queued behind a reservation was lost.)  Runs on the backend the suite runs
+the refund, up to ``tail + capacity`` and each fence not yet due.  (Refunds were cut at every
+fence in force, a refund over a charge queued behind a reservation lost; then passed them up
+to the tail, over other reservations, and a later slot was promised too early: the window
+check finds that with ``SHMLIMIT_MODEL_EXAMPLES=300``.)  Runs on the backend the suite runs
 (``SHMLIMIT_BACKEND``); an injected clock leaves the native try and wait paths to the Python ones
 (they read CLOCK_MONOTONIC in C), the native grab and every native composite still run.
 """
@@ -58,13 +60,13 @@ class ReservingModel(MultiRateModel):
         if delta < 0:
             self.events[k].append((self.clock.now, delta * b.cost))
             if not waiting:
-                # up to the tail (over debt and reservations) whole; beyond it (what a grab would
-                # take at once) up to the capacity, and before a reservation's promise up to its fence
+                # up to the capacity, and before a reservation's promise up to its fence (which
+                # every charge queued behind the reservation moved past its debt)
                 top = (tail + b.cap) & MASK64
                 ts = c.load(L.REPL_TS)
                 for limit, due in b.fences.in_force(ts, max(ts, self.clock.now), b.tpn, head):
                     if due > self.clock.now:
-                        top = behind(top, limit if diff(limit, tail) > 0 else tail)
+                        top = behind(top, limit)
                 room = max(0, diff(top, head))
                 gained = diff(b.head(), head)
                 assert gained == min(-delta * b.cost, room), (

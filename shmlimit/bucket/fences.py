@@ -97,10 +97,10 @@ class Fences:
 
     def pass_over(self, rec: int, limit: int, to: int) -> bool:
         """The fence in ``rec`` moves from ``limit`` to ``to`` (one CAS; False when its LIMIT changed
-        meanwhile): the tokens between were found granted to no one by the head's reaching them
-        (``Schedule.refund_to``), so the grants behind the reservation before its promise stay
-        within ``C - n``.  Valid whoever owns the record: it says where those tokens lie, not whose
-        the fence is."""
+        meanwhile): past a charge's debt, which grants no one (``Schedule.over_debt``), so the
+        grants behind the reservation before its promise stay within ``C - n``; or, its promise
+        passed, as far as tokens given back take the head (``Schedule.refund_to``).  Valid
+        whoever owns the record: it says where those tokens lie, not whose the fence is."""
         return self.cells.cas(rec + L.FENCE_LIMIT, limit, to)
 
     def take(self, repl_ts: int, horizon: int = 1 << 63) -> Optional[Tuple[int, int]]:
@@ -204,8 +204,8 @@ class FenceHold:
                 self.limit, self.due, self.promise = limit, due, promise
                 return True
             # claimed again by another while this owner was off the CPU (its DUE then differs: left
-            # as it is), or its LIMIT passed over by a refund (``Fences.pass_over``: a fence for a
-            # ticket this owner never took, freed): take another
+            # as it is), or its LIMIT moved by a charge (``Fences.pass_over``: a fence for a ticket
+            # this owner never took, freed): take another
             f.free(self.rec, self.due)
             self.rec = None
 

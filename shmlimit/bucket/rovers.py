@@ -556,6 +556,18 @@ class Bucket(Schedule):
             ):
                 break
             self.replenish()
+        # The clamp words let the next claim bring the head up to a capacity past the snapshot's
+        # head only: tokens that take it past that leave the next claim adding nothing, its whole
+        # interval lost (while callers queue: a refund over debt, a lease).  So a refund that
+        # goes past it claims the time so far first, and takes a snapshot at the head it left
+        # just after: a few ns lost, not the time since the last claim.  (Not ``give_back``:
+        # there the head's gain meanwhile counts against the tokens.)
+        past = head_then is None and self.snap.time_fed
+        if past:
+            head = c.load(L.HEAD)
+            past = diff((head + tokens) & MASK64, self.clamp_limit_at(head, self.snap.cap)) > 0
+            if past:
+                self.replenish()
         while True:
             head = c.load(L.HEAD)
             tail = c.load(L.TAIL)
@@ -574,7 +586,24 @@ class Bucket(Schedule):
                 continue
             if c.cas(L.HEAD, head, to):
                 fed_wait.wake(c, fed_mask(head, to, self.snap.cost))  # the waiters it serves
+                if past:
+                    self.replenish()
                 return add
+
+    def charge(self, tokens: int, grants: int, ops: int) -> None:
+        """Queue ``tokens`` no one waits for (``settle``'s charge: debt later callers wait for),
+        ``ops`` counted in ``grants`` at once if covered; then the reservation fences before the
+        debt move on past it (``Schedule.over_debt``): it grants no one.  The part the head
+        already covered is a grant, and counts as any.  A charge killed before its fences move
+        leaves them where they were: time lost, never a grant."""
+        ticket = self.grab(tokens, grants, ops)
+        if ticket is None:
+            return
+        c = self.cells
+        debt = min(tokens, max(0, diff(ticket, c.load(L.HEAD))))
+        if debt > 0:
+            for move in self.over_debt((ticket - debt) & MASK64, debt, c.load(L.TAIL)):
+                self.fences.pass_over(*move)
 
     def forgive(self) -> int:
         """After the "open" fallback: drop the tickets left by callers it let through untaxed.

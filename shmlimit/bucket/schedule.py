@@ -62,6 +62,20 @@ def count_stops(c: Cells, lens: Tuple[int, ...], head: int, ticket: int, cap: in
     return len(starts - ends) + len(big)
 
 
+def first_granted(granting: List[Tuple[Optional[int], int]], after: int, tail: int) -> int:
+    """The first rover past ``after`` the head may not pass before a reservation's promise: the
+    start of the first of the ``granting`` ranges (``Schedule.granting``) that ends past it
+    (``after`` itself if one straddles it or its start is not known), else ``tail``."""
+    stop = tail
+    for start, end in granting:
+        if diff(end, after) <= 0:
+            continue
+        if start is None or diff(start, after) <= 0:
+            return after
+        stop = behind(stop, start)
+    return stop
+
+
 class Schedule:
     """Reads only: ``Bucket`` provides the cells, its config snapshot, its clock and its records."""
 
@@ -87,56 +101,89 @@ class Schedule:
 
     def refund_to(self, head: int, tail: int, to: int) -> Tuple[int, List[Tuple[int, int, int]]]:
         """Where tokens given back (``Bucket.add``: a refund, a lease) may bring the head from ``head``
-        towards ``to`` (``tail`` read before), and the fences it passes: ``(record, LIMIT, new LIMIT)``.
+        towards ``to`` (``tail`` read before), and the fences whose promise has passed they move:
+        ``(record, LIMIT, new LIMIT)``.
 
-        A fence protects the grants behind its reservation before the promise: the ranges the head
-        grants by reaching them (a waiter's ticket, recorded; the tail, beyond which a grab is
-        granted at once).  A range no one is granted that way -- the debt of a charge, another
-        reservation (used at its own promise), a range given back -- it need not hold the head
-        before: tokens given back go over those to the start of the first recorded range ending
-        past the fence (or the tail), and the fence's LIMIT moves as far (``Fences.pass_over``), so
-        its ``C - n`` still counts only grants and the head stands at no LIMIT it passed.  A fence
-        whose DUE has passed holds the head at its slope, as every move keeps it (``fenced``)."""
+        A fence not yet due holds them at its LIMIT: it anchors the schedule of everything behind
+        its reservation, the slots promised since included (``_fenced_ns``), and a refund is owed
+        only to the windows that hold it, which a window from the promise on does not.  (Passed
+        over another reservation's range, a 1-op refund at 10/s with a burst of 4 let a 1-op slot
+        be promised 300 ms early, with the 2-op and 3-op slots before it: 6 ops in 100 ms.)  Debt
+        is no grant: a charge moves the fences past its own (``over_debt``), so a refund of it
+        lands whole.  A fence whose promise has passed -- a claim after its DUE lifts it; one
+        due between that claim and this reading holds the head at its slope -- cuts nothing: a
+        window that holds its promise and a grant the refund makes holds the refund too.  Its
+        LIMIT moves as far first (``Fences.pass_over``): the head never stands past one a claim
+        reads."""
         c = self.cells
         ts = c.load(L.REPL_TS)
         now = max(ts, self.clock())
-        passes = []
+        due_ones = []
         for rec, limit, due in self.fences.held(ts, now, self.snap.tpn, head):
-            at = (limit + max(0, now - due) * self.snap.tpn) & MASK64
-            if diff(to, at) <= 0:
-                continue
-            if due <= now:
-                to = at  # (its slope: claims after its DUE lift it, ``Bucket.add``)
-                continue
-            stop = self.granted_from(limit, tail)
-            if diff(stop, limit) <= 0:
-                to = limit
-                continue
-            to = behind(to, stop)
-            passes.append((rec, limit))
-        return to, [(rec, limit, to) for rec, limit in passes if diff(to, limit) > 0]
+            if due > now:
+                to = behind(to, limit)
+            else:
+                due_ones.append((rec, limit, (limit + (now - due) * self.snap.tpn) & MASK64))
+        return to, [
+            (rec, limit, (limit + diff(to, at)) & MASK64)
+            for rec, limit, at in due_ones
+            if diff(to, at) > 0
+        ]
 
-    def granted_from(self, after: int, tail: int) -> int:
-        """The first rover past ``after`` the head may not pass before a reservation's promise: the
-        start of the first recorded range that ends past it (``after`` itself if one straddles it, or
-        is being written: its start not known), else ``tail``.  The tail is read before the records:
-        every ticket up to it holds its record's TICKET word (stored before the grab's CAS)."""
+    def over_debt(self, start: int, debt: int, tail: int) -> List[Tuple[int, int, int]]:
+        """The fences a debt of ``debt`` tokens queued from ``start`` (a ``settle`` charge, ``tail``
+        read after it) moves on by as much: ``(record, LIMIT, new LIMIT)``.
+
+        A fence anchors the schedule behind its reservation: its room ``LIMIT - t = C - n`` bounds
+        the grants behind it before the promise, and the slots promised behind it count from its
+        LIMIT.  Debt is no grant, and counted there it would hold the head at the LIMIT with the
+        debt still in the way (once a refund, or the clock, brought it there early), and push
+        every slot behind it back: time lost.  Moved by the debt, a fence counts exactly what it
+        counted before, for any ticket behind the debt.  A LIMIT at or past ``start`` moves by
+        all of it (the room then holds the debt: its grants unchanged); one before it only over
+        ranges the head grants no one by reaching them (``first_granted``: a waiter's ticket or
+        the tail stops it), so the head meets no grant sooner.  Only a fence whose ticket is
+        before ``start`` may move: with ``start`` at most ``C`` (with catch-up's room) past its
+        LIMIT; one stored since for a ticket after the debt is at least ``debt + C`` past it (its
+        ``C`` then in force: a smaller one, after a ``set_rate``, that passes this test is left a
+        room of at most the current ``C - n``)."""
         c = self.cells
-        stop = tail
-        for len_off in self._record_lens():
-            v = c.load(len_off)
+        ts = c.load(L.REPL_TS)
+        now = max(ts, self.clock())
+        room = self.snap.cap + self.snap.burst_pool
+        granting: Optional[List[Tuple[Optional[int], int]]] = None
+        moves = []
+        for rec, limit, due in self.fences.held(ts, now, self.snap.tpn, c.load(L.HEAD)):
+            if due <= now or diff(limit, start) > room:
+                continue
+            new = (limit + debt) & MASK64
+            if diff(limit, start) < 0:
+                granting = self.granting(tail) if granting is None else granting
+                new = behind(new, first_granted(granting, limit, tail))
+            if diff(new, limit) > 0:
+                moves.append((rec, limit, new))
+        return moves
+
+    def granting(self, tail: int) -> List[Tuple[Optional[int], int]]:
+        """The recorded ranges the head grants by reaching them, up to ``tail``: ``(start, end)``,
+        ``start`` None where it is not known (being written, changed under the read, corrupt).
+        The tail is read before the records: every ticket up to it holds its record's TICKET word
+        (stored before the grab's CAS).  One ``load_many`` of the lengths, one load per record in
+        use."""
+        c = self.cells
+        lens = self._record_lens()
+        out: List[Tuple[Optional[int], int]] = []
+        for len_off, v in zip(lens, c.load_many(lens)):
             if v == 0:
                 continue
             end = c.load(len_off - 8)
-            if diff(end, after) <= 0 or diff(end, tail) > 0:
+            if diff(end, tail) > 0:
                 continue
             if v & REC_BUSY or c.load(len_off) != v or not 0 < (v & ~REC_GIVEN) <= SPAN_MAX:
-                return after  # being written, changed under the read, or corrupt
-            if v & REC_GIVEN:
-                continue  # given back: no one is granted it
-            start = (end - (v & ~REC_GIVEN)) & MASK64
-            stop = behind(stop, start if diff(start, after) > 0 else after)
-        return stop
+                out.append((None, end))
+            elif not v & REC_GIVEN:  # (given back: no one is granted it)
+                out.append(((end - v) & MASK64, end))
+        return out
 
     def covered(self, ticket: int) -> bool:
         """True once the head has reached ``ticket``: its grab may proceed."""
