@@ -53,6 +53,31 @@ def max_excess(stamps: Iterable[Tuple[T, int]], width: T) -> int:
     return best
 
 
+def max_inside(spans: Iterable[Tuple[float, float, int]], width: float) -> int:
+    """The most ops whose whole span lies in one window ``[t, t + width)``: ``spans`` are ``(lo, hi,
+    ops)``, each a grant's moment known only to lie in ``[lo, hi]`` (a reservation's promise: the
+    clock read before the call plus its wait, and after it plus the wait).  The ops of every span
+    counted lie in the window whatever the moment: a result above the bound proves an over-grant."""
+    ordered = sorted(spans)
+    widest = max((hi - lo for lo, hi, _ in ordered), default=0)
+    sums = [0]
+    for _, _, ops in ordered:
+        sums.append(sums[-1] + ops)
+    best = j = 0
+    for i, (t, _, _) in enumerate(ordered):
+        j = max(j, i)
+        while j < len(ordered) and ordered[j][0] < t + width:
+            j += 1
+        inside = sums[j] - sums[i]
+        k = j - 1  # only spans starting within ``widest`` of the end may end past it
+        while k >= i and ordered[k][0] >= t + width - widest:
+            if ordered[k][1] >= t + width:
+                inside -= ordered[k][2]
+            k -= 1
+        best = max(best, inside)
+    return best
+
+
 def max_in_window(times: Iterable[T], width: T) -> int:
     """The most stamps in any window ``[t, t + width)`` (no slack: for grant times known exactly)."""
     ordered = sorted(times)
