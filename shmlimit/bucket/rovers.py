@@ -777,6 +777,12 @@ class Bucket(Schedule):
                     c.store(rec - 8, new)  # the record's TICKET: the word before its LEN
                 if c.cas(L.TAIL, tail, new):
                     break
+                if fence is not None and fence.rec is not None:
+                    # its ticket was not taken: freed at once, not left in force while the next
+                    # try computes its promise (a LIMIT the head may be past already, another
+                    # caller's CAS moved the tail: every promise made meanwhile would count
+                    # from it, seconds late, and their fences hold the head that long)
+                    fence.release(self.fences)
             taken = True
             if fence is not None:
                 fence.ticket = new
