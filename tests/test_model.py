@@ -5,10 +5,9 @@ its own cached config, the native or the ``atomics`` backend) over one shared ma
 injected clock and no filler thread: time moves only when the test says so, and tokens arrive
 only through replenishes the test performs (a filler's, a waiter's, a stalled one's).  Waiting is
 not simulated by sleeping: an acquire is the production ``Request`` of the acquisition core,
-taken one step at a time (one op also through ``Limiter.acquire``'s fast path first: the grab, or
-the gate at the model's clock, native on a native process); one that would wait for its ticket
-leaves the ticket pending (the model sees it granted when the head passes it), one that would
-park before taking anything gives up, having taken nothing.  A waiting request may leave (an interrupt, a cancellation:
+taken one step at a time; one that would wait for its ticket leaves the ticket pending (the
+model sees it granted when the head passes it), one that would park before taking anything
+gives up, having taken nothing.  A waiting request may leave (an interrupt, a cancellation:
 its ``end``), giving its ticket back; a simulated process may die, or close the limiter, while
 its requests wait, and a filler gives back the tickets left recorded in its slot; the ranges given back are skipped
 when a process's skipper runs (a step of its own).  A given-back ticket is never a grant.
@@ -26,9 +25,8 @@ After every step the invariants are checked:
   back ahead of it (and the limiter is not stopped), every pending ticket is granted and a new
   op can be had;
 * the config words are mutually consistent, and bad input changes no word;
-* every live waiter's ticket is recorded in its process slot, with its exact length, unless it
-  queued while every record of the slot was in use (``take_ticket``'s overflow: recorded at its
-  next wake; dead before, it costs those behind it its own schedule, and no reap finds it);
+* every live waiter's ticket is recorded in its process slot, with its exact length (no
+  ticket is taken without a record: a process's sixth waiter takes nothing and gives up here);
 * every range a live process holds to skip (given back, or taken from a dead process) is
   recorded in its slot: none is ever held in no record;
 * every range a dead process left -- its waiters' tickets, the ranges it gave back or took --
@@ -293,27 +291,6 @@ class LimiterModel(RuleBasedStateMachine):
         req.end()
         return (step if step is True or step is False else WouldBlock), tail, None
 
-    def _acquire_one(self, lim, timeout):
-        """``Limiter.acquire(1, timeout)`` as it runs: its fast path first (the untimed grab, or the
-        gate's grab within the timeout, judged at the model's clock: native on a native process),
-        a ticket it queued then waited for as ``wait_for_ticket``'s request, stepped as
-        ``_acquire``'s; undecided, the slow path's ``Request``."""
-        tail = self.cells.load(L.TAIL)
-        got = lim._fast[0]() if timeout is None else lim._fast[2](timeout)
-        if got is True or (got is None and timeout is None):
-            return True, tail, None
-        if got is False and timeout is not None:
-            return False, tail, None
-        if got is None or got is False:
-            return self._acquire(lim, 1, timeout)
-        rec, tokens = lim._att.find_record(got)  # recorded by the grab, with its own price
-        req = Request.holding(lim._att, 1, got, tokens, rec)
-        step = req.begin()
-        if step is not True and step is not False and req.state == TICKET:
-            return True, tail, req
-        req.end()
-        return step, tail, None
-
     def _note_taken(self, tail_before, ops, req=None, now=False, lim=None, promise=None):
         """The tail moved: its tokens are granted now, or when the head passes ``req``'s ticket, or
         (a reservation) at the moment ``promise`` its reserve() answered."""
@@ -323,11 +300,6 @@ class LimiterModel(RuleBasedStateMachine):
             return
         ticket = tail if req is None else req.ticket
         self.max_request = max(self.max_request, tokens)
-        if req is not None and req.record is None:
-            # queued unrecorded (take_ticket's overflow) only with every record of its slot in use
-            assert all(self.cells.load(off) for _, off in req.att.records), (
-                "a ticket queued unrecorded while a record was free"
-            )
         if promise is not None:
             # a reservation's holder uses its slot at its promised moment, whenever the head passes
             # its ticket (before it: its fence holds those behind; after it: an early promise,
@@ -372,15 +344,13 @@ class LimiterModel(RuleBasedStateMachine):
             req.end()
 
     def _held(self, att, every=False):
-        """The ends of the ranges ``att``'s process holds: its waiters' recorded tickets and what it
-        gave back (or took from a dead process) and the head has not passed (``every``: or not yet
-        skipped).  A ticket queued unrecorded (every record was in use: ``take_ticket``'s overflow)
-        is no reap's to find: dead, it costs those behind it its own schedule, once."""
+        """The ends of the ranges ``att``'s process holds: its waiters' tickets and what it gave back
+        (or took from a dead process) and the head has not passed (``every``: or not yet skipped)."""
         head = self.cells.load(L.HEAD)
         ends = {
             t
             for t, _, r in self.pending
-            if r is not None and r.att is att and t not in self.given_back and r.record is not None
+            if r is not None and r.att is att and t not in self.given_back
         }
         ends = {e for e in ends if diff(head, e) < 0}
         ranges = {end for _, end in att.returns.pending()}
@@ -479,8 +449,7 @@ class LimiterModel(RuleBasedStateMachine):
     @rule(i=procs_idx, data=st.data())
     def try_acquire(self, i, data):
         lim = self._proc(i)
-        # one op as often as any other n: the gate's (native on a native process, at the model's clock)
-        n = 1 if data.draw(st.booleans(), label="one") else self._n(data, lim)
+        n = self._n(data, lim)
         result, tail, _ = self._call(lim.try_acquire, n)
         self._note_taken(tail, n, now=True, lim=lim)
 
@@ -496,12 +465,6 @@ class LimiterModel(RuleBasedStateMachine):
             label="n",
         )
         self._taking(lambda: self._acquire(lim, n, timeout), n, lim)
-
-    @rule(i=procs_idx, timeout=st.one_of(st.none(), st.sampled_from([0.0, 0.001, 0.05, 2.0])))
-    def acquire_one(self, i, timeout):
-        """One op through ``Limiter.acquire``'s fast path, as production takes it."""
-        lim = self._proc(i)
-        self._taking(lambda: self._acquire_one(lim, timeout), 1, lim)
 
     @rule(
         i=procs_idx,
@@ -993,8 +956,7 @@ class LimiterModel(RuleBasedStateMachine):
         for ticket, tokens, req in self.pending:
             if req is None or req.state != TICKET or ticket in self.given_back:
                 continue
-            if req.record is None:
-                continue  # queued unrecorded (checked when taken): recorded at its next wake
+            assert req.record is not None, "a waiter holds a ticket no record holds"
             assert req.record in {off for _, off in req.att.records}
             assert (
                 self.cells.load(req.record) == tokens and self.cells.load(req.record - 8) == ticket
@@ -1398,38 +1360,11 @@ def test_the_invariants_pass_no_time_while_a_config_writer_is_stalled():
         before = m.clock.now
         _check_all(m)
         assert m.clock.now == before  # the invariants only look
-        m.try_acquire(0, _Draws(False, MAX_SPAN_TOKENS // m._cost()))  # refused
+        m.try_acquire(0, _Draws(MAX_SPAN_TOKENS // m._cost()))  # refused
         _check_all(m)
         m.fill_on_a_running_clock(10**5, 0)
         _check_all(m)
         m.drain(0)
         _check_all(m)  # window_bound: no more than the capacity plus the time's ops in any window
-    finally:
-        m.teardown()
-
-
-@pytest.mark.skipif(not native_available(), reason="the native extension is not built here")
-def test_the_native_gate_decides_on_the_models_clock(monkeypatch):
-    """Found by the search with the native gate's grant check broken (one op short granted):
-    a drain, then a try of one op on a native process at the same instant of the model's clock.
-    The native gate decides it -- a certain refusal, no slow path -- so the model checks the C
-    code's decisions (with an injected clock the gate was unbound, and this passed whatever it
-    decided)."""
-    m = LimiterModel()
-    m.create(rate=1000.0, burst=None, capped=False, ratio=1.0)
-    try:
-        lim = m._proc(1)
-        gate_call = lim._fast[1]
-        assert type(gate_call.call.__self__).__module__ == "shmlimit.shm._native"
-        slow = []
-        monkeypatch.setattr(
-            shmlimit.limiter.acquisition, "try_acquire", lambda *a: slow.append(a) or False
-        )
-        m.drain(0)
-        _check_all(m)
-        tail = m.cells.load(L.TAIL)
-        m.try_acquire(1, _Draws(True))  # one op: the gate's
-        assert slow == [] and m.cells.load(L.TAIL) == tail  # refused by the gate, nothing taken
-        _check_all(m)  # window_bound: a grant here would be a capacity and an op at one instant
     finally:
         m.teardown()
