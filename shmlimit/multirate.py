@@ -56,7 +56,7 @@ from shmlimit.acquire.multi import (
 from shmlimit.acquire.single import drive, drive_async
 from shmlimit.adapt import check_config, per_rate
 from shmlimit.adapt import feedback as adapt_feedback
-from shmlimit.attachment import Attachment, gate_all, on_clock, open_attachment, release
+from shmlimit.attachment import Attachment, gate_all, open_attachment, release
 from shmlimit.bucket.fences import FenceHold
 from shmlimit.config import NS_PER_S, Config, validate_n, validate_timeout
 from shmlimit.errors import SegmentError
@@ -279,11 +279,8 @@ class MultiLimiter(RateGroup):
         atts = self._live()
         gates = gate_all(atts, self._keys if self._named else None)
         self._seqs = tuple(att.bucket.seq for att in atts)
-        clock = atts[0].clock  # every rate's, or the gates never refuse (gate_all's decide)
         self._fast, self._fast_ops = (
-            (None, None)
-            if gates is None
-            else (on_clock(gates.try_grab, clock), on_clock(gates.try_grab_ops, clock))
+            (None, None) if gates is None else (gates.try_grab, gates.try_grab_ops)
         )
 
     def _try_fast(self, n: object, costs: Dict[str, object]) -> Optional[bool]:

@@ -14,7 +14,7 @@ import threading
 from typing import Any, Callable, Dict, List, Optional, Tuple, Union
 
 from shmlimit.shm import futex
-from shmlimit.shm.composites import CompositesFromPrimitives, Gate, check_now
+from shmlimit.shm.composites import CompositesFromPrimitives, Gate
 from shmlimit.shm.words import (
     MASK64,
     MAX_QUEUE,
@@ -582,13 +582,11 @@ class _AtomicsGate(Gate):
         self.i_ceil, self.i_ts = self.ceil // WORD, self.repl_ts // WORD
         self.a_tail, self.a_grants = base + self.tail, base + self.grants
 
-    def pending(self, now_ns: Optional[int] = None) -> int:
-        now = self.clock() if now_ns is None else now_ns
-        # a stale REPL_TS only over-estimates
-        return max(0, now - self.w[self.i_ts]) * self.tpn * self.pend_mul
+    def pending(self) -> int:
+        elapsed = self.clock() - self.w[self.i_ts]  # a stale REPL_TS only over-estimates
+        return max(0, elapsed) * self.tpn * self.pend_mul
 
-    def try_grab(self, now_ns: Optional[int] = None) -> Optional[bool]:
-        check_now(now_ns)
+    def try_grab(self) -> Optional[bool]:
         self.c._enter()
         try:
             w = self.w
@@ -600,7 +598,7 @@ class _AtomicsGate(Gate):
                 want = (t + self.amount) & MASK64
                 short = signed(want - w[self.i_head])
                 if short > 0:
-                    return False if short > self.pending(now_ns) else None
+                    return False if short > self.pending() else None
                 found = cas(self.a_tail, t, want)
                 if found == t:
                     self.p.fetch_add(self.a_grants, self.ops)
@@ -609,8 +607,7 @@ class _AtomicsGate(Gate):
         finally:
             self.c._exit()
 
-    def grab_within(self, timeout: object, now_ns: Optional[int] = None) -> Union[bool, int, None]:
-        check_now(now_ns)
+    def grab_within(self, timeout: object) -> Union[bool, int, None]:
         t = plain_seconds(timeout)
         if t is None:
             return None
@@ -629,7 +626,7 @@ class _AtomicsGate(Gate):
                 short = signed(want - w[self.i_head])
                 if short > 0:
                     if short / self.tpn > max_wait_ns:
-                        pend = self.pending(now_ns)
+                        pend = self.pending()
                         return (
                             False
                             if short > pend and (short - pend) / self.tpn > max_wait_ns

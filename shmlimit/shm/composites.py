@@ -349,14 +349,6 @@ class CompositesFromPrimitives:
             check_offset(off, self.size)
 
 
-def check_now(now_ns: Optional[int]) -> None:
-    """A gate's ``now_ns``: None (the gate's clock), or a CLOCK_MONOTONIC reading >= 1 (ns)."""
-    if now_ns is not None and not (type(now_ns) is int and 1 <= now_ns <= MASK64):
-        raise ValueError(
-            f"now_ns must be an int from 1 to 2**64 - 1 (a CLOCK_MONOTONIC reading), not {now_ns!r}"
-        )
-
-
 class Gate:
     """The fast path of ``try_acquire`` and of a timed ``acquire``, bound to one config.
 
@@ -369,10 +361,8 @@ class Gate:
     A refusal is certain when even every token the next replenish could add
     (the time since ``REPL_TS`` times ``tpn`` times ``pend_mul``, the
     catch-up ratio rounded up) would not change the answer.  That only
-    over-estimates, so a certain refusal is never a wrong one.  "Now" is
-    ``clock()``, read only when a refusal is weighed, or the reading ``now_ns``
-    a caller on an injected clock passes (CLOCK_MONOTONIC ns, >= 1).  This is
-    the reference version, built from the four primitives; the native backend
+    over-estimates, so a certain refusal is never a wrong one.  This is the
+    reference version, built from the four primitives; the native backend
     does the same in one C call.
     """
 
@@ -422,13 +412,12 @@ class Gate:
             self.repl_ts
         )
 
-    def pending(self, now_ns: Optional[int] = None) -> int:
-        """At most how many tokens a replenish starting at ``now_ns`` (None: now) could add."""
-        now = self.clock() if now_ns is None else now_ns
-        return max(0, now - self.cells.load(self.repl_ts)) * self.tpn * self.pend_mul
+    def pending(self) -> int:
+        """At most how many tokens a replenish starting now could add."""
+        elapsed = self.clock() - self.cells.load(self.repl_ts)
+        return max(0, elapsed) * self.tpn * self.pend_mul
 
-    def try_grab(self, now_ns: Optional[int] = None) -> Optional[bool]:
-        check_now(now_ns)
+    def try_grab(self) -> Optional[bool]:
         c = self.cells
         if c.load(self.seq) != self.expected:
             return None
@@ -437,13 +426,12 @@ class Gate:
             want = (t + self.amount) & MASK64
             short = signed(want - c.load(self.head))
             if short > 0:
-                return False if short > self.pending(now_ns) else None
+                return False if short > self.pending() else None
             if c.cas(self.tail, t, want):
                 c.fetch_add(self.grants, self.ops)
                 return True
 
-    def grab_within(self, timeout: object, now_ns: Optional[int] = None) -> Union[bool, int, None]:
-        check_now(now_ns)
+    def grab_within(self, timeout: object) -> Union[bool, int, None]:
         c = self.cells
         t = plain_seconds(timeout)
         if t is None or c.load(self.seq) != self.expected:
@@ -457,7 +445,7 @@ class Gate:
                 short = signed(want - c.load(self.head))
                 if short > 0:
                     if short / self.tpn > max_wait_ns:
-                        pend = self.pending(now_ns)
+                        pend = self.pending()
                         return (
                             False
                             if short > pend and (short - pend) / self.tpn > max_wait_ns
@@ -590,17 +578,15 @@ class MultiGate:
         self.names = None if names is None else tuple(names)
         self._ones = (1,) * len(gates)
 
-    def try_grab(self, now_ns: Optional[int] = None) -> Optional[bool]:
-        """One op on every rate (a refusal judged at ``now_ns``, an injected clock's reading, if given)."""
-        check_now(now_ns)
-        return self._try(self._ones, now_ns)
+    def try_grab(self) -> Optional[bool]:
+        """One op on every rate."""
+        return self._try(self._ones)
 
-    def try_grab_ops(self, ops: object, now_ns: Optional[int] = None) -> Optional[bool]:
+    def try_grab_ops(self, ops: object) -> Optional[bool]:
         """``ops`` per rate (a tuple, 0 for a rate not taken; a dict by the rates' names, those
         not named 0) or one int for every rate; None, touching nothing, for anything but plain
         ints >= 0 with one > 0, a name not a rate's, or more tokens than a rate's capacity (the
         slow path queues that or raises)."""
-        check_now(now_ns)
         n = len(self.gates)
         if type(ops) is tuple:
             if len(ops) != n:
@@ -617,9 +603,9 @@ class MultiGate:
                 return None
         if not any(mult):
             return None
-        return self._try(mult, now_ns)
+        return self._try(mult)
 
-    def _try(self, mult: Sequence[int], now_ns: Optional[int]) -> Optional[bool]:
+    def _try(self, mult: Sequence[int]) -> Optional[bool]:
         entered: List[Gate] = []
         try:
             for g in self.gates:
@@ -633,7 +619,7 @@ class MultiGate:
                         return None
                     if short > 0:
                         short_any = True
-                        certain = certain or short > g.pending(now_ns)
+                        certain = certain or short > g.pending()
             if short_any:
                 return False if certain and self.decide else None
             taken: List[Tuple[Gate, int, int, int]] = []
