@@ -25,8 +25,9 @@ After every step the invariants are checked:
   back ahead of it (and the limiter is not stopped), every pending ticket is granted and a new
   op can be had;
 * the config words are mutually consistent, and bad input changes no word;
-* every live waiter's ticket is recorded in its process slot, with its exact length (no
-  ticket is taken without a record: a process's sixth waiter takes nothing and gives up here);
+* every live waiter's ticket is recorded in its process slot, with its exact length, unless it
+  queued while every record of the slot was in use (``take_ticket``'s overflow: recorded at its
+  next wake; dead before, it costs those behind it its own schedule, and no reap finds it);
 * every range a live process holds to skip (given back, or taken from a dead process) is
   recorded in its slot: none is ever held in no record;
 * every range a dead process left -- its waiters' tickets, the ranges it gave back or took --
@@ -300,6 +301,11 @@ class LimiterModel(RuleBasedStateMachine):
             return
         ticket = tail if req is None else req.ticket
         self.max_request = max(self.max_request, tokens)
+        if req is not None and req.record is None:
+            # queued unrecorded (take_ticket's overflow) only with every record of its slot in use
+            assert all(self.cells.load(off) for _, off in req.att.records), (
+                "a ticket queued unrecorded while a record was free"
+            )
         if promise is not None:
             # a reservation's holder uses its slot at its promised moment, whenever the head passes
             # its ticket (before it: its fence holds those behind; after it: an early promise,
@@ -344,13 +350,15 @@ class LimiterModel(RuleBasedStateMachine):
             req.end()
 
     def _held(self, att, every=False):
-        """The ends of the ranges ``att``'s process holds: its waiters' tickets and what it gave back
-        (or took from a dead process) and the head has not passed (``every``: or not yet skipped)."""
+        """The ends of the ranges ``att``'s process holds: its waiters' recorded tickets and what it
+        gave back (or took from a dead process) and the head has not passed (``every``: or not yet
+        skipped).  A ticket queued unrecorded (every record was in use: ``take_ticket``'s overflow)
+        is no reap's to find: dead, it costs those behind it its own schedule, once."""
         head = self.cells.load(L.HEAD)
         ends = {
             t
             for t, _, r in self.pending
-            if r is not None and r.att is att and t not in self.given_back
+            if r is not None and r.att is att and t not in self.given_back and r.record is not None
         }
         ends = {e for e in ends if diff(head, e) < 0}
         ranges = {end for _, end in att.returns.pending()}
@@ -956,7 +964,8 @@ class LimiterModel(RuleBasedStateMachine):
         for ticket, tokens, req in self.pending:
             if req is None or req.state != TICKET or ticket in self.given_back:
                 continue
-            assert req.record is not None, "a waiter holds a ticket no record holds"
+            if req.record is None:
+                continue  # queued unrecorded (checked when taken): recorded at its next wake
             assert req.record in {off for _, off in req.att.records}
             assert (
                 self.cells.load(req.record) == tokens and self.cells.load(req.record - 8) == ticket
