@@ -21,6 +21,7 @@ from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, ru
 from support.keyed import Stopped, StopsAfterValue, StopsAt
 from support.models import on_each_backend
 
+from shmlimit.errors import SegmentError
 from shmlimit.keyed import cells as KC
 from shmlimit.keyed import layout as K
 from shmlimit.keyed.gcra import Overrides, Rate, write_bank
@@ -408,6 +409,76 @@ def test_try_acquire_and_rebind(backend):
     assert t.c.load(K.EVICTED + 8) == 1 and t.c.load(K.UNREG_GRANTS) == 1
     with pytest.raises(IndexError):
         t.kt.rebind(t.size, 1)
+
+
+SEQ = 10  # CFG_SEQ of the bank tests below: even, no writer
+#: A bank's state: valid at a generation counted back from SEQ (0: SEQ's own; 2: the one before;
+#: -2: a generation above SEQ, as a late writer's, the oldest of all counted back) or corrupt.
+BANK_STATES = [0, 2, -2, "corrupt"]
+
+
+def _put_banks(t, states):
+    """The default's two banks in ``states``, bank A with a burst of 2 ops, B of 3 (tells them apart)."""
+    t.c.store(K.CFG_SEQ, SEQ)
+    for line, state, burst in zip(K.DEFAULT_BANKS, states, (2, 3)):
+        write_bank(
+            t.c, line, (0, 0), (0, 0, 0, T, burst * T), SEQ - (0 if state == "corrupt" else state)
+        )
+        if state == "corrupt":
+            t.c.store(line + K.B_SUM, t.c.load(line + K.B_SUM) ^ 1)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("a", BANK_STATES)
+@pytest.mark.parametrize("b", BANK_STATES)
+def test_the_valid_bank_of_the_newest_generation_prices_a_key(backend, a, b):
+    """Whichever of the two banks is valid and newest (counted back from CFG_SEQ; a tie: bank A)
+    prices the key, on both backends; none valid is a corrupt segment."""
+    t = Table(backend, 16, 1)
+    _put_banks(t, (a, b))
+    valid = [(age, burst) for age, burst in ((a, 2), (b, 3)) if age != "corrupt"]
+    if not valid:
+        with pytest.raises(SegmentError):
+            t.kt.acquire("k", 1, -1, 5_000)
+        return
+    burst = min(valid, key=lambda v: v[0] % (1 << 64))[1]
+    assert t.kt.acquire("k", 3, -1, 5_000) == (0 if burst == 3 else KC.NEVER)  # a peek
+    assert t.kt.acquire("k", burst, 0, 5_000) == 0 and t.kt.acquire("k", 1, -1, 5_000) == T
+
+
+class _Loads:
+    """Cells that record the offsets loaded through them."""
+
+    def __init__(self, cells):
+        self.cells, self.offsets = cells, []
+
+    def load(self, off):
+        self.offsets.append(off)
+        return self.cells.load(off)
+
+    def load_many(self, offs):
+        self.offsets.extend(offs)
+        return self.cells.load_many(offs)
+
+    def __getattr__(self, attr):
+        return getattr(self.cells, attr)
+
+
+@pytest.mark.parametrize("b", BANK_STATES)
+def test_a_keyed_try_reads_the_backup_bank_only_when_the_first_is_not_current(b):
+    """The portable step: a first bank valid at CFG_SEQ's own generation is the newest there can
+    be, so the second is not read (after every completed write both hold it); it was read on
+    every call, a fifth of a live key's try."""
+    t = Table("atomics", 16, 1)
+    backup = {K.DEFAULT_BANKS[1] + off for off in range(0, K.LINE, 8)}
+    for a, reads_backup in ((0, False), (2, True), ("corrupt", True)):
+        if a == "corrupt" and b == "corrupt":
+            continue
+        _put_banks(t, (a, b))
+        t.kt.c = loads = _Loads(t.c)
+        assert t.kt.try_acquire(f"k{a}{b}")
+        t.kt.c = t.c
+        assert bool(backup & set(loads.offsets)) is reads_backup
 
 
 def _dead_inserter(c, slots, nslots):

@@ -185,8 +185,13 @@ def hasher(cells: object, k0: int, k1: int) -> Callable[[bytes], Tuple[int, int]
     return digest
 
 
-#: A bank's words in the order ``_bank`` reads them: its values, then its generation and sum.
+#: A bank's words in the order ``_pick`` reads them: its values, then its generation and sum.
 _BANK_WORDS = (*K.B_VALUES, K.B_GEN, K.B_SUM)
+
+
+def _bank_words(a: int, b: int) -> Tuple[Tuple[int, ...], Tuple[int, ...]]:
+    """The offsets of the words (``_BANK_WORDS``) of a config's two banks, at lines ``a`` and ``b``."""
+    return tuple(a + off for off in _BANK_WORDS), tuple(b + off for off in _BANK_WORDS)
 
 
 @functools.lru_cache(maxsize=256)
@@ -321,9 +326,9 @@ class SlotTable:
         return self.slots + ((home + i) % self.nslots) * self.stride
 
     def find(self, d: Tuple[int, int], home: int):
-        c = self.c
+        c, slots, nslots, stride = self.c, self.slots, self.nslots, self.stride
         for i in range(self.probe):
-            s = self._slot(home, i)
+            s = slots + ((home + i) % nslots) * stride  # ``_slot``, inline on the hot path
             ctl = c.load(s)
             state = ctl & 0xFF
             if state == K.EMPTY:
@@ -571,6 +576,7 @@ class KeyedTable(SlotTable):
                 raise IndexError("keyed_table: a region lies outside the mapping")
         check_offsets(cells, ovr_live, refused, grants)  # any backend's cells (``push``)
         self.cfg, self.ovr_live, self.ovr, self.novr = cfg, ovr_live, ovr, novr
+        self._default = _bank_words(cfg, cfg + K.DEFAULT_BACKUP_LINES * K.LINE)
         self.k0, self.k1 = k0, k1
         self._hash = hasher(cells, k0, k1)
         self.refused, self.grants = refused, grants
@@ -578,16 +584,19 @@ class KeyedTable(SlotTable):
     def digest(self, key: object) -> Tuple[int, int]:
         return self._hash(key_bytes(key))
 
-    def _bank(self, line: int, d: Tuple[int, int], seq: int):
-        """``(age, T, TAU)`` of one config bank (see ``keyed_gcra``), or None if its checksum fails."""
-        decoded = _decode(self.c.load_many(tuple(line + off for off in _BANK_WORDS)), d)
-        return None if decoded is None else ((seq - decoded[0]) & MASK64, *decoded[1:])
-
-    def _pick(self, lines: Tuple[int, int], d: Tuple[int, int], seq: int):
-        """``(T, TAU)`` of the valid bank of the newest generation, or None."""
-        a, b = self._bank(lines[0], d, seq), self._bank(lines[1], d, seq)
-        best = a if b is None or (a is not None and a[0] <= b[0]) else b
-        return None if best is None else best[1:]
+    def _pick(self, banks: Tuple[Tuple[int, ...], Tuple[int, ...]], d: Tuple[int, int], seq: int):
+        """``(T, TAU)`` of the valid bank of the newest generation (counted back from ``seq``), or
+        None.  A valid first bank of generation ``seq`` itself is the newest there can be (age 0):
+        the second is then not read -- the same answer as reading both, in half the loads (after
+        every completed write both banks hold its generation)."""
+        load_many = self.c.load_many
+        a = _decode(load_many(banks[0]), d)
+        if a is not None and a[0] == seq:
+            return a[1:]
+        b = _decode(load_many(banks[1]), d)
+        if b is None or (a is not None and (seq - a[0]) & MASK64 <= (seq - b[0]) & MASK64):
+            b = a
+        return None if b is None else b[1:]
 
     def params(self, d: Tuple[int, int]) -> Tuple[int, int]:
         """(T, TAU) for digest d under a consistent config: the key's override if it has one, else
@@ -623,15 +632,13 @@ class KeyedTable(SlotTable):
                         and c.load(e + K.O_D0) == d[0]
                         and c.load(e + K.O_D1) == d[1]
                     ):
-                        pair = self._pick((e + K.O_BANKS[0], e + K.O_BANKS[1]), d, s1)
+                        pair = self._pick(_bank_words(e + K.O_BANKS[0], e + K.O_BANKS[1]), d, s1)
                         corrupt = pair is None
                         if pair is not None and not pair[0]:
                             pair = None  # removed (T == 0): the default
                         break
             if pair is None and not corrupt:
-                pair = self._pick(
-                    (self.cfg, self.cfg + K.DEFAULT_BACKUP_LINES * K.LINE), (0, 0), s1
-                )
+                pair = self._pick(self._default, (0, 0), s1)
                 corrupt = pair is None
             if c.load(self.cfg) == s1:
                 if corrupt:
@@ -798,7 +805,7 @@ class KeyedTable(SlotTable):
 
     def try_acquire(self, key: object, n: int = 1) -> bool:
         """True if ``n`` ops were taken now for ``key``; False changes nothing."""
-        return self.acquire(key, n, 0) >= 0
+        return self._step(key, n, 0, None, None) >= 0  # acquire's, one call fewer
 
     def rebind(self, grants: int, pid: int) -> None:
         """After fork: count this process's grants in its own word, and insert as itself."""
