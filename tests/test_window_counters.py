@@ -394,6 +394,37 @@ def test_a_live_window_is_never_evicted_a_full_table_refuses(backend):
     assert p.incr("new", 10) == 1 and p.c.load(K.EVICTED) == 1
 
 
+def stall(p, d, home):
+    """A live process's insert of digest ``d`` stalled in the key's home slot (PEND, not moving)."""
+    s = p.t._slot(home, 0)
+    p.c.store(s + K.S_D0, d[0])
+    p.c.store(s + K.S_D1, d[1])
+    p.c.store(s, K.ctrl(K.PEND, K.owner(os.getppid()), 1))
+    return s
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("kind", ["fixed", "sliding"])
+def test_a_new_key_gives_way_to_a_live_stalled_insert_of_it(backend, kind, monkeypatch):
+    """The first hit of a key whose insert a live process left half done gives way (busy), counts
+    nothing, and is granted once that insert is gone."""
+    monkeypatch.setattr(KC, "PEND_NS", 2_000_000)  # the reference's bound (the native one: 0.2 s)
+    p = Mapping(8).process(backend, FakeClock())
+    if kind == "fixed":
+        d, home, _ = p._key(b"F", "k")
+        hit = lambda: p.incr("k", 10, 2)  # noqa: E731
+    else:
+        d, home, _ = p._sliding_key("k", 10_000)
+        hit = lambda: p.acquire_sliding("k", 5, 10, 2)  # noqa: E731
+    s = stall(p, d, home)
+    with pytest.raises(KeyTableFullError) as e:
+        hit()
+    assert e.value.busy and p.c.load(K.REFUSED) == 0 and p.c.load(K.KEYS_LIVE) == 0
+    p.c.store(s, K.ctrl(K.TOMB, 0, 1))  # the stalled insert gave way at last
+    assert hit() in (2, True)
+    assert (p.get("k") if kind == "fixed" else p.sliding("k", 10)[2]) == 2
+
+
 @pytest.mark.parametrize("backend", BACKENDS)
 def test_bad_arguments_name_the_range_and_change_nothing(backend):
     m = Mapping(8)

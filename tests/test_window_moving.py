@@ -210,6 +210,24 @@ def test_a_reused_slot_starts_with_an_empty_log(backend):
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
+def test_a_new_key_gives_way_to_a_live_stalled_insert_of_it(backend, monkeypatch):
+    """The first grant of a key whose insert a live process left half done gives way (busy),
+    counts nothing, and is made once that insert is gone: the one insert path of every kind."""
+    monkeypatch.setattr(KC, "PEND_NS", 2_000_000)
+    p = Mapping(8, 8).process(backend, FakeClock())
+    d, home, _ = p._key(b"M", "k")
+    s = p.t._slot(home, 0)
+    p.c.store(s + K.S_D0, d[0])
+    p.c.store(s + K.S_D1, d[1])
+    p.c.store(s, K.ctrl(K.PEND, K.owner(os.getppid()), 1))
+    with pytest.raises(KeyTableFullError) as e:
+        p.acquire_entry("k", 5, 10, 2)
+    assert e.value.busy and p.c.load(K.REFUSED) == 0 and p.c.load(K.KEYS_LIVE) == 0
+    p.c.store(s, K.ctrl(K.TOMB, 0, 1))  # the stalled insert gave way at last
+    assert p.acquire_entry("k", 5, 10, 2) and p.moving_window("k", 10) == (0.0, 2)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
 def test_bad_arguments_name_the_range_and_change_nothing(backend):
     m = Mapping(4, 8)
     p = m.process(backend, FakeClock())

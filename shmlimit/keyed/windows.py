@@ -158,7 +158,7 @@ class WindowCounters:
 
     ``clock()`` returns CLOCK_MONOTONIC nanoseconds (injectable for tests).  A forked child calls
     ``rebind`` before its first use (``WindowTable`` does), so that it inserts as itself.  On the
-    native backend ``incr`` is one call of the extension's twin of the loop below (``FixedWindows``
+    native backend ``incr`` is one call of the extension's twin of its step below (``FixedWindows``
     in ``_native.c``); this one is the portable backend's and the reference they are tested against.
     """
 
@@ -212,26 +212,37 @@ class WindowCounters:
         d = self._hash(prefix + data)
         return d, (d[0] * self.t.nslots) >> 64, data
 
-    def _insert(
-        self,
-        d,
-        home: int,
-        now_ms: int,
-        v0: int,
-        v1: int,
-        data: bytes,
-        fill: Optional[Callable[[int, int], None]] = None,
-    ):
-        disp = KC.display_words(data) if self.store_keys else (0, 0)
-        s, ctl = self.t.insert(d, home, pack(now_ms, CMAX, True), v0, (v1, *disp), fill)
-        if (
-            s is None and ctl == KC.BUSY
-        ):  # a stalled insert of this key by a live process: nothing counted
-            raise KeyTableFullError(self.name, self.t.nslots, busy=True)
-        if s is None:
-            self.c.fetch_add(self.refused, 1)
-            raise KeyTableFullError(self.name, self.t.nslots)
-        return ctl
+    def _visit(self, kd, step: Callable, absent: object, first=None, fill=None):
+        """``step(s, v, base)`` on the value of key ``kd`` (``_key``'s): its slot, ``V0`` less
+        ``BASE``, and ``BASE``; until it answers (None: read it again).  ``absent`` when the table
+        holds no such key; with ``first`` (now ms, V0, V1) that key is inserted with those values
+        first (``fill(slot, gen)`` writes its words beyond the line): the insert is its first
+        grant, answered ``absent``."""
+        d, home, data = kd
+        while True:
+            s, ctl = self.t.find(d, home)
+            if s is None:
+                if first is None:
+                    return absent
+                now, v0, v1 = first
+                disp = KC.display_words(data) if self.store_keys else (0, 0)
+                s, ctl = self.t.insert(d, home, pack(now, CMAX, True), v0, (v1, *disp), fill)
+                if s is None and ctl == KC.BUSY:  # a stalled insert by a live process: none counted
+                    raise KeyTableFullError(self.name, self.t.nslots, busy=True)
+                if s is None:
+                    self.c.fetch_add(self.refused, 1)
+                    raise KeyTableFullError(self.name, self.t.nslots)
+                if ctl:
+                    return absent
+                os.sched_yield()  # lost a race, often to an insert of the same key: let it finish
+                continue
+            while True:
+                got = self.t.value(s, ctl)
+                if got is None:
+                    break
+                answer = step(s, *got)
+                if answer is not None:
+                    return answer
 
     def _evict(self, d, home: int) -> bool:
         """Forget a key now (``clear``): ``V0 | DEAD`` by CAS, then TOMB.  True if one was there."""
@@ -258,54 +269,32 @@ class WindowCounters:
         _, now = self._now()
         if self._native is not None:
             got = self._native.incr(key, w, amount, now)
-            if got < 0:  # FULL (counted in ``refused``) or BUSY, as ``_insert`` raises them
+            if got < 0:  # FULL (counted in ``refused``) or BUSY, as ``_visit`` raises them
                 raise KeyTableFullError(self.name, self.t.nslots, busy=got == KC.BUSY)
             return got
-        d, home, data = self._key(b"F", key)
-        c = self.c
-        while True:
-            s, ctl = self.t.find(d, home)
-            if s is None:
-                ctl = self._insert(
-                    d,
-                    home,
-                    now,
-                    pack(now + w + 1, amount),
-                    0,
-                    data,
-                )
-                if ctl:
-                    return amount
-                os.sched_yield()  # lost a race, often to an insert of the same key: let it finish
-                continue
-            while True:
-                got = self.t.value(s, ctl)
-                if got is None:
-                    break
-                v, base = got
-                end, _, cnt = unpack(v)
-                if end <= now:
-                    new, ret = pack(max(now + w + 1, end + 1), amount), amount
-                elif cnt + amount > CMAX:
-                    new, ret = pack(end, CMAX), OVER
-                else:
-                    new, ret = pack(end, cnt + amount), cnt + amount
-                if c.cas(s + K.S_V0, v + base, new + base):
-                    return ret
+
+        def step(s: int, v: int, base: int) -> Optional[int]:
+            end, _, cnt = unpack(v)
+            if end <= now:
+                new, ret = pack(max(now + w + 1, end + 1), amount), amount
+            elif cnt + amount > CMAX:
+                new, ret = pack(end, CMAX), OVER
+            else:
+                new, ret = pack(end, cnt + amount), cnt + amount
+            return ret if self.c.cas(s + K.S_V0, v + base, new + base) else None
+
+        first = (now, pack(now + w + 1, amount), 0)
+        return self._visit(self._key(b"F", key), step, amount, first)
 
     def _fixed(self, key: object) -> Tuple[int, int, int]:
         """(count, end ms, now ms) of ``key``'s current fixed window; (0, 0, now) when it has none."""
         _, now = self._now()
-        d, home, _ = self._key(b"F", key)
-        while True:
-            s, ctl = self.t.find(d, home)
-            if s is None:
-                return 0, 0, now
-            got = self.t.value(s, ctl)
-            if got is None:
-                continue
-            end, _, cnt = unpack(got[0])
+
+        def step(s: int, v: int, base: int) -> Tuple[int, int, int]:
+            end, _, cnt = unpack(v)
             return (cnt, end, now) if end > now else (0, 0, now)
+
+        return self._visit(self._key(b"F", key), step, (0, 0, now))
 
     def get(self, key: object) -> int:
         """The count of ``key``'s current fixed window (0 if none).  Reads only."""
@@ -346,56 +335,43 @@ class WindowCounters:
                 break
         c.cas(s + K.S_V0, v + base, pack(nxt + 2 * w, 0) + base)
 
-    def _state(self, s: int, ctl: int, w: int, ns: int, write: bool):
-        """Slot s's counts now: (v, start, prev, cur, ns, base), or None to look again.
+    def _state(self, s: int, v: int, base: int, w: int, clk: "_Reading", write: bool):
+        """Slot s's counts now from its value ``v`` (``V0`` less ``base``): ``(start, prev, cur)``,
+        ``start`` the current window's start (ms); None to read the value again.
 
-        With ``write`` the slot is first moved on to the window holding ``now``
-        (``v`` is the V0 the answer was read under, less ``base``); without, the answer for a
-        slot left in an earlier window is computed (``v`` None).  ``start`` is
-        the current window's start (ms).
+        With ``write`` the slot is first moved on to the window holding ``clk``'s now; without,
+        the answer for a slot left in an earlier window is computed.
         """
         c = self.c
-        refreshed = False
-        now = ns // 1_000_000
-        while True:
-            got = self.t.value(s, ctl)
-            if got is None:
+        x, rolling, cnt = unpack(v)
+        start = x - 2 * w
+        if clk.ms < start + (w if rolling else 0):
+            if clk.again():  # another process read the clock after us: so do we, once
                 return None
-            v, base = got
-            x, rolling, cnt = unpack(v)
-            start = x - 2 * w
-            if now < start + (w if rolling else 0):
-                if not refreshed:  # another process read the clock after us: so do we, once
-                    refreshed = True
-                    ns, now = self._now()
-                    continue
-                # only a slot re-inserted above a dead inserter's value starts in the future: count there
-                now = start + (w if rolling else 0)
-            if now >= start + w or rolling:
-                if not write:
-                    if now >= start + 2 * w:
-                        return None, now, 0, 0, ns, base
-                    return None, start + w, cnt, 0, ns, base
-                if rolling or c.cas(s + K.S_V0, v + base, (v | FLAG) + base):
-                    self._roll(s, v | FLAG, base, w, now)
-                continue
-            v1 = c.load(s + K.S_V1)
-            if c.load(s + K.S_V0) != v + base:
-                continue
-            tag, phase, n = unpack(v1)
-            if tag == start and phase:
-                prev = n  # the final count of the window before
-            elif tag < start:
-                prev = (
-                    0  # a key whose first window this is (inserted above a dead inserter's value)
-                )
-            elif not refreshed:  # a helper moved on with a later clock than ours
-                refreshed = True
-                ns, now = self._now()
-                continue
-            else:
-                prev = n  # a stale write from a previous tenant, in a fresh key's first window: over-counts
-            return v, start, prev, cnt, ns, base
+            # only a slot re-inserted above a dead inserter's value starts in the future: count there
+            clk.ms = start + (w if rolling else 0)
+        now = clk.ms
+        if now >= start + w or rolling:
+            if not write:
+                return (now, 0, 0) if now >= start + 2 * w else (start + w, cnt, 0)
+            if rolling or c.cas(s + K.S_V0, v + base, (v | FLAG) + base):
+                self._roll(s, v | FLAG, base, w, now)
+            return None
+        v1 = c.load(s + K.S_V1)
+        if c.load(s + K.S_V0) != v + base:
+            return None
+        tag, phase, n = unpack(v1)
+        if tag == start and phase:
+            return start, n, cnt  # n: the final count of the window before
+        if tag < start:  # a key whose first window this is (inserted above a dead inserter's value)
+            return start, 0, cnt
+        if clk.again():  # a helper moved on with a later clock than ours
+            return None
+        return (
+            start,
+            n,
+            cnt,
+        )  # a stale write from a previous tenant, in a fresh key's first window: over-counts
 
     @staticmethod
     def _weight(start: int, w: int, ns: int) -> float:
@@ -419,51 +395,34 @@ class WindowCounters:
             )
         if amount > limit:
             return False
-        ns, now = self._now()
-        d, home, data = self._sliding_key(key, w)
-        c = self.c
-        while True:
-            s, ctl = self.t.find(d, home)
-            if s is None:
-                # a new key's windows are empty: amount <= limit is granted by the insert itself
-                ctl = self._insert(
-                    d,
-                    home,
-                    now,
-                    pack(now + 2 * w, amount),
-                    pack(now, 0, True),
-                    data,
-                )
-                if ctl:
-                    return True
-                os.sched_yield()
-                continue
-            while True:
-                st = self._state(s, ctl, w, ns, True)
-                if st is None:
-                    break
-                v, start, prev, cur, ns, base = st
-                if math.floor(prev * self._weight(start, w, ns) + cur) + amount > limit:
-                    return False
-                if c.cas(s + K.S_V0, v + base, pack(start + 2 * w, cur + amount) + base):
-                    return True
+        clk = _Reading(self._now)
+        now = clk.ms
+
+        def step(s: int, v: int, base: int) -> Optional[bool]:
+            st = self._state(s, v, base, w, clk, True)
+            if st is None:
+                return None
+            start, prev, cur = st
+            if math.floor(prev * self._weight(start, w, clk.ns) + cur) + amount > limit:
+                return False
+            if self.c.cas(s + K.S_V0, v + base, pack(start + 2 * w, cur + amount) + base):
+                return True
+            clk.fresh = False  # the slot moved on: the clock may be read again, once
+            return None
+
+        # a new key's windows are empty: amount <= limit is granted by the insert itself
+        first = (now, pack(now + 2 * w, amount), pack(now, 0, True))
+        return self._visit(self._sliding_key(key, w), step, True, first)
 
     def sliding(self, key: object, expiry: float) -> Tuple[int, float, int, float]:
         """``(prev, prev_ttl, cur, cur_ttl)`` for ``key`` now (seconds; prev_ttl 0.0 when prev is 0).  Reads only."""
         w = window_ms(expiry)
-        ns, now = self._now()
-        d, home, _ = self._sliding_key(key, w)
-        prev = cur = 0
-        start = now
-        while True:
-            s, ctl = self.t.find(d, home)
-            if s is None:
-                break
-            st = self._state(s, ctl, w, ns, False)
-            if st is not None:
-                _, start, prev, cur, ns, _ = st
-                break
-        left = max(0, (start + w) * 1_000_000 - ns) / 1e9
+        clk = _Reading(self._now)
+        kd = self._sliding_key(key, w)
+        start, prev, cur = self._visit(
+            kd, lambda *sv: self._state(*sv, w, clk, False), (clk.ms, 0, 0)
+        )
+        left = max(0, (start + w) * 1_000_000 - clk.ns) / 1e9
         return prev, (left if prev else 0.0), cur, left + w / 1000
 
     def clear_sliding(self, key: object, expiry: float) -> bool:
@@ -487,6 +446,24 @@ class WindowCounters:
                 if c.cas(s, ctl, K.ctrl(K.TOMB, 0, ctl >> 40)):
                     c.fetch_add(self.t.keys_live, KC.MASK64)
         return n
+
+
+class _Reading:
+    """A reading of the clock, ``ns`` and ``ms`` (``_now``'s), that a step may take again once."""
+
+    __slots__ = ("read", "ns", "ms", "fresh")
+
+    def __init__(self, read: Callable[[], Tuple[int, int]]) -> None:
+        self.read, self.fresh = read, False
+        self.ns, self.ms = read()
+
+    def again(self) -> bool:
+        """Read the clock again if not yet done; whether it was."""
+        if self.fresh:
+            return False
+        self.fresh = True
+        self.ns, self.ms = self.read()
+        return True
 
 
 def _entry(lap: int, t: int, cum: int) -> int:
@@ -589,7 +566,6 @@ class MovingWindows(WindowCounters):
             return False
         ns, now = self._now()
         nu, wu = ns // E_NS, w * 32
-        d, home, data = self._key(b"M", key)
         c = self.c
 
         def fill(slot: int, gen: int) -> None:
@@ -600,38 +576,27 @@ class MovingWindows(WindowCounters):
                 c.store(self._log(slot, i), wipe)
             c.store(self._log(slot, 0), _entry(0, nu, amount))
 
-        while True:
-            s, ctl = self.t.find(d, home)
-            if s is None:
-                # a new key's log is empty: amount <= limit is granted by the insert itself
-                ctl = self._insert(d, home, now, pack(-(-(nu + wu + 1) // 32), 1), w, data, fill)
-                if ctl:
-                    return True
-                os.sched_yield()  # lost a race, often to an insert of the same key: let it finish
-                continue
-            while True:
-                got = self.t.value(s, ctl)
-                if got is None:
-                    break
-                v, base = got
-                e = self._pending(s, v, base, wu)
-                if e is None:
-                    continue
-                g = unpack(v)[2]
-                k, hits, _, newest = self._count(s, v, nu, wu)
-                if c.load(s + K.S_V0) != v + base:
-                    continue
-                # ring - 2 grants in the window: the log holds no more (the newest one out of the
-                # window must stay for the count), so the next is refused until the oldest leaves
-                if hits + amount > limit or k >= self.ring - 2:
-                    return False
-                t = max(nu, newest >> E_TSHIFT & E_TMAX)
-                if not c.cas(
-                    self._log(s, g), e, _entry(self._lap(g), t, (newest & E_CUM) + amount)
-                ):
-                    continue
-                self._advance(s, v, base, t, wu)
-                return True
+        def step(s: int, v: int, base: int) -> Optional[bool]:
+            e = self._pending(s, v, base, wu)
+            if e is None:
+                return None
+            g = unpack(v)[2]
+            k, hits, _, newest = self._count(s, v, nu, wu)
+            if c.load(s + K.S_V0) != v + base:
+                return None
+            # ring - 2 grants in the window: the log holds no more (the newest one out of the
+            # window must stay for the count), so the next is refused until the oldest leaves
+            if hits + amount > limit or k >= self.ring - 2:
+                return False
+            t = max(nu, newest >> E_TSHIFT & E_TMAX)
+            if not c.cas(self._log(s, g), e, _entry(self._lap(g), t, (newest & E_CUM) + amount)):
+                return None
+            self._advance(s, v, base, t, wu)
+            return True
+
+        # a new key's log is empty: amount <= limit is granted by the insert itself
+        first = (now, pack(-(-(nu + wu + 1) // 32), 1), w)
+        return self._visit(self._key(b"M", key), step, True, first, fill)
 
     def moving_window(self, key: object, expiry: float) -> Tuple[Optional[float], int]:
         """``(seconds since the oldest hit in the window, hits in the window)`` for ``key`` now;
@@ -639,23 +604,16 @@ class MovingWindows(WindowCounters):
         moved V0 on yet (a grant counts from its entry on)."""
         wu = window_ms(expiry) * 32
         ns, _ = self._now()
-        d, home, _ = self._key(b"M", key)
-        while True:
-            s, ctl = self.t.find(d, home)
-            if s is None:
-                return None, 0
-            got = self.t.value(s, ctl)
-            if got is None:
-                continue
-            v, base = got
+
+        def step(s: int, v: int, base: int) -> Optional[Tuple[Optional[float], int]]:
             if self._pending(s, v, base, wu) is None:
-                continue
+                return None
             k, hits, oldest, _ = self._count(s, v, ns // E_NS, wu)
             if self.c.load(s + K.S_V0) != v + base:
-                continue
-            if not k:
-                return None, 0
-            return max(0.0, (ns - oldest * E_NS) / 1e9), hits
+                return None
+            return (max(0.0, (ns - oldest * E_NS) / 1e9), hits) if k else (None, 0)
+
+        return self._visit(self._key(b"M", key), step, (None, 0))
 
     def clear_moving(self, key: object) -> bool:
         """Forget ``key``'s moving window: its next hit starts a new log."""
