@@ -15,7 +15,7 @@ Start-up is the one protocol (``header.open_segment`` with ``GROUP``): the
 creator writes the group's header, initialises every region (each READY), and
 stores the group's READY last, so a group an opener sees READY has every region
 ready.  A collector claims each region's STATE (``collect``); an opener that
-finds a region claimed opens the whole group again (``Collected``).
+finds a region claimed opens the whole group again (``Collected``, ``open_rates``).
 """
 
 from __future__ import annotations
@@ -292,6 +292,35 @@ def open_group(
         seg.close()
         raise
     return seg, geo
+
+
+def open_rates(
+    name: str,
+    create: Optional[GroupCreation],
+    mode: Optional[int],
+    trusted: frozenset,
+    clock: Callable[[], int],
+    regions: int,
+    attach: Callable[[int, str, Callable[[], Tuple[Segment, Cells]]], None],
+    close: Callable[[], None],
+) -> Geometry:
+    """Create the group or open it (``open_group``), then ``attach(i, label, opener)`` to each
+    rate's region; all again (after ``close``) if a collector took a region meanwhile
+    (``Collected``).  The group's geometry."""
+    for _ in range(16):
+        seg, geo = open_group(name, create, mode, trusted, clock, regions)
+        try:
+            for i, key in enumerate(geo.keys):
+                attach(i, f"{name}[{key}]", region_opener(seg, geo, i))
+            return geo
+        except Collected:
+            close()
+        except BaseException:
+            close()
+            raise
+        finally:
+            seg.close()
+    raise SegmentError(f"could not open {_REGIONS[regions]} {name!r}: it kept being collected")
 
 
 def _region_ready(label: str, region: Segment, regions: int) -> int:

@@ -60,7 +60,7 @@ from shmlimit.attachment import Attachment, gate_all, open_attachment, release
 from shmlimit.bucket.fences import FenceHold
 from shmlimit.config import NS_PER_S, Config, validate_n, validate_timeout
 from shmlimit.errors import SegmentError
-from shmlimit.group import Collected, GroupCreation, copy_regions, open_group, region_opener
+from shmlimit.group import GroupCreation, copy_regions, open_rates
 from shmlimit.header import Creation, ready_creator
 from shmlimit.rate_group import MultiStats, RateGroup, parse_rates, rates_from_text
 from shmlimit.shm import layout as L
@@ -139,36 +139,18 @@ class MultiLimiter(RateGroup):
         )
         self._seqs: Tuple[int, ...] = ()
         _handles.add(self)
-        self._open(create, clock or time.monotonic_ns)
+        clock = clock or time.monotonic_ns
 
-    def _open(self, create: Optional[GroupCreation], clock: Callable[[], int]) -> None:
-        """Create the group or open it, then attach to every rate (again, if a collector took it
-        meanwhile: ``Collected``)."""
-        name = self._name
-        for _ in range(16):
-            seg, geo = open_group(name, create, self._mode, self._trusted, clock)
-            try:
-                self._keys, self._named = geo.keys, geo.named
-                for i, key in enumerate(geo.keys):
-                    self._atts.append(
-                        open_attachment(
-                            f"{name}[{key}]",
-                            None if create is None else create.rates[i],
-                            self._mode,
-                            self._trusted,
-                            clock,
-                            opener=region_opener(seg, geo, i),
-                        )
-                    )
-                return
-            except Collected:
-                self.close()
-            except BaseException:
-                self.close()
-                raise
-            finally:
-                seg.close()
-        raise SegmentError(f"could not create or open limiter {name!r}: it kept being collected")
+        # create the group or open it, then attach to every rate (all again, if a collector took
+        # a region meanwhile)
+        def attach(i: int, label: str, opener: Callable[[], Any]) -> None:
+            rate = None if create is None else create.rates[i]
+            att = open_attachment(label, rate, self._mode, self._trusted, clock, opener=opener)
+            self._atts.append(att)
+
+        args = (self._name, create, self._mode, self._trusted, clock, L.REGIONS_LIMITER)
+        geo = open_rates(*args, attach, self.close)
+        self._keys, self._named = geo.keys, geo.named
 
     # -- identity and lifecycle ----------------------------------------------------
 

@@ -8,7 +8,7 @@ from support.procs import start_acquirer as start_worker
 from support.segments import run_tools_on, shm_path
 
 import shmlimit
-from shmlimit import header
+from shmlimit import group, header
 from shmlimit.keyed import limiter as keyed_limiter
 from shmlimit.keyed import segment as keyed_segment
 from shmlimit.keyed import window_table
@@ -128,3 +128,46 @@ def test_a_fifo_under_a_limiters_name_never_hangs_the_tools(name):
         assert cli("inspect", name, timeout=30).returncode == 2
     finally:
         os.unlink(shm_path(name))
+
+
+@pytest.mark.parametrize("kind", ["plain", "keyed"])
+def test_a_group_claimed_while_opening_is_opened_again_from_the_start(name, monkeypatch, kind):
+    """A collector claims a rate's region while an opener attaches to the group (``Collected``):
+    the opener closes the rates it attached and opens the group again, every kind of group alike;
+    one that stays claimed is a ``SegmentError`` naming it, nothing left mapped."""
+
+    def make():
+        if kind == "plain":
+            return shmlimit.Limiter(name, rates=["10/s", "5/s"])
+        return shmlimit.KeyedLimiter(name, rates=["10/s", "5/s"], keys=100)
+
+    make().close()
+    real, mapped, claims = group.region_opener, [], [1]
+
+    # the opener is called once per rate per attempt: count the regions it maps
+    def counting(seg, geo, i):
+        opener = real(seg, geo, i)
+
+        def open_region():
+            if i == 1 and claims:
+                claims.pop()
+                raise group.Collected()
+            got = opener()
+            mapped.append(got[0])
+            return got
+
+        return open_region
+
+    monkeypatch.setattr(group, "region_opener", counting)
+    lim = make()
+    try:
+        assert len(mapped) == 3  # rate 0, then (claimed) both again
+        assert mapped[0].mm is None and all(r.mm is not None for r in mapped[1:])
+        assert lim.try_acquire() if kind == "plain" else lim.try_acquire("k")
+    finally:
+        lim.close()
+    claims[:] = [1] * 16
+    mapped.clear()
+    with pytest.raises(shmlimit.SegmentError, match="kept being collected"):
+        make()
+    assert len(mapped) == 16 and all(r.mm is None for r in mapped)

@@ -35,13 +35,8 @@ from typing import Any, Callable, Iterable, List, Optional, Sequence, Tuple, Uni
 
 from shmlimit.adapt import Adapt, per_rate
 from shmlimit.config import validate_reconfigure, validate_timeout
-from shmlimit.errors import KeyTableFullError, SegmentError, UnsupportedError
-from shmlimit.group import (
-    Collected,
-    GroupCreation,
-    open_group,
-    region_opener,
-)
+from shmlimit.errors import KeyTableFullError, UnsupportedError
+from shmlimit.group import GroupCreation, open_rates
 from shmlimit.keyed import cells as KC
 from shmlimit.keyed import layout as K
 from shmlimit.keyed.adapt import check_start
@@ -99,6 +94,9 @@ class MultiKeyedLimiter(RateGroup, Keyed):
         self._keyed = keyed
         self._lims: List[Any] = []  # each rate's KeyedLimiter, on its region of the group
         create: Optional[GroupCreation] = None
+        table = (
+            None  # the table asked for: another than the group's is each rate's ConfigMismatchError
+        )
         validate_reconfigure(reconfigure, rates is not None, "the rates to apply")
         if rates is None and adapt is not None:
             raise ValueError("adapt needs rates= (the rates every key starts from)")
@@ -107,7 +105,7 @@ class MultiKeyedLimiter(RateGroup, Keyed):
                 rates = rates_from_text(rates)
             rkeys, _, named = parse_rates(name, rates)  # names and values checked as a Limiter's
             values = list(rates.values()) if named else list(rates)  # type: ignore[union-attr, call-overload]
-            geo = check_geometry(
+            table = check_geometry(
                 keys,
                 K.default_overrides(keys)
                 if overrides is None and isinstance(keys, int)
@@ -120,7 +118,7 @@ class MultiKeyedLimiter(RateGroup, Keyed):
             adapts: Tuple[Optional[Adapt], ...] = ()
             if adapt is not None:
                 adapts = per_rate(adapt, rkeys, named, made, check_start)
-                if not geo.overrides:
+                if not table.overrides:
                     raise ValueError(
                         "adapt needs overrides= > 0: each key's adapted rate is its override"
                     )
@@ -131,45 +129,22 @@ class MultiKeyedLimiter(RateGroup, Keyed):
                 mode,
                 K.PSLOTS,
                 L.REGIONS_KEYED,
-                (geo.keys, geo.overrides),
+                (table.keys, table.overrides),
                 adapts,
             )
-        self._open(create, mode, trusted, reconfigure)
 
-    def _open(
-        self, create: Optional[GroupCreation], mode: int, trusted: frozenset, reconfigure: bool
-    ) -> None:
-        """Create the group or open it, then attach to every rate's table (again, if a collector
-        took it meanwhile: ``Collected``)."""
-        name = self._name
-        for _ in range(16):
-            seg, geo = open_group(name, create, mode, trusted, time.monotonic_ns, L.REGIONS_KEYED)
-            try:
-                self._keys, self._named = geo.keys, geo.named
-                # the table asked for: another than the group's is each rate's ConfigMismatchError
-                table = None if create is None else check_geometry(*create.table)
-                for i, key in enumerate(geo.keys):
-                    self._lims.append(
-                        self._keyed._region(
-                            f"{name}[{key}]",
-                            None if create is None else create.rates[i],
-                            table,
-                            mode,
-                            trusted,
-                            reconfigure,
-                            region_opener(seg, geo, i),
-                            create.adapts[i] if create is not None and create.adapts else None,
-                        )
-                    )
-                return
-            except Collected:
-                self.close()
-            except BaseException:
-                self.close()
-                raise
-            finally:
-                seg.close()
-        raise SegmentError(f"could not open keyed limiter {name!r}: it kept being collected")
+        # create the group or open it, then attach to every rate's table (all again, if a
+        # collector took a region meanwhile)
+        def attach(i: int, label: str, opener: Callable[[], Any]) -> None:
+            rate, each = (None, ()) if create is None else (create.rates[i], create.adapts)
+            lim = self._keyed._region(
+                label, rate, table, mode, trusted, reconfigure, opener, each[i] if each else None
+            )
+            self._lims.append(lim)
+
+        args = (name, create, mode, trusted, time.monotonic_ns, L.REGIONS_KEYED)
+        group = open_rates(*args, attach, self.close)
+        self._keys, self._named = group.keys, group.named
 
     # -- identity and lifecycle ----------------------------------------------------------
 
