@@ -141,6 +141,34 @@ def test_acquire_async(name, clock, cleanup):
     assert grants(lim) == {"0": 1, "1": 1}
 
 
+def test_acquire_async_naps_on_the_loop_holding_nothing(name, clock, cleanup, monkeypatch):
+    """The async acquire is the sync one's step object under the async driver: the same waits,
+    each a nap on the event loop (here moving the injected clock), never a blocking sleep."""
+    from shmlimit.acquire import single
+
+    lim = make(name, [("10/s", 1), ("2/s", 1)], clock, cleanup)
+    lim._sleep = None  # the sync hook: never called on the loop
+    naps = []
+
+    async def nap(seconds):
+        naps.append(seconds)
+        clock.advance(max(1, round(seconds * S)))
+
+    monkeypatch.setattr(single.asyncio, "sleep", nap)
+
+    async def main():
+        assert await lim.acquire_async("k")
+        t0 = clock.now
+        assert not await lim.acquire_async("k", timeout=0.4)  # the 2/s rate needs 0.5 s
+        assert clock.now == t0 and not naps  # refused at once, without a nap
+        assert await lim.acquire_async("k")  # naps until the 2/s rate allows it
+        return t0
+
+    t0 = asyncio.run(main())
+    assert naps and S // 2 <= clock.now - t0 < S // 2 + S // 100
+    assert grants(lim) == {"0": 2, "1": 2}
+
+
 def test_set_rate_by_name_stats_repr_and_pickle(name, clock, cleanup):
     lim = make(name, {"requests": ("1/s", 1), "tokens": ("100/s", 100)}, clock, cleanup)
     assert lim.try_acquire("k", requests=1) and not lim.try_acquire("k", requests=1)

@@ -449,7 +449,10 @@ class Request:
 
 
 class Steps(Protocol):
-    """What the drivers run: ``Request``, and ``multirate_request.MultiRequest`` over several rates."""
+    """What the drivers run: ``Request``, and ``multirate_request.MultiRequest`` over several rates.
+
+    One may also have ``nap(seconds)``: how ``drive`` sleeps a nap (``time.sleep``; in tests on
+    an injected clock, a move of that clock)."""
 
     #: the current nap ends at this CLOCK_MONOTONIC instant, to sleep to precisely (None: roughly)
     wake_ns: Optional[int]
@@ -479,7 +482,7 @@ def drive(req: Steps) -> bool:
                     continue
                 sleep_until()(req.wake_ns)
             else:
-                time.sleep(step)
+                getattr(req, "nap", time.sleep)(step)
             step = req.next()
         return step
     finally:

@@ -28,11 +28,11 @@ rates labelled ``name[key]``).  This module only takes the rates together:
 
 from __future__ import annotations
 
-import asyncio
 import math
 import time
 from typing import Any, Callable, Iterable, List, Optional, Sequence, Tuple, Union
 
+from shmlimit.acquire.single import Step, drive, drive_async
 from shmlimit.adapt import Adapt, per_rate
 from shmlimit.config import validate_reconfigure, validate_timeout
 from shmlimit.errors import KeyTableFullError, UnsupportedError
@@ -217,15 +217,6 @@ class MultiKeyedLimiter(RateGroup, Keyed):
         """
         return self._attempt(key, self._ops(n, costs))[0]
 
-    def _failed(self, w: int, ops: Tuple[int, ...], timed: bool) -> bool:
-        """An attempt that can never succeed: False when timed, else raise."""
-        if timed:
-            return False
-        if w == KC.FULL:
-            raise KeyTableFullError(self._name, self._lims[0].slots)
-        bursts = {k: lim.capacity for k, lim in zip(self._keys, self._lims)}
-        raise ValueError(f"the ops {dict(zip(self._keys, ops))} exceed a rate's burst ({bursts})")
-
     def _deadline(self, timeout: Optional[float]) -> Optional[int]:
         t = validate_timeout(timeout)
         if t is None:
@@ -234,20 +225,6 @@ class MultiKeyedLimiter(RateGroup, Keyed):
             t * TICKS_PER_S
         )  # inf for a finite timeout past about 1e298 s: compared, never converted
         return self._now() + (KC.MAX_WAIT if ticks >= KC.MAX_WAIT else int(ticks))
-
-    def _step(
-        self, key: object, ops: Tuple[int, ...], deadline: Optional[int]
-    ) -> Union[bool, float]:
-        """One non-blocking try for ``acquire``'s drivers: True (granted) or False (refused for
-        good), else the seconds to sleep before the next try."""
-        ok, w = self._attempt(key, ops)
-        if ok:
-            return True
-        if w in (KC.NEVER, KC.FULL):
-            return self._failed(w, ops, deadline is not None)
-        if deadline is not None and self._now() + w > deadline:
-            return False
-        return max(w, 1) / TICKS_PER_S
 
     def acquire(
         self, key: object, n: int = 1, timeout: Optional[float] = None, **costs: int
@@ -259,25 +236,16 @@ class MultiKeyedLimiter(RateGroup, Keyed):
         it.  Untimed, a cost above a rate's burst raises ``ValueError`` and a
         full table ``KeyTableFullError``; timed, both return False.
         """
-        ops, deadline = self._ops(n, costs), self._deadline(timeout)
-        while not isinstance(step := self._step(key, ops, deadline), bool):
-            self._sleep(step)
-        return step
+        return drive(_Tries(self, key, self._ops(n, costs), self._deadline(timeout)))
 
     async def acquire_async(
         self, key: object, n: int = 1, timeout: Optional[float] = None, **costs: int
     ) -> bool:
-        """``acquire`` for asyncio: waits with ``asyncio.sleep``, never blocking the event loop."""
-        ops, deadline = self._ops(n, costs), self._deadline(timeout)
-        while not isinstance(step := self._step(key, ops, deadline), bool):
-            await asyncio.sleep(step)
-        return step
+        """``acquire`` for asyncio: waits on the event loop, never blocking it."""
+        return await drive_async(_Tries(self, key, self._ops(n, costs), self._deadline(timeout)))
 
-    def _sleep(self, seconds: float) -> None:
-        """Sleep the wait a peek found, on the real clock (tests with a clock replace this)."""
-        end = time.monotonic() + seconds
-        while (left := end - time.monotonic()) > 0:
-            time.sleep(left)
+    #: How ``acquire`` sleeps a nap (seconds); tests on an injected clock move the clock instead.
+    _sleep = staticmethod(time.sleep)
 
     def reserve(
         self, key: object, n: int = 1, max_wait: Optional[float] = None, **costs: int
@@ -356,6 +324,47 @@ class MultiKeyedLimiter(RateGroup, Keyed):
             for k, s in self.stats().items()
         )
         return f"<shmlimit.KeyedLimiter {self._name!r} {parts} per key backend={self._lims[0].backend}>"
+
+
+class _Tries:
+    """A keyed acquire of several rates as the drivers run it (``acquire.single.Steps``): a try on
+    every rate, then, while one is short, a nap holding nothing of the longest wait a peek found."""
+
+    wake_ns: Optional[int] = None
+
+    def __init__(
+        self, lim: MultiKeyedLimiter, key: object, ops: Tuple[int, ...], deadline: Optional[int]
+    ) -> None:
+        self.lim, self.key, self.ops, self.deadline = lim, key, ops, deadline
+        self.clock = lim._clock or time.monotonic_ns
+        self.nap = lim._sleep
+
+    def begin(self) -> Step:
+        """True (granted on every rate), False (refused for good; an untimed call raises
+        instead), else the seconds to nap before the next try."""
+        lim = self.lim
+        ok, w = lim._attempt(self.key, self.ops)
+        if ok:
+            return True
+        if w in (KC.NEVER, KC.FULL):  # it never can be: False when timed, else raise
+            if self.deadline is not None:
+                return False
+            if w == KC.FULL:
+                raise KeyTableFullError(lim._name, lim._lims[0].slots)
+            bursts = {k: r.capacity for k, r in zip(lim._keys, lim._lims)}
+            shown = dict(zip(lim._keys, self.ops))
+            raise ValueError(f"the ops {shown} exceed a rate's burst ({bursts})")
+        if self.deadline is not None and lim._now() + w > self.deadline:
+            return False
+        return max(w, 1) / TICKS_PER_S
+
+    next = begin
+
+    def end(self) -> None:
+        pass
+
+    def wait_native(self) -> None:
+        return None
 
 
 def _unpickle(keyed: Any, name: str) -> MultiKeyedLimiter:
