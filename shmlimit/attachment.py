@@ -20,7 +20,6 @@ Everything else goes through the bucket.
 from __future__ import annotations
 
 import os
-import threading
 import time
 from typing import Any, Callable, Optional, Sequence, Tuple, Union
 
@@ -47,29 +46,22 @@ from shmlimit.bucket.giveback import (
 )
 from shmlimit.bucket.rovers import WAIT_BURN, WAIT_NUDGE, Bucket, GrabResult
 from shmlimit.config import MAX_NAP, NS_PER_S
-from shmlimit.errors import ConfigMismatchError, SegmentError
+from shmlimit.errors import ConfigMismatchError
 from shmlimit.group import collect as collect_group
 from shmlimit.group import is_group
 from shmlimit.header import Creation, open_segment
 from shmlimit.redis.spec import UpstreamSpec
-from shmlimit.registry import Registry
+from shmlimit.registry import Attached, Registry, attach
 from shmlimit.shm import inflight
 from shmlimit.shm import layout as L
 from shmlimit.shm.cells import MASK64, Cells, multi_gate
 from shmlimit.shm.segment import (
     Segment,
-    check_trust,
     claim_and_unlink,
-    gone,
     validate_name,
 )
 from shmlimit.shm.table import (
     OwnerWatch,
-    ProcessTable,
-    is_alive,
-    pid_namespace,
-    proc_start,
-    slot_alive,
 )
 from shmlimit.shm.words import plain_seconds
 
@@ -109,7 +101,7 @@ def _fed_within(grab: Callable[[], GrabResult]) -> Callable[[object], Union[bool
 NO_FAST = (_no_fast, _undecided, _undecided, None)
 
 
-class Attachment:
+class Attachment(Attached):
     """One process's mapping of one limiter segment (shared by all its Limiter handles).
 
     ``clock`` (CLOCK_MONOTONIC ns) is the one clock of this attachment: its
@@ -125,26 +117,17 @@ class Attachment:
         join: bool = True,
         clock: Callable[[], int] = time.monotonic_ns,
     ) -> None:
-        self.name = name
-        self.seg = seg
-        self.cells = cells
+        super().__init__(name, seg, cells, cells.load(L.SLOTS_OFF))
         self.clock = clock
         self.bucket = Bucket(cells, clock)
-        self.slots = cells.load(L.SLOTS_OFF)
-        self.table = ProcessTable(cells, self.slots)
+        self.bucket.inflights = tuple(
+            L.inflight_offset(self.table.slots, i) for i in range(self.table.slots)
+        )
         #: hierarchical mode: the upstream as the segment describes it (no secrets; shown, compared)
         self.upstream = UpstreamSpec.read(cells) if self.bucket.upstream else None
         #: ... and as this process configured it itself (with its secrets): only then does it feed
         self.feed_spec: Optional[UpstreamSpec] = None
-        self.refs = 0
-        self.closed = False
-        self.created = seg.created
-        self.slot: Optional[int] = None
         self.filler: Optional[FillerThread] = None
-        self.lease: Optional[Lease] = None
-        self.grants_off = L.UNREG_GRANTS
-        self.waiting_off: Optional[int] = None
-        self.pid = os.getpid()
         #: the ticket ranges this process gave back, and the thread that skips them (started at the first)
         self.returns = Returns(self.bucket)
         #: the slot owners the reap looks at, each watched through a pidfd (closed on detach)
@@ -161,17 +144,14 @@ class Attachment:
         self.fast: list = list(NO_FAST)
         self.fast_seq = -1
         #: This process used the limiter (``use``): it is registered and its filler thread runs.
-        #: Opening registers (so ``gc`` never takes a segment from under its opener) but starts
-        #: no thread: a pre-fork server's master that only opened it never forks with one
-        #: running.  A forked child registers only on its first use, so a child that never uses
-        #: an inherited limiter is never listed (pool children that leave with ``os._exit``
-        #: leave no dead entries).  Nothing waits for a filler: waiters replenish themselves.
+        #: Opening registers (``Attached``) but starts no thread: a pre-fork server's master
+        #: that only opened it never forks with one running.  Nothing waits for a filler:
+        #: waiters replenish themselves.
         self.in_use = False
-        self.joined = False
-        self._use_lock = threading.Lock()
         if join:
-            self._join_process()
-        self.update_fast()
+            self.join()
+        else:
+            self.bind()
 
     def update_fast(self) -> None:
         s = self.bucket.snap  # one snapshot: the grabber's seq and price always belong together
@@ -327,23 +307,14 @@ class Attachment:
 
     # -- lifecycle -------------------------------------------------------------------------
 
-    def _join_process(self) -> None:
-        """Register this process and make its filler thread (started by ``use``)."""
-        self.pid = os.getpid()
-        self.joined = True
-        start = proc_start(self.pid)
-        self.slot = self.table.register(
-            self.pid, start if start and start > 0 else 0, pid_namespace()
-        )
-        self.bucket.inflights = tuple(
-            L.inflight_offset(self.table.slots, i) for i in range(self.table.slots)
-        )
-        if self.slot is None:
-            self.grants_off = L.UNREG_GRANTS
-            self.waiting_off = None
-            self.lease = None
-            self.filler = None
-        else:
+    def bind(self) -> None:
+        """This process's words of its slot and its filler thread (started by ``use``); none
+        while it has no slot (the unregistered's grants word)."""
+        self.records = ()
+        self.lease, self.filler, self.waiting_off = None, None, None
+        self.bucket.own_inflight = None
+        self.grants_off = L.UNREG_GRANTS
+        if self.slot is not None:
             base = L.slot_offset(self.slot)
             self.grants_off = base + L.SLOT_GRANTS
             self.waiting_off = base + L.SLOT_WAITING
@@ -368,46 +339,23 @@ class Attachment:
         self.update_fast()
 
     def use(self) -> None:
-        """This process uses the limiter: register it if it is not yet, start its filler thread (once).
-
-        Raises ``SegmentError`` when a forked child's first use finds the segment collected (``gc``) or its
-        name unlinked (perhaps another's now) since it was inherited; seen before registering, nothing is touched.
-        """
+        """This process uses the limiter: register it if it is not yet (``Attached.use``, raising
+        as it does), start its filler thread (once)."""
         with self._use_lock:
             if self.in_use or self.closed or self.pid != os.getpid():
                 return
             if not self.joined:
-                gone = self._gone()
-                if not gone:  # registered, then STATE: a collector that claimed the segment before
-                    self._join_process()  # it saw us unlinks it (see _still_ready): a claim seen now
-                    if gone := self._gone():  # means it is gone or going
-                        self._leave()
-                if gone:
-                    raise SegmentError(
-                        f"limiter {self.name!r} was collected or removed while this process held "
-                        "it unused (no live process was registered); open it again"
-                    )
+                self._join_unless_gone()
             if self.filler is not None:
                 self.filler.start()
             self.in_use = True
         self.update_fast()
 
-    def _gone(self) -> bool:  # collected (or going), or its name unlinked or another segment's now
-        return gone(self.seg.name, self.seg.inode, self.cells)
-
-    def _leave(self) -> None:
-        """Give this process's slot back, keeping the mapping (it registers again on its next use)."""
+    def _unregister(self) -> None:
+        # the ranges it gave back stay recorded in the slot; at close its waiters' too, given
         if self.slot is not None and self.pid == os.getpid():
-            keep_on_leave(
-                self.cells, self.records, self.returns, False
-            )  # given-back ranges stay recorded
-            self.table.unregister(self.slot, self.pid)
-        self.records = ()
-        self.slot, self.lease, self.filler, self.waiting_off = None, None, None, None
-        self.bucket.own_inflight = None
-        self.grants_off = L.UNREG_GRANTS
-        self.joined = self.in_use = False
-        self.update_fast()
+            keep_on_leave(self.cells, self.records, self.returns, self.closed)
+        super()._unregister()
 
     def _chores(self) -> Optional[float]:
         """What the elected filler does now and then: give back dead processes' tickets."""
@@ -459,20 +407,14 @@ class Attachment:
             self._returns_thread.stop()
         self.cells.leave_waiters()  # no waiter of ours is granted now: its queued ticket may be given back
         self.writers.settle()  # a grab of another thread between its record's claim and length store ends first
-        if self.slot is not None and self.pid == os.getpid():
-            keep_on_leave(
-                self.cells, self.records, self.returns, True
-            )  # its waiters' records: given
-            self.table.unregister(self.slot, self.pid)
-            self.records = ()
+        super().shut()
+        self.records = ()
 
     def after_fork_in_child(self) -> None:
         # The parent's filler thread does not exist here, its lease and its slot are the parent's:
         # the child holds the mapping only, and registers on its first use.
         if self.lease is not None:
             self.lease.forget()
-        self._use_lock = threading.Lock()  # the parent's may have been held by a thread not copied
-        self.pid = os.getpid()
         # the parent skips the ranges it gave back; the child starts afresh (its lock may be held)
         self.returns = Returns(self.bucket)
         self._returns_thread = None
@@ -480,12 +422,8 @@ class Attachment:
             lambda: self.records, self.cells
         )  # (the parent's threads are not here)
         self.owners = self.owners.forked()  # the parent's pidfds, closed here; its lock may be held
-        self.slot, self.lease, self.filler, self.waiting_off = None, None, None, None
-        self.bucket.own_inflight = None
-        self.records = ()
-        self.grants_off = L.UNREG_GRANTS
-        self.joined = self.in_use = False
-        self.update_fast()
+        self.in_use = False
+        super().after_fork_in_child()
 
     def detach(self) -> None:
         if self.closed or self.writers.defer(
@@ -493,10 +431,8 @@ class Attachment:
         ):  # (inside its own thread's record write: after it)
             self.fast[:] = NO_FAST
             return
-        self.shut()
+        super().detach()
         self.owners.close()
-        self.cells.close()
-        self.seg.close()
 
 
 def gate_all(atts: Sequence[Attachment], names: Optional[Sequence[str]] = None) -> Any:
@@ -535,50 +471,29 @@ def map_attachment(
     ``opener`` maps something else than the segment ``name`` (a rate's region of a group, whose
     ``name`` then only labels it).
     """
-    for _ in range(16):
-        if opener is None:
-            seg, cells = open_segment(name, create, mode, trusted, clock)
-        else:
-            seg, cells = opener()
-        att = None
+
+    def make() -> Attachment:
+        seg, cells = (
+            open_segment(name, create, mode, trusted, clock) if opener is None else opener()
+        )
         try:
-            att = Attachment(name, seg, cells, False, clock)
-            if create is not None and not seg.created:
-                adopt_config(att, create, reconfigure)  # before registering: see adopt_config
-            if join:
-                att._join_process()
-            if not _still_ready(att):
-                continue  # a collector took it while we registered: open the name again
-            check_matches(name, att, create)
+            return Attachment(name, seg, cells, False, clock)
         except BaseException:
-            if att is not None:
-                att.detach()
-            else:
-                cells.close()
-                seg.close()
+            cells.close()
+            seg.close()
             raise
-        return att
-    raise SegmentError(f"could not create or open limiter {name!r}: it kept being collected")
 
+    def adopt(att: Attachment) -> None:
+        if create is not None and not att.created:
+            adopt_config(att, create, reconfigure)
 
-def _still_ready(att: Attachment) -> bool:
-    """After registering: False (the attachment undone) if a collector claimed the segment meanwhile.
-
-    The collector claims (STATE READY -> DOOMED by CAS) and then looks for
-    live processes; we register and then look at STATE.  With sequentially
-    consistent words one of the two sees the other: either the collector
-    sees us and gives the segment back, or we see its claim and leave.
-    """
-    if att.cells.load(L.STATE_OFF) == L.STATE_READY:
-        return True
-    att.detach()
-    return False
+    return attach(name, make, adopt, lambda att: check_matches(name, att, create), join)
 
 
 def collect(name: str) -> bool:
     """Unlink the segment if no live process is attached to it; True if it did.
 
-    Never orphans a process that attaches meanwhile (see ``_still_ready``).  A group of several
+    Never orphans a process that attaches meanwhile (see ``registry.attach``).  A group of several
     rates (plain or keyed) is unlinked when no live process is attached to any of its rates
     (``group.collect``).
     """
@@ -589,20 +504,9 @@ def collect(name: str) -> bool:
         name, None, None, join=False
     )  # no trust check: it only unlinks, as the filesystem allows
     try:
-        return claim_and_unlink(name, att.seg.inode, att.cells, lambda: in_use(att))
+        return claim_and_unlink(name, att.seg.inode, att.cells, att.live)
     finally:
         att.detach()
-
-
-def in_use(att: Attachment) -> bool:
-    """Some live process is registered in the segment's process table."""
-    return any(slot_alive(e.pid, e.start, e.pidns) for e in att.table.entries())
-
-
-def creator_alive(att: Attachment) -> bool:
-    """The segment's creator still runs (a pid reused since counts as alive: the safe side)."""
-    creator = att.cells.load(L.CREATOR_PID_OFF)
-    return 0 < creator <= 0xFFFFFFFF and is_alive(creator, 0)
 
 
 def adopt_config(att: Attachment, create: Creation, reconfigure: bool) -> None:
@@ -614,9 +518,7 @@ def adopt_config(att: Attachment, create: Creation, reconfigure: bool) -> None:
     mismatch is reported by ``check_matches``.  Called before this process
     registers, so workers of one deploy opening together each see no live
     user and all publish the same config, instead of each seeing the other
-    and refusing.  A live creator counts as a user: it registers just after
-    the segment becomes ready, and must find the config it created.  The
-    upstream is never changed here.
+    and refusing (``Attached.may_adopt``).  The upstream is never changed here.
     """
     b = att.bucket
     b.refresh()
@@ -625,7 +527,7 @@ def adopt_config(att: Attachment, create: Creation, reconfigure: bool) -> None:
     want = expected(create.config, create.adapt, att.cells, b.config)
     if b.config == want and read_adapt(att.cells) == create.adapt:
         return
-    if reconfigure or not (in_use(att) or creator_alive(att)):
+    if att.may_adopt(reconfigure):
         write_adapt(att.cells, create.adapt)  # (a rate learned before is kept: ``expected``)
         if b.config != want:
             b.publish(want)
@@ -684,8 +586,6 @@ def open_attachment(
     def check(att: Attachment) -> None:
         if clock is not att.clock:
             raise ValueError(f"limiter {name!r} is attached in this process with another clock")
-        # vetted when this process first opened it, but perhaps under a wider trust than this call's
-        check_trust(name, _owner_stat(att.seg), mode, trusted)
         if (
             reconfigure and create is not None
         ):  # this process uses it: only an explicit reconfigure applies
@@ -698,14 +598,11 @@ def open_attachment(
             name, create, mode, trusted, clock=clock, reconfigure=reconfigure, opener=opener
         ),
         check,
+        mode,
+        trusted,
     )
 
 
 def release(att: Attachment, detach: bool) -> None:
     """Drop one handle (see ``Registry.release``)."""
     _registry.release(att, detach)
-
-
-def _owner_stat(seg: Segment) -> os.stat_result:
-    """The owner and mode a segment had when this process opened it, in ``os.stat_result`` form."""
-    return os.stat_result((seg.mode, 0, 0, 0, seg.owner, 0, seg.size, 0, 0, 0))

@@ -6,6 +6,11 @@ out (``open``), drops a handle (``release``), runs its kind's hook in a
 forked child for every attachment inherited (``after_fork``), and detaches
 every attachment at exit, so a held filler lease is dropped and a successor
 fills at once.
+
+``Attached`` is every kind's per-process lifecycle, once: opened (``attach``: registered, then
+its STATE looked at, so a collector never takes a segment from under its opener), joined to the
+process table (``join``), registered again on a forked child's first use (``use``), its slot
+given back (``leave``, ``detach``).  A kind adds only its own words and objects (``bind``).
 """
 
 from __future__ import annotations
@@ -13,23 +18,166 @@ from __future__ import annotations
 import atexit
 import os
 import threading
-from typing import Any, Callable, Dict, Generic, Protocol, TypeVar
+from typing import Any, Callable, Dict, FrozenSet, Generic, Optional, TypeVar
 
-from shmlimit.shm.segment import Segment, current_inode
+from shmlimit.errors import SegmentError
+from shmlimit.shm import layout as L
+from shmlimit.shm.cells import Cells
+from shmlimit.shm.segment import Segment, check_trust, current_inode, gone
+from shmlimit.shm.table import ProcessTable, is_alive, pid_namespace, proc_start, slot_alive
 
 
-class Attached(Protocol):
-    """What a registry needs of an attachment."""
+class Attached:
+    """One process's mapping of one segment (or a group's region), shared by its handles.
 
-    name: str
-    seg: Segment
-    refs: int
-    closed: bool
+    Opening registers this process in the segment's process table (so ``gc``
+    never takes a segment from under its opener); a forked child is not
+    registered until its first use (``use``), so a child that never uses an
+    inherited limiter is never listed and one that leaves with ``os._exit``
+    leaves no dead entry.
+    """
 
-    def detach(self) -> None: ...
+    #: the kind, as errors name it
+    what = "limiter"
+
+    def __init__(self, name: str, seg: Segment, cells: Cells, slots: int) -> None:
+        self.name, self.seg, self.cells = name, seg, cells
+        self.created = seg.created
+        self.table = ProcessTable(cells, slots)
+        self.refs = 0
+        self.closed = False
+        self.pid = os.getpid()
+        #: this process's slot in the process table (None: unregistered, or the table is full)
+        self.slot: Optional[int] = None
+        #: this process registered (or found the table full): False in a forked child until its use
+        self.joined = False
+        self._use_lock = threading.Lock()
+
+    def bind(self) -> None:
+        """The kind's words and objects for ``slot`` (None: unregistered), after every change of it."""
+
+    def join(self) -> None:
+        """Register this process in the process table (``bind`` its slot's words)."""
+        self.pid = os.getpid()
+        start = proc_start(self.pid)
+        self.slot = self.table.register(
+            self.pid, start if start and start > 0 else 0, pid_namespace()
+        )
+        self.joined = True
+        self.bind()
+
+    def use(self) -> None:
+        """This process uses the segment: register it if it is not yet (a forked child's first use).
+
+        Raises ``SegmentError`` when the segment was collected (``gc``) or its
+        name unlinked (perhaps another's now) since it was inherited; seen
+        before registering, nothing is touched.
+        """
+        with self._use_lock:
+            if not self.joined and not self.closed and self.pid == os.getpid():
+                self._join_unless_gone()
+
+    def _join_unless_gone(self) -> None:
+        if not self.gone():  # registered, then STATE: a collector that claimed the segment before
+            self.join()  # it saw us unlinks it (see claim_and_unlink): a claim seen now means
+            if not self.gone():  # it is gone or going
+                return
+            self.leave()
+        raise SegmentError(
+            f"{self.what} {self.name!r} was collected or removed while this process held "
+            "it unused (no live process was registered); open it again"
+        )
+
+    def gone(self) -> bool:
+        """Collected (or going), or its name unlinked or another segment's now."""
+        return gone(self.seg.name, self.seg.inode, self.cells)
+
+    def _unregister(self) -> None:
+        if self.slot is not None and self.pid == os.getpid():
+            self.table.unregister(self.slot, self.pid)
+
+    def leave(self) -> None:
+        """Give this process's slot back, keeping the mapping (it registers again on its next use)."""
+        self._unregister()
+        self.slot, self.joined = None, False
+        self.bind()
+
+    def after_fork_in_child(self) -> None:
+        """The parent's slot is not ours: unregistered until the first use."""
+        self._use_lock = threading.Lock()  # the parent's may have been held by a thread not copied
+        self.pid = os.getpid()
+        self.slot, self.joined = None, False
+        self.bind()
+
+    def shut(self) -> None:
+        """Close's part on the shared words: this process's slot given back."""
+        self.closed = True
+        self._unregister()
+
+    def detach(self) -> None:
+        """Shut and unmap (once)."""
+        if self.closed:
+            return
+        self.shut()
+        self.cells.close()
+        self.seg.close()
+
+    def live(self) -> bool:
+        """Some live process is registered in the process table."""
+        return any(slot_alive(e.pid, e.start, e.pidns) for e in self.table.entries())
+
+    def may_adopt(self, reconfigure: bool) -> bool:
+        """A creating call may publish its config: with ``reconfigure`` (fleet-wide), or when no live
+        process uses the segment (a redeploy boots).  A live creator counts as a user: it registers
+        just after the segment becomes ready, and must find the config it created (a pid reused
+        since counts as alive: the safe side)."""
+        creator = self.cells.load(L.CREATOR_PID_OFF)
+        return reconfigure or not (
+            self.live() or 0 < creator <= 0xFFFFFFFF and is_alive(creator, 0)
+        )
+
+    def vet(self, mode: int, trusted: FrozenSet[int]) -> None:
+        """The trust check of a call that finds this segment open in this process already (it was
+        vetted when this process first opened it, perhaps under a wider trust than this call's)."""
+        seg = self.seg
+        st = os.stat_result((seg.mode, 0, 0, 0, seg.owner, 0, seg.size, 0, 0, 0))
+        check_trust(self.name, st, mode, trusted)
 
 
 A = TypeVar("A", bound=Attached)
+
+
+def attach(
+    name: str,
+    make: Callable[[], Optional[A]],
+    adopt: Callable[[A], None] = lambda att: None,
+    check: Callable[[A], None] = lambda att: None,
+    join: bool = True,
+) -> A:
+    """A new attachment (``make``: not joined yet, or None if a collector took the segment since it
+    was opened), ``adopt`` run before registering, ``check`` after; opened again (at most 16 times)
+    while a collector takes it meanwhile.  Undone (detached) if any step fails."""
+    what = "limiter"
+    for _ in range(16):
+        att = make()
+        if att is None:
+            continue
+        what = att.what
+        try:
+            adopt(att)  # before registering: see attachment.adopt_config
+            if join:
+                att.join()
+            # registered, then STATE (see shm.segment.claim_and_unlink): either the collector
+            # sees us and gives the segment back, or we see its claim and open the name again
+            if att.gone():
+                att.detach()
+                continue
+            check(att)
+        except BaseException:
+            att.detach()
+            raise
+        return att
+    raise SegmentError(f"could not open {what} {name!r}: it kept being collected")
 
 
 class Registry(Generic[A]):
@@ -44,8 +192,16 @@ class Registry(Generic[A]):
         os.register_at_fork(after_in_child=self._in_child)
         atexit.register(self._detach_all)
 
-    def open(self, name: str, make: Callable[[], A], check: Callable[[A], None]) -> A:
-        """The attachment to ``name``, made (``make``) on first use or checked (``check``) after; one more handle."""
+    def open(
+        self,
+        name: str,
+        make: Callable[[], A],
+        check: Callable[[A], None],
+        mode: int,
+        trusted: FrozenSet[int],
+    ) -> A:
+        """The attachment to ``name``, made (``make``) on first use or vetted under ``mode`` and
+        ``trusted`` and checked (``check``) after; one more handle."""
         with self._lock:
             att = self._atts.get(name)
             # a name unlinked and re-created since we mapped it is a different limiter
@@ -56,6 +212,7 @@ class Registry(Generic[A]):
                 att = make()
                 self._atts[name] = att
             else:
+                att.vet(mode, trusted)
                 check(att)
             att.refs += 1
             return att

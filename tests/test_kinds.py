@@ -24,6 +24,7 @@ from shmlimit.keyed.window_table import WindowTable
 from shmlimit.kinds import inspect
 from shmlimit.multirate import MultiStats
 from shmlimit.shm import layout as L
+from shmlimit.shm.table import pid_namespace
 from shmlimit.stats import Stats
 
 KINDS = {
@@ -94,6 +95,29 @@ def test_every_kind_is_attached_by_its_name_elsewhere_and_listed_once(name, kind
         assert got["try"] is True and got["acquire"] is True and got["acquire_async"] is True
         assert got["stats"].endswith("Stats")
         assert listed(name) == [name]
+    finally:
+        lim.unlink()
+        lim.close()
+
+
+@pytest.mark.parametrize("kind", ["one rate", "keyed"])
+def test_every_kind_records_its_users_pid_namespace(name, kind):
+    """A process slot of another PID namespace counts as alive (its pid means nothing here): every
+    kind's slot must say which namespace its owner is in.  Keyed tables and window tables
+    registered without it, so another namespace's users looked dead to ``gc`` and to reclaimers."""
+    lim = WindowTable(name, keys=64) if kind == "window table" else KINDS[kind](name)
+    try:
+        if kind != "window table":
+            lim.try_acquire(*CALLS[kind][0])
+        with open(shm_path(name), "rb") as f:
+            data = f.read()
+        word = lambda off: struct.unpack_from("<Q", data, off)[0]  # noqa: E731
+        mine = [
+            word(L.slot_offset(i) + L.SLOT_PIDNS)
+            for i in range(word(L.SLOTS_OFF))
+            if word(L.slot_offset(i) + L.SLOT_PID) == os.getpid()
+        ]
+        assert mine == [pid_namespace()] and pid_namespace() != 0
     finally:
         lim.unlink()
         lim.close()

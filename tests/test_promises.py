@@ -456,7 +456,7 @@ def test_gc_between_a_creators_ready_and_its_registration_orphans_nothing(name, 
     from shmlimit.attachment import Attachment
     from shmlimit.shm.segment import current_inode
 
-    join = Attachment._join_process
+    join = Attachment.join
     collected = []
 
     def collector_in_the_gap(att):
@@ -474,7 +474,7 @@ def test_gc_between_a_creators_ready_and_its_registration_orphans_nothing(name, 
             collected.append(r.stdout.strip())
         join(att)
 
-    monkeypatch.setattr(Attachment, "_join_process", collector_in_the_gap)
+    monkeypatch.setattr(Attachment, "join", collector_in_the_gap)
     lim = shmlimit.Limiter(name, rate=100)
     try:
         assert collected == ["True"]  # the collector did unlink the segment in the gap

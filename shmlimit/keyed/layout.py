@@ -18,7 +18,7 @@ A keyed segment holds many independent limits, one per key, in a table of
              rate's parameters (IEEE-754 bits, written by the creator; ADAPT_MAX 0: none)
     line 11  ADAPT_THROTTLED ADAPT_OK ADAPT_DECISIONS: outcomes reported and decisions made, all keys
     lines 12..15 reserved (zero)
-    then PSLOTS process slots of one line each: PID START GRANTS WAITING BASE - - -
+    then PSLOTS process slots of one line each: PID START GRANTS WAITING BASE PIDNS HITS -
          (the format of ``table.ProcessTable``, at the same offset as in a Limiter segment)
     then NOVR override entries of three lines: CTRL D0 D1 A_OWNER A_OUT A_START A_SEEN_OUT
          A_SEEN_GRANTS (the key's adaptive rate: ``keyed.adapt``), then its bank A, then its bank B

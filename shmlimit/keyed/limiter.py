@@ -17,7 +17,6 @@ from __future__ import annotations
 import math
 import mmap
 import os
-import threading
 import time
 import weakref
 from typing import Any, Callable, Dict, Optional, Tuple
@@ -27,7 +26,7 @@ from shmlimit.adapt import Adapt
 from shmlimit.adapt import describe as describe_adapt
 from shmlimit.adapt import write as write_adapt
 from shmlimit.config import carried_per, validate_reconfigure, validate_timeout
-from shmlimit.errors import ConfigMismatchError, KeyTableFullError, SegmentError
+from shmlimit.errors import ConfigMismatchError, KeyTableFullError
 from shmlimit.keyed import cells as KC
 from shmlimit.keyed import layout as K
 from shmlimit.keyed.adapt import check_rate
@@ -45,9 +44,7 @@ from shmlimit.keyed.gcra import (
 from shmlimit.keyed.segment import (
     Geometry,
     check_geometry,
-    open_segment,
-    read_key,
-    validate_header,
+    open_keyed,
 )
 from shmlimit.keyed.stats import (
     KeyedProcess,
@@ -59,17 +56,15 @@ from shmlimit.keyed.stats import (
 )
 from shmlimit.protocol import Keyed
 from shmlimit.rate_group import RatesSwitch, group_options
-from shmlimit.registry import Registry, release_on_gc
+from shmlimit.registry import Attached, Registry, attach, release_on_gc
 from shmlimit.shm.cells import Cells
 from shmlimit.shm.segment import (
     Segment,
-    gone,
     validate_mode,
     validate_name,
     validate_trusted_uids,
 )
 from shmlimit.shm.segment import unlink as _unlink_name
-from shmlimit.shm.table import ProcessTable, is_alive, proc_start, slot_alive
 
 __all__ = [
     "KeyedLimiter",
@@ -96,8 +91,11 @@ class _Closed:
 _CLOSED = _Closed()
 
 
-class _Attachment:
-    """One process's mapping of one keyed segment, shared by all its handles."""
+class _Attachment(Attached):
+    """One process's mapping of one keyed segment, shared by all its handles (``Attached``): its
+    keyed composite (``kt``), bound to this process's slot."""
+
+    what = "keyed limiter"
 
     def __init__(
         self,
@@ -106,132 +104,73 @@ class _Attachment:
         cells: Cells,
         geo: Geometry,
         secret: Tuple[int, int],
-        join: bool = True,
         flags: int = KC.FLAG_EVICT,
     ) -> None:
-        self.name, self.seg, self.cells, self.geo = name, seg, cells, geo
+        super().__init__(name, seg, cells, K.PSLOTS)
+        self.geo = geo
         self.flags = flags  #: ``keyed_cells.table_flags``: this process's when_full and store_keys
-        self.created = seg.created
-        self.table = ProcessTable(cells, K.PSLOTS)
         self.overrides = Overrides(cells, geo.overrides)
         self.secret = secret  #: the hash's (k0, k1), from the segment's secret file
-        self.refs = 0
-        self.closed = False
-        self.slot: Optional[int] = None
         self.kt: Any = _CLOSED
-        self.pid = os.getpid()
-        #: This process is registered in the process table (or found it full).  Opening
-        #: registers; a forked child is not, until its first use (``use``), so a child that never
-        #: uses an inherited limiter is never listed and one that leaves with ``os._exit`` leaves
-        #: no dead entry.  Until then its handles take the slow path (``KeyedLimiter._slow``).
-        self.joined = False
         #: Every handle on this attachment in this process: after fork, the child points their
-        #: ``try_acquire`` back at the slow path, which registers on the first call.
+        #: ``try_acquire`` back at the slow path (``KeyedLimiter._use``), which registers on the
+        #: first call.
         self.handles: "weakref.WeakSet[KeyedLimiter]" = weakref.WeakSet()
-        self._use_lock = threading.Lock()
-        if join:
-            self.join()
 
-    def join(self) -> None:
-        """Register this process in the process table and bind the keyed composite to its slot."""
-        if self.kt is _CLOSED:
-            _prefault(self.seg)
-        self.pid = os.getpid()
-        start = proc_start(self.pid)
-        self.slot = self.table.register(self.pid, start if start and start > 0 else 0)
-        self.joined = True
-        grants = K.UNREG_GRANTS if self.slot is None else K.HEADER_BYTES + self.slot * K.LINE + 16
-        if (
-            self.kt is not _CLOSED
-        ):  # after fork: the same object, so every handle's bound calls follow
-            self.kt.rebind(grants, K.owner(self.pid))
-            return
-        self.kt = self.cells.keyed_table(
+    def _table(self, grants: int, pid: int) -> Tuple[Any, ...]:
+        """The keyed composite's arguments over this mapping: grants counted at ``grants``, keys
+        inserted as ``pid``."""
+        g, (k0, k1) = self.geo, self.secret
+        return (
             K.CFG_SEQ,
             K.OVR_LIVE,
             K.overrides_offset(),
-            self.geo.overrides,
-            K.slots_offset(self.geo.overrides),
-            self.geo.keys,
-            self.geo.probe,
-            self.secret[0],
-            self.secret[1],
+            g.overrides,
+            K.slots_offset(g.overrides),
+            g.keys,
+            g.probe,
+            k0,
+            k1,
             K.KEYS_LIVE,
             K.EVICTED,
             K.REFUSED,
             grants,
-            K.owner(self.pid),
+            K.owner(pid),
             K.CUT,
             self.flags,
         )
+
+    def bind(self) -> None:
+        """The keyed composite bound to this process's slot (made at the first join).
+
+        In a forked child the same object is rebound at once, not at the first
+        use (so every handle's bound calls follow): it must insert keys as
+        *this* pid, so that an insert this child dies in the middle of is
+        reclaimed by the next inserter (the parent, still alive, would make the
+        slot look held forever); and its grants must not land in the parent's slot.
+        """
+        grants = K.UNREG_GRANTS if self.slot is None else K.HEADER_BYTES + self.slot * K.LINE + 16
+        if self.kt is _CLOSED:
+            _prefault(self.seg)
+            self.kt = self.cells.keyed_table(*self._table(grants, self.pid))
+        else:
+            self.kt.rebind(grants, K.owner(self.pid))
 
     def reference(self) -> KC.KeyedTable:
         """The keyed composite in Python over this mapping (either backend's cells), inserting as
         this process: for the step the native one does not have (``push``)."""
         return KC.KeyedTable(
-            self.cells,
-            K.CFG_SEQ,
-            K.OVR_LIVE,
-            K.overrides_offset(),
-            self.geo.overrides,
-            K.slots_offset(self.geo.overrides),
-            self.geo.keys,
-            self.geo.probe,
-            self.secret[0],
-            self.secret[1],
-            K.KEYS_LIVE,
-            K.EVICTED,
-            K.REFUSED,
-            K.UNREG_GRANTS,  # a push grants nothing
-            K.owner(os.getpid()),
-            K.CUT,
-            self.flags,
-        )
-
-    def use(self) -> None:
-        """This process uses the limiter: register it if it is not yet (a forked child's first use)."""
-        with self._use_lock:
-            if not self.joined and not self.closed and self.pid == os.getpid():
-                if not gone(self.seg.name, self.seg.inode, self.cells):
-                    self.join()  # registered, then STATE: see claim_and_unlink
-                    if not gone(self.seg.name, self.seg.inode, self.cells):
-                        return
-                    if self.slot is not None:
-                        self.table.unregister(self.slot, self.pid)
-                    self.slot, self.joined = None, False
-                    self.kt.rebind(K.UNREG_GRANTS, K.owner(self.pid))
-                raise SegmentError(
-                    f"keyed limiter {self.name!r} was collected or removed while this process held "
-                    "it unused (no live process was registered); open it again"
-                )
+            self.cells, *self._table(K.UNREG_GRANTS, os.getpid())
+        )  # grants nothing
 
     def after_fork_in_child(self) -> None:
-        """The parent's process slot is not ours: count as unregistered until the first use.
-
-        The composite is rebound at once, not at the first use: it must insert
-        keys as *this* pid, so that an insert this child dies in the middle of
-        is reclaimed by the next inserter (the parent, still alive, would make
-        the slot look held forever); and its grants must not land in the
-        parent's slot.
-        """
-        self._use_lock = threading.Lock()  # the parent's may have been held by a thread not copied
-        self.pid = os.getpid()
-        self.slot = None
-        self.joined = False
-        if self.kt is not _CLOSED:
-            self.kt.rebind(K.UNREG_GRANTS, K.owner(self.pid))
+        super().after_fork_in_child()
         for h in list(self.handles):
             h.__dict__.pop("try_acquire", None)  # back to the class's method: the slow path
 
-    def detach(self) -> None:
-        if self.closed:
-            return
-        self.closed = True
+    def shut(self) -> None:
         self.kt = _CLOSED
-        if self.slot is not None and self.pid == os.getpid():
-            self.table.unregister(self.slot, self.pid)
-        self.cells.close()
-        self.seg.close()
+        super().shut()
 
 
 #: madvise(MADV_POPULATE_WRITE), Linux 5.14+: map every page of the table now (about 12 ms per
@@ -265,57 +204,13 @@ def _open(
     With ``opener`` (a rate's region of a group: ``group.region_opener``), ``name`` only labels
     the table, and the region is validated as a keyed segment's header is."""
 
-    def make() -> _Attachment:
-        for _ in range(16):
-            if opener is None:
-                seg, cells, real = open_segment(name, geo, rate, mode, trusted, adapt)
-            else:
-                seg, cells = opener()
-                try:
-                    real = validate_header(name, cells, seg.size)
-                except BaseException:
-                    cells.close()
-                    seg.close()
-                    raise
-            try:
-                if real.kind != K.KIND_GCRA:
-                    raise SegmentError(
-                        f"segment {name!r} holds window counters (a limits storage), not a KeyedLimiter"
-                    )
-                secret = read_key(seg, cells, mode, trusted)  # a region's is its group's
-            except BaseException:
-                cells.close()
-                seg.close()
-                raise
-            if secret is None:  # collected since it was opened: open the name again
-                cells.close()
-                seg.close()
-                continue
-            att = _Attachment(
-                name,
-                seg,
-                cells,
-                real,
-                secret,
-                join=False,
-                flags=KC.FLAG_EVICT if flags is None else flags,
-            )
-            try:
-                if rate is not None and not seg.created:
-                    _adopt(
-                        att, rate, geo, reconfigure, adapt
-                    )  # before registering, as attachment.adopt_config
-                att.join()
-                # registered, then STATE (see claim_and_unlink); a region's name is its group's
-                if gone(seg.name, seg.inode, cells):
-                    att.detach()
-                    continue  # a collector took it while we registered: open the name again
-                _check(name, att, rate, geo, adapt)
-            except BaseException:
-                att.detach()
-                raise
-            return att
-        raise SegmentError(f"could not open keyed limiter {name!r}: it kept being collected")
+    def make() -> Optional[_Attachment]:
+        opened = open_keyed(name, K.KIND_GCRA, geo, rate, mode, trusted, adapt, opener)
+        return opened and _Attachment(name, *opened, KC.FLAG_EVICT if flags is None else flags)
+
+    def adopt(att: _Attachment) -> None:  # as attachment.adopt_config
+        if rate is not None and not att.created:
+            _adopt(att, rate, geo, reconfigure, adapt)
 
     def check(att: _Attachment) -> None:
         if flags is not None and att.flags != flags:
@@ -326,7 +221,10 @@ def _open(
             _adopt(att, rate, geo, True, adapt)
         _check(name, att, rate, geo, adapt)
 
-    return _registry.open(name, make, check)
+    def new() -> _Attachment:
+        return attach(name, make, adopt, lambda att: _check(name, att, rate, geo, adapt))
+
+    return _registry.open(name, new, check, mode, trusted)
 
 
 def _adopt(
@@ -347,9 +245,7 @@ def _adopt(
     same = read_default(att.cells) == rate and read_keyed_adapt(att.cells) == adapt
     if same or (geo is not None and geo != att.geo):
         return
-    creator = att.cells.load(K.CREATOR_PID_OFF)
-    live = any(slot_alive(e.pid, e.start, e.pidns) for e in att.table.entries())
-    if reconfigure or not (live or (0 < creator <= 0xFFFFFFFF and is_alive(creator, 0))):
+    if att.may_adopt(reconfigure):
         write_adapt(att.cells, adapt, K.ADAPT_PARAMS)
         publish_default(att.cells, rate)
 
@@ -374,10 +270,6 @@ def _check(
             f"{rate.describe()} keys={geo.keys if geo else att.geo.keys} overrides={geo.overrides if geo else att.geo.overrides}",
             live=geo is None or geo == att.geo,  # only the rate can be reconfigured
         )
-
-
-def _release(att: _Attachment, detach: bool) -> None:
-    _registry.release(att, detach)
 
 
 #: An untimed call whose key's insert is held by a stalled inserter (``keyed_cells.BUSY``, after
@@ -658,7 +550,7 @@ class KeyedLimiter(RatesSwitch, Keyed):
         att, self._att = self._att, None
         self.__dict__.pop("try_acquire", None)
         if att is not None:
-            _release(att, detach=True)
+            _registry.release(att, detach=True)
 
     def unlink(self) -> None:
         """Remove the segment's name.  Processes still attached keep working on their mapping."""
@@ -668,7 +560,7 @@ class KeyedLimiter(RatesSwitch, Keyed):
         return (attach_keyed, (self._name,))
 
     def __del__(self) -> None:
-        release_on_gc(self, _release)
+        release_on_gc(self, _registry.release)
 
     # -- acquiring ---------------------------------------------------------------------
 

@@ -18,7 +18,7 @@ from __future__ import annotations
 import math
 import os
 from dataclasses import dataclass
-from typing import AbstractSet, Optional, Tuple
+from typing import AbstractSet, Callable, Optional, Tuple
 
 from shmlimit.adapt import Adapt
 from shmlimit.adapt import read as read_adapt
@@ -307,10 +307,45 @@ def open_segment(
         raise
 
 
+#: what a keyed segment of each value kind holds, as errors name it
+_HOLDS = {K.KIND_GCRA: "a KeyedLimiter", K.KIND_WINDOWS: "window counters (a limits storage)"}
+
+
+def open_keyed(
+    name: str,
+    kind: int,
+    geo: Optional[Geometry],
+    rate: Optional[Rate],
+    mode: int,
+    trusted_uids: AbstractSet[int],
+    adapt: Optional[Adapt] = None,
+    opener: Optional[Callable[[], Tuple[Segment, Cells]]] = None,
+) -> Optional[Tuple[Segment, Cells, Geometry, Tuple[int, int]]]:
+    """A keyed segment of value ``kind`` (``open_segment``; with ``opener``, a group's region,
+    its header validated as a segment's) and the hash's secret (``read_key``): its mapping, cells,
+    geometry and ``(k0, k1)``.  None, nothing left mapped, if a collector took it meanwhile."""
+    if opener is None:
+        seg, c, real = open_segment(name, geo, rate, mode, trusted_uids, adapt)
+    else:
+        seg, c = opener()
+    secret = None
+    try:
+        if opener is not None:
+            real = validate_header(name, c, seg.size)
+        if real.kind != kind:
+            raise SegmentError(f"segment {name!r} holds {_HOLDS[real.kind]}, not {_HOLDS[kind]}")
+        secret = read_key(seg, c, mode, trusted_uids)  # a region's is its group's
+    finally:
+        if secret is None:  # refused, or collected since it was opened
+            c.close()
+            seg.close()
+    return None if secret is None else (seg, c, real, secret)
+
+
 def collect(name: str) -> bool:
     """Unlink the keyed segment (either value kind) if no live process is attached to it; True if
     it did.  The same claim-check-unlink as a ``Limiter``'s (``claim_and_unlink``): an opener
-    registers, then sees the claim and opens the name again (``reopen_if_collected``)."""
+    registers, then sees the claim and opens the name again (``registry.attach``)."""
     seg = open_existing(name, None, frozenset(), KEYED)
     try:
         if seg.size < K.HEADER_BYTES + K.PSLOTS * K.LINE:
