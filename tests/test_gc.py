@@ -11,7 +11,6 @@ import shmlimit
 from shmlimit import group, header
 from shmlimit.keyed import limiter as keyed_limiter
 from shmlimit.keyed import segment as keyed_segment
-from shmlimit.keyed import window_table
 from shmlimit.keyed.window_table import WindowTable
 from shmlimit.shm import layout as L
 from shmlimit.shm.segment import current_inode
@@ -79,8 +78,7 @@ def test_an_opener_that_registers_after_a_claim_opens_the_name_again(name, monke
         if kind == "keyed"
         else WindowTable(name, keys=100)
     ).close()
-    module = keyed_limiter if kind == "keyed" else window_table
-    monkeypatch.setattr(module, "open_segment", collected_once)
+    monkeypatch.setattr(keyed_segment, "open_segment", collected_once)  # (``open_keyed``'s)
     opened = (
         shmlimit.KeyedLimiter(name, rate=10, keys=100) if kind == "keyed" else WindowTable(name)
     )

@@ -100,7 +100,7 @@ def test_every_kind_is_attached_by_its_name_elsewhere_and_listed_once(name, kind
         lim.close()
 
 
-@pytest.mark.parametrize("kind", ["one rate", "keyed"])
+@pytest.mark.parametrize("kind", ["one rate", "keyed", "window table"])
 def test_every_kind_records_its_users_pid_namespace(name, kind):
     """A process slot of another PID namespace counts as alive (its pid means nothing here): every
     kind's slot must say which namespace its owner is in.  Keyed tables and window tables
@@ -121,6 +121,27 @@ def test_every_kind_records_its_users_pid_namespace(name, kind):
     finally:
         lim.unlink()
         lim.close()
+
+
+TRUSTING = {
+    "one rate": lambda n, mode: shmlimit.Limiter(n, rate=50, mode=mode),
+    "keyed": lambda n, mode: shmlimit.KeyedLimiter(n, rate=50, keys=64, mode=mode),
+    "window table": lambda n, mode: WindowTable(n, keys=64, mode=mode),
+}
+
+
+@pytest.mark.parametrize("kind", list(TRUSTING))
+def test_a_second_handle_in_a_process_is_vetted_with_its_own_trust(name, kind):
+    """A handle on a name this process has open already shares its attachment, but only if the
+    segment passes this call's own trust check (a keyed table's was not checked again)."""
+    first = TRUSTING[kind](name, 0o602)  # writable by others, as asked for
+    try:
+        with pytest.raises(shmlimit.UntrustedSegmentError, match="writable by others"):
+            TRUSTING[kind](name, 0o600)
+        TRUSTING[kind](name, 0o602).close()  # asked for: accepted
+    finally:
+        first.unlink()
+        first.close()
 
 
 #: A group of two rates "a" and "b", of each layout; what a call passes to take from every rate.

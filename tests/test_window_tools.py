@@ -46,6 +46,22 @@ def test_inspect_shows_windows_keys_and_the_hits_counted(table, name):
     assert not {"rate", "per", "capacity", "overrides"} & set(fields)  # no rate of 0 shown
 
 
+def test_tables_of_one_name_in_a_process_share_its_one_slot(table, name):
+    """Every handle of a name in a process is one attachment, as for every kind: one slot, one
+    entry in the tools, the hits of each counted there; closing one leaves the others working."""
+    other = WindowTable(name, keys=512)
+    try:
+        table.incr("a", 60, limit=5)
+        other.incr("a", 60, limit=5)  # the same key's window: the table is one
+        assert [(p.pid, p.grants) for p in shmlimit.inspect(name).processes] == [(os.getpid(), 2)]
+        table.close()
+        assert other.incr("a", 60) == 3 and other.get("a") == 3
+        assert [p.pid for p in shmlimit.inspect(name).processes] == [os.getpid()]
+    finally:
+        other.close()
+    assert not shmlimit.inspect(name).processes  # the last handle closed: the slot given back
+
+
 def test_list_shows_a_window_table_as_one(table, name):
     hits = _fill(table)
     [row] = [line for line in cli("list").stdout.splitlines() if line.startswith(name)]
@@ -151,13 +167,15 @@ def test_forked_users_are_listed_on_first_use_and_a_killed_one_as_dead(table, na
     r_done, w_done = os.pipe()
     r_end, w_end = os.pipe()
     pids = []
-    for use in (False, True, True):
+    for use in (None, "inherited", "its own"):
         pid = os.fork()
         if pid == 0:  # a worker forked from the master holding the storage
             try:
                 os.read(r_go, 1)
-                if use:
-                    table.incr("k", 60)
+                if (
+                    use
+                ):  # the table inherited, or a handle of its own (sharing the inherited mapping)
+                    (table if use == "inherited" else WindowTable(name)).incr("k", 60)
                 os.write(w_done, b"1")
                 os.read(r_end, 1)  # until the master lets go (or kills us)
             finally:

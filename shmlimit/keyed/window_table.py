@@ -13,34 +13,23 @@ cells -> segment.
 
 from __future__ import annotations
 
-import atexit
 import os
-import threading
-import weakref
 from typing import Any, Callable, Optional, Tuple
 
-from shmlimit.errors import SegmentError
 from shmlimit.keyed import cells as KC
 from shmlimit.keyed import layout as K
 from shmlimit.keyed.cells import SlotTable
-from shmlimit.keyed.segment import (
-    Geometry,
-    check_geometry,
-    check_moving,
-    open_segment,
-    read_key,
-)
+from shmlimit.keyed.segment import Geometry, check_geometry, check_moving, open_keyed
 from shmlimit.keyed.windows import CMAX, MOVING_MAX, OVER, MovingWindows, WindowCounters
+from shmlimit.registry import Attached, Registry, attach, release_on_gc
 from shmlimit.shm.cells import Cells
 from shmlimit.shm.segment import (
     Segment,
-    gone,
     validate_mode,
     validate_name,
     validate_trusted_uids,
 )
 from shmlimit.shm.segment import unlink as _unlink_name
-from shmlimit.shm.table import ProcessTable, proc_start
 
 __all__ = ["WindowTable", "CMAX", "MOVING_MAX", "OVER"]
 
@@ -96,45 +85,13 @@ class WindowTable:
         flags = KC.table_flags(when_full, store_keys)
         trusted = validate_trusted_uids(trusted_uids)
         self._name = name
-        self._seg: Optional[Segment] = None
-        for _ in range(16):
-            seg, cells, real = open_segment(
-                name,
-                Geometry(geo.keys, 0, K.KIND_WINDOWS, moving_keys, ring),
-                None,
-                mode,
-                trusted,
-            )
-            try:
-                if real.kind != K.KIND_WINDOWS:
-                    raise SegmentError(
-                        f"segment {name!r} is a KeyedLimiter, not a table of window counters"
-                    )
-                secret = read_key(seg, cells, mode, trusted)
-            except BaseException:
-                cells.close()
-                seg.close()
-                raise
-            if secret is None:  # collected since it was opened: open the name again
-                cells.close()
-                seg.close()
-                continue
-            k0, k1 = secret
-            # registered, then STATE (see shm.segment.claim_and_unlink): a table a collector
-            # claimed meanwhile is left, and the name opened again
-            procs = ProcessTable(cells, K.PSLOTS)
-            pid = os.getpid()
-            start = proc_start(pid)
-            slot = procs.register(pid, start if start and start > 0 else 0)
-            if not gone(name, seg.inode, cells):
-                break
-            if slot is not None:
-                procs.unregister(slot, pid)
-            cells.close()
-            seg.close()
-        else:
-            raise SegmentError(f"could not open window table {name!r}: it kept being collected")
-        self._seg, self._cells, self._geo = seg, cells, real
+        att = _open(name, Geometry(geo.keys, 0, K.KIND_WINDOWS, moving_keys, ring), mode, trusted)
+        self._att: Optional[_Attachment] = att
+        self._geo = real = att.geo
+        cells, (k0, k1) = att.cells, att.secret
+        #: the process the counters insert as: none yet, so that the first use (``_live``)
+        #: registers this process (a forked child's, in a table it inherited) and binds them
+        self._pid = 0
         table = SlotTable(
             cells,
             K.slots_offset(0),
@@ -164,56 +121,6 @@ class WindowTable:
                 K.moving_stride(real.ring),
             )
             self.moving = MovingWindows(mtable, real.ring, k0, k1, K.REFUSED, clock, name, store)
-        # This process in the segment's process table, as a KeyedLimiter's user: listed (alive or
-        # dead) by `shmlimit list`/`top`, with the hits it counted.  Registered on opening; a forked
-        # child on its first call (``_live``), so a child that never counts is never listed.
-        self._procs = procs
-        self._lock = threading.Lock()
-        #: A forked child's first use registers it (``_live``): set by the fork hook below, so that
-        #: no call pays a ``getpid`` system call to tell.
-        self._forked = False
-        self._joined(pid, slot)
-        _open_tables.add(self)
-
-    def _joined(self, pid: int, slot: Optional[int]) -> None:
-        self._slot, self._pid = slot, pid
-        line = None if slot is None else K.HEADER_BYTES + slot * K.LINE
-        # hits granted in the slot's GRANTS word, every hit asked in its P_HITS word
-        self._grants = K.UNREG_GRANTS if line is None else line + 16
-        self._hits = K.UNREG_HITS if line is None else line + K.P_HITS
-
-    def _register(self) -> None:
-        """A forked child's first use: it registers as itself, in the table still under the name."""
-        with self._lock:
-            pid = os.getpid()
-            if self._pid == pid:
-                self._forked = False
-                return
-            self._joined(self._pid, None)  # the parent's slot is not ours
-            seg = self._seg
-            if seg is not None and not gone(self._name, seg.inode, self._cells):
-                start = proc_start(pid)
-                slot = self._procs.register(pid, start if start and start > 0 else 0)
-                if not gone(self._name, seg.inode, self._cells):
-                    self._joined(pid, slot)
-                    for counters in (self.counters, self.moving):
-                        if counters is not None:  # insert as ourselves
-                            counters.rebind(pid)
-                    self._forked = False
-                    return
-                if slot is not None:
-                    self._procs.unregister(slot, pid)
-            raise SegmentError(
-                f"window table {self._name!r} was collected or removed while this process held "
-                "it unused (no live process was registered); open it again"
-            )
-
-    def _count(self, hits: int, granted: int) -> None:
-        """Count ``hits`` asked, ``granted`` of them granted, in this process's words."""
-        if hits:
-            self._cells.fetch_add(self._hits, hits)
-        if granted:
-            self._cells.fetch_add(self._grants, granted)
 
     @property
     def name(self) -> str:
@@ -236,14 +143,19 @@ class WindowTable:
 
     @property
     def closed(self) -> bool:
-        return self._seg is None
+        return self._att is None
 
-    def _live(self) -> Cells:
-        if self._seg is None:
+    def _live(self) -> "_Attachment":
+        att = self._att
+        if att is None:
             raise ValueError(f"window table {self._name!r} is closed in this process")
-        if self._forked:  # a forked child's first use: it registers as itself
-            self._register()
-        return self._cells
+        if self._pid != att.pid:  # this handle's first use in this process: registered, and the
+            att.use()  # counters insert as this pid (see ``KeyedLimiter``'s ``bind``)
+            for counters in (self.counters, self.moving):
+                if counters is not None:
+                    counters.rebind(att.pid)
+            self._pid = att.pid
+        return att
 
     # The counters (see keyed_windows.WindowCounters for the exact semantics).
 
@@ -253,9 +165,9 @@ class WindowTable:
         With ``limit`` (hits per window, as the caller will compare the count with it), the
         hits are counted as granted when the count stays within it (the table's ``grants``);
         without, they are counted as hits only."""
-        self._live()
+        att = self._live()
         count = self.counters.incr(key, expiry, amount)
-        self._count(amount, amount if limit is not None and count <= limit else 0)
+        att.count(amount, amount if limit is not None and count <= limit else 0)
         return count
 
     def get(self, key: object) -> int:
@@ -275,9 +187,9 @@ class WindowTable:
 
     def acquire_sliding(self, key: object, limit: int, expiry: float, amount: int = 1) -> bool:
         """Count ``amount`` hits in ``key``'s sliding window of ``expiry`` seconds iff the estimate stays <= limit."""
-        self._live()
+        att = self._live()
         granted = self.counters.acquire_sliding(key, limit, expiry, amount)
-        self._count(amount, amount if granted else 0)
+        att.count(amount, amount if granted else 0)
         return granted
 
     def sliding(self, key: object, expiry: float):
@@ -302,7 +214,7 @@ class WindowTable:
         """Count ``amount`` hits for ``key`` iff its hits in the last ``expiry`` seconds plus
         ``amount`` stay within ``limit`` (at most ``MOVING_MAX``): the moving window."""
         granted = self._moving().acquire_entry(key, limit, expiry, amount)
-        self._count(amount, amount if granted else 0)
+        self._att.count(amount, amount if granted else 0)  # type: ignore[union-attr]
         return granted
 
     def moving_window(self, key: object, expiry: float) -> Tuple[Optional[float], int]:
@@ -321,33 +233,27 @@ class WindowTable:
     @property
     def keys_live(self) -> int:
         """Slots holding a key now (a key whose windows ended may hold its slot until reused)."""
-        v = self._live().load(K.KEYS_LIVE)
+        v = self._live().cells.load(K.KEYS_LIVE)
         return v if v < 1 << 63 else 0
 
     @property
     def evicted(self) -> int:
         """Keys whose slot was reused after their windows ended."""
-        return self._live().load(K.EVICTED)
+        return self._live().cells.load(K.EVICTED)
 
     @property
     def refused(self) -> int:
         """New keys refused because every slot near their home held a key still counted."""
-        return self._live().load(K.REFUSED)
+        return self._live().cells.load(K.REFUSED)
 
     def close(self) -> None:
-        """Unmap the segment in this process; the table stays for the others (``unlink`` removes it)."""
-        seg, self._seg = self._seg, None
-        if seg is not None:
-            if self._slot is not None and self._pid == os.getpid():
-                self._procs.unregister(self._slot, self._pid)
-            self._cells.close()
-            seg.close()
+        """Detach this handle; the table stays for the others (``unlink`` removes it)."""
+        att, self._att = self._att, None
+        if att is not None:
+            _registry.release(att, detach=True)
 
     def __del__(self) -> None:
-        try:
-            self.close()
-        except Exception:  # pragma: no cover - interpreter shutdown
-            pass
+        release_on_gc(self, _registry.release)
 
     def unlink(self) -> None:
         """Remove the segment's name; processes still attached keep working on their mapping."""
@@ -357,32 +263,48 @@ class WindowTable:
         return (WindowTable, (self._name,))
 
     def __repr__(self) -> str:
-        if self._seg is None:
+        if self._att is None:
             return f"<shmlimit.WindowTable {self._name!r} closed>"
         return (
             f"<shmlimit.WindowTable {self._name!r} keys={self.keys_live}/{self.slots} "
-            f"evicted={self.evicted} refused={self.refused} backend={self._cells.backend}>"
+            f"evicted={self.evicted} refused={self.refused} backend={self._att.cells.backend}>"
         )
 
 
-#: Every table open in this process: at exit each gives its process slot back; in a forked child
-#: each registers as itself on its first use.
-_open_tables: "weakref.WeakSet[WindowTable]" = weakref.WeakSet()
+class _Attachment(Attached):
+    """One process's mapping of one table of window counters, shared by its handles: the words
+    its hits are counted in (its slot's, or the unregistered's)."""
+
+    what = "window table"
+
+    def __init__(
+        self, name: str, seg: Segment, cells: Cells, geo: Geometry, secret: Tuple[int, int]
+    ) -> None:
+        super().__init__(name, seg, cells, K.PSLOTS)
+        self.geo, self.secret = geo, secret
+
+    def bind(self) -> None:
+        line = None if self.slot is None else K.HEADER_BYTES + self.slot * K.LINE
+        # hits granted in the slot's GRANTS word, every hit asked in its P_HITS word
+        self.grants = K.UNREG_GRANTS if line is None else line + 16
+        self.hits = K.UNREG_HITS if line is None else line + K.P_HITS
+
+    def count(self, hits: int, granted: int) -> None:
+        """Count ``hits`` asked, ``granted`` of them granted, in this process's words."""
+        if hits:
+            self.cells.fetch_add(self.hits, hits)
+        if granted:
+            self.cells.fetch_add(self.grants, granted)
 
 
-def _after_fork() -> None:
-    for t in list(_open_tables):
-        t._forked = True
+_registry: Registry[_Attachment] = Registry(after_fork=lambda att: att.after_fork_in_child())
 
 
-if hasattr(os, "register_at_fork"):
-    os.register_at_fork(after_in_child=_after_fork)
+def _open(name: str, geo: Geometry, mode: int, trusted: frozenset) -> _Attachment:
+    """This process's attachment to the table ``name`` (one per name, ``registry``); one more handle."""
 
+    def make() -> Optional[_Attachment]:
+        opened = open_keyed(name, K.KIND_WINDOWS, geo, None, mode, trusted)
+        return opened and _Attachment(name, *opened)
 
-@atexit.register
-def _close_all() -> None:
-    for t in list(_open_tables):
-        try:
-            t.close()
-        except Exception:  # pragma: no cover - best effort at exit
-            pass
+    return _registry.open(name, lambda: attach(name, make), lambda att: None, mode, trusted)
