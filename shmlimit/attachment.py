@@ -567,7 +567,7 @@ def show(spec: Optional[UpstreamSpec]) -> str:
 
 # ---- the registry: one attachment per name per process -------------------------------------
 
-_registry: Registry[Attachment] = Registry(after_fork=lambda att: att.after_fork_in_child())
+registry: Registry[Attachment] = Registry(after_fork=lambda att: att.after_fork_in_child())
 
 
 def open_attachment(
@@ -592,7 +592,7 @@ def open_attachment(
             adopt_config(att, create, True)
         check_matches(name, att, create)
 
-    return _registry.open(
+    return registry.open(
         name,
         lambda: map_attachment(
             name, create, mode, trusted, clock=clock, reconfigure=reconfigure, opener=opener
@@ -603,6 +603,5 @@ def open_attachment(
     )
 
 
-def release(att: Attachment, detach: bool) -> None:
-    """Drop one handle (see ``Registry.release``)."""
-    _registry.release(att, detach)
+#: Drop one handle (see ``Registry.release``).
+release = registry.release

@@ -18,14 +18,14 @@ from shmlimit.acquire import single as acquisition
 from shmlimit.acquire.single import MAX_NAP, Request, drive, drive_async, wait_for_ticket
 from shmlimit.adapt import Adapt
 from shmlimit.adapt import feedback as adapt_feedback
-from shmlimit.attachment import NO_FAST, Attachment, open_attachment, release, show
+from shmlimit.attachment import NO_FAST, Attachment, open_attachment, registry, show
 from shmlimit.config import Config, parse_spec, validate_n, validate_reconfigure, validate_timeout
 from shmlimit.errors import ConfigMismatchError
 from shmlimit.header import Creation
 from shmlimit.rate_group import RatesSwitch, group_options
 from shmlimit.redis.option import resolve_upstream
 from shmlimit.redis.spec import DEFAULT_BATCH_SECONDS, DEFAULT_LEASE_TTL, UpstreamSpec
-from shmlimit.registry import release_on_gc
+from shmlimit.registry import Handle
 from shmlimit.shm import layout as L
 from shmlimit.shm.segment import unlink as _unlink_name
 from shmlimit.shm.segment import validate_mode, validate_name, validate_slots, validate_trusted_uids
@@ -38,7 +38,7 @@ _INF = float("inf")
 _ONE = 1  # `n is _ONE`: the cheapest test that n is the int 1 (True is not)
 
 
-class Limiter(RatesSwitch):
+class Limiter(RatesSwitch, Handle):
     """A rate limit of ``rate`` ops per ``per`` seconds shared by every process using ``name``.
 
     ``Limiter(name, rate=..., per=1.0, burst=None)`` creates the limiter, or
@@ -100,6 +100,8 @@ class Limiter(RatesSwitch):
     to the same segment.  One inherited through ``fork`` works as well: the
     child registers itself as its own process.
     """
+
+    _registry = registry
 
     @classmethod
     def _several(
@@ -213,10 +215,6 @@ class Limiter(RatesSwitch):
     # -- identity and lifecycle ----------------------------------------------------
 
     @property
-    def name(self) -> str:
-        return self._name
-
-    @property
     def config(self) -> Config:
         """The live configuration (changes made by any process show here)."""
         b = self._peek().bucket
@@ -238,19 +236,6 @@ class Limiter(RatesSwitch):
         """Ops the bucket holds at most (the burst)."""
         return self.config.burst
 
-    @property
-    def backend(self) -> str:
-        return self._peek().cells.backend
-
-    @property
-    def created(self) -> bool:
-        """True if this process created (and initialised) the segment."""
-        return self._peek().created
-
-    @property
-    def closed(self) -> bool:
-        return self._att is None
-
     def _live(self) -> Attachment:
         """The attachment, for a use: the first one in this process registers it and starts its filler."""
         att = self._peek()
@@ -260,23 +245,15 @@ class Limiter(RatesSwitch):
 
     def _peek(self) -> Attachment:
         """The attachment, for reading: observing (config, stats) starts no thread."""
-        att = self._att
-        if att is None:
-            raise ValueError(f"limiter {self._name!r} is closed in this process")
+        att = super()._peek()
         if att.pid != os.getpid():  # pragma: no cover - the fork hook re-registers first
             att.after_fork_in_child()
         return att
 
     def close(self) -> None:
         """Detach this handle.  The segment stays (use ``unlink``); other processes are unaffected."""
-        att, self._att = self._att, None
         self._fast = list(NO_FAST)
-        if att is not None:
-            release(att, detach=True)
-
-    def unlink(self) -> None:
-        """Remove the segment's name.  Processes still attached keep working on their mapping."""
-        unlink(self._name)
+        super().close()
 
     def __enter__(self) -> "Limiter":
         self.acquire()
@@ -301,9 +278,6 @@ class Limiter(RatesSwitch):
         if att is not None and att.feed_spec is not None:
             return (_attach_configured, (self._name, att.feed_spec, self._mode, trusted))
         return (_unpickle, (self._name, self._mode, trusted))
-
-    def __del__(self) -> None:
-        release_on_gc(self, release)
 
     # -- acquiring -------------------------------------------------------------------
     #

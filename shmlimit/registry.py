@@ -23,7 +23,7 @@ from typing import Any, Callable, Dict, FrozenSet, Generic, Optional, TypeVar
 from shmlimit.errors import SegmentError
 from shmlimit.shm import layout as L
 from shmlimit.shm.cells import Cells
-from shmlimit.shm.segment import Segment, check_trust, current_inode, gone
+from shmlimit.shm.segment import Segment, check_trust, current_inode, gone, unlink
 from shmlimit.shm.table import ProcessTable, is_alive, pid_namespace, proc_start, slot_alive
 
 
@@ -245,6 +245,56 @@ class Registry(Generic[A]):
             except Exception:  # pragma: no cover - best effort at exit
                 pass
         self._atts.clear()
+
+
+class Handle:
+    """A handle on one attachment, whatever its kind: its name, its attachment (``_att``, None
+    once closed in this process), ``close``, ``unlink``, its release when collected.  A kind sets
+    ``_registry`` (its registry) and ``what`` (its name in errors)."""
+
+    _name: str
+    _att: Optional[Attached]
+    _registry: "Registry[Any]"
+    what = "limiter"
+
+    @property
+    def name(self) -> str:
+        return self._name
+
+    @property
+    def closed(self) -> bool:
+        return self._att is None
+
+    @property
+    def created(self) -> bool:
+        """True if this process created (and initialised) the segment."""
+        return self._peek().created
+
+    @property
+    def backend(self) -> str:
+        """The atomic layer's backend ("native" or "atomics")."""
+        return self._peek().cells.backend
+
+    def _peek(self) -> Any:
+        """The attachment, for reading (ValueError once this handle is closed)."""
+        att = self._att
+        if att is None:
+            raise ValueError(f"{self.what} {self._name!r} is closed in this process")
+        return att
+
+    def close(self) -> None:
+        """Detach this handle.  The segment stays (use ``unlink``); other processes are unaffected."""
+        att, self._att = self._att, None
+        if att is not None:
+            self._registry.release(att, True)
+
+    def unlink(self) -> None:
+        """Remove the segment's name (``LimiterNotFoundError`` when there is none).  Processes still
+        attached keep working on their mapping."""
+        unlink(self._name)
+
+    def __del__(self) -> None:
+        release_on_gc(self, self._registry.release)
 
 
 def release_on_gc(handle: Any, release: Callable[[Any, bool], None]) -> None:

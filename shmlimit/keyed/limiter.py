@@ -56,7 +56,7 @@ from shmlimit.keyed.stats import (
 )
 from shmlimit.protocol import Keyed
 from shmlimit.rate_group import RatesSwitch, group_options
-from shmlimit.registry import Attached, Registry, attach, release_on_gc
+from shmlimit.registry import Attached, Handle, Registry, attach
 from shmlimit.shm.cells import Cells
 from shmlimit.shm.segment import (
     Segment,
@@ -64,7 +64,6 @@ from shmlimit.shm.segment import (
     validate_name,
     validate_trusted_uids,
 )
-from shmlimit.shm.segment import unlink as _unlink_name
 
 __all__ = [
     "KeyedLimiter",
@@ -185,7 +184,7 @@ def _prefault(seg: Segment) -> None:
         pass
 
 
-_registry: Registry[_Attachment] = Registry(after_fork=lambda att: att.after_fork_in_child())
+registry: Registry[_Attachment] = Registry(after_fork=lambda att: att.after_fork_in_child())
 
 
 def _open(
@@ -224,7 +223,7 @@ def _open(
     def new() -> _Attachment:
         return attach(name, make, adopt, lambda att: _check(name, att, rate, geo, adapt))
 
-    return _registry.open(name, new, check, mode, trusted)
+    return registry.open(name, new, check, mode, trusted)
 
 
 def _adopt(
@@ -329,7 +328,7 @@ class _Due:
         return None
 
 
-class KeyedLimiter(RatesSwitch, Keyed):
+class KeyedLimiter(RatesSwitch, Keyed, Handle):
     """One rate limit per key -- ``rate`` ops per ``per`` seconds for each -- shared by every process.
 
     ``KeyedLimiter(name, rate=10, per=1.0, burst=None, keys=100_000)``
@@ -367,6 +366,9 @@ class KeyedLimiter(RatesSwitch, Keyed):
 
     ``lim[key]`` is one key's limit as a ``shmlimit.RateLimit`` (``shmlimit.protocol``).
     """
+
+    what = "keyed limiter"
+    _registry = registry
 
     @classmethod
     def _several(
@@ -500,32 +502,13 @@ class KeyedLimiter(RatesSwitch, Keyed):
     # -- identity and lifecycle ----------------------------------------------------
 
     @property
-    def name(self) -> str:
-        return self._name
-
-    @property
-    def closed(self) -> bool:
-        return self._att is None
-
-    @property
-    def created(self) -> bool:
-        """True if this process created (and initialised) the segment."""
-        return self._live().created
-
-    @property
-    def backend(self) -> str:
-        return self._live().cells.backend
-
-    @property
     def slots(self) -> int:
         """Key slots in the table."""
         return self._live().geo.keys
 
-    def _live(self) -> _Attachment:
-        att = self._att
-        if att is None:
-            raise ValueError(f"keyed limiter {self._name!r} is closed in this process")
-        return att
+    #: the attachment (ValueError once closed): the same for reading and for a use (which
+    #: registers a forked child's process: ``_use``)
+    _live = Handle._peek
 
     def _rate(self) -> Rate:
         return read_default(self._live().cells)
@@ -547,20 +530,11 @@ class KeyedLimiter(RatesSwitch, Keyed):
 
     def close(self) -> None:
         """Detach this handle.  The segment stays (use ``unlink``); other processes are unaffected."""
-        att, self._att = self._att, None
         self.__dict__.pop("try_acquire", None)
-        if att is not None:
-            _registry.release(att, detach=True)
-
-    def unlink(self) -> None:
-        """Remove the segment's name.  Processes still attached keep working on their mapping."""
-        _unlink_name(self._name)
+        super().close()
 
     def __reduce__(self):
         return (attach_keyed, (self._name,))
-
-    def __del__(self) -> None:
-        release_on_gc(self, _registry.release)
 
     # -- acquiring ---------------------------------------------------------------------
 

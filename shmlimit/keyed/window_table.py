@@ -21,7 +21,7 @@ from shmlimit.keyed import layout as K
 from shmlimit.keyed.cells import SlotTable
 from shmlimit.keyed.segment import Geometry, check_geometry, check_moving, open_keyed
 from shmlimit.keyed.windows import CMAX, MOVING_MAX, OVER, MovingWindows, WindowCounters
-from shmlimit.registry import Attached, Registry, attach, release_on_gc
+from shmlimit.registry import Attached, Handle, Registry, attach
 from shmlimit.shm.cells import Cells
 from shmlimit.shm.segment import (
     Segment,
@@ -29,12 +29,50 @@ from shmlimit.shm.segment import (
     validate_name,
     validate_trusted_uids,
 )
-from shmlimit.shm.segment import unlink as _unlink_name
 
 __all__ = ["WindowTable", "CMAX", "MOVING_MAX", "OVER"]
 
 
-class WindowTable:
+class _Attachment(Attached):
+    """One process's mapping of one table of window counters, shared by its handles: the words
+    its hits are counted in (its slot's, or the unregistered's)."""
+
+    what = "window table"
+
+    def __init__(
+        self, name: str, seg: Segment, cells: Cells, geo: Geometry, secret: Tuple[int, int]
+    ) -> None:
+        super().__init__(name, seg, cells, K.PSLOTS)
+        self.geo, self.secret = geo, secret
+
+    def bind(self) -> None:
+        line = None if self.slot is None else K.HEADER_BYTES + self.slot * K.LINE
+        # hits granted in the slot's GRANTS word, every hit asked in its P_HITS word
+        self.grants = K.UNREG_GRANTS if line is None else line + 16
+        self.hits = K.UNREG_HITS if line is None else line + K.P_HITS
+
+    def count(self, hits: int, granted: int) -> None:
+        """Count ``hits`` asked, ``granted`` of them granted, in this process's words."""
+        if hits:
+            self.cells.fetch_add(self.hits, hits)
+        if granted:
+            self.cells.fetch_add(self.grants, granted)
+
+
+registry: Registry[_Attachment] = Registry(after_fork=lambda att: att.after_fork_in_child())
+
+
+def _open(name: str, geo: Geometry, mode: int, trusted: frozenset) -> _Attachment:
+    """This process's attachment to the table ``name`` (one per name, ``registry``); one more handle."""
+
+    def make() -> Optional[_Attachment]:
+        opened = open_keyed(name, K.KIND_WINDOWS, geo, None, mode, trusted)
+        return opened and _Attachment(name, *opened)
+
+    return registry.open(name, lambda: attach(name, make), lambda att: None, mode, trusted)
+
+
+class WindowTable(Handle):
     """Window counters per key, shared by every process that opens ``name``.
 
     ``keys`` is the number of 64-byte slots, used when this call creates the
@@ -55,6 +93,9 @@ class WindowTable:
     ``MOVING_MAX`` hits.  ``when_full`` applies to them alike: the key evicted is the one whose
     window ends first.  ``moving_keys=0`` makes a table without moving windows.
     """
+
+    what = "window table"
+    _registry = registry
 
     def __init__(
         self,
@@ -123,10 +164,6 @@ class WindowTable:
             self.moving = MovingWindows(mtable, real.ring, k0, k1, K.REFUSED, clock, name, store)
 
     @property
-    def name(self) -> str:
-        return self._name
-
-    @property
     def slots(self) -> int:
         """Key slots in the table (fixed and sliding windows)."""
         return self._geo.keys
@@ -141,14 +178,8 @@ class WindowTable:
         """Words of each moving-window key's log (0: no moving windows)."""
         return self._geo.ring
 
-    @property
-    def closed(self) -> bool:
-        return self._att is None
-
     def _live(self) -> "_Attachment":
-        att = self._att
-        if att is None:
-            raise ValueError(f"window table {self._name!r} is closed in this process")
+        att = self._peek()
         if self._pid != att.pid:  # this handle's first use in this process: registered, and the
             att.use()  # counters insert as this pid (see ``KeyedLimiter``'s ``bind``)
             for counters in (self.counters, self.moving):
@@ -246,19 +277,6 @@ class WindowTable:
         """New keys refused because every slot near their home held a key still counted."""
         return self._live().cells.load(K.REFUSED)
 
-    def close(self) -> None:
-        """Detach this handle; the table stays for the others (``unlink`` removes it)."""
-        att, self._att = self._att, None
-        if att is not None:
-            _registry.release(att, detach=True)
-
-    def __del__(self) -> None:
-        release_on_gc(self, _registry.release)
-
-    def unlink(self) -> None:
-        """Remove the segment's name; processes still attached keep working on their mapping."""
-        _unlink_name(self._name)
-
     def __reduce__(self):
         return (WindowTable, (self._name,))
 
@@ -267,44 +285,5 @@ class WindowTable:
             return f"<shmlimit.WindowTable {self._name!r} closed>"
         return (
             f"<shmlimit.WindowTable {self._name!r} keys={self.keys_live}/{self.slots} "
-            f"evicted={self.evicted} refused={self.refused} backend={self._att.cells.backend}>"
+            f"evicted={self.evicted} refused={self.refused} backend={self.backend}>"
         )
-
-
-class _Attachment(Attached):
-    """One process's mapping of one table of window counters, shared by its handles: the words
-    its hits are counted in (its slot's, or the unregistered's)."""
-
-    what = "window table"
-
-    def __init__(
-        self, name: str, seg: Segment, cells: Cells, geo: Geometry, secret: Tuple[int, int]
-    ) -> None:
-        super().__init__(name, seg, cells, K.PSLOTS)
-        self.geo, self.secret = geo, secret
-
-    def bind(self) -> None:
-        line = None if self.slot is None else K.HEADER_BYTES + self.slot * K.LINE
-        # hits granted in the slot's GRANTS word, every hit asked in its P_HITS word
-        self.grants = K.UNREG_GRANTS if line is None else line + 16
-        self.hits = K.UNREG_HITS if line is None else line + K.P_HITS
-
-    def count(self, hits: int, granted: int) -> None:
-        """Count ``hits`` asked, ``granted`` of them granted, in this process's words."""
-        if hits:
-            self.cells.fetch_add(self.hits, hits)
-        if granted:
-            self.cells.fetch_add(self.grants, granted)
-
-
-_registry: Registry[_Attachment] = Registry(after_fork=lambda att: att.after_fork_in_child())
-
-
-def _open(name: str, geo: Geometry, mode: int, trusted: frozenset) -> _Attachment:
-    """This process's attachment to the table ``name`` (one per name, ``registry``); one more handle."""
-
-    def make() -> Optional[_Attachment]:
-        opened = open_keyed(name, K.KIND_WINDOWS, geo, None, mode, trusted)
-        return opened and _Attachment(name, *opened)
-
-    return _registry.open(name, lambda: attach(name, make), lambda att: None, mode, trusted)
