@@ -9,7 +9,6 @@ from support.segments import run_tools_on, shm_path
 
 import shmlimit
 from shmlimit import group, header
-from shmlimit.keyed import limiter as keyed_limiter
 from shmlimit.keyed import segment as keyed_segment
 from shmlimit.keyed.window_table import WindowTable
 from shmlimit.shm import layout as L
