@@ -16,7 +16,7 @@ import threading
 import pytest
 
 import shmlimit
-import shmlimit.shm.atomics_cells as atomics_cells
+import shmlimit.shm.composites as composites
 from shmlimit.shm import layout as L
 from shmlimit.shm.cells import selected_backend
 
@@ -103,7 +103,7 @@ def test_close_waits_for_a_fast_grab_between_its_records_claim_and_its_length_st
     answers = []
     try:
         grab = lim._fast[0]
-        real_claim = atomics_cells.claim_record
+        real_claim = composites.claim_record
 
         def claim(c, recs, ticket):  # the injected thread switch, in the grabbing thread only
             off = real_claim(c, recs, ticket)
@@ -112,7 +112,7 @@ def test_close_waits_for_a_fast_grab_between_its_records_claim_and_its_length_st
                 assert resume.wait(30)
             return off
 
-        monkeypatch.setattr(atomics_cells, "claim_record", claim)
+        monkeypatch.setattr(composites, "claim_record", claim)
         real_unregister = att.table.unregister
         at_leave = []
 

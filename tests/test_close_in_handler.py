@@ -24,7 +24,7 @@ from contextlib import contextmanager
 import pytest
 
 import shmlimit
-import shmlimit.shm.atomics_cells as atomics_cells
+import shmlimit.shm.composites as composites
 from shmlimit.shm import layout as L
 from shmlimit.shm.cells import selected_backend
 
@@ -148,7 +148,7 @@ def test_a_signal_handlers_close_inside_its_threads_fast_grab_neither_hangs_nor_
     records, slot = att.records, att.slot
     pid_off = L.slot_offset(slot) + L.SLOT_PID
     grab = lim._fast[0]
-    real_claim = atomics_cells.claim_record
+    real_claim = composites.claim_record
     inside = []
 
     def claim(
@@ -164,7 +164,7 @@ def test_a_signal_handlers_close_inside_its_threads_fast_grab_neither_hangs_nor_
         lim.close()
         inside.append((time.monotonic() - t0, att.cells.load(pid_off)))
 
-    monkeypatch.setattr(atomics_cells, "claim_record", claim)
+    monkeypatch.setattr(composites, "claim_record", claim)
     try:
         with handler(close):
             ticket = grab()

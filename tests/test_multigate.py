@@ -275,6 +275,8 @@ class _RacedWords:
     """Cells of a few words (a dict) whose first CAS on ``raced`` finds another move landed first:
     ``land`` is stored there just before that CAS (a replenish's add, up to a fence)."""
 
+    size = 64
+
     def __init__(self, words, raced, land):
         self.words, self.raced, self.land = dict(words), raced, land
 
@@ -305,6 +307,31 @@ def test_the_race_give_back_never_returns_what_the_head_gained_meanwhile(land):
     assert cells.land is None  # the replenish did land between the read and the CAS
     assert cells.words[HEAD] == max(land, 100 + 5)
     assert cells.words[TAIL] == 200  # the tail is never touched
+
+
+@pytest.mark.parametrize("land", [108, 103])
+def test_the_atomics_backends_race_give_back_counts_the_gain_too(land, monkeypatch):
+    """The same race on the ``atomics`` backend's own words (its CAS called directly, the
+    replenish landed just before the first one on HEAD): the head ends at ``max(land, 105)``
+    (its gate once kept the first look's ``back`` after a failed CAS: 113 from 108)."""
+    mm = mmap.mmap(-1, 4096)
+    c = cells_for(mm, 4096, "atomics")
+    try:
+        for off, v in zip(A, (2, 200, 100, 0, 0, 0)):
+            c.store(off, v)
+        real_cas, lands = c._p.cas, [land]
+
+        def cas(addr, expected, desired):  # the replenish lands between the read and the CAS
+            if addr == c._base + A[HEAD] and lands:
+                c.store(A[HEAD], lands.pop())
+            return real_cas(addr, expected, desired)
+
+        monkeypatch.setattr(c._p, "cas", cas)
+        gate(c, A, 1).give_back(5, 100, 10)
+        assert not lands and c.load(A[HEAD]) == max(land, 100 + 5) and c.load(A[TAIL]) == 200
+    finally:
+        c.close()
+        mm.close()
 
 
 # ---- the native gate and the reference agree on any state of the words --------------------------

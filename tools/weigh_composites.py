@@ -1,17 +1,17 @@
 #!/usr/bin/env python3
-"""The atomics backend's hand-built composites against the reference ones of shm/composites.py.
+"""The atomics backend's composites over raw words against the same composites over its checked
+primitives.
 
     python tools/weigh_composites.py [ROUNDS]     # 3 rounds by default, about a minute each
 
 tools/bench.py's per-call figures on the atomics backend (section 1's acquire, 1b's tries and
-refusals, 11's two rates), each round in three fresh processes, one per way of building the
-composites (``AtomicsCells.grabber`` and ``gate``, switched in that process only):
+refusals, 11's two rates), each round in fresh processes, one per way the composites of
+shm/composites.py reach the words (``AtomicsCells._raw``, switched in that process only):
 
-* hand-built: as shipped (``_AtomicsGrabber``, ``_AtomicsGate``);
-* reference: composites.py's, over ``AtomicsCells``' checked primitives (the branch the backend
-  takes where it has no direct primitives);
-* ref-raw: composites.py's over raw words (plain loads, the package's CAS), one pass of the close
-  guard per composite: the smallest adapter that keeps them safe against ``close``.
+* raw: as shipped: plain reads, the package's CAS and add called directly, one pass of the close
+  guard per composite;
+* checked: the backend's checked primitives (``checked_raw``: each read, CAS and add checks its
+  offset and passes the close guard): the plain CAS loops, with no raw access.
 
 Prints one JSON object per process (ns per call), then the best of the rounds.
 """
@@ -28,128 +28,12 @@ import bench  # noqa: E402
 
 
 def patch(kind: str) -> None:
-    """Switch this process's ``AtomicsCells`` to the reference composites (``kind``)."""
+    """Switch this process's ``AtomicsCells`` to the composites over checked primitives."""
     from shmlimit.shm import atomics_cells as A
-    from shmlimit.shm.composites import CompositesFromPrimitives as R
-    from shmlimit.shm.composites import Gate
+    from shmlimit.shm.composites import checked_raw
 
-    if kind == "reference":
-
-        def grabber(self, seq, expected, tail, head, amount, grants, ops, recs=None):
-            g = R.grabber(self, seq, expected, tail, head, amount, grants, ops, recs)
-            return g if recs is None else self._recorded(g, False)
-
-        def gate(self, *a, **k):
-            g = R.gate(self, *a, **k)
-            if g.recs is not None:
-                g.grab_within = self._recorded(g.grab_within, None)
-            return g
-    else:
-
-        class Raw(R):
-            def __init__(self, c):
-                self.size, self.w, self.p, self.base = c.size, c._words, c._p, c._base
-
-            def load(self, off):
-                return self.w[off >> 3]
-
-            def store(self, off, v):
-                self.p.store(self.base + off, v)
-
-            def fetch_add(self, off, d):
-                return self.p.fetch_add(self.base + off, d)
-
-            def cas(self, off, e, d):
-                return self.p.cas(self.base + off, e, d) == e
-
-        def raw(c):
-            r = c.__dict__.get("_rawc")
-            if r is None:
-                r = c._rawc = Raw(c)
-            return r
-
-        def grabber(self, seq, expected, tail, head, amount, grants, ops, recs=None):
-            g = R.grabber(raw(self), seq, expected, tail, head, amount, grants, ops, recs)
-            rec = recs is not None
-            enter, exit_ = self._enter, self._exit
-
-            def call():
-                if not enter(rec):
-                    return False
-                try:
-                    return g()
-                finally:
-                    exit_(rec)
-
-            return call
-
-        class RawGate(Gate):
-            def __init__(self, c, *a, recs=None, fence_hint=None):
-                super().__init__(raw(c), *a, recs=recs, fence_hint=fence_hint)
-                self.c = c
-
-            def try_grab(self):
-                self.c._enter()
-                try:
-                    return Gate.try_grab(self)
-                finally:
-                    self.c._exit()
-
-            def grab_within(self, t):
-                rec = self.recs is not None
-                if not self.c._enter(rec):
-                    return None
-                try:
-                    return Gate.grab_within(self, t)
-                finally:
-                    self.c._exit(rec)
-
-            def enter(self):
-                self.c._enter()
-
-            def exit(self):
-                self.c._exit()
-
-        def gate(
-            self,
-            seq,
-            expected,
-            tail,
-            head,
-            ceil,
-            repl_ts,
-            grants,
-            amount,
-            ops,
-            tpn,
-            pend_mul,
-            capped,
-            max_reserved_ns,
-            recs=None,
-            fence_hint=None,
-        ):
-            self._check(seq, tail, head, ceil, repl_ts, grants)
-            return RawGate(
-                self,
-                seq,
-                expected,
-                tail,
-                head,
-                ceil,
-                repl_ts,
-                grants,
-                amount,
-                ops,
-                tpn,
-                pend_mul,
-                capped,
-                max_reserved_ns,
-                recs=recs,
-                fence_hint=fence_hint,
-            )
-
-    A.AtomicsCells.grabber = grabber
-    A.AtomicsCells.gate = gate
+    if kind == "checked":
+        A.AtomicsCells._raw = lambda self: checked_raw(self, self._enter, self._exit)
 
 
 class Q:
@@ -158,8 +42,7 @@ class Q:
 
 
 def child(kind: str, q) -> None:
-    if kind != "hand-built":
-        patch(kind)
+    patch(kind)
     qa, qb, qc = Q(), Q(), Q()  # bench's workers report through a queue: these keep the value
     bench._single_cost("atomics", 6000, qa)
     bench._try_costs("atomics", 2000, qb)
@@ -167,7 +50,7 @@ def child(kind: str, q) -> None:
     q.put(dict(single=qa.v, **qb.v, **qc.v))
 
 
-KINDS = ("hand-built", "reference", "ref-raw")
+KINDS = ("raw", "checked")
 
 
 def main() -> int:

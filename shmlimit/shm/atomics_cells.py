@@ -1,9 +1,8 @@
 """The ``atomics`` backend of the atomic layer: the portable reference, and the fallback
 when the native extension is missing (``SHMLIMIT_BACKEND=atomics`` forces it).
 
-It inherits the reference composites (composites.py) and overrides the hot
-ones with versions that need at most two atomic operations for an
-uncontended grant.
+It runs the composites of composites.py over its words (``_raw``): at most two atomic
+operations for an uncontended grant.
 """
 
 from __future__ import annotations
@@ -11,23 +10,11 @@ from __future__ import annotations
 import mmap
 import platform
 import threading
-from typing import Any, Callable, Dict, List, Optional, Tuple, Union
+from typing import Any, Callable, Dict, List, Optional, Tuple
 
 from shmlimit.shm import futex
-from shmlimit.shm.composites import CompositesFromPrimitives, Gate
-from shmlimit.shm.words import (
-    MASK64,
-    MAX_QUEUE,
-    WORD,
-    GrabResult,
-    check_bitset,
-    check_offset,
-    check_records,
-    check_value,
-    claim_record,
-    plain_seconds,
-    signed,
-)
+from shmlimit.shm.composites import CompositesFromPrimitives, Loads, Raw, checked_raw
+from shmlimit.shm.words import WORD, check_bitset, check_offset, check_value
 
 #: An aligned 8-byte load compiles to one instruction, single-copy atomic, on these machines.
 _PLAIN_LOADS_ATOMIC = platform.machine().lower() in ("x86_64", "amd64", "aarch64", "arm64")
@@ -133,19 +120,6 @@ class _Patomic:
         self._ctx.__exit__(None, None, None)
 
 
-class _Words:
-    """Index -> value of the mapping's words by atomic load: the peek when plain loads are not atomic."""
-
-    def __init__(self, p: _Patomic, cells: "AtomicsCells") -> None:
-        self.p = p
-        self.cells = cells
-
-    def __getitem__(self, i: int) -> int:
-        if self.cells._closed:
-            raise ValueError("cells are closed")
-        return self.p.load(self.p.base + i * WORD)
-
-
 class AtomicsCells(CompositesFromPrimitives):
     """Backend on the ``atomics`` package.
 
@@ -201,7 +175,7 @@ class AtomicsCells(CompositesFromPrimitives):
             if _PLAIN_LOADS_ATOMIC and size % WORD == 0:
                 self._words = self._buf.cast("Q")
             else:
-                self._words = _Words(self._p, self)
+                self._words = Loads(self._p.load, self._base)
         #: the words, read by ``load`` itself where a plain load is a sequentially consistent one
         self._plain: Optional[memoryview] = (
             self._words if _PLAIN_LOADS_SEQ_CST and isinstance(self._words, memoryview) else None
@@ -244,19 +218,6 @@ class AtomicsCells(CompositesFromPrimitives):
         """Whether this thread is inside a grab bound to records (a close run by a signal handler
         that interrupted it: the grab is between its record's claim and its length store)."""
         return getattr(self._mine, "n", 0) > 0
-
-    def _recorded(self, fn: Any, closing: Any) -> Any:
-        """``fn``, a reference grab bound to records, entered as one (``closing``: its answer then)."""
-
-        def call(*args: Any) -> Any:
-            if not self._enter(True):
-                return closing
-            try:
-                return fn(*args)
-            finally:
-                self._exit(True)
-
-        return call
 
     def _view(self, off: int):
         view = self._views.get(off)
@@ -322,90 +283,13 @@ class AtomicsCells(CompositesFromPrimitives):
         finally:
             self._exit()
 
-    # -- the hot-path composites: at most two atomic operations for an uncontended grant
-
-    def grabber(
-        self,
-        seq: int,
-        expected: int,
-        tail: int,
-        head: int,
-        amount: int,
-        grants: int,
-        ops: int,
-        recs: Optional[tuple] = None,
-    ):
+    def _raw(self) -> Raw:
+        """The composites' way to the words (``composites.Raw``): plain reads and the package's
+        operations called directly (a composite is one operation for ``close``), else the
+        checked primitives."""
         if self._p is None:
-            grab = super().grabber(seq, expected, tail, head, amount, grants, ops, recs)
-            return grab if recs is None else self._recorded(grab, False)
-        self._check(seq, tail, head, grants)
-        check_value(expected), check_value(amount), check_value(ops)
-        if recs is not None:
-            check_records(recs, self.size)
-        return _AtomicsGrabber(self, seq, expected, tail, head, amount, grants, ops, recs)
-
-    def gate(
-        self,
-        seq,
-        expected,
-        tail,
-        head,
-        ceil,
-        repl_ts,
-        grants,
-        amount,
-        ops,
-        tpn,
-        pend_mul,
-        capped,
-        max_reserved_ns,
-        recs=None,
-        fence_hint=None,
-    ):
-        if self._p is None:
-            g = super().gate(
-                seq,
-                expected,
-                tail,
-                head,
-                ceil,
-                repl_ts,
-                grants,
-                amount,
-                ops,
-                tpn,
-                pend_mul,
-                capped,
-                max_reserved_ns,
-                recs,
-                fence_hint,
-            )
-            if recs is not None:
-                g.grab_within = self._recorded(g.grab_within, None)  # type: ignore[method-assign]
-            return g
-        self._check(
-            seq, tail, head, ceil, repl_ts, grants, *([] if fence_hint is None else [fence_hint])
-        )
-        if recs is not None:
-            check_records(recs, self.size)
-        return _AtomicsGate(
-            self,
-            seq,
-            expected,
-            tail,
-            head,
-            ceil,
-            repl_ts,
-            grants,
-            amount,
-            ops,
-            tpn,
-            pend_mul,
-            capped,
-            max_reserved_ns,
-            recs=recs,
-            fence_hint=fence_hint,
-        )
+            return checked_raw(self, self._enter, self._exit)
+        return Raw(self._words, self._p.cas, self._p.fetch_add, self._base, self._enter, self._exit)
 
     # -- the fed wait's futex (hierarchical mode): see futex.py
 
@@ -472,232 +356,3 @@ class AtomicsCells(CompositesFromPrimitives):
             self.close()
         except Exception:
             pass
-
-
-class _AtomicsGrabber:
-    """``grab_if`` bound to its words on the atomics backend: plain loads, the tail's CAS, the count.
-
-    Tickets come from the tail in CAS order, as from a fetch-add: FIFO holds.  Each call counts
-    as one operation of its cells (``close`` waits for it; a call after ``close`` raises).
-    """
-
-    __slots__ = (
-        "c",
-        "w",
-        "p",
-        "i_seq",
-        "i_tail",
-        "i_head",
-        "a_tail",
-        "a_grants",
-        "expected",
-        "amount",
-        "ops",
-        "recs",
-    )
-
-    def __init__(
-        self,
-        c: AtomicsCells,
-        seq: int,
-        expected: int,
-        tail: int,
-        head: int,
-        amount: int,
-        grants: int,
-        ops: int,
-        recs: Optional[tuple] = None,
-    ) -> None:
-        self.c, self.w, self.p = c, c._words, c._p
-        self.i_seq, self.i_tail, self.i_head = seq // WORD, tail // WORD, head // WORD
-        self.a_tail, self.a_grants = c._base + tail, c._base + grants
-        self.expected, self.amount, self.ops = expected, amount, ops
-        self.recs = recs  # ticket records: it queues only holding one (see words.claim_record)
-
-    def __call__(self) -> GrabResult:
-        if not self.c._enter(self.recs is not None):
-            return False  # the slot is being left (close): the slow path refuses
-        try:
-            w = self.w
-            if w[self.i_seq] != self.expected:
-                return False
-            cas = self.p.cas
-            t = w[self.i_tail]
-            rec = None
-            while True:
-                ticket = (t + self.amount) & MASK64
-                depth = (ticket - w[self.i_head]) & MASK64
-                if depth < 1 << 63 and depth:
-                    if depth > MAX_QUEUE:
-                        if rec is not None:
-                            self.c.store(rec, 0)
-                        return False  # the queue is full: the slow path raises, nothing touched
-                    if self.recs is not None:  # it would queue: not without a record (claim_record)
-                        if rec is None:
-                            rec = claim_record(self.c, self.recs, ticket)
-                            if rec is None:
-                                return False
-                        self.c.store(rec - WORD, ticket)
-                found = cas(self.a_tail, t, ticket)
-                if found == t:
-                    break
-                t = found
-            if ((w[self.i_head] - ticket) & MASK64) >> 63:
-                if (
-                    rec is not None
-                ):  # (uncovered now, so it was at the last look: recorded if bound to records)
-                    self.c.store(rec, self.amount)
-                return (
-                    ticket  # (a stale head only sends the caller to wait, where it loads it again)
-                )
-            if rec is not None:
-                self.c.store(rec, 0)
-            self.p.fetch_add(self.a_grants, self.ops)
-            return None
-        finally:
-            self.c._exit(self.recs is not None)
-
-
-class _AtomicsGate(Gate):
-    """The ``Gate`` on the atomics backend: plain loads; a grant is the tail's CAS and the count.
-
-    Each call counts as one operation of its cells, as ``_AtomicsGrabber``'s.
-    """
-
-    def __init__(
-        self,
-        c: AtomicsCells,
-        *args: Any,
-        recs: Optional[tuple] = None,
-        fence_hint: Optional[int] = None,
-    ) -> None:
-        super().__init__(c, *args, recs=recs, fence_hint=fence_hint)
-        base = c._base
-        self.c, self.w, self.p = c, c._words, c._p
-        self.i_seq, self.i_tail, self.i_head = (
-            self.seq // WORD,
-            self.tail // WORD,
-            self.head // WORD,
-        )
-        self.i_ceil, self.i_ts = self.ceil // WORD, self.repl_ts // WORD
-        self.a_tail, self.a_grants = base + self.tail, base + self.grants
-
-    def pending(self) -> int:
-        elapsed = self.clock() - self.w[self.i_ts]  # a stale REPL_TS only over-estimates
-        return max(0, elapsed) * self.tpn * self.pend_mul
-
-    def try_grab(self) -> Optional[bool]:
-        self.c._enter()
-        try:
-            w = self.w
-            if w[self.i_seq] != self.expected:
-                return None
-            cas = self.p.cas
-            t = w[self.i_tail]
-            while True:
-                want = (t + self.amount) & MASK64
-                short = signed(want - w[self.i_head])
-                if short > 0:
-                    return False if short > self.pending() else None
-                found = cas(self.a_tail, t, want)
-                if found == t:
-                    self.p.fetch_add(self.a_grants, self.ops)
-                    return True
-                t = found
-        finally:
-            self.c._exit()
-
-    def grab_within(self, timeout: object) -> Union[bool, int, None]:
-        t = plain_seconds(timeout)
-        if t is None:
-            return None
-        rec = None  # the record claimed for the ticket, once it would queue
-        if not self.c._enter(self.recs is not None):
-            return None  # the slot is being left (close): undecided, the slow path refuses
-        try:
-            w = self.w
-            if w[self.i_seq] != self.expected:
-                return None
-            max_wait_ns = min(t * 1e9, self.max_reserved_ns)
-            cas = self.p.cas
-            tail = w[self.i_tail]
-            while True:
-                want = (tail + self.amount) & MASK64
-                short = signed(want - w[self.i_head])
-                if short > 0:
-                    if short / self.tpn > max_wait_ns:
-                        pend = self.pending()
-                        return (
-                            False
-                            if short > pend and (short - pend) / self.tpn > max_wait_ns
-                            else None
-                        )
-                    if self.fence_hint is not None and w[self.fence_hint // WORD] > w[self.i_ts]:
-                        return None  # a reservation's fence may hold it: the slow path's wait counts it
-                    if self.capped and signed(want - w[self.i_ceil]) > 0:
-                        return False
-                    if self.recs is not None:  # no queued ticket without a record (claim_record)
-                        if rec is None:
-                            rec = claim_record(self.c, self.recs, want)
-                            if rec is None:
-                                return None
-                        self.c.store(rec - WORD, want)
-                    found = cas(self.a_tail, tail, want)
-                    if found == tail:
-                        if rec is not None:
-                            self.c.store(rec, self.amount)
-                            rec = None
-                        return want
-                else:
-                    found = cas(self.a_tail, tail, want)
-                    if found == tail:
-                        self.p.fetch_add(self.a_grants, self.ops)
-                        return True
-                tail = found
-        finally:
-            if rec is not None:  # claimed and not used: free again
-                self.c.store(rec, 0)
-            self.c._exit(self.recs is not None)
-
-    # -- a MultiGate's steps on raw words, under one enter/exit (see Gate's reference steps)
-
-    def enter(self) -> None:
-        self.c._enter()
-
-    def exit(self) -> None:
-        self.c._exit()
-
-    def short(self, amount: int) -> Optional[int]:
-        w = self.w
-        if w[self.i_seq] != self.expected:
-            return None
-        return signed(w[self.i_tail] + amount - w[self.i_head])
-
-    def take(self, amount: int) -> Optional[int]:
-        w, cas = self.w, self.p.cas
-        head_then = w[self.i_head]
-        t = w[self.i_tail]
-        while True:
-            want = (t + amount) & MASK64
-            if signed(want - w[self.i_head]) > 0:
-                return None
-            found = cas(self.a_tail, t, want)
-            if found == t:
-                return head_then
-            t = found
-
-    def count(self, mult: int) -> None:
-        self.p.fetch_add(self.a_grants, self.ops * mult)
-
-    def give_back(self, amount: int, head_then: int, cap: int) -> None:
-        w, cas = self.w, self.p.cas
-        head = w[self.i_head]
-        back = amount - max(0, signed(head - head_then))
-        while back > 0:
-            add = min(back, signed(w[self.i_tail] + cap - head))
-            if add <= 0:
-                return
-            found = cas(self.c._base + self.head, head, (head + add) & MASK64)
-            if found == head:
-                return
-            head = found

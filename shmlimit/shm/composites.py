@@ -1,17 +1,18 @@
-"""The composites of the atomic layer (the hot path in one call), built from its four primitives.
+"""The composites of the atomic layer (the hot path in one call): their one Python copy.
 
-This is the reference every backend must match: the ``atomics`` backend
-(atomics_cells.py) inherits it, and the native one (``_native.c``) does the
-same steps in C.  ``Gate`` binds the fast paths of ``try_acquire`` and of a
-timed ``acquire`` to one config; ``MultiGate`` takes several rates' gates
-together, all or nothing, in one call.
+The ``atomics`` backend runs these (atomics_cells.py); the native one (``_native.c``) does the
+same steps in C, and the tests hold both to the same answers.  They reach the words through a
+``Raw``: the ``atomics`` backend's plain reads and the package's operations called directly (at
+most two atomic operations for an uncontended grant), or any cells' checked primitives.
+``Gate`` binds the fast paths of ``try_acquire`` and of a timed ``acquire`` to one config;
+``MultiGate`` takes several rates' gates together, all or nothing, in one call.
 """
 
 from __future__ import annotations
 
 import functools
 import time
-from typing import Callable, List, Optional, Protocol, Sequence, Tuple, Union
+from typing import Any, Callable, List, NamedTuple, Optional, Sequence, Tuple, Union
 
 from shmlimit.shm.words import (
     FENCE_DUE_W,
@@ -22,6 +23,7 @@ from shmlimit.shm.words import (
     GrabResult,
     check_offset,
     check_records,
+    check_value,
     claim_record,
     clamp_words,
     fence_scan,
@@ -30,38 +32,86 @@ from shmlimit.shm.words import (
 )
 
 
-class Primitives(Protocol):
-    """What a ``Gate`` uses of its cells: the atomic primitives (any backend has them)."""
+class Raw(NamedTuple):
+    """The words of some cells as the composites reach them.
 
-    def load(self, off: int) -> int: ...
+    ``w[i]`` reads the word at byte ``i * WORD`` (a plain read may be stale: every word read so
+    only grows or is checked again, see ``AtomicsCells``); ``cas(addr, expected, desired)`` answers
+    the value it found (``expected`` exactly when it stored); ``add(addr, delta)`` is a fetch-add;
+    an address is ``base`` + the word's offset.  ``enter(recorded)`` and ``exit(recorded)`` bracket
+    every composite (``AtomicsCells._enter``: ``close`` waits for it; False: take nothing).
+    """
 
-    def store(self, off: int, value: int) -> None: ...
+    w: Any
+    cas: Callable[[int, int, int], int]
+    add: Callable[[int, int], int]
+    base: int
+    enter: Callable[..., bool]
+    exit: Callable[..., None]
 
-    def fetch_add(self, off: int, delta: int) -> int: ...
 
-    def cas(self, off: int, expected: int, desired: int) -> bool: ...
+class Loads:
+    """Index -> value of words, each read by ``load(base + index * WORD)``."""
+
+    __slots__ = ("load", "base")
+
+    def __init__(self, load: Callable[[int], int], base: int = 0) -> None:
+        self.load, self.base = load, base
+
+    def __getitem__(self, i: int) -> int:
+        return self.load(self.base + i * WORD)
+
+
+def raw_words(cells: Any) -> Raw:
+    """``cells``' own ``Raw`` (its ``_raw()``), else ``checked_raw(cells)``."""
+    own = getattr(cells, "_raw", None)
+    return checked_raw(cells) if own is None else own()
+
+
+def _unguarded(recorded: bool = False) -> bool:
+    return True
+
+
+def checked_raw(cells: Any, enter: Callable = _unguarded, exit: Callable = _unguarded) -> Raw:
+    """A ``Raw`` over ``cells``' checked primitives (``load``, ``cas``, ``fetch_add``), which guard
+    themselves: ``enter`` and ``exit`` (by default, no guard) bracket each composite."""
+
+    def cas(off: int, expected: int, desired: int) -> int:
+        while not cells.cas(off, expected, desired):
+            found = cells.load(off)
+            if found != expected:
+                return found
+        return expected
+
+    return Raw(Loads(cells.load), cas, lambda off, d: cells.fetch_add(off, d), 0, enter, exit)
+
+
+def take(
+    w: Any, cas: Callable, i_tail: int, i_head: int, a_tail: int, amount: int
+) -> Optional[int]:
+    """Advance the tail (word ``i_tail``, address ``a_tail``) by ``amount`` only while the head
+    (word ``i_head``) covers it (CAS); the head read before, or None when short (nothing taken).
+    Not counted."""
+    head_then = w[i_head]
+    t = w[i_tail]
+    while True:
+        want = (t + amount) & MASK64
+        if signed(want - w[i_head]) > 0:
+            return None
+        found = cas(a_tail, t, want)
+        if found == t:
+            return head_then
+        t = found
 
 
 class CompositesFromPrimitives:
-    """The composites (the hot path in one call), built from the four primitives.
-
-    The reference every backend must match: the ``atomics`` backend uses
-    these; the native one does the same in C.
-    """
+    """The composites (the hot path in one call) of a backend that has the four primitives
+    (``load``, ``store``, ``fetch_add``, ``cas``) and ``size``: the ``atomics`` one."""
 
     #: the last records tuple ``clamp_words`` checked every offset of (see there)
     _clamp_checked: Tuple[int, ...] = ()
 
     size: int = 0
-
-    def load(self, off: int) -> int:  # pragma: no cover - provided by the backend
-        raise NotImplementedError
-
-    def store(self, off: int, value: int) -> None:  # pragma: no cover - provided by the backend
-        raise NotImplementedError
-
-    def fetch_add(self, off: int, delta: int) -> int:  # pragma: no cover - provided by the backend
-        raise NotImplementedError
 
     def load_many(self, offsets: Tuple[int, ...]) -> Tuple[int, ...]:
         """The words at ``offsets``, each one ``load`` (not a snapshot of them together): a scan
@@ -69,11 +119,6 @@ class CompositesFromPrimitives:
         if not isinstance(offsets, tuple):
             raise TypeError("load_many: offsets must be a tuple of ints")
         return tuple(self.load(off) for off in offsets)
-
-    def cas(
-        self, off: int, expected: int, desired: int
-    ) -> bool:  # pragma: no cover - provided by the backend
-        raise NotImplementedError
 
     def clamp_words(
         self, head_off: int, head: int, tail: int, records: Tuple[int, ...]
@@ -113,22 +158,8 @@ class CompositesFromPrimitives:
         once; ``ops`` is then added to the counter cell ``grants``), ``False``
         when ``TAIL - HEAD`` would exceed ``MAX_QUEUE`` tokens (nothing
         touched), else the ticket (the new tail) that the caller must wait for.
-        The head only grows, so a depth measured against a head read before
-        the CAS is never smaller than the true one.
         """
-        self._check(tail, head, grants)
-        while True:
-            t = self.load(tail)
-            ticket = (t + amount) & MASK64
-            depth = (ticket - self.load(head)) & MASK64
-            if depth < 1 << 63 and depth > MAX_QUEUE:
-                return False
-            if self.cas(tail, t, ticket):
-                break
-        if ((self.load(head) - ticket) & MASK64) >> 63:
-            return ticket
-        self.fetch_add(grants, ops)
-        return None
+        return self.grabber(None, 0, tail, head, amount, grants, ops)()  # type: ignore[arg-type]
 
     def grab_if(
         self, seq: int, expected: int, tail: int, head: int, amount: int, grants: int, ops: int
@@ -139,55 +170,7 @@ class CompositesFromPrimitives:
         The acquire fast path in one call: ``seq`` is the config's sequence
         word, so a grab is never priced with a config another process replaced.
         """
-        self._check(seq, tail, head, grants)
-        if self.load(seq) != expected:
-            return False
-        return self.grab(tail, head, amount, grants, ops)
-
-    def _grab_recorded(
-        self,
-        seq: int,
-        expected: int,
-        tail: int,
-        head: int,
-        amount: int,
-        grants: int,
-        ops: int,
-        recs: tuple,
-    ) -> GrabResult:
-        """``grab_if`` that queues only holding one of the ticket records ``recs`` (LEN offsets):
-        False, taking nothing, also when it would queue and every record is in use.
-
-        The record is claimed, and the ticket about to be taken written in it, before the CAS
-        that takes it; its LEN (the tokens taken) is stored right after (see ``claim_record``).
-        """
-        self._check(seq, tail, head, grants)
-        if self.load(seq) != expected:
-            return False
-        rec = None
-        while True:
-            t = self.load(tail)
-            ticket = (t + amount) & MASK64
-            depth = signed(ticket - self.load(head))
-            if depth > MAX_QUEUE:
-                if rec is not None:
-                    self.store(rec, 0)
-                return False
-            if depth > 0:
-                if rec is None:
-                    rec = claim_record(self, recs, ticket)
-                    if rec is None:
-                        return False
-                self.store(rec - 8, ticket)
-            if self.cas(tail, t, ticket):
-                break
-        if ((self.load(head) - ticket) & MASK64) >> 63:
-            self.store(rec, amount)  # uncovered: it was at the last look, so a record is held
-            return ticket
-        if rec is not None:
-            self.store(rec, 0)
-        self.fetch_add(grants, ops)
-        return None
+        return self.grabber(seq, expected, tail, head, amount, grants, ops)()
 
     def grabber(
         self,
@@ -199,19 +182,17 @@ class CompositesFromPrimitives:
         grants: int,
         ops: int,
         recs: Optional[tuple] = None,
-    ) -> Callable[[], GrabResult]:
+    ) -> "Grabber":
         """``grab_if`` with its arguments bound (and checked) once: a callable taking none.
 
-        With ``recs`` (a tuple of ticket records' LEN offsets) it is ``grab_recorded``: every ticket
-        it hands out is recorded in one of them, and it queues none while all are in use.
+        With ``recs`` (a tuple of ticket records' LEN offsets) every ticket it hands out is
+        recorded in one of them, and it queues none while all are in use (``claim_record``).
         """
-        self._check(seq, tail, head, grants)
+        self._check(tail, head, grants, *(() if seq is None else (seq,)))
+        check_value(expected), check_value(amount), check_value(ops)
         if recs is not None:
             check_records(recs, self.size)
-            return functools.partial(
-                self._grab_recorded, seq, expected, tail, head, amount, grants, ops, recs
-            )
-        return functools.partial(self.grab_if, seq, expected, tail, head, amount, grants, ops)
+        return Grabber(self, seq, expected, tail, head, amount, grants, ops, recs)
 
     def try_grab(self, tail: int, head: int, amount: int, grants: int, ops: int) -> bool:
         """Advance the tail by ``amount`` only if the head covers it (CAS); never queue.
@@ -220,14 +201,16 @@ class CompositesFromPrimitives:
         nothing in the segment has changed.
         """
         self._check(tail, head, grants)
-        while True:
-            t = self.load(tail)
-            new = (t + amount) & MASK64
-            if ((self.load(head) - new) & MASK64) >> 63:
+        check_value(ops)
+        r = raw_words(self)
+        r.enter()
+        try:
+            if take(r.w, r.cas, tail // WORD, head // WORD, r.base + tail, amount) is None:
                 return False
-            if self.cas(tail, t, new):
-                self.fetch_add(grants, ops)
-                return True
+            r.add(r.base + grants, ops)
+            return True
+        finally:
+            r.exit()
 
     def gate(
         self,
@@ -349,6 +332,100 @@ class CompositesFromPrimitives:
             check_offset(off, self.size)
 
 
+class Grabber:
+    """``grab_if`` bound to its words (``grabber``): a callable taking none, answering as ``grab``.
+
+    Tickets come from the tail in CAS order, as from a fetch-add: FIFO holds.  With ``recs`` (a
+    tuple of ticket records' LEN offsets) it queues only holding one of them (``claim_record``),
+    and answers False, taking nothing, while all are in use or the slot is being left (close).
+    Without ``seq`` (None) it is ``grab``: no config word to check.
+    """
+
+    __slots__ = (
+        "c",
+        "w",
+        "cas",
+        "add",
+        "enter",
+        "exit",
+        "i_seq",
+        "i_tail",
+        "i_head",
+        "a_tail",
+        "a_grants",
+        "expected",
+        "amount",
+        "ops",
+        "recs",
+    )
+
+    def __init__(
+        self,
+        cells: Any,
+        seq: Optional[int],
+        expected: int,
+        tail: int,
+        head: int,
+        amount: int,
+        grants: int,
+        ops: int,
+        recs: Optional[tuple] = None,
+    ) -> None:
+        for off in (tail, head, grants) if seq is None else (seq, tail, head, grants):
+            check_offset(off, cells.size)
+        check_value(expected), check_value(amount), check_value(ops)
+        if recs is not None:
+            check_records(recs, cells.size)
+        r = raw_words(cells)
+        self.c, self.w, self.cas, self.add, self.enter, self.exit = (cells,) + r[:3] + r[4:]
+        self.i_seq = None if seq is None else seq // WORD
+        self.i_tail, self.i_head = tail // WORD, head // WORD
+        self.a_tail, self.a_grants = r.base + tail, r.base + grants
+        self.expected, self.amount, self.ops, self.recs = expected, amount, ops, recs
+
+    def __call__(self) -> GrabResult:
+        recorded = self.recs is not None
+        if not self.enter(recorded):
+            return False  # the slot is being left (close): the slow path refuses
+        try:
+            w = self.w
+            if self.i_seq is not None and w[self.i_seq] != self.expected:
+                return False
+            cas = self.cas
+            t = w[self.i_tail]
+            rec = None
+            while True:
+                ticket = (t + self.amount) & MASK64
+                depth = (ticket - w[self.i_head]) & MASK64
+                if depth < 1 << 63 and depth:
+                    if depth > MAX_QUEUE:
+                        if rec is not None:
+                            self.c.store(rec, 0)
+                        return False  # the queue is full: the slow path raises, nothing touched
+                    if recorded:  # it would queue: not without a record (claim_record)
+                        if rec is None:
+                            rec = claim_record(self.c, self.recs, ticket)
+                            if rec is None:
+                                return False
+                        self.c.store(rec - WORD, ticket)
+                found = cas(self.a_tail, t, ticket)
+                if found == t:
+                    break
+                t = found
+            if ((w[self.i_head] - ticket) & MASK64) >> 63:
+                # uncovered now, so it was at the last look: recorded if bound to records (a
+                # stale head only sends the caller to wait, where it loads it again)
+                if rec is not None:
+                    self.c.store(rec, self.amount)
+                return ticket
+            if rec is not None:
+                self.c.store(rec, 0)
+            self.add(self.a_grants, self.ops)
+            return None
+        finally:
+            self.exit(recorded)
+
+
 class Gate:
     """The fast path of ``try_acquire`` and of a timed ``acquire``, bound to one config.
 
@@ -361,14 +438,17 @@ class Gate:
     A refusal is certain when even every token the next replenish could add
     (the time since ``REPL_TS`` times ``tpn`` times ``pend_mul``, the
     catch-up ratio rounded up) would not change the answer.  That only
-    over-estimates, so a certain refusal is never a wrong one.  This is the
-    reference version, built from the four primitives; the native backend
-    does the same in one C call.
+    over-estimates, so a certain refusal is never a wrong one.  With ticket
+    records (``recs``) ``grab_within`` queues only holding one, else answers
+    None; with ``fence_hint`` (FENCE_HINT) it answers None rather than queue
+    while a reservation's fence may be in force (the slow path's wait counts
+    it: ``Schedule.wait_ns``).  ``enter``, ``exit``, ``short``, ``take``,
+    ``count`` and ``give_back`` are the steps of a ``MultiGate``.
     """
 
     def __init__(
         self,
-        cells: Primitives,
+        cells: Any,
         seq: int,
         expected: int,
         tail: int,
@@ -382,67 +462,76 @@ class Gate:
         pend_mul: int,
         capped: bool,
         max_reserved_ns: float,
-        clock: Callable[[], int] = time.monotonic_ns,
         recs: Optional[tuple] = None,
         fence_hint: Optional[int] = None,
+        clock: Callable[[], int] = time.monotonic_ns,
     ) -> None:
+        for off in (seq, tail, head, ceil, repl_ts, grants) + (
+            () if fence_hint is None else (fence_hint,)
+        ):
+            check_offset(off, cells.size)
+        if recs is not None:
+            check_records(recs, cells.size)
         if tpn < 1 or pend_mul < 1 or not 1 <= amount <= 1 << 62 or not max_reserved_ns >= 0:
             raise ValueError(
                 "gate: tpn, pend_mul and amount must be >= 1 (amount < 2**62), max_reserved_ns >= 0"
             )
-        self.cells = cells
-        self.seq, self.expected, self.tail, self.head, self.ceil = seq, expected, tail, head, ceil
-        self.repl_ts, self.grants, self.amount, self.ops = repl_ts, grants, amount, ops
-        self.tpn, self.pend_mul, self.capped, self.max_reserved_ns = (
-            tpn,
-            pend_mul,
-            bool(capped),
-            max_reserved_ns,
-        )
-        self.clock = clock
-        #: the ticket records a queued ticket must hold one of (None: it queues unrecorded)
-        self.recs = recs
-        #: FENCE_HINT (None: none): a grab that would queue is undecided while a reservation's fence
-        #: may be in force (the slow path counts it in the wait: ``Schedule.wait_ns``)
-        self.fence_hint = fence_hint
-
-    def fenced(self) -> bool:
-        """May a reservation's fence be in force (its DUE after the last replenish)?"""
-        return self.fence_hint is not None and self.cells.load(self.fence_hint) > self.cells.load(
-            self.repl_ts
-        )
+        r = raw_words(cells)
+        self.c, self.w, self.cas, self.add, self.enter, self.exit = (cells,) + r[:3] + r[4:]
+        self.i_seq, self.i_tail, self.i_head = seq // WORD, tail // WORD, head // WORD
+        self.i_ceil, self.i_ts = ceil // WORD, repl_ts // WORD
+        self.i_hint = None if fence_hint is None else fence_hint // WORD
+        self.a_tail, self.a_head, self.a_grants = r.base + tail, r.base + head, r.base + grants
+        self.expected, self.amount, self.ops, self.recs = expected, amount, ops, recs
+        self.tpn, self.pend_mul, self.capped = tpn, pend_mul, bool(capped)
+        self.max_reserved_ns, self.clock = max_reserved_ns, clock
+        #: ``take(amount)``: the tail advanced by ``amount`` while the head covers it (``take``)
+        self.take = functools.partial(take, r.w, r.cas, self.i_tail, self.i_head, self.a_tail)
 
     def pending(self) -> int:
         """At most how many tokens a replenish starting now could add."""
-        elapsed = self.clock() - self.cells.load(self.repl_ts)
+        elapsed = self.clock() - self.w[self.i_ts]  # a stale REPL_TS only over-estimates
         return max(0, elapsed) * self.tpn * self.pend_mul
 
     def try_grab(self) -> Optional[bool]:
-        c = self.cells
-        if c.load(self.seq) != self.expected:
-            return None
-        while True:
-            t = c.load(self.tail)
-            want = (t + self.amount) & MASK64
-            short = signed(want - c.load(self.head))
-            if short > 0:
-                return False if short > self.pending() else None
-            if c.cas(self.tail, t, want):
-                c.fetch_add(self.grants, self.ops)
-                return True
+        self.enter()
+        try:
+            w = self.w
+            if w[self.i_seq] != self.expected:
+                return None
+            cas = self.cas
+            t = w[self.i_tail]
+            while True:
+                want = (t + self.amount) & MASK64
+                short = signed(want - w[self.i_head])
+                if short > 0:
+                    return False if short > self.pending() else None
+                found = cas(self.a_tail, t, want)
+                if found == t:
+                    self.add(self.a_grants, self.ops)
+                    return True
+                t = found
+        finally:
+            self.exit()
 
     def grab_within(self, timeout: object) -> Union[bool, int, None]:
-        c = self.cells
         t = plain_seconds(timeout)
-        if t is None or c.load(self.seq) != self.expected:
+        if t is None:
             return None
-        max_wait_ns = min(t * 1e9, self.max_reserved_ns)
+        recorded = self.recs is not None
         rec = None  # the record claimed for the ticket, once it would queue
+        if not self.enter(recorded):
+            return None  # the slot is being left (close): undecided, the slow path refuses
         try:
+            w = self.w
+            if w[self.i_seq] != self.expected:
+                return None
+            max_wait_ns = min(t * 1e9, self.max_reserved_ns)
+            cas = self.cas
+            tail = w[self.i_tail]
             while True:
-                tail = c.load(self.tail)
                 want = (tail + self.amount) & MASK64
-                short = signed(want - c.load(self.head))
+                short = signed(want - w[self.i_head])
                 if short > 0:
                     if short / self.tpn > max_wait_ns:
                         pend = self.pending()
@@ -451,61 +540,46 @@ class Gate:
                             if short > pend and (short - pend) / self.tpn > max_wait_ns
                             else None
                         )
-                    if self.fenced():
-                        return None  # the slow path's wait counts the fences
-                    if self.capped and signed(want - c.load(self.ceil)) > 0:
+                    if self.i_hint is not None and w[self.i_hint] > w[self.i_ts]:
+                        return None  # a reservation's fence may hold it (its DUE after REPL_TS)
+                    if self.capped and signed(want - w[self.i_ceil]) > 0:
                         return False  # beyond the released budget: no computable wait, no replenish helps
-                    if self.recs is not None:  # no queued ticket without a record (claim_record)
+                    if recorded:  # no queued ticket without a record (claim_record)
                         if rec is None:
-                            rec = claim_record(c, self.recs, want)
+                            rec = claim_record(self.c, self.recs, want)
                             if rec is None:
                                 return None
-                        c.store(rec - 8, want)
-                    if c.cas(self.tail, tail, want):
+                        self.c.store(rec - WORD, want)
+                    found = cas(self.a_tail, tail, want)
+                    if found == tail:
                         if rec is not None:
-                            c.store(rec, self.amount)
+                            self.c.store(rec, self.amount)
                             rec = None
                         return want
-                elif c.cas(self.tail, tail, want):
-                    c.fetch_add(self.grants, self.ops)
-                    return True
+                else:
+                    found = cas(self.a_tail, tail, want)
+                    if found == tail:
+                        self.add(self.a_grants, self.ops)
+                        return True
+                tail = found
         finally:
             if rec is not None:  # claimed and not used: free again
-                c.store(rec, 0)
+                self.c.store(rec, 0)
+            self.exit(recorded)
 
-    # -- the steps of a try over several rates (``MultiGate``), each on this gate's words ----------
-
-    def enter(self) -> None:
-        """Hold the cells open while a ``MultiGate`` works on them (the primitives here check
-        for themselves; a backend whose steps use raw words overrides this)."""
-
-    def exit(self) -> None:
-        """Undo ``enter``."""
+    # -- the steps of a try over several rates (``MultiGate``), under one ``enter``/``exit`` --------
 
     def short(self, amount: int) -> Optional[int]:
         """Tokens this rate lacks for ``amount`` now (<= 0: it has room), or None when the config
         is no longer the gate's.  Touches nothing."""
-        c = self.cells
-        if c.load(self.seq) != self.expected:
+        w = self.w
+        if w[self.i_seq] != self.expected:
             return None
-        return signed(c.load(self.tail) + amount - c.load(self.head))
-
-    def take(self, amount: int) -> Optional[int]:
-        """Advance the tail by ``amount`` only while the head covers it (CAS); the head read
-        before, or None when short (nothing taken).  Not counted: see ``count``."""
-        c = self.cells
-        head_then = c.load(self.head)
-        while True:
-            t = c.load(self.tail)
-            want = (t + amount) & MASK64
-            if signed(want - c.load(self.head)) > 0:
-                return None
-            if c.cas(self.tail, t, want):
-                return head_then
+        return signed(w[self.i_tail] + amount - w[self.i_head])
 
     def count(self, mult: int) -> None:
         """Count ``mult`` grants of this gate's ``ops``."""
-        self.cells.fetch_add(self.grants, self.ops * mult)
+        self.add(self.a_grants, self.ops * mult)
 
     def give_back(self, amount: int, head_then: int, cap: int) -> None:
         """Return ``amount`` tokens taken when the head was ``head_then``, unused, less what the
@@ -518,15 +592,19 @@ class Gate:
         never the tokens on top of a replenish that landed meanwhile (past a fence that
         replenish kept: design.md, "Reservation fences").
         """
-        c = self.cells
+        w = self.w
+        head = w[self.i_head]
         while True:
-            head = c.load(self.head)
             back = amount - max(0, signed(head - head_then))
             if back <= 0:
                 return
-            add = min(back, signed(c.load(self.tail) + cap - head))
-            if add <= 0 or c.cas(self.head, head, (head + add) & MASK64):
+            add = min(back, signed(w[self.i_tail] + cap - head))
+            if add <= 0:
                 return
+            found = self.cas(self.a_head, head, (head + add) & MASK64)
+            if found == head:
+                return
+            head = found
 
 
 #: Rates a ``MultiGate`` takes at most (``rates=`` holds at most as many).
