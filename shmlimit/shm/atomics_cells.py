@@ -13,7 +13,7 @@ import threading
 from typing import Any, Callable, Dict, List, Optional, Tuple
 
 from shmlimit.shm import futex
-from shmlimit.shm.composites import CompositesFromPrimitives, Loads, Raw, checked_raw
+from shmlimit.shm.composites import Cells, Loads, Raw, checked_raw
 from shmlimit.shm.words import WORD, check_bitset, check_offset, check_value
 
 #: An aligned 8-byte load compiles to one instruction, single-copy atomic, on these machines.
@@ -120,7 +120,7 @@ class _Patomic:
         self._ctx.__exit__(None, None, None)
 
 
-class AtomicsCells(CompositesFromPrimitives):
+class AtomicsCells(Cells):
     """Backend on the ``atomics`` package.
 
     Each operation is one call into the package's native library (see
@@ -294,8 +294,6 @@ class AtomicsCells(CompositesFromPrimitives):
     # -- the fed wait's futex (hierarchical mode): see futex.py
 
     def futex_wait(self, off: int, expected: int, bitset: int, deadline_ns: int) -> bool:
-        """Sleep while the word's low 32 bits hold ``expected``'s, until ``deadline_ns`` (CLOCK_MONOTONIC);
-        False once the deadline passed, else True (woken: look again)."""
         check_bitset(bitset)
         check_value(expected), check_value(deadline_ns)
         self._enter()  # close() waits for the sleep to end: it is bounded by its deadline
@@ -306,7 +304,6 @@ class AtomicsCells(CompositesFromPrimitives):
             self._exit()
 
     def futex_wake(self, off: int, bitset: int) -> int:
-        """Wake the sleepers on the word (any process) whose bitset meets ``bitset``; how many."""
         check_bitset(bitset)
         self._enter()
         try:

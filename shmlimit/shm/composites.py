@@ -10,6 +10,7 @@ most two atomic operations for an uncontended grant), or any cells' checked prim
 
 from __future__ import annotations
 
+import abc
 import functools
 import time
 from typing import Any, Callable, List, NamedTuple, Optional, Sequence, Tuple, Union
@@ -104,14 +105,57 @@ def take(
         t = found
 
 
-class CompositesFromPrimitives:
-    """The composites (the hot path in one call) of a backend that has the four primitives
-    (``load``, ``store``, ``fetch_add``, ``cas``) and ``size``: the ``atomics`` one."""
+class Cells(abc.ABC):
+    """An atomic backend over one mapping: what every module above the atomic layer may call.
 
+    Offsets are byte offsets of 8-aligned words inside the mapping; values are unsigned 64-bit.
+    Every operation is sequentially consistent.  A backend provides the primitives (the abstract
+    methods); the composites here are the one Python copy, which the ``atomics`` backend runs and
+    the native one (registered, not derived) does in C, the same steps.
+    """
+
+    #: the backend's name: "native" or "atomics"
+    backend: str = ""
+    #: bytes of the mapping the cells may touch
+    size: int = 0
     #: the last records tuple ``clamp_words`` checked every offset of (see there)
     _clamp_checked: Tuple[int, ...] = ()
 
-    size: int = 0
+    @abc.abstractmethod
+    def load(self, off: int) -> int: ...
+
+    @abc.abstractmethod
+    def store(self, off: int, value: int) -> None: ...
+
+    @abc.abstractmethod
+    def fetch_add(self, off: int, delta: int) -> int:
+        """Add ``delta`` (0 <= delta < 2**64) modulo 2**64; return the previous value."""
+
+    @abc.abstractmethod
+    def cas(self, off: int, expected: int, desired: int) -> bool:
+        """Store ``desired`` if the word equals ``expected``; say whether it did."""
+
+    @abc.abstractmethod
+    def leave_waiters(self) -> None:
+        """Every native wait of this process returns, and any later one at once, the mapping kept
+        (``close``'s first half): from then on no native loop grants a ticket, and no grab bound to
+        ticket records (a ``grabber``'s, a ``gate``'s ``grab_within``) takes anything: it answers as
+        when every record is in use, so nothing is written into a slot its process is leaving."""
+
+    @abc.abstractmethod
+    def close(self) -> None: ...
+
+    @abc.abstractmethod
+    def futex_wait(self, off: int, expected: int, bitset: int, deadline_ns: int) -> bool:
+        """Sleep while the low 32 bits of the word hold ``expected``'s, for the bits of ``bitset``, until
+        ``deadline_ns`` (CLOCK_MONOTONIC): False once the deadline passed, else True (look again).
+        A non-private futex: wakes from any process mapping the word reach it."""
+
+    @abc.abstractmethod
+    def futex_wake(self, off: int, bitset: int) -> int:
+        """Wake the sleepers on the word, in any process, whose bitset meets ``bitset``; how many."""
+
+    # -- the composites ------------------------------------------------------------------------
 
     def load_many(self, offsets: Tuple[int, ...]) -> Tuple[int, ...]:
         """The words at ``offsets``, each one ``load`` (not a snapshot of them together): a scan
@@ -133,23 +177,7 @@ class CompositesFromPrimitives:
             self._clamp_checked = records
         return clamp_words(self, head_off, head, tail, records)
 
-    def fence_scan(
-        self,
-        hint_off: int,
-        first: int,
-        count: int,
-        ts: int,
-        now: int,
-        tpn: int,
-        head: int,
-        ticket: int,
-    ) -> Optional[Tuple[int, float]]:
-        """The reservation fences in force for a claim of ``[ts, now]``: ``(room above head, due of
-        ticket)`` or None (``words.fence_scan``)."""
-        if count < 0 or tpn <= 0:
-            raise ValueError("fence_scan: count must be >= 0 and tpn >= 1")
-        self._check(hint_off, first, first + max(0, count - 1) * FENCE_STRIDE + FENCE_DUE_W)
-        return fence_scan(self, hint_off, first, count, ts, now, tpn, head, ticket)
+    fence_scan = fence_scan
 
     def grab(self, tail: int, head: int, amount: int, grants: int, ops: int) -> GrabResult:
         """Advance the tail rover by ``amount`` (CAS), unless the queue would exceed ``MAX_QUEUE``.
@@ -159,7 +187,7 @@ class CompositesFromPrimitives:
         when ``TAIL - HEAD`` would exceed ``MAX_QUEUE`` tokens (nothing
         touched), else the ticket (the new tail) that the caller must wait for.
         """
-        return self.grabber(None, 0, tail, head, amount, grants, ops)()  # type: ignore[arg-type]
+        return self.grabber(None, 0, tail, head, amount, grants, ops)()
 
     def grab_if(
         self, seq: int, expected: int, tail: int, head: int, amount: int, grants: int, ops: int
@@ -172,27 +200,9 @@ class CompositesFromPrimitives:
         """
         return self.grabber(seq, expected, tail, head, amount, grants, ops)()
 
-    def grabber(
-        self,
-        seq: int,
-        expected: int,
-        tail: int,
-        head: int,
-        amount: int,
-        grants: int,
-        ops: int,
-        recs: Optional[tuple] = None,
-    ) -> "Grabber":
-        """``grab_if`` with its arguments bound (and checked) once: a callable taking none.
-
-        With ``recs`` (a tuple of ticket records' LEN offsets) every ticket it hands out is
-        recorded in one of them, and it queues none while all are in use (``claim_record``).
-        """
-        self._check(tail, head, grants, *(() if seq is None else (seq,)))
-        check_value(expected), check_value(amount), check_value(ops)
-        if recs is not None:
-            check_records(recs, self.size)
-        return Grabber(self, seq, expected, tail, head, amount, grants, ops, recs)
+    def grabber(self, *args: Any) -> "Grabber":
+        """``grab_if`` with its arguments bound (and checked) once: a ``Grabber``."""
+        return Grabber(self, *args)
 
     def try_grab(self, tail: int, head: int, amount: int, grants: int, ops: int) -> bool:
         """Advance the tail by ``amount`` only if the head covers it (CAS); never queue.
@@ -212,48 +222,9 @@ class CompositesFromPrimitives:
         finally:
             r.exit()
 
-    def gate(
-        self,
-        seq: int,
-        expected: int,
-        tail: int,
-        head: int,
-        ceil: int,
-        repl_ts: int,
-        grants: int,
-        amount: int,
-        ops: int,
-        tpn: int,
-        pend_mul: int,
-        capped: bool,
-        max_reserved_ns: float,
-        recs: Optional[tuple] = None,
-        fence_hint: Optional[int] = None,
-    ) -> "Gate":
-        """``try_acquire`` and a timed ``acquire`` of one config, each in one call (see ``Gate``)."""
-        self._check(
-            seq, tail, head, ceil, repl_ts, grants, *([] if fence_hint is None else [fence_hint])
-        )
-        if recs is not None:
-            check_records(recs, self.size)
-        return Gate(
-            self,
-            seq,
-            expected,
-            tail,
-            head,
-            ceil,
-            repl_ts,
-            grants,
-            amount,
-            ops,
-            tpn,
-            pend_mul,
-            capped,
-            max_reserved_ns,
-            recs=recs,
-            fence_hint=fence_hint,
-        )
+    def gate(self, *args: Any) -> "Gate":
+        """``try_acquire`` and a timed ``acquire`` of one config, each in one call: a ``Gate``."""
+        return Gate(self, *args)
 
     def waiter(
         self,

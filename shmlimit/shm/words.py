@@ -270,8 +270,12 @@ def fence_scan(
     ``DUE + (ticket - LIMIT) / tpn`` over those whose LIMIT is before ``ticket`` (0.0: none).
     A record whose LIMIT is more than ``FAR`` from the head, or whose DUE is beyond
     ``fence_horizon_ns`` from ``now``, no reservation left: ignored.  The native backend does the
-    same in one C loop.
+    same in one C loop.  Every offset it may read is checked first.
     """
+    if count < 0 or tpn <= 0:
+        raise ValueError("fence_scan: count must be >= 0 and tpn >= 1")
+    for off in (hint_off, first, first + max(0, count - 1) * FENCE_STRIDE + FENCE_DUE_W):
+        check_offset(off, cells.size)
     if cells.load(hint_off) <= ts:
         return None
     dues = cells.load_many(tuple(first + k * FENCE_STRIDE + FENCE_DUE_W for k in range(count)))
