@@ -163,6 +163,7 @@ class AtomicsCells(Cells):
         #: Run (by the grabbing thread) when its last grab bound to records ends (see ``Writers.after``).
         self._after_recording: Optional[Callable[[], None]] = None
         self._p: Optional[_Patomic] = None
+        self._rw: Optional[Raw] = None  # see _raw
         self._words: Any = None
         self._addr: Optional[int] = None
         if direct and size >= WORD:
@@ -286,10 +287,16 @@ class AtomicsCells(Cells):
     def _raw(self) -> Raw:
         """The composites' way to the words (``composites.Raw``): plain reads and the package's
         operations called directly (a composite is one operation for ``close``), else the
-        checked primitives."""
-        if self._p is None:
-            return checked_raw(self, self._enter, self._exit)
-        return Raw(self._words, self._p.cas, self._p.fetch_add, self._base, self._enter, self._exit)
+        checked primitives.  Built at the first composite, then kept."""
+        r = self._rw
+        if r is None:
+            p = self._p
+            r = self._rw = (
+                checked_raw(self, self._enter, self._exit)
+                if p is None
+                else Raw(self._words, p.cas, p.fetch_add, self._base, self._enter, self._exit)
+            )
+        return r
 
     # -- the fed wait's futex (hierarchical mode): see futex.py
 

@@ -186,6 +186,8 @@ class Cells(abc.ABC):
         once; ``ops`` is then added to the counter cell ``grants``), ``False``
         when ``TAIL - HEAD`` would exceed ``MAX_QUEUE`` tokens (nothing
         touched), else the ticket (the new tail) that the caller must wait for.
+        The head only grows, so a depth measured against a head read before
+        the CAS is never smaller than the true one.
         """
         return self.grabber(None, 0, tail, head, amount, grants, ops)()
 
