@@ -105,6 +105,16 @@ def take(
         t = found
 
 
+def hold_record(cells: Any, recs: tuple, rec: Optional[int], ticket: int) -> Optional[int]:
+    """The ticket record a grab about to queue ``ticket`` holds, ``ticket`` in its TICKET word:
+    ``rec``, or one of ``recs`` claimed when ``rec`` is None (``claim_record``); None when every
+    one is in use.  The grab stores its LEN right after its CAS, or frees it."""
+    if rec is None:
+        return claim_record(cells, recs, ticket)
+    cells.store(rec - WORD, ticket)
+    return rec
+
+
 class Cells(abc.ABC):
     """An atomic backend over one mapping: what every module above the atomic layer may call.
 
@@ -375,12 +385,10 @@ class Grabber:
                         if rec is not None:
                             self.c.store(rec, 0)
                         return False  # the queue is full: the slow path raises, nothing touched
-                    if recorded:  # it would queue: not without a record (claim_record)
+                    if recorded:  # it would queue: not without a record
+                        rec = hold_record(self.c, self.recs, rec, ticket)
                         if rec is None:
-                            rec = claim_record(self.c, self.recs, ticket)
-                            if rec is None:
-                                return False
-                        self.c.store(rec - WORD, ticket)
+                            return False
                 found = cas(self.a_tail, t, ticket)
                 if found == t:
                     break
@@ -517,12 +525,10 @@ class Gate:
                         return None  # a reservation's fence may hold it (its DUE after REPL_TS)
                     if self.capped and signed(want - w[self.i_ceil]) > 0:
                         return False  # beyond the released budget: no computable wait, no replenish helps
-                    if recorded:  # no queued ticket without a record (claim_record)
+                    if recorded:  # no queued ticket without a record
+                        rec = hold_record(self.c, self.recs, rec, want)
                         if rec is None:
-                            rec = claim_record(self.c, self.recs, want)
-                            if rec is None:
-                                return None
-                        self.c.store(rec - WORD, want)
+                            return None
                     found = cas(self.a_tail, tail, want)
                     if found == tail:
                         if rec is not None:
