@@ -26,12 +26,22 @@ from shmlimit.keyed.limiter import KeyedLimiter, KeyedStats
 from shmlimit.kinds import attach, inspect
 from shmlimit.limiter import Limiter, unlink
 from shmlimit.protocol import KeyedRateLimit, RateLimit
+from shmlimit.shm.cells import warm_backend as _warm_backend
 from shmlimit.shm.segment import list_names
 from shmlimit.stats import ProcessStats, Stats, UpstreamStats
 from shmlimit.throttle import throttle
 
 #: The one version: pyproject.toml reads it from here, ``shmlimit --version`` prints it.
 __version__ = "0.1.0"
+
+# The portable backend's package is imported with shmlimit, not at the first limiter: its import
+# (cffi parsing declarations) costs 40-100 ms of CPU, which a pre-fork server's master then pays once
+# and every worker inherits, instead of each recycled worker at its first limiter, on cores its
+# peers need to keep the rate.  A bad SHMLIMIT_BACKEND or a missing backend is told at open.
+try:
+    _warm_backend()
+except (ImportError, ValueError):
+    pass
 
 # The limits storages shm:// and async+shm:// (Flask-Limiter, slowapi) exist once their module is
 # imported: limits has no entry points, only the registration a Storage subclass makes when it is
