@@ -1,9 +1,10 @@
 """Processes that come and go (a server's workers recycled) keep the schedule of those that stay.
 
 A worker's process that leaves cleanly while it is the filler drops its lease; try-only callers in
-the other processes replenish for themselves meanwhile, and lose time to the clamp while no filler
-runs (12-18 % at 200/s, burst 2).  A try that had to replenish takes a free or lapsed lease, as a
-waiter that did the filler's work does, so the next filler runs at once.
+the other processes replenish for themselves meanwhile.  A try that had to replenish takes a free
+or lapsed lease, as a waiter that did the filler's work does, so the next filler runs at once; and
+refills again past its own grant, so that tries keep the rate while no filler runs.  A worker's
+first limiter imports nothing: the package's import did, in the master.
 """
 
 import os
@@ -164,6 +165,7 @@ RECYCLED = textwrap.dedent(
     import shmlimit
 
     name, workers, tries, seconds = sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), float(sys.argv[4])
+    leave = sys.argv[5]
     r, w = os.pipe()
     end = time.monotonic() + seconds
 
@@ -173,7 +175,9 @@ RECYCLED = textwrap.dedent(
             if lim.try_acquire():
                 os.write(w, b"%d\\n" % time.monotonic_ns())
             time.sleep(0.002)  # handling the request
-        sys.exit(0)  # a clean exit (atexit closes the limiter), as a recycled worker's
+        if leave == "close":  # left cleanly (atexit's close), without the interpreter's teardown
+            lim.close()
+        os._exit(0)  # "kill": gone with its limiter open, its lease left to lapse
 
     kids, spawned = set(), 0
     while True:
@@ -199,18 +203,21 @@ RECYCLED = textwrap.dedent(
 
 
 @pytest.mark.slow
-def test_recycled_workers_deliver_the_rate(name):
-    # Eight worker processes, each making 200 tries (one every 2 ms) and exiting, replaced at once
-    # (about 100 recycled in 6 s, the filler's among them), all at one 200/s limit (burst 2: 10 ms
-    # of schedule, so a worker descheduled that long on a busy machine loses time with no one to
-    # blame).  No window of 1 s holds more than rate + capacity, and the grants reach 90 % of
-    # rate * T + capacity: 98-99 % measured on native and on atomics with workers that inherit the
-    # mapping, 89-94 % on atomics with workers that each open it on a loaded machine (load 6 on 2
-    # cores).  The handover test above is the sharp one.
+@pytest.mark.parametrize("leave", ["close", "kill"])
+def test_recycled_workers_deliver_the_rate(name, leave):
+    # Eight worker processes, each making 200 tries (one every 2 ms) and leaving (closing the
+    # limiter, or killed with it open: the filler's lease then lapses), replaced at once (about 100
+    # recycled in 6 s, the filler's among them), all at one 200/s limit (burst 2: 10 ms of
+    # schedule, so a worker descheduled that long on a busy machine loses time with no one to
+    # blame).  No window of 1 s holds more than rate + capacity, and the grants reach 95 % of
+    # rate * T + capacity: 99.1-99.8 % measured on both backends either way (load 4-6 on 2 cores).
+    # Before, atomics reached 56-94 %: each worker's first limiter imported the atomics package
+    # (100-800 ms of CPU on a busy machine) while its peers' tries came late, and tries that refilled
+    # for themselves while no filler ran lost their lateness to the clamp (native: 93-99 %).
     lim = shmlimit.Limiter(name, rate=200)  # held open, unused: it never fills
     try:
         out = subprocess.run(
-            [sys.executable, "-c", RECYCLED, name, "8", "200", "6"],
+            [sys.executable, "-c", RECYCLED, name, "8", "200", "6", leave],
             capture_output=True,
             text=True,
             cwd=WORKDIR,
@@ -221,7 +228,7 @@ def test_recycled_workers_deliver_the_rate(name):
         assert spawned > 20  # recycled continuously
         span = (ts[-1] - ts[0]) / 1e9
         cap = lim.stats().capacity
-        assert len(ts) >= 0.9 * (200 * span + cap), (len(ts), span)
+        assert len(ts) >= 0.95 * (200 * span + cap), (len(ts), span)
         j = 0
         for i, t in enumerate(ts):  # every window of 1 s that starts at a grant
             while j < len(ts) and ts[j] < t + 1e9:
