@@ -463,7 +463,7 @@ def test_a_reservation_claiming_on_a_rate_being_closed_takes_nothing_there(name,
     # a's region of the group's one segment, read through the filesystem once a is closed
     a_file, (a_off, _) = (
         a.seg.name,
-        L.group_geometry(L.segment_size(a.slots), mmap.ALLOCATIONGRANULARITY),
+        L.group_geometry(L.segment_size(a.table.slots), mmap.ALLOCATIONGRANULARITY),
     )
     at_claim, go_a, stepped, b_closed = (threading.Event() for _ in range(4))
     outcome = []
