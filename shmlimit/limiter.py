@@ -15,7 +15,8 @@ from typing import TYPE_CHECKING, Any, Callable, Dict, Iterable, Optional, Tuple
 
 from shmlimit import live_changes
 from shmlimit.acquire import single as acquisition
-from shmlimit.acquire.single import MAX_NAP, Request, drive, drive_async, wait_for_ticket
+from shmlimit.acquire.drivers import drive, drive_async
+from shmlimit.acquire.single import MAX_NAP, Request, wait_for_ticket
 from shmlimit.adapt import Adapt
 from shmlimit.adapt import feedback as adapt_feedback
 from shmlimit.attachment import NO_FAST, Attachment, open_attachment, registry, show

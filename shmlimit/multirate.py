@@ -42,6 +42,7 @@ from typing import Any, Callable, Dict, Iterable, List, Optional, Sequence, Tupl
 
 from shmlimit import live_changes
 from shmlimit.acquire import single as acquisition
+from shmlimit.acquire.drivers import drive, drive_async
 from shmlimit.acquire.multi import (
     NO_RECORD,
     REFUSED,
@@ -53,7 +54,6 @@ from shmlimit.acquire.multi import (
     take_all,
     wait_ns,
 )
-from shmlimit.acquire.single import drive, drive_async
 from shmlimit.adapt import check_config, per_rate
 from shmlimit.adapt import feedback as adapt_feedback
 from shmlimit.attachment import Attachment, gate_all, open_attachment, release

@@ -331,7 +331,7 @@ class _BusyClock(FakeClock):
 def test_an_async_ticket_wait_sleeps_to_its_instant_without_a_floor(name, monkeypatch):
     """acquire_async parks a ticket until exactly its due instant, measured when the sleep
     starts (time spent before the await is not added), even when that is under MIN_NAP away."""
-    from shmlimit.acquire import single as A
+    from shmlimit.acquire import drivers as A
 
     clock = _BusyClock()
     lim = open_limiter(name, clock, rate=20_000, burst=1)  # an op is 50 us: less than MIN_NAP

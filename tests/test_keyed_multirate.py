@@ -144,7 +144,7 @@ def test_acquire_async(name, clock, cleanup):
 def test_acquire_async_naps_on_the_loop_holding_nothing(name, clock, cleanup, monkeypatch):
     """The async acquire is the sync one's step object under the async driver: the same waits,
     each a nap on the event loop (here moving the injected clock), never a blocking sleep."""
-    from shmlimit.acquire import single
+    from shmlimit.acquire import drivers
 
     lim = make(name, [("10/s", 1), ("2/s", 1)], clock, cleanup)
     lim._sleep = None  # the sync hook: never called on the loop
@@ -154,7 +154,7 @@ def test_acquire_async_naps_on_the_loop_holding_nothing(name, clock, cleanup, mo
         naps.append(seconds)
         clock.advance(max(1, round(seconds * S)))
 
-    monkeypatch.setattr(single.asyncio, "sleep", nap)
+    monkeypatch.setattr(drivers.asyncio, "sleep", nap)
 
     async def main():
         assert await lim.acquire_async("k")

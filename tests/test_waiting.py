@@ -14,7 +14,7 @@ from support.procs import acquire_for, run_processes, wait_for
 from support.starvation import floor, run_delay
 
 import shmlimit
-from shmlimit.acquire import single as LM
+from shmlimit.acquire import drivers as D
 from shmlimit.acquire import sleep as S
 from shmlimit.shm import layout as L
 from shmlimit.shm.cells import native_available
@@ -159,7 +159,7 @@ def test_the_native_wait_lowers_its_thread_slack_once_and_keeps_it(name):
 def _counting_worker(name, seconds, q):
     """Acquire for a while; count every time the waiting loop sleeps or yields, per grant."""
     counts = {"wakes": 0}
-    real = LM.sleep_until()
+    real = D.sleep_until()
     yield_ = os.sched_yield
 
     def sleep_until(*a):
@@ -170,7 +170,7 @@ def _counting_worker(name, seconds, q):
         counts["wakes"] += 1
         return yield_()
 
-    LM._sleeper[:] = [sleep_until]
+    D._sleeper[:] = [sleep_until]
     os.sched_yield = counted_yield
     lim = shmlimit.attach(name)
     delay0 = run_delay()
@@ -396,7 +396,7 @@ def test_an_async_waiter_replenishes_at_its_turn_without_working_it_out_again(na
     lim = shmlimit.Limiter(name, rate=200, burst=5)
     assert lim.backend == "atomics"
     counts = {"due": 0, "sleeps": 0}
-    due_ns, sleep = Bucket.due_ns, LM.sleep_until_async
+    due_ns, sleep = Bucket.due_ns, D.sleep_until_async
 
     def counted_due(self, ticket):
         counts["due"] += 1
@@ -410,7 +410,7 @@ def test_an_async_waiter_replenishes_at_its_turn_without_working_it_out_again(na
         for _ in range(int(lim.capacity)):  # the burst
             assert await lim.acquire_async()
         monkeypatch.setattr(Bucket, "due_ns", counted_due)
-        monkeypatch.setattr(LM, "sleep_until_async", counted_sleep)
+        monkeypatch.setattr(D, "sleep_until_async", counted_sleep)
         for _ in range(20):
             assert await lim.acquire_async()
 

@@ -4,12 +4,10 @@
 True (granted), False (refused, having taken nothing) or a number of seconds
 to park before asking again with ``next()``, which answers the same way;
 ``end()`` must follow, whatever happened (it clears the WAITING flag and gives
-back what a request that was not granted still holds).  The two drivers only
-park: ``drive`` (``Limiter.acquire``) sleeps, to a ticket's turn precisely
-(``wake_ns``, ``sleep.sleep_until``), ``drive_async``
-(``Limiter.acquire_async``) awaits ``asyncio.sleep``.  This is the shape trio
-uses (``acquire_nowait`` plus parking): the decisions are made once, here,
-for both.
+back what a request that was not granted still holds).  Every kind's drivers
+run it (``acquire.drivers``: ``drive`` sleeps, to a ticket's turn precisely,
+``drive_async`` awaits on the loop).  This is the shape trio uses
+(``acquire_nowait`` plus parking): the decisions are made once, here, for both.
 
 A request moves through these states, each a step that never blocks:
 
@@ -40,11 +38,11 @@ ns, injected in tests), so a request can be driven step by step on a fake clock.
 
 from __future__ import annotations
 
-import asyncio
 import time
 import weakref
-from typing import TYPE_CHECKING, Any, Callable, Optional, Protocol, Tuple, Union
+from typing import TYPE_CHECKING, Any, Callable, Optional, Tuple, Union
 
+from shmlimit.acquire.drivers import MIN_NAP, Step, drive, drive_async
 from shmlimit.acquire.sleep import at_stop, sleep_until_async
 from shmlimit.attachment import _no_fast
 from shmlimit.bucket import fed_wait
@@ -60,8 +58,6 @@ if TYPE_CHECKING:  # pragma: no cover
 #: A waiter whose ticket is due but not yet covered looks again after this long at least (ns).
 RETRY_NS = 20_000
 MAX_NAP_NS = int(MAX_NAP * NS_PER_S)
-#: ... and never sooner than this, unless it is about to be served (seconds).
-MIN_NAP = 1e-4
 #: Hierarchical mode: a request that does not know when tokens come looks this often (seconds) ...
 POLL = 0.002
 #: ... and one that knows wakes this long after they are due, once the filler has added them (seconds).
@@ -71,8 +67,6 @@ CAPPED_NAP = 0.001
 _INF = float("inf")
 
 ADMIT, JOIN, RECORD, TICKET, DONE = "admit", "join", "record", "ticket", "done"
-
-Step = Union[bool, float]
 
 
 class Request:
@@ -219,6 +213,11 @@ class Request:
             self.admitted = False
             self.bucket.unadmit(self.n)
         self.state = DONE
+
+    def turn(self, woke: bool) -> Optional[Step]:
+        """``drive_async``'s step on the real clock while holding a ticket (``_ticket_step``),
+        ``woke`` at the instant it parked for; None in any other state (``begin``/``next``)."""
+        return _ticket_step(self, woke) if self.state == TICKET else None
 
     # -- states --------------------------------------------------------------------------
 
@@ -445,50 +444,6 @@ class Request:
         return False
 
 
-# ---- the two drivers: they only park ------------------------------------------------------------
-
-
-class Steps(Protocol):
-    """What the drivers run: ``Request``, and ``multirate_request.MultiRequest`` over several rates.
-
-    One may also have ``nap(seconds)``: how ``drive`` sleeps a nap (``time.sleep``; in tests on
-    an injected clock, a move of that clock)."""
-
-    #: the current nap ends at this CLOCK_MONOTONIC instant, to sleep to precisely (None: roughly)
-    wake_ns: Optional[int]
-
-    def clock(self) -> int: ...
-    def begin(self) -> Step: ...
-    def next(self) -> Step: ...
-    def end(self) -> None: ...
-    def wait_native(self) -> Optional[Step]: ...
-
-
-def drive(req: Steps) -> bool:
-    """Run ``req`` to its end in this thread, sleeping between steps.
-
-    A wait for a turn (``wake_ns`` set) is the request's native wait when it
-    has one (``Request.wait_native``: the whole wait without returning to
-    Python), else a sleep to its instant with a low timer slack
-    (``sleep.sleep_until``); every other wait sleeps its nap.
-    """
-    try:
-        step = req.begin()
-        while step is not True and step is not False:
-            if req.wake_ns is not None:
-                native = req.wait_native()
-                if native is not None:
-                    step = native
-                    continue
-                sleep_until()(req.wake_ns)
-            else:
-                getattr(req, "nap", time.sleep)(step)
-            step = req.next()
-        return step
-    finally:
-        req.end()
-
-
 def refill(att: "Attachment") -> int:
     """``Bucket.replenish``; as one native call where the native wait has one for the config in
     force (its refill, word for word).  One call leaves no gap between claiming an interval and
@@ -542,18 +497,6 @@ def wait_for_ticket(
                 att.clear_ticket(rec, tokens)
             raise
     return drive(Request.holding(att, 1, ticket, tokens, rec, deadline))
-
-
-_sleeper: list = []
-
-
-def sleep_until() -> Callable[[int], None]:
-    """This process's precise sleeper (chosen once: the backend does not change in a process)."""
-    if not _sleeper:
-        from shmlimit.acquire.sleep import sleeper
-
-        _sleeper.append(sleeper())
-    return _sleeper[0]
 
 
 #: Each attachment's fast grab for ``acquire_async``, without the native wait (``(fast[0], grab)``:
@@ -665,41 +608,6 @@ def _ticket_step(req: Request, woke: bool) -> Step:
         if b.covered(ticket):
             return req._grant_ticket()
     return req.next()
-
-
-async def drive_async(req: Steps) -> bool:
-    """Run ``req`` to its end on the event loop, awaiting between steps (never spinning).
-
-    A wait for a turn (``wake_ns`` set) awaits that instant on the loop's timerfd
-    (``sleep.sleep_until_async``): ``asyncio.sleep`` would end up to a millisecond
-    late, the selector's timeout being whole milliseconds.  With an injected
-    clock it is ``asyncio.sleep`` of the time left, as is every other nap.
-    """
-    att = getattr(req, "att", None)  # a Request's; a MultiRequest's clock is its attachments'
-    real = (att.clock if att is not None else req.clock) is time.monotonic_ns
-    held = real and type(req) is Request  # a ticket's steps may be _ticket_step's
-    try:
-        if held and req.state == TICKET:  # holding its ticket already (grab_one_async)
-            step = _ticket_step(req, False)  # type: ignore[arg-type]
-        else:
-            step = req.begin()
-        while step is not True and step is not False:
-            if getattr(req, "fed", None) is not None:  # no futex on a loop: the fed wait's estimate
-                req.fed = None  # type: ignore[attr-defined]
-                await asyncio.sleep(max(step, MIN_NAP))
-            elif req.wake_ns is not None and real:
-                await sleep_until_async(req.wake_ns)  # to its instant, not the selector's next ms
-                if held and req.state == TICKET:
-                    step = _ticket_step(req, True)  # type: ignore[arg-type]
-                    continue
-            elif req.wake_ns is not None:
-                await asyncio.sleep(max(0, req.wake_ns - req.clock()) / NS_PER_S)
-            else:
-                await asyncio.sleep(max(step, MIN_NAP))
-            step = req.next()
-        return step
-    finally:
-        req.end()
 
 
 # ---- the calls that never wait ------------------------------------------------------------------

@@ -21,7 +21,7 @@ import time
 import weakref
 from typing import Any, Callable, Dict, Optional, Tuple
 
-from shmlimit.acquire.single import Step, drive, drive_async
+from shmlimit.acquire.drivers import Step, drive, drive_async
 from shmlimit.adapt import Adapt
 from shmlimit.adapt import describe as describe_adapt
 from shmlimit.adapt import write as write_adapt
@@ -289,7 +289,7 @@ MAX_PAUSE = KC.MAX_WAIT / TICKS_PER_S
 
 
 class _Due:
-    """A keyed ``acquire`` as the drivers run it (``acquire.single.Steps``): one call that takes
+    """A keyed ``acquire`` as the drivers run it (``acquire.drivers.Steps``): one call that takes
     the key's ops (reserving its slot) or refuses, then a wait to the instant they are due."""
 
     wake_ns: Optional[int] = None

@@ -32,7 +32,7 @@ import math
 import time
 from typing import Any, Callable, Iterable, List, Optional, Sequence, Tuple, Union
 
-from shmlimit.acquire.single import Step, drive, drive_async
+from shmlimit.acquire.drivers import Step, drive, drive_async
 from shmlimit.adapt import Adapt, per_rate
 from shmlimit.config import validate_reconfigure, validate_timeout
 from shmlimit.errors import KeyTableFullError, UnsupportedError
@@ -327,7 +327,7 @@ class MultiKeyedLimiter(RateGroup, Keyed):
 
 
 class _Tries:
-    """A keyed acquire of several rates as the drivers run it (``acquire.single.Steps``): a try on
+    """A keyed acquire of several rates as the drivers run it (``acquire.drivers.Steps``): a try on
     every rate, then, while one is short, a nap holding nothing of the longest wait a peek found."""
 
     wake_ns: Optional[int] = None
