@@ -196,6 +196,53 @@ def test_acquire_async_and_throttle(R, redis_server, name, monkeypatch):
 
 
 @pytest.mark.backend_independent
+def test_a_cancelled_acquire_async_ends_its_steps_and_leaves_the_limiter_usable(
+    R, redis_server, name, monkeypatch
+):
+    """A cancellation while acquire_async naps for its reservation propagates at once, closes
+    the steps (the driver's end), and the loop's connection serves the next call."""
+    steps = {"closed": 0}
+    acquire_steps = R._GcraClient._acquire_steps
+
+    def counted_steps(self, *a, **kw):
+        try:
+            return (yield from acquire_steps(self, *a, **kw))
+        except GeneratorExit:
+            steps["closed"] += 1
+            raise
+
+    async def main():
+        napping = asyncio.Event()
+
+        async def loop_sleep(s):  # a nap that never ends by itself
+            napping.set()
+            await asyncio.Event().wait()
+
+        monkeypatch.setattr(
+            R,
+            "asyncio",
+            types.SimpleNamespace(sleep=loop_sleep, get_running_loop=asyncio.get_running_loop),
+        )
+        assert await lim.acquire_async()  # the burst: granted without a nap
+        task = asyncio.ensure_future(lim.acquire_async())
+        await asyncio.wait_for(napping.wait(), 10)  # its slot reserved, napping until it is due
+        task.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await task
+        # the reservation stays counted (as an unused one): the next slot is two intervals away
+        return await lim.call_async(R.MODE_PEEK, 1)
+
+    monkeypatch.setattr(R._GcraClient, "_acquire_steps", counted_steps)
+    lim = R.RedisLimiter(name, rate=1, per=100, burst=1, url=redis_server.url)
+    _, wait, _, _ = asyncio.run(main())
+    assert steps["closed"] == 1
+    assert 100e9 < wait <= 200e9
+    s = lim.stats()  # (one more round trip; a NOSCRIPT recovery counts two more)
+    assert s.grants == 2 and s.round_trips - 2 * s.script_loads == 4 and s.errors == 0
+    lim.close()
+
+
+@pytest.mark.backend_independent
 def test_script_flush_mid_run_is_survived(R, redis_server, name):
     lim = R.RedisLimiter(name, rate=1000, burst=10, url=redis_server.url)
     for _ in range(5):

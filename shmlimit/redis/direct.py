@@ -44,6 +44,7 @@ import time
 from dataclasses import dataclass
 from typing import Any, Dict, Generator, Optional, Tuple
 
+from shmlimit.acquire.drivers import drive, drive_async
 from shmlimit.config import NS_PER_S, Config, validate_n, validate_timeout
 from shmlimit.errors import RedisDataError, RedisUnavailableError, UnsupportedError
 from shmlimit.redis import urls
@@ -164,34 +165,70 @@ class RedisStats(ClientStats):
 
 
 # ---------------------------------------------------------------------------------
-# the limiter: steps that never block, driven by a sync and an async loop
+# the limiter: steps that never block, run by every kind's drivers (``acquire.drivers``)
 
-#: What a step asks its driver to do: run the script, load the script, or sleep; or the steps are done.
-_EVAL, _LOAD, _SLEEP, _DONE = "eval", "load", "sleep", object()
-Step = Generator[Tuple[Any, ...], Any, Any]
-
-
-def _resume(
-    steps: Step, value: Any = None, error: Optional[BaseException] = None
-) -> Tuple[Any, ...]:
-    """Run ``steps`` on to what it asks next, given the last answer (or error): an op or (_DONE, result)."""
-    try:
-        return steps.throw(error) if error is not None else steps.send(value)
-    except StopIteration as done:
-        return (_DONE, done.value)
+#: Steps that yield a nap (seconds) or a round trip (``(key, args)``: the script's ``EVALSHA``
+#: on ``key``; a None key: ``SCRIPT LOAD``), and return the call's value.
+Gen = Generator[Any, Any, Any]
 
 
-def _outcome(do: Any, op: Tuple[Any, ...]) -> Tuple[Any, Optional[BaseException]]:
-    """``(answer, None)`` of a sync op, or ``(None, the error)`` for the steps to classify or let through."""
-    try:
-        return do(op), None
-    except Exception as e:
-        return None, e
+class _Call:
+    """A Redis call's steps (``_GcraClient._script`` and those built on it) as the drivers run
+    them (``acquire.drivers.Steps``): ``nap`` (``nap_async``: on this event loop's own client)
+    makes the round trip a step names, keeping the answer, or the error for the steps to
+    classify or let through, for ``next`` to send in.  ``value``: what the steps returned."""
+
+    __slots__ = ("owner", "steps", "aclient", "answer", "error", "value")
+    wake_ns = None
+    clock = staticmethod(time.monotonic_ns)
+
+    def __init__(self, owner: "_GcraClient", steps: Gen, aio: bool = False) -> None:
+        owner._open()
+        self.owner, self.steps, self.aclient = owner, steps, owner._aclient() if aio else None
+        self.answer: Any = None
+        self.error: Optional[Exception] = None
+        self.value: Any = None
+
+    def next(self) -> Any:
+        answer, error, self.answer, self.error = self.answer, self.error, None, None
+        try:
+            return self.steps.throw(error) if error is not None else self.steps.send(answer)
+        except StopIteration as done:
+            self.value = done.value
+            return True
+
+    begin = next
+
+    def nap(self, step: Any) -> None:
+        if step.__class__ is not tuple:
+            return time.sleep(step)
+        try:
+            self.answer = self.owner._do(*step)
+        except Exception as e:
+            self.error = e
+
+    async def nap_async(self, step: Any) -> None:
+        if step.__class__ is not tuple:
+            return await asyncio.sleep(step)
+        key, args = step
+        c = self.aclient
+        try:
+            self.answer = await (
+                c.script_load(LUA) if key is None else c.evalsha(LUA_SHA, 1, key, *args)
+            )
+        except Exception as e:
+            self.error = e
+
+    def end(self) -> None:
+        self.steps.close()
+
+    def wait_native(self) -> None:
+        return None
 
 
 class _GcraClient:
     """What ``RedisLimiter`` and ``RedisKeyedLimiter`` share: the validated configuration, the
-    connections, the identity, and the script's steps with their sync and async drivers."""
+    connections, the identity, and the script's steps, run by every kind's drivers."""
 
     def __init__(
         self,
@@ -238,8 +275,7 @@ class _GcraClient:
         self._own_client = client is None
         self._closed = False
         self._client = client if client is not None else connect(self._url, self._secrets, t)
-        self._sha = LUA_SHA
-        #: the script call on one connection of its own (``_eval_pinned``): set for the hierarchical
+        #: the script call on one connection of its own (``_pinned_call``): set for the hierarchical
         #: filler's limiter, which one thread uses
         self._pinned = False
         self._conn: Any = None
@@ -352,7 +388,7 @@ class _GcraClient:
             (type(self), tuple(self._secrets.items()), (self._name, c.rate, c.per, c.burst), kw),
         )
 
-    # -- the script: one step core, two drivers ------------------------------------------
+    # -- the script: steps, and the round trips they name ---------------------------------
 
     def _args(
         self, mode: int, n: int, max_wait_ns: Optional[int], least: int = 1
@@ -377,7 +413,7 @@ class _GcraClient:
         max_wait_ns: Optional[int] = None,
         least: int = 1,
         key: Optional[str] = None,
-    ) -> Step:
+    ) -> Gen:
         """Steps of one script call; returns ``(ops granted, wait_ns, backlog_ns, dry_ns)``.
 
         A NOSCRIPT answer (the scripts were flushed, or a failover or slot
@@ -389,12 +425,12 @@ class _GcraClient:
         trips = 1
         try:
             try:
-                r = yield (_EVAL, key, args)
+                r = yield (key, args)
             except _rx.NoScriptError:
                 trips += 2
                 self._count(script_loads=1)
-                yield (_LOAD,)
-                r = yield (_EVAL, key, args)
+                yield (None, ())
+                r = yield (key, args)
             granted, wait, backlog, dry = int(r[0]), int(r[1]), int(r[2]), int(r[3])
         except _REDIS_ERRORS as e:
             self._count(round_trips=trips, errors=1)
@@ -407,22 +443,25 @@ class _GcraClient:
         self._count(round_trips=trips)
         return granted, wait, backlog, dry
 
-    def _run(self, steps: Step) -> Any:
-        """The sync driver: run ``steps`` to completion on this thread's connection."""
-        self._open()
-        op = _resume(steps)
-        while op[0] is not _DONE:
-            op = _resume(steps, *_outcome(self._do, op))
-        return op[1]
+    def _drive(self, steps: Gen) -> Any:
+        """Run ``steps`` to their value in this thread, on its connection."""
+        call = _Call(self, steps)
+        drive(call)
+        return call.value
 
-    def _do(self, op: Tuple[Any, ...]) -> Any:
-        if op[0] == _EVAL:
-            if self._pinned:
-                return self._pinned_call(op[1], op[2])
-            return self._client.evalsha(self._sha, 1, op[1], *op[2])
-        if op[0] == _LOAD:
-            return self._pinned_call(None, ()) if self._pinned else self._client.script_load(LUA)
-        return time.sleep(op[1])
+    async def _drive_async(self, steps: Gen) -> Any:
+        """Run ``steps`` to their value on this event loop, on its own connection."""
+        call = _Call(self, steps, aio=True)
+        await drive_async(call)
+        return call.value
+
+    def _do(self, key: Optional[str], args: Tuple[Any, ...]) -> Any:
+        """One round trip: the script on ``key`` with ``args`` (a None key: load it)."""
+        if self._pinned:
+            return self._pinned_call(key, args)
+        if key is None:
+            return self._client.script_load(LUA)
+        return self._client.evalsha(LUA_SHA, 1, key, *args)
 
     def _pinned_call(self, key: Optional[str], args: Tuple[Any, ...]) -> Any:
         """``EVALSHA`` of the script on ``key`` with ``args`` (``SCRIPT LOAD`` of it for a None
@@ -449,14 +488,14 @@ class _GcraClient:
                 pool = getattr(self._client, "connection_pool", None)
                 if pool is None:
                     self._pinned = False
-                    return self._do((_EVAL, key, args) if key is not None else (_LOAD,))
+                    return self._do(key, args)
                 conn = self._conn = pool.get_connection()
                 self._packed = (None, None)
             last, packed = self._packed
             if key is None:
                 packed = conn.pack_command("SCRIPT", "LOAD", LUA)
             elif last != (key, args):
-                packed = conn.pack_command("EVALSHA", self._sha, 1, key, *args)
+                packed = conn.pack_command("EVALSHA", LUA_SHA, 1, key, *args)
                 self._packed = ((key, args), packed)
             try:
                 conn.send_packed_command(packed, check_health=False)
@@ -484,25 +523,6 @@ class _GcraClient:
             self._client.connection_pool.release(conn)
         except Exception:  # pragma: no cover - a pool already closed, or after a fork
             conn.disconnect()
-
-    async def _run_async(self, steps: Step) -> Any:
-        """The async driver: the same steps on this event loop's own connection."""
-        self._open()
-        client = self._aclient()
-        op = _resume(steps)
-        while op[0] is not _DONE:
-            try:
-                if op[0] == _EVAL:
-                    value = await client.evalsha(self._sha, 1, op[1], *op[2])
-                else:
-                    value = await (
-                        client.script_load(LUA) if op[0] == _LOAD else asyncio.sleep(op[1])
-                    )
-            except Exception as e:  # handed to the steps, which classify it or let it through
-                op = _resume(steps, None, e)
-            else:
-                op = _resume(steps, value)
-        return op[1]
 
     def _aclient(self) -> Any:
         loop = asyncio.get_running_loop()
@@ -532,7 +552,7 @@ class _GcraClient:
         ]
         return min(bounds) if bounds else None
 
-    def _reserve_steps(self, n: int, max_wait: Optional[float], key: Optional[str] = None) -> Step:
+    def _reserve_steps(self, n: int, max_wait: Optional[float], key: Optional[str] = None) -> Gen:
         validate_n(n, 1)
         bound = self._bound(n, validate_timeout(max_wait, "max_wait"))
         granted, wait, _, _ = yield from self._script(MODE_RESERVE, n, bound, key=key)
@@ -542,7 +562,7 @@ class _GcraClient:
         self._count(grants=n)
         return wait / NS_PER_S
 
-    def _acquire_steps(self, n: int, timeout: Optional[float], key: Optional[str] = None) -> Step:
+    def _acquire_steps(self, n: int, timeout: Optional[float], key: Optional[str] = None) -> Gen:
         """Steps of ``acquire``: reserve, sleep until due, void a slot woken too late, back off."""
         validate_n(n, 1)
         timeout = validate_timeout(timeout)
@@ -557,7 +577,7 @@ class _GcraClient:
                 self._count(grants=n)
                 due = received + wait / NS_PER_S
                 if wait:
-                    yield (_SLEEP, wait / NS_PER_S)
+                    yield wait / NS_PER_S
                 if self._grace is None or time.monotonic() - due <= self._grace:
                     return True
                 self._count(expired=1)  # woke too late: the slot is void, ask for a new one
@@ -566,7 +586,7 @@ class _GcraClient:
             nap = self._backoff(wait, left)
             if nap is None:
                 return False
-            yield (_SLEEP, nap)
+            yield nap
 
     def _backoff(self, wait_ns: int, left: Optional[float]) -> Optional[float]:
         """After a refusal: None when the caller's own limit refused it, else how long to back off.
@@ -632,7 +652,7 @@ class RedisLimiter(_GcraClient):
     @classmethod
     def from_spec(cls, spec: UpstreamSpec) -> "RedisLimiter":
         """The global limiter of a hierarchical limiter, with the secrets its configuring process gave;
-        for one thread (the filler's): its script calls keep one connection (``_eval_pinned``)."""
+        for one thread (the filler's): its script calls keep one connection (``_pinned_call``)."""
         lim = _connected(
             cls,
             spec.secrets,
@@ -655,13 +675,13 @@ class RedisLimiter(_GcraClient):
 
         Raises ``RedisUnavailableError`` or ``RedisDataError``.
         """
-        return self._run(self._script(mode, n, max_wait_ns, least))
+        return self._drive(self._script(mode, n, max_wait_ns, least))
 
     async def call_async(
         self, mode: int, n: int, max_wait_ns: Optional[int] = None, least: int = 1
     ) -> Tuple[int, int, int, int]:
         """``call`` on this event loop's own connection."""
-        return await self._run_async(self._script(mode, n, max_wait_ns, least))
+        return await self._drive_async(self._script(mode, n, max_wait_ns, least))
 
     # -- acquiring ---------------------------------------------------------------------
 
@@ -672,7 +692,7 @@ class RedisLimiter(_GcraClient):
         (seconds) or ``max_reserved``.  A reservation is counted whether or
         not the caller uses it.
         """
-        return self._run(self._reserve_steps(n, max_wait))
+        return self._drive(self._reserve_steps(n, max_wait))
 
     def try_acquire(self, n: int = 1) -> bool:
         """Take ``n`` ops only if they are available now (one round trip).  False takes nothing."""
@@ -706,11 +726,11 @@ class RedisLimiter(_GcraClient):
         Raises ``RedisUnavailableError`` when Redis cannot be reached in time,
         ``RedisDataError`` when it answers with an error.
         """
-        return self._run(self._acquire_steps(n, timeout))
+        return self._drive(self._acquire_steps(n, timeout))
 
     async def acquire_async(self, n: int = 1, timeout: Optional[float] = None) -> bool:
         """``acquire`` for asyncio (its own connection per event loop; never blocks the loop)."""
-        return await self._run_async(self._acquire_steps(n, timeout))
+        return await self._drive_async(self._acquire_steps(n, timeout))
 
     async def __aenter__(self) -> "RedisLimiter":
         await self.acquire_async()

@@ -69,7 +69,7 @@ class RedisKeyedLimiter(_GcraClient, Keyed):
 
     def reserve(self, key: object, n: int = 1, max_wait: Optional[float] = None) -> Optional[float]:
         """Reserve ``key``'s next slot for ``n`` ops; seconds until it is due, or None (nothing taken)."""
-        return self._run(self._reserve_steps(n, max_wait, key=self.redis_key(key)))
+        return self._drive(self._reserve_steps(n, max_wait, key=self.redis_key(key)))
 
     def try_acquire(self, key: object, n: int = 1) -> bool:
         """Take ``n`` ops of ``key`` only if they are available now (one round trip)."""
@@ -77,16 +77,16 @@ class RedisKeyedLimiter(_GcraClient, Keyed):
 
     def acquire(self, key: object, n: int = 1, timeout: Optional[float] = None) -> bool:
         """Take ``n`` ops of ``key``, sleeping until due; False (nothing taken) past ``timeout`` seconds."""
-        return self._run(self._acquire_steps(n, timeout, key=self.redis_key(key)))
+        return self._drive(self._acquire_steps(n, timeout, key=self.redis_key(key)))
 
     async def acquire_async(self, key: object, n: int = 1, timeout: Optional[float] = None) -> bool:
         """``acquire`` for asyncio (its own connection per event loop)."""
-        return await self._run_async(self._acquire_steps(n, timeout, key=self.redis_key(key)))
+        return await self._drive_async(self._acquire_steps(n, timeout, key=self.redis_key(key)))
 
     def retry_after(self, key: object, n: int = 1) -> float:
         """Seconds until ``n`` ops of ``key`` could be granted (0.0: now).  One round trip, writes nothing."""
         validate_n(n, 1)
-        return self._run(self._script(MODE_PEEK, n, key=self.redis_key(key)))[1] / NS_PER_S
+        return self._drive(self._script(MODE_PEEK, n, key=self.redis_key(key)))[1] / NS_PER_S
 
     def stats(self) -> ClientStats:
         """Each key's configuration and this client's counters (no round trip: per key, the
