@@ -416,6 +416,24 @@ def test_a_reservation_over_several_rates_holds_each_rate_to_its_promise(name, c
     behind.end()
 
 
+def test_reservations_over_several_rates_are_promised_no_stop_late(name, clock, cleanup):
+    """A reservation over several rates is promised when the head gets there on each rate: its
+    claims' waiters' records are freed (the reservation made) before the promise is computed.
+    Computed while they were held, each counted as a stop on the way (``count_stops``: half the
+    capacity, 250 ms here): the second of two reservations of 100 ops at 1 000/s was promised
+    0.35 s after the first, and its fences held the head that long behind it."""
+    lim = make(name, {"a": (1000, 500), "b": (1000, 500)}, clock)
+    cleanup.append(lim)
+    assert lim.reserve(a=500, b=500) == 0.0  # both full buckets
+    first = lim.reserve(a=100, b=100)
+    second = lim.reserve(a=100, b=100)
+    assert second - first == pytest.approx(0.1, abs=1e-6)  # 100 ops later, at 1 000/s
+    for att in lim._live():
+        b = att.bucket
+        assert b.promised_ns(b.taken()) - clock.now == pytest.approx(second * 1e9, abs=1e3)
+        assert not any(att.cells.load(off) for off in b._record_lens())  # every record free
+
+
 class _ReplenishAtFirstHeadCas:
     """A bucket's cells whose first CAS of the head finds a replenish landed first: ``gain``
     tokens are added to the head just before it (everything else goes to the real cells)."""
