@@ -196,3 +196,56 @@ def test_a_fence_whose_ticket_was_not_taken_is_freed_before_the_next_try(name, c
         del b.promised_ns
     assert raced and len(in_force) == 2, "the race did not happen as staged"
     assert in_force[1] == [], f"a fence for a ticket never taken still in force: {in_force[1]}"
+
+
+def _held_until_the_slot(lim, b, clock, promise, n, room):
+    """Replenished every ms up to 0.1 ms before the slot ``promise`` (ns) of ``n`` ops, the bucket
+    holds ``room`` ops behind it, and no more: a caller then takes them all and not one more.  With
+    the slot that is ``C`` ops in 0.1 ms, at the bound (``rate*T + C``): one op more banked before
+    the slot, by a refund or by the time since it, is an over-grant."""
+    while clock.now + MS < promise - MS // 10:
+        clock.advance(MS)
+        b.replenish()
+    clock.advance(promise - MS // 10 - clock.now)
+    b.replenish()
+    assert _balance(b) == room * b.cost, f"{_balance(b) / b.cost:g} ops banked, {room} expected"
+    assert room == 0 or lim.try_acquire(room)
+    assert not lim.try_acquire(1)
+    check_windows([(clock.now, room), (promise, n)], b.tpn, b.cost, b.cap)
+    with pytest.raises(AssertionError):
+        check_windows([(clock.now, room + 1), (promise, n)], b.tpn, b.cost, b.cap)
+
+
+def test_a_charge_ahead_of_a_reservation_refunded_banks_no_more_than_its_room(name, cleanup):
+    """A charge queued ahead of a reservation and refunded before its slot: the slot was promised
+    behind the debt (400 ops at 1 000/s: 0.41 s away), and the bucket can hold no more than the
+    reservation's room (``C - n``: 40 ops) behind it until then; the time from the refund to the
+    slot beyond that adds nothing.  Inherent to a slot fixed at its promise under
+    ``rate*T + C``: banked, one op more is taken just before the slot, with the slot's ops."""
+    clock = FakeClock()
+    lim = shmlimit.Limiter(name, rates=[(1000, 50)], clock=clock)
+    cleanup.append(lim)
+    b = lim._live()[0].bucket
+    assert lim.reserve(50) == 0.0  # the full bucket, used now
+    lim.settle(400)
+    promise = clock.now + round(lim.reserve(10) * 1e9)
+    assert promise - clock.now >= 410 * MS
+    lim.settle(-400)  # the debt ahead given back: the slot stays where it was promised
+    _held_until_the_slot(lim, b, clock, promise, 10, 40)
+
+
+def test_a_reservations_unused_part_refunded_banks_no_more_than_the_next_slots_room(name, cleanup):
+    """A reservation's unused part refunded before the next reservation's slot: that slot (50 ops,
+    the whole capacity) leaves no room behind it until its promise, so the refund (30 ops) and the
+    time it saved are dropped there, as tokens beyond the capacity of any token bucket; a caller
+    behind is served from the slot on, at the rate.  Banked, one op is taken just before the slot,
+    with its 50."""
+    clock = FakeClock()
+    lim = shmlimit.Limiter(name, rates=[(1000, 50)], clock=clock)
+    cleanup.append(lim)
+    b = lim._live()[0].bucket
+    assert lim.reserve(50) == 0.0  # used now: 20 of the 50
+    promise = clock.now + round(lim.reserve(50) * 1e9)
+    assert promise - clock.now >= 50 * MS
+    lim.settle(-30)  # the unused 30, before the next slot
+    _held_until_the_slot(lim, b, clock, promise, 50, 0)
