@@ -249,3 +249,30 @@ def test_a_reservations_unused_part_refunded_banks_no_more_than_the_next_slots_r
     assert promise - clock.now >= 50 * MS
     lim.settle(-30)  # the unused 30, before the next slot
     _held_until_the_slot(lim, b, clock, promise, 50, 0)
+
+
+def test_a_charge_never_moves_a_fence_over_another_reservations_range(name, cleanup):
+    """A charge moves only the fences whose LIMIT its debt starts at or before.  It moved one
+    before its debt too, over the ranges no record tells up to the first waiter's: another
+    reservation's range among them, which is granted at its own promise.  At 10/s with a capacity
+    of 4: a 6-op slot's fence (at its ticket) moved over the 3-op slot behind it, so the head
+    covered that slot as the fence lifted, and the 1-op waiter behind it was granted 100 ms after
+    the 6-op slot and 200 ms before the 3-op one: 10 ops in 300 ms (the refund model's find)."""
+    clock = FakeClock()
+    lim = shmlimit.Limiter(name, rates=[(10, 4)], clock=clock)
+    cleanup.append(lim)
+    att = lim._live()[0]
+    b = att.bucket
+    grants = []
+    for n in (6, 3):  # the 6-op slot needs 2 ops more than the full bucket: queued, fenced
+        grants.append((clock.now + round(lim.reserve(n) * 1e9), n))
+    w = Request(att, 1, None)
+    assert w.begin() is not True  # a waiter behind both, recorded
+    lim.settle(4)  # debt behind the waiter: no fence's room holds it
+    while not b.covered(w.ticket):
+        clock.advance(MS)
+        b.replenish()
+    assert w.next() is True
+    w.end()
+    grants.append((clock.now, 1))
+    check_windows(grants, b.tpn, b.cost, 6 * b.cost)  # rate*T + max(C, the largest request)

@@ -47,7 +47,19 @@ class ReservingModel(MultiRateModel):
 
     @rule(data=st.data(), delta=st.integers(min_value=-12, max_value=8).filter(bool))
     def settle(self, data, delta):
+        self._settle(data.draw(st.sampled_from(self.keys)), delta)
+
+    @precondition(lambda self: len(self.pending) < 3)
+    @rule(data=st.data(), debt=st.integers(min_value=1, max_value=30), big=st.booleans())
+    def charge_reserve_refund(self, data, debt, big):
+        """A charge queued ahead of a reservation, refunded before its slot: the slot stays where the
+        debt put it, and the refund is kept up to the room of the fences it lands before."""
         k = data.draw(st.sampled_from(self.keys))
+        self._settle(k, debt)
+        self.reserve(data, big)
+        self._settle(k, -debt)
+
+    def _settle(self, k, delta):
         att = self.atts[k]
         b, c = att.bucket, att.cells
         b.replenish()  # (a claim now: a fence whose promise has passed lifted, as the refund would)
