@@ -276,3 +276,22 @@ def test_a_charge_never_moves_a_fence_over_another_reservations_range(name, clea
     w.end()
     grants.append((clock.now, 1))
     check_windows(grants, b.tpn, b.cost, 6 * b.cost)  # rate*T + max(C, the largest request)
+
+
+def test_a_charge_moves_a_fence_over_a_range_given_back_before_its_debt(name, cleanup):
+    """A fence before a charge's debt moves past it over ranges no one is granted (a waiter's range
+    given back), so the charge's refund still lands whole: the rovers end where they were."""
+    clock = FakeClock()
+    lim = shmlimit.Limiter(name, rates=[(1000, 500)], clock=clock)
+    cleanup.append(lim)
+    att = lim._live()[0]
+    b = att.bucket
+    clock.advance(200 * MS)
+    assert lim.reserve(600) > 0  # 100 ops short, fenced at its ticket: no room behind it
+    w = Request(att, 5, None)
+    assert w.begin() is not True
+    w.end()  # the waiter leaves: its range given back, between the fence and the debt
+    before = _balance(b)
+    lim.settle(150)
+    lim.settle(-150)  # 50 ops past the fence's LIMIT, the room the debt moved it by
+    assert _balance(b) == before, f"{(before - _balance(b)) / b.cost:g} ops of the refund lost"

@@ -592,8 +592,9 @@ class Bucket(Schedule):
 
     def charge(self, tokens: int, grants: int, ops: int) -> None:
         """Queue ``tokens`` no one waits for (``settle``'s charge: debt later callers wait for),
-        ``ops`` counted in ``grants`` at once if covered; then the reservation fences whose LIMIT
-        the debt starts at or before move on past it (``Schedule.over_debt``): it grants no one.  The part the head
+        ``ops`` counted in ``grants`` at once if covered; then the reservation fences before the
+        debt move on past it where nothing granted lies between (``Schedule.over_debt``): it
+        grants no one.  The part the head
         already covered is a grant, and counts as any.  A charge killed before its fences move
         leaves them where they were: time lost, never a grant."""
         ticket = self.grab(tokens, grants, ops)

@@ -15,6 +15,9 @@ from shmlimit.shm import layout as L
 from shmlimit.shm.banks import Snapshot
 from shmlimit.shm.cells import MASK64, Cells
 from shmlimit.shm.words import (
+    REC_BUSY,
+    REC_GIVEN,
+    SPAN_MAX,
     behind,
     clamp_limit,
     diff,
@@ -57,6 +60,20 @@ def count_stops(c: Cells, lens: Tuple[int, ...], head: int, ticket: int, cap: in
         if 2 * n >= cap and 0 < diff(e, head) < span:
             big.add(e)
     return len(starts - ends) + len(big)
+
+
+def first_granted(granting: List[Tuple[Optional[int], int]], after: int, tail: int) -> int:
+    """The first rover past ``after`` the head may not pass before a reservation's promise: the
+    start of the first of the ``granting`` ranges (``Schedule.granting``) that ends past it
+    (``after`` itself if one straddles it or its start is not known), else ``tail``."""
+    stop = tail
+    for start, end in granting:
+        if diff(end, after) <= 0:
+            continue
+        if start is None or diff(start, after) <= 0:
+            return after
+        stop = behind(stop, start)
+    return stop
 
 
 class Schedule:
@@ -121,28 +138,65 @@ class Schedule:
         the grants behind it before the promise, and the slots promised behind it count from its
         LIMIT.  Debt is no grant, and counted there it would hold the head at the LIMIT with the
         debt still in the way (once a refund, or the clock, brought it there early), and push
-        every slot behind it back: time lost.  Only a LIMIT at or past ``start`` moves (by all of
-        the debt: the room then holds it, its grants unchanged).  One before ``start`` stays: what
-        lies between them may be another reservation's range, which no record tells and which is
-        granted at its own promise; moved over it, the head covered that range as the fence
-        lifted and reached the callers behind it that much early (10/s, capacity 4: a 6-op slot,
-        the 1-op waiter behind a 3-op slot 100 ms after it, then that slot: 10 ops in 300 ms).
-        A LIMIT before the debt holds the head short of it until its promise: a refund of that
-        debt is kept up to the fence's room only.  Only a fence whose ticket is before ``start``
-        may move: with ``start`` at most ``C`` (with catch-up's room) past its LIMIT; one stored
-        since for a ticket after the debt is at least ``debt + C`` past it (its ``C`` then in
-        force: a smaller one, after a ``set_rate``, that passes this test is left a room of at
-        most the current ``C - n``)."""
+        every slot behind it back: time lost.  Moved by the debt, a fence counts what it counted
+        before, for any ticket behind the debt.  A LIMIT at or past ``start`` moves by all of it
+        (the room then holds the debt, its grants unchanged); one before it only over ranges the
+        head grants no one by reaching them: up to the first recorded range ending past it, or the
+        tail (``first_granted``: a waiter's), and not at all while another fence in force has its
+        LIMIT past this one's.  That one's reservation may lie between (its range ends at its
+        ticket, at or before its LIMIT, and no record tells it), granted at its own promise: moved
+        over it, the head covered it as this fence lifted, and reached the callers behind it that
+        much early (10/s, capacity 4: a 6-op slot, the 1-op waiter behind a 3-op slot 100 ms after
+        it, then that slot: 10 ops in 300 ms).  Every reservation behind this one's LIMIT has a
+        fence in force while this one is (stored before its ticket's CAS, its promise counting
+        this fence).  Only a fence whose ticket is before ``start`` may move: with ``start`` at
+        most ``C`` (with catch-up's room) past its LIMIT; one stored since for a ticket after the
+        debt is at least ``debt + C`` past it (its ``C`` then in force: a smaller one, after a
+        ``set_rate``, that passes this test is left a room of at most the current ``C - n``)."""
         c = self.cells
         ts = c.load(L.REPL_TS)
         now = max(ts, self.clock())
         room = self.snap.cap + self.snap.burst_pool
+        held = [
+            (rec, limit)
+            for rec, limit, due in self.fences.held(ts, now, self.snap.tpn, c.load(L.HEAD))
+            if due > now
+        ]
+        granting: Optional[List[Tuple[Optional[int], int]]] = None
         moves = []
-        for rec, limit, due in self.fences.held(ts, now, self.snap.tpn, c.load(L.HEAD)):
-            if due <= now or not 0 <= diff(limit, start) <= room:
+        for rec, limit in held:
+            if diff(limit, start) > room:
                 continue
-            moves.append((rec, limit, (limit + debt) & MASK64))
+            new = (limit + debt) & MASK64
+            if diff(limit, start) < 0:
+                if any(diff(other, limit) > 0 for _, other in held):
+                    continue  # another reservation's range may lie between
+                granting = self.granting(tail) if granting is None else granting
+                new = behind(new, first_granted(granting, limit, tail))
+            if diff(new, limit) > 0:
+                moves.append((rec, limit, new))
         return moves
+
+    def granting(self, tail: int) -> List[Tuple[Optional[int], int]]:
+        """The recorded ranges the head grants by reaching them, up to ``tail``: ``(start, end)``,
+        ``start`` None where it is not known (being written, changed under the read, corrupt).
+        The tail is read before the records: every ticket up to it holds its record's TICKET word
+        (stored before the grab's CAS).  One ``load_many`` of the lengths, one load per record in
+        use."""
+        c = self.cells
+        lens = self._record_lens()
+        out: List[Tuple[Optional[int], int]] = []
+        for len_off, v in zip(lens, c.load_many(lens)):
+            if v == 0:
+                continue
+            end = c.load(len_off - 8)
+            if diff(end, tail) > 0:
+                continue
+            if v & REC_BUSY or c.load(len_off) != v or not 0 < (v & ~REC_GIVEN) <= SPAN_MAX:
+                out.append((None, end))
+            elif not v & REC_GIVEN:  # (given back: no one is granted it)
+                out.append(((end - v) & MASK64, end))
+        return out
 
     def covered(self, ticket: int) -> bool:
         """True once the head has reached ``ticket``: its grab may proceed."""
