@@ -18,7 +18,7 @@ from support.cells import BACKENDS, backend, cells, cells_for, opened, segment  
 from support.procs import run_processes
 
 import shmlimit
-from shmlimit.shm.cells import MASK64, open_cells
+from shmlimit.shm.cells import MASK64, native_available, open_cells
 from shmlimit.shm.composites import Gate
 
 SEQ, TAIL, HEAD, CEIL, TS, GRANTS = 8, 64, 128, 192, 256, 320
@@ -90,6 +90,35 @@ def test_pending_counts_tpn_and_the_catch_up_ratio(cells):
         # 90 % of the least pending: undecided -- and refused, were tpn or mul left out
         g = make_gate(cells, amount=9 * 10**5 * tpn * mul, tpn=tpn, pend_mul=mul)
         assert g.try_grab() is None
+
+
+def test_a_refusal_is_judged_at_the_reading_passed(cells):
+    """``now_ns`` (an injected clock's reading) stands for the clock: 10 tokens short with TS at
+    T are certain at T + 9 ns (tpn 1) and undecided at T + 10 ns, whatever the real clock says."""
+    t = now_ns() + 10**15  # far from the real clock: it must not be read
+    g = make_gate(cells)
+    cells.store(HEAD, 0)
+    cells.store(TS, t)
+    before = state(cells)
+    assert g.try_grab(t + 9) is False and g.grab_within(0, t + 9) is False
+    assert g.try_grab(t + 10) is None and g.grab_within(0, t + 10) is None
+    assert g.try_grab(t - 10**9) is False  # a reading before TS: nothing is pending
+    assert state(cells) == before
+    cells.store(TS, now_ns() - 10**9)  # None, as no reading: the real clock, a second pending
+    assert g.try_grab(None) is None and g.grab_within(0, None) is None
+    assert g.try_grab(cells.load(TS) + 9) is False
+
+
+@pytest.mark.parametrize("bad", [0, -1, 1 << 64, 1.5, "1", True])
+def test_a_bad_reading_is_refused_naming_now_ns(cells, bad):
+    g = make_gate(cells)
+    cells.store(HEAD, 0)
+    before = state(cells)
+    with pytest.raises(ValueError, match="now_ns"):
+        g.try_grab(bad)
+    with pytest.raises(ValueError, match="now_ns"):
+        g.grab_within(0, bad)
+    assert state(cells) == before
 
 
 def test_config_change_makes_every_answer_undecided(cells):
@@ -225,7 +254,22 @@ def test_a_certain_refusal_is_never_one_a_replenish_could_grant(
             clock=lambda: clock[0],
         )
         before = state(c)
+        # every backend's gate, bound to the same words, judges at the reading now_ns as the
+        # reference does on its clock: the same answer, the same words left
+        twins = []
+        for kind in [b for b in BACKENDS if b != "native" or native_available()]:
+            mm2 = mmap.mmap(-1, 4096)
+            mm2[:] = mm[:]
+            c2 = cells_for(mm2, 4096, kind)
+            g2 = c2.gate(SEQ, 2, TAIL, HEAD, CEIL, TS, GRANTS, amount, 1, tpn, mul, False, INF)
+            r2 = g2.try_grab(clock[0]) if timeout is None else g2.grab_within(timeout, clock[0])
+            twins.append((kind, r2, state(c2)))
+            c2.close()
         r = g.try_grab() if timeout is None else g.grab_within(timeout)
+        assert all(r2 == r and type(r2) is type(r) and s2 == state(c) for _, r2, s2 in twins), (
+            r,
+            twins,
+        )
         if r is False:
             assert state(c) == before
             assert not slow_path_could_grant(

@@ -92,8 +92,24 @@ def test_one_rate_short_refuses_touching_nothing(cells):
     assert words(cells) == before
 
 
+def test_a_refusal_is_judged_at_the_reading_passed(cells):
+    """``now_ns`` (an injected clock's reading) stands for the clock, on every rate: the second
+    rate's one token short is certain up to 0 ns after its TS, undecided 1 ns later (tpn 1)."""
+    m = setup(cells, 25, 0)
+    ts = cells.load(B[TS])  # far ahead of the real clock: it must not be read
+    before = words(cells)
+    assert m.try_grab(ts) is False and m.try_grab_ops((1, 1), ts) is False
+    assert m.try_grab(ts + 1) is None and m.try_grab_ops({"tokens": 1}, ts + 1) is None
+    assert m.try_grab_ops((1, 0), ts) is True  # the first rate alone has room: granted
+    with pytest.raises(ValueError, match="now_ns"):
+        m.try_grab(0)
+    with pytest.raises(ValueError, match="now_ns"):
+        m.try_grab_ops(1, -1)
+    assert words(cells)[6:] == before[6:]  # the second rate untouched
+
+
 def test_without_decide_a_refusal_is_left_to_the_slow_path(cells):
-    m = setup(cells, 25, 0, decide=False)  # bound for an injected clock: the slow path judges
+    m = setup(cells, 25, 0, decide=False)  # rates on different clocks: the slow path judges
     before = words(cells)
     assert m.try_grab() is None
     assert words(cells) == before

@@ -1584,6 +1584,12 @@ static PyTypeObject FixedWindowsType = {
  * slow path would then refuse too, having only done more work.  That bound only over-estimates
  * (the replenish also clamps to the capacity), so a certain refusal is never a wrong one; an
  * over-estimate merely sends a caller down the slow path.
+ *
+ * "Now" is CLOCK_MONOTONIC, read only when a refusal is weighed; a caller on an injected clock
+ * (an attachment's `clock`, a test's) passes its reading instead as the last argument, now_ns
+ * (>= 1), and the gate decides at that instant, as the slow path would on that clock.  A refusal
+ * replenishes nothing, on either clock: the filler's replenishes follow the real clock, and a caller
+ * on an injected one does the slow path's replenish after a certain refusal (attachment.OnClock).
  */
 typedef struct {
     GRAB_FIELDS /* first: a Gate is bound as a Grabber is */
@@ -1595,18 +1601,42 @@ typedef struct {
                            * reservation's fence may be in force (the slow path counts it: Schedule.wait_ns) */
 } Gate;
 
-/* At most how many tokens a replenish starting now could add (saturating). */
+/* At most how many tokens a replenish starting at `now` (0: the clock, read here) could add
+ * (saturating). */
 static uint64_t
-gate_pending(Gate *g)
+gate_pending(Gate *g, uint64_t now)
 {
     uint64_t ts = __atomic_load_n(g->repl_ts, __ATOMIC_SEQ_CST);
-    uint64_t now = monotonic_ns();
+    if (now == 0)
+        now = monotonic_ns();
     uint64_t p;
     if ((int64_t)(now - ts) <= 0)
         return 0;
     if (__builtin_mul_overflow(now - ts, g->tpn, &p) || __builtin_mul_overflow(p, g->pend_mul, &p))
         return UINT64_MAX;
     return p;
+}
+
+/* The optional last argument now_ns of a gate's call, args[at] if there are `at` + 1 of them: 1
+ * with *now set (0 when absent or None: the caller reads the clock), else 0 with the exception
+ * set.  No work on the real clock's path but the count's comparison. */
+static int
+gate_now(PyObject *const *args, Py_ssize_t n, Py_ssize_t at, const char *name, uint64_t *now)
+{
+    *now = 0;
+    if (n == at || (n == at + 1 && args[at] == Py_None))
+        return 1;
+    if (n != at + 1) {
+        PyErr_Format(PyExc_TypeError, "%s() takes %zd or %zd arguments (%zd given)", name, at, at + 1, n);
+        return 0;
+    }
+    if (!PyLong_CheckExact(args[at]) || !u64(args[at], now) || *now == 0) {
+        PyErr_Clear();
+        PyErr_Format(PyExc_ValueError, "%s: now_ns must be an int from 1 to 2**64 - 1 (a CLOCK_MONOTONIC reading)",
+                     name);
+        return 0;
+    }
+    return 1;
 }
 
 /* Advance the tail from `t` to `want` by CAS; on failure `t` holds the current tail. */
@@ -1617,9 +1647,10 @@ gate_take(Gate *g, uint64_t *t, uint64_t want)
 }
 
 static PyObject *
-gate_try_grab(Gate *self, PyObject *Py_UNUSED(ignored))
+gate_try_grab(Gate *self, PyObject *const *args, Py_ssize_t n)
 {
-    if (!check_open(self->cells))
+    uint64_t now;
+    if (!gate_now(args, n, 0, "try_grab", &now) || !check_open(self->cells))
         return NULL;
     if (__atomic_load_n(self->seq, __ATOMIC_SEQ_CST) != self->expected)
         Py_RETURN_NONE;
@@ -1628,7 +1659,7 @@ gate_try_grab(Gate *self, PyObject *Py_UNUSED(ignored))
         uint64_t want = t + self->amount;
         int64_t short_ = (int64_t)(want - __atomic_load_n(self->head, __ATOMIC_SEQ_CST));
         if (short_ > 0) {
-            if ((uint64_t)short_ > gate_pending(self))
+            if ((uint64_t)short_ > gate_pending(self, now))
                 Py_RETURN_FALSE;
             Py_RETURN_NONE;
         }
@@ -1670,11 +1701,16 @@ wait_exceeds(uint64_t short_, double tpn, double max_wait_ns)
 }
 
 static PyObject *
-gate_grab_within(Gate *self, PyObject *arg)
+gate_grab_within(Gate *self, PyObject *const *args, Py_ssize_t n)
 {
-    if (!check_open(self->cells))
+    uint64_t now;
+    if (n < 1) {
+        PyErr_SetString(PyExc_TypeError, "grab_within() takes 1 or 2 arguments (0 given)");
         return NULL;
-    double timeout = gate_timeout(arg);
+    }
+    if (!gate_now(args, n, 1, "grab_within", &now) || !check_open(self->cells))
+        return NULL;
+    double timeout = gate_timeout(args[0]);
     if (timeout < 0 || __atomic_load_n(self->seq, __ATOMIC_SEQ_CST) != self->expected)
         Py_RETURN_NONE;
     double max_wait_ns = timeout * 1e9;
@@ -1688,7 +1724,7 @@ gate_grab_within(Gate *self, PyObject *arg)
         int64_t short_ = (int64_t)(want - __atomic_load_n(self->head, __ATOMIC_SEQ_CST));
         if (short_ > 0) {
             if (wait_exceeds((uint64_t)short_, tpn, max_wait_ns)) {
-                uint64_t pend = gate_pending(self);
+                uint64_t pend = gate_pending(self, now);
                 if (rec)
                     __atomic_store_n(rec, 0, __ATOMIC_SEQ_CST);
                 if ((uint64_t)short_ > pend && wait_exceeds((uint64_t)short_ - pend, tpn, max_wait_ns))
@@ -1728,10 +1764,11 @@ refuse:
 }
 
 static PyMethodDef gate_methods[] = {
-    {"try_grab", (PyCFunction)gate_try_grab, METH_NOARGS,
-     "try_grab() -> True if granted now, False if refused for certain (nothing touched), None if undecided"},
-    {"grab_within", (PyCFunction)gate_grab_within, METH_O,
-     "grab_within(timeout) -> True if granted now, a ticket if queued within timeout seconds, "
+    {"try_grab", (PyCFunction)(void (*)(void))gate_try_grab, METH_FASTCALL,
+     "try_grab([now_ns]) -> True if granted now, False if refused for certain (nothing touched), None if "
+     "undecided; judged at now_ns if given (an injected clock's reading), else now"},
+    {"grab_within", (PyCFunction)(void (*)(void))gate_grab_within, METH_FASTCALL,
+     "grab_within(timeout[, now_ns]) -> True if granted now, a ticket if queued within timeout seconds, "
      "False if refused for certain (nothing touched), None if undecided"},
     {NULL, NULL, 0, NULL},
 };
@@ -1844,9 +1881,10 @@ multi_give_back(Gate *g, uint64_t cap, uint64_t amount, uint64_t head_then)
     }
 }
 
-/* The try itself: mult[i] ops on rate i (0: the rate is not touched). */
+/* The try itself: mult[i] ops on rate i (0: the rate is not touched), a refusal judged at `now`
+ * (0: the clock, read only then). */
 static PyObject *
-multi_try(MultiGate *self, const uint64_t *mult)
+multi_try(MultiGate *self, const uint64_t *mult, uint64_t now)
 {
     Py_ssize_t n = self->n, i;
     uint64_t amount[MULTI_MAX], head_then[MULTI_MAX];
@@ -1865,7 +1903,7 @@ multi_try(MultiGate *self, const uint64_t *mult)
         int64_t short_ = (int64_t)(t + amount[i] - __atomic_load_n(g->head, __ATOMIC_SEQ_CST));
         if (short_ > 0) {
             short_any = 1;
-            if ((uint64_t)short_ > gate_pending(g))
+            if ((uint64_t)short_ > gate_pending(g, now))
                 certain = 1;
         }
     }
@@ -1899,10 +1937,13 @@ multi_try(MultiGate *self, const uint64_t *mult)
 }
 
 static PyObject *
-multi_try_grab(MultiGate *self, PyObject *Py_UNUSED(ignored))
+multi_try_grab(MultiGate *self, PyObject *const *args, Py_ssize_t n)
 {
     static const uint64_t ones[MULTI_MAX] = {1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1};
-    return multi_try(self, ones);
+    uint64_t now;
+    if (!gate_now(args, n, 0, "try_grab", &now))
+        return NULL;
+    return multi_try(self, ones, now);
 }
 
 /* One count of ops as a multiplier of rate i, or 0 with *ok cleared when the slow path must
@@ -1934,11 +1975,18 @@ multi_ops(MultiGate *self, Py_ssize_t i, PyObject *o, int *ok)
  * nothing, for anything but plain ints >= 0 with one > 0, or a name not a rate's (the slow path
  * raises what it must). */
 static PyObject *
-multi_try_grab_ops(MultiGate *self, PyObject *arg)
+multi_try_grab_ops(MultiGate *self, PyObject *const *args, Py_ssize_t n)
 {
-    uint64_t mult[MULTI_MAX];
+    uint64_t mult[MULTI_MAX], now;
     int ok = 1, any = 0;
     Py_ssize_t i;
+    if (n < 1) {
+        PyErr_SetString(PyExc_TypeError, "try_grab_ops() takes 1 or 2 arguments (0 given)");
+        return NULL;
+    }
+    if (!gate_now(args, n, 1, "try_grab_ops", &now))
+        return NULL;
+    PyObject *arg = args[0];
     if (PyTuple_CheckExact(arg)) {
         if (PyTuple_GET_SIZE(arg) != self->n)
             Py_RETURN_NONE;
@@ -1969,7 +2017,7 @@ multi_try_grab_ops(MultiGate *self, PyObject *arg)
         any |= mult[i] != 0;
     if (!ok || !any)
         Py_RETURN_NONE;
-    return multi_try(self, mult);
+    return multi_try(self, mult, now);
 }
 
 static void
@@ -1981,12 +2029,12 @@ multi_dealloc(MultiGate *self)
 }
 
 static PyMethodDef multi_methods[] = {
-    {"try_grab", (PyCFunction)multi_try_grab, METH_NOARGS,
-     "try_grab() -> one op on every rate: True if granted on all (counted), False if refused for certain "
-     "(nothing touched), None if undecided"},
-    {"try_grab_ops", (PyCFunction)multi_try_grab_ops, METH_O,
-     "try_grab_ops(ops) -> as try_grab, for ops per rate (a tuple, 0 for a rate not taken; a dict by the rates' "
-     "names) or one int for all"},
+    {"try_grab", (PyCFunction)(void (*)(void))multi_try_grab, METH_FASTCALL,
+     "try_grab([now_ns]) -> one op on every rate: True if granted on all (counted), False if refused for certain "
+     "(nothing touched), None if undecided; judged at now_ns if given (an injected clock's reading)"},
+    {"try_grab_ops", (PyCFunction)(void (*)(void))multi_try_grab_ops, METH_FASTCALL,
+     "try_grab_ops(ops[, now_ns]) -> as try_grab, for ops per rate (a tuple, 0 for a rate not taken; a dict by "
+     "the rates' names) or one int for all"},
     {NULL, NULL, 0, NULL},
 };
 

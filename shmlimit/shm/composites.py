@@ -407,6 +407,14 @@ class Grabber:
             self.exit(recorded)
 
 
+def check_now(now_ns: Optional[int]) -> None:
+    """A gate's ``now_ns``: None (the gate's clock), or a CLOCK_MONOTONIC reading >= 1 (ns)."""
+    if now_ns is not None and not (type(now_ns) is int and 1 <= now_ns <= MASK64):
+        raise ValueError(
+            f"now_ns must be an int from 1 to 2**64 - 1 (a CLOCK_MONOTONIC reading), not {now_ns!r}"
+        )
+
+
 class Gate:
     """The fast path of ``try_acquire`` and of a timed ``acquire``, bound to one config.
 
@@ -419,7 +427,9 @@ class Gate:
     A refusal is certain when even every token the next replenish could add
     (the time since ``REPL_TS`` times ``tpn`` times ``pend_mul``, the
     catch-up ratio rounded up) would not change the answer.  That only
-    over-estimates, so a certain refusal is never a wrong one.  With ticket
+    over-estimates, so a certain refusal is never a wrong one.  "Now" is
+    ``clock()``, read only when a refusal is weighed, or the reading ``now_ns``
+    a caller on an injected clock passes (CLOCK_MONOTONIC ns, >= 1).  With ticket
     records (``recs``) ``grab_within`` queues only holding one, else answers
     None; with ``fence_hint`` (FENCE_HINT) it answers None rather than queue
     while a reservation's fence may be in force (the slow path's wait counts
@@ -469,12 +479,14 @@ class Gate:
         #: ``take(amount)``: the tail advanced by ``amount`` while the head covers it (``take``)
         self.take = functools.partial(take, r.w, r.cas, self.i_tail, self.i_head, self.a_tail)
 
-    def pending(self) -> int:
-        """At most how many tokens a replenish starting now could add."""
-        elapsed = self.clock() - self.w[self.i_ts]  # a stale REPL_TS only over-estimates
-        return max(0, elapsed) * self.tpn * self.pend_mul
+    def pending(self, now_ns: Optional[int] = None) -> int:
+        """At most how many tokens a replenish starting at ``now_ns`` (None: now) could add."""
+        now = self.clock() if now_ns is None else now_ns
+        # a stale REPL_TS only over-estimates
+        return max(0, now - self.w[self.i_ts]) * self.tpn * self.pend_mul
 
-    def try_grab(self) -> Optional[bool]:
+    def try_grab(self, now_ns: Optional[int] = None) -> Optional[bool]:
+        check_now(now_ns)
         self.enter()
         try:
             w = self.w
@@ -486,7 +498,7 @@ class Gate:
                 want = (t + self.amount) & MASK64
                 short = signed(want - w[self.i_head])
                 if short > 0:
-                    return False if short > self.pending() else None
+                    return False if short > self.pending(now_ns) else None
                 found = cas(self.a_tail, t, want)
                 if found == t:
                     self.add(self.a_grants, self.ops)
@@ -495,7 +507,8 @@ class Gate:
         finally:
             self.exit()
 
-    def grab_within(self, timeout: object) -> Union[bool, int, None]:
+    def grab_within(self, timeout: object, now_ns: Optional[int] = None) -> Union[bool, int, None]:
+        check_now(now_ns)
         t = plain_seconds(timeout)
         if t is None:
             return None
@@ -515,7 +528,7 @@ class Gate:
                 short = signed(want - w[self.i_head])
                 if short > 0:
                     if short / self.tpn > max_wait_ns:
-                        pend = self.pending()
+                        pend = self.pending(now_ns)
                         return (
                             False
                             if short > pend and (short - pend) / self.tpn > max_wait_ns
@@ -635,15 +648,17 @@ class MultiGate:
         self.names = None if names is None else tuple(names)
         self._ones = (1,) * len(gates)
 
-    def try_grab(self) -> Optional[bool]:
-        """One op on every rate."""
-        return self._try(self._ones)
+    def try_grab(self, now_ns: Optional[int] = None) -> Optional[bool]:
+        """One op on every rate (a refusal judged at ``now_ns``, an injected clock's reading, if given)."""
+        check_now(now_ns)
+        return self._try(self._ones, now_ns)
 
-    def try_grab_ops(self, ops: object) -> Optional[bool]:
+    def try_grab_ops(self, ops: object, now_ns: Optional[int] = None) -> Optional[bool]:
         """``ops`` per rate (a tuple, 0 for a rate not taken; a dict by the rates' names, those
         not named 0) or one int for every rate; None, touching nothing, for anything but plain
         ints >= 0 with one > 0, a name not a rate's, or more tokens than a rate's capacity (the
         slow path queues that or raises)."""
+        check_now(now_ns)
         n = len(self.gates)
         if type(ops) is tuple:
             if len(ops) != n:
@@ -660,9 +675,9 @@ class MultiGate:
                 return None
         if not any(mult):
             return None
-        return self._try(mult)
+        return self._try(mult, now_ns)
 
-    def _try(self, mult: Sequence[int]) -> Optional[bool]:
+    def _try(self, mult: Sequence[int], now_ns: Optional[int]) -> Optional[bool]:
         entered: List[Gate] = []
         try:
             for g in self.gates:
@@ -676,7 +691,7 @@ class MultiGate:
                         return None
                     if short > 0:
                         short_any = True
-                        certain = certain or short > g.pending()
+                        certain = certain or short > g.pending(now_ns)
             if short_any:
                 return False if certain and self.decide else None
             taken: List[Tuple[Gate, int, int, int]] = []
