@@ -96,6 +96,40 @@ def _fed_within(grab: Callable[[], GrabResult]) -> Callable[[object], Union[bool
     return within
 
 
+class OnClock:
+    """A gate's call on an injected clock: each call passes the clock's reading as its last
+    argument (``now_ns``), so the gate judges a refusal at that instant.  A certain refusal then
+    does what the slow path's refusal does at that instant (``refused``, given the call's
+    arguments): a replenish.  On the real clock a filler keeps REPL_TS and the clamp's snapshot
+    near now; nothing keeps an injected clock's pace but its callers, and after refusals that
+    skipped it, a replenish would clamp against a snapshot from before the drain (adding nothing
+    for the whole time since)."""
+
+    __slots__ = ("call", "clock", "refused")
+
+    def __init__(
+        self, call: Callable[..., Any], clock: Callable[[], int], refused: Callable[..., Any]
+    ) -> None:
+        self.call = call
+        self.clock = clock
+        self.refused = refused
+
+    def __call__(self, *args: object) -> Any:
+        got = self.call(*args, self.clock())
+        if got is False:
+            self.refused(*args)
+        return got
+
+
+def on_clock(
+    call: Callable[..., Any], clock: Callable[[], int], refused: Callable[..., Any]
+) -> Callable[..., Any]:
+    """``call`` (a gate's method, whose last argument ``now_ns`` is optional) on ``clock``, its
+    certain refusals followed by ``refused`` (the slow path's replenish).  The real clock needs
+    neither: the gate reads it itself, and the filler replenishes."""
+    return call if clock is time.monotonic_ns else OnClock(call, clock, refused)
+
+
 #: The fast path when there is none: [grab for acquire, try for try_acquire, grab within a timeout,
 #: the native wait for a ticket (None: waiters wait in Python)].
 NO_FAST = (_no_fast, _undecided, _undecided, None)
@@ -168,23 +202,19 @@ class Attachment(Attached):
             self.fast[0] = self.bucket.grabber(s, self.grants_off, recs)
         # tries and timed acquires: not in hierarchical mode (a refusal there is demand the filler
         # must see, and a timed acquire polls), nor while stopped (no wait is computable), nor
-        # capped (every grant must be admitted against the in-flight bound first), nor with an
-        # injected clock: the gate's certain refusal counts the time since REPL_TS on the real
-        # clock, and REPL_TS written by a clock ahead of it would look like no time at all
+        # capped (every grant must be admitted against the in-flight bound first).  The gate's
+        # certain refusal counts the time since REPL_TS: on an injected clock, up to its reading
+        # (on_clock), never the real clock's (REPL_TS written by a clock ahead of the real one
+        # would look like no time at all)
         real_clock = self.clock is time.monotonic_ns
-        if (
-            self.closed
-            or unused
-            or s.upstream
-            or s.stopped
-            or s.capped
-            or s.config is None
-            or not real_clock
-        ):
+        if self.closed or unused or s.upstream or s.stopped or s.capped or s.config is None:
             self.fast[1:] = NO_FAST[1:]
         else:
             gate = self.bucket.gate(s, self.grants_off, 1, recs)
-            self.fast[1:3] = (gate.try_grab, gate.grab_within)
+            self.fast[1:3] = (
+                on_clock(gate.try_grab, self.clock, self._refused_try),
+                on_clock(gate.grab_within, self.clock, self._refused_within),
+            )
         if (
             self.fast[0] is not _no_fast
             and s.upstream
@@ -208,6 +238,16 @@ class Attachment(Attached):
             # an untimed acquire of one op as one native call: the grab (record claimed before its
             # CAS, LEN stored after), the wait, the record freed at the grant (wait_for_ticket's steps)
             self.fast[0] = waiter.acquirer(self.fast[0], interrupted(self), int(MAX_NAP * NS_PER_S))
+
+    def _refused_try(self) -> None:
+        """What a try refused on the slow path did (``take_now``): a replenish (no native wait
+        on an injected clock: ``refill`` is this), the filler nudged if it added."""
+        if self.bucket.replenish() > 0:
+            self.nudge_filler()
+
+    def _refused_within(self, timeout: object) -> None:
+        """What a timed acquire refused on the slow path did (``take_ticket``): a replenish."""
+        self.bucket.replenish()
 
     # -- this process's words ------------------------------------------------------------
 
@@ -441,7 +481,8 @@ def gate_all(atts: Sequence[Attachment], names: Optional[Sequence[str]] = None) 
     any rate is stopped, leased from upstream or capped (their grants need more than a try).
     ``try_grab()`` takes one op from each, ``try_grab_ops(ops)`` ops per rate (a tuple, one int,
     or a dict by ``names``), each counted in the rate's grants word once all have granted.  A
-    certain refusal is judged on the real clock: with an injected one, the slow path judges."""
+    certain refusal is judged on the rates' clock (an injected one's reading passed as ``now_ns``:
+    ``on_clock``); when the rates have different clocks, the slow path judges."""
     snaps = []
     for att in atts:
         att.bucket.refresh()
@@ -450,7 +491,7 @@ def gate_all(atts: Sequence[Attachment], names: Optional[Sequence[str]] = None) 
             return None
         snaps.append(s)
     gates = [att.bucket.gate(s, att.grants_off, 1) for att, s in zip(atts, snaps)]
-    decide = all(att.clock is time.monotonic_ns for att in atts)
+    decide = all(att.clock is atts[0].clock for att in atts)
     return multi_gate(gates, [s.cap for s in snaps], decide, names)
 
 

@@ -49,6 +49,7 @@ from shmlimit.acquire.multi import (
     Claim,
     MultiRequest,
     claim,
+    covered,
     give_back_claims,
     record_nap,
     take_all,
@@ -56,7 +57,7 @@ from shmlimit.acquire.multi import (
 )
 from shmlimit.adapt import check_config, per_rate
 from shmlimit.adapt import feedback as adapt_feedback
-from shmlimit.attachment import Attachment, gate_all, open_attachment, release
+from shmlimit.attachment import Attachment, gate_all, on_clock, open_attachment, release
 from shmlimit.bucket.fences import FenceHold
 from shmlimit.config import NS_PER_S, Config, validate_n, validate_timeout
 from shmlimit.errors import SegmentError
@@ -261,8 +262,23 @@ class MultiLimiter(RateGroup):
         atts = self._live()
         gates = gate_all(atts, self._keys if self._named else None)
         self._seqs = tuple(att.bucket.seq for att in atts)
+        clock = atts[0].clock  # every rate's, or the gates never refuse (gate_all's decide)
+
+        handle = weakref.ref(self)  # no cycle through the handle: its __del__ releases the rates
+
+        def refused(ops: object = _ONE) -> None:  # take_all's refusal, at an injected clock's now
+            h = handle()
+            if h is not None:
+                o = h._ops(_ONE, ops) if isinstance(ops, dict) else h._ops(ops, {})
+                covered(atts, o, h._tokens(o))
+
         self._fast, self._fast_ops = (
-            (None, None) if gates is None else (gates.try_grab, gates.try_grab_ops)
+            (None, None)
+            if gates is None
+            else (
+                on_clock(gates.try_grab, clock, refused),
+                on_clock(gates.try_grab_ops, clock, refused),
+            )
         )
 
     def _try_fast(self, n: object, costs: Dict[str, object]) -> Optional[bool]:

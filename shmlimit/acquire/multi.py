@@ -42,11 +42,8 @@ def take_all(atts: Sequence[Attachment], ops: Sequence[int], toks: Sequence[int]
     on any rate.  Only a race (another caller took the room between the look and the take) makes
     it give back, which costs those rates' next replenish up to what it gave back (the snapshot
     clamp counts it as tokens already in the bucket): time lost, never an extra grant."""
-    for att, o, t in zip(atts, ops, toks):
-        if o:
-            b = att.bucket
-            if b.balance() < t and (b.replenish() <= 0 or b.balance() < t):
-                return False
+    if not covered(atts, ops, toks):
+        return False
     held: List[Held] = []
     for att, o, t in zip(atts, ops, toks):
         if not o:
@@ -65,6 +62,18 @@ def take_all(atts: Sequence[Attachment], ops: Sequence[int], toks: Sequence[int]
     for att, o in zip(atts, ops):
         if o:
             att.count(o)
+    return True
+
+
+def covered(atts: Sequence[Attachment], ops: Sequence[int], toks: Sequence[int]) -> bool:
+    """Whether every rate's head covers its tokens, each short one replenished once: the look
+    ``take_all`` takes first, stopping at the first rate short even then (what its refusal did;
+    on an injected clock the gates' certain refusal does it too: ``attachment.OnClock``)."""
+    for att, o, t in zip(atts, ops, toks):
+        if o:
+            b = att.bucket
+            if b.balance() < t and (b.replenish() <= 0 or b.balance() < t):
+                return False
     return True
 
 
