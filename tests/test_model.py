@@ -5,9 +5,10 @@ its own cached config, the native or the ``atomics`` backend) over one shared ma
 injected clock and no filler thread: time moves only when the test says so, and tokens arrive
 only through replenishes the test performs (a filler's, a waiter's, a stalled one's).  Waiting is
 not simulated by sleeping: an acquire is the production ``Request`` of the acquisition core,
-taken one step at a time; one that would wait for its ticket leaves the ticket pending (the
-model sees it granted when the head passes it), one that would park before taking anything
-gives up, having taken nothing.  A waiting request may leave (an interrupt, a cancellation:
+taken one step at a time (one op also through ``Limiter.acquire``'s fast path first: the grab, or
+the gate at the model's clock, native on a native process); one that would wait for its ticket
+leaves the ticket pending (the model sees it granted when the head passes it), one that would
+park before taking anything gives up, having taken nothing.  A waiting request may leave (an interrupt, a cancellation:
 its ``end``), giving its ticket back; a simulated process may die, or close the limiter, while
 its requests wait, and a filler gives back the tickets left recorded in its slot; the ranges given back are skipped
 when a process's skipper runs (a step of its own).  A given-back ticket is never a grant.
@@ -20,6 +21,9 @@ After every step the invariants are checked:
   ``ratio * T * tpn + max(ratio * capacity, the largest single request)`` (the largest ratio
   and capacity ever in force; a request larger than the capacity is granted in one piece
   once its schedule has accrued);
+* a call answered "granted now" (a try, an acquire with no ticket left waiting, a drain) took
+  only tokens the head covers: a grant one op short, or one early, shows even where the window
+  bound has room for it;
 * capped mode: ops granted (or queued) and not released never exceed the capacity in ops;
 * no deadlock: once the clock has run long enough for the queue ahead, less the ranges given
   back ahead of it (and the limiter is not stopped), every pending ticket is granted and a new
@@ -292,6 +296,27 @@ class LimiterModel(RuleBasedStateMachine):
         req.end()
         return (step if step is True or step is False else WouldBlock), tail, None
 
+    def _acquire_one(self, lim, timeout):
+        """``Limiter.acquire(1, timeout)`` as it runs: its fast path first (the untimed grab, or the
+        gate's grab within the timeout, judged at the model's clock: native on a native process),
+        a ticket it queued then waited for as ``wait_for_ticket``'s request, stepped as
+        ``_acquire``'s; undecided, the slow path's ``Request``."""
+        tail = self.cells.load(L.TAIL)
+        got = lim._fast[0]() if timeout is None else lim._fast[2](timeout)
+        if got is True or (got is None and timeout is None):
+            return True, tail, None
+        if got is False and timeout is not None:
+            return False, tail, None
+        if got is None or got is False:
+            return self._acquire(lim, 1, timeout)
+        rec, tokens = lim._att.find_record(got)  # recorded by the grab, with its own price
+        req = Request.holding(lim._att, 1, got, tokens, rec)
+        step = req.begin()
+        if step is not True and step is not False and req.state == TICKET:
+            return True, tail, req
+        req.end()
+        return step, tail, None
+
     def _note_taken(self, tail_before, ops, req=None, now=False, lim=None, promise=None):
         """The tail moved: its tokens are granted now, or when the head passes ``req``'s ticket, or
         (a reservation) at the moment ``promise`` its reserve() answered."""
@@ -313,6 +338,9 @@ class LimiterModel(RuleBasedStateMachine):
             self.grants.append((promise, tokens))
             self.promised[ticket] = promise
         elif now or diff(self.cells.load(L.HEAD), ticket) >= 0:
+            # granted now: only tokens the head covers (one op short, or a grant early, shows
+            # here even where the window bound has room for it: a bucket not full before)
+            assert diff(self.cells.load(L.HEAD), ticket) >= 0, "granted now, the head short of it"
             self.grants.append((self.clock(), tokens))
             self._granted(req)
         else:
@@ -400,7 +428,10 @@ class LimiterModel(RuleBasedStateMachine):
                 self.clock.now + result * NS_PER_S
             )  # (float seconds: rounded, well below 1 ns)
             self._promise_kept(lim, diff(self.cells.load(L.TAIL), tail), promise)
-        self._note_taken(tail, n, req, lim=lim, promise=promise)
+        # answered True with no ticket left waiting: granted now, so counted now (a grant the head
+        # does not cover yet, one early, then shows in the window bound)
+        now = result is True and req is None and not reservation
+        self._note_taken(tail, n, req, now=now, lim=lim, promise=promise)
         return True
 
     def _promise_kept(self, lim, tokens, promise):
@@ -457,7 +488,8 @@ class LimiterModel(RuleBasedStateMachine):
     @rule(i=procs_idx, data=st.data())
     def try_acquire(self, i, data):
         lim = self._proc(i)
-        n = self._n(data, lim)
+        # one op as often as any other n: the gate's (native on a native process, at the model's clock)
+        n = 1 if data.draw(st.booleans(), label="one") else self._n(data, lim)
         result, tail, _ = self._call(lim.try_acquire, n)
         self._note_taken(tail, n, now=True, lim=lim)
 
@@ -473,6 +505,27 @@ class LimiterModel(RuleBasedStateMachine):
             label="n",
         )
         self._taking(lambda: self._acquire(lim, n, timeout), n, lim)
+
+    @rule(i=procs_idx, timeout=st.one_of(st.none(), st.sampled_from([0.0, 0.001, 0.05, 2.0])))
+    def acquire_one(self, i, timeout):
+        """One op through ``Limiter.acquire``'s fast path, as production takes it."""
+        lim = self._proc(i)
+        self._taking(lambda: self._acquire_one(lim, timeout), 1, lim)
+
+    @rule(
+        i=procs_idx,
+        j=procs_idx,
+        timeout=st.one_of(st.just("try"), st.none(), st.sampled_from([0.0, 0.05])),
+    )
+    def one_after_a_drain(self, i, j, timeout):
+        """A drain, then one op on a process at that instant through its fast path (a try, or an
+        acquire): the gate's decision at the edge, where a grant one op short, or one early,
+        would show."""
+        self.drain(i)
+        if timeout == "try":
+            self.try_acquire(j, _Draws(True))
+        else:
+            self.acquire_one(j, timeout)
 
     @rule(
         i=procs_idx,
@@ -1369,11 +1422,60 @@ def test_the_invariants_pass_no_time_while_a_config_writer_is_stalled():
         before = m.clock.now
         _check_all(m)
         assert m.clock.now == before  # the invariants only look
-        m.try_acquire(0, _Draws(MAX_SPAN_TOKENS // m._cost()))  # refused
+        m.try_acquire(0, _Draws(False, MAX_SPAN_TOKENS // m._cost()))  # refused
         _check_all(m)
         m.fill_on_a_running_clock(10**5, 0)
         _check_all(m)
         m.drain(0)
         _check_all(m)  # window_bound: no more than the capacity plus the time's ops in any window
+    finally:
+        m.teardown()
+
+
+@pytest.mark.skipif(not native_available(), reason="the native extension is not built here")
+def test_the_native_gate_decides_on_the_models_clock(monkeypatch):
+    """Found by the search with the native gate's grant check broken (one op short granted):
+    a drain, then a try of one op on a native process at the same instant of the model's clock.
+    The native gate decides it -- a certain refusal, no slow path -- so the model checks the C
+    code's decisions (while an injected clock left the gate unbound, this passed whatever it
+    decided)."""
+    m = LimiterModel()
+    m.create(rate=1000.0, burst=None, capped=False, ratio=1.0)
+    try:
+        lim = m._proc(1)
+        gate_call = lim._fast[1]
+        assert type(gate_call.call.__self__).__module__ == "shmlimit.shm._native"
+        slow = []
+        monkeypatch.setattr(
+            shmlimit.limiter.acquisition, "try_acquire", lambda *a: slow.append(a) or False
+        )
+        m.drain(0)
+        _check_all(m)
+        tail = m.cells.load(L.TAIL)
+        m.try_acquire(1, _Draws(True))  # one op: the gate's
+        assert slow == [] and m.cells.load(L.TAIL) == tail  # refused by the gate, nothing taken
+        _check_all(m)  # window_bound: a grant here would be a capacity and an op at one instant
+    finally:
+        m.teardown()
+
+
+@pytest.mark.skipif(not native_available(), reason="the native extension is not built here")
+@pytest.mark.parametrize("timeout", [0.0, 0.05])
+def test_the_native_gate_queues_a_timed_acquire_on_the_models_clock(timeout):
+    """A drain, then ``acquire(timeout=...)`` of one op on a native process at that instant: the
+    native gate refuses it (0 s: the op is a millisecond away) or queues it (0.05 s), never grants
+    it now, and decides alone (no slow path).  With the gate's grant check broken (granted one
+    op early), the model fails here: a grant the head does not cover, counted at once."""
+    m = LimiterModel()
+    m.create(rate=1000.0, burst=None, capped=False, ratio=1.0)
+    try:
+        lim = m._proc(1)
+        assert type(lim._fast[2].call.__self__).__module__ == "shmlimit.shm._native"
+        m._acquire = lambda *a: pytest.fail("the slow path decided")
+        tail = m.cells.load(L.TAIL)
+        m.one_after_a_drain(0, 1, timeout)
+        _check_all(m)
+        queued = [t for t, _, r in m.pending if r is not None and r.att is lim._att]
+        assert len(queued) == (timeout > 0) and diff(m.cells.load(L.TAIL), tail) > 0
     finally:
         m.teardown()

@@ -26,7 +26,9 @@ from support.clock import FakeClock
 from support.models import model_settings
 
 import shmlimit
+from shmlimit import multirate as multirate_module
 from shmlimit.multirate import MultiRequest
+from shmlimit.shm.cells import selected_backend
 
 RATE = st.sampled_from(["10/s", "50/s", "200/s", "30/2s", "1000/min"])
 BURST = st.integers(min_value=1, max_value=4)
@@ -86,10 +88,19 @@ class MultiRateModel(RuleBasedStateMachine):
                 if a is att:
                     took.setdefault(k, self.clock.now)
 
-    @rule(data=st.data())
-    def try_acquire(self, data):
-        costs = self._costs(data)
-        if self.lim.try_acquire(**costs):
+    @rule(data=st.data(), form=st.sampled_from(["costs", "one", "n"]))
+    def try_acquire(self, data, form):
+        """A try by costs, of one op on every rate, or of ``n`` on each: the gates' ``try_grab_ops``
+        by name, ``try_grab``, ``try_grab_ops(n)``, judged at the model's clock (native where the
+        cells are), else the slow path."""
+        if form == "costs":
+            costs = self._costs(data)
+            got = self.lim.try_acquire(**costs)
+        else:
+            n = 1 if form == "one" else data.draw(st.integers(min_value=1, max_value=3), label="n")
+            costs = dict.fromkeys(self.keys, n)
+            got = self.lim.try_acquire() if form == "one" else self.lim.try_acquire(n)
+        if got:
             self._granted(costs)
 
     @rule(
@@ -224,3 +235,36 @@ class MultiRateModel(RuleBasedStateMachine):
 
 MultiRateModel.TestCase.settings = model_settings(15)
 TestMultiRateModel = MultiRateModel.TestCase
+
+
+class _Draws:
+    """The ``data`` of a spelt-out rule: its draws, in order."""
+
+    def __init__(self, *values):
+        self.values = list(values)
+
+    def draw(self, strategy, label=None):
+        return self.values.pop(0)
+
+
+def test_the_gates_decide_on_the_models_clock(monkeypatch):
+    """Two rates of one op each: a try of one op on both, then, at the same instant of the model's
+    clock, another (``try_grab``) and one of an op each by ``n`` (``try_grab_ops``): the gates over
+    both rates (native on the native backend) refuse them for certain, no slow path.  With the
+    native grant check broken (one op short granted), the model finds both rates over-granted."""
+    m = MultiRateModel()
+    m.create(rates=[("10/s", 1), ("10/s", 1)])
+    try:
+        m.try_acquire(_Draws(), "one")
+        fast = m.lim._fast
+        native = type(fast.call.__self__).__module__ == "shmlimit.shm._native"
+        assert native == (selected_backend() == "native")
+        slow = []
+        monkeypatch.setattr(multirate_module, "take_all", lambda *a: slow.append(a) or False)
+        m.try_acquire(_Draws(), "one")
+        m.try_acquire(_Draws(1), "n")
+        assert slow == []
+        m.no_rate_is_over_granted()
+        assert [len(e) for e in m.events.values()] == [1, 1]
+    finally:
+        m.teardown()
