@@ -8,11 +8,9 @@ lost or stalled by a killed process).  ``shmlimit.attach(name)`` returns it,
 and every tool shows it as one entry (its rates labelled ``name[key]``).  This
 module only takes the rates together:
 
-* **All or nothing.**  A try takes from every rate by CAS, and if one refuses,
-  gives back (``Bucket.add``: head forward, never beyond ``tail + capacity``)
-  what it took from the others.  Tokens given back are exactly tokens a
-  replenish would have found in the bucket had they not been taken, so a
-  refusal leaves nothing taken.
+* **All or nothing.**  ``acquire.all_or_nothing``, each rate taken by CAS; a
+  race gives back what it took from the others (``Bucket.give_back``: never
+  fuller than had they never been taken).
 * **What a waiter holds.**  A waiter takes a ticket on one rate only: the one
   whose wait was longest when it came (``lead``).  It holds nothing on the
   others while that ticket queues.  Once the ticket is due it joins the
@@ -27,7 +25,7 @@ module only takes the rates together:
   ``Bucket.add`` (what does not fit under the capacity is dropped).
 
 The protocol itself (``take_all``, ``give_back``, ``MultiRequest``) is in
-``multirate_request``; the acquisition core's drivers run it.  What a keyed limiter of several
+``acquire.multi``; the acquisition core's drivers run it.  What a keyed limiter of several
 rates shares with this one (``rates=``, costs per rate, a rate named by key) is ``rate_group``'s.  Every word is touched through each
 rate's ``Bucket`` and cells.
 """

@@ -3,6 +3,7 @@ GCRA take/undo pair it is built on, on every backend."""
 
 import asyncio
 import pickle
+from contextlib import contextmanager
 
 import hypothesis.strategies as st
 import pytest
@@ -13,7 +14,7 @@ from support.windows import check_windows
 
 import shmlimit
 from shmlimit.keyed import cells as KC
-from shmlimit.keyed.multi import MultiKeyedLimiter
+from shmlimit.keyed.multi import MultiKeyedLimiter, _KeyRate
 
 S = 1_000_000_000
 
@@ -40,6 +41,25 @@ def grants(lim):
 def take(lim, i, key, n=1):
     """``n`` ops of ``key`` from rate ``i`` alone, now on the limiter's clock (another caller)."""
     return lim._lims[i]._live().kt.acquire(key, n, 0, lim._now()) >= 0
+
+
+@contextmanager
+def before_the_takes(hook):
+    """``hook()`` runs once, in the next try that takes: after its looks, before its first take
+    (the window of a race, or of a preemption)."""
+    real = _KeyRate.take
+    pending = [hook]
+
+    def take(self):
+        while pending:
+            pending.pop()()
+        return real(self)
+
+    _KeyRate.take = take
+    try:
+        yield
+    finally:
+        _KeyRate.take = real
 
 
 def peek(lim, i, key, n=1):
@@ -234,15 +254,11 @@ def test_undo_restores_a_take_exactly(table):
 def test_a_lost_race_undoes_the_earlier_rates(name, clock, cleanup):
     lim = make(name, [("10/s", 2), ("10/s", 2)], clock, cleanup)
 
-    def racing_peek(key, ops, now):
-        out = real(key, ops, now)
-        assert take(lim, 1, key, 2)  # another caller empties the second rate after the peek
-        return out
+    def race():
+        assert take(lim, 1, "k", 2)  # another caller empties the second rate after the looks
 
-    real = lim._waits
-    lim._waits = racing_peek
-    assert not lim.try_acquire("k")
-    lim._waits = real
+    with before_the_takes(race):
+        assert not lim.try_acquire("k")
     assert grants(lim) == {"0": 0, "1": 2}  # the first rate's take was undone
     assert take(lim, 0, "k", 2)  # its whole burst is there
 
@@ -255,15 +271,11 @@ def test_a_take_after_a_preemption_is_priced_at_its_own_instant(name, clock, cle
     the clock itself now (on the real clock, inside the native call)."""
     lim = make(name, [("1/s", 1), ("1000/s", 1000)], clock, cleanup)
 
-    def preempted_peek(key, ops, now):
-        out = real(key, ops, now)
-        clock.advance(9 * S // 10)  # 0.9 s off the CPU between the peek and the takes
-        return out
+    def preempted():
+        clock.advance(9 * S // 10)  # 0.9 s off the CPU between the looks and the takes
 
-    real = lim._waits
-    lim._waits = preempted_peek
-    assert lim.try_acquire("k")  # granted at t0 + 0.9 s
-    lim._waits = real
+    with before_the_takes(preempted):
+        assert lim.try_acquire("k")  # granted at t0 + 0.9 s
     clock.advance(S // 10)
     assert not lim.try_acquire("k")  # t0 + 1.0 s: the next op is due at t0 + 1.9 s
     assert lim.retry_after("k") == pytest.approx(0.9)
@@ -323,43 +335,26 @@ class KeyedRates(RuleBasedStateMachine):
 
     @rule(key=st.sampled_from("ab"), costs=costs, which=st.sampled_from(["requests", "tokens"]))
     def race(self, key, costs, which):
-        """Another caller takes one rate's room between a try's peek and its take."""
-        lim = self.lim
-        real = lim._waits
-        i = lim.keys.index(which)
+        """Another caller takes one rate's room between a try's looks and its takes."""
+        i = self.lim.keys.index(which)
 
-        def racing_peek(k, ops, now):
-            out = real(k, ops, now)
+        def race():
             n = 1 if which == "requests" else 100
-            if take(lim, i, k, n):
-                self.grants[(k, which)].append((self.clock.now, n))
-            return out
+            if take(self.lim, i, key, n):
+                self.grants[(key, which)].append((self.clock.now, n))
 
-        self._try_with_peek(key, costs, racing_peek)
+        self._try_with(key, costs, race)
 
-    def _try_with_peek(self, key, costs, peek):
-        """A try whose peek is ``peek`` (it calls the real one): recorded when granted."""
-        lim = self.lim
-        real = lim._waits
-        lim._waits = peek
-        try:
-            if lim.try_acquire(key, **costs):
+    def _try_with(self, key, costs, hook):
+        """A try running ``hook`` between its looks and its takes: recorded when granted."""
+        with before_the_takes(hook):
+            if self.lim.try_acquire(key, **costs):
                 self._record(key, costs)
-        finally:
-            lim._waits = real
 
     @rule(key=st.sampled_from("ab"), costs=costs, ms=st.integers(1, 400))
     def preempted(self, key, costs, ms):
-        """A try preempted for ``ms`` between its peek and its takes: granted when it returns."""
-        lim = self.lim
-        real = lim._waits
-
-        def preempted_peek(k, ops, now):
-            out = real(k, ops, now)
-            self.clock.advance(ms * 1_000_000)
-            return out
-
-        self._try_with_peek(key, costs, preempted_peek)
+        """A try preempted for ``ms`` between its looks and its takes: granted when it returns."""
+        self._try_with(key, costs, lambda: self.clock.advance(ms * 1_000_000))
 
     @rule(ms=st.integers(1, 400))
     def advance(self, ms):

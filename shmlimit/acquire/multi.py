@@ -1,12 +1,13 @@
 """The acquisition protocol over several rates (``rates=``; see ``multirate``): all or nothing
-now (``take_all``), giving back (``give_back``), and ``MultiRequest``, one acquire as steps that
-never sleep, run by the acquisition core's drivers (``acquisition.drive``, ``drive_async``).
+now (``take_all``: ``all_or_nothing`` over each rate's ``_Grab``), giving back (``give_back``),
+and ``MultiRequest``, one acquire as steps that never sleep, run by the acquisition core's drivers (``acquisition.drive``, ``drive_async``).
 Every word is touched through each rate's ``Bucket``."""
 
 from __future__ import annotations
 
 from typing import Any, List, Optional, Sequence, Tuple
 
+from shmlimit.acquire import all_or_nothing
 from shmlimit.acquire import single as acquisition
 from shmlimit.acquire.single import Request
 from shmlimit.attachment import Attachment
@@ -34,47 +35,56 @@ def give_back(held: Sequence[Held]) -> None:
         att.bucket.give_back(tokens, head_then)
 
 
-def take_all(atts: Sequence[Attachment], ops: Sequence[int], toks: Sequence[int]) -> bool:
-    """All or nothing, now: each rate by CAS (replenishing once if short); on a refusal the rates
-    already taken get their tokens back.  Counted only once every rate has granted.
+class _Grab:
+    """One rate's part of an all-or-nothing try (``all_or_nothing.Rate``): its tokens by CAS
+    (replenishing once if short), given back by ``Bucket.give_back``."""
 
-    It looks before it takes: a rate short even after a replenish refuses with nothing written
-    on any rate.  Only a race (another caller took the room between the look and the take) makes
-    it give back, which costs those rates' next replenish up to what it gave back (the snapshot
-    clamp counts it as tokens already in the bucket): time lost, never an extra grant."""
-    if not covered(atts, ops, toks):
-        return False
-    held: List[Held] = []
-    for att, o, t in zip(atts, ops, toks):
-        if not o:
-            continue
-        b = att.bucket
+    __slots__ = ("att", "ops", "tokens")
+
+    def __init__(self, att: Attachment, ops: int, tokens: int) -> None:
+        self.att, self.ops, self.tokens = att, ops, tokens
+
+    def look(self) -> int:
+        """1 when short even after a replenish (the wait is not measured here), else 0."""
+        return int(_short(self.att.bucket, self.tokens))
+
+    def take(self) -> Any:
+        b, t = self.att.bucket, self.tokens
         h = b.head()
-        if not b.try_grab(t, att.grants_off, 0):
+        if not b.try_grab(t, self.att.grants_off, 0):
             if b.replenish() <= 0:
-                give_back(held)
-                return False
+                return 0
             h = b.head()
-            if not b.try_grab(t, att.grants_off, 0):
-                give_back(held)
-                return False
-        held.append((att, t, h))
-    for att, o in zip(atts, ops):
-        if o:
-            att.count(o)
-    return True
+            if not b.try_grab(t, self.att.grants_off, 0):
+                return 0
+        return self.att, t, h
+
+    def undo(self, taken: Held) -> None:
+        give_back([taken])
+
+    def count(self) -> None:
+        self.att.count(self.ops)
+
+
+def take_all(atts: Sequence[Attachment], ops: Sequence[int], toks: Sequence[int]) -> bool:
+    """All or nothing, now (``all_or_nothing.take_all``): each rate by CAS, replenishing once if
+    short.  A race's give-back costs those rates' next replenish up to what it gave back (the
+    snapshot clamp counts it as tokens already in the bucket): time lost, never an extra grant."""
+    return (
+        all_or_nothing.take_all([_Grab(a, o, t) for a, o, t in zip(atts, ops, toks) if o]) is None
+    )
 
 
 def covered(atts: Sequence[Attachment], ops: Sequence[int], toks: Sequence[int]) -> bool:
     """Whether every rate's head covers its tokens, each short one replenished once: the look
     ``take_all`` takes first, stopping at the first rate short even then (what its refusal did;
     on an injected clock the gates' certain refusal does it too: ``attachment.OnClock``)."""
-    for att, o, t in zip(atts, ops, toks):
-        if o:
-            b = att.bucket
-            if b.balance() < t and (b.replenish() <= 0 or b.balance() < t):
-                return False
-    return True
+    return not any(_short(att.bucket, t) for att, o, t in zip(atts, ops, toks) if o)
+
+
+def _short(b: Any, t: int) -> bool:
+    """Whether the bucket's head is short of ``t`` tokens even after one replenish."""
+    return b.balance() < t and (b.replenish() <= 0 or b.balance() < t)
 
 
 #: A reservation's claim on one rate: (attachment, tokens, its ticket -- None: covered when taken --,

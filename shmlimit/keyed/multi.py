@@ -8,14 +8,12 @@ holds a ``Limiter`` per rate.  Each region holds every key to its rate
 ``shmlimit.attach(name)`` returns it, and every tool shows it as one entry (its
 rates labelled ``name[key]``).  This module only takes the rates together:
 
-* **All or nothing, now.**  A try first *peeks* at every rate (what a take
-  would wait, taking and inserting nothing) and takes nothing unless every
-  rate would grant at once; then it takes each rate, in order, each at the
-  instant of its own take (the peek's reading may be stale by then).
-  If a race (another caller took a later rate's room between the peek and the
-  take) refuses a later rate, the earlier takes are undone (``undo``: exact,
-  when no one took that key on that rate since; otherwise the take stays
-  spent -- time lost, never an extra grant).
+* **All or nothing, now** (``acquire.all_or_nothing``, each rate a ``_KeyRate``).
+  A try looks at every rate at one instant (what a take would wait, taking and
+  inserting nothing), then takes each, in order, each at the instant of its own
+  take; a race undoes the earlier takes (``undo``: exact, when no one took that
+  key on that rate since; otherwise the take stays spent -- time lost, never an
+  extra grant).
 * **What a waiter holds: nothing.**  An ``acquire`` that cannot be granted now
   sleeps until the longest of its rates' waits is over, holding nothing on any
   rate (no GCRA reservation: reserving one rate's slot while sleeping for
@@ -32,6 +30,7 @@ import math
 import time
 from typing import Any, Callable, Iterable, List, Optional, Sequence, Tuple, Union
 
+from shmlimit.acquire import all_or_nothing
 from shmlimit.acquire.drivers import Step, drive, drive_async
 from shmlimit.adapt import Adapt, per_rate
 from shmlimit.config import validate_reconfigure, validate_timeout
@@ -46,9 +45,6 @@ from shmlimit.protocol import Keyed
 from shmlimit.rate_group import MultiStats, RateGroup, parse_rates, rates_from_text
 from shmlimit.shm import layout as L
 from shmlimit.shm.segment import validate_mode, validate_name, validate_trusted_uids
-
-#: A take of the fast path: (the rate's table, what ``take`` answered, ops).
-_Taken = Tuple[Any, Tuple[int, int, int, int, int], int]
 
 
 class MultiKeyedLimiter(RateGroup, Keyed):
@@ -172,40 +168,10 @@ class MultiKeyedLimiter(RateGroup, Keyed):
 
     # -- the protocol ----------------------------------------------------------------------
 
-    def _waits(self, key: object, ops: Tuple[int, ...], now: int) -> List[int]:
-        """Each rate's wait (ticks) for ``ops`` of ``key`` at ``now`` (a peek: nothing written);
-        ``KC.NEVER`` for a rate whose burst is below its ops."""
-        return [
-            lim._live().kt.acquire(key, o, -1, now) if o else 0 for lim, o in zip(self._live(), ops)
-        ]
-
-    def _attempt(self, key: object, ops: Tuple[int, ...]) -> Tuple[bool, int]:
-        """One try: (True, 0) granted on every rate; (False, w) nothing taken, where
-        ``w`` is the longest wait a peek found (ticks; 0 after a lost race, ``KC.NEVER``, ``KC.FULL``)."""
+    def _rates(self, key: object, ops: Tuple[int, ...]) -> List["_KeyRate"]:
+        """Each rate's part of a call for ``ops`` of ``key``, looked at at one instant."""
         now = self._now()
-        waits = self._waits(key, ops, now)
-        if KC.NEVER in waits:
-            return False, KC.NEVER
-        longest = max(waits)
-        if longest > 0:
-            return False, longest
-        taken: List[_Taken] = []
-        for lim, o in zip(self._lims, ops):
-            if not o:
-                continue
-            kt = lim._use().kt  # a use: a forked child registers on its first
-            # Each take reads the clock itself (on the real clock, inside the native call): the
-            # peek's reading may be long past (the GIL given to another thread, the process off the
-            # CPU), and a take priced then would record a grant made now as made then, handing the
-            # key's room back early by that much.  A later reading never refuses what the peek
-            # allowed, but for another caller's take since (a race, undone as any).
-            r = kt.take(key, o, 0, None if self._clock is None else self._now())
-            if isinstance(r, int):  # refused: a race since the peek, or no slot for a new key
-                for tkt, t, tn in reversed(taken):
-                    tkt.undo(t[1], t[2], t[3], t[4], tn)
-                return False, KC.FULL if r == KC.FULL else 0
-            taken.append((kt, r, o))
-        return True, 0
+        return [_KeyRate(self, lim, key, o, now) for lim, o in zip(self._live(), ops) if o]
 
     def try_acquire(self, key: object, n: int = 1, **costs: int) -> bool:
         """Take the ops of ``key`` from every rate only if all have them now; never waits.
@@ -215,7 +181,7 @@ class MultiKeyedLimiter(RateGroup, Keyed):
         a cost exceeds a rate's burst, or when the key is new and a table has
         no slot for it.
         """
-        return self._attempt(key, self._ops(n, costs))[0]
+        return all_or_nothing.take_all(self._rates(key, self._ops(n, costs))) is None
 
     def _deadline(self, timeout: Optional[float]) -> Optional[int]:
         t = validate_timeout(timeout)
@@ -261,8 +227,8 @@ class MultiKeyedLimiter(RateGroup, Keyed):
 
     def retry_after(self, key: object, n: int = 1, **costs: int) -> float:
         """Seconds until the ops of ``key`` could be granted on every rate (0.0: now; inf: never).  Takes nothing."""
-        waits = self._waits(key, self._ops(n, costs), self._now())
-        return math.inf if KC.NEVER in waits else max(waits) / TICKS_PER_S
+        looks = [r.look() for r in self._rates(key, self._ops(n, costs))]
+        return max(looks, default=0) / TICKS_PER_S
 
     # -- the adaptive rates, per key ---------------------------------------------------------
 
@@ -326,9 +292,42 @@ class MultiKeyedLimiter(RateGroup, Keyed):
         return f"<shmlimit.KeyedLimiter {self._name!r} {parts} per key backend={self._lims[0].backend}>"
 
 
+class _KeyRate:
+    """One rate's part of a keyed call (``all_or_nothing.Rate``): a GCRA take of the key's ops on
+    that rate's table, undone exactly when no one took the key there since (``undo``)."""
+
+    __slots__ = ("group", "lim", "key", "ops", "now")
+
+    def __init__(self, group: MultiKeyedLimiter, lim: Any, key: object, ops: int, now: int) -> None:
+        self.group, self.lim, self.key, self.ops, self.now = group, lim, key, ops, now
+
+    def look(self) -> float:
+        """A peek at the group's one instant (ticks; inf: the ops exceed the burst)."""
+        w = self.lim._live().kt.acquire(self.key, self.ops, -1, self.now)
+        return math.inf if w == KC.NEVER else w
+
+    def take(self) -> Any:
+        kt = self.lim._use().kt  # a use: a forked child registers on its first
+        # Each take reads the clock itself (on the real clock, inside the native call): the
+        # look's reading may be long past (the GIL given to another thread, the process off the
+        # CPU), and a take priced then would record a grant made now as made then, handing the
+        # key's room back early by that much.  A later reading never refuses what the look
+        # allowed, but for another caller's take since (a race, undone as any).
+        g = self.group
+        r = kt.take(self.key, self.ops, 0, None if g._clock is None else g._now())
+        return r if isinstance(r, int) else (kt, r)  # an int: a race, or no slot for a new key
+
+    def undo(self, taken: Any) -> None:
+        kt, r = taken
+        kt.undo(r[1], r[2], r[3], r[4], self.ops)
+
+    def count(self) -> None:
+        """(The take counted, on its table; an undo uncounts.)"""
+
+
 class _Tries:
     """A keyed acquire of several rates as the drivers run it (``acquire.drivers.Steps``): a try on
-    every rate, then, while one is short, a nap holding nothing of the longest wait a peek found."""
+    every rate, then, while one is short, a nap holding nothing of the longest wait a look found."""
 
     wake_ns: Optional[int] = None
 
@@ -343,10 +342,12 @@ class _Tries:
         """True (granted on every rate), False (refused for good; an untimed call raises
         instead), else the seconds to nap before the next try."""
         lim = self.lim
-        ok, w = lim._attempt(self.key, self.ops)
-        if ok:
+        # refused: the longest wait a look found (ticks; inf: never), or a take's code (a race:
+        # at once; KC.FULL: no slot for a new key)
+        w = all_or_nothing.take_all(lim._rates(self.key, self.ops))
+        if w is None:
             return True
-        if w in (KC.NEVER, KC.FULL):  # it never can be: False when timed, else raise
+        if w in (math.inf, KC.FULL):  # it never can be: False when timed, else raise
             if self.deadline is not None:
                 return False
             if w == KC.FULL:
