@@ -14,7 +14,8 @@ import pytest
 import shmlimit
 from shmlimit.keyed import cells as KC
 from shmlimit.keyed import layout as K
-from shmlimit.keyed.gcra import bank_sum, bank_values, bank_words, make_rate
+from shmlimit.keyed.cells import BANKS
+from shmlimit.keyed.gcra import bank_values, make_rate
 from shmlimit.keyed.limiter import KeyedStats
 
 WORKDIR = tempfile.gettempdir()
@@ -234,9 +235,9 @@ def test_hostile_headers_are_refused(name):
     path = f"/dev/shm/shmlimit.{name}"
     good = open(path, "rb").read()
 
-    def both_banks(vals, gen=0, sum_of=bank_sum):
-        words = dict(bank_words(gen, (0, 0), vals))
-        words[K.B_SUM] = sum_of(gen, (0, 0), vals)
+    def both_banks(vals, gen=0, flip=0):
+        words = dict(zip((*K.B_VALUES, K.B_GEN, K.B_SUM), BANKS.stored(gen, vals, (0, 0))))
+        words[K.B_SUM] ^= flip
         return [(line + off, v) for line in K.DEFAULT_BANKS for off, v in words.items()]
 
     rate = bank_values(make_rate(1, 1, 1))
@@ -248,7 +249,7 @@ def test_hostile_headers_are_refused(name):
         [(K.SIZE_OFF, 1 << 40)],
         [(K.NOVR_OFF, 1 << 20)],
         both_banks((*rate[:3], 0, rate[4])),  # T == 0, checksums that hold
-        both_banks(rate, sum_of=lambda *a: bank_sum(*a) ^ 1),
+        both_banks(rate, flip=1),
     ):  # no bank passes its checksum
         bad = bytearray(good)
         for off, value in changes:
@@ -421,6 +422,9 @@ def test_a_config_writer_killed_at_any_write_leaves_the_old_config_or_the_new(na
 
         def load(self, off):
             return cells.load(off)
+
+        def load_many(self, offsets):
+            return cells.load_many(offsets)
 
         def _write(self):
             if not self.left:

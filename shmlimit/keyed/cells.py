@@ -74,14 +74,13 @@ over either backend's cells, on the same words.
 
 from __future__ import annotations
 
-import functools
 import os
 import time
 from typing import Callable, Dict, Optional, Tuple
 
 from shmlimit.errors import SegmentError
 from shmlimit.keyed import layout as K
-from shmlimit.shm.layout import config_sum as _config_sum
+from shmlimit.shm.banks import BankCode
 from shmlimit.shm.table import is_alive
 
 MASK64 = (1 << 64) - 1
@@ -185,26 +184,15 @@ def hasher(cells: object, k0: int, k1: int) -> Callable[[bytes], Tuple[int, int]
     return digest
 
 
-#: A bank's words in the order ``_pick`` reads them: its values, then its generation and sum.
+#: A bank's words in the order ``shm.banks.BankCode`` reads them: its values, then GEN and SUM.
 _BANK_WORDS = (*K.B_VALUES, K.B_GEN, K.B_SUM)
+#: The keyed banks' code: the checksum covers the digest, then T TAU RATE PER BURST.
+BANKS = BankCode((3, 4, 0, 1, 2))
 
 
-def _bank_words(a: int, b: int) -> Tuple[Tuple[int, ...], Tuple[int, ...]]:
+def bank_offsets(a: int, b: int) -> Tuple[Tuple[int, ...], Tuple[int, ...]]:
     """The offsets of the words (``_BANK_WORDS``) of a config's two banks, at lines ``a`` and ``b``."""
     return tuple(a + off for off in _BANK_WORDS), tuple(b + off for off in _BANK_WORDS)
-
-
-@functools.lru_cache(maxsize=256)
-def _decode(words: Tuple[int, ...], d: Tuple[int, int]) -> Optional[Tuple[int, int, int]]:
-    """``(GEN, T, TAU)`` of a config bank whose words (``_BANK_WORDS``) were loaded as ``words``,
-    for digest ``d``; None if its checksum fails.  A pure function of what was loaded, so it is
-    kept for the last 256 banks read: unmasking and checking a bank cost two thirds of a keyed
-    try on the portable backend, where the words are read again every call."""
-    *raw, gen, stored_sum = words
-    rate, per, burst, t, tau = (w ^ K.bank_mask(gen, i) for i, w in enumerate(raw))
-    if stored_sum != _config_sum(gen, (d[0], d[1], t, tau, rate, per, burst)):
-        return None
-    return gen, t, tau
 
 
 def key_bytes(key: object) -> bytes:
@@ -576,7 +564,7 @@ class KeyedTable(SlotTable):
                 raise IndexError("keyed_table: a region lies outside the mapping")
         check_offsets(cells, ovr_live, refused, grants)  # any backend's cells (``push``)
         self.cfg, self.ovr_live, self.ovr, self.novr = cfg, ovr_live, ovr, novr
-        self._default = _bank_words(cfg, cfg + K.DEFAULT_BACKUP_LINES * K.LINE)
+        self._default = bank_offsets(cfg, cfg + K.DEFAULT_BACKUP_LINES * K.LINE)
         self.k0, self.k1 = k0, k1
         self._hash = hasher(cells, k0, k1)
         self.refused, self.grants = refused, grants
@@ -585,18 +573,9 @@ class KeyedTable(SlotTable):
         return self._hash(key_bytes(key))
 
     def _pick(self, banks: Tuple[Tuple[int, ...], Tuple[int, ...]], d: Tuple[int, int], seq: int):
-        """``(T, TAU)`` of the valid bank of the newest generation (counted back from ``seq``), or
-        None.  A valid first bank of generation ``seq`` itself is the newest there can be (age 0):
-        the second is then not read -- the same answer as reading both, in half the loads (after
-        every completed write both banks hold its generation)."""
-        load_many = self.c.load_many
-        a = _decode(load_many(banks[0]), d)
-        if a is not None and a[0] == seq:
-            return a[1:]
-        b = _decode(load_many(banks[1]), d)
-        if b is None or (a is not None and (seq - a[0]) & MASK64 <= (seq - b[0]) & MASK64):
-            b = a
-        return None if b is None else b[1:]
+        """The values of the valid bank of the newest generation (``BankCode.pick``), or None."""
+        got = BANKS.pick(self.c.load_many, banks, d, seq)[1]
+        return None if got is None else got[1]
 
     def params(self, d: Tuple[int, int]) -> Tuple[int, int]:
         """(T, TAU) for digest d under a consistent config: the key's override if it has one, else
@@ -619,7 +598,7 @@ class KeyedTable(SlotTable):
                     c.cas(self.cfg, s1, (s1 + 1) & MASK64)  # modulo 2**64, as the native one
                 os.sched_yield()
                 continue
-            pair, corrupt = None, False
+            vals, corrupt = None, False
             if self.novr and c.load(self.ovr_live):
                 home = (d[1] * self.novr) >> 64
                 for i in range(min(self.probe, self.novr)):
@@ -632,20 +611,20 @@ class KeyedTable(SlotTable):
                         and c.load(e + K.O_D0) == d[0]
                         and c.load(e + K.O_D1) == d[1]
                     ):
-                        pair = self._pick(_bank_words(e + K.O_BANKS[0], e + K.O_BANKS[1]), d, s1)
-                        corrupt = pair is None
-                        if pair is not None and not pair[0]:
-                            pair = None  # removed (T == 0): the default
+                        vals = self._pick(bank_offsets(e + K.O_BANKS[0], e + K.O_BANKS[1]), d, s1)
+                        corrupt = vals is None
+                        if vals is not None and not vals[3]:
+                            vals = None  # removed (T == 0): the default
                         break
-            if pair is None and not corrupt:
-                pair = self._pick(self._default, (0, 0), s1)
-                corrupt = pair is None
+            if vals is None and not corrupt:
+                vals = self._pick(self._default, (0, 0), s1)
+                corrupt = vals is None
             if c.load(self.cfg) == s1:
                 if corrupt:
                     raise SegmentError(
                         "keyed segment is corrupt: no copy of its config passes its checksum"
                     )
-                t, tau = pair
+                t, tau = vals[3], vals[4]
                 return (t or 1), min(tau, K.MAX_TICKS)  # a segment written by hand: a smaller burst
 
     def expiry(self, s: int, v: int) -> int:

@@ -6,7 +6,7 @@ slot, in ticks of 1/16 ns of CLOCK_MONOTONIC: no price is needed to read it, see
 composite (``keyed_cells``).  This module holds what prices it: the default
 ``(T, TAU)`` and the per-key overrides in a bounded table of their own.
 
-**Publication** (built on the plain limiter's, ``config_banks``, per config).
+**Publication** (the plain limiter's, by its one code: ``shm.banks.BankCode``, per config).
 Writers take ``CFG_SEQ`` as a lock (even -> odd by CAS; one silent for
 ``LOCK_TIMEOUT`` is taken over, odd -> odd + 2, or closed by a reader, odd
 -> even) and publish by one CAS from their lock value to the next even
@@ -49,7 +49,7 @@ from typing import Iterator, Optional, Tuple
 
 from shmlimit.errors import ConfigWriterTakenOver, SegmentError
 from shmlimit.keyed import layout as K
-from shmlimit.keyed.cells import alive
+from shmlimit.keyed.cells import BANKS, alive, bank_offsets
 from shmlimit.shm import layout as L
 from shmlimit.shm.cells import Cells
 
@@ -132,55 +132,18 @@ def bank_values(rate: Optional[Rate]) -> Tuple[int, int, int, int, int]:
     return (L.f2u(rate.rate), L.f2u(rate.per), L.f2u(rate.burst), rate.t, rate.tau)
 
 
-def bank_sum(gen: int, d: Tuple[int, int], vals) -> int:
-    """The checksum of one bank: over its generation, the key's digest (0, 0 for the default) and its
-    values ``(RATE, PER, BURST, T, TAU)``, in the order ``(D0, D1, T, TAU, RATE, PER, BURST)``."""
-    rate, per, burst, t, tau = vals
-    return L.config_sum(gen, (d[0], d[1], t, tau, rate, per, burst))
-
-
-def bank_words(gen: int, d: Tuple[int, int], vals) -> Tuple[Tuple[int, int], ...]:
-    """A bank's seven words as stored, ``(offset in its line, word)``: the values masked by
-    ``gen`` (``keyed_layout.bank_mask``), then ``GEN``, then ``SUM`` last."""
-    out = [(off, v ^ K.bank_mask(gen, i)) for i, (off, v) in enumerate(zip(K.B_VALUES, vals))]
-    return (*out, (K.B_GEN, gen), (K.B_SUM, bank_sum(gen, d, vals)))
-
-
 def write_bank(c: Cells, line: int, d: Tuple[int, int], vals, gen: int) -> None:
     """Store one bank with plain stores: only for a segment no other process sees yet."""
-    for off, w in bank_words(gen, d, vals):
-        c.store(line + off, w)
-
-
-def read_bank(c: Cells, line: int, d: Tuple[int, int]) -> Optional[Tuple[int, Tuple[int, ...]]]:
-    """``(generation, values)`` of one bank, or None if its checksum does not hold for digest ``d``."""
-    raw = tuple(c.load(line + off) for off in K.B_VALUES)
-    gen = c.load(line + K.B_GEN)
-    vals = tuple(w ^ K.bank_mask(gen, i) for i, w in enumerate(raw))
-    return (gen, vals) if c.load(line + K.B_SUM) == bank_sum(gen, d, vals) else None
-
-
-def _newest(c: Cells, lines: Tuple[int, int], d: Tuple[int, int], seq: int):
-    """``(line, values)`` of the valid bank of the newest generation (counted back from ``seq``),
-    or ``(None, None)``."""
-    best, age = (None, None), None
-    for line in lines:
-        b = read_bank(c, line, d)
-        if b is not None and (age is None or (seq - b[0]) & _MASK64 < age):
-            best, age = (line, b[1]), (seq - b[0]) & _MASK64
-    return best
+    for off, w in zip(bank_offsets(line, line)[0], BANKS.stored(gen, vals, d)):
+        c.store(off, w)
 
 
 def pick(
     c: Cells, lines: Tuple[int, int], d: Tuple[int, int], seq: int
 ) -> Optional[Tuple[int, ...]]:
     """The values of the valid bank of the newest generation (counted back from ``seq``), or None."""
-    return _newest(c, lines, d, seq)[1]
-
-
-def pick_line(c: Cells, lines: Tuple[int, int], d: Tuple[int, int], seq: int) -> Optional[int]:
-    """Which of ``lines`` holds the valid bank of the newest generation, or None."""
-    return _newest(c, lines, d, seq)[0]
+    got = BANKS.pick(c.load_many, bank_offsets(*lines), d, seq)[1]
+    return None if got is None else got[1]
 
 
 def rate_of(vals: Tuple[int, ...]) -> Rate:
@@ -235,30 +198,11 @@ class ConfigLock:
         return self.c.load(K.CFG_SEQ) == self.seq
 
     def write_banks(self, lines: Tuple[int, int], d: Tuple[int, int], vals) -> None:
-        """Both banks of one config, the one that does not hold its newest valid copy first.
-
-        Every word is written by load, check that the lock is still ours, CAS from
-        the loaded word (retried only while the lock is ours).  A writer stopped
-        between its check and its CAS, taken over, resumes with one CAS in hand,
-        which expects a word loaded before any newer writer took the lock: it
-        misses every word a newer writer stored (their masks are per generation,
-        so no newer writer stores that word again), and its next check stops it.
-        So a bank a writer completed is never touched by an older writer, and
-        the bank a writer keeps while it writes the other is never one an older
-        writer may still reach: the older ones that came after its writer chose
-        the other bank first too.  However many writers are late, each config
-        keeps a whole bank of its newest completed write, and whoever publishes
-        completed both.
-        """
-        keep = pick_line(self.c, lines, d, self.seq)
-        for line in (lines[0], lines[1]) if keep == lines[1] else (lines[1], lines[0]):
-            for off, want in bank_words(self.gen, d, vals):
-                while True:
-                    seen = self.c.load(line + off)
-                    if not self.held():
-                        raise _taken_over()
-                    if seen == want or self.c.cas(line + off, seen, want):
-                        break
+        """Both banks of one config, at ``lines`` (``BankCode.write_banks``): a writer taken over
+        meanwhile stops, raising ``ConfigWriterTakenOver``."""
+        banks = bank_offsets(*lines)
+        if not BANKS.write_banks(self.c, banks, d, vals, self.gen, K.CFG_SEQ, self.seq):
+            raise _taken_over()
 
     def __exit__(self, exc_type, exc, tb) -> None:
         # Interrupted half-way we publish too: readers then take the old config or the new one.

@@ -13,8 +13,10 @@ and it misses every word a newer writer stored, so however many writers are
 late, the newest completed write keeps a whole bank.  Readers take the first
 bank valid for the even ``CFG_SEQ`` they saw before and after; with none (an
 interrupted writer published nothing new) or while a writer is presumed dead,
-the valid bank of the highest generation not above it (or, under a presumed
-dead writer, that writer's own generation).
+the valid bank of the newest generation counted back from it (under a presumed
+dead writer, from that writer's own generation).  One piece of code,
+``BankCode``, writes and reads these banks for every kind: the plain config
+here, the keyed default and each keyed override (``keyed.gcra``) alike.
 
 A reader turns the words into one immutable ``Snapshot``: a thread that reads
 a snapshot once never combines a new sequence number with an old price.
@@ -22,18 +24,22 @@ a snapshot once never combines a new sequence number with an old price.
 
 from __future__ import annotations
 
+import functools
 import time
 from dataclasses import dataclass
-from typing import Callable, List, Optional, Tuple
+from typing import Any, Callable, List, Optional, Tuple
 
 from shmlimit.config import MAX_SPAN_TOKENS as MAX_SPAN
 from shmlimit.config import MAX_TPN, NS_PER_S, Config
 from shmlimit.errors import ConfigWriterTakenOver, SegmentError
 from shmlimit.shm import layout as L
-from shmlimit.shm.cells import Cells
 
 INF_BITS = L.f2u(float("inf"))
 _KNOWN_FLAGS = L.FLAG_CAPPED | L.FLAG_STOPPED | L.UPSTREAM_FLAGS
+#: CFG_SEQ and the generations count modulo 2**64, as the native keyed composite's do.
+MASK64 = (1 << 64) - 1
+# ``cells`` is a ``shm.cells.Cells``, not imported: the keyed composite (``keyed.cells``, which
+# ``shm.cells`` imports) reads its banks here, and the imports go one way.
 
 
 #: A config writer that holds the sequence lock longer than this is presumed dead (ns).
@@ -74,7 +80,7 @@ class Snapshot:
 NO_SNAPSHOT = Snapshot(-1, 1, 1, 1, 1, False, False, 0, False, True, False, None, 0, False, 0, 0.0)
 
 
-def read_snapshot(cells: Cells) -> Snapshot:
+def read_snapshot(cells: Any) -> Snapshot:
     """The config in force, read under the sequence lock and checked; ``SegmentError`` if corrupt."""
     c = cells
     deadline = None
@@ -135,43 +141,19 @@ def read_snapshot(cells: Cells) -> Snapshot:
     )
 
 
-def published_values(cells: Cells, seq: int) -> Optional[List[int]]:
+def published_values(cells: Any, seq: int) -> Optional[List[int]]:
     """The config words published as of ``seq``: the first bank valid for it, else the newest older one."""
-    banks = [
-        _read_bank(cells, L.CFG_BANK, L.CFG_GEN, L.CFG_SUM),
-        _read_bank(cells, L.CFG_BACKUP_BANK, L.CFG_BACKUP_GEN, L.CFG_BACKUP_SUM),
-    ]
     # Under a writer presumed dead (``seq`` odd), a bank it completed (its generation, seq + 1) is
     # whole too: it may be the only one (it wrote the other first, and stopped in this one).
-    valid = [(gen, vals) for gen, vals in banks if vals is not None and gen <= seq + (seq & 1)]
-    exact = [vals for gen, vals in valid if gen == seq]
-    if exact:
-        return exact[0]
-    return max(valid, key=lambda b: b[0])[1] if valid else None
+    got = PLAIN.pick(cells.load_many, BANKS, (), seq + (seq & 1))[1]
+    return None if got is None else list(got[1])
 
 
-def flags_in_force(cells: Cells, fallback: int) -> int:
+def flags_in_force(cells: Any, fallback: int) -> int:
     """``FLAGS`` of the config in force (read through its bank: the words are stored masked);
     ``fallback`` (what the caller last read) if no bank is valid."""
     vals = published_values(cells, cells.load(L.CFG_SEQ))
     return fallback if vals is None else vals[L.CFG_BANK.index(L.CFG_FLAGS)]
-
-
-def _read_bank(
-    cells: Cells, offsets: Tuple[int, ...], gen_off: int, sum_off: int
-) -> Tuple[int, Optional[List[int]]]:
-    """``(generation, values)`` of one bank, unmasked; values None if its checksum does not hold."""
-    c = cells
-    gen = c.load(gen_off)
-    vals = [c.load(off) ^ L.bank_mask(gen, i) for i, off in enumerate(offsets)]
-    return gen, (vals if c.load(sum_off) == L.config_sum(gen, vals) else None)
-
-
-def bank_words(gen: int, vals: List[int]) -> List[Tuple[int, int]]:
-    """``(index, word)`` of one bank for generation ``gen`` as stored: each value masked by
-    ``bank_mask(gen, i)``, then GEN, then SUM (index 10 and 11, after the ten values)."""
-    words = [(i, v ^ L.bank_mask(gen, i)) for i, v in enumerate(vals)]
-    return words + [(len(vals), gen), (len(vals) + 1, L.config_sum(gen, vals))]
 
 
 def config_words(
@@ -201,6 +183,93 @@ def config_words(
     ]
 
 
+class BankCode:
+    """How one kind's configs sit in their two banks, and the one writer and reader of them all
+    (the plain config: ``PLAIN``; the keyed default and each override: ``keyed.cells.BANKS``).
+
+    A bank is a tuple of word offsets: its values, then ``GEN``, then ``SUM``.  Value ``i`` is
+    stored XOR-ed with ``bank_mask(GEN, i)``; ``SUM`` is ``config_sum`` over ``GEN``, a salt (the
+    keyed override's digest: a bank is valid only for its own key) and the values in ``order``.
+    Generations, like ``CFG_SEQ``, count modulo 2**64: the newest bank is the one whose
+    generation lies least far back from the sequence number it is read under.
+    """
+
+    def __init__(self, order: Tuple[int, ...]) -> None:
+        self.order = order
+        # A pure function of what was loaded, so the last 256 banks read are kept: unmasking and
+        # checking a bank cost two thirds of a keyed try on the portable backend, where the words
+        # are read again every call.
+        self.decode = functools.lru_cache(maxsize=256)(self._decode)
+
+    def _decode(
+        self, words: Tuple[int, ...], salt: Tuple[int, ...]
+    ) -> Optional[Tuple[int, Tuple[int, ...]]]:
+        """``(GEN, values)`` of a bank loaded as ``words``, or None if its checksum does not hold."""
+        *raw, gen, stored_sum = words
+        vals = tuple(w ^ L.bank_mask(gen, i) for i, w in enumerate(raw))
+        ok = stored_sum == L.config_sum(gen, salt + tuple(vals[i] for i in self.order))
+        return (gen, vals) if ok else None
+
+    def stored(self, gen: int, vals, salt: Tuple[int, ...] = ()) -> Tuple[int, ...]:
+        """A bank's words for generation ``gen`` as stored, in bank order (values, GEN, SUM)."""
+        out = tuple(v ^ L.bank_mask(gen, i) for i, v in enumerate(vals))
+        return (*out, gen, L.config_sum(gen, salt + tuple(vals[i] for i in self.order)))
+
+    def pick(self, load_many: Callable, banks, salt: Tuple[int, ...], seq: int):
+        """``(k, (GEN, values))`` of the valid bank ``banks[k]`` of the newest generation counted
+        back from ``seq`` (a tie: the first), or ``(0, None)`` if neither is valid.
+
+        A valid first bank of generation ``seq`` itself is the newest there can be (age 0): the
+        second is then not read -- the same answer as reading both, in half the loads (after
+        every completed write both banks hold its generation).  A bank of a generation above
+        ``seq`` (only a writer's in progress, or a hostile one) counts as the oldest.
+        """
+        decode = self.decode
+        a = decode(load_many(banks[0]), salt)
+        if a is not None and a[0] == seq:
+            return 0, a
+        b = decode(load_many(banks[1]), salt)
+        if b is None or (a is not None and (seq - a[0]) & MASK64 <= (seq - b[0]) & MASK64):
+            return 0, a
+        return 1, b
+
+    def write_banks(
+        self, cells: Any, banks, salt: Tuple[int, ...], vals, gen: int, seq_off: int, lock
+    ) -> bool:
+        """Write both ``banks`` for ``gen``, first the one that does not hold the newest valid copy.
+
+        Every word is written by load, check that ``seq_off`` still holds ``lock``,
+        CAS from the loaded word (retried only while the lock is ours; ``lock``
+        None: a creator alone with its segment, no check).  A writer stopped
+        between its check and its CAS, taken over, resumes with that one CAS in
+        hand, which expects a word loaded before any newer writer took the lock:
+        it misses every word a newer writer stored (values are stored masked by
+        their generation, so no newer writer stores that word again), and its
+        next check stops it.  So a bank a writer completed is never touched by an
+        older writer, and the bank a writer keeps while it writes the other is
+        never one an older writer may still reach: the older writers that came
+        after its own writer chose the other bank first too.  However many
+        writers are late, a whole bank of the newest completed write survives.
+
+        Returns False, having stopped at that check, if the lock was taken over.
+        """
+        c = cells
+        bound = c.load(seq_off) if lock is None else lock
+        keep = self.pick(c.load_many, banks, salt, bound)[0]
+        stored = self.stored(gen, vals, salt)
+        for bank in (banks[1 - keep], banks[keep]):
+            for off, want in zip(bank, stored):
+                while True:
+                    seen = c.load(off)
+                    if lock is not None and c.load(seq_off) != lock:
+                        return False
+                    if seen == want or c.cas(off, seen, want):
+                        break
+        return True
+
+
+#: The plain config's banks: ten values, a checksum over them in bank order, no salt.
+PLAIN = BankCode(tuple(range(len(L.CFG_BANK))))
 BANKS = (
     (L.CFG_BANK + (L.CFG_GEN, L.CFG_SUM)),
     (L.CFG_BACKUP_BANK + (L.CFG_BACKUP_GEN, L.CFG_BACKUP_SUM)),
@@ -208,49 +277,14 @@ BANKS = (
 
 
 def write_banks(
-    cells: Cells, words: List[Tuple[int, int]], gen: int, lock: Optional[int] = None
+    cells: Any, words: List[Tuple[int, int]], gen: int, lock: Optional[int] = None
 ) -> bool:
-    """Write both banks for ``gen``, first the one that does not hold the newest valid config.
-
-    Every word is written by load, check that ``CFG_SEQ`` still holds ``lock``,
-    CAS from the loaded word (retried only while the lock is ours; ``lock``
-    None: a creator alone with its segment, no check).  A writer stopped
-    between its check and its CAS, taken over, resumes with that one CAS in
-    hand, which expects a word loaded before any newer writer took the lock:
-    it misses every word a newer writer stored (values are stored masked by
-    their generation, so no newer writer stores that word again), and its
-    next check stops it.  So a bank a writer completed is never touched by an
-    older writer, and the bank a writer keeps while it writes the other is
-    never one an older writer may still reach: the older writers that came
-    after its own writer chose the other bank first too.  However many
-    writers are late, a whole bank of the newest completed write survives.
-
-    Returns False, having stopped at that check, if the lock was taken over.
-    """
-    c = cells
-    stored = bank_words(gen, [v for _, v in words])
-    live = _read_bank(c, L.CFG_BANK, L.CFG_GEN, L.CFG_SUM)
-    backup = _read_bank(c, L.CFG_BACKUP_BANK, L.CFG_BACKUP_GEN, L.CFG_BACKUP_SUM)
-    bound = c.load(L.CFG_SEQ) if lock is None else lock
-    valid = [
-        (g, k) for k, (g, vals) in enumerate((live, backup)) if vals is not None and g <= bound
-    ]
-    keep = (
-        max(valid, key=lambda b: (b[0], -b[1]))[1] if valid else 0
-    )  # newest valid copy (tie: live bank): last
-    for bank in (BANKS[1 - keep], BANKS[keep]):
-        for i, want in stored:
-            off = bank[i]
-            while True:
-                seen = c.load(off)
-                if lock is not None and c.load(L.CFG_SEQ) != lock:
-                    return False
-                if seen == want or c.cas(off, seen, want):
-                    break
-    return True
+    """Write the plain config ``words`` (in ``CFG_BANK`` order) into both banks for ``gen``
+    (``BankCode.write_banks``); False if the lock was taken over."""
+    return PLAIN.write_banks(cells, BANKS, (), [v for _, v in words], gen, L.CFG_SEQ, lock)
 
 
-def write_under_lock(cells: Cells, words: Callable[[Cells], List[Tuple[int, int]]]) -> None:
+def write_under_lock(cells: Any, words: Callable[[Any], List[Tuple[int, int]]]) -> None:
     """Take the config seqlock (CFG_SEQ odd), write ``words(cells)`` into both banks, publish by CAS.
 
     Raises ``ConfigWriterTakenOver`` if this writer stalled past the lock's

@@ -91,6 +91,9 @@ class BeforeWrite:
     def load(self, off):
         return self.c.load(off)
 
+    def load_many(self, offsets):
+        return self.c.load_many(offsets)  # reads only: never where a writer stops
+
     def store(self, off, value):
         self._write()
         self.c.store(off, value)
