@@ -20,6 +20,7 @@ from support.clock import FakeClock
 
 from shmlimit.bucket.rovers import Bucket
 from shmlimit.config import Config
+from shmlimit.errors import SegmentError
 from shmlimit.shm import banks as config_banks
 from shmlimit.shm import layout as L
 from shmlimit.shm.banks import config_words, read_snapshot, write_under_lock
@@ -161,3 +162,34 @@ def test_any_number_of_late_config_writers_leave_the_newest_config_whole(
             )
     finally:
         release(*writers)
+
+
+# -- the reader: the same pick as the keyed banks' (tests/test_keyed_table.py) -----------------------
+
+SEQ = 10  # CFG_SEQ of the bank test below: even, no writer
+#: A bank's state: valid at a generation counted back from SEQ (0: SEQ's own; 2: the one before;
+#: -2: a generation above SEQ, as a writer's in progress, the oldest of all counted back) or corrupt.
+BANK_STATES = [0, 2, -2, "corrupt"]
+
+
+@pytest.mark.parametrize("a", BANK_STATES)
+@pytest.mark.parametrize("b", BANK_STATES)
+def test_the_valid_bank_of_the_newest_generation_is_the_config(backend, a, b):
+    """Whichever of the two banks is valid and newest (counted back from CFG_SEQ; a tie: the
+    first) is the config in force, as for the keyed banks; none valid is a corrupt segment."""
+    c = private_cells(backend)
+    Bucket.initialise(c, START, FakeClock()())
+    tpn = Bucket(c, FakeClock()).tpn
+    c.store(L.CFG_SEQ, SEQ)
+    for bank, state, cfg in zip(config_banks.BANKS, (a, b), (FIRST, SECOND)):
+        vals = [v for _, v in config_words(cfg, tpn, False, 0)]
+        gen = SEQ - (0 if state == "corrupt" else state)
+        words = config_banks.PLAIN.stored(gen, vals)
+        for off, w in zip(bank, words[:-1] + (words[-1] ^ (state == "corrupt"),)):
+            c.store(off, w)
+    valid = [(age, cfg) for age, cfg in ((a, FIRST), (b, SECOND)) if age != "corrupt"]
+    if not valid:
+        with pytest.raises(SegmentError):
+            read_snapshot(c)
+        return
+    assert read_snapshot(c).config == min(valid, key=lambda v: v[0] % (1 << 64))[1]
