@@ -68,7 +68,7 @@ def check_in_force(c, clock, cfg, tpn, where, seq_before):
 
 
 def test_two_late_config_writers_leave_the_newest_config_whole(backend, monkeypatch):
-    monkeypatch.setattr(config_banks, "CONFIG_LOCK_TIMEOUT_NS", 0)  # taken over at the first look
+    monkeypatch.setattr(config_banks, "CONFIG_LOCK_TIMEOUT_NS", 0)  # taken over at the second look
     clock = FakeClock()
     cells = seq = None
 
@@ -128,7 +128,7 @@ def test_any_number_of_late_config_writers_leave_the_newest_config_whole(
     after the last; then the stopped ones resume in a random order, ``also`` another set_rate
     among them.  After every publication and every resumption the config in force is the one the
     newest completed publication wrote, whole (the pairwise test's check)."""
-    monkeypatch.setattr(config_banks, "CONFIG_LOCK_TIMEOUT_NS", 0)  # taken over at the first look
+    monkeypatch.setattr(config_banks, "CONFIG_LOCK_TIMEOUT_NS", 0)  # taken over at the second look
     clock = FakeClock()
     c = private_cells(backend)
     Bucket.initialise(c, START, clock())

@@ -47,10 +47,11 @@ import time
 from dataclasses import dataclass
 from typing import Iterator, Optional, Tuple
 
-from shmlimit.errors import ConfigWriterTakenOver, SegmentError
+from shmlimit.errors import SegmentError
 from shmlimit.keyed import layout as K
 from shmlimit.keyed.cells import BANKS, alive, bank_offsets
 from shmlimit.shm import layout as L
+from shmlimit.shm.banks import ConfigLock
 from shmlimit.shm.cells import Cells
 
 #: Ticks of schedule arithmetic stay below this (2**60 ticks = 2.3 years).
@@ -160,67 +161,14 @@ def _corrupt(what: str) -> SegmentError:
     return SegmentError(f"keyed segment is corrupt: no copy of {what} passes its checksum")
 
 
-class ConfigLock:
-    """The writers' side of ``CFG_SEQ``: CAS even -> odd, write banks, publish by CAS odd -> even.
-
-    A holder silent for ``LOCK_TIMEOUT`` is taken over (odd -> odd + 2).  Leaving the ``with``
-    publishes; a writer that was taken over meanwhile raises ``ConfigWriterTakenOver`` there
-    (unless another exception is on its way).
-    """
-
-    def __init__(self, c: Cells) -> None:
-        self.c = c
-        self.published = False
-
-    def __enter__(self) -> "ConfigLock":
-        c = self.c
-        seen, since = None, time.monotonic()
-        while True:
-            s = c.load(K.CFG_SEQ)
-            if not s & 1:
-                if c.cas(K.CFG_SEQ, s, _next(s)):
-                    self.seq = _next(s)
-                    return self
-                continue
-            if s != seen:
-                seen, since = s, time.monotonic()
-            elif time.monotonic() - since > LOCK_TIMEOUT and c.cas(K.CFG_SEQ, s, _next(s, 2)):
-                self.seq = _next(s, 2)  # still odd: ours now; we rewrite what we came to write
-                return self
-            os.sched_yield()
-
-    @property
-    def gen(self) -> int:
-        """The generation this writer publishes: the even value after its lock."""
-        return _next(self.seq)
-
-    def held(self) -> bool:
-        return self.c.load(K.CFG_SEQ) == self.seq
-
-    def write_banks(self, lines: Tuple[int, int], d: Tuple[int, int], vals) -> None:
-        """Both banks of one config, at ``lines`` (``BankCode.write_banks``): a writer taken over
-        meanwhile stops, raising ``ConfigWriterTakenOver``."""
-        banks = bank_offsets(*lines)
-        if not BANKS.write_banks(self.c, banks, d, vals, self.gen, K.CFG_SEQ, self.seq):
-            raise _taken_over()
-
-    def __exit__(self, exc_type, exc, tb) -> None:
-        # Interrupted half-way we publish too: readers then take the old config or the new one.
-        self.published = published = self.c.cas(K.CFG_SEQ, self.seq, self.gen)
-        if exc_type is None and not published:
-            raise _taken_over()
-
-
-def _taken_over() -> ConfigWriterTakenOver:
-    return ConfigWriterTakenOver(
-        "this keyed config change was abandoned: the writer stalled longer than the lock's "
-        f"{LOCK_TIMEOUT * 1000:.0f} ms and another took over; apply it again"
-    )
+def config_lock(c: Cells) -> ConfigLock:
+    """The keyed segment's config lock (``shm.banks.ConfigLock``)."""
+    return ConfigLock(c, K.CFG_SEQ, int(LOCK_TIMEOUT * 1e9), "keyed config")
 
 
 def publish_default(c: Cells, rate: Rate) -> None:
-    with ConfigLock(c) as lock:
-        lock.write_banks(K.DEFAULT_BANKS, (0, 0), bank_values(rate))
+    with config_lock(c) as lock:
+        lock.write_banks(BANKS, bank_offsets(*K.DEFAULT_BANKS), (0, 0), bank_values(rate))
 
 
 def read_default(c: Cells) -> Rate:
@@ -302,7 +250,7 @@ class Overrides:
         took the lock and never comes back (before, LIVE -> CLAIM -> LIVE came back, and a late
         claim took over, then gave back, an override a newer writer had just published)."""
         if not lock.held():
-            raise _taken_over()
+            raise lock.taken_over()
         claim = K.o_ctrl(K.O_CLAIM, K.owner(os.getpid()), lock.gen)
         return claim if self.c.cas(e + K.O_CTRL, ctl, claim) else None
 
@@ -335,7 +283,7 @@ class Overrides:
                 "this keyed limiter was created with overrides=0: it has no room for per-key rates"
             )
         c = self.c
-        lock = ConfigLock(c)
+        lock = config_lock(c)
         e, claimed, counted = 0, 0, False
         try:
             with lock:
@@ -360,7 +308,7 @@ class Overrides:
                         break
                 if counted:
                     c.fetch_add(K.OVR_LIVE, 1)
-                lock.write_banks(self._banks(e), d, bank_values(rate))
+                lock.write_banks(BANKS, bank_offsets(*self._banks(e)), d, bank_values(rate))
         finally:
             if lock.published and claimed and self._vals(e, lock.gen) is None:
                 lock.published = (
@@ -376,14 +324,14 @@ class Overrides:
 
     def remove(self, d: Tuple[int, int]) -> bool:
         c = self.c
-        with ConfigLock(c) as lock:
+        with config_lock(c) as lock:
             e = self._find(d) if self.novr else None
             if e is None:
                 return False
             vals = self._vals(e, lock.seq)
             if vals is not None and not vals[3]:
                 return False
-            lock.write_banks(self._banks(e), d, bank_values(None))
+            lock.write_banks(BANKS, bank_offsets(*self._banks(e)), d, bank_values(None))
         if vals is not None:
             c.fetch_add(K.OVR_LIVE, (1 << 64) - 1)
         return True

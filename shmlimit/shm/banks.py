@@ -284,32 +284,70 @@ def write_banks(
     return PLAIN.write_banks(cells, BANKS, (), [v for _, v in words], gen, L.CFG_SEQ, lock)
 
 
+class ConfigLock:
+    """The writers' side of a ``CFG_SEQ`` (the plain config's, a keyed segment's): CAS even -> odd,
+    write banks, publish by CAS odd -> even, the generation written.
+
+    A holder whose lock value stays ``timeout_ns`` is presumed dead and taken over (odd -> odd +
+    2).  Leaving the ``with`` publishes, interrupted half-way too (readers then take the old
+    config or the new one); a writer taken over meanwhile raises ``ConfigWriterTakenOver`` there
+    (unless another exception is on its way): nothing of its own is published.
+    """
+
+    def __init__(self, cells: Any, seq_off: int, timeout_ns: int, what: str = "config") -> None:
+        self.c, self.seq_off, self.timeout_ns, self.what = cells, seq_off, timeout_ns, what
+        self.published = False
+
+    def __enter__(self) -> "ConfigLock":
+        c, off = self.c, self.seq_off
+        seen, since = None, 0
+        while True:
+            s = c.load(off)
+            if not s & 1:
+                if c.cas(off, s, (s + 1) & MASK64):
+                    self.seq = (s + 1) & MASK64
+                    return self
+                continue
+            now = time.monotonic_ns()
+            if s != seen:
+                seen, since = s, now
+            elif now - since >= self.timeout_ns and c.cas(off, s, (s + 2) & MASK64):
+                self.seq = (s + 2) & MASK64  # still odd: ours now; we rewrite what we came to write
+                return self
+            time.sleep(0.0005)
+
+    @property
+    def gen(self) -> int:
+        """The generation this writer publishes: the even value after its lock."""
+        return (self.seq + 1) & MASK64
+
+    def held(self) -> bool:
+        return self.c.load(self.seq_off) == self.seq
+
+    def write_banks(self, code: BankCode, banks, salt: Tuple[int, ...], vals) -> None:
+        """Both ``banks`` of one config (``BankCode.write_banks``); ``ConfigWriterTakenOver`` if
+        this writer was taken over meanwhile."""
+        if not code.write_banks(self.c, banks, salt, vals, self.gen, self.seq_off, self.seq):
+            raise self.taken_over()
+
+    def taken_over(self) -> ConfigWriterTakenOver:
+        return ConfigWriterTakenOver(
+            f"this {self.what} change was abandoned: the writer stalled longer than the lock's "
+            f"{self.timeout_ns // 1_000_000} ms and another took over; apply it again"
+        )
+
+    def __exit__(self, exc_type, exc, tb) -> None:
+        # Publish by CAS from our lock value: if we were taken over, ours is not the config.
+        self.published = published = self.c.cas(self.seq_off, self.seq, self.gen)
+        if exc_type is None and not published:
+            raise self.taken_over()
+
+
 def write_under_lock(cells: Any, words: Callable[[Any], List[Tuple[int, int]]]) -> None:
     """Take the config seqlock (CFG_SEQ odd), write ``words(cells)`` into both banks, publish by CAS.
 
     Raises ``ConfigWriterTakenOver`` if this writer stalled past the lock's
     timeout and another took over: then nothing of ours is published.
     """
-    c = cells
-    since = time.monotonic_ns()
-    while True:
-        seq = c.load(L.CFG_SEQ)
-        if seq & 1 and time.monotonic_ns() - since < CONFIG_LOCK_TIMEOUT_NS:
-            time.sleep(0.0005)
-            continue
-        # even: take the lock; odd for too long: its writer is presumed dead, take it over
-        lock = seq + 1 if not seq & 1 else seq + 2
-        if c.cas(L.CFG_SEQ, seq, lock):
-            break
-    written = False
-    try:
-        written = write_banks(c, words(c), lock + 1, lock)
-    finally:
-        # Publish by CAS from our lock value: if we were taken over, ours is not the config.
-        # (Interrupted half-way, we publish anyway: readers then find the old config valid.)
-        published = c.cas(L.CFG_SEQ, lock, lock + 1)
-    if not (written and published):
-        raise ConfigWriterTakenOver(
-            "this config change was abandoned: the writer stalled longer than the lock's "
-            f"{CONFIG_LOCK_TIMEOUT_NS // 1_000_000} ms and another took over; apply it again"
-        )
+    with ConfigLock(cells, L.CFG_SEQ, CONFIG_LOCK_TIMEOUT_NS) as lock:
+        lock.write_banks(PLAIN, BANKS, (), [v for _, v in words(cells)])
