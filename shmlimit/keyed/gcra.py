@@ -62,10 +62,6 @@ LOCK_TIMEOUT = 0.2
 _MASK64 = (1 << 64) - 1  # CFG_SEQ counts modulo 2**64, as the native composite's does
 
 
-def _next(seq: int, by: int = 1) -> int:
-    return (seq + by) & _MASK64
-
-
 def wait_unlocked(c: Cells) -> int:
     """``CFG_SEQ`` once no writer holds it: an even value.
 
@@ -86,7 +82,7 @@ def wait_unlocked(c: Cells) -> int:
         if s != seen:
             seen, since = s, now
         elif now - since > LOCK_TIMEOUT:
-            c.cas(K.CFG_SEQ, s, _next(s))
+            c.cas(K.CFG_SEQ, s, (s + 1) & _MASK64)
             continue
         os.sched_yield()
 
