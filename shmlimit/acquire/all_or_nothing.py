@@ -24,17 +24,25 @@ class Rate(Protocol):
         """Count the grant (a kind whose take counts, and whose undo uncounts, does nothing)."""
 
 
-def take_all(rates: Sequence[Rate]) -> Optional[float]:
+def take_all(rates: Sequence[Rate], longest: bool = True) -> Optional[float]:
     """None: granted on every rate, counted.  Else refused, holding nothing: the longest wait a
     look found (> 0), or a take's refusal code.
 
     It looks at every rate first and, if any is short, refuses with nothing taken.  Only a race
     (another caller took a rate's room between the looks and its take) refuses a take: the rates
     already taken are undone, newest first.  Grants are counted only once every rate has granted,
-    so a refused call counts on no rate."""
-    longest = max([r.look() for r in rates], default=0)
-    if longest > 0:
-        return longest
+    so a refused call counts on no rate.  With ``longest`` False the looks stop at the first
+    short rate, for a kind whose look writes (a plain rate replenishes): the rates after it are
+    left as they were, as a try refused by the gates leaves them (``attachment.OnClock``)."""
+    wait: float = 0
+    for r in rates:
+        w = r.look()
+        if w > wait:
+            wait = w
+            if not longest:
+                break
+    if wait > 0:
+        return wait
     taken: List[Any] = []
     for r in rates:
         t = r.take()

@@ -71,7 +71,8 @@ def take_all(atts: Sequence[Attachment], ops: Sequence[int], toks: Sequence[int]
     short.  A race's give-back costs those rates' next replenish up to what it gave back (the
     snapshot clamp counts it as tokens already in the bucket): time lost, never an extra grant."""
     return (
-        all_or_nothing.take_all([_Grab(a, o, t) for a, o, t in zip(atts, ops, toks) if o]) is None
+        all_or_nothing.take_all([_Grab(a, o, t) for a, o, t in zip(atts, ops, toks) if o], False)
+        is None
     )
 
 
