@@ -23,6 +23,7 @@ from shmlimit.attachment import NO_FAST, Attachment, open_attachment, registry, 
 from shmlimit.config import Config, parse_spec, validate_n, validate_reconfigure, validate_timeout
 from shmlimit.errors import ConfigMismatchError
 from shmlimit.header import Creation
+from shmlimit.protocol import AcquireOnEnter
 from shmlimit.rate_group import RatesSwitch, group_options
 from shmlimit.redis.option import resolve_upstream
 from shmlimit.redis.spec import DEFAULT_BATCH_SECONDS, DEFAULT_LEASE_TTL, UpstreamSpec
@@ -39,7 +40,7 @@ _INF = float("inf")
 _ONE = 1  # `n is _ONE`: the cheapest test that n is the int 1 (True is not)
 
 
-class Limiter(RatesSwitch, Handle):
+class Limiter(RatesSwitch, AcquireOnEnter, Handle):
     """A rate limit of ``rate`` ops per ``per`` seconds shared by every process using ``name``.
 
     ``Limiter(name, rate=..., per=1.0, burst=None)`` creates the limiter, or
@@ -255,20 +256,6 @@ class Limiter(RatesSwitch, Handle):
         """Detach this handle.  The segment stays (use ``unlink``); other processes are unaffected."""
         self._fast = list(NO_FAST)
         super().close()
-
-    def __enter__(self) -> "Limiter":
-        self.acquire()
-        return self
-
-    def __exit__(self, *exc: Any) -> None:
-        return None
-
-    async def __aenter__(self) -> "Limiter":
-        await self.acquire_async()
-        return self
-
-    async def __aexit__(self, *exc: Any) -> None:
-        return None
 
     def __reduce__(self):
         # The trust travels with the handle: the unpickling process vets the segment the same way.

@@ -61,6 +61,7 @@ from shmlimit.config import NS_PER_S, Config, validate_n, validate_timeout
 from shmlimit.errors import SegmentError
 from shmlimit.group import GroupCreation, copy_regions, open_rates
 from shmlimit.header import Creation, ready_creator
+from shmlimit.protocol import AcquireOnEnter
 from shmlimit.rate_group import MultiStats, RateGroup, parse_rates, rates_from_text
 from shmlimit.shm import layout as L
 from shmlimit.shm.cells import open_cells
@@ -76,7 +77,7 @@ def _plain_timeout(timeout: object) -> bool:
     return timeout is None or (type(timeout) in (int, float) and 0 <= timeout < _INF)  # type: ignore[operator]
 
 
-class MultiLimiter(RateGroup):
+class MultiLimiter(RateGroup, AcquireOnEnter):
     """Several rates taken together; made by ``Limiter(name, rates=...)`` (see the module's docstring).
 
     ``rates=["5000/h", "100/min"]``: every op must fit every rate; ``n`` ops
@@ -192,20 +193,6 @@ class MultiLimiter(RateGroup):
         atts, self._atts = self._atts, []
         for att in atts:
             release(att, detach=True)
-
-    def __enter__(self) -> "MultiLimiter":
-        self.acquire()
-        return self
-
-    def __exit__(self, *exc: Any) -> None:
-        return None
-
-    async def __aenter__(self) -> "MultiLimiter":
-        await self.acquire_async()
-        return self
-
-    async def __aexit__(self, *exc: Any) -> None:
-        return None
 
     def __reduce__(self):
         return (

@@ -29,7 +29,30 @@ seconds.
 
 from __future__ import annotations
 
-from typing import Any, Optional, Protocol, runtime_checkable
+from typing import Any, Optional, Protocol, TypeVar, runtime_checkable
+
+_H = TypeVar("_H", bound="AcquireOnEnter")
+
+
+class AcquireOnEnter:
+    """The context managers of every kind that holds one limit: entering acquires one op (waiting
+    as needed; ``async with``: on the event loop), leaving gives nothing back."""
+
+    __slots__ = ()
+
+    def __enter__(self: _H) -> _H:
+        self.acquire()  # type: ignore[attr-defined]
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        return None
+
+    async def __aenter__(self: _H) -> _H:
+        await self.acquire_async()  # type: ignore[attr-defined]
+        return self
+
+    async def __aexit__(self, *exc: Any) -> None:
+        return None
 
 
 @runtime_checkable
@@ -153,7 +176,7 @@ class KeyedRateLimit(Protocol):
         ...
 
 
-class KeyView:
+class KeyView(AcquireOnEnter):
     """One key of a keyed limiter as a ``RateLimit``: ``lim[key]``.  Every verb is the limiter's own
     for that key, costs by rate name included (``lim[key].acquire(tokens=500)``)."""
 
@@ -226,20 +249,6 @@ class KeyView:
     def unlink(self) -> None:
         """Remove the limiter's name (every key's state with it)."""
         self._limiter.unlink()
-
-    def __enter__(self) -> "KeyView":
-        self.acquire()
-        return self
-
-    def __exit__(self, *exc: Any) -> None:
-        return None
-
-    async def __aenter__(self) -> "KeyView":
-        await self.acquire_async()
-        return self
-
-    async def __aexit__(self, *exc: Any) -> None:
-        return None
 
     def __repr__(self) -> str:
         return f"<shmlimit.KeyView of {self._limiter!r}{' closed' if self._closed else ''}>"
