@@ -9,8 +9,9 @@ own module then opens and validates it.
 
 from __future__ import annotations
 
-from typing import Iterable, Union
+from typing import Callable, Iterable, Iterator, Tuple, Union
 
+from shmlimit.errors import ShmlimitError
 from shmlimit.group import peek_magic, peek_regions
 from shmlimit.keyed import layout as K
 from shmlimit.keyed.limiter import KeyedLimiter, KeyedStats, inspect_keyed
@@ -73,3 +74,17 @@ def inspect(name: str) -> Union[Stats, MultiStats, KeyedStats]:
     if magic == L.GROUP_MAGIC:
         return inspect_group(name)
     return inspect_limiter(name)
+
+
+def inspect_each(
+    names: Iterable[str], unreadable: Callable[[str, Exception], None]
+) -> Iterator[Tuple[str, Union[Stats, MultiStats, KeyedStats]]]:
+    """Each name with its snapshot (``inspect``); a segment that cannot be read (gone since listed,
+    foreign, corrupt, not ours) is handed to ``unreadable`` with the error instead, never fatal."""
+    for name in names:
+        try:
+            s = inspect(name)
+        except (ShmlimitError, OSError, ValueError) as e:
+            unreadable(name, e)
+            continue
+        yield name, s

@@ -204,3 +204,18 @@ def test_top_once_fits_80_by_24_with_60_limiters():
         for lim in lims:
             lim.close()
             lim.unlink()
+
+
+def test_detail_escapes_a_key_as_every_other_stored_string():
+    """A key's invisible character is shown as its escape, the one ``printable`` writes for every
+    string from a segment (a wide one as \\uXXXX: once \\x200b, which reads as a space and 0b)."""
+    from shmlimit.cli.top import render
+
+    keyed = {"name": "k", "kind": "keyed", "rate": 5.0, "per": 1.0, "capacity": 5.0,
+             "overrides": 0, "override_slots": 8, "grants": 3, "stale": False, "keys": 1,
+             "slots": 64, "evicted": 0, "refused_full": 0, "grants_per_second": None,
+             "history": [], "adapt": None, "processes": [],
+             "busiest": [{"key": "a\u200b\x1b", "grants": 3, "wait": 0.0, "rate": None,
+                          "per": None}]}  # fmt: skip
+    text = render([keyed], 1.0)
+    assert "  a\\u200b\\x1b " in text and "\u200b" not in text and "\x1b" not in text

@@ -12,24 +12,25 @@ import multiprocessing as mp
 import os
 import sys
 import time
+from contextlib import contextmanager
 from dataclasses import asdict
-from typing import Callable, Iterator, List, Optional, Sequence, Tuple
+from typing import Iterator, List, Optional, Sequence
 
 from shmlimit import __version__
 from shmlimit.attachment import collect
 from shmlimit.cli.metrics import MAX_SEGMENTS
-from shmlimit.cli.top import adapt_line, printable
+from shmlimit.cli.top import BAD_NAME, adapt_line, printable, rate_text
 from shmlimit.cli.top import run as run_top
 from shmlimit.config import parse_spec
 from shmlimit.errors import ShmlimitError
 from shmlimit.keyed.limiter import KeyedLimiter
 from shmlimit.keyed.segment import collect as collect_keyed
 from shmlimit.keyed.stats import KeyedStats, KeySample, adapted_keys
-from shmlimit.kinds import inspect
+from shmlimit.kinds import inspect, inspect_each
 from shmlimit.limiter import Limiter, unlink
 from shmlimit.multirate import MultiStats
 from shmlimit.rate_group import parse_rates
-from shmlimit.shm.segment import drop_secret, orphan_secrets, scan
+from shmlimit.shm.segment import drop_secret, orphan_secrets, scan, validate_name
 from shmlimit.stats import Stats
 
 
@@ -138,43 +139,35 @@ def cmd_demo(args: argparse.Namespace) -> int:
 # ---- list / inspect / create / unlink --------------------------------------------------
 
 
-def _stats_dict(s: "Stats | KeyedStats | MultiStats") -> dict:
-    if isinstance(s, MultiStats):
-        return {"name": s.name, "rates": {k: _stats_dict(r) for k, r in s.rates.items()}}
-    d = asdict(s)
-    d["processes"] = [asdict(p) for p in s.processes]
-    return d
-
-
-def _inspect(name: str) -> "Stats | KeyedStats":
+@contextmanager
+def _known(name: str) -> Iterator[None]:
+    """A limiter that does not exist under ``name`` is a user error (a ``FileNotFoundError``)."""
     try:
-        return inspect(name)
+        yield
     except FileNotFoundError:
         raise UserError(f"no limiter named {name!r} (see 'shmlimit list')") from None
 
 
-BAD_NAME = "not a valid limiter name: skipped"
+def _inspect(name: str) -> "Stats | KeyedStats":
+    with _known(name):
+        return inspect(name)
 
 
-def _inspected(
-    names: Sequence[str], unreadable: Callable[[str, Exception], None]
-) -> Iterator[Tuple[str, "Stats | KeyedStats"]]:
-    """Each limiter's name and snapshot; one that cannot be read is given to ``unreadable`` (never fatal)."""
+def _check_names(names: Sequence[str], exist: bool) -> None:
+    """Names given on the command line: valid ones (a ``ValueError``), and with ``exist`` the names
+    of limiters that exist (an unknown one is a user error)."""
     for n in names:
-        try:
-            s = inspect(n)
-        except (ShmlimitError, OSError) as e:
-            unreadable(n, e)
-            continue
-        yield n, s
+        validate_name(n)
+    for n in names if exist else ():
+        _inspect(n)
 
 
 def cmd_list(args: argparse.Namespace) -> int:
     names, bad = scan()
     if args.json:
         out: list = []
-        for _, s in _inspected(names, lambda n, e: out.append({"name": n, "error": str(e)})):
-            out.append(_stats_dict(s))
+        for _, s in inspect_each(names, lambda n, e: out.append({"name": n, "error": str(e)})):
+            out.append(asdict(s))
         out.extend({"name": n, "error": BAD_NAME} for n in bad)
         print(json.dumps(out))
         return 0
@@ -184,29 +177,21 @@ def cmd_list(args: argparse.Namespace) -> int:
         print("no shmlimit limiters on this machine")
         return 0
     print(f"{'name':24} {'rate':>12} {'capacity':>9} {'available':>10} {'grants':>10} {'procs':>5}")
-    for n, s in _inspected(names, lambda n, e: print(printable(f"{n:24} unreadable: {e}"))):
+    for n, s in inspect_each(names, lambda n, e: print(printable(f"{n:24} unreadable: {e}"))):
         alive = sum(p.alive for p in s.processes)
         if isinstance(s, MultiStats):  # several rates, one limiter: its rates on one line
-            rates = ", ".join(f"{k}={r.rate:g}/{r.per:g}s" for k, r in s.rates.items())
+            rates = ", ".join(f"{k}={rate_text(r.rate, r.per)}" for k, r in s.rates.items())
             print(printable(f"{n:24} {len(s.rates):>8} rates {rates}  procs {alive}"))
             continue
-        if (
-            isinstance(s, KeyedStats) and s.kind == "windows"
-        ):  # a limits storage: no rate of its own
-            keys = f"{s.keys}/{s.slots} keys"
-            print(
-                f"{n:24} {'windows':>12} {'-':>9} {keys:>10} {s.grants:>10} {alive:>5}  limits storage (grants: hits)"
-            )
-            continue
-        if isinstance(s, KeyedStats):  # per key: the table's fill instead of one bucket's level
-            keys = f"{s.keys}/{s.slots} keys"
-            print(
-                f"{n:24} {s.rate:>8g}/{s.per:g}s {s.capacity:>9g} {keys:>10} {s.grants:>10} {alive:>5}  keyed"
-            )
-            continue
-        print(
-            f"{n:24} {s.rate:>8g}/{s.per:g}s {s.capacity:>9g} {s.available:>10.1f} {s.grants:>10} {alive:>5}"
+        rate, capacity = f"{s.rate:>8g}/{s.per:g}s", f"{s.capacity:g}"
+        level, note = (  # per key: the table's fill instead of one bucket's level
+            (f"{s.keys}/{s.slots} keys", "  keyed")
+            if isinstance(s, KeyedStats)
+            else (f"{s.available:.1f}", "")
         )
+        if getattr(s, "kind", "") == "windows":  # a limits storage: no rate of its own
+            rate, capacity, note = f"{'windows':>12}", "-", "  limits storage (grants: hits)"
+        print(f"{n:24} {rate} {capacity:>9} {level:>10} {s.grants:>10} {alive:>5}{note}")
     return 0
 
 
@@ -223,7 +208,7 @@ def _adapted(s: object) -> "Optional[List[KeySample]]":
 
 def _inspect_json(s: "Stats | KeyedStats | MultiStats") -> dict:
     """``inspect --json``: the snapshot, and an adaptive keyed table's ``adapted_keys``."""
-    d = _stats_dict(s)
+    d = asdict(s)
     for stats, out in (
         zip(s.rates.values(), d["rates"].values()) if isinstance(s, MultiStats) else [(s, d)]
     ):
@@ -236,7 +221,7 @@ def _inspect_json(s: "Stats | KeyedStats | MultiStats") -> dict:
 def _print_fields(s: "Stats | KeyedStats", hidden: set, indent: str = "") -> None:
     """A snapshot's fields, a line each (``adapt``: its bounds and totals, then an adaptive
     keyed table's keys at their rate in force)."""
-    for k, v in _stats_dict(s).items():
+    for k, v in asdict(s).items():
         if k in hidden:
             continue
         if k == "adapt" and v is not None:
@@ -257,7 +242,7 @@ def _print_fields(s: "Stats | KeyedStats", hidden: set, indent: str = "") -> Non
 
 
 def _key_line(k: KeySample) -> str:
-    rate = "default" if k.rate is None else f"{k.rate:g}/{k.per:g}s"
+    rate = "default" if k.rate is None else rate_text(k.rate, k.per)
     return f"{k.key:28} rate {rate:>14}  grants {k.grants:>10}  limited for {k.wait:.3f} s"
 
 
@@ -280,14 +265,9 @@ def cmd_inspect(args: argparse.Namespace) -> int:
     )
     _print_fields(s, hidden)
     print(f"{'processes':20} {len(s.processes)}")
-    for p in s.processes:
-        if isinstance(s, KeyedStats):
-            print(f"  pid {p.pid:>8}  grants {p.grants:>10}  {'alive' if p.alive else 'dead'}")
-            continue
-        flags = (
-            ("alive" if p.alive else "dead")
-            + (" filler" if p.filler else "")
-            + (" waiting" if p.waiting else "")
+    for p in s.processes:  # (a keyed table's processes are neither filler nor waiting)
+        flags = ("alive" if p.alive else "dead") + "".join(
+            f" {role}" for role in ("filler", "waiting") if getattr(p, role, False)
         )
         print(f"  pid {p.pid:>8}  grants {p.grants:>10}  {flags}")
     return 0
@@ -367,10 +347,8 @@ def cmd_create(args: argparse.Namespace) -> int:
 def cmd_set_rate(args: argparse.Namespace) -> int:
     """Change a live limiter for every attached process: a spec rate[,ratio][,verb]."""
     spec = parse_spec(args.spec)
-    try:
+    with _known(args.name):
         lim = Limiter(args.name, mode=int(args.mode, 8), trusted_uids=args.trust_uid)
-    except FileNotFoundError:
-        raise UserError(f"no limiter named {args.name!r} (see 'shmlimit list')") from None
     try:
         if spec.verb == "stop":
             lim.stop()
@@ -391,17 +369,13 @@ def cmd_set_rate(args: argparse.Namespace) -> int:
 
 def cmd_top(args: argparse.Namespace) -> int:
     """The live view (see shmlimit.cli.top)."""
-    for n in args.names:
-        _inspect(n)  # an unknown name is a user error, reported before the first refresh
+    _check_names(args.names, exist=True)  # reported before the first refresh
     return run_top(args.names or None, args.interval, args.once, args.json, show_stale=args.all)
 
 
 def cmd_metrics(args: argparse.Namespace) -> int:
     """The Prometheus text exposition of the limiters (read without joining): printed, or served on /metrics."""
-    from shmlimit.shm.segment import validate_name
-
-    for n in args.names:
-        validate_name(n)
+    _check_names(args.names, exist=args.port is None)  # served: they may be created later
     names = args.names or None
     scope = dict(
         trusted_uids=args.trust_uid, all_users=args.all_users, max_segments=args.max_segments
@@ -409,8 +383,6 @@ def cmd_metrics(args: argparse.Namespace) -> int:
     if args.port is None:
         from shmlimit.cli.metrics import exposition, families, omitted_note
 
-        for n in args.names:
-            _inspect(n)  # an unknown name is a user error when printing once
         fams = families(names, **scope)
         sys.stdout.write(exposition(fams))
         note = omitted_note(fams)
@@ -480,9 +452,11 @@ def cmd_gc(args: argparse.Namespace) -> int:
     names, bad = scan()
     for n in bad:
         print(printable(f"left alone ({BAD_NAME}): {n!r}"))
-    for n, s in _inspected(
-        names, lambda n, e: print(printable(f"left alone (unreadable): {n}: {e}"))
-    ):
+
+    def unreadable(n: str, e: Exception) -> None:
+        print(printable(f"left alone (unreadable): {n}: {e}"))
+
+    for n, s in inspect_each(names, unreadable):
         if any(p.alive for p in s.processes):
             kept += 1
             continue
@@ -496,7 +470,7 @@ def cmd_gc(args: argparse.Namespace) -> int:
                     kept += 1
                     continue
             except (ShmlimitError, OSError) as e:
-                print(printable(f"left alone (unreadable): {n}: {e}"))
+                unreadable(n, e)
                 continue
             print(f"removed: {n}")
         removed += 1
@@ -511,10 +485,8 @@ def cmd_gc(args: argparse.Namespace) -> int:
 
 
 def cmd_unlink(args: argparse.Namespace) -> int:
-    try:
+    with _known(args.name):
         unlink(args.name)
-    except FileNotFoundError:
-        raise UserError(f"no limiter named {args.name!r} (see 'shmlimit list')") from None
     print(f"unlinked {args.name}")
     return 0
 

@@ -29,7 +29,7 @@ from typing import Deque, Dict, List, Optional, Sequence, Tuple
 
 from shmlimit.errors import ShmlimitError
 from shmlimit.keyed.stats import KeyedStats, KeySample, sample_keys, sample_windows
-from shmlimit.kinds import inspect
+from shmlimit.kinds import inspect_each
 from shmlimit.multirate import MultiStats
 from shmlimit.shm.segment import scan
 from shmlimit.stats import Stats
@@ -41,6 +41,8 @@ KEY_SAMPLE = 4096
 BUSIEST = 5
 HISTORY = 30
 CLEAR = "\x1b[H\x1b[2J"
+#: What a listing says of a segment named unlike a limiter.
+BAD_NAME = "not a valid limiter name: skipped"
 
 
 def printable(text: str) -> str:
@@ -55,6 +57,11 @@ def printable(text: str) -> str:
     return "".join(
         ch if ch.isprintable() else ch.encode("unicode_escape").decode("ascii") for ch in text
     )
+
+
+def rate_text(rate: float, per: float) -> str:
+    """A rate as the CLI writes it: ops per window, ``100/1s``."""
+    return f"{rate:g}/{per:g}s"
 
 
 def sparkline(values: Sequence[float]) -> str:
@@ -101,17 +108,11 @@ class Inspector:
     def sample(self) -> List[dict]:
         names, bad = (self.names, []) if self.names is not None else scan()
         now = time.monotonic()
-        out: List[dict] = [{"name": n, "error": "not a valid limiter name: skipped"} for n in bad]
-        for name in names:
-            try:
-                s = inspect(name)
-            except (ShmlimitError, OSError) as e:
-                out.append({"name": name, "error": str(e)})
-                continue
-            if isinstance(s, MultiStats):  # several rates: a row per rate, NAME[KEY]
-                out.extend(self._record(r.name, r, now) for r in s.rates.values())
-                continue
-            out.append(self._record(name, s, now))
+        out: List[dict] = [{"name": n, "error": BAD_NAME} for n in bad]
+        for _, s in inspect_each(names, lambda n, e: out.append({"name": n, "error": str(e)})):
+            # several rates: a row per rate, NAME[KEY]
+            rows = s.rates.values() if isinstance(s, MultiStats) else (s,)
+            out.extend(self._record(r.name, r, now) for r in rows)
         return out
 
     def _busiest(self, name: str, s: KeyedStats) -> List[dict]:
@@ -187,7 +188,12 @@ def _activity(r: dict) -> Tuple[int, float, int, str]:
 def _rate_of(r: dict) -> str:
     if r.get("kind") == "windows":
         return "(limits)"
-    return f"{r['rate']:g}/{r['per']:g}s"
+    return rate_text(r["rate"], r["per"])
+
+
+def _per_second(gps: Optional[float]) -> str:
+    """Grants per second over the last interval ('-' before the second snapshot)."""
+    return "-" if gps is None else f"{gps:,.1f}"
 
 
 def _state_of(r: dict) -> str:
@@ -231,11 +237,10 @@ def table(
         if "error" in r:
             lines.append(f"{name:{name_w}} {'?':6} {'-':>12} {'-':>10} {'-':>5} {_state_of(r):13}")
             continue
-        gps = r["grants_per_second"]
         alive = sum(p["alive"] for p in r["processes"])
         lines.append(
             f"{name:{name_w}} {kinds.get(r.get('kind', ''), 'plain'):6} {_rate_of(r)[:12]:>12} "
-            f"{'-' if gps is None else f'{gps:,.1f}':>10} {alive:>5} {_state_of(r)[:13]:13} "
+            f"{_per_second(r['grants_per_second']):>10} {alive:>5} {_state_of(r)[:13]:13} "
             f"{sparkline(r['history'][-spark_w:]) if spark_w else ''}"
         )
     if not records:
@@ -264,73 +269,78 @@ def render(records: List[dict], interval: float) -> str:
         lines.append("no shmlimit limiters on this machine")
     for r in records:
         if "error" in r:
-            lines.append(f"{r['name']}: unreadable: {r['error']}")
-            lines.append("")
+            lines += [f"{r['name']}: unreadable: {r['error']}", ""]
             continue
-        if r.get("kind") == "keyed":
-            lines.extend(_render_keyed(r))
-            continue
-        if r.get("kind") == "windows":
-            lines.extend(_render_windows(r))
-            continue
-        rate = f"{r['rate']:g}/{r['per']:g}s" + (
-            f" ratio {r['ratio']:g}" if r["ratio"] != 1.0 else ""
-        )
-        flags = " STOPPED" if r["stopped"] else ""
-        flags += " STALE (no live process)" if r["stale"] else ""
-        gps = r["grants_per_second"]
-        lines.append(f"{r['name']}  rate {rate}  capacity {r['capacity']:g}{flags}")
-        lines.append(
-            f"  available {r['available']:.1f}  deficiency {r['deficiency']:.1f} ops / {r['deficiency_seconds']:.4f} s"
-            f"  behind {r['behind_seconds']:.3f} s  starved {r['starved_seconds']:.3f} s  grants {r['grants']}"
-        )
-        hb = "-" if r["heartbeat_age"] is None else f"{r['heartbeat_age'] * 1000:.0f} ms"
-        lines.append(
-            f"  grants/s {'-' if gps is None else f'{gps:,.1f}'}  {sparkline(r['history'])}"
-            f"  filler {r['filler_pid'] or '-'} (heartbeat {hb})"
-        )
-        if r.get("adapt"):
-            lines.append(adapt_line(r["adapt"], "the rate"))
-        up = r.get("upstream")
-        if up:
-            lines.append(
-                f"  upstream {up['url']} {up['key']}  state {up['state'].upper() if up['state'] != 'ok' else 'ok'}"
-                f"  round trips {up['round_trips']}  leased {up['leased']}  expired {up['expired']}"
-                f"  errors {up['errors']}  fallbacks {up['fallbacks']}"
-            )
-        lines.append(f"  {'pid':>8} {'command':16} {'state':6} {'grants':>10}  waiting")
-        for p in r["processes"]:
-            state = "alive" if p["alive"] else "DEAD"
-            role = " filler" if p["filler"] else ""
-            lines.append(
-                f"  {p['pid']:>8} {p['command'][:16]:16} {state:6} {p['grants']:>10}  {'yes' if p['waiting'] else 'no'}{role}"
-            )
-        lines.append("")
+        lines += _render_keyed(r) if "kind" in r else _render_plain(r)
+        lines += _process_lines(r)
     return "\n".join(printable(line) for line in lines) + "\n"
 
 
-def _printable(text: str) -> str:
-    """Keys come from the segment: never let one put control sequences on the operator's terminal."""
-    return "".join(ch if ch.isprintable() else f"\\x{ord(ch):02x}" for ch in text)
+def _render_plain(r: dict) -> List[str]:
+    """A ``Limiter``'s lines: its rate, its bucket, its filler, its upstream (hierarchical)."""
+    rate = rate_text(r["rate"], r["per"]) + (f" ratio {r['ratio']:g}" if r["ratio"] != 1.0 else "")
+    flags = " STOPPED" if r["stopped"] else ""
+    flags += " STALE (no live process)" if r["stale"] else ""
+    hb = "-" if r["heartbeat_age"] is None else f"{r['heartbeat_age'] * 1000:.0f} ms"
+    out = [
+        f"{r['name']}  rate {rate}  capacity {r['capacity']:g}{flags}",
+        f"  available {r['available']:.1f}  deficiency {r['deficiency']:.1f} ops / {r['deficiency_seconds']:.4f} s"
+        f"  behind {r['behind_seconds']:.3f} s  starved {r['starved_seconds']:.3f} s  grants {r['grants']}",
+        f"  grants/s {_per_second(r['grants_per_second'])}  {sparkline(r['history'])}"
+        f"  filler {r['filler_pid'] or '-'} (heartbeat {hb})",
+    ]
+    if r.get("adapt"):
+        out.append(adapt_line(r["adapt"], "the rate"))
+    up = r.get("upstream")
+    if up:
+        out.append(
+            f"  upstream {up['url']} {up['key']}  state {up['state'].upper() if up['state'] != 'ok' else 'ok'}"
+            f"  round trips {up['round_trips']}  leased {up['leased']}  expired {up['expired']}"
+            f"  errors {up['errors']}  fallbacks {up['fallbacks']}"
+        )
+    return out
 
 
 def _render_keyed(r: dict) -> List[str]:
-    out = _keyed_head(
-        r,
-        f"keyed: rate {r['rate']:g}/{r['per']:g}s capacity {r['capacity']:g} per key",
-        f"overrides {r['overrides']}/{r['override_slots']}  grants {r['grants']}",
-        "grants/s",
+    """A keyed segment's lines, either value kind: what it is, its table, its rate of use, then
+    its busiest keys (a keyed limiter) or its fullest windows (a table of window counters, the
+    ``limits`` storage ``shm://``, which has no rate of its own)."""
+    windows = r["kind"] == "windows"
+    title, counts, per_second = (
+        (
+            f"windows: a limits storage (shm://{r['name']}), the limits are its users'",
+            f"hits {r['grants']}",
+            "hits/s",
+        )
+        if windows
+        else (
+            f"keyed: rate {rate_text(r['rate'], r['per'])} capacity {r['capacity']:g} per key",
+            f"overrides {r['overrides']}/{r['override_slots']}  grants {r['grants']}",
+            "grants/s",
+        )
     )
+    out = [
+        f"{r['name']}  {title}{' STALE (no live process)' if r['stale'] else ''}",
+        f"  keys {r['keys']}/{r['slots']}  evicted {r['evicted']}  refused (table full) {r['refused_full']}  {counts}",
+        f"  {per_second} {_per_second(r['grants_per_second'])}  {sparkline(r['history'])}",
+    ]
     if r.get("adapt"):
         out.append(adapt_line(r["adapt"], "each key's rate"))
     if r.get("busiest"):
         out.append(f"  {'busiest keys':28} {'grants':>10}  {'limited for':>11}  rate")
         for k in r["busiest"]:
             out.append(
-                f"  {_printable(k['key'])[:28]:28} {k['grants']:>10}  {k['wait']:>9.3f} s  "
-                + ("default" if k["rate"] is None else f"{k['rate']:g}/{k['per']:g}s")
+                f"  {printable(k['key'])[:28]:28} {k['grants']:>10}  {k['wait']:>9.3f} s  "
+                + ("default" if k["rate"] is None else rate_text(k["rate"], k["per"]))
             )
-    return out + _process_lines(r, "grants")
+    if r.get("windows"):
+        out.append(f"  {'fullest windows':40} {'strategy':8} {'count':>8} {'previous':>8}  ends in")
+        for w in r["windows"]:
+            out.append(
+                f"  {printable(w['key'])[:40]:40} {w['strategy']:8} {w['count']:>8} "
+                f"{w['previous'] if w['strategy'] == 'sliding' else '-':>8}  {w['ends_in']:.3f} s"
+            )
+    return out
 
 
 def adapt_line(a: dict, what: str) -> str:
@@ -342,41 +352,23 @@ def adapt_line(a: dict, what: str) -> str:
     )
 
 
-def _render_windows(r: dict) -> List[str]:
-    """A table of window counters (the ``limits`` storage ``shm://``): it has no rate of its own."""
-    out = _keyed_head(
-        r,
-        f"windows: a limits storage (shm://{r['name']}), the limits are its users'",
-        f"hits {r['grants']}",
-        "hits/s",
-    )
-    if r.get("windows"):
-        out.append(f"  {'fullest windows':40} {'strategy':8} {'count':>8} {'previous':>8}  ends in")
-        for w in r["windows"]:
-            out.append(
-                f"  {_printable(w['key'])[:40]:40} {w['strategy']:8} {w['count']:>8} "
-                f"{w['previous'] if w['strategy'] == 'sliding' else '-':>8}  {w['ends_in']:.3f} s"
-            )
-    return out + _process_lines(r, "hits")
-
-
-def _keyed_head(r: dict, title: str, counts: str, per_second: str) -> List[str]:
-    """The first lines of a keyed segment (either value kind): what it is, its table, its rate of use."""
-    gps = r["grants_per_second"]
-    stale = " STALE (no live process)" if r["stale"] else ""
-    return [
-        f"{r['name']}  {title}{stale}",
-        f"  keys {r['keys']}/{r['slots']}  evicted {r['evicted']}  refused (table full) {r['refused_full']}  {counts}",
-        f"  {per_second} {'-' if gps is None else f'{gps:,.1f}'}  {sparkline(r['history'])}",
+def _process_lines(r: dict) -> List[str]:
+    """A segment's process table: each user's pid, command, liveness and ops (a limits storage's:
+    hits), and for a ``Limiter`` whether it waits and which one fills."""
+    plain = "kind" not in r
+    counted = "hits" if r.get("kind") == "windows" else "grants"
+    out = [
+        f"  {'pid':>8} {'command':16} {'state':6} {counted:>10}" + ("  waiting" if plain else "")
     ]
-
-
-def _process_lines(r: dict, counted: str) -> List[str]:
-    """A keyed segment's process table: each user's pid, command, liveness and ops (``counted``)."""
-    out = [f"  {'pid':>8} {'command':16} {'state':6} {counted:>10}"]
     for p in r["processes"]:
+        role = (
+            f"  {'yes' if p['waiting'] else 'no'}{' filler' if p['filler'] else ''}"
+            if plain
+            else ""
+        )
         out.append(
-            f"  {p['pid']:>8} {p['command'][:16]:16} {'alive' if p['alive'] else 'DEAD':6} {p['grants']:>10}"
+            f"  {p['pid']:>8} {p['command'][:16]:16} {'alive' if p['alive'] else 'DEAD':6} "
+            f"{p['grants']:>10}{role}"
         )
     out.append("")
     return out
