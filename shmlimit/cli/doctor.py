@@ -313,7 +313,7 @@ def check_segments(shm_dir: str = SHM_DIR, names: Optional[List[str]] = None) ->
     """Limiters no live process uses, and segments this user cannot read (all of them, or
     ``names``); of all of them, secret files whose segment is gone."""
     from shmlimit.errors import ShmlimitError
-    from shmlimit.kinds import inspect  # every kind: a Limiter's segment, a keyed one
+    from shmlimit.kinds import inspect_each  # every kind: a Limiter's segment, a keyed one
     from shmlimit.shm.segment import list_names, orphan_secrets
 
     every = names is None
@@ -322,53 +322,34 @@ def check_segments(shm_dir: str = SHM_DIR, names: Optional[List[str]] = None) ->
             names = list_names()
         except (ShmlimitError, OSError):
             return []
-    stale, unreadable = [], []
-    for n in names:
-        try:
-            s = inspect(n)
-        except (ShmlimitError, OSError, ValueError):
-            unreadable.append(n)
-            continue
-        if not any(p.alive for p in s.processes):  # gc removes it, whatever its kind
-            stale.append(n)
-    out = []
-    if stale:
-        out.append(
-            Finding(
-                WARN,
-                "limiters",
-                f"{len(stale)} limiter(s) no live process uses "
-                f"({', '.join(stale[:5])}{', ...' if len(stale) > 5 else ''}): "
-                "'shmlimit gc' removes them",
-                tuple(stale),
-            )
-        )
-    if unreadable:
-        out.append(
-            Finding(
-                WARN,
-                "limiters",
-                f"{len(unreadable)} segment(s) this user cannot read or that are "
-                f"not valid limiters: {', '.join(unreadable[:5])}"
-                f"{', ...' if len(unreadable) > 5 else ''}",
-                tuple(unreadable),
-            )
-        )
+    unreadable: List[str] = []
+    stale = [  # gc removes them, whatever their kind
+        n
+        for n, s in inspect_each(names, lambda n, e: unreadable.append(n))
+        if not any(p.alive for p in s.processes)
+    ]
     orphans = sorted({n for n, _ in orphan_secrets()}) if every else []
-    if orphans:
-        out.append(
-            Finding(
-                WARN,
-                "limiters",
-                f"{len(orphans)} secret file(s) of keyed limiters whose segment is gone "
-                f"({', '.join(orphans[:5])}{', ...' if len(orphans) > 5 else ''}): "
+    out = [
+        Finding(WARN, "limiters", message.format(len(found), _first_five(found)), tuple(found))
+        for found, message in (
+            (stale, "{} limiter(s) no live process uses ({}): 'shmlimit gc' removes them"),
+            (unreadable, "{} segment(s) this user cannot read or that are not valid limiters: {}"),
+            (
+                orphans,
+                "{} secret file(s) of keyed limiters whose segment is gone ({}): "
                 "'shmlimit gc' removes them",
-                tuple(orphans),
-            )
+            ),
         )
+        if found
+    ]
     if not out:
         out.append(Finding(OK, "limiters", f"{len(names)} limiter(s), all in use"))
     return out
+
+
+def _first_five(names: List[str]) -> str:
+    """The names a finding's message shows: the first five, and '...' for more."""
+    return ", ".join(names[:5]) + (", ..." if len(names) > 5 else "")
 
 
 def run_all() -> List[Finding]:

@@ -35,9 +35,8 @@ import math
 from dataclasses import dataclass, field
 from typing import Dict, Iterable, List, Optional, Sequence, Tuple, Union
 
-from shmlimit.errors import ShmlimitError
 from shmlimit.keyed.stats import KeyedStats
-from shmlimit.kinds import inspect
+from shmlimit.kinds import inspect_each
 from shmlimit.multirate import MultiStats
 from shmlimit.shm.segment import list_names, owner, trusted_owner, validate_trusted_uids
 from shmlimit.stats import Stats
@@ -243,20 +242,15 @@ def snapshots(names: Optional[Sequence[str]] = None) -> Tuple[List[AnyStats], Li
     """Snapshots of the named limiters (all of the machine's by default), and the names that could not be read."""
     stats: List[AnyStats] = []
     unreadable: List[str] = []
-    for name in list_names() if names is None else names:
-        try:
-            s = inspect(name)
-            # several rates: each rate's series, named NAME[KEY]
-            stats.extend(s.rates.values() if isinstance(s, MultiStats) else (s,))
-        except (
-            FileNotFoundError
-        ):  # unlinked since listed, or named and not (yet) created: no samples
-            continue
-        except (
-            ShmlimitError,
-            OSError,
-        ):  # gone since listed, foreign, corrupt, not ours: counted, never fatal
+
+    def count(name: str, e: Exception) -> None:
+        # unlinked since listed, or named and not (yet) created: no samples; else counted
+        if not isinstance(e, FileNotFoundError):
             unreadable.append(name)
+
+    for _, s in inspect_each(list_names() if names is None else names, count):
+        # several rates: each rate's series, named NAME[KEY]
+        stats.extend(s.rates.values() if isinstance(s, MultiStats) else (s,))
     return stats, unreadable
 
 
@@ -338,50 +332,40 @@ def families_of(
     keyed = [s for s in everything if isinstance(s, KeyedStats)]
     stats = [s for s in everything if not isinstance(s, KeyedStats)]
     limiters = [k for k in keyed if k.kind != "windows"]
-    out = []
-    for name, kind, help_, get in _LIMITER_METRICS:
-        fam = Family(name, kind, help_)
-        shared = keyed if name in _SHARED_WINDOWS else limiters if name in _SHARED else []
-        for s in [*stats, *shared]:
-            v = get(s)
-            if v is not None:
-                fam.samples.append(((("limiter", s.name),), float(v)))
-        out.append(fam)
     hier = [s for s in stats if s.upstream is not None]
-    state = Family(
-        "shmlimit_upstream_fallback",
-        "gauge",
-        "Hierarchical limiters: 1 while a fallback is in force because Redis is unreachable.",
+    adaptive = [s for s in everything if s.adapt is not None]
+    out = [
+        _family(
+            m,
+            [*stats, *(keyed if m[0] in _SHARED_WINDOWS else limiters if m[0] in _SHARED else [])],
+        )
+        for m in _LIMITER_METRICS
+    ]
+    out.append(
+        _family(
+            (
+                "shmlimit_upstream_fallback",
+                "gauge",
+                "Hierarchical limiters: 1 while a fallback is in force because Redis is unreachable.",
+                lambda s: s.upstream.state != "ok",
+            ),
+            hier,
+        )
     )
-    for s in hier:
-        assert s.upstream is not None
-        state.samples.append(((("limiter", s.name),), float(s.upstream.state != "ok")))
-    out.append(state)
-    for name, kind, help_, attr in _UPSTREAM_METRICS:
-        fam = Family(name, kind, help_)
-        for s in hier:
-            fam.samples.append(((("limiter", s.name),), float(getattr(s.upstream, attr))))
-        out.append(fam)
-    for name, kind, help_, attr in _KEYED_METRICS:
-        fam = Family(name, kind, help_)
-        for k in limiters if name in _NOT_WINDOWS else keyed:
-            fam.samples.append(((("limiter", k.name),), float(getattr(k, attr))))
-        out.append(fam)
-    for name, kind, help_, attr in _ADAPT_METRICS:
-        fam = Family(name, kind, help_)
-        for s in everything:
-            if s.adapt is not None:
-                fam.samples.append(((("limiter", s.name),), float(getattr(s.adapt, attr))))
-        out.append(fam)
-    hits = Family(
-        "shmlimit_window_hits",
-        "counter",
-        "Hits asked of a limits storage (shm://), granted or refused.",
+    out += [_family(meta, hier, "upstream") for meta in _UPSTREAM_METRICS]
+    out += [_family(m, limiters if m[0] in _NOT_WINDOWS else keyed) for m in _KEYED_METRICS]
+    out += [_family(meta, adaptive, "adapt") for meta in _ADAPT_METRICS]
+    out.append(
+        _family(
+            (
+                "shmlimit_window_hits",
+                "counter",
+                "Hits asked of a limits storage (shm://), granted or refused.",
+                lambda k: k.hits,
+            ),
+            keyed,
+        )
     )
-    for k in keyed:
-        if k.hits is not None:
-            hits.samples.append(((("limiter", k.name),), float(k.hits)))
-    out.append(hits)
     out.append(
         Family(
             "shmlimit_unreadable_segments",
@@ -399,6 +383,19 @@ def families_of(
         )
     )
     return out
+
+
+def _family(meta: tuple, stats: Iterable[AnyStats], part: str = "") -> Family:
+    """The family ``meta`` describes, ``(name, type, help, value)``, sampled from each of ``stats``
+    by its limiter's name; ``value`` is a function of a snapshot or the name of one of its fields
+    (of its ``part``, ``upstream`` or ``adapt``, when given); a value of None is no sample."""
+    name, kind, help_, value = meta
+    fam = Family(name, kind, help_)
+    for s in stats:
+        v = getattr(getattr(s, part) if part else s, value) if isinstance(value, str) else value(s)
+        if v is not None:
+            fam.samples.append(((("limiter", s.name),), float(v)))
+    return fam
 
 
 def _escape_label(value: str) -> str:
