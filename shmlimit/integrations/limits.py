@@ -32,9 +32,10 @@ counter exists from 4.1).
 from __future__ import annotations
 
 import asyncio
+import functools
 import time
 import urllib.parse
-from typing import Any, Dict, Optional, Tuple, Type, Union
+from typing import Any, Awaitable, Callable, Dict, List, Optional, Tuple, Type, TypeVar, Union
 
 from shmlimit.errors import MissingExtraError, ShmlimitError
 
@@ -50,6 +51,7 @@ except ImportError:  # pragma: no cover - older limits: fixed windows only
     _Sliding = object  # type: ignore[assignment,misc]
 
 
+R = TypeVar("R")
 #: The granularities' names ``RateLimitItem.key_for`` ends a key with.
 _GRANULARITIES = frozenset(("year", "month", "day", "hour", "minute", "second"))
 
@@ -82,14 +84,6 @@ def _fixed_limit(key: str) -> Optional[int]:
             f"limit must be at most {CMAX} hits per window on shm://, got {limit} (key {key!r})"
         )
     return limit
-
-
-def _window_start(table: WindowTable, key: str, expiry: float) -> Tuple[float, int]:
-    """``get_moving_window``'s answer: (when the oldest hit in the window was, as a
-    ``time.time()`` timestamp -- now if there is none --, hits in the window)."""
-    age, hits = table.moving_window(key, expiry)
-    now = time.time()
-    return (now if age is None else now - age), hits
 
 
 __all__ = ["AsyncShmStorage", "ShmStorage", "limit_of", "parse_uri"]
@@ -144,32 +138,34 @@ def _table(uri: str, scheme: str, options: Dict[str, Any]) -> WindowTable:
     return WindowTable(name, **opts)
 
 
-class ShmStorage(Storage, MovingWindowSupport, _Sliding):  # type: ignore[misc,valid-type]
-    """The ``shm://`` storage: fixed-window, sliding-window-counter and moving-window counters in
-    a ``WindowTable``.
+class _Table:
+    """What both storages are: the ``WindowTable`` their uri names, ``ShmlimitError`` their base
+    exception."""
 
-    Options (URI query or keyword arguments, e.g. Flask-Limiter's
-    ``storage_options``): ``keys`` (slots, default 100 000), ``mode``
-    (permission bits of the segment, default 0o600), ``trusted_uids``,
-    ``when_full`` ("evict", the default: a new key takes the slot of the
-    window ending first when none is free; "refuse": it is refused),
-    ``store_keys`` (keep keys' first bytes for ``top``; default false),
-    ``moving_keys`` (moving-window slots, default 1024) and ``moving_log``
-    (words of each one's log, default 256); the sizes are used when the first
-    process creates the table.
-    """
-
-    STORAGE_SCHEME = ["shm"]
+    STORAGE_SCHEME: List[str]
 
     def __init__(
-        self, uri: str = "shm://limits", wrap_exceptions: bool = False, **options: Any
+        self, uri: Optional[str] = None, wrap_exceptions: bool = False, **options: Any
     ) -> None:
-        self.table = _table(uri, "shm", options)
-        super().__init__(uri, wrap_exceptions=wrap_exceptions, **options)
+        """``uri``: ``<scheme>://NAME`` (default ``<scheme>://limits``)."""
+        scheme = self.STORAGE_SCHEME[0]
+        uri = f"{scheme}://limits" if uri is None else uri
+        self.table = _table(uri, scheme, options)
+        super().__init__(uri, wrap_exceptions=wrap_exceptions, **options)  # type: ignore[call-arg]
 
     @property
     def base_exceptions(self) -> Union[Type[Exception], Tuple[Type[Exception], ...]]:
         return ShmlimitError
+
+    def __repr__(self) -> str:
+        return f"<{type(self).__name__} {self.table!r}>"
+
+
+class _Hits(_Table):
+    """The storage's verbs on the table: each a few atomic operations, never a wait (``reset``
+    excepted: a scan of every slot)."""
+
+    table: WindowTable
 
     # -- fixed window ---------------------------------------------------------------------
 
@@ -201,7 +197,11 @@ class ShmStorage(Storage, MovingWindowSupport, _Sliding):  # type: ignore[misc,v
         return self.table.acquire_entry(key, limit, expiry, amount)
 
     def get_moving_window(self, key: str, limit: int, expiry: int) -> Tuple[float, int]:
-        return _window_start(self.table, key, expiry)
+        """(when the oldest hit in the window was, as a ``time.time()`` timestamp -- now if there
+        is none --, hits in the window)."""
+        age, hits = self.table.moving_window(key, expiry)
+        now = time.time()
+        return (now if age is None else now - age), hits
 
     def reset(self) -> int:
         return self.table.reset()
@@ -219,8 +219,33 @@ class ShmStorage(Storage, MovingWindowSupport, _Sliding):  # type: ignore[misc,v
     def clear_sliding_window(self, key: str, expiry: int) -> None:
         self.table.clear_sliding(key, expiry)
 
-    def __repr__(self) -> str:
-        return f"<ShmStorage {self.table!r}>"
+
+class ShmStorage(_Hits, Storage, MovingWindowSupport, _Sliding):  # type: ignore[misc,valid-type]
+    """The ``shm://`` storage: fixed-window, sliding-window-counter and moving-window counters in
+    a ``WindowTable``.
+
+    Options (URI query or keyword arguments, e.g. Flask-Limiter's
+    ``storage_options``): ``keys`` (slots, default 100 000), ``mode``
+    (permission bits of the segment, default 0o600), ``trusted_uids``,
+    ``when_full`` ("evict", the default: a new key takes the slot of the
+    window ending first when none is free; "refuse": it is refused),
+    ``store_keys`` (keep keys' first bytes for ``top``; default false),
+    ``moving_keys`` (moving-window slots, default 1024) and ``moving_log``
+    (words of each one's log, default 256); the sizes are used when the first
+    process creates the table.
+    """
+
+    STORAGE_SCHEME = ["shm"]
+
+
+def _on_loop(verb: Callable[..., R]) -> Callable[..., Awaitable[R]]:
+    """``verb`` of the sync storage as the async one's: run on the event loop itself."""
+
+    @functools.wraps(verb)
+    async def run(self: Any, *args: Any, **kwargs: Any) -> R:
+        return verb(self, *args, **kwargs)
+
+    return run
 
 
 try:  # limits.aio (limits >= 2.1; its sliding window counter from 4.1)
@@ -232,7 +257,9 @@ except ImportError:  # pragma: no cover - a limits without the asyncio API
 
 if _AsyncStorage is not None:
 
-    class AsyncShmStorage(_AsyncStorage, _AsyncMoving, _AsyncSliding):  # type: ignore[misc,valid-type]
+    class AsyncShmStorage(  # type: ignore[misc,valid-type]
+        _Table, _AsyncStorage, _AsyncMoving, _AsyncSliding
+    ):
         """The ``async+shm://NAME`` storage for ``limits.aio``: the table ``shm://NAME`` names, shared alike.
 
         Every method but ``reset`` works on the event loop: a hit is a few
@@ -244,55 +271,16 @@ if _AsyncStorage is not None:
 
         STORAGE_SCHEME = ["async+shm"]
 
-        def __init__(
-            self, uri: str = "async+shm://limits", wrap_exceptions: bool = False, **options: Any
-        ) -> None:
-            self.table = _table(uri, "async+shm", options)
-            super().__init__(uri, wrap_exceptions=wrap_exceptions, **options)
-
-        @property
-        def base_exceptions(self) -> Union[Type[Exception], Tuple[Type[Exception], ...]]:
-            return ShmlimitError
-
-        async def incr(self, key: str, expiry: float, amount: int = 1) -> int:
-            """Add ``amount`` to ``key``'s window of ``expiry`` seconds; the count after it."""
-            return self.table.incr(key, expiry, amount, _fixed_limit(key))
-
-        async def get(self, key: str) -> int:
-            return self.table.get(key)
-
-        async def get_expiry(self, key: str) -> float:
-            """When ``key``'s window ends, as a ``time.time()`` timestamp (now if it has none)."""
-            return time.time() + self.table.expires_in(key)
-
-        async def clear(self, key: str) -> None:
-            """Forget ``key``'s fixed window and moving window."""
-            self.table.clear(key)
-            if self.table.moving_slots:
-                self.table.clear_moving(key)
-
-        async def acquire_entry(self, key: str, limit: int, expiry: int, amount: int = 1) -> bool:
-            return self.table.acquire_entry(key, limit, expiry, amount)
-
-        async def get_moving_window(self, key: str, limit: int, expiry: int) -> Tuple[float, int]:
-            return _window_start(self.table, key, expiry)
-
-        async def check(self) -> bool:
-            return not self.table.closed
+        incr = _on_loop(_Hits.incr)
+        get = _on_loop(_Hits.get)
+        get_expiry = _on_loop(_Hits.get_expiry)
+        clear = _on_loop(_Hits.clear)
+        check = _on_loop(_Hits.check)
+        acquire_entry = _on_loop(_Hits.acquire_entry)
+        get_moving_window = _on_loop(_Hits.get_moving_window)
+        acquire_sliding_window_entry = _on_loop(_Hits.acquire_sliding_window_entry)
+        get_sliding_window = _on_loop(_Hits.get_sliding_window)
+        clear_sliding_window = _on_loop(_Hits.clear_sliding_window)
 
         async def reset(self) -> int:
             return await asyncio.to_thread(self.table.reset)
-
-        async def acquire_sliding_window_entry(
-            self, key: str, limit: int, expiry: int, amount: int = 1
-        ) -> bool:
-            return self.table.acquire_sliding(key, limit, expiry, amount)
-
-        async def get_sliding_window(self, key: str, expiry: int) -> Tuple[int, float, int, float]:
-            return self.table.sliding(key, expiry)
-
-        async def clear_sliding_window(self, key: str, expiry: int) -> None:
-            self.table.clear_sliding(key, expiry)
-
-        def __repr__(self) -> str:
-            return f"<AsyncShmStorage {self.table!r}>"
