@@ -58,6 +58,17 @@ class Middleware:
         return f"<{cls.__module__}.{cls.__qualname__} limiter={self.policy.limiter!r} max_wait={self.policy.max_wait:g}>"
 
 
+def client_host(scope: Any) -> str:
+    """The default key of a keyed limiter under ASGI: the client's address as the server saw it."""
+    client = scope.get("client")
+    return str(client[0]) if client else ""
+
+
+def remote_addr(environ: Any) -> str:
+    """The default key of a keyed limiter under WSGI: the client's address as the server saw it."""
+    return str(environ.get("REMOTE_ADDR", ""))
+
+
 def client_ip(request: Any, trusted_hops: int = 1) -> str:
     """The client's address behind ``trusted_hops`` proxies, from an ASGI scope or a WSGI environ.
 
@@ -74,12 +85,11 @@ def client_ip(request: Any, trusted_hops: int = 1) -> str:
             f"trusted_hops must be an int >= 0 (proxies in front), got {trusted_hops!r}"
         )
     if "headers" in request and "type" in request:  # an ASGI scope
-        peer = request.get("client")
-        seen = str(peer[0]) if peer else ""
+        seen = client_host(request)
         raw = b",".join(v for k, v in request["headers"] if k.lower() == b"x-forwarded-for")
         forwarded = raw.decode("latin-1")
     else:  # a WSGI environ: the server joined repeated headers with commas
-        seen = str(request.get("REMOTE_ADDR", ""))
+        seen = remote_addr(request)
         forwarded = str(request.get("HTTP_X_FORWARDED_FOR", ""))
     if not trusted_hops:
         return seen
@@ -153,6 +163,18 @@ class Policy:
             raise ValueError(f"cost must be an int >= 1, the cost callable returned {n!r}")
         return ((key,) if self.keyed else ()), n
 
+    def grant(self, args: Tuple[Any, ...], n: int) -> bool:
+        """Take the request's ``n`` ops: at once or not at all, or waiting up to ``max_wait``."""
+        if self.max_wait > 0:
+            return self.limiter.acquire(*args, n, timeout=self.max_wait)
+        return self.limiter.try_acquire(*args, n)
+
+    async def grant_async(self, args: Tuple[Any, ...], n: int) -> bool:
+        """``grant`` on the event loop: a wait is an ``asyncio.sleep``."""
+        if self.max_wait > 0:
+            return await self.limiter.acquire_async(*args, n, timeout=self.max_wait)
+        return self.limiter.try_acquire(*args, n)
+
     # -- headers ---------------------------------------------------------------------
 
     def rate_of(self, args: Tuple[Any, ...]) -> Tuple[float, float, float]:
@@ -186,10 +208,15 @@ class Policy:
         return max(0, math.floor(full - missing + 1e-9)), reset
 
     def granted_headers(self, args: Tuple[Any, ...]) -> List[Tuple[str, str]]:
-        remaining, reset = self.state(args)
+        return self._quota_headers(args, *self.state(args))
+
+    def _quota_headers(
+        self, args: Tuple[Any, ...], remaining: int, t: int
+    ) -> List[Tuple[str, str]]:
+        """The policy, and the ops ``remaining`` now with the seconds ``t`` of the live state."""
         return [
             ("RateLimit-Policy", self.policy_header(args)),
-            ("RateLimit", f'"{self.name}";r={remaining};t={reset}'),
+            ("RateLimit", f'"{self.name}";r={remaining};t={t}'),
         ]
 
     def refused_headers(self, args: Tuple[Any, ...], n: int) -> List[Tuple[str, str]]:
@@ -203,6 +230,5 @@ class Policy:
             ("Content-Type", "text/plain; charset=utf-8"),
             ("Content-Length", str(len(BODY))),
             ("Retry-After", str(retry)),
-            ("RateLimit-Policy", self.policy_header(args)),
-            ("RateLimit", f'"{self.name}";r={remaining};t={retry}'),
+            *self._quota_headers(args, remaining, retry),
         ]

@@ -22,7 +22,14 @@ from __future__ import annotations
 
 from typing import Any, Awaitable, Callable, MutableMapping
 
-from shmlimit.integrations._http import BODY, STATUS, Middleware, ascii_headers, client_ip
+from shmlimit.integrations._http import (
+    BODY,
+    STATUS,
+    Middleware,
+    ascii_headers,
+    client_host,
+    client_ip,
+)
 
 __all__ = ["RateLimitMiddleware", "client_host", "client_ip"]
 
@@ -31,12 +38,6 @@ Message = MutableMapping[str, Any]
 Receive = Callable[[], Awaitable[Message]]
 Send = Callable[[Message], Awaitable[None]]
 ASGIApp = Callable[[Scope, Receive, Send], Awaitable[None]]
-
-
-def client_host(scope: Scope) -> str:
-    """The default key of a keyed limiter: the client's address as the server saw it."""
-    client = scope.get("client")
-    return str(client[0]) if client else ""
 
 
 class RateLimitMiddleware(Middleware):
@@ -64,12 +65,7 @@ class RateLimitMiddleware(Middleware):
             await self.app(scope, receive, send)
             return
         args, n = req
-        lim = self.policy.limiter
-        if self.policy.max_wait > 0:
-            granted = await lim.acquire_async(*args, n, timeout=self.policy.max_wait)
-        else:
-            granted = lim.try_acquire(*args, n)
-        if not granted:
+        if not await self.policy.grant_async(args, n):
             await send(
                 {
                     "type": "http.response.start",

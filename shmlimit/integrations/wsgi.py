@@ -17,17 +17,12 @@ from __future__ import annotations
 
 from typing import Any, Callable, Dict, Iterable
 
-from shmlimit.integrations._http import BODY, Middleware, client_ip
+from shmlimit.integrations._http import BODY, Middleware, client_ip, remote_addr
 
 __all__ = ["RateLimitMiddleware", "client_ip", "remote_addr"]
 
 Environ = Dict[str, Any]
 WSGIApp = Callable[[Environ, Callable[..., Any]], Iterable[bytes]]
-
-
-def remote_addr(environ: Environ) -> str:
-    """The default key of a keyed limiter: the client's address as the server saw it."""
-    return str(environ.get("REMOTE_ADDR", ""))
 
 
 class RateLimitMiddleware(Middleware):
@@ -44,12 +39,7 @@ class RateLimitMiddleware(Middleware):
         if req is None:
             return self.app(environ, start_response)
         args, n = req
-        lim = self.policy.limiter
-        if self.policy.max_wait > 0:
-            granted = lim.acquire(*args, n, timeout=self.policy.max_wait)
-        else:
-            granted = lim.try_acquire(*args, n)
-        if not granted:
+        if not self.policy.grant(args, n):
             start_response("429 Too Many Requests", self.policy.refused_headers(args, n))
             return [BODY]
         if not self.headers:
