@@ -411,6 +411,16 @@ def parse_spec(spec: str) -> RateSpec:
     return RateSpec(rate, ratio, verb, per)
 
 
+def is_number(value: object) -> bool:
+    """An int or a float, not a bool: ``True`` is no count of seconds or ops."""
+    return isinstance(value, (int, float)) and not isinstance(value, bool)
+
+
+def is_int(value: object, low: int, high: float = math.inf) -> bool:
+    """An int (not a bool) from ``low`` to ``high``."""
+    return isinstance(value, int) and not isinstance(value, bool) and low <= value <= high
+
+
 def validate_n(n: object, cost: int) -> int:
     """``n`` must be a positive int small enough that n ops of tokens fit the rover arithmetic."""
     if isinstance(n, bool) or not isinstance(n, int):

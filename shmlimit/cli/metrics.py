@@ -35,6 +35,7 @@ import math
 from dataclasses import dataclass, field
 from typing import Dict, Iterable, List, Optional, Sequence, Tuple, Union
 
+from shmlimit.config import is_int
 from shmlimit.keyed.stats import KeyedStats
 from shmlimit.kinds import inspect_each
 from shmlimit.multirate import MultiStats
@@ -270,7 +271,7 @@ def select(
     chose, in any number.
     """
     trusted = validate_trusted_uids(trusted_uids)
-    if isinstance(max_segments, bool) or not isinstance(max_segments, int) or max_segments < 1:
+    if not is_int(max_segments, 1):
         raise ValueError(f"max_segments must be an int of at least 1, got {max_segments!r}")
     kept: List[str] = []
     omitted = {UNTRUSTED: 0, OVER_CAP: 0}

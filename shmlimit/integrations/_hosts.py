@@ -40,6 +40,7 @@ from typing import Any, Awaitable, Callable, Iterable, Optional, Tuple, TypeVar
 from urllib.parse import urlsplit
 
 from shmlimit import KeyedLimiter
+from shmlimit.config import is_int, is_number
 from shmlimit.errors import RateLimited
 from shmlimit.shm.segment import NAME_MAX
 
@@ -132,7 +133,7 @@ def _statuses(pause_on: Any) -> frozenset:
         )
     out = frozenset(pause_on)
     for s in out:
-        if isinstance(s, bool) or not isinstance(s, int) or not 100 <= s <= 599:
+        if not is_int(s, 100, 599):
             raise ValueError(f"pause_on must hold HTTP statuses (ints 100-599), got {s!r}")
     return out
 
@@ -168,19 +169,11 @@ class HostThrottle:
                 )
         if key is not None and not callable(key):
             raise TypeError(f"key must be a callable (url) -> str or None, got {key!r}")
-        if max_wait is not None and (
-            isinstance(max_wait, bool)
-            or not isinstance(max_wait, (int, float))
-            or not 0 <= max_wait
-        ):
+        if max_wait is not None and not (is_number(max_wait) and 0 <= max_wait):
             raise ValueError(
                 f"max_wait must be None (wait as long as needed) or seconds >= 0, got {max_wait!r}"
             )
-        if (
-            isinstance(max_pause, bool)
-            or not isinstance(max_pause, (int, float))
-            or not 0 <= max_pause <= MAX_RETRY_AFTER
-        ):
+        if not (is_number(max_pause) and 0 <= max_pause <= MAX_RETRY_AFTER):
             raise ValueError(
                 f"max_pause must be seconds from 0 to {MAX_RETRY_AFTER:.0f}, got {max_pause!r}"
             )

@@ -22,6 +22,7 @@ import re
 from typing import Any, Callable, List, Optional, Tuple, Union
 
 from shmlimit import KeyedLimiter
+from shmlimit.config import is_int, is_number
 
 #: What a refusal answers: the status, and a short plain-text body.
 STATUS = 429
@@ -80,7 +81,7 @@ def client_ip(request: Any, trusted_hops: int = 1) -> str:
     fewer entries than hops, gives the address the server saw.  Set it to the
     number of proxies in front of the server, no more.
     """
-    if isinstance(trusted_hops, bool) or not isinstance(trusted_hops, int) or trusted_hops < 0:
+    if not is_int(trusted_hops, 0):
         raise ValueError(
             f"trusted_hops must be an int >= 0 (proxies in front), got {trusted_hops!r}"
         )
@@ -112,13 +113,9 @@ class Policy:
             raise ValueError(
                 f"policy must be 1-64 letters, digits or _.:/+- (a header token), got {name!r}"
             )
-        if (
-            isinstance(max_wait, bool)
-            or not isinstance(max_wait, (int, float))
-            or not 0 <= max_wait < math.inf
-        ):
+        if not (is_number(max_wait) and 0 <= max_wait < math.inf):
             raise ValueError(f"max_wait must be a finite number of seconds >= 0, got {max_wait!r}")
-        if not callable(cost) and (isinstance(cost, bool) or not isinstance(cost, int) or cost < 1):
+        if not callable(cost) and not is_int(cost, 1):
             raise ValueError(f"cost must be an int >= 1 or a callable returning one, got {cost!r}")
         if key is not None and not callable(key):
             raise TypeError(
@@ -159,7 +156,7 @@ class Policy:
         if key is None:
             return None
         n = self.cost(request) if callable(self.cost) else self.cost
-        if isinstance(n, bool) or not isinstance(n, int) or n < 1:
+        if not is_int(n, 1):
             raise ValueError(f"cost must be an int >= 1, the cost callable returned {n!r}")
         return ((key,) if self.keyed else ()), n
 

@@ -61,6 +61,7 @@ import sys
 import time
 from typing import Any, Callable, Optional, Tuple, Type, TypeVar
 
+from shmlimit.config import is_int, is_number
 from shmlimit.errors import MissingExtraError
 
 try:  # the helper drives Celery's task API (retry, request): checked here, with a hint
@@ -219,25 +220,15 @@ def _check_limiter(limiter: Any, keyed: bool) -> None:
 
 
 def _check(n: int, max_block: float, max_countdown: float, max_retries: Optional[int]) -> None:
-    if isinstance(n, bool) or not isinstance(n, int) or n < 1:
+    if not is_int(n, 1):
         raise ValueError(f"n must be an int >= 1, got {n!r}")
-    if (
-        isinstance(max_block, bool)
-        or not isinstance(max_block, (int, float))
-        or not 0 <= max_block < math.inf
-    ):
+    if not (is_number(max_block) and 0 <= max_block < math.inf):
         raise ValueError(f"max_block must be a finite number of seconds >= 0, got {max_block!r}")
-    if (
-        isinstance(max_countdown, bool)
-        or not isinstance(max_countdown, (int, float))
-        or not 0 < max_countdown < math.inf
-    ):
+    if not (is_number(max_countdown) and 0 < max_countdown < math.inf):
         raise ValueError(
             f"max_countdown must be a finite number of seconds > 0, got {max_countdown!r}"
         )
-    if max_retries is not None and (
-        isinstance(max_retries, bool) or not isinstance(max_retries, int) or max_retries < 0
-    ):
+    if max_retries is not None and not is_int(max_retries, 0):
         raise ValueError(f"max_retries must be None (no limit) or an int >= 0, got {max_retries!r}")
 
 
