@@ -14,7 +14,7 @@ import sys
 import time
 from contextlib import contextmanager
 from dataclasses import asdict
-from typing import Iterator, List, Optional, Sequence
+from typing import Callable, Iterator, List, Optional, Sequence
 
 from shmlimit import __version__
 from shmlimit.attachment import collect
@@ -281,7 +281,7 @@ def _settings(s: "Stats | KeyedStats") -> str:
     return out + (f" ratio={s.ratio:g}" if s.ratio != 1.0 else "") + (" capped" if s.capped else "")
 
 
-def _before(name: str) -> "Optional[Stats | KeyedStats]":
+def _before(name: str) -> "Optional[Stats | KeyedStats | MultiStats]":
     """The limiter's settings before ``create`` opens it (None: there is none, or it is unreadable,
     which opening it reports)."""
     try:
@@ -290,12 +290,10 @@ def _before(name: str) -> "Optional[Stats | KeyedStats]":
         return None
 
 
-def _created(
-    name: str, before: "Optional[Stats | KeyedStats]", after: "Optional[Stats | KeyedStats]" = None
-) -> str:
+def _created(name: str, before: "Optional[Stats | KeyedStats]", after: "Stats | KeyedStats") -> str:
     """One line: created, exists (unchanged), or changed (old settings, then new); ``after`` is
-    what the limiter holds now (read when not given)."""
-    now = _settings(inspect(name) if after is None else after)
+    what the limiter holds now."""
+    now = _settings(after)
     if before is None:
         return printable(f"created: {name} {now}")
     if _settings(before) == now:
@@ -305,40 +303,34 @@ def _created(
 
 def cmd_create(args: argparse.Namespace) -> int:
     """Create a limiter, or open the existing one: unchanged, or changed to these settings when no
-    live process uses it (a live one's settings are never changed here: a mismatch exits 2)."""
-    mode = int(args.mode, 8)
+    live process uses it (a live one's settings are never changed here: a mismatch exits 2).
+    With several rates, a line for each (``NAME[KEY]``)."""
     kind = KeyedLimiter if args.keys is not None else Limiter
-    extra = {} if args.keys is None else {"keys": args.keys}
-    if args.rates is not None:  # several rates: one segment, its rates NAME[KEY]
-        if args.per != 1.0 or args.burst is not None:
-            raise UserError(
-                "--per and --burst go with --rate; with --rates each item carries its window "
-                "and its burst: 'requests=500/min; tokens=200K/min burst=20K'"
-            )
-        keys = parse_rates(args.name, args.rates)[0]
-        group = _before(args.name)
-        rates = group.rates if isinstance(group, MultiStats) else {}
-        before = {k: rates.get(k) for k in keys}
-        multi = kind(args.name, rates=args.rates, mode=mode, trusted_uids=args.trust_uid, **extra)
-        try:
-            now = inspect(args.name).rates
-            for k in keys:
-                print(_created(f"{args.name}[{k}]", before[k], now[k]))
-        finally:
-            multi.close()
-        return 0
-    before1 = _before(args.name)
-    lim = kind(
-        args.name,
-        rate=args.rate,
-        per=args.per,
-        burst=args.burst,
-        mode=mode,
-        trusted_uids=args.trust_uid,
-        **extra,
-    )
+    options = dict(mode=int(args.mode, 8), trusted_uids=args.trust_uid)
+    options.update({} if args.keys is None else {"keys": args.keys})
+    if args.rates is None:
+        options.update(rate=args.rate, per=args.per, burst=args.burst)
+    elif args.per != 1.0 or args.burst is not None:
+        raise UserError(
+            "--per and --burst go with --rate; with --rates each item carries its window "
+            "and its burst: 'requests=500/min; tokens=200K/min burst=20K'"
+        )
+    else:  # several rates: one segment, its rates NAME[KEY]
+        options["rates"] = args.rates
+    keys = None if args.rates is None else parse_rates(args.name, args.rates)[0]
+
+    def rows(s: "Optional[Stats | KeyedStats | MultiStats]") -> list:
+        """Each rate's label and its snapshot in ``s`` (None: there is none)."""
+        if keys is None:
+            return [(args.name, s)]
+        rates = s.rates if isinstance(s, MultiStats) else {}
+        return [(f"{args.name}[{k}]", rates.get(k)) for k in keys]
+
+    before = rows(_before(args.name))
+    lim = kind(args.name, **options)
     try:
-        print(_created(args.name, before1))
+        for (name, old), (_, new) in zip(before, rows(inspect(args.name))):
+            print(_created(name, old, new))
     finally:
         lim.close()
     return 0
@@ -506,12 +498,27 @@ def cmd_doctor(args: argparse.Namespace) -> int:
 # ---- argument parsing ------------------------------------------------------------------
 
 
+def _checked(check: Callable[[str], object]) -> Callable[[str], str]:
+    """An argument's text, checked (``check``) at parse time so a bad one is a usage error."""
+
+    def parse(text: str) -> str:
+        try:
+            check(text)
+        except (TypeError, ValueError) as e:
+            raise argparse.ArgumentTypeError(str(e)) from None
+        return text
+
+    return parse
+
+
 def _positive(kind):
+    """A number of ``kind`` (int or float) above 0, checked at parse time."""
+
     def parse(text: str):
         try:
             v = kind(text)
         except ValueError:
-            raise argparse.ArgumentTypeError(f"must be a positive number, got {text!r}") from None
+            v = 0  # not a number: the same answer as one not above 0
         if not v > 0:
             raise argparse.ArgumentTypeError(f"must be a positive number, got {text!r}")
         return v
@@ -523,20 +530,15 @@ def _spec(text: str) -> str:
     """A rate spec, checked at parse time so a bad one is a usage error."""
     if text.strip().lower() in ("stop", "0,stop"):
         return "1,stop"  # the rate of a stop is not used
-    try:
-        parse_spec(text)
-    except ValueError as e:
-        raise argparse.ArgumentTypeError(str(e)) from None
-    return text
+    return _checked(parse_spec)(text)
 
 
-def _rates(text: str) -> str:
-    """Several rates in one string, checked at parse time so a bad one is a usage error."""
-    try:
-        parse_rates("x", text)
-    except (TypeError, ValueError) as e:
-        raise argparse.ArgumentTypeError(str(e)) from None
-    return text
+#: Several rates in one string.
+_rates = _checked(lambda text: parse_rates("x", text))
+
+
+#: ``--trust-uid UID``, repeatable: a segment this uid owns is accepted (each command says how).
+_TRUST_UID = dict(type=int, action="append", default=[], metavar="UID")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -608,10 +610,7 @@ def build_parser() -> argparse.ArgumentParser:
     c.add_argument("--mode", default="600", help="permission bits in octal (default 600)")
     c.add_argument(
         "--trust-uid",
-        type=int,
-        action="append",
-        default=[],
-        metavar="UID",
+        **_TRUST_UID,
         help="accept an existing segment owned by this uid (repeatable)",
     )
     c.set_defaults(func=cmd_create)
@@ -639,12 +638,7 @@ def build_parser() -> argparse.ArgumentParser:
         help="the group/other write bits the segment may have, octal (default 600)",
     )
     r.add_argument(
-        "--trust-uid",
-        type=int,
-        action="append",
-        default=[],
-        metavar="UID",
-        help="accept a segment owned by this uid (repeatable)",
+        "--trust-uid", **_TRUST_UID, help="accept a segment owned by this uid (repeatable)"
     )
     r.set_defaults(func=cmd_set_rate)
 
@@ -688,10 +682,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     m.add_argument(
         "--trust-uid",
-        type=int,
-        action="append",
-        default=[],
-        metavar="UID",
+        **_TRUST_UID,
         help="also export the segments this uid owns (repeatable; default: only this user's and root's)",
     )
     m.add_argument("--all-users", action="store_true", help="export the segments of every owner")
