@@ -46,8 +46,6 @@ from shmlimit.shm.segment import NAME_MAX
 
 _DEFAULT_PORTS = {"http": 80, "https": 443}
 R = TypeVar("R")
-#: A response's status and ``Retry-After`` header (None when absent).
-Answer = Callable[[Any], Tuple[int, Optional[str]]]
 
 #: The statuses reported to an adaptive limiter as throttled (every other answer is reported ok).
 THROTTLED = frozenset({429, 503})
@@ -101,6 +99,12 @@ def parse_retry_after(value: Any, now: Optional[float] = None) -> Optional[float
     except (TypeError, ValueError, IndexError, OverflowError):
         return None
     return min(max(0.0, left), MAX_RETRY_AFTER)
+
+
+def answer(response: Any) -> Tuple[int, Optional[str]]:
+    """A response's status and ``Retry-After`` header (None when absent), as ``httpx`` and
+    ``requests`` both give them (headers by any case)."""
+    return response.status_code, response.headers.get("retry-after")
 
 
 def pause_table_name(name: str) -> str:
@@ -206,7 +210,7 @@ class HostThrottle:
             return (key,), (key if self.own else host_key(url))
         return (), host_key(url)
 
-    def around(self, url: str, send: Callable[[], R], answer: Answer) -> R:
+    def around(self, url: str, send: Callable[[], R]) -> R:
         """Send a request to ``url`` (``send()``) under the throttle, and react to its response."""
         req = self.args(url)
         if req is None:
@@ -216,7 +220,7 @@ class HostThrottle:
         self.after(req[1], *answer(response), args=req[0])
         return response
 
-    async def around_async(self, url: str, send: Callable[[], Awaitable[R]], answer: Answer) -> R:
+    async def around_async(self, url: str, send: Callable[[], Awaitable[R]]) -> R:
         """``around`` for asyncio: every wait is an ``asyncio.sleep``."""
         req = self.args(url)
         if req is None:
@@ -229,6 +233,10 @@ class HostThrottle:
     def _refused(self, key: object, retry_after: float) -> RateLimited:
         name = self.limiter.name
         return RateLimited(name if key is None else f"{name}[{key}]", retry_after)
+
+    def _not_granted(self, args: Tuple[Any, ...]) -> RateLimited:
+        """The request's op was not granted within ``max_wait``."""
+        return self._refused(args[0] if args else None, self.limiter.retry_after(*args, 1))
 
     def _deadline(self) -> Optional[float]:
         return None if self.max_wait is None else time.monotonic() + self.max_wait
@@ -252,7 +260,7 @@ class HostThrottle:
         while (left := self._paused(host, deadline)) > 0:
             time.sleep(left)
         if not self.limiter.acquire(*args, 1, timeout=self._timeout(deadline)):
-            raise self._refused(args[0] if args else None, self.limiter.retry_after(*args, 1))
+            raise self._not_granted(args)
         while (left := self._paused(host, deadline)) > 0:
             time.sleep(left)
 
@@ -262,7 +270,7 @@ class HostThrottle:
         while (left := self._paused(host, deadline)) > 0:
             await asyncio.sleep(left)
         if not await self.limiter.acquire_async(*args, 1, timeout=self._timeout(deadline)):
-            raise self._refused(args[0] if args else None, self.limiter.retry_after(*args, 1))
+            raise self._not_granted(args)
         while (left := self._paused(host, deadline)) > 0:
             await asyncio.sleep(left)
 

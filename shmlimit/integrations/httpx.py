@@ -15,7 +15,7 @@ pauses that host, and no other, for every process on the machine.
 
 from __future__ import annotations
 
-from typing import Any, Optional, Tuple
+from typing import Any, Optional
 
 from shmlimit.errors import MissingExtraError
 from shmlimit.integrations._hosts import HostThrottle
@@ -26,10 +26,6 @@ except ImportError as e:  # without the httpx extra: say what installs it
     raise MissingExtraError(__name__, "httpx", e) from e
 
 __all__ = ["AsyncThrottledTransport", "ThrottledTransport"]
-
-
-def _answer(response: httpx.Response) -> Tuple[int, Optional[str]]:
-    return response.status_code, response.headers.get("retry-after")
 
 
 class ThrottledTransport(httpx.BaseTransport):
@@ -47,7 +43,7 @@ class ThrottledTransport(httpx.BaseTransport):
 
     def handle_request(self, request: httpx.Request) -> httpx.Response:
         return self.throttle.around(
-            str(request.url), lambda: self.transport.handle_request(request), _answer
+            str(request.url), lambda: self.transport.handle_request(request)
         )
 
     def close(self) -> None:
@@ -65,7 +61,7 @@ class AsyncThrottledTransport(httpx.AsyncBaseTransport):
 
     async def handle_async_request(self, request: httpx.Request) -> httpx.Response:
         send = lambda: self.transport.handle_async_request(request)  # noqa: E731
-        return await self.throttle.around_async(str(request.url), send, _answer)
+        return await self.throttle.around_async(str(request.url), send)
 
     async def aclose(self) -> None:
         await self.transport.aclose()

@@ -16,7 +16,7 @@ arguments go to ``requests.adapters.HTTPAdapter`` (pool sizes, retries).
 
 from __future__ import annotations
 
-from typing import Any, Optional, Tuple
+from typing import Any
 
 from shmlimit.errors import MissingExtraError
 from shmlimit.integrations._hosts import HostThrottle
@@ -32,10 +32,6 @@ __all__ = ["ThrottledAdapter"]
 THROTTLE_OPTIONS = ("key", "max_wait", "pause_on", "max_pause", "pauses")
 
 
-def _answer(response: Any) -> Tuple[int, Optional[str]]:
-    return response.status_code, response.headers.get("Retry-After")
-
-
 class ThrottledAdapter(HTTPAdapter):
     """An ``HTTPAdapter`` that takes one op per request and pauses a host on 429/503 ``Retry-After``."""
 
@@ -47,5 +43,5 @@ class ThrottledAdapter(HTTPAdapter):
 
     def send(self, request: Any, *args: Any, **kwargs: Any) -> Any:
         return self.throttle.around(
-            request.url, lambda: HTTPAdapter.send(self, request, *args, **kwargs), _answer
+            request.url, lambda: HTTPAdapter.send(self, request, *args, **kwargs)
         )
