@@ -251,21 +251,22 @@ def cmd_inspect(args: argparse.Namespace) -> int:
     if args.json:
         print(json.dumps(_inspect_json(s)))
         return 0
-    if isinstance(s, MultiStats):  # each rate as a limiter of its own, under the one name
-        for key, r in s.rates.items():
-            print(printable(f"rate {key}"))
-            _print_fields(r, {"processes"}, "  ")
-        print(f"{'processes':20} {len(s.processes)}")
-        return 0
-    # a table of window counters has no rate, capacity or overrides of its own: not shown as zeros
-    hidden = {"processes"} | (
-        {"rate", "per", "capacity", "overrides", "override_slots"}
-        if getattr(s, "kind", "") == "windows"
-        else set()
-    )
-    _print_fields(s, hidden)
+    several = isinstance(s, MultiStats)
+    for key, r in s.rates.items() if several else ():  # each rate as a limiter of its own
+        print(printable(f"rate {key}"))
+        _print_fields(r, {"processes"}, "  ")
+    if not several:
+        # a table of window counters has no rate, capacity or overrides of its own: not shown as 0
+        hidden = {"processes"} | (
+            {"rate", "per", "capacity", "overrides", "override_slots"}
+            if getattr(s, "kind", "") == "windows"
+            else set()
+        )
+        _print_fields(s, hidden)
     print(f"{'processes':20} {len(s.processes)}")
-    for p in s.processes:  # (a keyed table's processes are neither filler nor waiting)
+    for p in (
+        () if several else s.processes
+    ):  # (a keyed table's processes are neither filler nor waiting)
         flags = ("alive" if p.alive else "dead") + "".join(
             f" {role}" for role in ("filler", "waiting") if getattr(p, role, False)
         )

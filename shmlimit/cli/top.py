@@ -127,7 +127,7 @@ class Inspector:
         # each key's rate is its own (an adaptive key's rate in force) as last read, or None
         return [asdict(k) for k in sorted(seen.values(), key=lambda k: -k.grants)[:BUSIEST]]
 
-    def _windows(self, name: str) -> List[dict]:
+    def _windows(self, name: str, s: KeyedStats) -> List[dict]:
         """The fullest windows (by count) among the next KEY_SAMPLE slots: those now counting."""
         found, self.cursor[name] = sample_windows(name, self.cursor.get(name, 0), KEY_SAMPLE)
         return [
@@ -138,14 +138,14 @@ class Inspector:
         """One row (``name`` a rate's label, ``group[key]``, for a rate of a group)."""
         d = asdict(s)
         d["processes"] = [dict(asdict(p), command=command_of(p.pid, p.alive)) for p in s.processes]
-        if isinstance(s, KeyedStats):
+        if isinstance(s, KeyedStats):  # its busiest keys, or a limits storage's fullest windows
+            field, read = (
+                ("windows", self._windows) if s.kind == "windows" else ("busiest", self._busiest)
+            )
             try:
-                if s.kind == "windows":
-                    d["windows"] = self._windows(name)
-                else:
-                    d["busiest"] = self._busiest(name, s)
+                d[field] = read(name, s)
             except (ShmlimitError, OSError):
-                d["windows" if s.kind == "windows" else "busiest"] = []
+                d[field] = []
         last = self.prev.get(name)
         gps = None
         if last is not None and now > last[0]:
