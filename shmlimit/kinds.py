@@ -1,4 +1,4 @@
-"""Entry points that work for every kind of limiter a name may hold: attach and inspect.
+"""Entry points that work for every kind of limiter a name may hold: attach, inspect and collect.
 
 A segment's first word says its kind (``layout.MAGIC`` for a ``Limiter``,
 ``layout.GROUP_MAGIC`` for one of several rates, ``keyed_layout.MAGIC`` for a
@@ -11,11 +11,13 @@ from __future__ import annotations
 
 from typing import Callable, Iterable, Iterator, Tuple, Union
 
+from shmlimit.attachment import collect as collect_attached
 from shmlimit.errors import ShmlimitError
 from shmlimit.group import peek_magic, peek_regions
 from shmlimit.keyed import layout as K
 from shmlimit.keyed.limiter import KeyedLimiter, KeyedStats, inspect_keyed
 from shmlimit.keyed.multi import MultiKeyedLimiter
+from shmlimit.keyed.segment import collect as collect_keyed
 from shmlimit.keyed.stats import inspect_keyed_group
 from shmlimit.limiter import Limiter
 from shmlimit.limiter import attach as attach_limiter
@@ -74,6 +76,13 @@ def inspect(name: str) -> Union[Stats, MultiStats, KeyedStats]:
     if magic == L.GROUP_MAGIC:
         return inspect_group(name)
     return inspect_limiter(name)
+
+
+def collect(name: str) -> bool:
+    """Unlink the segment, whatever its kind, if no live process is attached to it; True if it did
+    (each kind's claim, check, then unlink: a process attaching meanwhile keeps it)."""
+    validate_name(name)
+    return (collect_keyed if _magic(name) == K.MAGIC else collect_attached)(name)
 
 
 def inspect_each(

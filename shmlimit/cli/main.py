@@ -17,16 +17,14 @@ from dataclasses import asdict
 from typing import Callable, Iterator, List, Optional, Sequence
 
 from shmlimit import __version__
-from shmlimit.attachment import collect
 from shmlimit.cli.metrics import MAX_SEGMENTS
 from shmlimit.cli.top import BAD_NAME, adapt_line, printable, rate_text
 from shmlimit.cli.top import run as run_top
 from shmlimit.config import parse_spec
 from shmlimit.errors import ShmlimitError
 from shmlimit.keyed.limiter import KeyedLimiter
-from shmlimit.keyed.segment import collect as collect_keyed
 from shmlimit.keyed.stats import KeyedStats, KeySample, adapted_keys
-from shmlimit.kinds import inspect, inspect_each
+from shmlimit.kinds import collect, inspect, inspect_each
 from shmlimit.limiter import Limiter, unlink
 from shmlimit.multirate import MultiStats
 from shmlimit.rate_group import parse_rates
@@ -459,7 +457,7 @@ def cmd_gc(args: argparse.Namespace) -> int:
             # every kind: claims the segment, checks again, then unlinks, so that a process
             # attaching meanwhile is kept (shm.segment.claim_and_unlink)
             try:
-                if not (collect_keyed if isinstance(s, KeyedStats) else collect)(n):
+                if not collect(n):
                     kept += 1
                     continue
             except (ShmlimitError, OSError) as e:
