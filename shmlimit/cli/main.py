@@ -18,7 +18,7 @@ from typing import Callable, Iterator, List, Optional, Sequence
 
 from shmlimit import __version__
 from shmlimit.cli.metrics import MAX_SEGMENTS
-from shmlimit.cli.top import BAD_NAME, adapt_line, printable, rate_text
+from shmlimit.cli.top import BAD_NAME, NONE_HERE, adapt_line, printable, rate_text
 from shmlimit.cli.top import run as run_top
 from shmlimit.config import parse_spec
 from shmlimit.errors import ShmlimitError
@@ -172,7 +172,7 @@ def cmd_list(args: argparse.Namespace) -> int:
     for n in bad:
         print(printable(f"{n!r}: {BAD_NAME}"))
     if not names:
-        print("no shmlimit limiters on this machine")
+        print(NONE_HERE)
         return 0
     print(f"{'name':24} {'rate':>12} {'capacity':>9} {'available':>10} {'grants':>10} {'procs':>5}")
     for n, s in inspect_each(names, lambda n, e: print(printable(f"{n:24} unreadable: {e}"))):

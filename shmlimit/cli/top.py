@@ -41,6 +41,8 @@ KEY_SAMPLE = 4096
 BUSIEST = 5
 HISTORY = 30
 CLEAR = "\x1b[H\x1b[2J"
+#: What a listing of no limiter says.
+NONE_HERE = "no shmlimit limiters on this machine"
 #: What a listing says of a segment named unlike a limiter.
 BAD_NAME = "not a valid limiter name: skipped"
 
@@ -244,7 +246,7 @@ def table(
             f"{sparkline(r['history'][-spark_w:]) if spark_w else ''}"
         )
     if not records:
-        lines.append("no shmlimit limiters on this machine")
+        lines.append(NONE_HERE)
     hidden = []
     if rest:
         hidden.append(f"{rest} more below")
@@ -266,7 +268,7 @@ def render(records: List[dict], interval: float) -> str:
         "",
     ]
     if not records:
-        lines.append("no shmlimit limiters on this machine")
+        lines.append(NONE_HERE)
     for r in records:
         if "error" in r:
             lines += [f"{r['name']}: unreadable: {r['error']}", ""]
