@@ -412,6 +412,7 @@ def _attach_and_hold(name, attached, done):
 
 
 def test_gc_keeps_a_segment_a_process_attached_to_meanwhile(name, monkeypatch, capsys):
+    from shmlimit import kinds
     from shmlimit.cli import main as cli
     from shmlimit.shm.segment import current_inode
 
@@ -420,7 +421,7 @@ def test_gc_keeps_a_segment_a_process_attached_to_meanwhile(name, monkeypatch, c
     ctx = mp.get_context("fork")
     attached, done = ctx.Event(), ctx.Event()
     child = ctx.Process(target=_attach_and_hold, args=(name, attached, done))
-    real_inspect = cli.inspect
+    real_inspect = kinds.inspect
 
     def inspect_then_attach(n):
         stats = real_inspect(n)  # gc has looked: no live process ...
@@ -429,7 +430,7 @@ def test_gc_keeps_a_segment_a_process_attached_to_meanwhile(name, monkeypatch, c
             assert attached.wait(30)
         return stats
 
-    monkeypatch.setattr(cli, "inspect", inspect_then_attach)
+    monkeypatch.setattr(kinds, "inspect", inspect_then_attach)  # what gc's inspect_each looks at
     monkeypatch.setattr(
         cli, "scan", lambda: ([name], [])
     )  # leave every other segment on the machine alone
