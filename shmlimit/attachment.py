@@ -130,9 +130,32 @@ def on_clock(
     return call if clock is time.monotonic_ns else OnClock(call, clock, refused)
 
 
-#: The fast path when there is none: [grab for acquire, try for try_acquire, grab within a timeout,
-#: the native wait for a ticket (None: waiters wait in Python)].
-NO_FAST = (_no_fast, _undecided, _undecided, None)
+class FastPaths:
+    """An attachment's fast paths for the config in force, shared by reference with every handle
+    and rebound in place (``bind``) when the config changes.  ``grab``: one op, untimed (a
+    grabber, or the native ``Acquirer``; ``_no_fast``: none); ``try_now``: a try of one op;
+    ``within``: one op within a timeout (seconds); ``waiter``: a ticket's whole wait in one native
+    call (None: waiters wait in Python).  A grab made for an older config answers False, touching
+    nothing; a try or a timed grab that cannot decide answers None (the slow path decides).
+    Slots, not a tuple: an attribute read costs what a list index did on the hot path."""
+
+    __slots__ = ("grab", "try_now", "within", "waiter")
+
+    def __init__(self) -> None:
+        self.clear()
+
+    def bind(
+        self,
+        grab: Callable[..., Any],
+        try_now: Callable[..., Any],
+        within: Callable[..., Any],
+        waiter: Any,
+    ) -> None:
+        self.grab, self.try_now, self.within, self.waiter = grab, try_now, within, waiter
+
+    def clear(self) -> None:
+        """No fast path: every call takes the slow path."""
+        self.bind(_no_fast, _undecided, _undecided, None)
 
 
 class Attachment(Attached):
@@ -170,12 +193,9 @@ class Attachment(Attached):
         #: the ticket records of this process's slot (none while it has no slot), and its threads writing them
         self.records: Records = ()
         self.writers = Writers(lambda: self.records, self.cells)
-        # The fast paths: [grabber, try, grab within a timeout], shared by reference with every
-        # handle and updated in place.  A grabber does one grab_if priced under the config it was
-        # made for; it answers False (nothing touched) once the config changed, and _no_fast always
-        # answers False.  The other two are a Gate's methods (see composites.Gate): they answer None
-        # when the config changed or they cannot decide, and so do their stand-ins in NO_FAST.
-        self.fast: list = list(NO_FAST)
+        # A grabber does one grab_if priced under the config it was made for; the try and the
+        # timed grab are a Gate's methods (see composites.Gate)
+        self.fast = FastPaths()
         self.fast_seq = -1
         #: This process used the limiter (``use``): it is registered and its filler thread runs.
         #: Opening registers (``Attached``) but starts no thread: a pre-fork server's master
@@ -194,12 +214,9 @@ class Attachment(Attached):
         # every ticket a fast path hands out is recorded in one of this process's records (none:
         # beyond the table, it never queues), so a ticket is never queued unrecorded (see giveback)
         recs = self.rec_lens
-        if (
-            self.closed or unused or s.max_reserved_ns != _INF or s.open or s.capped
-        ):  # the slow path
-            self.fast[0] = _no_fast
-        else:
-            self.fast[0] = self.bucket.grabber(s, self.grants_off, recs)
+        grab: Callable[..., Any] = _no_fast
+        if not (self.closed or unused or s.max_reserved_ns != _INF or s.open or s.capped):
+            grab = self.bucket.grabber(s, self.grants_off, recs)
         # tries and timed acquires: not in hierarchical mode (a refusal there is demand the filler
         # must see, and a timed acquire polls), nor while stopped (no wait is computable), nor
         # capped (every grant must be admitted against the in-flight bound first).  The gate's
@@ -207,25 +224,17 @@ class Attachment(Attached):
         # (on_clock), never the real clock's (REPL_TS written by a clock ahead of the real one
         # would look like no time at all)
         real_clock = self.clock is time.monotonic_ns
-        if self.closed or unused or s.upstream or s.stopped or s.capped or s.config is None:
-            self.fast[1:] = NO_FAST[1:]
-        else:
+        try_now: Callable[..., Any] = _undecided
+        within: Callable[..., Any] = _undecided
+        if not (self.closed or unused or s.upstream or s.stopped or s.capped or s.config is None):
             gate = self.bucket.gate(s, self.grants_off, 1, recs)
-            self.fast[1:3] = (
-                on_clock(gate.try_grab, self.clock, self._refused_try),
-                on_clock(gate.grab_within, self.clock, self._refused_within),
-            )
-        if (
-            self.fast[0] is not _no_fast
-            and s.upstream
-            and not s.time_fed
-            and not s.stopped
-            and self.clock is time.monotonic_ns
-        ):
-            self.fast[2] = _fed_within(self.fast[0])
+            try_now = on_clock(gate.try_grab, self.clock, self._refused_try)
+            within = on_clock(gate.grab_within, self.clock, self._refused_within)
+        if grab is not _no_fast and s.upstream and not s.time_fed and not s.stopped and real_clock:
+            within = _fed_within(grab)
         # a ticket's whole wait in one native call, for the configs it handles (Bucket.waiter); it
         # reads the real clock, so an attachment with an injected clock waits in Python
-        self.fast[3] = waiter = (
+        waiter = (
             None
             if self.closed or not real_clock
             else self.bucket.waiter(s, self.grants_off, self.waiting_off, SLACK_NS)
@@ -234,10 +243,11 @@ class Attachment(Attached):
             waiter, "takeover_ns"
         ):  # may this process take a lapsed filler lease? (filler.takeover_ns)
             waiter.takeover_ns = takeover_ns(self.filler)
-        if recs and self.fast[0] is not _no_fast and hasattr(waiter, "acquirer"):
+        if recs and grab is not _no_fast and hasattr(waiter, "acquirer"):
             # an untimed acquire of one op as one native call: the grab (record claimed before its
             # CAS, LEN stored after), the wait, the record freed at the grant (wait_for_ticket's steps)
-            self.fast[0] = waiter.acquirer(self.fast[0], interrupted(self), int(MAX_NAP * NS_PER_S))
+            grab = waiter.acquirer(grab, interrupted(self), int(MAX_NAP * NS_PER_S))
+        self.fast.bind(grab, try_now, within, waiter)
 
     def _refused_try(self) -> None:
         """What a try refused on the slow path did (``take_now``): a replenish (no native wait
@@ -438,7 +448,7 @@ class Attachment(Attached):
         its fast paths unbound, its threads stopped, its native waits out of their loops), and its
         slot is left with every range it holds still recorded, its waiters' tickets given back."""
         self.closed = True
-        self.fast[:] = NO_FAST
+        self.fast.clear()
         if self.filler is not None:
             self.filler.stop()
             if self.filler.is_alive():
@@ -469,7 +479,7 @@ class Attachment(Attached):
         if self.closed or self.writers.defer(
             self.detach
         ):  # (inside its own thread's record write: after it)
-            self.fast[:] = NO_FAST
+            self.fast.clear()
             return
         super().detach()
         self.owners.close()

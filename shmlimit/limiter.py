@@ -19,7 +19,7 @@ from shmlimit.acquire.drivers import drive, drive_async
 from shmlimit.acquire.single import MAX_NAP, Request, wait_for_ticket
 from shmlimit.adapt import Adapt
 from shmlimit.adapt import feedback as adapt_feedback
-from shmlimit.attachment import NO_FAST, Attachment, open_attachment, registry, show
+from shmlimit.attachment import Attachment, FastPaths, open_attachment, registry, show
 from shmlimit.config import Config, parse_spec, validate_n, validate_reconfigure, validate_timeout
 from shmlimit.errors import ConfigMismatchError
 from shmlimit.header import Creation
@@ -207,7 +207,7 @@ class Limiter(RatesSwitch, AcquireOnEnter, Handle):
         self._mode = mode
         self._trusted = trusted
         self._att: Optional[Attachment] = None
-        self._fast: list = list(NO_FAST)
+        self._fast = FastPaths()
         create = None if cfg is None else Creation(cfg, mode, initial, slots, desc, adapt)
         self._att = open_attachment(
             name, create, mode, trusted, clock or time.monotonic_ns, reconfigure
@@ -254,7 +254,7 @@ class Limiter(RatesSwitch, AcquireOnEnter, Handle):
 
     def close(self) -> None:
         """Detach this handle.  The segment stays (use ``unlink``); other processes are unaffected."""
-        self._fast = list(NO_FAST)
+        self._fast = FastPaths()
         super().close()
 
     def __reduce__(self):
@@ -284,12 +284,12 @@ class Limiter(RatesSwitch, AcquireOnEnter, Handle):
         # The fast paths: one op, the config unchanged -- a single native call.
         if n is _ONE:
             if timeout is None:
-                grab = self._fast[0]
+                grab = self._fast.grab
                 ticket = grab()
                 if ticket is None:
                     return True
             else:
-                grab = self._fast[2]
+                grab = self._fast.within
                 ticket = grab(timeout)
                 if ticket is False or ticket is True:  # refused first: a flood is mostly refusals
                     return ticket
@@ -306,7 +306,7 @@ class Limiter(RatesSwitch, AcquireOnEnter, Handle):
         ``n`` larger than the capacity can never succeed.
         """
         if n is _ONE:  # the fast path: one native call, granted or refused
-            granted = self._fast[1]()
+            granted = self._fast.try_now()
             if granted is not None:
                 return granted
         return acquisition.try_acquire(self._live(), n)
@@ -474,7 +474,7 @@ class Limiter(RatesSwitch, AcquireOnEnter, Handle):
         ticket back: those queued behind it do not wait for its ``n`` ops.
         """
         if n is _ONE and timeout is None:  # acquire's fast grab, then its ticket's wait on the loop
-            acq = self._fast[0]
+            acq = self._fast.grab
             # the native Acquirer: its grab, then its wait a step at a time on the loop
             take = getattr(acq, "take", None)
             if take is not None:

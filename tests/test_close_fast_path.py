@@ -1,7 +1,7 @@
 """``close`` against the fast paths of another thread: no ticket is taken into a slot being left.
 
-An acquire's fast path (``Limiter.acquire``: ``grab = self._fast[0]; grab()``, and the timed one's
-``_fast[2]``) is bound to its process slot's ticket records: when it queues, it claims a record,
+An acquire's fast path (``Limiter.acquire``: ``grab = self._fast.grab; grab()``, and the timed one's
+``_fast.within``) is bound to its process slot's ticket records: when it queues, it claims a record,
 takes the ticket, and stores the ticket's length there.  ``close`` leaves the slot.  Had a grab
 run into the slot after ``close`` began -- a thread switched out between loading the fast path and
 calling it, or (the ``atomics`` backend, whose grab is Python) between its record's claim and its
@@ -48,7 +48,7 @@ def test_a_fast_path_loaded_before_close_and_called_after_its_slot_was_left_take
     records = att.records
     loaded, called, answers = threading.Event(), threading.Event(), []
     try:
-        fast = lim._fast[0] if path == "untimed" else lim._fast[2]
+        fast = lim._fast.grab if path == "untimed" else lim._fast.within
 
         def late_caller():
             assert loaded.wait(30)
@@ -102,7 +102,7 @@ def test_close_waits_for_a_fast_grab_between_its_records_claim_and_its_length_st
     paused, resume, progress = threading.Event(), threading.Event(), threading.Event()
     answers = []
     try:
-        grab = lim._fast[0]
+        grab = lim._fast.grab
         real_claim = composites.claim_record
 
         def claim(c, recs, ticket):  # the injected thread switch, in the grabbing thread only

@@ -147,7 +147,7 @@ def test_a_signal_handlers_close_inside_its_threads_fast_grab_neither_hangs_nor_
     lim, att = queued_limiter(name)
     records, slot = att.records, att.slot
     pid_off = L.slot_offset(slot) + L.SLOT_PID
-    grab = lim._fast[0]
+    grab = lim._fast.grab
     real_claim = composites.claim_record
     inside = []
 

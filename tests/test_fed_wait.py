@@ -133,7 +133,7 @@ COUNTED_WAITER = textwrap.dedent(
     def acquire_counted(lim, timeout=None):
         print("ready", flush=True)
         ok = lim.acquire(timeout=timeout)
-        waiter = lim._att.fast[3]
+        waiter = lim._att.fast.waiter
         print(ok, sleeps[0] + (waiter.naps if waiter is not None else 0), flush=True)
         lim.close()
     """
@@ -328,7 +328,7 @@ def test_an_untimed_acquire_in_hierarchical_mode_is_one_native_call_woken_by_the
         "shmlimit.attachment.MAX_NAP", 60.0
     )  # no look but the wake's within the test
     att.update_fast()
-    acq, waiter = att.fast[0], att.fast[3]
+    acq, waiter = att.fast.grab, att.fast.waiter
     assert type(acq).__name__ == "Acquirer" and type(waiter).__name__ == "FedWaiter", (acq, waiter)
     # a fed wait has no steps (it sleeps on the wake word): acquire_async's take() takes nothing
     tail = att.cells.load(L.TAIL)
@@ -350,7 +350,7 @@ def test_an_untimed_acquire_in_hierarchical_mode_is_one_native_call_woken_by_the
     t.start()
     try:
         wait_for(lambda: waiter.naps > naps0 and att.cells.load(att.waiting_off) == 1, timeout=30)
-        assert att.fast[0] is acq and not out
+        assert att.fast.grab is acq and not out
         assert b.add(b.cost) == b.cost
         t.join(timeout=30)
         assert out == [True]

@@ -313,10 +313,12 @@ def test_try_acquire_and_timed_acquire_take_the_gate(name):
     lim = shmlimit.Limiter(name, rate=10, burst=2)
     try:
         assert (
-            lim._fast[1].__name__ == "_undecided"
+            lim._fast.try_now.__name__ == "_undecided"
         )  # unused yet: the first call takes the slow path
         lim.retry_after()  # a first use (taking nothing) starts the filler and binds the fast paths
-        assert lim._fast[1].__name__ == "try_grab" and lim._fast[2].__name__ == "grab_within"
+        assert (
+            lim._fast.try_now.__name__ == "try_grab" and lim._fast.within.__name__ == "grab_within"
+        )
         assert [lim.try_acquire() for _ in range(3)] == [True, True, False]
         assert lim.acquire(timeout=0) is False
         t0 = time.monotonic()
@@ -324,11 +326,13 @@ def test_try_acquire_and_timed_acquire_take_the_gate(name):
         assert time.monotonic() - t0 >= 0.05
         assert lim.stats().grants == 3
         # a config change sends both to the slow path once, which re-binds them to the new config
-        old_gate = lim._fast[1].__self__
+        old_gate = lim._fast.try_now.__self__
         lim.set_rate(1000, burst=5)
-        assert lim._fast[1]() is None and lim._fast[2](0.5) is None  # the old config: undecided
+        assert (
+            lim._fast.try_now() is None and lim._fast.within(0.5) is None
+        )  # the old config: undecided
         lim.try_acquire()  # granted or not (the bucket may still be empty), it re-binds
-        assert lim._fast[1].__self__ is not old_gate
+        assert lim._fast.try_now.__self__ is not old_gate
         assert lim.acquire(timeout=0.5) is True  # a wait of at most 1 ms at the new rate
     finally:
         lim.close()
@@ -339,11 +343,11 @@ def test_no_gate_while_stopped_and_timed_acquire_still_refuses(name):
     try:
         lim.stop()
         assert lim.try_acquire() is False
-        assert lim._fast[1].__name__ == "_undecided"
+        assert lim._fast.try_now.__name__ == "_undecided"
         assert lim.acquire(timeout=0.05) is False  # stopped: no computable wait
         lim.start()
         assert lim.acquire(timeout=0.5) is True
-        assert lim._fast[1].__name__ == "try_grab"
+        assert lim._fast.try_now.__name__ == "try_grab"
     finally:
         lim.close()
 

@@ -50,14 +50,14 @@ def queued(name, **options):
 
 @contextmanager
 def native_wait_replaced(name):
-    """A limiter at 1000/s (burst 1) on a fake clock, emptied, whose native wait (``fast[3]``) the
+    """A limiter at 1000/s (burst 1) on a fake clock, emptied, whose native wait (``fast.waiter``) the
     test replaces: ``(lim, its attachment, the clock)``; the wait restored and the limiter closed on leaving."""
     clock = FakeClock()
     with queued(name, rate=1000, burst=1, clock=clock) as lim:
         try:
             yield lim, lim._att, clock
         finally:
-            lim._att.fast[3] = None
+            lim._att.fast.waiter = None
 
 
 def no_backlog(lim, n=1, within=0.5):
@@ -656,7 +656,7 @@ def test_the_fast_paths_ticket_is_recorded_during_its_native_wait(name):
                 seen.append([att.cells.load(off) for _, off in att.records])
                 raise KeyboardInterrupt
 
-        att.fast[3] = Interrupted()
+        att.fast.waiter = Interrupted()
         with pytest.raises(KeyboardInterrupt):
             wait_for_ticket(att, ticket)
         assert seen == [[b.cost] + [0] * (L.TICKET_RECORDS - 1)]  # recorded before the wait
@@ -673,7 +673,7 @@ def test_the_fast_paths_ticket_is_recorded_during_its_native_wait(name):
                 return 1
 
         ticket = grab()
-        att.fast[3] = Granted()
+        att.fast.waiter = Granted()
         assert wait_for_ticket(att, ticket) is True
         assert seen[-1] == [b.cost] + [0] * (L.TICKET_RECORDS - 1)
         assert [att.cells.load(off) for _, off in att.records] == [
@@ -1019,7 +1019,7 @@ def test_a_fast_paths_ticket_keeps_its_own_price_under_a_concurrent_set_rate(nam
     with native_wait_replaced(name) as (lim, att, clock):
         b = att.bucket
         old_cost = b.cost
-        ticket = lim._fast[0]()  # the fast path's grab: queued behind nothing, one op at 1000/s
+        ticket = lim._fast.grab()  # the fast path's grab: queued behind nothing, one op at 1000/s
         assert ticket not in (None, False)
         lim.set_rate(10)  # the price of an op changes under the grab (fast paths re-bound)
         assert b.cost != old_cost
@@ -1028,7 +1028,7 @@ def test_a_fast_paths_ticket_keeps_its_own_price_under_a_concurrent_set_rate(nam
             def wait(self, *args):
                 raise KeyboardInterrupt
 
-        att.fast[3] = Interrupted()
+        att.fast.waiter = Interrupted()
         with pytest.raises(KeyboardInterrupt):
             wait_for_ticket(att, ticket)
         # given back exactly: the head skipped [ticket - old_cost, ticket), no more, no less
@@ -1144,8 +1144,8 @@ def _record_sequence(lim, python_wait):
     assert lim.reserve(1) is not None  # the first use: registered (its records), fast paths bound
     if python_wait:
         b = att.bucket
-        att.fast[0] = b.grabber(b.snap, att.grants_off, att.rec_lens)
-        att.fast[3] = None
+        att.fast.grab = b.grabber(b.snap, att.grants_off, att.rec_lens)
+        att.fast.waiter = None
     c, cost, recs = att.cells, att.bucket.cost, att.records
     tail0 = c.load(L.TAIL)
 
@@ -1170,7 +1170,7 @@ def _record_sequence(lim, python_wait):
         c.store(len_off, cost)
     rng = _block(att)
     tail = c.load(L.TAIL)
-    assert att.fast[0]() is False and c.load(L.TAIL) == tail
+    assert att.fast.grab() is False and c.load(L.TAIL) == tail
     seen.append(words())
     _unblock(att, rng)
     for _, len_off in recs:
@@ -1178,7 +1178,7 @@ def _record_sequence(lim, python_wait):
     # 4. a wait that ends unserved (the native one at a deadline already past): the ticket stays
     # recorded; given back, its record is marked given, then freed once the head skipped it
     rng = _block(att)
-    ticket = att.fast[0](1) if type(att.fast[0]).__name__ == "Acquirer" else att.fast[0]()
+    ticket = att.fast.grab(1) if type(att.fast.grab).__name__ == "Acquirer" else att.fast.grab()
     assert ticket not in (None, False, True) and not isinstance(ticket, tuple), ticket
     seen.append(words())
     rec, tokens = att.find_record(ticket)
@@ -1208,7 +1208,7 @@ def test_the_native_and_python_waits_leave_the_same_record_words(name, monkeypat
         lim = shmlimit.Limiter(f"{name}-{path}", rate=RECORD_RATE, burst=1)
         try:
             out[path] = _record_sequence(lim, python_wait)
-            assert (type(lim._att.fast[0]).__name__ == "Acquirer") == (
+            assert (type(lim._att.fast.grab).__name__ == "Acquirer") == (
                 path == "native"
             )  # one call per acquire
         finally:

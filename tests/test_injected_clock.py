@@ -106,8 +106,8 @@ def test_the_gate_refuses_on_an_injected_clock_without_the_slow_path(name, monke
         att = _quiet(lim)[0]
         assert lim.try_acquire()
         assert (
-            _native_gate(att.fast[1])
-            == _native_gate(att.fast[2])
+            _native_gate(att.fast.try_now)
+            == _native_gate(att.fast.within)
             == (selected_backend() == "native")
         )
         tries = _counting(monkeypatch, limiter_module.acquisition, "try_acquire")

@@ -302,7 +302,7 @@ class LimiterModel(RuleBasedStateMachine):
         a ticket it queued then waited for as ``wait_for_ticket``'s request, stepped as
         ``_acquire``'s; undecided, the slow path's ``Request``."""
         tail = self.cells.load(L.TAIL)
-        got = lim._fast[0]() if timeout is None else lim._fast[2](timeout)
+        got = lim._fast.grab() if timeout is None else lim._fast.within(timeout)
         if got is True or (got is None and timeout is None):
             return True, tail, None
         if got is False and timeout is not None:
@@ -1443,7 +1443,7 @@ def test_the_native_gate_decides_on_the_models_clock(monkeypatch):
     m.create(rate=1000.0, burst=None, capped=False, ratio=1.0)
     try:
         lim = m._proc(1)
-        gate_call = lim._fast[1]
+        gate_call = lim._fast.try_now
         assert type(gate_call.call.__self__).__module__ == "shmlimit.shm._native"
         slow = []
         monkeypatch.setattr(
@@ -1470,7 +1470,7 @@ def test_the_native_gate_queues_a_timed_acquire_on_the_models_clock(timeout):
     m.create(rate=1000.0, burst=None, capped=False, ratio=1.0)
     try:
         lim = m._proc(1)
-        assert type(lim._fast[2].call.__self__).__module__ == "shmlimit.shm._native"
+        assert type(lim._fast.within.call.__self__).__module__ == "shmlimit.shm._native"
         m._acquire = lambda *a: pytest.fail("the slow path decided")
         tail = m.cells.load(L.TAIL)
         m.one_after_a_drain(0, 1, timeout)

@@ -153,7 +153,7 @@ def _counting_worker(name, seconds, q):
     delay0 = run_delay()
     grants = acquire_for(lim.acquire, seconds)
     delay1 = run_delay()
-    w = lim._att.fast[3]
+    w = lim._att.fast.waiter
     q.put(
         (
             grants,
@@ -190,7 +190,7 @@ def test_a_native_waiter_counts_as_waiting_until_granted(name):
     lim = shmlimit.Limiter(name, rate=2, burst=1)
     lim.acquire()  # the bucket is empty: the next op is half a second away
     att = lim._att
-    w = att.fast[3]
+    w = att.fast.waiter
     done = []
     t = threading.Thread(target=lambda: done.append(lim.acquire()))
     t.start()
@@ -213,7 +213,7 @@ def test_a_config_change_hands_a_native_waiter_back_to_python_on_schedule(name):
     lim = shmlimit.Limiter(name, rate=2, burst=1)
     lim.acquire()  # the bucket is empty
     att = lim._att
-    first = att.fast[3]
+    first = att.fast.waiter
     done = []
     t0 = time.monotonic()
     t = threading.Thread(
@@ -228,7 +228,9 @@ def test_a_config_change_hands_a_native_waiter_back_to_python_on_schedule(name):
         [(granted, took)] = done
         # never early; late only by a loaded machine's scheduling
         assert granted and 1.5 - 0.01 <= took < 1.5 + 1.0, took
-        assert att.fast[3] is not first and att.fast[3].naps >= 1  # rebound, and waited in it again
+        assert (
+            att.fast.waiter is not first and att.fast.waiter.naps >= 1
+        )  # rebound, and waited in it again
         other.close()
     finally:
         lim.set_rate(1e6)
@@ -323,7 +325,7 @@ lim = shmlimit.Limiter(name, rate=1, burst=1)
 lim.acquire()
 lim.acquire()  # a second: the fast path is bound (one native call per acquire), the bucket empty
 att = lim._att
-assert type(att.fast[0]).__name__ == "Acquirer", att.fast[0]
+assert type(att.fast.grab).__name__ == "Acquirer", att.fast.grab
 if sys.argv[2] == "usr1":  # a handler that raises nothing: the acquire goes on waiting, to its turn
     signal.signal(signal.SIGUSR1, lambda *a: print("handled", flush=True))
 print("waiting", flush=True)
@@ -425,7 +427,7 @@ def test_an_acquirer_step_hands_its_ticket_to_python_when_the_config_changes(nam
     try:
         assert lim.try_acquire()  # empty: the next op is a minute away
         att = lim._att
-        acq = att.fast[0]
+        acq = att.fast.grab
         ticket = acq.take()
         assert type(ticket) is int and att.cells.load(att.waiting_off) == 1
         rec, tokens = att.find_record(ticket)

@@ -325,7 +325,7 @@ def test_config_snapshot_is_never_torn_by_a_thread_switch(name):
         if frame.f_code.co_name == "load_config" and event == "line":
             att.update_fast()  # what another thread (an acquire) would do right now
             tail = c.load(L.TAIL)
-            if att.fast[0]() is not False and att.fast_seq == new_seq:
+            if att.fast.grab() is not False and att.fast_seq == new_seq:
                 if diff(c.load(L.TAIL), tail) != new_cost:
                     torn.append(diff(c.load(L.TAIL), tail))
         return switch

@@ -95,10 +95,10 @@ def _native_waits_in_a_thread(name, conn):
         out["before"] = _thread_slack()
         lim = shmlimit.attach(name)
         try:
-            naps = lim._att.fast[3].naps if lim._att.fast[3] is not None else None
+            naps = lim._att.fast.waiter.naps if lim._att.fast.waiter is not None else None
             for _ in range(25):  # the capacity (10), then turns waited for natively
                 lim.acquire()
-            out["slept"] = lim._att.fast[3].naps - naps if naps is not None else None
+            out["slept"] = lim._att.fast.waiter.naps - naps if naps is not None else None
             out["after"] = _thread_slack()
         finally:
             lim.close()

@@ -373,7 +373,7 @@ class Request:
         att = self.att
         if att.fast_seq != self.bucket.seq:  # the config changed: a waiter bound to the new one
             att.update_fast()
-        waiter = att.fast[3]
+        waiter = att.fast.waiter
         fed, self.fed = self.fed, None
         if waiter is None and fed is not None and self.wake_ns is not None:
             # hierarchical mode without a native waiter: the same sleep on the wake word, from Python
@@ -450,7 +450,7 @@ def refill(att: "Attachment") -> int:
     adding its tokens: a Python refill preempted there, while other processes refill, finds its
     add clamped against their tokens and loses its time.  The tokens added."""
     b = att.bucket
-    waiter = att.fast[3] if att.fast_seq == b.seq else None
+    waiter = att.fast.waiter if att.fast_seq == b.seq else None
     if waiter is None:
         return b.replenish()
     added, burn = waiter.refill()
@@ -469,7 +469,7 @@ def wait_for_ticket(
     flags = 0
     if isinstance(ticket, tuple):
         flags, ticket = ticket
-    waiter = att.fast[3]
+    waiter = att.fast.waiter
     rec, tokens = att.find_record(ticket) if not flags & WAIT_GRANTED else (None, 0)
     now = time.monotonic_ns()
     deadline = (
@@ -499,8 +499,8 @@ def wait_for_ticket(
     return drive(Request.holding(att, 1, ticket, tokens, rec, deadline))
 
 
-#: Each attachment's fast grab for ``acquire_async``, without the native wait (``(fast[0], grab)``:
-#: made again whenever ``update_fast`` replaced ``fast[0]``, which decides when a fast grab is valid).
+#: Each attachment's fast grab for ``acquire_async``, without the native wait (``(fast.grab, grab)``:
+#: made again whenever ``update_fast`` replaced ``fast.grab``, which decides when a fast grab is valid).
 _async_grabs: "weakref.WeakKeyDictionary[Attachment, Tuple[object, Callable[[], object]]]" = (
     weakref.WeakKeyDictionary()
 )
@@ -508,21 +508,21 @@ _async_grabs: "weakref.WeakKeyDictionary[Attachment, Tuple[object, Callable[[], 
 
 def _async_grab(att: "Attachment") -> Optional[Callable[[], object]]:
     """``acquire``'s fast grab for one op, untimed (recorded, counted), but never waiting: with the
-    native wait ``fast[0]`` is an ``Acquirer``, whose wait would block the loop.  None: no fast path
+    native wait ``fast.grab`` is an ``Acquirer``, whose wait would block the loop.  None: no fast path
     for the config in force (the slow path's ``Request`` decides)."""
-    fast0 = att.fast[0]
+    fast_grab = att.fast.grab
     hit = _async_grabs.get(att)
-    if hit is not None and hit[0] is fast0:
+    if hit is not None and hit[0] is fast_grab:
         return hit[1]
     b = att.bucket
-    if att.fast_seq != b.seq:  # fast[0] belongs to another config: the slow path rebinds it
+    if att.fast_seq != b.seq:  # fast.grab belongs to another config: the slow path rebinds it
         return None
     grab: Optional[Callable[[], object]] = None
-    if fast0 is not _no_fast and att.fast[3] is None:
-        grab = fast0  # no native wait: fast[0] is the grab itself
-    elif fast0 is not _no_fast:
+    if fast_grab is not _no_fast and att.fast.waiter is None:
+        grab = fast_grab  # no native wait: fast.grab is the grab itself
+    elif fast_grab is not _no_fast:
         grab = b.grabber(b.snap, att.grants_off, att.rec_lens)
-    _async_grabs[att] = (fast0, grab)  # type: ignore[assignment]
+    _async_grabs[att] = (fast_grab, grab)  # type: ignore[assignment]
     return grab
 
 
