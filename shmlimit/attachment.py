@@ -158,6 +158,69 @@ class FastPaths:
         self.bind(_no_fast, _undecided, _undecided, None)
 
 
+class Mode:
+    """What the config in force means for every call, decided once when it is bound
+    (``update_fast``, ``Attachment.mode``) instead of tested flag by flag on each.  This one
+    admits every request at once (not capped); ``Capped`` admits against the ops in flight."""
+
+    __slots__ = (
+        "upstream",
+        "leases",
+        "clocked",
+        "stopped",
+        "joins",
+        "real_clock",
+        "fed_wake",
+        "grabs",
+        "gates",
+    )
+
+    def __init__(self, snap: Any, real_clock: bool) -> None:
+        #: hierarchical mode: a refused try is demand the filler must see; no reserve
+        self.upstream: bool = snap.upstream
+        #: tokens come with leases, not with time: no wait is computable, and a timed request
+        #: holds its ticket until its deadline
+        self.leases: bool = snap.upstream and not snap.time_fed
+        #: a ticket's due time follows from the rate (time-fed and running)
+        self.clocked: bool = snap.time_fed and not snap.stopped
+        #: stopped: nothing is added; a wait is not computable
+        self.stopped: bool = snap.stopped
+        #: ``max_reserved``: an untimed request joins only a queue short enough
+        self.joins: bool = snap.max_reserved_ns != _INF
+        #: the attachment reads CLOCK_MONOTONIC (not an injected clock): native sleeps may be used
+        self.real_clock = real_clock
+        #: a leased waiter sleeps on the wake word (``fed_wait``; it reads the real clock)
+        self.fed_wake: bool = self.leases and real_clock
+        #: an untimed grab of one op may be bound (capped, joining and open decide in Python)
+        self.grabs: bool = not (self.joins or snap.open or snap.capped)
+        #: a gate's try and timed grab may be bound (a wait is computable, nothing to admit)
+        self.gates: bool = not (snap.upstream or snap.stopped or snap.capped or snap.config is None)
+
+    def admit(self, bucket: Bucket, ops: int) -> bool:
+        """Take a place for ``ops`` among the ops in flight, if the mode bounds them."""
+        return True
+
+    def unadmit(self, bucket: Bucket, ops: int) -> None:
+        """Give back what ``admit`` took."""
+
+
+class Capped(Mode):
+    """Capped release: every grant first takes a place among the ops in flight."""
+
+    __slots__ = ()
+
+    def admit(self, bucket: Bucket, ops: int) -> bool:
+        return bucket.admit(ops)
+
+    def unadmit(self, bucket: Bucket, ops: int) -> None:
+        bucket.unadmit(ops)
+
+
+def mode_of(snap: Any, real_clock: bool) -> Mode:
+    """The mode of the config ``snap`` on the real clock or not."""
+    return (Capped if snap.capped else Mode)(snap, real_clock)
+
+
 class Attachment(Attached):
     """One process's mapping of one limiter segment (shared by all its Limiter handles).
 
@@ -197,6 +260,8 @@ class Attachment(Attached):
         # timed grab are a Gate's methods (see composites.Gate)
         self.fast = FastPaths()
         self.fast_seq = -1
+        #: the mode of the config the fast paths were bound for (``fast_seq``)
+        self.mode: Mode = mode_of(self.bucket.snap, clock is time.monotonic_ns)
         #: This process used the limiter (``use``): it is registered and its filler thread runs.
         #: Opening registers (``Attached``) but starts no thread: a pre-fork server's master
         #: that only opened it never forks with one running.  Nothing waits for a filler:
@@ -214,8 +279,11 @@ class Attachment(Attached):
         # every ticket a fast path hands out is recorded in one of this process's records (none:
         # beyond the table, it never queues), so a ticket is never queued unrecorded (see giveback)
         recs = self.rec_lens
+        real_clock = self.clock is time.monotonic_ns
+        self.mode = mode = mode_of(s, real_clock)
+        live = not (self.closed or unused)
         grab: Callable[..., Any] = _no_fast
-        if not (self.closed or unused or s.max_reserved_ns != _INF or s.open or s.capped):
+        if live and mode.grabs:
             grab = self.bucket.grabber(s, self.grants_off, recs)
         # tries and timed acquires: not in hierarchical mode (a refusal there is demand the filler
         # must see, and a timed acquire polls), nor while stopped (no wait is computable), nor
@@ -223,14 +291,13 @@ class Attachment(Attached):
         # certain refusal counts the time since REPL_TS: on an injected clock, up to its reading
         # (on_clock), never the real clock's (REPL_TS written by a clock ahead of the real one
         # would look like no time at all)
-        real_clock = self.clock is time.monotonic_ns
         try_now: Callable[..., Any] = _undecided
         within: Callable[..., Any] = _undecided
-        if not (self.closed or unused or s.upstream or s.stopped or s.capped or s.config is None):
+        if live and mode.gates:
             gate = self.bucket.gate(s, self.grants_off, 1, recs)
             try_now = on_clock(gate.try_grab, self.clock, self._refused_try)
             within = on_clock(gate.grab_within, self.clock, self._refused_within)
-        if grab is not _no_fast and s.upstream and not s.time_fed and not s.stopped and real_clock:
+        if grab is not _no_fast and mode.fed_wake and not mode.stopped:
             within = _fed_within(grab)
         # a ticket's whole wait in one native call, for the configs it handles (Bucket.waiter); it
         # reads the real clock, so an attachment with an injected clock waits in Python
@@ -248,6 +315,12 @@ class Attachment(Attached):
             # CAS, LEN stored after), the wait, the record freed at the grant (wait_for_ticket's steps)
             grab = waiter.acquirer(grab, interrupted(self), int(MAX_NAP * NS_PER_S))
         self.fast.bind(grab, try_now, within, waiter)
+
+    def mode_now(self) -> Mode:
+        """The mode of the config the bucket holds now (bound afresh if it changed)."""
+        if self.fast_seq != self.bucket.seq:
+            self.update_fast()
+        return self.mode
 
     def _refused_try(self) -> None:
         """What a try refused on the slow path did (``take_now``): a replenish (no native wait
@@ -496,8 +569,9 @@ def gate_all(atts: Sequence[Attachment], names: Optional[Sequence[str]] = None) 
     snaps = []
     for att in atts:
         att.bucket.refresh()
+        mode = att.mode_now()
         s = att.bucket.snap
-        if s.stopped or s.config is None or s.upstream or s.capped or s.cap < s.cost:
+        if not mode.gates or s.cap < s.cost:
             return None
         snaps.append(s)
     gates = [att.bucket.gate(s, att.grants_off, 1) for att, s in zip(atts, snaps)]

@@ -342,7 +342,7 @@ class Limiter(RatesSwitch, AcquireOnEnter, Handle):
         while True:
             if self.try_acquire(n):
                 return True
-            nap = max(1e-4, self.retry_after(n) if not self._live().bucket.stopped else MAX_NAP)
+            nap = max(1e-4, self.retry_after(n) if not self._live().mode_now().stopped else MAX_NAP)
             nap = min(MAX_NAP, nap) * random.uniform(0.5, 1.5)
             if deadline is not None:
                 left = deadline - time.monotonic()

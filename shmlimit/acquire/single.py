@@ -44,7 +44,7 @@ from typing import TYPE_CHECKING, Any, Callable, Optional, Tuple, Union
 
 from shmlimit.acquire.drivers import MIN_NAP, Step, drive, drive_async
 from shmlimit.acquire.sleep import at_stop, sleep_until_async
-from shmlimit.attachment import _no_fast
+from shmlimit.attachment import Mode, _no_fast
 from shmlimit.bucket import fed_wait
 from shmlimit.bucket.fences import fenced_ticket
 from shmlimit.bucket.giveback import NO_RECORD, REFUSED, record_nap, take_ticket
@@ -103,7 +103,8 @@ class Request:
         )
         self.state = DONE
         self.ticket: Optional[int] = None
-        self.admitted = False
+        #: the mode that admitted it (``Mode.admit``; capped mode counts it in flight until ``end``)
+        self.admitted: Optional[Mode] = None
         self.granted = False
         #: the last nap ends at this CLOCK_MONOTONIC instant, to sleep to precisely (None: roughly)
         self.wake_ns: Optional[int] = None
@@ -136,7 +137,8 @@ class Request:
         """
         r = cls.__new__(cls)
         r.att, r.bucket, r.n, r.tokens, r.deadline = att, att.bucket, n, tokens, deadline
-        r.admitted = r.granted = r._waiting = False
+        r.admitted = None
+        r.granted = r._waiting = False
         r.wake_ns = None
         r.fed = None
         r.ticket = ticket
@@ -158,15 +160,15 @@ class Request:
         if self.state == TICKET:  # made ``holding`` its ticket already
             return self._wait_ticket()
         b = self.bucket
-        if b.capped:
-            if not b.admit(self.n):
-                if self.n > b.cap_ops:
-                    raise ValueError(
-                        f"n must be at most the capacity of {b.cap_ops} ops in capped mode, got {self.n}"
-                    )
-                self.state = ADMIT
-                return self._admit_nap()
-            self.admitted = True
+        mode = self.att.mode  # bound for the bucket's config when the request was made
+        if not mode.admit(b, self.n):
+            if self.n > b.cap_ops:
+                raise ValueError(
+                    f"n must be at most the capacity of {b.cap_ops} ops in capped mode, got {self.n}"
+                )
+            self.state = ADMIT
+            return self._admit_nap()
+        self.admitted = mode
         return self._take()
 
     def next(self) -> Step:
@@ -177,13 +179,14 @@ class Request:
         if state == ADMIT:
             b = self.bucket
             b.refresh()
-            if not b.admit(self.n):
+            mode = self.att.mode_now()
+            if not mode.admit(b, self.n):
                 # the ops in flight of a dead holder come back by a filler's reap: if the holder
                 # ran the filler, its lease lapsed with it, and this takes it at once (a watcher
                 # would look only every WATCH_PERIOD)
                 self.att.nudge_filler()
                 return self._admit_nap()
-            self.admitted = True
+            self.admitted = mode
             return self._take()
         if state == JOIN:
             return self._join()
@@ -209,9 +212,9 @@ class Request:
         if self._waiting:
             self._waiting = False
             self.att.waiting(-1)
-        if self.admitted and not self.granted:
-            self.admitted = False
-            self.bucket.unadmit(self.n)
+        admitted, self.admitted = self.admitted, None
+        if admitted is not None and not self.granted:
+            admitted.unadmit(self.bucket, self.n)
         self.state = DONE
 
     def turn(self, woke: bool) -> Optional[Step]:
@@ -227,17 +230,18 @@ class Request:
         att = self.att
         if att.opened():  # hierarchical mode, upstream unreachable, on_redis_error="open": no limit
             return self._grant()
-        if self.deadline is None and b.max_reserved_ns != _INF:
+        mode = att.mode_now()
+        if self.deadline is None and mode.joins:
             self.state = JOIN
             return self._join()
-        if self.deadline is not None and b.upstream and not b.time_fed:
+        if self.deadline is not None and mode.leases:
             # no wait is computable (tokens come with leases): hold a ticket until the deadline, given
             # back then if not served (``end``); with max_reserved, join once the queue is short enough
             if take_now(att, self.n, self.tokens):
                 return self._done()
             if self.deadline - att.clock() <= 0:
                 return self._refuse()
-            if b.max_reserved_ns != _INF:
+            if mode.joins:
                 self.state = JOIN
                 return self._join()
             wait = _INF
@@ -313,7 +317,7 @@ class Request:
         self.fed = None
         # hierarchical mode, on the real clock: the wake word is read before the head, so a batch
         # added after this look makes the sleep on it return at once (no wake is lost)
-        fed = b.upstream and not b.time_fed and att.clock is time.monotonic_ns
+        fed = att.mode_now().fed_wake
         seen = fed_wait.seen(b.cells) if fed else 0
         if b.covered(ticket):
             return self._grant_ticket()
@@ -323,18 +327,19 @@ class Request:
         b.refresh()
         if att.opened():  # the "open" fallback lets queued callers through too
             return self._grant()
+        mode = att.mode_now()
         now = att.clock()
         until = (
             now + MAX_NAP_NS
-            if self.deadline is None or not b.upstream
+            if self.deadline is None or not mode.upstream
             else min(now + MAX_NAP_NS, self.deadline)
         )
         if (
             until <= now
         ):  # a timed ticket of hierarchical mode, not served by its deadline: given back (end)
             return False
-        due = b.due_ns(ticket) if b.time_fed and not b.stopped else now
-        if due > now and att.clock is time.monotonic_ns and b.stops_at(ticket, self.tokens):
+        due = b.due_ns(ticket) if mode.clocked else now
+        if due > now and mode.real_clock and b.stops_at(ticket, self.tokens):
             due, now = at_stop(due, now)  # the head stops at our ticket: replenish at its instant
         if due > now:  # not our turn yet: no replenish can help, park until it
             self.wake_ns = min(int(due) + 1, now + MAX_NAP_NS)  # now and then, to notice changes
@@ -345,11 +350,9 @@ class Request:
             if b.covered(ticket):
                 return self._grant_ticket()
         short = b.deficiency(ticket) / b.tpn
-        if b.upstream:
+        if mode.upstream:
             att.nudge_filler()  # only a filler leases: make sure one runs
-            if (
-                not b.time_fed
-            ):  # tokens come with leases: park until a batch is due; a blocking driver
+            if mode.leases:  # tokens come with leases: park until a batch is due; a blocking driver
                 if (
                     fed and fed_wait.wakes_work()
                 ):  # until the batch that covers us wakes it (wake_ns: at most)
@@ -472,9 +475,7 @@ def wait_for_ticket(
     waiter = att.fast.waiter
     rec, tokens = att.find_record(ticket) if not flags & WAIT_GRANTED else (None, 0)
     now = time.monotonic_ns()
-    deadline = (
-        now + int(timeout * NS_PER_S) if timeout is not None and att.bucket.upstream else None
-    )
+    deadline = now + int(timeout * NS_PER_S) if timeout is not None and att.mode.upstream else None
     if waiter is not None or flags:
         try:
             if flags:  # an Acquirer's: counted and its record freed if granted
@@ -592,12 +593,15 @@ def _ticket_step(req: Request, woke: bool) -> Step:
     assert ticket is not None
     if b.covered(ticket):
         return req._grant_ticket()
-    if req.deadline is not None or req.record is None or b.refresh() or b.upstream or b.stopped:
-        return req.next()
     att = req.att
+    if req.deadline is not None or req.record is None or b.refresh():
+        return req.next()
+    mode = att.mode_now()
+    if mode.upstream or mode.stopped:
+        return req.next()
     if not woke:
         now = time.monotonic_ns()
-        due = b.due_ns(ticket) if b.time_fed else now
+        due = b.due_ns(ticket)  # (local and running: time-fed)
         if due > now and b.stops_at(ticket, req.tokens):
             due, now = at_stop(due, now)  # the head stops at our ticket: replenish at its instant
         if due > now:  # not our turn yet: park until it (as next() would)
@@ -645,15 +649,16 @@ def try_acquire(att: "Attachment", n: int) -> bool:
     if b.refresh() or att.fast_seq != b.seq:
         att.update_fast()
     tokens = validate_n(n, b.cost) * b.cost
-    if b.capped and not b.admit(n):
+    mode = att.mode
+    if not mode.admit(b, n):
         return False
     granted = False
     try:
         granted = take_now(att, n, tokens)
     finally:
-        if b.capped and not granted:
-            b.unadmit(n)
-    if not granted and b.upstream:
+        if not granted:
+            mode.unadmit(b, n)
+    if not granted and mode.upstream:
         b.mark_hungry(att.clock())  # a refused try is demand the filler should see ...
         att.nudge_filler()  # ... and one must run: a dead one's lease is taken here, not by a watcher
     return granted
@@ -663,7 +668,8 @@ def reserve(att: "Attachment", n: int, max_wait: Optional[float]) -> Optional[fl
     """``Limiter.reserve``: a ticket counted as granted, and the seconds until it is due; None takes nothing."""
     b = att.bucket
     b.refresh()
-    if b.upstream:
+    mode = att.mode_now()
+    if mode.upstream:
         # Paced by the local rate, each host would promise slots of the global rate: two hosts
         # of a global 100/s handed out 200 usable slots in 1 s.  Leases have no known time.
         raise UnsupportedError(
@@ -677,7 +683,7 @@ def reserve(att: "Attachment", n: int, max_wait: Optional[float]) -> Optional[fl
     if att.opened():
         att.count(n)
         return 0.0
-    if b.capped and not b.admit(n):
+    if not mode.admit(b, n):
         return None  # no room among the ops in flight: nothing taken
     # A claim of our own before the grab (the promise in the fence counts from a fresh REPL_TS) and
     # after it: a snapshot from before a grab that emptied a full bucket makes the next claim add nothing
@@ -687,13 +693,13 @@ def reserve(att: "Attachment", n: int, max_wait: Optional[float]) -> Optional[fl
         bound = min(_INF if limit is None else limit * NS_PER_S, b.max_reserved_ns)
         ticket, due = fenced_ticket(b, att.clock, lambda: refill(att), tokens, bound)
     finally:
-        if ticket is None and b.capped:
-            b.unadmit(n)
+        if ticket is None:
+            mode.unadmit(b, n)
     if ticket is None:
         return None
     att.count(n)
     _claim_now(att)
-    if b.deficiency(ticket) and b.stopped:
+    if b.deficiency(ticket) and mode.stopped:
         return _INF
     # its fence holds those behind it to its promise (``fences``): a late promise costs time, never a slot
     return 0.0 if due is None else max(0.0, due - att.clock()) / NS_PER_S
@@ -713,6 +719,6 @@ def retry_after(att: "Attachment", n: int) -> float:
     b = att.bucket
     b.refresh()
     tokens = validate_n(n, b.cost) * b.cost
-    if b.stopped:
+    if att.mode_now().stopped:
         return _INF
     return max(0.0, b.next_promised_ns(tokens) - att.clock()) / NS_PER_S
