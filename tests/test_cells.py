@@ -150,7 +150,8 @@ def test_every_records_argument_is_checked_before_any_word_is_touched(cells, rec
     for i in range(0, SIZE, 8):
         cells.store(i, i + 1)
     seq, tail, head, grants = 24, 0, 8, 16
-    waiter_args = [seq, 25, tail, head, 48, 56, 64, 72, grants, None, 1, 10, 1000, 80, 88, 96, 104]
+    words = (seq, tail, head, 48, 56, 64, 72, 80, 88, 96, 104)
+    waiter_args = [words, 25, grants, None, 1, 10, 1000]
     calls = [
         lambda: cells.grabber(seq, 25, tail, head, 1, grants, 1, records),
         lambda: cells.clamp_words(
@@ -158,13 +159,31 @@ def test_every_records_argument_is_checked_before_any_word_is_touched(cells, rec
         ),  # callers queued (head before tail): records read
     ]
     fences = (112, 120, 1)  # FENCE_HINT, one fence record
-    if cells.waiter(*waiter_args, (40,), *fences) is not None:  # the backend waits in one call
-        calls.append(lambda: cells.waiter(*waiter_args, records, *fences))
+    if cells.waiter(*waiter_args, (40,), fences) is not None:  # the backend waits in one call
+        calls.append(lambda: cells.waiter(*waiter_args, records, fences))
     for call in calls:
         with pytest.raises(error):
             call()
     with pytest.raises(TypeError):  # a grab holds at most MAX_RECS (8) records
         cells.grabber(seq, 25, tail, head, 1, grants, 1, tuple(range(40, 40 + 9 * 16, 16)))
+    assert all(cells.load(i) == i + 1 for i in range(0, SIZE, 8))
+
+
+@pytest.mark.parametrize(
+    "words, fences",
+    [
+        ((24, 0, 8, 48, 56, 64, 72, 80, 88, 96), (112, 120, 1)),  # a word short
+        ((24, 0, 8, 48, 56, 64, 72, 80, 88, 96, 104), (112, 120)),  # no fence count
+        ((24, 0, 8, 48, 56, 64, 72, 80, 88, 96, SIZE), (112, 120, 1)),  # SNAP_NEXT past the end
+    ],
+)
+def test_a_waiter_refuses_words_it_cannot_bind(cells, words, fences):
+    """Both backends refuse a bad ``words`` or ``fences`` (the native one's word by word), touching
+    nothing."""
+    for i in range(0, SIZE, 8):
+        cells.store(i, i + 1)
+    with pytest.raises(TypeError if len(words) != 11 or len(fences) != 3 else IndexError):
+        cells.waiter(words, 25, 16, None, 1, 10, 1000, (40,), fences)
     assert all(cells.load(i) == i + 1 for i in range(0, SIZE, 8))
 
 

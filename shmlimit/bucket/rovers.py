@@ -86,6 +86,22 @@ WAIT_GRANTED, WAIT_NUDGE, WAIT_BURN = (
 )  #: a native wait's flags (``waiter``): granted (counted), nudge the filler, burn
 
 
+#: The bucket's words a native waiter reads (``Cells.waiter``'s ``words``, in this order).
+WAITER_WORDS = (
+    L.CFG_SEQ,
+    L.TAIL,
+    L.HEAD,
+    L.REPL_TS,
+    L.SNAP_HEAD,
+    L.SNAP_TAIL,
+    L.LEASE,
+    L.STARVED_NS,
+    L.SNAP_BASE,
+    L.SNAP_END,
+    L.SNAP_NEXT,
+)
+
+
 class Bucket(Schedule):
     """Rover arithmetic on one segment.  ``clock`` returns CLOCK_MONOTONIC nanoseconds."""
 
@@ -336,25 +352,15 @@ class Bucket(Schedule):
         ):
             return None
         return self.cells.waiter(  # None on the atomics backend
-            L.CFG_SEQ,
+            WAITER_WORDS,
             snap.seq,
-            L.TAIL,
-            L.HEAD,
-            L.REPL_TS,
-            L.SNAP_HEAD,
-            L.SNAP_TAIL,
-            L.LEASE,
             grants,
             waiting,
             snap.tpn,
             snap.cap,
             slack_ns,
-            L.STARVED_NS,
-            L.SNAP_BASE,
-            L.SNAP_END,
-            L.SNAP_NEXT,
             self._record_lens(),
-            *self.fences.args,
+            self.fences.args,
         )
 
     def replenish(self) -> int:

@@ -2219,8 +2219,7 @@ static PyMethodDef cells_methods[] = {
     {"fence_scan", (PyCFunction)(void (*)(void))cells_fence_scan, METH_FASTCALL,
      "fence_scan(hint_off, first, count, ts, now, tpn, head, ticket) -> (room, due) or None (words.fence_scan)"},
     {"waiter", (PyCFunction)(void (*)(void))cells_waiter, METH_FASTCALL,
-     "waiter(seq, expected, tail, head, repl_ts, snap_head, snap_tail, lease, grants, waiting, tpn, cap, "
-     "slack_ns, lost, snap_base, snap_end, snap_next, records, fence_hint, fence_first, fence_count) -> Waiter"},
+     "waiter(words, expected, grants, waiting, tpn, cap, slack_ns, records, fences) -> Waiter"},
     {"futex_wait", (PyCFunction)(void (*)(void))cells_futex_wait, METH_FASTCALL,
      "futex_wait(off, expected, bitset, deadline_ns) -> False once the deadline passed, else True (look again)"},
     {"futex_wake", (PyCFunction)(void (*)(void))cells_futex_wake, METH_FASTCALL,
@@ -3598,12 +3597,41 @@ wait_new(NativeCells *self, PyTypeObject *type, uint64_t *seq, uint64_t *head, u
     return g;
 }
 
-/* waiter(seq, expected, tail, head, repl_ts, snap_head, snap_tail, lease, grants, waiting, tpn,
- * cap, slack_ns, lost, snap_base, snap_end, snap_next, records, fence_hint, fence_first, fence_count) -> a
- * Waiter (see above); `waiting` is a word offset or None; `records` every ticket record's LEN offset (a
- * tuple); the fences: FENCE_HINT, the first record's OWNER, how many records. */
+/* The bucket's words a waiter reads, in the order of the `words` tuple waiter() takes
+ * (rovers.WAITER_WORDS): seq, tail, head, repl_ts, snap_head, snap_tail, lease, lost, snap_base,
+ * snap_end, snap_next. */
+#define WAITER_NWORDS 11
+
+static PyObject *waiter_bind(NativeCells *self, PyObject *const *args, Py_ssize_t n);
+
+/* waiter(words, expected, grants, waiting, tpn, cap, slack_ns, records, fences) -> a Waiter (see
+ * above); `words` the bucket's word offsets (WAITER_NWORDS, a tuple); `waiting` is a word offset or
+ * None; `records` every ticket record's LEN offset (a tuple); `fences` (FENCE_HINT, the first
+ * record's OWNER, how many records).  Laid out flat for waiter_bind, which checks each. */
 static PyObject *
 cells_waiter(NativeCells *self, PyObject *const *args, Py_ssize_t n)
+{
+    if (!nargs(n, 9, "waiter"))
+        return NULL;
+    if (!PyTuple_CheckExact(args[0]) || PyTuple_GET_SIZE(args[0]) != WAITER_NWORDS) {
+        PyErr_SetString(PyExc_TypeError, "waiter: words must be a tuple of 11 word offsets");
+        return NULL;
+    }
+    if (!PyTuple_CheckExact(args[8]) || PyTuple_GET_SIZE(args[8]) != 3) {
+        PyErr_SetString(PyExc_TypeError, "waiter: fences must be a tuple (hint, first, count)");
+        return NULL;
+    }
+    PyObject *const *w = &PyTuple_GET_ITEM(args[0], 0), *const *f = &PyTuple_GET_ITEM(args[8], 0);
+    PyObject *flat[21] = {w[0], args[1], w[1], w[2], w[3], w[4], w[5], w[6], args[2], args[3], args[4],
+                          args[5], args[6], w[7], w[8], w[9], w[10], args[7], f[0], f[1], f[2]};
+    return waiter_bind(self, flat, 21);
+}
+
+/* The flat form: (seq, expected, tail, head, repl_ts, snap_head, snap_tail, lease, grants, waiting,
+ * tpn, cap, slack_ns, lost, snap_base, snap_end, snap_next, records, fence_hint, fence_first,
+ * fence_count). */
+static PyObject *
+waiter_bind(NativeCells *self, PyObject *const *args, Py_ssize_t n)
 {
     uint64_t *w[14], *waiting, expected, tpn, cap, slack, fcount;
     const int at[14] = {0, 2, 3, 4, 5, 6, 7, 8, 13, 14, 15, 16, 18, 19};

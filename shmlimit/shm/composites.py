@@ -240,46 +240,30 @@ class Cells(abc.ABC):
 
     def waiter(
         self,
-        seq: int,
+        words: Tuple[int, ...],
         expected: int,
-        tail: int,
-        head: int,
-        repl_ts: int,
-        snap_head: int,
-        snap_tail: int,
-        lease: int,
         grants: int,
         waiting: Optional[int],
         tpn: int,
         cap: int,
         slack_ns: int,
-        lost: int,
-        snap_base: int,
-        snap_end: int,
-        snap_next: int,
         records: Tuple[int, ...],
-        fence_hint: int = 0,
-        fence_first: int = 0,
-        fence_count: int = 0,
+        fences: Tuple[int, int, int],
     ) -> None:
         """None: a wait loop is worth having only natively, where it sleeps without the GIL and
-        without returning to Python between naps; here waiters wait in Python."""
+        without returning to Python between naps; here waiters wait in Python.  ``words``: the
+        bucket's word offsets (``rovers.WAITER_WORDS``); ``fences``: (FENCE_HINT, the first
+        record's OWNER, how many records)."""
+        if len(words) != 11 or len(fences) != 3:
+            raise TypeError("waiter: words must be 11 word offsets, fences (hint, first, count)")
+        hint, first, count = fences
         self._check(
-            seq,
-            tail,
-            head,
-            repl_ts,
-            snap_head,
-            snap_tail,
-            lease,
+            *words,
             grants,
-            snap_base,
-            snap_end,
-            snap_next,
             *records,
             *([] if waiting is None else [waiting]),
-            fence_hint,
-            fence_first + max(0, fence_count - 1) * FENCE_STRIDE + FENCE_DUE_W,
+            hint,
+            first + max(0, count - 1) * FENCE_STRIDE + FENCE_DUE_W,
         )
         return None
 
