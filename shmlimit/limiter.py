@@ -306,7 +306,9 @@ class Limiter(RatesSwitch, AcquireOnEnter, Handle):
         ``n`` larger than the capacity can never succeed.
         """
         if n is _ONE:  # the fast path: one native call, granted or refused
-            granted = self._fast.try_now()
+            # read, then called: ``.try_now()`` would be a method lookup, never specialised for a slot
+            try_now = self._fast.try_now
+            granted = try_now()
             if granted is not None:
                 return granted
         return acquisition.try_acquire(self._live(), n)
