@@ -322,11 +322,27 @@ class Attachment(Attached):
             self.update_fast()
         return self.mode
 
-    def _refused_try(self) -> None:
-        """What a try refused on the slow path did (``take_now``): a replenish (no native wait
-        on an injected clock: ``refill`` is this), the filler nudged if it added."""
-        if self.bucket.replenish() > 0:
+    def refill(self) -> int:
+        """``Bucket.replenish`` by a caller, doing the filler's work: as one native call where the
+        native wait has one for the config in force (its refill, word for word; one call leaves no
+        gap between claiming an interval and adding its tokens: a Python refill preempted there,
+        while other processes refill, finds its add clamped against theirs and loses its time),
+        and the filler nudged when it added (make sure one runs).  The tokens added."""
+        b = self.bucket
+        waiter = self.fast.waiter if self.fast_seq == b.seq else None
+        if waiter is None:
+            added = b.replenish()
+        else:
+            added, burn = waiter.refill()
+            if burn:
+                self.after_native_wait(WAIT_BURN)
+        if added > 0:
             self.nudge_filler()
+        return added
+
+    def _refused_try(self) -> None:
+        """What a try refused on the slow path did (``take_now``): a refill."""
+        self.refill()
 
     def _refused_within(self, timeout: object) -> None:
         """What a timed acquire refused on the slow path did (``take_ticket``): a replenish."""

@@ -83,7 +83,7 @@ BURSTS = st.sampled_from([None, 1.0, 1.125, 1.5, 2.0, 2.125, 3.125, 5.0])
 FRACTIONS = st.sampled_from([0.97, 0.75, 0.5, 0.25])
 SEEDS = st.integers(0, 2**32 - 1)
 #: Whose replenish every process runs: ``Bucket.replenish`` (over its own cells, of either backend),
-#: or the native waiter's (``acquisition.refill`` on the native backend), word for word the same.
+#: or the native waiter's (``Attachment.refill`` on the native backend), word for word the same.
 REFILLS = ["python", "native"] if native_available() else ["python"]
 
 
@@ -149,7 +149,7 @@ class OnTimeModel(RuleBasedStateMachine):
 
     def _replenish(self, att, reading):
         """As the process does: on the native backend one call of its native waiter (the waiters'
-        and the filler's refill, ``acquisition.refill``), at ``reading`` and its second claim, if
+        and the filler's refill, ``Attachment.refill``), at ``reading`` and its second claim, if
         any, a tick later; else ``Bucket.replenish`` (the clock read at each claim)."""
         b = att.bucket
         b.refresh()

@@ -48,7 +48,7 @@ from shmlimit.attachment import Mode, _no_fast
 from shmlimit.bucket import fed_wait
 from shmlimit.bucket.fences import fenced_ticket
 from shmlimit.bucket.giveback import NO_RECORD, REFUSED, record_nap, take_ticket
-from shmlimit.bucket.rovers import WAIT_BURN, WAIT_GRANTED
+from shmlimit.bucket.rovers import WAIT_GRANTED
 from shmlimit.config import MAX_NAP, NS_PER_S, validate_n, validate_timeout
 from shmlimit.errors import UnsupportedError
 
@@ -345,8 +345,7 @@ class Request:
             self.wake_ns = min(int(due) + 1, now + MAX_NAP_NS)  # now and then, to notice changes
             return (self.wake_ns - now) / NS_PER_S
         # our turn (or no clock to tell): replenishing adds whatever time has passed (lazily)
-        if refill(att) > 0:
-            att.nudge_filler()  # we did the filler's work: make sure a filler runs
+        if att.refill() > 0:
             if b.covered(ticket):
                 return self._grant_ticket()
         short = b.deficiency(ticket) / b.tpn
@@ -445,21 +444,6 @@ class Request:
     def _refuse(self) -> bool:
         self.state = DONE
         return False
-
-
-def refill(att: "Attachment") -> int:
-    """``Bucket.replenish``; as one native call where the native wait has one for the config in
-    force (its refill, word for word).  One call leaves no gap between claiming an interval and
-    adding its tokens: a Python refill preempted there, while other processes refill, finds its
-    add clamped against their tokens and loses its time.  The tokens added."""
-    b = att.bucket
-    waiter = att.fast.waiter if att.fast_seq == b.seq else None
-    if waiter is None:
-        return b.replenish()
-    added, burn = waiter.refill()
-    if burn:
-        att.after_native_wait(WAIT_BURN)
-    return added
 
 
 def wait_for_ticket(
@@ -607,8 +591,7 @@ def _ticket_step(req: Request, woke: bool) -> Step:
         if due > now:  # not our turn yet: park until it (as next() would)
             req.wake_ns = min(int(due) + 1, now + MAX_NAP_NS)
             return (req.wake_ns - now) / NS_PER_S
-    if refill(att) > 0:
-        att.nudge_filler()  # we did the filler's work: make sure a filler runs
+    if att.refill() > 0:
         if b.covered(ticket):
             return req._grant_ticket()
     return req.next()
@@ -626,12 +609,11 @@ def take_now(att: "Attachment", n: int, tokens: int) -> bool:
     if att.opened():  # the "open" fallback: no limit
         att.count(n)
         return True
-    if refill(att) <= 0:
+    # (the refill nudges the filler: a filler that left drops its lease, and a watcher looks only
+    # every WATCH_PERIOD; without one, tries that replenish only for themselves lose time to the
+    # clamp, its snapshots as old as the last refused try: 12-18 % at 200/s)
+    if att.refill() <= 0:
         return False
-    # we did the filler's work: make sure one runs (a filler that left drops its lease, and a
-    # watcher looks only every WATCH_PERIOD; without one, tries that replenish only for themselves
-    # lose time to the clamp, its snapshots as old as the last refused try: 12-18 % at 200/s)
-    att.nudge_filler()
     if not b.try_grab(tokens, att.grants_off, n):
         return False
     # ... and refill once more, past our grant.  Not queued, a refill's clamp counts from the tail
@@ -639,7 +621,7 @@ def take_now(att: "Attachment", n: int, tokens: int) -> bool:
     # only an op less than a capacity past the tail after it, and tries that refill for themselves
     # (every filler gone) lost per op what the first try after it came late by: 17 % of the rate at
     # 1 ms late.  A claim is safe at any moment (invariant 2); this one is a few us of time.
-    refill(att)
+    att.refill()
     return True
 
 
@@ -691,7 +673,7 @@ def reserve(att: "Attachment", n: int, max_wait: Optional[float]) -> Optional[fl
     ticket = due = None
     try:
         bound = min(_INF if limit is None else limit * NS_PER_S, b.max_reserved_ns)
-        ticket, due = fenced_ticket(b, att.clock, lambda: refill(att), tokens, bound)
+        ticket, due = fenced_ticket(b, att.clock, att.refill, tokens, bound)
     finally:
         if ticket is None:
             mode.unadmit(b, n)
@@ -709,7 +691,7 @@ def _claim_now(att: "Attachment") -> None:
     """A claim of our own, again (a few times at most) while an older one preempted before its CAS wins."""
     for _ in range(3):
         since = att.clock()
-        refill(att)
+        att.refill()
         if att.bucket.refilled_since(since):
             return
 
