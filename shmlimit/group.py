@@ -47,6 +47,7 @@ from shmlimit.shm.segment import (
     opened,
     pread_file,
     publish,
+    reopening,
     start_header,
 )
 from shmlimit.shm.table import ProcessTable, slot_alive
@@ -307,7 +308,7 @@ def open_rates(
     """Create the group or open it (``open_group``), then ``attach(i, label, opener)`` to each
     rate's region; all again (after ``close``) if a collector took a region meanwhile
     (``Collected``).  The group's geometry."""
-    for _ in range(16):
+    for _ in reopening():
         seg, geo = open_group(name, create, mode, trusted, clock, regions)
         try:
             for i, key in enumerate(geo.keys):

@@ -38,6 +38,7 @@ from shmlimit.shm.segment import (
     Segment,
     current_inode,
     publish,
+    reopening,
     start_header,
 )
 from shmlimit.shm.segment import unlink as unlink_name
@@ -232,7 +233,7 @@ def open_segment(
     """
     kind = kind or LIMITER
     warm_backend()  # a creator's first store must not wait for an import
-    for _ in range(16):
+    for _ in reopening():
         if create is not None:
             seg = Segment.create(name, kind.size_of(create), create.mode)
             if seg is not None:

@@ -23,7 +23,14 @@ from typing import Any, Callable, Dict, FrozenSet, Generic, Optional, TypeVar
 from shmlimit.errors import SegmentError
 from shmlimit.shm import layout as L
 from shmlimit.shm.cells import Cells
-from shmlimit.shm.segment import Segment, check_trust, current_inode, gone, unlink
+from shmlimit.shm.segment import (
+    Segment,
+    check_trust,
+    current_inode,
+    gone,
+    reopening,
+    unlink,
+)
 from shmlimit.shm.table import ProcessTable, is_alive, pid_namespace, proc_start, slot_alive
 
 
@@ -158,7 +165,7 @@ def attach(
     was opened), ``adopt`` run before registering, ``check`` after; opened again (at most 16 times)
     while a collector takes it meanwhile.  Undone (detached) if any step fails."""
     what = "limiter"
-    for _ in range(16):
+    for _ in reopening():
         att = make()
         if att is None:
             continue

@@ -12,6 +12,7 @@ from __future__ import annotations
 import errno
 import mmap
 import os
+import random
 import re
 import stat
 import time
@@ -487,6 +488,25 @@ def current_inode(name: str) -> Optional[int]:
 
 #: A segment left claimed by a garbage collector this long (seconds) lost its collector.
 DOOMED_WAIT = 2.0
+
+#: An open that another process keeps undoing (a collector's claim, an unlink, the name created
+#: again) tries again for at least this long (seconds) before it reports it.  Each failed try is a
+#: race lost to another process's step, so under churn some try wins: a count of tries cannot be
+#: the bound (16 processes creating, closing and unlinking one name on 2 cores made one opener
+#: lose 16 races in a row), time can.
+REOPEN_FOR = 2.0
+
+
+def reopening() -> Iterator[int]:
+    """The tries of an open another process may undo: 16 at once, then each after a random pause
+    of up to a millisecond (racing openers part), until ``REOPEN_FOR`` seconds have passed."""
+    deadline = time.monotonic() + REOPEN_FOR
+    tries = 0
+    while tries < 16 or time.monotonic() < deadline:
+        if tries >= 16:
+            time.sleep(random.random() / 1000)
+        yield tries
+        tries += 1
 
 
 def claim_and_unlink(
