@@ -497,6 +497,14 @@ class FillerThread(threading.Thread):
                             chores_at[i] = now + 1.0
                 if bucket.upstream:
                     last_renew = self._nap_renewing(nap, last_renew)
+                    # wakes for a delivery alone are made without a whole tick (``Feeder.between``)
+                    between = getattr(self.feed, "between", None)
+                    while between is not None and lease.held and not self._stopping:
+                        nap = between()
+                        if nap is None:
+                            break
+                        self.fills += 1
+                        last_renew = self._nap_renewing(nap, last_renew)
                 elif isinstance(self.feed, ClockFeed) and not self._stopping:
                     until = min([now + SPAN_MAX, *chores_at])
                     ticks, last_renew = self.feed.span(nap, until, lease, last_renew)
