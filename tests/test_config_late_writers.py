@@ -164,7 +164,7 @@ def test_any_number_of_late_config_writers_leave_the_newest_config_whole(
         release(*writers)
 
 
-# -- the reader: the same pick as the keyed banks' (tests/test_keyed_table.py) -----------------------
+# -- the reader: the same pick as the keyed banks' (tests/keyed/test_keyed_table.py) -----------------------
 
 SEQ = 10  # CFG_SEQ of the bank test below: even, no writer
 #: A bank's state: valid at a generation counted back from SEQ (0: SEQ's own; 2: the one before;

@@ -1,4 +1,4 @@
-"""What the stateful models (tests/test_model.py, tests/test_multirate_model.py, and the
+"""What the stateful models (tests/bucket/test_model.py, tests/test_multirate_model.py, and the
 tables' machines run on every backend) share."""
 
 from __future__ import annotations

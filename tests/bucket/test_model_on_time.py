@@ -1,6 +1,6 @@
 """A stateful model of a healthy host: nothing is late, so no queued request may lose time.
 
-tests/test_model.py searches for over-grants and deadlocks under every kind of late, stalled or
+tests/bucket/test_model.py searches for over-grants and deadlocks under every kind of late, stalled or
 dead actor; its "no request waits longer than its schedule plus the queue ahead" is loose on
 purpose there.  This model asks the opposite question, sharply: when every replenish comes on
 time, is every queued request served exactly on schedule?  It reuses that model's simulated

@@ -20,7 +20,7 @@ from support.windows import max_excess, tag
 
 import shmlimit
 
-# run once in CI: Redis Cluster and sentinel; the segment's side is tests/test_redis.py's
+# run once in CI: Redis Cluster and sentinel; the segment's side is tests/redis/test_redis.py's
 pytestmark = pytest.mark.backend_independent
 
 

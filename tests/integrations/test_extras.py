@@ -9,12 +9,10 @@ import textwrap
 import uuid
 
 import pytest
-from support.procs import WORKDIR
+from support.procs import ROOT, WORKDIR
 
 # run once in CI: hints for missing extras, and limits finding shm://
 pytestmark = pytest.mark.backend_independent
-
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
 def _python(code):

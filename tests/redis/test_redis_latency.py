@@ -11,7 +11,7 @@ from support.windows import max_excess, tag
 
 import shmlimit
 
-# run once in CI: Redis behind latency; the segment's side is tests/test_redis.py's
+# run once in CI: Redis behind latency; the segment's side is tests/redis/test_redis.py's
 pytestmark = pytest.mark.backend_independent
 
 

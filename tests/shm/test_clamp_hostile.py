@@ -3,7 +3,7 @@
 The clamp words are derived data a replenish leaves for the next one; a corrupt or hostile segment
 may hold anything there.  Whatever they hold, a replenish neither grants tokens beyond the capacity
 past the tail (an over-grant), nor stops the head for good (a hang): at worst it loses an interval.
-The native waiter's replenish is the reference one word for word (tests/test_native_wait.py), so
+The native waiter's replenish is the reference one word for word (tests/acquire/test_native_wait.py), so
 the Python replenish on both backends' cells stands for all three.
 """
 

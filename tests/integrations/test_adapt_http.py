@@ -13,6 +13,7 @@ import threading
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 import pytest
+from support.procs import ROOT
 
 import shmlimit
 
@@ -26,7 +27,6 @@ from shmlimit.keyed import layout as KL  # noqa: E402
 # run once in CI: the HTTP clients' reports; the adaptive words are tests/test_adapt*.py's
 pytestmark = pytest.mark.backend_independent
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 ADAPT = shmlimit.Adapt(min_rate=10, max_rate=2000)
 
 

@@ -1,6 +1,6 @@
 """Two keyed config writers late at once: each stalled past the lock's timeout, taken over, resumed.
 
-tests/test_keyed_config_writer.py stalls one writer; here a first writer stops before one of its
+tests/keyed/test_keyed_config_writer.py stalls one writer; here a first writer stops before one of its
 writes, a second takes its lock over and stops before one of its own, a third takes the lock over
 and publishes the newest rate, then the two late ones resume, in either order, each running to its
 end before the other goes on.  Every pair of stopping points and both orders are tried.  After the

@@ -7,6 +7,7 @@ import re
 import time
 
 import pytest
+from support.procs import ROOT
 
 import shmlimit
 from shmlimit.integrations._http import client_ip
@@ -17,7 +18,7 @@ from shmlimit.integrations.wsgi import RateLimitMiddleware as WSGILimit
 pytestmark = pytest.mark.backend_independent
 
 RATELIMIT = re.compile(r'^"default";r=(\d+);t=(\d+)$')
-README = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "README.md")
+README = os.path.join(ROOT, "README.md")
 
 
 async def _hello(scope, receive, send):

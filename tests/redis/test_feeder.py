@@ -11,63 +11,12 @@ import pytest
 from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 from support.clock import FakeClock
+from support.feeder_hosts import Host, R, clock  # noqa: F401  (fixtures)
 from support.procs import run_cli
 from support.windows import max_in_window
 
 import shmlimit
 import shmlimit.shm.layout as L
-
-
-@pytest.fixture
-def R():
-    from support.redis_server import require
-
-    require()
-    import shmlimit.redis.direct as R
-
-    return R
-
-
-@pytest.fixture
-def clock(R, monkeypatch):
-    clock = (
-        FakeClock()
-    )  # 1000 s: a lease record holds the monotonic ms of ~34 years, not an epoch's
-    monkeypatch.setattr(R.time, "time_ns", clock)
-    return clock
-
-
-class Host:
-    """One host: a hierarchical limiter on the fake clock whose feeder the test ticks."""
-
-    def __init__(self, R, name, url, clock, rate, burst=None, glob=None, **up):
-        from shmlimit.redis.feeder import Feeder
-
-        self.clock = clock
-        self.glob = R.RedisLimiter(
-            glob or f"{name}-g", rate=rate, burst=burst, url=url, clock="client"
-        )
-        self.lim = shmlimit.Limiter(name, upstream=self.glob, clock=clock, **up)
-        att = self.lim._att
-        self.lim.retry_after()  # a first use (taking nothing): this process's filler thread runs...
-        att.filler.stop()  # ... and stops: the test is the filler
-        att.filler.join()
-        att.lease.drop()
-        assert att.lease.try_take()
-        self.att = att
-        self.feeder = Feeder(att.bucket, att.lease, att.feed_spec, clock=clock)
-        self.grants = []
-
-    def take_all(self):
-        """A saturating caller: everything the bucket holds now."""
-        while self.lim.try_acquire():
-            self.grants.append(self.clock.now)
-
-    def close(self):
-        self.feeder.close()
-        self.lim.close()
-        self.glob.close()
-        shmlimit.unlink(self.lim.name)
 
 
 @pytest.fixture(autouse=True)

@@ -7,7 +7,7 @@ takes the slot of its window's least valuable key (``when_full="evict"``, the
 default); ``when_full="refuse"`` keeps the old answer.  A key's bytes are stored
 only when asked (``store_keys``), and one who knows the hash's secret can
 crowd a key's window but no longer lock it out.  The bound on what eviction may
-grant is checked by the stateful tests of tests/test_keyed_table.py.
+grant is checked by the stateful tests of tests/keyed/test_keyed_table.py.
 """
 
 import pytest
@@ -127,7 +127,7 @@ def test_no_key_bytes_in_the_segment_unless_asked(name, backend, monkeypatch):
 
 @pytest.mark.parametrize("backend", BACKENDS)
 def test_a_reader_who_knows_the_secret_cannot_lock_a_key_out(name, backend, monkeypatch):
-    """Who knows the hash's secret (a writer: tests/test_keyed_secret.py keeps it from readers)
+    """Who knows the hash's secret (a writer: tests/keyed/test_keyed_secret.py keeps it from readers)
     can compute keys that crowd a chosen key's window: 32 requests locked it out while the table
     was 98 % empty.  Under eviction a crowded window costs the crowding keys their slots, never
     the victim its admission."""

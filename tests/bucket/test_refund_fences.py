@@ -5,8 +5,8 @@ reservations) it lands whole.  On an injected clock, on the backend the suite ru
 
 import pytest
 from support.clock import FakeClock
+from support.feeder_hosts import Host, R, clock  # noqa: F401  (fixtures: a hierarchical host on a fake clock)
 from support.windows import check_windows
-from test_feeder import Host, R, clock  # noqa: F401  (fixtures: a hierarchical host on a fake clock)
 
 import shmlimit
 import shmlimit.shm.layout as L
