@@ -32,8 +32,6 @@ MAX_SPAN_TOKENS = 1 << 60
 #: The queue (tail ahead of head) may hold at most this many tokens: with the capacity below
 #: 2**60, every rover difference stays within (-2**62, 2**62], far from the sign flip at 2**63.
 MAX_QUEUE_TOKENS = 1 << 62
-#: The finest token unit: 65536 tokens per nanosecond.
-MIN_FINE_TPN = 1 << 15
 #: The fastest limit accepted: one op per nanosecond.
 MAX_OPS_PER_S = 1e9
 #: Default capacity: this much schedule time, and never less than one op.
@@ -219,17 +217,9 @@ class Config:
         cost = self.cost_at(tpn)
         return max(cost, math.floor(Fraction(self.burst) * cost))
 
-    @property
-    def cap_tokens(self) -> int:
-        return self.cap_at(self.tpn)
-
     def burst_pool_at(self, tpn: int) -> int:
         """Catch-up room on top of the capacity: ``capacity * (ratio - 1)`` tokens."""
         return math.floor(Fraction(self.ratio - 1) * self.cap_at(tpn))
-
-    @property
-    def burst_tokens(self) -> int:
-        return self.burst_pool_at(self.tpn)
 
     @property
     def ops_per_second(self) -> float:

@@ -371,10 +371,3 @@ def peek_magic(name: str) -> int:
     """The first word of a segment, read with os.pread (no mapping): which kind of limiter it is."""
     data, _ = pread_file(name, 0, 8, max_bytes=None)  # never waits on a FIFO, never follows a link
     return int.from_bytes(data.ljust(8, b"\0"), "little")
-
-
-def is_keyed(name: str) -> bool:
-    try:
-        return peek_magic(name) == K.MAGIC
-    except OSError:
-        return False

@@ -78,12 +78,12 @@ MAX_NAP = 0.25
 #: Schedule an op or a reservation may span at most (ns): keeps every time in the script exact.
 MAX_SCHEDULE_NS = 10**15
 
-MODE_RESERVE, MODE_UPTO, MODE_PEEK = 0, 1, 2
+MODE_RESERVE, MODE_PEEK = 0, 2
 
 LUA = r"""
 -- KEYS[1]: hash {e = epoch (whole seconds), t = theoretical arrival time (ns after e)}
--- ARGV: mode (0 reserve n, 1 take up to n available now but at least m, 2 peek), n, interval_ns,
---       tolerance_ns, max_wait_ns (-1 = none), clock seconds and microseconds ('' = Redis TIME), m
+-- ARGV: mode (0 reserve n, 2 peek), n, interval_ns, tolerance_ns, max_wait_ns (-1 = none), clock
+--       seconds and microseconds ('' = Redis TIME)
 -- Returns {ops granted, wait_ns, backlog_ns, dry_ns}: a refusal grants 0 ops, writes nothing, and its
 -- wait is how long until the request could be granted; dry_ns is how long the schedule had run dry
 -- (now past the stored tat: time the GCRA did not bank beyond its tolerance), 0 when it had not or
@@ -112,16 +112,9 @@ if mode == 2 then
   if avail < 0 then avail = 0 end
   return {avail, math.max(0, backlog + n * iv - tau), backlog, dry}
 end
-local grant = n
-if mode == 1 then
-  local m = tonumber(ARGV[8])
-  grant = math.min(n, math.floor((tau - backlog) / iv))
-  if grant < m then return {0, backlog + m * iv - tau, backlog, dry} end
-else
-  local wait = backlog + n * iv - tau
-  if wait > 0 and max_wait >= 0 and wait > max_wait then return {0, wait, backlog, dry} end
-end
-tat = tat + grant * iv
+local wait = backlog + n * iv - tau
+if wait > 0 and max_wait >= 0 and wait > max_wait then return {0, wait, backlog, dry} end
+tat = tat + n * iv
 if now > 1000000000000000 then
   -- move the epoch forward so every time stays an exact integer in a double
   local s = math.floor(now / 1000000000) - 1
@@ -129,7 +122,7 @@ if now > 1000000000000000 then
 end
 redis.call('HSET', KEYS[1], 'e', string.format('%.0f', e), 't', string.format('%.0f', tat))
 redis.call('PEXPIRE', KEYS[1], math.ceil((tat - now) / 1000000) + 1000)
-return {grant, math.max(0, tat - tau - now), tat - now, dry}
+return {n, math.max(0, tat - tau - now), tat - now, dry}
 """
 #: What EVALSHA names the script by (redis-py computes the same).
 LUA_SHA = hashlib.sha1(LUA.encode()).hexdigest()
@@ -390,16 +383,14 @@ class _GcraClient:
 
     # -- the script: steps, and the round trips they name ---------------------------------
 
-    def _args(
-        self, mode: int, n: int, max_wait_ns: Optional[int], least: int = 1
-    ) -> Tuple[Any, ...]:
+    def _args(self, mode: int, n: int, max_wait_ns: Optional[int]) -> Tuple[Any, ...]:
         if self._clock == "server":
             sec, usec = "", ""
         else:
             ns = time.time_ns()
             sec, usec = str(ns // NS_PER_S), str(ns % NS_PER_S // 1000)
         mw = -1 if max_wait_ns is None else max_wait_ns
-        return (mode, n, self._interval, self._tolerance, mw, sec, usec, least)
+        return (mode, n, self._interval, self._tolerance, mw, sec, usec)
 
     def _count(self, **deltas: int) -> None:
         with self._lock:
@@ -411,7 +402,6 @@ class _GcraClient:
         mode: int,
         n: int,
         max_wait_ns: Optional[int] = None,
-        least: int = 1,
         key: Optional[str] = None,
     ) -> Gen:
         """Steps of one script call; returns ``(ops granted, wait_ns, backlog_ns, dry_ns)``.
@@ -420,7 +410,7 @@ class _GcraClient:
         migration reached a server that never saw ours) loads it and asks
         again.  redis-py's errors are classified (``classify``).
         """
-        args = self._args(mode, n, max_wait_ns, least)
+        args = self._args(mode, n, max_wait_ns)
         key = self.key if key is None else key
         trips = 1
         try:
@@ -668,20 +658,20 @@ class RedisLimiter(_GcraClient):
         return lim
 
     def call(
-        self, mode: int, n: int, max_wait_ns: Optional[int] = None, least: int = 1
+        self, mode: int, n: int, max_wait_ns: Optional[int] = None
     ) -> Tuple[int, int, int, int]:
         """One script call: ``(ops granted, wait_ns, backlog_ns, dry_ns)``: ``dry_ns`` is how long the
         global schedule had run dry before it (schedule the GCRA did not bank), 0 if it had not.
 
         Raises ``RedisUnavailableError`` or ``RedisDataError``.
         """
-        return self._drive(self._script(mode, n, max_wait_ns, least))
+        return self._drive(self._script(mode, n, max_wait_ns))
 
     async def call_async(
-        self, mode: int, n: int, max_wait_ns: Optional[int] = None, least: int = 1
+        self, mode: int, n: int, max_wait_ns: Optional[int] = None
     ) -> Tuple[int, int, int, int]:
         """``call`` on this event loop's own connection."""
-        return await self._drive_async(self._script(mode, n, max_wait_ns, least))
+        return await self._drive_async(self._script(mode, n, max_wait_ns))
 
     # -- acquiring ---------------------------------------------------------------------
 
@@ -702,20 +692,6 @@ class RedisLimiter(_GcraClient):
         """Seconds until ``n`` ops could be granted to a new caller (0.0: now).  One round trip."""
         validate_n(n, 1)
         return self.call(MODE_PEEK, n)[1] / NS_PER_S
-
-    def take_up_to(self, n: int, least: int = 1) -> Tuple[int, float]:
-        """Take as many of ``n`` ops as are available now, if at least ``least`` are (one round trip).
-
-        Returns ``(ops taken, 0.0)``, or ``(0, seconds until least would be
-        available)``.  The hierarchical mode's filler leases its batches so.
-        """
-        validate_n(n, 1)
-        if isinstance(least, bool) or not isinstance(least, int) or not 1 <= least <= n:
-            raise ValueError(f"least must be an int from 1 to n={n}, got {least!r}")
-        granted, wait, _, _ = self.call(MODE_UPTO, n, 0, least)
-        if granted:
-            self._count(grants=granted)
-        return granted, (0.0 if granted else wait / NS_PER_S)
 
     def acquire(self, n: int = 1, timeout: Optional[float] = None) -> bool:
         """Take ``n`` ops, sleeping until their reservation is due; True once granted.

@@ -60,11 +60,6 @@ class LeaseRecords:
         """When the lease record ``word`` ends (monotonic ns)."""
         return (word >> RECORD_OPS_BITS) * 1_000_000 + self.ttl_ns
 
-    def ends_by(self, word: int, now: int) -> bool:
-        """Does the record ``word`` end within ``ahead_ns`` of ``now`` (or before): a check at ``now``
-        counts it ended (``expire``)?"""
-        return word < self.young_from(now)
-
     def young_from(self, now: int) -> int:
         """The least record word a check at ``now`` counts young: one comparison per record (its end
         is ``ms * 1e6 + ttl``, ended when at most ``now + ahead_ns``, its ops below the ms)."""

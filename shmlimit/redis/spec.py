@@ -27,7 +27,7 @@ from __future__ import annotations
 import json
 import math
 from dataclasses import dataclass, field, fields
-from typing import TYPE_CHECKING, Any, Dict, Tuple
+from typing import TYPE_CHECKING, Any, Tuple
 
 from shmlimit.errors import SegmentError
 from shmlimit.redis import urls
@@ -209,10 +209,6 @@ def make_spec(
     return UpstreamSpec(
         name, clean, rate, per, burst, secrets=tuple(sorted(secrets.items())), **options
     )
-
-
-def secrets_of(spec: UpstreamSpec) -> Dict[str, str]:
-    return dict(spec.secrets)
 
 
 __all__ = ["UpstreamSpec", "make_spec", "redis_key", "ON_ERROR", "STATE_NAMES"]

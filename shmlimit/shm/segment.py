@@ -593,11 +593,6 @@ def owner(name: str) -> Optional[int]:
         return None
 
 
-def describe_mode(name: str) -> Tuple[int, int]:
-    st = os.lstat(os.path.join(SHM_DIR, PREFIX + name))
-    return st.st_mode & 0o777, st.st_uid
-
-
 # ---- the header line every kind of segment begins with (layout's line 0)
 
 

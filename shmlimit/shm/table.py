@@ -312,8 +312,3 @@ class ProcessTable:
         if not 0 <= index < self.slots:
             return 0
         return self.cells.load(L.slot_offset(index) + L.SLOT_PID)
-
-    def start_of(self, index: int) -> int:
-        if not 0 <= index < self.slots:
-            return 0
-        return self.cells.load(L.slot_offset(index) + L.SLOT_START)
