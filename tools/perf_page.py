@@ -389,7 +389,8 @@ def waiting(run: dict) -> str:
             ),
             f"`acquire_async` burned {ratio(a['ratio'])} times the precise sleepers' CPU (the"
             f" target: at most 1.25; load average {load(a['load'])}): the median of"
-            f" {len(a.get('pair_ratios', [a['ratio']]))} pairs, each the waiters then the sleepers"
+            f" {len(a.get('pair_ratios', [a['ratio']]))} pairs, the waiters and the sleepers"
+            " in turn first"
             f" ({', '.join(ratio(r) for r in a.get('pair_ratios', [a['ratio']]))}); the rows"
             " are the median pair's.",
         ]
