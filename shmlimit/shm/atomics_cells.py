@@ -78,11 +78,14 @@ class _Patomic:
             self._st = raw(OpType.STORE, None, vp, vp, i)
             self._fa = raw(OpType.FETCH_ADD, None, vp, vp, i, vp)
             self._cx = raw(OpType.CMPXCHG_STRONG, i, vp, vp, vp, i, i)
-        except BaseException:
+        finally:
+            # Left at once: the view was needed only to find the word's address and the package's
+            # functions (its library's, not the view's).  Kept entered, it outlived us whenever the
+            # cells were collected in a cycle, and the package printed "Cannot call 'release'
+            # while context is open" from its __del__.
             ctx.__exit__(None, None, None)
-            raise
         self.base = base
-        self._ctx = ctx  # keeps the buffer exported (the mapping cannot be closed) until close()
+        self._keep = buf[:WORD]  # an export: the mapping cannot be closed under our raw pointers
         self._tls = threading.local()
 
     def _scratch(self) -> _Scratch:
@@ -117,7 +120,7 @@ class _Patomic:
         return s.a.value
 
     def close(self) -> None:
-        self._ctx.__exit__(None, None, None)
+        self._keep.release()
 
 
 class AtomicsCells(Cells):

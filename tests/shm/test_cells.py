@@ -268,3 +268,28 @@ def test_grabs_bound_to_records_take_nothing_once_leave_waiters_began(cells):
     assert gate.grab_within(3600.0) is None
     assert (cells.load(tail), cells.load(grants)) == (100, 0)
     assert [cells.load(off) for off in (48, 56, 64, 72)] == [0, 0, 0, 0]
+
+
+def test_the_atomics_backends_word_functions_hold_no_view_open(segment, monkeypatch):
+    """The ``atomics`` backend's direct calls (``_Patomic``) need the package's view of a word only
+    to find its address and functions.  Kept entered, the view outlived its owner whenever a close
+    did not run to its end (its cells dropped in a cycle, or a close stopped by an exported
+    buffer), and the package printed "Cannot call 'release' while context is open" from its
+    ``__del__``; it is left at once now, and the words stay usable."""
+    import gc
+
+    pytest.importorskip("atomics")
+    from shmlimit.shm.atomics_cells import _Patomic
+
+    raised = []
+    monkeypatch.setattr("sys.unraisablehook", raised.append)
+    buf = memoryview(segment[1])
+    p = _Patomic(buf)
+    p.store(p.base, 41)
+    assert p.fetch_add(p.base, 1) == 41 and p.load(p.base) == 42
+    p.close()
+    q = _Patomic(buf)
+    del q  # dropped without its close
+    gc.collect()
+    assert [str(u.exc_value) for u in raised] == []
+    buf.release()
