@@ -162,8 +162,9 @@ def attach(
     join: bool = True,
 ) -> A:
     """A new attachment (``make``: not joined yet, or None if a collector took the segment since it
-    was opened), ``adopt`` run before registering, ``check`` after; opened again (at most 16 times)
-    while a collector takes it meanwhile.  Undone (detached) if any step fails."""
+    was opened), ``adopt`` run before registering, ``check`` after; opened again while a collector
+    takes it meanwhile (``shm.segment.reopening``: 2 s at least).  Undone (detached) if any step
+    fails."""
     what = "limiter"
     for _ in reopening():
         att = make()
