@@ -496,6 +496,13 @@ class FillerThread(threading.Thread):
                         except Exception:  # pragma: no cover - a chore never stops the filling
                             chores_at[i] = now + 1.0
                 if bucket.upstream:
+                    # the nap, and the wakes for a delivery alone after it, natively where it can
+                    span = getattr(self.feed, "span", None)
+                    spanned = span(nap, last_renew) if span is not None else None
+                    if spanned is not None:
+                        wakes, last_renew = spanned
+                        self.fills += wakes
+                        continue
                     last_renew = self._nap_renewing(nap, last_renew)
                     # wakes for a delivery alone are made without a whole tick (``Feeder.between``)
                     between = getattr(self.feed, "between", None)

@@ -99,9 +99,10 @@ import math
 import random
 from collections import deque
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Callable, Deque, List, Optional
+from itertools import islice
+from typing import TYPE_CHECKING, Any, Callable, Deque, List, Optional, Tuple
 
-from shmlimit.bucket.filler import SPAN_MAX
+from shmlimit.bucket.filler import LEASE_TIMEOUT, RENEW_EVERY, SPAN_MAX
 from shmlimit.bucket.rovers import diff
 from shmlimit.errors import RedisDataError, RedisUnavailableError
 from shmlimit.redis.direct import MODE_RESERVE, RedisLimiter
@@ -191,6 +192,8 @@ class _Batch:
 
 
 _NEVER = 1 << 62  # an instant later than any event (monotonic ns)
+_DELIVER_MAX = 64  # batches a native ``deliver`` is given at most (``_native.c``, DELIVER_MAX)
+_DELIVER_LOST = 4  # its flag: a renewal of the filler lease failed
 
 
 class Feeder:
@@ -257,6 +260,11 @@ class Feeder:
         #: delivery (a request, a record's end, ``SPAN_MAX`` after it): ``between`` makes the
         #: deliveries due before it without a whole tick (0: none)
         self.until = 0
+        #: the native delivery (``_native_delivery``), bound to the config numbered ``_native_seq``
+        self._native: Any = None
+        self._native_seq: Optional[int] = None
+        self._stopped = False  # ``interrupt``: no native span from now on
+        self._renewed_ns = 0  # when the last native span last renewed the lease
 
     @property
     def max_batch(self) -> int:
@@ -397,6 +405,10 @@ class Feeder:
         events.  Anything else, or a batch that does not fit, or one that leaves tokens held, is
         a whole tick's."""
         now = self.clock()
+        native = self._native_delivery()
+        if native is not None:  # the same step, as the native span makes it (``span``)
+            flags, nap, _ = self._deliver_natively(native, 0, now, 0)
+            return None if flags else nap / 1e9
         pending = self.pending
         b = self.bucket
         c = self.cells
@@ -419,6 +431,96 @@ class Feeder:
         c.store(L.UP_NEXT_NS, due)
         at = min(due, self.until, now + int(IDLE_TICK * 1e9))
         return max(int(MIN_TICK * 1e9), at - now) / 1e9
+
+    def span(self, nap: float, renewed: float) -> Optional[Tuple[int, float]]:
+        """The filler thread's nap after a tick (``nap`` seconds, renewing the lease every
+        ``RENEW_EVERY`` from ``renewed``, ``time.monotonic`` seconds) and every wake for a delivery
+        alone after it, as ``between`` makes them, in one native call without the GIL
+        (``_native.c``, DELIVER): it ends when a whole tick is due, the lease is lost, or at a stop.
+        Returns (deliveries made, when the lease was last renewed), or None where there is no
+        native span (the ``atomics`` backend, a fallback's config, a stop): the thread naps and
+        calls ``between`` itself.
+
+        In Python each of those wakes cost ~180 us of CPU on cold caches against ~45 for a bare
+        sleep, and at 50/s they are most of the filler's wakes (docs/design/redis.md)."""
+        native = self._native_delivery()
+        if native is None or not self.lease.word:
+            return None
+        _, _, wakes = self._deliver_natively(native, max(0, int(nap * 1e9)), 0, int(renewed * 1e9))
+        return wakes, self._renewed_ns / 1e9
+
+    def interrupt(self) -> None:
+        """End a ``span`` in progress at once, and every later one (the filler stops)."""
+        self._stopped = True
+        if self._native is not None:
+            self._native.interrupt()
+
+    def _native_delivery(self) -> Any:
+        """The native delivery bound to the bucket's config (a ``FedWaiter`` with its delivery
+        words), or None: the ``atomics`` backend, a config not fed by leases, a stop."""
+        snap = self.bucket.snap
+        if self._native_seq != snap.seq:
+            self._native_seq = snap.seq
+            w = self.bucket.waiter(snap, L.UNREG_GRANTS, None, 1)
+            if w is not None and hasattr(w, "deliver"):
+                w.bind_delivery(
+                    L.TAIL,
+                    self.bucket.fences.hint,
+                    L.REPL_TS,
+                    L.UP_STATE,
+                    L.UP_WANTING,
+                    L.UP_HUNGRY,
+                    L.UP_LEASES,
+                    L.UP_RECORD,
+                    L.UP_RECORDS,
+                    snap.cap,
+                )
+            else:
+                w = None
+            self._native = w
+            if self._stopped and w is not None:  # (an ``interrupt`` that ran before it was bound)
+                w.interrupt()
+        return None if self._stopped else self._native
+
+    def _deliver_natively(
+        self, native: Any, nap_ns: int, now: int, renewed_ns: int
+    ) -> Tuple[int, int, int]:
+        """One native ``deliver``: a step at ``now`` (a test's clock), or with ``now`` 0 the nap and
+        the span after it; the feeder's batches, records and lease word follow what it did.
+        Returns (its flags, 0 when the step planned a nap; that nap in ns; deliveries made)."""
+        pending = self.pending
+        batches: List[int] = []
+        for bt in islice(pending, _DELIVER_MAX):
+            batches += (bt.due, bt.stamp, bt.ops, bt.left, int(bt.recorded))
+        lease = self.lease
+        word = lease.word
+        flags, done, left, recorded, records, new_word, self._renewed_ns, nap, wakes = (
+            native.deliver(
+                nap_ns,
+                now,
+                max(0, self.until),
+                min(int(EARLY * 1e9), max(0, self.until)),
+                int(IDLE_TICK * 1e9),
+                int(MIN_TICK * 1e9),
+                HUNGRY_NS,
+                self.ttl_ns,
+                word,
+                renewed_ns,
+                int(RENEW_EVERY * 1e9),
+                int(LEASE_TIMEOUT * 1e6),
+                batches,
+            )
+        )
+        for _ in range(done):
+            pending.popleft()
+        if pending and done < len(batches) // 5:
+            pending[0].left = left
+        for bt in islice(pending, recorded - done):
+            bt.recorded = True
+        self.mine.extend(records)
+        if not now and lease.word == word:  # (not if this process's nudge took it again meanwhile)
+            lease.word = 0 if flags & _DELIVER_LOST else new_word
+        return flags, nap, wakes
 
     def _next_delivery(self, now: int) -> int:
         """When the first reserved batch goes into the bucket: when due, or, when it is due but waits

@@ -3188,6 +3188,49 @@ typedef struct {
     int backed_off;
 } FillSpan;
 
+/* The filler lease renewed at `now` (filler.Lease.renew): a CAS from *word to the word of expiry
+ * now + lease_us with the same slot bits; 0, and *word 0, when another process holds it. */
+static int
+lease_renew(uint64_t *lease, uint64_t *word, uint64_t now, uint64_t lease_us)
+{
+    uint64_t slot = *word & ((1u << WAIT_LEASE_SLOT_BITS) - 1);
+    uint64_t renewed = ((now / 1000u + lease_us) << WAIT_LEASE_SLOT_BITS) | slot;
+    if (!wcas(lease, *word, renewed)) {
+        *word = 0;
+        return 0;
+    }
+    *word = renewed;
+    return 1;
+}
+
+/* Wake this process's sleepers on `closing` (a span woken so looks at its stop flag; a waiter
+ * looks again and goes back to its wait). */
+static void
+filler_wake(NativeCells *c)
+{
+#ifdef __linux__
+    if (!__atomic_load_n(&c->closing, __ATOMIC_SEQ_CST))
+        syscall(SYS_futex, &c->closing, FUTEX_WAKE | FUTEX_PRIVATE_FLAG, INT_MAX, NULL, NULL, 0);
+#else
+    (void)c;
+#endif
+}
+
+/* A native filler span's sleep until `at`, on its process's `closing` word (close() and the
+ * spans' interrupt() wake it): 0, or 1 on a signal. */
+static int
+filler_sleep(NativeCells *c, uint64_t at)
+{
+#ifdef __linux__
+    struct timespec ts = ns_timespec(at);
+    long r = syscall(SYS_futex, &c->closing, FUTEX_WAIT_BITSET | FUTEX_PRIVATE_FLAG, 0, &ts, NULL,
+                     FUTEX_BITSET_MATCH_ANY);
+    return r != 0 && errno == EINTR;
+#else
+    return !wait_plain_sleep(at);
+#endif
+}
+
 static int
 waiter_fill_loop(Waiter *w, FillSpan *f)
 {
@@ -3199,29 +3242,16 @@ waiter_fill_loop(Waiter *w, FillSpan *f)
          * follows refills at the pace and judges a whole interval (a shorter one, at a pace of an
          * op or less, often holds no refill of the waiters', who keep the pace only once per op) */
         int last = at > f->until;
-#ifdef __linux__
-        struct timespec ts = ns_timespec(at);
-        long r = syscall(SYS_futex, &w->cells->closing, FUTEX_WAIT_BITSET | FUTEX_PRIVATE_FLAG, 0, &ts, NULL,
-                         FUTEX_BITSET_MATCH_ANY);
-        if (r != 0 && errno == EINTR)
+        if (filler_sleep(w->cells, at))
             return FILL_LEFT;
-#else
-        if (!wait_plain_sleep(at))
-            return FILL_LEFT;
-#endif
         if (__atomic_load_n(&w->fill_stop, __ATOMIC_SEQ_CST) || wait_leaving((WaitBase *)w))
             return FILL_LEFT;
         if (last)
             return FILL_UNTIL;
         uint64_t now = monotonic_ns();
         if (now - f->renewed >= f->renew_every) {
-            uint64_t slot = f->lease_word & ((1u << WAIT_LEASE_SLOT_BITS) - 1);
-            uint64_t renewed_word = ((now / 1000u + f->lease_us) << WAIT_LEASE_SLOT_BITS) | slot;
-            if (!wcas(w->lease, f->lease_word, renewed_word)) {
-                f->lease_word = 0;
+            if (!lease_renew(w->lease, &f->lease_word, now, f->lease_us))
                 return FILL_LOST;
-            }
-            f->lease_word = renewed_word;
             f->renewed = now;
         }
         if (f->backed_off) { /* the others' refills since the mark, as the tick would see them */
@@ -3287,10 +3317,7 @@ waiter_interrupt(Waiter *self, PyObject *unused)
 {
     (void)unused;
     __atomic_store_n(&self->fill_stop, 1, __ATOMIC_SEQ_CST);
-#ifdef __linux__
-    if (!__atomic_load_n(&self->cells->closing, __ATOMIC_SEQ_CST))
-        syscall(SYS_futex, &self->cells->closing, FUTEX_WAKE | FUTEX_PRIVATE_FLAG, INT_MAX, NULL, NULL, 0);
-#endif
+    filler_wake(self->cells);
     Py_RETURN_NONE;
 }
 
@@ -3800,6 +3827,10 @@ typedef struct {
      * nudge, or a watching filler thread, within filler.WATCH_PERIOD) has taken the lease over;
      * the new filler's batch wakes it sooner.  Set by Python (attachment.update_fast). */
     uint64_t takeover_ns;
+    /* DELIVER (bind_delivery): the words the elected filler's deliveries touch, NULL until bound */
+    uint64_t *tail, *fence_hint, *repl_ts, *state, *wanting, *hungry, *leases, *records;
+    uint64_t cap, nrecords_;
+    uint32_t stop; /* set by interrupt(): a deliver() in progress ends at once, and every later one */
 } FedWaiter;
 
 /* Until when a fed waiter sleeps at most without a wake (Bucket.fed_deadline): the batch the
@@ -3888,12 +3919,348 @@ fed_refill(FedWaiter *self, PyObject *unused)
     return replenish_result(0, 0);
 }
 
+/* ======================================================================================
+ * DELIVER: the elected filler's deliveries in hierarchical mode, between its whole ticks
+ * ======================================================================================
+ *
+ * redis.feeder.Feeder.between, step for step, and the thread's nap around it: at 50/s most of the
+ * filler's wakes only put one due batch into the bucket, and each cost ~180 us of CPU in Python on
+ * cold caches (its nap ~85, the step ~95) against ~45 for a bare sleep.  deliver() sleeps to the
+ * wake the last tick planned (renewing the filler lease as filler._nap_renewing does), then, while
+ * each wake is a delivery alone -- before `until` less `early`, the first batch due, callers
+ * queued (HEAD behind TAIL), the config the same, UP_STATE ok, UP_WANTING set, no refusal within
+ * `hungry_ns` -- writes the batches' lease record (lease_records.write: one record, their earliest
+ * stamp and all their ops), adds them (Bucket.add: never beyond TAIL + cap; with no reservation
+ * fence in force, FENCE_HINT not after REPL_TS, else a whole tick: Python's add moves fences),
+ * wakes the fed waiters they cover (fed_wait.wake), publishes UP_NEXT_NS and sleeps to the next.
+ * Anything else is a whole tick's, in Python (DELIVER_TICK): at once when the wake is not a delivery
+ * alone or a due batch is past its ttl (the tick expires it), after the delivery when a batch did
+ * not fit, tokens are left held, or the batches passed in are all delivered.
+ * With `now_ns` (a test's clock) it makes one step at that instant, without sleeping. */
+#define DELIVER_TICK 1
+#define DELIVER_LOST 4
+#define DELIVER_LEFT 16
+#define DELIVER_MAX 64 /* batches passed in at most: the rest wait for a tick */
+#define DELIVER_RECORD_BITS 24 /* lease_records.RECORD_OPS_BITS */
+#define DELIVER_RECORD_MAX (((uint64_t)1 << DELIVER_RECORD_BITS) - 1)
+
+typedef struct {
+    uint64_t until, early, idle, min_tick, hungry_ns, ttl, lease_word, renewed, renew_every, lease_us;
+    uint64_t due[DELIVER_MAX], stamp[DELIVER_MAX], ops[DELIVER_MAX], left[DELIVER_MAX];
+    uint64_t recs[DELIVER_MAX];
+    char recorded[DELIVER_MAX];
+    Py_ssize_t nb, k, nrecs; /* batches passed in; the first not wholly delivered; records written */
+    uint64_t wakes;
+    int fake; /* a test's clock: `now` passed in, no sleep */
+} Delivery;
+
+/* bind_delivery(tail, fence_hint, repl_ts, state, wanting, hungry, leases, records, nrecords, cap):
+ * the words deliver() reads and writes (offsets, checked), and the capacity (tokens) of the config
+ * this waiter is bound to. */
+static PyObject *
+fed_bind_delivery(FedWaiter *self, PyObject *const *args, Py_ssize_t n)
+{
+    uint64_t *w[8], nrecords, cap;
+    if (!nargs(n, 10, "bind_delivery") || !check_open(self->cells))
+        return NULL;
+    for (int i = 0; i < 8; i++)
+        if (!(w[i] = word(self->cells, args[i])))
+            return NULL;
+    if (!u64(args[8], &nrecords) || !u64(args[9], &cap))
+        return NULL;
+    if (nrecords < 1 || nrecords > 64 || cap < 1 || cap > ((uint64_t)1 << 62)) {
+        PyErr_SetString(PyExc_ValueError, "bind_delivery: 1 <= nrecords <= 64, 1 <= cap <= 2**62");
+        return NULL;
+    }
+    PyObject *span = PyLong_FromUnsignedLongLong(8 * (nrecords - 1));
+    PyObject *off = span ? PyNumber_Add(args[7], span) : NULL; /* the ring's last word: inside too */
+    Py_XDECREF(span);
+    int ok = off && word(self->cells, off) != NULL;
+    Py_XDECREF(off);
+    if (!ok)
+        return NULL;
+    self->tail = w[0];
+    self->fence_hint = w[1];
+    self->repl_ts = w[2];
+    self->state = w[3];
+    self->wanting = w[4];
+    self->hungry = w[5];
+    self->leases = w[6];
+    self->records = w[7];
+    self->cap = cap;
+    self->nrecords_ = nrecords;
+    Py_RETURN_NONE;
+}
+
+/* words.fed_mask: the futex bits of every ticket a head moved from `old` to `new` covered (a ticket t
+ * with old < t <= new has its op index t / cost between old / cost and new / cost); all 32 for a
+ * move of 31 ops or more, or one that wrapped. */
+static uint32_t
+fed_mask(uint64_t old, uint64_t new, uint64_t cost)
+{
+    uint64_t lo = old / cost, hi = new / cost;
+    if (hi < lo || hi - lo >= 31)
+        return 0xffffffffu;
+    uint32_t mask = 0;
+    for (uint64_t i = 0; i <= hi - lo; i++) /* (by count: hi may be the largest word) */
+        mask |= (uint32_t)1 << ((lo + i) % 32);
+    return mask;
+}
+
+/* fed_mask(old_head, new_head, cost) -> the bits deliver() wakes (words.fed_mask, for the tests). */
+static PyObject *
+native_fed_mask(PyObject *mod, PyObject *const *args, Py_ssize_t n)
+{
+    (void)mod;
+    uint64_t old, new, cost;
+    if (!nargs(n, 3, "fed_mask") || !u64(args[0], &old) || !u64(args[1], &new) || !u64(args[2], &cost))
+        return NULL;
+    if (cost < 1) {
+        PyErr_SetString(PyExc_ValueError, "fed_mask: cost >= 1");
+        return NULL;
+    }
+    return PyLong_FromUnsignedLong(fed_mask(old, new, cost));
+}
+
+/* Bucket.add of `tokens` with no fence in force: the head moves at most to TAIL + cap, and the
+ * fed waiters the move covers are woken (fed_wait.wake).  The tokens added, or DELIVER_FENCED
+ * (nothing added) when a reservation's fence is in force: FENCE_HINT after REPL_TS, read after
+ * TAIL as Python's add reads the fences after it (a reservation stores its fence before the CAS
+ * of the tail that we read, so a tail that counts it comes with a hint that shows it). */
+#define DELIVER_FENCED UINT64_MAX
+static uint64_t
+deliver_add(FedWaiter *w, uint64_t tokens)
+{
+    for (;;) {
+        uint64_t head = wld(w->head), tail = wld(w->tail);
+        if (wld(w->fence_hint) > wld(w->repl_ts))
+            return DELIVER_FENCED;
+        int64_t room = (int64_t)(tail + w->cap - head);
+        if (room <= 0 || tokens == 0)
+            return 0;
+        uint64_t add = tokens < (uint64_t)room ? tokens : (uint64_t)room;
+        if (wcas(w->head, head, head + add)) {
+            __atomic_fetch_add(w->wake, 1, __ATOMIC_SEQ_CST);
+#ifdef __linux__
+            syscall(SYS_futex, fed_word32(w->wake), FUTEX_WAKE_BITSET, INT_MAX, NULL, NULL,
+                    fed_mask(head, head + add, w->cost));
+#endif
+            return add;
+        }
+    }
+}
+
+/* One wake of Feeder.between at `now`: 0 and the next wake in *next, or DELIVER_TICK. */
+static int
+deliver_step(FedWaiter *w, Delivery *d, uint64_t now, uint64_t *next)
+{
+    Py_ssize_t k = d->k;
+    if (now >= d->until - d->early || k >= d->nb || d->due[k] > now ||
+        (int64_t)(wld(w->head) - wld(w->tail)) >= 0 || wld(w->seq) != w->expected || wld(w->state) != 0 ||
+        !wld(w->wanting) || (int64_t)(now - wld(w->hungry)) < (int64_t)d->hungry_ns ||
+        wld(w->fence_hint) > wld(w->repl_ts))
+        return DELIVER_TICK;
+    Py_ssize_t first = k;
+    while (d->k < d->nb && d->due[d->k] <= now) {
+        k = d->k;
+        if ((int64_t)(now - d->stamp[k]) >= (int64_t)d->ttl)
+            return DELIVER_TICK; /* past its ttl: expired by the tick */
+        if (!d->recorded[k]) {   /* the record of this batch and every one due behind it */
+            uint64_t ops = 0, stamp = d->stamp[k];
+            Py_ssize_t j = k;
+            for (; j < d->nb && !d->recorded[j] && d->due[j] <= now && ops + d->ops[j] <= DELIVER_RECORD_MAX; j++) {
+                ops += d->ops[j];
+                if (d->stamp[j] < stamp)
+                    stamp = d->stamp[j];
+            }
+            if (j == k)
+                return DELIVER_TICK;
+            uint64_t slot = __atomic_fetch_add(w->leases, 1, __ATOMIC_SEQ_CST) % w->nrecords_;
+            uint64_t rec = ((stamp / 1000000u) << DELIVER_RECORD_BITS) | ops;
+            __atomic_store_n(w->records + slot, rec, __ATOMIC_SEQ_CST);
+            d->recs[d->nrecs++] = rec;
+            for (Py_ssize_t i = k; i < j; i++)
+                d->recorded[i] = 1;
+        }
+        uint64_t tokens;
+        if (__builtin_mul_overflow(d->left[k], w->cost, &tokens))
+            tokens = UINT64_MAX - 1; /* (more than any room) */
+        uint64_t added = deliver_add(w, tokens);
+        if (added == DELIVER_FENCED)
+            return DELIVER_TICK; /* recorded, not added: the tick's add, which moves fences */
+        d->left[k] -= added / w->cost;
+        uint64_t after = d->fake ? now : monotonic_ns();
+        if ((int64_t)(after - d->stamp[k]) >= (int64_t)d->ttl || d->left[k] > 0)
+            return DELIVER_TICK; /* stopped past its ttl meanwhile (the tick expires), or no room */
+        d->k++;
+    }
+    if (d->k == first || d->k >= d->nb || (int64_t)(wld(w->head) - wld(w->tail)) >= 0)
+        return DELIVER_TICK; /* all delivered, or tokens held: the tick plans */
+    uint64_t due = d->due[d->k];
+    __atomic_store_n(w->next_ns, due, __ATOMIC_SEQ_CST);
+    uint64_t at = due < d->until ? due : d->until;
+    if (at > now + d->idle)
+        at = now + d->idle;
+    *next = now + (at - now > d->min_tick ? at - now : d->min_tick);
+    d->wakes++;
+    return 0;
+}
+
+/* Sleep until `at`, renewing the filler lease as filler.FillerThread._nap_renewing does: 0, or
+ * DELIVER_LOST (a renewal failed), DELIVER_LEFT (interrupt(), close(), a changed config, a signal). */
+static int
+deliver_sleep(FedWaiter *w, Delivery *d, uint64_t at)
+{
+    for (;;) {
+        if (__atomic_load_n(&w->stop, __ATOMIC_SEQ_CST) || wait_leaving((WaitBase *)w))
+            return DELIVER_LEFT;
+        uint64_t now = monotonic_ns();
+        if (now >= at)
+            return 0;
+        if (now - d->renewed >= d->renew_every || at - d->renewed > 2 * d->renew_every) {
+            if (!lease_renew(w->lease, &d->lease_word, now, d->lease_us))
+                return DELIVER_LOST;
+            d->renewed = now;
+        }
+        uint64_t end = d->renewed + 2 * d->renew_every < at ? d->renewed + 2 * d->renew_every : at;
+        if (filler_sleep(w->cells, end))
+            return DELIVER_LEFT;
+    }
+}
+
+static int
+deliver_loop(FedWaiter *w, Delivery *d, uint64_t nap)
+{
+    uint64_t at = monotonic_ns() + nap, next = 0;
+    for (;;) {
+        int r = deliver_sleep(w, d, at);
+        if (r)
+            return r;
+        r = deliver_step(w, d, monotonic_ns(), &next);
+        if (r)
+            return r;
+        at = next;
+    }
+}
+
+/* deliver(nap_ns, now_ns, until_ns, early_ns, idle_ns, min_ns, hungry_ns, ttl_ns, lease_word,
+ * renewed_ns, renew_every_ns, lease_us, batches) -> (flags, done, left, recorded, records,
+ * lease_word, renewed_ns, nap_ns, wakes).  `batches`: the feeder's pending batches, flat, five
+ * numbers each (due, stamp, ops, left, recorded), at most DELIVER_MAX.  Answers: the batches wholly
+ * delivered (`done`, from the first), the ops left of the next one, how many from the first are
+ * recorded now, the record words written in order, the lease word and when it was last renewed,
+ * the nap to the next wake (a step with `now_ns`; 0 on DELIVER_TICK) and the deliveries' wakes.
+ * With `now_ns` 0 it sleeps `nap_ns` first and goes on to the first whole tick (DELIVER_TICK),
+ * DELIVER_LOST or DELIVER_LEFT, without the GIL, counted in `busy` as a wait is. */
+static PyObject *
+fed_deliver(FedWaiter *self, PyObject *const *args, Py_ssize_t n)
+{
+    Delivery d;
+    uint64_t nap, now;
+    memset(&d, 0, sizeof d);
+    if (!nargs(n, 13, "deliver") || !check_open(self->cells))
+        return NULL;
+    if (!self->records) {
+        PyErr_SetString(PyExc_RuntimeError, "deliver: bind_delivery() first");
+        return NULL;
+    }
+    if (!u64(args[0], &nap) || !u64(args[1], &now) || !u64(args[2], &d.until) || !u64(args[3], &d.early) ||
+        !u64(args[4], &d.idle) || !u64(args[5], &d.min_tick) || !u64(args[6], &d.hungry_ns) ||
+        !u64(args[7], &d.ttl) || !u64(args[8], &d.lease_word) || !u64(args[9], &d.renewed) ||
+        !u64(args[10], &d.renew_every) || !u64(args[11], &d.lease_us))
+        return NULL;
+    if (d.ttl >= ((uint64_t)1 << 62) || d.hungry_ns >= ((uint64_t)1 << 62) || d.lease_us >= ((uint64_t)1 << 40) ||
+        d.early > d.until || d.renew_every < 1 || (now == 0 && d.lease_word == 0)) {
+        PyErr_SetString(PyExc_ValueError, "deliver: ttl_ns, hungry_ns < 2**62, lease_us < 2**40, early_ns <= "
+                                          "until_ns, renew_every_ns >= 1, a lease word held (not 0) to sleep");
+        return NULL;
+    }
+    PyObject *seq = PySequence_Fast(args[12], "deliver: batches must be a sequence");
+    if (!seq)
+        return NULL;
+    Py_ssize_t len = PySequence_Fast_GET_SIZE(seq);
+    if (len % 5 || len / 5 > DELIVER_MAX) {
+        Py_DECREF(seq);
+        PyErr_SetString(PyExc_ValueError, "deliver: batches: five numbers a batch, at most 64 batches");
+        return NULL;
+    }
+    d.nb = len / 5;
+    PyObject **items = PySequence_Fast_ITEMS(seq);
+    for (Py_ssize_t i = 0; i < d.nb; i++) {
+        uint64_t rec;
+        if (!u64(items[5 * i], &d.due[i]) || !u64(items[5 * i + 1], &d.stamp[i]) || !u64(items[5 * i + 2], &d.ops[i]) ||
+            !u64(items[5 * i + 3], &d.left[i]) || !u64(items[5 * i + 4], &rec)) {
+            Py_DECREF(seq);
+            return NULL;
+        }
+        if (d.left[i] > d.ops[i] || d.ops[i] > DELIVER_RECORD_MAX || rec > 1) {
+            Py_DECREF(seq);
+            PyErr_SetString(PyExc_ValueError, "deliver: a batch's left <= ops < 2**24, recorded 0 or 1");
+            return NULL;
+        }
+        d.recorded[i] = (char)rec;
+    }
+    Py_DECREF(seq);
+    int rc;
+    uint64_t next = 0;
+    if (now) {
+        d.fake = 1;
+        rc = deliver_step(self, &d, now, &next);
+    } else {
+        NativeCells *c = self->cells;
+        cells_enter(c);
+        Py_INCREF(self);
+        Py_BEGIN_ALLOW_THREADS
+        rc = deliver_loop(self, &d, nap);
+        cells_leave(c);
+        Py_END_ALLOW_THREADS
+        Py_DECREF(self);
+    }
+    Py_ssize_t recorded = d.k;
+    while (recorded < d.nb && d.recorded[recorded])
+        recorded++;
+    PyObject *recs = PyTuple_New(d.nrecs);
+    if (!recs)
+        return NULL;
+    for (Py_ssize_t i = 0; i < d.nrecs; i++) {
+        PyObject *v = PyLong_FromUnsignedLongLong(d.recs[i]);
+        if (!v) {
+            Py_DECREF(recs);
+            return NULL;
+        }
+        PyTuple_SET_ITEM(recs, i, v);
+    }
+    return Py_BuildValue("(innnNKKKK)", rc, d.k, d.k < d.nb ? (Py_ssize_t)d.left[d.k] : (Py_ssize_t)0, recorded,
+                         recs, (unsigned long long)d.lease_word, (unsigned long long)d.renewed,
+                         (unsigned long long)(rc ? 0 : next - now), (unsigned long long)d.wakes);
+}
+
+/* interrupt(): a deliver() in progress in another thread ends at once (and every later one). */
+static PyObject *
+fed_interrupt(FedWaiter *self, PyObject *unused)
+{
+    (void)unused;
+    __atomic_store_n(&self->stop, 1, __ATOMIC_SEQ_CST);
+    filler_wake(self->cells);
+    Py_RETURN_NONE;
+}
+/* ======================================================================================
+ * END DELIVER
+ * ====================================================================================== */
+
 static PyMethodDef fed_methods[] = {
     {"wait", (PyCFunction)(void (*)(void))fed_wait, METH_FASTCALL,
      "wait(ticket, ops, until_ns, count_waiting) -> flags: 1 granted (ops counted), 2 nudge the filler"},
     {"acquirer", (PyCFunction)(void (*)(void))fed_acquirer, METH_FASTCALL,
      "acquirer(grabber, give, max_nap_ns) -> an Acquirer: grabber's grab, then this fed wait, in one call"},
     {"refill", (PyCFunction)fed_refill, METH_NOARGS, "refill() -> (0, False): only leases add tokens"},
+    {"bind_delivery", (PyCFunction)(void (*)(void))fed_bind_delivery, METH_FASTCALL,
+     "bind_delivery(tail, fence_hint, repl_ts, state, wanting, hungry, leases, records, nrecords, cap)"},
+    {"deliver", (PyCFunction)(void (*)(void))fed_deliver, METH_FASTCALL,
+     "deliver(nap_ns, now_ns, until_ns, early_ns, idle_ns, min_ns, hungry_ns, ttl_ns, lease_word, renewed_ns, "
+     "renew_every_ns, lease_us, batches) -> (flags, done, left, recorded, records, lease_word, renewed_ns, "
+     "nap_ns, wakes)"},
+    {"interrupt", (PyCFunction)fed_interrupt, METH_NOARGS, "interrupt(): a deliver() in progress ends at once"},
     {NULL, NULL, 0, NULL},
 };
 
@@ -3961,6 +4328,9 @@ cells_fed_waiter(NativeCells *self, PyObject *const *args, Py_ssize_t n)
     g->tpn = tpn;
     g->grace_ns = grace;
     g->takeover_ns = 0;
+    g->tail = g->fence_hint = g->repl_ts = g->state = g->wanting = g->hungry = g->leases = g->records = NULL;
+    g->cap = g->nrecords_ = 0;
+    g->stop = 0;
     self->fed_word = fed_word32(w[4]);
     return (PyObject *)g;
 }
@@ -4049,6 +4419,8 @@ static PyMethodDef native_functions[] = {
     {"fixed_windows", (PyCFunction)(void (*)(void))native_fixed_windows, METH_FASTCALL,
      "fixed_windows(cells, slots, nslots, probe, k0, k1, keys_live, evicted, refused, pid, cut, flags)"
      " -> FixedWindows: keyed.windows' fixed-window step in one call"},
+    {"fed_mask", (PyCFunction)(void (*)(void))native_fed_mask, METH_FASTCALL,
+     "fed_mask(old_head, new_head, cost) -> the futex bits a head's move wakes (words.fed_mask)"},
     {"siphash128", (PyCFunction)(void (*)(void))native_siphash128, METH_FASTCALL,
      "siphash128(data, k0, k1) -> (d0, d1): SipHash-2-4 with a 128-bit output"},
     {"sleep_until", (PyCFunction)(void (*)(void))native_sleep_until, METH_FASTCALL,

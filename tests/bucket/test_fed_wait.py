@@ -15,7 +15,7 @@ from support.procs import WORKDIR, wait_for
 
 import shmlimit
 import shmlimit.shm.layout as L
-from shmlimit.shm.cells import FED_ALL, MASK64, fed_bit, fed_mask
+from shmlimit.shm.cells import FED_ALL, MASK64, fed_bit, fed_mask, native_available
 
 linux = pytest.mark.skipif(
     not sys.platform.startswith("linux"), reason="futexes and /proc are Linux's"
@@ -36,6 +36,10 @@ def test_a_move_of_the_head_wakes_the_bit_of_every_ticket_it_covered(old, ops, c
     span = (new - old) & MASK64
     for d in range(1, span + 1):  # every ticket t with old < t <= new (wrapping)
         assert fed_bit((old + d) & MASK64, cost) & mask
+    if native_available():  # the bits a native delivery wakes (``_native.c``, DELIVER)
+        from shmlimit.shm import _native
+
+        assert _native.fed_mask(old, new, cost) == mask
 
 
 def asleep_on(pid, cells, bit):

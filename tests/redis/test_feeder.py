@@ -12,11 +12,12 @@ from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 from support.clock import FakeClock
 from support.feeder_hosts import Host, R, clock  # noqa: F401  (fixtures)
-from support.procs import run_cli
+from support.procs import run_cli, wait_for
 from support.windows import max_in_window
 
 import shmlimit
 import shmlimit.shm.layout as L
+from shmlimit.shm.cells import selected_backend
 
 
 @pytest.fixture(autouse=True)
@@ -780,18 +781,29 @@ def test_wakes_for_a_delivery_alone_skip_the_tick_and_change_no_grant(
     import shmlimit.redis.feeder as U
 
     runs, t0 = [], clock.now
-    for i, between in enumerate((False, True)):
-        monkeypatch.setattr(U, "random", random.Random(17))  # the same jitter in both runs
+    # a whole tick at every wake; ``between`` in Python; and, where the native backend is, the
+    # native step ``Feeder.span`` makes (``_native.c``, DELIVER), driven on the same fake clock
+    for i, way in enumerate(("ticks", "python", "native")):
+        monkeypatch.setattr(U, "random", random.Random(17))  # the same jitter in every run
         clock.now = t0
         host = Host(R, f"{name}-{i}", redis_server.url, clock, rate, lease_ttl=0.1)
         try:
-            grants, ticks = drive_queued(host, clock, 3.0, between)
+            if way == "python":
+                monkeypatch.setattr(host.feeder, "_native_delivery", lambda: None)
+            elif way == "native" and host.feeder._native_delivery() is None:
+                assert selected_backend() != "native"
+                continue
+            grants, ticks = drive_queued(host, clock, 3.0, way != "ticks")
             up, burst = host.lim.stats().upstream, host.glob.capacity
         finally:
             host.close()
         runs.append((grants, ticks, up))
-    (plain, plain_ticks, _), (spanned, spanned_ticks, up) = runs
+    assert len(runs) == 3 or selected_backend() != "native"
+    (plain, plain_ticks, _), (spanned, spanned_ticks, up) = runs[:2]
     assert spanned == plain
+    for grants, ticks, native_up in runs[2:]:
+        assert (grants, ticks) == (spanned, spanned_ticks)
+        assert native_up.expired == 0
     start = plain[0]
     got = sum(1 for t in spanned if t >= start + 10**9)
     assert abs(got - rate * 2.0) <= max(1, 0.01 * rate * 2.0), got
@@ -800,3 +812,178 @@ def test_wakes_for_a_delivery_alone_skip_the_tick_and_change_no_grant(
         assert max_in_window(spanned, width) <= rate * width / 1e9 + burst, width
     if rate == 50:  # one-op batches: a wake per op, of which only requests need a whole tick
         assert spanned_ticks <= plain_ticks / 2, (spanned_ticks, plain_ticks)
+
+
+_STEP_WORDS = (
+    L.HEAD,
+    L.TAIL,
+    L.UP_LEASES,
+    L.UP_NEXT_NS,
+    L.UP_WAKE,
+    L.UP_STATE,
+    L.UP_WANTING,
+    L.UP_HUNGRY,
+    L.UP_EXPIRED,
+    *(L.UP_RECORD + 8 * i for i in range(L.UP_RECORDS)),
+)
+
+
+@settings(
+    max_examples=150, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture]
+)
+@given(
+    batches=st.lists(
+        st.tuples(
+            st.integers(-5_000_000, 30_000_000),  # due, from now (ns)
+            st.integers(0, 60_000_000),  # how long before its due it was stamped (ttl: 100 ms)
+            st.integers(1, 3),  # ops
+            st.integers(0, 2),  # ops of it already in the bucket
+            st.booleans(),  # recorded already
+        ),
+        max_size=5,
+    ),
+    queued=st.integers(0, 6),
+    room=st.integers(0, 4),
+    until_ms=st.integers(0, 60),
+    state=st.sampled_from((0, 0, 0, 1, 3)),
+    wanting=st.booleans(),
+    hungry_ms=st.sampled_from((None, 10, 60)),
+    fenced=st.booleans(),
+)
+def test_the_native_delivery_step_is_betweens(
+    R,
+    redis_server,
+    name,
+    clock,
+    batches,
+    queued,
+    room,
+    until_ms,
+    state,
+    wanting,
+    hungry_ms,
+    fenced,
+):
+    """The native delivery (``_native.c``, DELIVER), driven on the fake clock one step at a time,
+    against ``Feeder.between`` in Python from the same state: the same answer (a nap, or a whole
+    tick), the same batches, records and words after it (HEAD, the lease ring, ``UP_NEXT_NS``,
+    ``UP_WAKE``'s bumps).  Searched over
+    the pending batches (due or not, partly delivered, recorded), the queue, the room under the
+    capacity, the planned ``until``, the upstream state and the refusal news.  With a reservation
+    fence that may be in force (``FENCE_HINT`` after ``REPL_TS``) the native step adds nothing: a
+    whole tick, whose Python ``add`` moves fences, having at most written the batches' record."""
+    from collections import deque
+
+    from shmlimit.redis.feeder import _Batch
+
+    host = Host(R, name, redis_server.url, clock, 50, burst=8, lease_ttl=0.1)
+    b, f, c = host.att.bucket, host.feeder, host.att.bucket.cells
+    try:
+        if f._native_delivery() is None:
+            assert selected_backend() != "native"
+            pytest.skip("the native extension is not built here")
+        now = clock.now
+        tail = c.load(L.TAIL)
+        full = b.cap // b.cost
+        c.store(L.HEAD, (tail - queued * b.cost) & (2**64 - 1))
+        if room < full:  # (less room: the tail as if the capacity were partly held by grants)
+            c.store(L.TAIL, (tail + (full - room) * b.cost) & (2**64 - 1))
+            c.store(L.HEAD, (tail + (full - room - queued) * b.cost) & (2**64 - 1))
+        c.store(L.UP_STATE, state)
+        c.store(L.UP_WANTING, int(wanting))
+        c.store(L.UP_HUNGRY, 0 if hungry_ms is None else now - hungry_ms * 1_000_000)
+        hint = b.fences.hint
+        c.store(hint, c.load(L.REPL_TS) + 1 if fenced else 0)
+        words = {w: c.load(w) for w in _STEP_WORDS}
+        plan = sorted(
+            (now + due, now + due - before, ops, ops - min(done, ops - 1), rec)
+            for due, before, ops, done, rec in batches
+        )
+
+        def run(native):
+            for w, v in words.items():
+                c.store(w, v)
+            f.pending = deque(_Batch(d, s, o, left, rec) for d, s, o, left, rec in plan)
+            f.mine = []
+            f.until = now + until_ms * 1_000_000
+            if not native:
+                f._native_delivery = lambda: None
+            nap = f.between()
+            vars(f).pop("_native_delivery", None)
+            after = {w: c.load(w) for w in _STEP_WORDS}
+            batches_after = [(bt.due, bt.stamp, bt.ops, bt.left, bt.recorded) for bt in f.pending]
+            return nap, batches_after, list(f.mine), after
+
+        native = run(True)
+        if not fenced:
+            assert native == run(False)
+        else:
+            nap, left, _, after = native
+            assert nap is None and after[L.HEAD] == words[L.HEAD]
+            assert [x[:4] for x in left] == [x[:4] for x in plan]
+            c.store(hint, 0)
+    finally:
+        host.close()
+
+
+def _native_feeder(host):
+    f = host.feeder
+    if f._native_delivery() is None:
+        assert selected_backend() != "native"
+        pytest.skip("the native extension is not built here")
+    return f
+
+
+def test_a_native_span_renews_the_filler_lease_and_reports_it_lost(R, redis_server, name, clock):
+    """``Feeder.span`` on the real clock, with nothing to deliver: it naps, renewing the lease as
+    the thread's nap does (one renewal at once when the last is a second old), and ends at the
+    whole tick due after the nap.  When another process holds the lease meanwhile, the renewal
+    fails and the feeder's lease is dropped (``lease.held`` false), as ``Lease.renew`` leaves it."""
+    import time
+
+    from shmlimit.bucket.filler import LEASE_TIMEOUT, lease_expiry_us, now_us
+
+    host = Host(R, name, redis_server.url, clock, 50)
+    try:
+        f, lease, c = _native_feeder(host), host.att.lease, host.att.bucket.cells
+        before, stale, t0 = lease.word, time.monotonic() - 1.0, now_us()
+        wakes, renewed = f.span(0.002, stale)
+        assert wakes == 0 and renewed > stale
+        assert lease.held and lease.word != before and c.load(L.LEASE) == lease.word
+        assert lease_expiry_us(lease.word) >= t0 + LEASE_TIMEOUT * 1e6
+        theirs = lease.word + (1 << L.LEASE_SLOT_BITS)  # another holder's renewal
+        c.store(L.LEASE, theirs)
+        f.span(0.002, stale)
+        assert not lease.held and c.load(L.LEASE) == theirs
+        assert f.span(0.002, stale) is None  # no lease held: the thread naps in Python
+    finally:
+        host.close()
+
+
+def test_interrupt_ends_a_native_span_at_once(R, redis_server, name, clock):
+    """The filler stops while its thread is asleep in a native span of 30 s: ``interrupt`` (what
+    ``FillerThread.stop`` calls) wakes it and it returns; a later span does not start."""
+    import os
+    import threading
+    import time
+
+    host = Host(R, name, redis_server.url, clock, 50)
+    try:
+        f = _native_feeder(host)
+        done = []
+        t = threading.Thread(target=lambda: done.append(f.span(30.0, time.monotonic())))
+        t.start()
+        native_id = wait_for(lambda: t.native_id)
+
+        def asleep():  # in the span's private futex wait on the mapping's ``closing`` word
+            with open(f"/proc/{os.getpid()}/task/{native_id}/syscall") as fh:
+                fields = fh.read().split()
+            return len(fields) >= 7 and fields[0] != "running" and int(fields[2], 16) == 9 | 128
+
+        wait_for(asleep)
+        f.interrupt()
+        t.join(5.0)
+        assert not t.is_alive() and done and done[0][0] == 0
+        assert f.span(30.0, time.monotonic()) is None
+    finally:
+        host.close()
