@@ -2,6 +2,7 @@
 the throttle decorator, live changes (set_rate, stop/start), drain, asyncio."""
 
 import asyncio
+import functools
 import itertools
 import math
 import multiprocessing as mp
@@ -286,17 +287,27 @@ def _reserve_one(lim, barrier, q):
     q.put(reserve_bracketed(lim))
 
 
+def _two_turns(lim):
+    """The barrier's action: the bucket left just claimed and empty, not full, when it opens."""
+    lim.acquire()
+    lim.acquire()
+
+
 @pytest.mark.slow
 def test_reservations_from_many_processes_get_distinct_slots(name):
     # 5/s: the slots are consecutive only if every process reserves before the chain of slots
     # reserved so far has passed (a slot nobody asked for in time is gone, as it should be).  At
     # 50/s a process kept off the CPU 40 ms after the barrier on a busy 2-core machine came
     # after its slot and took the next: CI saw one slot skipped, twice.  Reserving waits for
-    # nothing, so the slower rate costs no time.
+    # nothing, so the slower rate costs no time.  The barrier opens on a bucket just claimed by a
+    # wait for its turn (its action), not on one left full while the processes spawned: once, in
+    # a local run of the atomics pass, the first slot came at once from a full bucket and the
+    # other five lay on a grid starting at the second reservation, 20 ms later (time lost at the
+    # full bucket's next claim, as the clamp allows; the slots stayed 0.2 s apart or more).
     lim = shmlimit.Limiter(name, rate=5, burst=1, initial=0)
     ctx = mp.get_context("spawn")
     n = 6
-    barrier = ctx.Barrier(n)
+    barrier = ctx.Barrier(n, action=functools.partial(_two_turns, lim))
     slots = run_processes(ctx, _reserve_one, [(lim, barrier)] * n, timeout=60)
     assert_grid(slots, 0.2, any_order=True)  # one slot each, 1/rate apart
     lim.close()
