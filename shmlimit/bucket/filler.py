@@ -497,8 +497,9 @@ class FillerThread(threading.Thread):
                             chores_at[i] = now + 1.0
                 if bucket.upstream:
                     # the nap, and the wakes for a delivery alone after it, natively where it can
-                    span = getattr(self.feed, "span", None)
-                    spanned = span(nap, last_renew) if span is not None else None
+                    # (not once stopped: a stop before the feed was made interrupted nothing)
+                    span = getattr(self.feed, "nap_delivering", None)
+                    spanned = None if span is None or self._stopping else span(nap, last_renew)
                     if spanned is not None:
                         wakes, last_renew = spanned
                         self.fills += wakes

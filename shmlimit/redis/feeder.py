@@ -97,6 +97,7 @@ from __future__ import annotations
 import logging
 import math
 import random
+import time
 from collections import deque
 from dataclasses import dataclass
 from itertools import islice
@@ -406,7 +407,7 @@ class Feeder:
         a whole tick's."""
         now = self.clock()
         native = self._native_delivery()
-        if native is not None:  # the same step, as the native span makes it (``span``)
+        if native is not None:  # the same step, as the native span makes it (``nap_delivering``)
             flags, nap, _ = self._deliver_natively(native, 0, now, 0)
             return None if flags else nap / 1e9
         pending = self.pending
@@ -432,32 +433,34 @@ class Feeder:
         at = min(due, self.until, now + int(IDLE_TICK * 1e9))
         return max(int(MIN_TICK * 1e9), at - now) / 1e9
 
-    def span(self, nap: float, renewed: float) -> Optional[Tuple[int, float]]:
+    def nap_delivering(self, nap: float, renewed: float) -> Optional[Tuple[int, float]]:
         """The filler thread's nap after a tick (``nap`` seconds, renewing the lease every
         ``RENEW_EVERY`` from ``renewed``, ``time.monotonic`` seconds) and every wake for a delivery
         alone after it, as ``between`` makes them, in one native call without the GIL
         (``_native.c``, DELIVER): it ends when a whole tick is due, the lease is lost, or at a stop.
         Returns (deliveries made, when the lease was last renewed), or None where there is no
-        native span (the ``atomics`` backend, a fallback's config, a stop): the thread naps and
-        calls ``between`` itself.
+        native span (the ``atomics`` backend, a fallback's config, a stop, a clock other than
+        ``time.monotonic_ns``, which the span sleeps on): the thread naps and calls ``between``.
 
         In Python each of those wakes cost ~180 us of CPU on cold caches against ~45 for a bare
         sleep, and at 50/s they are most of the filler's wakes (docs/design/redis.md)."""
         native = self._native_delivery()
-        if native is None or not self.lease.word:
+        if native is None or not self.lease.word or self.clock is not time.monotonic_ns:
             return None
         _, _, wakes = self._deliver_natively(native, max(0, int(nap * 1e9)), 0, int(renewed * 1e9))
         return wakes, self._renewed_ns / 1e9
 
     def interrupt(self) -> None:
-        """End a ``span`` in progress at once, and every later one (the filler stops)."""
+        """End a ``nap_delivering`` in progress at once, and every later one (the filler stops)."""
         self._stopped = True
         if self._native is not None:
             self._native.interrupt()
 
     def _native_delivery(self) -> Any:
         """The native delivery bound to the bucket's config (a ``FedWaiter`` with its delivery
-        words), or None: the ``atomics`` backend, a config not fed by leases, a stop."""
+        words), or None: the ``atomics`` backend, a config not fed by leases, a stop, or more
+        batches pending than it takes (a late wake's backlog: ``_record`` covers them in one
+        record, which the native step, seeing only the first ones, would split)."""
         snap = self.bucket.snap
         if self._native_seq != snap.seq:
             self._native_seq = snap.seq
@@ -480,7 +483,7 @@ class Feeder:
             self._native = w
             if self._stopped and w is not None:  # (an ``interrupt`` that ran before it was bound)
                 w.interrupt()
-        return None if self._stopped else self._native
+        return None if self._stopped or len(self.pending) > _DELIVER_MAX else self._native
 
     def _deliver_natively(
         self, native: Any, nap_ns: int, now: int, renewed_ns: int

@@ -782,7 +782,7 @@ def test_wakes_for_a_delivery_alone_skip_the_tick_and_change_no_grant(
 
     runs, t0 = [], clock.now
     # a whole tick at every wake; ``between`` in Python; and, where the native backend is, the
-    # native step ``Feeder.span`` makes (``_native.c``, DELIVER), driven on the same fake clock
+    # native step ``Feeder.nap_delivering`` makes (``_native.c``, DELIVER), driven on the same fake clock
     for i, way in enumerate(("ticks", "python", "native")):
         monkeypatch.setattr(U, "random", random.Random(17))  # the same jitter in every run
         clock.now = t0
@@ -935,7 +935,7 @@ def _native_feeder(host):
 
 
 def test_a_native_span_renews_the_filler_lease_and_reports_it_lost(R, redis_server, name, clock):
-    """``Feeder.span`` on the real clock, with nothing to deliver: it naps, renewing the lease as
+    """``Feeder.nap_delivering`` on the real clock, with nothing to deliver: it naps, renewing the lease as
     the thread's nap does (one renewal at once when the last is a second old), and ends at the
     whole tick due after the nap.  When another process holds the lease meanwhile, the renewal
     fails and the feeder's lease is dropped (``lease.held`` false), as ``Lease.renew`` leaves it."""
@@ -946,16 +946,20 @@ def test_a_native_span_renews_the_filler_lease_and_reports_it_lost(R, redis_serv
     host = Host(R, name, redis_server.url, clock, 50)
     try:
         f, lease, c = _native_feeder(host), host.att.lease, host.att.bucket.cells
+        # on a clock other than the one it sleeps on, no span (its deliveries would be early by
+        # as much as that clock lags): the thread naps in Python
+        assert f.nap_delivering(0.002, time.monotonic()) is None
+        f.clock = time.monotonic_ns
         before, stale, t0 = lease.word, time.monotonic() - 1.0, now_us()
-        wakes, renewed = f.span(0.002, stale)
+        wakes, renewed = f.nap_delivering(0.002, stale)
         assert wakes == 0 and renewed > stale
         assert lease.held and lease.word != before and c.load(L.LEASE) == lease.word
         assert lease_expiry_us(lease.word) >= t0 + LEASE_TIMEOUT * 1e6
         theirs = lease.word + (1 << L.LEASE_SLOT_BITS)  # another holder's renewal
         c.store(L.LEASE, theirs)
-        f.span(0.002, stale)
+        f.nap_delivering(0.002, stale)
         assert not lease.held and c.load(L.LEASE) == theirs
-        assert f.span(0.002, stale) is None  # no lease held: the thread naps in Python
+        assert f.nap_delivering(0.002, stale) is None  # no lease held: the thread naps in Python
     finally:
         host.close()
 
@@ -970,8 +974,9 @@ def test_interrupt_ends_a_native_span_at_once(R, redis_server, name, clock):
     host = Host(R, name, redis_server.url, clock, 50)
     try:
         f = _native_feeder(host)
+        f.clock = time.monotonic_ns
         done = []
-        t = threading.Thread(target=lambda: done.append(f.span(30.0, time.monotonic())))
+        t = threading.Thread(target=lambda: done.append(f.nap_delivering(30.0, time.monotonic())))
         t.start()
         native_id = wait_for(lambda: t.native_id)
 
@@ -984,6 +989,6 @@ def test_interrupt_ends_a_native_span_at_once(R, redis_server, name, clock):
         f.interrupt()
         t.join(5.0)
         assert not t.is_alive() and done and done[0][0] == 0
-        assert f.span(30.0, time.monotonic()) is None
+        assert f.nap_delivering(30.0, time.monotonic()) is None
     finally:
         host.close()
