@@ -265,7 +265,6 @@ class Feeder:
         self._native: Any = None
         self._native_seq: Optional[int] = None
         self._stopped = False  # ``interrupt``: no native span from now on
-        self._renewed_ns = 0  # when the last native span last renewed the lease
 
     @property
     def max_batch(self) -> int:
@@ -408,7 +407,7 @@ class Feeder:
         now = self.clock()
         native = self._native_delivery()
         if native is not None:  # the same step, as the native span makes it (``nap_delivering``)
-            flags, nap, _ = self._deliver_natively(native, 0, now, 0)
+            flags, nap, _, _ = self._deliver_natively(native, 0, now, 0)
             return None if flags else nap / 1e9
         pending = self.pending
         b = self.bucket
@@ -447,8 +446,10 @@ class Feeder:
         native = self._native_delivery()
         if native is None or not self.lease.word or self.clock is not time.monotonic_ns:
             return None
-        _, _, wakes = self._deliver_natively(native, max(0, int(nap * 1e9)), 0, int(renewed * 1e9))
-        return wakes, self._renewed_ns / 1e9
+        _, _, wakes, renewed_ns = self._deliver_natively(
+            native, max(0, int(nap * 1e9)), 0, int(renewed * 1e9)
+        )
+        return wakes, renewed_ns / 1e9
 
     def interrupt(self) -> None:
         """End a ``nap_delivering`` in progress at once, and every later one (the filler stops)."""
@@ -487,32 +488,31 @@ class Feeder:
 
     def _deliver_natively(
         self, native: Any, nap_ns: int, now: int, renewed_ns: int
-    ) -> Tuple[int, int, int]:
-        """One native ``deliver``: a step at ``now`` (a test's clock), or with ``now`` 0 the nap and
-        the span after it; the feeder's batches, records and lease word follow what it did.
-        Returns (its flags, 0 when the step planned a nap; that nap in ns; deliveries made)."""
+    ) -> Tuple[int, int, int, int]:
+        """One native ``deliver``: a step at ``now`` (an injected clock's instant), or with ``now`` 0
+        the nap and the span after it; the feeder's batches, records and lease word follow what it
+        did.  Returns (its flags, 0 when the step planned a nap; that nap in ns; deliveries made;
+        when the lease was last renewed, ns)."""
         pending = self.pending
         batches: List[int] = []
         for bt in islice(pending, _DELIVER_MAX):
             batches += (bt.due, bt.stamp, bt.ops, bt.left, int(bt.recorded))
         lease = self.lease
         word = lease.word
-        flags, done, left, recorded, records, new_word, self._renewed_ns, nap, wakes = (
-            native.deliver(
-                nap_ns,
-                now,
-                max(0, self.until),
-                min(int(EARLY * 1e9), max(0, self.until)),
-                int(IDLE_TICK * 1e9),
-                int(MIN_TICK * 1e9),
-                HUNGRY_NS,
-                self.ttl_ns,
-                word,
-                renewed_ns,
-                int(RENEW_EVERY * 1e9),
-                int(LEASE_TIMEOUT * 1e6),
-                batches,
-            )
+        flags, done, left, recorded, records, new_word, renewed_ns, nap, wakes = native.deliver(
+            nap_ns,
+            now,
+            max(0, self.until),
+            min(int(EARLY * 1e9), max(0, self.until)),
+            int(IDLE_TICK * 1e9),
+            int(MIN_TICK * 1e9),
+            HUNGRY_NS,
+            self.ttl_ns,
+            word,
+            renewed_ns,
+            int(RENEW_EVERY * 1e9),
+            int(LEASE_TIMEOUT * 1e6),
+            batches,
         )
         for _ in range(done):
             pending.popleft()
@@ -523,7 +523,7 @@ class Feeder:
         self.mine.extend(records)
         if not now and lease.word == word:  # (not if this process's nudge took it again meanwhile)
             lease.word = 0 if flags & _DELIVER_LOST else new_word
-        return flags, nap, wakes
+        return flags, nap, wakes, renewed_ns
 
     def _next_delivery(self, now: int) -> int:
         """When the first reserved batch goes into the bucket: when due, or, when it is due but waits

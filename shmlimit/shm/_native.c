@@ -2449,7 +2449,9 @@ native_timerfd_arm(PyObject *mod, PyObject *const *args, Py_ssize_t n)
     uint64_t *seq, *head, *grants;                                                                      \
     uint64_t *waiting; /* this process's WAITING word, or NULL (unregistered) */                        \
     uint64_t expected;                                                                                  \
-    uint64_t naps; /* sleeps taken by this waiter's calls (this process's, for tests and tools) */
+    uint64_t naps; /* sleeps taken by this waiter's calls (this process's, for tests and tools) */  \
+    uint32_t stop; /* set by interrupt(): a filler span in progress (fill, deliver) ends at once, and  \
+                    * every later one */
 
 typedef struct {
     WAIT_FIELDS
@@ -2465,7 +2467,6 @@ typedef struct {
     Py_ssize_t fence_count;
     uint64_t tpn, cap;
     long slack_ns;
-    uint32_t fill_stop; /* set by interrupt(): a fill() in progress ends at once, and every later one */
 } Waiter;
 
 static inline uint64_t wld(uint64_t *w) { return __atomic_load_n(w, __ATOMIC_SEQ_CST); }
@@ -2483,6 +2484,14 @@ static inline int
 wait_leaving(WaitBase *w)
 {
     return __atomic_load_n(&w->cells->closing, __ATOMIC_SEQ_CST) || wld(w->seq) != w->expected;
+}
+
+/* Must a filler span (fill, deliver) go back to Python: interrupt(), close() began, or the config
+ * it was bound to changed? */
+static inline int
+span_leaving(WaitBase *w)
+{
+    return __atomic_load_n(&w->stop, __ATOMIC_SEQ_CST) || wait_leaving(w);
 }
 
 /* How many tokens the head is still short of `ticket` (<= 0: covered), wrap-safe. */
@@ -3235,7 +3244,7 @@ static int
 waiter_fill_loop(Waiter *w, FillSpan *f)
 {
     for (;;) {
-        if (__atomic_load_n(&w->fill_stop, __ATOMIC_SEQ_CST))
+        if (__atomic_load_n(&w->stop, __ATOMIC_SEQ_CST))
             return FILL_LEFT;
         uint64_t at = monotonic_ns() + f->period;
         /* past `until`: a whole pace still, and leave before refilling, so the Python tick that
@@ -3244,7 +3253,7 @@ waiter_fill_loop(Waiter *w, FillSpan *f)
         int last = at > f->until;
         if (filler_sleep(w->cells, at))
             return FILL_LEFT;
-        if (__atomic_load_n(&w->fill_stop, __ATOMIC_SEQ_CST) || wait_leaving((WaitBase *)w))
+        if (span_leaving((WaitBase *)w))
             return FILL_LEFT;
         if (last)
             return FILL_UNTIL;
@@ -3309,14 +3318,14 @@ waiter_fill(Waiter *self, PyObject *const *args, Py_ssize_t n)
                          (unsigned long long)f.renewed, (unsigned long long)f.mark_ts, (unsigned long long)f.mark_head);
 }
 
-/* interrupt(): a fill() in progress in another thread ends at once (and every later one of this
- * waiter): the flag, then a wake of this process's sleepers on `closing` (a waiter woken by it
- * looks again and goes back to its wait in Python). */
+/* interrupt(): a filler span (Waiter.fill, FedWaiter.deliver) in progress in another thread ends
+ * at once, and every later one of this waiter: the flag, then a wake of this process's sleepers on
+ * `closing` (a waiter woken by it looks again and goes back to its wait in Python). */
 static PyObject *
-waiter_interrupt(Waiter *self, PyObject *unused)
+wait_interrupt(WaitBase *self, PyObject *unused)
 {
     (void)unused;
-    __atomic_store_n(&self->fill_stop, 1, __ATOMIC_SEQ_CST);
+    __atomic_store_n(&self->stop, 1, __ATOMIC_SEQ_CST);
     filler_wake(self->cells);
     Py_RETURN_NONE;
 }
@@ -3555,7 +3564,7 @@ static PyMethodDef waiter_methods[] = {
      "[, slack_ns]) -> "
      "(flags, fills, lease_word, renewed_ns, mark_ts, mark_head): the filler's ticks at its pace without the GIL "
      "(1 until, 2 idle, 4 lease lost, 8 burn, 16 left, 32 the pace ends)"},
-    {"interrupt", (PyCFunction)waiter_interrupt, METH_NOARGS,
+    {"interrupt", (PyCFunction)wait_interrupt, METH_NOARGS,
      "interrupt(): a fill() in progress ends at once, and every later one"},
     {NULL, NULL, 0, NULL},
 };
@@ -3621,6 +3630,7 @@ wait_new(NativeCells *self, PyTypeObject *type, uint64_t *seq, uint64_t *head, u
     g->waiting = waiting;
     g->expected = expected;
     g->naps = 0;
+    g->stop = 0;
     return g;
 }
 
@@ -3701,7 +3711,6 @@ waiter_bind(NativeCells *self, PyObject *const *args, Py_ssize_t n)
     g->tpn = tpn;
     g->cap = cap;
     g->slack_ns = (long)slack;
-    g->fill_stop = 0;
     return (PyObject *)g;
 }
 /* close(): wake the waiters of this process and wait until none is inside (they leave at once:
@@ -3830,7 +3839,6 @@ typedef struct {
     /* DELIVER (bind_delivery): the words the elected filler's deliveries touch, NULL until bound */
     uint64_t *tail, *fence_hint, *repl_ts, *state, *wanting, *hungry, *leases, *records;
     uint64_t cap, nrecords_;
-    uint32_t stop; /* set by interrupt(): a deliver() in progress ends at once, and every later one */
 } FedWaiter;
 
 /* Until when a fed waiter sleeps at most without a wake (Bucket.fed_deadline): the batch the
@@ -3936,7 +3944,8 @@ fed_refill(FedWaiter *self, PyObject *unused)
  * Anything else is a whole tick's, in Python (DELIVER_TICK): at once when the wake is not a delivery
  * alone or a due batch is past its ttl (the tick expires it), after the delivery when a batch did
  * not fit, tokens are left held, or the batches passed in are all delivered.
- * With `now_ns` (a test's clock) it makes one step at that instant, without sleeping. */
+ * With `now_ns` (an injected clock's instant: a test's, or a limiter's own clock=) it makes one
+ * step at that instant, without sleeping. */
 #define DELIVER_TICK 1
 #define DELIVER_LOST 4
 #define DELIVER_LEFT 16
@@ -3951,7 +3960,7 @@ typedef struct {
     char recorded[DELIVER_MAX];
     Py_ssize_t nb, k, nrecs; /* batches passed in; the first not wholly delivered; records written */
     uint64_t wakes;
-    int fake; /* a test's clock: `now` passed in, no sleep */
+    int fake; /* an injected clock: `now` passed in, no sleep */
 } Delivery;
 
 /* bind_delivery(tail, fence_hint, repl_ts, state, wanting, hungry, leases, records, nrecords, cap):
@@ -4112,7 +4121,7 @@ static int
 deliver_sleep(FedWaiter *w, Delivery *d, uint64_t at)
 {
     for (;;) {
-        if (__atomic_load_n(&w->stop, __ATOMIC_SEQ_CST) || wait_leaving((WaitBase *)w))
+        if (span_leaving((WaitBase *)w))
             return DELIVER_LEFT;
         uint64_t now = monotonic_ns();
         if (now >= at)
@@ -4235,15 +4244,6 @@ fed_deliver(FedWaiter *self, PyObject *const *args, Py_ssize_t n)
                          (unsigned long long)(rc ? 0 : next - now), (unsigned long long)d.wakes);
 }
 
-/* interrupt(): a deliver() in progress in another thread ends at once (and every later one). */
-static PyObject *
-fed_interrupt(FedWaiter *self, PyObject *unused)
-{
-    (void)unused;
-    __atomic_store_n(&self->stop, 1, __ATOMIC_SEQ_CST);
-    filler_wake(self->cells);
-    Py_RETURN_NONE;
-}
 /* ======================================================================================
  * END DELIVER
  * ====================================================================================== */
@@ -4260,7 +4260,7 @@ static PyMethodDef fed_methods[] = {
      "deliver(nap_ns, now_ns, until_ns, early_ns, idle_ns, min_ns, hungry_ns, ttl_ns, lease_word, renewed_ns, "
      "renew_every_ns, lease_us, batches) -> (flags, done, left, recorded, records, lease_word, renewed_ns, "
      "nap_ns, wakes)"},
-    {"interrupt", (PyCFunction)fed_interrupt, METH_NOARGS, "interrupt(): a deliver() in progress ends at once"},
+    {"interrupt", (PyCFunction)wait_interrupt, METH_NOARGS, "interrupt(): a deliver() in progress ends at once"},
     {NULL, NULL, 0, NULL},
 };
 
@@ -4330,7 +4330,6 @@ cells_fed_waiter(NativeCells *self, PyObject *const *args, Py_ssize_t n)
     g->takeover_ns = 0;
     g->tail = g->fence_hint = g->repl_ts = g->state = g->wanting = g->hungry = g->leases = g->records = NULL;
     g->cap = g->nrecords_ = 0;
-    g->stop = 0;
     self->fed_word = fed_word32(w[4]);
     return (PyObject *)g;
 }
