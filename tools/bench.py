@@ -46,8 +46,8 @@
 12. asyncio: 8 processes, each one event loop saturating 1000/s through acquire_async, against 8
     bare asyncio sleepers waking at the same instants with the same precise sleep (the loop's
     timerfd), and bare asyncio.sleep ones: CPU per wall second, wakes per grant, lateness, and the
-    waiters' CPU as a multiple of the precise sleepers' (the median of 5 pairs measured side by
-    side, each in the other order to the last; the target: at most 1.25);
+    waiters' CPU as a multiple of the precise sleepers' (the two kinds taking 40 turns of 0.25 s
+    each; the target: at most 1.25);
 13. `limits` hits on shm:// (when `limits` is installed): one process hitting 64 keys at a limit
     never reached, through limits' fixed window, sliding window counter and moving window, on
     shm:// and on limits' own memory://, interleaved, best of: us per hit and the ratio shm/memory
@@ -63,6 +63,7 @@ import asyncio
 import contextlib
 import functools
 import json
+import math
 import mmap
 import multiprocessing as mp
 import os
@@ -1488,33 +1489,106 @@ def print_rates(r: Dict[str, Dict[str, float]]) -> None:
 # ---- 12. asyncio -----------------------------------------------------------------------------------
 
 
-def bench_asyncio(seconds: float, rate: float = 1000.0, procs: int = 8, pairs_n: int = 5) -> dict:
+#: Section 12's turns: the waiters and the sleepers take turns this long each (seconds) ...
+TURN_S = 0.25
+#: ... this many times each.  Both kinds burn about 0.1 CPU-s/s, and other tenants' work moves that
+#: a lot: two rows of the same bare sleepers, 2 s each, one right after the other, differed by up
+#: to 1.31x, and by 2x a minute apart; the median of five pairs of rows (waiters, then sleepers)
+#: ranged 1.01-1.38 in four runs minutes apart on the same code.  Turns a quarter of a second
+#: long put both kinds under the same neighbours: the ratio of the totals over forty turns each
+#: ranged 1.10-1.24 in eight runs on that code.
+TURNS = 40
+
+
+def _take_turns_async(kind: str, lim, rate: float, index: int, procs: int, t0, barrier, q) -> None:
+    """One process of section 12's turns: ``kind`` "waiter" (``acquire_async`` saturating
+    ``rate`` with the other waiters) or "sleeper" (a bare precise sleep to every ``procs``-th
+    instant of one grid ``1/rate`` apart, as ``_sleep_stamped_async``), active in its own turns
+    only: turn ``k`` of each kind is the pair of ``TURN_S`` slots from ``t0`` on, the waiters'
+    first in even pairs, the sleepers' first in odd ones.  Puts the CPU seconds this process
+    burned in each of its turns (a waiter's filler thread's included), from the turn's start to
+    its last op in it: a waiter takes no ticket whose turn would come after it (its next comes
+    ``procs / rate`` after its last grant), so no turn runs into the other kind's."""
+    from shmlimit.acquire.sleep import sleep_until_async
+
+    filler = None
+    if lim is not None:
+        lim.retry_after()  # registers, and starts its filler thread, before the barrier
+        filler = lim._att.filler
+    barrier.wait(timeout=120)
+    turn, step, gap = int(TURN_S * 1e9), 1e9 / rate, int(procs * 1e9 / rate)
+
+    async def turns() -> list:
+        clock, begin, out = time.monotonic_ns, t0.value, []
+        for k in range(TURNS):
+            start = begin + (2 * k + ((kind == "waiter") != (k % 2 == 0))) * turn
+            end = start + turn
+            await sleep_until_async(start)
+            c0, f0 = time.thread_time(), _thread_cpu(filler)
+            if kind == "waiter":
+                acquire = lim.acquire_async
+                while True:
+                    await acquire()
+                    if clock() + gap > end:
+                        break
+            else:
+                j = math.ceil((start - begin) / step)  # its instants: index + 1 + procs * i
+                j += (index + 1 - j) % procs
+                while begin + int(j * step) <= end:
+                    await sleep_until_async(begin + int(j * step))
+                    j += procs
+            out.append((time.thread_time() - c0, _thread_cpu(filler) - f0))
+        return out
+
+    q.put((kind, asyncio.run(turns())))
+
+
+def bench_turns_async(rate: float = 1000.0, procs: int = 8) -> dict:
+    """Section 12's ratio: ``procs`` waiters saturating ``rate`` through ``acquire_async`` and
+    ``procs`` bare asyncio sleepers waking at the same instants with the same precise sleep,
+    taking ``TURNS`` turns each of ``TURN_S`` (``_take_turns_async``): each kind's CPU per wall
+    second of its turns, the waiters' filler threads apart (``filler`` is in ``waiters``), the
+    ratio of the totals, and that of each quarter of the turns (how far it moves)."""
+    ctx = mp.get_context("fork")
+    name = f"bench-{uuid.uuid4().hex[:8]}"
+    shmlimit.Limiter(name, rate=rate).close()
+    t0 = ctx.Value("q", 0)
+    barrier = ctx.Barrier(2 * procs, action=functools.partial(_grid_start, t0))
+    args = [("waiter", shmlimit.attach(name), rate, i, procs, t0, barrier) for i in range(procs)]
+    args += [("sleeper", None, rate, i, procs, t0, barrier) for i in range(procs)]
+    res = run_processes(ctx, _take_turns_async, args, 300)
+    shmlimit.unlink(name)
+    fill = [sum(f for _, f in col) for col in zip(*(out for kind, out in res if kind == "waiter"))]
+    w = [sum(c + f for c, f in col) for col in zip(*(out for kind, out in res if kind == "waiter"))]
+    s = [sum(c for c, _ in col) for col in zip(*(out for kind, out in res if kind == "sleeper"))]
+    quarter = TURNS // 4
+    return dict(
+        turn_s=TURN_S,
+        turns=TURNS,
+        waiters=sum(w) / (TURNS * TURN_S),
+        filler=sum(fill) / (TURNS * TURN_S),
+        sleepers=sum(s) / (TURNS * TURN_S),
+        ratio=sum(w) / sum(s),
+        quarters=[
+            sum(w[i : i + quarter]) / sum(s[i : i + quarter]) for i in range(0, TURNS, quarter)
+        ],
+    )
+
+
+def bench_asyncio(seconds: float, rate: float = 1000.0, procs: int = 8) -> dict:
     """Section 12: ``procs`` processes, each one event loop with one task saturating ``rate``
     through ``acquire_async``, against as many bare asyncio sleepers (no limiter) waking at the
-    same instants with the same precise sleep (``sleep_until_async``), measured right after in
-    the same run; and bare ``asyncio.sleep`` sleepers, for the lateness an event loop's own timer
-    gives.  ``ratio``: the waiters' CPU as a multiple of the precise sleepers' (the target: at
-    most 1.25), the median of ``pairs_n`` pairs measured one after the other, each in the other
-    order to the last (``pair_ratios``); the rows shown are the median pair's.
-
-    Pairs, not one of each: both burn about 0.1 CPU-s/s, so a neighbour's burst of a few
-    CPU-milliseconds during one row moved a single ratio from 1.03 to 1.36 in runs minutes
-    apart on the same code; a median of pairs taken side by side is what the code costs."""
-    pairs = []
-    for i in range(pairs_n):
-        # each pair in the other order to the last: what the first row of a pair meets (a neighbour
-        # that woke, caches the last row left) falls on either side alike
-        sleepers = bench_sleep_floor(rate, seconds, procs, driver="bare asyncio") if i % 2 else None
-        waiters = bench_waiting(rate, seconds, procs, driver="async")
-        if sleepers is None:
-            sleepers = bench_sleep_floor(rate, seconds, procs, driver="bare asyncio")
-        pairs.append(
-            (waiters["cpu_s_per_wall_s"] / sleepers["cpu_s_per_wall_s"], (waiters, sleepers))
-        )
-    ratios = [r for r, _ in pairs]
-    ratio, median_pair = sorted(pairs, key=lambda p: p[0])[len(pairs) // 2]
-    rows = [*median_pair, bench_sleep_floor(rate, seconds, procs, driver="bare asyncio.sleep")]
-    return dict(rows=rows, ratio=ratio, pair_ratios=ratios, load=os.getloadavg())
+    same instants with the same precise sleep (``sleep_until_async``), and bare ``asyncio.sleep``
+    sleepers, for the lateness an event loop's own timer gives: a row of each, ``seconds`` long,
+    one after the other (lateness, wakes, the filler threads' share); and the CPU ratio, the
+    target's (at most 1.25), from the two taking turns (``bench_turns_async``)."""
+    rows = [
+        bench_waiting(rate, seconds, procs, driver="async"),
+        bench_sleep_floor(rate, seconds, procs, driver="bare asyncio"),
+        bench_sleep_floor(rate, seconds, procs, driver="bare asyncio.sleep"),
+    ]
+    turns = bench_turns_async(rate, procs)
+    return dict(rows=rows, turns=turns, ratio=turns["ratio"], load=os.getloadavg())
 
 
 def print_asyncio(a: dict) -> None:
@@ -1533,9 +1607,15 @@ def print_asyncio(a: dict) -> None:
             f"    {w['driver']:>20} {w['cpu_s_per_wall_s']:>9.4f} {wk} {w['p50_ms']:>8.3f} "
             f"{w['p99_ms']:>8.3f} {w['max_ms']:>8.3f} {w['grants']:>8,}"
         )
+    t = a["turns"]
     print(
-        f"    acquire_async's CPU: {a['ratio']:.2f}x the bare asyncio sleepers' (target: at most 1.25), "
-        f"the median of pairs {', '.join(f'{r:.2f}' for r in a.get('pair_ratios', []))}; "
+        f"    taking {t['turns']} turns of {t['turn_s']:g} s each: the waiters {t['waiters']:.4f} "
+        f"CPU-s/s (their filler threads' {t['filler']:.4f} included), the sleepers "
+        f"{t['sleepers']:.4f}"
+    )
+    print(
+        f"    acquire_async's CPU: {a['ratio']:.2f}x the bare asyncio sleepers' (target: at most 1.25); "
+        f"by quarter {', '.join(f'{r:.2f}' for r in t['quarters'])}; "
         f"load average {a['load'][0]:.1f}, {a['load'][1]:.1f}, {a['load'][2]:.1f}"
     )
 
