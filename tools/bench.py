@@ -68,6 +68,7 @@ import mmap
 import multiprocessing as mp
 import os
 import platform
+import random
 import resource
 import sys
 import threading
@@ -1496,19 +1497,24 @@ TURN_S = 0.25
 #: to 1.31x, and by 2x a minute apart; the median of five pairs of rows (waiters, then sleepers)
 #: ranged 1.01-1.38 in four runs minutes apart on the same code.  Turns a quarter of a second
 #: long put both kinds under the same neighbours: the ratio of the totals over forty turns each
-#: ranged 1.10-1.24 in eight runs on that code.
+#: ranged 1.12-1.27 in six runs on that code (a run's 90 % interval is narrower than that: what
+#: a run's processes land on moves it too).
 TURNS = 40
+#: Before each turn, this long measured by nobody (seconds): after the waiters' turn their filler
+#: thread refills the bucket a tick a millisecond, then backs off to its idle pace over about 40 ms;
+#: without the pause that burst ran in the sleepers' turn, a neighbour the waiters' turns lack.
+SETTLE_S = 0.06
 
 
 def _take_turns_async(kind: str, lim, rate: float, index: int, procs: int, t0, barrier, q) -> None:
     """One process of section 12's turns: ``kind`` "waiter" (``acquire_async`` saturating
     ``rate`` with the other waiters) or "sleeper" (a bare precise sleep to every ``procs``-th
     instant of one grid ``1/rate`` apart, as ``_sleep_stamped_async``), active in its own turns
-    only: turn ``k`` of each kind is the pair of ``TURN_S`` slots from ``t0`` on, the waiters'
-    first in even pairs, the sleepers' first in odd ones.  Puts the CPU seconds this process
-    burned in each of its turns (a waiter's filler thread's included), from the turn's start to
-    its last op in it: a waiter takes no ticket whose turn would come after it (its next comes
-    ``procs / rate`` after its last grant), so no turn runs into the other kind's."""
+    only.  Pair ``k`` is two slots of ``SETTLE_S`` then ``TURN_S`` from ``t0`` on, the waiters'
+    turn first in even pairs, the sleepers' first in odd ones.  Puts this process's CPU seconds
+    (every thread: ``process_time``) in each of its turns, with apart a waiter's filler thread's
+    share, from the turn's start to its last op in it: a waiter stops once its next grant (its
+    next comes ``procs / rate`` after its last) would come after the turn's end."""
     from shmlimit.acquire.sleep import sleep_until_async
 
     filler = None
@@ -1516,15 +1522,16 @@ def _take_turns_async(kind: str, lim, rate: float, index: int, procs: int, t0, b
         lim.retry_after()  # registers, and starts its filler thread, before the barrier
         filler = lim._att.filler
     barrier.wait(timeout=120)
+    slot, settle = int((SETTLE_S + TURN_S) * 1e9), int(SETTLE_S * 1e9)
     turn, step, gap = int(TURN_S * 1e9), 1e9 / rate, int(procs * 1e9 / rate)
 
     async def turns() -> list:
         clock, begin, out = time.monotonic_ns, t0.value, []
         for k in range(TURNS):
-            start = begin + (2 * k + ((kind == "waiter") != (k % 2 == 0))) * turn
+            start = begin + (2 * k + ((kind == "waiter") != (k % 2 == 0))) * slot + settle
             end = start + turn
             await sleep_until_async(start)
-            c0, f0 = time.thread_time(), _thread_cpu(filler)
+            c0, f0 = time.process_time(), _thread_cpu(filler)
             if kind == "waiter":
                 acquire = lim.acquire_async
                 while True:
@@ -1537,18 +1544,32 @@ def _take_turns_async(kind: str, lim, rate: float, index: int, procs: int, t0, b
                 while begin + int(j * step) <= end:
                     await sleep_until_async(begin + int(j * step))
                     j += procs
-            out.append((time.thread_time() - c0, _thread_cpu(filler) - f0))
+            out.append((time.process_time() - c0, _thread_cpu(filler) - f0))
         return out
 
     q.put((kind, asyncio.run(turns())))
+
+
+def ratio_interval(pairs: List[tuple], draws: int = 2000) -> List[float]:
+    """The 5th and 95th percentiles of ``sum(a) / sum(b)`` over ``pairs`` of ``(a, b)`` drawn again
+    with replacement ``draws`` times (a bootstrap; seeded, so a run's page is made again alike)."""
+    rng = random.Random(0)
+    n = len(pairs)
+    ratios = []
+    for _ in range(draws):
+        drawn = [pairs[rng.randrange(n)] for _ in range(n)]
+        ratios.append(sum(a for a, _ in drawn) / sum(b for _, b in drawn))
+    ratios.sort()
+    return [ratios[draws // 20], ratios[draws - 1 - draws // 20]]
 
 
 def bench_turns_async(rate: float = 1000.0, procs: int = 8) -> dict:
     """Section 12's ratio: ``procs`` waiters saturating ``rate`` through ``acquire_async`` and
     ``procs`` bare asyncio sleepers waking at the same instants with the same precise sleep,
     taking ``TURNS`` turns each of ``TURN_S`` (``_take_turns_async``): each kind's CPU per wall
-    second of its turns, the waiters' filler threads apart (``filler`` is in ``waiters``), the
-    ratio of the totals, and that of each quarter of the turns (how far it moves)."""
+    second of its turns (``filler``: the waiters' filler threads' share of theirs), the ratio of
+    the totals, that of each quarter of the turns, and a 90 % interval of it (``ratio_interval``
+    over the pairs of turns)."""
     ctx = mp.get_context("fork")
     name = f"bench-{uuid.uuid4().hex[:8]}"
     shmlimit.Limiter(name, rate=rate).close()
@@ -1558,9 +1579,10 @@ def bench_turns_async(rate: float = 1000.0, procs: int = 8) -> dict:
     args += [("sleeper", None, rate, i, procs, t0, barrier) for i in range(procs)]
     res = run_processes(ctx, _take_turns_async, args, 300)
     shmlimit.unlink(name)
-    fill = [sum(f for _, f in col) for col in zip(*(out for kind, out in res if kind == "waiter"))]
-    w = [sum(c + f for c, f in col) for col in zip(*(out for kind, out in res if kind == "waiter"))]
-    s = [sum(c for c, _ in col) for col in zip(*(out for kind, out in res if kind == "sleeper"))]
+    waiters = list(zip(*(out for kind, out in res if kind == "waiter")))
+    w = [sum(c for c, _ in turn) for turn in waiters]
+    fill = [sum(f for _, f in turn) for turn in waiters]
+    s = [sum(c for c, _ in turn) for turn in zip(*(out for kind, out in res if kind == "sleeper"))]
     quarter = TURNS // 4
     return dict(
         turn_s=TURN_S,
@@ -1569,6 +1591,7 @@ def bench_turns_async(rate: float = 1000.0, procs: int = 8) -> dict:
         filler=sum(fill) / (TURNS * TURN_S),
         sleepers=sum(s) / (TURNS * TURN_S),
         ratio=sum(w) / sum(s),
+        interval=ratio_interval(list(zip(w, s))),
         quarters=[
             sum(w[i : i + quarter]) / sum(s[i : i + quarter]) for i in range(0, TURNS, quarter)
         ],
@@ -1614,7 +1637,8 @@ def print_asyncio(a: dict) -> None:
         f"{t['sleepers']:.4f}"
     )
     print(
-        f"    acquire_async's CPU: {a['ratio']:.2f}x the bare asyncio sleepers' (target: at most 1.25); "
+        f"    acquire_async's CPU: {a['ratio']:.2f}x the bare asyncio sleepers' (target: at most 1.25), "
+        f"90% interval {t['interval'][0]:.2f}-{t['interval'][1]:.2f}; "
         f"by quarter {', '.join(f'{r:.2f}' for r in t['quarters'])}; "
         f"load average {a['load'][0]:.1f}, {a['load'][1]:.1f}, {a['load'][2]:.1f}"
     )

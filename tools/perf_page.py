@@ -389,16 +389,23 @@ def waiting(run: dict) -> str:
                 arows,
             ),
             f"Taking {a['turns']['turns']} turns of {a['turns']['turn_s']:g} s each, side by"
-            f" side (a waiter stops once its next grant would come after its turn's end), the"
-            f" waiters burned {cpu(a['turns']['waiters'])} CPU-s per wall-s, their filler threads'"
-            f" {cpu(a['turns']['filler'])} included, and the sleepers"
-            f" {cpu(a['turns']['sleepers'])}: `acquire_async` burned {ratio(a['ratio'])} times the"
-            f" precise sleepers' CPU (the target: at most 1.25; load average {load(a['load'])})."
-            " Each quarter of the turns on its own gave"
-            f" {', '.join(ratio(r) for r in a['turns']['quarters'])}. The rows above ran one after"
-            " the other, each alone, for its lateness. Their CPU is compared in turns, under the"
-            " same neighbours: two rows of the same bare sleepers, one right after the other,"
-            " differed by up to 1.31 times.",
+            " side, each after a pause nobody measures (the waiters' filler thread refills the"
+            " bucket after their turn; a waiter stops once its next grant would come after its"
+            f" turn's end), the waiters burned {cpu(a['turns']['waiters'])} CPU-s per wall-s of"
+            f" their turns, their filler threads' {cpu(a['turns']['filler'])} included, and the"
+            f" sleepers {cpu(a['turns']['sleepers'])}: `acquire_async` burned {ratio(a['ratio'])}"
+            " times the precise sleepers' CPU (the target: at most 1.25; load average"
+            f" {load(a['load'])}), with a 90 % interval of"
+            f" {ratio(a['turns']['interval'][0])}-{ratio(a['turns']['interval'][1])} over the"
+            " pairs of turns. Each quarter of the turns on its own gave"
+            f" {', '.join(ratio(r) for r in a['turns']['quarters'])}. Whole runs minutes apart"
+            " move by more than that interval: what a run's processes land on moves it too. In"
+            " their turns the waiters were granted a little"
+            " over the rate, the bucket's capacity at each turn's start. The rows above ran one"
+            " after the other, each alone, for its lateness; their CPU is compared in turns,"
+            " under the same neighbours, because two rows of the same bare sleepers, one right"
+            " after the other, differed by up to 1.31 times. The chart's asyncio pair is the"
+            " turns'.",
         ]
     )
 
