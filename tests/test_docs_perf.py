@@ -72,7 +72,9 @@ def test_a_figure_of_the_run_is_on_the_page_as_a_ratio(perf_page, run):
     assert perf_page.render(changed)["performance.md"] != page
 
 
-@pytest.mark.parametrize("key", ["fidelity", "keyed", "machine.load_end", "machine.cpus"])
+@pytest.mark.parametrize(
+    "key", ["fidelity", "keyed", "machine.load_end", "machine.cpus", "asyncio.turns"]
+)
 def test_a_run_missing_a_section_is_refused_naming_the_key(perf_page, run, key, tmp_path, capsys):
     broken = copy.deepcopy(run)
     *parents, last = key.split(".")

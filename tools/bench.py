@@ -1511,10 +1511,10 @@ def _take_turns_async(kind: str, lim, rate: float, index: int, procs: int, t0, b
     ``rate`` with the other waiters) or "sleeper" (a bare precise sleep to every ``procs``-th
     instant of one grid ``1/rate`` apart, as ``_sleep_stamped_async``), active in its own turns
     only.  Pair ``k`` is two slots of ``SETTLE_S`` then ``TURN_S`` from ``t0`` on, the waiters'
-    turn first in even pairs, the sleepers' first in odd ones.  Puts this process's CPU seconds
-    (every thread: ``process_time``) in each of its turns, with apart a waiter's filler thread's
-    share, from the turn's start to its last op in it: a waiter stops once its next grant (its
-    next comes ``procs / rate`` after its last) would come after the turn's end."""
+    turn first in even pairs, the sleepers' first in odd ones.  Puts, for each of its turns,
+    this process's CPU seconds (every thread: ``process_time``) and a waiter's filler thread's
+    share of them, from the turn's start to its last op in it: a waiter stops once its next
+    grant (``procs / rate`` after its last) would come after the turn's end."""
     from shmlimit.acquire.sleep import sleep_until_async
 
     filler = None

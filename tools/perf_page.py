@@ -217,7 +217,7 @@ def waiting_plot(run: dict) -> str:
         if w["driver"] in ("sync", "sync, atomics") and w["rate"] in floors
     ]
     a = need(run, "asyncio")
-    t = a["turns"]  # taking turns: the pair the ratio is of
+    t = need(run, "asyncio.turns")  # taking turns: the pair the ratio is of
     groups.append(
         (f"{count(a['rows'][0]['rate'])}/s, {driver(a['rows'][0])}", t["waiters"], t["sleepers"])
     )
@@ -344,6 +344,7 @@ def rate(run: dict) -> str:
 
 def waiting(run: dict) -> str:
     cw, rows, a = need(run, "cpu_waiting"), need(run, "waiting"), need(run, "asyncio")
+    t = need(run, "asyncio.turns")
     ratios = floor_ratios(rows)
     body = []
     for w in rows:
@@ -388,17 +389,17 @@ def waiting(run: dict) -> str:
                 " | p99 lateness | max lateness",
                 arows,
             ),
-            f"Taking {a['turns']['turns']} turns of {a['turns']['turn_s']:g} s each, side by"
+            f"Taking {t['turns']} turns of {t['turn_s']:g} s each, side by"
             " side, each after a pause nobody measures (the waiters' filler thread refills the"
             " bucket after their turn; a waiter stops once its next grant would come after its"
-            f" turn's end), the waiters burned {cpu(a['turns']['waiters'])} CPU-s per wall-s of"
-            f" their turns, their filler threads' {cpu(a['turns']['filler'])} included, and the"
-            f" sleepers {cpu(a['turns']['sleepers'])}: `acquire_async` burned {ratio(a['ratio'])}"
+            f" turn's end), the waiters burned {cpu(t['waiters'])} CPU-s per wall-s of"
+            f" their turns, their filler threads' {cpu(t['filler'])} included, and the"
+            f" sleepers {cpu(t['sleepers'])}: `acquire_async` burned {ratio(a['ratio'])}"
             " times the precise sleepers' CPU (the target: at most 1.25; load average"
             f" {load(a['load'])}), with a 90 % interval of"
-            f" {ratio(a['turns']['interval'][0])}-{ratio(a['turns']['interval'][1])} over the"
+            f" {ratio(t['interval'][0])}-{ratio(t['interval'][1])} over the"
             " pairs of turns. Each quarter of the turns on its own gave"
-            f" {', '.join(ratio(r) for r in a['turns']['quarters'])}. Whole runs minutes apart"
+            f" {', '.join(ratio(r) for r in t['quarters'])}. Whole runs minutes apart"
             " move by more than that interval: what a run's processes land on moves it too. In"
             " their turns the waiters were granted a little"
             " over the rate, the bucket's capacity at each turn's start. The rows above ran one"
