@@ -30,8 +30,7 @@ class Steps(Protocol):
     A wait for a turn sets ``wake_ns``.  One may also have ``nap(step)`` and ``async
     nap_async(step)``: how the drivers pass any other step (``time.sleep``; in tests on an injected
     clock, a move of that clock).  Such a step need not be seconds: a Redis call's may name a round
-    trip, which its ``nap`` makes, keeping the answer for ``next``.  And ``turn(woke)``:
-    ``drive_async``'s step on the real clock for a request holding a ticket (None: none)."""
+    trip, which its ``nap`` makes, keeping the answer for ``next``."""
 
     #: the current nap ends at this CLOCK_MONOTONIC instant, to sleep to precisely (None: roughly)
     wake_ns: Optional[int]
@@ -78,21 +77,14 @@ async def drive_async(req: Steps) -> bool:
     """
     att = getattr(req, "att", None)  # a Request's; a MultiRequest's clock is its attachments'
     real = (att.clock if att is not None else req.clock) is time.monotonic_ns
-    turn = getattr(req, "turn", None) if real else None
     try:
-        step = None if turn is None else turn(False)  # holding its ticket already: its step
-        if step is None:
-            step = req.begin()
+        step = req.begin()
         while step is not True and step is not False:
             if getattr(req, "fed", None) is not None:  # no futex on a loop: the fed wait's estimate
                 req.fed = None  # type: ignore[attr-defined]
                 await asyncio.sleep(max(step, MIN_NAP))
             elif req.wake_ns is not None and real:
                 await sleep_until_async(req.wake_ns)  # to its instant, not the selector's next ms
-                if turn is not None:
-                    step = turn(True)
-                    if step is not None:
-                        continue
             elif req.wake_ns is not None:
                 await asyncio.sleep(max(0, req.wake_ns - req.clock()) / NS_PER_S)
             else:

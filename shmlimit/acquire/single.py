@@ -83,6 +83,7 @@ class Request:
         "admitted",
         "granted",
         "wake_ns",
+        "turn_ns",
         "_waiting",
         "record",
         "fed",
@@ -108,6 +109,9 @@ class Request:
         self.granted = False
         #: the last nap ends at this CLOCK_MONOTONIC instant, to sleep to precisely (None: roughly)
         self.wake_ns: Optional[int] = None
+        #: ... and that nap is to the ticket's turn, come at this instant (None: parked for another
+        #: reason): woken after it, it replenishes at once, without working the turn out again
+        self.turn_ns: Optional[float] = None
         self._waiting = False
         self.record: Optional[int] = (
             None  # the record of our ticket in our process slot (its LEN offset)
@@ -139,7 +143,7 @@ class Request:
         r.att, r.bucket, r.n, r.tokens, r.deadline = att, att.bucket, n, tokens, deadline
         r.admitted = None
         r.granted = r._waiting = False
-        r.wake_ns = None
+        r.wake_ns = r.turn_ns = None
         r.fed = None
         r.ticket = ticket
         r.state = TICKET
@@ -216,11 +220,6 @@ class Request:
         if admitted is not None and not self.granted:
             admitted.unadmit(self.bucket, self.n)
         self.state = DONE
-
-    def turn(self, woke: bool) -> Optional[Step]:
-        """``drive_async``'s step on the real clock while holding a ticket (``_ticket_step``),
-        ``woke`` at the instant it parked for; None in any other state (``begin``/``next``)."""
-        return _ticket_step(self, woke) if self.state == TICKET else None
 
     # -- states --------------------------------------------------------------------------
 
@@ -306,13 +305,15 @@ class Request:
     def _wait_ticket(self) -> Step:
         """Granted once the head covers the ticket.  Its due time at the rate is exact
         (``Bucket.due_ns``), so a waiter parks once, until then (``wake_ns``, to sleep to
-        precisely), replenishes and is granted; only when the head still falls short (another
-        process's replenish in flight, or tokens that come from leases, releases or a start)
-        does it look again soon.  Each waiter wakes for its own turn only, or every ``MAX_NAP``."""
+        precisely), replenishes and is granted, the turn worked out for the park only
+        (``turn_ns``); only when the head still falls short (another process's replenish in flight,
+        or tokens that come from leases, releases or a start) does it look again soon, the turn
+        worked out afresh.  Each waiter wakes for its own turn only, or every ``MAX_NAP``."""
         b = self.bucket
         att = self.att
         ticket = self.ticket
         assert ticket is not None
+        turn, self.turn_ns = self.turn_ns, None
         self.wake_ns = None
         self.fed = None
         # hierarchical mode, on the real clock: the wake word is read before the head, so a batch
@@ -338,11 +339,15 @@ class Request:
             until <= now
         ):  # a timed ticket of hierarchical mode, not served by its deadline: given back (end)
             return False
-        due = b.due_ns(ticket) if mode.clocked else now
+        # woken at the turn it parked for (a replenish is never early: it adds what time has passed)
+        if turn is not None and now >= turn and att.refill() > 0 and b.covered(ticket):
+            return self._grant_ticket()
+        due = wake = b.due_ns(ticket) if mode.clocked else now
         if due > now and mode.real_clock and b.stops_at(ticket, self.tokens):
-            due, now = at_stop(due, now)  # the head stops at our ticket: replenish at its instant
-        if due > now:  # not our turn yet: no replenish can help, park until it
-            self.wake_ns = min(int(due) + 1, now + MAX_NAP_NS)  # now and then, to notice changes
+            wake, now = at_stop(due, now)  # the head stops at our ticket: replenish at its instant
+        if wake > now:  # not our turn yet: no replenish can help, park until it
+            self.turn_ns = due
+            self.wake_ns = min(int(wake) + 1, now + MAX_NAP_NS)  # now and then, to notice changes
             return (self.wake_ns - now) / NS_PER_S
         # our turn (or no clock to tell): replenishing adds whatever time has passed (lazily)
         if att.refill() > 0:
@@ -385,7 +390,7 @@ class Request:
             return None
         ticket = self.ticket
         assert ticket is not None
-        self.wake_ns = None
+        self.wake_ns = self.turn_ns = None  # (the native wait works its turn out itself)
         until = min(
             time.monotonic_ns() + MAX_NAP_NS, self.deadline or _INF
         )  # a timed one's: the real clock too
@@ -563,38 +568,6 @@ def _adopt(att: "Attachment", ticket: int) -> Request:
     """A request holding the ticket ``Acquirer.take()`` queued and recorded, counted waiting."""
     rec, tokens = att.find_record(ticket)
     return Request.holding(att, 1, ticket, tokens, rec, counted=True)
-
-
-def _ticket_step(req: Request, woke: bool) -> Step:
-    """``next()`` of an untimed request holding a ticket on a local, clock-fed bucket (the async
-    driver's, on the real clock): the same outcome from the same words, without the branches that
-    case never takes (the fed wait, the open fallback, deadlines), and, ``woke`` at the instant it
-    parked for, without working out again the turn it has reached: it replenishes at once (a
-    replenish is never early: at a nap's end it adds what time has passed).  Anything else, and a
-    ticket still short at its turn, is ``next()``'s."""
-    b = req.bucket
-    ticket = req.ticket
-    assert ticket is not None
-    if b.covered(ticket):
-        return req._grant_ticket()
-    att = req.att
-    if req.deadline is not None or req.record is None or b.refresh():
-        return req.next()
-    mode = att.mode_now()
-    if mode.upstream or mode.stopped:
-        return req.next()
-    if not woke:
-        now = time.monotonic_ns()
-        due = b.due_ns(ticket)  # (local and running: time-fed)
-        if due > now and b.stops_at(ticket, req.tokens):
-            due, now = at_stop(due, now)  # the head stops at our ticket: replenish at its instant
-        if due > now:  # not our turn yet: park until it (as next() would)
-            req.wake_ns = min(int(due) + 1, now + MAX_NAP_NS)
-            return (req.wake_ns - now) / NS_PER_S
-    if att.refill() > 0:
-        if b.covered(ticket):
-            return req._grant_ticket()
-    return req.next()
 
 
 # ---- the calls that never wait ------------------------------------------------------------------

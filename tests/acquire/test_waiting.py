@@ -385,10 +385,11 @@ def test_a_loop_timer_makes_one_system_call_per_wake(monkeypatch):
 
 
 @pytest.mark.slow
-def test_an_async_waiter_replenishes_at_its_turn_without_working_it_out_again(name, monkeypatch):
-    """``acquire_async()`` parks once per grant, working out its turn (``due_ns``) for the park
-    only: woken at that instant, it replenishes at once (``_ticket_step``).  Before, every wake
-    worked the turn out again, to find it reached: two ``due_ns`` per grant."""
+@pytest.mark.parametrize("driver", ["sync", "async"])
+def test_a_waiter_replenishes_at_its_turn_without_working_it_out_again(name, monkeypatch, driver):
+    """``acquire()`` and ``acquire_async()`` park once per grant, working out the turn (``due_ns``)
+    for the park only: woken at that instant, the request replenishes at once (``turn_ns``).
+    Otherwise every wake would work the turn out again, to find it reached: two ``due_ns`` a grant."""
     from shmlimit.bucket.rovers import Bucket
 
     # the Python steps: with the native backend a wake is one native step (test_native_wait)
@@ -396,7 +397,7 @@ def test_an_async_waiter_replenishes_at_its_turn_without_working_it_out_again(na
     lim = shmlimit.Limiter(name, rate=200, burst=5)
     assert lim.backend == "atomics"
     counts = {"due": 0, "sleeps": 0}
-    due_ns, sleep = Bucket.due_ns, D.sleep_until_async
+    due_ns, sleep, sleep_until = Bucket.due_ns, D.sleep_until_async, D.sleep_until()
 
     def counted_due(self, ticket):
         counts["due"] += 1
@@ -406,16 +407,25 @@ def test_an_async_waiter_replenishes_at_its_turn_without_working_it_out_again(na
         counts["sleeps"] += 1
         await sleep(deadline)
 
+    def counted_sleep_until(deadline):
+        counts["sleeps"] += 1
+        sleep_until(deadline)
+
     async def run():
-        for _ in range(int(lim.capacity)):  # the burst
-            assert await lim.acquire_async()
-        monkeypatch.setattr(Bucket, "due_ns", counted_due)
-        monkeypatch.setattr(D, "sleep_until_async", counted_sleep)
         for _ in range(20):
             assert await lim.acquire_async()
 
     try:
-        asyncio.run(run())
+        for _ in range(int(lim.capacity)):  # the burst
+            assert lim.acquire()
+        monkeypatch.setattr(Bucket, "due_ns", counted_due)
+        monkeypatch.setattr(D, "sleep_until_async", counted_sleep)
+        monkeypatch.setattr(D, "sleep_until", lambda: counted_sleep_until)
+        if driver == "async":
+            asyncio.run(run())
+        else:
+            for _ in range(20):
+                assert lim.acquire()
     finally:
         lim.close()
     assert 19 <= counts["sleeps"] <= 22  # one park per grant (a ticket short at its turn: one more)
