@@ -645,7 +645,7 @@ def collect(name: str) -> bool:
         name, None, None, join=False
     )  # no trust check: it only unlinks, as the filesystem allows
     try:
-        return claim_and_unlink(name, att.seg.inode, att.cells, att.live)
+        return claim_and_unlink(name, att.seg.inode, [att.table])
     finally:
         att.detach()
 

@@ -45,12 +45,13 @@ from shmlimit.shm.segment import (
     Segment,
     claim_and_unlink,
     opened,
+    peek_word,
     pread_file,
     publish,
     reopening,
     start_header,
 )
-from shmlimit.shm.table import ProcessTable, slot_alive
+from shmlimit.shm.table import ProcessTable
 
 #: A group holds at most this many rates (``rates=``).
 MAX_RATES = 16
@@ -378,12 +379,7 @@ def collect(name: str) -> bool:
     try:
         for i in range(len(geo.keys)):
             regions.append(region_opener(seg, geo, i)())
-        tables = [ProcessTable(c, geo.slots) for _, c in regions]
-
-        def in_use() -> bool:
-            return any(slot_alive(e.pid, e.start, e.pidns) for t in tables for e in t.entries())
-
-        return claim_and_unlink(name, seg.inode, [c for _, c in regions], in_use)
+        return claim_and_unlink(name, seg.inode, [ProcessTable(c, geo.slots) for _, c in regions])
     except Collected:
         return False
     finally:
@@ -393,22 +389,9 @@ def collect(name: str) -> bool:
         seg.close()
 
 
-def peek_magic(name: str) -> int:
-    """The first word of ``name``'s segment, read without mapping (0 if it is shorter)."""
-    data, _ = pread_file(name, 0, 8, None)
-    return int.from_bytes(bytes(data[:8]).ljust(8, b"\0"), "little")
-
-
-def peek_regions(name: str) -> int:
-    """What a group's regions hold (``layout.REGIONS_*``), read without mapping; the group's
-    readers check it again against its whole header."""
-    data, _ = pread_file(name, L.GROUP_REGIONS, 8, None)
-    return int.from_bytes(bytes(data[:8]).ljust(8, b"\0"), "little")
-
-
 def is_group(name: str) -> bool:
     try:
-        return peek_magic(name) == L.GROUP_MAGIC
+        return peek_word(name) == L.GROUP_MAGIC
     except OSError:
         return False
 

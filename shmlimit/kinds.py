@@ -13,7 +13,6 @@ from typing import Callable, Iterable, Iterator, Tuple, Union
 
 from shmlimit.attachment import collect as collect_attached
 from shmlimit.errors import ShmlimitError
-from shmlimit.group import peek_magic, peek_regions
 from shmlimit.keyed import layout as K
 from shmlimit.keyed.limiter import KeyedLimiter, KeyedStats, inspect_keyed
 from shmlimit.keyed.multi import MultiKeyedLimiter
@@ -23,21 +22,21 @@ from shmlimit.limiter import Limiter
 from shmlimit.limiter import attach as attach_limiter
 from shmlimit.multirate import MultiLimiter, MultiStats, inspect_group
 from shmlimit.shm import layout as L
-from shmlimit.shm.segment import validate_name
+from shmlimit.shm.segment import peek_word, validate_name
 from shmlimit.stats import Stats
 from shmlimit.stats import inspect as inspect_limiter
 
 
 def _magic(name: str) -> int:
     try:
-        return peek_magic(name)
+        return peek_word(name)
     except OSError:
         return 0  # absent or unreadable: the limiter's own open says which, and why
 
 
 def _keyed_group(name: str) -> bool:
     try:
-        return peek_regions(name) == L.REGIONS_KEYED
+        return peek_word(name, L.GROUP_REGIONS) == L.REGIONS_KEYED
     except OSError:
         return False  # the group's own open says why
 

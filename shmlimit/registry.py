@@ -31,7 +31,7 @@ from shmlimit.shm.segment import (
     reopening,
     unlink,
 )
-from shmlimit.shm.table import ProcessTable, is_alive, pid_namespace, proc_start, slot_alive
+from shmlimit.shm.table import ProcessTable, is_alive, pid_namespace, proc_start
 
 
 class Attached:
@@ -129,10 +129,6 @@ class Attached:
         self.cells.close()
         self.seg.close()
 
-    def live(self) -> bool:
-        """Some live process is registered in the process table."""
-        return any(slot_alive(e.pid, e.start, e.pidns) for e in self.table.entries())
-
     def may_adopt(self, reconfigure: bool) -> bool:
         """A creating call may publish its config: with ``reconfigure`` (fleet-wide), or when no live
         process uses the segment (a redeploy boots).  A live creator counts as a user: it registers
@@ -140,7 +136,7 @@ class Attached:
         since counts as alive: the safe side)."""
         creator = self.cells.load(L.CREATOR_PID_OFF)
         return reconfigure or not (
-            self.live() or 0 < creator <= 0xFFFFFFFF and is_alive(creator, 0)
+            self.table.live() or 0 < creator <= 0xFFFFFFFF and is_alive(creator, 0)
         )
 
     def vet(self, mode: int, trusted: FrozenSet[int]) -> None:

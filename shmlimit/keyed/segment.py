@@ -43,7 +43,7 @@ from shmlimit.shm.segment import (
     write_secret,
 )
 from shmlimit.shm.segment import unlink as _unlink_name
-from shmlimit.shm.table import ProcessTable, slot_alive
+from shmlimit.shm.table import ProcessTable
 
 assert (
     K.HEADER_BYTES == L.HEADER_BYTES and K.LINE == L.SLOT_BYTES
@@ -354,20 +354,8 @@ def collect(name: str) -> bool:
         try:
             if c.load(K.MAGIC_OFF) != K.MAGIC:
                 return False
-            table = ProcessTable(c, K.PSLOTS)
-            return claim_and_unlink(
-                name,
-                seg.inode,
-                c,
-                lambda: any(slot_alive(e.pid, e.start, e.pidns) for e in table.entries()),
-            )
+            return claim_and_unlink(name, seg.inode, [ProcessTable(c, K.PSLOTS)])
         finally:
             c.close()
     finally:
         seg.close()
-
-
-def peek_magic(name: str) -> int:
-    """The first word of a segment, read with os.pread (no mapping): which kind of limiter it is."""
-    data, _ = pread_file(name, 0, 8, max_bytes=None)  # never waits on a FIFO, never follows a link
-    return int.from_bytes(data.ljust(8, b"\0"), "little")

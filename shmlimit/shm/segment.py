@@ -19,7 +19,6 @@ import time
 from contextlib import contextmanager
 from typing import (
     AbstractSet,
-    Callable,
     Iterable,
     Iterator,
     List,
@@ -39,6 +38,7 @@ from shmlimit.errors import (
 )
 from shmlimit.shm import layout as L
 from shmlimit.shm.cells import Cells, open_cells
+from shmlimit.shm.table import ProcessTable
 
 PREFIX = "shmlimit."
 NAME_MAX = 64
@@ -355,6 +355,13 @@ def pread_file(
     return data, st
 
 
+def peek_word(name: str, offset: int = L.MAGIC_OFF) -> int:
+    """A word of ``name``'s segment, read with ``pread`` (nothing mapped; 0 past its end): its first,
+    ``MAGIC``, says which kind of limiter it is."""
+    data, _ = pread_file(name, offset, 8, None)
+    return int.from_bytes(bytes(data[:8]).ljust(8, b"\0"), "little")
+
+
 def unlink(name: str) -> None:
     """Remove the segment's name, and its secret file if it has one.  Raises
     LimiterNotFoundError when there is none."""
@@ -509,13 +516,11 @@ def reopening() -> Iterator[int]:
         tries += 1
 
 
-def claim_and_unlink(
-    name: str, inode: int, c: Union[Cells, Sequence[Cells]], in_use: Callable[[], bool]
-) -> bool:
-    """The collector's half of gc, for a segment of any kind mapped as ``c`` (its file ``inode``;
-    a sequence of cells for a group: each of its regions): claim it (STATE READY -> DOOMED), look
-    for a live process (``in_use``), then unlink the name if it is still this segment's; True if
-    it did.
+def claim_and_unlink(name: str, inode: int, tables: Sequence[ProcessTable]) -> bool:
+    """The collector's half of gc, for a segment of any kind (its file ``inode``), whose process
+    tables are ``tables`` (one, or a group's: each of its regions'): claim it (STATE READY ->
+    DOOMED, in each table's cells), look for a live process (``ProcessTable.live``), then unlink
+    the name if it is still this segment's; True if it did.
 
     An opener registers, then looks at STATE (``gone``): with sequentially consistent words one
     of the two sees the other, so either the collector sees the opener and gives the segment back
@@ -523,14 +528,15 @@ def claim_and_unlink(
     are claimed one by one, looking for a live process before each: any in use gives every claim
     back, so an opener of any one region is seen, or sees its region's claim.
     """
-    regions = list(c) if isinstance(c, (list, tuple)) else [c]
     claimed: List[Cells] = []
     try:
-        for r in regions:
-            if in_use() or not r.cas(L.STATE_OFF, L.STATE_READY, L.STATE_DOOMED):
+        for t in tables:
+            if any(u.live() for u in tables) or not t.cells.cas(
+                L.STATE_OFF, L.STATE_READY, L.STATE_DOOMED
+            ):
                 return False
-            claimed.append(r)
-        if in_use() or current_inode(name) != inode:
+            claimed.append(t.cells)
+        if any(t.live() for t in tables) or current_inode(name) != inode:
             return False
         try:
             unlink(name)
@@ -539,8 +545,8 @@ def claim_and_unlink(
         claimed.clear()  # the name is gone: the claims stay, so a late opener opens afresh
         return True
     finally:
-        for r in claimed:
-            r.cas(L.STATE_OFF, L.STATE_DOOMED, L.STATE_READY)
+        for c in claimed:
+            c.cas(L.STATE_OFF, L.STATE_DOOMED, L.STATE_READY)
 
 
 def gone(name: str, inode: int, c: Cells) -> bool:

@@ -303,6 +303,10 @@ class ProcessTable:
                 )
         return out
 
+    def live(self) -> bool:
+        """Some live process is registered (``slot_alive``: another namespace's counts as alive)."""
+        return any(slot_alive(e.pid, e.start, e.pidns) for e in self.entries())
+
     def total_grants(self) -> int:
         """Every grant ever made through any slot, by current and departed owners alike."""
         c = self.cells
