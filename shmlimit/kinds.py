@@ -1,4 +1,5 @@
-"""Entry points that work for every kind of limiter a name may hold: attach, inspect and collect.
+"""Entry points that work for every kind of limiter a name may hold: attach, inspect, find the stale
+ones and collect them.
 
 A segment's first word says its kind (``layout.MAGIC`` for a ``Limiter``,
 ``layout.GROUP_MAGIC`` for one of several rates, ``keyed_layout.MAGIC`` for a
@@ -9,7 +10,7 @@ own module then opens and validates it.
 
 from __future__ import annotations
 
-from typing import Callable, Iterable, Iterator, Tuple, Union
+from typing import Callable, Iterable, Iterator, List, Tuple, Union
 
 from shmlimit.attachment import collect as collect_attached
 from shmlimit.errors import ShmlimitError
@@ -96,3 +97,13 @@ def inspect_each(
             unreadable(name, e)
             continue
         yield name, s
+
+
+def stale(
+    names: Iterable[str], unreadable: Callable[[str, Exception], None]
+) -> Tuple[List[str], int]:
+    """The names no live process uses, whatever their kind (what ``collect`` removes), and how many
+    of the others are in use; a segment that cannot be read goes to ``unreadable`` instead
+    (``inspect_each``)."""
+    used = [(n, any(p.alive for p in s.processes)) for n, s in inspect_each(names, unreadable)]
+    return [n for n, alive in used if not alive], sum(alive for _, alive in used)

@@ -14,7 +14,7 @@ from shmlimit.adapt import AdaptStats
 from shmlimit.adapt import stats as adapt_stats
 from shmlimit.attachment import Attachment
 from shmlimit.bucket.filler import LEASE_TIMEOUT, lease_expiry_us, lease_slot, now_us
-from shmlimit.config import NS_PER_S
+from shmlimit.config import NS_PER_S, Config
 from shmlimit.errors import SegmentError
 from shmlimit.header import DOOMED, cells_size, ready_creator
 from shmlimit.redis.spec import STATE_NAMES
@@ -87,6 +87,10 @@ class Stats:
     @property
     def ops_per_second(self) -> float:
         return self.rate / self.per
+
+    def describe(self) -> str:
+        """Its settings as ``Config.describe`` words them (those a snapshot holds)."""
+        return Config(self.rate, self.per, self.capacity, self.capped, self.ratio).describe()
 
 
 def snapshot(name: str, att: Attachment) -> Stats:

@@ -313,7 +313,7 @@ def check_segments(shm_dir: str = SHM_DIR, names: Optional[List[str]] = None) ->
     """Limiters no live process uses, and segments this user cannot read (all of them, or
     ``names``); of all of them, secret files whose segment is gone."""
     from shmlimit.errors import ShmlimitError
-    from shmlimit.kinds import inspect_each  # every kind: a Limiter's segment, a keyed one
+    from shmlimit.kinds import stale  # every kind: a Limiter's segment, a keyed one
     from shmlimit.shm.segment import list_names, orphan_secrets
 
     every = names is None
@@ -323,16 +323,12 @@ def check_segments(shm_dir: str = SHM_DIR, names: Optional[List[str]] = None) ->
         except (ShmlimitError, OSError):
             return []
     unreadable: List[str] = []
-    stale = [  # gc removes them, whatever their kind
-        n
-        for n, s in inspect_each(names, lambda n, e: unreadable.append(n))
-        if not any(p.alive for p in s.processes)
-    ]
+    unused, _ = stale(names, lambda n, e: unreadable.append(n))  # what gc removes
     orphans = sorted({n for n, _ in orphan_secrets()}) if every else []
     out = [
         Finding(WARN, "limiters", message.format(len(found), _first_five(found)), tuple(found))
         for found, message in (
-            (stale, "{} limiter(s) no live process uses ({}): 'shmlimit gc' removes them"),
+            (unused, "{} limiter(s) no live process uses ({}): 'shmlimit gc' removes them"),
             (unreadable, "{} segment(s) this user cannot read or that are not valid limiters: {}"),
             (
                 orphans,

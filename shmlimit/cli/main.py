@@ -18,13 +18,13 @@ from typing import Callable, Iterator, List, Optional, Sequence
 
 from shmlimit import __version__
 from shmlimit.cli.metrics import MAX_SEGMENTS
-from shmlimit.cli.top import BAD_NAME, NONE_HERE, adapt_line, printable, rate_text
+from shmlimit.cli.top import BAD_NAME, NONE_HERE, RATE, adapt_line, kind_of, printable, show
 from shmlimit.cli.top import run as run_top
 from shmlimit.config import parse_spec
 from shmlimit.errors import ShmlimitError
 from shmlimit.keyed.limiter import KeyedLimiter
 from shmlimit.keyed.stats import KeyedStats, KeySample, adapted_keys
-from shmlimit.kinds import collect, inspect, inspect_each
+from shmlimit.kinds import collect, inspect, inspect_each, stale
 from shmlimit.limiter import Limiter, unlink
 from shmlimit.multirate import MultiStats
 from shmlimit.rate_group import parse_rates
@@ -178,18 +178,18 @@ def cmd_list(args: argparse.Namespace) -> int:
     for n, s in inspect_each(names, lambda n, e: print(printable(f"{n:24} unreadable: {e}"))):
         alive = sum(p.alive for p in s.processes)
         if isinstance(s, MultiStats):  # several rates, one limiter: its rates on one line
-            rates = ", ".join(f"{k}={rate_text(r.rate, r.per)}" for k, r in s.rates.items())
+            rates = ", ".join(
+                f"{k}={RATE.format(rate=r.rate, per=r.per)}" for k, r in s.rates.items()
+            )
             print(printable(f"{n:24} {len(s.rates):>8} rates {rates}  procs {alive}"))
             continue
-        rate, capacity = f"{s.rate:>8g}/{s.per:g}s", f"{s.capacity:g}"
-        level, note = (  # per key: the table's fill instead of one bucket's level
-            (f"{s.keys}/{s.slots} keys", "  keyed")
-            if isinstance(s, KeyedStats)
-            else (f"{s.available:.1f}", "")
+        r = asdict(s)  # its rate (or what it is), capacity and level, as every view shows them
+        print(
+            printable(
+                f"{n:24} {show(r, 'rate'):>12} {show(r, 'capacity'):>9} {show(r, 'level'):>10} "
+                f"{s.grants:>10} {alive:>5}{kind_of(r)['note']}"
+            )
         )
-        if getattr(s, "kind", "") == "windows":  # a limits storage: no rate of its own
-            rate, capacity, note = f"{'windows':>12}", "-", "  limits storage (grants: hits)"
-        print(f"{n:24} {rate} {capacity:>9} {level:>10} {s.grants:>10} {alive:>5}{note}")
     return 0
 
 
@@ -216,17 +216,22 @@ def _inspect_json(s: "Stats | KeyedStats | MultiStats") -> dict:
     return d
 
 
-def _print_fields(s: "Stats | KeyedStats", hidden: set, indent: str = "") -> None:
-    """A snapshot's fields, a line each (``adapt``: its bounds and totals, then an adaptive
-    keyed table's keys at their rate in force)."""
-    for k, v in asdict(s).items():
-        if k in hidden:
+def _print_fields(s: "Stats | KeyedStats", key: str = "") -> None:
+    """A snapshot's fields, a line each, but those its kind leaves out (``KINDS``); a rate of
+    several under its ``key``, indented.  ``adapt``: its bounds and totals, then an adaptive keyed
+    table's keys at their rate in force."""
+    indent = "  " if key else ""
+    if key:
+        print(printable(f"rate {key}"))
+    fields = asdict(s)
+    kind = kind_of(fields)
+    for f, v in fields.items():
+        if f in kind["hidden"]:
             continue
-        if k == "adapt" and v is not None:
-            what = "each key's rate" if isinstance(s, KeyedStats) else "the rate"
-            print(printable(indent + adapt_line(v, what).strip()))
+        if f == "adapt" and v is not None:
+            print(printable(indent + adapt_line(v, kind["adapts"]).strip()))
             continue
-        print(printable(f"{indent}{k:20} {v}"))
+        print(printable(f"{indent}{f:20} {v}"))
     keys = _adapted(s)
     if keys:
         assert isinstance(s, KeyedStats)
@@ -235,13 +240,14 @@ def _print_fields(s: "Stats | KeyedStats", hidden: set, indent: str = "") -> Non
                 f"{indent}keys at their own rate, lowest first ({len(keys)} of {s.overrides})"
             )
         )
-        for key in keys:
-            print(printable(f"{indent}  {_key_line(key)}"))
-
-
-def _key_line(k: KeySample) -> str:
-    rate = "default" if k.rate is None else rate_text(k.rate, k.per)
-    return f"{k.key:28} rate {rate:>14}  grants {k.grants:>10}  limited for {k.wait:.3f} s"
+        for k in keys:
+            rate = "default" if k.rate is None else RATE.format(rate=k.rate, per=k.per)
+            print(
+                printable(
+                    f"{indent}  {k.key:28} rate {rate:>14}  grants {k.grants:>10}  "
+                    f"limited for {k.wait:.3f} s"
+                )
+            )
 
 
 def cmd_inspect(args: argparse.Namespace) -> int:
@@ -250,17 +256,8 @@ def cmd_inspect(args: argparse.Namespace) -> int:
         print(json.dumps(_inspect_json(s)))
         return 0
     several = isinstance(s, MultiStats)
-    for key, r in s.rates.items() if several else ():  # each rate as a limiter of its own
-        print(printable(f"rate {key}"))
-        _print_fields(r, {"processes"}, "  ")
-    if not several:
-        # a table of window counters has no rate, capacity or overrides of its own: not shown as 0
-        hidden = {"processes"} | (
-            {"rate", "per", "capacity", "overrides", "override_slots"}
-            if getattr(s, "kind", "") == "windows"
-            else set()
-        )
-        _print_fields(s, hidden)
+    for key, r in s.rates.items() if several else [("", s)]:  # each rate as a limiter of its own
+        _print_fields(r, key)
     print(f"{'processes':20} {len(s.processes)}")
     for p in (
         () if several else s.processes
@@ -270,14 +267,6 @@ def cmd_inspect(args: argparse.Namespace) -> int:
         )
         print(f"  pid {p.pid:>8}  grants {p.grants:>10}  {flags}")
     return 0
-
-
-def _settings(s: "Stats | KeyedStats") -> str:
-    """What ``create`` sets on a limiter, as ``Config.describe`` words it (a keyed one: per key)."""
-    out = f"rate={s.rate:g} per={s.per:g}s burst={s.capacity:g}"
-    if isinstance(s, KeyedStats):
-        return out + f" keys={s.slots}"
-    return out + (f" ratio={s.ratio:g}" if s.ratio != 1.0 else "") + (" capped" if s.capped else "")
 
 
 def _before(name: str) -> "Optional[Stats | KeyedStats | MultiStats]":
@@ -292,12 +281,12 @@ def _before(name: str) -> "Optional[Stats | KeyedStats | MultiStats]":
 def _created(name: str, before: "Optional[Stats | KeyedStats]", after: "Stats | KeyedStats") -> str:
     """One line: created, exists (unchanged), or changed (old settings, then new); ``after`` is
     what the limiter holds now."""
-    now = _settings(after)
+    now = after.describe()
     if before is None:
         return printable(f"created: {name} {now}")
-    if _settings(before) == now:
+    if before.describe() == now:
         return printable(f"exists: {name} {now}")
-    return printable(f"changed: {name} {_settings(before)} -> {now} (no live process used it)")
+    return printable(f"changed: {name} {before.describe()} -> {now} (no live process used it)")
 
 
 def cmd_create(args: argparse.Namespace) -> int:
@@ -439,7 +428,6 @@ def _serve_metrics(names, host: str, port: int, scope) -> int:
 
 def cmd_gc(args: argparse.Namespace) -> int:
     """Remove segments no live process is attached to (--dry-run: only list them)."""
-    removed = kept = 0
     names, bad = scan()
     for n in bad:
         print(printable(f"left alone ({BAD_NAME}): {n!r}"))
@@ -447,30 +435,24 @@ def cmd_gc(args: argparse.Namespace) -> int:
     def unreadable(n: str, e: Exception) -> None:
         print(printable(f"left alone (unreadable): {n}: {e}"))
 
-    for n, s in inspect_each(names, unreadable):
-        if any(p.alive for p in s.processes):
-            kept += 1
-            continue
-        if args.dry_run:
-            print(f"stale: {n}")
-        else:
+    found, kept = stale(names, unreadable)
+    verb = "stale" if args.dry_run else "removed"
+    removed = 0
+    for n in found:
+        try:
             # every kind: claims the segment, checks again, then unlinks, so that a process
             # attaching meanwhile is kept (shm.segment.claim_and_unlink)
-            try:
-                if not collect(n):
-                    kept += 1
-                    continue
-            except (ShmlimitError, OSError) as e:
-                unreadable(n, e)
+            if not (args.dry_run or collect(n)):
+                kept += 1
                 continue
-            print(f"removed: {n}")
+        except (ShmlimitError, OSError) as e:
+            unreadable(n, e)
+            continue
+        print(f"{verb}: {n}")
         removed += 1
     for n, ino in orphan_secrets():  # a keyed table's secret file left when its segment went
-        if args.dry_run:
-            print(printable(f"stale: the secret file of {n} (its segment is gone)"))
-        elif drop_secret(n, ino):
-            print(printable(f"removed: the secret file of {n} (its segment is gone)"))
-    verb = "stale" if args.dry_run else "removed"
+        if args.dry_run or drop_secret(n, ino):
+            print(printable(f"{verb}: the secret file of {n} (its segment is gone)"))
     print(f"{removed} {verb}, {kept} in use")
     return 0
 

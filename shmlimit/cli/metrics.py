@@ -137,8 +137,14 @@ _LIMITER_METRICS = (
     ),
 )
 
-# hierarchical limiters only: (name, type, help, UpstreamStats attribute)
+# hierarchical limiters only: (name, type, help, value of its UpstreamStats or the attribute)
 _UPSTREAM_METRICS = (
+    (
+        "shmlimit_upstream_fallback",
+        "gauge",
+        "Hierarchical limiters: 1 while a fallback is in force because Redis is unreachable.",
+        lambda up: up.state != "ok",
+    ),
     (
         "shmlimit_upstream_round_trips",
         "counter",
@@ -228,15 +234,35 @@ _ADAPT_METRICS = (
     ),
 )
 
-# the families keyed limiters share with the others; tables of window counters share fewer
-_SHARED = {
-    "shmlimit_grants",
-    "shmlimit_rate_ops_per_second",
-    "shmlimit_capacity_ops",
-    "shmlimit_processes",
+# tables of window counters only
+_WINDOW_METRICS = (
+    (
+        "shmlimit_window_hits",
+        "counter",
+        "Hits asked of a limits storage (shm://), granted or refused.",
+        "hits",
+    ),
+)
+
+#: The kinds of snapshot (``kind``; a ``Stats`` has none: "plain") a family samples, where it
+#: samples others than its table's: the families keyed tables share with limiters, those
+#: tables of window counters share (they have no rate), the one they lack
+_EVERY, _RATED = ("plain", "keyed", "windows"), ("plain", "keyed")
+_SAMPLED = {
+    "shmlimit_grants": _EVERY,
+    "shmlimit_rate_ops_per_second": _RATED,
+    "shmlimit_capacity_ops": _RATED,
+    "shmlimit_processes": _EVERY,
+    "shmlimit_keyed_overrides": ("keyed",),
 }
-_SHARED_WINDOWS = {"shmlimit_grants", "shmlimit_processes"}
-_NOT_WINDOWS = {"shmlimit_keyed_overrides"}
+# (a table of families, the part of a snapshot their values come from, the kinds they sample)
+_TABLES = (
+    (_LIMITER_METRICS, "", ("plain",)),
+    (_UPSTREAM_METRICS, "upstream", ("plain",)),
+    (_KEYED_METRICS, "", ("keyed", "windows")),
+    (_ADAPT_METRICS, "adapt", _EVERY),
+    (_WINDOW_METRICS, "", ("windows",)),
+)
 
 
 def snapshots(names: Optional[Sequence[str]] = None) -> Tuple[List[AnyStats], List[str]]:
@@ -330,43 +356,15 @@ def families_of(
     omitted: Optional[Dict[str, int]] = None,
 ) -> List[Family]:
     everything = list(stats)
-    keyed = [s for s in everything if isinstance(s, KeyedStats)]
-    stats = [s for s in everything if not isinstance(s, KeyedStats)]
-    limiters = [k for k in keyed if k.kind != "windows"]
-    hier = [s for s in stats if s.upstream is not None]
-    adaptive = [s for s in everything if s.adapt is not None]
     out = [
         _family(
-            m,
-            [*stats, *(keyed if m[0] in _SHARED_WINDOWS else limiters if m[0] in _SHARED else [])],
+            meta,
+            [s for s in everything if getattr(s, "kind", "plain") in _SAMPLED.get(meta[0], kinds)],
+            part,
         )
-        for m in _LIMITER_METRICS
+        for table, part, kinds in _TABLES
+        for meta in table
     ]
-    out.append(
-        _family(
-            (
-                "shmlimit_upstream_fallback",
-                "gauge",
-                "Hierarchical limiters: 1 while a fallback is in force because Redis is unreachable.",
-                lambda s: s.upstream.state != "ok",
-            ),
-            hier,
-        )
-    )
-    out += [_family(meta, hier, "upstream") for meta in _UPSTREAM_METRICS]
-    out += [_family(m, limiters if m[0] in _NOT_WINDOWS else keyed) for m in _KEYED_METRICS]
-    out += [_family(meta, adaptive, "adapt") for meta in _ADAPT_METRICS]
-    out.append(
-        _family(
-            (
-                "shmlimit_window_hits",
-                "counter",
-                "Hits asked of a limits storage (shm://), granted or refused.",
-                lambda k: k.hits,
-            ),
-            keyed,
-        )
-    )
     out.append(
         Family(
             "shmlimit_unreadable_segments",
@@ -389,11 +387,13 @@ def families_of(
 def _family(meta: tuple, stats: Iterable[AnyStats], part: str = "") -> Family:
     """The family ``meta`` describes, ``(name, type, help, value)``, sampled from each of ``stats``
     by its limiter's name; ``value`` is a function of a snapshot or the name of one of its fields
-    (of its ``part``, ``upstream`` or ``adapt``, when given); a value of None is no sample."""
+    (of its ``part``, ``upstream`` or ``adapt``, when given: a snapshot without one has no sample);
+    a value of None is no sample."""
     name, kind, help_, value = meta
     fam = Family(name, kind, help_)
     for s in stats:
-        v = getattr(getattr(s, part) if part else s, value) if isinstance(value, str) else value(s)
+        of = getattr(s, part) if part else s
+        v = None if of is None else getattr(of, value) if isinstance(value, str) else value(of)
         if v is not None:
             fam.samples.append(((("limiter", s.name),), float(v)))
     return fam

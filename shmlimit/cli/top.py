@@ -25,7 +25,7 @@ import sys
 import time
 from collections import deque
 from dataclasses import asdict
-from typing import Deque, Dict, List, Optional, Sequence, Tuple
+from typing import Any, Deque, Dict, List, Optional, Sequence, Tuple
 
 from shmlimit.errors import ShmlimitError
 from shmlimit.keyed.stats import KeyedStats, KeySample, sample_keys, sample_windows
@@ -61,9 +61,72 @@ def printable(text: str) -> str:
     )
 
 
-def rate_text(rate: float, per: float) -> str:
-    """A rate as the CLI writes it: ops per window, ``100/1s``."""
-    return f"{rate:g}/{per:g}s"
+#: A rate as the tools write it: ops per window, ``100/1s``.
+RATE = "{rate:g}/{per:g}s"
+_KEYS = "keys {keys}/{slots}  evicted {evicted}  refused (table full) {refused_full}  "
+#: How the tools show each kind of snapshot (by its ``kind``; a ``Stats`` has none: "plain"), the
+#: same in every view (``list``, ``inspect``, ``top``'s table and detailed view): what differs
+#: between kinds is written here once, never in a view.  Templates that a record fills (``show``;
+#: a record is ``asdict`` of a snapshot, or an ``Inspector`` row): ``rate`` (or what it is
+#: instead: a table of window counters has none), ``capacity``, ``level`` (what it holds now: ops
+#: available, or the keys live of its slots), ``title`` and ``counters`` (the detailed view's
+#: first two lines).  And ``label`` (``top``'s KIND column), ``note`` (after its line in
+#: ``list``), ``counted`` (what its grants are: a table of window counters counts hits),
+#: ``adapts`` (what an adaptive rate adapts in it), ``hidden`` (the fields ``inspect`` leaves
+#: out) and ``fills`` (its processes wait for tokens, and one fills them: a ``Limiter``'s).
+KINDS: Dict[str, Dict[str, Any]] = {
+    "plain": dict(
+        label="plain",
+        rate=RATE,
+        capacity="{capacity:g}",
+        level="{available:.1f}",
+        title=f"rate {RATE} ratio {{ratio:g}}  capacity {{capacity:g}}",
+        counters="available {available:.1f}  deficiency {deficiency:.1f} ops / "
+        "{deficiency_seconds:.4f} s  behind {behind_seconds:.3f} s  "
+        "starved {starved_seconds:.3f} s  grants {grants}",
+        note="",
+        counted="grants",
+        adapts="the rate",
+        hidden={"processes"},
+        fills=True,
+    ),
+    "keyed": dict(
+        label="keyed",
+        rate=RATE,
+        capacity="{capacity:g}",
+        level="{keys}/{slots} keys",
+        title=f"keyed: rate {RATE} capacity {{capacity:g}} per key",
+        counters=_KEYS + "overrides {overrides}/{override_slots}  grants {grants}",
+        note="  keyed",
+        counted="grants",
+        adapts="each key's rate",
+        hidden={"processes"},
+        fills=False,
+    ),
+    "windows": dict(
+        label="shm://",
+        rate="windows",
+        capacity="-",
+        level="{keys}/{slots} keys",
+        title="windows: a limits storage (shm://{name}), the limits are its users'",
+        counters=_KEYS + "hits {grants}",
+        note="  limits storage (grants: hits)",
+        counted="hits",
+        adapts="each key's rate",
+        hidden={"processes", "rate", "per", "capacity", "overrides", "override_slots"},
+        fills=False,
+    ),
+}
+
+
+def kind_of(r: dict) -> Dict[str, Any]:
+    """How the tools show the record ``r`` (``KINDS``)."""
+    return KINDS[r.get("kind") or "plain"]
+
+
+def show(r: dict, field: str) -> str:
+    """The text of ``field``, one of the templates of ``KINDS``, for the record ``r``."""
+    return kind_of(r)[field].format_map(r)
 
 
 def sparkline(values: Sequence[float]) -> str:
@@ -187,12 +250,6 @@ def _activity(r: dict) -> Tuple[int, float, int, str]:
     return (0, -(r.get("grants_per_second") or 0.0), -r.get("grants", 0), r["name"])
 
 
-def _rate_of(r: dict) -> str:
-    if r.get("kind") == "windows":
-        return "(limits)"
-    return rate_text(r["rate"], r["per"])
-
-
 def _per_second(gps: Optional[float]) -> str:
     """Grants per second over the last interval ('-' before the second snapshot)."""
     return "-" if gps is None else f"{gps:,.1f}"
@@ -225,7 +282,6 @@ def table(
     title = (
         f"shmlimit top {time.strftime('%H:%M:%S')}, every {interval:g} s: {len(records)} limiter(s)"
     )
-    kinds = {"keyed": "keyed", "windows": "shm://"}
     fixed = 7 + 13 + 11 + 6 + 14  # kind, rate, grants/s, procs and state, with their spaces
     name_w = max(12, (width or 80) - fixed - 1 - 8)  # 8 columns of history when room allows
     spark_w = max(0, (width or 80) - fixed - 1 - name_w)
@@ -241,7 +297,7 @@ def table(
             continue
         alive = sum(p["alive"] for p in r["processes"])
         lines.append(
-            f"{name:{name_w}} {kinds.get(r.get('kind', ''), 'plain'):6} {_rate_of(r)[:12]:>12} "
+            f"{name:{name_w}} {kind_of(r)['label']:6} {show(r, 'rate')[:12]:>12} "
             f"{_per_second(r['grants_per_second']):>10} {alive:>5} {_state_of(r)[:13]:13} "
             f"{sparkline(r['history'][-spark_w:]) if spark_w else ''}"
         )
@@ -273,26 +329,26 @@ def render(records: List[dict], interval: float) -> str:
         if "error" in r:
             lines += [f"{r['name']}: unreadable: {r['error']}", ""]
             continue
-        lines += _render_keyed(r) if "kind" in r else _render_plain(r)
-        lines += _process_lines(r)
+        lines += _detail(r)
     return "\n".join(printable(line) for line in lines) + "\n"
 
 
-def _render_plain(r: dict) -> List[str]:
-    """A ``Limiter``'s lines: its rate, its bucket, its filler, its upstream (hierarchical)."""
-    rate = rate_text(r["rate"], r["per"]) + (f" ratio {r['ratio']:g}" if r["ratio"] != 1.0 else "")
-    flags = " STOPPED" if r["stopped"] else ""
-    flags += " STALE (no live process)" if r["stale"] else ""
-    hb = "-" if r["heartbeat_age"] is None else f"{r['heartbeat_age'] * 1000:.0f} ms"
-    out = [
-        f"{r['name']}  rate {rate}  capacity {r['capacity']:g}{flags}",
-        f"  available {r['available']:.1f}  deficiency {r['deficiency']:.1f} ops / {r['deficiency_seconds']:.4f} s"
-        f"  behind {r['behind_seconds']:.3f} s  starved {r['starved_seconds']:.3f} s  grants {r['grants']}",
-        f"  grants/s {_per_second(r['grants_per_second'])}  {sparkline(r['history'])}"
-        f"  filler {r['filler_pid'] or '-'} (heartbeat {hb})",
-    ]
+def _detail(r: dict) -> List[str]:
+    """A limiter's lines, whatever its kind (``KINDS``): what it is, its counters, its rate of use,
+    then what it has (an adaptive rate, an upstream, its busiest keys or its fullest windows), then
+    its processes: each user's pid, command, liveness and count, and for a ``Limiter`` whether it
+    waits and which one fills."""
+    k = kind_of(r)
+    flags = (" STOPPED" if r.get("stopped") else "") + (
+        " STALE (no live process)" if r["stale"] else ""
+    )
+    use = f"  {k['counted']}/s {_per_second(r['grants_per_second'])}  {sparkline(r['history'])}"
+    if k["fills"]:
+        hb = "-" if r["heartbeat_age"] is None else f"{r['heartbeat_age'] * 1000:.0f} ms"
+        use += f"  filler {r['filler_pid'] or '-'} (heartbeat {hb})"
+    out = [f"{r['name']}  {show(r, 'title')}{flags}", "  " + show(r, "counters"), use]
     if r.get("adapt"):
-        out.append(adapt_line(r["adapt"], "the rate"))
+        out.append(adapt_line(r["adapt"], k["adapts"]))
     up = r.get("upstream")
     if up:
         out.append(
@@ -300,40 +356,12 @@ def _render_plain(r: dict) -> List[str]:
             f"  round trips {up['round_trips']}  leased {up['leased']}  expired {up['expired']}"
             f"  errors {up['errors']}  fallbacks {up['fallbacks']}"
         )
-    return out
-
-
-def _render_keyed(r: dict) -> List[str]:
-    """A keyed segment's lines, either value kind: what it is, its table, its rate of use, then
-    its busiest keys (a keyed limiter) or its fullest windows (a table of window counters, the
-    ``limits`` storage ``shm://``, which has no rate of its own)."""
-    windows = r["kind"] == "windows"
-    title, counts, per_second = (
-        (
-            f"windows: a limits storage (shm://{r['name']}), the limits are its users'",
-            f"hits {r['grants']}",
-            "hits/s",
-        )
-        if windows
-        else (
-            f"keyed: rate {rate_text(r['rate'], r['per'])} capacity {r['capacity']:g} per key",
-            f"overrides {r['overrides']}/{r['override_slots']}  grants {r['grants']}",
-            "grants/s",
-        )
-    )
-    out = [
-        f"{r['name']}  {title}{' STALE (no live process)' if r['stale'] else ''}",
-        f"  keys {r['keys']}/{r['slots']}  evicted {r['evicted']}  refused (table full) {r['refused_full']}  {counts}",
-        f"  {per_second} {_per_second(r['grants_per_second'])}  {sparkline(r['history'])}",
-    ]
-    if r.get("adapt"):
-        out.append(adapt_line(r["adapt"], "each key's rate"))
     if r.get("busiest"):
         out.append(f"  {'busiest keys':28} {'grants':>10}  {'limited for':>11}  rate")
-        for k in r["busiest"]:
+        for key in r["busiest"]:
             out.append(
-                f"  {printable(k['key'])[:28]:28} {k['grants']:>10}  {k['wait']:>9.3f} s  "
-                + ("default" if k["rate"] is None else rate_text(k["rate"], k["per"]))
+                f"  {printable(key['key'])[:28]:28} {key['grants']:>10}  {key['wait']:>9.3f} s  "
+                + ("default" if key["rate"] is None else RATE.format_map(key))
             )
     if r.get("windows"):
         out.append(f"  {'fullest windows':40} {'strategy':8} {'count':>8} {'previous':>8}  ends in")
@@ -342,7 +370,21 @@ def _render_keyed(r: dict) -> List[str]:
                 f"  {printable(w['key'])[:40]:40} {w['strategy']:8} {w['count']:>8} "
                 f"{w['previous'] if w['strategy'] == 'sliding' else '-':>8}  {w['ends_in']:.3f} s"
             )
-    return out
+    out.append(
+        f"  {'pid':>8} {'command':16} {'state':6} {k['counted']:>10}"
+        + ("  waiting" if k["fills"] else "")
+    )
+    for p in r["processes"]:
+        role = (
+            f"  {'yes' if p['waiting'] else 'no'}{' filler' if p['filler'] else ''}"
+            if k["fills"]
+            else ""
+        )
+        out.append(
+            f"  {p['pid']:>8} {p['command'][:16]:16} {'alive' if p['alive'] else 'DEAD':6} "
+            f"{p['grants']:>10}{role}"
+        )
+    return out + [""]
 
 
 def adapt_line(a: dict, what: str) -> str:
@@ -352,28 +394,6 @@ def adapt_line(a: dict, what: str) -> str:
         f"{a['window']:g} s  outcomes {a['throttled']} throttled, {a['ok']} ok  "
         f"cuts {a['cuts']}  raises {a['raises']}"
     )
-
-
-def _process_lines(r: dict) -> List[str]:
-    """A segment's process table: each user's pid, command, liveness and ops (a limits storage's:
-    hits), and for a ``Limiter`` whether it waits and which one fills."""
-    plain = "kind" not in r
-    counted = "hits" if r.get("kind") == "windows" else "grants"
-    out = [
-        f"  {'pid':>8} {'command':16} {'state':6} {counted:>10}" + ("  waiting" if plain else "")
-    ]
-    for p in r["processes"]:
-        role = (
-            f"  {'yes' if p['waiting'] else 'no'}{' filler' if p['filler'] else ''}"
-            if plain
-            else ""
-        )
-        out.append(
-            f"  {p['pid']:>8} {p['command'][:16]:16} {'alive' if p['alive'] else 'DEAD':6} "
-            f"{p['grants']:>10}{role}"
-        )
-    out.append("")
-    return out
 
 
 def run(

@@ -17,6 +17,7 @@ from dataclasses import dataclass
 from typing import List, Optional, Tuple
 
 from shmlimit.adapt import AdaptStats
+from shmlimit.config import Config
 from shmlimit.errors import SegmentError
 from shmlimit.group import copy_geometry
 from shmlimit.keyed import cells as KC
@@ -75,6 +76,10 @@ class KeyedStats:
     @property
     def bytes_per_key(self) -> float:
         return self.segment_bytes / self.slots
+
+    def describe(self) -> str:
+        """Its settings as ``Config.describe`` words them (each key's), and its key slots."""
+        return f"{Config(self.rate, self.per, self.capacity).describe()} keys={self.slots}"
 
 
 def snapshot_of(name: str, c: Cells, geo: Geometry, size: int) -> KeyedStats:
