@@ -3,20 +3,23 @@
 Additive increase, multiplicative decrease, decided once per window for every
 process at once.  Every process reports outcomes (``Limiter.feedback``, the
 HTTP transports on their own): one fetch-add on a counter of the segment.  The
-elected filler looks once per ``window`` (``step``): a window in which any
-outcome was throttled cuts the rate once (times ``decrease``), however many
-were; a window with outcomes, none throttled, in which callers took nearly
-all the schedule (``DEMAND`` of it: they queued for tokens) raises it by
-``increase``; anything else (an idle fleet, callers that never reach the
-rate, no outcome reported) keeps it.  The rate stays within ``[min_rate,
-max_rate]`` and is published as ``set_rate`` publishes it, so the window bound
-holds for the rate in force at each instant.
+reporter decides (``report``): the report that finds the window over (``window``
+seconds since it began) claims it by a CAS on its start and decides it before
+counting itself in the next, so a window is decided once however many processes
+report, and there is nothing to elect.  A window in which any outcome was
+throttled cuts the rate once (times ``decrease``), however many were; a window
+with outcomes, none throttled, in which callers took nearly all the schedule
+(``DEMAND`` of it: they queued for tokens) raises it by ``increase``; anything
+else (an idle fleet, callers that never reach the rate, no outcome reported)
+keeps it.  A window is decided at the first report after its end: a limiter
+nobody reports on is never decided, so never raised.  The rate stays within
+``[min_rate, max_rate]`` and is published as ``set_rate`` publishes it, so the
+window bound holds for the rate in force at each instant.
 
 ``decide`` is the controller itself, pure: the state and the window's counts
-in, the next state out, on whatever clock its caller reads.  The segment
-holds everything else (the parameters, the counters, the window's start and
-the counts then), so a filler that takes over continues the window where
-its predecessor left it.
+in, the next state out, on whatever clock its caller reads.  ``report`` claims
+and decides a window wherever its words live: a limiter's in its segment
+(``feedback``), a key's in its override entry (``keyed.adapt``).
 """
 
 from __future__ import annotations
@@ -25,11 +28,10 @@ import math
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Callable, Mapping, Optional, Sequence, Tuple, TypeVar
 
-from shmlimit.bucket.rovers import diff
 from shmlimit.config import MAX_OPS_PER_S, NS_PER_S, Config
 from shmlimit.errors import SegmentError
 from shmlimit.shm import layout as L
-from shmlimit.shm.words import MASK64
+from shmlimit.shm.words import diff
 
 if TYPE_CHECKING:  # pragma: no cover
     from shmlimit.bucket.rovers import Bucket
@@ -280,57 +282,81 @@ def read(cells: "Cells", params: Tuple[int, ...] = L.ADAPT_PARAMS) -> Optional[A
         ) from None
 
 
-def feedback(cells: "Cells", throttled: bool) -> None:
-    """Count one outcome in the segment: one fetch-add."""
-    cells.fetch_add(L.ADAPT_THROTTLED if throttled else L.ADAPT_OK, 1)
+def report(
+    c: "Cells",
+    adapt: Adapt,
+    clock: Callable[[], int],
+    words: Tuple[int, int, Tuple[int, ...]],
+    counts: Callable[[], Sequence[int]],
+    judge: Callable[[Sequence[int]], Optional[Tuple[float, Window]]],
+) -> Optional[float]:
+    """Decide the window if it is over, once for the fleet; the rate to publish when this caller
+    decided a change (None: nothing to publish).
 
-
-def step(bucket: "Bucket", now_ns: int) -> Optional[float]:
-    """The elected filler's look: decide if the window ended, publish a changed rate.
-
-    Seconds until it should look again; None when the limiter does not adapt.  The
-    window is claimed by a CAS on ``ADAPT_START``, so a window is decided once even by
-    two processes that both believe they are the filler.
+    ``words`` are the offsets of the window's start, the decisions word (cuts << 32 | raises) and
+    the marks: each count (``counts()``, read after the start) when the window began.  ``judge``
+    turns the counts since then (a count that went back: 0) into the rate in force and the
+    window's ``Window``, or None when nothing they say counts (a new window from now).  The window
+    is claimed by a CAS on its start: however many processes find it over, one decides it.
+    ``clock`` is read after the start: a monotonic clock never reads before a start another
+    process wrote.  A start of 0 (none yet) or after the clock's now (a clock behind it, an
+    injected one) begins one.
     """
+    start_off, decisions, marks = words
+    start = c.load(start_off)
+    now_ns = clock()
+    over = start != 0 and now_ns >= start
+    if over and now_ns - start < adapt.window * NS_PER_S:
+        return None
+    now = counts()
+    judged = judge([max(0, diff(n, c.load(m))) for n, m in zip(now, marks)]) if over else None
+    if not c.cas(start_off, start, now_ns):
+        return None  # another process decided this window
+    # (a decider that dies here leaves the old marks: the next window counts this one's outcomes
+    # too, at most one cut more; never a decision twice for one claimed window)
+    for m, n in zip(marks, now):
+        c.store(m, n)
+    if judged is None:
+        return None
+    new = decide(adapt, State(judged[0], start), judged[1], now_ns)
+    if new.verdict in (CUT, RAISE):
+        c.fetch_add(decisions, (1 << 32) if new.verdict == CUT else 1)
+    return None if new.rate == judged[0] else new.rate
+
+
+def feedback(bucket: "Bucket", throttled: bool, clock: Callable[[], int]) -> bool:
+    """Count one outcome in the limiter's segment (one fetch-add), first deciding its window if it
+    is over (``report``: from the outcomes and the tail's advance since the window began) and
+    publishing a changed rate as ``set_rate`` does.  False (nothing counted) when the limiter
+    does not adapt."""
     c = bucket.cells
     adapt = read(c)
     if adapt is None:
-        return None
+        return False
+    marks = (L.ADAPT_SEEN_THROTTLED, L.ADAPT_SEEN_OK, L.ADAPT_SEEN_TAIL)
+    rate = report(
+        c,
+        adapt,
+        clock,
+        (L.ADAPT_START, L.ADAPT_DECISIONS, marks),
+        lambda: [c.load(off) for off in (L.ADAPT_THROTTLED, L.ADAPT_OK, L.TAIL)],
+        lambda seen: _judge(bucket, seen),
+    )
+    if rate is not None:
+        bucket.publish(adapted(bucket.config, rate))  # type: ignore[arg-type]
+    c.fetch_add(L.ADAPT_THROTTLED if throttled else L.ADAPT_OK, 1)
+    return True
+
+
+def _judge(bucket: "Bucket", seen: Sequence[int]) -> Optional[Tuple[float, Window]]:
+    """A limiter's window: its outcomes and the schedule its tail advanced (None: the limiter is
+    stopped, nothing it saw says anything)."""
     bucket.refresh()
     cfg = bucket.config
-    start = c.load(L.ADAPT_START)
-    thr, ok, tail = c.load(L.ADAPT_THROTTLED), c.load(L.ADAPT_OK), c.load(L.TAIL)
-    if start == 0 or bucket.stopped or cfg is None or now_ns < start:
-        # the first look, a stopped limiter (nothing it sees says anything) or a clock behind the
-        # window's start (an injected one): a new window from now
-        if c.cas(L.ADAPT_START, start, now_ns):
-            _mark(c, thr, ok, tail)
-        return adapt.window
-    seen = Window(
-        (thr - c.load(L.ADAPT_SEEN_THROTTLED)) & MASK64,
-        (ok - c.load(L.ADAPT_SEEN_OK)) & MASK64,
-        max(0, diff(tail, c.load(L.ADAPT_SEEN_TAIL))) / bucket.tpn,
-    )
-    state = State(cfg.rate, start)
-    new = decide(adapt, state, seen, now_ns)
-    if new is state:
-        return (start - now_ns) / NS_PER_S + adapt.window
-    if not c.cas(L.ADAPT_START, start, now_ns):
-        return adapt.window  # another process decided this window
-    # (a decider that dies here leaves the old marks: the next window counts this one's outcomes
-    # too, at most one cut more; never a decision twice for one claimed window)
-    _mark(c, thr, ok, tail)
-    if new.verdict in (CUT, RAISE):
-        c.fetch_add(L.ADAPT_DECISIONS, (1 << 32) if new.verdict == CUT else 1)
-    if new.rate != cfg.rate:
-        bucket.publish(adapted(cfg, new.rate))
-    return adapt.window
-
-
-def _mark(c: "Cells", thr: int, ok: int, tail: int) -> None:
-    c.store(L.ADAPT_SEEN_THROTTLED, thr)
-    c.store(L.ADAPT_SEEN_OK, ok)
-    c.store(L.ADAPT_SEEN_TAIL, tail)
+    if bucket.stopped or cfg is None:
+        return None
+    throttled, ok, tail = seen
+    return cfg.rate, Window(throttled, ok, tail / bucket.tpn)
 
 
 def adapted(cfg: Config, rate: float) -> Config:

@@ -27,7 +27,6 @@ from shmlimit.acquire.sleep import SLACK_NS
 from shmlimit.adapt import describe as describe_adapt
 from shmlimit.adapt import expected
 from shmlimit.adapt import read as read_adapt
-from shmlimit.adapt import step as adapt_step
 from shmlimit.adapt import write as write_adapt
 from shmlimit.bucket.filler import FillerThread, Lease, takeover_ns
 from shmlimit.bucket.giveback import (
@@ -472,8 +471,7 @@ class Attachment(Attached):
                 self.lease,
                 self.name,
                 self._feed(),
-                chores=self._chores,
-                adapt=self._adapt,
+                self._chore,
             )
         self.update_fast()
 
@@ -496,14 +494,10 @@ class Attachment(Attached):
             keep_on_leave(self.cells, self.records, self.returns, self.closed)
         super()._unregister()
 
-    def _chores(self) -> Optional[float]:
+    def _chore(self) -> float:
         """What the elected filler does now and then: give back dead processes' tickets."""
         self.reap()
         return REAP_EVERY
-
-    def _adapt(self) -> Optional[float]:
-        """What the elected filler does once per window of an adaptive rate: decide (``adapt.step``)."""
-        return adapt_step(self.bucket, self.clock())
 
     def _feed(self) -> Any:
         if self.feed_spec is None:

@@ -390,16 +390,16 @@ class Limiter(RatesSwitch, AcquireOnEnter, Handle):
         """Report one outcome of an op to an adaptive limiter (``adapt=``), for every process.
 
         ``throttled=True``: the upstream refused it for its rate (an HTTP 429 or 503); False:
-        it answered.  One atomic add in the segment; the elected filler decides once per window.
+        it answered.  One atomic add in the segment; the report that finds the window over
+        decides it, once for every process (``shmlimit.adapt``).
         """
         if not isinstance(throttled, bool):
             raise TypeError(f"throttled must be True or False, got {throttled!r}")
         att = self._peek()
-        if att.cells.load(L.ADAPT_MAX) == 0:
+        if not adapt_feedback(att.bucket, throttled, att.clock):
             raise ValueError(
                 f"feedback() needs a limiter created with adapt=; {self._name!r} does not adapt"
             )
-        adapt_feedback(att.cells, throttled)
 
     @property
     def adaptive(self) -> bool:

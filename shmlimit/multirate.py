@@ -534,14 +534,15 @@ class MultiLimiter(RateGroup, AcquireOnEnter):
         ``throttled=True``: the upstream refused it for its rate (an HTTP 429 or 503); False: it
         answered.  The outcome goes to every rate that adapts, or with ``which`` (a rate's name
         or index, or a list of them) to those only: when the upstream tells which of its limits
-        refused.  One atomic add per rate; each rate's elected filler decides once per window.
+        refused.  One atomic add per rate; in each, the report that finds the window over decides
+        it, once for every process.
         """
         if not isinstance(throttled, bool):
             raise TypeError(f"throttled must be True or False, got {throttled!r}")
         atts = self._peek()
         chosen = self._told(which, [i for i, a in enumerate(atts) if a.cells.load(L.ADAPT_MAX)])
         for i in chosen:
-            adapt_feedback(atts[i].cells, throttled)
+            adapt_feedback(atts[i].bucket, throttled, atts[i].clock)
 
     @property
     def adaptive(self) -> bool:

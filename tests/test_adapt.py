@@ -1,20 +1,19 @@
-"""The adaptive rate: the controller's rules on a fake clock, its words in the segment, failover.
+"""The adaptive rate: the controller's rules on a fake clock, its words in the segment, the
+reporter deciding.
 
-``decide`` is pure: each rule is checked on its own.  ``step`` reads and writes only the
-segment, so a process that takes over (here a real other process, on the same fake instants)
-continues the window its predecessor began.  Run on both backends (``SHMLIMIT_BACKEND``).
+``decide`` is pure: each rule is checked on its own.  ``feedback`` decides a window it finds over
+from the segment alone (a CAS on the window's start), so any process (here real other processes,
+on the same fake instants) decides a window another began, and many reporting at once decide it
+once.  Run on both backends (``SHMLIMIT_BACKEND``).
 """
 
 import json
-import signal
 import subprocess
 import sys
 import textwrap
-import time
 
 import pytest
 from support.clock import FakeClock
-from support.procs import start_idle, wait_for
 
 import shmlimit
 from shmlimit import adapt as A
@@ -139,7 +138,8 @@ def test_the_rate_stays_within_the_bounds():
 
 
 def test_busy_is_measured_against_the_window_actually_elapsed():
-    """A late look (the filler was away) judges the whole elapsed time, not one window."""
+    """A late decision (no report came at the window's end) judges the whole elapsed time, not
+    one window."""
     s = A.State(1000.0, 0)
     late = 2 * S
     assert A.decide(ADAPT, s, window(ok=5, busy=0.95), late).verdict == A.HOLD  # 0.24 s of 2 s
@@ -180,42 +180,68 @@ def test_a_window_is_cut_once_and_published_for_every_process(name, cleanup):
     clock = FakeClock()
     lim = _lim(name, clock)
     cleanup.append(lim)
-    b = lim._peek().bucket
-    t0 = clock.now
-    assert A.step(b, t0) == ADAPT.window  # the first look starts the first window
+    c = lim._peek().cells
     for _ in range(7):
-        lim.feedback(throttled=True)
+        lim.feedback(throttled=True)  # the first report begins the first window, then counts
+    assert c.load(L.ADAPT_START) == clock.now
     clock.advance(int(0.1 * S))
-    assert A.step(b, clock.now) == pytest.approx(0.15)  # mid-window: nothing decided
+    lim.feedback(throttled=False)  # mid-window: nothing decided
     assert lim.rate == 1000.0
     clock.advance(int(0.15 * S))
-    A.step(b, clock.now)
-    A.step(b, clock.now)  # the window is decided: a second look decides nothing more
+    lim.feedback(throttled=False)  # the first report after the window's end decides it ...
+    lim.feedback(throttled=True)  # ... and a second at that instant decides nothing more
     assert lim.rate == 800.0 and lim.capacity == 8.0  # the capacity follows the rate
     st = lim.stats().adapt
-    assert (st.cuts, st.raises) == (1, 0)
+    assert (st.cuts, st.raises, st.throttled, st.ok) == (1, 0, 8, 2)
+    assert c.load(L.ADAPT_START) == clock.now
+
+
+def test_the_report_that_decides_counts_in_the_next_window(name, cleanup):
+    clock = FakeClock()
+    lim = _lim(name, clock)
+    cleanup.append(lim)
+    lim.feedback(throttled=False)
     clock.advance(int(0.25 * S))
-    A.step(b, clock.now)  # a window without outcomes: the rate holds
-    assert lim.rate == 800.0
+    lim.feedback(throttled=True)  # decides a clean window (idle: it holds), then counts
+    assert lim.rate == 1000.0
+    clock.advance(int(0.25 * S))
+    lim.feedback(throttled=False)  # the window it was counted in is cut
+    assert lim.rate == 800.0 and lim.stats().adapt.cuts == 1
+
+
+def test_no_report_no_decision(name, cleanup):
+    """A window is decided by a report: while none comes, nothing is decided, however busy the
+    callers and however many windows pass; the next report decides once, over the whole time."""
+    clock = FakeClock()
+    lim = _lim(name, clock, initial=0)
+    cleanup.append(lim)
+    c = lim._peek().cells
+    for _ in range(1000):  # callers take the whole schedule for 1 s, nobody reports: no window
+        clock.advance(10**6)
+        lim.try_acquire()
+    assert c.load(L.ADAPT_START) == 0 and lim.rate == 1000.0
+    lim.feedback(throttled=True)  # begins a window
+    clock.advance(10 * S)  # ten windows' time, no report
+    assert lim.rate == 1000.0 and lim.stats().adapt.cuts == 0
+    lim.feedback(throttled=False)  # one cut for the whole silence
+    lim.feedback(throttled=False)
+    assert lim.rate == 800.0 and lim.stats().adapt.cuts == 1
 
 
 def test_a_busy_clean_window_raises_and_an_idle_one_does_not(name, cleanup):
     clock = FakeClock()
     lim = _lim(name, clock, initial=0)
     cleanup.append(lim)
-    b = lim._peek().bucket
-    A.step(b, clock.now)
     # idle: outcomes reported, nobody took tokens
     lim.feedback(throttled=False)
     clock.advance(int(0.25 * S))
-    A.step(b, clock.now)
+    lim.feedback(throttled=False)  # decides the idle window: it holds
     assert lim.rate == 1000.0
     # busy: an op tried every ms at 1000/s takes the whole schedule
     for _ in range(250):
         clock.advance(10**6)
         lim.try_acquire()
     lim.feedback(throttled=False)
-    A.step(b, clock.now)
     assert lim.rate == 1020.0
     assert lim.stats().adapt.raises == 1
 
@@ -277,46 +303,59 @@ def test_hostile_parameters_are_refused(name, cleanup):
     with pytest.raises(shmlimit.SegmentError, match="adaptive rate's parameters are not valid"):
         shmlimit.inspect(name)
     with pytest.raises(shmlimit.SegmentError):
-        A.step(lim._peek().bucket, clock.now)
-    assert lim.rate == 1000.0
+        lim.feedback(throttled=True)
+    assert lim.rate == 1000.0 and c.load(L.ADAPT_THROTTLED) == 0
 
 
-SUCCESSOR = """
+REPORTER = """
 import sys
 import shmlimit
-from shmlimit import adapt
 name, now = sys.argv[1], int(sys.argv[2])
-lim = shmlimit.Limiter(name, clock=lambda: now)  # attached by name: no filler thread runs
-adapt.step(lim._peek().bucket, now)
+lim = shmlimit.Limiter(name, clock=lambda: now)  # attached by name, at one fake instant
+sys.stdin.readline()  # every reporter is ready: go
+for _ in range(int(sys.argv[3])):
+    lim.feedback(throttled=False)
 print(lim.rate)
 """
 
 
-def test_a_successor_continues_the_window_its_predecessor_began(name, cleanup):
-    """The filler that began the window stops mid-window; another process's filler decides it from
-    the segment alone (the window's start and its counts), once."""
+def _reporters(name, now, count, reports):
+    """``count`` processes, each reporting ``reports`` outcomes at the instant ``now``, all at once
+    (each waits for a line on its stdin); their rates after."""
+    procs = [
+        subprocess.Popen(
+            [sys.executable, "-c", REPORTER, name, str(now), str(reports)],
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            text=True,
+        )
+        for _ in range(count)
+    ]
+    for p in procs:
+        p.stdin.write("go\n")
+        p.stdin.flush()
+    rates = [float(p.communicate(timeout=60)[0]) for p in procs]
+    assert [p.returncode for p in procs] == [0] * count
+    return rates
+
+
+def test_many_processes_reporting_at_a_windows_end_decide_it_once(name, cleanup):
+    """This process begins the window and is then silent; four others report 200 outcomes each,
+    all at once, at an instant after its end: the window is decided exactly once, from the segment
+    alone (its start and the counts then), and every process sees the rate decided."""
     clock = FakeClock()
     lim = _lim(name, clock)
     cleanup.append(lim)
-    b = lim._peek().bucket
-    A.step(b, clock.now)  # this process's filler begins the window ...
+    lim.feedback(throttled=True)  # begins the window ...
     clock.advance(int(0.1 * S))
-    lim.feedback(throttled=True)
-    A.step(b, clock.now)  # ... looks once mid-window, and is gone
+    lim.feedback(throttled=True)  # ... reports once mid-window, and is silent from now on
     later = clock.now + int(0.2 * S)
-
-    def successor(now):
-        out = subprocess.run(
-            [sys.executable, "-c", SUCCESSOR, name, str(now)],
-            check=True,
-            capture_output=True,
-            text=True,
-        )
-        return float(out.stdout)
-
-    assert successor(later) == 800.0
-    assert successor(later) == 800.0  # decided once: another look at that instant cuts nothing
-    assert lim.rate == 800.0 and lim.stats().adapt.cuts == 1
+    assert _reporters(name, later, 4, 200) == [800.0] * 4
+    st = lim.stats().adapt
+    assert (st.cuts, st.raises, st.throttled, st.ok) == (1, 0, 2, 800)
+    assert lim.rate == 800.0 and lim._peek().cells.load(L.ADAPT_START) == later
+    assert _reporters(name, later, 2, 10) == [800.0] * 2  # the new window is not over: no more
+    assert lim.stats().adapt.cuts == 1
 
 
 def test_top_and_metrics_show_the_rate_in_force(name, cleanup):
@@ -325,11 +364,9 @@ def test_top_and_metrics_show_the_rate_in_force(name, cleanup):
     clock = FakeClock()
     lim = _lim(name, clock)
     cleanup.append(lim)
-    b = lim._peek().bucket
-    A.step(b, clock.now)
     lim.feedback(throttled=True)
     clock.advance(int(0.25 * S))
-    A.step(b, clock.now)  # cut: 800
+    lim.feedback(throttled=False)  # cut: 800
     r = cli("top", name, "--once", "--json", "--interval", "0.1")
     [rec] = json.loads(r.stdout)["limiters"]
     assert rec["rate"] == 800.0
@@ -349,7 +386,6 @@ def test_grants_stay_within_the_rate_in_force_while_it_adapts(name, cleanup):
     cleanup.append(lim)
     att = lim._peek()
     b, c = att.bucket, att.cells
-    A.step(b, clock.now)
     grants, caps, rates = [], set(), set()
     for k in range(4000):
         clock.advance(500_000)
@@ -359,7 +395,6 @@ def test_grants_stay_within_the_rate_in_force_while_it_adapts(name, cleanup):
                 break
             grants.append((clock.now, diff(c.load(L.TAIL), before)))
         lim.feedback(throttled=(k // 300) % 2 == 1)  # 150 ms throttled, 150 ms not, in turn
-        A.step(b, clock.now)
         b.refresh()
         caps.add(b.cap)
         rates.add(b.config.rate)
@@ -374,31 +409,46 @@ def test_grants_stay_within_the_rate_in_force_while_it_adapts(name, cleanup):
     assert worst <= max(caps), (worst, max(caps))
 
 
-@pytest.mark.slow
-def test_a_killed_fillers_window_is_decided_by_its_successor(name, cleanup):
-    """Real processes on the real clock: the filler that began a window is killed mid-window; the
-    process that takes its lease decides that window from the segment, once."""
-    slow = shmlimit.Adapt(min_rate=10, max_rate=2000, window=2.0)
-    lim = shmlimit.Limiter(name, rate=1000, adapt=slow)  # registered, never used: no filler here
-    cleanup.append(lim)
-    cells = lim._peek().cells
-    first = start_idle(name)
-    wait_for(lambda: shmlimit.inspect(name).filler_pid == first.pid)
-    start = wait_for(lambda: cells.load(L.ADAPT_START))
+HAMMER = """
+import sys, time
+import shmlimit
+lim = shmlimit.Limiter(sys.argv[1])  # attached by name, on the real clock
+sys.stdin.readline()  # every reporter is ready: go
+end, n = time.monotonic_ns() + int(float(sys.argv[2]) * 1e9), 0
+while time.monotonic_ns() < end:
     lim.feedback(throttled=True)
-    first.send_signal(signal.SIGKILL)
-    first.wait()
-    assert time.monotonic_ns() < start + 2 * 10**9  # it died mid-window, before deciding it
-    assert lim.stats().adapt.cuts == 0
-    second = start_idle(name)
-    try:
-        wait_for(lambda: shmlimit.inspect(name).filler_pid == second.pid)
-        wait_for(lambda: lim.stats().adapt.cuts == 1, timeout=10)
-        assert cells.load(L.ADAPT_START) != start and lim.rate == 800.0
-        later = cells.load(L.ADAPT_START)
-        wait_for(lambda: cells.load(L.ADAPT_START) != later, timeout=10)  # one window more
-        assert lim.stats().adapt.cuts == 1 and lim.rate == 800.0  # nothing new: no second cut
-    finally:
-        second.stdin.write("\n")
-        second.stdin.flush()
-        second.wait(timeout=30)
+    n += 1
+print(n)
+"""
+
+
+@pytest.mark.slow
+def test_reporters_on_the_real_clock_decide_each_window_once(name, cleanup):
+    """Four processes report as fast as they can for 2 s, in windows of 20 ms: each window's end
+    is found over by several of them at once.  A window starts where the last one was decided, a
+    window or more after its start, so one decision per window makes at most (last start - first
+    start) / window of them; a window decided twice would be counted twice."""
+    fast = shmlimit.Adapt(min_rate=1, max_rate=2000, window=0.02)
+    lim = shmlimit.Limiter(name, rate=1000, adapt=fast)
+    cleanup.append(lim)
+    c = lim._peek().cells
+    lim.feedback(throttled=True)  # begins the first window
+    first = c.load(L.ADAPT_START)
+    procs = [
+        subprocess.Popen(
+            [sys.executable, "-c", HAMMER, name, "2"],
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            text=True,
+        )
+        for _ in range(4)
+    ]
+    for p in procs:
+        p.stdin.write("go\n")
+        p.stdin.flush()
+    reports = [int(p.communicate(timeout=60)[0]) for p in procs]
+    st = lim.stats().adapt
+    assert st.throttled == 1 + sum(reports)
+    windows = (c.load(L.ADAPT_START) - first) // int(fast.window * S)
+    assert 10 <= st.cuts <= windows, (st.cuts, windows, reports)
+    assert lim.rate == 1.0  # cut to the floor, and no further

@@ -1,9 +1,9 @@
 """Adaptive rates of a limiter of several rates: each rate adapts on its own, within its bounds.
 
 ``Limiter(name, rates={...}, adapt={name: Adapt(...)})``: every rate's region holds its own
-adaptive words, so each rate's filler decides its rate from the outcomes reported to it, once per
-window.  Decisions are driven by ``adapt.step`` on each rate's bucket at fake instants.  Run on
-both backends (``SHMLIMIT_BACKEND``).
+adaptive words, so each rate is decided from the outcomes reported to it, once per window, by the
+first report to it after the window's end.  Reports are made at fake instants.  Run on both
+backends (``SHMLIMIT_BACKEND``).
 """
 
 import json
@@ -16,7 +16,6 @@ from support.clock import FakeClock
 from support.procs import run_cli
 
 import shmlimit
-from shmlimit import adapt as A
 
 S = 10**9
 REQ = shmlimit.Adapt(min_rate=10, max_rate=200, increase=10)
@@ -27,11 +26,6 @@ RATES = {"requests": 100, "tokens": 1000, "hourly": "1M/h"}
 def _lim(name, clock, adapt=None, **kw):
     adapt = {"requests": REQ, "tokens": TOK} if adapt is None else adapt
     return shmlimit.Limiter(name, rates=RATES, adapt=adapt, clock=clock, **kw)
-
-
-def _step_all(lim, now):
-    for att in lim._peek():
-        A.step(att.bucket, now)
 
 
 def _rates(lim):
@@ -74,27 +68,25 @@ def test_every_adapting_rate_cuts_once_per_window_the_others_keep_theirs(name, c
     lim = _lim(name, clock)
     cleanup.append(lim)
     assert lim.adaptive
-    _step_all(lim, clock.now)
     for _ in range(30):
-        lim.feedback(throttled=True)  # every rate that adapts is told
+        lim.feedback(throttled=True)  # every rate that adapts is told (the first begins windows)
     clock.advance(int(0.25 * S))
-    _step_all(lim, clock.now)
-    _step_all(lim, clock.now)  # decided: a second look cuts nothing more
+    lim.feedback(throttled=False)  # decides each rate's window
+    lim.feedback(throttled=True)  # decided: a second report cuts nothing more
     assert _rates(lim) == {"requests": 80.0, "tokens": 800.0, "hourly": 1000000.0}
     st = lim.stats()
     assert (st["requests"].adapt.cuts, st["tokens"].adapt.cuts) == (1, 1)
-    assert st["requests"].adapt.throttled == 30 and st["hourly"].adapt is None
+    assert st["requests"].adapt.throttled == 31 and st["hourly"].adapt is None
 
 
 def test_which_reports_to_the_rates_named_only(name, cleanup):
     clock = FakeClock()
     lim = _lim(name, clock)
     cleanup.append(lim)
-    _step_all(lim, clock.now)
     lim.feedback(throttled=True, which="tokens")
     lim.feedback(throttled=False, which=["requests", 1])
     clock.advance(int(0.25 * S))
-    _step_all(lim, clock.now)
+    lim.feedback(throttled=False)  # decides both
     assert _rates(lim) == {"requests": 100.0, "tokens": 800.0, "hourly": 1000000.0}
     with pytest.raises(ValueError, match=r"which must name rates that adapt \(requests, tokens\)"):
         lim.feedback(throttled=True, which="hourly")
@@ -106,20 +98,18 @@ def test_which_reports_to_the_rates_named_only(name, cleanup):
 def test_only_the_binding_rate_raises(name, cleanup):
     """Callers queue on requests (100/s) and take a tenth of tokens' schedule (1000/s): a clean
     window raises requests, and holds tokens (it does not bind them).  The window is 5 s of the
-    fake clock: the fillers started by the first op sleep that long in real time, so only this
-    test's look decides it."""
+    fake clock: the reports that begin and end it decide nothing else."""
     clock = FakeClock()
     slow = {"requests": REQ, "tokens": TOK}
     slow = {k: shmlimit.Adapt(a.min_rate, a.max_rate, increase=a.increase, window=5.0)
             for k, a in slow.items()}  # fmt: skip
     lim = _lim(name, clock, adapt=slow)
     cleanup.append(lim)
-    _step_all(lim, clock.now)
     lim.feedback(throttled=False)
     for _ in range(5000):
         clock.advance(10**6)
         lim.try_acquire()
-    _step_all(lim, clock.now)
+    lim.feedback(throttled=False)
     assert _rates(lim) == {"requests": 110.0, "tokens": 1000.0, "hourly": 1000000.0}
     st = lim.stats()
     assert (st["requests"].adapt.raises, st["tokens"].adapt.raises) == (1, 0)
@@ -129,11 +119,9 @@ def test_an_idle_fleet_raises_no_rate(name, cleanup):
     clock = FakeClock()
     lim = _lim(name, clock)
     cleanup.append(lim)
-    _step_all(lim, clock.now)
     for _ in range(40):
         lim.feedback(throttled=False)  # answers, but nobody queues for tokens
         clock.advance(int(0.25 * S))
-        _step_all(lim, clock.now)
     assert _rates(lim) == {"requests": 100.0, "tokens": 1000.0, "hourly": 1000000.0}
 
 
@@ -141,11 +129,9 @@ def test_each_rate_stays_within_its_own_bounds(name, cleanup):
     clock = FakeClock()
     lim = _lim(name, clock)
     cleanup.append(lim)
-    _step_all(lim, clock.now)
     for _ in range(40):
-        lim.feedback(throttled=True)
+        lim.feedback(throttled=True)  # each decides the window before it: 39 cuts
         clock.advance(int(0.25 * S))
-        _step_all(lim, clock.now)
     assert _rates(lim) == {"requests": 10.0, "tokens": 100.0, "hourly": 1000000.0}
     lim.set_rate("requests", 200)
     with pytest.raises(ValueError, match="from 10 to 200"):
@@ -154,12 +140,12 @@ def test_each_rate_stays_within_its_own_bounds(name, cleanup):
 
 
 def test_outcomes_of_other_processes_count(name, cleanup):
-    """Another process reports through its own handle (attached by name); this process's look
-    decides from the counts in the segment."""
+    """Another process reports through its own handle (the same creating call, re-made, on the
+    real clock: behind this process's fake one), beginning each rate's window; this process's
+    report, a window later, decides from the counts in the segment."""
     clock = FakeClock()
     lim = _lim(name, clock)
     cleanup.append(lim)
-    _step_all(lim, clock.now)
     code = (
         "import pickle, sys\n"
         "lim = pickle.loads(sys.stdin.buffer.read())\n"  # the same creating call, re-made
@@ -168,11 +154,12 @@ def test_outcomes_of_other_processes_count(name, cleanup):
     )
     subprocess.run([sys.executable, "-c", code], input=pickle.dumps(lim), check=True)
     clock.advance(int(0.25 * S))
-    _step_all(lim, clock.now)
+    lim.feedback(throttled=False, which="requests")
+    lim.feedback(throttled=False, which="tokens")
     assert _rates(lim) == {"requests": 80.0, "tokens": 1000.0, "hourly": 1000000.0}
     st = lim.stats()
-    assert (st["requests"].adapt.throttled, st["requests"].adapt.ok) == (1, 1)
-    assert (st["tokens"].adapt.throttled, st["tokens"].adapt.ok) == (0, 1)
+    assert (st["requests"].adapt.throttled, st["requests"].adapt.ok) == (1, 2)
+    assert (st["tokens"].adapt.throttled, st["tokens"].adapt.ok) == (0, 2)
 
 
 def test_the_same_creating_call_starts_from_the_learned_rates(name, cleanup):
@@ -199,10 +186,9 @@ def test_inspect_top_and_metrics_show_each_rate_in_force(name, cleanup):
     clock = FakeClock()
     lim = _lim(name, clock)
     cleanup.append(lim)
-    _step_all(lim, clock.now)
     lim.feedback(throttled=True, which="tokens")
     clock.advance(int(0.25 * S))
-    _step_all(lim, clock.now)
+    lim.feedback(throttled=False, which="tokens")
     assert shmlimit.inspect(name)["tokens"].rate == 800.0
     r = run_cli("top", name, "--once", "--json", "--interval", "0.1")
     recs = {rec["name"]: rec for rec in json.loads(r.stdout)["limiters"]}

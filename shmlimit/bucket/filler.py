@@ -47,7 +47,7 @@ MAX_FILL_PERIOD = 0.020
 LOSS_SLACK = 1 / 8
 #: A pace kept natively (``ClockFeed.span``) runs without returning to Python about this long
 #: (seconds; at most one pace more, its last sleep being a whole one): the filler thread's loop,
-#: chores and stop requests come back at least that often.
+#: chore and stop requests come back at least that often.
 SPAN_MAX = 0.1
 #: Watchers look at the lease this often (seconds).  They need not hurry: a waiter that finds
 #: the filler late replenishes for itself and nudges its own process's watcher (``nudge``).
@@ -386,9 +386,8 @@ class FillerThread(threading.Thread):
         bucket: "Bucket",
         lease: Lease,
         name: str,
-        feed: Optional[FeedFactory] = None,
-        chores: Optional[Callable[[], Optional[float]]] = None,
-        adapt: Optional[Callable[[], Optional[float]]] = None,
+        feed: Optional[FeedFactory],
+        chore: Callable[[], float],
     ) -> None:
         super().__init__(name=f"shmlimit-filler-{name}", daemon=True)
         self.bucket = bucket
@@ -400,12 +399,9 @@ class FillerThread(threading.Thread):
         self._stopping = False
         self._wake = _Wake()
         self.fills = 0
-        #: run by the elected filler now and then, each on its own schedule: giving back dead
-        #: processes' tickets; the adaptive rate's decision (``adapt.step``).  Each answers the
-        #: seconds until it wants to run again (None: a second)
-        self.chores: Tuple[Callable[[], Optional[float]], ...] = tuple(
-            f for f in (chores, adapt) if f is not None
-        )
+        #: run by the elected filler now and then (giving back dead processes' tickets); it
+        #: answers the seconds until it wants to run again
+        self.chore = chore
 
     def set_feed(self, feed: FeedFactory) -> None:
         """Give a watcher the feed it may run once elected (the first one given stays)."""
@@ -464,7 +460,7 @@ class FillerThread(threading.Thread):
         lease = self.lease
         bucket = self.bucket
         last_renew = 0.0
-        chores_at = [0.0] * len(self.chores)
+        chore_at = 0.0
         try:
             while not self._stopping:
                 if not lease.held:
@@ -488,13 +484,11 @@ class FillerThread(threading.Thread):
                     self.feed = self.make_feed(bucket, lease)  # type: ignore[misc]
                 nap = self.feed.tick()
                 self.fills += 1
-                for i, chore in enumerate(self.chores):
-                    if now >= chores_at[i]:
-                        try:
-                            wait = chore()
-                            chores_at[i] = now + (1.0 if wait is None else wait)
-                        except Exception:  # pragma: no cover - a chore never stops the filling
-                            chores_at[i] = now + 1.0
+                if now >= chore_at:
+                    try:
+                        chore_at = now + self.chore()
+                    except Exception:  # pragma: no cover - a chore never stops the filling
+                        chore_at = now + 1.0
                 if bucket.upstream:
                     # the nap, and the wakes for a delivery alone after it, natively where it can
                     # (not once stopped: a stop before the feed was made interrupted nothing)
@@ -514,7 +508,7 @@ class FillerThread(threading.Thread):
                         self.fills += 1
                         last_renew = self._nap_renewing(nap, last_renew)
                 elif isinstance(self.feed, ClockFeed) and not self._stopping:
-                    until = min([now + SPAN_MAX, *chores_at])
+                    until = min(now + SPAN_MAX, chore_at)
                     ticks, last_renew = self.feed.span(nap, until, lease, last_renew)
                     self.fills += ticks
                 else:

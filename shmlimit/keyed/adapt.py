@@ -1,17 +1,17 @@
 """Each key adapts on its own: a ``KeyedLimiter``'s adaptive rate, per key (a crawler's hosts).
 
-The controller is a Limiter's (``adapt.decide``: additive increase, multiplicative decrease,
-within ``[min_rate, max_rate]``); what is per key is where its state lives and who decides.
+The controller and who decides are a Limiter's (``adapt.decide``: additive increase,
+multiplicative decrease, within ``[min_rate, max_rate]``; ``adapt.report``: the reporter that finds
+a window over claims and decides it); what is per key is where its state lives.
 
 * **Where.**  A key's rate is its override (``set_rate(key=)``'s entry), and its window lives in
   the entry's spare words (``layout.A_*``): the outcomes reported for the key by every process
   (one fetch-add), the window's start, and the outcomes and the key's grants then.  A key gets
   its entry, at the default rate, on its first outcome; the default rate is where every key
   starts and does not adapt itself.
-* **Who.**  The reporter: an outcome that finds its key's window over claims it by a CAS on its
-  start and decides it before counting itself in the next, so a window is decided once however
-  many processes report, and there is nothing to elect.  A key nobody reports on is never
-  decided: an idle key is never raised, and no process walks the keys.
+* **Who.**  The reporter, as for a Limiter: a window is decided once however many processes
+  report on the key, and there is nothing to elect.  A key nobody reports on is never decided:
+  an idle key is never raised, and no process walks the keys.
 * **Busy.**  As a Limiter's, a clean window raises a key only if its callers took ``DEMAND`` of
   the window's schedule: the key's grants (its slot's count) times its emission interval.  A
   key whose slot was given up meanwhile counts as idle (no raise).
@@ -22,15 +22,15 @@ holds for the rate in force at each instant.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any, Optional, Tuple
+from typing import TYPE_CHECKING, Any, Callable, Optional, Sequence, Tuple
 
-from shmlimit.adapt import CUT, RAISE, Adapt, AdaptStats, State, Window, decide
+from shmlimit.adapt import Adapt, AdaptStats, Window
 from shmlimit.adapt import read as read_params
+from shmlimit.adapt import report as report_window
 from shmlimit.adapt import stats as fleet_stats
 from shmlimit.config import NS_PER_S
 from shmlimit.keyed import layout as K
 from shmlimit.keyed.gcra import Rate, make_rate, read_default
-from shmlimit.shm.words import MASK64
 
 if TYPE_CHECKING:  # pragma: no cover
     from shmlimit.shm.cells import Cells
@@ -39,7 +39,7 @@ if TYPE_CHECKING:  # pragma: no cover
 #: ``reference()`` (the table's Python composite).
 Attachment = Any
 
-_OK_BITS = 32  #: A_OUT: throttled outcomes above these bits, ok ones below (a window's < 2**32)
+_OK_BITS = 32  #: A_OUT: throttled outcomes above these bits, ok ones below (a window's < 2**31)
 
 
 def read(c: "Cells") -> Optional[Adapt]:
@@ -86,10 +86,12 @@ def check_rate(adapt: Adapt, cur: Rate, new: Rate) -> None:
     check(adapt, new)
 
 
-def report(att: Attachment, adapt: Adapt, d: Tuple[int, int], throttled: bool, now: int) -> bool:
-    """Count one outcome for the key of digest ``d`` at ``now`` (ns), first deciding its window if
-    it is over.  False (nothing counted) when the key has no override entry and none is free near
-    it: it keeps the rate it has."""
+def report(
+    att: Attachment, adapt: Adapt, d: Tuple[int, int], throttled: bool, clock: Callable[[], int]
+) -> bool:
+    """Count one outcome for the key of digest ``d``, first deciding its window if it is over (on
+    ``clock``: CLOCK_MONOTONIC ns, or an injected one).  False (nothing counted) when the key has
+    no override entry and none is free near it: it keeps the rate it has."""
     e = _entry(att, d)
     if e is None:
         return False
@@ -100,7 +102,17 @@ def report(att: Attachment, adapt: Adapt, d: Tuple[int, int], throttled: bool, n
         # words between the CAS and this store decides at most one window from the old ones,
         # within the bounds)
         c.store(e + K.A_START, 0)
-    _step(att, adapt, d, e, now)
+    marks = (e + K.A_SEEN_OUT, e + K.A_SEEN_GRANTS)
+    rate = report_window(
+        c,
+        adapt,
+        clock,
+        (e + K.A_START, K.ADAPT_DECISIONS, marks),
+        lambda: (c.load(e + K.A_OUT), _grants(att, d)),
+        lambda seen: _judge(att, d, seen),
+    )
+    if rate is not None:  # (at the key's per, as its window judged it)
+        att.overrides.set(d, make_rate(rate, (att.overrides.get(d) or read_default(c)).per, None))
     c.fetch_add(e + K.A_OUT, 1 << _OK_BITS if throttled else 1)
     c.fetch_add(K.ADAPT_THROTTLED if throttled else K.ADAPT_OK, 1)
     return True
@@ -126,38 +138,13 @@ def _grants(att: Attachment, d: Tuple[int, int]) -> int:
     return 0 if s is None else att.cells.load(s + K.S_V1)
 
 
-def _step(att: Attachment, adapt: Adapt, d: Tuple[int, int], e: int, now: int) -> None:
-    """Decide the key's window if it is over (once: claimed by a CAS on A_START), and publish a
-    changed rate as ``set_rate(key=)`` does; begin one if there is none."""
-    c = att.cells
-    start, out, grants = c.load(e + K.A_START), c.load(e + K.A_OUT), _grants(att, d)
-    if start == 0 or now < start:  # none yet, or a clock behind it (an injected one)
-        if c.cas(e + K.A_START, start, now):
-            _mark(c, e, out, grants)
-        return
-    if now - start < adapt.window * NS_PER_S:
-        return
-    rate = att.overrides.get(d) or read_default(c)
-    seen = (out - c.load(e + K.A_SEEN_OUT)) & MASK64
-    took = (grants - c.load(e + K.A_SEEN_GRANTS)) & MASK64
-    if took >> 63:
-        took = 0  # the slot changed tenants: the key was idle long enough to give it up
-    window = Window(
-        seen >> _OK_BITS, seen & ((1 << _OK_BITS) - 1), took * rate.per / rate.rate * NS_PER_S
-    )
-    new = decide(adapt, State(rate.rate, start), window, now)
-    if not c.cas(e + K.A_START, start, now):
-        return  # another process decided this window
-    _mark(c, e, out, grants)
-    if new.verdict in (CUT, RAISE):
-        c.fetch_add(K.ADAPT_DECISIONS, (1 << 32) if new.verdict == CUT else 1)
-    if new.rate != rate.rate:
-        att.overrides.set(d, make_rate(new.rate, rate.per, None))
-
-
-def _mark(c: "Cells", e: int, out: int, grants: int) -> None:
-    c.store(e + K.A_SEEN_OUT, out)
-    c.store(e + K.A_SEEN_GRANTS, grants)
+def _judge(att: Attachment, d: Tuple[int, int], seen: Sequence[int]) -> Tuple[float, Window]:
+    """The key's window: its outcomes, and its grants at its rate in force (a count that went back:
+    the slot changed tenants, the key was idle long enough to give it up: no grant)."""
+    rate = att.overrides.get(d) or read_default(att.cells)
+    out, took = seen
+    ok = out & ((1 << _OK_BITS) - 1)
+    return rate.rate, Window(out >> _OK_BITS, ok, took * rate.per / rate.rate * NS_PER_S)
 
 
 def stats(c: "Cells") -> Optional[AdaptStats]:

@@ -691,18 +691,18 @@ class KeyedLimiter(RatesSwitch, Keyed, Handle):
         """
         if not isinstance(throttled, bool):
             raise TypeError(f"throttled must be True or False, got {throttled!r}")
-        return self._report(throttled, key, time.monotonic_ns())
+        return self._report(throttled, key, time.monotonic_ns)
 
-    def _report(self, throttled: bool, key: object, now_ns: int) -> bool:
-        """``feedback`` at ``now_ns`` (CLOCK_MONOTONIC ns; a keyed limiter of several rates may
-        run on an injected clock)."""
+    def _report(self, throttled: bool, key: object, clock: Callable[[], int]) -> bool:
+        """``feedback`` on ``clock`` (CLOCK_MONOTONIC ns; a keyed limiter of several rates may run
+        on an injected clock)."""
         att = self._use()
         adapt = read_keyed_adapt(att.cells)
         if adapt is None:
             raise ValueError(
                 f"feedback() needs a keyed limiter created with adapt=; {self._name!r} does not adapt"
             )
-        return report_outcome(att, adapt, att.kt.digest(key), throttled, now_ns)
+        return report_outcome(att, adapt, att.kt.digest(key), throttled, clock)
 
     @property
     def adaptive(self) -> bool:

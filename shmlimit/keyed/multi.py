@@ -250,8 +250,8 @@ class MultiKeyedLimiter(RateGroup, Keyed):
             raise TypeError(f"throttled must be True or False, got {throttled!r}")
         lims = self._live()
         chosen = self._told(which, [i for i, lim in enumerate(lims) if lim.adaptive])
-        now = (self._clock or time.monotonic_ns)()
-        counted = [lims[i]._report(throttled, key, now) for i in chosen]
+        clock = self._clock or time.monotonic_ns
+        counted = [lims[i]._report(throttled, key, clock) for i in chosen]
         return all(counted)
 
     @property

@@ -164,8 +164,8 @@ WAIT = 9 * LINE
 UP_WAKE = 9 * LINE + 8
 
 # The adaptive rate (``adapt``); all zero for a limiter without ``adapt=``.  Every process counts
-# the outcomes it is told of (one fetch-add); the elected filler decides once per window, claiming
-# it by a CAS on ADAPT_START, and publishes the rate through the config banks.
+# the outcomes it is told of (one fetch-add); the report that finds the window over decides it,
+# claiming it by a CAS on ADAPT_START, and publishes the rate through the config banks.
 ADAPT_THROTTLED = 8 * LINE + 16  #: outcomes reported as throttled (429, 503), ever
 ADAPT_OK = 8 * LINE + 24  #: outcomes reported as not throttled, ever
 ADAPT_START = 8 * LINE + 32  #: CLOCK_MONOTONIC ns the current window began (0: none yet)

@@ -249,9 +249,9 @@ def test_adaptive_keyed_limiters_export_their_fleet_wide_counters(name):
     try:
         t0 = time.monotonic_ns()
         for key in ("a.example", "b.example"):
-            lim._report(True, key, t0)
-        lim._report(False, "a.example", t0)
-        lim._report(False, "a.example", t0 + 10**9)  # a's window is over: one cut
+            lim._report(True, key, lambda: t0)
+        lim._report(False, "a.example", lambda: t0)
+        lim._report(False, "a.example", lambda: t0 + 10**9)  # a's window is over: one cut
         group.feedback(True, "a.example")
         r = subprocess.run(
             [*CLI, "metrics", name, name + "-g", name + "-p"],

@@ -22,9 +22,9 @@ ADAPT = shmlimit.Adapt(min_rate=10, max_rate=1000, increase=10)
 
 def _cut(lim, key, clock):
     """One throttled window for ``key``: 100/s becomes 80/s."""
-    lim._report(True, key, clock.now)
+    lim._report(True, key, clock)
     clock.advance(S // 4)
-    lim._report(False, key, clock.now)
+    lim._report(False, key, clock)
 
 
 def _adaptive(name, **kw):
@@ -39,7 +39,7 @@ def test_top_shows_each_busy_keys_rate_in_force_and_the_totals(name, cleanup):
         for _ in range(n):
             assert lim.acquire(key)  # (a key's capacity is one op: 10 ms of schedule)
     _cut(lim, "slow.example", clock)
-    lim._report(False, "fast.example", clock.now)  # an entry at the default: its rate in force
+    lim._report(False, "fast.example", clock)  # an entry at the default: its rate in force
     r = run_cli("top", name, "--once", "--json", "--interval", "0.1")
     assert r.returncode == 0, r.stderr
     (rec,) = json.loads(r.stdout)["limiters"]
@@ -93,7 +93,7 @@ def test_inspect_lists_the_keys_at_their_own_rate_lowest_first(name, cleanup):
     assert lim.try_acquire("slow.example")
     _cut(lim, "slow.example", clock)
     _cut(lim, "slow.example", clock)  # 64/s
-    lim._report(False, "quiet.example", clock.now)  # an entry, but no slot: never acquired
+    lim._report(False, "quiet.example", clock)  # an entry, but no slot: never acquired
     lim.set_rate(500, key="fast.example")
     assert lim.acquire("fast.example") and lim.acquire("fast.example")
     r = run_cli("inspect", name, "--json")

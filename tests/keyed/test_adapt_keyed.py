@@ -1,6 +1,6 @@
 """Each key of a KeyedLimiter adapts on its own: the decisions on a fake clock, per key.
 
-``keyed.adapt.report`` is what ``feedback(throttled, key)`` runs, at an injected instant: the
+``keyed.adapt.report`` is what ``feedback(throttled, key)`` runs, on an injected clock: the
 report that finds its key's window over decides it (a CAS on the window's start), then counts
 itself.  Grants are taken at fake instants through the table's Python composite.  Run on both
 backends (``SHMLIMIT_BACKEND``).
@@ -36,7 +36,7 @@ class Keys:
 
     def report(self, key, throttled=False, times=1):
         d = self.att.kt.digest(key)
-        return [KA.report(self.att, self.adapt, d, throttled, self.clock.now) for _ in range(times)]
+        return [KA.report(self.att, self.adapt, d, throttled, self.clock) for _ in range(times)]
 
     def take(self, key):
         """One op on ``key`` now, if its schedule has room (never waits)."""
@@ -174,7 +174,7 @@ def test_outcomes_of_every_process_count_one_cut_per_window(name, cleanup):
         "att = lim._use()\n"
         "d = att.kt.digest('a.example')\n"
         "for _ in range(int(sys.argv[3])):\n"
-        "    KA.report(att, KA.read(att.cells), d, True, int(sys.argv[2]))\n"
+        "    KA.report(att, KA.read(att.cells), d, True, lambda: int(sys.argv[2]))\n"
     )
 
     def other(times):
