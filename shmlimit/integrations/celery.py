@@ -162,8 +162,12 @@ def _check_task(task: Any) -> Any:
     return request
 
 
-def _header(request: Any, owner: str) -> Optional[Tuple[int, int, int, int]]:
-    """``(retries, due, landing, misses)`` of this task's reservation header, or None.
+#: What a task without a reservation header of its own carries: no run, no slot, no misses.
+_NO_HEADER = (-1, 0, 0, 0)
+
+
+def _header(request: Any, owner: str) -> Tuple[int, ...]:
+    """``(retries, due, landing, misses)`` of this task's reservation header, or ``_NO_HEADER``.
 
     ``retries``: the run it was written for (Celery copies headers onto later retries, so a
     run owns the slot only if the count is its own); ``due`` and ``landing`` (ns of this host's
@@ -173,12 +177,11 @@ def _header(request: Any, owner: str) -> Optional[Tuple[int, int, int, int]]:
     if value is None:
         value = (getattr(request, "headers", None) or {}).get(HEADER)
     if not isinstance(value, str):
-        return None
+        return _NO_HEADER
     parts = value.rsplit(" ", 4)
     if len(parts) != 5 or parts[0] != owner or not all(p.isdigit() for p in parts[1:]):
-        return None
-    retries, due, landing, misses = map(int, parts[1:])
-    return retries, due, landing, misses
+        return _NO_HEADER
+    return tuple(map(int, parts[1:]))
 
 
 def _schedule_ns(limiter: Any, n: int) -> float:
@@ -192,13 +195,12 @@ def _schedule_ns(limiter: Any, n: int) -> float:
 
 def _reserve(limiter: Any, args: tuple, n: int, within: float) -> Optional[float]:
     """Seconds until a slot reserved now for ``n`` ops is due, or None (none within ``within``
-    seconds, or a limiter that reserves nothing: hierarchical, capped without room)."""
-    reserve = getattr(limiter, "reserve", None)
-    if reserve is None:
-        return None
+    seconds, or a limiter that reserves nothing: hierarchical, capped without room, keyed of
+    several rates)."""
     try:
-        due = reserve(*args, n, max_wait=within)
-    except ValueError:  # a hierarchical limiter: its tokens come from leases, at no known time
+        due = limiter.reserve(*args, n, max_wait=within)
+    except ValueError:  # hierarchical: its tokens come from leases, at no known time (and the
+        # UnsupportedError, a ValueError, of a kind that cannot promise one slot)
         return None
     return due if due is not None and math.isfinite(due) else None
 
@@ -208,7 +210,8 @@ def _check_limiter(limiter: Any, keyed: bool) -> None:
     from shmlimit import KeyedLimiter
 
     if not all(
-        callable(getattr(limiter, a, None)) for a in ("try_acquire", "acquire", "retry_after")
+        callable(getattr(limiter, a, None))
+        for a in ("try_acquire", "acquire", "retry_after", "reserve")
     ):
         raise TypeError(
             f"limiter must be a shmlimit Limiter, KeyedLimiter or RedisLimiter, got {type(limiter).__name__}"
@@ -282,18 +285,15 @@ def acquire_or_retry(
     args = () if key is None else (key,)
     owner = _owner(limiter, key, n)
     retries = request.retries or 0
-    header = _header(request, owner)
-    misses = 0 if header is None else header[3]
+    written_for, due, landing, misses = _header(request, owner)
     schedule = _schedule_ns(limiter, n) / 1e9
-    if header is not None and header[0] == retries and header[1] > 0:  # this run owns a slot
-        _, due, landing, _ = header
+    if written_for == retries and due > 0:  # this run owns a slot
         now = _clock()
         late = (now - due) / 1e9 > schedule
         _POOL.seen((now - landing) / 1e9, late)
         if now < due:  # back early: the slot's own time (both on this host's monotonic clock)
             _sleep((due - now) / 1e9)
-            return
-        if not late:
+        if not late:  # (a run back early is never late)
             return
         # Run later than one op's schedule, the slot's op would run beside the ops due now (a
         # pool that fell behind runs what it missed at once): it stays unused (time lost, never
@@ -311,20 +311,20 @@ def acquire_or_retry(
     wait = _reserve(limiter, args, n, max_countdown) if keeps else None
     if wait == 0.0:  # the slot reserved is due now (an op came free meanwhile): run
         return
+    due = landing = 0  # no slot: the retry looks again, the misses going on with the task
     if wait is not None:  # the slot is ours: one retry, landing the pool's lag before it
         lead = min(_POOL.lead(schedule), wait)
         due = _clock() + int(wait * 1e9)
-        slot = f"{owner} {retries + 1} {due} {due - int(lead * 1e9)} {misses}"
-        headers = {**(getattr(request, "headers", None) or {}), HEADER: slot}
-        raise task.retry(countdown=wait - lead, max_retries=limit, headers=headers)
-    wait = limiter.retry_after(*args, n)
-    if not math.isfinite(wait):  # stopped: look again in a while
-        wait = max_countdown
-    extra = {}
-    if misses:  # no slot, but the misses go on with the task (its slots stay counted)
-        headers = {**(getattr(request, "headers", None) or {})}
-        extra["headers"] = {**headers, HEADER: f"{owner} {retries + 1} 0 0 {misses}"}
-    raise task.retry(countdown=countdown(wait, retries, max_countdown), max_retries=limit, **extra)
+        landing = due - int(lead * 1e9)
+        after = wait - lead
+    else:
+        wait = limiter.retry_after(*args, n)
+        if not math.isfinite(wait):  # stopped: look again in a while
+            wait = max_countdown
+        after = countdown(wait, retries, max_countdown)
+    slot = f"{owner} {retries + 1} {due} {landing} {misses}"
+    headers = {**(getattr(request, "headers", None) or {}), HEADER: slot}
+    raise task.retry(countdown=after, max_retries=limit, headers=headers)
 
 
 def rate_limited(
