@@ -30,6 +30,9 @@ except ImportError as e:  # without the prometheus extra: say what installs it
 
 __all__ = ["ShmlimitCollector"]
 
+#: The prometheus_client family of each metric type ``shmlimit metrics`` writes.
+_FAMILIES = {"counter": CounterMetricFamily, "gauge": GaugeMetricFamily}
+
 
 class ShmlimitCollector(Collector):
     """Collects the shmlimit metrics of ``names`` (every trusted limiter of the machine when None) at each scrape."""
@@ -53,11 +56,7 @@ class ShmlimitCollector(Collector):
     def collect(self) -> Iterator[Metric]:
         for fam in families(self.names, **self.scope):  # type: ignore[arg-type]
             labelnames = [k for k, _ in fam.samples[0][0]] if fam.samples else ["limiter"]
-            metric: Metric
-            if fam.type == "counter":
-                metric = CounterMetricFamily(fam.name, fam.help, labels=labelnames)
-            else:
-                metric = GaugeMetricFamily(fam.name, fam.help, labels=labelnames)
+            metric = _FAMILIES[fam.type](fam.name, fam.help, labels=labelnames)
             for labels, value in fam.samples:
                 metric.add_metric([v for _, v in labels], value)
             yield metric
