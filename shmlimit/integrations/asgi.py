@@ -57,10 +57,8 @@ class RateLimitMiddleware(Middleware):
     app: ASGIApp
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if scope["type"] != "http":
-            await self.app(scope, receive, send)
-            return
-        req = self.policy.request(scope, client_host)
+        # only http requests are limited: lifespan and websocket pass, as do exempt requests
+        req = self.policy.request(scope, client_host) if scope["type"] == "http" else None
         if req is None:
             await self.app(scope, receive, send)
             return
@@ -75,18 +73,14 @@ class RateLimitMiddleware(Middleware):
             )
             await send({"type": "http.response.body", "body": BODY})
             return
-        if not self.headers:
-            await self.app(scope, receive, send)
-            return
-        policy = self.policy
 
         async def send_with_quota(message: Message) -> None:
             if message["type"] == "http.response.start":
                 message = dict(message)
                 message["headers"] = [
                     *message.get("headers", ()),
-                    *ascii_headers(policy.granted_headers(args)),
+                    *ascii_headers(self.policy.granted_headers(args)),
                 ]
             await send(message)
 
-        await self.app(scope, receive, send_with_quota)
+        await self.app(scope, receive, send_with_quota if self.headers else send)

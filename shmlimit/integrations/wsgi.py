@@ -42,16 +42,13 @@ class RateLimitMiddleware(Middleware):
         if not self.policy.grant(args, n):
             start_response("429 Too Many Requests", self.policy.refused_headers(args, n))
             return [BODY]
-        if not self.headers:
-            return self.app(environ, start_response)
-        policy = self.policy
 
         def start_with_quota(status: str, headers: list, exc_info: Any = None) -> Any:
-            headers = [*headers, *policy.granted_headers(args)]
+            headers = [*headers, *self.policy.granted_headers(args)]
             return (
                 start_response(status, headers)
                 if exc_info is None
                 else start_response(status, headers, exc_info)
             )
 
-        return self.app(environ, start_with_quota)
+        return self.app(environ, start_with_quota if self.headers else start_response)

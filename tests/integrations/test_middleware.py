@@ -177,6 +177,39 @@ def test_wsgi_in_process(name):
     lim.close()
 
 
+def test_headers_false_and_other_scopes_pass_through(name):
+    """``headers=False`` grants and refuses as ever but adds no ``RateLimit`` header to a granted
+    response; an ASGI scope other than http (lifespan, websocket) reaches the app untouched, taking
+    no op."""
+    lim = shmlimit.Limiter(name, rate=1, per=60, burst=2)
+    asgi = ASGILimit(_hello, limiter=lim, headers=False)
+    seen = []
+
+    async def app(scope, receive, send):
+        seen.append(scope["type"])
+
+    async def main():
+        status, h = await call(asgi)
+        assert status == 200 and h == {"content-type": "text/plain"}
+        for kind in ("lifespan", "websocket"):
+            await ASGILimit(app, limiter=lim)({"type": kind}, None, None)
+
+    asyncio.run(main())
+    assert seen == ["lifespan", "websocket"] and lim.stats().grants == 1
+
+    def hello(environ, start_response):
+        start_response("200 OK", [("Content-Type", "text/plain")])
+        return [b"hello"]
+
+    got = []
+    wsgi = WSGILimit(hello, limiter=lim, headers=False)
+    assert b"".join(wsgi({"REMOTE_ADDR": "x"}, lambda s, h, e=None: got.append(h))) == b"hello"
+    assert got == [[("Content-Type", "text/plain")]] and lim.stats().grants == 2
+    wsgi({"REMOTE_ADDR": "x"}, lambda s, h, e=None: got.append((s, h)))
+    assert got[-1][0].startswith("429")  # refused as ever, with its headers
+    lim.close()
+
+
 # ---- real servers ------------------------------------------------------------------------
 
 ASGI_APP = """
