@@ -30,34 +30,19 @@ except ImportError as e:  # without the redis extra: say what installs it
 # errors: only a connection error or a timeout is "unavailable"
 
 
-def _unavailable_types() -> Tuple[type, ...]:
-    """redis-py's errors that mean "no answer in time": the server is down, unreachable, loading,
-    failing over (``READONLY`` from a demoted master, ``CLUSTERDOWN``, ``TRYAGAIN`` while a slot
-    migrates) -- never an answer about the data.  Credentials refused are not among them: a
-    wrong password is a configuration error, and fails closed like a data error."""
-    found = [
-        _rx.ConnectionError,
-        _rx.TimeoutError,
-        _rx.ReadOnlyError,
-        _rx.TryAgainError,
-        _rx.ClusterDownError,
-    ]
-    for n in (
-        "MasterNotFoundError",
-        "SlaveNotFoundError",
-    ):  # in redis.sentinel, ConnectionErrors already
-        t = getattr(_rx, n, None)
-        if t is not None:
-            found.append(t)
-    return tuple(found)
-
-
-def _refused_types() -> Tuple[type, ...]:
-    return tuple(
-        t
-        for t in (_rx.AuthenticationError, getattr(_rx, "AuthorizationError", None))
-        if t is not None
-    )
+#: redis-py's errors that mean "no answer in time": the server is down, unreachable, loading,
+#: failing over (``READONLY`` from a demoted master, ``CLUSTERDOWN``, ``TRYAGAIN`` while a slot
+#: migrates) -- never an answer about the data.  (``redis.sentinel``'s ``MasterNotFoundError`` and
+#: ``SlaveNotFoundError`` are ``ConnectionError``s.)  Credentials refused are not among them: a
+#: wrong password is a configuration error, and fails closed like a data error (``_REFUSED``).
+_UNAVAILABLE = (
+    _rx.ConnectionError,
+    _rx.TimeoutError,
+    _rx.ReadOnlyError,
+    _rx.TryAgainError,
+    _rx.ClusterDownError,
+)
+_REFUSED = (_rx.AuthenticationError, _rx.AuthorizationError)
 
 
 def classify(e: BaseException, where: str) -> Exception:
@@ -75,8 +60,6 @@ def classify(e: BaseException, where: str) -> Exception:
     return err
 
 
-_UNAVAILABLE = _unavailable_types()
-_REFUSED = _refused_types()
 #: Errors that could come from the server or the connection, as opposed to our own bugs.
 _REDIS_ERRORS: Tuple[Type[BaseException], ...] = (
     _rx.RedisError,
@@ -117,15 +100,11 @@ def connect(url: str, secrets: Dict[str, str], timeout: float, is_async: bool = 
             scheme, "unix"
         )
         return lib.Redis.from_url(f"{base}://{rest}", **opts)
-    netloc, _, tail = rest.partition("/")
-    tail, _, query = tail.partition("?")
-    if "?" in netloc:
-        netloc, _, query = netloc.partition("?")
-    if "@" in netloc:
-        info, _, netloc = netloc.rpartition("@")
-        if info.partition(":")[0]:
-            opts["username"] = unquote(info.partition(":")[0])
-    for k, v in parse_qsl(query):
+    _, user, _, body, query = urls.parts(url)  # (no password: it came in ``secrets``)
+    netloc, _, tail = body.partition("/")
+    if user:
+        opts["username"] = unquote(user)
+    for k, v in parse_qsl(query or ""):
         if k in ("db",):
             opts[k] = int(v)
         elif k in ("socket_timeout", "socket_connect_timeout"):
@@ -140,18 +119,8 @@ def connect(url: str, secrets: Dict[str, str], timeout: float, is_async: bool = 
     if scheme in urls.CLUSTER_SCHEMES:
         if tail.strip("/"):
             raise ValueError(f"url: a cluster has one database, so no path: {redact(url)}")
-        if is_async:
-            from redis.asyncio.cluster import ClusterNode as ANode
-            from redis.asyncio.cluster import RedisCluster as ACluster
-
-            return ACluster(
-                startup_nodes=[ANode(h, p) for h, p in urls.hosts(netloc, 6379)], **opts
-            )
-        from redis.cluster import ClusterNode, RedisCluster
-
-        return RedisCluster(
-            startup_nodes=[ClusterNode(h, p) for h, p in urls.hosts(netloc, 6379)], **opts
-        )
+        nodes = [lib.cluster.ClusterNode(h, p) for h, p in urls.hosts(netloc, 6379)]
+        return lib.RedisCluster(startup_nodes=nodes, **opts)
     # sentinel
     service, _, db = tail.partition("/")
     if not service:
@@ -164,14 +133,5 @@ def connect(url: str, secrets: Dict[str, str], timeout: float, is_async: bool = 
     sentinel_opts = {k: v for k, v in opts.items() if k not in ("db", "sentinel_password")}
     if "sentinel_password" in opts:
         sentinel_opts["password"] = opts.pop("sentinel_password")
-    if is_async:
-        from redis.asyncio.sentinel import Sentinel as ASentinel
-
-        return ASentinel(
-            urls.hosts(netloc, 26379), sentinel_kwargs=sentinel_opts, **opts
-        ).master_for(service)
-    from redis.sentinel import Sentinel
-
-    return Sentinel(urls.hosts(netloc, 26379), sentinel_kwargs=sentinel_opts, **opts).master_for(
-        service
-    )
+    sentinels = lib.Sentinel(urls.hosts(netloc, 26379), sentinel_kwargs=sentinel_opts, **opts)
+    return sentinels.master_for(service)

@@ -269,7 +269,7 @@ class _GcraClient:
         self._closed = False
         self._client = client if client is not None else connect(self._url, self._secrets, t)
         #: the script call on one connection of its own (``_pinned_call``): set for the hierarchical
-        #: filler's limiter, which one thread uses
+        #: filler's limiter, which one thread uses, unless its client is a cluster's
         self._pinned = False
         self._conn: Any = None
         self._packed: Tuple[Any, Any] = (None, None)  # (key, args) -> the command, as last packed
@@ -475,11 +475,7 @@ class _GcraClient:
             if (
                 conn is None or conn.pid != os.getpid()
             ):  # (a connection's pid: the process that made it)
-                pool = getattr(self._client, "connection_pool", None)
-                if pool is None:
-                    self._pinned = False
-                    return self._do(key, args)
-                conn = self._conn = pool.get_connection()
+                conn = self._conn = self._client.connection_pool.get_connection()
                 self._packed = (None, None)
             last, packed = self._packed
             if key is None:
@@ -654,7 +650,7 @@ class RedisLimiter(_GcraClient):
             clock=spec.clock,
             timeout=spec.timeout,
         )
-        lim._pinned = True
+        lim._pinned = hasattr(lim._client, "connection_pool")  # (a cluster client routes each call)
         return lim
 
     def call(

@@ -200,15 +200,4 @@ class UpstreamSpec:
             ) from None
 
 
-def make_spec(
-    url: str, name: str, rate: float, per: float, burst: float, **options: Any
-) -> UpstreamSpec:
-    """An ``UpstreamSpec`` from a URL that may hold secrets: they move to ``secrets``."""
-    urls.check(url)
-    clean, secrets = urls.split_secrets(url)
-    return UpstreamSpec(
-        name, clean, rate, per, burst, secrets=tuple(sorted(secrets.items())), **options
-    )
-
-
-__all__ = ["UpstreamSpec", "make_spec", "redis_key", "ON_ERROR", "STATE_NAMES"]
+__all__ = ["UpstreamSpec", "redis_key", "ON_ERROR", "STATE_NAMES"]

@@ -39,8 +39,11 @@ def _is_secret_param(key: str) -> bool:
     return "password" in unquote(key).lower()
 
 
-def _parts(url: str) -> Tuple[str, Optional[str], Optional[str], str, Optional[str]]:
+def parts(url: str) -> Tuple[str, Optional[str], Optional[str], str, Optional[str]]:
     """``(scheme://, user, password, the rest before '?', query)``; user/password None when absent.
+
+    ``check`` reads a URL through it, and so does ``client.connect``: the
+    hosts it connects to are the ones checked.
 
     Everything before the last ``@`` of the part before ``?`` is user
     information when it holds a ``:``; a password holding ``@``, ``/`` or
@@ -93,7 +96,7 @@ def redact(url: object) -> str:
     """
     if not isinstance(url, str):
         return f"<{type(url).__name__}>"
-    head, user, password, body, query = _parts(url)
+    head, user, password, body, query = parts(url)
     if not head and user is not None and password is None:  # no scheme: "secret@host" is all hidden
         user, password = "", HIDDEN
     if query is not None:
@@ -112,7 +115,7 @@ def split_secrets(url: str) -> Tuple[str, Dict[str, str]]:
     parameter keeps its name (``sentinel_password``).  The URL keeps its
     user name.  Values are percent-decoded, as redis-py decodes them.
     """
-    head, user, password, body, query = _parts(url)
+    head, user, password, body, query = parts(url)
     secrets: Dict[str, str] = {}
     if password is not None and password != "":
         secrets["password"] = unquote(password)
@@ -153,7 +156,7 @@ def check(url: object, param: str = "url") -> str:
             f"{param}: an '@' after the '?' is ambiguous; percent-encode a '?' in the password "
             f"as %3F (or an '@' in a query value as %40): {redact(url)}"
         )
-    _, _, _, body, query = _parts(url)
+    _, _, _, body, query = parts(url)
     for p in (query or "").split("&"):
         key, _, value = p.partition("=")
         key = unquote(key).lower()
