@@ -100,6 +100,7 @@ import random
 import time
 from collections import deque
 from dataclasses import dataclass
+from functools import partial
 from itertools import islice
 from typing import TYPE_CHECKING, Any, Callable, Deque, List, Optional, Tuple
 
@@ -129,10 +130,12 @@ __all__ = ["Feeder", "feed_for", "ON_ERROR", "STATE_NAMES"]
 
 log = logging.getLogger("shmlimit.redis.feeder")
 
-_FALLBACK = {
-    "local": (STATE_LOCAL, L.FLAG_UPSTREAM | L.FLAG_FALLBACK_LOCAL),
-    "open": (STATE_OPEN, L.FLAG_UPSTREAM | L.FLAG_FALLBACK_OPEN),
-    "closed": (STATE_CLOSED, L.FLAG_UPSTREAM),
+#: The state each ``on_redis_error`` enters while Redis is unavailable ...
+_FALLBACK = {"local": STATE_LOCAL, "open": STATE_OPEN, "closed": STATE_CLOSED}
+#: ... and the config's flags in a fallback that feeds the bucket otherwise (else ``FLAG_UPSTREAM``).
+_FLAGS = {
+    STATE_LOCAL: L.FLAG_UPSTREAM | L.FLAG_FALLBACK_LOCAL,
+    STATE_OPEN: L.FLAG_UPSTREAM | L.FLAG_FALLBACK_OPEN,
 }
 
 #: The feeder sleeps until its next event (a batch falls due, the next batch is to be asked for,
@@ -174,11 +177,7 @@ DEMAND_WINDOW = 0.2
 
 def feed_for(spec: UpstreamSpec) -> "FeedFactory":
     """The filler's feed for a process that configured ``spec`` itself."""
-
-    def make(bucket: "Bucket", lease: "Lease") -> "Feeder":
-        return Feeder(bucket, lease, spec)
-
-    return make
+    return partial(Feeder, spec=spec)
 
 
 @dataclass
@@ -227,10 +226,8 @@ class Feeder:
         self.redis: Optional[RedisLimiter] = (
             None  # connected at the first lease: a cluster client connects at once
         )
-        self.on_error = spec.on_error
         self.ttl_ns = int(spec.lease_ttl * 1e9)
         self.records = LeaseRecords(bucket, self.ttl_ns, int(MIN_TICK * 1e9))
-        self.batch_seconds = spec.batch_seconds
         self.interval_ns = math.ceil(spec.per * 1e9 / spec.rate)  # one op of the global schedule
         self.demand = 0.0  # ops per second
         self._last: Optional[tuple] = None  # (ns, tail) at the previous tick
@@ -276,7 +273,9 @@ class Feeder:
     def max_grow(self) -> int:
         """The most ``grow`` reaches: a batch for the global rate itself (no host's demand is
         higher), so a saturated host's batches are what its measured demand makes them."""
-        return min(self.max_batch, max(1, math.ceil(self.batch_seconds * 1e9 / self.interval_ns)))
+        return min(
+            self.max_batch, max(1, math.ceil(self.spec.batch_seconds * 1e9 / self.interval_ns))
+        )
 
     @property
     def max_lease(self) -> int:
@@ -569,7 +568,7 @@ class Feeder:
         if self.demand <= 0:
             return _NEVER
         b = self.bucket
-        batch = min(self.max_batch, max(1, math.ceil(self.demand * self.batch_seconds)))
+        batch = min(self.max_batch, max(1, math.ceil(self.demand * self.spec.batch_seconds)))
         have = b.balance() / b.cost + sum(bt.left for bt in self.pending)
         low = now + int(have * 1e9 / self.demand) - (self.lead_ns + batch * self.interval_ns)
         return low if low > now else _NEVER
@@ -585,12 +584,10 @@ class Feeder:
         self._last = (now, tail)
         self._burned = 0
 
-    def expire(self, now: int) -> int:
+    def expire(self, now: int) -> None:
         """Burn the tokens beyond those of the lease records still young ``MIN_TICK`` after ``now``
-        (``LeaseRecords.expire``); return the ops burned."""
-        burned = self.records.expire(now)
-        self._burned += burned
-        return burned // self.bucket.cost
+        (``LeaseRecords.expire``); they moved the tail, and are not demand (``_measure``)."""
+        self._burned += self.records.expire(now)
 
     def _deliver(self, now: int) -> int:
         """Put the batches that are due into the bucket, as far as they fit; drop those past their ttl.
@@ -668,7 +665,7 @@ class Feeder:
             self.max_batch,
             max(
                 1,
-                math.ceil(self.demand * self.batch_seconds),
+                math.ceil(self.demand * self.spec.batch_seconds),
                 math.ceil(-avail),
                 self.grow if avail < 0 else 1,
             ),
@@ -725,19 +722,15 @@ class Feeder:
                 self.redis = self._connect(self.spec)
             trips = self.redis.round_trips
             granted, wait, backlog, dry = self.redis.call(MODE_RESERVE, want, None)
-        except RedisUnavailableError as e:
+        except (RedisUnavailableError, RedisDataError) as e:
             self._count_trips(trips)
             self._fail(state, e)
-            return True
-        except RedisDataError as e:
-            self._count_trips(trips)
-            self._error(state, e)
             return True
         received = self.clock()
         self._count_trips(trips)
         self.rtt_ns += (received - sent - self.rtt_ns) // 4
         if state != STATE_OK:
-            self._recover(state)
+            self._switch(state, STATE_OK)
         if granted:
             if state == STATE_OK:  # (after an outage the gap is the outage's: counted as errors)
                 self._note_dry(sent, dry)
@@ -812,41 +805,38 @@ class Feeder:
         if self.redis is not None:
             self.cells.fetch_add(L.UP_ROUND_TRIPS, self.redis.round_trips - before)
 
-    def _fail(self, state: int, e: RedisUnavailableError) -> None:
-        """Redis unavailable: enter the configured fallback (from "ok" only; "error" stays closed)."""
-        c = self.cells
-        c.fetch_add(L.UP_ERRORS, 1)
-        if state == STATE_OK:
-            log.warning("%s; fallback %r until it answers", e, self.on_error)
-            code, flags = _FALLBACK[self.on_error]
-            c.fetch_add(L.UP_FALLBACKS, 1)
-            c.store(L.UP_STATE, code)
-            if flags != L.FLAG_UPSTREAM:
-                self.bucket.set_upstream_flags(flags)
+    def _fail(self, state: int, e: Exception) -> None:
+        """Redis unavailable (``RedisUnavailableError``): enter the configured fallback (from "ok"
+        only; "error" stays closed).  Redis answered with an error (``RedisDataError``): "error",
+        closed whatever the fallback, until it answers correctly."""
+        self.cells.fetch_add(L.UP_ERRORS, 1)
+        data = isinstance(e, RedisDataError)
+        new = (
+            STATE_ERROR if data else (_FALLBACK[self.spec.on_error] if state == STATE_OK else state)
+        )
+        if new != state:
+            if data:
+                log.error("%s; no tokens until it answers correctly", e)
+            else:
+                log.warning("%s; fallback %r until it answers", e, self.spec.on_error)
+            self._switch(state, new)
         self.next_try = self.clock() + int(RETRY_EVERY * 1e9)
 
-    def _error(self, state: int, e: RedisDataError) -> None:
-        """Redis answered with an error: closed, whatever the fallback, until it answers correctly."""
-        c = self.cells
-        c.fetch_add(L.UP_ERRORS, 1)
-        if state != STATE_ERROR:
-            log.error("%s; no tokens until it answers correctly", e)
-            if state == STATE_OK:
-                c.fetch_add(L.UP_FALLBACKS, 1)
-            c.store(L.UP_STATE, STATE_ERROR)
-            if state in (STATE_LOCAL, STATE_OPEN):
-                self._end_fallback(state)
-        self.next_try = self.clock() + int(RETRY_EVERY * 1e9)
-
-    def _end_fallback(self, state: int) -> None:
+    def _switch(self, state: int, new: int) -> None:
+        """From ``state`` to ``new``.  Leaving "ok" counts a fallback.  Leaving "local" or "open"
+        gives the config back ``FLAG_UPSTREAM`` alone and undoes what the fallback let in: the
+        local clock's tokens are burned (not the global limit's), the tickets "open" let through
+        forgiven.  Entering one of them sets its flags (after the state: ``stats`` never shows a
+        bucket fed otherwise as "ok")."""
         b = self.bucket
-        b.set_upstream_flags(L.FLAG_UPSTREAM)
-        if state == STATE_LOCAL:
-            b.burn()  # tokens of the local clock are not the global limit's
-        elif state == STATE_OPEN:
-            b.forgive()
-
-    def _recover(self, state: int) -> None:
-        if state in (STATE_LOCAL, STATE_OPEN):
-            self._end_fallback(state)
-        self.cells.store(L.UP_STATE, STATE_OK)
+        if state == STATE_OK:
+            self.cells.fetch_add(L.UP_FALLBACKS, 1)
+        if state in _FLAGS:
+            b.set_upstream_flags(L.FLAG_UPSTREAM)
+            if state == STATE_LOCAL:
+                b.burn()
+            else:
+                b.forgive()
+        self.cells.store(L.UP_STATE, new)
+        if new in _FLAGS:
+            b.set_upstream_flags(_FLAGS[new])
