@@ -475,7 +475,7 @@ class _GcraClient:
             if (
                 conn is None or conn.pid != os.getpid()
             ):  # (a connection's pid: the process that made it)
-                conn = self._conn = self._client.connection_pool.get_connection()
+                conn = self._conn = self._client.connection_pool.get_connection()  # (redis >= 5.3)
                 self._packed = (None, None)
             last, packed = self._packed
             if key is None:
