@@ -76,7 +76,7 @@ from __future__ import annotations
 
 import os
 import time
-from typing import Callable, Dict, Optional, Tuple
+from typing import Callable, Dict, Optional, Tuple, TypeVar
 
 from shmlimit.errors import SegmentError
 from shmlimit.keyed import layout as K
@@ -84,12 +84,14 @@ from shmlimit.shm.banks import BankCode
 from shmlimit.shm.table import is_alive
 
 MASK64 = (1 << 64) - 1
+T = TypeVar("T")
 REFUSED = -1  #: the wait exceeds max_wait: nothing written
 NEVER = -(1 << 62)  #: n exceeds the burst: never grantable
 FULL = NEVER - 1  #: no slot for a new key (every slot of its window holds a limited key)
 #: Another live process's insert of the same key has not moved for ``PEND_NS``: nothing taken.
 BUSY = NEVER - 2
-#: A config lock held this long (ns) was left by a dead writer: readers close it.
+#: A config lock held this long (ns) was left by a dead writer: readers close it, and a writer
+#: takes it over (``keyed.gcra.config_lock``).
 LOCK_NS = 200_000_000
 #: An inserter waits this long (ns) at most for a farther PEND of the same key to give way.  Its
 #: owner normally does within microseconds; one that is alive but never runs (stopped by SIGSTOP,
@@ -193,6 +195,40 @@ BANKS = BankCode((3, 4, 0, 1, 2))
 def bank_offsets(a: int, b: int) -> Tuple[Tuple[int, ...], Tuple[int, ...]]:
     """The offsets of the words (``_BANK_WORDS``) of a config's two banks, at lines ``a`` and ``b``."""
     return tuple(a + off for off in _BANK_WORDS), tuple(b + off for off in _BANK_WORDS)
+
+
+def pick(c, lines: Tuple[int, int], d: Tuple[int, int], seq: int) -> Optional[Tuple[int, ...]]:
+    """The values of the config whose two banks are at ``lines``, for digest ``d``: its valid bank
+    of the newest generation, counted back from ``seq`` (``BankCode.pick``); None if none is."""
+    got = BANKS.pick(c.load_many, bank_offsets(*lines), d, seq)[1]
+    return None if got is None else got[1]
+
+
+def consistent(c, seq: int, read: Callable[[int], T]) -> T:
+    """``read(s)`` under an even ``s`` of the config sequence word at ``seq`` that still holds it
+    after: a config as one writer published it, never words of two.
+
+    A writer holds the word odd for microseconds; one that stays odd for
+    ``LOCK_NS`` (its writer died) is closed by CAS to the next even value,
+    modulo 2**64, as the native composite's readers close it: a writer killed
+    in ``set_rate`` never hangs a reader (the default rate, an override, a
+    process opening with ``rate=``).  The composite's ``params`` and every
+    Python reader of a keyed config (``keyed.gcra``) read through here.
+    """
+    seen, since = 0, 0
+    while True:
+        s = c.load(seq)
+        if s & 1:
+            now = time.monotonic_ns()
+            if s != seen:
+                seen, since = s, now
+            elif now - since > LOCK_NS:
+                c.cas(seq, s, (s + 1) & MASK64)
+            os.sched_yield()
+            continue
+        got = read(s)
+        if c.load(seq) == s:
+            return got
 
 
 def key_bytes(key: object) -> bytes:
@@ -564,68 +600,50 @@ class KeyedTable(SlotTable):
                 raise IndexError("keyed_table: a region lies outside the mapping")
         check_offsets(cells, ovr_live, refused, grants)  # any backend's cells (``push``)
         self.cfg, self.ovr_live, self.ovr, self.novr = cfg, ovr_live, ovr, novr
-        self._default = bank_offsets(cfg, cfg + K.DEFAULT_BACKUP_LINES * K.LINE)
-        self.k0, self.k1 = k0, k1
+        self._default = (cfg, cfg + K.DEFAULT_BACKUP_LINES * K.LINE)
         self._hash = hasher(cells, k0, k1)
         self.refused, self.grants = refused, grants
 
     def digest(self, key: object) -> Tuple[int, int]:
         return self._hash(key_bytes(key))
 
-    def _pick(self, banks: Tuple[Tuple[int, ...], Tuple[int, ...]], d: Tuple[int, int], seq: int):
-        """The values of the valid bank of the newest generation (``BankCode.pick``), or None."""
-        got = BANKS.pick(self.c.load_many, banks, d, seq)[1]
-        return None if got is None else got[1]
-
     def params(self, d: Tuple[int, int]) -> Tuple[int, int]:
-        """(T, TAU) for digest d under a consistent config: the key's override if it has one, else
-        the default, each from its valid bank of the newest generation.
+        """(T, TAU) for digest d under a consistent config (``consistent``): the key's override if
+        it has one, else the default, each from its valid bank of the newest generation.
 
-        A writer holds ``CFG_SEQ`` odd for microseconds; one that stays odd for
-        ``LOCK_NS`` (its writer died) is closed by CAS to the next even value.
         No valid bank under a ``CFG_SEQ`` that stayed even is a corrupt segment:
         ``SegmentError`` (a writer leaves one bank of each config whole).
         """
+        vals = consistent(self.c, self.cfg, lambda s: self._config(d, s))
+        if vals is None:
+            raise SegmentError(
+                "keyed segment is corrupt: no copy of its config passes its checksum"
+            )
+        return (vals[3] or 1), min(
+            vals[4], K.MAX_TICKS
+        )  # a segment written by hand: a smaller burst
+
+    def _config(self, d: Tuple[int, int], seq: int) -> Optional[Tuple[int, ...]]:
+        """The values in force for digest d at ``seq``: its override's, unless it has none or it
+        was removed (T == 0), else the default's; None when that config has no valid bank."""
         c = self.c
-        seen, since = 0, 0
-        while True:
-            s1 = c.load(self.cfg)
-            if s1 & 1:
-                now = time.monotonic_ns()
-                if s1 != seen:
-                    seen, since = s1, now
-                elif now - since > LOCK_NS:
-                    c.cas(self.cfg, s1, (s1 + 1) & MASK64)  # modulo 2**64, as the native one
-                os.sched_yield()
-                continue
-            vals, corrupt = None, False
-            if self.novr and c.load(self.ovr_live):
-                home = (d[1] * self.novr) >> 64
-                for i in range(min(self.probe, self.novr)):
-                    e = self.ovr + ((home + i) % self.novr) * K.OVR_LINES * K.LINE
-                    ctl = c.load(e)
-                    if ctl == K.O_EMPTY:
-                        break
-                    if (
-                        ctl & 0xFF == K.O_LIVE
-                        and c.load(e + K.O_D0) == d[0]
-                        and c.load(e + K.O_D1) == d[1]
-                    ):
-                        vals = self._pick(bank_offsets(e + K.O_BANKS[0], e + K.O_BANKS[1]), d, s1)
-                        corrupt = vals is None
-                        if vals is not None and not vals[3]:
-                            vals = None  # removed (T == 0): the default
-                        break
-            if vals is None and not corrupt:
-                vals = self._pick(self._default, (0, 0), s1)
-                corrupt = vals is None
-            if c.load(self.cfg) == s1:
-                if corrupt:
-                    raise SegmentError(
-                        "keyed segment is corrupt: no copy of its config passes its checksum"
-                    )
-                t, tau = vals[3], vals[4]
-                return (t or 1), min(tau, K.MAX_TICKS)  # a segment written by hand: a smaller burst
+        if self.novr and c.load(self.ovr_live):
+            home = (d[1] * self.novr) >> 64
+            for i in range(min(self.probe, self.novr)):
+                e = self.ovr + ((home + i) % self.novr) * K.OVR_LINES * K.LINE
+                ctl = c.load(e)
+                if ctl == K.O_EMPTY:
+                    break
+                if (
+                    ctl & 0xFF == K.O_LIVE
+                    and c.load(e + K.O_D0) == d[0]
+                    and c.load(e + K.O_D1) == d[1]
+                ):
+                    vals = pick(c, (e + K.O_BANKS[0], e + K.O_BANKS[1]), d, seq)
+                    if vals is None or vals[3]:
+                        return vals
+                    break  # removed (T == 0): the default
+        return pick(c, self._default, (0, 0), seq)
 
     def expiry(self, s: int, v: int) -> int:
         """The TAT of slot ``s``'s key (value ``v``) under its own price, read after ``v``: the

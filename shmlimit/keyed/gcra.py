@@ -8,7 +8,7 @@ composite (``keyed_cells``).  This module holds what prices it: the default
 
 **Publication** (the plain limiter's, by its one code: ``shm.banks.BankCode``, per config).
 Writers take ``CFG_SEQ`` as a lock (even -> odd by CAS; one silent for
-``LOCK_TIMEOUT`` is taken over, odd -> odd + 2, or closed by a reader, odd
+``keyed.cells.LOCK_NS`` is taken over, odd -> odd + 2, or closed by a reader, odd
 -> even) and publish by one CAS from their lock value to the next even
 value, the generation they wrote.  Every config (the default, each override)
 has two banks, each stamped with the generation that wrote it and a checksum
@@ -18,7 +18,7 @@ does not hold the config's newest valid copy, then the other, each word by
 load, check that ``CFG_SEQ`` still holds its lock, CAS from the loaded word.
 Readers wait for an even ``CFG_SEQ``, take the valid bank of the newest
 generation (counted back from ``CFG_SEQ``, modulo 2**64) and check
-``CFG_SEQ`` again.
+``CFG_SEQ`` again (``keyed.cells.consistent``, the composite's own read).
 
 So a writer stalled past the timeout and taken over resumes with at most one
 CAS in hand, expecting a word loaded before any newer writer took the lock; no
@@ -43,13 +43,13 @@ from __future__ import annotations
 
 import math
 import os
-import time
 from dataclasses import dataclass
 from typing import Iterator, Optional, Tuple
 
 from shmlimit.errors import SegmentError
+from shmlimit.keyed import cells as KC
 from shmlimit.keyed import layout as K
-from shmlimit.keyed.cells import BANKS, alive, bank_offsets
+from shmlimit.keyed.cells import BANKS, alive, bank_offsets, consistent, pick
 from shmlimit.shm import layout as L
 from shmlimit.shm.banks import ConfigLock
 from shmlimit.shm.cells import Cells
@@ -57,34 +57,6 @@ from shmlimit.shm.cells import Cells
 #: Ticks of schedule arithmetic stay below this (2**60 ticks = 2.3 years).
 MAX_TICKS = K.MAX_TICKS
 TICKS_PER_S = 1e9 * (1 << K.TICK_SHIFT)
-#: A config lock held longer than this (seconds) was left by a dead writer and is taken over.
-LOCK_TIMEOUT = 0.2
-_MASK64 = (1 << 64) - 1  # CFG_SEQ counts modulo 2**64, as the native composite's does
-
-
-def wait_unlocked(c: Cells) -> int:
-    """``CFG_SEQ`` once no writer holds it: an even value.
-
-    A writer holds it for microseconds; one that held it for ``LOCK_TIMEOUT``
-    died there (killed in ``set_rate``), and the lock is closed by CAS to the
-    next even value, as the keyed composite's readers close it.  Without this
-    the Python readers (the default rate, an override, ``_adopt`` when a
-    process opens with ``rate=``) waited for that writer forever: after a
-    writer was killed in a set_rate, every process opening the limiter with
-    its rate hung until some other process acquired through it.
-    """
-    seen, since = None, 0.0
-    while True:
-        s = c.load(K.CFG_SEQ)
-        if not s & 1:
-            return s
-        now = time.monotonic()
-        if s != seen:
-            seen, since = s, now
-        elif now - since > LOCK_TIMEOUT:
-            c.cas(K.CFG_SEQ, s, (s + 1) & _MASK64)
-            continue
-        os.sched_yield()
 
 
 @dataclass(frozen=True)
@@ -135,14 +107,6 @@ def write_bank(c: Cells, line: int, d: Tuple[int, int], vals, gen: int) -> None:
         c.store(off, w)
 
 
-def pick(
-    c: Cells, lines: Tuple[int, int], d: Tuple[int, int], seq: int
-) -> Optional[Tuple[int, ...]]:
-    """The values of the valid bank of the newest generation (counted back from ``seq``), or None."""
-    got = BANKS.pick(c.load_many, bank_offsets(*lines), d, seq)[1]
-    return None if got is None else got[1]
-
-
 def rate_of(vals: Tuple[int, ...]) -> Rate:
     return Rate(L.u2f(vals[0]), L.u2f(vals[1]), L.u2f(vals[2]))
 
@@ -159,7 +123,7 @@ def _corrupt(what: str) -> SegmentError:
 
 def config_lock(c: Cells) -> ConfigLock:
     """The keyed segment's config lock (``shm.banks.ConfigLock``)."""
-    return ConfigLock(c, K.CFG_SEQ, int(LOCK_TIMEOUT * 1e9), "keyed config")
+    return ConfigLock(c, K.CFG_SEQ, KC.LOCK_NS, "keyed config")
 
 
 def publish_default(c: Cells, rate: Rate) -> None:
@@ -168,14 +132,10 @@ def publish_default(c: Cells, rate: Rate) -> None:
 
 
 def read_default(c: Cells) -> Rate:
-    while True:
-        s = wait_unlocked(c)
-        vals = pick(c, K.DEFAULT_BANKS, (0, 0), s)
-        if c.load(K.CFG_SEQ) == s:
-            if vals is None:
-                raise _corrupt("the default rate")
-            return rate_of(vals)
-        os.sched_yield()
+    vals = consistent(c, K.CFG_SEQ, lambda s: pick(c, K.DEFAULT_BANKS, (0, 0), s))
+    if vals is None:
+        raise _corrupt("the default rate")
+    return rate_of(vals)
 
 
 class Overrides:
@@ -214,16 +174,14 @@ class Overrides:
         return pick(self.c, self._banks(e), (self.c.load(e + K.O_D0), self.c.load(e + K.O_D1)), seq)
 
     def get(self, d: Tuple[int, int]) -> Optional[Rate]:
-        c = self.c
-        while True:
-            s = wait_unlocked(c)
+        def read(s: int) -> Tuple[Optional[int], Optional[Tuple[int, ...]]]:
             e = self._find(d) if self.novr else None
-            vals = self._vals(e, s) if e is not None else None
-            if c.load(K.CFG_SEQ) == s:
-                if e is not None and vals is None:
-                    raise _corrupt("this key's override")
-                return None if vals is None or not vals[3] else rate_of(vals)
-            os.sched_yield()
+            return e, (self._vals(e, s) if e is not None else None)
+
+        e, vals = consistent(self.c, K.CFG_SEQ, read)
+        if e is not None and vals is None:
+            raise _corrupt("this key's override")
+        return None if vals is None or not vals[3] else rate_of(vals)
 
     def _free(self, e: int, ctl: int, seq: int, mine: int) -> bool:
         """Whether entry ``e`` (CTRL ``ctl``) may be claimed: empty, freed, claimed by a writer that
@@ -312,11 +270,11 @@ class Overrides:
                 )
             if not lock.published:
                 if counted:
-                    c.fetch_add(K.OVR_LIVE, _MASK64)  # -1
+                    c.fetch_add(K.OVR_LIVE, KC.MASK64)  # -1
                 if claimed:  # our own claim goes back (unless a newer writer took it)
                     c.cas(e + K.O_CTRL, claimed, K.o_ctrl(K.O_TOMB, 0, lock.gen))
             elif claimed and not c.cas(e + K.O_CTRL, claimed, K.o_ctrl(K.O_LIVE, 0, lock.gen)):
-                c.fetch_add(K.OVR_LIVE, _MASK64)  # another made it LIVE, and counted it
+                c.fetch_add(K.OVR_LIVE, KC.MASK64)  # another made it LIVE, and counted it
 
     def remove(self, d: Tuple[int, int]) -> bool:
         c = self.c
@@ -329,7 +287,7 @@ class Overrides:
                 return False
             lock.write_banks(BANKS, bank_offsets(*self._banks(e)), d, bank_values(None))
         if vals is not None:
-            c.fetch_add(K.OVR_LIVE, (1 << 64) - 1)
+            c.fetch_add(K.OVR_LIVE, KC.MASK64)
         return True
 
     def count(self) -> int:

@@ -27,7 +27,8 @@ from shmlimit.errors import LimiterNotFoundError, SegmentError, SharedMemoryFull
 from shmlimit.header import KINDS_BY_MAGIC, Kind, open_existing
 from shmlimit.header import open_segment as open_header
 from shmlimit.keyed import layout as K
-from shmlimit.keyed.gcra import MAX_TICKS, Rate, bank_values, pick, rate_of, write_bank
+from shmlimit.keyed.cells import pick
+from shmlimit.keyed.gcra import MAX_TICKS, Rate, bank_values, rate_of, write_bank
 from shmlimit.shm import layout as L
 from shmlimit.shm.cells import Cells, open_cells
 from shmlimit.shm.segment import (

@@ -403,10 +403,8 @@ def test_a_config_writer_killed_at_any_write_leaves_the_old_config_or_the_new(na
     """Killed before each of its writes in turn (a default rate, an override added, changed or removed),
     a writer leaves each config's other bank whole: once its lock is closed, the Python readers and
     the keyed composite price by the old config or by the new one, never by words of both."""
-    from shmlimit.keyed import gcra as keyed_gcra
     from shmlimit.keyed.gcra import Overrides, publish_default, read_default
 
-    monkeypatch.setattr(keyed_gcra, "LOCK_TIMEOUT", 0.0)
     monkeypatch.setattr(KC, "LOCK_NS", 0)
     lim = shmlimit.KeyedLimiter(name, rate=10, burst=2, keys=64, overrides=16)
     cells = lim._live().cells

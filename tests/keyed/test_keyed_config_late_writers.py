@@ -16,7 +16,6 @@ from support.cells import Writer, every_two_late, release
 
 import shmlimit
 from shmlimit.keyed import cells as KC
-from shmlimit.keyed import gcra as keyed_gcra
 from shmlimit.keyed import layout as K
 from shmlimit.keyed.gcra import Overrides, make_rate, publish_default, read_default
 
@@ -53,7 +52,7 @@ def _two_late(lim, write_first, write_second, newer, check, prepare):
 
 
 def test_two_late_default_writers_leave_the_newest_rate_whole(name, monkeypatch):
-    monkeypatch.setattr(keyed_gcra, "LOCK_TIMEOUT", 0.0)  # taken over at the second look
+    monkeypatch.setattr(KC, "LOCK_NS", 0)  # taken over at the second look
     lim = shmlimit.KeyedLimiter(name, rate=1000, keys=64)
     keys = iter(range(10**6))
     try:
@@ -76,7 +75,7 @@ def test_two_late_default_writers_leave_the_newest_rate_whole(name, monkeypatch)
 
 @pytest.mark.parametrize("existing", [True, False], ids=["override-changed", "override-added"])
 def test_two_late_override_writers_leave_the_newest_rate_whole(name, monkeypatch, existing):
-    monkeypatch.setattr(keyed_gcra, "LOCK_TIMEOUT", 0.0)
+    monkeypatch.setattr(KC, "LOCK_NS", 0)
     lim = shmlimit.KeyedLimiter(name, rate=1000, burst=50, keys=64, overrides=64)
     try:
         novr = lim._att.geo.overrides
@@ -145,7 +144,7 @@ def test_any_number_of_late_writers_leave_every_config_whole(
     in a random order.  After each step every config reads as one rate that was written to it,
     the same for the composite, never refused as corrupt; the newest set_rate's config reads as
     that rate."""
-    monkeypatch.setattr(keyed_gcra, "LOCK_TIMEOUT", 0.0)
+    monkeypatch.setattr(KC, "LOCK_NS", 0)
     lim = shmlimit.KeyedLimiter(
         f"{name}-{order.getrandbits(32)}", rate=5, burst=5, keys=64, overrides=16
     )

@@ -21,7 +21,6 @@ from support.cells import BeforeWrite
 import shmlimit
 from shmlimit.errors import ConfigWriterTakenOver
 from shmlimit.keyed import cells as KC
-from shmlimit.keyed import gcra as keyed_gcra
 from shmlimit.keyed import layout as K
 from shmlimit.keyed.gcra import Overrides, make_rate, publish_default, read_default
 
@@ -76,7 +75,7 @@ def _run_stalled(lim, write, newer, check, prepare=lambda: None):
 
 
 def test_a_stalled_keyed_config_writer_that_resumes_publishes_nothing(name, monkeypatch):
-    monkeypatch.setattr(keyed_gcra, "LOCK_TIMEOUT", 0.0)  # taken over at the second look
+    monkeypatch.setattr(KC, "LOCK_NS", 0)  # taken over at the second look
     lim = shmlimit.KeyedLimiter(name, rate=1000, keys=64)
     try:
 
@@ -93,7 +92,7 @@ def test_a_stalled_keyed_config_writer_that_resumes_publishes_nothing(name, monk
 
 @pytest.mark.parametrize("existing", [True, False], ids=["override-changed", "override-added"])
 def test_a_stalled_override_writer_that_resumes_publishes_nothing(name, monkeypatch, existing):
-    monkeypatch.setattr(keyed_gcra, "LOCK_TIMEOUT", 0.0)
+    monkeypatch.setattr(KC, "LOCK_NS", 0)
     lim = shmlimit.KeyedLimiter(name, rate=1000, burst=50, keys=64, overrides=16)
     try:
         novr = lim._att.geo.overrides
@@ -125,7 +124,7 @@ def test_a_stalled_override_writer_that_resumes_publishes_nothing(name, monkeypa
 
 
 def test_a_stalled_override_remover_that_resumes_removes_nothing(name, monkeypatch):
-    monkeypatch.setattr(keyed_gcra, "LOCK_TIMEOUT", 0.0)
+    monkeypatch.setattr(KC, "LOCK_NS", 0)
     lim = shmlimit.KeyedLimiter(name, rate=1000, burst=50, keys=64, overrides=16)
     try:
         novr = lim._att.geo.overrides
@@ -151,10 +150,8 @@ def test_a_stalled_override_remover_that_resumes_removes_nothing(name, monkeypat
 def test_a_reader_that_meets_a_stalled_writer_prices_by_one_config(name, monkeypatch):
     """A writer stopped before any of its writes: a reader closes its lock after the timeout and sees
     the old config or the new one, never a pair of words from both (Python readers and the composite)."""
-    monkeypatch.setattr(keyed_gcra, "LOCK_TIMEOUT", 0.0)
-    monkeypatch.setattr(
-        KC, "LOCK_NS", 0
-    )  # the reference composite closes a held lock at its second look
+    # the Python readers and the reference composite close a held lock at their second look
+    monkeypatch.setattr(KC, "LOCK_NS", 0)
     lim = shmlimit.KeyedLimiter(name, rate=10, burst=2, keys=64)
     c = lim._att.cells
     try:
