@@ -109,7 +109,6 @@ OVER = 1 << 62  #: what ``incr`` answers once a window's count is saturated (abo
 MAX_WINDOW_MS = 1 << 35
 _MAX_WINDOW_S = MAX_WINDOW_MS // 1000  #: the longest window a whole number of seconds gives
 _MAX_NOW_MS = TMAX - 2 * MAX_WINDOW_MS - 2  #: the latest clock (ms) every window's end fits after
-LOW = FLAG | CMAX
 MOVING_MAX = (1 << 20) - 1  #: the largest moving-window limit (hits per window)
 E_TSHIFT = 20  #: a log entry: LAP << 63 | t << 20 | cum, t in units of 1/32 ms
 E_CUM = (1 << E_TSHIFT) - 1
@@ -144,12 +143,11 @@ def window_ms(expiry: object) -> int:
     return w
 
 
-def _amount(amount: object) -> int:
-    if type(amount) is int and 0 <= amount <= CMAX:
-        return amount
-    if isinstance(amount, bool) or not isinstance(amount, int) or not 0 <= amount <= CMAX:
-        raise ValueError(f"amount must be an int from 0 to {CMAX}, got {amount!r}")
-    return amount
+def _bounded(name: str, v: object, top: int, unit: str = "") -> int:
+    """``v`` if it is an int from 0 to ``top`` (an amount, a limit); else ValueError naming it."""
+    if isinstance(v, bool) or not isinstance(v, int) or not 0 <= v <= top:
+        raise ValueError(f"{name} must be an int from 0 to {top}{unit}, got {v!r}")
+    return v
 
 
 class WindowCounters:
@@ -265,7 +263,7 @@ class WindowCounters:
         A window starts at the first increment after the previous one ended.
         Answers ``OVER`` once the window's count would pass ``CMAX``.
         """
-        w, amount = window_ms(expiry), _amount(amount)
+        w, amount = window_ms(expiry), _bounded("amount", amount, CMAX)
         _, now = self._now()
         if self._native is not None:
             got = self._native.incr(key, w, amount, now)
@@ -388,11 +386,11 @@ class WindowCounters:
         hit it starts afresh (the ``limits`` sliding window counter, as its
         Redis storage keeps it).  Check and count are one CAS.
         """
-        w, amount = window_ms(expiry), _amount(amount)
-        if isinstance(limit, bool) or not isinstance(limit, int) or not 0 <= limit <= CMAX:
-            raise ValueError(
-                f"limit must be an int from 0 to {CMAX} (hits per window), got {limit!r}"
-            )
+        w, amount, limit = (
+            window_ms(expiry),
+            _bounded("amount", amount, CMAX),
+            _bounded("limit", limit, CMAX, " (hits per window)"),
+        )
         if amount > limit:
             return False
         clk = _Reading(self._now)
@@ -549,19 +547,14 @@ class MovingWindows(WindowCounters):
         self._advance(s, v, base, e >> E_TSHIFT & E_TMAX, wu)
         return None
 
-    @staticmethod
-    def _check_limit(limit: object) -> int:
-        if isinstance(limit, bool) or not isinstance(limit, int) or not 0 <= limit <= MOVING_MAX:
-            raise ValueError(
-                f"limit must be an int from 0 to {MOVING_MAX} (hits per moving window), "
-                f"got {limit!r}"
-            )
-        return limit
-
     def acquire_entry(self, key: object, limit: int, expiry: float, amount: int = 1) -> bool:
         """Count ``amount`` hits for ``key`` now iff its hits in the last ``expiry`` seconds plus
         ``amount`` stay within ``limit``; check and count are one step for every process."""
-        w, amount, limit = window_ms(expiry), _amount(amount), self._check_limit(limit)
+        w, amount, limit = (
+            window_ms(expiry),
+            _bounded("amount", amount, CMAX),
+            _bounded("limit", limit, MOVING_MAX, " (hits per moving window)"),
+        )
         if amount > limit:
             return False
         ns, now = self._now()
