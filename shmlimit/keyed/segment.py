@@ -312,6 +312,12 @@ def open_segment(
 _HOLDS = {K.KIND_GCRA: "a KeyedLimiter", K.KIND_WINDOWS: "window counters (a limits storage)"}
 
 
+def check_kind(name: str, have: int, want: int) -> None:
+    """Refuse (``SegmentError``) a keyed segment of value kind ``have`` where ``want`` is needed."""
+    if have != want:
+        raise SegmentError(f"segment {name!r} holds {_HOLDS[have]}, not {_HOLDS[want]}")
+
+
 def open_keyed(
     name: str,
     kind: int,
@@ -333,8 +339,7 @@ def open_keyed(
     try:
         if opener is not None:
             real = validate_header(name, c, seg.size)
-        if real.kind != kind:
-            raise SegmentError(f"segment {name!r} holds {_HOLDS[real.kind]}, not {_HOLDS[kind]}")
+        check_kind(name, real.kind, kind)
         secret = read_key(seg, c, mode, trusted_uids)  # a region's is its group's
     finally:
         if secret is None:  # refused, or collected since it was opened

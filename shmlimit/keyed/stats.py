@@ -24,7 +24,7 @@ from shmlimit.keyed import cells as KC
 from shmlimit.keyed import layout as K
 from shmlimit.keyed.adapt import stats as adapt_stats
 from shmlimit.keyed.gcra import TICKS_PER_S, Overrides, Rate, peek_default, rate_of
-from shmlimit.keyed.segment import Geometry, read_copy, validate_header
+from shmlimit.keyed.segment import Geometry, check_kind, read_copy, validate_header
 from shmlimit.keyed.windows import FLAG, unpack
 from shmlimit.rate_group import MultiStats
 from shmlimit.shm import layout as L
@@ -163,28 +163,26 @@ def _sample(
     )
 
 
-def _overrides_copy(name: str) -> Tuple[Cells, Geometry]:
+def _overrides_copy(name: str) -> Tuple[Cells, Overrides, Geometry]:
     """A private copy of table ``name``'s header and process table, and of its override entries
     when it has live ones (``OVR_LIVE``: read it before the entries; nothing mapped): cells over
-    it, and its geometry."""
+    it, its override table (of no entries when none was copied), and its geometry."""
     seg, at = _where(name)
     c, geo, _ = _header_copy(seg, at)
     if not geo.overrides or not c.load(K.OVR_LIVE):
-        return c, geo
+        return c, Overrides(c, 0), geo
     c.close()
     data, _ = read_copy(seg, at, K.slots_offset(geo.overrides))
-    return open_cells(data, len(data)), geo  # type: ignore[arg-type]  # a private copy
+    c = open_cells(data, len(data))  # type: ignore[arg-type]  # a private copy
+    return c, Overrides(c, geo.overrides), geo
 
 
 def _own(name: str, digests: List[Tuple[int, int]]) -> List[Tuple[int, Optional[Tuple[int, ...]]]]:
     """For each of table ``name``'s keys ``digests``: the default's TAU (ticks) and the values of
     the key's override (None: it has none), from a private copy of its config and overrides."""
-    c, geo = _overrides_copy(name)
+    c, ovr, _ = _overrides_copy(name)
     try:
         default = peek_default(c).tau
-        if not geo.overrides or not c.load(K.OVR_LIVE):
-            return [(default, None)] * len(digests)
-        ovr = Overrides(c, geo.overrides)
         return [(default, ovr.peek(d)) for d in digests]
     finally:
         c.close()
@@ -208,11 +206,10 @@ def adapted_keys(name: str, count: int = ADAPTED_SHOWN) -> List[KeySample]:
     A key is named by its slot (its bytes when ``store_keys``, else ``#`` and its digest's first
     hex), with its grants and wait; a key that holds no slot now shows as ``#`` and its digest,
     idle.  ``name`` may be a rate's label (``group[key]``)."""
-    c, geo = _overrides_copy(name)
+    c, ovr, geo = _overrides_copy(name)
     try:
-        if geo.kind != K.KIND_GCRA:
-            raise SegmentError(f"segment {name!r} holds window counters, not a KeyedLimiter's keys")
-        found = list(Overrides(c, geo.overrides).peek_all()) if c.load(K.OVR_LIVE) else []
+        check_kind(name, geo.kind, K.KIND_GCRA)
+        found = list(ovr.peek_all())
     finally:
         c.close()
     lowest = sorted(found, key=lambda dv: _per_second(rate_of(dv[1])))[:count]
@@ -237,13 +234,7 @@ def _live_slots(name: str, kind: int, start: int, count: int) -> Tuple[List[Tupl
     name, at = _where(name)
     cells, geo, _ = _header_copy(name, at)
     cells.close()
-    if geo.kind != kind:
-        what = (
-            "holds window counters, not a KeyedLimiter's keys"
-            if kind == K.KIND_GCRA
-            else "is a KeyedLimiter, not a table of window counters"
-        )
-        raise SegmentError(f"segment {name!r} {what}")
+    check_kind(name, geo.kind, kind)
     base = K.slots_offset(geo.overrides)
     count = min(count, geo.keys)
     start %= geo.keys
@@ -304,27 +295,32 @@ def _header_copy(name: str, at: int = 0) -> Tuple[Cells, Geometry, int]:
         raise
 
 
+def _snapshot(name: str, label: str, at: int = 0, size: Optional[int] = None) -> KeyedStats:
+    """``snapshot_of`` the table at ``at`` in segment ``name`` (``size`` bytes; default: to the
+    file's end), labelled ``label``, from a private copy of its header and process table."""
+    c, geo, left = _header_copy(name, at)
+    try:
+        return snapshot_of(label, c, geo, left if size is None else size)
+    finally:
+        c.close()
+
+
 def inspect_keyed_group(name: str) -> MultiStats:
     """A snapshot of every rate of the keyed limiter of several rates ``name``, read as
     ``inspect_keyed`` reads one table: each region's header and process table, copied."""
     geo = copy_geometry(name, L.REGIONS_KEYED)
-    out = {}
-    for i, key in enumerate(geo.keys):
-        c, table, _ = _header_copy(name, geo.offset(i))
-        try:
-            out[key] = snapshot_of(f"{name}[{key}]", c, table, geo.region_bytes)
-        finally:
-            c.close()
-    return MultiStats(name, out)
+    return MultiStats(
+        name,
+        {
+            key: _snapshot(name, f"{name}[{key}]", geo.offset(i), geo.region_bytes)
+            for i, key in enumerate(geo.keys)
+        },
+    )
 
 
 def inspect_keyed(name: str) -> KeyedStats:
     """A snapshot of a keyed limiter, read without joining it: a private copy of its header, nothing mapped."""
-    c, geo, size = _header_copy(name)
-    try:
-        return snapshot_of(name, c, geo, size)
-    finally:
-        c.close()
+    return _snapshot(name, name)
 
 
 @dataclass(frozen=True)

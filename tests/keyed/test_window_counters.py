@@ -476,15 +476,21 @@ def test_real_processes_count_every_hit_exactly_once(name, start):
 
 def test_segment_kinds_are_not_mixed_up(name):
     import shmlimit
+    from shmlimit.keyed.stats import adapted_keys, sample_keys, sample_windows
 
     kl = shmlimit.KeyedLimiter(name, rate=10, keys=64)
     with pytest.raises(SegmentError, match="KeyedLimiter"):
         WindowTable(name)
+    with pytest.raises(SegmentError, match="holds a KeyedLimiter, not window counters"):
+        sample_windows(name, 0, 8)  # the tools read without joining: the same refusal
     kl.close()
     kl.unlink()
     t = WindowTable(name, keys=64)
     with pytest.raises(SegmentError, match="window counters"):
         shmlimit.KeyedLimiter(name)
+    for look in (lambda: sample_keys(name, 0, 8), lambda: adapted_keys(name)):
+        with pytest.raises(SegmentError, match="holds window counters .*, not a KeyedLimiter"):
+            look()
     t.close()
 
 
