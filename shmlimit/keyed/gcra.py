@@ -59,6 +59,13 @@ MAX_TICKS = K.MAX_TICKS
 TICKS_PER_S = 1e9 * (1 << K.TICK_SHIFT)
 
 
+def wait_ticks(seconds: float) -> int:
+    """A wait in ticks, at most ``MAX_WAIT``: a finite wait past about 1e298 s is infinite in ticks
+    (its float product), which ``int`` refuses, so the product is compared before converting."""
+    ticks = seconds * TICKS_PER_S
+    return KC.MAX_WAIT if ticks >= KC.MAX_WAIT else int(ticks)
+
+
 @dataclass(frozen=True)
 class Rate:
     """One GCRA configuration: ``rate`` ops per ``per`` seconds, ``burst`` ops at once."""

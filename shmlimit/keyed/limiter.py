@@ -40,6 +40,7 @@ from shmlimit.keyed.gcra import (
     make_rate,
     publish_default,
     read_default,
+    wait_ticks,
 )
 from shmlimit.keyed.segment import (
     Geometry,
@@ -77,13 +78,9 @@ __all__ = [
 
 
 class _Closed:
-    def acquire(self, *a: Any) -> int:
-        raise ValueError("keyed limiter is closed in this process")
+    """An attachment's keyed composite before its first join and once shut: every use refuses."""
 
-    def try_acquire(self, *a: Any) -> bool:
-        raise ValueError("keyed limiter is closed in this process")
-
-    def digest(self, key: object) -> Tuple[int, int]:
+    def __getattr__(self, name: str) -> Any:
         raise ValueError("keyed limiter is closed in this process")
 
 
@@ -277,13 +274,6 @@ def _check(
 BUSY_NAP = 0.001
 
 
-def _ticks(seconds: float) -> int:
-    """A wait in ticks, at most ``MAX_WAIT``: a finite wait past about 1e298 s is infinite in ticks
-    (its float product), which ``int`` refuses, so the product is compared before converting."""
-    ticks = seconds * TICKS_PER_S
-    return KC.MAX_WAIT if ticks >= KC.MAX_WAIT else int(ticks)
-
-
 #: The longest pause (seconds): a wait the keyed schedule can hold (``MAX_WAIT`` ticks, 2.3 years).
 MAX_PAUSE = KC.MAX_WAIT / TICKS_PER_S
 
@@ -303,7 +293,7 @@ class _Due:
         untimed call raises instead).  An insert of the key stalled by another live process
         (``BUSY``) is looked at again after ``BUSY_NAP`` by an untimed call."""
         t, lim = self.timeout, self.lim
-        r = lim._call(self.key, self.n, KC.MAX_WAIT if t is None else _ticks(t))
+        r = lim._call(self.key, self.n, KC.MAX_WAIT if t is None else wait_ticks(t))
         if r == KC.BUSY and t is None:
             return BUSY_NAP
         if r < 0:
@@ -568,7 +558,7 @@ class KeyedLimiter(RatesSwitch, Keyed, Handle):
         ``KeyTableFullError`` and an ``n`` above the capacity ``ValueError``.
         """
         mw = validate_timeout(max_wait, "max_wait")
-        r = self._call_untimed(key, n) if mw is None else self._call(key, n, _ticks(mw))
+        r = self._call_untimed(key, n) if mw is None else self._call(key, n, wait_ticks(mw))
         if r >= 0:
             return r / TICKS_PER_S
         if mw is None:
@@ -580,12 +570,9 @@ class KeyedLimiter(RatesSwitch, Keyed, Handle):
             raise KeyTableFullError(self._name, self.slots)
         if r == KC.NEVER:
             raise ValueError(
-                f"n must be at most this key's capacity ({self._cap_for_error()} ops), got {n}"
+                f"n must be at most this key's capacity ({self.capacity:g} by default ops), got {n}"
             )
         raise ValueError(f"the wait for n={n} exceeds {KC.MAX_WAIT / TICKS_PER_S:.0f} s")
-
-    def _cap_for_error(self) -> str:
-        return f"{self.capacity:g} by default"
 
     def acquire(self, key: object, n: int = 1, timeout: Optional[float] = None) -> bool:
         """Take ``n`` ops for ``key``, waiting as needed; True once granted.
@@ -638,7 +625,7 @@ class KeyedLimiter(RatesSwitch, Keyed, Handle):
             )
         att = self._use()
         now = time.monotonic_ns() << K.TICK_SHIFT
-        return att.reference().push(key, now + _ticks(seconds), now) == 0
+        return att.reference().push(key, now + wait_ticks(seconds), now) == 0
 
     # -- configuration -------------------------------------------------------------------
 

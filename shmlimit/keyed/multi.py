@@ -39,7 +39,7 @@ from shmlimit.group import GroupCreation, open_rates
 from shmlimit.keyed import cells as KC
 from shmlimit.keyed import layout as K
 from shmlimit.keyed.adapt import check_start
-from shmlimit.keyed.gcra import TICKS_PER_S, make_rate
+from shmlimit.keyed.gcra import TICKS_PER_S, make_rate, wait_ticks
 from shmlimit.keyed.segment import check_geometry
 from shmlimit.protocol import Keyed
 from shmlimit.rate_group import MultiStats, RateGroup, parse_rates, rates_from_text
@@ -187,10 +187,7 @@ class MultiKeyedLimiter(RateGroup, Keyed):
         t = validate_timeout(timeout)
         if t is None:
             return None
-        ticks = (
-            t * TICKS_PER_S
-        )  # inf for a finite timeout past about 1e298 s: compared, never converted
-        return self._now() + (KC.MAX_WAIT if ticks >= KC.MAX_WAIT else int(ticks))
+        return self._now() + wait_ticks(t)
 
     def acquire(
         self, key: object, n: int = 1, timeout: Optional[float] = None, **costs: int
