@@ -297,9 +297,6 @@ class Overrides:
             c.fetch_add(K.OVR_LIVE, KC.MASK64)
         return True
 
-    def count(self) -> int:
-        return self.c.load(K.OVR_LIVE)
-
     def entry(self, d: Tuple[int, int]) -> Optional[int]:
         """The offset of digest ``d``'s LIVE entry (its rate perhaps removed), None if it has
         none: where a key's adaptive rate keeps its window (``keyed.adapt``)."""

@@ -95,7 +95,6 @@ B_RATE, B_PER, B_BURST, B_T, B_TAU, B_GEN, B_SUM = words(0, 8)[1:]
 B_VALUES = (B_RATE, B_PER, B_BURST, B_T, B_TAU)
 
 # line 1 after CFG_SEQ is the default's bank A; its backup, bank B, is line 8
-CFG_T, CFG_TAU, CFG_GEN, CFG_SUM = words(1, 8)[4:]
 DEFAULT_BANKS = (1 * LINE, 8 * LINE)
 #: The default's bank B lies this many lines after CFG_SEQ's (the composite is given CFG_SEQ's offset).
 DEFAULT_BACKUP_LINES = 7

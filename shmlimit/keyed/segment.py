@@ -69,13 +69,11 @@ class Geometry:
 
 
 def check_geometry(keys: object, overrides: object) -> Geometry:
-    for param, v, hi in (("keys", keys, K.MAX_KEYS), ("overrides", overrides, K.MAX_OVERRIDES)):
-        if (
-            isinstance(v, bool)
-            or not isinstance(v, int)
-            or not (1 if param == "keys" else 0) <= v <= hi
-        ):
-            lo = 1 if param == "keys" else 0
+    for param, v, lo, hi in (
+        ("keys", keys, 1, K.MAX_KEYS),
+        ("overrides", overrides, 0, K.MAX_OVERRIDES),
+    ):
+        if isinstance(v, bool) or not isinstance(v, int) or not lo <= v <= hi:
             raise ValueError(f"{param} must be an int from {lo} to {hi}, got {v!r}")
     return Geometry(keys, overrides)  # type: ignore[arg-type]
 
