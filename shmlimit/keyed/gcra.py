@@ -148,14 +148,17 @@ def read_default(c: Cells) -> Rate:
 class Overrides:
     """The bounded override table: ``novr`` entries of three lines, probed from the digest's home (``D1``)."""
 
-    def __init__(self, c: Cells, novr: int) -> None:
+    def __init__(self, c: Cells, novr: int, probe: int) -> None:
         self.c = c
         self.novr = novr
         self.base = K.overrides_offset()
+        # the composite looks for a key's override only as far as the table's ``probe`` (min(PROBE,
+        # keys): a small table's is shorter), so no entry is ever placed beyond it
+        self.probe = min(probe, novr)
 
     def _entries(self, d: Tuple[int, int]):
         home = (d[1] * self.novr) >> 64
-        for i in range(min(K.PROBE, self.novr)):
+        for i in range(self.probe):
             yield self.base + ((home + i) % self.novr) * K.OVR_LINES * K.LINE
 
     @staticmethod

@@ -105,7 +105,7 @@ class _Attachment(Attached):
         super().__init__(name, seg, cells, K.PSLOTS)
         self.geo = geo
         self.flags = flags  #: ``keyed_cells.table_flags``: this process's when_full and store_keys
-        self.overrides = Overrides(cells, geo.overrides)
+        self.overrides = Overrides(cells, geo.overrides, geo.probe)
         self.secret = secret  #: the hash's (k0, k1), from the segment's secret file
         self.kt: Any = _CLOSED
         #: Every handle on this attachment in this process: after fork, the child points their

@@ -170,11 +170,11 @@ def _overrides_copy(name: str) -> Tuple[Cells, Overrides, Geometry]:
     seg, at = _where(name)
     c, geo, _ = _header_copy(seg, at)
     if not geo.overrides or not c.load(K.OVR_LIVE):
-        return c, Overrides(c, 0), geo
+        return c, Overrides(c, 0, 0), geo
     c.close()
     data, _ = read_copy(seg, at, K.slots_offset(geo.overrides))
     c = open_cells(data, len(data))  # type: ignore[arg-type]  # a private copy
-    return c, Overrides(c, geo.overrides), geo
+    return c, Overrides(c, geo.overrides, geo.probe), geo
 
 
 def _own(name: str, digests: List[Tuple[int, int]]) -> List[Tuple[int, Optional[Tuple[int, ...]]]]:

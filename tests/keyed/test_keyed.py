@@ -179,6 +179,25 @@ def test_overrides_are_per_key_removable_and_bounded(name):
     lim.close()
 
 
+def test_a_small_tables_overrides_are_all_in_force(name):
+    # A table of 4 keys probes 4 entries from a key's home: an override placed beyond them would
+    # be invisible to the composite, and its key granted at the default rate
+    lim = shmlimit.KeyedLimiter(name, rate=1000, keys=4, overrides=16)
+    placed = []
+    for k in range(16):
+        try:
+            lim.set_rate(1, per=3600, burst=1, key=f"k{k}")
+        except ValueError as e:  # no entry free in its window: said, never placed out of reach
+            assert "override table is full" in str(e)
+            continue
+        placed.append(f"k{k}")
+    assert len(placed) >= 4
+    for key in placed:
+        assert lim.override(key) == (1.0, 3600.0, 1.0)
+        assert lim.try_acquire(key) and not lim.try_acquire(key), key
+    lim.close()
+
+
 def test_config_mismatch_and_attach(name):
     lim = shmlimit.KeyedLimiter(name, rate=5, keys=100)
     with pytest.raises(shmlimit.ConfigMismatchError):
@@ -449,17 +468,17 @@ def test_a_config_writer_killed_at_any_write_leaves_the_old_config_or_the_new(na
         (lambda: None, lambda c: publish_default(c, new), lambda: (read_default(cells), 50)),
         (
             lambda: lim.remove_override("k"),
-            lambda c: Overrides(c, novr).set(d, new),
+            lambda c: Overrides(c, novr, lim._att.geo.probe).set(d, new),
             lambda: (lim.override("k"), 50),
         ),
         (
             lambda: lim.set_rate(10, burst=2, key="k"),
-            lambda c: Overrides(c, novr).set(d, new),
+            lambda c: Overrides(c, novr, lim._att.geo.probe).set(d, new),
             lambda: (lim.override("k"), 50),
         ),
         (
             lambda: lim.set_rate(1000, burst=50, key="k"),
-            lambda c: Overrides(c, novr).remove(d),
+            lambda c: Overrides(c, novr, lim._att.geo.probe).remove(d),
             lambda: (lim.override("k"), 2),
         ),
     ]

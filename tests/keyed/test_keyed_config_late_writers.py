@@ -88,7 +88,9 @@ def test_two_late_override_writers_leave_the_newest_rate_whole(name, monkeypatch
                 lim.set_rate(5, key=k)
 
         def writer(rate):
-            return lambda cells: Overrides(cells, novr).set(lim._att.kt.digest(current[0]), rate)
+            return lambda cells: Overrides(cells, novr, lim._att.geo.probe).set(
+                lim._att.kt.digest(current[0]), rate
+            )
 
         def check(where):
             k = current[0]
@@ -158,7 +160,9 @@ def test_any_number_of_late_writers_leave_every_config_whole(
         def writer(target, rate):
             if target is None:
                 return lambda cells: publish_default(cells, rate)
-            return lambda cells: Overrides(cells, novr).set(lim._att.kt.digest(target), rate)
+            return lambda cells: Overrides(cells, novr, lim._att.geo.probe).set(
+                lim._att.kt.digest(target), rate
+            )
 
         for target, r, at in late:
             written[target].add(RATES[r])

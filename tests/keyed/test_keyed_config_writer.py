@@ -110,7 +110,7 @@ def test_a_stalled_override_writer_that_resumes_publishes_nothing(name, monkeypa
             current[0] = key()
 
         def write(cells):
-            Overrides(cells, novr).set(lim._att.kt.digest(current[0]), LATE)
+            Overrides(cells, novr, lim._att.geo.probe).set(lim._att.kt.digest(current[0]), LATE)
 
         def check(at):
             k = current[0]
@@ -130,7 +130,7 @@ def test_a_stalled_override_remover_that_resumes_removes_nothing(name, monkeypat
         novr = lim._att.geo.overrides
 
         def write(cells):
-            Overrides(cells, novr).remove(lim._att.kt.digest("k"))
+            Overrides(cells, novr, lim._att.geo.probe).remove(lim._att.kt.digest("k"))
 
         def check(at):
             assert lim.override("k") == NEWER, at

@@ -715,7 +715,7 @@ class RepriceMachine(RuleBasedStateMachine):
     @initialize(price=st.sampled_from(PRICES))
     def setup(self, price):
         self.t = Table(self.backend, 16, 1, novr=16)  # refuse: nothing limited is ever evicted
-        self.ovr = Overrides(self.t.c, 16)
+        self.ovr = Overrides(self.t.c, 16, self.t.probe)
         set_params(self.t.c, price[0], price[0] * price[1])
         self.ref = self._reference()
         self.now = 1 << 40
