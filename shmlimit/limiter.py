@@ -19,9 +19,8 @@ from shmlimit.acquire.drivers import drive, drive_async
 from shmlimit.acquire.single import MAX_NAP, Request, wait_for_ticket
 from shmlimit.adapt import Adapt
 from shmlimit.adapt import feedback as adapt_feedback
-from shmlimit.attachment import Attachment, FastPaths, open_attachment, registry, show
+from shmlimit.attachment import Attachment, FastPaths, check_upstream, open_attachment, registry
 from shmlimit.config import Config, parse_spec, validate_n, validate_reconfigure, validate_timeout
-from shmlimit.errors import ConfigMismatchError
 from shmlimit.header import Creation
 from shmlimit.protocol import AcquireOnEnter
 from shmlimit.rate_group import RatesSwitch, group_options
@@ -206,8 +205,6 @@ class Limiter(RatesSwitch, AcquireOnEnter, Handle):
         self._name = name
         self._mode = mode
         self._trusted = trusted
-        self._att: Optional[Attachment] = None
-        self._fast = FastPaths()
         create = None if cfg is None else Creation(cfg, mode, initial, slots, desc, adapt)
         self._att = open_attachment(
             name, create, mode, trusted, clock or time.monotonic_ns, reconfigure
@@ -261,11 +258,8 @@ class Limiter(RatesSwitch, AcquireOnEnter, Handle):
         # The trust travels with the handle: the unpickling process vets the segment the same way.
         # A hierarchical handle also carries the upstream its process configured (secrets
         # included), so a pool worker that unpickles it may feed as its parent would.
-        att = self._att
-        trusted = tuple(sorted(self._trusted))
-        if att is not None and att.feed_spec is not None:
-            return (_attach_configured, (self._name, att.feed_spec, self._mode, trusted))
-        return (_unpickle, (self._name, self._mode, trusted))
+        spec = None if self._att is None else self._att.feed_spec
+        return (_unpickle, (self._name, self._mode, tuple(sorted(self._trusted)), spec))
 
     # -- acquiring -------------------------------------------------------------------
     #
@@ -526,22 +520,17 @@ def attach(name: str, *, mode: int = 0o600, trusted_uids: Iterable[int] = ()) ->
     return Limiter(name, mode=mode, trusted_uids=trusted_uids)
 
 
-def _unpickle(name: str, mode: int, trusted: Tuple[int, ...]) -> Limiter:
-    return Limiter(name, mode=mode, trusted_uids=trusted)
+def _unpickle(
+    name: str, mode: int, trusted: Tuple[int, ...], spec: Optional[UpstreamSpec] = None
+) -> Limiter:
+    """Unpickling a handle: attach; a hierarchical handle's sender configured the upstream
+    (``spec``), so this process feeds with it too (the segment's must be the same)."""
+    lim = Limiter(name, mode=mode, trusted_uids=trusted)
+    if spec is not None:
+        check_upstream(name, lim._peek(), spec)
+    return lim
 
 
 def unlink(name: str) -> None:
     """Remove the limiter's segment by name.  Raises ``LimiterNotFoundError`` when there is none."""
     _unlink_name(name)
-
-
-def _attach_configured(
-    name: str, spec: UpstreamSpec, mode: int = 0o600, trusted: Tuple[int, ...] = ()
-) -> Limiter:
-    """Unpickling a hierarchical handle: attach, and feed with the upstream its sender configured."""
-    lim = Limiter(name, mode=mode, trusted_uids=trusted)
-    att = lim._peek()
-    if att.upstream != spec:
-        raise ConfigMismatchError(name, f"upstream {show(att.upstream)}", f"upstream {show(spec)}")
-    att.configure_upstream(spec)
-    return lim

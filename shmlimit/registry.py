@@ -298,16 +298,12 @@ class Handle:
         unlink(self._name)
 
     def __del__(self) -> None:
-        release_on_gc(self, self._registry.release)
-
-
-def release_on_gc(handle: Any, release: Callable[[Any, bool], None]) -> None:
-    """A handle's ``__del__``: take its attachment (``handle._att``) from it, once, and ``release`` it
-    without detaching (the process stays attached, see ``Registry.release``), quietly: at interpreter
-    shutdown what the release needs may be gone already."""
-    att, handle._att = getattr(handle, "_att", None), None
-    if att is not None:
-        try:
-            release(att, False)
-        except Exception:  # pragma: no cover - interpreter shutdown
-            pass
+        """Take the attachment from the handle, once, and release it without detaching (the process
+        stays attached, see ``Registry.release``), quietly: at interpreter shutdown what the release
+        needs may be gone already."""
+        att, self._att = getattr(self, "_att", None), None
+        if att is not None:
+            try:
+                self._registry.release(att, False)
+            except Exception:  # pragma: no cover - interpreter shutdown
+                pass
