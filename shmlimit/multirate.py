@@ -58,15 +58,13 @@ from shmlimit.adapt import feedback as adapt_feedback
 from shmlimit.attachment import Attachment, gate_all, on_clock, open_attachment, release
 from shmlimit.bucket.fences import FenceHold
 from shmlimit.config import NS_PER_S, Config, validate_n, validate_timeout
-from shmlimit.errors import SegmentError
 from shmlimit.group import GroupCreation, copy_regions, open_rates
-from shmlimit.header import Creation, ready_creator
+from shmlimit.header import Creation
 from shmlimit.protocol import AcquireOnEnter
 from shmlimit.rate_group import MultiStats, RateGroup, parse_rates, rates_from_text
 from shmlimit.shm import layout as L
-from shmlimit.shm.cells import open_cells
 from shmlimit.shm.segment import validate_mode, validate_name, validate_slots, validate_trusted_uids
-from shmlimit.stats import snapshot
+from shmlimit.stats import copied_snapshot, snapshot
 
 _INF = float("inf")
 _ONE = 1
@@ -103,8 +101,9 @@ class MultiLimiter(RateGroup, AcquireOnEnter):
         validate_mode(mode)
         validate_slots(slots)
         create: Optional[GroupCreation] = None
-        self._rates_arg: object = None  # what a pickled handle re-opens with (None: by name)
-        self._adapt_arg: object = None
+        # what a pickled handle re-opens with (None: by name; adapt= needs rates=)
+        self._rates_arg: object = None
+        self._adapt_arg = adapt
         if rates is None and adapt is not None:
             raise ValueError("adapt needs rates= (the rates it starts from)")
         if rates is not None:  # None: attach to the group by its name, its rates as it holds them
@@ -117,7 +116,6 @@ class MultiLimiter(RateGroup, AcquireOnEnter):
                 if adapt is None
                 else per_rate(adapt, keys, named, cfgs, check_config)
             )
-            self._adapt_arg = adapt
             create = GroupCreation(
                 tuple(Creation(cfg, mode, None, slots, None, a) for cfg, a in zip(cfgs, adapts)),
                 keys,
@@ -126,8 +124,6 @@ class MultiLimiter(RateGroup, AcquireOnEnter):
                 slots,
             )
         self._name = name
-        self._keys: Tuple[str, ...] = ()
-        self._named = False
         self._mode = mode
         self._trusted = trusted
         self._atts: List[Attachment] = []
@@ -137,7 +133,6 @@ class MultiLimiter(RateGroup, AcquireOnEnter):
         self._fast_ops: Optional[Callable[[object], Optional[bool]]] = (
             None  # ops per rate, or n on all
         )
-        self._seqs: Tuple[int, ...] = ()
         _handles.add(self)
         clock = clock or time.monotonic_ns
 
@@ -592,26 +587,16 @@ def _forget_fast_paths() -> None:
         h._fast = h._fast_ops = None
 
 
-if hasattr(os, "register_at_fork"):
-    os.register_at_fork(after_in_child=_forget_fast_paths)
+os.register_at_fork(after_in_child=_forget_fast_paths)
 
 
 def inspect_group(name: str) -> MultiStats:
     """A snapshot of every rate of the group ``name``, read without joining it (nothing written)."""
     geo, regions = copy_regions(name, L.REGIONS_LIMITER)
-    out = {}
-    for key, seg in zip(geo.keys, regions):
-        label = f"{name}[{key}]"
-        verdict = ready_creator(label, seg, 0.0)
-        if verdict != 0:
-            seg.close()
-            raise SegmentError(f"segment {name!r} is being removed")
-        att = Attachment(label, seg, open_cells(seg.mm, seg.size), join=False)
-        try:
-            out[key] = snapshot(label, att)
-        finally:
-            att.detach()
-    return MultiStats(name, out)
+    return MultiStats(
+        name,
+        {k: copied_snapshot(name, f"{name}[{k}]", seg) for k, seg in zip(geo.keys, regions)},
+    )
 
 
 def _unpickle(

@@ -174,15 +174,20 @@ def inspect(name: str) -> Stats:
     the filler election and writes nothing to the segment.
     """
     validate_name(name)
-    seg = Segment.copy(name)  # read with pread, never mapped: no SIGBUS, no wait, nothing written
-    verdict = ready_creator(name, seg, 0.0)
+    # read with pread, never mapped: no SIGBUS, no wait, nothing written
+    return copied_snapshot(name, name, Segment.copy(name))
+
+
+def copied_snapshot(name: str, label: str, seg: Segment) -> Stats:
+    """The snapshot of ``label`` in ``seg``, a private copy of a limiter's segment or of a rate's
+    region of the group ``name``; ``SegmentError`` naming ``name`` unless it is ready."""
+    verdict = ready_creator(label, seg, 0.0)
     if verdict != 0:
         seg.close()
         what = "being removed" if verdict == DOOMED else "still being initialised"
         raise SegmentError(f"segment {name!r} is {what}")
-    cells = open_cells(seg.mm, cells_size(seg))
-    att = Attachment(name, seg, cells, join=False)
+    att = Attachment(label, seg, open_cells(seg.mm, cells_size(seg)), join=False)
     try:
-        return snapshot(name, att)
+        return snapshot(label, att)
     finally:
         att.detach()
