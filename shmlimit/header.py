@@ -88,7 +88,47 @@ def _limiter_size(c: Cells) -> Optional[int]:
     return L.segment_size(slots) if 1 <= slots <= L.MAX_SLOTS else None
 
 
-def ready_creator(name: str, seg: Segment, waited: float, kind: Optional[Kind] = None) -> int:
+def initialise(seg: Segment, create: Creation, now_ns: int) -> Cells:
+    """Write a new segment's header, upstream description, adapt's parameters, config and rovers;
+    READY last."""
+    c = start_header(seg, L.VERSION, create.slots)
+    base = int(os.environ.get("SHMLIMIT_TEST_ROVER_BASE", "0"))  # tests: start the rovers anywhere
+    if create.upstream is not None:
+        create.upstream.write(c)
+    write_adapt(c, create.adapt)
+    Bucket.initialise(c, create.config, now_ns, create.initial, base, create.upstream is not None)
+    publish(c, L.MAGIC)
+    return c
+
+
+def cells_size(seg: Segment) -> int:
+    return min(seg.size, L.segment_size(_peek_slots(seg)))
+
+
+def _peek_slots(seg: Segment) -> int:
+    c = open_cells(seg.mm, L.HEADER_BYTES)
+    try:
+        return c.load(L.SLOTS_OFF)
+    finally:
+        c.close()
+
+
+LIMITER = Kind(
+    "a Limiter",
+    L.MAGIC,
+    L.VERSION,
+    L.HEADER_BYTES,
+    _limiter_size,
+    lambda create: L.segment_size(create.slots),
+    initialise,
+    cells_size,
+    max_bytes=MAX_BYTES,
+)
+#: Every kind the start-up protocol knows, by magic (another kind's segment is named in errors).
+KINDS_BY_MAGIC = {LIMITER.magic: LIMITER}
+
+
+def ready_creator(name: str, seg: Segment, waited: float, kind: Kind = LIMITER) -> int:
     """0 if the segment is fully initialised (and its header sound), ``DOOMED`` if a collector
     claimed it, else the pid of its live creator (-1: not yet known).
 
@@ -99,7 +139,6 @@ def ready_creator(name: str, seg: Segment, waited: float, kind: Optional[Kind] =
     ends first: a ctime anyone with write access can keep refreshing must not
     keep an opener waiting.
     """
-    kind = kind or LIMITER
     if seg.size == 0:
         if (time.time_ns() - seg.ctime_ns) / 1e9 > INIT_WAIT or waited > INIT_WAIT:
             raise AbandonedSegmentError(name, seg.inode, 0, kind.noun)
@@ -161,12 +200,11 @@ def ready_creator(name: str, seg: Segment, waited: float, kind: Optional[Kind] =
 
 
 def open_existing(
-    name: str, mode: Optional[int], trusted: frozenset = frozenset(), kind: Optional[Kind] = None
+    name: str, mode: Optional[int], trusted: frozenset = frozenset(), kind: Kind = LIMITER
 ) -> Segment:
     """Map the existing segment ``name`` (``Segment.open``) as one of ``kind``: one that says it
     is ready and of this kind is refused before mapping if it claims more bytes than the file has
     (no SIGBUS) or is larger than any of its kind."""
-    kind = kind or LIMITER
     return Segment.open(name, mode, trusted, kind.magic, kind.max_bytes)
 
 
@@ -175,7 +213,7 @@ def wait_ready(
     seg: Segment,
     mode: Optional[int] = None,
     trusted: frozenset = frozenset(),
-    kind: Optional[Kind] = None,
+    kind: Kind = LIMITER,
 ) -> Segment:
     """Return a mapping of a fully initialised segment, re-opening while its creator works.
 
@@ -183,7 +221,6 @@ def wait_ready(
     monotonic clock), never replaced; see ``ready_creator`` for the rest.
     Re-opening repeats the trust check of the first open.
     """
-    kind = kind or LIMITER
     start = time.monotonic()
     while True:
         waited = time.monotonic() - start
@@ -219,7 +256,7 @@ def open_segment(
     mode: Optional[int],
     trusted: frozenset = frozenset(),
     clock: Callable[[], int] = time.monotonic_ns,
-    kind: Optional[Kind] = None,
+    kind: Kind = LIMITER,
 ) -> Tuple[Segment, Cells]:
     """Create and initialise the segment, or map the existing one; never a half-initialised header.
 
@@ -231,7 +268,6 @@ def open_segment(
     allows).  ``clock`` (CLOCK_MONOTONIC ns) starts a new bucket's schedule.  ``kind`` is the
     kind of segment (a limiter's by default; ``group.GROUP`` for several rates).
     """
-    kind = kind or LIMITER
     warm_backend()  # a creator's first store must not wait for an import
     for _ in reopening():
         if create is not None:
@@ -268,43 +304,3 @@ def open_segment(
     raise SegmentError(
         f"could not create or open {kind.noun} {name!r}: it kept being unlinked and re-created"
     )
-
-
-def initialise(seg: Segment, create: Creation, now_ns: int) -> Cells:
-    """Write a new segment's header, upstream description, adapt's parameters, config and rovers;
-    READY last."""
-    c = start_header(seg, L.VERSION, create.slots)
-    base = int(os.environ.get("SHMLIMIT_TEST_ROVER_BASE", "0"))  # tests: start the rovers anywhere
-    if create.upstream is not None:
-        create.upstream.write(c)
-    write_adapt(c, create.adapt)
-    Bucket.initialise(c, create.config, now_ns, create.initial, base, create.upstream is not None)
-    publish(c, L.MAGIC)
-    return c
-
-
-def cells_size(seg: Segment) -> int:
-    return min(seg.size, L.segment_size(_peek_slots(seg)))
-
-
-def _peek_slots(seg: Segment) -> int:
-    c = open_cells(seg.mm, L.HEADER_BYTES)
-    try:
-        return c.load(L.SLOTS_OFF)
-    finally:
-        c.close()
-
-
-LIMITER = Kind(
-    "a Limiter",
-    L.MAGIC,
-    L.VERSION,
-    L.HEADER_BYTES,
-    _limiter_size,
-    lambda create: L.segment_size(create.slots),
-    initialise,
-    cells_size,
-    max_bytes=MAX_BYTES,
-)
-#: Every kind the start-up protocol knows, by magic (another kind's segment is named in errors).
-KINDS_BY_MAGIC = {LIMITER.magic: LIMITER}

@@ -10,7 +10,8 @@ own module then opens and validates it.
 
 from __future__ import annotations
 
-from typing import Callable, Iterable, Iterator, List, Tuple, Union
+from functools import partial
+from typing import Any, Callable, Iterable, Iterator, List, Tuple, Union
 
 from shmlimit.attachment import collect as collect_attached
 from shmlimit.errors import ShmlimitError
@@ -42,6 +43,18 @@ def _keyed_group(name: str) -> bool:
         return False  # the group's own open says why
 
 
+def _by_kind(name: str, keyed: Any, keyed_group: Any, group: Any, plain: Any) -> Any:
+    """The one of the four given that serves the kind ``name`` holds (a ``Limiter``'s when no
+    segment, or no readable one, is there: its own open then says why)."""
+    validate_name(name)
+    magic = _magic(name)
+    if magic == K.MAGIC:
+        return keyed
+    if magic == L.GROUP_MAGIC:
+        return keyed_group if _keyed_group(name) else group
+    return plain
+
+
 def attach(
     name: str, *, mode: int = 0o600, trusted_uids: Iterable[int] = ()
 ) -> Union[Limiter, MultiLimiter, KeyedLimiter, MultiKeyedLimiter]:
@@ -54,28 +67,19 @@ def attach(
     segment owned by another user (other than root and ``trusted_uids``) or
     writable by group or others beyond ``mode``.
     """
-    validate_name(name)
-    magic = _magic(name)
-    if magic == K.MAGIC:
-        return KeyedLimiter(name, mode=mode, trusted_uids=trusted_uids)
-    if magic == L.GROUP_MAGIC and _keyed_group(name):
-        return MultiKeyedLimiter(KeyedLimiter, name, None, mode=mode, trusted_uids=trusted_uids)
-    if magic == L.GROUP_MAGIC:
-        return MultiLimiter(name, None, mode=mode, trusted_uids=trusted_uids)
-    return attach_limiter(name, mode=mode, trusted_uids=trusted_uids)
+    make = _by_kind(
+        name,
+        KeyedLimiter,
+        partial(MultiKeyedLimiter, KeyedLimiter, rates=None),
+        partial(MultiLimiter, rates=None),
+        attach_limiter,
+    )
+    return make(name, mode=mode, trusted_uids=trusted_uids)
 
 
 def inspect(name: str) -> Union[Stats, MultiStats, KeyedStats]:
     """A snapshot of a limiter of any kind, read without joining it (nothing is written)."""
-    validate_name(name)
-    magic = _magic(name)
-    if magic == K.MAGIC:
-        return inspect_keyed(name)
-    if magic == L.GROUP_MAGIC and _keyed_group(name):
-        return inspect_keyed_group(name)
-    if magic == L.GROUP_MAGIC:
-        return inspect_group(name)
-    return inspect_limiter(name)
+    return _by_kind(name, inspect_keyed, inspect_keyed_group, inspect_group, inspect_limiter)(name)
 
 
 def collect(name: str) -> bool:
