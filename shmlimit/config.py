@@ -103,17 +103,9 @@ class Config:
         (see ``parse_spec``); a ratio given in both places must agree.
         """
         if isinstance(rate, str):
-            spec = parse_spec(rate)
-            if spec.verb not in (None, "configure", "start"):
-                raise ValueError(
-                    f"rate spec verb {spec.verb!r} is not allowed when creating a limiter"
-                )
-            if ratio is not None and spec.ratio is not None and float(ratio) != spec.ratio:  # type: ignore[arg-type]
-                raise ValueError(
-                    f"ratio given twice: {ratio!r} and {spec.ratio!r} in the rate spec"
-                )
-            rate, ratio = spec.rate, (spec.ratio if spec.ratio is not None else ratio)
-            per = spec.per_with(per)
+            rate, per, ratio = spec_values(
+                rate, per, ratio, ("configure", "start"), "when creating a limiter"
+            )
         r = _positive_finite("rate", rate)
         p = _positive_finite("per", per)
         ops = r / p
@@ -294,6 +286,21 @@ class RateSpec:
                 f"leave {param} out (or 1.0) when the rate is written {RATE_FORMS}"
             )
         return self.per
+
+
+def spec_values(
+    text: str, per: object, ratio: object, verbs: Tuple[str, ...], where: str
+) -> Tuple[float, object, object]:
+    """A rate given as a rate spec string, with the ``per`` and ``ratio`` also passed: its rate,
+    its window (``RateSpec.per_with``) and its ratio (``ratio`` when it has none; a different one
+    given twice is refused).  Its verb, if any, must be one of ``verbs`` (``where`` says where it
+    is refused)."""
+    spec = parse_spec(text)
+    if spec.verb not in (None, *verbs):
+        raise ValueError(f"rate spec verb {spec.verb!r} is not allowed {where}")
+    if ratio is not None and spec.ratio is not None and float(ratio) != spec.ratio:  # type: ignore[arg-type]
+        raise ValueError(f"ratio given twice: {ratio!r} and {spec.ratio!r} in the rate spec")
+    return spec.rate, spec.per_with(per), (spec.ratio if spec.ratio is not None else ratio)
 
 
 def carried_per(rate: object) -> Optional[float]:

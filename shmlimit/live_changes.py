@@ -16,7 +16,7 @@ from typing import TYPE_CHECKING, Optional, Union
 
 from shmlimit.adapt import adapted
 from shmlimit.adapt import read as read_adapt
-from shmlimit.config import Config, RateSpec, parse_spec
+from shmlimit.config import Config, RateSpec, spec_values
 
 if TYPE_CHECKING:  # pragma: no cover
     from shmlimit.attachment import Attachment
@@ -38,17 +38,13 @@ def requested(
     ``ratio`` default to ``cur``'s; ``burst`` to the new rate's default.
     """
     if isinstance(rate, str):
-        spec = parse_spec(rate)
-        if not specs and (spec.verb is not None or spec.ratio is not None):
+        if not specs and "," in rate:  # a ratio or a verb: only a rate spec has them
             raise ValueError(
                 f"rate must be a number or a rate string such as '200K/min', got {rate!r}"
             )
-        if spec.verb not in (None, "configure"):
-            raise ValueError(f"rate spec verb {spec.verb!r} is not allowed in set_rate (use apply)")
-        if spec.ratio is not None and ratio is not None and float(ratio) != spec.ratio:
-            raise ValueError(f"ratio given twice: {ratio!r} and {spec.ratio!r} in the rate spec")
-        rate, ratio = spec.rate, (spec.ratio if spec.ratio is not None else ratio)
-        per = spec.per_with(per)  # type: ignore[assignment]
+        rate, per, ratio = spec_values(  # type: ignore[assignment]
+            rate, per, ratio, ("configure",), "in set_rate (use apply)"
+        )
     return cur.replace(
         rate=rate,
         per=cur.per if per is None else per,

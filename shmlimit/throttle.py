@@ -122,13 +122,15 @@ def throttle(
                 lim = holder[0]
         return lim
 
-    def refused(lim: Any, k: Any = None) -> Any:
+    def ask(args: Any, kwargs: Any) -> tuple:
+        """What a call asks of the limiter: ``(key, n)`` keyed, else ``(n,)``."""
+        return (key(*args, **kwargs), n) if keyed else (n,)  # type: ignore[misc]
+
+    def refused(lim: Any, asked: tuple) -> Any:
         if on_limit == "skip":
             return None
         retry = getattr(lim, "retry_after", None)
-        if keyed:
-            raise RateLimited(name, retry(k, n))  # type: ignore[misc]
-        raise RateLimited(name, retry(n) if callable(retry) else None)
+        raise RateLimited(name, retry(*asked) if callable(retry) else None)
 
     def decorate(fn: F) -> F:
         if inspect.iscoroutinefunction(fn):
@@ -136,12 +138,9 @@ def throttle(
             @functools.wraps(fn)
             async def async_wrapper(*args: Any, **kwargs: Any) -> Any:
                 lim = get()
-                if keyed:
-                    k = key(*args, **kwargs)  # type: ignore[misc]
-                    if not await lim.acquire_async(k, n, timeout=timeout):
-                        return refused(lim, k)
-                elif not await lim.acquire_async(n, timeout=timeout):
-                    return refused(lim)
+                asked = ask(args, kwargs)
+                if not await lim.acquire_async(*asked, timeout=timeout):
+                    return refused(lim, asked)
                 return await fn(*args, **kwargs)
 
             async_wrapper.limiter = get  # type: ignore[attr-defined]
@@ -150,12 +149,9 @@ def throttle(
         @functools.wraps(fn)
         def wrapper(*args: Any, **kwargs: Any) -> Any:
             lim = get()
-            if keyed:
-                k = key(*args, **kwargs)  # type: ignore[misc]
-                if not lim.acquire(k, n, timeout=timeout):
-                    return refused(lim, k)
-            elif not lim.acquire(n, timeout=timeout):
-                return refused(lim)
+            asked = ask(args, kwargs)
+            if not lim.acquire(*asked, timeout=timeout):
+                return refused(lim, asked)
             return fn(*args, **kwargs)
 
         wrapper.limiter = get  # type: ignore[attr-defined]
