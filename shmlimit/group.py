@@ -39,6 +39,7 @@ from shmlimit.keyed import layout as K
 from shmlimit.keyed.segment import Geometry as TableGeometry
 from shmlimit.keyed.segment import initialise as initialise_table
 from shmlimit.keyed.segment import new_secret
+from shmlimit.rate_group import MAX_RATES  # a group holds at most this many rates
 from shmlimit.shm import layout as L
 from shmlimit.shm.cells import Cells, open_cells
 from shmlimit.shm.segment import (
@@ -53,8 +54,6 @@ from shmlimit.shm.segment import (
 )
 from shmlimit.shm.table import ProcessTable
 
-#: A group holds at most this many rates (``rates=``).
-MAX_RATES = 16
 _KEY = re.compile(rb"[A-Za-z0-9_]+")
 #: What each kind of region is called in errors.
 _REGIONS = {
@@ -153,19 +152,21 @@ def _declared_size(c: Cells) -> Optional[int]:
     return L.group_size(first, stride, count)
 
 
-def _size_of(create: GroupCreation) -> int:
+def _placement(create: GroupCreation) -> Tuple[int, int]:
+    """Where a created group's regions go: the first's offset and the stride (bytes)."""
     region = region_bytes(create.regions, create.slots, create.table)
     assert region is not None  # the callers check the table's geometry first
-    first, stride = _geometry(region)
-    return L.group_size(first, stride, len(create.rates))
+    return _geometry(region)
+
+
+def _size_of(create: GroupCreation) -> int:
+    return L.group_size(*_placement(create), len(create.rates))
 
 
 def _initialise(seg: Segment, create: GroupCreation, now_ns: int) -> Cells:
     """Write the group's header, initialise every region, then publish the group (READY last)."""
     c = start_header(seg, L.GROUP_VERSION, create.slots)
-    region = region_bytes(create.regions, create.slots, create.table)
-    assert region is not None
-    first, stride = _geometry(region)
+    first, stride = _placement(create)
     c.store(L.GROUP_COUNT, len(create.rates))
     c.store(L.GROUP_NAMED, int(create.named))
     c.store(L.GROUP_FIRST, first)
@@ -219,20 +220,27 @@ GROUP = Kind(
 KINDS_BY_MAGIC[GROUP.magic] = GROUP
 
 
-def read_geometry(name: str, c: Cells) -> Geometry:
-    """The geometry a ready group header states; ``SegmentError`` for keys that make no sense."""
-    count, named, first, stride = (
-        c.load(off) for off in (L.GROUP_COUNT, L.GROUP_NAMED, L.GROUP_FIRST, L.GROUP_STRIDE)
-    )
-    regions, slots, table = _layout_words(c)
-    raw = b"".join(
-        c.load(L.GROUP_KEYS + i).to_bytes(8, "little") for i in range(0, L.GROUP_KEYS_BYTES, 8)
-    )
+def read_geometry(seg: Segment, regions: Optional[int]) -> Geometry:
+    """The geometry the ready group header of ``seg`` (mapped or copied) states; ``SegmentError``
+    for keys that make no sense, or for a group of another layout than ``regions`` (None: any)."""
+    c = open_cells(seg.mm, L.GROUP_HEADER_BYTES)
+    try:
+        count, named, first, stride = (
+            c.load(off) for off in (L.GROUP_COUNT, L.GROUP_NAMED, L.GROUP_FIRST, L.GROUP_STRIDE)
+        )
+        layout, slots, table = _layout_words(c)
+        raw = b"".join(
+            c.load(L.GROUP_KEYS + i).to_bytes(8, "little") for i in range(0, L.GROUP_KEYS_BYTES, 8)
+        )
+    finally:
+        c.close()
     keys = tuple(raw.split(b"\0")[:count])
     if named not in (0, 1) or len(keys) != count or not all(_KEY.fullmatch(k) for k in keys):
-        raise SegmentError(f"segment {name!r} is corrupt: its rates' keys make no sense")
+        raise SegmentError(f"segment {seg.name!r} is corrupt: its rates' keys make no sense")
+    if regions is not None and layout != regions:
+        raise SegmentError(f"segment {seg.name!r} is {_REGIONS[layout]}, not {_REGIONS[regions]}")
     return Geometry(
-        tuple(k.decode() for k in keys), bool(named), slots, first, stride, regions, table
+        tuple(k.decode() for k in keys), bool(named), slots, first, stride, layout, table
     )
 
 
@@ -275,15 +283,9 @@ def open_group(
     ``regions`` is the layout the caller reads (None: any); a group of the other is refused
     (``SegmentError``), and one created with other rates' keys is a ``ConfigMismatchError``."""
     seg, c = open_segment(name, create, mode, trusted, clock, GROUP)
+    c.close()  # before the mapping it exports (read_geometry reads the header on its own)
     try:
-        try:
-            geo = read_geometry(name, c)
-        finally:
-            c.close()  # before the mapping it exports
-        if regions is not None and geo.regions != regions:
-            raise SegmentError(
-                f"segment {name!r} is {_REGIONS[geo.regions]}, not {_REGIONS[regions]}"
-            )
+        geo = read_geometry(seg, regions)
         if create is not None and (geo.keys, geo.named) != (create.keys, create.named):
             raise ConfigMismatchError(
                 name,
@@ -407,14 +409,7 @@ def copy_geometry(name: str, regions: int) -> Geometry:
         raise SegmentError(
             f"segment {name!r} is {'being removed' if verdict == DOOMED else 'still being initialised'}"
         )
-    c = open_cells(seg.mm, L.GROUP_HEADER_BYTES)
-    try:
-        geo = read_geometry(name, c)
-    finally:
-        c.close()
-    if geo.regions != regions:
-        raise SegmentError(f"segment {name!r} is {_REGIONS[geo.regions]}, not {_REGIONS[regions]}")
-    return geo
+    return read_geometry(seg, regions)
 
 
 def copy_regions(name: str, regions: int) -> Tuple[Geometry, List[Segment]]:

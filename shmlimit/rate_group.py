@@ -21,6 +21,7 @@ from shmlimit.shm.segment import unlink as _unlink_name
 _KEY = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")
 #: Keys that would collide with the calls' own parameters.
 _RESERVED = ("n", "timeout", "max_wait", "which")
+#: A limiter holds at most this many rates (``rates=``; its group's header, ``group``, as many).
 MAX_RATES = 16
 RateValue = Union[str, float, int, Tuple[Any, Any]]
 
