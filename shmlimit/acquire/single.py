@@ -95,15 +95,26 @@ class Request:
             att.update_fast()
         validate_n(n, b.cost)
         timeout = validate_timeout(timeout)
+        deadline = None if timeout is None else att.clock() + int(timeout * NS_PER_S)
+        self._start(att, n, n * b.cost, deadline, DONE, None)
+
+    def _start(
+        self,
+        att: "Attachment",
+        n: int,
+        tokens: int,
+        deadline: Optional[int],
+        state: str,
+        ticket: Optional[int],
+    ) -> None:
+        """The fields every request starts with (``holding``'s: a ticket held already)."""
         self.att = att
-        self.bucket = b
+        self.bucket = att.bucket
         self.n = n
-        self.tokens = n * b.cost
-        self.deadline: Optional[int] = (
-            None if timeout is None else att.clock() + int(timeout * NS_PER_S)
-        )
-        self.state = DONE
-        self.ticket: Optional[int] = None
+        self.tokens = tokens
+        self.deadline = deadline
+        self.state = state
+        self.ticket = ticket
         #: the mode that admitted it (``Mode.admit``; capped mode counts it in flight until ``end``)
         self.admitted: Optional[Mode] = None
         self.granted = False
@@ -140,13 +151,7 @@ class Request:
         its caller is counted in WAITING already (``Acquirer.take``): ``end`` uncounts it.
         """
         r = cls.__new__(cls)
-        r.att, r.bucket, r.n, r.tokens, r.deadline = att, att.bucket, n, tokens, deadline
-        r.admitted = None
-        r.granted = r._waiting = False
-        r.wake_ns = r.turn_ns = None
-        r.fed = None
-        r.ticket = ticket
-        r.state = TICKET
+        r._start(att, n, tokens, deadline, TICKET, ticket)
         r._waiting = True
         if not counted:
             att.waiting(+1)

@@ -63,6 +63,7 @@ from shmlimit.config import MAX_SPAN_TOKENS
 from shmlimit.shm import layout as L
 from shmlimit.shm.cells import MASK64
 from shmlimit.shm.table import slot_alive
+from shmlimit.shm.words import recorded_ranges
 
 if TYPE_CHECKING:  # pragma: no cover
     from shmlimit.bucket.rovers import Bucket
@@ -126,21 +127,11 @@ def overlapped(b: "Bucket", start: int, end: int) -> bool:
     """Some ticket record holds a range overlapping ``[start, end)`` other than that range itself
     (its own record, or a copy of it: an adopted range is recorded twice).  Read only when a skip
     is due (the head inside the range): one ``load_many`` of every record's length."""
-    c = b.cells
-    lens = b._record_lens()
-    vals = c.load_many(lens)
     tokens = diff(end, start)
-    for k in itertools.compress(range(len(vals)), vals):
-        v = vals[k]
-        n = v & ~L.TICKET_GIVEN
-        if v & L.TICKET_BUSY or not 0 < n <= MAX_SPAN_TOKENS:
-            continue  # being written, or no range
-        e = c.load(lens[k] - 8)  # its TICKET: the word before its LEN
-        if (e == end and n == tokens) or c.load(lens[k]) != v:
-            continue
-        if diff(e, start) > 0 and diff(end, (e - n) & MASK64) > 0:
-            return True
-    return False
+    return any(
+        not (e == end and n == tokens) and diff(e, start) > 0 and diff(end, s) > 0
+        for s, e, n in recorded_ranges(b.cells, b._record_lens())
+    )
 
 
 # ---- the records in the process slot -------------------------------------------------------------

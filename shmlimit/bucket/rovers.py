@@ -132,14 +132,11 @@ class Bucket(Schedule):
     cap_ops = property(lambda self: self.snap.cap_ops)
     capped = property(lambda self: self.snap.capped)
     stopped = property(lambda self: self.snap.stopped)
-    upstream_flags = property(lambda self: self.snap.upstream_flags)
     upstream = property(lambda self: self.snap.upstream)
     time_fed = property(lambda self: self.snap.time_fed)
     open = property(lambda self: self.snap.open)
     config = property(lambda self: self.snap.config)
     burst_pool = property(lambda self: self.snap.burst_pool)
-    catch_up = property(lambda self: self.snap.catch_up)
-    wait_cap = property(lambda self: self.snap.wait_cap)
     max_reserved_ns = property(lambda self: self.snap.max_reserved_ns)
 
     def refresh(self) -> bool:
@@ -149,9 +146,7 @@ class Bucket(Schedule):
             return True
         return False
 
-    def publish(
-        self, cfg: Config, stopped: Optional[bool] = None, upstream_flags: Optional[int] = None
-    ) -> None:
+    def publish(self, cfg: Config, stopped: Optional[bool] = None) -> None:
         """Replace the live config (seen by every attached process at its next operation).
 
         The token unit (tpn) stays the one chosen at creation: rovers and the
@@ -169,8 +164,7 @@ class Bucket(Schedule):
                 c, (L.FLAG_STOPPED if self.snap.stopped else 0) | self.snap.upstream_flags
             )
             st = bool(flags & L.FLAG_STOPPED) if stopped is None else stopped
-            up = flags & L.UPSTREAM_FLAGS if upstream_flags is None else upstream_flags
-            return config_words(cfg, tpn, st, up)
+            return config_words(cfg, tpn, st, flags & L.UPSTREAM_FLAGS)
 
         words(self.cells)  # validate before taking the lock: a refused config writes nothing
         self._under_config_lock(words)
@@ -456,9 +450,7 @@ class Bucket(Schedule):
         if snap.stopped or not snap.time_fed:
             return 0
         c = self.cells
-        taken = (
-            self._take_wait(int(extra * (snap.config.ratio - 1.0)), snap) if snap.catch_up else 0
-        )
+        taken = self._take_wait(int(extra * (snap.config.ratio - 1.0))) if snap.catch_up else 0
         while True:
             add = max(0, min(extra, diff(limit, head)))
             catch = max(0, min(taken, diff(catch_limit, (head + add) & MASK64)))
@@ -490,7 +482,7 @@ class Bucket(Schedule):
             self.burn(keep=self.snap.cap + self.snap.burst_pool)
         return total
 
-    def _take_wait(self, want: int, snap: Snapshot) -> int:
+    def _take_wait(self, want: int) -> int:
         c = self.cells
         while want > 0:
             w = c.load(L.WAIT)

@@ -92,10 +92,8 @@ def _give_up(c: "Cells", off: int, k: int, still: Callable[[], bool] = lambda: T
     if not still():  # a new owner came meanwhile: what was taken may be its own; it stays counted
         c.fetch_add(off, k)
         return 0
-    while True:
-        cur = c.load(L.INFLIGHT)
-        if c.cas(L.INFLIGHT, cur, max(0, cur - k)):
-            return k
+    _take(c, L.INFLIGHT, k)
+    return k
 
 
 def take_over(c: "Cells", slots: int, index: int) -> int:

@@ -24,6 +24,7 @@ keyed composite asks ``keyed.cells.alive``, which asks ``is_alive`` here.
 
 from __future__ import annotations
 
+import functools
 import os
 import threading
 from dataclasses import dataclass
@@ -130,11 +131,13 @@ class OwnerWatch:
         self._poll: Optional[object] = None
         self._lock = threading.Lock()
 
-    def alive(self, index: int, pid: int, start: int, pidns: int) -> bool:
+    def alive(
+        self, index: int, pid: int, start: int, pidns: int, seen: Optional[List[Set[int]]] = None
+    ) -> bool:
         if pidns and pidns != pid_namespace():
             return pid > 0
         with self._lock:
-            return self._alive(index, pid, start)
+            return self._alive(index, pid, start, seen)
 
     def round(self) -> Callable[[int, int, int, int], bool]:
         """``alive`` for one pass over the owners (a reap): the descriptors are polled once, at the
@@ -143,15 +146,9 @@ class OwnerWatch:
         until the next pass, so its records wait for the next reap: never taken from a live owner.
         A descriptor seen readable stays so (an exit is for good), and one opened during the pass
         answers from the start time read after opening it, as ``alive`` does."""
-        seen: List[Set[int]] = []  # the readable descriptors, once polled
-
-        def alive(index: int, pid: int, start: int, pidns: int) -> bool:
-            if pidns and pidns != pid_namespace():
-                return pid > 0
-            with self._lock:
-                return self._alive(index, pid, start, seen)
-
-        return alive
+        return functools.partial(
+            self.alive, seen=[]
+        )  # (seen: the readable descriptors, once polled)
 
     def _alive(
         self, index: int, pid: int, start: int, seen: Optional[List[Set[int]]] = None
