@@ -52,6 +52,7 @@ class Fences:
 
     def __init__(self, cells: Cells, slots: int) -> None:
         self.cells = cells
+        self.slots = slots
         self.hint = L.fence_offset(slots)
         self.gen = self.hint + 8
         self.recs = L.fence_records(slots)

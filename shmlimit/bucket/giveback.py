@@ -415,7 +415,7 @@ def reap(
     a pidfd per owner).
     """
     found = 0
-    slot_of, lens = _record_lens(table.slots)
+    lens = L.record_lens(table.slots)  # (each slot's records in order: k's slot is k // per)
     # one call reads every record's length: most are free (0), and only those that are not are
     # looked at, word by word, below (a scan of them one load at a time cost the filler ~0.3 ms;
     # a Python loop over all the lengths ~0.1 ms, where compress skips the free ones in C)
@@ -425,7 +425,7 @@ def reap(
         v = vals[k]
         if v & L.TICKET_BUSY:
             continue
-        i, len_off = slot_of[k], lens[k]
+        i, len_off = k // L.TICKET_RECORDS, lens[k]
         end_off = len_off - 8  # a record's TICKET: the word before its LEN
         base = L.slot_offset(i)
         owner: Optional[bool] = owners.get(i)
@@ -447,13 +447,6 @@ def reap(
         if give(end, tokens, functools.partial(cells.cas, len_off, v, 0)):
             found += 1
     return found
-
-
-@functools.lru_cache(maxsize=8)
-def _record_lens(slots: int) -> Tuple[Tuple[int, ...], Tuple[int, ...]]:
-    """Every ticket record's LEN offset in a table of ``slots``, and the slot each belongs to."""
-    pairs = [(i, len_off) for i in range(slots) for _, len_off in L.ticket_records(slots, i)]
-    return tuple(i for i, _ in pairs), tuple(off for _, off in pairs)
 
 
 def take_over(cells: "Cells", records: Records, give: Callable[[int, int, int], None]) -> int:

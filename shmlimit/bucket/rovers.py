@@ -425,13 +425,6 @@ class Bucket(Schedule):
             limit, catch_limit = behind(limit, at), behind(catch_limit, at)
         return head, limit, extra, snap, diff(snap_tail, snap_head) > 0, catch_limit
 
-    def _record_lens(self) -> Tuple[int, ...]:
-        """Every ticket record's LEN offset in this segment (its table's size, read once)."""
-        lens = getattr(self, "_lens", None)
-        if lens is None:
-            lens = self._lens = L.record_lens(self.cells.load(L.SLOTS_OFF))
-        return lens
-
     def apply(self, claim: Tuple[int, int, int, Snapshot, bool, int]) -> int:
         """Second half of ``replenish``: add a claimed interval's tokens, clamped (invariant 1).
 

@@ -83,7 +83,6 @@ class Schedule:
     snap: Snapshot
     clock: Callable[[], int]
     tpn: int
-    _record_lens: Callable[[], Tuple[int, ...]]
 
     @property
     def fences(self) -> Fences:
@@ -92,6 +91,11 @@ class Schedule:
         if f is None:
             f = self._fences = Fences(self.cells, self.cells.load(L.SLOTS_OFF))
         return f
+
+    def _record_lens(self) -> Tuple[int, ...]:
+        """Every ticket record's LEN offset in this segment (its table's size read once, with the
+        fences': ``layout.record_lens``)."""
+        return L.record_lens(self.fences.slots)
 
     def fenced(self, head: int, to: int) -> int:
         """``to``, or the fence before it that a move of the head from ``head`` now must keep."""

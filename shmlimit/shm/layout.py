@@ -40,6 +40,7 @@ read them only through ``config_banks``.
 
 from __future__ import annotations
 
+import functools
 import struct
 
 MAGIC = int.from_bytes(b"SHMLIMIT", "little")
@@ -297,8 +298,10 @@ def ticket_records(slots: int, index: int) -> tuple:
     )
 
 
+@functools.lru_cache(maxsize=8)
 def record_lens(slots: int) -> tuple:
-    """Every ticket record's LEN offset in a table of ``slots`` (its TICKET is the word before)."""
+    """Every ticket record's LEN offset in a table of ``slots`` (its TICKET is the word before),
+    each slot's ``TICKET_RECORDS`` in order; kept for the last few sizes (a reap reads it each time)."""
     return tuple(len_off for i in range(slots) for _, len_off in ticket_records(slots, i))
 
 
