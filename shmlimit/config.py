@@ -40,10 +40,19 @@ DEFAULT_BURST_SECONDS = 0.010
 MAX_NAP = 0.25
 
 
+def _number(param: str, value: object, what: str) -> float:
+    """``value``, an int or a float (a bool is neither), as a float: an int beyond every float is
+    an infinity of its sign, as ``1e400`` is.  Else TypeError saying ``param`` must be ``what``."""
+    if not is_number(value):
+        raise TypeError(f"{param} must be {what}, not {type(value).__name__}")
+    try:
+        return float(value)  # type: ignore[arg-type]
+    except OverflowError:
+        return math.inf if value > 0 else -math.inf  # type: ignore[operator]
+
+
 def _positive_finite(param: str, value: object) -> float:
-    if isinstance(value, bool) or not isinstance(value, (int, float)):
-        raise TypeError(f"{param} must be a number (int or float), not {type(value).__name__}")
-    v = float(value)
+    v = _number(param, value, "a number (int or float)")
     if not math.isfinite(v) or v <= 0:
         raise ValueError(f"{param} must be finite and > 0, got {value!r}")
     return v
@@ -61,9 +70,12 @@ def default_burst(rate: float, per: float) -> float:
 
 
 def _optional_seconds(param: str, value: object) -> Optional[float]:
+    """None (no bound), or a finite number of seconds >= 0."""
     if value is None:
         return None
-    v = _positive_finite(param, value) if value != 0 else 0.0
+    v = _number(param, value, "None or a number of seconds >= 0")
+    if not 0 <= v < math.inf:
+        raise ValueError(f"{param} must be None or a finite number of seconds >= 0, got {value!r}")
     return v
 
 
@@ -276,11 +288,7 @@ class RateSpec:
         """The window to use with a ``per`` also passed: the string's, which ``per`` may not contradict."""
         if self.per is None:
             return per
-        if per is not None and not (
-            isinstance(per, (int, float))
-            and not isinstance(per, bool)
-            and float(per) in (1.0, self.per)
-        ):
+        if per is not None and not (is_number(per) and per in (1.0, self.per)):
             raise ValueError(
                 f"{param} given twice: {per!r} and {self.per:g} s in the rate string; "
                 f"leave {param} out (or 1.0) when the rate is written {RATE_FORMS}"
@@ -298,7 +306,11 @@ def spec_values(
     spec = parse_spec(text)
     if spec.verb not in (None, *verbs):
         raise ValueError(f"rate spec verb {spec.verb!r} is not allowed {where}")
-    if ratio is not None and spec.ratio is not None and float(ratio) != spec.ratio:  # type: ignore[arg-type]
+    if (
+        ratio is not None
+        and spec.ratio is not None
+        and _positive_finite("ratio", ratio) != spec.ratio
+    ):
         raise ValueError(f"ratio given twice: {ratio!r} and {spec.ratio!r} in the rate spec")
     return spec.rate, spec.per_with(per), (spec.ratio if spec.ratio is not None else ratio)
 
@@ -437,11 +449,7 @@ def validate_timeout(timeout: object, param: str = "timeout") -> Optional[float]
     """None (wait as long as it takes) or a finite number of seconds >= 0; +inf means None."""
     if timeout is None:
         return None
-    if isinstance(timeout, bool) or not isinstance(timeout, (int, float)):
-        raise TypeError(
-            f"{param} must be None or a number of seconds >= 0, not {type(timeout).__name__}"
-        )
-    t = float(timeout)
+    t = _number(param, timeout, "None or a number of seconds >= 0")
     if math.isnan(t) or t < 0:
         raise ValueError(f"{param} must be None or a number of seconds >= 0, got {timeout!r}")
     return None if math.isinf(t) else t

@@ -101,6 +101,10 @@ def parse_rates(name: str, rates: object) -> Tuple[Tuple[str, ...], Tuple[Config
             raise ValueError(
                 f"rates: name {name!r} plus '.{key}' must be at most {NAME_MAX} characters"
             )
+        if isinstance(value, tuple) and len(value) != 2:
+            raise ValueError(
+                f"rates[{key!r}]: a rate with its burst is a pair (rate, burst), got {value!r}"
+            )
         rate, burst = value if isinstance(value, tuple) else (value, None)
         try:
             cfgs.append(Config.make(rate, 1.0, burst))

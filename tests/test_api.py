@@ -135,6 +135,19 @@ BAD_CONFIGS = [
     (dict(rate=10, mode=0o1777), "mode"),
     (dict(rate=10, initial=-1), "initial"),
     (dict(rate=10, slots=0), "slots"),
+    # an int beyond every float is no number of ops or seconds (not an OverflowError)
+    (dict(rate=10**400), "rate"),
+    (dict(rate=10, per=10**400), "per"),
+    (dict(rate=10, burst=10**400), "burst"),
+    (dict(rate=10, ratio=10**400), "ratio"),
+    (dict(rate=10, max_reserved=10**400), "max_reserved"),
+    (dict(rate="10/s", per=10**400), "per"),
+    (dict(rate="10,1.5", ratio=10**400), "ratio"),
+    # a bool is no number, even where it equals one
+    (dict(rate=10, max_reserved=False), "max_reserved"),
+    (dict(rate=10, max_behind=False), "max_behind"),
+    (dict(rate="10,1", ratio=True), "ratio"),
+    (dict(rate="10,1", ratio="1"), "ratio"),
 ]
 
 
@@ -190,6 +203,8 @@ def test_bad_calls_raise_and_leave_the_segment_untouched(name, call, param):
 def test_infinite_timeout_means_no_timeout(name):
     lim = shmlimit.Limiter(name, rate=1000)
     assert lim.acquire(1, timeout=math.inf)
+    assert lim.acquire(1, timeout=10**400)  # beyond every float: as infinite as inf
+    assert lim.reserve(1, max_wait=10**400) is not None
     lim.close()
 
 
@@ -372,6 +387,10 @@ def test_live_changes_refused_leave_the_config_as_it_was(name):
             one.set_rate("20/min", per=5)
         with pytest.raises(ValueError):
             one.apply("20,sideways")
+        with pytest.raises(ValueError, match="rate must be finite"):
+            one.set_rate(10**400)  # beyond every float
+        with pytest.raises(ValueError, match="burst must be finite"):
+            several.set_rate("0", 20, burst=10**400)
         with pytest.raises(ValueError, match="rate must be a number or a rate string"):
             several.set_rate(0, "20,1.5")
         with pytest.raises(ValueError, match="rate must be a number or a rate string"):

@@ -99,6 +99,9 @@ def test_one_segment_for_every_rate_each_with_its_own_config(name, clock, cleanu
         ({"a": "1/fortnight"}, ValueError),
         ({"a": 0}, ValueError),
         ([("1/s", 0.5)], ValueError),
+        ([("1/s", 2, 3)], ValueError),
+        ([("1/s",)], ValueError),
+        ([10**400], ValueError),
     ],
 )
 def test_bad_rates_are_refused_naming_what_is_wrong(name, clock, rates, error):
