@@ -20,9 +20,10 @@ from __future__ import annotations
 
 import math
 import re
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
 from fractions import Fraction
-from typing import Dict, Optional, Tuple
+from functools import cached_property
+from typing import Optional, Tuple
 
 NS_PER_S = 1_000_000_000
 MAX_TPN = 1 << 16
@@ -168,17 +169,7 @@ class Config:
 
     def replace(self, **changes: object) -> "Config":
         """A validated copy with some fields changed (None for burst means the rate's default)."""
-        fields: Dict[str, object] = dict(
-            rate=self.rate,
-            per=self.per,
-            burst=self.burst,
-            capped=self.capped,
-            ratio=self.ratio,
-            max_reserved=self.max_reserved,
-            max_behind=self.max_behind,
-        )
-        fields.update(changes)
-        return Config.make(**fields)  # type: ignore[arg-type]
+        return Config.make(**{**asdict(self), **changes})  # type: ignore[arg-type]
 
     # -- derived token arithmetic -------------------------------------------------
 
@@ -186,7 +177,7 @@ class Config:
     def ns_per_op(self) -> Fraction:
         return Fraction(self.per) * NS_PER_S / Fraction(self.rate)
 
-    @property
+    @cached_property
     def tpn(self) -> int:
         """Tokens per nanosecond for a segment created with this config (see the module docstring).
 
@@ -194,18 +185,13 @@ class Config:
         scaled up by a power of two as far as 65536; halved (losing exactness
         only then) while the capacity would not fit the rover arithmetic.
         """
-        cached = self.__dict__.get("_tpn")
-        if cached is None:
-            approx = self.ns_per_op.limit_denominator(MAX_TPN)
-            d = approx.denominator if approx == self.ns_per_op else 1
-            t = d
-            while t * 2 <= MAX_TPN:
-                t *= 2
-            while t > 1 and self.span_error(t) is not None:
-                t //= 2
-            cached = t
-            object.__setattr__(self, "_tpn", cached)
-        return cached
+        approx = self.ns_per_op.limit_denominator(MAX_TPN)
+        t = approx.denominator if approx == self.ns_per_op else 1
+        while t * 2 <= MAX_TPN:
+            t *= 2
+        while t > 1 and self.span_error(t) is not None:
+            t //= 2
+        return t
 
     def cost_at(self, tpn: int) -> int:
         """Tokens per op in a segment whose token is 1/tpn ns (rounded up: never faster)."""
