@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import os
 import time
+from contextlib import closing
 from dataclasses import dataclass
 from typing import Any, Callable, Optional, Tuple
 
@@ -102,15 +103,8 @@ def initialise(seg: Segment, create: Creation, now_ns: int) -> Cells:
 
 
 def cells_size(seg: Segment) -> int:
-    return min(seg.size, L.segment_size(_peek_slots(seg)))
-
-
-def _peek_slots(seg: Segment) -> int:
-    c = open_cells(seg.mm, L.HEADER_BYTES)
-    try:
-        return c.load(L.SLOTS_OFF)
-    finally:
-        c.close()
+    with closing(open_cells(seg.mm, L.HEADER_BYTES)) as c:
+        return min(seg.size, L.segment_size(c.load(L.SLOTS_OFF)))
 
 
 LIMITER = Kind(
@@ -147,8 +141,7 @@ def ready_creator(name: str, seg: Segment, waited: float, kind: Kind = LIMITER) 
         raise SegmentError(
             f"segment {name!r} is truncated: {seg.size} bytes, {kind.what} needs {kind.header_bytes}"
         )
-    cells = open_cells(seg.mm, kind.header_bytes)
-    try:
+    with closing(open_cells(seg.mm, kind.header_bytes)) as cells:
         magic, state, version, size, slots, creator = (
             cells.load(off)
             for off in (
@@ -161,8 +154,6 @@ def ready_creator(name: str, seg: Segment, waited: float, kind: Kind = LIMITER) 
             )
         )
         declared = kind.declared_size(cells) if magic == kind.magic else None
-    finally:
-        cells.close()
     if magic not in (0, kind.magic):
         other = KINDS_BY_MAGIC.get(magic)
         if other is not None:
@@ -235,11 +226,8 @@ def wait_ready(
             # a collector is unlinking it (or it restores READY): wait, then open the name again
             if waited > DOOMED_WAIT:
                 # the collector died between its claim and its unlink: the segment is whole
-                c = open_cells(seg.mm, L.HEADER_BYTES)
-                try:
+                with closing(open_cells(seg.mm, L.HEADER_BYTES)) as c:
                     c.cas(L.STATE_OFF, L.STATE_DOOMED, L.STATE_READY)
-                finally:
-                    c.close()
         elif waited > LIVE_CREATOR_WAIT:
             seg.close()
             raise SegmentError(
