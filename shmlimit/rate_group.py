@@ -147,7 +147,7 @@ def group_options(
 
 
 @dataclass(frozen=True)
-class MultiStats:
+class MultiStats(Mapping[str, Any]):
     """A snapshot of every rate of a limiter of several rates (``rates`` by key, in order): each
     a ``Stats``, or a ``KeyedStats`` for a keyed one.  It reads as a mapping of ``rates`` too."""
 
@@ -162,12 +162,6 @@ class MultiStats:
 
     def __len__(self) -> int:
         return len(self.rates)
-
-    def items(self) -> Any:
-        return self.rates.items()
-
-    def values(self) -> Any:
-        return self.rates.values()
 
     @property
     def grants(self) -> Dict[str, int]:
