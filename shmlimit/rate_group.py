@@ -14,7 +14,7 @@ import re
 from dataclasses import dataclass, replace
 from typing import Any, Dict, Iterable, Iterator, List, Mapping, Tuple, Type, Union
 
-from shmlimit.config import Config, parse_rate
+from shmlimit.config import Config, carried_per, parse_rate
 from shmlimit.shm.segment import NAME_MAX
 from shmlimit.shm.segment import unlink as _unlink_name
 
@@ -51,8 +51,9 @@ def rates_from_text(text: str) -> Union[List[RateValue], Dict[str, RateValue]]:
             raise ValueError(f"rates: each item is [name=]RATE [burst=N], got {item!r}")
         value: RateValue = rate
         if last:
-            burst, per = parse_rate(last[len("burst=") :], "burst")
-            if per != 1.0:
+            count = last[len("burst=") :]
+            burst, _ = parse_rate(count, "burst")
+            if carried_per(count) is not None:  # it carries a window: a rate, not a count
                 raise ValueError(
                     f"rates: a burst is a number of ops (e.g. burst=20K), got {last!r}"
                 )

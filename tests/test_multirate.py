@@ -389,7 +389,16 @@ def test_rates_as_one_string(name, clock, cleanup, text, expected):
 
 @pytest.mark.parametrize(
     "text",
-    ["a=1/s; 2/s", "1/s;;2/s", "1/s burst", "a=1/s; a=2/s", "1/s burst=1/min", "1/s x=2", ""],
+    [
+        "a=1/s; 2/s",
+        "1/s;;2/s",
+        "1/s burst",
+        "a=1/s; a=2/s",
+        "1/s burst=1/min",
+        "1/s burst=1/s",
+        "1/s x=2",
+        "",
+    ],
 )
 def test_bad_rate_strings_are_refused(name, clock, text):
     with pytest.raises(ValueError, match="rates"):
