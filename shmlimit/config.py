@@ -71,11 +71,9 @@ def default_burst(rate: float, per: float) -> float:
 
 
 def _optional_seconds(param: str, value: object) -> Optional[float]:
-    """None (no bound), or a finite number of seconds >= 0."""
-    if value is None:
-        return None
-    v = _number(param, value, "None or a number of seconds >= 0")
-    if not 0 <= v < math.inf:
+    """None (no bound), or a finite number of seconds >= 0: a timeout's rules, but for infinity."""
+    v = validate_timeout(value, param)
+    if v is None and value is not None:
         raise ValueError(f"{param} must be None or a finite number of seconds >= 0, got {value!r}")
     return v
 
