@@ -28,7 +28,7 @@ import math
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Callable, Mapping, Optional, Sequence, Tuple, TypeVar
 
-from shmlimit.config import MAX_OPS_PER_S, NS_PER_S, Config
+from shmlimit.config import MAX_OPS_PER_S, NS_PER_S, Config, number
 from shmlimit.errors import SegmentError
 from shmlimit.shm import layout as L
 from shmlimit.shm.words import diff
@@ -58,12 +58,6 @@ RAISE = "raise"
 HOLD = "hold"
 
 
-def _number(param: str, value: object) -> float:
-    if isinstance(value, bool) or not isinstance(value, (int, float)):
-        raise TypeError(f"{param} must be a number (int or float), not {type(value).__name__}")
-    return float(value)
-
-
 @dataclass(frozen=True)
 class Adapt:
     """An adaptive rate: ``Limiter(name, rate=1000, adapt=Adapt(min_rate=10, max_rate=2000))``.
@@ -82,22 +76,22 @@ class Adapt:
     window: float = DEFAULT_WINDOW
 
     def __post_init__(self) -> None:
-        lo = _number("min_rate", self.min_rate)
-        hi = _number("max_rate", self.max_rate)
+        lo = number("min_rate", self.min_rate)
+        hi = number("max_rate", self.max_rate)
         if not math.isfinite(lo) or lo <= 0:
             raise ValueError(f"min_rate must be finite and > 0 ops, got {self.min_rate!r}")
         if not math.isfinite(hi) or not lo <= hi:
             raise ValueError(
                 f"max_rate must be finite and >= min_rate ({lo:g}), got {self.max_rate!r}"
             )
-        dec = _number("decrease", self.decrease)
+        dec = number("decrease", self.decrease)
         if not 0 < dec < 1:
             raise ValueError(f"decrease must be between 0 and 1 (exclusive), got {self.decrease!r}")
         inc = hi * DEFAULT_INCREASE_SHARE if self.increase is None else self.increase
-        inc = _number("increase", inc)
+        inc = number("increase", inc)
         if not math.isfinite(inc) or inc <= 0:
             raise ValueError(f"increase must be finite and > 0 ops, got {self.increase!r}")
-        win = _number("window", self.window)
+        win = number("window", self.window)
         if not MIN_WINDOW <= win <= MAX_WINDOW:
             raise ValueError(
                 f"window must be from {MIN_WINDOW:g} to {MAX_WINDOW:g} seconds, got {self.window!r}"

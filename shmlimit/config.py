@@ -41,7 +41,7 @@ DEFAULT_BURST_SECONDS = 0.010
 MAX_NAP = 0.25
 
 
-def _number(param: str, value: object, what: str) -> float:
+def number(param: str, value: object, what: str = "a number (int or float)") -> float:
     """``value``, an int or a float (a bool is neither), as a float: an int beyond every float is
     an infinity of its sign, as ``1e400`` is.  Else TypeError saying ``param`` must be ``what``."""
     if not is_number(value):
@@ -53,7 +53,7 @@ def _number(param: str, value: object, what: str) -> float:
 
 
 def _positive_finite(param: str, value: object) -> float:
-    v = _number(param, value, "a number (int or float)")
+    v = number(param, value)
     if not math.isfinite(v) or v <= 0:
         raise ValueError(f"{param} must be finite and > 0, got {value!r}")
     return v
@@ -433,7 +433,7 @@ def validate_timeout(timeout: object, param: str = "timeout") -> Optional[float]
     """None (wait as long as it takes) or a finite number of seconds >= 0; +inf means None."""
     if timeout is None:
         return None
-    t = _number(param, timeout, "None or a number of seconds >= 0")
+    t = number(param, timeout, "None or a number of seconds >= 0")
     if math.isnan(t) or t < 0:
         raise ValueError(f"{param} must be None or a number of seconds >= 0, got {timeout!r}")
     return None if math.isinf(t) else t

@@ -51,6 +51,12 @@ def test_defaults():
         (dict(min_rate=1, max_rate=10, increase=float("inf")), "increase"),
         (dict(min_rate=1, max_rate=10, window=0.001), "window"),
         (dict(min_rate=1, max_rate=10, window=4000), "window"),
+        # ints beyond every float: named, not an OverflowError from float()
+        (dict(min_rate=10**400, max_rate=10), "min_rate"),
+        (dict(min_rate=1, max_rate=10**400), "max_rate"),
+        (dict(min_rate=1, max_rate=10, decrease=-(10**400)), "decrease"),
+        (dict(min_rate=1, max_rate=10, increase=10**400), "increase"),
+        (dict(min_rate=1, max_rate=10, window=10**400), "window"),
     ],
 )
 def test_bad_parameters_name_themselves(kwargs, param):
