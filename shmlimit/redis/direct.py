@@ -47,6 +47,7 @@ from typing import Any, Dict, Generator, Optional, Tuple
 from shmlimit.acquire.drivers import drive, drive_async
 from shmlimit.config import NS_PER_S, Config, validate_n, validate_timeout
 from shmlimit.errors import RedisDataError, RedisUnavailableError, UnsupportedError
+from shmlimit.protocol import AcquireOnEnter
 from shmlimit.redis import urls
 from shmlimit.redis.spec import DEFAULT_TIMEOUT, DEFAULT_URL, UpstreamSpec, redis_key
 from shmlimit.redis.urls import redact
@@ -588,7 +589,7 @@ class _GcraClient:
         return nap if left is None else min(nap, left)
 
 
-class RedisLimiter(_GcraClient):
+class RedisLimiter(_GcraClient, AcquireOnEnter):
     """A rate limit of ``rate`` ops per ``per`` seconds shared through Redis by every client of ``name``.
 
     The same interface and semantics as ``shmlimit.Limiter``: ``acquire``,
@@ -703,20 +704,6 @@ class RedisLimiter(_GcraClient):
     async def acquire_async(self, n: int = 1, timeout: Optional[float] = None) -> bool:
         """``acquire`` for asyncio (its own connection per event loop; never blocks the loop)."""
         return await self._drive_async(self._acquire_steps(n, timeout))
-
-    async def __aenter__(self) -> "RedisLimiter":
-        await self.acquire_async()
-        return self
-
-    async def __aexit__(self, *exc: Any) -> None:
-        return None
-
-    def __enter__(self) -> "RedisLimiter":
-        self.acquire()
-        return self
-
-    def __exit__(self, *exc: Any) -> None:
-        return None
 
     # -- observation -------------------------------------------------------------------
 
