@@ -12,16 +12,15 @@ import multiprocessing as mp
 import os
 import sys
 import time
-from contextlib import contextmanager
 from dataclasses import asdict
-from typing import Callable, Iterator, List, Optional, Sequence
+from typing import Callable, List, Optional, Sequence
 
 from shmlimit import __version__
-from shmlimit.cli.metrics import MAX_SEGMENTS
+from shmlimit.cli.metrics import CONTENT_TYPE, MAX_SEGMENTS, exposition, families, omitted_note
 from shmlimit.cli.top import BAD_NAME, NONE_HERE, RATE, adapt_line, kind_of, printable, show
 from shmlimit.cli.top import run as run_top
 from shmlimit.config import parse_spec
-from shmlimit.errors import ShmlimitError
+from shmlimit.errors import LimiterNotFoundError, ShmlimitError
 from shmlimit.keyed.limiter import KeyedLimiter
 from shmlimit.keyed.stats import KeyedStats, KeySample, adapted_keys
 from shmlimit.kinds import collect, inspect, inspect_each, stale
@@ -79,10 +78,9 @@ def cmd_demo(args: argparse.Namespace) -> int:
     lim = Limiter(name, rate=args.rate, burst=args.burst)
     cfg = lim.config
     ctx = mp.get_context(args.start_method)
-    out = sys.stdout
-    out.write(
+    print(
         f"shmlimit demo: {args.workers} {args.start_method} workers share {lim.rate:g} ops/s "
-        f"(capacity {lim.capacity:g}) for {args.seconds:g} s, backend {lim.backend}\n"
+        f"(capacity {lim.capacity:g}) for {args.seconds:g} s, backend {lim.backend}"
     )
     try:
         barrier = ctx.Barrier(args.workers + 1)
@@ -92,18 +90,17 @@ def cmd_demo(args: argparse.Namespace) -> int:
             start = time.monotonic()
             end = start + args.seconds
             jobs = [pool.apply_async(_demo_worker, (end,)) for _ in range(args.workers)]
-            first = inspect(name).grants
-            last_t, last_g = start, first
+            last_t, last_g = start, inspect(name).grants
             while time.monotonic() < end:
                 time.sleep(min(0.5, max(0.0, end - time.monotonic())))
                 s = inspect(name)
                 now = time.monotonic()
                 rate = (s.grants - last_g) / (now - last_t) if now > last_t else 0.0
-                out.write(
+                print(
                     f"  t={now - start:5.1f}s  grants={s.grants:8d}  rate={rate:10.1f}/s  "
-                    f"waiting={sum(p.waiting for p in s.processes):2d}  filler={s.filler_pid}\n"
+                    f"waiting={sum(p.waiting for p in s.processes):2d}  filler={s.filler_pid}",
+                    flush=True,
                 )
-                out.flush()
                 last_t, last_g = now, s.grants
             results = [j.get(timeout=args.seconds + 60) for j in jobs]
             starved = inspect(name).starved_seconds - starved0
@@ -112,24 +109,24 @@ def cmd_demo(args: argparse.Namespace) -> int:
         lim.close()
         lim.unlink()
     total = sum(r[1] for r in results)
-    out.write(f"\n  {'worker pid':>10}  {'grants':>8}  {'share':>6}\n")
+    print(f"\n  {'worker pid':>10}  {'grants':>8}  {'share':>6}")
     for pid, n, *_ in sorted(results):
-        out.write(f"  {pid:>10}  {n:>8}  {100.0 * n / max(total, 1):5.1f}%\n")
+        print(f"  {pid:>10}  {n:>8}  {100.0 * n / max(total, 1):5.1f}%")
     target = cfg.ops_per_second
     bound = target * elapsed + cfg.burst
-    out.write(
+    print(
         f"\n  total {total} grants in {elapsed:.2f} s: {total / elapsed:.1f} ops/s, target {target:g} ops/s "
         f"({100.0 * total / elapsed / target:.1f}%); never more than rate*T + capacity = {bound:.0f}: "
-        f"{'yes' if total <= bound else 'NO'}\n"
+        f"{'yes' if total <= bound else 'NO'}"
     )
     # What a busy machine withheld: no worker takes a grant before the pool hands the first one its
     # job, nor while none of them runs (the least of their run-queue waits); and the time the
-    # limiter could not credit while they queued
-    late = max(0.0, min(r[3] for r in results) - start) if results else 0.0
-    least = min(r[2] for r in results) if results else 0.0
-    out.write(
+    # limiter could not credit while they queued (one worker at least: --workers is positive)
+    late = max(0.0, min(r[3] for r in results) - start)
+    least = min(r[2] for r in results)
+    print(
         f"  held up: the first worker started {late:.3f} s late, every worker was off the CPU at most "
-        f"{least:.3f} s; the limiter starved {starved:.3f} s\n"
+        f"{least:.3f} s; the limiter starved {starved:.3f} s"
     )
     return 0 if total <= bound else 1
 
@@ -137,27 +134,11 @@ def cmd_demo(args: argparse.Namespace) -> int:
 # ---- list / inspect / create / unlink --------------------------------------------------
 
 
-@contextmanager
-def _known(name: str) -> Iterator[None]:
-    """A limiter that does not exist under ``name`` is a user error (a ``FileNotFoundError``)."""
-    try:
-        yield
-    except FileNotFoundError:
-        raise UserError(f"no limiter named {name!r} (see 'shmlimit list')") from None
-
-
-def _inspect(name: str) -> "Stats | KeyedStats":
-    with _known(name):
-        return inspect(name)
-
-
 def _check_names(names: Sequence[str], exist: bool) -> None:
     """Names given on the command line: valid ones (a ``ValueError``), and with ``exist`` the names
-    of limiters that exist (an unknown one is a user error)."""
+    of limiters that exist and can be read (``inspect``: an unknown one is a user error)."""
     for n in names:
-        validate_name(n)
-    for n in names if exist else ():
-        _inspect(n)
+        (inspect if exist else validate_name)(n)
 
 
 def cmd_list(args: argparse.Namespace) -> int:
@@ -251,7 +232,7 @@ def _print_fields(s: "Stats | KeyedStats", key: str = "") -> None:
 
 
 def cmd_inspect(args: argparse.Namespace) -> int:
-    s = _inspect(args.name)
+    s = inspect(args.name)
     if args.json:
         print(json.dumps(_inspect_json(s)))
         return 0
@@ -327,8 +308,7 @@ def cmd_create(args: argparse.Namespace) -> int:
 def cmd_set_rate(args: argparse.Namespace) -> int:
     """Change a live limiter for every attached process: a spec rate[,ratio][,verb]."""
     spec = parse_spec(args.spec)
-    with _known(args.name):
-        lim = Limiter(args.name, mode=int(args.mode, 8), trusted_uids=args.trust_uid)
+    lim = Limiter(args.name, mode=int(args.mode, 8), trusted_uids=args.trust_uid)
     try:
         if spec.verb == "stop":
             lim.stop()
@@ -361,8 +341,6 @@ def cmd_metrics(args: argparse.Namespace) -> int:
         trusted_uids=args.trust_uid, all_users=args.all_users, max_segments=args.max_segments
     )
     if args.port is None:
-        from shmlimit.cli.metrics import exposition, families, omitted_note
-
         fams = families(names, **scope)
         sys.stdout.write(exposition(fams))
         note = omitted_note(fams)
@@ -374,23 +352,15 @@ def cmd_metrics(args: argparse.Namespace) -> int:
     return _serve_metrics(names, args.bind, args.port, scope)
 
 
-def _exposition(names, scope) -> str:
-    from shmlimit.cli.metrics import exposition, families
-
-    return exposition(families(names, **scope))
-
-
 def _serve_metrics(names, host: str, port: int, scope) -> int:
     """Serve /metrics until interrupted; a missing limiter has no samples (it may be created later)."""
     from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
-
-    from shmlimit.cli.metrics import CONTENT_TYPE
 
     class Handler(BaseHTTPRequestHandler):
         def do_GET(self) -> None:  # noqa: N802 (the http.server interface)
             path = self.path.split("?", 1)[0]
             if path == "/metrics":
-                body, ctype, code = _exposition(names, scope).encode(), CONTENT_TYPE, 200
+                body, ctype, code = exposition(families(names, **scope)).encode(), CONTENT_TYPE, 200
             elif path == "/":
                 body, ctype, code = (
                     b"shmlimit metrics: see /metrics\n",
@@ -458,8 +428,7 @@ def cmd_gc(args: argparse.Namespace) -> int:
 
 
 def cmd_unlink(args: argparse.Namespace) -> int:
-    with _known(args.name):
-        unlink(args.name)
+    unlink(args.name)
     print(f"unlinked {args.name}")
     return 0
 
@@ -529,9 +498,19 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--version", action="version", version=f"shmlimit {__version__}")
     sub = p.add_subparsers(dest="command", metavar="COMMAND")
     sub.required = True
+    named = argparse.ArgumentParser(add_help=False)  # what the commands about one limiter take
+    named.add_argument("name")
 
-    d = sub.add_parser(
-        "demo", help="pool workers sharing one rate: live progress, then achieved vs target"
+    def command(
+        name: str, func: Callable[[argparse.Namespace], int], help: str, *parents
+    ) -> argparse.ArgumentParser:
+        """The sub-command ``name``, which ``func`` runs."""
+        c = sub.add_parser(name, help=help, parents=list(parents))
+        c.set_defaults(func=func)
+        return c
+
+    d = command(
+        "demo", cmd_demo, "pool workers sharing one rate: live progress, then achieved vs target"
     )
     d.add_argument("--workers", type=_positive(int), default=4, help="worker processes (default 4)")
     d.add_argument(
@@ -547,25 +526,22 @@ def build_parser() -> argparse.ArgumentParser:
         "--seconds", type=_positive(float), default=5.0, help="how long to run (default 5)"
     )
     d.add_argument("--start-method", choices=["fork", "spawn", "forkserver"], default="fork")
-    d.set_defaults(func=cmd_demo)
 
-    ls = sub.add_parser("list", help="every limiter on this machine")
+    ls = command("list", cmd_list, "every limiter on this machine")
     ls.add_argument("--json", action="store_true", help="one JSON array of snapshots")
-    ls.set_defaults(func=cmd_list)
 
-    i = sub.add_parser("inspect", help="one limiter's live state")
-    i.add_argument("name")
+    i = command("inspect", cmd_inspect, "one limiter's live state", named)
     i.add_argument(
         "--json", action="store_true", help="one JSON object (the fields of shmlimit.Stats)"
     )
-    i.set_defaults(func=cmd_inspect)
 
-    c = sub.add_parser(
+    c = command(
         "create",
-        help="create a limiter; an existing one no live process uses takes these settings "
+        cmd_create,
+        "create a limiter; an existing one no live process uses takes these settings "
         "(printed: old -> new)",
+        named,
     )
-    c.add_argument("name")
     which = c.add_mutually_exclusive_group(required=True)
     which.add_argument(
         "--rate",
@@ -594,13 +570,13 @@ def build_parser() -> argparse.ArgumentParser:
         **_TRUST_UID,
         help="accept an existing segment owned by this uid (repeatable)",
     )
-    c.set_defaults(func=cmd_create)
 
-    r = sub.add_parser(
+    r = command(
         "set-rate",
-        help="change a live limiter in every process: rate[,ratio][,verb] with verb configure|start|restart|stop",
+        cmd_set_rate,
+        "change a live limiter in every process: rate[,ratio][,verb] with verb configure|start|restart|stop",
+        named,
     )
-    r.add_argument("name")
     r.add_argument(
         "spec", type=_spec, help="e.g. 12000, 200K/min, 12K,1.1 or 12K,1.1,restart or 0,stop"
     )
@@ -621,11 +597,11 @@ def build_parser() -> argparse.ArgumentParser:
     r.add_argument(
         "--trust-uid", **_TRUST_UID, help="accept a segment owned by this uid (repeatable)"
     )
-    r.set_defaults(func=cmd_set_rate)
 
-    t = sub.add_parser(
+    t = command(
         "top",
-        help="the live view, refreshing in place: every limiter, busiest first, in one table "
+        cmd_top,
+        "the live view, refreshing in place: every limiter, busiest first, in one table "
         "that fits the terminal (COLUMNS and LINES when set); or the ones named, in detail",
     )
     t.add_argument("names", nargs="*", metavar="NAME")
@@ -644,10 +620,9 @@ def build_parser() -> argparse.ArgumentParser:
         action="store_true",
         help="also the stale limiters (no live process), hidden from the table by default",
     )
-    t.set_defaults(func=cmd_top)
 
-    m = sub.add_parser(
-        "metrics", help="Prometheus text exposition of every limiter (or the ones named)"
+    m = command(
+        "metrics", cmd_metrics, "Prometheus text exposition of every limiter (or the ones named)"
     )
     m.add_argument("names", nargs="*", metavar="NAME")
     m.add_argument(
@@ -675,22 +650,18 @@ def build_parser() -> argparse.ArgumentParser:
         help=f"export at most N segments, the first by name (default {MAX_SEGMENTS}); "
         "the rest are counted",
     )
-    m.set_defaults(func=cmd_metrics)
 
-    g = sub.add_parser("gc", help="remove segments that no live process is attached to")
+    g = command("gc", cmd_gc, "remove segments that no live process is attached to")
     g.add_argument("--dry-run", action="store_true", help="only list them")
-    g.set_defaults(func=cmd_gc)
 
-    dr = sub.add_parser(
+    dr = command(
         "doctor",
-        help="which backend is in use and why, /dev/shm's space, and what else would make shmlimit slow or fail",
+        cmd_doctor,
+        "which backend is in use and why, /dev/shm's space, and what else would make shmlimit slow or fail",
     )
     dr.add_argument("--json", action="store_true", help="one JSON array of findings")
-    dr.set_defaults(func=cmd_doctor)
 
-    u = sub.add_parser("unlink", help="remove a limiter's segment")
-    u.add_argument("name")
-    u.set_defaults(func=cmd_unlink)
+    command("unlink", cmd_unlink, "remove a limiter's segment", named)
     return p
 
 
@@ -699,10 +670,14 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     args = parser.parse_args(argv)
     try:
         return args.func(args)
-    except UserError as e:
-        print(printable(f"shmlimit: {e}"), file=sys.stderr)
-    except (ShmlimitError, ValueError, TypeError, PermissionError) as e:
-        print(printable(f"shmlimit: {e}"), file=sys.stderr)
+    except (UserError, ShmlimitError, ValueError, TypeError, PermissionError) as e:
+        # no limiter under a name given: said as the command line's mistake it is
+        what = (
+            f"no limiter named {e.name!r} (see 'shmlimit list')"
+            if isinstance(e, LimiterNotFoundError)
+            else e
+        )
+        print(printable(f"shmlimit: {what}"), file=sys.stderr)
     except KeyboardInterrupt:
         return 130
     except BrokenPipeError:  # the reader (head, less) went away: not an error of ours
