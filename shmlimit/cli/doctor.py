@@ -15,7 +15,7 @@ import platform
 import stat
 import sys
 from dataclasses import asdict, dataclass
-from typing import Callable, Dict, Iterable, List, Mapping, Optional, Tuple
+from typing import Any, Callable, Dict, List, Mapping, Optional, Tuple
 
 from shmlimit.shm import layout as L
 from shmlimit.shm.segment import PREFIX, SHM_DIR
@@ -50,7 +50,6 @@ def check_backend(env: Mapping[str, str] = os.environ) -> List[Finding]:
         importlib.import_module("shmlimit.shm._native")
     except ImportError as e:
         native_error = str(e)
-    out: List[Finding] = []
     if forced and forced not in BACKENDS:
         return [
             Finding(
@@ -75,8 +74,7 @@ def check_backend(env: Mapping[str, str] = os.environ) -> List[Finding]:
             if forced
             else "the C extension shmlimit.shm._native is built"
         )
-        out.append(Finding(OK, "backend", f"native ({why}): an acquire is one C call"))
-        return out
+        return [Finding(OK, "backend", f"native ({why}): an acquire is one C call")]
     if forced == "atomics":
         why = "forced by SHMLIMIT_BACKEND=atomics" + (
             "" if native_error else " (native is built: unset it)"
@@ -88,9 +86,7 @@ def check_backend(env: Mapping[str, str] = os.environ) -> List[Finding]:
             f"compiler and reinstall"
         )
     level = OK if forced == "atomics" else WARN
-    out.append(Finding(level, "backend", f"atomics: {why}"))
-    out.extend(_check_atomics_speed())
-    return out
+    return [Finding(level, "backend", f"atomics: {why}"), *_check_atomics_speed()]
 
 
 def _check_atomics_speed() -> List[Finding]:
@@ -126,29 +122,31 @@ def _check_atomics_speed() -> List[Finding]:
     ]
 
 
+def _read(path: str, parse: Callable[[str], Any] = str.strip) -> Any:
+    """What ``parse`` makes of the text of the file at ``path``; None when it cannot be read, or
+    parsed (a ``ValueError``)."""
+    try:
+        with open(path) as f:
+            return parse(f.read())
+    except (OSError, ValueError):
+        return None
+
+
 def _mounts(path: str = "/proc/mounts") -> Dict[str, str]:
     """Mount point -> file-system type."""
     out: Dict[str, str] = {}
-    try:
-        with open(path) as f:
-            for line in f:
-                parts = line.split()
-                if len(parts) >= 3:
-                    out[parts[1].replace("\\040", " ")] = parts[2]
-    except OSError:
-        pass
+    for line in (_read(path, str) or "").splitlines():
+        parts = line.split()
+        if len(parts) >= 3:
+            out[parts[1].replace("\\040", " ")] = parts[2]
     return out
 
 
-def segments_need(shm_dir: str = SHM_DIR, names: Optional[Iterable[str]] = None) -> tuple:
+def segments_need(shm_dir: str = SHM_DIR) -> tuple:
     """(limiters present, bytes they may still claim): a segment's pages are allocated when first touched."""
     count = unbacked = 0
     try:
-        entries = (
-            list(names)
-            if names is not None
-            else [e for e in os.listdir(shm_dir) if e.startswith(PREFIX)]
-        )
+        entries = [e for e in os.listdir(shm_dir) if e.startswith(PREFIX)]
     except OSError:
         return 0, 0
     for e in entries:
@@ -188,34 +186,7 @@ def check_shm(
                 f"(mount a tmpfs there: mount -t tmpfs tmpfs {shm_dir})",
             )
         ]
-    out: List[Finding] = []
     fstype = mounts.get(shm_dir)
-    if fstype is None:
-        out.append(
-            Finding(
-                WARN,
-                "/dev/shm",
-                f"{shm_dir} is not a mount point: segments live on whatever "
-                f"file system holds it (a tmpfs there is expected)",
-            )
-        )
-    elif fstype != "tmpfs":
-        out.append(
-            Finding(
-                WARN,
-                "/dev/shm",
-                f"{shm_dir} is a {fstype}, not a tmpfs: segments may be written to disk",
-            )
-        )
-    if not os.access(shm_dir, os.W_OK | os.X_OK):
-        out.append(
-            Finding(
-                FAIL,
-                "/dev/shm",
-                f"{shm_dir} is not writable by this user (uid {os.getuid()}): "
-                "no limiter can be created",
-            )
-        )
     st = statvfs(shm_dir)
     total = st.f_blocks * st.f_frsize
     free = st.f_bavail * st.f_frsize
@@ -226,40 +197,50 @@ def check_shm(
         f"{shm_dir}: {fstype or 'mounted'}, {free / MiB:.1f} MiB free of {total / MiB:.1f} MiB; "
         f"{count} limiter(s) present"
     )
-    if free < unbacked:
-        out.append(
-            Finding(
-                FAIL,
-                "/dev/shm",
-                f"{summary}, whose pages not yet allocated need {unbacked} bytes: "
-                f"a process touching one may be killed by SIGBUS. Free space there",
-            )
-        )
-    elif free < need:
-        out.append(
-            Finding(
-                WARN,
-                "/dev/shm",
-                f"{summary}: less than the {need} bytes they and "
-                f"{SPARE_LIMITERS} more limiters of the default size need",
-            )
-        )
-    else:
-        out.append(Finding(OK, "/dev/shm", summary))
     if in_container is None:
         in_container = os.path.exists("/.dockerenv") or os.path.exists("/run/.containerenv")
-    if total <= DOCKER_DEFAULT_SHM:
-        where = "this container's" if in_container else "this"
-        out.append(
-            Finding(
-                WARN,
-                "/dev/shm",
-                f"{where} /dev/shm is {total / MiB:.0f} MiB, Docker's default size: "
-                "other programs (browsers, PyTorch DataLoader, Postgres) share it; "
-                "run the container with --shm-size=256m or more",
-            )
-        )
-    return out
+    where = "this container's" if in_container else "this"
+    # what is found, each (whether it is, its level, what it says), in the order they are shown
+    rules = (
+        (
+            fstype is None,
+            WARN,
+            f"{shm_dir} is not a mount point: segments live on whatever "
+            f"file system holds it (a tmpfs there is expected)",
+        ),
+        (
+            fstype not in (None, "tmpfs"),
+            WARN,
+            f"{shm_dir} is a {fstype}, not a tmpfs: segments may be written to disk",
+        ),
+        (
+            not os.access(shm_dir, os.W_OK | os.X_OK),
+            FAIL,
+            f"{shm_dir} is not writable by this user (uid {os.getuid()}): "
+            "no limiter can be created",
+        ),
+        (
+            free < unbacked,
+            FAIL,
+            f"{summary}, whose pages not yet allocated need {unbacked} bytes: "
+            f"a process touching one may be killed by SIGBUS. Free space there",
+        ),
+        (
+            unbacked <= free < need,
+            WARN,
+            f"{summary}: less than the {need} bytes they and "
+            f"{SPARE_LIMITERS} more limiters of the default size need",
+        ),
+        (need <= free, OK, summary),
+        (
+            total <= DOCKER_DEFAULT_SHM,
+            WARN,
+            f"{where} /dev/shm is {total / MiB:.0f} MiB, Docker's default size: "
+            "other programs (browsers, PyTorch DataLoader, Postgres) share it; "
+            "run the container with --shm-size=256m or more",
+        ),
+    )
+    return [Finding(level, "/dev/shm", message) for found, level, message in rules if found]
 
 
 def check_machine(
@@ -269,11 +250,7 @@ def check_machine(
 ) -> List[Finding]:
     """Clock, cores and timer slack: what makes waiting slow or late."""
     out: List[Finding] = []
-    try:
-        with open(clocksource_path) as f:
-            source = f.read().strip()
-    except OSError:
-        source = None
+    source = _read(clocksource_path)
     if source in SLOW_CLOCKSOURCES:
         out.append(
             Finding(
@@ -295,21 +272,18 @@ def check_machine(
                 "expect more lateness",
             )
         )
-    try:
-        with open(timerslack_path) as f:
-            slack = int(f.read().strip())
+    slack = _read(timerslack_path, int)  # (int takes the text with its newline)
+    if slack is not None:
         level = OK if slack <= 50_000 else WARN
         out.append(
             Finding(
                 level, "timers", f"timer slack {slack / 1000:g} us: sleeps may end that much late"
             )
         )
-    except (OSError, ValueError):
-        pass
     return out
 
 
-def check_segments(shm_dir: str = SHM_DIR, names: Optional[List[str]] = None) -> List[Finding]:
+def check_segments(names: Optional[List[str]] = None) -> List[Finding]:
     """Limiters no live process uses, and segments this user cannot read (all of them, or
     ``names``); of all of them, secret files whose segment is gone."""
     from shmlimit.errors import ShmlimitError
