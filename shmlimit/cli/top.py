@@ -19,6 +19,7 @@ live process attached); or, for a segment that cannot be read, just
 
 from __future__ import annotations
 
+import functools
 import json
 import os
 import sys
@@ -141,23 +142,17 @@ def sparkline(values: Sequence[float]) -> str:
     )
 
 
-_commands: Dict[Tuple[int, bool], str] = {}
-
-
+@functools.lru_cache(maxsize=None)
 def command_of(pid: int, alive: bool) -> str:
     """The process's command name (psutil), cached; '?' when it cannot be read (or it is gone)."""
-    key = (pid, alive)
-    if key not in _commands:
-        name = "?"
-        if alive:
-            try:
-                import psutil
+    if not alive:
+        return "?"
+    try:
+        import psutil
 
-                name = psutil.Process(pid).name()
-            except Exception:  # gone or not ours to read
-                name = "?"
-        _commands[key] = name
-    return _commands[key]
+        return psutil.Process(pid).name()
+    except Exception:  # gone or not ours to read
+        return "?"
 
 
 class Inspector:
@@ -180,7 +175,7 @@ class Inspector:
             out.extend(self._record(r.name, r, now) for r in rows)
         return out
 
-    def _busiest(self, name: str, s: KeyedStats) -> List[dict]:
+    def _busiest(self, name: str) -> List[dict]:
         """The busiest keys seen so far, refreshed KEY_SAMPLE slots at a time."""
         found, self.cursor[name] = sample_keys(name, self.cursor.get(name, 0), KEY_SAMPLE)
         seen = self.seen_keys.setdefault(name, {})
@@ -192,7 +187,7 @@ class Inspector:
         # each key's rate is its own (an adaptive key's rate in force) as last read, or None
         return [asdict(k) for k in sorted(seen.values(), key=lambda k: -k.grants)[:BUSIEST]]
 
-    def _windows(self, name: str, s: KeyedStats) -> List[dict]:
+    def _windows(self, name: str) -> List[dict]:
         """The fullest windows (by count) among the next KEY_SAMPLE slots: those now counting."""
         found, self.cursor[name] = sample_windows(name, self.cursor.get(name, 0), KEY_SAMPLE)
         return [
@@ -208,7 +203,7 @@ class Inspector:
                 ("windows", self._windows) if s.kind == "windows" else ("busiest", self._busiest)
             )
             try:
-                d[field] = read(name, s)
+                d[field] = read(name)
             except (ShmlimitError, OSError):
                 d[field] = []
         last = self.prev.get(name)
@@ -303,11 +298,14 @@ def table(
         )
     if not records:
         lines.append(NONE_HERE)
-    hidden = []
-    if rest:
-        hidden.append(f"{rest} more below")
-    if stale:
-        hidden.append(f"{stale} stale hidden (--all shows them)")
+    hidden = [  # what is left out, where anything is
+        text
+        for count, text in (
+            (rest, f"{rest} more below"),
+            (stale, f"{stale} stale hidden (--all shows them)"),
+        )
+        if count
+    ]
     if hidden:
         lines.append("... " + ", ".join(hidden))
     return "".join(_fit(printable(line.rstrip()), width) + "\n" for line in lines)
