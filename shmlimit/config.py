@@ -414,14 +414,15 @@ def is_int(value: object, low: int, high: float = math.inf) -> bool:
     return isinstance(value, int) and not isinstance(value, bool) and low <= value <= high
 
 
-def validate_n(n: object, cost: int) -> int:
-    """``n`` must be a positive int small enough that n ops of tokens fit the rover arithmetic."""
+def validate_n(n: object, cost: Optional[int] = None) -> int:
+    """``n`` must be a positive int; given the ``cost`` of an op in tokens, small enough that n ops
+    of tokens fit the rover arithmetic."""
     if isinstance(n, bool) or not isinstance(n, int):
         raise TypeError(f"n must be a positive int (ops), not {type(n).__name__}")
     if n < 1:
         raise ValueError(f"n must be a positive int (ops), got {n}")
     if (
-        n * cost > MAX_SPAN_TOKENS
+        cost is not None and n * cost > MAX_SPAN_TOKENS
     ):  # one request; the queue as a whole is bounded by MAX_QUEUE_TOKENS
         raise ValueError(
             f"n must be at most {MAX_SPAN_TOKENS // cost} ops for this limiter, got {n}"

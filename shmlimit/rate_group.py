@@ -14,7 +14,7 @@ import re
 from dataclasses import dataclass, replace
 from typing import Any, Dict, Iterable, Iterator, List, Mapping, Tuple, Type, Union
 
-from shmlimit.config import Config, carried_per, parse_rate
+from shmlimit.config import Config, carried_per, parse_rate, validate_n
 from shmlimit.shm.segment import NAME_MAX
 from shmlimit.shm.segment import unlink as _unlink_name
 
@@ -237,13 +237,15 @@ class RateGroup:
 
     def _ops(self, n: object, costs: Dict[str, object]) -> Tuple[int, ...]:
         """Ops on each rate: ``n`` on every one, or the keywords' (rates not named cost nothing)."""
-        if not costs:
-            if isinstance(n, bool) or not isinstance(n, int) or n < 1:
-                raise ValueError(f"n must be a positive int (ops), got {n!r}")
-            return tuple(n for _ in self._keys)
+        if not costs:  # (each rate's own check bounds n by what its rovers can hold)
+            return tuple(validate_n(n) for _ in self._keys)
         out = []
         for k, v in zip(self._keys, self._by_name(costs, n, 1, "cost")):
-            if isinstance(v, bool) or not isinstance(v, int) or v < 0:
+            if isinstance(v, bool) or not isinstance(v, int):
+                raise TypeError(
+                    f"{k} must be an int >= 0 (ops of that rate), not {type(v).__name__}"
+                )
+            if v < 0:
                 raise ValueError(f"{k} must be an int >= 0 (ops of that rate), got {v!r}")
             out.append(v)
         if not any(out):

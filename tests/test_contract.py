@@ -183,6 +183,22 @@ def test_try_acquire_grants_the_burst_then_refuses_at_once(make):
 
 # how long a refusal takes, in real time (< 0.5 s)
 @pytest.mark.slow
+def test_a_bad_n_is_refused_alike_by_every_kind_taking_nothing(make):
+    h = make()
+    for n, exc in (
+        (0, ValueError),
+        (-1, ValueError),
+        (1.5, TypeError),
+        (True, TypeError),
+        ("1", TypeError),
+    ):
+        for verb in (h.try_acquire, h.retry_after, lambda n: h.acquire(n, timeout=0)):
+            with pytest.raises(exc, match="n must be"):
+                verb(n)
+    if not make.kind.leased:  # (a hierarchical limiter's tokens come with its leases)
+        assert [h.try_acquire() for _ in range(BURST)] == [True] * BURST  # nothing was taken
+
+
 def test_a_timed_acquire_returns_false_at_once_when_the_wait_exceeds_it(make):
     h = make()
     _empty(h, make.kind, BURST)

@@ -342,7 +342,7 @@ def test_the_fast_path_decides_costs_and_leaves_bad_calls_to_the_slow_path(name,
         (lambda: lim.acquire(2, tokens=1), TypeError),  # n and costs
         (lambda: lim.acquire(tokens=0), ValueError),  # nothing to take
         (lambda: lim.acquire(tokens=-1), ValueError),
-        (lambda: lim.acquire(tokens=True), ValueError),
+        (lambda: lim.acquire(tokens=True), TypeError),  # a bool is no count of ops
         (
             lambda: lim.acquire(requests=1, timeout=-1),
             ValueError,

@@ -101,7 +101,7 @@ def test_costs_by_name_and_bad_calls(name, clock, cleanup):
         (lambda: lim.try_acquire("k", 2, tokens=1), TypeError),
         (lambda: lim.try_acquire("k", tokens=0), ValueError),
         (lambda: lim.try_acquire("k", tokens=-1), ValueError),
-        (lambda: lim.try_acquire("k", tokens=True), ValueError),
+        (lambda: lim.try_acquire("k", tokens=True), TypeError),  # a bool is no count of ops
         (lambda: lim.try_acquire("k", 0), ValueError),
         (lambda: lim.acquire("k", timeout=-1), ValueError),
         (lambda: lim.try_acquire(12, tokens=1), TypeError),  # a key is str or bytes
