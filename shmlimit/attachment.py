@@ -702,7 +702,7 @@ def show(spec: Optional[UpstreamSpec]) -> str:
 
 # ---- the registry: one attachment per name per process -------------------------------------
 
-registry: Registry[Attachment] = Registry(after_fork=lambda att: att.after_fork_in_child())
+registry: Registry[Attachment] = Registry()
 
 
 def open_attachment(

@@ -8,7 +8,6 @@ by its sync driver (``acquire``) or its asyncio driver (``acquire_async``).
 
 from __future__ import annotations
 
-import os
 import random
 import time
 from typing import TYPE_CHECKING, Any, Callable, Dict, Iterable, Optional, Tuple, Union
@@ -240,13 +239,6 @@ class Limiter(RatesSwitch, AcquireOnEnter, Handle):
         att = self._peek()
         if not att.in_use:
             att.use()
-        return att
-
-    def _peek(self) -> Attachment:
-        """The attachment, for reading: observing (config, stats) starts no thread."""
-        att = super()._peek()
-        if att.pid != os.getpid():  # pragma: no cover - the fork hook re-registers first
-            att.after_fork_in_child()
         return att
 
     def close(self) -> None:

@@ -2,8 +2,8 @@
 
 Every handle for a name in a process shares one attachment (one mapping, one
 process slot, one filler thread), counted by ``refs``.  A registry hands it
-out (``open``), drops a handle (``release``), runs its kind's hook in a
-forked child for every attachment inherited (``after_fork``), and detaches
+out (``open``), drops a handle (``release``), runs the fork hook of every
+attachment a forked child inherited (``after_fork_in_child``), and detaches
 every attachment at exit, so a held filler lease is dropped and a successor
 fills at once.
 
@@ -18,6 +18,7 @@ from __future__ import annotations
 import atexit
 import os
 import threading
+import weakref
 from typing import Any, Callable, Dict, FrozenSet, Generic, Optional, TypeVar
 
 from shmlimit.errors import SegmentError
@@ -187,12 +188,16 @@ def attach(
 class Registry(Generic[A]):
     """This process's attachments of one kind, by name."""
 
-    def __init__(self, after_fork: Callable[[A], None]) -> None:
+    def __init__(self) -> None:
         self._atts: Dict[str, A] = {}
+        #: every attachment made and still held (by a handle, or a thread), the current one of each
+        #: name and those of a name unlinked and made again since: the fork and exit hooks reach
+        #: them all, so a handle that kept its attachment past the name's re-creation registers
+        #: in a forked child on its first use as any other
+        self._every: "weakref.WeakSet[A]" = weakref.WeakSet()
         # Re-entrant: a handle's __del__ run by the garbage collector in the middle of an open
         # (which holds the lock) must be able to take it again to drop its reference.
         self._lock = threading.RLock()
-        self._after_fork = after_fork
         os.register_at_fork(after_in_child=self._in_child)
         atexit.register(self._detach_all)
 
@@ -215,6 +220,7 @@ class Registry(Generic[A]):
             if att is None:
                 att = make()
                 self._atts[name] = att
+                self._every.add(att)
             else:
                 att.vet(mode, trusted)
                 check(att)
@@ -238,12 +244,12 @@ class Registry(Generic[A]):
 
     def _in_child(self) -> None:
         self._lock = threading.RLock()
-        for att in list(self._atts.values()):
+        for att in list(self._every):
             if not att.closed:
-                self._after_fork(att)
+                att.after_fork_in_child()
 
     def _detach_all(self) -> None:
-        for att in list(self._atts.values()):
+        for att in list(self._every):
             try:
                 att.detach()
             except Exception:  # pragma: no cover - best effort at exit

@@ -9,6 +9,7 @@ import time
 
 import pytest
 from support.procs import (
+    TESTS,
     WORKDIR,
     collect_witnessed,
     go,
@@ -118,6 +119,73 @@ def test_limiter_inherited_through_fork_registers_the_child(name):
     assert pids[os.getpid()] == 0
     _inherited.close()
     _inherited = None
+
+
+# ---- a handle kept past its name's re-creation ------------------------------------
+
+
+def _use_superseded(q):
+    out = []
+    for use in (_inherited[0].acquire, lambda: _inherited[1].try_acquire("k")):
+        try:
+            out.append(use())
+        except shmlimit.SegmentError:
+            out.append("SegmentError")
+    q.put(out)
+
+
+def test_a_handle_kept_past_its_names_recreation_is_inherited_as_any_other(name):
+    """The registry hands out the name's new segment; a handle still holding the old attachment
+    is reached by the fork hook all the same: a forked child neither counts its grants in its
+    parent's slot nor inserts keys as its parent, but, as with any limiter whose name was
+    unlinked since, is told so at its first use."""
+    global _inherited
+    kname = name + "-keyed"
+    old = shmlimit.Limiter(name, rate=1000)
+    old_keyed = shmlimit.KeyedLimiter(kname, rate=1000)
+    old.acquire()
+    old_keyed.acquire("k")
+    for n in (name, kname):
+        shmlimit.unlink(n)
+    new = shmlimit.Limiter(name, rate=1000)
+    new_keyed = shmlimit.KeyedLimiter(kname, rate=1000)
+    _inherited = (old, old_keyed)
+    ctx = mp.get_context("fork")
+    q = ctx.Queue()
+    p = ctx.Process(target=_use_superseded, args=(q,))
+    p.start()
+    assert q.get(timeout=30) == ["SegmentError", "SegmentError"]
+    p.join(30)
+    assert p.exitcode == 0
+    assert {pr.pid: pr.grants for pr in old.stats().processes} == {os.getpid(): 1}
+    assert [pr.pid for pr in old_keyed.stats().processes] == [os.getpid()]
+    _inherited = None
+    for h in (old, old_keyed, new, new_keyed):
+        h.close()
+
+
+_RECREATES = """
+import os, sys
+import shmlimit
+sys.path.insert(0, sys.argv[2])
+from support.procs import wait_for
+old = shmlimit.Limiter(sys.argv[1], rate=1000)
+old.retry_after()  # a first use: its filler takes the lease
+wait_for(lambda: old.stats().filler_pid == os.getpid())
+shmlimit.unlink(sys.argv[1])
+new = shmlimit.Limiter(sys.argv[1], rate=1000)  # the name made again, old still held
+"""
+
+
+def test_an_attachment_kept_past_its_names_recreation_is_detached_at_exit(name):
+    """At exit every attachment detaches, the one a handle kept past its name's re-creation
+    too: its slot is given back and the lease it held dropped, so a process still working on
+    that segment's mapping fills at once."""
+    lim = shmlimit.Limiter(name, rate=1000)  # mapped before the other unlinks it
+    subprocess.run([sys.executable, "-c", _RECREATES, name, TESTS], check=True, timeout=60)
+    s = lim.stats()
+    assert [p.pid for p in s.processes] == [os.getpid()] and s.filler_pid is None
+    lim.close()
 
 
 # ---- independent interpreters -------------------------------------------------------

@@ -181,7 +181,7 @@ def _prefault(seg: Segment) -> None:
         pass
 
 
-registry: Registry[_Attachment] = Registry(after_fork=lambda att: att.after_fork_in_child())
+registry: Registry[_Attachment] = Registry()
 
 
 def _open(

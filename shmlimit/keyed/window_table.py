@@ -59,7 +59,7 @@ class _Attachment(Attached):
             self.cells.fetch_add(self.grants, granted)
 
 
-registry: Registry[_Attachment] = Registry(after_fork=lambda att: att.after_fork_in_child())
+registry: Registry[_Attachment] = Registry()
 
 
 def _open(name: str, geo: Geometry, mode: int, trusted: frozenset) -> _Attachment:
