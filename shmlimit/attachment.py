@@ -215,11 +215,6 @@ class Capped(Mode):
         bucket.unadmit(ops)
 
 
-def mode_of(snap: Any, real_clock: bool) -> Mode:
-    """The mode of the config ``snap`` on the real clock or not."""
-    return (Capped if snap.capped else Mode)(snap, real_clock)
-
-
 class Attachment(Attached):
     """One process's mapping of one limiter segment (shared by all its Limiter handles).
 
@@ -233,7 +228,6 @@ class Attachment(Attached):
         name: str,
         seg: Segment,
         cells: Cells,
-        join: bool = True,
         clock: Callable[[], int] = time.monotonic_ns,
     ) -> None:
         super().__init__(name, seg, cells, cells.load(L.SLOTS_OFF))
@@ -258,29 +252,19 @@ class Attachment(Attached):
         # A grabber does one grab_if priced under the config it was made for; the try and the
         # timed grab are a Gate's methods (see composites.Gate)
         self.fast = FastPaths()
-        self.fast_seq = -1
-        #: the mode of the config the fast paths were bound for (``fast_seq``)
-        self.mode: Mode = mode_of(self.bucket.snap, clock is time.monotonic_ns)
-        #: This process used the limiter (``use``): it is registered and its filler thread runs.
-        #: Opening registers (``Attached``) but starts no thread: a pre-fork server's master
-        #: that only opened it never forks with one running.  Nothing waits for a filler:
-        #: waiters replenish themselves.
-        self.in_use = False
-        if join:
-            self.join()
-        else:
-            self.bind()
+        self.bind()  # unregistered (see Attached): its fast paths bound (``update_fast``)
 
     def update_fast(self) -> None:
         s = self.bucket.snap  # one snapshot: the grabber's seq and price always belong together
         self.fast_seq = s.seq
-        unused = not self.in_use  # the slow path's first call is the use that registers and starts
         # every ticket a fast path hands out is recorded in one of this process's records (none:
         # beyond the table, it never queues), so a ticket is never queued unrecorded (see giveback)
         recs = self.rec_lens
         real_clock = self.clock is time.monotonic_ns
-        self.mode = mode = mode_of(s, real_clock)
-        live = not (self.closed or unused)
+        #: the mode of the config the fast paths were bound for (``fast_seq``)
+        self.mode = mode = (Capped if s.capped else Mode)(s, real_clock)
+        # unused: the slow path's first call is the use that registers and starts
+        live = self.in_use and not self.closed
         grab: Callable[..., Any] = _no_fast
         if live and mode.grabs:
             grab = self.bucket.grabber(s, self.grants_off, recs)
@@ -294,7 +278,8 @@ class Attachment(Attached):
         within: Callable[..., Any] = _undecided
         if live and mode.gates:
             gate = self.bucket.gate(s, self.grants_off, 1, recs)
-            try_now = on_clock(gate.try_grab, self.clock, self._refused_try)
+            # a refusal: what a try refused on the slow path does (``take_now``), a refill
+            try_now = on_clock(gate.try_grab, self.clock, self.refill)
             within = on_clock(gate.grab_within, self.clock, self._refused_within)
         if grab is not _no_fast and mode.fed_wake and not mode.stopped:
             within = _fed_within(grab)
@@ -338,10 +323,6 @@ class Attachment(Attached):
         if added > 0:
             self.nudge_filler()
         return added
-
-    def _refused_try(self) -> None:
-        """What a try refused on the slow path did (``take_now``): a refill."""
-        self.refill()
 
     def _refused_within(self, timeout: object) -> None:
         """What a timed acquire refused on the slow path did (``take_ticket``): a replenish."""
@@ -475,17 +456,16 @@ class Attachment(Attached):
             )
         self.update_fast()
 
+    def start(self) -> None:
+        """This process's first use: its filler thread.  Nothing waits for a filler: waiters
+        replenish themselves."""
+        if self.filler is not None:
+            self.filler.start()
+
     def use(self) -> None:
-        """This process uses the limiter: register it if it is not yet (``Attached.use``, raising
-        as it does), start its filler thread (once)."""
-        with self._use_lock:
-            if self.in_use or self.closed or self.pid != os.getpid():
-                return
-            if not self.joined:
-                self._join_unless_gone()
-            if self.filler is not None:
-                self.filler.start()
-            self.in_use = True
+        """This process uses the limiter (``Attached.use``, raising as it does): its fast paths
+        are bound for a process in use."""
+        super().use()
         self.update_fast()
 
     def _unregister(self) -> None:
@@ -555,7 +535,6 @@ class Attachment(Attached):
             lambda: self.records, self.cells
         )  # (the parent's threads are not here)
         self.owners = self.owners.forked()  # the parent's pidfds, closed here; its lock may be held
-        self.in_use = False
         super().after_fork_in_child()
 
     def detach(self) -> None:
@@ -612,7 +591,7 @@ def map_attachment(
             open_segment(name, create, mode, trusted, clock) if opener is None else opener()
         )
         try:
-            return Attachment(name, seg, cells, False, clock)
+            return Attachment(name, seg, cells, clock)
         except BaseException:
             cells.close()
             seg.close()

@@ -59,6 +59,10 @@ class Attached:
         self.slot: Optional[int] = None
         #: this process registered (or found the table full): False in a forked child until its use
         self.joined = False
+        #: This process used it (``use``): it is registered and the kind's threads run (``start``).
+        #: Opening registers but starts no thread: a pre-fork server's master that only opened it
+        #: never forks with one running.
+        self.in_use = False
         self._use_lock = threading.Lock()
 
     def bind(self) -> None:
@@ -74,27 +78,32 @@ class Attached:
         self.joined = True
         self.bind()
 
+    def start(self) -> None:
+        """The kind's threads, at this process's first use."""
+
     def use(self) -> None:
-        """This process uses the segment: register it if it is not yet (a forked child's first use).
+        """This process uses the segment: register it if it is not yet (a forked child's first use),
+        then ``start`` (once).
 
         Raises ``SegmentError`` when the segment was collected (``gc``) or its
         name unlinked (perhaps another's now) since it was inherited; seen
         before registering, nothing is touched.
         """
         with self._use_lock:
-            if not self.joined and not self.closed and self.pid == os.getpid():
-                self._join_unless_gone()
-
-    def _join_unless_gone(self) -> None:
-        if not self.gone():  # registered, then STATE: a collector that claimed the segment before
-            self.join()  # it saw us unlinks it (see claim_and_unlink): a claim seen now means
-            if not self.gone():  # it is gone or going
+            if self.in_use or self.closed or self.pid != os.getpid():
                 return
-            self.leave()
-        raise SegmentError(
-            f"{self.what} {self.name!r} was collected or removed while this process held "
-            "it unused (no live process was registered); open it again"
-        )
+            if not self.joined:
+                if not self.gone():  # registered, then STATE: a collector that claimed the segment
+                    self.join()  # before it saw us unlinks it (see claim_and_unlink): a claim
+                    if self.gone():  # seen now means it is gone or going
+                        self.leave()
+                if not self.joined:
+                    raise SegmentError(
+                        f"{self.what} {self.name!r} was collected or removed while this process "
+                        "held it unused (no live process was registered); open it again"
+                    )
+            self.start()
+            self.in_use = True
 
     def gone(self) -> bool:
         """Collected (or going), or its name unlinked or another segment's now."""
@@ -114,7 +123,7 @@ class Attached:
         """The parent's slot is not ours: unregistered until the first use."""
         self._use_lock = threading.Lock()  # the parent's may have been held by a thread not copied
         self.pid = os.getpid()
-        self.slot, self.joined = None, False
+        self.slot, self.joined, self.in_use = None, False, False
         self.bind()
 
     def shut(self) -> None:

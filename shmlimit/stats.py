@@ -186,7 +186,7 @@ def copied_snapshot(name: str, label: str, seg: Segment) -> Stats:
         seg.close()
         what = "being removed" if verdict == DOOMED else "still being initialised"
         raise SegmentError(f"segment {name!r} is {what}")
-    att = Attachment(label, seg, open_cells(seg.mm, cells_size(seg)), join=False)
+    att = Attachment(label, seg, open_cells(seg.mm, cells_size(seg)))
     try:
         return snapshot(label, att)
     finally:

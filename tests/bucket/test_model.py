@@ -233,9 +233,7 @@ class LimiterModel(RuleBasedStateMachine):
     def _spawn(self, backend):
         size = L.segment_size(SLOTS)
         seg = Segment("model", self.mm, size, False, 0)
-        att = Attachment(
-            "model", seg, open_cells(self.mm, size, backend), join=False, clock=self.clock
-        )
+        att = Attachment("model", seg, open_cells(self.mm, size, backend), clock=self.clock)
         # a slot of its own (this pid, its real start time: alive until the model kills it), so
         # that its waiters record their tickets there; no filler thread and no skipper thread
         att.slot = self.table.register(os.getpid(), proc_start(os.getpid()) or 0)
@@ -1124,7 +1122,6 @@ class LimiterModel(RuleBasedStateMachine):
             "scratch",
             Segment("scratch", scratch, len(scratch), False, 0),
             cells,
-            join=False,
             clock=clock,
         )
         att.joined = att.in_use = True  # a probe: it registers nothing and starts no thread
