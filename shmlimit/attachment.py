@@ -46,8 +46,6 @@ from shmlimit.bucket.giveback import (
 from shmlimit.bucket.rovers import WAIT_BURN, WAIT_NUDGE, Bucket, GrabResult
 from shmlimit.config import MAX_NAP, NS_PER_S
 from shmlimit.errors import ConfigMismatchError
-from shmlimit.group import collect as collect_group
-from shmlimit.group import is_group
 from shmlimit.header import Creation, open_segment
 from shmlimit.redis.spec import UpstreamSpec
 from shmlimit.registry import Attached, Registry, attach
@@ -605,15 +603,13 @@ def map_attachment(
 
 
 def collect(name: str) -> bool:
-    """Unlink the segment if no live process is attached to it; True if it did.
+    """Unlink the limiter's segment if no live process is attached to it; True if it did.
 
-    Never orphans a process that attaches meanwhile (see ``registry.attach``).  A group of several
-    rates (plain or keyed) is unlinked when no live process is attached to any of its rates
-    (``group.collect``).
+    Never orphans a process that attaches meanwhile (see ``registry.attach``).  The other kinds
+    have their own (``group.collect``, ``keyed.segment.collect``); ``kinds.collect`` serves
+    every kind.
     """
     validate_name(name)
-    if is_group(name):
-        return collect_group(name)
     att = map_attachment(
         name, None, None, join=False
     )  # no trust check: it only unlinks, as the filesystem allows

@@ -46,7 +46,6 @@ from shmlimit.shm.segment import (
     Segment,
     claim_and_unlink,
     opened,
-    peek_word,
     pread_file,
     publish,
     reopening,
@@ -389,13 +388,6 @@ def collect(name: str) -> bool:
             c.close()
             region.close()
         seg.close()
-
-
-def is_group(name: str) -> bool:
-    try:
-        return peek_word(name) == L.GROUP_MAGIC
-    except OSError:
-        return False
 
 
 def copy_geometry(name: str, regions: int) -> Geometry:

@@ -15,6 +15,7 @@ from typing import Any, Callable, Iterable, Iterator, List, Tuple, Union
 
 from shmlimit.attachment import collect as collect_attached
 from shmlimit.errors import ShmlimitError
+from shmlimit.group import collect as collect_group
 from shmlimit.keyed import layout as K
 from shmlimit.keyed.limiter import KeyedLimiter, KeyedStats, inspect_keyed
 from shmlimit.keyed.multi import MultiKeyedLimiter
@@ -85,8 +86,7 @@ def inspect(name: str) -> Union[Stats, MultiStats, KeyedStats]:
 def collect(name: str) -> bool:
     """Unlink the segment, whatever its kind, if no live process is attached to it; True if it did
     (each kind's claim, check, then unlink: a process attaching meanwhile keeps it)."""
-    validate_name(name)
-    return (collect_keyed if _magic(name) == K.MAGIC else collect_attached)(name)
+    return _by_kind(name, collect_keyed, collect_group, collect_group, collect_attached)(name)
 
 
 def inspect_each(

@@ -15,13 +15,12 @@ from support.segments import shm_path
 
 import shmlimit
 from shmlimit import header
-from shmlimit.attachment import collect
 from shmlimit.errors import AbandonedSegmentError, SegmentError
 from shmlimit.keyed import layout as K
 from shmlimit.keyed.multi import MultiKeyedLimiter
 from shmlimit.keyed.stats import KeyedStats
 from shmlimit.keyed.window_table import WindowTable
-from shmlimit.kinds import inspect
+from shmlimit.kinds import collect, inspect
 from shmlimit.multirate import MultiStats
 from shmlimit.shm import layout as L
 from shmlimit.shm.table import pid_namespace
