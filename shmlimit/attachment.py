@@ -261,7 +261,7 @@ class Attachment(Attached):
         real_clock = self.clock is time.monotonic_ns
         #: the mode of the config the fast paths were bound for (``fast_seq``)
         self.mode = mode = (Capped if s.capped else Mode)(s, real_clock)
-        # unused: the slow path's first call is the use that registers and starts
+        # not in use yet: the slow path's first call is the use that registers and starts
         live = self.in_use and not self.closed
         grab: Callable[..., Any] = _no_fast
         if live and mode.grabs:
@@ -354,11 +354,12 @@ class Attachment(Attached):
                     return len_off, v
         return None, 0
 
-    def record_ticket(self, ticket: int, tokens: int) -> Optional[int]:
+    def record_ticket(self, ticket: int, tokens: int, given: bool = False) -> Optional[int]:
         """Record a waiter's ticket in a free record of this process's slot, to be given back should
-        the process die; the record's LEN offset (None: none was free, or the slot is being left)."""
+        the process die (``given``: given back already); the record's LEN offset (None: none was
+        free, or the slot is being left: close)."""
         with self.writers.writing() as lens:
-            return record(self.cells, self.records if lens else (), ticket, tokens)
+            return record(self.cells, self.records if lens else (), ticket, tokens, given=given)
 
     def clear_ticket(self, rec: Optional[int], tokens: int) -> None:
         """The waiter that recorded its ticket at ``rec`` leaves, granted."""
@@ -372,8 +373,7 @@ class Attachment(Attached):
         this process exit or die before the head gets there.
         """
         if not mark_given(self.cells, rec, tokens):
-            with self.writers.writing() as lens:  # (none once the slot is being left: close)
-                rec = record(self.cells, self.records if lens else (), ticket, tokens, given=True)
+            rec = self.record_ticket(ticket, tokens, given=True)
         self.returns.give_back(ticket, tokens, rec)
         if (
             self.returns.step() is not None

@@ -222,11 +222,9 @@ class Registry(Generic[A]):
         ``trusted`` and checked (``check``) after; one more handle."""
         with self._lock:
             att = self._atts.get(name)
-            # a name unlinked and re-created since we mapped it is a different limiter
-            if att is not None and (att.closed or current_inode(att.seg.name) != att.seg.inode):
-                self._atts.pop(name, None)
-                att = None
-            if att is None:
+            # a name unlinked and re-created since we mapped it is a different limiter (its
+            # attachment stays its handles')
+            if att is None or att.closed or current_inode(att.seg.name) != att.seg.inode:
                 att = make()
                 self._atts[name] = att
                 self._every.add(att)
