@@ -351,7 +351,9 @@ class Request:
         if due > now and mode.real_clock and b.stops_at(ticket, self.tokens):
             wake, now = at_stop(due, now)  # the head stops at our ticket: replenish at its instant
         if wake > now:  # not our turn yet: no replenish can help, park until it
-            self.turn_ns = due
+            # (a wake ahead of a stop is not the turn: it is reached awake, by at_stop, and a
+            # replenish made on waking past it would be clamped at the stop, the lateness lost)
+            self.turn_ns = due if wake == due else None
             self.wake_ns = min(int(wake) + 1, now + MAX_NAP_NS)  # now and then, to notice changes
             return (self.wake_ns - now) / NS_PER_S
         # our turn (or no clock to tell): replenishing adds whatever time has passed (lazily)
