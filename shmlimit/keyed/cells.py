@@ -74,6 +74,7 @@ over either backend's cells, on the same words.
 
 from __future__ import annotations
 
+import functools
 import os
 import time
 from typing import Callable, Dict, Optional, Tuple, TypeVar
@@ -192,6 +193,7 @@ _BANK_WORDS = (*K.B_VALUES, K.B_GEN, K.B_SUM)
 BANKS = BankCode((3, 4, 0, 1, 2))
 
 
+@functools.lru_cache(maxsize=4096)  # read on every call: the default's, and each override's
 def bank_offsets(a: int, b: int) -> Tuple[Tuple[int, ...], Tuple[int, ...]]:
     """The offsets of the words (``_BANK_WORDS``) of a config's two banks, at lines ``a`` and ``b``."""
     return tuple(a + off for off in _BANK_WORDS), tuple(b + off for off in _BANK_WORDS)
@@ -204,8 +206,8 @@ def pick(c, lines: Tuple[int, int], d: Tuple[int, int], seq: int) -> Optional[Tu
     return None if got is None else got[1]
 
 
-def consistent(c, seq: int, read: Callable[[int], T]) -> T:
-    """``read(s)`` under an even ``s`` of the config sequence word at ``seq`` that still holds it
+def consistent(c, seq: int, read: Callable[..., T], *args: object) -> T:
+    """``read(*args, s)`` under an even ``s`` of the config sequence word at ``seq`` that still holds it
     after: a config as one writer published it, never words of two.
 
     A writer holds the word odd for microseconds; one that stays odd for
@@ -226,7 +228,7 @@ def consistent(c, seq: int, read: Callable[[int], T]) -> T:
                 c.cas(seq, s, (s + 1) & MASK64)
             os.sched_yield()
             continue
-        got = read(s)
+        got = read(*args, s)
         if c.load(seq) == s:
             return got
 
@@ -614,7 +616,7 @@ class KeyedTable(SlotTable):
         No valid bank under a ``CFG_SEQ`` that stayed even is a corrupt segment:
         ``SegmentError`` (a writer leaves one bank of each config whole).
         """
-        vals = consistent(self.c, self.cfg, lambda s: self._config(d, s))
+        vals = consistent(self.c, self.cfg, self._config, d)  # (no closure: the hot path)
         if vals is None:
             raise SegmentError(
                 "keyed segment is corrupt: no copy of its config passes its checksum"
