@@ -255,8 +255,19 @@ class Registry(Generic[A]):
             if not att.closed:
                 att.after_fork_in_child()
 
+    def _held(self) -> list:
+        """Every attachment held, copied.  A WeakSet is copied item by item: a thread that opens a
+        limiter meanwhile makes the copy fail ("changed size"), so it is taken again; the lock is
+        not taken, as at exit a daemon thread may hold it for good."""
+        for _ in range(1000):
+            try:
+                return list(self._every)
+            except RuntimeError:
+                continue
+        return list(self._atts.values())  # (opened without end: each name's current one)
+
     def _detach_all(self) -> None:
-        for att in list(self._every):
+        for att in self._held():
             try:
                 att.detach()
             except Exception:  # pragma: no cover - best effort at exit

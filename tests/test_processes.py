@@ -188,6 +188,47 @@ def test_an_attachment_kept_past_its_names_recreation_is_detached_at_exit(name):
     lim.close()
 
 
+_OPENED_AT_EXIT = """
+import os, sys
+import shmlimit
+from shmlimit import attachment
+sys.path.insert(0, sys.argv[2])
+from support.procs import wait_for
+lim = shmlimit.Limiter(sys.argv[1], rate=1000)
+lim.retry_after()  # a first use: its filler takes the lease
+wait_for(lambda: lim.stats().filler_pid == os.getpid())
+
+
+class OpenedMeanwhile:
+    # What another thread opening a limiter during the exit hook's copy does to a WeakSet:
+    # the first copy fails, "Set changed size during iteration"
+    def __init__(self, held):
+        self.held, self.copies = held, 0
+
+    def __iter__(self):
+        self.copies += 1
+        if self.copies == 1:
+            raise RuntimeError("Set changed size during iteration")
+        return iter(self.held)
+
+
+attachment.registry._every = OpenedMeanwhile(attachment.registry._every)
+"""
+
+
+def test_a_limiter_opened_by_another_thread_at_exit_leaves_every_other_detached(name):
+    """The exit hook copies the attachments held (a WeakSet: copied item by item) while another
+    thread may open one: a copy that fails is taken again, and every attachment detaches."""
+    lim = shmlimit.Limiter(name, rate=1000)
+    done = subprocess.run(
+        [sys.executable, "-c", _OPENED_AT_EXIT, name, TESTS], timeout=60, capture_output=True
+    )
+    assert done.returncode == 0 and b"Traceback" not in done.stderr, done.stderr
+    s = lim.stats()
+    assert [p.pid for p in s.processes] == [os.getpid()] and s.filler_pid is None
+    lim.close()
+
+
 # ---- independent interpreters -------------------------------------------------------
 
 
