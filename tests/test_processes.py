@@ -164,41 +164,43 @@ def test_a_handle_kept_past_its_names_recreation_is_inherited_as_any_other(name)
         h.close()
 
 
-_RECREATES = """
-import os, sys
-import shmlimit
-sys.path.insert(0, sys.argv[2])
-from support.procs import wait_for
-old = shmlimit.Limiter(sys.argv[1], rate=1000)
-old.retry_after()  # a first use: its filler takes the lease
-wait_for(lambda: old.stats().filler_pid == os.getpid())
-shmlimit.unlink(sys.argv[1])
-new = shmlimit.Limiter(sys.argv[1], rate=1000)  # the name made again, old still held
-"""
-
-
-def test_an_attachment_kept_past_its_names_recreation_is_detached_at_exit(name):
-    """At exit every attachment detaches, the one a handle kept past its name's re-creation
-    too: its slot is given back and the lease it held dropped, so a process still working on
-    that segment's mapping fills at once."""
-    lim = shmlimit.Limiter(name, rate=1000)  # mapped before the other unlinks it
-    subprocess.run([sys.executable, "-c", _RECREATES, name, TESTS], check=True, timeout=60)
-    s = lim.stats()
-    assert [p.pid for p in s.processes] == [os.getpid()] and s.filler_pid is None
-    lim.close()
-
-
-_OPENED_AT_EXIT = """
+#: A child's first lines: it opens the limiter named by its first argument and, its first use,
+#: takes the filler's lease.
+_FILLING = """
 import os, sys
 import shmlimit
 from shmlimit import attachment
 sys.path.insert(0, sys.argv[2])
 from support.procs import wait_for
 lim = shmlimit.Limiter(sys.argv[1], rate=1000)
-lim.retry_after()  # a first use: its filler takes the lease
+lim.retry_after()
 wait_for(lambda: lim.stats().filler_pid == os.getpid())
+"""
 
 
+def _exits_detached(name, then):
+    """A child filling ``name`` runs ``then`` and exits cleanly: its slot and lease given back."""
+    lim = shmlimit.Limiter(name, rate=1000)  # mapped before the child acts on the name
+    child = [sys.executable, "-c", _FILLING + then, name, TESTS]
+    done = subprocess.run(child, timeout=60, capture_output=True)
+    assert done.returncode == 0 and b"Traceback" not in done.stderr, done.stderr
+    s = lim.stats()
+    assert [p.pid for p in s.processes] == [os.getpid()] and s.filler_pid is None
+    lim.close()
+
+
+def test_an_attachment_kept_past_its_names_recreation_is_detached_at_exit(name):
+    """At exit every attachment detaches, the one a handle kept past its name's re-creation
+    too: its slot is given back and the lease it held dropped, so a process still working on
+    that segment's mapping fills at once."""
+    _exits_detached(
+        name,
+        "shmlimit.unlink(sys.argv[1])\n"
+        "new = shmlimit.Limiter(sys.argv[1], rate=1000)  # the name made again, lim still held\n",
+    )
+
+
+_OPENED_MEANWHILE = """
 class OpenedMeanwhile:
     # What another thread opening a limiter during the exit hook's copy does to a WeakSet:
     # the first copy fails, "Set changed size during iteration"
@@ -219,14 +221,7 @@ attachment.registry._every = OpenedMeanwhile(attachment.registry._every)
 def test_a_limiter_opened_by_another_thread_at_exit_leaves_every_other_detached(name):
     """The exit hook copies the attachments held (a WeakSet: copied item by item) while another
     thread may open one: a copy that fails is taken again, and every attachment detaches."""
-    lim = shmlimit.Limiter(name, rate=1000)
-    done = subprocess.run(
-        [sys.executable, "-c", _OPENED_AT_EXIT, name, TESTS], timeout=60, capture_output=True
-    )
-    assert done.returncode == 0 and b"Traceback" not in done.stderr, done.stderr
-    s = lim.stats()
-    assert [p.pid for p in s.processes] == [os.getpid()] and s.filler_pid is None
-    lim.close()
+    _exits_detached(name, _OPENED_MEANWHILE)
 
 
 # ---- independent interpreters -------------------------------------------------------
