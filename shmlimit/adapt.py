@@ -288,31 +288,40 @@ def report(
     decided a change (None: nothing to publish).
 
     ``words`` are the offsets of the window's start, the decisions word (cuts << 32 | raises) and
-    the marks: each count (``counts()``, read after the start) when the window began.  ``judge``
-    turns the counts since then (a count that went back: 0) into the rate in force and the
-    window's ``Window``, or None when nothing they say counts (a new window from now).  The window
-    is claimed by a CAS on its start: however many processes find it over, one decides it.
-    ``clock`` is read after the start: a monotonic clock never reads before a start another
-    process wrote.  A start of 0 (none yet) or after the clock's now (a clock behind it, an
-    injected one) begins one.
+    the marks: each count (``counts()``) when the window began.  ``judge`` turns the counts since
+    then (a count that went back: 0) into the rate in force and the window's ``Window``, or None
+    when nothing they say counts (a new window from now).  The window is claimed by a CAS on its
+    start: however many processes find it over, one decides it.  ``clock`` is read after the
+    start: a monotonic clock never reads before a start another process wrote.  A start of 0
+    (none yet) or after the clock's now (a clock behind it, an injected one) begins one.
+
+    The start's low bit says the window's marks are written.  A claimer writes them after its
+    claim, by CAS from the values it judged, then sets the bit: a window whose claimer stalled or
+    died in between is begun afresh, not judged (its marks are an older window's, whose outcomes
+    were judged already), and a claimer that resumes later misses newer marks.  So no outcome is
+    judged twice; a claimer lost there costs one decision.
     """
     start_off, decisions, marks = words
     start = c.load(start_off)
+    began = start & ~1
     now_ns = clock()
-    over = start != 0 and now_ns >= start
-    if over and now_ns - start < adapt.window * NS_PER_S:
+    over = start != 0 and now_ns >= began
+    if over and now_ns - began < adapt.window * NS_PER_S:
         return None
+    olds = [c.load(m) for m in marks]
     now = counts()
-    judged = judge([max(0, diff(n, c.load(m))) for n, m in zip(now, marks)]) if over else None
-    if not c.cas(start_off, start, now_ns):
+    judged = None
+    if over and start & 1:
+        judged = judge([max(0, diff(n, o)) for n, o in zip(now, olds)])
+    claim = now_ns & ~1
+    if not c.cas(start_off, start, claim):
         return None  # another process decided this window
-    # (a decider that dies here leaves the old marks: the next window counts this one's outcomes
-    # too, at most one cut more; never a decision twice for one claimed window)
-    for m, n in zip(marks, now):
-        c.store(m, n)
+    for m, o, n in zip(marks, olds, now):
+        c.cas(m, o, n)
+    c.cas(start_off, claim, claim | 1)
     if judged is None:
         return None
-    new = decide(adapt, State(judged[0], start), judged[1], now_ns)
+    new = decide(adapt, State(judged[0], began), judged[1], now_ns)
     if new.verdict in (CUT, RAISE):
         c.fetch_add(decisions, (1 << 32) if new.verdict == CUT else 1)
     return None if new.rate == judged[0] else new.rate

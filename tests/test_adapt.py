@@ -189,7 +189,7 @@ def test_a_window_is_cut_once_and_published_for_every_process(name, cleanup):
     c = lim._peek().cells
     for _ in range(7):
         lim.feedback(throttled=True)  # the first report begins the first window, then counts
-    assert c.load(L.ADAPT_START) == clock.now
+    assert c.load(L.ADAPT_START) == clock.now | 1  # (the low bit: its marks are written)
     clock.advance(int(0.1 * S))
     lim.feedback(throttled=False)  # mid-window: nothing decided
     assert lim.rate == 1000.0
@@ -199,7 +199,7 @@ def test_a_window_is_cut_once_and_published_for_every_process(name, cleanup):
     assert lim.rate == 800.0 and lim.capacity == 8.0  # the capacity follows the rate
     st = lim.stats().adapt
     assert (st.cuts, st.raises, st.throttled, st.ok) == (1, 0, 8, 2)
-    assert c.load(L.ADAPT_START) == clock.now
+    assert c.load(L.ADAPT_START) == clock.now | 1
 
 
 def test_the_report_that_decides_counts_in_the_next_window(name, cleanup):
@@ -313,6 +313,168 @@ def test_hostile_parameters_are_refused(name, cleanup):
     assert lim.rate == 1000.0 and c.load(L.ADAPT_THROTTLED) == 0
 
 
+class _Stall:
+    """Cells through which a claimer stalls (or dies): ``then`` runs right after the first
+    successful CAS on ``word``, the window's claim, before the claimer writes anything more."""
+
+    def __init__(self, cells, word, then):
+        self._cells, self._word, self._then = cells, word, then
+
+    def cas(self, off, old, new):
+        done = self._cells.cas(off, old, new)
+        if done and off == self._word and self._then is not None:
+            then, self._then = self._then, None
+            then()
+        return done
+
+    def __getattr__(self, attr):
+        return getattr(self._cells, attr)
+
+
+class _Through:
+    """A limiter's bucket whose words are read and written through ``cells``."""
+
+    def __init__(self, bucket, cells):
+        self._bucket, self.cells = bucket, cells
+
+    def __getattr__(self, attr):
+        return getattr(self._bucket, attr)
+
+
+def test_a_claimer_stalled_for_a_window_judges_nothing_twice(name, cleanup):
+    """A reporter claims a throttled window and stalls, for a whole window, before it writes the
+    marks the next window is judged from.  Another reporter that finds the next window over must
+    not judge it against the old marks (its throttled outcomes counted again: a second cut), and
+    the stalled one's late write must not take the newer marks back."""
+    clock = FakeClock()
+    lim = _lim(name, clock)
+    cleanup.append(lim)
+    bucket = lim._peek().bucket
+    for _ in range(3):
+        lim.feedback(throttled=True)  # the first window, throttled
+
+    def other_reporter():
+        clock.advance(int(0.25 * S))
+        lim.feedback(throttled=False)  # finds the next window over while the claimer stalls
+
+    clock.advance(int(0.25 * S))
+    A.feedback(_Through(bucket, _Stall(bucket.cells, L.ADAPT_START, other_reporter)), False, clock)
+    st = lim.stats().adapt
+    assert (st.cuts, lim.rate) == (1, 800.0)
+    for _ in range(3):  # two clean windows, idle: each holds
+        clock.advance(int(0.25 * S))
+        lim.feedback(throttled=False)
+    st = lim.stats().adapt
+    assert (st.cuts, st.raises, st.throttled, st.ok, lim.rate) == (1, 0, 3, 5, 800.0)
+
+
+def test_a_claimer_that_dies_before_its_marks_stops_nothing(name, cleanup):
+    """A reporter dies right after claiming a window, its marks unwritten: the next report begins
+    a window afresh (the one the dead claimer held is not judged), and the fleet decides again."""
+    clock = FakeClock()
+    lim = _lim(name, clock)
+    cleanup.append(lim)
+    bucket = lim._peek().bucket
+    lim.feedback(throttled=True)
+
+    class Died(Exception):
+        pass
+
+    def die():
+        raise Died
+
+    clock.advance(int(0.25 * S))
+    with pytest.raises(Died):  # claims the throttled window, then dies
+        A.feedback(_Through(bucket, _Stall(bucket.cells, L.ADAPT_START, die)), False, clock)
+    assert lim.rate == 1000.0
+    clock.advance(int(0.25 * S))
+    lim.feedback(throttled=True)  # begins a window afresh, then counts in it
+    assert lim.rate == 1000.0
+    clock.advance(int(0.25 * S))
+    lim.feedback(throttled=False)  # decides it
+    st = lim.stats().adapt
+    assert (st.cuts, st.throttled, lim.rate) == (1, 2, 800.0)
+
+
+class _Words(dict):
+    """A segment's words in a dict: the cells ``report`` needs, with no segment."""
+
+    def load(self, off):
+        return self.get(off, 0)
+
+    def store(self, off, value):
+        self[off] = value
+
+    def cas(self, off, old, new):
+        if self.load(off) != old:
+            return False
+        self[off] = new
+        return True
+
+    def fetch_add(self, off, delta):
+        self[off] = self.load(off) + delta
+        return self[off] - delta
+
+
+class _PauseAt:
+    """Cells through which a reporter stops before its ``at``-th word operation and lets ``then``
+    run: every point between two of its atomic steps, one after another."""
+
+    def __init__(self, cells, at, then):
+        self._cells, self._at, self._then = cells, at, then
+
+    def __getattr__(self, attr):
+        op = getattr(self._cells, attr)
+
+        def step(*args):
+            if self._at == 0:
+                self._then()
+            self._at -= 1
+            return op(*args)
+
+        return step
+
+
+@pytest.mark.parametrize("later", [1, 2, 3])
+def test_no_outcome_is_judged_twice_wherever_a_reporter_stops(later):
+    """Every outcome is throttled, and every report judges the outcomes since its window's marks.
+    One reporter stops between any two of its word operations while ``later`` others report, a
+    window apart; then two more windows are reported on.  The outcomes each decision judged
+    (the counter's values from its marks to its reading) never overlap: no outcome is judged
+    twice, and the cuts counted are the judgements made."""
+    START, DECISIONS, MARK, COUNT = 0, 8, 16, 24
+    win = int(ADAPT.window * S)
+    words = (START, DECISIONS, (MARK,))
+    for at in range(12):  # beyond the last operation: a reporter that does not stop
+        cells, judged, clock = _Words(), [], FakeClock()
+
+        def one(via, cells=cells, judged=judged, clock=clock):
+            mine = []  # what this report judged, kept if it decided (a cut: a new rate)
+
+            def judge(seen):
+                mine.append((cells.load(COUNT) - seen[0], cells.load(COUNT)))
+                return 1000.0, A.Window(seen[0], 0, 0.0)
+
+            if A.report(via, ADAPT, clock, words, lambda: [cells.load(COUNT)], judge) is not None:
+                judged.extend(mine)
+            cells.fetch_add(COUNT, 1)  # then counts its own outcome
+
+        def others(cells=cells, one=one, clock=clock):
+            for _ in range(later):
+                clock.advance(win)
+                one(cells)
+
+        one(cells)  # begins the first window
+        clock.advance(win)
+        one(_PauseAt(cells, at, others))
+        for _ in range(2):
+            clock.advance(win)
+            one(cells)
+        spans = sorted(judged)
+        assert all(a[1] <= b[0] for a, b in zip(spans, spans[1:])), (at, spans)
+        assert cells.load(DECISIONS) >> 32 == len(spans), at
+
+
 REPORTER = """
 import sys
 import shmlimit
@@ -359,7 +521,7 @@ def test_many_processes_reporting_at_a_windows_end_decide_it_once(name, cleanup)
     assert _reporters(name, later, 4, 200) == [800.0] * 4
     st = lim.stats().adapt
     assert (st.cuts, st.raises, st.throttled, st.ok) == (1, 0, 2, 800)
-    assert lim.rate == 800.0 and lim._peek().cells.load(L.ADAPT_START) == later
+    assert lim.rate == 800.0 and lim._peek().cells.load(L.ADAPT_START) == later | 1
     assert _reporters(name, later, 2, 10) == [800.0] * 2  # the new window is not over: no more
     assert lim.stats().adapt.cuts == 1
 

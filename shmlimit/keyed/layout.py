@@ -79,7 +79,8 @@ MAGIC = int.from_bytes(b"SHMLKEYS", "little")
 #: 5: a window table's moving-window slots, each followed by its log (MKEYS, MRING);
 #: 6: a GCRA key's V0 is its TAT under a burst of MAX_TICKS, whatever its price (was: its own);
 #: 7: the hash's secret in the segment's secret file, line 2's words 3 and 4 zero (were: it)
-VERSION = 7
+#: 8: A_START's low bit says the key's window's marks are written (``adapt.report``)
+VERSION = 8
 
 KIND_OFF = words(0, 8)[7]
 
@@ -139,8 +140,9 @@ OVR_LINES = 3
 O_CTRL, O_D0, O_D1 = words(0, 3)
 #: The key's adaptive rate, in the entry's spare words (``keyed.adapt``): A_OWNER the D0 of the key
 #: the other four belong to (an entry given to another key starts afresh); A_OUT its outcomes
-#: (throttled << 32 + ok, one fetch-add each); A_START the window's start (ns, 0: none), claimed
-#: by CAS; A_SEEN_OUT and A_SEEN_GRANTS A_OUT and the key's grants when the window began.
+#: (throttled << 32 + ok, one fetch-add each); A_START the window's start (ns, 0: none; its low
+#: bit set once the marks are written), claimed by CAS; A_SEEN_OUT and A_SEEN_GRANTS (the marks)
+#: A_OUT and the key's grants when the window began.
 A_OWNER, A_OUT, A_START, A_SEEN_OUT, A_SEEN_GRANTS = words(0, 8)[3:]
 O_BANKS = (1 * LINE, 2 * LINE)
 #: CTRL: ``state | owner << 8 | tag << 40``, the state in its low byte: EMPTY (the whole word zero)

@@ -54,7 +54,9 @@ MAGIC = int.from_bytes(b"SHMLIMIT", "little")
 #: holds the head at most at ``t + C - n`` until its promise (docs/design.md, "Reservation fences").
 #: 7: the adaptive rate's words (``ADAPT_*``) in the spare words of lines 8 and 9: a process of
 #: version 6 would neither count outcomes nor decide, and must not join a fleet that adapts.
-VERSION = 7
+#: 8: ADAPT_START's low bit says the window's marks are written (a claimer lost before them
+#: costs one decision, never an outcome judged twice); version 7 would judge every window.
+VERSION = 8
 LINE = 64
 
 
@@ -169,7 +171,9 @@ UP_WAKE = 9 * LINE + 8
 # claiming it by a CAS on ADAPT_START, and publishes the rate through the config banks.
 ADAPT_THROTTLED = 8 * LINE + 16  #: outcomes reported as throttled (429, 503), ever
 ADAPT_OK = 8 * LINE + 24  #: outcomes reported as not throttled, ever
-ADAPT_START = 8 * LINE + 32  #: CLOCK_MONOTONIC ns the current window began (0: none yet)
+#: CLOCK_MONOTONIC ns the current window began, its low bit set once the marks below are
+#: written (0: none yet)
+ADAPT_START = 8 * LINE + 32
 ADAPT_SEEN_THROTTLED = 8 * LINE + 40  #: ADAPT_THROTTLED when the current window began
 ADAPT_SEEN_OK = 8 * LINE + 48  #: ADAPT_OK when the current window began
 ADAPT_SEEN_TAIL = 8 * LINE + 56  #: TAIL when the current window began
