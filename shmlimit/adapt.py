@@ -296,10 +296,12 @@ def report(
     (none yet) or after the clock's now (a clock behind it, an injected one) begins one.
 
     The start's low bit says the window's marks are written.  A claimer writes them after its
-    claim, by CAS from the values it judged, then sets the bit: a window whose claimer stalled or
-    died in between is begun afresh, not judged (its marks are an older window's, whose outcomes
-    were judged already), and a claimer that resumes later misses newer marks.  So no outcome is
-    judged twice; a claimer lost there costs one decision.
+    claim, by CAS from the values it judged, then sets the bit, and decides only if it could: a
+    window whose claimer stalled or died in between is begun afresh, not judged (its marks are an
+    older window's, whose outcomes were judged already), and a claimer that resumes later misses
+    newer marks and decides nothing.  So no outcome is judged twice, and no stale decision undoes
+    newer ones; a claimer lost there costs two decisions.  A start value never comes back (each is
+    a fresh clock reading): a reporter that read one long ago cannot claim it again.
     """
     start_off, decisions, marks = words
     start = c.load(start_off)
@@ -313,18 +315,47 @@ def report(
     judged = None
     if over and start & 1:
         judged = judge([max(0, diff(n, o)) for n, o in zip(now, olds)])
-    claim = now_ns & ~1
-    if not c.cas(start_off, start, claim):
-        return None  # another process decided this window
-    for m, o, n in zip(marks, olds, now):
-        c.cas(m, o, n)
-    c.cas(start_off, claim, claim | 1)
-    if judged is None:
-        return None
+    if not _begin(c, start_off, start, now_ns, marks, olds, now) or judged is None:
+        return None  # another process decided this window, or went on from it while we stalled
     new = decide(adapt, State(judged[0], began), judged[1], now_ns)
     if new.verdict in (CUT, RAISE):
         c.fetch_add(decisions, (1 << 32) if new.verdict == CUT else 1)
     return None if new.rate == judged[0] else new.rate
+
+
+def restart(
+    c: "Cells",
+    clock: Callable[[], int],
+    words: Tuple[int, int, Tuple[int, ...]],
+    counts: Callable[[], Sequence[int]],
+) -> None:
+    """Begin a window now, whatever the current one (a key's entry given to another key), as
+    ``report`` begins one: its start a fresh clock reading, never a value a reporter stalled since
+    long ago may have read (0), and may yet claim."""
+    start_off, _, marks = words
+    start = c.load(start_off)
+    olds = [c.load(m) for m in marks]
+    _begin(c, start_off, start, clock(), marks, olds, counts())
+
+
+def _begin(
+    c: "Cells",
+    start_off: int,
+    start: int,
+    now_ns: int,
+    marks: Tuple[int, ...],
+    olds: Sequence[int],
+    now: Sequence[int],
+) -> bool:
+    """Claim the window that began at ``start`` and begin the next at ``now_ns`` (a CAS), write its
+    marks (``now``, each by CAS from ``olds``) and set the start's low bit; False if another
+    process claimed it first, or claimed the next one while this caller stalled."""
+    claim = now_ns & ~1
+    if not c.cas(start_off, start, claim):
+        return False
+    for m, o, n in zip(marks, olds, now):
+        c.cas(m, o, n)
+    return c.cas(start_off, claim, claim | 1)
 
 
 def feedback(bucket: "Bucket", throttled: bool, clock: Callable[[], int]) -> bool:

@@ -344,8 +344,9 @@ class _Through:
 def test_a_claimer_stalled_for_a_window_judges_nothing_twice(name, cleanup):
     """A reporter claims a throttled window and stalls, for a whole window, before it writes the
     marks the next window is judged from.  Another reporter that finds the next window over must
-    not judge it against the old marks (its throttled outcomes counted again: a second cut), and
-    the stalled one's late write must not take the newer marks back."""
+    not judge it against the old marks (its throttled outcomes counted again: a second cut); the
+    stalled one, resuming after the fleet went on, decides nothing (a stale rate published late
+    would undo newer decisions) and takes no newer mark back."""
     clock = FakeClock()
     lim = _lim(name, clock)
     cleanup.append(lim)
@@ -360,12 +361,34 @@ def test_a_claimer_stalled_for_a_window_judges_nothing_twice(name, cleanup):
     clock.advance(int(0.25 * S))
     A.feedback(_Through(bucket, _Stall(bucket.cells, L.ADAPT_START, other_reporter)), False, clock)
     st = lim.stats().adapt
-    assert (st.cuts, lim.rate) == (1, 800.0)
-    for _ in range(3):  # two clean windows, idle: each holds
+    assert (st.cuts, lim.rate) == (0, 1000.0)  # the two windows the stall spanned: no decision
+    for throttled in (False, True, False):  # a clean window holds, a throttled one cuts once
         clock.advance(int(0.25 * S))
-        lim.feedback(throttled=False)
+        lim.feedback(throttled=throttled)
     st = lim.stats().adapt
-    assert (st.cuts, st.raises, st.throttled, st.ok, lim.rate) == (1, 0, 3, 5, 800.0)
+    assert (st.cuts, st.raises, st.throttled, st.ok, lim.rate) == (1, 0, 4, 4, 800.0)
+
+
+def test_a_claimer_resuming_late_does_not_undo_the_fleets_decisions(name, cleanup):
+    """A reporter claims a throttled window and stalls while the fleet cuts three windows more;
+    when it resumes, its decision (a cut from the rate it read, 1000 to 800) is stale: it must
+    not be published over the fleet's 512."""
+    clock = FakeClock()
+    lim = _lim(name, clock)
+    cleanup.append(lim)
+    bucket = lim._peek().bucket
+    for _ in range(3):
+        lim.feedback(throttled=True)
+
+    def the_fleet():
+        for _ in range(4):  # the first begins afresh; each after it finds a throttled window
+            clock.advance(int(0.25 * S))
+            lim.feedback(throttled=True)
+        assert lim.rate == 512.0
+
+    clock.advance(int(0.25 * S))
+    A.feedback(_Through(bucket, _Stall(bucket.cells, L.ADAPT_START, the_fleet)), False, clock)
+    assert (lim.rate, lim.stats().adapt.cuts) == (512.0, 3)
 
 
 def test_a_claimer_that_dies_before_its_marks_stops_nothing(name, cleanup):

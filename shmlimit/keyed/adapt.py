@@ -27,6 +27,7 @@ from typing import TYPE_CHECKING, Any, Callable, Optional, Sequence, Tuple
 from shmlimit.adapt import Adapt, AdaptStats, Window
 from shmlimit.adapt import read as read_params
 from shmlimit.adapt import report as report_window
+from shmlimit.adapt import restart as restart_window
 from shmlimit.adapt import stats as fleet_stats
 from shmlimit.config import NS_PER_S
 from shmlimit.keyed import layout as K
@@ -96,22 +97,19 @@ def report(
     if e is None:
         return False
     c = att.cells
+    words = (e + K.A_START, K.ADAPT_DECISIONS, (e + K.A_SEEN_OUT, e + K.A_SEEN_GRANTS))
+
+    def counts() -> Tuple[int, int]:
+        return c.load(e + K.A_OUT), _grants(att, d)
+
     owner = c.load(e + K.A_OWNER)
     if owner != d[0] and c.cas(e + K.A_OWNER, owner, d[0]):
         # an entry another key held (or none): its window starts afresh (a reporter that read the
-        # words between the CAS and this store decides at most one window from the old ones,
-        # within the bounds)
-        c.store(e + K.A_START, 0)
-    marks = (e + K.A_SEEN_OUT, e + K.A_SEEN_GRANTS)
-    rate = report_window(
-        c,
-        adapt,
-        clock,
-        (e + K.A_START, K.ADAPT_DECISIONS, marks),
-        lambda: (c.load(e + K.A_OUT), _grants(att, d)),
-        lambda seen: _judge(att, d, seen),
-    )
-    if rate is not None:  # (at the key's per, as its window judged it)
+        # words before this restart decides at most one window from the old ones, within the
+        # bounds, and publishes nothing: the entry is not its key's any more)
+        restart_window(c, clock, words, counts)
+    rate = report_window(c, adapt, clock, words, counts, lambda seen: _judge(att, d, seen))
+    if rate is not None and att.overrides.entry(d) == e:  # (still the key's; at its per)
         att.overrides.set(d, make_rate(rate, (att.overrides.get(d) or read_default(c)).per, None))
     c.fetch_add(e + K.A_OUT, 1 << _OK_BITS if throttled else 1)
     c.fetch_add(K.ADAPT_THROTTLED if throttled else K.ADAPT_OK, 1)

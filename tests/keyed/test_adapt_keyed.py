@@ -8,6 +8,7 @@ backends (``SHMLIMIT_BACKEND``).
 
 import subprocess
 import sys
+import threading
 
 import pytest
 from support.clock import FakeClock
@@ -239,3 +240,70 @@ def test_hostile_parameters_are_refused(name, cleanup):
     )
     r = subprocess.run([sys.executable, "-c", code, name], capture_output=True, text=True)
     assert r.stdout.startswith("refused:") and "parameters are not valid" in r.stdout, r
+
+
+class _Parked:
+    """A reporter on its own thread, through an attachment whose cells stop it before the first
+    word operation ``stop(op, args)`` matches, until ``resume``: a process stalled there."""
+
+    def __init__(self, keys, key, stop):
+        self.stop, self.go, self.parked = stop, threading.Semaphore(0), threading.Semaphore(0)
+        att, me = keys.att, self
+
+        class Cells:
+            def __getattr__(self, attr):
+                op = getattr(att.cells, attr)
+
+                def step(*args):
+                    if me.stop is not None and me.stop(attr, args):
+                        me.stop = None
+                        me.parked.release()
+                        me.go.acquire()
+                    return op(*args)
+
+                return step
+
+        class Att:
+            cells = Cells()
+
+            def __getattr__(self, attr):
+                return getattr(att, attr)
+
+        d = att.kt.digest(key)
+        self.thread = threading.Thread(
+            target=KA.report, args=(Att(), keys.adapt, d, False, keys.clock), daemon=True
+        )
+        self.thread.start()
+        self.parked.acquire()  # stopped where ``stop`` said (or ended: then it never stops)
+
+    def resume(self):
+        self.go.release()
+        self.thread.join(timeout=60)
+        assert not self.thread.is_alive()
+
+
+def test_an_entry_given_to_another_key_is_not_judged_from_its_old_key(name, cleanup):
+    """Key a's throttled window is claimed and its claimer stalls; a's entry is removed and given
+    to key b; right after b's first report takes the entry, a reporter stalled since a's first
+    report (it read the entry's start as 0, none yet) resumes.  b never saw a throttled
+    outcome: it keeps its rate, and a's three outcomes cut at most once."""
+    lim = _lim(name, keys=64, overrides=2)
+    cleanup.append(lim)
+    k = Keys(lim)
+    home = lambda key: (k.att.kt.digest(key)[1] * 2) >> 64  # noqa: E731  (an entry's home)
+    b = next(f"b{i}.example" for i in range(100) if home(f"b{i}.example") == home("a.example"))
+    start = lambda op, args: op == "cas" and args[0] % (K.OVR_LINES * K.LINE) == K.A_START  # noqa: E731
+    stale = _Parked(k, "a.example", lambda op, args: start(op, args) and args[1] == 0)
+    e = lim._use().overrides.entry(k.att.kt.digest("a.example"))
+    k.report("a.example", throttled=True, times=3)
+    k.advance(0.25)
+    claimer = _Parked(k, "a.example", lambda op, args: op == "cas" and args[0] == e + K.A_SEEN_OUT)
+    lim.remove_override("a.example")
+    taker = _Parked(k, b, lambda op, args: op == "load" and args[0] == e + K.A_START)
+    stale.resume()  # after b took the entry, before b went on
+    taker.resume()
+    claimer.resume()
+    k.advance(0.25)
+    k.report(b)  # b's first window is decided: clean, idle
+    assert k.rate(b) == 100.0
+    assert lim.stats().adapt.cuts <= 1
