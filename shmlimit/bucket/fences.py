@@ -32,13 +32,7 @@ from typing import Callable, List, Optional, Tuple
 from shmlimit.config import MAX_NAP
 from shmlimit.shm import layout as L
 from shmlimit.shm.cells import Cells
-from shmlimit.shm.words import (
-    MASK64,
-    fence_due_counts,
-    fence_horizon_ns,
-    fence_limit_counts,
-    signed,
-)
+from shmlimit.shm.words import MASK64, fence_horizon_ns, fences_in_force
 
 #: ``Bucket.take_within`` for a reservation took nothing: every fence record in use.
 NO_FENCE = "no fence"
@@ -65,14 +59,7 @@ class Fences:
         """``(room above head, due of ticket)`` under the fences in force for a claim of ``[ts, now]``,
         None when none is (one load: FENCE_HINT not after ``ts``).  ``words.fence_scan``."""
         return self.cells.fence_scan(
-            self.hint,
-            self.recs[0],
-            len(self.recs),
-            ts,
-            now,
-            tpn,
-            head,
-            head if ticket is None else ticket,
+            *self.args, ts, now, tpn, head, head if ticket is None else ticket
         )
 
     def in_force(self, ts: int, now: int, tpn: int, head: int) -> List[Tuple[int, int]]:
@@ -82,19 +69,9 @@ class Fences:
         return [(limit, due) for _, limit, due in self.held(ts, now, tpn, head)]
 
     def held(self, ts: int, now: int, tpn: int, head: int) -> List[Tuple[int, int, int]]:
-        """``(record, LIMIT, DUE)`` of every record in force for a claim of ``[ts, now]`` (``in_force``)."""
-        c = self.cells
-        if c.load(self.hint) <= ts:
-            return []
-        out = []
-        horizon = now + fence_horizon_ns(tpn)
-        for off in self.recs:
-            due = c.load(off + L.FENCE_DUE)
-            if fence_due_counts(due, ts, horizon):
-                limit = c.load(off + L.FENCE_LIMIT)
-                if fence_limit_counts(signed(limit - head)):
-                    out.append((off, limit, due))
-        return out
+        """``(record, LIMIT, DUE)`` of every record in force for a claim of ``[ts, now]`` (``in_force``;
+        ``words.fences_in_force``, the scan's own reader)."""
+        return list(fences_in_force(self.cells, *self.args, ts, now, tpn, head))
 
     def pass_over(self, rec: int, limit: int, to: int) -> bool:
         """The fence in ``rec`` moves from ``limit`` to ``to`` (one CAS; False when its LIMIT changed
@@ -167,11 +144,11 @@ class Fences:
 
 class FenceHold:
     """A reservation's fence while its ticket is taken (``Bucket.take_within``): the record it holds
-    (``rec``), its DUE (``due``), the promise (``promise``, None: covered at once) and the ticket.
+    (``rec``), its DUE (``due``) and the promise (``promise``, None: covered at once).
     ``want``: the DUE to store (a reservation over several rates, whose promise is known only once
     every rate is claimed: ``multirate``), else the promise for the ticket about to be taken."""
 
-    __slots__ = ("rec", "want", "due", "limit", "promise", "ticket")
+    __slots__ = ("rec", "want", "due", "limit", "promise")
 
     def __init__(self, want: Optional[int] = None) -> None:
         self.rec: Optional[int] = None
@@ -179,7 +156,6 @@ class FenceHold:
         self.due = 0  # the DUE this owner last stored in ``rec`` (its pending claim at first)
         self.limit = 0  # the LIMIT it last saw or stored there
         self.promise: Optional[int] = None
-        self.ticket: Optional[int] = None
 
     def put(self, b, new: int, tokens: int, snap) -> bool:
         """Store the fence of the ticket ``new`` (``tokens`` long) before the CAS that takes it: a free

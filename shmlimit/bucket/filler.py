@@ -227,15 +227,14 @@ class ClockFeed:
                 self.idle = min(MAX_FILL_PERIOD, self.idle * 2)
         return self.idle
 
-    def lost(self, period: float, mark: Optional[Tuple[int, int, bool]]) -> bool:
-        """Did the refills since our last tick, made under a queue, lose time to the capacity clamp?
+    def lost(self, period: float, mark: Tuple[int, int, bool]) -> bool:
+        """Did the refills since our last tick (``mark``: left under a queue) lose time to the
+        capacity clamp?
 
         The head then gained fewer tokens than the time refilled since, by more than
         ``LOSS_SLACK`` of ``period`` (the stops' own ns)."""
         b = self.bucket
         ts, head, _ = self.mark  # type: ignore[misc]
-        if mark is None or not mark[2]:
-            return False
         return diff(head, mark[1]) < max(0, ts - mark[0] - slack_ns(period)) * b.tpn
 
     def queued(self, period: float, before: int, mark: Optional[Tuple[int, int, bool]]) -> float:
@@ -260,7 +259,7 @@ class ClockFeed:
         filler looks: the bound is the refill's.
         """
         b = self.bucket
-        if self.lost(period, mark) or mark is None or not mark[2] or before == mark[0]:
+        if mark is None or not mark[2] or before == mark[0] or self.lost(period, mark):
             # (before == mark[0]: nobody else refilled since our last tick)
             if b.cap < 3 * b.cost:  # kept natively until the span's end, as it always was here
                 self.pace = FIXED

@@ -19,7 +19,7 @@ everyone behind it for its whole schedule.  It is given back instead:
   once the head reaches it): no range is ever held in no record.
 * **after its process is gone**: a range given back stays recorded (marked
   ``TICKET_GIVEN``) until the head has skipped it, and a close keeps such
-  records and marks its waiters' ones given (``keep_waiting``: once none of
+  records and marks its waiters' ones given (``keep_on_leave``: once none of
   its waiters can be granted), so a process that exits or closes before the
   head reaches a range it gave back, or under a waiter still queued, leaves
   the range to the next filler's ``reap``.
@@ -61,7 +61,7 @@ from typing import TYPE_CHECKING, Any, Callable, Dict, Iterator, List, Optional,
 from shmlimit.bucket.rovers import NO_RECORD, REFUSED, diff
 from shmlimit.config import MAX_SPAN_TOKENS
 from shmlimit.shm import layout as L
-from shmlimit.shm.cells import MASK64
+from shmlimit.shm.cells import MASK64, claim_record
 from shmlimit.shm.table import slot_alive
 from shmlimit.shm.words import recorded_ranges
 
@@ -273,16 +273,14 @@ def take_once(
 RECORD_NAP = 0.001
 
 
-def record_nap(
-    b: "Bucket", tokens: int, has_records: bool, longest: float, nap: float = RECORD_NAP
-) -> float:
-    """How long a request that found no free record naps (seconds): ``nap`` while its process has
-    records (one is freed as each of its waiters is granted); without any (beyond the table) until
-    ``tokens`` could be there, the queue ahead served, within ``[nap, longest]``."""
+def record_nap(b: "Bucket", tokens: int, has_records: bool, longest: float) -> float:
+    """How long a request that found no free record naps (seconds): ``RECORD_NAP`` while its process
+    has records (one is freed as each of its waiters is granted); without any (beyond the table)
+    until ``tokens`` could be there, the queue ahead served, within ``[RECORD_NAP, longest]``."""
     if has_records or not b.time_fed or b.stopped:
-        return nap
+        return RECORD_NAP
     short = -b.balance() + tokens - min(b.pending(), b.cap)
-    return min(longest, max(nap, short / b.tpn / 1e9))
+    return min(longest, max(RECORD_NAP, short / b.tpn / 1e9))
 
 
 def record(
@@ -290,18 +288,16 @@ def record(
 ) -> Optional[int]:
     """Record ``ticket`` (``tokens`` long) in the first free one of ``records``; its LEN offset, None if none is free.
 
-    The pair is written under ``TICKET_BUSY``, so a reader never combines one
-    ticket's end with another's length.  ``given``: a range given back (any
+    The pair is written under ``TICKET_BUSY`` (``claim_record``, a grab's own protocol), so a
+    reader never combines one ticket's end with another's length.  ``given``: a range given back (any
     process may take it once its owner is gone), not a waiter's.
     """
     if not 0 < tokens <= MAX_SPAN_TOKENS:
         return None
-    for end_off, len_off in records:
-        if cells.load(len_off) == 0 and cells.cas(len_off, 0, L.TICKET_BUSY):
-            cells.store(end_off, ticket & MASK64)
-            cells.store(len_off, tokens | (L.TICKET_GIVEN if given else 0))
-            return len_off
-    return None
+    rec = claim_record(cells, tuple(len_off for _, len_off in records), ticket & MASK64)
+    if rec is not None:
+        cells.store(rec, tokens | (L.TICKET_GIVEN if given else 0))
+    return rec
 
 
 def interrupted(att: Any) -> Callable[[int, int, int, int], None]:
@@ -341,49 +337,32 @@ def free_given(cells: "Cells", len_off: int, end: int, tokens: int) -> None:
         cells.cas(len_off, tokens | L.TICKET_GIVEN, 0)
 
 
-def clear_waiting(cells: "Cells", records: Records) -> None:
-    """A clean leave: no waiter's record outlives it (given-back ones stay, for whoever finds them)."""
-    for _, len_off in records:
-        v = cells.load(len_off)
-        if v and not v & L.TICKET_GIVEN:
-            cells.cas(len_off, v, 0)
-
-
 def keep_on_leave(cells: "Cells", records: Records, returns: "Returns", waiters_out: bool) -> None:
     """Before a process gives its slot back: every range it gave back and the head has not yet
     passed stays recorded (those held in no record are recorded as given, while one is free), for
     the next filler's ``reap`` (which takes given-back records from a slot nobody owns).
 
     Its waiters' records: with ``waiters_out`` (``Attachment.detach``: ``closed`` set and every native
-    wait of the process out of its loop, so none of its waiters can be granted any more) they are
-    marked given where they are (``keep_waiting``): the ticket of a waiter still mid-call when its
-    process closes the limiter is skipped, never held in no record.  Without it (leaving a segment
-    collected since a fork, before any use) they are cleared: a waiter that might still be granted
-    must never be granted from a range another process skipped.
+    wait of the process out of its loop, after ``leave_waiters``, so none of its waiters can be
+    granted any more) each is marked given where it is (one CAS): the ticket of a waiter still
+    mid-call when its process closes the limiter outlives the slot, for the next filler's ``reap``
+    to skip, never held in no record.  A record still being written (``TICKET_BUSY``: a grab between
+    its claim and its length store) is then left as it is; ``close`` waits for such writes of its
+    other threads first (``Writers.settle``), and for its own thread's (under a signal handler) by
+    running after it (``Writers.defer``), so only one it could not wait for (stalled past
+    ``SETTLE_MAX``) stays: its grab either fails (and frees it) or stores the length over it, a
+    waiter's record in a slot left cleanly, which no ``reap`` takes (the design page's "Not given
+    back").  Without ``waiters_out`` (leaving a segment collected since a fork, before any use) they
+    are cleared: a waiter that might still be granted must never be granted from a range another
+    process skipped.  Given-back records stay either way, for whoever finds them.
     """
-    if waiters_out:
-        keep_waiting(cells, records)
-    else:
-        clear_waiting(cells, records)
-    for end, tokens in returns.unrecorded():
-        record(cells, records, end, tokens, given=True)
-
-
-def keep_waiting(cells: "Cells", records: Records) -> None:
-    """A clean leave whose waiters can no longer be granted (``Attachment.detach``, after
-    ``leave_waiters``): each waiter's record is marked given where it is (one CAS), so the ticket of
-    a waiter still mid-call outlives the slot, for the next filler's ``reap`` to skip.
-
-    A record still being written (``TICKET_BUSY``: a grab between its claim and its length store)
-    is left as it is; ``close`` waits for such writes of its other threads first (``Writers.settle``),
-    and for its own thread's (under a signal handler) by running after it (``Writers.defer``), so
-    only one it could not wait for (stalled past ``SETTLE_MAX``) stays: its grab either fails (and frees it) or stores the length over it, a
-    waiter's record in a slot left cleanly, which no ``reap`` takes (the design page's "Not given back").
-    """
+    left = L.TICKET_GIVEN | (L.TICKET_BUSY if waiters_out else 0)  # records left as they are
     for _, len_off in records:
         v = cells.load(len_off)
-        if v and not v & (L.TICKET_GIVEN | L.TICKET_BUSY):
-            cells.cas(len_off, v, v | L.TICKET_GIVEN)
+        if v and not v & left:
+            cells.cas(len_off, v, v | L.TICKET_GIVEN if waiters_out else 0)
+    for end, tokens in returns.unrecorded():
+        record(cells, records, end, tokens, given=True)
 
 
 def slot_alive_at(index: int, pid: int, start: int, pidns: int) -> bool:

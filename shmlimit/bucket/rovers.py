@@ -54,7 +54,7 @@ from shmlimit.bucket.fences import NO_FENCE, FenceHold
 from shmlimit.bucket.schedule import Schedule
 from shmlimit.config import MAX_QUEUE_TOKENS as MAX_QUEUE
 from shmlimit.config import Config
-from shmlimit.errors import ConfigWriterTakenOver, QueueFullError, SegmentError
+from shmlimit.errors import QueueFullError, SegmentError
 from shmlimit.shm import inflight
 from shmlimit.shm import layout as L
 from shmlimit.shm.banks import (
@@ -73,6 +73,7 @@ from shmlimit.shm.words import (  # rover arithmetic, re-exported: the bucket's 
     clamp_kept,
     clamp_limit,
     diff,
+    take_some,
 )
 
 REFUSED, NO_RECORD = (
@@ -168,7 +169,6 @@ class Bucket(Schedule):
 
         words(self.cells)  # validate before taking the lock: a refused config writes nothing
         self._under_config_lock(words)
-        self.load_config()
         self.burn(keep=self.cap)
 
     def set_upstream_flags(self, upstream_flags: int) -> None:
@@ -191,17 +191,17 @@ class Bucket(Schedule):
             return out
 
         self._under_config_lock(words)
-        self.load_config()
 
     def _under_config_lock(self, words: Callable[[Cells], List[Tuple[int, int]]]) -> None:
+        """Write ``words(cells)`` under the config lock (``banks.write_under_lock``), then load the
+        config in force, whatever happened (taken over: ``ConfigWriterTakenOver`` after it)."""
         try:
             write_under_lock(self.cells, words)
-        except ConfigWriterTakenOver:
+            fed_wait.wake(
+                self.cells, FED_ALL
+            )  # fed waiters asleep on the old config go back to rebind to the new one
+        finally:
             self.load_config()
-            raise
-        fed_wait.wake(
-            self.cells, FED_ALL
-        )  # fed waiters asleep on the old config go back to rebind to the new one
 
     @staticmethod
     def initialise(
@@ -443,7 +443,7 @@ class Bucket(Schedule):
         if snap.stopped or not snap.time_fed:
             return 0
         c = self.cells
-        taken = self._take_wait(int(extra * (snap.config.ratio - 1.0))) if snap.catch_up else 0
+        taken = take_some(c, L.WAIT, int(extra * (snap.config.ratio - 1.0))) if snap.catch_up else 0
         while True:
             add = max(0, min(extra, diff(limit, head)))
             catch = max(0, min(taken, diff(catch_limit, (head + add) & MASK64)))
@@ -474,15 +474,6 @@ class Bucket(Schedule):
             self.refresh()
             self.burn(keep=self.snap.cap + self.snap.burst_pool)
         return total
-
-    def _take_wait(self, want: int) -> int:
-        c = self.cells
-        while want > 0:
-            w = c.load(L.WAIT)
-            take = min(w, want)
-            if take <= 0 or c.cas(L.WAIT, w, w - take):
-                return max(0, take)
-        return 0
 
     def _put_wait(self, amount: int, snap: Snapshot) -> None:
         c = self.cells
@@ -776,12 +767,10 @@ class Bucket(Schedule):
                     # from it, seconds late, and their fences hold the head that long)
                     fence.release(self.fences)
             taken = True
-            if fence is not None:
-                fence.ticket = new
-                if short <= 0 and fence.want is None:
-                    fence.release(
-                        self.fences
-                    )  # a reservation covered at once: used now, fenced by nothing
+            if fence is not None and short <= 0 and fence.want is None:
+                fence.release(
+                    self.fences
+                )  # a reservation covered at once: used now, fenced by nothing
             if recs is not None and diff(new, c.load(L.HEAD)) <= 0:  # covered after all: granted
                 c.fetch_add(grants, ops)
                 return None, None

@@ -32,6 +32,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Callable, Optional, Sequence
 
 from shmlimit.shm import layout as L
+from shmlimit.shm.words import take_some
 
 if TYPE_CHECKING:  # pragma: no cover
     from shmlimit.shm.cells import Cells
@@ -50,15 +51,6 @@ def admit(c: "Cells", ops: int, cap_ops: int, own: Optional[int]) -> bool:
             return True
 
 
-def _take(c: "Cells", off: int, want: int) -> int:
-    """Up to ``want`` from the count at ``off``; how many were taken."""
-    while True:
-        v = c.load(off)
-        k = min(v, want)
-        if k <= 0 or c.cas(off, v, v - k):
-            return max(0, k)
-
-
 def release(c: "Cells", ops: int, own: Optional[int], slots: Sequence[int], check: bool) -> None:
     """``ops`` no longer in flight: from the slots (``own`` first, then the others in ``slots``),
     then from ``INFLIGHT``.  With ``check``, more than ``INFLIGHT`` holds raises ValueError, every
@@ -68,7 +60,7 @@ def release(c: "Cells", ops: int, own: Optional[int], slots: Sequence[int], chec
     for off in ([own] if own is not None else []) + [s for s in slots if s != own]:
         if left <= 0:
             break
-        k = _take(c, off, left)
+        k = take_some(c, off, left)
         if k:
             taken.append((off, k))
             left -= k
@@ -92,7 +84,7 @@ def _give_up(c: "Cells", off: int, k: int, still: Callable[[], bool] = lambda: T
     if not still():  # a new owner came meanwhile: what was taken may be its own; it stays counted
         c.fetch_add(off, k)
         return 0
-    _take(c, L.INFLIGHT, k)
+    take_some(c, L.INFLIGHT, k)
     return k
 
 

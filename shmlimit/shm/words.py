@@ -122,6 +122,16 @@ def claim_record(cells, recs, ticket: int) -> Optional[int]:
     return None
 
 
+def take_some(cells, off: int, want: int) -> int:
+    """Up to ``want`` from the count at ``off``, by CAS (retried while the count changes); how many
+    were taken (0 when ``want`` or the count is not positive)."""
+    while True:
+        v = cells.load(off)
+        k = min(v, want)
+        if k <= 0 or cells.cas(off, v, v - k):
+            return max(0, k)
+
+
 def check_records(recs: object, size: int) -> tuple:
     """The records argument of a grab: a tuple of at most ``MAX_RECS`` LEN offsets, each with its TICKET before it."""
     if not isinstance(recs, tuple) or len(recs) > MAX_RECS:
@@ -247,6 +257,27 @@ def fence_limit_counts(rel: int) -> bool:
     return -FAR <= rel <= FAR
 
 
+def fences_in_force(
+    cells, hint_off: int, first: int, count: int, ts: int, now: int, tpn: int, head: int
+) -> Iterator[Tuple[int, int, int]]:
+    """``(record, LIMIT, DUE)`` of each of the ``count`` fence records from ``first`` (``record``:
+    its first word, OWNER) in force for a claim whose interval is ``[ts, now]``: its DUE after
+    ``ts`` and within ``fence_horizon_ns`` of ``now`` (``fence_due_counts``), its LIMIT within
+    ``FAR`` of ``head`` (``fence_limit_counts``).  None at all when FENCE_HINT (at ``hint_off``) is
+    not after ``ts``: one load.  Every reader of the fences reads them here (``fence_scan``,
+    ``Fences.held``); the native scan does the same in C."""
+    if cells.load(hint_off) <= ts:
+        return
+    dues = cells.load_many(tuple(first + k * FENCE_STRIDE + FENCE_DUE_W for k in range(count)))
+    horizon = now + fence_horizon_ns(tpn)
+    for k, due in enumerate(dues):
+        if fence_due_counts(due, ts, horizon):
+            rec = first + k * FENCE_STRIDE
+            limit = cells.load(rec + FENCE_LIMIT_W)
+            if fence_limit_counts(signed(limit - head)):
+                yield rec, limit, due
+
+
 def fence_scan(
     cells,
     hint_off: int,
@@ -263,7 +294,7 @@ def fence_scan(
     due)``, or None when none is (FENCE_HINT at ``hint_off``, the latest DUE ever stored, is not
     after ``ts``: one load, no record read).
 
-    A record is in force when its DUE is after ``ts``: the head may then stand at most at
+    A record is in force (``fences_in_force``) when its DUE is after ``ts``: the head may then stand at most at
     ``LIMIT + max(0, now - DUE) * tpn``.  ``room`` is the least such bound over the records in
     force, less ``head`` (negative: the head is past it, add nothing; ``NO_FENCE`` at most).
     ``due`` is when the head can reach ``ticket`` at the soonest under them: the latest
@@ -276,21 +307,10 @@ def fence_scan(
         raise ValueError("fence_scan: count must be >= 0 and tpn >= 1")
     for off in (hint_off, first, first + max(0, count - 1) * FENCE_STRIDE + FENCE_DUE_W):
         check_offset(off, cells.size)
-    if cells.load(hint_off) <= ts:
-        return None
-    dues = cells.load_many(tuple(first + k * FENCE_STRIDE + FENCE_DUE_W for k in range(count)))
-    horizon = now + fence_horizon_ns(tpn)
     room, due, found = NO_FENCE, 0.0, False
-    for k in range(count):
-        d = dues[k]
-        if not fence_due_counts(d, ts, horizon):
-            continue
-        lim = cells.load(first + k * FENCE_STRIDE + FENCE_LIMIT_W)
-        rel = signed(lim - head)
-        if not fence_limit_counts(rel):
-            continue
+    for _, lim, d in fences_in_force(cells, hint_off, first, count, ts, now, tpn, head):
         found = True
-        room = min(room, rel + max(0, now - d) * tpn)
+        room = min(room, signed(lim - head) + max(0, now - d) * tpn)
         ahead = signed(ticket - lim)
         if ahead > 0:
             due = max(due, d + ahead / tpn)
