@@ -65,17 +65,14 @@ BACKENDS = ("native", "atomics")
 try:
     from shmlimit.shm._native import NativeCells
 except ImportError:  # not built: the atomics backend serves
-    pass
+    NativeCells = None
 else:
     Cells.register(NativeCells)  # the composites' same steps, in C
 
 
 def native_available() -> bool:
-    try:
-        from shmlimit.shm import _native  # noqa: F401
-    except ImportError:
-        return False
-    return True
+    """Whether the native extension imported (built with the package when a compiler was present)."""
+    return NativeCells is not None
 
 
 def selected_backend() -> str:
