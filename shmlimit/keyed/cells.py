@@ -408,6 +408,43 @@ class SlotTable:
             return None
         return raw - base, base
 
+    def visit(
+        self,
+        d: Tuple[int, int],
+        home: int,
+        step: Callable[..., T],
+        absent: T,
+        insert: Optional[Tuple[object, ...]] = None,
+        refused: int = 0,
+    ) -> "T | int":
+        """``step(s, v, base)`` on the value of digest ``d`` -- its slot, ``V0`` less ``BASE``, and
+        ``BASE`` -- until it answers (None: read it again).  ``absent`` when the table holds no such
+        key; with ``insert`` (``insert``'s arguments after ``d`` and ``home``), that key is inserted
+        with those values first: the insert is its step, answered ``absent``, or else ``FULL``
+        (counted in the word at ``refused``) or ``BUSY``, nothing written.  A value kind's one
+        loop but for GCRA's ``acquire`` (the native composite's twin, inline)."""
+        while True:
+            s, ctl = self.find(d, home)
+            if s is None:
+                if insert is None:
+                    return absent
+                s, ctl = self.insert(d, home, *insert)  # type: ignore[arg-type]
+                if s is None:
+                    if ctl != BUSY:
+                        self.c.fetch_add(refused, 1)
+                    return ctl or FULL
+                if ctl:
+                    return absent
+                os.sched_yield()  # lost a race, often to an insert of the same key: let it finish
+                continue
+            while True:
+                got = self.value(s, ctl)
+                if got is None:
+                    break
+                answer = step(s, *got)
+                if answer is not None:
+                    return answer
+
     def insert(
         self,
         d: Tuple[int, int],
@@ -780,27 +817,14 @@ class KeyedTable(SlotTable):
         d = self._hash(data)
         t, tau = self.params(d)
         target = until - t + K.MAX_TICKS  # the TAT until + TAU - T, as V0 holds it
-        home = (d[0] * self.nslots) >> 64
-        c = self.c
-        while True:
-            s, ctl = self.find(d, home)
-            if s is None:
-                disp = display_words(data) if self.store_keys else (0, 0)
-                s, ctl = self.insert(d, home, now, target, (0, *disp), low=now + K.MAX_TICKS - tau)
-                if s is None:
-                    if ctl != BUSY:
-                        c.fetch_add(self.refused, 1)
-                    return BUSY if ctl == BUSY else FULL
-                if ctl:
-                    return 0
-                os.sched_yield()  # lost a race (often to an insert of the same key): let it finish
-                continue
-            got = self.value(s, ctl)
-            if got is None:
-                continue
-            tat, off = got
-            if tat >= target or c.cas(s + K.S_V0, tat + off, target + off):
-                return 0
+        disp = display_words(data) if self.store_keys else (0, 0)
+        first = (now, target, (0, *disp), None, now + K.MAX_TICKS - tau)  # no grant counted
+
+        def step(s: int, tat: int, off: int) -> Optional[int]:
+            # raised (never lowered) by one CAS; None: the word moved, read it again
+            return 0 if tat >= target or self.c.cas(s + K.S_V0, tat + off, target + off) else None
+
+        return self.visit(d, (d[0] * self.nslots) >> 64, step, 0, first, self.refused)
 
     def try_acquire(self, key: object, n: int = 1) -> bool:
         """True if ``n`` ops were taken now for ``key``; False changes nothing."""

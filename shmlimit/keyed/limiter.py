@@ -652,18 +652,16 @@ class KeyedLimiter(RatesSwitch, Keyed, Handle):
         adapt = read_keyed_adapt(att.cells)
         if per is None:  # a rate string "N/unit" carries its window
             per = carried_per(rate)
-        if key is None:
-            new = make_rate(rate, cur.per if per is None else per, burst)
-            if adapt is not None:
-                check_rate(adapt, cur, new)
-            publish_default(att.cells, new)
-            return
-        d = att.kt.digest(key)
-        old = att.overrides.get(d)
-        new = make_rate(rate, (old or cur).per if per is None else per, burst)
+        d = None if key is None else att.kt.digest(key)
+        # the rate in force: the key's override, else (and for the default) the default
+        old = (None if d is None else att.overrides.get(d)) or cur
+        new = make_rate(rate, old.per if per is None else per, burst)
         if adapt is not None:
-            check_rate(adapt, old or cur, new)
-        att.overrides.set(d, new)
+            check_rate(adapt, old, new)
+        if d is None:
+            publish_default(att.cells, new)
+        else:
+            att.overrides.set(d, new)
 
     # -- the adaptive rate, per key -------------------------------------------------------
 

@@ -92,7 +92,6 @@ below 2**38 ms (8.7 years of uptime).
 from __future__ import annotations
 
 import math
-import os
 import time
 from typing import Callable, Optional, Tuple
 
@@ -215,32 +214,18 @@ class WindowCounters:
         ``BASE``, and ``BASE``; until it answers (None: read it again).  ``absent`` when the table
         holds no such key; with ``first`` (now ms, V0, V1) that key is inserted with those values
         first (``fill(slot, gen)`` writes its words beyond the line): the insert is its first
-        grant, answered ``absent``."""
+        grant, answered ``absent`` (``SlotTable.visit``).  No slot for it raises
+        ``KeyTableFullError``."""
         d, home, data = kd
-        while True:
-            s, ctl = self.t.find(d, home)
-            if s is None:
-                if first is None:
-                    return absent
-                now, v0, v1 = first
-                disp = KC.display_words(data) if self.store_keys else (0, 0)
-                s, ctl = self.t.insert(d, home, pack(now, CMAX, True), v0, (v1, *disp), fill)
-                if s is None and ctl == KC.BUSY:  # a stalled insert by a live process: none counted
-                    raise KeyTableFullError(self.name, self.t.nslots, busy=True)
-                if s is None:
-                    self.c.fetch_add(self.refused, 1)
-                    raise KeyTableFullError(self.name, self.t.nslots)
-                if ctl:
-                    return absent
-                os.sched_yield()  # lost a race, often to an insert of the same key: let it finish
-                continue
-            while True:
-                got = self.t.value(s, ctl)
-                if got is None:
-                    break
-                answer = step(s, *got)
-                if answer is not None:
-                    return answer
+        insert = None
+        if first is not None:
+            now, v0, v1 = first
+            disp = KC.display_words(data) if self.store_keys else (0, 0)
+            insert = (pack(now, CMAX, True), v0, (v1, *disp), fill)
+        got = self.t.visit(d, home, step, absent, insert, self.refused)
+        if got in (KC.FULL, KC.BUSY):  # FULL counted in ``refused``; BUSY: a stalled insert
+            raise KeyTableFullError(self.name, self.t.nslots, busy=got == KC.BUSY)
+        return got
 
     def _evict(self, d, home: int) -> bool:
         """Forget a key now (``clear``): ``V0 | DEAD`` by CAS, then TOMB.  True if one was there."""
