@@ -227,9 +227,11 @@ class WindowCounters:
             raise KeyTableFullError(self.name, self.t.nslots, busy=got == KC.BUSY)
         return got
 
-    def _evict(self, d, home: int) -> bool:
-        """Forget a key now (``clear``): ``V0 | DEAD`` by CAS, then TOMB.  True if one was there."""
+    def _evict(self, kd) -> bool:
+        """Forget key ``kd`` (``_key``'s) now (``clear``): ``V0 | DEAD`` by CAS, then TOMB.  True if
+        one was there."""
         c = self.c
+        d, home, _ = kd
         while True:
             s, ctl = self.t.find(d, home)
             if s is None:
@@ -290,8 +292,7 @@ class WindowCounters:
 
     def clear(self, key: object) -> bool:
         """Forget ``key``'s fixed window: its next increment starts a new one."""
-        d, home, _ = self._key(b"F", key)
-        return self._evict(d, home)
+        return self._evict(self._key(b"F", key))
 
     # -- sliding window counter --------------------------------------------------------------
 
@@ -410,8 +411,7 @@ class WindowCounters:
 
     def clear_sliding(self, key: object, expiry: float) -> bool:
         """Forget ``key``'s sliding windows of ``expiry`` seconds: its next hit starts afresh."""
-        d, home, _ = self._sliding_key(key, window_ms(expiry))
-        return self._evict(d, home)
+        return self._evict(self._sliding_key(key, window_ms(expiry)))
 
     # -- every key ----------------------------------------------------------------------------
 
@@ -595,5 +595,4 @@ class MovingWindows(WindowCounters):
 
     def clear_moving(self, key: object) -> bool:
         """Forget ``key``'s moving window: its next hit starts a new log."""
-        d, home, _ = self._key(b"M", key)
-        return self._evict(d, home)
+        return self._evict(self._key(b"M", key))
