@@ -166,6 +166,12 @@ class RedisStats(ClientStats):
 Gen = Generator[Any, Any, Any]
 
 
+def _send(client: Any, key: Optional[str], args: Tuple[Any, ...]) -> Any:
+    """The round trip a step names, on ``client`` (sync, or asyncio: then awaitable): ``EVALSHA``
+    of the script on ``key`` with ``args``, or for a None key ``SCRIPT LOAD`` of it."""
+    return client.script_load(LUA) if key is None else client.evalsha(LUA_SHA, 1, key, *args)
+
+
 class _Call:
     """A Redis call's steps (``_GcraClient._script`` and those built on it) as the drivers run
     them (``acquire.drivers.Steps``): ``nap`` (``nap_async``: on this event loop's own client)
@@ -204,12 +210,8 @@ class _Call:
     async def nap_async(self, step: Any) -> None:
         if step.__class__ is not tuple:
             return await asyncio.sleep(step)
-        key, args = step
-        c = self.aclient
         try:
-            self.answer = await (
-                c.script_load(LUA) if key is None else c.evalsha(LUA_SHA, 1, key, *args)
-            )
+            self.answer = await _send(self.aclient, *step)
         except Exception as e:
             self.error = e
 
@@ -263,9 +265,6 @@ class _GcraClient:
         self.key = redis_key(name)
         self._interval = interval  # ns per op, rounded up: never faster than asked
         self._tolerance = int(cfg.burst * interval)  # rounded down: never more burst than asked
-        self._max_reserved_ns = (
-            None if cfg.max_reserved is None else int(cfg.max_reserved * NS_PER_S)
-        )
         self._own_client = client is None
         self._closed = False
         self._client = client if client is not None else connect(self._url, self._secrets, t)
@@ -378,7 +377,7 @@ class _GcraClient:
             timeout=self._timeout,
         )
         return (
-            _unpickle,
+            _connected,
             (type(self), tuple(self._secrets.items()), (self._name, c.rate, c.per, c.burst), kw),
         )
 
@@ -450,9 +449,7 @@ class _GcraClient:
         """One round trip: the script on ``key`` with ``args`` (a None key: load it)."""
         if self._pinned:
             return self._pinned_call(key, args)
-        if key is None:
-            return self._client.script_load(LUA)
-        return self._client.evalsha(LUA_SHA, 1, key, *args)
+        return _send(self._client, key, args)
 
     def _pinned_call(self, key: Optional[str], args: Tuple[Any, ...]) -> Any:
         """``EVALSHA`` of the script on ``key`` with ``args`` (``SCRIPT LOAD`` of it for a None
@@ -532,12 +529,8 @@ class _GcraClient:
             raise ValueError(
                 f"n must be at most {MAX_SCHEDULE_NS // self._interval} ops for this limiter, got {n}"
             )
-        bounds = [
-            b
-            for b in (None if limit_s is None else int(limit_s * NS_PER_S), self._max_reserved_ns)
-            if b is not None
-        ]
-        return min(bounds) if bounds else None
+        bounds = [b for b in (limit_s, self._config.max_reserved) if b is not None]
+        return int(min(bounds) * NS_PER_S) if bounds else None
 
     def _reserve_steps(self, n: int, max_wait: Optional[float], key: Optional[str] = None) -> Gen:
         validate_n(n, 1)
@@ -584,7 +577,7 @@ class _GcraClient:
         wait = wait_ns / NS_PER_S
         if left is not None and wait > left:
             return None
-        over = wait - (self._max_reserved_ns or 0) / NS_PER_S
+        over = wait - (self._config.max_reserved or 0)
         nap = min(MAX_NAP, max(1e-4, over)) * random.uniform(0.5, 1.5)
         return nap if left is None else min(nap, left)
 
@@ -643,13 +636,8 @@ class RedisLimiter(_GcraClient, AcquireOnEnter):
         lim = _connected(
             cls,
             spec.secrets,
-            spec.name,
-            spec.rate,
-            spec.per,
-            spec.burst,
-            url=spec.url,
-            clock=spec.clock,
-            timeout=spec.timeout,
+            (spec.name, spec.rate, spec.per, spec.burst),
+            dict(url=spec.url, clock=spec.clock, timeout=spec.timeout),
         )
         lim._pinned = hasattr(lim._client, "connection_pool")  # (a cluster client routes each call)
         return lim
@@ -740,16 +728,13 @@ class RedisLimiter(_GcraClient, AcquireOnEnter):
 _Deferred = object()
 
 
-def _connected(cls: Any, secrets: Tuple[Tuple[str, str], ...], *args: Any, **kw: Any) -> Any:
-    """A limiter of ``cls`` connected with ``secrets`` (kept out of its URL, as ``url=`` would)."""
+def _connected(
+    cls: Any, secrets: Tuple[Tuple[str, str], ...], args: Tuple[Any, ...], kw: Dict[str, Any]
+) -> Any:
+    """``cls(*args, **kw)`` connected with ``secrets`` (kept out of its URL, as ``url=`` would):
+    ``from_spec``'s limiter, and an unpickled one."""
     lim = cls(*args, client=_Deferred, **kw)
     lim._secrets = dict(secrets)
     lim._own_client = True
     lim._client = connect(lim._url, lim._secrets, lim._timeout)
     return lim
-
-
-def _unpickle(
-    cls: Any, secrets: Tuple[Tuple[str, str], ...], args: Tuple[Any, ...], kw: Dict[str, Any]
-) -> Any:
-    return _connected(cls, secrets, *args, **kw)

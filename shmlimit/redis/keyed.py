@@ -33,6 +33,7 @@ from typing import Any, Optional
 from shmlimit.config import NS_PER_S, validate_n
 from shmlimit.protocol import Keyed
 from shmlimit.redis.direct import MODE_PEEK, ClientStats, _GcraClient
+from shmlimit.redis.spec import redis_key
 
 #: Longest key, in bytes (as ``KeyedLimiter``).
 MAX_KEY_BYTES = 4096
@@ -65,7 +66,7 @@ class RedisKeyedLimiter(_GcraClient, Keyed):
 
     def redis_key(self, key: object) -> str:
         """The Redis key holding ``key``'s GCRA state (its own cluster slot, by its hash tag)."""
-        return f"shmlimit:{{{self._name}/{key_digest(key)}}}:gcra"
+        return redis_key(f"{self._name}/{key_digest(key)}")
 
     def reserve(self, key: object, n: int = 1, max_wait: Optional[float] = None) -> Optional[float]:
         """Reserve ``key``'s next slot for ``n`` ops; seconds until it is due, or None (nothing taken)."""
@@ -98,7 +99,7 @@ class RedisKeyedLimiter(_GcraClient, Keyed):
     def _stored_keys(self) -> Any:
         """Every key's hash in Redis (``unlink``): a SCAN of the keyspace, on every primary of a
         cluster, for the keys of this name (its characters are never glob patterns)."""
-        return self._client.scan_iter(match=f"shmlimit:{{{self._name}/*}}:gcra", count=1000)
+        return self._client.scan_iter(match=redis_key(f"{self._name}/*"), count=1000)
 
     def __repr__(self) -> str:
         return (

@@ -63,7 +63,8 @@ STATE_NAMES = {
 
 
 def redis_key(name: str) -> str:
-    """The Redis key of the global limiter ``name``: the hash tag keeps a limiter in one cluster slot."""
+    """The Redis key of the GCRA state ``name`` (a limiter's name, or a keyed limiter's
+    ``<name>/<digest>`` for one key): the hash tag keeps it in one cluster slot."""
     return f"shmlimit:{{{name}}}:gcra"
 
 
@@ -132,10 +133,6 @@ class UpstreamSpec:
     def key(self) -> str:
         """The global limiter's Redis key."""
         return redis_key(self.name)
-
-    @property
-    def ops_per_second(self) -> float:
-        return self.rate / self.per
 
     def describe(self) -> str:
         """One line for messages: never a secret."""
