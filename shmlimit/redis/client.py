@@ -52,7 +52,9 @@ def classify(e: BaseException, where: str) -> Exception:
     own message is kept, with any URL in it redacted.
     """
     text = redact(str(e)) if "://" in str(e) else str(e)
-    if isinstance(e, _UNAVAILABLE) and not isinstance(e, _REFUSED):
+    # (a cluster client that reached no node raises its own error, from the connection's)
+    cause = e.__cause__ if isinstance(e, _rx.RedisClusterException) else e
+    if isinstance(cause, _UNAVAILABLE) and not isinstance(cause, _REFUSED):
         err: Exception = RedisUnavailableError(f"{where} unavailable: {type(e).__name__}: {text}")
     else:
         err = RedisDataError(f"{where} answered with an error: {type(e).__name__}: {text}")
@@ -120,7 +122,10 @@ def connect(url: str, secrets: Dict[str, str], timeout: float, is_async: bool = 
         if tail.strip("/"):
             raise ValueError(f"url: a cluster has one database, so no path: {redact(url)}")
         nodes = [lib.cluster.ClusterNode(h, p) for h, p in urls.hosts(netloc, 6379)]
-        return lib.RedisCluster(startup_nodes=nodes, **opts)
+        try:  # (it reaches its nodes now, where a server's client waits for its first call)
+            return lib.RedisCluster(startup_nodes=nodes, **opts)
+        except _REDIS_ERRORS as e:
+            raise classify(e, f"redis at {redact(url)}") from e
     # sentinel
     service, _, db = tail.partition("/")
     if not service:

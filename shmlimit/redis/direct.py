@@ -724,8 +724,17 @@ class RedisLimiter(_GcraClient, AcquireOnEnter):
         )
 
 
-#: ``client=`` while ``from_spec``/unpickling build a limiter that then connects with its secrets.
+#: ``client=`` while a limiter is built whose own client is made later, or never (``unconnected``).
 _Deferred = object()
+
+
+def unconnected(cls: Any, args: Tuple[Any, ...], kw: Dict[str, Any]) -> Any:
+    """``cls(*args, **kw)``, checked, with a client of its own not made yet: nothing is reached (a
+    cluster's client reaches its nodes when made).  ``Limiter(upstream=URL)`` takes its spec from
+    one, so that its filler connects, and falls back if it cannot."""
+    lim = cls(*args, client=_Deferred, **kw)
+    lim._own_client = True
+    return lim
 
 
 def _connected(
@@ -733,8 +742,7 @@ def _connected(
 ) -> Any:
     """``cls(*args, **kw)`` connected with ``secrets`` (kept out of its URL, as ``url=`` would):
     ``from_spec``'s limiter, and an unpickled one."""
-    lim = cls(*args, client=_Deferred, **kw)
+    lim = unconnected(cls, args, kw)
     lim._secrets = dict(secrets)
-    lim._own_client = True
     lim._client = connect(lim._url, lim._secrets, lim._timeout)
     return lim

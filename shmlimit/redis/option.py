@@ -30,8 +30,9 @@ def resolve_upstream(
         t = validate_timeout(v, param)
         if t is None or not 0.001 <= t <= 60:
             raise ValueError(f"{param} must be between 0.001 and 60 seconds, got {v!r}")
-    from shmlimit.redis.direct import (
-        RedisLimiter,  # the Redis tier: only a process that configures it imports it
+    from shmlimit.redis.direct import (  # the Redis tier: only a process that configures it imports it
+        RedisLimiter,
+        unconnected,
     )
 
     options = dict(on_error=on_error, lease_ttl=float(ttl), batch_seconds=float(batch))
@@ -42,8 +43,7 @@ def resolve_upstream(
             )
         urls.check(upstream, "upstream")  # its errors name the parameter the caller passed
         cfg = Config.make(rate, per, burst)
-        redis = RedisLimiter(name, cfg.rate, cfg.per, cfg.burst, url=upstream)
-        redis.close()
+        redis = unconnected(RedisLimiter, (name, cfg.rate, cfg.per, cfg.burst), dict(url=upstream))
     elif isinstance(upstream, RedisLimiter):
         redis = upstream
         if rate is None:

@@ -28,6 +28,7 @@ from support.starvation import Stalls, least, run_delay, total
 from support.windows import max_excess, max_gap, tag
 
 import shmlimit
+from shmlimit.errors import RedisUnavailableError
 
 # The direct limiters (RedisLimiter, RedisKeyedLimiter) hold no segment: their tests are marked
 # backend_independent (run once in CI); the hierarchical mode's, which feed a segment, run on each.
@@ -490,6 +491,42 @@ def test_on_redis_error_modes(R, own_redis, name, mode):
         n = _grants_in(lim, 1.5)
         assert n <= rate * 1.5 + 10 + 1  # limited again, whatever the fallback let through
         assert lim.stats().upstream.fallbacks == 1
+    finally:
+        lim.close()
+
+
+def _closed_port():
+    """A port on 127.0.0.1 nothing listens on (bound, then given back)."""
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def test_an_unreachable_cluster_is_unavailable_and_named_without_its_password(R, name):
+    """A cluster client reaches its nodes when it is made: none answering is redis-py's own
+    RedisClusterException, which must come out as the library's RedisUnavailableError (what the
+    filler falls back on), naming the URL, never its password."""
+    url = f"redis+cluster://app:hunter2@127.0.0.1:{_closed_port()}"
+    with pytest.raises(RedisUnavailableError, match="unavailable") as err:
+        R.RedisLimiter(name, rate=10, url=url)
+    assert "redis+cluster://app@127.0.0.1" in str(err.value) and "hunter2" not in str(err.value)
+    spec = R.unconnected(R.RedisLimiter, (name, 10), dict(url=url)).upstream_spec()
+    with pytest.raises(RedisUnavailableError):
+        R.RedisLimiter.from_spec(spec)  # the filler's first connection
+
+
+# the filler's first lease, on a real thread
+@pytest.mark.slow
+def test_a_limiter_upstream_of_an_unreachable_cluster_takes_its_fallback(R, name):
+    """As for one server down: the limiter is made, and its filler, finding no node, enters the
+    fallback (before, the cluster's error escaped the constructor, or ended the filler's thread)."""
+    url = f"redis+cluster://127.0.0.1:{_closed_port()}"
+    lim = shmlimit.Limiter(name, rate=100, upstream=url, on_redis_error="local")
+    try:
+        wait_for(lambda: [lim.try_acquire(), lim.stats().upstream.state == "local"][1])
+        assert lim.stats().upstream.errors >= 1 and lim.acquire(timeout=1.0)
     finally:
         lim.close()
 
