@@ -353,11 +353,10 @@ def region_opener(group: Segment, geo: Geometry, index: int) -> Callable[[], Tup
         except BaseException:
             region.close()
             raise
-        if verdict == DOOMED:
-            region.close()
-            raise Collected()
         if verdict != 0:
             region.close()
+            if verdict == DOOMED:
+                raise Collected()
             raise SegmentError(f"segment {group.name!r} is corrupt: a rate's region is not ready")
         return region, open_cells(region.mm, region.size)
 

@@ -62,6 +62,7 @@ from shmlimit.group import GroupCreation, copy_regions, open_rates
 from shmlimit.header import Creation
 from shmlimit.protocol import AcquireOnEnter
 from shmlimit.rate_group import MultiStats, RateGroup, parse_rates, rates_from_text
+from shmlimit.registry import Held
 from shmlimit.shm import layout as L
 from shmlimit.shm.segment import validate_mode, validate_name, validate_slots, validate_trusted_uids
 from shmlimit.stats import copied_snapshot, snapshot
@@ -75,7 +76,16 @@ def _plain_timeout(timeout: object) -> bool:
     return timeout is None or (type(timeout) in (int, float) and 0 <= timeout < _INF)  # type: ignore[operator]
 
 
-class MultiLimiter(RateGroup, AcquireOnEnter):
+class _EachRate:
+    """What releases a handle on several rates (``Held._registry``): each rate's attachment."""
+
+    @staticmethod
+    def release(atts: List[Attachment], detach: bool) -> None:
+        while atts:  # (emptied: a group opened again attaches every rate afresh)
+            release(atts.pop(), detach)
+
+
+class MultiLimiter(RateGroup, AcquireOnEnter, Held):
     """Several rates taken together; made by ``Limiter(name, rates=...)`` (see the module's docstring).
 
     ``rates=["5000/h", "100/min"]``: every op must fit every rate; ``n`` ops
@@ -84,6 +94,8 @@ class MultiLimiter(RateGroup, AcquireOnEnter):
     tokens=1500)``, rates not named cost nothing), or ``n`` on each without
     keywords.  Every process must name the same rates.
     """
+
+    _registry = _EachRate
 
     def __init__(
         self,
@@ -126,7 +138,6 @@ class MultiLimiter(RateGroup, AcquireOnEnter):
         self._name = name
         self._mode = mode
         self._trusted = trusted
-        self._atts: List[Attachment] = []
         self._fast: Optional[Callable[[], Optional[bool]]] = (
             None  # one op on every rate (see _bind_fast)
         )
@@ -138,14 +149,16 @@ class MultiLimiter(RateGroup, AcquireOnEnter):
 
         # create the group or open it, then attach to every rate (all again, if a collector took
         # a region meanwhile)
+        atts: List[Attachment] = []
+
         def attach(i: int, label: str, opener: Callable[[], Any]) -> None:
             rate = None if create is None else create.rates[i]
-            att = open_attachment(label, rate, self._mode, self._trusted, clock, opener=opener)
-            self._atts.append(att)
+            atts.append(open_attachment(label, rate, mode, trusted, clock, opener=opener))
 
         args = (self._name, create, self._mode, self._trusted, clock, L.REGIONS_LIMITER)
-        geo = open_rates(*args, attach, self.close)
+        geo = open_rates(*args, attach, lambda: _EachRate.release(atts, True))
         self._keys, self._named = geo.keys, geo.named
+        self._att: Optional[List[Attachment]] = atts
 
     # -- identity and lifecycle ----------------------------------------------------
 
@@ -163,10 +176,6 @@ class MultiLimiter(RateGroup, AcquireOnEnter):
         """For each rate, by key: True if this process created (and initialised) its segment."""
         return {k: att.created for k, att in zip(self._keys, self._peek())}
 
-    @property
-    def closed(self) -> bool:
-        return not self._atts
-
     def _live(self) -> List[Attachment]:
         """The rates' attachments, for a use: the first one in this process registers it in every
         rate and starts their fillers (as ``Limiter._live``)."""
@@ -176,18 +185,10 @@ class MultiLimiter(RateGroup, AcquireOnEnter):
                 att.use()
         return atts
 
-    def _peek(self) -> List[Attachment]:
-        """The rates' attachments, for reading: observing starts no thread."""
-        if not self._atts:
-            raise ValueError(f"limiter {self._name!r} is closed in this process")
-        return self._atts
-
     def close(self) -> None:
         """Detach this handle from every rate.  The segments stay (use ``unlink``)."""
         self._fast = self._fast_ops = None
-        atts, self._atts = self._atts, []
-        for att in atts:
-            release(att, detach=True)
+        super().close()
 
     def __reduce__(self):
         return (
@@ -200,14 +201,6 @@ class MultiLimiter(RateGroup, AcquireOnEnter):
                 self._adapt_arg,
             ),
         )
-
-    def __del__(self) -> None:
-        atts, self._atts = getattr(self, "_atts", []), []
-        for att in atts:
-            try:
-                release(att, detach=False)
-            except Exception:  # pragma: no cover - interpreter shutdown
-                pass
 
     # -- costs -----------------------------------------------------------------------
 
@@ -275,10 +268,10 @@ class MultiLimiter(RateGroup, AcquireOnEnter):
 
     def _refresh_fast(self) -> None:
         """Rebind the fast path if any rate's config changed since it was bound."""
-        if not self._atts:
+        if self._att is None:
             return
         seqs = []
-        for att in self._atts:
+        for att in self._att:
             att.bucket.refresh()
             seqs.append(att.bucket.seq)
         if self._fast is None or tuple(seqs) != self._seqs:
@@ -293,10 +286,7 @@ class MultiLimiter(RateGroup, AcquireOnEnter):
             )  # `is`: the int 1 (True is not)
             if got is not None:
                 return got
-        self._refresh_fast()
-        ops = self._ops(n, costs)
-        atts = self._live()
-        return take_all(atts, ops, self._tokens(ops))
+        return take_all(*self._priced(n, costs))
 
     def acquire(self, n: int = 1, timeout: Optional[float] = None, **costs: int) -> bool:
         """Take the ops from every rate, waiting until all allow them; True once granted.
@@ -328,11 +318,18 @@ class MultiLimiter(RateGroup, AcquireOnEnter):
             return (fast() if n is _ONE and not costs else self._try_fast(n, costs)) is True
         return False
 
-    def _request(self, n: object, timeout: object, costs: Dict[str, object]) -> MultiRequest:
-        """The slow path's request for the ops (or costs), on configs refreshed."""
+    def _priced(
+        self, n: object, costs: Dict[str, object]
+    ) -> Tuple[List[Attachment], Tuple[int, ...], List[int]]:
+        """The slow path's rates, ops per rate and their tokens, on configs refreshed (the fast
+        path rebound if any changed)."""
         self._refresh_fast()
         ops = self._ops(n, costs)
-        return MultiRequest(self._live(), ops, self._tokens(ops), timeout)
+        return self._live(), ops, self._tokens(ops)
+
+    def _request(self, n: object, timeout: object, costs: Dict[str, object]) -> MultiRequest:
+        """The slow path's request for the ops (or costs)."""
+        return MultiRequest(*self._priced(n, costs), timeout)
 
     def reserve(
         self, n: int = 1, max_wait: Optional[float] = None, **costs: int
@@ -352,9 +349,7 @@ class MultiLimiter(RateGroup, AcquireOnEnter):
         queued, and none is given back beyond what it would have held.  With
         one rate to claim it is that rate's reservation (``Limiter.reserve``).
         """
-        ops = self._ops(n, costs)
-        atts = self._live()
-        toks = self._tokens(ops)
+        atts, ops, toks = self._priced(n, costs)
         limit = validate_timeout(max_wait, "max_wait")
         max_ns = _INF if limit is None else limit * NS_PER_S
         order = sorted((i for i, o in enumerate(ops) if o), key=lambda i: wait_ns(atts[i], toks[i]))
@@ -501,23 +496,13 @@ class MultiLimiter(RateGroup, AcquireOnEnter):
                 raise TypeError(
                     f"{k if deltas else 'n'} must be an int (ops; negative refunds), not {type(d).__name__}"
                 )
-        checked = []
-        for k, att, d in zip(self._keys, atts, per):
-            b = att.bucket
-            b.refresh()
-            if d:
-                try:
-                    validate_n(abs(d), b.cost)
-                except ValueError as e:
-                    raise ValueError(f"rate {k!r}: {e}") from None
-            checked.append((att, d))
-        for att, d in checked:  # every delta validated before any is applied
-            b = att.bucket
+        toks = self._tokens([abs(d) for d in per])  # every delta validated before any is applied
+        for att, d, tokens in zip(atts, per, toks):
             if d > 0:
-                b.charge(d * b.cost, att.grants_off, 0)  # a ticket no one waits for: debt
+                att.bucket.charge(tokens, att.grants_off, 0)  # a ticket no one waits for: debt
                 att.count(d)
             elif d < 0:
-                b.add(-d * b.cost)
+                att.bucket.add(tokens)
 
     # -- the adaptive rates ----------------------------------------------------------------
 
@@ -566,7 +551,7 @@ class MultiLimiter(RateGroup, AcquireOnEnter):
         )
 
     def __repr__(self) -> str:
-        if not self._atts:
+        if self._att is None:
             return f"<shmlimit.Limiter {self._name!r} rates={list(self._keys)} closed>"
         s = self.stats()
         parts = " ".join(
@@ -574,7 +559,7 @@ class MultiLimiter(RateGroup, AcquireOnEnter):
             f"deficiency={st.deficiency:.1f} grants={st.grants})"
             for k, st in s.rates.items()
         )
-        return f"<shmlimit.Limiter {self._name!r} {parts} backend={self._atts[0].cells.backend}>"
+        return f"<shmlimit.Limiter {self._name!r} {parts} backend={self._att[0].cells.backend}>"
 
 
 #: Every live handle of this process, so that a forked child drops their fast paths (bound to the

@@ -275,14 +275,15 @@ class Registry(Generic[A]):
         self._atts.clear()
 
 
-class Handle:
-    """A handle on one attachment, whatever its kind: its name, its attachment (``_att``, None
-    once closed in this process), ``close``, ``unlink``, its release when collected.  A kind sets
-    ``_registry`` (its registry) and ``what`` (its name in errors)."""
+class Held:
+    """A handle on what it holds of a registry's, whatever its kind: its name, what it holds
+    (``_att``, None once closed in this process), ``close``, ``unlink``, its release when
+    collected.  A kind sets ``_registry`` (what releases what it holds: a registry, for one
+    attachment) and ``what`` (its name in errors)."""
 
     _name: str
-    _att: Optional[Attached]
-    _registry: "Registry[Any]"
+    _att: Any
+    _registry: Any
     what = "limiter"
 
     @property
@@ -293,18 +294,8 @@ class Handle:
     def closed(self) -> bool:
         return self._att is None
 
-    @property
-    def created(self) -> bool:
-        """True if this process created (and initialised) the segment."""
-        return self._peek().created
-
-    @property
-    def backend(self) -> str:
-        """The atomic layer's backend ("native" or "atomics")."""
-        return self._peek().cells.backend
-
     def _peek(self) -> Any:
-        """The attachment, for reading (ValueError once this handle is closed)."""
+        """What it holds, for reading (ValueError once this handle is closed)."""
         att = self._att
         if att is None:
             raise ValueError(f"{self.what} {self._name!r} is closed in this process")
@@ -322,7 +313,7 @@ class Handle:
         unlink(self._name)
 
     def __del__(self) -> None:
-        """Take the attachment from the handle, once, and release it without detaching (the process
+        """Take what it holds from the handle, once, and release it without detaching (the process
         stays attached, see ``Registry.release``), quietly: at interpreter shutdown what the release
         needs may be gone already."""
         att, self._att = getattr(self, "_att", None), None
@@ -331,3 +322,20 @@ class Handle:
                 self._registry.release(att, False)
             except Exception:  # pragma: no cover - interpreter shutdown
                 pass
+
+
+class Handle(Held):
+    """A handle on one attachment (``_att``), ``_registry`` its kind's registry."""
+
+    _att: Optional[Attached]
+    _registry: "Registry[Any]"
+
+    @property
+    def created(self) -> bool:
+        """True if this process created (and initialised) the segment."""
+        return self._peek().created
+
+    @property
+    def backend(self) -> str:
+        """The atomic layer's backend ("native" or "atomics")."""
+        return self._peek().cells.backend
