@@ -31,6 +31,7 @@ from shmlimit.header import (
     DOOMED,
     KINDS_BY_MAGIC,
     Kind,
+    check_copied,
     initialise,
     open_segment,
     ready_creator,
@@ -395,11 +396,7 @@ def copy_geometry(name: str, regions: int) -> Geometry:
     head, st = pread_file(name, 0, L.GROUP_HEADER_BYTES, None)
     # the header's copy, judged against the file's whole size (the regions are read below)
     seg = Segment(name, bytearray(head.ljust(L.GROUP_HEADER_BYTES, b"\0")), st.st_size, False, 0)
-    verdict = ready_creator(name, seg, 0.0, GROUP)
-    if verdict != 0:
-        raise SegmentError(
-            f"segment {name!r} is {'being removed' if verdict == DOOMED else 'still being initialised'}"
-        )
+    check_copied(name, name, seg, GROUP)
     return read_geometry(seg, regions)
 
 

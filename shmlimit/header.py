@@ -190,6 +190,16 @@ def ready_creator(name: str, seg: Segment, waited: float, kind: Kind = LIMITER) 
     return creator or -1
 
 
+def check_copied(name: str, label: str, seg: Segment, kind: Kind = LIMITER) -> None:
+    """A private copy (``label``: the segment ``name``, or a rate's region of that group) is read
+    only if it is ready, never waited for: else ``SegmentError`` naming ``name`` (``ready_creator``
+    raises for the rest)."""
+    verdict = ready_creator(label, seg, 0.0, kind)
+    if verdict != 0:
+        what = "being removed" if verdict == DOOMED else "still being initialised"
+        raise SegmentError(f"segment {name!r} is {what}")
+
+
 def open_existing(
     name: str, mode: Optional[int], trusted: frozenset = frozenset(), kind: Kind = LIMITER
 ) -> Segment:

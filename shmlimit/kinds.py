@@ -30,29 +30,24 @@ from shmlimit.stats import Stats
 from shmlimit.stats import inspect as inspect_limiter
 
 
-def _magic(name: str) -> int:
+def _word(name: str, offset: int = L.MAGIC_OFF) -> int:
+    """A word of ``name``'s segment (``peek_word``), 0 if it cannot be read: absent or unreadable,
+    the kind's own open says which, and why."""
     try:
-        return peek_word(name)
+        return peek_word(name, offset)
     except OSError:
-        return 0  # absent or unreadable: the limiter's own open says which, and why
-
-
-def _keyed_group(name: str) -> bool:
-    try:
-        return peek_word(name, L.GROUP_REGIONS) == L.REGIONS_KEYED
-    except OSError:
-        return False  # the group's own open says why
+        return 0
 
 
 def _by_kind(name: str, keyed: Any, keyed_group: Any, group: Any, plain: Any) -> Any:
     """The one of the four given that serves the kind ``name`` holds (a ``Limiter``'s when no
     segment, or no readable one, is there: its own open then says why)."""
     validate_name(name)
-    magic = _magic(name)
+    magic = _word(name)
     if magic == K.MAGIC:
         return keyed
     if magic == L.GROUP_MAGIC:
-        return keyed_group if _keyed_group(name) else group
+        return keyed_group if _word(name, L.GROUP_REGIONS) == L.REGIONS_KEYED else group
     return plain
 
 

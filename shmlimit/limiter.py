@@ -279,11 +279,8 @@ class Limiter(RatesSwitch, AcquireOnEnter, Handle):
                 ticket = grab(timeout)
                 if ticket is False or ticket is True:  # refused first: a flood is mostly refusals
                     return ticket
-            if (
-                ticket is not False and ticket is not None
-            ):  # a fast path exists only for a live attachment
-                att = self._att
-                return wait_for_ticket(att if att is not None else self._live(), ticket, timeout)
+            if ticket is not False and ticket is not None:  # (a fast path: a live attachment)
+                return wait_for_ticket(self._live(), ticket, timeout)
         return drive(Request(self._live(), n, timeout))
 
     def try_acquire(self, n: int = 1) -> bool:
@@ -470,9 +467,7 @@ class Limiter(RatesSwitch, AcquireOnEnter, Handle):
                 if ticket is None:
                     return True
                 if ticket is not False:  # (a fast path exists only for a live attachment)
-                    att = self._att
-                    att = att if att is not None else self._live()
-                    return await acquisition.wait_ticket_async(att, acq, ticket)
+                    return await acquisition.wait_ticket_async(self._live(), acq, ticket)
             held = acquisition.grab_one_async(self._live())
             if held is True:
                 return True

@@ -15,8 +15,7 @@ from shmlimit.adapt import stats as adapt_stats
 from shmlimit.attachment import Attachment
 from shmlimit.bucket.filler import LEASE_TIMEOUT, lease_expiry_us, lease_slot, now_us
 from shmlimit.config import NS_PER_S, Config
-from shmlimit.errors import SegmentError
-from shmlimit.header import DOOMED, cells_size, ready_creator
+from shmlimit.header import cells_size, check_copied
 from shmlimit.redis.spec import STATE_NAMES
 from shmlimit.shm import layout as L
 from shmlimit.shm.cells import open_cells
@@ -181,11 +180,7 @@ def inspect(name: str) -> Stats:
 def copied_snapshot(name: str, label: str, seg: Segment) -> Stats:
     """The snapshot of ``label`` in ``seg``, a private copy of a limiter's segment or of a rate's
     region of the group ``name``; ``SegmentError`` naming ``name`` unless it is ready."""
-    verdict = ready_creator(label, seg, 0.0)
-    if verdict != 0:
-        seg.close()
-        what = "being removed" if verdict == DOOMED else "still being initialised"
-        raise SegmentError(f"segment {name!r} is {what}")
+    check_copied(name, label, seg)
     att = Attachment(label, seg, open_cells(seg.mm, cells_size(seg)))
     try:
         return snapshot(label, att)
