@@ -13,6 +13,7 @@ import sys
 import textwrap
 
 import pytest
+from support.cells import Before
 from support.clock import FakeClock
 
 import shmlimit
@@ -313,22 +314,9 @@ def test_hostile_parameters_are_refused(name, cleanup):
     assert lim.rate == 1000.0 and c.load(L.ADAPT_THROTTLED) == 0
 
 
-class _Stall:
-    """Cells through which a claimer stalls (or dies): ``then`` runs right after the first
-    successful CAS on ``word``, the window's claim, before the claimer writes anything more."""
-
-    def __init__(self, cells, word, then):
-        self._cells, self._word, self._then = cells, word, then
-
-    def cas(self, off, old, new):
-        done = self._cells.cas(off, old, new)
-        if done and off == self._word and self._then is not None:
-            then, self._then = self._then, None
-            then()
-        return done
-
-    def __getattr__(self, attr):
-        return getattr(self._cells, attr)
+def _claimed(cells, then):
+    """A claimer's cells, stopped right after its claim (before its first mark) for ``then``."""
+    return Before(cells, lambda op, args: op == "cas" and args[0] == L.ADAPT_SEEN_THROTTLED, then)
 
 
 class _Through:
@@ -359,7 +347,7 @@ def test_a_claimer_stalled_for_a_window_judges_nothing_twice(name, cleanup):
         lim.feedback(throttled=False)  # finds the next window over while the claimer stalls
 
     clock.advance(int(0.25 * S))
-    A.feedback(_Through(bucket, _Stall(bucket.cells, L.ADAPT_START, other_reporter)), False, clock)
+    A.feedback(_Through(bucket, _claimed(bucket.cells, other_reporter)), False, clock)
     st = lim.stats().adapt
     assert (st.cuts, lim.rate) == (0, 1000.0)  # the two windows the stall spanned: no decision
     for throttled in (False, True, False):  # a clean window holds, a throttled one cuts once
@@ -387,7 +375,7 @@ def test_a_claimer_resuming_late_does_not_undo_the_fleets_decisions(name, cleanu
         assert lim.rate == 512.0
 
     clock.advance(int(0.25 * S))
-    A.feedback(_Through(bucket, _Stall(bucket.cells, L.ADAPT_START, the_fleet)), False, clock)
+    A.feedback(_Through(bucket, _claimed(bucket.cells, the_fleet)), False, clock)
     assert (lim.rate, lim.stats().adapt.cuts) == (512.0, 3)
 
 
@@ -408,7 +396,7 @@ def test_a_claimer_that_dies_before_its_marks_stops_nothing(name, cleanup):
 
     clock.advance(int(0.25 * S))
     with pytest.raises(Died):  # claims the throttled window, then dies
-        A.feedback(_Through(bucket, _Stall(bucket.cells, L.ADAPT_START, die)), False, clock)
+        A.feedback(_Through(bucket, _claimed(bucket.cells, die)), False, clock)
     assert lim.rate == 1000.0
     clock.advance(int(0.25 * S))
     lim.feedback(throttled=True)  # begins a window afresh, then counts in it
@@ -437,25 +425,6 @@ class _Words(dict):
     def fetch_add(self, off, delta):
         self[off] = self.load(off) + delta
         return self[off] - delta
-
-
-class _PauseAt:
-    """Cells through which a reporter stops before its ``at``-th word operation and lets ``then``
-    run: every point between two of its atomic steps, one after another."""
-
-    def __init__(self, cells, at, then):
-        self._cells, self._at, self._then = cells, at, then
-
-    def __getattr__(self, attr):
-        op = getattr(self._cells, attr)
-
-        def step(*args):
-            if self._at == 0:
-                self._then()
-            self._at -= 1
-            return op(*args)
-
-        return step
 
 
 @pytest.mark.parametrize("later", [1, 2, 3])
@@ -489,7 +458,7 @@ def test_no_outcome_is_judged_twice_wherever_a_reporter_stops(later):
 
         one(cells)  # begins the first window
         clock.advance(win)
-        one(_PauseAt(cells, at, others))
+        one(Before(cells, Before.nth(at), others))
         for _ in range(2):
             clock.advance(win)
             one(cells)

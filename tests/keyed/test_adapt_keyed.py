@@ -11,6 +11,7 @@ import sys
 import threading
 
 import pytest
+from support.cells import Before
 from support.clock import FakeClock
 
 import shmlimit
@@ -243,41 +244,37 @@ def test_hostile_parameters_are_refused(name, cleanup):
 
 
 class _Parked:
-    """A reporter on its own thread, through an attachment whose cells stop it before the first
-    word operation ``stop(op, args)`` matches, until ``resume``: a process stalled there."""
+    """A reporter on its own thread, through cells that stop it before the first word operation
+    ``stop(op, args)`` picks (``support.cells.Before``), until ``resume``: a process stalled
+    there.  One that ends without stopping there fails the test."""
 
     def __init__(self, keys, key, stop):
-        self.stop, self.go, self.parked = stop, threading.Semaphore(0), threading.Semaphore(0)
-        att, me = keys.att, self
+        self.go, self.parked, self.ended = threading.Event(), threading.Event(), False
+        att = keys.att
 
-        class Cells:
-            def __getattr__(self, attr):
-                op = getattr(att.cells, attr)
-
-                def step(*args):
-                    if me.stop is not None and me.stop(attr, args):
-                        me.stop = None
-                        me.parked.release()
-                        me.go.acquire()
-                    return op(*args)
-
-                return step
+        def park():
+            self.parked.set()
+            assert self.go.wait(60), "the test never let this reporter go on"
 
         class Att:
-            cells = Cells()
+            cells = Before(att.cells, stop, park)
 
             def __getattr__(self, attr):
                 return getattr(att, attr)
 
-        d = att.kt.digest(key)
-        self.thread = threading.Thread(
-            target=KA.report, args=(Att(), keys.adapt, d, False, keys.clock), daemon=True
-        )
+        def run():
+            try:
+                KA.report(Att(), keys.adapt, att.kt.digest(key), False, keys.clock)
+            finally:
+                self.ended = True
+                self.parked.set()
+
+        self.thread = threading.Thread(target=run, daemon=True)
         self.thread.start()
-        self.parked.acquire()  # stopped where ``stop`` said (or ended: then it never stops)
+        assert self.parked.wait(60) and not self.ended, "the reporter never reached its stop"
 
     def resume(self):
-        self.go.release()
+        self.go.set()
         self.thread.join(timeout=60)
         assert not self.thread.is_alive()
 

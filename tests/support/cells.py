@@ -74,6 +74,32 @@ def cells(backend, segment):
         pass
 
 
+class Before:
+    """Cells that run ``then()`` once, before the first operation ``when(op, args)`` picks (op:
+    "load", "cas", ...; loads too, unlike ``BeforeWrite``): a process stopped, stalled or killed
+    (``then`` raising) right there, while ``then`` lets others run.  ``nth(k)`` picks the k-th
+    operation, whatever it is."""
+
+    def __init__(self, cells, when, then):
+        self._cells, self._when, self._then = cells, when, then
+
+    @staticmethod
+    def nth(k):
+        seen = iter(range(k + 1))
+        return lambda op, args: next(seen, None) == k
+
+    def __getattr__(self, op):
+        run = getattr(self._cells, op)
+
+        def step(*args):
+            if self._then is not None and self._when(op, args):
+                then, self._then = self._then, None
+                then()
+            return run(*args)
+
+        return step
+
+
 class BeforeWrite:
     """Cells (a config writer's) that run ``before()`` once, before their ``at``-th write (store, CAS
     or add; counted from 0, -1: never) -- a writer stopped or stalled at that write -- and count
