@@ -57,7 +57,7 @@ from shmlimit.adapt import check_config, per_rate
 from shmlimit.adapt import feedback as adapt_feedback
 from shmlimit.attachment import Attachment, gate_all, on_clock, open_attachment, release
 from shmlimit.bucket.fences import FenceHold
-from shmlimit.config import NS_PER_S, Config, validate_n, validate_timeout
+from shmlimit.config import NS_PER_S, Config, validate_timeout
 from shmlimit.group import GroupCreation, copy_regions, open_rates
 from shmlimit.header import Creation
 from shmlimit.protocol import AcquireOnEnter
@@ -208,14 +208,10 @@ class MultiLimiter(RateGroup, AcquireOnEnter, Held):
         """Each rate's tokens for ``ops``, at the price in force (configs refreshed)."""
         toks = []
         for k, att, o in zip(self._keys, self._live(), ops):
-            b = att.bucket
-            b.refresh()
-            if o:
-                try:
-                    validate_n(o, b.cost)
-                except ValueError as e:
-                    raise ValueError(f"rate {k!r}: {e}") from None
-            toks.append(o * b.cost)
+            try:
+                toks.append(acquisition.price(att.bucket, o) if o else 0)
+            except ValueError as e:
+                raise ValueError(f"rate {k!r}: {e}") from None
         return toks
 
     # -- acquiring -------------------------------------------------------------------
@@ -367,7 +363,7 @@ class MultiLimiter(RateGroup, AcquireOnEnter, Held):
         ):
             return None
         while True:
-            got = self._reserve_once(atts, toks, order, max_ns)
+            got = self._reserve_once(atts, ops, toks, order, max_ns)
             if got is not False:
                 break  # (False: the claims outlasted their provisional fences: given back, claimed again)
         if got is None:
@@ -378,7 +374,12 @@ class MultiLimiter(RateGroup, AcquireOnEnter, Held):
         return got
 
     def _reserve_once(
-        self, atts: List[Attachment], toks: List[int], order: List[int], max_ns: float
+        self,
+        atts: List[Attachment],
+        ops: Sequence[int],
+        toks: List[int],
+        order: List[int],
+        max_ns: float,
     ) -> Any:
         """One try of ``reserve``: the seconds until due, None refused, False to try again.  Each claim's
         fence (``fences``) is stored before its CAS with a provisional DUE well past any promise it may
@@ -398,7 +399,7 @@ class MultiLimiter(RateGroup, AcquireOnEnter, Held):
             while rest:
                 i = rest[0]
                 hold = FenceHold(want=int(atts[i].clock() + ahead))
-                c = claim(atts[i], toks[i], max_ns, last=len(rest) == 1, fence=hold)
+                c = claim(atts[i], ops[i], max_ns, last=len(rest) == 1, fence=hold)
                 if (
                     c[2] is NO_RECORD
                 ):  # five waiters of this process queue on that rate: claim it later

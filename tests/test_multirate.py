@@ -8,6 +8,7 @@ from support.clock import FakeClock
 
 import shmlimit
 import shmlimit.shm.layout as L
+from shmlimit.acquire.single import Request
 from shmlimit.bucket.rovers import diff
 from shmlimit.bucket.schedule import LONGEST_FILL_NS
 from shmlimit.multirate import MultiLimiter, MultiRequest
@@ -291,6 +292,54 @@ def test_set_rate_by_name_or_index_live(name, clock, cleanup):
     with pytest.raises(ValueError, match="index"):
         lim.set_rate(2, 1)
     other.close()
+
+
+def test_a_waiter_pays_each_rate_the_price_in_force_when_it_takes_that_rate(name, clock, cleanup):
+    """A waiter queued on its lead rate takes its other rates' tickets later: a ``set_rate`` of
+    one of them meanwhile re-prices its ops there.  Priced when the call began, it took "fast"'s
+    10 ops at 100/s (0.1 s of schedule) after "fast" became 1/s: with a burst used just before,
+    20 ops granted in 0.1 s where rate*T + burst allows 10.1."""
+    lim = make(name, {"slow": ("3/min", 1), "fast": ("100/s", 10)}, clock)
+    cleanup.append(lim)
+    fast = lim._live()[1].bucket
+    assert lim.try_acquire(slow=1)  # slow is empty: the next op there is 20 s away
+    r = request(lim, slow=1, fast=10)
+    assert r.begin() is not True and r.state == "lead"  # queued on "slow" only
+    lim.set_rate("fast", "1/s", burst=10)  # an op on "fast" costs a hundred times as much now
+    advance(lim, clock, 19.99)
+    assert r.next() is not True
+    assert lim.try_acquire(fast=10)  # someone uses fast's burst
+    tail = fast.taken()
+    advance(lim, clock, 0.011)
+    assert r.next() is not True and r.state == "others"  # slow is due: it joins fast's queue
+    assert diff(fast.taken(), tail) == 10 * fast.cost  # 10 ops at the new price: 10 s
+    r.end()
+
+
+def test_a_reservation_prices_each_claim_when_it_takes_it(name, clock, cleanup, monkeypatch):
+    """A reservation whose rates all found their records in use waits for one
+    (``_wait_for_record``); a ``set_rate`` meanwhile re-prices the claims it takes after."""
+    lim = make(name, {"a": ("10/s", 1), "b": ("10/s", 1)}, clock)
+    cleanup.append(lim)
+    atts = lim._live()
+    assert lim.try_acquire(a=1, b=1)
+    waiters = [Request(att, 1, None) for att in atts for _ in range(5)]
+    assert all(w.begin() is not True and w.record is not None for w in waiters)  # records in use
+    waited = []
+
+    def wait_for_record(att, tokens, since, max_ns):  # meanwhile: b re-priced, a record freed
+        if not waited:
+            lim.set_rate("b", "1/s", burst=1)
+            for w in waiters:
+                w.end()
+        waited.append(tokens)
+        return clock() if since is None else since
+
+    monkeypatch.setattr(MultiLimiter, "_wait_for_record", staticmethod(wait_for_record))
+    b = atts[1].bucket
+    tail = b.taken()
+    assert lim.reserve(a=1, b=1) is not None and waited
+    assert diff(b.taken(), tail) == b.cost  # one op at the new price (a second of schedule)
 
 
 def test_pickles_and_works_with_asyncio(name, clock, cleanup):

@@ -95,13 +95,14 @@ Claim = Tuple[Attachment, int, Any, int, Optional[int]]
 
 def claim(
     att: Attachment,
-    tokens: int,
+    ops: int,
     max_ns: float,
     last: bool = True,
     fence: Optional[FenceHold] = None,
 ) -> Claim:
     """One rate's claim of a reservation over several rates (``MultiLimiter.reserve``), within
     ``max_ns``, replenishing once if refused; ``REFUSED`` as its ticket when refused, taking nothing.
+    Its ``ops`` are priced at the claim (``acquisition.price``: the config in force now).
 
     Queued, it is recorded in a free record of this process's slot on that rate, claimed before
     the CAS that takes it (``Bucket.take_within``'s protocol, as a waiter's ticket): until the
@@ -125,6 +126,7 @@ def claim(
     or waits).
     """
     b = att.bucket
+    tokens = acquisition.price(b, ops)
     for attempt in range(2):
         h = b.head()
         got, rec = NO_RECORD, None
@@ -228,12 +230,15 @@ class MultiRequest:
         """Take a ticket on each rate of ``which`` (within the time left), each recorded in its rate's
         process slot as a single rate's is (``giveback.take_ticket``): a rate whose records are all in
         use takes nothing, and it and the rest are joined later (``joining``); one that refuses ends
-        the request, giving back what it holds (``end``: its queued tickets too)."""
+        the request, giving back what it holds (``end``: its queued tickets too).  Each rate's ops
+        are priced at its take (``acquisition.price``): a ``set_rate`` while the request waited on
+        another rate re-prices them."""
         left = self._left_ns()
         self.joining = []
         for k, i in enumerate(which):
-            att, t = self.atts[i], self.toks[i]
+            att = self.atts[i]
             b = att.bucket
+            t = self.toks[i] = acquisition.price(b, self.ops[i])
             h = b.head()
             got, rec = take_ticket(
                 b, t, att.grants_off, 0, att.writers, left
@@ -258,9 +263,7 @@ class MultiRequest:
             if s is True:
                 ticket = req.ticket  # ending the request forgets it
                 req.end()
-                self.held.append(
-                    (self.atts[i], self.toks[i], ticket)
-                )  # covered once the head passed it
+                self.held.append((self.atts[i], req.tokens, ticket))  # covered: the head passed it
                 continue
             still.append((i, req))
             naps.append(s)

@@ -54,6 +54,7 @@ from shmlimit.errors import UnsupportedError
 
 if TYPE_CHECKING:  # pragma: no cover
     from shmlimit.attachment import Attachment
+    from shmlimit.bucket.rovers import Bucket
 
 #: A waiter whose ticket is due but not yet covered looks again after this long at least (ns).
 RETRY_NS = 20_000
@@ -93,10 +94,10 @@ class Request:
         b = att.bucket
         if b.refresh() or att.fast_seq != b.seq:
             att.update_fast()
-        validate_n(n, b.cost)
+        tokens = price(b, n)
         timeout = validate_timeout(timeout)
         deadline = None if timeout is None else att.clock() + int(timeout * NS_PER_S)
-        self._start(att, n, n * b.cost, deadline, DONE, None)
+        self._start(att, n, tokens, deadline, DONE, None)
 
     def _start(
         self,
@@ -229,9 +230,12 @@ class Request:
     # -- states --------------------------------------------------------------------------
 
     def _take(self) -> Step:
-        """Admitted (or not capped): take the tokens now, or a ticket, or start waiting to take one."""
+        """Admitted (or not capped): take the tokens now, or a ticket, or start waiting to take one,
+        at the price in force now (parked in ``ADMIT`` or ``RECORD``, a ``set_rate`` may have
+        changed it since the request was made)."""
         b = self.bucket
         att = self.att
+        self.tokens = price(b, self.n)
         if att.opened():  # hierarchical mode, upstream unreachable, on_redis_error="open": no limit
             return self._grant()
         mode = att.mode_now()
@@ -279,6 +283,7 @@ class Request:
         if left <= 0:  # hierarchical mode's timed request: not in the queue by its deadline
             return self._refuse()
         att = self.att
+        self.tokens = price(b, self.n)  # (parked here, a set_rate may have changed the price)
         got, rec = take_ticket(
             b,
             self.tokens,
@@ -580,6 +585,15 @@ def _adopt(att: "Attachment", ticket: int) -> Request:
 # ---- the calls that never wait ------------------------------------------------------------------
 
 
+def price(b: "Bucket", n: int) -> int:
+    """The tokens of ``n`` ops at the price in force (the config reloaded if it changed), ``n``
+    validated at it: what a take pays, computed just before it.  A ``set_rate`` re-prices new
+    takes only (queued tickets keep theirs), so a caller that parks before taking (waiting to be
+    admitted, to join, for a record, or on another rate) prices its ops again at each take."""
+    b.refresh()
+    return validate_n(n, b.cost) * b.cost
+
+
 def take_now(att: "Attachment", n: int, tokens: int) -> bool:
     """``n`` ops (``tokens``) if the head covers them now, replenishing once if it does not; counted."""
     b = att.bucket
@@ -610,7 +624,7 @@ def try_acquire(att: "Attachment", n: int) -> bool:
     b = att.bucket
     if b.refresh() or att.fast_seq != b.seq:
         att.update_fast()
-    tokens = validate_n(n, b.cost) * b.cost
+    tokens = price(b, n)
     mode = att.mode
     if not mode.admit(b, n):
         return False
@@ -640,7 +654,7 @@ def reserve(att: "Attachment", n: int, max_wait: Optional[float]) -> Optional[fl
             f"{att.name!r} is a hierarchical limiter: its tokens come from leases, whose time is "
             "not known in advance; use acquire(timeout=...) or try_acquire()",
         )
-    tokens = validate_n(n, b.cost) * b.cost
+    tokens = price(b, n)
     limit = validate_timeout(max_wait, "max_wait")
     if att.opened():
         att.count(n)
@@ -679,8 +693,7 @@ def _claim_now(att: "Attachment") -> None:
 def retry_after(att: "Attachment", n: int) -> float:
     """Seconds until ``n`` ops could be granted to a new caller at the current rate (0.0: now)."""
     b = att.bucket
-    b.refresh()
-    tokens = validate_n(n, b.cost) * b.cost
+    tokens = price(b, n)
     if att.mode_now().stopped:
         return _INF
     return max(0.0, b.next_promised_ns(tokens) - att.clock()) / NS_PER_S

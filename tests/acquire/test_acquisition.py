@@ -122,6 +122,26 @@ def test_max_reserved_waits_to_join_taking_nothing(name, clock):
         lim.close()
 
 
+def test_a_request_parked_before_its_take_pays_the_price_in_force_at_the_take(name, clock):
+    """A request waiting to join (``max_reserved``), to be admitted (capped) or for a record takes
+    nothing while it parks; a ``set_rate`` meanwhile re-prices its ops.  Priced when it was made,
+    it took its ticket at the old price: 1 op of 1 ms at 1000/s where 500/s charges 2 ms."""
+    lim = open_limiter(name, clock, rate=1000, burst=10, initial=0, max_reserved=0.002)
+    try:
+        b = lim._att.bucket
+        assert lim.reserve() is not None and lim.reserve() is not None  # the queue is full
+        req = Request(lim._att, 1, None)
+        assert req.begin() == pytest.approx(0.001) and req.ticket is None  # waits to join
+        lim.set_rate(500, burst=10)  # an op costs twice as many tokens now
+        tick(lim, clock, 2 * MS)  # the queue served: room for an op of 2 ms
+        tail = b.taken()
+        assert req.next() is not True and req.ticket is not None  # joins, at the new price
+        assert diff(b.taken(), tail) == b.cost == req.tokens
+        req.end()
+    finally:
+        lim.close()
+
+
 def test_capped_requests_wait_for_a_release_holding_no_ticket(name, clock):
     lim = open_limiter(name, clock, rate=1000, burst=2, capped=True)
     try:
