@@ -40,6 +40,7 @@ from shmlimit.keyed import cells as KC
 from shmlimit.keyed import layout as K
 from shmlimit.keyed.adapt import check_start
 from shmlimit.keyed.gcra import TICKS_PER_S, make_rate, wait_ticks
+from shmlimit.keyed.limiter import BUSY_NAP
 from shmlimit.keyed.segment import check_geometry
 from shmlimit.protocol import Keyed
 from shmlimit.rate_group import MultiStats, RateGroup, parse_rates, rates_from_text
@@ -336,14 +337,19 @@ class _Tries:
         self.nap = lim._sleep
 
     def begin(self) -> Step:
-        """True (granted on every rate), False (refused for good; an untimed call raises
-        instead), else the seconds to nap before the next try."""
+        """True (granted on every rate), False (refused for good, or no time left for the next
+        try; an untimed call raises instead), else the seconds to nap before the next try.  An
+        insert of the key stalled by another live process (``KC.BUSY``, after the take waited
+        ``KC.PEND_NS`` for it) refuses a timed call, as one rate's does; an untimed one naps
+        ``BUSY_NAP`` and tries again."""
         lim = self.lim
         # refused: the longest wait a look found (ticks; inf: never), or a take's code (a race:
-        # at once; KC.FULL: no slot for a new key)
+        # at once; KC.FULL: no slot for a new key; KC.BUSY: a stalled insert of the key)
         w = all_or_nothing.take_all(lim._rates(self.key, self.ops))
         if w is None:
             return True
+        if w == KC.BUSY:
+            return BUSY_NAP if self.deadline is None else False
         if w in (math.inf, KC.FULL):  # it never can be: False when timed, else raise
             if self.deadline is not None:
                 return False
@@ -352,9 +358,10 @@ class _Tries:
             bursts = {k: r.capacity for k, r in zip(lim._keys, lim._lims)}
             shown = dict(zip(lim._keys, self.ops))
             raise ValueError(f"the ops {shown} exceed a rate's burst ({bursts})")
+        w = max(w, 1)  # (a race's code: at once)
         if self.deadline is not None and lim._now() + w > self.deadline:
             return False
-        return max(w, 1) / TICKS_PER_S
+        return w / TICKS_PER_S
 
     next = begin
 

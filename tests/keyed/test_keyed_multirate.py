@@ -189,6 +189,55 @@ def test_acquire_async_naps_on_the_loop_holding_nothing(name, clock, cleanup, mo
     assert grants(lim) == {"0": 2, "1": 2}
 
 
+@pytest.mark.parametrize("run", ["sync", "async"])
+def test_a_stalled_insert_refuses_a_timed_acquire_and_an_untimed_one_tries_again(
+    name, clock, cleanup, monkeypatch, run
+):
+    """A take that finds an insert of the key stalled by a live process (SIGSTOPped between its
+    PEND and LIVE stores) answers ``BUSY`` after waiting ``PEND_NS`` for it.  A timed acquire
+    refuses then, as one rate's does; it took a one-tick nap and tried again, each take blocking
+    for ``PEND_NS``, past its timeout for as long as the insert stayed stalled.  An untimed one
+    naps ``BUSY_NAP`` and tries again until the insert is gone."""
+    from shmlimit.acquire import drivers
+    from shmlimit.keyed.limiter import BUSY_NAP
+
+    lim = make(name, {"a": ("10/s", 5), "b": ("1/s", 5)}, clock, cleanup)
+    busy = [0]  # the takes still to find the insert stalled
+    real = _KeyRate.take
+
+    def take(rate):
+        if busy[0]:
+            busy[0] -= 1
+            return KC.BUSY
+        return real(rate)
+
+    monkeypatch.setattr(_KeyRate, "take", take)
+    naps = []
+
+    def nap(seconds):
+        naps.append(seconds)
+        clock.advance(max(1, round(seconds * S)))
+
+    async def nap_async(seconds):
+        nap(seconds)
+
+    lim._sleep = nap
+    monkeypatch.setattr(drivers.asyncio, "sleep", nap_async)
+
+    def acquire(**kw):
+        if run == "sync":
+            return lim.acquire("k", a=1, b=1, **kw)
+        return asyncio.run(lim.acquire_async("k", a=1, b=1, **kw))
+
+    busy[0] = 1000
+    assert acquire(timeout=0.3) is False
+    assert busy[0] == 999 and not naps  # refused at the first stalled take, without a nap
+    busy[0] = 3
+    assert acquire() is True  # untimed: naps, tries again, granted once the insert is gone
+    assert naps == [pytest.approx(BUSY_NAP)] * 3
+    assert grants(lim) == {"a": 1, "b": 1}
+
+
 def test_set_rate_by_name_stats_repr_and_pickle(name, clock, cleanup):
     lim = make(name, {"requests": ("1/s", 1), "tokens": ("100/s", 100)}, clock, cleanup)
     assert lim.try_acquire("k", requests=1) and not lim.try_acquire("k", requests=1)
