@@ -72,8 +72,10 @@ def default_burst(rate: float, per: float) -> float:
 
 def _optional_seconds(param: str, value: object) -> Optional[float]:
     """None (no bound), or a finite number of seconds >= 0: a timeout's rules, but for infinity."""
-    v = validate_timeout(value, param)
-    if v is None and value is not None:
+    if value is None:
+        return None
+    v = _seconds(value, param)
+    if math.isinf(v):
         raise ValueError(f"{param} must be None or a finite number of seconds >= 0, got {value!r}")
     return v
 
@@ -430,14 +432,22 @@ def validate_n(n: object, cost: Optional[int] = None) -> int:
     return n
 
 
+def _seconds(value: object, param: str) -> float:
+    """A number of seconds >= 0 (infinity included), else TypeError or ValueError naming ``param``."""
+    t = number(param, value, "None or a number of seconds >= 0")
+    if math.isnan(t) or t < 0:
+        raise ValueError(f"{param} must be None or a number of seconds >= 0, got {value!r}")
+    return t
+
+
 def validate_timeout(timeout: object, param: str = "timeout") -> Optional[float]:
-    """None (wait as long as it takes) or a finite number of seconds >= 0; +inf means None."""
+    """None (wait as long as it takes) or a number of seconds >= 0 whose nanoseconds are finite:
+    +inf, and a number too large to count in nanoseconds (past about 1.8e299 s), mean None: no
+    limit, for every kind (a deadline computed from it would overflow)."""
     if timeout is None:
         return None
-    t = number(param, timeout, "None or a number of seconds >= 0")
-    if math.isnan(t) or t < 0:
-        raise ValueError(f"{param} must be None or a number of seconds >= 0, got {timeout!r}")
-    return None if math.isinf(t) else t
+    t = _seconds(timeout, param)
+    return None if math.isinf(t * NS_PER_S) else t
 
 
 def validate_reconfigure(reconfigure: object, configured: bool, what: str) -> None:

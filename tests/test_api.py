@@ -1,9 +1,11 @@
 """The public surface in one process: creation, attach, errors, stats, pickling, lifecycle."""
 
+import asyncio
 import math
 import os
 import pickle
 import struct
+import sys
 import threading
 
 import pytest
@@ -11,6 +13,7 @@ from support.clock import FakeClock
 from support.segments import shm_bytes
 
 import shmlimit
+from shmlimit.config import validate_timeout
 from shmlimit.keyed.window_table import WindowTable
 from shmlimit.shm import layout as L
 
@@ -206,6 +209,29 @@ def test_infinite_timeout_means_no_timeout(name):
     assert lim.acquire(1, timeout=10**400)  # beyond every float: as infinite as inf
     assert lim.reserve(1, max_wait=10**400) is not None
     lim.close()
+
+
+def test_a_timeout_too_large_for_nanoseconds_means_no_timeout(name):
+    """A finite timeout past about 1.8e299 s has no finite count of nanoseconds: it raised a bare
+    OverflowError from the slow path of a Limiter (of one rate or several), where the keyed
+    kinds granted.  It means no limit, for every kind."""
+    lims = [
+        shmlimit.Limiter(name, rate=10, burst=5),
+        shmlimit.Limiter(name + "-m", rates=[("10/s", 5), ("100/min", 5)]),
+        shmlimit.KeyedLimiter(name + "-k", rate=10, burst=5, keys=64),
+        shmlimit.KeyedLimiter(name + "-km", rates=[("10/s", 5), ("100/min", 5)], keys=64),
+    ]
+    try:
+        for lim in lims:
+            key = ("k",) if "Keyed" in type(lim).__name__ else ()
+            for huge in (1e300, sys.float_info.max):
+                assert lim.acquire(*key, timeout=huge) is True  # a full bucket: granted now
+            assert asyncio.run(lim.acquire_async(*key, timeout=1e300)) is True
+        assert validate_timeout(1e300) is None and validate_timeout(1e299) == 1e299
+    finally:
+        for lim in lims:
+            lim.unlink()
+            lim.close()
 
 
 # ---- corrupt or foreign segments are refused -------------------------------------
