@@ -597,13 +597,15 @@ class KeyedLimiter(RatesSwitch, Keyed, Handle):
     def retry_after(self, key: object, n: int = 1) -> float:
         """Seconds until ``n`` ops could be granted for ``key`` (0.0 if now; inf if never).  Takes nothing.
 
-        For a key without a slot in a full table: the seconds until a slot frees.
+        For a key without a slot in a full table: 0.0 when a new key takes the slot of another
+        (``when_full="evict"``), else the seconds until a slot frees.
         """
         r = self._call(key, n, -1)
-        if r == 0:  # an absent key peeks as 0: in a full window it waits for the first slot to free
-            att = self._live()
-            ref = att.reference()
-            r = ref.vacancy(att.kt.digest(key), time.monotonic_ns() << K.TICK_SHIFT)
+        att = self._live()
+        if r == 0 and not att.flags & KC.FLAG_EVICT:
+            # an absent key peeks as 0: refused in a full window, it waits for the first slot to
+            # free (evicting, as this process's table does by default, it takes one at once)
+            r = att.reference().vacancy(att.kt.digest(key), time.monotonic_ns() << K.TICK_SHIFT)
         return math.inf if r == KC.NEVER else r / TICKS_PER_S
 
     def pause(self, key: object, seconds: float) -> bool:

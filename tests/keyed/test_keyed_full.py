@@ -67,6 +67,34 @@ def test_when_full_refuse_keeps_refusing_new_keys(name, backend, monkeypatch):
         KeyedLimiter(name, rate=1, when_full="drop")
 
 
+@pytest.mark.parametrize(
+    "when_full, rates",
+    [("evict", None), ("refuse", None), (None, [("1/min", 1), ("2/min", 1)])],
+)
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_retry_after_for_a_new_key_in_a_full_table_is_when_it_is_granted(
+    name, backend, monkeypatch, when_full, rates
+):
+    """A table full of limited keys: a new key is granted at once when it evicts ("evict", and
+    always with several rates), and waits for the first slot to free when it is refused
+    ("refuse"); ``retry_after`` says so, for one rate and several alike.  One rate's answered the
+    time until a slot frees (60 s) in "evict" mode too, its new key granted at once."""
+    monkeypatch.setenv("SHMLIMIT_BACKEND", backend)
+    kw = dict(rate="1/min", burst=1, when_full=when_full) if rates is None else dict(rates=rates)
+    kl = KeyedLimiter(name, keys=KEYS, **kw)
+    try:
+        _fill(kl.try_acquire)  # every slot holds a key limited for a minute
+        wait = kl.retry_after("new-client")
+        granted = kl.try_acquire("new-client")
+        if when_full != "refuse":
+            assert (wait, granted) == (0.0, True)
+        else:
+            assert 59 < wait <= 60 and not granted
+    finally:
+        kl.unlink()
+        kl.close()
+
+
 @pytest.mark.parametrize("backend", BACKENDS)
 def test_a_full_window_table_admits_a_new_client(name, backend, monkeypatch):
     """Under Flask-Limiter with ``shm://`` a full table was a 500 (KeyTableFullError) for a day."""
