@@ -94,7 +94,7 @@ class Request:
         b = att.bucket
         if b.refresh() or att.fast_seq != b.seq:
             att.update_fast()
-        tokens = price(b, n)
+        tokens = validate_n(n, b.cost) * b.cost  # (``price``: the config was just refreshed)
         timeout = validate_timeout(timeout)
         deadline = None if timeout is None else att.clock() + int(timeout * NS_PER_S)
         self._start(att, n, tokens, deadline, DONE, None)
@@ -624,7 +624,7 @@ def try_acquire(att: "Attachment", n: int) -> bool:
     b = att.bucket
     if b.refresh() or att.fast_seq != b.seq:
         att.update_fast()
-    tokens = price(b, n)
+    tokens = validate_n(n, b.cost) * b.cost  # (``price``: the config was just refreshed)
     mode = att.mode
     if not mode.admit(b, n):
         return False
