@@ -245,7 +245,7 @@ class HostThrottle:
         """Seconds ``host`` stays paused (0.0: not); ``RateLimited`` if that ends past ``deadline``."""
         if self.own:
             return 0.0  # the limiter's acquire waits it out
-        left = self.pauses.retry_after(host)
+        left = self.pauses.own_wait(host)  # its own pause: a host without an entry has none
         if left > 0 and deadline is not None and time.monotonic() + left > deadline:
             raise self._refused(host, left)
         return left

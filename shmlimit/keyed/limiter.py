@@ -608,6 +608,17 @@ class KeyedLimiter(RatesSwitch, Keyed, Handle):
             r = att.reference().vacancy(att.kt.digest(key), time.monotonic_ns() << K.TICK_SHIFT)
         return math.inf if r == KC.NEVER else r / TICKS_PER_S
 
+    def own_wait(self, key: object, n: int = 1) -> float:
+        """Seconds until ``key``'s own schedule could grant ``n`` ops (0.0 if now; inf if never).
+        Takes nothing.
+
+        Unlike ``retry_after``, a key without a slot answers 0.0 however full the table: its
+        schedule is empty (a pause table asks whether a host is paused, not whether it could
+        get a slot).
+        """
+        r = self._call(key, n, -1)
+        return math.inf if r == KC.NEVER else r / TICKS_PER_S
+
     def pause(self, key: object, seconds: float) -> bool:
         """Grant ``key`` nothing for ``seconds`` from now, in every process: one move of its schedule.
 

@@ -319,3 +319,28 @@ def test_a_host_cannot_renew_its_pause_beyond_what_it_asked(name, serve):
     assert throttle.pauses.stats().grants == 0
     throttle.pauses.close()
     lim.close()
+
+
+@pytest.mark.parametrize("when_full", [None, "refuse"])
+def test_a_full_pause_table_pauses_only_its_own_hosts(name, when_full):
+    """Hostile hosts (one wildcard domain, each answering 429 Retry-After) filled the pause
+    table, and every other host then counted as paused until a slot freed (the table's wait for
+    a slot read as the host's pause): a host without an entry is not paused."""
+    lim = shmlimit.Limiter(name, rate=1000, burst=100)
+    pauses = shmlimit.KeyedLimiter(
+        f"{name}.p", rate=1, per=1.0, burst=1, keys=16, when_full=when_full
+    )
+    throttle = HostThrottle(lim, max_wait=0, pauses=pauses)
+    for i in range(64):
+        throttle.after(f"h{i}.evil.example", 429, "300")
+    assert pauses.stats().keys == pauses.slots  # every slot holds a paused hostile host
+    assert pauses.retry_after("h0.evil.example") > 0 or pauses.retry_after("h63.evil.example") > 0
+    for i in range(20):
+        throttle.before((), f"victim{i}.good.example")  # max_wait=0: a pause would raise
+        assert pauses.own_wait(f"victim{i}.good.example") == 0.0
+    paused = next(f"h{i}.evil.example" for i in range(64) if pauses.own_wait(f"h{i}.evil.example"))
+    assert 299 <= pauses.own_wait(paused) <= 300
+    with pytest.raises(shmlimit.RateLimited):
+        throttle.before((), paused)
+    pauses.close()
+    lim.close()

@@ -96,6 +96,25 @@ def test_retry_after_for_a_new_key_in_a_full_table_is_when_it_is_granted(
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
+def test_own_wait_is_a_keys_own_schedule_not_a_wait_for_a_slot(name, backend, monkeypatch):
+    """``retry_after`` of a key refused by a full table is the wait for a slot; ``own_wait`` is
+    the key's own schedule only: 0.0 without a slot, the same as ``retry_after`` with one."""
+    monkeypatch.setenv("SHMLIMIT_BACKEND", backend)
+    kl = KeyedLimiter(name, rate=200, per=86_400, burst=1, keys=KEYS, when_full="refuse")
+    try:
+        _fill(kl.try_acquire)
+        assert not kl.try_acquire("new-client")
+        assert kl.retry_after("new-client") > 0  # until a slot of its window frees
+        assert kl.own_wait("new-client") == 0.0
+        held = next(f"2001:db8::{i:x}" for i in range(8 * KEYS) if kl.own_wait(f"2001:db8::{i:x}"))
+        assert kl.own_wait(held) == pytest.approx(kl.retry_after(held), abs=0.01)
+        assert 430 < kl.own_wait(held) <= 432
+        assert kl.own_wait(held, 2) == float("inf")  # above the capacity: never
+    finally:
+        kl.close()
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
 def test_a_full_window_table_admits_a_new_client(name, backend, monkeypatch):
     """Under Flask-Limiter with ``shm://`` a full table was a 500 (KeyTableFullError) for a day."""
     monkeypatch.setenv("SHMLIMIT_BACKEND", backend)
