@@ -75,6 +75,7 @@ def _open(name: str, geo: Geometry, mode: int, trusted: frozenset) -> _Attachmen
 class WindowTable(Handle):
     """Window counters per key, shared by every process that opens ``name``.
 
+    A key is a ``str`` (its UTF-8 bytes) or ``bytes`` of any length: only its digest is kept.
     ``keys`` is the number of 64-byte slots, used when this call creates the
     segment (an existing table keeps its size).  A key holds its slot while a
     window it was counted in still matters (a fixed window until it ends; a

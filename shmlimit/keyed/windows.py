@@ -149,6 +149,23 @@ def _bounded(name: str, v: object, top: int, unit: str = "") -> int:
     return v
 
 
+def window_key(key: object) -> bytes:
+    """A window table's key bytes: a ``str``'s UTF-8 or ``bytes``, of any length (the table keeps
+    only their digest, and with ``store_keys`` their first bytes); another type is
+    ``KC.key_bytes``'s TypeError."""
+    if isinstance(key, str):
+        return key.encode("utf-8")
+    return key if isinstance(key, bytes) else KC.key_bytes(key)
+
+
+def native_fits(key: object) -> bool:
+    """Whether the native ``incr`` takes ``key``: at most ``KC.KEY_MAX`` bytes (its buffer).  A
+    longer key takes the portable step, which hashes the same bytes to the same digest."""
+    if isinstance(key, str) and len(key) > KC.KEY_MAX // 4:  # (UTF-8: at most 4 bytes a char)
+        return len(key.encode("utf-8")) <= KC.KEY_MAX
+    return not isinstance(key, bytes) or len(key) <= KC.KEY_MAX
+
+
 class WindowCounters:
     """Both kinds over one ``SlotTable``: ``incr``/``get``/``expiry_ms``/``clear`` (fixed window) and
     ``acquire_sliding``/``sliding``/``clear_sliding`` (sliding window counter), ``reset``.
@@ -205,7 +222,7 @@ class WindowCounters:
         return ns, ms
 
     def _key(self, prefix: bytes, key: object) -> Tuple[Tuple[int, int], int, bytes]:
-        data = KC.key_bytes(key)
+        data = window_key(key)
         d = self._hash(prefix + data)
         return d, (d[0] * self.t.nslots) >> 64, data
 
@@ -252,7 +269,7 @@ class WindowCounters:
         """
         w, amount = window_ms(expiry), _bounded("amount", amount, CMAX)
         _, now = self._now()
-        if self._native is not None:
+        if self._native is not None and native_fits(key):
             got = self._native.incr(key, w, amount, now)
             if got < 0:  # FULL (counted in ``refused``) or BUSY, as ``_visit`` raises them
                 raise KeyTableFullError(self.name, self.t.nslots, busy=got == KC.BUSY)

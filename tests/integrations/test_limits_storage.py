@@ -240,3 +240,19 @@ def test_any_key_counts_even_one_ending_like_a_limit_with_other_digits(store):
     assert shm_limits.limit_of("a/²/1/second") is None
     assert shm_limits.limit_of("a/١٢/1/second") == 12  # decimal digits of any script are numbers
     assert store.get("a/²/1/second") == 2
+
+
+@pytest.mark.parametrize("strategy", ["fixed-window", "sliding-window-counter", "moving-window"])
+def test_a_long_key_is_limited_as_memory_storage_limits_it(name, strategy):
+    """An identifier of over 4096 bytes (an API key header) in a ``limits`` key raised ValueError
+    at every hit: a 500 under Flask-Limiter, or no limit at all with ``swallow_errors=True``.
+    Counted as ``MemoryStorage`` (and Redis) count it."""
+    s = storage.storage_from_string(f"shm://{name}?keys=64&moving_keys=8")
+    item, who = parse("2/minute"), "k" * 4100
+    try:
+        for st in (s, storage.MemoryStorage()):
+            lim = strategies.STRATEGIES[strategy](st)
+            assert [lim.hit(item, who) for _ in range(3)] == [True, True, False]
+            assert lim.hit(item, who + "2")  # the same first 4096 bytes: another client
+    finally:
+        s.table.close()

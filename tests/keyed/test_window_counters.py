@@ -26,6 +26,7 @@ from shmlimit.errors import KeyTableFullError, SegmentError
 from shmlimit.keyed import cells as KC
 from shmlimit.keyed import layout as K
 from shmlimit.keyed import windows as W
+from shmlimit.keyed.stats import sample_windows
 from shmlimit.keyed.window_table import WindowTable
 from shmlimit.shm.cells import native_available, open_cells
 
@@ -448,6 +449,36 @@ def test_a_saturated_window_refuses(backend):
     p = Mapping(8).process(backend, FakeClock())
     assert p.incr("k", 5, W.CMAX) == W.CMAX
     assert p.incr("k", 5) == W.OVER and p.get("k") == W.CMAX
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_a_key_of_any_length_is_counted_under_its_whole_bytes(name, backend, monkeypatch):
+    """A ``limits`` key over 4096 bytes (a client's API key header in it) raised ValueError: a
+    500 under Flask-Limiter, or no limit at all with ``swallow_errors``.  The table keeps only
+    digests: a window key may be any length, told apart by all its bytes, stored for display
+    (``store_keys``) by its first ones; the same bytes count as the same key on either backend."""
+    monkeypatch.setenv("SHMLIMIT_BACKEND", backend)
+    now = [10**15]
+    wt = WindowTable(name, keys=64, clock=lambda: now[0], store_keys=True)
+    long_a, long_b = "k" * 5000 + "a", ("k" * 5000 + "b").encode()
+    try:
+        assert [wt.incr(long_a, 60) for _ in range(3)] == [1, 2, 3]
+        assert wt.incr(long_b, 60) == 1  # the same first 4096 bytes: another key
+        assert wt.incr(long_a.encode(), 60) == 4  # a str is its UTF-8 bytes
+        assert wt.get(long_a) == 4 and 59 < wt.expires_in(long_a) <= 60.001
+        assert [wt.acquire_sliding(long_a, 2, 60) for _ in range(3)] == [True, True, False]
+        assert [wt.acquire_entry(long_b, 2, 60) for _ in range(3)] == [True, True, False]
+        assert wt.moving_window(long_b, 60)[1] == 2
+        keys = {s.key for s in sample_windows(name, 0, 64, now[0])[0]}
+        assert keys == {"k" * K.DISPLAY_BYTES + "..."}
+        assert wt.clear(long_a) and wt.get(long_a) == 0
+        with pytest.raises(TypeError, match="key must be a str or bytes"):
+            wt.incr(5, 60)
+        # around the native step's 4096-byte buffer (longer keys take the portable step)
+        for key in ("k" * 4096, b"k" * 4097, "\u00e9" * 2048, "\u00e9" * 2049):
+            assert [wt.incr(key, 60) for _ in range(2)] == [1, 2]
+    finally:
+        wt.close()
 
 
 def _hammer(name, n, out):
