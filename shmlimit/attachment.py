@@ -227,9 +227,13 @@ class Attachment(Attached):
         seg: Segment,
         cells: Cells,
         clock: Callable[[], int] = time.monotonic_ns,
+        trusted: frozenset = frozenset(),
     ) -> None:
         super().__init__(name, seg, cells, cells.load(L.SLOTS_OFF))
         self.clock = clock
+        #: the uids this process's handles trust besides itself and root (``trusted_uids``): a
+        #: segment made beside this one for its handles (an HTTP client's pause table) trusts them
+        self.trusted = trusted
         self.bucket = Bucket(cells, clock)
         self.bucket.inflights = tuple(
             L.inflight_offset(self.table.slots, i) for i in range(self.table.slots)
@@ -589,7 +593,7 @@ def map_attachment(
             open_segment(name, create, mode, trusted, clock) if opener is None else opener()
         )
         try:
-            return Attachment(name, seg, cells, clock)
+            return Attachment(name, seg, cells, clock, trusted)
         except BaseException:
             cells.close()
             seg.close()
@@ -701,6 +705,7 @@ def open_attachment(
         ):  # this process uses it: only an explicit reconfigure applies
             adopt_config(att, create, True)
         check_matches(name, att, create)
+        att.trusted |= trusted  # a handle opened under a wider trust: vetted under it just now
 
     return registry.open(
         name,

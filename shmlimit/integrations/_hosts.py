@@ -119,13 +119,20 @@ def pause_table_name(name: str) -> str:
 def pause_table(limiter: Any) -> KeyedLimiter:
     """The keyed table, keyed by host, that holds the pauses of the hosts throttled by ``limiter``.
 
-    Created (or attached) beside the limiter with its segment's mode; each
-    host's entry is a schedule of one op at a time, moved by ``KeyedLimiter.pause``.
+    Created (or attached) beside the limiter with its segment's mode, trusting the uids the
+    limiter was opened trusting (``trusted_uids``); each host's entry is a schedule of one op
+    at a time, moved by ``KeyedLimiter.pause``.
     """
-    seg = getattr(getattr(limiter, "_att", None), "seg", None)
-    mode = getattr(seg, "mode", 0o600) & 0o777
+    att = getattr(limiter, "_att", None)
+    mode = getattr(getattr(att, "seg", None), "mode", 0o600) & 0o777
     return KeyedLimiter(
-        pause_table_name(limiter.name), rate=1, per=1.0, burst=1, keys=PAUSE_SLOTS, mode=mode
+        pause_table_name(limiter.name),
+        rate=1,
+        per=1.0,
+        burst=1,
+        keys=PAUSE_SLOTS,
+        mode=mode,
+        trusted_uids=getattr(att, "trusted", ()),
     )
 
 

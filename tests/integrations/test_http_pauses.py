@@ -3,7 +3,10 @@ schedule whatever the rate, and one host's 429 pauses that host only, under one 
 
 import asyncio
 import email.utils
+import glob
 import math
+import os
+import pwd
 import threading
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
@@ -344,3 +347,24 @@ def test_a_full_pause_table_pauses_only_its_own_hosts(name, when_full):
         throttle.before((), paused)
     pauses.close()
     lim.close()
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="playing another user needs root")
+def test_the_pause_table_trusts_whom_its_limiter_trusts(name):
+    """A limiter shared between users (``mode=0o660``, ``trusted_uids=[its owner]``): the default
+    pause table was opened without the limiter's trusted uids, so every process but its owner's
+    raised UntrustedSegmentError building an HTTP client's transport."""
+    owner = pwd.getpwnam("nobody").pw_uid
+    lim = shmlimit.Limiter(name, rate=5, mode=0o660)
+    HostThrottle(lim).pauses.close()  # the owner's crawler makes the pause table
+    lim.close()
+    for path in glob.glob(f"/dev/shm/shmlimit.{name}*"):
+        os.chown(path, owner, -1)  # as if that user had made them
+    other = shmlimit.Limiter(name, mode=0o660, trusted_uids=[owner])
+    throttle = HostThrottle(other)
+    assert throttle.pauses.name == pause_table_name(name)
+    assert throttle.after("a.example", 429, "30") == 30.0
+    throttle.pauses.close()
+    other.close()
+    with pytest.raises(shmlimit.UntrustedSegmentError):  # a process that does not trust them
+        shmlimit.KeyedLimiter(pause_table_name(name))
