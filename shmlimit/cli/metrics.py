@@ -281,6 +281,22 @@ def snapshots(names: Optional[Sequence[str]] = None) -> Tuple[List[AnyStats], Li
     return stats, unreadable
 
 
+def validate_names(names: Optional[Iterable[str]]) -> Optional[List[str]]:
+    """``names`` as a list of limiter names (None: every one of the machine's); a lone ``str`` or
+    ``bytes`` (whose characters would be taken for names), or anything but names, a TypeError."""
+    if names is None:
+        return None
+    if isinstance(names, (str, bytes)) or not hasattr(names, "__iter__"):
+        raise TypeError(
+            f"names must be a list of limiter names (or None: every one), got {names!r}"
+        )
+    out = list(names)
+    for n in out:
+        if not isinstance(n, str):
+            raise TypeError(f"names must hold limiter names (str), got {n!r}")
+    return out
+
+
 def select(
     names: Optional[Sequence[str]] = None,
     *,
@@ -296,7 +312,10 @@ def select(
     whatever they planted, would otherwise be exported with the values they
     chose, in any number.
     """
+    names = validate_names(names)
     trusted = validate_trusted_uids(trusted_uids)
+    if not isinstance(all_users, bool):
+        raise TypeError(f"all_users must be True or False, got {all_users!r}")
     if not is_int(max_segments, 1):
         raise ValueError(f"max_segments must be an int of at least 1, got {max_segments!r}")
     kept: List[str] = []

@@ -18,7 +18,7 @@ from __future__ import annotations
 
 from typing import Iterable, Iterator, Optional, Sequence
 
-from shmlimit.cli.metrics import MAX_SEGMENTS, families, select
+from shmlimit.cli.metrics import MAX_SEGMENTS, families, select, validate_names
 from shmlimit.errors import MissingExtraError
 from shmlimit.shm.segment import validate_trusted_uids
 
@@ -45,7 +45,7 @@ class ShmlimitCollector(Collector):
         all_users: bool = False,
         max_segments: int = MAX_SEGMENTS,
     ) -> None:
-        self.names = None if names is None else list(names)
+        self.names = validate_names(names)
         self.scope = dict(
             trusted_uids=validate_trusted_uids(trusted_uids),
             all_users=all_users,

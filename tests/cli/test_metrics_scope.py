@@ -146,6 +146,17 @@ def test_scope_options_are_checked():
         ShmlimitCollector(trusted_uids="1000")
     with pytest.raises(ValueError, match="trusted_uids"):
         select([], trusted_uids=[-1])
+    # a lone name was iterated into its characters (nothing exported, no error); "false" from a
+    # config file is truthy, and exported every user's segments
+    for bad in ("api", b"api", 5, ["api", 5]):
+        with pytest.raises(TypeError, match="names"):
+            ShmlimitCollector(bad)
+    for bad in ("false", 0, None):
+        with pytest.raises(TypeError, match="all_users"):
+            ShmlimitCollector(all_users=bad)
+        with pytest.raises(TypeError, match="all_users"):
+            select([], all_users=bad)
+    assert ShmlimitCollector(("api",), all_users=True).names == ["api"]
 
 
 def _one_line_error(r, *words):
