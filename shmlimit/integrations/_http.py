@@ -126,23 +126,15 @@ class Policy:
                 raise TypeError(
                     f"limiter must be a shmlimit Limiter or KeyedLimiter, got {limiter!r}"
                 )
-        # (a keyed limiter's capacity is its default: a key's override may hold more)
-        if (
-            not callable(cost)
-            and max_wait == 0
-            and not isinstance(limiter, KeyedLimiter)
-            and cost > float(limiter.capacity)
-        ):
-            raise ValueError(
-                f"cost must be at most the limiter's capacity ({float(limiter.capacity):g} ops) when "
-                f"max_wait is 0, else no request ever passes; got {cost}"
-            )
         self.limiter = limiter
         self.keyed = isinstance(limiter, KeyedLimiter)
         self.key = key
         self.cost = cost
         self.max_wait = float(max_wait)
         self.name = name
+        # (a keyed limiter's capacity is its default: a key's override may hold more)
+        if not callable(cost) and not self.keyed:
+            self.check_cost((), cost)
 
     def request(
         self, request: Any, default_key: Callable[[Any], str]
@@ -160,17 +152,46 @@ class Policy:
             raise ValueError(f"cost must be an int >= 1, the cost callable returned {n!r}")
         return ((key,) if self.keyed else ()), n
 
+    def most(self, args: Tuple[Any, ...]) -> float:
+        """The most ops one request can ever be granted: a key's capacity (a ``KeyedLimiter`` never
+        grants more at once); a ``Limiter``'s capacity plus what its rate accrues within
+        ``max_wait`` (a larger request queues for the rest, while its wait fits)."""
+        rate, per, capacity = self.rate_of(args)
+        return capacity if self.keyed else capacity + self.max_wait * rate / per
+
+    def check_cost(self, args: Tuple[Any, ...], n: int) -> None:
+        """ValueError when ``n`` ops can never be granted: every such request would be refused,
+        each with a ``Retry-After`` that no wait can keep."""
+        most = self.most(args)
+        if n > most:
+            what = "the key's capacity" if self.keyed else "the limiter's capacity"
+            if not self.keyed and self.max_wait:
+                what += f" plus what its rate accrues in max_wait={self.max_wait:g} s"
+            raise ValueError(
+                f"cost must be from 1 to {math.floor(most + 1e-9)} ops ({what}), else no request "
+                f"ever passes; got {n}"
+            )
+
     def grant(self, args: Tuple[Any, ...], n: int) -> bool:
-        """Take the request's ``n`` ops: at once or not at all, or waiting up to ``max_wait``."""
+        """Take the request's ``n`` ops: at once or not at all, or waiting up to ``max_wait``;
+        ValueError (``check_cost``) for a refused ``n`` that could never pass."""
         if self.max_wait > 0:
-            return self.limiter.acquire(*args, n, timeout=self.max_wait)
-        return self.limiter.try_acquire(*args, n)
+            granted = self.limiter.acquire(*args, n, timeout=self.max_wait)
+        else:
+            granted = self.limiter.try_acquire(*args, n)
+        if not granted:
+            self.check_cost(args, n)
+        return granted
 
     async def grant_async(self, args: Tuple[Any, ...], n: int) -> bool:
         """``grant`` on the event loop: a wait is an ``asyncio.sleep``."""
         if self.max_wait > 0:
-            return await self.limiter.acquire_async(*args, n, timeout=self.max_wait)
-        return self.limiter.try_acquire(*args, n)
+            granted = await self.limiter.acquire_async(*args, n, timeout=self.max_wait)
+        else:
+            granted = self.limiter.try_acquire(*args, n)
+        if not granted:
+            self.check_cost(args, n)
+        return granted
 
     # -- headers ---------------------------------------------------------------------
 

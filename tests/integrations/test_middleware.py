@@ -151,6 +151,47 @@ def test_bad_parameters_are_refused(name, kwargs, err):
     lim.close()
 
 
+def test_a_cost_that_can_never_pass_is_an_error_not_a_retry_after(name):
+    """cost=6 on a Limiter of capacity 5 (even with max_wait=1 s: 0.1 op accrues in it), or a
+    KeyedLimiter's key of capacity 3 asked 4, was answered 429 with a finite Retry-After,
+    for ever: no wait could keep it.  A constant cost is refused when made, a cost from
+    ``cost(request)`` when it is asked; a request above the capacity that ``max_wait`` lets
+    queue for (a Limiter grants it once enough accrues) is accepted."""
+    lim = shmlimit.Limiter(name, rate=1, per=10, burst=5)
+    keyed = shmlimit.KeyedLimiter(f"{name}-k", rate=1, per=10, burst=3, keys=64)
+    environ = {"PATH_INFO": "/", "REMOTE_ADDR": "10.0.0.1"}
+    try:
+        for make in (ASGILimit, WSGILimit):
+            for cost, max_wait in [(6, 0.0), (6, 1.0), (7, 10.0)]:
+                with pytest.raises(ValueError, match=r"^cost must be "):
+                    make(_hello, limiter=lim, cost=cost, max_wait=max_wait)
+            make(_hello, limiter=lim, cost=6, max_wait=10.0)  # 1 op accrues in 10 s: accepted
+        apps = [
+            ASGILimit(_hello, limiter=lim, cost=lambda scope: 6),
+            ASGILimit(_hello, limiter=keyed, cost=4, max_wait=5.0),
+            ASGILimit(_hello, limiter=keyed, cost=lambda scope: 4),
+        ]
+        for app in apps:
+            with pytest.raises(ValueError, match="^cost must be from 1 to [35] ops"):
+                asyncio.run(call(app))
+        wsgi = WSGILimit(lambda e, s: [], limiter=lim, cost=lambda environ: 6)
+        with pytest.raises(ValueError, match="^cost must be from 1 to 5 ops"):
+            wsgi(environ, lambda *a: None)
+        assert lim.stats().grants == 0 and keyed.stats().grants == 0
+        # a cost that can pass is granted, then refused with a Retry-After it keeps
+        app = ASGILimit(_hello, limiter=lim, cost=lambda scope: 5)
+        assert asyncio.run(call(app))[0] == 200
+        status, h = asyncio.run(call(app))
+        assert status == 429 and 49 <= int(h["retry-after"]) <= 50
+        # a key whose own rate holds more passes where the default would never
+        keyed.set_rate(1, per=10, burst=4, key="127.0.0.1")
+        assert asyncio.run(call(apps[2]))[0] == 200
+    finally:
+        lim.close()
+        keyed.close()
+        keyed.unlink()
+
+
 def test_wsgi_in_process(name):
     lim = shmlimit.Limiter(name, rate=1, per=60, burst=2)
 
