@@ -176,7 +176,8 @@ class HostThrottle:
         for attr in ("acquire", "retry_after", "capacity", "rate", "per", "name"):
             if not hasattr(limiter, attr):
                 raise TypeError(
-                    f"limiter must be a shmlimit Limiter or KeyedLimiter, got {limiter!r}"
+                    f"limiter must be a shmlimit Limiter or KeyedLimiter of one rate (rate=, not "
+                    f"rates=: several rates are not supported here), got {limiter!r}"
                 )
         if key is not None and not callable(key):
             raise TypeError(f"key must be a callable (url) -> str or None, got {key!r}")

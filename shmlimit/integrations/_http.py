@@ -124,7 +124,8 @@ class Policy:
         for attr in ("try_acquire", "retry_after", "capacity", "rate", "per"):
             if not hasattr(limiter, attr):
                 raise TypeError(
-                    f"limiter must be a shmlimit Limiter or KeyedLimiter, got {limiter!r}"
+                    f"limiter must be a shmlimit Limiter or KeyedLimiter of one rate (rate=, not "
+                    f"rates=: several rates are not supported here), got {limiter!r}"
                 )
         self.limiter = limiter
         self.keyed = isinstance(limiter, KeyedLimiter)

@@ -187,6 +187,20 @@ def test_bad_parameters(name, kwargs, err):
     lim.close()
 
 
+def test_a_limiter_of_several_rates_is_refused_saying_one_rate_is_needed(name):
+    """A limiter of several rates was refused as "must be a shmlimit Limiter or KeyedLimiter, got
+    <shmlimit.KeyedLimiter ...>": what it is, said to be what it is not."""
+    for lim in (
+        shmlimit.Limiter(name, rates=["10/s", "100/min"]),
+        shmlimit.KeyedLimiter(f"{name}-k", rates=["10/s", "100/min"], keys=64),
+    ):
+        for make in (ThrottledTransport, ThrottledAdapter, AsyncThrottledTransport):
+            with pytest.raises(TypeError, match=r"^limiter .* of one rate \(rate=, not rates="):
+                make(lim)
+        lim.close()
+        lim.unlink()
+
+
 # three requests at 10/s within 1 real second
 @pytest.mark.slow
 def test_keyed_limiter_throttles_and_pauses_per_host(name):

@@ -151,6 +151,18 @@ def test_bad_parameters_are_refused(name, kwargs, err):
     lim.close()
 
 
+def test_a_limiter_of_several_rates_is_refused_saying_one_rate_is_needed(name):
+    for lim in (
+        shmlimit.Limiter(name, rates=["10/s", "100/min"]),
+        shmlimit.KeyedLimiter(f"{name}-k", rates=["10/s", "100/min"], keys=64),
+    ):
+        for make in (ASGILimit, WSGILimit):
+            with pytest.raises(TypeError, match=r"^limiter .* of one rate \(rate=, not rates="):
+                make(_hello, limiter=lim)
+        lim.close()
+        lim.unlink()
+
+
 def test_a_cost_that_can_never_pass_is_an_error_not_a_retry_after(name):
     """cost=6 on a Limiter of capacity 5 (even with max_wait=1 s: 0.1 op accrues in it), or a
     KeyedLimiter's key of capacity 3 asked 4, was answered 429 with a finite Retry-After,
