@@ -166,6 +166,11 @@ def _check_task(task: Any) -> Any:
 _NO_HEADER = (-1, 0, 0, 0)
 
 
+def _decimal(word: str) -> bool:
+    """``word`` is a whole number in ASCII digits, as this module writes them."""
+    return word.isascii() and word.isdecimal()
+
+
 def _header(request: Any, owner: str) -> Tuple[int, ...]:
     """``(retries, due, landing, misses)`` of this task's reservation header, or ``_NO_HEADER``.
 
@@ -179,7 +184,8 @@ def _header(request: Any, owner: str) -> Tuple[int, ...]:
     if not isinstance(value, str):
         return _NO_HEADER
     parts = value.rsplit(" ", 4)
-    if len(parts) != 5 or parts[0] != owner or not all(p.isdigit() for p in parts[1:]):
+    # ASCII decimals: "²" is a digit to ``isdigit`` but no number to ``int`` (a forged header)
+    if len(parts) != 5 or parts[0] != owner or not all(_decimal(p) for p in parts[1:]):
         return _NO_HEADER
     return tuple(map(int, parts[1:]))
 

@@ -253,6 +253,13 @@ def test_a_refused_run_reserves_its_slot_and_its_retry_owns_it(name):
         with pytest.raises(_Retry):
             acquire_or_retry(looked, lim)
         assert lim.stats().grants == 5 and _slot(looked.retried[1])[2:] == (0, 0, 2)
+        # a forged header whose numbers are digits but no numbers ("²", "١") owns nothing: it
+        # raised ValueError from int() and the task failed
+        for forged in (f"{owner} 1 {due}² {landing} 0", f"{owner} 1 {due} {landing} ١"):
+            odd = _Task(1, {HEADER: forged})
+            with pytest.raises(_Retry):
+                acquire_or_retry(odd, lim)
+            assert _slot(odd.retried[1])[0] == owner
     finally:
         lim.close()
 
