@@ -31,6 +31,7 @@ treated as absent, as urllib3 does; one above ``MAX_RETRY_AFTER`` counts as that
 from __future__ import annotations
 
 import asyncio
+import datetime
 import email.utils
 import hashlib
 import math
@@ -56,6 +57,13 @@ PAUSE_SLOTS = 4096
 _DIGITS = re.compile(r"[0-9]+", re.ASCII)
 #: An HTTP date is 29 characters (IMF-fixdate); the obsolete forms are no longer.
 _DATE_MAX = 64
+_MONTHS = ("Jan", "Feb", "Mar", "Apr", "May", "Jun", "Jul", "Aug", "Sep", "Oct", "Nov", "Dec")
+#: C's asctime() form of an HTTP date (RFC 9110 5.6.7): no zone, which HTTP dates all have GMT.
+_ASCTIME = re.compile(
+    rf"(?:Mon|Tue|Wed|Thu|Fri|Sat|Sun) ({'|'.join(_MONTHS)}) ([0-9]{{2}}| [0-9]) "
+    r"([0-9]{2}):([0-9]{2}):([0-9]{2}) ([0-9]{4})",
+    re.ASCII,
+)
 
 
 def host_key(url: str) -> str:
@@ -75,8 +83,9 @@ def parse_retry_after(value: Any, now: Optional[float] = None) -> Optional[float
     """``Retry-After`` in seconds from now, at most ``MAX_RETRY_AFTER``; None if absent or unparseable.
 
     Delta-seconds are ASCII digits only (however many: a long run is capped,
-    never converted whole); an HTTP date is counted from ``now`` (seconds of
-    the epoch, default the current time).  Anything else -- a sign, a
+    never converted whole); an HTTP date (IMF-fixdate, or the obsolete RFC 850
+    and asctime forms, all GMT) is counted from ``now`` (seconds of the epoch,
+    default the current time).  Anything else -- a sign, a
     fraction, non-ASCII characters, an impossible date -- is None.
     """
     if isinstance(value, (bytes, bytearray)):
@@ -92,7 +101,12 @@ def parse_retry_after(value: Any, now: Optional[float] = None) -> Optional[float
     if not value or len(value) > _DATE_MAX or not value.isascii() or not value.isprintable():
         return None
     try:
-        when = email.utils.parsedate_to_datetime(value)
+        if m := _ASCTIME.fullmatch(value):  # month, day, hour, minute, second, year
+            year, month = int(m[6]), _MONTHS.index(m[1]) + 1
+            utc = datetime.timezone.utc
+            when = datetime.datetime(year, month, *map(int, m.group(2, 3, 4, 5)), tzinfo=utc)
+        else:
+            when = email.utils.parsedate_to_datetime(value)
         if when is None or when.tzinfo is None:
             return None
         left = when.timestamp() - (time.time() if now is None else now)

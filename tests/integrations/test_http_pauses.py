@@ -134,6 +134,14 @@ def test_retry_after_parses_digits_and_dates_and_nothing_else():
     assert parse_retry_after(date, now=1_000_100) == 0.0  # already past
     far = email.utils.formatdate(4_000_000_000, usegmt=True)  # year 2096
     assert parse_retry_after(far, now=1_000_000) == day
+    # the obsolete forms, which a recipient must accept (RFC 9110 5.6.7), GMT all: asctime's
+    # has no zone, and was absent
+    t = 784_111_777  # Sun, 06 Nov 1994 08:49:37 GMT
+    for form in ("Sunday, 06-Nov-94 08:49:37 GMT", "Sun Nov  6 08:49:37 1994"):
+        assert parse_retry_after(form, now=t - 90) == pytest.approx(90), form
+    assert parse_retry_after("Sun Nov 06 09:49:37 1994", now=t) == pytest.approx(3600)
+    for bad in ("Sun Nov 6 08:49:37 1994", "Sun Nov 31 08:49:37 1994", "Sun Nov  6 08:49:37 94"):
+        assert parse_retry_after(bad, now=t) is None, bad
 
 
 HOSTILE = {
