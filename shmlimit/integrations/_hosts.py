@@ -67,9 +67,11 @@ _ASCTIME = re.compile(
 
 
 def host_key(url: str) -> str:
-    """The default key of a request: its host, lower-case, with the port unless it is the scheme's default."""
+    """The default key of a request: its host, lower-case and without the trailing dot of a fully
+    qualified name (``example.com.`` is ``example.com``), with the port unless it is the scheme's
+    default."""
     parts = urlsplit(url)
-    host = (parts.hostname or "").lower()
+    host = (parts.hostname or "").lower().removesuffix(".")
     try:
         port = parts.port
     except ValueError:

@@ -134,6 +134,9 @@ def test_parse_retry_after_and_host_keys():
     assert host_key("https://Example.COM/a?b") == "example.com"
     assert host_key("https://example.com:443/") == "example.com"
     assert host_key("http://example.com:8080/") == "example.com:8080"
+    # a fully qualified name (a trailing dot) is the same host: it had a limit and pauses of its own
+    assert host_key("https://Example.com./a") == "example.com"
+    assert host_key("http://example.com.:8080/") == "example.com:8080"
 
 
 # the pause left after the 503: within 10 ms of real time of max_pause
