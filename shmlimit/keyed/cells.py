@@ -101,6 +101,10 @@ LOCK_NS = 200_000_000
 #: the waiter gives way itself (TOMB) and answers ``BUSY``: no insert survives twice, nothing is
 #: taken, and the caller decides (a try or a timed call refuses, an untimed one tries again).
 PEND_NS = 200_000_000
+#: An untimed call (of any keyed kind) whose key's insert is held by a stalled inserter (``BUSY``, after
+#: ``PEND_NS`` of waiting inside the call) tries again after this nap (seconds), back in Python
+#: each time so that a signal can interrupt it.
+BUSY_NAP = 0.001
 MAX_WAIT = 1 << 60
 KEY_MAX = 4096
 #: keyed_table's flags: when a key's window is full, evict its least valuable key (else refuse)...

@@ -268,12 +268,6 @@ def _check(
         )
 
 
-#: An untimed call whose key's insert is held by a stalled inserter (``keyed_cells.BUSY``, after
-#: ``PEND_NS`` of waiting inside the call) tries again after this nap (seconds), back in Python
-#: each time so that a signal can interrupt it.
-BUSY_NAP = 0.001
-
-
 #: The longest pause (seconds): a wait the keyed schedule can hold (``MAX_WAIT`` ticks, 2.3 years).
 MAX_PAUSE = KC.MAX_WAIT / TICKS_PER_S
 
@@ -291,11 +285,11 @@ class _Due:
     def begin(self) -> Step:
         """Take the ops (True: now; seconds: due then, ``wake_ns`` set), or refuse (False; an
         untimed call raises instead).  An insert of the key stalled by another live process
-        (``BUSY``) is looked at again after ``BUSY_NAP`` by an untimed call."""
+        (``BUSY``) is looked at again after ``KC.BUSY_NAP`` by an untimed call."""
         t, lim = self.timeout, self.lim
         r = lim._call(self.key, self.n, KC.MAX_WAIT if t is None else wait_ticks(t))
         if r == KC.BUSY and t is None:
-            return BUSY_NAP
+            return KC.BUSY_NAP
         if r < 0:
             if t is None:
                 lim._untimed_failure(r, self.n)
@@ -535,7 +529,7 @@ class KeyedLimiter(RatesSwitch, Keyed, Handle):
         """An untimed call: a key whose insert another live process has stalled (``KC.BUSY``) is
         tried again until that process moves on or dies (a try or a timed call refuses instead)."""
         while (r := self._call(key, n, KC.MAX_WAIT)) == KC.BUSY:
-            time.sleep(BUSY_NAP)
+            time.sleep(KC.BUSY_NAP)
         return r
 
     def try_acquire(self, key: object, n: int = 1) -> bool:

@@ -40,7 +40,6 @@ from shmlimit.keyed import cells as KC
 from shmlimit.keyed import layout as K
 from shmlimit.keyed.adapt import check_start
 from shmlimit.keyed.gcra import TICKS_PER_S, make_rate, wait_ticks
-from shmlimit.keyed.limiter import BUSY_NAP
 from shmlimit.keyed.segment import check_geometry
 from shmlimit.protocol import Keyed
 from shmlimit.rate_group import MultiStats, RateGroup, parse_rates, rates_from_text
@@ -341,7 +340,7 @@ class _Tries:
         try; an untimed call raises instead), else the seconds to nap before the next try.  An
         insert of the key stalled by another live process (``KC.BUSY``, after the take waited
         ``KC.PEND_NS`` for it) refuses a timed call, as one rate's does; an untimed one naps
-        ``BUSY_NAP`` and tries again."""
+        ``KC.BUSY_NAP`` and tries again."""
         lim = self.lim
         # refused: the longest wait a look found (ticks; inf: never), or a take's code (a race:
         # at once; KC.FULL: no slot for a new key; KC.BUSY: a stalled insert of the key)
@@ -349,7 +348,7 @@ class _Tries:
         if w is None:
             return True
         if w == KC.BUSY:
-            return BUSY_NAP if self.deadline is None else False
+            return KC.BUSY_NAP if self.deadline is None else False
         if w in (math.inf, KC.FULL):  # it never can be: False when timed, else raise
             if self.deadline is not None:
                 return False

@@ -199,7 +199,7 @@ def test_a_stalled_insert_refuses_a_timed_acquire_and_an_untimed_one_tries_again
     for ``PEND_NS``, past its timeout for as long as the insert stayed stalled.  An untimed one
     naps ``BUSY_NAP`` and tries again until the insert is gone."""
     from shmlimit.acquire import drivers
-    from shmlimit.keyed.limiter import BUSY_NAP
+    from shmlimit.keyed.cells import BUSY_NAP
 
     lim = make(name, {"a": ("10/s", 5), "b": ("1/s", 5)}, clock, cleanup)
     busy = [0]  # the takes still to find the insert stalled
