@@ -16,6 +16,7 @@ from typing import Any, Callable, Iterable, Iterator, List, Tuple, Union
 from shmlimit.attachment import collect as collect_attached
 from shmlimit.errors import ShmlimitError
 from shmlimit.group import collect as collect_group
+from shmlimit.group import copy_geometry
 from shmlimit.keyed import layout as K
 from shmlimit.keyed.limiter import KeyedLimiter, KeyedStats, inspect_keyed
 from shmlimit.keyed.multi import MultiKeyedLimiter
@@ -98,11 +99,40 @@ def inspect_each(
         yield name, s
 
 
+def beyond(name: str) -> int:
+    """The processes counted beyond the process table of ``name``'s segment, whatever its kind (of
+    a group: the most of any rate's, each process counted in every rate it joined;
+    ``ProcessTable.beyond``): live ones, and any killed while attached."""
+    regions = _by_kind(name, None, L.REGIONS_KEYED, L.REGIONS_LIMITER, None)
+    if regions is None:
+        return _word(name, L.BEYOND)
+    geo = copy_geometry(name, regions)
+    return max(_word(name, geo.offset(i) + L.BEYOND) for i in range(len(geo.keys)))
+
+
 def stale(
-    names: Iterable[str], unreadable: Callable[[str, Exception], None]
+    names: Iterable[str],
+    unreadable: Callable[[str, Exception], None],
+    unlisted: Callable[[str, int], None] = lambda name, count: None,
 ) -> Tuple[List[str], int]:
     """The names no live process uses, whatever their kind (what ``collect`` removes), and how many
     of the others are in use; a segment that cannot be read goes to ``unreadable`` instead
-    (``inspect_each``)."""
-    used = [(n, any(p.alive for p in s.processes)) for n, s in inspect_each(names, unreadable)]
-    return [n for n, alive in used if not alive], sum(alive for _, alive in used)
+    (``inspect_each``).  One whose only users are counted beyond its process table (``beyond``)
+    is in use, and goes to ``unlisted`` with the count too: a process killed while attached there
+    leaves its count for good, so that only ``unlink`` removes it."""
+    found, used = [], 0
+    for n, s in inspect_each(names, unreadable):
+        if any(p.alive for p in s.processes):
+            used += 1
+            continue
+        try:
+            count = beyond(n)
+        except (ShmlimitError, OSError, ValueError) as e:
+            unreadable(n, e)
+            continue
+        if count:
+            unlisted(n, count)
+            used += 1
+        else:
+            found.append(n)
+    return found, used

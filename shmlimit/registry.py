@@ -38,11 +38,11 @@ from shmlimit.shm.table import ProcessTable, is_alive, pid_namespace, proc_start
 class Attached:
     """One process's mapping of one segment (or a group's region), shared by its handles.
 
-    Opening registers this process in the segment's process table (so ``gc``
-    never takes a segment from under its opener); a forked child is not
-    registered until its first use (``use``), so a child that never uses an
-    inherited limiter is never listed and one that leaves with ``os._exit``
-    leaves no dead entry.
+    Opening registers this process in the segment's process table, or counts it beyond the
+    table when every slot is held (so ``gc`` never takes a segment from under its opener); a
+    forked child is not registered until its first use (``use``), so a child that never uses an
+    inherited limiter is never listed and one that leaves with ``os._exit`` leaves no dead entry
+    (nor a count beyond the table, which only its own ``leave`` takes back).
     """
 
     #: the kind, as errors name it
@@ -59,6 +59,9 @@ class Attached:
         self.slot: Optional[int] = None
         #: this process registered (or found the table full): False in a forked child until its use
         self.joined = False
+        #: this process found the table full and is counted beyond it (``ProcessTable.register``),
+        #: until it leaves; a forked child's is its own (the parent's count is the parent's)
+        self.beyond = False
         #: This process used it (``use``): it is registered and the kind's threads run (``start``).
         #: Opening registers but starts no thread: a pre-fork server's master that only opened it
         #: never forks with one running.
@@ -75,7 +78,7 @@ class Attached:
         self.slot = self.table.register(
             self.pid, start if start and start > 0 else 0, pid_namespace()
         )
-        self.joined = True
+        self.joined, self.beyond = True, self.slot is None
         self.bind()
 
     def start(self) -> None:
@@ -110,8 +113,13 @@ class Attached:
         return gone(self.seg.name, self.seg.inode, self.cells)
 
     def _unregister(self) -> None:
-        if self.slot is not None and self.pid == os.getpid():
+        if self.pid != os.getpid():
+            return
+        if self.slot is not None:
             self.table.unregister(self.slot, self.pid)
+        elif self.beyond:
+            self.beyond = False  # counted out once, whoever calls (close, exit, detach)
+            self.table.unregister(None, self.pid)
 
     def leave(self) -> None:
         """Give this process's slot back, keeping the mapping (it registers again on its next use)."""
@@ -123,7 +131,7 @@ class Attached:
         """The parent's slot is not ours: unregistered until the first use."""
         self._use_lock = threading.Lock()  # the parent's may have been held by a thread not copied
         self.pid = os.getpid()
-        self.slot, self.joined, self.in_use = None, False, False
+        self.slot, self.joined, self.in_use, self.beyond = None, False, False, False
         self.bind()
 
     def shut(self) -> None:

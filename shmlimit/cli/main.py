@@ -405,7 +405,15 @@ def cmd_gc(args: argparse.Namespace) -> int:
     def unreadable(n: str, e: Exception) -> None:
         print(printable(f"left alone (unreadable): {n}: {e}"))
 
-    found, kept = stale(names, unreadable)
+    def unlisted(n: str, count: int) -> None:
+        print(
+            printable(
+                f"kept: {n}: {count} process(es) attached beyond its process table (one killed "
+                f"while attached leaves its count: once none uses it, 'shmlimit unlink {n}')"
+            )
+        )
+
+    found, kept = stale(names, unreadable, unlisted)
     verb = "stale" if args.dry_run else "removed"
     removed = 0
     for n in found:

@@ -5,7 +5,7 @@ A keyed segment holds many independent limits, one per key, in a table of
 
     line  0  header     MAGIC VERSION SIZE STATE PSLOTS CREATOR_PID CREATED_NS KIND (1 GCRA, 2 windows)
     line  1  config     CFG_SEQ, then the default rate's bank A: RATE PER BURST T TAU GEN SUM
-    line  2  geometry   NKEYS NOVR PROBE - - MKEYS MRING -
+    line  2  geometry   NKEYS NOVR PROBE - - MKEYS MRING BEYOND (a Limiter's: ``layout.BEYOND``)
     line  3  KEYS_LIVE  keys in LIVE slots
     line  4  EVICTED    keys given up to make room (expired, or the least valuable: see CUT)
     line  5  REFUSED    new keys refused: every slot of their window held a limited key
@@ -52,6 +52,7 @@ from __future__ import annotations
 # in its SLOTS word and the value kind in its last one; line 1 begins, as in every kind, with the
 # config's sequence word and the rate (IEEE-754 bits).
 from shmlimit.shm.layout import (  # noqa: F401 (this layout's names too)  # bank_mask: the keyed banks are masked alike
+    BEYOND,
     CFG_BURST,
     CFG_PER,
     CFG_RATE,
@@ -80,7 +81,8 @@ MAGIC = int.from_bytes(b"SHMLKEYS", "little")
 #: 6: a GCRA key's V0 is its TAT under a burst of MAX_TICKS, whatever its price (was: its own);
 #: 7: the hash's secret in the segment's secret file, line 2's words 3 and 4 zero (were: it)
 #: 8: A_START's low bit says the key's window's marks are written (``adapt.report``)
-VERSION = 8
+#: 9: BEYOND counts the processes attached beyond the process table (gc took it from under them)
+VERSION = 9
 
 KIND_OFF = words(0, 8)[7]
 
@@ -100,7 +102,8 @@ DEFAULT_BANKS = (1 * LINE, 8 * LINE)
 #: The default's bank B lies this many lines after CFG_SEQ's (the composite is given CFG_SEQ's offset).
 DEFAULT_BACKUP_LINES = 7
 
-# line 2: the geometry; MKEYS, MRING: a window table's moving-window logs (words 3, 4: zero)
+# line 2: the geometry; MKEYS, MRING: a window table's moving-window logs (words 3, 4: zero); then
+# BEYOND, the processes attached beyond the process table, at a Limiter's offset (``ProcessTable``)
 NKEYS_OFF, NOVR_OFF, PROBE_OFF, _, _, MKEYS_OFF, MRING_OFF = words(2, 7)
 
 #: Each key's adaptive rate (``keyed.adapt``): the parameters, as a Limiter's (``adapt.write``) ...

@@ -6,7 +6,8 @@ filler and the process table never false-share.
 
     line  0  header    MAGIC VERSION SIZE STATE SLOTS CREATOR_PID CREATED_NS -
     line  1  config    CFG_SEQ RATE PER BURST TPN COST CAP FLAGS
-    line  2  config    RATIO MAX_RESERVED MAX_BEHIND (IEEE-754 bits; +inf = unbounded)
+    line  2  config    RATIO MAX_RESERVED MAX_BEHIND (IEEE-754 bits; +inf = unbounded), then
+                       GEN SUM (the live bank's), - -, BEYOND: processes attached beyond the table
     line  3  TAIL      tail rover: advanced by grabbers (fetch-add or CAS)
     line  4  HEAD      head rover: advanced by replenish (CAS)
     line  5  INFLIGHT  capped-release mode only: ops admitted and not yet released; then the
@@ -56,7 +57,9 @@ MAGIC = int.from_bytes(b"SHMLIMIT", "little")
 #: version 6 would neither count outcomes nor decide, and must not join a fleet that adapts.
 #: 8: ADAPT_START's low bit says the window's marks are written (a claimer lost before them
 #: costs one decision, never an outcome judged twice); version 7 would judge every window.
-VERSION = 8
+#: 9: BEYOND counts the processes attached beyond the process table: gc, not seeing them, took
+#: the segment from under them (version 8 neither counts nor looks).
+VERSION = 9
 LINE = 64
 
 
@@ -108,6 +111,10 @@ CFG_MAX_BEHIND = 144
 #: The generation (the even CFG_SEQ it was published as) and checksum of the live config bank.
 CFG_GEN = 152
 CFG_SUM = 160
+#: The processes attached beyond the process table (every slot held by a live process): each adds
+#: one when it finds no slot and takes it back when it leaves (``table.ProcessTable``), so that
+#: ``gc`` sees them.  The same word in every kind's layout (the keyed one's line 2 too).
+BEYOND = 2 * LINE + 56
 #: The live bank's ten words, in checksum order.
 CFG_BANK = (
     CFG_RATE,

@@ -12,7 +12,10 @@ when a process dies at any instant.
 The table has ``SLOTS`` entries (128 by default).  A process arriving when every
 slot is held by a live process still shares the limit exactly -- the rovers are
 global -- but it is not listed, cannot be elected filler, and its grants are
-counted in UNREG_GRANTS.
+counted in UNREG_GRANTS.  It is counted in BEYOND (``register`` adds it,
+``unregister`` takes it back), so the table is ``live`` while it is attached and
+``gc`` never takes the segment from under it; one killed while attached leaves
+the count up for good (the segment is then never collected: ``shmlimit unlink``).
 
 This module alone decides whether a process is alive, for every kind (the
 process table, the keyed slots' inserters, a segment's creator, ``gc``): a
@@ -31,6 +34,7 @@ from dataclasses import dataclass
 from typing import Any, Callable, List, Optional, Set, Tuple
 
 from shmlimit.shm import layout as L
+from shmlimit.shm.words import MASK64
 
 #: The largest pid Linux ever gives (``PID_MAX_LIMIT``): a larger one, read from a segment, is none.
 PID_MAX_LIMIT = 1 << 22
@@ -238,7 +242,9 @@ class ProcessTable:
         self.slots = slots
 
     def register(self, pid: int, start: int, pidns: int = 0) -> Optional[int]:
-        """Claim a free slot, else reclaim a dead process's slot; None when all are live."""
+        """Claim a free slot, else reclaim a dead process's slot; None when all are live, the
+        process then counted beyond the table (BEYOND) until ``unregister(None, pid)``: counted
+        before the caller looks at STATE, as a slot is claimed (``segment.claim_and_unlink``)."""
         c = self.cells
         for i in range(self.slots):
             base = L.slot_offset(i)
@@ -258,6 +264,7 @@ class ProcessTable:
             if c.cas(base + L.SLOT_PID, old, pid):
                 self._fill(base, start, pidns)
                 return i
+        c.fetch_add(L.BEYOND, 1)
         return None
 
     def _fill(self, base: int, start: int, pidns: int) -> None:
@@ -269,9 +276,13 @@ class ProcessTable:
         c.store(base + L.SLOT_PIDNS, pidns)
         c.store(base + L.SLOT_START, start)
 
-    def unregister(self, index: int, pid: int) -> None:
-        """Give the slot back (its grants stay in the total)."""
+    def unregister(self, index: Optional[int], pid: int) -> None:
+        """Give the slot back (its grants stay in the total); None: leave BEYOND, once, in the
+        process ``register`` counted."""
         c = self.cells
+        if index is None:
+            c.fetch_add(L.BEYOND, MASK64)  # -1
+            return
         base = L.slot_offset(index)
         if c.load(base + L.SLOT_PID) != pid:
             return  # reclaimed already (we were taken for dead)
@@ -300,9 +311,17 @@ class ProcessTable:
                 )
         return out
 
+    def beyond(self) -> int:
+        """The processes attached beyond the table (BEYOND): live ones, and any killed while
+        attached (whose count stays)."""
+        return self.cells.load(L.BEYOND)
+
     def live(self) -> bool:
-        """Some live process is registered (``slot_alive``: another namespace's counts as alive)."""
-        return any(slot_alive(e.pid, e.start, e.pidns) for e in self.entries())
+        """Some process is attached beyond the table, or some live process is registered
+        (``slot_alive``: another namespace's counts as alive)."""
+        return self.beyond() != 0 or any(
+            slot_alive(e.pid, e.start, e.pidns) for e in self.entries()
+        )
 
     def total_grants(self) -> int:
         """Every grant ever made through any slot, by current and departed owners alike."""

@@ -1,19 +1,27 @@
 """gc on every kind of segment: the same claim-check-unlink, and openers that see a claim."""
 
+import mmap
 import os
+import subprocess
+import sys
 
 import pytest
+from support.procs import WORKDIR
 from support.procs import run_cli as cli
 from support.procs import start_acquirer as start_worker
 from support.segments import run_tools_on, shm_path
 
 import shmlimit
 from shmlimit import group, header
+from shmlimit.keyed import layout as K
 from shmlimit.keyed import segment as keyed_segment
 from shmlimit.keyed.window_table import WindowTable
+from shmlimit.kinds import collect, stale
 from shmlimit.shm import layout as L
 from shmlimit.shm import segment
+from shmlimit.shm.cells import open_cells
 from shmlimit.shm.segment import current_inode
+from shmlimit.shm.table import ProcessTable, proc_start
 
 
 def _state(name):
@@ -177,3 +185,135 @@ def test_a_group_claimed_while_opening_is_opened_again_from_the_start(name, monk
     with pytest.raises(shmlimit.SegmentError, match="kept being collected"):
         make()
     assert len(mapped) >= 16 and all(r.mm is None for r in mapped)
+
+
+# ---- processes beyond the process table --------------------------------------------------------
+
+#: Each kind as a child opens it (``NAME``: the limiter's name); a Limiter's own tables hold one slot.
+_BEYOND_KINDS = {
+    "limiter": "shmlimit.Limiter(NAME, rate=10, burst=1, slots=1)",
+    "rates": "shmlimit.Limiter(NAME, rates={'a': ('10/s', 1), 'b': ('20/s', 1)}, slots=1)",
+    "keyed": "shmlimit.KeyedLimiter(NAME, rate=10, burst=1, keys=100)",
+    "keyed-rates": "shmlimit.KeyedLimiter(NAME, rates={'a': ('10/s', 1), 'b': ('20/s', 1)}, keys=100)",
+    "windows": "WindowTable(NAME, keys=100)",
+}
+
+_HOLDER = """
+import sys
+import shmlimit
+from shmlimit.keyed.window_table import WindowTable
+NAME = sys.argv[1]
+lim = {}
+print("ready", flush=True)
+sys.stdin.readline()
+lim.close()
+print("closed", flush=True)
+sys.stdin.readline()
+"""
+
+
+def _table(name, slots, offset=0):
+    """The process table of ``name``'s segment (or of its region at ``offset``), mapped on its own."""
+    with open(shm_path(name), "r+b") as f:
+        mm = mmap.mmap(f.fileno(), L.slot_offset(slots), offset=offset)
+    return ProcessTable(open_cells(mm, len(mm)), slots)
+
+
+def _fill_tables(name, kind):
+    """Every free slot of the keyed tables of ``name`` taken by this live process: each table with
+    the slots it took (none for a Limiter's, whose one slot this process holds)."""
+    if kind in ("limiter", "rates"):
+        return []
+    offsets = [0]
+    if kind == "keyed-rates":
+        geo = group.copy_geometry(name, L.REGIONS_KEYED)
+        offsets = [geo.offset(i) for i in range(len(geo.keys))]
+    out = []
+    for offset in offsets:
+        table = _table(name, K.PSLOTS, offset)
+        free = K.PSLOTS - len(table.entries())
+        out.append(
+            (table, [table.register(os.getpid(), proc_start(os.getpid())) for _ in range(free)])
+        )
+    return out
+
+
+@pytest.mark.parametrize("kind", sorted(_BEYOND_KINDS))
+def test_gc_keeps_a_limiter_whose_only_user_is_beyond_its_process_table(name, monkeypatch, kind):
+    """A live process that found every slot held (by live processes) shares the limit: when the
+    listed ones are gone, ``gc`` keeps the segment while it is attached (were it removed, a new
+    deploy would make a second limit beside it), says why, and collects it once it closed."""
+    expr = _BEYOND_KINDS[kind]
+    ours = eval(expr, {"shmlimit": shmlimit, "WindowTable": WindowTable, "NAME": name})
+    filled = _fill_tables(name, kind)
+    child = subprocess.Popen(
+        [sys.executable, "-c", _HOLDER.format(expr), name],
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        text=True,
+        cwd=WORKDIR,
+    )
+    try:
+        assert child.stdout.readline().strip() == "ready"
+        for table, slots in filled:
+            for i in slots:
+                table.unregister(i, os.getpid())
+        ours.close()  # every listed process gone: only the child, beyond the tables, uses it
+        assert not any(p.alive for p in shmlimit.inspect(name).processes)
+        inode = current_inode(name)
+        assert stale([name], pytest.fail) == ([], 1)
+        assert not collect(name)  # what gc runs for a stale name: it keeps the segment
+        code, out = run_tools_on(monkeypatch, name, "gc")
+        assert code == 0 and f"kept: {name}: 1 process(es) attached beyond its process" in out
+        assert out.splitlines()[-1] == "0 removed, 1 in use" and current_inode(name) == inode
+        # a new deploy shares the child's limit: one segment, not a second beside it
+        eval(expr, {"shmlimit": shmlimit, "WindowTable": WindowTable, "NAME": name}).close()
+        assert current_inode(name) == inode
+        child.stdin.write("\n")
+        child.stdin.flush()
+        assert child.stdout.readline().strip() == "closed"  # alive, and counted out
+        assert stale([name], pytest.fail) == ([name], 0)
+        assert collect(name) and current_inode(name) is None
+    finally:
+        child.stdin.close()
+        child.wait()
+
+
+def test_a_process_beyond_the_table_keeps_it_live_until_it_closes(name):
+    """A process that gets no slot (the one slot held by a live process) is counted beyond the
+    table: the table is ``live`` while it is attached, as for a registered one, and not once it
+    closed; counted out once (a close after its leave takes nothing more), a forked child's count
+    its own."""
+    shmlimit.Limiter(name, rate=10, slots=1).close()
+    child = subprocess.Popen(
+        [sys.executable, "-c", _HOLDER.format("shmlimit.Limiter(NAME)"), name],
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        text=True,
+        cwd=WORKDIR,
+    )
+    try:
+        assert child.stdout.readline().strip() == "ready"  # it holds the one slot
+        table = _table(name, 1)
+        lim = shmlimit.Limiter(name)
+        assert lim._att.slot is None and table.beyond() == 1
+        child.stdin.write("\n")
+        child.stdin.flush()
+        assert child.stdout.readline().strip() == "closed"
+        assert not table.entries() and table.live()  # nobody listed, yet in use
+        pid = os.fork()
+        if pid == 0:  # a forked child: not counted until its use, then counted itself
+            ok = table.beyond() == 1
+            lim.try_acquire()
+            ok = ok and lim._att.slot == 0 and table.beyond() == 1  # (the slot is free now)
+            lim.close()
+            os._exit(0 if ok and table.beyond() == 1 and not table.entries() else 1)
+        assert os.waitpid(pid, 0)[1] == 0
+        assert table.beyond() == 1 and table.live()  # the parent's count is the parent's
+        lim._att.leave()
+        assert table.beyond() == 0 and not table.live()
+        lim.close()
+        assert table.beyond() == 0 and not table.live()
+    finally:
+        child.stdin.close()
+        child.wait()
