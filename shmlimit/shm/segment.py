@@ -364,13 +364,18 @@ def peek_word(name: str, offset: int = L.MAGIC_OFF) -> int:
 
 def unlink(name: str) -> None:
     """Remove the segment's name, and its secret file if it has one.  Raises
-    LimiterNotFoundError when there is none."""
+    LimiterNotFoundError when there is none, PermissionError when this user may not remove it."""
     validate_name(name)
     inode = current_inode(name)
     try:
         posix_ipc.unlink_shared_memory(posix_name(name))
     except posix_ipc.ExistentialError:
         raise LimiterNotFoundError(name) from None
+    except posix_ipc.PermissionsError as e:  # not an OSError: said as the one the callers catch
+        raise PermissionError(
+            f"not allowed to remove limiter {name!r}: {e} (in {SHM_DIR} only its owner or root "
+            "may remove a segment)"
+        ) from None
     if inode is not None:
         drop_secret(name, inode)
 

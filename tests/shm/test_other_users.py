@@ -1,9 +1,12 @@
 """Other users' processes: a limiter is opened only as its mode allows."""
 
+import io
 import multiprocessing as mp
 import os
 import pwd
+from contextlib import redirect_stderr, redirect_stdout
 
+import posix_ipc
 import pytest
 
 import shmlimit
@@ -55,3 +58,52 @@ def test_another_user_cannot_attach_unless_the_mode_allows_it(name):
     os.chown(f"/dev/shm/shmlimit.{name}", -1, group)
     assert _run_as_nobody(name, gid=group) == "attached"
     assert _run_as_nobody(name, gid=None).startswith("PermissionError")  # not in the group: refused
+
+
+def _refused(name):
+    raise posix_ipc.PermissionsError("Permission denied")
+
+
+def test_a_segment_this_user_may_not_remove_is_a_permission_error(name, monkeypatch):
+    """``unlink`` of another user's segment (in /dev/shm, sticky, only its owner or root may remove
+    it) is a ``PermissionError`` naming it, which every caller catches (posix_ipc's own is not an
+    OSError)."""
+    shmlimit.Limiter(name, rate=10).close()
+    monkeypatch.setattr(posix_ipc, "unlink_shared_memory", _refused)
+    with pytest.raises(PermissionError, match=f"not allowed to remove limiter '{name}'"):
+        shmlimit.unlink(name)
+    code, out, err = _cli(monkeypatch, name, "unlink", name)
+    assert code == 2 and out == ""
+    assert err.splitlines() == [err.strip()] and "not allowed to remove limiter" in err
+
+
+def test_gc_goes_on_past_a_segment_it_may_not_remove(name, monkeypatch):
+    """gc reports a stale segment it may not remove and removes the next ones."""
+    for n in (name + "-a", name + "-b"):
+        shmlimit.Limiter(n, rate=10).close()
+    real = posix_ipc.unlink_shared_memory
+
+    def refuse_a(posix):
+        if posix.endswith(name + "-a"):
+            _refused(posix)
+        real(posix)
+
+    monkeypatch.setattr(posix_ipc, "unlink_shared_memory", refuse_a)
+    code, out, _ = _cli(monkeypatch, name, "gc")
+    assert code == 0
+    assert f"left alone (unreadable): {name}-a: not allowed to remove limiter" in out
+    assert f"removed: {name}-b" in out.splitlines()
+    assert [n for n in shmlimit.list_names() if n.startswith(name)] == [name + "-a"]
+
+
+def _cli(monkeypatch, prefix, *argv):
+    """``shmlimit argv...`` in this process, seeing only the segments named ``prefix``...:
+    (exit code, stdout, stderr)."""
+    from shmlimit.cli import main as cli
+
+    real = cli.scan
+    monkeypatch.setattr(cli, "scan", lambda: ([n for n in real()[0] if n.startswith(prefix)], []))
+    out, err = io.StringIO(), io.StringIO()
+    with redirect_stdout(out), redirect_stderr(err):
+        code = cli.main(list(argv))
+    return code, out.getvalue(), err.getvalue()
