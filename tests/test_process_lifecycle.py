@@ -13,6 +13,7 @@ import pytest
 from support.procs import WORKDIR, start_acquirer, wait_for
 
 import shmlimit
+from shmlimit.shm import layout as L
 
 pytestmark = pytest.mark.slow  # real processes measured in real (wall-clock) time
 
@@ -198,6 +199,37 @@ def test_the_owner_watch_answers_as_slot_alive_does_and_leaks_no_descriptor():
         child.kill()
         child.wait()
         w.close()
+
+
+def test_a_pid_no_process_can_have_is_dead_and_the_reap_goes_on(name):
+    """A slot's PID word outside 1..PID_MAX_LIMIT (a forged or torn word: 2**31 and up made
+    ``os.pidfd_open`` raise OverflowError, and every reap pass stopped there) names no process in
+    any namespace: dead to every judge, and the filler's reap gives its records back."""
+    from shmlimit.shm.table import PID_MAX_LIMIT, OwnerWatch, is_alive, slot_alive
+
+    w = OwnerWatch()
+    try:
+        for pid in (PID_MAX_LIMIT + 1, (1 << 31) + 5, (1 << 64) - 1):
+            for ns in (0, 1):  # ours, and another namespace's
+                assert not slot_alive(pid, 12345, ns) and not w.alive(3, pid, 12345, ns)
+                assert not w.round()(3, pid, 12345, ns)
+            assert not is_alive(pid, 0)
+    finally:
+        w.close()
+    lim = shmlimit.Limiter(name, rate=1000, slots=4)
+    try:
+        lim.acquire()
+        att = lim._att
+        base = L.slot_offset(3)
+        att.cells.store(base + L.SLOT_START, 12345)
+        att.cells.store(base + L.SLOT_PID, (1 << 31) + 5)
+        tail = att.cells.load(L.TAIL)
+        att.cells.store(base + L.SLOT_TICKET, tail + 7)  # a ticket of 7 tokens, queued
+        att.cells.store(base + L.SLOT_TICKET_LEN, 7)
+        att.cells.store(L.TAIL, tail + 7)
+        assert att.reap() == 1  # given back, not an OverflowError
+    finally:
+        lim.close()
 
 
 class _CountingPoll:

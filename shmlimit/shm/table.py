@@ -43,6 +43,12 @@ PID_MAX_LIMIT = 1 << 22
 UNKNOWN = -1
 
 
+def possible_pid(pid: int) -> bool:
+    """Whether ``pid`` (read from a segment: any 64-bit word) can be a process's at all: a pid
+    outside 1..PID_MAX_LIMIT names no process, in any PID namespace, and is dead."""
+    return 0 < pid <= PID_MAX_LIMIT
+
+
 def proc_start(pid: int) -> Optional[int]:
     """Start time of a live (non-zombie) process in clock ticks since boot; None if there is none.
 
@@ -56,7 +62,7 @@ def proc_start(pid: int) -> Optional[int]:
         with open(f"/proc/{pid}/stat", "rb") as f:
             data = f.read()
     except (FileNotFoundError, ProcessLookupError):
-        if not 0 < pid <= PID_MAX_LIMIT:  # no such pid (and kill() would signal a group)
+        if not possible_pid(pid):  # (and kill() would signal a group)
             return None
         try:
             os.kill(pid, 0)  # signal 0: only asks whether the pid exists
@@ -101,13 +107,13 @@ def slot_alive(pid: int, start: int, pidns: int) -> bool:
     remove a segment a container still uses, and the limit would double.
     """
     if pidns and pidns != pid_namespace():
-        return pid > 0
+        return possible_pid(pid)
     return is_alive(pid, start)
 
 
 def is_alive(pid: int, start: int) -> bool:
     """True if ``pid`` is running and is the process that started at ``start`` (0: not yet known)."""
-    if pid <= 0:
+    if not possible_pid(pid):
         return False
     now_start = proc_start(pid)
     if now_start is None:
@@ -139,7 +145,7 @@ class OwnerWatch:
         self, index: int, pid: int, start: int, pidns: int, seen: Optional[List[Set[int]]] = None
     ) -> bool:
         if pidns and pidns != pid_namespace():
-            return pid > 0
+            return possible_pid(pid)
         with self._lock:
             return self._alive(index, pid, start, seen)
 
@@ -162,7 +168,7 @@ class OwnerWatch:
             self._drop(index)
             held = None
         if held is None:
-            if pid <= 0:
+            if not possible_pid(pid):
                 return False
             fd = _pidfd(pid) if start else None
             if fd is None:
@@ -217,7 +223,10 @@ class OwnerWatch:
 
 
 def _pidfd(pid: int) -> Optional[int]:
-    """A pidfd of ``pid`` (close-on-exec), or None where there is none (or no descriptor left)."""
+    """A pidfd of ``pid`` (close-on-exec), or None where there is none (or no descriptor left, or
+    ``pid`` is no process's: os.pidfd_open would raise OverflowError past 2**31)."""
+    if not possible_pid(pid):
+        return None
     try:
         return os.pidfd_open(pid)  # type: ignore[attr-defined]
     except (AttributeError, OSError):
