@@ -235,7 +235,8 @@ def read_geometry(seg: Segment, regions: Optional[int]) -> Geometry:
     finally:
         c.close()
     keys = tuple(raw.split(b"\0")[:count])
-    if named not in (0, 1) or len(keys) != count or not all(_KEY.fullmatch(k) for k in keys):
+    if named not in (0, 1) or len(set(keys)) != count or not all(_KEY.fullmatch(k) for k in keys):
+        # (a key twice: one name for two rates, as ``parse_rates`` refuses)
         raise SegmentError(f"segment {seg.name!r} is corrupt: its rates' keys make no sense")
     if regions is not None and layout != regions:
         raise SegmentError(f"segment {seg.name!r} is {_REGIONS[layout]}, not {_REGIONS[regions]}")

@@ -269,6 +269,7 @@ def _forge(name: str, offset: int, value: bytes) -> None:
         (L.GROUP_COUNT, struct.pack("<Q", 3), "corrupt"),  # more than the file holds
         (L.GROUP_STRIDE, struct.pack("<Q", 8), "corrupt"),
         (L.GROUP_KEYS, b"a-b\0", "keys"),
+        (L.GROUP_KEYS, b"a\0a\0", "keys"),  # one key for two rates
         (L.GROUP_NAMED, struct.pack("<Q", 7), "keys"),
         (L.VERSION_OFF, struct.pack("<Q", 99), "version"),
     ],
