@@ -1,8 +1,9 @@
 """What another local user can plant under a limiter's name in /dev/shm: a FIFO, a symlink, a
 directory, a device.  Every tool and every constructor refuses it or skips it at once.
 
-Each tool runs in its own interpreter with a timeout: before every open went through one
-non-blocking, no-follow opener, a FIFO hung them all (the magic peek waited for a writer).
+The tools run in a fresh interpreter with a timeout, one after another: before every open went
+through one non-blocking, no-follow opener, a FIFO hung them all (the magic peek waited for a
+writer).
 """
 
 import json
@@ -13,13 +14,14 @@ import sys
 import textwrap
 
 import pytest
-from support.procs import WORKDIR, run_cli
+from support.procs import WORKDIR, run_cli_each
 from support.segments import shm_path, unique_name
 
 # run once in CI: names each backend it checks
 pytestmark = pytest.mark.backend_independent
 
-#: Seconds any one tool may take on a machine shared with other test runs; a hang never ends.
+#: Seconds the tools may take, all of them, on a machine shared with other test runs; a hang never
+#: ends.
 TIMEOUT = 30
 KINDS = ["fifo", "symlink", "directory", "device"]
 BACKENDS = ["native", "atomics"]
@@ -62,29 +64,36 @@ def _no_traceback(r):
 @pytest.mark.parametrize("planted", KINDS, indirect=True)
 def test_the_tools_skip_a_planted_file_at_once(planted, backend):
     name, refusal = planted
-    for args in (["list"], ["gc", "--dry-run"]):
-        # gc only looks (--dry-run): a real gc here could remove another test run's idle segment
-        r = run_cli(*args, timeout=TIMEOUT)
+    # gc only looks (--dry-run): a real gc here could remove another test run's idle segment
+    listing = (["list"], ["gc", "--dry-run"])
+    # top samples twice, an interval apart (the rates): each sample skips the planted file
+    as_json = (["list", "--json"], ["top", "--once", "--json", "--interval", "0.01"])
+    named = (["inspect", name], ["top", "--once", name])  # named: a user error, one line
+    runs = iter(
+        run_cli_each([*listing, *as_json, *named, ["metrics"], ["doctor", "--json"]], TIMEOUT)
+    )
+    for args in listing:
+        r = next(runs)
         _no_traceback(r)
         assert r.returncode == 0, (args, r.stderr)
         said = [ln for ln in r.stdout.splitlines() if name in ln]
         assert said and refusal in said[0], (args, r.stdout)
-    for args in (["list", "--json"], ["top", "--once", "--json"]):
-        r = run_cli(*args, timeout=TIMEOUT)
+    for args in as_json:
+        r = next(runs)
         _no_traceback(r)
         entries = json.loads(r.stdout.splitlines()[-1])
         entries = entries["limiters"] if isinstance(entries, dict) else entries
         mine = [e for e in entries if e["name"] == name]
         assert len(mine) == 1 and set(mine[0]) == {"name", "error"}, (args, mine)
         assert refusal in mine[0]["error"], (args, mine)
-    for args in (["inspect", name], ["top", "--once", name]):  # named: a user error, one line
-        r = run_cli(*args, timeout=TIMEOUT)
+    for args in named:
+        r = next(runs)
         _no_traceback(r)
         assert r.returncode == 2 and refusal in r.stderr and len(r.stderr.splitlines()) == 1
-    r = run_cli("metrics", timeout=TIMEOUT)
+    r = next(runs)
     _no_traceback(r)
     assert r.returncode == 0 and f'limiter="{name}"' not in r.stdout
-    r = run_cli("doctor", "--json", timeout=TIMEOUT)
+    r = next(runs)
     _no_traceback(r)
     # listed among the segments it cannot read (the text names the first five of them)
     assert r.returncode in (0, 1) and any(name in f["names"] for f in json.loads(r.stdout))

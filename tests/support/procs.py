@@ -60,6 +60,52 @@ def run_cli(*args: str, timeout: float = 120) -> subprocess.CompletedProcess:
     )
 
 
+#: Run in a fresh interpreter: each command line of ``argv[1]`` (JSON) through the ``shmlimit``
+#: command's ``main``, its output and exit status captured as the command's would be; printed as
+#: JSON, one ``[status, stdout, stderr]`` each.
+_CLI_EACH = textwrap.dedent(
+    """
+    import contextlib, io, json, sys, traceback
+    from shmlimit.cli.main import main
+
+    said = []
+    for argv in json.loads(sys.argv[1]):
+        out, err = io.StringIO(), io.StringIO()
+        with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+            try:
+                status = main(argv)
+            except SystemExit as e:  # argparse's: as the command would exit
+                status = e.code if isinstance(e.code, int) else int(e.code is not None)
+            except BaseException:  # what the interpreter would print, and its status
+                traceback.print_exc()
+                status = 1
+        said.append([status, out.getvalue(), err.getvalue()])
+    print(json.dumps(said))
+    """
+)
+
+
+def run_cli_each(
+    argvs: Sequence[Sequence[str]], timeout: float = 120
+) -> List[subprocess.CompletedProcess]:
+    """Each ``shmlimit`` command line of ``argvs``, one after another in one fresh interpreter:
+    what ``run_cli`` gives for each (status, output, a traceback in stderr), at the cost of one
+    interpreter's start; ``timeout`` is for them all."""
+    r = subprocess.run(
+        [sys.executable, "-c", _CLI_EACH, json.dumps([list(a) for a in argvs])],
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        cwd=WORKDIR,
+    )
+    assert r.returncode == 0, r.stderr
+    said = json.loads(r.stdout.splitlines()[-1])
+    return [
+        subprocess.CompletedProcess([*CLI, *argv], status, out, err)
+        for argv, (status, out, err) in zip(argvs, said)
+    ]
+
+
 # ---- forked (or spawned) workers that report one result each ------------------------------------
 
 
