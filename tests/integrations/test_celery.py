@@ -45,7 +45,7 @@ TEN = shmlimit.Limiter(os.environ["LIM"] + "-ten", rate=10, burst=1)
 def stamp_ten(self, i):
     return time.monotonic(), os.getpid(), self.request.retries
 """
-RATE, CAPACITY, CONCURRENCY, TASKS_N = 50, 1, 3, 500
+RATE, CAPACITY, CONCURRENCY, TASKS_N = 50, 1, 3, 300
 
 
 def _worker(name, own_redis, tmp_path, monkeypatch, concurrency=CONCURRENCY):
