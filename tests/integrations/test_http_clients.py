@@ -41,17 +41,18 @@ def name(name):
 
 
 class Recorder(BaseHTTPRequestHandler):
-    log = []  # (path, pid header, server monotonic time when answered)
+    log = []  # (path, pid header, server monotonic time on arrival)
 
     def do_GET(self):  # noqa: N802
+        # stamped on arrival, before a byte of the answer is sent: a client may act on a 429's
+        # headers (end_headers sends them) before its body is written
+        Recorder.log.append((self.path, self.headers.get("X-Pid"), time.monotonic()))
         busy = self.path == "/busy"
         self.send_response(429 if busy else 200)
         if busy:
             self.send_header("Retry-After", str(RETRY_AFTER))
         self.send_header("Content-Length", "2")
         self.end_headers()
-        # the 429 is stamped before it is sent; the others when they arrive (after their grant)
-        Recorder.log.append((self.path, self.headers.get("X-Pid"), time.monotonic()))
         self.wfile.write(b"ok")
 
     def log_message(self, *args):
