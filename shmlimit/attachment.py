@@ -416,10 +416,8 @@ class Attachment(Attached):
         """What a native wait's flags ask of Python: nudge the filler, burn to the capacity in force."""
         if rc & WAIT_NUDGE:
             self.nudge_filler()  # we did the filler's work and the lease lapsed: make sure a filler runs
-        if rc & WAIT_BURN:  # our add raced a config change: the capacity in force applies to it
-            b = self.bucket
-            b.refresh()
-            b.burn(keep=b.cap + b.burst_pool)
+        if rc & WAIT_BURN:  # our add raced a config change: the config in force applies to it
+            self.bucket.burn_late_add()
 
     def nudge_filler(self) -> None:
         """A caller did the filler's work, or needs a lease: make sure a filler runs."""

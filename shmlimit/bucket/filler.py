@@ -309,10 +309,8 @@ class ClockFeed:
                 lease.word = 0
         elif lease.word == word:
             lease.word = new_word
-        if flags & FILL_BURN:  # our add raced a config change: the capacity in force applies
-            b = self.bucket
-            b.refresh()
-            b.burn(keep=b.cap + b.burst_pool)
+        if flags & FILL_BURN:  # our add raced a config change: the config in force applies
+            self.bucket.burn_late_add()
         return fills, renewed_ns / 1e9
 
     def interrupt(self) -> None:

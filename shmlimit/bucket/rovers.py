@@ -469,11 +469,16 @@ class Bucket(Schedule):
         if snap.catch_up:
             self._put_wait(extra - add + taken - catch, snap)  # unusable time now: behind schedule
         if total > 0 and c.load(L.CFG_SEQ) != snap.seq:
-            # The config changed between our clamp and our add: a capacity that shrank meanwhile
-            # applies to our tokens too (the writer's own burn may have run before our add).
-            self.refresh()
-            self.burn(keep=self.snap.cap + self.snap.burst_pool)
+            self.burn_late_add()
         return total
+
+    def burn_late_add(self) -> int:
+        """An add that raced a config change (its claim priced under the old one): burn down to what
+        the config in force allows, the writer's own burn having maybe run before the add: its
+        capacity (and catch-up room), or nothing while stopped.  The tokens taken."""
+        self.refresh()
+        snap = self.snap
+        return self.burn(keep=0 if snap.stopped else snap.cap + snap.burst_pool)
 
     def _put_wait(self, amount: int, snap: Snapshot) -> None:
         c = self.cells
@@ -501,21 +506,21 @@ class Bucket(Schedule):
     def set_stopped(self, stopped: bool, reset: bool = False) -> None:
         """``stop``: no time accrues and no token is granted until ``start``.
 
-        Both restart the clock at now, so the paused time is neither granted at
-        once nor counted as behind schedule; ``reset`` also empties the bucket
-        and the waiting pool (``restart``).
+        Both restart the clock at now, before the flag changes (a claim of the
+        paused time is made while stopped, and adds nothing), so the paused time
+        is neither granted at once nor counted as behind schedule; then both
+        empty the bucket, and ``reset`` the waiting pool too (``restart``).
         """
-        self.publish(self.config, stopped=stopped)
         c = self.cells
-        if stopped or reset:
-            self.burn()
-        if reset:
-            c.store(L.WAIT, 0)
         now = self.clock()
         while True:
             ts = c.load(L.REPL_TS)
             if ts >= now or c.cas(L.REPL_TS, ts, now):
                 break
+        self.publish(self.config, stopped=stopped)
+        self.burn()
+        if reset:
+            c.store(L.WAIT, 0)
 
     def add(self, tokens: int, head_then: Optional[int] = None) -> int:
         """Give tokens to the head (a lease, a ``settle`` refund, ``give_back``), never beyond

@@ -7,9 +7,10 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from support.buckets import make_bucket
+from support.cells import Before
 from support.windows import check_windows
 
-from shmlimit.bucket.rovers import NO_RECORD, REFUSED, diff
+from shmlimit.bucket.rovers import NO_RECORD, REFUSED, Bucket, diff
 from shmlimit.config import NS_PER_S, Config
 from shmlimit.shm import layout as L
 from shmlimit.shm.cells import MASK64, native_available
@@ -389,3 +390,41 @@ def test_a_segment_without_the_clamp_words_adds_nothing_once_then_replenishes(ba
     assert b.replenish() == 0
     clock.advance(2_000_000)
     assert b.replenish() == 2_000_000 * b.tpn
+
+
+def test_an_add_claimed_before_a_stop_and_landing_after_it_leaves_nothing(backend):
+    """10/s, burst 5: another replenisher claims a second (5 ops, clamped) and is preempted; stop()
+    burns the bucket; the add lands after it.  The config changed under the add: it burns down to
+    what the config in force allows, nothing while stopped (not the capacity: 5 ops taken while
+    stopped, and start() resuming from a full bucket).  Nor does a refund meanwhile outlive start()."""
+    b, clock = make_bucket(Config.make(10, burst=5), backend, initial=0)
+    other = Bucket(b.cells, clock)
+    clock.advance(NS_PER_S)
+    claim = other.claim()
+    b.set_stopped(True)
+    assert other.apply(claim) == 5 * b.cost  # added, then burned
+    assert b.balance() == 0 and b.take_available(L.UNREG_GRANTS) == 0
+    b.add(2 * b.cost)  # a refund while stopped: start() resumes from an empty bucket all the same
+    b.set_stopped(False)
+    assert b.balance() == 0
+
+
+def test_a_claim_of_the_paused_time_while_start_runs_adds_nothing(backend):
+    """10/s, burst 5, stopped for a second with nobody replenishing; start() runs, and another
+    replenisher claims the paused second just before start's claim of it: it claims it while
+    stopped (start restarts the clock before it lifts the flag) and adds nothing; start resumes
+    from an empty bucket, and the first op accrues 100 ms later."""
+    b, clock = make_bucket(Config.make(10, burst=5), backend, initial=0)
+    other = Bucket(b.cells, clock)
+    b.set_stopped(True)
+    clock.advance(NS_PER_S)
+    cells = b.cells
+    b.cells = Before(cells, lambda op, args: op == "cas" and args[0] == L.REPL_TS, other.replenish)
+    try:
+        b.set_stopped(False)
+    finally:
+        b.cells = cells
+    assert b.balance() == 0
+    clock.advance(NS_PER_S // 10)
+    b.replenish()
+    assert b.balance() == b.cost
