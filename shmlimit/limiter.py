@@ -15,7 +15,7 @@ from typing import TYPE_CHECKING, Any, Callable, Dict, Iterable, Optional, Tuple
 from shmlimit import live_changes
 from shmlimit.acquire import single as acquisition
 from shmlimit.acquire.drivers import drive, drive_async
-from shmlimit.acquire.single import MAX_NAP, Request, wait_for_ticket
+from shmlimit.acquire.single import MAX_NAP, Request, give_back_unowned, wait_for_ticket
 from shmlimit.adapt import Adapt
 from shmlimit.adapt import feedback as adapt_feedback
 from shmlimit.attachment import Attachment, FastPaths, check_upstream, open_attachment, registry
@@ -280,7 +280,11 @@ class Limiter(RatesSwitch, AcquireOnEnter, Handle):
                 if ticket is False or ticket is True:  # refused first: a flood is mostly refusals
                     return ticket
             if ticket is not False and ticket is not None:  # (a fast path: a live attachment)
-                return wait_for_ticket(self._live(), ticket, timeout)
+                try:  # (from the store of the ticket on: no call between that could raise)
+                    return wait_for_ticket(self._live(), ticket, timeout)
+                except BaseException:
+                    give_back_unowned(self._att, ticket)
+                    raise
         return drive(Request(self._live(), n, timeout))
 
     def try_acquire(self, n: int = 1) -> bool:
@@ -467,12 +471,20 @@ class Limiter(RatesSwitch, AcquireOnEnter, Handle):
                 if ticket is None:
                     return True
                 if ticket is not False:  # (a fast path exists only for a live attachment)
-                    return await acquisition.wait_ticket_async(self._live(), acq, ticket)
+                    try:
+                        return await acquisition.wait_ticket_async(self._live(), acq, ticket)
+                    except BaseException:
+                        give_back_unowned(self._att, ticket, counted=True)
+                        raise
             held = acquisition.grab_one_async(self._live())
             if held is True:
                 return True
             if held is not None:
-                return await drive_async(held)
+                try:
+                    return await drive_async(held)
+                except BaseException:
+                    give_back_unowned(self._att, held.ticket)
+                    raise
         return await drive_async(Request(self._live(), n, timeout))
 
     # -- observation -------------------------------------------------------------------

@@ -149,13 +149,12 @@ class Request:
         under the grab), and the ticket can then never be given back.
         ``rec``: the record the grab's first wait made of it already.  ``deadline``: hierarchical
         mode's timed grab, given back when not served by then (CLOCK_MONOTONIC ns).  ``counted``:
-        its caller is counted in WAITING already (``Acquirer.take``): ``end`` uncounts it.
+        its caller is counted in WAITING already (``Acquirer.take``): ``end`` uncounts it; else its
+        first step counts it (inside its driver's ``try``, whose ``end`` uncounts it).
         """
         r = cls.__new__(cls)
         r._start(att, n, tokens, deadline, TICKET, ticket)
-        r._waiting = True
-        if not counted:
-            att.waiting(+1)
+        r._waiting = counted
         r.record = rec if rec is not None or tokens <= 0 else att.record_ticket(ticket, tokens)
         return r
 
@@ -307,9 +306,6 @@ class Request:
         self.ticket = ticket
         self.record = rec
         self.state = TICKET
-        if not self._waiting:
-            self._waiting = True
-            self.att.waiting(+1)
         return self._wait_ticket()
 
     def _wait_ticket(self) -> Step:
@@ -323,6 +319,9 @@ class Request:
         att = self.att
         ticket = self.ticket
         assert ticket is not None
+        if not self._waiting:  # counted among its process's queued callers until ``end``
+            self._waiting = True
+            att.waiting(+1)
         turn, self.turn_ns = self.turn_ns, None
         self.wake_ns = None
         self.fed = None
@@ -538,8 +537,31 @@ def grab_one_async(att: "Attachment") -> Union[bool, Request, None]:
         return True
     if ticket is False:
         return None
-    rec, tokens = att.find_record(ticket)  # type: ignore[arg-type]
-    return Request.holding(att, 1, ticket, tokens, rec)  # type: ignore[arg-type]
+    try:
+        rec, tokens = att.find_record(ticket)  # type: ignore[arg-type]
+        return Request.holding(att, 1, ticket, tokens, rec)  # type: ignore[arg-type]
+    except BaseException:
+        give_back_unowned(att, ticket)
+        raise
+
+
+def give_back_unowned(att: Optional["Attachment"], ticket: Any, counted: bool = False) -> None:
+    """The except clause of every hand-off of a queued ticket from a fast path (``Limiter.acquire``,
+    ``acquire_async``, ``grab_one_async``): an exception (a signal handler's, raised at any call
+    between the grab and the driver's ``try``) left with ``ticket`` (or an ``Acquirer``'s
+    ``(flags, ticket)``; None: nothing held) maybe owned by nobody.  Its record tells: still in use
+    and not given, nobody gave it back, so this does (and uncounts its caller from WAITING if
+    ``counted``: ``Acquirer.take``'s); given back, or freed at its grant, its owner let it go
+    already.  Tickets end where no other range ends, so the record is this caller's."""
+    if att is None or ticket is None or ticket is False:
+        return
+    if isinstance(ticket, tuple):
+        ticket = ticket[1]
+    rec, tokens = att.find_record(ticket)
+    if rec is not None:
+        att.give_back(ticket, tokens, rec)
+        if counted:
+            att.waiting(-1)
 
 
 async def wait_ticket_async(att: "Attachment", acq: Any, ticket: int) -> bool:

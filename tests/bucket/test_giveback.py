@@ -1333,3 +1333,84 @@ def test_close_waits_for_a_grab_between_its_records_claim_and_its_length_store(n
             p.stdin.close()
         if not lim.closed:
             lim.close()
+
+
+# ---- a signal between a fast path's queued ticket and its driver's ``try`` ----------------------
+
+
+def interrupt_at(name):
+    """A profile hook raising KeyboardInterrupt at the first call of a function called ``name``,
+    as a signal handler would at that eval-breaker point; ``fired`` tells it did."""
+    fired = []
+
+    def hook(frame, event, arg):
+        if event == "call" and frame.f_code.co_name == name and not fired:
+            fired.append(name)
+            sys.setprofile(None)
+            raise KeyboardInterrupt
+
+    return hook, fired
+
+
+def held_tickets(att):
+    """The records of this process's slot holding a ticket not given back (leaked, if none waits)."""
+    c = att.cells
+    return [(c.load(e), c.load(n)) for e, n in att.records if c.load(n) & ~L.TICKET_GIVEN]
+
+
+def interrupted_in_hand_off(lim, call, at):
+    """``call()`` (an acquire of one op that queues) interrupted at the call of ``at``, after the
+    fast path handed its ticket to Python: the ticket was taken, and nothing holds it after."""
+    att = lim._att
+    tail = att.cells.load(L.TAIL)
+    hook, fired = interrupt_at(at)
+    sys.setprofile(hook)
+    try:
+        with pytest.raises(KeyboardInterrupt):
+            call()
+    finally:
+        sys.setprofile(None)
+    assert fired and diff(att.cells.load(L.TAIL), tail) == att.bucket.cost  # a ticket was taken
+    wait_for(lambda: not att.returns.pending())
+    assert held_tickets(att) == []  # given back: its record free, none leaked
+    assert att.cells.load(att.waiting_off) == 0
+
+
+SYNC_HAND_OFF = ["_live", "wait_for_ticket", "find_record", "holding", "drive"]
+ASYNC_HAND_OFF = ["find_record", "holding", "drive_async"]
+
+
+@pytest.mark.parametrize(
+    "kind, at", [("sync", a) for a in SYNC_HAND_OFF] + [("async", a) for a in ASYNC_HAND_OFF]
+)
+def test_a_ticket_interrupted_on_its_way_from_the_fast_grab_is_given_back(name, kind, at):
+    """1/s, burst 1, on a fake clock (the fast grab hands a queued ticket to Python at once): an
+    interrupt at any call between the grab and the driver's ``try`` gives the ticket back, its
+    record free, the caller no longer counted waiting, and the next op waits its own second only
+    (left recorded and not given, it waited two, and the record stayed in use for good)."""
+    clock = FakeClock()
+    with queued(name, rate=1, burst=1, clock=clock) as lim:
+        if kind == "sync":
+            interrupted_in_hand_off(lim, lim.acquire, at)
+        else:
+            interrupted_in_hand_off(lim, lambda: asyncio.run(lim.acquire_async()), at)
+        assert lim.retry_after() == pytest.approx(1.0)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(
+    "kind, at",
+    [("sync", "_live"), ("sync", "wait_for_ticket"), ("async", "_live")]
+    + [("async", "wait_ticket_async")],
+)
+def test_a_ticket_interrupted_on_its_way_from_the_native_acquirer_is_given_back(name, kind, at):
+    """The native ``Acquirer`` hands its queued ticket to Python after ``MAX_NAP`` (``acquire``)
+    or at once (``take``, counted waiting: ``acquire_async``): interrupted on its way, the same."""
+    with queued(name, rate=2, burst=1) as lim:
+        if not hasattr(lim._att.fast.grab, "take"):
+            pytest.skip("no native Acquirer on this backend")
+        if kind == "sync":
+            interrupted_in_hand_off(lim, lim.acquire, at)
+        else:
+            interrupted_in_hand_off(lim, lambda: asyncio.run(lim.acquire_async()), at)
+        assert no_backlog(lim, within=0.55)  # the next op: one op's schedule at most, not two
