@@ -25,7 +25,7 @@ from shmlimit.protocol import AcquireOnEnter
 from shmlimit.rate_group import RatesSwitch, group_options
 from shmlimit.redis.option import resolve_upstream
 from shmlimit.redis.spec import DEFAULT_BATCH_SECONDS, DEFAULT_LEASE_TTL, UpstreamSpec
-from shmlimit.registry import Handle
+from shmlimit.registry import Handle, pickled
 from shmlimit.shm import layout as L
 from shmlimit.shm.segment import unlink as _unlink_name
 from shmlimit.shm.segment import validate_mode, validate_name, validate_slots, validate_trusted_uids
@@ -96,8 +96,8 @@ class Limiter(RatesSwitch, AcquireOnEnter, Handle):
     ``adapt={"requests": shmlimit.Adapt(...)}`` (a list for a list of rates) each rate named
     adapts on its own, within its own bounds.
 
-    A Limiter pickles as its name: a child process that unpickles it attaches
-    to the same segment.  One inherited through ``fork`` works as well: the
+    A Limiter pickles as its name, ``mode`` and ``trusted_uids``: a child process that unpickles
+    it attaches to the same segment, trusting it as this one did.  One inherited through ``fork`` works as well: the
     child registers itself as its own process.
     """
 
@@ -250,8 +250,7 @@ class Limiter(RatesSwitch, AcquireOnEnter, Handle):
         # The trust travels with the handle: the unpickling process vets the segment the same way.
         # A hierarchical handle also carries the upstream its process configured (secrets
         # included), so a pool worker that unpickles it may feed as its parent would.
-        spec = None if self._att is None else self._att.feed_spec
-        return (_unpickle, (self._name, self._mode, tuple(sorted(self._trusted)), spec))
+        return pickled(self, _unpickle, None if self._att is None else self._att.feed_spec)
 
     # -- acquiring -------------------------------------------------------------------
     #
@@ -520,11 +519,12 @@ def attach(name: str, *, mode: int = 0o600, trusted_uids: Iterable[int] = ()) ->
 
 
 def _unpickle(
-    name: str, mode: int, trusted: Tuple[int, ...], spec: Optional[UpstreamSpec] = None
+    name: str, spec: Optional[UpstreamSpec], *, mode: int, trusted_uids: Tuple[int, ...]
 ) -> Limiter:
-    """Unpickling a handle: attach; a hierarchical handle's sender configured the upstream
-    (``spec``), so this process feeds with it too (the segment's must be the same)."""
-    lim = Limiter(name, mode=mode, trusted_uids=trusted)
+    """Unpickling a handle (``registry.pickled``): attach; a hierarchical handle's sender
+    configured the upstream (``spec``), so this process feeds with it too (the segment's must be
+    the same)."""
+    lim = Limiter(name, mode=mode, trusted_uids=trusted_uids)
     if spec is not None:
         check_upstream(name, lim._peek(), spec)
     return lim

@@ -62,7 +62,7 @@ from shmlimit.group import GroupCreation, copy_regions, open_rates
 from shmlimit.header import Creation
 from shmlimit.protocol import AcquireOnEnter
 from shmlimit.rate_group import MultiStats, RateGroup, parse_rates, rates_from_text
-from shmlimit.registry import Held
+from shmlimit.registry import Held, pickled
 from shmlimit.shm import layout as L
 from shmlimit.shm.segment import validate_mode, validate_name, validate_slots, validate_trusted_uids
 from shmlimit.stats import copied_snapshot, snapshot
@@ -191,16 +191,7 @@ class MultiLimiter(RateGroup, AcquireOnEnter, Held):
         super().close()
 
     def __reduce__(self):
-        return (
-            _unpickle,
-            (
-                self._name,
-                self._rates_arg,
-                self._mode,
-                tuple(sorted(self._trusted)),
-                self._adapt_arg,
-            ),
-        )
+        return pickled(self, _unpickle, self._rates_arg, self._adapt_arg)
 
     # -- costs -----------------------------------------------------------------------
 
@@ -586,6 +577,7 @@ def inspect_group(name: str) -> MultiStats:
 
 
 def _unpickle(
-    name: str, rates: object, mode: int, trusted: Tuple[int, ...], adapt: object = None
+    name: str, rates: object, adapt: object, *, mode: int, trusted_uids: Tuple[int, ...]
 ) -> MultiLimiter:
-    return MultiLimiter(name, rates, mode=mode, trusted_uids=trusted, adapt=adapt)
+    """Unpickling a handle (``registry.pickled``): the same creating call, made again."""
+    return MultiLimiter(name, rates, mode=mode, trusted_uids=trusted_uids, adapt=adapt)

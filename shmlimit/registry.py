@@ -19,7 +19,7 @@ import atexit
 import os
 import threading
 import weakref
-from typing import Any, Callable, Dict, FrozenSet, Generic, Optional, TypeVar
+from typing import Any, Callable, Dict, FrozenSet, Generic, Optional, Tuple, TypeVar
 
 from shmlimit.errors import SegmentError
 from shmlimit.shm import layout as L
@@ -283,13 +283,30 @@ class Registry(Generic[A]):
         self._atts.clear()
 
 
+def pickled(handle: Any, make: Callable[..., Any], *args: Any) -> Tuple[Any, ...]:
+    """Every kind's ``__reduce__``: the handle opened again by ``make(name, *args, mode=,
+    trusted_uids=)`` (``reopen``) with the trust it was opened with (its ``_mode`` and
+    ``_trusted``), so that the unpickling process accepts the segment the sender did."""
+    return (reopen, (make, handle._name, handle._mode, tuple(sorted(handle._trusted))) + args)
+
+
+def reopen(
+    make: Callable[..., Any], name: str, mode: int, trusted: Tuple[int, ...], *args: Any
+) -> Any:
+    """A pickled handle (``pickled``), opened again in the unpickling process."""
+    return make(name, *args, mode=mode, trusted_uids=trusted)
+
+
 class Held:
     """A handle on what it holds of a registry's, whatever its kind: its name, what it holds
     (``_att``, None once closed in this process), ``close``, ``unlink``, its release when
     collected.  A kind sets ``_registry`` (what releases what it holds: a registry, for one
-    attachment) and ``what`` (its name in errors)."""
+    attachment) and ``what`` (its name in errors), and keeps the trust it was opened with
+    (``_mode``, ``_trusted``: a pickled handle carries it, ``pickled``)."""
 
     _name: str
+    _mode: int
+    _trusted: FrozenSet[int]
     _att: Any
     _registry: Any
     what = "limiter"

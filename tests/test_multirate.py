@@ -433,7 +433,7 @@ def test_rates_as_one_string(name, clock, cleanup, text, expected):
         if isinstance(expected, dict)
         else tuple(str(i) for i in range(len(expected)))
     )
-    assert lim.__reduce__()[1][1] == expected  # a string's rates pickle as the rates they stand for
+    assert lim.__reduce__()[1][4] == expected  # a string's rates pickle as the rates they stand for
 
 
 @pytest.mark.parametrize(

@@ -22,6 +22,7 @@ from hypothesis import strategies as st
 import shmlimit
 from shmlimit import header
 from shmlimit.cli.top import printable
+from shmlimit.keyed.window_table import WindowTable
 from shmlimit.shm import layout as L
 
 ROOT = os.geteuid() == 0
@@ -159,6 +160,62 @@ def test_a_pickled_handle_carries_its_trust(name, tmp_path):
         timeout=60,
     ).returncode
     assert code == 0 and out.read_text() == "7.0"
+
+
+#: Every kind of handle, created shared with a group and trusting a uid: (kind, make(name)).
+_SHARED = {
+    "Limiter": lambda name, **kw: shmlimit.Limiter(name, rate=7, **kw),
+    "Limiter(rates=)": lambda name, **kw: shmlimit.Limiter(name, rates=["7/s", "70/min"], **kw),
+    "KeyedLimiter": lambda name, **kw: shmlimit.KeyedLimiter(name, rate=7, keys=64, **kw),
+    "KeyedLimiter(rates=)": lambda name, **kw: shmlimit.KeyedLimiter(
+        name, rates=["7/s", "70/min"], keys=64, **kw
+    ),
+    "WindowTable": lambda name, **kw: WindowTable(name, keys=64, moving_keys=0, **kw),
+}
+
+
+@pytest.mark.parametrize("kind", sorted(_SHARED))
+def test_every_kind_of_handle_pickles_with_its_trust(kind, name):
+    """A handle unpickled is vetted as its sender's was: a segment created with mode=0o660 is not
+    refused as writable by group beyond the default mode (a pool worker would die of it)."""
+    import pickle
+
+    lim = _SHARED[kind](name, mode=0o660, trusted_uids=[4242])
+    copy = pickle.loads(pickle.dumps(lim))
+    try:
+        assert type(copy) is type(lim)
+        assert (copy._mode, copy._trusted) == (0o660, frozenset({4242}))
+    finally:
+        copy.close()
+        lim.close()
+
+
+@needs_root
+def test_every_kind_of_handle_unpickled_trusts_its_owner(name):
+    """Another process unpickles a handle on a segment another user (uid 4242) owns, shared with
+    its group: it is accepted because the sender trusted that uid."""
+    import pickle
+
+    made = [
+        make(f"{name}-{i}", mode=0o660, trusted_uids=[4242])
+        for i, make in enumerate(_SHARED[k] for k in sorted(_SHARED))
+    ]
+    payload = pickle.dumps(made)
+    for lim in made:
+        lim.close()
+        os.chown(_path(lim.name), 4242, -1)
+    code = (
+        "import pickle, sys\n"
+        "for h in pickle.loads(sys.stdin.buffer.read()):\n"
+        "    print(type(h).__name__)\n"
+        "    h.close()\n"
+    )
+    out = subprocess.run(
+        [sys.executable, "-c", code], input=payload, capture_output=True, timeout=60
+    )
+    assert out.returncode == 0, out.stderr.decode()[-2000:]
+    kinds = ["Limiter", "MultiLimiter", "KeyedLimiter", "MultiKeyedLimiter", "WindowTable"]
+    assert sorted(out.stdout.decode().split()) == sorted(kinds)
 
 
 # ---- finding 2: SIGBUS ---------------------------------------------------------------------

@@ -57,7 +57,7 @@ from shmlimit.keyed.stats import (
 )
 from shmlimit.protocol import Keyed
 from shmlimit.rate_group import RatesSwitch, group_options
-from shmlimit.registry import Attached, Handle, Registry, attach
+from shmlimit.registry import Attached, Handle, Registry, attach, pickled
 from shmlimit.shm.cells import Cells
 from shmlimit.shm.segment import (
     Segment,
@@ -427,6 +427,8 @@ class KeyedLimiter(RatesSwitch, Keyed, Handle):
         trusted = validate_trusted_uids(trusted_uids)
         self._attach(
             name,
+            mode,
+            trusted,
             _open(
                 name,
                 r,
@@ -439,8 +441,8 @@ class KeyedLimiter(RatesSwitch, Keyed, Handle):
             ),
         )
 
-    def _attach(self, name: str, att: _Attachment) -> None:
-        self._name = name
+    def _attach(self, name: str, mode: int, trusted: frozenset, att: _Attachment) -> None:
+        self._name, self._mode, self._trusted = name, mode, trusted
         self._att = att
         att.handles.add(self)
         if att.joined:
@@ -464,7 +466,10 @@ class KeyedLimiter(RatesSwitch, Keyed, Handle):
         self = super().__new__(cls)
         self._att = None
         self._attach(
-            label, _open(label, rate, geo, mode, trusted, reconfigure, None, opener, adapt)
+            label,
+            mode,
+            trusted,
+            _open(label, rate, geo, mode, trusted, reconfigure, None, opener, adapt),
         )
         return self
 
@@ -518,7 +523,7 @@ class KeyedLimiter(RatesSwitch, Keyed, Handle):
         super().close()
 
     def __reduce__(self):
-        return (attach_keyed, (self._name,))
+        return pickled(self, KeyedLimiter)
 
     # -- acquiring ---------------------------------------------------------------------
 

@@ -43,6 +43,7 @@ from shmlimit.keyed.gcra import TICKS_PER_S, make_rate, wait_ticks
 from shmlimit.keyed.segment import check_geometry
 from shmlimit.protocol import Keyed
 from shmlimit.rate_group import MultiStats, RateGroup, parse_rates, rates_from_text
+from shmlimit.registry import pickled
 from shmlimit.shm import layout as L
 from shmlimit.shm.segment import validate_mode, validate_name, validate_trusted_uids
 
@@ -83,7 +84,7 @@ class MultiKeyedLimiter(RateGroup, Keyed):
         validate_name(name)
         validate_mode(mode)
         trusted = validate_trusted_uids(trusted_uids)
-        self._name = name
+        self._name, self._mode, self._trusted = name, mode, trusted
         self._keys: Tuple[str, ...] = ()
         self._named = False
         self._clock = clock
@@ -160,7 +161,7 @@ class MultiKeyedLimiter(RateGroup, Keyed):
             lim.close()
 
     def __reduce__(self):
-        return (_unpickle, (self._keyed, self._name))
+        return pickled(self, _unpickle, self._keyed)
 
     def _now(self) -> int:
         """Now in the tables' ticks."""
@@ -371,7 +372,9 @@ class _Tries:
         return None
 
 
-def _unpickle(keyed: Any, name: str) -> MultiKeyedLimiter:
-    """A pickled handle: attached by name, the rates as the limiter holds them (as
-    ``KeyedLimiter``'s is)."""
-    return MultiKeyedLimiter(keyed, name, None)
+def _unpickle(
+    name: str, keyed: Any, *, mode: int, trusted_uids: Tuple[int, ...]
+) -> MultiKeyedLimiter:
+    """A pickled handle (``registry.pickled``): attached by name, the rates as the limiter holds
+    them (as ``KeyedLimiter``'s is)."""
+    return MultiKeyedLimiter(keyed, name, None, mode=mode, trusted_uids=trusted_uids)

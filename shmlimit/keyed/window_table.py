@@ -21,7 +21,7 @@ from shmlimit.keyed import layout as K
 from shmlimit.keyed.cells import SlotTable
 from shmlimit.keyed.segment import Geometry, check_geometry, check_moving, open_keyed
 from shmlimit.keyed.windows import CMAX, MOVING_MAX, OVER, MovingWindows, WindowCounters
-from shmlimit.registry import Attached, Handle, Registry, attach
+from shmlimit.registry import Attached, Handle, Registry, attach, pickled
 from shmlimit.shm.cells import Cells
 from shmlimit.shm.segment import (
     Segment,
@@ -126,7 +126,7 @@ class WindowTable(Handle):
         validate_mode(mode)
         flags = KC.table_flags(when_full, store_keys)
         trusted = validate_trusted_uids(trusted_uids)
-        self._name = name
+        self._name, self._mode, self._trusted = name, mode, trusted
         att = _open(name, Geometry(geo.keys, 0, K.KIND_WINDOWS, moving_keys, ring), mode, trusted)
         self._att: Optional[_Attachment] = att
         self._geo = real = att.geo
@@ -279,7 +279,7 @@ class WindowTable(Handle):
         return self._live().cells.load(K.REFUSED)
 
     def __reduce__(self):
-        return (WindowTable, (self._name,))
+        return pickled(self, WindowTable)
 
     def __repr__(self) -> str:
         if self._att is None:
