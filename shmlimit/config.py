@@ -20,10 +20,11 @@ from __future__ import annotations
 
 import math
 import re
+import time
 from dataclasses import asdict, dataclass
 from fractions import Fraction
 from functools import cached_property
-from typing import Optional, Tuple
+from typing import Callable, Optional, Tuple
 
 NS_PER_S = 1_000_000_000
 MAX_TPN = 1 << 16
@@ -448,6 +449,25 @@ def validate_timeout(timeout: object, param: str = "timeout") -> Optional[float]
         return None
     t = _seconds(timeout, param)
     return None if math.isinf(t * NS_PER_S) else t
+
+
+def validate_clock(clock: object) -> Callable[[], int]:
+    """``clock``: None (``time.monotonic_ns``, returned) or a callable that reads CLOCK_MONOTONIC
+    in nanoseconds, an int from 0 to 2**63 - 1, as ``time.monotonic_ns`` does; read once here, so
+    that a wrong one (``time.time``: seconds, a float) is refused before any segment is opened."""
+    if clock is None:
+        return time.monotonic_ns
+    if not callable(clock):
+        raise TypeError(f"clock must be None or a callable returning nanoseconds, got {clock!r}")
+    reading = clock()
+    if isinstance(reading, bool) or not isinstance(reading, int):
+        raise TypeError(
+            "clock must return CLOCK_MONOTONIC nanoseconds as an int (as time.monotonic_ns "
+            f"does), got {reading!r}"
+        )
+    if not 0 <= reading < 1 << 63:
+        raise ValueError(f"clock must return nanoseconds from 0 to 2**63 - 1, got {reading!r}")
+    return clock  # type: ignore[return-value]
 
 
 def validate_reconfigure(reconfigure: object, configured: bool, what: str) -> None:

@@ -32,6 +32,7 @@ from shmlimit.header import (
     KINDS_BY_MAGIC,
     Kind,
     check_copied,
+    closed_on_failure,
     initialise,
     open_segment,
     ready_creator,
@@ -165,41 +166,37 @@ def _size_of(create: GroupCreation) -> int:
 
 def _initialise(seg: Segment, create: GroupCreation, now_ns: int) -> Cells:
     """Write the group's header, initialise every region, then publish the group (READY last)."""
-    c = start_header(seg, L.GROUP_VERSION, create.slots)
-    first, stride = _placement(create)
-    c.store(L.GROUP_COUNT, len(create.rates))
-    c.store(L.GROUP_NAMED, int(create.named))
-    c.store(L.GROUP_FIRST, first)
-    c.store(L.GROUP_STRIDE, stride)
-    c.store(L.GROUP_REGIONS, create.regions)
-    c.store(L.GROUP_TABLE_KEYS, create.table[0])
-    c.store(L.GROUP_TABLE_OVR, create.table[1])
-    raw = _encode_keys(create.keys)
-    raw += bytes(-len(raw) % 8)
-    for i in range(0, len(raw), 8):
-        c.store(L.GROUP_KEYS + i, int.from_bytes(raw[i : i + 8], "little"))
-    geo = Geometry(
-        create.keys, create.named, create.slots, first, stride, create.regions, create.table
-    )
-    if create.regions == L.REGIONS_KEYED:  # one secret file, every rate's table's
-        try:
+    with closed_on_failure(start_header(seg, L.GROUP_VERSION, create.slots)) as c:
+        first, stride = _placement(create)
+        c.store(L.GROUP_COUNT, len(create.rates))
+        c.store(L.GROUP_NAMED, int(create.named))
+        c.store(L.GROUP_FIRST, first)
+        c.store(L.GROUP_STRIDE, stride)
+        c.store(L.GROUP_REGIONS, create.regions)
+        c.store(L.GROUP_TABLE_KEYS, create.table[0])
+        c.store(L.GROUP_TABLE_OVR, create.table[1])
+        raw = _encode_keys(create.keys)
+        raw += bytes(-len(raw) % 8)
+        for i in range(0, len(raw), 8):
+            c.store(L.GROUP_KEYS + i, int.from_bytes(raw[i : i + 8], "little"))
+        geo = Geometry(
+            create.keys, create.named, create.slots, first, stride, create.regions, create.table
+        )
+        if create.regions == L.REGIONS_KEYED:  # one secret file, every rate's table's
             new_secret(seg)
-        except BaseException:
-            c.close()
-            raise
-    for i, rate in enumerate(create.rates):
-        mapped = map_region(seg, geo, i)
-        try:
-            if create.regions == L.REGIONS_KEYED:
-                adapt = create.adapts[i] if create.adapts else None
-                initialise_table(
-                    mapped, TableGeometry(*create.table), rate, adapt, secret=False
-                ).close()
-            else:
-                initialise(mapped, rate, now_ns).close()
-        finally:
-            mapped.close()
-    publish(c, L.GROUP_MAGIC)
+        for i, rate in enumerate(create.rates):
+            mapped = map_region(seg, geo, i)
+            try:
+                if create.regions == L.REGIONS_KEYED:
+                    adapt = create.adapts[i] if create.adapts else None
+                    initialise_table(
+                        mapped, TableGeometry(*create.table), rate, adapt, secret=False
+                    ).close()
+                else:
+                    initialise(mapped, rate, now_ns).close()
+            finally:
+                mapped.close()
+        publish(c, L.GROUP_MAGIC)
     return c
 
 

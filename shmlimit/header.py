@@ -19,9 +19,9 @@ from __future__ import annotations
 
 import os
 import time
-from contextlib import closing
+from contextlib import closing, contextmanager
 from dataclasses import dataclass
-from typing import Any, Callable, Optional, Tuple
+from typing import Any, Callable, Iterator, Optional, Tuple
 
 from shmlimit.adapt import Adapt
 from shmlimit.adapt import write as write_adapt
@@ -38,6 +38,7 @@ from shmlimit.shm.segment import (
     MAX_BYTES,
     Segment,
     current_inode,
+    drop_secret,
     publish,
     reopening,
     start_header,
@@ -89,17 +90,42 @@ def _limiter_size(c: Cells) -> Optional[int]:
     return L.segment_size(slots) if 1 <= slots <= L.MAX_SLOTS else None
 
 
+@contextmanager
+def closed_on_failure(c: Cells) -> Iterator[Cells]:
+    """A creator's cells while it writes a new segment: closed if a write fails, so that the
+    segment's mapping (which they export) can be closed too (``open_segment`` discards it)."""
+    try:
+        yield c
+    except BaseException:
+        c.close()
+        raise
+
+
 def initialise(seg: Segment, create: Creation, now_ns: int) -> Cells:
     """Write a new segment's header, upstream description, adapt's parameters, config and rovers;
     READY last."""
-    c = start_header(seg, L.VERSION, create.slots)
-    base = int(os.environ.get("SHMLIMIT_TEST_ROVER_BASE", "0"))  # tests: start the rovers anywhere
-    if create.upstream is not None:
-        create.upstream.write(c)
-    write_adapt(c, create.adapt)
-    Bucket.initialise(c, create.config, now_ns, create.initial, base, create.upstream is not None)
-    publish(c, L.MAGIC)
+    with closed_on_failure(start_header(seg, L.VERSION, create.slots)) as c:
+        base = int(os.environ.get("SHMLIMIT_TEST_ROVER_BASE", "0"))  # tests: rovers anywhere
+        if create.upstream is not None:
+            create.upstream.write(c)
+        write_adapt(c, create.adapt)
+        initial, fed = create.initial, create.upstream is not None
+        Bucket.initialise(c, create.config, now_ns, initial, base, fed)
+        publish(c, L.MAGIC)
     return c
+
+
+def discard(seg: Segment) -> None:
+    """Undo a creation whose initialisation failed: the name taken back, if it is still this
+    segment's (an opener may have replaced it as abandoned meanwhile), with its secret file if it
+    wrote one, then the mapping closed.  Shared state is as before the creating call."""
+    if current_inode(seg.name) == seg.inode:
+        try:
+            unlink_name(seg.name)
+        except LimiterNotFoundError:  # pragma: no cover - removed meanwhile
+            pass
+    drop_secret(seg.name, seg.inode)
+    seg.close()
 
 
 def cells_size(seg: Segment) -> int:
@@ -271,7 +297,11 @@ def open_segment(
         if create is not None:
             seg = Segment.create(name, kind.size_of(create), create.mode)
             if seg is not None:
-                return seg, kind.initialise(seg, create, clock())
+                try:
+                    return seg, kind.initialise(seg, create, clock())
+                except BaseException:
+                    discard(seg)
+                    raise
         try:
             seg = wait_ready(name, open_existing(name, mode, trusted, kind), mode, trusted, kind)
         except LimiterNotFoundError:

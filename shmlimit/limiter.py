@@ -19,7 +19,14 @@ from shmlimit.acquire.single import MAX_NAP, Request, give_back_unowned, wait_fo
 from shmlimit.adapt import Adapt
 from shmlimit.adapt import feedback as adapt_feedback
 from shmlimit.attachment import Attachment, FastPaths, check_upstream, open_attachment, registry
-from shmlimit.config import Config, parse_spec, validate_n, validate_reconfigure, validate_timeout
+from shmlimit.config import (
+    Config,
+    parse_spec,
+    validate_clock,
+    validate_n,
+    validate_reconfigure,
+    validate_timeout,
+)
 from shmlimit.header import Creation
 from shmlimit.protocol import AcquireOnEnter
 from shmlimit.rate_group import RatesSwitch, group_options
@@ -201,13 +208,12 @@ class Limiter(RatesSwitch, AcquireOnEnter, Handle):
             ):
                 raise ValueError(f"initial must be a finite number of ops >= 0, got {initial!r}")
         validate_slots(slots)
+        clock = validate_clock(clock)
         self._name = name
         self._mode = mode
         self._trusted = trusted
         create = None if cfg is None else Creation(cfg, mode, initial, slots, desc, adapt)
-        self._att = open_attachment(
-            name, create, mode, trusted, clock or time.monotonic_ns, reconfigure
-        )
+        self._att = open_attachment(name, create, mode, trusted, clock, reconfigure)
         self._fast = self._att.fast
 
     # -- identity and lifecycle ----------------------------------------------------

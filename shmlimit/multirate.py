@@ -57,7 +57,7 @@ from shmlimit.adapt import check_config, per_rate
 from shmlimit.adapt import feedback as adapt_feedback
 from shmlimit.attachment import Attachment, gate_all, on_clock, open_attachment, release
 from shmlimit.bucket.fences import FenceHold
-from shmlimit.config import NS_PER_S, Config, validate_timeout
+from shmlimit.config import NS_PER_S, Config, validate_clock, validate_timeout
 from shmlimit.group import GroupCreation, copy_regions, open_rates
 from shmlimit.header import Creation
 from shmlimit.protocol import AcquireOnEnter
@@ -112,6 +112,7 @@ class MultiLimiter(RateGroup, AcquireOnEnter, Held):
         trusted = validate_trusted_uids(trusted_uids)
         validate_mode(mode)
         validate_slots(slots)
+        clock = validate_clock(clock)
         create: Optional[GroupCreation] = None
         # what a pickled handle re-opens with (None: by name; adapt= needs rates=)
         self._rates_arg: object = None
@@ -145,7 +146,6 @@ class MultiLimiter(RateGroup, AcquireOnEnter, Held):
             None  # ops per rate, or n on all
         )
         _handles.add(self)
-        clock = clock or time.monotonic_ns
 
         # create the group or open it, then attach to every rate (all again, if a collector took
         # a region meanwhile)

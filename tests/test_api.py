@@ -7,6 +7,7 @@ import pickle
 import struct
 import sys
 import threading
+import time
 
 import pytest
 from support.clock import FakeClock
@@ -396,6 +397,59 @@ def test_slots_are_checked_alike_by_one_rate_and_several(name, kind, slots):
     with pytest.raises(ValueError, match="slots"):
         KINDS[kind](name, slots=slots)
     assert not any(n == name or n.startswith(name + ".") for n in shmlimit.list_names())
+
+
+#: Every kind that takes clock= (CLOCK_MONOTONIC nanoseconds, an int).
+CLOCKED = {
+    "Limiter": KINDS["Limiter"],
+    "several rates": KINDS["several rates"],
+    "keyed, several rates": lambda name, **kw: shmlimit.KeyedLimiter(
+        name, rates=["10/s", "100/min"], keys=100, **kw
+    ),
+    "WindowTable": KINDS["WindowTable"],
+}
+
+
+@pytest.mark.parametrize("kind", sorted(CLOCKED))
+@pytest.mark.parametrize(
+    "clock,error",
+    [
+        (time.time, TypeError),  # seconds, a float
+        (lambda: 1.5e9, TypeError),
+        (lambda: True, TypeError),
+        (1_000, TypeError),  # a reading, not a clock
+        (lambda: -1, ValueError),
+        (lambda: 1 << 63, ValueError),
+    ],
+)
+def test_a_bad_clock_is_refused_before_anything_is_opened(name, kind, clock, error):
+    with pytest.raises(error, match="clock"):
+        CLOCKED[kind](name, clock=clock)
+    assert not any(n == name or n.startswith(name + ".") for n in shmlimit.list_names())
+
+
+class _TurningClock:
+    """A clock whose first reading is a good one, and every later one seconds as a float."""
+
+    def __init__(self):
+        self.readings = 0
+
+    def __call__(self):
+        self.readings += 1
+        return FakeClock()() if self.readings == 1 else time.time()
+
+
+@pytest.mark.parametrize("kind", ["Limiter", "several rates"])
+def test_a_creation_that_fails_midway_takes_its_segment_back(name, kind):
+    """A creator whose initialisation raises unlinks the segment it made and re-raises: the name
+    is free at once, for this process and every other, not half-made for the creator's life."""
+    with pytest.raises(TypeError):
+        KINDS[kind](name, clock=_TurningClock())  # checked, then read again to initialise
+    assert name not in shmlimit.list_names()
+    lim = KINDS[kind](name)
+    assert all(lim.created.values()) if isinstance(lim.created, dict) else lim.created
+    assert lim.try_acquire()
+    lim.close()
 
 
 def test_live_changes_refused_leave_the_config_as_it_was(name):

@@ -33,7 +33,7 @@ from typing import Any, Callable, Iterable, List, Optional, Sequence, Tuple, Uni
 from shmlimit.acquire import all_or_nothing
 from shmlimit.acquire.drivers import Step, drive, drive_async
 from shmlimit.adapt import Adapt, per_rate
-from shmlimit.config import validate_reconfigure, validate_timeout
+from shmlimit.config import validate_clock, validate_reconfigure, validate_timeout
 from shmlimit.errors import KeyTableFullError, UnsupportedError
 from shmlimit.group import GroupCreation, open_rates
 from shmlimit.keyed import cells as KC
@@ -84,6 +84,7 @@ class MultiKeyedLimiter(RateGroup, Keyed):
         validate_name(name)
         validate_mode(mode)
         trusted = validate_trusted_uids(trusted_uids)
+        validate_clock(clock)
         self._name, self._mode, self._trusted = name, mode, trusted
         self._keys: Tuple[str, ...] = ()
         self._named = False

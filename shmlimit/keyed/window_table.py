@@ -16,6 +16,7 @@ from __future__ import annotations
 import os
 from typing import Any, Callable, Optional, Tuple
 
+from shmlimit.config import validate_clock
 from shmlimit.keyed import cells as KC
 from shmlimit.keyed import layout as K
 from shmlimit.keyed.cells import SlotTable
@@ -124,6 +125,7 @@ class WindowTable(Handle):
                 f"all; got moving_keys={moving_keys!r}, moving_log={moving_log!r}"
             )
         validate_mode(mode)
+        validate_clock(clock)
         flags = KC.table_flags(when_full, store_keys)
         trusted = validate_trusted_uids(trusted_uids)
         self._name, self._mode, self._trusted = name, mode, trusted
