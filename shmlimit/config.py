@@ -470,6 +470,19 @@ def validate_clock(clock: object) -> Callable[[], int]:
     return clock  # type: ignore[return-value]
 
 
+def creation_only(**given: bool) -> None:
+    """Options given (by name: True) to a constructor called without ``rate=``, which attaches to
+    the limiter as it is: each would configure a limiter this call creates, so each is refused
+    (ValueError) rather than dropped unseen."""
+    names = [k + "=" for k, v in given.items() if v]
+    if names:
+        raise ValueError(
+            f"{', '.join(names)} apply only when rate= creates the limiter (without rate= this call "
+            "attaches to it as it is); to change a running one use set_rate, or pass "
+            "rate= with reconfigure=True"
+        )
+
+
 def validate_reconfigure(reconfigure: object, configured: bool, what: str) -> None:
     """``reconfigure``: True or False, and True only given a configuration to apply (``what``, for the message)."""
     if not isinstance(reconfigure, bool):

@@ -21,6 +21,7 @@ from shmlimit.adapt import feedback as adapt_feedback
 from shmlimit.attachment import Attachment, FastPaths, check_upstream, open_attachment, registry
 from shmlimit.config import (
     Config,
+    creation_only,
     parse_spec,
     validate_clock,
     validate_n,
@@ -32,7 +33,7 @@ from shmlimit.protocol import AcquireOnEnter
 from shmlimit.rate_group import RatesSwitch, group_options
 from shmlimit.redis.option import resolve_upstream
 from shmlimit.redis.spec import DEFAULT_BATCH_SECONDS, DEFAULT_LEASE_TTL, UpstreamSpec
-from shmlimit.registry import Handle, pickled
+from shmlimit.registry import Handle, attaching, pickled
 from shmlimit.shm import layout as L
 from shmlimit.shm.segment import unlink as _unlink_name
 from shmlimit.shm.segment import validate_mode, validate_name, validate_slots, validate_trusted_uids
@@ -50,7 +51,11 @@ class Limiter(RatesSwitch, AcquireOnEnter, Handle):
 
     ``Limiter(name, rate=..., per=1.0, burst=None)`` creates the limiter, or
     attaches to it if it exists with the same configuration (a different one
-    raises ``ConfigMismatchError``).  ``rate`` may be a rate string
+    raises ``ConfigMismatchError``).  Without ``rate`` (or ``upstream``) it only
+    attaches, to the limiter as it is (``LimiterNotFoundError`` if there is
+    none), and refuses with ``ValueError`` the options that configure a new one
+    (``per``, ``burst``, ``ratio``, ``max_reserved``, ``max_behind``,
+    ``capped``, ``initial``, ``slots``) rather than dropping them.  ``rate`` may be a rate string
     ``"N/unit"`` (``"10/s"``, ``"50/5s"``, ``"200K/min"``: it sets ``per``
     too), or a rate spec string such as ``"12K,1.1"`` (rate 12000, catch-up
     ratio 1.1).  ``burst`` is the
@@ -199,6 +204,17 @@ class Limiter(RatesSwitch, AcquireOnEnter, Handle):
                     "(10 ms of schedule, at least one op)"
                 )
             adapt.check(cfg)
+        if rate is None:
+            creation_only(
+                per=per != 1.0,
+                burst=burst is not None,
+                ratio=ratio is not None,
+                max_reserved=max_reserved is not None,
+                max_behind=max_behind is not None,
+                capped=capped is not False,
+                initial=initial is not None,
+                slots=slots != L.DEFAULT_SLOTS,
+            )
         validate_mode(mode)
         if initial is not None:
             if (
@@ -213,7 +229,8 @@ class Limiter(RatesSwitch, AcquireOnEnter, Handle):
         self._mode = mode
         self._trusted = trusted
         create = None if cfg is None else Creation(cfg, mode, initial, slots, desc, adapt)
-        self._att = open_attachment(name, create, mode, trusted, clock, reconfigure)
+        with attaching(create is None):
+            self._att = open_attachment(name, create, mode, trusted, clock, reconfigure)
         self._fast = self._att.fast
 
     # -- identity and lifecycle ----------------------------------------------------

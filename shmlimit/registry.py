@@ -19,9 +19,10 @@ import atexit
 import os
 import threading
 import weakref
-from typing import Any, Callable, Dict, FrozenSet, Generic, Optional, Tuple, TypeVar
+from contextlib import contextmanager
+from typing import Any, Callable, Dict, FrozenSet, Generic, Iterator, Optional, Tuple, TypeVar
 
-from shmlimit.errors import SegmentError
+from shmlimit.errors import LimiterNotFoundError, SegmentError
 from shmlimit.shm import layout as L
 from shmlimit.shm.cells import Cells
 from shmlimit.shm.segment import (
@@ -281,6 +282,18 @@ class Registry(Generic[A]):
             except Exception:  # pragma: no cover - best effort at exit
                 pass
         self._atts.clear()
+
+
+@contextmanager
+def attaching(only: bool) -> Iterator[None]:
+    """A constructor's open; ``only``: called without ``rate=``, it attaches and never creates, so
+    a missing limiter's error says what creates one."""
+    try:
+        yield
+    except LimiterNotFoundError as e:
+        if only:
+            e.args = (f"{e.args[0]}; pass rate= to create it",)
+        raise
 
 
 def pickled(handle: Any, make: Callable[..., Any], *args: Any) -> Tuple[Any, ...]:

@@ -93,6 +93,36 @@ def test_timed_acquire_takes_nothing_when_it_cannot_fit(name):
     lim.close()
 
 
+@pytest.mark.parametrize(
+    "kwargs",
+    [
+        dict(per=60),
+        dict(burst=50),
+        dict(ratio=2.0),
+        dict(max_reserved=0.5),
+        dict(max_behind=0.5),
+        dict(capped=True),
+        dict(initial=0),
+        dict(slots=8),
+    ],
+)
+def test_options_of_a_new_limiter_without_rate_are_refused(name, kwargs):
+    """Without rate= the call only attaches: an option that would configure a new limiter is an
+    error naming it, not dropped while the limiter keeps its own configuration."""
+    lim = shmlimit.Limiter(name, rate=10)
+    (param,) = kwargs
+    with pytest.raises(ValueError, match=f"{param}= apply only when rate= creates"):
+        shmlimit.Limiter(name, **kwargs)
+    assert lim.config == shmlimit.Limiter(name).config  # attaching as it is still works
+    lim.close()
+
+
+def test_a_missing_limiter_opened_without_rate_says_rate_creates_it(name):
+    with pytest.raises(shmlimit.LimiterNotFoundError, match="pass rate= to create it") as e:
+        shmlimit.Limiter(name)
+    assert e.value.name == name and name not in shmlimit.list_names()
+
+
 def test_pickles_as_its_name(name):
     lim = shmlimit.Limiter(name, rate=50)
     data = pickle.dumps(lim)

@@ -25,7 +25,7 @@ from shmlimit.acquire.drivers import Step, drive, drive_async
 from shmlimit.adapt import Adapt
 from shmlimit.adapt import describe as describe_adapt
 from shmlimit.adapt import write as write_adapt
-from shmlimit.config import carried_per, validate_reconfigure, validate_timeout
+from shmlimit.config import carried_per, creation_only, validate_reconfigure, validate_timeout
 from shmlimit.errors import ConfigMismatchError, KeyTableFullError
 from shmlimit.keyed import cells as KC
 from shmlimit.keyed import layout as K
@@ -57,7 +57,7 @@ from shmlimit.keyed.stats import (
 )
 from shmlimit.protocol import Keyed
 from shmlimit.rate_group import RatesSwitch, group_options
-from shmlimit.registry import Attached, Handle, Registry, attach, pickled
+from shmlimit.registry import Attached, Handle, Registry, attach, attaching, pickled
 from shmlimit.shm.cells import Cells
 from shmlimit.shm.segment import (
     Segment,
@@ -318,7 +318,8 @@ class KeyedLimiter(RatesSwitch, Keyed, Handle):
     ``KeyedLimiter(name, rate=10, per=1.0, burst=None, keys=100_000)``
     creates the segment, or attaches if it exists with the same configuration
     (a different one raises ``ConfigMismatchError``; without ``rate`` it
-    attaches to whatever is there).  ``rate`` may be a rate string such as
+    attaches to whatever is there, and refuses with ``ValueError`` the options
+    that configure a new one: ``per``, ``burst``, ``keys``, ``overrides``).  ``rate`` may be a rate string such as
     ``"10/s"`` or ``"600/min"`` (it sets ``per`` too).  A different default
     rate is taken when no live process uses the segment (a redeploy), or with
     ``reconfigure=True`` (every attached process at once, as ``set_rate``).
@@ -418,6 +419,13 @@ class KeyedLimiter(RatesSwitch, Keyed, Handle):
                 raise ValueError(
                     "adapt needs overrides= > 0: each key's adapted rate is its override"
                 )
+        if rate is None:
+            creation_only(
+                per=per != 1.0,
+                burst=burst is not None,
+                keys=keys != 100_000,
+                overrides=overrides is not None,
+            )
         validate_mode(mode)
         flags = (  # None: as this process already has the table open, else "evict", no keys
             None
@@ -425,11 +433,8 @@ class KeyedLimiter(RatesSwitch, Keyed, Handle):
             else KC.table_flags(when_full or "evict", False if store_keys is None else store_keys)
         )
         trusted = validate_trusted_uids(trusted_uids)
-        self._attach(
-            name,
-            mode,
-            trusted,
-            _open(
+        with attaching(r is None):
+            att = _open(
                 name,
                 r,
                 geo if r is not None else None,
@@ -438,8 +443,8 @@ class KeyedLimiter(RatesSwitch, Keyed, Handle):
                 reconfigure,
                 flags,
                 adapt=adapt,
-            ),
-        )
+            )
+        self._attach(name, mode, trusted, att)
 
     def _attach(self, name: str, mode: int, trusted: frozenset, att: _Attachment) -> None:
         self._name, self._mode, self._trusted = name, mode, trusted

@@ -220,6 +220,26 @@ def test_config_mismatch_and_attach(name):
     lim.close()
 
 
+@pytest.mark.parametrize("kwargs", [dict(per=60), dict(burst=9), dict(keys=64), dict(overrides=16)])
+def test_options_of_a_new_table_without_rate_are_refused(name, kwargs):
+    """Without rate= the call only attaches: an option that would configure a new table is an
+    error naming it, not dropped."""
+    lim = shmlimit.KeyedLimiter(name, rate=10, keys=100)
+    (param,) = kwargs
+    with pytest.raises(ValueError, match=f"{param}= apply only when rate= creates"):
+        shmlimit.KeyedLimiter(name, **kwargs)
+    other = shmlimit.KeyedLimiter(name)  # attaching as it is still works
+    assert (other.rate, other.capacity, other.slots) == (lim.rate, lim.capacity, lim.slots)
+    other.close()
+    lim.close()
+
+
+def test_a_missing_table_opened_without_rate_says_rate_creates_it(name):
+    with pytest.raises(shmlimit.LimiterNotFoundError, match="pass rate= to create it"):
+        shmlimit.KeyedLimiter(name)
+    assert name not in shmlimit.list_names()
+
+
 def test_pickles_by_name(name):
     lim = shmlimit.KeyedLimiter(name, rate=1, per=60, burst=1, keys=100)
     assert lim.try_acquire("k")
