@@ -292,7 +292,7 @@ class _Due:
             return KC.BUSY_NAP
         if r < 0:
             if t is None:
-                lim._untimed_failure(r, self.n)
+                lim._untimed_failure(r, self.key, self.n)
             return False
         if r == 0:
             return True
@@ -566,16 +566,16 @@ class KeyedLimiter(RatesSwitch, Keyed, Handle):
         if r >= 0:
             return r / TICKS_PER_S
         if mw is None:
-            self._untimed_failure(r, n)
+            self._untimed_failure(r, key, n)
         return None
 
-    def _untimed_failure(self, r: int, n: int) -> None:
+    def _untimed_failure(self, r: int, key: object, n: int) -> None:
         if r == KC.FULL:
             raise KeyTableFullError(self._name, self.slots)
         if r == KC.NEVER:
-            raise ValueError(
-                f"n must be at most this key's capacity ({self.capacity:g} by default ops), got {n}"
-            )
+            att = self._live()  # the key's capacity: its override's, else the default's
+            rate = att.overrides.get(att.kt.digest(key)) or read_default(att.cells)
+            raise ValueError(f"n must be at most this key's capacity ({rate.burst:g} ops), got {n}")
         raise ValueError(f"the wait for n={n} exceeds {KC.MAX_WAIT / TICKS_PER_S:.0f} s")
 
     def acquire(self, key: object, n: int = 1, timeout: Optional[float] = None) -> bool:

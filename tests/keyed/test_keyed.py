@@ -115,6 +115,23 @@ def test_bad_n_and_oversized_keys(lim):
     assert lim.stats().grants == 0
 
 
+def test_n_above_a_keys_capacity_names_that_keys_capacity(name):
+    lim = shmlimit.KeyedLimiter(name, rate=100, burst=50, keys=64)
+    try:
+        lim.set_rate(1, burst=2, key="small")
+        lim.set_rate(1, burst=80, key="large")
+        with pytest.raises(ValueError, match=r"this key's capacity \(2 ops\), got 3"):
+            lim.acquire("small", 3)
+        with pytest.raises(ValueError, match=r"this key's capacity \(2 ops\), got 3"):
+            lim.reserve("small", 3)
+        with pytest.raises(ValueError, match=r"this key's capacity \(80 ops\), got 81"):
+            lim.acquire("large", 81)
+        with pytest.raises(ValueError, match=r"this key's capacity \(50 ops\), got 51"):
+            lim.acquire("other", 51)
+    finally:
+        lim.close()
+
+
 def test_a_huge_finite_timeout_is_a_long_wait_not_an_overflow(name):
     """A timeout is any finite number of seconds >= 0: one past about 1e298 s is infinite in ticks
     as a float, and converting it raised OverflowError instead of waiting (or granting now)."""
