@@ -141,7 +141,6 @@ class Limiter(RatesSwitch, AcquireOnEnter, Handle):
                 ("mode", "slots", "trusted_uids", "clock", "adapt"),
                 one="one rate",
                 example="['5000/h', ('100/min', 20)]",
-                error=ValueError,
                 drop_none=True,
             ),
         )

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import re
 from dataclasses import dataclass, replace
-from typing import Any, Dict, Iterable, Iterator, List, Mapping, Tuple, Type, Union
+from typing import Any, Dict, Iterable, Iterator, List, Mapping, Tuple, Union
 
 from shmlimit.config import Config, carried_per, parse_rate, validate_n
 from shmlimit.shm.segment import NAME_MAX
@@ -125,13 +125,12 @@ def group_options(
     *,
     one: str,
     example: str,
-    error: Type[Exception] = TypeError,
     drop_none: bool = False,
 ) -> Dict[str, Any]:
     """The options of a constructor called with ``rates=``: no single rate (``rate``, ``per``,
     ``burst`` or more positional arguments: TypeError, naming ``one`` rate's kind and an
-    ``example`` of ``rates=``), and only ``allowed`` options (``error`` naming the others; with
-    ``drop_none``, an option left None is dropped, not refused)."""
+    ``example`` of ``rates=``), and only ``allowed`` options (TypeError naming the others, as for
+    an unexpected keyword; with ``drop_none``, an option left None is dropped, not refused)."""
     if rate is not None or per != 1.0 or burst is not None or args:
         raise TypeError(
             f"give either rate= ({one}) or rates= (several), not both; with rates=, each rate carries its "
@@ -141,7 +140,7 @@ def group_options(
     given = {k: v for k, v in kwargs.items() if not (drop_none and v is None and k not in allowed)}
     extra = sorted(k for k in given if k not in allowed)
     if extra:
-        raise error(
+        raise TypeError(
             f"{', '.join(extra)} not supported with rates= (allowed: {', '.join(sorted(allowed))})"
         )
     return given

@@ -115,8 +115,8 @@ def test_bad_rates_are_refused_naming_what_is_wrong(name, clock, rates, error):
 def test_rates_and_rate_or_other_options_do_not_mix(name, clock):
     with pytest.raises(TypeError, match="not both"):
         shmlimit.Limiter(name, 10, rates=["1/s"])
-    with pytest.raises(ValueError, match="capped"):
-        shmlimit.Limiter(name, rates=["1/s"], capped=True)
+    with pytest.raises(TypeError, match="capped not supported with rates="):
+        shmlimit.Limiter(name, rates=["1/s"], capped=True)  # as KeyedLimiter(rates=) does
 
 
 def test_costs_by_name(name, clock, cleanup):

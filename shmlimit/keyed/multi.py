@@ -217,6 +217,7 @@ class MultiKeyedLimiter(RateGroup, Keyed):
     ) -> Optional[float]:
         """Not supported (``UnsupportedError``): a slot claimed on each rate at once would be used
         late on every rate but the slowest, bunched with later ones (see the module)."""
+        self._live()  # closed first: ValueError, as every call of a closed handle
         raise UnsupportedError(
             "KeyedLimiter(rates=...)",
             "reserve",

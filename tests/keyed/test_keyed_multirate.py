@@ -256,6 +256,8 @@ def test_set_rate_by_name_stats_repr_and_pickle(name, clock, cleanup):
     assert "closed" in repr(lim)
     with pytest.raises(ValueError, match="closed"):
         lim.try_acquire("k")
+    with pytest.raises(ValueError, match="closed"):  # closed first, then unsupported
+        lim.reserve("k")
 
 
 # ---- take and undo: a take no one followed is given back exactly ---------------------------------
