@@ -10,7 +10,17 @@ from __future__ import annotations
 
 import random
 import time
-from typing import TYPE_CHECKING, Any, Callable, Dict, Iterable, Optional, Tuple, Union
+from typing import (
+    TYPE_CHECKING,
+    Any,
+    Callable,
+    Dict,
+    Iterable,
+    Optional,
+    Tuple,
+    Union,
+    overload,
+)
 
 from shmlimit import live_changes
 from shmlimit.acquire import single as acquisition
@@ -30,7 +40,7 @@ from shmlimit.config import (
 )
 from shmlimit.header import Creation
 from shmlimit.protocol import AcquireOnEnter
-from shmlimit.rate_group import RatesSwitch, group_options
+from shmlimit.rate_group import AdaptRates, Rates, RatesSwitch, group_options
 from shmlimit.redis.option import resolve_upstream
 from shmlimit.redis.spec import DEFAULT_BATCH_SECONDS, DEFAULT_LEASE_TTL, UpstreamSpec
 from shmlimit.registry import Handle, attaching, pickled
@@ -40,6 +50,7 @@ from shmlimit.shm.segment import validate_mode, validate_name, validate_slots, v
 from shmlimit.stats import Stats, snapshot
 
 if TYPE_CHECKING:  # pragma: no cover
+    from shmlimit.multirate import MultiLimiter
     from shmlimit.redis.direct import RedisLimiter
 
 _INF = float("inf")
@@ -145,6 +156,10 @@ class Limiter(RatesSwitch, AcquireOnEnter, Handle):
             ),
         )
 
+    # To a type checker, ``rates=`` makes a ``MultiLimiter`` (``RatesSwitch.__new__``): mypy reads
+    # a class's signature from its ``__init__``, whose ``self`` must be a ``Limiter``, so the
+    # overload with ``rates=`` declares one that is both (``_SeveralRates``, for type checkers only).
+    @overload
     def __init__(
         self,
         name: str,
@@ -168,6 +183,42 @@ class Limiter(RatesSwitch, AcquireOnEnter, Handle):
         reconfigure: bool = False,
         adapt: Optional[Adapt] = None,
         rates: None = None,
+    ) -> None: ...
+    @overload
+    def __init__(  # type: ignore[misc]  # (self: see the comment above)
+        self: _SeveralRates,
+        name: str,
+        *,
+        rates: Rates,
+        mode: int = 0o600,
+        slots: int = L.DEFAULT_SLOTS,
+        trusted_uids: Iterable[int] = (),
+        clock: Optional[Callable[[], int]] = None,
+        adapt: AdaptRates = None,
+    ) -> None: ...
+    def __init__(
+        self,
+        name: str,
+        rate: Union[float, str, None] = None,
+        per: float = 1.0,
+        burst: Optional[float] = None,
+        *,
+        ratio: Optional[float] = None,
+        max_reserved: Optional[float] = None,
+        max_behind: Optional[float] = None,
+        capped: bool = False,
+        mode: int = 0o600,
+        initial: Optional[float] = None,
+        slots: int = L.DEFAULT_SLOTS,
+        upstream: Union[str, "RedisLimiter", None] = None,
+        on_redis_error: str = "closed",
+        lease_ttl: float = DEFAULT_LEASE_TTL,
+        batch_seconds: float = DEFAULT_BATCH_SECONDS,
+        trusted_uids: Iterable[int] = (),
+        clock: Optional[Callable[[], int]] = None,
+        reconfigure: bool = False,
+        adapt: Union[Adapt, AdaptRates] = None,
+        rates: Optional[Rates] = None,
     ) -> None:
         validate_name(name)
         validate_reconfigure(
@@ -527,6 +578,12 @@ class Limiter(RatesSwitch, AcquireOnEnter, Handle):
             f"filler_pid={s.filler_pid} processes={len(s.processes)}{' stopped' if s.stopped else ''} "
             f"backend={s.backend}>"
         )
+
+
+if TYPE_CHECKING:  # pragma: no cover
+
+    class _SeveralRates(MultiLimiter, Limiter):  # type: ignore[misc]
+        """What ``Limiter(name, rates=...)`` is to a type checker: a ``MultiLimiter``."""
 
 
 def attach(name: str, *, mode: int = 0o600, trusted_uids: Iterable[int] = ()) -> Limiter:

@@ -12,8 +12,20 @@ from __future__ import annotations
 
 import re
 from dataclasses import dataclass, replace
-from typing import Any, Dict, Iterable, Iterator, List, Mapping, Tuple, Union
+from typing import (
+    Any,
+    Dict,
+    Iterable,
+    Iterator,
+    List,
+    Mapping,
+    Optional,
+    Sequence,
+    Tuple,
+    Union,
+)
 
+from shmlimit.adapt import Adapt
 from shmlimit.config import Config, carried_per, parse_rate, validate_n
 from shmlimit.shm.segment import NAME_MAX
 from shmlimit.shm.segment import unlink as _unlink_name
@@ -23,7 +35,12 @@ _KEY = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")
 _RESERVED = ("n", "timeout", "max_wait", "which")
 #: A limiter holds at most this many rates (``rates=``; its group's header, ``group``, as many).
 MAX_RATES = 16
-RateValue = Union[str, float, int, Tuple[Any, Any]]
+#: One rate of ``rates=``: a rate (``"5000/h"``, ops per second) or a pair (rate, burst in ops).
+RateValue = Union[str, float, Tuple[Union[str, float], float]]
+#: ``rates=``: a list of rates, a dict of name -> rate, or one string holding either.
+Rates = Union[str, Sequence[RateValue], Mapping[str, RateValue]]
+#: ``adapt=`` with ``rates=``: by rate name (a dict of rates), or in the rates' order (a list).
+AdaptRates = Union[Mapping[str, Optional[Adapt]], Sequence[Optional[Adapt]], None]
 
 
 #: Between the items of ``rates=`` written as one string: ``limits``' separators.

@@ -19,7 +19,7 @@ import mmap
 import os
 import time
 import weakref
-from typing import Any, Callable, Dict, Optional, Tuple
+from typing import TYPE_CHECKING, Any, Callable, Dict, Optional, Tuple, Union, overload
 
 from shmlimit.acquire.drivers import Step, drive, drive_async
 from shmlimit.adapt import Adapt
@@ -56,7 +56,7 @@ from shmlimit.keyed.stats import (
     snapshot_of,
 )
 from shmlimit.protocol import Keyed
-from shmlimit.rate_group import RatesSwitch, group_options
+from shmlimit.rate_group import AdaptRates, Rates, RatesSwitch, group_options
 from shmlimit.registry import Attached, Handle, Registry, attach, attaching, pickled
 from shmlimit.shm.cells import Cells
 from shmlimit.shm.segment import (
@@ -385,6 +385,8 @@ class KeyedLimiter(RatesSwitch, Keyed, Handle):
             ),
         )
 
+    # To a type checker, ``rates=`` makes a ``MultiKeyedLimiter`` (as ``Limiter.__init__`` says).
+    @overload
     def __init__(
         self,
         name: str,
@@ -401,6 +403,36 @@ class KeyedLimiter(RatesSwitch, Keyed, Handle):
         when_full: Optional[str] = None,
         store_keys: Optional[bool] = None,
         adapt: Optional[Adapt] = None,
+    ) -> None: ...
+    @overload
+    def __init__(  # type: ignore[misc]  # (self: see the comment above)
+        self: _SeveralKeyedRates,
+        name: str,
+        *,
+        rates: Rates,
+        keys: int = 100_000,
+        overrides: Optional[int] = None,
+        mode: int = 0o600,
+        trusted_uids: Any = (),
+        reconfigure: bool = False,
+        adapt: AdaptRates = None,
+    ) -> None: ...
+    def __init__(
+        self,
+        name: str,
+        rate: Any = None,
+        per: float = 1.0,
+        burst: Optional[float] = None,
+        keys: int = 100_000,
+        *,
+        overrides: Optional[int] = None,
+        mode: int = 0o600,
+        trusted_uids: Any = (),
+        reconfigure: bool = False,
+        rates: Optional[Rates] = None,
+        when_full: Optional[str] = None,
+        store_keys: Optional[bool] = None,
+        adapt: Union[Adapt, AdaptRates] = None,
     ) -> None:
         validate_name(name)
         validate_reconfigure(reconfigure, rate is not None, "the default rate to apply")
@@ -739,6 +771,13 @@ class KeyedLimiter(RatesSwitch, Keyed, Handle):
             f"keys={s.keys}/{s.slots} evicted={s.evicted} refused_full={s.refused_full} grants={s.grants} "
             f"overrides={s.overrides} processes={len(s.processes)} backend={s.backend}>"
         )
+
+
+if TYPE_CHECKING:  # pragma: no cover
+    from shmlimit.keyed.multi import MultiKeyedLimiter
+
+    class _SeveralKeyedRates(MultiKeyedLimiter, KeyedLimiter):  # type: ignore[misc]
+        """What ``KeyedLimiter(name, rates=...)`` is to a type checker: a ``MultiKeyedLimiter``."""
 
 
 def attach_keyed(name: str) -> KeyedLimiter:
