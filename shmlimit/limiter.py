@@ -41,7 +41,7 @@ from shmlimit.config import (
 from shmlimit.header import Creation
 from shmlimit.protocol import AcquireOnEnter
 from shmlimit.rate_group import AdaptRates, Rates, RatesSwitch, group_options
-from shmlimit.redis.option import resolve_upstream
+from shmlimit.redis.option import Upstream, resolve_upstream
 from shmlimit.redis.spec import DEFAULT_BATCH_SECONDS, DEFAULT_LEASE_TTL, UpstreamSpec
 from shmlimit.registry import Handle, attaching, pickled
 from shmlimit.shm import layout as L
@@ -51,7 +51,6 @@ from shmlimit.stats import Stats, snapshot
 
 if TYPE_CHECKING:  # pragma: no cover
     from shmlimit.multirate import MultiLimiter
-    from shmlimit.redis.direct import RedisLimiter
 
 _INF = float("inf")
 _ONE = 1  # `n is _ONE`: the cheapest test that n is the int 1 (True is not)
@@ -174,7 +173,7 @@ class Limiter(RatesSwitch, AcquireOnEnter, Handle):
         mode: int = 0o600,
         initial: Optional[float] = None,
         slots: int = L.DEFAULT_SLOTS,
-        upstream: Union[str, "RedisLimiter", None] = None,
+        upstream: Union[str, Upstream, None] = None,
         on_redis_error: str = "closed",
         lease_ttl: float = DEFAULT_LEASE_TTL,
         batch_seconds: float = DEFAULT_BATCH_SECONDS,
@@ -210,7 +209,7 @@ class Limiter(RatesSwitch, AcquireOnEnter, Handle):
         mode: int = 0o600,
         initial: Optional[float] = None,
         slots: int = L.DEFAULT_SLOTS,
-        upstream: Union[str, "RedisLimiter", None] = None,
+        upstream: Union[str, Upstream, None] = None,
         on_redis_error: str = "closed",
         lease_ttl: float = DEFAULT_LEASE_TTL,
         batch_seconds: float = DEFAULT_BATCH_SECONDS,

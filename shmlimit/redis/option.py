@@ -6,11 +6,28 @@ Only a process that configures an upstream imports the Redis tier (here, lazily)
 
 from __future__ import annotations
 
-from typing import Any, Optional, Tuple
+from typing import Any, Optional, Protocol, Tuple
 
 from shmlimit.config import Config, validate_timeout
 from shmlimit.redis import urls
 from shmlimit.redis.spec import ON_ERROR, UpstreamSpec
+
+
+class Upstream(Protocol):
+    """What ``upstream=`` reads of a ``shmlimit.redis.direct.RedisLimiter``, the limiter it takes
+    besides a URL (named here, so that a ``Limiter``'s annotations resolve without importing the
+    Redis client)."""
+
+    @property
+    def rate(self) -> float: ...
+
+    @property
+    def per(self) -> float: ...
+
+    @property
+    def capacity(self) -> float: ...
+
+    def upstream_spec(self, **options: Any) -> UpstreamSpec: ...
 
 
 def resolve_upstream(
