@@ -338,15 +338,21 @@ class _GcraClient:
 
     def unlink(self) -> None:
         """Delete the shared state in Redis (every client's): the next call finds a full bucket,
-        as a new limiter would.  Clients go on with their configuration."""
-        self._open()
+        as a new limiter would.  Clients go on with their configuration.  After ``close``, on a
+        connection of its own, closed again (``close()`` then ``unlink()``, as for every kind)."""
+        client = self._client
         try:
-            for key in self._stored_keys():
-                self._client.delete(key)
+            if self._closed and self._own_client:
+                client = connect(self._url, self._secrets, self._timeout)
+            for key in self._stored_keys(client):
+                client.delete(key)
         except _REDIS_ERRORS as e:
             raise classify(e, f"redis at {self.url} for limiter {self._name!r}") from e
+        finally:
+            if client is not self._client:
+                client.close()
 
-    def _stored_keys(self) -> Any:
+    def _stored_keys(self, client: Any) -> Any:
         return (self.key,)
 
     def set_rate(self, *args: Any, **kwargs: Any) -> None:
@@ -714,6 +720,8 @@ class RedisLimiter(_GcraClient, AcquireOnEnter):
     def __repr__(self) -> str:
         c = self._config
         head = f"<shmlimit.redis.direct.RedisLimiter {self._name!r} rate={c.rate:g}/{c.per:g}s capacity={c.burst:g} url={self.url}"
+        if self._closed:
+            return f"{head} closed>"
         try:
             s = self.stats()
         except (RedisUnavailableError, RedisDataError) as e:

@@ -96,13 +96,14 @@ class RedisKeyedLimiter(_GcraClient, Keyed):
         c = self._config
         return ClientStats(self._name, c.rate, c.per, c.burst, **self._counters())
 
-    def _stored_keys(self) -> Any:
+    def _stored_keys(self, client: Any) -> Any:
         """Every key's hash in Redis (``unlink``): a SCAN of the keyspace, on every primary of a
         cluster, for the keys of this name (its characters are never glob patterns)."""
-        return self._client.scan_iter(match=redis_key(f"{self._name}/*"), count=1000)
+        return client.scan_iter(match=redis_key(f"{self._name}/*"), count=1000)
 
     def __repr__(self) -> str:
         return (
             f"<shmlimit.redis.keyed.RedisKeyedLimiter {self.name!r} rate={self.rate:g}/{self.per:g}s "
-            f"capacity={self.capacity:g} per key url={self.url} round_trips={self.round_trips}>"
+            f"capacity={self.capacity:g} per key url={self.url} round_trips={self.round_trips}"
+            f"{' closed' if self.closed else ''}>"
         )

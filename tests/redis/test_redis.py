@@ -800,3 +800,27 @@ def test_keyed_redis_limiter_holds_each_key_across_processes(R, redis_server, na
             # of the key's workers ran or the server did not (support.starvation)
             lost = sum(expired[i] for i in mine) + rate * (least(delays[i] for i in mine) + server)
             assert sum(len(r) for r in rs) >= 0.8 * rate * seconds - lost
+
+
+@pytest.mark.backend_independent
+def test_a_closed_redis_limiter_says_so_and_unlinks_as_every_kind(R, redis_server, name):
+    """close() then unlink() (README's order) deletes the shared state on a short-lived
+    connection; repr of a closed handle says closed, without a round trip."""
+    import redis
+
+    from shmlimit.redis.keyed import RedisKeyedLimiter
+
+    server = redis.Redis.from_url(redis_server.url)
+    lim = R.RedisLimiter(name, rate=5, burst=1, url=redis_server.url)
+    keyed = RedisKeyedLimiter(name, rate=5, burst=1, url=redis_server.url)
+    assert lim.try_acquire() and keyed.try_acquire("a") and keyed.try_acquire("b")
+    assert server.exists(lim.key) and len(list(server.scan_iter(match=f"*{name}/*"))) == 2
+    for each in (lim, keyed):
+        each.close()
+        assert repr(each).endswith(" closed>"), repr(each)
+        each.unlink()
+        assert each.closed
+        with pytest.raises(ValueError, match="closed"):
+            each.try_acquire(*(("a",) if each is keyed else ()))
+    assert not server.exists(lim.key) and list(server.scan_iter(match=f"*{name}/*")) == []
+    server.close()
