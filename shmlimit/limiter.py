@@ -32,7 +32,6 @@ from shmlimit.attachment import Attachment, FastPaths, check_upstream, open_atta
 from shmlimit.config import (
     Config,
     creation_only,
-    parse_spec,
     validate_clock,
     validate_n,
     validate_reconfigure,
@@ -512,14 +511,15 @@ class Limiter(RatesSwitch, AcquireOnEnter, Handle):
         return b.stopped
 
     def apply(self, spec: str) -> None:
-        """Apply a rate spec ``rate[,ratio][,verb]`` (nosqlbench's syntax, K/M/G allowed).
+        """Apply a rate spec ``rate[,ratio][,verb]`` (nosqlbench's syntax, K/M/G allowed), or
+        ``"stop"`` (``"0,stop"``) alone.
 
         ``configure`` (the default) changes rate and ratio in place, ``start``
         does so and resumes a stopped limiter, ``restart`` does so and zeroes
         the pools, ``stop`` pauses every process.  Applying the spec that is
         already in force changes nothing.
         """
-        parsed = parse_spec(spec)  # first: a spec refused has registered nothing
+        parsed = live_changes.parse_spec(spec)  # first: a spec refused has registered nothing
         live_changes.apply(self._live(), parsed)
 
     # -- asyncio -----------------------------------------------------------------------

@@ -7,13 +7,14 @@ granted, queued callers keep their place, new grabs pay the new price.  A
 start also gives back dead processes' tickets at once.  One set of rules
 serves the ``Limiter`` facade and each rate of a ``MultiLimiter``: what
 ``set_rate``'s arguments ask for (``requested``), the stop/start/restart
-verbs, and ``apply`` of a rate spec.
+verbs, and ``apply`` of a rate spec (``parse_spec``: ``shmlimit set-rate``'s too).
 """
 
 from __future__ import annotations
 
 from typing import TYPE_CHECKING, Optional, Union
 
+from shmlimit import config
 from shmlimit.adapt import adapted
 from shmlimit.adapt import read as read_adapt
 from shmlimit.config import Config, RateSpec, spec_values
@@ -116,6 +117,14 @@ def _clear_dead_backlog(att: "Attachment") -> None:
     # without waiting for the filler's next look: a queue of dead waiters does not outlive a start
     att.reap()
     att.returns.step()
+
+
+def parse_spec(spec: str) -> RateSpec:
+    """A rate spec for a live change (``apply``): ``config.parse_spec``'s ``rate[,ratio][,verb]``,
+    or a stop alone, ``"stop"`` or ``"0,stop"`` (a stop keeps the configuration: no rate is used)."""
+    if isinstance(spec, str) and spec.strip().lower() in ("stop", "0,stop"):
+        spec = "1,stop"
+    return config.parse_spec(spec)
 
 
 def apply(att: "Attachment", parsed: RateSpec) -> None:

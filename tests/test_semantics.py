@@ -460,6 +460,22 @@ def test_reapplying_the_same_spec_changes_nothing(name):
     lim.close()
 
 
+def test_a_stop_alone_is_a_spec_as_shmlimit_set_rate_documents(name):
+    """apply() takes the specs ``shmlimit set-rate`` does: "stop" and "0,stop" stop, keeping the
+    configuration; a rate of 0 with any other verb is still refused."""
+    lim = shmlimit.Limiter(name, rate="1000,1.2")
+    for spec in ("stop", "0,stop", " STOP "):
+        lim.apply(spec)
+        assert lim.stopped and lim.rate == 1000 and lim.config.ratio == 1.2
+        lim.apply("1000,1.2,start")
+        assert not lim.stopped
+    for bad in ("0", "0,start", "start"):
+        with pytest.raises(ValueError):
+            lim.apply(bad)
+    assert not lim.stopped and lim.rate == 1000
+    lim.close()
+
+
 def test_initial_tokens(name):
     lim = shmlimit.Limiter(name, rate=1, per=10, burst=5, initial=2)
     assert lim.try_acquire() and lim.try_acquire() and not lim.try_acquire()

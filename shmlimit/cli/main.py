@@ -15,7 +15,7 @@ import time
 from dataclasses import asdict
 from typing import Callable, List, Optional, Sequence
 
-from shmlimit import __version__
+from shmlimit import __version__, live_changes
 from shmlimit.cli.metrics import CONTENT_TYPE, MAX_SEGMENTS, exposition, families, omitted_note
 from shmlimit.cli.top import BAD_NAME, NONE_HERE, RATE, adapt_line, kind_of, printable, show
 from shmlimit.cli.top import run as run_top
@@ -307,7 +307,7 @@ def cmd_create(args: argparse.Namespace) -> int:
 
 def cmd_set_rate(args: argparse.Namespace) -> int:
     """Change a live limiter for every attached process: a spec rate[,ratio][,verb]."""
-    spec = parse_spec(args.spec)
+    spec = live_changes.parse_spec(args.spec)
     lim = Limiter(args.name, mode=int(args.mode, 8), trusted_uids=args.trust_uid)
     try:
         if spec.verb == "stop":
@@ -484,11 +484,9 @@ def _positive(kind):
     return parse
 
 
-def _spec(text: str) -> str:
-    """A rate spec, checked at parse time so a bad one is a usage error."""
-    if text.strip().lower() in ("stop", "0,stop"):
-        return "1,stop"  # the rate of a stop is not used
-    return _checked(parse_spec)(text)
+#: A rate spec, checked at parse time so a bad one is a usage error (``set-rate``'s: a live change).
+_spec = _checked(parse_spec)
+_live_spec = _checked(live_changes.parse_spec)
 
 
 #: Several rates in one string.
@@ -586,7 +584,7 @@ def build_parser() -> argparse.ArgumentParser:
         named,
     )
     r.add_argument(
-        "spec", type=_spec, help="e.g. 12000, 200K/min, 12K,1.1 or 12K,1.1,restart or 0,stop"
+        "spec", type=_live_spec, help="e.g. 12000, 200K/min, 12K,1.1 or 12K,1.1,restart or 0,stop"
     )
     r.add_argument(
         "--per", type=_positive(float), default=None, help="seconds (default: unchanged)"
