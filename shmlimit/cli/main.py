@@ -20,7 +20,7 @@ from shmlimit.cli.metrics import CONTENT_TYPE, MAX_SEGMENTS, exposition, familie
 from shmlimit.cli.top import BAD_NAME, NONE_HERE, RATE, adapt_line, kind_of, printable, show
 from shmlimit.cli.top import run as run_top
 from shmlimit.config import parse_spec
-from shmlimit.errors import LimiterNotFoundError, ShmlimitError
+from shmlimit.errors import LimiterNotFoundError, SegmentError, ShmlimitError
 from shmlimit.keyed.limiter import KeyedLimiter
 from shmlimit.keyed.stats import KeyedStats, KeySample, adapted_keys
 from shmlimit.kinds import collect, inspect, inspect_each, stale
@@ -308,7 +308,16 @@ def cmd_create(args: argparse.Namespace) -> int:
 def cmd_set_rate(args: argparse.Namespace) -> int:
     """Change a live limiter for every attached process: a spec rate[,ratio][,verb]."""
     spec = live_changes.parse_spec(args.spec)
-    lim = Limiter(args.name, mode=int(args.mode, 8), trusted_uids=args.trust_uid)
+    try:
+        lim = Limiter(args.name, mode=int(args.mode, 8), trusted_uids=args.trust_uid)
+    except SegmentError:
+        if isinstance(inspect(args.name), Stats):
+            raise
+        raise UserError(
+            f"{args.name!r} is a keyed limiter or one of several rates: set-rate changes a "
+            f"limiter of one rate; give this one new settings with 'shmlimit create' once no live "
+            f"process uses it, or change it live from Python (set_rate)"
+        ) from None
     try:
         if spec.verb == "stop":
             lim.stop()
@@ -511,7 +520,7 @@ def build_parser() -> argparse.ArgumentParser:
         name: str, func: Callable[[argparse.Namespace], int], help: str, *parents
     ) -> argparse.ArgumentParser:
         """The sub-command ``name``, which ``func`` runs."""
-        c = sub.add_parser(name, help=help, parents=list(parents))
+        c = sub.add_parser(name, help=help, description=help, parents=list(parents))
         c.set_defaults(func=func)
         return c
 

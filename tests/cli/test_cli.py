@@ -82,9 +82,32 @@ def test_demo_reports_achieved_rate_within_the_bound():
 
 @pytest.mark.backend_independent
 def test_help_on_every_command():
-    for cmd in ("demo", "list", "inspect", "create", "set-rate", "unlink"):
+    """Each command's --help says what it does (its line in shmlimit --help), after its usage."""
+    for cmd in (
+        "demo",
+        "list",
+        "inspect",
+        "create",
+        "set-rate",
+        "top",
+        "metrics",
+        "gc",
+        "doctor",
+        "unlink",
+    ):
         r = run(cmd, "--help")
-        assert r.returncode == 0 and "usage" in r.stdout
+        assert r.returncode == 0 and r.stdout.startswith("usage")
+        said = " ".join(r.stdout.split("\n\n")[1].split())
+        assert said and not said.startswith(("positional", "options")), (cmd, r.stdout)
+        assert said[:20] in " ".join(run("--help").stdout.split()), (cmd, said)
+
+
+def test_set_rate_on_another_kind_says_what_the_command_can_do(name):
+    keyed = shmlimit.KeyedLimiter(name, rate=5)
+    r = run("set-rate", name, "10")
+    assert r.returncode != 0 and "shmlimit create" in r.stderr and "attach" not in r.stderr
+    assert keyed.rate == 5
+    keyed.close()
 
 
 def test_list_reports_an_unreadable_segment_instead_of_failing(name):
