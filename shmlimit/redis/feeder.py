@@ -70,7 +70,7 @@ Redis unreachable (``on_redis_error``):
 * ``"closed"`` (default, fails safe): no new tokens; callers wait (their
   timeouts apply) until Redis answers again.
 * ``"local"``: the host's bucket refills from its own clock at the local rate
-  until Redis answers again; with H hosts the global rate may reach H times
+  until Redis answers again (the batches reserved ahead are dropped); with H hosts the global rate may reach H times
   the local rate meanwhile.
 * ``"open"``: no limit at all until Redis answers again.
 
@@ -617,7 +617,9 @@ class Feeder:
                 continue
             if not bt.recorded:
                 self._record(now)
-            put = b.add(bt.left * b.cost) // b.cost
+            # a part of a token put in uses a whole op: a bucket the clock feeds ("local") may have
+            # room for a fraction only, and a batch left whole would fill it again at every tick
+            put = -(-b.add(bt.left * b.cost) // b.cost)
             bt.left -= put
             added += put
             if self.clock() - bt.stamp >= self.ttl_ns:
@@ -827,7 +829,8 @@ class Feeder:
         gives the config back ``FLAG_UPSTREAM`` alone and undoes what the fallback let in: the
         local clock's tokens are burned (not the global limit's), the tickets "open" let through
         forgiven.  Entering one of them sets its flags (after the state: ``stats`` never shows a
-        bucket fed otherwise as "ok")."""
+        bucket fed otherwise as "ok"); entering "local" drops the batches reserved ahead (counted
+        expired): the host's own clock feeds it then, at the local rate alone."""
         b = self.bucket
         if state == STATE_OK:
             self.cells.fetch_add(L.UP_FALLBACKS, 1)
@@ -837,6 +840,10 @@ class Feeder:
                 b.burn()
             else:
                 b.forgive()
+        if new == STATE_LOCAL:
+            # the clock feeds the bucket now: the batches reserved ahead would come on top of it
+            self.cells.fetch_add(L.UP_EXPIRED, sum(bt.left for bt in self.pending))
+            self.pending.clear()
         self.cells.store(L.UP_STATE, new)
         if new in _FLAGS:
             b.set_upstream_flags(_FLAGS[new])

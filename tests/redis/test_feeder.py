@@ -212,6 +212,47 @@ def test_a_fallback_keeps_a_set_rate_made_during_the_redis_call(R, redis_server,
         host.close()
 
 
+def test_the_local_fallback_grants_the_local_rate_not_the_batches_it_had_reserved(
+    R, redis_server, name, clock
+):
+    """Redis goes away while a saturated host holds batches reserved ahead.  The "local" fallback
+    refills from the host's clock at its local rate: the batches reserved in the global schedule
+    are dropped (counted expired), never delivered on top of it, and a delivery that fits only a
+    fraction of a token (the clock left one) never leaves its batch whole to be delivered again."""
+    from shmlimit.redis.feeder import Feeder
+
+    local = 20
+    host = Host(R, name, redis_server.url, clock, 100, burst=1, on_redis_error="local")
+    try:
+        host.lim.set_rate(local)  # the host's share of the global 100/s
+        host.att.bucket.refresh()
+        run([host], clock, 1.0)
+        pending = sum(bt.left for bt in host.feeder.pending)
+        assert pending > 0  # saturated: batches were reserved ahead
+        before = host.lim.stats().upstream.expired
+        feeder = host.feeder
+        host.feeder = Feeder(
+            host.att.bucket,
+            host.att.lease,
+            host.att.feed_spec,
+            clock=clock,
+            connect=lambda spec: SlowRedis(R, lambda: None),
+        )
+        host.feeder.pending, host.feeder.demand = feeder.pending, feeder.demand
+        while host.lim.stats().upstream.state != "local":  # it learns at its next request
+            run([host], clock, 0.001)
+        start = clock.now
+        run([host], clock, 1.0)
+        up = host.lim.stats().upstream
+    finally:
+        host.close()
+    assert up.state == "local" and up.fallbacks == 1
+    cap = host.att.bucket.cap // host.att.bucket.cost
+    got = sum(1 for t in host.grants if t >= start)
+    assert got <= local * 1.0 + 2 * cap, got  # the local rate, its burst and what the bucket held
+    assert up.expired > before  # the batches reserved ahead
+
+
 def test_a_limiter_on_a_callers_client_is_refused_as_an_upstream(R, redis_server, name):
     glob = R.RedisLimiter(f"{name}-g", rate=10, client=redis_server.client())
     with pytest.raises(ValueError, match="client="):
