@@ -414,10 +414,15 @@ class _GcraClient:
 
         A NOSCRIPT answer (the scripts were flushed, or a failover or slot
         migration reached a server that never saw ours) loads it and asks
-        again.  redis-py's errors are classified (``classify``).
+        again.  redis-py's errors are classified (``classify``); any other
+        error of the round trip (a client redis-py could not build) and an
+        answer that is not one the script gives (granted outside ``[0, n]``,
+        a negative time, a backlog beyond ``MAX_SCHEDULE_NS``: a broken key,
+        or not Redis) raise ``RedisDataError``.
         """
         args = self._args(mode, n, max_wait_ns)
         key = self.key if key is None else key
+        where = f"redis at {self.url} for limiter {self._name!r}"
         trips = 1
         try:
             try:
@@ -427,15 +432,25 @@ class _GcraClient:
                 self._count(script_loads=1)
                 yield (None, ())
                 r = yield (key, args)
-            granted, wait, backlog, dry = int(r[0]), int(r[1]), int(r[2]), int(r[3])
         except _REDIS_ERRORS as e:
             self._count(round_trips=trips, errors=1)
-            raise classify(e, f"redis at {self.url} for limiter {self._name!r}") from e
-        except (TypeError, ValueError, IndexError) as e:  # an answer that is not the script's
+            raise classify(e, where) from e
+        except Exception as e:
             self._count(round_trips=trips, errors=1)
-            raise RedisDataError(
-                f"redis at {self.url} for limiter {self._name!r} answered {r!r}"
-            ) from e
+            raise RedisDataError(f"{where} failed: {type(e).__name__}: {e}") from e
+        try:
+            granted, wait, backlog, dry = int(r[0]), int(r[1]), int(r[2]), int(r[3])
+            ok = (
+                0 <= granted <= (n if mode == MODE_RESERVE else granted)
+                and 0 <= backlog <= MAX_SCHEDULE_NS
+                and 0 <= wait <= backlog + n * self._interval
+                and dry >= 0
+            )
+        except (TypeError, ValueError, IndexError):
+            ok = False
+        if not ok:
+            self._count(round_trips=trips, errors=1)
+            raise RedisDataError(f"{where} answered {r!r}, not an answer of the script")
         self._count(round_trips=trips)
         return granted, wait, backlog, dry
 

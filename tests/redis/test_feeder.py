@@ -253,6 +253,58 @@ def test_the_local_fallback_grants_the_local_rate_not_the_batches_it_had_reserve
     assert up.expired > before  # the batches reserved ahead
 
 
+def answering(R, reply):
+    """The feeder's ``connect``: a global limiter on a client whose script calls answer
+    ``reply(ops asked)``, or raise it (an exception): a broken or hostile server."""
+    import types
+
+    def evalsha(sha, numkeys, key, mode, n, *args):
+        if isinstance(reply, Exception):
+            raise reply
+        return reply(int(n))
+
+    def connect(spec):
+        client = types.SimpleNamespace(evalsha=evalsha)
+        return R.RedisLimiter(spec.name, spec.rate, spec.per, spec.burst, client=client)
+
+    return connect
+
+
+@pytest.mark.parametrize(
+    "reply",
+    [
+        lambda n: [-5, 0, 0, 0],
+        lambda n: [n + 5, 0, 0, 0],
+        lambda n: [10**15, 0, 0, 0],
+        lambda n: [n, -(10**12), 0, 0],
+        lambda n: [n, 0, 10**18, 0],
+    ],
+    ids=["negative", "more-than-asked", "huge", "negative-wait", "backlog-beyond-bound"],
+)
+def test_an_answer_the_script_cannot_give_closes_the_host(R, redis_server, name, clock, reply):
+    """Granted ops outside what was asked, a negative wait, a schedule beyond the bound: the host
+    takes none of it, goes to "error" (closed, whatever the fallback) and asks again later."""
+    from shmlimit.redis.feeder import RETRY_EVERY, Feeder
+
+    host = Host(R, name, redis_server.url, clock, 100, on_redis_error="open")
+    try:
+        host.feeder = Feeder(
+            host.att.bucket,
+            host.att.lease,
+            host.att.feed_spec,
+            clock=clock,
+            connect=answering(R, reply),
+        )
+        host.take_all()  # refused: the feeder asks
+        host.feeder.tick()
+        up = host.lim.stats().upstream
+        assert up.state == "error" and up.errors == 1 and up.leased == 0
+        assert not host.feeder.pending and not host.lim.try_acquire()
+        assert host.feeder.next_try == clock.now + int(RETRY_EVERY * 1e9)
+    finally:
+        host.close()
+
+
 def test_a_limiter_on_a_callers_client_is_refused_as_an_upstream(R, redis_server, name):
     glob = R.RedisLimiter(f"{name}-g", rate=10, client=redis_server.client())
     with pytest.raises(ValueError, match="client="):

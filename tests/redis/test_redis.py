@@ -308,6 +308,54 @@ def test_bad_input_is_refused(R, redis_server, name):
     assert name not in shmlimit.list_names()
 
 
+class AnsweringClient:
+    """A redis-py client as the limiter sees it, whose script calls answer ``reply`` (a list, or a
+    function of the request's ops) or raise it (an exception): a broken or hostile server."""
+
+    def __init__(self, reply):
+        self.reply, self.calls = reply, 0
+
+    def evalsha(self, sha, numkeys, key, mode, n, *args):
+        self.calls += 1
+        if isinstance(self.reply, Exception):
+            raise self.reply
+        return self.reply(n) if callable(self.reply) else self.reply
+
+
+@pytest.mark.backend_independent
+@pytest.mark.parametrize(
+    "reply",
+    [
+        [-5, 0, 0, 0],  # granted < 0
+        [10**15, 0, 0, 0],  # granted more than asked
+        lambda n: [n, -(10**12), 0, 0],  # a negative wait
+        lambda n: [n, 0, 10**18, 0],  # a schedule decades ahead (t far beyond the bound)
+        lambda n: [n, 10**12, 0, 0],  # a wait beyond the backlog and the request
+        lambda n: [n, 0, 0, -1],  # a negative dry time
+        [1, 0],  # not four numbers
+        "PONG",
+    ],
+)
+def test_an_answer_the_script_cannot_give_is_a_data_error(R, name, reply):
+    lim = R.RedisLimiter(name, rate=10, client=AnsweringClient(reply))
+    for call in (lim.try_acquire, lim.acquire, lambda: lim.acquire(timeout=1)):
+        with pytest.raises(R.RedisDataError, match="not an answer of the script"):
+            call()
+    assert lim._counters()["errors"] == 3
+
+
+@pytest.mark.backend_independent
+def test_an_error_of_the_round_trip_itself_is_a_data_error_naming_it(R, name):
+    """What redis-py raises when it cannot build a connection from the URL (a query parameter its
+    connection does not take) is neither a connection error nor an answer."""
+    boom = TypeError("AbstractConnection.__init__() got an unexpected keyword argument 'timeout'")
+    lim = R.RedisLimiter(name, rate=10, client=AnsweringClient(boom))
+    with pytest.raises(R.RedisDataError, match="TypeError.*'timeout'") as e:
+        lim.try_acquire()
+    assert e.value.__cause__ is boom
+    assert lim._counters()["errors"] == 1
+
+
 @pytest.mark.backend_independent
 def test_password_is_never_shown(R):
     assert R.redact("redis://user:secret@host:6379/0") == "redis://user:***@host:6379/0"
