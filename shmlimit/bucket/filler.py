@@ -17,6 +17,7 @@ the head short (the lazy backstop).
 
 from __future__ import annotations
 
+import logging
 import threading
 import time
 from typing import TYPE_CHECKING, Any, Callable, Optional, Protocol, Tuple
@@ -53,6 +54,8 @@ SPAN_MAX = 0.1
 #: the filler late replenishes for itself and nudges its own process's watcher (``nudge``).
 WATCH_PERIOD = 0.5
 
+
+log = logging.getLogger("shmlimit.filler")
 
 _SLOT_MASK = (1 << L.LEASE_SLOT_BITS) - 1
 #: ``Waiter.fill``'s flags (``_native.c``): the lease lost, our add raced a config change
@@ -484,7 +487,8 @@ class FillerThread(threading.Thread):
                 if now >= chore_at:
                     try:
                         chore_at = now + self.chore()
-                    except Exception:  # pragma: no cover - a chore never stops the filling
+                    except Exception:  # a chore never stops the filling
+                        log.exception("%s: a chore failed; filling goes on", self.name)
                         chore_at = now + 1.0
                 if bucket.upstream:
                     # the nap, and the wakes for a delivery alone after it, natively where it can
@@ -510,8 +514,9 @@ class FillerThread(threading.Thread):
                     self.fills += ticks
                 else:
                     time.sleep(nap)
-        except Exception:  # pragma: no cover - a closed mapping at interpreter exit
-            pass
+        except Exception:  # a closed mapping at interpreter exit; anything else is a bug: said
+            if not self._stopping:
+                log.exception("%s stopped; another process's filler may take over", self.name)
         finally:
             try:
                 lease.drop()

@@ -76,7 +76,7 @@ Redis unreachable (``on_redis_error``):
 
 Only a connection error or a timeout is "unreachable".  Redis answering with
 an error (``WRONGTYPE`` because someone wrote the key, a failing script,
-refused credentials: ``RedisDataError``) is state ``"error"``: closed,
+refused credentials: ``RedisDataError``), or any other failure of the call, is state ``"error"``: closed,
 whatever ``on_redis_error`` says, and logged -- whoever can write the key
 must not be able to open the gates.
 
@@ -724,7 +724,7 @@ class Feeder:
                 self.redis = self._connect(self.spec)
             trips = self.redis.round_trips
             granted, wait, backlog, dry = self.redis.call(MODE_RESERVE, want, None)
-        except (RedisUnavailableError, RedisDataError) as e:
+        except Exception as e:  # (anything else too: a filler that dies grants nothing, ever)
             self._count_trips(trips)
             self._fail(state, e)
             return True
@@ -809,16 +809,21 @@ class Feeder:
 
     def _fail(self, state: int, e: Exception) -> None:
         """Redis unavailable (``RedisUnavailableError``): enter the configured fallback (from "ok"
-        only; "error" stays closed).  Redis answered with an error (``RedisDataError``): "error",
-        closed whatever the fallback, until it answers correctly."""
+        only; "error" stays closed).  Redis answered with an error (``RedisDataError``), or the
+        call failed otherwise (connecting raised): "error", closed whatever the fallback, until it
+        answers correctly."""
         self.cells.fetch_add(L.UP_ERRORS, 1)
-        data = isinstance(e, RedisDataError)
+        data = not isinstance(e, RedisUnavailableError)
         new = (
             STATE_ERROR if data else (_FALLBACK[self.spec.on_error] if state == STATE_OK else state)
         )
         if new != state:
             if data:
-                log.error("%s; no tokens until it answers correctly", e)
+                log.error(
+                    "%s; no tokens until it answers correctly",
+                    e,
+                    exc_info=not isinstance(e, RedisDataError),
+                )
             else:
                 log.warning("%s; fallback %r until it answers", e, self.spec.on_error)
             self._switch(state, new)

@@ -305,6 +305,40 @@ def test_an_answer_the_script_cannot_give_closes_the_host(R, redis_server, name,
         host.close()
 
 
+@pytest.mark.parametrize("mode", ["local", "open", "closed"])
+def test_any_failure_of_the_call_is_the_error_state_not_a_dead_filler(
+    R, redis_server, name, clock, mode
+):
+    """Connecting raises what is neither unavailability nor an answer (redis-py refusing a URL's
+    parameter): the tick goes on, the host is in "error" (closed, whatever the fallback; counted
+    and logged) and asks again later; the first answer ends it."""
+    from shmlimit.redis.feeder import RETRY_EVERY, Feeder
+
+    def connect(spec):
+        if clock.now < ready:
+            raise ValueError("invalid literal for int() with base 10: 'x'")
+        return R.RedisLimiter.from_spec(spec)
+
+    ready = clock.now + 10**9
+    host = Host(R, name, redis_server.url, clock, 100, on_redis_error=mode)
+    try:
+        host.feeder = Feeder(
+            host.att.bucket, host.att.lease, host.att.feed_spec, clock=clock, connect=connect
+        )
+        host.take_all()  # refused: the feeder asks
+        host.feeder.tick()
+        up = host.lim.stats().upstream
+        assert (up.state, up.errors, up.fallbacks) == ("error", 1, 1)
+        assert host.feeder.next_try == clock.now + int(RETRY_EVERY * 1e9)
+        clock.advance(ready - clock.now)
+        host.take_all()
+        host.feeder.tick()
+        host.take_all()
+        assert host.lim.stats().upstream.state == "ok" and host.grants
+    finally:
+        host.close()
+
+
 def test_a_limiter_on_a_callers_client_is_refused_as_an_upstream(R, redis_server, name):
     glob = R.RedisLimiter(f"{name}-g", rate=10, client=redis_server.client())
     with pytest.raises(ValueError, match="client="):

@@ -356,6 +356,26 @@ def test_an_error_of_the_round_trip_itself_is_a_data_error_naming_it(R, name):
     assert lim._counters()["errors"] == 1
 
 
+def test_a_filler_thread_that_fails_says_so(R, redis_server, name, monkeypatch, caplog):
+    """A bug that ends the filler thread is logged, never swallowed."""
+    import shmlimit.redis.feeder as U
+
+    def tick(self):
+        raise RuntimeError("a bug in the feeder")
+
+    monkeypatch.setattr(U.Feeder, "tick", tick)
+    lim = shmlimit.Limiter(name, rate=100, upstream=redis_server.url)
+    try:
+        assert not lim.try_acquire()  # its first use starts the filler thread
+        lim._att.filler.join(timeout=10)
+        assert not lim._att.filler.is_alive()
+    finally:
+        lim.close()
+        shmlimit.unlink(name)
+    logged = [r for r in caplog.records if r.name == "shmlimit.filler"]
+    assert logged and "a bug in the feeder" in str(logged[0].exc_info[1])
+
+
 @pytest.mark.backend_independent
 def test_password_is_never_shown(R):
     assert R.redact("redis://user:secret@host:6379/0") == "redis://user:***@host:6379/0"
