@@ -10,7 +10,7 @@ let calls through).  Needs redis-py (the ``redis`` extra).
 from __future__ import annotations
 
 from typing import Any, Dict, Tuple, Type
-from urllib.parse import parse_qsl, unquote
+from urllib.parse import unquote
 
 from shmlimit.errors import MissingExtraError, RedisDataError, RedisUnavailableError
 from shmlimit.redis import urls
@@ -106,15 +106,8 @@ def connect(url: str, secrets: Dict[str, str], timeout: float, is_async: bool = 
     netloc, _, tail = body.partition("/")
     if user:
         opts["username"] = unquote(user)
-    for k, v in parse_qsl(query or ""):
-        if k in ("db",):
-            opts[k] = int(v)
-        elif k in ("socket_timeout", "socket_connect_timeout"):
-            opts[k] = float(v)
-        elif k not in (
-            "ssl_cert_reqs",
-            "ssl_check_hostname",
-        ):  # TLS is always verified (urls.check)
+    for k, v in urls.options(url).items():
+        if k not in ("ssl_cert_reqs", "ssl_check_hostname"):  # TLS is always verified (urls.check)
             opts[k] = v
     if tls:
         opts["ssl"] = True

@@ -14,8 +14,8 @@ must keep what it does not understand exactly as written (``[::1]``).
 
 from __future__ import annotations
 
-from typing import Dict, List, Optional, Tuple
-from urllib.parse import unquote
+from typing import Any, Callable, Dict, List, Optional, Tuple
+from urllib.parse import parse_qsl, unquote
 
 #: Schemes a ``RedisLimiter`` (and ``upstream=``) accepts, by deployment.
 SINGLE_SCHEMES = ("redis", "rediss", "unix", "redis+unix", "valkey", "valkeys", "valkey+unix")
@@ -33,6 +33,60 @@ TLS_SCHEMES = (
 )
 
 HIDDEN = "***"
+
+
+def _int(low: int, high: Optional[int] = None) -> Callable[[str], int]:
+    def parse(v: str) -> int:
+        n = int(v)
+        if n < low or (high is not None and n > high):
+            raise ValueError
+        return n
+
+    return parse
+
+
+def _seconds(v: str) -> float:
+    t = float(v)
+    if not 0 < t < float("inf"):
+        raise ValueError
+    return t
+
+
+_BOOLS = dict.fromkeys(("true", "yes", "y", "t", "1"), True)
+_BOOLS.update(dict.fromkeys(("false", "no", "n", "f", "0"), False))
+
+
+def _bool(v: str) -> bool:
+    return _BOOLS[v.lower()]
+
+
+#: The query parameters a URL may carry, and how their values read (``options``); ``_TLS`` ones
+#: only on TLS schemes, ``sentinel_password`` only on sentinel ones.  Any other is refused when the
+#: limiter is built: redis-py would refuse it only when it connects.
+_PARAMS: Dict[str, Tuple[Callable[[str], Any], str]] = {
+    "db": (_int(0), "an integer >= 0"),
+    "socket_timeout": (_seconds, "seconds > 0"),
+    "socket_connect_timeout": (_seconds, "seconds > 0"),
+    "socket_keepalive": (_bool, "true or false"),
+    "retry_on_timeout": (_bool, "true or false"),
+    "health_check_interval": (_int(0), "an integer >= 0"),
+    "max_connections": (_int(1), "an integer >= 1"),
+    "protocol": (_int(2, 3), "2 or 3"),
+    "client_name": (str, ""),
+    "username": (str, ""),
+    "password": (str, ""),
+    "sentinel_password": (str, ""),
+}
+_TLS = {
+    "ssl_ca_certs": (str, ""),
+    "ssl_ca_path": (str, ""),
+    "ssl_certfile": (str, ""),
+    "ssl_keyfile": (str, ""),
+    "ssl_password": (str, ""),
+    "ssl_ciphers": (str, ""),
+    "ssl_cert_reqs": (str, ""),
+    "ssl_check_hostname": (_bool, "true or false"),
+}
 
 
 def _is_secret_param(key: str) -> bool:
@@ -167,6 +221,7 @@ def check(url: object, param: str = "url") -> str:
                 f"{param}: TLS must verify the server's certificate and host name; "
                 f"drop {key}= from {redact(url)}"
             )
+    options(url, param)
     if scheme not in ("unix", "redis+unix", "valkey+unix"):
         netloc = body.split("/", 1)[0]
         if not netloc:
@@ -177,6 +232,32 @@ def check(url: object, param: str = "url") -> str:
             )
         hosts(netloc, 6379, param)
     return url
+
+
+def options(url: str, param: str = "url") -> Dict[str, Any]:
+    """The query parameters of ``url``, read (``db`` an int, timeouts floats...); ValueError naming
+    one that is unknown, misplaced, or whose value does not read."""
+    scheme = scheme_of(url)
+    out: Dict[str, Any] = {}
+    for key, value in parse_qsl(parts(url)[4] or "", keep_blank_values=True):
+        known = _PARAMS.get(key) or (_TLS.get(key) if scheme in TLS_SCHEMES else None)
+        if key == "sentinel_password" and scheme not in SENTINEL_SCHEMES:
+            raise ValueError(f"{param}: {key}= belongs on a redis+sentinel:// URL: {redact(url)}")
+        if known is None and key in _TLS:
+            raise ValueError(f"{param}: {key}= belongs on a rediss:// (TLS) URL: {redact(url)}")
+        if known is None:
+            hint = " (the limiter's timeout= argument sets it)" if key == "timeout" else ""
+            raise ValueError(
+                f"{param}: unknown query parameter {key!r}{hint}; known: "
+                f"{', '.join(sorted(_PARAMS))}, and ssl_* with TLS: {redact(url)}"
+            )
+        parse, what = known
+        try:
+            out[key] = parse(value)
+        except (ValueError, KeyError):
+            shown = HIDDEN if _is_secret_param(key) else repr(value)
+            raise ValueError(f"{param}: {key} must be {what}, got {shown}: {redact(url)}") from None
+    return out
 
 
 def hosts(netloc: str, default_port: int, param: str = "url") -> List[Tuple[str, int]]:

@@ -91,6 +91,43 @@ def test_errors_about_urls_never_echo_the_password(R, name):
     assert name not in shmlimit.list_names()
 
 
+@pytest.mark.parametrize(
+    "query, named",
+    [
+        ("timeout=1", "unknown query parameter 'timeout'.*timeout= argument"),
+        ("socket_timeout=abc", "socket_timeout must be seconds > 0, got 'abc'"),
+        ("socket_timeout=-1", "socket_timeout must be seconds > 0"),
+        ("db=x", "db must be an integer >= 0, got 'x'"),
+        ("socket_keepalive=maybe", "socket_keepalive must be true or false"),
+        ("protocol=4", "protocol must be 2 or 3"),
+        ("sentinel_password=secret", "sentinel_password= belongs on a redis\\+sentinel"),
+        ("ssl_ca_certs=/ca.pem", "ssl_ca_certs= belongs on a rediss://"),
+    ],
+)
+def test_a_bad_query_parameter_is_refused_when_the_limiter_is_built(R, name, query, named):
+    """redis-py refuses these only when it connects: a hierarchical limiter's filler thread then
+    met the error, and the limiter never granted.  Refused at once, naming the parameter."""
+    url = f"redis://:secret@127.0.0.1:1/0?{query}"
+    with pytest.raises(ValueError, match=f"^url: {named}") as e:
+        R.RedisLimiter(name, rate=1, url=url)
+    assert "secret" not in str(e.value)
+    with pytest.raises(ValueError, match=f"^upstream: {named}"):
+        shmlimit.Limiter(name, rate=1, upstream=url)
+    assert name not in shmlimit.list_names()
+
+
+def test_known_query_parameters_are_read_once_for_every_deployment(R):
+    from shmlimit.redis.urls import options
+
+    url = "redis+sentinel://h:1/m?db=2&socket_timeout=0.5&socket_keepalive=no&sentinel_password=x"
+    assert options(url) == dict(
+        db=2, socket_timeout=0.5, socket_keepalive=False, sentinel_password="x"
+    )
+    assert options("rediss://h/0?ssl_ca_certs=/ca.pem&client_name=a") == dict(
+        ssl_ca_certs="/ca.pem", client_name="a"
+    )
+
+
 def test_a_password_holding_a_question_mark_is_hidden_and_refused(R, name):
     """An unescaped ``?`` in the password once began the query for the parser: ``redact`` showed
     the password whole, and ``admin:123?abc@host`` passed the check as host ``admin`` port 123, so
