@@ -166,6 +166,13 @@ MAX_LEASE_SECONDS = 0.25
 MIN_LEAD = 0.075
 #: While Redis is unreachable, it is tried again this often (seconds).
 RETRY_EVERY = 0.25
+#: A reservation due further ahead than this (seconds), or than ``MAX_AHEAD_LEASES`` leases of
+#: the global rate if longer, is the answer of a broken key (written by someone else, or a step
+#: back of the Redis host's clock): taken, the host would ask nothing more until it is due.  Each
+#: host holds at most the lead, ``EARLY`` and a lease ahead: a queue of a hundred hosts is far
+#: shorter.
+MAX_AHEAD = 60.0
+MAX_AHEAD_LEASES = 100
 #: After a lease request found nothing available upstream, wait at least this long (seconds) ...
 MIN_RETRY = 0.002
 #: A caller refused this recently (ns) still wants a token: longer than the feeder's longest
@@ -288,6 +295,12 @@ class Feeder:
         """How much of the host's demand one reservation covers (seconds): ``LEASE_OPS`` of the
         global rate, up to ``MAX_LEASE_SECONDS`` (``want`` makes it one batch at least)."""
         return min(MAX_LEASE_SECONDS, LEASE_OPS * self.interval_ns / 1e9)
+
+    @property
+    def horizon_ns(self) -> int:
+        """How far ahead a reservation may be due at most (``MAX_AHEAD``), in ns."""
+        far = MAX_AHEAD_LEASES * self.max_lease * self.interval_ns
+        return max(int(MAX_AHEAD * 1e9), far)
 
     @property
     def lead_ns(self) -> int:
@@ -724,6 +737,11 @@ class Feeder:
                 self.redis = self._connect(self.spec)
             trips = self.redis.round_trips
             granted, wait, backlog, dry = self.redis.call(MODE_RESERVE, want, None)
+            if granted and wait > self.horizon_ns:
+                raise RedisDataError(
+                    f"redis at {self.spec.url} for limiter {self.spec.name!r} reserved a batch due "
+                    f"in {wait / 1e9:.0f} s: its key is broken (or its clock stepped back)"
+                )
         except Exception as e:  # (anything else too: a filler that dies grants nothing, ever)
             self._count_trips(trips)
             self._fail(state, e)

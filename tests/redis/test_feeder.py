@@ -339,6 +339,37 @@ def test_any_failure_of_the_call_is_the_error_state_not_a_dead_filler(
         host.close()
 
 
+def test_a_reservation_due_beyond_the_horizon_is_a_broken_key_and_the_host_recovers(
+    R, redis_server, name, clock
+):
+    """Someone writes the global key an hour ahead (what a step back of the Redis host's clock looks
+    like too), then deletes it.  The batch Redis reserved an hour ahead is not taken: the host is
+    in "error" meanwhile, and grants again once the key is repaired."""
+    from shmlimit.redis.feeder import MAX_AHEAD
+
+    rate = 100
+    host = Host(R, name, redis_server.url, clock, rate, lease_ttl=0.1)
+    r = redis_server.client()
+    try:
+        run([host], clock, 0.5)
+        assert host.lim.stats().upstream.state == "ok"
+        r.hset(host.glob.key, mapping={"e": clock.now // 10**9, "t": 3600 * 10**9})
+        assert 3600 > MAX_AHEAD
+        run([host], clock, 0.5)
+        up = host.lim.stats().upstream
+        assert up.state == "error" and up.errors >= 1
+        assert all(bt.due - clock.now < MAX_AHEAD * 1e9 for bt in host.feeder.pending)
+        r.delete(host.glob.key)
+        start = clock.now
+        run([host], clock, 1.0)
+        up = host.lim.stats().upstream
+    finally:
+        host.close()
+    assert up.state == "ok"
+    got = sum(1 for t in host.grants if t >= start)
+    assert got >= rate * (1.0 - 0.3), got  # within a retry and a lead of the repair
+
+
 def test_a_limiter_on_a_callers_client_is_refused_as_an_upstream(R, redis_server, name):
     glob = R.RedisLimiter(f"{name}-g", rate=10, client=redis_server.client())
     with pytest.raises(ValueError, match="client="):
