@@ -31,8 +31,9 @@ except ImportError as e:  # without the redis extra: say what installs it
 
 
 #: redis-py's errors that mean "no answer in time": the server is down, unreachable, loading,
-#: failing over (``READONLY`` from a demoted master, ``CLUSTERDOWN``, ``TRYAGAIN`` while a slot
-#: migrates) -- never an answer about the data.  (``redis.sentinel``'s ``MasterNotFoundError`` and
+#: failing over (``READONLY`` from a demoted master, ``CLUSTERDOWN`` and ``MASTERDOWN``,
+#: ``TRYAGAIN`` while a slot migrates), or ``BUSY`` running someone's script (``classify``) --
+#: never an answer about the data.  (``redis.sentinel``'s ``MasterNotFoundError`` and
 #: ``SlaveNotFoundError`` are ``ConnectionError``s.)  Credentials refused are not among them: a
 #: wrong password is a configuration error, and fails closed like a data error (``_REFUSED``).
 _UNAVAILABLE = (
@@ -54,7 +55,8 @@ def classify(e: BaseException, where: str) -> Exception:
     text = redact(str(e)) if "://" in str(e) else str(e)
     # (a cluster client that reached no node raises its own error, from the connection's)
     cause = e.__cause__ if isinstance(e, _rx.RedisClusterException) else e
-    if isinstance(cause, _UNAVAILABLE) and not isinstance(cause, _REFUSED):
+    busy = isinstance(cause, _rx.ResponseError) and str(cause).startswith("BUSY ")  # (a script)
+    if (busy or isinstance(cause, _UNAVAILABLE)) and not isinstance(cause, _REFUSED):
         err: Exception = RedisUnavailableError(f"{where} unavailable: {type(e).__name__}: {text}")
     else:
         err = RedisDataError(f"{where} answered with an error: {type(e).__name__}: {text}")

@@ -128,6 +128,23 @@ def test_known_query_parameters_are_read_once_for_every_deployment(R):
     )
 
 
+def test_a_server_busy_or_without_its_master_is_unavailable_not_a_data_error(R):
+    """``BUSY`` (another client's script runs long) and ``MASTERDOWN`` (a replica lost its master)
+    say nothing about the key: the fallback the user chose applies, not the closed "error"."""
+    from redis import exceptions as rx
+
+    from shmlimit.redis.client import classify
+
+    busy = rx.ResponseError("BUSY Redis is busy running a script. You can only call SCRIPT KILL")
+    down = rx.MasterDownError(
+        "Link with MASTER is down and replica-serve-stale-data is set to 'no'"
+    )
+    for e in (busy, down):
+        assert isinstance(classify(e, "redis at redis://h/0"), R.RedisUnavailableError)
+    wrong = rx.ResponseError("WRONGTYPE Operation against a key holding the wrong kind of value")
+    assert isinstance(classify(wrong, "redis at redis://h/0"), R.RedisDataError)
+
+
 def test_a_password_holding_a_question_mark_is_hidden_and_refused(R, name):
     """An unescaped ``?`` in the password once began the query for the parser: ``redact`` showed
     the password whole, and ``admin:123?abc@host`` passed the check as host ``admin`` port 123, so
