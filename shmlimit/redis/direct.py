@@ -618,7 +618,8 @@ class RedisLimiter(_GcraClient, AcquireOnEnter):
     schedule callers may reserve ahead; default unbounded); ``grace``
     (seconds a reservation may be used late before it is void; None = never
     void); ``clock`` (``"server"``: Redis ``TIME``, or ``"client"``: this
-    host's wall clock); ``timeout`` (connect and socket timeout, seconds).
+    host's wall clock); ``timeout`` (connect and socket timeout, seconds; a call
+    tries once more on a new connection, so it may take about twice that).
     ``client`` may be an existing redis-py client to use instead of ``url``
     (the limiter then cannot be pickled nor be an ``upstream=``).
 

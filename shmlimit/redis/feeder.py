@@ -55,7 +55,8 @@ shorter), and it plans a wake ``MIN_TICK`` before the end of a record while
 the bucket holds more than the younger ones cover, never floored past that
 end.  An op used at time u was therefore due after ``u - lease_ttl - d``,
 where d is how late a check comes after a record ends: the sleep's lateness
-past its plan, plus one Redis call of at most ``timeout``.  A filler stopped
+past its plan, plus one Redis call (two tries of at most ``timeout`` to connect and
+``timeout`` to read).  A filler stopped
 in the middle of a delivery (SIGSTOP) and resumed much later never adds a
 batch older than its ttl; one it adds late carries its old record, and it
 checks right after the add and, no longer the filler, after its deliveries
