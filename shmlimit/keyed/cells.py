@@ -24,8 +24,12 @@ the value words mean, with one contract: ``V0`` is the value's *expiry word*.
    no ABA.  And since the new tenant's *values* start from the clock, not from
    the floor, a new key never starts from another key's state -- an evicted
    key's or a dead inserter's: keys never share state.  ``BASE`` grows only by
-   the remaining debt of a key evicted while limited, and shrinks again as the
-   clock passes what the slot held.
+   what the slot's last word lies above the new tenant's least value (for GCRA
+   the remaining debt of a key evicted while limited; for a window counter,
+   whose first value is its least, what the old window ends after the new
+   one's), and shrinks again as the clock passes what the slot held.  A slot
+   whose ``BASE`` would pass ``BASE_MAX`` is passed by for the next of the
+   window; with no other, the new key is refused (``WORN``).
 2. **Lookup**: probe at most ``probe`` slots from the key's home slot
    (``D0 * nslots >> 64``); an EMPTY slot ends the chain (a slot never becomes
    EMPTY again, and an inserter takes the first free slot it sees).
@@ -91,6 +95,9 @@ NEVER = -(1 << 62)  #: n exceeds the burst: never grantable
 FULL = NEVER - 1  #: no slot for a new key (every slot of its window holds a limited key)
 #: Another live process's insert of the same key has not moved for ``PEND_NS``: nothing taken.
 BUSY = NEVER - 2
+#: No slot for a new key but for their ``BASE``: each slot of its window that could be had would
+#: lift its ``BASE`` past ``BASE_MAX`` (see ``SlotTable.insert``); it passes as the clock does.
+WORN = NEVER - 4
 #: A config lock held this long (ns) was left by a dead writer: readers close it, and a writer
 #: takes it over (``keyed.gcra.config_lock``).
 LOCK_NS = 200_000_000
@@ -305,6 +312,12 @@ def check_offsets(cells, *offsets: int) -> None:
             )
 
 
+def _worn(floor: int, low: int) -> bool:
+    """Whether a slot whose last word was ``floor`` (``DEAD`` or not) would lift the ``BASE`` of a
+    tenant whose values are all at least ``low`` past ``BASE_MAX``: such a slot is passed by."""
+    return (floor & ~K.DEAD) - low >= K.BASE_MAX
+
+
 class SlotTable:
     """The slot protocol alone (lookup, insert, eviction, reuse), for any value kind.
 
@@ -469,13 +482,15 @@ class SlotTable:
         its line (a stride above ``LINE``) while the slot is claimed (BUSY, its
         new generation ``gen``): nobody reads them before it is published.  Returns (slot, ctrl): ctrl is the LIVE word when we published (the
         grant is made), 0 means "look again"; slot None means the window is full
-        (ctrl 0), or (ctrl ``BUSY``) that a farther PEND of the same key stayed
-        unchanged under a live owner for ``PEND_NS`` and we gave way.
+        (ctrl 0), or (ctrl ``WORN``) that its only slots to be had would lift
+        ``BASE`` past ``BASE_MAX`` (a slot that would is passed by for the next),
+        or (ctrl ``BUSY``) that a farther PEND of the same key stayed unchanged
+        under a live owner for ``PEND_NS`` and we gave way.
         """
         c = self.c
         low = now if low is None else low
         cand, cc, pos, cv = None, 0, 0, 0
-        victim, least = None, 0
+        victim, least, worn = None, 0, False
         for i in range(self.probe):
             s = self._slot(home, i)
             ctl = c.load(s)
@@ -487,31 +502,39 @@ class SlotTable:
                 and not c.load(s + K.S_V0) & K.DEAD
             ):
                 return s, 0
-            if state == K.EMPTY:
-                if cand is None:
-                    cand, cc, pos = s, ctl, i
-                break
             if cand is not None:
+                if state == K.EMPTY:
+                    break
                 continue
-            if state == K.TOMB:
-                cand, cc, pos = s, ctl, i
-            elif state == K.LIVE:
+            if state == K.LIVE:
                 base = c.load(s + K.S_BASE)
                 v = c.load(s + K.S_V0)
                 if c.load(s) != ctl:
                     return s, 0  # it changed tenant while we read it: look again
                 if v & K.DEAD or self.expiry(s, v - base) <= now:
-                    cand, cc, pos, cv = s, ctl, i, v
+                    if _worn(v, low):
+                        worn = True
+                    else:
+                        cand, cc, pos, cv = s, ctl, i, v
                 elif self.evict and (victim is None or v - base < least):
-                    victim, least = (s, ctl, i, v), v - base
-            elif not alive((ctl >> 8) & 0xFFFFFFFF, self.pid):
-                cand, cc, pos = s, ctl, i
+                    if _worn(v, low):
+                        worn = True
+                    else:
+                        victim, least = (s, ctl, i, v), v - base
+            elif state in (K.EMPTY, K.TOMB) or not alive((ctl >> 8) & 0xFFFFFFFF, self.pid):
+                # a free slot (or a dead inserter's) -- unless its floor would lift BASE too far
+                if _worn(c.load(s + K.S_V0), low):
+                    worn = True
+                else:
+                    cand, cc, pos = s, ctl, i
+            if state == K.EMPTY:
+                break
         limited = False
         if cand is None:
             # Full: the least valuable live key (its V0 least, so nearest to holding nothing) gives
-            # up its slot -- unless that would lift the slot's BASE past BASE_MAX.
-            if victim is None or (victim[3] + 1 - low) > K.BASE_MAX:
-                return None, 0
+            # up its slot.  WORN: a slot could be had but for its BASE.
+            if victim is None:
+                return None, WORN if worn else 0
             cand, cc, pos, cv = victim
             limited = True
         state, gen = cc & 0xFF, (cc >> 40) + 1
@@ -533,10 +556,9 @@ class SlotTable:
         if fill is not None:
             fill(cand, gen)
         floor = c.load(cand + K.S_V0) & ~K.DEAD
+        if _worn(floor, low):  # a floor the scan did not see (written by hand): passed by next
+            return self._abort(cand, mine, gen, floor)
         base = floor + 1 - low if floor >= low else 0
-        if base > K.BASE_MAX:  # only a segment written by hand: this slot takes no key
-            self._abort(cand, mine, gen, floor)
-            return None, 0
         c.store(cand + K.S_BASE, base)
         c.store(cand + K.S_V0, v0 + base)
         pend = K.ctrl(K.PEND, self.pid, gen)
@@ -562,14 +584,12 @@ class SlotTable:
                     if c.load(s + K.S_V0) & K.DEAD:
                         break
                     return self._abort(cand, pend, gen, floor)
-                if i < pos:  # a PEND nearer the home slot wins: ours gives way
-                    self._abort(cand, pend, gen, floor)
-                    if not alive((ctl >> 8) & 0xFFFFFFFF, self.pid):
-                        return cand, 0  # the next attempt takes the dead one's slot
-                    return self._await_move(s, ctl)
-                if not alive((ctl >> 8) & 0xFFFFFFFF, self.pid):
+                if not alive((ctl >> 8) & 0xFFFFFFFF, self.pid):  # (its slot may be worn out)
                     c.cas(s, ctl, K.ctrl(K.TOMB, 0, ctl >> 40))
                     continue
+                if i < pos:  # a PEND nearer the home slot wins: ours gives way
+                    self._abort(cand, pend, gen, floor)
+                    return self._await_move(s, ctl)
                 # it will see ours and give way -- unless its owner never runs again: bounded
                 t_ns = time.monotonic_ns()
                 if ctl != seen:

@@ -238,11 +238,26 @@ class WindowCounters:
         if first is not None:
             now, v0, v1 = first
             disp = KC.display_words(data) if self.store_keys else (0, 0)
-            insert = (pack(now, CMAX, True), v0, (v1, *disp), fill)
+            # a key's first value is the least it ever takes (every kind only moves V0 on): its
+            # BASE is charged from there, by what the slot's last window ends after its first one;
+            # so clears and evictions keep BASE within the longest window (two: sliding), < 2**61
+            insert = (pack(now, CMAX, True), v0, (v1, *disp), fill, v0)
         got = self.t.visit(d, home, step, absent, insert, self.refused)
-        if got in (KC.FULL, KC.BUSY):  # FULL counted in ``refused``; BUSY: a stalled insert
-            raise KeyTableFullError(self.name, self.t.nslots, busy=got == KC.BUSY)
+        if got in (KC.FULL, KC.WORN, KC.BUSY):
+            raise self._full(got)
         return got
+
+    def _full(self, code: int) -> KeyTableFullError:
+        """The error for an insert's ``FULL`` or ``WORN`` (counted in ``refused``) or ``BUSY`` (a
+        stalled insert of the key)."""
+        err = KeyTableFullError(self.name, self.t.nslots, busy=code == KC.BUSY)
+        if code == KC.WORN:
+            err.args = (
+                f"window table {self.name!r}: no slot for this new key now: each slot near its "
+                f"home slot that could be had last held a window ending so far after this key's "
+                f"that it takes no key until the clock passes that end; nothing was counted",
+            )
+        return err
 
     def _evict(self, kd) -> bool:
         """Forget key ``kd`` (``_key``'s) now (``clear``): ``V0 | DEAD`` by CAS, then TOMB.  True if
@@ -271,8 +286,8 @@ class WindowCounters:
         _, now = self._now()
         if self._native is not None and native_fits(key):
             got = self._native.incr(key, w, amount, now)
-            if got < 0:  # FULL (counted in ``refused``) or BUSY, as ``_visit`` raises them
-                raise KeyTableFullError(self.name, self.t.nslots, busy=got == KC.BUSY)
+            if got < 0:  # FULL, WORN or BUSY, as ``_visit`` raises them
+                raise self._full(got)
             return got
 
         def step(s: int, v: int, base: int) -> Optional[int]:

@@ -578,6 +578,7 @@ cells_grabber(NativeCells *self, PyObject *const *args, Py_ssize_t n)
 #define KT_DEAD (UINT64_C(1) << 63) /* V0's eviction flag; the value below it is kept */
 #define KT_NEVER (-(INT64_C(1) << 62))
 #define KT_FULL (KT_NEVER - 1)
+#define KT_WORN (KT_NEVER - 4) /* keyed_cells.WORN: no slot but for its BASE (NEVER - 3: KT_ERROR) */
 #define KT_MAX_WAIT (UINT64_C(1) << 60)
 #define KT_KEY_MAX 4096
 #define KT_TICK_SHIFT 4
@@ -892,9 +893,10 @@ kt_find(KeyedTable *t, const uint64_t d[2], uint64_t home, uint64_t *ctrl)
  * slot held before (keyed_cells.SlotTable.insert), V1 = v1.  Returns the slot with *ctrl its LIVE
  * word when we published it (the grant is made), *ctrl 0 when the caller must look again (another
  * inserter or evictor won a race), or NULL when the window has no free or expired slot and
- * eviction is off, or its least valuable key may not be evicted (the table is full there);
- * NULL with *err 1 on an error (set), with *err 2 when a farther PEND of the same key stayed
- * unchanged under a live owner for KT_PEND_NS (we gave way: nothing of ours is left). */
+ * eviction is off (the table is full there); NULL with *err 3 when its only slots to be had would
+ * lift BASE past KT_BASE_MAX (kt_worn: such a slot is passed by for the next); NULL with *err 1 on
+ * an error (set), with *err 2 when a farther PEND of the same key stayed unchanged under a live
+ * owner for KT_PEND_NS (we gave way: nothing of ours is left). */
 /* When slot s's key (value v, V0 less BASE, just loaded) expires: its TAT under its own price, read
  * after v (keyed_cells.KeyedTable.expiry).  0 with an exception set on an error. */
 static int
@@ -908,6 +910,15 @@ kt_expiry(KeyedTable *t, uint64_t *s, uint64_t v, uint64_t *at)
     return 1;
 }
 
+/* Whether a slot whose last word was floor (DEAD or not) would lift the BASE of a tenant whose values
+ * are all at least low past KT_BASE_MAX: such a slot is passed by (keyed_cells._worn). */
+static inline int
+kt_worn(uint64_t floor, uint64_t low)
+{
+    floor &= ~KT_DEAD;
+    return floor >= low && floor - low >= KT_BASE_MAX;
+}
+
 static uint64_t *
 kt_insert(KeyedTable *t, const uint64_t d[2], uint64_t home, uint64_t now, uint64_t v0, uint64_t low,
           uint64_t v1, const uint64_t disp[2], uint64_t seq, uint64_t slack, uint64_t *ctrl, int *err)
@@ -916,30 +927,26 @@ kt_insert(KeyedTable *t, const uint64_t d[2], uint64_t home, uint64_t now, uint6
     *err = 0;
     uint64_t *cand, cc, pos, cv;
     uint64_t *victim, vc, vpos, vv, least;
+    int worn;
     /* seq, slack: the default's price as the caller read it (slack 0: it did not).  It judges every
      * slot's expiry if, after the scan (after every V0 was loaded), CFG_SEQ still holds seq and no
      * override is live: the price of each key when its V0 was loaded, as kt_expiry would read it */
     int quick = slack != 0;
 scan:
     cand = NULL; cc = 0; pos = 0; cv = 0;
-    victim = NULL; vc = 0; vpos = 0; vv = 0; least = 0;
+    victim = NULL; vc = 0; vpos = 0; vv = 0; least = 0; worn = 0;
     for (uint64_t i = 0; i < t->probe; i++) {
         uint64_t *s = kt_slot(t, home, i);
         uint64_t c = ld(s + KW_CTRL);
         uint64_t state = kt_state(c);
         if (state == KS_LIVE && ld(s + KW_D0) == d[0] && ld(s + KW_D1) == d[1] && !(ld(s + KW_V0) & KT_DEAD))
             return s; /* inserted meanwhile: *ctrl 0 makes the caller look it up again */
-        if (state == KS_EMPTY) {
-            if (!cand) {
-                cand = s; cc = c; pos = i;
-            }
-            break;
-        }
-        if (cand)
+        if (cand) {
+            if (state == KS_EMPTY)
+                break;
             continue; /* keep scanning for the key itself */
-        if (state == KS_TOMB) {
-            cand = s; cc = c; pos = i;
-        } else if (state == KS_LIVE) {
+        }
+        if (state == KS_LIVE) {
             uint64_t base = ld(s + KW_BASE), v = ld(s + KW_V0), at = 0;
             if (ld(s + KW_CTRL) != c)
                 return s; /* it changed tenant while we read it: look again */
@@ -952,20 +959,36 @@ scan:
                 return NULL;
             }
             if (v & KT_DEAD || at <= now) {
-                cand = s; cc = c; pos = i; cv = v;
+                if (kt_worn(v, low))
+                    worn = 1;
+                else {
+                    cand = s; cc = c; pos = i; cv = v;
+                }
             } else if ((t->flags & KT_FLAG_EVICT) && (!victim || v - base < least)) {
-                victim = s; vc = c; vpos = i; vv = v; least = v - base;
+                if (kt_worn(v, low))
+                    worn = 1;
+                else {
+                    victim = s; vc = c; vpos = i; vv = v; least = v - base;
+                }
             }
-        } else { /* BUSY or PEND: a candidate if its inserter is dead */
-            int a = kt_alive(t, kt_pid(c));
-            if (a < 0) {
+        } else {
+            /* EMPTY, TOMB, or BUSY / PEND: a candidate if its inserter is dead -- unless its floor
+             * would lift BASE too far */
+            int a = 0;
+            if (state != KS_EMPTY && state != KS_TOMB && (a = kt_alive(t, kt_pid(c))) < 0) {
                 *err = 1;
                 return NULL;
             }
             if (!a) {
-                cand = s; cc = c; pos = i;
+                if (kt_worn(ld(s + KW_V0), low))
+                    worn = 1;
+                else {
+                    cand = s; cc = c; pos = i;
+                }
             }
         }
+        if (state == KS_EMPTY)
+            break;
     }
     if (quick && (ld(t->cfg) != seq || (t->novr && ld(t->ovr_live)))) {
         quick = 0; /* a price changed, or some key has its own: each slot's, read after its V0 */
@@ -973,9 +996,12 @@ scan:
     }
     int limited = 0;
     if (!cand) {
-        /* full: the least valuable live key gives up its slot, unless that lifts BASE too far */
-        if (!victim || vv + 1 - low > KT_BASE_MAX)
+        /* full: the least valuable live key gives up its slot; *err 3 (WORN): a slot could be
+         * had but for its BASE */
+        if (!victim) {
+            *err = worn ? 3 : 0;
             return NULL;
+        }
         cand = victim; cc = vc; pos = vpos; cv = vv;
         limited = 1;
     }
@@ -1000,12 +1026,12 @@ scan:
      * floor, the last word it held; the values themselves start from the clock, so a new key
      * never starts from an evicted key's or a dead inserter's state (keyed_cells.SlotTable) */
     uint64_t floor = ld(cand + KW_V0) & ~KT_DEAD;
-    uint64_t base = floor >= low ? floor + 1 - low : 0;
-    if (base > KT_BASE_MAX) { /* only a segment written by hand: this slot takes no key */
+    if (kt_worn(floor, low)) { /* a floor the scan did not see (written by hand): passed by next */
         st(cand + KW_V0, floor | KT_DEAD);
         cas(cand + KW_CTRL, mine, kt_ctrl(KS_TOMB, 0, gen));
-        return NULL;
+        return cand;
     }
+    uint64_t base = floor >= low ? floor + 1 - low : 0;
     st(cand + KW_BASE, base);
     st(cand + KW_V0, v0 + base);
     uint64_t pend = kt_ctrl(KS_PEND, t->pid, gen);
@@ -1028,16 +1054,20 @@ scan:
                     break;
                 goto abort;
             }
+            int a = kt_alive(t, kt_pid(c));
+            if (a < 0) {
+                *err = 1;
+                if (!t->cells->open)
+                    return NULL; /* unmapped under us: nothing to write to */
+                goto abort;      /* nothing of ours left behind */
+            }
+            if (!a) { /* (its slot may be worn out) */
+                cas(s + KW_CTRL, c, kt_ctrl(KS_TOMB, 0, kt_gen(c)));
+                continue;
+            }
             if (i < pos) { /* PEND nearer the home slot wins: ours gives way */
                 st(cand + KW_V0, floor | KT_DEAD); /* never published: the floor is enough */
                 cas(cand + KW_CTRL, pend, kt_ctrl(KS_TOMB, 0, gen));
-                int a = kt_alive(t, kt_pid(c));
-                if (a < 0) {
-                    *err = 1;
-                    return NULL;
-                }
-                if (!a)
-                    return cand; /* the next attempt takes the dead one's slot */
                 /* wait, holding nothing, until it moves (its owner publishes within microseconds),
                  * but at most KT_PEND_NS: an owner that never runs again would have every insert of
                  * the key give way and try again without end (keyed_cells._await_move) */
@@ -1053,17 +1083,6 @@ scan:
                     }
                 }
                 return cand;
-            }
-            int a = kt_alive(t, kt_pid(c));
-            if (a < 0) {
-                *err = 1;
-                if (!t->cells->open)
-                    return NULL; /* unmapped under us: nothing to write to */
-                goto abort;      /* nothing of ours left behind */
-            }
-            if (!a) {
-                cas(s + KW_CTRL, c, kt_ctrl(KS_TOMB, 0, kt_gen(c)));
-                continue;
             }
             /* it will see ours and give way -- unless its owner never runs again: bounded */
             uint64_t t_ns = kt_now() >> KT_TICK_SHIFT;
@@ -1198,9 +1217,9 @@ kt_step(KeyedTable *t, PyObject *key, PyObject *nobj, long long mw, uint64_t now
             int err;
             s = kt_insert(t, d, home, now, now + cost + slack, now + slack, (uint64_t)n, disp, seq,
                           dflt ? slack : 0, &c, &err);
-            if (err)
+            if (err == 1 || err == 2)
                 return err == 2 ? KT_BUSY : KT_ERROR;
-            if (!s) {
+            if (!s) { /* full, or worn (err 3): refused as full */
                 if (own_clock && !reread) {
                     reread = 1;
                     uint64_t later = kt_now();
@@ -1482,8 +1501,10 @@ fw_incr(KeyedTable *t, PyObject *const *args, Py_ssize_t n)
     uint64_t d[2], disp[2] = {0, 0};
     siphash128(kb, (size_t)len + 1, t->k0, t->k1, d);
     uint64_t home = (uint64_t)(((unsigned __int128)d[0] * t->nslots) >> 64);
-    /* pack(now, CMAX, True): the insert's now and low, above no value a window at or after now takes */
-    uint64_t low = now << WC_TSHIFT | WC_FLAG | WC_CMAX;
+    /* pack(now, CMAX, True): the insert's now, above no value a window at or after now takes; the
+     * new key's first value v0 is the least it ever takes: its BASE is charged from there (a window
+     * of the same length that ended no later takes nothing from BASE_MAX: WindowCounters._visit) */
+    uint64_t low = now << WC_TSHIFT | WC_FLAG | WC_CMAX, v0 = (now + w + 1) << WC_TSHIFT | amount;
     int displayed = 0;
     for (;;) {
         uint64_t c, *s = kt_find(t, d, home, &c);
@@ -1493,13 +1514,12 @@ fw_incr(KeyedTable *t, PyObject *const *args, Py_ssize_t n)
                 displayed = 1;
             }
             int err;
-            s = kt_insert(t, d, home, low, (now + w + 1) << WC_TSHIFT | amount, low, 0, disp, 0, 0, &c,
-                          &err);
-            if (err)
+            s = kt_insert(t, d, home, low, v0, v0, 0, disp, 0, 0, &c, &err);
+            if (err == 1 || err == 2)
                 return err == 2 ? PyLong_FromLongLong(KT_BUSY) : NULL;
             if (!s) {
                 add(t->refused, 1);
-                return PyLong_FromLongLong(KT_FULL);
+                return PyLong_FromLongLong(err == 3 ? KT_WORN : KT_FULL);
             }
             if (c)
                 return PyLong_FromUnsignedLongLong(amount);

@@ -142,6 +142,25 @@ def test_full_table_refuses_new_keys_and_counts(backend):
     assert t.c.load(K.EVICTED) == 16
 
 
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_a_worn_slot_is_passed_by_for_the_next_of_the_window(backend):
+    """A slot whose last word would lift a new tenant's BASE past ``BASE_MAX`` takes no key: the
+    insert takes the next slot of the window (it answered FULL with every other slot free)."""
+    t = Table(backend, 8, 2)
+    now = 1_000_000
+    home = (t.kt.digest("k")[0] * 8) >> 64
+    worn = [t.slot((home + i) % 8) for i in range(8)]
+    for s in worn:
+        t.c.store(s + K.S_V0, K.DEAD | 1 << 62)  # 2**61 above now + a slack: worn out
+        t.c.store(s, K.ctrl(K.TOMB, 0, 1))
+    assert t.kt.acquire("x", 1, 0, now) == KC.FULL  # every slot worn: refused (counted)
+    assert t.c.load(K.REFUSED) == 1
+    t.c.store(worn[1], K.ctrl(K.EMPTY, 0, 0))
+    t.c.store(worn[1] + K.S_V0, 0)
+    assert t.kt.acquire("k", 1, 0, now) == 0
+    assert t.states()[(home + 1) % 8] == K.LIVE and t.c.load(K.REFUSED) == 1
+
+
 class _Clock:
     """Stands in for the time module in keyed_cells: answers the given readings, in order."""
 

@@ -318,6 +318,21 @@ class FixedTwins(RuleBasedStateMachine):
 
         self.both(leave)
 
+    @rule(key=TWIN_KEYS, skip=st.integers(0, 2))
+    def wear_out(self, key, skip):
+        """The ``skip``-th free slot of ``key``'s window worn out (``wear``): inserts pass it by."""
+
+        def leave(p):
+            d, home, _ = p._key(b"F", key)
+            free = [
+                s
+                for s in (p.t._slot(home, i) for i in range(p.t.probe))
+                if p.c.load(s) & 0xFF in (K.EMPTY, K.TOMB)
+            ]
+            return wear(p, free[skip]) if len(free) > skip else None
+
+        self.both(leave)
+
 
 TestFixedTwins = unittest.skipUnless(native_available(), "the native extension is not built here")(
     FixedTwins.TestCase
@@ -534,3 +549,73 @@ def test_a_corrupt_header_is_refused(name):
         f.write((5).to_bytes(8, "little"))  # a window table with override entries: not one we wrote
     with pytest.raises(SegmentError, match="corrupt"):
         WindowTable(name)
+
+
+def wear(p, s):
+    """Slot ``s`` a TOMB whose last word would lift any new tenant's BASE past ``BASE_MAX``: a slot
+    worn out by keys of long windows cleared or evicted early for keys of short ones."""
+    p.c.store(s + K.S_V0, K.DEAD | 1 << 62)  # 2**61 above any first value a key takes here
+    p.c.store(s, K.ctrl(K.TOMB, 0, (p.c.load(s) >> 40) + 1))
+    return s
+
+
+def _kind(p, kind, w_s):
+    """(digest and home of a key, a hit of it, a clear of it) for ``kind``'s windows of ``w_s`` s."""
+    if kind == "fixed":
+        return (
+            lambda key: p._key(b"F", key),
+            lambda key: p.incr(key, w_s) >= 1,
+            lambda key: p.clear(key),
+        )
+    return (
+        lambda key: p._sliding_key(key, w_s * 1000),
+        lambda key: p.acquire_sliding(key, 1000, w_s),
+        lambda key: p.clear_sliding(key, w_s),
+    )
+
+
+DAY = 86_400
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("kind", ["fixed", "sliding"])
+def test_keys_cleared_or_evicted_early_never_wear_their_slots_out(backend, kind):
+    """A new tenant's BASE lifts its words above the last one its slot held, and was charged from
+    the clock: every key cleared or evicted while its window ran took that window's rest from the
+    slot's ``BASE_MAX`` (795 days of a window's ms).  So 3 evictions of 300-day keys made a slot
+    refuse every key (a churn of new keys wore the whole table out), as 27 clears of a month-long
+    one did.  Charged from the new key's first value, a window of one length takes nothing."""
+    clock = FakeClock()
+    p = Mapping(8).process(backend, clock, evict=True)
+    _, hit, clear = _kind(p, kind, 300 * DAY)
+    for i in range(200):  # a new key a second: 25 evictions a slot
+        clock.advance_seconds(1)
+        assert hit(f"ip-{i}")
+    for _ in range(100):
+        clock.advance_seconds(1)
+        assert hit("alice") and clear("alice")
+    assert p.c.load(K.REFUSED) == 0 and p.c.load(K.CUT) == 200 - 8 + 1  # and "alice" once
+    slots = [p.t._slot(0, i) for i in range(8)]
+    assert max(p.c.load(s + K.S_BASE) for s in slots) < 1 << 26  # 2 ms of a window's words
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("kind", ["fixed", "sliding"])
+def test_a_worn_slot_is_passed_by_for_the_next_of_the_window(backend, kind):
+    """A slot whose last word would lift a new tenant's BASE past ``BASE_MAX`` takes no key; the
+    insert takes the next slot of the window (it answered FULL, "full of keys that are still
+    limited", with every other slot free).  With every slot worn out the error says so."""
+    p = Mapping(8).process(backend, FakeClock())
+    key, hit, _ = _kind(p, kind, 10)
+    d, home, _ = key("k")
+    wear(p, p.t._slot(home, 0))
+    assert hit("k")
+    assert p.t.find(d, home)[0] == p.t._slot(home, 1)
+    assert p.c.load(K.REFUSED) == 0
+    for i in range(8):
+        if p.c.load(p.t._slot(home, i)) & 0xFF != K.LIVE:
+            wear(p, p.t._slot(home, i))
+    with pytest.raises(KeyTableFullError, match="takes no key until the clock passes") as e:
+        hit("other")
+    assert not e.value.busy and p.c.load(K.REFUSED) == 1 and p.c.load(K.KEYS_LIVE) == 1
+    assert hit("k")  # the key that holds a slot is counted as ever

@@ -392,3 +392,23 @@ def test_evicting_loses_only_the_log_whose_window_ends_first(backend, ops):
             end = -(-(t + w * 32 + 1) // 32)
             x, _, g = v0.get(key, (0, False, 0))
             v0[key] = (max(x, end), g + 1 >= 8, g + 1)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_logs_cleared_or_evicted_early_never_wear_their_slots_out(backend):
+    """Each log cleared or evicted while its window ran took the window's rest from its slot's
+    ``BASE_MAX`` (795 days of window): 3 evictions of 300-day logs made a slot refuse every key.
+    Charged from the new key's first value, a window of one length takes nothing."""
+    m = Mapping(8, 8)
+    clock = FakeClock()
+    p = m.process(backend, clock)
+    w = 300 * 86_400
+    for i in range(200):
+        clock.advance(10**9)
+        assert p.acquire_entry(f"ip-{i}", 1000, w)
+    for _ in range(100):
+        clock.advance(10**9)
+        assert p.acquire_entry("alice", 1000, w) and p.clear_moving("alice")
+    assert p.c.load(K.REFUSED) == 0
+    slots = [p.t._slot(0, i) for i in range(8)]
+    assert max(p.c.load(s + K.S_BASE) for s in slots) < 1 << 26
