@@ -65,10 +65,11 @@ the window are the difference of two ``cum``), checks ``V0`` again, then writes 
 CAS over the entry of grant ``g - R`` (only one writer can), then moves ``V0`` on by CAS.  Anyone
 who finds entry ``g`` written while ``V0`` still says ``g`` moves ``V0`` on for its writer, so a
 writer killed between its two CASes stalls nobody and its grant is counted.  Times never go back
-in a log (an entry's ``t`` is at least its predecessor's): counting a grant from a later instant
-only ever refuses, never grants more.  A key with ``R - 2`` grants in its window refuses the next
-one until the oldest leaves (the log holds no more): exact while a key's grants in one window stay
-within ``R - 2``, never above its limit.
+in a log (an entry's ``t`` is at least its predecessor's), and a grant is checked at the instant
+it is logged: a clock read before the newest grant counts at that grant's time.  So every window
+holds at most the limit, and so does every window counted (``cum`` never wraps in one).  A key
+with ``R - 2`` grants in its window refuses the next one until the oldest leaves (the log holds no
+more): exact while a key's grants in one window stay within ``R - 2``, never above its limit.
 
 A new key's first grant is made by its insert, which writes the whole log while the slot is
 claimed (``SlotTable.insert``'s ``fill``): entry 0 is the grant, every other word a *wipe*,
@@ -526,14 +527,17 @@ class MovingWindows(WindowCounters):
         self.c.cas(s + K.S_V0, v + base, pack(x2, g2, full or g + 1 >= self.ring) + base)
 
     def _count(self, s: int, v: int, now: int, wu: int) -> Tuple[int, int, int, int]:
-        """The committed log under V0 = v at ``now`` (1/32 ms): (grants in the window, their hits,
-        the oldest one's time (0 with none), the newest entry).  At most ``ring - 2`` grants are
-        ever in a window (``acquire_entry`` refuses the next), so the newest entry out of it is
-        kept."""
+        """The committed log under V0 = v at ``now`` (1/32 ms), or at its newest grant's time if
+        that is later (a clock read before it): (grants in the window, their hits, the oldest
+        one's time (0 with none), the newest entry).  So a window counted is never longer than
+        one that every grant was checked against: it holds at most ``limit < 2**20`` hits (``cum``
+        never wraps within it) and ``ring - 2`` grants (``acquire_entry`` refuses the next), so
+        the newest entry out of it is kept."""
         c = self.c
         _, full, g = unpack(v)
         avail = self.ring - 1 if full else g
         newest = c.load(self._log(s, g - 1))
+        now = max(now, newest >> E_TSHIFT & E_TMAX)
         # entries j = 0 (newest) .. avail - 1 (oldest); those in the window (now <= t + W) come first
         lo, hi = 0, avail
         while lo < hi:
@@ -545,7 +549,7 @@ class MovingWindows(WindowCounters):
         k = lo
         if k < avail:
             base = c.load(self._log(s, g - 1 - k)) & E_CUM
-        elif full:  # only against a clock read before the newest grants: at least the kept ones
+        elif full:  # never in a log we wrote (see above); a hand-written one: at least the kept
             base = (c.load(self._log(s, g - avail)) - 1) & E_CUM
         else:
             base = 0  # every grant of the key is in the window
@@ -598,7 +602,7 @@ class MovingWindows(WindowCounters):
             # window must stay for the count), so the next is refused until the oldest leaves
             if hits + amount > limit or k >= self.ring - 2:
                 return False
-            t = max(nu, newest >> E_TSHIFT & E_TMAX)
+            t = max(nu, newest >> E_TSHIFT & E_TMAX)  # the instant ``_count`` counted at
             if not c.cas(self._log(s, g), e, _entry(self._lap(g), t, (newest & E_CUM) + amount)):
                 return None
             self._advance(s, v, base, t, wu)

@@ -395,6 +395,28 @@ def test_evicting_loses_only_the_log_whose_window_ends_first(backend, ops):
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
+def test_a_hit_whose_clock_was_read_before_the_newest_grant_counts_at_it(backend):
+    """A process whose clock reading is older than the log's newest grant summed the hits of more
+    than one window: 1 200 000 > 2**20, kept modulo 2**20 (151 424), so its 600 000 were granted,
+    and then 600 000 more on the current clock: 2 400 000 in one window of limit 1 000 000."""
+    m = Mapping(4, 16)
+    now = FakeClock(100 * 10**9)
+    stale = FakeClock(105 * 10**9)  # read its clock at 105 s, resumes at 110.001 s
+    p, q = m.process(backend, now), m.process(backend, stale)
+    assert p.acquire_entry("k", 1_000_000, 10, 600_000)
+    now.advance(10 * 10**9 + 10**6)
+    assert p.acquire_entry("k", 1_000_000, 10, 600_000)  # the first one left the window
+    assert not q.acquire_entry("k", 1_000_000, 10, 600_000)
+    assert p.moving_window("k", 10) == (0.0, 600_000)
+    assert q.moving_window("k", 10) == (0.0, 600_000)  # counted at the newest grant's time
+    granted = 0
+    for _ in range(10):
+        now.advance(10**6)
+        granted += p.acquire_entry("k", 1_000_000, 10, 600_000)
+    assert not granted
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
 def test_logs_cleared_or_evicted_early_never_wear_their_slots_out(backend):
     """Each log cleared or evicted while its window ran took the window's rest from its slot's
     ``BASE_MAX`` (795 days of window): 3 evictions of 300-day logs made a slot refuse every key.
