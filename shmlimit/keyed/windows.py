@@ -30,12 +30,16 @@ Moving on takes three steps that anyone may complete: CAS ``V0`` to ROLLING
 left (``(X - W, 1, count)``; ``(now, 1, 0)`` for a fresh start), then CAS
 ``V0`` to the next window with count 0.  A process killed between them
 stalls nobody: the next caller sees ROLLING and finishes the move from ``V0``
-alone.  ``V1`` only ever *rises* (a CAS loop to the maximum), and its tag is
-an absolute time: a late helper, or a stale write from a previous tenant of
-the slot, can only leave a smaller value, which changes nothing, or (in a
-fresh key's first window) an over-estimate.  A reader that finds a ``V1``
-tag later than its window read the clock before a helper did: it reads the
-clock again (it is then at least as late).
+alone.  ``V1`` only ever *rises* (a CAS loop to the maximum, each CAS only
+while ``V0`` still holds the ROLLING word), and its tag is an absolute time: a
+late helper can only leave a smaller value, which changes nothing.  A helper
+stalled past its key's eviction finds ``V0`` changed (marked ``DEAD`` before
+the next tenant writes its ``V1``) and writes nothing more -- unless the next
+tenant's first ``V1`` is the very word it loaded (the evicted key's window
+start, count 0, read by an inserter whose clock lags the helper's by a
+window or more).  A reader that finds a ``V1`` tag later than its window read
+the clock before a helper did: it reads the clock again (it is then at least
+as late).
 
 Both kinds keep the slot protocol's contract: ``V0`` (stored plus the slot's
 ``BASE``: every word below is the value, the stored word less ``BASE``) only
@@ -348,7 +352,9 @@ class WindowCounters:
             nxt, snap = now, pack(now, 0, True)
         while True:
             cur = c.load(s + K.S_V1)
-            if cur >= snap or c.cas(s + K.S_V1, cur, snap):
+            # only while V0 holds the word rolled: the slot's next tenant writes its V1 after V0
+            # was marked DEAD, so a roller stalled past the key's eviction writes nothing there
+            if cur >= snap or c.load(s + K.S_V0) != v + base or c.cas(s + K.S_V1, cur, snap):
                 break
         c.cas(s + K.S_V0, v + base, pack(nxt + 2 * w, 0) + base)
 

@@ -18,6 +18,7 @@ import pytest
 from hypothesis import settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, rule
+from support.cells import Before
 from support.clock import FakeClock
 from support.models import on_each_backend
 from support.procs import run_processes
@@ -619,3 +620,30 @@ def test_a_worn_slot_is_passed_by_for_the_next_of_the_window(backend, kind):
         hit("other")
     assert not e.value.busy and p.c.load(K.REFUSED) == 1 and p.c.load(K.KEYS_LIVE) == 1
     assert hit("k")  # the key that holds a slot is counted as ever
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_a_roller_stalled_past_its_keys_eviction_writes_nothing_on_the_next_tenant(backend):
+    """A process moving key "old" on (V0 ROLLING) stalls before its V1 loop; one whose clock was
+    read earlier takes the slot for "new" and grants its whole limit.  The roller resumed and
+    raised the new tenant's V1 to its own snapshot, tagged after "new"'s start: "new"'s second
+    window then took that stale snapshot (0) for its first window's count and granted the limit
+    again 2 ms into it (100 of 100; 1 is right: 100 * 0.998 + 1 > 100)."""
+    m = Mapping(1)  # one slot: every key's
+    t0 = 10**6  # ms
+    old = m.process(backend, FakeClock(t0 * 10**6))
+    assert old.acquire_sliding("old", 100, 1)  # windows of 1 s: "old" holds nothing from t0 + 2 s
+    new = m.process(backend, FakeClock((t0 + 2000) * 10**6))
+    roller = m.process(backend, FakeClock((t0 + 3001) * 10**6))
+    v1 = m.process(backend, FakeClock()).t._slot(0, 0) + K.S_V1
+    roller.c = roller.t.c = Before(
+        roller.c,
+        lambda op, args: op == "load" and args[0] == v1,
+        lambda: new.acquire_sliding("new", 100, 1, 100),
+    )
+    with pytest.raises(KeyTableFullError):  # "old" has no slot now: "new" holds it
+        roller.acquire_sliding("old", 100, 1)
+    assert new.sliding("new", 1)[2] == 100  # the insert's grant was made
+    later = m.process(backend, FakeClock((t0 + 3002) * 10**6))  # 2 ms into "new"'s 2nd window
+    assert later.sliding("new", 1)[0] == 100
+    assert sum(later.acquire_sliding("new", 100, 1) for _ in range(100)) == 1
