@@ -183,9 +183,10 @@ PROBE = 32
 
 TICK_SHIFT = 4  #: ticks per ns = 1 << TICK_SHIFT
 DEAD = 1 << 63  #: V0's eviction flag (the value below it is kept)
-#: The largest BASE a slot takes.  BASE grows only by the remaining debt of a limited key evicted
-#: from the slot (and shrinks as the clock passes what a slot held), so it stays far below this;
-#: a slot that would pass it is not evicted while limited (its window refuses, as when_full="refuse").
+#: The largest BASE a slot takes.  BASE grows only by what a slot's last word lies above its new
+#: tenant's least value (a GCRA key's remaining debt; what a window counter's old window ends after
+#: the new one's), and shrinks as the clock passes what a slot held; a slot that would pass it is
+#: passed by for the next of its window (none left: the new key is refused, ``keyed_cells.WORN``).
 BASE_MAX = 1 << 61
 
 # the value kind GCRA: V0 = the TAT under a burst of MAX_TICKS (ticks; see ``keyed_cells``),
