@@ -156,9 +156,12 @@ class Policy:
     def most(self, args: Tuple[Any, ...]) -> float:
         """The most ops one request can ever be granted: a key's capacity (a ``KeyedLimiter`` never
         grants more at once); a ``Limiter``'s capacity plus what its rate accrues within
-        ``max_wait`` (a larger request queues for the rest, while its wait fits)."""
+        ``max_wait`` (a larger request queues for the rest, while its wait fits), times its
+        catch-up ratio (the bound on any window: ``ratio * (rate*T + capacity)``)."""
         rate, per, capacity = self.rate_of(args)
-        return capacity if self.keyed else capacity + self.max_wait * rate / per
+        if self.keyed:
+            return capacity
+        return self.limiter.config.ratio * (capacity + self.max_wait * rate / per)
 
     def check_cost(self, args: Tuple[Any, ...], n: int) -> None:
         """ValueError when ``n`` ops can never be granted: every such request would be refused,
@@ -168,6 +171,8 @@ class Policy:
             what = "the key's capacity" if self.keyed else "the limiter's capacity"
             if not self.keyed and self.max_wait:
                 what += f" plus what its rate accrues in max_wait={self.max_wait:g} s"
+            if not self.keyed and self.limiter.config.ratio != 1:
+                what += ", times its catch-up ratio"
             raise ValueError(
                 f"cost must be from 1 to {math.floor(most + 1e-9)} ops ({what}), else no request "
                 f"ever passes; got {n}"

@@ -198,6 +198,16 @@ def test_a_cost_that_can_never_pass_is_an_error_not_a_retry_after(name):
         # a key whose own rate holds more passes where the default would never
         keyed.set_rate(1, per=10, burst=4, key="127.0.0.1")
         assert asyncio.run(call(apps[2]))[0] == 200
+        # catch-up (ratio 2) grants up to ratio * (capacity + rate * max_wait): 7 of 2 * 6.5 may
+        # pass (once behind schedule), 14 never
+        catch_up = shmlimit.Limiter(f"{name}-c", rate="10,2", burst=5, max_behind=1)
+        try:
+            ASGILimit(_hello, limiter=catch_up, cost=7, max_wait=0.15)
+            with pytest.raises(ValueError, match=r"^cost must be from 1 to 13 ops .*ratio"):
+                ASGILimit(_hello, limiter=catch_up, cost=14, max_wait=0.15)
+        finally:
+            catch_up.close()
+            catch_up.unlink()
     finally:
         lim.close()
         keyed.close()
