@@ -18,12 +18,14 @@ falls due within ``lead`` (two round trips plus ``MIN_LEAD``), so under
 saturation the global schedule never runs dry between two requests: no slot
 is lost to the latency of asking, at any rate.  (Leasing only what was
 available *now* and retrying blindly after a refusal lost a fifth of the
-rate at 50/s.)  A reservation is never refused: it takes the next slots
-of the global schedule, however far ahead, so saturated hosts are served in
-the order they asked, each about one batch per round of the queue (equal
-shares).  Refusing reservations beyond a horizon starved the host that asked
-last (2 % of the rate for one of three equal hosts at 50/s; the host nearest
-Redis got 7 % at 1000/s through 1/3/5 ms proxies).  Nobody hoards: a host
+rate at 50/s.)  A reservation takes the next slots of the global schedule,
+up to ``MAX_AHEAD`` (60 s) ahead, so saturated hosts are served in the order
+they asked, each about one batch per round of the queue (equal shares).
+Refusing reservations beyond a horizon as short as a lead starved the host
+that asked last (2 % of the rate for one of three equal hosts at 50/s; the
+host nearest Redis got 7 % at 1000/s through 1/3/5 ms proxies); no queue of
+hosts reaches ``MAX_AHEAD``: a refusal there writes nothing, and the host
+asks again when the queue should have come within it.  Nobody hoards: a host
 asks only while it has demand and only when its own reserved schedule ends
 within the lead, so all hosts together hold at most ``hosts * (lead +
 lease)`` of schedule ahead.  A batch falls due at ``reply + wait`` (never
@@ -167,14 +169,16 @@ MAX_LEASE_SECONDS = 0.25
 MIN_LEAD = 0.075
 #: While Redis is unreachable, it is tried again this often (seconds).
 RETRY_EVERY = 0.25
-#: A reservation due further ahead than this (seconds), or than ``MAX_AHEAD_LEASES`` leases of
-#: the global rate if longer, is the answer of a broken key (written by someone else, or a step
-#: back of the Redis host's clock): taken, the host would ask nothing more until it is due.  Each
-#: host holds at most the lead, ``EARLY`` and a lease ahead: a queue of a hundred hosts is far
-#: shorter.
+#: A reservation is due at most this far ahead (seconds), or ``MAX_AHEAD_LEASES`` leases of the
+#: global rate if longer (``Feeder.horizon_ns``): the script refuses one due later, writing nothing,
+#: and the feeder asks again when the schedule should have come within it, every ``RETRY_EVERY`` at
+#: the latest.  Each host holds at most the lead, ``EARLY`` and a lease ahead, so a queue of a
+#: hundred hosts is far shorter: only a long queue of direct callers is waited out so, or a broken
+#: key (written far ahead, or the Redis host's clock stepped back), which a host that took the
+#: reservation would wait for, asking nothing more, long after the key was repaired.
 MAX_AHEAD = 60.0
 MAX_AHEAD_LEASES = 100
-#: After a lease request found nothing available upstream, wait at least this long (seconds) ...
+#: After a reservation was refused, wait at least this long (seconds) ...
 MIN_RETRY = 0.002
 #: A caller refused this recently (ns) still wants a token: longer than the feeder's longest
 #: sleep, so that a refusal is never missed between two of its wakes.
@@ -273,9 +277,11 @@ class Feeder:
 
     @property
     def max_batch(self) -> int:
-        """Ops per lease at most: what the local bucket holds (and a record can count)."""
+        """Ops per lease at most: what the local bucket holds (and a record can count), and half
+        the horizon: the next reservation, asked within the lead of this one's end, fits too."""
         b = self.bucket
-        return max(1, min(b.cap // b.cost, RECORD_MAX_OPS))
+        half = self.horizon_ns // (2 * self.interval_ns)
+        return max(1, min(b.cap // b.cost, RECORD_MAX_OPS, half))
 
     @property
     def max_grow(self) -> int:
@@ -299,7 +305,8 @@ class Feeder:
 
     @property
     def horizon_ns(self) -> int:
-        """How far ahead a reservation may be due at most (``MAX_AHEAD``), in ns."""
+        """How far ahead a reservation may be due at most (``MAX_AHEAD``), in ns: the script's
+        ``max_wait``.  At least ``MAX_AHEAD_LEASES`` ops."""
         far = MAX_AHEAD_LEASES * self.max_lease * self.interval_ns
         return max(int(MAX_AHEAD * 1e9), far)
 
@@ -729,20 +736,15 @@ class Feeder:
         want = max(1, want)
         queued = self.bucket.balance() < 0
         hungry = queued or now - c.load(L.UP_HUNGRY) < HUNGRY_NS
-        # No max_wait: the next slots of the global schedule, however far ahead (a FIFO of the
-        # hosts' batches: equal shares under saturation; see the module's docstring).
+        # The next slots of the global schedule, up to the horizon (a FIFO of the hosts' batches:
+        # equal shares under saturation; see the module's docstring).
         sent = self.clock()
         trips = 0
         try:
             if self.redis is None:
                 self.redis = self._connect(self.spec)
             trips = self.redis.round_trips
-            granted, wait, backlog, dry = self.redis.call(MODE_RESERVE, want, None)
-            if granted and wait > self.horizon_ns:
-                raise RedisDataError(
-                    f"redis at {self.spec.url} for limiter {self.spec.name!r} reserved a batch due "
-                    f"in {wait / 1e9:.0f} s: its key is broken (or its clock stepped back)"
-                )
+            granted, wait, backlog, dry = self.redis.call(MODE_RESERVE, want, self.horizon_ns)
         except Exception as e:  # (anything else too: a filler that dies grants nothing, ever)
             self._count_trips(trips)
             self._fail(state, e)
@@ -764,12 +766,12 @@ class Feeder:
                 min(self.max_lease, 2 * max(self.grow_lease, granted)) if hungry else 1
             )
         else:
-            # not an answer a reservation without max_wait gets: count it, ask again a little later
+            # due beyond the horizon, refused and nothing written (a long queue, or a broken key):
+            # ask again when the schedule should have come within it, or a repair have come
             c.fetch_add(L.UP_REFUSED, 1)
+            later = min(int(RETRY_EVERY * 1e9), max(int(MIN_RETRY * 1e9), wait - self.horizon_ns))
             self.next_try = (
-                received
-                + int(MIN_RETRY * 1e9)
-                + random.randrange(min(self.interval_ns, 1_000_000) + 1)
+                received + later + random.randrange(min(self.interval_ns, 1_000_000) + 1)
             )
         return True
 

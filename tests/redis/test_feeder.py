@@ -339,12 +339,16 @@ def test_any_failure_of_the_call_is_the_error_state_not_a_dead_filler(
         host.close()
 
 
-def test_a_reservation_due_beyond_the_horizon_is_a_broken_key_and_the_host_recovers(
-    R, redis_server, name, clock
+@pytest.mark.parametrize("ahead", [3600 * 10**9, 10**18], ids=["an-hour", "beyond-exact"])
+def test_a_key_written_far_ahead_reserves_nothing_and_the_host_recovers_once_repaired(
+    R, redis_server, name, clock, ahead
 ):
-    """Someone writes the global key an hour ahead (what a step back of the Redis host's clock looks
-    like too), then deletes it.  The batch Redis reserved an hour ahead is not taken: the host is
-    in "error" meanwhile, and grants again once the key is repaired."""
+    """Someone writes the global key far ahead (what a step back of the Redis host's clock looks
+    like too), then deletes it.  An hour ahead the script refuses the host's reservation, beyond the
+    horizon, writing nothing (the host stays "ok" and asks again every ``RETRY_EVERY`` at the
+    latest); beyond the script's exact times the answer is one it cannot give ("error").  Either
+    way nothing is reserved, and the host grants again once the key is repaired (a batch it had
+    taken an hour ahead stalled it: 0 grants in the second after the repair)."""
     from shmlimit.redis.feeder import MAX_AHEAD
 
     rate = 100
@@ -353,12 +357,14 @@ def test_a_reservation_due_beyond_the_horizon_is_a_broken_key_and_the_host_recov
     try:
         run([host], clock, 0.5)
         assert host.lim.stats().upstream.state == "ok"
-        r.hset(host.glob.key, mapping={"e": clock.now // 10**9, "t": 3600 * 10**9})
-        assert 3600 > MAX_AHEAD
+        r.hset(host.glob.key, mapping={"e": clock.now // 10**9, "t": ahead})
+        assert ahead > MAX_AHEAD * 1e9
         run([host], clock, 0.5)
         up = host.lim.stats().upstream
-        assert up.state == "error" and up.errors >= 1
+        assert up.state == ("ok" if ahead < 2**53 else "error"), up
+        assert up.refused + up.errors >= 1
         assert all(bt.due - clock.now < MAX_AHEAD * 1e9 for bt in host.feeder.pending)
+        assert int(r.hget(host.glob.key, "t")) == ahead  # nothing written
         r.delete(host.glob.key)
         start = clock.now
         run([host], clock, 1.0)
@@ -368,6 +374,69 @@ def test_a_reservation_due_beyond_the_horizon_is_a_broken_key_and_the_host_recov
     assert up.state == "ok"
     got = sum(1 for t in host.grants if t >= start)
     assert got >= rate * (1.0 - 0.3), got  # within a retry and a lead of the repair
+
+
+def test_a_queue_longer_than_the_horizon_is_served_and_nothing_reserved_is_thrown_away(
+    R, redis_server, name, clock
+):
+    """700 ops queued on a host of a global 10/s (its own burst 1 000): 70 s of the global schedule,
+    more than the horizon (60 s).  Each reservation holds at most half the horizon, so the queue is
+    served at the global rate, in order, and the schedule never reaches beyond the horizon.  Taken
+    by Redis and then dropped as due too far ahead, 700 ops were reserved again every 0.25 s: the
+    global backlog reached 837 s in 3 s, the host in "error"."""
+    from shmlimit.redis.feeder import MAX_AHEAD
+
+    host = Host(R, name, redis_server.url, clock, 10, burst=1, local_burst=1000)
+    b, att = host.att.bucket, host.att
+    try:
+        start = clock.now
+        ticket = b.grab(700 * b.cost, att.grants_off, 1)
+        assert ticket is not None
+        backlog, served = [], None
+        while clock.now < start + 80 * 10**9:
+            clock.advance(max(1000, int(host.feeder.tick() * 1e9)))
+            backlog.append(host.glob.stats().backlog_seconds)
+            if served is None and b.covered(ticket):
+                served = (clock.now - start) / 1e9
+        up = host.lim.stats().upstream
+    finally:
+        host.close()
+    assert max(backlog) <= MAX_AHEAD, max(backlog)
+    assert up.state == "ok" and up.errors == 0 and up.refused == 0, up
+    assert up.leased - up.expired == 700, up  # (the queue's; leased for demand after it: expired)
+    assert served is not None and 69.9 <= served <= 70.1, served  # (the first op within the burst)
+
+
+def test_a_host_behind_a_long_queue_of_direct_callers_waits_without_reserving(
+    R, redis_server, name, clock
+):
+    """140 direct callers of a global 2/s reserved their slots (the last ~70 s ahead), then a
+    hierarchical host joins.  Its reservations, due beyond the horizon, are refused by the script,
+    writing nothing: the queue drains at the rate, the host stays "ok" and asks again about every
+    ``RETRY_EVERY``, and is served once the queue comes within the horizon.  Taken and dropped as
+    due too far ahead, its reservations made the backlog grow instead of drain (state "error")."""
+    from shmlimit.redis.feeder import MAX_AHEAD, RETRY_EVERY
+
+    host = Host(R, name, redis_server.url, clock, 2, lease_ttl=0.5)
+    direct = R.RedisLimiter(host.glob.name, rate=2, url=redis_server.url, clock="client")
+    try:
+        for _ in range(140):
+            direct.reserve(1)
+        b0, t0 = direct.stats().backlog_seconds, clock.now
+        assert b0 > MAX_AHEAD + 5
+        run([host], clock, 4.0)
+        up = host.lim.stats().upstream
+        assert up.state == "ok" and up.errors == 0 and up.leased == 0, up
+        assert 1 <= up.refused and up.round_trips <= 4.0 / RETRY_EVERY + 2, up
+        drained = (clock.now - t0) / 1e9
+        assert direct.stats().backlog_seconds == pytest.approx(b0 - drained, abs=1e-6)
+        run([host], clock, b0 - MAX_AHEAD - 4.0 + 1.0)  # the queue comes within the horizon
+        up = host.lim.stats().upstream
+        assert up.state == "ok" and up.errors == 0 and up.leased >= 1, up
+        assert direct.stats().backlog_seconds <= MAX_AHEAD
+    finally:
+        direct.close()
+        host.close()
 
 
 def test_a_limiter_on_a_callers_client_is_refused_as_an_upstream(R, redis_server, name):

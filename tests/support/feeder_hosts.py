@@ -30,13 +30,16 @@ def clock(R, monkeypatch):
 class Host:
     """One host: a hierarchical limiter on the fake clock whose feeder the test ticks."""
 
-    def __init__(self, R, name, url, clock, rate, burst=None, glob=None, **up):
+    def __init__(self, R, name, url, clock, rate, burst=None, glob=None, local_burst=None, **up):
+        """``burst``: the global limiter's; ``local_burst``: the host's bucket's (its default if None)."""
         from shmlimit.redis.feeder import Feeder
 
         self.clock = clock
         self.glob = R.RedisLimiter(
             glob or f"{name}-g", rate=rate, burst=burst, url=url, clock="client"
         )
+        if local_burst is not None:
+            up["burst"] = local_burst
         self.lim = shmlimit.Limiter(name, upstream=self.glob, clock=clock, **up)
         att = self.lim._att
         self.lim.retry_after()  # a first use (taking nothing): this process's filler thread runs...
