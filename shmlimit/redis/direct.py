@@ -10,8 +10,9 @@ GCRA (the theoretical arrival time, TAT) atomically inside Redis:
 * The state is one hash, ``shmlimit:{name}:gcra`` -- the hash tag puts every
   key of a limiter in one Redis Cluster slot -- holding an epoch ``e`` (whole
   seconds of the clock) and ``t``, the TAT in integer nanoseconds after the
-  epoch.  Times stay integers far below 2**53 (the script moves the epoch
-  forward every ~11 days of continuous use), so nothing is lost to doubles.
+  epoch.  Times stay integers below 2**53 (the script moves the epoch
+  forward every ~11 days of continuous use, and a reservation due more than
+  ``MAX_BACKLOG_NS``, ~92 days, ahead is refused), so nothing is lost to doubles.
 * One clock: Redis ``TIME`` by default.  ``clock="client"`` sends the caller's
   wall clock instead, for managed services that refuse ``TIME`` in scripts;
   the hosts' clocks must then agree (their skew adds to the burst).
@@ -78,6 +79,10 @@ DEFAULT_GRACE = 0.05
 MAX_NAP = 0.25
 #: Schedule an op or a reservation may span at most (ns): keeps every time in the script exact.
 MAX_SCHEDULE_NS = 10**15
+#: Schedule the script holds ahead at most (ns, ~92 days): a reservation due later is refused, writing
+#: nothing.  The script moves the epoch once ``now`` passes 10**15 ns after it (``LUA``), so a TAT
+#: this far ahead of ``now`` stays below 2**53: every time stays an exact integer in a double.
+MAX_BACKLOG_NS = 2**53 - 10**15
 
 MODE_RESERVE, MODE_PEEK = 0, 2
 
@@ -395,7 +400,10 @@ class _GcraClient:
         else:
             ns = time.time_ns()
             sec, usec = str(ns // NS_PER_S), str(ns % NS_PER_S // 1000)
-        mw = -1 if max_wait_ns is None else max_wait_ns
+        # the TAT a grant leaves is its wait plus the tolerance ahead: within ``MAX_BACKLOG_NS``
+        mw = MAX_BACKLOG_NS - self._tolerance
+        if max_wait_ns is not None:
+            mw = min(mw, max_wait_ns)
         return (mode, n, self._interval, self._tolerance, mw, sec, usec)
 
     def _count(self, **deltas: int) -> None:
@@ -417,7 +425,7 @@ class _GcraClient:
         again.  redis-py's errors are classified (``classify``); any other
         error of the round trip (a client redis-py could not build) and an
         answer that is not one the script gives (granted outside ``[0, n]``,
-        a negative time, a backlog beyond ``MAX_SCHEDULE_NS``: a broken key,
+        a negative time, a backlog beyond ``MAX_BACKLOG_NS``: a broken key,
         or not Redis) raise ``RedisDataError``.
         """
         args = self._args(mode, n, max_wait_ns)
@@ -442,7 +450,7 @@ class _GcraClient:
             granted, wait, backlog, dry = int(r[0]), int(r[1]), int(r[2]), int(r[3])
             ok = (
                 0 <= granted <= (n if mode == MODE_RESERVE else granted)
-                and 0 <= backlog <= MAX_SCHEDULE_NS
+                and 0 <= backlog <= MAX_BACKLOG_NS
                 and 0 <= wait <= backlog + n * self._interval
                 and dry >= 0
             )

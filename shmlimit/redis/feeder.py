@@ -110,7 +110,7 @@ from typing import TYPE_CHECKING, Any, Callable, Deque, List, Optional, Tuple
 from shmlimit.bucket.filler import LEASE_TIMEOUT, RENEW_EVERY, SPAN_MAX
 from shmlimit.bucket.rovers import diff
 from shmlimit.errors import RedisDataError, RedisUnavailableError
-from shmlimit.redis.direct import MODE_RESERVE, RedisLimiter
+from shmlimit.redis.direct import MAX_BACKLOG_NS, MODE_RESERVE, RedisLimiter
 from shmlimit.redis.lease_records import RECORD_MAX_OPS, RECORD_OPS_BITS, LeaseRecords  # noqa: F401 (RECORD_OPS_BITS: the tests read records)
 from shmlimit.redis.lease_records import record as _record  # noqa: F401 (the tests write records with it)
 from shmlimit.redis.spec import (
@@ -306,9 +306,10 @@ class Feeder:
     @property
     def horizon_ns(self) -> int:
         """How far ahead a reservation may be due at most (``MAX_AHEAD``), in ns: the script's
-        ``max_wait``.  At least ``MAX_AHEAD_LEASES`` ops."""
+        ``max_wait``.  At least ``MAX_AHEAD_LEASES`` leases, but within half of what the script
+        holds ahead at all (``MAX_BACKLOG_NS``, less a tolerance of at most ``MAX_SCHEDULE_NS``)."""
         far = MAX_AHEAD_LEASES * self.max_lease * self.interval_ns
-        return max(int(MAX_AHEAD * 1e9), far)
+        return min(max(int(MAX_AHEAD * 1e9), far), MAX_BACKLOG_NS // 2)
 
     @property
     def lead_ns(self) -> int:

@@ -439,6 +439,27 @@ def test_a_host_behind_a_long_queue_of_direct_callers_waits_without_reserving(
         host.close()
 
 
+def test_a_host_of_a_daily_rate_behind_the_scripts_bound_backs_off(R, redis_server, name, clock):
+    """At 1/day a hundred leases are 100 days, beyond what the script holds ahead (~92 days): the
+    horizon stays within half of it, so a host behind a full queue backs off as behind any long one
+    (with the horizon past the script's bound, it asked again every 2 ms)."""
+    from shmlimit.redis.feeder import RETRY_EVERY
+
+    host = Host(R, name, redis_server.url, clock, "1/d")
+    direct = R.RedisLimiter(host.glob.name, rate="1/d", url=redis_server.url, clock="client")
+    try:
+        assert host.feeder.horizon_ns <= R.MAX_BACKLOG_NS // 2
+        while direct.reserve() is not None:  # the queue, as far as the script holds
+            pass
+        run([host], clock, 1.0)
+        up = host.lim.stats().upstream
+    finally:
+        direct.close()
+        host.close()
+    assert up.state == "ok" and up.leased == 0 and up.refused >= 1, up
+    assert up.round_trips <= 1.0 / RETRY_EVERY + 2, up
+
+
 def test_a_limiter_on_a_callers_client_is_refused_as_an_upstream(R, redis_server, name):
     glob = R.RedisLimiter(f"{name}-g", rate=10, client=redis_server.client())
     with pytest.raises(ValueError, match="client="):

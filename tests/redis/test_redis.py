@@ -94,6 +94,31 @@ def test_times_are_integers_and_the_epoch_moves_forward(R, redis_server, name, f
 
 
 @pytest.mark.backend_independent
+def test_a_schedule_months_ahead_is_valid_and_refused_only_beyond_the_scripts_bound(
+    R, redis_server, name, fake_time
+):
+    """Queues of reservations at 1/7d and 1/day are valid schedules up to ``MAX_BACKLOG_NS`` (~92
+    days) ahead, where times are still exact: every answer is read, none is called broken (beyond
+    11.6 days one was, a ``RedisDataError`` after the script had written it).  Beyond that bound the
+    script refuses, writing nothing."""
+    day = 86400
+    week = R.RedisLimiter(name, rate="1/7d", url=redis_server.url, clock="client")
+    assert [week.reserve(), week.reserve()] == [0.0, 7 * day]
+    lim = R.RedisLimiter(f"{name}-d", rate=1, per=day, url=redis_server.url, clock="client")
+    fit = R.MAX_BACKLOG_NS // (day * 10**9)  # the last one due fit - 1 days ahead
+    assert fit == 92
+    assert [lim.reserve() for _ in range(fit)] == [float(i * day) for i in range(fit)]
+    state = redis_server.client().hgetall(lim.key)
+    assert lim.reserve() is None and lim.acquire(timeout=0) is False
+    assert redis_server.client().hgetall(lim.key) == state  # refused: nothing written
+    assert lim.retry_after() == fit * day and lim.stats().backlog_seconds == fit * day
+    week.unlink()
+    lim.unlink()
+    week.close()
+    lim.close()
+
+
+@pytest.mark.backend_independent
 def test_max_reserved_backpressure_and_timeouts(R, redis_server, name, fake_time):
     lim = R.RedisLimiter(
         name, rate=10, burst=1, url=redis_server.url, clock="client", max_reserved=0.25
