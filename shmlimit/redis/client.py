@@ -89,7 +89,7 @@ def connect(url: str, secrets: Dict[str, str], timeout: float, is_async: bool = 
     schemes are the same.  TLS (``rediss``) always verifies the server's
     certificate and host name (``?ssl_ca_certs=/path/ca.pem`` names the CA).
     """
-    scheme = urls.scheme_of(url)
+    scheme = urls.scheme_of(urls.check(url))  # (the rules a URL follows, at one place)
     tls = scheme in urls.TLS_SCHEMES
     opts: Dict[str, Any] = dict(socket_timeout=timeout, socket_connect_timeout=timeout)
     # one immediate reconnect (a restarted server), never a back-off: callers must learn fast
@@ -114,8 +114,6 @@ def connect(url: str, secrets: Dict[str, str], timeout: float, is_async: bool = 
     if tls:
         opts["ssl"] = True
     if scheme in urls.CLUSTER_SCHEMES:
-        if tail.strip("/"):
-            raise ValueError(f"url: a cluster has one database, so no path: {redact(url)}")
         nodes = [lib.cluster.ClusterNode(h, p) for h, p in urls.hosts(netloc, 6379)]
         try:  # (it reaches its nodes now, where a server's client waits for its first call)
             return lib.RedisCluster(startup_nodes=nodes, **opts)
@@ -123,11 +121,6 @@ def connect(url: str, secrets: Dict[str, str], timeout: float, is_async: bool = 
             raise classify(e, f"redis at {redact(url)}") from e
     # sentinel
     service, _, db = tail.partition("/")
-    if not service:
-        raise ValueError(
-            f"url: a sentinel URL names the service: redis+sentinel://host:port/service; "
-            f"got {redact(url)}"
-        )
     if db:
         opts["db"] = int(db)
     sentinel_opts = {k: v for k, v in opts.items() if k not in ("db", "sentinel_password")}

@@ -221,9 +221,9 @@ def check(url: object, param: str = "url") -> str:
                 f"{param}: TLS must verify the server's certificate and host name; "
                 f"drop {key}= from {redact(url)}"
             )
-    options(url, param)
+    opts = options(url, param)
     if scheme not in ("unix", "redis+unix", "valkey+unix"):
-        netloc = body.split("/", 1)[0]
+        netloc, _, path = body.partition("/")
         if not netloc:
             raise ValueError(f"{param} names no host: {redact(url)}")
         if "," in netloc and scheme in SINGLE_SCHEMES:
@@ -231,6 +231,15 @@ def check(url: object, param: str = "url") -> str:
                 f"{param}: several hosts need redis+cluster:// or redis+sentinel://; got {redact(url)}"
             )
         hosts(netloc, 6379, param)
+        if scheme in CLUSTER_SCHEMES and (path.strip("/") or "db" in opts):
+            what = "db=" if "db" in opts else f"path /{path}"
+            raise ValueError(f"{param}: a cluster has one database, so no {what}: {redact(url)}")
+        service, _, db = path.partition("/")
+        if scheme in SENTINEL_SCHEMES and (not service or not (db == "" or db.isdigit())):
+            raise ValueError(
+                f"{param}: a sentinel URL's path is /service[/db] (db an integer >= 0); "
+                f"got {redact(url)}"
+            )
     return url
 
 
@@ -239,7 +248,7 @@ def options(url: str, param: str = "url") -> Dict[str, Any]:
     one that is unknown, misplaced, or whose value does not read."""
     scheme = scheme_of(url)
     out: Dict[str, Any] = {}
-    for key, value in parse_qsl(parts(url)[4] or "", keep_blank_values=True):
+    for key, value in parse_qsl(parts(url)[4] or ""):  # (an empty value is absent, as in redis-py)
         known = _PARAMS.get(key) or (_TLS.get(key) if scheme in TLS_SCHEMES else None)
         if key == "sentinel_password" and scheme not in SENTINEL_SCHEMES:
             raise ValueError(f"{param}: {key}= belongs on a redis+sentinel:// URL: {redact(url)}")
@@ -249,7 +258,8 @@ def options(url: str, param: str = "url") -> Dict[str, Any]:
             hint = " (the limiter's timeout= argument sets it)" if key == "timeout" else ""
             raise ValueError(
                 f"{param}: unknown query parameter {key!r}{hint}; known: "
-                f"{', '.join(sorted(_PARAMS))}, and ssl_* with TLS: {redact(url)}"
+                f"{', '.join(sorted(_PARAMS))}, and with TLS {', '.join(sorted(_TLS))}: "
+                f"{redact(url)}"
             )
         parse, what = known
         try:

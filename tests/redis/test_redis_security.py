@@ -116,6 +116,27 @@ def test_a_bad_query_parameter_is_refused_when_the_limiter_is_built(R, name, que
     assert name not in shmlimit.list_names()
 
 
+@pytest.mark.parametrize(
+    "url, named",
+    [
+        ("redis+cluster://:secret@127.0.0.1:1?db=0", "a cluster has one database, so no db="),
+        ("redis+cluster://:secret@127.0.0.1:1/0", "a cluster has one database, so no path /0"),
+        ("redis+sentinel://:secret@127.0.0.1:1/m/x", "a sentinel URL's path is /service\\[/db\\]"),
+        ("redis+sentinel://:secret@127.0.0.1:1", "a sentinel URL's path is /service\\[/db\\]"),
+        ("rediss://:secret@h:1/0?ssl_min_version=3", "unknown query parameter 'ssl_min_version'"),
+    ],
+)
+def test_a_url_form_refused_only_when_connecting_is_refused_when_built(R, name, url, named):
+    """A db on a cluster (as ``?db=`` or a path) and a sentinel path other than
+    ``/service[/db]`` were refused only when the filler connected: the limiter never granted."""
+    with pytest.raises(ValueError, match=f"^url: {named}") as e:
+        R.RedisLimiter(name, rate=1, url=url)
+    assert "secret" not in str(e.value)
+    with pytest.raises(ValueError, match=f"^upstream: {named}"):
+        shmlimit.Limiter(name, rate=1, upstream=url)
+    assert name not in shmlimit.list_names()
+
+
 def test_known_query_parameters_are_read_once_for_every_deployment(R):
     from shmlimit.redis.urls import options
 
@@ -126,6 +147,9 @@ def test_known_query_parameters_are_read_once_for_every_deployment(R):
     assert options("rediss://h/0?ssl_ca_certs=/ca.pem&client_name=a") == dict(
         ssl_ca_certs="/ca.pem", client_name="a"
     )
+    # an empty value is absent, as redis-py reads it
+    assert options("redis+cluster://h:1?db=&socket_timeout=") == {}
+    R.RedisLimiter("empty-values", rate=1, url="redis://127.0.0.1:1/0?db=").close()
 
 
 def test_a_server_busy_or_without_its_master_is_unavailable_not_a_data_error(R):
