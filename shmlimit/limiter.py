@@ -25,7 +25,13 @@ from typing import (
 from shmlimit import live_changes
 from shmlimit.acquire import single as acquisition
 from shmlimit.acquire.drivers import drive, drive_async
-from shmlimit.acquire.single import MAX_NAP, Request, give_back_unowned, wait_for_ticket
+from shmlimit.acquire.single import (
+    MAX_NAP,
+    Request,
+    give_back_handed,
+    give_back_unowned,
+    wait_for_ticket,
+)
 from shmlimit.adapt import Adapt
 from shmlimit.adapt import feedback as adapt_feedback
 from shmlimit.attachment import Attachment, FastPaths, check_upstream, open_attachment, registry
@@ -339,18 +345,23 @@ class Limiter(RatesSwitch, AcquireOnEnter, Handle):
         """
         # The fast paths: one op, the config unchanged -- a single native call.
         if n is _ONE:
-            if timeout is None:
-                grab = self._fast.grab
-                ticket = grab()
-                if ticket is None:
-                    return True
-            else:
-                grab = self._fast.within
-                ticket = grab(timeout)
-                if ticket is False or ticket is True:  # refused first: a flood is mostly refusals
-                    return ticket
+            try:  # (a handler raising as the call returns a queued ticket: see give_back_handed)
+                if timeout is None:
+                    grab = self._fast.grab
+                    ticket = grab()
+                    if ticket is None:
+                        return True
+                else:
+                    grab = self._fast.within
+                    ticket = grab(timeout)
+                    if ticket is False or ticket is True:  # refused first: mostly refusals
+                        return ticket
+            except BaseException:
+                give_back_handed(self._att)
+                raise
             if ticket is not False and ticket is not None:  # (a fast path: a live attachment)
                 try:  # (from the store of the ticket on: no call between that could raise)
+                    self._att.cells.handed()  # stored: this call's own
                     return wait_for_ticket(self._live(), ticket, timeout)
                 except BaseException:
                     give_back_unowned(self._att, ticket)
@@ -538,11 +549,16 @@ class Limiter(RatesSwitch, AcquireOnEnter, Handle):
             # the native Acquirer: its grab, then its wait a step at a time on the loop
             take = getattr(acq, "take", None)
             if take is not None:
-                ticket = take()
+                try:
+                    ticket = take()
+                except BaseException:
+                    give_back_handed(self._att, counted=True)
+                    raise
                 if ticket is None:
                     return True
                 if ticket is not False:  # (a fast path exists only for a live attachment)
                     try:
+                        self._att.cells.handed()  # stored: this call's own
                         return await acquisition.wait_ticket_async(self._live(), acq, ticket)
                     except BaseException:
                         give_back_unowned(self._att, ticket, counted=True)

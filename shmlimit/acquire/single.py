@@ -532,12 +532,17 @@ def grab_one_async(att: "Attachment") -> Union[bool, Request, None]:
     granted (counted); a request holding its queued ticket, for ``drive_async``; None: no fast grab
     now (the config changed, the queue is full, no record free): the slow path's ``Request``."""
     grab = _async_grab(att)
-    ticket = grab() if grab is not None else False
+    try:
+        ticket = grab() if grab is not None else False
+    except BaseException:
+        give_back_handed(att)
+        raise
     if ticket is None:
         return True
     if ticket is False:
         return None
     try:
+        att.cells.handed()  # stored: this call's own (see give_back_handed)
         rec, tokens = att.find_record(ticket)  # type: ignore[arg-type]
         return Request.holding(att, 1, ticket, tokens, rec)  # type: ignore[arg-type]
     except BaseException:
@@ -562,6 +567,17 @@ def give_back_unowned(att: Optional["Attachment"], ticket: Any, counted: bool = 
         att.give_back(ticket, tokens, rec)
         if counted:
             att.waiting(-1)
+
+
+def give_back_handed(att: Optional["Attachment"], counted: bool = False) -> None:
+    """The except clause around a fast path's call that may return a queued ticket: a signal
+    handler may raise at the interpreter's check that ends the call, after it returned the ticket
+    and before its caller stored it.  The call left it in ``cells.handed()`` first (the queued
+    branch only), and this gives it back unless its owner let it go (``give_back_unowned``).  A
+    caller that stored the ticket takes it from there at once (``handed()``), before anything else
+    of its thread may grab: a ticket left there is given back by the next except clause."""
+    if att is not None:
+        give_back_unowned(att, att.cells.handed(), counted)
 
 
 async def wait_ticket_async(att: "Attachment", acq: Any, ticket: int) -> bool:

@@ -56,6 +56,25 @@ typedef struct {
     uint32_t *fed_word;
 } NativeCells;
 
+/* HANDED: the queued ticket the last fast-path call of this thread returned to Python (a recorded
+ * Grabber's, a Gate's grab_within, an Acquirer's call or take), kept until Python takes it back
+ * (cells.handed()).  A signal handler may raise at the interpreter's check that ends the CALL, after
+ * the return and before the caller stores the value: the caller's except clause then finds the
+ * ticket here and gives it back.  Written on the queued branch only: a grant writes nothing. */
+static _Thread_local struct {
+    const NativeCells *cells;
+    uint64_t ticket;
+} handed;
+
+/* `ticket` as an int, left in HANDED first for `cells` (queued, recorded: see HANDED). */
+static PyObject *
+hand_ticket(const NativeCells *cells, uint64_t ticket)
+{
+    handed.cells = cells;
+    handed.ticket = ticket;
+    return PyLong_FromUnsignedLongLong(ticket);
+}
+
 static int
 check_open(NativeCells *self)
 {
@@ -454,15 +473,15 @@ refuse:
 /* do_grab for a grab bound to records: False, taking nothing, also when it would queue and every
  * record is in use. */
 static PyObject *
-do_grab_recorded(uint64_t *tail, uint64_t *head, uint64_t *grants, uint64_t amount, uint64_t ops,
-                 uint64_t *const *recs, int nrec)
+do_grab_recorded(const NativeCells *cells, uint64_t *tail, uint64_t *head, uint64_t *grants, uint64_t amount,
+                 uint64_t ops, uint64_t *const *recs, int nrec)
 {
     uint64_t ticket, *rec;
     switch (grab_recorded(tail, head, grants, amount, ops, recs, nrec, &ticket, &rec)) {
     case GRAB_GRANTED:
         Py_RETURN_NONE;
     case GRAB_QUEUED:
-        return PyLong_FromUnsignedLongLong(ticket);
+        return hand_ticket(cells, ticket);
     default:
         Py_RETURN_FALSE;
     }
@@ -519,8 +538,8 @@ grabber_call(Grabber *self, PyObject *args, PyObject *kwds)
     if (self->recorded) {
         if (records_left(self->cells))
             Py_RETURN_FALSE; /* the slot is being left (close): taking nothing, the slow path refuses */
-        return do_grab_recorded(self->tail, self->head, self->grants, self->amount, self->ops, self->recs,
-                                self->nrec);
+        return do_grab_recorded(self->cells, self->tail, self->head, self->grants, self->amount, self->ops,
+                                self->recs, self->nrec);
     }
     return do_grab(self->tail, self->head, self->grants, self->amount, self->ops);
 }
@@ -1766,9 +1785,10 @@ gate_grab_within(Gate *self, PyObject *const *args, Py_ssize_t n)
                 __atomic_store_n(rec - 1, want, __ATOMIC_SEQ_CST);
             }
             if (gate_take(self, &t, want)) {
-                if (rec)
-                    __atomic_store_n(rec, self->amount, __ATOMIC_SEQ_CST);
-                return PyLong_FromUnsignedLongLong(want);
+                if (!rec)
+                    return PyLong_FromUnsignedLongLong(want);
+                __atomic_store_n(rec, self->amount, __ATOMIC_SEQ_CST);
+                return hand_ticket(self->cells, want);
             }
         } else if (gate_take(self, &t, want)) {
             if (rec)
@@ -2199,6 +2219,18 @@ cells_dealloc(NativeCells *self)
     Py_TYPE(self)->tp_free((PyObject *)self);
 }
 
+/* handed() -> the queued ticket a fast-path call of this thread on these cells returned last, if no
+ * call took it since (see HANDED), else None; it is no longer there after. */
+static PyObject *
+cells_handed(NativeCells *self, PyObject *unused)
+{
+    (void)unused;
+    if (handed.cells != self)
+        Py_RETURN_NONE;
+    handed.cells = NULL;
+    return PyLong_FromUnsignedLongLong(handed.ticket);
+}
+
 static PyObject *
 cells_backend(NativeCells *self, void *closure)
 {
@@ -2213,6 +2245,8 @@ cells_get_size(NativeCells *self, void *closure)
 
 static PyMethodDef cells_methods[] = {
     {"load", (PyCFunction)(void (*)(void))cells_load, METH_FASTCALL, "load(off) -> the word at byte offset off"},
+    {"handed", (PyCFunction)cells_handed, METH_NOARGS,
+     "handed() -> the queued ticket this thread's last fast-path call on these cells returned, once; else None"},
     {"store", (PyCFunction)(void (*)(void))cells_store, METH_FASTCALL, "store(off, value)"},
     {"load_many", (PyCFunction)cells_load_many, METH_O,
      "load_many(offsets) -> a tuple of the words at these byte offsets (each loaded as load does)"},
@@ -3434,6 +3468,10 @@ acquirer_call(Acquirer *self, PyObject *args, PyObject *kwds)
         PyErr_Restore(et, ev, tb);
         return NULL;
     }
+    if (rc & WAIT_GRANTED)
+        return Py_BuildValue("(iK)", rc, (unsigned long long)ticket);
+    handed.cells = self->cells; /* still held: see HANDED */
+    handed.ticket = ticket;
     if (rc == 0)
         return PyLong_FromUnsignedLongLong(ticket);
     return Py_BuildValue("(iK)", rc, (unsigned long long)ticket);
@@ -3467,7 +3505,7 @@ acquirer_take(Acquirer *self, PyObject *unused)
         Py_RETURN_FALSE;
     if (self->waiter->waiting) /* queued: counted among its process's queued callers until granted */
         __atomic_fetch_add(self->waiter->waiting, 1, __ATOMIC_SEQ_CST);
-    return PyLong_FromUnsignedLongLong(ticket);
+    return hand_ticket(self->cells, ticket);
 }
 
 static PyObject *

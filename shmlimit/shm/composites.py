@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import abc
 import functools
+import threading
 import time
 from typing import Any, Callable, List, NamedTuple, Optional, Sequence, Tuple, Union
 
@@ -105,6 +106,11 @@ def take(
         t = found
 
 
+#: the queued ticket a fast-path call of this thread returned last, ``(cells, ticket)``, until taken
+#: back (``Cells.handed``: the native ``HANDED``); stored without a call, so no handler runs between
+_handed = threading.local()
+
+
 def hold_record(cells: Any, recs: tuple, rec: Optional[int], ticket: int) -> Optional[int]:
     """The ticket record a grab about to queue ``ticket`` holds, ``ticket`` in its TICKET word:
     ``rec``, or one of ``recs`` claimed when ``rec`` is None (``claim_record``); None when every
@@ -133,6 +139,17 @@ class Cells(abc.ABC):
 
     @abc.abstractmethod
     def load(self, off: int) -> int: ...
+
+    def handed(self) -> Optional[int]:
+        """The queued ticket the last fast-path call of this thread on these cells returned (a
+        recorded ``Grabber``'s, a ``Gate``'s ``grab_within``), once; else None.  A signal handler may
+        raise after that call stored it here and before its caller stored the value: the caller's
+        except clause finds it here (``give_back_unowned``)."""
+        last = getattr(_handed, "last", None)
+        if last is None or last[0] is not self:
+            return None
+        _handed.last = None
+        return last[1]
 
     @abc.abstractmethod
     def store(self, off: int, value: int) -> None: ...
@@ -381,6 +398,10 @@ class Grabber:
                 # uncovered now, so it was at the last look: recorded if bound to records (a
                 # stale head only sends the caller to wait, where it loads it again)
                 if rec is not None:
+                    _handed.last = (
+                        self.c,
+                        ticket,
+                    )  # (before the call: a handler may raise after it)
                     self.c.store(rec, self.amount)
                 return ticket
             if rec is not None:
@@ -529,8 +550,9 @@ class Gate:
                     found = cas(self.a_tail, tail, want)
                     if found == tail:
                         if rec is not None:
-                            self.c.store(rec, self.amount)
-                            rec = None
+                            _handed.last = (self.c, want)  # (no call before: see Cells.handed)
+                            held, rec = rec, None
+                            self.c.store(held, self.amount)
                         return want
                 else:
                     found = cas(self.a_tail, tail, want)

@@ -1414,3 +1414,93 @@ def test_a_ticket_interrupted_on_its_way_from_the_native_acquirer_is_given_back(
         else:
             interrupted_in_hand_off(lim, lambda: asyncio.run(lim.acquire_async()), at)
         assert no_backlog(lim, within=0.55)  # the next op: one op's schedule at most, not two
+
+
+# ---- a signal at the check that ends the fast path's own call -----------------------------------
+
+
+def raising_after(call, when=lambda got: True):
+    """``call``, then a signal handler's raise at the interpreter's check that ends its CALL (after
+    it returned a value ``when`` accepts, before its caller stores it)."""
+
+    def interrupted(*args):
+        got = call(*args)
+        if when(got):
+            raise KeyboardInterrupt
+        return got
+
+    return interrupted
+
+
+class AcquirerInterrupted:
+    """The native ``Acquirer`` ``acq``, a handler raising as its ``take`` or ``step`` (``method``)
+    returns a value ``when`` accepts."""
+
+    def __init__(self, acq, method, when=lambda got: True):
+        self.acq, self.method, self.when = acq, method, when
+
+    def take(self):
+        return self._call("take")
+
+    def step(self, ticket):
+        return self._call("step", ticket)
+
+    def _call(self, method, *args):
+        call = getattr(self.acq, method)
+        return raising_after(call, self.when)(*args) if method == self.method else call(*args)
+
+
+def given_back_when_interrupted(lim, call):
+    """``call()`` (an acquire of one op that queues) raises as the fast path's call returns its
+    ticket: the ticket was taken, given back (its record free), its caller not counted waiting,
+    and nothing left in ``cells.handed()``."""
+    att = lim._att
+    tail = att.cells.load(L.TAIL)
+    with pytest.raises(KeyboardInterrupt):
+        call()
+    assert diff(att.cells.load(L.TAIL), tail) == att.bucket.cost  # a ticket was taken
+    wait_for(lambda: not att.returns.pending())
+    assert held_tickets(att) == []  # given back: its record free, none leaked
+    assert att.cells.load(att.waiting_off) == 0
+    assert att.cells.handed() is None
+
+
+@pytest.mark.parametrize("kind", ["acquire", "timed", "async"])
+def test_a_ticket_interrupted_as_the_fast_call_returns_it_is_given_back(name, kind):
+    """1/s, burst 1, on a fake clock (the grab, the gate's ``grab_within``, ``acquire_async``'s grab:
+    each hands its queued ticket to Python): a handler raising at the end of that call, before the
+    caller stores the ticket, finds it given back; the next op waits its own second only (left
+    recorded and not given, it waited two, and the record stayed in use for good)."""
+    with queued(name, rate=1, burst=1, clock=FakeClock()) as lim:
+        fast = lim._att.fast
+        if kind == "timed":
+            fast.within = raising_after(fast.within)
+            given_back_when_interrupted(lim, lambda: lim.acquire(timeout=5.0))
+        else:
+            fast.grab = raising_after(fast.grab)
+            call = lim.acquire if kind == "acquire" else lambda: asyncio.run(lim.acquire_async())
+            given_back_when_interrupted(lim, call)
+        lim._att.update_fast()
+        assert lim.retry_after() == pytest.approx(1.0)
+
+
+def test_a_ticket_the_native_acquirer_returns_interrupted_on_its_way_is_given_back(name):
+    """The native ``Acquirer`` returns its queued ticket when its wait ends unserved (``until_ns``,
+    ``MAX_NAP``, a config change, close): a handler raising as it returns, the same."""
+    with queued(name, rate=2, burst=1) as lim:
+        acq = lim._att.fast.grab
+        if not hasattr(acq, "take"):
+            pytest.skip("no native Acquirer on this backend")
+        lim._att.fast.grab = raising_after(lambda: acq(time.monotonic_ns()))  # unserved at once
+        given_back_when_interrupted(lim, lim.acquire)
+
+
+def test_a_ticket_take_returns_interrupted_on_its_way_is_given_back(name):
+    """``acquire_async``'s ``take()`` (the native ``Acquirer``'s: queued, counted waiting): a handler
+    raising as it returns the ticket, the same, and WAITING back to 0."""
+    with queued(name, rate=2, burst=1) as lim:
+        acq = lim._att.fast.grab
+        if not hasattr(acq, "take"):
+            pytest.skip("no native Acquirer on this backend")
+        lim._att.fast.grab = AcquirerInterrupted(acq, "take")
+        given_back_when_interrupted(lim, lambda: asyncio.run(lim.acquire_async()))
