@@ -605,7 +605,9 @@ async def wait_ticket_async(att: "Attachment", acq: Any, ticket: int) -> bool:
             await sleep_until_async(nxt)  # type: ignore[arg-type]
             nxt = step(ticket)
     except BaseException:
-        _adopt(att, ticket).end()  # still held: given back
+        # still held: given back, its caller uncounted (a step that granted freed its record and
+        # uncounted it already: nothing more)
+        give_back_unowned(att, ticket, counted=True)
         raise
     if nxt is None:
         if flags:

@@ -1504,3 +1504,21 @@ def test_a_ticket_take_returns_interrupted_on_its_way_is_given_back(name):
             pytest.skip("no native Acquirer on this backend")
         lim._att.fast.grab = AcquirerInterrupted(acq, "take")
         given_back_when_interrupted(lim, lambda: asyncio.run(lim.acquire_async()))
+
+
+@pytest.mark.slow
+def test_a_step_that_granted_then_interrupted_leaves_waiting_at_zero(name):
+    """``acquire_async``'s step that granted (its record freed, its caller uncounted from WAITING),
+    then a handler raising as it returns: nothing is given back or uncounted again (WAITING was
+    2**64 - 1 for good: the process shown waiting forever)."""
+    with queued(name, rate=50, burst=1) as lim:
+        acq = lim._att.fast.grab
+        if not hasattr(acq, "take"):
+            pytest.skip("no native Acquirer on this backend")
+        lim._att.fast.grab = AcquirerInterrupted(acq, "step", lambda got: got is None)
+        with pytest.raises(KeyboardInterrupt):
+            asyncio.run(lim.acquire_async())
+        att = lim._att
+        assert att.cells.load(att.waiting_off) == 0
+        assert held_tickets(att) == []
+        assert not [p for p in lim.stats().processes if p.waiting]
