@@ -244,16 +244,17 @@ def consistent(c, seq: int, read: Callable[..., T], *args: object) -> T:
             return got
 
 
-def key_bytes(key: object) -> bytes:
-    """A key's bytes: a str is its UTF-8, bytes are themselves; anything else is a TypeError."""
+def key_bytes(key: object, most: Optional[int] = KEY_MAX) -> bytes:
+    """A key's bytes: a str is its UTF-8, bytes are themselves; anything else is a TypeError.
+    More than ``most`` bytes is a ValueError (None: any length, as a window table takes)."""
     if isinstance(key, str):
         data = key.encode("utf-8")
     elif isinstance(key, bytes):
         data = key
     else:
         raise TypeError(f"key must be a str or bytes, not {type(key).__name__}")
-    if len(data) > KEY_MAX:
-        raise ValueError(f"key must be at most {KEY_MAX} bytes (UTF-8), got {len(data)}")
+    if most is not None and len(data) > most:
+        raise ValueError(f"key must be at most {most} bytes (UTF-8), got {len(data)}")
     return data
 
 

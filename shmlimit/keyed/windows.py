@@ -154,15 +154,6 @@ def _bounded(name: str, v: object, top: int, unit: str = "") -> int:
     return v
 
 
-def window_key(key: object) -> bytes:
-    """A window table's key bytes: a ``str``'s UTF-8 or ``bytes``, of any length (the table keeps
-    only their digest, and with ``store_keys`` their first bytes); another type is
-    ``KC.key_bytes``'s TypeError."""
-    if isinstance(key, str):
-        return key.encode("utf-8")
-    return key if isinstance(key, bytes) else KC.key_bytes(key)
-
-
 def native_fits(key: object) -> bool:
     """Whether the native ``incr`` takes ``key``: at most ``KC.KEY_MAX`` bytes (its buffer).  A
     longer key takes the portable step, which hashes the same bytes to the same digest."""
@@ -227,7 +218,7 @@ class WindowCounters:
         return ns, ms
 
     def _key(self, prefix: bytes, key: object) -> Tuple[Tuple[int, int], int, bytes]:
-        data = window_key(key)
+        data = KC.key_bytes(key, None)  # any length: only its digest is kept
         d = self._hash(prefix + data)
         return d, (d[0] * self.t.nslots) >> 64, data
 
