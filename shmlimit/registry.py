@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import atexit
 import os
+import sys
 import threading
 import weakref
 from contextlib import contextmanager
@@ -80,6 +81,8 @@ class Attached:
             self.pid, start if start and start > 0 else 0, pid_namespace()
         )
         self.joined, self.beyond = True, self.slot is None
+        if self.beyond:
+            count_out_at_exit(self)
         self.bind()
 
     def start(self) -> None:
@@ -164,6 +167,22 @@ class Attached:
         seg = self.seg
         st = os.stat_result((seg.mode, 0, 0, 0, seg.owner, 0, seg.size, 0, 0, 0))
         check_trust(self.name, st, mode, trusted)
+
+
+def count_out_at_exit(att: Attached) -> None:
+    """``att``'s count beyond the table taken back when this process ends as a ``multiprocessing``
+    child: it ends with ``os._exit`` after its finalizers, running no ``atexit`` hook, and a count
+    left up keeps ``gc`` from ever collecting the segment.  (Outside such a child the ``atexit``
+    hook does it; a killed process leaves its count, see ``ProcessTable.beyond``.)"""
+    util = sys.modules.get("multiprocessing.util")  # loaded in every multiprocessing child
+    if util is not None:
+        util.Finalize(None, _count_out, args=(weakref.ref(att),), exitpriority=0)
+
+
+def _count_out(ref: "weakref.ref[Attached]") -> None:
+    att = ref()
+    if att is not None and att.beyond:
+        att._unregister()
 
 
 A = TypeVar("A", bound=Attached)

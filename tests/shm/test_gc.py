@@ -1,6 +1,7 @@
 """gc on every kind of segment: the same claim-check-unlink, and openers that see a claim."""
 
 import mmap
+import multiprocessing
 import os
 import subprocess
 import sys
@@ -317,3 +318,35 @@ def test_a_process_beyond_the_table_keeps_it_live_until_it_closes(name):
     finally:
         child.stdin.close()
         child.wait()
+
+
+def _use_beyond(name):
+    """A multiprocessing child's work: one grant, taken beyond the table (its one slot held)."""
+    lim = shmlimit.Limiter(name)
+    assert lim.try_acquire() and lim._att.slot is None
+    return lim._att.pid
+
+
+@pytest.mark.parametrize("how", ["process", "pool"])
+def test_a_multiprocessing_child_beyond_the_table_is_counted_out_as_it_ends(name, how):
+    """A ``multiprocessing`` child ends with ``os._exit`` (no ``atexit`` hook): one that used a
+    limiter beyond its process table takes its count back as it ends, or ``gc`` would keep the
+    segment for good and a redeploy with a new config would be refused."""
+    ours = shmlimit.Limiter(name, rate=1000, slots=1)
+    assert ours.try_acquire() and ours._att.slot == 0  # the one slot: the children go beyond
+    table = _table(name, 1)
+    ctx = multiprocessing.get_context("fork")
+    if how == "process":
+        child = ctx.Process(target=_use_beyond, args=(name,))
+        child.start()
+        child.join()
+        assert child.exitcode == 0
+    else:
+        with ctx.Pool(2) as pool:
+            pids = set(pool.map(_use_beyond, [name] * 4))
+            pool.close()
+            pool.join()
+        assert pids and os.getpid() not in pids
+    assert table.beyond() == 0
+    ours.close()
+    assert stale([name], pytest.fail) == ([name], 0)
