@@ -110,15 +110,18 @@ class Config:
         ratio: object = None,
         max_reserved: object = None,
         max_behind: object = None,
+        *,
+        plain: Optional[str] = None,
     ) -> "Config":
         """Validate user input and resolve defaults.  Raises TypeError/ValueError naming the parameter.
 
         ``rate`` may also be a rate spec string, ``"12000"`` or ``"12K,1.1"``
-        (see ``parse_spec``); a ratio given in both places must agree.
+        (see ``parse_spec``); a ratio given in both places must agree.  ``plain`` names a kind
+        that takes neither a catch-up ratio nor a verb (``spec_values``).
         """
         if isinstance(rate, str):
             rate, per, ratio = spec_values(
-                rate, per, ratio, ("configure", "start"), "when creating a limiter"
+                rate, per, ratio, ("configure", "start"), "when creating a limiter", plain
             )
         r = _positive_finite("rate", rate)
         p = _positive_finite("per", per)
@@ -284,13 +287,29 @@ class RateSpec:
 
 
 def spec_values(
-    text: str, per: object, ratio: object, verbs: Tuple[str, ...], where: str
+    text: str,
+    per: object,
+    ratio: object,
+    verbs: Tuple[str, ...],
+    where: str,
+    plain: Optional[str] = None,
 ) -> Tuple[float, object, object]:
     """A rate given as a rate spec string, with the ``per`` and ``ratio`` also passed: its rate,
     its window (``RateSpec.per_with``) and its ratio (``ratio`` when it has none; a different one
     given twice is refused).  Its verb, if any, must be one of ``verbs`` (``where`` says where it
-    is refused)."""
+    is refused).  With ``plain`` (a kind's name: ``"a KeyedLimiter"``), the kind has no catch-up
+    and no verbs: a ratio other than 1 or any verb is refused, not dropped."""
     spec = parse_spec(text)
+    if plain is not None and (spec.verb is not None or spec.ratio not in (None, 1.0)):
+        extra = (
+            f"a catch-up ratio (',{spec.ratio:g}') applies only to a Limiter of one rate"
+            if spec.ratio not in (None, 1.0)
+            else f"a verb (',{spec.verb}') applies only to a Limiter of one rate (its apply(); "
+            "stop() and start() pause and resume it)"
+        )
+        raise ValueError(
+            f"rate {text!r}: {extra}; {plain} takes a number or a rate string such as '200K/min'"
+        )
     if spec.verb not in (None, *verbs):
         raise ValueError(f"rate spec verb {spec.verb!r} is not allowed {where}")
     if (

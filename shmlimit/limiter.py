@@ -241,7 +241,16 @@ class Limiter(RatesSwitch, AcquireOnEnter, Handle):
         cfg = (
             None
             if rate is None
-            else Config.make(rate, per, burst, capped, ratio, max_reserved, max_behind)
+            else Config.make(
+                rate,
+                per,
+                burst,
+                capped,
+                ratio,
+                max_reserved,
+                max_behind,
+                plain=None if upstream is None else "a Limiter with upstream=",
+            )
         )
         if adapt is not None:
             if not isinstance(adapt, Adapt):

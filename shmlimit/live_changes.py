@@ -29,22 +29,19 @@ def requested(
     per: Optional[float],
     burst: Optional[float],
     ratio: Optional[float],
-    specs: bool = True,
+    plain: Optional[str] = None,
 ) -> Config:
     """The config ``set_rate(rate, per, burst, ratio=...)`` asks for, validated (``cur``: the one in force).
 
     ``rate`` is a number, a rate string ``"200K/min"`` (which sets ``per``
-    too) or, with ``specs``, a rate spec ``"12K,1.1"`` (its ratio, if it has
-    one, is the one to use; no verb but ``configure``).  ``per`` and
-    ``ratio`` default to ``cur``'s; ``burst`` to the new rate's default.
+    too) or a rate spec ``"12K,1.1"`` (its ratio, if it has one, is the one
+    to use; no verb but ``configure``); ``plain`` names a kind that takes no
+    ratio and no verb (``config.spec_values``).  ``per`` and ``ratio`` default
+    to ``cur``'s; ``burst`` to the new rate's default.
     """
     if isinstance(rate, str):
-        if not specs and "," in rate:  # a ratio or a verb: only a rate spec has them
-            raise ValueError(
-                f"rate must be a number or a rate string such as '200K/min', got {rate!r}"
-            )
         rate, per, ratio = spec_values(  # type: ignore[assignment]
-            rate, per, ratio, ("configure",), "in set_rate (use apply)"
+            rate, per, ratio, ("configure",), "in set_rate (use apply)", plain
         )
     return cur.replace(
         rate=rate,
@@ -60,7 +57,7 @@ def set_rate(
     per: Optional[float],
     burst: Optional[float],
     ratio: Optional[float],
-    specs: bool = True,
+    plain: Optional[str] = None,
 ) -> None:
     """Publish the config ``requested`` asks for; re-applying the config in force changes nothing.
 
@@ -70,7 +67,7 @@ def set_rate(
     b = att.bucket
     b.refresh()
     cur = b.config
-    new = requested(cur, rate, per, burst, ratio, specs)
+    new = requested(cur, rate, per, burst, ratio, plain)
     bounds = read_adapt(att.cells)
     if bounds is not None:
         if new.per != cur.per:

@@ -531,7 +531,8 @@ class MultiLimiter(RateGroup, AcquireOnEnter, Held):
         burst: Optional[float] = None,
     ) -> None:
         """Change one rate (by name or index) for every attached process, at once (see ``Limiter.set_rate``)."""
-        live_changes.set_rate(self._live()[self._index(which)], rate, per, burst, None, specs=False)
+        att = self._live()[self._index(which)]
+        live_changes.set_rate(att, rate, per, burst, None, "a Limiter of several rates")
 
     # -- observation -------------------------------------------------------------------
 

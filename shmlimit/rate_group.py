@@ -125,7 +125,7 @@ def parse_rates(name: str, rates: object) -> Tuple[Tuple[str, ...], Tuple[Config
             )
         rate, burst = value if isinstance(value, tuple) else (value, None)
         try:
-            cfgs.append(Config.make(rate, 1.0, burst))
+            cfgs.append(Config.make(rate, 1.0, burst, plain="each rate of rates="))
         except (TypeError, ValueError) as e:
             raise type(e)(f"rates[{key!r}]: {e}") from None
         keys.append(key)

@@ -294,6 +294,27 @@ def test_set_rate_by_name_or_index_live(name, clock, cleanup):
     other.close()
 
 
+@pytest.mark.parametrize("spec", ["100,2", "100,2,start", "100,start", "100/s,configure"])
+def test_a_rate_specs_ratio_or_verb_is_refused_at_creation_and_in_set_rate(
+    name, clock, cleanup, spec
+):
+    """Several rates have no catch-up and no verbs: a spec "100,2,start" given as one of them was
+    taken, ratio and all (151 grants in 1 s at 100/s after 0.6 s idle, against rate*T + capacity
+    = 101); refused now, at creation and live, and a ratio of 1 is a plain rate."""
+    refused = r"rates\['a'\]: rate .*applies only to a Limiter of one rate.*; each rate of rates="
+    with pytest.raises(ValueError, match=refused):
+        make(name, {"a": spec, "b": "1M/s"}, clock)
+    assert not [n for n in shmlimit.list_names() if n.startswith(name)]
+    lim = make(name, {"a": "100", "b": "1M/s"}, clock)
+    cleanup.append(lim)
+    before = lim.configs
+    with pytest.raises(ValueError, match="one rate.*; a Limiter of several rates takes"):
+        lim.set_rate("a", spec)
+    assert lim.configs == before
+    lim.set_rate("a", "200/s,1")
+    assert (lim.configs["a"].rate, lim.configs["a"].ratio) == (200, 1.0)
+
+
 def test_a_waiter_pays_each_rate_the_price_in_force_when_it_takes_that_rate(name, clock, cleanup):
     """A waiter queued on its lead rate takes its other rates' tickets later: a ``set_rate`` of
     one of them meanwhile re-prices its ops there.  Priced when the call began, it took "fast"'s

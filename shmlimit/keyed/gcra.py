@@ -89,10 +89,11 @@ class Rate:
 
 
 def make_rate(rate: object, per: object, burst: object) -> Rate:
-    """Validate as ``Config.make`` does (same messages, same ranges), then check the tick arithmetic."""
+    """Validate as ``Config.make`` does (same messages, same ranges; a rate spec's catch-up ratio
+    or verb is refused: a key has neither), then check the tick arithmetic."""
     from shmlimit.config import Config
 
-    cfg = Config.make(rate, per, burst)
+    cfg = Config.make(rate, per, burst, plain="a KeyedLimiter")
     r = Rate(cfg.rate, cfg.per, cfg.burst)
     if r.tau >= MAX_TICKS:
         raise ValueError(

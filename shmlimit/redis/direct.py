@@ -248,7 +248,9 @@ class _GcraClient:
         if _redis is None:  # pragma: no cover
             raise ImportError("shmlimit.redis.direct needs redis-py: pip install 'shmlimit[redis]'")
         validate_name(name)
-        cfg = Config.make(rate, per, burst, False, None, max_reserved, None)
+        cfg = Config.make(
+            rate, per, burst, False, None, max_reserved, None, plain=f"a {type(self).__name__}"
+        )
         interval = math.ceil(cfg.per * NS_PER_S / cfg.rate)
         if interval * max(1.0, cfg.burst) > MAX_SCHEDULE_NS:
             raise ValueError(

@@ -163,6 +163,28 @@ def test_bad_config(name):
     assert name not in shmlimit.list_names()
 
 
+@pytest.mark.parametrize("spec", ["1K,1.5", "2K,3,start", "2K,stop", "2K/s,configure"])
+def test_a_rate_specs_ratio_or_verb_is_refused_not_dropped(name, spec):
+    """A key has no catch-up and no verbs: ``KeyedLimiter(rate="1K,1.5")`` and ``set_rate``
+    dropped them silently (and "2K,stop" was refused as "not allowed when creating a limiter")."""
+    refused = "applies only to a Limiter of one rate.*; a KeyedLimiter takes a number or a rate"
+    with pytest.raises(ValueError, match=refused):
+        shmlimit.KeyedLimiter(name, rate=spec, keys=64)
+    assert name not in shmlimit.list_names()
+    lim = shmlimit.KeyedLimiter(name, rate="1K", keys=64)
+    try:
+        for key in (None, "k"):
+            with pytest.raises(ValueError, match=refused):
+                lim.set_rate(spec, key=key)
+        assert (lim.rate, lim.override("k")) == (1000, None)
+        lim.set_rate("2K,1")  # a ratio of 1 is no catch-up: a plain rate
+        lim.set_rate("3K,1", key="k")
+        assert (lim.rate, lim.override("k")[0]) == (2000, 3000)
+    finally:
+        lim.unlink()
+        lim.close()
+
+
 def test_full_table_try_timed_untimed(name):
     lim = shmlimit.KeyedLimiter(name, rate=1, per=3600, burst=1, keys=16, when_full="refuse")
     admitted = [k for k in range(64) if lim.try_acquire(f"k{k}")]

@@ -260,6 +260,18 @@ def test_set_rate_by_name_stats_repr_and_pickle(name, clock, cleanup):
         lim.reserve("k")
 
 
+@pytest.mark.parametrize("spec", ["1K,1.5", "2K,3,start", "2K,stop"])
+def test_a_rate_specs_ratio_or_verb_is_refused_not_dropped(name, clock, cleanup, spec):
+    with pytest.raises(ValueError, match=r"rates\['a'\]: .*applies only to a Limiter of one"):
+        make(name, {"a": spec, "b": "1/s"}, clock, cleanup)
+    assert not [n for n in shmlimit.list_names() if n.startswith(name)]
+    lim = make(name, {"a": "1K", "b": "1/s"}, clock, cleanup)
+    for key in (None, "k"):
+        with pytest.raises(ValueError, match="one rate.*; a KeyedLimiter takes"):
+            lim.set_rate("a", spec, key=key)
+    assert (lim.stats()["a"].rate, lim.override("a", "k")) == (1000, None)
+
+
 # ---- take and undo: a take no one followed is given back exactly ---------------------------------
 
 

@@ -333,6 +333,21 @@ def test_bad_input_is_refused(R, redis_server, name):
     assert name not in shmlimit.list_names()
 
 
+@pytest.mark.parametrize("spec", ["10,2", "10,start"])
+def test_a_rate_specs_ratio_or_verb_is_refused(R, redis_server, name, spec):
+    """Redis has no catch-up and no verbs (nor has a limiter leasing from it): a spec's ratio was
+    taken into the config, and a hierarchical limiter granted catch-up beyond the global rate."""
+    url = redis_server.url
+    from shmlimit.redis.keyed import RedisKeyedLimiter
+
+    for kind in (R.RedisLimiter, RedisKeyedLimiter):
+        with pytest.raises(ValueError, match=f"one rate.*; a {kind.__name__} takes a number"):
+            kind(name, rate=spec, url=url)
+    with pytest.raises(ValueError, match="one rate.*; a Limiter with upstream= takes a number"):
+        shmlimit.Limiter(name, rate=spec, upstream=url)
+    assert name not in shmlimit.list_names()
+
+
 class AnsweringClient:
     """A redis-py client as the limiter sees it, whose script calls answer ``reply`` (a list, or a
     function of the request's ops) or raise it (an exception): a broken or hostile server."""
