@@ -253,10 +253,15 @@ _LIMITS_UNITS = frozenset(
 )
 RATE_FORMS = (
     "'N/unit', 'N/<count>unit' or 'N per <count> unit' (e.g. '10/s', '50/5s', '200K/min', "
-    "'10 per second', '5 per 2 seconds'; N may end in K, M or G; unit one of s, sec, second, "
+    "'10 per second', '5 per 2 seconds'; N is ASCII digits with an optional '.', perhaps "
+    "ending in K, M or G; unit one of s, sec, second, "
     "m, min, minute, h, hour, d, day, month, year, plurals allowed)"
 )
-_WINDOW = re.compile(r"^\s*(\d+(?:\.\d*)?|\.\d+)?\s*([A-Za-z]+)\s*$")
+#: A number in a rate string: ASCII digits with an optional '.' (no sign, exponent or '_').
+_NUMBER = r"(?:[0-9]+(?:\.[0-9]*)?|\.[0-9]+)"
+#: A count, ratio or burst: a number, perhaps ending in K, M or G.
+_COUNT = re.compile(rf"\s*({_NUMBER})([KMGkmg]?)\s*")
+_WINDOW = re.compile(rf"^\s*({_NUMBER})?\s*([A-Za-z]+)\s*$")
 #: Between a rate string's count and its window: "/" or the word "per" (``limits``' syntax).
 _PER = re.compile(r"\s*(?:/|per)\s*", re.IGNORECASE)
 
@@ -378,18 +383,14 @@ def parse_rate(text: str, param: str = "rate") -> Tuple[float, float]:
 
 
 def _spec_number(text: str, what: str, spec: str) -> float:
-    t = text.strip()
-    mult = 1.0
-    if t and t[-1].upper() in _SUFFIX:
-        mult = _SUFFIX[t[-1].upper()]
-        t = t[:-1]
-    try:
-        v = float(t) * mult
-    except ValueError:
+    m = _COUNT.fullmatch(text)
+    if m is None:
         forms = f", or {RATE_FORMS}" if what == "rate" else ""
         raise ValueError(
-            f"rate spec {spec!r}: {what} must be a number (K/M/G suffixes allowed){forms}; got {text!r}"
-        ) from None
+            f"rate spec {spec!r}: {what} must be a number > 0, ASCII digits with an optional '.' "
+            f"(K/M/G suffixes allowed){forms}; got {text!r}"
+        )
+    v = float(m.group(1)) * (_SUFFIX[m.group(2).upper()] if m.group(2) else 1.0)
     if not math.isfinite(v) or v <= 0:
         raise ValueError(f"rate spec {spec!r}: {what} must be finite and > 0, got {text!r}")
     return v

@@ -45,6 +45,22 @@ def test_bad_rate_strings_name_the_parameter_and_the_forms(bad):
     assert "'N/unit'" in str(e.value) or "must look like" in str(e.value) or "> 0" in str(e.value)
 
 
+@pytest.mark.parametrize(
+    "bad",
+    ["1_000", "\uff11\uff10", "1e3", "10,1_1", "1_0/s", "10/\uff11s", "\u0661\u0660/s", "1K,1e0"],
+)
+def test_numbers_in_rate_strings_are_ascii_digits_with_an_optional_point(name, cleanup, bad):
+    """One number grammar for counts, ratios and windows: ASCII digits, an optional '.', K/M/G
+    (the window refused '_' and exponents already); ``float`` took "1_000", full-width "10" and "1e3" as counts."""
+    lim = shmlimit.Limiter(name, rate=10)
+    cleanup.append(lim)
+    for call in (Config.make, lim.apply, lim.set_rate):
+        with pytest.raises(ValueError, match="ASCII digits"):
+            call(bad)
+    assert (lim.rate, lim.config.ratio) == (10, 1.0)
+    assert parse_rate(" 1.5k / 0.5 s ") == (1500.0, 0.5) and Config.make(".5,5.").ratio == 5.0
+
+
 def test_a_rate_string_and_a_contradicting_per_are_refused():
     assert Config.make("50/5s", per=5) == Config.make(50, 5)
     with pytest.raises(ValueError, match="per given twice"):
