@@ -293,6 +293,28 @@ def test_create_compares_against_the_live_config(name):
     lim.close()
 
 
+def _killed_after_publishing(name, change, clock):
+    lim = shmlimit.Limiter(name, clock=clock)
+    Bucket.burn = lambda self, *args, **kwargs: os._exit(9)  # killed at its first burn
+    lim.set_rate(10, burst=1) if change == "set_rate" else lim.stop()
+
+
+@pytest.mark.parametrize("change, left", [("set_rate", 1), ("stop", 0)])
+def test_a_change_whose_writer_is_killed_before_its_burn_takes_effect_at_once(name, change, left):
+    """1000/s, burst 1000, full: a process killed between publishing set_rate(10, burst=1), or a
+    stop, and its burn.  The others burn for it when they see the change: a smaller capacity
+    takes effect at once (one op, not the 10 the old tokens buy), a stop pauses every acquirer."""
+    clock = FakeClock()  # no time accrues
+    lim = shmlimit.Limiter(name, rate=1000, burst=1000, clock=clock)
+    p = mp.get_context("fork").Process(target=_killed_after_publishing, args=(name, change, clock))
+    p.start()
+    p.join(30)
+    assert p.exitcode == 9
+    assert lim.stopped == (change == "stop") and lim.capacity == (1000 if change == "stop" else 1)
+    assert sum(lim.try_acquire() for _ in range(2000)) == left
+    lim.close()
+
+
 # ---- 13. rate specs in set_rate; close() while another thread is mid-call --------------------
 
 

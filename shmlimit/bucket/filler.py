@@ -203,8 +203,7 @@ class ClockFeed:
             return b.replenish()
         added, burn = self.native.refill()
         if burn:  # our add raced a config change: the capacity in force applies (as Bucket.apply)
-            b.refresh()
-            b.burn(keep=b.cap + b.burst_pool)
+            b.burn_late_add()
         return added
 
     def usual(self) -> float:

@@ -121,9 +121,14 @@ class Bucket(Schedule):
     # -- configuration (published in two banks under a sequence lock: see config_banks) --------
 
     def load_config(self) -> None:
+        """Load the config in force; one this process had not seen is first applied to the bucket
+        (``burn_to``), before any grab of this process is bound to it."""
         # One immutable snapshot, swapped by reference: a thread that reads ``self.snap`` once
         # (the filler, an acquire) never combines the new sequence number with the old price.
-        self.snap = read_snapshot(self.cells)
+        snap = read_snapshot(self.cells)
+        if snap.seq != self.snap.seq:
+            self.burn_to(snap)
+        self.snap = snap
 
     # Single fields of the current snapshot (for code that needs only one of them).
     seq = property(lambda self: self.snap.seq)
@@ -168,8 +173,8 @@ class Bucket(Schedule):
             return config_words(cfg, tpn, st, flags & L.UPSTREAM_FLAGS)
 
         words(self.cells)  # validate before taking the lock: a refused config writes nothing
+        # (its load of the new config burns what that no longer allows, as every process's does)
         self._under_config_lock(words)
-        self.burn(keep=self.cap)
 
     def set_upstream_flags(self, upstream_flags: int) -> None:
         """Hierarchical mode: switch the fallback flags, and nothing else.
@@ -474,11 +479,22 @@ class Bucket(Schedule):
 
     def burn_late_add(self) -> int:
         """An add that raced a config change (its claim priced under the old one): burn down to what
-        the config in force allows, the writer's own burn having maybe run before the add: its
-        capacity (and catch-up room), or nothing while stopped.  The tokens taken."""
+        the config in force allows (``burn_to``), the burns of those who loaded it having maybe run
+        before the add.  The tokens taken."""
         self.refresh()
-        snap = self.snap
-        return self.burn(keep=0 if snap.stopped else snap.cap + snap.burst_pool)
+        return self.burn_to(self.snap)
+
+    def burn_to(self, snap: Snapshot) -> int:
+        """Take the tokens beyond what ``snap``'s config allows: its capacity (and catch-up room),
+        nothing while stopped.  The tokens taken.
+
+        Every process does it when it loads a config it had not seen (``load_config``), the
+        writer too, so a change is whole once anyone acts on it, even if its writer died right
+        after publishing; it takes nothing when the bucket is within bounds.  It stops once the
+        config is no longer ``snap``'s: the newer one's loaders burn for it.
+        """
+        keep = 0 if snap.stopped else snap.cap + snap.burst_pool
+        return self.burn(keep, snap.seq)
 
     def _put_wait(self, amount: int, snap: Snapshot) -> None:
         c = self.cells
@@ -488,17 +504,17 @@ class Bucket(Schedule):
             if new <= w or c.cas(L.WAIT, w, new):
                 return
 
-    def burn(self, keep: int = 0) -> int:
+    def burn(self, keep: int = 0, seq: Optional[int] = None) -> int:
         """Take every available token beyond ``keep`` (CAS on the tail); return how many were taken.
 
         Never touches queued tickets: when the tail is ahead of the head there is
-        nothing available and nothing is done.
+        nothing available and nothing is done.  With ``seq``, only while ``CFG_SEQ`` holds it.
         """
         c = self.cells
         while True:
             tail = c.load(L.TAIL)
             excess = diff(c.load(L.HEAD), tail) - keep
-            if excess <= 0:
+            if excess <= 0 or (seq is not None and c.load(L.CFG_SEQ) != seq):
                 return 0
             if c.cas(L.TAIL, tail, (tail + excess) & MASK64):
                 return excess

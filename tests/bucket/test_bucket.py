@@ -428,3 +428,34 @@ def test_a_claim_of_the_paused_time_while_start_runs_adds_nothing(backend):
     clock.advance(NS_PER_S // 10)
     b.replenish()
     assert b.balance() == b.cost
+
+
+class Died(BaseException):
+    """A writer killed at the point it raises: nothing after it runs."""
+
+
+@pytest.mark.parametrize("change, left", [("set_rate", 1), ("stop", 0)])
+@pytest.mark.parametrize("seen_by", ["attached", "attaching"])
+def test_a_change_whose_writer_died_before_its_burn_is_applied_by_whoever_loads_it(
+    backend, change, left, seen_by
+):
+    """1000/s, burst 1000, full: a writer publishes set_rate(10, burst=1) or a stop and dies before
+    its burn.  A process attached meanwhile (at its next refresh), or one attaching afterwards,
+    burns down to what the new config allows before it grabs under it: one op (the capacity), or
+    nothing while stopped."""
+    b, clock = make_bucket(Config.make(1000, burst=1000), backend)
+    writer = Bucket(b.cells, clock)
+
+    def die(*args, **kwargs):
+        raise Died
+
+    writer.burn = die
+    with pytest.raises(Died):
+        writer.set_stopped(True) if change == "stop" else writer.publish(Config.make(10, burst=1))
+    assert b.balance() == 1000 * b.cost  # the change is in force, and nothing was burned
+    if seen_by == "attached":
+        assert b.refresh()
+    else:
+        b = Bucket(b.cells, clock)
+    assert b.take_available(L.UNREG_GRANTS) == left
+    assert b.stopped == (change == "stop") and b.balance() == 0
