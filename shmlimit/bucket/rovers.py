@@ -61,8 +61,7 @@ from shmlimit.shm.banks import (
     NO_SNAPSHOT,
     Snapshot,
     config_words,
-    flags_in_force,
-    published_values,
+    published,
     read_snapshot,
     write_banks,
     write_under_lock,
@@ -86,6 +85,8 @@ WAIT_GRANTED, WAIT_NUDGE, WAIT_BURN = (
     4,
 )  #: a native wait's flags (``waiter``): granted (counted), nudge the filler, burn
 
+
+_FLAGS = L.CFG_BANK.index(L.CFG_FLAGS)  #: where the flags are among the config's words
 
 #: The bucket's words a native waiter reads (``Cells.waiter``'s ``words``, in this order).
 WAITER_WORDS = (
@@ -152,48 +153,50 @@ class Bucket(Schedule):
             return True
         return False
 
-    def publish(self, cfg: Config, stopped: Optional[bool] = None) -> None:
+    def publish(self, cfg: Config) -> None:
         """Replace the live config (seen by every attached process at its next operation).
 
         The token unit (tpn) stays the one chosen at creation: rovers and the
         clock keep their meaning, queued tickets keep their place and their
         schedule time, and only new grabs pay the new price per op.  The new
         config is validated at that unit and every word is computed before the
-        lock is taken: a refused config changes nothing.
+        lock is taken: a refused config changes nothing.  The stopped and
+        upstream flags stay as the segment holds them under the lock.
         """
         if cfg.capped != self.capped:
             raise ValueError("capped cannot be changed on a live limiter (unlink and re-create it)")
         tpn = self.tpn
+        fallback = (L.FLAG_STOPPED if self.snap.stopped else 0) | self.snap.upstream_flags
 
         def words(c: Cells) -> List[Tuple[int, int]]:
-            flags = flags_in_force(
-                c, (L.FLAG_STOPPED if self.snap.stopped else 0) | self.snap.upstream_flags
-            )
-            st = bool(flags & L.FLAG_STOPPED) if stopped is None else stopped
-            return config_words(cfg, tpn, st, flags & L.UPSTREAM_FLAGS)
+            got = published(c, c.load(L.CFG_SEQ))
+            flags = fallback if got is None else got[1][_FLAGS]
+            return config_words(cfg, tpn, bool(flags & L.FLAG_STOPPED), flags & L.UPSTREAM_FLAGS)
 
         words(self.cells)  # validate before taking the lock: a refused config writes nothing
         # (its load of the new config burns what that no longer allows, as every process's does)
         self._under_config_lock(words)
 
     def set_upstream_flags(self, upstream_flags: int) -> None:
-        """Hierarchical mode: switch the fallback flags, and nothing else.
+        """Hierarchical mode: switch the fallback flags, and nothing else (``set_flags``): a
+        ``set_rate`` by any process while the filler was talking to Redis is never undone by a
+        config the filler read before."""
+        self.set_flags(L.UPSTREAM_FLAGS, upstream_flags)
 
-        Every other word stays as the segment holds it under the lock, so a
-        ``set_rate`` by any process while the filler was talking to Redis is
-        never undone by a config the filler read before.
-        """
+    def set_flags(self, mask: int, flags: int) -> None:
+        """Set the ``mask`` bits of the config's flags to ``flags``, and nothing else: every other
+        word stays as the segment holds it under the lock, so no change another process published
+        since this one last looked is undone."""
 
         def words(c: Cells) -> List[Tuple[int, int]]:
-            vals = published_values(c, c.load(L.CFG_SEQ))
-            if vals is None:
+            got = published(c, c.load(L.CFG_SEQ))
+            if got is None:
                 raise SegmentError(
                     "segment is corrupt: no copy of its configuration passes its checksum"
                 )
-            out = list(zip(L.CFG_BANK, vals))
-            i = L.CFG_BANK.index(L.CFG_FLAGS)
-            out[i] = (L.CFG_FLAGS, (vals[i] & ~L.UPSTREAM_FLAGS) | upstream_flags)
-            return out
+            vals = got[1]
+            vals[_FLAGS] = (vals[_FLAGS] & ~mask) | flags
+            return list(zip(L.CFG_BANK, vals))
 
         self._under_config_lock(words)
 
@@ -533,7 +536,7 @@ class Bucket(Schedule):
             ts = c.load(L.REPL_TS)
             if ts >= now or c.cas(L.REPL_TS, ts, now):
                 break
-        self.publish(self.config, stopped=stopped)
+        self.set_flags(L.FLAG_STOPPED, L.FLAG_STOPPED if stopped else 0)
         self.burn()
         if reset:
             c.store(L.WAIT, 0)

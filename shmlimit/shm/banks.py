@@ -141,19 +141,19 @@ def read_snapshot(cells: Any) -> Snapshot:
     )
 
 
-def published_values(cells: Any, seq: int) -> Optional[List[int]]:
-    """The config words published as of ``seq``: the first bank valid for it, else the newest older one."""
+def published(cells: Any, seq: int) -> Optional[Tuple[int, List[int]]]:
+    """``(GEN, values)`` of the config published as of ``seq``: the first bank valid for it, else
+    the newest older one (None: no bank is valid)."""
     # Under a writer presumed dead (``seq`` odd), a bank it completed (its generation, seq + 1) is
     # whole too: it may be the only one (it wrote the other first, and stopped in this one).
     got = PLAIN.pick(cells.load_many, BANKS, (), seq + (seq & 1))[1]
-    return None if got is None else list(got[1])
+    return None if got is None else (got[0], list(got[1]))
 
 
-def flags_in_force(cells: Any, fallback: int) -> int:
-    """``FLAGS`` of the config in force (read through its bank: the words are stored masked);
-    ``fallback`` (what the caller last read) if no bank is valid."""
-    vals = published_values(cells, cells.load(L.CFG_SEQ))
-    return fallback if vals is None else vals[L.CFG_BANK.index(L.CFG_FLAGS)]
+def published_values(cells: Any, seq: int) -> Optional[List[int]]:
+    """The config words published as of ``seq`` (``published``'s values)."""
+    got = published(cells, seq)
+    return None if got is None else got[1]
 
 
 def config_words(

@@ -459,3 +459,26 @@ def test_a_change_whose_writer_died_before_its_burn_is_applied_by_whoever_loads_
         b = Bucket(b.cells, clock)
     assert b.take_available(L.UNREG_GRANTS) == left
     assert b.stopped == (change == "stop") and b.balance() == 0
+
+
+@pytest.mark.parametrize("stop", [True, False])
+def test_a_stop_or_start_never_undoes_a_set_rate_published_before_it_took_the_lock(backend, stop):
+    """100/s: a process stops (or starts) the limiter; another's set_rate(200) is published just
+    before the first takes the config lock, after it last read the config.  The stop flips the
+    stopped flag alone: the rate stays 200."""
+    b, clock = make_bucket(Config.make(100), backend)
+    other = Bucket(b.cells, clock)
+    if not stop:
+        b.set_stopped(True)
+    new = Config.make(200)
+    cells = b.cells
+    b.cells = Before(
+        cells, lambda op, args: op == "cas" and args[0] == L.CFG_SEQ, lambda: other.publish(new)
+    )
+    try:
+        b.set_stopped(stop)
+    finally:
+        b.cells = cells
+    assert (b.config, b.stopped) == (new, stop)
+    fresh = Bucket(cells, clock)
+    assert (fresh.config, fresh.stopped) == (new, stop)
