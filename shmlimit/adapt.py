@@ -26,7 +26,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Callable, Mapping, Optional, Sequence, Tuple, TypeVar
+from typing import TYPE_CHECKING, Callable, List, Mapping, Optional, Sequence, Tuple, TypeVar
 
 from shmlimit.config import MAX_OPS_PER_S, NS_PER_S, Config, number
 from shmlimit.errors import SegmentError
@@ -35,6 +35,7 @@ from shmlimit.shm.words import diff
 
 if TYPE_CHECKING:  # pragma: no cover
     from shmlimit.bucket.rovers import Bucket
+    from shmlimit.shm.banks import Snapshot
     from shmlimit.shm.cells import Cells
 
 R = TypeVar("R")  #: a rate of a limiter of several rates, as ``per_rate``'s check reads it
@@ -368,29 +369,33 @@ def feedback(bucket: "Bucket", throttled: bool, clock: Callable[[], int]) -> boo
     if adapt is None:
         return False
     marks = (L.ADAPT_SEEN_THROTTLED, L.ADAPT_SEEN_OK, L.ADAPT_SEEN_TAIL)
+    judged: List["Snapshot"] = []  # the config the decision is made from
     rate = report(
         c,
         adapt,
         clock,
         (L.ADAPT_START, L.ADAPT_DECISIONS, marks),
         lambda: [c.load(off) for off in (L.ADAPT_THROTTLED, L.ADAPT_OK, L.TAIL)],
-        lambda seen: _judge(bucket, seen),
+        lambda seen: _judge(bucket, seen, judged),
     )
-    if rate is not None:
-        bucket.publish(adapted(bucket.config, rate))  # type: ignore[arg-type]
+    if rate is not None:  # only over that config: a change published since then stands
+        bucket.publish(adapted(judged[0].config, rate), judged[0].seq)  # type: ignore[arg-type]
     c.fetch_add(L.ADAPT_THROTTLED if throttled else L.ADAPT_OK, 1)
     return True
 
 
-def _judge(bucket: "Bucket", seen: Sequence[int]) -> Optional[Tuple[float, Window]]:
+def _judge(
+    bucket: "Bucket", seen: Sequence[int], judged: List["Snapshot"]
+) -> Optional[Tuple[float, Window]]:
     """A limiter's window: its outcomes and the schedule its tail advanced (None: the limiter is
-    stopped, nothing it saw says anything)."""
+    stopped, nothing it saw says anything), judged at the config in force (added to ``judged``)."""
     bucket.refresh()
-    cfg = bucket.config
-    if bucket.stopped or cfg is None:
+    snap = bucket.snap
+    judged.append(snap)
+    if snap.stopped or snap.config is None:
         return None
     throttled, ok, tail = seen
-    return cfg.rate, Window(throttled, ok, tail / bucket.tpn)
+    return snap.config.rate, Window(throttled, ok, tail / snap.tpn)
 
 
 def adapted(cfg: Config, rate: float) -> Config:

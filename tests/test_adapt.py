@@ -18,7 +18,7 @@ from support.clock import FakeClock
 
 import shmlimit
 from shmlimit import adapt as A
-from shmlimit.bucket.rovers import diff
+from shmlimit.bucket.rovers import Bucket, diff
 from shmlimit.shm import layout as L
 
 S = 10**9
@@ -377,6 +377,30 @@ def test_a_claimer_resuming_late_does_not_undo_the_fleets_decisions(name, cleanu
     clock.advance(int(0.25 * S))
     A.feedback(_Through(bucket, _claimed(bucket.cells, the_fleet)), False, clock)
     assert (lim.rate, lim.stats().adapt.cuts) == (512.0, 3)
+
+
+def test_a_decision_never_undoes_a_set_rate_published_after_it_was_judged(name, cleanup):
+    """A reporter judges a throttled window at 1000 (a cut to 800); another process's
+    set_rate(1500) is published after the judge, before the reporter's publish.  The cut was
+    decided from a config no longer in force: the set_rate stands."""
+    clock = FakeClock()
+    lim = _lim(name, clock)
+    cleanup.append(lim)
+    bucket = lim._peek().bucket
+    other = Bucket(bucket.cells, clock)  # another process's view
+    for _ in range(3):
+        lim.feedback(throttled=True)
+
+    class JudgedThenSetRate(_Through):
+        def refresh(self):
+            changed = self._bucket.refresh()
+            if other.config.rate != 1500:
+                other.publish(A.adapted(other.config, 1500))
+            return changed
+
+    clock.advance(int(0.25 * S))
+    A.feedback(JudgedThenSetRate(bucket, bucket.cells), False, clock)
+    assert lim.rate == 1500.0 and lim.capacity == 15.0
 
 
 def test_a_claimer_that_dies_before_its_marks_stops_nothing(name, cleanup):

@@ -153,7 +153,7 @@ class Bucket(Schedule):
             return True
         return False
 
-    def publish(self, cfg: Config) -> None:
+    def publish(self, cfg: Config, seq: Optional[int] = None) -> None:
         """Replace the live config (seen by every attached process at its next operation).
 
         The token unit (tpn) stays the one chosen at creation: rovers and the
@@ -162,6 +162,10 @@ class Bucket(Schedule):
         config is validated at that unit and every word is computed before the
         lock is taken: a refused config changes nothing.  The stopped and
         upstream flags stay as the segment holds them under the lock.
+
+        With ``seq`` (a decision computed from the config of that sequence number: the adaptive
+        rate's), only if that config is still the one in force under the lock: a change published
+        meanwhile stands, never undone by a decision made from the config it replaced.
         """
         if cfg.capped != self.capped:
             raise ValueError("capped cannot be changed on a live limiter (unlink and re-create it)")
@@ -170,6 +174,8 @@ class Bucket(Schedule):
 
         def words(c: Cells) -> List[Tuple[int, int]]:
             got = published(c, c.load(L.CFG_SEQ))
+            if seq is not None and got is not None and got[0] != seq:
+                return list(zip(L.CFG_BANK, got[1]))  # decided from an older config: it stands
             flags = fallback if got is None else got[1][_FLAGS]
             return config_words(cfg, tpn, bool(flags & L.FLAG_STOPPED), flags & L.UPSTREAM_FLAGS)
 
