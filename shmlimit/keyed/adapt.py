@@ -22,7 +22,7 @@ holds for the rate in force at each instant.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any, Callable, Optional, Sequence, Tuple
+from typing import TYPE_CHECKING, Any, Callable, List, Optional, Sequence, Tuple
 
 from shmlimit.adapt import Adapt, AdaptStats, Window
 from shmlimit.adapt import read as read_params
@@ -108,9 +108,11 @@ def report(
         # words before this restart decides at most one window from the old ones, within the
         # bounds, and publishes nothing: the entry is not its key's any more)
         restart_window(c, clock, words, counts)
-    rate = report_window(c, adapt, clock, words, counts, lambda seen: _judge(att, d, seen))
+    judged: List[Tuple[Optional[Rate], Rate]] = []  # the key's override judged, and its rate
+    rate = report_window(c, adapt, clock, words, counts, lambda seen: _judge(att, d, seen, judged))
     if rate is not None and att.overrides.entry(d) == e:  # (still the key's; at its per)
-        att.overrides.set(d, make_rate(rate, (att.overrides.get(d) or read_default(c)).per, None))
+        over, cur = judged[0]  # only over that override: a change published since then stands
+        att.overrides.set(d, make_rate(rate, cur.per, None), over)
     c.fetch_add(e + K.A_OUT, 1 << _OK_BITS if throttled else 1)
     c.fetch_add(K.ADAPT_THROTTLED if throttled else K.ADAPT_OK, 1)
     return True
@@ -136,10 +138,18 @@ def _grants(att: Attachment, d: Tuple[int, int]) -> int:
     return 0 if s is None else att.cells.load(s + K.S_V1)
 
 
-def _judge(att: Attachment, d: Tuple[int, int], seen: Sequence[int]) -> Tuple[float, Window]:
+def _judge(
+    att: Attachment,
+    d: Tuple[int, int],
+    seen: Sequence[int],
+    judged: List[Tuple[Optional[Rate], Rate]],
+) -> Tuple[float, Window]:
     """The key's window: its outcomes, and its grants at its rate in force (a count that went back:
-    the slot changed tenants, the key was idle long enough to give it up: no grant)."""
-    rate = att.overrides.get(d) or read_default(att.cells)
+    the slot changed tenants, the key was idle long enough to give it up: no grant); the key's
+    override and that rate are added to ``judged``."""
+    over = att.overrides.get(d)
+    rate = over or read_default(att.cells)
+    judged.append((over, rate))
     out, took = seen
     ok = out & ((1 << _OK_BITS) - 1)
     return rate.rate, Window(out >> _OK_BITS, ok, took * rate.per / rate.rate * NS_PER_S)

@@ -146,6 +146,10 @@ def read_default(c: Cells) -> Rate:
     return rate_of(vals)
 
 
+#: ``Overrides.set``'s ``over`` when the rate is set whatever the override in force.
+ANY = object()
+
+
 class Overrides:
     """The bounded override table: ``novr`` entries of three lines, probed from the digest's home (``D1``)."""
 
@@ -185,11 +189,12 @@ class Overrides:
         return pick(self.c, self._banks(e), (self.c.load(e + K.O_D0), self.c.load(e + K.O_D1)), seq)
 
     def get(self, d: Tuple[int, int]) -> Optional[Rate]:
-        def read(s: int) -> Tuple[Optional[int], Optional[Tuple[int, ...]]]:
-            e = self._find(d) if self.novr else None
-            return e, (self._vals(e, s) if e is not None else None)
+        return consistent(self.c, K.CFG_SEQ, self._rate, d)
 
-        e, vals = consistent(self.c, K.CFG_SEQ, read)
+    def _rate(self, d: Tuple[int, int], seq: int) -> Optional[Rate]:
+        """Digest ``d``'s override as of ``seq`` (None: none, or removed)."""
+        e = self._find(d) if self.novr else None
+        vals = self._vals(e, seq) if e is not None else None
         if e is not None and vals is None:
             raise _corrupt("this key's override")
         return None if vals is None or not vals[3] else rate_of(vals)
@@ -239,10 +244,14 @@ class Overrides:
             f"or create the keyed limiter with a larger overrides="
         )
 
-    def set(self, d: Tuple[int, int], rate: Rate) -> None:
+    def set(self, d: Tuple[int, int], rate: Rate, over: object = ANY) -> bool:
         """Give digest ``d`` the rate ``rate``.  ``OVR_LIVE`` may count too many (the composite then
         probes for nothing) but never too few: it counts an override before it can be in force,
-        and takes the count back only where it never was."""
+        and takes the count back only where it never was.
+
+        With ``over`` (the override a decision was computed from, None: none), only if that is
+        still ``d``'s override under the lock: False, nothing written, when another change came
+        first (the key's adaptive rate: a ``set_rate(key=)`` or a removal meanwhile stands)."""
         if not self.novr:
             raise ValueError(
                 "this keyed limiter was created with overrides=0: it has no room for per-key rates"
@@ -252,6 +261,8 @@ class Overrides:
         e, claimed, counted = 0, 0, False
         try:
             with lock:
+                if over is not ANY and self._rate(d, lock.seq) != over:
+                    return False
                 while True:
                     e = self._find(d, claimed=True)
                     if e is None:
@@ -286,6 +297,7 @@ class Overrides:
                     c.cas(e + K.O_CTRL, claimed, K.o_ctrl(K.O_TOMB, 0, lock.gen))
             elif claimed and not c.cas(e + K.O_CTRL, claimed, K.o_ctrl(K.O_LIVE, 0, lock.gen)):
                 c.fetch_add(K.OVR_LIVE, KC.MASK64)  # another made it LIVE, and counted it
+        return True
 
     def remove(self, d: Tuple[int, int]) -> bool:
         c = self.c

@@ -122,6 +122,35 @@ def test_each_key_is_cut_once_per_window_on_its_own(name, cleanup):
     assert k.rate("slow.example") == 80.0
 
 
+@pytest.mark.parametrize("change, after", [("set_rate", 500.0), ("remove", None)])
+def test_a_decision_never_undoes_a_change_made_after_it_was_judged(
+    name, cleanup, monkeypatch, change, after
+):
+    """A key's throttled window is judged at 100 (a cut to 80); another process gives the key
+    a rate of 500, or removes its override, after the judge and before the cut is published.
+    The cut was decided from an override no longer in force: the change stands."""
+    lim = _lim(name)
+    cleanup.append(lim)
+    k = Keys(lim)
+    k.report("slow.example", throttled=True, times=3)
+    k.advance(0.25)
+    overrides = k.att.overrides
+    judge = overrides.get
+
+    def judged_then_changed(d):
+        got = judge(d)
+        monkeypatch.setattr(overrides, "get", judge)
+        if change == "set_rate":
+            lim.set_rate(500, key="slow.example")
+        else:
+            lim.remove_override("slow.example")
+        return got
+
+    monkeypatch.setattr(overrides, "get", judged_then_changed)
+    k.report("slow.example")
+    assert k.rate("slow.example") == after
+
+
 def test_a_busy_clean_key_rises_and_an_idle_one_never_does(name, cleanup):
     lim = _lim(name)
     cleanup.append(lim)
