@@ -31,6 +31,7 @@ from typing import TYPE_CHECKING, Callable, List, Mapping, Optional, Sequence, T
 from shmlimit.config import MAX_OPS_PER_S, NS_PER_S, Config, number
 from shmlimit.errors import SegmentError
 from shmlimit.shm import layout as L
+from shmlimit.shm.banks import ConfigLock, settled
 from shmlimit.shm.words import diff
 
 if TYPE_CHECKING:  # pragma: no cover
@@ -229,19 +230,36 @@ def decide(adapt: Adapt, state: State, seen: Window, now_ns: int) -> State:
 # ---- the segment's words -----------------------------------------------------------------------
 
 
-def write(cells: "Cells", adapt: Optional[Adapt], params: Tuple[int, ...] = L.ADAPT_PARAMS) -> None:
-    """Store ``adapt``'s parameters, or none (the creator, before READY; a redeploy nobody uses),
-    in the words ``params`` (min, max, decrease, increase, window: a limiter's, or a keyed
-    table's)."""
-    top = params[1]  # max_rate: 0 is "no adapt"
-    cells.store(top, 0)  # first: a reader sees "no adapt", never half of the old
-    if adapt is None:
-        for off in params:
-            cells.store(off, 0)
+def write(
+    cells: "Cells",
+    adapt: Optional[Adapt],
+    params: Tuple[int, ...] = L.ADAPT_PARAMS,
+    lock: Optional[ConfigLock] = None,
+) -> None:
+    """Store ``adapt``'s parameters, or none, in the words ``params`` (min, max, decrease,
+    increase, window: a limiter's, or a keyed table's).
+
+    A live segment's (a redeploy's) under ``lock``, its config lock (``read`` reads them as one
+    writer left them), each word as the lock stores it; without, the creator's, before READY.
+    ``max_rate`` (0: "no adapt") first goes to 0 and is stored last: a writer that dies half-way
+    leaves no adaptive rate, never half of two."""
+    top = params[1]
+    values = (
+        (0,) * 5
+        if adapt is None
+        else tuple(
+            L.f2u(v)  # type: ignore[arg-type]
+            for v in (adapt.min_rate, adapt.max_rate, adapt.decrease, adapt.increase, adapt.window)
+        )
+    )
+    steps = [(top, 0), *((o, v) for o, v in zip(params, values) if o != top), (top, values[1])]
+    if lock is None:
+        for off, v in steps:
+            cells.store(off, v)
         return
-    values = (adapt.min_rate, adapt.max_rate, adapt.decrease, adapt.increase, adapt.window)
-    for off, v in sorted(zip(params, values), key=lambda p: p[0] == top):
-        cells.store(off, L.f2u(v))  # type: ignore[arg-type]  (max_rate last: whole when seen)
+    with lock:
+        for off, v in steps:
+            lock.store(off, v)
 
 
 def describe(adapt: Optional[Adapt]) -> str:
@@ -263,14 +281,25 @@ def expected(cfg: Config, adapt: Optional[Adapt], cells: "Cells", current: Confi
     return adapted(cfg, adapt.clamp(current.rate))
 
 
-def read(cells: "Cells", params: Tuple[int, ...] = L.ADAPT_PARAMS) -> Optional[Adapt]:
-    """The segment's parameters (None: it does not adapt); ``SegmentError`` if they are not valid."""
-    words = [cells.load(off) for off in params]
+def read(
+    cells: "Cells", params: Tuple[int, ...] = L.ADAPT_PARAMS, seq: int = L.CFG_SEQ
+) -> Optional[Adapt]:
+    """The segment's parameters (None: it does not adapt), as one writer left them (read under
+    the config lock whose sequence word is at ``seq``: ``banks.settled``); ``SegmentError`` if
+    they are not valid."""
+    return read_at(cells, params, seq)[1]
+
+
+def read_at(
+    cells: "Cells", params: Tuple[int, ...] = L.ADAPT_PARAMS, seq: int = L.CFG_SEQ
+) -> Tuple[int, Optional[Adapt]]:
+    """``read``, and the sequence number they were read under."""
+    at, words = settled(cells, seq, lambda s: [cells.load(off) for off in params])
     if words[1] == 0:
-        return None
+        return at, None
     lo, hi, dec, inc, win = (L.u2f(w) for w in words)
     try:
-        return Adapt(lo, hi, dec, inc, win)
+        return at, Adapt(lo, hi, dec, inc, win)
     except (TypeError, ValueError) as e:
         raise SegmentError(
             f"segment is corrupt: its adaptive rate's parameters are not valid ({e})"
@@ -365,7 +394,7 @@ def feedback(bucket: "Bucket", throttled: bool, clock: Callable[[], int]) -> boo
     publishing a changed rate as ``set_rate`` does.  False (nothing counted) when the limiter
     does not adapt."""
     c = bucket.cells
-    adapt = read(c)
+    at, adapt = read_at(c)
     if adapt is None:
         return False
     marks = (L.ADAPT_SEEN_THROTTLED, L.ADAPT_SEEN_OK, L.ADAPT_SEEN_TAIL)
@@ -378,8 +407,10 @@ def feedback(bucket: "Bucket", throttled: bool, clock: Callable[[], int]) -> boo
         lambda: [c.load(off) for off in (L.ADAPT_THROTTLED, L.ADAPT_OK, L.TAIL)],
         lambda seen: _judge(bucket, seen, judged),
     )
-    if rate is not None:  # only over that config: a change published since then stands
-        bucket.publish(adapted(judged[0].config, rate), judged[0].seq)  # type: ignore[arg-type]
+    # only over the config and the parameters in force when they were read (``at``, the judge
+    # came after): a change published since, a set_rate or a reconfigure, stands
+    if rate is not None:
+        bucket.publish(adapted(judged[0].config, rate), at)  # type: ignore[arg-type]
     c.fetch_add(L.ADAPT_THROTTLED if throttled else L.ADAPT_OK, 1)
     return True
 
@@ -422,11 +453,13 @@ def stats(
     cells: "Cells",
     params: Tuple[int, ...] = L.ADAPT_PARAMS,
     counts: Tuple[int, int, int] = (L.ADAPT_THROTTLED, L.ADAPT_OK, L.ADAPT_DECISIONS),
+    seq: int = L.CFG_SEQ,
 ) -> Optional[AdaptStats]:
     """What ``stats()`` and ``inspect`` show of the adaptive rate (None: the limiter does not
-    adapt), from its parameters' words and its counts' (throttled, ok, decisions): a limiter's by
-    default, a keyed table's for every key (``keyed.adapt``)."""
-    adapt = read(cells, params)
+    adapt), from its parameters' words (under the config lock at ``seq``) and its counts'
+    (throttled, ok, decisions): a limiter's by default, a keyed table's for every key
+    (``keyed.adapt``)."""
+    adapt = read(cells, params, seq)
     if adapt is None:
         return None
     throttled, ok, decisions = (cells.load(off) for off in counts)

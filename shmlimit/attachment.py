@@ -51,6 +51,7 @@ from shmlimit.redis.spec import UpstreamSpec
 from shmlimit.registry import Attached, Registry, attach
 from shmlimit.shm import inflight
 from shmlimit.shm import layout as L
+from shmlimit.shm.banks import CONFIG_LOCK_TIMEOUT_NS, ConfigLock
 from shmlimit.shm.cells import MASK64, Cells, multi_gate
 from shmlimit.shm.segment import (
     Segment,
@@ -640,7 +641,8 @@ def adopt_config(att: Attachment, create: Creation, reconfigure: bool) -> None:
     if b.config == want and read_adapt(att.cells) == create.adapt:
         return
     if att.may_adopt(reconfigure):
-        write_adapt(att.cells, create.adapt)  # (a rate learned before is kept: ``expected``)
+        lock = ConfigLock(att.cells, L.CFG_SEQ, CONFIG_LOCK_TIMEOUT_NS, "adaptive rate")
+        write_adapt(att.cells, create.adapt, lock=lock)  # (a rate learned is kept: ``expected``)
         if b.config != want:
             b.publish(want)
         att.update_fast()

@@ -13,7 +13,7 @@ import sys
 import textwrap
 
 import pytest
-from support.cells import Before
+from support.cells import Before, WritesSeen
 from support.clock import FakeClock
 
 import shmlimit
@@ -299,6 +299,62 @@ def test_a_redeploy_keeps_the_learned_rate_within_its_new_bounds(name):
         assert lim.stats().adapt.max_rate == 500.0
     finally:
         lim.close()
+
+
+X = shmlimit.Adapt(min_rate=50, max_rate=2000)
+Y = shmlimit.Adapt(min_rate=1, max_rate=40)
+
+
+def test_a_live_reconfigure_writes_the_parameters_under_the_config_lock(name, cleanup, monkeypatch):
+    """Limiter(name, adapt=..., reconfigure=True) with processes using it: every word of the
+    adaptive rate's parameters is written while the config lock is held, so a reader (``read``,
+    between two equal even sequence numbers) never takes half of them."""
+    lim = shmlimit.Limiter(name, rate=100, adapt=X)
+    cleanup.append(lim)
+    att = lim._peek()
+    seen = WritesSeen(att.cells, L.ADAPT_PARAMS, L.CFG_SEQ)
+    monkeypatch.setattr(att, "cells", seen)
+    shmlimit.Limiter(name, rate=20, adapt=Y, reconfigure=True).close()
+    monkeypatch.undo()
+    assert seen.locked and all(seen.locked)
+    assert (A.read(att.cells), lim.rate) == (Y, 40.0)
+
+
+def test_a_reader_never_mixes_two_parameter_sets(name, cleanup):
+    """A reader of the parameters has loaded min_rate and max_rate of X when a live reconfigure
+    writes Y whole: it reads them again, and takes Y (not X's bounds with Y's increase)."""
+    lim = shmlimit.Limiter(name, rate=100, adapt=X)
+    cleanup.append(lim)
+    cells = lim._peek().cells
+
+    def reconfigure():
+        shmlimit.Limiter(name, rate=20, adapt=Y, reconfigure=True).close()
+
+    reader = Before(
+        cells, lambda op, args: op == "load" and args[0] == L.ADAPT_PARAMS[2], reconfigure
+    )
+    assert A.read(reader) == Y
+
+
+def test_a_decision_is_not_published_over_parameters_changed_since_it_read_them(name, cleanup):
+    """A reporter reads the parameters (X: 50 to 2000); a live reconfigure to Y (1 to 40, rate
+    40) lands before it judges its window, idle at 40.  Held within X's bounds the rate would
+    become 50, outside Y's: the decision is dropped, the rate stays 40."""
+    clock = FakeClock()
+    lim = shmlimit.Limiter(name, rate=100, adapt=X, clock=clock)
+    cleanup.append(lim)
+    bucket = lim._peek().bucket
+    lim.feedback(throttled=False)  # the first window begins
+
+    class ReconfiguredBeforeTheJudge(_Through):
+        def refresh(self):
+            if A.read(bucket.cells) != Y:
+                shmlimit.Limiter(name, rate=20, adapt=Y, reconfigure=True, clock=clock).close()
+            return self._bucket.refresh()
+
+    clock.advance(int(0.25 * S))
+    A.feedback(ReconfiguredBeforeTheJudge(bucket, bucket.cells), False, clock)
+    assert lim.rate == 40.0
 
 
 def test_hostile_parameters_are_refused(name, cleanup):

@@ -61,7 +61,7 @@ from shmlimit.shm.banks import (
     NO_SNAPSHOT,
     Snapshot,
     config_words,
-    published,
+    published_values,
     read_snapshot,
     write_banks,
     write_under_lock,
@@ -170,16 +170,19 @@ class Bucket(Schedule):
         if cfg.capped != self.capped:
             raise ValueError("capped cannot be changed on a live limiter (unlink and re-create it)")
         tpn = self.tpn
+        config_words(
+            cfg, tpn, False, 0
+        )  # validated before the lock: a refused config writes nothing
         fallback = (L.FLAG_STOPPED if self.snap.stopped else 0) | self.snap.upstream_flags
 
         def words(c: Cells) -> List[Tuple[int, int]]:
-            got = published(c, c.load(L.CFG_SEQ))
-            if seq is not None and got is not None and got[0] != seq:
-                return list(zip(L.CFG_BANK, got[1]))  # decided from an older config: it stands
-            flags = fallback if got is None else got[1][_FLAGS]
+            lock = c.load(L.CFG_SEQ)  # (ours: the sequence number it was taken from, plus one)
+            vals = published_values(c, lock)
+            if seq is not None and vals is not None and (lock - 1) & MASK64 != seq:
+                return list(zip(L.CFG_BANK, vals))  # decided from an older config: it stands
+            flags = fallback if vals is None else vals[_FLAGS]
             return config_words(cfg, tpn, bool(flags & L.FLAG_STOPPED), flags & L.UPSTREAM_FLAGS)
 
-        words(self.cells)  # validate before taking the lock: a refused config writes nothing
         # (its load of the new config burns what that no longer allows, as every process's does)
         self._under_config_lock(words)
 
@@ -195,12 +198,11 @@ class Bucket(Schedule):
         since this one last looked is undone."""
 
         def words(c: Cells) -> List[Tuple[int, int]]:
-            got = published(c, c.load(L.CFG_SEQ))
-            if got is None:
+            vals = published_values(c, c.load(L.CFG_SEQ))
+            if vals is None:
                 raise SegmentError(
                     "segment is corrupt: no copy of its configuration passes its checksum"
                 )
-            vals = got[1]
             vals[_FLAGS] = (vals[_FLAGS] & ~mask) | flags
             return list(zip(L.CFG_BANK, vals))
 

@@ -45,7 +45,7 @@ _OK_BITS = 32  #: A_OUT: throttled outcomes above these bits, ok ones below (a w
 
 def read(c: "Cells") -> Optional[Adapt]:
     """The table's per-key parameters (None: its keys do not adapt)."""
-    return read_params(c, K.ADAPT_PARAMS)
+    return read_params(c, K.ADAPT_PARAMS, K.CFG_SEQ)
 
 
 def check(adapt: Adapt, rate: Rate) -> None:
@@ -157,4 +157,6 @@ def _judge(
 
 def stats(c: "Cells") -> Optional[AdaptStats]:
     """The per-key parameters, and the outcomes and decisions of every key (None: no adapt)."""
-    return fleet_stats(c, K.ADAPT_PARAMS, (K.ADAPT_THROTTLED, K.ADAPT_OK, K.ADAPT_DECISIONS))
+    return fleet_stats(
+        c, K.ADAPT_PARAMS, (K.ADAPT_THROTTLED, K.ADAPT_OK, K.ADAPT_DECISIONS), K.CFG_SEQ
+    )

@@ -15,7 +15,7 @@ A keyed segment holds many independent limits, one per key, in a table of
     line  8  -, then the default rate's bank B: RATE PER BURST T TAU GEN SUM
     line  9  CUT        of EVICTED, keys still limited when given up (each lost its remaining debt)
     line 10  ADAPT_MIN ADAPT_MAX ADAPT_DECREASE ADAPT_INCREASE ADAPT_WINDOW: each key's adaptive
-             rate's parameters (IEEE-754 bits, written by the creator; ADAPT_MAX 0: none)
+             rate's parameters (IEEE-754 bits, under the config lock; ADAPT_MAX 0: none)
     line 11  ADAPT_THROTTLED ADAPT_OK ADAPT_DECISIONS: outcomes reported and decisions made, all keys
     lines 12..15 reserved (zero)
     then PSLOTS process slots of one line each: PID START GRANTS WAITING BASE PIDNS HITS -

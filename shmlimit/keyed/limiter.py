@@ -37,6 +37,7 @@ from shmlimit.keyed.gcra import (
     TICKS_PER_S,
     Overrides,
     Rate,
+    config_lock,
     make_rate,
     publish_default,
     read_default,
@@ -242,7 +243,7 @@ def _adopt(
     if same or (geo is not None and geo != att.geo):
         return
     if att.may_adopt(reconfigure):
-        write_adapt(att.cells, adapt, K.ADAPT_PARAMS)
+        write_adapt(att.cells, adapt, K.ADAPT_PARAMS, config_lock(att.cells))
         publish_default(att.cells, rate)
 
 

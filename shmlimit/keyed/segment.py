@@ -207,7 +207,9 @@ def validate_header(name: str, c: Cells, mapped: int) -> Geometry:
         or not 1 <= t <= tau < MAX_TICKS
     ):
         raise SegmentError(f"segment {name!r} is corrupt: its configuration is out of range")
-    read_adapt(c, K.ADAPT_PARAMS)  # its keys' adaptive rate, if any: valid, or SegmentError
+    read_adapt(
+        c, K.ADAPT_PARAMS, K.CFG_SEQ
+    )  # its keys' adaptive rate, if any: valid, or SegmentError
     return Geometry(keys, novr)
 
 

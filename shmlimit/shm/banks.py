@@ -27,13 +27,14 @@ from __future__ import annotations
 import functools
 import time
 from dataclasses import dataclass
-from typing import Any, Callable, List, Optional, Tuple
+from typing import Any, Callable, List, Optional, Tuple, TypeVar
 
 from shmlimit.config import MAX_SPAN_TOKENS as MAX_SPAN
 from shmlimit.config import MAX_TPN, NS_PER_S, Config
 from shmlimit.errors import ConfigWriterTakenOver, SegmentError
 from shmlimit.shm import layout as L
 
+T = TypeVar("T")
 INF_BITS = L.f2u(float("inf"))
 _KNOWN_FLAGS = L.FLAG_CAPPED | L.FLAG_STOPPED | L.UPSTREAM_FLAGS
 #: CFG_SEQ and the generations count modulo 2**64, as the native keyed composite's do.
@@ -80,21 +81,28 @@ class Snapshot:
 NO_SNAPSHOT = Snapshot(-1, 1, 1, 1, 1, False, False, 0, False, True, False, None, 0, False, 0, 0.0)
 
 
-def read_snapshot(cells: Any) -> Snapshot:
-    """The config in force, read under the sequence lock and checked; ``SegmentError`` if corrupt."""
-    c = cells
+def settled(cells: Any, seq_off: int, read: Callable[[int], T]) -> Tuple[int, T]:
+    """``(seq, read(seq))`` under an even ``seq`` of the sequence word at ``seq_off`` that still
+    holds after: what one writer left, never words of two.  A writer that holds the lock for
+    ``CONFIG_LOCK_TIMEOUT_NS`` is presumed dead: then read once under its odd value."""
     deadline = None
     while True:
-        seq = c.load(L.CFG_SEQ)
+        seq = cells.load(seq_off)
         if seq & 1:
             now = time.monotonic_ns()
             deadline = deadline or now + CONFIG_LOCK_TIMEOUT_NS
             if now < deadline:
                 time.sleep(0.0005)
                 continue
-        vals = published_values(c, seq)
-        if c.load(L.CFG_SEQ) == seq or deadline is not None:
-            break
+        got = read(seq)
+        if cells.load(seq_off) == seq or deadline is not None:
+            return seq, got
+
+
+def read_snapshot(cells: Any) -> Snapshot:
+    """The config in force, read under the sequence lock and checked; ``SegmentError`` if corrupt."""
+    c = cells
+    seq, vals = settled(c, L.CFG_SEQ, lambda s: published_values(c, s))
     if vals is None:
         raise SegmentError("segment is corrupt: no copy of its configuration passes its checksum")
     rate, per, burst, tpn, cost, cap, flags, ratio, max_reserved, max_behind = vals
@@ -141,19 +149,12 @@ def read_snapshot(cells: Any) -> Snapshot:
     )
 
 
-def published(cells: Any, seq: int) -> Optional[Tuple[int, List[int]]]:
-    """``(GEN, values)`` of the config published as of ``seq``: the first bank valid for it, else
-    the newest older one (None: no bank is valid)."""
+def published_values(cells: Any, seq: int) -> Optional[List[int]]:
+    """The config words published as of ``seq``: the first bank valid for it, else the newest older one."""
     # Under a writer presumed dead (``seq`` odd), a bank it completed (its generation, seq + 1) is
     # whole too: it may be the only one (it wrote the other first, and stopped in this one).
     got = PLAIN.pick(cells.load_many, BANKS, (), seq + (seq & 1))[1]
-    return None if got is None else (got[0], list(got[1]))
-
-
-def published_values(cells: Any, seq: int) -> Optional[List[int]]:
-    """The config words published as of ``seq`` (``published``'s values)."""
-    got = published(cells, seq)
-    return None if got is None else got[1]
+    return None if got is None else list(got[1])
 
 
 def config_words(
@@ -323,6 +324,17 @@ class ConfigLock:
 
     def held(self) -> bool:
         return self.c.load(self.seq_off) == self.seq
+
+    def store(self, off: int, value: int) -> None:
+        """One word outside the banks (the adaptive rate's parameters), stored as ``write_banks``
+        stores each: load, check this writer still holds the lock, CAS from the loaded word;
+        ``ConfigWriterTakenOver`` if it does not."""
+        while True:
+            seen = self.c.load(off)
+            if not self.held():
+                raise self.taken_over()
+            if seen == value or self.c.cas(off, seen, value):
+                return
 
     def write_banks(self, code: BankCode, banks, salt: Tuple[int, ...], vals) -> None:
         """Both ``banks`` of one config (``BankCode.write_banks``); ``ConfigWriterTakenOver`` if

@@ -23,7 +23,7 @@ filler and the process table never false-share.
     line  9  WAIT      the waiting pool: schedule time not used while the bucket was full (catch-up);
                        UP_WAKE: the futex word hierarchical mode's waiters sleep on; ADAPT_MIN
                        ADAPT_MAX ADAPT_DECREASE ADAPT_INCREASE ADAPT_WINDOW: the adaptive rate's
-                       parameters (written by the creator); ADAPT_DECISIONS: its cuts and raises
+                       parameters (under the config lock); ADAPT_DECISIONS: its cuts and raises
     line 10  UP_*      upstream (hierarchical mode) state and counters, written by the filler
     line 11  UP_RECORD the ring of lease records, UP_LEASES, UP_NEXT_NS; UP_LINE_TAIL/HEAD (unused: zero)
     lines 12..15 UP_DESC   the upstream's description (JSON), written once by the creator
@@ -184,7 +184,8 @@ ADAPT_START = 8 * LINE + 32
 ADAPT_SEEN_THROTTLED = 8 * LINE + 40  #: ADAPT_THROTTLED when the current window began
 ADAPT_SEEN_OK = 8 * LINE + 48  #: ADAPT_OK when the current window began
 ADAPT_SEEN_TAIL = 8 * LINE + 56  #: TAIL when the current window began
-#: The parameters (IEEE-754 bits), written by the creator before READY; ADAPT_MAX 0: no adapt.
+#: The parameters (IEEE-754 bits), written by the creator before READY, or by a reconfigure
+#: under the config lock (``adapt.write``, ``adapt.read``); ADAPT_MAX 0: no adapt.
 ADAPT_MIN = 9 * LINE + 16
 ADAPT_MAX = 9 * LINE + 24
 ADAPT_DECREASE = 9 * LINE + 32

@@ -11,7 +11,7 @@ import sys
 import threading
 
 import pytest
-from support.cells import Before
+from support.cells import Before, WritesSeen
 from support.clock import FakeClock
 
 import shmlimit
@@ -149,6 +149,22 @@ def test_a_decision_never_undoes_a_change_made_after_it_was_judged(
     monkeypatch.setattr(overrides, "get", judged_then_changed)
     k.report("slow.example")
     assert k.rate("slow.example") == after
+
+
+def test_a_live_reconfigure_writes_the_parameters_under_the_config_lock(name, cleanup, monkeypatch):
+    """KeyedLimiter(name, adapt=..., reconfigure=True) with processes using it: every word of the
+    keys' adaptive parameters is written while the keyed config lock is held, so a reader never
+    takes half of them."""
+    lim = _lim(name)
+    cleanup.append(lim)
+    att = lim._use()
+    seen = WritesSeen(att.cells, K.ADAPT_PARAMS, K.CFG_SEQ)
+    monkeypatch.setattr(att, "cells", seen)
+    other = shmlimit.Adapt(min_rate=50, max_rate=500)
+    _lim(name, adapt=other, reconfigure=True).close()
+    monkeypatch.undo()
+    assert seen.locked and all(seen.locked)
+    assert KA.read(att.cells) == other
 
 
 def test_a_busy_clean_key_rises_and_an_idle_one_never_does(name, cleanup):

@@ -100,6 +100,29 @@ class Before:
         return step
 
 
+class WritesSeen:
+    """A process's cells that note, at each write to the words ``offs``, whether the config
+    sequence word ``seq`` was odd then (a writer held the lock)."""
+
+    def __init__(self, cells, offs, seq):
+        self._cells, self._offs, self._seq, self.locked = cells, set(offs), seq, []
+
+    def __getattr__(self, op):
+        return getattr(self._cells, op)
+
+    def _note(self, off):
+        if off in self._offs:
+            self.locked.append(bool(self._cells.load(self._seq) & 1))
+
+    def store(self, off, value):
+        self._note(off)
+        self._cells.store(off, value)
+
+    def cas(self, off, expected, desired):
+        self._note(off)
+        return self._cells.cas(off, expected, desired)
+
+
 class BeforeWrite:
     """Cells (a config writer's) that run ``before()`` once, before their ``at``-th write (store, CAS
     or add; counted from 0, -1: never) -- a writer stopped or stalled at that write -- and count
