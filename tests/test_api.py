@@ -8,6 +8,7 @@ import struct
 import sys
 import threading
 import time
+from types import SimpleNamespace
 
 import pytest
 from support.clock import FakeClock
@@ -16,7 +17,9 @@ from support.segments import shm_bytes
 import shmlimit
 from shmlimit.config import validate_timeout
 from shmlimit.keyed.window_table import WindowTable
+from shmlimit.shm import banks
 from shmlimit.shm import layout as L
+from shmlimit.shm.banks import ConfigLock
 
 
 def test_create_attach_and_unlink(name):
@@ -141,6 +144,27 @@ def test_inspect_reads_without_joining(name):
     lim.close()
     with pytest.raises(FileNotFoundError):
         shmlimit.inspect(name + "-missing")
+
+
+def test_inspect_never_waits_on_a_config_lock_a_dead_writer_holds(name, monkeypatch):
+    lim = shmlimit.Limiter(name, rate=50)
+    cells = lim._peek().cells
+    lock = ConfigLock(cells, L.CFG_SEQ, banks.CONFIG_LOCK_TIMEOUT_NS).__enter__()  # never left
+    seq = cells.load(L.CFG_SEQ)
+    assert seq & 1
+
+    def waited(seconds):
+        raise AssertionError(f"inspect waited {seconds} s on a private copy")
+
+    monkeypatch.setattr(
+        banks, "time", SimpleNamespace(monotonic_ns=time.monotonic_ns, sleep=waited)
+    )
+    s = shmlimit.inspect(name)
+    assert (s.rate, s.per, s.capacity) == (50, 1, 1)
+    assert cells.load(L.CFG_SEQ) == seq  # the segment is untouched: only the copy was read
+    monkeypatch.undo()
+    lock.__exit__(None, None, None)
+    lim.close()
 
 
 # ---- bad input: a clear error naming the parameter, and nothing changed -----------
