@@ -173,6 +173,11 @@ class Inspector:
             # several rates: a row per rate, NAME[KEY]
             rows = s.rates.values() if isinstance(s, MultiStats) else (s,)
             out.extend(self._record(r.name, r, now) for r in rows)
+        # memory for the limiters read now only: one gone (or unreadable) is forgotten
+        here = {r["name"] for r in out if "error" not in r}
+        for kept in (self.prev, self.history, self.cursor, self.seen_keys):
+            for gone in kept.keys() - here:
+                del kept[gone]
         return out
 
     def _busiest(self, name: str) -> List[dict]:

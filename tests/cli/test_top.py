@@ -219,3 +219,22 @@ def test_detail_escapes_a_key_as_every_other_stored_string():
                           "per": None}]}  # fmt: skip
     text = render([keyed], 1.0)
     assert "  a\\u200b\\x1b " in text and "\u200b" not in text and "\x1b" not in text
+
+
+def test_the_inspector_forgets_a_limiter_that_is_gone(name):
+    """Rates, history and the keys sampled are kept for the limiters there at each sample only."""
+    from shmlimit.cli.top import Inspector
+
+    names = [f"{name}-plain", f"{name}-keyed"]
+    lims = [shmlimit.Limiter(names[0], rate=100), shmlimit.KeyedLimiter(names[1], rate=1, keys=64)]
+    insp = Inspector(names)
+    for i in range(3):
+        lims[1].try_acquire(f"user-{i}")
+        insp.sample()
+    kept = (insp.prev, insp.history, insp.cursor, insp.seen_keys)
+    assert [set(d) for d in kept] == [set(names), set(names), {names[1]}, {names[1]}]
+    for lim in lims:
+        lim.close()
+        lim.unlink()
+    assert all("error" in r for r in insp.sample())  # named, so listed: unreadable now
+    assert kept == ({}, {}, {}, {})
