@@ -148,7 +148,7 @@ def cmd_list(args: argparse.Namespace) -> int:
         for _, s in inspect_each(names, lambda n, e: out.append({"name": n, "error": str(e)})):
             out.append(asdict(s))
         out.extend({"name": n, "error": BAD_NAME} for n in bad)
-        print(json.dumps(out))
+        print(json.dumps(out, allow_nan=False))
         return 0
     for n in bad:
         print(printable(f"{n!r}: {BAD_NAME}"))
@@ -234,7 +234,7 @@ def _print_fields(s: "Stats | KeyedStats", key: str = "") -> None:
 def cmd_inspect(args: argparse.Namespace) -> int:
     s = inspect(args.name)
     if args.json:
-        print(json.dumps(_inspect_json(s)))
+        print(json.dumps(_inspect_json(s), allow_nan=False))
         return 0
     several = isinstance(s, MultiStats)
     for key, r in s.rates.items() if several else [("", s)]:  # each rate as a limiter of its own
@@ -456,7 +456,7 @@ def cmd_doctor(args: argparse.Namespace) -> int:
 
     findings = doctor.run_all()
     if args.json:
-        print(json.dumps(doctor.as_json(findings)))
+        print(json.dumps(doctor.as_json(findings), allow_nan=False))
     else:
         print(doctor.report(findings))
     return 1 if any(f.level == doctor.FAIL for f in findings) else 0

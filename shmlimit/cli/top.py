@@ -421,7 +421,10 @@ def run(
             records = insp.sample()
             if as_json:
                 out.write(
-                    json.dumps({"time": time.time(), "interval": interval, "limiters": records})
+                    json.dumps(
+                        {"time": time.time(), "interval": interval, "limiters": records},
+                        allow_nan=False,
+                    )
                     + "\n"
                 )
             else:

@@ -326,7 +326,11 @@ class Overrides:
 
     def _peek_entry(self, e: int) -> Optional[Tuple[int, ...]]:
         vals = self._vals(e, self.c.load(K.CFG_SEQ) & ~1)
-        return vals if vals and vals[3] else None
+        if not vals or not vals[3]:
+            return None
+        # a rate no writer stores (not finite, or not above 0) is corrupt: none, as a bad checksum
+        r = rate_of(vals)
+        return vals if all(0 < x < math.inf for x in (r.rate, r.per, r.burst)) else None
 
     def peek_all(self) -> Iterator[Tuple[Tuple[int, int], Tuple[int, ...]]]:
         """Every live override, for display (a private copy's: ``keyed.stats``): its digest and

@@ -5,17 +5,22 @@ exception."""
 import contextlib
 import functools
 import io
+import json
+import math
 import os
 
+import pytest
 from hypothesis import HealthCheck, event, given, settings
 from hypothesis import strategies as st
-from support.segments import captured, no_opener_waits, planted, with_words
+from support.segments import captured, no_opener_waits, planted, run_tools_on, with_words
 
 import shmlimit
 from shmlimit import header
 from shmlimit.cli import main as cli
 from shmlimit.keyed import layout as K
+from shmlimit.keyed.cells import BANKS, bank_offsets
 from shmlimit.keyed.stats import sample_keys
+from shmlimit.shm import layout as L
 
 KEYS, OVR = 64, 4
 SIZE = K.segment_size(KEYS, OVR)
@@ -140,3 +145,44 @@ def test_random_words_in_a_keyed_segment_are_refused_or_served_cleanly(data, mon
                 lim.stats()
         finally:
             lim.close()
+
+
+def _forge_override(name, field, value):
+    """Every live override of table ``name`` stores ``value`` as its value ``field`` (0 RATE, 1 PER,
+    2 BURST), in banks that pass their checksum: what no writer stores."""
+    with open(f"/dev/shm/shmlimit.{name}", "r+b") as f:
+        data = f.read()
+        w = lambda off: int.from_bytes(data[off : off + 8], "little")  # noqa: E731
+        for i in range(w(K.NOVR_OFF)):
+            e = K.overrides_offset() + i * K.OVR_LINES * K.LINE
+            if K.o_state(w(e + K.O_CTRL)) != K.O_LIVE:
+                continue
+            for line in K.O_BANKS:
+                offs = bank_offsets(e + line, e + line)[0]
+                gen = w(offs[5])
+                vals = [w(offs[j]) ^ L.bank_mask(gen, j) for j in range(5)]
+                vals[field] = L.f2u(value)
+                for off, word in zip(offs, BANKS.stored(gen, vals, (w(e + K.O_D0), w(e + K.O_D1)))):
+                    os.pwrite(f.fileno(), word.to_bytes(8, "little"), off)
+
+
+@pytest.mark.parametrize(
+    "field,value", [(0, math.nan), (0, math.inf), (0, -1.0), (1, 0.0), (2, -math.inf)]
+)
+def test_an_override_of_no_rate_is_shown_as_none_and_json_stays_json(
+    name, monkeypatch, field, value
+):
+    lim = shmlimit.KeyedLimiter(name, rate=10, keys=KEYS, store_keys=True)
+    lim.try_acquire("alice")
+    lim.set_rate(5, key="alice")
+    _forge_override(name, field, value)
+    assert [(k.key, k.rate, k.per) for k in sample_keys(name, 0, KEYS)[0]] == [
+        ("alice", None, None)
+    ]
+    code, out = run_tools_on(
+        monkeypatch, name, "top", "--once", "--json", "--interval", "0.001", name
+    )
+    assert code == 0
+    (row,) = json.loads(out, parse_constant=lambda c: pytest.fail(f"not JSON: {c}"))["limiters"]
+    assert [(k["key"], k["rate"]) for k in row["busiest"]] == [("alice", None)]
+    lim.close()
