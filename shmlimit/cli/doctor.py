@@ -14,11 +14,14 @@ import os
 import platform
 import stat
 import sys
+from contextlib import closing
 from dataclasses import asdict, dataclass
 from typing import Any, Callable, Dict, List, Mapping, Optional, Tuple
 
+from shmlimit.header import KINDS_BY_MAGIC  # every kind: the package registers each on import
 from shmlimit.shm import layout as L
-from shmlimit.shm.segment import PREFIX, SHM_DIR
+from shmlimit.shm.cells import open_cells
+from shmlimit.shm.segment import _OPEN_FLAGS, PREFIX, SHM_DIR
 
 MiB = 1 << 20
 #: Docker gives a container a /dev/shm of this size unless told otherwise (--shm-size).
@@ -143,7 +146,10 @@ def _mounts(path: str = "/proc/mounts") -> Dict[str, str]:
 
 
 def segments_need(shm_dir: str = SHM_DIR) -> tuple:
-    """(limiters present, bytes they may still claim): a segment's pages are allocated when first touched."""
+    """(limiters present, bytes they may still claim): a segment's pages are allocated when first
+    touched, and only those within the size its header declares ever are.  A file that is not a
+    limiter (not regular, unreadable, of no kind, declaring no size, larger than any of its kind)
+    is never mapped by a limiter, so it claims nothing."""
     count = unbacked = 0
     try:
         entries = [e for e in os.listdir(shm_dir) if e.startswith(PREFIX)]
@@ -151,13 +157,29 @@ def segments_need(shm_dir: str = SHM_DIR) -> tuple:
         return 0, 0
     for e in entries:
         try:
-            st = os.lstat(os.path.join(shm_dir, e))  # the entry itself: a symlink leads elsewhere
+            # the entry itself (never a symlink's target, never waiting on a FIFO), read, not mapped
+            fd = os.open(os.path.join(shm_dir, e), os.O_RDONLY | _OPEN_FLAGS)
         except OSError:
             continue
-        if not stat.S_ISREG(st.st_mode):  # a FIFO, link or directory another user planted
+        try:
+            st = os.fstat(fd)
+            head = os.pread(fd, L.LINE, 0) if stat.S_ISREG(st.st_mode) else b""
+            kind = KINDS_BY_MAGIC.get(int.from_bytes(head[:8], "little")) if head else None
+            head += os.pread(fd, kind.header_bytes - len(head), len(head)) if kind else b""
+        except OSError:
+            continue
+        finally:
+            os.close(fd)
+        if kind is None or len(head) < kind.header_bytes:
+            continue
+        if kind.max_bytes is not None and st.st_size > kind.max_bytes:
+            continue  # refused by every opener
+        with closing(open_cells(bytearray(head), len(head))) as c:  # type: ignore[arg-type]
+            declared = kind.declared_size(c)
+        if declared is None:
             continue
         count += 1
-        unbacked += max(0, st.st_size - st.st_blocks * 512)
+        unbacked += max(0, min(st.st_size, declared) - st.st_blocks * 512)
     return count, unbacked
 
 

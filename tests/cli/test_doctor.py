@@ -1,13 +1,17 @@
 """shmlimit doctor: each check against machines made to order (paths, environment, file-system stats)."""
 
+import functools
 import json
 import os
 import subprocess
 import sys
 
 import pytest
+from support.segments import captured
 
+import shmlimit
 from shmlimit.cli import doctor
+from shmlimit.header import KINDS_BY_MAGIC
 from shmlimit.shm import layout as L
 from shmlimit.shm.cells import native_available
 
@@ -35,6 +39,20 @@ def fake_statvfs(total, free, frsize=4096):
         )
 
     return statvfs
+
+
+def sparse_segment(path, data, size=None):
+    """A limiter's segment at ``path``: the header of ``data`` (a real segment's bytes), the rest
+    of its ``size`` bytes (its own by default) sparse, as a segment not yet touched."""
+    kind = KINDS_BY_MAGIC[int.from_bytes(data[:8], "little")]
+    with open(path, "wb") as f:
+        f.write(data[: kind.header_bytes])
+        f.truncate(len(data) if size is None else size)
+
+
+@functools.lru_cache(maxsize=None)
+def plain_segment():
+    return captured(lambda n: shmlimit.Limiter(n, rate=1, slots=L.DEFAULT_SLOTS))
 
 
 def levels(findings, topic):
@@ -89,8 +107,7 @@ class TestShm:
 
     def test_less_room_than_the_present_limiters_may_claim_fails(self, tmp_path):
         for i in range(3):  # sparse segments: their pages are not allocated yet
-            with open(tmp_path / f"shmlimit.seg{i}", "wb") as fh:
-                fh.truncate(L.segment_size(L.DEFAULT_SLOTS))
+            sparse_segment(tmp_path / f"shmlimit.seg{i}", plain_segment())
         (tmp_path / "other-program").write_bytes(b"x" * 100)  # not ours: not counted
         count, unbacked = doctor.segments_need(str(tmp_path))
         assert count == 3 and unbacked >= 3 * (L.segment_size(L.DEFAULT_SLOTS) - 4096)
@@ -102,6 +119,31 @@ class TestShm:
             and "SIGBUS" in f[0].message
             and "3 limiter(s)" in f[0].message
         )
+
+    def test_only_limiters_claim_room_and_no_more_than_they_declare(self, tmp_path):
+        """A file named like a segment that no limiter could be (of no kind, or larger than any of
+        its kind: every opener refuses it) claims nothing; a limiter's file longer than its header
+        declares claims the declared size (no page past it is ever touched)."""
+        made = {
+            "plain": plain_segment(),
+            "keyed": captured(lambda n: shmlimit.KeyedLimiter(n, rate=1, keys=64)),
+            "group": captured(lambda n: shmlimit.Limiter(n, rates="a=1/s; b=2/s")),
+        }
+        for kind, data in made.items():
+            sparse_segment(tmp_path / f"shmlimit.{kind}", data)
+        sparse_segment(tmp_path / "shmlimit.group-longer", made["group"], 100 << 30)
+        sparse_segment(tmp_path / "shmlimit.plain-too-large", made["plain"], 100 << 30)
+        with open(tmp_path / "shmlimit.not-a-limiter", "wb") as f:
+            f.truncate(100 << 30)
+        claims = [
+            len(made[kind]) - os.stat(tmp_path / f"shmlimit.{name}").st_blocks * 512
+            for kind, name in [(k, k) for k in made] + [("group", "group-longer")]
+        ]
+        assert doctor.segments_need(str(tmp_path)) == (4, sum(claims))
+        f = doctor.check_shm(
+            str(tmp_path), {str(tmp_path): "tmpfs"}, fake_statvfs(1024 * MiB, 1000 * MiB), False
+        )
+        assert levels(f, "/dev/shm") == ["ok"] and "4 limiter(s) present" in f[0].message
 
     def test_missing_unmounted_or_not_tmpfs(self, tmp_path):
         f = doctor.check_shm(

@@ -15,7 +15,9 @@ import textwrap
 
 import pytest
 from support.procs import WORKDIR, run_cli_each
-from support.segments import shm_path, unique_name
+from support.segments import captured, shm_path, unique_name
+
+import shmlimit
 
 # run once in CI: names each backend it checks
 pytestmark = pytest.mark.backend_independent
@@ -160,6 +162,7 @@ def test_doctor_counts_only_regular_files_as_limiters(tmp_path):
     os.symlink(big, shm / "shmlimit.link")
     os.mkfifo(shm / "shmlimit.fifo")
     (shm / "shmlimit.dir").mkdir()
+    real = captured(lambda n: shmlimit.Limiter(n, rate=1))
     with open(shm / "shmlimit.real", "wb") as f:
-        f.truncate(4096)
-    assert doctor.segments_need(str(shm)) == (1, 4096)
+        f.write(real)
+    assert doctor.segments_need(str(shm)) == (1, 0)
