@@ -60,7 +60,9 @@ class Stats:
     rate: float  #: ops per ``per`` seconds
     per: float  #: seconds
     capacity: float  #: ops the bucket holds at most (the burst)
-    available: float  #: ops that could be granted at once, counting time not yet replenished
+    #: ops that could be granted at once, counting time not yet replenished (capped: at most the
+    #: places left free by the ops in flight)
+    available: float
     deficiency: float  #: ops owed to queued callers
     deficiency_seconds: float  #: schedule time until the queue is served
     grants: int  #: ops granted so far, by every process that ever attached
@@ -100,7 +102,9 @@ def snapshot(name: str, att: Attachment) -> Stats:
     cfg = b.config
     balance = b.balance()
     pending = b.pending() if b.time_fed else 0  # hierarchical mode: only leases add tokens
-    available = max(0, min(b.cap, balance + pending)) if balance >= 0 else 0
+    available = (max(0, min(b.cap, balance + pending)) if balance >= 0 else 0) / b.cost
+    if b.capped:  # no more than the places in flight left free: a try is refused beyond them
+        available = min(available, float(max(0, b.cap_ops - b.in_flight())))
     word = c.load(L.LEASE)
     slot = lease_slot(word)
     filler_pid = None
@@ -127,7 +131,7 @@ def snapshot(name: str, att: Attachment) -> Stats:
         rate=cfg.rate,
         per=cfg.per,
         capacity=cfg.burst,
-        available=available / b.cost,
+        available=available,
         deficiency=short / b.cost,
         deficiency_seconds=short / b.tpn / NS_PER_S,
         grants=total,

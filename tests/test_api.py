@@ -146,6 +146,20 @@ def test_inspect_reads_without_joining(name):
         shmlimit.inspect(name + "-missing")
 
 
+def test_available_counts_only_the_places_free_in_flight_when_capped(name):
+    clock = FakeClock()
+    lim = shmlimit.Limiter(name, rate=100, burst=5, capped=True, clock=clock)
+    assert all(lim.try_acquire() for _ in range(5))
+    for _ in range(50):  # the bucket full again (the filler's work, 1 ms at a time) ...
+        clock.advance(1_000_000)
+        lim._att.bucket.replenish()
+    # ... but every place in flight is taken
+    assert lim.stats().available == 0 and not lim.try_acquire()
+    lim.release(2)
+    assert lim.stats().available == 2 and lim.try_acquire(2) and not lim.try_acquire()
+    lim.close()
+
+
 def test_inspect_never_waits_on_a_config_lock_a_dead_writer_holds(name, monkeypatch):
     lim = shmlimit.Limiter(name, rate=50)
     cells = lim._peek().cells
