@@ -190,7 +190,12 @@ AnyStats = Union[Stats, KeyedStats]
 # keyed limiters only: (name, type, help, KeyedStats attribute)
 _KEYED_METRICS = (
     ("shmlimit_keyed_keys", "gauge", "Keys live in the table now.", "keys"),
-    ("shmlimit_keyed_slots", "gauge", "Key slots in the table.", "slots"),
+    (
+        "shmlimit_keyed_slots",
+        "gauge",
+        "Key slots in the table (a window table's moving-window slots too).",
+        "slots",
+    ),
     (
         "shmlimit_keyed_evictions",
         "counter",

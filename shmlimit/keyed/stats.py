@@ -48,7 +48,7 @@ class KeyedStats:
     rate: float
     per: float
     capacity: float
-    slots: int  #: key slots in the table
+    slots: int  #: key slots in the table: every slot a key can hold (a window table's moving too)
     keys: int  #: keys live now (a key whose bucket refilled may still hold its slot until reused)
     evicted: int  #: keys whose slot a new key took (their bucket full again, or see ``cut``)
     refused_full: int  #: new keys refused: no slot of their window could be taken
@@ -95,7 +95,7 @@ def snapshot_of(name: str, c: Cells, geo: Geometry, size: int) -> KeyedStats:
         rate=r.rate,
         per=r.per,
         capacity=r.burst,
-        slots=geo.keys,
+        slots=geo.keys + geo.moving,  # ``keys`` counts the keys of both
         keys=keys if keys < 1 << 63 else 0,
         evicted=c.load(K.EVICTED),
         refused_full=c.load(K.REFUSED),

@@ -287,6 +287,6 @@ class WindowTable(Handle):
         if self._att is None:
             return f"<shmlimit.WindowTable {self._name!r} closed>"
         return (
-            f"<shmlimit.WindowTable {self._name!r} keys={self.keys_live}/{self.slots} "
+            f"<shmlimit.WindowTable {self._name!r} keys={self.keys_live}/{self.slots + self.moving_slots} "
             f"evicted={self.evicted} refused={self.refused} backend={self.backend}>"
         )

@@ -20,7 +20,8 @@ from shmlimit.keyed.window_table import WindowTable
 
 @pytest.fixture
 def table(name):
-    t = WindowTable(name, keys=512, store_keys=True)  # top shows the first bytes of its keys
+    # top shows the first bytes of its keys; 512 slots, and 1024 of moving windows
+    t = WindowTable(name, keys=512, moving_keys=1024, store_keys=True)
     yield t
     t.close()
 
@@ -36,7 +37,7 @@ def _fill(t):
 def test_inspect_shows_windows_keys_and_the_hits_counted(table, name):
     hits = _fill(table)
     s = shmlimit.inspect(name)
-    assert s.kind == "windows" and s.keys == 2 and s.slots == 512 and s.grants == hits
+    assert s.kind == "windows" and s.keys == 2 and s.slots == 1536 and s.grants == hits
     assert s.hits == 5 + 7  # every hit asked, granted or not
     assert [(p.pid, p.alive, p.grants) for p in s.processes] == [(os.getpid(), True, hits)]
     r = cli("inspect", name)
@@ -46,10 +47,29 @@ def test_inspect_shows_windows_keys_and_the_hits_counted(table, name):
     assert not {"rate", "per", "capacity", "overrides"} & set(fields)  # no rate of 0 shown
 
 
+def test_keys_of_moving_windows_count_among_the_slots(name, monkeypatch):
+    """Every slot a key can hold is counted in ``slots``, moving windows' too: the keys live (of
+    every kind of window) are never more than the slots, in inspect, list and metrics alike."""
+    t = WindowTable(name, keys=8, moving_keys=256, moving_log=8)
+    try:
+        for i in range(200):
+            assert t.acquire_entry(f"k{i}", 5, 60)
+        s = shmlimit.inspect(name)  # a few keys evicted where their windows of slots met
+        assert s.slots == 8 + 256 and 150 < s.keys <= 200 and t.keys_live == s.keys
+        assert f"{s.keys}/264 keys" in cli("list").stdout
+        code, out = run_tools_on(monkeypatch, name, "metrics", name)
+        assert code == 0
+        assert f'shmlimit_keyed_keys{{limiter="{name}"}} {s.keys}.0' in out
+        assert f'shmlimit_keyed_slots{{limiter="{name}"}} 264.0' in out
+        assert f"keys={s.keys}/264 " in repr(t)
+    finally:
+        t.close()
+
+
 def test_tables_of_one_name_in_a_process_share_its_one_slot(table, name):
     """Every handle of a name in a process is one attachment, as for every kind: one slot, one
     entry in the tools, the hits of each counted there; closing one leaves the others working."""
-    other = WindowTable(name, keys=512)
+    other = WindowTable(name, keys=512, moving_keys=1024)
     try:
         table.incr("a", 60, limit=5)
         other.incr("a", 60, limit=5)  # the same key's window: the table is one
@@ -66,7 +86,8 @@ def test_list_shows_a_window_table_as_one(table, name):
     hits = _fill(table)
     [row] = [line for line in cli("list").stdout.splitlines() if line.startswith(name)]
     assert (
-        row.split()[1:6] == ["windows", "-", "2/512", "keys", str(hits)] and "limits storage" in row
+        row.split()[1:6] == ["windows", "-", "2/1536", "keys", str(hits)]
+        and "limits storage" in row
     )
     assert "0/0s" not in row
     [rec] = [r for r in json.loads(cli("list", "--json").stdout) if r["name"] == name]
@@ -78,7 +99,7 @@ def test_top_shows_the_fullest_windows_and_their_counts(table, name):
     r = cli("top", name, "--once", "--interval", "0.05")
     assert r.returncode == 0, r.stderr
     assert "rate 0" not in r.stdout and f"windows: a limits storage (shm://{name})" in r.stdout
-    assert "keys 2/512" in r.stdout and f"hits {hits}" in r.stdout and "STALE" not in r.stdout
+    assert "keys 2/1536" in r.stdout and f"hits {hits}" in r.stdout and "STALE" not in r.stdout
     fixed = next(line for line in r.stdout.splitlines() if "LIMITER/a/3/1/m..." in line).split()
     sliding = next(line for line in r.stdout.splitlines() if "LIMITER/b/5/10/..." in line).split()
     assert fixed[1:4] == ["fixed", "5", "-"] and sliding[1:4] == ["sliding", "5", "0"]
