@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import multiprocessing as mp
 import os
 import sys
@@ -17,7 +18,16 @@ from typing import Callable, List, Optional, Sequence
 
 from shmlimit import __version__, live_changes
 from shmlimit.cli.metrics import CONTENT_TYPE, MAX_SEGMENTS, exposition, families, omitted_note
-from shmlimit.cli.top import BAD_NAME, NONE_HERE, RATE, adapt_line, kind_of, printable, show
+from shmlimit.cli.top import (
+    BAD_NAME,
+    MAX_INTERVAL,
+    NONE_HERE,
+    RATE,
+    adapt_line,
+    kind_of,
+    printable,
+    show,
+)
 from shmlimit.cli.top import run as run_top
 from shmlimit.config import parse_spec
 from shmlimit.errors import LimiterNotFoundError, SegmentError, ShmlimitError
@@ -478,16 +488,18 @@ def _checked(check: Callable[[str], object]) -> Callable[[str], str]:
     return parse
 
 
-def _positive(kind):
-    """A number of ``kind`` (int or float) above 0, checked at parse time."""
+def _positive(kind, most: float = math.inf):
+    """A finite number of ``kind`` (int or float) above 0 (and at most ``most``), checked at parse
+    time."""
 
     def parse(text: str):
         try:
             v = kind(text)
         except ValueError:
             v = 0  # not a number: the same answer as one not above 0
-        if not v > 0:
-            raise argparse.ArgumentTypeError(f"must be a positive number, got {text!r}")
+        if not 0 < v < math.inf or v > most:
+            bound = "" if most == math.inf else f" at most {most:g}"
+            raise argparse.ArgumentTypeError(f"must be a positive number{bound}, got {text!r}")
         return v
 
     return parse
@@ -622,9 +634,9 @@ def build_parser() -> argparse.ArgumentParser:
     t.add_argument("names", nargs="*", metavar="NAME")
     t.add_argument(
         "--interval",
-        type=_positive(float),
+        type=_positive(float, MAX_INTERVAL),
         default=1.0,
-        help="seconds between refreshes (default 1)",
+        help=f"seconds between refreshes (default 1, at most {MAX_INTERVAL:g})",
     )
     t.add_argument(
         "--once", action="store_true", help="print one snapshot (rates over one interval) and exit"

@@ -41,6 +41,8 @@ SPARKS = "▁▂▃▄▅▆▇█"
 KEY_SAMPLE = 4096
 BUSIEST = 5
 HISTORY = 30
+#: The longest ``--interval`` (seconds): a day between refreshes.
+MAX_INTERVAL = 86400.0
 CLEAR = "\x1b[H\x1b[2J"
 #: What a listing of no limiter says.
 NONE_HERE = "no shmlimit limiters on this machine"

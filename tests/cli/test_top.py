@@ -141,11 +141,19 @@ def test_inspecting_never_registers_or_changes_anything(name):
 
 
 @pytest.mark.parametrize(
-    "args", [["top", "no-such-limiter"], ["top", "--interval", "0"], ["top", "--interval", "x"]]
+    "args",
+    [["top", "no-such-limiter"]]
+    + [["top", "--once", "--interval", v] for v in ("0", "x", "inf", "nan", "1e300", "86401")],
 )
 def test_top_mistakes_exit_2_without_traceback(args):
     r = cli(*args)
     assert r.returncode == 2 and "Traceback" not in r.stderr and r.stderr.strip()
+    if "--interval" in args:
+        assert (
+            r.stderr.strip()
+            .splitlines()[-1]
+            .endswith(f"--interval: must be a positive number at most 86400, got {args[-1]!r}")
+        )
 
 
 def _records(n_live, n_stale):
