@@ -39,7 +39,13 @@ from shmlimit.config import is_int
 from shmlimit.keyed.stats import KeyedStats
 from shmlimit.kinds import inspect_each
 from shmlimit.multirate import MultiStats
-from shmlimit.shm.segment import list_names, owner, trusted_owner, validate_trusted_uids
+from shmlimit.shm.segment import (
+    list_names,
+    owner,
+    trusted_owner,
+    validate_name,
+    validate_trusted_uids,
+)
 from shmlimit.stats import Stats
 
 #: ``Content-Type`` of the text exposition format.
@@ -288,7 +294,9 @@ def snapshots(names: Optional[Sequence[str]] = None) -> Tuple[List[AnyStats], Li
 
 def validate_names(names: Optional[Iterable[str]]) -> Optional[List[str]]:
     """``names`` as a list of limiter names (None: every one of the machine's); a lone ``str`` or
-    ``bytes`` (whose characters would be taken for names), or anything but names, a TypeError."""
+    ``bytes`` (whose characters would be taken for names), or anything but names, a TypeError; a
+    str that is no limiter name (``validate_name``), a ValueError: at construction, never at
+    every scrape."""
     if names is None:
         return None
     if isinstance(names, (str, bytes)) or not hasattr(names, "__iter__"):
@@ -299,6 +307,10 @@ def validate_names(names: Optional[Iterable[str]]) -> Optional[List[str]]:
     for n in out:
         if not isinstance(n, str):
             raise TypeError(f"names must hold limiter names (str), got {n!r}")
+        try:
+            validate_name(n)
+        except ValueError as e:
+            raise ValueError(f"names must hold limiter names: {e}") from None
     return out
 
 

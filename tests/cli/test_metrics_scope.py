@@ -151,6 +151,12 @@ def test_scope_options_are_checked():
     for bad in ("api", b"api", 5, ["api", 5]):
         with pytest.raises(TypeError, match="names"):
             ShmlimitCollector(bad)
+    # a name no limiter has was exported as nothing; a NUL made every scrape raise
+    for bad in (["bad name!"], ["api", "a\x00b"], [""], ["-x"], ["x" * 65]):
+        with pytest.raises(ValueError, match="^names must hold limiter names: .*got"):
+            ShmlimitCollector(bad)
+        with pytest.raises(ValueError, match="^names"):
+            select(bad)
     for bad in ("false", 0, None):
         with pytest.raises(TypeError, match="all_users"):
             ShmlimitCollector(all_users=bad)
