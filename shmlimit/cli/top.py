@@ -282,7 +282,8 @@ def table(
     room = len(shown) if height is None else max(0, height - 3)  # title, header, what is left
     rows, rest = shown[:room], len(shown) - min(room, len(shown))
     title = (
-        f"shmlimit top {time.strftime('%H:%M:%S')}, every {interval:g} s: {len(records)} limiter(s)"
+        f"shmlimit top {time.strftime('%H:%M:%S')}, every {interval:g} s: "
+        f"{_limiters(records)} limiter(s)"
     )
     fixed = 7 + 13 + 11 + 6 + 14  # kind, rate, grants/s, procs and state, with their spaces
     name_w = max(12, (width or 80) - fixed - 1 - 8)  # 8 columns of history when room allows
@@ -293,7 +294,7 @@ def table(
         + ("HISTORY" if spark_w >= 7 else ""),
     ]
     for r in rows:
-        name = r["name"] if len(r["name"]) <= name_w else r["name"][: name_w - 1] + "~"
+        name = _cut(r["name"], name_w)
         if "error" in r:
             lines.append(f"{name:{name_w}} {'?':6} {'-':>12} {'-':>10} {'-':>5} {_state_of(r):13}")
             continue
@@ -318,6 +319,21 @@ def table(
     return "".join(_fit(printable(line.rstrip()), width) + "\n" for line in lines)
 
 
+def _limiters(records: List[dict]) -> int:
+    """The limiters the rows are of: a limiter of several rates has a row per rate, ``NAME[KEY]``."""
+    return len({r["name"].partition("[")[0] for r in records})
+
+
+def _cut(name: str, width: int) -> str:
+    """``name`` in ``width`` columns; a rate's row (``NAME[KEY]``) keeps its key, its name cut."""
+    if len(name) <= width:
+        return name
+    base, _, key = name.partition("[")
+    if key and len(key) + 3 <= width:
+        return base[: width - len(key) - 2] + "~[" + key
+    return name[: width - 1] + "~"
+
+
 def _fit(line: str, width: Optional[int]) -> str:
     return line if width is None or len(line) <= width else line[: max(0, width - 1)] + "~"
 
@@ -325,7 +341,8 @@ def _fit(line: str, width: Optional[int]) -> str:
 def render(records: List[dict], interval: float) -> str:
     """The detailed view of the limiters named (not cut to the terminal: a line per fact)."""
     lines = [
-        f"shmlimit top — {time.strftime('%H:%M:%S')}, every {interval:g} s, {len(records)} limiter(s)",
+        f"shmlimit top — {time.strftime('%H:%M:%S')}, every {interval:g} s, "
+        f"{_limiters(records)} limiter(s)",
         "",
     ]
     if not records:

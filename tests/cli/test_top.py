@@ -246,3 +246,19 @@ def test_the_inspector_forgets_a_limiter_that_is_gone(name):
         lim.unlink()
     assert all("error" in r for r in insp.sample())  # named, so listed: unreadable now
     assert kept == ({}, {}, {}, {})
+
+
+def test_a_rate_row_keeps_its_key_and_limiters_are_counted_once():
+    """A limiter of several rates has a row per rate: a long name is cut before its key, and it
+    counts as one limiter."""
+    from shmlimit.cli.top import render, table
+
+    recs = _records(3, 0)
+    keys = ["[per-second]", "[per-minute]", "[per-hour]"]
+    for r, key in zip(recs, keys):
+        r["name"] = "a-group-of-several-rates-named-at-length-" + "y" * 20 + key
+    lines = table(recs, 1.0, width=80).splitlines()
+    assert lines[0].endswith(": 1 limiter(s)")
+    assert [line.split()[0].split("~")[1] for line in lines[2:]] == keys[::-1]  # busiest first
+    gone = [{"name": r["name"], "error": "gone"} for r in recs]
+    assert render(gone, 1.0).splitlines()[0].endswith(", 1 limiter(s)")
