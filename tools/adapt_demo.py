@@ -472,7 +472,6 @@ def main(argv: Optional[List[str]] = None) -> int:
     if a.role == "client":
         client(a.name, a.url.split(","), a.threads, a.start, a.until, keyed=bool(a.keyed))
         return 0
-    import shmlimit
 
     name = f"adapt-demo-{os.getpid()}"
     if a.keyed:
@@ -480,10 +479,7 @@ def main(argv: Optional[List[str]] = None) -> int:
             caps = [float(c) for c in a.keyed.split(",")]
             keyed = run_keyed(name, caps, a.seconds, a.procs, 2 * a.threads, a.settled, a.out)
         finally:
-            try:
-                shmlimit.unlink(name)
-            except FileNotFoundError:
-                pass
+            _unlink(name)
         for h in keyed["hosts"]:  # type: ignore[attr-defined]
             print(
                 f"host of capacity {h['capacity']:g}/s: goodput {h['goodput']:.1f}/s "
@@ -495,10 +491,7 @@ def main(argv: Optional[List[str]] = None) -> int:
     try:
         result = run(name, phases, a.procs, a.threads, a.settled, a.out)
     finally:
-        try:
-            shmlimit.unlink(name)
-        except FileNotFoundError:
-            pass
+        _unlink(name)
     write_csv(result, phases, os.path.join(a.out, "adapt.csv"))
     write_svg(result, phases, os.path.join(a.out, "adapt.svg"))
     for p in result["phases"]:  # type: ignore[attr-defined]
@@ -508,6 +501,18 @@ def main(argv: Optional[List[str]] = None) -> int:
             f"(the last {p['settled_seconds']:g} s)"
         )
     return 0
+
+
+def _unlink(name: str) -> None:
+    """The run's limiter and the table of hosts its clients paused, beside it."""
+    import shmlimit
+    from shmlimit.integrations._hosts import pause_table_name
+
+    for n in (name, pause_table_name(name)):
+        try:
+            shmlimit.unlink(n)
+        except FileNotFoundError:
+            pass
 
 
 if __name__ == "__main__":
