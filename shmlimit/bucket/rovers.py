@@ -559,8 +559,15 @@ class Bucket(Schedule):
         the head's gain since, read with it each try, counts against ``tokens``.
         A fence whose promise has passed is lifted first by a claim (one whose
         interval starts after its DUE reads it no more), so it cuts nothing.
+        While stopped (the config in force, read here) nothing is added, as a replenish adds
+        nothing: ``stop`` pauses every acquirer; an add that raced a change of the config is
+        burned down to what the one in force allows (``burn_late_add``), a stop's to nothing.
         """
         c = self.cells
+        self.refresh()
+        seq = self.snap.seq
+        if self.snap.stopped:
+            return 0
         for _ in range(3):
             ts = c.load(L.REPL_TS)
             now = self.clock()
@@ -600,6 +607,8 @@ class Bucket(Schedule):
                 continue
             if c.cas(L.HEAD, head, to):
                 fed_wait.wake(c, fed_mask(head, to, self.snap.cost))  # the waiters it serves
+                if c.load(L.CFG_SEQ) != seq:
+                    self.burn_late_add()
                 if past:
                     self.replenish()
                 return add

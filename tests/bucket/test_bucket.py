@@ -409,6 +409,38 @@ def test_an_add_claimed_before_a_stop_and_landing_after_it_leaves_nothing(backen
     assert b.balance() == 0
 
 
+def test_tokens_given_while_stopped_add_nothing(backend):
+    """10/s, burst 5, 2 ops taken; another process stops the limiter.  Tokens given to the
+    bucket while stopped (a refund, a lease, the 2 ops given back) add nothing, read from the
+    config in force (this bucket last loaded the running one): nothing is granted until start."""
+    b, clock = make_bucket(Config.make(10, burst=5), backend, initial=5)
+    head_then = b.head()
+    assert b.try_grab(2 * b.cost, L.UNREG_GRANTS, 2)
+    Bucket(b.cells, clock).set_stopped(True)
+    assert b.give_back(2 * b.cost, head_then) == 0 and b.add(2 * b.cost) == 0
+    assert b.stopped and b.balance() == 0
+    assert not b.try_grab(b.cost, L.UNREG_GRANTS, 1) and b.take_available(L.UNREG_GRANTS) == 0
+
+
+def test_an_add_that_races_a_stop_is_burned(backend):
+    """10/s, burst 5, empty: a refund of 3 ops reads the config (running) and is preempted before
+    its CAS of the head; another process stops the limiter (publishes, burns an empty bucket).
+    The refund lands after the stop's burn: it burns what it added, as a replenish's late add
+    does, and nothing is granted while stopped."""
+    b, clock = make_bucket(Config.make(10, burst=5), backend, initial=0)
+    other = Bucket(b.cells, clock)
+    cells = b.cells
+    b.cells = Before(
+        cells, lambda op, args: op == "cas" and args[0] == L.HEAD, lambda: other.set_stopped(True)
+    )
+    try:
+        b.add(3 * b.cost)
+    finally:
+        b.cells = cells
+    assert b.stopped and b.balance() == 0
+    assert not b.try_grab(b.cost, L.UNREG_GRANTS, 1)
+
+
 def test_a_claim_of_the_paused_time_while_start_runs_adds_nothing(backend):
     """10/s, burst 5, stopped for a second with nobody replenishing; start() runs, and another
     replenisher claims the paused second just before start's claim of it: it claims it while

@@ -145,6 +145,29 @@ def test_a_batch_is_delivered_when_due_never_early(R, redis_server, name, clock)
         host.close()
 
 
+def test_batches_leased_before_a_stop_grant_nothing_until_start(R, redis_server, name, clock):
+    """A saturated host at 1000/s holds batches leased ahead; the limiter stops.  The batches that
+    fall due while stopped go into no bucket (it paused every acquirer, not only the clock's
+    tokens): 100 ms of tries get nothing.  After start the host is fed again."""
+    host = Host(R, name, redis_server.url, clock, 1000, lease_ttl=0.5)
+    try:
+        run([host], clock, 1.0)
+        assert host.feeder.pending  # leased ahead, not yet due
+        host.lim.stop()
+        granted = 0
+        for _ in range(20):
+            clock.advance(5_000_000)
+            host.feeder.tick()
+            granted += sum(host.lim.try_acquire() for _ in range(100))
+        assert granted == 0
+        host.lim.start()
+        before = len(host.grants)
+        run([host], clock, 0.5)
+        assert len(host.grants) > before
+    finally:
+        host.close()
+
+
 def test_leased_tokens_expire_after_their_ttl(R, redis_server, name, clock):
     host = Host(R, name, redis_server.url, clock, 1000, burst=50, lease_ttl=0.05)
     try:
