@@ -8,8 +8,10 @@ operations for an uncontended grant.
 from __future__ import annotations
 
 import mmap
+import os
 import platform
 import threading
+import weakref
 from typing import Any, Callable, Dict, List, Optional, Tuple
 
 from shmlimit.shm import futex
@@ -142,6 +144,10 @@ class AtomicsCells(Cells):
     raises ValueError, as on the native backend.  The lock guards only the
     count (no allocation that could run the garbage collector, and with it a
     ``__del__`` taking other locks, happens under it).
+
+    Those counts are of this process's threads: a forked child starts its own
+    (``_forked``), as the native backend's ``busy`` does, so a child forked while
+    another thread was inside an operation does not wait for it at its close.
     """
 
     backend = "atomics"
@@ -154,15 +160,10 @@ class AtomicsCells(Cells):
         self._buf = memoryview(mm)[:size]
         self._views: Dict[int, object] = {}
         self._contexts: List[Tuple[Any, memoryview]] = []
-        self._lock = threading.Lock()
-        self._idle = threading.Condition(self._lock)
-        self._active = 0
         self._closed = False
-        #: grabs bound to ticket records under way (every thread's; ``_mine``: this thread's), and
-        #: ``leave_waiters`` begun: such a grab then takes nothing (see ``_enter``)
-        self._recording = 0
-        self._mine = threading.local()
+        #: ``leave_waiters`` begun: a grab bound to records then takes nothing (see ``_enter``)
         self._closing = False
+        self._threads()
         #: Run (by the grabbing thread) when its last grab bound to records ends (see ``Writers.after``).
         self._after_recording: Optional[Callable[[], None]] = None
         self._p: Optional[_Patomic] = None
@@ -184,6 +185,25 @@ class AtomicsCells(Cells):
         self._plain: Optional[memoryview] = (
             self._words if _PLAIN_LOADS_SEQ_CST and isinstance(self._words, memoryview) else None
         )
+        _every.add(self)
+
+    def _threads(self) -> None:
+        """This process's count of its threads inside operations, from none: the operations under
+        way (``_active``), the grabs bound to ticket records among them (every thread's,
+        ``_recording``; ``_mine``: this thread's), and the lock guarding them."""
+        self._lock = threading.Lock()
+        self._idle = threading.Condition(self._lock)
+        self._active = 0
+        self._recording = 0
+        self._mine = threading.local()
+
+    def _forked(self) -> None:
+        """In a forked child: the threads counted were the parent's, which do not exist here (one
+        of them may even have held the lock).  Closed or closing stays as it was: that is the
+        mapping's state, which the child copied."""
+        self._threads()
+        if self._p is not None:
+            self._p._tls = threading.local()
 
     @property
     def _direct(self) -> bool:
@@ -363,3 +383,16 @@ class AtomicsCells(Cells):
             self.close()
         except Exception:
             pass
+
+
+#: Every ``AtomicsCells`` of this process, each given its own thread counts in a forked child.
+_every: "weakref.WeakSet[AtomicsCells]" = weakref.WeakSet()
+
+
+def _after_fork() -> None:
+    for cells in list(_every):
+        cells._forked()
+
+
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(after_in_child=_after_fork)

@@ -2,10 +2,12 @@
 
 import multiprocessing as mp
 import os
+import threading
+import time
 
 import pytest
 from support.cells import BACKENDS, REQUIRE_NATIVE, SIZE, backend, cells, cells_for, opened, segment  # noqa: F401 (fixtures)
-from support.procs import run_processes
+from support.procs import run_processes, wait_exit, wait_for
 
 from shmlimit.shm.cells import MASK64, Cells, native_available, selected_backend
 
@@ -247,6 +249,43 @@ def test_racing_try_grabs_never_over_grant(backend, segment, method):
     c.store(128, 3 * 500 + 2)  # head: 500 grabs of 3 fit, the remainder 2 does not
     got = run_processes(mp.get_context(method), _taker, [(name, backend)] * 4)
     assert sum(got) == 500 and c.load(192) == 500 and c.load(64) == 1500
+    c.close()
+
+
+@pytest.mark.parametrize("backend", ["atomics", "atomics-api"])
+@pytest.mark.parametrize("held", ["an operation", "the lock"])
+def test_a_child_forked_while_another_thread_is_inside_closes(backend, segment, held):
+    """A thread of the parent inside an operation (a futex wait, here) or holding the lock that
+    counts them when another thread forks: the child has no such thread, so its close (run at
+    exit) must not wait for it, as the native backend's does not (its count is per process)."""
+    c = cells_for(segment[1], SIZE, backend)
+    c.store(0, 0)
+    release = threading.Event()
+
+    def inside():
+        if held == "the lock":
+            with c._lock:
+                release.wait(30)
+        else:
+            c.futex_wait(0, 0, 1, time.monotonic_ns() + 30 * 10**9)
+
+    t = threading.Thread(target=inside, daemon=True)
+    t.start()
+    wait_for(lambda: c._lock.locked() if held == "the lock" else c._active == 1)
+    pid = os.fork()
+    if pid == 0:
+        try:
+            c.store(8, 1)
+            c.close()
+        finally:
+            os._exit(0)
+    try:
+        assert wait_exit(pid, 10) == 0
+    finally:
+        release.set()
+        c.futex_wake(0, 1)
+        t.join(30)
+    assert c.load(8) == 1
     c.close()
 
 
