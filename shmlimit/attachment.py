@@ -443,10 +443,8 @@ class Attachment(Attached):
                 self.cells, self.table.slots, self.slot
             )  # a predecessor's ops in flight
             self.bucket.own_inflight = L.inflight_offset(self.table.slots, self.slot)
-            if take_over(
-                self.cells, self.records, self.returns.give_back
-            ):  # a predecessor's tickets
-                self._skipper()
+            # a predecessor's tickets: skipped from this process's first use on (``start``)
+            take_over(self.cells, self.records, self.returns.give_back)
             self.lease = Lease(self.cells, self.slot)
             self.filler = FillerThread(
                 self.bucket,
@@ -458,10 +456,13 @@ class Attachment(Attached):
         self.update_fast()
 
     def start(self) -> None:
-        """This process's first use: its filler thread.  Nothing waits for a filler: waiters
-        replenish themselves."""
+        """This process's first use: its filler thread, and its skipper when it holds ranges
+        given back already (its slot's predecessor's, ``bind``).  Nothing waits for a filler:
+        waiters replenish themselves."""
         if self.filler is not None:
             self.filler.start()
+        if self.returns.pending():
+            self._skipper()
 
     def use(self) -> None:
         """This process uses the limiter (``Attached.use``, raising as it does): its fast paths

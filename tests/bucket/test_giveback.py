@@ -834,6 +834,51 @@ def test_a_range_given_back_is_skipped_after_its_process_exits(name):
         wait_for(lambda: diff(cells.load(L.TAIL), cells.load(L.HEAD)) <= 0, timeout=10)
 
 
+EXITS_UNDER_ITS_WAITERS = textwrap.dedent(
+    """
+    import sys, threading, time
+    import shmlimit
+    from shmlimit.shm import layout as L
+    lim = shmlimit.Limiter(sys.argv[1], rate=2, burst=1)
+    lim.acquire()  # the burst: each waiter's op is half a second further
+    for _ in range(3):
+        threading.Thread(target=lim.acquire, daemon=True).start()
+    att = lim._att
+    recs = L.ticket_records(att.table.slots, att.slot)
+    while sum(1 for _, off in recs if att.cells.load(off)) < 3:  # each waiter's ticket recorded
+        time.sleep(0.001)
+    print(att.slot, flush=True)
+    # it exits: its limiter is closed under its waiters, their records marked given in its slot
+    """
+)
+
+
+@pytest.mark.slow
+def test_a_process_that_takes_the_slot_of_one_that_exited_skips_the_ranges_it_left(name):
+    # The first process exits with three waiters queued (a second and a half of schedule); the
+    # next to open the limiter takes its slot, and with it those ranges, given back.  From its
+    # first use it skips them (none else does: the reap leaves a live owner's records alone);
+    # held unskipped, every caller waited behind the dead queue.
+    out = subprocess.run(
+        [sys.executable, "-c", EXITS_UNDER_ITS_WAITERS, name],
+        capture_output=True,
+        text=True,
+        cwd=WORKDIR,
+        timeout=60,
+    )
+    assert out.returncode == 0, out.stderr
+    lim = shmlimit.Limiter(name)
+    try:
+        att = lim._att
+        assert att.slot == int(out.stdout) and len(att.returns.pending()) == 3
+        lim.try_acquire()  # its first use
+        wait_for(lambda: not att.returns.pending(), timeout=10)
+        cells = att.cells
+        assert diff(cells.load(L.TAIL), cells.load(L.HEAD)) <= 0  # nothing queued any more
+    finally:
+        lim.close()
+
+
 def test_a_skipped_range_frees_only_its_own_record():
     from shmlimit.bucket.giveback import record
 
