@@ -325,3 +325,60 @@ def test_a_killed_holders_ops_come_back_at_once_even_from_the_filler(name, victi
             if p.is_alive():
                 p.kill()
             p.join()
+
+
+REEXECS = """
+import os, sys, threading, time
+import shmlimit
+from shmlimit.shm import layout as L
+
+name, stage = sys.argv[1], int(sys.argv[2])
+lim = shmlimit.Limiter(name, rate=stage + 1, per=60, burst=1)  # each program deploys its own rate
+att = lim._att
+print(stage, att.slot, len(att.table.entries()), len(att.returns.pending()), lim.rate, flush=True)
+if stage == 0:
+    lim.acquire()  # the burst: the next op is a minute away
+    threading.Thread(target=lim.acquire, daemon=True).start()
+    recs = L.ticket_records(att.table.slots, att.slot)
+    while not any(att.cells.load(off) for _, off in recs):  # the waiter's ticket recorded
+        time.sleep(0.001)
+    os.execv(sys.executable, [sys.executable, __file__, name, "1"])
+"""
+
+
+def test_a_process_that_execs_itself_takes_its_old_slot_back(name, tmp_path):
+    # exec keeps the pid, its start time and its namespace: the slot the old program held still
+    # read alive, so the new program's redeploy with another rate was refused (a "live" user),
+    # each exec left one more entry, and the old program's queued ticket was never given back.
+    script = tmp_path / "reexecs.py"
+    script.write_text(REEXECS)
+    out = subprocess.run(
+        [sys.executable, str(script), name, "0"],
+        capture_output=True,
+        text=True,
+        cwd=WORKDIR,
+        timeout=60,
+    )
+    assert out.returncode == 0, out.stderr
+    first, second = (line.split() for line in out.stdout.splitlines())
+    assert first == ["0", "0", "1", "0", "1.0"]
+    # the same slot, listed once, the old program's ticket taken over (given back), the new rate
+    assert second == ["1", "0", "1", "1", "2.0"]
+    assert shmlimit.kinds.collect(name)  # nobody left registered
+
+
+def test_two_live_registrations_of_one_process_never_take_each_others_slot(name):
+    """A slot naming this process is taken for stale only where no other mapping of the segment
+    exists in the process (a live registration has one): two attachments made side by side (a
+    collector's, a handle's) each keep their own slot."""
+    from shmlimit.attachment import map_attachment
+
+    lim = shmlimit.Limiter(name, rate=10)
+    other = map_attachment(name, None, None)
+    try:
+        assert lim._att.stale_self() is None and other.stale_self() is None
+        assert other.slot is not None and other.slot != lim._att.slot
+        assert {e.index for e in lim._att.table.entries()} == {lim._att.slot, other.slot}
+    finally:
+        other.detach()
+        lim.close()
