@@ -80,9 +80,9 @@ class _EachRate:
     """What releases a handle on several rates (``Held._registry``): each rate's attachment."""
 
     @staticmethod
-    def release(atts: List[Attachment], detach: bool) -> None:
-        while atts:  # (emptied: a group opened again attaches every rate afresh)
-            release(atts.pop(), detach)
+    def release(atts: Sequence[Attachment], detach: bool) -> None:
+        for att in reversed(atts):  # (a tuple: requests in flight keep holding every rate)
+            release(att, detach)
 
 
 class MultiLimiter(RateGroup, AcquireOnEnter, Held):
@@ -156,9 +156,14 @@ class MultiLimiter(RateGroup, AcquireOnEnter, Held):
             atts.append(open_attachment(label, rate, mode, trusted, clock, opener=opener))
 
         args = (self._name, create, self._mode, self._trusted, clock, L.REGIONS_LIMITER)
-        geo = open_rates(*args, attach, lambda: _EachRate.release(atts, True))
+
+        def undo() -> None:  # every rate released, then attached afresh (or raised)
+            _EachRate.release(atts, True)
+            atts.clear()
+
+        geo = open_rates(*args, attach, undo)
         self._keys, self._named = geo.keys, geo.named
-        self._att: Optional[List[Attachment]] = atts
+        self._att: Optional[Tuple[Attachment, ...]] = tuple(atts)
 
     # -- identity and lifecycle ----------------------------------------------------
 

@@ -186,6 +186,25 @@ def test_a_waiter_holds_nothing_on_the_other_rates_while_it_queues(name, clock, 
     assert lim.stats().grants == {"slow": 2, "fast": 15}
 
 
+def test_a_waiter_of_a_limiter_closed_under_it_raises_as_a_closed_limiters_does(
+    name, clock, cleanup
+):
+    # Another thread closes the handle while this waiter is queued: its next look must raise the
+    # ValueError of a closed limiter (not an IndexError from rates taken from under it).
+    lim = make(name, {"slow": ("1/s", 1), "fast": ("100/s", 10)}, clock)
+    assert lim.try_acquire(slow=1)
+    ahead = [request(lim, slow=1) for _ in range(L.TICKET_RECORDS)]  # every record of the slot
+    assert all(a.begin() is not True for a in ahead)
+    r = request(lim, slow=1)
+    assert r.begin() is not True and r.joining  # it looks again for a free record at each step
+    lim.close()
+    clock.advance(2 * S)
+    with pytest.raises(ValueError, match="closed"):
+        r.next()
+    with pytest.raises(ValueError, match="closed"):
+        lim.acquire(slow=1)
+
+
 def _queue_on(lim, key, seconds):
     """Someone reserves ``seconds`` of ``key``'s schedule: a queue there."""
     att = lim._live()[lim.keys.index(key)]
