@@ -28,9 +28,10 @@ round trip is the honest design here.
 from __future__ import annotations
 
 import hashlib
+import math
 from typing import Any, Optional
 
-from shmlimit.config import NS_PER_S, validate_n
+from shmlimit.config import NS_PER_S, validate_n, validate_timeout
 from shmlimit.protocol import Keyed
 from shmlimit.redis.direct import MODE_PEEK, ClientStats, _GcraClient
 from shmlimit.redis.spec import redis_key
@@ -68,26 +69,59 @@ class RedisKeyedLimiter(_GcraClient, Keyed):
         """The Redis key holding ``key``'s GCRA state (its own cluster slot, by its hash tag)."""
         return redis_key(f"{self._name}/{key_digest(key)}")
 
+    def _above(self, n: int) -> bool:
+        """True when ``n`` ops are above each key's capacity: never granted (as ``KeyedLimiter``)."""
+        self._open()
+        validate_n(n, 1)
+        return n > self._config.burst
+
+    def _never(self, n: int, limit: Optional[float]) -> bool:
+        """True, refusing, for an ``n`` above the capacity (``_above``) in a call with a ``limit``
+        (``timeout``, ``max_wait``); one without raises ``ValueError`` (as ``KeyedLimiter``)."""
+        if not self._above(n):
+            return False
+        if limit is None:
+            raise ValueError(
+                f"n must be at most this key's capacity ({self._config.burst:g} ops), got {n}"
+            )
+        self._count(refusals=1)
+        return True
+
     def reserve(self, key: object, n: int = 1, max_wait: Optional[float] = None) -> Optional[float]:
-        """Reserve ``key``'s next slot for ``n`` ops; seconds until it is due, or None (nothing taken)."""
-        return self._drive(self._reserve_steps(n, max_wait, key=self.redis_key(key)))
+        """Reserve ``key``'s next slot for ``n`` ops; seconds until it is due, or None (nothing
+        taken).  Untimed, an ``n`` above the capacity raises ``ValueError``."""
+        rkey, max_wait = self.redis_key(key), validate_timeout(max_wait, "max_wait")
+        if self._never(n, max_wait):
+            return None
+        return self._drive(self._reserve_steps(n, max_wait, key=rkey))
 
     def try_acquire(self, key: object, n: int = 1) -> bool:
         """Take ``n`` ops of ``key`` only if they are available now (one round trip)."""
         return self.reserve(key, n, 0.0) == 0.0
 
     def acquire(self, key: object, n: int = 1, timeout: Optional[float] = None) -> bool:
-        """Take ``n`` ops of ``key``, sleeping until due; False (nothing taken) past ``timeout`` seconds."""
-        return self._drive(self._acquire_steps(n, timeout, key=self.redis_key(key)))
+        """Take ``n`` ops of ``key``, sleeping until due; False (nothing taken) past ``timeout``
+        seconds.  An ``n`` above the capacity never succeeds: False with a timeout, else
+        ``ValueError``."""
+        rkey, timeout = self.redis_key(key), validate_timeout(timeout)
+        if self._never(n, timeout):
+            return False
+        return self._drive(self._acquire_steps(n, timeout, key=rkey))
 
     async def acquire_async(self, key: object, n: int = 1, timeout: Optional[float] = None) -> bool:
         """``acquire`` for asyncio (its own connection per event loop)."""
-        return await self._drive_async(self._acquire_steps(n, timeout, key=self.redis_key(key)))
+        rkey, timeout = self.redis_key(key), validate_timeout(timeout)
+        if self._never(n, timeout):
+            return False
+        return await self._drive_async(self._acquire_steps(n, timeout, key=rkey))
 
     def retry_after(self, key: object, n: int = 1) -> float:
-        """Seconds until ``n`` ops of ``key`` could be granted (0.0: now).  One round trip, writes nothing."""
-        validate_n(n, 1)
-        return self._drive(self._script(MODE_PEEK, n, key=self.redis_key(key)))[1] / NS_PER_S
+        """Seconds until ``n`` ops of ``key`` could be granted (0.0: now; inf: never, an ``n`` above
+        the capacity).  One round trip, writes nothing."""
+        rkey = self.redis_key(key)
+        if self._above(n):
+            return math.inf
+        return self._drive(self._script(MODE_PEEK, n, key=rkey))[1] / NS_PER_S
 
     def stats(self) -> ClientStats:
         """Each key's configuration and this client's counters (no round trip: per key, the

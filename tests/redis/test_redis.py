@@ -869,6 +869,44 @@ def test_keyed_redis_limiter_one_gcra_per_key(R, redis_server, name, fake_time):
     assert lim.retry_after("dave") == pytest.approx(0.1)
 
 
+@pytest.mark.backend_independent
+def test_keyed_redis_limiter_refuses_n_above_the_capacity_as_keyed_limiter(R, redis_server, name):
+    """An ``n`` above a key's capacity never succeeds, on both keyed kinds alike: tries and timed
+    calls are refused, taking nothing; untimed calls raise the same ``ValueError``; retry_after is
+    inf (the Redis kind granted 5 ops at one instant with burst 1, after 0.4 s)."""
+    from shmlimit.redis.keyed import RedisKeyedLimiter
+
+    local = shmlimit.KeyedLimiter(f"{name}-local", rate=10, burst=1, keys=64)
+    shared = RedisKeyedLimiter(name, rate=10, burst=1, url=redis_server.url)
+
+    def answers(lim):
+        out = [lim.try_acquire("k", 5), lim.acquire("k", 5, timeout=10), lim.reserve("k", 5, 10)]
+        out += [asyncio.run(lim.acquire_async("k", 5, timeout=10)), lim.retry_after("k", 5)]
+        for untimed in (
+            lambda: lim.acquire("k", 5),
+            lambda: lim.reserve("k", 5),
+            lambda: asyncio.run(lim.acquire_async("k", 5)),
+        ):
+            with pytest.raises(ValueError) as e:
+                untimed()
+            out.append(str(e.value))
+        return out
+
+    try:
+        assert (
+            answers(shared)
+            == answers(local)
+            == [False, False, None, False, float("inf")]
+            + ["n must be at most this key's capacity (1 ops), got 5"] * 3
+        )
+        assert shared.retry_after("k") == 0.0  # nothing was taken
+        assert shared.stats().refusals == 4 and shared.round_trips == 1
+    finally:
+        local.close()
+        local.unlink()
+        shared.close()
+
+
 # grants per real second of each key
 @pytest.mark.backend_independent
 @pytest.mark.slow
