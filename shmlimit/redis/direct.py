@@ -177,6 +177,12 @@ def _send(client: Any, key: Optional[str], args: Tuple[Any, ...]) -> Any:
     return client.script_load(LUA) if key is None else client.evalsha(LUA_SHA, 1, key, *args)
 
 
+def _retrieved(trip: "asyncio.Future[Any]") -> None:
+    """Mark a round trip's error as seen: one its cancelled caller left behind is nobody's."""
+    if not trip.cancelled():
+        trip.exception()
+
+
 class _Call:
     """A Redis call's steps (``_GcraClient._script`` and those built on it) as the drivers run
     them (``acquire.drivers.Steps``): ``nap`` (``nap_async``: on this event loop's own client)
@@ -213,10 +219,19 @@ class _Call:
             self.error = e
 
     async def nap_async(self, step: Any) -> None:
+        """The nap or round trip ``step`` names.  The round trip runs as a task of its own, awaited
+        through a shield: a cancellation of the caller ends the call at once, whatever Python runs
+        it.  Awaited directly, the cancellation reached redis-py's ``asyncio.wait_for`` (its
+        socket timeout), which before Python 3.12 drops it when the write ends in the same step:
+        the steps went on, reserved and slept out the whole wait.  A trip left behind ends on
+        its own (within the timeout, its connection back in the pool); whatever it reserved is
+        spent, as a cancelled waiter's slot is."""
         if step.__class__ is not tuple:
             return await asyncio.sleep(step)
+        trip = asyncio.ensure_future(_send(self.aclient, *step))
+        trip.add_done_callback(_retrieved)
         try:
-            self.answer = await _send(self.aclient, *step)
+            self.answer = await asyncio.shield(trip)
         except Exception as e:
             self.error = e
 
