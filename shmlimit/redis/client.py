@@ -76,6 +76,11 @@ _REDIS_ERRORS: Tuple[Type[BaseException], ...] = (
 # connecting: one URL syntax for a server, a cluster and a sentinel-managed master
 
 
+#: Connections a client keeps at most (one per thread or coroutine in a call at once), unless the
+#: URL says ``?max_connections=``: redis-py's default for asyncio.
+MAX_CONNECTIONS = 100
+
+
 def connect(url: str, secrets: Dict[str, str], timeout: float, is_async: bool = False) -> Any:
     """A redis-py client for ``url`` (without secrets; they come in ``secrets``).
 
@@ -87,7 +92,9 @@ def connect(url: str, secrets: Dict[str, str], timeout: float, is_async: bool = 
     servers and for the sentinels (the ``limits`` library's convention);
     ``?sentinel_password=`` gives the sentinels their own.  ``valkey``
     schemes are the same.  TLS (``rediss``) always verifies the server's
-    certificate and host name (``?ssl_ca_certs=/path/ca.pem`` names the CA).
+    certificate and host name (``?ssl_ca_certs=/path/ca.pem`` names the CA).  A server's client
+    keeps at most ``?max_connections=`` connections (``MAX_CONNECTIONS``) and a call finding them
+    all in use waits up to ``timeout`` for one; a cluster's and a sentinel's keep redis-py's pools.
     """
     scheme = urls.scheme_of(urls.check(url))  # (the rules a URL follows, at one place)
     tls = scheme in urls.TLS_SCHEMES
@@ -103,7 +110,14 @@ def connect(url: str, secrets: Dict[str, str], timeout: float, is_async: bool = 
         base = {"redis": "redis", "valkey": "redis", "rediss": "rediss", "valkeys": "rediss"}.get(
             scheme, "unix"
         )
-        return lib.Redis.from_url(f"{base}://{rest}", **opts)
+        # a call finding every connection in use waits up to ``timeout`` for one (the URL's
+        # ``?max_connections=`` wins), as it waits for an answer: never an error of its own
+        pool = lib.BlockingConnectionPool.from_url(
+            f"{base}://{rest}", max_connections=MAX_CONNECTIONS, timeout=timeout, **opts
+        )
+        client = lib.Redis(connection_pool=pool)
+        client.auto_close_connection_pool = True  # (closed with the client, as from_url's)
+        return client
     _, user, _, body, query = urls.parts(url)  # (no password: it came in ``secrets``)
     netloc, _, tail = body.partition("/")
     if user:

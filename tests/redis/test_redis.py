@@ -322,6 +322,33 @@ def test_a_cancelled_acquire_async_ends_its_steps_and_leaves_the_limiter_usable(
 
 
 @pytest.mark.backend_independent
+def test_calls_beyond_the_pools_connections_wait_for_one(R, redis_server, name):
+    """More calls at once than the pool's connections (``?max_connections=``, default 100) wait
+    for a free one, up to ``timeout``, as for an answer: 200 coroutines on a healthy server are
+    all granted (before: 100 raised RedisUnavailableError, MaxConnectionsError: Too many
+    connections), and only a pool still full after ``timeout`` counts as unavailable."""
+    lim = R.RedisLimiter(name, rate=1e6, burst=1000, url=redis_server.url)
+
+    async def main():
+        return await asyncio.gather(*(lim.acquire_async() for _ in range(200)))
+
+    assert asyncio.run(main()) == [True] * 200
+    assert lim.stats().grants == 200
+    lim.close()
+    # a thread's calls: the same pool, the same wait
+    one = R.RedisLimiter(
+        f"{name}-1", rate=1e6, url=redis_server.url + "?max_connections=1", timeout=0.2
+    )
+    pool = one._client.connection_pool
+    held = pool.get_connection()  # every connection in use
+    with pytest.raises(RedisUnavailableError, match="No connection available"):  # (after 0.2 s)
+        one.try_acquire()  # (before: at once, "Too many connections")
+    pool.release(held)
+    assert one.try_acquire()
+    one.close()
+
+
+@pytest.mark.backend_independent
 def test_script_flush_mid_run_is_survived(R, redis_server, name):
     lim = R.RedisLimiter(name, rate=1000, burst=10, url=redis_server.url)
     for _ in range(5):

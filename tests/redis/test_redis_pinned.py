@@ -46,7 +46,7 @@ def test_the_fillers_limiter_keeps_one_connection_and_recovers_as_the_pool_did(R
             assert lim.call(R.MODE_RESERVE, 1)[0] == 1
         assert clients(probe) == base + 1  # one connection for every call
         conn = lim._conn
-        assert conn is not None and conn not in lim._client.connection_pool._available_connections
+        assert conn is not None and conn not in lim._client.connection_pool.pool.queue  # (in use)
 
         # the server drops every connection but the probe's: the next call reconnects once
         probe.client_kill_filter(_type="normal", skipme=True)
