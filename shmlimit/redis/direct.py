@@ -42,6 +42,7 @@ import os
 import random
 import threading
 import time
+import weakref
 from dataclasses import dataclass
 from typing import Any, Dict, Generator, Optional, Tuple
 
@@ -177,6 +178,31 @@ def _send(client: Any, key: Optional[str], args: Tuple[Any, ...]) -> Any:
     return client.script_load(LUA) if key is None else client.evalsha(LUA_SHA, 1, key, *args)
 
 
+def _disconnect_on(loop: Any, client: Any) -> None:
+    """Close an asyncio ``client``'s connections on its event ``loop``, from any thread: at once
+    on this thread's loop, else as that loop's next callback.  A closed loop's are left to be
+    closed when collected (closing a transport needs its loop)."""
+
+    def disconnect() -> None:
+        pool = getattr(client, "connection_pool", None)  # (a cluster's: each node's connections)
+        conns = (
+            [*pool._available_connections, *pool._in_use_connections]
+            if pool is not None
+            else [c for node in client.get_nodes() for c in node._connections]
+        )
+        for conn in conns:
+            conn._close()  # (what redis-py does for a connection collected unclosed)
+
+    try:
+        here = asyncio.get_running_loop()
+    except RuntimeError:
+        here = None
+    if loop is here:
+        disconnect()
+    elif not loop.is_closed():
+        loop.call_soon_threadsafe(disconnect)
+
+
 def _retrieved(trip: "asyncio.Future[Any]") -> None:
     """Mark a round trip's error as seen: one its cancelled caller left behind is nobody's."""
     if not trip.cancelled():
@@ -295,7 +321,8 @@ class _GcraClient:
         self._pinned = False
         self._conn: Any = None
         self._packed: Tuple[Any, Any] = (None, None)  # (key, args) -> the command, as last packed
-        self._aclients: Dict[int, Any] = {}
+        #: each event loop's asyncio client (``_aclient``)
+        self._aclients: "weakref.WeakKeyDictionary[Any, Any]" = weakref.WeakKeyDictionary()
         self._lock = threading.Lock()
         self._counts = {
             "round_trips": 0,
@@ -353,6 +380,10 @@ class _GcraClient:
         self._unpin()
         if self._own_client:
             self._client.close()
+        with self._lock:
+            aclients, self._aclients = list(self._aclients.items()), weakref.WeakKeyDictionary()
+        for loop, client in aclients:
+            _disconnect_on(loop, client)
 
     def _open(self) -> None:
         if self._closed:  # redis-py would reconnect a closed client silently
@@ -555,16 +586,19 @@ class _GcraClient:
             conn.disconnect()
 
     def _aclient(self) -> Any:
+        """This event loop's asyncio client, made on its first call: one per loop, so loops in
+        several threads each keep theirs.  A closed loop's client is forgotten (its connections
+        are useless, and closed when collected)."""
         loop = asyncio.get_running_loop()
-        client = self._aclients.get(id(loop))
+        client = self._aclients.get(loop)
         if client is None:
             if not self._own_client:
                 raise TypeError("acquire_async needs a RedisLimiter built with url=, not client=")
-            # connections of a dead loop are useless: keep only this loop's
-            self._aclients = {
-                id(loop): connect(self._url, self._secrets, self._timeout, is_async=True)
-            }
-            client = self._aclients[id(loop)]
+            client = connect(self._url, self._secrets, self._timeout, is_async=True)
+            with self._lock:
+                for ended in [other for other in self._aclients if other.is_closed()]:
+                    del self._aclients[ended]
+                self._aclients[loop] = client
         return client
 
     # -- the steps of acquiring ----------------------------------------------------------

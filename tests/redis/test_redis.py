@@ -222,6 +222,49 @@ def test_acquire_async_and_throttle(R, redis_server, name, monkeypatch):
 
 
 @pytest.mark.backend_independent
+def test_each_event_loop_keeps_its_own_client_until_close(R, redis_server, name, monkeypatch):
+    """Loops taking turns (threads, each with its own) keep one client each: before, each new
+    loop's call replaced every other loop's client (495 clients for 518 calls from three
+    threads), leaving their connections open.  ``close`` closes every loop's connections: at once
+    on this thread's running loop, on its own loop for another."""
+    made = []
+    connect = R.connect
+
+    def counted(*a, **kw):
+        client = connect(*a, **kw)
+        if kw.get("is_async"):
+            made.append(client)
+        return client
+
+    monkeypatch.setattr(R, "connect", counted)
+    lim = R.RedisLimiter(name, rate=1e6, burst=1000, url=redis_server.url)
+    loops = [asyncio.new_event_loop(), asyncio.new_event_loop()]
+    try:
+        for _ in range(3):
+            for loop in loops:
+                assert loop.run_until_complete(lim.acquire_async())
+        assert len(made) == 2  # one client per loop, kept
+
+        def connections(client):
+            pool = client.connection_pool
+            return [*pool._available_connections, *pool._in_use_connections]
+
+        async def close_here():
+            here = lim._aclient()
+            lim.close()
+            return [c.is_connected for c in connections(here)]
+
+        assert loops[1].run_until_complete(close_here()) == [False]  # closed at once
+        other = made[0]  # loops[0]'s: closed on loops[0], as its next callback
+        assert [c.is_connected for c in connections(other)] == [True]
+        loops[0].run_until_complete(asyncio.sleep(0))
+        assert [c.is_connected for c in connections(other)] == [False]
+    finally:
+        for loop in loops:
+            loop.close()
+
+
+@pytest.mark.backend_independent
 def test_a_cancellation_of_acquire_async_during_its_round_trip_always_ends_the_call(
     R, redis_server, name, monkeypatch
 ):

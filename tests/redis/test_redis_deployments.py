@@ -60,9 +60,13 @@ def test_cluster_url_direct_and_async(cluster, name):
     )  # the key lives on its slot's master
 
     async def main():
-        return await lim.acquire_async(timeout=1.0)
+        assert await lim.acquire_async(timeout=1.0)
+        client = lim._aclient()
+        lim.close()  # closes this loop's connections, every node's
+        return [c.is_connected for node in client.get_nodes() for c in node._connections]
 
-    assert asyncio.run(main())
+    connected = asyncio.run(main())
+    assert connected and not any(connected)
     assert "127.0.0.1" in lim.url and lim.url.startswith("redis+cluster://")
 
 
