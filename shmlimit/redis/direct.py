@@ -178,20 +178,19 @@ def _send(client: Any, key: Optional[str], args: Tuple[Any, ...]) -> Any:
     return client.script_load(LUA) if key is None else client.evalsha(LUA_SHA, 1, key, *args)
 
 
+#: the closes ``_disconnect_on`` started, held until done (a task only weakly held may vanish)
+_CLOSING: "set[asyncio.Task[Any]]" = set()
+
+
 def _disconnect_on(loop: Any, client: Any) -> None:
-    """Close an asyncio ``client``'s connections on its event ``loop``, from any thread: at once
-    on this thread's loop, else as that loop's next callback.  A closed loop's are left to be
-    closed when collected (closing a transport needs its loop)."""
+    """Close an asyncio ``client`` (its ``aclose``) on its event ``loop``, from any thread: as a
+    task of this thread's loop, else of that loop, started as its next callback.  A closed loop's
+    are left to be closed when collected (closing a transport needs its loop)."""
 
     def disconnect() -> None:
-        pool = getattr(client, "connection_pool", None)  # (a cluster's: each node's connections)
-        conns = (
-            [*pool._available_connections, *pool._in_use_connections]
-            if pool is not None
-            else [c for node in client.get_nodes() for c in node._connections]
-        )
-        for conn in conns:
-            conn._close()  # (what redis-py does for a connection collected unclosed)
+        task = loop.create_task(client.aclose())
+        _CLOSING.add(task)
+        task.add_done_callback(_CLOSING.discard)
 
     try:
         here = asyncio.get_running_loop()

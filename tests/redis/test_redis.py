@@ -249,15 +249,20 @@ def test_each_event_loop_keeps_its_own_client_until_close(R, redis_server, name,
             pool = client.connection_pool
             return [*pool._available_connections, *pool._in_use_connections]
 
-        async def close_here():
-            here = lim._aclient()
-            lim.close()
-            return [c.is_connected for c in connections(here)]
+        def settled(loop):  # every task the close started on ``loop``, done
+            loop.run_until_complete(asyncio.sleep(0))
+            loop.run_until_complete(asyncio.gather(*asyncio.all_tasks(loop)))
 
-        assert loops[1].run_until_complete(close_here()) == [False]  # closed at once
-        other = made[0]  # loops[0]'s: closed on loops[0], as its next callback
+        async def close_here():
+            lim.close()
+            return lim._aclients
+
+        assert not loops[1].run_until_complete(close_here())  # every loop's client forgotten
+        settled(loops[1])
+        assert [c.is_connected for c in connections(made[1])] == [False]
+        other = made[0]  # loops[0]'s: closed on loops[0], started as its next callback
         assert [c.is_connected for c in connections(other)] == [True]
-        loops[0].run_until_complete(asyncio.sleep(0))
+        settled(loops[0])
         assert [c.is_connected for c in connections(other)] == [False]
     finally:
         for loop in loops:
