@@ -459,8 +459,11 @@ class Attachment(Attached):
         """This process's first use: its filler thread, and its skipper when it holds ranges
         given back already (its slot's predecessor's, ``bind``).  Nothing waits for a filler:
         waiters replenish themselves."""
-        if self.filler is not None:
-            self.filler.start()
+        f = self.filler
+        if f is not None and not f.is_alive():
+            if f.ident is not None:  # started once and ended: a start cut short (a signal)
+                f = self.filler = FillerThread(f.bucket, f.lease, self.name, self._feed(), f.chore)
+            f.start()
         if self.returns.pending():
             self._skipper()
 

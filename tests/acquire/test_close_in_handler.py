@@ -186,3 +186,37 @@ def test_a_signal_handlers_close_inside_its_threads_fast_grab_neither_hangs_nor_
             lim.close()
         if not att.closed:
             att.detach()
+
+
+@pytest.mark.parametrize("thread", ["running", "ended"])
+def test_a_first_use_cut_short_by_a_signal_leaves_the_limiter_usable(name, monkeypatch, thread):
+    """A signal whose handler raises can cut a first use short in ``Thread.start``, after its
+    thread began (``running``) or once it ended (``ended``, a start that failed after its thread
+    was made).  The limiter stays usable: the next use starts no thread twice (before, every
+    later call, and every new handle of the name, raised "threads can only be started once")."""
+    from shmlimit.bucket.filler import FillerThread
+
+    start = FillerThread.start
+    cut = []
+
+    def start_then_signal(self):
+        start(self)
+        if not cut:
+            cut.append(self)
+            if thread == "ended":
+                self.stop()
+                self.join(5)
+                assert not self.is_alive()
+            raise KeyboardInterrupt
+
+    monkeypatch.setattr(FillerThread, "start", start_then_signal)
+    lim = shmlimit.Limiter(name, rate=1000, burst=10)
+    try:
+        with pytest.raises(KeyboardInterrupt):
+            lim.try_acquire()
+        assert lim.try_acquire() and lim.acquire(timeout=1)
+        assert shmlimit.Limiter(name).try_acquire()
+        filler = lim._att.filler
+        assert filler.is_alive() and (filler is cut[0]) == (thread == "running")
+    finally:
+        lim.close()
