@@ -23,7 +23,7 @@ import os
 import time
 from typing import Any, Callable, Optional, Sequence, Tuple, Union
 
-from shmlimit.acquire.sleep import SLACK_NS
+from shmlimit.acquire.sleep import SLACK_NS, wake_waiters
 from shmlimit.adapt import describe as describe_adapt
 from shmlimit.adapt import expected
 from shmlimit.adapt import read as read_adapt
@@ -245,7 +245,7 @@ class Attachment(Attached):
         self.feed_spec: Optional[UpstreamSpec] = None
         self.filler: Optional[FillerThread] = None
         #: the ticket ranges this process gave back, and the thread that skips them (started at the first)
-        self.returns = Returns(self.bucket)
+        self.returns = Returns(self.bucket, lambda: wake_waiters(self.cells))
         #: the slot owners the reap looks at, each watched through a pidfd (closed on detach)
         self.owners = OwnerWatch()
         self._returns_thread: Optional[ReturnsThread] = None
@@ -534,7 +534,7 @@ class Attachment(Attached):
         if self.lease is not None:
             self.lease.forget()
         # the parent skips the ranges it gave back; the child starts afresh (its lock may be held)
-        self.returns = Returns(self.bucket)
+        self.returns = Returns(self.bucket, lambda: wake_waiters(self.cells))
         self._returns_thread = None
         self.writers = Writers(
             lambda: self.records, self.cells

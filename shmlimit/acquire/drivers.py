@@ -14,7 +14,7 @@ import asyncio
 import time
 from typing import Any, Callable, Optional, Protocol, Union
 
-from shmlimit.acquire.sleep import sleep_until_async, sleeper
+from shmlimit.acquire.sleep import sleep_until_async, sleeper, wakes
 from shmlimit.config import NS_PER_S
 
 #: A nap is never shorter than this, unless a turn is due sooner (seconds).
@@ -48,9 +48,11 @@ def drive(req: Steps) -> bool:
     A wait for a turn (``wake_ns`` set) is the request's native wait when it
     has one (``Request.wait_native``: the whole wait without returning to
     Python), else a sleep to its instant with a low timer slack
-    (``sleep.sleep_until``); every other step is its ``nap``, or sleeps.
+    (``sleep.sleep_until``), which a skip of a range given back ends (``sleep.wake_waiters``);
+    every other step is its ``nap``, or sleeps.
     """
     try:
+        seen = wakes()  # before the step looks at the head: a skip after it ends the sleep
         step = req.begin()
         while step is not True and step is not False:
             if req.wake_ns is not None:
@@ -58,9 +60,10 @@ def drive(req: Steps) -> bool:
                 if native is not None:
                     step = native
                     continue
-                sleep_until()(req.wake_ns)
+                sleep_until()(req.wake_ns, seen)
             else:
                 getattr(req, "nap", time.sleep)(step)
+            seen = wakes()
             step = req.next()
         return step
     finally:
@@ -99,7 +102,7 @@ async def drive_async(req: Steps) -> bool:
 _sleeper: list = []
 
 
-def sleep_until() -> Callable[[int], None]:
+def sleep_until() -> Callable[[int, Optional[int]], None]:
     """This process's precise sleeper (chosen once: the backend does not change in a process)."""
     if not _sleeper:
         _sleeper.append(sleeper())

@@ -136,16 +136,17 @@ _fork_gen = 0
 
 
 def _forked() -> None:
-    global _fork_gen
+    global _fork_gen, _woken, _timers_lock
     _sliced.tried = False  # the kernel reset the slice of the child's thread (reset-on-fork)
     _fork_gen += 1
+    _woken, _timers_lock = threading.Condition(), threading.RLock()  # maybe held by another thread
 
 
 if hasattr(os, "register_at_fork"):
     os.register_at_fork(after_in_child=_forked)
 
 
-def _sleep_until_py(deadline_ns: int, slack_ns: int = SLACK_NS) -> None:
+def _sleep_until_py(deadline_ns: int, slack_ns: int = SLACK_NS, seen: Optional[int] = None) -> None:
     _short_slice()
     prctl = _load_prctl()
     old = prctl(_PR_GET_TIMERSLACK, 0, 0, 0, 0) if prctl else -1
@@ -153,8 +154,13 @@ def _sleep_until_py(deadline_ns: int, slack_ns: int = SLACK_NS) -> None:
         prctl(_PR_SET_TIMERSLACK, slack_ns, 0, 0, 0)  # type: ignore[misc]
     try:
         left = deadline_ns - time.monotonic_ns()
-        if left > 0:
+        if left > 0 and seen is None:
             time.sleep(left / 1e9)
+        elif left > 0:  # ... or until woken (``wake_waiters``) since ``seen`` was read
+            with _woken:
+                while _wakes == seen and left > 0:
+                    _woken.wait(left / 1e9)
+                    left = deadline_ns - time.monotonic_ns()
     finally:
         if old > 0 and old != slack_ns:
             prctl(_PR_SET_TIMERSLACK, old, 0, 0, 0)  # type: ignore[misc]
@@ -172,15 +178,55 @@ def at_stop(due: float, now: int) -> "tuple[float, int]":
 
 
 def sleeper() -> Callable[..., None]:
-    """``sleep_until(deadline_ns)`` for this process: native with the native backend, else Python."""
+    """``sleep_until(deadline_ns, seen=None)`` for this process: native with the native backend,
+    else Python; given ``seen`` (``wakes()`` read before the step that chose the deadline), it also
+    ends at a ``wake_waiters`` since (in Python: the native sleep cannot be woken)."""
     if selected_backend() == "native" and native_available():
         from shmlimit.shm._native import sleep_until as native
 
-        def sleep_until(deadline_ns: int, slack_ns: int = SLACK_NS) -> None:
-            native(max(0, deadline_ns), slack_ns)
+        def sleep_until(deadline_ns: int, seen: Optional[int] = None) -> None:
+            if seen is None:
+                native(max(0, deadline_ns), SLACK_NS)
+            else:
+                _sleep_until_py(deadline_ns, SLACK_NS, seen)
 
         return sleep_until
-    return _sleep_until_py
+    return lambda deadline_ns, seen=None: _sleep_until_py(deadline_ns, SLACK_NS, seen)
+
+
+# ---- waking this process's waiters: the head skipped a range given back -------------------------
+
+#: Bumped by every ``wake_waiters``: a Python sleeper that read it before the step that chose its
+#: deadline sleeps only while it is unchanged (a wake between that step and the sleep is not missed).
+_wakes = 0
+_woken = threading.Condition()  # (reentrant: a signal handler on a sleeping thread may give back)
+
+
+def wakes() -> int:
+    """The count of ``wake_waiters`` so far, to read before a step whose sleep a wake should end."""
+    return _wakes
+
+
+def wake_waiters(cells: Any) -> None:
+    """Every waiter of this process looks again now: the head skipped a range given back
+    (``giveback.Returns``), so those behind it are due sooner than the turn they sleep to.
+
+    The native waits on ``cells`` (``Cells.wake_waiters``), the Python sleepers (``wakes``), and
+    every coroutine awaiting a loop's timer (each loop's ``_LoopTimer.wake_all``, run on that loop).
+    A waiter ahead of the range looks, finds its turn unchanged, and sleeps again: the cost is one
+    step per waiter per skip, and none when nothing is given back."""
+    global _wakes
+    cells.wake_waiters()
+    with _woken:
+        _wakes += 1
+        _woken.notify_all()
+    with _timers_lock:
+        timers = [(loop, t) for loop, t in _timers.items() if t is not None and t.gen == _fork_gen]
+    for loop, timer in timers:
+        try:
+            loop.call_soon_threadsafe(timer.wake_all)
+        except RuntimeError:  # a closed loop: nobody waits on it
+            pass
 
 
 # ---- on an event loop: a timerfd per waiting coroutine ------------------------------------------
@@ -253,6 +299,16 @@ class _LoopTimer:
             self.armed = deadline_ns
         return fut
 
+    def wake_all(self) -> None:
+        """Every coroutine waiting on this timer resumes now (``wake_waiters``), the timer disarmed."""
+        heap, self.heap = self.heap, []
+        for _, _, fut in heap:
+            if not fut.done():
+                fut.set_result(None)
+        if self.armed:
+            self.armed = 0
+            self.arm(self.fd, 0)
+
     def fired(self) -> None:
         # One system call per wake: the timer is one-shot, so once it fired it is disarmed, and
         # either re-arming it (which zeroes its count of expirations: no longer readable) or
@@ -286,6 +342,7 @@ def _close_fd(fd: int, pid: int) -> None:
 _timers: "weakref.WeakKeyDictionary[asyncio.AbstractEventLoop, Optional[_LoopTimer]]" = (
     weakref.WeakKeyDictionary()
 )
+_timers_lock = threading.RLock()  # ``wake_waiters`` reads them from any thread (a handler too)
 
 
 def _loop_timer(loop: asyncio.AbstractEventLoop) -> Optional[_LoopTimer]:
@@ -305,15 +362,16 @@ def _loop_timer(loop: asyncio.AbstractEventLoop) -> Optional[_LoopTimer]:
                 timer = _LoopTimer(loop, fd, arm)
             except (NotImplementedError, OSError):  # a loop that cannot watch descriptors
                 os.close(fd)
-    _timers[loop] = timer
+    with _timers_lock:
+        _timers[loop] = timer
     return timer
 
 
 async def sleep_until_async(deadline_ns: int) -> None:
     """Await, on the running loop, until ``CLOCK_MONOTONIC`` (``time.monotonic_ns``) reaches ``deadline_ns``.
 
-    Never returns early; late by the loop's own latency rather than its
-    millisecond timeout (see the module's docstring).  Cancellable.
+    Never returns early but at a ``wake_waiters`` (on the timer); late by the loop's own latency
+    rather than its millisecond timeout (see the module's docstring).  Cancellable.
     """
     left = deadline_ns - time.monotonic_ns()
     if left <= 0:

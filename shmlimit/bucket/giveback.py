@@ -466,8 +466,11 @@ class Returns:
     a ``ReturnsThread`` calls it (tests call it directly, on a fake clock).
     """
 
-    def __init__(self, bucket: "Bucket") -> None:
+    def __init__(self, bucket: "Bucket", wake: Optional[Callable[[], None]] = None) -> None:
         self.bucket = bucket
+        #: run after a skip moved the head: this process's waiters look again (those behind the
+        #: range sleep to a turn that counted it); by default only the native waits on these cells
+        self.wake = wake if wake is not None else bucket.cells.wake_waiters
         self._lock = threading.Lock()
         self._ranges: List[
             Tuple[int, int, Optional[int], int]
@@ -511,6 +514,8 @@ class Returns:
             return False
         self.skipped += got
         take()
+        if got:
+            self.wake()
         return True
 
     def pending(self) -> List[Tuple[int, int]]:
@@ -533,6 +538,7 @@ class Returns:
         head = b.head()
         ranges.sort(key=lambda r: diff(r[0], head))  # in queue order: a skip may reach the next one
         done = set()
+        skipped = self.skipped
         replenished = False
         nap: Optional[float] = None
         for r in ranges:
@@ -550,6 +556,8 @@ class Returns:
                 continue
             nap = self._due_in(r[0])
             break  # the head is before this one: those behind it are further still
+        if self.skipped != skipped:
+            self.wake()  # the head jumped: waiters behind look again now, not at the turn they slept to
         with self._lock:
             self._ranges = [r for r in self._ranges if r not in done]
             if not self._ranges:

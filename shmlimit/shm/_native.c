@@ -50,6 +50,10 @@ typedef struct {
     /* Waiters (see WAITER) run without the GIL: close() wakes them (`closing`, a futex word) and
      * waits until `busy`, the callers inside, is 0 before it lets the mapping go. */
     uint32_t closing;
+    /* Bumped by wake_waiters() (the head skipped a range given back: giveback) and by close(): the
+     * waiters of this process sleep on it, from the value they read before the step that chose
+     * their sleep, so a wake between that step and the sleep is not missed. */
+    uint32_t skips;
     int busy;
     unsigned long busy_gen;
     /* FED WAIT: the shared word fed waiters of this process sleep on (NULL: none made), woken by close() too */
@@ -2169,10 +2173,22 @@ static PyObject *cells_fed_waiter(NativeCells *self, PyObject *const *args, Py_s
 /* leave_waiters(): close()'s first half -- every waiter of this process leaves its native loop and
  * none is granted there from now on (`closing` stays set), the mapping kept: a closing attachment
  * then records its waiters' tickets as given back, none of which a native loop may still grant. */
+static void waiters_leave(NativeCells *self);
+static void waiters_wake(NativeCells *self);
+
 static PyObject *
 cells_leave_waiters(NativeCells *self, PyObject *Py_UNUSED(ignored))
 {
     waiters_leave(self);
+    Py_RETURN_NONE;
+}
+
+/* wake_waiters(): every native wait of this process on these cells steps again now (giveback: the
+ * head skipped a range given back, so the waiters behind it are due sooner than they sleep to). */
+static PyObject *
+cells_wake_waiters(NativeCells *self, PyObject *Py_UNUSED(ignored))
+{
+    waiters_wake(self);
     Py_RETURN_NONE;
 }
 
@@ -2282,6 +2298,8 @@ static PyMethodDef cells_methods[] = {
      "fed_waiter(seq, expected, head, lease, grants, waiting, wake, next_ns, cost, tpn, grace_ns) -> FedWaiter"},
     {"leave_waiters", (PyCFunction)cells_leave_waiters, METH_NOARGS,
      "every native wait of this process returns, and any later one at once (before close)"},
+    {"wake_waiters", (PyCFunction)cells_wake_waiters, METH_NOARGS,
+     "every native wait of this process on these cells steps again now (a given-back range was skipped)"},
     {"close", (PyCFunction)cells_close, METH_NOARGS, "release the buffer; later calls raise ValueError"},
     {NULL, NULL, 0, NULL},
 };
@@ -2890,21 +2908,22 @@ waiter_lease_lapsed(Waiter *w, uint64_t now)
     return l == 0 || (l >> WAIT_LEASE_SLOT_BITS) <= now / 1000u;
 }
 
-/* Sleep to the CLOCK_MONOTONIC instant `at`; 0 if interrupted by a signal or by close().  On Linux
+/* Sleep to the CLOCK_MONOTONIC instant `at`, or until `skips` moves from `seen` (read before the
+ * step that chose `at`: a skip or a close); 0 if interrupted by a signal or by close().  On Linux
  * the sleep is a private futex wait with an absolute CLOCK_MONOTONIC deadline (FUTEX_WAIT_BITSET)
- * on this process's `closing` word, so close() wakes every waiter at once. */
+ * on this process's `skips` word, so wake_waiters() and close() wake every waiter at once. */
 static int
-waiter_sleep(Waiter *w, uint64_t at)
+waiter_sleep(Waiter *w, uint64_t at, uint32_t seen)
 {
 #ifdef __linux__
     struct timespec ts = ns_timespec(at);
-    long r = syscall(SYS_futex, &w->cells->closing, FUTEX_WAIT_BITSET | FUTEX_PRIVATE_FLAG, 0, &ts, NULL,
+    long r = syscall(SYS_futex, &w->cells->skips, FUTEX_WAIT_BITSET | FUTEX_PRIVATE_FLAG, seen, &ts, NULL,
                      FUTEX_BITSET_MATCH_ANY);
-    if (r == 0 || __atomic_load_n(&w->cells->closing, __ATOMIC_SEQ_CST))
+    if (__atomic_load_n(&w->cells->closing, __ATOMIC_SEQ_CST))
         return 0;
-    return errno != EINTR;
+    return r == 0 || errno != EINTR; /* woken (a skip: step again), the deadline, or `skips` moved */
 #else
-    (void)w;
+    (void)seen;
     return wait_plain_sleep(at);
 #endif
 }
@@ -3053,12 +3072,14 @@ waiter_loop(WaitBase *base, uint64_t ticket, uint64_t ops, uint64_t tokens, uint
     Waiter *w = (Waiter *)base;
     int flags = 0;
     uint64_t at;
+    uint32_t seen = __atomic_load_n(&w->cells->skips, __ATOMIC_SEQ_CST); /* before the step's look */
     while (waiter_step(w, ticket, ops, tokens, until, &flags, &at) == STEP_SLEEP) {
         wait_short_slice();
         wait_low_slack(w->slack_ns);
         __atomic_fetch_add(&w->naps, 1, __ATOMIC_RELAXED);
-        if (!waiter_sleep(w, at) || at >= until)
+        if (!waiter_sleep(w, at, seen) || at >= until)
             break;
+        seen = __atomic_load_n(&w->cells->skips, __ATOMIC_SEQ_CST);
     }
     return flags;
 }
@@ -3266,8 +3287,7 @@ lease_renew(uint64_t *lease, uint64_t *word, uint64_t now, uint64_t lease_us)
     return 1;
 }
 
-/* Wake this process's sleepers on `closing` (a span woken so looks at its stop flag; a waiter
- * looks again and goes back to its wait). */
+/* Wake this process's sleepers on `closing` (a span woken so looks at its stop flag). */
 static void
 filler_wake(NativeCells *c)
 {
@@ -3374,7 +3394,7 @@ waiter_fill(Waiter *self, PyObject *const *args, Py_ssize_t n)
 
 /* interrupt(): a filler span (Waiter.fill, FedWaiter.deliver) in progress in another thread ends
  * at once, and every later one of this waiter: the flag, then a wake of this process's sleepers on
- * `closing` (a waiter woken by it looks again and goes back to its wait in Python). */
+ * `closing` (the spans; waiters sleep on `skips`). */
 static PyObject *
 wait_interrupt(WaitBase *self, PyObject *unused)
 {
@@ -3777,9 +3797,11 @@ static void
 waiters_leave(NativeCells *self)
 {
     __atomic_store_n(&self->closing, 1, __ATOMIC_SEQ_CST);
+    __atomic_fetch_add(&self->skips, 1, __ATOMIC_SEQ_CST); /* a waiter about to sleep returns at once */
     if (self->busy_gen != waiter_fork_gen || __atomic_load_n(&self->busy, __ATOMIC_SEQ_CST) == 0)
         return;
 #ifdef __linux__
+    syscall(SYS_futex, &self->skips, FUTEX_WAKE | FUTEX_PRIVATE_FLAG, INT_MAX, NULL, NULL, 0);
     syscall(SYS_futex, &self->closing, FUTEX_WAKE | FUTEX_PRIVATE_FLAG, INT_MAX, NULL, NULL, 0);
     if (self->fed_word) /* FED WAIT: the shared word (other processes' waiters wake too, look, sleep again) */
         syscall(SYS_futex, self->fed_word, FUTEX_WAKE_BITSET, INT_MAX, NULL, NULL, FUTEX_BITSET_MATCH_ANY);
@@ -3790,6 +3812,16 @@ waiters_leave(NativeCells *self)
         nanosleep(&ts, NULL);
     }
     Py_END_ALLOW_THREADS
+}
+/* wake_waiters(): the waiters of this process step again (they sleep on `skips`, see waiter_sleep). */
+static void
+waiters_wake(NativeCells *self)
+{
+    __atomic_fetch_add(&self->skips, 1, __ATOMIC_SEQ_CST);
+#ifdef __linux__
+    if (self->busy_gen == waiter_fork_gen && __atomic_load_n(&self->busy, __ATOMIC_SEQ_CST) > 0)
+        syscall(SYS_futex, &self->skips, FUTEX_WAKE | FUTEX_PRIVATE_FLAG, INT_MAX, NULL, NULL, 0);
+#endif
 }
 /* ======================================================================================
  * END WAITER

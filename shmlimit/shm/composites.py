@@ -172,6 +172,11 @@ class Cells(abc.ABC):
     @abc.abstractmethod
     def close(self) -> None: ...
 
+    def wake_waiters(self) -> None:
+        """Every native wait of this process on these cells steps again now (the head skipped a
+        range given back: ``giveback``).  The ``atomics`` backend has no native wait."""
+        return None
+
     @abc.abstractmethod
     def futex_wait(self, off: int, expected: int, bitset: int, deadline_ns: int) -> bool:
         """Sleep while the low 32 bits of the word hold ``expected``'s, for the bits of ``bitset``, until

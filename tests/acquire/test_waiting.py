@@ -407,9 +407,9 @@ def test_a_waiter_replenishes_at_its_turn_without_working_it_out_again(name, mon
         counts["sleeps"] += 1
         await sleep(deadline)
 
-    def counted_sleep_until(deadline):
+    def counted_sleep_until(deadline, seen=None):
         counts["sleeps"] += 1
-        sleep_until(deadline)
+        sleep_until(deadline, seen)
 
     async def run():
         for _ in range(20):
