@@ -128,7 +128,7 @@ def _quiet(lim):
     """``lim``'s attachments (one per rate), in use, their filler threads stopped: they replenish on
     the real clock's pace, at instants of the injected clock the test does not choose."""
     atts = lim._live()
-    atts = atts if isinstance(atts, list) else [atts]
+    atts = atts if isinstance(atts, (list, tuple)) else [atts]
     for att in atts:
         att.filler.stop()
         att.filler.join(10)

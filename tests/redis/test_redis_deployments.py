@@ -62,8 +62,10 @@ def test_cluster_url_direct_and_async(cluster, name):
     async def main():
         assert await lim.acquire_async(timeout=1.0)
         client = lim._aclient()
-        lim.close()  # closes this loop's connections, every node's
-        return [c.is_connected for node in client.get_nodes() for c in node._connections]
+        nodes = client.get_nodes()
+        lim.close()  # closes this loop's client, every node's connections, as a task of the loop
+        await asyncio.gather(*(t for t in asyncio.all_tasks() if t is not asyncio.current_task()))
+        return [c.is_connected for node in nodes for c in node._connections]
 
     connected = asyncio.run(main())
     assert connected and not any(connected)
