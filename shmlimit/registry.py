@@ -74,29 +74,16 @@ class Attached:
         """The kind's words and objects for ``slot`` (None: unregistered), after every change of it."""
 
     def join(self) -> None:
-        """Register this process in the process table (``bind`` its slot's words), in the slot it
-        held before an ``exec`` if it did (``stale_self``)."""
+        """Register this process in the process table (``bind`` its slot's words)."""
         self.pid = os.getpid()
         start = proc_start(self.pid)
         self.slot = self.table.register(
-            self.pid, start if start and start > 0 else 0, pid_namespace(), self.stale_self()
+            self.pid, start if start and start > 0 else 0, pid_namespace()
         )
         self.joined, self.beyond = True, self.slot is None
         if self.beyond:
             count_out_at_exit(self)
         self.bind()
-
-    def stale_self(self) -> Optional[Tuple[int, int, int]]:
-        """This process's identity in the table (pid, start, namespace) when a slot that names it
-        can only be stale, else None.  ``exec`` keeps all three, so a slot registered before one
-        still reads alive, though its program (its attachment, its waiters) is gone.  A process
-        registers once per mapping; when no other mapping of these bytes exists in it
-        (``Segment.mapped_once``: /proc, so another interpreter's counts too), a slot naming it is
-        no live registration's.  Unknown start, or another mapping: None (the safe side)."""
-        start = proc_start(os.getpid())
-        if not start or start < 0 or not self.seg.mapped_once():
-            return None
-        return os.getpid(), start, pid_namespace()
 
     def start(self) -> None:
         """The kind's threads, at this process's first use."""
@@ -170,12 +157,8 @@ class Attached:
         just after the segment becomes ready, and must find the config it created (a pid reused
         since counts as alive: the safe side)."""
         creator = self.cells.load(L.CREATOR_PID_OFF)
-        stale = self.stale_self()  # this process before an exec: no user
         return reconfigure or not (
-            self.table.live(stale)
-            or 0 < creator <= 0xFFFFFFFF
-            and is_alive(creator, 0)
-            and not (stale and creator == stale[0])
+            self.table.live() or 0 < creator <= 0xFFFFFFFF and is_alive(creator, 0)
         )
 
     def vet(self, mode: int, trusted: FrozenSet[int]) -> None:

@@ -328,37 +328,6 @@ class Segment:
             name, buf, size, False, st.st_ino, st.st_ctime_ns, st.st_uid, st.st_mode & 0o7777
         )
 
-    def mapped_once(self) -> bool:
-        """Whether this mapping is the only one of its bytes of the file in this process, every
-        interpreter's alike (False when /proc cannot tell).  A slot of the process table naming
-        this process, found then, is none of its live registrations: it was made before an
-        ``exec`` (see ``registry.Attached.stale_self``)."""
-        if not isinstance(self.mm, mmap.mmap):
-            return False
-        from shmlimit.shm.futex import address_of
-
-        try:
-            addr = address_of(self.mm)
-            with open("/proc/self/maps") as f:
-                lines = [ln.split() for ln in f]
-        except (OSError, ValueError, TypeError):
-            return False
-        spans = []  # (device, inode, first byte, end) of every mapping of a file
-        mine = None
-        for ln in lines:
-            if len(ln) < 6 or ln[4] == "0":
-                continue
-            lo, hi = (int(x, 16) for x in ln[0].split("-"))
-            first = int(ln[2], 16)
-            spans.append((ln[3], ln[4], first, first + hi - lo))
-            if lo <= addr < hi:
-                mine = (ln[3], ln[4], first + addr - lo)
-        if mine is None or mine[1] != str(self.inode):
-            return False
-        dev, ino, start = mine
-        end = start + len(self.mm)
-        return 1 == sum(d == dev and i == ino and a < end and start < b for d, i, a, b in spans)
-
     def close(self) -> None:
         if isinstance(self.mm, mmap.mmap):
             self.mm.close()

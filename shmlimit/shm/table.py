@@ -250,48 +250,31 @@ class ProcessTable:
         self.cells = cells
         self.slots = slots
 
-    def register(
-        self, pid: int, start: int, pidns: int = 0, stale: Optional[Tuple[int, int, int]] = None
-    ) -> Optional[int]:
+    def register(self, pid: int, start: int, pidns: int = 0) -> Optional[int]:
         """Claim a free slot, else reclaim a dead process's slot; None when all are live, the
         process then counted beyond the table (BEYOND) until ``unregister(None, pid)``: counted
-        before the caller looks at STATE, as a slot is claimed (``segment.claim_and_unlink``).
-
-        ``stale``: an owner (pid, start, namespace) to take for dead although it runs (this
-        process before an ``exec``, ``registry.Attached.stale_self``): its slot is reclaimed
-        first, so that its successor takes over what it left recorded there."""
+        before the caller looks at STATE, as a slot is claimed (``segment.claim_and_unlink``)."""
         c = self.cells
-        if stale is not None:
-            for i in range(self.slots):
-                if self._owner(i) == stale and self._reclaim(i, stale[0], stale[1], pid):
-                    self._fill(L.slot_offset(i), start, pidns)
-                    return i
         for i in range(self.slots):
             base = L.slot_offset(i)
             if c.load(base + L.SLOT_PID) == 0 and c.cas(base + L.SLOT_PID, 0, pid):
                 self._fill(base, start, pidns)
                 return i
         for i in range(self.slots):
-            old, old_start, old_ns = self._owner(i)
-            if not old or slot_alive(old, old_start, old_ns):
+            base = L.slot_offset(i)
+            old = c.load(base + L.SLOT_PID)
+            old_start = c.load(base + L.SLOT_START)
+            if not old or slot_alive(old, old_start, c.load(base + L.SLOT_PIDNS)):
                 continue
-            if self._reclaim(i, old, old_start, pid):
-                self._fill(L.slot_offset(i), start, pidns)
+            # Zero START first: while (PID, START) reads (new pid, 0) the slot counts as
+            # "registering, alive", so nobody can mistake the new owner for the dead one.
+            if not c.cas(base + L.SLOT_START, old_start, 0):
+                continue
+            if c.cas(base + L.SLOT_PID, old, pid):
+                self._fill(base, start, pidns)
                 return i
         c.fetch_add(L.BEYOND, 1)
         return None
-
-    def _owner(self, index: int) -> Tuple[int, int, int]:
-        """Slot ``index``'s owner: (pid, start, namespace)."""
-        c, base = self.cells, L.slot_offset(index)
-        return c.load(base + L.SLOT_PID), c.load(base + L.SLOT_START), c.load(base + L.SLOT_PIDNS)
-
-    def _reclaim(self, index: int, old: int, old_start: int, pid: int) -> bool:
-        """Take slot ``index`` from its owner (``old``, started at ``old_start``) for ``pid``."""
-        c, base = self.cells, L.slot_offset(index)
-        # Zero START first: while (PID, START) reads (new pid, 0) the slot counts as
-        # "registering, alive", so nobody can mistake the new owner for the dead one.
-        return c.cas(base + L.SLOT_START, old_start, 0) and c.cas(base + L.SLOT_PID, old, pid)
 
     def _fill(self, base: int, start: int, pidns: int) -> None:
         c = self.cells
@@ -342,13 +325,11 @@ class ProcessTable:
         attached (whose count stays)."""
         return self.cells.load(L.BEYOND)
 
-    def live(self, stale: Optional[Tuple[int, int, int]] = None) -> bool:
+    def live(self) -> bool:
         """Some process is attached beyond the table, or some live process is registered
-        (``slot_alive``: another namespace's counts as alive; ``stale``'s slot, as ``register``
-        says, does not)."""
+        (``slot_alive``: another namespace's counts as alive)."""
         return self.beyond() != 0 or any(
-            (e.pid, e.start, e.pidns) != stale and slot_alive(e.pid, e.start, e.pidns)
-            for e in self.entries()
+            slot_alive(e.pid, e.start, e.pidns) for e in self.entries()
         )
 
     def total_grants(self) -> int:
