@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import functools
 import inspect
-import threading
 from typing import Any, Callable, Optional, TypeVar, Union
 
 from shmlimit.config import Config, validate_n, validate_timeout
@@ -109,17 +108,18 @@ def throttle(
             f"limiter must be a name or a Limiter/RedisLimiter, not {type(limiter).__name__}"
         )
     timeout = max_wait if (on_limit == "wait" or max_wait is not None) else 0.0
-    lock = threading.Lock()
-    holder: list = [None if isinstance(limiter, str) else limiter]
+    made: dict = {} if isinstance(limiter, str) else {"lim": limiter}
 
     def get() -> Any:
-        lim = holder[0]
+        # No lock: a thread forking while another held one making the limiter would leave the
+        # child's copy held for ever.  Opening by name is idempotent: threads that race each open
+        # a handle, the first stored is kept (setdefault is atomic), the others are closed.
+        lim = made.get("lim")
         if lim is None:
-            with lock:
-                if holder[0] is None:
-                    make = KeyedLimiter if keyed else Limiter
-                    holder[0] = make(name, rate, per, burst, **limiter_options)
-                lim = holder[0]
+            new = (KeyedLimiter if keyed else Limiter)(name, rate, per, burst, **limiter_options)
+            lim = made.setdefault("lim", new)
+            if lim is not new:
+                new.close()
         return lim
 
     def ask(args: Any, kwargs: Any) -> tuple:
