@@ -56,7 +56,8 @@ def throttle(
     key: Optional[Callable[..., Any]] = None,
     **limiter_options: Any,
 ) -> Callable[[F], F]:
-    """Rate-limit every call of the decorated function (plain or ``async def``) by ``n`` ops.
+    """Rate-limit every call of the decorated function (plain or ``async def``) by ``n`` ops;
+    a generator's (plain or async) are taken on its first ``next()``.
 
     ``limiter`` is a limiter name (created with ``rate``/``per``/``burst``
     and ``limiter_options`` on first use, or attached when ``rate`` is None),
@@ -126,35 +127,74 @@ def throttle(
         """What a call asks of the limiter: ``(key, n)`` keyed, else ``(n,)``."""
         return (key(*args, **kwargs), n) if keyed else (n,)  # type: ignore[misc]
 
-    def refused(lim: Any, asked: tuple) -> Any:
+    def refused(lim: Any, asked: tuple) -> bool:
+        """A call whose ops were not had: False to skip it, or ``RateLimited`` raised."""
         if on_limit == "skip":
-            return None
+            return False
         retry = getattr(lim, "retry_after", None)
         raise RateLimited(name, retry(*asked) if callable(retry) else None)
 
+    def taken(args: Any, kwargs: Any) -> bool:
+        """Whether a call runs: its ops taken, waiting as ``on_limit`` says."""
+        lim = get()
+        asked = ask(args, kwargs)
+        return lim.acquire(*asked, timeout=timeout) or refused(lim, asked)
+
+    async def taken_async(args: Any, kwargs: Any) -> bool:
+        """``taken``, awaited: the event loop runs on meanwhile."""
+        lim = get()
+        asked = ask(args, kwargs)
+        return await lim.acquire_async(*asked, timeout=timeout) or refused(lim, asked)
+
     def decorate(fn: F) -> F:
-        if inspect.iscoroutinefunction(fn):
+        # A generator's ops are taken when its body would begin, on the first next(), not when
+        # it is made: skipped, it yields nothing.
+        if inspect.isasyncgenfunction(fn):
+
+            @functools.wraps(fn)
+            async def async_gen_wrapper(*args: Any, **kwargs: Any) -> Any:
+                if not await taken_async(args, kwargs):
+                    return
+                gen = fn(*args, **kwargs)
+                try:  # what ``yield from`` does for a generator: sent and thrown in passed on
+                    item = await gen.__anext__()
+                    while True:
+                        try:
+                            sent = yield item
+                        except GeneratorExit:
+                            await gen.aclose()
+                            raise
+                        except BaseException as e:
+                            item = await gen.athrow(e)
+                        else:
+                            item = await gen.asend(sent)
+                except StopAsyncIteration:
+                    return
+
+            wrapper: Any = async_gen_wrapper
+        elif inspect.iscoroutinefunction(fn):
 
             @functools.wraps(fn)
             async def async_wrapper(*args: Any, **kwargs: Any) -> Any:
-                lim = get()
-                asked = ask(args, kwargs)
-                if not await lim.acquire_async(*asked, timeout=timeout):
-                    return refused(lim, asked)
-                return await fn(*args, **kwargs)
+                return await fn(*args, **kwargs) if await taken_async(args, kwargs) else None
 
-            async_wrapper.limiter = get  # type: ignore[attr-defined]
-            return async_wrapper  # type: ignore[return-value]
+            wrapper = async_wrapper
+        elif inspect.isgeneratorfunction(fn):
 
-        @functools.wraps(fn)
-        def wrapper(*args: Any, **kwargs: Any) -> Any:
-            lim = get()
-            asked = ask(args, kwargs)
-            if not lim.acquire(*asked, timeout=timeout):
-                return refused(lim, asked)
-            return fn(*args, **kwargs)
+            @functools.wraps(fn)
+            def gen_wrapper(*args: Any, **kwargs: Any) -> Any:
+                if taken(args, kwargs):
+                    return (yield from fn(*args, **kwargs))
 
-        wrapper.limiter = get  # type: ignore[attr-defined]
-        return wrapper  # type: ignore[return-value]
+            wrapper = gen_wrapper
+        else:
+
+            @functools.wraps(fn)
+            def plain_wrapper(*args: Any, **kwargs: Any) -> Any:
+                return fn(*args, **kwargs) if taken(args, kwargs) else None
+
+            wrapper = plain_wrapper
+        wrapper.limiter = get
+        return wrapper  # type: ignore[no-any-return]
 
     return decorate

@@ -1,10 +1,13 @@
 """The ``@throttle`` decorator (shmlimit/throttle.py): its limiter made on the first call, from
 any thread, in a process forked at any time."""
 
+import asyncio
 import importlib
+import inspect
 import os
 import threading
 
+import pytest
 from support.procs import wait_exit
 
 import shmlimit
@@ -68,3 +71,69 @@ def test_threads_racing_to_make_the_limiter_keep_one_and_close_the_others(name, 
     assert [h.closed for h in made] == [h is not kept for h in made]
     assert kept.stats().grants == 2
     kept.close()
+
+
+class _AwaitedOnly:
+    """A limiter that grants every op, awaited; a blocking ``acquire`` (on the loop) fails."""
+
+    name = "awaited-only"
+
+    def __init__(self):
+        self.taken = 0
+
+    def acquire(self, n=1, timeout=None):
+        raise AssertionError("a blocking acquire, on the event loop")
+
+    async def acquire_async(self, n=1, timeout=None):
+        self.taken += n
+        return True
+
+
+def test_an_async_generator_awaits_its_ops_on_its_first_iteration():
+    """``async def`` with ``yield`` is no coroutine function: it was given the plain wrapper, whose
+    blocking acquire held the event loop for the whole wait."""
+    lim = _AwaitedOnly()
+
+    @shmlimit.throttle(lim, n=2)
+    async def numbers(k):
+        """Doc."""
+        got = yield k
+        yield got
+
+    async def main():
+        gen = numbers(5)
+        assert lim.taken == 0  # made, not begun: nothing taken yet
+        first = await gen.__anext__()
+        second = await gen.asend("sent")  # what is sent reaches the generator
+        rest = [x async for x in gen]
+        return first, second, rest, [x async for x in numbers(1)]
+
+    assert inspect.isasyncgenfunction(numbers) and numbers.__doc__ == "Doc."
+    assert asyncio.run(main()) == (5, "sent", [], [1, None])
+    assert lim.taken == 4
+
+
+def test_generators_take_their_ops_on_the_first_next_and_skipped_yield_nothing(name):
+    @shmlimit.throttle(name, rate=1, per=60, on_limit="skip")
+    def numbers():
+        got = yield 1
+        yield got
+
+    gen = numbers()
+    assert numbers.limiter().stats().grants == 0  # made, not begun
+    assert (next(gen), gen.send("sent")) == (1, "sent")
+    assert list(numbers()) == []  # skipped: the one op of the minute is taken
+    raiser = shmlimit.throttle(numbers.limiter(), on_limit="raise")(numbers.__wrapped__)
+    with pytest.raises(shmlimit.RateLimited):
+        next(raiser())
+
+    @shmlimit.throttle(numbers.limiter(), on_limit="skip")
+    async def later():
+        yield "never"
+
+    async def main():
+        return [x async for x in later()]
+
+    assert asyncio.run(main()) == []
+    assert numbers.limiter().stats().grants == 1
+    numbers.limiter().close()
