@@ -21,6 +21,7 @@ from shmlimit.config import Config, validate_n, validate_timeout
 from shmlimit.errors import RateLimited
 from shmlimit.keyed.limiter import KeyedLimiter
 from shmlimit.limiter import Limiter
+from shmlimit.protocol import KeyedRateLimit
 from shmlimit.shm.segment import validate_name
 
 F = TypeVar("F", bound=Callable[..., Any])
@@ -74,8 +75,10 @@ def throttle(
 
     With ``key`` (a callable taking the decorated function's arguments and
     returning a str or bytes), each call is limited per key: ``limiter`` is
-    then a ``KeyedLimiter`` or the name of one (created on first use, with
-    ``limiter_options`` such as ``keys=``).
+    then a keyed limiter (a ``KeyedRateLimit``: a ``KeyedLimiter``, of one
+    rate or several, or a ``RedisKeyedLimiter``) or the name of a
+    ``KeyedLimiter`` (created on first use, with ``limiter_options`` such as
+    ``keys=``).
     """
     if on_limit not in ON_LIMIT:
         raise ValueError(f"on_limit must be one of {', '.join(ON_LIMIT)}, got {on_limit!r}")
@@ -100,8 +103,13 @@ def throttle(
             f"{', '.join(given + sorted(limiter_options))}: these configure a limiter made by name; "
             f"the {type(limiter).__name__} given is configured already (see its set_rate)"
         )
-    elif keyed != isinstance(limiter, KeyedLimiter):
-        raise TypeError("a KeyedLimiter needs key=, and key= needs a KeyedLimiter (or a name)")
+    elif keyed != isinstance(limiter, KeyedRateLimit):
+        raise TypeError(
+            f"key= needs a keyed limiter (or a name), not a {type(limiter).__name__}"
+            if keyed
+            else f"the {type(limiter).__name__} given is keyed: pass key= (a callable taking "
+            "the function's arguments and returning the key)"
+        )
     elif all(hasattr(limiter, a) for a in ("acquire", "acquire_async", "name")):
         name = limiter.name
     else:

@@ -137,3 +137,22 @@ def test_generators_take_their_ops_on_the_first_next_and_skipped_yield_nothing(n
     assert asyncio.run(main()) == []
     assert numbers.limiter().stats().grants == 1
     numbers.limiter().close()
+
+
+def test_a_keyed_limiter_of_several_rates_is_taken_as_an_instance_with_key(name):
+    """``KeyedLimiter(name, rates=...)`` is a ``MultiKeyedLimiter``: refused with ``key=`` (the
+    message said a KeyedLimiter was needed), and accepted without it, then every call failed
+    (``n`` taken for the key).  A keyed limiter is one of the ``KeyedRateLimit`` protocol."""
+    lim = shmlimit.KeyedLimiter(name, rates=["1/min", "100/hour"], keys=64)
+    try:
+        f = shmlimit.throttle(lim, key=lambda user: user, on_limit="skip")(lambda user: user)
+        assert [f("ada"), f("ada"), f("bob")] == ["ada", None, "bob"]
+        with pytest.raises(TypeError, match="MultiKeyedLimiter given is keyed: pass key="):
+            shmlimit.throttle(lim)
+        plain = shmlimit.Limiter(name + "-plain", rate=1)
+        with pytest.raises(TypeError, match="key= needs a keyed limiter .*not a Limiter"):
+            shmlimit.throttle(plain, key=str)
+        plain.close()
+        plain.unlink()
+    finally:
+        lim.close()
