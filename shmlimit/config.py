@@ -21,6 +21,7 @@ from __future__ import annotations
 import math
 import re
 import time
+from contextvars import ContextVar
 from dataclasses import asdict, dataclass
 from fractions import Fraction
 from functools import cached_property
@@ -509,3 +510,30 @@ def validate_reconfigure(reconfigure: object, configured: bool, what: str) -> No
         raise ValueError(f"reconfigure must be True or False, got {reconfigure!r}")
     if reconfigure and not configured:
         raise ValueError(f"reconfigure=True needs rate= ({what})")
+
+
+_CHECKING_ONLY: ContextVar[bool] = ContextVar("shmlimit_checking_only", default=False)
+
+
+class _Checked(Exception):
+    """``arguments_checked`` under ``check_arguments``: every argument passed."""
+
+
+def arguments_checked() -> None:
+    """Called by each limiter's constructor once all its arguments are checked, before it opens
+    or creates anything: under ``check_arguments`` the construction stops there."""
+    if _CHECKING_ONLY.get():
+        raise _Checked
+
+
+def check_arguments(make: Callable[..., object], *args: object, **kwargs: object) -> None:
+    """Refuse now what ``make(*args, **kwargs)`` (a limiter's constructor) would, by its own checks,
+    opening and creating nothing: the construction runs up to its ``arguments_checked()``."""
+    token = _CHECKING_ONLY.set(True)
+    try:
+        make(*args, **kwargs)
+    except _Checked:
+        return
+    finally:
+        _CHECKING_ONLY.reset(token)
+    raise AssertionError(f"{make.__name__} opened a limiter before arguments_checked()")

@@ -37,6 +37,7 @@ from shmlimit.adapt import feedback as adapt_feedback
 from shmlimit.attachment import Attachment, FastPaths, check_upstream, open_attachment, registry
 from shmlimit.config import (
     Config,
+    arguments_checked,
     creation_only,
     validate_clock,
     validate_n,
@@ -288,6 +289,7 @@ class Limiter(RatesSwitch, AcquireOnEnter, Handle):
                 raise ValueError(f"initial must be a finite number of ops >= 0, got {initial!r}")
         validate_slots(slots)
         clock = validate_clock(clock)
+        arguments_checked()
         self._name = name
         self._mode = mode
         self._trusted = trusted

@@ -57,7 +57,13 @@ from shmlimit.adapt import check_config, per_rate
 from shmlimit.adapt import feedback as adapt_feedback
 from shmlimit.attachment import Attachment, gate_all, on_clock, open_attachment, release
 from shmlimit.bucket.fences import FenceHold
-from shmlimit.config import NS_PER_S, Config, validate_clock, validate_timeout
+from shmlimit.config import (
+    NS_PER_S,
+    Config,
+    arguments_checked,
+    validate_clock,
+    validate_timeout,
+)
 from shmlimit.group import GroupCreation, copy_regions, open_rates
 from shmlimit.header import Creation
 from shmlimit.protocol import AcquireOnEnter
@@ -136,6 +142,7 @@ class MultiLimiter(RateGroup, AcquireOnEnter, Held):
                 mode,
                 slots,
             )
+        arguments_checked()
         self._name = name
         self._mode = mode
         self._trusted = trusted

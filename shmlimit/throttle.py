@@ -17,32 +17,14 @@ import functools
 import inspect
 from typing import Any, Callable, Optional, TypeVar, Union
 
-from shmlimit.config import Config, validate_n, validate_timeout
+from shmlimit.config import check_arguments, validate_n, validate_timeout
 from shmlimit.errors import RateLimited
 from shmlimit.keyed.limiter import KeyedLimiter
 from shmlimit.limiter import Limiter
 from shmlimit.protocol import KeyedRateLimit
-from shmlimit.shm.segment import validate_name
 
 F = TypeVar("F", bound=Callable[..., Any])
 ON_LIMIT = ("wait", "skip", "raise")
-
-
-def _check_options(
-    make: type, rate: Any, per: float, burst: Optional[float], options: dict
-) -> None:
-    """Refuse now what the first call's ``make(name, rate, per, burst, **options)`` would: an
-    unknown option, or a bad rate, per or burst (the limiter itself is made only on that call)."""
-    known = inspect.signature(make.__init__).parameters
-    unknown = sorted(
-        k for k in options if k not in known or k in ("self", "name", "rate", "per", "burst")
-    )
-    if unknown:
-        raise TypeError(f"{', '.join(unknown)}: not an option of {make.__name__}")
-    if make is Limiter and rate is not None and options.get("upstream") is None:
-        Config.make(
-            rate, per, burst
-        )  # raises naming the parameter; capped, ratio and the rest add their own checks
 
 
 def throttle(
@@ -90,9 +72,11 @@ def throttle(
         )
     keyed = key is not None
     if isinstance(limiter, str):
-        validate_name(limiter)
         name = limiter
-        _check_options(KeyedLimiter if keyed else Limiter, rate, per, burst, limiter_options)
+        # refused now what the first call's construction would refuse (nothing is opened yet)
+        check_arguments(
+            KeyedLimiter if keyed else Limiter, name, rate, per, burst, **limiter_options
+        )
     elif rate is not None or per != 1.0 or burst is not None or limiter_options:
         given = [
             p

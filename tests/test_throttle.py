@@ -156,3 +156,33 @@ def test_a_keyed_limiter_of_several_rates_is_taken_as_an_instance_with_key(name)
         plain.unlink()
     finally:
         lim.close()
+
+
+@pytest.mark.parametrize(
+    "options,param",
+    [
+        (dict(rate=-1, key=str), "rate"),
+        (dict(rate=5, per=0, key=str), "per"),
+        (dict(rate=5, keys=-3, key=str), "keys"),
+        (dict(rates=["nope"]), "rate spec 'nope'"),
+        (dict(rates=["nope"], key=str), "rate spec 'nope'"),
+        (dict(rate=5, rates=["5/s"]), "rate= .* or rates="),
+        (dict(per=6), "per= apply only when rate= creates"),
+        (dict(burst=3), "burst= apply only when rate= creates"),
+        (dict(per=6, key=str), "per= apply only when rate= creates"),
+        (dict(rate=5, capped="yes"), "capped"),
+        (dict(rate=5, slots=0), "slots"),
+        (dict(rates=["5/s"], slots=0), "slots"),
+        (dict(rate=5, bogus=1), "bogus"),
+        (dict(rates=["5/s"], bogus=1), "bogus"),
+        (dict(rates=["5/s"], bogus=1, key=str), "bogus"),
+    ],
+)
+def test_bad_options_are_refused_when_decorating_by_the_constructors_checks(name, options, param):
+    """Only a single-rate Limiter's rate, per and burst were checked when decorating: a keyed
+    limiter's, several rates, options given without rate= and the other options of the limiter
+    were refused only at the first call.  Each is refused now as the constructor refuses it, and
+    nothing is created."""
+    with pytest.raises((TypeError, ValueError), match=param):
+        shmlimit.throttle(name, **options)
+    assert not [n for n in shmlimit.list_names() if n.startswith(name)]

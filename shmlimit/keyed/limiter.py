@@ -25,7 +25,13 @@ from shmlimit.acquire.drivers import Step, drive, drive_async
 from shmlimit.adapt import Adapt
 from shmlimit.adapt import describe as describe_adapt
 from shmlimit.adapt import write as write_adapt
-from shmlimit.config import carried_per, creation_only, validate_reconfigure, validate_timeout
+from shmlimit.config import (
+    arguments_checked,
+    carried_per,
+    creation_only,
+    validate_reconfigure,
+    validate_timeout,
+)
 from shmlimit.errors import ConfigMismatchError, KeyTableFullError
 from shmlimit.keyed import cells as KC
 from shmlimit.keyed import layout as K
@@ -466,6 +472,7 @@ class KeyedLimiter(RatesSwitch, Keyed, Handle):
             else KC.table_flags(when_full or "evict", False if store_keys is None else store_keys)
         )
         trusted = validate_trusted_uids(trusted_uids)
+        arguments_checked()
         with attaching(r is None):
             att = _open(
                 name,

@@ -33,7 +33,12 @@ from typing import Any, Callable, Iterable, List, Optional, Sequence, Tuple, Uni
 from shmlimit.acquire import all_or_nothing
 from shmlimit.acquire.drivers import Step, drive, drive_async
 from shmlimit.adapt import Adapt, per_rate
-from shmlimit.config import validate_clock, validate_reconfigure, validate_timeout
+from shmlimit.config import (
+    arguments_checked,
+    validate_clock,
+    validate_reconfigure,
+    validate_timeout,
+)
 from shmlimit.errors import KeyTableFullError, UnsupportedError
 from shmlimit.group import GroupCreation, open_rates
 from shmlimit.keyed import cells as KC
@@ -130,6 +135,8 @@ class MultiKeyedLimiter(RateGroup, Keyed):
                 (table.keys, table.overrides),
                 adapts,
             )
+
+        arguments_checked()
 
         # create the group or open it, then attach to every rate's table (all again, if a
         # collector took a region meanwhile)
