@@ -49,7 +49,7 @@ from shmlimit.protocol import AcquireOnEnter
 from shmlimit.rate_group import AdaptRates, Rates, RatesSwitch, group_options
 from shmlimit.redis.option import Upstream, resolve_upstream
 from shmlimit.redis.spec import DEFAULT_BATCH_SECONDS, DEFAULT_LEASE_TTL, UpstreamSpec
-from shmlimit.registry import Handle, attaching, pickled
+from shmlimit.registry import Handle, attaching, described, pickled
 from shmlimit.shm import layout as L
 from shmlimit.shm.segment import unlink as _unlink_name
 from shmlimit.shm.segment import validate_mode, validate_name, validate_slots, validate_trusted_uids
@@ -592,17 +592,19 @@ class Limiter(RatesSwitch, AcquireOnEnter, Handle):
         return snapshot(self._name, self._peek())
 
     def __repr__(self) -> str:
-        if self._att is None:
-            return f"<shmlimit.Limiter {self._name!r} closed>"
+        head = f"shmlimit.Limiter {self._name!r}"
+        return f"<{head} closed>" if self._att is None else described(head, self._described)
+
+    def _described(self) -> str:
         s = self.stats()
         extra = f" ratio={s.ratio:g} behind={s.behind_seconds:.3f}s" if s.ratio != 1.0 else ""
         if s.upstream is not None:
             extra += f" upstream={s.upstream.url} ({s.upstream.state})"
         return (
-            f"<shmlimit.Limiter {s.name!r} rate={s.rate:g}/{s.per:g}s capacity={s.capacity:g}{extra} "
+            f"rate={s.rate:g}/{s.per:g}s capacity={s.capacity:g}{extra} "
             f"available={s.available:.1f} deficiency={s.deficiency:.1f} grants={s.grants} "
             f"filler_pid={s.filler_pid} processes={len(s.processes)}{' stopped' if s.stopped else ''} "
-            f"backend={s.backend}>"
+            f"backend={s.backend}"
         )
 
 

@@ -68,7 +68,7 @@ from shmlimit.group import GroupCreation, copy_regions, open_rates
 from shmlimit.header import Creation
 from shmlimit.protocol import AcquireOnEnter
 from shmlimit.rate_group import MultiStats, RateGroup, parse_rates, rates_from_text
-from shmlimit.registry import Held, pickled
+from shmlimit.registry import Held, described, pickled
 from shmlimit.shm import layout as L
 from shmlimit.shm.segment import validate_mode, validate_name, validate_slots, validate_trusted_uids
 from shmlimit.stats import copied_snapshot, snapshot
@@ -556,15 +556,18 @@ class MultiLimiter(RateGroup, AcquireOnEnter, Held):
         )
 
     def __repr__(self) -> str:
+        head = f"shmlimit.Limiter {self._name!r}"
         if self._att is None:
-            return f"<shmlimit.Limiter {self._name!r} rates={list(self._keys)} closed>"
-        s = self.stats()
+            return f"<{head} rates={list(self._keys)} closed>"
+        return described(head, self._described)
+
+    def _described(self) -> str:
         parts = " ".join(
             f"{k}={st.rate:g}/{st.per:g}s(capacity={st.capacity:g} available={st.available:.1f} "
             f"deficiency={st.deficiency:.1f} grants={st.grants})"
-            for k, st in s.rates.items()
+            for k, st in self.stats().rates.items()
         )
-        return f"<shmlimit.Limiter {self._name!r} {parts} backend={self._att[0].cells.backend}>"
+        return f"{parts} backend={self._peek()[0].cells.backend}"
 
 
 #: Every live handle of this process, so that a forked child drops their fast paths (bound to the

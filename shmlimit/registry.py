@@ -23,7 +23,7 @@ import weakref
 from contextlib import contextmanager
 from typing import Any, Callable, Dict, FrozenSet, Generic, Iterator, Optional, Tuple, TypeVar
 
-from shmlimit.errors import LimiterNotFoundError, SegmentError
+from shmlimit.errors import LimiterNotFoundError, SegmentError, ShmlimitError
 from shmlimit.shm import layout as L
 from shmlimit.shm.cells import Cells
 from shmlimit.shm.segment import (
@@ -327,6 +327,15 @@ def reopen(
 ) -> Any:
     """A pickled handle (``pickled``), opened again in the unpickling process."""
     return make(name, *args, mode=mode, trusted_uids=trusted)
+
+
+def described(head: str, read: Callable[[], str]) -> str:
+    """A handle's repr, ``<head ...>``: ``read()``, its live state, or ``unreadable: why`` when that
+    cannot be read (a corrupt segment, say): a repr never raises."""
+    try:
+        return f"<{head} {read()}>"
+    except (ShmlimitError, OSError, ValueError) as e:
+        return f"<{head} unreadable: {e}>"
 
 
 class Held:

@@ -3,6 +3,7 @@ from an unrelated interpreter, listed as one entry, collected as one, refused wh
 
 import json
 import os
+import re
 import signal
 import struct
 import subprocess
@@ -84,6 +85,26 @@ def listed(name: str) -> list:
     )
     assert r.returncode == 0, r.stderr
     return [e["name"] for e in json.loads(r.stdout) if e["name"].startswith(name)]
+
+
+@pytest.mark.parametrize("kind", [*KINDS, "a key's view"])
+def test_every_kinds_repr_says_a_corrupt_segment_is_unreadable_and_never_raises(name, kind):
+    """A segment overwritten with 0xff: every kind's repr raised SegmentError (a KeyView's, from
+    its limiter's), in a log line or a debugger, where it is shown rather than used."""
+    lim = KINDS.get(kind, KINDS["keyed"])(name)
+    shown = lim["client-1"] if kind == "a key's view" else lim
+    assert "unreadable" not in repr(shown)
+    with open(shm_path(name), "r+b") as f:
+        whole = f.read()
+        f.seek(0)
+        f.write(b"\xff" * len(whole))
+        try:
+            assert re.search(rf"'{name}' unreadable: segment is corrupt: .*>+$", repr(shown))
+        finally:
+            f.seek(0)
+            f.write(whole)
+    lim.close()
+    assert repr(lim).endswith("closed>")
 
 
 @pytest.mark.parametrize("kind", list(KINDS))

@@ -64,7 +64,7 @@ from shmlimit.keyed.stats import (
 )
 from shmlimit.protocol import Keyed
 from shmlimit.rate_group import AdaptRates, Rates, RatesSwitch, group_options
-from shmlimit.registry import Attached, Handle, Registry, attach, attaching, pickled
+from shmlimit.registry import Attached, Handle, Registry, attach, attaching, described, pickled
 from shmlimit.shm.cells import Cells
 from shmlimit.shm.segment import (
     Segment,
@@ -771,13 +771,15 @@ class KeyedLimiter(RatesSwitch, Keyed, Handle):
         return snapshot_of(self._name, att.cells, att.geo, att.seg.size)
 
     def __repr__(self) -> str:
-        if self._att is None:
-            return f"<shmlimit.KeyedLimiter {self._name!r} closed>"
+        head = f"shmlimit.KeyedLimiter {self._name!r}"
+        return f"<{head} closed>" if self._att is None else described(head, self._described)
+
+    def _described(self) -> str:
         s = self.stats()
         return (
-            f"<shmlimit.KeyedLimiter {s.name!r} rate={s.rate:g}/{s.per:g}s capacity={s.capacity:g} per key "
+            f"rate={s.rate:g}/{s.per:g}s capacity={s.capacity:g} per key "
             f"keys={s.keys}/{s.slots} evicted={s.evicted} refused_full={s.refused_full} grants={s.grants} "
-            f"overrides={s.overrides} processes={len(s.processes)} backend={s.backend}>"
+            f"overrides={s.overrides} processes={len(s.processes)} backend={s.backend}"
         )
 
 

@@ -48,7 +48,7 @@ from shmlimit.keyed.gcra import TICKS_PER_S, make_rate, wait_ticks
 from shmlimit.keyed.segment import check_geometry
 from shmlimit.protocol import Keyed
 from shmlimit.rate_group import MultiStats, RateGroup, parse_rates, rates_from_text
-from shmlimit.registry import pickled
+from shmlimit.registry import described, pickled
 from shmlimit.shm import layout as L
 from shmlimit.shm.segment import validate_mode, validate_name, validate_trusted_uids
 
@@ -290,13 +290,17 @@ class MultiKeyedLimiter(RateGroup, Keyed):
         return MultiStats(self._name, {k: lim.stats() for k, lim in zip(self._keys, self._live())})
 
     def __repr__(self) -> str:
+        head = f"shmlimit.KeyedLimiter {self._name!r}"
         if not self._lims:
-            return f"<shmlimit.KeyedLimiter {self._name!r} rates={list(self._keys)} closed>"
+            return f"<{head} rates={list(self._keys)} closed>"
+        return described(head, self._described)
+
+    def _described(self) -> str:
         parts = " ".join(
             f"{k}={s.rate:g}/{s.per:g}s(burst={s.capacity:g} keys={s.keys}/{s.slots} grants={s.grants})"
             for k, s in self.stats().items()
         )
-        return f"<shmlimit.KeyedLimiter {self._name!r} {parts} per key backend={self._lims[0].backend}>"
+        return f"{parts} per key backend={self._live()[0].backend}"
 
 
 class _KeyRate:

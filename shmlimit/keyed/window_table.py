@@ -22,7 +22,7 @@ from shmlimit.keyed import layout as K
 from shmlimit.keyed.cells import SlotTable
 from shmlimit.keyed.segment import Geometry, check_geometry, check_moving, open_keyed
 from shmlimit.keyed.windows import CMAX, MOVING_MAX, OVER, MovingWindows, WindowCounters
-from shmlimit.registry import Attached, Handle, Registry, attach, pickled
+from shmlimit.registry import Attached, Handle, Registry, attach, described, pickled
 from shmlimit.shm.cells import Cells
 from shmlimit.shm.segment import (
     Segment,
@@ -284,9 +284,11 @@ class WindowTable(Handle):
         return pickled(self, WindowTable)
 
     def __repr__(self) -> str:
-        if self._att is None:
-            return f"<shmlimit.WindowTable {self._name!r} closed>"
+        head = f"shmlimit.WindowTable {self._name!r}"
+        return f"<{head} closed>" if self._att is None else described(head, self._described)
+
+    def _described(self) -> str:
         return (
-            f"<shmlimit.WindowTable {self._name!r} keys={self.keys_live}/{self.slots + self.moving_slots} "
-            f"evicted={self.evicted} refused={self.refused} backend={self.backend}>"
+            f"keys={self.keys_live}/{self.slots + self.moving_slots} "
+            f"evicted={self.evicted} refused={self.refused} backend={self.backend}"
         )
