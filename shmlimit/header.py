@@ -83,6 +83,14 @@ class Kind:
     noun: str = "limiter"  #: what creating one makes ("creating the keyed limiter again")
     #: no segment of this kind is larger (bytes): a bigger one is refused before it is mapped
     max_bytes: Optional[int] = None
+    #: what segment ``name`` of this kind is and how to open it, from the words of its line 0 in
+    #: ``c``, for another kind's opener to say; None: ``what``, opened by ``shmlimit.attach``
+    described: Optional[Callable[[str, Cells], Tuple[str, str]]] = None
+
+    def describe(self, name: str, c: Cells) -> Tuple[str, str]:
+        if self.described is None:
+            return self.what, "use shmlimit.attach"
+        return self.described(name, c)
 
 
 def _limiter_size(c: Cells) -> Optional[int]:
@@ -180,12 +188,11 @@ def ready_creator(name: str, seg: Segment, waited: float, kind: Kind = LIMITER) 
             )
         )
         declared = kind.declared_size(cells) if magic == kind.magic else None
-    if magic not in (0, kind.magic):
-        other = KINDS_BY_MAGIC.get(magic)
+        other = KINDS_BY_MAGIC.get(magic) if magic not in (0, kind.magic) else None
         if other is not None:
-            raise SegmentError(
-                f"segment {name!r} is {other.what}, not {kind.what}: use shmlimit.attach"
-            )
+            what, how = other.describe(name, cells)
+            raise SegmentError(f"segment {name!r} is {what}, not {kind.what}: {how}")
+    if magic not in (0, kind.magic):
         raise SegmentError(f"segment {name!r} is not a shmlimit limiter (bad magic {magic:#018x})")
     if magic == kind.magic and state == L.STATE_READY:
         if version != kind.version:

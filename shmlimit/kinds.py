@@ -14,7 +14,7 @@ from functools import partial
 from typing import Any, Callable, Iterable, Iterator, List, Tuple, Union
 
 from shmlimit.attachment import collect as collect_attached
-from shmlimit.errors import ShmlimitError
+from shmlimit.errors import LimiterNotFoundError, ShmlimitError
 from shmlimit.group import collect as collect_group
 from shmlimit.group import copy_geometry
 from shmlimit.keyed import layout as K
@@ -62,7 +62,8 @@ def attach(
     ``LimiterNotFoundError`` (a ``FileNotFoundError``) naming it when none exists,
     and a ``SegmentError`` (``UntrustedSegmentError`` for a ``Limiter``) for a
     segment owned by another user (other than root and ``trusted_uids``) or
-    writable by group or others beyond ``mode``.
+    writable by group or others beyond ``mode``.  A window table is no limiter: it is opened as
+    the ``limits`` storage ``shm://NAME`` (a ``SegmentError`` says so).
     """
     make = _by_kind(
         name,
@@ -71,11 +72,20 @@ def attach(
         partial(MultiLimiter, rates=None),
         attach_limiter,
     )
-    return make(name, mode=mode, trusted_uids=trusted_uids)
+    try:
+        return make(name, mode=mode, trusted_uids=trusted_uids)
+    except LimiterNotFoundError as e:  # (a constructor's advice is its rate=, which attach has not)
+        e.args = (
+            f"{LimiterNotFoundError(name)}; create it with its kind's constructor, e.g. "
+            "shmlimit.Limiter(name, rate=...) or shmlimit.KeyedLimiter(name, rate=...)",
+        )
+        raise
 
 
 def inspect(name: str) -> Union[Stats, MultiStats, KeyedStats]:
-    """A snapshot of a limiter of any kind, read without joining it (nothing is written)."""
+    """A snapshot of a limiter of any kind, read without joining it (nothing is written).  A window
+    table (the ``limits`` storage ``shm://``) gives a ``KeyedStats`` of ``kind`` "windows", with no
+    rate of its own (its rate, per and capacity read 0)."""
     return _by_kind(name, inspect_keyed, inspect_keyed_group, inspect_group, inspect_limiter)(name)
 
 

@@ -440,6 +440,29 @@ def _initialising(name: str, creator: int) -> None:
         os.close(fd)
 
 
+def test_a_window_table_or_a_missing_name_is_refused_with_advice_that_works(name):
+    """A Limiter opened on a window table said "is a KeyedLimiter of one rate, not a Limiter: use
+    shmlimit.attach", and attach then refused it as window counters; ``inspect`` described it as
+    a rate of 0 per 0 s; attach of a missing name said "pass rate= to create it", though attach
+    has no rate=."""
+    table = WindowTable(name, keys=64)
+    try:
+        for opener in (shmlimit.Limiter, shmlimit.KeyedLimiter, shmlimit.attach):
+            with pytest.raises(SegmentError) as e:
+                opener(name)
+            assert "is a window table (window counters), not a" in str(e.value)
+            assert f"open it as the limits storage 'shm://{name}'" in str(e.value)
+            assert "shmlimit.attach" not in str(e.value)
+        s = inspect(name)
+        assert s.kind == "windows" and s.describe() == f"windows keys={s.slots}"
+    finally:
+        table.close()
+        table.unlink()
+    with pytest.raises(shmlimit.LimiterNotFoundError) as e:
+        shmlimit.attach(name)
+    assert "pass rate=" not in str(e.value) and "shmlimit.Limiter(name, rate=...)" in str(e.value)
+
+
 def test_a_limiter_opened_on_a_keyed_table_names_the_tables_kind(name):
     """A plain opener knows the keyed kind (before: "not a shmlimit limiter (bad magic ...)")."""
     shmlimit.KeyedLimiter(name, rate=10, keys=64).close()

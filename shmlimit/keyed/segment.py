@@ -275,6 +275,7 @@ KEYED = Kind(
     lambda seg: seg.size,
     noun="keyed limiter",
     max_bytes=MAX_BYTES,
+    described=lambda name, c: kind_of(name, c.load(K.KIND_OFF)),
 )
 KINDS_BY_MAGIC[KEYED.magic] = KEYED
 
@@ -308,14 +309,26 @@ def open_segment(
         raise
 
 
-#: what a keyed segment of each value kind holds, as errors name it
-_HOLDS = {K.KIND_GCRA: "a KeyedLimiter", K.KIND_WINDOWS: "window counters (a limits storage)"}
+#: what a keyed segment of each value kind is, as errors name it
+_HOLDS = {
+    K.KIND_GCRA: "a KeyedLimiter of one rate",
+    K.KIND_WINDOWS: "a window table (window counters)",
+}
+
+
+def kind_of(name: str, kind: int) -> Tuple[str, str]:
+    """What keyed segment ``name`` of value ``kind`` is, and how to open it, for errors."""
+    if kind == K.KIND_WINDOWS:
+        how = f"open it as the limits storage 'shm://{name}' (shmlimit.integrations.limits)"
+        return _HOLDS[kind], how
+    return _HOLDS[K.KIND_GCRA], "use shmlimit.KeyedLimiter or shmlimit.attach"
 
 
 def check_kind(name: str, have: int, want: int) -> None:
     """Refuse (``SegmentError``) a keyed segment of value kind ``have`` where ``want`` is needed."""
     if have != want:
-        raise SegmentError(f"segment {name!r} holds {_HOLDS[have]}, not {_HOLDS[want]}")
+        what, how = kind_of(name, have)
+        raise SegmentError(f"segment {name!r} is {what}, not {_HOLDS[want]}: {how}")
 
 
 def open_keyed(

@@ -78,7 +78,10 @@ class KeyedStats:
         return self.segment_bytes / self.slots
 
     def describe(self) -> str:
-        """Its settings as ``Config.describe`` words them (each key's), and its key slots."""
+        """Its settings as ``Config.describe`` words them (each key's), and its key slots; a
+        window table, which has no rate of its own, says so."""
+        if self.kind == "windows":
+            return f"windows keys={self.slots}"
         return f"{Config(self.rate, self.per, self.capacity).describe()} keys={self.slots}"
 
 

@@ -528,7 +528,7 @@ def test_segment_kinds_are_not_mixed_up(name):
     kl = shmlimit.KeyedLimiter(name, rate=10, keys=64)
     with pytest.raises(SegmentError, match="KeyedLimiter"):
         WindowTable(name)
-    with pytest.raises(SegmentError, match="holds a KeyedLimiter, not window counters"):
+    with pytest.raises(SegmentError, match="is a KeyedLimiter of one rate, not a window table"):
         sample_windows(name, 0, 8)  # the tools read without joining: the same refusal
     kl.close()
     kl.unlink()
@@ -536,7 +536,7 @@ def test_segment_kinds_are_not_mixed_up(name):
     with pytest.raises(SegmentError, match="window counters"):
         shmlimit.KeyedLimiter(name)
     for look in (lambda: sample_keys(name, 0, 8), lambda: adapted_keys(name)):
-        with pytest.raises(SegmentError, match="holds window counters .*, not a KeyedLimiter"):
+        with pytest.raises(SegmentError, match="is a window table .*, not a KeyedLimiter"):
             look()
     t.close()
 
