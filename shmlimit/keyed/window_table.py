@@ -267,18 +267,18 @@ class WindowTable(Handle):
     @property
     def keys_live(self) -> int:
         """Slots holding a key now (a key whose windows ended may hold its slot until reused)."""
-        v = self._live().cells.load(K.KEYS_LIVE)
+        v = self._peek().cells.load(K.KEYS_LIVE)
         return v if v < 1 << 63 else 0
 
     @property
     def evicted(self) -> int:
         """Keys whose slot was reused after their windows ended."""
-        return self._live().cells.load(K.EVICTED)
+        return self._peek().cells.load(K.EVICTED)
 
     @property
     def refused(self) -> int:
         """New keys refused because every slot near their home held a key still counted."""
-        return self._live().cells.load(K.REFUSED)
+        return self._peek().cells.load(K.REFUSED)
 
     def __reduce__(self):
         return pickled(self, WindowTable)

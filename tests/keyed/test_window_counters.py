@@ -394,6 +394,26 @@ def test_a_forked_child_inserts_as_itself(name):
         t.close()
 
 
+def _forked_read(name, out):
+    t = _inherited[name]
+    seen = (t.keys_live, t.evicted, t.refused, "keys=1/" in repr(t))
+    out.put((seen, t._att.joined))
+
+
+def test_a_forked_childs_counts_and_repr_only_read(name):
+    """A forked child that reads a table's counts (and its repr) is not registered by it: its
+    reads are no use of the table (a child that never uses it is never listed)."""
+    t = WindowTable(name, keys=64)
+    t.incr("parent", 60)
+    _inherited[name] = t
+    try:
+        [got] = run_processes(mp.get_context("fork"), _forked_read, [(name,)])
+        assert got == ((1, 0, 0, True), False)
+    finally:
+        _inherited.pop(name)
+        t.close()
+
+
 @pytest.mark.parametrize("backend", BACKENDS)
 def test_a_live_window_is_never_evicted_a_full_table_refuses(backend):
     clock = FakeClock()
