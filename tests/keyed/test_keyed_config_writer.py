@@ -14,6 +14,7 @@ by the keyed composite (native or atomics, as ``SHMLIMIT_BACKEND`` selects).
 """
 
 import contextlib
+import mmap
 
 import pytest
 from support.cells import BeforeWrite
@@ -23,6 +24,7 @@ from shmlimit.errors import ConfigWriterTakenOver
 from shmlimit.keyed import cells as KC
 from shmlimit.keyed import layout as K
 from shmlimit.keyed.gcra import Overrides, make_rate, publish_default, read_default
+from shmlimit.shm import layout as L
 
 LATE = make_rate(1000, 1.0, 50)  # what the stalled writer came to write
 NEWER = (10, 1.0, 2)  # what the writer that took over publishes meanwhile
@@ -169,3 +171,53 @@ def test_a_reader_that_meets_a_stalled_writer_prices_by_one_config(name, monkeyp
             lim.set_rate(*NEWER)
     finally:
         lim.close()
+
+
+@pytest.mark.parametrize("kind", ["keyed", "keyed-rates", "adapt"])
+def test_inspect_never_waits_on_a_keyed_config_lock_a_dead_writer_holds(name, monkeypatch, kind):
+    """A keyed table whose config writer died holding the lock (its sequence word left odd) is
+    inspected at once, as a plain limiter is: the tools read a private copy, which never changes,
+    so a wait for its writer could only time out (200 ms a table, each refresh of ``top``)."""
+    import time as _time
+    from types import SimpleNamespace
+
+    from shmlimit.adapt import Adapt
+    from shmlimit.shm import banks
+
+    made = {
+        "keyed": lambda: shmlimit.KeyedLimiter(name, rate=50),
+        "keyed-rates": lambda: shmlimit.KeyedLimiter(name, rates=[10, "100/min"]),
+        "adapt": lambda: shmlimit.KeyedLimiter(
+            name, rate=50, adapt=Adapt(min_rate=1, max_rate=100)
+        ),
+    }[kind]()
+    regions = [0]
+    if kind == "keyed-rates":
+        from shmlimit import group
+
+        geo = group.copy_geometry(name, L.REGIONS_KEYED)
+        regions = [geo.offset(i) for i in range(len(geo.keys))]
+    with open(f"/dev/shm/shmlimit.{name}", "r+b") as f:
+        mm = mmap.mmap(f.fileno(), 0)
+    try:
+        odd = []
+        for at in regions:  # every table's lock held by a writer gone
+            off = at + K.CFG_SEQ
+            seq = int.from_bytes(mm[off : off + 8], "little") | 1
+            mm[off : off + 8] = seq.to_bytes(8, "little")
+            odd.append(seq)
+
+        def waited(seconds):
+            raise AssertionError(f"inspect waited {seconds} s on a private copy")
+
+        monkeypatch.setattr(
+            banks, "time", SimpleNamespace(monotonic_ns=_time.monotonic_ns, sleep=waited)
+        )
+        s = shmlimit.inspect(name)
+        monkeypatch.undo()
+        assert s is not None
+        seen = [int.from_bytes(mm[at + K.CFG_SEQ : at + K.CFG_SEQ + 8], "little") for at in regions]
+        assert seen == odd  # the segment is untouched: only the copy was read
+    finally:
+        mm.close()
+        made.close()
