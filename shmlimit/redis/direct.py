@@ -178,19 +178,29 @@ def _send(client: Any, key: Optional[str], args: Tuple[Any, ...]) -> Any:
     return client.script_load(LUA) if key is None else client.evalsha(LUA_SHA, 1, key, *args)
 
 
-#: the closes ``_disconnect_on`` started, held until done (a task only weakly held may vanish)
-_CLOSING: "set[asyncio.Task[Any]]" = set()
-
-
 def _disconnect_on(loop: Any, client: Any) -> None:
-    """Close an asyncio ``client`` (its ``aclose``) on its event ``loop``, from any thread: as a
-    task of this thread's loop, else of that loop, started as its next callback.  A closed loop's
-    are left to be closed when collected (closing a transport needs its loop)."""
+    """Close an asyncio ``client``'s connections on its event ``loop``, from any thread: at once
+    on this thread's loop, else as that loop's next callback.  A closed loop's are left to be
+    closed when collected (closing a transport needs its loop).
+
+    At once, not as an ``aclose()`` task: ``close()`` is synchronous, and a task started by the
+    last act of ``asyncio.run``'s main (or of an ASGI lifespan's shutdown) is cancelled unfinished
+    as the loop ends, its connections then reported unclosed.  So each transport is closed as
+    redis-py closes a connection collected unclosed (its ``_close``); should a redis-py release
+    lack those names, they are left to be closed when collected, as a closed loop's are."""
 
     def disconnect() -> None:
-        task = loop.create_task(client.aclose())
-        _CLOSING.add(task)
-        task.add_done_callback(_CLOSING.discard)
+        try:
+            pool = getattr(client, "connection_pool", None)  # (a cluster's: each node's)
+            conns = (
+                [*pool._available_connections, *pool._in_use_connections]
+                if pool is not None
+                else [c for node in client.get_nodes() for c in node._connections]
+            )
+            for conn in conns:
+                conn._close()
+        except AttributeError:  # pragma: no cover - another redis-py's internals
+            pass
 
     try:
         here = asyncio.get_running_loop()
@@ -199,7 +209,10 @@ def _disconnect_on(loop: Any, client: Any) -> None:
     if loop is here:
         disconnect()
     elif not loop.is_closed():
-        loop.call_soon_threadsafe(disconnect)
+        try:
+            loop.call_soon_threadsafe(disconnect)
+        except RuntimeError:  # closed by its thread meanwhile: nobody waits on it
+            pass
 
 
 def _retrieved(trip: "asyncio.Future[Any]") -> None:
