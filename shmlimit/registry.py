@@ -64,6 +64,8 @@ class Attached:
         #: this process found the table full and is counted beyond it (``ProcessTable.register``),
         #: until it leaves; a forked child's is its own (the parent's count is the parent's)
         self.beyond = False
+        #: the exit hook that counts it out as a ``multiprocessing`` child ends (``count_out_at_exit``)
+        self.count_out: Any = None
         #: This process used it (``use``): it is registered and the kind's threads run (``start``).
         #: Opening registers but starts no thread: a pre-fork server's master that only opened it
         #: never forks with one running.
@@ -82,7 +84,7 @@ class Attached:
         )
         self.joined, self.beyond = True, self.slot is None
         if self.beyond:
-            count_out_at_exit(self)
+            self.count_out = count_out_at_exit(self)
         self.bind()
 
     def start(self) -> None:
@@ -124,6 +126,9 @@ class Attached:
         elif self.beyond:
             self.beyond = False  # counted out once, whoever calls (close, exit, detach)
             self.table.unregister(None, self.pid)
+            if self.count_out is not None:
+                self.count_out.cancel()  # (its exit hook: one a process opens and closes often)
+                self.count_out = None
 
     def leave(self) -> None:
         """Give this process's slot back, keeping the mapping (it registers again on its next use)."""
@@ -136,6 +141,7 @@ class Attached:
         self._use_lock = threading.Lock()  # the parent's may have been held by a thread not copied
         self.pid = os.getpid()
         self.slot, self.joined, self.in_use, self.beyond = None, False, False, False
+        self.count_out = None  # (the parent's: its process's exit hook)
         self.bind()
 
     def shut(self) -> None:
@@ -169,14 +175,16 @@ class Attached:
         check_trust(self.name, st, mode, trusted)
 
 
-def count_out_at_exit(att: Attached) -> None:
+def count_out_at_exit(att: Attached) -> Any:
     """``att``'s count beyond the table taken back when this process ends as a ``multiprocessing``
     child: it ends with ``os._exit`` after its finalizers, running no ``atexit`` hook, and a count
     left up keeps ``gc`` from ever collecting the segment.  (Outside such a child the ``atexit``
-    hook does it; a killed process leaves its count, see ``ProcessTable.beyond``.)"""
+    hook does it; a killed process leaves its count, see ``ProcessTable.beyond``.)  The finalizer,
+    cancelled when the count is taken back sooner; None without ``multiprocessing``."""
     util = sys.modules.get("multiprocessing.util")  # loaded in every multiprocessing child
-    if util is not None:
-        util.Finalize(None, _count_out, args=(weakref.ref(att),), exitpriority=0)
+    if util is None:
+        return None
+    return util.Finalize(None, _count_out, args=(weakref.ref(att),), exitpriority=0)
 
 
 def _count_out(ref: "weakref.ref[Attached]") -> None:

@@ -350,3 +350,27 @@ def test_a_multiprocessing_child_beyond_the_table_is_counted_out_as_it_ends(name
     assert table.beyond() == 0
     ours.close()
     assert stale([name], pytest.fail) == ([name], 0)
+
+
+def test_opening_and_closing_beyond_the_table_leaves_no_exit_hook_behind(name):
+    """Each open beyond the table registers the exit hook that counts it out in a
+    ``multiprocessing`` child; a close that counts it out cancels it, so a process that opens and
+    closes such a limiter often does not pile them up."""
+    ours = shmlimit.Limiter(name, rate=1000, slots=1)
+    assert ours.try_acquire() and ours._att.slot == 0  # the one slot: the child goes beyond
+    script = (
+        "import sys, multiprocessing.util as u, shmlimit\n"
+        "before = len(u._finalizer_registry)\n"
+        "for _ in range(50):\n"
+        "    lim = shmlimit.Limiter(sys.argv[1])\n"
+        "    assert lim.acquire() and lim._att.slot is None\n"
+        "    lim.close()\n"
+        "print(len(u._finalizer_registry) - before)\n"
+    )
+    out = subprocess.run(
+        [sys.executable, "-c", script, name], capture_output=True, text=True, cwd=WORKDIR
+    )
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.strip() == "0"
+    assert _table(name, 1).beyond() == 0
+    ours.close()
