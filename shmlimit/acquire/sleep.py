@@ -221,7 +221,11 @@ def wake_waiters(cells: Any) -> None:
         _wakes += 1
         _woken.notify_all()
     with _timers_lock:
-        timers = [(loop, t) for loop, t in _timers.items() if t is not None and t.gen == _fork_gen]
+        timers = [
+            (loop, t)
+            for loop, t in _timers.items()
+            if t is not None and t.gen == _fork_gen and loop.is_running()
+        ]  # (a loop not running has no coroutine waiting: a callback would only pile up)
     for loop, timer in timers:
         try:
             loop.call_soon_threadsafe(timer.wake_all)

@@ -432,3 +432,22 @@ def test_a_waiter_replenishes_at_its_turn_without_working_it_out_again(name, mon
     # one turn worked out per park; a ticket short at its turn (a replenish in flight) works out
     # its retry in next(), which parks again: still one per park
     assert counts["due"] <= counts["sleeps"] + 1
+
+
+def test_a_wake_queues_nothing_on_a_loop_that_is_not_running():
+    """A skip wakes the coroutines waiting on each loop's timer (``wake_waiters``); a loop kept open
+    but not running has none waiting, and is left alone: before, each skip queued one callback on
+    it, for as long as it stayed open (20 000 skips, 20 000 callbacks)."""
+    from types import SimpleNamespace
+
+    from shmlimit.acquire import sleep as S
+
+    loop = asyncio.new_event_loop()
+    try:  # a timer made for it by a wait it ran
+        loop.run_until_complete(S.sleep_until_async(time.monotonic_ns() + 1_000_000))
+        cells = SimpleNamespace(wake_waiters=lambda: None)
+        for _ in range(100):
+            S.wake_waiters(cells)
+        assert len(loop._ready) == 0
+    finally:
+        loop.close()
