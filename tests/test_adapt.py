@@ -692,3 +692,35 @@ def test_reporters_on_the_real_clock_decide_each_window_once(name, cleanup):
     windows = (c.load(L.ADAPT_START) - first) // int(fast.window * S)
     assert 10 <= st.cuts <= windows, (st.cuts, windows, reports)
     assert lim.rate == 1.0  # cut to the floor, and no further
+
+
+@pytest.mark.parametrize("kind", ["limiter", "keyed"])
+def test_a_dead_config_writer_is_waited_out_once_not_at_every_report(name, monkeypatch, kind):
+    """A config writer killed holding the lock leaves its sequence word odd until a writer takes
+    it over, and a report that changes nothing writes nothing: the reports, and ``stats()``, read
+    the parameters at once after the first has waited the writer out (each waited 200 ms before,
+    in every process, for as long as the word stayed odd)."""
+    from shmlimit.keyed import layout as K
+    from shmlimit.shm import banks
+
+    adapt = shmlimit.Adapt(min_rate=1, max_rate=100, window=60)
+    if kind == "limiter":
+        lim = shmlimit.Limiter(name, rate=50, adapt=adapt)
+        report, seq_off = (lambda: lim.feedback(False)), L.CFG_SEQ
+    else:
+        lim = shmlimit.KeyedLimiter(name, rate=50, adapt=adapt)
+        report, seq_off = (lambda: lim.feedback(False, "k")), K.CFG_SEQ
+    cells = lim._peek().cells
+    banks.ConfigLock(cells, seq_off, banks.CONFIG_LOCK_TIMEOUT_NS).__enter__()  # never left
+    waits = []
+    sleep = banks.time.sleep
+    monkeypatch.setattr(banks.time, "sleep", lambda s: (waits.append(s), sleep(s)))
+    report()  # the first waits the dead writer out
+    first = len(waits)
+    assert first > 0
+    for _ in range(3):
+        report()
+        lim.stats()
+    assert len(waits) == first
+    monkeypatch.undo()
+    lim.close()

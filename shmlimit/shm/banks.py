@@ -27,7 +27,7 @@ from __future__ import annotations
 import functools
 import time
 from dataclasses import dataclass
-from typing import Any, Callable, List, Optional, Tuple, TypeVar
+from typing import Any, Callable, Dict, List, Optional, Tuple, TypeVar
 
 from shmlimit.config import MAX_SPAN_TOKENS as MAX_SPAN
 from shmlimit.config import MAX_TPN, NS_PER_S, Config
@@ -81,19 +81,33 @@ class Snapshot:
 NO_SNAPSHOT = Snapshot(-1, 1, 1, 1, 1, False, False, 0, False, True, False, None, 0, False, 0, 0.0)
 
 
+#: The odd sequence words this process waited out (their writers presumed dead), by the cells and
+#: the word's offset: read at once while they hold.  Readers never close a lock (only a writer
+#: takes it over), so a process that only reads, as the adaptive rate's reports do, would
+#: otherwise wait out the same dead writer on every call.  (The cells are held: ids are reused.)
+_waited_out: Dict[Tuple[int, int], Tuple[Any, int]] = {}
+
+
 def settled(cells: Any, seq_off: int, read: Callable[[int], T]) -> Tuple[int, T]:
     """``(seq, read(seq))`` under an even ``seq`` of the sequence word at ``seq_off`` that still
     holds after: what one writer left, never words of two.  A writer that holds the lock for
-    ``CONFIG_LOCK_TIMEOUT_NS`` is presumed dead: then read once under its odd value."""
+    ``CONFIG_LOCK_TIMEOUT_NS`` is presumed dead: then read once under its odd value (at once
+    from then on, while it holds: ``_waited_out``)."""
     deadline = None
     while True:
         seq = cells.load(seq_off)
         if seq & 1:
+            dead = _waited_out.get((id(cells), seq_off))
+            if dead is not None and dead[0] is cells and dead[1] == seq:
+                return seq, read(seq)
             now = time.monotonic_ns()
             deadline = deadline or now + CONFIG_LOCK_TIMEOUT_NS
             if now < deadline:
                 time.sleep(0.0005)
                 continue
+            if len(_waited_out) >= 64:
+                _waited_out.clear()
+            _waited_out[(id(cells), seq_off)] = (cells, seq)
         got = read(seq)
         if cells.load(seq_off) == seq or deadline is not None:
             return seq, got
