@@ -6,6 +6,19 @@ from __future__ import annotations
 class ShmlimitError(Exception):
     """Base class of shmlimit's own errors."""
 
+    def __reduce__(self):  # type: ignore[override]
+        # As it is, not by calling the class again with its message: a subclass takes other
+        # arguments (a name, a retry_after), so a pool's or a task queue's unpickling would fail.
+        return _rebuilt, (type(self), self.args, self.__dict__)
+
+
+def _rebuilt(cls: type, args: tuple, state: dict) -> BaseException:
+    """A pickled ``ShmlimitError``, as it was raised: its message and its attributes."""
+    e = cls.__new__(cls)  # type: ignore[call-overload]
+    e.args = args
+    e.__dict__.update(state)
+    return e
+
 
 class LimiterNotFoundError(ShmlimitError, FileNotFoundError):
     """No limiter segment exists under that name."""

@@ -553,3 +553,36 @@ def test_live_changes_refused_leave_the_config_as_it_was(name):
         for lim in (one, several):
             lim.close()
             lim.unlink()
+
+
+def _raise_rate_limited(name):
+    raise shmlimit.RateLimited(name, 2.5)
+
+
+def test_errors_cross_a_pool_as_they_were_raised(name):
+    """An error raised in a pool's worker (or a task queue's) is pickled back to the caller: it
+    arrives as raised, its message and attributes whole (a ``RateLimited`` failed to unpickle,
+    and a missing limiter's message repeated itself inside another)."""
+    import multiprocessing
+    import pickle
+
+    from shmlimit import errors as E
+
+    made = [
+        E.LimiterNotFoundError(name),
+        E.RateLimited(name, 2.5),
+        E.ConfigMismatchError(name, "rate=1", "rate=2", live=True),
+        E.UntrustedSegmentError(name, 1234, 0o666, "writable by others"),
+        E.KeyTableFullError(name, 64, busy=True),
+        E.QueueFullError(10, 3),
+        E.AbandonedSegmentError(name, 7, 42),
+        E.UnsupportedError("KeyedLimiter", "reserve", "keys keep no queue"),
+        E.SegmentError("corrupt"),
+    ]
+    for e in made:
+        back = pickle.loads(pickle.dumps(e))
+        assert type(back) is type(e) and str(back) == str(e) and vars(back) == vars(e)
+    with multiprocessing.get_context("spawn").Pool(1) as pool:
+        with pytest.raises(shmlimit.RateLimited) as got:
+            pool.apply(_raise_rate_limited, (name,))
+    assert got.value.retry_after == 2.5 and name in str(got.value)
