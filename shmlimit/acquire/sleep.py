@@ -177,18 +177,32 @@ def at_stop(due: float, now: int) -> "tuple[float, int]":
     return due, time.monotonic_ns()
 
 
+def _native_sleep() -> Any:
+    """The native module when this process sleeps natively (the native backend, built), else None:
+    chosen once, so that ``wakes`` and the sleeper count the same wakes."""
+    if not _native_choice:
+        if selected_backend() == "native" and native_available():
+            from shmlimit.shm import _native
+
+            _native_choice.append(_native)
+        else:
+            _native_choice.append(None)
+    return _native_choice[0]
+
+
+_native_choice: List[Any] = []
+
+
 def sleeper() -> Callable[..., None]:
     """``sleep_until(deadline_ns, seen=None)`` for this process: native with the native backend,
     else Python; given ``seen`` (``wakes()`` read before the step that chose the deadline), it also
-    ends at a ``wake_waiters`` since (in Python: the native sleep cannot be woken)."""
-    if selected_backend() == "native" and native_available():
-        from shmlimit.shm._native import sleep_until as native
+    ends at a ``wake_waiters`` since."""
+    native = _native_sleep()
+    if native is not None:
+        sleep = native.sleep_until
 
         def sleep_until(deadline_ns: int, seen: Optional[int] = None) -> None:
-            if seen is None:
-                native(max(0, deadline_ns), SLACK_NS)
-            else:
-                _sleep_until_py(deadline_ns, SLACK_NS, seen)
+            sleep(max(0, deadline_ns), SLACK_NS, -1 if seen is None else seen)
 
         return sleep_until
     return lambda deadline_ns, seen=None: _sleep_until_py(deadline_ns, SLACK_NS, seen)
@@ -198,13 +212,15 @@ def sleeper() -> Callable[..., None]:
 
 #: Bumped by every ``wake_waiters``: a Python sleeper that read it before the step that chose its
 #: deadline sleeps only while it is unchanged (a wake between that step and the sleep is not missed).
+#: A native sleeper counts the native module's (``_native.wakes``) the same way.
 _wakes = 0
 _woken = threading.Condition()  # (reentrant: a signal handler on a sleeping thread may give back)
 
 
 def wakes() -> int:
     """The count of ``wake_waiters`` so far, to read before a step whose sleep a wake should end."""
-    return _wakes
+    native = _native_sleep()
+    return _wakes if native is None else native.wakes()
 
 
 def wake_waiters(cells: Any) -> None:
@@ -217,6 +233,9 @@ def wake_waiters(cells: Any) -> None:
     step per waiter per skip, and none when nothing is given back."""
     global _wakes
     cells.wake_waiters()
+    native = _native_sleep()
+    if native is not None:
+        native.wake_sleepers()
     with _woken:
         _wakes += 1
         _woken.notify_all()

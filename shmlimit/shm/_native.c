@@ -2329,6 +2329,7 @@ static PyTypeObject NativeCellsType = {
  * returns early (the caller re-checks its condition anyway).
  */
 #ifdef __linux__
+#include <linux/futex.h>
 #include <sys/prctl.h>
 #include <sys/syscall.h>
 #include <sched.h>
@@ -2392,17 +2393,40 @@ wait_short_slice(void)
 static void wait_short_slice(void) {}
 #endif
 
+/* Bumped by wake_sleepers() (giveback: the head skipped a range given back): a sleep_until given
+ * `seen` (wakes(), read before the step that chose its deadline) sleeps on it, so it ends at the
+ * first bump since, as the native waits end on their cells' `skips`. */
+static uint32_t sleep_wakes;
+
+static PyObject *
+native_wakes(PyObject *mod, PyObject *Py_UNUSED(ignored))
+{
+    return PyLong_FromUnsignedLong(__atomic_load_n(&sleep_wakes, __ATOMIC_SEQ_CST));
+}
+
+static PyObject *
+native_wake_sleepers(PyObject *mod, PyObject *Py_UNUSED(ignored))
+{
+    __atomic_fetch_add(&sleep_wakes, 1, __ATOMIC_SEQ_CST);
+#ifdef __linux__
+    syscall(SYS_futex, &sleep_wakes, FUTEX_WAKE | FUTEX_PRIVATE_FLAG, INT_MAX, NULL, NULL, 0);
+#endif
+    Py_RETURN_NONE;
+}
+
 static PyObject *
 native_sleep_until(PyObject *mod, PyObject *const *args, Py_ssize_t n)
 {
-    if (!nargs(n, 2, "sleep_until"))
+    if (n != 3 && !nargs(n, 2, "sleep_until"))
         return NULL;
     long long deadline = PyLong_AsLongLong(args[0]);
     long long slack = PyLong_AsLongLong(args[1]);
-    if ((deadline == -1 || slack == -1) && PyErr_Occurred())
+    long long seen = n == 3 ? PyLong_AsLongLong(args[2]) : -1;
+    if ((deadline == -1 || slack == -1 || seen == -1) && PyErr_Occurred())
         return NULL;
-    if (deadline < 0 || slack < 1) {
-        PyErr_SetString(PyExc_ValueError, "sleep_until: deadline_ns must be >= 0 and slack_ns >= 1");
+    if (deadline < 0 || slack < 1 || seen > UINT32_MAX) {
+        PyErr_SetString(PyExc_ValueError,
+                        "sleep_until: deadline_ns must be >= 0, slack_ns >= 1 and seen < 2**32 (or -1)");
         return NULL;
     }
     Py_BEGIN_ALLOW_THREADS
@@ -2412,7 +2436,11 @@ native_sleep_until(PyObject *mod, PyObject *const *args, Py_ssize_t n)
     if (old > 0 && old != slack)
         prctl(PR_SET_TIMERSLACK, (unsigned long)slack, 0, 0, 0);
     struct timespec ts = ns_timespec((uint64_t)deadline);
-    clock_nanosleep(CLOCK_MONOTONIC, TIMER_ABSTIME, &ts, NULL);
+    if (seen < 0)
+        clock_nanosleep(CLOCK_MONOTONIC, TIMER_ABSTIME, &ts, NULL);
+    else /* until the deadline or a wake_sleepers() since `seen` (an absolute CLOCK_MONOTONIC wait) */
+        syscall(SYS_futex, &sleep_wakes, FUTEX_WAIT_BITSET | FUTEX_PRIVATE_FLAG, (uint32_t)seen, &ts, NULL,
+                FUTEX_BITSET_MATCH_ANY);
     if (old > 0 && old != slack)
         prctl(PR_SET_TIMERSLACK, (unsigned long)old, 0, 0, 0);
 #else
@@ -4513,7 +4541,11 @@ static PyMethodDef native_functions[] = {
     {"siphash128", (PyCFunction)(void (*)(void))native_siphash128, METH_FASTCALL,
      "siphash128(data, k0, k1) -> (d0, d1): SipHash-2-4 with a 128-bit output"},
     {"sleep_until", (PyCFunction)(void (*)(void))native_sleep_until, METH_FASTCALL,
-     "sleep_until(deadline_ns, slack_ns): sleep to a CLOCK_MONOTONIC deadline with a low timer slack"},
+     "sleep_until(deadline_ns, slack_ns[, seen]): sleep to a CLOCK_MONOTONIC deadline with a low timer "
+     "slack (given seen, a wakes() count: or until a wake_sleepers() since)"},
+    {"wakes", (PyCFunction)native_wakes, METH_NOARGS, "wakes() -> the count of wake_sleepers() so far"},
+    {"wake_sleepers", (PyCFunction)native_wake_sleepers, METH_NOARGS,
+     "wake_sleepers(): every sleep_until given a count before this one ends now"},
     {"multi_gate", (PyCFunction)(void (*)(void))native_multi_gate, METH_FASTCALL,
      "multi_gate(gates, caps, decide, names) -> a MultiGate: one try over several rates, all or nothing"},
 #ifdef __linux__

@@ -451,3 +451,23 @@ def test_a_wake_queues_nothing_on_a_loop_that_is_not_running():
         assert len(loop._ready) == 0
     finally:
         loop.close()
+
+
+def test_a_sleep_to_a_turn_ends_at_a_wake_since_its_step_and_not_early_otherwise():
+    """The precise sleep of a turn (``drive``'s, native or Python): given the wake count read before
+    the step that chose its deadline, it ends at once on a ``wake_waiters`` since (a skip made the
+    turn sooner), and otherwise never before its deadline."""
+    from types import SimpleNamespace
+
+    from shmlimit.acquire import sleep as S
+
+    sleep_until = S.sleeper()
+    cells = SimpleNamespace(wake_waiters=lambda: None)
+    seen = S.wakes()
+    S.wake_waiters(cells)  # between the step and the sleep: not missed
+    t = time.monotonic_ns()
+    sleep_until(t + 5_000_000_000, seen)
+    assert time.monotonic_ns() - t < 2_000_000_000
+    deadline = time.monotonic_ns() + 20_000_000
+    sleep_until(deadline, S.wakes())
+    assert time.monotonic_ns() >= deadline
