@@ -178,29 +178,40 @@ def _send(client: Any, key: Optional[str], args: Tuple[Any, ...]) -> Any:
     return client.script_load(LUA) if key is None else client.evalsha(LUA_SHA, 1, key, *args)
 
 
+#: the closes of connections in use that ``_disconnect_on`` started, held until done
+_CLOSING: "set[asyncio.Task[Any]]" = set()
+
+
 def _disconnect_on(loop: Any, client: Any) -> None:
     """Close an asyncio ``client``'s connections on its event ``loop``, from any thread: at once
     on this thread's loop, else as that loop's next callback.  A closed loop's are left to be
     closed when collected (closing a transport needs its loop).
 
-    At once, not as an ``aclose()`` task: ``close()`` is synchronous, and a task started by the
-    last act of ``asyncio.run``'s main (or of an ASGI lifespan's shutdown) is cancelled unfinished
-    as the loop ends, its connections then reported unclosed.  So each transport is closed as
-    redis-py closes a connection collected unclosed (its ``_close``); should a redis-py release
-    lack those names, they are left to be closed when collected, as a closed loop's are."""
+    The idle ones at once, not by an ``aclose()`` task: ``close()`` is synchronous, and a task
+    started by the last act of ``asyncio.run``'s main (or of an ASGI lifespan's shutdown) is
+    cancelled unfinished as the loop ends, its connections then reported unclosed.  Each is closed
+    as redis-py closes a connection collected unclosed (its ``_close``).  One in use by a call
+    suspended on that loop is closed by ``aclose()`` (a task), which ends that call as a lost
+    connection would: dropped under it at once, the call would fail as a bad answer.  Should a
+    redis-py release lack those names, all are left to ``aclose()``."""
 
     def disconnect() -> None:
         try:
             pool = getattr(client, "connection_pool", None)  # (a cluster's: each node's)
-            conns = (
-                [*pool._available_connections, *pool._in_use_connections]
-                if pool is not None
-                else [c for node in client.get_nodes() for c in node._connections]
-            )
-            for conn in conns:
+            if pool is not None:
+                idle, used = list(pool._available_connections), pool._in_use_connections
+            else:
+                nodes = client.get_nodes()
+                idle = [c for node in nodes for c in node._free]
+                used = [c for node in nodes for c in node._connections if c not in idle]
+            for conn in idle:
                 conn._close()
         except AttributeError:  # pragma: no cover - another redis-py's internals
-            pass
+            used = True
+        if used:
+            task = loop.create_task(client.aclose())
+            _CLOSING.add(task)
+            task.add_done_callback(_CLOSING.discard)
 
     try:
         here = asyncio.get_running_loop()

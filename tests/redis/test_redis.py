@@ -264,6 +264,44 @@ def test_each_event_loop_keeps_its_own_client_until_close(R, redis_server, name,
             loop.close()
 
 
+@pytest.mark.slow
+def test_a_close_from_another_thread_ends_its_loops_calls_as_closed(R, redis_server, name):
+    """``close()`` from one thread while calls run on another thread's loop: each call ends as a
+    closed limiter's (``ValueError``), none as a bad answer from Redis (its connection dropped
+    under it: ``RedisDataError``, which fails a hierarchical limiter closed)."""
+    import threading
+
+    lim = R.RedisLimiter(name, rate=1e6, burst=1000, url=redis_server.url)
+    granted, errors = threading.Event(), []
+
+    async def calls():
+        async def one():
+            while True:
+                try:
+                    await lim.acquire_async()
+                    granted.set()
+                except Exception as e:  # noqa: BLE001 - what ends it is the test's subject
+                    errors.append(e)
+                    return
+
+        await asyncio.gather(*(one() for _ in range(8)))
+        await asyncio.gather(*(t for t in asyncio.all_tasks() if t is not asyncio.current_task()))
+
+    loop = asyncio.new_event_loop()
+    thread = threading.Thread(target=loop.run_until_complete, args=(calls(),))
+    thread.start()
+    try:
+        assert granted.wait(10)
+        lim.close()
+        thread.join(10)
+        assert not thread.is_alive()
+        assert len(errors) == 8 and all(
+            type(e) is ValueError and "closed" in str(e) for e in errors
+        ), errors
+    finally:
+        loop.close()
+
+
 def test_a_close_as_the_last_act_of_asyncio_run_closes_its_connections(R, redis_server, name):
     """``close()`` as the last act of ``asyncio.run``'s main (an ASGI lifespan's shutdown does the
     same): the loop's connections are closed before it ends, not left to a task the loop's end
