@@ -14,7 +14,7 @@ class ShmlimitError(Exception):
 
 def _rebuilt(cls: type, args: tuple, state: dict) -> BaseException:
     """A pickled ``ShmlimitError``, as it was raised: its message and its attributes."""
-    e = cls.__new__(cls)  # type: ignore[call-overload]
+    e = cls.__new__(cls, *args)  # type: ignore[call-overload]  # (an OSError's errno, from its args)
     e.args = args
     e.__dict__.update(state)
     return e
@@ -188,6 +188,8 @@ class UnsupportedError(ShmlimitError, NotImplementedError, ValueError):
 class MissingExtraError(ImportError):
     """An optional dependency is not installed: the message names the extra that installs it,
     ``pip install 'shmlimit[<extra>]'``."""
+
+    __reduce__ = ShmlimitError.__reduce__
 
     def __init__(self, module: str, extra: str, cause: ImportError) -> None:
         missing = (cause.name or extra).split(".")[0]  # the package to install, not a module of it

@@ -578,10 +578,13 @@ def test_errors_cross_a_pool_as_they_were_raised(name):
         E.AbandonedSegmentError(name, 7, 42),
         E.UnsupportedError("KeyedLimiter", "reserve", "keys keep no queue"),
         E.SegmentError("corrupt"),
+        E.SharedMemoryFullError(28, "no room"),
+        E.MissingExtraError("shmlimit.redis", "redis", ImportError("no redis", name="redis")),
     ]
     for e in made:
         back = pickle.loads(pickle.dumps(e))
         assert type(back) is type(e) and str(back) == str(e) and vars(back) == vars(e)
+    assert pickle.loads(pickle.dumps(made[-2])).errno == 28  # an OSError's errno kept
     with multiprocessing.get_context("spawn").Pool(1) as pool:
         with pytest.raises(shmlimit.RateLimited) as got:
             pool.apply(_raise_rate_limited, (name,))
