@@ -294,7 +294,7 @@ def read_at(
     cells: "Cells", params: Tuple[int, ...] = L.ADAPT_PARAMS, seq: int = L.CFG_SEQ
 ) -> Tuple[int, Optional[Adapt]]:
     """``read``, and the sequence number they were read under."""
-    at, words = settled(cells, seq, lambda s: [cells.load(off) for off in params])
+    at, words = settled(cells, seq, lambda s: [cells.load(off) for off in params], "adapt")
     if words[1] == 0:
         return at, None
     lo, hi, dec, inc, win = (L.u2f(w) for w in words)

@@ -193,3 +193,28 @@ def test_the_valid_bank_of_the_newest_generation_is_the_config(backend, a, b):
             read_snapshot(c)
         return
     assert read_snapshot(c).config == min(valid, key=lambda v: v[0] % (1 << 64))[1]
+
+
+def test_a_stalled_writer_that_writes_again_is_waited_for_again(monkeypatch):
+    """A reader waits a writer that holds the lock past its timeout out once, then reads at once
+    while the lock's value holds (``settled``'s ``_waited_out``); but a writer only stalled (a
+    stopped process, resumed) writes again under the same value: what is read changes, and the
+    reader waits for it again instead of reading its half-written words at once."""
+    import time
+
+    from shmlimit import adapt as A
+
+    c = private_cells()
+    A.write(c, A.Adapt(min_rate=1, max_rate=100))
+    lock = config_banks.ConfigLock(c, L.CFG_SEQ, config_banks.CONFIG_LOCK_TIMEOUT_NS).__enter__()
+    waits = []
+    sleep = time.sleep
+    monkeypatch.setattr(config_banks.time, "sleep", lambda s: (waits.append(s), sleep(s)))
+    assert A.read(c).max_rate == 100  # waited out once
+    first = len(waits)
+    assert first > 0 and A.read(c).max_rate == 100 and len(waits) == first  # then at once
+    lock.store(
+        L.ADAPT_PARAMS[1], 0
+    )  # the writer resumes: its first word (no adapt while it writes)
+    A.read(c)
+    assert len(waits) > first  # waited for again, not read half-written at once

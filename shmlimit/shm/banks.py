@@ -81,34 +81,40 @@ class Snapshot:
 NO_SNAPSHOT = Snapshot(-1, 1, 1, 1, 1, False, False, 0, False, True, False, None, 0, False, 0, 0.0)
 
 
-#: The odd sequence words this process waited out (their writers presumed dead), by the cells and
-#: the word's offset: read at once while they hold.  Readers never close a lock (only a writer
-#: takes it over), so a process that only reads, as the adaptive rate's reports do, would
-#: otherwise wait out the same dead writer on every call.  (The cells are held: ids are reused.)
-_waited_out: Dict[Tuple[int, int], Tuple[Any, int]] = {}
+#: The odd sequence words this process waited out (their writers presumed dead), by the cells,
+#: the word's offset and what was read under it (``what``), with what it read then: read at once while they hold and read the same.
+#: Readers never close a lock (only a writer takes it over), so a process that only reads, as the
+#: adaptive rate's reports do, would otherwise wait out the same dead writer on every call.  A
+#: writer that was only stalled and writes again under the same value changes what is read: then
+#: it is waited for again.  (The cells are held: ids are reused.)
+_waited_out: Dict[Tuple[int, int, str], Tuple[Any, int, Any]] = {}
 
 
-def settled(cells: Any, seq_off: int, read: Callable[[int], T]) -> Tuple[int, T]:
+def settled(cells: Any, seq_off: int, read: Callable[[int], T], what: str) -> Tuple[int, T]:
     """``(seq, read(seq))`` under an even ``seq`` of the sequence word at ``seq_off`` that still
     holds after: what one writer left, never words of two.  A writer that holds the lock for
     ``CONFIG_LOCK_TIMEOUT_NS`` is presumed dead: then read once under its odd value (at once
-    from then on, while it holds: ``_waited_out``)."""
+    from then on, while it holds and ``read``, named ``what``, reads the same: ``_waited_out``)."""
     deadline = None
     while True:
         seq = cells.load(seq_off)
         if seq & 1:
-            dead = _waited_out.get((id(cells), seq_off))
+            dead = _waited_out.get((id(cells), seq_off, what))
             if dead is not None and dead[0] is cells and dead[1] == seq:
-                return seq, read(seq)
+                got = read(seq)
+                if got == dead[2]:
+                    return seq, got
+                del _waited_out[(id(cells), seq_off, what)]  # its writer writes: alive after all
             now = time.monotonic_ns()
             deadline = deadline or now + CONFIG_LOCK_TIMEOUT_NS
             if now < deadline:
                 time.sleep(0.0005)
                 continue
+        got = read(seq)
+        if deadline is not None and seq & 1:
             if len(_waited_out) >= 64:
                 _waited_out.clear()
-            _waited_out[(id(cells), seq_off)] = (cells, seq)
-        got = read(seq)
+            _waited_out[(id(cells), seq_off, what)] = (cells, seq, got)
         if cells.load(seq_off) == seq or deadline is not None:
             return seq, got
 
@@ -116,7 +122,7 @@ def settled(cells: Any, seq_off: int, read: Callable[[int], T]) -> Tuple[int, T]
 def read_snapshot(cells: Any) -> Snapshot:
     """The config in force, read under the sequence lock and checked; ``SegmentError`` if corrupt."""
     c = cells
-    seq, vals = settled(c, L.CFG_SEQ, lambda s: published_values(c, s))
+    seq, vals = settled(c, L.CFG_SEQ, lambda s: published_values(c, s), "config")
     if vals is None:
         raise SegmentError("segment is corrupt: no copy of its configuration passes its checksum")
     rate, per, burst, tpn, cost, cap, flags, ratio, max_reserved, max_behind = vals
