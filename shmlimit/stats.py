@@ -18,7 +18,8 @@ from shmlimit.config import NS_PER_S, Config
 from shmlimit.header import cells_size, check_copied
 from shmlimit.redis.spec import STATE_NAMES
 from shmlimit.shm import layout as L
-from shmlimit.shm.cells import MASK64, open_cells
+from shmlimit.shm.banks import settle_copy
+from shmlimit.shm.cells import open_cells
 from shmlimit.shm.segment import Segment, validate_name
 from shmlimit.shm.table import slot_alive
 
@@ -186,13 +187,7 @@ def copied_snapshot(name: str, label: str, seg: Segment) -> Stats:
     region of the group ``name``; ``SegmentError`` naming ``name`` unless it is ready."""
     check_copied(name, label, seg)
     cells = open_cells(seg.mm, cells_size(seg))
-    # A copy never changes: a config writer that holds the lock in it never publishes.  Its config
-    # is the one a reader takes from a writer presumed dead (``banks.read_snapshot``): the banks
-    # counted back from the generation that writer would publish.  The copy says so at once, so
-    # reading it never waits out the lock's timeout.
-    seq = cells.load(L.CFG_SEQ)
-    if seq & 1:
-        cells.store(L.CFG_SEQ, (seq + 1) & MASK64)
+    settle_copy(cells, L.CFG_SEQ)  # (a dead writer's lock in it: read at once)
     att = Attachment(label, seg, cells)
     try:
         return snapshot(label, att)

@@ -28,7 +28,8 @@ from shmlimit.keyed.segment import Geometry, check_kind, read_copy, validate_hea
 from shmlimit.keyed.windows import FLAG, unpack
 from shmlimit.rate_group import MultiStats
 from shmlimit.shm import layout as L
-from shmlimit.shm.cells import MASK64, Cells, open_cells
+from shmlimit.shm.banks import settle_copy
+from shmlimit.shm.cells import Cells, open_cells
 from shmlimit.shm.segment import validate_name
 from shmlimit.shm.table import ProcessTable, is_alive
 
@@ -292,12 +293,7 @@ def _header_copy(name: str, at: int = 0) -> Tuple[Cells, Geometry, int]:
             or c.load(K.STATE_OFF) != K.STATE_READY
         ):
             raise SegmentError(f"segment {name!r} is not a ready keyed limiter")
-        # A copy never changes: a config writer that holds the lock in it never publishes.  It
-        # reads as a live reader closes a lock left odd (``cells.consistent``: the next even
-        # value), at once, so that reading it never waits out the lock's timeout.
-        seq = c.load(K.CFG_SEQ)
-        if seq & 1:
-            c.store(K.CFG_SEQ, (seq + 1) & MASK64)
+        settle_copy(c, K.CFG_SEQ)  # (a dead writer's lock in it: read at once)
         return c, validate_header(name, c, size), size
     except BaseException:
         c.close()

@@ -82,7 +82,8 @@ NO_SNAPSHOT = Snapshot(-1, 1, 1, 1, 1, False, False, 0, False, True, False, None
 
 
 #: The odd sequence words this process waited out (their writers presumed dead), by the cells,
-#: the word's offset and what was read under it (``what``), with what it read then: read at once while they hold and read the same.
+#: the word's offset and what was read under it (``what``), with what it read then: read at once
+#: while they hold and read the same.
 #: Readers never close a lock (only a writer takes it over), so a process that only reads, as the
 #: adaptive rate's reports do, would otherwise wait out the same dead writer on every call.  A
 #: writer that was only stalled and writes again under the same value changes what is read: then
@@ -117,6 +118,17 @@ def settled(cells: Any, seq_off: int, read: Callable[[int], T], what: str) -> Tu
             _waited_out[(id(cells), seq_off, what)] = (cells, seq, got)
         if cells.load(seq_off) == seq or deadline is not None:
             return seq, got
+
+
+def settle_copy(cells: Any, seq_off: int) -> None:
+    """A private copy's sequence word at ``seq_off``, closed in the copy if a writer held it: a copy
+    never changes, so its writer never publishes, and a read would only wait out the lock's
+    timeout.  Closed to the next even value, the copy reads as a lock left odd is read (the banks
+    counted back from the generation that writer would publish; a keyed reader closes a live one
+    so, ``keyed.cells.consistent``), at once."""
+    seq = cells.load(seq_off)
+    if seq & 1:
+        cells.store(seq_off, (seq + 1) & MASK64)
 
 
 def read_snapshot(cells: Any) -> Snapshot:
