@@ -26,6 +26,7 @@ without ``add_reader``, it is ``asyncio.sleep``.
 from __future__ import annotations
 
 import asyncio
+import functools
 import heapq
 import os
 import platform
@@ -177,20 +178,15 @@ def at_stop(due: float, now: int) -> "tuple[float, int]":
     return due, time.monotonic_ns()
 
 
+@functools.lru_cache(maxsize=None)
 def _native_sleep() -> Any:
     """The native module when this process sleeps natively (the native backend, built), else None:
     chosen once, so that ``wakes`` and the sleeper count the same wakes."""
-    if not _native_choice:
-        if selected_backend() == "native" and native_available():
-            from shmlimit.shm import _native
+    if selected_backend() == "native" and native_available():
+        from shmlimit.shm import _native
 
-            _native_choice.append(_native)
-        else:
-            _native_choice.append(None)
-    return _native_choice[0]
-
-
-_native_choice: List[Any] = []
+        return _native
+    return None
 
 
 def sleeper() -> Callable[..., None]:
@@ -236,9 +232,10 @@ def wake_waiters(cells: Any) -> None:
     native = _native_sleep()
     if native is not None:
         native.wake_sleepers()
-    with _woken:
-        _wakes += 1
-        _woken.notify_all()
+    else:
+        with _woken:
+            _wakes += 1
+            _woken.notify_all()
     with _timers_lock:
         timers = [
             (loop, t)

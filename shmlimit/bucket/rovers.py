@@ -170,9 +170,8 @@ class Bucket(Schedule):
         if cfg.capped != self.capped:
             raise ValueError("capped cannot be changed on a live limiter (unlink and re-create it)")
         tpn = self.tpn
-        config_words(
-            cfg, tpn, False, 0
-        )  # validated before the lock: a refused config writes nothing
+        # validated before the lock: a refused config writes nothing
+        config_words(cfg, tpn, False, 0)
         fallback = (L.FLAG_STOPPED if self.snap.stopped else 0) | self.snap.upstream_flags
 
         def words(c: Cells) -> List[Tuple[int, int]]:
