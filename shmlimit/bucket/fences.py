@@ -5,7 +5,7 @@ promised -- is counted as granted at ``p``, whenever the head covers ``t``.  If
 the head got there sooner (a range ahead given back, tokens put back by
 ``Bucket.add``, the promise's own margins), the waiters behind would be granted
 from the head before ``p`` and fall together with the holder's use.  So every
-reservation not yet due keeps a record ``(OWNER, LIMIT, DUE)`` in the segment
+reservation not yet due keeps a record ``(START, LIMIT, DUE, TOKENS)`` in the segment
 (``layout.fence_records``), ``LIMIT = t + max(0, C - n)`` (``C`` the capacity,
 with catch-up's room) and ``DUE = p``, and every move of the head keeps
 
@@ -25,14 +25,19 @@ stops at most a capacity past ``t - n``, which is ``LIMIT``.
 from __future__ import annotations
 
 import math
-import os
 import time
 from typing import Callable, List, Optional, Tuple
 
 from shmlimit.config import MAX_NAP
 from shmlimit.shm import layout as L
 from shmlimit.shm.cells import Cells
-from shmlimit.shm.words import MASK64, fence_horizon_ns, fences_in_force
+from shmlimit.shm.words import (
+    MASK64,
+    fence_horizon_ns,
+    fence_reserved,
+    fences_in_force,
+    mark_late,
+)
 
 #: ``Bucket.take_within`` for a reservation took nothing: every fence record in use.
 NO_FENCE = "no fence"
@@ -48,7 +53,6 @@ class Fences:
         self.cells = cells
         self.slots = slots
         self.hint = L.fence_offset(slots)
-        self.gen = self.hint + 8
         self.recs = L.fence_records(slots)
         #: what a native waiter is bound to: FENCE_HINT, the first record, how many
         self.args = (self.hint, self.recs[0], len(self.recs))
@@ -61,6 +65,15 @@ class Fences:
         return self.cells.fence_scan(
             *self.args, ts, now, tpn, head, head if ticket is None else ticket
         )
+
+    def reserved(self, ts: int, now: int, tpn: int, head: int, room: int) -> int:
+        """The tokens of a claim of ``[ts, now]`` owned by reservations the head runs late for
+        (``words.fence_reserved``): the claim adds none of them.  Call it before the claim's CAS:
+        the records it finds late first are marked here, while still in force for it."""
+        tokens, found = fence_reserved(self.cells, *self.args, ts, now, tpn, head, room)
+        if found:
+            mark_late(self.cells, self.hint, tpn, found)
+        return tokens
 
     def in_force(self, ts: int, now: int, tpn: int, head: int) -> List[Tuple[int, int]]:
         """``(LIMIT, DUE)`` of every record in force for a claim of ``[ts, now]``, by the scan's own
@@ -90,35 +103,31 @@ class Fences:
         stores ``pending`` there, ``repl_ts`` itself (1 for 0): in force for no claim, and free again
         once a replenish moves ``REPL_TS`` past it.  So two takers never both own a record: a second
         CAS from the free value fails; and a taker whose pending record was claimed again
-        meanwhile learns it from its own CAS of LIMIT or DUE (``put``), which then fails.  OWNER
-        (pid and a generation) only tells whose it was."""
+        meanwhile learns it from its own CAS of LIMIT or DUE (``put``), which then fails."""
         c = self.cells
         pending = max(1, repl_ts)
-        owner = None
         for off in self.recs:
             due = c.load(off + L.FENCE_DUE)
             if due != 0 and repl_ts <= due <= horizon:
                 continue
             if due == pending or not c.cas(off + L.FENCE_DUE, due, pending):
                 continue
-            if owner is None:
-                owner = (os.getpid() & 0xFFFFFFFF) << 32 | (
-                    c.fetch_add(self.gen, 1) + 1
-                ) & 0xFFFFFFFF
-            c.store(off + L.FENCE_OWNER, owner)
             return off, pending
         return None
 
-    def store(self, rec: int, limit: tuple, due: tuple) -> bool:
-        """The fence in ``rec``: LIMIT, then DUE, each by one CAS from the value this owner last saw
-        there (``limit``, ``due``: ``(expected, new)``), then FENCE_HINT raised to the new DUE (every
-        claim before it reads the records).  False when a CAS failed: the record was claimed again
-        since (its DUE had passed ``REPL_TS``), and is no longer this owner's; what it wrote is then
-        in force for no claim (the new owner's pending DUE stands, or its own CAS fails in turn).
-        A reader that sees the new DUE sees the new LIMIT."""
+    def store(self, rec: int, limit: tuple, due: tuple, span: tuple = ((0, 0), (0, 0))) -> bool:
+        """The fence in ``rec``: START and TOKENS (``span``), LIMIT, then DUE, each by one CAS from
+        the value this owner last saw there (each ``(expected, new)``), then FENCE_HINT raised to
+        the new DUE (every claim before it reads the records).  False when a CAS failed: the record
+        was claimed again since (its DUE had passed ``REPL_TS``), and is no longer this owner's;
+        what it wrote is then in force for no claim (the new owner's pending DUE stands, or its own
+        CAS fails in turn).  A reader that sees the new DUE sees the other new words."""
         c = self.cells
-        if limit[0] != limit[1] and not c.cas(rec + L.FENCE_LIMIT, limit[0], limit[1]):
-            return False
+        for off, (old, new) in zip(
+            (L.FENCE_START, L.FENCE_TOKENS, L.FENCE_LIMIT), (span[0], span[1], limit)
+        ):
+            if old != new and not c.cas(rec + off, old, new):
+                return False
         if not (
             c.cas(rec + L.FENCE_DUE, due[0], due[1])
             if due[0] != due[1]
@@ -148,13 +157,14 @@ class FenceHold:
     ``want``: the DUE to store (a reservation over several rates, whose promise is known only once
     every rate is claimed: ``multirate``), else the promise for the ticket about to be taken."""
 
-    __slots__ = ("rec", "want", "due", "limit", "promise")
+    __slots__ = ("rec", "want", "due", "limit", "span", "promise")
 
     def __init__(self, want: Optional[int] = None) -> None:
         self.rec: Optional[int] = None
         self.want = want
         self.due = 0  # the DUE this owner last stored in ``rec`` (its pending claim at first)
         self.limit = 0  # the LIMIT it last saw or stored there
+        self.span = (0, 0)  # the START and TOKENS it last saw or stored there
         self.promise: Optional[int] = None
 
     def put(self, b, new: int, tokens: int, snap) -> bool:
@@ -173,12 +183,21 @@ class FenceHold:
                 if got is None:
                     return False
                 self.rec, self.due = got
-                self.limit = b.cells.load(self.rec + L.FENCE_LIMIT)
+                start, tokens_seen, self.limit = b.cells.load_many(
+                    (self.rec + L.FENCE_START, self.rec + L.FENCE_TOKENS, self.rec + L.FENCE_LIMIT)
+                )
+                self.span = (start, tokens_seen)
             promise = math.ceil(b.promised_ns(new)) if self.want is None else self.want
             due = min(promise, horizon - 10**9)
             limit = (new + max(0, snap.cap + snap.burst_pool - tokens)) & MASK64
-            if f.store(self.rec, (self.limit, limit), (self.due, due)):
-                self.limit, self.due, self.promise = limit, due, promise
+            span = ((new - tokens) & MASK64, tokens)
+            if f.store(
+                self.rec,
+                (self.limit, limit),
+                (self.due, due),
+                ((self.span[0], span[0]), (self.span[1], span[1])),
+            ):
+                self.limit, self.due, self.span, self.promise = limit, due, span, promise
                 return True
             # claimed again by another while this owner was off the CPU (its DUE then differs: left
             # as it is), or its LIMIT moved by a charge (``Fences.pass_over``: a fence for a ticket

@@ -71,6 +71,7 @@ from shmlimit.shm.words import (  # rover arithmetic, re-exported: the bucket's 
     behind,
     clamp_kept,
     clamp_limit,
+    clamp_reach,
     diff,
     take_some,
 )
@@ -416,28 +417,34 @@ class Bucket(Schedule):
             # clock at now, granting nothing for the unknown past, instead of waiting for it.
             c.cas(L.REPL_TS, ts, now)
             return None
-        # the reservations' fences in force for [ts, now], read after the words, before the claim
-        fence = self.fences.scan(ts, now, snap.tpn, head) if elapsed > 0 else None
-        if elapsed == 0 or not c.cas(L.REPL_TS, ts, now):
+        if elapsed == 0:
             return None
-        c.store(L.SNAP_HEAD, head)
-        c.store(L.SNAP_TAIL, tail)
         extra = elapsed * snap.tpn
         limit = clamp_limit(base, end, nxt, snap.cap, head, tail)
-        if not clamp_kept(base, end, nxt, head, tail):
-            leave_words(
-                c, self._record_lens(), head, tail
-            )  # the records are read only with callers queued
         catch_limit = (
             clamp_limit(base, end, nxt, snap.cap + snap.burst_pool, head, tail)
             if snap.catch_up
             else limit
         )
-        if (
-            fence is not None
-        ):  # no further than a fence (the time it stops is lost: counted starved)
+        # the reservations' fences in force for [ts, now], read after the words, before the claim:
+        # no further than a fence (the time it stops is lost: counted starved), and none of the
+        # time a reservation the head runs late for owns (catch-up none either)
+        fence = self.fences.scan(ts, now, snap.tpn, head)
+        if fence is not None:
             at = (head + fence[0]) & MASK64
             limit, catch_limit = behind(limit, at), behind(catch_limit, at)
+            reach = clamp_reach(base, end, nxt, snap.cap, head, tail)
+            owned = self.fences.reserved(ts, now, snap.tpn, head, reach)
+            if owned > 0:
+                extra, catch_limit = max(0, extra - owned), limit
+        if not c.cas(L.REPL_TS, ts, now):
+            return None
+        c.store(L.SNAP_HEAD, head)
+        c.store(L.SNAP_TAIL, tail)
+        if not clamp_kept(base, end, nxt, head, tail):
+            leave_words(
+                c, self._record_lens(), head, tail
+            )  # the records are read only with callers queued
         return head, limit, extra, snap, diff(snap_tail, snap_head) > 0, catch_limit
 
     def apply(self, claim: Tuple[int, int, int, Snapshot, bool, int]) -> int:

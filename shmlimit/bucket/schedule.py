@@ -15,12 +15,15 @@ from shmlimit.shm import layout as L
 from shmlimit.shm.banks import Snapshot
 from shmlimit.shm.cells import MASK64, Cells
 from shmlimit.shm.words import (
+    FAR,
     REC_BUSY,
     REC_GIVEN,
     SPAN_MAX,
     behind,
     clamp_limit,
+    clamp_reach,
     diff,
+    late_window,
     recorded_ranges,
 )
 
@@ -343,7 +346,7 @@ class Schedule:
             return max(
                 ts + short / snap.tpn + stops * stop_ns(snap),
                 self._fenced_ns(ticket, ts, head, snap),
-            )
+            ) + self._reserved_ns(ticket, ts, head, snap)
         # the next replenish claims some time: not before now, nor before REPL_TS + 1 ns; the rest
         # then comes at the pace the head can keep (estimate_wait_ns: slower for a capacity under
         # two fill intervals, where each replenish may add only half a capacity), and each stop
@@ -364,7 +367,33 @@ class Schedule:
             + lost
             + self.estimate_wait_ns(short - room, snap)
             + stops * stop_ns(snap),
-        )
+        ) + self._reserved_ns(ticket, ts, head, snap)
+
+    def _reserved_ns(self, ticket: int, ts: int, head: int, snap: Snapshot) -> int:
+        """The time (ns) from now the head will not gain, owned by the reservations before
+        ``ticket`` it runs late for (``words.late_window``: as the next claim judges them, or, for
+        one whose time has not begun, as the claim then would after replenishes at the filler's
+        pace): 0 when none is."""
+        if diff(ticket, head) <= 0:
+            return 0
+        c = self.cells
+        now = max(ts, self.clock())
+        base, end, nxt = c.load(L.SNAP_BASE), c.load(L.SNAP_END), c.load(L.SNAP_NEXT)
+        reach = clamp_reach(base, end, nxt, snap.cap, head, c.load(L.TAIL))
+        total = 0
+        # where the head can be when a reservation's time begins: the next claim adds at most
+        # ``reach`` (from REPL_TS), the claims after it the rate's (the filler's pace)
+        soonest = (head + min((now - ts) * snap.tpn, reach)) & MASK64
+        for rec, _, due in self.fences.held(ts, now, snap.tpn, head):
+            start, word = c.load_many((rec + L.FENCE_START, rec + L.FENCE_TOKENS))
+            if diff(ticket, start) <= 0:
+                continue
+            got = late_window(start, word, due, head, snap.tpn, ts, reach)
+            if got is not None and got[0] >= now:  # not begun: judged from where the head can be
+                got = late_window(start, word, due, soonest, snap.tpn, now, FAR)
+            if got is not None:
+                total += got[1] - max(now, got[0])
+        return total
 
     def _fenced_ns(self, ticket: int, ts: int, head: int, snap: Snapshot) -> float:
         """The soonest the head reaches ``ticket`` under the reservations' fences before it: each holds

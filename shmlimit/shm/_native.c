@@ -2740,8 +2740,8 @@ cells_clamp_words(NativeCells *self, PyObject *const *args, Py_ssize_t n)
 
 /* words.fence_scan, word for word, in one loop: the reservation fences in force for a claim of
  * [ts, now] (a record whose DUE is after ts), read only when FENCE_HINT (`hint`, the latest DUE ever
- * stored) is after ts.  `first`: the first record's OWNER word, `count` records FENCE_STRIDE bytes
- * apart (OWNER, LIMIT, DUE).  *room: the least LIMIT + max(0, now - DUE) * tpn less `head` (at most
+ * stored) is after ts.  `first`: the first record's START word, `count` records FENCE_STRIDE bytes
+ * apart (START, LIMIT, DUE, TOKENS).  *room: the least LIMIT + max(0, now - DUE) * tpn less `head` (at most
  * FENCE_NONE; negative: the head is past it); *due: the latest DUE + (ticket - LIMIT) / tpn over
  * those whose LIMIT is before `ticket` (0: none).  A LIMIT more than CLAMP_FAR from the head, or a
  * DUE beyond fence_horizon_ns from now, no reservation left: ignored.  Answers whether one is in
@@ -2790,6 +2790,61 @@ fence_scan(uint64_t *hint, uint64_t *first, Py_ssize_t count, uint64_t ts, uint6
         }
     }
     return found;
+}
+
+/* words.fence_reserved and words.mark_late, word for word: the tokens of a claim of [ts, now]
+ * owned by reservations the head runs late for (none of them added), the records found late first
+ * marked (TOKENS's FENCE_LATE bit, then DUE moved n / tpn on, then FENCE_HINT raised) before the
+ * claim's CAS.  `room`: how far the claim may move the head.  Records as fence_scan reads them:
+ * (START, LIMIT, DUE, TOKENS). */
+#define FENCE_LATE ((uint64_t)1 << 63)
+static uint64_t
+fence_reserved(uint64_t *hint, uint64_t *first, Py_ssize_t count, uint64_t ts, uint64_t now, uint64_t tpn,
+               uint64_t head, uint64_t room)
+{
+    if (__atomic_load_n(hint, __ATOMIC_SEQ_CST) <= ts)
+        return 0;
+    uint64_t horizon = now + fence_horizon_ns(tpn);
+    unsigned __int128 reserved = 0;
+    for (Py_ssize_t k = 0; k < count; k++) {
+        uint64_t *rec = first + k * FENCE_STRIDE_W;
+        uint64_t due = __atomic_load_n(rec + 2, __ATOMIC_SEQ_CST);
+        if (due <= ts || due > horizon)
+            continue;
+        uint64_t lim = __atomic_load_n(rec + 1, __ATOMIC_SEQ_CST);
+        int64_t rel = (int64_t)(lim - head);
+        if (rel < -(int64_t)CLAMP_FAR || rel > (int64_t)CLAMP_FAR)
+            continue;
+        uint64_t start = __atomic_load_n(rec, __ATOMIC_SEQ_CST);
+        uint64_t word = __atomic_load_n(rec + 3, __ATOMIC_SEQ_CST);
+        uint64_t tokens = word & ~FENCE_LATE;
+        int64_t ahead = (int64_t)(start - head);
+        if (tokens == 0 || tokens > SPAN_MAX || ahead <= 0 || (uint64_t)ahead > CLAMP_FAR)
+            continue;
+        uint64_t span = tokens / tpn;
+        uint64_t back = (word & FENCE_LATE) ? 2 * span : span;
+        uint64_t opens = due - (back < due ? back : due), ends = due;
+        if (opens >= now)
+            continue;
+        if (!(word & FENCE_LATE)) {
+            unsigned __int128 reach = (unsigned __int128)(opens > ts ? opens - ts : 0) * tpn;
+            if (reach > room)
+                reach = room;
+            if (reach + tpn >= (unsigned __int128)ahead)
+                continue; /* on the schedule: the head reaches START by then, to the ns */
+            ends = due + span;
+            if (__atomic_compare_exchange_n(rec + 3, &word, word | FENCE_LATE, 0, __ATOMIC_SEQ_CST, __ATOMIC_SEQ_CST)
+                && __atomic_compare_exchange_n(rec + 2, &due, ends, 0, __ATOMIC_SEQ_CST, __ATOMIC_SEQ_CST)) {
+                uint64_t h = __atomic_load_n(hint, __ATOMIC_SEQ_CST);
+                while (h < ends
+                       && !__atomic_compare_exchange_n(hint, &h, ends, 0, __ATOMIC_SEQ_CST, __ATOMIC_SEQ_CST))
+                    ;
+            }
+        }
+        uint64_t from = ts > opens ? ts : opens, to = now < ends ? now : ends;
+        reserved += (unsigned __int128)(to - from) * tpn;
+    }
+    return reserved > UINT64_MAX ? UINT64_MAX : (uint64_t)reserved;
 }
 
 /* cells.fence_scan(hint_off, first, count, ts, now, tpn, head, ticket) -> (room, due) or None:
@@ -2847,24 +2902,37 @@ waiter_replenish_once(Waiter *w, uint64_t now, int *burn, int *cut_short)
     }
     if (elapsed == 0)
         return 0;
-    /* the reservation fences in force for [ts, now] (Bucket.claim: read after the clamp words and
-     * before the claim's CAS), in the same pass as the clamp */
-    int64_t fence_room;
-    double fence_due;
-    int fenced = fence_scan(w->fence_hint, w->fence_first, w->fence_count, ts, now, w->tpn, head, head, &fence_room,
-                            &fence_due);
-    if (!wcas(w->repl_ts, ts, now))
-        return 0;
-    __atomic_store_n(w->snap_head, head, __ATOMIC_SEQ_CST);
-    __atomic_store_n(w->snap_tail, tail, __ATOMIC_SEQ_CST);
     uint64_t extra;
     if (__builtin_mul_overflow((uint64_t)elapsed, w->tpn, &extra))
         extra = UINT64_MAX;
     /* invariant 1 (bucket.py): a capacity from the start of the request the previous snapshot's
      * head stood in, never past the next boundary the records told */
     uint64_t limit = clamp_limit(base, end, next, w->cap, head, tail);
-    if (fenced && fence_room < (int64_t)(limit - head)) /* no further than a reservation's fence */
-        limit = head + (uint64_t)fence_room;
+    /* the reservation fences in force for [ts, now] (Bucket.claim: read after the clamp words and
+     * before the claim's CAS): no further than a fence, and none of the time a reservation the
+     * head runs late for owns */
+    int64_t fence_room;
+    double fence_due;
+    if (fence_scan(w->fence_hint, w->fence_first, w->fence_count, ts, now, w->tpn, head, head, &fence_room,
+                   &fence_due)) {
+        if (fence_room < (int64_t)(limit - head))
+            limit = head + (uint64_t)fence_room;
+        /* words.clamp_reach: the capacity's reach from the head, its stop at a recorded request not
+         * counted (a promise counts it) */
+        uint64_t reach = 0;
+        if (clamp_sane(base, end, next, head, tail)) {
+            uint64_t far = base + w->cap;
+            if ((int64_t)(end - far) > 0)
+                far = end;
+            reach = (int64_t)(far - head) > 0 ? far - head : 0;
+        }
+        uint64_t owned = fence_reserved(w->fence_hint, w->fence_first, w->fence_count, ts, now, w->tpn, head, reach);
+        extra = owned < extra ? extra - owned : 0;
+    }
+    if (!wcas(w->repl_ts, ts, now))
+        return 0;
+    __atomic_store_n(w->snap_head, head, __ATOMIC_SEQ_CST);
+    __atomic_store_n(w->snap_tail, tail, __ATOMIC_SEQ_CST);
     /* new words (Bucket.claim), unless the older ones name a recorded request the head still
      * stands in: the records would name it again (never words no snapshot leaves) */
     if ((int64_t)(head - tail) >= 0 || base == end || (int64_t)(head - base) < 0 || (int64_t)(end - head) <= 0
@@ -3750,7 +3818,7 @@ static PyObject *waiter_bind(NativeCells *self, PyObject *const *args, Py_ssize_
 /* waiter(words, expected, grants, waiting, tpn, cap, slack_ns, records, fences) -> a Waiter (see
  * above); `words` the bucket's word offsets (WAITER_NWORDS, a tuple); `waiting` is a word offset or
  * None; `records` every ticket record's LEN offset (a tuple); `fences` (FENCE_HINT, the first
- * record's OWNER, how many records).  Laid out flat for waiter_bind, which checks each. */
+ * record's START, how many records).  Laid out flat for waiter_bind, which checks each. */
 static PyObject *
 cells_waiter(NativeCells *self, PyObject *const *args, Py_ssize_t n)
 {
@@ -3782,7 +3850,7 @@ waiter_bind(NativeCells *self, PyObject *const *args, Py_ssize_t n)
         return NULL;
     if (!u64(args[10], &tpn) || !u64(args[11], &cap) || !u64(args[12], &slack) || !u64(args[20], &fcount))
         return NULL;
-    if (fcount > 4096 || (fcount > 0 && (Py_ssize_t)((char *)w[13] - self->base) + (Py_ssize_t)((fcount - 1) * 32 + 16)
+    if (fcount > 4096 || (fcount > 0 && (Py_ssize_t)((char *)w[13] - self->base) + (Py_ssize_t)((fcount - 1) * 32 + 24)
                                             > self->size - 8)) {
         PyErr_SetString(PyExc_IndexError, "waiter: the fence records run past the mapping");
         return NULL;

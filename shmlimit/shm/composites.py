@@ -17,8 +17,8 @@ import time
 from typing import Any, Callable, List, NamedTuple, Optional, Sequence, Tuple, Union
 
 from shmlimit.shm.words import (
-    FENCE_DUE_W,
     FENCE_STRIDE,
+    FENCE_TOKENS_W,
     MASK64,
     MAX_QUEUE,
     WORD,
@@ -275,7 +275,7 @@ class Cells(abc.ABC):
         """None: a wait loop is worth having only natively, where it sleeps without the GIL and
         without returning to Python between naps; here waiters wait in Python.  ``words``: the
         bucket's word offsets (``rovers.WAITER_WORDS``); ``fences``: (FENCE_HINT, the first
-        record's OWNER, how many records)."""
+        record's START, how many records)."""
         if len(words) != 11 or len(fences) != 3:
             raise TypeError("waiter: words must be 11 word offsets, fences (hint, first, count)")
         hint, first, count = fences
@@ -285,7 +285,7 @@ class Cells(abc.ABC):
             *records,
             *([] if waiting is None else [waiting]),
             hint,
-            first + max(0, count - 1) * FENCE_STRIDE + FENCE_DUE_W,
+            first + max(0, count - 1) * FENCE_STRIDE + FENCE_TOKENS_W,
         )
         return None
 

@@ -30,9 +30,9 @@ filler and the process table never false-share.
     then SLOTS process slots of one line each: PID START GRANTS WAITING BASE PIDNS TICKET TICKET_LEN
     then SLOTS ticket lines, one per slot: four more (TICKET, TICKET_LEN) records of its owner's
     then SLOTS in-flight lines, one per slot: SLOT_INFLIGHT, capped mode's ops in flight of its owner
-    then the reservation fences: one line (FENCE_HINT: the latest DUE ever stored; FENCE_GEN: the
-                       owners' generations), then FENCE_RECORDS records of four words, two a line:
-                       OWNER LIMIT DUE (and one unused): the head stays at most at LIMIT until DUE
+    then the reservation fences: one line (FENCE_HINT: the latest DUE ever stored), then
+                       FENCE_RECORDS records of four words, two a line: START LIMIT DUE TOKENS:
+                       the head stays at most at LIMIT until DUE
 
 Values that are not integers (rate, per, burst) are stored as IEEE-754 bits.
 The ten config values of each bank are stored XOR-ed with ``bank_mask(GEN, i)``:
@@ -59,7 +59,10 @@ MAGIC = int.from_bytes(b"SHMLIMIT", "little")
 #: costs one decision, never an outcome judged twice); version 7 would judge every window.
 #: 9: BEYOND counts the processes attached beyond the process table: gc, not seeing them, took
 #: the segment from under them (version 8 neither counts nor looks).
-VERSION = 9
+#: 10: a fence record holds its reservation's START and TOKENS (OWNER and FENCE_GEN are gone): a
+#: claim keeps a reservation's own time from the callers ahead of it when the head runs late
+#: (``words.fence_reserved``); version 9 would neither write them nor keep it.
+VERSION = 10
 LINE = 64
 
 
@@ -266,17 +269,19 @@ def slot_offset(index: int) -> int:
     return HEADER_BYTES + index * SLOT_BYTES
 
 
-#: Reservation fences (``fences``): records of (OWNER, LIMIT, DUE), one per reservation not yet
-#: due.  OWNER is the taker's pid << 32 | a generation drawn from FENCE_GEN (taken by CAS, so two
-#: takers never share a record); LIMIT the rover the head may not pass before DUE (CLOCK_MONOTONIC
-#: ns), after which it gains on LIMIT only at the rate; DUE 0 or before the last replenish's time
-#: (REPL_TS): free.  FENCE_HINT is the largest DUE ever stored (raised by CAS): a claim whose
-#: interval starts at or after it reads no record.
+#: Reservation fences (``fences``): records of (START, LIMIT, DUE, TOKENS), one per reservation
+#: not yet due.  LIMIT is the rover the head may not pass before DUE (CLOCK_MONOTONIC ns), after
+#: which it gains on LIMIT only at the rate; DUE 0 or before the last replenish's time (REPL_TS):
+#: free (a taker claims one by CAS of its DUE).  START and TOKENS are the reservation's range
+#: (TOKENS's high bit: the head was found late for it, ``words.fence_reserved``).  FENCE_HINT is
+#: the largest DUE ever stored (raised by CAS): a claim whose interval starts at or after it reads
+#: no record.
 FENCE_RECORDS = 64
 FENCE_RECORD_BYTES = 32
-FENCE_OWNER = 0
+FENCE_START = 0
 FENCE_LIMIT = 8
 FENCE_DUE = 16
+FENCE_TOKENS = 24
 FENCE_LINES = 1 + FENCE_RECORDS * FENCE_RECORD_BYTES // LINE
 
 
@@ -285,12 +290,12 @@ def segment_size(slots: int) -> int:
 
 
 def fence_offset(slots: int) -> int:
-    """The fence table's first line (FENCE_HINT, FENCE_GEN) in a table of ``slots``; its records follow."""
+    """The fence table's first line (FENCE_HINT) in a table of ``slots``; its records follow."""
     return HEADER_BYTES + slots * (SLOT_BYTES + 2 * LINE)
 
 
 def fence_records(slots: int) -> tuple:
-    """Every fence record's first word (OWNER; LIMIT and DUE follow) in a table of ``slots``."""
+    """Every fence record's first word (START; LIMIT, DUE and TOKENS follow) in a table of ``slots``."""
     first = fence_offset(slots) + LINE
     return tuple(first + k * FENCE_RECORD_BYTES for k in range(FENCE_RECORDS))
 

@@ -10,7 +10,7 @@ face of the layer (cells.py); the native backend has the same constants.
 from __future__ import annotations
 
 import itertools
-from typing import Iterator, Optional, Tuple, Union
+from typing import Iterator, List, Optional, Tuple, Union
 
 MASK64 = (1 << 64) - 1
 #: Tokens the queue (TAIL - HEAD) may hold at most: far below 2**63, so every signed comparison
@@ -185,6 +185,16 @@ def clamp_limit(base: int, end: int, nxt: int, room: int, head: int, tail: int) 
     return limit
 
 
+def clamp_reach(base: int, end: int, nxt: int, room: int, head: int, tail: int) -> int:
+    """How far past ``head`` the capacity alone lets a replenish go (``clamp_limit`` without its
+    stop at the next recorded request, which a promise counts as a stop on the way): what a
+    head on its schedule can gain in one claim.  0 for words no snapshot could have left."""
+    if not clamp_sane(base, end, nxt, head, tail):
+        return 0
+    limit = (base + room) & MASK64
+    return max(0, diff(end if diff(end, limit) > 0 else limit, head))
+
+
 def recorded_ranges(cells, records: Tuple[int, ...]) -> Iterator[Tuple[int, int, int]]:
     """``(start, end, length)`` of each range the ticket records ``records`` (their LEN offsets, each
     with its TICKET word before it) tell: a record being written, changed under the read, or whose
@@ -232,8 +242,10 @@ def clamp_words(
     return base, end, nxt
 
 
-#: A fence record's words after its OWNER (layout.FENCE_LIMIT, FENCE_DUE) and its size.
-FENCE_LIMIT_W, FENCE_DUE_W, FENCE_STRIDE = 8, 16, 32
+#: A fence record's words after its START (layout.FENCE_LIMIT, FENCE_DUE, FENCE_TOKENS) and its size.
+FENCE_LIMIT_W, FENCE_DUE_W, FENCE_TOKENS_W, FENCE_STRIDE = 8, 16, 24, 32
+#: TOKENS's bit for a reservation the head was found late for (``fence_reserved``).
+FENCE_LATE = 1 << 63
 #: Where no fence holds the head: as far above it as the queue may reach.
 NO_FENCE = FAR
 
@@ -261,7 +273,7 @@ def fences_in_force(
     cells, hint_off: int, first: int, count: int, ts: int, now: int, tpn: int, head: int
 ) -> Iterator[Tuple[int, int, int]]:
     """``(record, LIMIT, DUE)`` of each of the ``count`` fence records from ``first`` (``record``:
-    its first word, OWNER) in force for a claim whose interval is ``[ts, now]``: its DUE after
+    its first word, START) in force for a claim whose interval is ``[ts, now]``: its DUE after
     ``ts`` and within ``fence_horizon_ns`` of ``now`` (``fence_due_counts``), its LIMIT within
     ``FAR`` of ``head`` (``fence_limit_counts``).  None at all when FENCE_HINT (at ``hint_off``) is
     not after ``ts``: one load.  Every reader of the fences reads them here (``fence_scan``,
@@ -278,6 +290,75 @@ def fences_in_force(
                 yield rec, limit, due
 
 
+def late_window(
+    start: int, word: int, due: int, head: int, tpn: int, ts: int, reach: int
+) -> Optional[Tuple[int, int, bool]]:
+    """The time a reservation (its record's START, TOKENS word and DUE) owns of the head's
+    schedule, ``(opens, ends, newly late)``, or None when it owns none: the head is past START, or
+    can reach it by the time its interval opens from ``ts`` with ``reach`` tokens at most
+    (``fence_reserved``)."""
+    tokens, ahead = word & ~FENCE_LATE, signed(start - head)
+    if not 0 < tokens <= SPAN_MAX or not 0 < ahead <= FAR:
+        return None
+    span = tokens // tpn
+    if word & FENCE_LATE:
+        return due - min(due, 2 * span), due, False
+    opens = due - min(due, span)
+    if min(max(0, opens - ts) * tpn, reach) + tpn >= ahead:
+        # on the schedule: the head can reach START by then, its stops counted, to the ns a
+        # promise is rounded to (a float moment, rounded up)
+        return None
+    return opens, due + span, True
+
+
+def fence_reserved(
+    cells, hint_off: int, first: int, count: int, ts: int, now: int, tpn: int, head: int, reach: int
+) -> Tuple[int, List[Tuple[int, int, int]]]:
+    """The tokens of a claim of ``[ts, now]`` that reservations the head runs late for own, none of
+    them granted, and the records the claim finds late first: ``(tokens, [(record, TOKENS,
+    DUE)])``, each to be marked (``mark_late``) before the claim's CAS.  ``reach``: how far the
+    capacity lets the claim move the head (``clamp_reach``).
+
+    A reservation of ``n`` tokens from START, used at its DUE ``p``: on the promised schedule the
+    head passes its range, granting no one, over ``[p - n / tpn, p]``, so the windows that hold
+    ``p`` hold ``n`` more than the head grants.  A head still short of START when that interval
+    opens (it lost time: the limiter stopped, no one replenished for longer than the clamp's
+    slack) would grant the callers ahead of START within it instead, together with the
+    reservation.  So the time is the reservation's: a claim adds none of it while the head is
+    short of START, and the callers ahead are granted after it.  Found late, the record is
+    marked and its DUE moved ``n / tpn`` on, and the time up to the new DUE is the reservation's
+    too: what the head had accrued towards the callers ahead (at most a capacity) is granted
+    later, where a full bucket would have lost it -- the head keeps it, so the windows from ``p``
+    on would count it and ``n`` both.  Claims' intervals are disjoint: each token of that time is
+    taken once (the native replenish does the same in C)."""
+    reserved, found = 0, []
+    for rec, _, due in fences_in_force(cells, hint_off, first, count, ts, now, tpn, head):
+        start, word = cells.load(rec), cells.load(rec + FENCE_TOKENS_W)
+        got = late_window(start, word, due, head, tpn, ts, reach)
+        if got is None or got[0] >= now:
+            continue
+        if got[2]:
+            found.append((rec, word, due))
+        reserved += (min(now, got[1]) - max(ts, got[0])) * tpn
+    return reserved, found
+
+
+def mark_late(cells, hint_off: int, tpn: int, found: List[Tuple[int, int, int]]) -> None:
+    """Mark the records ``fence_reserved`` found late: TOKENS's ``FENCE_LATE`` bit, then DUE moved
+    ``n / tpn`` on (a reader between the two reserves time from earlier on: lost, never granted),
+    then FENCE_HINT raised to it.  Each by CAS from what was read: a record changed since is
+    left as it is."""
+    for rec, word, due in found:
+        new = due + word // tpn
+        if cells.cas(rec + FENCE_TOKENS_W, word, word | FENCE_LATE) and cells.cas(
+            rec + FENCE_DUE_W, due, new
+        ):
+            while True:
+                hint = cells.load(hint_off)
+                if hint >= new or cells.cas(hint_off, hint, new):
+                    break
+
+
 def fence_scan(
     cells,
     hint_off: int,
@@ -290,7 +371,7 @@ def fence_scan(
     ticket: int,
 ) -> Optional[Tuple[int, float]]:
     """The reservation fences in force for a claim whose interval is ``[ts, now]``, read from the
-    ``count`` records from ``first`` (each ``FENCE_STRIDE`` bytes: OWNER, LIMIT, DUE): ``(room,
+    ``count`` records from ``first`` (each ``FENCE_STRIDE`` bytes: START, LIMIT, DUE, TOKENS): ``(room,
     due)``, or None when none is (FENCE_HINT at ``hint_off``, the latest DUE ever stored, is not
     after ``ts``: one load, no record read).
 
@@ -305,7 +386,7 @@ def fence_scan(
     """
     if count < 0 or tpn <= 0:
         raise ValueError("fence_scan: count must be >= 0 and tpn >= 1")
-    for off in (hint_off, first, first + max(0, count - 1) * FENCE_STRIDE + FENCE_DUE_W):
+    for off in (hint_off, first, first + max(0, count - 1) * FENCE_STRIDE + FENCE_TOKENS_W):
         check_offset(off, cells.size)
     room, due, found = NO_FENCE, 0.0, False
     for _, lim, d in fences_in_force(cells, hint_off, first, count, ts, now, tpn, head):

@@ -93,12 +93,28 @@ def limiters():
             st.sampled_from([0, L.TICKET_GIVEN, L.TICKET_BUSY]),
         ),
     ),
+    fence=st.one_of(
+        st.none(),
+        st.tuples(
+            st.integers(-(2**44), 2**44),  # START, from the head
+            st.integers(-(2**44), 2**46),  # LIMIT, from the head
+            st.integers(-(10**9), 10**10),  # DUE, from the clock reading
+            st.one_of(st.integers(0, 2**45), st.integers(0, MASK64)),  # TOKENS (LATE bit or not)
+        ),
+        st.tuples(  # a reservation just ahead, due about now: late or on its schedule
+            st.integers(1, 2**40),
+            st.integers(0, 2**44),
+            st.integers(-(10**7), 10**7),
+            st.integers(1, 2**42).map(lambda n: n | (1 << 63)) | st.integers(1, 2**42),
+        ),
+    ),
 )
 def test_the_native_replenish_is_the_reference_one(
-    limiters, which, base, queued, snap_back, snap_q, elapsed, clamp, record
+    limiters, which, base, queued, snap_back, snap_q, elapsed, clamp, record, fence
 ):
     """Same words in, same clock reading: the same tokens added and the same words out, wrap
-    included; with a ticket recorded (or being written, or given back) anywhere around the head."""
+    included; with a ticket recorded (or being written, or given back) anywhere around the head,
+    and a reservation's fence record anywhere around it (the time a late one owns, its mark)."""
     lim, clock = limiters[which]
     c = lim._att.cells
     b = lim._att.bucket
@@ -119,6 +135,20 @@ def test_the_native_replenish_is_the_reference_one(
         rec_ticket: 0 if record is None else (head + record[0]) & MASK64,
         rec_len: 0 if record is None else record[1] | record[2],
     }
+    f = b.fences
+    rec = f.recs[0]
+    fence_words = (f.hint, rec + L.FENCE_START, rec + L.FENCE_LIMIT, rec + L.FENCE_DUE)
+    fence_words += (rec + L.FENCE_TOKENS,)
+    if fence is None:
+        words.update(dict.fromkeys(fence_words, 0))
+    else:
+        due = max(1, now + fence[2])
+        words.update(
+            zip(
+                fence_words,
+                (due, (head + fence[0]) & MASK64, (head + fence[1]) & MASK64, due, fence[3]),
+            )
+        )
 
     def put():
         for off, v in words.items():
@@ -126,11 +156,11 @@ def test_the_native_replenish_is_the_reference_one(
 
     put()
     ref = b.replenish()
-    ref_words = [c.load(o) for o in ROVERS]
+    ref_words = [c.load(o) for o in ROVERS + fence_words]
     put()
     added, burn = waiter_of(lim).replenish(now)
     assert (added, burn) == (ref, False)
-    assert [c.load(o) for o in ROVERS] == ref_words
+    assert [c.load(o) for o in ROVERS + fence_words] == ref_words
 
 
 def test_a_waiter_bound_to_a_replaced_config_touches_nothing(name):

@@ -94,7 +94,7 @@ def _fence_words(slots):
     return [base, base + 8] + [
         off + w
         for off in L.fence_records(slots)
-        for w in (L.FENCE_OWNER, L.FENCE_LIMIT, L.FENCE_DUE)
+        for w in (L.FENCE_START, L.FENCE_LIMIT, L.FENCE_DUE, L.FENCE_TOKENS)
     ]
 
 
@@ -130,10 +130,10 @@ def test_a_fence_no_reservation_left_is_ignored(name):
     max_examples=60, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture]
 )
 @given(
-    words=st.lists(st.tuples(st.integers(0, 2 + 3 * 64 - 1), st.integers(0, 2**64 - 1)), max_size=8)
+    words=st.lists(st.tuples(st.integers(0, 2 + 4 * 64 - 1), st.integers(0, 2**64 - 1)), max_size=8)
 )
 def test_any_fence_words_leave_every_call_working(name, words):
-    """Any 64-bit values in the fence table (hint, owners, limits, dues): every call answers (no
+    """Any 64-bit values in the fence table (hint, starts, limits, dues, tokens): every call answers (no
     crash, no hang, nothing outside the mapping); a bogus fence holds the head, never moves it."""
     clock = FakeClock()
     lim = shmlimit.Limiter(name, rate=1000, burst=2, clock=clock)

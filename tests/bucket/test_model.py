@@ -1099,11 +1099,15 @@ class LimiterModel(RuleBasedStateMachine):
             + 2 * stops
         )
         # the reservations' fences hold the head until their promises (each promise may be late by
-        # its margins: the filler's longest pause, the stops): the clock runs to the latest first
-        held = max((cells.load(off + L.FENCE_DUE) for off in b.fences.recs), default=0)
-        if (held - clock.now) // step > 20_000:
-            return  # too far to simulate fill by fill; the window bound still counts the reservation
-        while clock.now < held:
+        # its margins: the filler's longest pause, the stops), and a reservation the head runs late
+        # for owns its time up to its DUE, moved on when found late (``words.fence_reserved``):
+        # the clock runs to the latest first
+        while True:
+            held = max((cells.load(off + L.FENCE_DUE) for off in b.fences.recs), default=0)
+            if (held - clock.now) // step > 20_000:
+                return  # too far to simulate fill by fill; the window bound still counts it
+            if clock.now >= held:
+                break
             clock.now += step
             b.replenish()
             clock.now += 1
@@ -1282,6 +1286,39 @@ def test_a_late_replenish_never_grants_a_partly_accrued_request_and_a_capacity_m
         assert len(m.grants) == 1  # the drain's: the acquire(10) is 1 us short
         m.clock.now += 10**7  # nobody replenishes: the host is starved
         bucket.replenish()
+        assert not _over_the_bound(m), _over_the_bound(m)
+    finally:
+        m.teardown()
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("lapse", ["stop", "stall"])
+def test_reservations_behind_callers_the_head_reaches_late_stay_within_the_bound(backend, lapse):
+    """At 10/s with a burst of 1, five callers queue, then five reservations behind them; the head
+    then loses time: the limiter is stopped for 0.8 s (``stop``), or nobody replenishes for 0.5 s
+    (``stall``: the clamp drops what does not fit a capacity).  Each reservation's holder uses its
+    slot at its promise, whenever the head gets there; the callers ahead were granted late, at
+    the rate, beside them: 10 slots in 0.45 s, where ``rate*T + capacity`` allows 5.5.  Now the
+    time each reservation owns (``words.fence_reserved``) grants no one while the head is short
+    of it: the callers come after the reservations, and every window holds the bound."""
+    m = LimiterModel()
+    m.create(rate=10.0, burst=1.0, capped=False, ratio=1.0)
+    try:
+        i = next(k for k, p in enumerate(m.procs) if p._att.cells.backend == backend)
+        m.drain(i)
+        for k in range(5):
+            m.acquire((i + k) % 3, _Draws(1), None)
+        for _ in range(5):
+            m.reserve(i, _Draws(1), None)
+        if lapse == "stop":
+            m.lifecycle(i, "stop")
+            m.advance_and_fill(8 * 10**8, i)
+            m.lifecycle(i, "start")
+        else:
+            m.clock.now += 5 * 10**8
+        for _ in range(30):
+            m.advance_and_fill(10**8, i)
+        assert len(m.grants) == 11 and not m.pending  # the drain's, the callers', the slots'
         assert not _over_the_bound(m), _over_the_bound(m)
     finally:
         m.teardown()
