@@ -920,6 +920,16 @@ kt_find(KeyedTable *t, const uint64_t d[2], uint64_t home, uint64_t *ctrl)
  * lift BASE past KT_BASE_MAX (kt_worn: such a slot is passed by for the next); NULL with *err 1 on
  * an error (set), with *err 2 when a farther PEND of the same key stayed unchanged under a live
  * owner for KT_PEND_NS (we gave way: nothing of ours is left). */
+/* A GCRA key's TAT under its own burst, from V0 less BASE (v) and slack = MAX_TICKS - TAU; 0 when
+ * it lies before the clock's zero, where the reference's is negative: either is below every now.
+ * (It does after a cut of the burst while the clock reads less than the old one: CLOCK_MONOTONIC
+ * counts from boot.  Taken modulo 2**64 it lay for ever in the future.) */
+static inline uint64_t
+kt_tat(uint64_t v, uint64_t slack)
+{
+    return v > slack ? v - slack : 0;
+}
+
 /* When slot s's key (value v, V0 less BASE, just loaded) expires: its TAT under its own price, read
  * after v (keyed_cells.KeyedTable.expiry).  0 with an exception set on an error. */
 static int
@@ -929,7 +939,7 @@ kt_expiry(KeyedTable *t, uint64_t *s, uint64_t v, uint64_t *at)
     int dflt;
     if (!kt_params(t, d, &T, &tau, &seq, &dflt))
         return 0;
-    *at = v - (KT_MAX_TICKS - tau);
+    *at = kt_tat(v, KT_MAX_TICKS - tau);
     return 1;
 }
 
@@ -976,7 +986,7 @@ scan:
             if (t->windows)
                 at = v - base; /* a window counter's V0 is its own expiry (keyed.windows) */
             else if (quick)
-                at = v - base - slack;
+                at = kt_tat(v - base, slack);
             else if (!(v & KT_DEAD) && !kt_expiry(t, s, v - base, &at)) {
                 *err = 1;
                 return NULL;
@@ -1268,7 +1278,7 @@ kt_step(KeyedTable *t, PyObject *key, PyObject *nobj, long long mw, uint64_t now
             uint64_t off = ld(s + KW_BASE), raw = ld(s + KW_V0);
             if (raw & KT_DEAD || ld(s + KW_CTRL) != c)
                 break; /* evicted or reused: look again */
-            uint64_t tat = raw - off - slack;
+            uint64_t tat = kt_tat(raw - off, slack);
             uint64_t base = tat > now ? tat : now;
             uint64_t wait = base + cost - now; /* > 0 */
             wait = wait > tau ? wait - tau : 0;

@@ -11,6 +11,8 @@ These run on the backend the run selects (``SHMLIMIT_BACKEND``); ``test_keyed_ta
 backends' steps with an injected clock, racing a change of price.
 """
 
+import time
+
 import pytest
 
 import shmlimit
@@ -107,5 +109,23 @@ def test_top_reads_each_keys_wait_under_its_own_price(name):
         assert sum(lim.try_acquire("fast") for _ in range(100)) == 100
         waits = {s.key: s.wait for s in sample_keys(name, 0, 64)[0]}
         assert 9 < waits["slow"] <= 10 and 0.9 < waits["fast"] <= 1  # until each bucket is full
+    finally:
+        lim.close()
+
+
+def test_a_key_priced_down_from_a_burst_longer_than_the_clocks_reading_is_full(name):
+    """CLOCK_MONOTONIC counts from boot: a key that took 1 of 2 ops at 1 per 35e6 s (a burst of
+    810 days) emptied its bucket 405 days before the clock's zero on a machine up for less.  At
+    10/s with burst 1 it has a full bucket; the native step read its TAT modulo 2**64, for ever in
+    the future: refused until the end of time (``retry_after`` negative)."""
+    per = 35e6
+    if time.monotonic() >= per - 1e6:
+        pytest.skip("this machine's clock reads more than the key's debt")
+    lim = shmlimit.KeyedLimiter(name, rate=1, per=per, burst=2)
+    try:
+        assert lim.try_acquire("K")
+        lim.set_rate(10, per=1, burst=1)
+        assert lim.retry_after("K") == 0.0  # before: -35e6 s
+        assert lim.try_acquire("K")  # before: False, for ever
     finally:
         lim.close()

@@ -407,6 +407,23 @@ TestAtomicsTable, TestNativeTable = on_each_backend(
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
+def test_a_key_whose_bucket_emptied_before_the_clocks_zero_is_full_under_a_shorter_burst(backend):
+    """A key's word holds the instant its bucket was last empty: for a new key, now less its burst,
+    before the clock's zero while the clock reads less than a burst (CLOCK_MONOTONIC counts from
+    boot: a machine up for less than a burst of "100/day").  Priced down to a shorter burst, its
+    TAT lies before zero too: a full bucket.  The native step took that TAT modulo 2**64, for
+    ever in the future: the key was refused until the end of time (a peek answered a negative
+    wait), and its slot never expired, so a table that refuses had no room for a new key."""
+    now = 5_000
+    for nkeys, then in ((4, "k"), (1, "other")):  # one slot: "other" needs the one "k" holds
+        t = Table(backend, nkeys, 1000)  # T = 100, burst 1000 ops: 100_000 ticks
+        assert t.kt.acquire("k", 1, 0, now) == 0
+        set_params(t.c, T, 2 * T)  # burst 2 ops: the key's TAT, 5_100 - 100_000 + 200, is below 0
+        assert t.kt.acquire("k", 2, -1, now) == 0  # a full bucket (native: -99_700)
+        assert t.kt.acquire(then, 2, 0, now) == 0  # native: REFUSED, FULL
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
 @pytest.mark.slow
 def test_a_config_lock_left_by_a_dead_writer_is_closed(backend):
     t = Table(backend, 16, 1)
