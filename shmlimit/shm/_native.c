@@ -1197,7 +1197,7 @@ kt_taken(KeyedTable *t, uint64_t *taken, uint64_t *s, uint64_t tat, uint64_t cos
 }
 
 static int64_t
-kt_step(KeyedTable *t, PyObject *key, PyObject *nobj, long long mw, uint64_t now, uint64_t *taken)
+kt_step(KeyedTable *t, PyObject *key, PyObject *nobj, long long mw, int own_clock, uint64_t now, uint64_t *taken)
 {
     if (!check_open(t->cells))
         return KT_ERROR;
@@ -1221,7 +1221,7 @@ kt_step(KeyedTable *t, PyObject *key, PyObject *nobj, long long mw, uint64_t now
     /* A clock read here may go stale while this thread is preempted: keys inserted meanwhile by
      * others look in use against it.  Before refusing a new key for a full table it is read once
      * more (a later `now` only ever makes a grant later, never earlier). */
-    int own_clock = !now, reread = 0;
+    int reread = 0;
     if (own_clock)
         now = kt_now();
     uint64_t d[2], T, tau, seq;
@@ -1297,6 +1297,17 @@ kt_step(KeyedTable *t, PyObject *key, PyObject *nobj, long long mw, uint64_t now
     }
 }
 
+/* The `now` argument of acquire and take (args[3], ticks): 1 when absent or None (the step reads its
+ * own clock), else 0 with *now set -- any tick count, 0 included (a clock that starts at 0; it once
+ * meant "none" and was refused, where the reference serves it); -1 with an exception set. */
+static int
+kt_own_clock(PyObject *const *args, Py_ssize_t n, uint64_t *now)
+{
+    if (n < 4 || args[3] == Py_None)
+        return 1;
+    return u64(args[3], now) ? 0 : -1;
+}
+
 /* acquire(key, n, max_wait, now=None) -> int: see keyed_cells.KeyedTable.acquire. */
 static PyObject *
 kt_acquire(KeyedTable *t, PyObject *const *args, Py_ssize_t nargs_)
@@ -1309,12 +1320,10 @@ kt_acquire(KeyedTable *t, PyObject *const *args, Py_ssize_t nargs_)
     if (mw == -1 && PyErr_Occurred())
         return NULL;
     uint64_t now = 0;
-    if (nargs_ == 4 && args[3] != Py_None && (!u64(args[3], &now) || !now)) {
-        if (!PyErr_Occurred())
-            PyErr_SetString(PyExc_ValueError, "now must be a positive tick count");
+    int own = kt_own_clock(args, nargs_, &now);
+    if (own < 0)
         return NULL;
-    }
-    int64_t r = kt_step(t, args[0], args[1], mw, now, NULL);
+    int64_t r = kt_step(t, args[0], args[1], mw, own, now, NULL);
     if (r == KT_ERROR)
         return NULL;
     return PyLong_FromLongLong(r);
@@ -1337,12 +1346,10 @@ kt_take(KeyedTable *t, PyObject *const *args, Py_ssize_t nargs_)
         return NULL;
     }
     uint64_t now = 0, taken[4];
-    if (nargs_ == 4 && args[3] != Py_None && (!u64(args[3], &now) || !now)) {
-        if (!PyErr_Occurred())
-            PyErr_SetString(PyExc_ValueError, "now must be a positive tick count");
+    int own = kt_own_clock(args, nargs_, &now);
+    if (own < 0)
         return NULL;
-    }
-    int64_t r = kt_step(t, args[0], args[1], mw, now, taken);
+    int64_t r = kt_step(t, args[0], args[1], mw, own, now, taken);
     if (r == KT_ERROR)
         return NULL;
     if (r < 0)
@@ -1390,7 +1397,7 @@ kt_try_acquire(KeyedTable *t, PyObject *const *args, Py_ssize_t nargs_)
         PyErr_SetString(PyExc_TypeError, "try_acquire(key, n=1)");
         return NULL;
     }
-    int64_t r = kt_step(t, args[0], nargs_ == 2 ? args[1] : one, 0, 0, NULL);
+    int64_t r = kt_step(t, args[0], nargs_ == 2 ? args[1] : one, 0, 1, 0, NULL);
     if (r == KT_ERROR)
         return NULL;
     if (r >= 0)

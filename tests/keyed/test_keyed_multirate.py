@@ -469,3 +469,23 @@ def test_a_forked_child_counts_as_itself_from_its_first_use(name, cleanup):
             p.kill()
             p.join()
     assert before == [1, 1] and granted and after == [[1, 1], [1, 1]]
+
+
+@pytest.mark.parametrize("backend", ["native", "atomics"])
+def test_a_clock_that_starts_at_zero_is_a_clock_on_every_backend(
+    name, cleanup, backend, monkeypatch
+):
+    """``clock`` may read 0 (``validate_clock``: 0 to 2**63 - 1), as a test's clock often starts.
+    The native step took a ``now`` of 0 for "read your own clock" and refused it (ValueError: now
+    must be a positive tick count) where the portable one served it."""
+    from shmlimit.shm.cells import native_available
+
+    if backend == "native" and not native_available():
+        pytest.skip("the native extension is not built here")
+    monkeypatch.setenv("SHMLIMIT_BACKEND", backend)
+    clock = FakeClock(0)
+    lim = make(name, [("10/s", 1), ("1/s", 2)], clock, cleanup)
+    assert lim.try_acquire("k") and not lim.try_acquire("k")
+    assert lim.retry_after("k") == pytest.approx(0.1)
+    assert lim.acquire("k") and clock.now == S // 10  # it slept on its clock, from 0
+    assert not lim.try_acquire("k") and lim.retry_after("k") == pytest.approx(0.9)  # 1/s, 2 taken
