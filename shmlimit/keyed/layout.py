@@ -194,6 +194,10 @@ BASE_MAX = 1 << 61
 #: A burst's ticks stay below this (2**60 ticks = 2.3 years); a key's TAT under its own burst TAU
 #: is V0 less BASE less ``MAX_TICKS - TAU``.
 MAX_TICKS = 1 << 60
+#: Clock readings (ns) a key's schedule holds: a word is ``now`` in ticks plus at most a wait
+#: (``MAX_WAIT``), a burst (``MAX_TICKS``) and a ``BASE`` (below ``BASE_MAX``), which stays below
+#: ``DEAD`` only while ``now`` is below 2**62 ticks (9 years of CLOCK_MONOTONIC).
+MAX_NOW_NS = 1 << (62 - TICK_SHIFT)
 #: Key bytes kept for display when a table's users ask (``store_keys``): V3..V4 less a length byte.
 DISPLAY_BYTES = 15
 

@@ -65,7 +65,7 @@ class MultiKeyedLimiter(RateGroup, Keyed):
     ``shmlimit.Adapt`` or None) makes those rates adapt each key's rate on
     its own, from the outcomes ``feedback(throttled, key, which=)`` reports to
     them (``keyed.adapt``, in each rate's table).  ``rates=None`` attaches to
-    the limiter by its name, its rates as it holds them.  ``clock`` (CLOCK_MONOTONIC nanoseconds) is for tests.
+    the limiter by its name, its rates as it holds them.  ``clock`` (CLOCK_MONOTONIC nanoseconds, below 2**58) is for tests.
     ``keyed`` is the class of each rate's limiter (``KeyedLimiter``: given
     by it, so that this module never imports it back).
     """
@@ -96,6 +96,7 @@ class MultiKeyedLimiter(RateGroup, Keyed):
         self._clock = clock
         self._keyed = keyed
         self._lims: List[Any] = []  # each rate's KeyedLimiter, on its region of the group
+        self._now()  # a clock out of the keyed range is refused before any segment is opened
         create: Optional[GroupCreation] = None
         table = (
             None  # the table asked for: another than the group's is each rate's ConfigMismatchError
@@ -172,8 +173,14 @@ class MultiKeyedLimiter(RateGroup, Keyed):
         return pickled(self, _unpickle, self._keyed)
 
     def _now(self) -> int:
-        """Now in the tables' ticks."""
-        return (self._clock or time.monotonic_ns)() << K.TICK_SHIFT
+        """Now in the tables' ticks; ValueError for a reading past what a key's words hold (an
+        injected clock: over it, every key looked evicted, and every call was granted)."""
+        ns = (self._clock or time.monotonic_ns)()
+        if ns >= K.MAX_NOW_NS:
+            raise ValueError(
+                f"clock must return nanoseconds below 2**58 for a keyed limiter, got {ns}"
+            )
+        return ns << K.TICK_SHIFT
 
     # -- the protocol ----------------------------------------------------------------------
 

@@ -489,3 +489,19 @@ def test_a_clock_that_starts_at_zero_is_a_clock_on_every_backend(
     assert lim.retry_after("k") == pytest.approx(0.1)
     assert lim.acquire("k") and clock.now == S // 10  # it slept on its clock, from 0
     assert not lim.try_acquire("k") and lim.retry_after("k") == pytest.approx(0.9)  # 1/s, 2 taken
+
+
+def test_a_clock_past_the_keyed_schedules_range_is_refused_not_served(name, cleanup):
+    """A key's words hold its clock's reading in ticks (ns << 4) plus up to a wait, a burst and a
+    BASE: past 2**58 ns their sum reaches V0's eviction flag, every key looked evicted and each
+    try was granted (100 of 100 at 10/s, a clock at 2**59 ns).  Such a clock is refused, naming
+    the parameter and its range: at the limiter's creation, and at a call, taking nothing."""
+    with pytest.raises(ValueError, match=r"clock must return nanoseconds below 2\*\*58"):
+        shmlimit.KeyedLimiter(name, rates=["10/s"], keys=64, clock=FakeClock(1 << 59))
+    clock = FakeClock((1 << 58) - S)
+    lim = make(name, [("10/s", 1)], clock, cleanup)
+    assert sum(lim.try_acquire("k") for _ in range(100)) == 1
+    clock.advance(S)
+    with pytest.raises(ValueError, match=r"clock must return nanoseconds below 2\*\*58"):
+        lim.try_acquire("k")
+    assert grants(lim) == {"0": 1}
