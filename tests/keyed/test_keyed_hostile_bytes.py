@@ -12,7 +12,14 @@ import os
 import pytest
 from hypothesis import HealthCheck, event, given, settings
 from hypothesis import strategies as st
-from support.segments import captured, no_opener_waits, planted, run_tools_on, with_words
+from support.segments import (
+    captured,
+    no_opener_waits,
+    planted,
+    run_tools_on,
+    secret_of,
+    with_words,
+)
 
 import shmlimit
 from shmlimit import header
@@ -32,13 +39,23 @@ def _used(name):
     for k in ("a", "b", "c", "d" * 40):
         lim.try_acquire(k, 2)
     lim.set_rate(1, key="a")
+    _secret.append(secret_of(name))
     return lim
+
+
+_secret: list = []
 
 
 @functools.lru_cache(maxsize=None)
 def _template():
     """A real keyed segment with live keys, one override and this process registered (then unlinked)."""
     return captured(_used, "test-ktmpl")
+
+
+def _planted(data):
+    """``data`` planted with the template's secret file: an attach reads the table, its keys found."""
+    _template()
+    return planted(data, "test-khostile", secret=_secret[0])
 
 
 DEAD_OWNER = K.owner((1 << K.PID_BITS) - 7)  # above any pid_max: never a live process
@@ -107,7 +124,7 @@ def _quiet_cli(*argv):
 @given(data=segment_bytes)
 def test_random_words_in_a_keyed_segment_are_refused_or_served_cleanly(data, monkeypatch):
     no_opener_waits(monkeypatch, header)
-    with planted(data, "test-khostile") as name:
+    with _planted(data) as name:
         for argv in (
             ("inspect", name),
             ("inspect", "--json", name),
@@ -143,6 +160,19 @@ def test_random_words_in_a_keyed_segment_are_refused_or_served_cleanly(data, mon
                         assert getattr(lim._att.cells, "_active", 0) == 0, (what, k)
                 repr(lim)
                 lim.stats()
+        finally:
+            lim.close()
+
+
+def test_the_unchanged_template_is_served(monkeypatch):
+    """The random-words test reaches the calls: its template, planted as it plants a mutation (its
+    secret file beside it: without one every attach was refused, and no call ever ran)."""
+    no_opener_waits(monkeypatch, header)
+    with _planted(_no_live_inserter(_template())) as name:
+        lim = shmlimit.attach(name)
+        try:
+            assert isinstance(lim, shmlimit.KeyedLimiter) and lim.try_acquire("new")
+            assert lim.override("a") == (1.0, 1.0, 1.0)
         finally:
             lim.close()
 

@@ -39,6 +39,15 @@ def captured(create: Callable[[str], Any], prefix: str = "test-template") -> byt
     return data
 
 
+def secret_of(name: str) -> bytes:
+    """The bytes of segment ``name``'s secret file (a keyed segment's: its hash's key)."""
+    from shmlimit.shm.segment import PREFIX, SHM_DIR, secret_entry
+
+    entry = secret_entry(name, os.stat(shm_path(name)).st_ino)
+    with open(os.path.join(SHM_DIR, PREFIX + entry), "rb") as f:
+        return f.read()
+
+
 def with_words(data: bytes, changes: Iterable[Tuple[int, int]]) -> bytearray:
     """A copy of a segment's bytes with each ``(word index, 64-bit value)`` of ``changes`` written."""
     out = bytearray(data)
@@ -48,18 +57,29 @@ def with_words(data: bytes, changes: Iterable[Tuple[int, int]]) -> bytearray:
 
 
 @contextmanager
-def planted(data: bytes, prefix: str) -> Iterator[str]:
+def planted(data: bytes, prefix: str, secret: bytes = b"") -> Iterator[str]:
     """``data`` where a segment's file would be, under a new name (yielded), removed on leaving.
-    The file is made here (O_EXCL, mode 0600): no segment of anyone else is touched."""
+    The file is made here (O_EXCL, mode 0600): no segment of anyone else is touched.  With
+    ``secret``, its secret file beside it holding those bytes (``secret_of``; a keyed segment's:
+    without it, an attach is refused before it reads a word of the table)."""
+    from shmlimit.shm.segment import PREFIX, SHM_DIR, secret_entry
+
     name = unique_name(prefix)
     path = shm_path(name)
     fd = os.open(path, os.O_CREAT | os.O_EXCL | os.O_RDWR, 0o600)
+    key = os.path.join(SHM_DIR, PREFIX + secret_entry(name, os.fstat(fd).st_ino))
     try:
         os.write(fd, data)
+        if secret:
+            kfd = os.open(key, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o600)
+            os.write(kfd, secret)
+            os.close(kfd)
         yield name
     finally:
         os.close(fd)
         os.unlink(path)
+        if secret and os.path.exists(key):
+            os.unlink(key)
 
 
 def no_opener_waits(monkeypatch: Any, *modules: Any) -> None:
