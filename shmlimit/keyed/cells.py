@@ -544,62 +544,73 @@ class SlotTable:
         mine = K.ctrl(K.BUSY, self.pid, gen)
         if not c.cas(cand, cc, mine):
             return cand, 0
-        if state == K.LIVE:
-            c.fetch_add(self.keys_live, MASK64)  # -1
-            c.fetch_add(self.evicted, 1)
-            if limited:
-                c.fetch_add(self.cut, 1)
-        c.store(cand + K.S_D0, d[0])
-        c.store(cand + K.S_D1, d[1])
-        c.store(cand + K.S_V1, rest[0])
-        c.store(cand + K.S_V3, rest[1])
-        c.store(cand + K.S_V4, rest[2])
-        if fill is not None:
-            fill(cand, gen)
-        floor = c.load(cand + K.S_V0) & ~K.DEAD
-        if _worn(floor, low):  # a floor the scan did not see (written by hand): passed by next
-            return self._abort(cand, mine, gen, floor)
-        base = floor + 1 - low if floor >= low else 0
-        c.store(cand + K.S_BASE, base)
-        c.store(cand + K.S_V0, v0 + base)
-        pend = K.ctrl(K.PEND, self.pid, gen)
-        if not c.cas(cand, mine, pend):
-            return cand, 0
-        for i in range(self.probe):
-            if i == pos:
-                continue
-            s = self._slot(home, i)
-            seen, since = 0, 0
-            while True:
-                ctl = c.load(s)
-                st = ctl & 0xFF
-                if st == K.EMPTY:
-                    return self._publish(cand, pend, gen)
-                if (
-                    st not in (K.LIVE, K.PEND)
-                    or c.load(s + K.S_D0) != d[0]
-                    or c.load(s + K.S_D1) != d[1]
-                ):
-                    break
-                if st == K.LIVE:
-                    if c.load(s + K.S_V0) & K.DEAD:
-                        break
-                    return self._abort(cand, pend, gen, floor)
-                if not alive((ctl >> 8) & 0xFFFFFFFF, self.pid):  # (its slot may be worn out)
-                    c.cas(s, ctl, K.ctrl(K.TOMB, 0, ctl >> 40))
+        # From the claim on, the slot is ours alone (BUSY, then PEND, under this live process): an
+        # exception raised into this code (a signal handler's) would leave it so while we live --
+        # lost, and a PEND of the key answering every other insert of it BUSY -- so it gives the
+        # slot back as a PEND that gives way does (the native insert runs no Python code here).
+        held, floor = mine, None
+        try:
+            if state == K.LIVE:
+                c.fetch_add(self.keys_live, MASK64)  # -1
+                c.fetch_add(self.evicted, 1)
+                if limited:
+                    c.fetch_add(self.cut, 1)
+            c.store(cand + K.S_D0, d[0])
+            c.store(cand + K.S_D1, d[1])
+            c.store(cand + K.S_V1, rest[0])
+            c.store(cand + K.S_V3, rest[1])
+            c.store(cand + K.S_V4, rest[2])
+            if fill is not None:
+                fill(cand, gen)
+            floor = c.load(cand + K.S_V0) & ~K.DEAD
+            if _worn(floor, low):  # a floor the scan did not see (written by hand): passed by next
+                return self._abort(cand, mine, gen, floor)
+            base = floor + 1 - low if floor >= low else 0
+            c.store(cand + K.S_BASE, base)
+            c.store(cand + K.S_V0, v0 + base)
+            pend = K.ctrl(K.PEND, self.pid, gen)
+            if not c.cas(cand, mine, pend):
+                return cand, 0
+            held = pend
+            for i in range(self.probe):
+                if i == pos:
                     continue
-                if i < pos:  # a PEND nearer the home slot wins: ours gives way
-                    self._abort(cand, pend, gen, floor)
-                    return self._await_move(s, ctl)
-                # it will see ours and give way -- unless its owner never runs again: bounded
-                t_ns = time.monotonic_ns()
-                if ctl != seen:
-                    seen, since = ctl, t_ns
-                elif t_ns - since > PEND_NS:
-                    self._abort(cand, pend, gen, floor)
-                    return None, BUSY
-                os.sched_yield()
-        return self._publish(cand, pend, gen)
+                s = self._slot(home, i)
+                seen, since = 0, 0
+                while True:
+                    ctl = c.load(s)
+                    st = ctl & 0xFF
+                    if st == K.EMPTY:
+                        return self._publish(cand, pend, gen)
+                    if (
+                        st not in (K.LIVE, K.PEND)
+                        or c.load(s + K.S_D0) != d[0]
+                        or c.load(s + K.S_D1) != d[1]
+                    ):
+                        break
+                    if st == K.LIVE:
+                        if c.load(s + K.S_V0) & K.DEAD:
+                            break
+                        return self._abort(cand, pend, gen, floor)
+                    if not alive((ctl >> 8) & 0xFFFFFFFF, self.pid):  # (its slot may be worn out)
+                        c.cas(s, ctl, K.ctrl(K.TOMB, 0, ctl >> 40))
+                        continue
+                    if i < pos:  # a PEND nearer the home slot wins: ours gives way
+                        self._abort(cand, pend, gen, floor)
+                        return self._await_move(s, ctl)
+                    # it will see ours and give way -- unless its owner never runs again: bounded
+                    t_ns = time.monotonic_ns()
+                    if ctl != seen:
+                        seen, since = ctl, t_ns
+                    elif t_ns - since > PEND_NS:
+                        self._abort(cand, pend, gen, floor)
+                        return None, BUSY
+                    os.sched_yield()
+            return self._publish(cand, pend, gen)
+        except BaseException:
+            if c.load(cand) == held:  # (published: LIVE, the grant made -- it stays)
+                self._abort(cand, held, gen, c.load(cand + K.S_V0) if floor is None else floor)
+            raise
 
     def _await_move(self, s: int, ctl: int):
         """After giving way to a nearer PEND of the same key under a live owner: wait, holding
