@@ -376,3 +376,37 @@ def test_the_pause_table_trusts_whom_its_limiter_trusts(name):
     other.close()
     with pytest.raises(shmlimit.UntrustedSegmentError):  # a process that does not trust them
         shmlimit.KeyedLimiter(pause_table_name(name))
+
+
+# -- item: urllib3's retries resend past the throttle ------------------------------------------
+
+
+def test_urllib3_retries_take_an_op_each_and_wait_the_pause(name, serve):
+    """requests' ``max_retries`` are urllib3's, which resend inside one ``send``: 4 requests went
+    out for 1 op, and a 429's Retry-After was slept by urllib3 (0.5 s max_wait or not, at most
+    max_pause or not) before sending again.  Each resend now takes its op, after the host's
+    pause as the throttle reads it, within max_wait."""
+    from urllib3.util.retry import Retry
+
+    lim = shmlimit.Limiter(name, rate=1000, burst=10)
+    retries = Retry(total=3, status_forcelist=[429], backoff_factor=0, raise_on_status=False)
+    busy = serve(429)  # no Retry-After: urllib3 retries it for its status
+    with requests.Session() as s:
+        s.mount("http://", ThrottledAdapter(lim, max_retries=retries))
+        assert s.get(busy.url + "/x", timeout=10).status_code == 429
+    assert busy.hits == 4 and lim.stats().grants == 4
+    # urllib3 resends a 429 with Retry-After on a plain max_retries=1 after sleeping it
+    paused = serve(429, b"3")
+    with requests.Session() as s:
+        s.mount("http://", ThrottledAdapter(lim, max_wait=0.5, max_retries=1))
+        with pytest.raises(shmlimit.RateLimited) as e:
+            s.get(paused.url + "/x", timeout=10)
+    assert paused.hits == 1 and 2.5 < e.value.retry_after <= 3
+    assert lim.stats().grants == 5
+    # a request the key leaves unthrottled keeps urllib3's own retries
+    free = serve(429)
+    with requests.Session() as s:
+        s.mount("http://", ThrottledAdapter(lim, key=lambda url: None, max_retries=retries))
+        assert s.get(free.url + "/x", timeout=10).status_code == 429
+    assert free.hits == 4 and lim.stats().grants == 5
+    lim.close()
