@@ -35,7 +35,9 @@ reserves nothing (hierarchical), or by a process that missed most of its
 slots lately: then the task looks again after ``retry_after`` plus a random
 spread that doubles with every retry, so that tasks refused together do not
 come back together.  The header names the host's boot and the limiter: a
-retry run on another host, or for another limiter, takes its op afresh.
+retry run on another host, or for another limiter, takes its op afresh, as
+does one whose slot is due more than ``max_countdown`` ahead (none is
+reserved that far).
 
 ``max_block`` (seconds) is the blocking mode for short waits: a task whose op
 can be had within that long waits for it in its slot instead of retrying.
@@ -293,8 +295,10 @@ def acquire_or_retry(
     retries = request.retries or 0
     written_for, due, landing, misses = _header(request, owner)
     schedule = _schedule_ns(limiter, n) / 1e9
-    if written_for == retries and due > 0:  # this run owns a slot
-        now = _clock()
+    now = _clock()
+    # this run owns a slot: one reserved within max_countdown, so one due later was never
+    # reserved (a forged header would hold the worker slot asleep until it)
+    if written_for == retries and 0 < due <= now + max_countdown * 1e9:
         late = (now - due) / 1e9 > schedule
         _POOL.seen((now - landing) / 1e9, late)
         if now < due:  # back early: the slot's own time (both on this host's monotonic clock)

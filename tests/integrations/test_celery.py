@@ -322,6 +322,33 @@ def test_a_run_back_early_waits_for_its_slot_and_the_lead_follows_the_lag(name, 
         lim.close()
 
 
+def test_a_header_due_past_max_countdown_owns_no_slot(name, monkeypatch):
+    """A slot is reserved within max_countdown, so a header due later was never reserved: a
+    forged one (due in 11 days) held its worker slot asleep until then, and ran without an op.
+    It now owns nothing: the run takes its op as any run does."""
+    from shmlimit.integrations import celery as helper
+
+    clock = {"ns": 10**12}
+    slept = []
+    monkeypatch.setattr(helper, "_clock", lambda: clock["ns"])
+    monkeypatch.setattr(helper, "_sleep", slept.append)
+    monkeypatch.setattr(helper, "_POOL", helper._Pool())
+    lim = shmlimit.Limiter(name, rate=1, burst=1)
+    try:
+        owner = helper._owner(lim, None, 1)
+        far = clock["ns"] + 10**15
+        forged = _Task(1, {HEADER: f"{owner} 1 {far} {clock['ns']} 0"})
+        acquire_or_retry(forged, lim, max_countdown=60.0)
+        assert slept == [] and lim.stats().grants == 1  # ran on an op of its own
+        # a slot due within max_countdown is still owned: waited for, no op taken
+        due = clock["ns"] + 59 * 10**9
+        owned = _Task(1, {HEADER: f"{owner} 1 {due} {clock['ns']} 0"})
+        acquire_or_retry(owned, lim, max_countdown=60.0)
+        assert slept == [59.0] and lim.stats().grants == 1
+    finally:
+        lim.close()
+
+
 def test_throttling_exceptions_report_to_an_adaptive_limiter(name):
     """A run raising one of ``throttling`` reports throttled, one returning reports ok, another
     exception nothing; on a limiter that does not adapt, throttling= is refused when decorating."""
