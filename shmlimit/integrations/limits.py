@@ -93,8 +93,9 @@ _OPTIONS = ("keys", "mode", "when_full", "store_keys", "moving_keys", "moving_lo
 
 
 def parse_uri(uri: str, scheme: str = "shm") -> Tuple[str, Dict[str, Any]]:
-    """``shm://NAME[?keys=N&mode=0o600&when_full=evict&store_keys=false&moving_keys=N&moving_log=N]``
-    -> (name, WindowTable options); ValueError names what is wrong."""
+    """``shm://NAME[?keys=N&mode=600&when_full=evict&store_keys=false&moving_keys=N&moving_log=N]``
+    -> (name, WindowTable options); ValueError names what is wrong.  ``mode`` is octal (``600``,
+    ``0600`` or ``0o600``), the other numbers Python literals."""
     parts = urllib.parse.urlparse(uri)
     if parts.scheme != scheme:
         raise ValueError(f"storage uri must start with {scheme}://, got {uri!r}")
@@ -109,6 +110,15 @@ def parse_uri(uri: str, scheme: str = "shm") -> Tuple[str, Dict[str, Any]]:
             )
         if k == "when_full":
             opts[k] = vs[-1]  # checked by WindowTable
+            continue
+        if k == "mode":  # permission bits are octal, as chmod reads them: 600, 0600 or 0o600
+            digits = vs[-1][2:] if vs[-1][:2].lower() == "0o" else vs[-1]
+            if not digits or digits.strip("01234567"):
+                raise ValueError(
+                    f"mode must be octal permission bits (as 600 or 0o600) in storage uri "
+                    f"{uri!r}, got {vs[-1]!r}"
+                )
+            opts[k] = int(digits, 8)
             continue
         if k == "store_keys":
             if vs[-1].lower() not in ("true", "false", "1", "0"):
@@ -226,7 +236,8 @@ class ShmStorage(_Hits, Storage, MovingWindowSupport, _Sliding):  # type: ignore
 
     Options (URI query or keyword arguments, e.g. Flask-Limiter's
     ``storage_options``): ``keys`` (slots, default 100 000), ``mode``
-    (permission bits of the segment, default 0o600), ``trusted_uids``,
+    (permission bits of the segment, default 0o600; octal in a URI, as chmod
+    reads them: ``?mode=660``), ``trusted_uids``,
     ``when_full`` ("evict", the default: a new key takes the slot of the
     window ending first when none is free; "refuse": it is refused),
     ``store_keys`` (keep keys' first bytes for ``top``; default false),

@@ -41,6 +41,20 @@ def test_the_scheme_is_registered_and_options_are_checked(name):
             storage.storage_from_string(bad)
 
 
+def test_a_uri_mode_is_octal_as_chmod_reads_it(name):
+    """``?mode=`` was read as a decimal Python literal: ``mode=400`` made the segment 0o620
+    (group-writable) and ``mode=0600`` was refused as "not an integer".  Octal, as chmod reads
+    permission bits, in any of its spellings; anything else is refused naming mode."""
+    for spelled in ("400", "0400", "0o400", "0O400"):
+        assert shm_limits.parse_uri(f"shm://{name}?mode={spelled}") == (name, {"mode": 0o400})
+    s = storage.storage_from_string(f"shm://{name}?mode=640&keys=64")
+    assert os.stat(f"/dev/shm/shmlimit.{name}").st_mode & 0o777 == 0o640
+    s.table.close()
+    for bad in ("384", "0x180", "rw", "", "0o", "-600", "6 0 0"):
+        with pytest.raises(ValueError, match="mode must be octal"):
+            shm_limits.parse_uri(f"shm://{name}?mode={bad}")
+
+
 def test_an_unknown_storage_option_is_refused(name):
     """An option the shm:// storage does not know (``key=`` for ``keys=``, as Flask-Limiter's
     ``storage_options`` pass it) was silently dropped: the table got 100 000 slots.  Refused,
