@@ -21,8 +21,8 @@ import math
 import re
 from typing import Any, Callable, List, Optional, Tuple, Union
 
-from shmlimit import KeyedLimiter
 from shmlimit.config import is_int, is_number
+from shmlimit.protocol import Keyed
 
 #: What a refusal answers: the status, and a short plain-text body.
 STATUS = 429
@@ -128,7 +128,8 @@ class Policy:
                     f"rates=: several rates are not supported here), got {limiter!r}"
                 )
         self.limiter = limiter
-        self.keyed = isinstance(limiter, KeyedLimiter)
+        # any keyed kind (KeyedLimiter, RedisKeyedLimiter) takes the request's key
+        self.keyed = isinstance(limiter, Keyed)
         self.key = key
         self.cost = cost
         self.max_wait = float(max_wait)
@@ -204,7 +205,8 @@ class Policy:
     def rate_of(self, args: Tuple[Any, ...]) -> Tuple[float, float, float]:
         """``(rate, per, capacity)`` that prices the request's key: its override if it has one."""
         lim = self.limiter
-        own = lim.override(args[0]) if self.keyed and args else None
+        override = getattr(lim, "override", None) if self.keyed and args else None
+        own = override(args[0]) if override is not None else None  # (a RedisKeyedLimiter has none)
         return own if own is not None else (float(lim.rate), float(lim.per), float(lim.capacity))
 
     def policy_header(self, args: Tuple[Any, ...] = ()) -> str:

@@ -41,7 +41,8 @@ ASGIApp = Callable[[Scope, Receive, Send], Awaitable[None]]
 
 
 class RateLimitMiddleware(Middleware):
-    """Limit the HTTP requests of ``app`` by ``limiter`` (a ``Limiter`` or a ``KeyedLimiter``).
+    """Limit the HTTP requests of ``app`` by ``limiter`` (a ``Limiter``, or a ``KeyedLimiter`` or
+    ``RedisKeyedLimiter``: one limit per key).
 
     * ``key(scope) -> str | None`` picks the key of a ``KeyedLimiter`` (default:
       the client's address); returning None exempts the request (health checks,

@@ -209,3 +209,29 @@ def test_middleware_keyed_by_client_ip_cannot_be_forged(name):
     assert codes.count(200) <= 6 and codes[-1] == 429
     assert asgi_get(app, PROXY, [ATTACKER, VICTIM])[0] == 200  # the victim, named by the attacker
     lim.close()
+
+
+# -- item: a keyed kind other than KeyedLimiter ------------------------------------------------
+
+
+def test_a_redis_keyed_limiter_is_keyed_per_client(name, redis_server):
+    """A ``RedisKeyedLimiter`` (KeyedLimiter's methods, keys in Redis) passed the middleware's
+    checks, then was called without a key: every request raised TypeError ("key must be str or
+    bytes, not int").  Each client now has its limit, as under a ``KeyedLimiter``, with the
+    headers of its key."""
+    from shmlimit.redis.keyed import RedisKeyedLimiter
+
+    lim = RedisKeyedLimiter(name, rate=1, per=60, burst=2, url=redis_server.url)
+    try:
+        apps = (
+            (ASGILimit(_hello, lim), asgi_get, "10.0.0.1"),
+            (WSGILimit(_hello_wsgi, lim), wsgi_get, "10.0.0.2"),
+        )
+        for app, get, client in apps:
+            assert [get(app, client)[0] for _ in range(3)] == [200, 200, 429]
+            status, headers = get(app, client + "0")  # another client
+            assert status == 200 and remaining(headers) == 1
+            assert headers["ratelimit-policy"] == '"default";q=1;w=60'
+    finally:
+        lim.unlink()
+        lim.close()
