@@ -1,7 +1,7 @@
 """What the HTTP client integrations share: throttling per host, and the fleet-wide pause per host.
 
 A ``HostThrottle`` takes one op of its limiter before each request: of a
-``KeyedLimiter`` under the request's host (``host`` or ``host:port``), so every
+``KeyedLimiter`` (or ``RedisKeyedLimiter``) under the request's host (``host`` or ``host:port``), so every
 host has a limit of its own, or of a plain ``Limiter``, one limit for every
 host.  When a response is 429 or 503 with a ``Retry-After`` (seconds or an
 HTTP date), *that host* is paused that long for every process, and no other:
@@ -43,6 +43,7 @@ from urllib.parse import urlsplit
 from shmlimit import KeyedLimiter
 from shmlimit.config import is_int, is_number
 from shmlimit.errors import RateLimited
+from shmlimit.protocol import Keyed
 from shmlimit.shm.segment import NAME_MAX
 
 _DEFAULT_PORTS = {"http": 80, "https": 443}
@@ -175,8 +176,8 @@ class HostThrottle:
     ``pause_on`` are the statuses whose ``Retry-After`` pauses the host
     (default 429 and 503), for at most ``max_pause`` seconds (default 300, at
     most ``MAX_RETRY_AFTER``); ``pauses`` is the ``KeyedLimiter`` that keeps the
-    pauses by host (default: the limiter itself if it is keyed, else its
-    ``pause_table``).
+    pauses by host (default: the limiter itself if it is a ``KeyedLimiter``,
+    else its ``pause_table``).
     """
 
     def __init__(
@@ -210,13 +211,13 @@ class HostThrottle:
                 f"pauses must be a shmlimit.KeyedLimiter (keyed by host), got {pauses!r}"
             )
         self.limiter = limiter
-        self.keyed = isinstance(limiter, KeyedLimiter)
+        self.keyed = isinstance(limiter, Keyed)  # any keyed kind: KeyedLimiter, RedisKeyedLimiter
         self.key = key
         self.max_wait = None if max_wait is None or max_wait == math.inf else float(max_wait)
         self.pause_on = _statuses(pause_on)
         self.max_pause = float(max_pause)
-        if pauses is None:
-            pauses = limiter if self.keyed else pause_table(limiter)
+        if pauses is None:  # a KeyedLimiter's own schedules pause; other kinds have none
+            pauses = limiter if isinstance(limiter, KeyedLimiter) else pause_table(limiter)
         self.pauses = pauses
         #: the pauses are the limiter's own schedule: its acquire waits them out
         self.own = pauses is limiter

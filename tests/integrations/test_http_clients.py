@@ -233,3 +233,33 @@ def test_keyed_limiter_throttles_and_pauses_per_host(name):
     assert lim.retry_after("calm.example:8080") > 0  # keyed by host:port
     assert lim.stats().keys == 2
     lim.close()
+
+
+def test_a_redis_keyed_limiter_throttles_per_host(name, redis_server):
+    """A ``RedisKeyedLimiter`` (KeyedLimiter's methods, keys in Redis) passed the throttle's
+    checks, then was called without a key: every request raised TypeError ("key must be str or
+    bytes, not int").  Each host now has its limit in Redis, and a 429's pause is kept in the
+    pause table beside it (the kind has no schedule of its own to move)."""
+    from shmlimit.redis.keyed import RedisKeyedLimiter
+
+    lim = RedisKeyedLimiter(name, rate=1, per=60, burst=1, url=redis_server.url)
+
+    def remote(request):
+        if request.url.host == "busy.example":
+            return httpx.Response(429, headers={"Retry-After": "30"})
+        return httpx.Response(200)
+
+    transport = ThrottledTransport(lim, transport=httpx.MockTransport(remote), max_wait=0)
+    try:
+        with httpx.Client(transport=transport) as c:
+            assert c.get("https://calm.example/").status_code == 200
+            with pytest.raises(shmlimit.RateLimited):  # that host's one op a minute is taken
+                c.get("https://calm.example/")
+            assert c.get("https://busy.example/").status_code == 429
+            assert 29 <= transport.throttle.pauses.own_wait("busy.example") <= 30
+            assert c.get("https://other.example/").status_code == 200
+        assert 59 <= lim.retry_after("calm.example") <= 60
+    finally:
+        transport.throttle.pauses.close()
+        lim.unlink()
+        lim.close()
