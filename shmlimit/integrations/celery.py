@@ -65,6 +65,7 @@ from typing import Any, Callable, Optional, Tuple, Type, TypeVar
 
 from shmlimit.config import is_int, is_number
 from shmlimit.errors import MissingExtraError
+from shmlimit.protocol import Keyed
 
 try:  # the helper drives Celery's task API (retry, request): checked here, with a hint
     import celery  # noqa: F401
@@ -214,9 +215,8 @@ def _reserve(limiter: Any, args: tuple, n: int, within: float) -> Optional[float
 
 
 def _check_limiter(limiter: Any, keyed: bool) -> None:
-    """A limiter (``Limiter``, ``KeyedLimiter``, ``RedisLimiter``) and ``key=`` given exactly for a keyed one."""
-    from shmlimit import KeyedLimiter
-
+    """A limiter (``Limiter``, ``KeyedLimiter``, ``RedisLimiter``, ``RedisKeyedLimiter``) and
+    ``key=`` given exactly for a keyed one (any keyed kind)."""
     if not all(
         callable(getattr(limiter, a, None))
         for a in ("try_acquire", "acquire", "retry_after", "reserve")
@@ -224,9 +224,10 @@ def _check_limiter(limiter: Any, keyed: bool) -> None:
         raise TypeError(
             f"limiter must be a shmlimit Limiter, KeyedLimiter or RedisLimiter, got {type(limiter).__name__}"
         )
-    if keyed != isinstance(limiter, KeyedLimiter):
+    if keyed != isinstance(limiter, Keyed):
         raise TypeError(
-            "key is needed with a KeyedLimiter (it picks each run's key), and only with one"
+            f"key is needed with a keyed limiter (it picks each run's key), and only with one; "
+            f"got {'a key' if keyed else 'no key'} for a {type(limiter).__name__}"
         )
 
 
@@ -289,6 +290,7 @@ def acquire_or_retry(
     bound task's ``self`` (TypeError otherwise, saying what to write).
     """
     _check(n, max_block, max_countdown, max_retries)
+    _check_limiter(limiter, key is not None)
     request = _check_task(task)
     args = () if key is None else (key,)
     owner = _owner(limiter, key, n)

@@ -13,7 +13,12 @@ from support.windows import max_excess
 import shmlimit
 
 celery = pytest.importorskip("celery")
-from shmlimit.integrations.celery import HEADER, MAX_SLOTS, acquire_or_retry  # noqa: E402
+from shmlimit.integrations.celery import (  # noqa: E402
+    HEADER,
+    MAX_SLOTS,
+    acquire_or_retry,
+    rate_limited,
+)
 
 # run once in CI: the Celery integration; the limiter beneath it is the core tests' subject
 pytestmark = pytest.mark.backend_independent
@@ -471,3 +476,45 @@ def test_a_wrong_limiter_or_key_is_refused_when_decorating(name):
         lim.close()
         keyed.close()
         shmlimit.unlink(name + "-k")
+
+
+def test_a_key_is_checked_in_the_task_body_too(name):
+    """``acquire_or_retry`` (in a task's body) took a KeyedLimiter without ``key`` and a Limiter
+    with one, and failed with the op count taken for a key ("key must be a str or bytes, not
+    int") or a positional-argument count; it now says what is wrong, as the decorator does,
+    taking nothing."""
+    lim = shmlimit.Limiter(name, rate=20, burst=1)
+    keyed = shmlimit.KeyedLimiter(name + "-k", rate=20, burst=1, keys=16)
+    try:
+        for limiter, kw in ((keyed, {}), (keyed, dict(n=2)), (lim, dict(key="a"))):
+            with pytest.raises(TypeError, match=r"^key is needed with a keyed limiter"):
+                acquire_or_retry(_Task(), limiter, **kw)
+        assert lim.stats().grants == keyed.stats().grants == 0
+        acquire_or_retry(_Task(), keyed, key="a")  # the right pairs pass
+        acquire_or_retry(_Task(), lim)
+        assert lim.stats().grants == keyed.stats().grants == 1
+    finally:
+        lim.close()
+        keyed.close()
+        shmlimit.unlink(name + "-k")
+
+
+def test_a_redis_keyed_limiter_takes_each_runs_key(name, redis_server):
+    """A ``RedisKeyedLimiter`` (KeyedLimiter's methods, keys in Redis) with ``key=`` was refused
+    ("key is needed with a KeyedLimiter ... and only with one"); each run now takes its key's op,
+    and a refused run reserves its key's slot."""
+    from shmlimit.redis.keyed import RedisKeyedLimiter
+
+    rk = RedisKeyedLimiter(name, rate=1, burst=1, url=redis_server.url)
+    try:
+        rate_limited(rk, key=lambda item: item)  # accepted when decorating
+        acquire_or_retry(_Task(), rk, key="a")
+        refused = _Task()
+        with pytest.raises(_Retry):
+            acquire_or_retry(refused, rk, key="a")
+        assert 0.4 < refused.retried[0] <= 1.0  # its slot, about 1 s away, is reserved
+        assert rk.retry_after("a") > 1.0
+        acquire_or_retry(_Task(), rk, key="b")  # another key goes on
+    finally:
+        rk.unlink()
+        rk.close()
