@@ -59,10 +59,9 @@ class ThrottledAdapter(HTTPAdapter):
     """An ``HTTPAdapter`` that takes one op per request and pauses a host on 429/503 ``Retry-After``."""
 
     def __init__(self, limiter: Any, **options: Any) -> None:
-        self.throttle = HostThrottle(
-            limiter, **{k: options.pop(k) for k in THROTTLE_OPTIONS if k in options}
-        )
-        super().__init__(**options)
+        throttle = {k: options.pop(k) for k in THROTTLE_OPTIONS if k in options}
+        super().__init__(**options)  # first: a wrong option makes no pause table
+        self.throttle = HostThrottle(limiter, **throttle)
         self.sending = threading.local()  # the url each thread is sending (urllib3 resends it)
         retry = self.max_retries.new()
         retry.__class__ = type(type(retry).__name__, (_Resend, type(retry)), {})

@@ -410,3 +410,14 @@ def test_urllib3_retries_take_an_op_each_and_wait_the_pause(name, serve):
         assert s.get(free.url + "/x", timeout=10).status_code == 429
     assert free.hits == 4 and lim.stats().grants == 5
     lim.close()
+
+
+def test_a_misspelt_adapter_option_makes_no_pause_table(name):
+    """``ThrottledAdapter(lim, max_wiat=1)`` made the pause table in /dev/shm, then raised
+    HTTPAdapter's TypeError: the shared state changed for a call that failed.  It is refused
+    first."""
+    lim = shmlimit.Limiter(name, rate=5)
+    with pytest.raises(TypeError, match="max_wiat"):
+        ThrottledAdapter(lim, max_wiat=1)
+    assert pause_table_name(name) not in shmlimit.list_names()
+    lim.close()
