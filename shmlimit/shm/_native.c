@@ -911,15 +911,6 @@ kt_find(KeyedTable *t, const uint64_t d[2], uint64_t home, uint64_t *ctrl)
     return NULL;
 }
 
-/* Insert digest d (absent when we looked) with its first grant already in its values: V0 =
- * v0 (the TAT after the grant, as V0 holds it: >= low, the least value the key ever takes), stored plus the BASE that lifts it above every word the
- * slot held before (keyed_cells.SlotTable.insert), V1 = v1.  Returns the slot with *ctrl its LIVE
- * word when we published it (the grant is made), *ctrl 0 when the caller must look again (another
- * inserter or evictor won a race), or NULL when the window has no free or expired slot and
- * eviction is off (the table is full there); NULL with *err 3 when its only slots to be had would
- * lift BASE past KT_BASE_MAX (kt_worn: such a slot is passed by for the next); NULL with *err 1 on
- * an error (set), with *err 2 when a farther PEND of the same key stayed unchanged under a live
- * owner for KT_PEND_NS (we gave way: nothing of ours is left). */
 /* A GCRA key's TAT under its own burst, from V0 less BASE (v) and slack = MAX_TICKS - TAU; 0 when
  * it lies before the clock's zero, where the reference's is negative: either is below every now.
  * (It does after a cut of the burst while the clock reads less than the old one: CLOCK_MONOTONIC
@@ -952,6 +943,15 @@ kt_worn(uint64_t floor, uint64_t low)
     return floor >= low && floor - low >= KT_BASE_MAX;
 }
 
+/* Insert digest d (absent when we looked) with its first grant already in its values: V0 =
+ * v0 (the TAT after the grant, as V0 holds it: >= low, the least value the key ever takes), stored plus the BASE that lifts it above every word the
+ * slot held before (keyed_cells.SlotTable.insert), V1 = v1.  Returns the slot with *ctrl its LIVE
+ * word when we published it (the grant is made), *ctrl 0 when the caller must look again (another
+ * inserter or evictor won a race), or NULL when the window has no free or expired slot and
+ * eviction is off (the table is full there); NULL with *err 3 when its only slots to be had would
+ * lift BASE past KT_BASE_MAX (kt_worn: such a slot is passed by for the next); NULL with *err 1 on
+ * an error (set), with *err 2 when a farther PEND of the same key stayed unchanged under a live
+ * owner for KT_PEND_NS (we gave way: nothing of ours is left). */
 static uint64_t *
 kt_insert(KeyedTable *t, const uint64_t d[2], uint64_t home, uint64_t now, uint64_t v0, uint64_t low,
           uint64_t v1, const uint64_t disp[2], uint64_t seq, uint64_t slack, uint64_t *ctrl, int *err)
