@@ -669,6 +669,9 @@ class KeyedLimiter(RatesSwitch, Keyed, Handle):
         Constant work whatever the rate, burst and pause.  A later end already
         set stays (pauses told at once do not add up, and none is shortened);
         after the pause the key's ops resume at its rate, without a burst.
+        The pause is a move of the key's schedule, priced at its rate now: a
+        ``set_rate`` that lowers the key's price meanwhile ends it sooner, by
+        the difference of one op's time, as it would for any other key's wait.
         Nothing counts as a grant.  False (nothing written) when the key is new
         and the table has no slot for it, or its insert is held by a stalled process.
         """
