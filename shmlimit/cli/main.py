@@ -488,6 +488,11 @@ def _checked(check: Callable[[str], object]) -> Callable[[str], str]:
     return parse
 
 
+#: The demo's workers at most: each is a process with its pipes, and past a few hundred a machine's
+#: open files run out (thousands stopped the demo with "too many open files", a traceback).
+MAX_DEMO_WORKERS = 256
+
+
 def _positive(kind, most: float = math.inf):
     """A finite number of ``kind`` (int or float) above 0 (and at most ``most``), checked at parse
     time."""
@@ -539,7 +544,12 @@ def build_parser() -> argparse.ArgumentParser:
     d = command(
         "demo", cmd_demo, "pool workers sharing one rate: live progress, then achieved vs target"
     )
-    d.add_argument("--workers", type=_positive(int), default=4, help="worker processes (default 4)")
+    d.add_argument(
+        "--workers",
+        type=_positive(int, MAX_DEMO_WORKERS),
+        default=4,
+        help=f"worker processes (default 4, at most {MAX_DEMO_WORKERS})",
+    )
     d.add_argument(
         "--rate", type=_positive(float), default=200.0, help="shared ops per second (default 200)"
     )
