@@ -94,7 +94,8 @@ def connect(url: str, secrets: Dict[str, str], timeout: float, is_async: bool = 
     schemes are the same.  TLS (``rediss``) always verifies the server's
     certificate and host name (``?ssl_ca_certs=/path/ca.pem`` names the CA).  A server's client
     keeps at most ``?max_connections=`` connections (``MAX_CONNECTIONS``) and a call finding them
-    all in use waits up to ``timeout`` for one; a cluster's and a sentinel's keep redis-py's pools.
+    all in use waits up to ``timeout`` for one; a cluster's and a sentinel's keep redis-py's pools,
+    and with asyncio their calls beyond ``?max_connections=`` wait the same way (``_calls_wait``).
     """
     scheme = urls.scheme_of(urls.check(url))  # (the rules a URL follows, at one place)
     tls = scheme in urls.TLS_SCHEMES
@@ -130,7 +131,7 @@ def connect(url: str, secrets: Dict[str, str], timeout: float, is_async: bool = 
     if scheme in urls.CLUSTER_SCHEMES:
         nodes = [lib.cluster.ClusterNode(h, p) for h, p in urls.hosts(netloc, 6379)]
         try:  # (it reaches its nodes now, where a server's client waits for its first call)
-            return lib.RedisCluster(startup_nodes=nodes, **opts)
+            return _calls_wait(lib.RedisCluster(startup_nodes=nodes, **opts), opts, is_async)
         except _REDIS_ERRORS as e:
             raise classify(e, f"redis at {redact(url)}") from e
     # sentinel
@@ -141,4 +142,16 @@ def connect(url: str, secrets: Dict[str, str], timeout: float, is_async: bool = 
     if "sentinel_password" in opts:
         sentinel_opts["password"] = opts.pop("sentinel_password")
     sentinels = lib.Sentinel(urls.hosts(netloc, 26379), sentinel_kwargs=sentinel_opts, **opts)
-    return sentinels.master_for(service)
+    return _calls_wait(sentinels.master_for(service), opts, is_async)
+
+
+def _calls_wait(client: Any, opts: Dict[str, Any], is_async: bool) -> Any:
+    """An asyncio cluster's or sentinel's ``client`` whose calls beyond the URL's
+    ``?max_connections=`` wait for one in flight to end (``CALLS``, read by ``direct``), as a
+    server's blocking pool makes them: redis-py's own pools there refuse them at once, and a
+    healthy deployment answered "unavailable" to a burst of coroutines."""
+    if is_async and "max_connections" in opts:
+        import asyncio
+
+        client.shmlimit_calls = asyncio.Semaphore(int(opts["max_connections"]))
+    return client

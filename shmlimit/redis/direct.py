@@ -178,6 +178,25 @@ def _send(client: Any, key: Optional[str], args: Tuple[Any, ...]) -> Any:
     return client.script_load(LUA) if key is None else client.evalsha(LUA_SHA, 1, key, *args)
 
 
+async def _send_async(
+    client: Any, timeout: float, key: Optional[str], args: Tuple[Any, ...]
+) -> Any:
+    """``_send`` on an asyncio ``client``; one whose calls in flight are bounded
+    (``client._calls_wait``: a cluster's or a sentinel's) waits up to ``timeout`` for a free
+    place first, as a server's blocking pool waits for a connection."""
+    calls = getattr(client, "shmlimit_calls", None)
+    if calls is None:
+        return await _send(client, key, args)
+    try:
+        await asyncio.wait_for(calls.acquire(), timeout)
+    except asyncio.TimeoutError:
+        raise _rx.ConnectionError("No connection available.") from None  # (the pool's words)
+    try:
+        return await _send(client, key, args)
+    finally:
+        calls.release()
+
+
 #: the closes of connections in use that ``_disconnect_on`` started, held until done
 _CLOSING: "set[asyncio.Task[Any]]" = set()
 
@@ -277,7 +296,7 @@ class _Call:
         spent, as a cancelled waiter's slot is."""
         if step.__class__ is not tuple:
             return await asyncio.sleep(step)
-        trip = asyncio.ensure_future(_send(self.aclient, *step))
+        trip = asyncio.ensure_future(_send_async(self.aclient, self.owner._timeout, *step))
         trip.add_done_callback(_retrieved)
         try:
             self.answer = await asyncio.shield(trip)

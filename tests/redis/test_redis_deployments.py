@@ -214,3 +214,26 @@ def test_keyed_limits_spread_over_the_cluster_slots(cluster, name):
     assert not any(lim.try_acquire(u) for u in users)  # each key's burst is spent
     owners = {cluster.owner(lim.redis_key(u)).port for u in users}
     assert len(owners) == 3  # thirty keys land on all three masters
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("deployment", ["cluster", "sentinel"])
+def test_async_calls_beyond_max_connections_wait_for_one(request, deployment, name):
+    """On a cluster or a sentinel URL with ``?max_connections=4``, 60 coroutines at once are all
+    granted: a call beyond the four in flight waits for one to end, as on a server's URL (redis-py's
+    own pools there refused them at once: "Too many connections", counted unavailable)."""
+    import asyncio
+
+    from shmlimit.redis.direct import RedisLimiter
+
+    where = request.getfixturevalue(deployment)
+    lim = RedisLimiter(name, rate=1e6, burst=1000, url=where.url + "?max_connections=4")
+
+    async def main():
+        return await asyncio.gather(*(lim.acquire_async() for _ in range(60)))
+
+    try:
+        assert asyncio.run(main()) == [True] * 60
+        assert lim.stats().grants == 60 and lim.stats().errors == 0
+    finally:
+        lim.close()
