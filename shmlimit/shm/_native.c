@@ -2771,6 +2771,22 @@ fence_horizon_ns(uint64_t tpn)
     return 2 * (((uint64_t)1 << 62) / (tpn ? tpn : 1)) + 10000000000ull;
 }
 
+/* words.fences_in_force for one record: record k of those from `first` when it is in force for a
+ * claim of [ts, ...] (its DUE after ts and not beyond `horizon`, its LIMIT within CLAMP_FAR of
+ * `head`), with *due and *lim read; NULL otherwise.  Every native reader of the fences asks it. */
+static inline uint64_t *
+fence_in_force(uint64_t *first, Py_ssize_t k, uint64_t ts, uint64_t horizon, uint64_t head, uint64_t *due,
+               uint64_t *lim)
+{
+    uint64_t *rec = first + k * FENCE_STRIDE_W;
+    *due = __atomic_load_n(rec + 2, __ATOMIC_SEQ_CST);
+    if (*due <= ts || *due > horizon)
+        return NULL;
+    *lim = __atomic_load_n(rec + 1, __ATOMIC_SEQ_CST);
+    int64_t rel = (int64_t)(*lim - head);
+    return rel < -(int64_t)CLAMP_FAR || rel > (int64_t)CLAMP_FAR ? NULL : rec;
+}
+
 static int
 fence_scan(uint64_t *hint, uint64_t *first, Py_ssize_t count, uint64_t ts, uint64_t now, uint64_t tpn,
            uint64_t head, uint64_t ticket, int64_t *room, double *due)
@@ -2782,14 +2798,10 @@ fence_scan(uint64_t *hint, uint64_t *first, Py_ssize_t count, uint64_t ts, uint6
     uint64_t horizon = now + fence_horizon_ns(tpn);
     int found = 0;
     for (Py_ssize_t k = 0; k < count; k++) {
-        uint64_t *rec = first + k * FENCE_STRIDE_W;
-        uint64_t d = __atomic_load_n(rec + 2, __ATOMIC_SEQ_CST);
-        if (d <= ts || d > horizon)
+        uint64_t d, lim;
+        if (!fence_in_force(first, k, ts, horizon, head, &d, &lim))
             continue;
-        uint64_t lim = __atomic_load_n(rec + 1, __ATOMIC_SEQ_CST);
         int64_t rel = (int64_t)(lim - head);
-        if (rel < -(int64_t)CLAMP_FAR || rel > (int64_t)CLAMP_FAR)
-            continue;
         found = 1;
         uint64_t late = now > d ? now - d : 0;
         /* min(rel + late * tpn, FENCE_NONE), exact as words.fence_scan's: the gain is not clamped
@@ -2824,13 +2836,8 @@ fence_reserved(uint64_t *hint, uint64_t *first, Py_ssize_t count, uint64_t ts, u
     uint64_t horizon = now + fence_horizon_ns(tpn);
     unsigned __int128 reserved = 0;
     for (Py_ssize_t k = 0; k < count; k++) {
-        uint64_t *rec = first + k * FENCE_STRIDE_W;
-        uint64_t due = __atomic_load_n(rec + 2, __ATOMIC_SEQ_CST);
-        if (due <= ts || due > horizon)
-            continue;
-        uint64_t lim = __atomic_load_n(rec + 1, __ATOMIC_SEQ_CST);
-        int64_t rel = (int64_t)(lim - head);
-        if (rel < -(int64_t)CLAMP_FAR || rel > (int64_t)CLAMP_FAR)
+        uint64_t due, lim, *rec = fence_in_force(first, k, ts, horizon, head, &due, &lim);
+        if (!rec)
             continue;
         uint64_t start = __atomic_load_n(rec, __ATOMIC_SEQ_CST);
         uint64_t word = __atomic_load_n(rec + 3, __ATOMIC_SEQ_CST);

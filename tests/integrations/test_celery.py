@@ -269,10 +269,10 @@ def test_a_refused_run_reserves_its_slot_and_its_retry_owns_it(name):
         lim.close()
 
 
-def test_a_run_back_early_waits_for_its_slot_and_the_lead_follows_the_lag(name, monkeypatch):
-    """On an injected clock: a run back before its slot sleeps exactly to it; the lag it saw
-    (back after its landing) moves the lead of the next countdowns, within LEAD_OPS ops of
-    schedule; a process that misses most of its slots reserves none until that has decayed."""
+@pytest.fixture
+def injected(monkeypatch):
+    """The helper on an injected clock (``clock["ns"]``), its sleeps noted (``slept``), and a fresh
+    pool of lags: ``(helper, clock, slept)``."""
     from shmlimit.integrations import celery as helper
 
     clock = {"ns": 10**12}
@@ -280,6 +280,14 @@ def test_a_run_back_early_waits_for_its_slot_and_the_lead_follows_the_lag(name, 
     monkeypatch.setattr(helper, "_clock", lambda: clock["ns"])
     monkeypatch.setattr(helper, "_sleep", slept.append)
     monkeypatch.setattr(helper, "_POOL", helper._Pool())
+    return helper, clock, slept
+
+
+def test_a_run_back_early_waits_for_its_slot_and_the_lead_follows_the_lag(name, injected):
+    """On an injected clock: a run back before its slot sleeps exactly to it; the lag it saw
+    (back after its landing) moves the lead of the next countdowns, within LEAD_OPS ops of
+    schedule; a process that misses most of its slots reserves none until that has decayed."""
+    helper, clock, slept = injected
     lim = shmlimit.Limiter(name, rate=1, burst=1)
     try:
         owner = helper._owner(lim, None, 1)
@@ -327,17 +335,11 @@ def test_a_run_back_early_waits_for_its_slot_and_the_lead_follows_the_lag(name, 
         lim.close()
 
 
-def test_a_header_due_past_max_countdown_owns_no_slot(name, monkeypatch):
+def test_a_header_due_past_max_countdown_owns_no_slot(name, injected):
     """A slot is reserved within max_countdown, so a header due later was never reserved: a
     forged one (due in 11 days) held its worker slot asleep until then, and ran without an op.
     It now owns nothing: the run takes its op as any run does."""
-    from shmlimit.integrations import celery as helper
-
-    clock = {"ns": 10**12}
-    slept = []
-    monkeypatch.setattr(helper, "_clock", lambda: clock["ns"])
-    monkeypatch.setattr(helper, "_sleep", slept.append)
-    monkeypatch.setattr(helper, "_POOL", helper._Pool())
+    helper, clock, slept = injected
     lim = shmlimit.Limiter(name, rate=1, burst=1)
     try:
         owner = helper._owner(lim, None, 1)
