@@ -16,6 +16,7 @@ from shmlimit.shm.banks import Snapshot
 from shmlimit.shm.cells import MASK64, Cells
 from shmlimit.shm.words import (
     FAR,
+    FENCE_LATE,
     REC_BUSY,
     REC_GIVEN,
     SPAN_MAX,
@@ -229,14 +230,16 @@ class Schedule:
 
     def wait_ns(self, ticket: int, short: int, snap: Snapshot) -> float:
         """The wait (ns) of ``ticket``, ``short`` tokens away: at the pace the head can keep
-        (``estimate_wait_ns``), and no sooner than the fences before it let the head get there."""
+        (``estimate_wait_ns``), no sooner than the fences before it let the head get there, and
+        with the time late reservations before it still own (``_reserved_ns``)."""
         wait = self.estimate_wait_ns(short, snap)
         c = self.cells
         ts = c.load(L.REPL_TS)
+        head = c.load(L.HEAD)
         # (now for the horizon, as a claim counts it: only the due it answers is used here)
-        f = self.fences.scan(ts, max(ts, self.clock()), snap.tpn, c.load(L.HEAD), ticket)
-        if f is not None and f[1] > 0:
-            wait = max(wait, f[1] - self.clock())
+        f = self.fences.scan(ts, max(ts, self.clock()), snap.tpn, head, ticket)
+        if f is not None:  # (records in force: none, and no reservation is late either)
+            wait = max(wait, f[1] - self.clock()) + self._reserved_ns(ticket, ts, head, snap)
         return wait
 
     def estimate_wait_ns(self, short: int, snap: Optional[Snapshot] = None) -> float:
@@ -388,9 +391,13 @@ class Schedule:
             start, word = c.load_many((rec + L.FENCE_START, rec + L.FENCE_TOKENS))
             if diff(ticket, start) <= 0:
                 continue
-            got = late_window(start, word, due, head, snap.tpn, ts, reach)
-            if got is not None and got[0] >= now:  # not begun: judged from where the head can be
-                got = late_window(start, word, due, soonest, snap.tpn, now, FAR)
+            # as the next claim, landing now, judges it; one whose time has not begun, as a claim
+            # landing then would, the head where it can be by then
+            got = late_window(start, word, due, head, snap.tpn, ts, now, reach)
+            if got is None and not word & FENCE_LATE:
+                opens = due - min(due, (word // snap.tpn))
+                if opens >= now:
+                    got = late_window(start, word, due, soonest, snap.tpn, now, opens + 1, FAR)
             if got is not None:
                 total += got[1] - max(now, got[0])
         return total

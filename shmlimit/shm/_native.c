@@ -2824,12 +2824,13 @@ fence_scan(uint64_t *hint, uint64_t *first, Py_ssize_t count, uint64_t ts, uint6
 /* words.fence_reserved and words.mark_late, word for word: the tokens of a claim of [ts, now]
  * owned by reservations the head runs late for (none of them added), the records found late first
  * marked (TOKENS's FENCE_LATE bit, then DUE moved n / tpn on, then FENCE_HINT raised) before the
- * claim's CAS.  `room`: how far the claim may move the head.  Records as fence_scan reads them:
- * (START, LIMIT, DUE, TOKENS). */
+ * claim's CAS.  `reach`: how far the capacity lets the claim move the head (words.clamp_reach).
+ * Records as fence_scan reads them: (START, LIMIT, DUE, TOKENS). */
 #define FENCE_LATE ((uint64_t)1 << 63)
+#define LATE_SLACK_NS 1000000ull /* words.LATE_SLACK_NS */
 static uint64_t
 fence_reserved(uint64_t *hint, uint64_t *first, Py_ssize_t count, uint64_t ts, uint64_t now, uint64_t tpn,
-               uint64_t head, uint64_t room)
+               uint64_t head, uint64_t reach)
 {
     if (__atomic_load_n(hint, __ATOMIC_SEQ_CST) <= ts)
         return 0;
@@ -2844,18 +2845,18 @@ fence_reserved(uint64_t *hint, uint64_t *first, Py_ssize_t count, uint64_t ts, u
         uint64_t tokens = word & ~FENCE_LATE;
         int64_t ahead = (int64_t)(start - head);
         if (tokens == 0 || tokens > SPAN_MAX || ahead <= 0 || (uint64_t)ahead > CLAMP_FAR)
-            continue;
+            continue; /* (the head is at or past START: nobody ahead is granted late) */
         uint64_t span = tokens / tpn;
         uint64_t back = (word & FENCE_LATE) ? 2 * span : span;
         uint64_t opens = due - (back < due ? back : due), ends = due;
         if (opens >= now)
             continue;
         if (!(word & FENCE_LATE)) {
-            unsigned __int128 reach = (unsigned __int128)(opens > ts ? opens - ts : 0) * tpn;
-            if (reach > room)
-                reach = room;
-            if (reach + tpn >= (unsigned __int128)ahead)
-                continue; /* on the schedule: the head reaches START by then, to the ns */
+            unsigned __int128 got = (unsigned __int128)(opens > ts ? opens - ts : 0) * tpn;
+            if (got > reach)
+                got = reach;
+            if (now - opens <= LATE_SLACK_NS && got + tpn >= (unsigned __int128)ahead)
+                continue; /* landing within a tick of its time, its tokens reaching START: on time */
             ends = due + span;
             if (__atomic_compare_exchange_n(rec + 3, &word, word | FENCE_LATE, 0, __ATOMIC_SEQ_CST, __ATOMIC_SEQ_CST)
                 && __atomic_compare_exchange_n(rec + 2, &due, ends, 0, __ATOMIC_SEQ_CST, __ATOMIC_SEQ_CST)) {
@@ -2865,7 +2866,9 @@ fence_reserved(uint64_t *hint, uint64_t *first, Py_ssize_t count, uint64_t ts, u
                     ;
             }
         }
-        uint64_t from = ts > opens ? ts : opens, to = now < ends ? now : ends;
+        /* landing within its time: the whole interval (its tokens would be granted within it);
+         * after it: the part within it */
+        uint64_t from = now <= ends ? ts : (ts > opens ? ts : opens), to = now <= ends ? now : ends;
         reserved += (unsigned __int128)(to - from) * tpn;
     }
     return reserved > UINT64_MAX ? UINT64_MAX : (uint64_t)reserved;

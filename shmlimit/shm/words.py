@@ -290,23 +290,30 @@ def fences_in_force(
                 yield rec, limit, due
 
 
+#: How long after a reservation's time begins a claim may land and still find the head on its
+#: schedule, if its tokens reach START by then: a waiter's wake, the filler's tick (``FILL_NS``).
+#: The callers ahead it grants overlap the reservation's time by at most that much.
+LATE_SLACK_NS = 1_000_000
+
+
 def late_window(
-    start: int, word: int, due: int, head: int, tpn: int, ts: int, reach: int
+    start: int, word: int, due: int, head: int, tpn: int, ts: int, now: int, reach: int
 ) -> Optional[Tuple[int, int, bool]]:
     """The time a reservation (its record's START, TOKENS word and DUE) owns of the head's
-    schedule, ``(opens, ends, newly late)``, or None when it owns none: the head is past START, or
-    can reach it by the time its interval opens from ``ts`` with ``reach`` tokens at most
-    (``fence_reserved``)."""
+    schedule, ``(opens, ends, newly late)``, for a claim of ``[ts, now]`` from ``head`` that may
+    gain ``reach`` tokens at most: None when it owns none (``fence_reserved``)."""
     tokens, ahead = word & ~FENCE_LATE, signed(start - head)
     if not 0 < tokens <= SPAN_MAX or not 0 < ahead <= FAR:
-        return None
+        return None  # (the head is at or past START: nobody ahead is granted late)
     span = tokens // tpn
     if word & FENCE_LATE:
         return due - min(due, 2 * span), due, False
     opens = due - min(due, span)
-    if min(max(0, opens - ts) * tpn, reach) + tpn >= ahead:
-        # on the schedule: the head can reach START by then, its stops counted, to the ns a
-        # promise is rounded to (a float moment, rounded up)
+    if now <= opens or (
+        now - opens <= LATE_SLACK_NS and min(max(0, opens - ts) * tpn, reach) + tpn >= ahead
+    ):
+        # its time has not begun; or this claim lands within a tick of it, its tokens reaching
+        # START by then (its stops counted, to the ns a promise is rounded to): on the schedule
         return None
     return opens, due + span, True
 
@@ -321,25 +328,28 @@ def fence_reserved(
 
     A reservation of ``n`` tokens from START, used at its DUE ``p``: on the promised schedule the
     head passes its range, granting no one, over ``[p - n / tpn, p]``, so the windows that hold
-    ``p`` hold ``n`` more than the head grants.  A head still short of START when that interval
-    opens (it lost time: the limiter stopped, no one replenished for longer than the clamp's
-    slack) would grant the callers ahead of START within it instead, together with the
-    reservation.  So the time is the reservation's: a claim adds none of it while the head is
-    short of START, and the callers ahead are granted after it.  Found late, the record is
-    marked and its DUE moved ``n / tpn`` on, and the time up to the new DUE is the reservation's
-    too: what the head had accrued towards the callers ahead (at most a capacity) is granted
-    later, where a full bucket would have lost it -- the head keeps it, so the windows from ``p``
-    on would count it and ``n`` both.  Claims' intervals are disjoint: each token of that time is
-    taken once (the native replenish does the same in C)."""
+    ``p`` hold ``n`` more than the head grants.  A head still short of START once that time has
+    begun (it lost time: the limiter stopped, no one replenished for longer than the clamp's
+    slack, a waiter woke late) would grant the callers ahead of START within it, together with
+    the reservation.  So a claim that lands within it, the head short of START, adds nothing,
+    its tokens from before that time included (they would be granted now, within it); one that
+    lands after it adds none of its own.  A claim landing within ``LATE_SLACK_NS`` of the start,
+    whose tokens reach START by then, finds the head on its schedule (a waiter's wake, the
+    filler's tick).  Found late, the record is marked and its DUE moved ``n / tpn`` on, and the
+    time up to the new DUE is the reservation's too: what the head had accrued towards the
+    callers ahead (at most a capacity) is granted later, where a full bucket would have lost it
+    -- the head keeps it, so the windows from ``p`` on would count it and ``n`` both.  Claims'
+    intervals are disjoint: each token of that time is taken once (the native replenish does the
+    same in C)."""
     reserved, found = 0, []
     for rec, _, due in fences_in_force(cells, hint_off, first, count, ts, now, tpn, head):
         start, word = cells.load(rec), cells.load(rec + FENCE_TOKENS_W)
-        got = late_window(start, word, due, head, tpn, ts, reach)
+        got = late_window(start, word, due, head, tpn, ts, now, reach)
         if got is None or got[0] >= now:
             continue
         if got[2]:
             found.append((rec, word, due))
-        reserved += (min(now, got[1]) - max(ts, got[0])) * tpn
+        reserved += (now - ts if now <= got[1] else got[1] - max(ts, got[0])) * tpn
     return reserved, found
 
 

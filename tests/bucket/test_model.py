@@ -69,6 +69,7 @@ from shmlimit.shm import layout as L
 from shmlimit.shm.cells import MASK64, native_available, open_cells
 from shmlimit.shm.segment import Segment
 from shmlimit.shm.table import ProcessTable, proc_start
+from shmlimit.shm.words import FENCE_LATE
 
 # run once in CI: names each backend it checks (its simulated processes mix both)
 pytestmark = pytest.mark.backend_independent
@@ -461,8 +462,17 @@ class LimiterModel(RuleBasedStateMachine):
             1  # a replenish 1 ns later: a snapshot older than the reservation costs only that ns
         )
         b.replenish()
+        # ... and at the instant each reservation's own time begins, as the waiter of a caller
+        # ahead of it replenishes at its turn (``words.fence_reserved``: a claim landing later
+        # would find the head late for it)
+        begins = sorted(
+            cells.load(off + L.FENCE_DUE) - cells.load(off + L.FENCE_TOKENS) // self.tpn
+            for off in b.fences.recs
+            if cells.load(off + L.FENCE_DUE) > clock.now
+            and not cells.load(off + L.FENCE_TOKENS) & FENCE_LATE
+        )
         while clock.now < end and diff(ticket, cells.load(L.HEAD)) > 0:
-            clock.now = min(end, clock.now + step)
+            clock.now = min([end, clock.now + step] + [t for t in begins if t > clock.now])
             b.replenish()
         assert diff(ticket, cells.load(L.HEAD)) <= 0, (
             f"reserve() promised its slot at {promise:.0f} ns, but the head can reach its ticket only later "
@@ -1319,6 +1329,67 @@ def test_reservations_behind_callers_the_head_reaches_late_stay_within_the_bound
         for _ in range(30):
             m.advance_and_fill(10**8, i)
         assert len(m.grants) == 11 and not m.pending  # the drain's, the callers', the slots'
+        assert not _over_the_bound(m), _over_the_bound(m)
+    finally:
+        m.teardown()
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("callers,stall_ms", [(1, 250), (1, 200), (2, 410)])
+def test_a_claim_that_lands_within_a_reservations_time_grants_no_caller_ahead(
+    backend, callers, stall_ms
+):
+    """At 10/s with a burst of 1, callers queue, a reservation behind them, and nobody replenishes
+    for a while: the claim that ends the stall began before the reservation's own time (its last
+    ``n / rate`` before the promise) and lands within it or after.  Judged by what its tokens
+    could reach by then, it found the head on its schedule and granted the callers ahead as it
+    landed, beside the reservation: 2 ops in 10 ms (bound 1.1), 2 in 60 ms (1.6), 2 in 1 ns (1.0).
+    Now a claim landing more than a tick into that time with the head short of START adds
+    nothing, and the callers come after."""
+    m = LimiterModel()
+    m.create(rate=10.0, burst=1.0, capped=False, ratio=1.0)
+    try:
+        i = next(k for k, p in enumerate(m.procs) if p._att.cells.backend == backend)
+        m.drain(i)
+        for k in range(callers):
+            m.acquire((i + k) % 3, _Draws(1), None)
+        m.reserve(i, _Draws(1), None)
+        m.advance_and_fill(1, i)  # a replenish 1 ns later: clamp words at the head
+        m.clock.now += stall_ms * 10**6
+        for _ in range(60):
+            m.advance_and_fill(10**7, i)
+        assert len(m.grants) == callers + 2 and not m.pending
+        assert not _over_the_bound(m), _over_the_bound(m)
+    finally:
+        m.teardown()
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_a_caller_whose_waiter_wakes_late_comes_after_the_reservation_behind_it(backend):
+    """At 10/s with a burst of 1, a caller due at 100 ms and a reservation behind it, promised at
+    250 ms; the filler replenishes every 10 ms up to the caller's turn, and the caller's waiter
+    wakes 60 ms late (a busy host): no stall as long as a capacity.  It was granted at 160 ms,
+    beside the reservation: 2 ops in 90 ms where the bound allows 1.9.  Its claim landed within
+    the reservation's time, the head short of it: the caller now comes after."""
+    m = LimiterModel()
+    m.create(rate=10.0, burst=1.0, capped=False, ratio=1.0)
+    try:
+        i = next(k for k, p in enumerate(m.procs) if p._att.cells.backend == backend)
+        b = m.procs[i]._att.bucket
+        m.drain(i)
+        m.advance_and_fill(1, i)
+        m.acquire(i, _Draws(1), None)
+        m.reserve(i, _Draws(1), None)
+        due = int(b.due_ns(m.pending[0][0]))
+        while m.clock.now + 10**7 < due:
+            m.clock.now += 10**7
+            b.replenish()
+        m.clock.now = due + 60 * 10**6
+        b.replenish()
+        m._observe()
+        for _ in range(40):
+            m.advance_and_fill(10**7, i)
+        assert len(m.grants) == 3 and not m.pending
         assert not _over_the_bound(m), _over_the_bound(m)
     finally:
         m.teardown()
