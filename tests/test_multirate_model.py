@@ -271,3 +271,27 @@ def test_the_gates_decide_on_the_models_clock(monkeypatch):
         assert [len(e) for e in m.events.values()] == [1, 1]
     finally:
         m.teardown()
+
+
+def test_tokens_a_timed_request_held_come_back_a_capacity_at_most():
+    """The sequence the random search found: rates 10/s (burst 1), 10/s (burst 1) and 15/s (burst
+    2).  A timed request of 2 ops on the second rate and 3 on the third waits behind others; the
+    head covers its 3 ops on the third rate while its second rate keeps it waiting, and it times
+    out.  Its 3 ops came back whole (``Bucket.give_back``: less the head's gain since, none), so
+    the head granted the 2 ops queued behind them and held one more at the same instant: 3 ops at
+    once where the capacity is 2.  Time the head accrued while they were held comes back as a
+    bucket that nobody took them from would hold it: a capacity at most from the start of the
+    request the head stands in (``clamp.fill_limit``)."""
+    m = MultiRateModel()
+    m.create(rates=[("10/s", 1), ("10/s", 1), ("30/2s", 2)])
+    try:
+        m.start(_Draws(0, 2, 2), None)
+        m.drain()
+        for costs, timeout in [((0, 0, 0), None), ((0, 0, 2), None), ((0, 2, 3), 0.3)]:
+            m.start(_Draws(*costs), timeout)
+        m.start(_Draws(0, 0, 2), None)
+        m.drain()
+        m.start(_Draws(0, 0, 1), None)
+        m.no_rate_is_over_granted()
+    finally:
+        m.teardown()

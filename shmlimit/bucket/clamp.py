@@ -16,7 +16,7 @@ from typing import Optional, Tuple
 
 from shmlimit.shm import layout as L
 from shmlimit.shm.cells import Cells
-from shmlimit.shm.words import diff
+from shmlimit.shm.words import clamp_limit, diff
 
 #: The clamp words a replenish leaves for the next one: base, end, next.
 CLAMP_WORDS = (L.SNAP_BASE, L.SNAP_END, L.SNAP_NEXT)
@@ -56,17 +56,32 @@ def held_records(c: Cells, lens: Tuple[int, ...]) -> Tuple[int, ...]:
     )
 
 
-def leave_words(c: Cells, lens: Tuple[int, ...], head: int, tail: int) -> None:
-    """Store the clamp words for the snapshot ``(head, tail)`` (``lens``: every record's LEN offset).
+def words_now(
+    c: Cells, lens: Tuple[int, ...], head: int, tail: int
+) -> Optional[Tuple[int, int, int]]:
+    """The clamp words for the snapshot ``(head, tail)`` (``lens``: every record's LEN offset),
+    None when the head moved during the read.  Natively every record is read in one C loop; on
+    the ``atomics`` backend only those of slots a process holds (``held_records``: one load per
+    slot and five per one held)."""
+    if diff(head, tail) < 0 and c.backend != "native":
+        lens = held_records(c, lens)
+    return clamp_words(c, lens, head, tail)
 
-    Natively every record is read in one C loop; on the ``atomics`` backend only those of slots a
-    process holds (``held_records``: one load per slot and five per one held).  When the head
+
+def fill_limit(c: Cells, lens: Tuple[int, ...], head: int, tail: int, cap: int) -> int:
+    """How far tokens put back at once may bring the head from ``head``: a capacity from the start
+    of the request it stands in, as the next replenish's clamp would count it from a snapshot
+    taken now (``words_now``); the head itself (nothing) when the head moved during the read."""
+    words = words_now(c, lens, head, tail)
+    return head if words is None else clamp_limit(*words, cap, head, tail)
+
+
+def leave_words(c: Cells, lens: Tuple[int, ...], head: int, tail: int) -> None:
+    """Store the clamp words for the snapshot ``(head, tail)`` (``words_now``).  When the head
     moved during the read the older words stay: from an older snapshot, they bound any later
     interval too.
     """
-    if diff(head, tail) < 0 and c.backend != "native":
-        lens = held_records(c, lens)
-    words = clamp_words(c, lens, head, tail)
+    words = words_now(c, lens, head, tail)
     if words is not None:
         for off, value in zip(CLAMP_WORDS, words):
             c.store(off, value)

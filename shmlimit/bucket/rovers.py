@@ -49,7 +49,7 @@ import time
 from typing import Any, Callable, List, Optional, Tuple
 
 from shmlimit.bucket import fed_wait
-from shmlimit.bucket.clamp import leave_words, left_named
+from shmlimit.bucket.clamp import fill_limit, leave_words, left_named
 from shmlimit.bucket.fences import NO_FENCE, FenceHold
 from shmlimit.bucket.schedule import Schedule
 from shmlimit.config import MAX_QUEUE_TOKENS as MAX_QUEUE
@@ -602,6 +602,11 @@ class Bucket(Schedule):
             if want <= 0:
                 return 0
             to = behind((tail + self.cap) & MASK64, (head + want) & MASK64)
+            if head_then is not None:
+                # tokens held while their request waited, covered by time the head accrued: a
+                # capacity of it at most, counted from the start of the request the head stands in
+                # (``fill_limit``), as a bucket that nobody took them from would have held
+                to = behind(to, fill_limit(c, self._record_lens(), head, tail, self.cap))
             if diff(to, head) <= 0:
                 return 0
             to, passes = self.refund_to(head, tail, to)
