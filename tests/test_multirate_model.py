@@ -295,3 +295,42 @@ def test_tokens_a_timed_request_held_come_back_a_capacity_at_most():
         m.no_rate_is_over_granted()
     finally:
         m.teardown()
+
+
+def test_tokens_held_come_back_whole_before_an_unrecorded_range(monkeypatch):
+    """Rates of 10/s with bursts of 5 and 1.  A timed request holds its 5 ops on the first rate
+    (covered at once) and is refused on the second, busy for a second; a reservation of 1 op sits
+    right behind its ticket on the first rate.  Its give-back came back as 1 op of 5: the head
+    stood in the reservation's range, which no record tells, and the replenish clamp's stop at
+    the tail cut it.  Tokens put back pass that stop; a capacity from the start of the request
+    the head stands in is their only bound, and all 5 come back."""
+    import shmlimit.bucket.rovers as rovers_module
+
+    back = []
+    give_back = rovers_module.Bucket.give_back
+
+    def noted(self, tokens, head_then):
+        got = give_back(self, tokens, head_then)
+        back.append((tokens, got))
+        return got
+
+    monkeypatch.setattr(rovers_module.Bucket, "give_back", noted)
+    m = MultiRateModel()
+    m.create(rates=[("10/s", 5), ("10/s", 1)])
+    try:
+        a, b = m.keys
+        while m.lim.try_acquire(**{a: 1, b: 0}):
+            pass
+        while m.lim.try_acquire(**{a: 0, b: 1}):
+            pass
+        m.start(_Draws(5, 1), 1.0)
+        p = m.lim.reserve(**{a: 1, b: 0})
+        m.events[a].append((m.clock.now + int(p * 1e9), m.atts[a].bucket.cost))
+        q = m.lim.reserve(**{a: 0, b: 9})
+        m.events[b].append((m.clock.now + int(q * 1e9), 9 * m.atts[b].bucket.cost))
+        while m.pending:
+            m._tick(1)
+        assert back and all(got == tokens for tokens, got in back), back
+        m.no_rate_is_over_granted()
+    finally:
+        m.teardown()

@@ -16,7 +16,7 @@ from typing import Optional, Tuple
 
 from shmlimit.shm import layout as L
 from shmlimit.shm.cells import Cells
-from shmlimit.shm.words import clamp_limit, diff
+from shmlimit.shm.words import MASK64, clamp_reach, diff
 
 #: The clamp words a replenish leaves for the next one: base, end, next.
 CLAMP_WORDS = (L.SNAP_BASE, L.SNAP_END, L.SNAP_NEXT)
@@ -68,12 +68,13 @@ def words_now(
     return clamp_words(c, lens, head, tail)
 
 
-def fill_limit(c: Cells, lens: Tuple[int, ...], head: int, tail: int, cap: int) -> int:
+def fill_limit(c: Cells, lens: Tuple[int, ...], head: int, tail: int, cap: int) -> Optional[int]:
     """How far tokens put back at once may bring the head from ``head``: a capacity from the start
-    of the request it stands in, as the next replenish's clamp would count it from a snapshot
-    taken now (``words_now``); the head itself (nothing) when the head moved during the read."""
+    of the request it stands in (or that request's end, if longer), as the next replenish's clamp
+    would count it from a snapshot taken now (``words_now``; its stop at the next recorded
+    request aside: tokens put back pass it).  None when the head moved during the read."""
     words = words_now(c, lens, head, tail)
-    return head if words is None else clamp_limit(*words, cap, head, tail)
+    return None if words is None else (head + clamp_reach(*words, cap, head, tail)) & MASK64
 
 
 def leave_words(c: Cells, lens: Tuple[int, ...], head: int, tail: int) -> None:

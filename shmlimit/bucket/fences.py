@@ -33,6 +33,7 @@ from shmlimit.shm import layout as L
 from shmlimit.shm.cells import Cells
 from shmlimit.shm.words import (
     MASK64,
+    Claim,
     fence_horizon_ns,
     fence_reserved,
     fences_in_force,
@@ -66,13 +67,13 @@ class Fences:
             *self.args, ts, now, tpn, head, head if ticket is None else ticket
         )
 
-    def reserved(self, ts: int, now: int, tpn: int, head: int, room: int) -> int:
-        """The tokens of a claim of ``[ts, now]`` owned by reservations the head runs late for
+    def reserved(self, claim: Claim, callers: Callable[[int], bool]) -> int:
+        """The tokens of ``claim`` owned by reservations the head runs late for
         (``words.fence_reserved``): the claim adds none of them.  Call it before the claim's CAS:
         the records it finds late first are marked here, while still in force for it."""
-        tokens, found = fence_reserved(self.cells, *self.args, ts, now, tpn, head, room)
+        tokens, found = fence_reserved(self.cells, *self.args, claim, callers)
         if found:
-            mark_late(self.cells, self.hint, tpn, found)
+            mark_late(self.cells, self.hint, claim.tpn, found)
         return tokens
 
     def in_force(self, ts: int, now: int, tpn: int, head: int) -> List[Tuple[int, int]]:

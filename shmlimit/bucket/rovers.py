@@ -69,9 +69,9 @@ from shmlimit.shm.banks import (
 from shmlimit.shm.cells import FED_ALL, MASK64, Cells, GrabResult, claim_record, fed_mask
 from shmlimit.shm.words import (  # rover arithmetic, re-exported: the bucket's vocabulary
     behind,
+    claim_of,
     clamp_kept,
     clamp_limit,
-    clamp_reach,
     diff,
     take_some,
 )
@@ -433,8 +433,17 @@ class Bucket(Schedule):
         if fence is not None:
             at = (head + fence[0]) & MASK64
             limit, catch_limit = behind(limit, at), behind(catch_limit, at)
-            reach = clamp_reach(base, end, nxt, snap.cap, head, tail)
-            owned = self.fences.reserved(ts, now, snap.tpn, head, reach)
+            view = claim_of(
+                ts,
+                now,
+                head,
+                tail,
+                (base, end, nxt),
+                snap.tpn,
+                snap.cap,
+                snap.cap + snap.burst_pool,
+            )
+            owned = self.fences.reserved(view, self._callers(head, tail))
             if owned > 0:
                 extra, catch_limit = max(0, extra - owned), limit
         if not c.cas(L.REPL_TS, ts, now):
@@ -606,7 +615,10 @@ class Bucket(Schedule):
                 # tokens held while their request waited, covered by time the head accrued: a
                 # capacity of it at most, counted from the start of the request the head stands in
                 # (``fill_limit``), as a bucket that nobody took them from would have held
-                to = behind(to, fill_limit(c, self._record_lens(), head, tail, self.cap))
+                fill = fill_limit(c, self._record_lens(), head, tail, self.cap)
+                if fill is None:
+                    continue  # (the head moved while the records were read)
+                to = behind(to, fill)
             if diff(to, head) <= 0:
                 return 0
             to, passes = self.refund_to(head, tail, to)

@@ -21,8 +21,9 @@ from shmlimit.shm.words import (
     REC_GIVEN,
     SPAN_MAX,
     behind,
+    callers_between,
+    claim_of,
     clamp_limit,
-    clamp_reach,
     diff,
     late_window,
     recorded_ranges,
@@ -381,26 +382,44 @@ class Schedule:
             return 0
         c = self.cells
         now = max(ts, self.clock())
-        base, end, nxt = c.load(L.SNAP_BASE), c.load(L.SNAP_END), c.load(L.SNAP_NEXT)
-        reach = clamp_reach(base, end, nxt, snap.cap, head, c.load(L.TAIL))
-        total = 0
+        tail = c.load(L.TAIL)
+        words = (c.load(L.SNAP_BASE), c.load(L.SNAP_END), c.load(L.SNAP_NEXT))
+        view = claim_of(ts, now, head, tail, words, snap.tpn, snap.cap, snap.cap + snap.burst_pool)
         # where the head can be when a reservation's time begins: the next claim adds at most
         # ``reach`` (from REPL_TS), the claims after it the rate's (the filler's pace)
-        soonest = (head + min((now - ts) * snap.tpn, reach)) & MASK64
+        soonest = (head + min((now - ts) * snap.tpn, view.reach)) & MASK64
+        callers = self._callers(head, tail)
+        total = 0
         for rec, _, due in self.fences.held(ts, now, snap.tpn, head):
             start, word = c.load_many((rec + L.FENCE_START, rec + L.FENCE_TOKENS))
             if diff(ticket, start) <= 0:
                 continue
             # as the next claim, landing now, judges it; one whose time has not begun, as a claim
             # landing then would, the head where it can be by then
-            got = late_window(start, word, due, head, snap.tpn, ts, now, reach)
+            got = late_window(start, word, due, view)
             if got is None and not word & FENCE_LATE:
                 opens = due - min(due, (word // snap.tpn))
                 if opens >= now:
-                    got = late_window(start, word, due, soonest, snap.tpn, now, opens + 1, FAR)
-            if got is not None:
+                    ahead = view._replace(ts=now, now=opens + 1, head=soonest, reach=FAR, cap=FAR)
+                    got = late_window(start, word, due, ahead)
+            if got is not None and (not got[2] or callers(start)):
                 total += got[1] - max(now, got[0])
         return total
+
+    def _callers(self, head: int, tail: int) -> Callable[[int], bool]:
+        """``callers(start)``: whether a recorded request the head grants by reaching it lies
+        between ``head`` and ``start`` (``words.callers_between``; the records read once, when
+        first asked)."""
+        ranges: List[Tuple[Optional[int], int]] = []
+        read = []
+
+        def callers(start: int) -> bool:
+            if not read:
+                ranges.extend(self.granting(tail))
+                read.append(True)
+            return callers_between(ranges, head, start)
+
+        return callers
 
     def _fenced_ns(self, ticket: int, ts: int, head: int, snap: Snapshot) -> float:
         """The soonest the head reaches ``ticket`` under the reservations' fences before it: each holds

@@ -2821,16 +2821,42 @@ fence_scan(uint64_t *hint, uint64_t *first, Py_ssize_t count, uint64_t ts, uint6
     return found;
 }
 
+/* words.callers_between over Schedule.granting's ranges, word for word: whether a recorded request
+ * the head grants by reaching it (taken: ending at or before `tail`; not given back) lies between
+ * `head` and `start`; one whose record is being written, changed under the read or of a corrupt
+ * length counts if it ends past the head. */
+static int
+callers_between(uint64_t *const *recs, Py_ssize_t nrecs, uint64_t head, uint64_t start, uint64_t tail)
+{
+    for (Py_ssize_t i = 0; i < nrecs; i++) {
+        uint64_t v = __atomic_load_n(recs[i], __ATOMIC_SEQ_CST);
+        if (v == 0)
+            continue;
+        uint64_t e = __atomic_load_n(recs[i] - 1, __ATOMIC_SEQ_CST);
+        if ((int64_t)(e - tail) > 0)
+            continue;
+        uint64_t n = v & ~REC_GIVEN;
+        if ((v & REC_BUSY) || __atomic_load_n(recs[i], __ATOMIC_SEQ_CST) != v || n == 0 || n > SPAN_MAX) {
+            if ((int64_t)(e - head) > 0)
+                return 1;
+        } else if (!(v & REC_GIVEN) && (int64_t)(e - head) > 0 && (int64_t)(start - (e - v)) > 0) {
+            return 1;
+        }
+    }
+    return 0;
+}
+
 /* words.fence_reserved and words.mark_late, word for word: the tokens of a claim of [ts, now]
  * owned by reservations the head runs late for (none of them added), the records found late first
  * marked (TOKENS's FENCE_LATE bit, then DUE moved n / tpn on, then FENCE_HINT raised) before the
- * claim's CAS.  `reach`: how far the capacity lets the claim move the head (words.clamp_reach).
- * Records as fence_scan reads them: (START, LIMIT, DUE, TOKENS). */
+ * claim's CAS.  `reach`, `base`, `cap`: words.Claim's; `recs`, `nrecs`, `tail`: the ticket records
+ * (callers_between).  Records as fence_scan reads them: (START, LIMIT, DUE, TOKENS). */
 #define FENCE_LATE ((uint64_t)1 << 63)
 #define LATE_SLACK_NS 1000000ull /* words.LATE_SLACK_NS */
 static uint64_t
 fence_reserved(uint64_t *hint, uint64_t *first, Py_ssize_t count, uint64_t ts, uint64_t now, uint64_t tpn,
-               uint64_t head, uint64_t reach)
+               uint64_t head, uint64_t reach, uint64_t base, uint64_t cap, uint64_t *const *recs, Py_ssize_t nrecs,
+               uint64_t tail)
 {
     if (__atomic_load_n(hint, __ATOMIC_SEQ_CST) <= ts)
         return 0;
@@ -2852,11 +2878,16 @@ fence_reserved(uint64_t *hint, uint64_t *first, Py_ssize_t count, uint64_t ts, u
         if (opens >= now)
             continue;
         if (!(word & FENCE_LATE)) {
+            uint64_t lands = now - opens;
             unsigned __int128 got = (unsigned __int128)(opens > ts ? opens - ts : 0) * tpn;
             if (got > reach)
                 got = reach;
-            if (now - opens <= LATE_SLACK_NS && got + tpn >= (unsigned __int128)ahead)
-                continue; /* landing within a tick of its time, its tokens reaching START: on time */
+            /* lands * tpn + (start - base) <= cap, exact as words.late_window's */
+            __int128 fill = (__int128)lands * tpn + (__int128)(int64_t)(start - base);
+            if (lands <= LATE_SLACK_NS && got + tpn >= (unsigned __int128)ahead && fill <= (__int128)cap)
+                continue; /* landing within a tick of its time, on its schedule */
+            if (!callers_between(recs, nrecs, head, start, tail))
+                continue; /* only ranges that grant no one ahead: late costs nobody a grant */
             ends = due + span;
             if (__atomic_compare_exchange_n(rec + 3, &word, word | FENCE_LATE, 0, __ATOMIC_SEQ_CST, __ATOMIC_SEQ_CST)
                 && __atomic_compare_exchange_n(rec + 2, &due, ends, 0, __ATOMIC_SEQ_CST, __ATOMIC_SEQ_CST)) {
@@ -2944,16 +2975,19 @@ waiter_replenish_once(Waiter *w, uint64_t now, int *burn, int *cut_short)
                    &fence_due)) {
         if (fence_room < (int64_t)(limit - head))
             limit = head + (uint64_t)fence_room;
-        /* words.clamp_reach: the capacity's reach from the head, its stop at a recorded request not
-         * counted (a promise counts it) */
-        uint64_t reach = 0;
+        /* words.claim_of: the capacity's reach from the head (words.clamp_reach: its stop at a
+         * recorded request not counted, as a promise counts it) and the start of the request the
+         * head stands in (the head itself for words no snapshot could have left) */
+        uint64_t reach = 0, from = head;
         if (clamp_sane(base, end, next, head, tail)) {
             uint64_t far = base + w->cap;
             if ((int64_t)(end - far) > 0)
                 far = end;
             reach = (int64_t)(far - head) > 0 ? far - head : 0;
+            from = base;
         }
-        uint64_t owned = fence_reserved(w->fence_hint, w->fence_first, w->fence_count, ts, now, w->tpn, head, reach);
+        uint64_t owned = fence_reserved(w->fence_hint, w->fence_first, w->fence_count, ts, now, w->tpn, head, reach,
+                                        from, w->cap, (uint64_t *const *)w->recs, w->nrecs, tail);
         extra = owned < extra ? extra - owned : 0;
     }
     if (!wcas(w->repl_ts, ts, now))

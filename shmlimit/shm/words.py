@@ -10,7 +10,7 @@ face of the layer (cells.py); the native backend has the same constants.
 from __future__ import annotations
 
 import itertools
-from typing import Iterator, List, Optional, Tuple, Union
+from typing import Callable, Iterator, List, NamedTuple, Optional, Tuple, Union
 
 MASK64 = (1 << 64) - 1
 #: Tokens the queue (TAIL - HEAD) may hold at most: far below 2**63, so every signed comparison
@@ -292,64 +292,111 @@ def fences_in_force(
 
 #: How long after a reservation's time begins a claim may land and still find the head on its
 #: schedule, if its tokens reach START by then: a waiter's wake, the filler's tick (``FILL_NS``).
-#: The callers ahead it grants overlap the reservation's time by at most that much.
+#: The callers ahead it grants overlap the reservation's time by at most that much of the rate,
+#: and never by more than the capacity leaves room for (``late_window``).
 LATE_SLACK_NS = 1_000_000
 
 
-def late_window(
-    start: int, word: int, due: int, head: int, tpn: int, ts: int, now: int, reach: int
-) -> Optional[Tuple[int, int, bool]]:
+class Claim(NamedTuple):
+    """What a replenish claim of ``[ts, now]`` judges reservations by: the head it read, the
+    tokens per ns, how far the capacity lets it move the head (``clamp_reach``), where the
+    request the head stands in starts (``base``: the head, outside one) and the capacity (with
+    catch-up's room)."""
+
+    ts: int
+    now: int
+    head: int
+    tpn: int
+    reach: int
+    base: int
+    cap: int
+
+
+def claim_of(
+    ts: int,
+    now: int,
+    head: int,
+    tail: int,
+    words: Tuple[int, int, int],
+    tpn: int,
+    cap: int,
+    room: int,
+) -> Claim:
+    """The ``Claim`` of ``[ts, now]`` from ``head`` (``tail`` read after the clamp ``words``, whose
+    ``cap`` gives the reach; ``room``: the capacity with catch-up's room)."""
+    base, end, nxt = words
+    sane = clamp_sane(base, end, nxt, head, tail)
+    return Claim(
+        ts, now, head, tpn, clamp_reach(*words, cap, head, tail), base if sane else head, room
+    )
+
+
+def late_window(start: int, word: int, due: int, c: Claim) -> Optional[Tuple[int, int, bool]]:
     """The time a reservation (its record's START, TOKENS word and DUE) owns of the head's
-    schedule, ``(opens, ends, newly late)``, for a claim of ``[ts, now]`` from ``head`` that may
-    gain ``reach`` tokens at most: None when it owns none (``fence_reserved``)."""
-    tokens, ahead = word & ~FENCE_LATE, signed(start - head)
+    schedule for the claim ``c``, ``(opens, ends, newly late)``, or None when it owns none
+    (``fence_reserved``).  Newly late only if callers lie between the head and START: the
+    caller checks (``callers_between``)."""
+    tokens, ahead = word & ~FENCE_LATE, signed(start - c.head)
     if not 0 < tokens <= SPAN_MAX or not 0 < ahead <= FAR:
         return None  # (the head is at or past START: nobody ahead is granted late)
-    span = tokens // tpn
+    span = tokens // c.tpn
     if word & FENCE_LATE:
         return due - min(due, 2 * span), due, False
     opens = due - min(due, span)
-    if now <= opens or (
-        now - opens <= LATE_SLACK_NS and min(max(0, opens - ts) * tpn, reach) + tpn >= ahead
+    lands = c.now - opens
+    if lands <= 0 or (
+        lands <= LATE_SLACK_NS
+        and min(max(0, opens - c.ts) * c.tpn, c.reach) + c.tpn >= ahead
+        and lands * c.tpn + signed(start - c.base) <= c.cap
     ):
         # its time has not begun; or this claim lands within a tick of it, its tokens reaching
-        # START by then (its stops counted, to the ns a promise is rounded to): on the schedule
+        # START by then (its stops counted, to the ns a promise is rounded to), the callers it
+        # grants and that much of the rate within a capacity: on the schedule
         return None
     return opens, due + span, True
 
 
+def callers_between(ranges, head: int, start: int) -> bool:
+    """Whether any of the ``(start or None, end)`` ranges (``Schedule.granting``: the requests the
+    head grants by reaching them, recorded) lies between ``head`` and ``start``.  A range whose
+    start is not known counts if it ends past the head."""
+    return any(signed(e - head) > 0 and (s is None or signed(start - s) > 0) for s, e in ranges)
+
+
 def fence_reserved(
-    cells, hint_off: int, first: int, count: int, ts: int, now: int, tpn: int, head: int, reach: int
+    cells, hint_off: int, first: int, count: int, c: Claim, callers: Callable[[int], bool]
 ) -> Tuple[int, List[Tuple[int, int, int]]]:
-    """The tokens of a claim of ``[ts, now]`` that reservations the head runs late for own, none of
-    them granted, and the records the claim finds late first: ``(tokens, [(record, TOKENS,
-    DUE)])``, each to be marked (``mark_late``) before the claim's CAS.  ``reach``: how far the
-    capacity lets the claim move the head (``clamp_reach``).
+    """The tokens of the claim ``c`` that reservations the head runs late for own, none of them
+    granted, and the records the claim finds late first: ``(tokens, [(record, TOKENS, DUE)])``,
+    each to be marked (``mark_late``) before the claim's CAS.  ``callers(start)``: whether a
+    recorded request lies between the head and ``start`` (``callers_between``).
 
     A reservation of ``n`` tokens from START, used at its DUE ``p``: on the promised schedule the
     head passes its range, granting no one, over ``[p - n / tpn, p]``, so the windows that hold
     ``p`` hold ``n`` more than the head grants.  A head still short of START once that time has
-    begun (it lost time: the limiter stopped, no one replenished for longer than the clamp's
-    slack, a waiter woke late) would grant the callers ahead of START within it, together with
-    the reservation.  So a claim that lands within it, the head short of START, adds nothing,
-    its tokens from before that time included (they would be granted now, within it); one that
-    lands after it adds none of its own.  A claim landing within ``LATE_SLACK_NS`` of the start,
-    whose tokens reach START by then, finds the head on its schedule (a waiter's wake, the
-    filler's tick).  Found late, the record is marked and its DUE moved ``n / tpn`` on, and the
+    begun, with callers between (it lost time: the limiter stopped, no one replenished for longer
+    than the clamp's slack, a waiter woke late), would grant them within it, together with the
+    reservation.  So a claim that lands within it adds nothing, its tokens from before that time
+    included (they would be granted now, within it); one that lands after it adds none of its
+    own.  A claim landing within ``LATE_SLACK_NS`` of the start, whose tokens reach START by then
+    and whose grants fit a capacity with that much of the rate, finds the head on its schedule (a
+    waiter's wake, the filler's tick).  Only other reservations' ranges, or ranges given back,
+    between the head and START grant no one: the head is then on its schedule however late it
+    passes them.  Found late, the record is marked and its DUE moved ``n / tpn`` on, and the
     time up to the new DUE is the reservation's too: what the head had accrued towards the
     callers ahead (at most a capacity) is granted later, where a full bucket would have lost it
     -- the head keeps it, so the windows from ``p`` on would count it and ``n`` both.  Claims'
-    intervals are disjoint: each token of that time is taken once (the native replenish does the
-    same in C)."""
+    intervals are disjoint: each token of that time is taken once (the native replenish does
+    the same in C)."""
     reserved, found = 0, []
-    for rec, _, due in fences_in_force(cells, hint_off, first, count, ts, now, tpn, head):
+    for rec, _, due in fences_in_force(cells, hint_off, first, count, c.ts, c.now, c.tpn, c.head):
         start, word = cells.load(rec), cells.load(rec + FENCE_TOKENS_W)
-        got = late_window(start, word, due, head, tpn, ts, now, reach)
-        if got is None or got[0] >= now:
+        got = late_window(start, word, due, c)
+        if got is None or got[0] >= c.now or got[2] and not callers(start):
             continue
         if got[2]:
             found.append((rec, word, due))
-        reserved += (now - ts if now <= got[1] else got[1] - max(ts, got[0])) * tpn
+        reserved += (c.now - c.ts if c.now <= got[1] else got[1] - max(c.ts, got[0])) * c.tpn
     return reserved, found
 
 

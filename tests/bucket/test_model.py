@@ -1396,6 +1396,64 @@ def test_a_caller_whose_waiter_wakes_late_comes_after_the_reservation_behind_it(
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
+def test_reservations_back_to_back_cost_the_caller_behind_them_nothing(backend):
+    """At 10/s with a burst of 1, two reservations back to back on an empty bucket and a caller
+    behind them, replenished every 7 ms (a slow rate's filler): the second reservation's time
+    begins at the first's promise, where nobody replenishes, so the head reaches its START a
+    few ms into it.  Only the first reservation's range lay between, which grants no one: found
+    late all the same, it held the caller until 502 ms where its turn is 300 ms.  Nothing is
+    late now, and the caller is served at its turn."""
+    m = LimiterModel()
+    m.create(rate=10.0, burst=1.0, capped=False, ratio=1.0)
+    try:
+        i = next(k for k, p in enumerate(m.procs) if p._att.cells.backend == backend)
+        m.drain(i)
+        m.advance_and_fill(1, i)
+        t0 = m.clock.now
+        m.reserve(i, _Draws(1), None)
+        m.reserve(i, _Draws(1), None)
+        m.acquire(i, _Draws(1), None)
+        recs = m.procs[i]._att.bucket.fences.recs
+        for _ in range(60):
+            m.advance_and_fill(7 * 10**6, i)
+            assert not any(m.cells.load(off + L.FENCE_TOKENS) & FENCE_LATE for off in recs)
+        caller = max(t for t, _ in m.grants) - t0
+        assert not m.pending and 300 * 10**6 <= caller <= 307 * 10**6, caller
+        assert not _over_the_bound(m), _over_the_bound(m)
+    finally:
+        m.teardown()
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("late_us", [500, 900])
+def test_a_wake_within_the_slack_grants_no_more_than_a_capacity_allows(backend, late_us):
+    """At 100 000/s with a burst of 100, a caller of 100 ops and a reservation of 100 behind it;
+    the caller's waiter wakes ``late_us`` after the reservation's time began, within the 1 ms a
+    wake may be late.  Its claim counted as on the schedule and granted the caller beside the
+    reservation: 200 ops in 100 us where the bound allows 110.  A claim that late counts as on
+    the schedule only if the callers it grants and that much of the rate fit a capacity."""
+    m = LimiterModel()
+    m.create(rate=1e5, burst=100.0, capped=False, ratio=1.0)
+    try:
+        i = next(k for k, p in enumerate(m.procs) if p._att.cells.backend == backend)
+        b = m.procs[i]._att.bucket
+        m.drain(i)
+        m.advance_and_fill(1, i)
+        m.acquire(i, _Draws(100), None)
+        m.reserve(i, _Draws(100), None)
+        [rec] = [off for off in b.fences.recs if m.cells.load(off + L.FENCE_DUE) > m.clock.now]
+        opens = m.cells.load(rec + L.FENCE_DUE) - m.cells.load(rec + L.FENCE_TOKENS) // m.tpn
+        m.clock.now = opens + late_us * 1000
+        b.replenish()
+        m._observe()
+        for _ in range(400):
+            m.advance_and_fill(10**4, i)
+        assert not m.pending and not _over_the_bound(m), _over_the_bound(m)
+    finally:
+        m.teardown()
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
 def test_a_reservation_behind_a_stop_is_promised_after_it(backend):
     """The sequence the random search found once the clamp stopped the head at the start of the
     recorded request after a range no record tells: at 1000/s (burst 10), reserve(11) takes the
