@@ -40,6 +40,7 @@ After every step the invariants are checked:
   while the reaper has no free record.
 """
 
+import contextlib
 import functools
 import math
 import mmap
@@ -1203,6 +1204,21 @@ def _over_the_bound(m):
     return over
 
 
+@contextlib.contextmanager
+def _drained(rate, burst, backend):
+    """A model at ``rate`` with ``burst``, its bucket drained and replenished 1 ns later (clamp words
+    at the head): ``(model, the index of a process on backend)``, torn down after."""
+    m = LimiterModel()
+    m.create(rate=rate, burst=burst, capped=False, ratio=1.0)
+    try:
+        i = next(k for k, p in enumerate(m.procs) if p._att.cells.backend == backend)
+        m.drain(i)
+        m.advance_and_fill(1, i)
+        yield m, i
+    finally:
+        m.teardown()
+
+
 # The sequences that found the clamp counting a capacity from a head inside a partly accrued
 # request (``min(SNAP_HEAD, SNAP_TAIL) + CAP``, before the clamp words): it counts from the
 # request's start now (``bucket.clamp_words``; docs/design.md, "The clamp counts from the
@@ -1371,13 +1387,8 @@ def test_a_caller_whose_waiter_wakes_late_comes_after_the_reservation_behind_it(
     wakes 60 ms late (a busy host): no stall as long as a capacity.  It was granted at 160 ms,
     beside the reservation: 2 ops in 90 ms where the bound allows 1.9.  Its claim landed within
     the reservation's time, the head short of it: the caller now comes after."""
-    m = LimiterModel()
-    m.create(rate=10.0, burst=1.0, capped=False, ratio=1.0)
-    try:
-        i = next(k for k, p in enumerate(m.procs) if p._att.cells.backend == backend)
+    with _drained(10.0, 1.0, backend) as (m, i):
         b = m.procs[i]._att.bucket
-        m.drain(i)
-        m.advance_and_fill(1, i)
         m.acquire(i, _Draws(1), None)
         m.reserve(i, _Draws(1), None)
         due = int(b.due_ns(m.pending[0][0]))
@@ -1391,8 +1402,6 @@ def test_a_caller_whose_waiter_wakes_late_comes_after_the_reservation_behind_it(
             m.advance_and_fill(10**7, i)
         assert len(m.grants) == 3 and not m.pending
         assert not _over_the_bound(m), _over_the_bound(m)
-    finally:
-        m.teardown()
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
@@ -1403,12 +1412,7 @@ def test_reservations_back_to_back_cost_the_caller_behind_them_nothing(backend):
     few ms into it.  Only the first reservation's range lay between, which grants no one: found
     late all the same, it held the caller until 502 ms where its turn is 300 ms.  Nothing is
     late now, and the caller is served at its turn."""
-    m = LimiterModel()
-    m.create(rate=10.0, burst=1.0, capped=False, ratio=1.0)
-    try:
-        i = next(k for k, p in enumerate(m.procs) if p._att.cells.backend == backend)
-        m.drain(i)
-        m.advance_and_fill(1, i)
+    with _drained(10.0, 1.0, backend) as (m, i):
         t0 = m.clock.now
         m.reserve(i, _Draws(1), None)
         m.reserve(i, _Draws(1), None)
@@ -1420,8 +1424,6 @@ def test_reservations_back_to_back_cost_the_caller_behind_them_nothing(backend):
         caller = max(t for t, _ in m.grants) - t0
         assert not m.pending and 300 * 10**6 <= caller <= 307 * 10**6, caller
         assert not _over_the_bound(m), _over_the_bound(m)
-    finally:
-        m.teardown()
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
@@ -1432,13 +1434,8 @@ def test_a_wake_within_the_slack_grants_no_more_than_a_capacity_allows(backend, 
     wake may be late.  Its claim counted as on the schedule and granted the caller beside the
     reservation: 200 ops in 100 us where the bound allows 110.  A claim that late counts as on
     the schedule only if the callers it grants and that much of the rate fit a capacity."""
-    m = LimiterModel()
-    m.create(rate=1e5, burst=100.0, capped=False, ratio=1.0)
-    try:
-        i = next(k for k, p in enumerate(m.procs) if p._att.cells.backend == backend)
+    with _drained(1e5, 100.0, backend) as (m, i):
         b = m.procs[i]._att.bucket
-        m.drain(i)
-        m.advance_and_fill(1, i)
         m.acquire(i, _Draws(100), None)
         m.reserve(i, _Draws(100), None)
         [rec] = [off for off in b.fences.recs if m.cells.load(off + L.FENCE_DUE) > m.clock.now]
@@ -1449,8 +1446,6 @@ def test_a_wake_within_the_slack_grants_no_more_than_a_capacity_allows(backend, 
         for _ in range(400):
             m.advance_and_fill(10**4, i)
         assert not m.pending and not _over_the_bound(m), _over_the_bound(m)
-    finally:
-        m.teardown()
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
