@@ -2870,8 +2870,8 @@ fence_reserved(uint64_t *hint, uint64_t *first, Py_ssize_t count, uint64_t ts, u
         uint64_t word = __atomic_load_n(rec + 3, __ATOMIC_SEQ_CST);
         uint64_t tokens = word & ~FENCE_LATE;
         int64_t ahead = (int64_t)(start - head);
-        if (tokens == 0 || tokens > SPAN_MAX || ahead <= 0 || (uint64_t)ahead > CLAMP_FAR)
-            continue; /* (the head is at or past START: nobody ahead is granted late) */
+        if (tokens == 0 || tokens > SPAN_MAX || ahead <= (int64_t)tpn || (uint64_t)ahead > CLAMP_FAR)
+            continue; /* (the head is at or past START, or within a ns of it: nobody ahead is late) */
         uint64_t span = tokens / tpn;
         uint64_t back = (word & FENCE_LATE) ? 2 * span : span;
         uint64_t opens = due - (back < due ? back : due), ends = due;

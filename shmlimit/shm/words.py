@@ -337,8 +337,10 @@ def late_window(start: int, word: int, due: int, c: Claim) -> Optional[Tuple[int
     (``fence_reserved``).  Newly late only if callers lie between the head and START: the
     caller checks (``callers_between``)."""
     tokens, ahead = word & ~FENCE_LATE, signed(start - c.head)
-    if not 0 < tokens <= SPAN_MAX or not 0 < ahead <= FAR:
-        return None  # (the head is at or past START: nobody ahead is granted late)
+    if not 0 < tokens <= SPAN_MAX or not c.tpn < ahead <= FAR:
+        # the head is at or past START, or within the ns a promise is rounded to (a float moment,
+        # rounded up): nobody ahead is granted late
+        return None
     span = tokens // c.tpn
     if word & FENCE_LATE:
         return due - min(due, 2 * span), due, False

@@ -1448,6 +1448,40 @@ def test_a_wake_within_the_slack_grants_no_more_than_a_capacity_allows(backend, 
         assert not m.pending and not _over_the_bound(m), _over_the_bound(m)
 
 
+def test_a_head_short_of_a_reservation_by_its_promises_rounding_is_on_time():
+    """The sequence the random search found: at 333/s, burst 1, drains and ops around them, two
+    processes closing, a set_rate to 1000/s, then an op and a reservation of one op behind it.
+    On the scratch copy that checks the promise, the claim at the instant the reservation's time
+    begins leaves the head 384 tokens (0.009 ns) short of its START: the promise is a float
+    moment, rounded up.  The next claim, a step more than 1 ms later, found the head late,
+    and the reservation's own range passed a millisecond after its promise.  A head within
+    the ns a promise is rounded to has reached START."""
+    m = LimiterModel()
+    m.create(rate=333.0, burst=1.0, capped=False, ratio=1.0)
+    try:
+        m.one_after_a_drain(0, 0, "try")
+        for _ in range(3):
+            m.drain(0)
+        m.try_acquire(0, _Draws(False, 9007199))
+        m.acquire_one(0, None)
+        m.drain(0)
+        m.try_acquire(0, _Draws(True))
+        m.one_after_a_drain(0, 0, "try")
+        m.drain(0)
+        m.one_after_a_drain(0, 0, None)
+        m.drain(0)
+        m.drain(0)
+        m.one_after_a_drain(0, 2, None)
+        m.process_closes(0)
+        m.process_closes(0)
+        m.set_rate(burst=None, i=0, rate=1000.0, ratio=None)
+        m.one_after_a_drain(0, 0, None)
+        m.reserve(0, _Draws(1), None)  # _promise_kept asserts the promise
+        assert len(m.promised) == 1
+    finally:
+        m.teardown()
+
+
 @pytest.mark.parametrize("backend", BACKENDS)
 def test_a_reservation_behind_a_stop_is_promised_after_it(backend):
     """The sequence the random search found once the clamp stopped the head at the start of the
