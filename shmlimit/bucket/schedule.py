@@ -410,13 +410,12 @@ class Schedule:
         """``callers(start)``: whether a recorded request the head grants by reaching it lies
         between ``head`` and ``start`` (``words.callers_between``; the records read once, when
         first asked)."""
-        ranges: List[Tuple[Optional[int], int]] = []
-        read = []
+        ranges: Optional[List[Tuple[Optional[int], int]]] = None
 
         def callers(start: int) -> bool:
-            if not read:
-                ranges.extend(self.granting(tail))
-                read.append(True)
+            nonlocal ranges
+            if ranges is None:
+                ranges = self.granting(tail)
             return callers_between(ranges, head, start)
 
         return callers
