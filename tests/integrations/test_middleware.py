@@ -3,6 +3,7 @@
 
 import asyncio
 import re
+import socket
 import sys
 import textwrap
 import time
@@ -122,6 +123,94 @@ def test_asgi_wait_mode_refuses_at_once_past_max_wait(name):
 
     status, h, took = asyncio.run(main())
     assert status == 429 and int(h["retry-after"]) >= 50 and took < 5.0
+    lim.close()
+
+
+class _Client:
+    """An ASGI ``receive`` for a client that sends ``body`` in the chunks given, then stays
+    connected until ``leave()``: only a disconnect follows a whole body (the ASGI spec)."""
+
+    def __init__(self, *chunks):
+        self.messages = [
+            {"type": "http.request", "body": c, "more_body": k < len(chunks) - 1}
+            for k, c in enumerate(chunks or (b"",))
+        ]
+        self.gone = asyncio.Event()
+
+    def leave(self):
+        self.gone.set()
+
+    async def receive(self):
+        if self.messages:
+            return self.messages.pop(0)
+        await self.gone.wait()
+        return {"type": "http.disconnect"}
+
+
+async def _echo(scope, receive, send):
+    """Answers with the request's body, read through ``receive`` to its end."""
+    body, more = b"", True
+    while more:
+        message = await receive()
+        body, more = body + message.get("body", b""), message.get("more_body", False)
+    await send({"type": "http.response.start", "status": 200, "headers": []})
+    await send({"type": "http.response.body", "body": body})
+
+
+def test_asgi_a_client_gone_while_waiting_is_not_served(name):
+    # a wait of ~60 s: the client leaves long before, and its wait ends then, its place given up
+    lim = shmlimit.Limiter(name, rate=1, per=60, burst=1)
+    served = []
+
+    async def app(scope, receive, send):
+        served.append(scope["path"])
+        await _hello(scope, receive, send)
+
+    limited = ASGILimit(app, limiter=lim, max_wait=90.0)
+    scope = {"type": "http", "method": "GET", "path": "/b", "headers": [], "client": ("1", 1)}
+
+    async def main():
+        assert (await call(limited, "/a"))[0] == 200
+        client, sent = _Client(), []
+
+        async def send(message):
+            sent.append(message)
+
+        waiting = asyncio.ensure_future(limited(scope, client.receive, send))
+        while lim.stats().deficiency < 1:  # its ticket is taken: it waits for its turn
+            await asyncio.sleep(0.001)
+        assert not waiting.done()
+        client.leave()
+        await asyncio.wait_for(waiting, 10)  # not the ~60 s its turn is away
+        return sent
+
+    assert asyncio.run(main()) == []  # no one to answer
+    assert served == ["/a"] and lim.stats().grants == 1
+    lim.close()
+
+
+def test_asgi_the_body_read_while_waiting_reaches_the_app(name):
+    lim = shmlimit.Limiter(name, rate=50, burst=1)
+    limited = ASGILimit(_echo, limiter=lim, max_wait=5.0)
+
+    async def main():
+        bodies = []
+        many = (b"",) * 300 + (b"end",)  # empty chunks past MAX_HELD_MESSAGES
+        for chunks in [(b"first",), (b"ab", b"", b"cd"), (b"x" * 70_000, b"y", b"z"), many]:
+            client, sent = _Client(*chunks), []
+
+            async def send(message, sent=sent):
+                sent.append(message)
+
+            scope = {"type": "http", "method": "POST", "path": "/", "headers": [], "client": None}
+            await limited(scope, client.receive, send)
+            assert sent[0]["status"] == 200
+            bodies.append(sent[1]["body"])
+        return bodies
+
+    # each after the first waits its turn (50/s, burst 1), reading its body meanwhile: past
+    # MAX_HELD_BODY bytes or MAX_HELD_MESSAGES messages, the rest only once its turn comes
+    assert asyncio.run(main()) == [b"first", b"abcd", b"x" * 70_000 + b"yz", b"end"]
     lim.close()
 
 
@@ -343,6 +432,46 @@ def test_starlette_under_uvicorn_two_workers_per_client(name, tmp_path):
         live = shmlimit.inspect(name)
         assert live.grants == 10 and live.keys == 2
         assert srv.proc.pid not in {p.pid for p in live.processes if p.alive}
+
+
+WAITING_APP = """
+import os
+import shmlimit
+from shmlimit.integrations.asgi import RateLimitMiddleware
+
+LIM = shmlimit.Limiter(os.environ["LIM"], rate=1, per=2, burst=1)
+
+async def hello(scope, receive, send):
+    if scope["type"] != "http":
+        return
+    await send({"type": "http.response.start", "status": 200, "headers": []})
+    await send({"type": "http.response.body", "body": b"hello"})
+
+app = RateLimitMiddleware(hello, limiter=LIM, max_wait=30.0, key=lambda scope: None if scope["path"] == "/health" else "")
+"""
+
+
+def test_uvicorn_a_client_gone_while_waiting_gives_its_turn_up(name, tmp_path):
+    """A real server hears the client hang up: the request waiting for its turn (1 op per 2 s)
+    is never served, and the next one has that turn, 2 s on, not 4."""
+    pytest.importorskip("uvicorn")
+    (tmp_path / "waiting_app.py").write_text(textwrap.dedent(WAITING_APP))
+    argv = [sys.executable, "-m", "uvicorn", "waiting_app:app", "--host", "127.0.0.1"]
+    argv += ["--port", "{port}", "--log-level", "warning"]
+    with Server(argv, str(tmp_path), env={"LIM": name}) as srv:
+        lim = shmlimit.Limiter(name)
+        assert get(srv.url + "/")[0] == 200  # the bucket's one op
+        with socket.create_connection(("127.0.0.1", srv.port)) as gone:
+            gone.sendall(b"GET / HTTP/1.1\r\nHost: 127.0.0.1\r\n\r\n")
+            deadline = time.monotonic() + 10
+            while lim.stats().deficiency < 1 and time.monotonic() < deadline:
+                time.sleep(0.005)  # until its ticket is taken: it waits for its turn
+            assert lim.stats().deficiency >= 1
+        status, _, _ = get(srv.url + "/")  # queued behind the one that left
+        assert status == 200
+        # served: the first and this one; the client that left never was, whatever the timing
+        assert lim.stats().grants == 2
+        lim.close()
 
 
 WSGI_APP = """
