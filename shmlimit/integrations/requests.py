@@ -23,7 +23,7 @@ sleep; its backoff stays.
 from __future__ import annotations
 
 import threading
-from typing import Any, Optional
+from typing import Any, Dict, Optional
 
 from shmlimit.errors import MissingExtraError
 from shmlimit.integrations._hosts import HostThrottle
@@ -55,10 +55,18 @@ class _Resend:
             super().sleep(response)  # type: ignore[misc]  # not throttled: urllib3's own
 
 
+def _remade(cls: Any, limiter: Any, options: Dict[str, Any]) -> Any:
+    return cls(limiter, **options)
+
+
 class ThrottledAdapter(HTTPAdapter):
-    """An ``HTTPAdapter`` that takes one op per request and pauses a host on 429/503 ``Retry-After``."""
+    """An ``HTTPAdapter`` that takes one op per request and pauses a host on 429/503 ``Retry-After``.
+
+    It pickles (with the ``Session`` it is mounted in) as its limiter and options: unpickled, it
+    is made again, attached to the same limiter (a ``key`` must then be a picklable function)."""
 
     def __init__(self, limiter: Any, **options: Any) -> None:
+        self._made = (limiter, dict(options))
         throttle = {k: options.pop(k) for k in THROTTLE_OPTIONS if k in options}
         super().__init__(**options)  # first: a wrong option makes no pause table
         self.throttle = HostThrottle(limiter, **throttle)
@@ -67,6 +75,9 @@ class ThrottledAdapter(HTTPAdapter):
         retry.__class__ = type(type(retry).__name__, (_Resend, type(retry)), {})
         retry.adapter = self
         self.max_retries = retry
+
+    def __reduce__(self) -> Any:
+        return _remade, (type(self), *self._made)
 
     def send(self, request: Any, *args: Any, **kwargs: Any) -> Any:
         self.sending.url = request.url

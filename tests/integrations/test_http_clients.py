@@ -4,6 +4,7 @@ limiter, and a 429 with Retry-After seen by one process pauses that host for eve
 import asyncio
 import email.utils
 import multiprocessing as mp
+import pickle
 import threading
 import time
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
@@ -120,6 +121,34 @@ def test_retry_after_pauses_every_process(name):
     # and then the two processes shared the rate (arrivals are stamped after their grants)
     for width in (0.1, 0.5):
         assert max_excess(oks, width) <= RATE * width + CAPACITY
+
+
+def _pickled_session_get(pickled, url):
+    s = pickle.loads(pickled)
+    return s.get(url + "/ok", headers={"X-Pid": "child"}, timeout=30).status_code
+
+
+def test_a_session_with_a_throttled_adapter_pickles(name):
+    lim = shmlimit.Limiter(name, rate=RATE)
+    s = requests.Session()
+    s.mount("http://", ThrottledAdapter(lim, max_wait=5.0, pool_maxsize=3, max_retries=2))
+    pickled = pickle.dumps(s)
+    copy = pickle.loads(pickled).get_adapter("http://h")
+    assert type(copy) is ThrottledAdapter and copy.throttle.max_wait == 5.0
+    assert copy._pool_maxsize == 3 and copy.max_retries.total == 2
+    assert copy.max_retries.adapter is copy  # its resends are throttled by the copy itself
+    Recorder.log = []
+    server = ThreadingHTTPServer(("127.0.0.1", 0), Recorder)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    url = f"http://127.0.0.1:{server.server_address[1]}"
+    try:  # in another process: the copy attaches to the same limiter and takes its op there
+        with mp.get_context("spawn").Pool(1) as pool:
+            assert pool.apply(_pickled_session_get, (pickled, url)) == 200
+    finally:
+        server.shutdown()
+        server.server_close()
+    assert [p for p, pid, _ in Recorder.log] == ["/ok"] and lim.stats().grants == 1
+    lim.close()
 
 
 def test_parse_retry_after_and_host_keys():
