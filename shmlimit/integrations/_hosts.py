@@ -87,8 +87,8 @@ def parse_retry_after(value: Any, now: Optional[float] = None) -> Optional[float
 
     Delta-seconds are ASCII digits only (however many: a long run is capped,
     never converted whole); an HTTP date (IMF-fixdate, or the obsolete RFC 850
-    and asctime forms, all GMT) is counted from ``now`` (seconds of the epoch,
-    default the current time).  Anything else -- a sign, a
+    and asctime forms, all GMT; an email's ``-0000`` read as GMT) is counted
+    from ``now`` (seconds of the epoch, default the current time).  Anything else -- a sign, a
     fraction, non-ASCII characters, an impossible date -- is None.
     """
     if isinstance(value, (bytes, bytearray)):
@@ -110,8 +110,12 @@ def parse_retry_after(value: Any, now: Optional[float] = None) -> Optional[float
             when = datetime.datetime(year, month, *map(int, m.group(2, 3, 4, 5)), tzinfo=utc)
         else:
             when = email.utils.parsedate_to_datetime(value)
-        if when is None or when.tzinfo is None:
+        if when is None:
             return None
+        if when.tzinfo is None:  # no zone (asctime-like, not the form): absent; ``-0000`` is GMT
+            if not value.endswith(" -0000"):  # (an email's date of unknown zone: RFC 9110, 5.6.7)
+                return None
+            when = when.replace(tzinfo=datetime.timezone.utc)
         left = when.timestamp() - (time.time() if now is None else now)
     except (TypeError, ValueError, IndexError, OverflowError):
         return None

@@ -161,6 +161,11 @@ def test_parse_retry_after_and_host_keys():
     date = email.utils.formatdate(1_000_030, usegmt=True)
     assert parse_retry_after(date, now=1_000_000) == pytest.approx(30)
     assert parse_retry_after(date, now=1_000_100) == 0.0  # already past
+    # an email's date of unknown zone (``-0000``) is read as HTTP's GMT (RFC 9110, 5.6.7: be
+    # robust); one with no zone at all is not a form HTTP has: absent
+    assert parse_retry_after(date.replace("GMT", "-0000"), now=1_000_000) == pytest.approx(30)
+    assert parse_retry_after(date.replace(" GMT", ""), now=1_000_000) is None
+    assert parse_retry_after(date.replace("GMT", "+0100"), now=1_000_000 - 3600) == 30
     assert host_key("https://Example.COM/a?b") == "example.com"
     assert host_key("https://example.com:443/") == "example.com"
     assert host_key("http://example.com:8080/") == "example.com:8080"
