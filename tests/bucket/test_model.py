@@ -70,7 +70,7 @@ from shmlimit.shm import layout as L
 from shmlimit.shm.cells import MASK64, native_available, open_cells
 from shmlimit.shm.segment import Segment
 from shmlimit.shm.table import ProcessTable, proc_start
-from shmlimit.shm.words import FENCE_LATE
+from shmlimit.shm.words import FENCE_LATE, recorded_ranges
 
 # run once in CI: names each backend it checks (its simulated processes mix both)
 pytestmark = pytest.mark.backend_independent
@@ -493,8 +493,16 @@ class LimiterModel(RuleBasedStateMachine):
             if cells.load(off + L.FENCE_DUE) > clock.now
             and not cells.load(off + L.FENCE_TOKENS) & FENCE_LATE
         )
+        # ... and as each live process's waiter wakes, at the instant the head on its rate reaches
+        # the end of the recorded request it stands in (a claim stops there: the clamp), and
+        # replenishes for itself
+        lens = tuple(len_off for p in self.procs for _, len_off in p._att.records)
         while clock.now < end and diff(ticket, cells.load(L.HEAD)) > 0:
-            clock.now = min([end, clock.now + step] + [t for t in begins if t > clock.now])
+            head = cells.load(L.HEAD)
+            ahead = [diff(e, head) for _, e, _ in recorded_ranges(cells, lens) if diff(e, head) > 0]
+            ts = cells.load(L.REPL_TS)  # (the head holds the tokens accrued to here)
+            wakes = [ts - (-min(ahead) // self.tpn)] if ahead else []
+            clock.now = min([end, clock.now + step] + [t for t in begins + wakes if t > clock.now])
             b.replenish()
         assert diff(ticket, cells.load(L.HEAD)) <= 0, (
             f"reserve() promised its slot at {promise:.0f} ns, but the head can reach its ticket only later "
@@ -1247,6 +1255,29 @@ def test_a_grant_inside_a_wait_for_the_config_lock_is_dated_before_it():
         granted = sorted(t - m.created_ns for t, _ in m.grants)
         assert granted[1] <= promise - m.created_ns - 100 * 10**6  # an op's time before it
         assert not _over_the_bound(m)
+    finally:
+        m.teardown()
+
+
+def test_a_promise_counts_the_waiters_wakes_at_their_requests_ends():
+    """Found by the search (seed 11, 6 000 runs), spelt out: at 1000/s the largest request, one op,
+    a reservation; the rate set to 2.5/s (each op 400 times the tokens, the queue not re-priced);
+    another reservation.  A claim stops at the end of the request the head stands in (the
+    clamp), so only the one op's waiter, waking as the head reaches its request, brings the head
+    to the first reservation's START before that reservation's time begins.  The model's filler
+    alone (every quarter capacity, 25 s) got there 1 ms late: the first reservation was marked
+    late, and the second's promise read as early by a whole reservation's time.  The model now
+    wakes each live waiter at its request's end, as the drivers do."""
+    m = LimiterModel()
+    m.create(rate=1000.0, burst=None, capped=False, ratio=1.0)
+    try:
+        steps = [(m.acquire, 0, _Draws(17592186), None), (m.acquire_one, 0, None)]
+        steps += [(m.flood, 0, 1, "reserve"), (m.stall_config_writer, 0, 2.5, 250.0)]
+        steps += [(m.resume_config_writer,), (m.flood, 0, 1, "reserve")]
+        for call, *args in steps:
+            call(*args)  # each reservation's promise is checked as it is made
+            _check_all(m)
+        assert len(m.promised) == 2
     finally:
         m.teardown()
 
