@@ -49,13 +49,16 @@ MAX_HELD_BODY = 64 * 1024
 MAX_HELD_MESSAGES = 256
 
 
-async def _until_disconnect(receive: Receive, held: List[Message]) -> bool:
+async def _until_disconnect(
+    receive: Receive, held: List[Message], grant: asyncio.Future[bool]
+) -> bool:
     """Read ``receive`` into ``held`` until the client disconnects (True), or stop (False) past
     ``MAX_HELD_BODY`` bytes or ``MAX_HELD_MESSAGES`` messages, or at a second message after the
     whole body: by the ASGI spec only a disconnect follows it, so a server that answers again is
-    not listened to."""
+    not listened to.  Once ``grant`` is decided, the read in flight is the last: it is never
+    cancelled, as a read may take its message off the stream before it waits."""
     size, whole = 0, False
-    while True:
+    while not grant.done():
         message = await receive()
         held.append(message)
         if message.get("type") == "http.disconnect":
@@ -66,6 +69,16 @@ async def _until_disconnect(receive: Receive, held: List[Message]) -> bool:
         whole = not message.get("more_body", False)
         if size > MAX_HELD_BODY or len(held) >= MAX_HELD_MESSAGES:
             return False
+    return False
+
+
+async def _ended(tasks: List[asyncio.Future[Any]]) -> None:
+    """Cancel the request's tasks still running, every one before any wait (a second
+    cancellation of the request may end the wait, not the tasks), and wait for them."""
+    for task in tasks:
+        task.cancel()  # (none if done)
+    if tasks:
+        await asyncio.gather(*tasks, return_exceptions=True)
 
 
 class RateLimitMiddleware(Middleware):
@@ -92,7 +105,22 @@ class RateLimitMiddleware(Middleware):
             await self.app(scope, receive, send)
             return
         args, n = req
-        granted, receive = await self._grant(args, n, receive)
+        tasks: List[asyncio.Future[Any]] = []
+        try:
+            await self._served(scope, receive, send, args, n, tasks)
+        finally:
+            await _ended(tasks)  # a grant still waiting gives its ticket back; a read ends
+
+    async def _served(
+        self,
+        scope: Scope,
+        receive: Receive,
+        send: Send,
+        args: Tuple[Any, ...],
+        n: int,
+        tasks: List[asyncio.Future[Any]],
+    ) -> None:
+        granted, receive = await self._grant(args, n, receive, tasks)
         if granted is None:
             return  # gone while waiting: no one to answer
         if not granted:
@@ -118,29 +146,35 @@ class RateLimitMiddleware(Middleware):
         await self.app(scope, receive, send_with_quota if self.headers else send)
 
     async def _grant(
-        self, args: Tuple[Any, ...], n: int, receive: Receive
+        self, args: Tuple[Any, ...], n: int, receive: Receive, tasks: List[asyncio.Future[Any]]
     ) -> Tuple[Optional[bool], Receive]:
         """The policy's grant, and the ``receive`` the app is to read.  While the request waits
         (``max_wait``) the client is listened to: a disconnect gives the wait up (None), its
-        ticket given back; the messages read meanwhile are the app's first."""
+        ticket given back; the messages read meanwhile are the app's first, the read in flight
+        when the wait ended among them.  The request's tasks go to ``tasks``, for its end."""
         if self.policy.max_wait <= 0:
             return await self.policy.grant_async(args, n), receive
-        held: List[Message] = []
         grant = asyncio.ensure_future(self.policy.grant_async(args, n))
-        listen = asyncio.ensure_future(_until_disconnect(receive, held))
-        try:
-            await asyncio.wait((grant, listen), return_when=asyncio.FIRST_COMPLETED)
-            if not grant.done() and not (listen.done() and listen.result()):
-                await asyncio.wait((grant,))  # stopped listening: the grant alone decides
-        finally:
-            for task in (listen, grant):  # (cancelled from outside: both end here)
-                if not task.done():
-                    task.cancel()
-                    await asyncio.gather(task, return_exceptions=True)
-        if grant.cancelled():
-            return None, receive
+        tasks.append(grant)
+        # the grant's first step runs first: a request granted or refused without waiting reads
+        # nothing (a read would ask a client that expects "100 Continue" for its body)
+        await asyncio.sleep(0)
+        if grant.done():
+            return grant.result(), receive
+        held: List[Message] = []
+        listen = asyncio.ensure_future(_until_disconnect(receive, held, grant))
+        tasks.append(listen)
+        await asyncio.wait((grant, listen), return_when=asyncio.FIRST_COMPLETED)
+        if listen.done() and listen.result():  # (a read's error is raised)
+            return None, receive  # gone (a grant in the same step is spent for no one)
+        granted = await grant
 
         async def replay() -> Message:
-            return held.pop(0) if held else await receive()
+            if not held and not listen.done():
+                await asyncio.shield(listen)  # the read in flight: its message is the app's next
+            if held:
+                return held.pop(0)
+            listen.result()  # a read that failed fails the app's
+            return await receive()
 
-        return grant.result(), replay
+        return granted, replay

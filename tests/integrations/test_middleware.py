@@ -214,6 +214,114 @@ def test_asgi_the_body_read_while_waiting_reaches_the_app(name):
     lim.close()
 
 
+async def _until(condition, timeout=10.0):
+    """Polls ``condition()`` on the loop until it holds; fails past ``timeout`` seconds."""
+    deadline = time.monotonic() + timeout
+    while not condition():
+        assert time.monotonic() < deadline, "the condition never held"
+        await asyncio.sleep(0.001)
+
+
+@pytest.mark.parametrize("again", [False, True], ids=["cancelled-once", "cancelled-at-each-step"])
+def test_asgi_a_request_cancelled_while_waiting_leaves_no_wait_behind(name, again):
+    # the server cancels a waiting request (uvicorn at the end of a graceful shutdown: once; an
+    # anyio cancel scope: again at each step until the task ends): its ticket is given back at
+    # once and nothing of it is left waiting, to take the turn later for no one
+    lim = shmlimit.Limiter(name, rate=1, per=60, burst=1)
+    assert lim.try_acquire()
+    limited = ASGILimit(_hello, limiter=lim, max_wait=90.0)
+    scope = {"type": "http", "method": "GET", "path": "/", "headers": [], "client": ("1", 1)}
+
+    async def send(message):
+        raise AssertionError(f"a cancelled request answered {message}")
+
+    async def main():
+        waiting = asyncio.ensure_future(limited(scope, _Client().receive, send))
+        await _until(lambda: lim.stats().deficiency >= 1)  # its ticket is taken
+        waiting.cancel()
+        while again and not waiting.done():
+            await asyncio.sleep(0)
+            waiting.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await waiting
+        left = [t for t in asyncio.all_tasks() if t is not asyncio.current_task()]
+        return left, lim.stats().deficiency
+
+    assert asyncio.run(main()) == ([], 0)
+    assert lim.stats().grants == 1
+    lim.close()
+
+
+def test_asgi_a_request_granted_or_refused_at_once_reads_nothing(name):
+    # a read asks a client that sent "Expect: 100-continue" for its body (uvicorn answers 100
+    # Continue at the first): a request decided without waiting, a refusal above all, reads
+    # nothing, as with max_wait=0
+    lim = shmlimit.Limiter(name, rate=1, per=60, burst=1)
+    limited = ASGILimit(_hello, limiter=lim, max_wait=1.0)
+    scope = {"type": "http", "method": "POST", "path": "/", "headers": [], "client": ("1", 1)}
+
+    async def main():
+        statuses, reads = [], []
+        for _ in range(2):  # the bucket's op at once, then a refusal at once (60 s > 1 s)
+            client, sent = _Client(b"body"), []
+
+            async def receive(client=client):
+                reads.append(1)
+                return await client.receive()
+
+            async def send(message, sent=sent):
+                sent.append(message)
+
+            await limited(scope, receive, send)
+            statuses.append(sent[0]["status"])
+        return statuses, reads
+
+    assert asyncio.run(main()) == ([200, 429], [])
+    lim.close()
+
+
+def test_asgi_a_read_in_flight_when_the_turn_comes_is_the_apps(name):
+    # a receive may take its message off the stream before it waits (httpx's ASGITransport does,
+    # reading a streamed body from an async generator): cancelled then, that message is lost.
+    # The read in flight when the request's turn comes is handed to the app, never cancelled.
+    lim = shmlimit.Limiter(name, rate=20, burst=1)
+    assert lim.try_acquire()
+    scope = {"type": "http", "method": "POST", "path": "/", "headers": [], "client": ("1", 1)}
+    stream = [
+        {"type": "http.request", "body": c, "more_body": c != b"c"} for c in (b"a", b"b", b"c")
+    ]
+    sent = []
+
+    async def send(message):
+        sent.append(message)
+
+    async def main():
+        late, read = asyncio.Event(), []
+
+        async def receive():
+            message = stream.pop(0)  # off the stream, then the client's bytes
+            if message["body"] == b"b":
+                await late.wait()  # "b" arrives late: the turn comes while it is read
+            return message
+
+        async def app(scope, app_receive, send):
+            async def counted():
+                read.append(await app_receive())
+                return read[-1]
+
+            await _echo(scope, counted, send)
+
+        limited = ASGILimit(app, limiter=lim, max_wait=5.0)
+        served = asyncio.ensure_future(limited(scope, receive, send))
+        await _until(lambda: read)  # the turn came: the app has "a", and "b" is in flight
+        late.set()
+        await asyncio.wait_for(served, 10)
+
+    asyncio.run(main())
+    assert [m.get("body") for m in sent[1:]] == [b"abc"]
+    lim.close()
+
+
 @pytest.mark.parametrize(
     "kwargs, err",
     [
