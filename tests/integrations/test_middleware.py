@@ -222,6 +222,36 @@ async def _until(condition, timeout=10.0):
         await asyncio.sleep(0.001)
 
 
+def test_asgi_a_keyed_client_gone_while_waiting_spends_its_ops(name):
+    # a keyed waiter's ops are taken when it asks and never given back (KeyedLimiter.acquire_async):
+    # a client that leaves is not served, but its key's next op is as far away as if it had been
+    lim = shmlimit.KeyedLimiter(name, rate=1, per=60, burst=1)
+    served, sent = [], []
+
+    async def app(scope, receive, send):
+        served.append(scope["path"])
+        await _hello(scope, receive, send)
+
+    limited = ASGILimit(app, limiter=lim, max_wait=90.0, key=lambda scope: "k")
+    scope = {"type": "http", "method": "GET", "path": "/", "headers": [], "client": ("1", 1)}
+
+    async def send(message):
+        sent.append(message)
+
+    async def main():
+        assert lim.try_acquire("k")
+        client = _Client()
+        waiting = asyncio.ensure_future(limited(scope, client.receive, send))
+        await _until(lambda: lim.retry_after("k") > 60)  # its op taken: the next one 2 min away
+        client.leave()
+        await asyncio.wait_for(waiting, 10)
+
+    asyncio.run(main())
+    assert served == [] and sent == []
+    assert lim.retry_after("k") > 60
+    lim.close()
+
+
 @pytest.mark.parametrize("again", [False, True], ids=["cancelled-once", "cancelled-at-each-step"])
 def test_asgi_a_request_cancelled_while_waiting_leaves_no_wait_behind(name, again):
     # the server cancels a waiting request (uvicorn at the end of a graceful shutdown: once; an
