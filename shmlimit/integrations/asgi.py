@@ -17,8 +17,8 @@ The event loop is never blocked: a grant or refusal is a few atomic
 operations on shared memory, and the wait-up-to mode (``max_wait`` seconds)
 waits with ``asyncio.sleep`` through ``acquire_async``.  A client that
 disconnects while its request waits gives its place up at once: the request
-is not served, and its ops go to those queued behind it (a keyed limiter's key
-spends them: a keyed waiter never gives ops back).
+is not served, and its ops go to those queued behind it (a ``KeyedLimiter``'s key
+gets them back if no one took it since, else spends them, as a ``RedisKeyedLimiter``'s does).
 """
 
 from __future__ import annotations

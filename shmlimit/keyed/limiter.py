@@ -281,10 +281,13 @@ MAX_PAUSE = KC.MAX_WAIT / TICKS_PER_S
 
 class _Due:
     """A keyed ``acquire`` as the drivers run it (``acquire.drivers.Steps``): one call that takes
-    the key's ops (reserving its slot) or refuses, then a wait to the instant they are due."""
+    the key's ops (reserving its slot) or refuses, then a wait to the instant they are due.  A
+    wait that ends ungranted (cancelled, interrupted) gives the take back if no one took the key
+    since (``undo``: exact, so never an extra grant); else the ops stay spent."""
 
     wake_ns: Optional[int] = None
     clock = staticmethod(time.monotonic_ns)
+    taken: Optional[Tuple[Any, Tuple[int, ...]]] = None  # (table, what ``undo`` needs) while due
 
     def __init__(self, lim: "KeyedLimiter", key: object, n: int, timeout: Optional[float]):
         self.lim, self.key, self.n, self.timeout = lim, key, n, timeout
@@ -294,7 +297,10 @@ class _Due:
         untimed call raises instead).  An insert of the key stalled by another live process
         (``BUSY``) is looked at again after ``KC.BUSY_NAP`` by an untimed call."""
         t, lim = self.timeout, self.lim
-        r = lim._call(self.key, self.n, KC.MAX_WAIT if t is None else wait_ticks(t))
+        kt = lim._use().kt
+        r = kt.take(self.key, self.n, KC.MAX_WAIT if t is None else wait_ticks(t))
+        if not isinstance(r, int):
+            r, self.taken = r[0], (kt, r[1:]) if r[0] > 0 else None
         if r == KC.BUSY and t is None:
             return KC.BUSY_NAP
         if r < 0:
@@ -310,10 +316,16 @@ class _Due:
         if self.wake_ns is None:  # a nap after BUSY: ask again
             return self.begin()
         left = self.wake_ns - time.monotonic_ns()
-        return True if left <= 0 else left / 1e9
+        if left <= 0:
+            self.taken = None  # granted: the ops are the caller's
+            return True
+        return left / 1e9
 
     def end(self) -> None:
-        pass
+        if self.taken is not None:
+            kt, (slot, ctrl, tat, cost) = self.taken
+            self.taken = None
+            kt.undo(slot, ctrl, tat, cost, self.n)
 
     def wait_native(self) -> None:
         return None
@@ -633,8 +645,9 @@ class KeyedLimiter(RatesSwitch, Keyed, Handle):
     async def acquire_async(self, key: object, n: int = 1, timeout: Optional[float] = None) -> bool:
         """``acquire`` for asyncio: waits on the event loop, never blocking it.
 
-        A waiter cancelled after its ops were taken spends them unused (giving
-        them back could let a later caller exceed the key's rate).
+        A waiter cancelled after its ops were taken gives them back if no one took the key
+        since (the key then as if it never asked); else it spends them unused (handing them
+        back behind a later caller would let that caller's successor in early).
         """
         return await drive_async(_Due(self, key, n, validate_timeout(timeout)))
 

@@ -222,9 +222,10 @@ async def _until(condition, timeout=10.0):
         await asyncio.sleep(0.001)
 
 
-def test_asgi_a_keyed_client_gone_while_waiting_spends_its_ops(name):
-    # a keyed waiter's ops are taken when it asks and never given back (KeyedLimiter.acquire_async):
-    # a client that leaves is not served, but its key's next op is as far away as if it had been
+@pytest.mark.parametrize("behind", [False, True], ids=["last", "one-behind"])
+def test_asgi_a_keyed_client_gone_while_waiting_gives_its_ops_back(name, behind):
+    # a keyed waiter's ops are taken when it asks; one that leaves gives them back when no one
+    # took the key since (its key as if it never asked), else spends them (KeyedLimiter.acquire)
     lim = shmlimit.KeyedLimiter(name, rate=1, per=60, burst=1)
     served, sent = [], []
 
@@ -232,7 +233,7 @@ def test_asgi_a_keyed_client_gone_while_waiting_spends_its_ops(name):
         served.append(scope["path"])
         await _hello(scope, receive, send)
 
-    limited = ASGILimit(app, limiter=lim, max_wait=90.0, key=lambda scope: "k")
+    limited = ASGILimit(app, limiter=lim, max_wait=200.0, key=lambda scope: "k")
     scope = {"type": "http", "method": "GET", "path": "/", "headers": [], "client": ("1", 1)}
 
     async def send(message):
@@ -243,12 +244,15 @@ def test_asgi_a_keyed_client_gone_while_waiting_spends_its_ops(name):
         client = _Client()
         waiting = asyncio.ensure_future(limited(scope, client.receive, send))
         await _until(lambda: lim.retry_after("k") > 60)  # its op taken: the next one 2 min away
+        if behind:  # another caller's op queued behind it: the take can no longer be undone
+            assert lim.reserve("k") > 60
         client.leave()
         await asyncio.wait_for(waiting, 10)
 
     asyncio.run(main())
     assert served == [] and sent == []
-    assert lim.retry_after("k") > 60
+    wait = lim.retry_after("k")
+    assert (120 < wait <= 180) if behind else (0 < wait <= 60)
     lim.close()
 
 

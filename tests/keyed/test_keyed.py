@@ -87,6 +87,29 @@ def test_acquire_async(name):
     lim.close()
 
 
+@pytest.mark.parametrize("behind", [False, True], ids=["last", "one-behind"])
+def test_a_cancelled_wait_gives_its_ops_back_unless_the_key_was_taken_since(name, behind):
+    # 1 op a minute, burst 1: the bucket's op, then a waiter whose op is 60 s away, cancelled
+    lim = shmlimit.KeyedLimiter(name, rate=1, per=60, burst=1, keys=100)
+    assert lim.try_acquire("x")
+
+    async def main():
+        waiting = asyncio.ensure_future(lim.acquire_async("x"))
+        while lim.retry_after("x") <= 60:  # until its take: the next op 2 min away
+            await asyncio.sleep(0.001)
+        if behind:
+            assert lim.reserve("x") > 60  # taken since: the waiter's take can't be undone
+        waiting.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await waiting
+
+    asyncio.run(main())
+    # given back: the key as if the waiter never asked, its count too; else spent, time lost
+    wait, grants = lim.retry_after("x"), lim.stats().grants
+    assert (120 < wait <= 180 and grants == 3) if behind else (0 < wait <= 60 and grants == 1)
+    lim.close()
+
+
 @pytest.mark.parametrize("key", [1, None, 3.5, ["a"], bytearray(b"a"), object()])
 def test_bad_keys_raise_type_error_and_change_nothing(lim, key):
     for call in (lim.try_acquire, lim.acquire, lim.retry_after, lim.reserve):
