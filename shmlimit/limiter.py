@@ -402,7 +402,9 @@ class Limiter(RatesSwitch, AcquireOnEnter, Handle):
         stopped the wait is not computable: a bounded reservation returns None,
         an unbounded one returns ``math.inf``.  A capped limiter with no room
         among its ops in flight returns None.  Not available in hierarchical
-        mode (ValueError).
+        mode (ValueError).  A wait longer than a reservation can be held (twice the longest
+        queue's schedule at the rate: reached only where a capacity under two fill intervals
+        slows the head) is a ValueError, taking nothing.
         """
         return acquisition.reserve(self._live(), n, max_wait)
 

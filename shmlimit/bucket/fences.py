@@ -172,9 +172,10 @@ class FenceHold:
         """Store the fence of the ticket ``new`` (``tokens`` long) before the CAS that takes it: a free
         record (taken once, ``Fences.take``), LIMIT ``new + max(0, C - tokens)`` (``C`` with catch-up's
         room), then DUE, each by a CAS from what this owner saw (a record claimed again meanwhile is
-        left, and another taken); False, storing nothing, when every record is in use.  A DUE beyond
-        the scan's horizon is fenced up to it only (twice the longest queue's schedule: a promise that
-        far is never used)."""
+        left as it is, and another taken); False, storing nothing, when every record is in use.  A
+        promise beyond the scan's horizon (twice the longest queue's schedule at the rate: reachable
+        only at the slower pace of a small capacity) is a ValueError, taking nothing; a provisional
+        DUE that far (``want``: several rates) is fenced up to it only."""
         f = b.fences
         while True:
             now = b.clock()
@@ -189,6 +190,15 @@ class FenceHold:
                 )
                 self.span = (start, tokens_seen)
             promise = math.ceil(b.promised_ns(new)) if self.want is None else self.want
+            if self.want is None and promise > horizon - 10**9:
+                # its fence would lift before the promise, and the head, moving faster than the
+                # pace promised (a capacity under two fill intervals, waiters replenishing), would
+                # grant those behind it first: refused, as a wait that long is never meant
+                raise ValueError(
+                    f"reserve: the wait would be {(promise - now) / 1e9:.0f} s, longer than a "
+                    f"reservation can be held ({(horizon - 10**9 - now) / 1e9:.0f} s at this "
+                    "rate): reserve fewer ops at once, or give the limiter a larger burst"
+                )
             due = min(promise, horizon - 10**9)
             limit = (new + max(0, snap.cap + snap.burst_pool - tokens)) & MASK64
             span = ((new - tokens) & MASK64, tokens)

@@ -193,6 +193,24 @@ def test_reservations_are_spaced_exactly_on_a_fake_clock(name, clock):
         lim.close()
 
 
+def test_a_reservation_longer_than_its_fence_can_hold_is_refused_taking_nothing(name):
+    # burst 1 at 100 000/s: a capacity under two fill intervals moves the head at the filler's
+    # pace (half an op a ms), so reserve(n) waits 2 ms an op.  A fence holds at most twice the
+    # longest queue's schedule at the rate (here 39 h): a promise past that would lift its fence
+    # early, and a head moved faster by waiters would grant those behind it before it.
+    lim = shmlimit.Limiter(name, rate=100_000, burst=1)
+    try:
+        lim.drain()
+        assert 19_000 < lim.reserve(10**7) < 21_000  # 5.6 h: held
+        grants = lim.stats().grants  # (a reservation counts as granted when made)
+        for max_wait in (None, 1e7):
+            with pytest.raises(ValueError, match=r"longer than a reservation can be held \(1407"):
+                lim.reserve(10**8, max_wait=max_wait)  # 61 h
+        assert lim.stats().grants == grants  # nothing taken
+    finally:
+        lim.close()
+
+
 class PreemptedReplenisher:
     """Another process's replenisher (the production ``Bucket.claim``, in a thread) that read
     REPL_TS, the snapshot, the rovers and the clock, and was preempted before its CAS on REPL_TS;
