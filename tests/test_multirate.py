@@ -356,6 +356,18 @@ def test_a_waiter_pays_each_rate_the_price_in_force_when_it_takes_that_rate(name
     r.end()
 
 
+def test_a_reservation_longer_than_a_fence_can_hold_is_refused_on_every_rate(name, cleanup):
+    # as one rate's (test_acquisition): burst 1 at 100 000/s paces the head at the filler's
+    # half an op a ms, and 10**8 ops would be promised past the ~39 h a fence holds
+    lim = shmlimit.Limiter(name, rates=[("100000/s", 1), ("1000000/s", 1)])
+    cleanup.append(lim)
+    assert lim.reserve(10**6) > 0
+    grants = lim.stats().grants
+    with pytest.raises(ValueError, match="longer than a reservation can be held"):
+        lim.reserve(10**8)
+    assert lim.stats().grants == grants  # every rate's claim given back
+
+
 def test_a_reservation_prices_each_claim_when_it_takes_it(name, clock, cleanup, monkeypatch):
     """A reservation whose rates all found their records in use waits for one
     (``_wait_for_record``); a ``set_rate`` meanwhile re-prices the claims it takes after."""

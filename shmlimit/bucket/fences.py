@@ -152,6 +152,15 @@ class Fences:
         return min(dues) if dues else 0
 
 
+def beyond_hold(wait_ns: float, hold_ns: float) -> ValueError:
+    """The refusal of a reservation whose wait (ns) is longer than its fence can hold (``hold_ns``)."""
+    return ValueError(
+        f"reserve: the wait would be {wait_ns / 1e9:.0f} s, longer than a reservation can be "
+        f"held ({hold_ns / 1e9:.0f} s at this rate): reserve fewer ops at once, or give the "
+        "limiter a larger burst"
+    )
+
+
 class FenceHold:
     """A reservation's fence while its ticket is taken (``Bucket.take_within``): the record it holds
     (``rec``), its DUE (``due``) and the promise (``promise``, None: covered at once).
@@ -175,7 +184,8 @@ class FenceHold:
         left as it is, and another taken); False, storing nothing, when every record is in use.  A
         promise beyond the scan's horizon (twice the longest queue's schedule at the rate: reachable
         only at the slower pace of a small capacity) is a ValueError, taking nothing; a provisional
-        DUE that far (``want``: several rates) is fenced up to it only."""
+        DUE that far (``want``: several rates, which refuse a final one that far) is fenced up to
+        it only."""
         f = b.fences
         while True:
             now = b.clock()
@@ -194,11 +204,7 @@ class FenceHold:
                 # its fence would lift before the promise, and the head, moving faster than the
                 # pace promised (a capacity under two fill intervals, waiters replenishing), would
                 # grant those behind it first: refused, as a wait that long is never meant
-                raise ValueError(
-                    f"reserve: the wait would be {(promise - now) / 1e9:.0f} s, longer than a "
-                    f"reservation can be held ({(horizon - 10**9 - now) / 1e9:.0f} s at this "
-                    "rate): reserve fewer ops at once, or give the limiter a larger burst"
-                )
+                raise beyond_hold(promise - now, horizon - 10**9 - now)
             due = min(promise, horizon - 10**9)
             limit = (new + max(0, snap.cap + snap.burst_pool - tokens)) & MASK64
             span = ((new - tokens) & MASK64, tokens)
