@@ -56,7 +56,7 @@ from shmlimit.acquire.multi import (
 from shmlimit.adapt import check_config, per_rate
 from shmlimit.adapt import feedback as adapt_feedback
 from shmlimit.attachment import Attachment, gate_all, on_clock, open_attachment, release
-from shmlimit.bucket.fences import FenceHold, beyond_hold
+from shmlimit.bucket.fences import FenceHold, beyond_hold, held_ns
 from shmlimit.config import (
     NS_PER_S,
     Config,
@@ -71,7 +71,6 @@ from shmlimit.rate_group import MultiStats, RateGroup, parse_rates, rates_from_t
 from shmlimit.registry import Held, described, pickled
 from shmlimit.shm import layout as L
 from shmlimit.shm.segment import validate_mode, validate_name, validate_slots, validate_trusted_uids
-from shmlimit.shm.words import fence_horizon_ns
 from shmlimit.stats import copied_snapshot, snapshot
 
 _INF = float("inf")
@@ -440,7 +439,7 @@ class MultiLimiter(RateGroup, AcquireOnEnter, Held):
                     if ticket is not None:  # never earlier than the head
                         due = max(due, att.bucket.promised_ns(ticket) - att.clock())
                 # (as one rate's: a DUE its fence cannot hold to the end; given back below)
-                held = min(fence_horizon_ns(a.bucket.snap.tpn) for a, *_ in claims) - NS_PER_S
+                held = min(held_ns(a.bucket.snap.tpn) for a, *_ in claims)
                 if due > held:
                     raise beyond_hold(due, held)
                 made = all(

@@ -152,6 +152,11 @@ class Fences:
         return min(dues) if dues else 0
 
 
+def held_ns(tpn: int) -> int:
+    """How far ahead of now (ns) a reservation's fence holds: its DUE's horizon, less a second."""
+    return fence_horizon_ns(tpn) - 10**9
+
+
 def beyond_hold(wait_ns: float, hold_ns: float) -> ValueError:
     """The refusal of a reservation whose wait (ns) is longer than its fence can hold (``hold_ns``)."""
     return ValueError(
@@ -200,12 +205,13 @@ class FenceHold:
                 )
                 self.span = (start, tokens_seen)
             promise = math.ceil(b.promised_ns(new)) if self.want is None else self.want
-            if self.want is None and promise > horizon - 10**9:
+            held = held_ns(snap.tpn)
+            if self.want is None and promise - now > held:
                 # its fence would lift before the promise, and the head, moving faster than the
                 # pace promised (a capacity under two fill intervals, waiters replenishing), would
                 # grant those behind it first: refused, as a wait that long is never meant
-                raise beyond_hold(promise - now, horizon - 10**9 - now)
-            due = min(promise, horizon - 10**9)
+                raise beyond_hold(promise - now, held)
+            due = min(promise, now + held)
             limit = (new + max(0, snap.cap + snap.burst_pool - tokens)) & MASK64
             span = ((new - tokens) & MASK64, tokens)
             if f.store(
