@@ -502,13 +502,21 @@ class LimiterModel(RuleBasedStateMachine):
         # stands in (a claim stops there: the clamp): a live process's waiter wakes then and
         # replenishes for itself; a dead one's range the filler's reap gives back (every 0.1 s),
         # which brings the head past it sooner still
-        lens = b._record_lens()
+        # (once per request: a replenish held there, by a fence, leaves its waiter to the cadence)
+        lens, woken = b._record_lens(), set()
         while clock.now < end and diff(ticket, cells.load(L.HEAD)) > 0:
             head = cells.load(L.HEAD)
-            ahead = [diff(e, head) for _, e, _ in recorded_ranges(cells, lens) if diff(e, head) > 0]
+            ends = [e for _, e, _ in recorded_ranges(cells, lens) if diff(e, head) > 0]
+            nearest = min(ends, key=lambda e: diff(e, head)) if ends else None
             ts = cells.load(L.REPL_TS)  # (the head holds the tokens accrued to here)
-            wakes = [ts - (-min(ahead) // self.tpn)] if ahead else []
-            clock.now = min([end, clock.now + step] + [t for t in begins + wakes if t > clock.now])
+            wake = None
+            if nearest is not None and nearest not in woken:
+                wake = ts - (-diff(nearest, head) // self.tpn)
+            clock.now = min(
+                [end, clock.now + step] + [t for t in begins + [wake or 0] if t > clock.now]
+            )
+            if clock.now == wake:
+                woken.add(nearest)
             b.replenish()
         assert diff(ticket, cells.load(L.HEAD)) <= 0, (
             f"reserve() promised its slot at {promise:.0f} ns, but the head can reach its ticket only later "
