@@ -4344,7 +4344,9 @@ deliver_step(FedWaiter *w, Delivery *d, uint64_t now, uint64_t *next)
         uint64_t added = deliver_add(w, tokens);
         if (added == DELIVER_FENCED)
             return DELIVER_TICK; /* recorded, not added: the tick's add, which moves fences */
-        d->left[k] -= added / w->cost;
+        /* a part of an op put in uses a whole op of the batch, as Feeder._deliver counts it: the
+         * rest of the batch would otherwise put that op in whole at the next tick */
+        d->left[k] -= added / w->cost + (added % w->cost != 0);
         uint64_t after = d->fake ? now : monotonic_ns();
         if ((int64_t)(after - d->stamp[k]) >= (int64_t)d->ttl || d->left[k] > 0)
             return DELIVER_TICK; /* stopped past its ttl meanwhile (the tick expires), or no room */
