@@ -206,6 +206,7 @@ class _Batch:
 _NEVER = 1 << 62  # an instant later than any event (monotonic ns)
 _DELIVER_MAX = 64  # batches a native ``deliver`` is given at most (``_native.c``, DELIVER_MAX)
 _DELIVER_LOST = 4  # its flag: a renewal of the filler lease failed
+_DELIVER_BURN = 8  # its flag: an add raced a config change (burn, as ``Bucket.add`` does)
 
 
 class Feeder:
@@ -542,6 +543,8 @@ class Feeder:
         for bt in islice(pending, recorded - done):
             bt.recorded = True
         self.mine.extend(records)
+        if flags & _DELIVER_BURN:  # our add raced a config change: the config in force applies
+            self.bucket.burn_late_add()
         if not now and lease.word == word:  # (not if this process's nudge took it again meanwhile)
             lease.word = 0 if flags & _DELIVER_LOST else new_word
         return flags, nap, wakes, renewed_ns

@@ -4190,11 +4190,14 @@ fed_refill(FedWaiter *self, PyObject *unused)
  * wakes the fed waiters they cover (fed_wait.wake), publishes UP_NEXT_NS and sleeps to the next.
  * Anything else is a whole tick's, in Python (DELIVER_TICK): at once when the wake is not a delivery
  * alone or a due batch is past its ttl (the tick expires it), after the delivery when a batch did
- * not fit, tokens are left held, or the batches passed in are all delivered.
+ * not fit, tokens are left held, or the batches passed in are all delivered; and with DELIVER_BURN
+ * too when an add raced a config change (the config checked before it, changed after it: the
+ * caller burns down to the config in force, as Bucket.add does).
  * With `now_ns` (an injected clock's instant: a test's, or a limiter's own clock=) it makes one
  * step at that instant, without sleeping. */
 #define DELIVER_TICK 1
 #define DELIVER_LOST 4
+#define DELIVER_BURN 8 /* an add raced a config change: the caller burns (Bucket.burn_late_add) */
 #define DELIVER_LEFT 16
 #define DELIVER_MAX 64 /* batches passed in at most: the rest wait for a tick */
 #define DELIVER_RECORD_BITS 24 /* lease_records.RECORD_OPS_BITS */
@@ -4347,6 +4350,11 @@ deliver_step(FedWaiter *w, Delivery *d, uint64_t now, uint64_t *next)
         /* a part of an op put in uses a whole op of the batch, as Feeder._deliver counts it: the
          * rest of the batch would otherwise put that op in whole at the next tick */
         d->left[k] -= added / w->cost + (added % w->cost != 0);
+        if (added && wld(w->seq) != w->expected) { /* raced a config change (set_rate, stop): */
+            if (!d->left[k])                        /* the caller burns, as after Bucket.add */
+                d->k++;
+            return DELIVER_TICK | DELIVER_BURN;
+        }
         uint64_t after = d->fake ? now : monotonic_ns();
         if ((int64_t)(after - d->stamp[k]) >= (int64_t)d->ttl || d->left[k] > 0)
             return DELIVER_TICK; /* stopped past its ttl meanwhile (the tick expires), or no room */
