@@ -644,11 +644,17 @@ def adopt_config(att: Attachment, create: Creation, reconfigure: bool) -> None:
     want = expected(create.config, create.adapt, att.cells, b.config)
     if b.config == want and read_adapt(att.cells) == create.adapt:
         return
-    if att.may_adopt(reconfigure):
+    idle = att.may_adopt(False)
+    if reconfigure or idle:
+        if not idle:
+            b.check_price(b.config, want)
         lock = ConfigLock(att.cells, L.CFG_SEQ, CONFIG_LOCK_TIMEOUT_NS, "adaptive rate")
         write_adapt(att.cells, create.adapt, lock=lock)  # (a rate learned is kept: ``expected``)
         if b.config != want:
+            old = b.config
             b.publish(want)
+            if b.upstream and old.cost_at(b.tpn) != want.cost_at(b.tpn):
+                b.burn()  # no one uses it: its tokens were leased at the old price (check_price)
         att.update_fast()
 
 

@@ -506,7 +506,8 @@ class Limiter(RatesSwitch, AcquireOnEnter, Handle):
         default for the new rate, as in the constructor.  Ops already granted
         stay granted and queued callers keep their place; new grabs pay the new
         price, and a capacity that shrinks takes effect at once (tokens beyond
-        it are dropped).  Re-applying the current config changes nothing.
+        it are dropped).  Re-applying the current config changes nothing.  A hierarchical
+        limiter's rate is fixed while in use (``ValueError``): only its burst changes.
         """
         live_changes.set_rate(self._live(), rate, per, burst, ratio)
 

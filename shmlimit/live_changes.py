@@ -82,6 +82,7 @@ def set_rate(
                 f"(the default, {adapted(new, new.rate).burst:g} ops at {new.rate:g}), got {burst!r}"
             )
     if new != cur:
+        b.check_price(cur, new)
         b.publish(new)
 
 

@@ -99,11 +99,11 @@ KINDS = [
     ),
     Kind("redis", _redis_limiter, None, redis=True),
     Kind("redis-keyed", _redis_keyed, None, redis=True),
-    Kind(
+    Kind(  # its price of an op is fixed while in use (``Bucket.check_price``): its burst changes
         "hierarchical",
         lambda n, r, b, url: shmlimit.Limiter(n, rate=r, burst=b, upstream=url),
-        lambda h: h.set_rate(2, burst=BURST),
-        lambda s: s.rate,
+        lambda h: h.set_rate(RATE, burst=2),
+        lambda s: s.capacity,
         2.0,
         reserve=False,
         redis=True,

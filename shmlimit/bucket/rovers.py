@@ -192,6 +192,21 @@ class Bucket(Schedule):
         config the filler read before."""
         self.set_flags(L.UPSTREAM_FLAGS, upstream_flags)
 
+    def check_price(self, cur: Config, new: Config) -> None:
+        """Refuse a new price of an op (``rate``/``per``) on a hierarchical bucket in use.
+
+        Its tokens are ops leased from the upstream, bought at the price in force, and its queued
+        tickets were priced at it too.  A dearer op would let one leased op cover many queued
+        tickets, a cheaper one make each token held worth more ops than were leased: either way
+        more grants than the upstream allowed.  (``RedisLimiter``'s rate cannot change live either.)
+        """
+        if self.upstream and new.cost_at(self.tpn) != cur.cost_at(self.tpn):
+            raise ValueError(
+                f"rate cannot change on a hierarchical limiter in use (its tokens are ops leased "
+                f"at {cur.rate:g} per {cur.per:g} s): got {new.rate:g} per {new.per:g} s; burst "
+                f"may change, or create it again with the new rate once no process uses it"
+            )
+
     def set_flags(self, mask: int, flags: int) -> None:
         """Set the ``mask`` bits of the config's flags to ``flags``, and nothing else: every other
         word stays as the segment holds it under the lock, so no change another process published

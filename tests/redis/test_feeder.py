@@ -213,8 +213,8 @@ def test_a_fallback_keeps_a_set_rate_made_during_the_redis_call(R, redis_server,
     try:
         host.take_all()  # hungry: the feeder calls Redis
 
-        def operator():  # another process changes the rate while the call is in flight
-            r = run_cli("set-rate", name, "40")
+        def operator():  # another process changes the burst while the call is in flight
+            r = run_cli("set-rate", name, "100", "--burst", "7")
             assert r.returncode == 0, r.stderr
 
         host.feeder = Feeder(
@@ -229,7 +229,7 @@ def test_a_fallback_keeps_a_set_rate_made_during_the_redis_call(R, redis_server,
         assert up.state == "local" and up.fallbacks == 1
         host.att.bucket.refresh()
         cfg = host.att.bucket.config
-        assert cfg.rate == 40  # the operator's change stands
+        assert cfg.burst == 7  # the operator's change stands
         assert host.att.bucket.time_fed  # and the fallback is on: the local clock feeds the bucket
     finally:
         host.close()
@@ -245,10 +245,9 @@ def test_the_local_fallback_grants_the_local_rate_not_the_batches_it_had_reserve
     from shmlimit.redis.feeder import Feeder
 
     local = 20
-    host = Host(R, name, redis_server.url, clock, 100, burst=1, on_redis_error="local")
+    # the host's share of the global 100/s
+    host = Host(R, name, redis_server.url, clock, 100, burst=1, on_redis_error="local", local=local)
     try:
-        host.lim.set_rate(local)  # the host's share of the global 100/s
-        host.att.bucket.refresh()
         run([host], clock, 1.0)
         pending = sum(bt.left for bt in host.feeder.pending)
         assert pending > 0  # saturated: batches were reserved ahead
@@ -1359,3 +1358,87 @@ def test_a_native_delivery_that_raced_a_set_rate_is_burned_to_the_capacity_in_fo
         assert b.balance() <= b.cap
     finally:
         host.close()
+
+
+def _holding(host, ops):
+    """Run ``host`` busy, then idle until its bucket holds at least ``ops`` leased ops: the ops
+    it holds."""
+    b, clock = host.att.bucket, host.clock
+    for _ in range(20):  # a busy host: leases flow
+        host.take_all()
+        host.feeder.tick()
+        clock.advance(2_000_000)
+    for _ in range(100):  # then nobody takes: the batches that fall due stay in the bucket
+        host.feeder.tick()
+        if b.balance() >= ops * b.cost:
+            break
+        clock.advance(1_000_000)
+    held = b.balance() // b.cost
+    assert held >= ops
+    return held
+
+
+def test_a_hierarchical_limiter_in_use_keeps_its_price_of_an_op(R, redis_server, name, clock):
+    """Its tokens are ops leased at the price of an op in force, and its queued tickets were
+    priced at it.  A cheaper op made 7 leased ops held 700 grants (``set_rate(100_000)`` at
+    1000/s); a dearer one let one leased op serve 30 queued callers (``set_rate(10)``).  So a new
+    price is refused while it is in use, by ``set_rate``, ``shmlimit set-rate`` and a
+    ``reconfigure``, and changes nothing; its burst may change."""
+    host = Host(R, name, redis_server.url, clock, 1000, burst=50, local_burst=50, lease_ttl=0.5)
+    try:
+        b = host.att.bucket
+        held = _holding(host, 5)
+        seq = b.cells.load(L.CFG_SEQ)
+        for rate in (100_000, 10):
+            with pytest.raises(ValueError, match="rate cannot change on a hierarchical limiter"):
+                host.lim.set_rate(rate, burst=50)
+        with pytest.raises(ValueError, match="rate cannot change on a hierarchical limiter"):
+            shmlimit.Limiter(name, rate=10, upstream=host.glob, clock=clock, reconfigure=True)
+        r = run_cli("set-rate", name, "10")
+        assert r.returncode != 0 and "rate cannot change" in r.stderr and not r.stdout
+        assert b.cells.load(L.CFG_SEQ) == seq  # nothing published
+        taken = 0
+        while host.lim.try_acquire():
+            taken += 1
+        assert taken == held
+        host.lim.set_rate(1000, burst=20)  # the same price: the capacity changes
+        assert host.lim.stats().capacity == 20
+    finally:
+        host.close()
+
+
+def test_a_redeploy_at_a_new_price_burns_what_the_old_leases_left(R, redis_server, name):
+    """No process uses it any more, so a new deploy's rate is adopted (as for any limiter), but
+    the tokens it still holds were leased at the old price: they are burned, never granted at
+    the new one (7 leased ops would be 700 grants at 100 times the rate)."""
+    import subprocess
+    import sys
+
+    old = f"""
+import time, shmlimit
+from shmlimit.redis.direct import RedisLimiter
+up = RedisLimiter({name + "-g"!r}, rate=1000, burst=50, url={redis_server.url!r})
+lim = shmlimit.Limiter({name!r}, rate=1000, burst=50, upstream=up, lease_ttl=30)
+b = lim._att.bucket
+end = time.monotonic() + 0.5
+while time.monotonic() < end:  # a busy host: batches are reserved ahead of its demand
+    lim.try_acquire() or time.sleep(0.0005)
+end = time.monotonic() + 10
+while b.balance() < 5 * b.cost and time.monotonic() < end:  # then they fall due unused
+    time.sleep(0.001)
+print(b.balance() // b.cost)
+lim.close()
+"""
+    r = subprocess.run([sys.executable, "-c", old], capture_output=True, text=True, timeout=60)
+    assert r.returncode == 0, r.stderr
+    assert int(r.stdout) >= 5  # the old deploy is gone, its leased tokens left in the bucket
+    up = R.RedisLimiter(name + "-g", rate=1000, burst=50, url=redis_server.url)
+    again = shmlimit.Limiter(name, rate=100_000, burst=5000, upstream=up, lease_ttl=30)
+    try:
+        b = again._att.bucket
+        assert b.config.rate == 100_000  # adopted
+        assert b.balance() <= 0  # nothing left that the new price would count as more ops
+    finally:
+        again.close()
+        up.close()
+        shmlimit.unlink(name)

@@ -30,8 +30,11 @@ def clock(R, monkeypatch):
 class Host:
     """One host: a hierarchical limiter on the fake clock whose feeder the test ticks."""
 
-    def __init__(self, R, name, url, clock, rate, burst=None, glob=None, local_burst=None, **up):
-        """``burst``: the global limiter's; ``local_burst``: the host's bucket's (its default if None)."""
+    def __init__(
+        self, R, name, url, clock, rate, burst=None, glob=None, local_burst=None, local=None, **up
+    ):
+        """``rate``, ``burst``: the global limiter's; ``local``, ``local_burst``: the host's
+        bucket's (the global rate and its default burst if None)."""
         from shmlimit.redis.feeder import Feeder
 
         self.clock = clock
@@ -40,6 +43,8 @@ class Host:
         )
         if local_burst is not None:
             up["burst"] = local_burst
+        if local is not None:
+            up["rate"] = local
         self.lim = shmlimit.Limiter(name, upstream=self.glob, clock=clock, **up)
         att = self.lim._att
         self.lim.retry_after()  # a first use (taking nothing): this process's filler thread runs...
