@@ -418,13 +418,23 @@ class Limiter(RatesSwitch, AcquireOnEnter, Handle):
         Takes no place in the queue while backing off.  Each sleep is uniform in
         [0.5, 1.5] times the current ``retry_after`` (at least 0.1 ms), so
         processes that were refused together do not retry together.  Returns
-        False, having taken nothing, once ``timeout`` seconds have passed.
+        False, having taken nothing, once ``timeout`` seconds have passed.  A
+        try never takes more than the capacity (with catch-up, its room too):
+        such an ``n`` returns False at once, or untimed raises ``ValueError``.
         """
         timeout = validate_timeout(timeout)
         deadline = None if timeout is None else time.monotonic() + timeout
         while True:
             if self.try_acquire(n):
                 return True
+            most = acquisition.most_a_try_takes(self._live(), n)
+            if most is not None:  # never: timed, False at once; untimed, as a capped acquire
+                if deadline is None:
+                    raise ValueError(
+                        f"n must be at most {most} ops, the most a try of {self._name!r} can take "
+                        f"(acquire queues for more), got {n}"
+                    )
+                return False
             nap = max(1e-4, self.retry_after(n) if not self._live().mode_now().stopped else MAX_NAP)
             nap = min(MAX_NAP, nap) * random.uniform(0.5, 1.5)
             if deadline is not None:

@@ -799,3 +799,41 @@ def test_drain_in_one_process_never_cancels_another_process_reservation(name):
         assert lim.drain() == 0 and not lim.try_acquire()  # ... to the other process, not to us
     finally:
         lim.close()
+
+
+_BACKOFF_BEYOND = """
+import sys, time, shmlimit
+lim = shmlimit.attach(sys.argv[1])
+t = time.monotonic()
+try:
+    got = lim.acquire_with_backoff(int(sys.argv[2]), timeout=None if sys.argv[3] == "-" else float(sys.argv[3]))
+except ValueError as e:
+    got = "ValueError: " + str(e)
+print(repr(got), time.monotonic() - t)
+"""
+
+
+@pytest.mark.parametrize("capped", [False, True], ids=["plain", "capped"])
+def test_a_backoff_for_more_than_a_try_can_take_is_refused_not_spun_forever(name, capped):
+    """``try_acquire(n)`` never takes ``n`` above the capacity, and ``acquire_with_backoff`` is
+    tries and naps: untimed it spun for good (``retry_after`` says when ``acquire`` would grant
+    it, queued), timed it slept out its whole timeout.  Now: ``ValueError``, or False at once."""
+    import subprocess
+    import sys
+
+    lim = shmlimit.Limiter(name, rate=100, burst=2, capped=capped)
+    try:
+        for n, timeout, want in ((3, "-", "ValueError: n must be at most"), (3, "5", "False")):
+            r = subprocess.run(
+                [sys.executable, "-c", _BACKOFF_BEYOND, name, str(n), timeout],
+                capture_output=True,
+                text=True,
+                timeout=10,  # (before: the untimed one never returned)
+            )
+            assert r.returncode == 0, r.stderr
+            got, took = r.stdout.rsplit(" ", 1)
+            assert got.strip("'\"").startswith(want) and float(took) < 1.0, r.stdout
+        assert lim.acquire_with_backoff(2, timeout=5.0)  # the capacity itself still fits
+        assert lim.try_acquire() is False  # ... and was taken, once
+    finally:
+        lim.close()

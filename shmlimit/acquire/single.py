@@ -659,6 +659,18 @@ def take_now(att: "Attachment", n: int, tokens: int) -> bool:
     return True
 
 
+def most_a_try_takes(att: "Attachment", n: int) -> Optional[int]:
+    """The most ops one try could ever take at the config in force, if ``n`` is more (else None):
+    a bucket at its fullest holds its capacity and the catch-up room, and a capped limiter admits
+    at most its capacity in ops (``acquire_with_backoff``'s tries then never end)."""
+    b = att.bucket
+    price(b, n)  # (n validated, the config in force loaded)
+    most = (b.cap + b.burst_pool) // b.cost
+    if b.capped:
+        most = min(most, b.cap_ops)
+    return most if n > most else None
+
+
 def try_acquire(att: "Attachment", n: int) -> bool:
     """``Limiter.try_acquire``: granted now, or refused having taken nothing (and the filler told)."""
     b = att.bucket
