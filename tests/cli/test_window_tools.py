@@ -261,3 +261,15 @@ def test_metrics_count_grants_and_hits_apart(name, strategy):
     assert values[("shmlimit_grants_total", name)] == 10
     assert values[("shmlimit_window_hits_total", name)] == 50
     assert "granted" in helps["shmlimit_grants"] and "refused" in helps["shmlimit_window_hits"]
+
+
+def test_set_rate_says_a_window_table_has_no_rate_to_change(table, name):
+    """``set-rate`` called a window table "a keyed limiter or one of several rates" and sent its
+    user to ``create`` (which refuses a window table) or to a ``set_rate`` it does not have."""
+    _fill(table)
+    r = cli("set-rate", name, "10")
+    assert r.returncode == 2
+    assert "is a window table (window counters)" in r.stderr and f"shm://{name}" in r.stderr
+    assert "keyed limiter or one of several rates" not in r.stderr
+    assert "set_rate" not in r.stderr and "shmlimit create" not in r.stderr
+    assert shmlimit.inspect(name).grants == 8  # nothing changed
