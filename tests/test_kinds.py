@@ -540,3 +540,62 @@ def test_an_empty_file_with_a_refreshed_ctime_stalls_no_opener_of_any_kind(name,
     finally:
         os.kill(child, signal.SIGKILL)
         os.waitpid(child, 0)
+
+
+USES = textwrap.dedent(
+    """
+    import sys, time
+    import shmlimit
+
+    made = {
+        "one rate": lambda n: shmlimit.Limiter(n, rate=50),
+        "rates as a list": lambda n: shmlimit.Limiter(n, rates=["50/s", "1000/min"]),
+        "rates as a dict": lambda n: shmlimit.Limiter(n, rates={"requests": "50/s", "tokens": "2K/s"}),
+        "keyed": lambda n: shmlimit.KeyedLimiter(n, rate=50, keys=64),
+        "keyed with several rates": lambda n: shmlimit.KeyedLimiter(
+            n, rates=["50/s", "1000/min"], keys=64
+        ),
+    }[sys.argv[2]](sys.argv[1])
+    print("made", flush=True)
+    time.sleep(60)
+    """
+)
+
+
+@pytest.mark.parametrize("kind", list(KINDS))
+def test_inspect_shows_each_kinds_processes_alive_then_dead(name, kind):
+    """``shmlimit inspect`` listed a limiter's processes (pid, grants, alive or dead) for one rate
+    and for keyed tables, but only their count for several rates: a killed user was not told."""
+    user = subprocess.Popen(
+        [sys.executable, "-c", USES, name, kind], stdout=subprocess.PIPE, text=True
+    )
+    try:
+        assert user.stdout.readline().strip() == "made"
+
+        def line() -> list:
+            r = subprocess.run(
+                [
+                    sys.executable,
+                    "-c",
+                    "from shmlimit.cli.main import main; main()",
+                    "inspect",
+                    name,
+                ],
+                capture_output=True,
+                text=True,
+                timeout=60,
+            )
+            assert r.returncode == 0, r.stderr
+            return [
+                ln.split()
+                for ln in r.stdout.splitlines()
+                if ln.split()[:2] == ["pid", str(user.pid)]
+            ]
+
+        assert [ln[-1] for ln in line()] == ["alive"]
+        user.kill()  # not waited for: a zombie, dead all the same
+        assert [ln[-1] for ln in line()] == ["dead"]
+    finally:
+        user.kill()
+        user.wait()
+        shmlimit.unlink(name)

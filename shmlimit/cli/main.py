@@ -250,9 +250,8 @@ def cmd_inspect(args: argparse.Namespace) -> int:
     for key, r in s.rates.items() if several else [("", s)]:  # each rate as a limiter of its own
         _print_fields(r, key)
     print(f"{'processes':20} {len(s.processes)}")
-    for p in (
-        () if several else s.processes
-    ):  # (a keyed table's processes are neither filler nor waiting)
+    # (several rates: each process once; a keyed table's are neither filler nor waiting)
+    for p in s.processes:
         flags = ("alive" if p.alive else "dead") + "".join(
             f" {role}" for role in ("filler", "waiting") if getattr(p, role, False)
         )
