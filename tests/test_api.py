@@ -160,6 +160,21 @@ def test_available_counts_only_the_places_free_in_flight_when_capped(name):
     lim.close()
 
 
+def test_retry_after_is_infinite_for_more_than_a_capped_limiter_ever_admits(name):
+    """A capped limiter never admits more than its capacity in ops (``acquire`` raises, a try is
+    refused), yet ``retry_after`` named a wait of the schedule's, as if it could be granted then:
+    a ``KeyedLimiter`` says ``inf`` for an ``n`` it can never grant, and so does this now."""
+    lim = shmlimit.Limiter(name, rate=100, burst=2, capped=True)
+    other = shmlimit.attach(name)  # the capacity is the segment's, for every user
+    assert lim.retry_after(2) == 0.0 and math.isinf(other.retry_after(3))
+    lim.set_rate(100, burst=3)
+    assert other.retry_after(3) < 0.1 and math.isinf(other.retry_after(4))  # (3: as it refills)
+    with pytest.raises(ValueError, match="at most the capacity"):
+        other.acquire(4)
+    other.close()
+    lim.close()
+
+
 def test_inspect_never_waits_on_a_config_lock_a_dead_writer_holds(name, monkeypatch):
     lim = shmlimit.Limiter(name, rate=50)
     cells = lim._peek().cells

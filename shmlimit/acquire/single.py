@@ -746,6 +746,6 @@ def retry_after(att: "Attachment", n: int) -> float:
     """Seconds until ``n`` ops could be granted to a new caller at the current rate (0.0: now)."""
     b = att.bucket
     tokens = price(b, n)
-    if att.mode_now().stopped:
+    if att.mode_now().stopped or (b.capped and n > b.cap_ops):  # (capped: never admitted)
         return _INF
     return max(0.0, b.next_promised_ns(tokens) - att.clock()) / NS_PER_S
