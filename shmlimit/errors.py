@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from typing import Optional, Tuple
+
 
 class ShmlimitError(Exception):
     """Base class of shmlimit's own errors."""
@@ -31,19 +33,38 @@ class LimiterNotFoundError(ShmlimitError, FileNotFoundError):
 class ConfigMismatchError(ShmlimitError, ValueError):
     """The segment exists with a configuration different from the one asked for."""
 
-    def __init__(self, name: str, existing: object, requested: object, live: bool = False) -> None:
-        advice = (
-            f"Attach with shmlimit.attach({name!r}) to use it as it is, or pass reconfigure=True to "
-            "apply this configuration to every process using it."
-            if live
-            else f"Attach with shmlimit.attach({name!r}) to use it as it is, or unlink it first."
-        )
+    def __init__(
+        self,
+        name: str,
+        existing: object,
+        requested: object,
+        live: bool = False,
+        group: Optional[Tuple[str, str, bool]] = None,
+    ) -> None:
+        # ``group``: ``name`` is one rate of a limiter of several rates, ``(its name, the rate's
+        # key, whether its constructor takes reconfigure=)``: attached by the group's name
+        who = name if group is None else group[0]
+        if not live:
+            then = "unlink it first."
+        elif group is None or group[2]:
+            then = "pass reconfigure=True to apply this configuration to every process using it."
+        else:
+            then = f"change it for every process using it with set_rate({group[1]!r}, ...)."
         super().__init__(
-            f"limiter {name!r} already exists with {existing}; this call asked for {requested}. {advice}"
+            f"limiter {name!r} already exists with {existing}; this call asked for {requested}. "
+            f"Attach with shmlimit.attach({who!r}) to use it as it is, or {then}"
         )
         self.name = name
         self.existing = existing
         self.requested = requested
+        self.live = live
+
+    def of_group(self, group: str, key: str, reconfigure: bool) -> "ConfigMismatchError":
+        """This mismatch of rate ``key`` of the limiter of several rates ``group``, advising what
+        works there (``reconfigure``: whether its constructor takes ``reconfigure=``)."""
+        return ConfigMismatchError(
+            self.name, self.existing, self.requested, self.live, (group, key, reconfigure)
+        )
 
 
 class SegmentError(ShmlimitError):

@@ -313,7 +313,10 @@ def open_rates(
         seg, geo = open_group(name, create, mode, trusted, clock, regions)
         try:
             for i, key in enumerate(geo.keys):
-                attach(i, f"{name}[{key}]", region_opener(seg, geo, i))
+                try:
+                    attach(i, f"{name}[{key}]", region_opener(seg, geo, i))
+                except ConfigMismatchError as e:  # (its advice: the group's name, what it takes)
+                    raise e.of_group(name, key, regions == L.REGIONS_KEYED) from None
             return geo
         except Collected:
             close()

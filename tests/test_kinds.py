@@ -252,6 +252,36 @@ def test_different_rates_under_a_group_name_are_refused(name):
         lim.close()
 
 
+@pytest.mark.parametrize("kind", ["rates as a dict", "keyed with several rates"])
+def test_a_rates_mismatch_advises_what_works_for_the_group(name, kind):
+    """A rate of a group created with another config said: attach with
+    ``shmlimit.attach('NAME[a]')`` (not a name: ValueError) or pass ``reconfigure=True`` (which
+    ``Limiter(rates=)`` does not take: TypeError).  The advice now works, each of its ways."""
+    keyed = kind.startswith("keyed")
+    make = shmlimit.KeyedLimiter if keyed else shmlimit.Limiter
+    table = {"keys": 64} if keyed else {}
+    user = make(name, rates={"a": "10/s", "b": "1/s"}, **table)  # a live user
+    try:
+        with pytest.raises(shmlimit.ConfigMismatchError) as e:
+            make(name, rates={"a": "20/s", "b": "1/s"}, **table)
+        said = str(e.value)
+        assert f"limiter '{name}[a]' already exists" in said  # the rate that differs ...
+        assert f"shmlimit.attach('{name}')" in said  # ... and the group's name to attach it by
+        other = shmlimit.attach(re.search(r"shmlimit\.attach\('(.*?)'\)", said).group(1))
+        assert type(other) is type(user)
+        other.close()
+        if keyed:
+            assert "reconfigure=True" in said
+            make(name, rates={"a": "20/s", "b": "1/s"}, reconfigure=True, **table).close()
+        else:
+            assert "reconfigure" not in said and "set_rate('a', ...)" in said
+            user.set_rate("a", "20/s")
+        assert user.stats()["a"].rate == 20  # ... for every process using it
+    finally:
+        user.unlink()
+        user.close()
+
+
 def test_a_keyed_group_is_refused_to_other_kinds_and_other_tables(name):
     lim = shmlimit.KeyedLimiter(name, rates={"a": "10/s", "b": "1/s"}, keys=64)
     try:
