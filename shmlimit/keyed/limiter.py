@@ -580,7 +580,8 @@ class KeyedLimiter(RatesSwitch, Keyed, Handle):
         super().close()
 
     def __reduce__(self):
-        return pickled(self, KeyedLimiter)
+        # this process's when_full and store_keys too (None: a closed handle, opened as attach is)
+        return pickled(self, _unpickle, None if self._att is None else self._att.flags)
 
     # -- acquiring ---------------------------------------------------------------------
 
@@ -809,3 +810,17 @@ if TYPE_CHECKING:  # pragma: no cover
 def attach_keyed(name: str) -> KeyedLimiter:
     """Attach to an existing keyed limiter by name, whatever its configuration."""
     return KeyedLimiter(name)
+
+
+def _unpickle(name: str, flags: Optional[int], mode: int, trusted_uids: Any) -> KeyedLimiter:
+    """A pickled ``KeyedLimiter`` opened again, with the options of the process that pickled it
+    (``flags``: ``when_full`` and ``store_keys``, each process's own)."""
+    if flags is None:
+        return KeyedLimiter(name, mode=mode, trusted_uids=trusted_uids)
+    return KeyedLimiter(
+        name,
+        mode=mode,
+        trusted_uids=trusted_uids,
+        when_full="evict" if flags & KC.FLAG_EVICT else "refuse",
+        store_keys=bool(flags & KC.FLAG_STORE_KEYS),
+    )

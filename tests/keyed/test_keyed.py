@@ -310,6 +310,35 @@ def test_pickles_by_name(name):
     lim.close()
 
 
+def test_a_pickle_carries_when_full_and_store_keys_to_another_interpreter(name):
+    """``when_full`` and ``store_keys`` are each process's options, and a pickle (how a pool
+    worker gets its handle) carried only the name, mode and trust: a ``when_full="refuse"``
+    limiter unpickled in a spawned worker evicted limited keys (a client gained its debt)."""
+    lim = shmlimit.KeyedLimiter(
+        name, rate=1, per=60, burst=1, keys=16, when_full="refuse", store_keys=True
+    )
+    code = textwrap.dedent(
+        """
+        import pickle, sys
+        lim = pickle.loads(sys.stdin.buffer.read())
+        granted = sum(lim.try_acquire(f"client-{i}") for i in range(64))
+        s = lim.stats()
+        print(granted, s.evicted, s.refused_full, lim._use().flags)
+        """
+    )
+    r = subprocess.run(
+        [sys.executable, "-c", code],
+        input=pickle.dumps(lim),
+        capture_output=True,
+        timeout=60,
+    )
+    assert r.returncode == 0, r.stderr
+    granted, evicted, refused, flags = map(int, r.stdout.split())
+    assert (granted, evicted) == (16, 0) and refused == 64 - 16  # refused, never evicted
+    assert flags == KC.table_flags("refuse", True)
+    lim.close()
+
+
 def test_attach_by_name_from_an_unrelated_interpreter(name):
     lim = shmlimit.KeyedLimiter(name, rate=1, per=60, burst=1, keys=100)
     lim.set_rate(1, per=60, burst=2, key="vip")
