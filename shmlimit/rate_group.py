@@ -148,10 +148,13 @@ def group_options(
     ``burst`` or more positional arguments: TypeError, naming ``one`` rate's kind and an
     ``example`` of ``rates=``), and only ``allowed`` options (TypeError naming the others, as for
     an unexpected keyword; with ``drop_none``, an option left None is dropped, not refused)."""
-    if rate is not None or per != 1.0 or burst is not None or args:
+    single = [k for k, v in (("rate", rate), ("burst", burst)) if v is not None]
+    single += ["per"] * (per != 1.0) + ["more positional arguments"] * bool(args)
+    if single:
         raise TypeError(
-            f"give either rate= ({one}) or rates= (several), not both; with rates=, each rate carries its "
-            f"window and its burst: rates={example}"
+            f"give either rate= ({one}) or rates= (several), not both (got {', '.join(single)} "
+            f"with rates=); with rates=, each rate carries its window and its burst: "
+            f"rates={example}"
         )
     allowed = set(allowed)
     given = {k: v for k, v in kwargs.items() if not (drop_none and v is None and k not in allowed)}
@@ -275,7 +278,8 @@ class RateGroup:
         if isinstance(which, int):
             if not -len(self._keys) <= which < len(self._keys):
                 raise ValueError(
-                    f"which must be an index from 0 to {len(self._keys) - 1}, got {which}"
+                    f"which must be an index from {-len(self._keys)} to {len(self._keys) - 1}, "
+                    f"got {which}"
                 )
             return which % len(self._keys)
         if which not in self._keys:

@@ -115,6 +115,8 @@ def test_bad_rates_are_refused_naming_what_is_wrong(name, clock, rates, error):
 def test_rates_and_rate_or_other_options_do_not_mix(name, clock):
     with pytest.raises(TypeError, match="not both"):
         shmlimit.Limiter(name, 10, rates=["1/s"])
+    with pytest.raises(TypeError, match=r"not both \(got burst with rates=\)"):
+        shmlimit.Limiter(name, rates=["1/s"], burst=3)  # (each rate carries its own)
     with pytest.raises(TypeError, match="capped not supported with rates="):
         shmlimit.Limiter(name, rates=["1/s"], capped=True)  # as KeyedLimiter(rates=) does
 
@@ -308,8 +310,10 @@ def test_set_rate_by_name_or_index_live(name, clock, cleanup):
     assert (other.configs["requests"].rate, other.configs["requests"].per) == (10, 1)
     with pytest.raises(ValueError, match="which must be one of"):
         lim.set_rate("tokenz", 1)
-    with pytest.raises(ValueError, match="index"):
+    with pytest.raises(ValueError, match="an index from -2 to 1, got 2"):
         lim.set_rate(2, 1)
+    lim.set_rate(-2, 20, per=1)  # (negative: from the end)
+    assert other.configs["requests"].rate == 20
     other.close()
 
 
