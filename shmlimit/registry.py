@@ -85,6 +85,8 @@ class Attached:
         self.joined, self.beyond = True, self.slot is None
         if self.beyond:
             self.count_out = count_out_at_exit(self)
+        # the table counts the creator from now on (``may_adopt``): once it closes, it is no user
+        self.cells.cas(L.CREATOR_PID_OFF, self.pid, 0)
         self.bind()
 
     def start(self) -> None:
@@ -159,9 +161,9 @@ class Attached:
 
     def may_adopt(self, reconfigure: bool) -> bool:
         """A creating call may publish its config: with ``reconfigure`` (fleet-wide), or when no live
-        process uses the segment (a redeploy boots).  A live creator counts as a user: it registers
-        just after the segment becomes ready, and must find the config it created (a pid reused
-        since counts as alive: the safe side)."""
+        process uses the segment (a redeploy boots).  A live creator counts as a user until it
+        registers, just after the segment becomes ready (``join`` clears its pid): it must find
+        the config it created (a pid reused since counts as alive: the safe side)."""
         creator = self.cells.load(L.CREATOR_PID_OFF)
         return reconfigure or not (
             self.table.live() or 0 < creator <= 0xFFFFFFFF and is_alive(creator, 0)

@@ -2,6 +2,8 @@
 
 import json
 import os
+import subprocess
+import sys
 
 import pytest
 from support.procs import run_cli as run
@@ -241,3 +243,40 @@ def test_create_keys_makes_a_keyed_limiter(name):
         assert r.stdout.splitlines()[0] == f"exists: {name}-m[a] rate=1 per=1s burst=1 keys=100"
     finally:
         shmlimit.unlink(f"{name}-m")
+
+
+@pytest.mark.parametrize(
+    "make, again",
+    [
+        ("shmlimit.Limiter(name, rate=10)", lambda n: shmlimit.Limiter(n, rate=20)),
+        ("shmlimit.KeyedLimiter(name, rate=10)", lambda n: shmlimit.KeyedLimiter(n, rate=20)),
+        (
+            "shmlimit.Limiter(name, rates=['10/s', '100/min'])",
+            lambda n: shmlimit.Limiter(n, rates=["20/s", "100/min"]),
+        ),
+    ],
+    ids=["limiter", "keyed", "rates"],
+)
+def test_a_creator_that_closed_is_no_user_though_it_lives(name, make, again):
+    """A creator counts as a user until it registers (``may_adopt``); once it has closed, a new
+    deploy's config is adopted as for any limiter no live process uses, and ``create`` changes
+    it.  Before, a creator alive for any other reason (a shell, a server that closed its
+    limiter) kept every later config refused for as long as it lived."""
+    code = (
+        f"import sys, shmlimit\nname = {name!r}\nlim = {make}\nlim.close()\n"
+        "print('ready', flush=True)\nsys.stdin.readline()\n"
+    )
+    p = subprocess.Popen(
+        [sys.executable, "-c", code], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True
+    )
+    try:
+        assert p.stdout.readline().strip() == "ready"  # alive, its limiter closed
+        lim = again(name)  # adopted: no ConfigMismatchError
+        try:
+            s = lim.stats()
+            rate = s.rates["0"].rate if hasattr(s, "rates") else s.rate
+            assert rate == 20
+        finally:
+            lim.close()
+    finally:
+        p.communicate("\n", timeout=30)
