@@ -544,7 +544,7 @@ class _GcraClient:
                 and 0 <= wait <= backlog + n * self._interval
                 and dry >= 0
             )
-        except (TypeError, ValueError, IndexError):
+        except (TypeError, ValueError, LookupError, OverflowError):  # (RESP3: a map, a double)
             ok = False
         if not ok:
             self._count(round_trips=trips, errors=1)

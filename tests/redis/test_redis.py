@@ -552,6 +552,9 @@ class AnsweringClient:
         lambda n: [n, 0, 0, -1],  # a negative dry time
         [1, 0],  # not four numbers
         "PONG",
+        {b"granted": 1, b"wait": 0, b"backlog": 0, b"dry": 0},  # a RESP3 map
+        [float("inf"), 0, 0, 0],  # a RESP3 double that is no integer
+        lambda n: [n, 0, 0, float("-inf")],
     ],
 )
 def test_an_answer_the_script_cannot_give_is_a_data_error(R, name, reply):
