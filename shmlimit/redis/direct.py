@@ -515,8 +515,9 @@ class _GcraClient:
         again.  redis-py's errors are classified (``classify``); any other
         error of the round trip (a client redis-py could not build) and an
         answer that is not one the script gives (granted outside ``[0, n]``,
-        a negative time, a backlog beyond ``MAX_BACKLOG_NS``: a broken key,
-        or not Redis) raise ``RedisDataError``.
+        a negative time, a backlog beyond ``MAX_BACKLOG_NS``, a grant due
+        later than ``max_wait_ns``: a broken key, or not Redis) raise
+        ``RedisDataError``.
         """
         args = self._args(mode, n, max_wait_ns)
         key = self.key if key is None else key
@@ -543,6 +544,8 @@ class _GcraClient:
                 and 0 <= backlog <= MAX_BACKLOG_NS
                 and 0 <= wait <= backlog + n * self._interval
                 and dry >= 0
+                # a reservation due later than max_wait is refused by the script, never granted
+                and not (granted and mode == MODE_RESERVE and wait > args[4])
             )
         except (TypeError, ValueError, LookupError, OverflowError):  # (RESP3: a map, a double)
             ok = False

@@ -300,8 +300,16 @@ def answering(R, reply):
         lambda n: [10**15, 0, 0, 0],
         lambda n: [n, -(10**12), 0, 0],
         lambda n: [n, 0, 10**18, 0],
+        lambda n: [n, 10**14, 10**14, 0],  # granted, due a day beyond the horizon it asked within
     ],
-    ids=["negative", "more-than-asked", "huge", "negative-wait", "backlog-beyond-bound"],
+    ids=[
+        "negative",
+        "more-than-asked",
+        "huge",
+        "negative-wait",
+        "backlog-beyond-bound",
+        "due-beyond-the-horizon",
+    ],
 )
 def test_an_answer_the_script_cannot_give_closes_the_host(R, redis_server, name, clock, reply):
     """Granted ops outside what was asked, a negative wait, a schedule beyond the bound: the host

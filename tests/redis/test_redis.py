@@ -566,6 +566,25 @@ def test_an_answer_the_script_cannot_give_is_a_data_error(R, name, reply):
 
 
 @pytest.mark.backend_independent
+def test_a_grant_due_beyond_the_wait_asked_is_a_data_error_not_a_sleep(R, name):
+    """The script refuses a reservation due later than its ``max_wait``, writing nothing: a grant
+    due later is not its answer.  Taken as one, ``acquire(timeout=0.5)`` slept out the whole wait
+    a broken or hostile server named (here 3 s; any wait up to the script's bound, ~92 days)."""
+    late = int(3e9)
+    lim = R.RedisLimiter(name, rate=10, client=AnsweringClient(lambda n: [n, late, late, 0]))
+    t0 = time.monotonic()
+    for call in (
+        lambda: lim.acquire(timeout=0.5),
+        lambda: lim.reserve(max_wait=0.5),
+        lim.try_acquire,
+    ):
+        with pytest.raises(R.RedisDataError, match="not an answer of the script"):
+            call()
+    assert time.monotonic() - t0 < 1.0  # (no sleep for the wait named)
+    assert lim._counters()["errors"] == 3
+
+
+@pytest.mark.backend_independent
 def test_an_error_of_the_round_trip_itself_is_a_data_error_naming_it(R, name):
     """What redis-py raises when it cannot build a connection from the URL (a query parameter its
     connection does not take) is neither a connection error nor an answer."""
