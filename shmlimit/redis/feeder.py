@@ -10,7 +10,7 @@ advance, queued grabs included) as an average over ~0.2 s.  While callers
 wait (a negative balance, or ``UP_HUNGRY`` set by a refused caller in the
 last 20 ms), or while the host is busy and what it holds would run out
 soon, it *reserves* ``demand * lease_seconds`` ops (a lease: ten ops of the
-global rate, up to 0.25 s, at least one batch) in the global GCRA (``MODE_RESERVE``),
+global rate and two round trips, up to 0.25 s, at least one batch) in the global GCRA (``MODE_RESERVE``),
 cut into batches of ``demand * batch_seconds`` ops (at least one, at most
 what the local bucket holds), each due when its own slots are.  It asks
 for the next lease when the last reserved batch
@@ -155,8 +155,9 @@ TICK = 0.002
 #: A feeder awake anyway asks for the next batch up to this much earlier than the lead requires,
 #: rather than wake again for it alone (seconds).
 EARLY = 0.01
-#: One reservation (a round trip) covers as long as ``LEASE_OPS`` ops of the global rate take, up
-#: to ``MAX_LEASE_SECONDS``, at least one batch (``Feeder.lease_seconds``), cut into batches of
+#: One reservation (a round trip) covers as long as ``LEASE_OPS`` ops of the global rate take, and
+#: two round trips (one request is in flight at a time), up to ``MAX_LEASE_SECONDS``, at least one
+#: batch (``Feeder.lease_seconds``), cut into batches of
 #: ``batch_seconds`` delivered as their slots fall due.  A round trip costs about as much CPU as five
 #: deliveries: at 50/s with 1-op batches, one per op cost ~1 ms of CPU each, 0.05 CPU-s/s, seven
 #: times a clock-fed filler's.  Longer, a host holds more schedule ahead: a killed filler takes it
@@ -301,8 +302,11 @@ class Feeder:
     @property
     def lease_seconds(self) -> float:
         """How much of the host's demand one reservation covers (seconds): ``LEASE_OPS`` of the
-        global rate, up to ``MAX_LEASE_SECONDS`` (``want`` makes it one batch at least)."""
-        return min(MAX_LEASE_SECONDS, LEASE_OPS * self.interval_ns / 1e9)
+        global rate and at least two round trips, up to ``MAX_LEASE_SECONDS`` (``want`` makes it
+        one batch at least).  One request is in flight at a time, so a host gets at most a lease
+        per round trip: at 500/s a lease of ten ops (20 ms) behind 30 ms round trips kept a
+        saturated host at 45 % of the rate, the reserved schedule never reaching the lead."""
+        return min(MAX_LEASE_SECONDS, max(LEASE_OPS * self.interval_ns, 2 * self.rtt_ns) / 1e9)
 
     @property
     def horizon_ns(self) -> int:

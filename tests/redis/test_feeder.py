@@ -917,6 +917,53 @@ def test_a_request_redis_runs_late_counts_the_gap_it_left(R, redis_server, name,
     )  # the loss, all counted
 
 
+class DistantRedis:
+    """The global limiter as the feeder sees it, ``rtt`` ns of round trip away: every call reaches
+    Redis half of it after it was sent, and its answer comes back the other half later (callers
+    asking meanwhile: ``during``, every ms)."""
+
+    def __init__(self, real, clock, rtt, during):
+        self.real, self.clock, self.rtt, self.during = real, clock, rtt, during
+
+    @property
+    def round_trips(self):
+        return self.real.round_trips
+
+    def _travel(self):
+        for _ in range(self.rtt // 2_000_000):
+            self.clock.advance(1_000_000)
+            self.during()
+
+    def call(self, *args):
+        self._travel()
+        answer = self.real.call(*args)
+        self._travel()
+        return answer
+
+    def close(self):
+        self.real.close()
+
+
+@pytest.mark.parametrize("rate", [500, 2000])
+def test_a_saturated_host_far_from_redis_gets_the_global_rate(R, redis_server, name, clock, rate):
+    """One request is in flight at a time, so a host gets at most one lease per round trip.  A lease
+    of ``LEASE_OPS`` ops of the global rate (20 ms at 500/s, a batch of 20 ms at 2 000/s) behind
+    30 ms round trips kept a saturated host at 45 % and 32 % of the rate: the reserved schedule
+    never reached the lead.  A lease covers two round trips at least."""
+    rtt = 30_000_000
+    host = Host(R, name, redis_server.url, clock, rate, lease_ttl=0.1)
+    try:
+        host.feeder.redis = DistantRedis(
+            R.RedisLimiter.from_spec(host.att.feed_spec), clock, rtt, host.take_all
+        )
+        start = clock.now
+        run([host], clock, 3.0)
+    finally:
+        host.close()
+    got = sum(1 for t in host.grants if t >= start + 10**9)  # after the first second
+    assert abs(got - rate * 2.0) <= 0.02 * rate * 2.0, got
+
+
 def test_a_reservation_is_delivered_a_batch_at_a_time_as_its_slots_fall_due(
     R, redis_server, name, clock
 ):
