@@ -9,7 +9,12 @@ let calls through).  Needs redis-py (the ``redis`` extra).
 
 from __future__ import annotations
 
-from typing import Any, Dict, Tuple, Type
+import os
+import socket
+import threading
+import time
+from contextlib import contextmanager
+from typing import Any, Dict, Iterator, Tuple, Type
 from urllib.parse import unquote
 
 from shmlimit.errors import MissingExtraError, RedisDataError, RedisUnavailableError
@@ -25,6 +30,86 @@ try:
     from redis.retry import Retry
 except ImportError as e:  # without the redis extra: say what installs it
     raise MissingExtraError(__name__, "redis", e) from e
+
+# ---------------------------------------------------------------------------------
+# a deadline for a whole answer
+
+
+class ReadDeadlines:
+    """Shuts the socket of a read that outlives its deadline (``bound``), so that it fails as a
+    dropped connection does.
+
+    redis-py's ``socket_timeout`` bounds each read of the socket, not an answer: a server that
+    trickles its answer a byte a read held a call for as long as it liked, and a hierarchical
+    filler in that call expired no lease (18 ops leased 2 s earlier, at a ttl of 0.1 s, were
+    granted) and kept ``close()`` waiting for ever.  One watcher thread per process, asleep but
+    for the first deadline while a read is bound; made again in a forked child.
+    """
+
+    def __init__(self) -> None:
+        self._forked()
+        os.register_at_fork(after_in_child=self._forked)
+
+    def _forked(self) -> None:
+        self._cv = threading.Condition()
+        self._armed: Dict[int, Tuple[float, Any]] = {}  # id(conn) -> (deadline, conn)
+        self._watcher = False
+
+    @contextmanager
+    def bound(self, conn: Any, seconds: float) -> Iterator[None]:
+        """Within ``seconds`` the read on ``conn`` (a redis-py connection) ends, or its socket is
+        shut (redis-py then raises ``ConnectionError``)."""
+        at = time.monotonic() + seconds
+        with self._cv:
+            if not self._watcher:
+                self._watcher = True
+                threading.Thread(
+                    target=self._watch, name="shmlimit-redis-reads", daemon=True
+                ).start()
+            if all(at < t for t, _ in self._armed.values()):
+                self._cv.notify()  # (the first deadline now: the watcher sleeps until it)
+            self._armed[id(conn)] = (at, conn)
+        try:
+            yield
+        finally:
+            with self._cv:
+                self._armed.pop(id(conn), None)
+
+    def _watch(self) -> None:
+        cv = self._cv
+        with cv:
+            while cv is self._cv:
+                now = time.monotonic()
+                for key, (at, conn) in list(self._armed.items()):
+                    if at <= now:
+                        del self._armed[key]
+                        sock = getattr(conn, "_sock", None)
+                        try:
+                            sock.shutdown(socket.SHUT_RDWR)
+                        except (AttributeError, OSError):
+                            pass  # (closed meanwhile: its read has ended)
+                first = min((at for at, _ in self._armed.values()), default=None)
+                cv.wait(None if first is None else max(0.0, first - now))
+
+
+#: this process's read deadlines
+READS = ReadDeadlines()
+_BOUNDED: Dict[type, type] = {}
+
+
+def bounded(cls: type) -> type:
+    """redis-py's connection class ``cls``, reading every answer whole within its socket timeout
+    (``READS``).  (redis-py's asyncio connections bound the whole answer already.)"""
+    sub = _BOUNDED.get(cls)
+    if sub is None:
+
+        def read_response(self: Any, *args: Any, **kwargs: Any) -> Any:
+            with READS.bound(self, self.socket_timeout):
+                return cls.read_response(self, *args, **kwargs)  # type: ignore[attr-defined]
+
+        sub = _BOUNDED[cls] = type(cls.__name__, (cls,), {"read_response": read_response})
+    return sub
+
 
 # ---------------------------------------------------------------------------------
 # errors: only a connection error or a timeout is "unavailable"
@@ -113,6 +198,9 @@ def connect(url: str, secrets: Dict[str, str], timeout: float, is_async: bool = 
         )
         # a call finding every connection in use waits up to ``timeout`` for one (the URL's
         # ``?max_connections=`` wins), as it waits for an answer: never an error of its own
+        if not is_async:  # (the class the URL's scheme names, its answers read whole)
+            kind = _redis.connection.parse_url(f"{base}://{rest}").get("connection_class")
+            opts["connection_class"] = bounded(kind or _redis.Connection)
         pool = lib.BlockingConnectionPool.from_url(
             f"{base}://{rest}", max_connections=MAX_CONNECTIONS, timeout=timeout, **opts
         )
@@ -141,6 +229,11 @@ def connect(url: str, secrets: Dict[str, str], timeout: float, is_async: bool = 
     sentinel_opts = {k: v for k, v in opts.items() if k not in ("db", "sentinel_password")}
     if "sentinel_password" in opts:
         sentinel_opts["password"] = opts.pop("sentinel_password")
+    if not is_async:  # (a master's connections read their answers whole)
+        tls_cls = _redis.sentinel.SentinelManagedSSLConnection
+        opts["connection_class"] = bounded(
+            tls_cls if opts.pop("ssl", False) else _redis.sentinel.SentinelManagedConnection
+        )
     sentinels = lib.Sentinel(urls.hosts(netloc, 26379), sentinel_kwargs=sentinel_opts, **opts)
     return _calls_wait(sentinels.master_for(service), opts, is_async)
 

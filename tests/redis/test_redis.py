@@ -1170,3 +1170,88 @@ def test_a_closed_redis_limiter_says_so_and_unlinks_as_every_kind(R, redis_serve
             each.try_acquire(*(("a",) if each is keyed else ()))
     assert not server.exists(lim.key) and list(server.scan_iter(match=f"*{name}/*")) == []
     server.close()
+
+
+class TricklingServer:
+    """A hostile server on 127.0.0.1: it answers ``HELLO`` and the client's set-up, then answers
+    the script a byte every 50 ms, never to the end (an array of a million integers)."""
+
+    def __init__(self):
+        import socket
+        import threading
+
+        self.listener = socket.create_server(("127.0.0.1", 0))
+        self.port = self.listener.getsockname()[1]
+        self.stop = threading.Event()
+        self.conns = []
+        threading.Thread(target=self._accept, daemon=True).start()
+
+    def _accept(self):
+        import threading
+
+        while not self.stop.is_set():
+            try:
+                conn, _ = self.listener.accept()
+            except OSError:
+                return
+            self.conns.append(conn)
+            threading.Thread(target=self._serve, args=(conn,), daemon=True).start()
+
+    def _serve(self, conn):
+        try:
+            while not self.stop.is_set():
+                data = conn.recv(65536)
+                if not data:
+                    return
+                if b"EVALSHA" in data.upper():
+                    conn.sendall(b"*1000000\r\n")
+                    while not self.stop.wait(0.05):  # (the hostile pace, not a synchronisation)
+                        conn.sendall(b":")
+                elif b"HELLO" in data.upper():
+                    conn.sendall(b"%2\r\n+server\r\n+redis\r\n+proto\r\n:3\r\n")
+                else:
+                    conn.sendall(b"+OK\r\n" * data.count(b"*"))
+        except OSError:
+            return
+
+    def close(self):
+        self.stop.set()
+        self.listener.close()
+        for c in self.conns:
+            c.close()
+
+
+@pytest.mark.backend_independent
+@pytest.mark.parametrize("pinned", [True, False], ids=["filler", "direct"])
+def test_a_trickled_answer_ends_within_the_timeout_of_each_try(R, name, pinned):
+    """redis-py's socket timeout bounds each read, not an answer: a server trickling its answer
+    a byte at a time held a call for as long as it trickled.  A hierarchical filler in it (its
+    calls on one connection of its own) expired no lease and kept ``close()`` waiting for ever;
+    a direct ``acquire(timeout=)`` overran its timeout.  Each try's answer is now bounded as a
+    whole: the call fails as unavailable after two tries."""
+    import threading
+
+    server = TricklingServer()
+    lim = R.RedisLimiter(name, rate=10, url=f"redis://127.0.0.1:{server.port}/0", timeout=0.25)
+    lim._pinned = pinned  # (the filler's limiter: ``RedisLimiter.from_spec``)
+    outcome = []
+
+    def call():
+        t0 = time.monotonic()
+        try:
+            lim.call(0, 1)
+        except Exception as e:  # noqa: BLE001 - what it raised is the assertion
+            outcome.append((e, time.monotonic() - t0))
+
+    t = threading.Thread(target=call)
+    t.start()
+    t.join(5.0)
+    try:
+        assert not t.is_alive()  # before: still reading, for as long as the server trickled
+        ((e, took),) = outcome
+        assert isinstance(e, RedisUnavailableError), e
+        assert took < 4 * 0.25  # two tries, each its connect and its answer's 0.25 s
+    finally:
+        server.close()
+        t.join(5.0)
+        lim.close()
