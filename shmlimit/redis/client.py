@@ -14,7 +14,7 @@ import socket
 import threading
 import time
 from contextlib import contextmanager
-from typing import Any, Dict, Iterator, Tuple, Type
+from typing import Any, Dict, Iterable, Iterator, Tuple, Type
 from urllib.parse import unquote
 
 from shmlimit.errors import MissingExtraError, RedisDataError, RedisUnavailableError
@@ -131,13 +131,20 @@ _UNAVAILABLE = (
 _REFUSED = (_rx.AuthenticationError, _rx.AuthorizationError)
 
 
-def classify(e: BaseException, where: str) -> Exception:
+def classify(e: BaseException, where: str, secrets: Iterable[str] = ()) -> Exception:
     """The shmlimit error for a redis-py error ``e``: ``RedisUnavailableError`` or ``RedisDataError``.
 
     ``where`` (already redacted) names the server and the limiter.  redis-py's
-    own message is kept, with any URL in it redacted.
+    own message is kept, with any URL in it redacted and each of ``secrets`` (the
+    client's passwords) hidden: redis-py 6.2 to 7.x show every connection keyword,
+    the password too, in a pool's repr, which a sentinel's "no master" error quotes.
+    ``e`` is the cause unless its message held a secret: then nothing chains it, so no
+    traceback or log shows it (``raise err from err.__cause__``).
     """
     text = redact(str(e)) if "://" in str(e) else str(e)
+    quoted = sorted({s for s in secrets if s and s in text}, key=len, reverse=True)
+    for s in quoted:
+        text = text.replace(s, urls.HIDDEN)
     # (a cluster client that reached no node raises its own error, from the connection's)
     cause = e.__cause__ if isinstance(e, _rx.RedisClusterException) else e
     busy = isinstance(cause, _rx.ResponseError) and str(cause).startswith("BUSY ")  # (a script)
@@ -145,7 +152,8 @@ def classify(e: BaseException, where: str) -> Exception:
         err: Exception = RedisUnavailableError(f"{where} unavailable: {type(e).__name__}: {text}")
     else:
         err = RedisDataError(f"{where} answered with an error: {type(e).__name__}: {text}")
-    err.__cause__ = e
+    err.__cause__ = None if quoted else e
+    err.__suppress_context__ = True
     return err
 
 
@@ -221,7 +229,8 @@ def connect(url: str, secrets: Dict[str, str], timeout: float, is_async: bool = 
         try:  # (it reaches its nodes now, where a server's client waits for its first call)
             return _calls_wait(lib.RedisCluster(startup_nodes=nodes, **opts), opts, is_async)
         except _REDIS_ERRORS as e:
-            raise classify(e, f"redis at {redact(url)}") from e
+            err = classify(e, f"redis at {redact(url)}", secrets.values())
+            raise err from err.__cause__  # e, or nothing when its message held a secret
     # sentinel
     service, _, db = tail.partition("/")
     if db:

@@ -442,7 +442,9 @@ class _GcraClient:
             for key in self._stored_keys(client):
                 client.delete(key)
         except _REDIS_ERRORS as e:
-            raise classify(e, f"redis at {self.url} for limiter {self._name!r}") from e
+            where = f"redis at {self.url} for limiter {self._name!r}"
+            err = classify(e, where, self._secrets.values())
+            raise err from err.__cause__  # e, or nothing when its message held a secret
         finally:
             if client is not self._client:
                 client.close()
@@ -533,7 +535,8 @@ class _GcraClient:
                 r = yield (key, args)
         except _REDIS_ERRORS as e:
             self._count(round_trips=trips, errors=1)
-            raise classify(e, where) from e
+            err = classify(e, where, self._secrets.values())
+            raise err from err.__cause__  # e, or nothing when its message held a secret
         except Exception as e:
             self._count(round_trips=trips, errors=1)
             raise RedisDataError(f"{where} failed: {type(e).__name__}: {e}") from e

@@ -378,3 +378,37 @@ def test_tls_verifies_the_certificate_and_the_host_name(R, tls_redis, name):
     finally:
         lim.close()
         shmlimit.unlink(f"{name}-h")
+
+
+class _RaisingClient:
+    """A client as the limiter sees it whose script calls raise ``error``."""
+
+    def __init__(self, error):
+        self.error = error
+
+    def evalsha(self, *args):
+        raise self.error
+
+
+def test_a_redis_error_quoting_the_password_is_shown_without_it(R, name):
+    """redis-py 6.2 to 7.x put every connection keyword, the password too, in a pool's repr, and
+    a sentinel that names no master quotes its sentinels' clients in its error: the password must
+    stay out of the limiter's error, the chain a traceback or a logger shows, and its repr."""
+    import traceback
+
+    from redis.sentinel import MasterNotFoundError
+
+    quoted = (
+        "No master found for 'svc' : <redis.client.Redis(<redis.connection.ConnectionPool("
+        f"<redis.connection.Connection(db=0,username=None,password={SECRET},socket_timeout=1)>)>)>"
+    )
+    for url in (
+        f"redis+sentinel://:{SECRET}@127.0.0.1:1/svc",
+        f"redis+sentinel://127.0.0.1:1/svc?sentinel_password={SECRET}",
+    ):
+        client = _RaisingClient(MasterNotFoundError(quoted))
+        lim = R.RedisLimiter(name, rate=10, url=url, client=client)
+        with pytest.raises(shmlimit.errors.RedisUnavailableError, match="No master found") as e:
+            lim.try_acquire()
+        shown = "".join(traceback.format_exception(e.value)) + repr(lim)
+        assert "password=***" in shown and SECRET not in shown
