@@ -189,11 +189,15 @@ def _initialise(seg: Segment, create: GroupCreation, now_ns: int) -> Cells:
             try:
                 if create.regions == L.REGIONS_KEYED:
                     adapt = create.adapts[i] if create.adapts else None
-                    initialise_table(
+                    rc = initialise_table(
                         mapped, TableGeometry(*create.table), rate, adapt, secret=False
-                    ).close()
+                    )
                 else:
-                    initialise(mapped, rate, now_ns).close()
+                    rc = initialise(mapped, rate, now_ns)
+                # created with its group: the group's instant names the secret file they share
+                # (``secret_entry``), and the group is not READY yet
+                rc.store(L.CREATED_NS_OFF, c.load(L.CREATED_NS_OFF))
+                rc.close()
             finally:
                 mapped.close()
         publish(c, L.GROUP_MAGIC)

@@ -43,6 +43,11 @@ def _path(name):
 def _as_nobody(fn, *args):
     """Run fn(*args) in a forked child that became nobody; return its exit status."""
     nobody = _nobody()
+    return _as_user(nobody.pw_uid, nobody.pw_gid, fn, *args)
+
+
+def _as_user(uid, gid, fn, *args):
+    """Run fn(*args) in a forked child that became ``uid``; return its exit status."""
     pid = os.fork()
     if pid == 0:  # pragma: no cover - the child
         code = 1
@@ -52,8 +57,8 @@ def _as_nobody(fn, *args):
 
             warm_backend()
             os.setgroups([])
-            os.setgid(nobody.pw_gid)
-            os.setuid(nobody.pw_uid)
+            os.setgid(gid)
+            os.setuid(uid)
             fn(*args)
             code = 0
         except BaseException:
@@ -647,4 +652,42 @@ def test_fuzzed_upstream_descriptions_raise_only_segment_errors(data, claimed, m
         try:
             shmlimit.unlink(name)
         except FileNotFoundError:
+            pass
+
+
+def test_secret_files_planted_for_the_inodes_to_come_do_not_stop_a_keyed_table(name):
+    """A keyed table's secret file was named by its segment's inode alone, and inodes come one
+    after another: another user planted files under the names of the next ones, which the
+    sticky ``/dev/shm`` kept the table's creator from removing, and every new keyed table of
+    that name failed ("cannot create the secret file").  Its name holds the segment's creation
+    instant too now, which no one can foresee."""
+    if not ROOT:
+        pytest.skip("two users other than root need root to become them")
+    victim = 54321  # (no passwd entry needed)
+
+    def plant():
+        os.sched_setaffinity(0, {0})  # (one CPU: tmpfs hands each CPU its inodes in order)
+        probe = f"/dev/shm/shmlimit-probe-{os.getpid()}"
+        os.close(os.open(probe, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o600))
+        first = os.stat(probe).st_ino + 301  # (the planted files take the 300 before it)
+        os.unlink(probe)
+        for ino in range(first, first + 300):
+            path = f"/dev/shm/shmlimit.{name}~secret-{ino}"
+            os.close(os.open(path, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o600))
+
+    def create():
+        os.sched_setaffinity(0, {0})
+        shmlimit.KeyedLimiter(name, rate=5, keys=64).close()
+
+    try:
+        assert _as_nobody(plant) == 0
+        assert _as_user(victim, victim, create) == 0  # before: "Operation not permitted"
+        assert shmlimit.inspect(name) is not None
+    finally:
+        for e in os.listdir("/dev/shm"):
+            if e.startswith(f"shmlimit.{name}~secret-"):
+                os.unlink(f"/dev/shm/{e}")
+        try:
+            shmlimit.unlink(name)
+        except shmlimit.LimiterNotFoundError:
             pass

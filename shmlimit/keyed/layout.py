@@ -82,7 +82,8 @@ MAGIC = int.from_bytes(b"SHMLKEYS", "little")
 #: 7: the hash's secret in the segment's secret file, line 2's words 3 and 4 zero (were: it)
 #: 8: A_START's low bit says the key's window's marks are written (``adapt.report``)
 #: 9: BEYOND counts the processes attached beyond the process table (gc took it from under them)
-VERSION = 9
+#: 10: the secret file is named by the segment's CREATED_NS too (``shm.segment.secret_entry``)
+VERSION = 10
 
 KIND_OFF = words(0, 8)[7]
 

@@ -122,7 +122,7 @@ def read_key(
     collector took the segment (``c``, its table's cells) since it was opened: its secret file
     goes after its name, so one missing while the name still holds a READY ``seg`` is lost."""
     try:
-        data = read_secret(seg.name, seg.inode, SECRET_BYTES, mode, trusted_uids)
+        data = read_secret(seg, SECRET_BYTES, mode, trusted_uids)
     except SegmentError:
         if gone(seg.name, seg.inode, c):
             return None

@@ -16,7 +16,7 @@ import random
 import re
 import stat
 import time
-from contextlib import contextmanager
+from contextlib import closing, contextmanager
 from typing import (
     AbstractSet,
     Iterable,
@@ -384,19 +384,29 @@ def unlink(name: str) -> None:
 #
 # A keyed table's hash secret is kept out of the segment, which a group may read (mode 0o640),
 # in a file beside it that only the classes that may write the segment can read
-# (``secret_mode``).  It is named by the segment's name and inode, ``shmlimit.<name>~secret-<ino>``
-# ('~' is in no limiter's name), so that it belongs to one segment: a segment created again
-# under the name has another inode, hence another file, and no remover of one can take the
-# other's.  Its creator writes it before the segment is READY; ``unlink`` removes it with the
-# name; ``orphan_secrets`` finds those whose segment is gone (``gc`` removes them).
+# (``secret_mode``).  It is named by the segment's name, inode and creation instant (its
+# ``CREATED_NS``), ``shmlimit.<name>~secret-<ino>-<ns>`` ('~' is in no limiter's name), so that
+# it belongs to one segment: a segment created again under the name has another inode or
+# instant, hence another file, and no remover of one can take the other's.  The instant is what
+# no other user can foresee: inodes come one after another, and files planted under the names
+# of inodes to come (which the sticky directory keeps their creator from removing) made every
+# new keyed table fail.  Its creator writes it before the segment is READY; ``unlink`` removes
+# it with the name; ``orphan_secrets`` finds those whose segment is gone (``gc`` removes them).
 
 _SECRET_SEP = "~secret-"
-_SECRET_RE = re.compile(r"(.+)" + re.escape(_SECRET_SEP) + r"([0-9]+)")
+_SECRET_RE = re.compile(r"(.+)" + re.escape(_SECRET_SEP) + r"(0|[1-9][0-9]*)-(0|[1-9][0-9]*)")
 
 
-def secret_entry(name: str, inode: int) -> str:
-    """The secret file of segment ``name`` whose inode is ``inode``, as a name under ``PREFIX``."""
-    return f"{name}{_SECRET_SEP}{inode}"
+def secret_entry(name: str, inode: int, created: int) -> str:
+    """The secret file of segment ``name`` whose inode is ``inode`` and ``CREATED_NS``
+    ``created``, as a name under ``PREFIX``."""
+    return f"{name}{_SECRET_SEP}{inode}-{created}"
+
+
+def created_ns(seg: Segment) -> int:
+    """The ``CREATED_NS`` of the segment ``seg`` maps (its creator's, written once)."""
+    with closing(open_cells(seg.mm, L.HEADER_BYTES)) as c:
+        return c.load(L.CREATED_NS_OFF)
 
 
 def _secret_of(entry: str) -> Optional[Tuple[str, int]]:
@@ -414,7 +424,7 @@ def secret_mode(mode: int) -> int:
 
 def write_secret(seg: Segment, data: bytes) -> None:
     """Create the secret file of the new segment ``seg`` (its creator's, before READY) holding ``data``."""
-    path = os.path.join(SHM_DIR, PREFIX + secret_entry(seg.name, seg.inode))
+    path = os.path.join(SHM_DIR, PREFIX + secret_entry(seg.name, seg.inode, created_ns(seg)))
     mode = secret_mode(seg.mode)
     flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | _OPEN_FLAGS
     try:
@@ -434,16 +444,16 @@ def write_secret(seg: Segment, data: bytes) -> None:
 
 
 def read_secret(
-    name: str,
-    inode: int,
+    seg: Segment,
     size: int,
     mode: Optional[int],
     trusted_uids: AbstractSet[int] = frozenset(),
 ) -> bytes:
-    """The ``size`` bytes of the secret file of segment ``name`` (inode ``inode``), opened as a
-    segment is (``opened``: the same trust check with ``mode``); ``PermissionError`` for a
-    process that may not read it, ``SegmentError`` when it is missing or not ``size`` bytes."""
-    entry = secret_entry(name, inode)
+    """The ``size`` bytes of the secret file of segment ``seg``, opened as a segment is
+    (``opened``: the same trust check with ``mode``); ``PermissionError`` for a process that may
+    not read it, ``SegmentError`` when it is missing or not ``size`` bytes."""
+    name = seg.name
+    entry = secret_entry(name, seg.inode, created_ns(seg))
     try:
         with opened(entry, mode=mode, trusted_uids=trusted_uids, max_bytes=size) as (fd, _):
             data = os.pread(fd, size, 0)
@@ -465,13 +475,21 @@ def read_secret(
 
 
 def drop_secret(name: str, inode: int) -> bool:
-    """Remove the secret file of segment ``name`` (inode ``inode``); False if there was none
-    (every kind but a keyed table has none) or it is another user's."""
+    """Remove the secret file of segment ``name`` (inode ``inode``), whatever its instant; False
+    if there was none (every kind but a keyed table has none) or it is another user's."""
     try:
-        os.unlink(os.path.join(SHM_DIR, PREFIX + secret_entry(name, inode)))
-    except OSError:
+        entries = os.listdir(SHM_DIR)
+    except OSError:  # pragma: no cover - non-Linux
         return False
-    return True
+    dropped = False
+    for e in entries:
+        if e.startswith(PREFIX) and _secret_of(e[len(PREFIX) :]) == (name, inode):
+            try:
+                os.unlink(os.path.join(SHM_DIR, e))
+                dropped = True
+            except OSError:
+                pass
+    return dropped
 
 
 def orphan_secrets() -> List[Tuple[str, int]]:

@@ -12,6 +12,7 @@ import os
 import stat
 
 import pytest
+from support.segments import secret_path
 
 from shmlimit import KeyedLimiter
 from shmlimit.errors import SegmentError
@@ -133,7 +134,7 @@ def test_the_secret_file_is_readable_only_by_writers(name, backend, what, mode, 
         secrets = [(lim.counters.k0, lim.counters.k1), (lim.moving.k0, lim.moving.k1)]
     try:
         seg = os.stat(f"{S.SHM_DIR}/{S.PREFIX}{name}")
-        entry = f"{S.SHM_DIR}/{S.PREFIX}{S.secret_entry(name, seg.st_ino)}"
+        entry = secret_path(name)
         st = os.lstat(entry)
         want = {0o600: 0o600, 0o640: 0o600, 0o660: 0o660, 0o644: 0o600}[mode]
         assert stat.S_ISREG(st.st_mode) and st.st_mode & 0o7777 == want == S.secret_mode(mode)
@@ -194,7 +195,7 @@ def test_a_secret_file_left_by_a_removed_segment_is_found_and_collected(name):
 
     KeyedLimiter(name, rate=5, keys=64).close()
     ino = os.stat(f"{S.SHM_DIR}/{S.PREFIX}{name}").st_ino
-    entry = f"{S.SHM_DIR}/{S.PREFIX}{S.secret_entry(name, ino)}"
+    entry = secret_path(name)
     os.unlink(f"{S.SHM_DIR}/{S.PREFIX}{name}")
     assert os.path.exists(entry) and (name, ino) in S.orphan_secrets()
     assert not any(name in n for ns in S.scan() for n in ns)
@@ -220,7 +221,6 @@ def test_a_secret_file_left_by_a_removed_segment_is_found_and_collected(name):
 @pytest.mark.parametrize("kind", [KeyedLimiter, WindowTable])
 def test_a_lost_secret_file_is_a_clear_error(name, kind):
     kind(name, **({"rate": 5} if kind is KeyedLimiter else {}), keys=64).close()
-    ino = os.stat(f"{S.SHM_DIR}/{S.PREFIX}{name}").st_ino
-    os.unlink(f"{S.SHM_DIR}/{S.PREFIX}{S.secret_entry(name, ino)}")
+    os.unlink(secret_path(name))
     with pytest.raises(SegmentError, match="lost its secret file"):
         kind(name)

@@ -39,12 +39,21 @@ def captured(create: Callable[[str], Any], prefix: str = "test-template") -> byt
     return data
 
 
-def secret_of(name: str) -> bytes:
-    """The bytes of segment ``name``'s secret file (a keyed segment's: its hash's key)."""
+def secret_path(name: str) -> str:
+    """The path of segment ``name``'s secret file: by its inode and its header's CREATED_NS."""
+    from shmlimit.shm import layout as L
     from shmlimit.shm.segment import PREFIX, SHM_DIR, secret_entry
 
-    entry = secret_entry(name, os.stat(shm_path(name)).st_ino)
-    with open(os.path.join(SHM_DIR, PREFIX + entry), "rb") as f:
+    with open(shm_path(name), "rb") as f:
+        created = int.from_bytes(os.pread(f.fileno(), 8, L.CREATED_NS_OFF), "little")
+        return os.path.join(
+            SHM_DIR, PREFIX + secret_entry(name, os.fstat(f.fileno()).st_ino, created)
+        )
+
+
+def secret_of(name: str) -> bytes:
+    """The bytes of segment ``name``'s secret file (a keyed segment's: its hash's key)."""
+    with open(secret_path(name), "rb") as f:
         return f.read()
 
 
@@ -62,12 +71,16 @@ def planted(data: bytes, prefix: str, secret: bytes = b"") -> Iterator[str]:
     The file is made here (O_EXCL, mode 0600): no segment of anyone else is touched.  With
     ``secret``, its secret file beside it holding those bytes (``secret_of``; a keyed segment's:
     without it, an attach is refused before it reads a word of the table)."""
+    from shmlimit.shm import layout as L
     from shmlimit.shm.segment import PREFIX, SHM_DIR, secret_entry
 
     name = unique_name(prefix)
     path = shm_path(name)
     fd = os.open(path, os.O_CREAT | os.O_EXCL | os.O_RDWR, 0o600)
-    key = os.path.join(SHM_DIR, PREFIX + secret_entry(name, os.fstat(fd).st_ino))
+    created = int.from_bytes(
+        data[L.CREATED_NS_OFF : L.CREATED_NS_OFF + 8].ljust(8, b"\0"), "little"
+    )
+    key = os.path.join(SHM_DIR, PREFIX + secret_entry(name, os.fstat(fd).st_ino, created))
     try:
         os.write(fd, data)
         if secret:
