@@ -113,12 +113,16 @@ def initialise(seg: Segment, create: Creation, now_ns: int) -> Cells:
     """Write a new segment's header, upstream description, adapt's parameters, config and rovers;
     READY last."""
     with closed_on_failure(start_header(seg, L.VERSION, create.slots)) as c:
-        base = int(os.environ.get("SHMLIMIT_TEST_ROVER_BASE", "0"))  # tests: rovers anywhere
+        base = os.environ.get("SHMLIMIT_TEST_ROVER_BASE", "0")  # tests: rovers anywhere
+        if not base.strip().lstrip("-").isdigit():  # (any integer: the rovers wrap, mod 2**64)
+            raise ValueError(
+                f"SHMLIMIT_TEST_ROVER_BASE must be an integer (a test hook), got {base!r}"
+            )
         if create.upstream is not None:
             create.upstream.write(c)
         write_adapt(c, create.adapt)
         initial, fed = create.initial, create.upstream is not None
-        Bucket.initialise(c, create.config, now_ns, initial, base, fed)
+        Bucket.initialise(c, create.config, now_ns, initial, int(base), fed)
         publish(c, L.MAGIC)
     return c
 

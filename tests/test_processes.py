@@ -246,6 +246,15 @@ def test_independent_interpreters_share_the_rate(name):
     assert lost <= total(delays)
 
 
+def test_a_rover_base_that_is_no_integer_is_named_and_creates_nothing(name):
+    env = dict(os.environ, SHMLIMIT_TEST_ROVER_BASE="abc")
+    code = f"import shmlimit; shmlimit.Limiter({name!r}, rate=5)"
+    r = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True)
+    assert r.returncode == 1
+    assert "SHMLIMIT_TEST_ROVER_BASE must be an integer (a test hook), got 'abc'" in r.stderr
+    assert name not in shmlimit.list_names()
+
+
 @pytest.mark.parametrize("base", [(1 << 64) - 1_000_000_000, (1 << 63) - 1_000_000_000])
 def test_rovers_wrapping_mid_run_change_nothing(name, base):
     """At 1000/s with 1 ns tokens, 1e9 tokens flow per second: the rovers wrap ~1 s into the run."""
