@@ -27,7 +27,8 @@ from shmlimit.shm import layout as L
 from shmlimit.shm.table import pid_namespace
 from shmlimit.stats import Stats
 
-KINDS = {
+#: each kind's maker, as source: this interpreter's and the other ones' (``USES``)
+MAKERS = """{
     "one rate": lambda n: shmlimit.Limiter(n, rate=50),
     "rates as a list": lambda n: shmlimit.Limiter(n, rates=["50/s", "1000/min"]),
     "rates as a dict": lambda n: shmlimit.Limiter(n, rates={"requests": "50/s", "tokens": "2K/s"}),
@@ -35,7 +36,8 @@ KINDS = {
     "keyed with several rates": lambda n: shmlimit.KeyedLimiter(
         n, rates=["50/s", "1000/min"], keys=64
     ),
-}
+}"""
+KINDS = eval(MAKERS)
 #: what the other interpreter passes to each call, per kind: (arguments, keyword arguments)
 CALLS = {
     "one rate": ([], {}),
@@ -572,23 +574,10 @@ def test_an_empty_file_with_a_refreshed_ctime_stalls_no_opener_of_any_kind(name,
         os.waitpid(child, 0)
 
 
-USES = textwrap.dedent(
-    """
-    import sys, time
-    import shmlimit
-
-    made = {
-        "one rate": lambda n: shmlimit.Limiter(n, rate=50),
-        "rates as a list": lambda n: shmlimit.Limiter(n, rates=["50/s", "1000/min"]),
-        "rates as a dict": lambda n: shmlimit.Limiter(n, rates={"requests": "50/s", "tokens": "2K/s"}),
-        "keyed": lambda n: shmlimit.KeyedLimiter(n, rate=50, keys=64),
-        "keyed with several rates": lambda n: shmlimit.KeyedLimiter(
-            n, rates=["50/s", "1000/min"], keys=64
-        ),
-    }[sys.argv[2]](sys.argv[1])
-    print("made", flush=True)
-    time.sleep(60)
-    """
+USES = (
+    "import sys, time\nimport shmlimit\n"
+    f"made = {MAKERS}[sys.argv[2]](sys.argv[1])\n"
+    "print('made', flush=True)\ntime.sleep(60)\n"
 )
 
 
