@@ -575,6 +575,8 @@ class MovingWindows(WindowCounters):
         )
         if amount > limit:
             return False
+        if not amount:  # nothing to log (a word of it would be one grant fewer for the window)
+            return self.moving_window(key, expiry)[1] <= limit
         ns, now = self._now()
         nu, wu = ns // E_NS, w * 32
         c = self.c

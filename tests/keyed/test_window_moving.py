@@ -434,3 +434,21 @@ def test_logs_cleared_or_evicted_early_never_wear_their_slots_out(backend):
     assert p.c.load(K.REFUSED) == 0
     slots = [p.t._slot(0, i) for i in range(8)]
     assert max(p.c.load(s + K.S_BASE) for s in slots) < 1 << 26
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_hits_of_no_cost_take_no_word_of_the_log(backend):
+    """A hit of cost 0 (a free request: ``cost=lambda: 0``) is granted and logs nothing, as in
+    ``limits``' memory storage: it neither fills the log nor becomes the window's oldest hit."""
+    m = Mapping(4, 8)
+    clock = FakeClock()
+    p = m.process(backend, clock)
+    assert all(p.acquire_entry("k", 10, 60.0, 0) for _ in range(20))
+    assert p.moving_window("k", 60.0) == (None, 0)
+    clock.advance(1_000_000_000)
+    assert p.acquire_entry("k", 10, 60.0)
+    clock.advance(1_000_000_000)
+    assert p.acquire_entry("k", 10, 60.0, 0)
+    assert p.moving_window("k", 60.0) == (1.0, 1)  # its oldest hit is the paid one
+    assert p.acquire_entry("k", 10, 60.0, 9) and p.acquire_entry("k", 10, 60.0, 0)
+    assert not p.acquire_entry("k", 10, 60.0)
