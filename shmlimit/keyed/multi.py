@@ -304,7 +304,7 @@ class MultiKeyedLimiter(RateGroup, Keyed):
 
     def _described(self) -> str:
         parts = " ".join(
-            f"{k}={s.rate:g}/{s.per:g}s(burst={s.capacity:g} keys={s.keys}/{s.slots} grants={s.grants})"
+            f"{k}={s.rate:g}/{s.per:g}s(capacity={s.capacity:g} keys={s.keys}/{s.slots} grants={s.grants})"
             for k, s in self.stats().items()
         )
         return f"{parts} per key backend={self._live()[0].backend}"

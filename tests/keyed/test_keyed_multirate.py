@@ -245,7 +245,7 @@ def test_set_rate_by_name_stats_repr_and_pickle(name, clock, cleanup):
     assert [lim.try_acquire("j", requests=1) for _ in range(3)] == [True, True, False]
     lim.set_rate(0, 5, key="vip")
     assert lim._lims[0].override("vip") == (5, 1.0, 1.0)  # the default burst: at least one op
-    assert "requests=10/1s" in repr(lim) and "tokens=100/1s" in repr(lim)
+    assert "requests=10/1s(capacity=2 " in repr(lim) and "tokens=100/1s" in repr(lim)
     copy = pickle.loads(pickle.dumps(lim))
     try:
         assert copy.keys == ("requests", "tokens")
