@@ -281,10 +281,14 @@ class _Call:
     def nap(self, step: Any) -> None:
         if step.__class__ is not tuple:
             return time.sleep(step)
+        self.owner._open()  # (a call going on across close(): its client would reconnect)
         try:
             self.answer = self.owner._do(*step)
         except Exception as e:
             self.error = e
+        if self.owner._closed:  # closed during the trip: what redis-py reconnected is closed too
+            self.owner._close_sync()
+            self.owner._open()
 
     async def nap_async(self, step: Any) -> None:
         """The nap or round trip ``step`` names.  The round trip runs as a task of its own, awaited
@@ -296,12 +300,16 @@ class _Call:
         spent, as a cancelled waiter's slot is."""
         if step.__class__ is not tuple:
             return await asyncio.sleep(step)
+        self.owner._open()  # (a call going on across close(): its client would reconnect)
         trip = asyncio.ensure_future(_send_async(self.aclient, self.owner._timeout, *step))
         trip.add_done_callback(_retrieved)
         try:
             self.answer = await asyncio.shield(trip)
         except Exception as e:
             self.error = e
+        if self.owner._closed:  # closed during the trip: what redis-py reconnected is closed too
+            _disconnect_on(asyncio.get_running_loop(), self.aclient)
+            self.owner._open()
 
     def end(self) -> None:
         self.steps.close()
@@ -420,12 +428,17 @@ class _GcraClient:
         ``client=`` stays open.  Every later call raises ``ValueError``."""
         self._closed = True
         self._unpin()
-        if self._own_client:
-            self._client.close()
+        self._close_sync()
         with self._lock:
             aclients, self._aclients = list(self._aclients.items()), weakref.WeakKeyDictionary()
         for loop, client in aclients:
             _disconnect_on(loop, client)
+
+    def _close_sync(self) -> None:
+        """Close the sync client's connections (``close``; again after a round trip that
+        ``close()`` met in flight, which redis-py may have retried on a new connection)."""
+        if self._own_client:
+            self._client.close()
 
     def _open(self) -> None:
         if self._closed:  # redis-py would reconnect a closed client silently

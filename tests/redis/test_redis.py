@@ -1255,3 +1255,96 @@ def test_a_trickled_answer_ends_within_the_timeout_of_each_try(R, name, pinned):
         server.close()
         t.join(5.0)
         lim.close()
+
+
+def _connections_named(server, client_name):
+    return [c for c in server.client().client_list() if c.get("name") == client_name]
+
+
+@pytest.mark.backend_independent
+def test_calls_going_on_across_close_end_as_closed_and_reopen_no_connection(R, redis_server, name):
+    """``close()`` while threads are in calls: each call ends as a closed limiter's
+    (``ValueError``), and no connection of the limiter is left open.  Before, a call backing off
+    (``max_reserved``) made its next round trip on the closed client, which redis-py reconnects
+    silently, and was granted; a round trip whose socket ``close()`` shut under it failed as a
+    bad answer (``RedisDataError``: "I/O operation on closed file") or was retried on a new
+    connection; either way connections stayed open after ``close()``."""
+    import threading
+
+    url = f"{redis_server.url}?client_name={name}"
+    # (a) a caller backing off from a full queue, across close()
+    ahead = R.RedisLimiter(name, rate=10, burst=1, url=redis_server.url)
+    assert [ahead.reserve() for _ in range(4)][-1] > 0.25  # a queue beyond max_reserved
+    lim = R.RedisLimiter(name, rate=10, burst=1, url=url, max_reserved=0.05)
+    outcome = []
+
+    def backing_off():
+        try:
+            outcome.append(lim.acquire(timeout=5))
+        except Exception as e:  # noqa: BLE001 - what ends it is the subject
+            outcome.append(e)
+
+    t = threading.Thread(target=backing_off)
+    t.start()
+    wait_for(lambda: lim.stats().refusals >= 1, 5)  # refused once: napping, to ask again
+    lim.close()
+    t.join(10)
+    assert not t.is_alive()
+    ((e,),) = [outcome]
+    assert type(e) is ValueError and "closed" in str(e), e
+    assert _connections_named(redis_server, name) == []
+    ahead.unlink()
+    ahead.close()
+    # (b) round trips in flight in several threads when close() comes
+    for trial in range(10):
+        lim = R.RedisLimiter(name, rate=1e6, burst=1000, url=url)
+        errors, started = [], threading.Barrier(5)
+
+        def hammering():
+            started.wait()
+            try:
+                while True:
+                    lim.try_acquire()
+            except Exception as e:  # noqa: BLE001 - what ends it is the subject
+                errors.append(e)
+
+        threads = [threading.Thread(target=hammering) for _ in range(4)]
+        for t in threads:
+            t.start()
+        started.wait()
+        wait_for(lambda: lim.round_trips >= 20, 5)
+        lim.close()
+        for t in threads:
+            t.join(10)
+        assert not any(t.is_alive() for t in threads)
+        assert all(type(e) is ValueError and "closed" in str(e) for e in errors), (trial, errors)
+        assert _connections_named(redis_server, name) == [], trial
+
+
+@pytest.mark.backend_independent
+def test_an_async_call_napping_across_close_ends_as_closed_and_reopens_nothing(
+    R, redis_server, name
+):
+    """An ``acquire_async`` backing off from a full queue when ``close()`` comes ends as a closed
+    limiter's, without a round trip: before, it asked again on its loop's closed client, which
+    reconnected, and the connection stayed open on the running loop."""
+    url = f"{redis_server.url}?client_name={name}"
+    ahead = R.RedisLimiter(name, rate=10, burst=1, url=redis_server.url)
+    assert [ahead.reserve() for _ in range(4)][-1] > 0.25  # a queue beyond max_reserved
+    lim = R.RedisLimiter(name, rate=10, burst=1, url=url, max_reserved=0.05)
+
+    async def main():
+        call = asyncio.ensure_future(lim.acquire_async(timeout=5))
+        while lim.stats().refusals < 1:  # (a sync peek: the loop is this one)
+            await asyncio.sleep(0.001)
+        lim.close()
+        with pytest.raises(ValueError, match="closed"):
+            await asyncio.wait_for(call, 10)
+        deadline = time.monotonic() + 2
+        while _connections_named(redis_server, name) and time.monotonic() < deadline:
+            await asyncio.sleep(0.01)  # (the loop closes what close() handed it)
+        return _connections_named(redis_server, name)
+
+    assert asyncio.run(main()) == []
+    ahead.unlink()
+    ahead.close()
