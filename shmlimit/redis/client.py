@@ -9,6 +9,7 @@ let calls through).  Needs redis-py (the ``redis`` extra).
 
 from __future__ import annotations
 
+import math
 import os
 import socket
 import threading
@@ -54,6 +55,7 @@ class ReadDeadlines:
         self._cv = threading.Condition()
         self._armed: Dict[int, Tuple[float, Any]] = {}  # id(conn) -> (deadline, conn)
         self._watcher = False
+        self._wake = math.inf  # when the watcher wakes by itself (inf: asleep until notified)
 
     @contextmanager
     def bound(self, conn: Any, seconds: float) -> Iterator[None]:
@@ -66,8 +68,9 @@ class ReadDeadlines:
                 threading.Thread(
                     target=self._watch, name="shmlimit-redis-reads", daemon=True
                 ).start()
-            if all(at < t for t, _ in self._armed.values()):
-                self._cv.notify()  # (the first deadline now: the watcher sleeps until it)
+            if at < self._wake:  # (the first deadline now: the watcher sleeps until it)
+                self._wake = at
+                self._cv.notify()
             self._armed[id(conn)] = (at, conn)
         try:
             yield
@@ -88,8 +91,11 @@ class ReadDeadlines:
                             sock.shutdown(socket.SHUT_RDWR)
                         except (AttributeError, OSError):
                             pass  # (closed meanwhile: its read has ended)
-                first = min((at for at, _ in self._armed.values()), default=None)
-                cv.wait(None if first is None else max(0.0, first - now))
+                # woken only for a deadline earlier than the one it sleeps until, kept with none
+                # left (a read that ended in time): one thread's reads do not wake it each
+                keep = self._wake if self._wake > now else math.inf
+                self._wake = min((at for at, _ in self._armed.values()), default=keep)
+                cv.wait(None if self._wake == math.inf else max(0.0, self._wake - now))
 
 
 #: this process's read deadlines
