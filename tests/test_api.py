@@ -54,9 +54,10 @@ def test_slow_limit_is_strict(name):
 
 
 def test_config_mismatch_names_both_configs(name):
-    shmlimit.Limiter(name, rate=1000).close()
+    first = shmlimit.Limiter(name, rate=1000)  # a live user (a closed one would not be)
     with pytest.raises(shmlimit.ConfigMismatchError) as e:
         shmlimit.Limiter(name, rate=500, burst=3)
+    first.close()
     msg = str(e.value)
     assert "rate=1000" in msg and "rate=500" in msg and "burst=3" in msg
 
