@@ -60,8 +60,8 @@ def attach(
     Returns a ``KeyedLimiter`` for a keyed segment, the limiter of several rates for a group
     (plain or keyed; its rates a list or a dict, as created), else a ``Limiter``.  Raises
     ``LimiterNotFoundError`` (a ``FileNotFoundError``) naming it when none exists,
-    and a ``SegmentError`` (``UntrustedSegmentError`` for a ``Limiter``) for a
-    segment owned by another user (other than root and ``trusted_uids``) or
+    and ``UntrustedSegmentError`` (a ``SegmentError``) for a segment of any kind
+    owned by another user (other than root and ``trusted_uids``) or
     writable by group or others beyond ``mode``.  A window table is no limiter: it is opened as
     the ``limits`` storage ``shm://NAME`` (a ``SegmentError`` says so).
     """
