@@ -101,7 +101,8 @@ class Limiter(RatesSwitch, AcquireOnEnter, Handle):
     (seconds a leased token stays usable, default 0.1), ``batch_seconds``
     (the demand a batch covers, default 0.02) and ``on_redis_error``
     (``"closed"``, the default, ``"local"`` or ``"open"``) are described in
-    ``shmlimit.redis.feeder`` and the README.
+    ``shmlimit.redis.feeder`` and docs/kinds/redis.md.  Its rate is fixed while in use
+    (``set_rate`` changes its burst only).
 
     A new configuration for an existing segment: if no live process uses
     it (a redeploy after the old fleet stopped, killed or not), it takes the
