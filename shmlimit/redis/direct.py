@@ -738,8 +738,11 @@ class RedisLimiter(_GcraClient, AcquireOnEnter):
     schedule callers may reserve ahead; default unbounded); ``grace``
     (seconds a reservation may be used late before it is void; None = never
     void); ``clock`` (``"server"``: Redis ``TIME``, or ``"client"``: this
-    host's wall clock); ``timeout`` (connect and socket timeout, seconds; a call
-    tries once more on a new connection, so it may take about twice that).
+    host's wall clock); ``timeout`` (connect and socket timeout, seconds: an
+    answer is read whole within it, but for a cluster's connections, which bound
+    each read only; a call tries once more on a new connection,
+    so it may take about twice that, four times at worst, plus up to that
+    waiting for a free connection: docs/kinds/redis.md, "Fails fast").
     ``client`` may be an existing redis-py client to use instead of ``url``
     (the limiter then cannot be pickled nor be an ``upstream=``).
 
