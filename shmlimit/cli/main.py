@@ -30,7 +30,12 @@ from shmlimit.cli.top import (
 )
 from shmlimit.cli.top import run as run_top
 from shmlimit.config import parse_spec
-from shmlimit.errors import LimiterNotFoundError, SegmentError, ShmlimitError
+from shmlimit.errors import (
+    ConfigMismatchError,
+    LimiterNotFoundError,
+    SegmentError,
+    ShmlimitError,
+)
 from shmlimit.keyed.limiter import KeyedLimiter
 from shmlimit.keyed.stats import KeyedStats, KeySample, adapted_keys
 from shmlimit.kinds import collect, inspect, inspect_each, stale
@@ -305,7 +310,16 @@ def cmd_create(args: argparse.Namespace) -> int:
         return [(f"{args.name}[{k}]", rates.get(k)) for k in keys]
 
     before = rows(_before(args.name))
-    lim = kind(args.name, **options)
+    try:
+        lim = kind(args.name, **options)
+    except ConfigMismatchError as e:
+        if not e.live:
+            raise
+        raise UserError(  # (the Python advice, reconfigure=True, is no option here)
+            f"limiter {e.name!r} is in use with {e.existing}; this asked for {e.requested}. "
+            f"Change it for every process with 'shmlimit set-rate' (a limiter of one rate), or "
+            f"create it once no live process uses it"
+        ) from None
     try:
         for (name, old), (_, new) in zip(before, rows(inspect(args.name))):
             print(_created(name, old, new))

@@ -214,6 +214,7 @@ def test_create_says_what_it_changed_old_then_new(name):
     try:
         r = run("create", name, "--rate", "70/s")
         assert r.returncode == 2 and "rate=50" in r.stderr and "Traceback" not in r.stderr
+        assert "'shmlimit set-rate'" in r.stderr and "reconfigure=True" not in r.stderr
         assert shmlimit.inspect(name).rate == 50
     finally:
         lim.close()
