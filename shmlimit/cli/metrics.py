@@ -296,7 +296,7 @@ def validate_names(names: Optional[Iterable[str]]) -> Optional[List[str]]:
     """``names`` as a list of limiter names (None: every one of the machine's); a lone ``str`` or
     ``bytes`` (whose characters would be taken for names), or anything but names, a TypeError; a
     str that is no limiter name (``validate_name``), a ValueError: at construction, never at
-    every scrape."""
+    every scrape.  A name listed twice is kept once, where it first appears."""
     if names is None:
         return None
     if isinstance(names, (str, bytes)) or not hasattr(names, "__iter__"):
@@ -311,7 +311,7 @@ def validate_names(names: Optional[Iterable[str]]) -> Optional[List[str]]:
             validate_name(n)
         except ValueError as e:
             raise ValueError(f"names must hold limiter names: {e}") from None
-    return out
+    return list(dict.fromkeys(out))  # once each: a repeated series is an invalid exposition
 
 
 def select(

@@ -137,6 +137,25 @@ def test_a_scrape_exports_at_most_max_segments(made):
     assert read <= 1 and omitted(values, "over_cap") >= 4
 
 
+def test_a_name_listed_twice_is_exported_once(made):
+    """A repeated series is an invalid exposition (OpenMetrics refuses it, Prometheus drops it as
+    a duplicate sample), and the copy took a place of --max-segments."""
+    from prometheus_client import CollectorRegistry, generate_latest
+
+    from shmlimit.integrations.prometheus import ShmlimitCollector
+
+    a, b = _limiter(made), _limiter(made)
+    reg = CollectorRegistry()
+    reg.register(ShmlimitCollector([a, a, b], max_segments=2))
+    text = generate_latest(reg).decode()
+    grants = [line for line in text.splitlines() if line.startswith("shmlimit_grants_total")]
+    assert len(grants) == 2 and limiters_in(series(text)) == {a, b}, grants
+    assert omitted(series(text), "over_cap") == 0
+    r = metrics(a, b, a)
+    assert r.returncode == 0, r.stderr
+    assert sum(line.startswith("shmlimit_grants_total") for line in r.stdout.splitlines()) == 2
+
+
 @pytest.mark.backend_independent  # argument checks
 def test_scope_options_are_checked():
     from shmlimit.cli.metrics import select
