@@ -15,7 +15,9 @@ Start-up is the one protocol (``header.open_segment`` with ``GROUP``): the
 creator writes the group's header, initialises every region (each READY), and
 stores the group's READY last, so a group an opener sees READY has every region
 ready.  A collector claims each region's STATE (``collect``); an opener that
-finds a region claimed opens the whole group again (``Collected``, ``open_rates``).
+finds a region claimed waits for it, and opens the whole group again once the
+name is unlinked (``Collected``, ``open_rates``); a claim left for
+``DOOMED_WAIT`` by a collector that died it gives back (``region_opener``).
 """
 
 from __future__ import annotations
@@ -23,6 +25,7 @@ from __future__ import annotations
 import mmap
 import re
 import time
+from contextlib import closing
 from dataclasses import dataclass
 from typing import Any, Callable, List, Optional, Tuple
 
@@ -45,6 +48,7 @@ from shmlimit.rate_group import MAX_RATES  # a group holds at most this many rat
 from shmlimit.shm import layout as L
 from shmlimit.shm.cells import Cells, open_cells
 from shmlimit.shm.segment import (
+    DOOMED_WAIT,
     Segment,
     claim_and_unlink,
     opened,
@@ -348,23 +352,41 @@ def _region_ready(label: str, region: Segment, regions: int) -> int:
     return 0 if (magic, state) == (K.MAGIC, K.STATE_READY) else -1
 
 
-def region_opener(group: Segment, geo: Geometry, index: int) -> Callable[[], Tuple[Segment, Cells]]:
+def region_opener(
+    group: Segment, geo: Geometry, index: int, wait: bool = True
+) -> Callable[[], Tuple[Segment, Cells]]:
     """What a rate's attachment calls to open rate ``index`` (``attachment.map_attachment``, or the
-    keyed ``_open``): its region, ready."""
+    keyed ``_open``): its region, ready.
+
+    A region a collector claimed (DOOMED) is waited for while the name still holds this group: its
+    collector unlinks the name (``Collected``) or gives the claim back within microseconds.  One
+    claimed for ``DOOMED_WAIT`` lost its collector (killed between its claim and its unlink) and is
+    given back (READY), as ``header.wait_ready`` gives back a limiter's: else every opener, and
+    ``gc``, would find the group being removed for ever.  ``wait`` False (a collector's own open):
+    ``Collected`` at once."""
 
     def open_region() -> Tuple[Segment, Cells]:
-        region = map_region(group, geo, index)
-        try:
-            verdict = _region_ready(f"{group.name}[{geo.keys[index]}]", region, geo.regions)
-        except BaseException:
+        since = time.monotonic()
+        while True:
+            region = map_region(group, geo, index)  # (Collected once the name is unlinked)
+            try:
+                verdict = _region_ready(f"{group.name}[{geo.keys[index]}]", region, geo.regions)
+                if verdict == 0:
+                    return region, open_cells(region.mm, region.size)
+                if verdict != DOOMED:
+                    raise SegmentError(
+                        f"segment {group.name!r} is corrupt: a rate's region is not ready"
+                    )
+                if not wait:
+                    raise Collected()
+                if time.monotonic() - since > DOOMED_WAIT:  # its collector died: given back
+                    with closing(open_cells(region.mm, L.HEADER_BYTES)) as c:
+                        c.cas(L.STATE_OFF, L.STATE_DOOMED, L.STATE_READY)
+            except BaseException:
+                region.close()
+                raise
             region.close()
-            raise
-        if verdict != 0:
-            region.close()
-            if verdict == DOOMED:
-                raise Collected()
-            raise SegmentError(f"segment {group.name!r} is corrupt: a rate's region is not ready")
-        return region, open_cells(region.mm, region.size)
+            time.sleep(0.001)
 
     return open_region
 
@@ -384,7 +406,7 @@ def collect(name: str) -> bool:
     regions: List[Tuple[Segment, Cells]] = []
     try:
         for i in range(len(geo.keys)):
-            regions.append(region_opener(seg, geo, i)())
+            regions.append(region_opener(seg, geo, i, wait=False)())
         return claim_and_unlink(name, seg.inode, [ProcessTable(c, geo.slots) for _, c in regions])
     except Collected:
         return False

@@ -618,3 +618,32 @@ def test_inspect_shows_each_kinds_processes_alive_then_dead(name, kind):
         user.kill()
         user.wait()
         shmlimit.unlink(name)
+
+
+#: A collector killed between its claim of a group's rates and its unlink (``claim_and_unlink``).
+DIES_COLLECTING = textwrap.dedent(
+    """
+    import os, signal, sys
+    import shmlimit.shm.segment as segment
+    from shmlimit.kinds import collect
+
+    def killed(name):
+        os.kill(os.getpid(), signal.SIGKILL)
+
+    segment.unlink = killed  # (claim_and_unlink's)
+    collect(sys.argv[1])
+    """
+)
+
+
+@pytest.mark.parametrize("kind", list(GROUPS))
+def test_a_group_its_collector_died_claiming_is_given_back_to_its_next_opener(name, kind):
+    GROUPS[kind](name).close()
+    r = subprocess.run([sys.executable, "-c", DIES_COLLECTING, name], timeout=60)
+    assert r.returncode == -signal.SIGKILL  # it died holding every rate's claim
+    start = time.monotonic()
+    lim = GROUPS[kind](name)  # a collector gone 2 s is given its claim back (DOOMED_WAIT)
+    assert time.monotonic() - start < 30
+    assert lim.try_acquire(*GROUP_ARGS[kind], a=1)
+    lim.close()
+    assert collect(name)  # whole again: nobody uses it, so gc takes it
