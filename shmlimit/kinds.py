@@ -120,6 +120,19 @@ def beyond(name: str) -> int:
     return max(_word(name, geo.offset(i) + L.BEYOND) for i in range(len(geo.keys)))
 
 
+def claimed(name: str) -> bool:
+    """A collector claimed ``name``'s segment (of a group: a rate) and has not unlinked it: it is
+    unlinking it now, or it died between its claim and its unlink (an opener gives such a claim
+    back after ``DOOMED_WAIT``: ``attach`` does, for ``gc``)."""
+    regions = _by_kind(name, None, L.REGIONS_KEYED, L.REGIONS_LIMITER, None)
+    try:
+        geo = None if regions is None else copy_geometry(name, regions)
+    except (ShmlimitError, OSError):
+        return False
+    offsets = [0] if geo is None else [geo.offset(i) for i in range(len(geo.keys))]
+    return any(_word(name, off + L.STATE_OFF) == L.STATE_DOOMED for off in offsets)
+
+
 def stale(
     names: Iterable[str],
     unreadable: Callable[[str, Exception], None],

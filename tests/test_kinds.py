@@ -647,3 +647,21 @@ def test_a_group_its_collector_died_claiming_is_given_back_to_its_next_opener(na
     assert lim.try_acquire(*GROUP_ARGS[kind], a=1)
     lim.close()
     assert collect(name)  # whole again: nobody uses it, so gc takes it
+
+
+@pytest.mark.parametrize("kind", list(KINDS))
+def test_gc_removes_a_segment_its_collector_died_claiming(name, kind):
+    """``gc`` read a segment whose collector was killed between its claim and its unlink as
+    "being removed" and left it alone, for good unless some process opened it.  It now opens it
+    as an opener does (the claim given back after ``DOOMED_WAIT``) and removes it: nobody uses
+    it."""
+    from support.procs import run_cli
+
+    KINDS[kind](name).close()
+    r = subprocess.run([sys.executable, "-c", DIES_COLLECTING, name], timeout=60)
+    assert r.returncode == -signal.SIGKILL  # it died holding its claim
+    r = run_cli("gc", "--dry-run")
+    assert f"stale: {name}" not in r.stdout  # (a dry run only looks: being removed)
+    r = run_cli("gc")
+    assert r.returncode == 0 and f"removed: {name}" in r.stdout.splitlines(), r.stdout
+    assert name not in shmlimit.list_names()

@@ -38,7 +38,7 @@ from shmlimit.errors import (
 )
 from shmlimit.keyed.limiter import KeyedLimiter
 from shmlimit.keyed.stats import KeyedStats, KeySample, adapted_keys
-from shmlimit.kinds import collect, inspect, inspect_each, stale
+from shmlimit.kinds import attach, claimed, collect, inspect, inspect_each, stale
 from shmlimit.limiter import Limiter, unlink
 from shmlimit.multirate import MultiStats
 from shmlimit.rate_group import parse_rates
@@ -435,7 +435,12 @@ def cmd_gc(args: argparse.Namespace) -> int:
     for n in bad:
         print(printable(f"left alone ({BAD_NAME}): {n!r}"))
 
+    doomed: List[str] = []
+
     def unreadable(n: str, e: Exception) -> None:
+        if not args.dry_run and n not in doomed and claimed(n):
+            doomed.append(n)  # looked at again below
+            return
         print(printable(f"left alone (unreadable): {n}: {e}"))
 
     def unlisted(n: str, count: int) -> None:
@@ -447,6 +452,16 @@ def cmd_gc(args: argparse.Namespace) -> int:
         )
 
     found, kept = stale(names, unreadable, unlisted)
+    for n in doomed:  # claimed by a collector: opened, as an opener would, it is given back
+        try:  # when that collector died claiming it (after DOOMED_WAIT), or goes with it
+            attach(n).close()
+        except LimiterNotFoundError:
+            continue
+        except (ShmlimitError, OSError, ValueError) as e:
+            unreadable(n, e)
+            continue
+        more, used = stale([n], unreadable, unlisted)
+        found, kept = found + more, kept + used
     verb = "stale" if args.dry_run else "removed"
     removed = 0
     for n in found:
