@@ -25,7 +25,6 @@ from __future__ import annotations
 import mmap
 import re
 import time
-from contextlib import closing
 from dataclasses import dataclass
 from typing import Any, Callable, List, Optional, Tuple
 
@@ -48,9 +47,9 @@ from shmlimit.rate_group import MAX_RATES  # a group holds at most this many rat
 from shmlimit.shm import layout as L
 from shmlimit.shm.cells import Cells, open_cells
 from shmlimit.shm.segment import (
-    DOOMED_WAIT,
     Segment,
     claim_and_unlink,
+    give_back_claim,
     opened,
     pread_file,
     publish,
@@ -379,9 +378,7 @@ def region_opener(
                     )
                 if not wait:
                     raise Collected()
-                if time.monotonic() - since > DOOMED_WAIT:  # its collector died: given back
-                    with closing(open_cells(region.mm, L.HEADER_BYTES)) as c:
-                        c.cas(L.STATE_OFF, L.STATE_DOOMED, L.STATE_READY)
+                give_back_claim(region.mm, time.monotonic() - since)
             except BaseException:
                 region.close()
                 raise

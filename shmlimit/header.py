@@ -32,13 +32,13 @@ from shmlimit.redis.spec import UpstreamSpec
 from shmlimit.shm import layout as L
 from shmlimit.shm.cells import Cells, open_cells, warm_backend
 from shmlimit.shm.segment import (
-    DOOMED_WAIT,
     INIT_WAIT,
     LIVE_CREATOR_WAIT,
     MAX_BYTES,
     Segment,
     current_inode,
     drop_secret,
+    give_back_claim,
     publish,
     reopening,
     start_header,
@@ -114,15 +114,17 @@ def initialise(seg: Segment, create: Creation, now_ns: int) -> Cells:
     READY last."""
     with closed_on_failure(start_header(seg, L.VERSION, create.slots)) as c:
         base = os.environ.get("SHMLIMIT_TEST_ROVER_BASE", "0")  # tests: rovers anywhere
-        if not base.strip().lstrip("-").isdigit():  # (any integer: the rovers wrap, mod 2**64)
+        try:
+            rovers = int(base)  # (any integer: the rovers wrap, mod 2**64)
+        except ValueError:
             raise ValueError(
                 f"SHMLIMIT_TEST_ROVER_BASE must be an integer (a test hook), got {base!r}"
-            )
+            ) from None
         if create.upstream is not None:
             create.upstream.write(c)
         write_adapt(c, create.adapt)
         initial, fed = create.initial, create.upstream is not None
-        Bucket.initialise(c, create.config, now_ns, initial, int(base), fed)
+        Bucket.initialise(c, create.config, now_ns, initial, rovers, fed)
         publish(c, L.MAGIC)
     return c
 
@@ -271,10 +273,7 @@ def wait_ready(
             return seg
         if creator == DOOMED:
             # a collector is unlinking it (or it restores READY): wait, then open the name again
-            if waited > DOOMED_WAIT:
-                # the collector died between its claim and its unlink: the segment is whole
-                with closing(open_cells(seg.mm, L.HEADER_BYTES)) as c:
-                    c.cas(L.STATE_OFF, L.STATE_DOOMED, L.STATE_READY)
+            give_back_claim(seg.mm, waited)
         elif waited > LIVE_CREATOR_WAIT:
             seg.close()
             raise SegmentError(

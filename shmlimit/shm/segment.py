@@ -19,6 +19,7 @@ import time
 from contextlib import closing, contextmanager
 from typing import (
     AbstractSet,
+    Any,
     Iterable,
     Iterator,
     List,
@@ -518,6 +519,17 @@ def current_inode(name: str) -> Optional[int]:
 
 #: A segment left claimed by a garbage collector this long (seconds) lost its collector.
 DOOMED_WAIT = 2.0
+
+
+def give_back_claim(mm: Any, waited: float) -> None:
+    """An opener's answer to a claim it has waited on ``waited`` seconds (``mm``: the claimed
+    segment's mapping, or a group's rate's): past ``DOOMED_WAIT`` its collector was killed
+    between its claim and its unlink, and the segment, whole, is READY again (else every opener,
+    and ``gc``, would find it being removed for ever)."""
+    if waited > DOOMED_WAIT:
+        with closing(open_cells(mm, L.HEADER_BYTES)) as c:
+            c.cas(L.STATE_OFF, L.STATE_DOOMED, L.STATE_READY)
+
 
 #: An open that another process keeps undoing (a collector's claim, an unlink, the name created
 #: again) tries again for at least this long (seconds) before it reports it.  Each failed try is a

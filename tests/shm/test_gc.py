@@ -13,7 +13,7 @@ from support.procs import start_acquirer as start_worker
 from support.segments import run_tools_on, shm_path
 
 import shmlimit
-from shmlimit import group, header
+from shmlimit import group
 from shmlimit.keyed import layout as K
 from shmlimit.keyed import segment as keyed_segment
 from shmlimit.keyed.window_table import WindowTable
@@ -115,7 +115,7 @@ def test_a_claim_whose_collector_died_is_given_back(name, monkeypatch, kind):
     ).close()
     with open(shm_path(name), "r+b") as f:
         os.pwrite(f.fileno(), L.STATE_DOOMED.to_bytes(8, "little"), L.STATE_OFF)
-    monkeypatch.setattr(header, "DOOMED_WAIT", 0.05)  # the one start-up protocol's
+    monkeypatch.setattr(segment, "DOOMED_WAIT", 0.05)  # every opener's (give_back_claim)
     opened = shmlimit.KeyedLimiter(name) if kind == "keyed" else WindowTable(name)
     try:
         assert _state(name) == L.STATE_READY
