@@ -281,3 +281,59 @@ def test_the_sliding_window_counts_the_previous_window_by_the_time_left(timed):
     timed.clock.advance_seconds(20.0)  # two windows without a hit: the key starts afresh
     assert timed("get_sliding_window", item.key_for("k"), 10)[:3] == (0, 0, 0)
     assert sum(run(timed.sliding.hit(item, "k")) for _ in range(12)) == 10
+
+
+# ---- tools/limits_suite.py: limits' wall-clock tests (its `flaky` mark) rerun once, no other ----
+
+FLAKY_SUITE = """
+import pathlib
+
+import pytest
+
+RUNS = pathlib.Path(__file__).with_name("runs")
+
+
+def count(name):
+    with RUNS.open("a") as f:
+        f.write(name + "\\n")
+    return RUNS.read_text().split().count(name)
+
+
+@pytest.mark.flaky
+def test_flaky():
+    assert count("flaky") > FLAKY_FAILS
+
+
+def test_plain():
+    assert count("plain") > PLAIN_FAILS
+"""
+
+
+@pytest.mark.parametrize(
+    "flaky_fails, plain_fails, status, runs",
+    [
+        (0, 0, 0, {"flaky": 1, "plain": 1}),  # all pass: nothing rerun
+        (1, 0, 0, {"flaky": 2, "plain": 1}),  # a flaky test failed once: rerun, passes
+        (2, 0, 1, {"flaky": 2, "plain": 1}),  # ... and twice: fails, never run a third time
+        (0, 1, 1, {"flaky": 1, "plain": 1}),  # another failed: fails, never rerun
+        (1, 1, 1, {"flaky": 2, "plain": 1}),  # ... whatever the flaky test's rerun gives
+    ],
+)
+def test_the_limits_suite_reruns_once_only_the_tests_limits_marks_flaky(
+    tmp_path, flaky_fails, plain_fails, status, runs
+):
+    import importlib.util
+    import sys
+
+    from support.procs import ROOT
+
+    spec = importlib.util.spec_from_file_location("limits_suite", f"{ROOT}/tools/limits_suite.py")
+    suite = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(suite)
+    body = FLAKY_SUITE.replace("FLAKY_FAILS", str(flaky_fails))
+    (tmp_path / "test_it.py").write_text(body.replace("PLAIN_FAILS", str(plain_fails)))
+    (tmp_path / "pytest.ini").write_text("[pytest]\nmarkers =\n    flaky: rerun\n")
+    cmd = [sys.executable, "-m", "pytest", "-q", "test_it.py"]
+    assert suite.run_with_one_rerun(cmd, cwd=tmp_path) == status
+    ran = (tmp_path / "runs").read_text().split()
+    assert {name: ran.count(name) for name in runs} == runs
