@@ -31,6 +31,29 @@ from __future__ import annotations
 
 from typing import Any, Optional, Protocol, TypeVar, runtime_checkable
 
+#: A key's most bytes, for every keyed kind but a window table (which keeps only digests).
+KEY_MAX = 4096
+#: A str key with a lone surrogate has no UTF-8 (the same words in _native.c's kt_key)
+NOT_UTF8 = "key must be bytes or a str encodable as UTF-8 (no lone surrogate)"
+
+
+def key_bytes(key: object, most: Optional[int] = KEY_MAX) -> bytes:
+    """A key's bytes: a str is its UTF-8, bytes are themselves; anything else is a TypeError.
+    More than ``most`` bytes is a ValueError (None: any length, as a window table takes)."""
+    if isinstance(key, str):
+        try:
+            data = key.encode("utf-8")
+        except UnicodeEncodeError as err:  # a lone surrogate (os.fsdecode's, say)
+            raise ValueError(NOT_UTF8) from err
+    elif isinstance(key, bytes):
+        data = key
+    else:
+        raise TypeError(f"key must be a str or bytes, not {type(key).__name__}")
+    if most is not None and len(data) > most:
+        raise ValueError(f"key must be at most {most} bytes (UTF-8), got {len(data)}")
+    return data
+
+
 _H = TypeVar("_H", bound="AcquireOnEnter")
 
 

@@ -199,6 +199,26 @@ def test_a_bad_n_is_refused_alike_by_every_kind_taking_nothing(make):
         assert [h.try_acquire() for _ in range(BURST)] == [True] * BURST  # nothing was taken
 
 
+def test_a_bad_key_is_refused_alike_by_every_keyed_kind_taking_nothing(make):
+    """A key is a str with UTF-8 or bytes of at most 4096 (``protocol.key_bytes``), on every keyed
+    kind: a lone surrogate (``os.fsdecode``'s) raised a bare UnicodeEncodeError, and the Redis
+    kind alone took a ``bytearray``."""
+    h = make()
+    if not isinstance(h, shmlimit.protocol.KeyView):
+        return
+    lim = h.limiter
+    for key, exc, words in (
+        ("\udc80", ValueError, r"key must be .* UTF-8 \(no lone surrogate\)"),
+        ("x" * 4097, ValueError, "key must be at most 4096 bytes"),
+        (bytearray(b"k"), TypeError, "key must be a str or bytes, not bytearray"),
+        (5, TypeError, "key must be a str or bytes, not int"),
+    ):
+        for verb in (lim.try_acquire, lim.retry_after, lambda k: lim.acquire(k, timeout=0)):
+            with pytest.raises(exc, match=words):
+                verb(key)
+    assert [h.try_acquire() for _ in range(BURST)] == [True] * BURST  # nothing was taken
+
+
 def test_a_timed_acquire_returns_false_at_once_when_the_wait_exceeds_it(make):
     h = make()
     _empty(h, make.kind, BURST)

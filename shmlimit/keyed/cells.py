@@ -85,6 +85,7 @@ from typing import Callable, Dict, Optional, Tuple, TypeVar
 
 from shmlimit.errors import SegmentError
 from shmlimit.keyed import layout as K
+from shmlimit.protocol import key_bytes
 from shmlimit.shm.banks import BankCode
 from shmlimit.shm.table import is_alive
 
@@ -113,7 +114,6 @@ PEND_NS = 200_000_000
 #: each time so that a signal can interrupt it.
 BUSY_NAP = 0.001
 MAX_WAIT = 1 << 60
-KEY_MAX = 4096
 #: keyed_table's flags: when a key's window is full, evict its least valuable key (else refuse)...
 FLAG_EVICT = 1
 #: ... and keep each key's first bytes in its slot, for ``top`` and ``inspect`` (else none).
@@ -242,20 +242,6 @@ def consistent(c, seq: int, read: Callable[..., T], *args: object) -> T:
         got = read(*args, s)
         if c.load(seq) == s:
             return got
-
-
-def key_bytes(key: object, most: Optional[int] = KEY_MAX) -> bytes:
-    """A key's bytes: a str is its UTF-8, bytes are themselves; anything else is a TypeError.
-    More than ``most`` bytes is a ValueError (None: any length, as a window table takes)."""
-    if isinstance(key, str):
-        data = key.encode("utf-8")
-    elif isinstance(key, bytes):
-        data = key
-    else:
-        raise TypeError(f"key must be a str or bytes, not {type(key).__name__}")
-    if most is not None and len(data) > most:
-        raise ValueError(f"key must be at most {most} bytes (UTF-8), got {len(data)}")
-    return data
 
 
 def display_words(data: bytes) -> Tuple[int, int]:

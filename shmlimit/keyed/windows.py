@@ -103,6 +103,7 @@ from typing import Callable, Optional, Tuple
 from shmlimit.errors import KeyTableFullError
 from shmlimit.keyed import cells as KC
 from shmlimit.keyed import layout as K
+from shmlimit.protocol import KEY_MAX, key_bytes
 
 CB = 24  #: count bits
 CMAX = (1 << CB) - 1  #: the largest count a window holds
@@ -155,11 +156,11 @@ def _bounded(name: str, v: object, top: int, unit: str = "") -> int:
 
 
 def native_fits(key: object) -> bool:
-    """Whether the native ``incr`` takes ``key``: at most ``KC.KEY_MAX`` bytes (its buffer).  A
+    """Whether the native ``incr`` takes ``key``: at most ``KEY_MAX`` bytes (its buffer).  A
     longer key takes the portable step, which hashes the same bytes to the same digest."""
-    if isinstance(key, str) and len(key) > KC.KEY_MAX // 4:  # (UTF-8: at most 4 bytes a char)
-        return len(key.encode("utf-8")) <= KC.KEY_MAX
-    return not isinstance(key, bytes) or len(key) <= KC.KEY_MAX
+    if isinstance(key, str) and len(key) > KEY_MAX // 4:  # (UTF-8: at most 4 bytes a char)
+        return len(key_bytes(key, None)) <= KEY_MAX
+    return not isinstance(key, bytes) or len(key) <= KEY_MAX
 
 
 class WindowCounters:
@@ -218,7 +219,7 @@ class WindowCounters:
         return ns, ms
 
     def _key(self, prefix: bytes, key: object) -> Tuple[Tuple[int, int], int, bytes]:
-        data = KC.key_bytes(key, None)  # any length: only its digest is kept
+        data = key_bytes(key, None)  # any length: only its digest is kept
         d = self._hash(prefix + data)
         return d, (d[0] * self.t.nslots) >> 64, data
 

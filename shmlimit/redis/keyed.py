@@ -32,25 +32,14 @@ import math
 from typing import Any, Optional
 
 from shmlimit.config import NS_PER_S, validate_n, validate_timeout
-from shmlimit.protocol import Keyed
+from shmlimit.protocol import Keyed, key_bytes
 from shmlimit.redis.direct import MODE_PEEK, ClientStats, _GcraClient
 from shmlimit.redis.spec import redis_key
-
-#: Longest key, in bytes (as ``KeyedLimiter``).
-MAX_KEY_BYTES = 4096
 
 
 def key_digest(key: object) -> str:
     """The hex digest naming ``key`` in Redis; TypeError/ValueError for a key that is not one."""
-    if isinstance(key, str):
-        raw = key.encode("utf-8")
-    elif isinstance(key, (bytes, bytearray, memoryview)):
-        raw = bytes(key)
-    else:
-        raise TypeError(f"key must be str or bytes, not {type(key).__name__}")
-    if len(raw) > MAX_KEY_BYTES:
-        raise ValueError(f"key must be at most {MAX_KEY_BYTES} bytes, got {len(raw)}")
-    return hashlib.sha256(raw).hexdigest()[:32]
+    return hashlib.sha256(key_bytes(key)).hexdigest()[:32]
 
 
 class RedisKeyedLimiter(_GcraClient, Keyed):

@@ -1151,8 +1151,14 @@ kt_key(PyObject *key, const char **buf, Py_ssize_t *len)
 {
     if (PyUnicode_Check(key)) {
         *buf = PyUnicode_AsUTF8AndSize(key, len);
-        if (!*buf)
+        if (!*buf) { /* a lone surrogate: keyed/cells.py's NOT_UTF8, word for word */
+            if (PyErr_ExceptionMatches(PyExc_UnicodeEncodeError)) {
+                PyErr_Clear();
+                PyErr_SetString(PyExc_ValueError,
+                                "key must be bytes or a str encodable as UTF-8 (no lone surrogate)");
+            }
             return 0;
+        }
     } else if (PyBytes_Check(key)) {
         *buf = PyBytes_AS_STRING(key);
         *len = PyBytes_GET_SIZE(key);

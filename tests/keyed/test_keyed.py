@@ -130,8 +130,9 @@ def test_bad_n_and_oversized_keys(lim):
             lim.try_acquire("k", n)
     with pytest.raises(ValueError, match="at most 4096 bytes"):
         lim.try_acquire("k" * 5000)
-    with pytest.raises(UnicodeEncodeError):
-        lim.try_acquire("\udc80")
+    for call in (lim.try_acquire, lim.acquire, lim.retry_after, lim.reserve):
+        with pytest.raises(ValueError, match=r"key must be .* UTF-8 \(no lone surrogate\)"):
+            call("\udc80")
     assert not lim.try_acquire("k", 3)  # above the capacity: never
     with pytest.raises(ValueError, match="capacity"):
         lim.acquire("k", 3)

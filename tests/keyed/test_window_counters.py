@@ -510,6 +510,9 @@ def test_a_key_of_any_length_is_counted_under_its_whole_bytes(name, backend, mon
         assert wt.clear(long_a) and wt.get(long_a) == 0
         with pytest.raises(TypeError, match="key must be a str or bytes"):
             wt.incr(5, 60)
+        for key in ("\udc80", "k" * 5000 + "\udc80"):  # the native step's, and the portable one's
+            with pytest.raises(ValueError, match=r"key must be .* UTF-8 \(no lone surrogate\)"):
+                wt.incr(key, 60)
         # around the native step's 4096-byte buffer (longer keys take the portable step)
         for key in ("k" * 4096, b"k" * 4097, "\u00e9" * 2048, "\u00e9" * 2049):
             assert [wt.incr(key, 60) for _ in range(2)] == [1, 2]
