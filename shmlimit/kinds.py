@@ -17,9 +17,11 @@ from shmlimit.attachment import collect as collect_attached
 from shmlimit.errors import LimiterNotFoundError, ShmlimitError
 from shmlimit.group import collect as collect_group
 from shmlimit.group import copy_geometry
+from shmlimit.header import LIMITER, open_existing, wait_ready
 from shmlimit.keyed import layout as K
 from shmlimit.keyed.limiter import KeyedLimiter, KeyedStats, inspect_keyed
 from shmlimit.keyed.multi import MultiKeyedLimiter
+from shmlimit.keyed.segment import KEYED
 from shmlimit.keyed.segment import collect as collect_keyed
 from shmlimit.keyed.stats import inspect_keyed_group
 from shmlimit.limiter import Limiter
@@ -107,6 +109,20 @@ def inspect_each(
             unreadable(name, e)
             continue
         yield name, s
+
+
+def reopen(name: str) -> None:
+    """Open ``name`` as its kind's opener does, then close it: a claim its collector died holding
+    is given back after ``DOOMED_WAIT``, a live collector's is waited out (then
+    ``LimiterNotFoundError``: it unlinked the name).  For ``gc``, of every kind: a window table
+    too, which ``attach`` refuses; a plain or keyed segment is not joined."""
+    magic = _word(name)
+    if magic == L.GROUP_MAGIC:  # (its regions' claims: the group's opener, in attach)
+        attach(name).close()
+        return
+    kind = KEYED if magic == K.MAGIC else LIMITER
+    seg = open_existing(name, 0o600, frozenset(), kind)  # (trusted as attach: ours, 0o600)
+    wait_ready(name, seg, 0o600, frozenset(), kind).close()
 
 
 def beyond(name: str) -> int:

@@ -38,7 +38,7 @@ from shmlimit.errors import (
 )
 from shmlimit.keyed.limiter import KeyedLimiter
 from shmlimit.keyed.stats import KeyedStats, KeySample, adapted_keys
-from shmlimit.kinds import attach, claimed, collect, inspect, inspect_each, stale
+from shmlimit.kinds import claimed, collect, inspect, inspect_each, reopen, stale
 from shmlimit.limiter import Limiter, unlink
 from shmlimit.multirate import MultiStats
 from shmlimit.rate_group import parse_rates
@@ -454,7 +454,7 @@ def cmd_gc(args: argparse.Namespace) -> int:
     found, kept = stale(names, unreadable, unlisted)
     for n in doomed:  # claimed by a collector: opened, as an opener would, it is given back
         try:  # when that collector died claiming it (after DOOMED_WAIT), or goes with it
-            attach(n).close()
+            reopen(n)
         except LimiterNotFoundError:
             continue
         except (ShmlimitError, OSError, ValueError) as e:
