@@ -276,10 +276,13 @@ class WindowCounters:
     def incr(self, key: object, expiry: float, amount: int = 1) -> int:
         """Add ``amount`` to ``key``'s current window of ``expiry`` seconds; the count after it.
 
-        A window starts at the first increment after the previous one ended.
-        Answers ``OVER`` once the window's count would pass ``CMAX``.
+        A window starts at the first increment after the previous one ended, of an ``amount``
+        above 0: a hit of cost 0 starts none (``limits``' storages restart the window it would
+        start at the next paid hit).  Answers ``OVER`` once the window's count would pass ``CMAX``.
         """
         w, amount = window_ms(expiry), _bounded("amount", amount, CMAX)
+        if amount == 0:
+            return self.get(key)
         _, now = self._now()
         if self._native is not None and native_fits(key):
             got = self._native.incr(key, w, amount, now)

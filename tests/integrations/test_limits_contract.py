@@ -75,6 +75,17 @@ def test_counts_add_the_amount_and_start_from_zero(subject):
     assert subject("get", "k") == 11 and subject("get", "other") == 0
 
 
+def test_a_hit_of_cost_0_starts_no_window_the_next_paid_hit_does(subject):
+    """``limits``' storages restart a window whenever its count equals the amount added, so the
+    window a hit of cost 0 started on an empty key restarts at the next paid hit; ``shm://`` kept
+    the cost-0 hit's window (here an hour's), and its end came at a time ``limits`` never gives."""
+    assert subject("incr", "k", 3600, amount=0) == 0 and subject("get", "k") == 0
+    assert subject("incr", "k", 60) == 1
+    assert subject("get_expiry", "k") <= time.time() + 60.5
+    assert subject("incr", "k", 3600, amount=0) == 1  # a live window: its count, unchanged
+    assert subject("get", "k") == 1 and subject("get_expiry", "k") <= time.time() + 60.5
+
+
 def test_expiry_is_the_end_of_the_window(subject):
     before = time.time()
     assert subject("get_expiry", "k") <= time.time() + 0.01  # no window: now
