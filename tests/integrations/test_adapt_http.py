@@ -179,3 +179,21 @@ def test_one_keyed_limiter_finds_two_hosts_capacities_at_once(name, tmp_path):
         assert h["goodput_share"] >= 0.75, figures
         assert h["throttled_share"] <= 0.10, figures
         assert h["rates"][-1][1] < 2 * h["capacity"], figures  # each host's own rate
+
+
+@pytest.mark.parametrize("kind", ["limiter", "keyed"])
+def test_running_transports_follow_a_live_reconfigure_of_adapt(name, server, kind, cleanup):
+    """Another process drops ``adapt=`` with ``reconfigure=True`` while a client is running: its
+    next request is answered, not turned into the ValueError ``feedback`` raises on a limiter
+    that no longer adapts; adapt= given back, its answers are reported again."""
+    make = shmlimit.Limiter if kind == "limiter" else shmlimit.KeyedLimiter
+    lim = make(name, rate=1000, adapt=ADAPT)
+    cleanup.append(lim)
+    with httpx.Client(transport=ThrottledTransport(lim)) as c:
+        assert c.get(f"{server}/200").status_code == 200
+        make(name, rate=1000, reconfigure=True).close()
+        assert not lim.adaptive
+        assert c.get(f"{server}/429").status_code == 429
+        make(name, rate=1000, adapt=ADAPT, reconfigure=True).close()
+        assert c.get(f"{server}/429").status_code == 429
+    assert _counts(name) == (1, 1)
