@@ -26,7 +26,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Callable, List, Mapping, Optional, Sequence, Tuple, TypeVar
+from typing import TYPE_CHECKING, Any, Callable, List, Mapping, Optional, Sequence, Tuple, TypeVar
 
 from shmlimit.config import MAX_OPS_PER_S, NS_PER_S, Config, number
 from shmlimit.errors import SegmentError
@@ -413,6 +413,20 @@ def feedback(bucket: "Bucket", throttled: bool, clock: Callable[[], int]) -> boo
         bucket.publish(adapted(judged[0].config, rate), at)  # type: ignore[arg-type]
     c.fetch_add(L.ADAPT_THROTTLED if throttled else L.ADAPT_OK, 1)
     return True
+
+
+def tell(limiter: Any, throttled: bool, *args: Any) -> None:
+    """``limiter.feedback(throttled, *args)`` if it adapts now (the integrations' reports): any
+    process may give or take ``adapt=`` with ``reconfigure=True`` while this one runs, and an
+    answer (a task's result) is not lost to the ValueError ``feedback`` raises on a limiter that
+    no longer adapts.  A limiter of a kind that does not adapt is told nothing."""
+    if not getattr(limiter, "adaptive", False):
+        return
+    try:
+        limiter.feedback(throttled, *args)
+    except ValueError:
+        if getattr(limiter, "adaptive", False):
+            raise  # (adapt= taken away between the two looks: nothing to report)
 
 
 def _judge(

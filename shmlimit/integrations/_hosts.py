@@ -41,6 +41,7 @@ from typing import Any, Awaitable, Callable, Iterable, Optional, Tuple, TypeVar
 from urllib.parse import urlsplit
 
 from shmlimit import KeyedLimiter
+from shmlimit.adapt import tell
 from shmlimit.config import is_int, is_number
 from shmlimit.errors import RateLimited
 from shmlimit.protocol import Keyed
@@ -300,20 +301,6 @@ class HostThrottle:
         while (left := self._paused(host, deadline)) > 0:
             await asyncio.sleep(left)
 
-    def report(self, throttled: bool, args: Tuple[Any, ...]) -> None:
-        """Report an answer to the limiter's adaptive rate (``Limiter(adapt=...)``; a
-        ``KeyedLimiter``'s, each key's own) if it adapts now: any process may give or take
-        ``adapt=`` with ``reconfigure=True`` while this one runs, and an answer is not lost to
-        the ValueError ``feedback`` raises on a limiter that no longer adapts."""
-        lim = self.limiter
-        if not getattr(lim, "adaptive", False):
-            return
-        try:
-            lim.feedback(throttled, *args)
-        except ValueError:
-            if getattr(lim, "adaptive", False):
-                raise  # (adapt= taken away between the two looks: nothing to report)
-
     def after(
         self, host: str, status: int, retry_after: Any, args: Tuple[Any, ...] = ()
     ) -> Optional[float]:
@@ -321,7 +308,7 @@ class HostThrottle:
         are throttled, any other answer is not; a keyed one's under the request's key, ``args``);
         on a pausing status with ``Retry-After``, pause ``host`` (its pause key); the pause
         (seconds) or None."""
-        self.report(status in THROTTLED, args)
+        tell(self.limiter, status in THROTTLED, *args)
         if status not in self.pause_on:
             return None
         seconds = parse_retry_after(retry_after)

@@ -63,6 +63,7 @@ import sys
 import time
 from typing import Any, Callable, Optional, Tuple, Type, TypeVar
 
+from shmlimit.adapt import tell
 from shmlimit.config import is_int, is_number
 from shmlimit.errors import MissingExtraError
 from shmlimit.protocol import Keyed
@@ -387,13 +388,13 @@ def rate_limited(
             )
             if not throttling:
                 return fn(self, *args, **kwargs)
-            report = functools.partial(limiter.feedback, **({} if k is None else {"key": k}))
+            told = () if k is None else (k,)
             try:
                 result = fn(self, *args, **kwargs)
             except throttling:
-                report(throttled=True)
+                tell(limiter, True, *told)
                 raise
-            report(throttled=False)
+            tell(limiter, False, *told)
             return result
 
         run.limiter = limiter  # type: ignore[attr-defined]

@@ -414,6 +414,42 @@ def test_throttling_exceptions_report_to_an_adaptive_limiter(name):
         shmlimit.unlink(name + "-plain")
 
 
+def test_a_run_is_not_failed_by_a_live_reconfigure_of_adapt(name):
+    """Another process drops ``adapt=`` with ``reconfigure=True`` while a worker runs tasks with
+    ``throttling=``: a run that returns still returns, one that raises still raises its own
+    exception (not the ValueError ``feedback`` raises on a limiter that no longer adapts); adapt=
+    given back, the runs are reported again."""
+    from shmlimit.integrations.celery import rate_limited
+
+    app = celery.Celery("readapt", set_as_current=False)
+    adapt = shmlimit.Adapt(min_rate=10, max_rate=200)
+    lim = shmlimit.Limiter(name, rate=100, adapt=adapt)
+
+    class Busy(Exception):
+        pass
+
+    try:
+
+        @app.task(bind=True)
+        @rate_limited(lim, throttling=(Busy,))
+        def job(self, outcome):
+            if outcome:
+                raise outcome()
+            return 1
+
+        shmlimit.Limiter(name, rate=100, reconfigure=True).close()
+        assert job(None) == 1
+        with pytest.raises(Busy):
+            job(Busy)
+        shmlimit.Limiter(name, rate=100, adapt=adapt, reconfigure=True).close()
+        before = lim.stats().adapt
+        assert job(None) == 1
+        after = lim.stats().adapt
+        assert (after.ok - before.ok, after.throttled - before.throttled) == (1, 0)
+    finally:
+        lim.close()
+
+
 def test_countdown_spreads_and_is_capped():
     from shmlimit.integrations.celery import countdown
 
