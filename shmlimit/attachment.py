@@ -670,7 +670,7 @@ def check_matches(name: str, att: Attachment, create: Optional[Creation]) -> Non
     have = read_adapt(att.cells)
     if have != create.adapt:
         raise ConfigMismatchError(
-            name, describe_adapt(have), describe_adapt(create.adapt), live=True
+            name, describe_adapt(have), describe_adapt(create.adapt), live=True, settable=False
         )
     if b.config != expected(create.config, create.adapt, att.cells, b.config):
         raise ConfigMismatchError(name, b.config.describe(), create.config.describe(), live=True)

@@ -40,14 +40,21 @@ class ConfigMismatchError(ShmlimitError, ValueError):
         requested: object,
         live: bool = False,
         group: Optional[Tuple[str, str, bool]] = None,
+        settable: bool = True,
     ) -> None:
         # ``group``: ``name`` is one rate of a limiter of several rates, ``(its name, the rate's
-        # key, whether its constructor takes reconfigure=)``: attached by the group's name
+        # key, whether its constructor takes reconfigure=)``: attached by the group's name;
+        # ``settable``: ``set_rate`` can change what differs (not an adaptive rate's ``adapt=``)
         who = name if group is None else group[0]
         if not live:
             then = "unlink it first."
         elif group is None or group[2]:
             then = "pass reconfigure=True to apply this configuration to every process using it."
+        elif not settable:
+            then = (
+                "create it with this configuration once no process uses it (set_rate cannot "
+                "change adapt=; the rates learned are kept within the new bounds)."
+            )
         else:
             then = f"change it for every process using it with set_rate({group[1]!r}, ...)."
         super().__init__(
@@ -58,12 +65,18 @@ class ConfigMismatchError(ShmlimitError, ValueError):
         self.existing = existing
         self.requested = requested
         self.live = live
+        self.settable = settable
 
     def of_group(self, group: str, key: str, reconfigure: bool) -> "ConfigMismatchError":
         """This mismatch of rate ``key`` of the limiter of several rates ``group``, advising what
         works there (``reconfigure``: whether its constructor takes ``reconfigure=``)."""
         return ConfigMismatchError(
-            self.name, self.existing, self.requested, self.live, (group, key, reconfigure)
+            self.name,
+            self.existing,
+            self.requested,
+            self.live,
+            (group, key, reconfigure),
+            self.settable,
         )
 
 

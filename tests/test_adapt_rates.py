@@ -23,8 +23,11 @@ TOK = shmlimit.Adapt(min_rate=100, max_rate=5000, increase=100)
 RATES = {"requests": 100, "tokens": 1000, "hourly": "1M/h"}
 
 
+_ADAPTS = {"requests": REQ, "tokens": TOK}
+
+
 def _lim(name, clock, adapt=None, **kw):
-    adapt = {"requests": REQ, "tokens": TOK} if adapt is None else adapt
+    adapt = _ADAPTS if adapt is None else adapt
     return shmlimit.Limiter(name, rates=RATES, adapt=adapt, clock=clock, **kw)
 
 
@@ -172,6 +175,23 @@ def test_the_same_creating_call_starts_from_the_learned_rates(name, cleanup):
     assert again.configs["tokens"].rate == 321.0
     with pytest.raises(shmlimit.ConfigMismatchError, match="max_rate=1900"):
         _lim(name, clock, adapt={"requests": REQ, "tokens": shmlimit.Adapt(100, 1900)})
+
+
+def test_a_live_adapt_mismatch_advises_what_can_change_it(name, cleanup):
+    """set_rate cannot change a rate's adapt= (nor take or give one), and a limiter of several
+    rates takes no reconfigure=: the mismatch says that only a new fleet, once no process uses
+    the limiter, takes other bounds (the rates learned kept within them)."""
+    clock = FakeClock()
+    lim = _lim(name, clock)
+    cleanup.append(lim)
+    other = {"requests": REQ, "tokens": shmlimit.Adapt(100, 1900)}
+    for adapt in (other, {"requests": REQ}):
+        with pytest.raises(shmlimit.ConfigMismatchError) as e:
+            _lim(name, clock, adapt=adapt)
+        assert "with set_rate(" not in str(e.value), str(e.value)
+        assert "once no process uses it" in str(e.value), str(e.value)
+    with pytest.raises(shmlimit.ConfigMismatchError, match="set_rate\\('hourly'"):  # a rate's
+        shmlimit.Limiter(name, rates={**RATES, "hourly": "2M/h"}, adapt=_ADAPTS, clock=clock)
 
 
 def test_a_group_without_adapt_takes_no_feedback(name, cleanup):
