@@ -45,7 +45,7 @@ from shmlimit.bucket.giveback import (
 )
 from shmlimit.bucket.rovers import WAIT_BURN, WAIT_NUDGE, Bucket, GrabResult
 from shmlimit.config import MAX_NAP, NS_PER_S
-from shmlimit.errors import ConfigMismatchError
+from shmlimit.errors import ConfigMismatchError, naming
 from shmlimit.header import Creation, open_segment
 from shmlimit.redis.spec import UpstreamSpec
 from shmlimit.registry import Attached, Registry, attach
@@ -235,12 +235,13 @@ class Attachment(Attached):
         #: the uids this process's handles trust besides itself and root (``trusted_uids``): a
         #: segment made beside this one for its handles (an HTTP client's pause table) trusts them
         self.trusted = trusted
-        self.bucket = Bucket(cells, clock)
+        with naming(name):  # (its config's words and its upstream's, read without a name)
+            self.bucket = Bucket(cells, clock)
+            #: hierarchical mode: the upstream as the segment describes it (no secrets; shown, compared)
+            self.upstream = UpstreamSpec.read(cells) if self.bucket.upstream else None
         self.bucket.inflights = tuple(
             L.inflight_offset(self.table.slots, i) for i in range(self.table.slots)
         )
-        #: hierarchical mode: the upstream as the segment describes it (no secrets; shown, compared)
-        self.upstream = UpstreamSpec.read(cells) if self.bucket.upstream else None
         #: ... and as this process configured it itself (with its secrets): only then does it feed
         self.feed_spec: Optional[UpstreamSpec] = None
         self.filler: Optional[FillerThread] = None
@@ -604,7 +605,8 @@ def map_attachment(
 
     def adopt(att: Attachment) -> None:
         if create is not None and not att.created:
-            adopt_config(att, create, reconfigure)
+            with naming(name):  # (its adaptive rate's words, read without a name)
+                adopt_config(att, create, reconfigure)
 
     return attach(name, make, adopt, lambda att: check_matches(name, att, create), join)
 
@@ -666,8 +668,9 @@ def check_matches(name: str, att: Attachment, create: Optional[Creation]) -> Non
     if create is None:
         return
     b = att.bucket
-    b.refresh()  # another process may have changed it since this one last looked
-    have = read_adapt(att.cells)
+    with naming(name):  # (its config's and adaptive rate's words, read without a name)
+        b.refresh()  # another process may have changed it since this one last looked
+        have = read_adapt(att.cells)
     if have != create.adapt:
         raise ConfigMismatchError(
             name, describe_adapt(have), describe_adapt(create.adapt), live=True, settable=False

@@ -2,7 +2,8 @@
 
 from __future__ import annotations
 
-from typing import Optional, Tuple
+from contextlib import contextmanager
+from typing import Iterator, Optional, Tuple
 
 
 class ShmlimitError(Exception):
@@ -82,6 +83,25 @@ class ConfigMismatchError(ShmlimitError, ValueError):
 
 class SegmentError(ShmlimitError):
     """A segment under that name is corrupt, foreign, truncated or of another layout version."""
+
+
+#: How the layers that read a segment's words, not its name, begin their refusals.
+_UNNAMED = ("segment is corrupt", "keyed segment is corrupt")
+
+
+@contextmanager
+def naming(name: str) -> Iterator[None]:
+    """A refusal of a layer that knows only the words (``_UNNAMED``: a config or an adaptive rate
+    no reader accepts), raised here naming segment ``name``: one of several limiters is then
+    found by the error alone."""
+    try:
+        yield
+    except SegmentError as e:
+        said = str(e)
+        head = next((h for h in _UNNAMED if said.startswith(h)), None)
+        if head is None:
+            raise
+        raise SegmentError(f"segment {name!r} is corrupt{said[len(head) :]}") from None
 
 
 class UntrustedSegmentError(SegmentError, PermissionError):

@@ -15,6 +15,7 @@ from shmlimit.adapt import stats as adapt_stats
 from shmlimit.attachment import Attachment
 from shmlimit.bucket.filler import LEASE_TIMEOUT, lease_expiry_us, lease_slot, now_us
 from shmlimit.config import NS_PER_S, Config
+from shmlimit.errors import naming
 from shmlimit.header import cells_size, check_copied
 from shmlimit.redis.spec import STATE_NAMES
 from shmlimit.shm import layout as L
@@ -190,6 +191,7 @@ def copied_snapshot(name: str, label: str, seg: Segment) -> Stats:
     settle_copy(cells, L.CFG_SEQ)  # (a dead writer's lock in it: read at once)
     att = Attachment(label, seg, cells)
     try:
-        return snapshot(label, att)
+        with naming(label):  # (its adaptive rate's words, read without a name)
+            return snapshot(label, att)
     finally:
         att.detach()

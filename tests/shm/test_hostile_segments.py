@@ -3,6 +3,7 @@
 import functools
 import struct
 
+import pytest
 from hypothesis import HealthCheck, event, given, settings
 from hypothesis import strategies as st
 from support.segments import captured, no_opener_waits, planted, with_words
@@ -85,3 +86,39 @@ def test_random_bytes_are_refused_cleanly(data, monkeypatch):
                     event(f"refused later: {type(e).__name__}")
                 finally:
                     r.close()
+
+
+def _words(offsets, value):
+    return [(off // 8, value) for off in offsets]
+
+
+#: A ready header over words no reader accepts: each reader's own refusal must name the segment,
+#: as the header's do (the layers below read words, not names).
+_CORRUPT_WORDS = {
+    # no config bank passes its checksum
+    "config": _words((L.CFG_SUM, L.CFG_BACKUP_SUM), 0x5EED),
+    # an adaptive rate whose minimum is 0 ops
+    "adapt": _words((L.ADAPT_MIN,), 0) + _words((L.ADAPT_MAX,), L.f2u(10.0)),
+}
+
+
+@pytest.mark.parametrize("what", sorted(_CORRUPT_WORDS))
+@pytest.mark.parametrize(
+    "call",
+    [
+        shmlimit.inspect,
+        shmlimit.attach,
+        lambda n: shmlimit.Limiter(n),
+        lambda n: shmlimit.Limiter(n, rate=5),
+    ],
+    ids=["inspect", "attach", "Limiter attach", "Limiter"],
+)
+def test_a_corrupt_body_is_refused_naming_the_segment(what, call):
+    with planted(bytes(with_words(_real_segment(), _CORRUPT_WORDS[what])), "test-named") as name:
+        try:
+            got = call(name)
+        except shmlimit.SegmentError as e:
+            assert repr(name) in str(e), str(e)
+            assert "is corrupt" in str(e)
+        else:  # (one reader may not need the words: then it must work)
+            got.close() if hasattr(got, "close") else None
