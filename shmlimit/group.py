@@ -262,7 +262,12 @@ def map_region(group: Segment, geo: Geometry, index: int) -> Segment:
                     f"segment {group.name!r} is truncated: rate {geo.keys[index]!r} needs "
                     f"{off + size} bytes, the file has {st.st_size}"
                 )
-            mm = mmap.mmap(fd, size, offset=off)
+            try:
+                mm = mmap.mmap(fd, size, offset=off)
+            except ValueError:  # (mmap refuses a length past the end: cut since it was sized)
+                raise SegmentError(
+                    f"segment {group.name!r} shrank while it was being opened"
+                ) from None
     except LimiterNotFoundError:
         raise Collected() from None
     return Segment(

@@ -309,7 +309,10 @@ class Segment:
         with opened(name, write=True, mode=mode, trusted_uids=trusted_uids) as (fd, st):
             size = st.st_size
             _check_header_size(name, fd, size, magic, max_bytes)
-            mm = mmap.mmap(fd, size) if size else None
+            try:
+                mm = mmap.mmap(fd, size) if size else None
+            except ValueError:  # (mmap refuses a length past the end: cut since it was sized)
+                raise SegmentError(f"segment {name!r} shrank while it was being opened") from None
         return cls(name, mm, size, False, st.st_ino, st.st_ctime_ns, st.st_uid, st.st_mode & 0o7777)  # type: ignore[arg-type]
 
     @classmethod

@@ -1,6 +1,8 @@
 """Random bytes where a segment should be: refused with a clear error, never a crash or a hang."""
 
+import contextlib
 import functools
+import os
 import struct
 
 import pytest
@@ -11,7 +13,8 @@ from support.segments import captured, no_opener_waits, planted, with_words
 import shmlimit
 import shmlimit.header as header
 import shmlimit.shm.layout as L
-from shmlimit.shm import banks
+from shmlimit import group
+from shmlimit.shm import banks, segment
 
 VALID_HEADER = struct.pack("<QQQQQQ", L.MAGIC, L.VERSION, L.segment_size(1), L.STATE_READY, 1, 1)
 
@@ -122,3 +125,31 @@ def test_a_corrupt_body_is_refused_naming_the_segment(what, call):
             assert "is corrupt" in str(e)
         else:  # (one reader may not need the words: then it must work)
             got.close() if hasattr(got, "close") else None
+
+
+def _shrunk_after_stat(monkeypatch, module):
+    """Every open of ``module`` (``segment``, ``group``) finds the file cut to 64 bytes just after
+    it read its size, before it maps it: what another process truncating it then does."""
+    real = module.opened
+
+    @contextlib.contextmanager
+    def shrinking(*args, **kwargs):
+        with real(*args, **kwargs) as (fd, st):
+            os.ftruncate(fd, 64)
+            yield fd, st
+
+    monkeypatch.setattr(module, "opened", shrinking)
+
+
+@pytest.mark.parametrize("rates", [None, ["5/s", "100/min"]], ids=["one rate", "several rates"])
+def test_a_file_cut_between_its_size_and_its_mapping_is_refused(name, rates, monkeypatch):
+    if rates is None:
+        shmlimit.Limiter(name, rate=5, slots=1).close()
+        _shrunk_after_stat(monkeypatch, segment)
+    else:
+        shmlimit.Limiter(name, rates=rates, slots=1).close()
+        _shrunk_after_stat(
+            monkeypatch, group
+        )  # (the group's header maps whole; a rate's region not)
+    with pytest.raises(shmlimit.SegmentError, match=f"{name!r} shrank"):
+        shmlimit.attach(name)
