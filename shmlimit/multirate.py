@@ -64,6 +64,7 @@ from shmlimit.config import (
     validate_clock,
     validate_timeout,
 )
+from shmlimit.errors import LimiterNotFoundError
 from shmlimit.group import GroupCreation, copy_regions, open_rates
 from shmlimit.header import Creation
 from shmlimit.protocol import AcquireOnEnter
@@ -120,7 +121,7 @@ class MultiLimiter(RateGroup, AcquireOnEnter, Held):
         validate_slots(slots)
         clock = validate_clock(clock)
         create: Optional[GroupCreation] = None
-        # what a pickled handle re-opens with (None: by name; adapt= needs rates=)
+        # what a pickled handle makes again if the name is gone (None: by name only; adapt= needs rates=)
         self._rates_arg: object = None
         self._adapt_arg = adapt
         if rates is None and adapt is not None:
@@ -599,5 +600,12 @@ def inspect_group(name: str) -> MultiStats:
 def _unpickle(
     name: str, rates: object, adapt: object, *, mode: int, trusted_uids: Tuple[int, ...]
 ) -> MultiLimiter:
-    """Unpickling a handle (``registry.pickled``): the same creating call, made again."""
+    """Unpickling a handle (``registry.pickled``): attached by name, its rates as the limiter holds
+    them now (a ``set_rate`` since its creation would make the creating call a mismatch); the
+    same creating call, made again, only if no limiter of that name exists."""
+    try:
+        return MultiLimiter(name, None, mode=mode, trusted_uids=trusted_uids)
+    except LimiterNotFoundError:
+        if rates is None:
+            raise
     return MultiLimiter(name, rates, mode=mode, trusted_uids=trusted_uids, adapt=adapt)

@@ -408,6 +408,23 @@ def test_pickles_and_works_with_asyncio(name, clock, cleanup):
     copy.close()
 
 
+def test_a_handle_pickles_after_a_live_change_of_a_rate(name, cleanup):
+    """A handle pickled after ``set_rate`` (by any process) opens the limiter as it is now: made
+    again with the rates it was created with, the unpickling raised ConfigMismatchError, so a
+    pool worker could not take a limiter whose rate had ever been changed live."""
+    lim = shmlimit.Limiter(name, rates={"a": ("10/s", 5), "b": "100/s"})
+    cleanup.append(lim)
+    lim.set_rate("a", "20/s", burst=5)
+    copy = pickle.loads(pickle.dumps(lim))
+    cleanup.append(copy)
+    assert copy.configs == lim.configs
+    assert copy.configs["a"].rate == 20
+    lim.unlink()  # gone: the pickle still makes it again, with the rates it was created with
+    again = pickle.loads(pickle.dumps(lim))
+    cleanup.append(again)
+    assert again.configs["a"].rate == 10
+
+
 def test_the_fast_path_is_all_or_nothing_and_follows_live_changes(name, clock, cleanup):
     lim = make(name, [("10/s", 2), ("1/s", 1)], clock)
     cleanup.append(lim)
