@@ -31,8 +31,9 @@ from shmlimit.shm.segment import NAME_MAX
 from shmlimit.shm.segment import unlink as _unlink_name
 
 _KEY = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")
-#: Keys that would collide with the calls' own parameters.
-_RESERVED = ("n", "timeout", "max_wait", "which")
+#: Keys that would collide with the calls' own parameters (a keyed limiter's, ``key`` too:
+#: ``parse_rates``' ``reserved``).
+RESERVED = ("n", "timeout", "max_wait", "which", "self")
 #: A limiter holds at most this many rates (``rates=``; its group's header, ``group``, as many).
 MAX_RATES = 16
 #: One rate of ``rates=``: a rate (``"5000/h"``, ops per second) or a pair (rate, burst in ops).
@@ -86,8 +87,11 @@ def rates_from_text(text: str) -> Union[List[RateValue], Dict[str, RateValue]]:
     return named or listed
 
 
-def parse_rates(name: str, rates: object) -> Tuple[Tuple[str, ...], Tuple[Config, ...], bool]:
-    """``rates=`` as (keys, configs, named).  A list's keys are "0", "1", ...; a dict's are its own.
+def parse_rates(
+    name: str, rates: object, reserved: Tuple[str, ...] = RESERVED
+) -> Tuple[Tuple[str, ...], Tuple[Config, ...], bool]:
+    """``rates=`` as (keys, configs, named).  A list's keys are "0", "1", ...; a dict's are its own,
+    none of them ``reserved`` (the names of the calls' own parameters).
 
     Each value is a rate (``"5000/h"``, ``"200K/min"``, a number of ops per
     second) or a pair ``(rate, burst)``; the capacity defaults as for one rate.
@@ -110,10 +114,10 @@ def parse_rates(name: str, rates: object) -> Tuple[Tuple[str, ...], Tuple[Config
     keys: List[str] = []
     cfgs: List[Config] = []
     for key, value in items:
-        if named and (not isinstance(key, str) or not _KEY.fullmatch(key) or key in _RESERVED):
+        if named and (not isinstance(key, str) or not _KEY.fullmatch(key) or key in reserved):
             raise ValueError(
                 f"rates: each name must be a Python identifier of ASCII letters, digits and '_', "
-                f"and not one of {', '.join(_RESERVED)}; got {key!r}"
+                f"and not one of {', '.join(reserved)}; got {key!r}"
             )
         if len(name) + 1 + len(key) > NAME_MAX:
             raise ValueError(

@@ -97,6 +97,7 @@ def test_one_segment_for_every_rate_each_with_its_own_config(name, clock, cleanu
         ({"a-b": "1/s"}, ValueError),
         ({"n": "1/s"}, ValueError),
         ({"timeout": "1/s"}, ValueError),
+        ({"self": "1/s"}, ValueError),  # (every call naming it: "multiple values for 'self'")
         ({"a": "1/fortnight"}, ValueError),
         ({"a": 0}, ValueError),
         ([("1/s", 0.5)], ValueError),

@@ -47,7 +47,13 @@ from shmlimit.keyed.adapt import check_start
 from shmlimit.keyed.gcra import TICKS_PER_S, make_rate, wait_ticks
 from shmlimit.keyed.segment import check_geometry
 from shmlimit.protocol import Keyed
-from shmlimit.rate_group import MultiStats, RateGroup, parse_rates, rates_from_text
+from shmlimit.rate_group import (
+    RESERVED,
+    MultiStats,
+    RateGroup,
+    parse_rates,
+    rates_from_text,
+)
 from shmlimit.registry import described, pickled
 from shmlimit.shm import layout as L
 from shmlimit.shm.segment import validate_mode, validate_name, validate_trusted_uids
@@ -107,7 +113,8 @@ class MultiKeyedLimiter(RateGroup, Keyed):
         if rates is not None:  # None: attach by name, the rates as the limiter holds them
             if isinstance(rates, str):
                 rates = rates_from_text(rates)
-            rkeys, _, named = parse_rates(name, rates)  # names and values checked as a Limiter's
+            # names and values checked as a Limiter's; a rate named "key" could never be costed
+            rkeys, _, named = parse_rates(name, rates, RESERVED + ("key",))
             values = list(rates.values()) if named else list(rates)  # type: ignore[union-attr, call-overload]
             table = check_geometry(
                 keys,

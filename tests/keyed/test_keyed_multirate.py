@@ -122,6 +122,10 @@ def test_rates_and_rate_or_unknown_options_do_not_mix(name):
         shmlimit.KeyedLimiter(name, rates=["1/s"], capped=True)
     with pytest.raises(ValueError, match="rates"):
         shmlimit.KeyedLimiter(name, rates=[])
+    # a rate no call could cost by name: acquire("k", key=1) is "multiple values for 'key'"
+    for param in ("key", "self"):
+        with pytest.raises(ValueError, match="rates: each name must be"):
+            shmlimit.KeyedLimiter(name, rates={param: "1/s", "b": "1/s"})
     assert not [n for n in shmlimit.list_names() if n.startswith(name)]
 
 
