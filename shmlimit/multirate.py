@@ -443,6 +443,8 @@ class MultiLimiter(RateGroup, AcquireOnEnter, Held):
                 held = min(held_ns(a.bucket.snap.tpn) for a, *_ in claims)
                 if due > held:
                     raise beyond_hold(due, held)
+                if due > max_ns:  # each claim was bounded by its estimate: the promise decides
+                    return None
                 made = all(
                     [
                         h.settle(att.bucket.fences, math.ceil(att.clock() + max(0.0, due)))

@@ -297,7 +297,8 @@ def test_reserve_is_all_or_nothing(name, clock, cleanup):
     assert lim.reserve(max_wait=0.5) is None  # the 1/s rate would need 1 s
     assert (balance(lim, "0"), balance(lim, "1")) == (0, 0)
     # and the replenish that adds nothing: the clock stood still since the full bucket's last one
-    assert lim.reserve(max_wait=1.0) == pytest.approx(1.0 + LOST, abs=0.01)
+    assert lim.reserve(max_wait=1.0) is None  # promised 1 s + LOST: past the bound
+    assert lim.reserve(max_wait=1.0 + LOST + 0.01) == pytest.approx(1.0 + LOST, abs=0.01)
     assert lim.stats().grants == {"0": 2, "1": 2}
 
 
@@ -359,6 +360,18 @@ def test_a_waiter_pays_each_rate_the_price_in_force_when_it_takes_that_rate(name
     assert r.next() is not True and r.state == "others"  # slow is due: it joins fast's queue
     assert diff(fast.taken(), tail) == 10 * fast.cost  # 10 ops at the new price: 10 s
     r.end()
+
+
+def test_a_reservation_is_never_promised_past_its_max_wait(name, clock, cleanup):
+    """Two rates of 50/s, burst 1, just emptied: 2 ops on both are promised 60 ms away, beyond
+    the 40 ms their tokens take (the head moves a capacity at most per replenish).  Each claim's
+    bound was checked against the shorter estimate, and ``max_wait=0.05`` returned 0.06."""
+    lim = make(name, {"a": ("50/s", 1), "b": ("50/s", 1)}, clock)
+    cleanup.append(lim)
+    assert lim.reserve(a=1, b=1) == 0.0
+    assert lim.reserve(a=2, b=2, max_wait=0.05) is None  # every claim given back
+    assert lim.stats().grants == {"a": 1, "b": 1}
+    assert lim.reserve(a=2, b=2, max_wait=0.061) == pytest.approx(0.06)
 
 
 def test_a_reservation_longer_than_a_fence_can_hold_is_refused_on_every_rate(name, cleanup):

@@ -832,6 +832,15 @@ class Bucket(Schedule):
                     and not fence.put(self, new, tokens, snap)
                 ):
                     return NO_FENCE, None  # (its LIMIT, then DUE, stored before the CAS)
+                if (
+                    fence is not None
+                    and fence.promise is not None
+                    and fence.want is None
+                    and fence.promise - self.clock() > max_wait_ns
+                ):
+                    # the promise, not the estimate, is what the reservation is told: one later
+                    # than the bound is refused too (the head moves a capacity at most per replenish)
+                    return REFUSED, None
                 if short > 0 and recs is not None:
                     rec = claim_record(c, recs, new) if rec is None else rec
                     if rec is None:

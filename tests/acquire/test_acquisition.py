@@ -193,6 +193,21 @@ def test_reservations_are_spaced_exactly_on_a_fake_clock(name, clock):
         lim.close()
 
 
+def test_a_reservation_is_never_promised_past_its_max_wait(name, clock):
+    """A ticket of 2 ops at 50/s, burst 1, behind an empty bucket is promised 60 ms away (longer
+    than the 40 ms its tokens take: the head moves a capacity at most per replenish).  The bound
+    was checked against the shorter estimate, and ``reserve(2, max_wait=0.05)`` returned 0.06."""
+    lim = open_limiter(name, clock, rate=50, burst=1)
+    try:
+        assert lim.reserve() == 0.0
+        grants = lim.stats().grants
+        assert lim.reserve(2, max_wait=0.05) is None  # taking nothing
+        assert lim.stats().grants == grants
+        assert lim.reserve(2, max_wait=0.061) == pytest.approx(0.06)
+    finally:
+        lim.close()
+
+
 def test_a_reservation_longer_than_its_fence_can_hold_is_refused_taking_nothing(name):
     # burst 1 at 100 000/s: a capacity under two fill intervals moves the head at the filler's
     # pace (half an op a ms), so reserve(n) waits 2 ms an op.  A fence holds at most twice the
