@@ -376,7 +376,9 @@ class Attachment(Attached):
 
         The range stays recorded in the slot (its waiter's record, ``rec``,
         marked given; else a free one), so that it is still skipped should
-        this process exit or die before the head gets there.
+        this process exit or die before the head gets there.  A ticket queued
+        unrecorded (every record in use) and given back while none is free is
+        held in no record, as it was: killed first, it costs its schedule, once.
         """
         if not mark_given(self.cells, rec, tokens):
             rec = self.record_ticket(ticket, tokens, given=True)
