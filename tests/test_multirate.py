@@ -239,6 +239,12 @@ def test_once_its_lead_rate_is_due_a_waiter_holds_it_only_for_the_others_queue(
     advance(lim, clock, 0.022)
     assert r.next() is True
     r.end()
+    # a's op is used now, 0.6 s after its tokens were covered: a's next op is a second after
+    # now, not 0.4 s (2 ops within 0.4 s were over a's 1/s with a burst of 1: rate*T + capacity)
+    advance(lim, clock, 0.38)
+    assert not lim.try_acquire(a=1)
+    advance(lim, clock, 0.62)
+    assert lim.try_acquire(a=1)
 
 
 def test_a_timed_waiter_whose_other_rates_queued_gives_everything_back(name, clock, cleanup):

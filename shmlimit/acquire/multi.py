@@ -206,6 +206,7 @@ class MultiRequest:
             Tuple[int, Request]
         ] = []  # (rate index, the request waiting for its ticket)
         self.held: List[Held] = []  # tokens granted and not yet used
+        self.since: List[int] = []  # when each was seen covered (the clock's ns)
         self.lead = -1
         self.joining: List[int] = []  # rates still to join, whose records were all in use (RECORD)
         self.granted = False
@@ -249,7 +250,7 @@ class MultiRequest:
                 self.joining = list(which[k:])
                 break
             if got is None:
-                self.held.append((att, t, h))
+                self._hold((att, t, h))
             else:
                 self.waits.append((i, Request.holding(att, 0, got, t, rec)))
         return self._step()
@@ -263,7 +264,7 @@ class MultiRequest:
             if s is True:
                 ticket = req.ticket  # ending the request forgets it
                 req.end()
-                self.held.append((self.atts[i], req.tokens, ticket))  # covered: the head passed it
+                self._hold((self.atts[i], req.tokens, ticket))  # covered: the head passed it
                 continue
             still.append((i, req))
             naps.append(s)
@@ -310,15 +311,36 @@ class MultiRequest:
             return self._join(self.joining)
         return self._step()
 
+    def _hold(self, held: Held) -> None:
+        self.held.append(held)
+        self.since.append(self.clock())
+
     def _granted(self, count: bool) -> bool:
         if count:
+            now = self.clock()
+            for (att, tokens, _), since in zip(self.held, self.since):
+                self._redate(att, tokens, now - since)
             for att, o in zip(self.atts, self.ops):
                 if o:
                     att.count(o)
-        self.held = []
+        self.held, self.since = [], []
         self.granted = True
         self.state = DONE
         return True
+
+    @staticmethod
+    def _redate(att: Attachment, tokens: int, held_ns: int) -> None:
+        """The op is used when the call returns, not when its tokens were covered: tokens held
+        ``held_ns`` while the other rates' turns came are charged again, up to ``tokens``, so that
+        rate's bucket is no fuller than had they been taken now.  (Held, they let the bucket
+        refill meanwhile, which a full bucket would have dropped: a lead rate of 1/s, held 0.6 s
+        for another rate's queue, granted its next op 0.4 s after the call returned.)  The
+        bucket's level differs by at most ``tokens`` and by at most the refill over ``held_ns``:
+        charging the lesser loses that little time when it was not full, never grants early."""
+        b = att.bucket
+        charge = min(tokens, int(held_ns * b.snap.tpn))
+        if charge > 0:
+            b.charge(charge, att.grants_off, 0)
 
     def _refuse(self) -> bool:
         self.end()
@@ -332,6 +354,6 @@ class MultiRequest:
             req.end()
         self.waits = []
         if not self.granted:
-            held, self.held = self.held, []
+            held, self.held, self.since = self.held, [], []
             give_back(held)
         self.state = DONE
