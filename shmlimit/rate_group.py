@@ -301,7 +301,11 @@ class RateGroup:
             )
         if which is None:
             return adaptive
+        if isinstance(which, (bytes, bytearray)):  # (a sequence of ints: each taken as an index)
+            raise TypeError(f"which must be a rate's name or index, not {type(which).__name__}")
         named = [which] if isinstance(which, (str, int)) else list(which)  # type: ignore[call-overload]
+        if not named:  # (an outcome reported to no rate would be lost without a word)
+            raise ValueError("which must name at least one rate, got an empty list")
         chosen = sorted({self._index(w) for w in named})
         still = [self._keys[i] for i in chosen if i not in adaptive]
         if still:

@@ -95,6 +95,10 @@ def test_which_reports_to_the_rates_named_only(name, cleanup):
         lim.feedback(throttled=True, which="hourly")
     with pytest.raises(ValueError, match="which must be one of"):
         lim.feedback(throttled=True, which="nope")
+    with pytest.raises(ValueError, match="which must name at least one rate"):
+        lim.feedback(throttled=True, which=[])  # (was dropped without a word)
+    with pytest.raises(TypeError, match="not bytes"):
+        lim.feedback(throttled=True, which=b"tokens")  # (was taken as indices 116, 111, ...)
     assert lim.stats()["tokens"].adapt.throttled == 1  # the refused calls counted nothing
 
 

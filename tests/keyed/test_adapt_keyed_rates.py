@@ -129,6 +129,10 @@ def test_which_reports_to_the_rates_named_only(name, cleanup):
         lim.feedback(True, "a.example", which="daily")
     with pytest.raises(ValueError, match="which must be one of"):
         lim.feedback(True, "a.example", which="nope")
+    with pytest.raises(ValueError, match="which must name at least one rate"):
+        lim.feedback(True, "a.example", which=[])  # (was dropped without a word)
+    with pytest.raises(TypeError, match="not bytes"):
+        lim.feedback(True, "a.example", which=b"tokens")  # (was taken as indices 116, 111, ...)
     st = lim.stats()
     assert (st["tokens"].adapt.throttled, st["requests"].adapt.throttled) == (1, 0)
 
