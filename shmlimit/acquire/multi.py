@@ -15,6 +15,7 @@ from shmlimit.bucket.fences import NO_FENCE, FenceHold
 from shmlimit.bucket.giveback import NO_RECORD, REFUSED, record_nap, take_ticket
 from shmlimit.bucket.rovers import diff
 from shmlimit.config import NS_PER_S, validate_timeout
+from shmlimit.errors import QueueFullError
 
 _INF = float("inf")
 
@@ -340,7 +341,10 @@ class MultiRequest:
         b = att.bucket
         charge = min(tokens, int(held_ns * b.snap.tpn))
         if charge > 0:
-            b.charge(charge, att.grants_off, 0)
+            try:
+                b.charge(charge, att.grants_off, 0)
+            except QueueFullError:  # (a queue that long delays the next callers more already)
+                pass
 
     def _refuse(self) -> bool:
         self.end()
