@@ -247,6 +247,39 @@ def test_once_its_lead_rate_is_due_a_waiter_holds_it_only_for_the_others_queue(
     assert lim.try_acquire(a=1)
 
 
+def test_waiters_queued_on_the_lead_rate_are_not_charged_for_their_holds(name, clock, cleanup):
+    """Three waiters queue on a (1/s, the lead) and each, once covered, holds a's op 0.6 s for
+    b's queue: their returns are spaced a second apart, as their tickets on a are.  The bucket
+    had the waiters behind it to feed while the first two held, and dropped nothing: charging
+    their holds (0.6 s each) pushed the next caller on a 1.2 s past its second, a loss that grows
+    with the queue.  The last one's hold, behind which the bucket refills, is charged."""
+    lim = make(name, {"a": ("1/s", 1), "b": ("10/s", 1)}, clock)
+    cleanup.append(lim)
+    assert lim.try_acquire(a=1, b=1)
+    waiting = [request(lim, a=1, b=1) for _ in range(3)]
+    for r in waiting:
+        assert r.begin() is not True and r.lead == 0
+    returned = []
+    ticks = 0  # of 10 ms
+    while waiting:
+        advance(lim, clock, 0.01)
+        ticks += 1
+        if ticks % 100 == 50:  # a queue on b till the next one on a is due, and 0.6 s more
+            _queue_on(lim, "b", 1.0)
+        for r in list(waiting):
+            if r.next() is True:
+                returned.append(ticks / 100)
+                waiting.remove(r)
+                r.end()
+    # each covered on a at its second, each returned over 0.5 s later (b's queue)
+    assert [round(r) for r in returned] == [2, 3, 4] and min(returned) > 1.5
+    last = returned[-1]
+    advance(lim, clock, last + 0.95 - ticks / 100)
+    assert not lim.try_acquire(a=1)  # the last one's op is used at its return: a's next 1 s on
+    advance(lim, clock, 0.1)
+    assert lim.try_acquire(a=1)  # (charged for the first two's holds too, 1.2 s later)
+
+
 def test_a_timed_waiter_whose_other_rates_queued_gives_everything_back(name, clock, cleanup):
     lim = make(name, {"a": ("1/s", 1), "b": ("10/s", 1)}, clock)
     cleanup.append(lim)

@@ -207,7 +207,8 @@ class MultiRequest:
             Tuple[int, Request]
         ] = []  # (rate index, the request waiting for its ticket)
         self.held: List[Held] = []  # tokens granted and not yet used
-        self.since: List[int] = []  # when each was seen covered (the clock's ns)
+        # when each was seen covered (the clock's ns), and its rate's tail then
+        self.since: List[Tuple[int, int]] = []
         self.lead = -1
         self.joining: List[int] = []  # rates still to join, whose records were all in use (RECORD)
         self.granted = False
@@ -314,13 +315,13 @@ class MultiRequest:
 
     def _hold(self, held: Held) -> None:
         self.held.append(held)
-        self.since.append(self.clock())
+        self.since.append((self.clock(), held[0].bucket.taken()))
 
     def _granted(self, count: bool) -> bool:
         if count:
             now = self.clock()
-            for (att, tokens, _), since in zip(self.held, self.since):
-                self._redate(att, tokens, now - since)
+            for (att, tokens, _), (since, tail) in zip(self.held, self.since):
+                self._redate(att, tokens, now - since, tail)
             for att, o in zip(self.atts, self.ops):
                 if o:
                     att.count(o)
@@ -330,16 +331,23 @@ class MultiRequest:
         return True
 
     @staticmethod
-    def _redate(att: Attachment, tokens: int, held_ns: int) -> None:
+    def _redate(att: Attachment, tokens: int, held_ns: int, tail: int) -> None:
         """The op is used when the call returns, not when its tokens were covered: tokens held
         ``held_ns`` while the other rates' turns came are charged again, up to ``tokens``, so that
         rate's bucket is no fuller than had they been taken now.  (Held, they let the bucket
         refill meanwhile, which a full bucket would have dropped: a lead rate of 1/s, held 0.6 s
         for another rate's queue, granted its next op 0.4 s after the call returned.)  The
         bucket's level differs by at most ``tokens`` and by at most the refill over ``held_ns``:
-        charging the lesser loses that little time when it was not full, never grants early."""
+        charging the lesser loses that little time when it was not full, never grants early.
+        Only what the held tokens could have pushed over the capacity is charged: the head now
+        (its refill pending counted) less the ``tail`` when they were covered bounds the level
+        meanwhile (the tail never moves back).  With a queue behind them on that rate the bucket
+        fed it and dropped nothing, and charging every hold there took up to an op's time per
+        waiter from all who came after: a throughput lost, not one op's time."""
         b = att.bucket
-        charge = min(tokens, int(held_ns * b.snap.tpn))
+        now = b.clock()
+        top = diff(b.head(), tail) + b.pending(now)
+        charge = min(tokens, int(held_ns * b.snap.tpn), top + tokens - b.cap)
         if charge > 0:
             try:
                 b.charge(charge, att.grants_off, 0)
