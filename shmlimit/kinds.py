@@ -14,7 +14,7 @@ from functools import partial
 from typing import Any, Callable, Iterable, Iterator, List, Tuple, Union
 
 from shmlimit.attachment import collect as collect_attached
-from shmlimit.errors import LimiterNotFoundError, ShmlimitError
+from shmlimit.errors import LimiterNotFoundError, SegmentError, ShmlimitError
 from shmlimit.group import collect as collect_group
 from shmlimit.group import copy_geometry
 from shmlimit.header import LIMITER, open_existing, wait_ready
@@ -35,10 +35,10 @@ from shmlimit.stats import inspect as inspect_limiter
 
 def _word(name: str, offset: int = L.MAGIC_OFF) -> int:
     """A word of ``name``'s segment (``peek_word``), 0 if it cannot be read: absent or unreadable,
-    the kind's own open says which, and why."""
+    the kind's own open says which, and why (a FIFO or a directory planted under the name, too)."""
     try:
         return peek_word(name, offset)
-    except OSError:
+    except (OSError, SegmentError):
         return 0
 
 

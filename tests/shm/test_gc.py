@@ -137,6 +137,25 @@ def test_a_fifo_under_a_limiters_name_never_hangs_the_tools(name):
         os.unlink(shm_path(name))
 
 
+def test_gc_leaves_a_planted_fifo_alone_and_collects_the_rest(name, monkeypatch):
+    """A FIFO planted under a limiter's name (by anyone who can write /dev/shm) is left alone and
+    reported, and gc goes on: asking whether a collector had claimed it (``kinds.claimed``) raised
+    "not a regular file", and the whole gc ended, exit 2, removing nothing (the dry run, which
+    never asks, listed the rest)."""
+    fifo, dead = name + "-fifo", name + "-stale"
+    os.mkfifo(shm_path(fifo), 0o600)
+    try:
+        shmlimit.Limiter(dead, rate=10).close()
+        for argv in (("gc", "--dry-run"), ("gc",)):
+            code, out = run_tools_on(monkeypatch, name, *argv)
+            assert code == 0, out
+            assert f"left alone (unreadable): {fifo}: segment {fifo!r} is not a regular file" in out
+        assert f"removed: {dead}" in out.splitlines() and current_inode(dead) is None
+        assert os.path.exists(shm_path(fifo))  # never gc's to remove
+    finally:
+        os.unlink(shm_path(fifo))
+
+
 @pytest.mark.parametrize("kind", ["plain", "keyed"])
 def test_a_group_claimed_while_opening_is_opened_again_from_the_start(name, monkeypatch, kind):
     """A collector claims a rate's region while an opener attaches to the group (``Collected``):
