@@ -15,6 +15,7 @@ import textwrap
 import time
 import uuid
 
+import psutil
 import pytest
 from hypothesis import HealthCheck, event, given, settings
 from hypothesis import strategies as st
@@ -501,8 +502,12 @@ def test_a_process_in_another_pid_namespace_counts_as_alive(name, capsys):
         assert len(shmlimit.inspect(name).processes) == 2
         lim.close()
     finally:
-        p.kill()  # unshare; the namespace's pid 1 dies with it
+        # unshare, and the namespace's pid 1, which --kill-child kills as unshare dies: after
+        # unshare's end, not with it (on a busy machine it still ran when unshare was reaped)
+        inside = psutil.Process(p.pid).children()
+        p.kill()
         p.wait(30)
+        psutil.wait_procs(inside, timeout=30)
 
 
 # ---- finding 8: terminal escapes ------------------------------------------------------------
