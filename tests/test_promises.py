@@ -456,6 +456,7 @@ def test_gc_keeps_a_segment_a_process_attached_to_meanwhile(name, monkeypatch, c
     monkeypatch.setattr(
         cli, "scan", lambda: ([name], [])
     )  # leave every other segment on the machine alone
+    monkeypatch.setattr(cli, "orphan_secrets", lambda: [])  # and every secret file
     try:
         cli.main(["gc"])
         assert current_inode(name) == inode  # still the segment the child uses: nothing orphaned
@@ -524,6 +525,7 @@ def test_gc_removes_a_stale_segment(name, capsys, monkeypatch):
     from shmlimit.shm.segment import current_inode
 
     monkeypatch.setattr(cli, "scan", lambda: ([name], []))
+    monkeypatch.setattr(cli, "orphan_secrets", lambda: [])  # another run's are not this test's
     shmlimit.Limiter(name, rate=100).close()
     cli.main(["gc"])
     assert current_inode(name) is None

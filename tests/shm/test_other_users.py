@@ -101,8 +101,11 @@ def _cli(monkeypatch, prefix, *argv):
     (exit code, stdout, stderr)."""
     from shmlimit.cli import main as cli
 
-    real = cli.scan
+    real, real_secrets = cli.scan, cli.orphan_secrets
     monkeypatch.setattr(cli, "scan", lambda: ([n for n in real()[0] if n.startswith(prefix)], []))
+    monkeypatch.setattr(
+        cli, "orphan_secrets", lambda: [s for s in real_secrets() if s[0].startswith(prefix)]
+    )
     out, err = io.StringIO(), io.StringIO()
     with redirect_stdout(out), redirect_stderr(err):
         code = cli.main(list(argv))

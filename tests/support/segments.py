@@ -107,10 +107,11 @@ def no_opener_waits(monkeypatch: Any, *modules: Any) -> None:
 def run_tools_on(monkeypatch: Any, prefix: str, *argv: str) -> Tuple[int, str]:
     """``shmlimit argv...`` run in this process as if the segments named ``prefix``... were the only
     ones on the machine: ``(exit code, stdout)``.  A test's ``gc`` then never collects a segment of
-    another test run (one whose processes are between a close and the next attach, say)."""
+    another test run (one whose processes are between a close and the next attach, say), nor the
+    secret file another run left on purpose, and never lists theirs."""
     from shmlimit.cli import main as cli
 
-    real = cli.scan
+    real, real_secrets = cli.scan, cli.orphan_secrets
 
     def own() -> Tuple[list, list]:
         good, bad = real()
@@ -119,6 +120,9 @@ def run_tools_on(monkeypatch: Any, prefix: str, *argv: str) -> Tuple[int, str]:
     out = io.StringIO()
     with monkeypatch.context() as m:
         m.setattr(cli, "scan", own)
+        m.setattr(
+            cli, "orphan_secrets", lambda: [s for s in real_secrets() if s[0].startswith(prefix)]
+        )
         with redirect_stdout(out), redirect_stderr(io.StringIO()):
             code = cli.main(list(argv))
     return code, out.getvalue()
