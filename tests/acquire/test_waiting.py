@@ -466,8 +466,8 @@ def test_a_sleep_to_a_turn_ends_at_a_wake_since_its_step_and_not_early_otherwise
     seen = S.wakes()
     S.wake_waiters(cells)  # between the step and the sleep: not missed
     t = time.monotonic_ns()
-    sleep_until(t + 5_000_000_000, seen)
-    assert time.monotonic_ns() - t < 2_000_000_000
+    sleep_until(t + 60_000_000_000, seen)  # (a minute: a wake, not its deadline, can end it ...)
+    assert time.monotonic_ns() - t < 30_000_000_000  # (... however busy the machine)
     deadline = time.monotonic_ns() + 20_000_000
     sleep_until(deadline, S.wakes())
     assert time.monotonic_ns() >= deadline
