@@ -1221,7 +1221,9 @@ class TricklingServer:
             c.close()
 
 
+# how long a trickled answer holds a call, in real time (< 1 s, of which ~0.5 s is the tries')
 @pytest.mark.backend_independent
+@pytest.mark.slow
 @pytest.mark.parametrize("pinned", [True, False], ids=["filler", "direct"])
 def test_a_trickled_answer_ends_within_the_timeout_of_each_try(R, name, pinned):
     """redis-py's socket timeout bounds each read, not an answer: a server trickling its answer
