@@ -1264,7 +1264,9 @@ def _connections_named(server, client_name):
 
 
 @pytest.mark.backend_independent
-def test_calls_going_on_across_close_end_as_closed_and_reopen_no_connection(R, redis_server, name):
+def test_calls_going_on_across_close_end_as_closed_and_reopen_no_connection(
+    R, redis_server, name, fake_time
+):
     """``close()`` while threads are in calls: each call ends as a closed limiter's
     (``ValueError``), and no connection of the limiter is left open.  Before, a call backing off
     (``max_reserved``) made its next round trip on the closed client, which redis-py reconnects
@@ -1274,23 +1276,25 @@ def test_calls_going_on_across_close_end_as_closed_and_reopen_no_connection(R, r
     import threading
 
     url = f"{redis_server.url}?client_name={name}"
-    # (a) a caller backing off from a full queue, across close()
-    ahead = R.RedisLimiter(name, rate=10, burst=1, url=redis_server.url)
+    # (a) a caller backing off from a full queue, across close(): on a still client clock the
+    # queue stays beyond max_reserved however late the caller runs (on the real one it drained
+    # in 0.3 s, and a caller late by that much was granted instead)
+    ahead = R.RedisLimiter(name, rate=10, burst=1, url=redis_server.url, clock="client")
     assert [ahead.reserve() for _ in range(4)][-1] > 0.25  # a queue beyond max_reserved
-    lim = R.RedisLimiter(name, rate=10, burst=1, url=url, max_reserved=0.05)
+    lim = R.RedisLimiter(name, rate=10, burst=1, url=url, max_reserved=0.05, clock="client")
     outcome = []
 
     def backing_off():
         try:
-            outcome.append(lim.acquire(timeout=5))
+            outcome.append(lim.acquire(timeout=60))
         except Exception as e:  # noqa: BLE001 - what ends it is the subject
             outcome.append(e)
 
     t = threading.Thread(target=backing_off)
     t.start()
-    wait_for(lambda: lim.stats().refusals >= 1, 5)  # refused once: napping, to ask again
+    wait_for(lambda: lim.stats().refusals >= 1, 30)  # refused once: napping, to ask again
     lim.close()
-    t.join(10)
+    t.join(30)
     assert not t.is_alive()
     ((e,),) = [outcome]
     assert type(e) is ValueError and "closed" in str(e), e
@@ -1314,10 +1318,10 @@ def test_calls_going_on_across_close_end_as_closed_and_reopen_no_connection(R, r
         for t in threads:
             t.start()
         started.wait()
-        wait_for(lambda: lim.round_trips >= 20, 5)
+        wait_for(lambda: lim.round_trips >= 20, 30)
         lim.close()
         for t in threads:
-            t.join(10)
+            t.join(30)
         assert not any(t.is_alive() for t in threads)
         assert all(type(e) is ValueError and "closed" in str(e) for e in errors), (trial, errors)
         assert _connections_named(redis_server, name) == [], trial
