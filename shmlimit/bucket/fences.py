@@ -259,9 +259,10 @@ def fenced_ticket(
     since = clock()
     while True:
         hold = FenceHold()
-        ticket, _ = b.take_within(tokens, max_wait_ns, fence=hold)
+        left = max_wait_ns - (clock() - since)  # (what a nap for a record took is waited already)
+        ticket, _ = b.take_within(tokens, left, fence=hold)
         if not isinstance(ticket, int) and ticket != NO_FENCE and b.replenish() > 0:
-            ticket, _ = b.take_within(tokens, max_wait_ns, fence=hold)
+            ticket, _ = b.take_within(tokens, left, fence=hold)
         if ticket != NO_FENCE:
             return (ticket, hold.promise) if isinstance(ticket, int) else (None, None)
         free_at = b.fences.earliest_due()

@@ -211,3 +211,34 @@ def test_a_reservation_with_every_fence_record_in_use_waits_for_the_soonest_due(
         assert at >= max(promises) + MS  # its ticket is an op behind all 64
     finally:
         lim.close()
+
+
+def test_a_reservation_that_napped_for_a_fence_record_has_that_much_less_to_wait(monkeypatch):
+    """With every fence record in use a reservation naps until the soonest DUE has passed (read on
+    the clock), then takes its ticket: its nap is part of its wait, so the ticket's bound is what
+    is left of ``max_wait``.  It was the whole ``max_wait`` again: ``reserve`` could answer a wait
+    within the bound whose op came later than that after the call."""
+    import shmlimit.bucket.fences as fences
+
+    now = [10**12]
+    bounds = []
+
+    class Bucket:  # the few calls fenced_ticket makes: the first take finds every record in use
+        fences = types.SimpleNamespace(earliest_due=lambda: now[0] + 30 * MS)
+
+        def take_within(self, tokens, max_wait_ns, fence):
+            bounds.append(max_wait_ns)
+            if len(bounds) == 1:
+                return fences.NO_FENCE, None
+            fence.promise = now[0] + 10 * MS
+            return 7, None
+
+        def replenish(self):
+            return 0
+
+    def nap(seconds):
+        now[0] += int(seconds * 1e9)
+
+    monkeypatch.setattr(fences, "time", types.SimpleNamespace(sleep=nap))
+    assert fences.fenced_ticket(Bucket(), lambda: now[0], lambda: None, 1, 100 * MS)[0] == 7
+    assert bounds == [100 * MS, 100 * MS - 30 * MS]  # the 30 ms napped, counted
