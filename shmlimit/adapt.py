@@ -29,7 +29,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Callable, List, Mapping, Optional, Sequence, Tuple, TypeVar
 
 from shmlimit.config import MAX_OPS_PER_S, NS_PER_S, Config, number
-from shmlimit.errors import SegmentError
+from shmlimit.errors import CorruptWordsError
 from shmlimit.shm import layout as L
 from shmlimit.shm.banks import ConfigLock, settled
 from shmlimit.shm.words import diff
@@ -301,9 +301,7 @@ def read_at(
     try:
         return at, Adapt(lo, hi, dec, inc, win)
     except (TypeError, ValueError) as e:
-        raise SegmentError(
-            f"segment is corrupt: its adaptive rate's parameters are not valid ({e})"
-        ) from None
+        raise CorruptWordsError(f"its adaptive rate's parameters are not valid ({e})") from None
 
 
 def report(

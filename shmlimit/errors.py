@@ -85,23 +85,23 @@ class SegmentError(ShmlimitError):
     """A segment under that name is corrupt, foreign, truncated or of another layout version."""
 
 
-#: How the layers that read a segment's words, not its name, begin their refusals.
-_UNNAMED = ("segment is corrupt", "keyed segment is corrupt")
+class CorruptWordsError(SegmentError):
+    """Words of a segment no reader accepts (a config, an adaptive rate, an upstream's description),
+    refused by a layer that reads words, not names: ``naming`` says which segment."""
+
+    def __init__(self, detail: str) -> None:
+        super().__init__(f"segment is corrupt: {detail}")
+        self.detail = detail
 
 
 @contextmanager
 def naming(name: str) -> Iterator[None]:
-    """A refusal of a layer that knows only the words (``_UNNAMED``: a config or an adaptive rate
-    no reader accepts), raised here naming segment ``name``: one of several limiters is then
-    found by the error alone."""
+    """A ``CorruptWordsError`` raised inside, raised again naming segment ``name``: one of several
+    limiters is then found by the error alone."""
     try:
         yield
-    except SegmentError as e:
-        said = str(e)
-        head = next((h for h in _UNNAMED if said.startswith(h)), None)
-        if head is None:
-            raise
-        raise SegmentError(f"segment {name!r} is corrupt{said[len(head) :]}") from None
+    except CorruptWordsError as e:
+        raise SegmentError(f"segment {name!r} is corrupt: {e.detail}") from None
 
 
 class UntrustedSegmentError(SegmentError, PermissionError):

@@ -54,7 +54,7 @@ from shmlimit.bucket.fences import NO_FENCE, FenceHold
 from shmlimit.bucket.schedule import Schedule
 from shmlimit.config import MAX_QUEUE_TOKENS as MAX_QUEUE
 from shmlimit.config import Config
-from shmlimit.errors import QueueFullError, SegmentError
+from shmlimit.errors import CorruptWordsError, QueueFullError
 from shmlimit.shm import inflight
 from shmlimit.shm import layout as L
 from shmlimit.shm.banks import (
@@ -215,9 +215,7 @@ class Bucket(Schedule):
         def words(c: Cells) -> List[Tuple[int, int]]:
             vals = published_values(c, c.load(L.CFG_SEQ))
             if vals is None:
-                raise SegmentError(
-                    "segment is corrupt: no copy of its configuration passes its checksum"
-                )
+                raise CorruptWordsError("no copy of its configuration passes its checksum")
             vals[_FLAGS] = (vals[_FLAGS] & ~mask) | flags
             return list(zip(L.CFG_BANK, vals))
 

@@ -29,7 +29,7 @@ import math
 from dataclasses import dataclass, field, fields
 from typing import TYPE_CHECKING, Any, Tuple
 
-from shmlimit.errors import SegmentError
+from shmlimit.errors import CorruptWordsError
 from shmlimit.redis import urls
 from shmlimit.shm import layout as L
 from shmlimit.shm.segment import validate_name
@@ -185,16 +185,14 @@ class UpstreamSpec:
         """The description stored in a segment; SegmentError if it is not a valid one."""
         size = cells.load(L.UP_DESC_LEN)
         if size > L.UP_DESC_MAX:
-            raise SegmentError(f"segment is corrupt: its upstream description claims {size} bytes")
+            raise CorruptWordsError(f"its upstream description claims {size} bytes")
         raw = b"".join(cells.load(L.UP_DESC + i).to_bytes(8, "little") for i in range(0, size, 8))[
             :size
         ]
         try:
             return cls.decode(raw)
         except ValueError as e:
-            raise SegmentError(
-                f"segment is corrupt: its upstream description is invalid: {e}"
-            ) from None
+            raise CorruptWordsError(f"its upstream description is invalid: {e}") from None
 
 
 __all__ = ["UpstreamSpec", "redis_key", "ON_ERROR", "STATE_NAMES"]

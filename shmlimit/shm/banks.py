@@ -31,7 +31,7 @@ from typing import Any, Callable, Dict, List, Optional, Tuple, TypeVar
 
 from shmlimit.config import MAX_SPAN_TOKENS as MAX_SPAN
 from shmlimit.config import MAX_TPN, NS_PER_S, Config
-from shmlimit.errors import ConfigWriterTakenOver, SegmentError
+from shmlimit.errors import ConfigWriterTakenOver, CorruptWordsError
 from shmlimit.shm import layout as L
 
 T = TypeVar("T")
@@ -136,7 +136,7 @@ def read_snapshot(cells: Any) -> Snapshot:
     c = cells
     seq, vals = settled(c, L.CFG_SEQ, lambda s: published_values(c, s), "config")
     if vals is None:
-        raise SegmentError("segment is corrupt: no copy of its configuration passes its checksum")
+        raise CorruptWordsError("no copy of its configuration passes its checksum")
     rate, per, burst, tpn, cost, cap, flags, ratio, max_reserved, max_behind = vals
     try:  # words from a corrupt or foreign segment must not reach the arithmetic
         cfg = Config.make(
@@ -149,15 +149,15 @@ def read_snapshot(cells: Any) -> Snapshot:
             _unopt(max_behind),
         )
     except (TypeError, ValueError) as e:
-        raise SegmentError(f"segment is corrupt: its configuration is invalid ({e})") from None
+        raise CorruptWordsError(f"its configuration is invalid ({e})") from None
     if (
         not 1 <= tpn <= MAX_TPN
         or not 1 <= cost <= MAX_SPAN
         or not 1 <= cap <= MAX_SPAN
         or flags & ~_KNOWN_FLAGS
     ):
-        raise SegmentError(
-            f"segment is corrupt: token unit {tpn}, op cost {cost}, capacity {cap} or flags {flags:#x} out of range"
+        raise CorruptWordsError(
+            f"token unit {tpn}, op cost {cost}, capacity {cap} or flags {flags:#x} out of range"
         )
     mb = cfg.max_behind
     mr = cfg.max_reserved
