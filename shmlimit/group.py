@@ -50,6 +50,7 @@ from shmlimit.shm.segment import (
     Segment,
     claim_and_unlink,
     give_back_claim,
+    map_sized,
     opened,
     pread_file,
     publish,
@@ -262,12 +263,7 @@ def map_region(group: Segment, geo: Geometry, index: int) -> Segment:
                     f"segment {group.name!r} is truncated: rate {geo.keys[index]!r} needs "
                     f"{off + size} bytes, the file has {st.st_size}"
                 )
-            try:
-                mm = mmap.mmap(fd, size, offset=off)
-            except ValueError:  # (mmap refuses a length past the end: cut since it was sized)
-                raise SegmentError(
-                    f"segment {group.name!r} shrank while it was being opened"
-                ) from None
+            mm = map_sized(group.name, fd, size, off)
     except LimiterNotFoundError:
         raise Collected() from None
     return Segment(

@@ -139,7 +139,7 @@ def beyond(name: str) -> int:
 def claimed(name: str) -> bool:
     """A collector claimed ``name``'s segment (of a group: a rate) and has not unlinked it: it is
     unlinking it now, or it died between its claim and its unlink (an opener gives such a claim
-    back after ``DOOMED_WAIT``: ``attach`` does, for ``gc``)."""
+    back after ``DOOMED_WAIT``: ``reopen`` does, for ``gc``)."""
     regions = _by_kind(name, None, L.REGIONS_KEYED, L.REGIONS_LIMITER, None)
     try:
         geo = None if regions is None else copy_geometry(name, regions)

@@ -309,10 +309,7 @@ class Segment:
         with opened(name, write=True, mode=mode, trusted_uids=trusted_uids) as (fd, st):
             size = st.st_size
             _check_header_size(name, fd, size, magic, max_bytes)
-            try:
-                mm = mmap.mmap(fd, size) if size else None
-            except ValueError:  # (mmap refuses a length past the end: cut since it was sized)
-                raise SegmentError(f"segment {name!r} shrank while it was being opened") from None
+            mm = map_sized(name, fd, size) if size else None
         return cls(name, mm, size, False, st.st_ino, st.st_ctime_ns, st.st_uid, st.st_mode & 0o7777)  # type: ignore[arg-type]
 
     @classmethod
@@ -518,6 +515,16 @@ def current_inode(name: str) -> Optional[int]:
         return os.lstat(os.path.join(SHM_DIR, PREFIX + name)).st_ino
     except OSError:
         return None
+
+
+def map_sized(name: str, fd: int, size: int, offset: int = 0) -> mmap.mmap:
+    """Map ``size`` bytes at ``offset`` of segment ``name``'s open file ``fd``, whose size was
+    checked: ``SegmentError`` when another process cut it since (mmap refuses a length past the
+    end; mapped, a cut page would be a SIGBUS at its first touch instead)."""
+    try:
+        return mmap.mmap(fd, size, offset=offset)
+    except ValueError:
+        raise SegmentError(f"segment {name!r} shrank while it was being opened") from None
 
 
 #: A segment left claimed by a garbage collector this long (seconds) lost its collector.
