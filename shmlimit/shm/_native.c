@@ -1151,7 +1151,7 @@ kt_key(PyObject *key, const char **buf, Py_ssize_t *len)
 {
     if (PyUnicode_Check(key)) {
         *buf = PyUnicode_AsUTF8AndSize(key, len);
-        if (!*buf) { /* a lone surrogate: keyed/cells.py's NOT_UTF8, word for word */
+        if (!*buf) { /* a lone surrogate: protocol.py's NOT_UTF8, word for word */
             if (PyErr_ExceptionMatches(PyExc_UnicodeEncodeError)) {
                 PyErr_Clear();
                 PyErr_SetString(PyExc_ValueError,
