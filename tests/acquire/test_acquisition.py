@@ -208,6 +208,26 @@ def test_a_reservation_is_never_promised_past_its_max_wait(name, clock):
         lim.close()
 
 
+def test_retry_after_is_the_soonest_and_a_promise_at_most_a_fill_pause_later(name, clock):
+    """``retry_after(n)`` is advice: the soonest ``n`` ops could come.  A promise is a grant, so
+    where no replenish can add tokens before the next one (a full bucket, ``n`` above the burst)
+    it counts the filler's longest pause too (docs/kinds/limiter.md): ``reserve(n,
+    max_wait=retry_after(n))`` refuses there, taking nothing, and the promise is at most that
+    pause later."""
+    lim = open_limiter(name, clock, rate=50, burst=1)
+    try:
+        tick(lim, clock, 100 * MS)  # idle: the bucket is full
+        soonest = lim.retry_after(2)
+        assert soonest == pytest.approx(0.02)
+        grants = lim.stats().grants
+        assert lim.reserve(2, max_wait=soonest) is None
+        assert lim.stats().grants == grants  # nothing taken
+        promise = lim.reserve(2, max_wait=soonest + LONGEST_FILL_NS / 1e9)
+        assert soonest < promise <= soonest + LONGEST_FILL_NS / 1e9
+    finally:
+        lim.close()
+
+
 def test_a_reservation_longer_than_its_fence_can_hold_is_refused_taking_nothing(name):
     # burst 1 at 100 000/s: a capacity under two fill intervals moves the head at the filler's
     # pace (half an op a ms), so reserve(n) waits 2 ms an op.  A fence holds at most twice the
