@@ -325,3 +325,60 @@ def test_a_killed_holders_ops_come_back_at_once_even_from_the_filler(name, victi
             if p.is_alive():
                 p.kill()
             p.join()
+
+
+class _LoadHook:
+    """Cells whose first load of word ``at`` runs ``hook`` just before it: another process's step
+    landing between two loads of a registration, made deterministic."""
+
+    def __init__(self, cells, at, hook):
+        self._cells, self._at, self._hook = cells, at, hook
+
+    def load(self, off):
+        if off == self._at and self._hook is not None:
+            hook, self._hook = self._hook, None
+            hook()
+        return self._cells.load(off)
+
+    def __getattr__(self, attr):
+        return getattr(self._cells, attr)
+
+
+def test_a_reclaimer_that_read_a_dead_pid_never_zeroes_its_successors_start(name):
+    """A registration reclaiming a dead owner's slot reads PID, then START: a successor that took
+    the slot in between (its START written) must keep it.  The late reclaimer zeroed it (its CAS
+    of START matched the successor's word, its CAS of PID then failed), leaving a live owner that
+    reads "registering" for good: its slot judged by pid alone, so a process that reused its pid
+    after it died held the slot (and kept ``gc`` away) as if it were that owner."""
+    from shmlimit.shm.table import ProcessTable, pid_namespace, proc_start
+
+    lim = shmlimit.Limiter(name, rate=10, slots=1)
+    att = lim._att
+    c = att.cells
+    att.leave()  # slot 0 free, then a dead owner's
+    dead = subprocess.Popen([sys.executable, "-c", "pass"], cwd=WORKDIR)
+    dead.wait()
+    base = L.slot_offset(0)
+    ns = pid_namespace()
+    c.store(base + L.SLOT_PIDNS, ns)
+    c.store(base + L.SLOT_START, 12345)
+    c.store(base + L.SLOT_PID, dead.pid)
+    owner = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"], cwd=WORKDIR)
+    late = -1
+    try:
+        start = wait_for(lambda: proc_start(owner.pid))
+
+        def successor():  # the whole registration of another process, between two loads
+            assert ProcessTable(c, 1).register(owner.pid, start, ns) == 0
+
+        late = ProcessTable(_LoadHook(c, base + L.SLOT_START, successor), 1).register(
+            os.getpid(), proc_start(os.getpid()), ns
+        )
+        assert late is None  # the one slot is the successor's: counted beyond the table
+        assert (c.load(base + L.SLOT_PID), c.load(base + L.SLOT_START)) == (owner.pid, start)
+    finally:
+        if late is None:
+            c.fetch_add(L.BEYOND, (1 << 64) - 1)  # (the late registration's count, taken back)
+        owner.kill()
+        owner.wait()
+        lim.close()

@@ -264,7 +264,10 @@ class ProcessTable:
             base = L.slot_offset(i)
             old = c.load(base + L.SLOT_PID)
             old_start = c.load(base + L.SLOT_START)
-            if not old or slot_alive(old, old_start, c.load(base + L.SLOT_PIDNS)):
+            old_ns = c.load(base + L.SLOT_PIDNS)
+            # START and PIDNS are the judged owner's only if PID still names it: read after a
+            # successor took the slot, they are the successor's, and our CAS of START would zero it
+            if not old or c.load(base + L.SLOT_PID) != old or slot_alive(old, old_start, old_ns):
                 continue
             # Zero START first: while (PID, START) reads (new pid, 0) the slot counts as
             # "registering, alive", so nobody can mistake the new owner for the dead one.
