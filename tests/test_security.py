@@ -510,6 +510,38 @@ def test_a_process_in_another_pid_namespace_counts_as_alive(name, capsys):
         psutil.wait_procs(inside, timeout=30)
 
 
+@needs_root
+def test_a_keyed_tables_process_in_another_pid_namespace_counts_as_alive(name, capsys):
+    """A keyed table's snapshot judges its processes as every other reader does (``slot_alive``):
+    it asked ``is_alive`` without the namespace, so a live user in a container read "dead" in
+    ``list`` and ``top``, and ``gc --dry-run`` called the table stale (``gc`` itself, judging by
+    the namespace, kept it)."""
+    shmlimit.KeyedLimiter(name, rate=100).close()
+    code = (
+        f"import shmlimit,time; l=shmlimit.attach({name!r}); l.try_acquire('k'); "
+        "print('ready', flush=True); time.sleep(60)"
+    )
+    p = subprocess.Popen(
+        ["unshare", "--pid", "--fork", "--kill-child", "--mount-proc", sys.executable, "-c", code],
+        stdout=subprocess.PIPE,
+        text=True,
+    )
+    try:
+        assert p.stdout.readline().strip() == "ready"
+        procs = shmlimit.inspect(name).processes
+        assert len(procs) == 1 and procs[0].pid == 1  # its pid in its own namespace
+        assert procs[0].alive
+        from shmlimit.cli import main as cli
+
+        assert cli.main(["gc", "--dry-run"]) == 0
+        assert f"stale: {name}\n" not in capsys.readouterr().out
+    finally:
+        inside = psutil.Process(p.pid).children()
+        p.kill()
+        p.wait(30)
+        psutil.wait_procs(inside, timeout=30)
+
+
 # ---- finding 8: terminal escapes ------------------------------------------------------------
 
 

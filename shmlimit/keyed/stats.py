@@ -31,7 +31,7 @@ from shmlimit.shm import layout as L
 from shmlimit.shm.banks import settle_copy
 from shmlimit.shm.cells import Cells, open_cells
 from shmlimit.shm.segment import validate_name
-from shmlimit.shm.table import ProcessTable, is_alive
+from shmlimit.shm.table import ProcessTable, slot_alive
 
 
 @dataclass(frozen=True)
@@ -92,7 +92,9 @@ def snapshot_of(name: str, c: Cells, geo: Geometry, size: int) -> KeyedStats:
         c
     )  # no wait: a copy taken while a writer worked would never change (display only)
     table = ProcessTable(c, K.PSLOTS)
-    procs = tuple(KeyedProcess(e.pid, is_alive(e.pid, e.start), e.grants) for e in table.entries())
+    procs = tuple(
+        KeyedProcess(e.pid, slot_alive(e.pid, e.start, e.pidns), e.grants) for e in table.entries()
+    )
     keys = c.load(K.KEYS_LIVE)
     return KeyedStats(
         name=name,
