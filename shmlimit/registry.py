@@ -264,8 +264,10 @@ class Registry(Generic[A]):
             # attachment stays its handles')
             if att is None or att.closed or current_inode(att.seg.name) != att.seg.inode:
                 att = make()
-                self._atts[name] = att
+                # reachable by the fork hook before it is handed out: a fork from another thread
+                # between the two stores left a child using the parent's slot as its own
                 self._every.add(att)
+                self._atts[name] = att
             else:
                 att.vet(mode, trusted)
                 check(att)

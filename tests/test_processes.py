@@ -1,6 +1,7 @@
 """Real processes sharing one limit: pools (fork and spawn), fork inheritance,
 independent interpreters, rovers wrapping mid-run, and racing creators."""
 
+import json
 import multiprocessing as mp
 import os
 import subprocess
@@ -346,3 +347,54 @@ def test_process_pool_executor_attaches_by_name(name):
     assert os.getpid() not in {pid for pid, _ in results}
     assert lim.stats().grants == 20  # every grant of the executor's processes, counted once
     lim.close()
+
+
+class _ForkOnStore(dict):
+    """A registry's names, whose store of ``name`` forks first: a fork from another thread that
+    lands between the two stores of an open, made deterministic.  The child's answer (its pid,
+    the pids in the table after it used the limiter) comes back on a pipe."""
+
+    def __init__(self, items, name, out):
+        super().__init__(items)
+        self.name, self.out, self.child = name, out, None
+
+    def __setitem__(self, key, value):
+        if key == self.name and self.child is None:
+            self.child = os.fork()
+            if self.child == 0:  # the child goes on only to hand back its answer (below)
+                try:
+                    dict.__setitem__(self, key, value)
+                    lim = shmlimit.attach(self.name)
+                    lim.acquire()
+                    pids = [p.pid for p in shmlimit.inspect(self.name).processes]
+                    os.write(self.out, json.dumps([os.getpid(), pids]).encode())
+                finally:
+                    os._exit(0)
+        super().__setitem__(key, value)
+
+
+def test_a_fork_amid_an_open_leaves_the_child_its_own_slot(name):
+    """A fork landing inside an open, after the new attachment is named and before the fork hook
+    can reach it: the child's first use must register it in a slot of its own.  It used the
+    parent's slot as its own (its grants counted there, its tickets recorded there), never
+    registered, as the fork hook never ran on an attachment it could not see."""
+    from shmlimit.attachment import registry
+
+    shmlimit.Limiter(name, rate=1000).close()
+    r, w = os.pipe()
+    saved = registry._atts
+    registry._atts = hooked = _ForkOnStore(saved, name, w)
+    try:
+        lim = shmlimit.attach(name)
+    finally:
+        registry._atts = saved
+        os.close(w)
+    if hooked.child == 0:  # pragma: no cover - the child left in __setitem__
+        os._exit(1)
+    try:
+        with os.fdopen(r) as f:
+            child, pids = json.loads(f.read())
+        os.waitpid(hooked.child, 0)
+        assert child in pids and os.getpid() in pids
+    finally:
+        lim.close()
