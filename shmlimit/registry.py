@@ -64,7 +64,8 @@ class Attached:
         #: this process found the table full and is counted beyond it (``ProcessTable.register``),
         #: until it leaves; a forked child's is its own (the parent's count is the parent's)
         self.beyond = False
-        #: the exit hook that counts it out as a ``multiprocessing`` child ends (``count_out_at_exit``)
+        #: the exit hook that leaves (detaches) as a ``multiprocessing`` child ends, while joined
+        #: (``count_out_at_exit``)
         self.count_out: Any = None
         #: This process used it (``use``): it is registered and the kind's threads run (``start``).
         #: Opening registers but starts no thread: a pre-fork server's master that only opened it
@@ -83,7 +84,7 @@ class Attached:
             self.pid, start if start and start > 0 else 0, pid_namespace()
         )
         self.joined, self.beyond = True, self.slot is None
-        if self.beyond:
+        if self.count_out is None:
             self.count_out = count_out_at_exit(self)
         # the table counts the creator from now on (``may_adopt``): once it closes, it is no user
         self.cells.cas(L.CREATOR_PID_OFF, self.pid, 0)
@@ -123,14 +124,14 @@ class Attached:
     def _unregister(self) -> None:
         if self.pid != os.getpid():
             return
+        if self.count_out is not None:
+            self.count_out.cancel()  # (its exit hook: one a process opens and closes often)
+            self.count_out = None
         if self.slot is not None:
             self.table.unregister(self.slot, self.pid)
         elif self.beyond:
             self.beyond = False  # counted out once, whoever calls (close, exit, detach)
             self.table.unregister(None, self.pid)
-            if self.count_out is not None:
-                self.count_out.cancel()  # (its exit hook: one a process opens and closes often)
-                self.count_out = None
 
     def leave(self) -> None:
         """Give this process's slot back, keeping the mapping (it registers again on its next use)."""
@@ -178,11 +179,13 @@ class Attached:
 
 
 def count_out_at_exit(att: Attached) -> Any:
-    """``att``'s count beyond the table taken back when this process ends as a ``multiprocessing``
-    child: it ends with ``os._exit`` after its finalizers, running no ``atexit`` hook, and a count
-    left up keeps ``gc`` from ever collecting the segment.  (Outside such a child the ``atexit``
-    hook does it; a killed process leaves its count, see ``ProcessTable.beyond``.)  The finalizer,
-    cancelled when the count is taken back sooner; None without ``multiprocessing``."""
+    """``att`` detached (as the ``atexit`` hook does) when this process ends as a
+    ``multiprocessing`` child of the fork or forkserver method: it ends with ``os._exit`` after its
+    finalizers, running no ``atexit`` hook.  Its slot is given back and a filler lease it holds
+    dropped (a successor fills at once), or its count beyond the table taken back: a count left up
+    keeps ``gc`` from ever collecting the segment.  (Outside such a child the ``atexit`` hook does
+    it; a killed process leaves its count, see ``ProcessTable.beyond``.)  The finalizer, cancelled
+    when the process leaves sooner; None without ``multiprocessing``."""
     util = sys.modules.get("multiprocessing.util")  # loaded in every multiprocessing child
     if util is None:
         return None
@@ -191,8 +194,8 @@ def count_out_at_exit(att: Attached) -> Any:
 
 def _count_out(ref: "weakref.ref[Attached]") -> None:
     att = ref()
-    if att is not None and att.beyond:
-        att._unregister()
+    if att is not None and att.joined and att.pid == os.getpid():
+        att.detach()
 
 
 A = TypeVar("A", bound=Attached)

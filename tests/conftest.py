@@ -130,7 +130,10 @@ def _earlier_tests_heap_frozen():
 # process, or a filler thread of a limiter never closed, slows every later timing test of the run.
 _RUN_MARK = "SHMLIMIT_TEST_RUN"
 os.environ[_RUN_MARK] = uuid.uuid4().hex
-_SESSION_HELPERS = ("multiprocessing.resource_tracker",)  # started once, lives as long as the run
+_SESSION_HELPERS = (  # started once, each lives as long as the run
+    "multiprocessing.resource_tracker",
+    "multiprocessing.forkserver",
+)
 
 
 def _carrying_the_mark(mark):

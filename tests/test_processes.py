@@ -24,6 +24,7 @@ from support.windows import max_excess, max_gap, tag
 
 import shmlimit
 from shmlimit.bucket.filler import lease_slot
+from shmlimit.shm import layout as L
 
 pytestmark = pytest.mark.slow  # real processes measured in real (wall-clock) time
 
@@ -398,3 +399,30 @@ def test_a_fork_amid_an_open_leaves_the_child_its_own_slot(name):
         assert child in pids and os.getpid() in pids
     finally:
         lim.close()
+
+
+def _fill_then_end(name):
+    """A multiprocessing child's work: use the limiter until this process is its filler, then end."""
+    lim = shmlimit.attach(name)
+    lim.acquire()
+    wait_for(lambda: lim.stats().filler_pid == os.getpid())
+    return os.getpid()
+
+
+@pytest.mark.parametrize("method", ["fork", "forkserver", "spawn"])
+def test_a_multiprocessing_child_that_fills_drops_its_lease_and_slot_as_it_ends(name, method):
+    """A ``multiprocessing`` child of the fork and forkserver methods ends with ``os._exit`` after
+    its finalizers, running no ``atexit`` hook: it must still leave as any process's exit does,
+    its filler lease dropped (a successor fills at once) and its slot given back.  It left both:
+    the lease held by a dead process until it expired, and a dead entry in the table."""
+    keep = shmlimit.Limiter(name, rate=1000)  # registered, never used: no filler of its own
+    try:
+        with mp.get_context(method).Pool(1) as pool:
+            child = pool.apply(_fill_then_end, (name,))
+            pool.close()
+            pool.join()
+        assert child != os.getpid()
+        assert lease_slot(keep._att.cells.load(L.LEASE)) is None
+        assert [p.pid for p in shmlimit.inspect(name).processes] == [os.getpid()]
+    finally:
+        keep.close()
