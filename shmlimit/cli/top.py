@@ -13,7 +13,7 @@ where each <limiter> has every field of ``shmlimit.Stats`` (``processes`` as a
 list of objects with ``pid``, ``alive``, ``grants``, ``waiting``, ``filler``
 and ``command``), plus ``grants_per_second`` (over the last interval),
 ``history`` (the recent grants per second, oldest first) and ``stale`` (no
-live process attached); or, for a segment that cannot be read, just
+live process attached, nor any counted beyond its process table: as ``gc`` judges); or, for a segment that cannot be read, just
 ``name`` and ``error``.
 """
 
@@ -30,7 +30,7 @@ from typing import Any, Deque, Dict, List, Optional, Sequence, Tuple
 
 from shmlimit.errors import ShmlimitError
 from shmlimit.keyed.stats import KeyedStats, KeySample, sample_keys, sample_windows
-from shmlimit.kinds import inspect_each
+from shmlimit.kinds import beyond, inspect_each
 from shmlimit.multirate import MultiStats
 from shmlimit.shm.segment import scan
 from shmlimit.stats import Stats
@@ -157,6 +157,14 @@ def command_of(pid: int, alive: bool) -> str:
         return "?"
 
 
+def _beyond(name: str) -> int:
+    """The processes counted beyond ``name``'s process table (``kinds.beyond``; 0 unread)."""
+    try:
+        return beyond(name)
+    except (ShmlimitError, OSError, ValueError):
+        return 0
+
+
 class Inspector:
     """Successive snapshots of some (or all) limiters, with rates and history."""
 
@@ -171,10 +179,14 @@ class Inspector:
         names, bad = (self.names, []) if self.names is not None else scan()
         now = time.monotonic()
         out: List[dict] = [{"name": n, "error": BAD_NAME} for n in bad]
-        for _, s in inspect_each(names, lambda n, e: out.append({"name": n, "error": str(e)})):
+        for seg, s in inspect_each(names, lambda n, e: out.append({"name": n, "error": str(e)})):
             # several rates: a row per rate, NAME[KEY]
             rows = s.rates.values() if isinstance(s, MultiStats) else (s,)
-            out.extend(self._record(r.name, r, now) for r in rows)
+            records = [self._record(r.name, r, now) for r in rows]
+            if any(r["stale"] for r in records) and _beyond(seg):
+                for r in records:  # in use, as ``gc`` judges it: by processes beyond its table
+                    r["stale"] = False
+            out.extend(records)
         # memory for the limiters read now only: one gone (or unreadable) is forgotten
         here = {r["name"] for r in out if "error" not in r}
         for kept in (self.prev, self.history, self.cursor, self.seen_keys):

@@ -1,5 +1,6 @@
 """gc on every kind of segment: the same claim-check-unlink, and openers that see a claim."""
 
+import json
 import mmap
 import multiprocessing
 import os
@@ -218,6 +219,18 @@ _BEYOND_KINDS = {
     "windows": "WindowTable(NAME, keys=100)",
 }
 
+_rows = {"limiter": 1, "rates": 2, "keyed": 1, "keyed-rates": 2, "windows": 1}  # top's rows
+
+
+def _top(monkeypatch, name):
+    """``shmlimit top NAME --once --json``'s rows."""
+    code, out = run_tools_on(
+        monkeypatch, name, "top", name, "--once", "--json", "--interval", "0.01"
+    )
+    assert code == 0
+    return json.loads(out)["limiters"]
+
+
 _HOLDER = """
 import sys
 import shmlimit
@@ -286,6 +299,8 @@ def test_gc_keeps_a_limiter_whose_only_user_is_beyond_its_process_table(name, mo
         code, out = run_tools_on(monkeypatch, name, "gc")
         assert code == 0 and f"kept: {name}: 1 process(es) attached beyond its process" in out
         assert out.splitlines()[-1] == "0 removed, 1 in use" and current_inode(name) == inode
+        # and top, judging as gc does, shows it in use, not stale
+        assert [r["stale"] for r in _top(monkeypatch, name)] == [False] * _rows[kind]
         # a new deploy shares the child's limit: one segment, not a second beside it
         eval(expr, {"shmlimit": shmlimit, "WindowTable": WindowTable, "NAME": name}).close()
         assert current_inode(name) == inode
@@ -293,6 +308,7 @@ def test_gc_keeps_a_limiter_whose_only_user_is_beyond_its_process_table(name, mo
         child.stdin.flush()
         assert child.stdout.readline().strip() == "closed"  # alive, and counted out
         assert stale([name], pytest.fail) == ([name], 0)
+        assert [r["stale"] for r in _top(monkeypatch, name)] == [True] * _rows[kind]
         assert collect(name) and current_inode(name) is None
     finally:
         child.stdin.close()
