@@ -402,9 +402,12 @@ class Request:
         ticket = self.ticket
         assert ticket is not None
         self.wake_ns = self.turn_ns = None  # (the native wait works its turn out itself)
-        until = min(
-            time.monotonic_ns() + MAX_NAP_NS, self.deadline or _INF
-        )  # a timed one's: the real clock too
+        until = time.monotonic_ns() + MAX_NAP_NS
+        if self.deadline is not None and att.mode_now().upstream:
+            # hierarchical mode's timed ticket, given back at its deadline (the real clock too);
+            # elsewhere a ticket taken within the timeout is waited for to its turn, which a stop
+            # may have moved past the deadline (a wait bounded by it would return at once)
+            until = min(until, self.deadline)
         rc = waiter.wait(ticket, self.n, int(until), False, self.tokens)  # counted by the request
         if rc != WAIT_GRANTED:
             att.after_native_wait(rc)

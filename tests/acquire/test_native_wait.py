@@ -548,6 +548,48 @@ def test_a_cancelled_async_waiter_gives_its_ticket_back_and_order_holds(name):
 
 
 @pytest.mark.slow
+def test_a_timed_waiter_whose_turn_moved_past_its_timeout_sleeps_to_it(name, monkeypatch):
+    """A timed acquire whose wait fitted its timeout holds its ticket to its turn, even when a
+    stop moved that turn past the timeout (only hierarchical mode gives a ticket back at its
+    deadline).  Started again, the native wait sleeps to the turn: bounded by the timeout, each
+    one returned at once past it, and the thread spun a step per 40 us until its turn."""
+    lim = shmlimit.Limiter(name, rate=10, burst=1)
+    other = shmlimit.attach(name)
+    att = lim._att
+    waits = []
+    wait_native = Request.wait_native
+
+    def counted(self):
+        waits.append(time.monotonic())
+        return wait_native(self)
+
+    monkeypatch.setattr(Request, "wait_native", counted)
+    out = {}
+
+    def waiter():
+        out["ok"] = lim.acquire(2, timeout=0.3)  # 0.2 s of schedule: fits, the ticket taken
+
+    try:
+        assert lim.try_acquire()  # empty
+        t = threading.Thread(target=waiter)
+        t.start()
+        wait_for(lambda: att.cells.load(att.waiting_off) == 1, timeout=10)
+        other.stop()
+        time.sleep(
+            0.5
+        )  # the timeout passes while stopped: the turn is still ~0.2 s of schedule away
+        started = time.monotonic()
+        other.start()
+        t.join(timeout=30)
+        assert out["ok"] is True
+        after = [w for w in waits if w >= started]
+        assert len(after) <= 3, f"{len(after)} native waits in {time.monotonic() - started:.3f} s"
+    finally:
+        other.close()
+        lim.close()
+
+
+@pytest.mark.slow
 def test_a_config_change_hands_an_async_waiter_to_python_on_schedule(name):
     """Another handle's set_rate while a task waits in the native steps: the step hands the ticket
     to a ``Request``, which serves it at its schedule time, and uncounts it once."""
