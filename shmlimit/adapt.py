@@ -275,10 +275,14 @@ def describe(adapt: Optional[Adapt]) -> str:
 def expected(cfg: Config, adapt: Optional[Adapt], cells: "Cells", current: Config) -> Config:
     """The config a creating call with ``cfg`` and ``adapt`` finds acceptable in a segment whose
     config is ``current``: with adapt, on a segment that adapts, at the rate it learned (within
-    ``adapt``'s bounds); otherwise ``cfg`` itself."""
+    ``adapt``'s bounds); otherwise ``cfg`` itself.  The rate learned is a pace: under a ``per``
+    of its own, ``cfg``'s ops per ``cfg.per`` at that pace."""
     if adapt is None or read(cells) is None:
         return cfg
-    return adapted(cfg, adapt.clamp(current.rate))
+    learned = current.rate
+    if current.per != cfg.per:
+        learned = current.rate / current.per * cfg.per
+    return adapted(cfg, adapt.clamp(learned))
 
 
 def read(

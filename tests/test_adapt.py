@@ -301,6 +301,23 @@ def test_a_redeploy_keeps_the_learned_rate_within_its_new_bounds(name):
         lim.close()
 
 
+def test_a_redeploy_in_another_window_keeps_the_learned_rate_in_ops_per_second(name, cleanup):
+    """The learned rate is a pace, not a number: a redeploy (here live, ``reconfigure=True``) whose
+    ``per`` differs takes it in its own ``per``, then within its bounds.  500/s learned, asked
+    for per second within [10, 2000], stays 500/s (read as 30000 per second it was clamped to
+    2000/s, 4 times the pace the upstream was found to allow); and back per minute, 30000/min."""
+    per_min = shmlimit.Adapt(min_rate=600, max_rate=120_000)
+    lim = shmlimit.Limiter(name, rate=48_000, per=60, adapt=per_min)
+    cleanup.append(lim)
+    lim.set_rate(30_000)  # learned: 30000/min, 500/s
+    per_s = shmlimit.Adapt(min_rate=10, max_rate=2000)
+    again = shmlimit.Limiter(name, rate=800, adapt=per_s, reconfigure=True)
+    assert (again.rate, again.per) == (500.0, 1.0)
+    assert shmlimit.Limiter(name, rate=800, adapt=per_s).rate == 500.0  # the same call: no mismatch
+    back = shmlimit.Limiter(name, rate=48_000, per=60, adapt=per_min, reconfigure=True)
+    assert (back.rate, back.per) == (30_000.0, 60.0)
+
+
 X = shmlimit.Adapt(min_rate=50, max_rate=2000)
 Y = shmlimit.Adapt(min_rate=1, max_rate=40)
 
