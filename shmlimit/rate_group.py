@@ -303,7 +303,12 @@ class RateGroup:
             return adaptive
         if isinstance(which, (bytes, bytearray)):  # (a sequence of ints: each taken as an index)
             raise TypeError(f"which must be a rate's name or index, not {type(which).__name__}")
-        named = [which] if isinstance(which, (str, int)) else list(which)  # type: ignore[call-overload]
+        try:
+            named = [which] if isinstance(which, (str, int)) else list(which)  # type: ignore[call-overload]
+        except TypeError:  # (not a list of them either)
+            raise TypeError(
+                f"which must be a rate's name or index, or a list of them, not {type(which).__name__}"
+            ) from None
         if not named:  # (an outcome reported to no rate would be lost without a word)
             raise ValueError("which must name at least one rate, got an empty list")
         chosen = sorted({self._index(w) for w in named})

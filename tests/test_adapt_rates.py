@@ -102,6 +102,24 @@ def test_which_reports_to_the_rates_named_only(name, cleanup):
     assert lim.stats()["tokens"].adapt.throttled == 1  # the refused calls counted nothing
 
 
+@pytest.mark.parametrize("which", [1.0, float("nan"), None.__class__, object()])
+@pytest.mark.parametrize("keyed", [False, True])
+def test_a_which_that_names_no_rate_is_refused_by_name(name, cleanup, which, keyed):
+    """A ``which`` neither a name, an index nor a list of them is a TypeError that names ``which``
+    (a float was "'float' object is not iterable"), and counts nothing on any rate."""
+    clock = FakeClock()
+    if keyed:
+        lim = shmlimit.KeyedLimiter(name, rates=RATES, adapt=_ADAPTS, clock=clock)
+        args = ("k",)
+    else:
+        lim = _lim(name, clock)
+        args = ()
+    cleanup.append(lim)
+    with pytest.raises(TypeError, match="which must be a rate's name or index"):
+        lim.feedback(True, *args, which=which)
+    assert [lim.stats()[k].adapt.throttled for k in _ADAPTS] == [0, 0]
+
+
 def test_only_the_binding_rate_raises(name, cleanup):
     """Callers queue on requests (100/s) and take a tenth of tokens' schedule (1000/s): a clean
     window raises requests, and holds tokens (it does not bind them).  The window is 5 s of the
