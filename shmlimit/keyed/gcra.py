@@ -309,6 +309,9 @@ class Overrides:
             if vals is not None and not vals[3]:
                 return False
             lock.write_banks(BANKS, bank_offsets(*self._banks(e)), d, bank_values(None))
+        # the key starts again from the default, its adaptive window too: the entry is no key's
+        # (``keyed.adapt.report`` begins a window afresh in an entry another key, or none, held)
+        c.store(e + K.A_OWNER, 0)
         if vals is not None:
             c.fetch_add(K.OVR_LIVE, KC.MASK64)
         return True

@@ -249,6 +249,28 @@ def test_an_entry_another_key_held_starts_afresh(name, cleanup):
     assert lim.stats().adapt.cuts == 0
 
 
+def test_a_key_whose_override_was_removed_starts_afresh(name, cleanup):
+    """``remove_override(K)``: the key starts again from the default, its window too.  The 429s
+    reported before the removal are not judged against the fresh start (they cut it to 80 at
+    the key's first report after, the entry being the key's own still)."""
+    lim = _lim(name)
+    cleanup.append(lim)
+    k = Keys(lim)
+    k.report("a.example", throttled=True, times=4)
+    assert lim.remove_override("a.example")
+    k.advance(0.25)
+    k.report("a.example")  # the first report after the removal: a new window, nothing decided
+    assert k.rate("a.example") in (None, 100.0)
+    assert lim.stats().adapt.cuts == 0
+    k.advance(0.25)
+    k.report("a.example")  # its first window since the removal: clean and idle, it holds
+    assert k.rate("a.example") in (None, 100.0)
+    k.report("a.example", throttled=True)
+    k.advance(0.25)
+    k.report("a.example")  # and the key goes on adapting
+    assert k.rate("a.example") == 80.0 and lim.stats().adapt.cuts == 1
+
+
 def test_a_full_override_table_counts_nothing(name, cleanup):
     lim = _lim(name, keys=64, overrides=1)
     cleanup.append(lim)
