@@ -124,8 +124,8 @@ def _entry(att: Attachment, d: Tuple[int, int]) -> Optional[int]:
     if e is not None:
         return e
     cur = read_default(att.cells)
-    try:
-        att.overrides.set(d, make_rate(cur.rate, cur.per, None))
+    try:  # only while it has none: a rate another process gave it since the look above stands
+        att.overrides.set(d, make_rate(cur.rate, cur.per, None), None)
     except ValueError:  # the override table is full near this key
         return None
     return att.overrides.entry(d)

@@ -151,6 +151,27 @@ def test_a_decision_never_undoes_a_change_made_after_it_was_judged(
     assert k.rate("slow.example") == after
 
 
+def test_a_keys_first_outcome_never_undoes_a_rate_given_it_meanwhile(name, cleanup, monkeypatch):
+    """A key's first outcome finds it without an entry and gives it one at the default rate; if
+    another process gave the key a rate in between (``set_rate(key=)``, or a decision of its
+    own), that rate stands: the entry is given only to a key that still has no override."""
+    lim = _lim(name)
+    cleanup.append(lim)
+    k = Keys(lim)
+    overrides = k.att.overrides
+    look = overrides.entry
+
+    def none_then_set(d):
+        got = look(d)
+        monkeypatch.setattr(overrides, "entry", look)
+        lim.set_rate(500, key="new.example")  # another process, right after this look
+        return got
+
+    monkeypatch.setattr(overrides, "entry", none_then_set)
+    assert k.report("new.example") == [True]
+    assert k.rate("new.example") == 500.0
+
+
 def test_a_live_reconfigure_writes_the_parameters_under_the_config_lock(name, cleanup, monkeypatch):
     """KeyedLimiter(name, adapt=..., reconfigure=True) with processes using it: every word of the
     keys' adaptive parameters is written while the keyed config lock is held, so a reader never
