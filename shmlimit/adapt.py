@@ -29,7 +29,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Callable, List, Mapping, Optional, Sequence, Tuple, TypeVar
 
 from shmlimit.config import MAX_OPS_PER_S, NS_PER_S, Config, number
-from shmlimit.errors import CorruptWordsError
+from shmlimit.errors import ConfigWriterTakenOver, CorruptWordsError
 from shmlimit.shm import layout as L
 from shmlimit.shm.banks import ConfigLock, settled
 from shmlimit.shm.words import diff
@@ -412,7 +412,10 @@ def feedback(bucket: "Bucket", throttled: bool, clock: Callable[[], int]) -> boo
     # only over the config and the parameters in force when they were read (``at``, the judge
     # came after): a change published since, a set_rate or a reconfigure, stands
     if rate is not None:
-        bucket.publish(adapted(judged[0].config, rate), at)  # type: ignore[arg-type]
+        try:
+            bucket.publish(adapted(judged[0].config, rate), at)  # type: ignore[arg-type]
+        except ConfigWriterTakenOver:
+            pass  # stalled past the lock's timeout: the change of the writer that took over stands
     c.fetch_add(L.ADAPT_THROTTLED if throttled else L.ADAPT_OK, 1)
     return True
 

@@ -11,6 +11,7 @@ import json
 import subprocess
 import sys
 import textwrap
+import threading
 
 import pytest
 from support.cells import Before, WritesSeen
@@ -19,6 +20,7 @@ from support.clock import FakeClock
 import shmlimit
 from shmlimit import adapt as A
 from shmlimit.bucket.rovers import Bucket, diff
+from shmlimit.shm import banks
 from shmlimit.shm import layout as L
 
 S = 10**9
@@ -474,6 +476,39 @@ def test_a_decision_never_undoes_a_set_rate_published_after_it_was_judged(name, 
     clock.advance(int(0.25 * S))
     A.feedback(JudgedThenSetRate(bucket, bucket.cells), False, clock)
     assert lim.rate == 1500.0 and lim.capacity == 15.0
+
+
+def test_a_reporter_taken_over_while_it_publishes_still_counts_its_outcome(
+    name, cleanup, monkeypatch
+):
+    """A reporter that decided a cut stalls holding the config lock past its timeout, and another
+    process's ``set_rate`` takes the lock over and publishes: the cut is abandoned (the newer
+    change stands), and the reporter's ``feedback`` counts its outcome and returns, as a
+    decision lost to a stall costs nothing else.  It raised ``ConfigWriterTakenOver`` ("apply
+    it again", a change the caller never asked for), its outcome uncounted: an integration's
+    answer was lost to that exception."""
+    clock = FakeClock()
+    lim = _lim(name, clock)
+    cleanup.append(lim)
+    for _ in range(3):
+        lim.feedback(throttled=True)
+    clock.advance(int(0.25 * S))
+    write = banks.ConfigLock.write_banks
+    stalled = []
+
+    def stall_then_write(lock, *args):
+        if not stalled:  # the reporter, holding the lock: another process takes it over
+            stalled.append(True)
+            other = threading.Thread(target=lim.set_rate, args=(1500,))
+            other.start()
+            other.join(timeout=30)
+        return write(lock, *args)
+
+    monkeypatch.setattr(banks.ConfigLock, "write_banks", stall_then_write)
+    lim.feedback(throttled=False)  # decides the throttled window: a cut, taken over
+    assert stalled and lim.rate == 1500.0
+    st = lim.stats().adapt
+    assert (st.throttled, st.ok) == (3, 1)
 
 
 def test_a_claimer_that_dies_before_its_marks_stops_nothing(name, cleanup):

@@ -30,6 +30,7 @@ from shmlimit.adapt import report as report_window
 from shmlimit.adapt import restart as restart_window
 from shmlimit.adapt import stats as fleet_stats
 from shmlimit.config import NS_PER_S
+from shmlimit.errors import ConfigWriterTakenOver
 from shmlimit.keyed import layout as K
 from shmlimit.keyed.gcra import Rate, make_rate, read_default
 
@@ -112,7 +113,10 @@ def report(
     rate = report_window(c, adapt, clock, words, counts, lambda seen: _judge(att, d, seen, judged))
     if rate is not None and att.overrides.entry(d) == e:  # (still the key's; at its per)
         over, cur = judged[0]  # only over that override: a change published since then stands
-        att.overrides.set(d, make_rate(rate, cur.per, None), over)
+        try:
+            att.overrides.set(d, make_rate(rate, cur.per, None), over)
+        except ConfigWriterTakenOver:
+            pass  # stalled past the lock's timeout: the change of the writer that took over stands
     c.fetch_add(e + K.A_OUT, 1 << _OK_BITS if throttled else 1)
     c.fetch_add(K.ADAPT_THROTTLED if throttled else K.ADAPT_OK, 1)
     return True
@@ -128,6 +132,8 @@ def _entry(att: Attachment, d: Tuple[int, int]) -> Optional[int]:
         att.overrides.set(d, make_rate(cur.rate, cur.per, None), None)
     except ValueError:  # the override table is full near this key
         return None
+    except ConfigWriterTakenOver:
+        pass  # stalled past the lock's timeout: whatever the writer that took over left
     return att.overrides.entry(d)
 
 

@@ -17,6 +17,7 @@ from support.clock import FakeClock
 import shmlimit
 from shmlimit.keyed import adapt as KA
 from shmlimit.keyed import layout as K
+from shmlimit.shm import banks
 
 S = 10**9
 ADAPT = shmlimit.Adapt(min_rate=10, max_rate=1000, increase=10)
@@ -170,6 +171,38 @@ def test_a_keys_first_outcome_never_undoes_a_rate_given_it_meanwhile(name, clean
     monkeypatch.setattr(overrides, "entry", none_then_set)
     assert k.report("new.example") == [True]
     assert k.rate("new.example") == 500.0
+
+
+def test_a_reporter_taken_over_while_it_publishes_still_counts_its_outcome(
+    name, cleanup, monkeypatch
+):
+    """A key's reporter that decided a cut stalls holding the config lock past its timeout, and
+    another process's ``set_rate(key=)`` takes the lock over and publishes: the cut is abandoned
+    (that change stands) and the report counts its outcome, where it raised
+    ``ConfigWriterTakenOver`` and counted nothing."""
+    lim = _lim(name)
+    cleanup.append(lim)
+    k = Keys(lim)
+    k.report("slow.example", throttled=True, times=3)
+    k.advance(0.25)
+    write = banks.ConfigLock.write_banks
+    stalled = []
+
+    def stall_then_write(lock, *args):
+        if not stalled:  # the reporter, holding the lock: another process takes it over
+            stalled.append(True)
+            other = threading.Thread(
+                target=lim.set_rate, args=(500,), kwargs={"key": "slow.example"}
+            )
+            other.start()
+            other.join(timeout=30)
+        return write(lock, *args)
+
+    monkeypatch.setattr(banks.ConfigLock, "write_banks", stall_then_write)
+    assert k.report("slow.example") == [True]
+    assert stalled and k.rate("slow.example") == 500.0
+    st = lim.stats().adapt
+    assert (st.throttled, st.ok) == (3, 1)
 
 
 def test_a_live_reconfigure_writes_the_parameters_under_the_config_lock(name, cleanup, monkeypatch):
