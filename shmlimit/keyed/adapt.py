@@ -109,12 +109,12 @@ def report(
         # words before this restart decides at most one window from the old ones, within the
         # bounds, and publishes nothing: the entry is not its key's any more)
         restart_window(c, clock, words, counts)
-    judged: List[Tuple[Optional[Rate], Rate]] = []  # the key's override judged, and its rate
+    judged: List[Tuple[Optional[Rate], float]] = []  # the key's override judged, the per decided at
     rate = report_window(c, adapt, clock, words, counts, lambda seen: _judge(att, d, seen, judged))
-    if rate is not None and att.overrides.entry(d) == e:  # (still the key's; at its per)
-        over, cur = judged[0]  # only over that override: a change published since then stands
+    if rate is not None and att.overrides.entry(d) == e:  # (still the key's)
+        over, per = judged[0]  # only over that override: a change published since then stands
         try:
-            att.overrides.set(d, make_rate(rate, cur.per, None), over)
+            att.overrides.set(d, make_rate(rate, per, None), over)
         except ConfigWriterTakenOver:
             pass  # stalled past the lock's timeout: the change of the writer that took over stands
     c.fetch_add(e + K.A_OUT, 1 << _OK_BITS if throttled else 1)
@@ -148,17 +148,20 @@ def _judge(
     att: Attachment,
     d: Tuple[int, int],
     seen: Sequence[int],
-    judged: List[Tuple[Optional[Rate], Rate]],
+    judged: List[Tuple[Optional[Rate], float]],
 ) -> Tuple[float, Window]:
     """The key's window: its outcomes, and its grants at its rate in force (a count that went back:
     the slot changed tenants, the key was idle long enough to give it up: no grant); the key's
-    override and that rate are added to ``judged``."""
+    override and the per it is decided at are added to ``judged``.  That is the default's, the
+    bounds' per: an override left at another per by a redeploy is judged at its pace in it."""
     over = att.overrides.get(d)
-    rate = over or read_default(att.cells)
-    judged.append((over, rate))
+    default = read_default(att.cells)
+    rate = over or default
+    judged.append((over, default.per))
     out, took = seen
     ok = out & ((1 << _OK_BITS) - 1)
-    return rate.rate, Window(out >> _OK_BITS, ok, took * rate.per / rate.rate * NS_PER_S)
+    now = rate.rate if rate.per == default.per else rate.rate / rate.per * default.per
+    return now, Window(out >> _OK_BITS, ok, took * rate.per / rate.rate * NS_PER_S)
 
 
 def stats(c: "Cells") -> Optional[AdaptStats]:

@@ -325,6 +325,45 @@ def test_a_key_whose_override_was_removed_starts_afresh(name, cleanup):
     assert k.rate("a.example") == 80.0 and lim.stats().adapt.cuts == 1
 
 
+@pytest.mark.parametrize(
+    "old, new, learned, kept",
+    [  # (the table's rate, per and bounds before; after; the key's rate learned; kept after a hold)
+        ((48_000, 60, 600, 120_000), (800, 1, 10, 2000), 30_000, 500.0),  # 500/s: not 2000/min
+        ((100, 1, 1, 500), (6000, 60, 600, 120_000), 5, 600.0),  # 5/s, at the floor: not 600/s
+    ],
+)
+def test_a_key_decides_at_the_pace_it_learned_after_a_redeploy_changed_per(
+    name, cleanup, old, new, learned, kept
+):
+    """A redeploy (``reconfigure=True``) whose ``per`` differs leaves each key's override in the
+    old ``per`` until its next decision, which is judged and published at the new ``per``, the
+    bounds': a held window keeps the key's pace.  The old override's number was clamped into
+    the new bounds as is and published at the old ``per``: a hold moved a key learned at 500/s
+    to 2000/min, or one held at 5/s to 600/s, 120 times what its host allowed."""
+    rate, per, lo, hi = old
+    lim = shmlimit.KeyedLimiter(
+        name, rate=rate, per=per, adapt=shmlimit.Adapt(min_rate=lo, max_rate=hi), keys=1000
+    )
+    cleanup.append(lim)
+    lim.set_rate(learned, key="h")
+    rate, per, lo, hi = new
+    again = shmlimit.KeyedLimiter(
+        name,
+        rate=rate,
+        per=per,
+        adapt=shmlimit.Adapt(min_rate=lo, max_rate=hi),
+        keys=1000,
+        reconfigure=True,
+    )
+    cleanup.append(again)
+    k = Keys(again)
+    k.report("h")
+    k.advance(0.25)
+    k.report("h")  # an idle window: it holds
+    got = again.override("h")
+    assert got[0] / got[1] * per == pytest.approx(kept)
+
+
 def test_a_full_override_table_counts_nothing(name, cleanup):
     lim = _lim(name, keys=64, overrides=1)
     cleanup.append(lim)
