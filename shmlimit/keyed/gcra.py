@@ -311,7 +311,7 @@ class Overrides:
             lock.write_banks(BANKS, bank_offsets(*self._banks(e)), d, bank_values(None))
         # the key starts again from the default, its adaptive window too: the entry is no key's
         # (``keyed.adapt.report`` begins a window afresh in an entry another key, or none, held)
-        c.store(e + K.A_OWNER, 0)
+        c.cas(e + K.A_OWNER, d[0], 0)  # (only if still its: another key may own it by now)
         if vals is not None:
             c.fetch_add(K.OVR_LIVE, KC.MASK64)
         return True
