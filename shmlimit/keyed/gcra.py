@@ -297,6 +297,10 @@ class Overrides:
                     c.cas(e + K.O_CTRL, claimed, K.o_ctrl(K.O_TOMB, 0, lock.gen))
             elif claimed and not c.cas(e + K.O_CTRL, claimed, K.o_ctrl(K.O_LIVE, 0, lock.gen)):
                 c.fetch_add(K.OVR_LIVE, KC.MASK64)  # another made it LIVE, and counted it
+        if over is ANY and lock.published:
+            # an operator's rate: the key's adaptive window starts afresh, as after a removal
+            # (grants made at the old rate, judged at the new, would read as a busy window)
+            c.cas(e + K.A_OWNER, d[0], 0)
         return True
 
     def remove(self, d: Tuple[int, int]) -> bool:
@@ -310,8 +314,9 @@ class Overrides:
                 return False
             lock.write_banks(BANKS, bank_offsets(*self._banks(e)), d, bank_values(None))
         # the key starts again from the default, its adaptive window too: the entry is no key's
-        # (``keyed.adapt.report`` begins a window afresh in an entry another key, or none, held)
-        c.cas(e + K.A_OWNER, d[0], 0)  # (only if still its: another key may own it by now)
+        # (``keyed.adapt.report`` begins a window afresh in an entry another key, or none, held;
+        # only if still its: another key may own it by now)
+        c.cas(e + K.A_OWNER, d[0], 0)
         if vals is not None:
             c.fetch_add(K.OVR_LIVE, KC.MASK64)
         return True

@@ -325,6 +325,27 @@ def test_a_key_whose_override_was_removed_starts_afresh(name, cleanup):
     assert k.rate("a.example") == 80.0 and lim.stats().adapt.cuts == 1
 
 
+def test_an_operators_rate_for_a_key_starts_its_window_afresh(name, cleanup):
+    """``set_rate(key=K)`` mid-window: the grants made at the old rate are not judged at the new
+    one.  Half a window's schedule at 100/s, then a cut to 20/s, read as 0.7 s of schedule at 20/s
+    in a 0.25 s window: busy, and the key was raised to 30 at once over the operator's cut."""
+    lim = _lim(name)
+    cleanup.append(lim)
+    k = Keys(lim)
+    k.report("a.example")  # its window begins
+    granted = 0
+    for _ in range(125):  # half the window, an op tried every ms: half its schedule at 100/s
+        k.advance(0.001)
+        granted += k.take("a.example")
+    lim.set_rate(20, key="a.example")
+    for _ in range(125):
+        k.advance(0.001)
+        granted += k.take("a.example")
+    assert granted >= 12
+    k.report("a.example")  # the window since the cut is the key's first: nothing decided
+    assert k.rate("a.example") == 20.0 and lim.stats().adapt.raises == 0
+
+
 @pytest.mark.parametrize(
     "old, new, learned, kept",
     [  # (the table's rate, per and bounds before; after; the key's rate learned; kept after a hold)
