@@ -8,6 +8,9 @@ The headers follow the IETF httpapi draft "RateLimit header fields for HTTP"
   now, and seconds until the bucket is full again (on a refusal: until the
   request could be granted, the same as ``Retry-After``).
 
+Seconds are whole, rounded up; a ``Limiter``'s are counted from ``retry_after``
+plus the filler's longest pause (20 ms), the latest its op may come.
+
 A token bucket of ``rate`` ops per ``per`` seconds is advertised as the whole
 number of ops it grants per whole number of seconds: ``q`` ops per ``w``
 seconds with ``w`` the smallest whole window at least ``per`` in which at least
@@ -21,7 +24,9 @@ import math
 import re
 from typing import Any, Callable, List, Optional, Tuple, Union
 
+from shmlimit.bucket.schedule import LONGEST_FILL_NS
 from shmlimit.config import is_int, is_number
+from shmlimit.limiter import Limiter
 from shmlimit.protocol import Keyed
 
 #: What a refusal answers: the status, and a short plain-text body.
@@ -134,6 +139,9 @@ class Policy:
         self.cost = cost
         self.max_wait = float(max_wait)
         self.name = name
+        # a Limiter's op may come up to the filler's longest pause after its ``retry_after``
+        # (a replenish that adds nothing): the seconds told are counted from that late end
+        self.slack = LONGEST_FILL_NS / 1e9 if isinstance(limiter, Limiter) else 0.0
         # (a keyed limiter's capacity is its default: a key's override may hold more)
         if not callable(cost) and not self.keyed:
             self.check_cost((), cost)
@@ -227,7 +235,7 @@ class Policy:
         short = lim.retry_after(*args, full)  # seconds until a full bucket's worth could be granted
         if not math.isfinite(short):  # stopped: nothing until someone starts it again
             return 0, 0
-        reset = math.ceil(short - 1e-9) if short > 0 else 0
+        reset = math.ceil(short + self.slack - 1e-9) if short > 0 else 0
         if lim.retry_after(*args, 1) > 0:
             return 0, reset
         missing = short * rate / per  # ops the bucket lacks for `full`
@@ -250,7 +258,7 @@ class Policy:
         # full table) until a slot frees
         wait = self.limiter.retry_after(*args, n)
         # an integer, at least 1: the request was refused, so "now" would invite a retry storm
-        retry = max(1, math.ceil(wait - 1e-9)) if math.isfinite(wait) else 60
+        retry = max(1, math.ceil(wait + self.slack - 1e-9)) if math.isfinite(wait) else 60
         remaining, _ = self.state(args)  # (a smaller request may still pass)
         return [
             ("Content-Type", "text/plain; charset=utf-8"),

@@ -145,6 +145,30 @@ def test_following_the_headers_is_always_granted(name):
     lim.close()
 
 
+@pytest.mark.slow
+@pytest.mark.parametrize("kind", ["asgi", "wsgi"])
+def test_a_limiters_retry_after_kept_to_the_second_is_granted(name, kind):
+    """Wall clock, a plain Limiter (1/s, burst 1): a client refused, that comes back exactly
+    Retry-After seconds later, is granted.  The header rounded ``retry_after`` up with no slack,
+    and a replenish may bring the op up to the filler's longest pause (20 ms) later: at 0.9999 s
+    it said 1, and the client that kept it was refused again (2 of 5 times here); now it counts
+    from that late end."""
+    lim = shmlimit.Limiter(name, rate=1, per=1.0, burst=1)
+    app = ASGILimit(_hello, lim) if kind == "asgi" else WSGILimit(_hello_wsgi, lim)
+    get = asgi_get if kind == "asgi" else wsgi_get
+    seen = []
+    for _ in range(5):
+        while (answer := get(app, "10.0.0.1"))[0] == 200:
+            pass
+        refused = time.monotonic()
+        retry = int(answer[1]["retry-after"])
+        assert 1 <= retry <= 2, answer  # (1 s of rounding, and the 20 ms)
+        time.sleep(max(0.0, refused + retry - time.monotonic()))
+        seen.append(get(app, "10.0.0.1")[0])
+    assert seen == [200] * 5, seen
+    lim.close()
+
+
 # -- item: the per-client example can be forged ------------------------------------------------
 
 PROXY, ATTACKER, VICTIM = "10.1.1.1", "203.0.113.7", "198.51.100.2"

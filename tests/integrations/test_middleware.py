@@ -63,12 +63,13 @@ def test_asgi_headers_remaining_and_refusal(name):
             assert status == 200 and h["ratelimit-policy"] == '"default";q=1;w=60'
             r, t = map(int, RATELIMIT.match(h["ratelimit"]).groups())
             seen.append(r)
-            assert 0 < t <= 60 * (5 - r)  # seconds until the bucket is full again
+            # seconds until the bucket is full again (+1: a replenish may come 20 ms late)
+            assert 0 < t <= 60 * (5 - r) + 1
         assert seen == [4, 3, 2, 1, 0]
         status, h = await call(app)
         assert status == 429 and "content-type" in h
         retry = int(h["retry-after"])  # an integer, or int() raises
-        assert 1 <= retry <= 60
+        assert 1 <= retry <= 61
         assert h["ratelimit"] == f'"default";r=0;t={retry}'
         assert (await call(app, "/health"))[0] == 200  # exempt: key returned None
 
@@ -425,7 +426,7 @@ def test_a_cost_that_can_never_pass_is_an_error_not_a_retry_after(name):
         app = ASGILimit(_hello, limiter=lim, cost=lambda scope: 5)
         assert asyncio.run(call(app))[0] == 200
         status, h = asyncio.run(call(app))
-        assert status == 429 and 49 <= int(h["retry-after"]) <= 50
+        assert status == 429 and 49 <= int(h["retry-after"]) <= 51  # (+1: 20 ms late)
         # a key whose own rate holds more passes where the default would never
         keyed.set_rate(1, per=10, burst=4, key="127.0.0.1")
         assert asyncio.run(call(apps[2]))[0] == 200
@@ -466,7 +467,7 @@ def test_wsgi_in_process(name):
         b"".join(app({"PATH_INFO": "/", "REMOTE_ADDR": "x"}, start_response))
         == b"Too Many Requests\n"
     )
-    assert got[-1][0].startswith("429") and 1 <= int(got[-1][1]["Retry-After"]) <= 60
+    assert got[-1][0].startswith("429") and 1 <= int(got[-1][1]["Retry-After"]) <= 61
     assert lim.stats().grants == 2
     lim.close()
 
@@ -648,6 +649,6 @@ def test_wsgi_under_gunicorn_two_workers(name, tmp_path):
         with ThreadPoolExecutor(8) as pool:
             results = list(pool.map(lambda _: get(srv.url + "/"), range(30)))
         assert sorted(s for s, _, _ in results) == [200] * 3 + [429] * 27
-        assert all(1 <= int(h["retry-after"]) <= 60 for s, h, _ in results if s == 429)
+        assert all(1 <= int(h["retry-after"]) <= 61 for s, h, _ in results if s == 429)
         assert all(get(srv.url + "/health")[0] == 200 for _ in range(5))
         assert shmlimit.inspect(name).grants == 3
