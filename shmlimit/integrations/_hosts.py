@@ -70,10 +70,12 @@ _ASCTIME = re.compile(
 
 def host_key(url: str) -> str:
     """The default key of a request: its host, lower-case and without the trailing dot of a fully
-    qualified name (``example.com.`` is ``example.com``), with the port unless it is the scheme's
-    default."""
+    qualified name (``example.com.`` is ``example.com``), an IPv6 address in brackets (``[::1]:8080``
+    is not the address ``::1:8080``), with the port unless it is the scheme's default."""
     parts = urlsplit(url)
     host = (parts.hostname or "").lower().removesuffix(".")
+    if ":" in host:
+        host = f"[{host}]"
     try:
         port = parts.port
     except ValueError:

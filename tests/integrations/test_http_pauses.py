@@ -21,6 +21,7 @@ requests = pytest.importorskip("requests")
 from shmlimit.integrations._hosts import (  # noqa: E402
     MAX_RETRY_AFTER,
     HostThrottle,
+    host_key,
     parse_retry_after,
     pause_table_name,
 )
@@ -329,6 +330,28 @@ def test_a_host_cannot_renew_its_pause_beyond_what_it_asked(name, serve):
     assert 29.9 <= throttle.pauses.retry_after(a.host) <= 30.0
     assert throttle.pauses.stats().grants == 0
     throttle.pauses.close()
+    lim.close()
+
+
+@pytest.mark.parametrize("kind", ["limiter", "keyed"])
+def test_an_ipv6_host_and_port_is_no_other_hosts_key(name, kind):
+    """``[::1]:8080`` and the address ``[::1:8080]`` are two hosts: their keys were both
+    ``::1:8080``, so one's 429 paused the other, and they shared one limit."""
+    assert host_key("http://[::1]:8080/") != host_key("http://[::1:8080]/")
+    assert host_key("https://[2001:DB8::1]:443/") == host_key("https://[2001:db8::1]/")
+    lim = (
+        shmlimit.Limiter(name, rate=1000, burst=10)
+        if kind == "limiter"
+        else shmlimit.KeyedLimiter(name, rate=1000, burst=10, keys=64)
+    )
+    throttle = HostThrottle(lim, max_wait=0)
+    args, host = throttle.args("http://[::1:8080]/")
+    assert throttle.after(host, 429, "300", args=args) == 300.0
+    with pytest.raises(shmlimit.RateLimited):
+        throttle.before(args, host)
+    throttle.before(*throttle.args("http://[::1]:8080/"))  # max_wait=0: a pause would raise
+    if throttle.pauses is not lim:
+        throttle.pauses.close()
     lim.close()
 
 
