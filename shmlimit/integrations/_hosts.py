@@ -203,6 +203,11 @@ class HostThrottle:
                     f"limiter must be a shmlimit Limiter or KeyedLimiter of one rate (rate=, not "
                     f"rates=: several rates are not supported here), got {limiter!r}"
                 )
+        if getattr(getattr(limiter, "config", None), "capped", False):
+            raise ValueError(
+                f"limiter {limiter!r} is capped: it grants only as ops are release()d, and the "
+                f"throttle releases none (every request past its capacity would wait for ever)"
+            )
         if key is not None and not callable(key):
             raise TypeError(f"key must be a callable (url) -> str or None, got {key!r}")
         if max_wait is not None and not (is_number(max_wait) and 0 <= max_wait):

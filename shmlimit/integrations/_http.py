@@ -132,6 +132,11 @@ class Policy:
                     f"limiter must be a shmlimit Limiter or KeyedLimiter of one rate (rate=, not "
                     f"rates=: several rates are not supported here), got {limiter!r}"
                 )
+        if getattr(getattr(limiter, "config", None), "capped", False):
+            raise ValueError(
+                f"limiter {limiter!r} is capped: it grants only as ops are release()d, and the "
+                f"middleware releases none (every request past its capacity would be refused)"
+            )
         self.limiter = limiter
         # any keyed kind (KeyedLimiter, RedisKeyedLimiter) takes the request's key
         self.keyed = isinstance(limiter, Keyed)

@@ -240,6 +240,17 @@ def test_a_limiter_of_several_rates_is_refused_saying_one_rate_is_needed(name):
         lim.unlink()
 
 
+def test_a_capped_limiter_is_refused_saying_it_needs_release(name):
+    """A capped Limiter grants only as ops are released, and the throttle releases none: past
+    ``capacity`` requests every one waited for ever (or, within max_wait, was refused "retry after
+    0 s")."""
+    lim = shmlimit.Limiter(name, rate=100, burst=2, capped=True)
+    for make in (ThrottledTransport, ThrottledAdapter, AsyncThrottledTransport):
+        with pytest.raises(ValueError, match=r"^limiter .* capped"):
+            make(lim)
+    lim.close()
+
+
 # three requests at 10/s within 1 real second
 @pytest.mark.slow
 def test_keyed_limiter_throttles_and_pauses_per_host(name):

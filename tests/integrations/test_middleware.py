@@ -395,6 +395,16 @@ def test_a_limiter_of_several_rates_is_refused_saying_one_rate_is_needed(name):
         lim.unlink()
 
 
+def test_a_capped_limiter_is_refused_saying_it_needs_release(name):
+    """A capped Limiter grants only as ops are released, and the middleware releases none: after
+    ``capacity`` requests every one was refused for ever, told ``r=2`` and ``Retry-After: 1``."""
+    lim = shmlimit.Limiter(name, rate=100, burst=2, capped=True)
+    for make in (ASGILimit, WSGILimit):
+        with pytest.raises(ValueError, match=r"^limiter .* capped"):
+            make(_hello, limiter=lim)
+    lim.close()
+
+
 def test_a_cost_that_can_never_pass_is_an_error_not_a_retry_after(name):
     """cost=6 on a Limiter of capacity 5 (even with max_wait=1 s: 0.1 op accrues in it), or a
     KeyedLimiter's key of capacity 3 asked 4, was answered 429 with a finite Retry-After,
