@@ -132,6 +132,12 @@ class Policy:
                     f"limiter must be a shmlimit Limiter or KeyedLimiter of one rate (rate=, not "
                     f"rates=: several rates are not supported here), got {limiter!r}"
                 )
+        if not max_wait and isinstance(limiter, Limiter) and limiter.stats().upstream is not None:
+            raise ValueError(
+                "max_wait must be above 0 with a Limiter with upstream=: its ops come in batches "
+                "leased for waiters (expiring unused), so a request only tried was refused again "
+                "after every Retry-After; give it a wait for its batch (say 0.1 s)"
+            )
         if getattr(getattr(limiter, "config", None), "capped", False):
             raise ValueError(
                 f"limiter {limiter!r} is capped: it grants only as ops are release()d, and the "

@@ -169,6 +169,33 @@ def test_a_limiters_retry_after_kept_to_the_second_is_granted(name, kind):
     lim.close()
 
 
+@pytest.mark.slow
+def test_a_hierarchical_limiter_needs_max_wait_for_a_kept_retry_after(name, redis_server):
+    """A Limiter with upstream= gets its ops in batches leased for waiters, which expire unused
+    after lease_ttl (0.1 s): a try finds one only right after another caller's.  With max_wait=0
+    the middleware only tried, so a client that kept Retry-After (2 at 1/s) was refused again,
+    every time, for ever.  Now that is a ValueError naming max_wait; with a wait the request
+    waits for its batch, and the client that keeps Retry-After is served."""
+    lim = shmlimit.Limiter(name, rate=1, per=1.0, burst=1, upstream=redis_server.url)
+    try:
+        for make in (ASGILimit, WSGILimit):
+            with pytest.raises(ValueError, match=r"^max_wait must be above 0 .* upstream="):
+                make(_hello, limiter=lim)
+        app = WSGILimit(_hello_wsgi, lim, max_wait=0.1)
+        seen = []
+        for _ in range(3):
+            while (answer := wsgi_get(app, "10.0.0.1"))[0] == 200:
+                pass
+            refused, retry = time.monotonic(), int(answer[1]["retry-after"])
+            assert 1 <= retry <= 2, answer
+            time.sleep(max(0.0, refused + retry - time.monotonic()))
+            seen.append(wsgi_get(app, "10.0.0.1")[0])
+        assert seen == [200] * 3, seen
+    finally:
+        lim.close()
+        shmlimit.unlink(name)
+
+
 # -- item: the per-client example can be forged ------------------------------------------------
 
 PROXY, ATTACKER, VICTIM = "10.1.1.1", "203.0.113.7", "198.51.100.2"
