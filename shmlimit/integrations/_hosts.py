@@ -40,7 +40,7 @@ import time
 from typing import Any, Awaitable, Callable, Iterable, Optional, Tuple, TypeVar
 from urllib.parse import urlsplit
 
-from shmlimit import KeyedLimiter
+from shmlimit import KeyedLimiter, Limiter
 from shmlimit.adapt import tell
 from shmlimit.config import is_int, is_number
 from shmlimit.errors import RateLimited
@@ -213,6 +213,12 @@ class HostThrottle:
         if max_wait is not None and not (is_number(max_wait) and 0 <= max_wait):
             raise ValueError(
                 f"max_wait must be None (wait as long as needed) or seconds >= 0, got {max_wait!r}"
+            )
+        if max_wait == 0 and isinstance(limiter, Limiter) and limiter.stats().upstream is not None:
+            raise ValueError(
+                "max_wait must be above 0 with a Limiter with upstream=: its ops come in batches "
+                "leased for waiters (expiring unused), so a request that only tried was refused "
+                "for ever; give it a wait for its batch (say 0.1 s)"
             )
         if not (is_number(max_pause) and 0 <= max_pause <= MAX_RETRY_AFTER):
             raise ValueError(

@@ -251,6 +251,31 @@ def test_a_capped_limiter_is_refused_saying_it_needs_release(name):
     lim.close()
 
 
+# four requests 0.9 s apart
+@pytest.mark.slow
+def test_a_hierarchical_limiter_needs_a_wait_above_0(name, redis_server):
+    """A Limiter with upstream= gets its ops in batches leased for waiters, which expire unused:
+    with max_wait=0 a request 0.9 s after the last (at 2/s) raised RateLimited "retry after
+    0 s", every time.  Now max_wait=0 is a ValueError there; with a wait every request is sent."""
+    lim = shmlimit.Limiter(name, rate=2, per=1.0, burst=1, upstream=redis_server.url)
+
+    class Answer:
+        status_code, headers = 200, {}
+
+    try:
+        for make in (ThrottledTransport, ThrottledAdapter, AsyncThrottledTransport):
+            with pytest.raises(ValueError, match=r"^max_wait must be above 0 .* upstream="):
+                make(lim, max_wait=0)
+        throttle = HostThrottle(lim, max_wait=0.2)
+        for _ in range(4):
+            throttle.around("http://a.example/", Answer)  # RateLimited if not granted
+            time.sleep(0.9)
+        throttle.pauses.close()
+    finally:
+        lim.close()
+        shmlimit.unlink(name)
+
+
 # three requests at 10/s within 1 real second
 @pytest.mark.slow
 def test_keyed_limiter_throttles_and_pauses_per_host(name):
