@@ -325,8 +325,8 @@ class HostThrottle:
         if status not in self.pause_on:
             return None
         seconds = parse_retry_after(retry_after)
-        if seconds is None or seconds <= 0:
-            return None
+        if seconds is None or min(seconds, self.max_pause) <= 0:
+            return None  # (a pause of nothing is none: a resend keeps urllib3's backoff)
         seconds = min(seconds, self.max_pause)
         # one move of the host's schedule, in every process; False: no slot for it (not paused)
         return seconds if self.pauses.pause(host, seconds) else None

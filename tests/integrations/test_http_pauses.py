@@ -435,6 +435,24 @@ def test_urllib3_retries_take_an_op_each_and_wait_the_pause(name, serve):
     lim.close()
 
 
+def test_a_pause_capped_to_nothing_keeps_urllib3s_backoff(name):
+    """max_pause=0 (no pauses): a 429 with Retry-After was said to pause its host 0.0 s, which
+    the resend took for a pause and skipped urllib3's backoff, resending at once.  A pause of
+    nothing is none: the backoff stays, as for an answer without Retry-After."""
+    lim = shmlimit.Limiter(name, rate=1000, burst=10)
+    adapter = ThrottledAdapter(lim, max_pause=0)
+    adapter.sending.url = "http://a.example/x"
+
+    class Answer:
+        status, headers = 429, {"retry-after": "5"}
+
+    backoffs = []
+    assert adapter.throttle.after("a.example", 429, "5") is None
+    assert adapter.resend(Answer(), lambda: backoffs.append(1)) and backoffs == [1]
+    adapter.throttle.pauses.close()
+    lim.close()
+
+
 def test_a_misspelt_adapter_option_makes_no_pause_table(name):
     """``ThrottledAdapter(lim, max_wiat=1)`` made the pause table in /dev/shm, then raised
     HTTPAdapter's TypeError: the shared state changed for a call that failed.  It is refused
