@@ -419,6 +419,7 @@ class MultiLimiter(RateGroup, AcquireOnEnter, Held):
                 if c[2] is REFUSED:
                     return None
                 claims.append(c)
+                c[0].cells.handed()  # stored: taken from where its take left it (see the finally)
                 holds.append(hold)
                 c[0].bucket.replenish()
             # every fence to the promise, unless one's provisional DUE has passed (it may have been
@@ -458,6 +459,8 @@ class MultiLimiter(RateGroup, AcquireOnEnter, Held):
                 ):  # (its fences first: they would hold its own give-back)
                     h.release(att.bucket.fences)
                 give_back_claims(claims)
+                for att in atts:  # a claim's ticket a handler kept from reaching ``claims``
+                    acquisition.give_back_handed(att)
         if not made:
             return False
         return max(0.0, due) / NS_PER_S

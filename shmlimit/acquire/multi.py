@@ -255,6 +255,7 @@ class MultiRequest:
                 self._hold((att, t, h))
             else:
                 self.waits.append((i, Request.holding(att, 0, got, t, rec)))
+                att.cells.handed()  # stored: taken from where the take left it (see ``end``)
         return self._step()
 
     def _step(self) -> acquisition.Step:
@@ -365,6 +366,8 @@ class MultiRequest:
         for _, req in self.waits:
             req.end()
         self.waits = []
+        for att in self.atts:  # a ticket a handler kept from reaching ``waits`` (``_join``)
+            acquisition.give_back_handed(att)
         if not self.granted:
             held, self.held, self.since = self.held, [], []
             give_back(held)

@@ -218,6 +218,9 @@ class Request:
             self.att.give_back(ticket, self.tokens, rec)  # its record stays, marked given
         elif rec is not None:
             self.att.clear_ticket(rec, self.tokens)
+        # a ticket the slow path's take queued and a handler kept from reaching ``_hold`` (after ours:
+        # a ticket given back above is not found again)
+        give_back_handed(self.att)
         if self._waiting:
             self._waiting = False
             self.att.waiting(-1)
@@ -303,9 +306,12 @@ class Request:
         return min(MAX_NAP, left, max(MIN_NAP, over / b.tpn / NS_PER_S))
 
     def _hold(self, ticket: int, rec: Optional[int]) -> Step:
+        # stored (no call between: a handler raises at calls), then taken from where the take left
+        # it (``take_tail``): a handler raising before finds it there, and ``end`` gives it back
         self.ticket = ticket
         self.record = rec
         self.state = TICKET
+        self.att.cells.handed()
         return self._wait_ticket()
 
     def _wait_ticket(self) -> Step:
@@ -578,9 +584,15 @@ def give_back_handed(att: Optional["Attachment"], counted: bool = False) -> None
     and before its caller stored it.  The call left it in ``cells.handed()`` first (the queued
     branch only), and this gives it back unless its owner let it go (``give_back_unowned``).  A
     caller that stored the ticket takes it from there at once (``handed()``), before anything else
-    of its thread may grab: a ticket left there is given back by the next except clause."""
+    of its thread may grab: a ticket left there is given back by the next except clause.  The slow
+    path's take (``Bucket.take_within``) leaves its queued ticket there too, until ``Request._hold``
+    (or a request over several rates, or a reservation's claim) stores it; ``Request.end`` is its
+    except clause.  Once the attachment is closed the slot is only emptied: its close marked the
+    records of its waiters given (``keep_on_leave``), and its cells may be gone."""
     if att is not None:
-        give_back_unowned(att, att.cells.handed(), counted)
+        ticket = att.cells.handed()
+        if ticket is not None and not att.closed:
+            give_back_unowned(att, ticket, counted)
 
 
 async def wait_ticket_async(att: "Attachment", acq: Any, ticket: int) -> bool:

@@ -66,7 +66,7 @@ from shmlimit.shm.banks import (
     write_banks,
     write_under_lock,
 )
-from shmlimit.shm.cells import FED_ALL, MASK64, Cells, GrabResult, claim_record, fed_mask
+from shmlimit.shm.cells import FED_ALL, MASK64, Cells, GrabResult, fed_mask
 from shmlimit.shm.words import (  # rover arithmetic, re-exported: the bucket's vocabulary
     behind,
     claim_of,
@@ -804,12 +804,14 @@ class Bucket(Schedule):
         (claimed, the ticket written in it, before the CAS: a process killed at any instant leaves every ticket it
         holds recorded but for one killed between that CAS and the next store): ``(NO_RECORD, None)``, taking nothing,
         when all are in use; ``(ticket, rec)`` queued, recorded at ``rec`` with its exact length; ``(None, None)``
-        covered after all, ``ops`` added to ``grants``.  A record claimed and not needed is freed again.
+        covered after all, ``ops`` added to ``grants``.  A record claimed and not needed is freed again.  The claim,
+        the CAS and the LEN store are one operation of the cells (``Cells.take_tail``), which leaves the queued
+        ticket in ``cells.handed()``: its caller takes it from there once it has stored it (``Request._hold``), and
+        a handler raising before that finds it there (``Request.end`` gives it back: ``give_back_handed``).
         With ``fence`` (a reservation's ``fences.FenceHold``) its fence is stored before the CAS, or ``(NO_FENCE,
         None)`` with every fence record in use, taking nothing (``FenceHold.put``).
         """
         c, snap = self.cells, self.snap
-        rec: Optional[int] = None
         taken = False
         try:
             while True:
@@ -839,12 +841,16 @@ class Bucket(Schedule):
                     # the promise, not the estimate, is what the reservation is told: one later
                     # than the bound is refused too (the head moves a capacity at most per replenish)
                     return REFUSED, None
-                if short > 0 and recs is not None:
-                    rec = claim_record(c, recs, new) if rec is None else rec
-                    if rec is None:
+                if recs is None:
+                    got: Any = c.cas(L.TAIL, tail, new)
+                else:
+                    # the record's claim, the CAS, its LEN (or its release, and the grant counted)
+                    # in one operation of the cells, the queued ticket left in ``handed()``: a
+                    # handler raising before the request stores it finds it there (``Request.end``)
+                    got = c.take_tail(L.TAIL, L.HEAD, grants, recs, tail, new, tokens, ops)
+                    if got is not False and got == 0:
                         return NO_RECORD, None
-                    c.store(rec - 8, new)  # the record's TICKET: the word before its LEN
-                if c.cas(L.TAIL, tail, new):
+                if got is not False:
                     break
                 if fence is not None and fence.rec is not None:
                     # its ticket was not taken: freed at once, not left in force while the next
@@ -857,18 +863,11 @@ class Bucket(Schedule):
                 fence.release(
                     self.fences
                 )  # a reservation covered at once: used now, fenced by nothing
-            if recs is not None and diff(new, c.load(L.HEAD)) <= 0:  # covered after all: granted
-                c.fetch_add(grants, ops)
+            if recs is not None and got is None:  # covered after all: granted (counted)
                 return None, None
-            if (
-                rec is not None
-            ):  # uncovered now, so at the last look too: recorded, its exact length
-                c.store(rec, tokens)
-            held, rec = rec, None
-            return new, held
+            # queued: recorded at ``got`` (its exact length)
+            return new, None if got is True else got
         finally:
-            if rec is not None:  # claimed and not needed (granted, refused): free again
-                c.store(rec, 0)
             if (
                 fence is not None and not taken
             ):  # a fence stored and not needed (refused): free again

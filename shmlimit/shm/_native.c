@@ -61,10 +61,11 @@ typedef struct {
 } NativeCells;
 
 /* HANDED: the queued ticket the last fast-path call of this thread returned to Python (a recorded
- * Grabber's, a Gate's grab_within, an Acquirer's call or take), kept until Python takes it back
- * (cells.handed()).  A signal handler may raise at the interpreter's check that ends the CALL, after
- * the return and before the caller stores the value: the caller's except clause then finds the
- * ticket here and gives it back.  Written on the queued branch only: a grant writes nothing. */
+ * Grabber's, a Gate's grab_within, an Acquirer's call or take, the slow path's take_tail), kept
+ * until Python takes it back (cells.handed()).  A signal handler may raise at the interpreter's
+ * check that ends the CALL, after the return and before the caller stores the value: the caller's
+ * except clause then finds the ticket here and gives it back.  Written on the queued branch only:
+ * a grant writes nothing. */
 static _Thread_local struct {
     const NativeCells *cells;
     uint64_t ticket;
@@ -489,6 +490,64 @@ do_grab_recorded(const NativeCells *cells, uint64_t *tail, uint64_t *head, uint6
     default:
         Py_RETURN_FALSE;
     }
+}
+
+/* take_tail(tail, head, grants, records, expected, ticket, amount, ops): the slow path's take
+ * (Bucket.take_within bound to records), one try of its CAS of the tail from `expected` to `ticket`
+ * by the grab's record protocol, in one call: a record claimed (ticket written) before the CAS
+ * when the head is short of `ticket`, LEN stored after it, the queued ticket left in HANDED.  So no
+ * claim outlives the call, and no ticket it takes leaves it unrecorded or out of HANDED: a handler
+ * raising as it returns finds the ticket there (the request's `end` gives it back).  Answers False
+ * (the tail was no longer `expected`: nothing taken, the record freed again), 0 (it would queue
+ * and every record is in use: nothing taken), None (covered: `ops` counted in `grants`, the record
+ * freed), True (queued without a record: only on words that went back), else the LEN offset of the
+ * record holding the queued ticket. */
+static PyObject *
+cells_take_tail(NativeCells *self, PyObject *const *args, Py_ssize_t n)
+{
+    uint64_t *w[3], v[4], *recs[MAX_RECS];
+    int nrec;
+    if (!nargs(n, 8, "take_tail") || !check_open(self))
+        return NULL;
+    for (int i = 0; i < 3; i++)
+        if (!(w[i] = word(self, args[i])))
+            return NULL;
+    if (!parse_records(self, args[3], "take_tail", recs, &nrec))
+        return NULL;
+    for (int i = 0; i < 4; i++)
+        if (!u64(args[4 + i], &v[i]))
+            return NULL;
+    uint64_t *tail = w[0], *head = w[1], *grants = w[2];
+    uint64_t expected = v[0], ticket = v[1], amount = v[2], ops = v[3];
+    uint64_t *rec = NULL;
+    PyObject *off = NULL;
+    if ((int64_t)(ticket - __atomic_load_n(head, __ATOMIC_SEQ_CST)) > 0) {
+        if (!(rec = claim_record(recs, nrec, ticket)))
+            return PyLong_FromLong(0);
+        if (!(off = PyLong_FromSsize_t((char *)rec - self->base))) { /* before the CAS: nothing taken */
+            __atomic_store_n(rec, 0, __ATOMIC_SEQ_CST);
+            return NULL;
+        }
+    }
+    if (!__atomic_compare_exchange_n(tail, &expected, ticket, 0, __ATOMIC_SEQ_CST, __ATOMIC_SEQ_CST)) {
+        if (rec)
+            __atomic_store_n(rec, 0, __ATOMIC_SEQ_CST);
+        Py_XDECREF(off);
+        Py_RETURN_FALSE;
+    }
+    if ((int64_t)(__atomic_load_n(head, __ATOMIC_SEQ_CST) - ticket) >= 0) { /* covered: granted */
+        if (rec)
+            __atomic_store_n(rec, 0, __ATOMIC_SEQ_CST);
+        __atomic_fetch_add(grants, ops, __ATOMIC_SEQ_CST);
+        Py_XDECREF(off);
+        Py_RETURN_NONE;
+    }
+    if (!rec) /* short now, not at the claim: the head went back (corrupt words) */
+        Py_RETURN_TRUE;
+    __atomic_store_n(rec, amount, __ATOMIC_SEQ_CST);
+    handed.cells = self; /* still held: see HANDED */
+    handed.ticket = ticket;
+    return off;
 }
 
 /* What a Grabber and a Gate bind once, validated: their cells, and grab_if's words and values.
@@ -2303,6 +2362,9 @@ static PyMethodDef cells_methods[] = {
     {"gate", (PyCFunction)(void (*)(void))cells_gate, METH_FASTCALL,
      "gate(seq, expected, tail, head, ceil, repl_ts, grants, amount, ops, tpn, pend_mul, capped, max_reserved_ns"
      "[, records or None[, fence_hint]]) -> try_grab() and grab_within(timeout) bound to these"},
+    {"take_tail", (PyCFunction)(void (*)(void))cells_take_tail, METH_FASTCALL,
+     "take_tail(tail, head, grants, records, expected, ticket, amount, ops) -> False (the tail moved), 0 (no "
+     "record free), None (covered, counted), True (queued unrecorded) or the LEN offset recording the ticket"},
     {"try_grab", (PyCFunction)(void (*)(void))cells_try_grab, METH_FASTCALL,
      "try_grab(tail, head, amount, grants, ops) -> True if taken; False changes nothing"},
     {"keyed_table", (PyCFunction)(void (*)(void))cells_keyed_table, METH_FASTCALL,

@@ -21,6 +21,7 @@ from shmlimit.shm.words import (
     FENCE_TOKENS_W,
     MASK64,
     MAX_QUEUE,
+    REC_BUSY,
     WORD,
     GrabResult,
     check_offset,
@@ -142,9 +143,9 @@ class Cells(abc.ABC):
 
     def handed(self) -> Optional[int]:
         """The queued ticket the last fast-path call of this thread on these cells returned (a
-        recorded ``Grabber``'s, a ``Gate``'s ``grab_within``), once; else None.  A signal handler may
-        raise after that call stored it here and before its caller stored the value: the caller's
-        except clause finds it here (``give_back_unowned``)."""
+        recorded ``Grabber``'s, a ``Gate``'s ``grab_within``, the slow path's ``take_tail``), once;
+        else None.  A signal handler may raise after that call stored it here and before its
+        caller stored the value: the caller's except clause finds it here (``give_back_unowned``)."""
         last = getattr(_handed, "last", None)
         if last is None or last[0] is not self:
             return None
@@ -188,6 +189,51 @@ class Cells(abc.ABC):
         """Wake the sleepers on the word, in any process, whose bitset meets ``bitset``; how many."""
 
     # -- the composites ------------------------------------------------------------------------
+
+    def take_tail(
+        self,
+        tail: int,
+        head: int,
+        grants: int,
+        recs: Tuple[int, ...],
+        expected: int,
+        ticket: int,
+        amount: int,
+        ops: int,
+    ) -> Union[None, bool, int]:
+        """The slow path's take (``Bucket.take_within`` bound to ``recs``): one try of its CAS of the
+        word ``tail`` from ``expected`` to ``ticket``, by a grab's record protocol (``claim_record``
+        before the CAS when the head is short of ``ticket``, LEN ``amount`` stored after it), the
+        queued ticket left in ``handed()``.  Natively one call, so no claim outlives it and no ticket
+        it takes leaves it unrecorded or out of ``handed()``: a handler raising as it returns finds
+        the ticket there (``Request.end`` gives it back).  Here, in Python, a handler raising inside
+        it may still leave the ticket unrecorded (its record is freed), as it could before.
+
+        False: the tail was no longer ``expected`` (nothing taken, the record freed again); 0: it
+        would queue and every record is in use (nothing taken); None: covered (``ops`` counted at
+        ``grants``, the record freed); True: queued without a record (only on words that went
+        back); else the LEN offset of the record that holds the queued ticket."""
+        check_records(recs, self.size)  # (all of them before any word is touched)
+        rec = None
+        try:
+            if signed(ticket - self.load(head)) > 0:
+                rec = claim_record(self, recs, ticket)
+                if rec is None:
+                    return 0
+            if not self.cas(tail, expected, ticket):
+                return False
+            if signed(self.load(head) - ticket) >= 0:  # covered: granted (its record freed below)
+                self.fetch_add(grants, ops)
+                return None
+            if rec is None:
+                return True
+            _handed.last = (self, ticket)  # (before the LEN store: see Cells.handed)
+            self.store(rec, amount)
+            held, rec = rec, None
+            return held
+        finally:
+            if rec is not None:  # claimed and not holding a ticket (a CAS lost, covered, a raise)
+                self.cas(rec, REC_BUSY, 0)
 
     def load_many(self, offsets: Tuple[int, ...]) -> Tuple[int, ...]:
         """The words at ``offsets``, each one ``load`` (not a snapshot of them together): a scan

@@ -100,6 +100,28 @@ def test_grab_if_and_bound_grabber(cells):
         g()
 
 
+def test_take_tail_claims_takes_and_records_in_one_operation(cells):
+    """The slow path's take: one CAS of the tail, a record claimed before it when the ticket would
+    queue and its length stored after it, the queued ticket left in ``handed()``; nothing held when
+    the tail moved or no record is free; covered, counted, its record free."""
+    tail, head, grants = 0, 8, 16
+    recs = (40, 56)  # LEN offsets, each with its TICKET word before it
+    cells.store(head, 10)
+    assert cells.take_tail(tail, head, grants, recs, 0, 4, 4, 1) is None  # 4 <= 10: covered
+    assert [cells.load(o) for o in (tail, grants, 40, 56)] == [4, 1, 0, 0]
+    assert cells.handed() is None  # a grant hands nothing
+    assert cells.take_tail(tail, head, grants, recs, 4, 16, 12, 3) == 40  # queued, recorded
+    assert [cells.load(o) for o in (tail, grants, 32, 40, 56)] == [16, 1, 16, 12, 0]
+    assert cells.handed() == 16 and cells.handed() is None  # once
+    assert cells.take_tail(tail, head, grants, recs, 4, 20, 4, 1) is False  # the tail moved on
+    assert [cells.load(o) for o in (tail, grants, 40, 56)] == [16, 1, 12, 0]  # nothing held
+    cells.store(56, 7)  # every record in use: it would queue, so it takes nothing
+    assert cells.take_tail(tail, head, grants, recs, 16, 20, 4, 1) == 0
+    assert cells.take_tail(tail, head, grants, (), 16, 20, 4, 1) == 0
+    assert [cells.load(o) for o in (tail, grants, 40, 56)] == [16, 1, 12, 7]
+    assert cells.handed() is None
+
+
 def test_try_grab_refusal_changes_nothing(cells):
     tail, head, grants = 0, 64, 128
     cells.store(tail, MASK64 - 1)  # across the wrap point
@@ -156,6 +178,7 @@ def test_every_records_argument_is_checked_before_any_word_is_touched(cells, rec
     waiter_args = [words, 25, grants, None, 1, 10, 1000]
     calls = [
         lambda: cells.grabber(seq, 25, tail, head, 1, grants, 1, records),
+        lambda: cells.take_tail(tail, head, grants, records, 1, 2**40, 1, 1),  # (short: it claims)
         lambda: cells.clamp_words(
             head, 1, 9, records
         ),  # callers queued (head before tail): records read
