@@ -325,9 +325,12 @@ class Request:
         att = self.att
         ticket = self.ticket
         assert ticket is not None
-        if not self._waiting:  # counted among its process's queued callers until ``end``
+        if not self._waiting and att.waiting_off is not None:
+            # counted among its process's queued callers until ``end``: flagged, then counted by
+            # one call of the cells (a handler raises at calls: none between, so ``end`` never
+            # uncounts a count not made)
             self._waiting = True
-            att.waiting(+1)
+            att.cells.fetch_add(att.waiting_off, 1)
         turn, self.turn_ns = self.turn_ns, None
         self.wake_ns = None
         self.fed = None

@@ -1819,3 +1819,31 @@ def test_a_take_over_several_rates_interrupted_at_any_point_leaves_no_record_hel
         assert {("return", "take_within"), last} <= {p[1:] for p in points}
     finally:
         lim.close()
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_a_request_interrupted_as_it_counts_itself_waiting_leaves_waiting_at_zero(
+    name, backend, monkeypatch
+):
+    """A request holding its ticket counts its caller in WAITING at its first step, and ``end``
+    uncounts it.  A handler raising at every point in turn of that step (``_wait_ticket``, until it
+    parks) leaves WAITING at 0 after ``end``: raised between the request's flag and the count, the
+    uncount ran alone, and WAITING read 2**64 - 1 (the process shown waiting for good)."""
+    monkeypatch.setenv("SHMLIMIT_BACKEND", backend)
+    clock = FakeClock()
+    with queued(name, rate=100, burst=1, clock=clock) as lim:
+        att = lim._att
+        reqs = []
+
+        def step():  # its first step, interrupted; then its end (as a driver's), not interrupted
+            reqs.append(Request(att, 2, None))
+            try:
+                reqs[-1].begin()
+            finally:
+                sys.setprofile(None)
+                reqs[-1].end()
+
+        points = every_point(
+            step, [att], clock, lim.drain, start="_wait_ticket", python_cells=backend == "atomics"
+        )
+        assert ("return", "_wait_ticket") in {p[1:] for p in points}
