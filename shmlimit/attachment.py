@@ -60,6 +60,7 @@ from shmlimit.shm.segment import (
 )
 from shmlimit.shm.table import (
     OwnerWatch,
+    table_slots,
 )
 from shmlimit.shm.words import plain_seconds
 
@@ -230,7 +231,9 @@ class Attachment(Attached):
         clock: Callable[[], int] = time.monotonic_ns,
         trusted: frozenset = frozenset(),
     ) -> None:
-        super().__init__(name, seg, cells, cells.load(L.SLOTS_OFF))
+        with naming(name):
+            slots = table_slots(cells)
+        super().__init__(name, seg, cells, slots)
         self.clock = clock
         #: the uids this process's handles trust besides itself and root (``trusted_uids``): a
         #: segment made beside this one for its handles (an HTTP client's pause table) trusts them

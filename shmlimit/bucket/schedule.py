@@ -14,6 +14,7 @@ from shmlimit.bucket.fences import Fences
 from shmlimit.shm import layout as L
 from shmlimit.shm.banks import Snapshot
 from shmlimit.shm.cells import MASK64, Cells
+from shmlimit.shm.table import table_slots
 from shmlimit.shm.words import (
     FAR,
     FENCE_LATE,
@@ -94,7 +95,7 @@ class Schedule:
         """This segment's reservation fences (``fences``; its table's size read once)."""
         f = getattr(self, "_fences", None)
         if f is None:
-            f = self._fences = Fences(self.cells, self.cells.load(L.SLOTS_OFF))
+            f = self._fences = Fences(self.cells, table_slots(self.cells))
         return f
 
     def _record_lens(self) -> Tuple[int, ...]:

@@ -33,6 +33,7 @@ import threading
 from dataclasses import dataclass
 from typing import Any, Callable, List, Optional, Set, Tuple
 
+from shmlimit.errors import CorruptWordsError
 from shmlimit.shm import layout as L
 from shmlimit.shm.words import MASK64
 
@@ -241,6 +242,19 @@ class SlotInfo:
     grants: int
     waiting: bool
     pidns: int = 0
+
+
+def table_slots(cells: Any) -> int:
+    """A limiter's process slots (SLOTS), read from ``cells`` and checked against them: the open
+    checked the word before it mapped the segment, but a writer may have changed it since, and
+    every offset of the process table, the ticket records and the fences is computed from it (a
+    count past the mapping would index out of it, a huge one be looped over for ever)."""
+    slots = cells.load(L.SLOTS_OFF)
+    if slots > L.MAX_SLOTS or L.segment_size(slots) > cells.size:
+        raise CorruptWordsError(
+            f"its header says {slots} process slots, its mapping has {cells.size} bytes"
+        )
+    return slots
 
 
 class ProcessTable:

@@ -4,6 +4,8 @@ import contextlib
 import functools
 import os
 import struct
+import subprocess
+import sys
 
 import pytest
 from hypothesis import HealthCheck, event, given, settings
@@ -153,3 +155,51 @@ def test_a_file_cut_between_its_size_and_its_mapping_is_refused(name, rates, mon
         )  # (the group's header maps whole; a rate's region not)
     with pytest.raises(shmlimit.SegmentError, match=f"{name!r} shrank"):
         shmlimit.attach(name)
+
+
+# A process attaching while another rewrites the slot count: the open checks the count against the
+# file and maps that many bytes; the count is read again afterwards (the process table, the ticket
+# records, the fences).  The child below is such an attach, with the word rewritten between the two.
+_ATTACH_AFTER_SLOTS_REWRITTEN = """
+import resource, sys
+import shmlimit, shmlimit.attachment as A
+from shmlimit.shm import layout as L
+
+resource.setrlimit(resource.RLIMIT_AS, (1 << 30, 1 << 30))  # a count looped over: MemoryError, not the machine's
+name, value = sys.argv[1], int(sys.argv[2])
+shmlimit.Limiter(name, rate=5, slots=4).close()
+real = A.open_segment
+
+def rewritten(*args, **kwargs):
+    seg, cells = real(*args, **kwargs)
+    cells.store(L.SLOTS_OFF, value)  # after the open's check, before the attachment's reads
+    return seg, cells
+
+A.open_segment = rewritten
+try:
+    shmlimit.Limiter(name, rate=5).acquire(timeout=0.1)
+except shmlimit.SegmentError as e:
+    print("refused:", e)
+except BaseException as e:
+    print("other:", type(e).__name__, e)
+else:
+    print("served")
+"""
+
+
+@pytest.mark.parametrize("value", [L.MAX_SLOTS, L.MAX_SLOTS + 1, 2**40, 2**64 - 1])
+def test_a_slot_count_rewritten_after_the_open_is_refused_not_looped_over(name, value):
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(sys.path))
+    try:
+        out = subprocess.run(
+            [sys.executable, "-c", _ATTACH_AFTER_SLOTS_REWRITTEN, name, str(value)],
+            capture_output=True,
+            text=True,
+            timeout=60,
+            env=env,
+        )
+    except subprocess.TimeoutExpired:
+        pytest.fail(f"an attach that read {value} slots after the open hung")
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.startswith("refused:"), out.stdout + out.stderr
+    assert "slot" in out.stdout and repr(name) in out.stdout, out.stdout
