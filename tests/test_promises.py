@@ -3,6 +3,7 @@
 import multiprocessing as mp
 import os
 import random
+import subprocess
 import sys
 import threading
 import time
@@ -570,3 +571,68 @@ def test_stalled_config_writer_cannot_corrupt_the_config(backend, monkeypatch, s
     assert fresh.config == winner
     assert (fresh.cost, fresh.cap) == (winner.cost_at(fresh.tpn), winner.cap_at(fresh.tpn))
     assert cells.load(L.CFG_SEQ) % 2 == 0
+
+
+# ---- a head moved back behind a queued ticket: refused, not waited for without end ---------------
+
+_HEAD_MOVED_BACK = """
+import os, sys, threading, time
+import shmlimit
+from shmlimit.shm import layout as L
+
+name, back = sys.argv[1], int(sys.argv[2])
+path = "/dev/shm/shmlimit." + name
+lim = shmlimit.Limiter(name, rate=10, burst=1)
+lim.acquire()  # empty: the next acquire queues
+
+def word(off):
+    return int.from_bytes(os.pread(fd, 8, off), "little")
+
+fd = os.open(path, os.O_RDWR)
+got = []
+t = threading.Thread(target=lambda: got.append(_acquire()), daemon=True)
+
+def _acquire():
+    try:
+        return lim.acquire(timeout=1)
+    except shmlimit.SegmentError as e:
+        return e
+
+t.start()
+end = time.monotonic() + 10
+while (word(L.TAIL) - word(L.HEAD)) % 2**64 == 0 and time.monotonic() < end:
+    time.sleep(0.001)  # until the ticket is queued (the tail passed the head)
+head = word(L.HEAD)
+os.pwrite(fd, ((head - back) % 2**64).to_bytes(8, "little"), L.HEAD)  # another writer's word
+t.join(10)
+print("waiting" if t.is_alive() else repr(got[0]))
+os._exit(0)
+"""
+
+
+# 2**40 tokens are 17 ms at this rate's unit (tpn 65536): a delay within the timeout, served; 2**61
+# are 10 hours, and 3 * 2**61 more than any queue holds
+@pytest.mark.parametrize(
+    "back, served",
+    [(2**40, True), (2**61, False), (3 * 2**61, False)],
+    ids=["17ms", "10h", "beyond"],
+)
+@pytest.mark.parametrize("backend_name", BACKENDS)
+def test_a_timed_acquire_whose_head_is_moved_back_is_refused_not_waited_for(
+    name, backend_name, back, served
+):
+    env = dict(os.environ, SHMLIMIT_BACKEND=backend_name)
+    r = subprocess.run(
+        [sys.executable, "-c", _HEAD_MOVED_BACK, name, str(back)],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=120,
+        cwd=WORKDIR,
+    )
+    assert r.returncode == 0, r.stderr[-2000:]
+    if served:
+        assert r.stdout.strip() == "True", r.stdout
+    else:
+        assert "SegmentError" in r.stdout and "tokens short of a ticket" in r.stdout, r.stdout
+        assert repr(name) in r.stdout, r.stdout

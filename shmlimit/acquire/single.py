@@ -49,8 +49,8 @@ from shmlimit.bucket import fed_wait
 from shmlimit.bucket.fences import fenced_ticket
 from shmlimit.bucket.giveback import NO_RECORD, REFUSED, record_nap, take_ticket
 from shmlimit.bucket.rovers import WAIT_GRANTED
-from shmlimit.config import MAX_NAP, NS_PER_S, validate_n, validate_timeout
-from shmlimit.errors import UnsupportedError
+from shmlimit.config import MAX_NAP, MAX_QUEUE_TOKENS, NS_PER_S, validate_n, validate_timeout
+from shmlimit.errors import SegmentError, UnsupportedError
 
 if TYPE_CHECKING:  # pragma: no cover
     from shmlimit.attachment import Attachment
@@ -68,6 +68,16 @@ CAPPED_NAP = 0.001
 _INF = float("inf")
 
 ADMIT, JOIN, RECORD, TICKET, DONE = "admit", "join", "record", "ticket", "done"
+
+
+def owed_at_most(b: Any, wait_ns: float) -> int:
+    """The most tokens the head can be short of a ticket taken with a wait of at most ``wait_ns``
+    (``take_within``, a gate's ``grab_within``: its shortfall at the rate, at least, was within it):
+    the head only grows, so a ticket it falls further behind was moved by a writer of the words, and
+    would be waited for as long as that writer likes.  Any ticket: ``MAX_QUEUE_TOKENS``."""
+    if wait_ns == _INF:
+        return MAX_QUEUE_TOKENS
+    return min(MAX_QUEUE_TOKENS, int(wait_ns * b.tpn * (1 + 1e-9)) + b.tpn + 1)
 
 
 class Request:
@@ -88,6 +98,7 @@ class Request:
         "_waiting",
         "record",
         "fed",
+        "bound",
     )
 
     def __init__(self, att: "Attachment", n: int, timeout: Optional[float]) -> None:
@@ -131,6 +142,8 @@ class Request:
         #: hierarchical mode: the nap to ``wake_ns`` is a sleep on ``UP_WAKE`` (the value read before
         #: the head, the ticket's bit), ended early by the batch that covers the ticket
         self.fed: Optional[Tuple[int, int]] = None
+        #: the most tokens the head can be short of its ticket (``owed_at_most``)
+        self.bound = MAX_QUEUE_TOKENS
 
     @classmethod
     def holding(
@@ -142,6 +155,7 @@ class Request:
         rec: Optional[int] = None,
         deadline: Optional[int] = None,
         counted: bool = False,
+        bound: int = MAX_QUEUE_TOKENS,
     ) -> "Request":
         """A request that already holds ``ticket``, ``tokens`` long (the fast path's grab): it only waits.
 
@@ -155,6 +169,7 @@ class Request:
         r = cls.__new__(cls)
         r._start(att, n, tokens, deadline, TICKET, ticket)
         r._waiting = counted
+        r.bound = bound
         r.record = rec if rec is not None or tokens <= 0 else att.record_ticket(ticket, tokens)
         return r
 
@@ -270,7 +285,7 @@ class Request:
             return self._done()
         if got is REFUSED:
             return self._refuse()
-        return self._record_nap() if got is NO_RECORD else self._hold(got, rec)
+        return self._record_nap() if got is NO_RECORD else self._hold(got, rec, wait)
 
     def _record_nap(self) -> Step:  # no free record to hold a ticket: take nothing, look again
         self.state = RECORD
@@ -300,16 +315,19 @@ class Request:
         if got is NO_RECORD:
             return self._record_nap()  # (RECORD goes back to _take, which joins again)
         if got is not REFUSED:
-            return self._hold(got, rec)
+            return self._hold(got, rec, b.max_reserved_ns)
         b.refresh()
         over = -b.balance() + self.tokens - b.max_reserved_ns * b.tpn
         return min(MAX_NAP, left, max(MIN_NAP, over / b.tpn / NS_PER_S))
 
-    def _hold(self, ticket: int, rec: Optional[int]) -> Step:
+    def _hold(self, ticket: int, rec: Optional[int], wait_ns: float) -> Step:
+        """Hold ``ticket``, taken with a wait of at most ``wait_ns``, and wait for it."""
+        bound = owed_at_most(self.bucket, wait_ns)
         # stored (no call between: a handler raises at calls), then taken from where the take left
         # it (``take_tail``): a handler raising before finds it there, and ``end`` gives it back
         self.ticket = ticket
         self.record = rec
+        self.bound = bound
         self.state = TICKET
         self.att.cells.handed()
         return self._wait_ticket()
@@ -340,6 +358,12 @@ class Request:
         seen = fed_wait.seen(b.cells) if fed else 0
         if b.covered(ticket):
             return self._grant_ticket()
+        owed = b.deficiency(ticket)
+        if owed > self.bound:  # (the head only grows): moved back by a writer of the words
+            raise SegmentError(
+                f"segment {att.name!r} is corrupt: its head is {owed} tokens short of a ticket "
+                f"taken at most {self.bound} tokens ahead of it"
+            )
         if self.record is None and self.tokens > 0 and att.records:
             # queued unrecorded (every record was in use): recorded once one is free again
             self.record = att.record_ticket(ticket, self.tokens)
@@ -509,7 +533,13 @@ def wait_for_ticket(
             elif rec is not None:
                 att.clear_ticket(rec, tokens)
             raise
-    return drive(Request.holding(att, 1, ticket, tokens, rec, deadline))
+    # (hierarchical mode's timed grab holds a ticket until its deadline, however far: see Request)
+    bound = (
+        MAX_QUEUE_TOKENS
+        if timeout is None or att.mode.upstream
+        else owed_at_most(att.bucket, timeout * NS_PER_S)
+    )
+    return drive(Request.holding(att, 1, ticket, tokens, rec, deadline, bound=bound))
 
 
 #: Each attachment's fast grab for ``acquire_async``, without the native wait (``(fast.grab, grab)``:

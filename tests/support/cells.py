@@ -90,6 +90,8 @@ class Before:
 
     def __getattr__(self, op):
         run = getattr(self._cells, op)
+        if not callable(run):  # (an attribute: the mapping's size)
+            return run
 
         def step(*args):
             if self._then is not None and self._when(op, args):
