@@ -2751,7 +2751,9 @@ clamp_words(uint64_t *const *recs, Py_ssize_t nrecs, uint64_t *headw, uint64_t h
         if (n == 0 || n > SPAN_MAX)
             continue; /* corrupt: no range */
         uint64_t st = e - n;
-        if ((int64_t)(head - st) >= 0 && (int64_t)(e - head) > 0) {
+        if ((int64_t)(head - st) >= 0 && (int64_t)(e - head) > 0 && (int64_t)(tail - e) >= 0) {
+            /* (the head stands in it, taken: a range ending past the tail no grab took, and words
+             * naming it allow nothing, ever) */
             base = st;
             end = e;
         } else if ((int64_t)(st - head) > 0 && (int64_t)(e - head) <= (int64_t)(next - head)) {

@@ -231,7 +231,9 @@ def clamp_words(
     base = end = head
     nxt = tail
     for s, e, _ in recorded_ranges(cells, records):
-        if signed(head - s) >= 0 and signed(e - head) > 0:
+        if signed(head - s) >= 0 and signed(e - head) > 0 and signed(tail - e) >= 0:
+            # (the head stands in it, taken: a range ending past the tail no grab took, and words
+            # naming it allow nothing, ever)
             base, end = s, e
         elif 0 < signed(s - head) and signed(e - head) <= signed(nxt - head):
             nxt = (e - 1) & MASK64  # into the request, not to its end

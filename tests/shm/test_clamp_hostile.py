@@ -181,3 +181,24 @@ def test_a_hostile_given_record_over_live_waiters_is_not_skipped(backend):
     before = c.load(L.HEAD)
     assert giveback.skip(b, start, first) == diff(first, before) > 0
     assert c.load(L.HEAD) == first  # skipped to its end, and the second waiter not granted
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("past", [1, 2**50], ids=["1 token", "2**50"])
+def test_a_record_around_the_head_ending_past_the_tail_stops_nothing(backend, past):
+    """A record (written by hand, and left there) of a request the head stands in that ends past
+    the tail: the clamp words named it, which no snapshot leaves, so every replenish added nothing,
+    wrote the same words again from the records, and the queue never moved (a timed acquire
+    waited for ever).  No grab takes a range the tail has not passed: such a record tells nothing."""
+    b, clock = _bucket(backend)
+    c = b.cells
+    ticket = _queue(b, 100, 0)
+    ticket_off, len_off = L.ticket_records(SLOTS, 1)[-1]
+    end = (c.load(L.TAIL) + past) & MASK64
+    c.store(ticket_off, end)
+    c.store(len_off, SPAN_MAX)  # starting far behind the head
+    for _ in range(200):
+        clock.advance(MS)
+        b.replenish()
+        assert _free(b) <= b.cap
+    assert diff(c.load(L.HEAD), ticket) >= 0  # 100 ops queued at 1000/s: due within 200 ms
