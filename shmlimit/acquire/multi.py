@@ -254,7 +254,8 @@ class MultiRequest:
             if got is None:
                 self._hold((att, t, h))
             else:
-                self.waits.append((i, Request.holding(att, 0, got, t, rec)))
+                bound = acquisition.owed_at_most(b, left)  # (taken within it)
+                self.waits.append((i, Request.holding(att, 0, got, t, rec, bound=bound)))
                 att.cells.handed()  # stored: taken from where the take left it (see ``end``)
         return self._step()
 
