@@ -245,6 +245,10 @@ def read_geometry(seg: Segment, regions: Optional[int]) -> Geometry:
         raise SegmentError(f"segment {seg.name!r} is corrupt: its rates' keys make no sense")
     if regions is not None and layout != regions:
         raise SegmentError(f"segment {seg.name!r} is {_REGIONS[layout]}, not {_REGIONS[regions]}")
+    region = region_bytes(layout, slots, table)
+    if region is None or (first, stride) != _geometry(region):
+        # (the open checked these words, but a writer may have changed them since)
+        raise SegmentError(f"segment {seg.name!r} is corrupt: its rates' geometry makes no sense")
     return Geometry(
         tuple(k.decode() for k in keys), bool(named), slots, first, stride, layout, table
     )

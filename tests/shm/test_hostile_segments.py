@@ -203,3 +203,36 @@ def test_a_slot_count_rewritten_after_the_open_is_refused_not_looped_over(name, 
     assert out.returncode == 0, out.stderr
     assert out.stdout.startswith("refused:"), out.stdout + out.stderr
     assert "slot" in out.stdout and repr(name) in out.stdout, out.stdout
+
+
+@pytest.mark.parametrize(
+    "word, value",
+    [
+        (L.SLOTS_OFF, 0),
+        (L.SLOTS_OFF, 2**40),
+        (L.GROUP_TABLE_KEYS, 5),
+        (L.GROUP_FIRST, 4097),
+        (L.GROUP_STRIDE, 2**40),
+    ],
+    ids=[
+        "no slots",
+        "2**40 slots",
+        "a table's keys",
+        "a first region off its page",
+        "a far stride",
+    ],
+)
+def test_a_group_header_rewritten_after_the_open_is_refused(name, monkeypatch, word, value):
+    """The open checks a group header's geometry, then the geometry is read again: a writer that
+    changed a word in between raised AssertionError, or OSError from the mapping of a region."""
+    shmlimit.Limiter(name, rates="5/s;100/min").close()
+    real = group.open_segment
+
+    def rewritten(*args, **kwargs):
+        seg, cells = real(*args, **kwargs)
+        cells.store(word, value)  # after the open's check, before the geometry is read again
+        return seg, cells
+
+    monkeypatch.setattr(group, "open_segment", rewritten)
+    with pytest.raises(shmlimit.SegmentError, match="geometry makes no sense"):
+        shmlimit.Limiter(name, rates="5/s;100/min")
