@@ -5,6 +5,7 @@ chowned to it).  Tests that put odd files in /dev/shm, or fill it, do so in a pr
 namespace with a tmpfs of its own, so no real segment (and no other test) ever sees them.
 """
 
+import contextlib
 import json
 import os
 import pwd
@@ -476,11 +477,10 @@ def test_a_forged_header_with_a_live_creator_costs_no_wait(name):
 # ---- finding 7: PID namespaces ----------------------------------------------------------------
 
 
-@needs_root
-def test_a_process_in_another_pid_namespace_counts_as_alive(name, capsys):
-    shmlimit.Limiter(name, rate=100).close()
-    code = f"import shmlimit,sys,time; l=shmlimit.attach({name!r}); print('ready', flush=True); time.sleep(60)"
-    # its own /proc as well, as in a container: there it is pid 1, with its own start time
+@contextlib.contextmanager
+def _in_a_pid_namespace(code):
+    """``code`` run in a PID namespace of its own, and its own /proc, as in a container (there it
+    is pid 1, with its own start time), once it printed "ready"; killed at the end."""
     p = subprocess.Popen(
         ["unshare", "--pid", "--fork", "--kill-child", "--mount-proc", sys.executable, "-c", code],
         stdout=subprocess.PIPE,
@@ -488,6 +488,21 @@ def test_a_process_in_another_pid_namespace_counts_as_alive(name, capsys):
     )
     try:
         assert p.stdout.readline().strip() == "ready"
+        yield
+    finally:
+        # unshare, and the namespace's pid 1, which --kill-child kills as unshare dies: after
+        # unshare's end, not with it (on a busy machine it still ran when unshare was reaped)
+        inside = psutil.Process(p.pid).children()
+        p.kill()
+        p.wait(30)
+        psutil.wait_procs(inside, timeout=30)
+
+
+@needs_root
+def test_a_process_in_another_pid_namespace_counts_as_alive(name, capsys):
+    shmlimit.Limiter(name, rate=100).close()
+    code = f"import shmlimit,sys,time; l=shmlimit.attach({name!r}); print('ready', flush=True); time.sleep(60)"
+    with _in_a_pid_namespace(code):
         procs = shmlimit.inspect(name).processes
         assert len(procs) == 1 and procs[0].pid == 1  # its pid in its own namespace
         assert procs[0].alive  # today: pid 1 here is another process, so "dead"
@@ -501,13 +516,6 @@ def test_a_process_in_another_pid_namespace_counts_as_alive(name, capsys):
         lim = shmlimit.attach(name)
         assert len(shmlimit.inspect(name).processes) == 2
         lim.close()
-    finally:
-        # unshare, and the namespace's pid 1, which --kill-child kills as unshare dies: after
-        # unshare's end, not with it (on a busy machine it still ran when unshare was reaped)
-        inside = psutil.Process(p.pid).children()
-        p.kill()
-        p.wait(30)
-        psutil.wait_procs(inside, timeout=30)
 
 
 @needs_root
@@ -521,13 +529,7 @@ def test_a_keyed_tables_process_in_another_pid_namespace_counts_as_alive(name, c
         f"import shmlimit,time; l=shmlimit.attach({name!r}); l.try_acquire('k'); "
         "print('ready', flush=True); time.sleep(60)"
     )
-    p = subprocess.Popen(
-        ["unshare", "--pid", "--fork", "--kill-child", "--mount-proc", sys.executable, "-c", code],
-        stdout=subprocess.PIPE,
-        text=True,
-    )
-    try:
-        assert p.stdout.readline().strip() == "ready"
+    with _in_a_pid_namespace(code):
         procs = shmlimit.inspect(name).processes
         assert len(procs) == 1 and procs[0].pid == 1  # its pid in its own namespace
         assert procs[0].alive
@@ -535,11 +537,6 @@ def test_a_keyed_tables_process_in_another_pid_namespace_counts_as_alive(name, c
 
         assert cli.main(["gc", "--dry-run"]) == 0
         assert f"stale: {name}\n" not in capsys.readouterr().out
-    finally:
-        inside = psutil.Process(p.pid).children()
-        p.kill()
-        p.wait(30)
-        psutil.wait_procs(inside, timeout=30)
 
 
 # ---- finding 8: terminal escapes ------------------------------------------------------------
