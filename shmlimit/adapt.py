@@ -315,9 +315,11 @@ def report(
     words: Tuple[int, int, Tuple[int, ...]],
     counts: Callable[[], Sequence[int]],
     judge: Callable[[Sequence[int]], Optional[Tuple[float, Window]]],
+    publish: Callable[[float], bool] = lambda rate: True,
 ) -> Optional[float]:
-    """Decide the window if it is over, once for the fleet; the rate to publish when this caller
-    decided a change (None: nothing to publish).
+    """Decide the window if it is over, once for the fleet; the rate this caller decided and
+    published (``publish``: False when a change made meanwhile stood), None when none was.  A
+    cut or a raise is counted only once published: one that stood aside made nothing.
 
     ``words`` are the offsets of the window's start, the decisions word (cuts << 32 | raises) and
     the marks: each count (``counts()``) when the window began.  ``judge`` turns the counts since
@@ -350,9 +352,12 @@ def report(
     if not _begin(c, start_off, start, now_ns, marks, olds, now) or judged is None:
         return None  # another process decided this window, or went on from it while we stalled
     new = decide(adapt, State(judged[0], began), judged[1], now_ns)
+    rate = None if new.rate == judged[0] else new.rate
+    if rate is not None and not publish(rate):
+        return None
     if new.verdict in (CUT, RAISE):
         c.fetch_add(decisions, (1 << 32) if new.verdict == CUT else 1)
-    return None if new.rate == judged[0] else new.rate
+    return rate
 
 
 def restart(
@@ -401,21 +406,24 @@ def feedback(bucket: "Bucket", throttled: bool, clock: Callable[[], int]) -> boo
         return False
     marks = (L.ADAPT_SEEN_THROTTLED, L.ADAPT_SEEN_OK, L.ADAPT_SEEN_TAIL)
     judged: List["Snapshot"] = []  # the config the decision is made from
-    rate = report(
+
+    def publish(rate: float) -> bool:
+        # only over the config and the parameters in force when they were read (``at``, the judge
+        # came after): a change published since, a set_rate or a reconfigure, stands
+        try:
+            return bucket.publish(adapted(judged[0].config, rate), at)  # type: ignore[arg-type]
+        except ConfigWriterTakenOver:
+            return False  # stalled past the lock's timeout: the writer that took over stands
+
+    report(
         c,
         adapt,
         clock,
         (L.ADAPT_START, L.ADAPT_DECISIONS, marks),
         lambda: [c.load(off) for off in (L.ADAPT_THROTTLED, L.ADAPT_OK, L.TAIL)],
         lambda seen: _judge(bucket, seen, judged),
+        publish,
     )
-    # only over the config and the parameters in force when they were read (``at``, the judge
-    # came after): a change published since, a set_rate or a reconfigure, stands
-    if rate is not None:
-        try:
-            bucket.publish(adapted(judged[0].config, rate), at)  # type: ignore[arg-type]
-        except ConfigWriterTakenOver:
-            pass  # stalled past the lock's timeout: the change of the writer that took over stands
     c.fetch_add(L.ADAPT_THROTTLED if throttled else L.ADAPT_OK, 1)
     return True
 

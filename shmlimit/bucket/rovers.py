@@ -154,7 +154,7 @@ class Bucket(Schedule):
             return True
         return False
 
-    def publish(self, cfg: Config, seq: Optional[int] = None) -> None:
+    def publish(self, cfg: Config, seq: Optional[int] = None) -> bool:
         """Replace the live config (seen by every attached process at its next operation).
 
         The token unit (tpn) stays the one chosen at creation: rovers and the
@@ -166,7 +166,8 @@ class Bucket(Schedule):
 
         With ``seq`` (a decision computed from the config of that sequence number: the adaptive
         rate's), only if that config is still the one in force under the lock: a change published
-        meanwhile stands, never undone by a decision made from the config it replaced.
+        meanwhile stands, never undone by a decision made from the config it replaced, and the
+        answer is False.
         """
         if cfg.capped != self.capped:
             raise ValueError("capped cannot be changed on a live limiter (unlink and re-create it)")
@@ -174,17 +175,21 @@ class Bucket(Schedule):
         # validated before the lock: a refused config writes nothing
         config_words(cfg, tpn, False, 0)
         fallback = (L.FLAG_STOPPED if self.snap.stopped else 0) | self.snap.upstream_flags
+        stood = False
 
         def words(c: Cells) -> List[Tuple[int, int]]:
+            nonlocal stood
             lock = c.load(L.CFG_SEQ)  # (ours: the sequence number it was taken from, plus one)
             vals = published_values(c, lock)
-            if seq is not None and vals is not None and (lock - 1) & MASK64 != seq:
+            stood = seq is not None and vals is not None and (lock - 1) & MASK64 != seq
+            if stood:
                 return list(zip(L.CFG_BANK, vals))  # decided from an older config: it stands
             flags = fallback if vals is None else vals[_FLAGS]
             return config_words(cfg, tpn, bool(flags & L.FLAG_STOPPED), flags & L.UPSTREAM_FLAGS)
 
         # (its load of the new config burns what that no longer allows, as every process's does)
         self._under_config_lock(words)
+        return not stood
 
     def set_upstream_flags(self, upstream_flags: int) -> None:
         """Hierarchical mode: switch the fallback flags, and nothing else (``set_flags``): a

@@ -110,13 +110,19 @@ def report(
         # bounds, and publishes nothing: the entry is not its key's any more)
         restart_window(c, clock, words, counts)
     judged: List[Tuple[Optional[Rate], float]] = []  # the key's override judged, the per decided at
-    rate = report_window(c, adapt, clock, words, counts, lambda seen: _judge(att, d, seen, judged))
-    if rate is not None and att.overrides.entry(d) == e:  # (still the key's)
+
+    def publish(rate: float) -> bool:
+        if att.overrides.entry(d) != e:  # (no longer the key's)
+            return False
         over, per = judged[0]  # only over that override: a change published since then stands
         try:
-            att.overrides.set(d, make_rate(rate, per, None), over)
+            return att.overrides.set(d, make_rate(rate, per, None), over)
         except ConfigWriterTakenOver:
-            pass  # stalled past the lock's timeout: the change of the writer that took over stands
+            return False  # stalled past the lock's timeout: the writer that took over stands
+
+    report_window(
+        c, adapt, clock, words, counts, lambda seen: _judge(att, d, seen, judged), publish
+    )
     c.fetch_add(e + K.A_OUT, 1 << _OK_BITS if throttled else 1)
     c.fetch_add(K.ADAPT_THROTTLED if throttled else K.ADAPT_OK, 1)
     return True
