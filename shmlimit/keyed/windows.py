@@ -298,7 +298,8 @@ class WindowCounters:
                 new, ret = pack(end, CMAX), OVER
             else:
                 new, ret = pack(end, cnt + amount), cnt + amount
-            return ret if self.c.cas(s + K.S_V0, v + base, new + base) else None
+            # modulo 2**64, as the native step writes it: only a forged BASE takes it past
+            return ret if self.c.cas(s + K.S_V0, v + base, (new + base) & KC.MASK64) else None
 
         first = (now, pack(now + w + 1, amount), 0)
         return self._visit(self._key(b"F", key), step, amount, first)

@@ -1042,8 +1042,9 @@ scan:
             uint64_t base = ld(s + KW_BASE), v = ld(s + KW_V0), at = 0;
             if (ld(s + KW_CTRL) != c)
                 return s; /* it changed tenant while we read it: look again */
-            if (t->windows)
-                at = v - base; /* a window counter's V0 is its own expiry (keyed.windows) */
+            if (t->windows) /* a window counter's V0 is its own expiry (keyed.windows); below
+                               * BASE (forged) it is negative to the reference: expired */
+                at = v >= base ? v - base : 0;
             else if (quick)
                 at = kt_tat(v - base, slack);
             else if (!(v & KT_DEAD) && !kt_expiry(t, s, v - base, &at)) {
@@ -1636,7 +1637,10 @@ fw_incr(KeyedTable *t, PyObject *const *args, Py_ssize_t n)
             uint64_t off = ld(s + KW_BASE), raw = ld(s + KW_V0);
             if (raw & KT_DEAD || ld(s + KW_CTRL) != c)
                 break; /* evicted or reused: look again */
-            uint64_t v = raw - off, end = (v & ~KT_DEAD) >> WC_TSHIFT, cnt = v & WC_CMAX, nw, ret;
+            /* a word below BASE (only a forged one) is a negative value to the reference: a
+             * window that ended, not one taken modulo 2**64 to end far in the future */
+            uint64_t v = raw - off, end = raw < off ? 0 : (v & ~KT_DEAD) >> WC_TSHIFT,
+                     cnt = v & WC_CMAX, nw, ret;
             if (end <= now) { /* a new window, never shorter than asked */
                 uint64_t e = now + w + 1 > end + 1 ? now + w + 1 : end + 1;
                 nw = e << WC_TSHIFT | amount;

@@ -670,3 +670,70 @@ def test_a_roller_stalled_past_its_keys_eviction_writes_nothing_on_the_next_tena
     later = m.process(backend, FakeClock((t0 + 3002) * 10**6))  # 2 ms into "new"'s 2nd window
     assert later.sliding("new", 1)[0] == 100
     assert sum(later.acquire_sliding("new", 100, 1) for _ in range(100)) == 1
+
+
+def _forge_below_base(p, key, base, v0):
+    """``key``'s slot (fixed window) holds ``BASE = base`` and a word ``v0`` under it: only a hostile
+    or corrupted segment has it (an honest tenant's words are its values plus its BASE)."""
+    d, home, _ = p._key(b"F", key)
+    s = p.t.find(d, home)[0]
+    p.c.store(s + K.S_BASE, base)
+    p.c.store(s + K.S_V0, v0)
+    return s
+
+
+M64 = (1 << 64) - 1
+#: (BASE, V0) forged: a word just under BASE (the value's window end read as 2**39 - 1 without
+#: the DEAD mask), further under it, and a BASE so high that every window written over it wraps
+BELOW = [
+    (1 << 56, (1 << 56) - 1),
+    (1 << 56, (1 << 56) - (1 << 25) + 5),
+    (1 << 56, (1 << 56) - (1 << 55)),
+    (1 << 60, 0),
+    (M64, 0),
+    (M64, (1 << 63) - 1),
+]
+
+
+@pytest.mark.skipif(not native_available(), reason="the native extension is not built here")
+@pytest.mark.parametrize("base, v0", BELOW)
+def test_a_word_below_its_base_is_a_fresh_window_on_both_backends(base, v0):
+    """The reference reads a value below its key's BASE as negative: a window that ended, so the
+    next hit starts a new one.  The native step took the value modulo 2**64: a window ending in
+    2**38 ms with an arbitrary count, answered that count (or OVER), and wrote a word with DEAD
+    set under a LIVE control word, so the key moved to another slot and ``keys_live`` counted
+    both.  And the reference's new word, the window plus a BASE near 2**64, was no 64-bit word:
+    it raised OverflowError where the native step wrote it modulo 2**64.  Either way only the
+    forged key's count may be wrong; the two must agree, and no other key is touched."""
+    maps = [Mapping(8), Mapping(8)]
+    answers = []
+    for m, backend in zip(maps, ("atomics", "native")):
+        p = m.process(backend, FakeClock(10**12))
+        assert p.incr("k", 10) == 1 and p.incr("other", 10, 3) == 3
+        _forge_below_base(p, "k", base, v0)
+        answers.append([p.incr("k", 10) for _ in range(3)])
+        assert p.get("other") == 3 and p.c.load(K.KEYS_LIVE) == 2
+    assert answers[0] == answers[1]
+    # a BASE near 2**64 lifts no window above it: each hit starts one
+    assert answers[0] == ([1, 1, 1] if base == M64 else [1, 2, 3])
+    assert bytes(maps[0].mm) == bytes(maps[1].mm)
+
+
+@pytest.mark.skipif(not native_available(), reason="the native extension is not built here")
+@pytest.mark.parametrize("base, v0", BELOW[:-1])  # (the last one's word wears the slot out)
+def test_a_slot_whose_word_is_below_its_base_is_free_to_a_new_key_on_both_backends(base, v0):
+    """A new key's insert reads such a slot's value as the reference does: below every now, a
+    slot that holds no information, taken (the native insert read it as a window ending far in
+    the future, so a full table that refuses refused the new key)."""
+    maps = [Mapping(2), Mapping(2)]
+    answers = []
+    for m, backend in zip(maps, ("atomics", "native")):
+        p = m.process(backend, FakeClock(10**12))
+        assert p.incr("a", 10) == 1 and p.incr("b", 10) == 1
+        _forge_below_base(p, "a", base, v0)
+        try:
+            answers.append((p.incr("c", 10), p.get("b"), p.c.load(K.KEYS_LIVE)))
+        except KeyTableFullError as e:
+            answers.append(("full", str(e)))
+    assert answers[0] == answers[1] == (1, 1, 2)
+    assert bytes(maps[0].mm) == bytes(maps[1].mm)
