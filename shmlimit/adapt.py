@@ -279,10 +279,13 @@ def expected(cfg: Config, adapt: Optional[Adapt], cells: "Cells", current: Confi
     of its own, ``cfg``'s ops per ``cfg.per`` at that pace."""
     if adapt is None or read(cells) is None:
         return cfg
-    learned = current.rate
-    if current.per != cfg.per:
-        learned = current.rate / current.per * cfg.per
-    return adapted(cfg, adapt.clamp(learned))
+    return adapted(cfg, adapt.clamp(at_per(current.rate, current.per, cfg.per)))
+
+
+def at_per(rate: float, per: float, new_per: float) -> float:
+    """``rate`` ops per ``per`` seconds as ops per ``new_per`` seconds: the same pace, in the unit
+    an ``Adapt``'s bounds are in after a redeploy changed ``per``."""
+    return rate if per == new_per else rate / per * new_per
 
 
 def read(

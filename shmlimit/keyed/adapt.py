@@ -24,7 +24,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any, Callable, List, Optional, Sequence, Tuple
 
-from shmlimit.adapt import Adapt, AdaptStats, Window
+from shmlimit.adapt import Adapt, AdaptStats, Window, at_per
 from shmlimit.adapt import read as read_params
 from shmlimit.adapt import report as report_window
 from shmlimit.adapt import restart as restart_window
@@ -166,8 +166,9 @@ def _judge(
     judged.append((over, default.per))
     out, took = seen
     ok = out & ((1 << _OK_BITS) - 1)
-    now = rate.rate if rate.per == default.per else rate.rate / rate.per * default.per
-    return now, Window(out >> _OK_BITS, ok, took * rate.per / rate.rate * NS_PER_S)
+    return at_per(rate.rate, rate.per, default.per), Window(
+        out >> _OK_BITS, ok, took * rate.per / rate.rate * NS_PER_S
+    )
 
 
 def stats(c: "Cells") -> Optional[AdaptStats]:
