@@ -459,7 +459,12 @@ grab_recorded(uint64_t *tail, uint64_t *head, uint64_t *grants, uint64_t amount,
             break; /* on failure `t` holds the current tail: try again from there */
     }
     if ((int64_t)(__atomic_load_n(head, __ATOMIC_SEQ_CST) - ticket) < 0) {
-        /* uncovered now, so it was at the last read before the CAS (the head only grows): recorded */
+        /* uncovered now, so it was at the last read before the CAS (the head only grows): recorded.
+         * Only a head moved back by a writer of the words finds no record here (covered at that
+         * read): one is claimed now, or, none free, the taken ticket counts as granted (the tail
+         * cannot be given back), never a NULL record stored to. */
+        if (!rec && !(rec = claim_record(recs, nrec, ticket)))
+            goto granted;
         __atomic_store_n(rec, amount, __ATOMIC_SEQ_CST);
         *ticket_out = ticket;
         *rec_out = rec;
@@ -467,6 +472,7 @@ grab_recorded(uint64_t *tail, uint64_t *head, uint64_t *grants, uint64_t amount,
     }
     if (rec)
         __atomic_store_n(rec, 0, __ATOMIC_SEQ_CST); /* covered after all: the record is free again */
+granted:
     __atomic_fetch_add(grants, ops, __ATOMIC_SEQ_CST);
     return GRAB_GRANTED;
 refuse:

@@ -447,7 +447,14 @@ class Grabber:
                 t = found
             if ((w[self.i_head] - ticket) & MASK64) >> 63:
                 # uncovered now, so it was at the last look: recorded if bound to records (a
-                # stale head only sends the caller to wait, where it loads it again)
+                # stale head only sends the caller to wait, where it loads it again).  Only a head
+                # moved back by a writer of the words finds no record here: one is claimed now, or,
+                # none free, the taken ticket counts as granted, as the native grab does
+                if recorded and rec is None:
+                    rec = claim_record(self.c, self.recs, ticket)
+                    if rec is None:
+                        self.add(self.a_grants, self.ops)
+                        return None
                 if rec is not None:
                     _handed.last = (
                         self.c,
