@@ -13,8 +13,8 @@ where each <limiter> has every field of ``shmlimit.Stats`` (``processes`` as a
 list of objects with ``pid``, ``alive``, ``grants``, ``waiting``, ``filler``
 and ``command``), plus ``grants_per_second`` (over the last interval),
 ``history`` (the recent grants per second, oldest first) and ``stale`` (no
-live process attached, nor any counted beyond its process table: as ``gc`` judges); or, for a segment that cannot be read, just
-``name`` and ``error``.
+live process attached, nor any counted beyond its process table: as ``gc``
+judges); or, for a segment that cannot be read, just ``name`` and ``error``.
 """
 
 from __future__ import annotations
